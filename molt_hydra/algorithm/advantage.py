@@ -1,0 +1,269 @@
+"""Advantage estimators behind a registry (Molt §2.1 steps 4-6, §2.2, §2.3).
+
+An estimator is `fn(rewards [R], groups, ctx) -> (advantages [S, L], returns [S, L])`:
+  rewards  one clipped reward per rollout (segments of one rollout share it and are counted once),
+  groups   lists of rollout rows that share a prompt (group id), in first-seen order,
+  ctx      the per-sample tensors (AdvantageContext).
+Every estimator receives the real groups, including a user's own (Molt hands those singleton groups); each declares
+what it needs so the runtime builds only that and validation can reject impossible setups:
+  "groups"     uses the group structure (n_samples_per_prompt > 1 makes it meaningful)
+  "values"     critic values (ctx.values); the run needs a critic
+  "kl"         consumes the per-token KL to the reference as a reward penalty -kl_coef * kl (when kl.use_loss is off)
+  "reference"  cannot work without a reference/teacher model at all
+
+Register your own from any module listed in `algorithm.plugins`:
+
+    @register_advantage_estimator("group_median", needs={"groups"})
+    def group_median(rewards, groups, ctx): ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterable, Sequence
+
+import torch
+
+from molt_hydra.algorithm.aggregation import masked_sum
+
+NEEDS = frozenset({"groups", "values", "kl", "reference"})
+GRPO_STD_EPS = 1e-9
+WHITEN_VAR_FLOOR = 1e-8
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    fn: Callable
+    needs: frozenset[str]
+
+
+ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def register_advantage_estimator(name: str, *, needs: Iterable[str] = ()):
+    """Decorator adding `fn` to ADVANTAGE_ESTIMATORS; a second, different function under one name is an error."""
+    needs = frozenset(needs)
+    if not needs <= NEEDS:
+        raise ValueError(f"advantage estimator {name!r}: unknown needs {sorted(needs - NEEDS)}; "
+                         f"choose from {sorted(NEEDS)}")
+
+    def decorator(fn):
+        known = ADVANTAGE_ESTIMATORS.get(name)
+        if known is not None and known.fn is not fn:
+            raise ValueError(f"advantage estimator {name!r} already registered")
+        ADVANTAGE_ESTIMATORS[name] = EstimatorSpec(fn, needs)
+        return fn
+    return decorator
+
+
+def get_advantage_estimator(name: str) -> EstimatorSpec:
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"Unknown advantage estimator {name!r} (algorithm.estimator). Registered: "
+                         f"{sorted(ADVANTAGE_ESTIMATORS)}. A custom estimator's module must be listed in "
+                         "algorithm.plugins.")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+@dataclass
+class AdvantageContext:
+    sample_to_rollout: torch.Tensor  # [S] long: the rollout row (of `rewards`) each sample belongs to
+    action_mask: torch.Tensor        # [S, L] bool
+    kl: torch.Tensor                 # [S, L] per-token KL to the reference; zeros when there is none
+    values: torch.Tensor | None      # [S, L] critic values at collection (estimators that need "values")
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten: bool = True
+
+
+def group_rollouts(num_samples: int, group_ids: Sequence[Hashable] | None = None,
+                   rollout_ids: Sequence[Hashable] | None = None) -> tuple[list[int], list[list[int]], torch.Tensor]:
+    """(first sample of each rollout, groups of rollout rows, sample -> rollout row [S]).
+
+    Samples sharing a rollout id are one rollout (its first-seen sample gives its reward and group); rollouts sharing
+    a group id form a group. Missing rollout ids -> each sample is its own rollout; missing group ids -> each rollout
+    is its own group.
+    """
+    rollout_ids = range(num_samples) if rollout_ids is None else rollout_ids
+    group_ids = rollout_ids if group_ids is None else group_ids
+    if not len(rollout_ids) == len(group_ids) == num_samples:
+        raise ValueError(f"{num_samples} samples but {len(rollout_ids)} rollout ids and {len(group_ids)} group ids")
+    row_of: dict[Hashable, int] = {}
+    groups: dict[Hashable, list[int]] = {}
+    first_sample, sample_to_rollout = [], []
+    for sample, (rollout_id, group_id) in enumerate(zip(rollout_ids, group_ids)):
+        if rollout_id not in row_of:
+            row_of[rollout_id] = len(first_sample)
+            first_sample.append(sample)
+            groups.setdefault(group_id, []).append(row_of[rollout_id])
+        sample_to_rollout.append(row_of[rollout_id])
+    return first_sample, list(groups.values()), torch.tensor(sample_to_rollout, dtype=torch.long)
+
+
+def compute_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    group_ids: Sequence[Hashable] | None = None,
+    rollout_ids: Sequence[Hashable] | None = None,
+    kl: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+    reward_clip: Sequence[float] | None = (-10.0, 10.0),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [S, L], returns [S, L]) in float32 for one training step's samples.
+
+    `rewards` [S] is each sample's reward (segments of one rollout repeat it); `kl` [S, L] the per-token KL to the
+    reference (kl.use_loss off), `values` [S, L] the critic's values. Advantages are zero off the action mask.
+    """
+    spec = get_advantage_estimator(estimator)
+    if "values" in spec.needs and values is None:
+        raise ValueError(f"algorithm.estimator={estimator} needs critic values: the run must build a critic")
+    if "reference" in spec.needs and kl is None:
+        raise ValueError(f"algorithm.estimator={estimator} needs the per-token KL to a reference/teacher model")
+    mask = action_mask.bool()
+    first_sample, groups, sample_to_rollout = group_rollouts(len(rewards), group_ids, rollout_ids)
+    # float64: a constant group must centre to exactly 0 (float32 means of e.g. 0.1 do not), and GRPO then divides
+    # that difference by std + 1e-9.
+    rollout_rewards = rewards.double()[first_sample]
+    if reward_clip is not None:
+        rollout_rewards = rollout_rewards.clamp(reward_clip[0], reward_clip[1])
+    ctx = AdvantageContext(
+        sample_to_rollout=sample_to_rollout.to(mask.device), action_mask=mask,
+        kl=torch.zeros(mask.shape, dtype=torch.float64, device=mask.device) if kl is None else kl.double(),
+        values=None if values is None else values.double(),
+        kl_coef=kl_coef, gamma=gamma, lam=lam, whiten=whiten)
+    advantages, returns = spec.fn(rollout_rewards.to(mask.device), groups, ctx)
+    if advantages.shape != mask.shape or returns.shape != mask.shape:
+        raise ValueError(f"advantage estimator {estimator!r} returned shapes {tuple(advantages.shape)} and "
+                         f"{tuple(returns.shape)}; expected the action mask's {tuple(mask.shape)}")
+    # Molt leaves whitened values on masked positions (harmless only because the loss re-masks); here the invariant
+    # "advantages are 0 off the action mask" holds for every estimator, plugins included.
+    return torch.where(mask, advantages, 0.0).float(), returns.float()
+
+
+def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(A - mean) / sqrt(max(var, 1e-8)) with mean and population variance over the action tokens of the whole batch;
+    applied at every position (masked ones become -mean/std). An empty mask gives zeros."""
+    count = mask.sum()
+    if count == 0:
+        return torch.zeros_like(advantages)
+    mean = masked_sum(advantages, mask) / count
+    var = masked_sum((advantages - mean).square(), mask) / count
+    return (advantages - mean) * var.clamp(min=WHITEN_VAR_FLOOR).rsqrt()
+
+
+def _broadcast(rollout_advantages: torch.Tensor, ctx: AdvantageContext) -> torch.Tensor:
+    """Each sample's rollout scalar on every action token of the sample."""
+    return rollout_advantages[ctx.sample_to_rollout][:, None] * ctx.action_mask
+
+
+def _kl_penalized_rewards(ctx: AdvantageContext, sample_rewards: torch.Tensor | None) -> torch.Tensor:
+    """Per-token reward -kl_coef * kl, plus each sample's reward on its last action token (rows without an action
+    token get none), zeroed off the action mask."""
+    token_rewards = -ctx.kl_coef * ctx.kl
+    if sample_rewards is not None:
+        positions = torch.arange(ctx.action_mask.shape[-1], device=ctx.action_mask.device)
+        last = torch.where(ctx.action_mask, positions, -1).max(-1).values
+        rows = (last >= 0).nonzero().squeeze(-1)
+        token_rewards = token_rewards.index_put((rows, last[rows]), sample_rewards[rows], accumulate=True)
+    return token_rewards * ctx.action_mask
+
+
+@register_advantage_estimator("reinforce", needs={"kl"})
+def reinforce(rewards, groups, ctx):
+    """REINFORCE++: returns G_t = r_t + gamma * G_{t+1} over every position (observation and prompt tokens are discount
+    steps with zero reward, and keep their G), whitened over the batch."""
+    token_rewards = _kl_penalized_rewards(ctx, rewards[ctx.sample_to_rollout])
+    if ctx.gamma == 1.0:
+        returns = token_rewards.flip(-1).cumsum(-1).flip(-1)
+    else:
+        returns = torch.zeros_like(token_rewards)
+        running = torch.zeros_like(token_rewards[:, 0])
+        for t in reversed(range(token_rewards.shape[-1])):
+            running = token_rewards[:, t] + ctx.gamma * running
+            returns[:, t] = running
+    return (whiten_advantages(returns, ctx.action_mask) if ctx.whiten else returns), returns
+
+
+@register_advantage_estimator("reinforce_baseline", needs={"groups"})
+def reinforce_baseline(rewards, groups, ctx):
+    """r_i - mean(group), whitened over the batch (a singleton group gives 0 before whitening)."""
+    centred = rewards.clone()
+    for group in groups:
+        centred[group] = rewards[group] - rewards[group].mean()
+    returns = _broadcast(centred, ctx)
+    return (whiten_advantages(returns, ctx.action_mask) if ctx.whiten else returns), returns
+
+
+@register_advantage_estimator("rloo", needs={"groups"})
+def rloo(rewards, groups, ctx):
+    """r_i minus the mean of the OTHER rewards of its group; a singleton group keeps its raw reward (Molt, deliberate)."""
+    advantages = rewards.clone()
+    for group in groups:
+        if len(group) > 1:
+            r = rewards[group]
+            advantages[group] = r - (r.sum() - r) / (len(group) - 1)
+    advantages = _broadcast(advantages, ctx)
+    return advantages, advantages
+
+
+@register_advantage_estimator("grpo", needs={"groups"})
+def grpo(rewards, groups, ctx):
+    """(r_i - mean) / (std + 1e-9) with the unbiased (n-1) std; a singleton (std taken as 0) and a zero-variance group
+    give 0."""
+    advantages = rewards.clone()
+    for group in groups:
+        r = rewards[group]
+        std = r.std() if len(group) > 1 else 0.0
+        advantages[group] = (r - r.mean()) / (std + GRPO_STD_EPS)
+    advantages = _broadcast(advantages, ctx)
+    return advantages, advantages
+
+
+@register_advantage_estimator("dr_grpo", needs={"groups"})
+def dr_grpo(rewards, groups, ctx):
+    """r_i - mean(group), not divided by the std (Dr. GRPO); a singleton group gives 0."""
+    advantages = rewards.clone()
+    for group in groups:
+        advantages[group] = rewards[group] - rewards[group].mean()
+    advantages = _broadcast(advantages, ctx)
+    return advantages, advantages
+
+
+@register_advantage_estimator("on_policy_distill", needs={"kl", "reference"})
+def on_policy_distill(rewards, groups, ctx):
+    """A_t = -kl_coef * kl_t on action tokens, kl = log pi_student - log pi_teacher (k1); the task reward is ignored."""
+    advantages = _kl_penalized_rewards(ctx, None)
+    return advantages, advantages
+
+
+@register_advantage_estimator("gae", needs={"values", "kl"})
+def gae(rewards, groups, ctx):
+    """GAE(gamma, lambda) on the KL-penalised token rewards. Masked tokens (observations, padding) are transparent: an
+    action token bootstraps from the next ACTION token's value, and the advantage carries across the gap unchanged.
+    Advantages are whitened then re-masked; returns = (A + V) * mask, the un-whitened value target."""
+    if ctx.values is None:
+        raise ValueError("gae needs critic values (ctx.values is None)")
+    mask = ctx.action_mask.to(ctx.values.dtype)
+    token_rewards = _kl_penalized_rewards(ctx, rewards[ctx.sample_to_rollout])
+    values = ctx.values * mask
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[-1])):
+        m = mask[:, t]
+        delta = token_rewards[:, t] + ctx.gamma * next_value - values[:, t]
+        step = delta + ctx.gamma * ctx.lam * running
+        next_value = values[:, t] * m + (1 - m) * next_value
+        running = step * m + (1 - m) * running
+        advantages[:, t] = running
+    returns = (advantages + values) * mask
+    advantages = advantages * mask
+    if ctx.whiten:
+        advantages = whiten_advantages(advantages, ctx.action_mask) * mask
+    return advantages, returns

@@ -1,0 +1,31 @@
+"""Register the typed schema and the shipped recipes with Hydra's ConfigStore.
+
+`conf/` holds the default values of every group; `recipes/NAME.yaml` are deltas over it (`# @package _global_`),
+selected with `+recipe=NAME`. Both ship inside the package (molt_hydra/conf and molt_hydra/recipes point at the
+repo's top-level folders), so a non-editable install finds them too. User recipes in `--config-dir DIR`
+(as DIR/recipe/NAME.yaml) or on `hydra.searchpath` are found by Hydra the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from molt_hydra.config.schema import RunConfig
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = PACKAGE_ROOT / "conf"
+RECIPES_DIR = PACKAGE_ROOT / "recipes"
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="molt_schema", node=RunConfig)
+    for recipe in sorted(RECIPES_DIR.glob("*.yaml")):
+        cs.store(group="recipe", name=recipe.stem, node=OmegaConf.load(recipe), package="_global_")
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))

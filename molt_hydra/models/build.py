@@ -1,0 +1,110 @@
+"""Build the actor / reference / critic module: NeMo AutoModel when it is installed and a GPU is present, HF
+transformers otherwise. Everything above `build_model` (FSDP2, losses, checkpoints) is the same for both.
+
+Weights are always created in fp32 (the master copy); the bf16 compute policy is applied by FSDP2's
+MixedPrecisionPolicy in `parallel/fsdp.py`, not here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROLES = ("actor", "ref", "critic")
+
+
+def resolve_path(path: str) -> str:
+    if path.startswith("tiny://"):
+        from molt_hydra.models.tiny import resolve_model_path
+        return str(resolve_model_path(path))
+    return path
+
+
+def nemo_automodel_usable() -> bool:
+    # NeMo AutoModel hard-codes CUDA devices in from_pretrained (feasibility.md §4), so it is only a GPU choice.
+    return torch.cuda.is_available() and importlib.util.find_spec("nemo_automodel") is not None
+
+
+class CriticModel(nn.Module):
+    """Backbone (decoder without lm_head) + fp32 Linear(hidden, 1) value head (Molt §2.9)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float):
+        super().__init__()
+        self.backbone = backbone
+        self.config = backbone.config
+        self.value_head = nn.Linear(hidden_size, 1, bias=False, dtype=torch.float32)
+        nn.init.normal_(self.value_head.weight, std=init_std)
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, **kw):
+        h = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                          use_cache=False).last_hidden_state
+        return self.value_head(h.to(self.value_head.weight.dtype))[..., 0]
+
+    def gradient_checkpointing_enable(self, **kw):
+        self.backbone.gradient_checkpointing_enable(**kw)
+
+
+def _auto_classes(use_nemo: bool, base: bool):
+    if use_nemo and not base:
+        from nemo_automodel import NeMoAutoModelForCausalLM
+        return NeMoAutoModelForCausalLM
+    import transformers
+    return transformers.AutoModel if base else transformers.AutoModelForCausalLM
+
+
+def build_model(path: str, *, role: str = "actor", attn_implementation: str = "sdpa",
+                gradient_checkpointing: bool = False, random_init: bool = False,
+                config_overrides: dict | None = None, init_device: str | torch.device = "cpu",
+                value_head_init_std: float | None = None) -> nn.Module:
+    """Return an fp32 module for `role` ("actor" | "ref" | "critic").
+
+    random_init: build from the config alone (benchmarks); config_overrides: fields replaced in the HF config
+    (e.g. num_hidden_layers for a shortened benchmark model). The critic has no lm_head and untied embeddings.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    import transformers
+
+    path = resolve_path(path)
+    if not Path(path).exists() and not random_init:
+        raise FileNotFoundError(f"model path {path!r} does not exist (HF_HUB_OFFLINE: give a local directory)")
+    config = transformers.AutoConfig.from_pretrained(path)
+    for k, v in (config_overrides or {}).items():
+        if not hasattr(config, k):
+            raise ValueError(f"config_overrides: {type(config).__name__} has no field {k!r}")
+        setattr(config, k, v)
+    config.use_cache = False
+    if role == "critic":
+        config.tie_word_embeddings = False
+    if getattr(config, "vision_config", None) is not None:
+        raise NotImplementedError("vision-language models are not supported by this trainer yet")
+    use_nemo = nemo_automodel_usable() and role != "critic"
+    cls = _auto_classes(use_nemo, base=role == "critic")
+    kw = dict(dtype=torch.float32, attn_implementation=attn_implementation)
+    with torch.device(init_device):
+        if random_init:
+            model = cls.from_config(config, **kw)
+        else:
+            model = cls.from_pretrained(path, config=config, **kw)
+    if role == "critic":
+        std = value_head_init_std if value_head_init_std is not None else getattr(config, "initializer_range", 0.02)
+        with torch.device(init_device):
+            model = CriticModel(model, config.hidden_size, std)
+    if gradient_checkpointing and role != "ref":
+        # non-reentrant: recompute runs inside the FSDP2 pre-forward hooks, so params are re-gathered in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if role == "ref":
+        model.requires_grad_(False)
+    model.train(role != "ref")
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of transformer blocks (`model.layers` / `backbone.layers`), the unit of FSDP2 sharding."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.endswith("layers"):
+            return mod
+    raise ValueError(f"{type(model).__name__}: no decoder `layers` ModuleList found")

@@ -1,0 +1,156 @@
+"""Tiny random-init Qwen3 (dense) and Qwen3-MoE models, each with a locally trained byte-level BPE tokenizer and a
+ChatML chat template that renders tools and Hermes-style `<tool_call>` blocks. No downloads.
+
+`model.path=tiny://qwen3_tiny` (or `tiny://qwen3_moe_tiny`) resolves here: the model is built once into a cache
+directory keyed by name and seed. `scripts/make_tiny_model.py OUT_DIR` writes both to a directory of your choice.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
+VOCAB_SIZE = 512
+TINY_SHAPE = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
+)
+# name -> config values beyond the shared shape
+TINY_MODELS = {
+    "qwen3_tiny": dict(intermediate_size=256),
+    "qwen3_moe_tiny": dict(
+        intermediate_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, norm_topk_prob=True,
+    ),
+}
+
+# ChatML as Qwen renders it: tools go into the system turn, assistant tool calls are `<tool_call>{json}</tool_call>`,
+# tool results are wrapped as user-side `<tool_response>` blocks. Text-only content, or a list of parts.
+CHAT_TEMPLATE = r"""{%- macro content_text(c) -%}
+{%- if c is string -%}{{ c }}{%- elif c is none -%}{%- else -%}{%- for p in c -%}{%- if p.type == 'text' -%}{{ p.text }}{%- elif p.type in ['image', 'image_url'] -%}<|image|>{%- endif -%}{%- endfor -%}{%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}
+<|im_start|>system
+{% if messages[0].role == 'system' %}{{ content_text(messages[0].content) }}
+
+{% endif %}# Tools
+<tools>
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}</tools>
+Call a tool as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|>
+{% elif messages[0].role == 'system' -%}
+<|im_start|>system
+{{ content_text(messages[0].content) }}<|im_end|>
+{% endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' and loop.first -%}
+{%- elif m.role == 'tool' -%}
+<|im_start|>user
+<tool_response>
+{{ content_text(m.content) }}
+</tool_response><|im_end|>
+{% elif m.role == 'assistant' -%}
+<|im_start|>assistant
+{{ content_text(m.content) }}{%- if m.tool_calls -%}{%- for tc in m.tool_calls -%}{%- set f = tc.function if tc.function is defined else tc -%}
+<tool_call>{"name": "{{ f.name }}", "arguments": {{ f.arguments if f.arguments is string else (f.arguments | tojson) }}}</tool_call>{%- endfor -%}{%- endif -%}<|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ content_text(m.content) }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% endif -%}"""
+
+
+def _corpus(rng: random.Random):
+    words = "the quick brown fox jumps over lazy dog answer is yes no python print tool result call sum".split()
+    for _ in range(4000):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        yield f"<|im_start|>user\nWhat is {a}+{b}?<|im_end|>\n<|im_start|>assistant\nThe answer is \\boxed{{{a + b}}}.<|im_end|>"
+        yield '<tool_call>{"name": "python", "arguments": {"code": "print(%d*%d)"}}</tool_call>' % (a, b)
+        yield " ".join(rng.choice(words) for _ in range(12))
+
+
+def build_tokenizer(out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(_corpus(random.Random(0)), trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=SPECIALS[1:],
+        model_max_length=4096,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    assert len(tok) <= VOCAB_SIZE, len(tok)
+    return tok
+
+
+def build(out_dir: Path, seed: int = 0) -> dict[str, Path]:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = build_tokenizer(out_dir)
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
+    common = dict(TINY_SHAPE, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
+    built = {}
+    classes = {"qwen3_tiny": (Qwen3Config, Qwen3ForCausalLM), "qwen3_moe_tiny": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+    for name, extra in TINY_MODELS.items():
+        cfg_cls, model_cls = classes[name]
+        path = out_dir / name
+        path.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(seed)
+        model = model_cls(cfg_cls(**common, **extra)).float()
+        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+        model.save_pretrained(path, safe_serialization=True)
+        tok.save_pretrained(path)
+        built[name] = path
+    return built
+
+
+TINY_SCHEME = "tiny://"
+
+
+def tiny_config_dict(name: str) -> dict:
+    """The HF config values of a tiny model, without building it (the plan's memory estimate reads these)."""
+    return TINY_SHAPE | TINY_MODELS[name]
+
+
+def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
+    """Map `tiny://NAME` to a built directory (building it once, atomically); any other path is returned as is."""
+    if not path.startswith(TINY_SCHEME):
+        return path
+    name = path[len(TINY_SCHEME) :]
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}")
+    root = cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny"
+    target = root / name
+    if (target / "model.safetensors").exists():
+        return str(target)
+    import os
+    import shutil
+    import tempfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+    build(staging)
+    for built in TINY_MODELS:  # both models are built together; publish each by rename so readers never see half
+        if not (root / built / "model.safetensors").exists():
+            shutil.rmtree(root / built, ignore_errors=True)
+            os.replace(staging / built, root / built)
+    shutil.rmtree(staging, ignore_errors=True)
+    return str(target)

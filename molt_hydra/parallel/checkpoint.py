@@ -1,0 +1,159 @@
+"""Resumable checkpoints (torch.distributed.checkpoint) and HF export.
+
+Layout: <root>/step_<N>/{dcp/ (model + optimizer, sharded), extra_state.pt (scheduler + client state),
+rng_rank<r>.pt}, <root>/latest (text: the last tag). A save is written to <root>/.tmp-step_<N> and renamed only
+when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable. Retention keeps the
+newest `keep` tags. Assumes every rank sees the same filesystem (one host, or a shared mount).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+)
+
+TAG = re.compile(r"^step_(\d+)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def is_loadable(path: Path) -> bool:
+    return (path / "extra_state.pt").is_file() and (path / "dcp" / ".metadata").is_file()
+
+
+def _write_extra(tmp: Path, extra: dict):
+    torch.save(extra, tmp / "extra_state.pt")
+
+
+def _tags(root: Path) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := TAG.match(p.name)) and is_loadable(p))
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
+                    client_state: dict | None = None, keep: int = 3) -> Path:
+    """Collective: every rank calls it. Returns the final directory."""
+    root = Path(root)
+    tag = f"step_{step}"
+    tmp, final = root / f".tmp-{tag}", root / tag
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        tmp.mkdir()
+    _barrier()
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        _write_extra(tmp, {"client_state": client_state or {}, "step": step,
+                           "scheduler": scheduler.state_dict() if scheduler is not None else None})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(tag)
+        os.replace(latest_tmp, root / "latest")
+        if keep > 0:
+            for _, old in _tags(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def resolve_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The `latest` tag when loadable, else the newest loadable step_<N>, else None."""
+    root = Path(root)
+    latest = root / "latest"
+    if latest.is_file() and is_loadable(root / latest.read_text().strip()):
+        return root / latest.read_text().strip()
+    tags = _tags(root) if root.is_dir() else []
+    return tags[-1][1] if tags else None
+
+
+def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None) -> dict | None:
+    """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client state, or None when
+    there is nothing to resume from."""
+    path = resolve_checkpoint(root)
+    if path is None:
+        return None
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    extra = torch.load(path / "extra_state.pt", weights_only=False)
+    if scheduler is not None and extra["scheduler"] is not None:
+        scheduler.load_state_dict(extra["scheduler"])
+    rng = path / f"rng_rank{_rank()}.pt"
+    if rng.is_file():  # absent when resuming on more ranks than saved
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return extra["client_state"]
+
+
+def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None = None,
+              dtype: torch.dtype = torch.bfloat16, max_shard_size: str = "5GB") -> Path | None:
+    """Collective. Rank 0 writes safetensors + config (+ tokenizer) to out_dir via a temp dir; returns out_dir there."""
+    from huggingface_hub import save_torch_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = Path(out_dir)
+    if _rank() == 0:
+        config = copy.deepcopy(model.config)
+        if getattr(config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        tmp = out.with_name(f".tmp-{out.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in sd.items()}, tmp, max_shard_size=max_shard_size)
+        config.dtype = dtype
+        config.use_cache = True
+        config.save_pretrained(tmp)
+        if tokenizer_path is not None:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    _barrier()
+    return out if _rank() == 0 else None

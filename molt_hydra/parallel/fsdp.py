@@ -1,0 +1,32 @@
+"""FSDP2 wrapping: `fully_shard` on every decoder layer, then on the root, with an fp32-master / bf16-compute policy.
+
+Per-layer units let FSDP2 all-gather one block at a time (and prefetch the next); the root unit holds embeddings,
+final norm and lm_head (tied embeddings stay one parameter). A critic's value head is its own fp32 unit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from molt_hydra.models.build import decoder_layers
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def shard_model(model: nn.Module, mesh, *, param_dtype: str = "bf16", offload: bool = False,
+                reshard_after_forward: bool = True) -> nn.Module:
+    if param_dtype not in DTYPES:
+        raise ValueError(f"param_dtype must be one of {list(DTYPES)}, got {param_dtype!r}")
+    # gradients are reduced in fp32 whatever the compute dtype, as Molt does
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, cast_forward_inputs=True)
+    kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kw)
+    if hasattr(model, "value_head"):
+        fully_shard(model.value_head, **{**kw, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32)})
+    fully_shard(model, **kw)
+    return model

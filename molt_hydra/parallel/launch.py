@@ -1,0 +1,35 @@
+"""Run a function on N local trainer ranks (torch.multiprocessing), for tests, benchmarks and single-host SFT.
+
+`fn(rank, world_size, master_port, *args)` runs in each spawned process; a rank that raises or a run that passes
+`timeout_s` terminates them all and raises here, so a broken collective never hangs the caller.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, threads, args):
+    import torch
+    torch.set_num_threads(threads)
+    fn(rank, world_size, port, *args)
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, threads_per_rank: int = 1):
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), threads_per_rank, args),
+                             nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish within {timeout_s:.0f}s")

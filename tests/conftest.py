@@ -1,0 +1,25 @@
+"""Shared fixtures. Nothing here loads from a hub: the tiny models are built locally once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests never reach a model hub, and W&B never leaves the machine.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from molt_hydra.models.tiny import resolve_model_path
+
+    return resolve_model_path("tiny://qwen3_tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model() -> str:
+    from molt_hydra.models.tiny import resolve_model_path
+
+    return resolve_model_path("tiny://qwen3_moe_tiny")

@@ -1,0 +1,121 @@
+"""Rank functions for the FSDP2 trainer tests (spawned by molt_hydra.parallel.launch.run_ranks; gloo on CPU,
+NCCL on the GPU device). Rank 0 writes what the tests compare into `out` with torch.save."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def make_samples(n: int = 8, seed: int = 0, vocab: int = 512) -> list[dict]:
+    """RL experiences of varied lengths: prompt (mask 0) + response (mask 1), random advantages, old log-probs
+    offset from the current policy so PPO ratios are not all 1 (filled in by `with_old_logprobs`)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, r = 4 + i % 3, 5 + (3 * i) % 7
+        ids = torch.randint(0, vocab, (p + r,), generator=g)
+        mask = torch.cat([torch.zeros(p), torch.ones(r)])
+        adv = torch.randn(p + r, generator=g) * mask
+        out.append({"input_ids": ids, "action_mask": mask, "advantages": adv,
+                    "old_logprobs": torch.zeros(p + r)})
+    return out
+
+
+def ppo_objective():
+    from molt_hydra.algorithm.loss import PolicyLoss
+    from molt_hydra.parallel.objectives import ActorObjective
+    return ActorObjective(PolicyLoss("ppo", clip_eps_low=0.2, clip_eps_high=0.2, entropy_coef=0.01))
+
+
+def worker(rank, world_size, port, **kw):
+    from molt_hydra.parallel.trainer import TrainerWorker
+    args = dict(model_path="tiny://qwen3_tiny", lr=1e-3, max_tokens_per_micro_batch=40, max_norm=1.0,
+                total_steps=10, lr_scheduler="linear", lr_warmup_ratio=0.1, timeout_s=120)
+    return TrainerWorker(rank=rank, world_size=world_size, master_port=port, **{**args, **kw})
+
+
+def full_state(w):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    return get_state_dict(w.model, w.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def with_old_logprobs(w, samples):
+    """old_logprobs = the actor's own log-probs minus a per-token perturbation, as a stale policy would give."""
+    lps = w.compute_logprobs(samples)
+    g = torch.Generator().manual_seed(1)
+    for s, lp in zip(samples, lps):
+        s["old_logprobs"] = (lp + 0.1 * torch.randn(lp.shape, generator=g)) * s["action_mask"]
+    return samples
+
+
+def dp_step(rank, world_size, port, out):
+    """Two optimizer windows of a PPO step over 8 samples; rank r of R holds samples of each window strided by R."""
+    w = worker(rank, world_size, port)
+    samples = with_old_logprobs(w, make_samples(8))
+    windows = [samples[:4], samples[4:]]
+    local = [s for win in windows for s in win[rank::world_size]]
+    metrics = w.train_step(local, ppo_objective(), num_optimizer_steps=2)
+    msd, _ = full_state(w)
+    if rank == 0:
+        torch.save({"metrics": metrics, "model": msd}, out)
+    w.shutdown()
+
+
+def logprobs_and_roles(rank, world_size, port, out):
+    """Actor log-probs at T=0.7 (three samples packed in one micro-batch), a reference forward, a critic step."""
+    from molt_hydra.parallel.objectives import CriticObjective
+    samples = make_samples(3)
+    actor = worker(rank, world_size, port, temperature=0.7, max_tokens_per_micro_batch=1000)
+    res = {"lp_t07": actor.compute_logprobs(samples, with_entropy=True)}
+    actor.temperature = 1.0
+    res["lp_t1"] = actor.compute_logprobs(samples)
+    ref = worker(rank, world_size, port, role="ref", temperature=0.7)
+    res["ref_t07"] = ref.compute_logprobs(samples)
+    critic = worker(rank, world_size, port, role="critic", lr=1e-2)
+    for s in samples:
+        s["returns"] = s["action_mask"] * 1.0
+        s["values"] = torch.zeros_like(s["returns"])
+    res["critic"] = [critic.train_step(samples, CriticObjective(value_clip=None)) for _ in range(5)]
+    res["values"] = critic.compute_values(samples)
+    if rank == 0:
+        torch.save(res, out)
+    actor.shutdown()
+
+
+def ckpt_uninterrupted(rank, world_size, port, root, out, export_dir):
+    w = worker(rank, world_size, port)
+    samples = with_old_logprobs(w, make_samples(8, seed=3))  # all 8 on every rank; each trains its stride
+    w.train_step(samples[rank::world_size], ppo_objective())
+    w.save_checkpoint(root, client_state={"episode": 7}, keep=2)
+    rng = torch.rand(4)
+    m2 = w.train_step(samples[rank::world_size], ppo_objective())
+    msd, osd = full_state(w)
+    w.export_hf(export_dir, dtype="fp32")
+    if rank == 0:
+        torch.save({"rng": rng, "metrics": m2, "model": msd, "optim": osd, "samples": samples}, out)
+    w.shutdown()
+
+
+def ckpt_killed(rank, world_size, port, root, samples_file):
+    """Resume from step 1, train, then die inside the next save after the shards are written (rank 0 exits)."""
+    import molt_hydra.parallel.checkpoint as ck
+    w = worker(rank, world_size, port)
+    w.load_checkpoint(root)
+    samples = torch.load(samples_file, weights_only=False)["samples"]
+    w.train_step(samples[rank::world_size], ppo_objective())
+    ck._write_extra = lambda *a: os._exit(17)  # test hook: the process dies between shard write and rename
+    w.save_checkpoint(root)
+
+
+def ckpt_resumed(rank, world_size, port, root, samples_file, out):
+    w = worker(rank, world_size, port)
+    client = w.load_checkpoint(root)
+    rng = torch.rand(4)
+    samples = torch.load(samples_file, weights_only=False)["samples"]
+    m2 = w.train_step(samples[rank::world_size], ppo_objective())
+    msd, osd = full_state(w)
+    if rank == 0:
+        torch.save({"client": client, "rng": rng, "metrics": m2, "model": msd, "optim": osd}, out)
+    w.shutdown()

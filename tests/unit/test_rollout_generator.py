@@ -1,0 +1,173 @@
+"""The samples generator with a scripted group runner (no engine): order, resume, filtering, drops, eval."""
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from molt_hydra.rollout.generation import Sampling
+from molt_hydra.rollout.generator import DROP_REASONS, SamplesGenerator, prompt_order
+
+SAMPLING = Sampling(max_tokens=4)
+
+
+@dataclass
+class Traj:
+    reward: float
+    score: float | None = None
+    rollout_id: str = ""
+    truncated: bool = False
+    action_ranges: list = field(default_factory=lambda: [(0, 3)])
+
+
+class ScriptedRunner:
+    """row["script"][i]: a reward, "raise" (the rollout's agent failed) or "hang" (the whole group hangs)."""
+
+    def __init__(self):
+        self.dispatched: list[int] = []
+
+    async def run_group(self, row, n, sampling):
+        self.dispatched.append(row["id"])
+        await asyncio.sleep(0.001 * (row["id"] % 3))  # groups finish out of dispatch order
+        script = row.get("script", [1.0] * n)
+        if "hang" in script:
+            await asyncio.sleep(60)
+        if "boom" in script:
+            raise RuntimeError("runner crashed")
+        return [(None, "agent_exception") if s == "raise" else (Traj(s, rollout_id=f"{row['id']}-{i}"), None)
+                for i, s in enumerate(script)]
+
+
+def rows(n):
+    return [{"id": i} for i in range(n)]
+
+
+async def drain(gen):
+    out = []
+    while True:
+        b = await gen.generate_batch()
+        out += [g.prompt_index for g in b.groups]
+        if b.exhausted:
+            return out
+
+
+def test_prompt_order_is_a_function_of_seed_and_epoch():
+    assert prompt_order(50, 1, 0) == prompt_order(50, 1, 0)
+    assert sorted(prompt_order(50, 1, 0)) == list(range(50))
+    assert prompt_order(50, 1, 0) != prompt_order(50, 1, 1)
+    assert prompt_order(50, 1, 0) != prompt_order(50, 2, 0)
+
+
+def test_same_seed_same_order_across_runs_and_epochs():
+    def run(seed):
+        runner = ScriptedRunner()
+        gen = SamplesGenerator(rows(10), runner, batch_size=3, n_samples_per_prompt=2, sampling=SAMPLING,
+                               seed=seed, num_epochs=2)
+        groups = asyncio.run(drain(gen))
+        return runner.dispatched, groups
+
+    d1, g1 = run(7)
+    d2, g2 = run(7)
+    assert d1 == d2 == prompt_order(10, 7, 0) + prompt_order(10, 7, 1)
+    assert g1 == g2 and sorted(g1) == sorted(list(range(10)) * 2)
+    assert run(8)[0] != d1
+
+
+def test_resume_continues_the_same_order_without_losing_or_repeating_prompts():
+    def make(runner):
+        return SamplesGenerator(rows(12), runner, batch_size=2, n_samples_per_prompt=2, sampling=SAMPLING,
+                                seed=3, max_inflight_groups=4)
+
+    full_runner = ScriptedRunner()
+    asyncio.run(drain(make(full_runner)))
+    assert full_runner.dispatched == prompt_order(12, 3, 0)
+
+    async def first_half():
+        gen = make(ScriptedRunner())
+        got = [g.prompt_index for _ in range(2) for g in (await gen.generate_batch()).groups]
+        state = gen.state_dict()
+        await gen.close()
+        return got, state
+
+    got, state = asyncio.run(first_half())
+    in_flight = [i for _, i in state["pending"]]
+    assert len(in_flight) == 4  # groups in flight at the checkpoint are re-dispatched on resume, not lost
+    resumed_runner = ScriptedRunner()
+    resumed = make(resumed_runner)
+    resumed.load_state_dict(state)
+    rest = asyncio.run(drain(resumed))
+    order = prompt_order(12, 3, 0)
+    surplus = [i for i, _, _ in state["finished"]]
+    assert sorted(got + surplus + in_flight) == sorted(order[: state["cursor"]])
+    assert resumed_runner.dispatched == in_flight + order[state["cursor"] :]
+    assert sorted(got + rest) == list(range(12))
+
+
+def test_surplus_finished_groups_go_into_the_state():
+    async def go():
+        gen = SamplesGenerator(rows(6), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING,
+                               max_inflight_groups=6)
+        gen._refill()
+        await asyncio.sleep(0.05)  # every group finishes; one is returned, the rest is surplus
+        batch = await gen.generate_batch()
+        await asyncio.sleep(0.05)
+        await gen.generate_batch()
+        return batch, gen.state_dict()
+
+    batch, state = asyncio.run(go())
+    assert len(batch.groups) == 1
+    assert len(state["finished"]) == 4 and state["pending"] == []
+
+
+def test_dynamic_filtering_and_drop_accounting():
+    scripts = {0: [1.0, 1.0, 1.0, 1.0], 1: [0.0, 0.0, 0.0, 0.0], 2: [1.0, 0.0, 1.0, 0.0],
+               3: [1.0, 0.0, "raise", 1.0], 4: ["hang"] * 4, 5: ["boom"] * 4}
+    gen = SamplesGenerator([{"id": i, "script": s} for i, s in scripts.items()], ScriptedRunner(), batch_size=4,
+                           n_samples_per_prompt=4, sampling=SAMPLING, dynamic_filtering=(0.0, 1.0),
+                           group_timeout_s=0.5)
+    batch = asyncio.run(gen.generate_batch())
+    assert [g.prompt_index for g in batch.groups] == [2] and batch.exhausted
+    m = batch.metrics
+    assert m["rollout/dropped/dynamic_filter"] == 8  # all-pass group 0 + all-fail group 1
+    assert m["rollout/dropped/incomplete_group"] == 3  # group 3's three usable rollouts
+    assert m["rollout/dropped/agent_exception"] == 1 + 4
+    assert m["rollout/dropped/agent_timeout"] == 4
+    assert m["rollout/dropped/total"] == 8 + 3 + 5 + 4
+    assert set(DROP_REASONS) <= {k.removeprefix("rollout/dropped/") for k in m}
+    assert m["dynamic_filtering_pass_rate"] == pytest.approx(100 / 6)
+    assert m["rollout/group_all_pass_rate"] == pytest.approx(100 / 6)
+    assert m["rollout/group_all_fail_rate"] == pytest.approx(100 / 6)
+    # scores seen before filtering: 4 + 0 + 2 + 2 over 4 + 4 + 4 + 3 rollouts
+    assert m["rollout/pre_filter_mean_score"] == pytest.approx(8 / 15)
+
+
+@pytest.mark.parametrize("policy,kept", [("keep", [0, 1]), ("drop", [1])])
+def test_incomplete_groups_keep_or_drop(policy, kept):
+    scripts = {0: [1.0, "raise"], 1: [1.0, 0.0]}
+    gen = SamplesGenerator([{"id": i, "script": s} for i, s in scripts.items()], ScriptedRunner(), batch_size=2,
+                           n_samples_per_prompt=2, sampling=SAMPLING, incomplete_groups=policy)
+    batch = asyncio.run(gen.generate_batch())
+    assert sorted(g.prompt_index for g in batch.groups) == kept
+    assert batch.metrics["rollout/dropped/incomplete_group"] == (1 if policy == "drop" else 0)
+
+
+def test_eval_pass_at_1_and_pass_at_k_per_datasource():
+    eval_rows = [{"id": 0, "script": [1.0, 0.0, 0.0, 0.0], "datasource": "a"},
+                 {"id": 1, "script": [0.0, 0.0, 0.0, 0.0], "datasource": "a"},
+                 {"id": 2, "script": [1.0, 1.0, 0.5, 0.5], "datasource": "b"}]
+    gen = SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING)
+    m = asyncio.run(gen.evaluate(eval_rows, 4, SAMPLING))
+    assert m["eval_a_pass4"] == pytest.approx((1 + 0) / 2)
+    assert m["eval_a_pass1"] == pytest.approx((0.25 + 0) / 2)
+    assert m["eval_b_pass4"] == pytest.approx(1.0)
+    assert m["eval_b_pass1"] == pytest.approx(0.75)
+    assert m["eval_num_samples"] == 12 and m["eval_response_length_mean"] == 3
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="low < high"):
+        SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=2, sampling=SAMPLING,
+                         dynamic_filtering=(1.0, 0.0))
+    with pytest.raises(ValueError, match="incomplete_groups"):
+        SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=2, sampling=SAMPLING,
+                         incomplete_groups="maybe")
