@@ -202,7 +202,7 @@ def reinforce_baseline(rewards, groups, ctx):
 
 @register_advantage_estimator("rloo", needs={"groups"})
 def rloo(rewards, groups, ctx):
-    """r_i minus the mean of the OTHER rewards of its group; a singleton group keeps its raw reward (Molt, deliberate)."""
+    """r_i minus the mean of the OTHER rewards of its group; a singleton keeps its raw reward (Molt, deliberate)."""
     advantages = rewards.clone()
     for group in groups:
         if len(group) > 1:

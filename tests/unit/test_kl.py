@@ -1,0 +1,84 @@
+"""KL estimators k1/k2/k3 with Molt's clamps, and the fixed / adaptive KL controllers (Molt §2.4)."""
+
+import math
+
+import pytest
+import torch
+
+from molt_hydra.algorithm.kl import AdaptiveKLController, FixedKLController, approx_kl, make_kl_controller
+
+NAN, INF = float("nan"), float("inf")
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=1e-6, rtol=1e-6)
+
+
+# log r = logp - logp_base = 0.5, -1, -99 (a -100 log-prob), +99 (a -100 base log-prob)
+LOGP = torch.tensor([-1.0, -2.0, -100.0, -1.0])
+BASE = torch.tensor([-1.5, -1.0, -1.0, -100.0])
+
+
+def test_k1_is_the_unclamped_log_ratio():
+    close(approx_kl(LOGP, BASE, "k1"), [0.5, -1.0, -99.0, 99.0])
+
+
+def test_k2_is_half_the_squared_log_ratio_clamped_to_10():
+    close(approx_kl(LOGP, BASE, "k2"), [0.5 ** 2 / 2, 1 / 2, 10.0, 10.0])  # 99^2 / 2 = 4900.5 -> 10
+
+
+def test_k3_is_exp_minus_one_plus_log_ratio_clamped_to_10():
+    k3 = [math.exp(-0.5) - 1 + 0.5, math.exp(1.0) - 1 - 1.0, 10.0, 10.0]  # e^99 - 100 and 98 -> 10
+    close(approx_kl(LOGP, BASE, "k3"), k3)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_inf_and_nan_log_probs_are_replaced_as_molt_does(estimator):
+    logp = torch.tensor([-INF, -1.0, -INF, NAN])
+    base = torch.tensor([-1.0, -INF, -INF, -1.0])
+    log_ratio = [-30.0, 30.0, 0.0, 0.0]  # -inf -> -30, +inf -> +30, -inf - -inf = NaN -> 0, NaN -> 0
+    expected = {
+        "k1": log_ratio,
+        "k2": [10.0, 10.0, 0.0, 0.0],
+        "k3": [10.0, 10.0, 0.0, 0.0],  # e^30 - 31 and 29, both -> 10
+    }[estimator]
+    close(approx_kl(logp, base, estimator), expected)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_gradients_stay_finite_at_a_minus_100_log_prob(estimator):
+    logp = LOGP.clone().requires_grad_()
+    approx_kl(logp, BASE, estimator).sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    if estimator == "k3":  # d k3 / d log r = 1 - exp(-log r) inside the clamp, 0 where it saturates
+        close(logp.grad, [1 - math.exp(-0.5), 1 - math.exp(1.0), 0.0, 0.0])
+
+
+def test_unknown_estimator_names_the_key():
+    with pytest.raises(ValueError, match="algorithm.kl.estimator='k4'"):
+        approx_kl(LOGP, BASE, "k4")
+
+
+def test_fixed_controller_never_moves():
+    controller = FixedKLController(0.05)
+    controller.update(current_kl=10.0, n_steps=1000)
+    assert controller.value == 0.05
+
+
+def test_adaptive_controller_proportional_update_and_clamp():
+    controller = AdaptiveKLController(init_coef=0.1, target=0.05, horizon=1000)
+    controller.update(current_kl=0.055, n_steps=100)  # e = 0.055 / 0.05 - 1 = 0.1
+    assert controller.value == pytest.approx(0.1 * (1 + 0.1 * 100 / 1000))
+    before = controller.value
+    controller.update(current_kl=5.0, n_steps=100)  # e = 99, clamped to +0.2
+    assert controller.value == pytest.approx(before * (1 + 0.2 * 100 / 1000))
+    before = controller.value
+    controller.update(current_kl=0.0, n_steps=500)  # e = -1, clamped to -0.2
+    assert controller.value == pytest.approx(before * (1 - 0.2 * 500 / 1000))
+
+
+def test_controller_choice_follows_target():
+    assert isinstance(make_kl_controller(0.01, target=None), FixedKLController)
+    assert isinstance(make_kl_controller(0.01, target=0.0), FixedKLController)  # falsy target: fixed, as in Molt
+    adaptive = make_kl_controller(0.01, target=0.1, horizon=500)
+    assert isinstance(adaptive, AdaptiveKLController) and adaptive.horizon == 500 and adaptive.value == 0.01

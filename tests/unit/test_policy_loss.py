@@ -1,0 +1,225 @@
+"""Policy losses (ppo / gspo / cispo), KL-as-loss and entropy: values and gradients by hand (Molt §2.5, §2.8)."""
+
+import math
+
+import pytest
+import torch
+
+from molt_hydra.algorithm.loss import POLICY_LOSSES, PolicyLoss, get_policy_loss, ppo_loss, register_policy_loss
+
+LN = math.log
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+def inputs(log_ratio, advantages, mask, old=-1.0):
+    """Current log-probs (a leaf with grad) such that logp - old_logp = log_ratio."""
+    old_logp = torch.full((1, len(log_ratio)), old)
+    logp = (old_logp + torch.tensor([log_ratio])).requires_grad_()
+    return logp, old_logp, torch.tensor([advantages]), torch.tensor([mask], dtype=torch.bool)
+
+
+# ratios 1.5, 0.5, 1.1, 3.0 on action tokens; the 5th token is padding whose log-prob is -inf and advantage NaN
+PPO_RATIOS = [1.5, 0.5, 1.1, 3.0]
+PPO_ADV = [1.0, -1.0, 2.0, -1.0]
+
+
+def ppo_inputs():
+    logp, old, adv, mask = inputs([LN(r) for r in PPO_RATIOS] + [0.0], PPO_ADV + [float("nan")], [1, 1, 1, 1, 0])
+    with torch.no_grad():
+        logp[0, 4] = -float("inf")
+    return logp, old, adv, mask
+
+
+def test_ppo_clipped_surrogate_value_gradient_and_metrics():
+    logp, old, adv, mask = ppo_inputs()
+    loss, metrics = PolicyLoss("ppo", clip_eps_low=0.2, clip_eps_high=0.2)(logp, old, adv, mask)
+    per_token = [
+        -min(1.5 * 1, 1.2 * 1),      # clipped above: -1.2
+        -min(0.5 * -1, 0.8 * -1),    # clipped below (A < 0): 0.8
+        -min(1.1 * 2, 1.1 * 2),      # inside the band: -2.2
+        -min(3.0 * -1, 1.2 * -1),    # A < 0 with a huge ratio: unclipped -3 is the min -> 3
+    ]
+    close(loss, sum(per_token) / 4)
+    close(metrics["policy_loss"], sum(per_token) / 4)
+    close(metrics["policy_clip_ratio"], 2 / 4)
+    close(metrics["policy_kl"], -sum(LN(r) for r in PPO_RATIOS) / 4)  # mean of old - new
+    close(metrics["advantage_mean"], sum(PPO_ADV) / 4)
+    loss.backward()
+    # d/dlogp of -r*A/N is -r*A/N on tokens whose unclipped branch is active; 0 on clipped ones and padding
+    close(logp.grad, [[0.0, 0.0, -1.1 * 2 / 4, -3.0 * -1 / 4, 0.0]])
+
+
+def test_ppo_dual_clip_bounds_negative_advantage_tokens():
+    logp, old, adv, mask = ppo_inputs()
+    loss, _ = PolicyLoss("ppo", dual_clip=2.0)(logp, old, adv, mask)
+    per_token = [-1.2, -max(min(-0.5, -0.8), 2.0 * -1), -2.2, -max(min(-3.0, -1.2), 2.0 * -1)]  # last: 3 -> 2
+    close(loss, sum(per_token) / 4)
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0, -1.1 * 2 / 4, 0.0, 0.0]])  # the dual-clipped token is a constant -c*A
+
+
+def test_ppo_asymmetric_clip_per_token():
+    ratio = torch.tensor([[1.5, 0.5, 1.25, 0.85]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    per_token, clip_ratio = ppo_loss(ratio, adv, None, mask, clip_eps_low=0.1, clip_eps_high=0.3)
+    # band [0.9, 1.3]: 1.5 -> 1.3; 0.5 -> 0.9 (A<0: min(-0.5, -0.9)); 1.25 inside; 0.85 -> 0.9 (min(-0.85, -0.9))
+    close(per_token, [[-1.3, 0.9, -1.25, 0.9]])
+    close(clip_ratio, 3 / 4)
+
+
+def test_gspo_clips_the_sequence_ratio_and_keeps_per_token_gradients():
+    # row 0: token log-ratios ln2 and 0 -> sequence ratio exp(ln2 / 2) = 1.414 > 1.2: both tokens clipped
+    # row 1: token ratios e^0.5 and e^-0.5 are far outside [0.8, 1.2] but the sequence ratio is exactly 1: no clip
+    old = torch.full((2, 3), -1.0)
+    logp = (old + torch.tensor([[LN(2), 0.0, 0.0], [0.5, -0.5, 0.0]])).requires_grad_()
+    with torch.no_grad():
+        logp[0, 2] = -float("inf")  # padding: excluded from the sequence mean, NaN-safe
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    loss, metrics = PolicyLoss("gspo")(logp, old, adv, mask)
+    s0 = math.exp(LN(2) / 2)
+    per_token = [-min(s0 * 1, 1.2 * 1)] * 2 + [-min(1.0 * -1, 1.0 * -1)] * 3
+    close(loss, sum(per_token) / 5)
+    close(metrics["policy_clip_ratio"], 2 / 5)
+    loss.backward()
+    # row 1: d(-s_t * A)/dlogp_t = -s_t * A = 1 per token (through its own logp only; PPO would give -r_t * A)
+    close(logp.grad, [[0.0, 0.0, 0.0], [1 / 5, 1 / 5, 1 / 5]])
+
+
+def test_cispo_caps_the_weight_and_passes_gradient_through_logp():
+    logp = torch.tensor([[-0.5, -2.0, -1.0, -float("inf")]], requires_grad=True)
+    old = logp.detach() - torch.tensor([[LN(2.0), LN(0.5), 0.0, 0.0]])
+    adv = torch.tensor([[1.0, -1.0, 2.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    loss, metrics = PolicyLoss("cispo", clip_eps_high=1.2)(logp, old, adv, mask)
+    weights = [min(2.0, 1.2), min(0.5, 1.2), min(1.0, 1.2)]
+    per_token = [-w * a * lp for w, a, lp in zip(weights, [1.0, -1.0, 2.0], [-0.5, -2.0, -1.0])]
+    close(loss, sum(per_token) / 3)
+    close(metrics["policy_clip_ratio"], 1 / 3)  # only ratio 2.0 exceeds the 1.2 ceiling
+    loss.backward()
+    close(logp.grad, [[-1.2 * 1 / 3, -0.5 * -1 / 3, -1.0 * 2 / 3, 0.0]])  # capped, never zeroed
+
+
+def test_constructor_rejects_what_molt_rejects_naming_the_key():
+    with pytest.raises(ValueError, match="algorithm.dual_clip is a PPO-only"):
+        PolicyLoss("gspo", dual_clip=3.0)
+    with pytest.raises(ValueError, match="algorithm.dual_clip is a PPO-only"):
+        PolicyLoss("cispo", clip_eps_high=1.2, dual_clip=3.0)
+    with pytest.raises(ValueError, match="algorithm.dual_clip must be > 1.0"):
+        PolicyLoss("ppo", dual_clip=1.0)
+    with pytest.raises(ValueError, match="algorithm.clip_eps_high=0.2 is CISPO's absolute ratio ceiling"):
+        PolicyLoss("cispo", clip_eps_high=0.2)
+    with pytest.raises(ValueError, match="algorithm.loss_agg='mean'"):
+        PolicyLoss(loss_agg="mean")
+    with pytest.raises(ValueError, match="algorithm.kl.estimator='k4'"):
+        PolicyLoss(kl_estimator="k4")
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
+def test_non_finite_old_log_probs_and_advantages_are_clamped(name):
+    # t0: old = -inf -> log-ratio +inf -> +30; t1: advantage +inf -> 0; t2: padding with NaN everywhere
+    logp = torch.tensor([[-1.0, -1.0, float("nan")]], requires_grad=True)
+    old = torch.tensor([[-float("inf"), -1.0, float("nan")]])
+    adv = torch.tensor([[1.0, float("inf"), float("nan")]])
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    loss, metrics = PolicyLoss(name, clip_eps_high=1.2 if name == "cispo" else 0.2)(logp, old, adv, mask)
+    expected = {
+        "ppo": (-1.2 + 0.0) / 2,               # ratio e^30 clipped to 1.2 with A = 1
+        "gspo": (-1.2 + 0.0) / 2,              # sequence log-ratio (30 + 0) / 2 = 15: clipped to 1.2
+        "cispo": (-1.2 * 1.0 * -1.0 + 0) / 2,  # weight min(e^30, 1.2); -w * A * logp
+    }[name]
+    close(loss, expected)
+    close(metrics["policy_kl"], (-30.0 + 0.0) / 2)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo"])
+def test_non_finite_current_log_probs_do_not_poison_loss_or_gradient(name):
+    # -inf current log-prob on an action token: log-ratio -30, ratio ~ 0; NaN: log-ratio 0, ratio 1
+    logp = torch.tensor([[-float("inf"), float("nan"), -1.0]], requires_grad=True)
+    old = torch.full((1, 3), -1.0)
+    adv = torch.tensor([[1.0, 1.0, 1.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, _ = PolicyLoss(name)(logp, old, adv, mask)
+    assert torch.isfinite(loss)
+    if name == "ppo":
+        close(loss, (-math.exp(-30) - 1.0 - 1.0) / 3)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_empty_mask_gives_zero_loss_and_metrics():
+    logp, old, adv, _ = ppo_inputs()
+    loss, metrics = PolicyLoss("ppo")(logp, old, adv, torch.zeros(1, 5, dtype=torch.bool))
+    assert loss.item() == 0.0 and all(v.item() == 0.0 for v in metrics.values())
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 5))
+
+
+def test_loss_agg_is_selectable():
+    logp, old, adv, mask = inputs([0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [1, 1, 0])
+    logp2 = torch.cat([logp, logp]).detach()
+    adv2 = torch.tensor([[1.0, 2.0, 0.0], [4.0, 0.0, 0.0]])
+    mask2 = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    loss, _ = PolicyLoss(loss_agg="seq-mean-token-mean")(logp2, torch.cat([old, old]), adv2, mask2)
+    close(loss, ((-1 - 2) / 2 + (-4) / 1) / 2, atol=1e-6)  # ratio 1: per-token loss = -A
+    loss, _ = PolicyLoss(loss_agg="token-mean")(logp2, torch.cat([old, old]), adv2, mask2)
+    close(loss, (-1 - 2 - 4) / 3)
+
+
+def test_kl_as_loss_adds_coef_times_token_mean_of_k3():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    zero_adv = torch.zeros(1, 2)  # policy term is -min(0, 0) = 0, so the loss is the KL term alone
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    policy = PolicyLoss("ppo", kl_use_loss=True, kl_estimator="k3")
+    loss, metrics = policy(logp, logp.detach(), zero_adv, mask, ref_log_probs=ref, kl_coef=0.1)
+    k3 = [math.exp(-0.5) - 1 + 0.5, math.exp(1.0) - 1 - 1.0]  # log r = logp - ref = 0.5, -1
+    close(loss, 0.1 * sum(k3) / 2)
+    close(metrics["kl"], sum(k3) / 2)
+    close(metrics["logprobs_diff"], (0.5 - 1.0) / 2)
+    loss.backward()
+    # d k3 / d log r = 1 - exp(-log r)
+    close(logp.grad, [[0.1 * (1 - math.exp(-0.5)) / 2, 0.1 * (1 - math.exp(1.0)) / 2]])
+
+    _, metrics = policy(logp, logp.detach(), zero_adv, mask, ref_log_probs=ref, kl_coef=0.0)
+    assert "kl" not in metrics  # coefficient 0: no KL term (Molt: only if init_coef > 0)
+    with pytest.raises(ValueError, match="algorithm.kl.use_loss=true .* needs reference log-probs"):
+        policy(logp, logp.detach(), zero_adv, mask, kl_coef=0.1)
+
+
+def test_entropy_bonus_is_subtracted():
+    logp = torch.zeros(1, 3, requires_grad=True)
+    entropy = torch.tensor([[0.5, 1.5, 99.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    loss, metrics = PolicyLoss("ppo", entropy_coef=0.01)(logp, logp.detach(), torch.zeros(1, 3), mask,
+                                                         entropy=entropy)
+    close(loss, -0.01 * (0.5 + 1.5) / 2)
+    close(metrics["entropy_loss"], 1.0)
+    with pytest.raises(ValueError, match="algorithm.entropy_coef"):
+        PolicyLoss("ppo", entropy_coef=0.01)(logp, logp.detach(), torch.zeros(1, 3), mask)
+    _, metrics = PolicyLoss("ppo")(logp, logp.detach(), torch.zeros(1, 3), mask, entropy=entropy)
+    assert "entropy_loss" not in metrics
+
+
+def test_policy_loss_registry():
+    assert {"ppo", "gspo", "cispo"} <= set(POLICY_LOSSES)
+    with pytest.raises(ValueError, match=r"Unknown policy loss 'nope' \(algorithm.policy_loss\).*'cispo'"):
+        get_policy_loss("nope")
+    with pytest.raises(ValueError, match="Unknown policy loss"):
+        PolicyLoss("nope")
+    with pytest.raises(ValueError, match="'ppo' already registered"):
+        register_policy_loss("ppo")(lambda *a, **k: None)
+    register_policy_loss("ppo")(ppo_loss)  # the same function again is fine
+
+
+def test_config_enum_values_are_accepted():
+    from enum import Enum
+
+    LossAgg = Enum("LossAgg", {"seq-mean-token-sum": "seq-mean-token-sum"}, type=str)
+    assert PolicyLoss(loss_agg=LossAgg["seq-mean-token-sum"]).loss_agg == "seq-mean-token-sum"
