@@ -25,20 +25,35 @@ from molt_hydra.config.store import CONF_DIR, register
 EXIT_CONFIG_ERROR = 2
 
 
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Typed config from the composed tree; MISSING values and `__post_init__` rules fail here."""
+def _convert(node):
     try:
-        return OmegaConf.to_object(cfg)
+        return OmegaConf.to_object(node)
     except OmegaConfBaseException as e:
-        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
-        if cause is not None:
-            raise cause from None
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
         key = getattr(e, "full_key", None) or "config"
         message = str(e).splitlines()[0]
-        fix = "set it on the command line (key=value) or in the recipe" if "Missing mandatory" in message else (
+        fix = "set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower() else (
             "check the value's type against molt_hydra/config/schema.py"
         )
-        raise ConfigError(f"{key}: {message}. Fix: {fix}") from None
+        raise ConfigError(f"- {key}: {message}. Fix: {fix}") from None
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Typed config from the composed tree; MISSING values and `__post_init__` rules fail here. On failure every
+    group is converted on its own, so the message lists one problem per broken group, not just the first."""
+    try:
+        return _convert(cfg)
+    except ConfigError:
+        problems = []
+        for name in cfg:
+            node = cfg._get_node(name)
+            if isinstance(node, DictConfig):
+                try:
+                    _convert(node)
+                except ConfigError as e:
+                    problems.append(str(e))
+        raise ConfigError("\n".join(problems)) from None
 
 
 def _main(cfg: DictConfig) -> None:

@@ -20,7 +20,14 @@ CONF_DIR = PACKAGE_ROOT / "conf"
 RECIPES_DIR = PACKAGE_ROOT / "recipes"
 
 
+def _package_path(name: str) -> str:
+    """`${molt:recipes}` in YAML: the shipped recipes folder, wherever the package is installed."""
+    return str({"recipes": RECIPES_DIR, "conf": CONF_DIR}[name])
+
+
 def register() -> None:
+    if not OmegaConf.has_resolver("molt"):
+        OmegaConf.register_new_resolver("molt", _package_path)
     cs = ConfigStore.instance()
     cs.store(name="molt_schema", node=RunConfig)
     for recipe in sorted(RECIPES_DIR.glob("*.yaml")):

@@ -110,6 +110,14 @@ def validate(cfg: RunConfig) -> RunConfig:
                    f"freezing the actor warms up a critic, but estimator {a.estimator} has none.",
                    "set train.critic.actor_freezing_steps=0 or algorithm.estimator=gae")
 
+    # -- optimizers (one block type at two keys)
+    for key, o in (("train.optimizer", t.optimizer), ("train.critic.optimizer", t.critic.optimizer)):
+        problems.check(o.lr > 0, f"{key}.lr", f"must be > 0, got {o.lr}.", f"e.g. {key}.lr=1e-6")
+        problems.check(len(o.betas) == 2, f"{key}.betas", f"need two values, got {list(o.betas)}.",
+                       f"e.g. {key}.betas=[0.9,0.95]")
+        problems.check(0 <= o.warmup_ratio < 1, f"{key}.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio}.",
+                       f"e.g. {key}.warmup_ratio=0.03")
+
     # -- off-policy and drift (steps 8, 9)
     is_on = a.is_correction.level.value != "off"
     off_policy = t.mode.value == "async" and (t.queue_depth > 1 or t.partial_rollout)

@@ -1,0 +1,62 @@
+"""Config mistakes fail before anything runs, through the real `molt-run`: a misspelled key, a wrong type, an invalid
+enum value, a missing required value. Each exits non-zero, names the full key, and prints no Python traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
+from molt_hydra.cli import to_run_config
+from molt_hydra.config.schema import ConfigError, ISLevel
+
+CASES = {
+    "misspelled_key": (["model.pathh=x"], "model.pathh"),
+    "misspelled_nested_key": (["algorithm.kl.coeff=0.1"], "algorithm.kl.coeff"),
+    "wrong_type": (["train.batch_size=abc"], "train.batch_size"),
+    "invalid_enum": (["algorithm.is_correction.level=foo"], "algorithm.is_correction.level"),
+    "missing_required": (["model.path=???"], "model.path"),
+    "unknown_estimator": (["algorithm.estimator=nope"], "algorithm.estimator"),
+}
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli_errors")
+    names = list(CASES)
+    calls = [[*CASES[n][0], f"hydra.run.dir={base / n}"] for n in names]
+    return dict(zip(names, run_cli_many(calls)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_config_mistake_fails_cleanly(case, cli_results):
+    res, key = cli_results[case], CASES[case][1]
+    assert res.returncode != 0, res.describe()
+    assert key in res.output, f"the message must name the full key {key}\n{res.describe()}"
+    assert "Traceback" not in res.output, res.describe()
+    assert PLAN_HEADER not in res.stdout, f"nothing may run after a config error\n{res.describe()}"
+
+
+def test_invalid_enum_lists_the_valid_values(cli_results):
+    res = cli_results["invalid_enum"]
+    for member in ISLevel:
+        assert member.value in res.output, res.describe()
+
+
+def test_wrong_estimator_lists_the_registered_ones(cli_results):
+    from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
+
+    res = cli_results["unknown_estimator"]
+    assert res.returncode == 2, res.describe()
+    assert str(sorted(ADVANTAGE_ESTIMATORS)) in res.stderr, res.describe()
+
+
+def test_missing_value_message_names_the_key():
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config(["model.path=???"]))
+    assert str(info.value).removeprefix("- ").startswith("model.path: ")
+
+
+def test_missing_value_fix_says_set_it():
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config(["model.path=???"]))
+    assert "Fix: set it on the command line" in str(info.value)

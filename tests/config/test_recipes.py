@@ -1,0 +1,108 @@
+"""Every recipe composes and validates; `dry_run=true` prints its plan through the real `molt-run` (every point of a
+`-m` sweep); `--cfg job` prints the resolved config; `molt-run --help` lists the config groups and their options."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from _config_helpers import PLAN_HEADER, Recipe, compose_config, recipes, run_cli_many
+from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.store import CONF_DIR, RECIPES_DIR
+from molt_hydra.config.validate import validate
+
+RECIPES = recipes()
+# `--cfg job` through the CLI for a recipe with only +recipe=... and one with a launch override (cluster=...);
+# each CLI call costs ~2 s, and the compose path is the same for every recipe (checked in-process above).
+CFG_RECIPES = [next(r for r in RECIPES if len(r.overrides) == 1 and not r.multirun),
+               next(r for r in RECIPES if len(r.overrides) > 1)]
+GROUPS = ("model", "rollout", "algorithm", "agent", "cluster", "logger", "parallelism", "recipe")
+
+
+def sweep_points(recipe: Recipe) -> list[list[str]]:
+    """The override lists of every point of the recipe's sweep (one point, no extra overrides, for a plain recipe)."""
+    if not recipe.multirun:
+        return [[]]
+    cfg = compose_config(recipe.overrides, hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params) or {}
+    assert params, f"{recipe.name}: a `-m` recipe needs hydra.sweeper.params"
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    axes = [[f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] for o in parsed]
+    return [list(point) for point in itertools.product(*axes)]
+
+
+def test_recipes_found():
+    assert len(RECIPES) >= 7, [r.name for r in RECIPES]
+    for r in RECIPES:
+        assert f"+recipe={r.name}" in r.argv, f"{r.path}: its first-line command must select +recipe={r.name}"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_recipe_composes_and_validates(recipe: Recipe, tmp_path):
+    for point in sweep_points(recipe):
+        cfg = compose_config([*recipe.overrides, *point], output_dir=str(tmp_path))
+        run_cfg = OmegaConf.to_object(cfg)
+        assert isinstance(run_cfg, RunConfig)
+        validate(run_cfg)
+        assert run_cfg.name == OmegaConf.load(recipe.path).name, "the recipe's own values must win over conf/"
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """All CLI calls of this module, started together: (recipe, 'dry_run' | 'cfg') -> result, plus 'help'."""
+    base = tmp_path_factory.mktemp("cli")
+    keys, calls = [], []
+    for r in RECIPES:
+        out = base / r.name
+        dirs = ([f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${hydra.job.num}"] if r.multirun
+                else [f"hydra.run.dir={out}"])
+        keys.append((r.name, "dry_run"))
+        calls.append([*r.argv, "dry_run=true", *dirs])
+    for r in CFG_RECIPES:
+        keys.append((r.name, "cfg"))
+        calls.append([*r.overrides, "--cfg", "job"])
+    keys.append("help")
+    calls.append(["--help"])
+    return dict(zip(keys, run_cli_many(calls)))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_recipe_dry_run_via_cli(recipe: Recipe, cli_runs):
+    res = cli_runs[(recipe.name, "dry_run")]
+    assert res.returncode == 0, res.describe()
+    assert "Traceback" not in res.output, res.describe()
+    points = len(sweep_points(recipe))
+    assert res.stdout.count(PLAN_HEADER) == points, f"expected {points} plan(s)\n{res.describe()}"
+    for section in ("Roles:", "Memory estimate per device"):
+        assert res.stdout.count(section) == points, res.describe()
+
+
+@pytest.mark.parametrize("recipe", CFG_RECIPES, ids=lambda r: r.name)
+def test_cfg_job_prints_the_resolved_config(recipe: Recipe, cli_runs):
+    res = cli_runs[(recipe.name, "cfg")]
+    assert res.returncode == 0, res.describe()
+    printed = yaml.safe_load(res.stdout)
+    composed = yaml.safe_load(OmegaConf.to_yaml(compose_config(recipe.overrides, output_dir=None)))
+    assert printed == composed, res.describe()
+    assert printed["name"] == OmegaConf.load(recipe.path).name
+    assert PLAN_HEADER not in res.stdout, "--cfg job must print the config and run nothing"
+
+
+def test_help_lists_groups_and_options(cli_runs):
+    res = cli_runs["help"]
+    assert res.returncode == 0, res.describe()
+    section = res.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
+    listed = {}
+    for line in section.splitlines():
+        if ":" in line and not line.startswith("Compose"):
+            group, options = line.split(":", 1)
+            listed[group.strip()] = {o.strip() for o in options.split(",") if o.strip()}
+    for group in GROUPS:
+        folder = RECIPES_DIR if group == "recipe" else CONF_DIR / group
+        expected = {p.stem for p in folder.glob("*.yaml")}
+        assert expected, f"no options found for group {group} in {folder}"
+        assert listed.get(group) == expected, f"--help lists {group}: {listed.get(group)}, expected {expected}"

@@ -1,0 +1,220 @@
+"""Every validation rule fires with its message: the cross-group rules of config/validate.py and the single-group
+`__post_init__` rules of config/schema.py, one case per rule. Each case asserts the full key and a fragment of the
+reason, taken from the rule's definition. All failures are reported at once; nothing starts when one fails."""
+
+from __future__ import annotations
+
+import pytest
+
+from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
+from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
+from molt_hydra.config.schema import ConfigError
+from molt_hydra.config.validate import PACKING_ATTN, validate
+
+
+def config_errors(overrides: list[str]) -> list[str]:
+    """The error lines a config produces (composed in-process, then typed and validated exactly as the CLI does)."""
+    try:
+        validate(to_run_config(compose_config(overrides)))
+    except ConfigError as e:
+        return [line.removeprefix("- ") for line in str(e).splitlines()]
+    return []
+
+
+def assert_fires(overrides: list[str], key: str, fragment: str) -> None:
+    lines = config_errors(overrides)
+    hits = [line for line in lines if line.startswith(f"{key}: ") and fragment in line]
+    assert hits, f"{overrides}: expected an error on {key} containing {fragment!r}, got:\n" + "\n".join(lines)
+    assert all(" Fix: " in line for line in hits), f"every error names a fix: {hits}"
+
+
+def test_default_config_is_valid():
+    assert config_errors([]) == []
+
+
+# --------------------------------------------------------------------------------- cross-group rules (validate.py)
+CROSS_GROUP = [
+    ("unknown_estimator", ["algorithm.estimator=nope"], "algorithm.estimator", "'nope' is not a registered estimator"),
+    ("unknown_policy_loss", ["algorithm.policy_loss=nope"], "algorithm.policy_loss", "'nope' is not a registered loss"),
+    ("plugin_import", ["algorithm.plugins=[no_such_module_for_molt_tests]"], "algorithm.plugins",
+     "cannot import 'no_such_module_for_molt_tests'"),
+    ("groups_need_samples", ["rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt",
+     "estimator grpo compares samples within a group, so it needs > 1"),
+    ("distill_needs_teacher", ["algorithm=on_policy_distill"], "model.ref_path", "on_policy_distill needs a teacher"),
+    ("dynamic_filtering_needs_groups",
+     ["algorithm.estimator=reinforce", "rollout.n_samples_per_prompt=1", "algorithm.dynamic_filtering.enable=true"],
+     "algorithm.dynamic_filtering.enable", "needs groups (n_samples_per_prompt > 1)"),
+    ("kl_reward_unused", ["algorithm.kl.coef=0.1"], "algorithm.kl.coef",
+     "estimator grpo ignores per-token KL rewards, so coef=0.1"),
+    ("actor_freezing_needs_critic", ["train.critic.actor_freezing_steps=5"], "train.critic.actor_freezing_steps",
+     "but estimator grpo has none"),
+    ("off_policy_queue_needs_is", ["train.queue_depth=2"], "algorithm.is_correction.level",
+     "without IS correction the drift is uncorrected"),
+    ("off_policy_partial_needs_is", ["train.partial_rollout=true"], "algorithm.is_correction.level",
+     "without IS correction the drift is uncorrected"),
+    ("is_needs_full_top_p", ["algorithm.is_correction.level=token", "rollout.top_p=0.9"], "rollout.top_p",
+     "but top_p=0.9 renormalises vLLM's"),
+    ("sync_no_partial", ["train.mode=sync", "train.partial_rollout=true"], "train.partial_rollout",
+     "sync mode trains only tokens of the current policy"),
+    ("sync_no_queue", ["train.mode=sync", "train.queue_depth=2"], "train.queue_depth",
+     "queue_depth applies to train.mode=async"),
+    ("packing_not_for_vlm",
+     ["data.max_images_per_prompt=1", "parallelism.packing=true", "model.attn_implementation=flash_attention_2"],
+     "parallelism.packing", "not supported for VLM inputs"),
+    ("routing_replay_no_partial",
+     ["rollout.routing_replay=true", "train.partial_rollout=true", "algorithm.is_correction.level=token"],
+     "rollout.routing_replay", "partial rollout mixes them"),
+    ("routing_replay_no_mtp", ["rollout.routing_replay=true", "rollout.mtp_num_speculative_tokens=2"],
+     "rollout.routing_replay", "cannot record experts of speculative (MTP) tokens"),
+    ("prefix_cache_no_mtp", ["rollout.enable_prefix_caching=true", "rollout.mtp_num_speculative_tokens=2"],
+     "rollout.enable_prefix_caching", "prefix caching with MTP speculative decoding is not supported"),
+    ("packing_needs_varlen_attn", ["parallelism.packing=true", "model.attn_implementation=sdpa"],
+     "parallelism.packing", "need a varlen attention kernel, got sdpa"),
+    ("dynamic_batch_needs_packing", ["train.dynamic_batch=true"], "train.dynamic_batch", "packed streams"),
+    ("cpu_no_ray_executor", ["rollout.executor=ray"], "rollout.executor", "vLLM on CPU refuses the ray executor"),
+    ("cpu_no_engine_pp", ["rollout.pipeline_parallel_size=2"], "rollout.pipeline_parallel_size",
+     "pipeline parallelism needs the ray executor"),
+    *[(f"hf_backend_no_{n}", [f"parallelism.{n}=2"], f"parallelism.{n}", f"{n}=2 needs NeMo AutoModel's meshes")
+      for n in ("tp", "cp", "ep")],
+    ("full_offload_needs_ranks", ["parallelism.offload=full"], "parallelism.offload",
+     "full offload needs more than one trainer rank"),
+    # 1 group x 2 samples on 4 data-parallel ranks (5 devices: 1 engine + 4 trainer ranks).
+    ("every_rank_gets_a_sample",
+     ["rollout.batch_size=1", "rollout.n_samples_per_prompt=2", "parallelism.trainer_devices=4",
+      "cluster.devices_per_node=5"],
+     "rollout.batch_size", "1 groups x 2 samples = 2 < 4 data-parallel ranks"),
+    # conf default: 8 groups x 8 samples = 64 per step; 48 does not divide it (and is a multiple of 16 x 1).
+    ("step_samples_multiple_of_batch", ["train.batch_size=48"], "train.batch_size",
+     "a rollout step yields 64 samples, not a multiple of train.batch_size=48"),
+    # 64 samples per step; micro 48 x dp 1 = 48 does not divide train.batch_size=64.
+    ("batch_multiple_of_micro_x_dp", ["train.micro_batch_size=48"], "train.batch_size",
+     "must be a multiple of micro_batch_size x dp = 48 x 1 = 48, got 64"),
+    ("new_tokens_leave_room", ["rollout.max_new_tokens=256", "data.max_len=256"], "rollout.max_new_tokens",
+     "256 leaves no room for the prompt within data.max_len=256"),
+    ("train_data_required", ["data.train_path=null"], "data.train_path", "job=rl needs training data"),
+    ("eval_needs_data", ["eval.every_steps=5"], "eval.data_path", "evaluation is scheduled"),
+    # 2 engines on a 1 x 2 cluster leave 0 devices; trainer_devices=-1 derives max(0, 1) = 1 -> 3 needed.
+    ("resource_fit", ["rollout.num_engines=2"], "parallelism.trainer_devices",
+     "the run needs 3 devices (2 rollout, 1 trainer roles) but cluster has 1 x 2 = 2"),
+    # reinforce reads per-token KL -> kl.coef derives to 0.01 -> a reference beside the 1 trainer rank -> 2 + 1 engine.
+    ("resource_fit_counts_reference", ["algorithm=reinforce"], "parallelism.trainer_devices",
+     "the run needs 3 devices (1 rollout, 2 trainer roles) but cluster has 1 x 2 = 2"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CROSS_GROUP], ids=[c[0] for c in CROSS_GROUP])
+def test_cross_group_rule_fires(overrides, key, fragment):
+    assert_fires(overrides, key, fragment)
+
+
+def test_packing_rule_names_the_kernels():
+    line = next(l for l in config_errors(["parallelism.packing=true"]) if l.startswith("parallelism.packing: "))
+    assert str(list(PACKING_ATTN)) in line
+
+
+def test_unknown_names_list_the_registered_ones():
+    from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
+    from molt_hydra.algorithm.loss import POLICY_LOSSES
+
+    lines = config_errors(["algorithm.estimator=nope", "algorithm.policy_loss=nope"])
+    est = next(l for l in lines if l.startswith("algorithm.estimator: "))
+    loss = next(l for l in lines if l.startswith("algorithm.policy_loss: "))
+    assert str(sorted(ADVANTAGE_ESTIMATORS)) in est
+    assert str(sorted(POLICY_LOSSES)) in loss
+
+
+def test_derived_values_are_checked_not_raw_ones():
+    """derive() runs first: on_policy_distill forces kl.estimator=k1 and coef=1.0, which is then not 'unused'."""
+    assert config_errors(["algorithm=on_policy_distill", "model.ref_path=tiny://qwen3_moe_tiny",
+                          "rollout.n_samples_per_prompt=1", "rollout.batch_size=32", "train.batch_size=32",
+                          "parallelism.colocate_models=true"]) == []
+
+
+# ---------------------------------------------------------------------------- single-group rules (__post_init__)
+POST_INIT = [
+    *[(f"parallelism_{n}_positive", [f"parallelism.{n}=0"], f"parallelism.{n}", "must be >= 1")
+      for n in ("tp", "cp", "ep", "pp")],
+    ("parallelism_pp_not_implemented", ["parallelism.pp=2"], "parallelism.pp", "pipeline parallelism is not implemented"),
+    ("parallelism_trainer_devices", ["parallelism.trainer_devices=0"], "parallelism.trainer_devices",
+     "must be -1 (auto) or >= 1, got 0"),
+    *[(f"rollout_{n}_positive", [f"rollout.{n}=0"], f"rollout.{n}", "must be >= 1, got 0")
+      for n in ("num_engines", "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
+                "batch_size", "n_samples_per_prompt", "num_runners")],
+    ("rollout_temperature", ["rollout.temperature=0"], "rollout.temperature", "must be > 0, got 0.0"),
+    ("rollout_top_p_zero", ["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1], got 0.0"),
+    ("rollout_top_p_above_one", ["rollout.top_p=1.5"], "rollout.top_p", "must be in (0, 1], got 1.5"),
+    ("is_seq_mask_only", ["algorithm.is_correction.level=seq", "algorithm.is_correction.mode=clip"],
+     "algorithm.is_correction.mode", "level=seq only supports mode=mask, got mode=clip"),
+    ("is_geo_mask_only", ["algorithm.is_correction.level=geo", "algorithm.is_correction.mode=trunc"],
+     "algorithm.is_correction.mode", "level=geo only supports mode=mask, got mode=trunc"),
+    ("is_band", ["algorithm.is_correction.low=6.0"], "algorithm.is_correction.low",
+     "need 0 <= low < high, got [6.0, 5.0]"),
+    ("dynamic_filtering_band", ["algorithm.dynamic_filtering.low=1.0"], "algorithm.dynamic_filtering.low",
+     "need low < high, got (1.0, 1.0)"),
+    ("reward_clip_order", ["algorithm.reward_clip=[5,-5]"], "algorithm.reward_clip", "need [low, high] with low < high"),
+    ("reward_clip_pair", ["algorithm.reward_clip=[1]"], "algorithm.reward_clip", "need [low, high] with low < high"),
+    ("gamma_range", ["algorithm.gamma=0"], "algorithm.gamma", "must be in (0, 1], got 0.0"),
+    ("lam_range", ["algorithm.lam=1.5"], "algorithm.lam", "must be in [0, 1], got 1.5"),
+    ("dual_clip_above_one", ["algorithm.dual_clip=1.0"], "algorithm.dual_clip", "must be > 1.0, got 1.0"),
+    ("dual_clip_ppo_only", ["algorithm.dual_clip=3.0", "algorithm.policy_loss=gspo"], "algorithm.dual_clip",
+     "dual clip is a PPO-only bound, but algorithm.policy_loss=gspo"),
+    ("cispo_ceiling", ["algorithm.policy_loss=cispo", "algorithm.clip_eps_high=0.2"], "algorithm.clip_eps_high",
+     "cispo reads it as an absolute ratio ceiling and needs >= 1.0, got 0.2"),
+    ("optimizer_lr", ["train.optimizer.lr=0"], "train.optimizer.lr", "must be > 0, got 0.0"),
+    ("optimizer_betas", ["train.optimizer.betas=[0.9]"], "train.optimizer.betas", "need two values, got [0.9]"),
+    ("optimizer_warmup", ["train.optimizer.warmup_ratio=1.0"], "train.optimizer.warmup_ratio",
+     "must be in [0, 1), got 1.0"),
+    *[(f"train_{n}_positive", [f"train.{n}=0"], f"train.{n}", "must be >= 1, got 0")
+      for n in ("batch_size", "micro_batch_size", "epochs", "num_episodes", "queue_depth")],
+    ("force_on_policy_one_epoch", ["train.force_on_policy=true", "train.epochs=2"], "train.force_on_policy",
+     "needs train.epochs=1, got 2"),
+    ("max_staleness", ["train.max_staleness=-1"], "train.max_staleness", "must be >= 0, got -1"),
+    *[(f"cluster_{n}_positive", [f"cluster.{n}=0"], f"cluster.{n}", "must be >= 1, got 0")
+      for n in ("nodes", "devices_per_node", "cpus_per_node")],
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in POST_INIT], ids=[c[0] for c in POST_INIT])
+def test_single_group_rule_fires(overrides, key, fragment):
+    assert_fires(overrides, key, fragment)
+
+
+def test_post_init_failures_of_several_groups_are_reported_together():
+    lines = config_errors(["rollout.temperature=0", "train.epochs=0"])
+    assert any(l.startswith("rollout.temperature: must be > 0") for l in lines), lines
+    assert any(l.startswith("train.epochs: must be >= 1") for l in lines), lines
+
+
+def test_critic_optimizer_rule_names_the_critic_key():
+    assert_fires(["train.critic.optimizer.lr=0"], "train.critic.optimizer.lr", "must be > 0, got 0.0")
+
+
+# ------------------------------------------------------------------------------- all at once; nothing starts
+THREE = ["rollout.executor=ray", "train.dynamic_batch=true", "train.critic.actor_freezing_steps=3"]
+THREE_KEYS = ["rollout.executor", "train.dynamic_batch", "train.critic.actor_freezing_steps"]
+
+
+def test_all_failures_reported_at_once():
+    lines = config_errors(THREE)
+    assert len(lines) == 3, lines
+    assert sorted(line.split(":", 1)[0] for line in lines) == sorted(THREE_KEYS)
+
+
+@pytest.fixture(scope="module")
+def failing_cli_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("failing")
+    calls = [[*THREE, f"hydra.run.dir={base / 'cross_group'}"],
+             ["rollout.temperature=0", f"hydra.run.dir={base / 'post_init'}"]]
+    return base, run_cli_many(calls)
+
+
+def test_cli_reports_all_and_starts_nothing(failing_cli_runs):
+    base, (cross, post_init) = failing_cli_runs
+    for res in (cross, post_init):
+        assert res.returncode == EXIT_CONFIG_ERROR, res.describe()
+        assert "Traceback" not in res.output, res.describe()
+        assert PLAN_HEADER not in res.stdout, res.describe()
+    error_lines = [l for l in cross.stderr.splitlines() if l.startswith("- ")]
+    assert sorted(l[2:].split(":", 1)[0] for l in error_lines) == sorted(THREE_KEYS), cross.describe()
+    assert "rollout.temperature: must be > 0" in post_init.stderr, post_init.describe()
+    assert not list(base.rglob("run_record.json")), "a failing config must not start the run"
