@@ -58,7 +58,9 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 def _main(cfg: DictConfig) -> None:
     from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.sweep import set_wandb_group
 
+    set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
     try:
         run_cfg = validate(to_run_config(cfg))
     except ConfigError as e:

@@ -1,0 +1,246 @@
+"""`molt-report <sweep dir>`: one table row per sweep point (its overrides, status, steps, final and best value of
+each metric) and a PNG of one metric per point over steps.
+
+    molt-report multirun/sweep_estimators_is/2026-11-29_19-36-30
+    molt-report SWEEP --metric train/reward --metric train/vllm_kl:min --png reward.png
+
+A point is a subdirectory with `.hydra/overrides.yaml` (Hydra writes it when the point starts) and/or a submitit
+submission under `SWEEP/.submitit/` (so points still pending in Slurm are listed too). Metrics come from each
+point's `metrics.jsonl` (one JSON object per step, with a `step` key). Status: submitit's result file when there is
+one (completed / failed: <error>), else Slurm's state from `sacct` (pending, running, requeued, cancelled, ...),
+else the metrics (completed when the last step reached train.max_steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pickle
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DEFAULT_METRICS = ("train/reward", "train/vllm_kl:min")
+
+
+@dataclass
+class Point:
+    num: int
+    overrides: list[str] = field(default_factory=list)
+    dir: Path | None = None
+    job_id: str | None = None
+    result: tuple | None = None
+    "submitit's (outcome, value) once the job ended."
+    max_steps: int | None = None
+    rows: list[dict] = field(default_factory=list)
+    status: str = ""
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of a metrics.jsonl; a torn last line (the run is still writing) is skipped."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and "step" in row:
+                rows.append(row)
+    return rows
+
+
+def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of one metric; for a step logged twice (a resumed run re-ran it) the later value wins."""
+    by_step: dict[int, float] = {}
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            by_step[int(row["step"])] = float(value)
+    return sorted(by_step.items())
+
+
+def final_and_best(rows: list[dict], key: str, mode: str) -> tuple[float | None, float | None, int | None]:
+    """Value at the last step, best value (max or min), and the step of the best (first one on ties)."""
+    s = series(rows, key)
+    if not s:
+        return None, None, None
+    pick = max if mode == "max" else min
+    best = pick(v for _, v in s)
+    return s[-1][1], best, next(step for step, v in s if v == best)
+
+
+def _submissions(sweep: Path) -> dict[int, tuple[str, list[str], tuple | None]]:
+    """job number -> (Slurm/local job id, overrides, result) from submitit's folder."""
+    found: dict[int, tuple[str, list[str], tuple | None]] = {}
+    root = sweep / ".submitit"
+    for sub in sorted(root.glob("*/*_submitted.pkl")) if root.is_dir() else []:
+        job_id = sub.name[: -len("_submitted.pkl")]
+        try:
+            with sub.open("rb") as f:
+                args = pickle.load(f).args  # DelayedSubmission(launcher, overrides, dir_key, job_num, ...)
+        except Exception:  # noqa: BLE001 - an unreadable submission is just not listed
+            continue
+        result = None
+        res = sub.with_name(f"{job_id}_0_result.pkl")
+        if res.is_file():
+            try:
+                with res.open("rb") as f:
+                    result = pickle.load(f)
+            except Exception as e:  # noqa: BLE001
+                result = ("error", f"unreadable result: {e}")
+        found[int(args[2])] = (job_id, list(args[0]), result)
+    return found
+
+
+def _sacct_states(job_ids: list[str]) -> dict[str, str]:
+    if not job_ids or shutil.which("sacct") is None:
+        return {}
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
+                         capture_output=True, text=True, timeout=30)
+    states = {}
+    for line in out.stdout.splitlines():
+        job, _, state = line.partition("|")
+        if job in job_ids:
+            states[job] = state.split()[0].lower() if state else ""  # "CANCELLED by 0" -> cancelled
+    return states
+
+
+def _status_from_result(result: tuple) -> str:
+    outcome, value = result
+    if outcome == "success":
+        status = getattr(value, "status", None)
+        if status is not None and status.name == "FAILED":
+            exc = getattr(value, "_return_value", None)
+            return f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
+        return "completed"
+    lines = [ln for ln in str(value).strip().splitlines() if ln.strip()]
+    return f"failed: {lines[-1].strip() if lines else outcome}"
+
+
+def load_points(sweep: Path) -> list[Point]:
+    points: dict[int, Point] = {}
+    for over in sorted(sweep.glob("*/.hydra/overrides.yaml")):
+        pdir = over.parent.parent
+        hydra_cfg = yaml.safe_load((pdir / ".hydra" / "hydra.yaml").read_text()) or {}
+        num = hydra_cfg.get("hydra", {}).get("job", {}).get("num")
+        if num is None:
+            num = int(pdir.name.split("_", 1)[0])
+        cfg = yaml.safe_load((pdir / ".hydra" / "config.yaml").read_text()) or {}
+        points[int(num)] = Point(num=int(num), overrides=list(yaml.safe_load(over.read_text()) or []), dir=pdir,
+                                 max_steps=(cfg.get("train") or {}).get("max_steps"))
+    for num, (job_id, overrides, result) in _submissions(sweep).items():
+        p = points.setdefault(num, Point(num=num, overrides=overrides))
+        p.job_id, p.result = job_id, result
+    states = _sacct_states([p.job_id for p in points.values() if p.job_id and p.result is None])
+    for p in points.values():
+        p.rows = read_metrics(p.dir / "metrics.jsonl") if p.dir else []
+        last = int(p.rows[-1]["step"]) if p.rows else None
+        if p.result is not None:
+            p.status = _status_from_result(p.result)
+        elif p.job_id in states:
+            p.status = states[p.job_id]
+        elif last is None:
+            p.status = "no metrics"
+        elif p.max_steps is not None and last >= p.max_steps:
+            p.status = "completed"
+        else:
+            p.status = f"stopped at step {last}"
+    return [points[n] for n in sorted(points)]
+
+
+def varying_overrides(points: list[Point]) -> dict[int, list[str]]:
+    """Each point's overrides that are not shared by every point (the sweep axes); all of them for one point."""
+    if len(points) <= 1:
+        return {p.num: p.overrides for p in points}
+    common = set.intersection(*(set(p.overrides) for p in points))
+    return {p.num: [o for o in p.overrides if o not in common] for p in points}
+
+
+def _parse_metric(spec: str) -> tuple[str, str]:
+    key, _, mode = spec.rpartition(":")
+    if not key or mode not in ("max", "min"):
+        return spec, "max"
+    return key, mode
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def table(points: list[Point], metrics: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:
+    labels = varying_overrides(points)
+    header = ["#", "overrides", "status", "steps"]
+    for key, mode in metrics:
+        header += [f"final {key}", f"best {key} ({mode})", "@step"]
+    rows = []
+    for p in points:
+        row = [str(p.num), " ".join(labels[p.num]) or "-", p.status, str(p.rows[-1]["step"]) if p.rows else "-"]
+        for key, mode in metrics:
+            final, best, at = final_and_best(p.rows, key, mode)
+            row += [_fmt(final), _fmt(best), "-" if at is None else str(at)]
+        rows.append(row)
+    return header, rows
+
+
+def render(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(c) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def plot(points: list[Point], key: str, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    labels = varying_overrides(points)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for p in points:
+        s = series(p.rows, key)
+        if s:
+            ax.plot([x for x, _ in s], [y for _, y in s], marker=".", label=f"{p.num}: {' '.join(labels[p.num])}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_title(f"{key} per point")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="molt-report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("sweep_dir", type=Path, help="a multirun directory (multirun/<name>/<time>)")
+    ap.add_argument("--metric", action="append", metavar="KEY[:max|min]",
+                    help=f"metric columns, best by max (default) or min; the first one is plotted "
+                         f"(default: {' '.join(DEFAULT_METRICS)})")
+    ap.add_argument("--png", type=Path, help="plot path (default: SWEEP/report_<metric>.png)")
+    args = ap.parse_args(argv)
+    metrics = [_parse_metric(m) for m in (args.metric or DEFAULT_METRICS)]
+    if not args.sweep_dir.is_dir():
+        print(f"molt-report: {args.sweep_dir} is not a directory", file=sys.stderr)
+        return 2
+    points = load_points(args.sweep_dir)
+    if not points:
+        print(f"molt-report: no sweep points under {args.sweep_dir} (no */.hydra/overrides.yaml, no .submitit/)",
+              file=sys.stderr)
+        return 2
+    print(render(*table(points, metrics)))
+    key = metrics[0][0]
+    png = args.png or args.sweep_dir / f"report_{key.replace('/', '_')}.png"
+    print(f"\nplot of {key}: {plot(points, key, png)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Ray inside a Slurm allocation: the node this process runs on starts the Ray head, every other node of the
+allocation joins through its own `srun` step, and the driver (this process) connects once all nodes and their
+resources are up. Everything started here ends with the `with` block — and with the job, since Slurm kills the steps.
+
+    with ray_cluster(cfg.cluster, log_dir=Path(cfg.output_dir) / "ray", num_cpus=n, runtime_env=...) as address:
+        ...   # inside an allocation: ray.init(address=...) done, all nodes up; outside one: address is None, nothing done
+
+The allocation is discovered from Slurm's own environment (SLURM_JOB_ID, SLURM_JOB_NODELIST) — the same under a
+submitit job (whose single task runs on the first node: conf/hydra/launcher/molt_slurm.yaml), a plain `sbatch`
+(launchers/molt.sbatch) and an interactive `salloc`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from molt_hydra.config.schema import ClusterConfig
+
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+
+
+class RayClusterError(RuntimeError):
+    """The Ray cluster over the allocation did not form (a node missing, resources short, a step died)."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: str
+    nodes: tuple[str, ...]
+    "Slurm node names of the job, in Slurm's order."
+    this_node: str
+
+    @property
+    def others(self) -> tuple[str, ...]:
+        return tuple(n for n in self.nodes if n != self.this_node)
+
+
+def allocation() -> Allocation | None:
+    """The Slurm job this process runs in, or None outside one."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ["SLURM_NODELIST"]
+    nodes = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
+                           text=True).stdout.split()
+    this = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    return Allocation(job_id=job_id, nodes=tuple(nodes), this_node=this)
+
+
+def node_ip(node: str) -> str:
+    """The address Slurm itself uses for a node (its NodeAddr), as an IPv4 address. Not `hostname -i`: fake nodes
+    on one host (launchers/local_slurm.sh) differ only in NodeAddr (127.0.1.N; Ray rewrites 127.0.0.1)."""
+    out = subprocess.run(["scontrol", "show", "node", node, "-o"], check=True, capture_output=True, text=True).stdout
+    addr = next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), node)
+    return socket.gethostbyname(addr)
+
+
+def _free_port(ip: str) -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _temp_dir(job_id: str, node: str) -> str:
+    # Per job and node: two jobs on one node, or two fake nodes on one host, must not share Ray's session dir.
+    return f"/tmp/ray-{job_id}-{node}"
+
+
+def _popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # Own process group, so that stopping it can reach every process it started.
+    return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (srun forwards it to its step; `ray start --block` stops its Ray processes), SIGKILL after a grace."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_for_nodes(alloc: Allocation, want_cpus: float, want_gpus: float, steps: dict[str, tuple], timeout_s: float
+                   ) -> dict:
+    """Block until Ray sees every node of the allocation alive with at least the wanted resources; fail with the
+    missing nodes and the logs of their steps on timeout, or at once when a step has exited."""
+    import ray
+
+    ips = {node_ip(n): n for n in alloc.nodes}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        res = ray.cluster_resources()
+        ok = set(ips) <= alive and res.get("CPU", 0) >= want_cpus and res.get("GPU", 0) >= want_gpus
+        if ok:
+            return res
+        dead = {node: (proc, log) for node, (proc, log) in steps.items() if proc.poll() is not None}
+        if dead or time.monotonic() > deadline:
+            missing = sorted(ips[ip] for ip in set(ips) - alive)
+            why = (f"the Ray step on {', '.join(dead)} exited" if dead else f"not up after {timeout_s:.0f} s")
+            logs = "\n".join(f"--- {log} (node {node}):\n{_tail(log)}" for node, (_, log) in (dead or steps).items())
+            raise RayClusterError(
+                f"Ray over Slurm job {alloc.job_id}: {why}. Nodes missing: {missing or 'none'}; resources "
+                f"CPU {res.get('CPU', 0)}/{want_cpus}, GPU {res.get('GPU', 0)}/{want_gpus}. Fix: check the node "
+                f"logs below and that cluster.nodes/cpus_per_node/devices_per_node match the allocation.\n{logs}")
+        time.sleep(0.5)
+
+
+@contextmanager
+def ray_cluster(cluster: ClusterConfig, log_dir: str | Path, num_cpus: int | None = None,
+                timeout_s: float = START_TIMEOUT_S, **init_kwargs) -> Iterator[str | None]:
+    """Form Ray over the current Slurm allocation and connect this process to it; yields the head's address.
+    Outside an allocation (or with cluster.ray_address set) yields cluster.ray_address and starts nothing.
+    num_cpus: logical CPUs each Ray node advertises (default cluster.cpus_per_node); init_kwargs go to ray.init."""
+    alloc = allocation()
+    if alloc is None or cluster.ray_address:
+        yield cluster.ray_address
+        return
+    if len(alloc.nodes) != cluster.nodes:
+        raise RayClusterError(
+            f"Slurm job {alloc.job_id} has {len(alloc.nodes)} node(s) ({','.join(alloc.nodes)}) but cluster.nodes="
+            f"{cluster.nodes}. Fix: set cluster.nodes={len(alloc.nodes)} or allocate {cluster.nodes} node(s).")
+    import ray
+
+    log_dir = Path(log_dir)
+    cpus = num_cpus or cluster.cpus_per_node
+    gpus = cluster.devices_per_node if cluster.device.value == "cuda" else 0
+    # Ray >= 2.5x turns token auth on for a `ray start --head` unless told otherwise, while this driver fixed its
+    # auth mode when it imported ray (disabled unless RAY_AUTH_MODE was set): head and workers follow the driver.
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "RAY_USAGE_STATS_ENABLED": "0"}
+    head_ip = node_ip(alloc.this_node)
+    # Free ports, not Ray's fixed defaults (6379, 10001, 52365): other jobs may share this node.
+    address = f"{head_ip}:{_free_port(head_ip)}"
+    common = ["--num-cpus", str(cpus), "--disable-usage-stats", "--block"]
+    t0 = time.monotonic()
+    with ExitStack() as stack:
+        head_log = log_dir / f"head-{alloc.this_node}.log"
+        head = _popen([_ray_bin(), "start", "--head", f"--node-ip-address={head_ip}",
+                       f"--port={address.rsplit(':', 1)[1]}", f"--ray-client-server-port={_free_port(head_ip)}",
+                       f"--dashboard-agent-listen-port={_free_port(head_ip)}", "--include-dashboard=false",
+                       f"--temp-dir={_temp_dir(alloc.job_id, alloc.this_node)}", *common], head_log, env)
+        stack.callback(_stop, head)
+        steps = {alloc.this_node: (head, head_log)}
+        _wait_head(address, head, head_log, timeout_s)
+        for node in alloc.others:
+            log = log_dir / f"worker-{node}.log"
+            # One srun step per other node (the job's own step runs only on this one). --overlap: the step may
+            # share the node with other steps of the job.
+            proc = _popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
+                           f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}", "--kill-on-bad-exit=1",
+                           _ray_bin(), "start", f"--address={address}", f"--node-ip-address={node_ip(node)}",
+                           f"--dashboard-agent-listen-port={_free_port(head_ip)}",
+                           f"--temp-dir={_temp_dir(alloc.job_id, node)}", *common], log, env)
+            stack.callback(_stop, proc)
+            steps[node] = (proc, log)
+        ray.init(address=address, **init_kwargs)
+        stack.callback(ray.shutdown)
+        res = wait_for_nodes(alloc, cpus * len(alloc.nodes), gpus * len(alloc.nodes), steps, timeout_s)
+        print(f"ray: {len(alloc.nodes)} node(s) up in {time.monotonic() - t0:.1f}s over Slurm job {alloc.job_id} "
+              f"({','.join(alloc.nodes)}), head {address}, CPU {res.get('CPU', 0):g} GPU {res.get('GPU', 0):g}",
+              flush=True)
+        yield address
+    # a clean end drops this node's Ray session dir (raylet/GCS logs) once Ray has stopped; after a failure it stays
+    shutil.rmtree(_temp_dir(alloc.job_id, alloc.this_node), ignore_errors=True)
+
+
+def _wait_head(address: str, head: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            pass
+        if head.poll() is not None or time.monotonic() > deadline:
+            raise RayClusterError(f"Ray head on {address} did not come up "
+                                  f"({'exited' if head.poll() is not None else 'timeout'}); {log}:\n{_tail(log)}")
+        time.sleep(0.2)

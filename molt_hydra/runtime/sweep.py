@@ -1,0 +1,26 @@
+"""What a multirun point takes from its sweep: the W&B group. Every point of one `molt-run -m` logs into one W&B
+group named after the sweep (its directory: `<name>_<time>` for multirun/<name>/<time>), so the points of a sweep
+are compared side by side; each point's run is named after its own output directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
+
+
+def sweep_group(sweep_dir: str) -> str:
+    return "_".join(Path(sweep_dir).parts[-2:])
+
+
+def set_wandb_group(cfg: DictConfig) -> None:
+    """In a multirun point, set logger.wandb.group to the sweep's name unless the command line set one."""
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or cfg.logger.wandb.group is not None:
+        return
+    with open_dict(cfg):
+        cfg.logger.wandb.group = sweep_group(hc.sweep.dir)

@@ -1,0 +1,201 @@
+"""Sweeps on a real Slurm (launchers/local_slurm.sh: nodes n1, n2 on loopback) through real submitit, with real Ray
+formed inside the allocation. The cluster is started by the session fixture and stopped after it."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import submitit
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from molt_hydra.config.schema import ClusterConfig, ClusterKind
+from molt_hydra.config.store import CONF_DIR, register
+from slurm_cluster import REPO, sacct, slurm_cluster  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.slurm
+# the job functions below travel to the Slurm job by value: this test module is not importable there
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+MOLT_RUN = str(Path(sys.executable).with_name("molt-run"))
+MOLT_REPORT = str(Path(sys.executable).with_name("molt-report"))
+
+
+def _molt(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([MOLT_RUN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _array_id(sweep: Path) -> str:
+    ids = {p.name.split("_")[0] for p in (sweep / ".submitit").iterdir() if "_" in p.name and p.is_dir()}
+    assert len(ids) == 1, ids
+    return ids.pop()
+
+
+def _point_dirs(sweep: Path) -> list[Path]:
+    return sorted(p.parent.parent for p in sweep.glob("*/.hydra/overrides.yaml"))
+
+
+def test_sweep_points_run_as_slurm_jobs(slurm_cluster, tmp_path):
+    """Two points -> one Slurm array job of two tasks (dry_run: composing, validating and planning inside the job)."""
+    sweep = tmp_path / "sweep"
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo,rloo", "dry_run=true",
+               f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    array = _array_id(sweep)
+    rows = sacct(array, until=lambda rows: len(rows) == 2 and all(r[-1]["State"] == "COMPLETED" for r in rows.values()))
+    assert {jid: recs[-1]["State"] for jid, recs in rows.items()} == {f"{array}_0": "COMPLETED",
+                                                                       f"{array}_1": "COMPLETED"}
+    assert {recs[-1]["JobName"] for recs in rows.values()} == {"tiny_cpu"}
+    # the job's sbatch lines come from cluster.* through conf/hydra/launcher/molt_slurm.yaml
+    script = (sweep / ".submitit" / array / f"{array}_submission.sh").read_text()
+    for line in ("#SBATCH --nodes=1", "#SBATCH --cpus-per-task=2", "#SBATCH --time=60", "#SBATCH --signal=USR2@120"):
+        assert line in script
+    assert "srun --unbuffered" in script and "--nodes=1 --ntasks=1" in script
+    dirs = _point_dirs(sweep)
+    assert [d.name.split("_")[0] for d in dirs] == ["0", "1"]
+    for d, est in zip(dirs, ("grpo", "rloo")):
+        cfg = OmegaConf.load(d / ".hydra" / "config.yaml")
+        assert cfg.algorithm.estimator == est and cfg.cluster.kind == "slurm" and cfg.checkpoint.resume == "auto"
+    rep = subprocess.run([MOLT_REPORT, str(sweep)], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    lines = rep.stdout.splitlines()
+    assert lines[2].split()[:3] == ["0", "algorithm.estimator=grpo", "completed"]
+    assert lines[3].split()[:3] == ["1", "algorithm.estimator=rloo", "completed"]
+    assert (sweep / "report_train_reward.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _ray_driver(job_log_dir: str) -> dict:
+    """Runs inside the Slurm job: form Ray over the allocation, then report what it sees."""
+    import os
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from molt_hydra.runtime.slurm_ray import ray_cluster
+
+    cluster = ClusterConfig(kind=ClusterKind["slurm"], nodes=2, cpus_per_node=2)
+    with ray_cluster(cluster, job_log_dir) as address:
+        # the driver starts only now: every node must already be there
+        alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+        cpus = ray.cluster_resources()["CPU"]
+
+        @ray.remote(num_cpus=1)
+        def where():
+            return os.environ.get("SLURMD_NODENAME")
+
+        nodes = ray.get([where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                         .remote() for n in ray.nodes() if n["Alive"]])
+    return {"address": address, "alive": alive, "cpus": cpus, "task_nodes": sorted(nodes),
+            "job": os.environ["SLURM_JOB_ID"]}
+
+
+def _executor(tmp_path: Path, nodes: int) -> submitit.AutoExecutor:
+    """submitit set up exactly as the molt_slurm launcher preset resolves for cluster=slurm cluster.nodes=N."""
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["cluster=slurm", f"cluster.nodes={nodes}",
+                                           f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert params.pop("_target_").endswith("SlurmLauncher")
+    ex = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
+                               slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = {"nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node", "mem_gb", "timeout_min", "name",
+            "stderr_to_stdout"}
+    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    return ex
+
+
+def test_two_node_job_forms_one_ray_cluster(slurm_cluster, tmp_path):
+    job = _executor(tmp_path, nodes=2).submit(_ray_driver, str(tmp_path / "ray"))
+    out = job.result()
+    assert out["alive"] == ["127.0.1.1", "127.0.1.2"]
+    assert out["cpus"] == 4.0
+    assert out["task_nodes"] == ["n1", "n2"]
+    assert out["address"].startswith("127.0.1.1:")
+    assert "ray: 2 node(s) up" in job.stdout() and "(n1,n2)" in job.stdout()
+    recs = sacct(out["job"], until=lambda rows: rows.get(out["job"], [{}])[-1].get("State") == "COMPLETED")
+    assert recs[out["job"]][-1]["NNodes"] == "2"
+    # every Ray process ended with the job (head: this step's child; worker: the srun step on n2)
+    time.sleep(2)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"/tmp/ray-{out['job']}-" not in ps
+    assert not Path(f"/tmp/ray-{out['job']}-n1").exists()  # the head's session dir goes after a clean end
+    subprocess.run(["rm", "-rf", f"/tmp/ray-{out['job']}-n2"])  # n2's is on "another node" (same /tmp here)
+
+
+def _mismatch_driver() -> str:
+    from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
+
+    try:
+        with ray_cluster(ClusterConfig(kind=ClusterKind["slurm"], nodes=2), "/tmp"):
+            return "formed"
+    except RayClusterError as e:
+        return str(e)
+
+
+def test_allocation_smaller_than_cluster_nodes_fails_clearly(slurm_cluster, tmp_path):
+    msg = _executor(tmp_path, nodes=1).submit(_mismatch_driver).result()
+    assert "has 1 node(s)" in msg and "cluster.nodes=2" in msg and "Fix:" in msg
+
+
+@pytest.mark.slow
+def test_sweep_trains_and_reports(slurm_cluster, tmp_path):
+    """Needs the RL loop: both points train to the last step as Slurm jobs, in one W&B group named after the sweep."""
+    sweep = tmp_path / "multirun" / "tiny_cpu" / "sw"
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo,rloo", "train.max_steps=3",
+               f"hydra.sweep.dir={sweep}"], tmp_path, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for d in _point_dirs(sweep):
+        steps = [json.loads(ln)["step"] for ln in (d / "metrics.jsonl").read_text().splitlines()]
+        assert steps[-1] == 3
+        wandb_files = list(d.glob("wandb/*/run-*.wandb"))
+        assert wandb_files and b"tiny_cpu_sw" in wandb_files[0].read_bytes()  # the group: <name>_<time> of the sweep
+    rep = subprocess.run([MOLT_REPORT, str(sweep)], capture_output=True, text=True, timeout=120)
+    lines = rep.stdout.splitlines()
+    assert [ln.split()[:4] for ln in lines[2:4]] == [["0", "algorithm.estimator=grpo", "completed", "3"],
+                                                    ["1", "algorithm.estimator=rloo", "completed", "3"]]
+    assert (sweep / "report_train_reward.png").stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_requeued_point_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
+    """Needs the RL loop: `scontrol requeue` mid-run; the point comes back to the same directory and continues its
+    step counter from the latest checkpoint (metrics.jsonl is appended, never restarted at step 1)."""
+    sweep = tmp_path / "sweep"
+    max_steps = 12
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo",
+                             f"train.max_steps={max_steps}", "checkpoint.save_steps=1", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = None
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = list(sweep.glob("*/metrics.jsonl"))
+            if found and len(found[0].read_text().splitlines()) >= 3:
+                metrics = found[0]
+                break
+            time.sleep(1)
+        assert metrics is not None, "the point never logged 3 steps"
+        job = f"{_array_id(sweep)}_0"
+        subprocess.run(["scontrol", "requeue", job], check=True)
+        before = metrics.read_text().splitlines()
+        out, _ = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = metrics.read_text().splitlines()
+    assert lines[: len(before)] == before  # same output dir, appended
+    last_before = json.loads(before[-1])["step"]
+    after = [json.loads(ln)["step"] for ln in lines[len(before):]]
+    assert after, "nothing logged after the requeue"
+    assert 2 <= after[0] <= last_before + 1, (after[0], last_before)  # continued, not restarted at 1
+    assert after[-1] == max_steps
+    states = [r["State"] for r in sacct(job, until=lambda rows: len(rows.get(job, [])) >= 2)[job]]
+    assert states[0] == "REQUEUED" and states[-1] == "COMPLETED", states

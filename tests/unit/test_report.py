@@ -1,0 +1,100 @@
+"""molt-report on synthetic sweep directories: the expected values are computed here from the rows written."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import yaml
+from submitit.helpers import DelayedSubmission
+
+from molt_hydra.runtime import report
+
+
+def _point(sweep: Path, num: int, overrides: list[str], rows: list[dict] | None, max_steps: int = 4) -> Path:
+    d = sweep / f"{num}_{','.join(overrides)}"
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (d / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"job": {"num": num}}}))
+    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": max_steps}}))
+    if rows is not None:
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def _task(*args):  # stands in for the Hydra launcher a submission pickles
+    return args
+
+
+def _sweep(tmp_path: Path) -> Path:
+    sweep = tmp_path / "multirun" / "sw" / "2026-01-01_00-00-00"
+    base = ["+recipe=tiny_cpu", "cluster=slurm"]
+    # point 0: 4 steps, reward peaks at step 3; a torn last line (still being written) is ignored
+    d0 = _point(sweep, 0, base + ["algorithm.estimator=grpo"], [
+        {"step": 1, "train/reward": 0.1, "train/vllm_kl": 0.03},
+        {"step": 2, "train/reward": 0.5, "train/vllm_kl": 0.01},
+        {"step": 3, "train/reward": 0.9, "train/vllm_kl": 0.02},
+        {"step": 4, "train/reward": 0.7, "train/vllm_kl": 0.04},
+    ])
+    with (d0 / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "train/rew')
+    # point 1: resumed after step 2 (step 2 logged twice: the later value wins), stopped at step 3 of 4
+    _point(sweep, 1, base + ["algorithm.estimator=rloo"], [
+        {"step": 1, "train/reward": 0.2},
+        {"step": 2, "train/reward": 0.8},
+        {"step": 2, "train/reward": 0.4},
+        {"step": 3, "train/reward": 0.3, "eval/pass1": 1.0},
+    ])
+    # point 2: a submitit job that failed before writing metrics
+    _point(sweep, 2, base + ["algorithm.estimator=dr_grpo"], None)
+    sub = sweep / ".submitit" / "7_2"
+    sub.mkdir(parents=True)
+    with (sub / "7_2_submitted.pkl").open("wb") as f:
+        pickle.dump(DelayedSubmission(_task, base + ["algorithm.estimator=dr_grpo"], "hydra.sweep.dir", 2, "x", {}), f)
+    with (sub / "7_2_0_result.pkl").open("wb") as f:
+        pickle.dump(("error", "Traceback (most recent call last):\n  File x\nValueError: boom\n"), f)
+    return sweep
+
+
+def test_final_best_and_step():
+    rows = [{"step": 1, "k": 3.0}, {"step": 2, "k": 1.0}, {"step": 3, "k": 2.0}, {"step": 4, "other": 9.0}]
+    assert report.final_and_best(rows, "k", "max") == (2.0, 3.0, 1)
+    assert report.final_and_best(rows, "k", "min") == (2.0, 1.0, 2)
+    assert report.final_and_best(rows, "missing", "max") == (None, None, None)
+
+
+def test_points_status_and_table(tmp_path):
+    sweep = _sweep(tmp_path)
+    points = report.load_points(sweep)
+    assert [p.num for p in points] == [0, 1, 2]
+    assert [p.status for p in points] == ["completed", "stopped at step 3", "failed: ValueError: boom"]
+    assert points[2].job_id == "7_2"
+
+    header, rows = report.table(points, [("train/reward", "max"), ("train/vllm_kl", "min")])
+    assert header == ["#", "overrides", "status", "steps",
+                      "final train/reward", "best train/reward (max)", "@step",
+                      "final train/vllm_kl", "best train/vllm_kl (min)", "@step"]
+    # only the swept override is shown; values: point 0 final 0.7, best 0.9 @3, kl final 0.04, min 0.01 @2
+    assert rows[0] == ["0", "algorithm.estimator=grpo", "completed", "4", "0.7", "0.9", "3", "0.04", "0.01", "2"]
+    # point 1: step 2's later value (0.4) replaced 0.8, so best is 0.4 @2; no kl logged
+    assert rows[1] == ["1", "algorithm.estimator=rloo", "stopped at step 3", "3", "0.3", "0.4", "2", "-", "-", "-"]
+    assert rows[2][:4] == ["2", "algorithm.estimator=dr_grpo", "failed: ValueError: boom", "-"]
+
+
+def test_cli_prints_rows_and_writes_png(tmp_path, capsys):
+    sweep = _sweep(tmp_path)
+    assert report.main([str(sweep), "--metric", "train/reward"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["#", "overrides", "status", "steps"]
+    assert lines[2].split() == ["0", "algorithm.estimator=grpo", "completed", "4", "0.7", "0.9", "3"]
+    assert lines[3].split()[:2] == ["1", "algorithm.estimator=rloo"]
+    png = sweep / "report_train_reward.png"
+    assert f"plot of train/reward: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_cli_errors_on_an_empty_dir(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    assert "no sweep points" in capsys.readouterr().err
