@@ -171,11 +171,16 @@ class VLLMEngine:
     async def load_weights_file(self, path: str) -> int:
         return sum(await self.worker_call("load_safetensors_file", path))
 
-    async def finish_weight_update(self, version: int) -> None:
-        """After every bucket: refresh tied heads, drop KV computed by the old weights, stamp the new version."""
-        await self.worker_call("refresh_tied_lm_head")
+    async def begin_weight_update(self) -> None:
+        await self.worker_call("begin_layerwise_reload")
+
+    async def finish_weight_update(self, version: int | None) -> None:
+        """After the last bucket: finalize the reload, refresh tied heads, drop KV computed by the old weights and
+        stamp the new version (`None`: the update failed, keep the old version number)."""
+        await self.worker_call("finish_layerwise_reload")
         await self._engine().reset_prefix_cache()
-        self.version = version
+        if version is not None:
+            self.version = version
 
     async def get_version(self) -> int:
         return self.version

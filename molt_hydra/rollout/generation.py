@@ -18,7 +18,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    min_tokens: int = 1
+    min_tokens: int = 1  # Molt's value; >0 masks EOS on early steps, which shifts those tokens' processed logprobs
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
@@ -35,7 +35,7 @@ class Generation:
     versions: list[int]
     finish_reason: str  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string / token that ended it, when one did
-    routed_experts: list | None = None  # MoE: per generated token, per layer, the expert ids (when the engine returns them)
+    routed_experts: list | None = None  # MoE: [prompt + generated positions][layer][top-k] expert ids, when enabled
     engine_index: int = -1
 
     def __post_init__(self) -> None:

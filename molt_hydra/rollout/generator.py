@@ -13,9 +13,10 @@ re-dispatched on resume, so none is lost or repeated) and the surplus finished g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -87,7 +88,12 @@ class SamplesGenerator:
         dynamic_filtering: tuple[float, float] | None = None,
         incomplete_groups: str = "keep",
         group_timeout_s: float | None = None,
+        refill_after_batch: bool = True,
+        group_seed: Callable[[int, int], int] | None = None,
     ):
+        """`refill_after_batch`: start the next groups as soon as a batch is handed out (streaming overlap; they may
+        straddle a weight sync). Off, a batch's groups are all started under one policy version.
+        `group_seed(epoch, prompt index)`: the base sampling seed of a group, so a resumed run samples the same."""
         if not prompts:
             raise ValueError("SamplesGenerator needs at least one prompt")
         if batch_size < 1 or n_samples_per_prompt < 1 or num_epochs < 1:
@@ -108,6 +114,8 @@ class SamplesGenerator:
         self.dynamic_filtering = dynamic_filtering
         self.incomplete_groups = incomplete_groups
         self.group_timeout_s = group_timeout_s
+        self.refill_after_batch = refill_after_batch
+        self.group_seed = group_seed
         self.epoch = 0
         self.cursor = 0  # next position in prompt_order(seed, epoch)
         self._order = prompt_order(len(prompts), seed, 0)
@@ -131,10 +139,13 @@ class SamplesGenerator:
         self.cursor += 1
         return self.epoch, self._order[self.cursor - 1]
 
-    async def _run(self, index: int) -> list[tuple[Any, str | None]]:
+    async def _run(self, epoch: int, index: int) -> list[tuple[Any, str | None]]:
+        sampling = self.sampling
+        if self.group_seed is not None:
+            sampling = dataclasses.replace(sampling, seed=self.group_seed(epoch, index))
         try:
             return await asyncio.wait_for(
-                self.runner.run_group(self.prompts[index], self.n_samples, self.sampling), self.group_timeout_s
+                self.runner.run_group(self.prompts[index], self.n_samples, sampling), self.group_timeout_s
             )
         except asyncio.TimeoutError:
             return [(None, "agent_timeout")] * self.n_samples
@@ -146,7 +157,7 @@ class SamplesGenerator:
             nxt = self._next_prompt()
             if nxt is None:
                 return
-            self._inflight[asyncio.ensure_future(self._run(nxt[1]))] = (*nxt, self._dispatched)
+            self._inflight[asyncio.ensure_future(self._run(*nxt))] = (*nxt, self._dispatched)
             self._dispatched += 1
 
     # --- filtering (Molt `_filter_group`) ---
@@ -209,7 +220,8 @@ class SamplesGenerator:
                 group = self._filter(epoch, index, task.result())
                 if group is not None:
                     self._finished.append(group)
-        self._refill()  # keep the pool busy while the trainer works on this batch
+        if self.refill_after_batch:
+            self._refill()  # keep the pool busy while the trainer works on this batch
         batch, self._finished = self._finished[: self.batch_size], self._finished[self.batch_size :]
         exhausted = not (self._finished or self._inflight or self._pending or self.cursor < len(self._order)
                          or self.epoch + 1 < self.num_epochs)

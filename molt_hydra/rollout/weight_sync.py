@@ -134,18 +134,21 @@ class WeightSync:
         start = time.perf_counter()
         num_tensors = num_bytes = 0
         await self._all("pause")
+        done = False
         try:
-            if self.check_coverage:
-                await self._all("worker_call", "reset_weight_coverage")
+            await self._all("begin_weight_update")
             for bucket in buckets:
                 await self.transport.push(self.engines, bucket, self._call)
                 num_tensors += len(bucket)
                 num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            await self._all("finish_weight_update", version)
-            self.version = version
-            missing = await self._all("worker_call", "missing_weights") if self.check_coverage else []
+            done = True
         finally:
-            await self._all("resume")
+            try:  # also after a failure: layers left mid-reload would break generation
+                await self._all("finish_weight_update", version if done else None)
+            finally:
+                await self._all("resume")
+        self.version = version
+        missing = await self._all("worker_call", "missing_weights") if self.check_coverage else []
         missing_names = sorted({name for per_engine in missing for per_worker in per_engine for name in per_worker})
         if missing_names:
             raise WeightCoverageError(missing_names)

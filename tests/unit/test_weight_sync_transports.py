@@ -84,8 +84,11 @@ class FakeWorker(WeightSyncWorkerExtension):
     def __init__(self):
         self.loaded = {}
 
-    def reload_weights(self, weights_iterator):
-        self.loaded.update({n: t.clone() for n, t in weights_iterator})
+    def begin_layerwise_reload(self):
+        self._loaded_names = set()
+
+    def _load_into_model(self, bucket):
+        self.loaded.update({n: t.clone() for n, t in bucket})
 
 
 class FakeEngine:
@@ -93,7 +96,7 @@ class FakeEngine:
 
     def __init__(self, worker, log):
         self.worker, self.log, self.version = worker, log, 0
-        for name in ("pause", "resume", "finish_weight_update", "worker_call"):
+        for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call"):
             setattr(self, name, types.SimpleNamespace(remote=self._remote(name)))
 
     def _remote(self, name):
@@ -101,6 +104,8 @@ class FakeEngine:
             self.log.append(name if name != "worker_call" else args[0])
             if name == "worker_call":
                 return [await asyncio.to_thread(getattr(self.worker, args[0]), *args[1:])]
+            if name == "begin_weight_update":
+                self.worker.begin_layerwise_reload()
             if name == "finish_weight_update":
                 self.version = args[0]
         return lambda *args: call(*args)
@@ -125,5 +130,7 @@ def test_gpu_transports_deliver_every_tensor_exactly_and_bump_the_version(kind):
         for name, t0 in named_tensors():
             assert torch.equal(w.loaded[name], t0)
     # pause first, resume last, versions stamped before resuming
-    assert log[:2] == ["pause", "pause"] and log[-2:] == ["resume", "resume"]
+    assert log[:4] == ["pause", "pause", "begin_weight_update", "begin_weight_update"]
+    assert log[-2:] == ["resume", "resume"]
+    assert all(w._loaded_names == {n for n, _ in named_tensors()} for w in workers)
     assert log.index("finish_weight_update") > max(i for i, m in enumerate(log) if m.startswith("receive_"))

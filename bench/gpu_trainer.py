@@ -1,0 +1,162 @@
+"""GPU trainer benchmark: one FSDP2 bf16 training step (PPO objective on synthetic experiences, random init) for
+Qwen3-shaped models; tokens/s and MFU against the bf16 matmul peak measured in the same run; peak memory; the
+weight-sync send side's full gather time. Run one world size per torchrun:
+
+    torchrun --standalone --nproc_per_node=N bench/gpu_trainer.py --out results_N.json [--shapes 0.6b,1.7b,...]
+
+`--shapes tiny` runs a 2-layer model on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
+same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency = tok/s(N) / (N · tok/s(1)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+V = 151936
+SHAPES = {  # Qwen3 release configs (hidden, layers, heads, kv heads, head_dim 128, FFN)
+    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 intermediate_size=3072, tie_word_embeddings=True),
+    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 intermediate_size=6144, tie_word_embeddings=True),
+    "4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=9728, tie_word_embeddings=True),
+    # 30B-A3B has 48 layers; the full model's fp32 master + AdamW (~490 GB) cannot train on 1-2 GPUs, so the
+    # benchmark keeps its exact layer shape (128 experts, top-8, moe FFN 768) with 8 of the 48 layers.
+    "30b-a3b-8l": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+                       intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                       norm_topk_prob=True, decoder_sparse_step=1, tie_word_embeddings=False, moe=True),
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, tie_word_embeddings=True),
+}
+
+
+def write_config(name: str, rank: int) -> str:
+    import transformers
+    kw = dict(SHAPES[name])
+    cls = transformers.Qwen3MoeConfig if kw.pop("moe", False) else transformers.Qwen3Config
+    cfg = cls(vocab_size=V if name != "tiny" else 512, head_dim=128 if name != "tiny" else 32,
+              max_position_embeddings=40960, rope_theta=1e6, **kw)
+    d = Path(tempfile.gettempdir()) / f"molt_bench_{name}_r{rank}"
+    cfg.save_pretrained(d)
+    return str(d)
+
+
+def peak_bf16_tflops(device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    n = 8192
+    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    iters, t = 50, time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - t) / 1e12
+
+
+def samples(n: int, seq: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (seq,), generator=g)
+        mask = torch.zeros(seq)
+        mask[seq // 4:] = 1  # a quarter prompt, the rest response
+        out.append({"input_ids": ids, "action_mask": mask, "advantages": torch.randn(seq, generator=g) * mask,
+                    "old_logprobs": torch.zeros(seq)})
+    return out
+
+
+def bench_one(name, ac, args, rank, world, port, peak):
+    from molt_hydra.algorithm.loss import PolicyLoss
+    from molt_hydra.parallel.objectives import ActorObjective
+    from molt_hydra.parallel.trainer import TrainerWorker
+
+    path = write_config(name, rank)
+    overrides = {"_experts_implementation": "grouped_mm"} if "a3b" in name else None
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    t = time.perf_counter()
+    w = TrainerWorker(rank=rank, world_size=world, master_port=port, model_path=path, random_init=True,
+                      gradient_checkpointing=ac, param_dtype="bf16", lr=1e-6, max_tokens_per_micro_batch=args.seq,
+                      peak_tflops=peak or None, config_overrides=overrides, timeout_s=300)
+    build_s = time.perf_counter() - t
+    n_params = sum(p.numel() for p in w.model.parameters())  # DTensor numel = global numel
+    obj = ActorObjective(PolicyLoss("ppo"))
+    data = samples(args.mbs, args.seq, w.model.config.vocab_size, seed=rank)
+    runs = []
+    for i in range(args.steps + 1):
+        m = w.train_step(data, obj)
+        if i:
+            runs.append(m)
+    rec = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k.startswith("perf/")}
+    rec["policy_loss"] = runs[-1]["policy_loss"]
+    # weight-sync send side: full bf16 tensors, bucket 1 GiB, to GPU (NCCL-broadcast source) and to host (shm/object store)
+    for dev in (("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)):
+        dist.barrier()
+        t = time.perf_counter()
+        nbytes = 0
+        for bucket in w.weight_buckets(1 << 30, dtype=torch.bfloat16, device=dev):
+            nbytes += sum(x.numel() * x.element_size() for _, x in bucket)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dist.barrier()
+        rec[f"gather_{dev}_s"] = time.perf_counter() - t
+        rec[f"gather_{dev}_gb"] = nbytes / 1e9
+    rec.update(model=name, ac=ac, world=world, params_b=n_params / 1e9, build_s=build_s,
+               tokens_per_gpu_step=args.mbs * args.seq, peak_tflops=peak)
+    del w, obj
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="0.6b:0,0.6b:1,1.7b:0,1.7b:1,4b:1,30b-a3b-8l:1",
+                    help="comma list of SHAPE:AC (AC 1 = activation checkpointing)")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--mbs", type=int, default=4, help="micro-batches (one sequence each) per GPU per step")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    port = int(os.environ["MASTER_PORT"])
+    from molt_hydra.parallel.distributed import init_distributed
+    device = init_distributed(rank, world, os.environ["MASTER_ADDR"], port, timeout_s=300)
+    peak = torch.tensor(peak_bf16_tflops(device))
+    dist.all_reduce(peak, op=dist.ReduceOp.MIN)
+    results = []
+    for item in args.shapes.split(","):
+        name, ac = item.split(":")
+        try:
+            rec = bench_one(name, ac == "1", args, rank, world, port, float(peak))
+        except Exception as e:  # record and go on: one OOM must not lose the other rows
+            rec = {"model": name, "ac": ac == "1", "world": world, "error": f"{type(e).__name__}: {e}"[:500]}
+            if rank == 0:
+                traceback.print_exc()
+            gc.collect()
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        results.append(rec)
+        if rank == 0:
+            print(json.dumps(rec), flush=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Tokens/s of the full path (StepEnvRunner agent -> SamplesGenerator -> Router -> Ray engine actor) divided by raw
+vLLM `AsyncLLM.generate` on the same prompts and sampling, measured in this process. Appends a row to RESULTS.md.
+
+    flock /tmp/molt_heavy.lock python bench/rollout_overhead.py
+"""
+
+import asyncio
+import datetime
+import time
+from pathlib import Path
+
+GROUPS, N, MAX_TOKENS = 16, 4, 64
+ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1, seed=0)
+
+
+def prompts(tok):
+    return [tok.apply_chat_template([{"role": "user", "content": f"What is {i}+{i * 3}?"}], tokenize=False,
+                                    add_generation_prompt=True) for i in range(GROUPS)]
+
+
+async def raw_vllm(model_dir, texts, tok):
+    from vllm.sampling_params import SamplingParams
+
+    from molt_hydra.rollout.engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, **ENGINE_ARGS)
+    await engine.start()
+    llm = engine._llm
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, temperature=1.0)
+
+    async def one(ids, rid):
+        async for out in llm.generate({"prompt_token_ids": ids}, params, request_id=rid):
+            pass
+        return len(out.outputs[0].token_ids)
+
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    await asyncio.gather(*(one(i, f"w{k}") for k, i in enumerate(ids)))  # warmup
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(i, f"r{k}-{j}") for k, i in enumerate(ids) for j in range(N)))
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    return sum(counts) / elapsed
+
+
+async def full_path(model_dir, texts, tok):
+    import ray
+
+    from molt_hydra.agents.base import Env, Episode, Result
+    from molt_hydra.agents.step_runner import StepEnvRunner
+    from molt_hydra.rollout.engine import VLLMEngine
+    from molt_hydra.rollout.generation import Sampling
+    from molt_hydra.rollout.generator import SamplesGenerator
+    from molt_hydra.rollout.router import Router
+
+    class OneTurn(Env):
+        async def step(self, state):
+            return Result(reward=1.0)
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    engine = ray.remote(VLLMEngine).options(max_concurrency=256, num_cpus=1).remote(model_dir, **ENGINE_ARGS)
+    ray.get(engine.start.remote())
+    router = Router([engine], timeout_s=300)
+    runner = StepEnvRunner(OneTurn)
+
+    class AgentGroups:  # the runtime's adapter: prompt row -> episodes -> (trajectory, drop reason) pairs
+        async def run_group(self, row, n, sampling):
+            episodes = [Episode(prompt=row["prompt"], sampling=sampling, max_length=1024) for _ in range(n)]
+            outcome = await runner.run_group(episodes, router, tok)
+            return [(t, None) for t in outcome.trajectories] + [
+                (None, r) for r, c in outcome.failures.items() for _ in range(c)]
+
+    sampling = Sampling(max_tokens=MAX_TOKENS, ignore_eos=True)
+    rows = [{"prompt": t} for t in texts]
+
+    async def run():
+        gen = SamplesGenerator(rows, AgentGroups(), batch_size=GROUPS, n_samples_per_prompt=N, sampling=sampling)
+        start = time.perf_counter()
+        batch = await gen.generate_batch()
+        return sum(t.num_generated for g in batch.groups for t in g.trajectories), time.perf_counter() - start
+
+    await run()  # warmup
+    tokens, elapsed = await run()
+    ray.shutdown()
+    return tokens / elapsed
+
+
+def main():
+    from transformers import AutoTokenizer
+
+    from molt_hydra.models.tiny import resolve_model_path
+
+    model_dir = resolve_model_path("tiny://qwen3_tiny")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = prompts(tok)
+    raw = asyncio.run(raw_vllm(model_dir, texts, tok))
+    ours = asyncio.run(full_path(model_dir, texts, tok))
+    line = (f"| {datetime.date.today()} | rollout_overhead | tiny qwen3 fp32, {GROUPS}x{N} samples x {MAX_TOKENS} tok, "
+            f"1 engine | raw vLLM {raw:.0f} tok/s | agent->generator->router->Ray engine {ours:.0f} tok/s | "
+            f"ratio {ours / raw:.2f} |")
+    print(line)
+    with open(Path(__file__).parent / "RESULTS.md", "a") as f:
+        f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

