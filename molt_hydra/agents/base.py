@@ -85,6 +85,7 @@ class Episode:
     tools: list[dict] | None = None
     group_id: Any = None
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    max_turns: int | None = None  # generating turns allowed (agent.max_turns); None = unlimited
 
 
 @dataclass

@@ -72,6 +72,7 @@ class ChatSession:
         label=None,
         prompt=None,
         image_tokens_per_image: int = 0,
+        max_turns: int | None = None,
     ):
         self.session_id = session_id
         self.generator = generator
@@ -82,6 +83,7 @@ class ChatSession:
         self.label = label
         self.prompt = prompt
         self.image_tokens_per_image = image_tokens_per_image
+        self.max_turns = max_turns
         self.lock = asyncio.Lock()  # turns of one session are serialized
         self.stats = SessionStats()
         self.closed = False
@@ -146,8 +148,9 @@ class ChatSession:
         except (TypeError, ValueError) as e:
             raise RequestError(400, str(e)) from None
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
-        if remaining <= 0:
-            if extension is None:
+        out_of_turns = self.max_turns is not None and self.stats.generate_calls >= self.max_turns
+        if remaining <= 0 or out_of_turns:
+            if extension is None and not out_of_turns:
                 raise RequestError(
                     400,
                     f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this session's max_length is "
@@ -156,7 +159,8 @@ class ChatSession:
                     "context_length_exceeded",
                 )
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
-            branch.traj.truncated = True
+            for b in self._branches:
+                b.traj.truncated = True
             empty = Choice(Generation([], [], [], "length"), "", [], [], "length", None, [])
             reply = TurnReply([empty], len(prompt_ids), 0)
             self._last_key, self._last_reply = key, reply

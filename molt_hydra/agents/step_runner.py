@@ -43,9 +43,8 @@ class StepEnvRunner(Runner):
             state = await state
         prompt = state["observation"]
         if not isinstance(prompt, str):  # chat messages: render them here, so datasets may hand either form
-            prompt = tokenizer.apply_chat_template(
-                prompt, tools=episode.tools, tokenize=False, add_generation_prompt=True
-            )
+            tools = state.get("tools", episode.tools)  # an Env's reset may declare its own tools
+            prompt = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         images = list(episode.images)
         sampling = episode.sampling
@@ -64,6 +63,9 @@ class StepEnvRunner(Runner):
         observation_text = prompt
         turn = 0
         while True:
+            if episode.max_turns is not None and turn >= episode.max_turns:
+                traj.truncated = True
+                break
             remaining = episode.max_length - len(traj.token_ids) - image_budget
             max_tokens = min(sampling.max_tokens, remaining)
             if max_tokens <= 0:

@@ -1,0 +1,165 @@
+"""`ChatAgent` + `ChatAgentRunner`: the agent owns the loop through the stock `openai` / `anthropic` SDK, pointed at
+this process's loopback chat server (Molt §3.5). Each rollout gets a session; when the agent returns its `Result`,
+every segment the session captured gets the rollout's reward, score and info.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, scalar
+from molt_hydra.agents.chat_messages import image_data_uri
+from molt_hydra.agents.chat_server import ChatServer
+from molt_hydra.agents.chat_session import ChatSession
+from molt_hydra.agents.tool_parser import get_tool_parser
+from molt_hydra.rollout.generation import Sampling, TokenGenerator
+
+
+@dataclass
+class AgentContext:
+    """What a ChatAgent gets. OpenAI SDK: `AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)`; Anthropic SDK:
+    `AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)`; model name `ctx.model_name`."""
+
+    messages: list[dict]  # OpenAI wire messages; each `<image>` marker replaced by the next image as a data URI
+    tools: list[dict] | None
+    prompt: str  # text of the last user turn
+    label: Any
+    images: list
+    base_url: str
+    session_url: str
+    api_key: str
+    model_name: str
+    session_id: str
+    sampling_params: Sampling
+    max_length: int
+    max_turns: int | None = None  # generating turns the session allows; later turns return an empty "length" reply
+
+
+ChatContext = AgentContext  # Molt's name, so ported agent files keep working
+
+
+class ChatAgent(ABC):
+    """Fresh instance per rollout, built with the runner's `agent_kwargs`."""
+
+    @abstractmethod
+    async def run(self, ctx: AgentContext) -> Result: ...
+
+
+class ChatAgentRunner(Runner):
+    PRERENDER_PROMPT = False
+
+    def __init__(
+        self,
+        agent: type[ChatAgent] | str,
+        agent_kwargs: dict | None = None,
+        tool_parser: str = "hermes",
+        image_tokens_per_image: int = 0,
+    ):
+        if isinstance(agent, str):
+            from molt_hydra.agents.loading import resolve_target
+
+            agent = resolve_target(agent)
+        if not (isinstance(agent, type) and issubclass(agent, ChatAgent)):
+            raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent!r}")
+        self.agent_cls = agent
+        self.agent_kwargs = dict(agent_kwargs or {})
+        self.tool_parser = get_tool_parser(tool_parser)
+        self.image_tokens_per_image = image_tokens_per_image
+        self.server: ChatServer | None = None
+        self._server_loop = None
+        self._server_started: asyncio.Future | None = None
+
+    async def _ensure_server(self) -> ChatServer:
+        # The server lives on the loop that runs the agents (its sessions call the engine from that loop);
+        # a runner driven from a new loop gets a new server.
+        loop = asyncio.get_running_loop()
+        if self._server_loop is not loop:
+            self.server, self._server_loop = ChatServer(), loop
+            self._server_started = asyncio.ensure_future(self.server.start())
+        await asyncio.shield(self._server_started)
+        return self.server
+
+    async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
+        server = await self._ensure_server()
+        sid = uuid.uuid4().hex
+        session = ChatSession(
+            sid,
+            generator,
+            tokenizer,
+            episode.sampling,
+            episode.max_length,
+            self.tool_parser,
+            label=episode.label,
+            prompt=episode.prompt,
+            image_tokens_per_image=self.image_tokens_per_image,
+            max_turns=episode.max_turns,
+        )
+        server.open_session(session)
+        messages = prompt_messages(episode.prompt, episode.images)
+        ctx = AgentContext(
+            messages=messages,
+            tools=copy.deepcopy(episode.tools),
+            prompt=last_user_text(messages),
+            label=episode.label,
+            images=list(episode.images),
+            base_url=server.session_url(sid) + "/v1",
+            session_url=server.session_url(sid),
+            api_key=server.api_key,
+            model_name=server.model_name,
+            session_id=sid,
+            sampling_params=episode.sampling,
+            max_length=episode.max_length,
+            max_turns=episode.max_turns,
+        )
+        try:
+            result = await self.agent_cls(**self.agent_kwargs).run(ctx)
+        finally:
+            segments = server.close_session(sid)
+        if not isinstance(result, Result):
+            raise TypeError(f"{self.agent_cls.__name__}.run must return Result, got {type(result).__name__}")
+        reward = scalar(result.reward, "Result.reward")
+        score = reward if result.score is None else scalar(result.score, "Result.score")
+        for seg in segments:  # the rollout counts once per group; every segment trains on its own tokens
+            seg.reward, seg.score, seg.info = reward, score, dict(result.info)
+            if result.images is not None:
+                seg.images = list(result.images)
+        return segments
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+            self.server, self._server_loop = None, None
+
+
+def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:
+    """Dataset row → OpenAI wire messages; each literal `<image>` in a user string becomes the next image (Molt)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else copy.deepcopy(prompt)
+    pending = list(images)
+    for m in messages:
+        if m.get("role") != "user" or not isinstance(m.get("content"), str) or "<image>" not in m["content"]:
+            continue
+        parts: list[dict] = []
+        chunks = m["content"].split("<image>")
+        for i, chunk in enumerate(chunks):
+            if chunk:
+                parts.append({"type": "text", "text": chunk})
+            if i < len(chunks) - 1:
+                if pending:
+                    parts.append({"type": "image_url", "image_url": {"url": image_data_uri(pending.pop(0))}})
+                else:  # more markers than images: keep the marker literally
+                    parts.append({"type": "text", "text": "<image>"})
+        m["content"] = parts
+    return messages
+
+
+def last_user_text(messages: list[dict]) -> str:
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            c = m.get("content")
+            return c if isinstance(c, str) else "".join(p.get("text", "") for p in c if p.get("type") == "text")
+    return ""

@@ -1,0 +1,60 @@
+"""Multi-turn python-tool agent in the ChatAgent style: real `tool_calls` through the stock OpenAI SDK.
+
+Each turn: the model either calls `python` (one or more calls; every result goes back as its own tool message) or
+answers; the final answer is graded with math-verify against the label. Code runs in the sandboxed executor.
+"""
+
+import asyncio
+import json
+
+from openai import AsyncOpenAI
+
+from molt_hydra.agents import ChatAgent, ChatAgentRunner, Result
+from molt_hydra.agents.math_grading import grade_math
+from molt_hydra.agents.python_executor import run_python
+
+PYTHON_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run code",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}},
+    },
+}
+
+
+class PythonToolChatAgent(ChatAgent):
+    def __init__(self, max_turns: int = 4, exec_timeout_s: float = 10.0, exec_memory_mb: int = 1024):
+        self.max_turns, self.exec_timeout_s, self.exec_memory_mb = max_turns, exec_timeout_s, exec_memory_mb
+
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        messages, tools = list(ctx.messages), ctx.tools or [PYTHON_TOOL]
+        calls = failed = 0
+        answer = ""
+        for _ in range(self.max_turns):
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=messages, tools=tools)
+            msg = reply.choices[0].message
+            answer = msg.content or ""
+            if not msg.tool_calls:
+                break
+            messages.append(msg.model_dump(exclude_none=True))
+            for call in msg.tool_calls:
+                calls += 1
+                try:
+                    code = json.loads(call.function.arguments)["code"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    failed += 1
+                    output = "error: arguments must be {\"code\": \"...\"}"
+                else:
+                    result = await run_python(code, timeout_s=self.exec_timeout_s, memory_mb=self.exec_memory_mb)
+                    failed += not result.ok
+                    output = result.as_observation()
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+        reward = await asyncio.to_thread(grade_math, answer, ctx.label)
+        return Result(reward=reward, info={"tool_calls": calls, "tool_failures": failed})
+
+
+class AgentRunner(ChatAgentRunner):
+    def __init__(self, **agent_kwargs):
+        super().__init__(PythonToolChatAgent, agent_kwargs=agent_kwargs)

