@@ -22,7 +22,7 @@ class TrainerGroup:
     worker_kwargs: TrainerWorker keyword arguments (model_path, role, lr, ...)."""
 
     def __init__(self, num_ranks: int, *, num_gpus_per_rank: float = 0, num_cpus_per_rank: float = 1,
-                 placement_group=None, **worker_kwargs):
+                 placement_group=None, worker_cls: type = TrainerWorker, **worker_kwargs):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -32,7 +32,7 @@ class TrainerGroup:
             return PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=i)
 
         addr, port = ray.get(ray.remote(num_cpus=0)(_addr_and_port).options(scheduling_strategy=strategy(0)).remote())
-        cls = ray.remote(TrainerWorker)
+        cls = ray.remote(worker_cls)
         self.num_ranks = num_ranks
         self.workers = [
             cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=strategy(i))
@@ -52,9 +52,8 @@ class TrainerGroup:
         args = per_rank_args or [()] * self.num_ranks
         return ray.get([getattr(w, method).remote(*a, **kw) for w, a in zip(self.workers, args)])
 
-    def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1,
-                   mask_key: str = "action_mask") -> dict:
-        kw = dict(num_optimizer_steps=num_optimizer_steps, mask_key=mask_key)
+    def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1) -> dict:
+        kw = dict(num_optimizer_steps=num_optimizer_steps)
         if loss_fn is not None:
             kw["loss_fn"] = loss_fn
         return self._all("train_step", [(s,) for s in self.shard(samples)], **kw)[0]

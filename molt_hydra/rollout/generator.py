@@ -88,11 +88,12 @@ class SamplesGenerator:
         dynamic_filtering: tuple[float, float] | None = None,
         incomplete_groups: str = "keep",
         group_timeout_s: float | None = None,
-        refill_after_batch: bool = True,
+        carry_over: bool = True,
         group_seed: Callable[[int, int], int] | None = None,
     ):
-        """`refill_after_batch`: start the next groups as soon as a batch is handed out (streaming overlap; they may
-        straddle a weight sync). Off, a batch's groups are all started under one policy version.
+        """`carry_over`: keep `max_inflight_groups` running at all times, so groups of the next batch start while this
+        one finishes and straddle the weight sync that follows (Molt's streaming pool). Off, only as many groups run as
+        the batch still needs: every group of a batch starts under one policy version and nothing carries over.
         `group_seed(epoch, prompt index)`: the base sampling seed of a group, so a resumed run samples the same."""
         if not prompts:
             raise ValueError("SamplesGenerator needs at least one prompt")
@@ -114,7 +115,7 @@ class SamplesGenerator:
         self.dynamic_filtering = dynamic_filtering
         self.incomplete_groups = incomplete_groups
         self.group_timeout_s = group_timeout_s
-        self.refill_after_batch = refill_after_batch
+        self.carry_over = carry_over
         self.group_seed = group_seed
         self.epoch = 0
         self.cursor = 0  # next position in prompt_order(seed, epoch)
@@ -153,7 +154,8 @@ class SamplesGenerator:
             return [(None, "agent_exception")] * self.n_samples
 
     def _refill(self) -> None:
-        while len(self._inflight) < self.max_inflight:
+        limit = self.max_inflight if self.carry_over else min(self.max_inflight, self.batch_size - len(self._finished))
+        while len(self._inflight) < limit:
             nxt = self._next_prompt()
             if nxt is None:
                 return
@@ -220,7 +222,7 @@ class SamplesGenerator:
                 group = self._filter(epoch, index, task.result())
                 if group is not None:
                     self._finished.append(group)
-        if self.refill_after_batch:
+        if self.carry_over:
             self._refill()  # keep the pool busy while the trainer works on this batch
         batch, self._finished = self._finished[: self.batch_size], self._finished[self.batch_size :]
         exhausted = not (self._finished or self._inflight or self._pending or self.cursor < len(self._order)

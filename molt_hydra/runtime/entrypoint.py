@@ -1,12 +1,133 @@
-"""Run a validated config: write the run record, then start the job it names."""
+"""Run a validated config: write the run record, start the job it names, and end it cleanly — on success, on a
+stalled role (stacks dumped, role named, exit 3) and on Ctrl-C / SIGTERM (everything stopped, last checkpoint kept)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import pickle
+import signal
+import sys
+from pathlib import Path
+
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.plan import Plan
-from molt_hydra.runtime.run_record import write_run_record
+from molt_hydra.runtime.run_record import config_as_dict, write_run_record
+from molt_hydra.runtime.watchdog import EXIT_STALLED, RoleStalled, dump_stacks
+
+EXIT_INTERRUPTED = 130
 
 
 def run(cfg: RunConfig, plan: Plan) -> None:
-    write_run_record(cfg, cfg.output_dir)
-    print("The RL loop is not wired yet (issue 7): the plan above is what it will place.")
+    record = write_run_record(cfg, cfg.output_dir)
+    if cfg.job.value == "sft":
+        from molt_hydra.runtime.sft_job import run_sft_job
+
+        run_sft_job(cfg)
+        return
+    from molt_hydra.runtime.slurm_ray import ray_cluster
+
+    # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
+    with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray", include_dashboard=False):
+        code = asyncio.run(_main(cfg, record))
+    if code:
+        sys.exit(code)
+
+
+async def _main(cfg: RunConfig, record: dict) -> int:
+    main = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main.cancel)
+    from molt_hydra.runtime.roles import build_roles
+
+    roles = None
+    try:
+        roles = await build_roles(cfg, record)
+        return await (_eval_only(cfg, roles) if cfg.job.value == "eval" else _train(cfg, roles))
+    except RoleStalled as e:
+        pids = roles.role_pids if roles is not None else {}
+        path = dump_stacks(cfg.output_dir, pids, str(e))
+        print(f"\nRun stopped: {e}.\nStacks of every role: {path}", file=sys.stderr)
+        return EXIT_STALLED
+    except asyncio.CancelledError:
+        print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if roles is not None:
+            try:
+                await asyncio.wait_for(roles.shutdown(), 25)
+            except Exception as e:  # still exit: Ray's own shutdown below ends every actor process
+                print(f"shutdown: {e!r}", file=sys.stderr)
+        import ray
+
+        ray.shutdown()
+
+
+def _sinks(cfg: RunConfig, wandb_id: str | None):
+    from molt_hydra.logging.sinks import MetricSinks
+
+    w = cfg.logger.wandb
+    return MetricSinks(cfg.output_dir, run_name=w.run_name or Path(cfg.output_dir).name, config=config_as_dict(cfg),
+                       wandb_mode=w.mode.value, project=w.project, entity=w.entity, group=w.group,
+                       tensorboard=cfg.logger.tensorboard, resume_wandb_id=wandb_id)
+
+
+async def _train(cfg: RunConfig, roles) -> int:
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+    from molt_hydra.runtime.controller import CLIENT_STATE, RLController
+
+    ctl = RLController(cfg, roles)
+    state = None
+    if cfg.checkpoint.resume.value != "never":
+        found = resolve_checkpoint(roles.ckpt_dir)
+        if found is None and cfg.checkpoint.resume.value == "must":
+            raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {roles.ckpt_dir}")
+        if found is not None:
+            await asyncio.to_thread(roles.actor.load_checkpoint, roles.ckpt_dir)
+            if roles.critic is not None:
+                await asyncio.to_thread(roles.critic.load_checkpoint, roles.ckpt_dir + "_critic")
+            state = pickle.loads((Path(found) / CLIENT_STATE).read_bytes())
+            ctl.restore(state)
+            if ctl.version > 0:
+                await roles.push_weights(ctl.version)
+            print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
+    roles.sinks = _sinks(cfg, state["wandb_id"] if state else None)
+    last = await ctl.run()
+    await ctl.save()
+    export = None
+    if cfg.checkpoint.export_final:
+        export = await asyncio.to_thread(roles.actor.export_hf, cfg.checkpoint.export_dir,
+                                         {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[
+                                             cfg.model.param_dtype.value])
+    roles.progress.summary(_summary(cfg, roles, ctl, export))
+    return 0
+
+
+async def _eval_only(cfg: RunConfig, roles) -> int:
+    from molt_hydra.runtime.controller import RLController
+
+    roles.sinks = _sinks(cfg, None)
+    ctl = RLController(cfg, roles)
+    await ctl.maybe_eval(force=True)
+    print(json.dumps(ctl.last_eval, indent=2))
+    return 0
+
+
+def _summary(cfg: RunConfig, roles, ctl, export) -> list[str]:
+    rows = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl")]
+    rewards = [r["train/reward"] for r in rows if r.get("kind") == "train" and "train/reward" in r]
+    lines = [f"steps: {ctl.step}   policy version: {ctl.version}"]
+    if len(rewards) >= 2:
+        k = min(5, len(rewards) // 2)
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        lines.append(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})")
+    lines += [f"metrics:    {Path(cfg.output_dir) / 'metrics.jsonl'}",
+              f"checkpoint: {roles.last_checkpoint}"]
+    if export:
+        lines.append(f"HF export:  {export}")
+    if roles.sinks.wandb_run is not None:
+        lines.append(f"W&B:        {roles.sinks.wandb_run.dir} ({roles.sinks.wandb_run.settings.mode})")
+    return lines

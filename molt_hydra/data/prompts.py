@@ -1,0 +1,93 @@
+"""Prompt datasets for RL and eval: files, saved datasets, hub names, or `builtin://NAME` tasks generated here.
+
+A row is a plain dict: `prompt` (string or chat messages), `label`, optional `tools`, `images`, `datasource`
+(eval metrics are grouped by it). Keys are renamed from the configured columns, so agents see one shape.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+BUILTIN = "builtin://"
+FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def _arithmetic(n: int, seed: int, max_operand: int = 20) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a}+{b}? Put the final answer in \\boxed{{}}."}],
+                     "label": str(a + b), "datasource": "arithmetic"})
+    return rows
+
+
+def _toy(n: int, seed: int) -> list[dict]:
+    # The toy task's reward is computed from the response alone (recipes/agents/toy.py); prompts only vary the context.
+    rng = random.Random(seed)
+    return [{"prompt": [{"role": "user", "content": f"Count: {rng.randint(0, 999)}"}], "label": "", "datasource": "toy"}
+            for _ in range(n)]
+
+
+BUILTIN_TASKS = {
+    "toy": lambda: _toy(512, seed=0),
+    "toy_eval": lambda: _toy(32, seed=1),
+    "arithmetic": lambda: _arithmetic(2000, seed=0),
+    "arithmetic_eval": lambda: _arithmetic(100, seed=1),
+}
+
+
+def _load_one(spec: str, split: str):
+    import datasets
+
+    path = Path(spec)
+    if path.suffix in FILE_TYPES:
+        if not path.exists():
+            raise FileNotFoundError(f"data file {spec} does not exist")
+        return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+    else:
+        loaded = datasets.load_dataset(spec)
+    return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+
+
+def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", label_key: str | None = "label",
+                 tools_key: str | None = None, image_key: str | None = None, max_samples: int | None = None,
+                 probs: list[float] | None = None, seed: int = 0) -> list[dict]:
+    """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`."""
+    specs = [s.strip() for s in spec.split(",") if s.strip()]
+    if probs is not None and len(probs) != len(specs):
+        raise ValueError(f"data.train_probs has {len(probs)} values for {len(specs)} datasets")
+    parts = []
+    for s in specs:
+        if s.startswith(BUILTIN):
+            name = s[len(BUILTIN):]
+            if name not in BUILTIN_TASKS:
+                raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
+            rows = BUILTIN_TASKS[name]()
+        else:
+            rows = [_rename(r, input_key, label_key, tools_key, image_key) for r in _load_one(s, split)]
+        parts.append(rows[:max_samples] if max_samples else rows)
+    if probs is None:
+        return [r for part in parts for r in part]
+    # Interleave by probability until every dataset is exhausted once (datasets' "all_exhausted").
+    rng, cursors, out = random.Random(seed), [0] * len(parts), []
+    while any(c < len(p) for c, p in zip(cursors, parts)):
+        i = rng.choices(range(len(parts)), weights=probs)[0]
+        out.append(parts[i][cursors[i] % len(parts[i])])
+        cursors[i] += 1
+    return out
+
+
+def _rename(row: dict, input_key: str, label_key: str | None, tools_key: str | None, image_key: str | None) -> dict:
+    if input_key not in row:
+        raise KeyError(f"data.input_key={input_key!r} is not a column; columns: {sorted(row)}")
+    out = {"prompt": row[input_key], "label": row.get(label_key, "") if label_key else "",
+           "datasource": row.get("datasource", "default")}
+    if tools_key and row.get(tools_key) is not None:
+        out["tools"] = row[tools_key]
+    if image_key and row.get(image_key) is not None:
+        out["images"] = row[image_key]
+    return out

@@ -1,0 +1,78 @@
+"""Where metrics go: a jsonl file always, W&B (offline unless an API key is set) and TensorBoard when configured.
+
+Train metrics are logged as `train/<name>` against `train/global_step`, eval as `eval/<name>` (Molt's names). The W&B
+run id goes into every checkpoint so a resumed run continues the same W&B run; sweeps set the W&B group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class MetricSinks:
+    def __init__(self, output_dir: str | Path, *, run_name: str, config: dict, wandb_mode: str = "auto",
+                 project: str = "molt_hydra", entity: str | None = None, group: str | None = None,
+                 tensorboard: bool = False, resume_wandb_id: str | None = None):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self.wandb_run = None
+        if wandb_mode == "auto":
+            wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        if wandb_mode != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=project, entity=entity, group=group, name=run_name, config=config, mode=wandb_mode,
+                dir=str(self.dir), id=resume_wandb_id, resume="allow" if resume_wandb_id else None,
+            )
+            for prefix in ("train", "eval"):
+                self.wandb_run.define_metric(f"{prefix}/global_step")
+                self.wandb_run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/global_step")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir / "tensorboard" / run_name))
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    def log(self, metrics: dict[str, float], step: int, prefix: str = "train") -> None:
+        clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if _finite(v)}
+        self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({**clean, f"{prefix}/global_step": step})
+        if self.tb is not None:
+            for k, v in clean.items():
+                self.tb.add_scalar(k, v, step)
+
+    def log_samples(self, rows: list[tuple[str, str, float]], step: int) -> None:
+        """A table of (prompt, response, reward) sample trajectories."""
+        with open(self.dir / "samples.jsonl", "a") as f:
+            for prompt, response, reward in rows:
+                f.write(json.dumps({"step": step, "prompt": prompt, "response": response, "reward": reward}) + "\n")
+        if self.wandb_run is not None:
+            import wandb
+
+            table = wandb.Table(columns=["global_step", "prompt", "response", "reward"],
+                                data=[[step, p, r, w] for p, r, w in rows])
+            self.wandb_run.log({"train/generated_samples": table, "train/global_step": step})
+        if self.tb is not None:
+            self.tb.add_text("train/generated_samples", "\n\n".join(f"**{w:.3f}** {p} → {r}" for p, r, w in rows), step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,118 @@
+"""The agent-runner process: runs the configured agent over prompt groups against the engines (through the router)
+and turns each finished trajectory into a training sample (Molt §3.8), with drops counted by reason.
+
+One `AgentRunnerActor` per `rollout.num_runners`, each a Ray actor with its own event loop (and, for chat agents,
+its own loopback chat server). The samples generator in the driver reaches them through `RemoteGroupRunner`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import uuid
+
+from molt_hydra.rollout.generation import Sampling
+
+
+def request_seed(base: int, *parts) -> int:
+    """A stable 31-bit seed from the run seed and the sample's identity: a resumed run samples the same tokens."""
+    digest = hashlib.sha256(repr((base, *parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def to_experience(trajectory, max_len: int):
+    """(Experience, None) or (None, drop reason) for one trajectory segment, cut at `max_len` tokens."""
+    from molt_hydra.algorithm.experience import Experience
+
+    ids = trajectory.token_ids[:max_len]
+    if not ids:
+        return None, "empty_tokens"
+    if len(trajectory.logprobs) != len(trajectory.token_ids) or len(trajectory.versions) != len(trajectory.token_ids):
+        return None, "logprob_misalign"
+    mask = [False] * len(ids)
+    for start, end in trajectory.action_ranges:
+        if not 0 < start <= end <= len(trajectory.token_ids):
+            raise ValueError(f"invalid action range {(start, end)} for {len(trajectory.token_ids)} tokens")
+        for t in range(start, min(end, max_len)):
+            mask[t] = True
+    response_length = sum(mask)
+    if response_length == 0:
+        return None, "no_action_tokens"
+    numeric = {k: float(v) for k, v in trajectory.info.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    info = {
+        **numeric,
+        "response_length": float(response_length),
+        "total_length": float(len(ids)),
+        "response_clip_ratio": float(len(trajectory.token_ids) >= max_len),
+        "truncated": float(bool(trajectory.truncated) or len(trajectory.token_ids) > max_len),
+    }
+    return Experience(
+        token_ids=ids, action_mask=mask, rollout_log_probs=trajectory.logprobs[:max_len],
+        policy_versions=[v if m else -1 for v, m in zip(trajectory.versions[:max_len], mask)],
+        reward=float(trajectory.reward), score=trajectory.score, group_id=trajectory.group_id,
+        rollout_id=trajectory.rollout_id, info=info,
+    ), None
+
+
+class AgentRunnerActor:
+    """Hosts one agent runner. Returns trajectories (not tensors) so the generator can filter on their scores."""
+
+    def __init__(self, runner_spec: dict, engines: list, *, tokenizer_path: str, max_len: int, timeout_s: float,
+                 engine_timeout_s: float, seed: int, max_turns: int):
+        from transformers import AutoTokenizer
+
+        from molt_hydra.agents.loading import load_runner
+        from molt_hydra.rollout.router import Router
+
+        self.runner = load_runner(dict(runner_spec))
+        self.router = Router(engines, timeout_s=engine_timeout_s)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.max_len, self.timeout_s, self.seed, self.max_turns = max_len, timeout_s, seed, max_turns
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    async def run_group(self, row: dict, n_samples: int, sampling: Sampling) -> list[tuple[object, str | None]]:
+        from molt_hydra.agents.base import Episode
+
+        group_id = uuid.uuid4().hex
+        # Seeds derive from the group's base seed (set by the generator from the run seed, epoch and prompt), so
+        # the same prompt at the same point of the run samples the same tokens, also after a resume.
+        base = sampling.seed if sampling.seed is not None else request_seed(self.seed, group_id)
+        episodes = [
+            Episode(prompt=row["prompt"], sampling=dataclasses.replace(sampling, seed=request_seed(base, i)),
+                    max_length=self.max_len, label=row.get("label"), images=list(row.get("images") or []),
+                    tools=row.get("tools"), group_id=group_id, rollout_id=f"{group_id}-{i}", max_turns=self.max_turns)
+            for i in range(n_samples)
+        ]
+        outcome = await self.runner.run_group(episodes, self.router, self.tokenizer, self.timeout_s)
+        results: list[tuple[object, str | None]] = [
+            (None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
+        results += [(t, None) for t in outcome.trajectories]
+        return results
+
+    def router_metrics(self) -> dict[str, float]:
+        return self.router.metrics()
+
+    async def close(self) -> None:
+        await self.runner.close()
+
+
+class RemoteGroupRunner:
+    """The generator's `GroupRunner`: spreads groups round-robin over the runner actors. A stalled runner is caught by
+    the controller's step deadline, which names it."""
+
+    def __init__(self, actors: list):
+        self.actors, self._next = actors, 0
+
+    async def run_group(self, row: dict, n_samples: int, sampling: Sampling):
+        i, self._next = self._next, (self._next + 1) % len(self.actors)
+        return await self.actors[i].run_group.remote(row, n_samples, sampling)
+
+
+def rollout_index(rollout_id: str) -> int:
+    """The sample's position within its group (rollout ids are `<group id>-<index>`): a stable training order."""
+    return int(str(rollout_id).rsplit("-", 1)[-1])

@@ -1,0 +1,362 @@
+"""The RL loop: rollout -> experience -> advantages -> train -> weight sync -> metrics -> checkpoint.
+
+One asyncio driver owns the order of events, so a run is a deterministic function of its seed:
+
+* batch j is generated with policy version max(j - D, 0), where D = `train.queue_depth` in async mode and 0 in sync
+  mode (every trained token then comes from the current policy; no in-flight carry-over);
+* the weight sync after training step k waits until batch k + D exists (so it used version k), except under partial
+  rollout, where the sync pauses in-flight requests and they finish under the new weights (tokens carry both versions);
+* every trained sample's staleness (current version - oldest token version) is checked against `train.max_staleness`.
+
+Every remote call has a deadline (runtime/watchdog.py); when one expires the stacks of every role are dumped, the role
+is named and the run exits non-zero. A checkpoint holds the trainer state, the generator's position and the finished
+but untrained batches, so `checkpoint.resume=auto` continues exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import pickle
+import time
+from collections import Counter
+from pathlib import Path
+
+from molt_hydra.config.schema import RunConfig
+from molt_hydra.runtime.agent_runner import request_seed, to_experience
+from molt_hydra.runtime.watchdog import RoleStalled, deadline
+
+CLIENT_STATE = "rl_client_state.pkl"
+TRAINER_PARTS = ("actor_idle_wait", "make_experience", "policy_train", "critic_train", "weight_sync_wait",
+                 "weight_sync")
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def rollout_stats(groups) -> dict[str, float]:
+    """Molt's rollout/* metrics over every generated rollout of the step (before staleness drops)."""
+    per_rollout = {t.rollout_id: t for g in groups for t in g.trajectories}
+    rewards = [float(t.reward) for t in per_rollout.values()]
+    group_means = [_mean(float(t.reward) for t in {x.rollout_id: x for x in g.trajectories}.values())
+                   for g in groups if g.trajectories]
+    rows = [t for g in groups for t in g.trajectories]
+    std = math.sqrt(sum((r - _mean(rewards)) ** 2 for r in rewards) / (len(rewards) - 1)) if len(rewards) > 1 else 0.0
+    return {
+        "rollout/reward_mean": _mean(rewards),
+        "rollout/reward_std": std,
+        "rollout/pass1": _mean(group_means),
+        "rollout/num_rollouts": float(len(rewards)),
+        "rollout/num_prompt_groups": float(len(groups)),
+        "rollout/response_length_mean": _mean(t.num_generated for t in rows),
+        "rollout/truncated_rate": _mean(float(bool(t.truncated)) for t in rows),
+        "rollout/num_samples": float(len(rows)),
+    }
+
+
+class RLController:
+    def __init__(self, cfg: RunConfig, roles):
+        """`roles`: the built runtime (runtime/roles.py): engines, trainer groups, runner actors, generator, sinks."""
+        self.cfg, self.roles = cfg, roles
+        t = cfg.train
+        self.depth = 0 if t.mode.value == "sync" else t.queue_depth
+        self.partial = t.partial_rollout
+        self.step = 0  # training steps done
+        self.version = 0  # policy version of the trainer's weights (and, after each sync, of the engines')
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.batches_made = 0  # batches handed to the queue (or restored into it)
+        self.step_done = asyncio.Condition()
+        self.batch_made = asyncio.Condition()
+        self.best: tuple[str, float] | None = None
+        self.next_eval: int | None = None
+        self.exhausted = False
+        from molt_hydra.algorithm.kl import make_kl_controller
+
+        a = cfg.algorithm
+        self.kl_ctl = make_kl_controller(a.kl.coef, a.kl.target, a.kl.horizon)
+
+    # ------------------------------------------------------------------ producer
+    async def _wait_step(self, step: int) -> None:
+        async with self.step_done:
+            await self.step_done.wait_for(lambda: self.step >= step)
+
+    async def produce(self) -> None:
+        """Generate batch j once training step j - D is done (so the engines hold that step's weights)."""
+        gen = self.roles.generator
+        while not self.exhausted:
+            j = self.batches_made
+            t0 = time.perf_counter()
+            await self._wait_step(max(j - self.depth, 0))
+            idle = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            batch = await gen.generate_batch()
+            batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
+            await self.queue.put((batch, {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": idle}))
+            async with self.batch_made:
+                self.batches_made += 1
+                self.batch_made.notify_all()
+            if batch.exhausted or not batch.groups:
+                self.exhausted = True
+
+    # ------------------------------------------------------------------ one step
+    def _experiences(self, groups) -> tuple[list, Counter]:
+        from molt_hydra.runtime.agent_runner import rollout_index
+
+        drops: Counter = Counter()
+        exps = []
+        max_len = self.cfg.data.max_len
+        limit = self.cfg.train.max_staleness
+        for group in groups:
+            for traj in sorted(group.trajectories, key=lambda t: (rollout_index(t.rollout_id), t.segment_index)):
+                exp, reason = to_experience(traj, max_len)
+                if reason is not None:
+                    drops[reason] += 1
+                    continue
+                versions = exp.policy_versions[exp.action_mask]
+                stale = self.version - int(versions[versions >= 0].min()) if (versions >= 0).any() else 0
+                if stale > limit and self.cfg.train.stale_samples.value == "drop":
+                    drops["stale"] += 1
+                    continue
+                exps.append(exp)
+        return exps, drops
+
+    async def _trainer_call(self, group, method: str, *args, role: str = "actor", **kwargs):
+        return await deadline(asyncio.to_thread(getattr(group, method), *args, **kwargs),
+                              self.cfg.train.timeouts.trainer_call_s, role, method)
+
+    async def train_step(self, batch, gen_timing: dict) -> dict[str, float]:
+        import torch
+
+        from molt_hydra.algorithm.advantage import compute_advantages
+        from molt_hydra.algorithm.drift import drift_metrics
+        from molt_hydra.algorithm.experience import collate
+        from molt_hydra.algorithm.kl import approx_kl
+        from molt_hydra.algorithm.is_correction import ISCorrection
+        from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
+
+        cfg, roles, a = self.cfg, self.roles, self.cfg.algorithm
+        timing = dict(gen_timing)
+        metrics: dict[str, float] = {**batch.metrics, **rollout_stats(batch.groups)}
+        t0 = time.perf_counter()
+        exps, drops = self._experiences(batch.groups)
+        dp = roles.actor.num_ranks
+        if len(exps) % dp:  # every data-parallel rank must see the same number of samples (Molt drops them too)
+            drops["dp_remainder"] += len(exps) % dp
+            exps = exps[: len(exps) - len(exps) % dp]
+        for reason, n in drops.items():
+            metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
+        metrics["rollout/dropped/total"] = metrics.get("rollout/dropped/total", 0.0) + sum(drops.values())
+        metrics["train/num_samples"] = float(len(exps))
+        if not exps:
+            return {**metrics, "timing/make_experience": time.perf_counter() - t0}
+
+        b = collate(exps, pad_token_id=roles.pad_token_id)
+        lengths = [len(e.token_ids) for e in exps]
+        samples = [{"input_ids": e.token_ids} for e in exps]
+        old = await self._trainer_call(roles.actor, "compute_logprobs", samples)
+        old_logp = _pad([o for o in old], lengths, b.action_mask.shape)
+        ref_logp = values = None
+        if roles.ref is not None:
+            ref = await self._trainer_call(roles.ref, "compute_logprobs", samples, role="reference")
+            ref_logp = _pad(ref, lengths, b.action_mask.shape)
+        if roles.critic is not None:
+            v = await self._trainer_call(roles.critic, "compute_logprobs", samples, role="critic")
+            values = _pad(v, lengths, b.action_mask.shape)
+        kl = None
+        if ref_logp is not None and not a.kl.use_loss:
+            kl = approx_kl(old_logp, ref_logp, a.kl.estimator.value) * b.action_mask
+        advantages, returns = compute_advantages(
+            a.estimator, b.rewards, b.action_mask, group_ids=b.group_ids, rollout_ids=b.rollout_ids, kl=kl,
+            values=values, kl_coef=self.kl_ctl.value, gamma=a.gamma, lam=a.lam, whiten=a.whiten,
+            reward_clip=a.reward_clip)
+        is_corr = ISCorrection(a.is_correction.level, a.is_correction.mode, a.is_correction.low, a.is_correction.high)
+        drift = drift_metrics(old_logp, b.rollout_log_probs, b.action_mask, is_correction=is_corr,
+                              policy_versions=b.policy_versions, current_version=self.version)
+        metrics.update({k: float(v) for k, v in drift.items()})
+        if kl is not None:
+            metrics["kl"] = float((kl.sum(-1) / b.action_mask.sum(-1).clamp(min=1)).mean())
+        for key in sorted({k for e in exps for k in e.info}):
+            metrics[key] = _mean(e.info[key] for e in exps if key in e.info)
+        metrics["reward"] = _mean(e.reward for e in exps)
+        metrics["score"] = _mean(e.score for e in exps)
+        metrics["return"] = float((returns * b.action_mask).sum() / b.action_mask.sum())
+        timing["timing/make_experience"] = time.perf_counter() - t0
+
+        train_samples = []
+        for i, n in enumerate(lengths):
+            s = {"input_ids": b.token_ids[i, :n], "action_mask": b.action_mask[i, :n],
+                 "advantages": advantages[i, :n], "old_logprobs": old_logp[i, :n],
+                 "rollout_logprobs": b.rollout_log_probs[i, :n]}
+            if ref_logp is not None and a.kl.use_loss:
+                s["ref_logprobs"] = ref_logp[i, :n]
+            if values is not None:
+                s.update(values=values[i, :n], returns=returns[i, :n])
+            train_samples.append(s)
+        steps = 1 if cfg.train.force_on_policy else max(len(train_samples) // cfg.train.batch_size, 1)
+        frozen = roles.critic is not None and self.step < cfg.train.critic.actor_freezing_steps
+        metrics["actor_frozen"] = float(frozen)
+        metrics["kl_coef"] = self.kl_ctl.value
+        t1 = time.perf_counter()
+        if not frozen:
+            for _ in range(cfg.train.epochs):
+                m = await self._trainer_call(roles.actor, "train_step", train_samples,
+                                             ActorObjective(roles.policy_loss, self.kl_ctl.value),
+                                             num_optimizer_steps=steps)
+                metrics.update(m)
+        timing["timing/policy_train"] = time.perf_counter() - t1
+        if roles.critic is not None:
+            t2 = time.perf_counter()
+            for _ in range(cfg.train.critic.epochs or cfg.train.epochs):
+                metrics.update(await self._trainer_call(roles.critic, "train_step", train_samples,
+                                                        CriticObjective(a.value_clip), num_optimizer_steps=steps,
+                                                        role="critic"))
+            timing["timing/critic_train"] = time.perf_counter() - t2
+        self.kl_ctl.update(metrics.get("kl", 0.0), cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
+        metrics["_frozen"] = frozen
+        return {**metrics, **timing, "perf/rollout_tokens_per_sec":
+                sum(e.action_mask.sum().item() for e in exps) / max(gen_timing.get("timing/generation", 0.0), 1e-9)}
+
+    async def sync_weights(self) -> dict[str, float]:
+        """Version k -> k+1 on every engine, after batch k + D exists (unless partial rollout)."""
+        t0 = time.perf_counter()
+        if not self.partial:
+            async with self.batch_made:
+                await self.batch_made.wait_for(lambda: self.batches_made > self.step + self.depth or self.exhausted)
+        t1 = time.perf_counter()
+        await self.roles.push_weights(self.version + 1)
+        self.version += 1
+        return {"timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t1}
+
+    # ------------------------------------------------------------------ eval and checkpoints
+    async def maybe_eval(self, force: bool = False) -> None:
+        e = self.cfg.eval
+        if self.roles.eval_rows is None:
+            return
+        due = force or (e.every_steps > 0 and self.step >= (self.next_eval or e.every_steps))
+        if not due:
+            return
+        if e.every_steps > 0:
+            self.next_eval = (self.step // e.every_steps + 1) * e.every_steps
+        from molt_hydra.rollout.generation import Sampling
+
+        sampling = Sampling(max_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens or 256,
+                            temperature=e.temperature, top_p=e.top_p, seed=request_seed(self.cfg.seed, "eval"))
+        t0 = time.perf_counter()
+        m = await deadline(self.roles.generator.evaluate(self.roles.eval_rows, e.n_samples_per_prompt, sampling),
+                           self.cfg.train.timeouts.step_s, "rollout", "eval")
+        m["timing/eval"] = time.perf_counter() - t0
+        self.roles.sinks.log(m, self.step, prefix="eval")
+        self.roles.progress.eval(self.step, m)
+        key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
+        if key and key != "none" and key in m and (self.best is None or m[key] > self.best[1]):
+            self.best = (key, m[key])
+            if self.cfg.checkpoint.save_steps != 0:
+                await self.save(tag_best=True)
+        self.last_eval = m
+
+    def client_state(self) -> dict:
+        queued = list(self.queue._queue)  # finished, untrained batches: trained first after a resume
+        return {
+            "step": self.step,
+            "version": self.version,
+            "generator": self.roles.generator.state_dict(),
+            "queued": queued,
+            "batches_made": self.step + len(queued),
+            "best": self.best,
+            "next_eval": self.next_eval,
+            "kl_coef": self.kl_ctl.value,
+            "wandb_id": self.roles.sinks.wandb_id,
+        }
+
+    async def save(self, tag_best: bool = False) -> None:
+        t0 = time.perf_counter()
+        state = self.client_state()
+        path = await self._trainer_call(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir,
+                                        {"global_step": self.step, "best": tag_best},
+                                        keep=self.cfg.checkpoint.max_num, role="actor")
+        # The loop's own state rides next to the trainer's DCP files, written atomically.
+        tmp = Path(path) / (CLIENT_STATE + ".tmp")
+        tmp.write_bytes(pickle.dumps(state))
+        tmp.rename(Path(path) / CLIENT_STATE)
+        if self.roles.critic is not None:
+            await self._trainer_call(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
+                                     {"global_step": self.step}, keep=self.cfg.checkpoint.max_num, role="critic")
+        (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))
+        self.roles.last_checkpoint = path
+        self.roles.timing_checkpoint = time.perf_counter() - t0
+
+    def restore(self, state: dict) -> None:
+        self.step, self.version = state["step"], state["version"]
+        self.roles.generator.load_state_dict(state["generator"])
+        for item in state["queued"]:
+            self.queue.put_nowait(item)
+        self.batches_made = state["batches_made"]
+        self.best, self.next_eval = state["best"], state["next_eval"]
+        self.kl_ctl.value = state["kl_coef"]
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> dict:
+        cfg = self.cfg
+        max_steps = cfg.train.max_steps
+        if self.step == 0 and cfg.eval.at_start:
+            await self.maybe_eval(force=True)
+        producer = asyncio.create_task(self.produce())
+        last: dict[str, float] = {}
+        try:
+            while max_steps is None or self.step < max_steps:
+                t0 = time.perf_counter()
+                batch, gen_timing = await self._next_batch(producer)
+                if batch is None:
+                    break
+                waited = time.perf_counter() - t0
+                metrics = await self.train_step(batch, gen_timing)
+                frozen = metrics.pop("_frozen", False)
+                metrics["timing/actor_idle_wait"] = waited
+                if not frozen:
+                    metrics.update(await self.sync_weights())
+                async with self.step_done:
+                    self.step += 1
+                    self.step_done.notify_all()
+                metrics["timing/step_total"] = total = time.perf_counter() - t0
+                # Trainer side: sequential parts of this step. Rollout side runs concurrently: busy vs idle.
+                for part in TRAINER_PARTS:
+                    metrics[f"timing/share/{part}"] = metrics.get(f"timing/{part}", 0.0) / total
+                busy, idle = metrics["timing/generation"], metrics["timing/vllm_idle_wait"]
+                metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
+                self.roles.log_step(self.step, metrics, batch)
+                last = metrics
+                save_every = cfg.checkpoint.save_steps
+                if save_every > 0 and self.step % save_every == 0:
+                    await self.save()
+                await self.maybe_eval()
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+        return last
+
+    async def _next_batch(self, producer: asyncio.Task):
+        """The next batch, or None when the data is done; the producer's own failure surfaces here."""
+        get = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({get, producer}, timeout=self.cfg.train.timeouts.step_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        if producer in done:
+            producer.result()  # re-raises the producer's exception, if any
+            return (None, None) if self.queue.empty() else self.queue.get_nowait()
+        raise RoleStalled("rollout", "generating a batch", self.cfg.train.timeouts.step_s)
+
+
+def _pad(values, lengths, shape):
+    """Per-sample token-aligned tensors -> one [B, L] tensor, zero on padding."""
+    import torch
+
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, (v, n) in enumerate(zip(values, lengths)):
+        out[i, :n] = v[:n]
+    return out

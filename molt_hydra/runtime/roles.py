@@ -1,0 +1,276 @@
+"""Build the roles a config needs — and only those — on a Ray cluster, in an order that cannot fragment placement:
+rollout engines first (their multi-device bundles), then the trainer ranks (actor, then reference / critic when the
+algorithm needs them), then the agent runners; then the data, the samples generator and the metric sinks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from molt_hydra.config.schema import RunConfig
+from molt_hydra.runtime.watchdog import deadline
+
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+class PolicyWorkerMixin:
+    """Trainer-rank side of the weight sync: every rank gathers full tensors bucket by bucket (FSDP collectives);
+    rank 0 pushes each bucket to the engines through the placement's transport and stamps the new version."""
+
+    def push_weights(self, engines: list, transport: str, version: int, bucket_bytes: int, check_coverage: bool,
+                     timeout_s: float) -> dict:
+        buckets = self.weight_buckets(bucket_bytes)
+        if self.rank != 0:
+            for _ in buckets:  # take part in the gathers; only rank 0 receives tensors
+                pass
+            return {}
+        from molt_hydra.rollout.weight_sync import ObjectStoreTransport, SharedMemoryTransport, WeightSync
+
+        carrier = {"shm": SharedMemoryTransport, "object_store": ObjectStoreTransport}[transport]()
+        sync = WeightSync(engines, carrier, check_coverage=check_coverage, timeout_s=timeout_s, version=version - 1)
+        report = asyncio.run(sync.sync(buckets, version))
+        return {"weight_sync/bytes": float(report.num_bytes), "weight_sync/tensors": float(report.num_tensors),
+                "weight_sync/seconds": report.seconds}
+
+
+@dataclass
+class Roles:
+    cfg: RunConfig
+    engines: list
+    actor: object
+    ref: object | None
+    critic: object | None
+    runners: list
+    generator: object
+    sinks: object
+    progress: object
+    policy_loss: object
+    pad_token_id: int
+    tokenizer: object
+    ckpt_dir: str
+    run_record: dict
+    transport: str
+    eval_rows: list | None = None
+    role_pids: dict[str, int] = field(default_factory=dict)
+    last_checkpoint: str | None = None
+    timing_checkpoint: float = 0.0
+
+    async def push_weights(self, version: int) -> dict:
+        ws = self.cfg.rollout.weight_sync
+        t = self.cfg.train.timeouts
+        calls = [w.push_weights.remote(self.engines, self.transport, version, ws.bucket_mb << 20, ws.check_coverage,
+                                       t.engine_call_s) for w in self.actor.workers]
+        results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
+        return results[0]
+
+    def log_step(self, step: int, metrics: dict, batch) -> None:
+        log = self.cfg.logger
+        if step % log.every_steps == 0:
+            self.sinks.log(metrics, step)
+        self.progress.step(step, metrics)
+        rows = [t for g in batch.groups for t in g.trajectories]
+        if log.sample_table_every and step % log.sample_table_every == 0 and rows:
+            self.sinks.log_samples([self._sample_row(t) for t in rows[:8]], step)
+        if log.dump_trajectories or log.debug_rollout:
+            out = Path(self.cfg.output_dir) / "trajectories"
+            out.mkdir(exist_ok=True)
+            with open(out / f"step{step}.jsonl", "w") as f:
+                for t in rows:
+                    prompt, response, reward = self._sample_row(t)
+                    f.write(json.dumps({"prompt": prompt, "response": response, "reward": reward,
+                                        "token_ids": t.token_ids, "logprobs": t.logprobs, "versions": t.versions,
+                                        "action_ranges": t.action_ranges, "group_id": t.group_id,
+                                        "rollout_id": t.rollout_id}) + "\n")
+
+    def _sample_row(self, t) -> tuple[str, str, float]:
+        first = t.action_ranges[0][0] if t.action_ranges else len(t.token_ids)
+        return (self.tokenizer.decode(t.token_ids[:first]), self.tokenizer.decode(t.generated_ids), float(t.reward))
+
+    async def shutdown(self) -> None:
+        import ray
+
+        await self.generator.close()
+        for r in self.runners:
+            try:
+                await asyncio.wait_for(r.close.remote(), 10)
+            except Exception:  # shutting down: a runner that cannot close is killed below anyway
+                pass
+        for group in (self.actor, self.ref, self.critic):
+            if group is not None:
+                for w in group.workers:
+                    ray.kill(w)
+        for e in self.engines:
+            try:
+                await asyncio.wait_for(e.shutdown.remote(), 20)
+            except Exception:
+                pass
+            ray.kill(e)
+        self.sinks.close()
+
+
+def _needs(cfg: RunConfig) -> frozenset[str]:
+    from molt_hydra.algorithm.advantage import get_advantage_estimator
+
+    return frozenset(get_advantage_estimator(cfg.algorithm.estimator).needs)
+
+
+def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
+    """Optimizer steps the LR schedule spans (Molt §4.6 max_steps)."""
+    t, r = cfg.train, cfg.rollout
+    per_batch = 1 if t.force_on_policy else max(r.batch_size * r.n_samples_per_prompt // t.batch_size, 1)
+    if t.max_steps is not None:
+        return max(t.max_steps * per_batch * t.epochs, 1)
+    batches = num_prompts // r.batch_size * t.num_episodes
+    return max(batches * per_batch * t.epochs, 1)
+
+
+def init_ray(cfg: RunConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cfg.cluster.ray_address:
+        ray.init(address=cfg.cluster.ray_address)
+        return
+    # Logical CPUs: one per trainer rank and runner, so placement never blocks on this 2-core machine's count.
+    p, r = cfg.parallelism, cfg.rollout
+    num_cpus = max(cfg.cluster.cpus_per_node, 3 * p.trainer_devices + r.num_runners + 1)
+    # Actor logs (vLLM is chatty) stay in Ray's session log files; the terminal shows the run's own progress.
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get(
+                 "HF_HUB_OFFLINE", "0")}})
+
+
+async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
+    import ray
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Runner
+    from molt_hydra.algorithm.is_correction import ISCorrection
+    from molt_hydra.algorithm.loss import PolicyLoss
+    from molt_hydra.data.prompts import load_prompts
+    from molt_hydra.logging.progress import Progress
+    from molt_hydra.logging.sinks import MetricSinks
+    from molt_hydra.models.build import resolve_path
+    from molt_hydra.parallel.group import TrainerGroup
+    from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.rollout.engine import VLLMEngine
+    from molt_hydra.rollout.generation import Sampling
+    from molt_hydra.rollout.generator import SamplesGenerator
+    from molt_hydra.rollout.weight_sync import choose_transport
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor, RemoteGroupRunner, request_seed
+
+    r, p, a, t, d = cfg.rollout, cfg.parallelism, cfg.algorithm, cfg.train, cfg.data
+    init_ray(cfg)
+    model_path = resolve_path(cfg.model.path)
+    tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    needs = _needs(cfg)
+    on_gpu = cfg.cluster.device.value == "cuda"
+
+    # 1. engines first: their bundles are the largest
+    engine_cls = ray.remote(VLLMEngine)
+    engines = [
+        engine_cls.options(num_cpus=0, num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0)
+        .remote(model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
+                enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
+                max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
+                data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
+                kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
+                return_routed_experts=r.routing_replay, engine_index=i)
+        for i in range(r.num_engines)
+    ]
+    starting = asyncio.gather(*(e.start.remote() for e in engines))
+
+    # 2. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
+    prompts = load_prompts(d.train_path, split=d.split, input_key=d.input_key, label_key=d.label_key,
+                           tools_key=d.tools_key, image_key=d.image_key, max_samples=d.max_samples,
+                           probs=d.train_probs, seed=cfg.seed)
+    opt = t.optimizer
+    common = dict(
+        model_path=model_path, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp, ep_size=p.ep, cp_size=p.cp,
+        param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value], attn_implementation=cfg.model.attn_implementation.value,
+        max_tokens_per_micro_batch=(t.max_tokens_per_micro_batch if t.dynamic_batch
+                                    else t.micro_batch_size * d.max_len),
+        temperature=r.temperature, seed=cfg.seed, timeout_s=t.timeouts.collective_s,
+        offload=p.offload.value == "full")
+    total_steps = scheduler_steps(cfg, len(prompts))
+
+    def group(role: str, worker_cls, optimizer=None, path=None, **extra):
+        o = optimizer or opt
+        return TrainerGroup(
+            p.trainer_devices, num_gpus_per_rank=1 if on_gpu else 0, num_cpus_per_rank=1, worker_cls=worker_cls,
+            **{**common, "model_path": path or model_path}, role=role, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+            weight_decay=o.weight_decay, lr_scheduler=o.scheduler, lr_warmup_ratio=o.warmup_ratio,
+            min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, total_steps=total_steps,
+            gradient_checkpointing=cfg.model.gradient_checkpointing.value != "none", **extra)
+
+    policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
+    actor = await deadline(asyncio.to_thread(group, "actor", policy_cls), t.timeouts.startup_s, "actor", "start")
+    ref = critic = None
+    if a.kl.coef > 0 or "reference" in needs:
+        ref_path = resolve_path(cfg.model.ref_path or cfg.model.path)
+        ref = await deadline(asyncio.to_thread(group, "ref", TrainerWorker, path=ref_path), t.timeouts.startup_s,
+                             "reference", "start")
+    if "values" in needs:
+        critic_path = resolve_path(cfg.model.critic_path or cfg.model.path)
+        critic = await deadline(asyncio.to_thread(group, "critic", TrainerWorker, t.critic.optimizer, critic_path),
+                                t.timeouts.startup_s, "critic", "start")
+    await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
+
+    # 3. agent runners
+    runner_cls = ray.remote(AgentRunnerActor)
+    runners = [runner_cls.options(num_cpus=0).remote(
+        dict(cfg.agent.runner), engines, tokenizer_path=tokenizer_path, max_len=d.max_len,
+        timeout_s=cfg.agent.timeout_s, engine_timeout_s=t.timeouts.engine_call_s, seed=cfg.seed,
+        max_turns=cfg.agent.max_turns)
+        for _ in range(r.num_runners)]
+    await deadline(asyncio.gather(*(x.__ray_ready__.remote() for x in runners)), t.timeouts.startup_s,
+                   "agent runner", "start")
+
+    # min_tokens=0 (Molt sends 1): vLLM masks EOS on a forced first token, so that token's logprob would differ from
+    # the trainer's by log(1 - p_eos) and show up as drift that is not drift.
+    sampling = Sampling(max_tokens=r.max_new_tokens or d.max_len // 2, temperature=r.temperature, top_p=r.top_p,
+                        top_k=r.top_k, min_tokens=0)
+    df = a.dynamic_filtering
+    generator = SamplesGenerator(
+        prompts, RemoteGroupRunner(runners), batch_size=r.batch_size,
+        n_samples_per_prompt=r.n_samples_per_prompt, sampling=sampling, max_inflight_groups=r.max_inflight_groups,
+        seed=cfg.seed, num_epochs=t.num_episodes, dynamic_filtering=(df.low, df.high) if df.enable else None,
+        incomplete_groups=r.incomplete_groups.value, carry_over=t.partial_rollout,
+        group_seed=lambda epoch, index: request_seed(cfg.seed, epoch, index))
+    eval_rows = None
+    if cfg.eval.data_path:
+        eval_rows = load_prompts(cfg.eval.data_path, split=cfg.eval.split, input_key=d.input_key,
+                                 label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key)
+
+    transport = r.weight_sync.transport.value
+    if transport == "auto":
+        transport = choose_transport(on_gpu=on_gpu, colocated=p.colocate, same_host=cfg.cluster.nodes == 1).value
+    transport = {"shared_memory": "shm"}.get(transport, transport)
+    if transport not in ("shm", "object_store"):
+        raise NotImplementedError(f"rollout.weight_sync.transport={transport} needs GPUs; this run is on "
+                                  f"{cfg.cluster.device.value}")
+
+    pids = {f"rollout engine {i}": pid for i, pid in enumerate(ray.get([e.__ray_call__.remote(lambda s: os.getpid())
+                                                                        for e in engines]))}
+    for name, g in (("actor", actor), ("reference", ref), ("critic", critic)):
+        if g is not None:
+            for i, pid in enumerate(ray.get([w.__ray_call__.remote(lambda s: os.getpid()) for w in g.workers])):
+                pids[f"{name} rank {i}"] = pid
+    for i, pid in enumerate(ray.get([x.pid.remote() for x in runners])):
+        pids[f"agent runner {i}"] = pid
+
+    return Roles(
+        cfg=cfg, engines=engines, actor=actor, ref=ref, critic=critic, runners=runners, generator=generator,
+        sinks=None, progress=Progress(t.max_steps, cfg.logger.progress), pad_token_id=tokenizer.pad_token_id or 0,
+        policy_loss=PolicyLoss(a.policy_loss, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
+                               dual_clip=a.dual_clip, entropy_coef=a.entropy_coef, kl_use_loss=a.kl.use_loss,
+                               kl_estimator=a.kl.estimator.value, loss_agg=a.loss_agg.value,
+                               is_correction=ISCorrection(a.is_correction.level.value, a.is_correction.mode.value,
+                                                          a.is_correction.low, a.is_correction.high)),
+        tokenizer=tokenizer, ckpt_dir=cfg.checkpoint.dir, run_record=run_record, transport=transport,
+        eval_rows=eval_rows, role_pids=pids)

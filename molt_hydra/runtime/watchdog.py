@@ -1,0 +1,58 @@
+"""No silent hangs: every remote call of the loop goes through `deadline(...)`. When one expires, the stacks of every
+role (the driver via faulthandler, every Ray actor and its child processes via py-spy) are written into the run
+directory, the role that stalled is named, and the run exits non-zero."""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+EXIT_STALLED = 3
+
+
+class RoleStalled(RuntimeError):
+    def __init__(self, role: str, what: str, seconds: float):
+        super().__init__(f"{role} stalled: {what} did not finish within {seconds:g} s")
+        self.role = role
+
+
+async def deadline(awaitable, seconds: float, role: str, what: str):
+    """Await `awaitable` (a coroutine or a Ray ObjectRef) for at most `seconds`."""
+    try:
+        return await asyncio.wait_for(_as_awaitable(awaitable), timeout=seconds)
+    except asyncio.TimeoutError:
+        raise RoleStalled(role, what, seconds) from None
+
+
+async def _as_awaitable(obj):
+    return await obj
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    kids = [int(p) for p in out.stdout.split()]
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def dump_stacks(run_dir: str | Path, role_pids: dict[str, int], reason: str) -> Path:
+    """Write every role's Python stacks into <run_dir>/stacks-<time>.txt and return its path."""
+    path = Path(run_dir) / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    py_spy = shutil.which("py-spy")
+    with open(path, "w") as f:
+        f.write(f"# {reason}\n\n## driver (this process)\n")
+        f.flush()
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        for role, pid in role_pids.items():
+            for p in [pid, *_children(pid)]:
+                f.write(f"\n## {role} (pid {p})\n")
+                if py_spy is None:
+                    f.write("py-spy is not installed; no stack\n")
+                    continue
+                dump = subprocess.run([py_spy, "dump", "--pid", str(p)], capture_output=True, text=True, timeout=60)
+                f.write(dump.stdout or dump.stderr)
+    return path
