@@ -102,6 +102,14 @@ def bench_one(name, ac, args, rank, world, port, peak):
         m = w.train_step(data, obj)
         if i:
             runs.append(m)
+    if args.profile == f"{name}:{int(ac)}" and rank == 0:  # torch profiler over one more step: where the step time goes
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            w.train_step(data, obj)
+        for key in ("self_cpu_time_total", "cuda_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
+    elif args.profile == f"{name}:{int(ac)}":
+        w.train_step(data, obj)
     rec = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k.startswith("perf/")}
     rec["policy_loss"] = runs[-1]["policy_loss"]
     # weight-sync send side: full bf16 tensors, bucket 1 GiB, to GPU (NCCL-broadcast source) and to host (shm/object store)
@@ -133,6 +141,7 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=4, help="micro-batches (one sequence each) per GPU per step")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    ap.add_argument("--profile", default="", help="SHAPE:AC whose extra step is profiled (torch profiler tables)")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     port = int(os.environ["MASTER_PORT"])

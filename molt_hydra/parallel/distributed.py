@@ -20,8 +20,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         os.environ.setdefault("MASTER_ADDR", master_addr)
         os.environ.setdefault("MASTER_PORT", str(master_port))
         if torch.cuda.is_available():
-            # CPU-offloaded FSDP2 params need gloo for their host-side collectives
-            backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
+            # gloo beside NCCL: small CPU-side collectives (counts, metrics) and CPU-offloaded FSDP2 params
+            backend = "cuda:nccl,cpu:gloo"
             local = rank % torch.cuda.device_count()
             torch.cuda.set_device(local)
             device = torch.device("cuda", local)

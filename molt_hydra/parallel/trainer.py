@@ -153,13 +153,14 @@ class TrainerWorker:
                 if aux is not None and self.aux_loss_coef > 0:
                     loss = loss + self.aux_loss_coef * aux / len(parts)
                 loss.backward()
-                w = mbs[mask_key].sum().float().cpu()  # scalar metrics are micro-batch means: weight by tokens
+                # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch)
+                w = mbs[mask_key].sum().float()
                 for k, v in mets.items():
-                    sums[k] = sums.get(k, torch.zeros(())) + v.detach().float().cpu() * w
-            sums["_tokens"] = sums.get("_tokens", torch.zeros(())) + n_tok.cpu() / self.world_size
+                    sums[k] = sums.get(k, 0.0) + v.detach().float() * w
+            sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
             params = [p for p in self.model.parameters() if p.grad is not None]
             gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
-            grad_norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
+            grad_norms.append(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -172,7 +173,9 @@ class TrainerWorker:
         dt = torch.tensor(seconds)
         keys = sorted(k for k in sums if k != "_tokens")
         n_all = float(sum(len(s["input_ids"]) for s in samples))
-        red = torch.stack([sums[k] for k in keys] + [sums["_tokens"], torch.tensor(n_all)])
+        red = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]
+                          + [torch.as_tensor(sums["_tokens"], device=self.device),
+                             torch.tensor(n_all, device=self.device)]).cpu()
         dist.all_reduce(red)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time, as Molt reports
         n_mask, tokens = float(red[-2]), float(red[-1])
@@ -180,7 +183,7 @@ class TrainerWorker:
         perf = "perf/critic_" if self.role == "critic" else "perf/"
         metrics = {k: float(red[i]) / max(n_mask, 1.0) for i, k in enumerate(keys)}
         metrics.update({f"{prefix}_lr": self.scheduler.get_last_lr()[0],
-                        f"{prefix}_grad_norm": float(np.mean(grad_norms)),
+                        f"{prefix}_grad_norm": float(torch.stack(grad_norms).float().mean()),
                         f"{perf}train_tokens_per_sec": tokens / float(dt),
                         f"{perf}step_time_s": float(dt)})
         if self.peak_tflops:
@@ -216,4 +219,5 @@ class TrainerWorker:
 
     def shutdown(self):
         if dist.is_initialized():
+            dist.barrier()  # no rank tears its connections down while a peer is still talking to it
             dist.destroy_process_group()

@@ -50,9 +50,11 @@ def with_old_logprobs(w, samples):
     return samples
 
 
-def dp_step(rank, world_size, port, out):
+def dp_step(rank, world_size, port, out, param_dtype="fp32"):
     """Two optimizer windows of a PPO step over 8 samples; rank r of R holds samples of each window strided by R."""
-    w = worker(rank, world_size, port)
+    if param_dtype == "fp32":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    w = worker(rank, world_size, port, param_dtype=param_dtype)
     samples = with_old_logprobs(w, make_samples(8))
     windows = [samples[:4], samples[4:]]
     local = [s for win in windows for s in win[rank::world_size]]
@@ -60,6 +62,17 @@ def dp_step(rank, world_size, port, out):
     msd, _ = full_state(w)
     if rank == 0:
         torch.save({"metrics": metrics, "model": msd}, out)
+    w.shutdown()
+
+
+def moe_step(rank, world_size, port, out):
+    """The tiny Qwen3-MoE actor: log-probs equal HF's, and a PPO step with the router aux loss runs."""
+    w = worker(rank, world_size, port, model_path="tiny://qwen3_moe_tiny", aux_loss_coef=0.01, lr_scheduler="constant")
+    samples = with_old_logprobs(w, make_samples(4))
+    lps = w.compute_logprobs(samples)
+    metrics = [w.train_step(samples[rank::world_size], ppo_objective()) for _ in range(2)]
+    if rank == 0:
+        torch.save({"lps": lps, "metrics": metrics}, out)
     w.shutdown()
 
 

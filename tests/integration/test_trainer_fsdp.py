@@ -8,7 +8,7 @@ import torch
 
 from molt_hydra.parallel.launch import run_ranks
 
-from . import _trainer_jobs as jobs
+import _trainer_jobs as jobs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,11 +46,20 @@ def role_results(tmp_path_factory):
     return torch.load(d / "r.pt", weights_only=False)
 
 
-def _hf_logprobs(samples, temperature):
+def test_moe_actor_logprobs_and_step(tmp_path):
+    run_ranks(jobs.moe_step, 2, tmp_path / "m.pt", timeout_s=180)
+    res = torch.load(tmp_path / "m.pt", weights_only=False)
+    for lp, (hlp, _) in zip(res["lps"], _hf_logprobs(jobs.make_samples(4), 1.0, "tiny://qwen3_moe_tiny")):
+        torch.testing.assert_close(lp, hlp, atol=1e-5, rtol=1e-5)
+    first, second = res["metrics"]
+    assert abs(first["policy_loss"] - second["policy_loss"]) > 1e-4  # the first step changed the policy
+
+
+def _hf_logprobs(samples, temperature, name="tiny://qwen3_tiny"):
     from transformers import AutoModelForCausalLM
 
     from molt_hydra.models.tiny import resolve_model_path
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny://qwen3_tiny"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32)
     out = []
     with torch.no_grad():
         for s in samples:

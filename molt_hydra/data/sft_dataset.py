@@ -1,0 +1,123 @@
+"""SFT samples: chat rows rendered with the tokenizer's chat template, and loss masks over the assistant replies.
+
+The reply markers are discovered from the template itself by rendering probe chats (Molt inventory §4.14), never
+hard-coded: `reply_open` = what the generation prompt appends (e.g. `<|im_start|>assistant\\n`,
+`<start_of_turn>model\\n`), `reply_close` = the first token the template writes after a reply's content (e.g.
+`<|im_end|>`), supervised too when it is a special (stop) token so the model learns to stop. A template without a
+terminator ends a reply at the next special token, unsupervised. Masks are token-aligned (mask[t] = 1 iff token t
+is trained on), the trainer's convention. Packing happens in the trainer's micro-batching (parallel/batching.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_PROBE_USER, _PROBE_REPLY = "Zq probe question 17", "Zq probe reply 42"
+
+
+@dataclass(frozen=True)
+class ReplyMarkers:
+    reply_open: tuple[int, ...]
+    reply_close: int | None
+    supervise_close: bool
+
+
+def _render(tokenizer, messages, chat_template, add_generation_prompt):
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+def discover_reply_markers(tokenizer, chat_template: str | None = None) -> ReplyMarkers:
+    user = [{"role": "user", "content": _PROBE_USER}]
+    bare = _render(tokenizer, user, chat_template, False)
+    prompt = _render(tokenizer, user, chat_template, True)
+    if not prompt.startswith(bare) or prompt == bare:
+        raise ValueError("chat template: add_generation_prompt=True must append the assistant header to the "
+                         "rendered prompt; cannot locate assistant replies")
+    full = _render(tokenizer, user + [{"role": "assistant", "content": _PROBE_REPLY}], chat_template, False)
+    at = full.find(_PROBE_REPLY, len(bare))
+    if at < 0:
+        raise ValueError("chat template does not render the assistant message content")
+    open_ids = tokenizer(prompt[len(bare):], add_special_tokens=False)["input_ids"]
+    after = tokenizer(full[at + len(_PROBE_REPLY):], add_special_tokens=False)["input_ids"]
+    close = after[0] if after else None
+    special = _special_ids(tokenizer)
+    if close is not None and close not in special:
+        close = None  # plain text after the reply (e.g. a newline): no terminator token
+    return ReplyMarkers(tuple(open_ids), close, close is not None)
+
+
+def reply_loss_mask(ids: list[int], markers: ReplyMarkers, special_ids: set[int],
+                    last_turn_only: bool = False) -> list[int]:
+    """1 on every token after each reply_open up to reply_close (inclusive iff supervise_close)."""
+    n, k, op = len(ids), len(markers.reply_open), list(markers.reply_open)
+    mask, runs, i = [0] * n, [], 0
+    while i < n:
+        if ids[i:i + k] != op:
+            i += 1
+            continue
+        j = start = i + k
+        while j < n and ids[j] != markers.reply_close and not (markers.reply_close is None and ids[j] in special_ids):
+            j += 1
+        end = j + 1 if (j < n and markers.supervise_close) else j
+        runs.append((start, end))
+        i = max(j, start)
+    for start, end in runs[-1:] if last_turn_only else runs:
+        mask[start:end] = [1] * (end - start)
+    return mask
+
+
+def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
+    prompt = row[input_key]
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if output_key is not None:
+        reply = row[output_key]
+        if isinstance(reply, str):
+            msgs.append({"role": "assistant", "content": reply})
+        elif isinstance(reply, dict):
+            msgs.append(reply)
+        else:
+            msgs.extend(reply)
+    return msgs
+
+
+def load_rows(data: str | list[dict]) -> list[dict]:
+    """A list of dicts, or a .jsonl / .json file of them."""
+    if not isinstance(data, (str, Path)):
+        return list(data)
+    path = Path(data)
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    raise ValueError(f"SFT data {str(path)!r}: expected a .jsonl or .json file (or a list of rows)")
+
+
+def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", output_key: str | None = None,
+                      max_len: int = 2048, chat_template: str | None = None, train_on_last_turn_only: bool = False,
+                      max_samples: int | None = None) -> list[dict]:
+    """[{"input_ids", "loss_mask"}] per row with at least one assistant message and one supervised token."""
+    markers = discover_reply_markers(tokenizer, chat_template)
+    special = _special_ids(tokenizer)
+    out = []
+    for row in rows[:max_samples]:
+        msgs = _messages(row, input_key, output_key)
+        if not any(m["role"] == "assistant" for m in msgs):
+            continue
+        text = _render(tokenizer, msgs, chat_template, False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_len]
+        mask = reply_loss_mask(ids, markers, special, train_on_last_turn_only)
+        if sum(mask):
+            out.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.float32)})
+    if not out:
+        raise ValueError(f"no SFT samples with supervised tokens among {len(rows)} rows "
+                         f"(input_key={input_key!r}, output_key={output_key!r})")
+    return out

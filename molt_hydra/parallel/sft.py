@@ -1,0 +1,115 @@
+"""The SFT job (`job=sft`): chat rows -> masked, packed micro-batches -> the same FSDP2 TrainerWorker as RL.
+
+`run_sft` takes flat arguments (the CLI maps the config onto them). With `num_ranks > 1` it spawns local ranks;
+under torchrun (RANK/WORLD_SIZE set by the launcher) each process runs its own rank. Per optimizer step the global
+batch of `batch_size` samples is split over ranks (strided), so the loss is the window token mean over all of them
+(inventory §2.10). Checkpoints every `save_steps` carry the consumed-sample count, and `resume=True` continues from
+the latest one in `ckpt_path`; the final HF export goes to `output_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _eval_loss(worker, samples, rank, world) -> float:
+    """Token-weighted −log p over loss masks of the eval set, reduced over ranks."""
+    local = samples[rank::world] or samples[:1]
+    lps = worker.compute_logprobs(local)
+    own = local if samples[rank::world] else []
+    s = torch.tensor([sum(float(-(lp * x["loss_mask"]).sum()) for lp, x in zip(lps, own)),
+                      sum(float(x["loss_mask"].sum()) for x in own)])
+    dist.all_reduce(s)
+    return float(s[0] / s[1].clamp(min=1))
+
+
+def _sft_rank(rank: int, world: int, port: int, kw: dict):
+    from transformers import AutoTokenizer
+
+    from molt_hydra.data.sft_dataset import build_sft_samples, load_rows
+    from molt_hydra.models.build import resolve_path
+    from molt_hydra.parallel.objectives import SFTObjective
+    from molt_hydra.parallel.trainer import TrainerWorker
+
+    path = resolve_path(kw["model_path"])
+    tok = AutoTokenizer.from_pretrained(path)
+    data_kw = dict(input_key=kw["input_key"], output_key=kw["output_key"], max_len=kw["max_len"],
+                   chat_template=kw["chat_template"], train_on_last_turn_only=kw["train_on_last_turn_only"])
+    train = build_sft_samples(load_rows(kw["train_data"]), tok, max_samples=kw["max_samples"], **data_kw)
+    evals = build_sft_samples(load_rows(kw["eval_data"]), tok, **data_kw) if kw["eval_data"] is not None else None
+    bs = kw["batch_size"]
+    if bs % world or bs > len(train):
+        raise ValueError(f"train.batch_size={bs} must divide over {world} ranks and be <= {len(train)} samples")
+    steps_per_epoch = len(train) // bs  # trailing partial batch dropped, as Molt does
+    total = math.ceil(kw["max_epochs"] * steps_per_epoch)
+    worker = TrainerWorker(rank=rank, world_size=world, master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                           master_port=port, model_path=path, role="actor",
+                           total_steps=total, **kw["worker"])
+    start = 0
+    if kw["resume"] and kw["ckpt_path"]:
+        client = worker.load_checkpoint(kw["ckpt_path"])
+        start = (client or {}).get("global_step", 0)
+    out = Path(kw["output_dir"])
+    log = out / "sft_metrics.jsonl"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    history = []
+    for step in range(start, total):
+        epoch, i = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(kw["seed"] + epoch)).tolist()
+        batch = [train[j] for j in order[i * bs:(i + 1) * bs]]
+        m = worker.train_step(batch[rank::world], SFTObjective())
+        rec = {"global_step": step + 1, "epoch": epoch, "sft_loss": m["sft_loss"], "lr": m["actor_lr"],
+               "grad_norm": m["actor_grad_norm"], "tokens_per_sec": m["perf/train_tokens_per_sec"]}
+        last = step + 1 == total
+        if evals is not None and ((kw["eval_steps"] > 0 and (step + 1) % kw["eval_steps"] == 0) or last
+                                  or (kw["eval_steps"] <= 0 and (step + 1) % steps_per_epoch == 0)):
+            rec["eval sft_loss"] = _eval_loss(worker, evals, rank, world)
+        if kw["ckpt_path"] and kw["save_steps"] > 0 and (step + 1) % kw["save_steps"] == 0:
+            worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs}, keep=kw["keep"])
+        history.append(rec)
+        if rank == 0:
+            with log.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+    if evals is not None and start == total:
+        history.append({"global_step": total, "eval sft_loss": _eval_loss(worker, evals, rank, world)})
+    if kw["export_hf"]:
+        worker.export_hf(str(out / "hf"))
+    worker.shutdown()
+    return history
+
+
+def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, input_key: str = "input",
+            output_key: str | None = None, chat_template: str | None = None, train_on_last_turn_only: bool = False,
+            max_len: int = 2048, max_samples: int | None = None, batch_size: int = 8, max_epochs: float = 1,
+            eval_steps: int = -1, save_steps: int = -1, ckpt_path: str | None = None, keep: int = 3,
+            resume: bool = False, export_hf: bool = True, num_ranks: int = 1, seed: int = 42, lr: float = 5e-6,
+            betas: tuple = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, lr_scheduler: str = "constant",
+            lr_warmup_ratio: float = 0.03, min_lr_ratio: float = 0.1, max_norm: float = 1.0,
+            max_tokens_per_micro_batch: int = 16384, param_dtype: str = "bf16", attn_implementation: str = "sdpa",
+            gradient_checkpointing: bool = False, offload: bool = False, timeout_s: float = 600.0) -> list[dict]:
+    """Train, evaluate, checkpoint and export; returns the per-step metric records (also in
+    <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated."""
+    kw = dict(model_path=model_path, train_data=train_data, eval_data=eval_data, output_dir=output_dir,
+              input_key=input_key, output_key=output_key, chat_template=chat_template,
+              train_on_last_turn_only=train_on_last_turn_only, max_len=max_len, max_samples=max_samples,
+              batch_size=batch_size, max_epochs=max_epochs, eval_steps=eval_steps, save_steps=save_steps,
+              ckpt_path=ckpt_path, keep=keep, resume=resume, export_hf=export_hf, seed=seed,
+              worker=dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, lr_scheduler=lr_scheduler,
+                          lr_warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio, max_norm=max_norm,
+                          max_tokens_per_micro_batch=max_tokens_per_micro_batch, param_dtype=param_dtype,
+                          attn_implementation=attn_implementation, gradient_checkpointing=gradient_checkpointing,
+                          offload=offload, seed=seed, timeout_s=timeout_s))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        return _sft_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), kw)
+    from molt_hydra.parallel.launch import run_ranks
+    log = Path(output_dir) / "sft_metrics.jsonl"
+    start = len(log.read_text().splitlines()) if log.exists() else 0
+    run_ranks(_sft_rank, num_ranks, kw, timeout_s=max(timeout_s, 3600))
+    return [json.loads(x) for x in log.read_text().splitlines()[start:]]

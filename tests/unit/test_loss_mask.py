@@ -1,0 +1,73 @@
+"""Loss masks from chat-template-discovered reply markers cover exactly the assistant tokens (+ the stop token),
+for ChatML (the tiny model's template) and a Gemma-style template written here."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from molt_hydra.data.sft_dataset import build_sft_samples, discover_reply_markers
+
+GEMMA = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+         "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# Llama-2-ish family without a stop token after replies: nothing after the content but the next turn
+NO_TERMINATOR = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{{ m.content }}{% else %}"
+                 "<|user|>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "The answer is 5."}, {"role": "user", "content": "and 4+4?"},
+        {"role": "assistant", "content": "It is 8, done."}]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    t = AutoTokenizer.from_pretrained(tiny_model)
+    t.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>", "<|assistant|>",
+                                                        "<|user|>"]})
+    return t
+
+
+def expected_mask(tok, template, close_text, last_only=False):
+    """Tokens whose characters fall inside an assistant content (+ its close text), via offsets."""
+    text = tok.apply_chat_template(CHAT, tokenize=False, chat_template=template)
+    spans, pos = [], 0
+    for m in CHAT:
+        at = text.index(m["content"], pos)
+        pos = at + len(m["content"])
+        if m["role"] == "assistant":
+            spans.append((at, pos + len(close_text)))
+    spans = spans[-1:] if last_only else spans
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], [int(any(a <= s and e <= b for a, b in spans)) for s, e in enc["offset_mapping"]]
+
+
+@pytest.mark.parametrize("template,close_text,open_text", [
+    (None, "<|im_end|>", "<|im_start|>assistant\n"),
+    (GEMMA, "<end_of_turn>", "<start_of_turn>model\n"),
+    (NO_TERMINATOR, "", "<|assistant|>"),
+])
+@pytest.mark.parametrize("last_only", [False, True])
+def test_mask_covers_exactly_assistant_tokens(tok, template, close_text, open_text, last_only):
+    markers = discover_reply_markers(tok, template)
+    assert tok.decode(list(markers.reply_open)) == open_text
+    assert markers.supervise_close == bool(close_text)
+    ids, want = expected_mask(tok, template, close_text, last_only)
+    [s] = build_sft_samples([{"input": CHAT}], tok, chat_template=template, train_on_last_turn_only=last_only)
+    assert s["input_ids"].tolist() == ids
+    assert s["loss_mask"].int().tolist() == want
+    assert sum(want) > 8
+    supervised = tok.decode([i for i, m in zip(ids, want) if m])
+    assert supervised == ("" if last_only else "The answer is 5." + close_text) + "It is 8, done." + close_text
+
+
+def test_rows_without_reply_are_dropped_and_all_empty_is_an_error(tok):
+    rows = [{"input": "hi", "output": "hello"}, {"input": "no reply"}]
+    samples = build_sft_samples(rows[:1], tok, output_key="output")
+    assert len(samples) == 1
+    with pytest.raises(ValueError, match="no SFT samples"):
+        build_sft_samples(rows[1:], tok)
+
+
+def test_template_without_generation_prompt_is_refused(tok):
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        discover_reply_markers(tok, "{% for m in messages %}{{ m.content }}{% endfor %}")
