@@ -132,6 +132,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (sync and t.partial_rollout), "train.partial_rollout",
                    "sync mode trains only tokens of the current policy; partial rollout mixes policies.",
                    "set train.mode=async or train.partial_rollout=false")
+    problems.check(sync or t.partial_rollout or t.stale_samples.value == "keep" or t.max_staleness >= t.queue_depth,
+                   "train.max_staleness",
+                   f"batches are generated exactly train.queue_depth={t.queue_depth} versions ahead, so every sample "
+                   f"would be {t.queue_depth} versions old and dropped by max_staleness={t.max_staleness}.",
+                   f"set train.max_staleness={t.queue_depth} (or leave it null), or train.stale_samples=keep")
     problems.check(not (sync and t.queue_depth > 1), "train.queue_depth",
                    "sync mode generates one batch at a time; queue_depth applies to train.mode=async.",
                    "set train.queue_depth=1 or train.mode=async")

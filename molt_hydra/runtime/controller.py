@@ -124,10 +124,6 @@ class RLController:
                 exps.append(exp)
         return exps, drops
 
-    async def _trainer_call(self, group, method: str, *args, role: str = "actor", **kwargs):
-        return await deadline(asyncio.to_thread(getattr(group, method), *args, **kwargs),
-                              self.cfg.train.timeouts.trainer_call_s, role, method)
-
     async def train_step(self, batch, gen_timing: dict) -> dict[str, float]:
         import torch
 
@@ -151,21 +147,21 @@ class RLController:
             metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
         metrics["rollout/dropped/total"] = metrics.get("rollout/dropped/total", 0.0) + sum(drops.values())
         metrics["train/num_samples"] = float(len(exps))
-        if not exps:
-            return {**metrics, "timing/make_experience": time.perf_counter() - t0}
+        if not exps:  # everything was dropped (and counted): nothing to train on this step
+            return {**metrics, **timing, "timing/make_experience": time.perf_counter() - t0, "_frozen": True}
 
         b = collate(exps, pad_token_id=roles.pad_token_id)
         lengths = [len(e.token_ids) for e in exps]
         samples = [{"input_ids": e.token_ids} for e in exps]
-        old = await self._trainer_call(roles.actor, "compute_logprobs", samples)
-        old_logp = _pad([o for o in old], lengths, b.action_mask.shape)
+        old = await roles.ranks(roles.actor, "compute_logprobs", shard=samples)
+        old_logp = _pad([x for rank in old for x in rank], lengths, b.action_mask.shape)
         ref_logp = values = None
         if roles.ref is not None:
-            ref = await self._trainer_call(roles.ref, "compute_logprobs", samples, role="reference")
-            ref_logp = _pad(ref, lengths, b.action_mask.shape)
+            ref = await roles.ranks(roles.ref, "compute_logprobs", shard=samples, role="reference")
+            ref_logp = _pad([x for rank in ref for x in rank], lengths, b.action_mask.shape)
         if roles.critic is not None:
-            v = await self._trainer_call(roles.critic, "compute_logprobs", samples, role="critic")
-            values = _pad(v, lengths, b.action_mask.shape)
+            v = await roles.ranks(roles.critic, "compute_logprobs", shard=samples, role="critic")
+            values = _pad([x for rank in v for x in rank], lengths, b.action_mask.shape)
         kl = None
         if ref_logp is not None and not a.kl.use_loss:
             kl = approx_kl(old_logp, ref_logp, a.kl.estimator.value) * b.action_mask
@@ -203,17 +199,16 @@ class RLController:
         t1 = time.perf_counter()
         if not frozen:
             for _ in range(cfg.train.epochs):
-                m = await self._trainer_call(roles.actor, "train_step", train_samples,
-                                             ActorObjective(roles.policy_loss, self.kl_ctl.value),
-                                             num_optimizer_steps=steps)
-                metrics.update(m)
+                m = await roles.ranks(roles.actor, "train_step", ActorObjective(roles.policy_loss, self.kl_ctl.value),
+                                      shard=train_samples, num_optimizer_steps=steps)
+                metrics.update(m[0])
         timing["timing/policy_train"] = time.perf_counter() - t1
         if roles.critic is not None:
             t2 = time.perf_counter()
             for _ in range(cfg.train.critic.epochs or cfg.train.epochs):
-                metrics.update(await self._trainer_call(roles.critic, "train_step", train_samples,
-                                                        CriticObjective(a.value_clip), num_optimizer_steps=steps,
-                                                        role="critic"))
+                m = await roles.ranks(roles.critic, "train_step", CriticObjective(a.value_clip), shard=train_samples,
+                                      num_optimizer_steps=steps, role="critic")
+                metrics.update(m[0])
             timing["timing/critic_train"] = time.perf_counter() - t2
         self.kl_ctl.update(metrics.get("kl", 0.0), cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
         metrics["_frozen"] = frozen
@@ -225,7 +220,9 @@ class RLController:
         t0 = time.perf_counter()
         if not self.partial:
             async with self.batch_made:
-                await self.batch_made.wait_for(lambda: self.batches_made > self.step + self.depth or self.exhausted)
+                await deadline(self.batch_made.wait_for(
+                    lambda: self.batches_made > self.step + self.depth or self.exhausted),
+                    self.cfg.train.timeouts.step_s, "rollout", "generating the batch the weight sync waits for")
         t1 = time.perf_counter()
         await self.roles.push_weights(self.version + 1)
         self.version += 1
@@ -275,16 +272,16 @@ class RLController:
     async def save(self, tag_best: bool = False) -> None:
         t0 = time.perf_counter()
         state = self.client_state()
-        path = await self._trainer_call(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir,
-                                        {"global_step": self.step, "best": tag_best},
-                                        keep=self.cfg.checkpoint.max_num, role="actor")
+        (path, *_) = await self.roles.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir,
+                                             {"global_step": self.step, "best": tag_best},
+                                             keep=self.cfg.checkpoint.max_num)
         # The loop's own state rides next to the trainer's DCP files, written atomically.
         tmp = Path(path) / (CLIENT_STATE + ".tmp")
         tmp.write_bytes(pickle.dumps(state))
         tmp.rename(Path(path) / CLIENT_STATE)
         if self.roles.critic is not None:
-            await self._trainer_call(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
-                                     {"global_step": self.step}, keep=self.cfg.checkpoint.max_num, role="critic")
+            await self.roles.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
+                                   {"global_step": self.step}, keep=self.cfg.checkpoint.max_num, role="critic")
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))
         self.roles.last_checkpoint = path
         self.roles.timing_checkpoint = time.perf_counter() - t0

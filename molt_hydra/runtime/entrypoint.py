@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pickle
 import signal
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.plan import Plan
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
-from molt_hydra.runtime.watchdog import EXIT_STALLED, RoleStalled, dump_stacks
+from molt_hydra.runtime.watchdog import EXIT_STALLED, RoleStalled, descendants, dump_stacks
 
 EXIT_INTERRUPTED = 130
 
@@ -31,7 +32,10 @@ def run(cfg: RunConfig, plan: Plan) -> None:
     with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray", include_dashboard=False):
         code = asyncio.run(_main(cfg, record))
     if code:
-        sys.exit(code)
+        # A stalled role can leave a thread blocked in a Ray call that would hold interpreter exit: leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 async def _main(cfg: RunConfig, record: dict) -> int:
@@ -46,9 +50,10 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         roles = await build_roles(cfg, record)
         return await (_eval_only(cfg, roles) if cfg.job.value == "eval" else _train(cfg, roles))
     except RoleStalled as e:
-        pids = roles.role_pids if roles is not None else {}
-        path = dump_stacks(cfg.output_dir, pids, str(e))
-        print(f"\nRun stopped: {e}.\nStacks of every role: {path}", file=sys.stderr)
+        stalled = await _probe_engines(roles) if roles is not None and e.role in ("rollout", "weight sync") else []
+        reason = f"{e}" + (f"; not answering: {', '.join(stalled)}" if stalled else "")
+        path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
+        print(f"\nRun stopped: {reason}.\nStacks of every role: {path}", file=sys.stderr)
         return EXIT_STALLED
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
@@ -63,7 +68,29 @@ async def _main(cfg: RunConfig, record: dict) -> int:
                 print(f"shutdown: {e!r}", file=sys.stderr)
         import ray
 
+        started = descendants(os.getpid())
         ray.shutdown()
+        for pid in started:  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+async def _probe_engines(roles, seconds: float = 10.0) -> list[str]:
+    """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""
+    from molt_hydra.rollout.generation import GenerationRequest, Sampling
+
+    async def answers(engine) -> bool:
+        probe = GenerationRequest("watchdog-probe", [roles.pad_token_id], Sampling(max_tokens=1))
+        try:
+            await asyncio.wait_for(engine.generate.remote(probe), seconds)
+            return True
+        except Exception:  # timeout or a dead actor: either way it is the one that stalled
+            return False
+
+    alive = await asyncio.gather(*(answers(e) for e in roles.engines))
+    return [f"rollout engine {i}" for i, ok in enumerate(alive) if not ok]
 
 
 def _sinks(cfg: RunConfig, wandb_id: str | None):
@@ -78,6 +105,7 @@ def _sinks(cfg: RunConfig, wandb_id: str | None):
 async def _train(cfg: RunConfig, roles) -> int:
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
     from molt_hydra.runtime.controller import CLIENT_STATE, RLController
+    from molt_hydra.runtime.roles import DTYPE_NAMES
 
     ctl = RLController(cfg, roles)
     state = None
@@ -86,9 +114,9 @@ async def _train(cfg: RunConfig, roles) -> int:
         if found is None and cfg.checkpoint.resume.value == "must":
             raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {roles.ckpt_dir}")
         if found is not None:
-            await asyncio.to_thread(roles.actor.load_checkpoint, roles.ckpt_dir)
+            await roles.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir)
             if roles.critic is not None:
-                await asyncio.to_thread(roles.critic.load_checkpoint, roles.ckpt_dir + "_critic")
+                await roles.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", role="critic")
             state = pickle.loads((Path(found) / CLIENT_STATE).read_bytes())
             ctl.restore(state)
             if ctl.version > 0:
@@ -99,9 +127,8 @@ async def _train(cfg: RunConfig, roles) -> int:
     await ctl.save()
     export = None
     if cfg.checkpoint.export_final:
-        export = await asyncio.to_thread(roles.actor.export_hf, cfg.checkpoint.export_dir,
-                                         {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[
-                                             cfg.model.param_dtype.value])
+        (export, *_) = await roles.ranks(roles.actor, "export_hf", cfg.checkpoint.export_dir,
+                                         DTYPE_NAMES[cfg.model.param_dtype.value])
     roles.progress.summary(_summary(cfg, roles, ctl, export))
     return 0
 

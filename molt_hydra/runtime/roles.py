@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.runtime.watchdog import deadline
+from molt_hydra.runtime.watchdog import RoleStalled, deadline
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -58,12 +58,22 @@ class Roles:
     last_checkpoint: str | None = None
     timing_checkpoint: float = 0.0
 
+    async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
+        """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
+        under the trainer-call deadline; every rank's result, in rank order."""
+        per_rank = [(part, *args) for part in group.shard(shard)] if shard is not None else [args] * group.num_ranks
+        refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
+        return await deadline(asyncio.gather(*refs), self.cfg.train.timeouts.trainer_call_s, role, method)
+
     async def push_weights(self, version: int) -> dict:
         ws = self.cfg.rollout.weight_sync
         t = self.cfg.train.timeouts
         calls = [w.push_weights.remote(self.engines, self.transport, version, ws.bucket_mb << 20, ws.check_coverage,
                                        t.engine_call_s) for w in self.actor.workers]
-        results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
+        try:
+            results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
+        except TimeoutError as e:  # an engine call timed out inside the trainer rank (Ray re-raises it as this type)
+            raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from e
         return results[0]
 
     def log_step(self, step: int, metrics: dict, batch) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import faulthandler
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,27 +33,32 @@ async def _as_awaitable(obj):
     return await obj
 
 
-def _children(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     kids = [int(p) for p in out.stdout.split()]
-    return kids + [g for k in kids for g in _children(k)]
+    return kids + [g for k in kids for g in descendants(k)]
 
 
 def dump_stacks(run_dir: str | Path, role_pids: dict[str, int], reason: str) -> Path:
     """Write every role's Python stacks into <run_dir>/stacks-<time>.txt and return its path."""
     path = Path(run_dir) / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    py_spy = shutil.which("py-spy")
+    beside = Path(sys.executable).with_name("py-spy")  # the venv's, when its bin/ is not on PATH
+    py_spy = shutil.which("py-spy") or (str(beside) if beside.exists() else None)
     with open(path, "w") as f:
         f.write(f"# {reason}\n\n## driver (this process)\n")
         f.flush()
         faulthandler.dump_traceback(file=f, all_threads=True)
         for role, pid in role_pids.items():
-            for p in [pid, *_children(pid)]:
+            for p in [pid, *descendants(pid)]:
                 f.write(f"\n## {role} (pid {p})\n")
                 if py_spy is None:
                     f.write("py-spy is not installed; no stack\n")
                     continue
-                dump = subprocess.run([py_spy, "dump", "--pid", str(p)], capture_output=True, text=True, timeout=60)
-                f.write(dump.stdout or dump.stderr)
+                try:
+                    dump = subprocess.run([py_spy, "dump", "--pid", str(p)], capture_output=True, text=True,
+                                          timeout=15)
+                    f.write(dump.stdout or dump.stderr)
+                except subprocess.TimeoutExpired:  # a process stopped hard enough that py-spy cannot read it
+                    f.write("py-spy timed out reading this process\n")
     return path
