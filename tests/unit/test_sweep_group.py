@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import open_dict
@@ -13,6 +14,7 @@ from molt_hydra.runtime.sweep import set_wandb_group, sweep_group
 
 def _cfg(mode: RunMode, overrides=()):
     register()
+    GlobalHydra.instance().clear()  # other test modules may leave Hydra initialised for speed
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["hydra.sweep.dir=multirun/sweep_x/2026-01-02_03-04-05", *overrides],
                       return_hydra_config=True)
