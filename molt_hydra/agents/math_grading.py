@@ -24,13 +24,17 @@ def last_boxed(text: str) -> str | None:
     return text[starts[-1] : i - 1] if depth == 0 else None
 
 
-def grade_math(response: str, label) -> float:
-    """1.0 when the response's last boxed answer equals `label` mathematically, else 0.0 (no box → 0.0)."""
+def grade_math(response: str, label, require_boxed: bool = True) -> float:
+    """1.0 when the response's last boxed answer equals `label` mathematically, else 0.0. Without a box: 0.0, or,
+    with `require_boxed=False`, math-verify's own extraction of the response's last answer is graded."""
     from math_verify import parse, verify
 
     answer = last_boxed(response)
     if answer is None:
-        return 0.0
+        if require_boxed:
+            return 0.0
+        gold, pred = parse(f"${label}$", parsing_timeout=None), parse(response, parsing_timeout=None)
+        return float(bool(gold and pred) and verify(gold, pred, timeout_seconds=None))
     gold = parse(f"${label}$", parsing_timeout=None)
     pred = parse(f"${answer}$", parsing_timeout=None)
     if not gold or not pred:

@@ -17,9 +17,13 @@ ROLES = ("actor", "ref", "critic")
 
 
 def resolve_path(path: str) -> str:
+    """`tiny://NAME` and `smollm2://NAME` build a local model directory once; any other path is used as is."""
     if path.startswith("tiny://"):
         from molt_hydra.models.tiny import resolve_model_path
         return str(resolve_model_path(path))
+    if path.startswith("smollm2://"):
+        from molt_hydra.models.smollm2 import resolve_smollm2
+        return resolve_smollm2(path)
     return path
 
 

@@ -147,6 +147,7 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
 
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+    staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
     build(staging)
     for built in TINY_MODELS:  # both models are built together; publish each by rename so readers never see half
         if not (root / built / "model.safetensors").exists():

@@ -7,8 +7,11 @@ from molt_hydra.agents.math_grading import grade_math, last_boxed
 
 
 class MathEnv(Env):
+    def __init__(self, require_boxed: bool = True):
+        self.require_boxed = require_boxed  # False: grade the last answer math-verify finds when there is no box
+
     async def step(self, state):
-        reward = await asyncio.to_thread(grade_math, state["action_text"], state["label"])
+        reward = await asyncio.to_thread(grade_math, state["action_text"], state["label"], self.require_boxed)
         return Result(reward=reward, info={"has_boxed": float(last_boxed(state["action_text"]) is not None)})
 
 

@@ -49,6 +49,9 @@ def test_math_grading():
     assert grade_math(r"The answer is \boxed{\frac{1}{2}}.", "0.5") == 1.0
     assert grade_math(r"\boxed{43}", 42) == 0.0
     assert grade_math("43", 43) == 0.0  # no box, no credit
+    # unboxed grading takes the response's last answer, so a wrong intermediate number does not count
+    assert grade_math("12 + 7 = 19", "19", require_boxed=False) == 1.0
+    assert grade_math("19? No: 12 + 7 = 8", "19", require_boxed=False) == 0.0
 
 
 def test_toy_reward_is_the_digit_fraction():
