@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
 
 import numpy as np
 import torch

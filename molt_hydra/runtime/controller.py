@@ -16,10 +16,8 @@ but untrained batches, so `checkpoint.resume=auto` continues exactly.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
-import pickle
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,7 +26,6 @@ from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.agent_runner import request_seed, to_experience
 from molt_hydra.runtime.watchdog import RoleStalled, deadline
 
-CLIENT_STATE = "rl_client_state.pkl"
 TRAINER_PARTS = ("actor_idle_wait", "make_experience", "policy_train", "critic_train", "weight_sync_wait",
                  "weight_sync")
 
@@ -95,12 +92,13 @@ class RLController:
             t1 = time.perf_counter()
             batch = await gen.generate_batch()
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
-            await self.queue.put((batch, {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": idle}))
-            async with self.batch_made:
-                self.batches_made += 1
+            timing = {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": idle}
+            if batch.groups:
+                await self.queue.put((batch, timing))
+            async with self.batch_made:  # wakes a weight sync waiting for this batch (or for the end of the data)
+                self.batches_made += bool(batch.groups)
+                self.exhausted = batch.exhausted or not batch.groups
                 self.batch_made.notify_all()
-            if batch.exhausted or not batch.groups:
-                self.exhausted = True
 
     # ------------------------------------------------------------------ one step
     def _experiences(self, groups) -> tuple[list, Counter]:
@@ -125,8 +123,6 @@ class RLController:
         return exps, drops
 
     async def train_step(self, batch, gen_timing: dict) -> dict[str, float]:
-        import torch
-
         from molt_hydra.algorithm.advantage import compute_advantages
         from molt_hydra.algorithm.drift import drift_metrics
         from molt_hydra.algorithm.experience import collate
@@ -251,8 +247,8 @@ class RLController:
         key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
         if key and key != "none" and key in m and (self.best is None or m[key] > self.best[1]):
             self.best = (key, m[key])
-            if self.cfg.checkpoint.save_steps != 0:
-                await self.save(tag_best=True)
+            if self.roles.actor is not None:  # job=eval scores; it has nothing to save
+                await self.save_best()
         self.last_eval = m
 
     def client_state(self) -> dict:
@@ -269,22 +265,31 @@ class RLController:
             "wandb_id": self.roles.sinks.wandb_id,
         }
 
-    async def save(self, tag_best: bool = False) -> None:
-        t0 = time.perf_counter()
-        state = self.client_state()
-        (path, *_) = await self.roles.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir,
-                                             {"global_step": self.step, "best": tag_best},
-                                             keep=self.cfg.checkpoint.max_num)
-        # The loop's own state rides next to the trainer's DCP files, written atomically.
-        tmp = Path(path) / (CLIENT_STATE + ".tmp")
-        tmp.write_bytes(pickle.dumps(state))
-        tmp.rename(Path(path) / CLIENT_STATE)
+    async def save_best(self) -> None:
+        """The best policy so far by `checkpoint.best_metric_key`, as an HF snapshot beside the checkpoints."""
+        from molt_hydra.runtime.roles import DTYPE_NAMES
+
+        best = Path(self.roles.ckpt_dir) / "best"
+        await self.roles.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
+        key, value = self.best
+        (best / "best.json").write_text(json.dumps({"step": self.step, "metric": key, "value": value}))
+
+    async def save(self) -> None:
+        """A resumable checkpoint: trainer state (DCP) plus the loop's own state and the run record, all inside the
+        trainer's atomic save, so a checkpoint is either complete or absent."""
+        from molt_hydra.runtime.roles import DTYPE_NAMES
+
+        ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
+        state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
+        (path, *_) = await self.roles.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep)
         if self.roles.critic is not None:
             await self.roles.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
-                                   {"global_step": self.step}, keep=self.cfg.checkpoint.max_num, role="critic")
-        (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))
+                                   {"rl_step": self.step}, keep=keep, role="critic")
+        (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
+        if ckpt.save_hf:
+            hf = Path(self.roles.ckpt_dir) / "hf" / f"step_{self.step}"
+            await self.roles.ranks(self.roles.actor, "export_hf", str(hf), DTYPE_NAMES[self.cfg.model.param_dtype.value])
         self.roles.last_checkpoint = path
-        self.roles.timing_checkpoint = time.perf_counter() - t0
 
     def restore(self, state: dict) -> None:
         self.step, self.version = state["step"], state["version"]
@@ -312,6 +317,7 @@ class RLController:
                 waited = time.perf_counter() - t0
                 metrics = await self.train_step(batch, gen_timing)
                 frozen = metrics.pop("_frozen", False)
+                metrics.update(await self.roles.router_metrics())
                 metrics["timing/actor_idle_wait"] = waited
                 if not frozen:
                     metrics.update(await self.sync_weights())

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pickle
 import signal
 import sys
 from pathlib import Path
@@ -104,7 +103,7 @@ def _sinks(cfg: RunConfig, wandb_id: str | None):
 
 async def _train(cfg: RunConfig, roles) -> int:
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
-    from molt_hydra.runtime.controller import CLIENT_STATE, RLController
+    from molt_hydra.runtime.controller import RLController
     from molt_hydra.runtime.roles import DTYPE_NAMES
 
     ctl = RLController(cfg, roles)
@@ -114,16 +113,16 @@ async def _train(cfg: RunConfig, roles) -> int:
         if found is None and cfg.checkpoint.resume.value == "must":
             raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {roles.ckpt_dir}")
         if found is not None:
-            await roles.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir)
+            (client, *_) = await roles.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir)
             if roles.critic is not None:
                 await roles.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", role="critic")
-            state = pickle.loads((Path(found) / CLIENT_STATE).read_bytes())
+            state = client["loop"]
             ctl.restore(state)
             if ctl.version > 0:
                 await roles.push_weights(ctl.version)
             print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
     roles.sinks = _sinks(cfg, state["wandb_id"] if state else None)
-    last = await ctl.run()
+    await ctl.run()
     await ctl.save()
     export = None
     if cfg.checkpoint.export_final:

@@ -56,7 +56,6 @@ class Roles:
     eval_rows: list | None = None
     role_pids: dict[str, int] = field(default_factory=dict)
     last_checkpoint: str | None = None
-    timing_checkpoint: float = 0.0
 
     async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
         """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
@@ -64,6 +63,14 @@ class Roles:
         per_rank = [(part, *args) for part in group.shard(shard)] if shard is not None else [args] * group.num_ranks
         refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
         return await deadline(asyncio.gather(*refs), self.cfg.train.timeouts.trainer_call_s, role, method)
+
+    async def router_metrics(self) -> dict[str, float]:
+        """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
+        total: dict[str, float] = {}
+        for per_runner in await asyncio.gather(*(r.router_metrics.remote() for r in self.runners)):
+            for k, v in per_runner.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
 
     async def push_weights(self, version: int) -> dict:
         ws = self.cfg.rollout.weight_sync
@@ -158,12 +165,10 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     import ray
     from transformers import AutoTokenizer
 
-    from molt_hydra.agents.base import Runner
     from molt_hydra.algorithm.is_correction import ISCorrection
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.data.prompts import load_prompts
     from molt_hydra.logging.progress import Progress
-    from molt_hydra.logging.sinks import MetricSinks
     from molt_hydra.models.build import resolve_path
     from molt_hydra.parallel.group import TrainerGroup
     from molt_hydra.parallel.trainer import TrainerWorker
@@ -175,7 +180,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
 
     r, p, a, t, d = cfg.rollout, cfg.parallelism, cfg.algorithm, cfg.train, cfg.data
     init_ray(cfg)
-    model_path = resolve_path(cfg.model.path)
+    scoring = cfg.job.value == "eval"
+    model_path = resolve_path(cfg.checkpoint.path if scoring and cfg.checkpoint.path else cfg.model.path)
     tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     needs = _needs(cfg)
@@ -196,9 +202,13 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     starting = asyncio.gather(*(e.start.remote() for e in engines))
 
     # 2. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
-    prompts = load_prompts(d.train_path, split=d.split, input_key=d.input_key, label_key=d.label_key,
-                           tools_key=d.tools_key, image_key=d.image_key, max_samples=d.max_samples,
-                           probs=d.train_probs, seed=cfg.seed)
+    eval_rows = None
+    if cfg.eval.data_path:
+        eval_rows = load_prompts(cfg.eval.data_path, split=cfg.eval.split, input_key=d.input_key,
+                                 label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key)
+    prompts = eval_rows if scoring and not d.train_path else load_prompts(
+        d.train_path, split=d.split, input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key,
+        image_key=d.image_key, max_samples=d.max_samples, probs=d.train_probs, seed=cfg.seed)
     opt = t.optimizer
     common = dict(
         model_path=model_path, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp, ep_size=p.ep, cp_size=p.cp,
@@ -219,13 +229,14 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
             gradient_checkpointing=cfg.model.gradient_checkpointing.value != "none", **extra)
 
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
-    actor = await deadline(asyncio.to_thread(group, "actor", policy_cls), t.timeouts.startup_s, "actor", "start")
-    ref = critic = None
-    if a.kl.coef > 0 or "reference" in needs:
+    actor = ref = critic = None
+    if not scoring:
+        actor = await deadline(asyncio.to_thread(group, "actor", policy_cls), t.timeouts.startup_s, "actor", "start")
+    if not scoring and (a.kl.coef > 0 or "reference" in needs):
         ref_path = resolve_path(cfg.model.ref_path or cfg.model.path)
         ref = await deadline(asyncio.to_thread(group, "ref", TrainerWorker, path=ref_path), t.timeouts.startup_s,
                              "reference", "start")
-    if "values" in needs:
+    if not scoring and "values" in needs:
         critic_path = resolve_path(cfg.model.critic_path or cfg.model.path)
         critic = await deadline(asyncio.to_thread(group, "critic", TrainerWorker, t.critic.optimizer, critic_path),
                                 t.timeouts.startup_s, "critic", "start")
@@ -252,10 +263,6 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         seed=cfg.seed, num_epochs=t.num_episodes, dynamic_filtering=(df.low, df.high) if df.enable else None,
         incomplete_groups=r.incomplete_groups.value, carry_over=t.partial_rollout,
         group_seed=lambda epoch, index: request_seed(cfg.seed, epoch, index))
-    eval_rows = None
-    if cfg.eval.data_path:
-        eval_rows = load_prompts(cfg.eval.data_path, split=cfg.eval.split, input_key=d.input_key,
-                                 label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key)
 
     transport = r.weight_sync.transport.value
     if transport == "auto":
@@ -267,7 +274,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
 
     pids = {f"rollout engine {i}": pid for i, pid in enumerate(ray.get([e.__ray_call__.remote(lambda s: os.getpid())
                                                                         for e in engines]))}
-    for name, g in (("actor", actor), ("reference", ref), ("critic", critic)):
+    for name, g in (("actor", actor), ("reference", ref), ("critic", critic)):  # absent roles are None
         if g is not None:
             for i, pid in enumerate(ray.get([w.__ray_call__.remote(lambda s: os.getpid()) for w in g.workers])):
                 pids[f"{name} rank {i}"] = pid

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.roles import DTYPE_NAMES
 

@@ -4,7 +4,6 @@ formed inside the allocation. The cluster is started by the session fixture and 
 from __future__ import annotations
 
 import json
-import pickle
 import subprocess
 import sys
 import time

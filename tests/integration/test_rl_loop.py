@@ -64,7 +64,18 @@ def test_sync_mode_trains_only_tokens_of_the_current_policy(tmp_path):
 
 
 def test_one_step_async_logs_drift_reward_and_timing_every_step(tmp_path):
-    molt_run(tmp_path, "train.max_steps=4", "logger.wandb.mode=offline")
+    molt_run(tmp_path, "train.max_steps=4", "logger.wandb.mode=offline", "eval.data_path=builtin://toy_eval",
+             "eval.at_start=true", "eval.every_steps=2", "eval.n_samples_per_prompt=2")
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 2, 4]  # at start, then on schedule
+    for e in evals:  # pass@2 is the mean over prompts of the best of 2 rewards: never below pass@1's mean
+        assert 0.0 <= e["eval/eval_toy_pass1"] <= e["eval/eval_toy_pass2"] <= 1.0
+        assert e["eval/eval_num_samples"] == 2 * 32
+    best = json.loads((tmp_path / "checkpoints" / "best" / "best.json").read_text())
+    assert best["metric"] == "eval_toy_pass1"  # the default: the first key ending in _pass1
+    assert best["value"] == pytest.approx(max(e["eval/eval_toy_pass1"] for e in evals))
+    assert (tmp_path / "checkpoints" / "best" / "model.safetensors").exists()
     m = metrics(tmp_path)
     assert sorted(m) == [1, 2, 3, 4]
     assert abs(m[1]["train/vllm_kl"]) < 1e-4  # step 0 of training: nothing has been updated yet
@@ -109,8 +120,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 300
-    while not (resumed / "checkpoints").exists() or not any(
-            (p / "rl_client_state.pkl").exists() for p in (resumed / "checkpoints").glob("step_2")):
+    while not (resumed / "checkpoints" / "step_2").exists():  # published by an atomic rename: complete
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step-2 checkpoint"
         time.sleep(0.2)
     doomed = [proc.pid, *descendants(proc.pid)]
@@ -167,6 +177,14 @@ def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     leftovers = [p for p in engine_cores if Path(f"/proc/{p}").exists()
                  and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def test_eval_job_scores_a_checkpoint(tmp_path):
+    proc = molt_run(tmp_path, "job=eval", "eval.data_path=builtin://toy_eval", "eval.n_samples_per_prompt=2")
+    scores = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    assert scores["eval_num_samples"] == 2 * 32
+    assert 0.0 <= scores["eval_toy_pass1"] <= scores["eval_toy_pass2"] <= 1.0
+    assert not (tmp_path / "checkpoints").exists()  # scoring builds no trainer and saves nothing
 
 
 def test_embedded_default_visibly_learns(tmp_path):
