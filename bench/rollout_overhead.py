@@ -1,13 +1,18 @@
 """Tokens/s of the full path (StepEnvRunner agent -> SamplesGenerator -> Router -> Ray engine actor) divided by raw
-vLLM `AsyncLLM.generate` on the same prompts and sampling, measured in this process. Appends a row to RESULTS.md.
+vLLM `AsyncLLM.generate` on the same prompts, sampling and engine settings, measured in this process, for the tiny
+Qwen3 and (when `smollm2://` resolves) SmolLM2-135M-Instruct. Appends one row per model to RESULTS.md.
 
-    flock /tmp/molt_heavy.lock python bench/rollout_overhead.py
+    flock /tmp/molt_heavy.lock .venv/bin/python bench/rollout_overhead.py [--models tiny,smollm2] [--repeats 3]
 """
 
+import argparse
 import asyncio
-import datetime
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_row, resolve_smollm2  # noqa: E402
 
 GROUPS, N, MAX_TOKENS = 16, 4, 64
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1, seed=0)
@@ -18,7 +23,7 @@ def prompts(tok):
                                     add_generation_prompt=True) for i in range(GROUPS)]
 
 
-async def raw_vllm(model_dir, texts, tok):
+async def raw_vllm(model_dir, texts, tok, repeats):
     from vllm.sampling_params import SamplingParams
 
     from molt_hydra.rollout.engine import VLLMEngine
@@ -35,14 +40,16 @@ async def raw_vllm(model_dir, texts, tok):
 
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     await asyncio.gather(*(one(i, f"w{k}") for k, i in enumerate(ids)))  # warmup
-    start = time.perf_counter()
-    counts = await asyncio.gather(*(one(i, f"r{k}-{j}") for k, i in enumerate(ids) for j in range(N)))
-    elapsed = time.perf_counter() - start
+    rates = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(i, f"r{r}-{k}-{j}") for k, i in enumerate(ids) for j in range(N)))
+        rates.append(sum(counts) / (time.perf_counter() - start))
     engine.shutdown()
-    return sum(counts) / elapsed
+    return max(rates)
 
 
-async def full_path(model_dir, texts, tok):
+async def full_path(model_dir, texts, tok, repeats):
     import ray
 
     from molt_hydra.agents.base import Env, Episode, Result
@@ -76,30 +83,45 @@ async def full_path(model_dir, texts, tok):
         gen = SamplesGenerator(rows, AgentGroups(), batch_size=GROUPS, n_samples_per_prompt=N, sampling=sampling)
         start = time.perf_counter()
         batch = await gen.generate_batch()
-        return sum(t.num_generated for g in batch.groups for t in g.trajectories), time.perf_counter() - start
+        tokens = sum(t.num_generated for g in batch.groups for t in g.trajectories)
+        return tokens / (time.perf_counter() - start)
 
     await run()  # warmup
-    tokens, elapsed = await run()
+    rates = [await run() for _ in range(repeats)]
+    ray.get(engine.shutdown.remote())
     ray.shutdown()
-    return tokens / elapsed
+    return max(rates)
+
+
+def bench(label, model_dir, repeats):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = prompts(tok)
+    raw = asyncio.run(raw_vllm(model_dir, texts, tok, repeats))
+    ours = asyncio.run(full_path(model_dir, texts, tok, repeats))
+    return append_row(
+        "rollout_overhead", f"{label} fp32, {GROUPS}x{N} samples x {MAX_TOKENS} tok (ignore_eos), 1 engine, "
+        f"best of {repeats}", f"raw vLLM AsyncLLM.generate {raw:.0f} tok/s",
+        f"agent->generator->router->Ray engine {ours:.0f} tok/s", f"ratio {ours / raw:.2f} (goal >= 0.90)")
 
 
 def main():
-    from transformers import AutoTokenizer
-
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="tiny,smollm2")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
     from molt_hydra.models.tiny import resolve_model_path
 
-    model_dir = resolve_model_path("tiny://qwen3_tiny")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = prompts(tok)
-    raw = asyncio.run(raw_vllm(model_dir, texts, tok))
-    ours = asyncio.run(full_path(model_dir, texts, tok))
-    line = (f"| {datetime.date.today()} | rollout_overhead | tiny qwen3 fp32, {GROUPS}x{N} samples x {MAX_TOKENS} tok, "
-            f"1 engine | raw vLLM {raw:.0f} tok/s | agent->generator->router->Ray engine {ours:.0f} tok/s | "
-            f"ratio {ours / raw:.2f} |")
-    print(line)
-    with open(Path(__file__).parent / "RESULTS.md", "a") as f:
-        f.write(line + "\n")
+    for name in args.models.split(","):
+        if name == "tiny":
+            bench("tiny qwen3", resolve_model_path("tiny://qwen3_tiny"), args.repeats)
+        elif name == "smollm2":
+            path, why = resolve_smollm2()
+            if path is None:
+                print(f"| skipped | rollout_overhead | SmolLM2-135M: {why} |")
+            else:
+                bench("SmolLM2-135M-Instruct", path, args.repeats)
 
 
 if __name__ == "__main__":

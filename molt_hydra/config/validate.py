@@ -174,6 +174,45 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (p.offload.value == "full" and p.trainer_devices == 1), "parallelism.offload",
                    "full offload needs more than one trainer rank.", "set parallelism.offload=optimizer")
 
+    # -- knobs whose mechanism this backend does not have yet: refused, never silently ignored (the AutoModel-only
+    #    ones only where the run uses the HF path: on CPU, or with model.backend=hf)
+    for ok, key, reason, fix in (
+        (p.offload.value != "optimizer", "parallelism.offload",
+         "optimizer-only offload is not implemented (full FSDP2 offload is).", "set parallelism.offload=full or none"),
+        (t.optimizer.name.value == "adamw" and t.critic.optimizer.name.value == "adamw", "train.optimizer.name",
+         "Muon is not implemented.", "set train.optimizer.name=adamw"),
+        (not hf_backend or cfg.model.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
+         "selective (per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
+         "set model.gradient_checkpointing=full"),
+        (not hf_backend or not (cfg.model.freeze_moe_router or cfg.model.freeze_visual_encoder),
+         "model.freeze_moe_router",
+         "freezing router / vision weights is not implemented on the HF path.",
+         "set model.freeze_moe_router=false model.freeze_visual_encoder=false"),
+        (not hf_backend or not r.routing_replay, "rollout.routing_replay",
+         "replaying vLLM's experts in the trainer (R3) needs NeMo AutoModel's RouterReplay.",
+         "set rollout.routing_replay=false"),
+        (not p.colocate, "parallelism.colocate",
+         "colocating engines and trainer (engines asleep while training) is not implemented.",
+         "set parallelism.colocate=false"),
+        (not hf_backend or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
+         "sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
+         "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),
+        (not t.full_determinism, "train.full_determinism",
+         "deterministic-kernel mode is not implemented (runs are reproducible from the seed on CPU without it).",
+         "set train.full_determinism=false"),
+        (cfg.checkpoint.max_disk_gb is None and not cfg.checkpoint.load_model_only, "checkpoint.max_disk_gb",
+         "disk-budget retention and weights-only resume are not implemented.",
+         "use checkpoint.max_num for retention; unset checkpoint.max_disk_gb / load_model_only"),
+        (not cfg.logger.debug_grad_norms, "logger.debug_grad_norms", "per-parameter grad-norm logging is not "
+         "implemented.", "set logger.debug_grad_norms=false"),
+        (d.num_workers == 0, "data.num_workers", "prompts are held in memory; there is no DataLoader to parallelise.",
+         "set data.num_workers=0"),
+        (cfg.job.value == "sft" or d.chat_template is None, "data.chat_template",
+         "RL agents render prompts with the tokenizer's own template; the override applies to SFT only.",
+         "unset data.chat_template, or save the template into the tokenizer directory"),
+    ):
+        problems.check(ok, key, f"not available: {reason}", fix)
+
     # -- batch arithmetic (steps 16, 21)
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples = r.batch_size * r.n_samples_per_prompt

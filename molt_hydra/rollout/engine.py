@@ -39,6 +39,7 @@ class VLLMEngine:
         logprobs_mode: str = "processed_logprobs",
         return_routed_experts: bool = False,
         worker_extension_cls: str = WORKER_EXTENSION,
+        extra_engine_args: dict[str, Any] | None = None,
         engine_index: int = 0,
     ) -> None:
         if kv_cache_gb <= 0:
@@ -63,6 +64,8 @@ class VLLMEngine:
             enable_return_routed_experts=return_routed_experts,
             worker_extension_cls=worker_extension_cls,
         )
+        # Less common vLLM engine arguments (block size, attention backend, ...), passed through as named.
+        self._engine_kwargs.update(extra_engine_args or {})
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
 

@@ -134,6 +134,25 @@ def _needs(cfg: RunConfig) -> frozenset[str]:
     return frozenset(get_advantage_estimator(cfg.algorithm.estimator).needs)
 
 
+def extra_engine_args(cfg: RunConfig) -> dict:
+    """The rollout group's less common vLLM arguments, passed only when set (None leaves vLLM's default)."""
+    r = cfg.rollout
+    args = {
+        "max_num_seqs": r.max_num_seqs, "async_scheduling": r.async_scheduling, "block_size": r.block_size,
+        "attention_backend": r.attention_backend, "mm_encoder_attn_backend": r.mm_encoder_attn_backend,
+        "gdn_prefill_backend": r.gdn_prefill_backend, "mamba_ssm_cache_dtype": r.mamba_ssm_cache_dtype,
+        "pipeline_parallel_size": r.pipeline_parallel_size if r.pipeline_parallel_size > 1 else None,
+        "distributed_executor_backend": None if r.executor.value == "auto" else r.executor.value,
+        "disable_custom_all_reduce": r.disable_custom_all_reduce or None,
+        "decode_context_parallel_size": r.decode_context_parallel_size if r.decode_context_parallel_size > 1 else None,
+        "speculative_config": ({"method": "mtp", "num_speculative_tokens": r.mtp_num_speculative_tokens}
+                               if r.mtp_num_speculative_tokens else None),
+        "limit_mm_per_prompt": ({"image": cfg.data.max_images_per_prompt} if cfg.data.max_images_per_prompt else None),
+        "trust_remote_code": cfg.model.trust_remote_code,
+    }
+    return {k: v for k, v in args.items() if v is not None}
+
+
 def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
     """Optimizer steps the LR schedule spans (Molt §4.6 max_steps)."""
     t, r = cfg.train, cfg.rollout
@@ -196,7 +215,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                 max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
                 data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
-                return_routed_experts=r.routing_replay, engine_index=i)
+                return_routed_experts=r.routing_replay, engine_index=i, extra_engine_args=extra_engine_args(cfg))
         for i in range(r.num_engines)
     ]
     starting = asyncio.gather(*(e.start.remote() for e in engines))
@@ -216,13 +235,18 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         max_tokens_per_micro_batch=(t.max_tokens_per_micro_batch if t.dynamic_batch
                                     else t.micro_batch_size * d.max_len),
         temperature=r.temperature, seed=cfg.seed, timeout_s=t.timeouts.collective_s,
+        aux_loss_coef=cfg.model.aux_loss_coef,
         offload=p.offload.value == "full")
     total_steps = scheduler_steps(cfg, len(prompts))
+
+    # colocate_models: actor / reference / critic ranks share each device (time-sliced), as Molt's 0.2-GPU actors
+    fsdp_roles = 1 + int(a.kl.coef > 0 or "reference" in needs) + int("values" in needs)
+    gpu_share = (1.0 / fsdp_roles if p.colocate_models else 1.0) if on_gpu else 0
 
     def group(role: str, worker_cls, optimizer=None, path=None, **extra):
         o = optimizer or opt
         return TrainerGroup(
-            p.trainer_devices, num_gpus_per_rank=1 if on_gpu else 0, num_cpus_per_rank=1, worker_cls=worker_cls,
+            p.trainer_devices, num_gpus_per_rank=gpu_share, num_cpus_per_rank=1, worker_cls=worker_cls,
             **{**common, "model_path": path or model_path}, role=role, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
             weight_decay=o.weight_decay, lr_scheduler=o.scheduler, lr_warmup_ratio=o.warmup_ratio,
             min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, total_steps=total_steps,
