@@ -61,11 +61,7 @@ ExecutorBackend = _choices(
     "mp",
     "ray",
 )
-RouterPolicy = _choices(
-    "RouterPolicy",
-    "session_affinity",  # all turns of a rollout on one engine; new sessions to the least loaded
-    "round_robin",
-)
+RouterPolicy = _choices("RouterPolicy", "session_affinity")  # all turns of a rollout on one engine; new sessions to the least loaded
 WeightTransport = _choices(
     "WeightTransport",
     "auto",  # chosen from placement: shared memory on one host, NCCL across hosts, CUDA IPC when colocated on GPU
@@ -422,8 +418,6 @@ class DataConfig:
     "Override the tokenizer's chat template: a file path or a literal Jinja string."
     train_on_last_turn_only: bool = False
     "SFT: supervise only the final assistant turn."
-    num_workers: int = 0
-    "DataLoader worker processes."
 
 
 @dataclass
@@ -557,8 +551,6 @@ class CheckpointConfig:
     "On resume load weights only, not optimizer/scheduler (Molt env LOAD_MODEL_ONLY)."
     best_metric_key: str = ""
     "Eval metric deciding the best checkpoint; '' = first key ending in _pass1; 'none' disables."
-    warm_resume_rollouts: bool = False
-    "Persist finished-but-untrained rollout groups so a resumed async run trains them first."
     path: Optional[str] = None
     "job=eval / SFT init: a checkpoint or HF directory to load instead of model.path."
 

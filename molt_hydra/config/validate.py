@@ -205,8 +205,6 @@ def validate(cfg: RunConfig) -> RunConfig:
          "use checkpoint.max_num for retention; unset checkpoint.max_disk_gb / load_model_only"),
         (not cfg.logger.debug_grad_norms, "logger.debug_grad_norms", "per-parameter grad-norm logging is not "
          "implemented.", "set logger.debug_grad_norms=false"),
-        (d.num_workers == 0, "data.num_workers", "prompts are held in memory; there is no DataLoader to parallelise.",
-         "set data.num_workers=0"),
         (cfg.job.value == "sft" or d.chat_template is None, "data.chat_template",
          "RL agents render prompts with the tokenizer's own template; the override applies to SFT only.",
          "unset data.chat_template, or save the template into the tokenizer directory"),
