@@ -203,9 +203,11 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
         f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers",
         f"trainer: fp32 master weights/grads/AdamW moments sharded over {shard} rank(s); {compute_bytes}-byte compute; "
         f"activation checkpointing {ac}; {tokens_per_rank} tokens per micro-batch per rank; logits in fp32",
-        f"engine: {engine_bytes}-byte weights / TP {r.tensor_parallel_size}; KV cache holds "
-        f"{int(kv * GIB / kv_token) if kv_token else 0} tokens ({kv_token / 1024:.1f} KiB/token)",
     ]
+    if cfg.job.value != "sft":
+        plan.assumptions.append(
+            f"engine: {engine_bytes}-byte weights / TP {r.tensor_parallel_size}; KV cache holds "
+            f"{int(kv * GIB / kv_token) if kv_token else 0} tokens ({kv_token / 1024:.1f} KiB/token)")
     if cfg.cluster.memory_gb_per_device:
         need = sum(trainer.values())
         plan.assumptions.append(

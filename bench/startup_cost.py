@@ -1,0 +1,161 @@
+"""Config and start-up cost.
+
+1. compose + validate, in this process, of every shipped recipe (with the overrides of its first-line command):
+   Hydra compose API after `molt_hydra.config.store.register()`, then `molt_hydra.cli.to_run_config` and
+   `molt_hydra.config.validate.validate`. Reported for the largest recipe (most resolved config lines): the cold
+   call (initialize_config_dir + first compose, as `molt-run` pays it) and the median of warm calls. Goal < 1 s.
+   Baseline: `import molt_hydra.config.schema` (the typed schema import, which any run pays anyway).
+2. `molt-run` (the embedded default) from launch to the first generated token. Method: the run uses the toy Env
+   with wall-clock stamps (bench/agents/stamp_toy.py, `agent.runner._target_` override, nothing else changed):
+   `first_request` = the first episode's reset (its prompt goes to the engine next), `first_response` = the first
+   finished response (8 tokens) reaching `Env.step`. The first token lies between the two (the 7 more decode
+   steps of the tiny model take milliseconds). Also: launch -> first line of metrics.jsonl (first trained step),
+   and the plan printed (config done). Baseline: `python -c "import molt_hydra.cli"` (interpreter + imports).
+
+    flock /tmp/molt_heavy.lock .venv/bin/python bench/startup_cost.py [--launches 2]
+"""
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, append_row  # noqa: E402
+
+PY = Path(sys.executable)
+MOLT_RUN = PY.with_name("molt-run")
+
+
+def recipe_overrides():
+    from molt_hydra.config.store import RECIPES_DIR
+
+    out = {}
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        argv = shlex.split(path.read_text().splitlines()[0].lstrip("#"))[1:]
+        out[path.stem] = [a for a in argv if not a.startswith("-")]
+    return out
+
+
+def compose_cost():
+    t0 = time.perf_counter()
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from molt_hydra.cli import to_run_config
+    from molt_hydra.config.store import CONF_DIR, register
+    from molt_hydra.config.validate import validate
+    import_s = time.perf_counter() - t0
+
+    def once(overrides, init):
+        t = time.perf_counter()
+        if init:
+            register()
+            GlobalHydra.instance().clear()
+            initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3")
+        cfg = compose("config", overrides=[*overrides, "output_dir=/tmp/molt_bench_compose"])
+        validate(to_run_config(cfg))
+        return time.perf_counter() - t, len(OmegaConf.to_yaml(cfg).splitlines())
+
+    results = {}
+    first = True
+    for name, overrides in recipe_overrides().items():
+        if any("," in o for o in overrides):  # sweep recipes: compose the first point
+            overrides = [o.split(",")[0] for o in overrides]
+        try:
+            cold, lines = once(overrides, init=first)
+        except Exception as e:  # noqa: BLE001 - report, do not hide
+            print(f"  {name}: compose/validate failed: {str(e).splitlines()[0]}")
+            continue
+        first = False
+        warm = statistics.median(once(overrides, init=False)[0] for _ in range(5))
+        results[name] = (cold, warm, lines)
+        print(f"  {name}: {lines} lines, first {cold * 1000:.0f} ms, warm median {warm * 1000:.0f} ms")
+    largest = max(results, key=lambda n: results[n][2])
+    # the cold cost of the largest recipe alone, in a fresh interpreter (what `molt-run +recipe=X` pays)
+    code = (
+        "import time; t=time.perf_counter();"
+        "from hydra import compose, initialize_config_dir;"
+        "from molt_hydra.cli import to_run_config;"
+        "from molt_hydra.config.store import CONF_DIR, register;"
+        "from molt_hydra.config.validate import validate;"
+        "t1=time.perf_counter(); register(); initialize_config_dir(config_dir=str(CONF_DIR), version_base='1.3');"
+        f"validate(to_run_config(compose('config', overrides={recipe_overrides()[largest] + ['output_dir=/tmp/x']!r})));"
+        "print(t1-t, time.perf_counter()-t1)")
+    imp, fresh = map(float, subprocess.run([str(PY), "-c", code], capture_output=True, text=True, cwd=REPO,
+                                           check=True).stdout.split())
+    base = float(subprocess.run([str(PY), "-c", "import time; t=time.perf_counter(); "
+                                 "import molt_hydra.config.schema; print(time.perf_counter()-t)"],
+                                capture_output=True, text=True, cwd=REPO, check=True).stdout)
+    return largest, results[largest], import_s, imp, fresh, base
+
+
+def launch_cost(launches):
+    rows = []
+    for i in range(launches):
+        stamps = tempfile.mkdtemp(prefix="molt_bench_stamps_")
+        out = tempfile.mkdtemp(prefix="molt_bench_run_")
+        args = [str(MOLT_RUN), f"hydra.run.dir={out}", "train.max_steps=2", "logger.wandb=false",
+                f"agent.runner._target_={REPO}/bench/agents/stamp_toy.py:StampToyEnv",
+                f"+agent.runner.stamp_dir={stamps}"]
+        t0 = time.time()
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        plan_at = None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if plan_at is None and "Plan" in line:
+                plan_at = time.time() - t0
+        rc = proc.wait()
+        if rc != 0:
+            raise RuntimeError("molt-run failed:\n" + "".join(lines[-40:]))
+        metrics = Path(out) / "metrics.jsonl"
+        first_metric = os.path.getmtime(metrics) - t0 if metrics.exists() else float("nan")
+        try:
+            first_metric = min(first_metric, json.loads(metrics.read_text().splitlines()[0]).get("_time", 1e9) - t0)
+        except Exception:  # noqa: BLE001 - mtime is the fallback
+            pass
+        req = float(Path(stamps, "first_request").read_text()) - t0
+        resp = float(Path(stamps, "first_response").read_text()) - t0
+        rows.append((plan_at or float("nan"), req, resp, first_metric))
+        print(f"  launch {i}: plan printed {plan_at:.1f} s, first request {req:.1f} s, first response {resp:.1f} s")
+    base = []
+    for _ in range(2):
+        t = time.time()
+        subprocess.run([str(PY), "-c", "import molt_hydra.cli"], cwd=REPO, check=True)
+        base.append(time.time() - t)
+    return rows, min(base)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--launches", type=int, default=2)
+    p.add_argument("--skip-launch", action="store_true")
+    args = p.parse_args()
+    largest, (cold, warm, lines), _, imp, fresh, base = compose_cost()
+    append_row("config_cost", f"compose+validate of the largest recipe `{largest}` ({lines} resolved lines), "
+               "in-process Hydra compose API", f"import molt_hydra.config.schema {base * 1000:.0f} ms",
+               f"fresh interpreter: imports {imp * 1000:.0f} ms + register/init/compose/validate {fresh * 1000:.0f} ms;"
+               f" warm compose+validate {warm * 1000:.0f} ms",
+               f"compose+validate {fresh:.2f} s cold / {warm:.3f} s warm (goal < 1 s)")
+    if args.skip_launch:
+        return
+    rows, py_base = launch_cost(args.launches)
+    best = min(rows, key=lambda r: r[2])
+    append_row("startup_cost", f"`molt-run` default recipe (tiny Qwen3, toy task), launch -> first token measured "
+               f"with Env stamps (bench/agents/stamp_toy.py), best of {len(rows)}",
+               f"python -c 'import molt_hydra.cli' {py_base:.1f} s",
+               f"plan printed {best[0]:.1f} s; first request {best[1]:.1f} s; first response (8 tok) {best[2]:.1f} s; "
+               f"first step logged {best[3]:.1f} s",
+               f"first token in [{best[1]:.1f}, {best[2]:.1f}] s after launch (no goal set)")
+
+
+if __name__ == "__main__":
+    main()
