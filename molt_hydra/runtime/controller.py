@@ -127,7 +127,6 @@ class RLController:
         from molt_hydra.algorithm.drift import drift_metrics
         from molt_hydra.algorithm.experience import collate
         from molt_hydra.algorithm.kl import approx_kl
-        from molt_hydra.algorithm.is_correction import ISCorrection
         from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 
         cfg, roles, a = self.cfg, self.roles, self.cfg.algorithm
@@ -142,7 +141,7 @@ class RLController:
         for reason, n in drops.items():
             metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
         metrics["rollout/dropped/total"] = metrics.get("rollout/dropped/total", 0.0) + sum(drops.values())
-        metrics["train/num_samples"] = float(len(exps))
+        metrics["num_samples_trained"] = float(len(exps))
         if not exps:  # everything was dropped (and counted): nothing to train on this step
             return {**metrics, **timing, "timing/make_experience": time.perf_counter() - t0, "_frozen": True}
 
@@ -165,8 +164,7 @@ class RLController:
             a.estimator, b.rewards, b.action_mask, group_ids=b.group_ids, rollout_ids=b.rollout_ids, kl=kl,
             values=values, kl_coef=self.kl_ctl.value, gamma=a.gamma, lam=a.lam, whiten=a.whiten,
             reward_clip=a.reward_clip)
-        is_corr = ISCorrection(a.is_correction.level, a.is_correction.mode, a.is_correction.low, a.is_correction.high)
-        drift = drift_metrics(old_logp, b.rollout_log_probs, b.action_mask, is_correction=is_corr,
+        drift = drift_metrics(old_logp, b.rollout_log_probs, b.action_mask, is_correction=roles.policy_loss.is_correction,
                               policy_versions=b.policy_versions, current_version=self.version)
         metrics.update({k: float(v) for k, v in drift.items()})
         if kl is not None:
