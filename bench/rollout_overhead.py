@@ -2,11 +2,12 @@
 vLLM `AsyncLLM.generate` on the same prompts, sampling and engine settings, measured in this process, for the tiny
 Qwen3 and (when `smollm2://` resolves) SmolLM2-135M-Instruct. Appends one row per model to RESULTS.md.
 
-    flock /tmp/molt_heavy.lock .venv/bin/python bench/rollout_overhead.py [--models tiny,smollm2] [--repeats 3]
+    flock /tmp/molt_heavy.lock .venv/bin/python bench/rollout_overhead.py [--models tiny,smollm2] [--repeats 10]
 """
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_row, resolve_smollm2  # noqa: E402
 
 GROUPS, N, MAX_TOKENS = 16, 4, 64
+WARMUP = 3
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1, seed=0)
 
 
@@ -39,14 +41,15 @@ async def raw_vllm(model_dir, texts, tok, repeats):
         return len(out.outputs[0].token_ids)
 
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    await asyncio.gather(*(one(i, f"w{k}") for k, i in enumerate(ids)))  # warmup
+    for w in range(WARMUP):
+        await asyncio.gather(*(one(i, f"w{w}-{k}") for k, i in enumerate(ids)))
     rates = []
     for r in range(repeats):
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(i, f"r{r}-{k}-{j}") for k, i in enumerate(ids) for j in range(N)))
         rates.append(sum(counts) / (time.perf_counter() - start))
     engine.shutdown()
-    return max(rates)
+    return rates
 
 
 async def full_path(model_dir, texts, tok, repeats):
@@ -86,11 +89,12 @@ async def full_path(model_dir, texts, tok, repeats):
         tokens = sum(t.num_generated for g in batch.groups for t in g.trajectories)
         return tokens / (time.perf_counter() - start)
 
-    await run()  # warmup
+    for _ in range(WARMUP):  # also lets the Ray worker processes that ray.init starts finish their imports
+        await run()
     rates = [await run() for _ in range(repeats)]
     ray.get(engine.shutdown.remote())
     ray.shutdown()
-    return max(rates)
+    return rates
 
 
 def bench(label, model_dir, repeats):
@@ -98,18 +102,21 @@ def bench(label, model_dir, repeats):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = prompts(tok)
-    raw = asyncio.run(raw_vllm(model_dir, texts, tok, repeats))
-    ours = asyncio.run(full_path(model_dir, texts, tok, repeats))
+    raws = asyncio.run(raw_vllm(model_dir, texts, tok, repeats))
+    ourss = asyncio.run(full_path(model_dir, texts, tok, repeats))
+    print("raw tok/s per repeat:", [round(r) for r in raws], "\nours tok/s per repeat:", [round(r) for r in ourss])
+    raw, ours = statistics.median(raws), statistics.median(ourss)
     return append_row(
         "rollout_overhead", f"{label} fp32, {GROUPS}x{N} samples x {MAX_TOKENS} tok (ignore_eos), 1 engine, "
-        f"best of {repeats}", f"raw vLLM AsyncLLM.generate {raw:.0f} tok/s",
-        f"agent->generator->router->Ray engine {ours:.0f} tok/s", f"ratio {ours / raw:.2f} (goal >= 0.90)")
+        f"median of {repeats} after {WARMUP} warm-ups", f"raw vLLM AsyncLLM.generate {raw:.0f} tok/s (best {max(raws):.0f})",
+        f"agent->generator->router->Ray engine {ours:.0f} tok/s (best {max(ourss):.0f})",
+        f"ratio {ours / raw:.2f} median, {max(ourss) / max(raws):.2f} best (goal >= 0.90)")
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="tiny,smollm2")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args()
     from molt_hydra.models.tiny import resolve_model_path
 

@@ -1,75 +1,107 @@
 """Seconds per GB of a full weight sync into a running vLLM engine actor, for each transport available here, divided
-by a plain in-memory copy of the same bytes measured in this process. Appends a row to RESULTS.md.
+by a plain in-memory copy of the same bytes measured in this process (goal <= 1.5x memcpy). Models: a random
+~190 MB fp32 Qwen3, a random ~1 GB fp32 Qwen3 (~250 M params), and SmolLM2-135M-Instruct when `smollm2://`
+resolves. Appends one row per model to RESULTS.md. (NCCL transports need CUDA: see the GPU rows.)
 
-    flock /tmp/molt_heavy.lock python bench/weight_sync.py
+    flock /tmp/molt_heavy.lock .venv/bin/python bench/weight_sync.py [--models 190mb,1gb,smollm2]
 """
 
+import argparse
 import asyncio
-import datetime
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_row, resolve_smollm2  # noqa: E402
+
 BUCKET_BYTES = 64 << 20
+SHAPES = {
+    "190mb": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4),
+    "1gb": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16),
+}
 
 
-def build_model(out: Path) -> dict:
-    """A random ~190 MB fp32 Qwen3 (tied embeddings) with the tiny tokenizer."""
+def build_model(out: Path, shape: dict) -> dict:
+    """A random fp32 Qwen3 (tied embeddings) with the tiny tokenizer."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from molt_hydra.models.tiny import resolve_model_path
 
     tiny = resolve_model_path("tiny://qwen3_tiny")
     AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
-    cfg = Qwen3Config(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True,
-                      max_position_embeddings=1024)
+    cfg = Qwen3Config(vocab_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                      tie_word_embeddings=True, max_position_embeddings=1024, **shape)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(out)
     return {n: t.detach().clone() for n, t in model.state_dict().items() if n != "lm_head.weight"}
 
 
-def main():
+def load_weights(model_dir: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return {n: t.detach().clone() for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
+
+
+def bench(label: str, model_dir: str, weights: dict, repeats: int = 3) -> str:
     import ray
 
     from molt_hydra.rollout.buckets import bucket_weights
     from molt_hydra.rollout.engine import VLLMEngine
     from molt_hydra.rollout.weight_sync import ObjectStoreTransport, SharedMemoryTransport, WeightSync
 
-    tmp = Path(tempfile.mkdtemp(prefix="molt_bench_ws_"))
-    try:
-        weights = build_model(tmp)
-        gb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9
+    gb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9
 
-        def memcpy_s():
-            start = time.perf_counter()
-            _ = [t.clone() for t in weights.values()]
-            return time.perf_counter() - start
+    def memcpy_s():
+        start = time.perf_counter()
+        _ = [t.clone() for t in weights.values()]
+        return time.perf_counter() - start
 
-        memcpy = min(memcpy_s() for _ in range(3)) / gb
-        ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-        engine = ray.remote(VLLMEngine).options(max_concurrency=16, num_cpus=1).remote(
-            str(tmp), dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1)
-        ray.get(engine.start.remote())
-        cells = [f"memcpy {memcpy:.3f} s/GB"]
-        for name, transport in [("object_store", ObjectStoreTransport()), ("shm", SharedMemoryTransport())]:
-            sync = WeightSync([engine], transport, check_coverage=True)
-            asyncio.run(sync.sync(bucket_weights(weights.items(), BUCKET_BYTES)))  # warmup
-            best = min(asyncio.run(sync.sync(bucket_weights(weights.items(), BUCKET_BYTES))).seconds for _ in range(3))
-            cells.append(f"{name} {best / gb:.2f} s/GB (x{best / gb / memcpy:.0f} memcpy)")
-        ray.get(engine.shutdown.remote())
-        ray.shutdown()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    line = (f"| {datetime.date.today()} | weight_sync | {gb * 1000:.0f} MB fp32 Qwen3, 1 engine, "
-            f"{BUCKET_BYTES >> 20} MB buckets, full sync incl. pause/resume | " + " | ".join(cells) + " |")
-    print(line)
-    with open(Path(__file__).parent / "RESULTS.md", "a") as f:
-        f.write(line + "\n")
+    memcpy = min(memcpy_s() for _ in range(3)) / gb
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    engine = ray.remote(VLLMEngine).options(max_concurrency=16, num_cpus=1).remote(
+        model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1)
+    ray.get(engine.start.remote())
+    cells, ratios = [], []
+    for name, transport in [("object_store", ObjectStoreTransport()), ("shm", SharedMemoryTransport())]:
+        sync = WeightSync([engine], transport, check_coverage=True)
+        asyncio.run(sync.sync(bucket_weights(weights.items(), BUCKET_BYTES)))  # warmup
+        best = min(asyncio.run(sync.sync(bucket_weights(weights.items(), BUCKET_BYTES))).seconds
+                   for _ in range(repeats))
+        cells.append(f"{name} {best / gb:.2f} s/GB")
+        ratios.append(f"{name} x{best / gb / memcpy:.1f}")
+    ray.get(engine.shutdown.remote())
+    ray.shutdown()
+    return append_row("weight_sync", f"{label} ({gb * 1000:.0f} MB fp32), 1 engine, {BUCKET_BYTES >> 20} MB buckets, "
+                      f"full sync incl. pause/resume, best of {repeats}", f"memcpy {memcpy:.3f} s/GB",
+                      " / ".join(cells), " / ".join(ratios) + " memcpy (goal <= 1.5x)")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="190mb,1gb,smollm2")
+    args = p.parse_args()
+    for name in args.models.split(","):
+        if name in SHAPES:
+            tmp = Path(tempfile.mkdtemp(prefix="molt_bench_ws_"))
+            try:
+                weights = build_model(tmp, SHAPES[name])
+                bench(f"random Qwen3 {name}", str(tmp), weights)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        elif name == "smollm2":
+            path, why = resolve_smollm2()
+            if path is None:
+                print(f"| skipped | weight_sync | SmolLM2-135M: {why} |")
+                continue
+            bench("SmolLM2-135M-Instruct", path, load_weights(path))
 
 
 if __name__ == "__main__":

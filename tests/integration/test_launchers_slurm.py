@@ -181,7 +181,8 @@ def test_requeued_point_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
                 break
             time.sleep(1)
         assert metrics is not None, "the point never logged 3 steps"
-        job = f"{_array_id(sweep)}_0"
+        # a one-point sweep is submitted as a plain job (<id>), several points as an array (<id>_<n>)
+        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and p.name[:1].isdigit()]
         subprocess.run(["scontrol", "requeue", job], check=True)
         before = metrics.read_text().splitlines()
         out, _ = proc.communicate(timeout=1200)
@@ -196,5 +197,7 @@ def test_requeued_point_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     assert after, "nothing logged after the requeue"
     assert 2 <= after[0] <= last_before + 1, (after[0], last_before)  # continued, not restarted at 1
     assert after[-1] == max_steps
-    states = [r["State"] for r in sacct(job, until=lambda rows: len(rows.get(job, [])) >= 2)[job]]
+    # the accounting database records the final state a little after the job ends
+    done = lambda rows: len(rows.get(job, [])) >= 2 and rows[job][-1]["State"] == "COMPLETED"  # noqa: E731
+    states = [r["State"] for r in sacct(job, until=done)[job]]
     assert states[0] == "REQUEUED" and states[-1] == "COMPLETED", states
