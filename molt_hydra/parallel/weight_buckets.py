@@ -13,29 +13,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from molt_hydra.rollout.buckets import bucket_weights
+
 
 def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (hf_name, full tensor on `device`, cast to `dtype` if given), each ≤ bucket_bytes unless a
     single tensor is larger. A tied lm_head is skipped (the receiver re-ties it to the embedding)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    bucket, size = [], 0
-    for name, t in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        if not rank0:
-            continue
-        # cast where the tensor lives (GPU), then copy: a host-side fp32->bf16 cast runs at < 1 GB/s
-        full = full.detach().to(dtype=dtype or full.dtype).to(device)
-        nbytes = full.numel() * full.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, full))
-        size += nbytes
-    if bucket:
-        yield bucket
+
+    def full_tensors():
+        for name, t in model.state_dict().items():
+            if tied and name == "lm_head.weight":
+                continue
+            full = t.full_tensor() if isinstance(t, DTensor) else t  # a collective: every rank runs it
+            if rank0:
+                # cast where the tensor lives (GPU), then copy: a host-side fp32->bf16 cast runs at < 1 GB/s
+                yield name, full.detach().to(dtype=dtype or full.dtype).to(device)
+
+    yield from bucket_weights(full_tensors(), bucket_bytes)
