@@ -38,6 +38,8 @@ test-gpu:
 	python3 -m pytest -p no:cacheprovider -m gpu tests/gpu
 
 bench: install
+	# TRL is the GRPO baseline; --no-deps keeps the CPU torch / transformers pins untouched.
+	$(PIP) install -q --no-deps trl==1.16.0
 	$(PY) bench/run_all.py
 
 clean:

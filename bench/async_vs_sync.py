@@ -21,16 +21,21 @@ from _common import REPO, append_row  # noqa: E402
 SKIP = 2
 
 
+def unprefix(row: dict) -> dict:
+    """metrics.jsonl keys of training steps carry a `train/` prefix (kind=train): strip it."""
+    return {k[len("train/"):] if k.startswith("train/") else k: v for k, v in row.items()}
+
+
 def run(mode: str, steps: int, max_new: int) -> list[dict]:
     out = tempfile.mkdtemp(prefix=f"molt_bench_{mode}_")
     args = [str(Path(sys.executable).with_name("molt-run")), f"hydra.run.dir={out}", f"train.max_steps={steps}",
-            f"train.mode={mode}", f"rollout.max_new_tokens={max_new}", "logger.wandb=false"]
+            f"train.mode={mode}", f"rollout.max_new_tokens={max_new}", "logger.wandb.mode=disabled"]
     if mode == "async":
         args.append("train.queue_depth=1")
     p = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"molt-run {mode} failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return [unprefix(json.loads(line)) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
             if "timing/step_total" in line]
 
 
@@ -48,8 +53,8 @@ def main():
     s, a = mean(sync, "timing/step_total"), mean(asyn, "timing/step_total")
     gen = mean(sync, "timing/generation")
     train = s - gen - mean(sync, "timing/weight_sync_wait")  # everything of the sync step that is not generation
-    trained_s = sum(r["train/num_samples"] for r in sync[SKIP:])
-    trained_a = sum(r["train/num_samples"] for r in asyn[SKIP:])
+    trained_s = sum(r["num_samples_trained"] for r in sync[SKIP:])
+    trained_a = sum(r["num_samples_trained"] for r in asyn[SKIP:])
     for name, rows in (("sync", sync), ("async", asyn)):
         print(name, [round(r["timing/step_total"], 2) for r in rows])
     append_row("async_vs_sync",

@@ -29,6 +29,11 @@ PROMPTS, GROUP, MAX_NEW, MICRO, LR, SEED = 8, 8, 8, 16, 2e-3, 42
 SKIP = 2  # steps excluded from the mean (start-up, first compile/warm-up)
 
 
+def unprefix(row: dict) -> dict:
+    """metrics.jsonl keys of training steps carry a `train/` prefix (kind=train): strip it."""
+    return {k[len("train/"):] if k.startswith("train/") else k: v for k, v in row.items()}
+
+
 def digit_fraction(text: str) -> float:
     return sum(c.isdigit() for c in text) / len(text) if text else 0.0
 
@@ -91,7 +96,7 @@ def run_ours(steps: int, mode: str) -> dict:
     args = [str(Path(sys.executable).with_name("molt-run")), f"hydra.run.dir={out}", f"train.max_steps={steps}",
             f"train.mode={mode}", f"rollout.batch_size={PROMPTS}", f"rollout.n_samples_per_prompt={GROUP}",
             f"rollout.max_new_tokens={MAX_NEW}", f"train.batch_size={PROMPTS * GROUP}",
-            f"train.micro_batch_size={MICRO}", f"train.optimizer.lr={LR}", f"seed={SEED}", "logger.wandb=false"]
+            f"train.micro_batch_size={MICRO}", f"train.optimizer.lr={LR}", f"seed={SEED}", "logger.wandb.mode=disabled"]
     if mode == "async":
         args.append("train.queue_depth=1")
     t0 = time.perf_counter()
@@ -99,7 +104,7 @@ def run_ours(steps: int, mode: str) -> dict:
     total = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"molt-run failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
-    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = [unprefix(json.loads(line)) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step_total" in r]
     timed = rows[SKIP:]
     step = statistics.mean(r["timing/step_total"] for r in timed)
@@ -113,7 +118,12 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip-sync", action="store_true")
     args = p.parse_args()
-    import trl
+    try:
+        import trl
+    except ImportError:
+        print("| skipped | grpo_vs_trl | trl is not installed: `.venv/bin/pip install --no-deps trl==1.16.0` "
+              "(its other deps are already in the venv; --no-deps keeps torch/transformers as they are) |")
+        return
 
     trl_r = run_trl(args.steps)
     print("TRL", trl_r, flush=True)

@@ -16,13 +16,12 @@
 """
 
 import argparse
-import json
-import os
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -102,11 +101,22 @@ def launch_cost(launches):
     for i in range(launches):
         stamps = tempfile.mkdtemp(prefix="molt_bench_stamps_")
         out = tempfile.mkdtemp(prefix="molt_bench_run_")
-        args = [str(MOLT_RUN), f"hydra.run.dir={out}", "train.max_steps=2", "logger.wandb=false",
+        args = [str(MOLT_RUN), f"hydra.run.dir={out}", "train.max_steps=2", "logger.wandb.mode=disabled",
                 f"agent.runner._target_={REPO}/bench/agents/stamp_toy.py:StampToyEnv",
                 f"+agent.runner.stamp_dir={stamps}"]
+        metrics = Path(out) / "metrics.jsonl"
+        seen = {}
+
+        def watch():  # when the first training step's metrics line appears
+            while "t" not in seen and not seen.get("stop"):
+                if metrics.exists() and metrics.stat().st_size > 0:
+                    seen["t"] = time.time()
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch, daemon=True)
         t0 = time.time()
         proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watcher.start()
         plan_at = None
         lines = []
         for line in proc.stdout:
@@ -116,12 +126,9 @@ def launch_cost(launches):
         rc = proc.wait()
         if rc != 0:
             raise RuntimeError("molt-run failed:\n" + "".join(lines[-40:]))
-        metrics = Path(out) / "metrics.jsonl"
-        first_metric = os.path.getmtime(metrics) - t0 if metrics.exists() else float("nan")
-        try:
-            first_metric = min(first_metric, json.loads(metrics.read_text().splitlines()[0]).get("_time", 1e9) - t0)
-        except Exception:  # noqa: BLE001 - mtime is the fallback
-            pass
+        seen["stop"] = True
+        watcher.join()
+        first_metric = seen.get("t", float("nan")) - t0
         req = float(Path(stamps, "first_request").read_text()) - t0
         resp = float(Path(stamps, "first_response").read_text()) - t0
         rows.append((plan_at or float("nan"), req, resp, first_metric))
