@@ -8,10 +8,10 @@ that token first, then a seeded sample is a stop token with probability ~511/512
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
+from event_loop import loop, run  # noqa: F401 - the shared loop fixture
 from molt_hydra.agents import Env, Episode, Result, StepEnvRunner, load_runner
 from molt_hydra.rollout.generation import Sampling
 
@@ -19,28 +19,6 @@ NON_STOP = 100  # the one token that is not a stop token: min_tokens=1 forces it
 STOP_SOON = Sampling(max_tokens=8, temperature=1.0, seed=0, stop_token_ids=tuple(i for i in range(512) if i != NON_STOP))
 EXACT = Sampling(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPT = "<|im_start|>user\nCount: 7<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    run(loop, _cancel_pending())  # the engine's output tasks end here, not at interpreter exit
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-
-
-def run(loop, coro, timeout=180):
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
-
-
-async def _cancel_pending():
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import aiohttp
 import pytest
 from anthropic import AsyncAnthropic, AuthenticationError as AnthropicAuthError
 from openai import AsyncOpenAI, AuthenticationError
 
+from event_loop import loop, run  # noqa: F401 - the shared loop fixture
 from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result, load_runner
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.python_executor import run_python
@@ -95,28 +95,6 @@ class Recorder:
         gens = await self.engine.generate(request)
         self.calls.append((request, gens))
         return gens
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    run(loop, _cancel_pending())  # the engine's output tasks end here, not at interpreter exit
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-
-
-def run(loop, coro, timeout=180):
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
-
-
-async def _cancel_pending():
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.fixture(scope="module")
