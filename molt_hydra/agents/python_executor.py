@@ -1,9 +1,22 @@
-"""Run model-written Python in a sandboxed subprocess: wall-clock limit, address-space limit, no network.
+"""Run model-written Python in a sandbox: bubblewrap where it is installed, rlimits + netns + audit hook otherwise.
 
-Network isolation has two layers: the child enters a fresh network namespace (`unshare(CLONE_NEWNET)`: no
-interfaces but a down loopback, so nothing connects anywhere, including from grandchildren), when the process may
-(root / CAP_SYS_ADMIN); and an audit hook in the child interpreter refuses every `socket.*` event, which holds
-without privileges. The limits are arguments (Molt's PYTHON_EXECUTOR_* environment knobs become agent kwargs).
+bubblewrap (`bwrap`, Debian's `bubblewrap`; `make install` brings it) gives each call fresh pid, network, ipc, uts
+and mount namespaces: the file system is only /usr, the Python install and its venv (all read-only), a fresh
+/proc and a minimal /dev, plus a size-capped tmpfs at /tmp that is the working directory, the only writable place,
+and is gone when the call ends. No /etc, no project or run directory, no home. Started as root, the code then runs
+as an unprivileged uid of its own (`setpriv`, no capabilities, no groups), so RLIMIT_NPROC counts only this call's
+processes; started as a user, bwrap maps that user into a user namespace. Killing bwrap kills the whole pid
+namespace (`--die-with-parent`), grandchildren included.
+
+The fallback (no working bwrap) is the earlier mechanism: a fresh network namespace when the process may create one
+(root / CAP_SYS_ADMIN), an audit hook refusing every `socket.*` event (holds without privileges), rlimits, a
+scratch working directory removed after the call and a scrubbed environment; it does not hide or protect the file
+system and keeps the caller's uid. `sandbox_in_use()` says which one runs, with the reason; the run record
+names it.
+
+In both, the environment is only what the interpreter needs (no WANDB_API_KEY or other secrets of the trainer), and
+rlimits cap address space, processes, open files and file size; the wall-clock limit kills the process group.
+The limits are arguments (Molt's PYTHON_EXECUTOR_* environment knobs become agent kwargs, see `SandboxLimits`).
 """
 
 from __future__ import annotations
@@ -12,12 +25,18 @@ import asyncio
 import ctypes
 import functools
 import os
+import random
 import resource
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
+SCRATCH = "/tmp"  # where the scratch tmpfs is mounted inside bwrap (and the working directory)
 
 # Runs in the child before the user code; audit hooks cannot be removed once added.
 _BOOTSTRAP = """
@@ -34,6 +53,45 @@ exec(compile(_code, "<code>", "exec"), {{"__name__": "__main__"}})
 """
 
 
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-call limits; the python-tool agents take them as kwargs `exec_<name>` (e.g. `exec_max_processes`)."""
+
+    timeout_s: float = 10.0
+    "Wall-clock limit (Molt: PYTHON_EXECUTOR_TIMEOUT, 10 s)."
+    memory_mb: int = 1024
+    "Address-space limit per process (Molt: PYTHON_EXECUTOR_MEM_BYTES, 1 GiB)."
+    max_output_bytes: int = 16384
+    "stdout and stderr are each cut here (Molt: PYTHON_EXECUTOR_OUTPUT_CHARS, 2048 chars)."
+    max_processes: int = 32
+    "Processes and threads of the call (RLIMIT_NPROC): a fork bomb stops here."
+    max_open_files: int = 256
+    "Open file descriptors per process (RLIMIT_NOFILE)."
+    max_file_mb: int = 64
+    "Largest file (RLIMIT_FSIZE); under bwrap also the size of the whole scratch tmpfs."
+
+    BOUNDS = {"timeout_s": (0.1, 3600), "memory_mb": (64, 1 << 20), "max_output_bytes": (1, 1 << 26),
+              "max_processes": (4, 4096), "max_open_files": (16, 1 << 16), "max_file_mb": (1, 1 << 20)}
+
+    @classmethod
+    def from_agent_kwargs(cls, exec_kwargs: dict) -> "SandboxLimits":
+        """From an agent's `exec_<name>=value` kwargs; an unknown name is refused with the known ones."""
+        names = [f.removeprefix("exec_") for f in exec_kwargs]
+        unknown = [k for k, n in zip(exec_kwargs, names) if not k.startswith("exec_") or n not in cls.BOUNDS]
+        if unknown:
+            raise ValueError(f"agent.runner.{unknown[0]}: not a python-tool kwarg. Fix: use max_turns or one of "
+                             f"{', '.join('exec_' + n for n in cls.BOUNDS)}.")
+        return cls(**dict(zip(names, exec_kwargs.values())))
+
+    def __post_init__(self):
+        for name, (low, high) in self.BOUNDS.items():
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high):
+                raise ValueError(f"agent.runner.exec_{name}: must be a number in [{low}, {high}], got {value!r}. "
+                                 f"Fix: set agent.runner.exec_{name}={getattr(SandboxLimits, name)} (the default) "
+                                 f"or a value in range.")
+
+
 @dataclass
 class ExecutionResult:
     stdout: str
@@ -41,6 +99,8 @@ class ExecutionResult:
     exit_code: int | None  # None when killed for the time limit
     timed_out: bool
     output_truncated: bool
+    sandbox: str = ""
+    "`bwrap` or `rlimits`: which mechanism ran the call."
 
     @property
     def ok(self) -> bool:
@@ -56,7 +116,7 @@ class ExecutionResult:
 
 @functools.cache
 def network_namespace_available() -> bool:
-    """Whether children can get their own network namespace here."""
+    """Whether children can get their own network namespace here (the fallback's network isolation)."""
     if sys.platform != "linux":
         return False
     # Probed once in a throwaway child: unshare needs CAP_SYS_ADMIN, and a failure must not surprise the sandbox.
@@ -68,6 +128,88 @@ def network_namespace_available() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
+def _read_only_roots() -> list[str]:
+    """What the interpreter needs: /usr (merged-/usr Debian: /bin, /lib are links into it), Python, its venv."""
+    roots = {"/usr", os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix),
+             os.path.dirname(os.path.realpath(sys.executable))}
+    roots = sorted(r for r in roots if r != "/")
+    return [r for r in roots if not any(r != o and r.startswith(o + "/") for o in roots)]
+
+
+def _bwrap_argv(limits: SandboxLimits, allow_network: bool, uid: int | None) -> list[str]:
+    argv = ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session"]
+    argv += ["--unshare-user", "--uid", "65534", "--gid", "65534"] if uid is None else []  # not root: a userns
+    argv += [] if allow_network else ["--unshare-net"]
+    made = {"/"}
+    for root in _read_only_roots():
+        parents = list(reversed(Path(root).parents))[1:]
+        for parent in map(str, parents):  # bwrap makes missing parents 0700: the dropped uid could not pass them
+            if parent not in made:
+                argv += ["--perms", "0755", "--dir", parent]
+                made.add(parent)
+        argv += ["--ro-bind", root, root]
+        made.add(root)
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host = f"/{name}"
+        if os.path.islink(host):
+            argv += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host) and host not in made:
+            argv += ["--ro-bind", host, host]
+    etc = ["/etc/ld.so.cache", "/etc/localtime"] + (["/etc/resolv.conf", "/etc/hosts", "/etc/ssl"] * allow_network)
+    argv += ["--perms", "0755", "--dir", "/etc"]
+    for path in etc:
+        argv += ["--ro-bind-try", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", str(limits.max_file_mb * 2**20), "--tmpfs", SCRATCH, "--chdir", SCRATCH]
+    if uid is not None:  # root: leave for a uid of this call's own, without capabilities or groups
+        argv += ["--", "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                 "--inh-caps=-all", "--bounding-set=-all"]
+    return argv + ["--"]
+
+
+@functools.cache
+def _bwrap_problem() -> str | None:
+    """None when bwrap can build the sandbox here, else why not (probed once with the real arguments)."""
+    if sys.platform != "linux":
+        return f"bubblewrap needs Linux (this is {sys.platform})"
+    if shutil.which("bwrap") is None:
+        return "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap; `make install` does it as root)"
+    uid = 2**30 if os.geteuid() == 0 else None
+    if uid is not None and shutil.which("setpriv") is None:
+        return "setpriv (util-linux) is missing, needed to drop root inside bwrap"
+    argv = _bwrap_argv(SandboxLimits(), False, uid) + [sys.executable, "-I", "-c", "import os; print(os.getuid())"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_child_env(SCRATCH))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bwrap failed to start: {e}"
+    if out.returncode != 0:
+        # Typically "No permissions to create new namespace" (unprivileged user namespaces disabled by
+        # kernel.unprivileged_userns_clone / AppArmor, or a container without CAP_SYS_ADMIN).
+        return f"bwrap cannot create its namespaces here: {(out.stderr.strip().splitlines() or ['?'])[-1]}"
+    return None
+
+
+@functools.cache
+def sandbox_in_use() -> str:
+    """One line naming the sandbox model-written code gets on this host, and what it lacks."""
+    problem = _bwrap_problem()
+    if problem is None:
+        version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
+        who = "an unprivileged uid per call" if os.geteuid() == 0 else "the caller's uid in a user namespace"
+        return (f"bwrap ({version}): pid/net/mount/ipc/uts namespaces, read-only /usr + python, tmpfs scratch, "
+                f"{who}, empty environment, rlimits")
+    net = "network namespace + audit hook" if network_namespace_available() else "audit hook only (no netns)"
+    return (f"rlimits fallback ({problem}): {net}, scratch cwd, empty environment; NO file-system isolation, "
+            f"runs as uid {os.geteuid()}")
+
+
+def _child_env(scratch: str) -> dict[str, str]:
+    # Nothing of the trainer's environment: only what the interpreter needs. One BLAS thread: threads count
+    # against max_processes, and a BLAS pool as wide as the node would not fit.
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
 
 async def run_python(
     code: str,
@@ -75,29 +217,60 @@ async def run_python(
     timeout_s: float = 10.0,
     memory_mb: int = 1024,
     max_output_bytes: int = 16384,
+    max_processes: int = SandboxLimits.max_processes,
+    max_open_files: int = SandboxLimits.max_open_files,
+    max_file_mb: int = SandboxLimits.max_file_mb,
     allow_network: bool = False,
+    sandbox: str = "auto",
 ) -> ExecutionResult:
-    """Run `code` with `python -I` in a new process group; kill the whole group at `timeout_s`."""
-    memory = memory_mb * 2**20
-    isolate_net = not allow_network and network_namespace_available()
+    """Run `code` with `python -I` in the sandbox (`auto`: bwrap if it works here, else `rlimits`); kill the whole
+    group at `timeout_s`."""
+    limits = SandboxLimits(timeout_s, memory_mb, max_output_bytes, max_processes, max_open_files, max_file_mb)
+    if sandbox not in ("auto", "bwrap", "rlimits"):
+        raise ValueError(f"sandbox: must be auto, bwrap or rlimits, got {sandbox!r}")
+    if sandbox == "auto":
+        sandbox = "bwrap" if _bwrap_problem() is None else "rlimits"
+    elif sandbox == "bwrap" and _bwrap_problem() is not None:
+        raise RuntimeError(f"sandbox=bwrap: {_bwrap_problem()}")
+    isolate_net = sandbox == "rlimits" and not allow_network and network_namespace_available()
+    scratch = SCRATCH if sandbox == "bwrap" else tempfile.mkdtemp(prefix="molt-python-")
+    # A uid of this call's own (root only): RLIMIT_NPROC counts per uid, so concurrent calls do not share it.
+    uid = random.randrange(2**30, 2**31) if sandbox == "bwrap" and os.geteuid() == 0 else None
+    prefix = _bwrap_argv(limits, allow_network, uid) if sandbox == "bwrap" else []
 
-    def limit_child() -> None:  # runs in the forked child before exec
+    def limit_child() -> None:  # runs in the forked child before exec; rlimits are inherited through bwrap
+        memory = limits.memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
+        file_size = limits.max_file_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
         if isolate_net:
             ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
 
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-I",
-        "-c",
-        _BOOTSTRAP.format(block=not allow_network),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        preexec_fn=limit_child,
-        start_new_session=True,
-    )
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *prefix,
+            sys.executable,
+            "-I",
+            "-c",
+            _BOOTSTRAP.format(block=not allow_network),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=limit_child,
+            start_new_session=True,
+            cwd=None if sandbox == "bwrap" else scratch,
+            env=_child_env(scratch),
+        )
+        return await _communicate(proc, code, limits, sandbox)
+    finally:
+        if sandbox == "rlimits":
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def _communicate(proc, code: str, limits: SandboxLimits, sandbox: str) -> ExecutionResult:
     proc.stdin.write(code.encode())
     proc.stdin.close()
     truncated = False
@@ -106,7 +279,7 @@ async def run_python(
         nonlocal truncated
         kept = bytearray()
         while chunk := await stream.read(65536):  # keep draining so the child never blocks on a full pipe
-            room = max_output_bytes - len(kept)
+            room = limits.max_output_bytes - len(kept)
             truncated |= len(chunk) > room
             kept += chunk[:room]
         return bytes(kept)
@@ -114,7 +287,7 @@ async def run_python(
     readers = asyncio.gather(read_capped(proc.stdout), read_capped(proc.stderr), proc.wait())
     timed_out = False
     try:
-        out, err, _ = await asyncio.wait_for(asyncio.shield(readers), timeout_s)
+        out, err, _ = await asyncio.wait_for(asyncio.shield(readers), limits.timeout_s)
     except TimeoutError:
         timed_out = True
         _kill_group(proc.pid)
@@ -128,6 +301,7 @@ async def run_python(
         exit_code=None if timed_out else proc.returncode,
         timed_out=timed_out,
         output_truncated=truncated,
+        sandbox=sandbox,
     )
 
 

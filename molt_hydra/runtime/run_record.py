@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from dataclasses import asdict, is_dataclass
 from enum import Enum
 from importlib import metadata
@@ -53,7 +54,10 @@ def versions() -> dict[str, str]:
 
 
 def run_record(cfg) -> dict:
-    return {"git": git_state(), "versions": versions(), "job": cfg.job.value, "name": cfg.name}
+    from molt_hydra.agents.python_executor import sandbox_in_use
+
+    return {"git": git_state(), "versions": versions(), "job": cfg.job.value, "name": cfg.name,
+            "python_tool_sandbox": sandbox_in_use()}
 
 
 def write_run_record(cfg, directory: str | Path) -> dict:
@@ -62,4 +66,6 @@ def write_run_record(cfg, directory: str | Path) -> dict:
     (directory / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config_as_dict(cfg))))
     record = run_record(cfg)
     (directory / "run_record.json").write_text(json.dumps(record, indent=2))
+    # Said at start-up too, so nobody believes in isolation the host does not give.
+    print(f"python tool sandbox: {record['python_tool_sandbox']}", file=sys.stderr)
     return record

@@ -5,13 +5,14 @@ answers; the final answer is graded with math-verify against the label. Code run
 """
 
 import asyncio
+from dataclasses import asdict
 import json
 
 from openai import AsyncOpenAI
 
 from molt_hydra.agents import ChatAgent, ChatAgentRunner, Result
 from molt_hydra.agents.math_grading import grade_math
-from molt_hydra.agents.python_executor import run_python
+from molt_hydra.agents.python_executor import SandboxLimits, run_python
 
 PYTHON_TOOL = {
     "type": "function",
@@ -24,8 +25,10 @@ PYTHON_TOOL = {
 
 
 class PythonToolChatAgent(ChatAgent):
-    def __init__(self, max_turns: int = 4, exec_timeout_s: float = 10.0, exec_memory_mb: int = 1024):
-        self.max_turns, self.exec_timeout_s, self.exec_memory_mb = max_turns, exec_timeout_s, exec_memory_mb
+    def __init__(self, max_turns: int = 4, **exec_limits):
+        """`exec_limits`: the sandbox's limits, `exec_<name>` for each field of SandboxLimits (bounds checked)."""
+        self.max_turns = max_turns
+        self.limits = SandboxLimits.from_agent_kwargs(exec_limits)
 
     async def run(self, ctx):
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
@@ -47,7 +50,7 @@ class PythonToolChatAgent(ChatAgent):
                     failed += 1
                     output = "error: arguments must be {\"code\": \"...\"}"
                 else:
-                    result = await run_python(code, timeout_s=self.exec_timeout_s, memory_mb=self.exec_memory_mb)
+                    result = await run_python(code, **asdict(self.limits))
                     failed += not result.ok
                     output = result.as_observation()
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})

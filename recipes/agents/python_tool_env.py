@@ -7,10 +7,11 @@ with one action range per turn. No tool call ends the episode; the answer is gra
 """
 
 import asyncio
+from dataclasses import asdict
 
 from molt_hydra.agents import Env, Result, StepEnvRunner
 from molt_hydra.agents.math_grading import grade_math
-from molt_hydra.agents.python_executor import run_python
+from molt_hydra.agents.python_executor import SandboxLimits, run_python
 from molt_hydra.agents.tool_parser import parse_hermes
 
 PYTHON_TOOL = {
@@ -27,8 +28,10 @@ NEXT_ASSISTANT = "<|im_start|>assistant\n"
 
 
 class PythonToolEnv(Env):
-    def __init__(self, max_turns: int = 4, exec_timeout_s: float = 10.0, exec_memory_mb: int = 1024):
-        self.max_turns, self.exec_timeout_s, self.exec_memory_mb = max_turns, exec_timeout_s, exec_memory_mb
+    def __init__(self, max_turns: int = 4, **exec_limits):
+        """`exec_limits`: the sandbox's limits, `exec_<name>` for each field of SandboxLimits (bounds checked)."""
+        self.max_turns = max_turns
+        self.limits = SandboxLimits.from_agent_kwargs(exec_limits)
         self.calls = self.failed = 0
 
     def reset(self, state):
@@ -49,7 +52,7 @@ class PythonToolEnv(Env):
                 self.failed += 1
                 outputs.append('error: arguments must be {"code": "..."}')
                 continue
-            result = await run_python(code, timeout_s=self.exec_timeout_s, memory_mb=self.exec_memory_mb)
+            result = await run_python(code, **asdict(self.limits))
             self.failed += not result.ok
             outputs.append(result.as_observation())
         # The template puts "\n" after an assistant's <|im_end|>; a turn cut before its end token gets both.

@@ -1,21 +1,56 @@
+"""The python-tool sandbox, probed the way model-written code would try to escape it.
+
+The escape tests run the default sandbox (bubblewrap; `make install` installs it as root) and need it to work here;
+the fallback (`sandbox="rlimits"`) keeps what it promises: scrubbed environment, scratch cwd, rlimits, no network.
+"""
+
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from molt_hydra.agents.python_executor import network_namespace_available, run_python
+import molt_hydra
+from molt_hydra.agents import python_executor
+from molt_hydra.agents.python_executor import SandboxLimits, network_namespace_available, run_python
+
+BWRAP_PROBLEM = python_executor._bwrap_problem()
+needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap sandbox unusable: {BWRAP_PROBLEM}")
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
+def _processes_of(uid: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uid_line = next(ln for ln in status.read_text().splitlines() if ln.startswith("Uid:"))
+        except (OSError, StopIteration):
+            continue
+        if int(uid_line.split()[1]) == uid:
+            found.append(int(status.parent.name))
+    return found
+
+
+# ------------------------------------------------------------------------------------------ normal tool code still runs
 def test_output_and_errors():
     r = run(run_python("print(6*7)"))
     assert (r.stdout, r.exit_code, r.ok, r.as_observation()) == ("42\n", 0, True, "42")
     r = run(run_python("raise KeyError('k')"))
     assert r.exit_code == 1 and "KeyError: 'k'" in r.as_observation()
+
+
+def test_math_and_numpy_run_and_output_is_captured():
+    pytest.importorskip("numpy")
+    code = "import math, numpy as np\nprint(math.comb(10, 3))\nprint(int(np.arange(1, 101).sum()))"
+    r = run(run_python(code))
+    assert r.stdout == f"{120}\n{5050}\n" and r.ok, r
 
 
 def test_infinite_loop_is_killed_at_the_wall_clock_limit():
@@ -31,31 +66,169 @@ def test_allocating_4gb_fails_under_the_memory_limit():
     assert r.exit_code == 1 and "MemoryError" in r.stderr and "allocated" not in r.stdout
 
 
+def test_output_is_capped():
+    r = run(run_python("print('x' * 100000)", max_output_bytes=100))
+    assert r.stdout == "x" * 100 and r.output_truncated and r.exit_code == 0
+
+
+def test_limits_out_of_bounds_are_refused_with_the_key():
+    with pytest.raises(ValueError, match=r"agent\.runner\.exec_max_processes: must be a number in \[4, 4096\]"):
+        SandboxLimits(max_processes=0)
+    with pytest.raises(ValueError, match=r"exec_max_file_mb"):
+        run(run_python("print(1)", max_file_mb=-1))
+
+
+# ---------------------------------------------------------------------------------------------------------- escapes
+@needs_bwrap
+def test_the_default_sandbox_is_bubblewrap_and_says_so():
+    assert run(run_python("print(1)")).sandbox == "bwrap"
+    assert python_executor.sandbox_in_use().startswith("bwrap (bubblewrap ")
+
+
+@pytest.mark.parametrize("sandbox", ["auto", "rlimits"])
+def test_a_secret_in_the_parents_environment_is_not_visible(monkeypatch, sandbox):
+    monkeypatch.setenv("WANDB_API_KEY", "s3cret-key")
+    r = run(run_python("import os\nprint(sorted(os.environ))\nprint(os.environ.get('WANDB_API_KEY'))",
+                       sandbox=sandbox))
+    assert r.ok and "s3cret-key" not in r.stdout and r.stdout.splitlines()[-1] == "None", r
+
+
+@needs_bwrap
+def test_a_secret_cannot_be_read_from_another_process():
+    # A trainer-side process started with the key in its environment: /proc/<pid>/environ would show it.
+    holder = subprocess.Popen(["sleep", "60"], env={"WANDB_API_KEY": "s3cret-key", "PATH": os.environ["PATH"]})
+    try:
+        code = ("import os\nfor pid in [" + str(holder.pid) + ", " + str(os.getpid()) + "]:\n"
+                "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+                "    except OSError as e:\n        print(type(e).__name__)")
+        r = run(run_python(code))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.ok and "s3cret-key" not in r.stdout, r
+    assert r.stdout.split() == ["FileNotFoundError", "FileNotFoundError"]  # host processes are not even visible
+
+
+@needs_bwrap
+def test_nothing_outside_scratch_can_be_written(tmp_path):
+    run_dir = tmp_path / "outputs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    project = Path(molt_hydra.__file__).resolve().parents[1]
+    targets = [run_dir / "metrics.jsonl", run_dir / "new_file", project / "pwned.txt", Path(sys.prefix) / "pwned.txt",
+               Path("/usr/pwned.txt"), Path("/pwned.txt")]
+    code = ("import os\nfor t in " + repr([str(t) for t in targets]) + ":\n"
+            "    try:\n        open(t, 'a').write('x')\n        print('WROTE', t)\n"
+            "    except OSError as e:\n        print(type(e).__name__)\n"
+            "open('inside_scratch.txt', 'w').write('ok')\nprint(open('inside_scratch.txt').read())")
+    r = run(run_python(code))
+    assert r.ok and "WROTE" not in r.stdout and r.stdout.splitlines()[-1] == "ok", r
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not any(t.exists() for t in targets[1:])
+
+
+@needs_bwrap
+def test_root_only_files_are_absent_and_the_code_is_not_root():
+    code = ("import os\ntry:\n    print(open('/etc/shadow').read())\n"
+            "except OSError as e:\n    print(type(e).__name__)\n"
+            "print(os.getuid(), os.getgid(), os.getgroups())\n"
+            "try:\n    os.setuid(0)\n    print('BECAME ROOT')\nexcept OSError as e:\n    print(type(e).__name__)\n"
+            "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
+    r = run(run_python(code))
+    lines = r.stdout.splitlines()
+    assert lines[0] == "FileNotFoundError", r
+    uid, gid, groups = lines[1].split(" ", 2)
+    assert int(uid) != 0 and int(gid) != 0 and groups == "[]"
+    assert lines[2] == "PermissionError" and int(lines[3], 16) == 0  # no capability at all
+
+
+@needs_bwrap
+def test_process_count_is_capped_and_nothing_survives_the_call():
+    # 40 sleepers wanted; the cap (processes + threads of this call's uid) stops them at max_processes - 1 children.
+    code = ("import os, time\nn = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
+            "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+            "    n += 1\nprint(os.getuid(), n, flush=True)\ntime.sleep(60)")
+    r = run(run_python(code, max_processes=8, timeout_s=3))
+    uid, forked = map(int, r.stdout.split())
+    assert r.timed_out and forked == 8 - 1, r  # the parent itself is one of the 8
+    time.sleep(0.5)
+    assert _processes_of(uid) == []
+
+
+@needs_bwrap
+def test_a_fork_bomb_is_contained_and_killed():
+    start = time.monotonic()
+    code = ("import os\nprint(os.getuid(), flush=True)\n"
+            "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    r = run(run_python(code, max_processes=16, timeout_s=2))
+    assert r.timed_out and time.monotonic() - start < 15
+    uid = int(r.stdout.split()[0])
+    time.sleep(0.5)
+    assert _processes_of(uid) == []
+
+
+@pytest.mark.parametrize("sandbox", ["auto", "rlimits"])
+def test_a_file_larger_than_the_limit_cannot_be_written(sandbox):
+    code = ("try:\n    open('big', 'wb').write(b'x' * (3 * 2**20))\n    print('WROTE')\n"
+            "except OSError as e:\n    print(e.strerror)")
+    r = run(run_python(code, max_file_mb=1, sandbox=sandbox))
+    assert r.stdout.strip() == "File too large", r
+
+
+@needs_bwrap
+def test_scratch_as_a_whole_is_capped():
+    # Files under the per-file limit still fill at most max_file_mb in total (the scratch tmpfs is that big).
+    code = ("import os\nfor i in range(4):\n    try:\n        open(f'f{i}', 'wb').write(b'x' * (4 * 2**20 // 10))\n"
+            "    except OSError as e:\n        print(i, e.strerror)\n        break")
+    r = run(run_python(code, max_file_mb=1))
+    assert r.stdout.strip() == f"{2**20 // (4 * 2**20 // 10)} No space left on device", r  # 2 x 0.4 MiB fit in 1
+
+
+@pytest.mark.parametrize("sandbox", ["auto", "rlimits"])
+def test_the_scratch_directory_is_the_cwd_and_is_gone_after_the_call(sandbox):
+    first = run(run_python("import os\nopen('marker', 'w').write('x')\nprint(os.getcwd())\nprint(os.listdir('.'))",
+                           sandbox=sandbox))
+    assert first.ok and first.stdout.splitlines()[1] == "['marker']", first
+    second = run(run_python("import os\nprint(os.listdir('.'))", sandbox=sandbox))
+    assert second.stdout == "[]\n", second
+    if first.sandbox == "rlimits":  # a host directory: removed
+        assert not Path(first.stdout.splitlines()[0]).exists()
+
+
 def test_a_socket_is_refused_and_nothing_connects():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
     server.setblocking(False)
     port = server.getsockname()[1]
-    r = run(run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"))
+    r = run(run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
+                       timeout_s=10))
     assert r.exit_code == 1 and "PermissionError: network access is disabled" in r.stderr
     with pytest.raises(BlockingIOError):
         server.accept()  # no connection ever arrived
     server.close()
 
 
-@pytest.mark.skipif(not network_namespace_available(), reason="needs CAP_SYS_ADMIN for a network namespace")
-def test_a_grandchild_process_has_no_network_either():
+@pytest.mark.parametrize("sandbox", ["auto", "rlimits"])
+def test_a_grandchild_process_has_no_network_either(sandbox):
+    if sandbox == "rlimits" and not network_namespace_available():
+        pytest.skip("the fallback needs CAP_SYS_ADMIN for a network namespace")
+    if sandbox == "auto" and BWRAP_PROBLEM is not None:
+        pytest.skip(BWRAP_PROBLEM)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
+    server.setblocking(False)
     port = server.getsockname()[1]
     code = ("import subprocess, sys\n"
             f"c = 'import socket; socket.create_connection((\"127.0.0.1\", {port}), timeout=2)'\n"
             "p = subprocess.run([sys.executable, '-c', c], capture_output=True, text=True)\n"
             "print(p.returncode, p.stderr.strip().splitlines()[-1])")
-    r = run(run_python(code))
-    assert r.stdout.startswith("1 OSError: [Errno 101] Network is unreachable"), r
+    r = run(run_python(code, sandbox=sandbox))
+    # bwrap's namespace has its own loopback (refused), the fallback's none (unreachable): never the host's port.
+    assert r.stdout.startswith(("1 ConnectionRefusedError", "1 OSError: [Errno 101] Network is unreachable")), r
+    with pytest.raises(BlockingIOError):
+        server.accept()
     server.close()
 
 
@@ -64,6 +237,28 @@ def test_network_can_be_allowed():
     assert r.stdout == "ok\n"
 
 
-def test_output_is_capped():
-    r = run(run_python("print('x' * 100000)", max_output_bytes=100))
-    assert r.stdout == "x" * 100 and r.output_truncated and r.exit_code == 0
+def test_the_fallback_names_itself():
+    assert run(run_python("print(1)", sandbox="rlimits")).sandbox == "rlimits"
+    with pytest.raises(ValueError, match="sandbox: must be auto, bwrap or rlimits"):
+        run(run_python("print(1)", sandbox="docker"))
+
+
+
+def test_agent_kwargs_become_limits_and_unknown_ones_are_refused():
+    limits = SandboxLimits.from_agent_kwargs({"exec_timeout_s": 3, "exec_max_processes": 16})
+    assert (limits.timeout_s, limits.max_processes, limits.memory_mb) == (3, 16, SandboxLimits.memory_mb)
+    with pytest.raises(ValueError, match=r"agent\.runner\.exec_timout_s: not a python-tool kwarg"):
+        SandboxLimits.from_agent_kwargs({"exec_timout_s": 3})
+
+
+def test_the_run_record_and_start_up_name_the_sandbox(tmp_path, capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from molt_hydra.runtime import run_record
+
+    monkeypatch.setattr(run_record, "config_as_dict", lambda cfg: {"name": cfg.name})
+    cfg = SimpleNamespace(job=SimpleNamespace(value="rl"), name="probe")
+    record = run_record.write_run_record(cfg, tmp_path)
+    expected = "bwrap (bubblewrap " if BWRAP_PROBLEM is None else f"rlimits fallback ({BWRAP_PROBLEM})"
+    assert record["python_tool_sandbox"].startswith(expected)
+    assert f"python tool sandbox: {record['python_tool_sandbox']}" in capsys.readouterr().err
