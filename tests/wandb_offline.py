@@ -48,3 +48,13 @@ def history(path: Path) -> list[dict]:
 
 def run_ids(path: Path) -> set[str]:
     return {r.run.run_id for r in _records(path) if r.WhichOneof("record_type") == "run"}
+
+
+def summary(path: Path) -> dict:
+    """The run summary as last updated: {key: value}."""
+    out = {}
+    for r in _records(path):
+        if r.WhichOneof("record_type") == "summary":
+            for it in r.summary.update:
+                out[it.key or "/".join(it.nested_key)] = json.loads(it.value_json)
+    return out

@@ -597,6 +597,8 @@ class LoggerConfig:
     "Log every N steps."
     wandb: WandbConfig = field(default_factory=WandbConfig)
     "Weights & Biases sink."
+    wandb_dashboard: bool = False
+    "At the end: save the run's W&B dashboard when online, else write <output_dir>/dashboard.json."
     tensorboard: bool = False
     "Also write TensorBoard event files under <output_dir>/tensorboard."
     progress: bool = True

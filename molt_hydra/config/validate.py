@@ -210,6 +210,11 @@ def validate(cfg: RunConfig) -> RunConfig:
          "unset data.chat_template, or save the template into the tokenizer directory"),
     ):
         problems.check(ok, key, f"not available: {reason}", fix)
+    problems.check(not cfg.logger.wandb_dashboard or cfg.logger.wandb.mode.value != "disabled",
+                   "logger.wandb_dashboard", "a W&B dashboard needs a W&B run, but logger.wandb.mode=disabled.",
+                   "set logger.wandb.mode=offline (or auto/online), or logger.wandb_dashboard=false")
+    problems.check(not cfg.logger.wandb_dashboard or cfg.job.value != "sft", "logger.wandb_dashboard",
+                   "SFT jobs log no RL metrics to build the dashboard from.", "set logger.wandb_dashboard=false")
 
     # -- batch arithmetic (steps 16, 21)
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)

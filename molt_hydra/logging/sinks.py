@@ -20,13 +20,15 @@ def _finite(value: Any) -> bool:
 class MetricSinks:
     def __init__(self, output_dir: str | Path, *, run_name: str, config: dict, wandb_mode: str = "auto",
                  project: str = "molt_hydra", entity: str | None = None, group: str | None = None,
-                 tensorboard: bool = False, resume_wandb_id: str | None = None):
+                 tensorboard: bool = False, resume_wandb_id: str | None = None, dashboard: bool = False):
         self.dir = Path(output_dir)
+        self.dashboard = dashboard
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.wandb_run = None
         if wandb_mode == "auto":
             wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        self.wandb_mode = wandb_mode
         if wandb_mode != "disabled":
             import wandb
 
@@ -73,6 +75,24 @@ class MetricSinks:
     def close(self) -> None:
         self.jsonl.close()
         if self.wandb_run is not None:
+            if self.dashboard:
+                self._publish_dashboard()
             self.wandb_run.finish()
         if self.tb is not None:
             self.tb.close()
+
+    def _publish_dashboard(self) -> None:
+        """logger.wandb_dashboard: best values into the summary (the sweep's runs table), then the run's dashboard:
+        saved to W&B when online, else written as dashboard.json for `molt-report --wandb` after `wandb sync`."""
+        from molt_hydra.logging import dashboard
+        from molt_hydra.runtime.report import final_and_best, read_metrics
+
+        rows = read_metrics(self.dir / "metrics.jsonl")
+        for key, mode in dashboard.TABLE_METRICS:
+            best = final_and_best(rows, key, mode)[1]
+            if best is not None:
+                self.wandb_run.summary[f"best/{key}"] = best
+        run = self.wandb_run
+        spec = dashboard.run_spec(self.dir, run_id=run.id, name=run.name, project=run.project,
+                                  entity=run.entity or None)
+        print(dashboard.publish(spec, self.dir, online=self.wandb_mode == "online"), flush=True)

@@ -98,7 +98,8 @@ def _sinks(cfg: RunConfig, wandb_id: str | None):
     w = cfg.logger.wandb
     return MetricSinks(cfg.output_dir, run_name=w.run_name or Path(cfg.output_dir).name, config=config_as_dict(cfg),
                        wandb_mode=w.mode.value, project=w.project, entity=w.entity, group=w.group,
-                       tensorboard=cfg.logger.tensorboard, resume_wandb_id=wandb_id)
+                       tensorboard=cfg.logger.tensorboard, resume_wandb_id=wandb_id,
+                       dashboard=cfg.logger.wandb_dashboard)
 
 
 async def _train(cfg: RunConfig, roles) -> int:

@@ -1,10 +1,13 @@
-"""`molt-report <sweep dir>`: one table row per sweep point (its overrides, status, steps, final and best value of
-each metric) and a PNG of one metric per point over steps.
+"""`molt-report <sweep or run dir>`: one table row per sweep point (its overrides, status, steps, final and best value
+of each metric), a PNG of one metric per point over steps, and the dashboard's sections (the same panels as the W&B
+dashboard, `molt_hydra/logging/dashboard.py`) as one PNG per section on one HTML page, `DIR/report/index.html`.
+`--wandb` also saves the dashboard to W&B (or writes `DIR/dashboard.json` while not logged in).
 
     molt-report multirun/sweep_estimators_is/2026-11-29_19-36-30
     molt-report SWEEP --metric train/reward --metric train/vllm_kl:min --png reward.png
+    molt-report outputs/default/2026-11-29_19-36-30 --wandb
 
-A point is a subdirectory with `.hydra/overrides.yaml` (Hydra writes it when the point starts) and/or a submitit
+A run directory (one with `metrics.jsonl`) is a sweep of one point. A point is a subdirectory with `.hydra/overrides.yaml` (Hydra writes it when the point starts) and/or a submitit
 submission under `SWEEP/.submitit/` (so points still pending in Slurm are listed too). Metrics come from each
 point's `metrics.jsonl` (one JSON object per step, with a `step` key). Status: submitit's result file when there is
 one (completed / failed: <error>), else Slurm's state from `sacct` (pending, running, requeued, cancelled, ...),
@@ -17,6 +20,7 @@ import argparse
 import json
 import math
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -124,6 +128,14 @@ def _status_from_result(result: tuple) -> str:
 
 
 def load_points(sweep: Path) -> list[Point]:
+    if (sweep / "metrics.jsonl").is_file():  # a single run
+        cfg = _resolved_config(sweep)
+        p = Point(num=0, dir=sweep, max_steps=(cfg.get("train") or {}).get("max_steps"),
+                  rows=read_metrics(sweep / "metrics.jsonl"))
+        last = int(p.rows[-1]["step"]) if p.rows else None
+        p.status = ("no metrics" if last is None else "completed" if p.max_steps is not None and last >= p.max_steps
+                    else f"stopped at step {last}")
+        return [p]
     points: dict[int, Point] = {}
     for over in sorted(sweep.glob("*/.hydra/overrides.yaml")):
         pdir = over.parent.parent
@@ -218,13 +230,96 @@ def plot(points: list[Point], key: str, path: Path) -> Path:
     return path
 
 
+def _resolved_config(run_dir: Path) -> dict:
+    """The run's resolved config (run_record.py writes it), or Hydra's copy of the composed one."""
+    for path in (run_dir / "resolved_config.yaml", run_dir / ".hydra" / "config.yaml"):
+        if path.is_file():
+            return yaml.safe_load(path.read_text()) or {}
+    return {}
+
+
+def swept_keys(points: list[Point]) -> list[str]:
+    """The config keys a sweep varies (its overrides that differ between points), in order of first appearance."""
+    keys: list[str] = []
+    for labels in varying_overrides(points).values():
+        for override in labels:
+            key = override.partition("=")[0].lstrip("+~")
+            if "=" in override and not key.startswith("hydra.") and key != "recipe" and key not in keys:
+                keys.append(key)
+    return keys
+
+
+def dashboard_spec(target: Path, points: list[Point]) -> dict:
+    """The W&B dashboard spec of a run directory or a sweep directory."""
+    from molt_hydra.logging import dashboard
+
+    dirs = [p.dir for p in points if p.dir is not None]
+    wandb_cfg = (_resolved_config(dirs[0]) if dirs else {}).get("logger", {}).get("wandb", {})
+    project, entity = wandb_cfg.get("project", "molt_hydra"), wandb_cfg.get("entity")
+    if (target / "metrics.jsonl").is_file():
+        run_ids = [d.name.rsplit("-", 1)[-1] for d in sorted(target.glob("wandb/*run-*")) if d.is_dir()]
+        return dashboard.run_spec(target, run_id=run_ids[-1] if run_ids else None, project=project, entity=entity,
+                                  name=wandb_cfg.get("run_name") or target.name)
+    return dashboard.sweep_spec(dirs, swept_keys(points), group=wandb_cfg.get("group") or target.name,
+                                project=project, entity=entity)
+
+
+def plot_sections(points: list[Point], spec: dict, out_dir: Path, metrics: list[tuple[str, str]]) -> Path:
+    """One PNG per dashboard section (a panel per subplot, one line per point and metric) and an HTML page of them
+    with the table; returns the page."""
+    import html
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    labels = varying_overrides(points)
+    images = []
+    for section in spec["sections"]:
+        panels = section["panels"]
+        cols = min(3, len(panels))
+        rows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
+        for ax, panel in zip(axes.flat, panels):
+            for p in points:
+                for key in panel["keys"]:
+                    s = series(p.rows, key)
+                    if s:
+                        name = key.split("/", 1)[1]
+                        label = f"{p.num}: {' '.join(labels[p.num])} {name}" if len(points) > 1 else name
+                        ax.plot([x for x, _ in s], [y for _, y in s], marker=".", label=label)
+            ax.set_title(panel["title"])
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        fig.suptitle(section["name"])
+        fig.tight_layout()
+        png = out_dir / (re.sub(r"[^a-z0-9]+", "_", section["name"].lower()).strip("_") + ".png")
+        fig.savefig(png, dpi=80)
+        plt.close(fig)
+        images.append((section["name"], png.name))
+    body = "".join(f"<h2>{html.escape(name)}</h2><img src='{src}'>\n" for name, src in images)
+    page = out_dir / "index.html"
+    page.write_text(f"<html><head><meta charset='utf-8'><title>{html.escape(spec['name'])}</title></head><body>"
+                    f"<h1>{html.escape(spec['name'])}</h1><pre>{html.escape(render(*table(points, metrics)))}</pre>"
+                    f"\n{body}</body></html>\n")
+    return page
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="molt-report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("sweep_dir", type=Path, help="a multirun directory (multirun/<name>/<time>)")
+    ap.add_argument("sweep_dir", type=Path, help="a multirun directory (multirun/<name>/<time>) or a run directory")
     ap.add_argument("--metric", action="append", metavar="KEY[:max|min]",
                     help=f"metric columns, best by max (default) or min; the first one is plotted "
                          f"(default: {' '.join(DEFAULT_METRICS)})")
     ap.add_argument("--png", type=Path, help="plot path (default: SWEEP/report_<metric>.png)")
+    ap.add_argument("--wandb", action="store_true",
+                    help="save the W&B dashboard of the run / sweep (or write DIR/dashboard.json when not logged in)")
     args = ap.parse_args(argv)
     metrics = [_parse_metric(m) for m in (args.metric or DEFAULT_METRICS)]
     if not args.sweep_dir.is_dir():
@@ -232,13 +327,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     points = load_points(args.sweep_dir)
     if not points:
-        print(f"molt-report: no sweep points under {args.sweep_dir} (no */.hydra/overrides.yaml, no .submitit/)",
+        print(f"molt-report: no sweep points under {args.sweep_dir} (no metrics.jsonl, */.hydra/overrides.yaml or .submitit/)",
               file=sys.stderr)
         return 2
     print(render(*table(points, metrics)))
     key = metrics[0][0]
     png = args.png or args.sweep_dir / f"report_{key.replace('/', '_')}.png"
     print(f"\nplot of {key}: {plot(points, key, png)}")
+    spec = dashboard_spec(args.sweep_dir, points)
+    print(f"dashboard sections: {plot_sections(points, spec, args.sweep_dir / 'report', metrics)}")
+    if args.wandb:
+        from molt_hydra.logging import dashboard
+
+        print(dashboard.publish(spec, args.sweep_dir))
     return 0
 
 

@@ -71,6 +71,8 @@ CROSS_GROUP = [
     ("no_full_determinism", ["train.full_determinism=true"], "train.full_determinism", "not available"),
     ("no_disk_budget", ["checkpoint.max_disk_gb=10"], "checkpoint.max_disk_gb", "not available"),
     ("no_grad_norm_debug", ["logger.debug_grad_norms=true"], "logger.debug_grad_norms", "not available"),
+    ("dashboard_needs_wandb", ["logger.wandb_dashboard=true", "logger.wandb.mode=disabled"], "logger.wandb_dashboard",
+     "a W&B dashboard needs a W&B run"),
     ("rl_template_override", ["data.chat_template=x.jinja"], "data.chat_template",
      "not available: RL agents render prompts with the tokenizer's own template"),
     ("staleness_below_depth",

@@ -1,0 +1,39 @@
+"""A real short `molt-run` with `logger.wandb_dashboard=true` (W&B offline): the dashboard it writes at the end names
+only metrics its metrics.jsonl has, with the sections the run should show, and `molt-report` draws them.
+
+RUNS is the list of runs checked; an MoE run is one more entry (its overrides and its sections, MoE routing
+included), checked by the same function (`check_dashboard_matches_run` in tests/unit/test_dashboard.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_dashboard import check_dashboard_matches_run  # noqa: E402
+from test_rl_loop import molt_run  # noqa: E402
+
+from molt_hydra.runtime import report  # noqa: E402
+
+DENSE_SECTIONS = {"Reward and score", "Drift: sampler vs trainer", "Rollouts", "Throughput", "Time split", "Losses",
+                  "Grad norm"}
+# name -> (overrides, expected sections). The default run: dense actor (no MoE section), no KL-to-reference term.
+RUNS = {
+    "default": ([], DENSE_SECTIONS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_run_dashboard_names_only_logged_metrics(tmp_path, name):
+    overrides, sections = RUNS[name]
+    proc = molt_run(tmp_path, "train.max_steps=2", "logger.wandb.mode=offline", "logger.wandb_dashboard=true",
+                    *overrides)
+    spec = check_dashboard_matches_run(tmp_path, sections)
+    assert f"dashboard spec written to {tmp_path / 'dashboard.json'}" in proc.stdout + proc.stderr
+    assert spec["filter"]["ID"] in {d.name.rsplit("-", 1)[-1] for d in tmp_path.glob("wandb/offline-run-*")}
+    assert report.main([str(tmp_path)]) == 0
+    assert len(list((tmp_path / "report").glob("*.png"))) == len(sections)
