@@ -159,8 +159,8 @@ def publish(spec: dict, directory: Path, online: bool = True) -> str:
     path = write_spec(spec, directory)
     api = _api() if online else None
     if api is None:
-        return (f"dashboard spec written to {path} (W&B not logged in: after `wandb login` and `wandb sync`, "
-                f"`molt-report --wandb {directory}` publishes it)")
+        return (f"dashboard spec written to {path} (W&B offline or not logged in: after `wandb login` and "
+                f"`wandb sync`, `molt-report --wandb {directory}` publishes it)")
     saved = workspace(spec, spec["entity"] or api.default_entity).save()
     return f"dashboard saved to W&B: {saved.url} (spec: {path})"
 

@@ -95,4 +95,8 @@ class MetricSinks:
         run = self.wandb_run
         spec = dashboard.run_spec(self.dir, run_id=run.id, name=run.name, project=run.project,
                                   entity=run.entity or None)
-        print(dashboard.publish(spec, self.dir, online=self.wandb_mode == "online"), flush=True)
+        try:
+            print(dashboard.publish(spec, self.dir, online=self.wandb_mode == "online"), flush=True)
+        except Exception as e:  # noqa: BLE001 - a failed upload must not lose the run's end; the spec is on disk
+            print(f"dashboard not saved to W&B ({e!r}); spec: {self.dir / dashboard.SPEC_FILE}, "
+                  f"retry with `molt-report --wandb {self.dir}`", flush=True)

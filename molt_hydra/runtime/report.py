@@ -7,11 +7,12 @@ dashboard, `molt_hydra/logging/dashboard.py`) as one PNG per section on one HTML
     molt-report SWEEP --metric train/reward --metric train/vllm_kl:min --png reward.png
     molt-report outputs/default/2026-11-29_19-36-30 --wandb
 
-A run directory (one with `metrics.jsonl`) is a sweep of one point. A point is a subdirectory with `.hydra/overrides.yaml` (Hydra writes it when the point starts) and/or a submitit
-submission under `SWEEP/.submitit/` (so points still pending in Slurm are listed too). Metrics come from each
-point's `metrics.jsonl` (one JSON object per step, with a `step` key). Status: submitit's result file when there is
-one (completed / failed: <error>), else Slurm's state from `sacct` (pending, running, requeued, cancelled, ...),
-else the metrics (completed when the last step reached train.max_steps).
+A run directory (one with `metrics.jsonl`) is a sweep of one point. A point is a subdirectory with
+`.hydra/overrides.yaml` (Hydra writes it when the point starts) and/or a submitit submission under
+`SWEEP/.submitit/` (so points still pending in Slurm are listed too). Metrics come from each point's `metrics.jsonl`
+(one JSON object per step, with a `step` key). Status: submitit's result file when there is one (completed / failed:
+<error>), else Slurm's state from `sacct` (pending, running, requeued, cancelled, ...), else the metrics (completed
+when the last step reached train.max_steps).
 """
 
 from __future__ import annotations
@@ -327,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     points = load_points(args.sweep_dir)
     if not points:
-        print(f"molt-report: no sweep points under {args.sweep_dir} (no metrics.jsonl, */.hydra/overrides.yaml or .submitit/)",
+        print(f"molt-report: no sweep points under {args.sweep_dir} "
+              "(no metrics.jsonl, */.hydra/overrides.yaml or .submitit/)",
               file=sys.stderr)
         return 2
     print(render(*table(points, metrics)))
@@ -339,7 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.wandb:
         from molt_hydra.logging import dashboard
 
-        print(dashboard.publish(spec, args.sweep_dir))
+        try:
+            print(dashboard.publish(spec, args.sweep_dir))
+        except Exception as e:  # noqa: BLE001 - network / permission: say it, the spec is on disk
+            print(f"molt-report: dashboard not saved to W&B: {e!r} (spec: {args.sweep_dir / dashboard.SPEC_FILE})",
+                  file=sys.stderr)
+            return 1
     return 0
 
 
