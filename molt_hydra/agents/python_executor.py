@@ -40,7 +40,11 @@ SCRATCH = "/tmp"  # where the scratch tmpfs is mounted inside bwrap (and the wor
 
 # Runs in the child before the user code; audit hooks cannot be removed once added.
 _BOOTSTRAP = """
-import sys
+import resource, sys
+_nproc = {nproc}
+if _nproc is not None:  # set here, inside the namespaces: see _process_limit
+    resource.setrlimit(resource.RLIMIT_NPROC, (_nproc, _nproc))
+del _nproc
 def _no_network(event, args):
     if event.startswith("socket."):
         raise PermissionError("network access is disabled in this sandbox")
@@ -200,8 +204,9 @@ def sandbox_in_use() -> str:
         return (f"bwrap ({version}): pid/net/mount/ipc/uts namespaces, read-only /usr + python, tmpfs scratch, "
                 f"{who}, empty environment, rlimits")
     net = "network namespace + audit hook" if network_namespace_available() else "audit hook only (no netns)"
-    return (f"rlimits fallback ({problem}): {net}, scratch cwd, empty environment; NO file-system isolation, "
-            f"runs as uid {os.geteuid()}")
+    nproc = "no process limit (root)" if os.geteuid() == 0 else "process limit on the caller's uid"
+    return (f"rlimits fallback ({problem}): {net}, scratch cwd, empty environment, {nproc}; NO file-system "
+            f"isolation, runs as uid {os.geteuid()}")
 
 
 def _child_env(scratch: str) -> dict[str, str]:
@@ -242,7 +247,6 @@ async def run_python(
         memory = limits.memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
         file_size = limits.max_file_mb * 2**20
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
@@ -255,7 +259,7 @@ async def run_python(
             sys.executable,
             "-I",
             "-c",
-            _BOOTSTRAP.format(block=not allow_network),
+            _BOOTSTRAP.format(block=not allow_network, nproc=_process_limit(sandbox, limits.max_processes)),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -268,6 +272,26 @@ async def run_python(
     finally:
         if sandbox == "rlimits":
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _process_limit(sandbox: str, max_processes: int) -> int | None:
+    """RLIMIT_NPROC for the child. It counts every task of the uid, and the kernel also checks a user namespace's
+    count against the limit its creator had, so it is set by the child inside bwrap's namespaces (set before, a
+    user's other processes would already exceed it and bwrap could not even start). In the fallback the uid is the
+    caller's: its tasks so far plus `max_processes`; root ignores the limit there."""
+    if sandbox == "bwrap":
+        return max_processes
+    if os.geteuid() == 0:
+        return None
+    tasks = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields["Uid"].split()[0]) == os.getuid():
+            tasks += int(fields["Threads"])
+    return tasks + max_processes
 
 
 async def _communicate(proc, code: str, limits: SandboxLimits, sandbox: str) -> ExecutionResult:
