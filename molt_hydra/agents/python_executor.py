@@ -3,7 +3,8 @@
 bubblewrap (`bwrap`, Debian's `bubblewrap`; `make install` brings it) gives each call fresh pid, network, ipc, uts
 and mount namespaces: the file system is only /usr, the Python install and its venv (all read-only), a fresh
 /proc and a minimal /dev, plus a size-capped tmpfs at /tmp that is the working directory, the only writable place,
-and is gone when the call ends. No /etc, no project or run directory, no home. Started as root, the code then runs
+and is gone when the call ends. /etc holds only ld.so.cache and localtime; no project or run directory, no
+home. Started as root, the code then runs
 as an unprivileged uid of its own (`setpriv`, no capabilities, no groups), so RLIMIT_NPROC counts only this call's
 processes; started as a user, bwrap maps that user into a user namespace. Killing bwrap kills the whole pid
 namespace (`--die-with-parent`), grandchildren included.
