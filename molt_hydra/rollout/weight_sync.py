@@ -256,8 +256,9 @@ async def setup_weight_sync(cfg, actor, engines: list) -> str:
     transport = resolve_transport(cfg)
     if transport == "nccl" and actor is not None:
         r = cfg.rollout
-        await open_broadcast(actor.workers[0], engines, timeout_s=cfg.train.timeouts.startup_s,
-                             workers_per_engine=r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size)
+        per_engine = r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size  # vLLM workers
+        await open_broadcast(actor.workers[0], engines, workers_per_engine=per_engine,
+                             timeout_s=cfg.train.timeouts.startup_s)
     return transport
 
 
