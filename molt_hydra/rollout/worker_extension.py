@@ -18,14 +18,18 @@ from molt_hydra.rollout.buckets import Bucket, packed_nbytes, unpack_bucket
 
 class WeightSyncWorkerExtension:
     _loaded_names: set[str]
+    _ipc_buffer: torch.Tensor | None = None
 
     def begin_layerwise_reload(self) -> None:
+        self._vllm_begin_reload()
+        self._loaded_names = set()
+
+    def _vllm_begin_reload(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
-        self._loaded_names = set()
 
     def _load(self, bucket: Bucket) -> int:
         self._load_into_model(bucket)
@@ -39,13 +43,17 @@ class WeightSyncWorkerExtension:
             self.model_runner.get_model().load_weights(bucket)
 
     def finish_layerwise_reload(self) -> None:
+        self._ipc_buffer = None  # unmap the trainer's CUDA IPC buffer so the trainer can free it
+        self._vllm_finish_reload()
+        if self.device.type == "cuda":  # the update is complete on the device when the sync returns
+            torch.cuda.synchronize(self.device)
+
+    def _vllm_finish_reload(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
-        if self.device.type == "cuda":  # the update is complete on the device when the sync returns
-            torch.cuda.synchronize(self.device)
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
         self.refresh_tied_lm_head()
@@ -101,15 +109,15 @@ class WeightSyncWorkerExtension:
     # --- CUDA IPC (GPU, colocated): the trainer shares a packed bucket's memory, the worker maps it ---
 
     def receive_ipc(self, metas: list, handle: tuple) -> int:
-        """`handle`: (rebuild_fn, args) of the packed bucket from `torch.multiprocessing.reductions.reduce_tensor`."""
+        """`handle`: (rebuild_fn, args) of the trainer's bucket buffer from `reduce_tensor`; the same handle for every
+        bucket of a sync, so the mapping is kept (torch reuses a live mapping) until `finish_layerwise_reload`."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         rebuild, args = handle
         if rebuild is rebuild_cuda_tensor:  # the trainer's device index; colocated, it is this worker's device
             args = (*args[:6], self.device.index, *args[7:])
-        flat = rebuild(*args)
-        n = self._load(unpack_bucket(metas, flat))
-        if flat.is_cuda:  # the loads have read the buffer before the trainer may free it
-            torch.cuda.current_stream(flat.device).synchronize()
-        del flat
+        self._ipc_buffer = rebuild(*args)
+        n = self._load(unpack_bucket(metas, self._ipc_buffer[: packed_nbytes(metas)]))
+        if self._ipc_buffer.is_cuda:  # the loads have read the buffer before the trainer refills it
+            torch.cuda.current_stream(self.device).synchronize()
         return n

@@ -65,22 +65,22 @@ class StandInModelRunner:
 
 class StandInWorker(WeightSyncWorkerExtension):
     """The project's receive side (receive_ipc / receive_broadcast / init_weight_broadcast / missing_weights) on a
-    stand-in model runner; only the calls into vLLM's layerwise reload are replaced."""
+    stand-in model runner; only the calls into vLLM (layerwise reload begin/finish, load under vLLM's config) are
+    replaced."""
 
     def __init__(self, model, device: torch.device, model_dir: str | None):
         self.rank, self.device = 0, device
         self.model_runner = StandInModelRunner(model)
         self.model_config = types.SimpleNamespace(model=model_dir, hf_text_config=model.config)
 
-    def begin_layerwise_reload(self) -> None:
-        self._loaded_names = set()
+    def _vllm_begin_reload(self) -> None:
+        pass
 
     def _load_into_model(self, bucket) -> None:
         self.model_runner.get_model().load_weights(bucket)
 
-    def finish_layerwise_reload(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _vllm_finish_reload(self) -> None:
+        pass
 
     # --- for the checks and the baseline only ---
 

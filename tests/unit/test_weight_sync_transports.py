@@ -19,7 +19,8 @@ from torch import nn
 from molt_hydra.parallel.weight_buckets import iter_weight_buckets
 from molt_hydra.rollout.buckets import ALIGN, bucket_weights, pack_bucket, unpack_bucket
 from molt_hydra.rollout.weight_sync import (BroadcastGroup, BroadcastTransport, CudaIpcTransport, Transport,
-                                            WeightSync, choose_transport, push_from_rank, resolve_transport)
+                                            WeightSync, choose_transport, open_broadcast, push_from_rank,
+                                            resolve_transport)
 from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
 
 
@@ -71,12 +72,16 @@ class FakeWorker(WeightSyncWorkerExtension):
     """Stands in for a GPU vLLM worker: `reload_weights` records the tensors it was given."""
 
     device = torch.device("cpu")
+    rank = 0  # vLLM worker rank inside its engine
 
     def __init__(self):
         self.loaded = {}
 
-    def begin_layerwise_reload(self):
-        self._loaded_names = set()
+    def _vllm_begin_reload(self):
+        pass
+
+    def _vllm_finish_reload(self):
+        pass
 
     def _load_into_model(self, bucket):
         self.loaded.update({n: t.clone() for n, t in bucket})
@@ -98,6 +103,7 @@ class FakeEngine:
             if name == "begin_weight_update":
                 self.worker.begin_layerwise_reload()
             if name == "finish_weight_update":
+                self.worker.finish_layerwise_reload()
                 self.version = args[0]
         return lambda *args: call(*args)
 
@@ -159,6 +165,8 @@ def test_gpu_transports_deliver_every_tensor_in_the_wire_dtype_and_bump_the_vers
     assert log[-2:] == ["resume", "resume"]
     assert all(w._loaded_names == {n for n, _ in named_tensors()} for w in workers)
     assert log.index("finish_weight_update") > max(i for i, m in enumerate(log) if m.startswith("receive_"))
+    if kind == "cuda_ipc_cpu_stand_in":  # one shared buffer per sync, unmapped by the workers and freed after it
+        assert t.buffer is None and all(w._ipc_buffer is None for w in workers)
 
 
 class StandInTrainerRank:
@@ -170,6 +178,8 @@ class StandInTrainerRank:
     def __init__(self):
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        # what Ray's `actor.__ray_call__.remote(fn, *args)` does: run fn(actor, *args) in the actor
+        self.__ray_call__ = types.SimpleNamespace(remote=lambda fn, *args: asyncio.to_thread(fn, self, *args))
 
     def weight_buckets(self, bucket_bytes, dtype=None, device="cpu"):
         return iter_weight_buckets(self.model, bucket_bytes, dtype, device)
@@ -179,9 +189,10 @@ class StandInTrainerRank:
 def test_push_from_rank_sends_the_engine_dtype_and_stamps_the_version(transport):
     rank0, log = StandInTrainerRank(), []
     worker = FakeWorker()
-    if transport == "nccl":
-        rank0.weight_broadcast_group, worker._weight_comm = gloo_groups(2)  # gloo plays NCCL's part on CPU
     engine = FakeEngine(worker, log)
+    if transport == "nccl":  # the set-up the runtime does once at start; gloo plays NCCL's part on CPU
+        asyncio.run(open_broadcast(rank0, [engine], workers_per_engine=1, timeout_s=30))
+        assert isinstance(rank0.weight_broadcast_group, BroadcastGroup) and worker._weight_comm.group.size() == 2
     metrics = push_from_rank(rank0, [engine], transport, 7, bucket_bytes=256, check_coverage=False,
                              timeout_s=10, dtype="bfloat16")
     state = rank0.model.state_dict()
