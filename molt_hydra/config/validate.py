@@ -186,6 +186,12 @@ def validate(cfg: RunConfig) -> RunConfig:
                    f"set model.attn_implementation to one of {accepted}"
                    + ("" if backends == ["automodel"] else ", or the backend that has it: model.backend=hf|automodel "
                       "(automodel on GPU)"))
+    transport = r.weight_sync.transport.value
+    problems.check(not (cpu and transport in ("nccl", "cuda_ipc")), "rollout.weight_sync.transport",
+                   f"{transport} moves GPU memory; this run is on CPU.", "set it to auto, shared_memory or object_store")
+    problems.check(transport != "cuda_ipc" or p.colocate, "rollout.weight_sync.transport",
+                   "cuda_ipc maps the trainer's GPU memory into the engine, so both must share each GPU.",
+                   "set it to auto (nccl between GPUs) or parallelism.colocate=true")
     problems.check(not (p.offload.value == "full" and p.trainer_devices == 1), "parallelism.offload",
                    "full offload needs more than one trainer rank.", "set parallelism.offload=optimizer")
 

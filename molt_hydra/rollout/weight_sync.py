@@ -248,17 +248,14 @@ async def open_broadcast(rank0, engines: list, *, workers_per_engine: int, timeo
 
 
 def resolve_transport(cfg) -> str:
-    """`rollout.weight_sync.transport` with `auto` resolved from placement; one of shm, object_store, nccl, cuda_ipc."""
+    """`rollout.weight_sync.transport` with `auto` resolved from placement; one of shm, object_store, nccl, cuda_ipc
+    (config/validate.py refuses the GPU ones on CPU, and cuda_ipc unless trainer and engines share GPUs)."""
     on_gpu = cfg.cluster.device.value == "cuda"
     transport = cfg.rollout.weight_sync.transport.value
     if transport == "auto":
         transport = choose_transport(on_gpu=on_gpu, colocated=cfg.parallelism.colocate,
                                      same_host=cfg.cluster.nodes == 1).value
-    transport = {"shared_memory": "shm"}.get(transport, transport)
-    if transport in ("nccl", "cuda_ipc") and not on_gpu:
-        raise ValueError(f"rollout.weight_sync.transport={transport}: needs cluster.device=cuda; "
-                         f"use shared_memory or object_store on CPU")
-    return transport
+    return {"shared_memory": "shm"}.get(transport, transport)
 
 
 async def setup_weight_sync(cfg, actor, engines: list) -> str:

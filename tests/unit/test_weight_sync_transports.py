@@ -118,7 +118,7 @@ def test_pack_casts_floats_to_the_wire_dtype_and_aligns_every_tensor():
         assert torch.equal(t1, t0.to(torch.bfloat16) if t0.is_floating_point() else t0)
 
 
-def test_transport_resolution_refuses_gpu_transports_on_cpu():
+def test_transport_resolution_follows_placement():
     def cfg(transport, device="cpu", colocate=False, nodes=1):
         return types.SimpleNamespace(
             cluster=types.SimpleNamespace(device=types.SimpleNamespace(value=device), nodes=nodes),
@@ -130,8 +130,28 @@ def test_transport_resolution_refuses_gpu_transports_on_cpu():
     assert resolve_transport(cfg("auto", nodes=2)) == "object_store"
     assert resolve_transport(cfg("auto", "cuda", colocate=True)) == "cuda_ipc"
     assert resolve_transport(cfg("auto", "cuda", nodes=2)) == "nccl"
-    with pytest.raises(ValueError, match="rollout.weight_sync.transport=nccl"):
-        resolve_transport(cfg("nccl"))
+    assert resolve_transport(cfg("nccl", "cuda")) == "nccl"
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (["rollout.weight_sync.transport=nccl"], "this run is on CPU"),
+    (["rollout.weight_sync.transport=cuda_ipc", "cluster=local_gpus", "parallelism.trainer_devices=1"],
+     "must share each GPU"),
+])
+def test_validation_refuses_a_transport_the_placement_cannot_use(overrides, reason):
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    from molt_hydra.config.schema import ConfigError
+    from molt_hydra.config.validate import validate
+
+    with pytest.raises(ConfigError, match=f"rollout.weight_sync.transport: .*{reason}"):
+        validate(OmegaConf.to_object(compose_config(overrides)))
 
 
 def wire_bytes(tensors, dtype) -> int:
