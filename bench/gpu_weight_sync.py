@@ -26,16 +26,15 @@ from molt_hydra.rollout.buckets import pack_bucket  # noqa: E402
 
 
 def pack_seconds(rank: StandInTrainerRank, bucket_bytes: int, repeats: int = 3) -> float:
-    """The send side alone: gather every bucket and cast+pack it into one reused buffer (no receiver)."""
+    """The send side alone: gather every bucket and cast+pack it (no receiver)."""
     import time
 
-    out = torch.empty(2 * wire_bytes(rank), dtype=torch.uint8, device=rank.device)  # room for the largest bucket
     best = float("inf")
     for i in range(repeats + 1):
         torch.cuda.synchronize(rank.device)
         start = time.perf_counter()
         for bucket in rank.weight_buckets(bucket_bytes, None, rank.device):
-            pack_bucket(bucket, torch.bfloat16, out=out)
+            pack_bucket(bucket, torch.bfloat16)
         torch.cuda.synchronize(rank.device)
         if i:
             best = min(best, time.perf_counter() - start)

@@ -32,26 +32,13 @@ Metas = list[tuple[str, str, list[int]]]
 ALIGN = 16  # every tensor starts on a 16-byte boundary: `view(dtype)` of a slice needs its offset aligned
 
 
-def bucket_metas(bucket: Bucket, dtype: torch.dtype | None = None) -> Metas:
-    """(name, dtype name on the wire, shape) per tensor: floats in `dtype` when given."""
-    return [(name, str(dtype if dtype is not None and t.is_floating_point() else t.dtype).removeprefix("torch."),
-             list(t.shape)) for name, t in bucket]
-
-
-def pack_bucket(bucket: Bucket, dtype: torch.dtype | None = None,
-                out: torch.Tensor | None = None) -> tuple[Metas, torch.Tensor]:
+def pack_bucket(bucket: Bucket, dtype: torch.dtype | None = None) -> tuple[Metas, torch.Tensor]:
     """(metas, flat): metas are (name, dtype name, shape); flat holds every tensor (16-byte aligned) on the bucket's
-    device, in the first bytes of `out` when given (a reusable buffer at least that large). With `dtype`, floating
-    tensors are cast while they are packed (an fp32 master weight becomes the engine's bf16 on the wire without a
-    separate cast copy); integer tensors keep their dtype."""
-    metas = bucket_metas(bucket, dtype)
-    n = packed_nbytes(metas)
-    if out is None:
-        flat = torch.empty(n, dtype=torch.uint8, device=bucket[0][1].device if bucket else "cpu")
-    elif out.numel() < n:
-        raise ValueError(f"pack buffer has {out.numel()} bytes, the bucket needs {n}")
-    else:
-        flat = out[:n]
+    device. With `dtype`, floating tensors are cast while they are packed (an fp32 master weight becomes the engine's
+    bf16 on the wire without a separate cast copy); integer tensors keep their dtype."""
+    metas = [(name, str(dtype if dtype is not None and t.is_floating_point() else t.dtype).removeprefix("torch."),
+              list(t.shape)) for name, t in bucket]
+    flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=bucket[0][1].device if bucket else "cpu")
     if bucket:  # one call for the whole bucket: per-tensor Python overhead dominates small tensors
         torch._foreach_copy_([slot for _, slot in unpack_bucket(metas, flat)], [t.detach() for _, t in bucket])
     return metas, flat

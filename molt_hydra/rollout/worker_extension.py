@@ -18,7 +18,6 @@ from molt_hydra.rollout.buckets import Bucket, packed_nbytes, unpack_bucket
 
 class WeightSyncWorkerExtension:
     _loaded_names: set[str]
-    _ipc_buffer: torch.Tensor | None = None
 
     def begin_layerwise_reload(self) -> None:
         self._vllm_begin_reload()
@@ -43,7 +42,6 @@ class WeightSyncWorkerExtension:
             self.model_runner.get_model().load_weights(bucket)
 
     def finish_layerwise_reload(self) -> None:
-        self._ipc_buffer = None  # unmap the trainer's CUDA IPC buffer so the trainer can free it
         self._vllm_finish_reload()
         if self.device.type == "cuda":  # the update is complete on the device when the sync returns
             torch.cuda.synchronize(self.device)
@@ -109,15 +107,15 @@ class WeightSyncWorkerExtension:
     # --- CUDA IPC (GPU, colocated): the trainer shares a packed bucket's memory, the worker maps it ---
 
     def receive_ipc(self, metas: list, handle: tuple) -> int:
-        """`handle`: (rebuild_fn, args) of the trainer's bucket buffer from `reduce_tensor`; the same handle for every
-        bucket of a sync, so the mapping is kept (torch reuses a live mapping) until `finish_layerwise_reload`."""
+        """`handle`: (rebuild_fn, args) of the packed bucket from `torch.multiprocessing.reductions.reduce_tensor`."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         rebuild, args = handle
         if rebuild is rebuild_cuda_tensor:  # the trainer's device index; colocated, it is this worker's device
             args = (*args[:6], self.device.index, *args[7:])
-        self._ipc_buffer = rebuild(*args)
-        n = self._load(unpack_bucket(metas, self._ipc_buffer[: packed_nbytes(metas)]))
-        if self._ipc_buffer.is_cuda:  # the loads have read the buffer before the trainer refills it
-            torch.cuda.current_stream(self.device).synchronize()
+        flat = rebuild(*args)
+        n = self._load(unpack_bucket(metas, flat))
+        if flat.is_cuda:  # the loads have read the buffer before the trainer frees it
+            torch.cuda.current_stream(flat.device).synchronize()
+        del flat  # unmapped: the trainer frees the buffer when this call returns
         return n

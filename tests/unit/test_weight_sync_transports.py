@@ -185,8 +185,6 @@ def test_gpu_transports_deliver_every_tensor_in_the_wire_dtype_and_bump_the_vers
     assert log[-2:] == ["resume", "resume"]
     assert all(w._loaded_names == {n for n, _ in named_tensors()} for w in workers)
     assert log.index("finish_weight_update") > max(i for i, m in enumerate(log) if m.startswith("receive_"))
-    if kind == "cuda_ipc_cpu_stand_in":  # one shared buffer per sync, unmapped by the workers and freed after it
-        assert t.buffer is None and all(w._ipc_buffer is None for w in workers)
 
 
 class StandInTrainerRank:
