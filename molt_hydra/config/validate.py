@@ -27,6 +27,12 @@ class Problems:
             raise ConfigError("\n".join(self.lines))
 
 
+# model.attn_implementation values each trainer backend accepts: transformers' `attn_implementation` (its flex is
+# spelled flex_attention), NeMo AutoModel's `BackendConfig.attn`
+BACKEND_ATTN = {"hf": ("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
+                "automodel": ("eager", "sdpa", "te", "flex", "tilelang")}
+
+
 def _registries(cfg: RunConfig, problems: Problems):
     """Import plugin modules (their decorators register estimators/losses), then return both registries."""
     from molt_hydra.algorithm.plugins import load_plugins
@@ -171,6 +177,21 @@ def validate(cfg: RunConfig) -> RunConfig:
         problems.check(not (hf_backend and size > 1), f"parallelism.{name}",
                        f"{name}={size} needs NeMo AutoModel's meshes on GPU; the HF backend shards with FSDP only.",
                        f"set parallelism.{name}=1, or model.backend=automodel with cluster.device=cuda")
+    # backend auto on GPU may resolve to either, so only values both accept are safe there
+    attn, backends = cfg.model.attn_implementation.value, ["hf"] if hf_backend else (
+        ["automodel"] if cfg.model.backend.value == "automodel" else ["hf", "automodel"])
+    accepted = sorted(set.intersection(*(set(BACKEND_ATTN[b]) for b in backends)))
+    problems.check(attn in accepted, "model.attn_implementation",
+                   f"{attn} is not a value the {' / '.join(backends)} trainer backend accepts.",
+                   f"set model.attn_implementation to one of {accepted}"
+                   + ("" if backends == ["automodel"] else ", or the backend that has it: model.backend=hf|automodel "
+                      "(automodel on GPU)"))
+    transport = r.weight_sync.transport.value
+    problems.check(not (cpu and transport in ("nccl", "cuda_ipc")), "rollout.weight_sync.transport",
+                   f"{transport} moves GPU memory; this run is on CPU.", "set it to auto, shared_memory or object_store")
+    problems.check(transport != "cuda_ipc" or p.colocate, "rollout.weight_sync.transport",
+                   "cuda_ipc maps the trainer's GPU memory into the engine, so both must share each GPU.",
+                   "set it to auto (nccl between GPUs) or parallelism.colocate=true")
     problems.check(not (p.offload.value == "full" and p.trainer_devices == 1), "parallelism.offload",
                    "full offload needs more than one trainer rank.", "set parallelism.offload=optimizer")
 

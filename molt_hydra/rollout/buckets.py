@@ -28,28 +28,39 @@ def bucket_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_byt
         yield bucket
 
 
-def pack_bucket(bucket: Bucket) -> tuple[list[tuple[str, str, list[int]]], torch.Tensor]:
-    """(metas, flat): metas are (name, dtype name, shape); flat is every tensor's bytes back to back."""
-    metas = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in bucket]
-    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]) if bucket else (
-        torch.empty(0, dtype=torch.uint8))
+Metas = list[tuple[str, str, list[int]]]
+ALIGN = 16  # every tensor starts on a 16-byte boundary: `view(dtype)` of a slice needs its offset aligned
+
+
+def pack_bucket(bucket: Bucket, dtype: torch.dtype | None = None) -> tuple[Metas, torch.Tensor]:
+    """(metas, flat): metas are (name, dtype name, shape); flat holds every tensor (16-byte aligned) on the bucket's
+    device. With `dtype`, floating tensors are cast while they are packed (an fp32 master weight becomes the engine's
+    bf16 on the wire without a separate cast copy); integer tensors keep their dtype."""
+    metas = [(name, str(dtype if dtype is not None and t.is_floating_point() else t.dtype).removeprefix("torch."),
+              list(t.shape)) for name, t in bucket]
+    flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=bucket[0][1].device if bucket else "cpu")
+    if bucket:  # one call for the whole bucket: per-tensor Python overhead dominates small tensors
+        torch._foreach_copy_([slot for _, slot in unpack_bucket(metas, flat)], [t.detach() for _, t in bucket])
     return metas, flat
 
 
-def packed_nbytes(metas: list[tuple[str, str, list[int]]]) -> int:
-    return sum(math.prod(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in metas)
+def _slots(metas: Metas) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each tensor in the flat buffer."""
+    out, offset = [], 0
+    for _, dtype, shape in metas:
+        n = math.prod(shape) * getattr(torch, dtype).itemsize
+        out.append((offset, n))
+        offset += -(-n // ALIGN) * ALIGN
+    return out
 
 
-def unpack_bucket(metas: list[tuple[str, str, list[int]]], flat: torch.Tensor) -> Bucket:
+def packed_nbytes(metas: Metas) -> int:
+    return max((o + -(-n // ALIGN) * ALIGN for o, n in _slots(metas)), default=0)
+
+
+def unpack_bucket(metas: Metas, flat: torch.Tensor) -> Bucket:
     """Inverse of `pack_bucket`: views into `flat`, no copies."""
     if flat.numel() != packed_nbytes(metas):
         raise ValueError(f"packed buffer has {flat.numel()} bytes, metas describe {packed_nbytes(metas)}")
-    out: Bucket = []
-    offset = 0
-    for name, dtype, shape in metas:
-        dt = getattr(torch, dtype)
-        n = math.prod(shape) * dt.itemsize
-        out.append((name, flat[offset : offset + n].view(dt).view(shape)))
-        offset += n
-    return out
-
+    return [(name, flat[o : o + n].view(getattr(torch, dtype)).view(shape))
+            for (name, dtype, shape), (o, n) in zip(metas, _slots(metas))]

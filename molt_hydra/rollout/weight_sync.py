@@ -6,8 +6,10 @@ trainer supplies an iterator of buckets, each a list of (hf_name, full CPU tenso
 them by `bucket_bytes`, which bounds the sync's extra memory.
 
 Transports: `object_store` (safetensors bytes through Ray's object store: any host), `shm` (a safetensors file per
-bucket under /dev/shm: engines on the trainer's host), `nccl` (one flat buffer broadcast from the trainer's rank 0:
-GPU, disaggregated), `cuda_ipc` (the trainer's GPU memory mapped by the engine: GPU, colocated).
+bucket under /dev/shm: engines on the trainer's host), `nccl` (one flat buffer per bucket broadcast from the trainer's
+rank 0 over a process group opened once at start: GPU, disaggregated), `cuda_ipc` (one flat buffer per bucket on the
+trainer's GPU, mapped by the engine worker through a CUDA IPC handle: GPU, colocated). Tensors travel in the engine's
+dtype: GPU transports cast while packing on the trainer's GPU, host transports cast on the GPU before the copy to host.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
+
+import torch
 
 from molt_hydra.rollout.buckets import Bucket, pack_bucket
 
@@ -55,20 +60,25 @@ class SyncReport:
     seconds: float
 
 
+def _nbytes(bucket: Bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
 class ObjectStoreTransport:
-    async def push(self, engines: list, bucket: Bucket, call) -> None:
+    async def push(self, engines: list, bucket: Bucket, call) -> int:
         import ray
         from safetensors.torch import save
 
         ref = ray.put(save({name: t.contiguous() for name, t in bucket}))  # one copy, read by every engine
         await asyncio.gather(*(call(e.load_weights_bytes.remote(ref)) for e in engines))
+        return _nbytes(bucket)
 
 
 class SharedMemoryTransport:
     def __init__(self, directory: str = "/dev/shm"):
         self.directory = directory
 
-    async def push(self, engines: list, bucket: Bucket, call) -> None:
+    async def push(self, engines: list, bucket: Bucket, call) -> int:
         from safetensors.torch import save_file
 
         path = os.path.join(self.directory, f"molt_weights_{uuid.uuid4().hex}.safetensors")
@@ -77,30 +87,77 @@ class SharedMemoryTransport:
             await asyncio.gather(*(call(e.load_weights_file.remote(path)) for e in engines))
         finally:
             os.unlink(path)
+        return _nbytes(bucket)
+
+
+class BroadcastGroup:
+    """A torch process group of its own (NCCL on GPU, gloo on CPU) built from a TCPStore hosted by rank 0: no default
+    group, no vLLM, so the trainer (already in its FSDP group) and every engine worker (already in vLLM's) can join it.
+    The same pattern as vLLM's StatelessProcessGroup + PyNcclCommunicator, on torch alone. Construction blocks until
+    all `world_size` ranks joined, then proves the group with a one-element broadcast."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device | str,
+                 timeout_s: float = 600.0):
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device(device)
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(self.store, rank, world_size, options)
+        else:
+            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        self.broadcast(torch.zeros(1, device=self.device), src=0)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.group.broadcast([tensor], options).wait()
 
 
 class BroadcastTransport:
-    """`communicator.broadcast(tensor, src=0)` as rank 0 of the group the engines joined via `init_weight_broadcast`
-    (vLLM's PyNcclCommunicator on GPU; tests use a fake)."""
+    """Rank 0 of a `BroadcastGroup` every engine worker joined (`init_weight_broadcast`): per bucket, the engines are
+    told the bucket's layout, then one flat buffer (cast to the engine dtype while packing) is broadcast."""
 
-    def __init__(self, communicator, device: str = "cuda"):
-        self.communicator = communicator
-        self.device = device
+    def __init__(self, group, dtype: torch.dtype | None = None):
+        self.group = group
+        self.dtype = dtype
 
-    async def push(self, engines: list, bucket: Bucket, call) -> None:
-        metas, flat = pack_bucket(bucket)
+    async def push(self, engines: list, bucket: Bucket, call) -> int:
+        metas, flat = pack_bucket(bucket, self.dtype)  # on the trainer's GPU, where the bucket lives
         receives = [call(e.worker_call.remote("receive_broadcast", metas)) for e in engines]
         gathered = asyncio.gather(*receives)  # engines must be waiting in the collective before we send
-        await asyncio.to_thread(self.communicator.broadcast, flat.to(self.device), 0)
+        await asyncio.to_thread(self.group.broadcast, flat, 0)
         await gathered
+        return flat.numel()
 
 
 class CudaIpcTransport:
-    async def push(self, engines: list, bucket: Bucket, call) -> None:
+    """Per bucket one flat buffer (cast to the engine dtype while packing) on the trainer's GPU; every engine worker
+    maps it through its CUDA IPC handle, loads from it and unmaps it before answering, so the buffer is freed
+    (`ipc_collect`) as soon as the bucket is pushed. (One buffer shared once per sync and kept mapped was tried: no
+    faster at 0.6B on an H200, and torch's IPC ref-counting then kept it allocated after the sync.)"""
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        self.dtype = dtype
+
+    async def push(self, engines: list, bucket: Bucket, call) -> int:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        handles = [(name, reduce_tensor(t.detach().contiguous())) for name, t in bucket]
-        await asyncio.gather(*(call(e.worker_call.remote("receive_ipc", handles)) for e in engines))
+        metas, flat = pack_bucket(bucket, self.dtype)
+        nbytes = flat.numel()
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()  # the packed bytes exist before another process reads
+        handle = reduce_tensor(flat)
+        await asyncio.gather(*(call(e.worker_call.remote("receive_ipc", metas, handle)) for e in engines))
+        del flat, handle
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # free the buffer now that every engine dropped its mapping
+        return nbytes
 
 
 class WeightSync:
@@ -138,9 +195,8 @@ class WeightSync:
         try:
             await self._all("begin_weight_update")
             for bucket in buckets:
-                await self.transport.push(self.engines, bucket, self._call)
+                num_bytes += await self.transport.push(self.engines, bucket, self._call)  # bytes on the wire
                 num_tensors += len(bucket)
-                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             done = True
         finally:
             try:  # also after a failure: layers left mid-reload would break generation
@@ -155,22 +211,71 @@ class WeightSync:
         return SyncReport(version, num_tensors, num_bytes, time.perf_counter() - start)
 
 
-async def connect_broadcast(engines: list, *, master_address: str, master_port: int, workers_per_engine: int,
-                            device: str = "cuda"):
-    """Form the NCCL group {trainer rank 0} ∪ {every engine worker}; returns the trainer's communicator (GPU only)."""
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
+def _rendezvous_address(_worker) -> tuple[str, int]:
+    """This host's address and a free port on it (run on the trainer's rank 0, which hosts the group's store)."""
+    import socket
 
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def _join_as_sender(worker, host: str, port: int, world_size: int, timeout_s: float) -> None:
+    worker.weight_broadcast_group = BroadcastGroup(host, port, 0, world_size, worker.device, timeout_s)
+
+
+async def open_broadcast(rank0, engines: list, *, workers_per_engine: int, timeout_s: float) -> None:
+    """Form the group {trainer rank 0} ∪ {every worker of every engine}: rank 0 is the trainer (it hosts the store),
+    engine i's worker w is rank 1 + i * workers_per_engine + w. Every member joins concurrently (the store waits for
+    all of them); the trainer rank keeps its end as `weight_broadcast_group`."""
+    host, port = await rank0.__ray_call__.remote(_rendezvous_address)
     world = 1 + len(engines) * workers_per_engine
-    joins = [
-        e.worker_call.remote("init_weight_broadcast", master_address, master_port, 1 + i * workers_per_engine, world)
-        for i, e in enumerate(engines)
-    ]
+    joins = [e.worker_call.remote("init_weight_broadcast", host, port, 1 + i * workers_per_engine, world, timeout_s)
+             for i, e in enumerate(engines)]
+    await asyncio.gather(rank0.__ray_call__.remote(_join_as_sender, host, port, world, timeout_s), *joins)
 
-    def trainer_side():
-        group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=0, world_size=world)
-        return PyNcclCommunicator(group, device=device)
 
-    communicator = await asyncio.to_thread(trainer_side)
-    await asyncio.gather(*joins)
-    return communicator
+def resolve_transport(cfg) -> str:
+    """`rollout.weight_sync.transport` with `auto` resolved from placement; one of shm, object_store, nccl, cuda_ipc
+    (config/validate.py refuses the GPU ones on CPU, and cuda_ipc unless trainer and engines share GPUs)."""
+    on_gpu = cfg.cluster.device.value == "cuda"
+    transport = cfg.rollout.weight_sync.transport.value
+    if transport == "auto":
+        transport = choose_transport(on_gpu=on_gpu, colocated=cfg.parallelism.colocate,
+                                     same_host=cfg.cluster.nodes == 1).value
+    return {"shared_memory": "shm"}.get(transport, transport)
+
+
+async def setup_weight_sync(cfg, actor, engines: list) -> str:
+    """Once, after engines and trainer ranks are up: resolve the transport and open what it needs (the NCCL group for
+    `nccl`; CUDA IPC and the host transports need nothing opened). Returns the transport name for `push_from_rank`."""
+    transport = resolve_transport(cfg)
+    if transport == "nccl" and actor is not None:
+        r = cfg.rollout
+        per_engine = r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size  # vLLM workers
+        await open_broadcast(actor.workers[0], engines, workers_per_engine=per_engine,
+                             timeout_s=cfg.train.timeouts.startup_s)
+    return transport
+
+
+def push_from_rank(worker, engines: list, transport: str, version: int, *, bucket_bytes: int, check_coverage: bool,
+                   timeout_s: float, dtype: str) -> dict:
+    """One sync, run on every trainer rank (`worker`: a TrainerWorker): all ranks drive the gathers (FSDP
+    collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. Metrics from rank 0."""
+    wire = getattr(torch, dtype)
+    on_device = transport in ("nccl", "cuda_ipc")
+    # GPU transports cast while packing (one pass on the trainer's GPU); host ones get tensors already cast on the GPU
+    buckets = worker.weight_buckets(bucket_bytes, None if on_device else wire, worker.device if on_device else "cpu")
+    if worker.rank != 0:
+        for _ in buckets:  # take part in the gathers; only rank 0 receives tensors
+            pass
+        return {}
+    carrier = {"shm": SharedMemoryTransport, "object_store": ObjectStoreTransport,
+               "cuda_ipc": lambda: CudaIpcTransport(wire),
+               "nccl": lambda: BroadcastTransport(worker.weight_broadcast_group, wire)}[transport]()
+    sync = WeightSync(engines, carrier, check_coverage=check_coverage, timeout_s=timeout_s, version=version - 1)
+    report = asyncio.run(sync.sync(buckets, version))
+    return {"weight_sync/bytes": float(report.num_bytes), "weight_sync/tensors": float(report.num_tensors),
+            "weight_sync/seconds": report.seconds}

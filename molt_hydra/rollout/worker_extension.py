@@ -20,12 +20,15 @@ class WeightSyncWorkerExtension:
     _loaded_names: set[str]
 
     def begin_layerwise_reload(self) -> None:
+        self._vllm_begin_reload()
+        self._loaded_names = set()
+
+    def _vllm_begin_reload(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
-        self._loaded_names = set()
 
     def _load(self, bucket: Bucket) -> int:
         self._load_into_model(bucket)
@@ -39,6 +42,11 @@ class WeightSyncWorkerExtension:
             self.model_runner.get_model().load_weights(bucket)
 
     def finish_layerwise_reload(self) -> None:
+        self._vllm_finish_reload()
+        if self.device.type == "cuda":  # the update is complete on the device when the sync returns
+            torch.cuda.synchronize(self.device)
+
+    def _vllm_finish_reload(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
@@ -81,16 +89,14 @@ class WeightSyncWorkerExtension:
             raise RuntimeError(f"no safetensors files in {self.model_config.model}: cannot check weight coverage")
         return sorted(expected - getattr(self, "_loaded_names", set()))
 
-    # --- NCCL broadcast (GPU, disaggregated): the trainer's rank 0 is rank 0 of a stateless group ---
+    # --- NCCL broadcast (GPU, disaggregated): the trainer's rank 0 is rank 0 of a group of its own ---
 
-    def init_weight_broadcast(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
+    def init_weight_broadcast(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                              timeout_s: float = 600.0) -> None:
+        from molt_hydra.rollout.weight_sync import BroadcastGroup
 
-        group = StatelessProcessGroup.create(
-            host=master_address, port=master_port, rank=self.rank + rank_offset, world_size=world_size
-        )
-        self._weight_comm = PyNcclCommunicator(group, device=self.device)
+        self._weight_comm = BroadcastGroup(master_address, master_port, self.rank + rank_offset, world_size,
+                                           self.device, timeout_s)
 
     def receive_broadcast(self, metas: list) -> int:
         """One flat uint8 buffer per bucket, broadcast from rank 0 (see `weight_sync.BroadcastTransport`)."""
@@ -98,14 +104,18 @@ class WeightSyncWorkerExtension:
         self._weight_comm.broadcast(flat, src=0)
         return self._load(unpack_bucket(metas, flat))
 
-    # --- CUDA IPC (GPU, colocated): the trainer shares its tensors' memory, the worker maps them ---
+    # --- CUDA IPC (GPU, colocated): the trainer shares a packed bucket's memory, the worker maps it ---
 
-    def receive_ipc(self, handles: list) -> int:
-        """`handles`: (name, (rebuild_fn, args)) from `torch.multiprocessing.reductions.reduce_tensor`."""
-        bucket = []
-        for name, (rebuild, args) in handles:
-            args = list(args)
-            if len(args) > 6 and isinstance(args[6], int):  # CUDA handle: map onto this worker's device
-                args[6] = self.device.index
-            bucket.append((name, rebuild(*args)))
-        return self._load(bucket)
+    def receive_ipc(self, metas: list, handle: tuple) -> int:
+        """`handle`: (rebuild_fn, args) of the packed bucket from `torch.multiprocessing.reductions.reduce_tensor`."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        rebuild, args = handle
+        if rebuild is rebuild_cuda_tensor:  # the trainer's device index; colocated, it is this worker's device
+            args = (*args[:6], self.device.index, *args[7:])
+        flat = rebuild(*args)
+        n = self._load(unpack_bucket(metas, flat))
+        if flat.is_cuda:  # the loads have read the buffer before the trainer frees it
+            torch.cuda.current_stream(flat.device).synchronize()
+        del flat  # unmapped: the trainer frees the buffer when this call returns
+        return n

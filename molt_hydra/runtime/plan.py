@@ -192,12 +192,18 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
         plan.memory["actor"] = trainer
     engine_bytes = DTYPE_BYTES[r.dtype.value]
     engine_weights = engine_bytes * P / r.tensor_parallel_size / GIB
-    if cfg.cluster.device.value == "cuda" and cfg.cluster.memory_gb_per_device:
-        kv = max(r.gpu_memory_utilization * cfg.cluster.memory_gb_per_device - engine_weights, 0.0)
+    # As the engine sizes it (rollout/engine.py): on GPU vLLM's KV cache takes what gpu_memory_utilization leaves
+    # after the weights (activations ignored here); CPU engines take exactly kv_cache_gb.
+    mem = cfg.cluster.memory_gb_per_device
+    if cfg.cluster.device.value == "cuda":
+        kv = max(r.gpu_memory_utilization * mem - engine_weights, 0.0) if mem else None
+        kv_source = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of {mem} GiB minus weights" if mem
+                     else f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of the device (size unknown: "
+                     f"set cluster.memory_gb_per_device)")
     else:
-        kv = r.kv_cache_gb
+        kv, kv_source = r.kv_cache_gb, f"rollout.kv_cache_gb={r.kv_cache_gb}"
     if cfg.job.value != "sft":
-        plan.memory["rollout engine"] = {"weights": engine_weights, "kv cache": kv}
+        plan.memory["rollout engine"] = {"weights": engine_weights, **({"kv cache": kv} if kv is not None else {})}
     kv_token = shape.kv_bytes_per_token_per_byte * engine_bytes / r.tensor_parallel_size
     plan.assumptions += [
         f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers",
@@ -206,8 +212,9 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
     ]
     if cfg.job.value != "sft":
         plan.assumptions.append(
-            f"engine: {engine_bytes}-byte weights / TP {r.tensor_parallel_size}; KV cache holds "
-            f"{int(kv * GIB / kv_token) if kv_token else 0} tokens ({kv_token / 1024:.1f} KiB/token)")
+            f"engine: {engine_bytes}-byte weights / TP {r.tensor_parallel_size}; KV cache from {kv_source}"
+            + (f", holds {int(kv * GIB / kv_token) if kv_token else 0} tokens" if kv is not None else "")
+            + f" ({kv_token / 1024:.1f} KiB/token)")
     if cfg.cluster.memory_gb_per_device:
         need = sum(trainer.values())
         plan.assumptions.append(

@@ -21,19 +21,11 @@ class PolicyWorkerMixin:
     rank 0 pushes each bucket to the engines through the placement's transport and stamps the new version."""
 
     def push_weights(self, engines: list, transport: str, version: int, bucket_bytes: int, check_coverage: bool,
-                     timeout_s: float) -> dict:
-        buckets = self.weight_buckets(bucket_bytes)
-        if self.rank != 0:
-            for _ in buckets:  # take part in the gathers; only rank 0 receives tensors
-                pass
-            return {}
-        from molt_hydra.rollout.weight_sync import ObjectStoreTransport, SharedMemoryTransport, WeightSync
+                     timeout_s: float, dtype: str) -> dict:
+        from molt_hydra.rollout.weight_sync import push_from_rank
 
-        carrier = {"shm": SharedMemoryTransport, "object_store": ObjectStoreTransport}[transport]()
-        sync = WeightSync(engines, carrier, check_coverage=check_coverage, timeout_s=timeout_s, version=version - 1)
-        report = asyncio.run(sync.sync(buckets, version))
-        return {"weight_sync/bytes": float(report.num_bytes), "weight_sync/tensors": float(report.num_tensors),
-                "weight_sync/seconds": report.seconds}
+        return push_from_rank(self, engines, transport, version, bucket_bytes=bucket_bytes,
+                              check_coverage=check_coverage, timeout_s=timeout_s, dtype=dtype)
 
 
 @dataclass
@@ -76,7 +68,7 @@ class Roles:
         ws = self.cfg.rollout.weight_sync
         t = self.cfg.train.timeouts
         calls = [w.push_weights.remote(self.engines, self.transport, version, ws.bucket_mb << 20, ws.check_coverage,
-                                       t.engine_call_s) for w in self.actor.workers]
+                                       t.engine_call_s, self.cfg.rollout.dtype.value) for w in self.actor.workers]
         try:
             results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
         except TimeoutError as e:  # an engine call timed out inside the trainer rank (Ray re-raises it as this type)
@@ -194,7 +186,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     from molt_hydra.rollout.engine import VLLMEngine
     from molt_hydra.rollout.generation import Sampling
     from molt_hydra.rollout.generator import SamplesGenerator
-    from molt_hydra.rollout.weight_sync import choose_transport
+    from molt_hydra.rollout.weight_sync import setup_weight_sync
     from molt_hydra.runtime.agent_runner import AgentRunnerActor, RemoteGroupRunner, request_seed
 
     r, p, a, t, d = cfg.rollout, cfg.parallelism, cfg.algorithm, cfg.train, cfg.data
@@ -288,13 +280,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         incomplete_groups=r.incomplete_groups.value, carry_over=t.partial_rollout,
         group_seed=lambda epoch, index: request_seed(cfg.seed, epoch, index))
 
-    transport = r.weight_sync.transport.value
-    if transport == "auto":
-        transport = choose_transport(on_gpu=on_gpu, colocated=p.colocate, same_host=cfg.cluster.nodes == 1).value
-    transport = {"shared_memory": "shm"}.get(transport, transport)
-    if transport not in ("shm", "object_store"):
-        raise NotImplementedError(f"rollout.weight_sync.transport={transport} needs GPUs; this run is on "
-                                  f"{cfg.cluster.device.value}")
+    transport = await setup_weight_sync(cfg, actor, engines)
 
     pids = {f"rollout engine {i}": pid for i, pid in enumerate(ray.get([e.__ray_call__.remote(lambda s: os.getpid())
                                                                         for e in engines]))}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -19,7 +20,8 @@ RECIPES = recipes()
 # `--cfg job` through the CLI for a recipe with only +recipe=... and one with a launch override (cluster=...);
 # each CLI call costs ~2 s, and the compose path is the same for every recipe (checked in-process above).
 CFG_RECIPES = [next(r for r in RECIPES if len(r.overrides) == 1 and not r.multirun),
-               next(r for r in RECIPES if len(r.overrides) > 1)]
+               next(dataclasses.replace(r, argv=[*r.argv, "cluster=local_gpus"]) for r in RECIPES
+                    if r.name == "qwen3_4b_math")]
 GROUPS = ("model", "rollout", "algorithm", "agent", "cluster", "logger", "parallelism", "recipe")
 
 

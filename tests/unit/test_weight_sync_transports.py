@@ -1,20 +1,26 @@
-"""Weight buckets, and the NCCL / CUDA-IPC sync paths driven through the real worker-extension receive code.
+"""Weight buckets, and the NCCL / CUDA-IPC sync paths driven through the real send code (`push_from_rank`, the
+transports) and the real worker-extension receive code.
 
-NCCL and CUDA cannot run here: `FakeBroadcastGroup` stands in for NCCL (an in-process broadcast between threads),
-`FakeWorker` stands in for a GPU vLLM worker (it records what `reload_weights` was given), and `FakeEngine` for an
-engine actor handle. The CUDA-IPC test shares CPU tensors through the same torch reduction CUDA IPC uses.
+NCCL and CUDA cannot run here: the broadcast path runs over the same `BroadcastGroup` (a torch process group from a
+TCPStore) with gloo instead of NCCL, `FakeWorker` stands in for a GPU vLLM worker (it records what vLLM's
+`load_weights` would be given), and `FakeEngine` for an engine actor handle. The CUDA-IPC test shares a CPU buffer
+through the same torch reduction CUDA IPC uses. The GPU versions of these tests are in tests/gpu.
 """
 
 import asyncio
-import threading
+import socket
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from torch import nn
 
-from molt_hydra.rollout.buckets import bucket_weights, pack_bucket, unpack_bucket
-from molt_hydra.rollout.weight_sync import (BroadcastTransport, CudaIpcTransport, Transport, WeightSync,
-                                            choose_transport)
+from molt_hydra.parallel.weight_buckets import iter_weight_buckets
+from molt_hydra.rollout.buckets import ALIGN, bucket_weights, pack_bucket, unpack_bucket
+from molt_hydra.rollout.weight_sync import (BroadcastGroup, BroadcastTransport, CudaIpcTransport, Transport,
+                                            WeightSync, choose_transport, open_broadcast, push_from_rank,
+                                            resolve_transport)
 from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
 
 
@@ -49,43 +55,33 @@ def test_transport_follows_placement():
     assert choose_transport(on_gpu=True, colocated=False, same_host=True) is Transport.nccl
 
 
-class FakeBroadcastGroup:
-    """Stands in for NCCL: rank 0's broadcast is copied into every receiver's buffer."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, receivers):
-        self.sent = threading.Event()
-        self.payload = None
-        self.received = threading.Barrier(receivers + 1)
 
-    def member(self, rank):
-        group = self
-
-        class Comm:
-            def broadcast(self, tensor, src):
-                assert src == 0
-                if rank == 0:
-                    group.payload = tensor.clone()
-                    group.sent.set()
-                else:
-                    assert group.sent.wait(5), "sender never broadcast"
-                    tensor.copy_(group.payload)
-                group.received.wait(5)
-                if rank == 0:
-                    group.sent.clear()
-
-        return Comm()
+def gloo_groups(world: int) -> list[BroadcastGroup]:
+    """`world` members of one real gloo `BroadcastGroup` (each joins from its own thread, as processes would)."""
+    port = free_port()
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(lambda r: BroadcastGroup("127.0.0.1", port, r, world, "cpu", timeout_s=30), range(world)))
 
 
 class FakeWorker(WeightSyncWorkerExtension):
     """Stands in for a GPU vLLM worker: `reload_weights` records the tensors it was given."""
 
     device = torch.device("cpu")
+    rank = 0  # vLLM worker rank inside its engine
 
     def __init__(self):
         self.loaded = {}
 
-    def begin_layerwise_reload(self):
-        self._loaded_names = set()
+    def _vllm_begin_reload(self):
+        pass
+
+    def _vllm_finish_reload(self):
+        pass
 
     def _load_into_model(self, bucket):
         self.loaded.update({n: t.clone() for n, t in bucket})
@@ -107,30 +103,119 @@ class FakeEngine:
             if name == "begin_weight_update":
                 self.worker.begin_layerwise_reload()
             if name == "finish_weight_update":
+                self.worker.finish_layerwise_reload()
                 self.version = args[0]
         return lambda *args: call(*args)
 
 
-@pytest.mark.parametrize("kind", ["nccl_broadcast_fake_group", "cuda_ipc_cpu_stand_in"])
-def test_gpu_transports_deliver_every_tensor_exactly_and_bump_the_version(kind):
+def test_pack_casts_floats_to_the_wire_dtype_and_aligns_every_tensor():
+    bucket = [("odd.bf16", torch.randn(3).to(torch.bfloat16)),   # 6 bytes: the next tensor would start misaligned
+              ("w.fp32", torch.randn(5, 3)), ("ids", torch.arange(3))]
+    metas, flat = pack_bucket(bucket, torch.bfloat16)
+    assert [m[1] for m in metas] == ["bfloat16", "bfloat16", "int64"]  # integers keep their dtype
+    assert flat.numel() == 16 + 32 + 32  # 6, 30, 24 bytes, each rounded up to 16
+    for (_, t0), (_, t1) in zip(bucket, unpack_bucket(metas, flat)):
+        assert torch.equal(t1, t0.to(torch.bfloat16) if t0.is_floating_point() else t0)
+
+
+def test_transport_resolution_follows_placement():
+    def cfg(transport, device="cpu", colocate=False, nodes=1):
+        return types.SimpleNamespace(
+            cluster=types.SimpleNamespace(device=types.SimpleNamespace(value=device), nodes=nodes),
+            parallelism=types.SimpleNamespace(colocate=colocate),
+            rollout=types.SimpleNamespace(weight_sync=types.SimpleNamespace(transport=types.SimpleNamespace(
+                value=transport))))
+    assert resolve_transport(cfg("auto")) == "shm"
+    assert resolve_transport(cfg("shared_memory")) == "shm"
+    assert resolve_transport(cfg("auto", nodes=2)) == "object_store"
+    assert resolve_transport(cfg("auto", "cuda", colocate=True)) == "cuda_ipc"
+    assert resolve_transport(cfg("auto", "cuda", nodes=2)) == "nccl"
+    assert resolve_transport(cfg("nccl", "cuda")) == "nccl"
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (["rollout.weight_sync.transport=nccl"], "this run is on CPU"),
+    (["rollout.weight_sync.transport=cuda_ipc", "cluster=local_gpus", "parallelism.trainer_devices=1"],
+     "must share each GPU"),
+])
+def test_validation_refuses_a_transport_the_placement_cannot_use(overrides, reason):
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    from molt_hydra.config.schema import ConfigError
+    from molt_hydra.config.validate import validate
+
+    with pytest.raises(ConfigError, match=f"rollout.weight_sync.transport: .*{reason}"):
+        validate(OmegaConf.to_object(compose_config(overrides)))
+
+
+def wire_bytes(tensors, dtype) -> int:
+    """Bytes a packed sync moves: floats in `dtype`, each tensor rounded up to the pack alignment."""
+    sizes = [t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for _, t in tensors]
+    return sum(-(-n // ALIGN) * ALIGN for n in sizes)
+
+
+@pytest.mark.parametrize("kind", ["broadcast_over_gloo", "cuda_ipc_cpu_stand_in"])
+def test_gpu_transports_deliver_every_tensor_in_the_wire_dtype_and_bump_the_version(kind):
     log = []
     workers = [FakeWorker() for _ in range(2)]
     engines = [FakeEngine(w, log) for w in workers]
-    if kind == "nccl_broadcast_fake_group":
-        group = FakeBroadcastGroup(2)
-        t = BroadcastTransport(group.member(0), device="cpu")
-        for rank, w in enumerate(workers, start=1):  # what init_weight_broadcast does on a GPU worker
-            w._weight_comm = group.member(rank)
+    if kind == "broadcast_over_gloo":
+        sender, *receivers = gloo_groups(3)
+        t = BroadcastTransport(sender, torch.bfloat16)
+        for w, g in zip(workers, receivers):  # what init_weight_broadcast does on each engine worker
+            w._weight_comm = g
     else:
-        t = CudaIpcTransport()
+        t = CudaIpcTransport(torch.bfloat16)
     report = asyncio.run(WeightSync(engines, t, timeout_s=10).sync(bucket_weights(named_tensors(), 600)))
-    assert report.version == 1 and report.num_tensors == 4 and report.num_bytes == 512 + 16 + 2048 + 48
+    assert report.version == 1 and report.num_tensors == 4
+    assert report.num_bytes == wire_bytes(named_tensors(), torch.bfloat16) < 512 + 16 + 2048 + 48  # not fp32 bytes
     assert [e.version for e in engines] == [1, 1]
     for w in workers:
         for name, t0 in named_tensors():
-            assert torch.equal(w.loaded[name], t0)
+            want = t0.to(torch.bfloat16) if t0.is_floating_point() else t0
+            assert w.loaded[name].dtype == want.dtype and torch.equal(w.loaded[name], want)
     # pause first, resume last, versions stamped before resuming
     assert log[:4] == ["pause", "pause", "begin_weight_update", "begin_weight_update"]
     assert log[-2:] == ["resume", "resume"]
     assert all(w._loaded_names == {n for n, _ in named_tensors()} for w in workers)
     assert log.index("finish_weight_update") > max(i for i, m in enumerate(log) if m.startswith("receive_"))
+
+
+class StandInTrainerRank:
+    """Stands in for a TrainerWorker (rank 0, CPU): the real `iter_weight_buckets` over an fp32 module."""
+
+    rank = 0
+    device = torch.device("cpu")
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        # what Ray's `actor.__ray_call__.remote(fn, *args)` does: run fn(actor, *args) in the actor
+        self.__ray_call__ = types.SimpleNamespace(remote=lambda fn, *args: asyncio.to_thread(fn, self, *args))
+
+    def weight_buckets(self, bucket_bytes, dtype=None, device="cpu"):
+        return iter_weight_buckets(self.model, bucket_bytes, dtype, device)
+
+
+@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
+def test_push_from_rank_sends_the_engine_dtype_and_stamps_the_version(transport):
+    rank0, log = StandInTrainerRank(), []
+    worker = FakeWorker()
+    engine = FakeEngine(worker, log)
+    if transport == "nccl":  # the set-up the runtime does once at start; gloo plays NCCL's part on CPU
+        asyncio.run(open_broadcast(rank0, [engine], workers_per_engine=1, timeout_s=30))
+        assert isinstance(rank0.weight_broadcast_group, BroadcastGroup) and worker._weight_comm.group.size() == 2
+    metrics = push_from_rank(rank0, [engine], transport, 7, bucket_bytes=256, check_coverage=False,
+                             timeout_s=10, dtype="bfloat16")
+    state = rank0.model.state_dict()
+    assert engine.version == 7
+    assert metrics["weight_sync/tensors"] == len(state) == 4
+    assert metrics["weight_sync/bytes"] == wire_bytes(state.items(), torch.bfloat16)
+    for name, t in state.items():
+        assert worker.loaded[name].dtype == torch.bfloat16 and torch.equal(worker.loaded[name], t.to(torch.bfloat16))

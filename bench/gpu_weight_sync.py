@@ -1,0 +1,88 @@
+"""Seconds per GB of a full GPU weight sync of a random-init Qwen3 (4B by default: fp32 master weights on the trainer
+GPU, bf16 on the wire and in the engine), with the project's send and receive code in two processes (the engine side on
+the stand-in model runner of tests/gpu/_weight_sync_standin.py: vLLM cannot be installed on the device).
+
+- cuda_ipc, trainer and engine on GPU 0, against a device-to-device copy of the same bytes on that GPU (goal >= 0.5);
+- nccl, trainer GPU 0 -> engine GPU 1 (when 2 GPUs are visible), against a plain NCCL broadcast of the same bytes
+  over the same group (goal >= 0.8).
+Both baselines are measured in the same run. Appends one row per transport and bucket size to RESULTS.md.
+
+    python bench/gpu_weight_sync.py [--shape 4b] [--bucket-mb 512,2048]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+from _common import append_row  # noqa: E402
+from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, connect,  # noqa: E402
+                                  device_copy_seconds, free_port, sync_seconds, wire_bytes)
+
+from molt_hydra.rollout.buckets import pack_bucket  # noqa: E402
+
+
+def pack_seconds(rank: StandInTrainerRank, bucket_bytes: int, repeats: int = 3) -> float:
+    """The send side alone: gather every bucket and cast+pack it (no receiver)."""
+    import time
+
+    best = float("inf")
+    for i in range(repeats + 1):
+        torch.cuda.synchronize(rank.device)
+        start = time.perf_counter()
+        for bucket in rank.weight_buckets(bucket_bytes, None, rank.device):
+            pack_bucket(bucket, torch.bfloat16)
+        torch.cuda.synchronize(rank.device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="4b")
+    p.add_argument("--bucket-mb", default="512,2048")
+    args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
+    buckets = [int(b) for b in args.bucket_mb.split(",")]
+    gpu = torch.cuda.get_device_name(0)
+    n_gpus = torch.cuda.device_count()
+    rank = StandInTrainerRank(args.shape, torch.device("cuda", 0))
+    nbytes = wire_bytes(rank)
+    gb = nbytes / 1e9
+    params = sum(t.numel() for t in rank.expected().values()) / 1e9
+    setup = (f"random Qwen3 {args.shape} ({params:.2f} B params, {gb:.2f} GB bf16 on the wire, fp32 master), "
+             f"project send side (push_from_rank) + worker-extension receive side on a stand-in model runner, "
+             f"best of 3 after a warm-up, full sync incl. send-side cast+pack; {n_gpus}x {gpu}, torch "
+             f"{torch.__version__}")
+
+    engine = StandInEngine(args.shape, "cuda:0")  # no checkpoint to save: the bench checks no coverage
+    copy_s = device_copy_seconds(nbytes, rank.device) / gb
+    for mb in buckets:
+        sync_s = sync_seconds(rank, engine, "cuda_ipc", mb << 20) / gb
+        pack_s = pack_seconds(rank, mb << 20) / gb
+        append_row("gpu_weight_sync", f"cuda_ipc, one GPU, {mb} MB buckets; " + setup,
+                   f"device copy {copy_s:.4f} s/GB ({1 / copy_s:.0f} GB/s)",
+                   f"cuda_ipc {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)", f"{copy_s / sync_s:.2f} of a device copy "
+                   "(goal >= 0.5)", f"send side alone (gather + fp32->bf16 cast + pack) {pack_s:.4f} s/GB")
+    engine.close()
+
+    if n_gpus >= 2:
+        engine = StandInEngine(args.shape, "cuda:1")
+        connect(rank, engine, free_port())
+        bcast_s = broadcast_seconds(rank, engine, nbytes) / gb
+        for mb in buckets:
+            sync_s = sync_seconds(rank, engine, "nccl", mb << 20) / gb
+            pack_s = pack_seconds(rank, mb << 20) / gb
+            append_row("gpu_weight_sync", f"nccl, GPU 0 -> GPU 1, {mb} MB buckets; " + setup,
+                       f"plain NCCL broadcast {bcast_s:.4f} s/GB ({1 / bcast_s:.0f} GB/s)",
+                       f"nccl {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)",
+                       f"{bcast_s / sync_s:.2f} of a plain broadcast (goal >= 0.8)",
+                       f"send side alone (gather + fp32->bf16 cast + pack) {pack_s:.4f} s/GB")
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Data preparation: the public datasets the recipes name, turned into the rows molt_hydra reads (`prompt` as chat
+messages ending in a \\boxed{} instruction, `label`, `datasource`, and `images` for geometry3k), with `datasets`.
+
+    python -m molt_hydra.data.prepare dapo_math data/dapo_math_17k.jsonl     # recipes/qwen3_4b_math.yaml
+    python -m molt_hydra.data.prepare aime_2024 data/aime_2024.jsonl         #   its eval set
+    python -m molt_hydra.data.prepare gsm8k data/gsm8k_train.jsonl
+    python -m molt_hydra.data.prepare geometry3k data/geo3k_train.parquet    # recipes/qwen3_moe_geo3k.yaml
+
+`--source` reads a local file (json/jsonl/csv/parquet), a `save_to_disk` folder or another hub name with the same
+columns instead of the default hub dataset; `--split`, `--limit` as named. Images need parquet/arrow output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from molt_hydra.data.prompts import FILE_TYPES
+
+BOXED = "Put the final answer in \\boxed{}."
+# DAPO-Math-17k wraps each problem in its "Answer: $Answer" instructions; the reference math agents grade \boxed{}
+_DAPO = re.compile(r"^Solve the following math problem step by step\..*?\n\n(?P<problem>.*)\n\nRemember to put your "
+                   r"answer on its own line after \"Answer:\"\.?\s*$", re.S)
+
+
+def _ask(problem: str) -> list[dict]:
+    return [{"role": "user", "content": f"{problem.strip()}\n\n{BOXED}"}]
+
+
+def _column(row: dict, *names: str):
+    """The first of `names` present in `row` (hub copies of one dataset differ in capitalisation)."""
+    for n in names:
+        if n in row:
+            return row[n]
+    raise KeyError(f"none of the columns {names} in {sorted(row)}")
+
+
+def dapo_math(row: dict) -> dict:
+    prompt = _column(row, "prompt")
+    text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+    match = _DAPO.match(text)
+    return {"prompt": _ask(match["problem"] if match else text), "label": str(row["reward_model"]["ground_truth"]),
+            "datasource": "dapo_math"}
+
+
+def gsm8k(row: dict) -> dict:
+    # the reference solution ends with "#### <number>"; thousands separators are not part of the number
+    return {"prompt": _ask(row["question"]), "label": row["answer"].split("####")[-1].strip().replace(",", ""),
+            "datasource": "gsm8k"}
+
+
+def aime(row: dict) -> dict:
+    return {"prompt": _ask(_column(row, "problem", "Problem")), "label": str(_column(row, "answer", "Answer")),
+            "datasource": "aime_2024"}
+
+
+def geometry3k(row: dict) -> dict:
+    # the problem text keeps its "<image>" marker: the geo3k agents put the figure there (recipes/agents/geo3k.py)
+    return {"prompt": _ask(row["problem"]), "label": str(row["answer"]), "datasource": "geometry3k",
+            "images": row["images"]}
+
+
+@dataclass(frozen=True)
+class Preparer:
+    hub: str
+    config: str | None
+    split: str
+    convert: Callable[[dict], dict]
+    dedupe: bool = False  # DAPO-Math-17k repeats each of its 17k problems ~100 times
+
+
+PREPARERS = {
+    "dapo_math": Preparer("BytedTsinghua-SIA/DAPO-Math-17k", None, "train", dapo_math, dedupe=True),
+    "aime_2024": Preparer("HuggingFaceH4/aime_2024", None, "train", aime),
+    "gsm8k": Preparer("openai/gsm8k", "main", "train", gsm8k),
+    "geometry3k": Preparer("hiyouga/geometry3k", None, "train", geometry3k),
+}
+
+
+def _load(source: str, config: str | None, split: str):
+    import datasets
+
+    path = Path(source)
+    if path.suffix in FILE_TYPES:
+        return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    return datasets.load_dataset(source, config, split=split)
+
+
+def prepare(name: str, out: str, *, source: str | None = None, split: str | None = None,
+            limit: int | None = None) -> int:
+    """Write dataset `name` to `out` (.jsonl / .json / .parquet); returns the number of rows written."""
+    if name not in PREPARERS:
+        raise ValueError(f"unknown dataset {name!r}; known: {sorted(PREPARERS)}")
+    p = PREPARERS[name]
+    suffix = Path(out).suffix
+    if suffix not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"output {out}: write .jsonl, .json or .parquet")
+    if name == "geometry3k" and suffix != ".parquet":
+        raise ValueError(f"output {out}: geometry3k has images; write .parquet")
+    ds = _load(source or p.hub, p.config, split or p.split)
+    ds = ds.map(p.convert, remove_columns=ds.column_names)
+    if p.dedupe:
+        seen: set[str] = set()
+        keep = [i for i, m in enumerate(ds["prompt"]) if not (m[-1]["content"] in seen or seen.add(m[-1]["content"]))]
+        ds = ds.select(keep)
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".parquet":
+        ds.to_parquet(out)
+    else:
+        ds.to_json(out, lines=suffix == ".jsonl", force_ascii=False)
+    return len(ds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m molt_hydra.data.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("name", choices=sorted(PREPARERS))
+    parser.add_argument("out", help="output file: .jsonl, .json or .parquet (geometry3k: .parquet)")
+    parser.add_argument("--source", help="local file / save_to_disk folder / hub name instead of the default hub")
+    parser.add_argument("--split", help="split to read (default: the dataset's training split)")
+    parser.add_argument("--limit", type=int, help="keep the first N rows")
+    a = parser.parse_args(argv)
+    n = prepare(a.name, a.out, source=a.source, split=a.split, limit=a.limit)
+    print(f"{a.name}: {n} rows -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Two processes on GPUs moving a real model's weights with the project's weight-sync code, without vLLM.
+
+vLLM cannot be installed on the device (it pins another torch), so the receiving process runs the project's own
+`WeightSyncWorkerExtension` on top of `StandInModelRunner`, a stand-in for vLLM's GPU model runner: it holds the HF
+model in the engine dtype and its `load_weights` copies each tensor into the parameter of that name. The only methods
+`StandInWorker` replaces are the ones that call into vLLM (layerwise-reload begin/finish, `load_weights` under vLLM's
+config context). The sending process uses the project's send side: `push_from_rank` (the trainer rank's sync),
+`iter_weight_buckets`, the transports and `WeightSync`; `StandInTrainerRank` stands in for a TrainerWorker's rank 0
+without FSDP (the FSDP gathers are covered by test_trainer_gpu.py) and `StandInEngine` for the Ray handle of a
+`VLLMEngine` (its weight-sync methods, forwarded to the receiving process over a pipe, as `collective_rpc` would).
+Shared by tests/gpu/test_weight_sync_gpu.py and bench/gpu_weight_sync.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import torch
+import torch.multiprocessing as mp
+
+from molt_hydra.parallel.weight_buckets import iter_weight_buckets
+from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
+
+# Qwen3 layer shapes (hf config values of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B); weights are random.
+QWEN3_SHAPES = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8),  # CPU smoke
+}
+
+
+def qwen3(shape: str, seed: int, dtype: torch.dtype, device: torch.device):
+    """A random-init Qwen3 of the named shape, built directly on `device` in `dtype`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=151936, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                      max_position_embeddings=4096, **QWEN3_SHAPES[shape])
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Qwen3ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+class StandInModelRunner:
+    """Stand-in for vLLM's GPU model runner: `get_model().load_weights` copies (name, tensor) pairs by name."""
+
+    def __init__(self, model):
+        self.model = model
+        self.params = dict(model.state_dict())
+
+    def get_model(self):
+        return self
+
+    def load_weights(self, weights) -> set[str]:
+        with torch.no_grad():
+            for name, t in weights:
+                self.params[name].copy_(t)
+        return {name for name, _ in weights}
+
+
+class StandInWorker(WeightSyncWorkerExtension):
+    """The project's receive side (receive_ipc / receive_broadcast / init_weight_broadcast / missing_weights) on a
+    stand-in model runner; only the calls into vLLM (layerwise reload begin/finish, load under vLLM's config) are
+    replaced."""
+
+    def __init__(self, model, device: torch.device, model_dir: str | None):
+        self.rank, self.device = 0, device
+        self.model_runner = StandInModelRunner(model)
+        self.model_config = types.SimpleNamespace(model=model_dir, hf_text_config=model.config)
+
+    def _vllm_begin_reload(self) -> None:
+        pass
+
+    def _load_into_model(self, bucket) -> None:
+        self.model_runner.get_model().load_weights(bucket)
+
+    def _vllm_finish_reload(self) -> None:
+        pass
+
+    # --- for the checks and the baseline only ---
+
+    def share_weights(self) -> list:
+        """IPC handles of every parameter, so the sender can compare bit for bit."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return [(n, reduce_tensor(t)) for n, t in self.model_runner.params.items()]
+
+    def baseline_broadcast(self, nbytes: int) -> None:
+        """A plain broadcast of `nbytes` into a fresh buffer: the baseline a weight sync is compared with."""
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._weight_comm.broadcast(flat, src=0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def serve(conn, shape: str, device: str, model_dir: str | None) -> None:
+    """The receiving process: build the engine-side model (bf16, a different seed than the trainer's), optionally
+    save it as the engine's checkpoint (what `missing_weights` checks against), then run worker calls until None."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = qwen3(shape, seed=1, dtype=torch.bfloat16, device=device)
+    if model_dir:
+        model.save_pretrained(model_dir)
+    worker = StandInWorker(model, device, model_dir)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        method, args = msg
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except Exception as e:  # noqa: BLE001 - sent back and re-raised in the sending process
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class StandInEngine:
+    """Stand-in for a `VLLMEngine` Ray handle: `handle.method.remote(*args)` sends the call at once (as Ray submits
+    it) and returns an awaitable result. pause/resume are vLLM scheduler calls: nothing to do without an engine."""
+
+    def __init__(self, shape: str, device: str, model_dir: str | None = None):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child, shape, device, model_dir), daemon=True)
+        self.process.start()
+        if not self.conn.poll(600) or self.conn.recv() != "ready":
+            raise RuntimeError("stand-in engine process did not start")
+        self.version = 0
+        for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call"):
+            setattr(self, name, types.SimpleNamespace(remote=getattr(self, f"_{name}")))
+
+    def call(self, method: str, *args):
+        """Blocking worker call (outside a sync)."""
+        self.conn.send((method, args))
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def _submit(self, method: str, *args):
+        self.conn.send((method, args))
+
+        async def result():
+            status, value = await asyncio.to_thread(self.conn.recv)
+            if status != "ok":
+                raise RuntimeError(value)
+            return value
+        return result()
+
+    async def _noop(self):
+        return None
+
+    def _pause(self):
+        return self._noop()
+
+    def _resume(self):
+        return self._noop()
+
+    def _begin_weight_update(self):
+        return self._submit("begin_layerwise_reload")
+
+    def _finish_weight_update(self, version):
+        done = self._submit("finish_layerwise_reload")
+
+        async def stamp():
+            await done
+            if version is not None:
+                self.version = version
+        return stamp()
+
+    def _worker_call(self, method: str, *args):
+        one = self._submit(method, *args)
+
+        async def per_worker():
+            return [await one]
+        return per_worker()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join(30)
+
+
+class StandInTrainerRank:
+    """Stand-in for a TrainerWorker's rank 0 without FSDP: fp32 master weights on `device`, the real
+    `iter_weight_buckets` (what `TrainerWorker.weight_buckets` calls). `skip` leaves a tensor out of every sync."""
+
+    rank = 0
+
+    def __init__(self, shape: str, device: torch.device):
+        self.device = device
+        self.model = qwen3(shape, seed=0, dtype=torch.float32, device=device)
+        self.skip: set[str] = set()
+
+    def weight_buckets(self, bucket_bytes, dtype=None, device="cpu"):
+        for bucket in iter_weight_buckets(self.model, bucket_bytes, dtype, device):
+            kept = [(n, t) for n, t in bucket if n not in self.skip]
+            if kept:
+                yield kept
+
+    def expected(self) -> dict[str, torch.Tensor]:
+        """What the engine must hold after a sync: every pushed tensor in bf16 (a tied lm_head is not pushed)."""
+        return {n: t.detach().to(torch.bfloat16) for n, t in self.model.state_dict().items() if n != "lm_head.weight"}
+
+
+def engine_weights(engine: StandInEngine) -> dict[str, torch.Tensor]:
+    """The engine process's parameters, mapped into this process (CUDA IPC) for a bit-exact comparison."""
+    return {n: rebuild(*args) for n, (rebuild, args) in engine.call("share_weights")}
+
+
+def wire_bytes(rank: StandInTrainerRank) -> int:
+    return sum(t.numel() * 2 for t in rank.expected().values())
+
+
+# --- measurements (reported by the tests, recorded by bench/gpu_weight_sync.py) ---
+
+def sync_seconds(rank: StandInTrainerRank, engine: StandInEngine, transport: str, bucket_bytes: int,
+                 repeats: int = 3) -> float:
+    """Best of `repeats` full syncs (pause .. finish, send-side packing and casting included), after a warm-up."""
+    from molt_hydra.rollout.weight_sync import push_from_rank
+
+    best = float("inf")
+    for i in range(repeats + 1):
+        m = push_from_rank(rank, [engine], transport, engine.version + 1, bucket_bytes=bucket_bytes,
+                           check_coverage=False, timeout_s=600, dtype="bfloat16")
+        if i:
+            best = min(best, m["weight_sync/seconds"])
+    return best
+
+
+def device_copy_seconds(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Best `dst.copy_(src)` of `nbytes` on one GPU."""
+    import time
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for i in range(repeats + 1):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def broadcast_seconds(rank: StandInTrainerRank, engine: StandInEngine, nbytes: int, repeats: int = 3) -> float:
+    """Best plain broadcast of `nbytes` (one buffer) over the same group, until the receiver has it."""
+    import time
+
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=rank.device)
+    best = float("inf")
+    for i in range(repeats + 1):
+        torch.cuda.synchronize(rank.device)
+        start = time.perf_counter()
+        done = engine._submit("baseline_broadcast", nbytes)
+        rank.weight_broadcast_group.broadcast(flat, src=0)
+        asyncio.run(done)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def connect(rank: StandInTrainerRank, engine: StandInEngine, port: int) -> None:
+    """The NCCL group {trainer rank 0, engine worker}: both ends join at once (what `weight_sync.open_broadcast`
+    does through Ray), the engine's through the worker extension's `init_weight_broadcast`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from molt_hydra.rollout.weight_sync import BroadcastGroup
+
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(engine.call, "init_weight_broadcast", "127.0.0.1", port, 1, 2, 300)
+        rank.weight_broadcast_group = BroadcastGroup("127.0.0.1", port, 0, 2, rank.device, 300)
+        joined.result()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,104 @@
+"""GPU weight sync between two processes with the project's send and receive code (run on the device:
+`pytest -m gpu tests/gpu`): CUDA IPC on one GPU, NCCL from GPU 0 to GPU 1. A random-init Qwen3-0.6B-shaped model
+(fp32 master weights on the trainer side, bf16 on the engine side); vLLM's model runner is a named stand-in (see
+_weight_sync_standin.py). Speeds are printed against the baseline of the same bytes, not asserted; the 4B row is
+bench/gpu_weight_sync.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, connect,  # noqa: E402
+                                  device_copy_seconds, engine_weights, free_port, sync_seconds, wire_bytes)
+
+from molt_hydra.rollout.weight_sync import WeightCoverageError, push_from_rank  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SHAPE, BUCKET = "0.6b", 512 << 20
+
+
+def push(rank, engine, transport: str, check_coverage: bool = True) -> dict:
+    return push_from_rank(rank, [engine], transport, engine.version + 1, bucket_bytes=BUCKET,
+                          check_coverage=check_coverage, timeout_s=600, dtype="bfloat16")
+
+
+def assert_bit_equal(rank, engine) -> None:
+    got = engine_weights(engine)
+    expected = rank.expected()
+    assert set(expected) <= set(got)
+    mismatched = [n for n, t in expected.items() if not torch.equal(got[n], t.to(got[n].device))]
+    assert not mismatched, mismatched[:5]
+
+
+@pytest.fixture(scope="module")
+def ipc(tmp_path_factory):
+    """Trainer rank and engine process on the same GPU; the engine saved its own checkpoint (coverage reference)."""
+    rank = StandInTrainerRank(SHAPE, torch.device("cuda", 0))
+    engine = StandInEngine(SHAPE, "cuda:0", str(tmp_path_factory.mktemp("engine_checkpoint")))
+    yield rank, engine
+    engine.close()
+
+
+def test_cuda_ipc_sync_is_bit_equal_in_bf16_versioned_and_releases_its_buffers(ipc):
+    rank, engine = ipc
+    probe = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(engine_weights(engine)[probe], rank.expected()[probe])  # different weights before
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    metrics = push(rank, engine, "cuda_ipc")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated  # every packed bucket was released after the engine loaded it
+    assert engine.version == 1
+    assert metrics["weight_sync/bytes"] == wire_bytes(rank)  # bf16 on the wire: half the fp32 master bytes
+    assert metrics["weight_sync/tensors"] == len(rank.expected())
+    assert_bit_equal(rank, engine)
+
+
+def test_cuda_ipc_coverage_check_names_the_tensor_never_pushed(ipc):
+    rank, engine = ipc
+    rank.skip = {"model.norm.weight"}
+    try:
+        with pytest.raises(WeightCoverageError) as err:
+            push(rank, engine, "cuda_ipc")
+    finally:
+        rank.skip = set()
+    assert err.value.missing == ["model.norm.weight"]
+    push(rank, engine, "cuda_ipc")  # a complete sync passes the check again
+    assert_bit_equal(rank, engine)
+
+
+def test_cuda_ipc_speed_against_a_device_copy(ipc):
+    rank, engine = ipc
+    nbytes = wire_bytes(rank)
+    sync_s = sync_seconds(rank, engine, "cuda_ipc", BUCKET)
+    copy_s = device_copy_seconds(nbytes, rank.device)
+    print(f"\ncuda_ipc {SHAPE}: {nbytes / 1e9:.2f} GB bf16, sync {nbytes / sync_s / 1e9:.1f} GB/s "
+          f"({sync_s / nbytes * 1e9:.4f} s/GB), device copy {nbytes / copy_s / 1e9:.1f} GB/s, "
+          f"ratio {copy_s / sync_s:.2f} (goal >= 0.5)")
+    assert_bit_equal(rank, engine)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_sync_gpu0_to_gpu1_is_bit_equal_and_timed_against_a_plain_broadcast(tmp_path):
+    rank = StandInTrainerRank(SHAPE, torch.device("cuda", 0))
+    engine = StandInEngine(SHAPE, "cuda:1", str(tmp_path))
+    try:
+        connect(rank, engine, free_port())
+        metrics = push(rank, engine, "nccl")
+        assert engine.version == 1 and metrics["weight_sync/bytes"] == wire_bytes(rank)
+        assert_bit_equal(rank, engine)
+        nbytes = wire_bytes(rank)
+        sync_s = sync_seconds(rank, engine, "nccl", BUCKET)
+        bcast_s = broadcast_seconds(rank, engine, nbytes)
+        print(f"\nnccl {SHAPE} GPU0->GPU1: {nbytes / 1e9:.2f} GB bf16, sync {sync_s / nbytes * 1e9:.4f} s/GB, "
+              f"plain broadcast {bcast_s / nbytes * 1e9:.4f} s/GB, ratio {bcast_s / sync_s:.2f} (goal >= 0.8)")
+        assert_bit_equal(rank, engine)
+    finally:
+        engine.close()

@@ -1,0 +1,72 @@
+"""Data preparation for the recipes' datasets, on small local files in each hub dataset's own columns (no hub access):
+the prepared rows load with the recipe's keys and grade with the math agents' grader."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+from PIL import Image
+
+from molt_hydra.agents.math_grading import grade_math
+from molt_hydra.data.prepare import BOXED, main, prepare
+from molt_hydra.data.prompts import load_prompts
+
+DAPO = ("Solve the following math problem step by step. The last line of your response should be of the form "
+        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\nRemember to put your "
+        "answer on its own line after \"Answer:\".")
+
+
+def test_dapo_math_unwraps_the_answer_template_asks_for_a_box_and_dedupes(tmp_path):
+    problems = [("What is $2+3$?", "5"), ("Find $x$ if $2x=14$.", "7")]
+    rows = [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": DAPO.format(p)}],
+             "reward_model": {"ground_truth": a, "style": "rule-lighteval/MATH_v2"}} for p, a in problems * 3]
+    src = tmp_path / "dapo.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(src))
+    out = tmp_path / "dapo_math_17k.jsonl"
+    assert prepare("dapo_math", str(out), source=str(src)) == 2  # each problem repeated 3x in the source
+    loaded = load_prompts(str(out), input_key="prompt", label_key="label")  # recipes/qwen3_4b_math.yaml's keys
+    assert [r["label"] for r in loaded] == ["5", "7"]
+    assert loaded[0]["prompt"] == [{"role": "user", "content": f"What is $2+3$?\n\n{BOXED}"}]
+    assert grade_math("so \\boxed{7}", loaded[1]["label"]) == 1.0
+
+
+def test_gsm8k_label_is_the_number_after_the_hashes(tmp_path):
+    src = tmp_path / "gsm8k.jsonl"
+    src.write_text(json.dumps({"question": "Tom has 1,000 apples and buys 234 more. How many?",
+                               "answer": "1000 + 234 = <<1000+234=1234>>1234\n#### 1,234"}) + "\n")
+    out = tmp_path / "gsm8k_train.jsonl"
+    main(["gsm8k", str(out), "--source", str(src)])
+    (row,) = load_prompts(str(out))
+    assert row["label"] == "1234" and row["datasource"] == "gsm8k"
+    assert row["prompt"][0]["content"].endswith(BOXED)
+    assert grade_math("\\boxed{1234}", row["label"]) == 1.0
+
+
+def test_aime_reads_either_capitalisation_and_limits(tmp_path):
+    src = tmp_path / "aime.jsonl"
+    src.write_text("".join(json.dumps({"Problem": f"Problem {i}", "Answer": 100 + i}) + "\n" for i in range(5)))
+    out = tmp_path / "aime_2024.jsonl"
+    assert prepare("aime_2024", str(out), source=str(src), limit=3) == 3
+    assert [r["label"] for r in load_prompts(str(out))] == ["100", "101", "102"]
+
+
+def test_geometry3k_keeps_the_figures_and_the_image_marker(tmp_path):
+    figures = [Image.new("RGB", (32 + i, 24), color=(10 * i, 0, 0)) for i in range(2)]
+    src = tmp_path / "geo3k_source.parquet"
+    features = datasets.Features({"images": datasets.Sequence(datasets.Image()), "problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string")})
+    datasets.Dataset.from_dict({"images": [[f] for f in figures],
+                                "problem": ["<image>Find x.", "<image>Find the area."],
+                                "answer": ["3", "12"]}, features=features).to_parquet(str(src))
+    out = tmp_path / "geo3k_train.parquet"
+    assert prepare("geometry3k", str(out), source=str(src)) == 2
+    rows = load_prompts(str(out), image_key="images")  # recipes/qwen3_moe_geo3k.yaml's keys
+    assert [r["label"] for r in rows] == ["3", "12"]
+    assert rows[0]["prompt"][0]["content"].startswith("<image>Find x.")
+    for row, figure in zip(rows, figures):
+        (image,) = row["images"]
+        assert image.size == figure.size and image.convert("RGB").getpixel((0, 0)) == figure.getpixel((0, 0))
+    with pytest.raises(ValueError, match="parquet"):
+        prepare("geometry3k", str(tmp_path / "geo.jsonl"), source=str(src))
