@@ -19,6 +19,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from molt_hydra.config.bounds import out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
@@ -40,20 +41,24 @@ def _convert(node):
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Typed config from the composed tree; MISSING values and `__post_init__` rules fail here. On failure every
-    group is converted on its own, so the message lists one problem per broken group, not just the first."""
+    """Typed config from the composed tree; declared ranges, MISSING values and `__post_init__` rules fail here, all
+    at once: on failure every group is converted on its own, so the message lists one problem per broken group."""
+    problems = out_of_range(cfg, RunConfig)
     try:
-        return _convert(cfg)
-    except ConfigError:
-        problems = []
+        run_cfg = _convert(cfg)
+    except ConfigError as whole:
+        per_group = []
         for name in cfg:
             node = cfg._get_node(name)
             if isinstance(node, DictConfig):
                 try:
                     _convert(node)
                 except ConfigError as e:
-                    problems.append(str(e))
+                    per_group.append(str(e))
+        problems += per_group or [str(whole)]  # a root-level failure no single group reproduces
+    if problems:
         raise ConfigError("\n".join(problems)) from None
+    return run_cfg
 
 
 def _main(cfg: DictConfig) -> None:

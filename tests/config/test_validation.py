@@ -154,7 +154,7 @@ POST_INIT = [
       for n in ("tp", "cp", "ep", "pp")],
     ("parallelism_pp_not_implemented", ["parallelism.pp=2"], "parallelism.pp", "pipeline parallelism is not implemented"),
     ("parallelism_trainer_devices", ["parallelism.trainer_devices=0"], "parallelism.trainer_devices",
-     "must be -1 (auto) or >= 1, got 0"),
+     "must be -1 or >= 1, got 0"),
     *[(f"rollout_{n}_positive", [f"rollout.{n}=0"], f"rollout.{n}", "must be >= 1, got 0")
       for n in ("num_engines", "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
                 "batch_size", "n_samples_per_prompt", "num_runners")],
@@ -166,7 +166,7 @@ POST_INIT = [
     ("is_geo_mask_only", ["algorithm.is_correction.level=geo", "algorithm.is_correction.mode=trunc"],
      "algorithm.is_correction.mode", "level=geo only supports mode=mask, got mode=trunc"),
     ("is_band", ["algorithm.is_correction.low=6.0"], "algorithm.is_correction.low",
-     "need 0 <= low < high, got [6.0, 5.0]"),
+     "need low < high, got [6.0, 5.0]"),
     ("dynamic_filtering_band", ["algorithm.dynamic_filtering.low=1.0"], "algorithm.dynamic_filtering.low",
      "need low < high, got (1.0, 1.0)"),
     ("reward_clip_order", ["algorithm.reward_clip=[5,-5]"], "algorithm.reward_clip", "need [low, high] with low < high"),
