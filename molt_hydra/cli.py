@@ -6,18 +6,22 @@
     molt-run +recipe=qwen3_4b_math dry_run=true
     molt-run -m +recipe=sweep_estimators_is cluster=slurm   # one Slurm job per sweep point
 
-Config mistakes never reach the runtime: Hydra rejects unknown keys and wrong types while composing, `to_object`
-rejects missing values and single-group rules, `validate` collects every cross-group rule; each message names the
-full key, the reason and the fix, and the exit code is 2.
+Config mistakes never reach the runtime: the overrides are parsed and composed first (`override_problems`: grammar,
+unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
+single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
+reason and the fix, and the exit code is 2. `molt-run --help` is conf/hydra/help/molt.yaml.
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from molt_hydra.config.bounds import out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
@@ -61,6 +65,63 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return run_cfg
 
 
+def override_problems(overrides: list[str], *, config_dir: str | None = None) -> list[str]:
+    """Parse and compose the command line's overrides as Hydra will, before Hydra does: every failure becomes
+    `- key: reason Fix: fix` (exit 2) instead of Hydra's report (exit 1)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser, problems, parsed = OverridesParser.create(), [], []
+    for text in overrides:
+        try:
+            parsed += parser.parse_overrides([text])
+        except OverrideParseException as e:
+            problems.append(f"- {text}: Hydra cannot parse this override ({str(e).splitlines()[0]}). Fix: write "
+                            "key=value; quote a value holding , [ ] { } $ or spaces (key='a,b'); see "
+                            "https://hydra.cc/docs/advanced/override_grammar/basic/")
+    if problems:
+        return problems
+    try:  # a sweep (`-m a=1,2`) is checked at its first point; the sweeper composes the others, one job each
+        overrides = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
+                     else text for o, text in zip(parsed, overrides)]
+    except Exception:  # noqa: BLE001 -- a sweep kind without a first value (glob): left to the sweeper
+        return []
+    search = ([f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+              if config_dir and not any(o.key_or_group == "hydra.searchpath" for o in parsed) else [])
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose("config", overrides=[*overrides, *search])
+    except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
+        return [_composition_problem(e, overrides)]
+    return []
+
+
+def _composition_problem(e: Exception, overrides: list[str]) -> str:
+    chain = [e]
+    while chain[-1].__cause__ is not None and len(chain) < 5:
+        chain.append(chain[-1].__cause__)
+    text = "\n".join(str(c) for c in chain)
+    key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
+    override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
+        (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
+    if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
+        options = re.findall(r"^\t(\S+)$", text, re.M)
+        return f"- {override}: no such option of that config group. Fix: use one of {options}"
+    if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
+        from molt_hydra.config.bounds import declared_bounds
+
+        close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        return (f"- {key}: not a key of the config ({override}). Fix: {hint}`molt-run --cfg job` prints every key; "
+                "agent.runner kwargs are added with +agent.runner.NAME=value")
+    reason = str(chain[-1]).splitlines()[0]
+    return (f"- {key or override}: {reason} ({override}). Fix: give a value of the type and choices that "
+            "molt_hydra/config/schema.py declares for it")
+
+
 def _main(cfg: DictConfig) -> None:
     from molt_hydra.config.validate import validate
     from molt_hydra.runtime.sweep import set_wandb_group
@@ -85,7 +146,16 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from hydra._internal.utils import get_args_parser
+
     register()
+    args = get_args_parser().parse_args()
+    informational = args.help or args.hydra_help or args.info or args.shell_completion
+    if not (informational or args.config_name or args.config_path):
+        problems = override_problems(args.overrides, config_dir=args.config_dir)
+        if problems:
+            print("Config error(s):\n" + "\n".join(problems), file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
 
 
