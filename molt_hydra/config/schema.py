@@ -64,7 +64,6 @@ ExecutorBackend = _choices(
     "mp",
     "ray",
 )
-RouterPolicy = _choices("RouterPolicy", "session_affinity")  # all turns of a rollout on one engine; new sessions to the least loaded
 WeightTransport = _choices(
     "WeightTransport",
     "auto",  # chosen from placement: shared memory on one host, NCCL across hosts, CUDA IPC when colocated on GPU
@@ -102,7 +101,6 @@ WandbMode = _choices(
     "offline",
     "disabled",
 )
-ClusterKind = _choices("ClusterKind", "local", "slurm")
 
 
 # ---------------------------------------------------------------------------------------------------------- groups
@@ -160,14 +158,12 @@ class ParallelismConfig:
     "Sequence parallelism inside the TP region."
     offload: Offload = Offload["none"]
     "none; optimizer (AdamW step and moments on CPU); full (FSDP2 CPUOffloadPolicy for params and optimizer)."
-    packing: bool = False
-    "Remove padding and run each micro-batch as one packed stream (needs a varlen attention kernel)."
     colocate: bool = False
     "Rollout engines and trainer share devices; the engine sleeps while the trainer steps."
     colocate_models: bool = False
     "Actor, reference and critic share one actor-sized placement (time-sliced)."
-    defer_grad_sync: bool = True
-    "Reduce-scatter gradients only on the last micro-batch of an optimizer step (Molt env MOLT_DEFER_GRAD_SYNC)."
+    defer_grad_sync: bool = False
+    "Reduce-scatter gradients only on the last micro-batch of a step (Molt env MOLT_DEFER_GRAD_SYNC); not implemented."
     moe_reshard_after_forward: bool = False
     "AutoModel MoE parallelizer reshard_after_forward (Molt env MOLT_MOE_RESHARD_AFTER_FWD)."
 
@@ -233,8 +229,6 @@ class RolloutConfig:
     "vLLM decode context parallel size."
     mtp_num_speculative_tokens: int = ranged(0, ge=0)
     "MTP speculative decoding tokens (0 = off)."
-    router_policy: RouterPolicy = RouterPolicy["session_affinity"]
-    "How requests spread over engines."
     routing_replay: bool = False
     "R3: return vLLM's routed experts per token and replay them in the training forward (MoE only)."
     batch_size: int = ranged(8, ge=1)
@@ -471,7 +465,7 @@ class TrainConfig:
     batch_size: int = ranged(32, ge=1)
     "Samples per optimizer step (global)."
     micro_batch_size: int = ranged(1, ge=1)
-    "Samples per micro-batch per rank (when dynamic batching is off)."
+    "Micro-batch size per rank, as a token budget of micro_batch_size x data.max_len packed tokens (dynamic_batch off)."
     max_tokens_per_micro_batch: int = ranged(16384, ge=1)
     "Token budget of a micro-batch under dynamic batching (x cp x tp)."
     dynamic_batch: bool = False
@@ -549,7 +543,7 @@ class EvalConfig:
     at_start: bool = False
     "Evaluate before the first step (fresh runs)."
     batch_size: Optional[int] = ranged(None, ge=1)
-    "Concurrent eval prompt groups; None = rollout.batch_size."
+    "Eval prompt groups in flight at once; None = rollout.batch_size."
     n_samples_per_prompt: Optional[int] = ranged(None, ge=1)
     "Samples per eval prompt (pass@k uses k = this); None = 1."
     temperature: Optional[float] = ranged(None, gt=0)
@@ -598,8 +592,6 @@ class LoggerConfig:
 
 @dataclass
 class ClusterConfig:
-    kind: ClusterKind = ClusterKind["local"]
-    "local (this machine) or slurm (submitit; Ray formed inside the allocation)."
     device: Device = Device["cpu"]
     "cpu or cuda."
     nodes: int = ranged(1, ge=1)

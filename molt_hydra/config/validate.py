@@ -12,8 +12,6 @@ from pathlib import Path
 from molt_hydra.config.bounds import out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 
-PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
-
 
 class Problems:
     """Collects every failed rule so the user fixes them all in one round."""
@@ -44,6 +42,9 @@ NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
     "checkpoint.load_model_only": ("weights-only resume is not implemented.", "set checkpoint.load_model_only=false"),
     "logger.debug_grad_norms": ("per-parameter grad-norm logging is not implemented.",
                                 "set logger.debug_grad_norms=false"),
+    "parallelism.defer_grad_sync": ("deferring the gradient reduce-scatter to the last micro-batch is not "
+                                    "implemented; every micro-batch reduce-scatters.",
+                                    "set parallelism.defer_grad_sync=false"),
     "train.rollout_dump_dir": ("saving rollout batches to files is not implemented.",
                                "unset train.rollout_dump_dir (logger.dump_trajectories writes trained trajectories)"),
     "train.rollout_replay_dir": ("training on saved rollout batches is not implemented.",
@@ -251,9 +252,6 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "set train.queue_depth=1 or train.mode=async")
 
     # -- engines and model features (steps 10, 12, 13, 14)
-    problems.check(not (d.max_images_per_prompt > 0 and p.packing), "parallelism.packing",
-                   "packing is not supported for VLM inputs (data.max_images_per_prompt > 0).",
-                   "set parallelism.packing=false")
     problems.check(not (r.routing_replay and t.partial_rollout), "rollout.routing_replay",
                    "routing replay needs every token's experts from one policy; partial rollout mixes them.",
                    "set train.partial_rollout=false or rollout.routing_replay=false")
@@ -263,11 +261,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (r.enable_prefix_caching and r.mtp_num_speculative_tokens > 0), "rollout.enable_prefix_caching",
                    "prefix caching with MTP speculative decoding is not supported.",
                    "set rollout.enable_prefix_caching=false or rollout.mtp_num_speculative_tokens=0")
-    problems.check(not p.packing or cfg.model.attn_implementation.value in PACKING_ATTN, "parallelism.packing",
-                   f"packed sequences need a varlen attention kernel, got {cfg.model.attn_implementation.value}.",
-                   f"set model.attn_implementation to one of {list(PACKING_ATTN)} or parallelism.packing=false")
-    problems.check(not t.dynamic_batch or p.packing, "train.dynamic_batch",
-                   "token-budget micro-batches are packed streams.", "set parallelism.packing=true")
     cpu = cfg.cluster.device.value == "cpu"
     problems.check(not (cpu and r.executor.value == "ray"), "rollout.executor",
                    "vLLM on CPU refuses the ray executor.", "set rollout.executor=auto (mp inside the engine actor)")

@@ -237,7 +237,8 @@ class RLController:
         sampling = Sampling(max_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens or 256,
                             temperature=e.temperature, top_p=e.top_p, seed=request_seed(self.cfg.seed, "eval"))
         t0 = time.perf_counter()
-        m = await deadline(self.roles.generator.evaluate(self.roles.eval_rows, e.n_samples_per_prompt, sampling),
+        m = await deadline(self.roles.generator.evaluate(self.roles.eval_rows, e.n_samples_per_prompt, sampling,
+                                                          max_inflight=e.batch_size),
                            self.cfg.train.timeouts.step_s, "rollout", "eval")
         m["timing/eval"] = time.perf_counter() - t0
         self.roles.sinks.log(m, self.step, prefix="eval")

@@ -9,7 +9,7 @@ import pytest
 from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
 from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
 from molt_hydra.config.schema import ConfigError
-from molt_hydra.config.validate import PACKING_ATTN, validate
+from molt_hydra.config.validate import validate
 
 
 def config_errors(overrides: list[str]) -> list[str]:
@@ -76,9 +76,6 @@ CROSS_GROUP = [
     ("staleness_below_depth",
      ["train.queue_depth=2", "train.max_staleness=1", "algorithm.is_correction.level=token"], "train.max_staleness",
      "every sample would be 2 versions old and dropped by max_staleness=1"),
-    ("packing_not_for_vlm",
-     ["data.max_images_per_prompt=1", "parallelism.packing=true", "model.attn_implementation=flash_attention_2"],
-     "parallelism.packing", "not supported for VLM inputs"),
     ("routing_replay_no_partial",
      ["rollout.routing_replay=true", "train.partial_rollout=true", "algorithm.is_correction.level=token"],
      "rollout.routing_replay", "partial rollout mixes them"),
@@ -86,9 +83,6 @@ CROSS_GROUP = [
      "rollout.routing_replay", "cannot record experts of speculative (MTP) tokens"),
     ("prefix_cache_no_mtp", ["rollout.enable_prefix_caching=true", "rollout.mtp_num_speculative_tokens=2"],
      "rollout.enable_prefix_caching", "prefix caching with MTP speculative decoding is not supported"),
-    ("packing_needs_varlen_attn", ["parallelism.packing=true", "model.attn_implementation=sdpa"],
-     "parallelism.packing", "need a varlen attention kernel, got sdpa"),
-    ("dynamic_batch_needs_packing", ["train.dynamic_batch=true"], "train.dynamic_batch", "packed streams"),
     ("cpu_no_ray_executor", ["rollout.executor=ray"], "rollout.executor", "vLLM on CPU refuses the ray executor"),
     ("cpu_no_engine_pp", ["rollout.pipeline_parallel_size=2"], "rollout.pipeline_parallel_size",
      "pipeline parallelism needs the ray executor"),
@@ -123,11 +117,6 @@ CROSS_GROUP = [
 @pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CROSS_GROUP], ids=[c[0] for c in CROSS_GROUP])
 def test_cross_group_rule_fires(overrides, key, fragment):
     assert_fires(overrides, key, fragment)
-
-
-def test_packing_rule_names_the_kernels():
-    line = next(l for l in config_errors(["parallelism.packing=true"]) if l.startswith("parallelism.packing: "))
-    assert str(list(PACKING_ATTN)) in line
 
 
 def test_unknown_names_list_the_registered_ones():
@@ -208,8 +197,8 @@ def test_critic_optimizer_rule_names_the_critic_key():
 
 
 # ------------------------------------------------------------------------------- all at once; nothing starts
-THREE = ["rollout.executor=ray", "train.dynamic_batch=true", "train.critic.actor_freezing_steps=3"]
-THREE_KEYS = ["rollout.executor", "train.dynamic_batch", "train.critic.actor_freezing_steps"]
+THREE = ["rollout.executor=ray", "train.mode=sync", "train.queue_depth=2", "train.critic.actor_freezing_steps=3"]
+THREE_KEYS = ["rollout.executor", "train.queue_depth", "train.critic.actor_freezing_steps"]
 
 
 def test_all_failures_reported_at_once():

@@ -60,7 +60,8 @@ def test_sweep_points_run_as_slurm_jobs(slurm_cluster, tmp_path):
     assert [d.name.split("_")[0] for d in dirs] == ["0", "1"]
     for d, est in zip(dirs, ("grpo", "rloo")):
         cfg = OmegaConf.load(d / ".hydra" / "config.yaml")
-        assert cfg.algorithm.estimator == est and cfg.cluster.kind == "slurm" and cfg.checkpoint.resume == "auto"
+        launcher = OmegaConf.load(d / ".hydra" / "hydra.yaml").hydra.launcher._target_
+        assert cfg.algorithm.estimator == est and launcher.endswith("SlurmLauncher") and cfg.checkpoint.resume == "auto"
     rep = subprocess.run([MOLT_REPORT, str(sweep)], capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
     lines = rep.stdout.splitlines()
