@@ -6,7 +6,7 @@
     molt-run +recipe=qwen3_4b_math dry_run=true
     molt-run -m +recipe=sweep_estimators_is cluster=slurm   # one Slurm job per sweep point
 
-Config mistakes never reach the runtime: the overrides are parsed and composed first (`override_problems`: grammar,
+Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar,
 unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
 single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
 reason and the fix, and the exit code is 2. `molt-run --help` is conf/hydra/help/molt.yaml.
@@ -65,9 +65,11 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return run_cfg
 
 
-def override_problems(overrides: list[str], *, config_dir: str | None = None) -> list[str]:
-    """Parse and compose the command line's overrides as Hydra will, before Hydra does: every failure becomes
-    `- key: reason Fix: fix` (exit 2) instead of Hydra's report (exit 1)."""
+def compose_checked(overrides: list[str], *, multirun: bool = False,
+                    config_dir: str | None = None) -> tuple[DictConfig | None, list[str]]:
+    """Parse and compose the command line's overrides as Hydra will, before Hydra does: (the composed config, []) or
+    (None, problems), every failure a line `- key: reason Fix: fix` (exit 2) instead of Hydra's report (exit 1).
+    A sweep is composed at its first point."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -81,22 +83,26 @@ def override_problems(overrides: list[str], *, config_dir: str | None = None) ->
             problems.append(f"- {text}: Hydra cannot parse this override ({str(e).splitlines()[0]}). Fix: write "
                             "key=value; quote a value holding , [ ] { } $ or spaces (key='a,b'); see "
                             "https://hydra.cc/docs/advanced/override_grammar/basic/")
+    if not multirun:
+        problems += [f"- {text}: a sweep (a,b / range / glob), but this is not a multirun. Fix: quote the value "
+                     f"(key='a,b'), give a list (key=[a,b]), or add -m to sweep" for o, text in zip(parsed, overrides)
+                     if o.is_sweep_override()]
     if problems:
-        return problems
+        return None, problems
     try:  # a sweep (`-m a=1,2`) is checked at its first point; the sweeper composes the others, one job each
         overrides = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
                      else text for o, text in zip(parsed, overrides)]
     except Exception:  # noqa: BLE001 -- a sweep kind without a first value (glob): left to the sweeper
-        return []
+        return None, []
     search = ([f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
               if config_dir and not any(o.key_or_group == "hydra.searchpath" for o in parsed) else [])
+    register()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose("config", overrides=[*overrides, *search])
+            return compose("config", overrides=[*overrides, *search]), []
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
-        return [_composition_problem(e, overrides)]
-    return []
+        return None, [_composition_problem(e, overrides)]
 
 
 def _composition_problem(e: Exception, overrides: list[str]) -> str:
@@ -152,7 +158,7 @@ def main() -> None:
     args = get_args_parser().parse_args()
     informational = args.help or args.hydra_help or args.info or args.shell_completion
     if not (informational or args.config_name or args.config_path):
-        problems = override_problems(args.overrides, config_dir=args.config_dir)
+        _, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir)
         if problems:
             print("Config error(s):\n" + "\n".join(problems), file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)

@@ -38,11 +38,13 @@ def recipe_summaries() -> str:
 
 
 def register() -> None:
+    cs = ConfigStore.instance()
+    if "molt_schema.yaml" in cs.repo:  # registered already (the CLI checks overrides before Hydra starts)
+        return
     if not OmegaConf.has_resolver("molt"):
         OmegaConf.register_new_resolver("molt", _package_path)
     if not OmegaConf.has_resolver("molt_recipes"):
         OmegaConf.register_new_resolver("molt_recipes", recipe_summaries)
-    cs = ConfigStore.instance()
     cs.store(name="molt_schema", node=RunConfig)
     for recipe in sorted(RECIPES_DIR.glob("*.yaml")):
         cs.store(group="recipe", name=recipe.stem, node=OmegaConf.load(recipe), package="_global_")
