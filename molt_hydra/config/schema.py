@@ -394,7 +394,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.train_probs is not None:
             _require(abs(sum(self.train_probs) - 1.0) < 1e-6, "data.train_probs",
-                     f"sampling probabilities must sum to 1, got {list(self.train_probs)} (sum {sum(self.train_probs)}).",
+                     f"sampling probabilities must sum to 1, got {list(self.train_probs)} "
+                     f"(sum {sum(self.train_probs)}).",
                      "rescale them to sum to 1, or set data.train_probs=null to concatenate")
             specs = [s for s in (self.train_path or "").split(",") if s.strip()]
             _require(len(self.train_probs) == len(specs), "data.train_probs",

@@ -76,8 +76,9 @@ def on_edge(leaf: Leaf, rng: random.Random) -> str:
     b = leaf.bounds
     tiny = 1 if leaf.kind is int else 1e-6
     edges = [*b.also]
-    edges += [b.ge] if b.ge is not None else [b.gt + tiny] if b.gt is not None else [-1e6 if leaf.kind is float else -7]
-    edges += [b.le] if b.le is not None else [b.lt - tiny] if b.lt is not None else [1e6 if leaf.kind is float else 10**6]
+    far = 1e6 if leaf.kind is float else 10**6  # an unbounded side: a far value
+    edges += [b.ge] if b.ge is not None else [b.gt + tiny] if b.gt is not None else [-far]
+    edges += [b.le] if b.le is not None else [b.lt - tiny] if b.lt is not None else [far]
     return _fmt(leaf.kind, rng.choice(edges))
 
 

@@ -15,7 +15,7 @@ import submitit
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from molt_hydra.config.schema import ClusterConfig, ClusterKind
+from molt_hydra.config.schema import ClusterConfig
 from molt_hydra.config.store import CONF_DIR, register
 from slurm_cluster import REPO, sacct, slurm_cluster  # noqa: F401 - the fixture
 
@@ -79,7 +79,7 @@ def _ray_driver(job_log_dir: str) -> dict:
 
     from molt_hydra.runtime.slurm_ray import ray_cluster
 
-    cluster = ClusterConfig(kind=ClusterKind["slurm"], nodes=2, cpus_per_node=2)
+    cluster = ClusterConfig(nodes=2, cpus_per_node=2)
     with ray_cluster(cluster, job_log_dir) as address:
         # the driver starts only now: every node must already be there
         alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
@@ -133,7 +133,7 @@ def _mismatch_driver() -> str:
     from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 
     try:
-        with ray_cluster(ClusterConfig(kind=ClusterKind["slurm"], nodes=2), "/tmp"):
+        with ray_cluster(ClusterConfig(nodes=2), "/tmp"):
             return "formed"
     except RayClusterError as e:
         return str(e)
