@@ -496,7 +496,7 @@ class TrainConfig:
     full_determinism: bool = False
     "Deterministic kernels in trainer and engines (slower)."
     rollout_dump_dir: Optional[str] = None
-    "Save each rollout batch to <dir>/rollout_step{N}.pt."
+    "Save each rollout batch to <dir>/rollout_step{N}.pt (N = 0, 1, ... in generation order)."
     rollout_replay_dir: Optional[str] = None
     "Train on <dir>/rollout_step{N}.pt instead of generating; a missing file ends the data."
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)

@@ -45,10 +45,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
     "parallelism.defer_grad_sync": ("deferring the gradient reduce-scatter to the last micro-batch is not "
                                     "implemented; every micro-batch reduce-scatters.",
                                     "set parallelism.defer_grad_sync=false"),
-    "train.rollout_dump_dir": ("saving rollout batches to files is not implemented.",
-                               "unset train.rollout_dump_dir (logger.dump_trajectories writes trained trajectories)"),
-    "train.rollout_replay_dir": ("training on saved rollout batches is not implemented.",
-                                 "unset train.rollout_replay_dir"),
     "logger.dump_logprobs": ("the one-off logprob TSV is not implemented (the vllm_kl / drift metrics measure the "
                              "same disagreement every step).", "set logger.dump_logprobs=false"),
     **{f"{block}.name": ("Muon is not implemented.", f"set {block}.name=adamw")
@@ -325,6 +321,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _data_location(problems, "eval.data_path", cfg.eval.data_path)
     if cfg.job.value != "sft":
         _agent_target(problems, cfg.agent.runner)
+    replay = t.rollout_replay_dir
+    problems.check(replay is None or Path(replay).is_dir(), "train.rollout_replay_dir",
+                   f"{str(replay)[:80]!r} is not a directory of rollout_step{{N}}.pt files.",
+                   "point it at a train.rollout_dump_dir of an earlier run, or unset it")
 
     # -- batch arithmetic (steps 16, 21)
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)

@@ -167,8 +167,6 @@ def test_agent_target_that_cannot_be_imported_is_refused():
 
 # ---------------------------------------------------------------------------------------- refused knobs
 @pytest.mark.parametrize("override,key", [
-    ("train.rollout_dump_dir=/tmp/x", "train.rollout_dump_dir"),
-    ("train.rollout_replay_dir=/tmp/x", "train.rollout_replay_dir"),
     ("logger.dump_logprobs=true", "logger.dump_logprobs"),
     ("train.optimizer.muon_lr=0.05", "train.optimizer.muon_lr"),
     ("train.critic.optimizer.muon_nesterov=false", "train.critic.optimizer.muon_nesterov"),
@@ -190,6 +188,10 @@ def test_sft_refuses_what_it_ignores(override, key):
 
 def test_sft_recipe_itself_is_valid():
     assert config_errors(["+recipe=qwen3_4b_sft", "cluster=local_gpus"]) == []
+
+
+def test_replay_dir_must_exist():
+    assert_fires(["train.rollout_replay_dir=/no/such/dump"], "train.rollout_replay_dir", "is not a directory")
 
 
 def test_gpu_transport_refused_on_cpu():

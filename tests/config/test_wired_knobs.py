@@ -1,4 +1,5 @@
-"""Knobs wired by issue 17 reach their mechanism: `eval.batch_size` bounds the eval groups in flight."""
+"""Knobs wired by issue 17 reach their mechanism: `eval.batch_size` bounds the eval groups in flight;
+`train.rollout_dump_dir` saves every rollout batch and `train.rollout_replay_dir` trains on them instead of generating."""
 
 from __future__ import annotations
 
@@ -49,3 +50,65 @@ def test_eval_batch_size_bounds_groups_in_flight():
 
 def test_eval_batch_size_none_uses_the_pool_limit():
     assert _peak(None, pool_limit=5) == 5
+
+
+# ------------------------------------------------------------------ train.rollout_dump_dir / rollout_replay_dir
+class ScriptedBatches:
+    """A generator that yields `n` one-group batches, then the end of the data."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    async def generate_batch(self):
+        from molt_hydra.rollout.generator import FinishedGroup, RolloutBatch
+
+        self.calls += 1
+        if self.calls > self.n:
+            return RolloutBatch([], {}, exhausted=True)
+        group = FinishedGroup(prompt_index=self.calls, epoch=0, trajectories=[{"reward": float(self.calls)}])
+        return RolloutBatch([group], {"rollout/x": float(self.calls)}, exhausted=False)
+
+
+class NoGeneration:
+    async def generate_batch(self):
+        raise AssertionError("replay must not generate")
+
+
+def _controller(overrides, generator):
+    from types import SimpleNamespace
+
+    from _config_helpers import compose_config
+    from molt_hydra.cli import to_run_config
+    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.controller import RLController
+
+    return RLController(validate(to_run_config(compose_config(overrides))), SimpleNamespace(generator=generator))
+
+
+def _drain(ctl) -> list:
+    """Take every batch the producer makes, marking each as trained (what the loop does between them)."""
+    async def run():
+        producer = asyncio.create_task(ctl.produce())
+        batches = []
+        while True:
+            batch, _ = await ctl._next_batch(producer)
+            if batch is None:
+                return batches
+            batches.append(batch)
+            async with ctl.step_done:
+                ctl.step += 1
+                ctl.step_done.notify_all()
+    return asyncio.run(run())
+
+
+def test_rollout_dump_then_replay(tmp_path):
+    import torch
+
+    dump = tmp_path / "dump"
+    made = _drain(_controller([f"train.rollout_dump_dir={dump}"], ScriptedBatches(3)))
+    assert sorted(p.name for p in dump.iterdir()) == [f"rollout_step{j}.pt" for j in range(3)]
+    assert torch.load(dump / "rollout_step1.pt", weights_only=False).groups[0].trajectories == [{"reward": 2.0}]
+
+    replayed = _drain(_controller([f"train.rollout_replay_dir={dump}"], NoGeneration()))
+    assert [b.groups[0].prompt_index for b in replayed] == [b.groups[0].prompt_index for b in made] == [1, 2, 3]
+    assert [b.metrics for b in replayed] == [b.metrics for b in made]
