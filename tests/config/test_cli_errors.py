@@ -79,3 +79,25 @@ def test_unknown_key_suggests_the_close_ones(cli_results):
 def test_unknown_group_option_lists_the_options(cli_results):
     res = cli_results["no_such_group_option"]
     assert "qwen3_tiny" in res.stderr and "smollm2_135m" in res.stderr, res.describe()
+
+
+def test_override_check_finds_user_recipes_in_config_dir(tmp_path):
+    """`--config-dir DIR` recipes (DIR/recipe/NAME.yaml) compose in the pre-check as Hydra finds them in the run."""
+    from molt_hydra.cli import compose_checked
+
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\nname: mine\n")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert problems == [] and cfg.name == "mine"
+    cfg, problems = compose_checked(["+recipe=mine"])
+    assert cfg is None and problems[0].startswith("- +recipe=mine: no such option"), problems
+
+
+def test_comma_value_outside_a_multirun_says_quote_or_sweep():
+    from molt_hydra.cli import compose_checked
+
+    _, problems = compose_checked(["logger.wandb.project=a,b"])
+    assert problems and problems[0].startswith("- logger.wandb.project=a,b: a sweep"), problems
+    assert "key='a,b'" in problems[0] and "add -m" in problems[0]
+    cfg, problems = compose_checked(["logger.wandb.project=a,b"], multirun=True)
+    assert problems == [] and cfg.logger.wandb.project == "a"  # checked at the sweep's first point
