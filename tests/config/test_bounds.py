@@ -130,6 +130,16 @@ def test_unknown_scheduler_lists_the_transformers_ones():
     assert all(s.value in line for s in SchedulerType)
 
 
+def test_default_scheduler_is_a_transformers_one():
+    """validate.py skips the (slow) scheduler-list import for the default name; that default must be valid."""
+    from transformers import SchedulerType
+
+    from molt_hydra.config.schema import OptimizerConfig
+
+    assert OptimizerConfig().scheduler in {s.value for s in SchedulerType}
+    assert RunConfig().train.critic.optimizer.scheduler in {s.value for s in SchedulerType}
+
+
 def test_overlong_model_path_is_a_config_error_not_an_oserror():
     lines = config_errors(["model.path=" + "x" * 300])
     assert any(l.startswith("model.path: ") and "is not a usable path (File name too long)" in l for l in lines), lines
