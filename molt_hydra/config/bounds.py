@@ -8,6 +8,7 @@ The walk reads values by attribute, so it checks the composed DictConfig (before
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,8 @@ BOUNDS = "bounds"  # the dataclass field-metadata key
 
 @dataclass(frozen=True)
 class Bounds:
-    """Closed (ge/le) or open (gt/lt) limits; `also` lists sentinel values allowed outside them (e.g. -1 = auto)."""
+    """Closed (ge/le) or open (gt/lt) limits; `also` lists sentinel values allowed outside them (e.g. -1 = auto).
+    A value must be finite (inf / nan never hold)."""
 
     ge: float | None = None
     gt: float | None = None
@@ -39,7 +41,7 @@ class Bounds:
         return " or ".join([*map(str, self.also), text])
 
     def holds(self, v: float) -> bool:
-        return v in self.also or (
+        return v in self.also or math.isfinite(v) and (
             (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
             and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
 

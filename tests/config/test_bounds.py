@@ -72,20 +72,20 @@ def test_bounds_describe_and_hold():
 OUT_OF_RANGE = [
     ("train.max_steps=0", "train.max_steps", "must be >= 1, got 0"),
     ("agent.max_turns=0", "agent.max_turns", "must be >= 1, got 0"),
-    ("agent.timeout_s=-1", "agent.timeout_s", "must be > 0, got -1.0"),
+    ("agent.timeout_s=-1", "agent.timeout_s", "must be in (0, 10000000.0], got -1.0"),
     ("rollout.max_new_tokens=-4", "rollout.max_new_tokens", "must be >= 1, got -4"),
     ("rollout.max_num_seqs=0", "rollout.max_num_seqs", "must be >= 1, got 0"),
     ("rollout.block_size=0", "rollout.block_size", "must be >= 1, got 0"),
     ("rollout.weight_sync.bucket_mb=0", "rollout.weight_sync.bucket_mb", "must be >= 1, got 0"),
     ("logger.every_steps=0", "logger.every_steps", "must be >= 1, got 0"),
     ("checkpoint.save_steps=0", "checkpoint.save_steps", "must be -1 or >= 1, got 0"),
-    ("train.timeouts.step_s=0", "train.timeouts.step_s", "must be > 0, got 0.0"),
-    ("train.timeouts.startup_s=-5", "train.timeouts.startup_s", "must be > 0, got -5.0"),
+    ("train.timeouts.step_s=0", "train.timeouts.step_s", "must be in (0, 10000000.0], got 0.0"),
+    ("train.timeouts.startup_s=-5", "train.timeouts.startup_s", "must be in (0, 10000000.0], got -5.0"),
     ("cluster.time_min=0", "cluster.time_min", "must be >= 1, got 0"),
     ("cluster.memory_gb_per_device=-1", "cluster.memory_gb_per_device", "must be >= 0, got -1.0"),
     ("eval.top_p=2", "eval.top_p", "must be in (0, 1], got 2.0"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization", "must be in (0, 1], got 1.5"),
-    ("rollout.kv_cache_gb=0", "rollout.kv_cache_gb", "must be > 0, got 0.0"),
+    ("rollout.kv_cache_gb=0", "rollout.kv_cache_gb", "must be in (0, 1000000.0], got 0.0"),
     ("algorithm.clip_eps_low=-0.1", "algorithm.clip_eps_low", "must be in [0, 1), got -0.1"),
     ("algorithm.clip_eps_high=-0.1", "algorithm.clip_eps_high", "must be >= 0, got -0.1"),
     ("algorithm.kl.coef=-1", "algorithm.kl.coef", "must be >= 0, got -1.0"),
@@ -102,6 +102,14 @@ OUT_OF_RANGE = [
 @pytest.mark.parametrize("override,key,fragment", OUT_OF_RANGE, ids=[c[1] for c in OUT_OF_RANGE])
 def test_out_of_range_value_is_refused(override, key, fragment):
     assert_fires([override], key, fragment)
+
+
+@pytest.mark.parametrize("override,key", [("rollout.temperature=inf", "rollout.temperature"),
+                                          ("train.optimizer.lr=nan", "train.optimizer.lr"),
+                                          ("rollout.kv_cache_gb=1e300", "rollout.kv_cache_gb"),
+                                          ("train.timeouts.collective_s=1e300", "train.timeouts.collective_s")])
+def test_non_finite_and_overflowing_values_are_refused(override, key):
+    assert_fires([override], key, "must be ")
 
 
 def test_range_errors_come_with_single_group_errors_at_once():
@@ -167,6 +175,17 @@ def test_existing_local_paths_and_hub_ids_pass(tmp_path):
 @pytest.mark.parametrize("override", ["~agent.runner._target_", "agent.runner._target_=null"])
 def test_agent_without_target_is_refused(override):
     assert_fires([override], "agent.runner._target_", "the agent has no _target_")
+
+
+def test_agent_target_must_be_an_agent_class():
+    assert_fires(["agent.runner._target_=os.path"], "agent.runner._target_",
+                 "'os.path' is <module 'posixpath'")
+
+
+@pytest.mark.parametrize("override,key", [("model.path=''", "model.path"), ("checkpoint.path=''", "checkpoint.path"),
+                                          ("data.train_path=','", "data.train_path")])
+def test_empty_locations_are_refused(override, key):
+    assert_fires([override], key, "")
 
 
 def test_agent_target_that_cannot_be_imported_is_refused():
