@@ -37,7 +37,7 @@ class Bounds:
         elif high:
             text = f"<= {self.le}" if self.le is not None else f"< {self.lt}"
         else:
-            text = "any number"
+            text = "a finite number"
         return " or ".join([*map(str, self.also), text])
 
     def holds(self, v: float) -> bool:

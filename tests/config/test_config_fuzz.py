@@ -68,6 +68,8 @@ def outside(leaf: Leaf, rng: random.Random) -> str | None:
     high = b.le + step if b.le is not None else b.lt if b.lt is not None else None
     choices = [v for v in (low, high, None if low is None else low - rng.randint(1, 100) * step) if v is not None]
     choices = [v for v in choices if v not in b.also]
+    if leaf.kind is float and rng.random() < 0.1:
+        return rng.choice(["inf", "-inf", "nan"])  # never in any range
     return _fmt(leaf.kind, rng.choice(choices)) if choices else None
 
 
