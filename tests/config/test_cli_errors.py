@@ -1,5 +1,7 @@
 """Config mistakes fail before anything runs, through the real `molt-run`: a misspelled key, a wrong type, an invalid
-enum value, a missing required value. Each exits non-zero, names the full key, and prints no Python traceback."""
+enum value, a missing required value, an override Hydra cannot parse, a config-group option that does not exist, a
+value out of its declared range, a path the file system refuses. Each exits 2, names the full key (or the override)
+with a fix, and prints no Python traceback."""
 
 from __future__ import annotations
 
@@ -16,6 +18,13 @@ CASES = {
     "invalid_enum": (["algorithm.is_correction.level=foo"], "algorithm.is_correction.level"),
     "missing_required": (["model.path=???"], "model.path"),
     "unknown_estimator": (["algorithm.estimator=nope"], "algorithm.estimator"),
+    "grammar": (["train.max_steps=[1"], "train.max_steps=[1"),
+    "unquoted_interpolation": (["model.path=${oops"], "model.path=${oops"),
+    "no_such_group_option": (["model=nope"], "model=nope"),
+    "null_for_a_dict": (["agent.runner=null"], "agent.runner"),
+    "out_of_range": (["logger.every_steps=0", "dry_run=true"], "logger.every_steps"),
+    "overlong_path": (["model.path=" + "x" * 300, "dry_run=true"], "model.path"),
+    "sweep_point_type": (["-m", "train.max_steps=1,2", "train.batch_size=x", "dry_run=true"], "train.batch_size"),
 }
 
 
@@ -23,15 +32,16 @@ CASES = {
 def cli_results(tmp_path_factory):
     base = tmp_path_factory.mktemp("cli_errors")
     names = list(CASES)
-    calls = [[*CASES[n][0], f"hydra.run.dir={base / n}"] for n in names]
+    calls = [[*CASES[n][0], f"hydra.run.dir={base / n}", f"hydra.sweep.dir={base / n}"] for n in names]
     return dict(zip(names, run_cli_many(calls)))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_config_mistake_fails_cleanly(case, cli_results):
     res, key = cli_results[case], CASES[case][1]
-    assert res.returncode != 0, res.describe()
-    assert key in res.output, f"the message must name the full key {key}\n{res.describe()}"
+    assert res.returncode == 2, res.describe()
+    assert f"- {key}" in res.stderr, f"the message must name the full key {key}\n{res.describe()}"
+    assert "Fix: " in res.stderr, res.describe()
     assert "Traceback" not in res.output, res.describe()
     assert PLAN_HEADER not in res.stdout, f"nothing may run after a config error\n{res.describe()}"
 
@@ -60,3 +70,34 @@ def test_missing_value_fix_says_set_it():
     with pytest.raises(ConfigError) as info:
         to_run_config(compose_config(["model.path=???"]))
     assert "Fix: set it on the command line" in str(info.value)
+
+
+def test_unknown_key_suggests_the_close_ones(cli_results):
+    assert "did you mean model.path" in cli_results["misspelled_key"].stderr, cli_results["misspelled_key"].describe()
+
+
+def test_unknown_group_option_lists_the_options(cli_results):
+    res = cli_results["no_such_group_option"]
+    assert "qwen3_tiny" in res.stderr and "smollm2_135m" in res.stderr, res.describe()
+
+
+def test_override_check_finds_user_recipes_in_config_dir(tmp_path):
+    """`--config-dir DIR` recipes (DIR/recipe/NAME.yaml) compose in the pre-check as Hydra finds them in the run."""
+    from molt_hydra.cli import compose_checked
+
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\nname: mine\n")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert problems == [] and cfg.name == "mine"
+    cfg, problems = compose_checked(["+recipe=mine"])
+    assert cfg is None and problems[0].startswith("- +recipe=mine: no such option"), problems
+
+
+def test_comma_value_outside_a_multirun_says_quote_or_sweep():
+    from molt_hydra.cli import compose_checked
+
+    _, problems = compose_checked(["logger.wandb.project=a,b"])
+    assert problems and problems[0].startswith("- logger.wandb.project=a,b: a sweep"), problems
+    assert "key='a,b'" in problems[0] and "add -m" in problems[0]
+    cfg, problems = compose_checked(["logger.wandb.project=a,b"], multirun=True)
+    assert problems == [] and cfg.logger.wandb.project == "a"  # checked at the sweep's first point

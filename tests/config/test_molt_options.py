@@ -16,7 +16,8 @@ from molt_hydra.config.schema import RunConfig, field_docs
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "molt_options.md"
 INVENTORY = Path(__file__).resolve().parents[3] / "shared" / "reference" / "molt_inventory.md"
-HEADER = ["Molt option", "molt_hydra", "note"]
+HEADER = ["Molt option", "molt_hydra", "status", "note"]
+STATUSES = ("works", "refused", "absent")
 BACKTICKED = re.compile(r"`([^`]+)`")
 
 
@@ -45,6 +46,7 @@ class Row:
     line: int
     option: str
     keys: list[str] | None  # None = dropped
+    status: str
     note: str
 
 
@@ -61,8 +63,9 @@ def doc_rows() -> list[Row]:
             continue
         if set(line) <= set("|-: "):
             continue
-        assert len(cells) >= 3, f"docs/molt_options.md:{n}: need 3 columns: {line}"
-        option, target, note = cells[0], cells[1], " | ".join(cells[2:])
+        assert len(cells) >= 4, f"docs/molt_options.md:{n}: need 4 columns: {line}"
+        option, target, status, note = cells[0], cells[1], cells[2], " | ".join(cells[3:])
+        assert status in STATUSES, f"docs/molt_options.md:{n}: status must be one of {STATUSES}, got {status!r}"
         m = re.fullmatch(r"`([^`]+)`", option)
         assert m, f"docs/molt_options.md:{n}: the Molt option must be one backticked name, got {option!r}"
         if target == "dropped":
@@ -71,7 +74,7 @@ def doc_rows() -> list[Row]:
             keys = BACKTICKED.findall(target)
             assert keys and re.fullmatch(r"`[^`]+`(, `[^`]+`)*", target), (
                 f"docs/molt_options.md:{n}: molt_hydra column must be `dropped` or backticked schema keys, got {target!r}")
-        rows.append(Row(n, m.group(1), keys, note))
+        rows.append(Row(n, m.group(1), keys, status, note))
     return rows
 
 
@@ -91,6 +94,22 @@ def test_every_row_maps_to_a_schema_field_or_a_reason():
             bad += [f"line {row.line}: `{row.option}` -> `{k}` is not a schema key" for k in row.keys if k not in keys]
             if not row.note.strip():
                 bad.append(f"line {row.line}: `{row.option}` has an empty note")
+    assert not bad, "\n".join(bad)
+
+
+def test_status_matches_the_code():
+    """absent = no field; a row whose field config/validate.py refuses (NOT_IMPLEMENTED) is `refused`, and a refused row
+    says why in its note."""
+    from molt_hydra.config.validate import NOT_IMPLEMENTED
+
+    bad = []
+    for row in doc_rows():
+        if (row.keys is None) != (row.status == "absent"):
+            bad.append(f"line {row.line}: `{row.option}` is {row.status} but maps to {row.keys or 'dropped'}")
+        if row.keys and any(k in NOT_IMPLEMENTED for k in row.keys) and row.status != "refused":
+            bad.append(f"line {row.line}: `{row.option}` maps to a refused field but is marked {row.status}")
+        if row.status == "refused" and "Refused" not in row.note:
+            bad.append(f"line {row.line}: `{row.option}` is refused without saying why (**Refused** ...)")
     assert not bad, "\n".join(bad)
 
 

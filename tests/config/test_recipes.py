@@ -108,3 +108,14 @@ def test_help_lists_groups_and_options(cli_runs):
         expected = {p.stem for p in folder.glob("*.yaml")}
         assert expected, f"no options found for group {group} in {folder}"
         assert listed.get(group) == expected, f"--help lists {group}: {listed.get(group)}, expected {expected}"
+
+
+def test_help_speaks_for_the_project(cli_runs):
+    """--help opens with what molt-run does, then every shipped recipe and the common commands (conf/hydra/help)."""
+    out = cli_runs["help"].stdout
+    assert out.startswith("molt-run: agentic RL post-training"), out[:300]
+    recipes_section = out.split("== Recipes (+recipe=NAME) ==", 1)[1].split("== Common commands ==", 1)[0]
+    listed = {line.split()[0] for line in recipes_section.splitlines() if line.strip()}
+    assert listed == {r.name for r in RECIPES}, recipes_section
+    assert "molt-run +recipe=NAME dry_run=true" in out
+    assert "powered by Hydra" not in out

@@ -15,7 +15,7 @@ import submitit
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from molt_hydra.config.schema import ClusterConfig, ClusterKind
+from molt_hydra.config.schema import ClusterConfig
 from molt_hydra.config.store import CONF_DIR, register
 from slurm_cluster import REPO, sacct, slurm_cluster  # noqa: F401 - the fixture
 
@@ -60,7 +60,8 @@ def test_sweep_points_run_as_slurm_jobs(slurm_cluster, tmp_path):
     assert [d.name.split("_")[0] for d in dirs] == ["0", "1"]
     for d, est in zip(dirs, ("grpo", "rloo")):
         cfg = OmegaConf.load(d / ".hydra" / "config.yaml")
-        assert cfg.algorithm.estimator == est and cfg.cluster.kind == "slurm" and cfg.checkpoint.resume == "auto"
+        launcher = OmegaConf.load(d / ".hydra" / "hydra.yaml").hydra.launcher._target_
+        assert cfg.algorithm.estimator == est and launcher.endswith("SlurmLauncher") and cfg.checkpoint.resume == "auto"
     rep = subprocess.run([MOLT_REPORT, str(sweep)], capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
     lines = rep.stdout.splitlines()
@@ -78,7 +79,7 @@ def _ray_driver(job_log_dir: str) -> dict:
 
     from molt_hydra.runtime.slurm_ray import ray_cluster
 
-    cluster = ClusterConfig(kind=ClusterKind["slurm"], nodes=2, cpus_per_node=2)
+    cluster = ClusterConfig(nodes=2, cpus_per_node=2)
     with ray_cluster(cluster, job_log_dir) as address:
         # the driver starts only now: every node must already be there
         alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
@@ -132,7 +133,7 @@ def _mismatch_driver() -> str:
     from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 
     try:
-        with ray_cluster(ClusterConfig(kind=ClusterKind["slurm"], nodes=2), "/tmp"):
+        with ray_cluster(ClusterConfig(nodes=2), "/tmp"):
             return "formed"
     except RayClusterError as e:
         return str(e)

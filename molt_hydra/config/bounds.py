@@ -1,0 +1,98 @@
+"""Declared ranges of numeric fields: stated where the field is declared (`ranged(...)` in config/schema.py), checked
+here by one walk over the schema, which reports every out-of-range value at once (full key, reason, fix).
+
+The walk reads values by attribute, so it checks the composed DictConfig (before the dataclasses' own
+`__post_init__` rules run) and the typed RunConfig alike. A list field's range applies to each element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+BOUNDS = "bounds"  # the dataclass field-metadata key
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Closed (ge/le) or open (gt/lt) limits; `also` lists sentinel values allowed outside them (e.g. -1 = auto).
+    A value must be finite (inf / nan never hold)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    also: tuple = ()
+
+    def describe(self) -> str:
+        low = f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
+        high = f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None
+        if low and high:
+            text = f"in {low}, {high}"
+        elif low:
+            text = f">= {self.ge}" if self.ge is not None else f"> {self.gt}"
+        elif high:
+            text = f"<= {self.le}" if self.le is not None else f"< {self.lt}"
+        else:
+            text = "a finite number"
+        return " or ".join([*map(str, self.also), text])
+
+    def holds(self, v: float) -> bool:
+        return v in self.also or math.isfinite(v) and (
+            (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+            and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+
+
+def ranged(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, ge: float | None = None,
+           gt: float | None = None, le: float | None = None, lt: float | None = None, also: tuple = ()) -> Any:
+    """A dataclass field whose value (or each element, for a list) must lie in the stated range; None always passes
+    (an Optional field left unset). `ranged(1, ge=1)`; `ranged(-1, ge=1, also=(-1,))`; `ranged(factory=..., lt=1)`."""
+    meta = {BOUNDS: Bounds(ge, gt, le, lt, tuple(also))}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def declared_bounds(root: type) -> dict[str, tuple[Bounds | None, Any]]:
+    """`{full key: (Bounds or None, default)}` of every leaf field of the schema; None = no range declared."""
+    out: dict[str, tuple[Bounds | None, Any]] = {}
+    todo = [("", root)]
+    while todo:
+        prefix, cls = todo.pop()
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                todo.append((f"{prefix}{f.name}.", hints[f.name]))
+            else:
+                default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                out[prefix + f.name] = (f.metadata.get(BOUNDS), default)
+    return out
+
+
+def _value(node: Any, key: str) -> Any:
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def out_of_range(cfg: Any, root: type) -> list[str]:
+    """Error lines (`- key: reason Fix: fix`) for every value outside its declared range. Values that cannot be read
+    here (a missing value, a broken interpolation, a wrong type) are left to the typed conversion, which names them."""
+    lines = []
+    for key, (bounds, default) in declared_bounds(root).items():
+        if bounds is None:
+            continue
+        try:
+            value = _value(cfg, key)
+        except Exception:  # noqa: BLE001 -- reported by the typed conversion with its own message
+            continue
+        is_list = isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"
+        values = list(value) if is_list else [value]
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not bounds.holds(v) for v in values):
+            lines.append(f"- {key}: {'each value ' if is_list else ''}must be {bounds.describe()}, "
+                         f"got {values if is_list else value}. Fix: set {key} within that range "
+                         f"(default {'null' if default is None else default})")
+    return lines

@@ -1,0 +1,227 @@
+"""Declared ranges (config/bounds.py) and names of external things (config/validate.py): every numeric field of the
+schema states its range where it is declared; a value outside it, an unknown scheduler, a model or data location that
+cannot exist, or an agent that cannot be imported fails validation with the full key, all problems at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from _config_helpers import compose_config
+from molt_hydra.cli import to_run_config
+from molt_hydra.config.bounds import BOUNDS, Bounds, declared_bounds
+from molt_hydra.config.schema import ConfigError, RunConfig
+from molt_hydra.config.validate import validate
+
+
+def config_errors(overrides: list[str]) -> list[str]:
+    try:
+        validate(to_run_config(compose_config(overrides)))
+    except ConfigError as e:
+        return [line.removeprefix("- ") for line in str(e).splitlines()]
+    return []
+
+
+def assert_fires(overrides: list[str], key: str, fragment: str) -> None:
+    lines = config_errors(overrides)
+    hits = [line for line in lines if line.startswith(f"{key}: ") and fragment in line and " Fix: " in line]
+    assert hits, f"{overrides}: expected an error on {key} containing {fragment!r}, got:\n" + "\n".join(lines)
+
+
+def _numeric(tp) -> bool:
+    """int, float, Optional of them, or a list of them (bool is not numeric here)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union:
+        return len(args) == 1 and _numeric(args[0])
+    if typing.get_origin(tp) is list:
+        return _numeric(args[0])
+    return tp in (int, float)
+
+
+def test_every_numeric_field_declares_its_range():
+    """A field added without `ranged(...)` fails here by name (fix: declare its range where it is declared)."""
+    missing = []
+    todo = [("", RunConfig)]
+    while todo:
+        prefix, cls = todo.pop()
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                todo.append((f"{prefix}{f.name}.", hints[f.name]))
+            elif _numeric(hints[f.name]) and BOUNDS not in f.metadata:
+                missing.append(f"{prefix}{f.name}")
+    assert not missing, f"numeric schema fields without a declared range (use ranged(...) in schema.py): {missing}"
+
+
+def test_every_default_lies_in_its_range():
+    bad = [f"{k}={d}" for k, (b, d) in declared_bounds(RunConfig).items() if b is not None and d is not None
+           and not all(b.holds(v) for v in (d if isinstance(d, list) else [d]))]
+    assert not bad, f"schema defaults outside their own declared ranges: {bad}"
+
+
+def test_bounds_describe_and_hold():
+    b = Bounds(gt=0, le=1)
+    assert b.describe() == "in (0, 1]" and b.holds(1) and not b.holds(0) and not b.holds(1.5)
+    sentinel = Bounds(ge=1, also=(-1,))
+    assert sentinel.describe() == "-1 or >= 1" and sentinel.holds(-1) and not sentinel.holds(0)
+
+
+# The values the issue found accepted, one per rule; each must now be refused with the key named.
+OUT_OF_RANGE = [
+    ("train.max_steps=0", "train.max_steps", "must be >= 1, got 0"),
+    ("agent.max_turns=0", "agent.max_turns", "must be >= 1, got 0"),
+    ("agent.timeout_s=-1", "agent.timeout_s", "must be in (0, 10000000.0], got -1.0"),
+    ("rollout.max_new_tokens=-4", "rollout.max_new_tokens", "must be >= 1, got -4"),
+    ("rollout.max_num_seqs=0", "rollout.max_num_seqs", "must be >= 1, got 0"),
+    ("rollout.block_size=0", "rollout.block_size", "must be >= 1, got 0"),
+    ("rollout.weight_sync.bucket_mb=0", "rollout.weight_sync.bucket_mb", "must be >= 1, got 0"),
+    ("logger.every_steps=0", "logger.every_steps", "must be >= 1, got 0"),
+    ("checkpoint.save_steps=0", "checkpoint.save_steps", "must be -1 or >= 1, got 0"),
+    ("train.timeouts.step_s=0", "train.timeouts.step_s", "must be in (0, 10000000.0], got 0.0"),
+    ("train.timeouts.startup_s=-5", "train.timeouts.startup_s", "must be in (0, 10000000.0], got -5.0"),
+    ("cluster.time_min=0", "cluster.time_min", "must be >= 1, got 0"),
+    ("cluster.memory_gb_per_device=-1", "cluster.memory_gb_per_device", "must be >= 0, got -1.0"),
+    ("eval.top_p=2", "eval.top_p", "must be in (0, 1], got 2.0"),
+    ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization", "must be in (0, 1], got 1.5"),
+    ("rollout.kv_cache_gb=0", "rollout.kv_cache_gb", "must be in (0, 1000000.0], got 0.0"),
+    ("algorithm.clip_eps_low=-0.1", "algorithm.clip_eps_low", "must be in [0, 1), got -0.1"),
+    ("algorithm.clip_eps_high=-0.1", "algorithm.clip_eps_high", "must be >= 0, got -0.1"),
+    ("algorithm.kl.coef=-1", "algorithm.kl.coef", "must be >= 0, got -1.0"),
+    ("algorithm.kl.horizon=0", "algorithm.kl.horizon", "must be >= 1, got 0"),
+    ("algorithm.value_clip=-0.2", "algorithm.value_clip", "must be >= 0, got -0.2"),
+    ("train.optimizer.betas=[0.9,1.0]", "train.optimizer.betas", "each value must be in [0, 1), got [0.9, 1.0]"),
+    ("train.critic.optimizer.betas=[-0.1,0.9]", "train.critic.optimizer.betas", "each value must be in [0, 1)"),
+    ("train.optimizer.eps=0", "train.optimizer.eps", "must be > 0, got 0.0"),
+    ("train.optimizer.weight_decay=-0.01", "train.optimizer.weight_decay", "must be >= 0, got -0.01"),
+    ("seed=-1", "seed", "must be in [0, 4294967296), got -1"),
+]
+
+
+@pytest.mark.parametrize("override,key,fragment", OUT_OF_RANGE, ids=[c[1] for c in OUT_OF_RANGE])
+def test_out_of_range_value_is_refused(override, key, fragment):
+    assert_fires([override], key, fragment)
+
+
+@pytest.mark.parametrize("override,key", [("rollout.temperature=inf", "rollout.temperature"),
+                                          ("train.optimizer.lr=nan", "train.optimizer.lr"),
+                                          ("rollout.kv_cache_gb=1e300", "rollout.kv_cache_gb"),
+                                          ("train.timeouts.collective_s=1e300", "train.timeouts.collective_s")])
+def test_non_finite_and_overflowing_values_are_refused(override, key):
+    assert_fires([override], key, "must be ")
+
+
+def test_range_errors_come_with_single_group_errors_at_once():
+    """Ranges (bounds.py) and __post_init__ rules of other groups are reported together, one line each."""
+    lines = config_errors(["train.max_steps=0", "rollout.top_p=7", "algorithm.reward_clip=[5,-5]",
+                           "cluster.nodes=0"])
+    keys = sorted(line.split(":", 1)[0] for line in lines)
+    assert keys == ["algorithm.reward_clip", "cluster.nodes", "rollout.top_p", "train.max_steps"], lines
+
+
+def test_train_probs_must_sum_to_one():
+    assert_fires(["data.train_path='builtin://toy,builtin://arithmetic'", "data.train_probs=[0.5,0.6]"],
+                 "data.train_probs", "must sum to 1, got [0.5, 0.6]")
+    assert_fires(["data.train_probs=[1.5]"], "data.train_probs", "each value must be in [0, 1]")
+    assert_fires(["data.train_probs=[0.5,0.5]"], "data.train_probs", "2 probabilities for 1 dataset(s)")
+    assert config_errors(["data.train_path='builtin://toy,builtin://arithmetic'", "data.train_probs=[0.25,0.75]"]) == []
+
+
+# ---------------------------------------------------------------------------------- names of external things
+def test_unknown_scheduler_lists_the_transformers_ones():
+    from transformers import SchedulerType
+
+    lines = config_errors(["train.optimizer.scheduler=cosine_typo"])
+    line = next(l for l in lines if l.startswith("train.optimizer.scheduler: "))
+    assert "'cosine_typo' is not a transformers scheduler" in line
+    assert all(s.value in line for s in SchedulerType)
+
+
+def test_default_scheduler_is_a_transformers_one():
+    """validate.py skips the (slow) scheduler-list import for the default name; that default must be valid."""
+    from transformers import SchedulerType
+
+    from molt_hydra.config.schema import OptimizerConfig
+
+    assert OptimizerConfig().scheduler in {s.value for s in SchedulerType}
+    assert RunConfig().train.critic.optimizer.scheduler in {s.value for s in SchedulerType}
+
+
+def test_overlong_model_path_is_a_config_error_not_an_oserror():
+    lines = config_errors(["model.path=" + "x" * 300])
+    assert any(l.startswith("model.path: ") and "is not a usable path (File name too long)" in l for l in lines), lines
+
+
+@pytest.mark.parametrize("override,key,fragment", [
+    ("model.path=/no/such/model/dir", "model.path", "is neither an existing directory nor a hub id"),
+    ("model.ref_path=tiny://nope", "model.ref_path", "'tiny://nope' is not a tiny model"),
+    ("checkpoint.path=/no/such/ckpt", "checkpoint.path", "is neither an existing directory nor a hub id"),
+    ("data.train_path='builtin://toy,builtin://nope'", "data.train_path", "'builtin://nope' is not a builtin task"),
+    ("data.train_path=/no/such/file.jsonl", "data.train_path", "is neither an existing file or directory"),
+    ("eval.data_path=builtin://nope", "eval.data_path", "'builtin://nope' is not a builtin task"),
+], ids=lambda v: v if isinstance(v, str) and "=" in v else "")
+def test_locations_that_cannot_exist_are_refused(override, key, fragment):
+    assert_fires([override], key, fragment)
+
+
+def test_existing_local_paths_and_hub_ids_pass(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1", "label": "2"}\n')
+    assert config_errors([f"data.train_path={data}", f"model.tokenizer_path={tmp_path}",
+                          "model.critic_path=Qwen/Qwen3-4B"]) == []
+
+
+@pytest.mark.parametrize("override", ["~agent.runner._target_", "agent.runner._target_=null"])
+def test_agent_without_target_is_refused(override):
+    assert_fires([override], "agent.runner._target_", "the agent has no _target_")
+
+
+def test_agent_target_must_be_an_agent_class():
+    assert_fires(["agent.runner._target_=os.path"], "agent.runner._target_",
+                 "'os.path' is <module 'posixpath'")
+
+
+@pytest.mark.parametrize("override,key", [("model.path=''", "model.path"), ("checkpoint.path=''", "checkpoint.path"),
+                                          ("data.train_path=','", "data.train_path")])
+def test_empty_locations_are_refused(override, key):
+    assert_fires([override], key, "")
+
+
+def test_agent_target_that_cannot_be_imported_is_refused():
+    assert_fires(["agent.runner._target_=no_such_pkg_for_molt.Agent"], "agent.runner._target_",
+                 "cannot import 'no_such_pkg_for_molt.Agent' (ModuleNotFoundError")
+    assert_fires(["agent.runner._target_=/no/such/agent.py:Env"], "agent.runner._target_", "FileNotFoundError")
+
+
+# ---------------------------------------------------------------------------------------- refused knobs
+@pytest.mark.parametrize("override,key", [
+    ("logger.dump_logprobs=true", "logger.dump_logprobs"),
+    ("train.optimizer.muon_lr=0.05", "train.optimizer.muon_lr"),
+    ("train.critic.optimizer.muon_nesterov=false", "train.critic.optimizer.muon_nesterov"),
+    ("checkpoint.load_model_only=true", "checkpoint.load_model_only"),
+    ("parallelism.pp=2", "parallelism.pp"),
+])
+def test_knob_without_a_mechanism_is_refused_when_set(override, key):
+    assert_fires([override], key, "not available: ")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("data.split=test", "data.split"), ("data.train_probs=[1.0]", "data.train_probs"),
+    ("data.image_key=images", "data.image_key"), ("eval.split=test", "eval.split"),
+    ("logger.tensorboard=true", "logger.tensorboard"), ("logger.wandb.project=p", "logger.wandb.project"),
+])
+def test_sft_refuses_what_it_ignores(override, key):
+    assert_fires(["+recipe=qwen3_4b_sft", "cluster=local_gpus", override], key, "job=sft ignores it")
+
+
+def test_sft_recipe_itself_is_valid():
+    assert config_errors(["+recipe=qwen3_4b_sft", "cluster=local_gpus"]) == []
+
+
+def test_replay_dir_must_exist():
+    assert_fires(["train.rollout_replay_dir=/no/such/dump"], "train.rollout_replay_dir", "is not a directory")
+
+
+def test_gpu_transport_refused_on_cpu():
+    assert_fires(["rollout.weight_sync.transport=nccl"], "rollout.weight_sync.transport", "but cluster.device=cpu")

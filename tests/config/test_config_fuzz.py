@@ -1,0 +1,216 @@
+"""Fuzz of the config front door: a few hundred seeded override sets drawn from the schema's own types and declared
+ranges, run through what `molt-run ... dry_run=true` runs (override check, compose, typed conversion, validation,
+plan), in this process for speed; a handful through the real `molt-run`.
+
+Bad sets must end in a config error (exit 2) that names every bad key and no traceback; valid-but-unusual sets (every
+value on an edge of its range) must plan. Generation follows the schema, so a field added later is fuzzed too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import typing
+from enum import Enum
+
+import pytest
+
+from _config_helpers import PLAN_HEADER, run_cli_many
+from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, to_run_config
+from molt_hydra.config.bounds import BOUNDS, Bounds
+from molt_hydra.config.schema import ConfigError, RunConfig
+from molt_hydra.config.validate import NOT_IMPLEMENTED, validate
+
+SEED = 1717
+N_BAD = 240
+N_VALID = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    key: str
+    kind: type  # int, float, bool, str, an Enum, or list (of floats)
+    optional: bool
+    bounds: Bounds | None
+
+
+def leaves() -> list[Leaf]:
+    out, todo = [], [("", RunConfig)]
+    while todo:
+        prefix, cls = todo.pop()
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                todo.append((f"{prefix}{f.name}.", tp))
+                continue
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            optional = typing.get_origin(tp) is typing.Union
+            base = args[0] if optional else tp
+            kind = list if typing.get_origin(base) is list else base
+            if kind in (int, float, bool, str, list) or (isinstance(kind, type) and issubclass(kind, Enum)):
+                out.append(Leaf(prefix + f.name, kind, optional, f.metadata.get(BOUNDS)))
+    return sorted(out, key=lambda leaf: leaf.key)
+
+
+LEAVES = leaves()
+NUMERIC = [leaf for leaf in LEAVES if leaf.kind in (int, float) and leaf.bounds is not None]
+
+
+def _fmt(kind: type, v: float) -> str:
+    return str(int(v)) if kind is int else repr(float(v))
+
+
+def outside(leaf: Leaf, rng: random.Random) -> str | None:
+    """A value of the field's own type outside its declared range (None if the range is unbounded)."""
+    b, step = leaf.bounds, (1 if leaf.kind is int else 0.5)
+    low = b.ge - step if b.ge is not None else b.gt if b.gt is not None else None
+    high = b.le + step if b.le is not None else b.lt if b.lt is not None else None
+    choices = [v for v in (low, high, None if low is None else low - rng.randint(1, 100) * step) if v is not None]
+    choices = [v for v in choices if v not in b.also]
+    if leaf.kind is float and rng.random() < 0.1:
+        return rng.choice(["inf", "-inf", "nan"])  # never in any range
+    return _fmt(leaf.kind, rng.choice(choices)) if choices else None
+
+
+def on_edge(leaf: Leaf, rng: random.Random) -> str:
+    """A valid value on an edge of the declared range (a sentinel, a limit, or just inside an open limit)."""
+    b = leaf.bounds
+    tiny = 1 if leaf.kind is int else 1e-6
+    edges = [*b.also]
+    far = 1e6 if leaf.kind is float else 10**6  # an unbounded side: a far value
+    edges += [b.ge] if b.ge is not None else [b.gt + tiny] if b.gt is not None else [-far]
+    edges += [b.le] if b.le is not None else [b.lt - tiny] if b.lt is not None else [far]
+    return _fmt(leaf.kind, rng.choice(edges))
+
+
+def bad_type(leaf: Leaf, rng: random.Random) -> str | None:
+    if leaf.kind is int:
+        return rng.choice(["1.5", "abc", "[1]"])
+    if leaf.kind is float:
+        return rng.choice(["abc", "'1,5'", "{a: 1}"])
+    if leaf.kind is bool:
+        return rng.choice(["maybe", "yes_please"])
+    if isinstance(leaf.kind, type) and issubclass(leaf.kind, Enum):
+        return rng.choice(["not_a_choice", "1"])
+    return None
+
+
+def bad_sets(seed: int = SEED, n: int = N_BAD) -> list[tuple[list[str], list[str]]]:
+    """(overrides, keys the error must name). A set is either one override composition rejects (type, choice,
+    unknown key, grammar) or one to three values outside their ranges, which are all reported together."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        style = rng.choice(["range", "range", "range", "type", "unknown_key", "grammar"])
+        if style == "range":
+            picked = rng.sample(NUMERIC, rng.randint(1, 3))
+            overrides = [f"{leaf.key}={v}" for leaf in picked if (v := outside(leaf, rng)) is not None]
+            if overrides:
+                out.append((overrides, [o.split("=", 1)[0] for o in overrides]))
+        elif style == "type":
+            leaf = rng.choice(LEAVES)
+            value = bad_type(leaf, rng)
+            if value is not None:
+                out.append(([f"{leaf.key}={value}"], [leaf.key]))
+        elif style == "unknown_key":
+            leaf = rng.choice(LEAVES)
+            key = leaf.key + rng.choice(["x", "_typo", "s"])
+            out.append(([f"{key}=1"], [key]))
+        else:
+            leaf = rng.choice(LEAVES)
+            text = f"{leaf.key}={rng.choice(['[1', '${oops', 'a,b', '{x', '1]'])}"
+            out.append(([text], [text]))
+    return out
+
+
+# Fields that cross-group rules tie to others (batch arithmetic, resource fit, estimator needs, schedules): an edge
+# value of one of them alone is a legitimate cross-group error, so the must-plan sets leave them at their values.
+TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engines", "rollout.tensor_parallel_size",
+        "rollout.data_parallel_size", "rollout.pipeline_parallel_size", "rollout.max_new_tokens", "rollout.top_p",
+        "rollout.mtp_num_speculative_tokens", "train.batch_size", "train.micro_batch_size", "train.queue_depth",
+        "train.max_staleness", "train.critic.actor_freezing_steps", "data.max_len", "data.train_probs",
+        "algorithm.kl.coef", "algorithm.clip_eps_high", "eval.every_steps", "cluster.nodes",
+        "cluster.devices_per_node", "algorithm.is_correction.low", "algorithm.is_correction.high",
+        "algorithm.dynamic_filtering.low", "algorithm.dynamic_filtering.high", "algorithm.reward_clip"}
+FREE = [leaf for leaf in NUMERIC if leaf.key not in TIED and not leaf.key.startswith("parallelism.")
+        and leaf.key not in NOT_IMPLEMENTED]
+
+
+def valid_sets(seed: int = SEED, n: int = N_VALID) -> list[list[str]]:
+    rng = random.Random(seed + 1)
+    return [[f"{leaf.key}={on_edge(leaf, rng)}" for leaf in rng.sample(FREE, rng.randint(2, 6))] for _ in range(n)]
+
+
+def dry_run_in_process(overrides: list[str]) -> tuple[int, str]:
+    """What `molt-run OVERRIDES dry_run=true` does, minus Hydra's run directory: (exit code, message or plan).
+    Anything but a ConfigError propagates, so a traceback fails the test that calls this."""
+    from molt_hydra.runtime.plan import make_plan
+
+    cfg, problems = compose_checked([*overrides, "output_dir=/nonexistent/molt_fuzz"])  # Hydra sets it in a run
+    if problems:
+        return EXIT_CONFIG_ERROR, "\n".join(problems)
+    try:
+        run_cfg = validate(to_run_config(cfg))
+    except ConfigError as e:
+        return EXIT_CONFIG_ERROR, str(e)
+    return 0, make_plan(run_cfg).render()
+
+
+def test_generation_covers_the_schema():
+    sets = bad_sets()
+    keys = {k for _, ks in sets for k in ks}
+    assert len(sets) == N_BAD and len({tuple(o) for o, _ in sets}) > N_BAD * 0.9  # few repeats
+    assert len({leaf.key for leaf in NUMERIC} & keys) > len(NUMERIC) * 0.8, "most ranged fields are fuzzed"
+    assert bad_sets() == sets, "seeded: the same sets every run"
+
+
+def test_bad_override_sets_fail_with_the_keys_named():
+    failures = []
+    for overrides, keys in bad_sets():
+        code, text = dry_run_in_process(overrides)
+        lines = text.splitlines()
+        missed = [k for k in keys if not any(line.startswith(f"- {k}") for line in lines)]
+        if code != EXIT_CONFIG_ERROR or missed or any("Fix: " not in line for line in lines if line.startswith("- ")):
+            failures.append(f"{overrides}: exit {code}, keys not named {missed}\n{text[:600]}")
+    assert not failures, f"{len(failures)} bad sets not rejected cleanly:\n" + "\n\n".join(failures[:10])
+
+
+def test_valid_unusual_sets_plan():
+    failures = []
+    for overrides in valid_sets():
+        code, text = dry_run_in_process(overrides)
+        if code != 0 or PLAN_HEADER not in text:
+            failures.append(f"{overrides}: exit {code}\n{text[:600]}")
+    assert not failures, f"{len(failures)} valid sets did not plan:\n" + "\n\n".join(failures[:10])
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """A few sets of each kind through the real `molt-run`, all started together."""
+    base = tmp_path_factory.mktemp("fuzz_cli")
+    sets = bad_sets()
+    picked = [next(s for s in sets if s[0][0].startswith(s[1][0]) and "=" in s[1][0]),  # grammar
+              next(s for s in sets if len(s[0]) >= 2)] + sets[:2]  # several ranges at once, then the first two
+    valid = valid_sets()[:1]
+    calls = [[*o, "dry_run=true", f"hydra.run.dir={base / str(i)}"] for i, (o, _) in enumerate(picked)]
+    calls += [[*o, "dry_run=true", f"hydra.run.dir={base / 'valid'}"] for o in valid]
+    results = run_cli_many(calls)
+    return list(zip(picked, results[:len(picked)])), results[len(picked):]
+
+
+def test_bad_sets_through_the_real_cli(cli_runs):
+    bad, _ = cli_runs
+    for (overrides, keys), res in bad:
+        assert res.returncode == EXIT_CONFIG_ERROR, res.describe()
+        assert "Traceback" not in res.output, res.describe()
+        assert PLAN_HEADER not in res.stdout, res.describe()
+        for k in keys:
+            assert f"- {k}" in res.stderr, f"{k} not named\n{res.describe()}"
+
+
+def test_valid_set_through_the_real_cli(cli_runs):
+    _, valid = cli_runs
+    for res in valid:
+        assert res.returncode == 0, res.describe()
+        assert PLAN_HEADER in res.stdout, res.describe()

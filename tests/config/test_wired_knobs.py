@@ -1,0 +1,114 @@
+"""Knobs wired by issue 17 reach their mechanism: `eval.batch_size` bounds the eval groups in flight;
+`train.rollout_dump_dir` saves every rollout batch and `train.rollout_replay_dir` trains on them instead of generating."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from molt_hydra.rollout.generation import Sampling
+from molt_hydra.rollout.generator import SamplesGenerator
+
+SAMPLING = Sampling(max_tokens=4)
+
+
+@dataclass
+class Traj:
+    reward: float = 1.0
+    score: float | None = None
+    rollout_id: str = ""
+    truncated: bool = False
+    action_ranges: list = field(default_factory=lambda: [(0, 3)])
+
+
+class PeakCountingRunner:
+    """Counts how many groups run at once (each holds for a few event-loop turns)."""
+
+    def __init__(self):
+        self.running = self.peak = 0
+
+    async def run_group(self, row, n, sampling):
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        await asyncio.sleep(0.01)
+        self.running -= 1
+        return [(Traj(rollout_id=f"{row['id']}-{i}"), None) for i in range(n)]
+
+
+def _peak(max_inflight, pool_limit=5):
+    runner = PeakCountingRunner()
+    gen = SamplesGenerator([{"id": 0}], runner, batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING,
+                           max_inflight_groups=pool_limit)
+    asyncio.run(gen.evaluate([{"id": i} for i in range(12)], 2, SAMPLING, max_inflight=max_inflight))
+    return runner.peak
+
+
+def test_eval_batch_size_bounds_groups_in_flight():
+    assert _peak(2) == 2
+    assert _peak(7) == 7
+
+
+def test_eval_batch_size_none_uses_the_pool_limit():
+    assert _peak(None, pool_limit=5) == 5
+
+
+# ------------------------------------------------------------------ train.rollout_dump_dir / rollout_replay_dir
+class ScriptedBatches:
+    """A generator that yields `n` one-group batches, then the end of the data."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    async def generate_batch(self):
+        from molt_hydra.rollout.generator import FinishedGroup, RolloutBatch
+
+        self.calls += 1
+        if self.calls > self.n:
+            return RolloutBatch([], {}, exhausted=True)
+        group = FinishedGroup(prompt_index=self.calls, epoch=0, trajectories=[{"reward": float(self.calls)}])
+        return RolloutBatch([group], {"rollout/x": float(self.calls)}, exhausted=False)
+
+
+class NoGeneration:
+    async def generate_batch(self):
+        raise AssertionError("replay must not generate")
+
+
+def _controller(overrides, generator):
+    from types import SimpleNamespace
+
+    from _config_helpers import compose_config
+    from molt_hydra.cli import to_run_config
+    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.controller import RLController
+
+    return RLController(validate(to_run_config(compose_config(overrides))), SimpleNamespace(generator=generator))
+
+
+def _drain(ctl) -> list:
+    """Take every batch the producer makes, marking each as trained (what the loop does between them)."""
+    async def run():
+        producer = asyncio.create_task(ctl.produce())
+        batches = []
+        while True:
+            batch, _ = await ctl._next_batch(producer)
+            if batch is None:
+                return batches
+            batches.append(batch)
+            async with ctl.step_done:
+                ctl.step += 1
+                ctl.step_done.notify_all()
+    return asyncio.run(run())
+
+
+def test_rollout_dump_then_replay(tmp_path):
+    import torch
+
+    dump = tmp_path / "dump"
+    made = _drain(_controller([f"train.rollout_dump_dir={dump}"], ScriptedBatches(3)))
+    assert sorted(p.name for p in dump.iterdir()) == [f"rollout_step{j}.pt" for j in range(3)]
+    assert torch.load(dump / "rollout_step1.pt", weights_only=False).groups[0].trajectories == [{"reward": 2.0}]
+
+    replayed = _drain(_controller([f"train.rollout_replay_dir={dump}"], NoGeneration()))
+    assert [b.groups[0].prompt_index for b in replayed] == [b.groups[0].prompt_index for b in made] == [1, 2, 3]
+    assert [b.metrics for b in replayed] == [b.metrics for b in made]
