@@ -589,7 +589,7 @@ def test_tool_choice_none_required_named_and_parallel_false(loop, rec, tokenizer
     for key in ("required", "named"):  # "hello there" alone makes the model chat; structured output forces a call
         call = log[key].choices[0].message.tool_calls[0]
         assert call.function.name == "python" and isinstance(json.loads(call.function.arguments), dict)
-    assert rec.calls[2][0].sampling.structured["json"]["type"] == "array"
+    assert rec.calls[2][0].sampling.structured["json"]["type"] == "array"  # vLLM's schema for "required"
     assert rec.calls[3][0].sampling.structured["json"] == PYTHON_TOOL["function"]["parameters"]
     assert len(log["one"].choices[0].message.tool_calls) == 1
 
@@ -613,7 +613,7 @@ def test_logprobs_come_from_the_engine_and_response_format_is_enforced(loop, rec
     assert [e.token for e in entries] == [tokenizer.decode([t], skip_special_tokens=False) for t in gen.token_ids]
     for e, tid in zip(entries, gen.token_ids):
         assert 2 <= len(e.top_logprobs) <= 3 and max(t.logprob for t in e.top_logprobs) >= e.logprob - 1e-6
-    assert req2.sampling.structured == {"json": schema}
+    assert req2.sampling.structured == {"json": schema, "disable_any_whitespace": True}
     assert set(json.loads(log["json"].choices[0].message.content)) == {"answer"}
 
 
@@ -809,3 +809,68 @@ def test_env_string_prompts_use_the_chat_template_when_asked(loop, rec, tokenize
         text = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
                                              add_generation_prompt=True) if apply else "hello"
         assert rec.calls[0][0].prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# --- agent frameworks, unmodified, through a multi-turn tool loop ---
+
+
+class AgentsSDKLoop(ChatAgent):
+    """OpenAI Agents SDK (`openai-agents`): its default model speaks the Responses API."""
+
+    def __init__(self, stream: bool):
+        self.stream = stream
+
+    async def run(self, ctx):
+        from agents import Agent, FunctionTool, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+        set_tracing_disabled(True)  # nothing leaves the machine
+
+        async def invoke(_tool_ctx, args: str) -> str:
+            return (await run_python(json.loads(args)["code"], timeout_s=20)).as_observation()
+
+        fn = PYTHON_TOOL["function"]
+        tool = FunctionTool(name=fn["name"], description=fn["description"], params_json_schema=fn["parameters"],
+                            on_invoke_tool=invoke, strict_json_schema=False)
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        agent = Agent(name="solver", tools=[tool], model=OpenAIResponsesModel(model="policy", openai_client=client))
+        if self.stream:
+            result = Runner.run_streamed(agent, ctx.prompt, max_turns=4)
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await Runner.run(agent, ctx.prompt, max_turns=4)
+        return Result(reward=float(result.final_output == FINAL_ANSWER))
+
+
+class LangChainLoop(ChatAgent):
+    """LangChain's `ChatOpenAI` with bound tools (chat completions)."""
+
+    async def run(self, ctx):
+        from langchain_core.messages import HumanMessage, ToolMessage
+        from langchain_openai import ChatOpenAI
+
+        llm = ChatOpenAI(model="policy", base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
+                         temperature=0).bind_tools([PYTHON_TOOL])
+        messages = [HumanMessage(ctx.prompt)]
+        for _ in range(3):
+            ai = await llm.ainvoke(messages)
+            messages.append(ai)
+            if not ai.tool_calls:
+                break
+            for tc in ai.tool_calls:
+                out = await run_python(tc["args"]["code"], timeout_s=20)
+                messages.append(ToolMessage(out.as_observation(), tool_call_id=tc["id"]))
+        return Result(reward=float(ai.content == FINAL_ANSWER))
+
+
+@pytest.mark.parametrize("agent_cls,kwargs", [(AgentsSDKLoop, {"stream": False}), (AgentsSDKLoop, {"stream": True}),
+                                              (LangChainLoop, {})], ids=["agents-sdk", "agents-sdk-stream", "langchain"])
+def test_agent_frameworks_run_the_tool_loop_token_exact(loop, engine, tokenizer, agent_cls, kwargs):
+    srec = StreamingRecorder(engine)
+    outcome = run_agent(loop, srec, tokenizer, agent_cls, agent_kwargs=kwargs)
+    assert not outcome.failures, outcome.failures
+    (traj,) = outcome.trajectories
+    assert traj.reward == 1.0 and len(traj.action_ranges) == 3
+    assert_token_exact(traj, srec.calls)
+    rendered = tokenizer.apply_chat_template(SCRIPTED[0], tools=[PYTHON_TOOL], tokenize=False)
+    assert tokenizer.decode(traj.token_ids, skip_special_tokens=False) + "\n" == rendered
