@@ -177,15 +177,14 @@ def _response_format(v: Any, param: str = "response_format") -> dict | None:
     kind = v.get("type") if isinstance(v, dict) else None
     if kind == "text":
         return None
-    # No free whitespace inside the JSON: a small or undertrained model otherwise loops on blanks until max_tokens.
     if kind == "json_object":
-        return {"json_object": True, "disable_any_whitespace": True}
+        return {"json_object": True}
     if kind == "json_schema":
         spec = v.get("json_schema", v)  # chat nests it; the Responses API puts it at the top
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise _bad(f"'{param}' json_schema needs a 'schema' object", param)
-        return {"json": schema, "disable_any_whitespace": True}
+        return {"json": schema}
     raise _bad(f"'{param}' type must be text, json_object or json_schema, got {kind!r}", param)
 
 

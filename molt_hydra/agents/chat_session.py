@@ -209,8 +209,7 @@ class ChatSession:
             if structured is not None:
                 raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
                                    "response_format")
-            structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls),
-                          "disable_any_whitespace": True}
+            structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
         return {"top_logprobs": req.top_logprobs or 0, "structured": structured}
 
     async def _generate_turn(self, req: ChatRequest, key: str, on_delta: DeltaSink | None) -> TurnReply:
