@@ -33,7 +33,7 @@ class ChatRequest:
     tool_choice: str | dict = "auto"  # none | auto | required | {"type": "function", "function": {"name": ...}}
     parallel_tool_calls: bool | None = None  # False: at most one tool call is returned
     top_logprobs: int | None = None  # None: no logprobs in the reply; k: the sampled token's plus k alternatives
-    response_format: dict | None = None  # vLLM StructuredOutputsParams fields ({"json": schema} / {"json_object": True})
+    response_format: dict | None = None  # vLLM structured output: {"json": schema} / {"json_object": True}
     thinking: bool | None = None  # Anthropic thinking enabled / disabled; None: not asked
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
 

@@ -284,8 +284,8 @@ class ChatServer:
                                                          "reasoning_content": c.reasoning}, "finish_reason": None}]))
             if c.tool_calls:
                 calls = _openai_message(c)["tool_calls"]
-                out.append(chunk([{"index": i, "delta": {"tool_calls": [dict(tc, index=j) for j, tc in enumerate(calls)]},
-                                   "finish_reason": None}]))
+                deltas = [dict(tc, index=j) for j, tc in enumerate(calls)]
+                out.append(chunk([{"index": i, "delta": {"tool_calls": deltas}, "finish_reason": None}]))
             out.append(chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason,
                                "logprobs": self._logprobs(c, req)}]))
         if req.include_usage:
@@ -502,14 +502,16 @@ class ChatServer:
                     for block in blocks[index + 1 if payload.streamed else 0:]:
                         index += 1
                         if block["type"] == "tool_use":
-                            out.append(ev("content_block_start", {"index": index, "content_block": dict(block, input={})}))
+                            out.append(ev("content_block_start",
+                                          {"index": index, "content_block": dict(block, input={})}))
                             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
                         elif block["type"] == "thinking":
                             out.append(ev("content_block_start",
                                           {"index": index, "content_block": dict(block, thinking="")}))
                             delta = {"type": "thinking_delta", "thinking": block["thinking"]}
                         else:
-                            out.append(ev("content_block_start", {"index": index, "content_block": dict(block, text="")}))
+                            out.append(ev("content_block_start",
+                                          {"index": index, "content_block": dict(block, text="")}))
                             delta = {"type": "text_delta", "text": block["text"]}
                         out.append(ev("content_block_delta", {"index": index, "delta": delta}))
                         out.append(ev("content_block_stop", {"index": index}))

@@ -198,7 +198,8 @@ class ChatSession:
         if req.n > self.max_choices:
             raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
         return dataclasses.replace(
-            self.sampling, n=req.n, max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", self.sampling.max_tokens)),
+            self.sampling, n=req.n,
+            max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", self.sampling.max_tokens)),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
             seed=o.get("seed", self.sampling.seed), **self._decoding(req))
 

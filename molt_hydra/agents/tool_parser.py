@@ -73,7 +73,8 @@ class ReplyParser:
                 self.tool = ToolParserManager.get_tool_parser(tool_parser)(tokenizer)
             except KeyError:
                 known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
-                raise ValueError(f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {known}") from None
+                raise ValueError(
+                    f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {known}") from None
         if reasoning_parser:
             try:
                 self.reasoning = ReasoningParserManager.get_reasoning_parser(reasoning_parser)(tokenizer)

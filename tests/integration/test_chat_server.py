@@ -863,7 +863,8 @@ class LangChainLoop(ChatAgent):
 
 
 @pytest.mark.parametrize("agent_cls,kwargs", [(AgentsSDKLoop, {"stream": False}), (AgentsSDKLoop, {"stream": True}),
-                                              (LangChainLoop, {})], ids=["agents-sdk", "agents-sdk-stream", "langchain"])
+                                              (LangChainLoop, {})],
+                         ids=["agents-sdk", "agents-sdk-stream", "langchain"])
 def test_agent_frameworks_run_the_tool_loop_token_exact(loop, engine, tokenizer, agent_cls, kwargs):
     srec = StreamingRecorder(engine)
     outcome = run_agent(loop, srec, tokenizer, agent_cls, agent_kwargs=kwargs)
@@ -873,3 +874,21 @@ def test_agent_frameworks_run_the_tool_loop_token_exact(loop, engine, tokenizer,
     assert_token_exact(traj, srec.calls)
     rendered = tokenizer.apply_chat_template(SCRIPTED[0], tools=[PYTHON_TOOL], tokenize=False)
     assert tokenizer.decode(traj.token_ids, skip_special_tokens=False) + "\n" == rendered
+
+
+def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec, tokenizer):
+    """deepseek_r1's parser reads a reply with no `</think>` yet as all reasoning: the tiny model's cut-off reply is
+    then thinking, returned as `reasoning_content` / a thinking block instead of text."""
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": "hello there"}]
+        log["oa"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6)
+        an = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+        log["an"] = await an.messages.create(model="policy", max_tokens=6, messages=msgs,
+                                             thinking={"type": "enabled", "budget_tokens": 1})
+
+    _, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"reasoning_parser": "deepseek_r1"})
+    texts = [tokenizer.decode([t for t in g.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=False)
+             for _, (g,) in rec.calls]
+    msg = log["oa"].choices[0].message
+    assert msg.model_extra["reasoning_content"] == texts[0] and not msg.content
+    assert [(b.type, b.thinking) for b in log["an"].content] == [("thinking", texts[1])]
