@@ -155,6 +155,8 @@ class ChatSession:
         """An LLM-as-judge call on the same engines: the client's sampling is honoured and nothing is recorded."""
         if req.raw_prompt is not None or req.stream:
             raise RequestError(400, "the judge endpoint serves non-streamed chat completions only", "stream")
+        if req.n > self.max_choices:
+            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
         prompt_ids = self._tokenize(self._render(req.messages, req.tools, True))
         self._check_images(req.messages)
         o = req.overrides

@@ -70,11 +70,16 @@ class ReplyParser:
         self.tool = self.reasoning = None
         if tool_parser:
             try:
-                self.tool = ToolParserManager.get_tool_parser(tool_parser)(tokenizer)
+                cls = ToolParserManager.get_tool_parser(tool_parser)
             except KeyError:
                 known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
                 raise ValueError(
                     f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {known}") from None
+            try:
+                self.tool = cls(tokenizer)
+            except RuntimeError as e:  # vLLM's parsers check the tokenizer has the family's marker tokens
+                raise ValueError(f"agent.tool_parser={tool_parser!r} does not fit this model's tokenizer ({e}); set "
+                                 "agent.tool_parser to the model family's parser, or null for none") from None
         if reasoning_parser:
             try:
                 self.reasoning = ReasoningParserManager.get_reasoning_parser(reasoning_parser)(tokenizer)

@@ -93,3 +93,8 @@ def test_unknown_parser_names_fail_naming_the_key(tok):
         ReplyParser(tok, "qwen9")
     with pytest.raises(ValueError, match=r"agent.reasoning_parser='nope'"):
         ReplyParser(tok, "hermes", "nope")
+
+
+def test_a_parser_that_does_not_fit_the_tokenizer_names_the_fix(tok):
+    with pytest.raises(ValueError, match=r"agent.tool_parser='llama3_json' does not fit this model's tokenizer"):
+        ReplyParser(tok, "llama3_json")  # the tiny Qwen tokenizer has no <|python_tag|>
