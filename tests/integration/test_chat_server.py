@@ -311,17 +311,21 @@ class StreamPair(ChatAgent):
                 self.out[self.stream] = (m.message.content or "", args, m.finish_reason, r.usage.completion_tokens)
         else:
             client = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
-            kw = dict(model=ctx.model_name, max_tokens=12, messages=[{"role": "user", "content": "hello there"}])
+            kw = dict(model=ctx.model_name, max_tokens=12, messages=[{"role": "user", "content": ctx.prompt}])
+            if ctx.prompt == LOOP_PROMPT:  # a tool call: sent whole at the end of the stream
+                kw.update(max_tokens=64, tools=[ANTHROPIC_TOOL])
             if self.stream:
                 async with client.messages.stream(**kw) as s:
                     r = await s.get_final_message()
             else:
                 r = await client.messages.create(**kw)
-            self.out[self.stream] = ([b.model_dump() for b in r.content], r.stop_reason, r.usage.output_tokens)
+            blocks = [b.model_dump(exclude={"id"}) for b in r.content]  # tool_use ids are fresh per reply
+            self.out[self.stream] = (blocks, r.stop_reason, r.usage.output_tokens)
         return Result(reward=0.0)
 
 
-@pytest.mark.parametrize("wire,prompt", [("openai", LOOP_PROMPT), ("openai", "hello there"), ("anthropic", None)])
+@pytest.mark.parametrize("wire,prompt", [("openai", LOOP_PROMPT), ("openai", "hello there"),
+                                         ("anthropic", "hello there"), ("anthropic", LOOP_PROMPT)])
 def test_streaming_and_plain_capture_the_same_tokens(loop, rec, tokenizer, wire, prompt):
     out, trajs = {}, {}
     for stream in (True, False):
@@ -332,7 +336,10 @@ def test_streaming_and_plain_capture_the_same_tokens(loop, rec, tokenizer, wire,
         assert_token_exact(trajs[stream], rec.calls)
     assert trajs[True].token_ids == trajs[False].token_ids
     assert out[True] == out[False]
-    if prompt == LOOP_PROMPT:  # a tool call streamed as a tool_calls delta
+    if prompt == LOOP_PROMPT and wire == "anthropic":
+        assert [(b["type"], b["input"]) for b in out[True][0]] == [("tool_use", {"code": "print(6*7)"})]
+        assert out[True][1] == "tool_use"
+    elif prompt == LOOP_PROMPT:  # a tool call streamed as a tool_calls delta
         assert out[True][1] == json.dumps({"code": "print(6*7)"}) and out[True][2] == "tool_calls"
     elif wire == "openai":
         assert out[True][0] and out[True][2] in ("stop", "length")
