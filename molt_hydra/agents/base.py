@@ -86,6 +86,7 @@ class Episode:
     group_id: Any = None
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     max_turns: int | None = None  # generating turns allowed (agent.max_turns); None = unlimited
+    apply_chat_template: bool = False  # data.apply_chat_template: a string prompt is one user message, rendered
 
 
 @dataclass
@@ -161,7 +162,7 @@ class Env(ABC):
 
     @abstractmethod
     async def step(self, state: dict) -> Result:
-        """`state` keys: observation_text, action_text, action_ids, label, sampling_params, turn."""
+        """`state` keys: observation_text, action_text, action_ids, label, sampling_params, turn, tokenizer."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, scalar
 from molt_hydra.agents.chat_messages import image_data_uri
 from molt_hydra.agents.chat_server import ChatServer
 from molt_hydra.agents.chat_session import ChatSession
-from molt_hydra.agents.tool_parser import get_tool_parser
+from molt_hydra.agents.tool_parser import reply_parser
 from molt_hydra.rollout.generation import Sampling, TokenGenerator
 
 
@@ -38,6 +38,7 @@ class AgentContext:
     sampling_params: Sampling
     max_length: int
     max_turns: int | None = None  # generating turns the session allows; later turns return an empty "length" reply
+    judge_url: str = ""  # OpenAI base_url of the unrecorded judge endpoint (same engines, never training data)
 
 
 ChatContext = AgentContext  # Molt's name, so ported agent files keep working
@@ -57,9 +58,15 @@ class ChatAgentRunner(Runner):
         self,
         agent: type[ChatAgent] | str,
         agent_kwargs: dict | None = None,
-        tool_parser: str = "hermes",
+        tool_parser: str | None = "hermes",
         image_tokens_per_image: int = 0,
+        reasoning_parser: str | None = None,
+        max_choices: int = 8,
+        accepts_images: bool = True,
     ):
+        """`tool_parser` / `reasoning_parser`: vLLM parser names for the model family (agent.tool_parser /
+        agent.reasoning_parser); `max_choices`: the largest `n` a request may ask for (agent.max_choices);
+        `accepts_images`: False for a text-only model, so image parts get a 400 (data.max_images_per_prompt > 0)."""
         if isinstance(agent, str):
             from molt_hydra.agents.loading import resolve_target
 
@@ -68,11 +75,18 @@ class ChatAgentRunner(Runner):
             raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent!r}")
         self.agent_cls = agent
         self.agent_kwargs = dict(agent_kwargs or {})
-        self.tool_parser = get_tool_parser(tool_parser)
+        self.configure_chat(tool_parser, reasoning_parser, max_choices, accepts_images)
         self.image_tokens_per_image = image_tokens_per_image
         self.server: ChatServer | None = None
         self._server_loop = None
         self._server_started: asyncio.Future | None = None
+
+    def configure_chat(self, tool_parser: str | None = "hermes", reasoning_parser: str | None = None,
+                       max_choices: int = 8, accepts_images: bool = True) -> None:
+        """The agent.* chat settings (the runner process applies the config's values over the constructor's)."""
+        _check_parser_names(tool_parser, reasoning_parser)
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+        self.max_choices, self.accepts_images = max_choices, accepts_images
 
     async def _ensure_server(self) -> ChatServer:
         # The server lives on the loop that runs the agents (its sessions call the engine from that loop);
@@ -93,11 +107,13 @@ class ChatAgentRunner(Runner):
             tokenizer,
             episode.sampling,
             episode.max_length,
-            self.tool_parser,
+            reply_parser(tokenizer, self.tool_parser, self.reasoning_parser),
             label=episode.label,
             prompt=episode.prompt,
             image_tokens_per_image=self.image_tokens_per_image,
             max_turns=episode.max_turns,
+            max_choices=self.max_choices,
+            accepts_images=self.accepts_images,
         )
         server.open_session(session)
         messages = prompt_messages(episode.prompt, episode.images)
@@ -115,6 +131,7 @@ class ChatAgentRunner(Runner):
             sampling_params=episode.sampling,
             max_length=episode.max_length,
             max_turns=episode.max_turns,
+            judge_url=server.session_url(sid) + "/judge/v1",
         )
         try:
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)
@@ -134,6 +151,19 @@ class ChatAgentRunner(Runner):
         if self.server is not None:
             await self.server.stop()
             self.server, self._server_loop = None, None
+
+
+def _check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
+    """Unknown parser names fail when the runner is built, not at the first tool call."""
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    tools = {*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers}
+    if tool_parser and tool_parser not in tools:
+        raise ValueError(f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {sorted(tools)}")
+    if reasoning_parser and reasoning_parser not in ReasoningParserManager.list_registered():
+        raise ValueError(f"agent.reasoning_parser={reasoning_parser!r} is not a vLLM reasoning parser; known: "
+                         f"{ReasoningParserManager.list_registered()}")
 
 
 def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:

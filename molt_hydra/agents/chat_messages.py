@@ -9,6 +9,7 @@ Text-only part lists collapse to a string, so echoing a message in either shape 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 from dataclasses import dataclass, field
@@ -25,10 +26,45 @@ class RequestError(Exception):
 class ChatRequest:
     messages: list[dict]
     tools: list[dict] | None = None  # OpenAI function-tool shape, as the chat template expects
-    overrides: dict = field(default_factory=dict)  # Sampling fields set by this request
+    overrides: dict = field(default_factory=dict)  # Sampling fields set by this request (checked by the session)
     n: int = 1
     stream: bool = False
     include_usage: bool = False  # OpenAI stream_options.include_usage
+    tool_choice: str | dict = "auto"  # none | auto | required | {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = None  # False: at most one tool call is returned
+    top_logprobs: int | None = None  # None: no logprobs in the reply; k: the sampled token's plus k alternatives
+    response_format: dict | None = None  # vLLM structured output: {"json": schema} / {"json_object": True}
+    thinking: bool | None = None  # Anthropic thinking enabled / disabled; None: not asked
+    raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
+
+    def key(self) -> str:
+        """What makes two requests the same turn (a client retry)."""
+        d = dataclasses.asdict(self)
+        d.pop("stream"), d.pop("include_usage")
+        return json.dumps(d, sort_keys=True, default=str)
+
+
+# Fields of each wire format that are accepted but change nothing here (documented in docs/agents.md);
+# any field neither honoured nor listed here is refused with a 400 naming it.
+IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_retention", "stream_options"}
+# Fields accepted only at the value that changes nothing (sampling shapers training does not assume).
+NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
+                  "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,),
+                  "include": ([],)}
+
+
+def check_fields(body: dict, honoured: set[str], api: str) -> None:
+    for key, value in body.items():
+        if value is None or key in honoured or key in IGNORED_FIELDS:
+            continue
+        if key in NEUTRAL_VALUES:
+            if value not in NEUTRAL_VALUES[key]:
+                raise _bad(f"'{key}'={value!r} is not supported by the training chat server ({api}): it would change "
+                           f"what is sampled; omit it or send {NEUTRAL_VALUES[key][0]!r}", key)
+            continue
+        raise _bad(f"unsupported field '{key}' for {api}; honoured: {sorted(honoured)}; accepted and ignored: "
+                   f"{sorted(IGNORED_FIELDS)} (see docs/agents.md)", key)
 
 
 def _bad(message: str, param: str | None = None) -> RequestError:
@@ -91,38 +127,112 @@ def _text_part(p: dict, where: str) -> dict:
 _OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
+_OPENAI_CHAT_FIELDS = {"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
+                       "top_p", "n", "stop", "seed", "stream", "logprobs", "top_logprobs", "response_format",
+                       "parallel_tool_calls"}
+
+
+def _sampling(body: dict, max_key: str | tuple[str, ...], temperature_max: float = 2.0) -> dict:
+    """Sampling fields the client set (the session checks them against the recipe)."""
+    overrides: dict = {}
+    for key in (max_key,) if isinstance(max_key, str) else max_key:
+        v = _integer(body, key, 1)
+        if v is not None:
+            overrides["max_tokens"] = v
+            break
+    for key, lo, hi in (("temperature", 0.0, temperature_max), ("top_p", 1e-9, 1.0)):
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            overrides[key] = v
+    for key, lo in (("seed", 0), ("top_k", 1)):
+        v = _integer(body, key, lo)
+        if v is not None:
+            overrides[key] = v
+    return overrides
+
+
+def _openai_tool_choice(v: Any, tools: list[dict] | None, param: str = "tool_choice") -> str | dict:
+    if v is None:
+        return "auto"
+    if isinstance(v, dict) and v.get("type") == "function":
+        name = (v.get("function") or {}).get("name") if "function" in v else v.get("name")  # chat / responses shape
+        if not isinstance(name, str):
+            raise _bad(f"'{param}' names no function", param)
+        v = {"type": "function", "function": {"name": name}}
+    if v not in ("none", "auto", "required") and not isinstance(v, dict):
+        raise _bad(f"'{param}' must be none, auto, required or a named function, got {v!r}", param)
+    if v in ("required",) or isinstance(v, dict):
+        names = [t["function"]["name"] for t in tools or []]
+        if not names:
+            raise _bad(f"'{param}'={v!r} needs 'tools'", param)
+        if isinstance(v, dict) and v["function"]["name"] not in names:
+            raise _bad(f"'{param}' names {v['function']['name']!r}, which is not in tools {names}", param)
+    return v
+
+
+def _response_format(v: Any, param: str = "response_format") -> dict | None:
+    """OpenAI response_format (or Responses text.format) → vLLM structured output fields."""
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = v.get("json_schema", v)  # chat nests it; the Responses API puts it at the top
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad(f"'{param}' json_schema needs a 'schema' object", param)
+        return {"json": schema}
+    raise _bad(f"'{param}' type must be text, json_object or json_schema, got {kind!r}", param)
+
+
+def _top_logprobs(body: dict, flag_key: str | None) -> int | None:
+    top = _integer(body, "top_logprobs", 0)
+    if top is not None and top > 20:
+        raise _bad(f"'top_logprobs' must be <= 20, got {top}", "top_logprobs")
+    if flag_key is not None and not _flag(body, flag_key):
+        if top:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
+
+
+def _parallel(body: dict) -> bool | None:
+    v = body.get("parallel_tool_calls")
+    if v is not None and not isinstance(v, bool):
+        raise _bad(f"'parallel_tool_calls' must be a boolean, got {v!r}", "parallel_tool_calls")
+    return v
+
+
 def openai_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
+    check_fields(body, _OPENAI_CHAT_FIELDS, "/v1/chat/completions")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
     canon = [_openai_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-    overrides: dict = {}
-    max_tokens = _integer(body, "max_completion_tokens", 1) or _integer(body, "max_tokens", 1)
-    if max_tokens is not None:
-        overrides["max_tokens"] = max_tokens
-    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 1e-9, 1.0)):
-        v = _number(body, key, lo, hi)
-        if v is not None:
-            overrides[key] = v
-    seed = _integer(body, "seed", 0)
-    if seed is not None:
-        overrides["seed"] = seed
+    overrides = _sampling(body, ("max_completion_tokens", "max_tokens"))
     stop = _stops(body, "stop")
     if stop is not None:
         overrides["stop"] = stop
-    n = _integer(body, "n", 1) or 1
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise _bad("'stream_options' must be an object", "stream_options")
+    tools = _openai_tools(body.get("tools"))
     return ChatRequest(
         messages=canon,
-        tools=_openai_tools(body.get("tools")),
+        tools=tools,
         overrides=overrides,
-        n=n,
+        n=_integer(body, "n", 1) or 1,
         stream=_flag(body, "stream"),
         include_usage=bool(stream_options.get("include_usage")),
+        tool_choice=_openai_tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=_parallel(body),
+        top_logprobs=_top_logprobs(body, "logprobs"),
+        response_format=_response_format(body.get("response_format")),
     )
 
 
@@ -185,9 +295,14 @@ def _openai_tools(tools: Any) -> list[dict] | None:
 # --- Anthropic /v1/messages ---
 
 
+_ANTHROPIC_FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream",
+                     "tools", "tool_choice", "thinking"}
+
+
 def anthropic_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
+    check_fields(body, _ANTHROPIC_FIELDS, "/v1/messages")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
@@ -201,17 +316,7 @@ def anthropic_request(body: Any) -> ChatRequest:
         canon.append({"role": "system", "content": system})
     for i, m in enumerate(messages):
         canon.extend(_anthropic_message(m, f"messages[{i}]"))
-    overrides: dict = {}
-    max_tokens = _integer(body, "max_tokens", 1)
-    if max_tokens is not None:
-        overrides["max_tokens"] = max_tokens
-    for key, lo, hi in (("temperature", 0.0, 1.0), ("top_p", 1e-9, 1.0)):
-        v = _number(body, key, lo, hi)
-        if v is not None:
-            overrides[key] = v
-    top_k = _integer(body, "top_k", 1)
-    if top_k is not None:
-        overrides["top_k"] = top_k
+    overrides = _sampling(body, "max_tokens", temperature_max=1.0)
     stop = _stops(body, "stop_sequences")
     if stop is not None:
         overrides["stop"] = stop
@@ -219,6 +324,9 @@ def anthropic_request(body: Any) -> ChatRequest:
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
             raise _bad("'tools' must be a list of {name, description?, input_schema}", "tools")
+        for i, t in enumerate(tools):
+            if t.get("type") not in (None, "custom"):  # server tools (web_search, bash, ...) run at Anthropic
+                raise _bad(f"tools[{i}] type {t['type']!r} is a server tool; only client tools are served", "tools")
         tools = [
             {
                 "type": "function",
@@ -230,7 +338,39 @@ def anthropic_request(body: Any) -> ChatRequest:
             }
             for t in tools
         ] or None
-    return ChatRequest(messages=canon, tools=tools, overrides=overrides, stream=_flag(body, "stream"))
+    tool_choice, parallel = _anthropic_tool_choice(body.get("tool_choice"), tools)
+    return ChatRequest(messages=canon, tools=tools, overrides=overrides, stream=_flag(body, "stream"),
+                       tool_choice=tool_choice, parallel_tool_calls=parallel,
+                       thinking=_anthropic_thinking(body.get("thinking"), overrides.get("max_tokens")))
+
+
+def _anthropic_tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | None]:
+    if v is None:
+        return "auto", None
+    kind = v.get("type") if isinstance(v, dict) else None
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        mapped = {"type": "function", "function": {"name": v.get("name")}}
+    if mapped is None:
+        raise _bad(f"'tool_choice' type must be auto, any, tool or none, got {v!r}", "tool_choice")
+    disable = v.get("disable_parallel_tool_use")
+    return _openai_tool_choice(mapped, tools), (None if disable is None else not disable)
+
+
+def _anthropic_thinking(v: Any, max_tokens: int | None) -> bool | None:
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "disabled":
+        return False
+    if kind != "enabled":
+        raise _bad(f"'thinking' type must be enabled or disabled, got {v!r}", "thinking")
+    budget = v.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise _bad("'thinking.budget_tokens' must be a positive integer", "thinking")
+    if max_tokens is not None and budget >= max_tokens:
+        raise _bad(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})", "thinking")
+    return True
 
 
 def _anthropic_message(m: Any, where: str) -> list[dict]:
@@ -288,6 +428,139 @@ def _anthropic_image(b: dict, where: str) -> dict:
     if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
         return {"type": "image", "source": src["url"]}
     raise _bad(f"{where}: image needs source {{type: base64, media_type, data}} or {{type: url, url}}", where)
+
+
+# --- OpenAI /v1/responses ---
+
+_RESPONSES_FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
+                     "stream", "text", "parallel_tool_calls", "top_logprobs"}
+
+
+def responses_request(body: Any) -> ChatRequest:
+    """The Responses API as a chat turn. Input items (messages, function_call, function_call_output) become chat
+    messages; nothing is stored server-side, so `previous_response_id` is refused: send the whole input each turn."""
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    if body.get("previous_response_id") is not None:
+        raise _bad("'previous_response_id' is not supported: this server stores no responses; send the full input "
+                   "(agent SDKs do so when store=false)", "previous_response_id")
+    check_fields(body, _RESPONSES_FIELDS, "/v1/responses")
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise _bad("'input' must be a string or a non-empty list of items", "input")
+    canon: list[dict] = []
+    instructions = body.get("instructions")
+    if instructions:
+        if not isinstance(instructions, str):
+            raise _bad("'instructions' must be a string", "instructions")
+        canon.append({"role": "system", "content": instructions})
+    for i, item in enumerate(items):
+        _responses_item(item, f"input[{i}]", canon)
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("'tools' must be a list", "tools")
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+                raise _bad(f"tools[{i}]: only function tools {{type: function, name, parameters}} are served "
+                           f"(hosted tools run at OpenAI), got {t!r}", "tools")
+        tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+                 for t in tools] or None
+    text = body.get("text") or {}
+    if not isinstance(text, dict):
+        raise _bad("'text' must be an object", "text")
+    return ChatRequest(
+        messages=canon,
+        tools=tools,
+        overrides=_sampling(body, "max_output_tokens"),
+        stream=_flag(body, "stream"),
+        tool_choice=_openai_tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=_parallel(body),
+        top_logprobs=_top_logprobs(body, None) if body.get("top_logprobs") else None,
+        response_format=_response_format(text.get("format"), "text.format"),
+    )
+
+
+def _responses_item(item: Any, where: str, canon: list[dict]) -> None:
+    if not isinstance(item, dict):
+        raise _bad(f"{where} must be an object", where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        if item.get("role") not in _OPENAI_ROLES or item["role"] == "tool":
+            raise _bad(f"{where}: message role must be user, system, developer or assistant", where)
+        content = item.get("content", "")
+        if isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                at = f"{where}.content[{j}]"
+                ptype = p.get("type") if isinstance(p, dict) else None
+                if ptype in ("input_text", "output_text", "text"):
+                    parts.append(_text_part(p, at))
+                elif ptype == "input_image" and isinstance(p.get("image_url"), str):
+                    parts.append({"type": "image", "source": p["image_url"]})
+                elif ptype == "refusal" and isinstance(p.get("refusal"), str):
+                    parts.append({"type": "text", "text": p["refusal"]})
+                else:
+                    raise _bad(f"{at}: unsupported content part {ptype!r} (input_text, output_text, input_image)", at)
+            content = _content(parts)
+        elif not isinstance(content, str):
+            raise _bad(f"{where}.content must be a string or a list of parts", where)
+        canon.append({"role": _OPENAI_ROLES[item["role"]], "content": content})
+    elif kind == "function_call":
+        if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
+            raise _bad(f"{where}: function_call needs a string name and arguments", where)
+        call = {"id": str(item.get("call_id", "")), "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+        last = canon[-1] if canon else None
+        if last is not None and last["role"] == "assistant":  # the reply's text and its calls are one chat message
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            canon.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        out = item.get("output", "")
+        if isinstance(out, list):
+            out = _content([_text_part(p, where) if p.get("type") != "input_image"
+                            else {"type": "image", "source": p.get("image_url")} for p in out])
+        elif not isinstance(out, str):
+            raise _bad(f"{where}: function_call_output.output must be a string or a list of parts", where)
+        canon.append({"role": "tool", "content": out, "tool_call_id": str(item.get("call_id", ""))})
+    elif kind == "reasoning":
+        pass  # an echoed reasoning item: chat templates drop earlier turns' reasoning, so it renders nowhere
+    else:
+        raise _bad(f"{where}: unsupported input item type {kind!r} (message, function_call, function_call_output, "
+                   "reasoning)", where)
+
+
+# --- OpenAI /v1/completions ---
+
+_COMPLETIONS_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "logprobs"}
+
+
+def completions_request(body: Any) -> ChatRequest:
+    """A raw-text completion: the prompt is tokenized as sent, without the chat template."""
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    check_fields(body, _COMPLETIONS_FIELDS | {"suffix"}, "/v1/completions")
+    if body.get("suffix"):
+        raise _bad("'suffix' (fill-in-the-middle) is not supported", "suffix")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise _bad("'prompt' must be one non-empty string", "prompt")
+    overrides = _sampling(body, "max_tokens")
+    stop = _stops(body, "stop")
+    if stop is not None:
+        overrides["stop"] = stop
+    logprobs = _integer(body, "logprobs", 0)
+    if logprobs is not None and logprobs > 5:
+        raise _bad(f"'logprobs' must be <= 5, got {logprobs}", "logprobs")
+    stream_options = body.get("stream_options") or {}
+    return ChatRequest(messages=[], overrides=overrides, n=_integer(body, "n", 1) or 1, stream=_flag(body, "stream"),
+                       include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+                       top_logprobs=logprobs, raw_prompt=prompt)
 
 
 # --- images ---

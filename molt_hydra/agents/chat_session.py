@@ -17,13 +17,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from molt_hydra.agents.base import Trajectory, apply_sampling_override
+from molt_hydra.agents.base import Trajectory
 from molt_hydra.agents.chat_messages import ChatRequest, RequestError, image_sources, load_image
-from molt_hydra.agents.tool_parser import ToolCall
+from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall, forced_tool_schema, parse_forced
+from molt_hydra.rollout.engine import join_deltas
 from molt_hydra.rollout.generation import Generation, GenerationRequest, Sampling, TokenGenerator
+
+# What a streaming client gets while the engine samples: ("reasoning" | "content", text delta).
+DeltaSink = Callable[[str, str], None]
+# Sampling values the recipe fixes for training (the recompute assumes them): a client may not change them.
+RECIPE_SAMPLING = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k"}
 
 
 @dataclass
@@ -34,7 +42,8 @@ class Choice:
     tool_call_ids: list[str]
     finish_reason: str  # stop | length | tool_calls
     stop_sequence: str | None  # the stop string that ended it, if one did
-    pieces: list[str]  # the content cut at token boundaries, for streaming
+    reasoning: str | None = None  # the model's thinking, split off by the reasoning parser
+    logprobs: list[dict] | None = None  # OpenAI logprobs.content entries, when the client asked for them
 
 
 @dataclass
@@ -43,6 +52,7 @@ class TurnReply:
     prompt_tokens: int
     completion_tokens: int
     cached: bool = False
+    streamed: bool = False  # choice 0's text already reached the client token by token
 
 
 @dataclass
@@ -55,6 +65,7 @@ class _Branch:
 class SessionStats:
     generate_calls: int = 0
     retries_served: int = 0
+    judge_calls: int = 0
 
 
 _PROBE = "\u2063probe\u2063"
@@ -68,18 +79,23 @@ class ChatSession:
         tokenizer,
         sampling: Sampling,
         max_length: int,
-        tool_parser,
+        parser: ReplyParser,
         label=None,
         prompt=None,
         image_tokens_per_image: int = 0,
         max_turns: int | None = None,
+        max_choices: int = 8,
+        accepts_images: bool = True,
     ):
         self.session_id = session_id
         self.generator = generator
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.max_length = max_length
-        self.tool_parser = tool_parser
+        self.parser = parser
+        self.max_choices = max_choices
+        self.accepts_images = accepts_images
+        self.loop: asyncio.AbstractEventLoop | None = None  # the agent's loop, where the generator is called
         self.label = label
         self.prompt = prompt
         self.image_tokens_per_image = image_tokens_per_image
@@ -95,6 +111,7 @@ class ChatSession:
         self._last_reply: TurnReply | None = None
         self._turn_end = self._assistant_turn_end()
         self._end_ids = {tokenizer.eos_token_id, *sampling.stop_token_ids}
+        self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
 
     # --- rendering ---
 
@@ -124,29 +141,94 @@ class ChatSession:
 
     # --- one turn ---
 
-    async def complete(self, req: ChatRequest) -> TurnReply:
+    async def complete(self, req: ChatRequest, on_delta: DeltaSink | None = None) -> TurnReply:
         async with self.lock:
             if self.closed:
                 raise RequestError(404, f"session {self.session_id} is closed", code="session_closed")
-            key = json.dumps([req.messages, req.tools, req.n, req.overrides], sort_keys=True, default=str)
+            key = req.key()
             if key == self._last_key and self._last_reply is not None:
                 self.stats.retries_served += 1
-                return dataclasses.replace(self._last_reply, cached=True)
-            return await self._generate_turn(req, key)
+                return dataclasses.replace(self._last_reply, cached=True, streamed=False)
+            return await self._generate_turn(req, key, on_delta)
 
-    async def _generate_turn(self, req: ChatRequest, key: str) -> TurnReply:
-        extension = self._extension(req)
-        if extension is not None:
+    async def judge(self, req: ChatRequest) -> TurnReply:
+        """An LLM-as-judge call on the same engines: the client's sampling is honoured and nothing is recorded."""
+        if req.raw_prompt is not None or req.stream:
+            raise RequestError(400, "the judge endpoint serves non-streamed chat completions only", "stream")
+        if req.n > self.max_choices:
+            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
+        prompt_ids = self._tokenize(self._render(req.messages, req.tools, True))
+        self._check_images(req.messages)
+        o = req.overrides
+        remaining = self.max_length - len(prompt_ids)
+        if remaining <= 0:
+            raise RequestError(400, f"judge prompt is {len(prompt_ids)} tokens; max_length is {self.max_length}",
+                               "messages", "context_length_exceeded")
+        max_tokens = min(o.get("max_tokens", self.sampling.max_tokens), remaining)
+        sampling = dataclasses.replace(
+            self.sampling, n=req.n, max_tokens=max_tokens, min_tokens=0, stop=self.sampling.stop + o.get("stop", ()),
+            **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o},
+            **self._decoding(req))
+        self.stats.judge_calls += 1
+        gens = await self.generator.generate(GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling,
+                                                               [load_image(s) for s in image_sources(req.messages)]))
+        return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
+
+    def _check_images(self, messages: list[dict]) -> None:
+        if not self.accepts_images and image_sources(messages):
+            raise RequestError(400, "this model is text-only (data.max_images_per_prompt=0): remove the image parts, "
+                                    "or train a vision model with data.max_images_per_prompt > 0", "messages")
+
+    def _turn_sampling(self, req: ChatRequest) -> Sampling:
+        """The recipe's sampling, narrowed by the client (the one rule, docs/agents.md): temperature / top_p / top_k
+        that differ from the rollout's are refused; max_tokens only lowers the per-turn cap; stop strings add to
+        the recipe's; seed is honoured; n is bounded by agent.max_choices."""
+        if req.thinking is not None and req.thinking != (self.parser.reasoning is not None):
+            raise RequestError(400, f"'thinking' {'enabled' if req.thinking else 'disabled'} does not match this "
+                               f"model's setup (agent.reasoning_parser={self.parser.reasoning_parser_name!r}): "
+                               "thinking is what the model was trained to do; omit 'thinking'", "thinking")
+        o = dict(req.overrides)
+        for key, recipe_key in RECIPE_SAMPLING.items():
+            if key not in o:
+                continue
+            ours, theirs = getattr(self.sampling, key), o.pop(key)
+            if key == "top_k" and ours <= 0 or not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6):
+                raise RequestError(
+                    400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: training assumes the "
+                    f"recipe's sampling, so a client may not change it; omit '{key}' or send {ours}", key,
+                    "sampling_mismatch")
+        if req.n > self.max_choices:
+            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
+        return dataclasses.replace(
+            self.sampling, n=req.n,
+            max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", self.sampling.max_tokens)),
+            stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
+            seed=o.get("seed", self.sampling.seed), **self._decoding(req))
+
+    def _decoding(self, req: ChatRequest) -> dict:
+        """Engine-side output controls of a request: logprobs and structured output (response_format / forced tool)."""
+        structured = req.response_format
+        if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+            if structured is not None:
+                raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
+                                   "response_format")
+            structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
+        return {"top_logprobs": req.top_logprobs or 0, "structured": structured}
+
+    async def _generate_turn(self, req: ChatRequest, key: str, on_delta: DeltaSink | None) -> TurnReply:
+        extension = None if req.raw_prompt is not None else self._extension(req)
+        if req.raw_prompt is not None:
+            prompt_ids, images = self._tokenize(req.raw_prompt), []
+        elif extension is not None:
             branch, delta_ids, new_sources = extension
+            self._check_images(req.messages[len(self._prev_messages):])
             prompt_ids = branch.traj.token_ids + delta_ids
             images = branch.traj.images + [load_image(s) for s in new_sources]
         else:
+            self._check_images(req.messages)
             prompt_ids = self._tokenize(self._render(req.messages, req.tools, True))
             images = [load_image(s) for s in image_sources(req.messages)]
-        try:
-            sampling = apply_sampling_override(self.sampling, req.overrides)
-        except (TypeError, ValueError) as e:
-            raise RequestError(400, str(e)) from None
+        sampling = self._turn_sampling(req)
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
         out_of_turns = self.max_turns is not None and self.stats.generate_calls >= self.max_turns
         if remaining <= 0 or out_of_turns:
@@ -161,20 +243,24 @@ class ChatSession:
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for b in self._branches:
                 b.traj.truncated = True
-            empty = Choice(Generation([], [], [], "length"), "", [], [], "length", None, [])
+            empty = Choice(Generation([], [], [], "length"), "", [], [], "length", None)
             reply = TurnReply([empty], len(prompt_ids), 0)
             self._last_key, self._last_reply = key, reply
             return reply
 
+        self.last_prompt_tokens = len(prompt_ids)
         max_tokens = min(sampling.max_tokens, remaining)
-        sampling = dataclasses.replace(
-            sampling, n=req.n, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens)
-        )
+        sampling = dataclasses.replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens))
         self.stats.generate_calls += 1
-        gens = await self.generator.generate(GenerationRequest(self.session_id, list(prompt_ids), sampling, images))
+        request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
+        streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
+        if streamed:
+            gens = [await self._stream(request, req, on_delta)]
+        else:
+            gens = await self.generator.generate(request)
         if len(gens) != req.n:
             raise RuntimeError(f"engine returned {len(gens)} generations for n={req.n}")
-        choices = [self._choice(g) for g in gens]
+        choices = [self._choice(g, req) for g in gens]
 
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
         if extension is not None:
@@ -184,7 +270,7 @@ class ChatSession:
             base.images = images
         else:
             self._sealed.extend(b.traj for b in self._branches)
-            base = Trajectory(prompt=req.messages, label=self.label, images=images)
+            base = Trajectory(prompt=req.raw_prompt or req.messages, label=self.label, images=images)
             base.append_feedback(prompt_ids)
         trajs = [base.copy() for _ in range(req.n - 1)] + [base]
         self._branches = []
@@ -192,10 +278,44 @@ class ChatSession:
             traj.append_action(gen)
             traj.truncated |= gen.finish_reason == "length"
             self._branches.append(_Branch(traj, choice))
-        reply = TurnReply(choices, len(prompt_ids), sum(len(g.token_ids) for g in gens))
-        self._prev_messages, self._prev_tools = req.messages, req.tools
+        reply = TurnReply(choices, len(prompt_ids), sum(len(g.token_ids) for g in gens), streamed=streamed)
+        # A raw completion is never continued as a chat: no chat request equals this marker.
+        self._prev_messages = req.messages if req.raw_prompt is None else [{"raw_prompt": req.raw_prompt}]
+        self._prev_tools = req.tools
         self._last_key, self._last_reply = key, reply
         return reply
+
+    async def _stream(self, request: GenerationRequest, req: ChatRequest, on_delta: DeltaSink) -> Generation:
+        """Sample one completion token by token, handing the client each safe-to-show piece as it appears."""
+        stops = request.sampling.stop
+        hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be completing
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+        sent = {"reasoning": "", "content": ""}
+        deltas: list[Generation] = []
+
+        def emit(kind: str, text: str | None) -> None:
+            text = text or ""
+            if len(text) > len(sent[kind]) and text.startswith(sent[kind]):
+                on_delta(kind, text[len(sent[kind]):])
+                sent[kind] = text
+
+        async for d in self.generator.generate_stream(request):
+            deltas.append(d)
+            ids = [t for x in deltas for t in x.token_ids]
+            while ids and ids[-1] in self._end_ids:
+                ids = ids[:-1]
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
+            if forced:
+                continue  # the reply is a tool call, sent whole at the end
+            reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
+            emit("reasoning", reasoning)
+            emit("content", content)
+        gen = join_deltas(deltas)
+        final = self._choice(gen, req)
+        emit("reasoning", final.reasoning)
+        emit("content", final.content)
+        return gen
 
     def _extension(self, req: ChatRequest):
         """(branch, delta ids, new image sources) when this request continues an open branch, else None."""
@@ -215,7 +335,7 @@ class ChatSession:
         delta = self._bridge(branch.choice.gen) + full[len(head) :]
         return branch, self._tokenize(delta), image_sources(req.messages[k + 1 :])
 
-    def _choice(self, gen: Generation) -> Choice:
+    def _choice(self, gen: Generation, req: ChatRequest) -> Choice:
         ids = gen.token_ids
         if gen.finish_reason == "stop" and ids and ids[-1] in self._end_ids | {gen.stop_reason}:
             ids = ids[:-1]
@@ -223,27 +343,30 @@ class ChatSession:
         stop_sequence = gen.stop_reason if isinstance(gen.stop_reason, str) else None
         if stop_sequence is not None and stop_sequence in text:
             text = text[: text.index(stop_sequence)]  # OpenAI/Anthropic omit the stop sequence from the text
-        parsed = self.tool_parser(text)
-        if parsed.tool_calls:
+        if req.raw_prompt is not None:
+            parsed = ParsedReply(text, [])
+        elif req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+            parsed = parse_forced(text, req.tool_choice)
+        else:
+            parsed = self.parser.parse(text, req.tools, parse_tools=req.tool_choice != "none")
+        calls = parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
+        if calls:
             finish = "tool_calls"
         else:
             finish = "length" if gen.finish_reason == "length" else "stop"
-        call_ids = [f"call_{secrets.token_hex(8)}" for _ in parsed.tool_calls]
-        content = parsed.content if parsed.tool_calls else text
-        return Choice(gen, content, parsed.tool_calls, call_ids, finish, stop_sequence, self._pieces(content, ids))
+        call_ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
+        return Choice(gen, parsed.content, calls, call_ids, finish, stop_sequence, parsed.reasoning,
+                      None if req.top_logprobs is None else self._logprob_entries(gen))
 
-    def _pieces(self, content: str, ids: list[int]) -> list[str]:
-        """`content` cut where each token's text ends, when per-token decoding reproduces it; else one piece."""
-        out, used = [], 0
-        for t in ids:
-            piece = self.tokenizer.decode([t], skip_special_tokens=False)
-            if used >= len(content):
-                break
-            if not content.startswith(piece, used):
-                return [content] if content else []
-            out.append(piece)
-            used += len(piece)
-        return out if used == len(content) else ([content] if content else [])
+    def _logprob_entries(self, gen: Generation) -> list[dict]:
+        """The engine's logprob of every generated token (and its top alternatives), in OpenAI's shape."""
+        def entry(tid: int, lp: float) -> dict:
+            text = self.tokenizer.decode([tid], skip_special_tokens=False)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        tops = gen.top_logprobs or [{}] * len(gen.token_ids)
+        return [dict(entry(t, lp), top_logprobs=[entry(a, x) for a, x in sorted(top.items(), key=lambda kv: -kv[1])])
+                for t, lp, top in zip(gen.token_ids, gen.logprobs, tops)]
 
     # --- end of session ---
 

@@ -38,7 +38,10 @@ class StepEnvRunner(Runner):
 
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
         env = self.env_cls(**self.env_kwargs)
-        state = env.reset({"observation": episode.prompt, "label": episode.label})
+        prompt = episode.prompt
+        if episode.apply_chat_template and isinstance(prompt, str):  # Molt: a string is the user's one message
+            prompt = [{"role": "user", "content": prompt}]
+        state = env.reset({"observation": prompt, "label": episode.label})
         if inspect.isawaitable(state):
             state = await state
         prompt = state["observation"]
@@ -89,6 +92,7 @@ class StepEnvRunner(Runner):
                     "label": episode.label,
                     "sampling_params": turn_sampling,
                     "turn": turn,
+                    "tokenizer": tokenizer,  # e.g. for vLLM's tool parsers (agents.tool_parser.reply_parser)
                 }
             )
             if not isinstance(result, Result):

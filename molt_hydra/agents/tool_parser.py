@@ -1,15 +1,17 @@
-"""Tool calls parsed from generated text, per model family. The chat server returns them as structured
-`tool_calls` (OpenAI) / `tool_use` blocks (Anthropic); the generated token ids are kept as they are.
+"""Tool calls and reasoning in generated text, parsed by vLLM's own parsers (`vllm.tool_parsers`, `vllm.reasoning`),
+chosen per model family by `agent.tool_parser` (hermes, qwen3_coder, llama3_json, mistral, ...) and
+`agent.reasoning_parser` (qwen3, deepseek_r1, ...). The chat server returns them as structured `tool_calls` /
+`tool_use` blocks and `reasoning_content` / thinking blocks; the generated token ids are kept as they are.
 
-Hermes / Qwen format: `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`, possibly several per turn.
-A block whose body is not a JSON object with a string `name` stays in the text content, so the agent sees what
-the model wrote instead of losing it.
+A call whose arguments are not a JSON object stays in the text content, so the agent sees what the model wrote.
+`tool_choice` "required" / a named tool is enforced with vLLM's structured output (the JSON schema vLLM's own
+server derives from the tools); such a reply is the bare JSON and is parsed here, not by the model-family parser.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 from dataclasses import dataclass
 
 
@@ -21,50 +23,112 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedReply:
-    content: str  # text outside the parsed tool-call blocks, stripped
+    content: str  # text outside reasoning and parsed tool-call blocks
     tool_calls: list[ToolCall]
+    reasoning: str | None = None
 
 
-_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+def _vllm_request(tools: list[dict] | None, tool_choice="auto", parallel_tool_calls: bool | None = None):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    kw = {"tool_choice": tool_choice} if tools else {}
+    return ChatCompletionRequest(model="policy", messages=[], tools=tools, parallel_tool_calls=parallel_tool_calls,
+                                 **kw)
 
 
-def parse_hermes(text: str) -> ParsedReply:
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
-    for m in _HERMES_BLOCK.finditer(text):
-        call = _hermes_call(m.group(1))
-        if call is None:
-            continue  # left in the content
-        kept.append(text[pos : m.start()])
-        pos = m.end()
-        calls.append(call)
-    kept.append(text[pos:])
-    return ParsedReply("".join(kept).strip(), calls)
+def forced_tool_schema(tools: list[dict], tool_choice, parallel_tool_calls: bool | None) -> dict:
+    """JSON schema that makes the model call a tool: vLLM's own rule for tool_choice "required" / a named tool."""
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    req = _vllm_request(tools, tool_choice, parallel_tool_calls)
+    schema = get_json_schema_from_tools(req.tool_choice, req.tools, req.parallel_tool_calls)
+    return json.loads(schema) if isinstance(schema, str) else schema
 
 
-def _hermes_call(body: str) -> ToolCall | None:
+def parse_forced(text: str, tool_choice) -> ParsedReply:
+    """The bare JSON a forced tool choice generated: an array of {name, parameters} ("required") or the named tool's
+    arguments object."""
     try:
-        obj = json.loads(body)
+        obj = json.loads(text)
     except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", {})
-    if isinstance(args, str):  # some models emit the arguments JSON-encoded a second time
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], args)
+        return ParsedReply(text, [])  # cut by max_tokens: the agent sees the partial JSON
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        return ParsedReply("", [ToolCall(name, obj)] if isinstance(obj, dict) else [])
+    calls = [ToolCall(c["name"], c.get("parameters") or {}) for c in obj if isinstance(c, dict) and "name" in c]
+    return ParsedReply("", calls)
 
 
-TOOL_PARSERS = {"hermes": parse_hermes}
+class ReplyParser:
+    """One model family's reasoning + tool-call parsers (vLLM's), built once per runner."""
+
+    def __init__(self, tokenizer, tool_parser: str | None = "hermes", reasoning_parser: str | None = None):
+        from vllm.reasoning import ReasoningParserManager
+        from vllm.tool_parsers import ToolParserManager
+
+        self.tool_parser_name, self.reasoning_parser_name = tool_parser, reasoning_parser
+        self.tool = self.reasoning = None
+        if tool_parser:
+            try:
+                cls = ToolParserManager.get_tool_parser(tool_parser)
+            except KeyError:
+                known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
+                raise ValueError(
+                    f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {known}") from None
+            try:
+                self.tool = cls(tokenizer)
+            except RuntimeError as e:  # vLLM's parsers check the tokenizer has the family's marker tokens
+                raise ValueError(f"agent.tool_parser={tool_parser!r} does not fit this model's tokenizer ({e}); set "
+                                 "agent.tool_parser to the model family's parser, or null for none") from None
+        if reasoning_parser:
+            try:
+                self.reasoning = ReasoningParserManager.get_reasoning_parser(reasoning_parser)(tokenizer)
+            except KeyError:
+                known = ReasoningParserManager.list_registered()
+                raise ValueError(
+                    f"agent.reasoning_parser={reasoning_parser!r} is not a vLLM reasoning parser; known: {known}"
+                ) from None
+        # Text streamed as content must stop where a tool call may begin (vLLM's parsers name their start marker).
+        self.tool_start = getattr(self.tool, "tool_call_start_token", None) or getattr(self.tool, "bot_token", None)
+
+    def parse(self, text: str, tools: list[dict] | None, parse_tools: bool = True) -> ParsedReply:
+        reasoning, content = None, text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.extract_reasoning(text, _vllm_request(tools))
+            content = content or ""
+        if self.tool is None or not parse_tools or not tools:
+            return ParsedReply(content, [], reasoning)
+        info = self.tool.extract_tool_calls(content, _vllm_request(tools))
+        if not info.tools_called:
+            return ParsedReply(content, [], reasoning)
+        calls = []
+        for tc in info.tool_calls:
+            try:
+                args = json.loads(tc.function.arguments or "{}")
+            except json.JSONDecodeError:
+                args = None
+            if not isinstance(args, dict):
+                return ParsedReply(content, [], reasoning)
+            calls.append(ToolCall(tc.function.name, args))
+        return ParsedReply((info.content or "").strip(), calls, reasoning)
+
+    def streamable(self, text: str, tools: list[dict] | None, parse_tools: bool) -> tuple[str | None, str]:
+        """(reasoning, content) of a partial generation that are safe to stream: content stops before anything that
+        could still turn into a tool call. With a parser that names no start marker, no content streams early."""
+        parsed = self.parse(text, tools, parse_tools=False)
+        content = parsed.content
+        if self.tool is not None and parse_tools and tools:
+            if self.tool_start is None:
+                return parsed.reasoning, ""
+            cut = content.find(self.tool_start)
+            if cut < 0:  # hold back a suffix that may be the start of the marker
+                cut = next((len(content) - k for k in range(min(len(self.tool_start) - 1, len(content)), 0, -1)
+                            if self.tool_start.startswith(content[-k:])), len(content))
+            content = content[:cut]
+        return parsed.reasoning, content
 
 
-def get_tool_parser(name: str):
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool parser {name!r}; known: {sorted(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name]
+@functools.cache
+def reply_parser(tokenizer, tool_parser: str | None = "hermes", reasoning_parser: str | None = None) -> ReplyParser:
+    """The runner's one `ReplyParser` per tokenizer and parser names (building one reads the whole vocabulary)."""
+    return ReplyParser(tokenizer, tool_parser, reasoning_parser)

@@ -100,8 +100,22 @@ class VLLMEngine:
         s = request.sampling
         return list(await asyncio.gather(*(self._generate_one(request, i) for i in range(s.n))))
 
+    async def generate_stream(self, request: GenerationRequest):
+        """One completion (`sampling.n` must be 1) as it is sampled: `Generation` deltas, the last one carrying the
+        finish reason (earlier ones have finish_reason ""). Concatenated they equal what `generate` returns."""
+        if request.sampling.n != 1:
+            raise ValueError(f"generate_stream samples one completion, got n={request.sampling.n}")
+        if not request.prompt_ids:
+            raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
+        await self.start()
+        async for delta in self._deltas(request, 0):
+            yield delta
+
     async def _generate_one(self, request: GenerationRequest, index: int) -> Generation:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        return join_deltas([d async for d in self._deltas(request, index)], self.engine_index)
+
+    async def _deltas(self, request: GenerationRequest, index: int):
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
         s = request.sampling
         params = SamplingParams(
@@ -120,38 +134,37 @@ class VLLMEngine:
             stop_token_ids=list(s.stop_token_ids) or None,
             ignore_eos=s.ignore_eos,
             seed=None if s.seed is None else s.seed + index,
-            logprobs=0,  # exactly the sampled token's logprob
+            logprobs=s.top_logprobs,  # 0: exactly the sampled token's logprob; k: plus the k best
+            structured_outputs=StructuredOutputsParams(**s.structured) if s.structured else None,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,  # per-delta outputs let us stamp the version of every token
         )
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
         if request.images:
             prompt["multi_modal_data"] = {"image": request.images}
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        finish_reason, stop_reason, routed = "abort", None, None
+        finished = False
         async for out in self._engine().generate(prompt, params, request_id=f"{request.session_id}-{uuid.uuid4().hex}"):
             version = self.version  # tokens of this delta were sampled by the weights loaded now
             for c in out.outputs:
-                token_ids.extend(c.token_ids)
                 if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
                     raise RuntimeError(f"engine {self.engine_index}: logprobs missing or misaligned for a delta")
-                logprobs.extend(lp[tid].logprob for tid, lp in zip(c.token_ids, c.logprobs))
-                versions.extend([version] * len(c.token_ids))
-                if c.finish_reason is not None:
-                    finish_reason, stop_reason = c.finish_reason, c.stop_reason
-                if c.routed_experts is not None:
-                    routed = c.routed_experts
-        return Generation(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            versions=versions,
-            finish_reason=str(finish_reason),
-            stop_reason=stop_reason,
-            routed_experts=None if routed is None else routed.tolist(),
-            engine_index=self.engine_index,
-        )
+                top = None
+                if s.top_logprobs:
+                    top = [{t: p.logprob for t, p in lp.items() if p.rank is not None and p.rank <= s.top_logprobs}
+                           for lp in c.logprobs]
+                finished |= c.finish_reason is not None
+                yield Generation(
+                    token_ids=list(c.token_ids),
+                    logprobs=[lp[tid].logprob for tid, lp in zip(c.token_ids, c.logprobs)],
+                    versions=[version] * len(c.token_ids),
+                    finish_reason="" if c.finish_reason is None else str(c.finish_reason),
+                    stop_reason=c.stop_reason,
+                    routed_experts=None if c.routed_experts is None else c.routed_experts.tolist(),
+                    engine_index=self.engine_index,
+                    top_logprobs=top,
+                )
+        if not finished:
+            yield Generation([], [], [], "abort", engine_index=self.engine_index)
 
     # --- weight sync (called by molt_hydra.rollout.weight_sync on every engine) ---
 
@@ -191,3 +204,20 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def join_deltas(deltas: list[Generation], engine_index: int = -1) -> Generation:
+    """The streamed deltas of one completion as one `Generation` (routing: the last delta that carried any)."""
+    last = deltas[-1] if deltas else Generation([], [], [], "abort")
+    routed = next((d.routed_experts for d in reversed(deltas) if d.routed_experts is not None), None)
+    tops = [d.top_logprobs for d in deltas]
+    return Generation(
+        token_ids=[t for d in deltas for t in d.token_ids],
+        logprobs=[p for d in deltas for p in d.logprobs],
+        versions=[v for d in deltas for v in d.versions],
+        finish_reason=last.finish_reason or "abort",
+        stop_reason=last.stop_reason,
+        routed_experts=routed,
+        engine_index=engine_index if engine_index >= 0 else last.engine_index,
+        top_logprobs=None if all(t is None for t in tops) else [x for t in tops for x in (t or [])],
+    )

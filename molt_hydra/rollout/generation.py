@@ -24,6 +24,8 @@ class Sampling:
     n: int = 1
     seed: int | None = None
     ignore_eos: bool = False
+    top_logprobs: int = 0  # alternatives per generated token returned to a chat client (the sampled one is always kept)
+    structured: dict | None = None  # vLLM StructuredOutputsParams fields (json / regex / ...): guided decoding
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Generation:
     stop_reason: str | int | None = None  # the stop string / token that ended it, when one did
     routed_experts: list | None = None  # MoE: [prompt + generated positions][layer][top-k] expert ids, when enabled
     engine_index: int = -1
+    top_logprobs: list[dict[int, float]] | None = None  # per token: the `Sampling.top_logprobs` best alternatives
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):

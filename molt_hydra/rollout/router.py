@@ -79,5 +79,16 @@ class Router:
             finally:
                 self.affinity.in_flight[index] -= 1
 
+    async def generate_stream(self, request: GenerationRequest):
+        """One completion as the engine samples it (`VLLMEngine.generate_stream` deltas); no retry once started."""
+        self.counts["requests"] += 1
+        index = self.affinity.pick(request.session_id)
+        self.affinity.in_flight[index] += 1
+        try:
+            async for ref in self.engines[index].generate_stream.options(num_returns="streaming").remote(request):
+                yield await asyncio.wait_for(ref, self.timeout_s)
+        finally:
+            self.affinity.in_flight[index] -= 1
+
     def metrics(self) -> dict[str, float]:
         return {f"rollout/router/{k}": float(v) for k, v in self.counts.items()}

@@ -59,13 +59,17 @@ class AgentRunnerActor:
     """Hosts one agent runner. Returns trajectories (not tensors) so the generator can filter on their scores."""
 
     def __init__(self, runner_spec: dict, engines: list, *, tokenizer_path: str, max_len: int, timeout_s: float,
-                 engine_timeout_s: float, seed: int, max_turns: int):
+                 engine_timeout_s: float, seed: int, max_turns: int, apply_chat_template: bool = False,
+                 chat_options: dict | None = None):
         from transformers import AutoTokenizer
 
         from molt_hydra.agents.loading import load_runner
         from molt_hydra.rollout.router import Router
 
         self.runner = load_runner(dict(runner_spec))
+        if chat_options and hasattr(self.runner, "configure_chat"):  # agent.tool_parser, max_choices, ...
+            self.runner.configure_chat(**chat_options)
+        self.apply_chat_template = apply_chat_template
         self.router = Router(engines, timeout_s=engine_timeout_s)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.max_len, self.timeout_s, self.seed, self.max_turns = max_len, timeout_s, seed, max_turns
@@ -85,7 +89,8 @@ class AgentRunnerActor:
         episodes = [
             Episode(prompt=row["prompt"], sampling=dataclasses.replace(sampling, seed=request_seed(base, i)),
                     max_length=self.max_len, label=row.get("label"), images=list(row.get("images") or []),
-                    tools=row.get("tools"), group_id=group_id, rollout_id=f"{group_id}-{i}", max_turns=self.max_turns)
+                    tools=row.get("tools"), group_id=group_id, rollout_id=f"{group_id}-{i}", max_turns=self.max_turns,
+                    apply_chat_template=self.apply_chat_template)
             for i in range(n_samples)
         ]
         outcome = await self.runner.run_group(episodes, self.router, self.tokenizer, self.timeout_s)

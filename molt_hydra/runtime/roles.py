@@ -263,7 +263,9 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     runners = [runner_cls.options(num_cpus=0).remote(
         dict(cfg.agent.runner), engines, tokenizer_path=tokenizer_path, max_len=d.max_len,
         timeout_s=cfg.agent.timeout_s, engine_timeout_s=t.timeouts.engine_call_s, seed=cfg.seed,
-        max_turns=cfg.agent.max_turns)
+        max_turns=cfg.agent.max_turns, apply_chat_template=d.apply_chat_template,
+        chat_options=dict(tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser,
+                          max_choices=cfg.agent.max_choices, accepts_images=d.max_images_per_prompt > 0))
         for _ in range(r.num_runners)]
     await deadline(asyncio.gather(*(x.__ray_ready__.remote() for x in runners)), t.timeouts.startup_s,
                    "agent runner", "start")

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from molt_hydra.agents import Env, Result, StepEnvRunner
 from molt_hydra.agents.math_grading import grade_math
 from molt_hydra.agents.python_executor import SandboxLimits, run_python
-from molt_hydra.agents.tool_parser import parse_hermes
+from molt_hydra.agents.tool_parser import reply_parser
 
 PYTHON_TOOL = {
     "type": "function",
@@ -39,7 +39,7 @@ class PythonToolEnv(Env):
 
     async def step(self, state):
         text = state["action_text"]
-        parsed = parse_hermes(text.removesuffix(EOS))
+        parsed = reply_parser(state["tokenizer"], "hermes").parse(text.removesuffix(EOS), [PYTHON_TOOL])
         last_turn = state["turn"] + 1 >= self.max_turns
         if not parsed.tool_calls or last_turn:
             reward = await asyncio.to_thread(grade_math, parsed.content, state["label"])

@@ -12,8 +12,8 @@ import json
 
 import aiohttp
 import pytest
-from anthropic import AsyncAnthropic, AuthenticationError as AnthropicAuthError
-from openai import AsyncOpenAI, AuthenticationError
+from anthropic import AsyncAnthropic, AuthenticationError as AnthropicAuthError, BadRequestError as AnthropicBadRequest
+from openai import AsyncOpenAI, AuthenticationError, BadRequestError
 
 from event_loop import loop, run  # noqa: F401 - the shared loop fixture
 from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result, load_runner
@@ -132,8 +132,8 @@ def episode(prompt, **kw) -> Episode:
 
 
 def run_agent(loop, rec, tokenizer, agent_cls, prompt=LOOP_PROMPT, timeout_s=120, **kw):
-    """One rollout of `agent_cls` (its kwargs in `agent_kwargs`); returns (outcome, agent kwargs) for inspection."""
-    runner = ChatAgentRunner(agent_cls, agent_kwargs=kw.pop("agent_kwargs", {}))
+    """One rollout of `agent_cls` (its kwargs in `agent_kwargs`, the runner's in `agent_kwargs_extra`)."""
+    runner = ChatAgentRunner(agent_cls, agent_kwargs=kw.pop("agent_kwargs", {}), **kw.pop("agent_kwargs_extra", {}))
     try:
         return run(loop, runner.run_group([episode(prompt, **kw)], rec, tokenizer, timeout_s=timeout_s))
     finally:
@@ -311,17 +311,21 @@ class StreamPair(ChatAgent):
                 self.out[self.stream] = (m.message.content or "", args, m.finish_reason, r.usage.completion_tokens)
         else:
             client = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
-            kw = dict(model=ctx.model_name, max_tokens=12, messages=[{"role": "user", "content": "hello there"}])
+            kw = dict(model=ctx.model_name, max_tokens=12, messages=[{"role": "user", "content": ctx.prompt}])
+            if ctx.prompt == LOOP_PROMPT:  # a tool call: sent whole at the end of the stream
+                kw.update(max_tokens=64, tools=[ANTHROPIC_TOOL])
             if self.stream:
                 async with client.messages.stream(**kw) as s:
                     r = await s.get_final_message()
             else:
                 r = await client.messages.create(**kw)
-            self.out[self.stream] = ([b.model_dump() for b in r.content], r.stop_reason, r.usage.output_tokens)
+            blocks = [b.model_dump(exclude={"id"}) for b in r.content]  # tool_use ids are fresh per reply
+            self.out[self.stream] = (blocks, r.stop_reason, r.usage.output_tokens)
         return Result(reward=0.0)
 
 
-@pytest.mark.parametrize("wire,prompt", [("openai", LOOP_PROMPT), ("openai", "hello there"), ("anthropic", None)])
+@pytest.mark.parametrize("wire,prompt", [("openai", LOOP_PROMPT), ("openai", "hello there"),
+                                         ("anthropic", "hello there"), ("anthropic", LOOP_PROMPT)])
 def test_streaming_and_plain_capture_the_same_tokens(loop, rec, tokenizer, wire, prompt):
     out, trajs = {}, {}
     for stream in (True, False):
@@ -332,7 +336,10 @@ def test_streaming_and_plain_capture_the_same_tokens(loop, rec, tokenizer, wire,
         assert_token_exact(trajs[stream], rec.calls)
     assert trajs[True].token_ids == trajs[False].token_ids
     assert out[True] == out[False]
-    if prompt == LOOP_PROMPT:  # a tool call streamed as a tool_calls delta
+    if prompt == LOOP_PROMPT and wire == "anthropic":
+        assert [(b["type"], b["input"]) for b in out[True][0]] == [("tool_use", {"code": "print(6*7)"})]
+        assert out[True][1] == "tool_use"
+    elif prompt == LOOP_PROMPT:  # a tool call streamed as a tool_calls delta
         assert out[True][1] == json.dumps({"code": "print(6*7)"}) and out[True][2] == "tool_calls"
     elif wire == "openai":
         assert out[True][0] and out[True][2] in ("stop", "length")
@@ -401,13 +408,12 @@ def test_compaction_seals_the_segment_and_opens_a_new_one(loop, rec, tokenizer):
 def test_n_choices_branch_and_the_echoed_one_is_extended(loop, rec, tokenizer):
     async def script(client, ctx, log):
         msgs = [{"role": "user", "content": "hello"}]
-        r = await client.chat.completions.create(model="policy", messages=msgs, n=2, max_tokens=6, temperature=1.0,
-                                                 seed=3)
+        r = await client.chat.completions.create(model="policy", messages=msgs, n=2, max_tokens=6, seed=3)
         log["n"] = len(r.choices)
         msgs += [{"role": "assistant", "content": r.choices[1].message.content}, {"role": "user", "content": "go"}]
         await client.chat.completions.create(model="policy", messages=msgs, max_tokens=4)
 
-    outcome, log = scripted(loop, rec, tokenizer, script)
+    outcome, log = scripted(loop, rec, tokenizer, script, sampling=Sampling(max_tokens=64, temperature=1.0))
     assert log["n"] == 2
     sealed, extended = outcome.trajectories
     (_, gens), (req2, _) = rec.calls
@@ -541,3 +547,355 @@ def test_empty_raising_and_sleeping_agents_are_counted(loop, rec, tokenizer):
         outcome = run(loop, runner.run_group([good], rec, tokenizer, timeout_s=30))
         assert not outcome.failures and len(outcome.trajectories) == 1
         run(loop, runner.close())
+
+
+# --- issue 19: the rules a real client meets (one test per rule) ---
+
+
+def test_client_sampling_the_recipe_does_not_assume_is_refused_and_max_tokens_only_lowers(loop, rec, tokenizer):
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": "hello"}]
+        with pytest.raises(BadRequestError) as e:
+            await client.chat.completions.create(model="policy", messages=msgs, temperature=0.7)
+        log["temp"] = e.value.body
+        with pytest.raises(BadRequestError) as e:
+            await client.chat.completions.create(model="policy", messages=msgs, n=3)
+        log["n"] = e.value.body["message"]
+        await client.chat.completions.create(model="policy", messages=msgs, temperature=0.0, max_tokens=4096)
+        await client.chat.completions.create(model="policy", messages=msgs, max_tokens=5)
+
+    _, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"max_choices": 2})
+    assert log["temp"]["code"] == "sampling_mismatch" and "rollout.temperature=0.0" in log["temp"]["message"]
+    assert "agent.max_choices=2" in log["n"]
+    (big, _), (small, _) = rec.calls
+    assert big.sampling.max_tokens == GREEDY.max_tokens  # 4096 asked, the recipe's per-turn cap kept
+    assert small.sampling.max_tokens == 5
+    assert big.sampling.temperature == small.sampling.temperature == GREEDY.temperature
+
+
+def test_tool_choice_none_required_named_and_parallel_false(loop, rec, tokenizer):
+    named = {"type": "function", "function": {"name": "python"}}
+
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": LOOP_PROMPT}]
+        kw = dict(model="policy", tools=[PYTHON_TOOL], temperature=0)
+        log["none"] = await client.chat.completions.create(messages=msgs, tool_choice="none", **kw)
+        log["auto"] = await client.chat.completions.create(messages=msgs, tool_choice="auto", **kw)
+        hi = [{"role": "user", "content": "hello there"}]
+        log["required"] = await client.chat.completions.create(messages=hi, tool_choice="required", **kw)
+        log["named"] = await client.chat.completions.create(messages=hi + [{"role": "user", "content": "go"}],
+                                                            tool_choice=named, **kw)
+        two = [{"role": "user", "content": PARALLEL_PROMPT}]
+        log["one"] = await client.chat.completions.create(messages=two, parallel_tool_calls=False, **kw)
+
+    _, log = scripted(loop, rec, tokenizer, script)
+    none = log["none"].choices[0]
+    assert none.message.tool_calls is None and none.finish_reason == "stop"
+    assert none.message.content.startswith("<tool_call>")  # what the model wrote, not parsed into a call
+    assert log["auto"].choices[0].message.tool_calls[0].function.name == "python"
+    for key in ("required", "named"):  # "hello there" alone makes the model chat; structured output forces a call
+        call = log[key].choices[0].message.tool_calls[0]
+        assert call.function.name == "python" and isinstance(json.loads(call.function.arguments), dict)
+    assert rec.calls[2][0].sampling.structured["json"]["type"] == "array"  # vLLM's schema for "required"
+    assert rec.calls[3][0].sampling.structured["json"] == PYTHON_TOOL["function"]["parameters"]
+    assert len(log["one"].choices[0].message.tool_calls) == 1
+
+
+def test_logprobs_come_from_the_engine_and_response_format_is_enforced(loop, rec, tokenizer):
+    schema = {"type": "string", "enum": ["yes", "no"]}  # no room for free whitespace (an object loops on blanks)
+
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": "hello there"}]
+        log["lp"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6, logprobs=True,
+                                                         top_logprobs=2)
+        log["json"] = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+
+    _, log = scripted(loop, rec, tokenizer, script)
+    (_, (gen,)), (req2, _) = rec.calls
+    entries = log["lp"].choices[0].logprobs.content
+    assert [e.logprob for e in entries] == gen.logprobs
+    assert [e.token for e in entries] == [tokenizer.decode([t], skip_special_tokens=False) for t in gen.token_ids]
+    for e, tid in zip(entries, gen.token_ids):
+        assert 2 <= len(e.top_logprobs) <= 3 and max(t.logprob for t in e.top_logprobs) >= e.logprob - 1e-6
+    assert req2.sampling.structured == {"json": schema}
+    assert json.loads(log["json"].choices[0].message.content) in ("yes", "no")
+
+
+def test_unknown_and_behaviour_changing_fields_get_a_400_naming_them(loop, rec, tokenizer):
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": "hi"}]
+        for extra in ({"frequency_penalty": 0.5}, {"logit_bias": {"1": 5}}, {"reasoning_effort": "high"},
+                      {"functions": [{"name": "f"}]}):
+            with pytest.raises(BadRequestError) as e:
+                await client.chat.completions.create(model="policy", messages=msgs, extra_body=extra)
+            log.setdefault("openai", []).append(e.value.body["message"])
+        an = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+        with pytest.raises(AnthropicBadRequest) as e:  # thinking needs agent.reasoning_parser
+            await an.messages.create(model="policy", max_tokens=2048, messages=msgs,
+                                     thinking={"type": "enabled", "budget_tokens": 1024})
+        log["thinking"] = e.value.body["error"]["message"]
+        with pytest.raises(AnthropicBadRequest) as e:
+            await an.messages.create(model="policy", max_tokens=8, messages=msgs, extra_body={"mcp_servers": []})
+        log["mcp"] = e.value.body["error"]["message"]
+        log["ok"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=3, user="u",
+                                                         metadata={"a": "b"}, store=False, frequency_penalty=0)
+
+    _, log = scripted(loop, rec, tokenizer, script)
+    for field, message in zip(("frequency_penalty", "logit_bias", "reasoning_effort", "functions"), log["openai"]):
+        assert f"'{field}'" in message, message
+    assert "agent.reasoning_parser=None" in log["thinking"]
+    assert "unsupported field 'mcp_servers'" in log["mcp"]
+    assert log["ok"].choices[0].finish_reason in ("stop", "length") and len(rec.calls) == 1
+
+
+def test_endpoints_errors_and_auth_shapes(loop, rec, tokenizer):
+    from openai import AsyncOpenAI as Client
+
+    async def script(client, ctx, log):
+        root = ctx.session_url.split("/s/")[0]
+        async with aiohttp.ClientSession() as http:
+            auth = {"Authorization": f"bearer {ctx.api_key}"}  # scheme is case-insensitive
+            async with http.get(root + "/v1/models", headers=auth) as r:
+                log["models"] = (r.status, (await r.json())["data"][0]["id"])
+            async with http.post(ctx.base_url + "/nope", headers=auth, json={}) as r:
+                log["404"] = (r.status, await r.json())
+            async with http.get(ctx.base_url + "/chat/completions", headers=auth) as r:
+                log["405"] = (r.status, await r.json())
+            async with http.get(ctx.session_url + "/v1/messages", headers=auth) as r:
+                log["405a"] = (r.status, await r.json())
+            big = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * (65 * 2**20)}]})
+            async with http.post(ctx.base_url + "/chat/completions", headers=auth, data=big) as r:
+                log["413"] = (r.status, await r.json())
+        img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        with pytest.raises(BadRequestError) as e:
+            await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": [img]}])
+        log["img"] = e.value.body["message"]
+        comp = Client(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        log["completion"] = await comp.completions.create(model="policy", prompt="<|im_start|>user\nhi<|im_end|>\n",
+                                                          max_tokens=5, logprobs=1)
+
+    outcome, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"accepts_images": False})
+    assert log["models"] == (200, "policy")
+    assert log["404"][0] == 404 and log["404"][1]["error"]["type"] == "invalid_request_error"
+    assert log["405"][0] == 405 and "message" in log["405"][1]["error"]
+    assert log["405a"][0] == 405 and log["405a"][1]["type"] == "error"  # Anthropic's shape on /messages
+    assert log["413"][0] == 413 and "larger than" in log["413"][1]["error"]["message"]
+    assert "text-only" in log["img"]
+    (req, (gen,)), = rec.calls  # the raw completion is the one generation: no template, tokens as sent
+    assert req.prompt_ids == tokenizer("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    c = log["completion"].choices[0]
+    assert c.logprobs.token_logprobs == gen.logprobs and log["completion"].usage.completion_tokens == len(gen.token_ids)
+    (traj,) = outcome.trajectories
+    assert_token_exact(traj, rec.calls)
+
+
+class StreamingRecorder(Recorder):
+    """The recorder with the engine's token streaming, stamping when each engine delta arrived."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.delta_times = []
+
+    async def generate_stream(self, request):
+        import time
+
+        deltas = []
+        async for d in self.engine.generate_stream(request):
+            self.delta_times.append(time.monotonic())
+            deltas.append(d)
+            yield d
+        from molt_hydra.rollout.engine import join_deltas
+
+        self.calls.append((request, [join_deltas(deltas)]))
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+def test_streaming_is_token_by_token_from_the_engine_with_complete_usage(loop, engine, tokenizer, wire):
+    import time
+
+    srec = StreamingRecorder(engine)
+    seen = {}
+
+    class Agent(ChatAgent):
+        async def run(self, ctx):
+            times, text = [], ""
+            if wire == "openai":
+                client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+                async for chunk in await client.chat.completions.create(
+                        model="policy", messages=[{"role": "user", "content": "hello there"}], max_tokens=24,
+                        stream=True, stream_options={"include_usage": True}):
+                    for c in chunk.choices:
+                        if c.delta.content:
+                            times.append(time.monotonic())
+                            text += c.delta.content
+                    seen["usage"] = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) if chunk.usage else \
+                        seen.get("usage")
+            else:
+                client = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+                async with client.messages.stream(model="policy", max_tokens=24,
+                                                  messages=[{"role": "user", "content": "hello there"}]) as s:
+                    async for event in s:
+                        if event.type == "message_start":
+                            seen["start_input"] = event.message.usage.input_tokens
+                        if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                            times.append(time.monotonic())
+                            text += event.delta.text
+                    final = await s.get_final_message()
+                seen["usage"] = (final.usage.input_tokens, final.usage.output_tokens)
+            seen["times"], seen["text"] = times, text
+            return Result(reward=0.0)
+
+    runner = ChatAgentRunner(Agent)
+    outcome = run(loop, runner.run_group([episode("x")], srec, tokenizer, timeout_s=120))
+    run(loop, runner.close())
+    (traj,) = outcome.trajectories
+    assert_token_exact(traj, srec.calls)
+    (req, (gen,)), = srec.calls
+    assert len(seen["times"]) > 1 and len(srec.delta_times) > 1
+    assert seen["times"][0] < srec.delta_times[-1]  # the first text reached the client before sampling ended
+    assert seen["usage"] == (len(req.prompt_ids), len(gen.token_ids))
+    if wire == "anthropic":
+        assert seen["start_input"] == len(req.prompt_ids)
+    ids = gen.token_ids[:-1] if gen.token_ids[-1] == tokenizer.eos_token_id else gen.token_ids
+    assert seen["text"] == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_a_blocking_client_fails_loudly_naming_the_fix(loop, rec, tokenizer, monkeypatch):
+    import molt_hydra.agents.chat_server as chat_server
+    from openai import OpenAI
+
+    monkeypatch.setattr(chat_server, "BLOCKED_LOOP_S", 1.0)
+    seen = {}
+
+    class SyncAgent(ChatAgent):
+        async def run(self, ctx):
+            client = OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, timeout=30)
+            try:  # blocks the loop the turn must run on
+                client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+            except BadRequestError as e:
+                seen["error"] = e.body
+                raise
+            return Result(reward=0.0)
+
+    outcome = run_agent(loop, rec, tokenizer, SyncAgent, timeout_s=60)
+    assert dict(outcome.failures) == {"agent_exception": 1}  # not a hang, not an agent_timeout
+    assert seen["error"]["code"] == "event_loop_blocked" and "AsyncOpenAI" in seen["error"]["message"]
+    assert rec.calls == []
+
+
+def test_judge_calls_are_served_on_the_engines_but_never_recorded(loop, rec, tokenizer):
+    async def script(client, ctx, log):
+        judge = AsyncOpenAI(base_url=ctx.judge_url, api_key=ctx.api_key, max_retries=0)
+        log["verdict"] = await judge.chat.completions.create(  # a judge may sample as it likes: not training data
+            model="policy", messages=[{"role": "user", "content": "Is 43 right?"}], max_tokens=5, temperature=0.9)
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=4)
+
+    outcome, log = scripted(loop, rec, tokenizer, script)
+    (jreq, (jgen,)), (treq, (tgen,)) = rec.calls
+    assert jreq.session_id.endswith("-judge") and jreq.sampling.temperature == 0.9
+    assert log["verdict"].usage.completion_tokens == len(jgen.token_ids)
+    (traj,) = outcome.trajectories  # only the agent's own turn became a training segment
+    assert_token_exact(traj, rec.calls[1:])
+
+
+def test_env_string_prompts_use_the_chat_template_when_asked(loop, rec, tokenizer):
+    from molt_hydra.agents import Env, StepEnvRunner
+
+    class OneTurn(Env):
+        async def step(self, state):
+            return Result(reward=1.0)
+
+    for apply in (True, False):
+        rec.calls.clear()
+        ep = episode("hello", sampling=Sampling(max_tokens=3, temperature=0.0), apply_chat_template=apply)
+        run(loop, StepEnvRunner(OneTurn).run_group([ep], rec, tokenizer, timeout_s=60))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                             add_generation_prompt=True) if apply else "hello"
+        assert rec.calls[0][0].prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# --- agent frameworks, unmodified, through a multi-turn tool loop ---
+
+
+class AgentsSDKLoop(ChatAgent):
+    """OpenAI Agents SDK (`openai-agents`): its default model speaks the Responses API."""
+
+    def __init__(self, stream: bool):
+        self.stream = stream
+
+    async def run(self, ctx):
+        from agents import Agent, FunctionTool, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+        set_tracing_disabled(True)  # nothing leaves the machine
+
+        async def invoke(_tool_ctx, args: str) -> str:
+            return (await run_python(json.loads(args)["code"], timeout_s=20)).as_observation()
+
+        fn = PYTHON_TOOL["function"]
+        tool = FunctionTool(name=fn["name"], description=fn["description"], params_json_schema=fn["parameters"],
+                            on_invoke_tool=invoke, strict_json_schema=False)
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        agent = Agent(name="solver", tools=[tool], model=OpenAIResponsesModel(model="policy", openai_client=client))
+        if self.stream:
+            result = Runner.run_streamed(agent, ctx.prompt, max_turns=4)
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await Runner.run(agent, ctx.prompt, max_turns=4)
+        return Result(reward=float(result.final_output == FINAL_ANSWER))
+
+
+class LangChainLoop(ChatAgent):
+    """LangChain's `ChatOpenAI` with bound tools (chat completions)."""
+
+    async def run(self, ctx):
+        from langchain_core.messages import HumanMessage, ToolMessage
+        from langchain_openai import ChatOpenAI
+
+        llm = ChatOpenAI(model="policy", base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
+                         temperature=0).bind_tools([PYTHON_TOOL])
+        messages = [HumanMessage(ctx.prompt)]
+        for _ in range(3):
+            ai = await llm.ainvoke(messages)
+            messages.append(ai)
+            if not ai.tool_calls:
+                break
+            for tc in ai.tool_calls:
+                out = await run_python(tc["args"]["code"], timeout_s=20)
+                messages.append(ToolMessage(out.as_observation(), tool_call_id=tc["id"]))
+        return Result(reward=float(ai.content == FINAL_ANSWER))
+
+
+@pytest.mark.parametrize("agent_cls,kwargs", [(AgentsSDKLoop, {"stream": False}), (AgentsSDKLoop, {"stream": True}),
+                                              (LangChainLoop, {})],
+                         ids=["agents-sdk", "agents-sdk-stream", "langchain"])
+def test_agent_frameworks_run_the_tool_loop_token_exact(loop, engine, tokenizer, agent_cls, kwargs):
+    srec = StreamingRecorder(engine)
+    outcome = run_agent(loop, srec, tokenizer, agent_cls, agent_kwargs=kwargs)
+    assert not outcome.failures, outcome.failures
+    (traj,) = outcome.trajectories
+    assert traj.reward == 1.0 and len(traj.action_ranges) == 3
+    assert_token_exact(traj, srec.calls)
+    rendered = tokenizer.apply_chat_template(SCRIPTED[0], tools=[PYTHON_TOOL], tokenize=False)
+    assert tokenizer.decode(traj.token_ids, skip_special_tokens=False) + "\n" == rendered
+
+
+def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec, tokenizer):
+    """deepseek_r1's parser reads a reply with no `</think>` yet as all reasoning: the tiny model's cut-off reply is
+    then thinking, returned as `reasoning_content` / a thinking block instead of text."""
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": "hello there"}]
+        log["oa"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6)
+        an = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+        log["an"] = await an.messages.create(model="policy", max_tokens=6, messages=msgs,
+                                             thinking={"type": "enabled", "budget_tokens": 1})
+
+    _, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"reasoning_parser": "deepseek_r1"})
+    texts = [tokenizer.decode([t for t in g.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=False)
+             for _, (g,) in rec.calls]
+    msg = log["oa"].choices[0].message
+    assert msg.model_extra["reasoning_content"] == texts[0] and not msg.content
+    assert [(b.type, b.thinking) for b in log["an"].content] == [("thinking", texts[1])]

@@ -94,6 +94,24 @@ async def _gather(coros):
     return await asyncio.gather(*coros)
 
 
+def test_router_streams_an_engine_actors_tokens_as_they_are_sampled(engines):
+    """The chat server's streaming path over Ray: deltas through an actor's async generator, joined = generate."""
+    from molt_hydra.rollout.engine import join_deltas
+
+    router = Router(engines, timeout_s=120)
+    sampling = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def both():
+        deltas = [d async for d in router.generate_stream(GenerationRequest("stream", PROMPT, sampling))]
+        (whole,) = await router.generate(GenerationRequest("stream", PROMPT, sampling))
+        return deltas, whole
+
+    deltas, whole = asyncio.run(both())
+    assert len(deltas) > 1 and [d.finish_reason for d in deltas[:-1]] == [""] * (len(deltas) - 1)
+    joined = join_deltas(deltas)
+    assert (joined.token_ids, joined.logprobs, joined.finish_reason) == (whole.token_ids, whole.logprobs, "length")
+
+
 def test_weight_sync_matches_hf_then_restores_exactly_and_checks_coverage(engines, model_dir):
     model = hf_model(model_dir)
     original = {n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied: not pushed

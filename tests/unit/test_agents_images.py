@@ -12,7 +12,7 @@ from molt_hydra.agents import Episode, Result, StepEnvRunner
 from molt_hydra.agents.chat_messages import image_data_uri, openai_request
 from molt_hydra.agents.chat_session import ChatSession
 from molt_hydra.agents.loading import resolve_target
-from molt_hydra.agents.tool_parser import parse_hermes
+from molt_hydra.agents.tool_parser import reply_parser
 from molt_hydra.rollout.generation import Generation, Sampling
 
 
@@ -40,7 +40,7 @@ def tokenizer(tiny_model):
 def test_chat_session_sends_prompt_and_tool_images_to_the_engine(tiny_model):
     tok = tokenizer(tiny_model)
     engine = VLMStandIn(tok.eos_token_id)
-    session = ChatSession("s", engine, tok, Sampling(max_tokens=8), 512, parse_hermes)
+    session = ChatSession("s", engine, tok, Sampling(max_tokens=8), 512, reply_parser(tok))
     user = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_uri(img("red"))}},
                                         {"type": "text", "text": "angle?"}]}
     reply = asyncio.run(session.complete(openai_request({"messages": [user]})))

@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 
 from molt_hydra.agents.chat_agent import prompt_messages
-from molt_hydra.agents.chat_messages import (RequestError, anthropic_request, image_data_uri, image_sources,
-                                             load_image, openai_request)
+from molt_hydra.agents.chat_messages import (RequestError, anthropic_request, completions_request, image_data_uri,
+                                             image_sources, load_image, openai_request, responses_request)
 
 
 def red(size=4):
@@ -31,7 +31,7 @@ def test_openai_messages_and_sampling_fields():
             {"role": "tool", "tool_call_id": "c1", "content": "2"},
         ],
         "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5, "n": 2, "stop": "END",
-        "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "unknown_field": {"ignored": 1},
+        "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "user": "ignored",
     })
     assert req.messages == [
         {"role": "system", "content": "be brief"},
@@ -42,6 +42,8 @@ def test_openai_messages_and_sampling_fields():
     ]
     assert req.overrides == {"max_tokens": 7, "temperature": 0.0, "top_p": 0.5, "seed": 3, "stop": ("END",)}
     assert (req.n, req.stream, req.include_usage) == (2, True, True)
+    with pytest.raises(RequestError, match="unsupported field 'unknown_field'"):  # never silently dropped
+        openai_request({"messages": [{"role": "user", "content": "hi"}], "unknown_field": 1})
 
 
 def test_anthropic_blocks_map_to_the_same_canonical_messages():
@@ -115,3 +117,64 @@ def test_prompt_image_markers_become_data_uri_parts_in_order():
     assert load_image(parts[0]["image_url"]["url"]).getpixel((0, 0)) == (255, 0, 0)
     assert load_image(parts[2]["image_url"]["url"]).getpixel((0, 0)) == (0, 0, 255)
     assert prompt_messages("plain", []) == [{"role": "user", "content": "plain"}]
+
+
+def test_responses_items_become_the_chat_messages_a_chat_request_would_send():
+    tool = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}
+    req = responses_request({
+        "model": "policy", "instructions": "sys", "tools": [tool], "store": False, "max_output_tokens": 9,
+        "input": [
+            {"role": "user", "content": "hi"},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "let me", "annotations": []}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}', "id": "fc_1"},
+            {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "1"},
+            {"type": "function_call_output", "call_id": "c2", "output": "2"},
+        ],
+        "tool_choice": {"type": "function", "name": "f"}, "text": {"format": {"type": "json_object"}},
+    })
+    call = lambda cid, args: {"id": cid, "type": "function", "function": {"name": "f", "arguments": args}}  # noqa
+    assert req.messages == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "let me", "tool_calls": [call("c1", '{"x": 1}'), call("c2", "{}")]},
+        {"role": "tool", "content": "1", "tool_call_id": "c1"},
+        {"role": "tool", "content": "2", "tool_call_id": "c2"},
+    ]
+    assert req.tools == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                           "parameters": {"type": "object"}}}]
+    assert req.overrides == {"max_tokens": 9}
+    assert req.tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert req.response_format == {"json_object": True}
+    for body, words in (({"input": "x", "previous_response_id": "r"}, "stores no responses"),
+                        ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
+                        ({"input": "x", "reasoning": {"effort": "high"}}, "unsupported field 'reasoning'")):
+        with pytest.raises(RequestError, match=words):
+            responses_request(body)
+
+
+def test_completions_and_anthropic_tool_choice_and_thinking():
+    req = completions_request({"prompt": ["abc"], "max_tokens": 3, "logprobs": 2, "stop": "\n"})
+    assert (req.raw_prompt, req.overrides, req.top_logprobs) == ("abc", {"max_tokens": 3, "stop": ("\n",)}, 2)
+    with pytest.raises(RequestError, match="'echo'"):
+        completions_request({"prompt": "abc", "echo": True})
+    base = {"max_tokens": 100, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+    assert anthropic_request(dict(base, tool_choice={"type": "any"})).tool_choice == "required"
+    req = anthropic_request(dict(base, tool_choice={"type": "tool", "name": "f", "disable_parallel_tool_use": True}))
+    assert (req.tool_choice, req.parallel_tool_calls) == ({"type": "function", "function": {"name": "f"}}, False)
+    assert anthropic_request(dict(base, thinking={"type": "enabled", "budget_tokens": 50})).thinking is True
+    with pytest.raises(RequestError, match="less than 'max_tokens'"):
+        anthropic_request(dict(base, thinking={"type": "enabled", "budget_tokens": 100}))
+    with pytest.raises(RequestError, match="not in tools"):
+        anthropic_request(dict(base, tool_choice={"type": "tool", "name": "g"}))
+
+
+@pytest.mark.parametrize("bad", [0, 65])
+def test_agent_max_choices_is_bounded(bad):
+    from molt_hydra.config.schema import AgentConfig, ConfigError
+
+    with pytest.raises(ConfigError, match=r"agent.max_choices: must be in \[1, 64\]"):
+        AgentConfig(runner={"_target_": "x.py:A"}, max_choices=bad)
+    assert AgentConfig(runner={"_target_": "x.py:A"}, max_choices=64).max_choices == 64

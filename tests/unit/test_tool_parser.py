@@ -1,38 +1,100 @@
+"""Tool calls and reasoning parsed by vLLM's own parsers, per model family (agents/tool_parser.py)."""
+
+import json
+
 import pytest
 
-from molt_hydra.agents.tool_parser import ToolCall, get_tool_parser, parse_hermes
+from molt_hydra.agents.tool_parser import ReplyParser, ToolCall, forced_tool_schema, parse_forced
+
+TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}}}}]
 
 
-def test_single_and_parallel_calls_leave_the_surrounding_text():
-    r = parse_hermes('Let me run it.\n<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>')
-    assert (r.content, r.tool_calls) == ("Let me run it.", [ToolCall("python", {"code": "print(1)"})])
-    r = parse_hermes('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>')
-    assert r.tool_calls == [ToolCall("a", {}), ToolCall("b", {})] and r.content == ""
-
-
-def test_string_encoded_arguments_are_decoded():
-    r = parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>')
-    assert r.tool_calls == [ToolCall("f", {"x": 2})]
-
-
-@pytest.mark.parametrize("body", ['{"name": "f"', '["f"]', '{"arguments": {}}', '{"name": "f", "arguments": [1]}',
-                                  '{"name": 3}', '{"name": "f", "arguments": "not json"}'])
-def test_malformed_blocks_stay_in_the_content(body):
-    text = f"x <tool_call>{body}</tool_call>"
-    assert parse_hermes(text) == parse_hermes(text).__class__(text.strip(), [])
-
-
-def test_parses_the_tiny_tokenizers_decoded_ids(tiny_model):
+@pytest.fixture(scope="module")
+def tok(tiny_model):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    ids = tok('<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call><|im_end|>',
-              add_special_tokens=False)["input_ids"]
-    assert ids[0] == tok.convert_tokens_to_ids("<tool_call>")  # a single special token
-    text = tok.decode(ids[:-1], skip_special_tokens=False)
-    assert parse_hermes(text).tool_calls == [ToolCall("python", {"code": "print(6*7)"})]
+    return AutoTokenizer.from_pretrained(tiny_model)
 
 
-def test_unknown_parser_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown tool parser 'qwen9'; known: \['hermes'\]"):
-        get_tool_parser("qwen9")
+def with_tokens(tok, *tokens):
+    """A copy of the tiny tokenizer that knows another family's tool-call marker tokens."""
+    import copy
+
+    t = copy.deepcopy(tok)
+    t.add_special_tokens({"additional_special_tokens": list(tokens)})
+    return t
+
+
+def test_hermes_single_and_parallel_calls_leave_the_surrounding_text(tok):
+    p = ReplyParser(tok, "hermes")
+    r = p.parse('Let me run it.\n<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>',
+                TOOLS)
+    assert (r.content, r.tool_calls) == ("Let me run it.", [ToolCall("python", {"code": "print(1)"})])
+    two = '<tool_call>{"name": "python", "arguments": {}}</tool_call><tool_call>{"name": "python", "arguments": ' \
+          '{"code": "x"}}</tool_call>'
+    assert p.parse(two, TOOLS).tool_calls == [ToolCall("python", {}), ToolCall("python", {"code": "x"})]
+
+
+def test_qwen3_coder_xml_calls(tok):
+    text = "ok\n<tool_call>\n<function=python>\n<parameter=code>\nprint(6*7)\n</parameter>\n</function>\n</tool_call>"
+    r = ReplyParser(tok, "qwen3_coder").parse(text, TOOLS)
+    assert r.tool_calls == [ToolCall("python", {"code": "print(6*7)"})] and r.content == "ok"
+    assert ReplyParser(tok, "hermes").parse(text, TOOLS).tool_calls == []  # a family's parser, not a guess
+
+
+def test_llama3_json_calls(tok):
+    t = with_tokens(tok, "<|python_tag|>")
+    r = ReplyParser(t, "llama3_json").parse('<|python_tag|>{"name": "python", "parameters": {"code": "1"}}', TOOLS)
+    assert r.tool_calls == [ToolCall("python", {"code": "1"})]
+
+
+def test_mistral_calls(tok):
+    t = with_tokens(tok, "[TOOL_CALLS]")
+    r = ReplyParser(t, "mistral").parse('[TOOL_CALLS][{"name": "python", "arguments": {"code": "2"}}]', TOOLS)
+    assert r.tool_calls == [ToolCall("python", {"code": "2"})]
+
+
+def test_reasoning_is_split_off_before_tool_parsing(tok):
+    p = ReplyParser(tok, "hermes", "qwen3")
+    text = '<think>\nrun it\n</think>\n\n<tool_call>\n{"name": "python", "arguments": {"code": "1"}}\n</tool_call>'
+    r = p.parse(text, TOOLS)
+    assert r.reasoning.strip() == "run it" and r.tool_calls == [ToolCall("python", {"code": "1"})]
+    assert ReplyParser(tok, "hermes").parse(text, TOOLS).reasoning is None
+
+
+def test_tool_choice_none_and_no_tools_parse_nothing(tok):
+    p = ReplyParser(tok, "hermes")
+    text = '<tool_call>\n{"name": "python", "arguments": {}}\n</tool_call>'
+    assert p.parse(text, TOOLS, parse_tools=False).tool_calls == []
+    assert p.parse(text, None).content == text
+
+
+def test_streamed_content_stops_where_a_tool_call_may_begin(tok):
+    p = ReplyParser(tok, "hermes")
+    assert p.streamable("Let me <tool_c", TOOLS, True) == (None, "Let me ")
+    assert p.streamable("Let me <tool_call>\n{", TOOLS, True) == (None, "Let me ")
+    assert p.streamable("Let me <tool_c", TOOLS, False) == (None, "Let me <tool_c")
+
+
+def test_forced_tool_choice_uses_vllms_schema_and_parses_the_bare_json():
+    required = forced_tool_schema(TOOLS, "required", None)
+    assert required["type"] == "array" and required["minItems"] == 1
+    assert forced_tool_schema(TOOLS, "required", False)["maxItems"] == 1
+    named = {"type": "function", "function": {"name": "python"}}
+    assert forced_tool_schema(TOOLS, named, None) == TOOLS[0]["function"]["parameters"]
+    assert parse_forced(json.dumps([{"name": "python", "parameters": {"code": "3"}}]), "required").tool_calls == [
+        ToolCall("python", {"code": "3"})]
+    assert parse_forced('{"code": "4"}', named).tool_calls == [ToolCall("python", {"code": "4"})]
+
+
+def test_unknown_parser_names_fail_naming_the_key(tok):
+    with pytest.raises(ValueError, match=r"agent.tool_parser='qwen9' is not a vLLM tool parser.*hermes"):
+        ReplyParser(tok, "qwen9")
+    with pytest.raises(ValueError, match=r"agent.reasoning_parser='nope'"):
+        ReplyParser(tok, "hermes", "nope")
+
+
+def test_a_parser_that_does_not_fit_the_tokenizer_names_the_fix(tok):
+    with pytest.raises(ValueError, match=r"agent.tool_parser='llama3_json' does not fit this model's tokenizer"):
+        ReplyParser(tok, "llama3_json")  # the tiny Qwen tokenizer has no <|python_tag|>
