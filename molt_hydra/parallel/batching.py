@@ -52,3 +52,29 @@ def unpack(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """[1, T] packed row -> [S, max(lengths)] right-padded with 0 (the inverse of `pack` for one key)."""
     rows = torch.split(x[0], lengths)
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def partition_padded(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Bins for right-padded [B, L] micro-batches: samples sorted by length, a bin grows while B·L_max (padding
+    included) fits `max_tokens`, so neighbours of similar length share a bin and little compute is padding."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens_per_micro_batch must be > 0, got {max_tokens}")
+    bins: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= max_tokens:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+    return [sorted(b) for b in bins]
+
+
+def pad_rows(samples: list[dict], keys: tuple[str, ...] | None = None) -> dict:
+    """Right-pad each key's per-sample tensors (first dim = tokens) into [B, L_max, ...] rows, with position_ids.
+
+    Causal attention never looks right, so real tokens see exactly what they see unpadded and the model runs
+    without any attention mask (the fused is_causal kernels); padded positions carry mask 0 in every loss."""
+    keys = keys or tuple(k for k, v in samples[0].items() if torch.is_tensor(v) and v.dim() >= 1)
+    out = {k: torch.nn.utils.rnn.pad_sequence([s[k] for s in samples], batch_first=True) for k in keys}
+    n = out["input_ids"].shape[1]
+    out["position_ids"] = torch.arange(n).expand(len(samples), n).contiguous()
+    return out
