@@ -6,7 +6,7 @@ row carries trainer / ceiling. Run one world size per torchrun:
 
     torchrun --standalone --nproc_per_node=N bench/gpu_trainer.py --out results_N.json [--shapes 4b:0:hf,...]
 
-A row is SHAPE:AC[:VARIANT]; AC 0 / 1 (full) / sel (selective, AutoModel only); VARIANT hf (default), am (NeMo
+A row is SHAPE:AC[:VARIANT[:SEQUENCES]] (SEQUENCES per GPU per step, default --mbs); AC 0 / 1 (full) / sel (selective, AutoModel only); VARIANT hf (default), am (NeMo
 AutoModel backend), with +compile (torch.compile per decoder block) or +packed (one packed stream per micro-batch).
 
 `--shapes tiny` runs a 2-layer model on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
@@ -196,7 +196,7 @@ def main():
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     ap.add_argument("--profile", default="", help="SHAPE:AC whose extra step is profiled (torch profiler tables)")
     args = ap.parse_args()
-    args.mb_tokens = args.mb_tokens or args.mbs * args.seq
+    base_mbs, base_mb_tokens = args.mbs, args.mb_tokens
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     port = int(os.environ["MASTER_PORT"])
     from molt_hydra.parallel.distributed import init_distributed
@@ -205,12 +205,16 @@ def main():
     dist.all_reduce(peak, op=dist.ReduceOp.MIN)
     results, ceilings = [], {}
     for item in args.shapes.split(","):
-        name, ac, variant = (item.split(":") + ["hf"])[:3]
+        parts = item.split(":")
+        name, ac = parts[:2]
+        variant, mbs = (parts[2] if len(parts) > 2 else "hf"), (parts[3] if len(parts) > 3 else "")
+        args.mbs = int(mbs) if mbs else base_mbs
+        args.mb_tokens = base_mb_tokens or args.mbs * args.seq
         ac = {"0": False, "1": True, "sel": "selective"}[ac]
         try:
             rec = bench_one(name, ac, variant, args, rank, world, port, float(peak))
             if args.ceiling and torch.cuda.is_available() and world == 1:
-                key = (name, bool(ac))
+                key = (name, bool(ac), args.mb_tokens)
                 if key not in ceilings:
                     try:
                         ceilings[key] = ceiling(name, bool(ac), args, rank, float(peak))

@@ -108,6 +108,13 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
                             linear=linear_backend or "torch", rms_norm=rms_norm, rope_fusion=False,
                             experts=experts_backend or "torch_mm", dispatcher=moe_dispatcher,
                             gate_precision=gate_precision)
+    if not getattr(config, "architectures", None):  # AutoModel picks its own model class by architecture name
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    from nemo_automodel._transformers.model_init import get_is_hf_model
+    if get_is_hf_model(config, False):
+        raise ValueError(f"model.backend=automodel: NeMo AutoModel has no model class of its own for "
+                         f"{config.architectures[0]}; set model.backend=hf")
     kw = dict(distributed_setup=setup, dtype=torch.float32, backend=backend, use_liger_kernel=False,
               load_base_model=not random_init)
     if moe:

@@ -194,6 +194,7 @@ class TrainerWorker:
             counts = torch.tensor([float(sum(s[mask_key].sum().item() for s in win)),
                                    float(sum(bool(s[mask_key].any()) for s in win))])
             dist.all_reduce(counts)  # the window's action tokens N and sequences G over all DP ranks
+            counts /= self.world_size // self.dp_size  # tp / cp ranks of one DP group hold the same samples
             n_tok, n_seq = counts[0].to(self.device), counts[1].to(self.device)
             parts = self._micro_batches(win)
             for part in parts:
@@ -223,7 +224,7 @@ class TrainerWorker:
     def _step_metrics(self, samples, sums, grad_norms, seconds) -> dict:
         dt = torch.tensor(seconds)
         keys = sorted(k for k in sums if k != "_tokens")
-        n_all = float(sum(len(s["input_ids"]) for s in samples))
+        n_all = float(sum(len(s["input_ids"]) for s in samples)) / (self.world_size // self.dp_size)
         red = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]
                           + [torch.as_tensor(sums["_tokens"], device=self.device),
                              torch.tensor(n_all, device=self.device)]).cpu()

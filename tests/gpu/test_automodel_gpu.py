@@ -27,7 +27,13 @@ def ckpt(tmp_path_factory):
     with torch.device("cuda"):
         m = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**SHAPE)).to(torch.float32)
     m.save_pretrained(d)
-    names = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    # the checkpoint layout vLLM loads: one weight per expert (transformers 5 fuses them only in memory)
+    names = {k: tuple(v.shape) for k, v in m.state_dict().items() if ".mlp.experts." not in k}
+    h, i = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"]
+    for layer in range(SHAPE["num_hidden_layers"]):
+        for e in range(SHAPE["num_experts"]):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            names.update({p + "gate_proj.weight": (i, h), p + "up_proj.weight": (i, h), p + "down_proj.weight": (h, i)})
     del m
     torch.cuda.empty_cache()
     return str(d), names
