@@ -7,7 +7,8 @@ row carries trainer / ceiling. Run one world size per torchrun:
     torchrun --standalone --nproc_per_node=N bench/gpu_trainer.py --out results_N.json [--shapes 4b:0:hf,...]
 
 A row is SHAPE:AC[:VARIANT[:SEQUENCES]] (SEQUENCES per GPU per step, default --mbs); AC 0 / 1 (full) / sel (selective, AutoModel only); VARIANT hf (default), am (NeMo
-AutoModel backend), with +compile (torch.compile per decoder block) or +packed (one packed stream per micro-batch).
+AutoModel backend), with +compile (torch.compile per decoder block), +packed (one packed stream per micro-batch),
++ep2 (AutoModel experts sharded over 2 ranks).
 
 `--shapes tiny` runs a 2-layer model on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
 same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency = tok/s(N) / (N · tok/s(1)).
@@ -137,7 +138,8 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     w = TrainerWorker(rank=rank, world_size=world, master_port=port, model_path=path, random_init=True,
                       gradient_checkpointing=ac, param_dtype="bf16", lr=1e-6,
                       max_tokens_per_micro_batch=args.mb_tokens, backend=backend, packing="packed" in flags,
-                      compile_blocks="compile" in flags, peak_tflops=peak or None, config_overrides=overrides,
+                      compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
+                      peak_tflops=peak or None, config_overrides=overrides,
                       timeout_s=300)
     build_s = time.perf_counter() - t
     n_params = sum(p.numel() for p in w.model.parameters())  # DTensor numel = global numel

@@ -43,11 +43,17 @@ multi_tests() {
     --ignore=tests/gpu/test_automodel_gpu.py ${PYTEST_ARGS:-} > "$OUT/pytest_2gpu.log" 2>&1
   echo "2-GPU tests rc=$?"
 }
+bench2() {  # the same rows on 2 GPUs (weak scaling: same sequences per GPU), for the scaling table
+  [ "$ngpu" -ge 2 ] || return
+  timeout "${BENCH2_TIMEOUT:-240}" torchrun --standalone --nproc_per_node=2 bench/gpu_trainer.py \
+    --out "$OUT/bench_2gpu.json" --shapes "${BENCH2_SHAPES:-4b:1:am,30b-a3b-8l:1:am+ep2}" > "$OUT/bench_2gpu.log" 2>&1
+  echo "2-GPU bench rc=$?"
+}
 case "$what" in
   bench) bench ;;
   tests) single_tests; multi_tests ;;
   single) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi ;;
-  *) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi; multi_tests ;;
+  *) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi; multi_tests; bench2 ;;
 esac
-grep -h '^{' "$OUT/bench_1gpu.log" 2>/dev/null | cut -c1-600
+grep -h '^{' "$OUT"/bench_*.log 2>/dev/null | cut -c1-400
 grep -hE "passed|failed|error" "$OUT"/pytest_*.log 2>/dev/null | tail -5
