@@ -52,6 +52,7 @@ class TrainerWorker:
         if not torch.cuda.is_available() and param_dtype != "fp32":
             param_dtype = "fp32"  # CPU: bf16 matmuls are slow and make equivalence tests meaningless
         self.dp_size = dp_size or world_size
+        gradient_checkpointing = {False: "none", True: "full"}.get(gradient_checkpointing, gradient_checkpointing)
         # the critic (value head on a backbone) is always built with HF transformers
         self.backend = resolve_backend(backend) if role != "critic" else "hf"
         # packed [1, T] streams need a varlen kernel (validated); otherwise right-padded [B, L] rows, mask-free
@@ -67,9 +68,12 @@ class TrainerWorker:
                 config_overrides=config_overrides, attn_implementation=attn_implementation,
                 compile_blocks=compile_blocks, **(automodel_options or {}))
         else:
+            if gradient_checkpointing not in ("none", "full"):
+                raise ValueError(f"gradient_checkpointing={gradient_checkpointing!r}: the HF backend checkpoints "
+                                 "whole blocks (full) or nothing (none); selective needs model.backend=automodel")
             self.mesh = build_device_mesh(self.dp_size, tp_size=tp_size, ep_size=ep_size, cp_size=cp_size)
             model = build_model(self.model_path, role=role, attn_implementation=attn_implementation,
-                                gradient_checkpointing=bool(gradient_checkpointing), random_init=random_init,
+                                gradient_checkpointing=gradient_checkpointing == "full", random_init=random_init,
                                 config_overrides=config_overrides,
                                 init_device=self.device if random_init else "cpu",
                                 value_head_init_std=value_head_init_std)
