@@ -121,10 +121,32 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
         kw["moe_overrides"] = {"enable_routing_replay": routing_replay}
     RouterReplay.clear_registry()  # gates register in construction order: this model's layers only
     model = NeMoAutoModelForCausalLM.from_config(config, **kw)
+    if dist.get_world_size() == 1:
+        # AutoModel skips fully_shard on one rank (components/distributed/fsdp2.py), and with it the bf16 compute
+        # cast: the model would compute in fp32. One-rank FSDP2 with the same policy as the HF path restores it.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from molt_hydra.parallel.fsdp import shard_model
+        model = shard_model(model, init_device_mesh("cuda", (1,), mesh_dim_names=("dp",)), param_dtype=param_dtype,
+                            reshard_after_forward=False)
+    model._molt_mesh = setup.mesh_context  # the grad-norm reduction needs the dense and expert meshes
     freeze(model, router=freeze_moe_router or role == "ref", visual=freeze_visual_encoder or role == "ref",
            everything=role == "ref")
     model.train(role != "ref")
     return model
+
+
+def clip_grad_norm(model, max_norm: float, dp_size: int) -> torch.Tensor:
+    """AutoModel's clipping: expert grads rescaled for the EP / FSDP ratio, then one norm over parameters that live
+    on different meshes (dense dp_shard and ep), which torch's clip_grad_norm_ cannot stack."""
+    from nemo_automodel.components.training.utils import scale_grads_and_clip_grad_norm
+
+    mesh = model._molt_mesh
+    moe = mesh.moe_mesh
+    ep_axis = "ep" if moe is not None and "ep" in moe.mesh_dim_names else None
+    return scale_grads_and_clip_grad_norm(max_norm if max_norm > 0 else None, [model], norm_type=2.0,
+                                          device_mesh=mesh.device_mesh, moe_mesh=moe, ep_axis_name=ep_axis,
+                                          dp_group_size=dp_size)
 
 
 def freeze(model, *, router: bool, visual: bool, everything: bool = False) -> list[str]:

@@ -134,9 +134,9 @@ def build_model(path: str, *, role: str = "actor", attn_implementation: str = "s
     return model
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The ModuleList of transformer blocks (`model.layers` / `backbone.layers`), the unit of FSDP2 sharding."""
+def decoder_layers(model: nn.Module):
+    """The blocks (`model.layers` / `backbone.layers`; a ModuleDict in AutoModel's classes), the FSDP2 unit."""
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and name.endswith("layers"):
-            return mod
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and name.endswith("layers"):
+            return list(mod.values()) if isinstance(mod, nn.ModuleDict) else mod
     raise ValueError(f"{type(model).__name__}: no decoder `layers` ModuleList found")

@@ -102,10 +102,13 @@ class TrainerWorker:
             out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
             return out.masked_fill(first, 0.0), None, None
         res = self.model(input_ids=ids, position_ids=pos)
-        lp = logprobs_from_logits(res.logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
+        logits = res.logits
+        if hasattr(logits, "full_tensor"):  # tensor parallel: vocab-sharded DTensor logits
+            logits = logits.full_tensor()
+        lp = logprobs_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
         ent = None
         if need_entropy:
-            ent = entropy_from_logits(res.logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
+            ent = entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
         return lp, ent, getattr(res, "aux_loss", None)
 
     def _replay(self, mb: dict):
@@ -214,8 +217,12 @@ class TrainerWorker:
                 for k, v in mets.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().float() * w
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
+            if self.backend == "automodel" and self.world_size > 1:
+                from molt_hydra.models.automodel import clip_grad_norm
+                gn = torch.as_tensor(clip_grad_norm(self.model, self.max_norm, self.dp_size), device=self.device)
+            else:
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
             grad_norms.append(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
             self.optimizer.step()
             self.scheduler.step()
