@@ -19,10 +19,6 @@ import re
 import torch
 
 AC_MODES = {False: False, True: "full", "none": False, "full": "full", "selective": "selective"}
-DISPATCHERS = ("torch", "deepep", "hybridep", "uccl_ep")
-EXPERTS_BACKENDS = ("torch", "torch_mm", "te")
-LINEAR_BACKENDS = ("torch", "te")
-RMS_NORMS = ("torch", "torch_fp32", "te")
 VISION_PREFIXES = ("visual.", "vision_tower.", "vision_model.", "model.visual.", "model.vision_tower.")
 ROUTER_PARAM = re.compile(r"\.mlp\.gate\.")
 
