@@ -3,7 +3,7 @@
 # AutoModel and its small needs, liger-kernel) into /tmp/site, then run the GPU benches and `pytest -m gpu tests/gpu`,
 # logging everything to $OUT (or ./gpu_logs). Run from the repository root (or a staged copy of it):
 #
-#   bash scripts/gpu_device.sh [all|single|bench|tests]  # env: WHEELS, BENCH_SHAPES, BENCH2_SHAPES, PYTEST_ARGS, MULTI_ARGS
+#   bash scripts/gpu_device.sh [all|single|bench|tests]  # env: WHEELS, BENCH_SHAPES, BENCH2_SHAPES, PYTEST_ARGS, MULTI_K
 #
 # With 2+ GPUs the single-GPU bench runs on GPU 0 while the single-GPU tests run on GPU 1; the 2-GPU tests last.
 set -uo pipefail
@@ -40,7 +40,7 @@ single_tests() {
 multi_tests() {
   [ "$ngpu" -ge 2 ] || { echo "multi-GPU tests skipped: $ngpu GPU"; return; }
   timeout "${MULTI_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -m gpu -s tests/gpu \
-    --ignore=tests/gpu/test_automodel_gpu.py ${MULTI_ARGS:-} > "$OUT/pytest_2gpu.log" 2>&1
+    --ignore=tests/gpu/test_automodel_gpu.py ${MULTI_K:+-k "$MULTI_K"} > "$OUT/pytest_2gpu.log" 2>&1
   echo "2-GPU tests rc=$?"
 }
 bench2() {  # the same rows on 2 GPUs (weak scaling: same sequences per GPU), for the scaling table
