@@ -6,9 +6,9 @@ row carries trainer / ceiling. Run one world size per torchrun:
 
     torchrun --standalone --nproc_per_node=N bench/gpu_trainer.py --out results_N.json [--shapes 4b:0:hf,...]
 
-A row is SHAPE:AC[:VARIANT[:SEQUENCES]] (SEQUENCES per GPU per step, default --mbs); AC 0 / 1 (full) / sel (selective, AutoModel only); VARIANT hf (default), am (NeMo
-AutoModel backend), with +compile (torch.compile per decoder block), +packed (one packed stream per micro-batch),
-+ep2 (AutoModel experts sharded over 2 ranks).
+A row is SHAPE:AC[:VARIANT[:SEQUENCES]] (SEQUENCES per GPU per step, default --mbs); AC 0 / 1 (full) / sel
+(selective, AutoModel only); VARIANT hf (default), am (NeMo AutoModel backend), with +compile (torch.compile per
+decoder block), +packed (one packed stream per micro-batch), +ep2 (AutoModel experts sharded over 2 ranks).
 
 `--shapes tiny` runs a 2-layer model on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
 same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency = tok/s(N) / (N · tok/s(1)).

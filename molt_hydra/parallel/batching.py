@@ -1,10 +1,11 @@
-"""Token-budget micro-batching with length-balanced partitions, and packing of samples into one row.
+"""Token-budget micro-batching: right-padded [B, L] rows (the default) or packed [1, T] streams.
 
-Count: the fewest bins of capacity `max_tokens` found by first-fit-decreasing (a sample longer than the budget gets
-its own bin). Partition: greedy LPT (longest sample first into the currently lightest bin) into exactly k bins; its
-makespan is within 4/3 of optimal, close enough to Karmarkar–Karp here and simpler. Packing: samples of a bin are
-concatenated into a single [1, T] row with position_ids restarting at 0 per sample, which HF turns into a
-block-diagonal causal mask (no attention across samples, no padding compute).
+Rows: samples sorted by length fill a bin while B·L_max fits the budget (`partition_padded`), then `pad_rows`
+right-pads them; causal attention makes padding invisible to real tokens, so no attention mask is needed.
+Packed streams (`parallelism.packing`): count = the fewest bins of capacity `max_tokens` by first-fit-decreasing (a
+sample longer than the budget gets its own bin); partition = greedy LPT (longest sample first into the currently
+lightest bin) into exactly k bins, within 4/3 of the optimal makespan; samples of a bin are concatenated into one
+[1, T] row with position_ids restarting at 0 per sample, which HF turns into a block-diagonal causal mask.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ bench, SFT). No Ray, vLLM or Hydra import on this path.
 
 Samples are dicts of 1-D token-aligned tensors (see models/logprobs.py): `input_ids` plus whatever the objective
 needs (`action_mask`, `advantages`, `old_logprobs`, `ref_logprobs`, `rollout_logprobs`, `returns`, `values`, or
-`loss_mask` for SFT). Micro-batches are packed rows (parallel/batching.py); the objective (parallel/objectives.py)
-receives them unpacked to [S, L] together with the window denominators of Molt's global token mean (inventory
+`loss_mask` for SFT; `routed_experts` [T, moe layers, topk] for R3 on AutoModel). Micro-batches are right-padded
+[S, L] rows, or packed [1, T] streams with `packing` (parallel/batching.py); the objective (parallel/objectives.py)
+receives [S, L] rows together with the window denominators of Molt's global token mean (inventory
 §2.7): N = mask tokens of the optimizer-step window summed over micro-batches and DP ranks, G = its sequences, and
 dp_size to cancel FSDP2's gradient mean over DP. Metrics are token-weighted over the window and the DP ranks.
 """
