@@ -78,3 +78,24 @@ def test_backend_choice_without_gpu():
         resolve_backend("automodel")
     with pytest.raises(ValueError, match="auto, hf or automodel"):
         resolve_backend("megatron")
+
+
+def test_hf_name_mapper_strips_wrappers_and_delegates_to_the_adapter():
+    from torch import nn
+
+    from molt_hydra.models.automodel import hf_name_mapper
+
+    class Adapter:  # AutoModel's contract: one own tensor -> [(hf_name, tensor), ...]
+        def convert_single_tensor_to_hf(self, fqn, tensor):
+            if fqn.endswith("experts.down_projs"):
+                return [(fqn.replace("down_projs", f"{e}.down_proj.weight"), tensor[e].T) for e in range(2)]
+            return [(fqn, tensor)]
+
+    plain, wrapped = nn.Module(), nn.Module()
+    wrapped.state_dict_adapter = Adapter()
+    t = torch.arange(12.).view(2, 3, 2)
+    assert hf_name_mapper(plain)("model.layers.0._checkpoint_wrapped_module.mlp.w", t)[0][0] == "model.layers.0.mlp.w"
+    out = hf_name_mapper(wrapped)("model.layers.0._orig_mod.mlp.experts.down_projs", t)
+    assert [n for n, _ in out] == ["model.layers.0.mlp.experts.0.down_proj.weight",
+                                   "model.layers.0.mlp.experts.1.down_proj.weight"]
+    assert torch.equal(out[1][1], t[1].T)
