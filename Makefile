@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST := $(PY) -m pytest -p no:cacheprovider --durations=15
 
-.PHONY: install run test test-full test-gpu bench clean
+.PHONY: install run test test-full test-gpu gpu-wheels bench clean
 
 install: $(STAMP)
 
@@ -41,6 +41,16 @@ test-full: install
 
 test-gpu:
 	python3 -m pytest -p no:cacheprovider -m gpu tests/gpu
+
+# Wheels the GPU device needs beside its own torch (NeMo AutoModel and its small needs; gpu_device.md), into .whl/
+# for `scripts/gpu_device.sh` (which installs them there with --no-deps into /tmp/site).
+GPU_WHEELS = nemo-automodel==0.7.0 megatron-fsdp==0.5.0 torchdata==0.11.0 torchao==0.18.0 flashoptim==0.1.4 \
+	quack-kernels==0.6.4 mistral-common==1.13.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+	transformers==5.18.0 pydantic pydantic-core annotated-types typing-inspection liger-kernel
+gpu-wheels:
+	python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform any -d .whl $(GPU_WHEELS)
 
 bench: install
 	# TRL is the GRPO baseline; --no-deps keeps the CPU torch / transformers pins untouched.

@@ -1,8 +1,14 @@
 """GPU trainer benchmark: one FSDP2 bf16 training step (PPO objective on synthetic experiences, random init) for
 Qwen3-shaped models; tokens/s and MFU against the bf16 matmul peak measured in the same run; peak memory; the
-weight-sync send side's full gather time. Run one world size per torchrun:
+weight-sync send side's full gather time; and the plain-HF ceiling of the same shape in the same run (transformers
+model in bf16, no FSDP / optimizer, forward + backward of a log-prob objective on the same [B, S] tokens), so every
+row carries trainer / ceiling. Run one world size per torchrun:
 
-    torchrun --standalone --nproc_per_node=N bench/gpu_trainer.py --out results_N.json [--shapes 0.6b,1.7b,...]
+    torchrun --standalone --nproc_per_node=N bench/gpu_trainer.py --out results_N.json [--shapes 4b:0:hf,...]
+
+A row is SHAPE:AC[:VARIANT[:SEQUENCES]] (SEQUENCES per GPU per step, default --mbs); AC 0 / 1 (full) / sel
+(selective, AutoModel only); VARIANT hf (default), am (NeMo AutoModel backend), with +compile (torch.compile per
+decoder block), +packed (one packed stream per micro-batch), +ep2 (AutoModel experts sharded over 2 ranks).
 
 `--shapes tiny` runs a 2-layer model on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
 same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency = tok/s(N) / (N · tok/s(1)).
@@ -81,18 +87,60 @@ def samples(n: int, seq: int, vocab: int, seed: int):
     return out
 
 
-def bench_one(name, ac, args, rank, world, port, peak):
+def ceiling(name, ac, args, rank, peak):
+    """Plain transformers model of the same shape: bf16 weights, no FSDP, no optimizer; fwd+bwd of mean log p over
+    the same B x S tokens as one trainer micro-batch. MFU with the trainer's own FLOP count (parallel/perf.py)."""
+    import transformers
+
+    from molt_hydra.models.logprobs import logprobs_from_logits
+    from molt_hydra.parallel.perf import flops_per_token
+    cfg = transformers.AutoConfig.from_pretrained(write_config(name, rank))
+    if "a3b" in name:
+        cfg._experts_implementation = "grouped_mm"
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if ac:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    b = max(1, args.mb_tokens // args.seq)
+    ids = torch.randint(0, cfg.vocab_size, (b, args.seq), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(5):
+        if i == 2:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+        lp = logprobs_from_logits(model(input_ids=ids).logits, ids)
+        lp.mean().backward()
+        model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / 3
+    tok = b * args.seq
+    rec = {"ceiling_tok_s": tok / dt, "ceiling_mfu": tok * flops_per_token(cfg, args.seq) / dt / (peak * 1e12),
+           "ceiling_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "ceiling_batch": f"{b}x{args.seq}"}
+    del model, ids, lp
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
+def bench_one(name, ac, variant, args, rank, world, port, peak):
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.parallel.objectives import ActorObjective
     from molt_hydra.parallel.trainer import TrainerWorker
 
     path = write_config(name, rank)
-    overrides = {"_experts_implementation": "grouped_mm"} if "a3b" in name else None
+    flags = set(variant.split("+"))
+    backend = "automodel" if "am" in flags else "hf"
+    overrides = {"_experts_implementation": "grouped_mm"} if "a3b" in name and backend == "hf" else None
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     t = time.perf_counter()
     w = TrainerWorker(rank=rank, world_size=world, master_port=port, model_path=path, random_init=True,
-                      gradient_checkpointing=ac, param_dtype="bf16", lr=1e-6, max_tokens_per_micro_batch=args.seq,
-                      peak_tflops=peak or None, config_overrides=overrides, timeout_s=300)
+                      gradient_checkpointing=ac, param_dtype="bf16", lr=1e-6,
+                      max_tokens_per_micro_batch=args.mb_tokens, backend=backend, packing="packed" in flags,
+                      compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
+                      peak_tflops=peak or None, config_overrides=overrides,
+                      timeout_s=300)
     build_s = time.perf_counter() - t
     n_params = sum(p.numel() for p in w.model.parameters())  # DTensor numel = global numel
     obj = ActorObjective(PolicyLoss("ppo"))
@@ -102,13 +150,14 @@ def bench_one(name, ac, args, rank, world, port, peak):
         m = w.train_step(data, obj)
         if i:
             runs.append(m)
-    if args.profile == f"{name}:{int(ac)}" and rank == 0:  # torch profiler over one more step: where the step time goes
+    row = f"{name}:{args_ac(ac)}:{variant}"
+    if args.profile == row and rank == 0:  # torch profiler over one more step: where the step time goes
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             w.train_step(data, obj)
         for key in ("self_cpu_time_total", "cuda_time_total"):
             print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
-    elif args.profile == f"{name}:{int(ac)}":
+    elif args.profile == row:
         w.train_step(data, obj)
     rec = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k.startswith("perf/")}
     rec["policy_loss"] = runs[-1]["policy_loss"]
@@ -124,8 +173,8 @@ def bench_one(name, ac, args, rank, world, port, peak):
         dist.barrier()
         rec[f"gather_{dev}_s"] = time.perf_counter() - t
         rec[f"gather_{dev}_gb"] = nbytes / 1e9
-    rec.update(model=name, ac=ac, world=world, params_b=n_params / 1e9, build_s=build_s,
-               tokens_per_gpu_step=args.mbs * args.seq, peak_tflops=peak)
+    rec.update(model=name, ac=ac, variant=variant, world=world, params_b=n_params / 1e9, build_s=build_s,
+               tokens_per_gpu_step=args.mbs * args.seq, mb_tokens=args.mb_tokens, peak_tflops=peak)
     del w, obj
     gc.collect()
     if torch.cuda.is_available():
@@ -133,29 +182,54 @@ def bench_one(name, ac, args, rank, world, port, peak):
     return rec
 
 
+def args_ac(ac):
+    return {False: "0", True: "1", "selective": "sel"}[ac]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--shapes", default="0.6b:0,0.6b:1,1.7b:0,1.7b:1,4b:1,30b-a3b-8l:1",
-                    help="comma list of SHAPE:AC (AC 1 = activation checkpointing)")
+    ap.add_argument("--shapes", default="0.6b:0,4b:0,4b:1,30b-a3b-8l:1",
+                    help="comma list of SHAPE:AC[:VARIANT] (AC 0 / 1 / sel; VARIANT hf, am, +compile, +packed)")
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--mbs", type=int, default=4, help="micro-batches (one sequence each) per GPU per step")
+    ap.add_argument("--mbs", type=int, default=4, help="sequences per GPU per step")
+    ap.add_argument("--mb-tokens", type=int, default=0, help="token budget per micro-batch (0: all mbs sequences)")
+    ap.add_argument("--ceiling", type=int, default=1, help="measure the plain-HF ceiling per shape (1 GPU runs)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     ap.add_argument("--profile", default="", help="SHAPE:AC whose extra step is profiled (torch profiler tables)")
     args = ap.parse_args()
+    base_mbs, base_mb_tokens = args.mbs, args.mb_tokens
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     port = int(os.environ["MASTER_PORT"])
     from molt_hydra.parallel.distributed import init_distributed
     device = init_distributed(rank, world, os.environ["MASTER_ADDR"], port, timeout_s=300)
     peak = torch.tensor(peak_bf16_tflops(device))
     dist.all_reduce(peak, op=dist.ReduceOp.MIN)
-    results = []
+    results, ceilings = [], {}
     for item in args.shapes.split(","):
-        name, ac = item.split(":")
+        parts = item.split(":")
+        name, ac = parts[:2]
+        variant, mbs = (parts[2] if len(parts) > 2 else "hf"), (parts[3] if len(parts) > 3 else "")
+        args.mbs = int(mbs) if mbs else base_mbs
+        args.mb_tokens = base_mb_tokens or args.mbs * args.seq
+        ac = {"0": False, "1": True, "sel": "selective"}[ac]
         try:
-            rec = bench_one(name, ac == "1", args, rank, world, port, float(peak))
+            rec = bench_one(name, ac, variant, args, rank, world, port, float(peak))
+            if args.ceiling and torch.cuda.is_available() and world == 1:
+                key = (name, bool(ac), args.mb_tokens)
+                if key not in ceilings:
+                    try:
+                        ceilings[key] = ceiling(name, bool(ac), args, rank, float(peak))
+                    except Exception as e:
+                        ceilings[key] = {"ceiling_error": f"{type(e).__name__}: {e}"[:300]}
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                rec.update(ceilings[key])
+                if "ceiling_mfu" in rec and "perf/mfu" in rec:
+                    rec["trainer_over_ceiling"] = rec["perf/mfu"] / rec["ceiling_mfu"]
         except Exception as e:  # record and go on: one OOM must not lose the other rows
-            rec = {"model": name, "ac": ac == "1", "world": world, "error": f"{type(e).__name__}: {e}"[:500]}
+            rec = {"model": name, "ac": ac, "variant": variant, "world": world,
+                   "error": f"{type(e).__name__}: {e}"[:500]}
             if rank == 0:
                 traceback.print_exc()
             gc.collect()

@@ -125,6 +125,8 @@ class ModelConfig:
     "Attention kernel of the trainer model."
     gradient_checkpointing: GradCheckpoint = GradCheckpoint["full"]
     "Activation checkpointing: none, full (per decoder block) or selective."
+    compile_blocks: bool = False
+    "torch.compile each decoder block of the trainer model (GPU: fuses the eager elementwise ops; first step compiles)."
     trust_remote_code: bool = True
     "Allow custom model code from the model directory."
     aux_loss_coef: float = ranged(0.0, ge=0)
@@ -161,6 +163,8 @@ class ParallelismConfig:
     "Sequence parallelism inside the TP region."
     offload: Offload = Offload["none"]
     "none; optimizer (AdamW step and moments on CPU); full (FSDP2 CPUOffloadPolicy for params and optimizer)."
+    packing: bool = False
+    "Run each micro-batch as one packed stream instead of right-padded rows (needs a varlen attention kernel)."
     colocate: bool = False
     "Rollout engines and trainer share devices; the engine sleeps while the trainer steps."
     colocate_models: bool = False

@@ -7,10 +7,16 @@ checks of `train_rl_ray.py __main__`, inventory §1.3, plus batch arithmetic and
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from molt_hydra.config.bounds import out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
+
+PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
+AUTOMODEL_DISPATCHERS = ("torch", "deepep", "hybridep", "uccl_ep")
+AUTOMODEL_EXPERTS = ("torch", "torch_mm", "te")
+AUTOMODEL_RMS_NORMS = ("torch", "torch_fp32", "te")
 
 
 class Problems:
@@ -273,13 +279,53 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (r.enable_prefix_caching and r.mtp_num_speculative_tokens > 0), "rollout.enable_prefix_caching",
                    "prefix caching with MTP speculative decoding is not supported.",
                    "set rollout.enable_prefix_caching=false or rollout.mtp_num_speculative_tokens=0")
+    problems.check(not (d.max_images_per_prompt > 0 and p.packing), "parallelism.packing",
+                   "packing is not supported for VLM inputs (data.max_images_per_prompt > 0).",
+                   "set parallelism.packing=false")
+    problems.check(not p.packing or cfg.model.attn_implementation.value in PACKING_ATTN, "parallelism.packing",
+                   f"packed sequences need a varlen attention kernel, got {cfg.model.attn_implementation.value}.",
+                   f"set model.attn_implementation to one of {list(PACKING_ATTN)} or parallelism.packing=false")
     cpu = cfg.cluster.device.value == "cpu"
     problems.check(not (cpu and r.executor.value == "ray"), "rollout.executor",
                    "vLLM on CPU refuses the ray executor.", "set rollout.executor=auto (mp inside the engine actor)")
     problems.check(not (cpu and r.pipeline_parallel_size > 1), "rollout.pipeline_parallel_size",
                    "pipeline parallelism needs the ray executor, which vLLM refuses on CPU.",
                    "set rollout.pipeline_parallel_size=1")
-    hf_backend = cfg.model.backend.value == "hf" or cpu
+    # backend=auto resolves as the trainer does (models/build.py resolve_backend): AutoModel on GPU when installed
+    m, backend = cfg.model, cfg.model.backend.value
+    automodel_installed = importlib.util.find_spec("nemo_automodel") is not None
+    hf_backend = backend == "hf" or cpu or (backend == "auto" and not automodel_installed)
+    problems.check(not (backend == "automodel" and cpu), "model.backend",
+                   "NeMo AutoModel builds its models on CUDA devices only (its builder calls torch.cuda).",
+                   "set model.backend=hf (or auto), or cluster.device=cuda")
+    if not hf_backend:
+        for ok, key, reason, fix in (
+            (not p.packing, "parallelism.packing", "AutoModel micro-batches are right-padded rows; packed (THD) "
+             "streams are not wired to its attention.", "set parallelism.packing=false"),
+            (m.aux_loss_coef == 0, "model.aux_loss_coef", "AutoModel's MoE load-balancing loss is not added to the "
+             "trainer loss.", "set model.aux_loss_coef=0, or model.backend=hf"),
+            (p.offload.value == "none", "parallelism.offload", "CPU offload is not wired to AutoModel's FSDP2.",
+             "set parallelism.offload=none, or model.backend=hf"),
+            (m.moe_dispatcher in AUTOMODEL_DISPATCHERS, "model.moe_dispatcher",
+             f"AutoModel's dispatchers are {list(AUTOMODEL_DISPATCHERS)}, got {m.moe_dispatcher!r}.",
+             "set model.moe_dispatcher=torch"),
+            (m.experts_backend in (None, *AUTOMODEL_EXPERTS), "model.experts_backend",
+             f"AutoModel's expert GEMMs are {list(AUTOMODEL_EXPERTS)}, got {m.experts_backend!r}.",
+             "unset model.experts_backend (torch_mm)"),
+            (m.linear_backend in (None, "torch", "te"), "model.linear_backend",
+             f"AutoModel's linear backends are torch and te, got {m.linear_backend!r}.", "unset model.linear_backend"),
+            (m.rms_norm in AUTOMODEL_RMS_NORMS, "model.rms_norm",
+             f"AutoModel's RMSNorm backends are {list(AUTOMODEL_RMS_NORMS)}, got {m.rms_norm!r}.",
+             "set model.rms_norm=torch_fp32"),
+        ):
+            problems.check(ok, key, f"model.backend=automodel: {reason}", fix)
+    else:  # knobs only AutoModel has: set away from their defaults they would change nothing on the HF path
+        for key, value, default in (("model.experts_backend", m.experts_backend, None),
+                                    ("model.linear_backend", m.linear_backend, None),
+                                    ("model.rms_norm", m.rms_norm, "torch_fp32")):
+            problems.check(value == default, key, f"{value!r} selects a NeMo AutoModel module; this run trains on "
+                           "the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
+                           f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
     for name in ("tp", "cp", "ep"):
         size = getattr(p, name)
         problems.check(not (hf_backend and size > 1), f"parallelism.{name}",

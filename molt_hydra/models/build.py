@@ -1,5 +1,5 @@
-"""Build the actor / reference / critic module: NeMo AutoModel when it is installed and a GPU is present, HF
-transformers otherwise. Everything above `build_model` (FSDP2, losses, checkpoints) is the same for both.
+"""Build the actor / reference / critic module with HF transformers (`model.backend=hf`); the NeMo AutoModel backend
+(models/automodel.py) builds and parallelizes its own model. Everything above (losses, checkpoints) is shared.
 
 Weights are always created in fp32 (the master copy); the bf16 compute policy is applied by FSDP2's
 MixedPrecisionPolicy in `parallel/fsdp.py`, not here.
@@ -32,6 +32,18 @@ def nemo_automodel_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("nemo_automodel") is not None
 
 
+def resolve_backend(backend: str) -> str:
+    """`model.backend`: auto -> automodel when NeMo AutoModel is installed and a GPU is present, else hf."""
+    if backend == "auto":
+        return "automodel" if nemo_automodel_usable() else "hf"
+    if backend == "automodel" and not nemo_automodel_usable():
+        raise RuntimeError("model.backend=automodel needs the nemo_automodel package and a CUDA device; "
+                           "install it (see docs) or set model.backend=hf")
+    if backend not in ("hf", "automodel"):
+        raise ValueError(f"model.backend must be auto, hf or automodel, got {backend!r}")
+    return backend
+
+
 class CriticModel(nn.Module):
     """Backbone (decoder without lm_head) + fp32 Linear(hidden, 1) value head (Molt §2.9)."""
 
@@ -51,12 +63,38 @@ class CriticModel(nn.Module):
         self.backbone.gradient_checkpointing_enable(**kw)
 
 
-def _auto_classes(use_nemo: bool, base: bool):
-    if use_nemo and not base:
-        from nemo_automodel import NeMoAutoModelForCausalLM
-        return NeMoAutoModelForCausalLM
+def backend_options(cfg) -> dict:
+    """TrainerWorker kwargs for the model backend from a validated RunConfig (RL roles and the SFT job alike)."""
+    m, p = cfg.model, cfg.parallelism
+    return dict(backend=m.backend.value, packing=p.packing, compile_blocks=m.compile_blocks,
+                gradient_checkpointing=m.gradient_checkpointing.value,
+                automodel_options=dict(moe_dispatcher=m.moe_dispatcher, experts_backend=m.experts_backend,
+                                       linear_backend=m.linear_backend, rms_norm=m.rms_norm,
+                                       gate_precision=m.gate_precision, routing_replay=cfg.rollout.routing_replay,
+                                       freeze_moe_router=m.freeze_moe_router,
+                                       freeze_visual_encoder=m.freeze_visual_encoder,
+                                       moe_reshard_after_forward=p.moe_reshard_after_forward,
+                                       sequence_parallel=p.sequence_parallel))
+
+
+def _auto_classes(base: bool):
     import transformers
     return transformers.AutoModel if base else transformers.AutoModelForCausalLM
+
+
+def load_config(path: str, config_overrides: dict | None = None, random_init: bool = False):
+    """The HF config of a (resolved) model directory with `config_overrides` applied; KV cache off for training."""
+    import transformers
+
+    if not Path(path).exists() and not random_init:
+        raise FileNotFoundError(f"model path {path!r} does not exist (HF_HUB_OFFLINE: give a local directory)")
+    config = transformers.AutoConfig.from_pretrained(path)
+    for k, v in (config_overrides or {}).items():
+        if not hasattr(config, k):
+            raise ValueError(f"config_overrides: {type(config).__name__} has no field {k!r}")
+        setattr(config, k, v)
+    config.use_cache = False
+    return config
 
 
 def build_model(path: str, *, role: str = "actor", attn_implementation: str = "sdpa",
@@ -70,23 +108,13 @@ def build_model(path: str, *, role: str = "actor", attn_implementation: str = "s
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    import transformers
-
     path = resolve_path(path)
-    if not Path(path).exists() and not random_init:
-        raise FileNotFoundError(f"model path {path!r} does not exist (HF_HUB_OFFLINE: give a local directory)")
-    config = transformers.AutoConfig.from_pretrained(path)
-    for k, v in (config_overrides or {}).items():
-        if not hasattr(config, k):
-            raise ValueError(f"config_overrides: {type(config).__name__} has no field {k!r}")
-        setattr(config, k, v)
-    config.use_cache = False
+    config = load_config(path, config_overrides, random_init)
     if role == "critic":
         config.tie_word_embeddings = False
     if getattr(config, "vision_config", None) is not None:
         raise NotImplementedError("vision-language models are not supported by this trainer yet")
-    use_nemo = nemo_automodel_usable() and role != "critic"
-    cls = _auto_classes(use_nemo, base=role == "critic")
+    cls = _auto_classes(base=role == "critic")
     kw = dict(dtype=torch.float32, attn_implementation=attn_implementation)
     with torch.device(init_device):
         if random_init:
@@ -106,9 +134,9 @@ def build_model(path: str, *, role: str = "actor", attn_implementation: str = "s
     return model
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The ModuleList of transformer blocks (`model.layers` / `backbone.layers`), the unit of FSDP2 sharding."""
+def decoder_layers(model: nn.Module):
+    """The blocks (`model.layers` / `backbone.layers`; a ModuleDict in AutoModel's classes), the FSDP2 unit."""
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and name.endswith("layers"):
-            return mod
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and name.endswith("layers"):
+            return list(mod.values()) if isinstance(mod, nn.ModuleDict) else mod
     raise ValueError(f"{type(model).__name__}: no decoder `layers` ModuleList found")

@@ -132,11 +132,14 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
 
 
 def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None = None,
-              dtype: torch.dtype = torch.bfloat16, max_shard_size: str = "5GB") -> Path | None:
-    """Collective. Rank 0 writes safetensors + config (+ tokenizer) to out_dir via a temp dir; returns out_dir there."""
+              dtype: torch.dtype = torch.bfloat16, max_shard_size: str = "5GB", to_hf=None) -> Path | None:
+    """Collective. Rank 0 writes safetensors + config (+ tokenizer) to out_dir via a temp dir; returns out_dir there.
+    to_hf: (name, tensor) -> [(hf_name, tensor), ...] for models whose own names are not the checkpoint's."""
     from huggingface_hub import save_torch_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if to_hf is not None:
+        sd = dict(pair for name, t in sd.items() for pair in to_hf(name, t))
     out = Path(out_dir)
     if _rank() == 0:
         config = copy.deepcopy(model.config)
@@ -149,7 +152,7 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
         config.dtype = dtype
         config.use_cache = True
         config.save_pretrained(tmp)
-        if tokenizer_path is not None:
+        if tokenizer_path is not None and any(Path(tokenizer_path).glob("tokenizer*")):
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
         if out.exists():

@@ -1,7 +1,8 @@
 """Process group + device mesh for the trainer ranks: gloo on CPU, NCCL on GPU, with a timeout on every collective.
 
-Only data parallelism (FSDP2 over `dp`) is implemented by this trainer for both backends; tensor / expert / context
-parallel sizes > 1 are refused here with a clear error (config/validate.py refuses them earlier).
+The HF backend is data parallel only (FSDP2 over `dp`): tensor / expert / context parallel sizes > 1 are refused here
+with a clear error (config/validate.py refuses them earlier). The AutoModel backend builds its own dp x cp x tp (+ ep)
+mesh (models/automodel.py) and does not use `build_device_mesh`.
 """
 
 from __future__ import annotations

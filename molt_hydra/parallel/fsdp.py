@@ -16,7 +16,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def shard_model(model: nn.Module, mesh, *, param_dtype: str = "bf16", offload: bool = False,
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, compile_blocks: bool = False) -> nn.Module:
     if param_dtype not in DTYPES:
         raise ValueError(f"param_dtype must be one of {list(DTYPES)}, got {param_dtype!r}")
     # gradients are reduced in fp32 whatever the compute dtype, as Molt does
@@ -25,6 +25,10 @@ def shard_model(model: nn.Module, mesh, *, param_dtype: str = "bf16", offload: b
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for layer in decoder_layers(model):
+        if compile_blocks:
+            # per block, before sharding (as torchtitan): fuses the eager RMSNorm / rotary / SiLU casts into a few
+            # kernels; identical blocks share one compiled graph, FSDP2's hooks stay outside it
+            layer.compile()
         fully_shard(layer, **kw)
     if hasattr(model, "value_head"):
         fully_shard(model.value_head, **{**kw, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32)})

@@ -93,9 +93,11 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
             betas: tuple = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, lr_scheduler: str = "constant",
             lr_warmup_ratio: float = 0.03, min_lr_ratio: float = 0.1, max_norm: float = 1.0,
             max_tokens_per_micro_batch: int = 16384, param_dtype: str = "bf16", attn_implementation: str = "sdpa",
-            gradient_checkpointing: bool = False, offload: bool = False, timeout_s: float = 600.0) -> list[dict]:
+            gradient_checkpointing: bool | str = False, offload: bool = False, timeout_s: float = 600.0,
+            **backend_options) -> list[dict]:
     """Train, evaluate, checkpoint and export; returns the per-step metric records (also in
-    <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated."""
+    <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated.
+    backend_options: TrainerWorker's model-backend kwargs (models.build.backend_options)."""
     kw = dict(model_path=model_path, train_data=train_data, eval_data=eval_data, output_dir=output_dir,
               input_key=input_key, output_key=output_key, chat_template=chat_template,
               train_on_last_turn_only=train_on_last_turn_only, max_len=max_len, max_samples=max_samples,
@@ -105,7 +107,7 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
                           lr_warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio, max_norm=max_norm,
                           max_tokens_per_micro_batch=max_tokens_per_micro_batch, param_dtype=param_dtype,
                           attn_implementation=attn_implementation, gradient_checkpointing=gradient_checkpointing,
-                          offload=offload, seed=seed, timeout_s=timeout_s))
+                          offload=offload, seed=seed, timeout_s=timeout_s, **backend_options))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         return _sft_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), kw)
     from molt_hydra.parallel.launch import run_ranks

@@ -5,14 +5,16 @@ bench, SFT). No Ray, vLLM or Hydra import on this path.
 
 Samples are dicts of 1-D token-aligned tensors (see models/logprobs.py): `input_ids` plus whatever the objective
 needs (`action_mask`, `advantages`, `old_logprobs`, `ref_logprobs`, `rollout_logprobs`, `returns`, `values`, or
-`loss_mask` for SFT). Micro-batches are packed rows (parallel/batching.py); the objective (parallel/objectives.py)
-receives them unpacked to [S, L] together with the window denominators of Molt's global token mean (inventory
+`loss_mask` for SFT; `routed_experts` [T, moe layers, topk] for R3 on AutoModel). Micro-batches are right-padded
+[S, L] rows, or packed [1, T] streams with `packing` (parallel/batching.py); the objective (parallel/objectives.py)
+receives [S, L] rows together with the window denominators of Molt's global token mean (inventory
 §2.7): N = mask tokens of the optimizer-step window summed over micro-batches and DP ranks, G = its sequences, and
 dp_size to cancel FSDP2's gradient mean over DP. Metrics are token-weighted over the window and the DP ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -20,10 +22,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from molt_hydra.models.build import build_model, resolve_path
+from molt_hydra.models.build import build_model, resolve_backend, resolve_path
 from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
 from molt_hydra.parallel import checkpoint as ckpt
-from molt_hydra.parallel.batching import count_micro_batches, pack, partition_balanced, unpack
+from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, partition_balanced, partition_padded,
+                                          unpack)
 from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
 from molt_hydra.parallel.fsdp import shard_model
@@ -41,25 +44,45 @@ class TrainerWorker:
                  total_steps: int = 1, max_norm: float = 1.0, offload: bool = False,
                  max_tokens_per_micro_batch: int = 16384, temperature: float = 1.0, logprob_chunk_size: int = 2048,
                  aux_loss_coef: float = 0.0, seed: int = 42,
-                 peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None):
+                 peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
+                 backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
+                 automodel_options: dict | None = None):
         self.rank, self.world_size, self.role = rank, world_size, role
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
                                        timeout_s=timeout_s)
         if not torch.cuda.is_available() and param_dtype != "fp32":
             param_dtype = "fp32"  # CPU: bf16 matmuls are slow and make equivalence tests meaningless
         self.dp_size = dp_size or world_size
-        self.mesh = build_device_mesh(self.dp_size, tp_size=tp_size, ep_size=ep_size, cp_size=cp_size)
+        gradient_checkpointing = {False: "none", True: "full"}.get(gradient_checkpointing, gradient_checkpointing)
+        # the critic (value head on a backbone) is always built with HF transformers
+        self.backend = resolve_backend(backend) if role != "critic" else "hf"
+        # packed [1, T] streams need a varlen kernel (validated); otherwise right-padded [B, L] rows, mask-free
+        self.packing = packing
         torch.manual_seed(seed)  # same init (e.g. value head) on every rank
         self.model_path = resolve_path(model_path)
-        model = build_model(self.model_path, role=role, attn_implementation=attn_implementation,
-                            gradient_checkpointing=gradient_checkpointing, random_init=random_init,
-                            config_overrides=config_overrides,
-                            init_device=self.device if random_init else "cpu",
-                            value_head_init_std=value_head_init_std)
-        if aux_loss_coef > 0:
-            model.config.output_router_logits = True
-        self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
-                                 reshard_after_forward=True)
+        if self.backend == "automodel":
+            from molt_hydra.models.automodel import build_automodel
+            self.mesh = None
+            self.model = build_automodel(
+                self.model_path, role=role, dp_size=self.dp_size, tp_size=tp_size, ep_size=ep_size, cp_size=cp_size,
+                param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing, random_init=random_init,
+                config_overrides=config_overrides, attn_implementation=attn_implementation,
+                compile_blocks=compile_blocks, **(automodel_options or {}))
+        else:
+            if gradient_checkpointing not in ("none", "full"):
+                raise ValueError(f"gradient_checkpointing={gradient_checkpointing!r}: the HF backend checkpoints "
+                                 "whole blocks (full) or nothing (none); selective needs model.backend=automodel")
+            self.mesh = build_device_mesh(self.dp_size, tp_size=tp_size, ep_size=ep_size, cp_size=cp_size)
+            model = build_model(self.model_path, role=role, attn_implementation=attn_implementation,
+                                gradient_checkpointing=gradient_checkpointing == "full", random_init=random_init,
+                                config_overrides=config_overrides,
+                                init_device=self.device if random_init else "cpu",
+                                value_head_init_std=value_head_init_std)
+            if aux_loss_coef > 0:
+                model.config.output_router_logits = True
+            # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
+            self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
+                                     reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
         self.temperature, self.chunk = temperature, logprob_chunk_size
         self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm
         self.aux_loss_coef, self.peak_tflops = aux_loss_coef, peak_tflops
@@ -80,17 +103,40 @@ class TrainerWorker:
             out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
             return out.masked_fill(first, 0.0), None, None
         res = self.model(input_ids=ids, position_ids=pos)
-        lp = logprobs_from_logits(res.logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
+        logits = res.logits
+        if hasattr(logits, "full_tensor"):  # tensor parallel: vocab-sharded DTensor logits
+            logits = logits.full_tensor()
+        lp = logprobs_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
         ent = None
         if need_entropy:
-            ent = entropy_from_logits(res.logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
+            ent = entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
         return lp, ent, getattr(res, "aux_loss", None)
+
+    def _replay(self, mb: dict):
+        """R3 on AutoModel: the micro-batch's `routed_experts` ([B, L, moe layers, topk], recorded by the rollout
+        engine) replace the gates' own top-k for the forward and the backward (checkpoint recompute) inside."""
+        if self.backend != "automodel" or "routed_experts" not in mb:
+            return contextlib.nullcontext()
+        from molt_hydra.models.automodel import replay_routed_experts
+        return replay_routed_experts(mb["routed_experts"], mb.get("token_mask"))
 
     def _micro_batches(self, samples: list[dict]) -> list[list[int]]:
         lengths = [len(s["input_ids"]) for s in samples]
-        k = torch.tensor(count_micro_batches(lengths, self.max_tokens))
+        bins = None if self.packing else partition_padded(lengths, self.max_tokens)
+        k = torch.tensor(count_micro_batches(lengths, self.max_tokens) if self.packing else len(bins))
         dist.all_reduce(k, op=dist.ReduceOp.MAX)  # every rank runs the same number of FSDP forwards
-        return partition_balanced(lengths, int(k))
+        if self.packing:
+            return partition_balanced(lengths, int(k))
+        return bins + [[] for _ in range(int(k) - len(bins))]  # empty bins run a dummy forward
+
+    def _batch(self, rows: list[dict]) -> dict:
+        """One micro-batch on the device: a packed [1, T] stream or right-padded [B, L] rows (see batching.py)."""
+        if self.packing:
+            return self._to_device(pack(rows))
+        mb = pad_rows(rows)
+        lengths = torch.tensor([len(r["input_ids"]) for r in rows])
+        mb["token_mask"] = torch.arange(mb["input_ids"].shape[1])[None] < lengths[:, None]
+        return self._to_device(mb)
 
     def _to_device(self, mb: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
@@ -103,19 +149,39 @@ class TrainerWorker:
         out: list = [None] * len(samples)
         for part in self._micro_batches(samples):
             idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
-            mb = self._to_device(pack([{"input_ids": samples[i]["input_ids"]} for i in idx]))
-            val, ent, _ = self._forward(mb, with_entropy)
+            keys = [k for k in ("input_ids", "routed_experts") if k in samples[0]]
+            mb = self._batch([{k: samples[i][k] for k in keys} for i in idx])
+            with self._replay(mb):
+                val, ent, _ = self._forward(mb, with_entropy)
             if not part:
                 continue
-            bounds = np.cumsum([0] + [len(samples[i]["input_ids"]) for i in part])
-            for j, i in enumerate(part):
-                v = val[0, bounds[j]:bounds[j + 1]].float().cpu()
-                out[i] = (v, ent[0, bounds[j]:bounds[j + 1]].float().cpu()) if with_entropy else v
+            lens = [len(samples[i]["input_ids"]) for i in part]
+            if self.packing:  # one row; sample j spans [bounds[j], bounds[j+1])
+                bounds = np.cumsum([0] + lens)
+                spans = [(0, bounds[j], bounds[j + 1]) for j in range(len(part))]
+            else:
+                spans = [(j, 0, n) for j, n in enumerate(lens)]
+            val, ent = val.float().cpu(), (ent.float().cpu() if with_entropy else None)
+            for (r, a, b), i in zip(spans, part):
+                out[i] = (val[r, a:b], ent[r, a:b]) if with_entropy else val[r, a:b]
         return out
 
     compute_values = compute_logprobs
 
     # ---------------------------------------------------------------- training
+    def _micro_loss(self, mb, rows, loss_fn, n_tok, n_seq, n_parts):
+        out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef))
+        if self.packing:
+            # losses see one right-padded row per sample, so per-sequence aggregation modes stay exact
+            lengths = [len(r["input_ids"]) for r in rows]
+            mb = {k: unpack(v, lengths) for k, v in mb.items() if v.dim() == 2}
+            out, ent = unpack(out, lengths), None if ent is None else unpack(ent, lengths)
+        loss, mets = loss_fn(out, mb, ent, num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
+        if aux is not None and self.aux_loss_coef > 0:
+            loss = loss + self.aux_loss_coef * aux / n_parts
+        mets = dict(mets, _mask_tokens=mb[loss_fn.mask_key].sum().float())
+        return loss, mets
+
     def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1) -> dict:
         """Forward/backward over this rank's samples in `num_optimizer_steps` windows; one optimizer step per window.
         Collective: every DP rank calls it with its own shard. Returns DP-reduced metrics (same on every rank)."""
@@ -136,29 +202,28 @@ class TrainerWorker:
             counts = torch.tensor([float(sum(s[mask_key].sum().item() for s in win)),
                                    float(sum(bool(s[mask_key].any()) for s in win))])
             dist.all_reduce(counts)  # the window's action tokens N and sequences G over all DP ranks
+            counts /= self.world_size // self.dp_size  # tp / cp ranks of one DP group hold the same samples
             n_tok, n_seq = counts[0].to(self.device), counts[1].to(self.device)
             parts = self._micro_batches(win)
             for part in parts:
                 rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
-                     for k, v in win[0].items() if torch.is_tensor(v) and v.dim() == 1}]
-                mb = self._to_device(pack(rows))
-                out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef))
-                lengths = [len(r["input_ids"]) for r in rows]
-                # losses see one right-padded row per sample, so per-sequence aggregation modes stay exact
-                mbs = {k: unpack(v, lengths) for k, v in mb.items()}
-                loss, mets = loss_fn(unpack(out, lengths), mbs, None if ent is None else unpack(ent, lengths),
-                                     num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
-                if aux is not None and self.aux_loss_coef > 0:
-                    loss = loss + self.aux_loss_coef * aux / len(parts)
-                loss.backward()
+                     for k, v in win[0].items() if torch.is_tensor(v) and v.dim() >= 1}]
+                mb = self._batch(rows)
+                with self._replay(mb):  # backward inside: checkpoint recompute replays the same experts
+                    loss, mets = self._micro_loss(mb, rows, loss_fn, n_tok, n_seq, len(parts))
+                    loss.backward()
                 # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch)
-                w = mbs[mask_key].sum().float()
+                w = mets.pop("_mask_tokens")
                 for k, v in mets.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().float() * w
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
+            if self.backend == "automodel" and self.world_size > 1:
+                from molt_hydra.models.automodel import clip_grad_norm
+                gn = torch.as_tensor(clip_grad_norm(self.model, self.max_norm, self.dp_size), device=self.device)
+            else:
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
             grad_norms.append(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
             self.optimizer.step()
             self.scheduler.step()
@@ -171,7 +236,7 @@ class TrainerWorker:
     def _step_metrics(self, samples, sums, grad_norms, seconds) -> dict:
         dt = torch.tensor(seconds)
         keys = sorted(k for k in sums if k != "_tokens")
-        n_all = float(sum(len(s["input_ids"]) for s in samples))
+        n_all = float(sum(len(s["input_ids"]) for s in samples)) / (self.world_size // self.dp_size)
         red = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]
                           + [torch.as_tensor(sums["_tokens"], device=self.device),
                              torch.tensor(n_all, device=self.device)]).cpu()
@@ -197,7 +262,15 @@ class TrainerWorker:
     # ---------------------------------------------------------------- weights & checkpoints
     def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, device="cpu"):
         """Generator: every rank iterates, rank 0 receives lists of (hf_name, full tensor)."""
-        return iter_weight_buckets(self.model, bucket_bytes, dtype, device)
+        return iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf())
+
+    def _to_hf(self):
+        """AutoModel keeps its own names and grouped experts: its state-dict adapter maps them back to the
+        checkpoint's HF names with one tensor per expert, which is what vLLM and transformers load."""
+        if self.backend != "automodel":
+            return None
+        from molt_hydra.models.automodel import hf_name_mapper
+        return hf_name_mapper(self.model)
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3) -> str:
         cs = {"global_step": self.global_step, **(client_state or {})}
@@ -213,7 +286,8 @@ class TrainerWorker:
         if self.role == "critic":
             raise ValueError("export_hf exports causal LMs; the critic has no lm_head")
         from molt_hydra.parallel.fsdp import DTYPES
-        out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype])
+        out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype],
+                             to_hf=self._to_hf())
         return str(out) if out else None
 
     def shutdown(self):

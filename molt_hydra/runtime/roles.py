@@ -180,7 +180,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.data.prompts import load_prompts
     from molt_hydra.logging.progress import Progress
-    from molt_hydra.models.build import resolve_path
+    from molt_hydra.models.build import backend_options, resolve_path
     from molt_hydra.parallel.group import TrainerGroup
     from molt_hydra.parallel.trainer import TrainerWorker
     from molt_hydra.rollout.engine import VLLMEngine
@@ -228,7 +228,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                                     else t.micro_batch_size * d.max_len),
         temperature=r.temperature, seed=cfg.seed, timeout_s=t.timeouts.collective_s,
         aux_loss_coef=cfg.model.aux_loss_coef,
-        offload=p.offload.value == "full")
+        offload=p.offload.value == "full", **backend_options(cfg))
     total_steps = scheduler_steps(cfg, len(prompts))
 
     # colocate_models: actor / reference / critic ranks share each device (time-sliced), as Molt's 0.2-GPU actors
@@ -242,7 +242,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
             **{**common, "model_path": path or model_path}, role=role, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
             weight_decay=o.weight_decay, lr_scheduler=o.scheduler, lr_warmup_ratio=o.warmup_ratio,
             min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, total_steps=total_steps,
-            gradient_checkpointing=cfg.model.gradient_checkpointing.value != "none", **extra)
+            **extra)
 
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     actor = ref = critic = None

@@ -7,7 +7,7 @@ from molt_hydra.runtime.roles import DTYPE_NAMES
 
 
 def run_sft_job(cfg: RunConfig) -> list[dict]:
-    from molt_hydra.models.build import resolve_path
+    from molt_hydra.models.build import backend_options, resolve_path
     from molt_hydra.parallel.sft import run_sft
 
     d, t, o, c = cfg.data, cfg.train, cfg.train.optimizer, cfg.checkpoint
@@ -22,5 +22,5 @@ def run_sft_job(cfg: RunConfig) -> list[dict]:
         min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * d.max_len,
         param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value], attn_implementation=cfg.model.attn_implementation.value,
-        gradient_checkpointing=cfg.model.gradient_checkpointing.value != "none",
-        offload=cfg.parallelism.offload.value != "none", timeout_s=t.timeouts.collective_s)
+        offload=cfg.parallelism.offload.value != "none", timeout_s=t.timeouts.collective_s,
+        **backend_options(cfg))

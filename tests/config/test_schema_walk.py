@@ -31,17 +31,8 @@ READ_BY_VALIDATION_ONLY = {
 
 # Knobs other helpers wire on their own branches (issue 17 coordination); emptied by the integrator at merge.
 WIRED_ON_OTHER_BRANCHES = {
-    "model.backend",  # gputrain: NeMo AutoModel backend (today read by validation only; the runtime auto-detects)
-    "model.moe_dispatcher",  # gputrain
-    "model.linear_backend",  # gputrain
-    "model.experts_backend",  # gputrain
-    "model.rms_norm",  # gputrain
     "model.gate_precision",  # moe: fp32 router gate
     "model.freeze_moe_router",  # moe: router freeze (refused on the HF path today)
-    "model.freeze_visual_encoder",  # gputrain (refused on the HF path today)
-    "parallelism.sequence_parallel",  # gputrain: AutoModel meshes (refused on the HF path today)
-    "parallelism.moe_reshard_after_forward",  # gputrain: AutoModel MoE parallelizer (refused on the HF path today)
-    "data.apply_chat_template",  # chat: string prompts of Env agents rendered with the chat template
 }
 
 

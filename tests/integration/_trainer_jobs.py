@@ -132,3 +132,14 @@ def ckpt_resumed(rank, world_size, port, root, samples_file, out):
     if rank == 0:
         torch.save({"client": client, "rng": rng, "metrics": m2, "model": msd, "optim": osd}, out)
     w.shutdown()
+
+
+def layout_step(rank, world_size, port, out, packing):
+    """Log-probs, entropy and one PPO step with right-padded [B, L] micro-batches (packing=False) or packed streams."""
+    w = worker(rank, world_size, port, packing=packing)
+    samples = with_old_logprobs(w, make_samples(8))
+    lps = w.compute_logprobs(samples, with_entropy=True)
+    m = w.train_step(samples, ppo_objective())
+    if rank == 0:
+        torch.save({"lps": lps, "metrics": m, "model": full_state(w)[0]}, out)
+    w.shutdown()

@@ -29,6 +29,19 @@ def test_dp_equivalence_loss_and_weights(dp_results):
     assert max(diffs.values()) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
 
 
+def test_padded_rows_match_packed_stream(tmp_path):
+    """The default right-padded [B, L] micro-batches (mask-free causal attention) give what packed streams give."""
+    run_ranks(jobs.layout_step, 1, tmp_path / "rows.pt", False, timeout_s=180)
+    run_ranks(jobs.layout_step, 1, tmp_path / "packed.pt", True, timeout_s=180)
+    rows, packed = (torch.load(tmp_path / f, weights_only=False) for f in ("rows.pt", "packed.pt"))
+    for (lp, ent), (plp, pent) in zip(rows["lps"], packed["lps"]):
+        torch.testing.assert_close(lp, plp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent, pent, atol=1e-5, rtol=1e-5)
+    for k in ("policy_loss", "entropy_loss", "actor_grad_norm"):
+        assert rows["metrics"][k] == pytest.approx(packed["metrics"][k], rel=1e-5, abs=1e-6), k
+    assert max((rows["model"][k] - packed["model"][k]).abs().max().item() for k in rows["model"]) < 1e-5
+
+
 def test_dp_step_changes_weights_and_warms_up_lr(dp_results, tmp_path):
     from molt_hydra.models.build import build_model
     ref = build_model("tiny://qwen3_tiny").state_dict()

@@ -1,0 +1,168 @@
+"""`model.backend=automodel`: the policy / reference built and parallelized by NeMo AutoModel on the device mesh of the
+`parallelism` group, its weights named back to the checkpoint's HF names, and R3 through AutoModel's RouterReplay.
+
+AutoModel owns the model classes (grouped experts, fp32 gate), the mesh (dp shard x cp x tp, ep carved out of
+dp shard x cp), FSDP2 with its mixed-precision policy, and full / selective activation checkpointing; the trainer
+(parallel/trainer.py) only calls forward / backward / the optimizer on what `build_automodel` returns.
+
+Only a GPU runs it: AutoModel takes `torch.cuda.current_device()` while building any model
+(`nemo_automodel/_transformers/auto_model.py`, `_build_model`) and its Qwen3-MoE rotary cache is created on
+`cuda:N`; on a CPU-only torch that raises "Torch not compiled with CUDA enabled". The parts that need no GPU
+(mesh sizes, R3 index layout) are plain functions here, tested on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+AC_MODES = {False: False, True: "full", "none": False, "full": "full", "selective": "selective"}
+VISION_PREFIXES = ("visual.", "vision_tower.", "vision_model.", "model.visual.", "model.vision_tower.")
+ROUTER_PARAM = re.compile(r"\.mlp\.gate\.")
+
+
+def parallel_sizes(world: int, *, dp: int, tp: int = 1, ep: int = 1, cp: int = 1) -> dict:
+    """AutoModel's ParallelismSizes for `world` ranks: the dense mesh is dp_shard x cp x tp (= world); experts
+    shard over ep ranks taken from dp_shard x cp, so ep must divide dp x cp. Raises ValueError with the fix."""
+    for name, v in dict(dp=dp, tp=tp, ep=ep, cp=cp).items():
+        if v < 1:
+            raise ValueError(f"parallelism.{name} must be >= 1, got {v}")
+    if dp * tp * cp != world:
+        raise ValueError(f"dp {dp} x tp {tp} x cp {cp} = {dp * tp * cp} != {world} trainer ranks; "
+                         f"set parallelism.trainer_devices to a multiple of tp x cp")
+    if (dp * cp) % ep:
+        raise ValueError(f"ep {ep} must divide dp x cp = {dp * cp} (AutoModel takes expert ranks from the "
+                         f"data/context-parallel ranks); choose parallelism.ep among the divisors of {dp * cp}")
+    return dict(dp_size=dp, tp_size=tp, cp_size=cp, ep_size=ep)
+
+
+def per_layer_replay_indices(routed: torch.Tensor, token_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[B, L, layers, topk] routed experts (the sample key `routed_experts`, right-padded) -> one [B*L, topk] int64
+    tensor per MoE layer in the token order the gates see (rows flattened). Padded tokens get experts 0..topk-1:
+    any valid, duplicate-free selection, as they are masked out of every loss."""
+    b, n, layers, k = routed.shape
+    routed = routed.long()
+    if token_mask is not None:
+        fill = torch.arange(k, device=routed.device).expand(b, n, layers, k)
+        routed = torch.where(token_mask[:, :, None, None].to(routed.device), routed, fill)
+    flat = routed.reshape(b * n, layers, k)
+    return [flat[:, i].contiguous() for i in range(layers)]
+
+
+@contextlib.contextmanager
+def replay_routed_experts(routed: torch.Tensor, token_mask: torch.Tensor | None = None):
+    """R3: every gate uses the given selection (router logits stay live, so the router still learns). Keep the
+    backward inside the block: activation-checkpoint recompute runs the gates again and must replay too."""
+    from nemo_automodel.components.moe.router_replay import RouterReplay
+
+    with RouterReplay.replay(per_layer_replay_indices(routed, token_mask)):
+        yield
+
+
+def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: int = 1, ep_size: int = 1,
+                    cp_size: int = 1, param_dtype: str = "bf16", gradient_checkpointing=False,
+                    random_init: bool = False, config_overrides: dict | None = None,
+                    attn_implementation: str = "sdpa", compile_blocks: bool = False, moe_dispatcher: str = "torch",
+                    experts_backend: str | None = None, linear_backend: str | None = None,
+                    rms_norm: str = "torch_fp32", gate_precision: str = "float32", routing_replay: bool = False,
+                    freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
+                    moe_reshard_after_forward: bool = False, sequence_parallel: bool = False):
+    """fp32 master weights, FSDP2 bf16 compute (fp32 grad reduce), AutoModel's own model class where it has one."""
+    import torch.distributed as dist
+    from nemo_automodel import NeMoAutoModelForCausalLM
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config, MoEParallelizerConfig
+    from nemo_automodel.components.distributed.mesh import ParallelismSizes
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.moe.router_replay import RouterReplay
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from molt_hydra.models.build import load_config
+    from molt_hydra.parallel.fsdp import DTYPES
+
+    if role == "critic":
+        raise ValueError("the critic is built with HF transformers (value head on a backbone), not AutoModel")
+    if gradient_checkpointing not in AC_MODES:
+        raise ValueError(f"gradient_checkpointing must be one of {list(AC_MODES)}, got {gradient_checkpointing!r}")
+    ac = AC_MODES[gradient_checkpointing] if role != "ref" else False
+    sizes = parallel_sizes(dist.get_world_size(), dp=dp_size, tp=tp_size, ep=ep_size, cp=cp_size)
+    config = load_config(path, config_overrides, random_init)
+    config.dtype = torch.float32  # master weights; AutoModel's model classes read the storage dtype from the config
+    moe = bool(getattr(config, "num_experts", 0))
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, output_dtype=None,
+                              cast_forward_inputs=False)
+    strategy = FSDP2Config(sequence_parallel=sequence_parallel, mp_policy=mp, activation_checkpointing=ac,
+                           enable_compile=compile_blocks,
+                           # one rank: keep gathered params from forward to backward (nothing to save by freeing)
+                           reshard_after_forward=None if dist.get_world_size() > 1 else False)
+    moe_cfg = MoEParallelizerConfig(reshard_after_forward=moe_reshard_after_forward, mp_policy=mp) \
+        if moe and sizes["ep_size"] > 1 else None
+    setup = DistributedSetup.build(strategy, ParallelismSizes(**sizes), moe_parallel_config=moe_cfg,
+                                   activation_checkpointing=ac)
+    backend = BackendConfig(attn="sdpa" if attn_implementation == "sdpa" else attn_implementation,
+                            linear=linear_backend or "torch", rms_norm=rms_norm, rope_fusion=False,
+                            experts=experts_backend or "torch_mm", dispatcher=moe_dispatcher,
+                            gate_precision=gate_precision)
+    if not getattr(config, "architectures", None):  # AutoModel picks its own model class by architecture name
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    from nemo_automodel._transformers.model_init import get_is_hf_model
+    if get_is_hf_model(config, False):
+        raise ValueError(f"model.backend=automodel: NeMo AutoModel has no model class of its own for "
+                         f"{config.architectures[0]}; set model.backend=hf")
+    kw = dict(distributed_setup=setup, dtype=torch.float32, backend=backend, use_liger_kernel=False,
+              load_base_model=not random_init)
+    if moe:
+        kw["moe_overrides"] = {"enable_routing_replay": routing_replay}
+    RouterReplay.clear_registry()  # gates register in construction order: this model's layers only
+    model = NeMoAutoModelForCausalLM.from_config(config, **kw)
+    if dist.get_world_size() == 1:
+        # AutoModel skips fully_shard on one rank (components/distributed/fsdp2.py), and with it the bf16 compute
+        # cast: the model would compute in fp32. One-rank FSDP2 with the same policy as the HF path restores it.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from molt_hydra.parallel.fsdp import shard_model
+        model = shard_model(model, init_device_mesh("cuda", (1,), mesh_dim_names=("dp",)), param_dtype=param_dtype,
+                            reshard_after_forward=False)
+    model._molt_mesh = setup.mesh_context  # the grad-norm reduction needs the dense and expert meshes
+    freeze(model, router=freeze_moe_router or role == "ref", visual=freeze_visual_encoder or role == "ref",
+           everything=role == "ref")
+    model.train(role != "ref")
+    return model
+
+
+def clip_grad_norm(model, max_norm: float, dp_size: int) -> torch.Tensor:
+    """AutoModel's clipping: expert grads rescaled for the EP / FSDP ratio, then one norm over parameters that live
+    on different meshes (dense dp_shard and ep), which torch's clip_grad_norm_ cannot stack."""
+    from nemo_automodel.components.training.utils import scale_grads_and_clip_grad_norm
+
+    mesh = model._molt_mesh
+    moe = mesh.moe_mesh
+    ep_axis = "ep" if moe is not None and "ep" in moe.mesh_dim_names else None
+    return scale_grads_and_clip_grad_norm(max_norm if max_norm > 0 else None, [model], norm_type=2.0,
+                                          device_mesh=mesh.device_mesh, moe_mesh=moe, ep_axis_name=ep_axis,
+                                          dp_group_size=dp_size)
+
+
+def freeze(model, *, router: bool, visual: bool, everything: bool = False) -> list[str]:
+    """requires_grad=False on MoE router (gate) weights and / or the vision tower; returns the frozen names."""
+    frozen = []
+    for name, p in model.named_parameters():
+        clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        if everything or (router and ROUTER_PARAM.search(clean)) or (visual and clean.startswith(VISION_PREFIXES)):
+            p.requires_grad_(False)
+            frozen.append(clean)
+    return frozen
+
+
+def hf_name_mapper(model):
+    """(own name, full tensor) -> [(HF name, tensor), ...] through AutoModel's state-dict adapter: grouped experts
+    `...mlp.experts.gate_and_up_projs` [E, H, 2I] become `...mlp.experts.{e}.gate_proj.weight` etc."""
+    adapter = getattr(model, "state_dict_adapter", None)
+
+    def to_hf(name: str, tensor: torch.Tensor):
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        return adapter.convert_single_tensor_to_hf(name, tensor) if adapter is not None else [(name, tensor)]
+
+    return to_hf

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One command on the GPU device (docs: /work/shared/reference/gpu_device.md): install the carried wheels (.whl/, NeMo
+# AutoModel and its small needs, liger-kernel) into /tmp/site, then run the GPU benches and `pytest -m gpu tests/gpu`,
+# logging everything to $OUT (or ./gpu_logs). Run from the repository root (or a staged copy of it):
+#
+#   bash scripts/gpu_device.sh [all|single|bench|tests]  # env: WHEELS, BENCH_SHAPES, BENCH2_SHAPES, PYTEST_ARGS, MULTI_K
+#
+# With 2+ GPUs the single-GPU bench runs on GPU 0 while the single-GPU tests run on GPU 1; the 2-GPU tests last.
+set -uo pipefail
+what="${1:-all}"
+OUT="${OUT:-$PWD/gpu_logs}"
+mkdir -p "$OUT"
+WHEELS="${WHEELS:-.whl}"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl > "$OUT/install.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/install.log"; }
+  export PYTHONPATH="/tmp/site:$PWD:${PYTHONPATH:-}"
+else
+  export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpus.txt"
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+
+bench() {  # trainer vs plain-HF ceiling, one GPU; one JSON row per line in bench_1gpu.log
+  CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_TIMEOUT:-420}" torchrun --standalone --nproc_per_node=1 \
+    bench/gpu_trainer.py --out "$OUT/bench_1gpu.json" \
+    --shapes "${BENCH_SHAPES:-0.6b:0:hf,4b:0:hf,4b:1:hf,30b-a3b-8l:0:hf,4b:0:am,30b-a3b-8l:0:am,4b:0:hf+compile}" \
+    ${BENCH_ARGS:-} > "$OUT/bench_1gpu.log" 2>&1
+  echo "bench rc=$?"
+}
+single_tests() {
+  local dev=$(( ngpu > 1 ? 1 : 0 ))
+  CUDA_VISIBLE_DEVICES=$dev timeout "${TESTS_TIMEOUT:-480}" python3 -m pytest -p no:cacheprovider -m gpu -x -s \
+    tests/gpu/test_automodel_gpu.py ${PYTEST_ARGS:-} > "$OUT/pytest_1gpu.log" 2>&1
+  echo "1-GPU tests rc=$?"
+}
+multi_tests() {
+  [ "$ngpu" -ge 2 ] || { echo "multi-GPU tests skipped: $ngpu GPU"; return; }
+  timeout "${MULTI_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -m gpu -s tests/gpu \
+    --ignore=tests/gpu/test_automodel_gpu.py ${MULTI_K:+-k "$MULTI_K"} > "$OUT/pytest_2gpu.log" 2>&1
+  echo "2-GPU tests rc=$?"
+}
+bench2() {  # the same rows on 2 GPUs (weak scaling: same sequences per GPU), for the scaling table
+  [ "$ngpu" -ge 2 ] || return
+  timeout "${BENCH2_TIMEOUT:-240}" torchrun --standalone --nproc_per_node=2 bench/gpu_trainer.py \
+    --out "$OUT/bench_2gpu.json" --shapes "${BENCH2_SHAPES:-4b:1:am,30b-a3b-8l:1:am+ep2}" > "$OUT/bench_2gpu.log" 2>&1
+  echo "2-GPU bench rc=$?"
+}
+case "$what" in
+  bench) bench ;;
+  tests) single_tests; multi_tests ;;
+  single) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi ;;
+  *) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi; multi_tests; bench2 ;;
+esac
+grep -h '^{' "$OUT"/bench_*.log 2>/dev/null | cut -c1-400
+grep -hE "passed|failed|error" "$OUT"/pytest_*.log 2>/dev/null | tail -5

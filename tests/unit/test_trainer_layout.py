@@ -1,0 +1,101 @@
+"""Micro-batch layouts of the trainer (right-padded rows vs packed streams), the chunked log-prob / entropy head, and
+the GPU-free parts of the NeMo AutoModel backend (mesh sizes, R3 index layout, backend choice)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from molt_hydra.models.automodel import parallel_sizes, per_layer_replay_indices
+from molt_hydra.models.build import resolve_backend
+from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
+from molt_hydra.parallel.batching import pad_rows, partition_padded
+
+
+def test_partition_padded_respects_padded_budget_and_groups_similar_lengths():
+    lengths = [100, 10, 90, 12, 50, 11]
+    bins = partition_padded(lengths, 200)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    for b in bins:  # B * L_max (padding included) within budget
+        assert len(b) * max(lengths[i] for i in b) <= 200
+    # longest first: [100, 90] share a bin (2 x 100), then [50, 12, 11, 10] (4 x 50)
+    assert sorted(map(sorted, bins)) == [[0, 2], [1, 3, 4, 5]]
+    assert partition_padded([300], 200) == [[0]]  # a sample over budget gets its own bin
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        partition_padded([1], 0)
+
+
+def test_pad_rows_right_pads_every_token_key():
+    s = [{"input_ids": torch.tensor([5, 6, 7]), "mask": torch.tensor([0., 1., 1.]),
+          "routed_experts": torch.arange(12).view(3, 2, 2)},
+         {"input_ids": torch.tensor([8]), "mask": torch.tensor([1.]), "routed_experts": torch.ones(1, 2, 2).long()}]
+    out = pad_rows(s)
+    assert out["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert out["mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert out["position_ids"].tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert out["routed_experts"].shape == (2, 3, 2, 2) and out["routed_experts"][1, 1:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 1000])
+def test_chunked_logprobs_and_entropy_equal_plain_fp32(chunk):
+    g = torch.Generator().manual_seed(0)
+    logits, ids, temp = torch.randn(3, 11, 50, generator=g) * 4, torch.randint(0, 50, (3, 11), generator=g), 0.7
+    logp = torch.log_softmax(logits[:, :-1] / temp, -1)  # the definition, unchunked
+    want_lp = torch.zeros(3, 11)
+    want_lp[:, 1:] = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    want_ent = torch.zeros(3, 11)
+    want_ent[:, 1:] = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(logprobs_from_logits(logits, ids, temp, chunk), want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy_from_logits(logits, ids, temp, chunk), want_ent, atol=1e-5, rtol=1e-5)
+
+
+def test_parallel_sizes_follow_automodel_mesh_rules():
+    assert parallel_sizes(8, dp=4, tp=2) == dict(dp_size=4, tp_size=2, cp_size=1, ep_size=1)
+    assert parallel_sizes(8, dp=8, ep=8)["ep_size"] == 8  # experts over all data-parallel ranks
+    assert parallel_sizes(4, dp=2, cp=2, ep=4)["ep_size"] == 4  # ep taken from dp x cp
+    with pytest.raises(ValueError, match="trainer_devices"):
+        parallel_sizes(8, dp=2, tp=2)  # 2 x 2 != 8
+    with pytest.raises(ValueError, match="ep 3 must divide dp x cp = 4"):
+        parallel_sizes(4, dp=4, ep=3)
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        parallel_sizes(4, dp=4, tp=0)
+
+
+def test_replay_indices_follow_the_gates_token_order_and_fill_padding():
+    routed = torch.tensor([[[[3, 1]], [[4, 0]]], [[[7, 2]], [[0, 0]]]])  # [B=2, L=2, layers=1, topk=2]
+    mask = torch.tensor([[True, True], [True, False]])
+    (layer0,) = per_layer_replay_indices(routed, mask)
+    # rows flattened (row 0 then row 1), as the MoE block flattens [B, L, H] -> [B*L, H]
+    assert layer0.tolist() == [[3, 1], [4, 0], [7, 2], [0, 1]] and layer0.dtype == torch.int64
+    two = per_layer_replay_indices(torch.arange(16).view(1, 2, 2, 4))
+    assert [t.tolist() for t in two] == [[[0, 1, 2, 3], [8, 9, 10, 11]], [[4, 5, 6, 7], [12, 13, 14, 15]]]
+
+
+def test_backend_choice_without_gpu():
+    assert resolve_backend("auto") == "hf"  # this CI has no CUDA device
+    assert resolve_backend("hf") == "hf"
+    with pytest.raises(RuntimeError, match="model.backend=automodel needs the nemo_automodel package and a CUDA"):
+        resolve_backend("automodel")
+    with pytest.raises(ValueError, match="auto, hf or automodel"):
+        resolve_backend("megatron")
+
+
+def test_hf_name_mapper_strips_wrappers_and_delegates_to_the_adapter():
+    from torch import nn
+
+    from molt_hydra.models.automodel import hf_name_mapper
+
+    class Adapter:  # AutoModel's contract: one own tensor -> [(hf_name, tensor), ...]
+        def convert_single_tensor_to_hf(self, fqn, tensor):
+            if fqn.endswith("experts.down_projs"):
+                return [(fqn.replace("down_projs", f"{e}.down_proj.weight"), tensor[e].T) for e in range(2)]
+            return [(fqn, tensor)]
+
+    plain, wrapped = nn.Module(), nn.Module()
+    wrapped.state_dict_adapter = Adapter()
+    t = torch.arange(12.).view(2, 3, 2)
+    assert hf_name_mapper(plain)("model.layers.0._checkpoint_wrapped_module.mlp.w", t)[0][0] == "model.layers.0.mlp.w"
+    out = hf_name_mapper(wrapped)("model.layers.0._orig_mod.mlp.experts.down_projs", t)
+    assert [n for n, _ in out] == ["model.layers.0.mlp.experts.0.down_proj.weight",
+                                   "model.layers.0.mlp.experts.1.down_proj.weight"]
+    assert torch.equal(out[1][1], t[1].T)
