@@ -369,12 +369,8 @@ class AgentConfig:
     "Chat agents: vLLM tool parser of the model family (hermes, qwen3_coder, llama3_json, mistral, ...); None = none."
     reasoning_parser: Optional[str] = None
     "Chat agents: vLLM reasoning parser (qwen3, deepseek_r1, ...) that splits `<think>` off as reasoning; None = none."
-    max_choices: int = 8
-    "Chat agents: largest `n` (choices per request) the chat server accepts, in [1, 64]."
-
-    def __post_init__(self) -> None:
-        _require(1 <= self.max_choices <= 64, "agent.max_choices", f"must be in [1, 64], got {self.max_choices}.",
-                 "set agent.max_choices between 1 and 64")
+    max_choices: int = ranged(8, ge=1, le=64)
+    "Chat agents: largest `n` (choices per request) the chat server accepts."
 
 
 @dataclass

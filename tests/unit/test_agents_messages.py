@@ -169,12 +169,3 @@ def test_completions_and_anthropic_tool_choice_and_thinking():
         anthropic_request(dict(base, thinking={"type": "enabled", "budget_tokens": 100}))
     with pytest.raises(RequestError, match="not in tools"):
         anthropic_request(dict(base, tool_choice={"type": "tool", "name": "g"}))
-
-
-@pytest.mark.parametrize("bad", [0, 65])
-def test_agent_max_choices_is_bounded(bad):
-    from molt_hydra.config.schema import AgentConfig, ConfigError
-
-    with pytest.raises(ConfigError, match=r"agent.max_choices: must be in \[1, 64\]"):
-        AgentConfig(runner={"_target_": "x.py:A"}, max_choices=bad)
-    assert AgentConfig(runner={"_target_": "x.py:A"}, max_choices=64).max_choices == 64

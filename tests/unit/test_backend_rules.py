@@ -24,7 +24,7 @@ GPU_AM = ["cluster.device=cuda", "model.backend=automodel"]
      "right-padded rows"),
     ([*GPU_AM, "model.aux_loss_coef=0.01"], "model.aux_loss_coef", "load-balancing loss"),
     ([*GPU_AM, "model.attn_implementation=flash_attention_2"], "model.attn_implementation",
-     "AutoModel's attention backends"),
+     "not a value the automodel trainer backend accepts"),
     ([*GPU_AM, "model.moe_dispatcher=alltoall"], "model.moe_dispatcher", "AutoModel's dispatchers"),
     ([*GPU_AM, "model.experts_backend=gmm"], "model.experts_backend", "AutoModel's expert GEMMs"),
     ([*GPU_AM, "model.rms_norm=quack"], "model.rms_norm", "AutoModel's RMSNorm backends"),

@@ -3,6 +3,7 @@ wins), and model.attn_implementation is refused where the trainer backend has no
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -34,11 +35,14 @@ def test_command_line_cluster_beats_the_recipe_preset():
     cfg = OmegaConf.to_object(compose_config(["+recipe=qwen3_4b_math", "cluster=slurm_2x8"]))
     assert cfg.cluster.nodes == 2  # slurm_2x8, not the recipe's one-node local_gpus
 
+AUTOMODEL_INSTALLED = importlib.util.find_spec("nemo_automodel") is not None
+
 
 @pytest.mark.parametrize("overrides,refused", [
     (["model.attn_implementation=te", "model.backend=hf"], True),            # not a transformers value
     (["model.attn_implementation=flash_attention_2", "model.backend=automodel"], True),  # not an AutoModel value
-    (["model.attn_implementation=flash_attention_2", "model.backend=auto"], True),  # auto may pick AutoModel
+    # auto resolves as the trainer does: AutoModel on GPU where nemo_automodel is installed, else HF
+    (["model.attn_implementation=flash_attention_2", "model.backend=auto"], AUTOMODEL_INSTALLED),
     (["model.attn_implementation=te", "model.backend=automodel"], False),
     (["model.attn_implementation=sdpa", "model.backend=auto"], False),
 ])
