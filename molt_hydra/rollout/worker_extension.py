@@ -81,6 +81,16 @@ class WeightSyncWorkerExtension:
             raise RuntimeError(f"no safetensors files in {self.model_config.model}: cannot check weight coverage")
         return sorted(expected - getattr(self, "_loaded_names", set()))
 
+    # --- R3 on CPU: the engine's own expert selection per request (rollout/routing_capture.py) ---
+
+    def start_routing_capture(self) -> None:
+        from molt_hydra.rollout.routing_capture import EngineRoutingCapture
+
+        self._routing_capture = EngineRoutingCapture(self)
+
+    def pop_routed_experts(self, request_id: str, num_positions: int) -> list | None:
+        return self._routing_capture.pop(request_id, num_positions)
+
     # --- NCCL broadcast (GPU, disaggregated): the trainer's rank 0 is rank 0 of a stateless group ---
 
     def init_weight_broadcast(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
