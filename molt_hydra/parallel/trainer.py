@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from molt_hydra.models import moe_routing
 from molt_hydra.models.build import build_model, resolve_path
 from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
 from molt_hydra.parallel import checkpoint as ckpt
@@ -40,7 +41,8 @@ class TrainerWorker:
                  lr_scheduler: str = "constant", lr_warmup_ratio: float = 0.0, min_lr_ratio: float = 0.1,
                  total_steps: int = 1, max_norm: float = 1.0, offload: bool = False,
                  max_tokens_per_micro_batch: int = 16384, temperature: float = 1.0, logprob_chunk_size: int = 2048,
-                 aux_loss_coef: float = 0.0, seed: int = 42,
+                 aux_loss_coef: float = 0.0, seed: int = 42, routing_replay: bool = False,
+                 gate_precision: str = "float32", freeze_moe_router: bool = False,
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None):
         self.rank, self.world_size, self.role = rank, world_size, role
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
@@ -58,6 +60,12 @@ class TrainerWorker:
                             value_head_init_std=value_head_init_std)
         if aux_loss_coef > 0:
             model.config.output_router_logits = True
+        # MoE (models/moe_routing.py): gate precision, R3 replay, routing statistics, frozen routers
+        self.moe = moe_routing.is_moe_config(model.config)
+        self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
+        if self.moe:
+            moe_routing.install(model, gate_precision, replay=routing_replay)
+        self._routing_stats = None
         self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
                                  reshard_after_forward=True)
         self.temperature, self.chunk = temperature, logprob_chunk_size
@@ -71,7 +79,7 @@ class TrainerWorker:
         self.global_step = 0
 
     # ---------------------------------------------------------------- forward
-    def _forward(self, mb: dict, need_entropy: bool):
+    def _forward(self, mb: dict, need_entropy: bool, routing_stats=None):
         ids, pos = mb["input_ids"], mb["position_ids"]
         first = pos == 0  # token 0 of every packed sample has no prediction (and never a mask)
         if self.role == "critic":
@@ -79,7 +87,8 @@ class TrainerWorker:
             out = torch.zeros_like(v, dtype=torch.float32)
             out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
             return out.masked_fill(first, 0.0), None, None
-        res = self.model(input_ids=ids, position_ids=pos)
+        with moe_routing.engine_routing(self.model, mb.get("routed_experts"), routing_stats):
+            res = self.model(input_ids=ids, position_ids=pos)
         lp = logprobs_from_logits(res.logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
         ent = None
         if need_entropy:
@@ -101,10 +110,14 @@ class TrainerWorker:
         if not samples:
             raise ValueError("compute_logprobs got no samples on this rank")
         out: list = [None] * len(samples)
+        if self.moe and self.role == "actor":  # trainer-vs-engine routing of this recompute, reported by train_step
+            self._routing_stats = moe_routing.RoutingStats(self.model.config.num_hidden_layers,
+                                                           self.model.config.num_experts)
         for part in self._micro_batches(samples):
             idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
-            mb = self._to_device(pack([{"input_ids": samples[i]["input_ids"]} for i in idx]))
-            val, ent, _ = self._forward(mb, with_entropy)
+            mb = self._to_device(pack([{k: samples[i][k] for k in ("input_ids", "routed_experts") if k in samples[i]}
+                                       for i in idx]))
+            val, ent, _ = self._forward(mb, with_entropy, self._routing_stats if part else None)
             if not part:
                 continue
             bounds = np.cumsum([0] + [len(samples[i]["input_ids"]) for i in part])
@@ -181,6 +194,13 @@ class TrainerWorker:
         prefix = "critic" if self.role == "critic" else "actor"
         perf = "perf/critic_" if self.role == "critic" else "perf/"
         metrics = {k: float(red[i]) / max(n_mask, 1.0) for i, k in enumerate(keys)}
+        if self.moe and self.role == "actor":  # every rank: the reduction is a collective
+            stats = self._routing_stats or moe_routing.RoutingStats(self.model.config.num_hidden_layers,
+                                                                    self.model.config.num_experts)
+            summed = stats.as_tensor()
+            dist.all_reduce(summed)
+            metrics.update(stats.metrics(summed))
+            self._routing_stats = None
         metrics.update({f"{prefix}_lr": self.scheduler.get_last_lr()[0],
                         f"{prefix}_grad_norm": float(torch.stack(grad_norms).float().mean()),
                         f"{perf}train_tokens_per_sec": tokens / float(dt),
@@ -197,7 +217,11 @@ class TrainerWorker:
     # ---------------------------------------------------------------- weights & checkpoints
     def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, device="cpu"):
         """Generator: every rank iterates, rank 0 receives lists of (hf_name, full tensor)."""
-        return iter_weight_buckets(self.model, bucket_bytes, dtype, device)
+        buckets = iter_weight_buckets(self.model, bucket_bytes, dtype, device)
+        if not self.frozen_names:
+            return buckets
+        # frozen routers never change: they stay out of the sync (the engine keeps the checkpoint's)
+        return ([(n, t) for n, t in b if n not in self.frozen_names] for b in buckets)
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3) -> str:
         cs = {"global_step": self.global_step, **(client_state or {})}

@@ -156,8 +156,8 @@ class VLLMEngine:
                 if c.routed_experts is not None:
                     routed = c.routed_experts
         if self._cpu_routing:  # every computed position: the prompt and all generated tokens but the last
-            rows = await self.worker_call("pop_routed_experts", request_id, len(request.prompt_ids) + len(token_ids) - 1)
-            routed = rows[0]  # CPU engines have one worker
+            positions = len(request.prompt_ids) + len(token_ids) - 1
+            routed = (await self.worker_call("pop_routed_experts", request_id, positions))[0]  # one worker on CPU
         return Generation(
             token_ids=token_ids,
             logprobs=logprobs,
