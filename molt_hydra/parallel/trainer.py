@@ -61,10 +61,12 @@ class TrainerWorker:
         if aux_loss_coef > 0:
             model.config.output_router_logits = True
         # MoE (models/moe_routing.py): gate precision, R3 replay, routing statistics, frozen routers
-        self.moe = moe_routing.is_moe_config(model.config)
+        routers = moe_routing.install(model, gate_precision, replay=routing_replay)
+        if (routing_replay or freeze_moe_router) and not routers:
+            raise NotImplementedError(f"rollout.routing_replay / model.freeze_moe_router: {type(model).__name__} has "
+                                      "no MoE router this trainer supports (HF path: Qwen3-MoE); turn them off")
+        self.moe = bool(routers)
         self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
-        if self.moe:
-            moe_routing.install(model, gate_precision, replay=routing_replay)
         self._routing_stats = None
         self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
                                  reshard_after_forward=True)

@@ -130,3 +130,16 @@ def test_disagreement_without_r3_and_lower_vllm_kl_with_it(rollouts, tmp_path):
         drift[replay] = drift_metrics(lp, b.rollout_log_probs, b.action_mask)
     assert abs(drift[True]["vllm_kl"]) < abs(drift[False]["vllm_kl"])
     assert drift[True]["drift/k3_kl"] < drift[False]["drift/k3_kl"]
+
+
+def test_frozen_router_stays_bit_identical_and_out_of_optimizer_and_sync(rollouts, tmp_path):
+    single, _ = rollouts
+    torch.save(_samples(single[:4]), tmp_path / "samples.pt")
+    run_ranks(jobs.replay_job, 2, tmp_path / "samples.pt", tmp_path / "f.pt", True, 0.0, 3, True, timeout_s=300)
+    res = torch.load(tmp_path / "f.pt", weights_only=False)
+    gates = res["gate_names"]
+    assert len(gates) == 2  # one router per MoE layer of the tiny model
+    assert all(moved == 0.0 for moved in res["gate_moved"].values())  # bit-identical after 3 optimizer steps
+    assert res["other_moved"] > 0  # while the rest of the model trained
+    assert not set(gates) & set(res["optim_keys"]) and set(res["optim_keys"])
+    assert not set(gates) & set(res["synced"]) and "model.embed_tokens.weight" in res["synced"]
