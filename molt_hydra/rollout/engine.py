@@ -9,6 +9,7 @@ the `ray` executor is refused on CPU (feasibility §2).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import uuid
@@ -16,6 +17,7 @@ from typing import Any
 
 from molt_hydra.rollout.generation import Generation, GenerationRequest
 
+log = logging.getLogger(__name__)
 WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtension"
 
 
@@ -88,6 +90,9 @@ class VLLMEngine:
                     if self.return_routed_experts:
                         # vLLM's capture needs Model Runner V2 (Triton): hook the routers instead. Eager, so the
                         # hooks run in the forward; no prefix cache, so every prompt token is computed and routed.
+                        if kwargs.get("enable_prefix_caching") or not kwargs.get("enforce_eager"):
+                            log.warning("engine %d: routed-expert capture on CPU runs eager without prefix caching",
+                                        self.engine_index)
                         kwargs.update(enable_return_routed_experts=False, enforce_eager=True,
                                       enable_prefix_caching=False)
                         self._cpu_routing = True
