@@ -111,7 +111,6 @@ def test_r3_trainer_uses_the_engine_selection_for_every_token_and_layer(rollouts
     assert min(res["gate_moved"].values()) > 0
 
 
-@pytest.mark.slow
 def test_disagreement_without_r3_and_lower_vllm_kl_with_it(rollouts, tmp_path):
     single, chat = rollouts
     samples = _samples(single + chat)
