@@ -83,7 +83,10 @@ def _samples(trajectories) -> list[dict]:
              "routed_experts": b.routed_experts[i, :len(e.token_ids)]} for i, e in enumerate(exps)]
 
 
-def test_engine_returns_routing_for_every_computed_token_of_every_turn(rollouts):
+def test_engine_returns_routing_for_every_computed_token_of_every_turn(rollouts, tiny_moe_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32).eval()
     single, chat = rollouts
     assert len(chat) == 2 and len(chat[0].action_ranges) == 2  # two turns, then a rewritten history
     for traj in single + chat:
@@ -91,9 +94,12 @@ def test_engine_returns_routing_for_every_computed_token_of_every_turn(rollouts)
         assert len(rows) == len(traj.token_ids)
         # every position but the last generated token was computed by the engine (no prefix cache under R3)
         assert all(r is not None for r in rows[:-1]) and rows[-1] is None
-        for row in rows[:-1]:
-            assert len(row) == 2 and all(len(k) == 2 and len(set(k)) == 2 and 0 <= min(k) and max(k) < 8
-                                         for k in row)
+        # and they are the experts of that token: the HF model's top-2 per layer (same fp32 weights)
+        with torch.no_grad():
+            logits = model(torch.tensor([traj.token_ids]), output_router_logits=True).router_logits
+        engine = torch.tensor(rows[:-1])
+        for layer, lg in enumerate(logits):
+            assert torch.equal(lg.topk(2, -1).indices[:-1].sort(-1).values, engine[:, layer].sort(-1).values)
 
 
 def test_r3_trainer_uses_the_engine_selection_for_every_token_and_layer(rollouts, tmp_path):
