@@ -15,6 +15,7 @@ The router module is swapped in place (`__class__`) so parameter names, checkpoi
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 
@@ -127,12 +128,17 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
     found = []
     for name, module in model.named_modules():
         if isinstance(module, classes) and not isinstance(module, ReplayableRouter):
-            module.__class__ = type(f"Replayable{type(module).__name__}", (ReplayableRouter, type(module)), {})
+            module.__class__ = _replayable(type(module))
             module.layer_index = _layer_index(name)
             module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
             module.engine_experts, module.stats = None, None
             found.append(module)
     return found
+
+
+@functools.cache
+def _replayable(cls: type) -> type:
+    return type(f"Replayable{cls.__name__}", (ReplayableRouter, cls), {})
 
 
 def _layer_index(name: str) -> int:

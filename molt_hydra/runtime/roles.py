@@ -206,8 +206,9 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     needs = _needs(cfg)
     on_gpu = cfg.cluster.device.value == "cuda"
-    # MoE actors: engines return their routed experts always (routing metrics); R3 also replays them
-    moe = is_moe_config(AutoConfig.from_pretrained(model_path))
+    # Engines return their routed experts under R3, and on CPU for every MoE actor (the routing metrics; on GPU
+    # vLLM's own capture is turned on only when R3 asks for it, as Molt does)
+    capture_routing = r.routing_replay or (not on_gpu and is_moe_config(AutoConfig.from_pretrained(model_path)))
 
     # 1. engines first: their bundles are the largest
     engine_cls = ray.remote(VLLMEngine)
@@ -218,7 +219,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                 max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
                 data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
-                return_routed_experts=r.routing_replay or moe, engine_index=i, extra_engine_args=extra_engine_args(cfg))
+                return_routed_experts=capture_routing, engine_index=i, extra_engine_args=extra_engine_args(cfg))
         for i in range(r.num_engines)
     ]
     starting = asyncio.gather(*(e.start.remote() for e in engines))
