@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BENCH, REPO, cuda_available  # noqa: E402
 
-CPU_BENCHES = ["startup_cost", "rollout_overhead", "weight_sync", "async_vs_sync", "grpo_vs_trl"]
+CPU_BENCHES = ["startup_cost", "rollout_overhead", "weight_sync", "async_vs_sync", "grpo_vs_trl", "moe_routing"]
 
 
 def main():

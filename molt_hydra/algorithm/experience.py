@@ -25,6 +25,7 @@ class Experience:
     policy_versions: torch.Tensor | None = None  # [T] long: weight version that generated each token, -1 elsewhere
     score: float | None = None       # reported metric (e.g. pass/fail); defaults to the reward
     info: dict[str, Any] = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None  # [T, layers, top_k] int16: engine's experts per token (R3), -1 unknown
 
     def __post_init__(self) -> None:
         # Agents hand over Python lists; the trainer wants tensors of fixed dtypes.
@@ -38,6 +39,11 @@ class Experience:
             self.score = self.reward
         lengths = {f: tuple(getattr(self, f).shape) for f in
                    ("token_ids", "action_mask", "rollout_log_probs", "policy_versions")}
+        if self.routed_experts is not None:
+            self.routed_experts = torch.as_tensor(self.routed_experts, dtype=torch.int16)
+            if self.routed_experts.dim() != 3 or len(self.routed_experts) != len(self.token_ids):
+                raise ValueError(f"Experience.routed_experts must be [T={len(self.token_ids)}, layers, top_k], "
+                                 f"got {tuple(self.routed_experts.shape)}")
         if len(set(lengths.values())) != 1 or len(lengths["token_ids"]) != 1:
             raise ValueError(f"Experience fields must be 1-D and token-aligned, got shapes {lengths}")
         if len(self.token_ids) and self.action_mask[0]:
@@ -56,6 +62,7 @@ class ExperienceBatch:
     group_ids: list[Hashable]
     rollout_ids: list[Hashable]
     infos: list[dict[str, Any]]
+    routed_experts: torch.Tensor | None = None  # [B, L, layers, top_k] int16, -1 on padding and unknown tokens
 
     def to(self, device: torch.device | str) -> "ExperienceBatch":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
@@ -82,4 +89,14 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> Experie
         group_ids=[e.group_id for e in experiences],
         rollout_ids=[e.rollout_id for e in experiences],
         infos=[e.info for e in experiences],
+        routed_experts=_collate_routing(experiences),
     )
+
+
+def _collate_routing(experiences: Sequence[Experience]) -> torch.Tensor | None:
+    shape = next((e.routed_experts.shape[1:] for e in experiences if e.routed_experts is not None), None)
+    if shape is None:
+        return None
+    rows = [e.routed_experts if e.routed_experts is not None
+            else torch.full((len(e.token_ids), *shape), -1, dtype=torch.int16) for e in experiences]
+    return pad_sequence(rows, batch_first=True, padding_value=-1)

@@ -144,7 +144,7 @@ class ModelConfig:
     rms_norm: str = "torch_fp32"
     "RMSNorm implementation/precision (Molt env MOLT_RMS_NORM)."
     gate_precision: str = "float32"
-    "MoE router precision (Molt env MOLT_GATE_PRECISION)."
+    "MoE router precision in the trainer: gate matmul, softmax and top-k in float32 or bfloat16 (MOLT_GATE_PRECISION)."
 
 
 @dataclass

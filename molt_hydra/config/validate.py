@@ -273,6 +273,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (r.routing_replay and t.partial_rollout), "rollout.routing_replay",
                    "routing replay needs every token's experts from one policy; partial rollout mixes them.",
                    "set train.partial_rollout=false or rollout.routing_replay=false")
+    problems.check(cfg.model.gate_precision in ("float32", "bfloat16"), "model.gate_precision",
+                   f"the MoE router runs in float32 or bfloat16, got {cfg.model.gate_precision!r}.",
+                   "set model.gate_precision=float32 (or bfloat16)")
+    problems.check(not (cfg.model.freeze_moe_router and r.weight_sync.check_coverage),
+                   "rollout.weight_sync.check_coverage",
+                   "frozen MoE routers are never pushed to the engines, so the coverage check would report them.",
+                   "set rollout.weight_sync.check_coverage=false or model.freeze_moe_router=false")
     problems.check(not (r.routing_replay and r.mtp_num_speculative_tokens > 0), "rollout.routing_replay",
                    "routing replay cannot record experts of speculative (MTP) tokens.",
                    "set rollout.mtp_num_speculative_tokens=0 or rollout.routing_replay=false")
@@ -357,13 +364,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         (not hf_backend or cfg.model.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
          "selective (per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
          "set model.gradient_checkpointing=full"),
-        (not hf_backend or not (cfg.model.freeze_moe_router or cfg.model.freeze_visual_encoder),
-         "model.freeze_moe_router",
-         "freezing router / vision weights is not implemented on the HF path.",
-         "set model.freeze_moe_router=false model.freeze_visual_encoder=false"),
-        (not hf_backend or not r.routing_replay, "rollout.routing_replay",
-         "replaying vLLM's experts in the trainer (R3) needs NeMo AutoModel's RouterReplay.",
-         "set rollout.routing_replay=false"),
+        (not hf_backend or not cfg.model.freeze_visual_encoder, "model.freeze_visual_encoder",
+         "freezing vision weights is not implemented on the HF path.", "set model.freeze_visual_encoder=false"),
         (not hf_backend or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
          "sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
          "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),

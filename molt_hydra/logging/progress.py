@@ -27,7 +27,9 @@ class Progress:
         bar = "█" * int(round(20 * min(max(m.get("reward", 0.0), 0.0), 1.0)))
         self.console.print(
             f"step {step:>4}{'/' + str(self.total) if self.total else ''} | reward {m.get('reward', float('nan')):6.3f} "
-            f"{bar:<20} | vllm_kl {m.get('vllm_kl', float('nan')):9.2e} | loss {m.get('policy_loss', float('nan')):8.4f} "
+            f"{bar:<20} | vllm_kl {m.get('vllm_kl', float('nan')):9.2e}"
+            + (f" | routing {m['routing/agreement']:.3f}" if "routing/agreement" in m else "")  # MoE actors
+            + f" | loss {m.get('policy_loss', float('nan')):8.4f} "
             f"| {m.get('perf/rollout_tokens_per_sec', 0.0):7.0f} tok/s | {m.get('timing/step_total', 0.0):5.1f}s{eta}"
         )
 

@@ -67,11 +67,10 @@ def backend_options(cfg) -> dict:
     """TrainerWorker kwargs for the model backend from a validated RunConfig (RL roles and the SFT job alike)."""
     m, p = cfg.model, cfg.parallelism
     return dict(backend=m.backend.value, packing=p.packing, compile_blocks=m.compile_blocks,
-                gradient_checkpointing=m.gradient_checkpointing.value,
+                gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
+                freeze_moe_router=m.freeze_moe_router,
                 automodel_options=dict(moe_dispatcher=m.moe_dispatcher, experts_backend=m.experts_backend,
                                        linear_backend=m.linear_backend, rms_norm=m.rms_norm,
-                                       gate_precision=m.gate_precision, routing_replay=cfg.rollout.routing_replay,
-                                       freeze_moe_router=m.freeze_moe_router,
                                        freeze_visual_encoder=m.freeze_visual_encoder,
                                        moe_reshard_after_forward=p.moe_reshard_after_forward,
                                        sequence_parallel=p.sequence_parallel))

@@ -20,7 +20,7 @@ TINY_SHAPE = dict(
 TINY_MODELS = {
     "qwen3_tiny": dict(intermediate_size=256),
     "qwen3_moe_tiny": dict(
-        intermediate_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
         decoder_sparse_step=1, norm_topk_prob=True,
     ),
 }
@@ -125,6 +125,13 @@ def build(out_dir: Path, seed: int = 0) -> dict[str, Path]:
 TINY_SCHEME = "tiny://"
 
 
+def _shapes_digest() -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([TINY_SHAPE, TINY_MODELS], sort_keys=True).encode()).hexdigest()[:10]
+
+
 def tiny_config_dict(name: str) -> dict:
     """The HF config values of a tiny model, without building it (the plan's memory estimate reads these)."""
     return TINY_SHAPE | TINY_MODELS[name]
@@ -137,7 +144,8 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     name = path[len(TINY_SCHEME) :]
     if name not in TINY_MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}")
-    root = cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny"
+    # the cache key includes the shapes, so a changed tiny config never reuses a stale build
+    root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest()
     target = root / name
     if (target / "model.safetensors").exists():
         return str(target)

@@ -41,8 +41,9 @@ def partition_balanced(lengths: list[int], k: int) -> list[list[int]]:
 
 
 def pack(samples: list[dict], keys: tuple[str, ...] | None = None) -> dict:
-    """Concatenate 1-D token-aligned tensors of each sample into [1, T]; add position_ids and seq_index."""
-    keys = keys or tuple(k for k, v in samples[0].items() if torch.is_tensor(v) and v.dim() == 1)
+    """Concatenate token-aligned tensors of each sample into [1, T, ...]; add position_ids and seq_index."""
+    # token-aligned tensors: [T] or [T, ...] (e.g. R3's routed experts [T, layers, top_k])
+    keys = keys or tuple(k for k, v in samples[0].items() if torch.is_tensor(v) and v.dim() >= 1)
     out = {k: torch.cat([s[k] for s in samples])[None] for k in keys}
     out["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None]
     out["seq_index"] = torch.cat([torch.full((len(s["input_ids"]),), i) for i, s in enumerate(samples)])[None]
@@ -75,7 +76,9 @@ def pad_rows(samples: list[dict], keys: tuple[str, ...] | None = None) -> dict:
     Causal attention never looks right, so real tokens see exactly what they see unpadded and the model runs
     without any attention mask (the fused is_causal kernels); padded positions carry mask 0 in every loss."""
     keys = keys or tuple(k for k, v in samples[0].items() if torch.is_tensor(v) and v.dim() >= 1)
-    out = {k: torch.nn.utils.rnn.pad_sequence([s[k] for s in samples], batch_first=True) for k in keys}
+    # routed experts pad with -1 ("engine routing unknown"), which routers and routing statistics skip
+    out = {k: torch.nn.utils.rnn.pad_sequence([s[k] for s in samples], batch_first=True,
+                                              padding_value=-1 if k == "routed_experts" else 0) for k in keys}
     n = out["input_ids"].shape[1]
     out["position_ids"] = torch.arange(n).expand(len(samples), n).contiguous()
     return out

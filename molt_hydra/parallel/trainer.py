@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from molt_hydra.models import moe_routing
 from molt_hydra.models.build import build_model, resolve_backend, resolve_path
 from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
 from molt_hydra.parallel import checkpoint as ckpt
@@ -43,7 +44,8 @@ class TrainerWorker:
                  lr_scheduler: str = "constant", lr_warmup_ratio: float = 0.0, min_lr_ratio: float = 0.1,
                  total_steps: int = 1, max_norm: float = 1.0, offload: bool = False,
                  max_tokens_per_micro_batch: int = 16384, temperature: float = 1.0, logprob_chunk_size: int = 2048,
-                 aux_loss_coef: float = 0.0, seed: int = 42,
+                 aux_loss_coef: float = 0.0, seed: int = 42, routing_replay: bool = False,
+                 gate_precision: str = "float32", freeze_moe_router: bool = False,
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
                  backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
                  automodel_options: dict | None = None):
@@ -67,7 +69,9 @@ class TrainerWorker:
                 self.model_path, role=role, dp_size=self.dp_size, tp_size=tp_size, ep_size=ep_size, cp_size=cp_size,
                 param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing, random_init=random_init,
                 config_overrides=config_overrides, attn_implementation=attn_implementation,
-                compile_blocks=compile_blocks, **(automodel_options or {}))
+                compile_blocks=compile_blocks, gate_precision=gate_precision, routing_replay=routing_replay,
+                freeze_moe_router=freeze_moe_router, **(automodel_options or {}))
+            self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
         else:
             if gradient_checkpointing not in ("none", "full"):
                 raise ValueError(f"gradient_checkpointing={gradient_checkpointing!r}: the HF backend checkpoints "
@@ -80,9 +84,17 @@ class TrainerWorker:
                                 value_head_init_std=value_head_init_std)
             if aux_loss_coef > 0:
                 model.config.output_router_logits = True
+            # MoE (models/moe_routing.py): gate precision, R3 replay, routing statistics, frozen routers
+            routers = moe_routing.install(model, gate_precision, replay=routing_replay)
+            if (routing_replay or freeze_moe_router) and not routers:
+                raise NotImplementedError(f"rollout.routing_replay / model.freeze_moe_router: {type(model).__name__} "
+                                          "has no MoE router this trainer supports (HF path: Qwen3-MoE); turn them off")
+            self.moe = bool(routers)
+            self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
             # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
             self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
                                      reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
+        self._routing_stats = None
         self.temperature, self.chunk = temperature, logprob_chunk_size
         self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm
         self.aux_loss_coef, self.peak_tflops = aux_loss_coef, peak_tflops
@@ -112,13 +124,16 @@ class TrainerWorker:
             ent = entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
         return lp, ent, getattr(res, "aux_loss", None)
 
-    def _replay(self, mb: dict):
-        """R3 on AutoModel: the micro-batch's `routed_experts` ([B, L, moe layers, topk], recorded by the rollout
-        engine) replace the gates' own top-k for the forward and the backward (checkpoint recompute) inside."""
-        if self.backend != "automodel" or "routed_experts" not in mb:
-            return contextlib.nullcontext()
-        from molt_hydra.models.automodel import replay_routed_experts
-        return replay_routed_experts(mb["routed_experts"], mb.get("token_mask"))
+    def _replay(self, mb: dict, routing_stats=None):
+        """R3: the micro-batch's `routed_experts` ([B, L, moe layers, topk], recorded by the rollout engine) replace
+        the gates' own top-k for the forward and the backward (checkpoint recompute) inside; on the HF path the
+        routers also count trainer-vs-engine agreement into `routing_stats` (models/moe_routing.py)."""
+        if self.backend == "automodel" and "routed_experts" in mb:
+            from molt_hydra.models.automodel import replay_routed_experts
+            return replay_routed_experts(mb["routed_experts"], mb.get("token_mask"))
+        if self.moe:
+            return moe_routing.engine_routing(self.model, mb.get("routed_experts"), routing_stats)
+        return contextlib.nullcontext()
 
     def _micro_batches(self, samples: list[dict]) -> list[list[int]]:
         lengths = [len(s["input_ids"]) for s in samples]
@@ -147,11 +162,14 @@ class TrainerWorker:
         if not samples:
             raise ValueError("compute_logprobs got no samples on this rank")
         out: list = [None] * len(samples)
+        if self.moe and self.role == "actor":  # trainer-vs-engine routing of this recompute, reported by train_step
+            self._routing_stats = moe_routing.RoutingStats(self.model.config.num_hidden_layers,
+                                                           self.model.config.num_experts)
         for part in self._micro_batches(samples):
             idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
             keys = [k for k in ("input_ids", "routed_experts") if k in samples[0]]
             mb = self._batch([{k: samples[i][k] for k in keys} for i in idx])
-            with self._replay(mb):
+            with self._replay(mb, self._routing_stats if part else None):
                 val, ent, _ = self._forward(mb, with_entropy)
             if not part:
                 continue
@@ -246,6 +264,13 @@ class TrainerWorker:
         prefix = "critic" if self.role == "critic" else "actor"
         perf = "perf/critic_" if self.role == "critic" else "perf/"
         metrics = {k: float(red[i]) / max(n_mask, 1.0) for i, k in enumerate(keys)}
+        if self.moe and self.role == "actor":  # every rank: the reduction is a collective
+            stats = self._routing_stats or moe_routing.RoutingStats(self.model.config.num_hidden_layers,
+                                                                    self.model.config.num_experts)
+            summed = stats.as_tensor()
+            dist.all_reduce(summed)
+            metrics.update(stats.metrics(summed))
+            self._routing_stats = None
         metrics.update({f"{prefix}_lr": self.scheduler.get_last_lr()[0],
                         f"{prefix}_grad_norm": float(torch.stack(grad_norms).float().mean()),
                         f"{perf}train_tokens_per_sec": tokens / float(dt),
@@ -262,7 +287,11 @@ class TrainerWorker:
     # ---------------------------------------------------------------- weights & checkpoints
     def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, device="cpu"):
         """Generator: every rank iterates, rank 0 receives lists of (hf_name, full tensor)."""
-        return iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf())
+        buckets = iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf())
+        if not self.frozen_names:
+            return buckets
+        # frozen routers never change: they stay out of the sync (the engine keeps the checkpoint's)
+        return ([(n, t) for n, t in b if n not in self.frozen_names] for b in buckets)
 
     def _to_hf(self):
         """AutoModel keeps its own names and grouped experts: its state-dict adapter maps them back to the

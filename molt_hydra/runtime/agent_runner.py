@@ -51,8 +51,22 @@ def to_experience(trajectory, max_len: int):
         token_ids=ids, action_mask=mask, rollout_log_probs=trajectory.logprobs[:max_len],
         policy_versions=[v if m else -1 for v, m in zip(trajectory.versions[:max_len], mask)],
         reward=float(trajectory.reward), score=trajectory.score, group_id=trajectory.group_id,
-        rollout_id=trajectory.rollout_id, info=info,
+        rollout_id=trajectory.rollout_id, info=info, routed_experts=routing_tensor(trajectory.routed_experts, len(ids)),
     ), None
+
+
+def routing_tensor(rows: list | None, length: int):
+    """Per-token [layer][top-k] expert ids (None where unknown) -> [length, layers, top_k] int16, -1 = unknown."""
+    import torch
+
+    known = next((r for r in rows or [] if r is not None), None)
+    if known is None:
+        return None
+    out = torch.full((length, len(known), len(known[0])), -1, dtype=torch.int16)
+    for t, row in enumerate(rows[:length]):
+        if row is not None:
+            out[t] = torch.as_tensor(row, dtype=torch.int16)
+    return out
 
 
 class AgentRunnerActor:

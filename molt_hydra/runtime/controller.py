@@ -167,6 +167,9 @@ class RLController:
         b = collate(exps, pad_token_id=roles.pad_token_id)
         lengths = [len(e.token_ids) for e in exps]
         samples = [{"input_ids": e.token_ids} for e in exps]
+        if b.routed_experts is not None:  # R3: the trainer replays the engine's experts (models/moe_routing.py)
+            for i, (s, n) in enumerate(zip(samples, lengths)):
+                s["routed_experts"] = b.routed_experts[i, :n]
         old = await roles.ranks(roles.actor, "compute_logprobs", shard=samples)
         old_logp = _pad([x for rank in old for x in rank], lengths, b.action_mask.shape)
         ref_logp = values = None
@@ -200,6 +203,8 @@ class RLController:
             s = {"input_ids": b.token_ids[i, :n], "action_mask": b.action_mask[i, :n],
                  "advantages": advantages[i, :n], "old_logprobs": old_logp[i, :n],
                  "rollout_logprobs": b.rollout_log_probs[i, :n]}
+            if b.routed_experts is not None:
+                s["routed_experts"] = b.routed_experts[i, :n]
             if ref_logp is not None and a.kl.use_loss:
                 s["ref_logprobs"] = ref_logp[i, :n]
             if values is not None:

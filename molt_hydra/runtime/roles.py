@@ -174,13 +174,14 @@ def init_ray(cfg: RunConfig) -> None:
 
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     import ray
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from molt_hydra.algorithm.is_correction import ISCorrection
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.data.prompts import load_prompts
     from molt_hydra.logging.progress import Progress
     from molt_hydra.models.build import backend_options, resolve_path
+    from molt_hydra.models.moe_routing import is_moe_config
     from molt_hydra.parallel.group import TrainerGroup
     from molt_hydra.parallel.trainer import TrainerWorker
     from molt_hydra.rollout.engine import VLLMEngine
@@ -197,6 +198,9 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     needs = _needs(cfg)
     on_gpu = cfg.cluster.device.value == "cuda"
+    # Engines return their routed experts under R3, and on CPU for every MoE actor (the routing metrics; on GPU
+    # vLLM's own capture is turned on only when R3 asks for it, as Molt does)
+    capture_routing = r.routing_replay or (not on_gpu and is_moe_config(AutoConfig.from_pretrained(model_path)))
 
     # 1. engines first: their bundles are the largest
     engine_cls = ray.remote(VLLMEngine)
@@ -207,7 +211,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                 max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
                 data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
-                return_routed_experts=r.routing_replay, engine_index=i, extra_engine_args=extra_engine_args(cfg))
+                return_routed_experts=capture_routing, engine_index=i, extra_engine_args=extra_engine_args(cfg))
         for i in range(r.num_engines)
     ]
     starting = asyncio.gather(*(e.start.remote() for e in engines))
@@ -247,7 +251,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     actor = ref = critic = None
     if not scoring:
-        actor = await deadline(asyncio.to_thread(group, "actor", policy_cls), t.timeouts.startup_s, "actor", "start")
+        actor = await deadline(asyncio.to_thread(group, "actor", policy_cls, routing_replay=r.routing_replay),
+                               t.timeouts.startup_s, "actor", "start")
     if not scoring and (a.kl.coef > 0 or "reference" in needs):
         ref_path = resolve_path(cfg.model.ref_path or cfg.model.path)
         ref = await deadline(asyncio.to_thread(group, "ref", TrainerWorker, path=ref_path), t.timeouts.startup_s,

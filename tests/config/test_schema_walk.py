@@ -29,12 +29,6 @@ READ_BY_VALIDATION_ONLY = {
     **{key: f"refused unless left at its default: {reason}" for key, (reason, _) in NOT_IMPLEMENTED.items()},
 }
 
-# Knobs other helpers wire on their own branches (issue 17 coordination); emptied by the integrator at merge.
-WIRED_ON_OTHER_BRANCHES = {
-    "model.gate_precision",  # moe: fp32 router gate
-    "model.freeze_moe_router",  # moe: router freeze (refused on the HF path today)
-}
-
 
 @cache
 def names_read_outside_config() -> frozenset[str]:
@@ -58,8 +52,7 @@ def names_read_outside_config() -> frozenset[str]:
 def test_every_field_is_read_outside_config_or_listed():
     read = names_read_outside_config()
     unread = [key for key in declared_bounds(RunConfig)
-              if key.split(".")[-1] not in read and key not in READ_BY_VALIDATION_ONLY
-              and key not in WIRED_ON_OTHER_BRANCHES]
+              if key.split(".")[-1] not in read and key not in READ_BY_VALIDATION_ONLY]
     assert not unread, (
         f"schema fields that nothing outside molt_hydra/config/ reads: {unread}. Fix: read each where it acts, or "
         "refuse its non-default values in config/validate.py::NOT_IMPLEMENTED, or delete it (and its rows in "
@@ -69,7 +62,7 @@ def test_every_field_is_read_outside_config_or_listed():
 def test_listed_fields_exist():
     """A stale entry (field renamed or removed) is named here, so the lists do not silently excuse nothing."""
     keys = set(declared_bounds(RunConfig))
-    stale = sorted((set(READ_BY_VALIDATION_ONLY) | WIRED_ON_OTHER_BRANCHES) - keys)
+    stale = sorted(set(READ_BY_VALIDATION_ONLY) - keys)
     assert not stale, f"listed as excused but not schema keys: {stale}"
 
 

@@ -1,0 +1,174 @@
+"""MoE routing in the trainer (HF transformers' Qwen3-MoE blocks): R3 replay, gate precision, router freeze and
+routing statistics.
+
+R3 (rollout routing replay, arXiv 2510.11370; NeMo AutoModel's `RouterReplay`): the experts each token uses in the
+trainer's forward are the ones the engine selected during rollout, while the router's logits and softmax stay live,
+so the gate still gets a gradient: the combine weights are the trainer's softmax probabilities gathered at the
+replayed experts and renormalised as the config says (`norm_topk_prob`). Tokens the engine did not route (-1 rows:
+the last generated token, padding) use the trainer's own top-k.
+
+Gate precision: the gate matmul, softmax and top-k run in `gate_precision` whatever the compute dtype (Molt's
+MOLT_GATE_PRECISION, default float32 under bf16 mixed precision).
+
+The router module is swapped in place (`__class__`) so parameter names, checkpoints and weight sync are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def is_moe_config(config) -> bool:
+    return int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0) > 0
+
+
+def _router_classes() -> tuple:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    return (Qwen3MoeTopKRouter,)
+
+
+class RoutingStats:
+    """Sums over one or more forwards: per layer, token selections that match the engine's, expert loads and the
+    mean router probability per expert (for the load-balancing loss)."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.num_experts = num_experts
+        self.match = torch.zeros(num_layers, dtype=torch.float64)
+        self.known = torch.zeros(num_layers, dtype=torch.float64)
+        self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.prob = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.tokens = torch.zeros(num_layers, dtype=torch.float64)
+
+    def add(self, layer: int, probs: torch.Tensor, own: torch.Tensor, used: torch.Tensor, engine: torch.Tensor | None):
+        with torch.no_grad():
+            if engine is not None:
+                known = (engine >= 0).all(-1)
+                same = (own.sort(-1).values == engine.long().sort(-1).values).all(-1)
+                self.match[layer] += float((same & known).sum())
+                self.known[layer] += float(known.sum())
+            self.load[layer] += torch.bincount(used.reshape(-1), minlength=self.num_experts).double().cpu()
+            self.prob[layer] += probs.detach().double().sum(0).cpu()
+            self.tokens[layer] += probs.shape[0]
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.cat([self.match, self.known, self.load.flatten(), self.prob.flatten(), self.tokens])
+
+    def metrics(self, summed: torch.Tensor | None = None) -> dict[str, float]:
+        """`routing/*` metrics (docs/metrics.md) from `as_tensor()` summed over ranks (default: this rank's)."""
+        flat = (self.as_tensor() if summed is None else summed).double()
+        n_layers, n_exp = len(self.match), self.num_experts
+        match, known = flat[:n_layers], flat[n_layers:2 * n_layers]
+        load = flat[2 * n_layers:2 * n_layers + n_layers * n_exp].view(n_layers, n_exp)
+        prob = flat[2 * n_layers + n_layers * n_exp:-n_layers].view(n_layers, n_exp)
+        tokens = flat[-n_layers:]
+        seen = tokens > 0
+        if not seen.any():
+            return {}
+        out = {}
+        if known[seen].sum() > 0:
+            per_layer = match[seen] / known[seen].clamp(min=1)
+            out["routing/agreement"] = float(match[seen].sum() / known[seen].sum())
+            out["routing/agreement_worst_layer"] = float(per_layer.min())
+        frac = load[seen] / load[seen].sum(-1, keepdim=True).clamp(min=1)  # share of selections per expert
+        mean_prob = prob[seen] / tokens[seen, None]
+        # Switch-Transformer load-balancing loss: E * sum_e f_e * P_e (1.0 when perfectly balanced)
+        out["routing/aux_loss"] = float((n_exp * (frac * mean_prob).sum(-1)).mean())
+        entropy = -(frac * frac.clamp(min=1e-12).log()).sum(-1) / math.log(n_exp)
+        out["routing/expert_load_entropy"] = float(entropy.mean())
+        return out
+
+
+class ReplayableRouter(nn.Module):
+    """Forward of a top-k softmax router with gate precision, replay and statistics (mixed into the HF router's
+    class; see `install`)."""
+
+    layer_index: int
+    gate_dtype: torch.dtype
+    replay: bool
+    engine_experts: torch.Tensor | None  # [tokens, top_k] the engine's selection for the current forward
+    stats: RoutingStats | None
+
+    def forward(self, hidden_states):
+        h = hidden_states.reshape(-1, self.hidden_dim)
+        logits = F.linear(h.to(self.gate_dtype), self.weight.to(self.gate_dtype))
+        probs = torch.softmax(logits, dim=-1)
+        own = torch.topk(probs, self.top_k, dim=-1).indices
+        used, engine = own, self.engine_experts
+        if engine is not None:
+            engine = engine.to(own.device)
+            if self.replay:
+                known = (engine >= 0).all(-1, keepdim=True)
+                used = torch.where(known, engine.long(), own)
+        weights = probs.gather(-1, used)  # live: the gate's gradient flows through the softmax
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.stats is not None:
+            self.stats.add(self.layer_index, probs, own, used, engine)
+        return logits, weights.to(hidden_states.dtype), used
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, ReplayableRouter)]
+
+
+def install(model: nn.Module, gate_precision: str = "float32", replay: bool = False) -> list[nn.Module]:
+    """Make every MoE router of `model` a `ReplayableRouter` (in place); returns them in layer order."""
+    if gate_precision not in GATE_DTYPES:
+        raise ValueError(f"gate_precision must be one of {sorted(GATE_DTYPES)}, got {gate_precision!r}")
+    classes = _router_classes()
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, classes) and not isinstance(module, ReplayableRouter):
+            module.__class__ = _replayable(type(module))
+            module.layer_index = _layer_index(name)
+            module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
+            module.engine_experts, module.stats = None, None
+            found.append(module)
+    return found
+
+
+@functools.cache
+def _replayable(cls: type) -> type:
+    return type(f"Replayable{cls.__name__}", (ReplayableRouter, cls), {})
+
+
+def _layer_index(name: str) -> int:
+    # "model.layers.3.mlp.gate" -> 3: the engine's routed experts are indexed by global decoder layer
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+@contextmanager
+def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: RoutingStats | None = None):
+    """During this forward, routers see the engine's experts `routed` ([..., tokens, layers, top_k], flattened to
+    the forward's token order) and add to `stats`."""
+    rs = routers(model)
+    flat = None if routed is None else routed.reshape(-1, *routed.shape[-2:])
+    for r in rs:
+        r.engine_experts = None if flat is None else flat[:, r.layer_index]
+        r.stats = stats
+    try:
+        yield
+    finally:
+        for r in rs:
+            r.engine_experts, r.stats = None, None
+
+
+def freeze(model: nn.Module) -> list[str]:
+    """requires_grad=False on every router weight; returns their parameter names (kept out of sync too)."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, _router_classes()):
+            for pname, p in module.named_parameters(recurse=False):
+                p.requires_grad_(False)
+                names.append(f"{name}.{pname}")
+    return names

@@ -1,0 +1,153 @@
+"""MoE routing in the trainer (models/moe_routing.py) on transformers' Qwen3-MoE blocks: R3 replay with a live gate,
+gate precision, router freeze, routing statistics. Module level, no engine."""
+
+import math
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
+
+from molt_hydra.models import moe_routing
+
+
+def _router(hidden=3, experts=4, top_k=2, norm=True, seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm,
+                         moe_intermediate_size=4)
+    parent = torch.nn.Module()
+    parent.layers = torch.nn.ModuleList([torch.nn.Module()])
+    parent.layers[0].mlp = torch.nn.Module()
+    parent.layers[0].mlp.gate = Qwen3MoeTopKRouter(cfg)
+    torch.nn.init.normal_(parent.layers[0].mlp.gate.weight)
+    return parent, parent.layers[0].mlp.gate
+
+
+def test_replayed_gate_gradient_matches_hand_derivation():
+    model, gate = _router()
+    moe_routing.install(model, "float32", replay=True)
+    x = torch.tensor([[0.3, -1.2, 0.7]])
+    z = (x @ gate.weight.detach().T)[0]
+    own = set(torch.topk(z, 2).indices.tolist())
+    a, b = [e for e in range(4) if e not in own]  # replay the two experts the trainer would NOT pick
+    with moe_routing.engine_routing(model, torch.tensor([[[a, b]]])):
+        _, weights, used = gate(x)
+    assert used.tolist() == [[a, b]]
+    c = torch.tensor([2.0, -0.5])  # L = c0 * w_a + c1 * w_b
+    (weights[0] * c).sum().backward()
+    # w_a = p_a / (p_a + p_b) = sigmoid(z_a - z_b): dL/dz_a = (c0 - c1) w_a w_b = -dL/dz_b, 0 for other experts
+    wa = 1 / (1 + math.exp(-(z[a] - z[b]).item()))
+    dz = torch.zeros(4)
+    dz[a], dz[b] = (c[0] - c[1]) * wa * (1 - wa), -(c[0] - c[1]) * wa * (1 - wa)
+    expected = dz[:, None] * x  # dL/dW = dL/dz outer x
+    assert gate.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(gate.weight.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_unknown_rows_use_own_topk_and_without_replay_engine_is_only_compared():
+    model, gate = _router()
+    moe_routing.install(model, "float32", replay=False)
+    x = torch.randn(5, 3)
+    own = torch.topk(x @ gate.weight.detach().T, 2).indices
+    engine = torch.tensor([[0, 1]] * 5)
+    stats = moe_routing.RoutingStats(1, 4)
+    with moe_routing.engine_routing(model, engine[:, None], stats):
+        _, _, used = gate(x)
+    assert torch.equal(used, own)  # no replay: the trainer's own choice
+    same = (own.sort(-1).values == torch.tensor([0, 1])).all(-1).float().mean().item()
+    assert stats.metrics()["routing/agreement"] == pytest.approx(same)
+
+    gate.replay = True
+    engine[2] = -1  # the engine did not route this token (e.g. the last generated one)
+    with moe_routing.engine_routing(model, engine[:, None]):
+        _, _, used = gate(x)
+    assert used[2].tolist() == own[2].tolist() and used[[0, 1, 3, 4]].tolist() == [[0, 1]] * 4
+
+
+def test_replay_forward_matches_block_forced_to_the_same_experts():
+    """The MoE block output under replay equals the HF block whose router returns those experts with renormalised
+    softmax weights (what vLLM's fused MoE computes for norm_topk_prob)."""
+    cfg = Qwen3MoeConfig(hidden_size=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=4,
+                         norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(1, 6, 8)
+    forced = torch.randint(0, 8, (6,))
+    forced = torch.stack([forced, (forced + 3) % 8], -1)
+    probs = torch.softmax(x[0] @ block.gate.weight.T, -1)
+    w = probs.gather(-1, forced)
+    w = w / w.sum(-1, keepdim=True)
+    expected = block.experts(x[0], forced, w)[None]
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    holder.layers[0].mlp = block
+    moe_routing.install(holder, "float32", replay=True)
+    with moe_routing.engine_routing(holder, forced[None, :, None]):
+        out = block(x)
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("precision,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_gate_precision_under_bf16_compute(precision, dtype):
+    model, gate = _router(hidden=16, experts=8)
+    model.to(torch.bfloat16)  # bf16 weights and activations, as under FSDP2's bf16 mixed precision
+    moe_routing.install(model, precision)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    logits, weights, _ = gate(x)
+    assert logits.dtype == dtype
+    assert weights.dtype == torch.bfloat16  # combine weights follow the activations
+    if precision == "float32":
+        exact = x.float() @ gate.weight.float().T
+        torch.testing.assert_close(logits, exact, rtol=1e-6, atol=1e-6)  # an fp32 matmul, not a rounded bf16 one
+
+
+def test_freeze_names_router_weights_only():
+    model, gate = _router()
+    model.other = torch.nn.Linear(2, 2)
+    assert moe_routing.freeze(model) == ["layers.0.mlp.gate.weight"]
+    assert not gate.weight.requires_grad and model.other.weight.requires_grad
+
+
+def test_routing_metrics_from_definitions():
+    stats = moe_routing.RoutingStats(num_layers=2, num_experts=4)
+    probs = torch.full((2, 4), 0.25)
+    own = torch.tensor([[0, 1], [2, 3]])
+    # layer 0: both tokens match the engine; layer 1: one of two
+    stats.add(0, probs, own, own, torch.tensor([[1, 0], [2, 3]]))
+    stats.add(1, probs, own, own, torch.tensor([[0, 1], [0, 3]]))
+    m = stats.metrics()
+    assert m["routing/agreement"] == pytest.approx(3 / 4)
+    assert m["routing/agreement_worst_layer"] == pytest.approx(1 / 2)
+    # every expert got 1/4 of the selections and mean prob 1/4: E * sum f P = 4 * 4 * 1/16 = 1, entropy = log 4
+    assert m["routing/aux_loss"] == pytest.approx(1.0)
+    assert m["routing/expert_load_entropy"] == pytest.approx(1.0)
+
+
+def test_routing_travels_with_tokens_through_experience_collate_and_packing():
+    from molt_hydra.agents.base import Trajectory
+    from molt_hydra.algorithm.experience import collate
+    from molt_hydra.parallel.batching import pack
+    from molt_hydra.rollout.generation import Generation
+    from molt_hydra.runtime.agent_runner import to_experience
+
+    traj = Trajectory()
+    traj.append_feedback([5, 6, 7])
+    # the engine routes every computed position: prompt + generated but the last token (2 layers, top-2)
+    rows = [[[p, p + 1], [p + 2, p + 3]] for p in range(4)]
+    traj.append_action(Generation(token_ids=[8, 9], logprobs=[-1.0, -2.0], versions=[0, 0], finish_reason="stop",
+                                  routed_experts=rows))
+    exp, reason = to_experience(traj, max_len=16)
+    assert reason is None
+    assert exp.routed_experts.shape == (5, 2, 2)
+    assert exp.routed_experts[:4].tolist() == rows and (exp.routed_experts[4] == -1).all()
+    short = to_experience(Trajectory(token_ids=[1, 2], logprobs=[0.0, -1.0], versions=[-1, 0],
+                                     action_ranges=[(1, 2)]), max_len=16)[0]
+    batch = collate([exp, short])
+    assert batch.routed_experts.shape == (2, 5, 2, 2)
+    assert (batch.routed_experts[1] == -1).all() and torch.equal(batch.routed_experts[0], exp.routed_experts)
+    packed = pack([{"input_ids": exp.token_ids, "routed_experts": exp.routed_experts},
+                   {"input_ids": exp.token_ids[:2], "routed_experts": exp.routed_experts[:2]}])
+    assert packed["routed_experts"].shape == (1, 7, 2, 2)
+    assert torch.equal(packed["routed_experts"][0, 5:], exp.routed_experts[:2])
