@@ -83,10 +83,14 @@ def build_model(path: str, *, role: str = "actor", attn_implementation: str = "s
     config.use_cache = False
     if role == "critic":
         config.tie_word_embeddings = False
-    if getattr(config, "vision_config", None) is not None:
-        raise NotImplementedError("vision-language models are not supported by this trainer yet")
+    from molt_hydra.models import vlm
+
     use_nemo = nemo_automodel_usable() and role != "critic"
     cls = _auto_classes(use_nemo, base=role == "critic")
+    if vlm.is_vlm(config):
+        if role == "critic":
+            raise NotImplementedError("a vision-language critic is not supported; use a critic-free estimator")
+        cls = transformers.AutoModelForImageTextToText  # vision tower + decoder (HF path, also on GPU)
     kw = dict(dtype=torch.float32, attn_implementation=attn_implementation)
     with torch.device(init_device):
         if random_init:

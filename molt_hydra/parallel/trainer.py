@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from molt_hydra.models.build import build_model, resolve_path
 from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
+from molt_hydra.models import vlm
 from molt_hydra.parallel import checkpoint as ckpt
 from molt_hydra.parallel.batching import count_micro_batches, pack, partition_balanced, unpack
 from molt_hydra.parallel.objectives import SFTObjective
@@ -40,7 +41,7 @@ class TrainerWorker:
                  lr_scheduler: str = "constant", lr_warmup_ratio: float = 0.0, min_lr_ratio: float = 0.1,
                  total_steps: int = 1, max_norm: float = 1.0, offload: bool = False,
                  max_tokens_per_micro_batch: int = 16384, temperature: float = 1.0, logprob_chunk_size: int = 2048,
-                 aux_loss_coef: float = 0.0, seed: int = 42,
+                 aux_loss_coef: float = 0.0, seed: int = 42, freeze_visual_encoder: bool = False,
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None):
         self.rank, self.world_size, self.role = rank, world_size, role
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
@@ -58,6 +59,8 @@ class TrainerWorker:
                             value_head_init_std=value_head_init_std)
         if aux_loss_coef > 0:
             model.config.output_router_logits = True
+        if freeze_visual_encoder:
+            vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
         self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
                                  reshard_after_forward=True)
         self.temperature, self.chunk = temperature, logprob_chunk_size
@@ -79,7 +82,9 @@ class TrainerWorker:
             out = torch.zeros_like(v, dtype=torch.float32)
             out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
             return out.masked_fill(first, 0.0), None, None
-        res = self.model(input_ids=ids, position_ids=pos)
+        mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS} if "pixel_values" in mb else {}
+        # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
+        res = self.model(input_ids=ids, position_ids=None if mm else pos, **mm)
         lp = logprobs_from_logits(res.logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
         ent = None
         if need_entropy:
@@ -88,7 +93,8 @@ class TrainerWorker:
 
     def _micro_batches(self, samples: list[dict]) -> list[list[int]]:
         lengths = [len(s["input_ids"]) for s in samples]
-        k = torch.tensor(count_micro_batches(lengths, self.max_tokens))
+        with_images = any(s.get("pixel_values") is not None for s in samples)
+        k = torch.tensor(len(samples) if with_images else count_micro_batches(lengths, self.max_tokens))
         dist.all_reduce(k, op=dist.ReduceOp.MAX)  # every rank runs the same number of FSDP forwards
         return partition_balanced(lengths, int(k))
 
@@ -103,7 +109,8 @@ class TrainerWorker:
         out: list = [None] * len(samples)
         for part in self._micro_batches(samples):
             idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
-            mb = self._to_device(pack([{"input_ids": samples[i]["input_ids"]} for i in idx]))
+            mb = self._to_device(pack([{"input_ids": samples[i]["input_ids"]} for i in idx])
+                                 | vlm.multimodal_kwargs([samples[i] for i in idx]))
             val, ent, _ = self._forward(mb, with_entropy)
             if not part:
                 continue
@@ -142,11 +149,11 @@ class TrainerWorker:
                 rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
                      for k, v in win[0].items() if torch.is_tensor(v) and v.dim() == 1}]
-                mb = self._to_device(pack(rows))
+                mb = self._to_device(pack(rows) | vlm.multimodal_kwargs(rows))
                 out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef))
                 lengths = [len(r["input_ids"]) for r in rows]
                 # losses see one right-padded row per sample, so per-sequence aggregation modes stay exact
-                mbs = {k: unpack(v, lengths) for k, v in mb.items()}
+                mbs = {k: unpack(v, lengths) for k, v in mb.items() if k not in vlm.MULTIMODAL_KEYS}
                 loss, mets = loss_fn(unpack(out, lengths), mbs, None if ent is None else unpack(ent, lengths),
                                      num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
                 if aux is not None and self.aux_loss_coef > 0:

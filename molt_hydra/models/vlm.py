@@ -1,0 +1,86 @@
+"""Vision-language (Qwen2.5-VL family) support on the trainer side: processor outputs for a trajectory's images, the
+placeholder expansion the engine applies, the trainer's per-sample multimodal forward inputs, and vision freezing.
+
+Why these pieces: the trainer's log-prob recompute must see exactly the engine's inputs. The engine expands each
+`<|image_pad|>` of the prompt into one token per merged vision patch, and embeds the image from the processor's
+`pixel_values`; the M-RoPE positions are a pure function of (input_ids, image_grid_thw, config), so a sample carries
+`pixel_values` + `image_grid_thw` + `mm_token_type_ids` (1 on image tokens) and the HF model derives the 3-D
+positions itself (`position_ids=None`). Without `mm_token_type_ids` transformers silently falls back to 1-D positions.
+
+A Qwen2_5_VLProcessor cannot be constructed without torchvision (its video processor), so the image processor and
+the tokenizer are used part by part here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")  # per-sample forward inputs, never packed
+
+
+def is_vlm(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_image_processor(model_dir: str):
+    """The model directory's image processor with the PIL backend (no torchvision)."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+
+
+def process_images(image_processor, images: list) -> dict[str, torch.Tensor]:
+    """PIL images -> {"pixel_values": [patches, C*T*P*P] fp32, "image_grid_thw": [n_images, 3] long}."""
+    out = image_processor(images=list(images), return_tensors="pt")
+    return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"].long()}
+
+
+def expand_image_pads(token_ids: list[int], image_grid_thw: torch.Tensor, image_token_id: int,
+                      merge_size: int) -> list[int]:
+    """One `<|image_pad|>` per image -> grid.prod() / merge_size**2 pads, in image order (the engine's expansion)."""
+    counts = (image_grid_thw.prod(-1) // merge_size**2).tolist()
+    n_pads = sum(1 for t in token_ids if t == image_token_id)
+    if n_pads != len(counts):
+        raise ValueError(f"{n_pads} image placeholders in the prompt but {len(counts)} images")
+    out, k = [], 0
+    for t in token_ids:
+        if t == image_token_id:
+            out.extend([image_token_id] * counts[k])
+            k += 1
+        else:
+            out.append(t)
+    return out
+
+
+def mm_token_type_ids(token_ids, image_token_id: int) -> torch.Tensor:
+    """[T] long: 1 on image tokens, 0 on text (the processor's `mm_token_type_ids`; M-RoPE needs it)."""
+    return (torch.as_tensor(token_ids) == image_token_id).long()
+
+
+def multimodal_kwargs(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """The forward's multimodal inputs of a micro-batch; {} for text samples. One VLM sample per micro-batch:
+    the model derives M-RoPE positions per row, and a packed row would continue positions across samples."""
+    with_images = [s for s in samples if s.get("pixel_values") is not None]
+    if not with_images:
+        return {}
+    if len(samples) != 1:
+        raise ValueError(f"a VLM micro-batch holds one sample, got {len(samples)}")
+    s = with_images[0]
+    return {"pixel_values": s["pixel_values"], "image_grid_thw": s["image_grid_thw"],
+            "mm_token_type_ids": s["mm_token_type_ids"][None]}  # [1, T] like the packed input_ids
+
+
+def visual_encoder(model: nn.Module) -> nn.Module:
+    for name, mod in model.named_modules():
+        if name.endswith("visual"):
+            return mod
+    raise ValueError(f"{type(model).__name__} has no `visual` module (not a Qwen-VL model?)")
+
+
+def freeze_visual_encoder(model: nn.Module) -> int:
+    """Vision tower out of training (and so out of the optimizer, which takes requires_grad params). Returns the
+    number of frozen parameters."""
+    visual = visual_encoder(model)
+    visual.requires_grad_(False)
+    return sum(p.numel() for p in visual.parameters())
