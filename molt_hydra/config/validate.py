@@ -142,6 +142,9 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "set train.queue_depth=1 or train.mode=async")
 
     # -- engines and model features (steps 10, 12, 13, 14)
+    problems.check(not (d.image_key and d.max_images_per_prompt == 0), "data.max_images_per_prompt",
+                   f"data.image_key={d.image_key!r} loads images, but 0 images per prompt reach the engine.",
+                   "set data.max_images_per_prompt to the most images a row has, or data.image_key=null")
     problems.check(not (d.max_images_per_prompt > 0 and p.packing), "parallelism.packing",
                    "packing is not supported for VLM inputs (data.max_images_per_prompt > 0).",
                    "set parallelism.packing=false")
@@ -184,10 +187,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         (not hf_backend or cfg.model.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
          "selective (per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
          "set model.gradient_checkpointing=full"),
-        (not hf_backend or not (cfg.model.freeze_moe_router or cfg.model.freeze_visual_encoder),
+        (not hf_backend or not cfg.model.freeze_moe_router,
          "model.freeze_moe_router",
-         "freezing router / vision weights is not implemented on the HF path.",
-         "set model.freeze_moe_router=false model.freeze_visual_encoder=false"),
+         "freezing router weights is not implemented on the HF path.",
+         "set model.freeze_moe_router=false"),
         (not hf_backend or not r.routing_replay, "rollout.routing_replay",
          "replaying vLLM's experts in the trainer (R3) needs NeMo AutoModel's RouterReplay.",
          "set rollout.routing_replay=false"),
