@@ -19,6 +19,23 @@ from torch import nn
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")  # per-sample forward inputs, never packed
 
 
+def image_parts(messages: list[dict]) -> list[dict]:
+    """`<image>` markers in user strings → `{"type": "image"}` parts, in order."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if m.get("role") == "user" and isinstance(content, str) and "<image>" in content:
+            parts = []
+            for i, chunk in enumerate(content.split("<image>")):
+                if i:
+                    parts.append({"type": "image"})
+                if chunk:
+                    parts.append({"type": "text", "text": chunk})
+            m = dict(m, content=parts)
+        out.append(m)
+    return out
+
+
 def is_vlm(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 

@@ -23,4 +23,6 @@ def run_sft_job(cfg: RunConfig) -> list[dict]:
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * d.max_len,
         param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value], attn_implementation=cfg.model.attn_implementation.value,
         gradient_checkpointing=cfg.model.gradient_checkpointing.value != "none",
-        offload=cfg.parallelism.offload.value != "none", timeout_s=t.timeouts.collective_s)
+        offload=cfg.parallelism.offload.value != "none", timeout_s=t.timeouts.collective_s,
+        image_key=d.image_key, max_images_per_prompt=d.max_images_per_prompt,
+        freeze_visual_encoder=cfg.model.freeze_visual_encoder)
