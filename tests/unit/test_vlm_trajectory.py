@@ -30,7 +30,8 @@ class VLMStandIn:
         self.requests, self.tok, self.answers = [], tok, answers
 
     async def generate(self, request):
-        ids = self.tok(self.answers[len(self.requests)], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        answer = self.answers[len(self.requests)]
+        ids = self.tok(answer, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
         self.requests.append(request)
         return [Generation(ids, [-0.5] * len(ids), [4] * len(ids), "stop")]
 
