@@ -114,12 +114,22 @@ class TrajectoryImages:
     @classmethod
     def for_model(cls, model_dir: str) -> "TrajectoryImages | None":
         """None for a text-only model."""
+        from pathlib import Path
+
         from transformers import AutoConfig
 
+        if not (Path(model_dir) / "config.json").is_file():  # e.g. a tokenizer-only directory
+            return None
         config = AutoConfig.from_pretrained(model_dir)
         if not is_vlm(config):
             return None
         return cls(load_image_processor(model_dir), config.image_token_id, config.vision_config.spatial_merge_size)
+
+    @property
+    def max_tokens_per_image(self) -> int:
+        """The most tokens one image expands to: the processor's largest image in merged patches."""
+        ip = self.image_processor
+        return ip.size["longest_edge"] // (ip.patch_size * self.merge_size) ** 2
 
     def expand(self, token_ids: list[int], logprobs: list[float], versions: list[int],
                action_ranges: list[tuple[int, int]], images: list):

@@ -78,7 +78,14 @@ class AgentRunnerActor:
         from molt_hydra.agents.loading import load_runner
         from molt_hydra.rollout.router import Router
 
+        from molt_hydra.models.vlm import TrajectoryImages
+
         self.runner = load_runner(dict(runner_spec))
+        images = TrajectoryImages.for_model(tokenizer_path)
+        if images is not None and getattr(self.runner, "image_tokens_per_image", None) == 0:
+            # each image takes engine tokens beyond its placeholder: reserve the most one can take, so a rollout
+            # stays within max_len once expanded (else to_experience drops it as image_truncated)
+            self.runner.image_tokens_per_image = images.max_tokens_per_image
         self.router = Router(engines, timeout_s=engine_timeout_s)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.max_len, self.timeout_s, self.seed, self.max_turns = max_len, timeout_s, seed, max_turns

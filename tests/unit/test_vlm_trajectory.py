@@ -147,3 +147,14 @@ def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path)
                           image_grid_thw=sample["image_grid_thw"],
                           mm_token_type_ids=sample["mm_token_type_ids"][None])
     torch.testing.assert_close(hf, before, atol=1e-5, rtol=0)
+
+
+def test_agent_runner_reserves_the_largest_image_budget_for_a_vlm(tiny_model):
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    spec = {"_target_": "recipes/agents/geo3k.py:EnvAgentRunner"}
+    kw = dict(max_len=512, timeout_s=10, engine_timeout_s=10, seed=0, max_turns=2)
+    vlm_runner = AgentRunnerActor(spec, [object()], tokenizer_path=resolve_path("tiny://qwen25_vl_tiny"), **kw)
+    # 112x112 px at most -> 8x8 patches of 14 px -> 2x2 merge -> 16 tokens
+    assert vlm_runner.runner.image_tokens_per_image == 16
+    assert AgentRunnerActor(spec, [object()], tokenizer_path=tiny_model, **kw).runner.image_tokens_per_image == 0
