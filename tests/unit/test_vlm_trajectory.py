@@ -158,3 +158,22 @@ def test_agent_runner_reserves_the_largest_image_budget_for_a_vlm(tiny_model):
     # 112x112 px at most -> 8x8 patches of 14 px -> 2x2 merge -> 16 tokens
     assert vlm_runner.runner.image_tokens_per_image == 16
     assert AgentRunnerActor(spec, [object()], tokenizer_path=tiny_model, **kw).runner.image_tokens_per_image == 0
+
+
+def test_policy_step_on_a_vlm_experience_raises_the_advantaged_tokens():
+    """The controller's train sample (ids, masks, old/rollout log-probs, advantages + processor outputs) through the
+    PPO objective with entropy: a positive advantage makes the generated tokens more likely."""
+    from molt_hydra.algorithm.loss import PolicyLoss
+    from molt_hydra.parallel.objectives import ActorObjective
+
+    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    _, _, traj = _run(model_dir)
+    exp, _ = to_experience(traj, 512, vlm.TrajectoryImages.for_model(model_dir))
+    w = _worker(model_dir)
+    ids_and_images = {"input_ids": exp.token_ids, **exp.multimodal}
+    (old,) = w.compute_logprobs([ids_and_images])
+    sample = {**ids_and_images, "action_mask": exp.action_mask, "old_logprobs": old,
+              "rollout_logprobs": exp.rollout_log_probs, "advantages": exp.action_mask.float()}
+    w.train_step([sample], ActorObjective(PolicyLoss("ppo", entropy_coef=0.01)))
+    (new,) = w.compute_logprobs([ids_and_images])
+    assert (new - old)[exp.action_mask].mean() > 0
