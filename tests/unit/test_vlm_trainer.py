@@ -4,8 +4,6 @@ included), and model.freeze_visual_encoder keeps the vision tower out of trainin
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from PIL import Image, ImageDraw
@@ -13,13 +11,9 @@ from PIL import Image, ImageDraw
 from molt_hydra.models import vlm
 from molt_hydra.models.build import build_model, resolve_path
 
+from _vlm_helpers import hf_logprobs, vlm_worker, one_rank_process_group  # noqa: F401 (module fixture)
+
 MODEL = "tiny://qwen25_vl_tiny"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _triangle(size=(84, 56), color=(200, 30, 30)) -> Image.Image:
@@ -46,21 +40,6 @@ def _sample(model_dir, image):
             **mm}, cfg
 
 
-def _hf_logprobs(model, sample, **kw) -> torch.Tensor:
-    """log p(x[t] | x[<t]) straight from the definition, token 0 -> 0."""
-    ids = sample["input_ids"][None]
-    logits = model(input_ids=ids, **kw).logits[0].float()
-    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return torch.cat([torch.zeros(1), lp])
-
-
-def _worker(model_dir, **kw):
-    from molt_hydra.parallel.trainer import TrainerWorker
-
-    return TrainerWorker(rank=0, world_size=1, master_port=_port(), model_path=model_dir, lr=1e-2, total_steps=2,
-                         param_dtype="fp32", timeout_s=120, **kw)
-
-
 def test_expand_image_pads_counts_merged_patches(model_dir):
     sample, cfg = _sample(model_dir, _triangle((84, 56)))
     # 84x56 px -> 6x4 patches of 14 px -> 2x2 merge -> 6 image tokens
@@ -85,20 +64,20 @@ def test_trainer_logprobs_equal_hf_forward_with_processor_outputs(model_dir):
     with torch.no_grad():
         mm = {k: sample[k] for k in ("pixel_values", "image_grid_thw")}
         types = sample["mm_token_type_ids"][None]
-        expected = _hf_logprobs(hf, sample, **mm, mm_token_type_ids=types)
+        expected = hf_logprobs(hf, sample, **mm, mm_token_type_ids=types)
         other_image = vlm.process_images(vlm.load_image_processor(model_dir), [_triangle(color=(20, 20, 220))])
-        with_other_image = _hf_logprobs(hf, sample, **other_image, mm_token_type_ids=types)
+        with_other_image = hf_logprobs(hf, sample, **other_image, mm_token_type_ids=types)
         # 1-D text positions instead of M-RoPE: what a trainer without the token types would compute
-        flat_positions = _hf_logprobs(hf, sample, **mm)
+        flat_positions = hf_logprobs(hf, sample, **mm)
     # the comparison can fail: the image content and the 3-D positions both change the log-probs
     assert (expected - with_other_image).abs().max() > 1e-4
     assert (expected - flat_positions).abs().max() > 1e-4
 
-    w = _worker(model_dir)
+    w = vlm_worker(model_dir)
     text_sample = {"input_ids": sample["input_ids"][:5]}  # a text sample in the same call keeps working
     got, got_text = w.compute_logprobs([sample, text_sample])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(got_text, _hf_logprobs(hf, text_sample), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_text, hf_logprobs(hf, text_sample), atol=1e-5, rtol=0)
 
 
 def test_freeze_visual_encoder_keeps_vision_tower_out_of_training(model_dir):
@@ -113,7 +92,7 @@ def test_freeze_visual_encoder_keeps_vision_tower_out_of_training(model_dir):
         return vis, txt
 
     for freeze in (True, False):
-        w = _worker(model_dir, freeze_visual_encoder=freeze)
+        w = vlm_worker(model_dir, freeze_visual_encoder=freeze)
         opt_params = {id(p) for g in w.optimizer.param_groups for p in g["params"]}
         vis_params = [p for k, p in w.model.named_parameters() if ".visual." in f".{k}"]
         assert vis_params and all((id(p) in opt_params) != freeze for p in vis_params)

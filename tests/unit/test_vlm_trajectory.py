@@ -18,7 +18,8 @@ from molt_hydra.models import vlm
 from molt_hydra.models.build import resolve_path
 from molt_hydra.rollout.generation import Generation, Sampling
 from molt_hydra.runtime.agent_runner import to_experience
-from tests.unit.test_vlm_trainer import _hf_logprobs, _worker
+
+from _vlm_helpers import hf_logprobs, vlm_worker, one_rank_process_group  # noqa: F401 (module fixture)
 
 ANSWER = "The answer is \\boxed{60}."
 
@@ -103,10 +104,10 @@ def test_trainer_logprobs_on_the_experience_equal_hf_forward():
     sample = {"input_ids": exp.token_ids, **exp.multimodal}  # what the controller hands compute_logprobs
     hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = _hf_logprobs(hf, sample, pixel_values=sample["pixel_values"],
+        expected = hf_logprobs(hf, sample, pixel_values=sample["pixel_values"],
                                 image_grid_thw=sample["image_grid_thw"],
                                 mm_token_type_ids=sample["mm_token_type_ids"][None])
-    (got,) = _worker(model_dir).compute_logprobs([sample])
+    (got,) = vlm_worker(model_dir).compute_logprobs([sample])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
@@ -121,13 +122,13 @@ def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path)
     exp, _ = to_experience(traj, 512, images)
     sample = {"input_ids": exp.token_ids, "loss_mask": exp.action_mask, **exp.multimodal}
 
-    w = _worker(model_dir, freeze_visual_encoder=True)
+    w = vlm_worker(model_dir, freeze_visual_encoder=True)
     w.train_step([sample])  # the saved weights differ from the initial ones
     (before,) = w.compute_logprobs([sample])
     w.save_checkpoint(str(tmp_path / "ckpt"), {"loop": {"queued": [([traj], {"timing/generation": 1.0})]}})
     w.export_hf(str(tmp_path / "hf"), dtype="fp32")
 
-    resumed = _worker(model_dir, freeze_visual_encoder=True)
+    resumed = vlm_worker(model_dir, freeze_visual_encoder=True)
     (initial,) = resumed.compute_logprobs([sample])
     assert (initial - before).abs().max() > 1e-4  # the check below can fail: a fresh model differs
     state = resumed.load_checkpoint(str(tmp_path / "ckpt"))
@@ -143,7 +144,7 @@ def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path)
     exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert vlm.TrajectoryImages.for_model(str(tmp_path / "hf")) is not None  # image processor travels along
     with torch.no_grad():
-        hf = _hf_logprobs(exported, sample, pixel_values=sample["pixel_values"],
+        hf = hf_logprobs(exported, sample, pixel_values=sample["pixel_values"],
                           image_grid_thw=sample["image_grid_thw"],
                           mm_token_type_ids=sample["mm_token_type_ids"][None])
     torch.testing.assert_close(hf, before, atol=1e-5, rtol=0)
@@ -169,7 +170,7 @@ def test_policy_step_on_a_vlm_experience_raises_the_advantaged_tokens():
     model_dir = resolve_path("tiny://qwen25_vl_tiny")
     _, _, traj = _run(model_dir)
     exp, _ = to_experience(traj, 512, vlm.TrajectoryImages.for_model(model_dir))
-    w = _worker(model_dir)
+    w = vlm_worker(model_dir)
     ids_and_images = {"input_ids": exp.token_ids, **exp.multimodal}
     (old,) = w.compute_logprobs([ids_and_images])
     sample = {**ids_and_images, "action_mask": exp.action_mask, "old_logprobs": old,
