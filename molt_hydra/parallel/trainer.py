@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from molt_hydra.models import vlm
 from molt_hydra.models.build import build_model, resolve_path
 from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
-from molt_hydra.models import vlm
 from molt_hydra.parallel import checkpoint as ckpt
 from molt_hydra.parallel.batching import count_micro_batches, pack, partition_balanced, unpack
 from molt_hydra.parallel.objectives import SFTObjective
