@@ -53,23 +53,6 @@ def process_images(image_processor, images: list) -> dict[str, torch.Tensor]:
     return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"].long()}
 
 
-def expand_image_pads(token_ids: list[int], image_grid_thw: torch.Tensor, image_token_id: int,
-                      merge_size: int) -> list[int]:
-    """One `<|image_pad|>` per image -> grid.prod() / merge_size**2 pads, in image order (the engine's expansion)."""
-    counts = (image_grid_thw.prod(-1) // merge_size**2).tolist()
-    n_pads = sum(1 for t in token_ids if t == image_token_id)
-    if n_pads != len(counts):
-        raise ValueError(f"{n_pads} image placeholders in the prompt but {len(counts)} images")
-    out, k = [], 0
-    for t in token_ids:
-        if t == image_token_id:
-            out.extend([image_token_id] * counts[k])
-            k += 1
-        else:
-            out.append(t)
-    return out
-
-
 def mm_token_type_ids(token_ids, image_token_id: int) -> torch.Tensor:
     """[T] long: 1 on image tokens, 0 on text (the processor's `mm_token_type_ids`; M-RoPE needs it)."""
     return (torch.as_tensor(token_ids) == image_token_id).long()

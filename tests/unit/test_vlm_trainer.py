@@ -34,19 +34,21 @@ def _sample(model_dir, image):
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is the angle x?"}]},
             {"role": "assistant", "content": "The answer is \\boxed{60}."}]
     ids = tok.apply_chat_template(msgs, tokenize=True)["input_ids"]
-    mm = vlm.process_images(vlm.load_image_processor(model_dir), [image])
-    ids = vlm.expand_image_pads(ids, mm["image_grid_thw"], cfg.image_token_id, cfg.vision_config.spatial_merge_size)
-    return {"input_ids": torch.tensor(ids), "mm_token_type_ids": vlm.mm_token_type_ids(ids, cfg.image_token_id),
-            **mm}, cfg
+    ids, _, _, _, mm = vlm.TrajectoryImages.for_model(model_dir).expand(ids, [0.0] * len(ids), [-1] * len(ids), [],
+                                                                        [image])
+    return {"input_ids": torch.tensor(ids), **mm}, cfg
 
 
-def test_expand_image_pads_counts_merged_patches(model_dir):
+def test_image_placeholders_expand_to_merged_patches(model_dir):
     sample, cfg = _sample(model_dir, _triangle((84, 56)))
     # 84x56 px -> 6x4 patches of 14 px -> 2x2 merge -> 6 image tokens
     assert sample["image_grid_thw"].tolist() == [[1, 4, 6]]
     assert int((sample["input_ids"] == cfg.image_token_id).sum()) == 6
-    with pytest.raises(ValueError, match="1 image placeholders in the prompt but 2 images"):
-        vlm.expand_image_pads([cfg.image_token_id], torch.tensor([[1, 2, 2], [1, 2, 2]]), cfg.image_token_id, 2)
+    images = vlm.TrajectoryImages.for_model(model_dir)
+    with pytest.raises(ValueError, match="fewer image placeholders in the trajectory than its 2 images"):
+        images.expand([cfg.image_token_id], [0.0], [-1], [], [_triangle(), _triangle()])
+    with pytest.raises(ValueError, match="the policy generated an image placeholder token"):
+        images.expand([5, cfg.image_token_id], [0.0, -1.0], [-1, 3], [(1, 2)], [_triangle()])
 
 
 def test_build_model_accepts_vlm_and_refuses_vlm_critic(model_dir):
