@@ -86,6 +86,28 @@ def freeze_visual_encoder(model: nn.Module) -> int:
     return sum(p.numel() for p in visual.parameters())
 
 
+def keep_visual_encoder_in_every_backward(model: nn.Module) -> None:
+    """A text-only forward of a VLM whose vision tower trains adds 0 x (the tower on one blank merged patch) to the
+    logits, so the tower gets (zero) gradients and its FSDP reduce-scatter runs on every DP rank; without it a rank
+    with images and a rank without desynchronise the collectives (gloo aborts on a size mismatch). A forward hook
+    placed before FSDP's own, so the tower's parameters are still gathered."""
+    visual = visual_encoder(model)
+    c = visual.config
+    merge = c.spatial_merge_size
+
+    def hook(module, args, kwargs, output):
+        if kwargs.get("pixel_values") is not None or not torch.is_grad_enabled():
+            return output
+        logits = output.logits
+        patch = torch.zeros(merge * merge, c.in_channels * c.temporal_patch_size * c.patch_size**2,
+                            device=logits.device, dtype=logits.dtype)
+        out = visual(patch, grid_thw=torch.tensor([[1, merge, merge]], device=logits.device))
+        output.logits = logits + 0.0 * out.pooler_output.sum()
+        return output
+
+    model.register_forward_hook(hook, with_kwargs=True, prepend=True)
+
+
 class TrajectoryImages:
     """Turns a trajectory's images into the trainer's inputs: the trajectory keeps one `<|image_pad|>` per image
     (what the chat template renders and the engine is sent); here each is expanded as the engine expands it, the

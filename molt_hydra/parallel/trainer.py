@@ -63,6 +63,8 @@ class TrainerWorker:
             vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
         self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
                                  reshard_after_forward=True)
+        if vlm.is_vlm(model.config) and role != "ref" and not freeze_visual_encoder:
+            vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
         self.temperature, self.chunk = temperature, logprob_chunk_size
         self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm
         self.aux_loss_coef, self.peak_tflops = aux_loss_coef, peak_tflops

@@ -105,3 +105,19 @@ def test_freeze_visual_encoder_keeps_vision_tower_out_of_training(model_dir):
         txt_moved = max((txt1[k] - txt0[k]).abs().max().item() for k in txt0)
         assert txt_moved > 0
         assert (vis_moved == 0) == freeze, (freeze, vis_moved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("freeze", [False, True])
+def test_two_dp_ranks_one_with_images_one_without_train_together(tmp_path, freeze):
+    """A trainable vision tower gets gradients on the image rank only; the text rank still joins its reduce-scatter
+    (else gloo aborts on a collective size mismatch)."""
+    import json
+
+    from _vlm_helpers import mixed_dp_rank
+
+    from molt_hydra.parallel.launch import run_ranks
+
+    run_ranks(mixed_dp_rank, 2, str(tmp_path), freeze, timeout_s=240)
+    losses = [json.loads((tmp_path / f"rank{r}.json").read_text())["sft_loss"] for r in (0, 1)]
+    assert losses[0] == losses[1] and losses[0] > 0  # DP-reduced metric: the same on both ranks
