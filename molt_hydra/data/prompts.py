@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from molt_hydra.data.images import to_pil_images
+
 BUILTIN = "builtin://"
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -55,8 +57,9 @@ def _load_one(spec: str, split: str):
 
 def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", label_key: str | None = "label",
                  tools_key: str | None = None, image_key: str | None = None, max_samples: int | None = None,
-                 probs: list[float] | None = None, seed: int = 0) -> list[dict]:
-    """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`."""
+                 probs: list[float] | None = None, seed: int = 0, max_images_per_prompt: int = 0) -> list[dict]:
+    """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`. Images of
+    `image_key` become PIL images, at most `max_images_per_prompt` per row."""
     specs = [s.strip() for s in spec.split(",") if s.strip()]
     if probs is not None and len(probs) != len(specs):
         raise ValueError(f"data.train_probs has {len(probs)} values for {len(specs)} datasets")
@@ -69,6 +72,9 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
             rows = BUILTIN_TASKS[name]()
         else:
             rows = [_rename(r, input_key, label_key, tools_key, image_key) for r in _load_one(s, split)]
+            for i, r in enumerate(rows):
+                if "images" in r:
+                    r["images"] = to_pil_images(r["images"], max_images_per_prompt, f"{s} row {i} ({image_key})")
         parts.append(rows[:max_samples] if max_samples else rows)
     if probs is None:
         return [r for part in parts for r in part]

@@ -103,20 +103,46 @@ def load_rows(data: str | list[dict]) -> list[dict]:
 
 def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", output_key: str | None = None,
                       max_len: int = 2048, chat_template: str | None = None, train_on_last_turn_only: bool = False,
-                      max_samples: int | None = None) -> list[dict]:
-    """[{"input_ids", "loss_mask"}] per row with at least one assistant message and one supervised token."""
+                      max_samples: int | None = None, image_key: str | None = None, max_images_per_prompt: int = 0,
+                      images=None) -> list[dict]:
+    """[{"input_ids", "loss_mask"}] per row with at least one assistant message and one supervised token.
+    VLM rows (`image_key`): `<image>` markers in user strings become image parts, each placeholder is expanded and
+    the processor outputs ride along (`images`: the model's `models.vlm.TrajectoryImages`); a row longer than
+    max_len once expanded is skipped, as a cut would orphan image features."""
+    from molt_hydra.agents.base import NOT_GENERATED
+    from molt_hydra.data.images import to_pil_images
+    from molt_hydra.models.vlm import image_parts
+
     markers = discover_reply_markers(tokenizer, chat_template)
     special = _special_ids(tokenizer)
     out = []
-    for row in rows[:max_samples]:
+    for i, row in enumerate(rows[:max_samples]):
         msgs = _messages(row, input_key, output_key)
         if not any(m["role"] == "assistant" for m in msgs):
             continue
+        row_images = []
+        if image_key and row.get(image_key) is not None:
+            row_images = to_pil_images(row[image_key], max_images_per_prompt, f"SFT row {i} ({image_key})")
+        if row_images and images is None:
+            raise ValueError(f"SFT row {i} has images but the model has no vision tower. Fix: use a VLM or set "
+                             "data.image_key=null")
+        if row_images:
+            msgs = image_parts(msgs)
         text = _render(tokenizer, msgs, chat_template, False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_len]
-        mask = reply_loss_mask(ids, markers, special, train_on_last_turn_only)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        multimodal = {}
+        if row_images:
+            mask = reply_loss_mask(ids, markers, special, train_on_last_turn_only)
+            # the mask rides through the expansion as per-token values; image tokens get 0 (context only)
+            ids, mask, _, _, multimodal = images.expand(ids, mask, [NOT_GENERATED] * len(ids), [], row_images)
+            if len(ids) > max_len:
+                continue
+        else:
+            ids = ids[:max_len]
+            mask = reply_loss_mask(ids, markers, special, train_on_last_turn_only)
         if sum(mask):
-            out.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.float32)})
+            out.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.float32),
+                        **multimodal})
     if not out:
         raise ValueError(f"no SFT samples with supervised tokens among {len(rows)} rows "
                          f"(input_key={input_key!r}, output_key={output_key!r})")

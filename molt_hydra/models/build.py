@@ -68,10 +68,9 @@ def backend_options(cfg) -> dict:
     m, p = cfg.model, cfg.parallelism
     return dict(backend=m.backend.value, packing=p.packing, compile_blocks=m.compile_blocks,
                 gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
-                freeze_moe_router=m.freeze_moe_router,
+                freeze_moe_router=m.freeze_moe_router, freeze_visual_encoder=m.freeze_visual_encoder,
                 automodel_options=dict(moe_dispatcher=m.moe_dispatcher, experts_backend=m.experts_backend,
                                        linear_backend=m.linear_backend, rms_norm=m.rms_norm,
-                                       freeze_visual_encoder=m.freeze_visual_encoder,
                                        moe_reshard_after_forward=p.moe_reshard_after_forward,
                                        sequence_parallel=p.sequence_parallel))
 
@@ -111,9 +110,14 @@ def build_model(path: str, *, role: str = "actor", attn_implementation: str = "s
     config = load_config(path, config_overrides, random_init)
     if role == "critic":
         config.tie_word_embeddings = False
-    if getattr(config, "vision_config", None) is not None:
-        raise NotImplementedError("vision-language models are not supported by this trainer yet")
+    from molt_hydra.models import vlm
+
     cls = _auto_classes(base=role == "critic")
+    if vlm.is_vlm(config):
+        if role == "critic":
+            raise NotImplementedError("a vision-language critic is not supported; use a critic-free estimator")
+        import transformers
+        cls = transformers.AutoModelForImageTextToText  # vision tower + decoder (HF path, also on GPU)
     kw = dict(dtype=torch.float32, attn_implementation=attn_implementation)
     with torch.device(init_device):
         if random_init:

@@ -72,7 +72,7 @@ def _corpus(rng: random.Random):
         yield " ".join(rng.choice(words) for _ in range(12))
 
 
-def build_tokenizer(out: Path):
+def build_tokenizer(out: Path | None, extra_specials: tuple[str, ...] | list[str] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -81,7 +81,7 @@ def build_tokenizer(out: Path):
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIALS,
+        special_tokens=SPECIALS + list(extra_specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -92,7 +92,7 @@ def build_tokenizer(out: Path):
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,
-        additional_special_tokens=SPECIALS[1:],
+        additional_special_tokens=SPECIALS[1:] + list(extra_specials),
         model_max_length=4096,
     )
     tok.chat_template = CHAT_TEMPLATE
@@ -141,9 +141,11 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     """Map `tiny://NAME` to a built directory (building it once, atomically); any other path is returned as is."""
     if not path.startswith(TINY_SCHEME):
         return path
+    from molt_hydra.models import tiny_vlm
+
     name = path[len(TINY_SCHEME) :]
-    if name not in TINY_MODELS:
-        raise ValueError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}")
+    if name not in TINY_MODELS and name not in tiny_vlm.TINY_VLM_MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS) + list(tiny_vlm.TINY_VLM_MODELS)}")
     # the cache key includes the shapes, so a changed tiny config never reuses a stale build
     root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest()
     target = root / name
@@ -156,6 +158,13 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
     staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
+    if name in tiny_vlm.TINY_VLM_MODELS:
+        tiny_vlm.build(staging / name)
+        if not (target / "model.safetensors").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(staging / name, target)
+        shutil.rmtree(staging, ignore_errors=True)
+        return str(target)
     build(staging)
     for built in TINY_MODELS:  # both models are built together; publish each by rename so readers never see half
         if not (root / built / "model.safetensors").exists():

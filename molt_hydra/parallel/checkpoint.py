@@ -155,6 +155,8 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
         if tokenizer_path is not None and any(Path(tokenizer_path).glob("tokenizer*")):
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
+            if (Path(tokenizer_path) / "preprocessor_config.json").is_file():  # a VLM's image processor
+                shutil.copy(Path(tokenizer_path) / "preprocessor_config.json", tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

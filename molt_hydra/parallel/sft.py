@@ -34,13 +34,16 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
 
     from molt_hydra.data.sft_dataset import build_sft_samples, load_rows
     from molt_hydra.models.build import resolve_path
+    from molt_hydra.models.vlm import TrajectoryImages
     from molt_hydra.parallel.objectives import SFTObjective
     from molt_hydra.parallel.trainer import TrainerWorker
 
     path = resolve_path(kw["model_path"])
     tok = AutoTokenizer.from_pretrained(path)
     data_kw = dict(input_key=kw["input_key"], output_key=kw["output_key"], max_len=kw["max_len"],
-                   chat_template=kw["chat_template"], train_on_last_turn_only=kw["train_on_last_turn_only"])
+                   chat_template=kw["chat_template"], train_on_last_turn_only=kw["train_on_last_turn_only"],
+                   image_key=kw["image_key"], max_images_per_prompt=kw["max_images_per_prompt"],
+                   images=TrajectoryImages.for_model(path) if kw["image_key"] else None)
     train = build_sft_samples(load_rows(kw["train_data"]), tok, max_samples=kw["max_samples"], **data_kw)
     evals = build_sft_samples(load_rows(kw["eval_data"]), tok, **data_kw) if kw["eval_data"] is not None else None
     bs = kw["batch_size"]
@@ -94,7 +97,7 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
             lr_warmup_ratio: float = 0.03, min_lr_ratio: float = 0.1, max_norm: float = 1.0,
             max_tokens_per_micro_batch: int = 16384, param_dtype: str = "bf16", attn_implementation: str = "sdpa",
             gradient_checkpointing: bool | str = False, offload: bool = False, timeout_s: float = 600.0,
-            **backend_options) -> list[dict]:
+            image_key: str | None = None, max_images_per_prompt: int = 0, **backend_options) -> list[dict]:
     """Train, evaluate, checkpoint and export; returns the per-step metric records (also in
     <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated.
     backend_options: TrainerWorker's model-backend kwargs (models.build.backend_options)."""
@@ -103,6 +106,7 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
               train_on_last_turn_only=train_on_last_turn_only, max_len=max_len, max_samples=max_samples,
               batch_size=batch_size, max_epochs=max_epochs, eval_steps=eval_steps, save_steps=save_steps,
               ckpt_path=ckpt_path, keep=keep, resume=resume, export_hf=export_hf, seed=seed,
+              image_key=image_key, max_images_per_prompt=max_images_per_prompt,
               worker=dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, lr_scheduler=lr_scheduler,
                           lr_warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio, max_norm=max_norm,
                           max_tokens_per_micro_batch=max_tokens_per_micro_batch, param_dtype=param_dtype,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from molt_hydra.models import moe_routing
+from molt_hydra.models import moe_routing, vlm
 from molt_hydra.models.build import build_model, resolve_backend, resolve_path
 from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
 from molt_hydra.parallel import checkpoint as ckpt
@@ -45,7 +45,7 @@ class TrainerWorker:
                  total_steps: int = 1, max_norm: float = 1.0, offload: bool = False,
                  max_tokens_per_micro_batch: int = 16384, temperature: float = 1.0, logprob_chunk_size: int = 2048,
                  aux_loss_coef: float = 0.0, seed: int = 42, routing_replay: bool = False,
-                 gate_precision: str = "float32", freeze_moe_router: bool = False,
+                 gate_precision: str = "float32", freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
                  backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
                  automodel_options: dict | None = None):
@@ -70,7 +70,8 @@ class TrainerWorker:
                 param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing, random_init=random_init,
                 config_overrides=config_overrides, attn_implementation=attn_implementation,
                 compile_blocks=compile_blocks, gate_precision=gate_precision, routing_replay=routing_replay,
-                freeze_moe_router=freeze_moe_router, **(automodel_options or {}))
+                freeze_moe_router=freeze_moe_router, freeze_visual_encoder=freeze_visual_encoder,
+                **(automodel_options or {}))
             self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
         else:
             if gradient_checkpointing not in ("none", "full"):
@@ -91,9 +92,13 @@ class TrainerWorker:
                                           "has no MoE router this trainer supports (HF path: Qwen3-MoE); turn them off")
             self.moe = bool(routers)
             self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
+            if freeze_visual_encoder:
+                vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
             # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
             self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
                                      reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
+            if vlm.is_vlm(model.config) and role != "ref" and not freeze_visual_encoder:
+                vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
         self._routing_stats = None
         self.temperature, self.chunk = temperature, logprob_chunk_size
         self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm
@@ -114,7 +119,9 @@ class TrainerWorker:
             out = torch.zeros_like(v, dtype=torch.float32)
             out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
             return out.masked_fill(first, 0.0), None, None
-        res = self.model(input_ids=ids, position_ids=pos)
+        mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS} if "pixel_values" in mb else {}
+        # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
+        res = self.model(input_ids=ids, position_ids=None if mm else pos, **mm)
         logits = res.logits
         if hasattr(logits, "full_tensor"):  # tensor parallel: vocab-sharded DTensor logits
             logits = logits.full_tensor()
@@ -137,21 +144,27 @@ class TrainerWorker:
 
     def _micro_batches(self, samples: list[dict]) -> list[list[int]]:
         lengths = [len(s["input_ids"]) for s in samples]
-        bins = None if self.packing else partition_padded(lengths, self.max_tokens)
-        k = torch.tensor(count_micro_batches(lengths, self.max_tokens) if self.packing else len(bins))
+        if any(s.get("pixel_values") is not None for s in samples):  # VLM: one sample per micro-batch (vlm.py)
+            bins = [[i] for i in range(len(samples))]
+        else:
+            bins = None if self.packing else partition_padded(lengths, self.max_tokens)
+        k = torch.tensor(count_micro_batches(lengths, self.max_tokens) if bins is None else len(bins))
         dist.all_reduce(k, op=dist.ReduceOp.MAX)  # every rank runs the same number of FSDP forwards
-        if self.packing:
+        if bins is None:
             return partition_balanced(lengths, int(k))
         return bins + [[] for _ in range(int(k) - len(bins))]  # empty bins run a dummy forward
 
     def _batch(self, rows: list[dict]) -> dict:
-        """One micro-batch on the device: a packed [1, T] stream or right-padded [B, L] rows (see batching.py)."""
+        """One micro-batch on the device: a packed [1, T] stream or right-padded [B, L] rows (see batching.py), plus
+        a VLM sample's image inputs, which are per sample and never packed."""
+        mm = vlm.multimodal_kwargs(rows)
+        rows = [{k: v for k, v in r.items() if k not in vlm.MULTIMODAL_KEYS} for r in rows]
         if self.packing:
-            return self._to_device(pack(rows))
+            return self._to_device(pack(rows) | mm)
         mb = pad_rows(rows)
         lengths = torch.tensor([len(r["input_ids"]) for r in rows])
         mb["token_mask"] = torch.arange(mb["input_ids"].shape[1])[None] < lengths[:, None]
-        return self._to_device(mb)
+        return self._to_device(mb | mm)
 
     def _to_device(self, mb: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
@@ -167,8 +180,8 @@ class TrainerWorker:
                                                            self.model.config.num_experts)
         for part in self._micro_batches(samples):
             idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
-            keys = [k for k in ("input_ids", "routed_experts") if k in samples[0]]
-            mb = self._batch([{k: samples[i][k] for k in keys} for i in idx])
+            keys = ("input_ids", "routed_experts", *vlm.MULTIMODAL_KEYS)
+            mb = self._batch([{k: samples[i][k] for k in keys if k in samples[i]} for i in idx])
             with self._replay(mb, self._routing_stats if part else None):
                 val, ent, _ = self._forward(mb, with_entropy)
             if not part:
@@ -226,7 +239,8 @@ class TrainerWorker:
             for part in parts:
                 rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
-                     for k, v in win[0].items() if torch.is_tensor(v) and v.dim() >= 1}]
+                     for k, v in win[0].items()
+                     if torch.is_tensor(v) and v.dim() >= 1 and k not in vlm.MULTIMODAL_KEYS}]
                 mb = self._batch(rows)
                 with self._replay(mb):  # backward inside: checkpoint recompute replays the same experts
                     loss, mets = self._micro_loss(mb, rows, loss_fn, n_tok, n_seq, len(parts))

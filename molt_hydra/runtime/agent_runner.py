@@ -20,19 +20,32 @@ def request_seed(base: int, *parts) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def to_experience(trajectory, max_len: int):
-    """(Experience, None) or (None, drop reason) for one trajectory segment, cut at `max_len` tokens."""
+def to_experience(trajectory, max_len: int, images=None):
+    """(Experience, None) or (None, drop reason) for one trajectory segment, cut at `max_len` tokens.
+    `images`: the model's `models.vlm.TrajectoryImages` (None for a text-only model)."""
     from molt_hydra.algorithm.experience import Experience
 
-    ids = trajectory.token_ids[:max_len]
+    token_ids, logprobs, versions = trajectory.token_ids, trajectory.logprobs, trajectory.versions
+    action_ranges, multimodal = trajectory.action_ranges, None
+    if len(logprobs) != len(token_ids) or len(versions) != len(token_ids):
+        return None, "logprob_misalign"
+    if trajectory.images:
+        if images is None:
+            return None, "images_for_text_model"
+        try:
+            token_ids, logprobs, versions, action_ranges, multimodal = images.expand(
+                token_ids, logprobs, versions, action_ranges, trajectory.images)
+        except ValueError:
+            return None, "image_placeholder_mismatch"
+        if len(token_ids) > max_len:  # a cut image has features for tokens that are gone
+            return None, "image_truncated"
+    ids = token_ids[:max_len]
     if not ids:
         return None, "empty_tokens"
-    if len(trajectory.logprobs) != len(trajectory.token_ids) or len(trajectory.versions) != len(trajectory.token_ids):
-        return None, "logprob_misalign"
     mask = [False] * len(ids)
-    for start, end in trajectory.action_ranges:
-        if not 0 < start <= end <= len(trajectory.token_ids):
-            raise ValueError(f"invalid action range {(start, end)} for {len(trajectory.token_ids)} tokens")
+    for start, end in action_ranges:
+        if not 0 < start <= end <= len(token_ids):
+            raise ValueError(f"invalid action range {(start, end)} for {len(token_ids)} tokens")
         for t in range(start, min(end, max_len)):
             mask[t] = True
     response_length = sum(mask)
@@ -44,14 +57,15 @@ def to_experience(trajectory, max_len: int):
         **numeric,
         "response_length": float(response_length),
         "total_length": float(len(ids)),
-        "response_clip_ratio": float(len(trajectory.token_ids) >= max_len),
-        "truncated": float(bool(trajectory.truncated) or len(trajectory.token_ids) > max_len),
+        "response_clip_ratio": float(len(token_ids) >= max_len),
+        "truncated": float(bool(trajectory.truncated) or len(token_ids) > max_len),
     }
     return Experience(
-        token_ids=ids, action_mask=mask, rollout_log_probs=trajectory.logprobs[:max_len],
-        policy_versions=[v if m else -1 for v, m in zip(trajectory.versions[:max_len], mask)],
+        token_ids=ids, action_mask=mask, rollout_log_probs=logprobs[:max_len],
+        policy_versions=[v if m else -1 for v, m in zip(versions[:max_len], mask)],
         reward=float(trajectory.reward), score=trajectory.score, group_id=trajectory.group_id,
         rollout_id=trajectory.rollout_id, info=info, routed_experts=routing_tensor(trajectory.routed_experts, len(ids)),
+        multimodal=multimodal,
     ), None
 
 
@@ -80,10 +94,17 @@ class AgentRunnerActor:
         from molt_hydra.agents.loading import load_runner
         from molt_hydra.rollout.router import Router
 
+        from molt_hydra.models.vlm import TrajectoryImages
+
         self.runner = load_runner(dict(runner_spec))
         if chat_options and hasattr(self.runner, "configure_chat"):  # agent.tool_parser, max_choices, ...
             self.runner.configure_chat(**chat_options)
         self.apply_chat_template = apply_chat_template
+        images = TrajectoryImages.for_model(tokenizer_path)
+        if images is not None and getattr(self.runner, "image_tokens_per_image", None) == 0:
+            # each image takes engine tokens beyond its placeholder: reserve the most one can take, so a rollout
+            # stays within max_len once expanded (else to_experience drops it as image_truncated)
+            self.runner.image_tokens_per_image = images.max_tokens_per_image
         self.router = Router(engines, timeout_s=engine_timeout_s)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.max_len, self.timeout_s, self.seed, self.max_turns = max_len, timeout_s, seed, max_turns

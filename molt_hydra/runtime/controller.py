@@ -75,6 +75,11 @@ class RLController:
 
         a = cfg.algorithm
         self.kl_ctl = make_kl_controller(a.kl.coef, a.kl.target, a.kl.horizon)
+        self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
+        if cfg.data.max_images_per_prompt:
+            from molt_hydra.models.build import resolve_path
+            from molt_hydra.models.vlm import TrajectoryImages
+            self.trajectory_images = TrajectoryImages.for_model(resolve_path(cfg.model.path))
 
     # ------------------------------------------------------------------ producer
     async def _wait_step(self, step: int) -> None:
@@ -129,7 +134,7 @@ class RLController:
         limit = self.cfg.train.max_staleness
         for group in groups:
             for traj in sorted(group.trajectories, key=lambda t: (rollout_index(t.rollout_id), t.segment_index)):
-                exp, reason = to_experience(traj, max_len)
+                exp, reason = to_experience(traj, max_len, self.trajectory_images)
                 if reason is not None:
                     drops[reason] += 1
                     continue
@@ -166,7 +171,7 @@ class RLController:
 
         b = collate(exps, pad_token_id=roles.pad_token_id)
         lengths = [len(e.token_ids) for e in exps]
-        samples = [{"input_ids": e.token_ids} for e in exps]
+        samples = [{"input_ids": e.token_ids, **(e.multimodal or {})} for e in exps]
         if b.routed_experts is not None:  # R3: the trainer replays the engine's experts (models/moe_routing.py)
             for i, (s, n) in enumerate(zip(samples, lengths)):
                 s["routed_experts"] = b.routed_experts[i, :n]
@@ -202,7 +207,7 @@ class RLController:
         for i, n in enumerate(lengths):
             s = {"input_ids": b.token_ids[i, :n], "action_mask": b.action_mask[i, :n],
                  "advantages": advantages[i, :n], "old_logprobs": old_logp[i, :n],
-                 "rollout_logprobs": b.rollout_log_probs[i, :n]}
+                 "rollout_logprobs": b.rollout_log_probs[i, :n], **(exps[i].multimodal or {})}
             if b.routed_experts is not None:
                 s["routed_experts"] = b.routed_experts[i, :n]
             if ref_logp is not None and a.kl.use_loss:

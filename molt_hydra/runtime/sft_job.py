@@ -23,4 +23,4 @@ def run_sft_job(cfg: RunConfig) -> list[dict]:
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * d.max_len,
         param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value], attn_implementation=cfg.model.attn_implementation.value,
         offload=cfg.parallelism.offload.value != "none", timeout_s=t.timeouts.collective_s,
-        **backend_options(cfg))
+        image_key=d.image_key, max_images_per_prompt=d.max_images_per_prompt, **backend_options(cfg))

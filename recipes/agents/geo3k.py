@@ -12,27 +12,11 @@ from pathlib import Path
 
 from molt_hydra.agents import ChatAgentRunner, StepEnvRunner
 from molt_hydra.agents.loading import resolve_target
+from molt_hydra.models.vlm import image_parts
 
 _HERE = Path(__file__).resolve().parent
 PythonToolEnv = resolve_target(f"{_HERE}/python_tool_env.py:PythonToolEnv")
 PythonToolChatAgent = resolve_target(f"{_HERE}/python_tool_chat.py:PythonToolChatAgent")
-
-
-def image_parts(messages: list[dict]) -> list[dict]:
-    """`<image>` markers in user strings → `{"type": "image"}` parts, in order."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if m.get("role") == "user" and isinstance(content, str) and "<image>" in content:
-            parts = []
-            for i, chunk in enumerate(content.split("<image>")):
-                if i:
-                    parts.append({"type": "image"})
-                if chunk:
-                    parts.append({"type": "text", "text": chunk})
-            m = dict(m, content=parts)
-        out.append(m)
-    return out
 
 
 class Geo3kPythonEnv(PythonToolEnv):

@@ -1,0 +1,80 @@
+"""VLM SFT samples: `<image>` rows rendered by the template, placeholders expanded as the engine does, loss masks
+from the template's reply markers on the text only, processor outputs alongside; and one real SFT run on them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from molt_hydra.data.sft_dataset import build_sft_samples, discover_reply_markers, reply_loss_mask
+from molt_hydra.models import vlm
+from molt_hydra.models.build import resolve_path
+
+
+def _figure(path, angle):
+    im = Image.new("RGB", (56, 56), "white")
+    ImageDraw.Draw(im).polygon([(4, 50), (28, 6), (52, 50)], outline=(0, 0, 0), width=2)
+    ImageDraw.Draw(im).text((20, 30), str(angle), fill=(200, 0, 0))
+    im.save(path)
+    return str(path)
+
+
+def _rows(tmp_path, n=4):
+    return [{"input": "<image>What is angle x?", "output": f"The answer is \\boxed{{{30 + 10 * i}}}.",
+             "images": [_figure(tmp_path / f"f{i}.png", 30 + 10 * i)]} for i in range(n)]
+
+
+def test_vlm_sft_sample_masks_only_the_reply_and_expands_the_image(tmp_path):
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    tok, images = AutoTokenizer.from_pretrained(model_dir), vlm.TrajectoryImages.for_model(model_dir)
+    (row,) = _rows(tmp_path, 1)
+    (s,) = build_sft_samples([row], tok, output_key="output", image_key="images", max_images_per_prompt=1,
+                             images=images)
+    pad = images.image_token_id
+    assert s["image_grid_thw"].tolist() == [[1, 4, 4]]  # 56x56 -> 4x4 patches -> 4 tokens
+    ids = s["input_ids"].tolist()
+    # from the definition: the template's text with the single placeholder written out 4 times
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                    "text": "What is angle x?"}]}, {"role": "assistant", "content": row["output"]}],
+                                   tokenize=False)
+    expected = tok(text.replace("<|image_pad|>", "<|image_pad|>" * 4), add_special_tokens=False)["input_ids"]
+    assert ids == expected and ids.count(pad) == 4
+    markers = discover_reply_markers(tok)
+    want_mask = reply_loss_mask(expected, markers, set(tok.all_special_ids))
+    assert s["loss_mask"].tolist() == want_mask and sum(want_mask) > 0
+    assert s["mm_token_type_ids"].tolist() == [int(t == pad) for t in ids]
+    # too long once expanded: skipped (a cut would orphan image features); over the image limit: refused
+    with pytest.raises(ValueError, match="no SFT samples"):
+        build_sft_samples([row], tok, output_key="output", image_key="images", max_images_per_prompt=1,
+                          images=images, max_len=len(ids) - 1)
+    with pytest.raises(ValueError, match="max_images_per_prompt=0"):
+        build_sft_samples([row], tok, output_key="output", image_key="images", images=images)
+    with pytest.raises(ValueError, match="no vision tower"):
+        build_sft_samples([row], tok, output_key="output", image_key="images", max_images_per_prompt=1)
+
+
+def test_vlm_sft_run_trains_with_frozen_vision_tower(tmp_path):
+    from molt_hydra.parallel.sft import run_sft
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _rows(tmp_path)))
+    hist = run_sft("tiny://qwen25_vl_tiny", str(data), str(tmp_path / "out"), output_key="output",
+                   image_key="images", max_images_per_prompt=1, freeze_visual_encoder=True, batch_size=2,
+                   max_epochs=3, lr=3e-3, lr_warmup_ratio=0.0, param_dtype="fp32", timeout_s=300)
+    losses = [h["sft_loss"] for h in hist]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-2:]) < sum(losses[:2])  # the same 4 rows, 3 epochs: the reply loss goes down
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    init = AutoModelForImageTextToText.from_pretrained(resolve_path("tiny://qwen25_vl_tiny"))
+    out = load_file(str(next((tmp_path / "out" / "hf").glob("*.safetensors"))))
+    vis = {k: v for k, v in out.items() if ".visual." in f".{k}"}
+    ref = dict(init.state_dict())
+    assert vis and all(torch.equal(v.float(), ref[k].to(v.dtype).float()) for k, v in vis.items())
