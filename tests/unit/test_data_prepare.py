@@ -62,7 +62,7 @@ def test_geometry3k_keeps_the_figures_and_the_image_marker(tmp_path):
                                 "answer": ["3", "12"]}, features=features).to_parquet(str(src))
     out = tmp_path / "geo3k_train.parquet"
     assert prepare("geometry3k", str(out), source=str(src)) == 2
-    rows = load_prompts(str(out), image_key="images")  # recipes/qwen3_moe_geo3k.yaml's keys
+    rows = load_prompts(str(out), image_key="images", max_images_per_prompt=1)  # recipes/qwen3_moe_geo3k.yaml's keys
     assert [r["label"] for r in rows] == ["3", "12"]
     assert rows[0]["prompt"][0]["content"].startswith("<image>Find x.")
     for row, figure in zip(rows, figures):
