@@ -62,7 +62,7 @@ def _worker(path, backend, **kw):
 
 @pytest.fixture(scope="module")
 def am(ckpt):
-    return _worker(ckpt[0], "automodel", automodel_options={"routing_replay": True})
+    return _worker(ckpt[0], "automodel", routing_replay=True)
 
 
 def test_logprobs_match_hf_backend(ckpt, am):
