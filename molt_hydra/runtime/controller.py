@@ -56,9 +56,9 @@ def rollout_stats(groups) -> dict[str, float]:
 
 
 class RLController:
-    def __init__(self, cfg: RunConfig, roles):
-        """`roles`: the built runtime (runtime/roles.py): engines, trainer groups, runner actors, generator, sinks."""
-        self.cfg, self.roles = cfg, roles
+    def __init__(self, cfg: RunConfig, roles, log):
+        """`roles`: the built runtime (runtime/roles.py) reached through `roles.calls`; `log`: logging/run_log.py."""
+        self.cfg, self.roles, self.calls, self.log = cfg, roles, roles.calls, log
         t = cfg.train
         self.depth = 0 if t.mode.value == "sync" else t.queue_depth
         self.partial = t.partial_rollout
@@ -148,14 +148,14 @@ class RLController:
         b = collate(exps, pad_token_id=roles.pad_token_id)
         lengths = [len(e.token_ids) for e in exps]
         samples = [{"input_ids": e.token_ids} for e in exps]
-        old = await roles.ranks(roles.actor, "compute_logprobs", shard=samples)
+        old = await self.calls.ranks(roles.actor, "compute_logprobs", shard=samples)
         old_logp = _pad([x for rank in old for x in rank], lengths, b.action_mask.shape)
         ref_logp = values = None
         if roles.ref is not None:
-            ref = await roles.ranks(roles.ref, "compute_logprobs", shard=samples, role="reference")
+            ref = await self.calls.ranks(roles.ref, "compute_logprobs", shard=samples, role="reference")
             ref_logp = _pad([x for rank in ref for x in rank], lengths, b.action_mask.shape)
         if roles.critic is not None:
-            v = await roles.ranks(roles.critic, "compute_logprobs", shard=samples, role="critic")
+            v = await self.calls.ranks(roles.critic, "compute_logprobs", shard=samples, role="critic")
             values = _pad([x for rank in v for x in rank], lengths, b.action_mask.shape)
         kl = None
         if ref_logp is not None and not a.kl.use_loss:
@@ -193,14 +193,14 @@ class RLController:
         t1 = time.perf_counter()
         if not frozen:
             for _ in range(cfg.train.epochs):
-                m = await roles.ranks(roles.actor, "train_step", ActorObjective(roles.policy_loss, self.kl_ctl.value),
+                m = await self.calls.ranks(roles.actor, "train_step", ActorObjective(roles.policy_loss, self.kl_ctl.value),
                                       shard=train_samples, num_optimizer_steps=steps)
                 metrics.update(m[0])
         timing["timing/policy_train"] = time.perf_counter() - t1
         if roles.critic is not None:
             t2 = time.perf_counter()
             for _ in range(cfg.train.critic.epochs or cfg.train.epochs):
-                m = await roles.ranks(roles.critic, "train_step", CriticObjective(a.value_clip), shard=train_samples,
+                m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(a.value_clip), shard=train_samples,
                                       num_optimizer_steps=steps, role="critic")
                 metrics.update(m[0])
             timing["timing/critic_train"] = time.perf_counter() - t2
@@ -218,7 +218,7 @@ class RLController:
                     lambda: self.batches_made > self.step + self.depth or self.exhausted),
                     self.cfg.train.timeouts.step_s, "rollout", "generating the batch the weight sync waits for")
         t1 = time.perf_counter()
-        await self.roles.push_weights(self.version + 1)
+        await self.calls.push_weights(self.version + 1)
         self.version += 1
         return {"timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t1}
 
@@ -240,8 +240,7 @@ class RLController:
         m = await deadline(self.roles.generator.evaluate(self.roles.eval_rows, e.n_samples_per_prompt, sampling),
                            self.cfg.train.timeouts.step_s, "rollout", "eval")
         m["timing/eval"] = time.perf_counter() - t0
-        self.roles.sinks.log(m, self.step, prefix="eval")
-        self.roles.progress.eval(self.step, m)
+        self.log.eval(self.step, m)
         key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
         if key and key != "none" and key in m and (self.best is None or m[key] > self.best[1]):
             self.best = (key, m[key])
@@ -260,7 +259,7 @@ class RLController:
             "best": self.best,
             "next_eval": self.next_eval,
             "kl_coef": self.kl_ctl.value,
-            "wandb_id": self.roles.sinks.wandb_id,
+            "wandb_id": self.log.sinks.wandb_id,
         }
 
     async def save_best(self) -> None:
@@ -268,7 +267,7 @@ class RLController:
         from molt_hydra.runtime.roles import DTYPE_NAMES
 
         best = Path(self.roles.ckpt_dir) / "best"
-        await self.roles.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
+        await self.calls.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
         key, value = self.best
         (best / "best.json").write_text(json.dumps({"step": self.step, "metric": key, "value": value}))
 
@@ -279,14 +278,14 @@ class RLController:
 
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
-        (path, *_) = await self.roles.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep)
+        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep)
         if self.roles.critic is not None:
-            await self.roles.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
+            await self.calls.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
                                    {"rl_step": self.step}, keep=keep, role="critic")
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
             hf = Path(self.roles.ckpt_dir) / "hf" / f"step_{self.step}"
-            await self.roles.ranks(self.roles.actor, "export_hf", str(hf), DTYPE_NAMES[self.cfg.model.param_dtype.value])
+            await self.calls.ranks(self.roles.actor, "export_hf", str(hf), DTYPE_NAMES[self.cfg.model.param_dtype.value])
         self.roles.last_checkpoint = path
 
     def restore(self, state: dict) -> None:
@@ -315,7 +314,7 @@ class RLController:
                 waited = time.perf_counter() - t0
                 metrics = await self.train_step(batch, gen_timing)
                 frozen = metrics.pop("_frozen", False)
-                metrics.update(await self.roles.router_metrics())
+                metrics.update(await self.calls.router_metrics())
                 metrics["timing/actor_idle_wait"] = waited
                 if not frozen:
                     metrics.update(await self.sync_weights())
@@ -328,7 +327,7 @@ class RLController:
                     metrics[f"timing/share/{part}"] = metrics.get(f"timing/{part}", 0.0) / total
                 busy, idle = metrics["timing/generation"], metrics["timing/vllm_idle_wait"]
                 metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
-                self.roles.log_step(self.step, metrics, batch)
+                self.log.step(self.step, metrics, batch)
                 last = metrics
                 save_every = cfg.checkpoint.save_steps
                 if save_every > 0 and self.step % save_every == 0:

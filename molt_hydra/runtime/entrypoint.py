@@ -44,12 +44,12 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         loop.add_signal_handler(sig, main.cancel)
     from molt_hydra.runtime.roles import build_roles
 
-    roles = None
+    roles, opened = None, []  # opened: the run's logs, closed before any process is ended
     try:
         roles = await build_roles(cfg, record)
-        return await (_eval_only(cfg, roles) if cfg.job.value == "eval" else _train(cfg, roles))
+        return await (_eval_only if cfg.job.value == "eval" else _train)(cfg, roles, opened)
     except RoleStalled as e:
-        stalled = await _probe_engines(roles) if roles is not None and e.role in ("rollout", "weight sync") else []
+        stalled = await roles.calls.probe_engines() if roles is not None and e.role in ("rollout", "weight sync") else []
         reason = f"{e}" + (f"; not answering: {', '.join(stalled)}" if stalled else "")
         path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
         print(f"\nRun stopped: {reason}.\nStacks of every role: {path}", file=sys.stderr)
@@ -60,9 +60,11 @@ async def _main(cfg: RunConfig, record: dict) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        for log in opened:
+            log.close()
         if roles is not None:
             try:
-                await asyncio.wait_for(roles.shutdown(), 25)
+                await asyncio.wait_for(roles.calls.shutdown(), 25)
             except Exception as e:  # still exit: Ray's own shutdown below ends every actor process
                 print(f"shutdown: {e!r}", file=sys.stderr)
         import ray
@@ -76,73 +78,63 @@ async def _main(cfg: RunConfig, record: dict) -> int:
                 pass
 
 
-async def _probe_engines(roles, seconds: float = 10.0) -> list[str]:
-    """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""
-    from molt_hydra.rollout.generation import GenerationRequest, Sampling
-
-    async def answers(engine) -> bool:
-        probe = GenerationRequest("watchdog-probe", [roles.pad_token_id], Sampling(max_tokens=1))
-        try:
-            await asyncio.wait_for(engine.generate.remote(probe), seconds)
-            return True
-        except Exception:  # timeout or a dead actor: either way it is the one that stalled
-            return False
-
-    alive = await asyncio.gather(*(answers(e) for e in roles.engines))
-    return [f"rollout engine {i}" for i, ok in enumerate(alive) if not ok]
-
-
-def _sinks(cfg: RunConfig, wandb_id: str | None):
+def _run_log(cfg: RunConfig, roles, wandb_id: str | None):
+    from molt_hydra.logging.progress import Progress
+    from molt_hydra.logging.run_log import RunLog
     from molt_hydra.logging.sinks import MetricSinks
 
     w = cfg.logger.wandb
-    return MetricSinks(cfg.output_dir, run_name=w.run_name or Path(cfg.output_dir).name, config=config_as_dict(cfg),
+    sinks = MetricSinks(cfg.output_dir, run_name=w.run_name or Path(cfg.output_dir).name, config=config_as_dict(cfg),
                        wandb_mode=w.mode.value, project=w.project, entity=w.entity, group=w.group,
                        tensorboard=cfg.logger.tensorboard, resume_wandb_id=wandb_id)
+    return RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks, Progress(cfg.train.max_steps, cfg.logger.progress))
 
 
-async def _train(cfg: RunConfig, roles) -> int:
+async def _train(cfg: RunConfig, roles, opened: list) -> int:
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
     from molt_hydra.runtime.controller import RLController
     from molt_hydra.runtime.roles import DTYPE_NAMES
 
-    ctl = RLController(cfg, roles)
-    state = None
+    calls, state, found = roles.calls, None, None
     if cfg.checkpoint.resume.value != "never":
         found = resolve_checkpoint(roles.ckpt_dir)
         if found is None and cfg.checkpoint.resume.value == "must":
             raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {roles.ckpt_dir}")
         if found is not None:
-            (client, *_) = await roles.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir)
+            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir)
             if roles.critic is not None:
-                await roles.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", role="critic")
+                await calls.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", role="critic")
             state = client["loop"]
-            ctl.restore(state)
-            if ctl.version > 0:
-                await roles.push_weights(ctl.version)
-            print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
-    roles.sinks = _sinks(cfg, state["wandb_id"] if state else None)
+    log = _run_log(cfg, roles, state["wandb_id"] if state else None)
+    opened.append(log)
+    ctl = RLController(cfg, roles, log)
+    if state is not None:
+        ctl.restore(state)
+        if ctl.version > 0:
+            await calls.push_weights(ctl.version)
+        print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
     await ctl.run()
     await ctl.save()
     export = None
     if cfg.checkpoint.export_final:
-        (export, *_) = await roles.ranks(roles.actor, "export_hf", cfg.checkpoint.export_dir,
+        (export, *_) = await calls.ranks(roles.actor, "export_hf", cfg.checkpoint.export_dir,
                                          DTYPE_NAMES[cfg.model.param_dtype.value])
-    roles.progress.summary(_summary(cfg, roles, ctl, export))
+    log.progress.summary(_summary(cfg, roles, log, ctl, export))
     return 0
 
 
-async def _eval_only(cfg: RunConfig, roles) -> int:
+async def _eval_only(cfg: RunConfig, roles, opened: list) -> int:
     from molt_hydra.runtime.controller import RLController
 
-    roles.sinks = _sinks(cfg, None)
-    ctl = RLController(cfg, roles)
+    log = _run_log(cfg, roles, None)
+    opened.append(log)
+    ctl = RLController(cfg, roles, log)
     await ctl.maybe_eval(force=True)
     print(json.dumps(ctl.last_eval, indent=2))
     return 0
 
 
-def _summary(cfg: RunConfig, roles, ctl, export) -> list[str]:
+def _summary(cfg: RunConfig, roles, log, ctl, export) -> list[str]:
     rows = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl")]
     rewards = [r["train/reward"] for r in rows if r.get("kind") == "train" and "train/reward" in r]
     lines = [f"steps: {ctl.step}   policy version: {ctl.version}"]
@@ -154,6 +146,6 @@ def _summary(cfg: RunConfig, roles, ctl, export) -> list[str]:
               f"checkpoint: {roles.last_checkpoint}"]
     if export:
         lines.append(f"HF export:  {export}")
-    if roles.sinks.wandb_run is not None:
-        lines.append(f"W&B:        {roles.sinks.wandb_run.dir} ({roles.sinks.wandb_run.settings.mode})")
+    if log.sinks.wandb_run is not None:
+        lines.append(f"W&B:        {log.sinks.wandb_run.dir} ({log.sinks.wandb_run.settings.mode})")
     return lines

@@ -1,17 +1,17 @@
 """Build the roles a config needs — and only those — on a Ray cluster, in an order that cannot fragment placement:
 rollout engines first (their multi-device bundles), then the trainer ranks (actor, then reference / critic when the
-algorithm needs them), then the agent runners; then the data, the samples generator and the metric sinks."""
+algorithm needs them), then the agent runners; then the data and the samples generator.
+The driver reaches what is built through runtime/calls.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.runtime.watchdog import RoleStalled, deadline
+from molt_hydra.runtime.calls import RoleCalls
+from molt_hydra.runtime.watchdog import deadline
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -38,15 +38,13 @@ class PolicyWorkerMixin:
 
 @dataclass
 class Roles:
-    cfg: RunConfig
+    """The built handles of a run; `calls` (runtime/calls.py) is how the driver reaches them."""
     engines: list
     actor: object
     ref: object | None
     critic: object | None
     runners: list
     generator: object
-    sinks: object
-    progress: object
     policy_loss: object
     pad_token_id: int
     tokenizer: object
@@ -56,76 +54,7 @@ class Roles:
     eval_rows: list | None = None
     role_pids: dict[str, int] = field(default_factory=dict)
     last_checkpoint: str | None = None
-
-    async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
-        """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
-        under the trainer-call deadline; every rank's result, in rank order."""
-        per_rank = [(part, *args) for part in group.shard(shard)] if shard is not None else [args] * group.num_ranks
-        refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
-        return await deadline(asyncio.gather(*refs), self.cfg.train.timeouts.trainer_call_s, role, method)
-
-    async def router_metrics(self) -> dict[str, float]:
-        """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
-        total: dict[str, float] = {}
-        for per_runner in await asyncio.gather(*(r.router_metrics.remote() for r in self.runners)):
-            for k, v in per_runner.items():
-                total[k] = total.get(k, 0.0) + v
-        return total
-
-    async def push_weights(self, version: int) -> dict:
-        ws = self.cfg.rollout.weight_sync
-        t = self.cfg.train.timeouts
-        calls = [w.push_weights.remote(self.engines, self.transport, version, ws.bucket_mb << 20, ws.check_coverage,
-                                       t.engine_call_s) for w in self.actor.workers]
-        try:
-            results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
-        except TimeoutError as e:  # an engine call timed out inside the trainer rank (Ray re-raises it as this type)
-            raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from e
-        return results[0]
-
-    def log_step(self, step: int, metrics: dict, batch) -> None:
-        log = self.cfg.logger
-        if step % log.every_steps == 0:
-            self.sinks.log(metrics, step)
-        self.progress.step(step, metrics)
-        rows = [t for g in batch.groups for t in g.trajectories]
-        if log.sample_table_every and step % log.sample_table_every == 0 and rows:
-            self.sinks.log_samples([self._sample_row(t) for t in rows[:8]], step)
-        if log.dump_trajectories or log.debug_rollout:
-            out = Path(self.cfg.output_dir) / "trajectories"
-            out.mkdir(exist_ok=True)
-            with open(out / f"step{step}.jsonl", "w") as f:
-                for t in rows:
-                    prompt, response, reward = self._sample_row(t)
-                    f.write(json.dumps({"prompt": prompt, "response": response, "reward": reward,
-                                        "token_ids": t.token_ids, "logprobs": t.logprobs, "versions": t.versions,
-                                        "action_ranges": t.action_ranges, "group_id": t.group_id,
-                                        "rollout_id": t.rollout_id}) + "\n")
-
-    def _sample_row(self, t) -> tuple[str, str, float]:
-        first = t.action_ranges[0][0] if t.action_ranges else len(t.token_ids)
-        return (self.tokenizer.decode(t.token_ids[:first]), self.tokenizer.decode(t.generated_ids), float(t.reward))
-
-    async def shutdown(self) -> None:
-        import ray
-
-        await self.generator.close()
-        for r in self.runners:
-            try:
-                await asyncio.wait_for(r.close.remote(), 10)
-            except Exception:  # shutting down: a runner that cannot close is killed below anyway
-                pass
-        for group in (self.actor, self.ref, self.critic):
-            if group is not None:
-                for w in group.workers:
-                    ray.kill(w)
-        for e in self.engines:
-            try:
-                await asyncio.wait_for(e.shutdown.remote(), 20)
-            except Exception:
-                pass
-            ray.kill(e)
-        self.sinks.close()
+    calls: object = None
 
 
 def _needs(cfg: RunConfig) -> frozenset[str]:
@@ -187,7 +116,6 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     from molt_hydra.algorithm.is_correction import ISCorrection
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.data.prompts import load_prompts
-    from molt_hydra.logging.progress import Progress
     from molt_hydra.models.build import resolve_path
     from molt_hydra.parallel.group import TrainerGroup
     from molt_hydra.parallel.trainer import TrainerWorker
@@ -305,9 +233,9 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     for i, pid in enumerate(ray.get([x.pid.remote() for x in runners])):
         pids[f"agent runner {i}"] = pid
 
-    return Roles(
-        cfg=cfg, engines=engines, actor=actor, ref=ref, critic=critic, runners=runners, generator=generator,
-        sinks=None, progress=Progress(t.max_steps, cfg.logger.progress), pad_token_id=tokenizer.pad_token_id or 0,
+    roles = Roles(
+        engines=engines, actor=actor, ref=ref, critic=critic, runners=runners, generator=generator,
+        pad_token_id=tokenizer.pad_token_id or 0,
         policy_loss=PolicyLoss(a.policy_loss, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
                                dual_clip=a.dual_clip, entropy_coef=a.entropy_coef, kl_use_loss=a.kl.use_loss,
                                kl_estimator=a.kl.estimator.value, loss_agg=a.loss_agg.value,
@@ -315,3 +243,5 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                                                           a.is_correction.low, a.is_correction.high)),
         tokenizer=tokenizer, ckpt_dir=cfg.checkpoint.dir, run_record=run_record, transport=transport,
         eval_rows=eval_rows, role_pids=pids)
+    roles.calls = RoleCalls(roles, t.timeouts, r.weight_sync)
+    return roles

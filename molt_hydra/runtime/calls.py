@@ -1,0 +1,78 @@
+"""Every remote call the driver makes to the built roles, each under its deadline (runtime/watchdog.py): trainer-rank
+calls, the runners' router metrics, the weight push, the engine probe and the shutdown. Takes the handles and its two
+config groups, never the root config."""
+
+from __future__ import annotations
+
+import asyncio
+
+from molt_hydra.config.schema import TimeoutsConfig, WeightSyncConfig
+from molt_hydra.runtime.watchdog import RoleStalled, deadline
+
+
+class RoleCalls:
+    def __init__(self, roles, timeouts: TimeoutsConfig, weight_sync: WeightSyncConfig):
+        """`roles`: the built handles (runtime/roles.py `Roles`)."""
+        self.roles, self.timeouts, self.weight_sync = roles, timeouts, weight_sync
+
+    async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
+        """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
+        under the trainer-call deadline; every rank's result, in rank order."""
+        per_rank = [(part, *args) for part in group.shard(shard)] if shard is not None else [args] * group.num_ranks
+        refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
+        return await deadline(asyncio.gather(*refs), self.timeouts.trainer_call_s, role, method)
+
+    async def router_metrics(self) -> dict[str, float]:
+        """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
+        total: dict[str, float] = {}
+        calls = asyncio.gather(*(r.router_metrics.remote() for r in self.roles.runners))
+        for per_runner in await deadline(calls, self.timeouts.engine_call_s, "agent runner", "router metrics"):
+            for k, v in per_runner.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    async def push_weights(self, version: int) -> dict:
+        ws, t = self.weight_sync, self.timeouts
+        calls = [w.push_weights.remote(self.roles.engines, self.roles.transport, version, ws.bucket_mb << 20,
+                                       ws.check_coverage, t.engine_call_s) for w in self.roles.actor.workers]
+        try:
+            results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
+        except TimeoutError as e:  # an engine call timed out inside the trainer rank (Ray re-raises it as this type)
+            raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from e
+        return results[0]
+
+    async def probe_engines(self, seconds: float = 10.0) -> list[str]:
+        """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""
+        from molt_hydra.rollout.generation import GenerationRequest, Sampling
+
+        async def answers(engine) -> bool:
+            probe = GenerationRequest("watchdog-probe", [self.roles.pad_token_id], Sampling(max_tokens=1))
+            try:
+                await asyncio.wait_for(engine.generate.remote(probe), seconds)
+                return True
+            except Exception:  # timeout or a dead actor: either way it is the one that stalled
+                return False
+
+        alive = await asyncio.gather(*(answers(e) for e in self.roles.engines))
+        return [f"rollout engine {i}" for i, ok in enumerate(alive) if not ok]
+
+    async def shutdown(self) -> None:
+        import ray
+
+        roles = self.roles
+        await roles.generator.close()
+        for r in roles.runners:
+            try:
+                await asyncio.wait_for(r.close.remote(), 10)
+            except Exception:  # shutting down: a runner that cannot close is killed below anyway
+                pass
+        for group in (roles.actor, roles.ref, roles.critic):
+            if group is not None:
+                for w in group.workers:
+                    ray.kill(w)
+        for e in roles.engines:
+            try:
+                await asyncio.wait_for(e.shutdown.remote(), 20)
+            except Exception:
+                pass
+            ray.kill(e)
