@@ -387,6 +387,10 @@ class AgentConfig:
     max_turns: int = 8
     "Most turns of one rollout (Molt's example-agent env MAX_AGENT_TURNS, now here)."
 
+    def __post_init__(self) -> None:
+        _require(self.timeout_s > 0, "agent.timeout_s", f"must be > 0 (every rollout would time out), got "
+                 f"{self.timeout_s}.", "e.g. agent.timeout_s=600")
+
 
 @dataclass
 class DataConfig:
@@ -518,9 +522,12 @@ class TrainConfig:
     "Train on <dir>/rollout_step{N}.pt instead of generating; a missing file ends the data."
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     "No silent hangs: every remote call has a limit."
+    max_untrainable_steps: int = 3
+    "Steps in a row whose every sample was dropped before the run fails with a summary of the drop reasons."
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "micro_batch_size", "epochs", "num_episodes", "queue_depth"):
+        for name in ("batch_size", "micro_batch_size", "epochs", "num_episodes", "queue_depth",
+                     "max_untrainable_steps"):
             _require(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}.",
                      f"set train.{name} to a positive integer")
         _require(not (self.force_on_policy and self.epochs != 1), "train.force_on_policy",

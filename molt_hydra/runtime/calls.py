@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from molt_hydra.config.schema import TimeoutsConfig, WeightSyncConfig
-from molt_hydra.runtime.watchdog import RoleStalled, deadline
+from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline, describe
+
+WRITERS = ("save_checkpoint", "export_hf")  # trainer calls that write to disk: a failure there is the writer's
 
 
 class RoleCalls:
@@ -20,13 +22,22 @@ class RoleCalls:
         under the trainer-call deadline; every rank's result, in rank order."""
         per_rank = [(part, *args) for part in group.shard(shard)] if shard is not None else [args] * group.num_ranks
         refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
-        return await deadline(asyncio.gather(*refs), self.timeouts.trainer_call_s, role, method)
+        results = await deadline(asyncio.gather(*refs, return_exceptions=True), self.timeouts.trainer_call_s, role,
+                                 method)
+        for rank, result in enumerate(results):
+            if isinstance(result, Exception):
+                who = f"checkpoint writer ({role} rank {rank})" if method in WRITERS else f"{role} rank {rank}"
+                raise RunFailed(who, f"{method} failed: {describe(result)}") from result
+        return results
 
     async def router_metrics(self) -> dict[str, float]:
         """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
         total: dict[str, float] = {}
-        calls = asyncio.gather(*(r.router_metrics.remote() for r in self.roles.runners))
-        for per_runner in await deadline(calls, self.timeouts.engine_call_s, "agent runner", "router metrics"):
+        calls = asyncio.gather(*(r.router_metrics.remote() for r in self.roles.runners), return_exceptions=True)
+        results = await deadline(calls, self.timeouts.engine_call_s, "agent runner", "router metrics")
+        for i, per_runner in enumerate(results):
+            if isinstance(per_runner, Exception):
+                raise RunFailed(f"agent runner {i}", describe(per_runner)) from per_runner
             for k, v in per_runner.items():
                 total[k] = total.get(k, 0.0) + v
         return total
@@ -39,7 +50,19 @@ class RoleCalls:
             results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
         except TimeoutError as e:  # an engine call timed out inside the trainer rank (Ray re-raises it as this type)
             raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from e
+        except Exception as e:  # noqa: BLE001 - any other failure ends the run, named
+            raise RunFailed("weight sync", f"push of version {version} failed: {describe(e)}") from e
         return results[0]
+
+    async def example_errors(self) -> dict[str, str]:
+        """One example error message per drop reason, from every runner that still answers."""
+        found: dict[str, str] = {}
+        answers = asyncio.gather(*(r.example_errors.remote() for r in self.roles.runners), return_exceptions=True)
+        for errors in await asyncio.wait_for(answers, 30):
+            if isinstance(errors, dict):
+                for reason, error in errors.items():
+                    found.setdefault(reason, error)
+        return found
 
     async def probe_engines(self, seconds: float = 10.0) -> list[str]:
         """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""

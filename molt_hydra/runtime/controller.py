@@ -24,7 +24,7 @@ from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.agent_runner import request_seed, to_experience
-from molt_hydra.runtime.watchdog import RoleStalled, deadline
+from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline
 
 TRAINER_PARTS = ("actor_idle_wait", "make_experience", "policy_train", "critic_train", "weight_sync_wait",
                  "weight_sync")
@@ -71,6 +71,8 @@ class RLController:
         self.best: tuple[str, float] | None = None
         self.next_eval: int | None = None
         self.exhausted = False
+        self.untrainable: Counter = Counter()  # drop reasons over the current run of steps with nothing to train
+        self.untrainable_steps = 0
         from molt_hydra.algorithm.kl import make_kl_controller
 
         a = cfg.algorithm
@@ -142,6 +144,7 @@ class RLController:
             metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
         metrics["rollout/dropped/total"] = metrics.get("rollout/dropped/total", 0.0) + sum(drops.values())
         metrics["num_samples_trained"] = float(len(exps))
+        self._check_progress(bool(exps), metrics)
         if not exps:  # everything was dropped (and counted): nothing to train on this step
             return {**metrics, **timing, "timing/make_experience": time.perf_counter() - t0, "_frozen": True}
 
@@ -208,6 +211,20 @@ class RLController:
         metrics["_frozen"] = frozen
         return {**metrics, **timing, "perf/rollout_tokens_per_sec":
                 sum(e.action_mask.sum().item() for e in exps) / max(gen_timing.get("timing/generation", 0.0), 1e-9)}
+
+    def _check_progress(self, trainable: bool, metrics: dict[str, float]) -> None:
+        """`train.max_untrainable_steps` steps in a row with every sample dropped end the run, with their drops."""
+        if trainable:
+            self.untrainable_steps, self.untrainable = 0, Counter()
+            return
+        self.untrainable_steps += 1
+        prefix = "rollout/dropped/"
+        self.untrainable.update({k.removeprefix(prefix): int(v) for k, v in metrics.items()
+                                 if k.startswith(prefix) and k != prefix + "total" and v})
+        if self.untrainable_steps >= self.cfg.train.max_untrainable_steps:
+            raise RunFailed("trainer", f"{self.untrainable_steps} steps in a row had no trainable sample "
+                            f"(train.max_untrainable_steps={self.cfg.train.max_untrainable_steps})",
+                            drops=dict(self.untrainable))
 
     async def sync_weights(self) -> dict[str, float]:
         """Version k -> k+1 on every engine, after batch k + D exists (unless partial rollout)."""

@@ -1,5 +1,8 @@
 """Run a validated config: write the run record, start the job it names, and end it cleanly — on success, on a
-stalled role (stacks dumped, role named, exit 3) and on Ctrl-C / SIGTERM (everything stopped, last checkpoint kept)."""
+stalled role (stacks dumped, role named, exit 3), on a failed role or an I/O error (one message naming the role, the
+cause and the checkpoint to resume from, exit 4; the traceback goes to <output_dir>/failure.txt) and on Ctrl-C /
+SIGTERM (everything stopped, last checkpoint kept). The run's logs are closed before any process is ended, and every
+process it started ends with it, so several runs in one process (a Hydra sweep, a notebook) each start clean."""
 
 from __future__ import annotations
 
@@ -13,12 +16,16 @@ from pathlib import Path
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.plan import Plan
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
-from molt_hydra.runtime.watchdog import EXIT_STALLED, RoleStalled, descendants, dump_stacks
+from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
+                                        dump_stacks)
 
 EXIT_INTERRUPTED = 130
 
 
 def run(cfg: RunConfig, plan: Plan) -> None:
+    from molt_hydra.runtime.writable import check_outputs
+
+    check_outputs(cfg)
     record = write_run_record(cfg, cfg.output_dir)
     if cfg.job.value == "sft":
         from molt_hydra.runtime.sft_job import run_sft_job
@@ -57,6 +64,9 @@ async def _main(cfg: RunConfig, record: dict) -> int:
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
+        await _report_failure(cfg, roles, e)
+        return EXIT_FAILED
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -76,6 +86,45 @@ async def _main(cfg: RunConfig, record: dict) -> int:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+async def _report_failure(cfg: RunConfig, roles, error: Exception) -> None:
+    """One message: the role, the cause, the drops and an example agent error (when nothing could be trained), the
+    checkpoint to resume from. The traceback is written to <output_dir>/failure.txt, not to the terminal."""
+    import traceback
+
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+
+    if isinstance(error, RunFailed):
+        role, cause, drops = error.role, error.cause, {k: v for k, v in error.drops.items() if v}
+    else:
+        role = "driver (I/O)" if isinstance(error, OSError) else "driver"
+        cause, drops = describe(error), {}
+    lines = [f"Run failed: {role}: {cause}."]
+    if drops:
+        lines.append("  dropped samples by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
+        examples = {}
+        if roles is not None:
+            try:
+                examples = await roles.calls.example_errors()
+            except Exception:  # noqa: BLE001 - the summary is shown without examples
+                pass
+        for reason, example in sorted(examples.items()):
+            if reason in drops:
+                lines.append(f"  example error ({reason}): {example}")
+    try:
+        last = resolve_checkpoint(cfg.checkpoint.dir) if cfg.job.value != "eval" else None
+    except OSError:
+        last = None
+    lines.append(f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
+                 else "Last checkpoint: none (the run starts from step 0 again)")
+    details = Path(cfg.output_dir) / "failure.txt"
+    try:
+        details.write_text("\n".join(lines) + "\n\n" + "".join(traceback.format_exception(error)))
+        lines.append(f"Details (traceback): {details}")
+    except OSError:
+        pass
+    print("\n" + "\n".join(lines), file=sys.stderr)
 
 
 def _run_log(cfg: RunConfig, roles, wandb_id: str | None):
@@ -109,6 +158,7 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
     opened.append(log)
     ctl = RLController(cfg, roles, log)
     if state is not None:
+        log.sinks.rewind(state["step"])
         ctl.restore(state)
         if ctl.version > 0:
             await calls.push_weights(ctl.version)
