@@ -254,6 +254,8 @@ class RolloutConfig:
     "Prompt groups kept in flight by the streaming pool; None = rollout.batch_size."
     num_runners: int = 1
     "Agent-runner processes (run the agents and grade in-process)."
+    max_engine_restarts: int = 3
+    "Dead engines replaced over a run (new engine, current weights, in-flight requests retried); one more ends it."
     max_new_tokens: Optional[int] = None
     "Per-turn generation cap; None = the remaining context."
     temperature: float = 1.0
@@ -275,6 +277,8 @@ class RolloutConfig:
         _require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}.",
                  "use a small positive temperature (e.g. 1e-3) for near-greedy sampling")
         _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}.", "set rollout.top_p=1.0")
+        _require(0 <= self.max_engine_restarts <= 100, "rollout.max_engine_restarts", f"must be in [0, 100], got "
+                 f"{self.max_engine_restarts}.", "e.g. rollout.max_engine_restarts=3 (0: fail on the first death)")
 
 
 @dataclass

@@ -119,6 +119,9 @@ class AgentRunnerActor:
     def example_errors(self) -> dict[str, str]:
         return self.errors
 
+    def replace_engine(self, index: int, engine) -> None:
+        self.router.replace_engine(index, engine)
+
     async def close(self) -> None:
         try:
             await self._on_agent_loop(self.runner.close(), 10)

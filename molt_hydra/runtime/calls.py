@@ -16,6 +16,8 @@ class RoleCalls:
     def __init__(self, roles, timeouts: TimeoutsConfig, weight_sync: WeightSyncConfig):
         """`roles`: the built handles (runtime/roles.py `Roles`)."""
         self.roles, self.timeouts, self.weight_sync = roles, timeouts, weight_sync
+        self.engines_lock = asyncio.Lock()  # a weight push and an engine replacement never overlap
+        self.keeper = None  # runtime/engine_keeper.py, when dead engines are replaced
 
     async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
         """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
@@ -43,13 +45,29 @@ class RoleCalls:
         return total
 
     async def push_weights(self, version: int) -> dict:
+        """The trainer's weights to every engine, stamped `version`. An engine found dead when a push fails is
+        replaced first (it gets its weights from the retried push)."""
+        async with self.engines_lock:
+            try:
+                return await self.push_to(version, self.roles.engines)
+            except RunFailed:
+                dead = await self.keeper.dead_engines() if self.keeper is not None else []
+                if not dead:
+                    raise
+            for index in dead:
+                await self.keeper.replace(index, None)
+            return await self.push_to(version, self.roles.engines)
+
+    async def push_to(self, version: int, engines: list) -> dict:
         ws, t = self.weight_sync, self.timeouts
-        calls = [w.push_weights.remote(self.roles.engines, self.roles.transport, version, ws.bucket_mb << 20,
+        calls = [w.push_weights.remote(engines, self.roles.transport, version, ws.bucket_mb << 20,
                                        ws.check_coverage, t.engine_call_s) for w in self.roles.actor.workers]
         try:
             results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
         except TimeoutError as e:  # an engine call timed out inside the trainer rank (Ray re-raises it as this type)
             raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from e
+        except RoleStalled:
+            raise
         except Exception as e:  # noqa: BLE001 - any other failure ends the run, named
             raise RunFailed("weight sync", f"push of version {version} failed: {describe(e)}") from e
         return results[0]

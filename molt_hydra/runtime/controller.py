@@ -73,6 +73,7 @@ class RLController:
         self.exhausted = False
         self.untrainable: Counter = Counter()  # drop reasons over the current run of steps with nothing to train
         self.untrainable_steps = 0
+        self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
         from molt_hydra.algorithm.kl import make_kl_controller
 
         a = cfg.algorithm
@@ -195,6 +196,7 @@ class RLController:
         metrics["kl_coef"] = self.kl_ctl.value
         t1 = time.perf_counter()
         if not frozen:
+            self.trainer_ahead = True
             for _ in range(cfg.train.epochs):
                 m = await self.calls.ranks(roles.actor, "train_step", ActorObjective(roles.policy_loss, self.kl_ctl.value),
                                       shard=train_samples, num_optimizer_steps=steps)
@@ -237,6 +239,7 @@ class RLController:
         t1 = time.perf_counter()
         await self.calls.push_weights(self.version + 1)
         self.version += 1
+        self.trainer_ahead = False
         return {"timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t1}
 
     # ------------------------------------------------------------------ eval and checkpoints
@@ -321,17 +324,20 @@ class RLController:
         if self.step == 0 and cfg.eval.at_start:
             await self.maybe_eval(force=True)
         producer = asyncio.create_task(self.produce())
+        keeper = self.calls.keeper  # replaces dead engines meanwhile; its failure (too many restarts) ends the run
+        watcher = asyncio.create_task(keeper.watch(lambda: self.version + self.trainer_ahead))
         last: dict[str, float] = {}
         try:
             while max_steps is None or self.step < max_steps:
                 t0 = time.perf_counter()
-                batch, gen_timing = await self._next_batch(producer)
+                batch, gen_timing = await self._next_batch(producer, watcher)
                 if batch is None:
                     break
                 waited = time.perf_counter() - t0
                 metrics = await self.train_step(batch, gen_timing)
                 frozen = metrics.pop("_frozen", False)
                 metrics.update(await self.calls.router_metrics())
+                metrics.update(keeper.metrics())
                 metrics["timing/actor_idle_wait"] = waited
                 if not frozen:
                     metrics.update(await self.sync_weights())
@@ -350,19 +356,24 @@ class RLController:
                 if save_every > 0 and self.step % save_every == 0:
                     await self.save()
                 await self.maybe_eval()
+                if watcher.done():
+                    watcher.result()
         finally:
             producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+            watcher.cancel()
+            await asyncio.gather(producer, watcher, return_exceptions=True)
         return last
 
-    async def _next_batch(self, producer: asyncio.Task):
-        """The next batch, or None when the data is done; the producer's own failure surfaces here."""
+    async def _next_batch(self, producer: asyncio.Task, watcher: asyncio.Task):
+        """The next batch, or None when the data is done; the producer's or the engine watcher's failure surfaces."""
         get = asyncio.ensure_future(self.queue.get())
-        done, _ = await asyncio.wait({get, producer}, timeout=self.cfg.train.timeouts.step_s,
+        done, _ = await asyncio.wait({get, producer, watcher}, timeout=self.cfg.train.timeouts.step_s,
                                      return_when=asyncio.FIRST_COMPLETED)
         if get in done:
             return get.result()
         get.cancel()
+        if watcher in done:
+            watcher.result()
         if producer in done:
             producer.result()  # re-raises the producer's exception, if any
             return (None, None) if self.queue.empty() else self.queue.get_nowait()

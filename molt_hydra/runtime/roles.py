@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
+from molt_hydra.runtime.engine_keeper import EngineKeeper
 from molt_hydra.runtime.watchdog import deadline
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -55,6 +56,7 @@ class Roles:
     role_pids: dict[str, int] = field(default_factory=dict)
     last_checkpoint: str | None = None
     calls: object = None
+    new_engine: object = None  # index -> a fresh (not yet started) engine actor, built as at start
 
 
 def _needs(cfg: RunConfig) -> frozenset[str]:
@@ -136,16 +138,18 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
 
     # 1. engines first: their bundles are the largest
     engine_cls = ray.remote(VLLMEngine)
-    engines = [
-        engine_cls.options(num_cpus=0, num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0)
-        .remote(model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
-                enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
-                max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
-                data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
-                kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
-                return_routed_experts=r.routing_replay, engine_index=i, extra_engine_args=extra_engine_args(cfg))
-        for i in range(r.num_engines)
-    ]
+
+    def new_engine(i: int):  # also how a dead engine is replaced mid-run (runtime/engine_keeper.py)
+        return engine_cls.options(
+            num_cpus=0, num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0,
+        ).remote(model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
+                 enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
+                 max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
+                 data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
+                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
+                 return_routed_experts=r.routing_replay, engine_index=i, extra_engine_args=extra_engine_args(cfg))
+
+    engines = [new_engine(i) for i in range(r.num_engines)]
     starting = asyncio.gather(*(e.start.remote() for e in engines))
 
     # 2. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
@@ -242,6 +246,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                                is_correction=ISCorrection(a.is_correction.level.value, a.is_correction.mode.value,
                                                           a.is_correction.low, a.is_correction.high)),
         tokenizer=tokenizer, ckpt_dir=cfg.checkpoint.dir, run_record=run_record, transport=transport,
-        eval_rows=eval_rows, role_pids=pids)
+        eval_rows=eval_rows, role_pids=pids, new_engine=new_engine)
     roles.calls = RoleCalls(roles, t.timeouts, r.weight_sync)
+    roles.calls.keeper = EngineKeeper(roles, max_restarts=r.max_engine_restarts, startup_s=t.timeouts.startup_s)
     return roles

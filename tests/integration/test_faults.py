@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_rl_loop import MOLT_RUN, SMALL, metrics  # noqa: E402
+from wandb_offline import history  # noqa: E402
 
 from molt_hydra.runtime.watchdog import EXIT_FAILED, descendants  # noqa: E402
 
@@ -159,3 +160,56 @@ def test_trainer_rank_killed_names_the_rank_and_the_checkpoint_to_resume(tmp_pat
     assert "died" in err
     assert f"Last checkpoint: {tmp_path / 'run' / 'checkpoints'}/step_" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["VLLMEngine", "EngineCore"])
+def test_dead_engine_is_replaced_and_every_step_finishes(tmp_path, victim):
+    """kill -9 of the engine actor, or of vLLM's engine core inside it, mid-run: the run's only engine is replaced
+    (current weights and version pushed to it), the requests in flight are retried, and every step finishes."""
+    run = Run(tmp_path / "run", "train.max_steps=4", "train.mode=sync", "logger.dump_trajectories=true")
+    run.wait_for(lambda: (tmp_path / "run" / "trajectories" / "step1.jsonl").exists())
+    (victim_pid,) = run.children(victim)
+    os.kill(victim_pid, signal.SIGKILL)
+    code = run.finish()
+    assert code == 0, run.err()[-3000:]
+    m = metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2, 3, 4]
+    assert m[4]["train/rollout/engine_restarts"] == 1
+    assert m[4]["train/rollout/router/engine_deaths"] >= 1
+    for step in (2, 3, 4):  # sync mode: the replacement generates with exactly the current policy version
+        versions = set()
+        for line in (tmp_path / "run" / "trajectories" / f"step{step}.jsonl").read_text().splitlines():
+            t = json.loads(line)
+            versions |= {v for s, e in t["action_ranges"] for v in t["versions"][s:e]}
+        assert versions == {step - 1}, (step, versions)
+    assert "Traceback" not in run.err()
+
+
+def test_engine_deaths_past_the_restart_budget_end_the_run_naming_the_engine(tmp_path):
+    run = Run(tmp_path / "run", "train.max_steps=30", "rollout.max_engine_restarts=0", "checkpoint.save_steps=1")
+    run.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_1").exists())
+    (engine,) = run.children("VLLMEngine")
+    os.kill(engine, signal.SIGKILL)
+    code = run.finish()
+    err = run.err()
+    assert code == EXIT_FAILED, err[-3000:]
+    assert "Run failed: rollout engine 0: died after 0 restart(s); rollout.max_engine_restarts=0" in err, err[-3000:]
+    assert f"Last checkpoint: {tmp_path / 'run' / 'checkpoints'}/step_" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_three_point_sweep_runs_every_point_in_one_process(tmp_path):
+    """Hydra's basic launcher runs every point of `-m` in this one process: each starts and ends cleanly."""
+    cmd = [MOLT_RUN, "-m", *SMALL, "train.max_steps=2", "logger.wandb.mode=offline",
+           "algorithm.estimator=grpo,rloo,dr_grpo", f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.num}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "MailboxClosedError" not in proc.stderr
+    for point in ("0", "1", "2"):
+        out = tmp_path / point
+        assert sorted(metrics(out)) == [1, 2], point
+        (wandb_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+        rows = [r for r in history(wandb_file) if "train/reward" in r]
+        assert [r["train/global_step"] for r in rows] == [1, 2], point

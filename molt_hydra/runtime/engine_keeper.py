@@ -1,0 +1,67 @@
+"""A dead rollout engine is replaced, not fatal: the driver checks every engine's health every few seconds (the actor
+gone, or alive with its vLLM engine core dead); a dead one is killed, a new one is built as at start
+(`Roles.new_engine`), given the trainer's current weights and policy version, and handed to every runner's router,
+whose requests wait for it and are retried with their own seeds. Restarts are counted (`rollout/engine_restarts`)
+and bounded by `rollout.max_engine_restarts`; one more death ends the run, naming the engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+from molt_hydra.runtime.watchdog import RunFailed, deadline
+
+POLL_S = 2.0  # how often the driver asks every engine whether it is alive
+
+
+class EngineKeeper:
+    def __init__(self, roles, *, max_restarts: int, startup_s: float):
+        """`roles`: the built handles (runtime/roles.py), reached through `roles.calls`."""
+        self.roles, self.max_restarts, self.startup_s = roles, max_restarts, startup_s
+        self.restarts = 0
+
+    async def watch(self, weights_version) -> None:
+        """Forever: replace dead engines. `weights_version()`: the policy version of the trainer's weights now."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            async with self.roles.calls.engines_lock:
+                for index in await self.dead_engines():
+                    await self.replace(index, weights_version())
+
+    async def dead_engines(self) -> list[int]:
+        import ray
+
+        async def dead(engine) -> bool:
+            try:
+                return not await asyncio.wait_for(engine.healthy.remote(), 10)
+            except ray.exceptions.RayActorError:
+                return True
+            except Exception:  # not answering in time: the stall watchdog's case, not a death
+                return False
+
+        states = await asyncio.gather(*(dead(e) for e in self.roles.engines))
+        return [i for i, is_dead in enumerate(states) if is_dead]
+
+    async def replace(self, index: int, version: int | None) -> None:
+        """A new engine `index`; with `version`, it receives the trainer's weights stamped so (None: the caller's
+        weight push that follows gives them)."""
+        import ray
+
+        role = f"rollout engine {index}"
+        if self.restarts >= self.max_restarts:
+            raise RunFailed(role, f"died after {self.restarts} restart(s); rollout.max_engine_restarts="
+                                  f"{self.max_restarts} allows no more")
+        self.restarts += 1
+        roles = self.roles
+        ray.kill(roles.engines[index])  # its vLLM engine core exits with it
+        engine = roles.new_engine(index)
+        await deadline(engine.start.remote(), self.startup_s, role, "restart")
+        if version:  # version 0: the model path's weights, which the new engine loaded itself
+            await roles.calls.push_to(version, [engine])
+        roles.engines[index] = engine
+        await deadline(asyncio.gather(*(r.replace_engine.remote(index, engine) for r in roles.runners)), 30,
+                       "agent runner", "replace a rollout engine")
+        roles.role_pids[role] = await deadline(engine.__ray_call__.remote(lambda e: __import__("os").getpid()), 30,
+                                               role, "pid")
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/engine_restarts": float(self.restarts)}
