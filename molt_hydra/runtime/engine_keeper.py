@@ -7,6 +7,7 @@ and bounded by `rollout.max_engine_restarts`; one more death ends the run, namin
 from __future__ import annotations
 
 import asyncio
+import os
 
 from molt_hydra.runtime.watchdog import RunFailed, deadline
 
@@ -51,8 +52,12 @@ class EngineKeeper:
             raise RunFailed(role, f"died after {self.restarts} restart(s); rollout.max_engine_restarts="
                                   f"{self.max_restarts} allows no more")
         self.restarts += 1
-        roles = self.roles
-        ray.kill(roles.engines[index])  # its vLLM engine core exits with it
+        roles, old = self.roles, self.roles.engines[index]
+        try:  # an actor that outlived its engine core: let vLLM clean up what is left of it
+            await asyncio.wait_for(old.shutdown.remote(), 10)
+        except Exception:  # already dead or not answering: killed below either way
+            pass
+        ray.kill(old)
         engine = roles.new_engine(index)
         await deadline(engine.start.remote(), self.startup_s, role, "restart")
         if version:  # version 0: the model path's weights, which the new engine loaded itself
@@ -60,8 +65,7 @@ class EngineKeeper:
         roles.engines[index] = engine
         await deadline(asyncio.gather(*(r.replace_engine.remote(index, engine) for r in roles.runners)), 30,
                        "agent runner", "replace a rollout engine")
-        roles.role_pids[role] = await deadline(engine.__ray_call__.remote(lambda e: __import__("os").getpid()), 30,
-                                               role, "pid")
+        roles.role_pids[role] = await deadline(engine.__ray_call__.remote(lambda e: os.getpid()), 30, role, "pid")
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/engine_restarts": float(self.restarts)}

@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
@@ -36,18 +38,32 @@ def run(cfg: RunConfig, plan: Plan) -> None:
 
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
     with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray", include_dashboard=False):
-        code = asyncio.run(_main(cfg, record))
-    if code:
+        code = _run_to_end(_main(cfg, record))
+    if code == EXIT_STALLED:
         # A stalled role can leave a thread blocked in a Ray call that would hold interpreter exit: leave now.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if code:  # SystemExit: a notebook or a Python caller keeps its process
+        sys.exit(code)
+
+
+def _run_to_end(coro) -> int:
+    """asyncio.run, also where an event loop already runs in this thread (a notebook): the run then gets its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 async def _main(cfg: RunConfig, record: dict) -> int:
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread).
+    signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    for sig in signals:
         loop.add_signal_handler(sig, main.cancel)
     from molt_hydra.runtime.roles import build_roles
 
@@ -68,7 +84,7 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         await _report_failure(cfg, roles, e)
         return EXIT_FAILED
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.remove_signal_handler(sig)
         for log in opened:
             log.close()

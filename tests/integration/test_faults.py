@@ -148,6 +148,7 @@ def test_read_only_checkpoint_dir_is_refused_before_anything_starts(tmp_path):
     assert f"hydra.run.dir={locked}/out: not writable" in out.err() and "Traceback" not in out.err()
 
 
+@pytest.mark.slow
 def test_trainer_rank_killed_names_the_rank_and_the_checkpoint_to_resume(tmp_path):
     run = Run(tmp_path / "run", "train.max_steps=30", "checkpoint.save_steps=1")
     run.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_1").exists())
@@ -213,3 +214,22 @@ def test_three_point_sweep_runs_every_point_in_one_process(tmp_path):
         (wandb_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
         rows = [r for r in history(wandb_file) if "train/reward" in r]
         assert [r["train/global_step"] for r in rows] == [1, 2], point
+
+
+@pytest.mark.slow
+def test_checkpoint_write_error_names_the_writer_and_keeps_the_last_checkpoint(tmp_path):
+    ckpts = tmp_path / "run" / "checkpoints"
+    run = Run(tmp_path / "run", "train.max_steps=30", "checkpoint.save_steps=1")
+    run.wait_for(lambda: (ckpts / "step_1").exists())
+    if subprocess.run(["chattr", "+i", str(ckpts)], capture_output=True).returncode:
+        run.proc.kill()
+        pytest.skip("chattr +i is not available here (needs root on a filesystem that supports it)")
+    try:
+        code = run.finish()
+    finally:
+        subprocess.run(["chattr", "-i", str(ckpts)])
+    err = run.err()
+    assert code == EXIT_FAILED, err[-3000:]
+    assert "Run failed: checkpoint writer (actor rank 0): save_checkpoint failed:" in err, err[-3000:]
+    assert "Last checkpoint: " + str(ckpts / "step_") in err
+    assert "Traceback" not in err and (tmp_path / "run" / "failure.txt").exists()
