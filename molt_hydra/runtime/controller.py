@@ -198,15 +198,16 @@ class RLController:
         if not frozen:
             self.trainer_ahead = True
             for _ in range(cfg.train.epochs):
-                m = await self.calls.ranks(roles.actor, "train_step", ActorObjective(roles.policy_loss, self.kl_ctl.value),
-                                      shard=train_samples, num_optimizer_steps=steps)
+                m = await self.calls.ranks(roles.actor, "train_step",
+                                           ActorObjective(roles.policy_loss, self.kl_ctl.value),
+                                           shard=train_samples, num_optimizer_steps=steps)
                 metrics.update(m[0])
         timing["timing/policy_train"] = time.perf_counter() - t1
         if roles.critic is not None:
             t2 = time.perf_counter()
             for _ in range(cfg.train.critic.epochs or cfg.train.epochs):
-                m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(a.value_clip), shard=train_samples,
-                                      num_optimizer_steps=steps, role="critic")
+                m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(a.value_clip),
+                                           shard=train_samples, num_optimizer_steps=steps, role="critic")
                 metrics.update(m[0])
             timing["timing/critic_train"] = time.perf_counter() - t2
         self.kl_ctl.update(metrics.get("kl", 0.0), cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
@@ -305,7 +306,8 @@ class RLController:
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
             hf = Path(self.roles.ckpt_dir) / "hf" / f"step_{self.step}"
-            await self.calls.ranks(self.roles.actor, "export_hf", str(hf), DTYPE_NAMES[self.cfg.model.param_dtype.value])
+            await self.calls.ranks(self.roles.actor, "export_hf", str(hf),
+                                   DTYPE_NAMES[self.cfg.model.param_dtype.value])
         self.roles.last_checkpoint = path
 
     def restore(self, state: dict) -> None:

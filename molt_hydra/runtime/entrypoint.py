@@ -72,7 +72,8 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         roles = await build_roles(cfg, record)
         return await (_eval_only if cfg.job.value == "eval" else _train)(cfg, roles, opened)
     except RoleStalled as e:
-        stalled = await roles.calls.probe_engines() if roles is not None and e.role in ("rollout", "weight sync") else []
+        probe = roles is not None and e.role in ("rollout", "weight sync")
+        stalled = await roles.calls.probe_engines() if probe else []
         reason = f"{e}" + (f"; not answering: {', '.join(stalled)}" if stalled else "")
         path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
         print(f"\nRun stopped: {reason}.\nStacks of every role: {path}", file=sys.stderr)
@@ -152,7 +153,8 @@ def _run_log(cfg: RunConfig, roles, wandb_id: str | None):
     sinks = MetricSinks(cfg.output_dir, run_name=w.run_name or Path(cfg.output_dir).name, config=config_as_dict(cfg),
                        wandb_mode=w.mode.value, project=w.project, entity=w.entity, group=w.group,
                        tensorboard=cfg.logger.tensorboard, resume_wandb_id=wandb_id)
-    return RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks, Progress(cfg.train.max_steps, cfg.logger.progress))
+    progress = Progress(cfg.train.max_steps, cfg.logger.progress)
+    return RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks, progress)
 
 
 async def _train(cfg: RunConfig, roles, opened: list) -> int:

@@ -229,12 +229,13 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                                   f"{cfg.cluster.device.value}")
 
     pids = {f"rollout engine {i}": pid for i, pid in enumerate(ray.get([e.__ray_call__.remote(lambda s: os.getpid())
-                                                                        for e in engines]))}
+                                                                        for e in engines], timeout=60))}
     for name, g in (("actor", actor), ("reference", ref), ("critic", critic)):  # absent roles are None
         if g is not None:
-            for i, pid in enumerate(ray.get([w.__ray_call__.remote(lambda s: os.getpid()) for w in g.workers])):
+            for i, pid in enumerate(ray.get([w.__ray_call__.remote(lambda s: os.getpid()) for w in g.workers],
+                                            timeout=60)):
                 pids[f"{name} rank {i}"] = pid
-    for i, pid in enumerate(ray.get([x.pid.remote() for x in runners])):
+    for i, pid in enumerate(ray.get([x.pid.remote() for x in runners], timeout=60)):
         pids[f"agent runner {i}"] = pid
 
     roles = Roles(
