@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt_hydra.rollout.generation import Generation, Sampling, TokenGenerator
+from molt_hydra.rollout.router import EPISODE_DEADLINE
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,7 @@ class Runner(ABC):
     async def _run_one(self, episode, generator, tokenizer, timeout_s) -> tuple[list[Trajectory], str | None, str]:
         """(segments, None, "") or ([], failure reason, an error message for the run's failure summary)."""
         deadline = asyncio.timeout(timeout_s)
+        EPISODE_DEADLINE.set(deadline)  # the router extends it while the rollout waits for a replacement engine
         try:
             async with deadline:
                 segments = await self.execute(episode, generator, tokenizer)

@@ -10,9 +10,16 @@ counted. Every engine call has a timeout: a stuck engine fails the request, coun
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import time
 from collections import OrderedDict
 
 from molt_hydra.rollout.generation import Generation, GenerationRequest
+
+
+# The running rollout's `asyncio.timeout` (agents/base.py): time spent waiting for a replacement engine is added to
+# it, so an engine death does not count against `agent.timeout_s`.
+EPISODE_DEADLINE: contextvars.ContextVar = contextvars.ContextVar("episode_deadline", default=None)
 
 
 class SessionAffinity:
@@ -55,6 +62,7 @@ class Router:
         self.max_retries = max_retries
         self.affinity = SessionAffinity(len(engines), max_sessions)
         self.counts = {"requests": 0, "retries": 0, "timeouts": 0, "engine_deaths": 0}
+        self._outage, self._down_since = 0.0, None  # seconds with no live engine (requests waiting for one)
 
     def engine_for(self, session_id: str) -> int:
         return self.affinity.pick(session_id)
@@ -91,15 +99,29 @@ class Router:
 
     async def _live_engine(self, session_id: str) -> int:
         """A live engine for the session, waiting (up to the engine timeout) while every engine is being replaced."""
-        waited = 0.0
+        start = time.monotonic()
         while True:
             try:
-                return self.affinity.pick(session_id)
+                index = self.affinity.pick(session_id)
             except RuntimeError:
-                if waited >= self.timeout_s:
+                if self._down_since is None:
+                    self._down_since = start
+                if time.monotonic() - start >= self.timeout_s:
                     raise RuntimeError(f"every rollout engine is dead; none came back within {self.timeout_s} s")
-            await asyncio.sleep(0.5)
-            waited += 0.5
+                await asyncio.sleep(0.5)
+                continue
+            waited = time.monotonic() - start
+            if self._down_since is not None:
+                self._outage += time.monotonic() - self._down_since
+                self._down_since = None
+            episode = EPISODE_DEADLINE.get()
+            if waited > 0.1 and episode is not None and episode.when() is not None:
+                episode.reschedule(episode.when() + waited)
+            return index
+
+    def outage_s(self) -> float:
+        """Seconds so far during which requests waited for a live engine."""
+        return self._outage + (time.monotonic() - self._down_since if self._down_since is not None else 0.0)
 
     @staticmethod
     async def _healthy(engine) -> bool:

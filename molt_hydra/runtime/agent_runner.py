@@ -77,9 +77,19 @@ class AgentRunnerActor:
         self.errors: dict[str, str] = {}  # an example message per failure reason, for the run's failure summary
         threading.Thread(target=self.agent_loop.run_forever, name="agent-loop", daemon=True).start()
 
-    async def _on_agent_loop(self, coro, timeout_s: float | None):
-        work = asyncio.run_coroutine_threadsafe(coro, self.agent_loop)
-        return await asyncio.wait_for(asyncio.wrap_future(work), timeout_s)  # cancels `work` on timeout
+    async def _on_agent_loop(self, coro, timeout_s: float):
+        """`coro`'s result from the agent loop, or TimeoutError after `timeout_s` plus any time the router waited for
+        a replacement engine meanwhile."""
+        work = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.agent_loop))
+        start, outage = asyncio.get_running_loop().time(), self.router.outage_s()
+        while True:
+            left = start + timeout_s + (self.router.outage_s() - outage) - asyncio.get_running_loop().time()
+            done, _ = await asyncio.wait({work}, timeout=max(left, 0.0))
+            if done:
+                return work.result()
+            if left <= 0:
+                work.cancel()
+                raise asyncio.TimeoutError
 
     def pid(self) -> int:
         import os

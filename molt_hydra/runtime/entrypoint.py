@@ -53,6 +53,10 @@ def _run_to_end(coro) -> int:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        running = False
+    else:
+        running = True
+    if not running:
         return asyncio.run(coro)
     with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
         return pool.submit(asyncio.run, coro).result()
