@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 from molt_hydra.runtime.watchdog import RunFailed, deadline
 
@@ -19,9 +20,12 @@ class EngineKeeper:
         """`roles`: the built handles (runtime/roles.py), reached through `roles.calls`."""
         self.roles, self.max_restarts, self.startup_s = roles, max_restarts, startup_s
         self.restarts = 0
+        self.processes: dict[int, list[int]] = {}  # engine index -> its processes (its vLLM engine core included)
 
     async def watch(self, weights_version) -> None:
         """Forever: replace dead engines. `weights_version()`: the policy version of the trainer's weights now."""
+        for index, engine in enumerate(self.roles.engines):
+            self.processes[index] = await self._local_processes(engine)
         while True:
             await asyncio.sleep(POLL_S)
             async with self.roles.calls.engines_lock:
@@ -58,6 +62,11 @@ class EngineKeeper:
         except Exception:  # already dead or not answering: killed below either way
             pass
         ray.kill(old)
+        for pid in self.processes.pop(index, []):  # an engine core whose actor was killed is left an orphan
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         engine = roles.new_engine(index)
         await deadline(engine.start.remote(), self.startup_s, role, "restart")
         if version:  # version 0: the model path's weights, which the new engine loaded itself
@@ -66,6 +75,25 @@ class EngineKeeper:
         await deadline(asyncio.gather(*(r.replace_engine.remote(index, engine) for r in roles.runners)), 30,
                        "agent runner", "replace a rollout engine")
         roles.role_pids[role] = await deadline(engine.__ray_call__.remote(lambda e: os.getpid()), 30, role, "pid")
+        self.processes[index] = await self._local_processes(engine)
+
+    @staticmethod
+    async def _local_processes(engine) -> list[int]:
+        """The engine actor's process and its children, when it runs on this node (a pid means nothing elsewhere)."""
+        import ray
+
+        from molt_hydra.runtime.watchdog import descendants
+
+        def probe(_engine):
+            import ray as ray_in_actor
+
+            return ray_in_actor.get_runtime_context().get_node_id(), [os.getpid(), *descendants(os.getpid())]
+
+        try:
+            node, pids = await asyncio.wait_for(engine.__ray_call__.remote(probe), 30)
+        except Exception:  # an engine dying or busy right now: its replacement is cleaned by Ray alone
+            return []
+        return pids if node == ray.get_runtime_context().get_node_id() else []
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/engine_restarts": float(self.restarts)}
