@@ -62,14 +62,16 @@ class RoleCalls:
         ws, t = self.weight_sync, self.timeouts
         calls = [w.push_weights.remote(engines, self.roles.transport, version, ws.bucket_mb << 20,
                                        ws.check_coverage, t.engine_call_s) for w in self.roles.actor.workers]
-        try:
-            results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
-        except TimeoutError as e:  # an engine call timed out inside the trainer rank (Ray re-raises it as this type)
-            raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from e
-        except RoleStalled:
-            raise
-        except Exception as e:  # noqa: BLE001 - any other failure ends the run, named
-            raise RunFailed("weight sync", f"push of version {version} failed: {describe(e)}") from e
+        results = await deadline(asyncio.gather(*calls, return_exceptions=True), t.engine_call_s, "weight sync",
+                                 f"push version {version}")
+        for rank, result in enumerate(results):
+            if isinstance(result, TimeoutError):  # an engine call timed out inside the rank (Ray re-raises this type)
+                raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from result
+            if isinstance(result, Exception):  # a dead rank is named as such; anything else is the push's failure
+                import ray
+
+                who = f"actor rank {rank}" if isinstance(result, ray.exceptions.RayActorError) else "weight sync"
+                raise RunFailed(who, f"push of version {version} failed: {describe(result)}") from result
         return results[0]
 
     async def example_errors(self) -> dict[str, str]:

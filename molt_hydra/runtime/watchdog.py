@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import re
 import shutil
 import subprocess
 import sys
@@ -38,8 +39,11 @@ def describe(error: BaseException) -> str:
     if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
         error = error.cause
     if isinstance(error, ray.exceptions.RayActorError):
-        lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-        return "the process died (" + (lines[-1] if lines else "no reason given") + ")"
+        text = " ".join(str(error).split())
+        exit_type = re.search(r"Worker exit type: (\w+)", text)
+        detail = re.search(r"Worker exit detail: ([^.]*)", text)
+        why = ", ".join(m.group(0) for m in (exit_type, detail) if m) or "no reason given"
+        return f"the process died ({why}; killed, out of memory, or crashed)"
     return f"{type(error).__name__}: {error}".splitlines()[0]
 
 
