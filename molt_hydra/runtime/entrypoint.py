@@ -52,11 +52,10 @@ def _run_to_end(coro) -> int:
     """asyncio.run, also where an event loop already runs in this thread (a notebook): the run then gets its own."""
     try:
         asyncio.get_running_loop()
-    except RuntimeError:
-        running = False
-    else:
         running = True
-    if not running:
+    except RuntimeError:  # the usual case: no loop here
+        running = False
+    if not running:  # outside the except block, so the run's own errors carry no unrelated context
         return asyncio.run(coro)
     with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
         return pool.submit(asyncio.run, coro).result()
@@ -92,7 +91,10 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         for sig in signals:
             loop.remove_signal_handler(sig)
         for log in opened:
-            log.close()
+            try:
+                log.close()
+            except Exception as e:  # noqa: BLE001 - the roles are still ended below
+                print(f"closing the metric sinks: {describe(e)}", file=sys.stderr)
         if roles is not None:
             try:
                 await asyncio.wait_for(roles.calls.shutdown(), 25)
