@@ -322,48 +322,58 @@ class RLController:
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
         cfg = self.cfg
-        max_steps = cfg.train.max_steps
         if self.step == 0 and cfg.eval.at_start:
             await self.maybe_eval(force=True)
         producer = asyncio.create_task(self.produce())
         keeper = self.calls.keeper  # replaces dead engines meanwhile; its failure (too many restarts) ends the run
         watcher = asyncio.create_task(keeper.watch(lambda: self.version + self.trainer_ahead))
-        last: dict[str, float] = {}
-        try:
-            while max_steps is None or self.step < max_steps:
-                t0 = time.perf_counter()
-                batch, gen_timing = await self._next_batch(producer, watcher)
-                if batch is None:
-                    break
-                waited = time.perf_counter() - t0
-                metrics = await self.train_step(batch, gen_timing)
-                frozen = metrics.pop("_frozen", False)
-                metrics.update(await self.calls.router_metrics())
-                metrics.update(keeper.metrics())
-                metrics["timing/actor_idle_wait"] = waited
-                if not frozen:
-                    metrics.update(await self.sync_weights())
-                async with self.step_done:
-                    self.step += 1
-                    self.step_done.notify_all()
-                metrics["timing/step_total"] = total = time.perf_counter() - t0
-                # Trainer side: sequential parts of this step. Rollout side runs concurrently: busy vs idle.
-                for part in TRAINER_PARTS:
-                    metrics[f"timing/share/{part}"] = metrics.get(f"timing/{part}", 0.0) / total
-                busy, idle = metrics["timing/generation"], metrics["timing/vllm_idle_wait"]
-                metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
-                self.log.step(self.step, metrics, batch)
-                last = metrics
-                save_every = cfg.checkpoint.save_steps
-                if save_every > 0 and self.step % save_every == 0:
-                    await self.save()
-                await self.maybe_eval()
-                if watcher.done():
-                    watcher.result()
+        steps = asyncio.create_task(self._steps(producer, watcher))
+        background = {producer, watcher}
+        try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)
+            while True:
+                done, _ = await asyncio.wait({steps, *background}, return_when=asyncio.FIRST_COMPLETED)
+                if steps in done:
+                    return steps.result()
+                for task in done:
+                    background.discard(task)
+                    if not task.cancelled() and task.exception() is not None:
+                        raise task.exception()
         finally:
-            producer.cancel()
-            watcher.cancel()
-            await asyncio.gather(producer, watcher, return_exceptions=True)
+            for task in (steps, producer, watcher):
+                task.cancel()
+            await asyncio.gather(steps, producer, watcher, return_exceptions=True)
+
+    async def _steps(self, producer: asyncio.Task, watcher: asyncio.Task) -> dict:
+        cfg, max_steps, keeper = self.cfg, self.cfg.train.max_steps, self.calls.keeper
+        last: dict[str, float] = {}
+        while max_steps is None or self.step < max_steps:
+            t0 = time.perf_counter()
+            batch, gen_timing = await self._next_batch(producer, watcher)
+            if batch is None:
+                break
+            waited = time.perf_counter() - t0
+            metrics = await self.train_step(batch, gen_timing)
+            frozen = metrics.pop("_frozen", False)
+            metrics.update(await self.calls.router_metrics())
+            metrics.update(keeper.metrics())
+            metrics["timing/actor_idle_wait"] = waited
+            if not frozen:
+                metrics.update(await self.sync_weights())
+            async with self.step_done:
+                self.step += 1
+                self.step_done.notify_all()
+            metrics["timing/step_total"] = total = time.perf_counter() - t0
+            # Trainer side: sequential parts of this step. Rollout side runs concurrently: busy vs idle.
+            for part in TRAINER_PARTS:
+                metrics[f"timing/share/{part}"] = metrics.get(f"timing/{part}", 0.0) / total
+            busy, idle = metrics["timing/generation"], metrics["timing/vllm_idle_wait"]
+            metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
+            self.log.step(self.step, metrics, batch)
+            last = metrics
+            save_every = cfg.checkpoint.save_steps
+            if save_every > 0 and self.step % save_every == 0:
+                await self.save()
+            await self.maybe_eval()
         return last
 
     async def _next_batch(self, producer: asyncio.Task, watcher: asyncio.Task):
