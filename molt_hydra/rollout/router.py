@@ -98,7 +98,8 @@ class Router:
                     self.affinity.in_flight[index] -= 1
 
     async def _live_engine(self, session_id: str) -> int:
-        """A live engine for the session, waiting (up to the engine timeout) while every engine is being replaced."""
+        """A live engine for the session, waiting (up to the engine timeout) while every engine is being replaced;
+        the rollout's own deadline moves on by the time waited."""
         start = time.monotonic()
         while True:
             try:
@@ -108,15 +109,15 @@ class Router:
                     self._down_since = start
                 if time.monotonic() - start >= self.timeout_s:
                     raise RuntimeError(f"every rollout engine is dead; none came back within {self.timeout_s} s")
+                before = time.monotonic()
                 await asyncio.sleep(0.5)
+                episode = EPISODE_DEADLINE.get()
+                if episode is not None and episode.when() is not None:
+                    episode.reschedule(episode.when() + time.monotonic() - before)
                 continue
-            waited = time.monotonic() - start
             if self._down_since is not None:
                 self._outage += time.monotonic() - self._down_since
                 self._down_since = None
-            episode = EPISODE_DEADLINE.get()
-            if waited > 0.1 and episode is not None and episode.when() is not None:
-                episode.reschedule(episode.when() + waited)
             return index
 
     def outage_s(self) -> float:
