@@ -210,6 +210,7 @@ def test_killed_engine_core_mid_generation_is_survived_and_requests_retried(tmp_
     assert "Traceback" not in run.err()
 
 
+@pytest.mark.slow
 def test_engine_deaths_past_the_restart_budget_end_the_run_naming_the_engine(tmp_path):
     run = Run(tmp_path / "run", "train.max_steps=30", "rollout.max_engine_restarts=0", "checkpoint.save_steps=1")
     run.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_1").exists())
