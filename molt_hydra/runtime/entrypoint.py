@@ -76,15 +76,15 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         return await (_eval_only if cfg.job.value == "eval" else _train)(cfg, roles, opened)
     except RoleStalled as e:
         probe = roles is not None and e.role in ("rollout", "weight sync")
-        stalled = await roles.calls.probe_engines() if probe else []
-        reason = f"{e}" + (f"; not answering: {', '.join(stalled)}" if stalled else "")
-        path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
-        print(f"\nRun stopped: {reason}.\nStacks of every role: {path}", file=sys.stderr)
-        return EXIT_STALLED
+        return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [])
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
+        # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
+        stalled = await roles.calls.probe_engines() if isinstance(e, RunFailed) and e.drops and roles else []
+        if stalled:
+            return _stalled(cfg, roles, f"rollout stalled: {e.cause}", stalled)
         await _report_failure(cfg, roles, e)
         return EXIT_FAILED
     finally:
@@ -109,6 +109,14 @@ async def _main(cfg: RunConfig, record: dict) -> int:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str]) -> int:
+    """A role stopped making progress: its name, every role's stacks in a file, exit 3."""
+    reason += f"; not answering: {', '.join(not_answering)}" if not_answering else ""
+    path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
+    print(f"\nRun stopped: {reason}.\nStacks of every role: {path}", file=sys.stderr)
+    return EXIT_STALLED
 
 
 async def _report_failure(cfg: RunConfig, roles, error: Exception) -> None:
