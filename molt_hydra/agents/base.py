@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt_hydra.rollout.generation import Generation, Sampling, TokenGenerator
+from molt_hydra.rollout.router import EPISODE_DEADLINE
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class RolloutOutcome:
 
     trajectories: list[Trajectory]
     failures: Counter
+    errors: dict[str, str] = field(default_factory=dict)  # one example message per failure reason
 
 
 class Runner(ABC):
@@ -186,33 +188,37 @@ class Runner(ABC):
         """Run episodes concurrently. A raising, hanging (past `timeout_s`) or empty rollout is counted, not fatal."""
         outcomes = await asyncio.gather(*(self._run_one(ep, generator, tokenizer, timeout_s) for ep in episodes))
         failures: Counter = Counter()
+        errors: dict[str, str] = {}
         trajectories: list[Trajectory] = []
-        for episode, (segments, reason) in zip(episodes, outcomes):
+        for episode, (segments, reason, error) in zip(episodes, outcomes):
             if reason is not None:
                 failures[reason] += 1
+                errors.setdefault(reason, error)
                 continue
             for seg in segments:
                 seg.group_id, seg.rollout_id = episode.group_id, episode.rollout_id
             trajectories.extend(segments)
-        return RolloutOutcome(trajectories, failures)
+        return RolloutOutcome(trajectories, failures, errors)
 
-    async def _run_one(self, episode, generator, tokenizer, timeout_s) -> tuple[list[Trajectory], str | None]:
+    async def _run_one(self, episode, generator, tokenizer, timeout_s) -> tuple[list[Trajectory], str | None, str]:
+        """(segments, None, "") or ([], failure reason, an error message for the run's failure summary)."""
         deadline = asyncio.timeout(timeout_s)
+        EPISODE_DEADLINE.set(deadline)  # the router extends it while the rollout waits for a replacement engine
         try:
             async with deadline:
                 segments = await self.execute(episode, generator, tokenizer)
-        except TimeoutError:
+        except TimeoutError as e:
             if deadline.expired():  # ours, not a TimeoutError the agent raised itself
                 log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
-                return [], AGENT_TIMEOUT
+                return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"
             log.exception("rollout %s: agent raised", episode.rollout_id)
-            return [], AGENT_EXCEPTION
-        except Exception:  # the agent is user code: any error ends this rollout only
+            return [], AGENT_EXCEPTION, f"{type(e).__name__}: {e}"
+        except Exception as e:  # the agent is user code: any error ends this rollout only
             log.exception("rollout %s: agent raised", episode.rollout_id)
-            return [], AGENT_EXCEPTION
+            return [], AGENT_EXCEPTION, f"{type(e).__name__}: {e}"
         if not any(seg.num_generated for seg in segments):
-            return [], EMPTY_SESSION
-        return segments, None
+            return [], EMPTY_SESSION, "the agent returned no generated token"
+        return segments, None, ""
 
     async def close(self) -> None:
         """Release per-process resources (the chat server)."""

@@ -246,6 +246,8 @@ class RolloutConfig:
     "Prompt groups kept in flight by the streaming pool; None = rollout.batch_size."
     num_runners: int = ranged(1, ge=1)
     "Agent-runner processes (run the agents and grade in-process)."
+    max_engine_restarts: int = ranged(3, ge=0, le=100)
+    "Dead engines replaced over a run (new engine, current weights, in-flight requests retried); one more ends it."
     max_new_tokens: Optional[int] = ranged(None, ge=1)
     "Per-turn generation cap; None = the remaining context."
     temperature: float = ranged(1.0, gt=0)
@@ -514,6 +516,8 @@ class TrainConfig:
     "Train on <dir>/rollout_step{N}.pt instead of generating; a missing file ends the data."
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     "No silent hangs: every remote call has a limit."
+    max_untrainable_steps: int = ranged(3, ge=1)
+    "Steps in a row whose every sample was dropped before the run fails with a summary of the drop reasons."
 
     def __post_init__(self) -> None:
         _require(not (self.force_on_policy and self.epochs != 1), "train.force_on_policy",

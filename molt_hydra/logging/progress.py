@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from rich.console import Console
@@ -24,9 +25,10 @@ class Progress:
         eta = ""
         if self.total:
             eta = f" | ETA {max(self.total - step, 0) * elapsed / max(done, 1):5.0f}s"
-        bar = "█" * int(round(20 * min(max(m.get("reward", 0.0), 0.0), 1.0)))
+        reward = m.get("reward", float("nan"))
+        bar = "█" * int(round(20 * min(max(reward, 0.0), 1.0))) if math.isfinite(reward) else ""
         self.console.print(
-            f"step {step:>4}{'/' + str(self.total) if self.total else ''} | reward {m.get('reward', float('nan')):6.3f} "
+            f"step {step:>4}{'/' + str(self.total) if self.total else ''} | reward {reward:6.3f} "
             f"{bar:<20} | vllm_kl {m.get('vllm_kl', float('nan')):9.2e}"
             + (f" | routing {m['routing/agreement']:.3f}" if "routing/agreement" in m else "")  # MoE actors
             + f" | loss {m.get('policy_loss', float('nan')):8.4f} "

@@ -7,14 +7,13 @@ run id goes into every checkpoint so a resumed run continues the same W&B run; s
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class MetricSinks:
@@ -45,12 +44,25 @@ class MetricSinks:
 
             self.tb = SummaryWriter(str(self.dir / "tensorboard" / run_name))
 
+    def rewind(self, step: int) -> None:
+        """On resume from step `step`: drop the jsonl rows past it (the interrupted run logged them; the resumed run
+        logs those steps again), so every step keeps a single row."""
+        self.jsonl.close()
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            path = self.dir / name
+            if path.exists():
+                kept = [line for line in path.read_text().splitlines(keepends=True)
+                        if line.strip() and json.loads(line)["step"] <= step]
+                path.write_text("".join(kept))
+        self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+
     @property
     def wandb_id(self) -> str | None:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, metrics: dict[str, float], step: int, prefix: str = "train") -> None:
-        clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if _finite(v)}
+        # Non-finite values are kept (NaN in the jsonl, as W&B shows them): a metric that goes NaN must be seen.
+        clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if _number(v)}
         self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({**clean, f"{prefix}/global_step": step})
@@ -73,13 +85,20 @@ class MetricSinks:
             self.tb.add_text("train/generated_samples", "\n\n".join(f"**{w:.3f}** {p} → {r}" for p, r, w in rows), step)
 
     def close(self) -> None:
+        """Flush and close every sink. W&B's service process goes too (a later run in this process starts its own):
+        the run ends every process it started, and a service killed under a live wandb breaks the next wandb.init."""
         self.jsonl.close()
         if self.wandb_run is not None:
+            import wandb
+
             if self.dashboard:
                 self._publish_dashboard()
             self.wandb_run.finish()
+            wandb.teardown()
+            self.wandb_run = None
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
 
     def _publish_dashboard(self) -> None:
         """logger.wandb_dashboard: best values into the summary (the sweep's runs table), then the run's dashboard:

@@ -222,6 +222,10 @@ class VLLMEngine:
     async def get_version(self) -> int:
         return self.version
 
+    def healthy(self) -> bool:
+        """False once vLLM's engine core has died (the actor itself outlives it): the driver then replaces it."""
+        return self._llm is not None and not self._llm.errored
+
     def shutdown(self) -> None:
         if self._llm is not None:
             self._llm.shutdown()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from molt_hydra.rollout.generation import Sampling
+from molt_hydra.runtime.watchdog import RunFailed
 
 # Molt's seven reasons, then the agent-side failures molt_hydra counts too (Molt prints and forgets them).
 DROP_REASONS = (
     "empty_tokens", "vlm_media_unresolved", "vlm_truncation", "logprob_misalign", "no_action_tokens",
-    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session",
+    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "nonfinite_reward",
 )
 
 
@@ -125,6 +127,7 @@ class SamplesGenerator:
         self._dispatched = 0
         self._finished: list[FinishedGroup] = []
         self._tally = _Tally()
+        self._failed_in_a_row = 0  # groups in a row without one usable rollout: a batch's worth ends the run
 
     # --- dispatch ---
 
@@ -150,6 +153,8 @@ class SamplesGenerator:
             )
         except asyncio.TimeoutError:
             return [(None, "agent_timeout")] * self.n_samples
+        except RunFailed:  # the runner itself is gone: no later group can run either
+            raise
         except Exception:  # the runner's own failure: every rollout of the group is lost, counted
             return [(None, "agent_exception")] * self.n_samples
 
@@ -171,8 +176,15 @@ class SamplesGenerator:
         for trajectory, reason in results:
             if reason is not None or trajectory is None:
                 tally.dropped[reason or "empty_session"] += 1
+            elif not math.isfinite(float(trajectory.reward)):  # a NaN/inf reward would poison its group's advantages
+                tally.dropped["nonfinite_reward"] += 1
             else:
                 kept.append(trajectory)
+        self._failed_in_a_row = 0 if kept else self._failed_in_a_row + 1
+        if self._failed_in_a_row >= self.batch_size:
+            raise RunFailed("agent runner", f"every rollout of the last {self._failed_in_a_row} prompt groups "
+                            f"({self._failed_in_a_row * self.n_samples} rollouts) failed; nothing can be trained",
+                            drops=dict(tally.dropped))
         # A chat rollout may return several segments; the group's score counts each rollout once.
         per_rollout = {getattr(t, "rollout_id", None) or id(t): t for t in kept}
         scores = [score_of(t) for t in per_rollout.values()]

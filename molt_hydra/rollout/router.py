@@ -1,16 +1,25 @@
 """Spreads token-in/token-out requests over engine actors; all turns of one session stick to one engine.
 
 A new session goes to the live engine with the fewest requests in flight and stays there (its prefix stays in that
-engine's cache). A dead engine's sessions move to another live engine and the request is retried (counted). Every
-engine call has a timeout: a stuck engine fails the request, counted, never a silent hang.
+engine's cache). A dead engine (its actor gone, or its vLLM engine core: the actor then reports itself unhealthy) is
+no longer sent anything; its requests are retried, with their own sampling seeds, on another live engine or on the
+replacement the driver starts (runtime/engine_keeper.py), waiting for one while none is live. Retries and deaths are
+counted. Every engine call has a timeout: a stuck engine fails the request, counted, never a silent hang.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import time
 from collections import OrderedDict
 
 from molt_hydra.rollout.generation import Generation, GenerationRequest
+
+
+# The running rollout's `asyncio.timeout` (agents/base.py): time spent waiting for a replacement engine is added to
+# it, so an engine death does not count against `agent.timeout_s`.
+EPISODE_DEADLINE: contextvars.ContextVar = contextvars.ContextVar("episode_deadline", default=None)
 
 
 class SessionAffinity:
@@ -40,6 +49,9 @@ class SessionAffinity:
     def mark_dead(self, index: int) -> None:
         self.alive[index] = False
 
+    def revive(self, index: int) -> None:
+        self.alive[index], self.in_flight[index] = True, 0
+
 
 class Router:
     """A `TokenGenerator` over Ray handles of `VLLMEngine`."""
@@ -50,6 +62,7 @@ class Router:
         self.max_retries = max_retries
         self.affinity = SessionAffinity(len(engines), max_sessions)
         self.counts = {"requests": 0, "retries": 0, "timeouts": 0, "engine_deaths": 0}
+        self._outage, self._down_since = 0.0, None  # seconds with no live engine (requests waiting for one)
 
     def engine_for(self, session_id: str) -> int:
         return self.affinity.pick(session_id)
@@ -59,8 +72,9 @@ class Router:
 
         self.counts["requests"] += 1
         for attempt in range(self.max_retries + 1):
-            index = self.affinity.pick(request.session_id)
-            ref = self.engines[index].generate.remote(request)
+            index = await self._live_engine(request.session_id)
+            engine = self.engines[index]
+            ref = engine.generate.remote(request)
             self.affinity.in_flight[index] += 1
             try:
                 return await asyncio.wait_for(ref, self.timeout_s)
@@ -70,14 +84,57 @@ class Router:
                 raise TimeoutError(
                     f"engine {index} did not answer session {request.session_id!r} within {self.timeout_s} s"
                 ) from None
-            except ray.exceptions.RayActorError:
-                self.counts["engine_deaths"] += 1
-                self.affinity.mark_dead(index)
+            except ray.exceptions.RayError as e:
+                if not isinstance(e, ray.exceptions.RayActorError) and await self._healthy(engine):
+                    raise  # the request's own error, not the engine's
+                if self.engines[index] is engine and self.affinity.alive[index]:  # first to see this death
+                    self.counts["engine_deaths"] += 1
+                    self.affinity.mark_dead(index)
                 if attempt == self.max_retries:
                     raise
                 self.counts["retries"] += 1
             finally:
-                self.affinity.in_flight[index] -= 1
+                if self.engines[index] is engine:
+                    self.affinity.in_flight[index] -= 1
+
+    async def _live_engine(self, session_id: str) -> int:
+        """A live engine for the session, waiting (up to the engine timeout) while every engine is being replaced;
+        the rollout's own deadline moves on by the time waited."""
+        start = time.monotonic()
+        while True:
+            try:
+                index = self.affinity.pick(session_id)
+            except RuntimeError:
+                if self._down_since is None:
+                    self._down_since = start
+                if time.monotonic() - start >= self.timeout_s:
+                    raise RuntimeError(f"every rollout engine is dead; none came back within {self.timeout_s} s")
+                before = time.monotonic()
+                await asyncio.sleep(0.5)
+                episode = EPISODE_DEADLINE.get()
+                if episode is not None and episode.when() is not None:
+                    episode.reschedule(episode.when() + time.monotonic() - before)
+                continue
+            if self._down_since is not None:
+                self._outage += time.monotonic() - self._down_since
+                self._down_since = None
+            return index
+
+    def outage_s(self) -> float:
+        """Seconds so far during which requests waited for a live engine."""
+        return self._outage + (time.monotonic() - self._down_since if self._down_since is not None else 0.0)
+
+    @staticmethod
+    async def _healthy(engine) -> bool:
+        try:
+            return await asyncio.wait_for(engine.healthy.remote(), 10)
+        except Exception:  # dead or not answering: not a healthy engine
+            return False
+
+    def replace_engine(self, index: int, engine) -> None:
+        """The driver's replacement for dead engine `index` (started, holding the current weights and version)."""
+        self.engines[index] = engine
+        self.affinity.revive(index)
 
     async def generate_stream(self, request: GenerationRequest):
         """One completion as the engine samples it (`VLLMEngine.generate_stream` deltas); no retry once started."""

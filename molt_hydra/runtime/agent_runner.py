@@ -7,8 +7,10 @@ its own loopback chat server). The samples generator in the driver reaches them 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
+import threading
 import uuid
 
 from molt_hydra.rollout.generation import Sampling
@@ -108,6 +110,25 @@ class AgentRunnerActor:
         self.router = Router(engines, timeout_s=engine_timeout_s)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.max_len, self.timeout_s, self.seed, self.max_turns = max_len, timeout_s, seed, max_turns
+        # Agent code is user code and may block (time.sleep, a synchronous HTTP call): it runs on its own event loop
+        # in its own thread, so this actor's loop stays free to enforce agent.timeout_s and to answer the driver.
+        self.agent_loop = asyncio.new_event_loop()
+        self.errors: dict[str, str] = {}  # an example message per failure reason, for the run's failure summary
+        threading.Thread(target=self.agent_loop.run_forever, name="agent-loop", daemon=True).start()
+
+    async def _on_agent_loop(self, coro, timeout_s: float):
+        """`coro`'s result from the agent loop, or TimeoutError after `timeout_s` plus any time the router waited for
+        a replacement engine meanwhile."""
+        work = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.agent_loop))
+        start, outage = asyncio.get_running_loop().time(), self.router.outage_s()
+        while True:
+            left = start + timeout_s + (self.router.outage_s() - outage) - asyncio.get_running_loop().time()
+            done, _ = await asyncio.wait({work}, timeout=max(left, 0.0))
+            if done:
+                return work.result()
+            if left <= 0:
+                work.cancel()
+                raise asyncio.TimeoutError
 
     def pid(self) -> int:
         import os
@@ -115,7 +136,7 @@ class AgentRunnerActor:
         return os.getpid()
 
     async def run_group(self, row: dict, n_samples: int, sampling: Sampling) -> list[tuple[object, str | None]]:
-        from molt_hydra.agents.base import Episode
+        from molt_hydra.agents.base import AGENT_TIMEOUT, Episode
 
         group_id = uuid.uuid4().hex
         # Seeds derive from the group's base seed (set by the generator from the run seed, epoch and prompt), so
@@ -128,7 +149,15 @@ class AgentRunnerActor:
                     apply_chat_template=self.apply_chat_template)
             for i in range(n_samples)
         ]
-        outcome = await self.runner.run_group(episodes, self.router, self.tokenizer, self.timeout_s)
+        try:  # the agent loop's own per-rollout timeout fires first unless agent code blocks that loop
+            outcome = await self._on_agent_loop(self.runner.run_group(episodes, self.router, self.tokenizer,
+                                                                      self.timeout_s), self.timeout_s * 1.1 + 5)
+        except asyncio.TimeoutError:
+            self.errors.setdefault(AGENT_TIMEOUT, f"agent code blocked its event loop past agent.timeout_s="
+                                                  f"{self.timeout_s} (a blocking call inside async code?)")
+            return [(None, AGENT_TIMEOUT)] * n_samples
+        for reason, error in outcome.errors.items():
+            self.errors.setdefault(reason, error)
         results: list[tuple[object, str | None]] = [
             (None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
         results += [(t, None) for t in outcome.trajectories]
@@ -137,8 +166,17 @@ class AgentRunnerActor:
     def router_metrics(self) -> dict[str, float]:
         return self.router.metrics()
 
+    def example_errors(self) -> dict[str, str]:
+        return self.errors
+
+    def replace_engine(self, index: int, engine) -> None:
+        self.router.replace_engine(index, engine)
+
     async def close(self) -> None:
-        await self.runner.close()
+        try:
+            await self._on_agent_loop(self.runner.close(), 10)
+        finally:
+            self.agent_loop.call_soon_threadsafe(self.agent_loop.stop)
 
 
 class RemoteGroupRunner:
@@ -149,8 +187,15 @@ class RemoteGroupRunner:
         self.actors, self._next = actors, 0
 
     async def run_group(self, row: dict, n_samples: int, sampling: Sampling):
+        import ray
+
+        from molt_hydra.runtime.watchdog import RunFailed, describe
+
         i, self._next = self._next, (self._next + 1) % len(self.actors)
-        return await self.actors[i].run_group.remote(row, n_samples, sampling)
+        try:
+            return await self.actors[i].run_group.remote(row, n_samples, sampling)
+        except ray.exceptions.RayActorError as e:  # the runner process is gone: the run cannot go on without it
+            raise RunFailed(f"agent runner {i}", describe(e)) from e
 
 
 def rollout_index(rollout_id: str) -> int:

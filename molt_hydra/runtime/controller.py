@@ -24,7 +24,7 @@ from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.agent_runner import request_seed, to_experience
-from molt_hydra.runtime.watchdog import RoleStalled, deadline
+from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline
 
 TRAINER_PARTS = ("actor_idle_wait", "make_experience", "policy_train", "critic_train", "weight_sync_wait",
                  "weight_sync")
@@ -56,9 +56,9 @@ def rollout_stats(groups) -> dict[str, float]:
 
 
 class RLController:
-    def __init__(self, cfg: RunConfig, roles):
-        """`roles`: the built runtime (runtime/roles.py): engines, trainer groups, runner actors, generator, sinks."""
-        self.cfg, self.roles = cfg, roles
+    def __init__(self, cfg: RunConfig, roles, log):
+        """`roles`: the built runtime (runtime/roles.py) reached through `roles.calls`; `log`: logging/run_log.py."""
+        self.cfg, self.roles, self.calls, self.log = cfg, roles, roles.calls, log
         t = cfg.train
         self.depth = 0 if t.mode.value == "sync" else t.queue_depth
         self.partial = t.partial_rollout
@@ -71,6 +71,9 @@ class RLController:
         self.best: tuple[str, float] | None = None
         self.next_eval: int | None = None
         self.exhausted = False
+        self.untrainable: Counter = Counter()  # drop reasons over the current run of steps with nothing to train
+        self.untrainable_steps = 0
+        self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
         from molt_hydra.algorithm.kl import make_kl_controller
 
         a = cfg.algorithm
@@ -166,6 +169,7 @@ class RLController:
             metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
         metrics["rollout/dropped/total"] = metrics.get("rollout/dropped/total", 0.0) + sum(drops.values())
         metrics["num_samples_trained"] = float(len(exps))
+        self._check_progress(bool(exps), metrics)
         if not exps:  # everything was dropped (and counted): nothing to train on this step
             return {**metrics, **timing, "timing/make_experience": time.perf_counter() - t0, "_frozen": True}
 
@@ -175,14 +179,14 @@ class RLController:
         if b.routed_experts is not None:  # R3: the trainer replays the engine's experts (models/moe_routing.py)
             for i, (s, n) in enumerate(zip(samples, lengths)):
                 s["routed_experts"] = b.routed_experts[i, :n]
-        old = await roles.ranks(roles.actor, "compute_logprobs", shard=samples)
+        old = await self.calls.ranks(roles.actor, "compute_logprobs", shard=samples)
         old_logp = _pad([x for rank in old for x in rank], lengths, b.action_mask.shape)
         ref_logp = values = None
         if roles.ref is not None:
-            ref = await roles.ranks(roles.ref, "compute_logprobs", shard=samples, role="reference")
+            ref = await self.calls.ranks(roles.ref, "compute_logprobs", shard=samples, role="reference")
             ref_logp = _pad([x for rank in ref for x in rank], lengths, b.action_mask.shape)
         if roles.critic is not None:
-            v = await roles.ranks(roles.critic, "compute_logprobs", shard=samples, role="critic")
+            v = await self.calls.ranks(roles.critic, "compute_logprobs", shard=samples, role="critic")
             values = _pad([x for rank in v for x in rank], lengths, b.action_mask.shape)
         kl = None
         if ref_logp is not None and not a.kl.use_loss:
@@ -221,22 +225,38 @@ class RLController:
         metrics["kl_coef"] = self.kl_ctl.value
         t1 = time.perf_counter()
         if not frozen:
+            self.trainer_ahead = True
             for _ in range(cfg.train.epochs):
-                m = await roles.ranks(roles.actor, "train_step", ActorObjective(roles.policy_loss, self.kl_ctl.value),
-                                      shard=train_samples, num_optimizer_steps=steps)
+                m = await self.calls.ranks(roles.actor, "train_step",
+                                           ActorObjective(roles.policy_loss, self.kl_ctl.value),
+                                           shard=train_samples, num_optimizer_steps=steps)
                 metrics.update(m[0])
         timing["timing/policy_train"] = time.perf_counter() - t1
         if roles.critic is not None:
             t2 = time.perf_counter()
             for _ in range(cfg.train.critic.epochs or cfg.train.epochs):
-                m = await roles.ranks(roles.critic, "train_step", CriticObjective(a.value_clip), shard=train_samples,
-                                      num_optimizer_steps=steps, role="critic")
+                m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(a.value_clip),
+                                           shard=train_samples, num_optimizer_steps=steps, role="critic")
                 metrics.update(m[0])
             timing["timing/critic_train"] = time.perf_counter() - t2
         self.kl_ctl.update(metrics.get("kl", 0.0), cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
         metrics["_frozen"] = frozen
         return {**metrics, **timing, "perf/rollout_tokens_per_sec":
                 sum(e.action_mask.sum().item() for e in exps) / max(gen_timing.get("timing/generation", 0.0), 1e-9)}
+
+    def _check_progress(self, trainable: bool, metrics: dict[str, float]) -> None:
+        """`train.max_untrainable_steps` steps in a row with every sample dropped end the run, with their drops."""
+        if trainable:
+            self.untrainable_steps, self.untrainable = 0, Counter()
+            return
+        self.untrainable_steps += 1
+        prefix = "rollout/dropped/"
+        self.untrainable.update({k.removeprefix(prefix): int(v) for k, v in metrics.items()
+                                 if k.startswith(prefix) and k != prefix + "total" and v})
+        if self.untrainable_steps >= self.cfg.train.max_untrainable_steps:
+            raise RunFailed("trainer", f"{self.untrainable_steps} steps in a row had no trainable sample "
+                            f"(train.max_untrainable_steps={self.cfg.train.max_untrainable_steps})",
+                            drops=dict(self.untrainable))
 
     async def sync_weights(self) -> dict[str, float]:
         """Version k -> k+1 on every engine, after batch k + D exists (unless partial rollout)."""
@@ -247,8 +267,9 @@ class RLController:
                     lambda: self.batches_made > self.step + self.depth or self.exhausted),
                     self.cfg.train.timeouts.step_s, "rollout", "generating the batch the weight sync waits for")
         t1 = time.perf_counter()
-        await self.roles.push_weights(self.version + 1)
+        await self.calls.push_weights(self.version + 1)
         self.version += 1
+        self.trainer_ahead = False
         return {"timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t1}
 
     # ------------------------------------------------------------------ eval and checkpoints
@@ -270,8 +291,7 @@ class RLController:
                                                           max_inflight=e.batch_size),
                            self.cfg.train.timeouts.step_s, "rollout", "eval")
         m["timing/eval"] = time.perf_counter() - t0
-        self.roles.sinks.log(m, self.step, prefix="eval")
-        self.roles.progress.eval(self.step, m)
+        self.log.eval(self.step, m)
         key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
         if key and key != "none" and key in m and (self.best is None or m[key] > self.best[1]):
             self.best = (key, m[key])
@@ -290,7 +310,7 @@ class RLController:
             "best": self.best,
             "next_eval": self.next_eval,
             "kl_coef": self.kl_ctl.value,
-            "wandb_id": self.roles.sinks.wandb_id,
+            "wandb_id": self.log.sinks.wandb_id,
         }
 
     async def save_best(self) -> None:
@@ -298,7 +318,7 @@ class RLController:
         from molt_hydra.runtime.roles import DTYPE_NAMES
 
         best = Path(self.roles.ckpt_dir) / "best"
-        await self.roles.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
+        await self.calls.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
         key, value = self.best
         (best / "best.json").write_text(json.dumps({"step": self.step, "metric": key, "value": value}))
 
@@ -309,14 +329,15 @@ class RLController:
 
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
-        (path, *_) = await self.roles.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep)
+        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep)
         if self.roles.critic is not None:
-            await self.roles.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
+            await self.calls.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
                                    {"rl_step": self.step}, keep=keep, role="critic")
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
             hf = Path(self.roles.ckpt_dir) / "hf" / f"step_{self.step}"
-            await self.roles.ranks(self.roles.actor, "export_hf", str(hf), DTYPE_NAMES[self.cfg.model.param_dtype.value])
+            await self.calls.ranks(self.roles.actor, "export_hf", str(hf),
+                                   DTYPE_NAMES[self.cfg.model.param_dtype.value])
         self.roles.last_checkpoint = path
 
     def restore(self, state: dict) -> None:
@@ -331,52 +352,70 @@ class RLController:
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
         cfg = self.cfg
-        max_steps = cfg.train.max_steps
         if self.step == 0 and cfg.eval.at_start:
             await self.maybe_eval(force=True)
         producer = asyncio.create_task(self.produce())
-        last: dict[str, float] = {}
-        try:
-            while max_steps is None or self.step < max_steps:
-                t0 = time.perf_counter()
-                batch, gen_timing = await self._next_batch(producer)
-                if batch is None:
-                    break
-                waited = time.perf_counter() - t0
-                metrics = await self.train_step(batch, gen_timing)
-                frozen = metrics.pop("_frozen", False)
-                metrics.update(await self.roles.router_metrics())
-                metrics["timing/actor_idle_wait"] = waited
-                if not frozen:
-                    metrics.update(await self.sync_weights())
-                async with self.step_done:
-                    self.step += 1
-                    self.step_done.notify_all()
-                metrics["timing/step_total"] = total = time.perf_counter() - t0
-                # Trainer side: sequential parts of this step. Rollout side runs concurrently: busy vs idle.
-                for part in TRAINER_PARTS:
-                    metrics[f"timing/share/{part}"] = metrics.get(f"timing/{part}", 0.0) / total
-                busy, idle = metrics["timing/generation"], metrics["timing/vllm_idle_wait"]
-                metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
-                self.roles.log_step(self.step, metrics, batch)
-                last = metrics
-                save_every = cfg.checkpoint.save_steps
-                if save_every > 0 and self.step % save_every == 0:
-                    await self.save()
-                await self.maybe_eval()
+        keeper = self.calls.keeper  # replaces dead engines meanwhile; its failure (too many restarts) ends the run
+        watcher = asyncio.create_task(keeper.watch(lambda: self.version + self.trainer_ahead))
+        steps = asyncio.create_task(self._steps(producer, watcher))
+        background = {producer, watcher}
+        try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)
+            while True:
+                done, _ = await asyncio.wait({steps, *background}, return_when=asyncio.FIRST_COMPLETED)
+                if steps in done:
+                    return steps.result()
+                for task in done:
+                    background.discard(task)
+                    if not task.cancelled() and task.exception() is not None:
+                        raise task.exception()
         finally:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+            for task in (steps, producer, watcher):
+                task.cancel()
+            await asyncio.gather(steps, producer, watcher, return_exceptions=True)
+
+    async def _steps(self, producer: asyncio.Task, watcher: asyncio.Task) -> dict:
+        cfg, max_steps, keeper = self.cfg, self.cfg.train.max_steps, self.calls.keeper
+        last: dict[str, float] = {}
+        while max_steps is None or self.step < max_steps:
+            t0 = time.perf_counter()
+            batch, gen_timing = await self._next_batch(producer, watcher)
+            if batch is None:
+                break
+            waited = time.perf_counter() - t0
+            metrics = await self.train_step(batch, gen_timing)
+            frozen = metrics.pop("_frozen", False)
+            metrics.update(await self.calls.router_metrics())
+            metrics.update(keeper.metrics())
+            metrics["timing/actor_idle_wait"] = waited
+            if not frozen:
+                metrics.update(await self.sync_weights())
+            async with self.step_done:
+                self.step += 1
+                self.step_done.notify_all()
+            metrics["timing/step_total"] = total = time.perf_counter() - t0
+            # Trainer side: sequential parts of this step. Rollout side runs concurrently: busy vs idle.
+            for part in TRAINER_PARTS:
+                metrics[f"timing/share/{part}"] = metrics.get(f"timing/{part}", 0.0) / total
+            busy, idle = metrics["timing/generation"], metrics["timing/vllm_idle_wait"]
+            metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
+            self.log.step(self.step, metrics, batch)
+            last = metrics
+            save_every = cfg.checkpoint.save_steps
+            if save_every > 0 and self.step % save_every == 0:
+                await self.save()
+            await self.maybe_eval()
         return last
 
-    async def _next_batch(self, producer: asyncio.Task):
-        """The next batch, or None when the data is done; the producer's own failure surfaces here."""
+    async def _next_batch(self, producer: asyncio.Task, watcher: asyncio.Task):
+        """The next batch, or None when the data is done; the producer's or the engine watcher's failure surfaces."""
         get = asyncio.ensure_future(self.queue.get())
-        done, _ = await asyncio.wait({get, producer}, timeout=self.cfg.train.timeouts.step_s,
+        done, _ = await asyncio.wait({get, producer, watcher}, timeout=self.cfg.train.timeouts.step_s,
                                      return_when=asyncio.FIRST_COMPLETED)
         if get in done:
             return get.result()
         get.cancel()
+        if watcher in done:
+            watcher.result()
         if producer in done:
             producer.result()  # re-raises the producer's exception, if any
             return (None, None) if self.queue.empty() else self.queue.get_nowait()

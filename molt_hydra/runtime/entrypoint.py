@@ -1,5 +1,8 @@
 """Run a validated config: write the run record, start the job it names, and end it cleanly — on success, on a
-stalled role (stacks dumped, role named, exit 3) and on Ctrl-C / SIGTERM (everything stopped, last checkpoint kept)."""
+stalled role (stacks dumped, role named, exit 3), on a failed role or an I/O error (one message naming the role, the
+cause and the checkpoint to resume from, exit 4; the traceback goes to <output_dir>/failure.txt) and on Ctrl-C /
+SIGTERM (everything stopped, last checkpoint kept). The run's logs are closed before any process is ended, and every
+process it started ends with it, so several runs in one process (a Hydra sweep, a notebook) each start clean."""
 
 from __future__ import annotations
 
@@ -8,17 +11,23 @@ import json
 import os
 import signal
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.plan import Plan
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
-from molt_hydra.runtime.watchdog import EXIT_STALLED, RoleStalled, descendants, dump_stacks
+from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
+                                        dump_stacks)
 
 EXIT_INTERRUPTED = 130
 
 
 def run(cfg: RunConfig, plan: Plan) -> None:
+    from molt_hydra.runtime.writable import check_outputs
+
+    check_outputs(cfg)
     record = write_run_record(cfg, cfg.output_dir)
     if cfg.job.value == "sft":
         from molt_hydra.runtime.sft_job import run_sft_job
@@ -29,40 +38,66 @@ def run(cfg: RunConfig, plan: Plan) -> None:
 
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
     with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray", include_dashboard=False):
-        code = asyncio.run(_main(cfg, record))
-    if code:
+        code = _run_to_end(_main(cfg, record))
+    if code == EXIT_STALLED:
         # A stalled role can leave a thread blocked in a Ray call that would hold interpreter exit: leave now.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if code:  # SystemExit: a notebook or a Python caller keeps its process
+        sys.exit(code)
+
+
+def _run_to_end(coro) -> int:
+    """asyncio.run, also where an event loop already runs in this thread (a notebook): the run then gets its own."""
+    try:
+        asyncio.get_running_loop()
+        running = True
+    except RuntimeError:  # the usual case: no loop here
+        running = False
+    if not running:  # outside the except block, so the run's own errors carry no unrelated context
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 async def _main(cfg: RunConfig, record: dict) -> int:
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread).
+    signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    for sig in signals:
         loop.add_signal_handler(sig, main.cancel)
     from molt_hydra.runtime.roles import build_roles
 
-    roles = None
+    roles, opened = None, []  # opened: the run's logs, closed before any process is ended
     try:
         roles = await build_roles(cfg, record)
-        return await (_eval_only(cfg, roles) if cfg.job.value == "eval" else _train(cfg, roles))
+        return await (_eval_only if cfg.job.value == "eval" else _train)(cfg, roles, opened)
     except RoleStalled as e:
-        stalled = await _probe_engines(roles) if roles is not None and e.role in ("rollout", "weight sync") else []
-        reason = f"{e}" + (f"; not answering: {', '.join(stalled)}" if stalled else "")
-        path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
-        print(f"\nRun stopped: {reason}.\nStacks of every role: {path}", file=sys.stderr)
-        return EXIT_STALLED
+        probe = roles is not None and e.role in ("rollout", "weight sync")
+        return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [])
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
+        # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
+        stalled = await roles.calls.probe_engines() if isinstance(e, RunFailed) and e.drops and roles else []
+        if stalled:
+            return _stalled(cfg, roles, f"rollout stalled: {e.cause}", stalled)
+        await _report_failure(cfg, roles, e)
+        return EXIT_FAILED
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.remove_signal_handler(sig)
+        for log in opened:
+            try:
+                log.close()
+            except Exception as e:  # noqa: BLE001 - the roles are still ended below
+                print(f"closing the metric sinks: {describe(e)}", file=sys.stderr)
         if roles is not None:
             try:
-                await asyncio.wait_for(roles.shutdown(), 25)
+                await asyncio.wait_for(roles.calls.shutdown(), 25)
             except Exception as e:  # still exit: Ray's own shutdown below ends every actor process
                 print(f"shutdown: {e!r}", file=sys.stderr)
         import ray
@@ -76,74 +111,113 @@ async def _main(cfg: RunConfig, record: dict) -> int:
                 pass
 
 
-async def _probe_engines(roles, seconds: float = 10.0) -> list[str]:
-    """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""
-    from molt_hydra.rollout.generation import GenerationRequest, Sampling
-
-    async def answers(engine) -> bool:
-        probe = GenerationRequest("watchdog-probe", [roles.pad_token_id], Sampling(max_tokens=1))
-        try:
-            await asyncio.wait_for(engine.generate.remote(probe), seconds)
-            return True
-        except Exception:  # timeout or a dead actor: either way it is the one that stalled
-            return False
-
-    alive = await asyncio.gather(*(answers(e) for e in roles.engines))
-    return [f"rollout engine {i}" for i, ok in enumerate(alive) if not ok]
+def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str]) -> int:
+    """A role stopped making progress: its name, every role's stacks in a file, exit 3."""
+    reason += f"; not answering: {', '.join(not_answering)}" if not_answering else ""
+    path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
+    print(f"\nRun stopped: {reason}.\nStacks of every role: {path}", file=sys.stderr)
+    return EXIT_STALLED
 
 
-def _sinks(cfg: RunConfig, wandb_id: str | None):
+async def _report_failure(cfg: RunConfig, roles, error: Exception) -> None:
+    """One message: the role, the cause, the drops and an example agent error (when nothing could be trained), the
+    checkpoint to resume from. The traceback is written to <output_dir>/failure.txt, not to the terminal."""
+    import traceback
+
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+
+    if isinstance(error, RunFailed):
+        role, cause, drops = error.role, error.cause, {k: v for k, v in error.drops.items() if v}
+    else:
+        role = "driver (I/O)" if isinstance(error, OSError) else "driver"
+        cause, drops = describe(error), {}
+    lines = [f"Run failed: {role}: {cause}."]
+    if drops:
+        lines.append("  dropped samples by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
+        examples = {}
+        if roles is not None:
+            try:
+                examples = await roles.calls.example_errors()
+            except Exception:  # noqa: BLE001 - the summary is shown without examples
+                pass
+        for reason, example in sorted(examples.items()):
+            if reason in drops:
+                lines.append(f"  example error ({reason}): {example}")
+    try:
+        last = resolve_checkpoint(cfg.checkpoint.dir) if cfg.job.value != "eval" else None
+    except OSError:
+        last = None
+    lines.append(f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
+                 else "Last checkpoint: none (the run starts from step 0 again)")
+    details = Path(cfg.output_dir) / "failure.txt"
+    try:
+        details.write_text("\n".join(lines) + "\n\n" + "".join(traceback.format_exception(error)))
+        lines.append(f"Details (traceback): {details}")
+    except OSError:
+        pass
+    print("\n" + "\n".join(lines), file=sys.stderr)
+
+
+def _run_log(cfg: RunConfig, roles, wandb_id: str | None):
+    from molt_hydra.logging.progress import Progress
+    from molt_hydra.logging.run_log import RunLog
     from molt_hydra.logging.sinks import MetricSinks
 
     w = cfg.logger.wandb
-    return MetricSinks(cfg.output_dir, run_name=w.run_name or Path(cfg.output_dir).name, config=config_as_dict(cfg),
+    sinks = MetricSinks(cfg.output_dir, run_name=w.run_name or Path(cfg.output_dir).name, config=config_as_dict(cfg),
                        wandb_mode=w.mode.value, project=w.project, entity=w.entity, group=w.group,
                        tensorboard=cfg.logger.tensorboard, resume_wandb_id=wandb_id,
                        dashboard=cfg.logger.wandb_dashboard)
+    progress = Progress(cfg.train.max_steps, cfg.logger.progress)
+    return RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks, progress)
 
 
-async def _train(cfg: RunConfig, roles) -> int:
+async def _train(cfg: RunConfig, roles, opened: list) -> int:
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
     from molt_hydra.runtime.controller import RLController
     from molt_hydra.runtime.roles import DTYPE_NAMES
 
-    ctl = RLController(cfg, roles)
-    state = None
+    calls, state, found = roles.calls, None, None
     if cfg.checkpoint.resume.value != "never":
         found = resolve_checkpoint(roles.ckpt_dir)
         if found is None and cfg.checkpoint.resume.value == "must":
             raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {roles.ckpt_dir}")
         if found is not None:
-            (client, *_) = await roles.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir)
+            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir)
             if roles.critic is not None:
-                await roles.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", role="critic")
+                await calls.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", role="critic")
             state = client["loop"]
-            ctl.restore(state)
-            if ctl.version > 0:
-                await roles.push_weights(ctl.version)
-            print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
-    roles.sinks = _sinks(cfg, state["wandb_id"] if state else None)
+    log = _run_log(cfg, roles, state["wandb_id"] if state else None)
+    opened.append(log)
+    ctl = RLController(cfg, roles, log)
+    if state is not None:
+        log.sinks.rewind(state["step"])
+        ctl.restore(state)
+        if ctl.version > 0:
+            await calls.push_weights(ctl.version)
+        print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
     await ctl.run()
     await ctl.save()
     export = None
     if cfg.checkpoint.export_final:
-        (export, *_) = await roles.ranks(roles.actor, "export_hf", cfg.checkpoint.export_dir,
+        (export, *_) = await calls.ranks(roles.actor, "export_hf", cfg.checkpoint.export_dir,
                                          DTYPE_NAMES[cfg.model.param_dtype.value])
-    roles.progress.summary(_summary(cfg, roles, ctl, export))
+    log.progress.summary(_summary(cfg, roles, log, ctl, export))
     return 0
 
 
-async def _eval_only(cfg: RunConfig, roles) -> int:
+async def _eval_only(cfg: RunConfig, roles, opened: list) -> int:
     from molt_hydra.runtime.controller import RLController
 
-    roles.sinks = _sinks(cfg, None)
-    ctl = RLController(cfg, roles)
+    log = _run_log(cfg, roles, None)
+    opened.append(log)
+    ctl = RLController(cfg, roles, log)
     await ctl.maybe_eval(force=True)
     print(json.dumps(ctl.last_eval, indent=2))
     return 0
 
 
-def _summary(cfg: RunConfig, roles, ctl, export) -> list[str]:
+def _summary(cfg: RunConfig, roles, log, ctl, export) -> list[str]:
     rows = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl")]
     rewards = [r["train/reward"] for r in rows if r.get("kind") == "train" and "train/reward" in r]
     lines = [f"steps: {ctl.step}   policy version: {ctl.version}"]
@@ -155,6 +229,6 @@ def _summary(cfg: RunConfig, roles, ctl, export) -> list[str]:
               f"checkpoint: {roles.last_checkpoint}"]
     if export:
         lines.append(f"HF export:  {export}")
-    if roles.sinks.wandb_run is not None:
-        lines.append(f"W&B:        {roles.sinks.wandb_run.dir} ({roles.sinks.wandb_run.settings.mode})")
+    if log.sinks.wandb_run is not None:
+        lines.append(f"W&B:        {log.sinks.wandb_run.dir} ({log.sinks.wandb_run.settings.mode})")
     return lines

@@ -1,17 +1,18 @@
 """Build the roles a config needs — and only those — on a Ray cluster, in an order that cannot fragment placement:
 rollout engines first (their multi-device bundles), then the trainer ranks (actor, then reference / critic when the
-algorithm needs them), then the agent runners; then the data, the samples generator and the metric sinks."""
+algorithm needs them), then the agent runners; then the data and the samples generator.
+The driver reaches what is built through runtime/calls.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.runtime.watchdog import RoleStalled, deadline
+from molt_hydra.runtime.calls import RoleCalls
+from molt_hydra.runtime.engine_keeper import EngineKeeper
+from molt_hydra.runtime.watchdog import deadline
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -30,15 +31,13 @@ class PolicyWorkerMixin:
 
 @dataclass
 class Roles:
-    cfg: RunConfig
+    """The built handles of a run; `calls` (runtime/calls.py) is how the driver reaches them."""
     engines: list
     actor: object
     ref: object | None
     critic: object | None
     runners: list
     generator: object
-    sinks: object
-    progress: object
     policy_loss: object
     pad_token_id: int
     tokenizer: object
@@ -48,76 +47,8 @@ class Roles:
     eval_rows: list | None = None
     role_pids: dict[str, int] = field(default_factory=dict)
     last_checkpoint: str | None = None
-
-    async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
-        """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
-        under the trainer-call deadline; every rank's result, in rank order."""
-        per_rank = [(part, *args) for part in group.shard(shard)] if shard is not None else [args] * group.num_ranks
-        refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
-        return await deadline(asyncio.gather(*refs), self.cfg.train.timeouts.trainer_call_s, role, method)
-
-    async def router_metrics(self) -> dict[str, float]:
-        """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
-        total: dict[str, float] = {}
-        for per_runner in await asyncio.gather(*(r.router_metrics.remote() for r in self.runners)):
-            for k, v in per_runner.items():
-                total[k] = total.get(k, 0.0) + v
-        return total
-
-    async def push_weights(self, version: int) -> dict:
-        ws = self.cfg.rollout.weight_sync
-        t = self.cfg.train.timeouts
-        calls = [w.push_weights.remote(self.engines, self.transport, version, ws.bucket_mb << 20, ws.check_coverage,
-                                       t.engine_call_s, self.cfg.rollout.dtype.value) for w in self.actor.workers]
-        try:
-            results = await deadline(asyncio.gather(*calls), t.engine_call_s, "weight sync", f"push version {version}")
-        except TimeoutError as e:  # an engine call timed out inside the trainer rank (Ray re-raises it as this type)
-            raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from e
-        return results[0]
-
-    def log_step(self, step: int, metrics: dict, batch) -> None:
-        log = self.cfg.logger
-        if step % log.every_steps == 0:
-            self.sinks.log(metrics, step)
-        self.progress.step(step, metrics)
-        rows = [t for g in batch.groups for t in g.trajectories]
-        if log.sample_table_every and step % log.sample_table_every == 0 and rows:
-            self.sinks.log_samples([self._sample_row(t) for t in rows[:8]], step)
-        if log.dump_trajectories or log.debug_rollout:
-            out = Path(self.cfg.output_dir) / "trajectories"
-            out.mkdir(exist_ok=True)
-            with open(out / f"step{step}.jsonl", "w") as f:
-                for t in rows:
-                    prompt, response, reward = self._sample_row(t)
-                    f.write(json.dumps({"prompt": prompt, "response": response, "reward": reward,
-                                        "token_ids": t.token_ids, "logprobs": t.logprobs, "versions": t.versions,
-                                        "action_ranges": t.action_ranges, "group_id": t.group_id,
-                                        "rollout_id": t.rollout_id}) + "\n")
-
-    def _sample_row(self, t) -> tuple[str, str, float]:
-        first = t.action_ranges[0][0] if t.action_ranges else len(t.token_ids)
-        return (self.tokenizer.decode(t.token_ids[:first]), self.tokenizer.decode(t.generated_ids), float(t.reward))
-
-    async def shutdown(self) -> None:
-        import ray
-
-        await self.generator.close()
-        for r in self.runners:
-            try:
-                await asyncio.wait_for(r.close.remote(), 10)
-            except Exception:  # shutting down: a runner that cannot close is killed below anyway
-                pass
-        for group in (self.actor, self.ref, self.critic):
-            if group is not None:
-                for w in group.workers:
-                    ray.kill(w)
-        for e in self.engines:
-            try:
-                await asyncio.wait_for(e.shutdown.remote(), 20)
-            except Exception:
-                pass
-            ray.kill(e)
-        self.sinks.close()
+    calls: object = None
+    new_engine: object = None  # index -> a fresh (not yet started) engine actor, built as at start
 
 
 def _needs(cfg: RunConfig) -> frozenset[str]:
@@ -179,7 +110,6 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     from molt_hydra.algorithm.is_correction import ISCorrection
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.data.prompts import load_prompts
-    from molt_hydra.logging.progress import Progress
     from molt_hydra.models.build import backend_options, resolve_path
     from molt_hydra.models.moe_routing import is_moe_config
     from molt_hydra.parallel.group import TrainerGroup
@@ -204,16 +134,18 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
 
     # 1. engines first: their bundles are the largest
     engine_cls = ray.remote(VLLMEngine)
-    engines = [
-        engine_cls.options(num_cpus=0, num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0)
-        .remote(model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
-                enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
-                max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
-                data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
-                kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
-                return_routed_experts=capture_routing, engine_index=i, extra_engine_args=extra_engine_args(cfg))
-        for i in range(r.num_engines)
-    ]
+
+    def new_engine(i: int):  # also how a dead engine is replaced mid-run (runtime/engine_keeper.py)
+        return engine_cls.options(
+            num_cpus=0, num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0,
+        ).remote(model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
+                 enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
+                 max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
+                 data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
+                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
+                 return_routed_experts=capture_routing, engine_index=i, extra_engine_args=extra_engine_args(cfg))
+
+    engines = [new_engine(i) for i in range(r.num_engines)]
     starting = asyncio.gather(*(e.start.remote() for e in engines))
 
     # 2. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
@@ -292,21 +224,25 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     transport = await setup_weight_sync(cfg, actor, engines)
 
     pids = {f"rollout engine {i}": pid for i, pid in enumerate(ray.get([e.__ray_call__.remote(lambda s: os.getpid())
-                                                                        for e in engines]))}
+                                                                        for e in engines], timeout=60))}
     for name, g in (("actor", actor), ("reference", ref), ("critic", critic)):  # absent roles are None
         if g is not None:
-            for i, pid in enumerate(ray.get([w.__ray_call__.remote(lambda s: os.getpid()) for w in g.workers])):
+            for i, pid in enumerate(ray.get([w.__ray_call__.remote(lambda s: os.getpid()) for w in g.workers],
+                                            timeout=60)):
                 pids[f"{name} rank {i}"] = pid
-    for i, pid in enumerate(ray.get([x.pid.remote() for x in runners])):
+    for i, pid in enumerate(ray.get([x.pid.remote() for x in runners], timeout=60)):
         pids[f"agent runner {i}"] = pid
 
-    return Roles(
-        cfg=cfg, engines=engines, actor=actor, ref=ref, critic=critic, runners=runners, generator=generator,
-        sinks=None, progress=Progress(t.max_steps, cfg.logger.progress), pad_token_id=tokenizer.pad_token_id or 0,
+    roles = Roles(
+        engines=engines, actor=actor, ref=ref, critic=critic, runners=runners, generator=generator,
+        pad_token_id=tokenizer.pad_token_id or 0,
         policy_loss=PolicyLoss(a.policy_loss, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
                                dual_clip=a.dual_clip, entropy_coef=a.entropy_coef, kl_use_loss=a.kl.use_loss,
                                kl_estimator=a.kl.estimator.value, loss_agg=a.loss_agg.value,
                                is_correction=ISCorrection(a.is_correction.level.value, a.is_correction.mode.value,
                                                           a.is_correction.low, a.is_correction.high)),
         tokenizer=tokenizer, ckpt_dir=cfg.checkpoint.dir, run_record=run_record, transport=transport,
-        eval_rows=eval_rows, role_pids=pids)
+        eval_rows=eval_rows, role_pids=pids, new_engine=new_engine)
+    roles.calls = RoleCalls(roles, t.timeouts, r.weight_sync, r.dtype.value)
+    roles.calls.keeper = EngineKeeper(roles, max_restarts=r.max_engine_restarts, startup_s=t.timeouts.startup_s)
+    return roles

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import re
 import shutil
 import subprocess
 import sys
@@ -13,12 +14,37 @@ import time
 from pathlib import Path
 
 EXIT_STALLED = 3
+EXIT_FAILED = 4
 
 
 class RoleStalled(RuntimeError):
     def __init__(self, role: str, what: str, seconds: float):
         super().__init__(f"{role} stalled: {what} did not finish within {seconds:g} s")
         self.role = role
+
+
+class RunFailed(RuntimeError):
+    """A failure the run cannot survive (a role died, an I/O error, nothing left to train on): the run ends with one
+    message naming the role and the cause."""
+
+    def __init__(self, role: str, cause: str, drops: dict[str, int] | None = None):
+        super().__init__(f"{role}: {cause}")
+        self.role, self.cause, self.drops = role, cause, drops or {}
+
+
+def describe(error: BaseException) -> str:
+    """One line for a failure: a Ray task error is reduced to the exception it carries, a dead actor to its reason."""
+    import ray
+
+    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
+        error = error.cause
+    if isinstance(error, ray.exceptions.RayActorError):
+        text = " ".join(str(error).split())
+        exit_type = re.search(r"Worker exit type: (\w+)", text)
+        detail = re.search(r"Worker exit detail: ([^.]*)", text)
+        why = ", ".join(m.group(0) for m in (exit_type, detail) if m) or "no reason given"
+        return f"the process died ({why}; killed, out of memory, or crashed)"
+    return f"{type(error).__name__}: {error}".splitlines()[0]
 
 
 async def deadline(awaitable, seconds: float, role: str, what: str):

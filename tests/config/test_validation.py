@@ -179,12 +179,15 @@ POST_INIT = [
     ("optimizer_warmup", ["train.optimizer.warmup_ratio=1.0"], "train.optimizer.warmup_ratio",
      "must be in [0, 1), got 1.0"),
     *[(f"train_{n}_positive", [f"train.{n}=0"], f"train.{n}", "must be >= 1, got 0")
-      for n in ("batch_size", "micro_batch_size", "epochs", "num_episodes", "queue_depth")],
+      for n in ("batch_size", "micro_batch_size", "epochs", "num_episodes", "queue_depth", "max_untrainable_steps")],
     ("force_on_policy_one_epoch", ["train.force_on_policy=true", "train.epochs=2"], "train.force_on_policy",
      "needs train.epochs=1, got 2"),
     ("max_staleness", ["train.max_staleness=-1"], "train.max_staleness", "must be >= 0, got -1"),
     *[(f"cluster_{n}_positive", [f"cluster.{n}=0"], f"cluster.{n}", "must be >= 1, got 0")
       for n in ("nodes", "devices_per_node", "cpus_per_node")],
+    ("agent_timeout_positive", ["agent.timeout_s=0"], "agent.timeout_s", "must be > 0 (every rollout would time out)"),
+    ("engine_restarts_range", ["rollout.max_engine_restarts=-1"], "rollout.max_engine_restarts",
+     "must be in [0, 100], got -1"),
 ]
 
 

@@ -64,8 +64,9 @@ def test_sync_mode_trains_only_tokens_of_the_current_policy(tmp_path):
 
 
 def test_one_step_async_logs_drift_reward_and_timing_every_step(tmp_path):
-    molt_run(tmp_path, "train.max_steps=4", "logger.wandb.mode=offline", "eval.data_path=builtin://toy_eval",
-             "eval.at_start=true", "eval.every_steps=2", "eval.n_samples_per_prompt=2")
+    proc = molt_run(tmp_path, "train.max_steps=4", "logger.wandb.mode=offline", "eval.data_path=builtin://toy_eval",
+                    "eval.at_start=true", "eval.every_steps=2", "eval.n_samples_per_prompt=2")
+    assert "Traceback" not in proc.stderr  # W&B is closed before the run ends its processes
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "eval"]
     assert [e["step"] for e in evals] == [0, 2, 4]  # at start, then on schedule
@@ -134,6 +135,9 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
 
     a, b = metrics(straight), metrics(resumed)
     assert sorted(b) == [1, 2, 3, 4]
+    train_rows = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line)["kind"] == "train"]
+    assert sorted(train_rows) == [1, 2, 3, 4]  # one row per step: rows the killed run logged past step 2 are gone
     for step in (1, 2, 3, 4):
         for key in ("train/reward", "train/policy_loss", "train/actor_grad_norm"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)

@@ -171,3 +171,43 @@ def test_bad_config_is_a_clear_error():
     with pytest.raises(ValueError, match="incomplete_groups"):
         SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=2, sampling=SAMPLING,
                          incomplete_groups="maybe")
+
+
+def test_nonfinite_rewards_are_dropped_and_counted_not_trained():
+    nan, inf = float("nan"), float("inf")
+    gen = SamplesGenerator([{"id": 0, "script": [1.0, nan, 0.0, inf]}, {"id": 1, "script": [0.5] * 4}],
+                           ScriptedRunner(), batch_size=2, n_samples_per_prompt=4, sampling=SAMPLING)
+    batch = asyncio.run(gen.generate_batch())
+    kept = {g.prompt_index: [t.reward for t in g.trajectories] for g in batch.groups}
+    assert kept == {0: [1.0, 0.0], 1: [0.5] * 4}  # incomplete groups are kept by default, without the bad samples
+    assert batch.metrics["rollout/dropped/nonfinite_reward"] == 2
+    assert batch.metrics["rollout/dropped/total"] == 2
+
+
+def in_dispatch_order(scripts):
+    """Rows whose k-th dispatched one (prompt order of seed 0, epoch 0) runs scripts[k]."""
+    rows = [{"id": i} for i in range(len(scripts))]
+    for k, index in enumerate(prompt_order(len(scripts), 0, 0)):
+        rows[index]["script"] = scripts[k]
+    return rows
+
+
+def test_a_batch_worth_of_failed_groups_in_a_row_fails_with_the_drops():
+    from molt_hydra.runtime.watchdog import RunFailed
+
+    scripts = [[1.0] * 2, ["raise"] * 2, [float("nan"), "raise"], ["raise"] * 2, [1.0] * 2]
+    gen = SamplesGenerator(in_dispatch_order(scripts), ScriptedRunner(), batch_size=3,
+                           n_samples_per_prompt=2, sampling=SAMPLING, max_inflight_groups=1)
+    with pytest.raises(RunFailed) as err:
+        asyncio.run(drain(gen))
+    # groups 1, 2, 3 (in that order: one in flight at a time) left nothing usable: 3 = batch_size in a row
+    assert err.value.role == "agent runner"
+    assert {k: v for k, v in err.value.drops.items() if v} == {"agent_exception": 2 + 1 + 2, "nonfinite_reward": 1}
+
+
+def test_a_usable_group_resets_the_failure_count():
+    scripts = [["raise"] * 2, ["raise"] * 2, [1.0] * 2, ["raise"] * 2, ["raise"] * 2, [1.0] * 2]
+    rows = in_dispatch_order(scripts)
+    gen = SamplesGenerator(rows, ScriptedRunner(), batch_size=3, n_samples_per_prompt=2, sampling=SAMPLING,
+                           max_inflight_groups=1)
+    assert sorted(asyncio.run(drain(gen))) == sorted(r["id"] for r in rows if r["script"] == [1.0] * 2)

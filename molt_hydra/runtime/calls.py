@@ -1,0 +1,123 @@
+"""Every remote call the driver makes to the built roles, each under its deadline (runtime/watchdog.py): trainer-rank
+calls, the runners' router metrics, the weight push, the engine probe and the shutdown. Takes the handles and its two
+config groups, never the root config."""
+
+from __future__ import annotations
+
+import asyncio
+
+from molt_hydra.config.schema import TimeoutsConfig, WeightSyncConfig
+from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline, describe
+
+WRITERS = ("save_checkpoint", "export_hf")  # trainer calls that write to disk: a failure there is the writer's
+
+
+class RoleCalls:
+    def __init__(self, roles, timeouts: TimeoutsConfig, weight_sync: WeightSyncConfig, engine_dtype: str):
+        """`roles`: the built handles (runtime/roles.py `Roles`); `engine_dtype`: the dtype on the wire."""
+        self.roles, self.timeouts, self.weight_sync = roles, timeouts, weight_sync
+        self.engine_dtype = engine_dtype
+        self.engines_lock = asyncio.Lock()  # a weight push and an engine replacement never overlap
+        self.keeper = None  # runtime/engine_keeper.py, when dead engines are replaced
+
+    async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
+        """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
+        under the trainer-call deadline; every rank's result, in rank order."""
+        per_rank = [(part, *args) for part in group.shard(shard)] if shard is not None else [args] * group.num_ranks
+        refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
+        results = await deadline(asyncio.gather(*refs, return_exceptions=True), self.timeouts.trainer_call_s, role,
+                                 method)
+        for rank, result in enumerate(results):
+            if isinstance(result, Exception):
+                who = f"checkpoint writer ({role} rank {rank})" if method in WRITERS else f"{role} rank {rank}"
+                raise RunFailed(who, f"{method} failed: {describe(result)}") from result
+        return results
+
+    async def router_metrics(self) -> dict[str, float]:
+        """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
+        total: dict[str, float] = {}
+        calls = asyncio.gather(*(r.router_metrics.remote() for r in self.roles.runners), return_exceptions=True)
+        results = await deadline(calls, self.timeouts.engine_call_s, "agent runner", "router metrics")
+        for i, per_runner in enumerate(results):
+            if isinstance(per_runner, Exception):
+                raise RunFailed(f"agent runner {i}", describe(per_runner)) from per_runner
+            for k, v in per_runner.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    async def push_weights(self, version: int) -> dict:
+        """The trainer's weights to every engine, stamped `version`. An engine found dead when a push fails is
+        replaced first (it gets its weights from the retried push)."""
+        async with self.engines_lock:
+            try:
+                return await self.push_to(version, self.roles.engines)
+            except RunFailed:
+                dead = await self.keeper.dead_engines() if self.keeper is not None else []
+                if not dead:
+                    raise
+            for index in dead:
+                await self.keeper.replace(index, None)
+            return await self.push_to(version, self.roles.engines)
+
+    async def push_to(self, version: int, engines: list) -> dict:
+        ws, t = self.weight_sync, self.timeouts
+        calls = [w.push_weights.remote(engines, self.roles.transport, version, ws.bucket_mb << 20,
+                                       ws.check_coverage, t.engine_call_s, self.engine_dtype)
+                 for w in self.roles.actor.workers]
+        results = await deadline(asyncio.gather(*calls, return_exceptions=True), t.engine_call_s, "weight sync",
+                                 f"push version {version}")
+        for rank, result in enumerate(results):
+            if isinstance(result, TimeoutError):  # an engine call timed out inside the rank (Ray re-raises this type)
+                raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from result
+            if isinstance(result, Exception):  # a dead rank is named as such; anything else is the push's failure
+                import ray
+
+                who = f"actor rank {rank}" if isinstance(result, ray.exceptions.RayActorError) else "weight sync"
+                raise RunFailed(who, f"push of version {version} failed: {describe(result)}") from result
+        return results[0]
+
+    async def example_errors(self) -> dict[str, str]:
+        """One example error message per drop reason, from every runner that still answers."""
+        found: dict[str, str] = {}
+        answers = asyncio.gather(*(r.example_errors.remote() for r in self.roles.runners), return_exceptions=True)
+        for errors in await asyncio.wait_for(answers, 30):
+            if isinstance(errors, dict):
+                for reason, error in errors.items():
+                    found.setdefault(reason, error)
+        return found
+
+    async def probe_engines(self, seconds: float = 10.0) -> list[str]:
+        """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""
+        from molt_hydra.rollout.generation import GenerationRequest, Sampling
+
+        async def answers(engine) -> bool:
+            probe = GenerationRequest("watchdog-probe", [self.roles.pad_token_id], Sampling(max_tokens=1))
+            try:
+                await asyncio.wait_for(engine.generate.remote(probe), seconds)
+                return True
+            except Exception:  # timeout or a dead actor: either way it is the one that stalled
+                return False
+
+        alive = await asyncio.gather(*(answers(e) for e in self.roles.engines))
+        return [f"rollout engine {i}" for i, ok in enumerate(alive) if not ok]
+
+    async def shutdown(self) -> None:
+        import ray
+
+        roles = self.roles
+        await roles.generator.close()
+        for r in roles.runners:
+            try:
+                await asyncio.wait_for(r.close.remote(), 10)
+            except Exception:  # shutting down: a runner that cannot close is killed below anyway
+                pass
+        for group in (roles.actor, roles.ref, roles.critic):
+            if group is not None:
+                for w in group.workers:
+                    ray.kill(w)
+        for e in roles.engines:
+            try:
+                await asyncio.wait_for(e.shutdown.remote(), 20)
+            except Exception:
+                pass
+            ray.kill(e)

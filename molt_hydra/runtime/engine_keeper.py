@@ -1,0 +1,102 @@
+"""A dead rollout engine is replaced, not fatal: the driver checks every engine's health every few seconds (the actor
+gone, or alive with its vLLM engine core dead); a dead one is killed, a new one is built as at start
+(`Roles.new_engine`), given the trainer's current weights and policy version, and handed to every runner's router,
+whose requests wait for it and are retried with their own seeds. Restarts are counted (`rollout/engine_restarts`)
+and bounded by `rollout.max_engine_restarts`; one more death ends the run, naming the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from molt_hydra.runtime.watchdog import RunFailed, deadline
+
+POLL_S = 2.0  # how often the driver asks every engine whether it is alive
+
+
+class EngineKeeper:
+    def __init__(self, roles, *, max_restarts: int, startup_s: float):
+        """`roles`: the built handles (runtime/roles.py), reached through `roles.calls`."""
+        self.roles, self.max_restarts, self.startup_s = roles, max_restarts, startup_s
+        self.restarts = 0
+        self.processes: dict[int, list[int]] = {}  # engine index -> its processes (its vLLM engine core included)
+
+    async def watch(self, weights_version) -> None:
+        """Forever: replace dead engines. `weights_version()`: the policy version of the trainer's weights now."""
+        for index, engine in enumerate(self.roles.engines):
+            self.processes[index] = await self._local_processes(engine)
+        while True:
+            await asyncio.sleep(POLL_S)
+            async with self.roles.calls.engines_lock:
+                for index in await self.dead_engines():
+                    await self.replace(index, weights_version())
+
+    async def dead_engines(self) -> list[int]:
+        import ray
+
+        async def dead(engine) -> bool:
+            try:
+                return not await asyncio.wait_for(engine.healthy.remote(), 10)
+            except ray.exceptions.RayActorError:
+                return True
+            except Exception:  # not answering in time: the stall watchdog's case, not a death
+                return False
+
+        states = await asyncio.gather(*(dead(e) for e in self.roles.engines))
+        return [i for i, is_dead in enumerate(states) if is_dead]
+
+    async def replace(self, index: int, version: int | None) -> None:
+        """A new engine `index`; with `version`, it receives the trainer's weights stamped so (None: the caller's
+        weight push that follows gives them)."""
+        import ray
+
+        role = f"rollout engine {index}"
+        if self.restarts >= self.max_restarts:
+            raise RunFailed(role, f"died after {self.restarts} restart(s); rollout.max_engine_restarts="
+                                  f"{self.max_restarts} allows no more")
+        if self.roles.transport == "nccl":  # the broadcast group is opened once, with every engine, at start
+            raise RunFailed(role, "died; a replacement cannot join the NCCL weight-broadcast group opened at start "
+                                  "(resume from the last checkpoint with checkpoint.resume=auto)")
+        self.restarts += 1
+        roles, old = self.roles, self.roles.engines[index]
+        try:  # an actor that outlived its engine core: let vLLM clean up what is left of it
+            await asyncio.wait_for(old.shutdown.remote(), 10)
+        except Exception:  # already dead or not answering: killed below either way
+            pass
+        ray.kill(old)
+        for pid in self.processes.pop(index, []):  # an engine core whose actor was killed is left an orphan
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        engine = roles.new_engine(index)
+        await deadline(engine.start.remote(), self.startup_s, role, "restart")
+        if version:  # version 0: the model path's weights, which the new engine loaded itself
+            await roles.calls.push_to(version, [engine])
+        roles.engines[index] = engine
+        await deadline(asyncio.gather(*(r.replace_engine.remote(index, engine) for r in roles.runners)), 30,
+                       "agent runner", "replace a rollout engine")
+        roles.role_pids[role] = await deadline(engine.__ray_call__.remote(lambda e: os.getpid()), 30, role, "pid")
+        self.processes[index] = await self._local_processes(engine)
+
+    @staticmethod
+    async def _local_processes(engine) -> list[int]:
+        """The engine actor's process and its children, when it runs on this node (a pid means nothing elsewhere)."""
+        import ray
+
+        from molt_hydra.runtime.watchdog import descendants
+
+        def probe(_engine):
+            import ray as ray_in_actor
+
+            return ray_in_actor.get_runtime_context().get_node_id(), [os.getpid(), *descendants(os.getpid())]
+
+        try:
+            node, pids = await asyncio.wait_for(engine.__ray_call__.remote(probe), 30)
+        except Exception:  # an engine dying or busy right now: its replacement is cleaned by Ray alone
+            return []
+        return pids if node == ray.get_runtime_context().get_node_id() else []
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/engine_restarts": float(self.restarts)}

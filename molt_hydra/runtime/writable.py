@@ -1,0 +1,57 @@
+"""A run whose output cannot be written fails before anything starts, with one message naming the directory and the
+key that sets it; never a traceback from Hydra's, Ray's or the trainer's first write. As a Hydra callback it checks
+the run (or sweep) directory before Hydra creates it; `check_outputs` checks the resolved config's own directories."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+
+def not_writable(path: str | Path) -> str | None:
+    """Why `path` cannot hold new files (None when it can): a probe directory is made and removed in the path, or in
+    its nearest existing parent when the path does not exist yet. Permission bits are not enough: root ignores them,
+    not a read-only mount or an immutable directory."""
+    probe = Path(path).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        with tempfile.TemporaryDirectory(dir=probe, prefix=".molt-write-probe-"):
+            return None
+    except OSError as e:
+        return f"{e.strerror or e} ({probe})"
+
+
+def fail_unless_writable(dirs: dict[str, str | Path]) -> None:
+    """`dirs`: config key -> directory. Prints one message per unwritable directory and exits non-zero."""
+    problems = [(key, path, why) for key, path in dirs.items() if (why := not_writable(path)) is not None]
+    if problems:
+        lines = [f"- {key}={path}: not writable: {why}. Fix: point {key} at a writable directory."
+                 for key, path, why in problems]
+        print("Run not started: output directory not writable.\n" + "\n".join(lines), file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+
+
+def check_outputs(cfg) -> None:
+    """The run's own output, checkpoint and export directories (the resolved RunConfig)."""
+    dirs = {"output_dir": cfg.output_dir}
+    if cfg.job.value != "eval":
+        dirs["checkpoint.dir"] = cfg.checkpoint.dir
+        if cfg.checkpoint.export_final:
+            dirs["checkpoint.export_dir"] = cfg.checkpoint.export_dir
+    fail_unless_writable(dirs)
+
+
+class OutputWritable(Callback):
+    """Checks hydra.run.dir / hydra.sweep.dir before Hydra makes them."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        fail_unless_writable({"hydra.run.dir": config.hydra.run.dir})
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        fail_unless_writable({"hydra.sweep.dir": config.hydra.sweep.dir})

@@ -1,0 +1,40 @@
+"""Agents that misbehave on purpose, for tests/integration/test_faults.py: the toy task of the default run with one
+fault each (loaded by path: `agent.runner._target_=<this file>:Name`)."""
+
+import itertools
+import math
+import os
+import time
+
+from molt_hydra.recipes.agents.toy import ToyEnv
+
+_made = itertools.count()  # environments made in this runner process (one per rollout)
+
+
+class BlockingEnv(ToyEnv):
+    """The first rollout of the whole run (whichever runner process claims `marker` first) blocks its thread with a
+    synchronous sleep, as agent code calling a blocking library would."""
+
+    def __init__(self, marker: str, seconds: float):
+        self.marker, self.seconds = marker, seconds
+
+    async def step(self, state):
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            time.sleep(self.seconds)
+        except FileExistsError:
+            pass
+        return await super().step(state)
+
+
+class NanRewardEnv(ToyEnv):
+    """Every 4th rollout made in a runner process returns a NaN reward."""
+
+    def __init__(self):
+        self.nan = next(_made) % 4 == 0
+
+    async def step(self, state):
+        result = await super().step(state)
+        if self.nan:
+            result.reward = math.nan
+        return result

