@@ -37,10 +37,10 @@ SECTIONS: list[tuple[str, str | None, list[tuple[str, list[str]]]]] = [
         ("masked by IS correction", ["train/drift/is_filtered_*", "train/is_filter_ratio"]),
         ("staleness (policy versions)", ["train/drift/staleness_*"]),
     ]),
-    ("MoE routing", "train/moe/*", [
-        ("routing agreement", ["train/moe/routing_agreement", "train/moe/routing_agreement_min_layer"]),
-        ("aux loss", ["train/moe/aux_loss"]),
-        ("expert load entropy", ["train/moe/expert_load_entropy"]),
+    ("MoE routing", "train/routing/*", [
+        ("routing agreement", ["train/routing/agreement", "train/routing/agreement_worst_layer"]),
+        ("aux loss", ["train/routing/aux_loss"]),
+        ("expert load entropy", ["train/routing/expert_load_entropy"]),
     ]),
     ("Rollouts", None, [
         ("response length (tokens)", ["train/response_length", "train/rollout/response_length_mean"]),

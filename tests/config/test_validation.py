@@ -185,7 +185,6 @@ POST_INIT = [
     ("max_staleness", ["train.max_staleness=-1"], "train.max_staleness", "must be >= 0, got -1"),
     *[(f"cluster_{n}_positive", [f"cluster.{n}=0"], f"cluster.{n}", "must be >= 1, got 0")
       for n in ("nodes", "devices_per_node", "cpus_per_node")],
-    ("agent_timeout_positive", ["agent.timeout_s=0"], "agent.timeout_s", "must be > 0 (every rollout would time out)"),
     ("engine_restarts_range", ["rollout.max_engine_restarts=-1"], "rollout.max_engine_restarts",
      "must be in [0, 100], got -1"),
 ]

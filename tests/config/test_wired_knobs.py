@@ -82,17 +82,20 @@ def _controller(overrides, generator):
     from molt_hydra.config.validate import validate
     from molt_hydra.runtime.controller import RLController
 
-    return RLController(validate(to_run_config(compose_config(overrides))), SimpleNamespace(generator=generator))
+    return RLController(validate(to_run_config(compose_config(overrides))),
+                        SimpleNamespace(generator=generator, calls=None), log=None)
 
 
 def _drain(ctl) -> list:
     """Take every batch the producer makes, marking each as trained (what the loop does between them)."""
     async def run():
         producer = asyncio.create_task(ctl.produce())
+        watcher = asyncio.create_task(asyncio.Event().wait())  # no engines to watch here: never finishes
         batches = []
         while True:
-            batch, _ = await ctl._next_batch(producer)
+            batch, _ = await ctl._next_batch(producer, watcher)
             if batch is None:
+                watcher.cancel()
                 return batches
             batches.append(batch)
             async with ctl.step_done:

@@ -24,6 +24,8 @@ DENSE_SECTIONS = {"Reward and score", "Drift: sampler vs trainer", "Rollouts", "
 # name -> (overrides, expected sections). The default run: dense actor (no MoE section), no KL-to-reference term.
 RUNS = {
     "default": ([], DENSE_SECTIONS),
+    # the MoE recipe (routing replay on): the MoE routing section too, from the metrics the trainer's routers log
+    "moe": (["+recipe=tiny_moe_cpu"], DENSE_SECTIONS | {"MoE routing"}),
 }
 
 

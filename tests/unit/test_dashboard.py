@@ -25,7 +25,7 @@ ESSENTIAL = {
     "Drift: sampler vs trainer": {"train/vllm_kl", "train/drift/k3_kl", "train/drift/is_ratio_min",
                                   "train/drift/is_ratio_mean", "train/drift/is_ratio_max",
                                   "train/drift/staleness_mean", "train/drift/staleness_max"},
-    "MoE routing": {"train/moe/routing_agreement", "train/moe/routing_agreement_min_layer"},
+    "MoE routing": {"train/routing/agreement", "train/routing/agreement_worst_layer"},
     "Rollouts": {"train/response_length"},
     "Throughput": {"train/perf/train_tokens_per_sec", "train/perf/rollout_tokens_per_sec"},
     "Time split": {"train/timing/share/policy_train", "train/timing/generation"},
@@ -71,7 +71,7 @@ def test_sections_keep_matching_keys_and_drop_the_rest():
 
 
 def test_moe_and_kl_sections_appear_when_their_metrics_are_logged():
-    keys = _keys("moe/routing_agreement", "moe/routing_agreement_min_layer", "moe/aux_loss", "kl", "kl_coef")
+    keys = _keys("routing/agreement", "routing/agreement_worst_layer", "routing/aux_loss", "kl", "kl_coef")
     got = {s["name"]: [p["title"] for p in s["panels"]] for s in dashboard.sections(keys)}
     assert got == {"MoE routing": ["routing agreement", "aux loss"],
                    "KL to reference": ["KL to reference", "KL coefficient"]}
@@ -95,7 +95,7 @@ def _sweep(tmp_path: Path) -> Path:
     _run_dir(sweep, "0_a", base + ["algorithm.estimator=grpo", "seed=1"],
              [{"step": 1, "train/reward": 0.1, "train/vllm_kl": 0.01}, {"step": 2, "train/reward": 0.3}])
     _run_dir(sweep, "1_b", base + ["algorithm.estimator=rloo", "seed=2"],
-             [{"step": 1, "train/reward": 0.2, "train/moe/routing_agreement": 0.9}])
+             [{"step": 1, "train/reward": 0.2, "train/routing/agreement": 0.9}])
     return sweep
 
 
