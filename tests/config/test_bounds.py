@@ -9,25 +9,11 @@ import typing
 
 import pytest
 
-from _config_helpers import compose_config
-from molt_hydra.cli import to_run_config
+from test_validation import assert_fires, config_errors
 from molt_hydra.config.bounds import BOUNDS, Bounds, declared_bounds
-from molt_hydra.config.schema import ConfigError, RunConfig
-from molt_hydra.config.validate import validate
+from molt_hydra.config.schema import RunConfig
 
 
-def config_errors(overrides: list[str]) -> list[str]:
-    try:
-        validate(to_run_config(compose_config(overrides)))
-    except ConfigError as e:
-        return [line.removeprefix("- ") for line in str(e).splitlines()]
-    return []
-
-
-def assert_fires(overrides: list[str], key: str, fragment: str) -> None:
-    lines = config_errors(overrides)
-    hits = [line for line in lines if line.startswith(f"{key}: ") and fragment in line and " Fix: " in line]
-    assert hits, f"{overrides}: expected an error on {key} containing {fragment!r}, got:\n" + "\n".join(lines)
 
 
 def _numeric(tp) -> bool:

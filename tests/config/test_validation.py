@@ -23,7 +23,7 @@ def config_errors(overrides: list[str]) -> list[str]:
 
 def assert_fires(overrides: list[str], key: str, fragment: str) -> None:
     lines = config_errors(overrides)
-    hits = [line for line in lines if line.startswith(f"{key}: ") and fragment in line]
+    hits = [line for line in lines if line.startswith(f"{key}: ") and fragment in line and " Fix: " in line]
     assert hits, f"{overrides}: expected an error on {key} containing {fragment!r}, got:\n" + "\n".join(lines)
     assert all(" Fix: " in line for line in hits), f"every error names a fix: {hits}"
 
