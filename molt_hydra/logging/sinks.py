@@ -25,6 +25,7 @@ class MetricSinks:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.wandb_run = None
+        self.replayed_to = 0  # after a resume: steps <= this were logged to W&B by the interrupted run (see rewind)
         if wandb_mode == "auto":
             wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         self.wandb_mode = wandb_mode
@@ -46,14 +47,17 @@ class MetricSinks:
 
     def rewind(self, step: int) -> None:
         """On resume from step `step`: drop the jsonl rows past it (the interrupted run logged them; the resumed run
-        logs those steps again), so every step keeps a single row."""
+        logs those steps again), so every step keeps a single row. W&B history cannot be rewritten: the W&B rows of
+        those steps logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them."""
         self.jsonl.close()
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.dir / name
             if path.exists():
-                kept = [line for line in path.read_text().splitlines(keepends=True)
-                        if line.strip() and json.loads(line)["step"] <= step]
-                path.write_text("".join(kept))
+                rows = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
+                steps = [json.loads(line)["step"] for line in rows]
+                if name == "metrics.jsonl":
+                    self.replayed_to = max(steps, default=0)
+                path.write_text("".join(line for line, s in zip(rows, steps) if s <= step))
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
 
     @property
@@ -65,7 +69,8 @@ class MetricSinks:
         clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if _number(v)}
         self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({**clean, f"{prefix}/global_step": step})
+            replayed = {f"{prefix}/replayed_after_resume": 1.0} if step <= self.replayed_to else {}
+            self.wandb_run.log({**clean, **replayed, f"{prefix}/global_step": step})
         if self.tb is not None:
             for k, v in clean.items():
                 self.tb.add_scalar(k, v, step)

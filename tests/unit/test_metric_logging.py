@@ -3,9 +3,14 @@ a resumed run keeps one row per step."""
 
 import json
 import math
+import sys
+from pathlib import Path
 
-from molt_hydra.logging.progress import Progress
-from molt_hydra.logging.sinks import MetricSinks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from wandb_offline import history  # noqa: E402
+
+from molt_hydra.logging.progress import Progress  # noqa: E402
+from molt_hydra.logging.sinks import MetricSinks  # noqa: E402
 
 
 def rows(path):
@@ -41,3 +46,24 @@ def test_rewind_keeps_one_row_per_step_after_a_resume(tmp_path):
     resumed.close()
     assert [(r["step"], r["train/reward"]) for r in rows(tmp_path / "metrics.jsonl")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert [r["step"] for r in rows(tmp_path / "samples.jsonl")] == [1, 2]
+
+
+def test_wandb_rows_logged_again_after_a_resume_are_marked(tmp_path):
+    """W&B history cannot be rewritten: the steps a resumed run logs again (past its checkpoint, up to where the
+    interrupted run got) are marked, the rest are not."""
+    sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    run_id = sinks.wandb_id
+    for step in (1, 2, 3, 4):  # interrupted after logging step 4; its last checkpoint is step 2
+        sinks.log({"reward": float(step)}, step)
+    sinks.close()
+    resumed = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline", resume_wandb_id=run_id)
+    resumed.rewind(2)
+    for step in (3, 4, 5):
+        resumed.log({"reward": 10.0 * step}, step)
+    resumed.close()
+    marked = []
+    for wandb_file in sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb")):
+        marked += [(r["train/global_step"], r.get("train/replayed_after_resume")) for r in history(wandb_file)
+                   if "train/reward" in r]
+    assert sorted(marked, key=lambda m: (m[0], m[1] or 0)) == [(1, None), (2, None), (3, None), (3, 1.0),
+                                                                (4, None), (4, 1.0), (5, None)]
