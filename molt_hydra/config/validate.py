@@ -334,7 +334,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         ):
             problems.check(ok, key, f"model.backend=automodel: {reason}", fix)
     else:  # knobs only AutoModel has: set away from their defaults they would change nothing on the HF path
-        for key, value, default in (("model.experts_backend", m.experts_backend, None),
+        for key, value, default in (("model.moe_dispatcher", m.moe_dispatcher, "hybridep"),
+                                    ("model.experts_backend", m.experts_backend, None),
                                     ("model.linear_backend", m.linear_backend, None),
                                     ("model.rms_norm", m.rms_norm, "torch_fp32")):
             problems.check(value == default, key, f"{value!r} selects a NeMo AutoModel module; this run trains on "

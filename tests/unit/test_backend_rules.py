@@ -20,6 +20,7 @@ GPU_AM = ["cluster.device=cuda", "model.backend=automodel"]
     (["model.backend=hf", "model.rms_norm=te"], "model.rms_norm", "selects a NeMo AutoModel module"),
     (["model.experts_backend=te"], "model.experts_backend", "trains on the HF backend"),  # CPU: HF path
     (["model.linear_backend=te"], "model.linear_backend", "trains on the HF backend"),
+    (["model.moe_dispatcher=deepep"], "model.moe_dispatcher", "trains on the HF backend"),
     ([*GPU_AM, "parallelism.packing=true", "model.attn_implementation=te"], "parallelism.packing",
      "right-padded rows"),
     ([*GPU_AM, "model.aux_loss_coef=0.01"], "model.aux_loss_coef", "load-balancing loss"),
@@ -28,8 +29,8 @@ GPU_AM = ["cluster.device=cuda", "model.backend=automodel"]
     ([*GPU_AM, "model.moe_dispatcher=alltoall"], "model.moe_dispatcher", "AutoModel's dispatchers"),
     ([*GPU_AM, "model.experts_backend=gmm"], "model.experts_backend", "AutoModel's expert GEMMs"),
     ([*GPU_AM, "model.rms_norm=quack"], "model.rms_norm", "AutoModel's RMSNorm backends"),
-], ids=["automodel_needs_gpu", "hf_rms_norm", "cpu_experts", "cpu_linear", "am_packing", "am_aux_loss", "am_attn",
-        "am_dispatcher", "am_experts", "am_rms_norm"])
+], ids=["automodel_needs_gpu", "hf_rms_norm", "cpu_experts", "cpu_linear", "cpu_dispatcher", "am_packing",
+        "am_aux_loss", "am_attn", "am_dispatcher", "am_experts", "am_rms_norm"])
 def test_backend_rule_fires(overrides, key, fragment):
     assert_fires(overrides, key, fragment)
 
