@@ -1,4 +1,10 @@
-"""The trainer ranks of one role as Ray actors: DP sharding of a batch, fan-out of calls, one result back.
+"""The trainer ranks of one role as Ray actors: placement, rendezvous, DP sharding of a batch, fan-out of calls, one
+result back.
+
+Placement: rank i runs in bundle i of a placement group (the group's own, PACK: ranks fill a node before the next,
+so neighbouring ranks share a node). The torch.distributed rendezvous (rank 0's TCPStore) is on rank 0's node: its
+address and a free port are taken by a task in bundle 0, which is where rank 0 runs — never the driver's or the
+Ray head's node, which on a multi-node cluster may be another one.
 
 Ray is imported lazily so parallel/trainer.py stays importable where Ray is absent (the GPU device machine).
 """
@@ -8,37 +14,121 @@ from __future__ import annotations
 from molt_hydra.parallel.trainer import TrainerWorker
 
 
-def _addr_and_port():
+def _rendezvous_address() -> tuple[str, int]:
+    """Runs in rank 0's bundle: this node's IP as Ray knows it, and a port free on every interface (rank 0's
+    TCPStore listens on all of them)."""
+    import socket
+
     import ray
 
-    from molt_hydra.parallel.launch import free_port
-    return ray.util.get_node_ip_address(), free_port()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
 class TrainerGroup:
     """`num_ranks` TrainerWorker actors (one per GPU on GPU hosts, `num_cpus_per_rank` CPUs on CPU).
 
-    placement_group: bundles in rank order (node-sorted); None places actors wherever Ray likes.
-    worker_kwargs: TrainerWorker keyword arguments (model_path, role, lr, ...)."""
+    placement_group: bundles in rank order; None: the group reserves its own (PACK) and frees it at shutdown.
+    startup_timeout_s: how long placement and every rank's start (model build, rendezvous) may take.
+    worker_kwargs: TrainerWorker keyword arguments (model_path, role, lr, ...).
+    After start: `rank_nodes` (each rank's node IP) and `rendezvous` (rank 0's "ip:port")."""
 
     def __init__(self, num_ranks: int, *, num_gpus_per_rank: float = 0, num_cpus_per_rank: float = 1,
-                 placement_group=None, worker_cls: type = TrainerWorker, **worker_kwargs):
+                 placement_group=None, startup_timeout_s: float = 600.0, worker_cls: type = TrainerWorker,
+                 **worker_kwargs):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        def strategy(i):
+        self.num_ranks, self.role = num_ranks, worker_kwargs.get("role", "actor")
+        self.workers, self._own_placement = [], placement_group is None
+        bundle = {k: v for k, v in (("CPU", num_cpus_per_rank), ("GPU", num_gpus_per_rank)) if v}
+        try:
             if placement_group is None:
-                return None
-            return PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=i)
+                placement_group = self._reserve(bundle, startup_timeout_s)
+            self.placement_group = placement_group
+            placed = self._bundles_by_node()
+            self.rank_nodes = [ip for _, ip in placed]
+            where = [PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=b)
+                     for b, _ in placed]
+            probe = ray.remote(num_cpus=0)(_rendezvous_address).options(scheduling_strategy=where[0]).remote()
+            try:
+                addr, port = ray.get(probe, timeout=startup_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"trainer group {self.role!r}: no rendezvous address from rank 0's node "
+                                   f"{self.rank_nodes[0]} within {startup_timeout_s:.0f}s") from None
+            self.rendezvous = f"{addr}:{port}"
+            cls = ray.remote(worker_cls)
+            self.workers = [
+                cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=where[i])
+                .remote(rank=i, world_size=num_ranks, master_addr=addr, master_port=port, **worker_kwargs)
+                for i in range(num_ranks)]
+            self._wait_ranks_up(startup_timeout_s)
+        except BaseException:
+            self._release()
+            raise
 
-        addr, port = ray.get(ray.remote(num_cpus=0)(_addr_and_port).options(scheduling_strategy=strategy(0)).remote())
-        cls = ray.remote(worker_cls)
-        self.num_ranks = num_ranks
-        self.workers = [
-            cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=strategy(i))
-            .remote(rank=i, world_size=num_ranks, master_addr=addr, master_port=port, **worker_kwargs)
-            for i in range(num_ranks)]
-        ray.get([w.__ray_ready__.remote() for w in self.workers])
+    def _reserve(self, bundle: dict, timeout_s: float):
+        import ray
+
+        if not bundle:
+            raise ValueError(f"trainer group {self.role!r}: a rank needs some CPU or GPU (both are 0)")
+        pg = ray.util.placement_group([bundle] * self.num_ranks, strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(pg)
+            have, free = ({k: r.get(k, 0) for k in bundle}
+                          for r in (ray.cluster_resources(), ray.available_resources()))
+            raise TimeoutError(
+                f"trainer group {self.role!r}: Ray could not place {self.num_ranks} rank(s) of {bundle} within "
+                f"{timeout_s:.0f}s; the cluster has {have}, {free} of it free. Fix: lower parallelism.trainer_devices, "
+                f"or give the cluster more nodes / cluster.cpus_per_node / devices") from None
+        return pg
+
+    def _bundles_by_node(self) -> list[tuple[int, str]]:
+        """(bundle, node IP) of each rank: a given placement group's bundles in their own order; the group's own
+        sorted by node (Ray may place PACK bundles out of index order), so that consecutive ranks share a node."""
+        import ray
+
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        where = ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"]
+        placed = [(b, ips[where[b]]) for b in range(self.num_ranks)]
+        if self._own_placement:
+            first = {}
+            for b, ip in placed:
+                first.setdefault(ip, b)
+            placed.sort(key=lambda bi: (first[bi[1]], bi[0]))
+        return placed
+
+    def _wait_ranks_up(self, timeout_s: float):
+        """Every rank built its model and joined the process group; a rank that failed is reported at once (its
+        peers would otherwise wait for it until the rendezvous timeout)."""
+        import time
+
+        import ray
+
+        pending = {w.__ray_ready__.remote(): i for i, w in enumerate(self.workers)}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not done:
+                late = sorted(pending.values())
+                raise TimeoutError(
+                    f"trainer group {self.role!r}: rank(s) {late} (on {[self.rank_nodes[i] for i in late]}) not up "
+                    f"after {timeout_s:.0f}s (model build, then the torch.distributed rendezvous at rank 0's "
+                    f"{self.rendezvous}). Fix: check that the nodes reach each other on that address and port")
+            ray.get(done[0])  # raises with the rank's own error
+            pending.pop(done[0])
+
+    def _release(self):
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        if self._own_placement and getattr(self, "placement_group", None) is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
 
     def shard(self, samples: list) -> list[list]:
         if len(samples) % self.num_ranks:
@@ -72,7 +162,5 @@ class TrainerGroup:
         return self._all("export_hf", out_dir=out_dir, dtype=dtype)[0]
 
     def shutdown(self):
-        import ray
         self._all("shutdown")
-        for w in self.workers:
-            ray.kill(w)
+        self._release()

@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+import submitit
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "launchers" / "local_slurm.sh"
@@ -28,6 +31,24 @@ def slurm_cluster():
     yield ["n1", "n2"]
     if not was_up:
         subprocess.run(["bash", str(SCRIPT), "stop"], check=True, timeout=120)
+
+
+def submitit_executor(folder: Path, overrides: list[str]) -> submitit.AutoExecutor:
+    """submitit set up exactly as the molt_slurm launcher preset resolves for the config `overrides` (e.g.
+    cluster=slurm cluster.nodes=2), with its job folders under `folder`."""
+    from molt_hydra.config.store import CONF_DIR, register
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, f"hydra.sweep.dir={folder}"], return_hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert params.pop("_target_").endswith("SlurmLauncher")
+    ex = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
+                               slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = {"nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node", "mem_gb", "timeout_min", "name",
+            "stderr_to_stdout"}
+    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    return ex
 
 
 def sacct(job: str, timeout_s: float = 60.0, until=None) -> dict[str, list[dict[str, str]]]:

@@ -12,12 +12,10 @@ from pathlib import Path
 import cloudpickle
 import pytest
 import submitit
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from molt_hydra.config.schema import ClusterConfig
-from molt_hydra.config.store import CONF_DIR, register
-from slurm_cluster import REPO, sacct, slurm_cluster  # noqa: F401 - the fixture
+from slurm_cluster import REPO, sacct, slurm_cluster, submitit_executor  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slurm
 # the job functions below travel to the Slurm job by value: this test module is not importable there
@@ -96,19 +94,7 @@ def _ray_driver(job_log_dir: str) -> dict:
 
 
 def _executor(tmp_path: Path, nodes: int) -> submitit.AutoExecutor:
-    """submitit set up exactly as the molt_slurm launcher preset resolves for cluster=slurm cluster.nodes=N."""
-    register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["cluster=slurm", f"cluster.nodes={nodes}",
-                                           f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True)
-    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
-    assert params.pop("_target_").endswith("SlurmLauncher")
-    ex = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
-                               slurm_max_num_timeout=params.pop("max_num_timeout"))
-    base = {"nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node", "mem_gb", "timeout_min", "name",
-            "stderr_to_stdout"}
-    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
-    return ex
+    return submitit_executor(tmp_path, ["cluster=slurm", f"cluster.nodes={nodes}"])
 
 
 def test_two_node_job_forms_one_ray_cluster(slurm_cluster, tmp_path):

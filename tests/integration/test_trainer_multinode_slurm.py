@@ -1,0 +1,155 @@
+"""Two FSDP2 trainer ranks on two Slurm nodes train one step together: a real 2-node job on the local Slurm
+(launchers/local_slurm.sh: n1 = 127.0.1.1, n2 = 127.0.1.2) set up as `cluster=slurm cluster.nodes=2` submits it,
+Ray formed over the allocation (runtime/slurm_ray.py), the ranks placed by parallel/group.py with the
+torch.distributed rendezvous on rank 0's node, gloo between the nodes. The reference is the same step of two local
+ranks (no Slurm, no Ray; parallel/launch.py) run here: log-probs, loss, grad norm and weights must agree."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import cloudpickle
+import pytest
+import torch
+
+import _trainer_jobs
+from _trainer_jobs import make_samples, ppo_objective, with_old_logprobs
+from molt_hydra.config.schema import ClusterConfig
+from molt_hydra.parallel.launch import run_ranks
+from slurm_cluster import slurm_cluster, submitit_executor  # noqa: F401 - the fixture
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]
+# the job function and the rank-side probes travel to the Slurm job (and its Ray workers) by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(_trainer_jobs)
+
+# 2 nodes x 1 CPU: one trainer rank fits on each node, so a 2-rank group must span both
+CLUSTER = ClusterConfig(nodes=2, cpus_per_node=1)
+OVERRIDES = ["cluster=slurm", "cluster.nodes=2", "cluster.cpus_per_node=1", "cluster.time_min=20"]
+TRAINER = dict(model_path="tiny://qwen3_tiny", lr=1e-3, lr_scheduler="constant", max_norm=1.0,
+               max_tokens_per_micro_batch=40, timeout_s=120)
+METRICS = ("policy_loss", "policy_clip_ratio", "entropy_loss", "actor_grad_norm", "actor_lr")
+JOB_TIMEOUT_S = 900
+
+
+def _full_weights(w) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole on this rank (an all-gather: every rank calls it)."""
+    return {n: p.full_tensor().detach().clone() for n, p in w.model.named_parameters()}
+
+
+def _reference_rank(rank, world_size, port, out_dir):
+    """Local rank of the reference: fixes the batch (old log-probs a perturbed recompute, as a stale policy gives),
+    then trains one step on this rank's contiguous half, as TrainerGroup.shard hands it out."""
+    from molt_hydra.parallel.trainer import TrainerWorker
+
+    w = TrainerWorker(rank=rank, world_size=world_size, master_port=port, **TRAINER)
+    before = _full_weights(w)
+    samples = with_old_logprobs(w, make_samples(8))
+    lps = w.compute_logprobs(samples)
+    n = len(samples) // world_size
+    metrics = w.train_step(samples[rank * n:(rank + 1) * n], ppo_objective())
+    torch.save({"samples": samples, "lps": lps, "before": before, "metrics": metrics, "after": _full_weights(w)},
+               f"{out_dir}/rank{rank}.pt")
+    w.shutdown()
+
+
+def _rank_facts(worker) -> dict:
+    """Inside a trainer rank: where it runs, the ports it listens on and the peers it is connected to."""
+    import os
+
+    import psutil
+    import ray
+
+    conns = psutil.Process().net_connections(kind="tcp")
+    return {"rank": worker.rank, "ip": ray.util.get_node_ip_address(), "node": os.environ.get("SLURMD_NODENAME"),
+            "listening": sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}),
+            # IPv4 peers of a dual-stack socket read as ::ffff:a.b.c.d
+            "peers": sorted({(c.raddr.ip.removeprefix("::ffff:"), c.raddr.port) for c in conns if c.raddr})}
+
+
+def _two_node_step(log_dir: str, samples: list[dict]) -> dict:
+    """The Slurm job (its one task runs on n1): Ray over both nodes, then two trainer groups one after the other,
+    each one RL step on the same batch — the group's own placement (what molt-run uses), and a given placement group
+    that puts rank 0 on n2, away from the driver and the Ray head."""
+    import os
+
+    import ray
+
+    from molt_hydra.parallel.group import TrainerGroup
+    from molt_hydra.runtime.slurm_ray import node_ip, ray_cluster
+
+    out = {"job": os.environ["SLURM_JOB_ID"], "driver": os.environ["SLURMD_NODENAME"]}
+    with ray_cluster(CLUSTER, log_dir) as address:
+        out["ray_head"] = address
+        for case in ("own", "rank0_on_n2"):
+            pg = None
+            if case == "rank0_on_n2":  # made once the first group has freed both nodes' CPU
+                pg = ray.util.placement_group([{"CPU": 1, f"node:{node_ip('n2')}": 0.01},
+                                               {"CPU": 1, f"node:{node_ip('n1')}": 0.01}])
+                ray.get(pg.ready(), timeout=120)
+            g = TrainerGroup(2, num_cpus_per_rank=1, placement_group=pg, startup_timeout_s=300, role="actor",
+                             **TRAINER)
+            lps = g.compute_logprobs(samples)
+            facts = ray.get([w.__ray_call__.remote(_rank_facts) for w in g.workers], timeout=120)
+            metrics = ray.get([w.train_step.remote(s, ppo_objective())
+                               for w, s in zip(g.workers, g.shard(samples))], timeout=300)
+            weights = ray.get([w.__ray_call__.remote(_full_weights) for w in g.workers], timeout=120)
+            out[case] = {"rank_nodes": g.rank_nodes, "rendezvous": g.rendezvous, "facts": facts, "lps": lps,
+                         "metrics": metrics, "weights": weights}
+            g.shutdown()
+            if pg is not None:
+                ray.util.remove_placement_group(pg)
+    return out
+
+
+def _result(job, timeout_s: float):
+    """The job's return value; a job not done in time is cancelled and the test fails with its log."""
+    deadline = time.monotonic() + timeout_s
+    while not job.done():
+        if time.monotonic() > deadline:
+            job.cancel(check=False)
+            pytest.fail(f"2-node trainer job {job.job_id} not done after {timeout_s:.0f}s; its log:\n"
+                        f"{(job.stdout() or '')[-4000:]}\n{(job.stderr() or '')[-4000:]}")
+        time.sleep(2)
+    return job.result()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_two_trainer_ranks_on_two_nodes_train_one_step(slurm_cluster, tmp_path):
+    run_ranks(_reference_rank, 2, str(tmp_path), timeout_s=300)
+    ref = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert _max_diff(ref[0]["after"], ref[1]["after"]) == 0.0
+    assert _max_diff(ref[0]["after"], ref[0]["before"]) > 1e-4  # the step moved the weights
+
+    job = submitit_executor(tmp_path / "sweep", OVERRIDES).submit(_two_node_step, str(tmp_path / "ray"),
+                                                                 ref[0]["samples"])
+    out = _result(job, JOB_TIMEOUT_S)
+    assert out["driver"] == "n1" and out["ray_head"].startswith("127.0.1.1:")
+    expected_nodes = {"own": None, "rank0_on_n2": ["127.0.1.2", "127.0.1.1"]}
+    for case, run in ((c, out[c]) for c in expected_nodes):
+        facts = run["facts"]
+        # one rank on each node, as Slurm and Ray both see it
+        assert sorted((f["node"], f["ip"]) for f in facts) == [("n1", "127.0.1.1"), ("n2", "127.0.1.2")], case
+        assert run["rank_nodes"] == [f["ip"] for f in facts], case
+        if expected_nodes[case]:
+            assert run["rank_nodes"] == expected_nodes[case], case
+        # the rendezvous is rank 0's node: rank 0 listens on its port, rank 1 (the other node) is connected to it
+        host, port = run["rendezvous"].rsplit(":", 1)
+        assert host == facts[0]["ip"] != facts[1]["ip"], (case, run["rendezvous"], facts)
+        assert int(port) in facts[0]["listening"], (case, facts[0])
+        assert (host, int(port)) in facts[1]["peers"], (case, facts[1])
+        # the same step as the two local ranks
+        lp_diff = max((a - b).abs().max().item() for a, b in zip(run["lps"], ref[0]["lps"]))
+        assert lp_diff < 1e-5, (case, lp_diff)
+        m0, m1 = run["metrics"]
+        assert {k: m0[k] for k in METRICS} == {k: m1[k] for k in METRICS}, case  # DP-reduced: one value
+        for k in METRICS:
+            assert m0[k] == pytest.approx(ref[0]["metrics"][k], rel=1e-6, abs=1e-7), (case, k)
+        w0, w1 = run["weights"]
+        assert _max_diff(w0, w1) == 0.0, case
+        assert _max_diff(w0, ref[0]["after"]) <= 1e-6, (case, _max_diff(w0, ref[0]["after"]))
