@@ -58,6 +58,9 @@ class TrainerGroup:
                 raise TimeoutError(f"trainer group {self.role!r}: no rendezvous address from rank 0's node "
                                    f"{self.rank_nodes[0]} within {startup_timeout_s:.0f}s") from None
             self.rendezvous = f"{addr}:{port}"
+            if len(set(self.rank_nodes)) > 1:  # a multi-node group says where it runs
+                print(f"trainer group {self.role!r}: {num_ranks} ranks on nodes {', '.join(self.rank_nodes)}; "
+                      f"rendezvous at rank 0's {self.rendezvous}", flush=True)
             cls = ray.remote(worker_cls)
             self.workers = [
                 cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=where[i])
@@ -73,6 +76,13 @@ class TrainerGroup:
 
         if not bundle:
             raise ValueError(f"trainer group {self.role!r}: a rank needs some CPU or GPU (both are 0)")
+        # ranks that fit each node when it is empty: fewer in all can never be placed, so say so now, not after the wait
+        fit = sum(min(int(n["Resources"].get(k, 0) // v) for k, v in bundle.items()) for n in ray.nodes() if n["Alive"])
+        if fit < self.num_ranks:
+            raise ValueError(
+                f"trainer group {self.role!r}: {self.num_ranks} rank(s) of {bundle} each, but the Ray cluster's nodes "
+                f"hold at most {fit}. Fix: lower parallelism.trainer_devices, or give the cluster more nodes / "
+                f"cluster.cpus_per_node / devices")
         pg = ray.util.placement_group([bundle] * self.num_ranks, strategy="PACK")
         try:
             ray.get(pg.ready(), timeout=timeout_s)

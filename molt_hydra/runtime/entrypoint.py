@@ -34,11 +34,15 @@ def run(cfg: RunConfig, plan: Plan) -> None:
 
         run_sft_job(cfg)
         return
-    from molt_hydra.runtime.slurm_ray import ray_cluster
+    from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
-    with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray", include_dashboard=False):
-        code = _run_to_end(_main(cfg, record))
+    try:
+        with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray", include_dashboard=False):
+            code = _run_to_end(_main(cfg, record))
+    except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
+        print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
+        code = EXIT_FAILED
     if code == EXIT_STALLED:
         # A stalled role can leave a thread blocked in a Ray call that would hold interpreter exit: leave now.
         sys.stdout.flush()

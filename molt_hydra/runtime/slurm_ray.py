@@ -137,9 +137,16 @@ def wait_for_nodes(alloc: Allocation, want_cpus: float, want_gpus: float, steps:
 def ray_cluster(cluster: ClusterConfig, log_dir: str | Path, num_cpus: int | None = None,
                 timeout_s: float = START_TIMEOUT_S, **init_kwargs) -> Iterator[str | None]:
     """Form Ray over the current Slurm allocation and connect this process to it; yields the head's address.
-    Outside an allocation (or with cluster.ray_address set) yields cluster.ray_address and starts nothing.
+    Outside an allocation (or with cluster.ray_address set) yields cluster.ray_address and starts nothing; outside
+    one with cluster.nodes > 1 and no ray_address it refuses (the other nodes would be silently missing).
     num_cpus: logical CPUs each Ray node advertises (default cluster.cpus_per_node); init_kwargs go to ray.init."""
     alloc = allocation()
+    if alloc is None and cluster.nodes > 1 and not cluster.ray_address:
+        raise RayClusterError(
+            f"cluster.nodes={cluster.nodes} but this process runs in no Slurm allocation (SLURM_JOB_ID unset) and "
+            f"cluster.ray_address is unset, so only this machine would be used. Fix: submit it (`molt-run -m ... "
+            f"cluster=slurm`, or `sbatch launchers/molt.sbatch`), set cluster.ray_address to a running Ray "
+            f"cluster, or set cluster.nodes=1.")
     if alloc is None or cluster.ray_address:
         yield cluster.ray_address
         return

