@@ -176,9 +176,11 @@ def test_molt_run_places_actor_ranks_on_two_nodes(slurm_cluster, tmp_path):
            "parallelism.trainer_devices=2", "train.max_steps=1", "eval.every_steps=-1", f"hydra.sweep.dir={sweep}"]
     try:
         r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    finally:  # a run that outlived the timeout (or anything else) does not keep its nodes
+    except subprocess.TimeoutExpired as e:  # a run that outlived the timeout does not keep its nodes
         for d in (sweep / ".submitit").glob("[0-9]*"):
             subprocess.run(["scancel", d.name.split("_")[0]], timeout=30)
+        pytest.fail(f"molt-run on 2 nodes not done after {JOB_TIMEOUT_S}s (job cancelled); its logs: "
+                    f"{sorted(sweep.glob('.submitit/*/*_log.*'))}\n{(e.stderr or b'')[-3000:]!r}")
     assert r.returncode == 0, r.stderr[-3000:]
     (log,) = sweep.glob(".submitit/*/*_0_log.out")
     line = next((ln for ln in log.read_text().splitlines() if ln.startswith("trainer group 'actor'")), None)
