@@ -1,8 +1,9 @@
-"""Two FSDP2 trainer ranks on two Slurm nodes train one step together: a real 2-node job on the local Slurm
-(launchers/local_slurm.sh: n1 = 127.0.1.1, n2 = 127.0.1.2) set up as `cluster=slurm cluster.nodes=2` submits it,
-Ray formed over the allocation (runtime/slurm_ray.py), the ranks placed by parallel/group.py with the
-torch.distributed rendezvous on rank 0's node, gloo between the nodes. The reference is the same step of two local
-ranks (no Slurm, no Ray; parallel/launch.py) run here: log-probs, loss, grad norm and weights must agree."""
+"""Two FSDP2 trainer ranks on two Slurm nodes train one step together. A real 2-node job on the local Slurm
+(launchers/local_slurm.sh: n1 = 127.0.1.1, n2 = 127.0.1.2), submitted with the submitit settings that
+`cluster=slurm cluster.nodes=2` gives; Ray formed over the allocation (runtime/slurm_ray.py); the ranks placed by
+parallel/group.py with the torch.distributed rendezvous on rank 0's node; gloo between the nodes. The reference is the
+same step of two local ranks (no Slurm, no Ray; parallel/launch.py) run here: log-probs, loss, grad norm and weights
+must agree. The second test runs the whole `molt-run` RL step the same way."""
 
 from __future__ import annotations
 
