@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -138,6 +139,7 @@ def test_two_trainer_ranks_on_two_nodes_train_one_step(slurm_cluster, tmp_path):
     job = submitit_executor(tmp_path / "sweep", OVERRIDES).submit(_two_node_step, str(tmp_path / "ray"),
                                                                  ref[0]["samples"])
     out = _result(job, JOB_TIMEOUT_S)
+    shutil.rmtree(f"/tmp/ray-{out['job']}-n2", ignore_errors=True)  # n2's Ray session dir, "on another node"
     assert out["driver"] == "n1" and out["ray_head"].startswith("127.0.1.1:")
     assert "3 rank(s) of {'CPU': 1} each" in out["three_ranks"] and "hold at most 2" in out["three_ranks"]
     expected_nodes = {"own": None, "rank0_on_n2": ["127.0.1.2", "127.0.1.1"]}
@@ -182,7 +184,10 @@ def test_molt_run_places_actor_ranks_on_two_nodes(slurm_cluster, tmp_path):
             subprocess.run(["scancel", d.name.split("_")[0]], timeout=30)
         pytest.fail(f"molt-run on 2 nodes not done after {JOB_TIMEOUT_S}s (job cancelled); its logs: "
                     f"{sorted(sweep.glob('.submitit/*/*_log.*'))}\n{(e.stderr or b'')[-3000:]!r}")
-    assert r.returncode == 0, r.stderr[-3000:]
+    for d in (sweep / ".submitit").glob("[0-9]*"):
+        shutil.rmtree(f"/tmp/ray-{d.name.split('_')[0]}-n2", ignore_errors=True)
+    failures = [f.read_text().split("\n\n")[0] for f in sweep.glob("*/failure.txt")]  # the run's own message
+    assert r.returncode == 0, f"{failures}\n{r.stderr[-3000:]}"
     (log,) = sweep.glob(".submitit/*/*_0_log.out")
     line = next((ln for ln in log.read_text().splitlines() if ln.startswith("trainer group 'actor'")), None)
     assert line is not None, log.read_text()[-3000:]
