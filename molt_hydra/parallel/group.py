@@ -1,10 +1,10 @@
 """The trainer ranks of one role as Ray actors: placement, rendezvous, DP sharding of a batch, fan-out of calls, one
 result back.
 
-Placement: rank i runs in bundle i of a placement group (the group's own, PACK: ranks fill a node before the next,
-so neighbouring ranks share a node). The torch.distributed rendezvous (rank 0's TCPStore) is on rank 0's node: its
-address and a free port are taken by a task in bundle 0, which is where rank 0 runs — never the driver's or the
-Ray head's node, which on a multi-node cluster may be another one.
+Placement: every rank runs in its own bundle of a placement group: the caller's (rank i in bundle i), or the group's
+own (PACK: a node is filled before the next; ranks numbered node by node). The torch.distributed rendezvous (rank 0's
+TCPStore) is on rank 0's node: its address and a free port are taken by a task in rank 0's bundle, never on the
+driver's or the Ray head's node, which on a multi-node cluster may be another one.
 
 Ray is imported lazily so parallel/trainer.py stays importable where Ray is absent (the GPU device machine).
 """
@@ -77,7 +77,8 @@ class TrainerGroup:
         if not bundle:
             raise ValueError(f"trainer group {self.role!r}: a rank needs some CPU or GPU (both are 0)")
         # ranks that fit each node when it is empty: fewer in all can never be placed, so say so now, not after the wait
-        fit = sum(min(int(n["Resources"].get(k, 0) // v) for k, v in bundle.items()) for n in ray.nodes() if n["Alive"])
+        fit = sum(min(int(n["Resources"].get(k, 0) / v + 1e-9) for k, v in bundle.items())  # 1e-9: shares like 1/3
+                  for n in ray.nodes() if n["Alive"])
         if fit < self.num_ranks:
             raise ValueError(
                 f"trainer group {self.role!r}: {self.num_ranks} rank(s) of {bundle} each, but the Ray cluster's nodes "
@@ -98,7 +99,7 @@ class TrainerGroup:
 
     def _bundles_by_node(self) -> list[tuple[int, str]]:
         """(bundle, node IP) of each rank: a given placement group's bundles in their own order; the group's own
-        sorted by node (Ray may place PACK bundles out of index order), so that consecutive ranks share a node."""
+        sorted by node (PACK does not promise index order across nodes), so that consecutive ranks share a node."""
         import ray
 
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
