@@ -151,18 +151,20 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
         if i:
             runs.append(m)
     row = f"{name}:{args_ac(ac)}:{variant}"
-    if args.profile == row and rank == 0:  # torch profiler over one more step: where the step time goes
+    profiled = row in args.profile.split("|")
+    if profiled and rank == 0:  # torch profiler over one more step: where the step time goes
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             w.train_step(data, obj)
-        for key in ("self_cpu_time_total", "cuda_time_total"):
-            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
-    elif args.profile == row:
+        print(f"== profile {row}: {len(prof.events())} events", flush=True)
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
+    elif profiled:
         w.train_step(data, obj)
     rec = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k.startswith("perf/")}
     rec["policy_loss"] = runs[-1]["policy_loss"]
     # weight-sync send side: full bf16 tensors, bucket 1 GiB, to GPU (NCCL-broadcast source) and to host (shm/object store)
-    for dev in (("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)):
+    for dev in (("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)) if args.gather else ():
         dist.barrier()
         t = time.perf_counter()
         nbytes = 0
@@ -196,7 +198,9 @@ def main():
     ap.add_argument("--mb-tokens", type=int, default=0, help="token budget per micro-batch (0: all mbs sequences)")
     ap.add_argument("--ceiling", type=int, default=1, help="measure the plain-HF ceiling per shape (1 GPU runs)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
-    ap.add_argument("--profile", default="", help="SHAPE:AC whose extra step is profiled (torch profiler tables)")
+    ap.add_argument("--profile", default="",
+                    help="SHAPE:AC:VARIANT rows, '|'-separated, whose extra step is profiled (torch profiler tables)")
+    ap.add_argument("--gather", type=int, default=1, help="time the weight-sync send side's full gathers")
     args = ap.parse_args()
     base_mbs, base_mb_tokens = args.mbs, args.mb_tokens
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
