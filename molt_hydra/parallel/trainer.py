@@ -245,8 +245,9 @@ class TrainerWorker:
                 with self._replay(mb):  # backward inside: checkpoint recompute replays the same experts
                     loss, mets = self._micro_loss(mb, rows, loss_fn, n_tok, n_seq, len(parts))
                     loss.backward()
-                # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch)
-                w = mets.pop("_mask_tokens")
+                # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch);
+                # the tp / cp ranks of one DP group hold the same samples, so each counts 1 / replicas of them
+                w = mets.pop("_mask_tokens") / (self.world_size // self.dp_size)
                 for k, v in mets.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().float() * w
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from molt_hydra.models.automodel import parallel_sizes, per_layer_replay_indices
+from molt_hydra.models.automodel import parallel_sizes, per_layer_replay_indices, permute_tokens_all_local
 from molt_hydra.models.build import resolve_backend
 from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
 from molt_hydra.parallel.batching import pad_rows, partition_padded
@@ -70,6 +70,32 @@ def test_replay_indices_follow_the_gates_token_order_and_fill_padding():
     assert layer0.tolist() == [[3, 1], [4, 0], [7, 2], [0, 1]] and layer0.dtype == torch.int64
     two = per_layer_replay_indices(torch.arange(16).view(1, 2, 2, 4))
     assert [t.tolist() for t in two] == [[[0, 1, 2, 3], [8, 9, 10, 11]], [[4, 5, 6, 7], [12, 13, 14, 15]]]
+
+
+def test_sync_free_permutation_groups_assignments_by_expert_and_zeroes_padding():
+    """The grouped-GEMM input order: every (token, k) assignment sorted by expert, offsets = cumulative counts; an
+    MoE layer computed through it equals the per-token definition sum_k w[t, k] * E_{idx[t, k]}(x[t])."""
+    g = torch.Generator().manual_seed(0)
+    n_tok, topk, n_exp, dim = 13, 3, 5, 4
+    idx = torch.stack([torch.randperm(n_exp, generator=g)[:topk] for _ in range(n_tok)])
+    w = torch.rand(n_tok, topk, generator=g, requires_grad=True)
+    mask = torch.ones(n_tok, dtype=torch.bool)
+    mask[[4, 11]] = False  # padding
+    x, experts = torch.randn(n_tok, dim, generator=g), torch.randn(n_exp, dim, dim, generator=g)
+    token_ids, slot_ids, weights, counts, offs = permute_tokens_all_local(idx, w, mask, n_exp, return_slot_ids=True)
+    assert counts.tolist() == [int((idx == e).sum()) for e in range(n_exp)]
+    assert offs.tolist() == counts.cumsum(0).tolist() and offs.dtype == torch.int32
+    assert (slot_ids // topk == token_ids).all() and sorted(slot_ids.tolist()) == list(range(n_tok * topk))
+    expert_of_row = idx.reshape(-1)[slot_ids]
+    assert (expert_of_row.diff() >= 0).all()  # grouped by expert
+    y = torch.zeros(n_tok, dim)
+    for e, (a, b) in enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist())):  # what torch._grouped_mm does
+        y.index_add_(0, token_ids[a:b], weights[a:b, None] * (x[token_ids[a:b]] @ experts[e]))
+    want = torch.stack([sum(w[t, k] * (x[t] @ experts[idx[t, k]]) for k in range(topk)) * mask[t]
+                        for t in range(n_tok)])
+    torch.testing.assert_close(y, want)
+    y.sum().backward()
+    assert (w.grad[~mask] == 0).all() and (w.grad[mask] != 0).all()  # padding sends no gradient to its weights
 
 
 def test_backend_choice_without_gpu():
