@@ -8,7 +8,7 @@ import torch
 
 from molt_hydra.models.automodel import parallel_sizes, per_layer_replay_indices, permute_tokens_all_local
 from molt_hydra.models.build import resolve_backend
-from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
+from molt_hydra.models.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
 from molt_hydra.parallel.batching import pad_rows, partition_padded
 
 
@@ -48,6 +48,38 @@ def test_chunked_logprobs_and_entropy_equal_plain_fp32(chunk):
     want_ent[:, 1:] = -(logp.exp() * logp).sum(-1)
     torch.testing.assert_close(logprobs_from_logits(logits, ids, temp, chunk), want_lp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy_from_logits(logits, ids, temp, chunk), want_ent, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk,with_entropy", [(1, True), (4, True), (7, False), (1000, True)])
+def test_fused_linear_head_equals_logits_then_logprobs_in_values_and_gradients(chunk, with_entropy):
+    """The chunked lm_head + log-prob / entropy head against the definition (full logits = h @ W^T, then log_softmax),
+    fp32, 1e-5: forward values and the gradients of a loss using both outputs w.r.t. hidden states and the weight."""
+    g = torch.Generator().manual_seed(1)
+    b, t, hdim, vocab, temp = 2, 9, 6, 40, 0.7
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    h0, w0 = torch.randn(b, t, hdim, generator=g), torch.randn(vocab, hdim, generator=g)
+    coef_lp, coef_ent = torch.randn(b, t, generator=g), torch.randn(b, t, generator=g)
+
+    def run(fused):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if fused:
+            lp, ent = linear_logprobs_entropy(h, w, ids, temp, chunk, with_entropy)
+        else:
+            logits = h @ w.T
+            logp = torch.log_softmax(logits[:, :-1] / temp, -1)
+            lp = torch.zeros(b, t)
+            lp[:, 1:] = logp.gather(-1, ids[:, 1:, None])[..., 0]
+            ent = torch.zeros(b, t)
+            ent[:, 1:] = -(logp.exp() * logp).sum(-1)
+        loss = (coef_lp * lp).sum() + ((coef_ent * ent).sum() if with_entropy else 0.0)
+        loss.backward()
+        return lp, (ent if with_entropy else None), h.grad, w.grad
+
+    got, want = run(True), run(False)
+    for a, e in zip(got, want):
+        if e is not None:
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    assert got[1] is None or with_entropy
 
 
 def test_parallel_sizes_follow_automodel_mesh_rules():
