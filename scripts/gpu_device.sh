@@ -3,7 +3,7 @@
 # AutoModel and its small needs, liger-kernel) into /tmp/site, then run the GPU benches and `pytest -m gpu tests/gpu`,
 # logging everything to $OUT (or ./gpu_logs). Run from the repository root (or a staged copy of it):
 #
-#   bash scripts/gpu_device.sh [all|single|bench|tests|multi|bench2|sync ...]
+#   bash scripts/gpu_device.sh [all|single|bench|tests|multi|single_tests|bench2|sync ...]
 #   env: WHEELS, BENCH_SHAPES, BENCH_GPU, BENCH_TAG, BENCH_ARGS, BENCH2_SHAPES, PYTEST_ARGS, MULTI_K, SYNC_ARGS
 #
 # With 2+ GPUs the single-GPU bench runs on GPU 0 while the single-GPU tests run on GPU 1; the 2-GPU tests last.
@@ -65,6 +65,7 @@ for what in $modes; do
     bench2) bench2 ;;
     sync) sync ;;
     multi) multi_tests ;;
+    single_tests) single_tests ;;
     tests) single_tests; multi_tests ;;
     single) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi ;;
     *) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi; multi_tests; bench2 ;;
