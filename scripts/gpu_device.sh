@@ -51,7 +51,8 @@ multi_tests() {
 bench2() {  # the same rows on 2 GPUs (weak scaling: same sequences per GPU), for the scaling table
   [ "$ngpu" -ge 2 ] || return
   timeout "${BENCH2_TIMEOUT:-240}" torchrun --standalone --nproc_per_node=2 bench/gpu_trainer.py \
-    --out "$OUT/bench_2gpu.json" --shapes "${BENCH2_SHAPES:-4b:1:am,30b-a3b-8l:1:am+ep2}" ${BENCH2_ARGS:-} > "$OUT/bench_2gpu.log" 2>&1
+    --out "$OUT/bench_2gpu.json" --shapes "${BENCH2_SHAPES:-4b:1:am,30b-a3b-8l:1:am+ep2}" ${BENCH2_ARGS:-} \
+    > "$OUT/bench_2gpu.log" 2>&1
   echo "2-GPU bench rc=$?"
 }
 sync() {  # GPU weight sync (CUDA IPC on one GPU, NCCL GPU 0 -> 1) against a device copy / plain broadcast
@@ -68,7 +69,8 @@ for what in $modes; do
     single_tests) single_tests ;;
     tests) single_tests; multi_tests ;;
     single) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi ;;
-    *) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi; multi_tests; bench2 ;;
+    *) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi
+       multi_tests; bench2 ;;
   esac
 done
 grep -h '^{' "$OUT"/bench_*.log 2>/dev/null | cut -c1-400

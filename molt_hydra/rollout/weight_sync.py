@@ -172,10 +172,10 @@ class BroadcastTransport(_Pipeline):
 class CudaIpcTransport(_Pipeline):
     """Per bucket one flat buffer (cast to the engine dtype while packing) on the trainer's GPU; every engine worker
     maps it through its CUDA IPC handle, loads from it and unmaps it before answering, so the buffer is freed
-    (`ipc_collect`) as soon as the bucket is retired. The handle carries an IPC event recorded after the packing, which the
-    engine's stream waits on: no host sync on this side, and the next bucket is packed while the engine loads this
-    one. (One buffer shared once per sync and kept mapped was tried: no faster at 0.6B on an H200, and torch's IPC
-    ref-counting then kept it allocated after the sync.)"""
+    (`ipc_collect`) as soon as the bucket is retired. The handle carries an IPC event recorded after the packing,
+    which the engine's stream waits on: no host sync on this side, and the next bucket is packed while the engine
+    loads this one. (One buffer shared once per sync and kept mapped was tried: no faster at 0.6B on an H200, and
+    torch's IPC ref-counting then kept it allocated after the sync.)"""
 
     def __init__(self, dtype: torch.dtype | None = None):
         super().__init__()
