@@ -8,7 +8,8 @@ row carries trainer / ceiling. Run one world size per torchrun:
 
 A row is SHAPE:AC[:VARIANT[:SEQUENCES]] (SEQUENCES per GPU per step, default --mbs); AC 0 / 1 (full) / sel
 (selective, AutoModel only); VARIANT hf (default), am (NeMo AutoModel backend), with +compile (torch.compile per
-decoder block), +packed (one packed stream per micro-batch), +ep2 (AutoModel experts sharded over 2 ranks).
+decoder block), +packed (one packed stream per micro-batch), +ep2 (AutoModel experts sharded over 2 ranks), +logits
+(full logits then chunked log-probs instead of the fused chunked lm_head + log-prob head).
 
 `--shapes tiny` runs a 2-layer model on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
 same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency = tok/s(N) / (N · tok/s(1)).
@@ -139,7 +140,7 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
                       gradient_checkpointing=ac, param_dtype="bf16", lr=1e-6,
                       max_tokens_per_micro_batch=args.mb_tokens, backend=backend, packing="packed" in flags,
                       compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
-                      peak_tflops=peak or None, config_overrides=overrides,
+                      peak_tflops=peak or None, config_overrides=overrides, fused_head="logits" not in flags,
                       timeout_s=300)
     build_s = time.perf_counter() - t
     n_params = sum(p.numel() for p in w.model.parameters())  # DTensor numel = global numel
@@ -151,18 +152,20 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
         if i:
             runs.append(m)
     row = f"{name}:{args_ac(ac)}:{variant}"
-    if args.profile == row and rank == 0:  # torch profiler over one more step: where the step time goes
+    profiled = row in args.profile.split("|")
+    if profiled and rank == 0:  # torch profiler over one more step: where the step time goes
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             w.train_step(data, obj)
-        for key in ("self_cpu_time_total", "cuda_time_total"):
-            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
-    elif args.profile == row:
+        print(f"== profile {row}: {len(prof.events())} events", flush=True)
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
+    elif profiled:
         w.train_step(data, obj)
     rec = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k.startswith("perf/")}
     rec["policy_loss"] = runs[-1]["policy_loss"]
     # weight-sync send side: full bf16 tensors, bucket 1 GiB, to GPU (NCCL-broadcast source) and to host (shm/object store)
-    for dev in (("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)):
+    for dev in (("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)) if args.gather else ():
         dist.barrier()
         t = time.perf_counter()
         nbytes = 0
@@ -196,7 +199,9 @@ def main():
     ap.add_argument("--mb-tokens", type=int, default=0, help="token budget per micro-batch (0: all mbs sequences)")
     ap.add_argument("--ceiling", type=int, default=1, help="measure the plain-HF ceiling per shape (1 GPU runs)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
-    ap.add_argument("--profile", default="", help="SHAPE:AC whose extra step is profiled (torch profiler tables)")
+    ap.add_argument("--profile", default="",
+                    help="SHAPE:AC:VARIANT rows, '|'-separated, whose extra step is profiled (torch profiler tables)")
+    ap.add_argument("--gather", type=int, default=1, help="time the weight-sync send side's full gathers")
     args = ap.parse_args()
     base_mbs, base_mb_tokens = args.mbs, args.mb_tokens
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

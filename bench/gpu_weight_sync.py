@@ -45,6 +45,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="4b")
     p.add_argument("--bucket-mb", default="512,2048")
+    p.add_argument("--transports", default="cuda_ipc,nccl")
     args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
     buckets = [int(b) for b in args.bucket_mb.split(",")]
     gpu = torch.cuda.get_device_name(0)
@@ -58,18 +59,20 @@ def main():
              f"best of 3 after a warm-up, full sync incl. send-side cast+pack; {n_gpus}x {gpu}, torch "
              f"{torch.__version__}")
 
-    engine = StandInEngine(args.shape, "cuda:0")  # no checkpoint to save: the bench checks no coverage
+    transports = args.transports.split(",")
+    engine = StandInEngine(args.shape, "cuda:0") if "cuda_ipc" in transports else None  # no coverage checked
     copy_s = device_copy_seconds(nbytes, rank.device) / gb
-    for mb in buckets:
+    for mb in buckets if engine else ():
         sync_s = sync_seconds(rank, engine, "cuda_ipc", mb << 20) / gb
         pack_s = pack_seconds(rank, mb << 20) / gb
         append_row("gpu_weight_sync", f"cuda_ipc, one GPU, {mb} MB buckets; " + setup,
                    f"device copy {copy_s:.4f} s/GB ({1 / copy_s:.0f} GB/s)",
                    f"cuda_ipc {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)", f"{copy_s / sync_s:.2f} of a device copy "
                    "(goal >= 0.5)", f"send side alone (gather + fp32->bf16 cast + pack) {pack_s:.4f} s/GB")
-    engine.close()
+    if engine:
+        engine.close()
 
-    if n_gpus >= 2:
+    if n_gpus >= 2 and "nccl" in transports:
         engine = StandInEngine(args.shape, "cuda:1")
         connect(rank, engine, free_port())
         bcast_s = broadcast_seconds(rank, engine, nbytes) / gb

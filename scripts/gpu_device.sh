@@ -3,16 +3,20 @@
 # AutoModel and its small needs, liger-kernel) into /tmp/site, then run the GPU benches and `pytest -m gpu tests/gpu`,
 # logging everything to $OUT (or ./gpu_logs). Run from the repository root (or a staged copy of it):
 #
-#   bash scripts/gpu_device.sh [all|single|bench|tests]  # env: WHEELS, BENCH_SHAPES, BENCH2_SHAPES, PYTEST_ARGS, MULTI_K
+#   bash scripts/gpu_device.sh [all|single|bench|tests|multi|single_tests|bench2|sync ...]
+#   env: WHEELS, BENCH_SHAPES, BENCH_GPU, BENCH_TAG, BENCH_ARGS, BENCH2_SHAPES, PYTEST_ARGS, MULTI_K, SYNC_ARGS
 #
 # With 2+ GPUs the single-GPU bench runs on GPU 0 while the single-GPU tests run on GPU 1; the 2-GPU tests last.
+# Several modes run in the order given (one wheel install).
 set -uo pipefail
-what="${1:-all}"
+modes="${*:-all}"
 OUT="${OUT:-$PWD/gpu_logs}"
 mkdir -p "$OUT"
 WHEELS="${WHEELS:-.whl}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if compgen -G "$WHEELS/*.whl" > /dev/null; then
+if [ -d /tmp/site/nemo_automodel ]; then  # a warm machine: installed by the previous command
+  export PYTHONPATH="/tmp/site:$PWD:${PYTHONPATH:-}"
+elif compgen -G "$WHEELS/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$WHEELS"/*.whl > "$OUT/install.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/install.log"; }
   export PYTHONPATH="/tmp/site:$PWD:${PYTHONPATH:-}"
@@ -24,12 +28,13 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpus.txt"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
-bench() {  # trainer vs plain-HF ceiling, one GPU; one JSON row per line in bench_1gpu.log
-  CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_TIMEOUT:-420}" torchrun --standalone --nproc_per_node=1 \
-    bench/gpu_trainer.py --out "$OUT/bench_1gpu.json" \
+bench() {  # trainer vs plain-HF ceiling, one GPU; one JSON row per line in bench_1gpu${BENCH_TAG}.log
+  local tag="${BENCH_TAG:-}" port=$((29500 + ${BENCH_GPU:-0}))
+  CUDA_VISIBLE_DEVICES="${BENCH_GPU:-0}" timeout "${BENCH_TIMEOUT:-420}" torchrun --standalone --nproc_per_node=1 \
+    --master-port=$port bench/gpu_trainer.py --out "$OUT/bench_1gpu$tag.json" \
     --shapes "${BENCH_SHAPES:-0.6b:0:hf,4b:0:hf,4b:1:hf,30b-a3b-8l:0:hf,4b:0:am,30b-a3b-8l:0:am,4b:0:hf+compile}" \
-    ${BENCH_ARGS:-} > "$OUT/bench_1gpu.log" 2>&1
-  echo "bench rc=$?"
+    ${BENCH_ARGS:-} > "$OUT/bench_1gpu$tag.log" 2>&1
+  echo "bench$tag rc=$?"
 }
 single_tests() {
   local dev=$(( ngpu > 1 ? 1 : 0 ))
@@ -46,14 +51,27 @@ multi_tests() {
 bench2() {  # the same rows on 2 GPUs (weak scaling: same sequences per GPU), for the scaling table
   [ "$ngpu" -ge 2 ] || return
   timeout "${BENCH2_TIMEOUT:-240}" torchrun --standalone --nproc_per_node=2 bench/gpu_trainer.py \
-    --out "$OUT/bench_2gpu.json" --shapes "${BENCH2_SHAPES:-4b:1:am,30b-a3b-8l:1:am+ep2}" > "$OUT/bench_2gpu.log" 2>&1
+    --out "$OUT/bench_2gpu.json" --shapes "${BENCH2_SHAPES:-4b:1:am,30b-a3b-8l:1:am+ep2}" ${BENCH2_ARGS:-} \
+    > "$OUT/bench_2gpu.log" 2>&1
   echo "2-GPU bench rc=$?"
 }
-case "$what" in
-  bench) bench ;;
-  tests) single_tests; multi_tests ;;
-  single) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi ;;
-  *) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi; multi_tests; bench2 ;;
-esac
+sync() {  # GPU weight sync (CUDA IPC on one GPU, NCCL GPU 0 -> 1) against a device copy / plain broadcast
+  timeout "${SYNC_TIMEOUT:-240}" python3 bench/gpu_weight_sync.py --no-append ${SYNC_ARGS:-} > "$OUT/sync.log" 2>&1
+  echo "sync rc=$?"
+}
+for what in $modes; do
+  case "$what" in
+    install) ;;  # the wheels only
+    bench) bench ;;
+    bench2) bench2 ;;
+    sync) sync ;;
+    multi) multi_tests ;;
+    single_tests) single_tests ;;
+    tests) single_tests; multi_tests ;;
+    single) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi ;;
+    *) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi
+       multi_tests; bench2 ;;
+  esac
+done
 grep -h '^{' "$OUT"/bench_*.log 2>/dev/null | cut -c1-400
 grep -hE "passed|failed|error" "$OUT"/pytest_*.log 2>/dev/null | tail -5

@@ -51,6 +51,45 @@ def per_layer_replay_indices(routed: torch.Tensor, token_mask: torch.Tensor | No
     return [flat[:, i].contiguous() for i in range(layers)]
 
 
+def permute_tokens_all_local(indices: torch.Tensor, weights: torch.Tensor, token_mask: torch.Tensor,
+                             n_experts: int, *, return_slot_ids: bool = False):
+    """AutoModel's `_permute_tokens_for_grouped_mm` for the case where every expert is local (ep = 1), without a
+    device -> host sync. The original filters its [tokens * topk] assignments to the local experts with boolean masks
+    (three `t[mask]` and a `nonzero`: each waits for the GPU, ~64 stalls per 30B-A3B-shape step, measured 109
+    cudaStreamSynchronize per step) and counts with `bincount` (another sync for its length). With every expert
+    local, nothing needs filtering: the assignments are sorted by expert as they are, counted with a scatter-add.
+    A padded token (token_mask False) keeps its experts with routing weight 0, so its expert output is 0 as when it
+    is dropped, and no gradient reaches its weights. Returns what the original returns, in the same order."""
+    num_tokens, topk = indices.shape
+    flat = indices.reshape(-1)
+    kept = torch.where(token_mask.unsqueeze(-1), weights.float(), 0.0).reshape(-1)
+    order = flat.argsort(stable=True)  # slot ids (token * topk + k) grouped by expert, token order inside
+    tokens_per_expert = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
+    tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = tokens_per_expert.cumsum(0).to(torch.int32)
+    sorted_token_ids, sorted_weights = order // topk, kept[order]
+    if return_slot_ids:
+        return sorted_token_ids, order, sorted_weights, tokens_per_expert, offs
+    return sorted_token_ids, sorted_weights, tokens_per_expert, offs
+
+
+def install_sync_free_permute(n_experts: int) -> None:
+    """Route AutoModel's grouped-GEMM experts through `permute_tokens_all_local` whenever a call has all `n_experts`
+    local (ep = 1); expert-parallel calls (fewer local experts) keep AutoModel's own permutation."""
+    from nemo_automodel.components.moe import experts
+
+    original = getattr(experts._permute_tokens_for_grouped_mm, "_molt_original", experts._permute_tokens_for_grouped_mm)
+
+    def permute(indices, weights, token_mask, n_local_experts, experts_start_idx, *, return_slot_ids=False):
+        if n_local_experts == n_experts and experts_start_idx == 0:
+            return permute_tokens_all_local(indices, weights, token_mask, n_experts, return_slot_ids=return_slot_ids)
+        return original(indices, weights, token_mask, n_local_experts, experts_start_idx,
+                        return_slot_ids=return_slot_ids)
+
+    permute._molt_original = original
+    experts._permute_tokens_for_grouped_mm = permute
+
+
 @contextlib.contextmanager
 def replay_routed_experts(routed: torch.Tensor, token_mask: torch.Tensor | None = None):
     """R3: every gate uses the given selection (router logits stay live, so the router still learns). Keep the
@@ -116,6 +155,8 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
     if moe:
         kw["moe_overrides"] = {"enable_routing_replay": routing_replay}
     RouterReplay.clear_registry()  # gates register in construction order: this model's layers only
+    if moe and sizes["ep_size"] == 1:
+        install_sync_free_permute(config.num_experts)
     model = NeMoAutoModelForCausalLM.from_config(config, **kw)
     if dist.get_world_size() == 1:
         # AutoModel skips fully_shard on one rank (components/distributed/fsdp2.py), and with it the bf16 compute

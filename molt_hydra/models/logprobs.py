@@ -1,5 +1,8 @@
 """Token log-probs and entropy from logits at a sampling temperature, in fp32, chunked over tokens.
 
+`linear_logprobs_entropy` fuses the lm_head into the same computation: chunk by chunk from the final hidden states,
+so the [tokens x vocab] logits never exist at once, in the model dtype or in fp32 (the backward recomputes each chunk).
+
 Convention used by the whole trainer (token-aligned): for a row of ids `x[0..T)`, `logprobs[t] = log p(x[t] | x[<t])`
 and `logprobs[0] = 0`; the quantity for token t comes from the logits at position t-1. Action / loss masks use the
 same alignment (mask[t] = 1 iff token t is trained on), so masks, rollout log-probs and advantages never shift.
@@ -44,3 +47,63 @@ def entropy_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: fl
         zc = z[s:s + chunk_size].float() / temperature
         parts.append(torch.logsumexp(zc, dim=-1) - (torch.softmax(zc, dim=-1) * zc).sum(-1))
     return _pad_first(torch.cat(parts) if parts else z.new_zeros(0, dtype=torch.float32), ids.shape)
+
+
+class _ChunkedLinearLogprobs(torch.autograd.Function):
+    """log p(y) and entropy of softmax((h @ W^T) / T) per row of h, computed in fp32 over row chunks; only h, W and
+    two fp32 numbers per row (logsumexp, entropy) are kept for the backward, which recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, h, weight, y, temperature, chunk, with_entropy):
+        n = h.shape[0]
+        lp = torch.empty(n, dtype=torch.float32, device=h.device)
+        lse = torch.empty_like(lp)
+        ent = torch.empty_like(lp) if with_entropy else None
+        for s in range(0, n, chunk):
+            z = (h[s:s + chunk] @ weight.T).float().div_(temperature)
+            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+            lp[s:s + chunk] = z.gather(-1, y[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
+            if with_entropy:  # H = lse - sum p z
+                ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(h, weight, y, lse, ent if with_entropy else lse)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        return (lp, ent) if with_entropy else (lp, lp.new_zeros(0))
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        h, weight, y, lse, ent = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        use_ent = ctx.with_entropy and g_ent is not None and g_ent.numel() > 0
+        for s in range(0, h.shape[0], chunk):
+            hc = h[s:s + chunk]
+            z = (hc @ weight.T).float().div_(t)
+            logp = z.sub_(lse[s:s + chunk, None])  # log softmax, in place of z
+            p = logp.exp()
+            # d lp / dz = onehot(y) - p;  d H / dz = -p (log p + H)
+            dz = p * (-g_lp[s:s + chunk, None]) if g_lp is not None else torch.zeros_like(p)
+            if g_lp is not None:
+                dz.scatter_add_(-1, y[s:s + chunk, None], g_lp[s:s + chunk, None])
+            if use_ent:
+                dz -= p * logp.add_(ent[s:s + chunk, None]) * g_ent[s:s + chunk, None]
+            dz = dz.div_(t).to(weight.dtype)
+            if grad_h is not None:
+                grad_h[s:s + chunk] = dz @ weight
+            if grad_w is not None:
+                grad_w += (dz.T @ hc).float()
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None
+
+
+def linear_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                            chunk_size: int = 2048, with_entropy: bool = False):
+    """[B, T, H] final hidden states and the [V, H] lm_head weight -> ([B, T] fp32 log p(ids[t]), [B, T] fp32 entropy
+    or None), token-aligned as `logprobs_from_logits` of `hidden @ weight.T`, never holding more than `chunk_size`
+    rows of logits (fp32) at a time, forward or backward."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    y = ids[:, 1:].reshape(-1)
+    lp, ent = _ChunkedLinearLogprobs.apply(h, weight, y, float(temperature), int(chunk_size), with_entropy)
+    return _pad_first(lp, ids.shape), (_pad_first(ent, ids.shape) if with_entropy else None)

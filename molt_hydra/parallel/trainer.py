@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from molt_hydra.models import moe_routing, vlm
 from molt_hydra.models.build import build_model, resolve_backend, resolve_path
-from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
+from molt_hydra.models.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
 from molt_hydra.parallel import checkpoint as ckpt
 from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, partition_balanced, partition_padded,
                                           unpack)
@@ -34,6 +34,22 @@ from molt_hydra.parallel.fsdp import shard_model
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
 from molt_hydra.parallel.weight_buckets import iter_weight_buckets
+
+class FusedLogprobHead:
+    """Replaces the lm_head's forward: from the final hidden states straight to the log-probs (and entropy) of the
+    targets set before the model call, chunk by chunk (models/logprobs.py), so [tokens x vocab] logits never exist.
+    Runs inside the model's forward, where FSDP has the head's weight gathered (and the backward reaches it)."""
+
+    def __init__(self, head: torch.nn.Linear):
+        self.weight_of = lambda: head.weight  # the gathered (unsharded) weight while the root unit is forward
+        self.call = None  # (targets, temperature, chunk size, with entropy) of the next model call
+        head.forward = self
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        targets, temperature, chunk, with_entropy = self.call
+        lp, ent = linear_logprobs_entropy(hidden, self.weight_of(), targets, temperature, chunk, with_entropy)
+        return torch.stack([lp, ent], -1) if with_entropy else lp[..., None]
+
 
 class TrainerWorker:
     def __init__(self, *, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int,
@@ -48,7 +64,7 @@ class TrainerWorker:
                  gate_precision: str = "float32", freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
                  backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
-                 automodel_options: dict | None = None):
+                 automodel_options: dict | None = None, fused_head: bool = True):
         self.rank, self.world_size, self.role = rank, world_size, role
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
                                        timeout_s=timeout_s)
@@ -99,6 +115,13 @@ class TrainerWorker:
                                      reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
             if vlm.is_vlm(model.config) and role != "ref" and not freeze_visual_encoder:
                 vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
+        # fused head (models/logprobs.py): the causal LM hands out its final hidden states and the log-probs are taken
+        # through the lm_head chunk by chunk, never materialising [tokens x vocab] logits (HF text models)
+        self.head = None
+        if fused_head and self.backend == "hf" and role != "critic" and not vlm.is_vlm(self.model.config):
+            head = self.model.get_output_embeddings()
+            if isinstance(head, torch.nn.Linear) and head.bias is None:
+                self.head = FusedLogprobHead(head)
         self._routing_stats = None
         self.temperature, self.chunk = temperature, logprob_chunk_size
         self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm
@@ -121,7 +144,12 @@ class TrainerWorker:
             return out.masked_fill(first, 0.0), None, None
         mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS} if "pixel_values" in mb else {}
         # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
+        if self.head is not None:  # the lm_head returns [B, T, 1 or 2]: log p (and entropy)
+            self.head.call = (ids, self.temperature, self.chunk, need_entropy)
         res = self.model(input_ids=ids, position_ids=None if mm else pos, **mm)
+        if self.head is not None:
+            out = res.logits.masked_fill(first[..., None], 0.0)
+            return out[..., 0], (out[..., 1] if need_entropy else None), getattr(res, "aux_loss", None)
         logits = res.logits
         if hasattr(logits, "full_tensor"):  # tensor parallel: vocab-sharded DTensor logits
             logits = logits.full_tensor()
@@ -245,8 +273,9 @@ class TrainerWorker:
                 with self._replay(mb):  # backward inside: checkpoint recompute replays the same experts
                     loss, mets = self._micro_loss(mb, rows, loss_fn, n_tok, n_seq, len(parts))
                     loss.backward()
-                # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch)
-                w = mets.pop("_mask_tokens")
+                # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch);
+                # the tp / cp ranks of one DP group hold the same samples, so each counts 1 / replicas of them
+                w = mets.pop("_mask_tokens") / (self.world_size // self.dp_size)
                 for k, v in mets.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().float() * w
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size

@@ -112,52 +112,89 @@ class BroadcastGroup:
         self.broadcast(torch.zeros(1, device=self.device), src=0)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0):
+        """Queue the broadcast; `.wait()` on the result makes the current stream (NCCL) / the caller (gloo) wait."""
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
         options.rootRank = src
-        self.group.broadcast([tensor], options).wait()
+        return self.group.broadcast([tensor], options)
 
 
-class BroadcastTransport:
+class _Pipeline:
+    """Buckets in flight: `push` returns once a bucket is packed and sent, so bucket k+1 is gathered and packed while
+    bucket k is on the wire / being loaded by the engines; at most `depth` are in flight, each one's buffer held until
+    its engines answered (and, for a broadcast, its send completed). `drain` retires them all (end of a sync)."""
+
+    depth = 2
+
+    def __init__(self):
+        self.in_flight: list = []  # (buffer, send work or None, engines' answers)
+
+    async def _admit(self) -> None:
+        while len(self.in_flight) >= self.depth:
+            await self._retire()
+
+    async def _retire(self) -> None:
+        flat, work, answers = self.in_flight.pop(0)
+        await answers
+        if work is not None:  # NCCL: the current stream waits for the send; gloo: blocks until sent
+            await asyncio.to_thread(work.wait)
+        del flat
+
+    async def drain(self) -> None:
+        while self.in_flight:
+            await self._retire()
+
+
+class BroadcastTransport(_Pipeline):
     """Rank 0 of a `BroadcastGroup` every engine worker joined (`init_weight_broadcast`): per bucket, the engines are
-    told the bucket's layout, then one flat buffer (cast to the engine dtype while packing) is broadcast."""
+    told the bucket's layout, then one flat buffer (cast to the engine dtype while packing) is broadcast. Pipelined:
+    the send is queued (NCCL orders it after the packing on the GPU) without waiting for it, so the next bucket's
+    packing on the GPU overlaps this one's transfer."""
 
     def __init__(self, group, dtype: torch.dtype | None = None):
+        super().__init__()
         self.group = group
         self.dtype = dtype
 
     async def push(self, engines: list, bucket: Bucket, call) -> int:
+        await self._admit()
         metas, flat = pack_bucket(bucket, self.dtype)  # on the trainer's GPU, where the bucket lives
-        receives = [call(e.worker_call.remote("receive_broadcast", metas)) for e in engines]
-        gathered = asyncio.gather(*receives)  # engines must be waiting in the collective before we send
-        await asyncio.to_thread(self.group.broadcast, flat, 0)
-        await gathered
+        # engines join the collective as their calls arrive; the send waits for them on the wire, not here
+        answers = asyncio.gather(*(call(e.worker_call.remote("receive_broadcast", metas)) for e in engines))
+        self.in_flight.append((flat, self.group.broadcast_async(flat, 0), answers))
         return flat.numel()
 
 
-class CudaIpcTransport:
+class CudaIpcTransport(_Pipeline):
     """Per bucket one flat buffer (cast to the engine dtype while packing) on the trainer's GPU; every engine worker
     maps it through its CUDA IPC handle, loads from it and unmaps it before answering, so the buffer is freed
-    (`ipc_collect`) as soon as the bucket is pushed. (One buffer shared once per sync and kept mapped was tried: no
-    faster at 0.6B on an H200, and torch's IPC ref-counting then kept it allocated after the sync.)"""
+    (`ipc_collect`) as soon as the bucket is retired. The handle carries an IPC event recorded after the packing,
+    which the engine's stream waits on: no host sync on this side, and the next bucket is packed while the engine
+    loads this one. (One buffer shared once per sync and kept mapped was tried: no faster at 0.6B on an H200, and
+    torch's IPC ref-counting then kept it allocated after the sync.)"""
 
     def __init__(self, dtype: torch.dtype | None = None):
+        super().__init__()
         self.dtype = dtype
 
     async def push(self, engines: list, bucket: Bucket, call) -> int:
         from torch.multiprocessing.reductions import reduce_tensor
 
+        await self._admit()
         metas, flat = pack_bucket(bucket, self.dtype)
-        nbytes = flat.numel()
-        if flat.is_cuda:
-            torch.cuda.current_stream(flat.device).synchronize()  # the packed bytes exist before another process reads
         handle = reduce_tensor(flat)
-        await asyncio.gather(*(call(e.worker_call.remote("receive_ipc", metas, handle)) for e in engines))
-        del flat, handle
+        answers = asyncio.gather(*(call(e.worker_call.remote("receive_ipc", metas, handle)) for e in engines))
+        self.in_flight.append((flat, None, answers))
+        return flat.numel()
+
+    async def _retire(self) -> None:
+        await super()._retire()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # free the buffer now that every engine dropped its mapping
-        return nbytes
 
 
 class WeightSync:
@@ -197,6 +234,8 @@ class WeightSync:
             for bucket in buckets:
                 num_bytes += await self.transport.push(self.engines, bucket, self._call)  # bytes on the wire
                 num_tensors += len(bucket)
+            if hasattr(self.transport, "drain"):  # pipelined GPU transports: the last buckets are still in flight
+                await self.transport.drain()
             done = True
         finally:
             try:  # also after a failure: layers left mid-reload would break generation

@@ -127,9 +127,20 @@ class WeightSyncWorkerExtension:
                                            self.device, timeout_s)
 
     def receive_broadcast(self, metas: list) -> int:
-        """One flat uint8 buffer per bucket, broadcast from rank 0 (see `weight_sync.BroadcastTransport`)."""
-        flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=self.device)
-        self._weight_comm.broadcast(flat, src=0)
+        """One flat uint8 buffer per bucket, broadcast from rank 0 (see `weight_sync.BroadcastTransport`). On a GPU the
+        receive runs on a stream of its own, so it does not queue behind the previous bucket's loads."""
+        if self.device.type != "cuda":
+            flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=self.device)
+            self._weight_comm.broadcast(flat, src=0)
+            return self._load(unpack_bucket(metas, flat))
+        if getattr(self, "_receive_stream", None) is None:
+            self._receive_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._receive_stream):
+            flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=self.device)
+            self._weight_comm.broadcast(flat, src=0)  # the receive stream waits for the bytes
+        loads = torch.cuda.current_stream(self.device)
+        loads.wait_stream(self._receive_stream)
+        flat.record_stream(loads)  # freed only after the loads that read it
         return self._load(unpack_bucket(metas, flat))
 
     # --- CUDA IPC (GPU, colocated): the trainer shares a packed bucket's memory, the worker maps it ---

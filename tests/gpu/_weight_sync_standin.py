@@ -14,6 +14,9 @@ Shared by tests/gpu/test_weight_sync_gpu.py and bench/gpu_weight_sync.py.
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
+import threading
 import types
 
 import torch
@@ -119,7 +122,9 @@ def serve(conn, shape: str, device: str, model_dir: str | None) -> None:
 
 class StandInEngine:
     """Stand-in for a `VLLMEngine` Ray handle: `handle.method.remote(*args)` sends the call at once (as Ray submits
-    it) and returns an awaitable result. pause/resume are vLLM scheduler calls: nothing to do without an engine."""
+    it) and returns an awaitable result. pause/resume are vLLM scheduler calls: nothing to do without an engine.
+    Several calls may be outstanding (the GPU transports keep buckets in flight): the receiving process answers in
+    call order, and one reader thread hands each answer to its call."""
 
     def __init__(self, shape: str, device: str, model_dir: str | None = None):
         ctx = mp.get_context("spawn")
@@ -128,23 +133,40 @@ class StandInEngine:
         self.process.start()
         if not self.conn.poll(600) or self.conn.recv() != "ready":
             raise RuntimeError("stand-in engine process did not start")
+        self.answers: collections.deque = collections.deque()  # one future per outstanding call, in call order
+        self.sending = threading.Lock()
+        threading.Thread(target=self._read_answers, daemon=True).start()
         self.version = 0
         for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call"):
             setattr(self, name, types.SimpleNamespace(remote=getattr(self, f"_{name}")))
 
+    def _read_answers(self) -> None:
+        while True:
+            try:
+                answer = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            self.answers.popleft().set_result(answer)
+
+    def _send(self, method: str, args) -> concurrent.futures.Future:
+        answer = concurrent.futures.Future()
+        with self.sending:
+            self.answers.append(answer)
+            self.conn.send((method, args))
+        return answer
+
     def call(self, method: str, *args):
         """Blocking worker call (outside a sync)."""
-        self.conn.send((method, args))
-        status, value = self.conn.recv()
+        status, value = self._send(method, args).result()
         if status != "ok":
             raise RuntimeError(value)
         return value
 
     def _submit(self, method: str, *args):
-        self.conn.send((method, args))
+        answer = self._send(method, args)
 
         async def result():
-            status, value = await asyncio.to_thread(self.conn.recv)
+            status, value = await asyncio.wrap_future(answer)
             if status != "ok":
                 raise RuntimeError(value)
             return value

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from molt_hydra.models.automodel import parallel_sizes, per_layer_replay_indices
+from molt_hydra.models.automodel import parallel_sizes, per_layer_replay_indices, permute_tokens_all_local
 from molt_hydra.models.build import resolve_backend
-from molt_hydra.models.logprobs import entropy_from_logits, logprobs_from_logits
+from molt_hydra.models.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
 from molt_hydra.parallel.batching import pad_rows, partition_padded
 
 
@@ -50,6 +50,38 @@ def test_chunked_logprobs_and_entropy_equal_plain_fp32(chunk):
     torch.testing.assert_close(entropy_from_logits(logits, ids, temp, chunk), want_ent, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk,with_entropy", [(1, True), (4, True), (7, False), (1000, True)])
+def test_fused_linear_head_equals_logits_then_logprobs_in_values_and_gradients(chunk, with_entropy):
+    """The chunked lm_head + log-prob / entropy head against the definition (full logits = h @ W^T, then log_softmax),
+    fp32, 1e-5: forward values and the gradients of a loss using both outputs w.r.t. hidden states and the weight."""
+    g = torch.Generator().manual_seed(1)
+    b, t, hdim, vocab, temp = 2, 9, 6, 40, 0.7
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    h0, w0 = torch.randn(b, t, hdim, generator=g), torch.randn(vocab, hdim, generator=g)
+    coef_lp, coef_ent = torch.randn(b, t, generator=g), torch.randn(b, t, generator=g)
+
+    def run(fused):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if fused:
+            lp, ent = linear_logprobs_entropy(h, w, ids, temp, chunk, with_entropy)
+        else:
+            logits = h @ w.T
+            logp = torch.log_softmax(logits[:, :-1] / temp, -1)
+            lp = torch.zeros(b, t)
+            lp[:, 1:] = logp.gather(-1, ids[:, 1:, None])[..., 0]
+            ent = torch.zeros(b, t)
+            ent[:, 1:] = -(logp.exp() * logp).sum(-1)
+        loss = (coef_lp * lp).sum() + ((coef_ent * ent).sum() if with_entropy else 0.0)
+        loss.backward()
+        return lp, (ent if with_entropy else None), h.grad, w.grad
+
+    got, want = run(True), run(False)
+    for a, e in zip(got, want):
+        if e is not None:
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    assert got[1] is None or with_entropy
+
+
 def test_parallel_sizes_follow_automodel_mesh_rules():
     assert parallel_sizes(8, dp=4, tp=2) == dict(dp_size=4, tp_size=2, cp_size=1, ep_size=1)
     assert parallel_sizes(8, dp=8, ep=8)["ep_size"] == 8  # experts over all data-parallel ranks
@@ -70,6 +102,32 @@ def test_replay_indices_follow_the_gates_token_order_and_fill_padding():
     assert layer0.tolist() == [[3, 1], [4, 0], [7, 2], [0, 1]] and layer0.dtype == torch.int64
     two = per_layer_replay_indices(torch.arange(16).view(1, 2, 2, 4))
     assert [t.tolist() for t in two] == [[[0, 1, 2, 3], [8, 9, 10, 11]], [[4, 5, 6, 7], [12, 13, 14, 15]]]
+
+
+def test_sync_free_permutation_groups_assignments_by_expert_and_zeroes_padding():
+    """The grouped-GEMM input order: every (token, k) assignment sorted by expert, offsets = cumulative counts; an
+    MoE layer computed through it equals the per-token definition sum_k w[t, k] * E_{idx[t, k]}(x[t])."""
+    g = torch.Generator().manual_seed(0)
+    n_tok, topk, n_exp, dim = 13, 3, 5, 4
+    idx = torch.stack([torch.randperm(n_exp, generator=g)[:topk] for _ in range(n_tok)])
+    w = torch.rand(n_tok, topk, generator=g, requires_grad=True)
+    mask = torch.ones(n_tok, dtype=torch.bool)
+    mask[[4, 11]] = False  # padding
+    x, experts = torch.randn(n_tok, dim, generator=g), torch.randn(n_exp, dim, dim, generator=g)
+    token_ids, slot_ids, weights, counts, offs = permute_tokens_all_local(idx, w, mask, n_exp, return_slot_ids=True)
+    assert counts.tolist() == [int((idx == e).sum()) for e in range(n_exp)]
+    assert offs.tolist() == counts.cumsum(0).tolist() and offs.dtype == torch.int32
+    assert (slot_ids // topk == token_ids).all() and sorted(slot_ids.tolist()) == list(range(n_tok * topk))
+    expert_of_row = idx.reshape(-1)[slot_ids]
+    assert (expert_of_row.diff() >= 0).all()  # grouped by expert
+    y = torch.zeros(n_tok, dim)
+    for e, (a, b) in enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist())):  # what torch._grouped_mm does
+        y.index_add_(0, token_ids[a:b], weights[a:b, None] * (x[token_ids[a:b]] @ experts[e]))
+    want = torch.stack([sum(w[t, k] * (x[t] @ experts[idx[t, k]]) for k in range(topk)) * mask[t]
+                        for t in range(n_tok)])
+    torch.testing.assert_close(y, want)
+    y.sum().backward()
+    assert (w.grad[~mask] == 0).all() and (w.grad[mask] != 0).all()  # padding sends no gradient to its weights
 
 
 def test_backend_choice_without_gpu():

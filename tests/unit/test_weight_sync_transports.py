@@ -219,3 +219,34 @@ def test_push_from_rank_sends_the_engine_dtype_and_stamps_the_version(transport)
     assert metrics["weight_sync/bytes"] == wire_bytes(state.items(), torch.bfloat16)
     for name, t in state.items():
         assert worker.loaded[name].dtype == torch.bfloat16 and torch.equal(worker.loaded[name], t.to(torch.bfloat16))
+
+
+def test_gpu_transports_keep_two_buckets_in_flight_before_waiting_for_the_engines():
+    """Pipelining: `push` returns once a bucket is sent, so the next bucket is packed while the engines load this one;
+    a third bucket waits until the first one was answered; `drain` leaves nothing in flight."""
+    async def scenario():
+        answered = [asyncio.Event() for _ in range(3)]
+        calls = []
+
+        async def receive(*_):
+            i = len(calls)
+            calls.append(i)
+            await answered[i].wait()
+            return [1]
+
+        engine = types.SimpleNamespace(worker_call=types.SimpleNamespace(remote=receive))
+        t, bucket = CudaIpcTransport(torch.bfloat16), [("w", torch.ones(4))]
+        await t.push([engine], bucket, lambda ref: ref)
+        await t.push([engine], bucket, lambda ref: ref)  # returned although bucket 0 is not loaded yet
+        third = asyncio.create_task(t.push([engine], bucket, lambda ref: ref))
+        await asyncio.sleep(0.05)
+        assert not third.done() and calls == [0, 1]
+        answered[0].set()
+        await asyncio.wait_for(third, 5)
+        assert calls == [0, 1, 2]
+        for event in answered[1:]:
+            event.set()
+        await t.drain()
+        assert not t.in_flight
+
+    asyncio.run(scenario())
