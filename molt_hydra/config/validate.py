@@ -358,6 +358,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     transport = r.weight_sync.transport.value
     problems.check(not (cpu and transport in ("nccl", "cuda_ipc")), "rollout.weight_sync.transport",
                    f"{transport} moves GPU memory; this run is on CPU.", "set it to auto, shared_memory or object_store")
+    problems.check(not (transport == "shared_memory" and cfg.cluster.nodes > 1), "rollout.weight_sync.transport",
+                   f"shared_memory maps /dev/shm on trainer rank 0's node; engines on the other "
+                   f"{cfg.cluster.nodes - 1} node(s) cannot see it.", "set it to auto (object_store across nodes)")
     problems.check(transport != "cuda_ipc" or p.colocate, "rollout.weight_sync.transport",
                    "cuda_ipc maps the trainer's GPU memory into the engine, so both must share each GPU.",
                    "set it to auto (nccl between GPUs) or parallelism.colocate=true")

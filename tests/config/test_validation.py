@@ -34,6 +34,8 @@ def test_default_config_is_valid():
 
 # --------------------------------------------------------------------------------- cross-group rules (validate.py)
 CROSS_GROUP = [
+    ("shm_across_nodes", ["rollout.weight_sync.transport=shared_memory", "cluster=slurm", "cluster.nodes=2"],
+     "rollout.weight_sync.transport", "cannot see it"),
     ("unknown_estimator", ["algorithm.estimator=nope"], "algorithm.estimator", "'nope' is not a registered estimator"),
     ("unknown_policy_loss", ["algorithm.policy_loss=nope"], "algorithm.policy_loss", "'nope' is not a registered loss"),
     ("plugin_import", ["algorithm.plugins=[no_such_module_for_molt_tests]"], "algorithm.plugins",
