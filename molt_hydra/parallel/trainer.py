@@ -119,7 +119,7 @@ class TrainerWorker:
             out = torch.zeros_like(v, dtype=torch.float32)
             out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
             return out.masked_fill(first, 0.0), None, None
-        mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS} if "pixel_values" in mb else {}
+        mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS if k in mb}
         # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
         res = self.model(input_ids=ids, position_ids=None if mm else pos, **mm)
         logits = res.logits

@@ -35,7 +35,7 @@ def test_vlm_sft_sample_masks_only_the_reply_and_expands_the_image(tmp_path):
     (row,) = _rows(tmp_path, 1)
     (s,) = build_sft_samples([row], tok, output_key="output", image_key="images", max_images_per_prompt=1,
                              images=images)
-    pad = images.image_token_id
+    pad = images.placeholder_id
     assert s["image_grid_thw"].tolist() == [[1, 4, 4]]  # 56x56 -> 4x4 patches -> 4 tokens
     ids = s["input_ids"].tolist()
     # from the definition: the template's text with the single placeholder written out 4 times

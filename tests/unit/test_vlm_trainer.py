@@ -53,7 +53,7 @@ def test_image_placeholders_expand_to_merged_patches(model_dir):
 
 def test_build_model_accepts_vlm_and_refuses_vlm_critic(model_dir):
     model = build_model(model_dir, role="actor")
-    assert vlm.is_vlm(model.config) and sum(p.numel() for p in vlm.visual_encoder(model).parameters()) > 0
+    assert vlm.is_vlm(model.config) and sum(p.numel() for m in vlm.visual_encoder(model) for p in m.parameters()) > 0
     with pytest.raises(NotImplementedError, match="vision-language critic"):
         build_model(model_dir, role="critic")
 
@@ -67,7 +67,7 @@ def test_trainer_logprobs_equal_hf_forward_with_processor_outputs(model_dir):
         mm = {k: sample[k] for k in ("pixel_values", "image_grid_thw")}
         types = sample["mm_token_type_ids"][None]
         expected = hf_logprobs(hf, sample, **mm, mm_token_type_ids=types)
-        other_image = vlm.process_images(vlm.load_image_processor(model_dir), [_triangle(color=(20, 20, 220))])
+        other_image, _ = vlm.TrajectoryImages.for_model(model_dir).process([_triangle(color=(20, 20, 220))])
         with_other_image = hf_logprobs(hf, sample, **other_image, mm_token_type_ids=types)
         # 1-D text positions instead of M-RoPE: what a trainer without the token types would compute
         flat_positions = hf_logprobs(hf, sample, **mm)

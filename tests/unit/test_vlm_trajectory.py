@@ -67,7 +67,7 @@ def test_image_trajectory_becomes_an_expanded_experience_with_processor_outputs(
     model_dir = resolve_path("tiny://qwen25_vl_tiny")
     tok, engine, traj = _run(model_dir)
     images = vlm.TrajectoryImages.for_model(model_dir)
-    pad = images.image_token_id
+    pad = images.placeholder_id
     assert [len(r.images) for r in engine.requests] == [1, 2]
     assert traj.token_ids.count(pad) == 2  # one placeholder per image, as sent to the engine
 
