@@ -28,6 +28,7 @@ TINY_VLM_VISION = dict(
 # Pixels bound per image (multiples of (14*2)^2): 28x28 .. 112x112, i.e. 1 .. 16 image tokens.
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
 TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny")
+TINY_VLM_TYPES = {"qwen25_vl_tiny": ("qwen2_5_vl", True), "idefics3_tiny": ("idefics3", True)}  # (model_type, vlm)
 IDEFICS3_SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
 IDEFICS3_IMAGE_SIZE = 56
 TINY_IDEFICS3_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
