@@ -39,6 +39,15 @@ TINY_IDEFICS3_TEXT = dict(
 )
 
 
+def tiny_config_dict(name: str) -> dict:
+    """The decoder's HF config values and the vision tower's rough size, without building (the plan's estimate)."""
+    if name == "idefics3_tiny":
+        v = TINY_IDEFICS3_VISION
+        return {"text_config": TINY_IDEFICS3_TEXT, "vision_params": 12 * v["num_hidden_layers"] * v["hidden_size"] ** 2}
+    v = TINY_VLM_VISION
+    return {"text_config": TINY_VLM_TEXT, "vision_params": 12 * v["depth"] * v["hidden_size"] ** 2}
+
+
 def vlm_chat_template() -> str:
     from molt_hydra.models.tiny import CHAT_TEMPLATE
 
