@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from PIL import Image, ImageDraw
 
@@ -47,11 +48,14 @@ def _run(model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
+    # the model's own rendering of an image part (Qwen: the vision span; Idefics3: `<image>`)
+    image_part = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
+    image_part = image_part.removeprefix("<|im_start|>user\n").removesuffix("<|im_end|>\n")
 
     class Env(resolve_target("recipes/agents/geo3k.py:Geo3kPythonEnv")):
         async def step(self, state):
             if state["turn"] == 0:
-                return Result(reward=0.0, observation="<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+                return Result(reward=0.0, observation=f"<|im_start|>user\n{image_part}"
                               "zoomed<|im_end|>\n<|im_start|>assistant\n", terminated=False,
                               images=[_figure((56, 56), "blue")])
             return Result(reward=1.0)
@@ -111,12 +115,13 @@ def test_trainer_logprobs_on_the_experience_equal_hf_forward():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path):
+@pytest.mark.parametrize("name", ["qwen25_vl_tiny", "idefics3_tiny"])
+def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path, name):
     """A queued (untrained) image trajectory rides in the loop state of a checkpoint, as the controller saves it;
     after resume it gives the same experience, and the resumed (and exported) model the same log-probs."""
     from transformers import AutoModelForImageTextToText
 
-    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    model_dir = resolve_path(f"tiny://{name}")
     images = vlm.TrajectoryImages.for_model(model_dir)
     _, _, traj = _run(model_dir)
     exp, _ = to_experience(traj, 512, images)
@@ -144,9 +149,7 @@ def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path)
     exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert vlm.TrajectoryImages.for_model(str(tmp_path / "hf")) is not None  # image processor travels along
     with torch.no_grad():
-        hf = hf_logprobs(exported, sample, pixel_values=sample["pixel_values"],
-                          image_grid_thw=sample["image_grid_thw"],
-                          mm_token_type_ids=sample["mm_token_type_ids"][None])
+        hf = hf_logprobs(exported, sample, **vlm.multimodal_kwargs([sample]))
     torch.testing.assert_close(hf, before, atol=1e-5, rtol=0)
 
 
