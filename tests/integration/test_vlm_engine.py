@@ -76,8 +76,9 @@ def one_rank_process_group():
         dist.destroy_process_group()
 
 
-def trainer(model_dir):
-    """A 1-rank FSDP2 (gloo) trainer on the same checkpoint as the engine."""
+@pytest.fixture(scope="module")
+def trainer(model_dir, one_rank_process_group):
+    """A 1-rank FSDP2 (gloo) trainer on the same checkpoint as the engine (only its log-prob recompute is used)."""
     from molt_hydra.parallel.launch import free_port
     from molt_hydra.parallel.trainer import TrainerWorker
 
@@ -106,7 +107,7 @@ async def engine_prompt(engine, token_ids, images) -> list[int]:
         return list(out.prompt_token_ids)
 
 
-def assert_engine_exact(loop, engine, traj, calls, images, model_dir):
+def assert_engine_exact(loop, engine, traj, calls, images, trainer):
     """Each call saw the trajectory prefix; the expanded trajectory is the engine's own prompt; the trainer's
     log-probs on it are the engine's sampled ones."""
     assert len(traj.action_ranges) == len(calls)
@@ -120,7 +121,7 @@ def assert_engine_exact(loop, engine, traj, calls, images, model_dir):
     assert exp.token_ids.tolist() == run(loop, engine_prompt(engine, traj.token_ids, traj.images))
     assert exp.token_ids.tolist().count(images.placeholder_id) > traj.token_ids.count(images.placeholder_id)
 
-    (trainer_lp,) = trainer(model_dir).compute_logprobs([{"input_ids": exp.token_ids, **exp.multimodal}])
+    (trainer_lp,) = trainer.compute_logprobs([{"input_ids": exp.token_ids, **exp.multimodal}])
     mask = exp.action_mask
     assert mask.sum() == traj.num_generated > 0
     torch.testing.assert_close(trainer_lp[mask], exp.rollout_log_probs[mask], atol=2e-4, rtol=0)
@@ -128,7 +129,7 @@ def assert_engine_exact(loop, engine, traj, calls, images, model_dir):
 
 
 def test_env_image_turns_are_token_exact_and_trainer_logprobs_equal_the_engine(loop, engine, tokenizer, images,
-                                                                              model_dir):
+                                                                              trainer):
     """The geo3k Env: the row's figure in the prompt, a second image in a tool observation (turn 2)."""
     placeholder = tokenizer.convert_ids_to_tokens(images.placeholder_id)
 
@@ -145,7 +146,7 @@ def test_env_image_turns_are_token_exact_and_trainer_logprobs_equal_the_engine(l
     runner = StepEnvRunner(Env, image_tokens_per_image=images.max_tokens_per_image)
     (traj,) = run(loop, runner.run_group([ep], rec, tokenizer)).trajectories
     assert [len(r.images) for r, _ in rec.calls] == [1, 2]
-    exp = assert_engine_exact(loop, engine, traj, rec.calls, images, model_dir)
+    exp = assert_engine_exact(loop, engine, traj, rec.calls, images, trainer)
     assert exp.multimodal["pixel_values"].shape == (2, 3, 56, 56)
 
 
@@ -196,8 +197,8 @@ class ImageChat(ChatAgent):
         return Result(reward=1.0)
 
 
-@pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
-def test_sdk_images_reach_the_engine_and_the_trajectory_token_exact(loop, engine, tokenizer, images, model_dir, wire):
+@pytest.mark.parametrize("wire", ["openai", "anthropic", pytest.param("responses", marks=pytest.mark.slow)])
+def test_sdk_images_reach_the_engine_and_the_trajectory_token_exact(loop, engine, tokenizer, images, trainer, wire):
     rec, log = Recorder(engine), {}
     runner = ChatAgentRunner(ImageChat, agent_kwargs={"wire": wire, "log": log},
                              image_tokens_per_image=images.max_tokens_per_image, max_images=MAX_IMAGES)
@@ -212,6 +213,6 @@ def test_sdk_images_reach_the_engine_and_the_trajectory_token_exact(loop, engine
     assert [len(r.images) for r, _ in rec.calls] == [1, 2][:turns]
     assert [im.getpixel((42, 28)) for im in traj.images] == [(255, 255, 255)] * turns  # decoded PNGs, white inside
     assert traj.images[0].size == (84, 56) and traj.reward == 1.0
-    assert_engine_exact(loop, engine, traj, rec.calls, images, model_dir)
+    assert_engine_exact(loop, engine, traj, rec.calls, images, trainer)
     if wire == "openai":
         assert "3 images" in log["too_many"] and "data.max_images_per_prompt=2" in log["too_many"]
