@@ -197,7 +197,7 @@ class ImageChat(ChatAgent):
         return Result(reward=1.0)
 
 
-@pytest.mark.parametrize("wire", ["openai", "anthropic", pytest.param("responses", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
 def test_sdk_images_reach_the_engine_and_the_trajectory_token_exact(loop, engine, tokenizer, images, trainer, wire):
     rec, log = Recorder(engine), {}
     runner = ChatAgentRunner(ImageChat, agent_kwargs={"wire": wire, "log": log},
