@@ -165,6 +165,26 @@ def test_agent_runner_reserves_the_largest_image_budget_for_a_vlm(tiny_model):
     assert AgentRunnerActor(spec, [object()], tokenizer_path=tiny_model, **kw).runner.image_tokens_per_image == 0
 
 
+def test_chat_runner_takes_images_only_for_a_vlm_and_reserves_the_idefics3_span(tiny_model):
+    """A ChatAgent runner on a text-only model answers image parts with a 400 (accepts_images off), whatever
+    data.max_images_per_prompt says; on Idefics3 it reserves at least one image span per image."""
+    from transformers import AutoConfig
+
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    spec = {"_target_": "recipes/agents/geo3k.py:AgentRunner"}
+    kw = dict(max_len=512, timeout_s=10, engine_timeout_s=10, seed=0, max_turns=2,
+              chat_options={"accepts_images": True, "max_images": 1})
+    text = AgentRunnerActor(spec, [object()], tokenizer_path=tiny_model, **kw).runner
+    assert (text.accepts_images, text.image_tokens_per_image) == (False, 0)
+    model_dir = resolve_path("tiny://idefics3_tiny")
+    idefics3 = AgentRunnerActor(spec, [object()], tokenizer_path=model_dir, **kw).runner
+    c = AutoConfig.from_pretrained(model_dir)
+    span = (c.vision_config.image_size // c.vision_config.patch_size) ** 2 // c.scale_factor**2 + 3  # + fake x2, tag
+    assert idefics3.accepts_images and idefics3.max_images == 1
+    assert idefics3.image_tokens_per_image >= span - 1  # the placeholder itself is already in the prompt
+
+
 def test_policy_step_on_a_vlm_experience_raises_the_advantaged_tokens():
     """The controller's train sample (ids, masks, old/rollout log-probs, advantages + processor outputs) through the
     PPO objective with entropy: a positive advantage makes the generated tokens more likely."""
