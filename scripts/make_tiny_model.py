@@ -1,5 +1,5 @@
-"""Write the tiny Qwen3, Qwen3-MoE, Qwen2.5-VL and Idefics3 test models (random init, local BPE tokenizer, chat template; the
-VLM with a PIL image processor) to a directory.
+"""Write the tiny Qwen3, Qwen3-MoE, Qwen2.5-VL and Idefics3 test models (random init, local BPE tokenizer, chat
+template; the VLMs with a PIL image processor) to a directory.
 
     python scripts/make_tiny_model.py OUT_DIR [--seed 0]
 """

@@ -29,11 +29,13 @@ def test_vlm_recipe_trains_with_engine_exact_logprobs_on_image_rollouts(tmp_path
 
     from molt_hydra.models.tiny import resolve_model_path
 
-    image_id = AutoTokenizer.from_pretrained(resolve_model_path("tiny://idefics3_tiny")).convert_tokens_to_ids("<image>")
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny://idefics3_tiny"))
+    image_id = tok.convert_tokens_to_ids("<image>")
     for step, m in train.items():
         assert m["train/num_samples_trained"] > 0
         assert m["train/drift/abs_logp_diff_max"] < 1e-3, m  # engine and trainer saw the same ids and pixels
         assert 0 < m["train/reward"] < 1
-        trajs = [json.loads(line) for line in (tmp_path / "trajectories" / f"step{step}.jsonl").read_text().splitlines()]
+        dumped = (tmp_path / "trajectories" / f"step{step}.jsonl").read_text().splitlines()
+        trajs = [json.loads(line) for line in dumped]
         # one `<image>` per rollout in the prompt (the row's figure, sent as an image_url data URI by the agent)
         assert all(t["token_ids"][: t["action_ranges"][0][0]].count(image_id) == 1 for t in trajs)
