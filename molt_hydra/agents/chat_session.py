@@ -171,9 +171,11 @@ class ChatSession:
             self.sampling, n=req.n, max_tokens=max_tokens, min_tokens=0, stop=self.sampling.stop + o.get("stop", ()),
             **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o},
             **self._decoding(req))
+        images = [load_image(s) for s in image_sources(req.messages)]
+        self._check_image_count(images)
         self.stats.judge_calls += 1
-        gens = await self.generator.generate(GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling,
-                                                               [load_image(s) for s in image_sources(req.messages)]))
+        gens = await self.generator.generate(
+            GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling, images))
         return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
 
     def _check_images(self, messages: list[dict]) -> None:
