@@ -1,5 +1,5 @@
-"""Write the tiny Qwen3, Qwen3-MoE and Qwen2.5-VL test models (random init, local BPE tokenizer, chat template; the
-VLM with a PIL image processor) to a directory.
+"""Write the tiny Qwen3, Qwen3-MoE, Qwen2.5-VL and Idefics3 test models (random init, local BPE tokenizer, chat
+template; the VLMs with a PIL image processor) to a directory.
 
     python scripts/make_tiny_model.py OUT_DIR [--seed 0]
 """
@@ -18,4 +18,4 @@ if __name__ == "__main__":
     for name, path in build(args.out_dir, args.seed).items():
         print(f"{name}: {path}")
     for name in tiny_vlm.TINY_VLM_MODELS:
-        print(f"{name}: {tiny_vlm.build(args.out_dir / name, args.seed)}")
+        print(f"{name}: {tiny_vlm.build(args.out_dir / name, args.seed, name)}")

@@ -63,10 +63,12 @@ class ChatAgentRunner(Runner):
         reasoning_parser: str | None = None,
         max_choices: int = 8,
         accepts_images: bool = True,
+        max_images: int | None = None,
     ):
         """`tool_parser` / `reasoning_parser`: vLLM parser names for the model family (agent.tool_parser /
         agent.reasoning_parser); `max_choices`: the largest `n` a request may ask for (agent.max_choices);
-        `accepts_images`: False for a text-only model, so image parts get a 400 (data.max_images_per_prompt > 0)."""
+        `accepts_images`: False for a text-only model, so image parts get a 400 (data.max_images_per_prompt > 0);
+        `max_images`: the engines' per-prompt image limit (data.max_images_per_prompt), more is a 400."""
         if isinstance(agent, str):
             from molt_hydra.agents.loading import resolve_target
 
@@ -75,18 +77,18 @@ class ChatAgentRunner(Runner):
             raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent!r}")
         self.agent_cls = agent
         self.agent_kwargs = dict(agent_kwargs or {})
-        self.configure_chat(tool_parser, reasoning_parser, max_choices, accepts_images)
+        self.configure_chat(tool_parser, reasoning_parser, max_choices, accepts_images, max_images)
         self.image_tokens_per_image = image_tokens_per_image
         self.server: ChatServer | None = None
         self._server_loop = None
         self._server_started: asyncio.Future | None = None
 
     def configure_chat(self, tool_parser: str | None = "hermes", reasoning_parser: str | None = None,
-                       max_choices: int = 8, accepts_images: bool = True) -> None:
+                       max_choices: int = 8, accepts_images: bool = True, max_images: int | None = None) -> None:
         """The agent.* chat settings (the runner process applies the config's values over the constructor's)."""
         _check_parser_names(tool_parser, reasoning_parser)
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
-        self.max_choices, self.accepts_images = max_choices, accepts_images
+        self.max_choices, self.accepts_images, self.max_images = max_choices, accepts_images, max_images
 
     async def _ensure_server(self) -> ChatServer:
         # The server lives on the loop that runs the agents (its sessions call the engine from that loop);
@@ -114,6 +116,7 @@ class ChatAgentRunner(Runner):
             max_turns=episode.max_turns,
             max_choices=self.max_choices,
             accepts_images=self.accepts_images,
+            max_images=self.max_images,
         )
         server.open_session(session)
         messages = prompt_messages(episode.prompt, episode.images)

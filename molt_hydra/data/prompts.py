@@ -32,11 +32,38 @@ def _toy(n: int, seed: int) -> list[dict]:
             for _ in range(n)]
 
 
+def _geo_triangles(n: int, seed: int, size: int = 56) -> list[dict]:
+    """Synthetic geometry with a figure (the CPU VLM recipe's task, geo3k-shaped): a triangle drawn with two of its
+    angles given, find the third. One 56x56 PIL image per row, placed at the prompt's `<image>` marker."""
+    import math
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(25, 85), rng.randint(25, 85)
+        # vertices: A at the bottom left, B at the bottom right, C where the rays at angles a and b meet
+        base = size - 8
+        ta, tb = math.tan(math.radians(a)), math.tan(math.radians(b))
+        cx = base * tb / (ta + tb)
+        cy = min(cx * ta, size - 8)
+        y0 = size - 4
+        im = Image.new("RGB", (size, size), "white")
+        ImageDraw.Draw(im).polygon([(4, y0), (4 + base, y0), (4 + cx, y0 - cy)], outline=(0, 0, 0))
+        rows.append({"prompt": [{"role": "user", "content": f"<image>Two angles of the triangle are {a} and {b} "
+                                 "degrees. Find x, the third angle. Put the final answer in \\boxed{}."}],
+                     "label": str(180 - a - b), "datasource": "geo_triangles", "images": [im]})
+    return rows
+
+
 BUILTIN_TASKS = {
     "toy": lambda: _toy(512, seed=0),
     "toy_eval": lambda: _toy(32, seed=1),
     "arithmetic": lambda: _arithmetic(2000, seed=0),
     "arithmetic_eval": lambda: _arithmetic(100, seed=1),
+    "geo_triangles": lambda: _geo_triangles(256, seed=0),
+    "geo_triangles_eval": lambda: _geo_triangles(16, seed=1),
 }
 
 
@@ -72,9 +99,9 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
             rows = BUILTIN_TASKS[name]()
         else:
             rows = [_rename(r, input_key, label_key, tools_key, image_key) for r in _load_one(s, split)]
-            for i, r in enumerate(rows):
-                if "images" in r:
-                    r["images"] = to_pil_images(r["images"], max_images_per_prompt, f"{s} row {i} ({image_key})")
+        for i, r in enumerate(rows):
+            if "images" in r:
+                r["images"] = to_pil_images(r["images"], max_images_per_prompt, f"{s} row {i} ({image_key})")
         parts.append(rows[:max_samples] if max_samples else rows)
     if probs is None:
         return [r for part in parts for r in part]

@@ -159,7 +159,7 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
     staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
     if name in tiny_vlm.TINY_VLM_MODELS:
-        tiny_vlm.build(staging / name)
+        tiny_vlm.build(staging / name, name=name)
         if not (target / "model.safetensors").exists():
             shutil.rmtree(target, ignore_errors=True)
             os.replace(staging / name, target)

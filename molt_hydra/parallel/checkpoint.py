@@ -155,8 +155,9 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
         if tokenizer_path is not None and any(Path(tokenizer_path).glob("tokenizer*")):
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
-            if (Path(tokenizer_path) / "preprocessor_config.json").is_file():  # a VLM's image processor
-                shutil.copy(Path(tokenizer_path) / "preprocessor_config.json", tmp)
+            for name in ("preprocessor_config.json", "processor_config.json"):  # a VLM's (image) processor
+                if (Path(tokenizer_path) / name).is_file():
+                    shutil.copy(Path(tokenizer_path) / name, tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

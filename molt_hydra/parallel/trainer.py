@@ -142,7 +142,7 @@ class TrainerWorker:
             out = torch.zeros_like(v, dtype=torch.float32)
             out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
             return out.masked_fill(first, 0.0), None, None
-        mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS} if "pixel_values" in mb else {}
+        mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS if k in mb}
         # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
         if self.head is not None:  # the lm_head returns [B, T, 1 or 2]: log p (and entropy)
             self.head.call = (ids, self.temperature, self.chunk, need_entropy)

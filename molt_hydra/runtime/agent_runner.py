@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import threading
 import uuid
+from pathlib import Path
 
 from molt_hydra.rollout.generation import Sampling
 
@@ -103,6 +104,9 @@ class AgentRunnerActor:
             self.runner.configure_chat(**chat_options)
         self.apply_chat_template = apply_chat_template
         images = TrajectoryImages.for_model(tokenizer_path)
+        text_only = images is None and (Path(tokenizer_path) / "config.json").is_file()
+        if text_only and getattr(self.runner, "accepts_images", False):
+            self.runner.accepts_images = False  # an image part sent to a text-only model is the client's 400
         if images is not None and getattr(self.runner, "image_tokens_per_image", None) == 0:
             # each image takes engine tokens beyond its placeholder: reserve the most one can take, so a rollout
             # stays within max_len once expanded (else to_experience drops it as image_truncated)

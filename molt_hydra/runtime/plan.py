@@ -69,6 +69,10 @@ def model_shape(path: str) -> ModelShape | None:
 
     if path.startswith(TINY_SCHEME) and path[len(TINY_SCHEME):] in TINY_MODELS:
         return ModelShape.from_hf_config(tiny_config_dict(path[len(TINY_SCHEME):]))
+    from molt_hydra.models import tiny_vlm
+
+    if path.startswith(TINY_SCHEME) and path[len(TINY_SCHEME):] in tiny_vlm.TINY_VLM_MODELS:
+        return ModelShape.from_hf_config(tiny_vlm.tiny_config_dict(path[len(TINY_SCHEME):]))
     config = Path(path) / "config.json"
     if config.exists():
         return ModelShape.from_hf_config(json.loads(config.read_text()))

@@ -205,7 +205,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         timeout_s=cfg.agent.timeout_s, engine_timeout_s=t.timeouts.engine_call_s, seed=cfg.seed,
         max_turns=cfg.agent.max_turns, apply_chat_template=d.apply_chat_template,
         chat_options=dict(tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser,
-                          max_choices=cfg.agent.max_choices, accepts_images=d.max_images_per_prompt > 0))
+                          max_choices=cfg.agent.max_choices, accepts_images=d.max_images_per_prompt > 0,
+                          max_images=d.max_images_per_prompt or None))
         for _ in range(r.num_runners)]
     await deadline(asyncio.gather(*(x.__ray_ready__.remote() for x in runners)), t.timeouts.startup_s,
                    "agent runner", "start")

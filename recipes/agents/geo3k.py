@@ -17,6 +17,7 @@ from molt_hydra.models.vlm import image_parts
 _HERE = Path(__file__).resolve().parent
 PythonToolEnv = resolve_target(f"{_HERE}/python_tool_env.py:PythonToolEnv")
 PythonToolChatAgent = resolve_target(f"{_HERE}/python_tool_chat.py:PythonToolChatAgent")
+digit_fraction = resolve_target(f"{_HERE}/toy.py:digit_fraction")
 
 
 class Geo3kPythonEnv(PythonToolEnv):
@@ -28,6 +29,16 @@ class Geo3kPythonEnv(PythonToolEnv):
 
 class Geo3kPythonAgent(PythonToolChatAgent):
     """The python-tool chat agent; the images are already in `ctx.messages` as data URIs."""
+
+
+class TinyGeoAgent(Geo3kPythonAgent):
+    """The tiny_vlm_geo_cpu agent: the same multi-turn python-tool VLM agent; a correct \\boxed{} answer (math-verify)
+    earns 1. A random-init tiny model never writes one, so a wrong answer earns 0.5 x its digit fraction (the toy
+    task's signal): the samples of a group then differ, and GRPO's advantages are non-zero from the first step."""
+
+    def grade(self, answer: str, label) -> float:
+        correct = super().grade(answer, label)
+        return correct if correct else 0.5 * digit_fraction(answer)
 
 
 class AgentRunner(ChatAgentRunner):

@@ -54,8 +54,11 @@ class PythonToolChatAgent(ChatAgent):
                     failed += not result.ok
                     output = result.as_observation()
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
-        reward = await asyncio.to_thread(grade_math, answer, ctx.label)
+        reward = await asyncio.to_thread(self.grade, answer, ctx.label)
         return Result(reward=reward, info={"tool_calls": calls, "tool_failures": failed})
+
+    def grade(self, answer: str, label) -> float:
+        return grade_math(answer, label)
 
 
 class AgentRunner(ChatAgentRunner):

@@ -39,7 +39,7 @@ def vlm_worker(model_dir, **kw):
                          param_dtype="fp32", timeout_s=120, **kw)
 
 
-def mixed_dp_rank(rank: int, world: int, port: int, out_dir: str, freeze: bool):
+def mixed_dp_rank(rank: int, world: int, port: int, out_dir: str, freeze: bool, model: str = "tiny://qwen25_vl_tiny"):
     """One DP rank of a VLM train step where rank 0 holds an image sample and rank 1 a text-only one."""
     import json
 
@@ -50,13 +50,15 @@ def mixed_dp_rank(rank: int, world: int, port: int, out_dir: str, freeze: bool):
     from molt_hydra.models.build import resolve_path
     from molt_hydra.parallel.trainer import TrainerWorker
 
-    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    model_dir = resolve_path(model)
     tok = AutoTokenizer.from_pretrained(model_dir)
+    images = vlm.TrajectoryImages.for_model(model_dir)
     w = TrainerWorker(rank=rank, world_size=world, master_port=port, model_path=model_dir, lr=1e-2,
                       param_dtype="fp32", timeout_s=60, freeze_visual_encoder=freeze)
     if rank == 0:
-        ids = tok("<|vision_start|><|image_pad|><|vision_end|>x is 60", add_special_tokens=False)["input_ids"]
-        ids, _, _, _, mm = vlm.TrajectoryImages.for_model(model_dir).expand(
+        ids = tok("x is 60", add_special_tokens=False)["input_ids"]
+        ids = [images.placeholder_id] + ids
+        ids, _, _, _, mm = images.expand(
             ids, [0.0] * len(ids), [-1] * len(ids), [], [Image.new("RGB", (56, 56), "red")])
     else:
         ids, mm = tok("the answer is yes", add_special_tokens=False)["input_ids"], {}

