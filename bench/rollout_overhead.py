@@ -136,7 +136,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="tiny,smollm2")
     p.add_argument("--repeats", type=int, default=10)
-    args = p.parse_args()
+    args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
     from molt_hydra.models.tiny import resolve_model_path
 
     for name in args.models.split(","):
