@@ -266,7 +266,7 @@ def _niceness_here(_actor=None) -> dict:
     import psutil
 
     me = psutil.Process()
-    return {"raylet": os.getpriority(os.PRIO_PROCESS, os.getppid()),
+    return {"raylet": os.getpriority(os.PRIO_PROCESS, os.getppid()), "main": os.getpriority(os.PRIO_PROCESS, me.pid),
             "threads": {os.getpriority(os.PRIO_PROCESS, t.id) for t in me.threads()},
             "children": {c.name(): c.nice() for c in me.children(recursive=True)}}
 
@@ -280,7 +280,7 @@ class PlainActor:
 def test_engine_processes_run_at_the_nodes_niceness_not_rays_worker_niceness(engines):
     """Ray starts workers at nice +15; an engine (actor threads, its EngineCore and worker) takes the raylet's."""
     plain = ray.get(PlainActor.remote().niceness.remote(), timeout=60)
-    assert plain["threads"] == {min(plain["raylet"] + 15, 19)}  # what an engine would run at without the reset
+    assert plain["main"] == min(plain["raylet"] + 15, 19)  # what an engine would run at without the reset
     for e in engines:
         got = ray.get(e.__ray_call__.remote(_niceness_here), timeout=60)
         assert got["threads"] == {got["raylet"]}
