@@ -56,7 +56,10 @@ async def measure(model_dir, texts, tok, repeats):
     from molt_hydra.rollout.generator import SamplesGenerator
     from molt_hydra.rollout.router import Router
 
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    from molt_hydra.runtime.roles import RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
+             _system_config=RAY_SYSTEM_CONFIG)  # as a run starts it: roles at the launcher's niceness
     raw_engine = VLLMEngine(model_dir, **ENGINE_ARGS)
     await raw_engine.start()
     llm = raw_engine._llm

@@ -66,7 +66,10 @@ def bench(label: str, model_dir: str, weights: dict, repeats: int = 3) -> str:
         return time.perf_counter() - start
 
     copies = [memcpy_s() for _ in range(3)]  # and once more before every timed sync: the same load for both
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    from molt_hydra.runtime.roles import RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
+             _system_config=RAY_SYSTEM_CONFIG)  # as a run starts it: roles at the launcher's niceness
     engine = ray.remote(VLLMEngine).options(max_concurrency=16, num_cpus=1).remote(
         model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1)
     ray.get(engine.start.remote())

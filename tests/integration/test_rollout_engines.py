@@ -257,32 +257,3 @@ def test_generator_over_engines_filters_groups_and_counts_drops(engines):
     assert m["rollout/dropped/agent_exception"] == 1
     assert m["rollout/dropped/total"] == 6
     assert m["dynamic_filtering_pass_rate"] == pytest.approx(40.0)
-
-
-def _niceness_here(_actor=None) -> dict:
-    """Run inside an actor: the raylet's niceness, this process's threads', and its vLLM child processes'."""
-    import os
-
-    import psutil
-
-    me = psutil.Process()
-    return {"raylet": os.getpriority(os.PRIO_PROCESS, os.getppid()), "main": os.getpriority(os.PRIO_PROCESS, me.pid),
-            "threads": {os.getpriority(os.PRIO_PROCESS, t.id) for t in me.threads()},
-            "children": {c.name(): c.nice() for c in me.children(recursive=True)}}
-
-
-@ray.remote
-class PlainActor:
-    def niceness(self):
-        return _niceness_here()
-
-
-def test_engine_processes_run_at_the_nodes_niceness_not_rays_worker_niceness(engines):
-    """Ray starts workers at nice +15; an engine (actor threads, its EngineCore and worker) takes the raylet's."""
-    plain = ray.get(PlainActor.remote().niceness.remote(), timeout=60)
-    assert plain["main"] == min(plain["raylet"] + 15, 19)  # what an engine would run at without the reset
-    for e in engines:
-        got = ray.get(e.__ray_call__.remote(_niceness_here), timeout=60)
-        assert got["threads"] == {got["raylet"]}
-        assert {"VLLM::EngineCore", "VLLM::Worker"} <= set(got["children"])
-        assert set(got["children"].values()) == {got["raylet"]}
