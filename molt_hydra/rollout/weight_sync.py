@@ -5,8 +5,8 @@ buckets, refresh tied heads + reset the prefix cache + stamp the new policy vers
 trainer supplies an iterator of buckets, each a list of (hf_name, full CPU tensor) — `buckets.bucket_weights` bounds
 them by `bucket_bytes`, which bounds the sync's extra memory.
 
-Transports: `object_store` (safetensors bytes through Ray's object store: any host), `shm` (each bucket packed into
-one reused shared-memory region the engine workers map and load from in place: engines on the trainer's host), `nccl` (one flat buffer per bucket broadcast from the trainer's
+Transports: `object_store` (safetensors bytes through Ray's object store: any host), `shm` (each bucket packed in one
+reused shared-memory region the engines map: one host), `nccl` (one flat buffer per bucket broadcast from the trainer's
 rank 0 over a process group opened once at start: GPU, disaggregated), `cuda_ipc` (one flat buffer per bucket on the
 trainer's GPU, mapped by the engine worker through a CUDA IPC handle: GPU, colocated). Tensors travel in the engine's
 dtype: GPU transports cast while packing on the trainer's GPU, host transports cast on the GPU before the copy to host.

@@ -185,4 +185,3 @@ def uncovered_checkpoint_names(checkpoint_names: set[str], pushed: set[str], mod
         return name
 
     return sorted(n for n in checkpoint_names if n not in pushed and model_name(n) not in pushed)
-

@@ -18,9 +18,10 @@ from torch import nn
 
 from molt_hydra.parallel.weight_buckets import iter_weight_buckets
 from molt_hydra.rollout.buckets import ALIGN, bucket_weights, pack_bucket, unpack_bucket
-from molt_hydra.rollout.weight_sync import (BroadcastGroup, BroadcastTransport, CudaIpcTransport,
-                                            SharedMemoryTransport, Transport, WeightSync, choose_transport, open_broadcast, push_from_rank,
+from molt_hydra.rollout.weight_sync import (BroadcastGroup, BroadcastTransport, CudaIpcTransport, Transport,
+                                            WeightSync, choose_transport, open_broadcast, push_from_rank,
                                             resolve_transport)
+from molt_hydra.rollout.weight_sync import SharedMemoryTransport
 from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
 
 
