@@ -89,7 +89,8 @@ def bench(label: str, model_dir: str, weights: dict, repeats: int = 3) -> str:
     ray.shutdown()
     load = os.getloadavg()
     return append_row("weight_sync", f"{label} ({gb * 1000:.0f} MB fp32), 1 engine, {BUCKET_BYTES >> 20} MB buckets, "
-                      f"full sync incl. pause/resume, best of {repeats}", f"memcpy {memcpy:.3f} s/GB",
+                      f"full sync incl. pause/resume, best of {repeats}; memcpy: best clone, interleaved with the syncs",
+                      f"memcpy {memcpy:.3f} s/GB",
                       " / ".join(cells), " / ".join(ratios) + " memcpy (goal <= 1.5x)",
                       note=f"load avg {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
 
