@@ -82,6 +82,7 @@ def hf_logprobs(model, tokens):
     return [logp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(tokens)]
 
 
+@pytest.mark.slow  # ~75 s on 2 cores (an engine start); the coverage rule itself is the fast test above
 def test_fused_expert_push_loads_and_a_left_out_expert_tensor_is_named(engine, tiny_moe_model):
     model, state = trainer_state(tiny_moe_model)
     before = greedy(engine)
