@@ -1,12 +1,15 @@
 """Tokens/s of the full path (StepEnvRunner agent -> SamplesGenerator -> Router -> Ray engine actor) divided by raw
 vLLM `AsyncLLM.generate` on the same prompts, sampling and engine settings, measured in this process, for the tiny
-Qwen3 and (when `smollm2://` resolves) SmolLM2-135M-Instruct. Appends one row per model to RESULTS.md.
+Qwen3 and (when `smollm2://` resolves) SmolLM2-135M-Instruct. Both paths run with Ray up and are alternated pair by
+pair; the row gives the median of the per-pair ratios and their spread, the engines' niceness and the load average.
+Appends one row per model to RESULTS.md.
 
     flock /tmp/molt_heavy.lock .venv/bin/python bench/rollout_overhead.py [--models tiny,smollm2] [--repeats 10]
 """
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -25,35 +28,26 @@ def prompts(tok):
                                     add_generation_prompt=True) for i in range(GROUPS)]
 
 
-async def raw_vllm(model_dir, texts, tok, repeats):
-    from vllm.sampling_params import SamplingParams
+def niceness_of_engines() -> str:
+    """Niceness of every vLLM engine process this run started (the raw engine's and the Ray engine's)."""
+    import psutil
 
-    from molt_hydra.rollout.engine import VLLMEngine
-
-    engine = VLLMEngine(model_dir, **ENGINE_ARGS)
-    await engine.start()
-    llm = engine._llm
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, temperature=1.0)
-
-    async def one(ids, rid):
-        async for out in llm.generate({"prompt_token_ids": ids}, params, request_id=rid):
+    seen = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            name = " ".join(p.cmdline())[:40] if p.name() == "python" else p.name()
+            if "VLLM" in name or "VLLMEngine" in name:
+                seen.append(f"{name.split()[0]} nice {p.nice()}")
+        except psutil.Error:
             pass
-        return len(out.outputs[0].token_ids)
-
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    for w in range(WARMUP):
-        await asyncio.gather(*(one(i, f"w{w}-{k}") for k, i in enumerate(ids)))
-    rates = []
-    for r in range(repeats):
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(one(i, f"r{r}-{k}-{j}") for k, i in enumerate(ids) for j in range(N)))
-        rates.append(sum(counts) / (time.perf_counter() - start))
-    engine.shutdown()
-    return rates
+    return ", ".join(sorted(seen))
 
 
-async def full_path(model_dir, texts, tok, repeats):
+async def measure(model_dir, texts, tok, repeats):
+    """Raw vLLM and the full path, alternated repeat by repeat (the order flips each time) so the noise of a shared
+    machine hits both alike. Both run with Ray's daemons up: the same background processes in both."""
     import ray
+    from vllm.sampling_params import SamplingParams
 
     from molt_hydra.agents.base import Env, Episode, Result
     from molt_hydra.agents.step_runner import StepEnvRunner
@@ -62,11 +56,30 @@ async def full_path(model_dir, texts, tok, repeats):
     from molt_hydra.rollout.generator import SamplesGenerator
     from molt_hydra.rollout.router import Router
 
+    from molt_hydra.runtime.roles import RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
+             _system_config=RAY_SYSTEM_CONFIG)  # as a run starts it: roles at the launcher's niceness
+    raw_engine = VLLMEngine(model_dir, **ENGINE_ARGS)
+    await raw_engine.start()
+    llm = raw_engine._llm
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, temperature=1.0)
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    async def one(prompt_ids, rid):
+        async for out in llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=rid):
+            pass
+        return len(out.outputs[0].token_ids)
+
+    async def raw(tag):
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(i, f"{tag}-{k}-{j}") for k, i in enumerate(ids) for j in range(N)))
+        return sum(counts) / (time.perf_counter() - start)
+
     class OneTurn(Env):
         async def step(self, state):
             return Result(reward=1.0)
 
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     engine = ray.remote(VLLMEngine).options(max_concurrency=256, num_cpus=1).remote(model_dir, **ENGINE_ARGS)
     ray.get(engine.start.remote())
     router = Router([engine], timeout_s=300)
@@ -82,42 +95,51 @@ async def full_path(model_dir, texts, tok, repeats):
     sampling = Sampling(max_tokens=MAX_TOKENS, ignore_eos=True)
     rows = [{"prompt": t} for t in texts]
 
-    async def run():
+    async def ours(tag):
         gen = SamplesGenerator(rows, AgentGroups(), batch_size=GROUPS, n_samples_per_prompt=N, sampling=sampling)
         start = time.perf_counter()
         batch = await gen.generate_batch()
         tokens = sum(t.num_generated for g in batch.groups for t in g.trajectories)
         return tokens / (time.perf_counter() - start)
 
-    for _ in range(WARMUP):  # also lets the Ray worker processes that ray.init starts finish their imports
-        await run()
-    rates = [await run() for _ in range(repeats)]
+    for w in range(WARMUP):  # also lets the Ray worker processes that ray.init starts finish their imports
+        await raw(f"w{w}")
+        await ours(f"w{w}")
+    nice = niceness_of_engines()
+    raws, ourss = [], []
+    for r in range(repeats):
+        for path in ((raw, ours) if r % 2 == 0 else (ours, raw)):
+            (raws if path is raw else ourss).append(await path(f"r{r}"))
     ray.get(engine.shutdown.remote())
+    raw_engine.shutdown()
     ray.shutdown()
-    return rates
+    return raws, ourss, nice
 
 
 def bench(label, model_dir, repeats):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = prompts(tok)
-    raws = asyncio.run(raw_vllm(model_dir, texts, tok, repeats))
-    ourss = asyncio.run(full_path(model_dir, texts, tok, repeats))
-    print("raw tok/s per repeat:", [round(r) for r in raws], "\nours tok/s per repeat:", [round(r) for r in ourss])
+    raws, ourss, nice = asyncio.run(measure(model_dir, prompts(tok), tok, repeats))
+    ratios = sorted(o / r for o, r in zip(ourss, raws))  # each pair measured back to back
+    print("raw tok/s per repeat:", [round(r) for r in raws], "\nours tok/s per repeat:", [round(r) for r in ourss],
+          "\nengine processes:", nice)
     raw, ours = statistics.median(raws), statistics.median(ourss)
+    load = os.getloadavg()
     return append_row(
         "rollout_overhead", f"{label} fp32, {GROUPS}x{N} samples x {MAX_TOKENS} tok (ignore_eos), 1 engine, "
-        f"median of {repeats} after {WARMUP} warm-ups", f"raw vLLM AsyncLLM.generate {raw:.0f} tok/s (best {max(raws):.0f})",
-        f"agent->generator->router->Ray engine {ours:.0f} tok/s (best {max(ourss):.0f})",
-        f"ratio {ours / raw:.2f} median, {max(ourss) / max(raws):.2f} best (goal >= 0.90)")
+        f"{repeats} alternated pairs after {WARMUP} warm-ups, Ray up in both; {nice}",
+        f"raw vLLM AsyncLLM.generate {raw:.0f} tok/s median",
+        f"agent->generator->router->Ray engine {ours:.0f} tok/s median",
+        f"ratio {statistics.median(ratios):.2f} median of pairs (min {ratios[0]:.2f}, max {ratios[-1]:.2f}; "
+        f"goal >= 0.90)", note=f"load avg {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="tiny,smollm2")
     p.add_argument("--repeats", type=int, default=10)
-    args = p.parse_args()
+    args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
     from molt_hydra.models.tiny import resolve_model_path
 
     for name in args.models.split(","):

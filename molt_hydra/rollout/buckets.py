@@ -32,13 +32,18 @@ Metas = list[tuple[str, str, list[int]]]
 ALIGN = 16  # every tensor starts on a 16-byte boundary: `view(dtype)` of a slice needs its offset aligned
 
 
-def pack_bucket(bucket: Bucket, dtype: torch.dtype | None = None) -> tuple[Metas, torch.Tensor]:
+def pack_bucket(bucket: Bucket, dtype: torch.dtype | None = None, out=None) -> tuple[Metas, torch.Tensor]:
     """(metas, flat): metas are (name, dtype name, shape); flat holds every tensor (16-byte aligned) on the bucket's
     device. With `dtype`, floating tensors are cast while they are packed (an fp32 master weight becomes the engine's
-    bf16 on the wire without a separate cast copy); integer tensors keep their dtype."""
+    bf16 on the wire without a separate cast copy); integer tensors keep their dtype. `out(nbytes)`, if given,
+    returns a uint8 buffer of at least nbytes to pack into (e.g. a reused shared-memory region)."""
     metas = [(name, str(dtype if dtype is not None and t.is_floating_point() else t.dtype).removeprefix("torch."),
               list(t.shape)) for name, t in bucket]
-    flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=bucket[0][1].device if bucket else "cpu")
+    nbytes = packed_nbytes(metas)
+    if out is not None:
+        flat = out(nbytes)[:nbytes]
+    else:
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=bucket[0][1].device if bucket else "cpu")
     if bucket:  # one call for the whole bucket: per-tensor Python overhead dominates small tensors
         torch._foreach_copy_([slot for _, slot in unpack_bucket(metas, flat)], [t.detach() for _, t in bucket])
     return metas, flat

@@ -210,8 +210,9 @@ class VLLMEngine:
         # Tensors cannot cross collective_rpc on CPU (memoryview pickling); safetensors bytes can (feasibility §1c).
         return sum(await self.worker_call("load_safetensors_bytes", bytes(blob)))
 
-    async def load_weights_file(self, path: str) -> int:
-        return sum(await self.worker_call("load_safetensors_file", path))
+    async def load_weights_shared(self, region: tuple, metas: list) -> int:
+        """One bucket packed in the trainer's shared-memory region (`weight_sync.SharedMemoryTransport`)."""
+        return sum(await self.worker_call("load_shared_bucket", region, metas))
 
     async def begin_weight_update(self) -> None:
         await self.worker_call("begin_layerwise_reload")

@@ -5,8 +5,8 @@ buckets, refresh tied heads + reset the prefix cache + stamp the new policy vers
 trainer supplies an iterator of buckets, each a list of (hf_name, full CPU tensor) — `buckets.bucket_weights` bounds
 them by `bucket_bytes`, which bounds the sync's extra memory.
 
-Transports: `object_store` (safetensors bytes through Ray's object store: any host), `shm` (a safetensors file per
-bucket under /dev/shm: engines on the trainer's host), `nccl` (one flat buffer per bucket broadcast from the trainer's
+Transports: `object_store` (safetensors bytes through Ray's object store: any host), `shm` (each bucket packed in one
+reused shared-memory region the engines map: one host), `nccl` (one flat buffer per bucket broadcast from the trainer's
 rank 0 over a process group opened once at start: GPU, disaggregated), `cuda_ipc` (one flat buffer per bucket on the
 trainer's GPU, mapped by the engine worker through a CUDA IPC handle: GPU, colocated). Tensors travel in the engine's
 dtype: GPU transports cast while packing on the trainer's GPU, host transports cast on the GPU before the copy to host.
@@ -75,19 +75,37 @@ class ObjectStoreTransport:
 
 
 class SharedMemoryTransport:
-    def __init__(self, directory: str = "/dev/shm"):
-        self.directory = directory
+    """Engines on the trainer's host: each bucket is packed (cast to the engine dtype while copying: the one copy on
+    this side) into a shared-memory region that every engine worker maps once and hands to vLLM's weight loader as
+    views, with no serialisation. The region is a memfd (nothing left in /dev/shm if the trainer is killed; workers
+    open it as /proc/<pid>/fd/<fd>), kept for every later bucket and sync, replaced only when a bucket outgrows it."""
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        self.dtype = dtype
+        self.region: torch.Tensor | None = None  # uint8, mapped on the memfd
+        self.handle: tuple[str, int, str] | None = None  # (path for other processes, bytes, token)
+        self.fd = -1
+
+    def _region(self, nbytes: int) -> torch.Tensor:
+        if self.region is None or self.region.numel() < nbytes:
+            self.close()
+            self.fd = os.memfd_create("molt_weights")
+            os.ftruncate(self.fd, nbytes)
+            self.region = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=nbytes, dtype=torch.uint8)
+            self.handle = (f"/proc/{os.getpid()}/fd/{self.fd}", nbytes, uuid.uuid4().hex)
+        return self.region
 
     async def push(self, engines: list, bucket: Bucket, call) -> int:
-        from safetensors.torch import save_file
+        metas, flat = pack_bucket(bucket, self.dtype, out=self._region)
+        await asyncio.gather(*(call(e.load_weights_shared.remote(self.handle, metas)) for e in engines))
+        return flat.numel()
 
-        path = os.path.join(self.directory, f"molt_weights_{uuid.uuid4().hex}.safetensors")
-        save_file({name: t.contiguous() for name, t in bucket}, path)
-        try:
-            await asyncio.gather(*(call(e.load_weights_file.remote(path)) for e in engines))
-        finally:
-            os.unlink(path)
-        return _nbytes(bucket)
+    def close(self) -> None:
+        """Drop this side's mapping; the memory is freed once every engine worker dropped its own (next region)."""
+        self.region = self.handle = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class BroadcastGroup:
@@ -304,14 +322,17 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
     """One sync, run on every trainer rank (`worker`: a TrainerWorker): all ranks drive the gathers (FSDP
     collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. Metrics from rank 0."""
     wire = getattr(torch, dtype)
-    on_device = transport in ("nccl", "cuda_ipc")
+    # shm packs into its region: it casts while packing too, instead of casting into a copy and then packing it
+    on_device = transport in ("nccl", "cuda_ipc") or transport == "shm" and worker.device.type == "cpu"
     # GPU transports cast while packing (one pass on the trainer's GPU); host ones get tensors already cast on the GPU
     buckets = worker.weight_buckets(bucket_bytes, None if on_device else wire, worker.device if on_device else "cpu")
     if worker.rank != 0:
         for _ in buckets:  # take part in the gathers; only rank 0 receives tensors
             pass
         return {}
-    carrier = {"shm": SharedMemoryTransport, "object_store": ObjectStoreTransport,
+    if transport == "shm":  # one region, mapped by the engines once, reused by every sync of this rank
+        worker.shm_weight_transport = getattr(worker, "shm_weight_transport", None) or SharedMemoryTransport(wire)
+    carrier = {"shm": lambda: worker.shm_weight_transport, "object_store": ObjectStoreTransport,
                "cuda_ipc": lambda: CudaIpcTransport(wire),
                "nccl": lambda: BroadcastTransport(worker.weight_broadcast_group, wire)}[transport]()
     sync = WeightSync(engines, carrier, check_coverage=check_coverage, timeout_s=timeout_s, version=version - 1)

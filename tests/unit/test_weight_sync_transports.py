@@ -21,6 +21,7 @@ from molt_hydra.rollout.buckets import ALIGN, bucket_weights, pack_bucket, unpac
 from molt_hydra.rollout.weight_sync import (BroadcastGroup, BroadcastTransport, CudaIpcTransport, Transport,
                                             WeightSync, choose_transport, open_broadcast, push_from_rank,
                                             resolve_transport)
+from molt_hydra.rollout.weight_sync import SharedMemoryTransport
 from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
 
 
@@ -92,7 +93,8 @@ class FakeEngine:
 
     def __init__(self, worker, log):
         self.worker, self.log, self.version = worker, log, 0
-        for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call"):
+        for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call",
+                     "load_weights_shared"):
             setattr(self, name, types.SimpleNamespace(remote=self._remote(name)))
 
     def _remote(self, name):
@@ -100,6 +102,8 @@ class FakeEngine:
             self.log.append(name if name != "worker_call" else args[0])
             if name == "worker_call":
                 return [await asyncio.to_thread(getattr(self.worker, args[0]), *args[1:])]
+            if name == "load_weights_shared":  # what VLLMEngine.load_weights_shared asks of its workers
+                return await asyncio.to_thread(self.worker.load_shared_bucket, *args)
             if name == "begin_weight_update":
                 self.worker.begin_layerwise_reload()
             if name == "finish_weight_update":
@@ -250,3 +254,33 @@ def test_gpu_transports_keep_two_buckets_in_flight_before_waiting_for_the_engine
         assert not t.in_flight
 
     asyncio.run(scenario())
+
+
+def test_shm_region_is_mapped_once_reused_across_syncs_and_replaced_when_a_bucket_outgrows_it():
+    """The CPU path: buckets packed (cast to the wire dtype) into one memfd region the worker maps by path and loads
+    from as views; no file is left behind, the same region serves every later sync, a larger bucket gets a new one."""
+    import glob
+    import os
+
+    log, worker = [], FakeWorker()
+    engine = FakeEngine(worker, log)
+    transport = SharedMemoryTransport(torch.bfloat16)
+    shm_files = set(glob.glob("/dev/shm/*"))
+    report = asyncio.run(WeightSync([engine], transport, timeout_s=120).sync(bucket_weights(named_tensors(), 600)))
+    assert report.num_bytes == wire_bytes(named_tensors(), torch.bfloat16) and report.num_tensors == 4
+    for name, t0 in named_tensors():
+        want = t0.to(torch.bfloat16) if t0.is_floating_point() else t0
+        assert worker.loaded[name].dtype == want.dtype and torch.equal(worker.loaded[name], want)
+    path, size, token = transport.handle
+    assert path == f"/proc/{os.getpid()}/fd/{transport.fd}" and size == 2048 // 2  # largest bucket: c.big in bf16
+    assert worker._shared_region[0] == token and set(glob.glob("/dev/shm/*")) <= shm_files
+
+    second = [(n, t + 1) if t.is_floating_point() else (n, t) for n, t in named_tensors()]
+    asyncio.run(WeightSync([engine], transport, timeout_s=120, version=1).sync(bucket_weights(second, 600)))
+    assert transport.handle[2] == token and worker._shared_region[0] == token  # same region, not re-mapped
+    assert torch.equal(worker.loaded["c.big"], (named_tensors()[2][1] + 1).to(torch.bfloat16))
+
+    asyncio.run(WeightSync([engine], transport, timeout_s=120, version=2).sync([[("huge", torch.ones(4096))]]))
+    assert transport.handle[1] == 4096 * 2 and transport.handle[2] != token  # grown: a new region, mapped anew
+    assert worker._shared_region[0] == transport.handle[2] and torch.equal(worker.loaded["huge"],
+                                                                          torch.ones(4096, dtype=torch.bfloat16))
