@@ -1,6 +1,7 @@
 """Build the roles a config needs — and only those — on a Ray cluster, in an order that cannot fragment placement:
-rollout engines first (their multi-device bundles), then the trainer ranks (actor, then reference / critic when the
-algorithm needs them), then the agent runners; then the data and the samples generator.
+rollout engines first (their multi-device bundles), then the agent runners (no devices), then the trainer ranks (actor,
+then reference / critic when the algorithm needs them); then the data and the samples generator. Every role starts at
+once: start-up waits for the slowest (the engine), not for the sum.
 The driver reaches what is built through runtime/calls.py."""
 
 from __future__ import annotations
@@ -104,7 +105,16 @@ def init_ray(cfg: RunConfig) -> None:
 
 
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
+    import importlib
+    import threading
+
     import ray
+
+    # Ray's own processes start while this one imports torch + transformers (seconds on 2 cores): neither waits.
+    importing = threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True)
+    importing.start()
+    init_ray(cfg)
+    importing.join()
     from transformers import AutoConfig, AutoTokenizer
 
     from molt_hydra.algorithm.is_correction import ISCorrection
@@ -121,11 +131,9 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     from molt_hydra.runtime.agent_runner import AgentRunnerActor, RemoteGroupRunner, request_seed
 
     r, p, a, t, d = cfg.rollout, cfg.parallelism, cfg.algorithm, cfg.train, cfg.data
-    init_ray(cfg)
     scoring = cfg.job.value == "eval"
     model_path = resolve_path(cfg.checkpoint.path if scoring and cfg.checkpoint.path else cfg.model.path)
     tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     needs = _needs(cfg)
     on_gpu = cfg.cluster.device.value == "cuda"
     # Engines return their routed experts under R3, and on CPU for every MoE actor (the routing metrics; on GPU
@@ -148,7 +156,19 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     engines = [new_engine(i) for i in range(r.num_engines)]
     starting = asyncio.gather(*(e.start.remote() for e in engines))
 
-    # 2. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
+    # 2. agent runners: they need only the engines' handles, so they start while the engines and trainer build
+    runner_cls = ray.remote(AgentRunnerActor)
+    runners = [runner_cls.options(num_cpus=0).remote(
+        dict(cfg.agent.runner), engines, tokenizer_path=tokenizer_path, max_len=d.max_len,
+        timeout_s=cfg.agent.timeout_s, engine_timeout_s=t.timeouts.engine_call_s, seed=cfg.seed,
+        max_turns=cfg.agent.max_turns, apply_chat_template=d.apply_chat_template,
+        chat_options=dict(tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser,
+                          max_choices=cfg.agent.max_choices, accepts_images=d.max_images_per_prompt > 0))
+        for _ in range(r.num_runners)]
+    runners_ready = asyncio.gather(*(x.__ray_ready__.remote() for x in runners))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    # 3. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
     eval_rows = None
     if cfg.eval.data_path:
         eval_rows = load_prompts(cfg.eval.data_path, split=cfg.eval.split, input_key=d.input_key,
@@ -196,18 +216,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         critic = await deadline(asyncio.to_thread(group, "critic", TrainerWorker, t.critic.optimizer, critic_path),
                                 t.timeouts.startup_s, "critic", "start")
     await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-
-    # 3. agent runners
-    runner_cls = ray.remote(AgentRunnerActor)
-    runners = [runner_cls.options(num_cpus=0).remote(
-        dict(cfg.agent.runner), engines, tokenizer_path=tokenizer_path, max_len=d.max_len,
-        timeout_s=cfg.agent.timeout_s, engine_timeout_s=t.timeouts.engine_call_s, seed=cfg.seed,
-        max_turns=cfg.agent.max_turns, apply_chat_template=d.apply_chat_template,
-        chat_options=dict(tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser,
-                          max_choices=cfg.agent.max_choices, accepts_images=d.max_images_per_prompt > 0))
-        for _ in range(r.num_runners)]
-    await deadline(asyncio.gather(*(x.__ray_ready__.remote() for x in runners)), t.timeouts.startup_s,
-                   "agent runner", "start")
+    await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
 
     # min_tokens=0 (Molt sends 1): vLLM masks EOS on a forced first token, so that token's logprob would differ from
     # the trainer's by log(1 - p_eos) and show up as drift that is not drift.
