@@ -53,7 +53,9 @@ class CpuSampler:
         import psutil
 
         self.root, self.metrics, self.samples, self.stop = psutil.Process(pid), metrics, [], False
-        self.seen: dict[int, tuple[str, float]] = {}  # pid -> (role, last CPU seconds): exited processes still count
+        # pid -> (role, last CPU seconds): exited processes still count; the role is read again at every sample, as
+        # a Ray worker is `ray::IDLE` until it becomes an actor
+        self.seen: dict[int, tuple[str, float]] = {}
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -68,8 +70,7 @@ class CpuSampler:
             for p in procs:
                 try:
                     t = p.cpu_times()
-                    role = self.seen[p.pid][0] if p.pid in self.seen else role_of(p, self.root.pid)
-                    self.seen[p.pid] = (role, t.user + t.system)
+                    self.seen[p.pid] = (role_of(p, self.root.pid), t.user + t.system)
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     pass
             lines = self.metrics.read_text().count("timing/step_total") if self.metrics.exists() else 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass, field
 
 from molt_hydra.config.schema import RunConfig
@@ -111,10 +112,15 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     import ray
 
     # Ray's own processes start while this one imports torch + transformers (seconds on 2 cores): neither waits.
+    t0 = time.perf_counter()
     importing = threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True)
     importing.start()
     init_ray(cfg)
+    up = {"ray": time.perf_counter() - t0}  # seconds from here until each role is ready: the start-up profile
     importing.join()
+
+    def ready(name: str):
+        return lambda _: up.setdefault(name, time.perf_counter() - t0)
     from transformers import AutoConfig, AutoTokenizer
 
     from molt_hydra.algorithm.is_correction import ISCorrection
@@ -155,6 +161,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
 
     engines = [new_engine(i) for i in range(r.num_engines)]
     starting = asyncio.gather(*(e.start.remote() for e in engines))
+    starting.add_done_callback(ready("engines"))
 
     # 2. agent runners: they need only the engines' handles, so they start while the engines and trainer build
     runner_cls = ray.remote(AgentRunnerActor)
@@ -166,6 +173,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                           max_choices=cfg.agent.max_choices, accepts_images=d.max_images_per_prompt > 0))
         for _ in range(r.num_runners)]
     runners_ready = asyncio.gather(*(x.__ray_ready__.remote() for x in runners))
+    runners_ready.add_done_callback(ready("agent runners"))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
     # 3. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
@@ -207,6 +215,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     if not scoring:
         actor = await deadline(asyncio.to_thread(group, "actor", policy_cls, routing_replay=r.routing_replay),
                                t.timeouts.startup_s, "actor", "start")
+        ready("trainer")(None)
     if not scoring and (a.kl.coef > 0 or "reference" in needs):
         ref_path = resolve_path(cfg.model.ref_path or cfg.model.path)
         ref = await deadline(asyncio.to_thread(group, "ref", TrainerWorker, path=ref_path), t.timeouts.startup_s,
@@ -217,6 +226,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                                 t.timeouts.startup_s, "critic", "start")
     await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
     await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
+    print("start-up, seconds from Ray's start until ready: "
+          + ", ".join(f"{name} {s:.1f}" for name, s in sorted(up.items(), key=lambda kv: kv[1])), flush=True)
 
     # min_tokens=0 (Molt sends 1): vLLM masks EOS on a forced first token, so that token's logprob would differ from
     # the trainer's by log(1 - p_eos) and show up as drift that is not drift.
