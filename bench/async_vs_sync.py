@@ -6,10 +6,11 @@ generation and the rest of the step take about the same time, with the CPU each 
    budget where the lines cross (rounded to 8) is the balanced workload.
 2. At that budget, a sync run and an async run (queue_depth 1), same samples per step and steps. Reported: mean
    timing/step_total of steps 3..N, each phase's mean time in both modes, the ideal async/sync ratio
-   max(gen, rest) / step_sync, and a 2-core bound: async cannot beat (CPU seconds of a sync step) / 2 cores either.
+   max(gen, rest) / step_sync, and a 2-core bound: an async step cannot take less than (CPU seconds of a sync step)
+   / 2 cores either (the bound is the larger of the two).
 3. CPU: every process of each run is sampled (psutil, 0.5 s) and its CPU time is booked to its role (engine worker
    = the model, engine core = vLLM's scheduler process, engine front = the AsyncLLM actor, trainer, agent runner,
-   driver, Ray's own processes) over the timed steps: cores busy per role and in all.
+   driver, Ray's own processes) over the timed steps: CPU seconds per step per role, and cores busy in all.
 
     flock /tmp/molt_heavy.lock .venv/bin/python bench/async_vs_sync.py [--steps 12] [--max-new-tokens N]
 """
@@ -80,12 +81,14 @@ class CpuSampler:
             self.samples.append((time.perf_counter(), lines, per_role))
             time.sleep(0.5)
 
-    def busy(self, first_step: int, last_step: int) -> tuple[float, dict[str, float]]:
-        """(wall seconds, cores busy per role) between the samples where step `first_step` and `last_step` appeared."""
+    def per_step(self, first_step: int, last_step: int) -> tuple[float, dict[str, float]]:
+        """(wall seconds, CPU seconds per step per role) between the samples where steps `first_step` and
+        `last_step` appeared."""
         a = next(s for s in self.samples if s[1] >= first_step)
         b = next(s for s in self.samples if s[1] >= last_step)
         wall = b[0] - a[0]
-        return wall, {r: (b[2].get(r, 0.0) - a[2].get(r, 0.0)) / wall for r in sorted(b[2])}
+        n = b[1] - a[1]
+        return wall, {r: (b[2].get(r, 0.0) - a[2].get(r, 0.0)) / n for r in sorted(b[2])}
 
 
 def run(mode: str, steps: int, max_new: int, sample_cpu: bool = False) -> tuple[list[dict], dict]:
@@ -107,7 +110,7 @@ def run(mode: str, steps: int, max_new: int, sample_cpu: bool = False) -> tuple[
             if "timing/step_total" in line]
     cpu = {}
     if sampler:
-        wall, cpu = sampler.busy(SKIP, steps)
+        wall, cpu = sampler.per_step(SKIP, steps)
         cpu["_wall"] = wall
     return rows, cpu
 
@@ -152,8 +155,8 @@ def main():
     s, a = mean(sync, "timing/step_total"), mean(asyn, "timing/step_total")
     gen, rest = gen_and_rest(sync)
     ideal = max(gen, rest) / s
-    cores_s, cores_a = sum(v for k, v in cpu_s.items() if k != "_wall"), sum(v for k, v in cpu_a.items() if k != "_wall")
-    core_bound = max(gen, rest, cores_s * s / 2) / s  # a sync step's CPU seconds spread over both cores at best
+    cpu_sync, cpu_async = (sum(v for k, v in c.items() if k != "_wall") for c in (cpu_s, cpu_a))
+    core_bound = max(gen, rest, cpu_sync / 2) / s  # a sync step's CPU seconds spread over both cores at best
     for name, rows in (("sync", sync), ("async", asyn)):
         print(name, [round(r["timing/step_total"], 2) for r in rows])
     phases = "; ".join(f"{ph} {mean(sync, 'timing/' + ph):.2f}/{mean(asyn, 'timing/' + ph):.2f}" for ph in PHASES)
@@ -168,8 +171,8 @@ def main():
                f"sync {s:.2f} s/step (generation {gen:.2f} s, rest {rest:.2f} s)",
                f"async (queue_depth 1) {a:.2f} s/step",
                f"ratio {a / s:.2f} (goal <= 0.60; ideal max(gen, rest)/sync {ideal:.2f}; 2-core bound {core_bound:.2f})",
-               f"phase means s sync/async: {phases}. CPU cores busy sync/async: {roles}; all "
-               f"{cores_s:.2f}/{cores_a:.2f}")
+               f"phase means s sync/async: {phases}. CPU s/step sync/async: {roles}; all {cpu_sync:.2f}/"
+               f"{cpu_async:.2f} (cores busy {cpu_sync / s:.2f}/{cpu_async / a:.2f})")
 
 
 if __name__ == "__main__":
