@@ -16,6 +16,8 @@ optimizer-step ends, generation included), so start-up is excluded on both sides
 32 samples (micro-batches of 4), lr 1e-5 constant, reward = math-verify grade of the last answer (no box needed;
 recipes/agents/math.py on our side, the same `grade_math` in TRL's reward function); ours is the smollm2_arith
 recipe with its evals off. The reward curve is the per-step mean reward of both.
+CPU seconds per step (same steps): TRL's process time (it has no other process); ours, every process of the run
+(psutil): the work a step is, which a shared machine stretches in time but does not change much.
 
     flock /tmp/molt_heavy.lock .venv/bin/python bench/grpo_vs_trl.py [--model tiny|smollm2] [--steps 30] [--skip-sync]
 """
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, SMOLLM2, append_row  # noqa: E402
+from _common import REPO, SMOLLM2, CpuSampler, append_row  # noqa: E402
 
 SEED = 42
 # Per model: prompts per step, group size, max new tokens, micro-batch, lr.
@@ -85,24 +87,27 @@ def run_trl(steps: int, model_name: str) -> dict:
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.ends = []
+            self.ends, self.cpu = [], []
 
         def on_step_end(self, *a, **k):
             self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())  # every thread of this process: TRL has no other
 
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
                           callbacks=[clock])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.train()
     total = time.perf_counter() - t0
     logs = [h for h in trainer.state.log_history if "reward" in h]
     durations = [b - a for a, b in zip([t0] + clock.ends, clock.ends)]
+    cpu = [b - a for a, b in zip([c0] + clock.cpu, clock.cpu)]
     lengths = [h.get("completions/mean_length", float("nan")) for h in logs]
     step = statistics.mean(durations[SKIP:])
     return {"step_s": step, "tok_s": statistics.mean(lengths[SKIP:]) * sh["prompts"] * sh["group"] / step,
             "reward_first": logs[0]["reward"], "reward_last5": statistics.mean(h["reward"] for h in logs[-5:]),
-            "curve": [h["reward"] for h in logs], "steps": len(durations), "total_s": total}
+            "curve": [h["reward"] for h in logs], "steps": len(durations), "total_s": total,
+            "cpu_s": statistics.mean(cpu[SKIP:])}
 
 
 def run_ours(steps: int, mode: str, model_name: str) -> dict:
@@ -119,10 +124,14 @@ def run_ours(steps: int, mode: str, model_name: str) -> dict:
     if mode == "async":
         args.append("train.queue_depth=1")
     t0 = time.perf_counter()
-    p = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+    p = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = CpuSampler(p.pid, Path(out) / "metrics.jsonl")  # CPU seconds of every process of the run
+    log = p.stdout.read()
+    sampler.stop = True
+    sampler.thread.join()
     total = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise RuntimeError(f"molt-run failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
+    if p.wait() != 0:
+        raise RuntimeError(f"molt-run failed ({p.returncode}):\n{log[-4000:]}")
     rows = [unprefix(json.loads(line)) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step_total" in r]
     timed = rows[SKIP:]
@@ -130,7 +139,7 @@ def run_ours(steps: int, mode: str, model_name: str) -> dict:
     tokens = statistics.mean(r["rollout/response_length_mean"] * r["rollout/num_samples"] for r in timed)
     return {"step_s": step, "tok_s": tokens / step, "reward_first": rows[0]["reward"],
             "reward_last5": statistics.mean(r["reward"] for r in rows[-5:]), "curve": [r["reward"] for r in rows],
-            "steps": len(rows), "total_s": total}
+            "steps": len(rows), "total_s": total, "cpu_s": sum(sampler.per_step(SKIP, steps)[1].values())}
 
 
 def main():
@@ -156,7 +165,8 @@ def main():
         print("ours sync", sync, flush=True)
 
     def cell(r):
-        return (f"{r['step_s']:.3f} s/step, {r['tok_s']:.0f} gen tok/s, reward {r['reward_first']:.2f} -> "
+        return (f"{r['step_s']:.3f} s/step ({r['cpu_s']:.2f} CPU s/step), {r['tok_s']:.0f} gen tok/s, reward "
+                f"{r['reward_first']:.2f} -> "
                 f"{r['reward_last5']:.2f} (last 5), whole run {r['total_s']:.0f} s")
 
     note = "" if sync is None else (f"ours sync mode: {cell(sync)}; speed-up {trl_r['step_s'] / sync['step_s']:.2f}x")
@@ -171,7 +181,8 @@ def main():
                f"{sh['lr']:g}, {args.steps} steps, mean of steps {SKIP + 1}..{args.steps}; TRL {trl.__version__} "
                "transformers generation (vLLM mode needs CUDA)", f"TRL GRPOTrainer {cell(trl_r)}",
                f"molt-run async depth 1 {cell(ours)}",
-               f"{trl_r['step_s'] / ours['step_s']:.2f}x faster per step ({goal})", note)
+               f"{trl_r['step_s'] / ours['step_s']:.2f}x faster per step ({goal}); CPU s per step "
+               f"{trl_r['cpu_s'] / ours['cpu_s']:.2f}x less", note)
 
 
 if __name__ == "__main__":
