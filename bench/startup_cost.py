@@ -161,7 +161,7 @@ def launch_cost(launches):
         resp = float(Path(stamps, "first_response").read_text()) - t0
         cpu = seen.get("cpu", float("nan"))
         rows.append((plan_at or float("nan"), req, resp, first_metric, roles_at or float("nan"), profile, cpu))
-        print(f"  launch {i}: plan printed {plan_at:.1f} s, roles ready {roles_at:.1f} s ({profile}), first request "
+        print(f"  launch {i}: plan printed {plan_at:.1f} s, roles ready {rows[-1][4]:.1f} s ({profile}), first request "
               f"{req:.1f} s ({cpu:.1f} CPU s), first response {resp:.1f} s")
     base = []
     for _ in range(2):
