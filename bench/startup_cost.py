@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, append_row  # noqa: E402
+from _common import REPO, append_row, role_of  # noqa: E402
 
 PY = Path(sys.executable)
 MOLT_RUN = PY.with_name("molt-run")
@@ -126,13 +126,17 @@ def launch_cost(launches):
                 try:
                     for p in [root, *root.children(recursive=True)]:
                         try:
-                            t = p.cpu_times()
-                            last[p.pid] = t.user + t.system  # exited processes keep their last value
+                            t = p.cpu_times()  # exited processes keep their last value
+                            last[p.pid] = (role_of(p, pid), t.user + t.system)
                         except (psutil.NoSuchProcess, psutil.ZombieProcess):
                             pass
                 except psutil.NoSuchProcess:
                     break
-                seen["cpu"] = sum(last.values())
+                seen["cpu"] = sum(c for _, c in last.values())
+                by_role = {}
+                for role, c in last.values():
+                    by_role[role] = by_role.get(role, 0.0) + c
+                seen["by_role"] = ", ".join(f"{r} {c:.1f}" for r, c in sorted(by_role.items(), key=lambda x: -x[1]))
                 time.sleep(0.25)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -160,6 +164,7 @@ def launch_cost(launches):
         req = float(Path(stamps, "first_request").read_text()) - t0
         resp = float(Path(stamps, "first_response").read_text()) - t0
         cpu = seen.get("cpu", float("nan"))
+        profile += f"; CPU s by role until the first request: {seen.get('by_role', '')}"
         rows.append((plan_at or float("nan"), req, resp, first_metric, roles_at or float("nan"), profile, cpu))
         print(f"  launch {i}: plan printed {plan_at:.1f} s, roles ready {rows[-1][4]:.1f} s ({profile}), first request "
               f"{req:.1f} s ({cpu:.1f} CPU s), first response {resp:.1f} s")
