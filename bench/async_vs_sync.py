@@ -1,10 +1,18 @@
-"""Step time of the same recipe in train.mode=async (queue_depth 1) vs train.mode=sync, same samples trained per
-step and same number of steps: the embedded default (tiny Qwen3, toy task) with longer responses so that generation
-and training take similar time. Reported: mean timing/step_total of steps 3..N from each run's metrics.jsonl, the
-sync run's mean generation and train time (to show the workload is balanced), and the ideal async/sync ratio
-max(gen, train) / (gen + train) for those times.
+"""Step time of the same recipe in train.mode=async (queue_depth 1) vs train.mode=sync, on a workload where
+generation and the rest of the step take about the same time, with the CPU each role used in both modes.
 
-    flock /tmp/molt_heavy.lock .venv/bin/python bench/async_vs_sync.py [--max-new-tokens 32] [--steps 12]
+1. Balance: two short sync runs of the embedded default (tiny Qwen3, toy task, 8x8 samples) at max_new_tokens 32 and
+   128 give generation and rest-of-step (experience + train + weight sync) time as lines in the token budget; the
+   budget where the lines cross (rounded to 8) is the balanced workload.
+2. At that budget, a sync run and an async run (queue_depth 1), same samples per step and steps. Reported: mean
+   timing/step_total of steps 3..N, each phase's mean time in both modes, the ideal async/sync ratio
+   max(gen, rest) / step_sync, and a 2-core bound: an async step cannot take less than (CPU seconds of a sync step)
+   / 2 cores either (the bound is the larger of the two).
+3. CPU: every process of each run is sampled (psutil, 0.5 s) and its CPU time is booked to its role (engine worker
+   = the model, engine core = vLLM's scheduler process, engine front = the AsyncLLM actor, trainer, agent runner,
+   driver, Ray's own processes) over the timed steps: CPU seconds per step per role, and cores busy in all.
+
+    flock /tmp/molt_heavy.lock .venv/bin/python bench/async_vs_sync.py [--steps 12] [--max-new-tokens N]
 """
 
 import argparse
@@ -16,53 +24,98 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, append_row  # noqa: E402
+from _common import REPO, CpuSampler, append_row  # noqa: E402
 
 SKIP = 2
-
-
+PHASES = ("generation", "vllm_idle_wait", "actor_idle_wait", "make_experience", "policy_train", "weight_sync_wait",
+          "weight_sync")
 def unprefix(row: dict) -> dict:
     """metrics.jsonl keys of training steps carry a `train/` prefix (kind=train): strip it."""
     return {k[len("train/"):] if k.startswith("train/") else k: v for k, v in row.items()}
 
 
-def run(mode: str, steps: int, max_new: int) -> list[dict]:
-    out = tempfile.mkdtemp(prefix=f"molt_bench_{mode}_")
+def run(mode: str, steps: int, max_new: int, sample_cpu: bool = False) -> tuple[list[dict], dict]:
+    out = Path(tempfile.mkdtemp(prefix=f"molt_bench_{mode}_"))
     args = [str(Path(sys.executable).with_name("molt-run")), f"hydra.run.dir={out}", f"train.max_steps={steps}",
-            f"train.mode={mode}", f"rollout.max_new_tokens={max_new}", "logger.wandb.mode=disabled"]
+            f"train.mode={mode}", f"rollout.max_new_tokens={max_new}", "logger.wandb.mode=disabled",
+            "checkpoint.export_final=false"]
     if mode == "async":
         args.append("train.queue_depth=1")
-    p = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"molt-run {mode} failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
-    return [unprefix(json.loads(line)) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
+    p = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = CpuSampler(p.pid, out / "metrics.jsonl") if sample_cpu else None
+    log = p.stdout.read()
+    if sampler:
+        sampler.stop = True
+        sampler.thread.join()
+    if p.wait() != 0:
+        raise RuntimeError(f"molt-run {mode} failed ({p.returncode}):\n{log[-4000:]}")
+    rows = [unprefix(json.loads(line)) for line in (out / "metrics.jsonl").read_text().splitlines()
             if "timing/step_total" in line]
+    cpu = {}
+    if sampler:
+        wall, cpu = sampler.per_step(SKIP, steps)
+        cpu["_wall"] = wall
+    return rows, cpu
 
 
 def mean(rows, key):
     return statistics.mean(r.get(key, 0.0) for r in rows[SKIP:])
 
 
+def gen_and_rest(rows) -> tuple[float, float]:
+    """A sync step's generation time and everything else (experience, train, weight sync)."""
+    gen = mean(rows, "timing/generation")
+    return gen, mean(rows, "timing/step_total") - gen - mean(rows, "timing/weight_sync_wait")
+
+
+def balanced_tokens(steps: int) -> tuple[int, str]:
+    """The max_new_tokens where a sync step's generation and rest take the same time (two probes, linear fit)."""
+    probes = {}
+    for tokens in (32, 128):
+        probes[tokens] = gen_and_rest(run("sync", steps, tokens)[0])
+        print(f"probe sync max_new_tokens={tokens}: generation {probes[tokens][0]:.2f} s, rest "
+              f"{probes[tokens][1]:.2f} s", flush=True)
+    (g0, r0), (g1, r1) = probes[32], probes[128]
+    slope = ((g1 - g0) - (r1 - r0)) / 96  # d(gen - rest) / d(tokens)
+    tokens = 32 + (r0 - g0) / slope if slope > 0 else 256
+    chosen = int(min(max(round(tokens / 8) * 8, 16), 512))
+    how = "; ".join(f"probe {t} tok: gen {g:.2f} s / rest {r:.2f} s" for t, (g, r) in probes.items())
+    return chosen, how
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="skip the balance probes and use this budget")
     p.add_argument("--steps", type=int, default=12)
-    args = p.parse_args()
-    sync = run("sync", args.steps, args.max_new_tokens)
-    asyn = run("async", args.steps, args.max_new_tokens)
+    args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
+    if args.max_new_tokens is None:
+        tokens, how = balanced_tokens(6)
+    else:
+        tokens, how = args.max_new_tokens, "budget given"
+    print(f"balanced workload: max_new_tokens={tokens} ({how})", flush=True)
+    sync, cpu_s = run("sync", args.steps, tokens, sample_cpu=True)
+    asyn, cpu_a = run("async", args.steps, tokens, sample_cpu=True)
     s, a = mean(sync, "timing/step_total"), mean(asyn, "timing/step_total")
-    gen = mean(sync, "timing/generation")
-    train = s - gen - mean(sync, "timing/weight_sync_wait")  # everything of the sync step that is not generation
-    trained_s = sum(r["num_samples_trained"] for r in sync[SKIP:])
-    trained_a = sum(r["num_samples_trained"] for r in asyn[SKIP:])
+    gen, rest = gen_and_rest(sync)
+    ideal = max(gen, rest) / s
+    cpu_sync, cpu_async = (sum(v for k, v in c.items() if k != "_wall") for c in (cpu_s, cpu_a))
+    core_bound = max(gen, rest, cpu_sync / 2) / s  # a sync step's CPU seconds spread over both cores at best
     for name, rows in (("sync", sync), ("async", asyn)):
         print(name, [round(r["timing/step_total"], 2) for r in rows])
+    phases = "; ".join(f"{ph} {mean(sync, 'timing/' + ph):.2f}/{mean(asyn, 'timing/' + ph):.2f}" for ph in PHASES)
+    roles = "; ".join(f"{r} {cpu_s.get(r, 0):.2f}/{cpu_a.get(r, 0):.2f}" for r in sorted(set(cpu_s) | set(cpu_a))
+                      if r != "_wall")
+    trained_s = sum(r["num_samples_trained"] for r in sync[SKIP:])
+    trained_a = sum(r["num_samples_trained"] for r in asyn[SKIP:])
     append_row("async_vs_sync",
-               f"default recipe (tiny qwen3, toy, 8x8 samples) max_new_tokens={args.max_new_tokens}, {args.steps} steps,"
-               f" mean step_total of steps {SKIP + 1}..{args.steps}; sync run: generation {gen:.2f} s, rest of step "
-               f"(experience+train+weight sync) {train:.2f} s; samples trained {trained_s:.0f} sync / {trained_a:.0f} "
-               "async", f"sync {s:.2f} s/step", f"async (queue_depth 1) {a:.2f} s/step",
-               f"ratio {a / s:.2f} (goal <= 0.60; ideal for these times {max(gen, train) / (gen + train):.2f})")
+               f"default recipe (tiny qwen3, toy, 8x8 samples), balanced max_new_tokens={tokens} ({how}), "
+               f"{args.steps} steps, mean step_total of steps {SKIP + 1}..{args.steps}; samples trained "
+               f"{trained_s:.0f} sync / {trained_a:.0f} async",
+               f"sync {s:.2f} s/step (generation {gen:.2f} s, rest {rest:.2f} s)",
+               f"async (queue_depth 1) {a:.2f} s/step",
+               f"ratio {a / s:.2f} (goal <= 0.60; ideal max(gen, rest)/sync {ideal:.2f}; 2-core bound {core_bound:.2f})",
+               f"phase means s sync/async: {phases}. CPU s/step sync/async: {roles}; all {cpu_sync:.2f}/"
+               f"{cpu_async:.2f} (cores busy {cpu_sync / s:.2f}/{cpu_async / a:.2f})")
 
 
 if __name__ == "__main__":

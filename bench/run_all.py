@@ -14,14 +14,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BENCH, REPO, cuda_available  # noqa: E402
 
-CPU_BENCHES = ["startup_cost", "rollout_overhead", "weight_sync", "async_vs_sync", "grpo_vs_trl", "moe_routing"]
+CPU_BENCHES = ["startup_cost", "rollout_overhead", "weight_sync", "async_vs_sync", "grpo_vs_trl",
+               "grpo_vs_trl --model smollm2", "moe_routing"]  # a name, then its arguments
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", default="")
     args = p.parse_args()
-    chosen = [b for b in CPU_BENCHES + ["gpu_trainer"] if not args.only or b in args.only.split(",")]
+    chosen = [b for b in CPU_BENCHES + ["gpu_trainer"] if not args.only or b.split()[0] in args.only.split(",")]
     failed = []
     if True:
         for name in chosen:
@@ -36,7 +37,7 @@ def main():
                        f"--nproc_per_node={torch.cuda.device_count()}", str(BENCH / "gpu_trainer.py"),
                        "--out", "/tmp/molt_bench_gpu.json"]
             else:
-                cmd = [sys.executable, str(BENCH / f"{name}.py")]
+                cmd = [sys.executable, str(BENCH / f"{name.split()[0]}.py"), *name.split()[1:]]
             print(f"== {name}", flush=True)
             t0 = time.perf_counter()
             rc = subprocess.run(cmd, cwd=REPO).returncode

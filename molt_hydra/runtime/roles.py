@@ -1,12 +1,14 @@
 """Build the roles a config needs — and only those — on a Ray cluster, in an order that cannot fragment placement:
-rollout engines first (their multi-device bundles), then the trainer ranks (actor, then reference / critic when the
-algorithm needs them), then the agent runners; then the data and the samples generator.
+rollout engines first (their multi-device bundles), then the agent runners (no devices), then the trainer ranks (actor,
+then reference / critic when the algorithm needs them); then the data and the samples generator. Every role starts at
+once: start-up waits for the slowest (the engine), not for the sum.
 The driver reaches what is built through runtime/calls.py."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass, field
 
 from molt_hydra.config.schema import RunConfig
@@ -101,14 +103,30 @@ def init_ray(cfg: RunConfig) -> None:
     # Logical CPUs: one per trainer rank and runner, so placement never blocks on this 2-core machine's count.
     p, r = cfg.parallelism, cfg.rollout
     num_cpus = max(cfg.cluster.cpus_per_node, 3 * p.trainer_devices + r.num_runners + 1)
+    # Workers inherit this process's environment. A job runtime_env instead would leave the workers Ray prestarts
+    # unusable (their env differs): every actor would start a new process and the prestarted ones idle, seconds of
+    # CPU on 2 cores at start-up.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Actor logs (vLLM is chatty) stay in Ray's session log files; the terminal shows the run's own progress.
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get(
-                 "HF_HUB_OFFLINE", "0")}})
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
 
 
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
+    import importlib
+    import threading
+
     import ray
+
+    # Ray's own processes start while this one imports torch + transformers (seconds on 2 cores): neither waits.
+    t0 = time.perf_counter()
+    importing = threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True)
+    importing.start()
+    init_ray(cfg)
+    up = {"ray": time.perf_counter() - t0}  # seconds from here until each role is ready: the start-up profile
+    importing.join()
+
+    def ready(name: str):
+        return lambda _: up.setdefault(name, time.perf_counter() - t0)
     from transformers import AutoConfig, AutoTokenizer
 
     from molt_hydra.algorithm.is_correction import ISCorrection
@@ -125,11 +143,9 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     from molt_hydra.runtime.agent_runner import AgentRunnerActor, RemoteGroupRunner, request_seed
 
     r, p, a, t, d = cfg.rollout, cfg.parallelism, cfg.algorithm, cfg.train, cfg.data
-    init_ray(cfg)
     scoring = cfg.job.value == "eval"
     model_path = resolve_path(cfg.checkpoint.path if scoring and cfg.checkpoint.path else cfg.model.path)
     tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     needs = _needs(cfg)
     on_gpu = cfg.cluster.device.value == "cuda"
     # Engines return their routed experts under R3, and on CPU for every MoE actor (the routing metrics; on GPU
@@ -151,8 +167,23 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
 
     engines = [new_engine(i) for i in range(r.num_engines)]
     starting = asyncio.gather(*(e.start.remote() for e in engines))
+    starting.add_done_callback(ready("engines"))
 
-    # 2. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
+    # 2. agent runners: they need only the engines' handles, so they start while the engines and trainer build
+    runner_cls = ray.remote(AgentRunnerActor)
+    runners = [runner_cls.options(num_cpus=0).remote(
+        dict(cfg.agent.runner), engines, tokenizer_path=tokenizer_path, max_len=d.max_len,
+        timeout_s=cfg.agent.timeout_s, engine_timeout_s=t.timeouts.engine_call_s, seed=cfg.seed,
+        max_turns=cfg.agent.max_turns, apply_chat_template=d.apply_chat_template,
+        chat_options=dict(tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser,
+                          max_choices=cfg.agent.max_choices, accepts_images=d.max_images_per_prompt > 0,
+                          max_images=d.max_images_per_prompt or None))
+        for _ in range(r.num_runners)]
+    runners_ready = asyncio.gather(*(x.__ray_ready__.remote() for x in runners))
+    runners_ready.add_done_callback(ready("agent runners"))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    # 3. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
     eval_rows = None
     if cfg.eval.data_path:
         eval_rows = load_prompts(cfg.eval.data_path, split=cfg.eval.split, input_key=d.input_key,
@@ -192,6 +223,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     if not scoring:
         actor = await deadline(asyncio.to_thread(group, "actor", policy_cls, routing_replay=r.routing_replay),
                                t.timeouts.startup_s, "actor", "start")
+        ready("trainer")(None)
     if not scoring and (a.kl.coef > 0 or "reference" in needs):
         ref_path = resolve_path(cfg.model.ref_path or cfg.model.path)
         ref = await deadline(asyncio.to_thread(group, "ref", TrainerWorker, path=ref_path), t.timeouts.startup_s,
@@ -201,19 +233,9 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         critic = await deadline(asyncio.to_thread(group, "critic", TrainerWorker, t.critic.optimizer, critic_path),
                                 t.timeouts.startup_s, "critic", "start")
     await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-
-    # 3. agent runners
-    runner_cls = ray.remote(AgentRunnerActor)
-    runners = [runner_cls.options(num_cpus=0).remote(
-        dict(cfg.agent.runner), engines, tokenizer_path=tokenizer_path, max_len=d.max_len,
-        timeout_s=cfg.agent.timeout_s, engine_timeout_s=t.timeouts.engine_call_s, seed=cfg.seed,
-        max_turns=cfg.agent.max_turns, apply_chat_template=d.apply_chat_template,
-        chat_options=dict(tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser,
-                          max_choices=cfg.agent.max_choices, accepts_images=d.max_images_per_prompt > 0,
-                          max_images=d.max_images_per_prompt or None))
-        for _ in range(r.num_runners)]
-    await deadline(asyncio.gather(*(x.__ray_ready__.remote() for x in runners)), t.timeouts.startup_s,
-                   "agent runner", "start")
+    await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
+    print("start-up, seconds from Ray's start until ready: "
+          + ", ".join(f"{name} {s:.1f}" for name, s in sorted(up.items(), key=lambda kv: kv[1])), flush=True)
 
     # min_tokens=0 (Molt sends 1): vLLM masks EOS on a forced first token, so that token's logprob would differ from
     # the trainer's by log(1 - p_eos) and show up as drift that is not drift.
