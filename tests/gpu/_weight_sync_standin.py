@@ -74,7 +74,7 @@ class StandInWorker(WeightSyncWorkerExtension):
     def __init__(self, model, device: torch.device, model_dir: str | None):
         self.rank, self.device = 0, device
         self.model_runner = StandInModelRunner(model)
-        self.model_config = types.SimpleNamespace(model=model_dir, hf_text_config=model.config)
+        self.model_config = types.SimpleNamespace(model=model_dir, hf_config=model.config, hf_text_config=model.config)
 
     def _vllm_begin_reload(self) -> None:
         pass
