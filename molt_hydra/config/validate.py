@@ -32,11 +32,11 @@ def _model_kind(path: str) -> tuple[str, bool] | None:
         name = path[len(tiny.TINY_SCHEME):]
         return tiny_vlm.TINY_VLM_TYPES.get(name) or ({"qwen3_tiny": ("qwen3", False),
                                                        "qwen3_moe_tiny": ("qwen3_moe", False)}.get(name))
-    config = Path(path) / "config.json"
-    if not config.is_file():
+    try:  # an over-long, unreadable or malformed path is model.path's own rule's to report, not a traceback here
+        c = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
         return None
-    c = json.loads(config.read_text())
-    return c.get("model_type", "?"), "vision_config" in c
+    return (c.get("model_type", "?"), "vision_config" in c) if isinstance(c, dict) else None
 
 
 class Problems:
