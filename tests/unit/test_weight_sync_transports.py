@@ -93,6 +93,8 @@ class FakeEngine:
 
     def __init__(self, worker, log):
         self.worker, self.log, self.version = worker, log, 0
+        # a vLLM worker runs one RPC at a time, in order: two gloo receives of one group at once would abort gloo
+        self.worker_thread = ThreadPoolExecutor(1)
         for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call",
                      "load_weights_shared"):
             setattr(self, name, types.SimpleNamespace(remote=self._remote(name)))
@@ -100,10 +102,11 @@ class FakeEngine:
     def _remote(self, name):
         async def call(*args):
             self.log.append(name if name != "worker_call" else args[0])
+            run = asyncio.get_running_loop().run_in_executor
             if name == "worker_call":
-                return [await asyncio.to_thread(getattr(self.worker, args[0]), *args[1:])]
+                return [await run(self.worker_thread, getattr(self.worker, args[0]), *args[1:])]
             if name == "load_weights_shared":  # what VLLMEngine.load_weights_shared asks of its workers
-                return await asyncio.to_thread(self.worker.load_shared_bucket, *args)
+                return await run(self.worker_thread, self.worker.load_shared_bucket, *args)
             if name == "begin_weight_update":
                 self.worker.begin_layerwise_reload()
             if name == "finish_weight_update":
