@@ -23,15 +23,20 @@ class SFTObjective:
 
 class ActorObjective:
     """algorithm.loss.PolicyLoss over experience keys old_logprobs, advantages, action_mask (+ rollout_logprobs,
-    ref_logprobs when present); kl_coef is the controller's current coefficient."""
+    ref_logprobs when present); kl_coef is the controller's current coefficient.
+
+    `old_from_forward`: the old log-probs are this forward's own, detached, and the samples carry none. Exact when the
+    batch gets one optimizer step: the parameters that would give the old log-probs are the ones being trained, so a
+    separate no-grad pass would compute the same numbers (TRL does the same at num_iterations=1)."""
     mask_key = "action_mask"
 
-    def __init__(self, policy_loss, kl_coef: float = 0.0):
-        self.policy_loss, self.kl_coef = policy_loss, kl_coef
+    def __init__(self, policy_loss, kl_coef: float = 0.0, old_from_forward: bool = False):
+        self.policy_loss, self.kl_coef, self.old_from_forward = policy_loss, kl_coef, old_from_forward
         self.entropy_coef = policy_loss.entropy_coef
 
     def __call__(self, logp, mb, entropy=None, **window):
-        return self.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["action_mask"],
+        old = logp.detach() if self.old_from_forward else mb["old_logprobs"]
+        return self.policy_loss(logp, old, mb["advantages"], mb["action_mask"],
                                 rollout_log_probs=mb.get("rollout_logprobs"), ref_log_probs=mb.get("ref_logprobs"),
                                 entropy=entropy, kl_coef=self.kl_coef, **window)
 

@@ -238,12 +238,16 @@ class TrainerWorker:
         loss, mets = loss_fn(out, mb, ent, num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
         if aux is not None and self.aux_loss_coef > 0:
             loss = loss + self.aux_loss_coef * aux / n_parts
-        mets = dict(mets, _mask_tokens=mb[loss_fn.mask_key].sum().float())
+        mets = dict(mets, _mask_tokens=mb[loss_fn.mask_key].sum().float(), _logprobs=out.detach())
         return loss, mets
 
-    def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1) -> dict:
+    def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1,
+                   return_logprobs: bool = False) -> dict:
         """Forward/backward over this rank's samples in `num_optimizer_steps` windows; one optimizer step per window.
-        Collective: every DP rank calls it with its own shard. Returns DP-reduced metrics (same on every rank)."""
+        Collective: every DP rank calls it with its own shard. Returns DP-reduced metrics (same on every rank).
+        `return_logprobs` (one window only): this rank's per-sample log-probs from the training forward, i.e. at the
+        parameters before the step, under "logprobs" (what compute_logprobs would give; MoE routing statistics are
+        counted in this forward), so one forward serves as the old-logprob pass and the loss's."""
         loss_fn = loss_fn or SFTObjective()
         mask_key = loss_fn.mask_key
         if self.optimizer is None:
@@ -253,6 +257,13 @@ class TrainerWorker:
         missing = {mask_key, "input_ids"} - set(samples[0])
         if missing:
             raise KeyError(f"samples lack {sorted(missing)} (have {sorted(samples[0])})")
+        if return_logprobs and num_optimizer_steps != 1:
+            raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps}): later windows' "
+                             "forwards run after the first step changed the parameters")
+        logprobs = [None] * len(samples) if return_logprobs else None
+        if return_logprobs and self.moe and self.role == "actor":
+            self._routing_stats = moe_routing.RoutingStats(self.model.config.num_hidden_layers,
+                                                           self.model.config.num_experts)
         t0 = time.perf_counter()
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
@@ -270,9 +281,14 @@ class TrainerWorker:
                      for k, v in win[0].items()
                      if torch.is_tensor(v) and v.dim() >= 1 and k not in vlm.MULTIMODAL_KEYS}]
                 mb = self._batch(rows)
-                with self._replay(mb):  # backward inside: checkpoint recompute replays the same experts
+                # backward inside: checkpoint recompute replays the same experts (and counts them again, which
+                # leaves the routing ratios as they are)
+                with self._replay(mb, self._routing_stats if logprobs is not None and part else None):
                     loss, mets = self._micro_loss(mb, rows, loss_fn, n_tok, n_seq, len(parts))
                     loss.backward()
+                out = mets.pop("_logprobs")
+                for j, i in enumerate(part if logprobs is not None else ()):
+                    logprobs[window[i]] = out[j, :len(win[i]["input_ids"])].float().cpu()
                 # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch);
                 # the tp / cp ranks of one DP group hold the same samples, so each counts 1 / replicas of them
                 w = mets.pop("_mask_tokens") / (self.world_size // self.dp_size)
@@ -292,7 +308,8 @@ class TrainerWorker:
             self.global_step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0)
+        metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0)
+        return metrics if logprobs is None else {**metrics, "logprobs": logprobs}
 
     def _step_metrics(self, samples, sums, grad_norms, seconds) -> dict:
         dt = torch.tensor(seconds)

@@ -179,8 +179,13 @@ class RLController:
         if b.routed_experts is not None:  # R3: the trainer replays the engine's experts (models/moe_routing.py)
             for i, (s, n) in enumerate(zip(samples, lengths)):
                 s["routed_experts"] = b.routed_experts[i, :n]
-        old = await self.calls.ranks(roles.actor, "compute_logprobs", shard=samples)
-        old_logp = _pad([x for rank in old for x in rank], lengths, b.action_mask.shape)
+        steps = 1 if cfg.train.force_on_policy else max(len(exps) // cfg.train.batch_size, 1)
+        frozen = roles.critic is not None and self.step < cfg.train.critic.actor_freezing_steps
+        one_pass = self.old_logprobs_from_training(steps, frozen)
+        old_logp = None  # one pass: the training forward's log-probs, known after the step
+        if not one_pass:
+            old = await self.calls.ranks(roles.actor, "compute_logprobs", shard=samples)
+            old_logp = _pad([x for rank in old for x in rank], lengths, b.action_mask.shape)
         ref_logp = values = None
         if roles.ref is not None:
             ref = await self.calls.ranks(roles.ref, "compute_logprobs", shard=samples, role="reference")
@@ -195,9 +200,6 @@ class RLController:
             a.estimator, b.rewards, b.action_mask, group_ids=b.group_ids, rollout_ids=b.rollout_ids, kl=kl,
             values=values, kl_coef=self.kl_ctl.value, gamma=a.gamma, lam=a.lam, whiten=a.whiten,
             reward_clip=a.reward_clip)
-        drift = drift_metrics(old_logp, b.rollout_log_probs, b.action_mask, is_correction=roles.policy_loss.is_correction,
-                              policy_versions=b.policy_versions, current_version=self.version)
-        metrics.update({k: float(v) for k, v in drift.items()})
         if kl is not None:
             metrics["kl"] = float((kl.sum(-1) / b.action_mask.sum(-1).clamp(min=1)).mean())
         for key in sorted({k for e in exps for k in e.info}):
@@ -210,8 +212,10 @@ class RLController:
         train_samples = []
         for i, n in enumerate(lengths):
             s = {"input_ids": b.token_ids[i, :n], "action_mask": b.action_mask[i, :n],
-                 "advantages": advantages[i, :n], "old_logprobs": old_logp[i, :n],
-                 "rollout_logprobs": b.rollout_log_probs[i, :n], **(exps[i].multimodal or {})}
+                 "advantages": advantages[i, :n], "rollout_logprobs": b.rollout_log_probs[i, :n],
+                 **(exps[i].multimodal or {})}
+            if old_logp is not None:
+                s["old_logprobs"] = old_logp[i, :n]
             if b.routed_experts is not None:
                 s["routed_experts"] = b.routed_experts[i, :n]
             if ref_logp is not None and a.kl.use_loss:
@@ -219,8 +223,6 @@ class RLController:
             if values is not None:
                 s.update(values=values[i, :n], returns=returns[i, :n])
             train_samples.append(s)
-        steps = 1 if cfg.train.force_on_policy else max(len(train_samples) // cfg.train.batch_size, 1)
-        frozen = roles.critic is not None and self.step < cfg.train.critic.actor_freezing_steps
         metrics["actor_frozen"] = float(frozen)
         metrics["kl_coef"] = self.kl_ctl.value
         t1 = time.perf_counter()
@@ -228,10 +230,15 @@ class RLController:
             self.trainer_ahead = True
             for _ in range(cfg.train.epochs):
                 m = await self.calls.ranks(roles.actor, "train_step",
-                                           ActorObjective(roles.policy_loss, self.kl_ctl.value),
-                                           shard=train_samples, num_optimizer_steps=steps)
+                                           ActorObjective(roles.policy_loss, self.kl_ctl.value, one_pass),
+                                           shard=train_samples, num_optimizer_steps=steps, return_logprobs=one_pass)
+                if one_pass:
+                    old_logp = _pad([x for rank in m for x in rank.pop("logprobs")], lengths, b.action_mask.shape)
                 metrics.update(m[0])
         timing["timing/policy_train"] = time.perf_counter() - t1
+        drift = drift_metrics(old_logp, b.rollout_log_probs, b.action_mask, is_correction=roles.policy_loss.is_correction,
+                              policy_versions=b.policy_versions, current_version=self.version)
+        metrics.update({k: float(v) for k, v in drift.items()})
         if roles.critic is not None:
             t2 = time.perf_counter()
             for _ in range(cfg.train.critic.epochs or cfg.train.epochs):
@@ -243,6 +250,16 @@ class RLController:
         metrics["_frozen"] = frozen
         return {**metrics, **timing, "perf/rollout_tokens_per_sec":
                 sum(e.action_mask.sum().item() for e in exps) / max(gen_timing.get("timing/generation", 0.0), 1e-9)}
+
+    def old_logprobs_from_training(self, optimizer_steps: int, actor_frozen: bool) -> bool:
+        """Whether the actor's training forward also gives the old log-probs (no separate no-grad pass): exact when
+        the batch gets exactly one optimizer step (one window, one epoch), since the old log-probs are the trainer's
+        at the parameters it is about to step from; not when the KL to the reference is a reward penalty (the
+        advantages need the old log-probs before training) or the actor is frozen (nothing trains; drift metrics
+        still need them)."""
+        a = self.cfg.algorithm
+        kl_in_reward = self.roles.ref is not None and not a.kl.use_loss
+        return optimizer_steps == 1 and self.cfg.train.epochs == 1 and not actor_frozen and not kl_in_reward
 
     def _check_progress(self, trainable: bool, metrics: dict[str, float]) -> None:
         """`train.max_untrainable_steps` steps in a row with every sample dropped end the run, with their drops."""
