@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from molt_hydra.algorithm.experience import NumpyPickled
 from molt_hydra.models import moe_routing, vlm
 from molt_hydra.models.build import build_model, resolve_backend, resolve_path
 from molt_hydra.models.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
@@ -223,7 +224,7 @@ class TrainerWorker:
             val, ent = val.float().cpu(), (ent.float().cpu() if with_entropy else None)
             for (r, a, b), i in zip(spans, part):
                 out[i] = (val[r, a:b], ent[r, a:b]) if with_entropy else val[r, a:b]
-        return out
+        return NumpyPickled(out)
 
     compute_values = compute_logprobs
 
@@ -309,7 +310,7 @@ class TrainerWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0)
-        return metrics if logprobs is None else {**metrics, "logprobs": logprobs}
+        return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
 
     def _step_metrics(self, samples, sums, grad_norms, seconds) -> dict:
         dt = torch.tensor(seconds)

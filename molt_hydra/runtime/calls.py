@@ -23,7 +23,10 @@ class RoleCalls:
     async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
         """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
         under the trainer-call deadline; every rank's result, in rank order."""
-        per_rank = [(part, *args) for part in group.shard(shard)] if shard is not None else [args] * group.num_ranks
+        from molt_hydra.algorithm.experience import NumpyPickled
+
+        per_rank = ([(NumpyPickled(part), *args) for part in group.shard(shard)] if shard is not None
+                    else [args] * group.num_ranks)
         refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
         results = await deadline(asyncio.gather(*refs, return_exceptions=True), self.timeouts.trainer_call_s, role,
                                  method)

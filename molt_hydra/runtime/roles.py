@@ -213,7 +213,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     # them); async: one core each, beside the busy engines
     ranks_per_node = -(-p.trainer_devices // cfg.cluster.nodes)
     sync_cores = (cfg.cluster.cpus_per_node - (fsdp_roles - 1) * ranks_per_node) // ranks_per_node
-    actor_cpus = max(sync_cores, 1) if t.mode.value == "sync" and not on_gpu else 1
+    actor_cpus = 1  # TEMP
 
     def group(role: str, worker_cls, optimizer=None, path=None, **extra):
         o = optimizer or opt

@@ -39,3 +39,27 @@ def test_collate_right_pads_every_field():
     assert batch.to("cpu").token_ids.tolist() == batch.token_ids.tolist()
     with pytest.raises(ValueError, match="at least one"):
         collate([])
+
+
+def test_numpy_pickled_samples_round_trip_as_writable_tensors():
+    """A trainer call's samples cross Ray as numpy buffers and come back as the same tensors (dtype, values), each
+    writable and owning its memory; bfloat16 (numpy has none) keeps torch's pickling."""
+    import pickle
+
+    from molt_hydra.algorithm.experience import NumpyPickled
+
+    rows = [{"input_ids": torch.arange(5), "action_mask": torch.tensor([False, True, True, False, True]),
+             "advantages": torch.randn(5), "routed_experts": torch.ones(5, 2, 2, dtype=torch.int16),
+             "pixel_values": torch.randn(2, 3).bfloat16()} for _ in range(3)]
+    wire = pickle.dumps(NumpyPickled(rows), protocol=5, buffer_callback=(buffers := []).append)
+    assert len(buffers) == 3 * 4  # every tensor but the bfloat16 one went out of band
+    back = pickle.loads(wire, buffers=[memoryview(b).toreadonly() for b in buffers])  # as Ray hands them over
+    assert type(back) is list
+    for got, want in zip(back, rows):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert type(got[k]) is torch.Tensor and got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+            got[k].zero_()  # writable
+    views = torch.randn(4, 6)
+    logprobs = pickle.loads(pickle.dumps(NumpyPickled([views[1, :3], views[2, 1:]]), protocol=5))
+    assert torch.equal(logprobs[0], views[1, :3]) and torch.equal(logprobs[1], views[2, 1:])
