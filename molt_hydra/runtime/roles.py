@@ -208,18 +208,10 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     fsdp_roles = 1 + int(a.kl.coef > 0 or "reference" in needs) + int("values" in needs)
     gpu_share = (1.0 / fsdp_roles if p.colocate_models else 1.0) if on_gpu else 0
 
-    # CPU sync mode: generation and training never overlap, so the actor's ranks take the node's cores, less one per
-    # other trainer rank there (Ray reserves them and sets the rank's OMP_NUM_THREADS, hence torch's threads, from
-    # them); async: one core each, beside the busy engines
-    ranks_per_node = -(-p.trainer_devices // cfg.cluster.nodes)
-    sync_cores = (cfg.cluster.cpus_per_node - (fsdp_roles - 1) * ranks_per_node) // ranks_per_node
-    actor_cpus = 1  # TEMP
-
     def group(role: str, worker_cls, optimizer=None, path=None, **extra):
         o = optimizer or opt
         return TrainerGroup(
-            p.trainer_devices, num_gpus_per_rank=gpu_share, num_cpus_per_rank=actor_cpus if role == "actor" else 1,
-            worker_cls=worker_cls,
+            p.trainer_devices, num_gpus_per_rank=gpu_share, num_cpus_per_rank=1, worker_cls=worker_cls,
             startup_timeout_s=t.timeouts.startup_s,
             **{**common, "model_path": path or model_path}, role=role, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
             weight_decay=o.weight_decay, lr_scheduler=o.scheduler, lr_warmup_ratio=o.warmup_ratio,
