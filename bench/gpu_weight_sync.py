@@ -2,7 +2,10 @@
 GPU, bf16 on the wire and in the engine), with the project's send and receive code in two processes (the engine side on
 the stand-in model runner of tests/gpu/_weight_sync_standin.py: vLLM cannot be installed on the device).
 
-- cuda_ipc, trainer and engine on GPU 0, against a device-to-device copy of the same bytes on that GPU (goal >= 0.5);
+- cuda_ipc, trainer and engine on GPU 0, against a device-to-device copy of the same bytes on that GPU (goal >= 0.5):
+  bucketed (pack + load, the path for dp > 1) per bucket size, and single pass (the engine loads straight from the
+  trainer's own parameters, one trainer rank), with a one-call fp32->bf16 `_foreach_copy_` of the same tensors in one
+  process as the single pass's own floor;
 - nccl, trainer GPU 0 -> engine GPU 1 (when 2 GPUs are visible), against a plain NCCL broadcast of the same bytes
   over the same group (goal >= 0.8).
 Both baselines are measured in the same run. Appends one row per transport and bucket size to RESULTS.md.
@@ -19,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from _common import append_row  # noqa: E402
-from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, connect,  # noqa: E402
-                                  device_copy_seconds, free_port, sync_seconds, wire_bytes)
+from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, cast_copy_seconds,  # noqa: E402
+                                  connect, device_copy_seconds, free_port, sync_seconds, wire_bytes)
 
 from molt_hydra.rollout.buckets import pack_bucket  # noqa: E402
 
@@ -70,6 +73,16 @@ def main():
                    f"cuda_ipc {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)", f"{copy_s / sync_s:.2f} of a device copy "
                    "(goal >= 0.5)", f"send side alone (gather + fp32->bf16 cast + pack) {pack_s:.4f} s/GB")
     if engine:
+        rank.single_pass = True  # the engine maps the trainer's parameters once (warm-up), then loads from them
+        sync_s = sync_seconds(rank, engine, "cuda_ipc", buckets[0] << 20) / gb
+        cast_s = cast_copy_seconds(rank) / gb
+        rank.single_pass = False
+        append_row("gpu_weight_sync", "cuda_ipc single pass, one GPU, one trainer rank; " + setup,
+                   f"device copy {copy_s:.4f} s/GB ({1 / copy_s:.0f} GB/s)",
+                   f"cuda_ipc single pass {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)",
+                   f"{copy_s / sync_s:.2f} of a device copy (goal >= 0.5)",
+                   f"floor: one-call fp32->bf16 _foreach_copy_ of the same tensors {cast_s:.4f} s/GB "
+                   f"({copy_s / cast_s:.2f} of a copy)")
         engine.close()
 
     if n_gpus >= 2 and "nccl" in transports:
