@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from _common import append_row  # noqa: E402
-from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, cast_copy_seconds,  # noqa: E402
-                                  connect, device_copy_seconds, free_port, sync_seconds, wire_bytes)
+from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, call_seconds,  # noqa: E402
+                                  cast_copy_seconds, connect, device_copy_seconds, free_port, sync_seconds, wire_bytes)
 
 from molt_hydra.rollout.buckets import pack_bucket  # noqa: E402
 
@@ -59,7 +59,8 @@ def main():
     params = sum(t.numel() for t in rank.expected().values()) / 1e9
     setup = (f"random Qwen3 {args.shape} ({params:.2f} B params, {gb:.2f} GB bf16 on the wire, fp32 master), "
              f"project send side (push_from_rank) + worker-extension receive side on a stand-in model runner, "
-             f"best of 3 after a warm-up, full sync incl. send-side cast+pack; {n_gpus}x {gpu}, torch "
+             f"best of 3 whole push_from_rank calls after a warm-up (path selection, send-side cast+pack, pause .. "
+             f"finish); {n_gpus}x {gpu}, torch "
              f"{torch.__version__}")
 
     transports = args.transports.split(",")
@@ -73,16 +74,24 @@ def main():
                    f"cuda_ipc {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)", f"{copy_s / sync_s:.2f} of a device copy "
                    "(goal >= 0.5)", f"send side alone (gather + fp32->bf16 cast + pack) {pack_s:.4f} s/GB")
     if engine:
-        rank.single_pass = True  # the engine maps the trainer's parameters once (warm-up), then loads from them
-        sync_s = sync_seconds(rank, engine, "cuda_ipc", buckets[0] << 20) / gb
-        cast_s = cast_copy_seconds(rank) / gb
+        # single pass: the engine maps the trainer's parameters once (in the warm-up), then loads from them; with
+        # fp32 trainer parameters (the loader casts: 6 bytes/param) and bf16 ones (a plain copy: 4 bytes/param)
+        rank.single_pass = True
+        rank16 = StandInTrainerRank(args.shape, rank.device, single_pass=True, dtype=torch.bfloat16)
+        single_setup = setup.replace("bf16 on the wire", "bf16 written into the engine, nothing on a wire")
+        for r, kind in ((rank, "fp32"), (rank16, "bf16")):
+            sync_s = sync_seconds(r, engine, "cuda_ipc", buckets[0] << 20) / gb
+            floor_s = cast_copy_seconds(r) / gb
+            append_row("gpu_weight_sync", f"cuda_ipc single pass, one GPU, one trainer rank, {kind} trainer "
+                       "parameters; " + single_setup.replace("fp32 master", f"{kind} trainer parameters"),
+                       f"device copy {copy_s:.4f} s/GB ({1 / copy_s:.0f} GB/s)",
+                       f"cuda_ipc single pass {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)",
+                       f"{copy_s / sync_s:.2f} of a device copy (goal >= 0.5)",
+                       f"floor: one-call {kind}->bf16 _foreach_copy_ of the same tensors in one process "
+                       f"{floor_s:.4f} s/GB ({copy_s / floor_s:.2f} of a copy); a stand-in worker call's round trip "
+                       f"{call_seconds(engine) * 1e3:.2f} ms (3 per sync)")
         rank.single_pass = False
-        append_row("gpu_weight_sync", "cuda_ipc single pass, one GPU, one trainer rank; " + setup,
-                   f"device copy {copy_s:.4f} s/GB ({1 / copy_s:.0f} GB/s)",
-                   f"cuda_ipc single pass {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)",
-                   f"{copy_s / sync_s:.2f} of a device copy (goal >= 0.5)",
-                   f"floor: one-call fp32->bf16 _foreach_copy_ of the same tensors {cast_s:.4f} s/GB "
-                   f"({copy_s / cast_s:.2f} of a copy)")
+        del rank16
         engine.close()
 
     if n_gpus >= 2 and "nccl" in transports:

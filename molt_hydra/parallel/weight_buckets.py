@@ -49,10 +49,10 @@ def local_full_weights(model: nn.Module, to_hf=None) -> list[tuple[str, torch.Te
         return None
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
-    storages = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-                for p in [*model.parameters(), *model.buffers()]}
+    state = model.state_dict()  # first: FSDP's state-dict hook registers the sharded parameters again
+    storages = set(parameter_storages(model))
     out = []
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         if tied and name == "lm_head.weight":
             continue
         if fsdp and not isinstance(t, DTensor):
@@ -65,3 +65,10 @@ def local_full_weights(model: nn.Module, to_hf=None) -> list[tuple[str, torch.Te
                 return None
             out.append((hf_name, x))
     return out
+
+
+def parameter_storages(model: nn.Module) -> tuple[int, ...]:
+    """Storage address of every parameter and buffer (a DTensor's local shard): a cheap check, each sync, that the
+    tensors `local_full_weights` found are still the ones the model holds."""
+    return tuple((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+                 for t in [*model.parameters(), *model.buffers()])

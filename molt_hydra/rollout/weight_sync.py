@@ -272,13 +272,25 @@ class SharedParamsTransport:
         return self.loaded_bytes()
 
 
-def single_pass_weights(worker, transport: str) -> list[tuple[str, torch.Tensor]] | None:
-    """(hf_name, tensor) of the rank's own full-tensor weights when the single-pass path applies: CUDA IPC, one trainer
-    rank, and `worker.local_weights()` finds every weight full in a parameter storage (no gather, no copy); else None
-    (the bucketed path: dp > 1, offload, converted names, a frozen-router filter ... )."""
+def single_pass_transport(worker, transport: str, dtype: torch.dtype) -> SharedParamsTransport | None:
+    """The single-pass carrier when it applies: CUDA IPC, one trainer rank, and `worker.local_weights()` finds every
+    weight whole in a parameter storage of its own; else None (the bucketed path: dp > 1, offload, converted names
+    ...). The answer is kept on the worker while its parameter storages stay where they are (a cheap check each sync):
+    the weights are looked up, and their handles made, once per change, not once per sync."""
+    from molt_hydra.parallel.weight_buckets import parameter_storages
+
     if transport != "cuda_ipc" or getattr(worker, "world_size", 1) != 1 or not hasattr(worker, "local_weights"):
         return None
-    return worker.local_weights()
+    key = (parameter_storages(worker.model), dtype)
+    cached = getattr(worker, "shared_params_transport", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    shared = worker.local_weights()
+    carrier = None if shared is None else SharedParamsTransport(shared, dtype)
+    worker.shared_params_transport = (key, carrier)
+    logger.info("weight sync over CUDA IPC: %s", "bucketed (the rank's weights need a gather or a copy)"
+                if carrier is None else f"single pass from the trainer's own {len(shared)} parameters")
+    return carrier
 
 
 class WeightSync:
@@ -391,14 +403,9 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
     collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. Metrics from rank 0; their
     `weight_sync/single_pass` says which CUDA IPC path ran (1: straight from the rank's own parameters)."""
     wire = getattr(torch, dtype)
-    shared = single_pass_weights(worker, transport)
-    if shared is not None:  # one rank holds every weight whole: the engines load from it, mapped once per token
-        carrier = getattr(worker, "shared_params_transport", None)
-        if carrier is None or carrier.token != SharedParamsTransport.fingerprint(shared):
-            carrier = worker.shared_params_transport = SharedParamsTransport(shared, wire)
-            logger.info("weight sync: single pass, engines load from the trainer's own %d parameters (CUDA IPC)",
-                        len(shared))
-        buckets = [shared]
+    carrier = single_pass_transport(worker, transport, wire)
+    if carrier is not None:  # one rank holds every weight whole: the engines load from it, mapped once per token
+        buckets = [carrier.tensors]
     else:
         # shm packs into its region: it casts while packing too, instead of casting into a copy and then packing it
         on_device = transport in ("nccl", "cuda_ipc") or transport == "shm" and worker.device.type == "cpu"

@@ -217,11 +217,16 @@ class StandInTrainerRank:
 
     rank, world_size = 0, 1
 
-    def __init__(self, shape: str, device: torch.device, single_pass: bool = False):
+    def __init__(self, shape: str, device: torch.device, single_pass: bool = False, dtype=torch.float32):
         self.device = device
-        self.model = qwen3(shape, seed=0, dtype=torch.float32, device=device)
+        self.model = qwen3(shape, seed=0, dtype=dtype, device=device)
         self.skip: set[str] = set()
         self.single_pass = single_pass
+
+    def __setattr__(self, name, value):
+        if name in ("skip", "single_pass"):  # what `local_weights` returns changes: look it up again next sync
+            self.__dict__.pop("shared_params_transport", None)
+        super().__setattr__(name, value)
 
     def weight_buckets(self, bucket_bytes, dtype=None, device="cpu"):
         for bucket in iter_weight_buckets(self.model, bucket_bytes, dtype, device):
@@ -259,16 +264,33 @@ def wire_bytes(rank: StandInTrainerRank) -> int:
 
 def sync_seconds(rank: StandInTrainerRank, engine: StandInEngine, transport: str, bucket_bytes: int,
                  repeats: int = 3) -> float:
-    """Best of `repeats` full syncs (pause .. finish, send-side packing and casting included), after a warm-up."""
+    """Best of `repeats` whole `push_from_rank` calls (path selection, pause .. finish, send-side packing and casting
+    included), after a warm-up."""
+    import time
+
     from molt_hydra.rollout.weight_sync import push_from_rank
 
     best = float("inf")
     for i in range(repeats + 1):
-        m = push_from_rank(rank, [engine], transport, engine.version + 1, bucket_bytes=bucket_bytes,
-                           check_coverage=False, timeout_s=600, dtype="bfloat16")
+        start = time.perf_counter()
+        push_from_rank(rank, [engine], transport, engine.version + 1, bucket_bytes=bucket_bytes,
+                       check_coverage=False, timeout_s=600, dtype="bfloat16")
         if i:
-            best = min(best, m["weight_sync/seconds"])
+            best = min(best, time.perf_counter() - start)
     return best
+
+
+def call_seconds(engine: StandInEngine, repeats: int = 20) -> float:
+    """Median round trip of a worker call that does nothing (the stand-in's per-call cost, paid 3x per sync)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.call("shared_params_token")
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def cast_copy_seconds(rank: StandInTrainerRank, repeats: int = 5) -> float:

@@ -20,7 +20,7 @@ from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_w
 from molt_hydra.rollout.buckets import ALIGN, bucket_weights, pack_bucket, unpack_bucket
 from molt_hydra.rollout.weight_sync import (BroadcastGroup, BroadcastTransport, CudaIpcTransport, Transport,
                                             WeightSync, choose_transport, open_broadcast, push_from_rank,
-                                            resolve_transport, single_pass_weights)
+                                            resolve_transport, single_pass_transport)
 from molt_hydra.rollout.weight_sync import SharedMemoryTransport
 from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
 
@@ -359,12 +359,14 @@ def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_s
 
 
 def test_single_pass_applies_only_to_cuda_ipc_from_one_rank_holding_whole_own_tensors():
-    rank0 = OneRank()
-    assert [n for n, _ in single_pass_weights(rank0, "cuda_ipc")] == list(rank0.model.state_dict())
-    assert single_pass_weights(rank0, "nccl") is None and single_pass_weights(rank0, "shm") is None
-    assert single_pass_weights(StandInTrainerRank(), "cuda_ipc") is None  # no local_weights: gathers
+    rank0, bf16 = OneRank(), torch.bfloat16
+    carrier = single_pass_transport(rank0, "cuda_ipc", bf16)
+    assert [n for n, _ in carrier.tensors] == list(rank0.model.state_dict())
+    assert single_pass_transport(rank0, "cuda_ipc", bf16) is carrier  # storages unchanged: the same carrier
+    assert single_pass_transport(rank0, "nccl", bf16) is None and single_pass_transport(rank0, "shm", bf16) is None
+    assert single_pass_transport(StandInTrainerRank(), "cuda_ipc", bf16) is None  # no local_weights: gathers
     rank0.world_size = 2
-    assert single_pass_weights(rank0, "cuda_ipc") is None
+    assert single_pass_transport(rank0, "cuda_ipc", bf16) is None
     # a conversion that makes new tensors cannot be shared (the engine would read a temporary)
     assert local_full_weights(rank0.model, to_hf=lambda n, t: [(n, t.clone())]) is None
     assert len(local_full_weights(rank0.model, to_hf=lambda n, t: [(n, t[:1]), (n + ".rest", t[1:])])) == 8
