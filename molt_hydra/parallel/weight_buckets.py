@@ -50,7 +50,8 @@ def local_full_weights(model: nn.Module, to_hf=None) -> list[tuple[str, torch.Te
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
     state = model.state_dict()  # first: FSDP's state-dict hook registers the sharded parameters again
-    storages = set(parameter_storages(model))
+    storages = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                for p in [*model.parameters(), *model.buffers()]}
     out = []
     for name, t in state.items():
         if tied and name == "lm_head.weight":
@@ -67,8 +68,9 @@ def local_full_weights(model: nn.Module, to_hf=None) -> list[tuple[str, torch.Te
     return out
 
 
-def parameter_storages(model: nn.Module) -> tuple[int, ...]:
-    """Storage address of every parameter and buffer (a DTensor's local shard): a cheap check, each sync, that the
-    tensors `local_full_weights` found are still the ones the model holds."""
-    return tuple((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+def parameter_addresses(model: nn.Module) -> tuple[int, ...]:
+    """Address of every parameter and buffer (a DTensor's local shard): a cheap check, each sync, that the tensors
+    `local_full_weights` found are still the ones the model holds (a replaced tensor or `.data` has a new address: the
+    old one is kept alive by whoever holds it). `_local_tensor`, not `to_local()`: that is an autograd call, ~10 us."""
+    return tuple((t._local_tensor if isinstance(t, DTensor) else t).data_ptr()
                  for t in [*model.parameters(), *model.buffers()])

@@ -277,11 +277,11 @@ def single_pass_transport(worker, transport: str, dtype: torch.dtype) -> SharedP
     weight whole in a parameter storage of its own; else None (the bucketed path: dp > 1, offload, converted names
     ...). The answer is kept on the worker while its parameter storages stay where they are (a cheap check each sync):
     the weights are looked up, and their handles made, once per change, not once per sync."""
-    from molt_hydra.parallel.weight_buckets import parameter_storages
+    from molt_hydra.parallel.weight_buckets import parameter_addresses
 
     if transport != "cuda_ipc" or getattr(worker, "world_size", 1) != 1 or not hasattr(worker, "local_weights"):
         return None
-    key = (parameter_storages(worker.model), dtype)
+    key = (parameter_addresses(worker.model), dtype)
     cached = getattr(worker, "shared_params_transport", None)
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -189,8 +189,7 @@ class WeightSyncWorkerExtension:
         mapped once per `token` and kept across syncs (the trainer updates them in place). Returns None when the token
         is new and no handles came with it: the trainer then calls again with them. A new token drops the old views
         first, so a replaced trainer storage is never read again."""
-        cached = getattr(self, "_shared_params", None)
-        if cached is None or cached[0] != token:
+        if getattr(self, "_shared_params", None) is None or self._shared_params[0] != token:
             if handles is None:
                 return None
             self._shared_params = None  # unmap the previous storages before mapping the new ones
