@@ -238,9 +238,12 @@ class SharedParamsTransport:
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None):
         self.tensors = tensors
-        self.dtype = dtype
         self.token = self.fingerprint(tensors)
         self.handles: list | None = None  # made on the first engine that asks for them, kept for the token's life
+        self.device = next((t.device for _, t in tensors if t.is_cuda), None)
+        # bytes written into each engine: floating tensors in the engine dtype
+        self.nbytes = sum(t.numel() * (dtype.itemsize if dtype and t.is_floating_point() else t.element_size())
+                          for _, t in tensors)
 
     @staticmethod
     def fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> str:
@@ -249,16 +252,11 @@ class SharedParamsTransport:
         layout = [(n, t.data_ptr(), tuple(t.shape), t.stride(), str(t.dtype), str(t.device)) for n, t in tensors]
         return hashlib.sha1(repr((os.getpid(), layout)).encode()).hexdigest()
 
-    def loaded_bytes(self) -> int:
-        """Bytes written into each engine: floating tensors in the engine dtype."""
-        return sum(t.numel() * (self.dtype.itemsize if self.dtype and t.is_floating_point() else t.element_size())
-                   for _, t in self.tensors)
-
     async def push(self, engines: list, bucket: Bucket, call) -> int:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        if any(t.is_cuda for _, t in self.tensors):  # the optimizer's last writes land before any engine reads
-            torch.cuda.current_stream(self.tensors[0][1].device).synchronize()
+        if self.device is not None:  # the optimizer's last writes land before any engine reads
+            torch.cuda.current_stream(self.device).synchronize()
 
         async def load(engine) -> None:
             answers = await call(engine.worker_call.remote("load_shared_params", self.token, None, None))
@@ -269,7 +267,7 @@ class SharedParamsTransport:
                 await call(engine.worker_call.remote("load_shared_params", self.token, names, self.handles))
 
         await asyncio.gather(*(load(e) for e in engines))
-        return self.loaded_bytes()
+        return self.nbytes
 
 
 def single_pass_transport(worker, transport: str, dtype: torch.dtype) -> SharedParamsTransport | None:
