@@ -279,13 +279,12 @@ def single_pass_transport(worker, transport: str, dtype: torch.dtype) -> SharedP
 
     if transport != "cuda_ipc" or getattr(worker, "world_size", 1) != 1 or not hasattr(worker, "local_weights"):
         return None
-    key = (parameter_addresses(worker.model), dtype)
     cached = getattr(worker, "shared_params_transport", None)
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == (parameter_addresses(worker.model), dtype):
         return cached[1]
-    shared = worker.local_weights()
+    shared = worker.local_weights()  # after it: FSDP's state-dict hook may have put the sharded parameters back
     carrier = None if shared is None else SharedParamsTransport(shared, dtype)
-    worker.shared_params_transport = (key, carrier)
+    worker.shared_params_transport = ((parameter_addresses(worker.model), dtype), carrier)
     logger.info("weight sync over CUDA IPC: %s", "bucketed (the rank's weights need a gather or a copy)"
                 if carrier is None else f"single pass from the trainer's own {len(shared)} parameters")
     return carrier
