@@ -33,7 +33,7 @@ from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
 from molt_hydra.parallel.fsdp import shard_model
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
-from molt_hydra.parallel.weight_buckets import iter_weight_buckets
+from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
 
 class FusedLogprobHead:
     """Replaces the lm_head's forward: from the final hidden states straight to the log-probs (and entropy) of the
@@ -335,6 +335,13 @@ class TrainerWorker:
             return buckets
         # frozen routers never change: they stay out of the sync (the engine keeps the checkpoint's)
         return ([(n, t) for n, t in b if n not in self.frozen_names] for b in buckets)
+
+    def local_weights(self):
+        """The single-pass GPU weight sync's tensors: views of this rank's own full parameters on its GPU, or None."""
+        weights = local_full_weights(self.model, to_hf=self._to_hf())
+        if weights is None or not all(t.is_cuda for _, t in weights):
+            return None  # a gather or a copy is needed, or the parameters are offloaded: the bucketed path
+        return [(n, t) for n, t in weights if n not in self.frozen_names]  # frozen routers stay out (weight_buckets)
 
     def _to_hf(self):
         """AutoModel keeps its own names and grouped experts: its state-dict adapter maps them back to the
