@@ -107,8 +107,10 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
                     experts_backend: str | None = None, linear_backend: str | None = None,
                     rms_norm: str = "torch_fp32", gate_precision: str = "float32", routing_replay: bool = False,
                     freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
-                    moe_reshard_after_forward: bool = False, sequence_parallel: bool = False):
-    """fp32 master weights, FSDP2 bf16 compute (fp32 grad reduce), AutoModel's own model class where it has one."""
+                    moe_reshard_after_forward: bool = False, sequence_parallel: bool = False,
+                    reduce_fp32: bool = True):
+    """fp32 master weights, FSDP2 bf16 compute (fp32 grad reduce; reduce_fp32=False keeps one rank's grads in the
+    compute dtype), AutoModel's own model class where it has one."""
     import torch.distributed as dist
     from nemo_automodel import NeMoAutoModelForCausalLM
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config, MoEParallelizerConfig
@@ -165,7 +167,7 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
 
         from molt_hydra.parallel.fsdp import shard_model
         model = shard_model(model, init_device_mesh("cuda", (1,), mesh_dim_names=("dp",)), param_dtype=param_dtype,
-                            reshard_after_forward=False)
+                            reshard_after_forward=False, reduce_fp32=reduce_fp32)
     model._molt_mesh = setup.mesh_context  # the grad-norm reduction needs the dense and expert meshes
     freeze(model, router=freeze_moe_router or role == "ref", visual=freeze_visual_encoder or role == "ref",
            everything=role == "ref")

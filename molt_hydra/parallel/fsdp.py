@@ -16,11 +16,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def shard_model(model: nn.Module, mesh, *, param_dtype: str = "bf16", offload: bool = False,
-                reshard_after_forward: bool = True, compile_blocks: bool = False) -> nn.Module:
+                reshard_after_forward: bool = True, compile_blocks: bool = False,
+                reduce_fp32: bool = True) -> nn.Module:
     if param_dtype not in DTYPES:
         raise ValueError(f"param_dtype must be one of {list(DTYPES)}, got {param_dtype!r}")
-    # gradients are reduced in fp32 whatever the compute dtype, as Molt does
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, cast_forward_inputs=True)
+    # gradients are reduced in fp32 whatever the compute dtype, as Molt does (reduce_fp32=False: one rank with
+    # optimizer-held masters, where nothing is summed and the grads stay in the compute dtype)
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32 if reduce_fp32 else None,
+                              cast_forward_inputs=True)
     kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -34,3 +37,26 @@ def shard_model(model: nn.Module, mesh, *, param_dtype: str = "bf16", offload: b
         fully_shard(model.value_head, **{**kw, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32)})
     fully_shard(model, **kw)
     return model
+
+
+@torch.no_grad()
+def to_compute_dtype(model: nn.Module, dtype: torch.dtype, keep: tuple = ()) -> dict:
+    """model.master_weights=optimizer: replace every fp32 parameter (sharded or not) by a `dtype` copy, before the
+    first forward (FSDP2 reads its params' dtypes lazily then: no cast at all-gather, grads in `dtype`). Parameters
+    of the modules in `keep` (a critic's fp32 value head) stay fp32. Returns {new param: the fp32 original}, which
+    the optimizer keeps as masters; buffers (rotary frequencies) are left as they are. Tied params stay tied."""
+    kept = {id(p) for m in keep for p in m.parameters()}
+    new, masters = {}, {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in new:
+                if id(p) in kept or p.dtype != torch.float32:
+                    new[id(p)] = p
+                    masters[p] = p.detach()
+                else:
+                    q = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                    new[id(p)], masters[q] = q, p.detach()
+            setattr(module, name, new[id(p)])
+    return masters

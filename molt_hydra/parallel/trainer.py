@@ -64,11 +64,18 @@ class TrainerWorker:
                  gate_precision: str = "float32", freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
                  backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
-                 automodel_options: dict | None = None, fused_head: bool = True):
+                 automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp"):
         self.rank, self.world_size, self.role = rank, world_size, role
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
                                        timeout_s=timeout_s)
-        if not torch.cuda.is_available() and param_dtype != "fp32":
+        if master_weights not in ("fsdp", "optimizer"):
+            raise ValueError(f"master_weights must be fsdp or optimizer, got {master_weights!r}")
+        # optimizer: params and grads in param_dtype, fp32 masters in AdamW (honoured on CPU too; validation refuses
+        # it for CPU runs, which compute in fp32)
+        self.master_weights = master_weights == "optimizer"
+        if self.master_weights and param_dtype == "fp32":
+            raise ValueError("master_weights=optimizer needs a lower-precision param_dtype than fp32")
+        if not torch.cuda.is_available() and param_dtype != "fp32" and not self.master_weights:
             param_dtype = "fp32"  # CPU: bf16 matmuls are slow and make equivalence tests meaningless
         self.dp_size = dp_size or world_size
         gradient_checkpointing = {False: "none", True: "full"}.get(gradient_checkpointing, gradient_checkpointing)
@@ -86,6 +93,7 @@ class TrainerWorker:
                 param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing, random_init=random_init,
                 config_overrides=config_overrides, attn_implementation=attn_implementation,
                 compile_blocks=compile_blocks, gate_precision=gate_precision, routing_replay=routing_replay,
+                reduce_fp32=not (self.master_weights and world_size == 1),
                 freeze_moe_router=freeze_moe_router, freeze_visual_encoder=freeze_visual_encoder,
                 **(automodel_options or {}))
             self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
@@ -112,7 +120,8 @@ class TrainerWorker:
                 vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
             # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
             self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
-                                     reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
+                                     reshard_after_forward=world_size > 1, compile_blocks=compile_blocks,
+                                     reduce_fp32=not (self.master_weights and world_size == 1))
             if vlm.is_vlm(model.config) and role != "ref" and not freeze_visual_encoder:
                 vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
         # fused head (models/logprobs.py): the causal LM hands out its final hidden states and the log-probs are taken
@@ -122,13 +131,19 @@ class TrainerWorker:
             head = self.model.get_output_embeddings()
             if isinstance(head, torch.nn.Linear) and head.bias is None:
                 self.head = FusedLogprobHead(head)
+        masters = None
+        if self.master_weights:  # before the first forward, where FSDP2 reads the params' dtypes
+            from molt_hydra.parallel.fsdp import DTYPES, to_compute_dtype
+            value_head = getattr(self.model, "value_head", None)
+            masters = to_compute_dtype(self.model, DTYPES[param_dtype], keep=(value_head,) if value_head is not None else ())
         self._routing_stats = None
         self.temperature, self.chunk = temperature, logprob_chunk_size
         self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm
         self.aux_loss_coef, self.peak_tflops = aux_loss_coef, peak_tflops
         self.optimizer = self.scheduler = None
         if role != "ref":
-            self.optimizer = build_optimizer(self.model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            self.optimizer = build_optimizer(self.model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                             masters=masters)
             self.scheduler = build_scheduler(self.optimizer, name=lr_scheduler, total_steps=total_steps,
                                              warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio)
         self.global_step = 0
@@ -282,6 +297,8 @@ class TrainerWorker:
             if self.backend == "automodel" and self.world_size > 1:
                 from molt_hydra.models.automodel import clip_grad_norm
                 gn = torch.as_tensor(clip_grad_norm(self.model, self.max_norm, self.dp_size), device=self.device)
+            elif self.master_weights:  # measured here, applied inside the fused update (parallel/optim.py)
+                gn = self.optimizer.clip_grad_norm_(self.max_norm)
             else:
                 params = [p for p in self.model.parameters() if p.grad is not None]
                 gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
