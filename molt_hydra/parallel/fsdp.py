@@ -16,14 +16,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def shard_model(model: nn.Module, mesh, *, param_dtype: str = "bf16", offload: bool = False,
-                reshard_after_forward: bool = True, compile_blocks: bool = False,
-                reduce_fp32: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, compile_blocks: bool = False) -> nn.Module:
     if param_dtype not in DTYPES:
         raise ValueError(f"param_dtype must be one of {list(DTYPES)}, got {param_dtype!r}")
-    # gradients are reduced in fp32 whatever the compute dtype, as Molt does (reduce_fp32=False: one rank with
-    # optimizer-held masters, where nothing is summed and the grads stay in the compute dtype)
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32 if reduce_fp32 else None,
-                              cast_forward_inputs=True)
+    # gradients are reduced in fp32 whatever the compute dtype, as Molt does
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, cast_forward_inputs=True)
     kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())

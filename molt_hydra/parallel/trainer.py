@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from molt_hydra.models import moe_routing, vlm
-from molt_hydra.models.build import build_model, resolve_backend, resolve_path
+from molt_hydra.models.build import build_model, decoder_layers, resolve_backend, resolve_path
 from molt_hydra.models.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
 from molt_hydra.parallel import checkpoint as ckpt
 from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, partition_balanced, partition_padded,
@@ -93,7 +93,7 @@ class TrainerWorker:
                 param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing, random_init=random_init,
                 config_overrides=config_overrides, attn_implementation=attn_implementation,
                 compile_blocks=compile_blocks, gate_precision=gate_precision, routing_replay=routing_replay,
-                reduce_fp32=not (self.master_weights and world_size == 1),
+                master_weights=master_weights,
                 freeze_moe_router=freeze_moe_router, freeze_visual_encoder=freeze_visual_encoder,
                 **(automodel_options or {}))
             self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
@@ -118,10 +118,15 @@ class TrainerWorker:
             self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
             if freeze_visual_encoder:
                 vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
-            # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
-            self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
-                                     reshard_after_forward=world_size > 1, compile_blocks=compile_blocks,
-                                     reduce_fp32=not (self.master_weights and world_size == 1))
+            if self.master_weights and world_size == 1 and not offload and not vlm.is_vlm(model.config):
+                # one rank, params already in the compute dtype: FSDP2 would only copy them into a second bf16 buffer
+                # (its one-rank all-gather) and the grads through a reduce buffer, every step (VLMs keep its input cast)
+                for layer in decoder_layers(model) if compile_blocks else ():
+                    layer.compile()
+                self.model = model.to(self.device)
+            else:  # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
+                self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
+                                         reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
             if vlm.is_vlm(model.config) and role != "ref" and not freeze_visual_encoder:
                 vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
         # fused head (models/logprobs.py): the causal LM hands out its final hidden states and the log-probs are taken

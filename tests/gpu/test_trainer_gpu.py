@@ -48,4 +48,4 @@ def test_master_weights_update_on_two_gpus(tmp_path):
 
 
 def test_master_weights_resume_on_two_gpus(tmp_path):
-    mw_checks.test_resume_continues_bit_exactly(tmp_path)
+    mw_checks.test_resume_continues_bit_exactly(tmp_path, 2)

@@ -1,5 +1,5 @@
-"""model.master_weights=optimizer on CPU (gloo, FSDP2, 2 ranks): the params are bf16, the optimizer keeps fp32
-masters and moments (parallel/optim.py MasterWeightAdamW). Given the grads the step received, the master update is
+"""model.master_weights=optimizer on CPU (gloo; FSDP2 on 2 ranks, no FSDP2 on one): the params are bf16, the
+optimizer keeps fp32 masters and moments (parallel/optim.py MasterWeightAdamW). Given the grads the step received, the master update is
 torch AdamW's fp32 update (and the AdamW formula), the bf16 params are the masters rounded after every step, clipping
 folds in as torch's clip would scale, and a checkpoint resume continues bit-exactly."""
 
@@ -19,10 +19,10 @@ from molt_hydra.parallel.launch import run_ranks  # noqa: E402
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 
 
-@pytest.fixture(scope="module")
-def steps(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank_no_fsdp", "2ranks_fsdp"])
+def steps(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("mw") / "steps.pt"
-    run_ranks(jobs.update_steps, 2, out, timeout_s=240)
+    run_ranks(jobs.update_steps, request.param, out, timeout_s=240)
     return torch.load(out, weights_only=False)
 
 
@@ -82,9 +82,10 @@ def test_clipped_update_scales_grads_like_torch_clip(steps):
         torch.testing.assert_close(after["exp_avg"][name].double(), m, rtol=1e-5, atol=1e-9)
 
 
-def test_resume_continues_bit_exactly(tmp_path):
-    run_ranks(jobs.resume_run, 2, str(tmp_path), tmp_path / "a.pt", False, timeout_s=240)
-    run_ranks(jobs.resume_run, 2, str(tmp_path), tmp_path / "b.pt", True, timeout_s=240)
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_continues_bit_exactly(tmp_path, world):
+    run_ranks(jobs.resume_run, world, str(tmp_path), tmp_path / "a.pt", False, timeout_s=240)
+    run_ranks(jobs.resume_run, world, str(tmp_path), tmp_path / "b.pt", True, timeout_s=240)
     a, b = (torch.load(tmp_path / f, weights_only=False) for f in ("a.pt", "b.pt"))
     for k in ("params", "master", "exp_avg", "exp_avg_sq", "step"):
         for name, t in a["state"][k].items():
