@@ -140,7 +140,8 @@ class TrainerWorker:
         if self.master_weights:  # before the first forward, where FSDP2 reads the params' dtypes
             from molt_hydra.parallel.fsdp import DTYPES, to_compute_dtype
             value_head = getattr(self.model, "value_head", None)
-            masters = to_compute_dtype(self.model, DTYPES[param_dtype], keep=(value_head,) if value_head is not None else ())
+            keep = (value_head,) if value_head is not None else ()
+            masters = to_compute_dtype(self.model, DTYPES[param_dtype], keep=keep)
         self._routing_stats = None
         self.temperature, self.chunk = temperature, logprob_chunk_size
         self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm

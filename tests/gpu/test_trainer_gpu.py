@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
 
 
 @pytest.mark.parametrize("param_dtype,master_weights,loss_rel,weight_atol",
-                         [("fp32", "fsdp", 1e-5, 1e-5), ("bf16", "fsdp", 2e-2, None), ("bf16", "optimizer", 2e-2, None)])
+                         [("fp32", "fsdp", 1e-5, 1e-5), ("bf16", "fsdp", 2e-2, None),
+                          ("bf16", "optimizer", 2e-2, None)])
 def test_two_gpus_match_one(tmp_path, param_dtype, master_weights, loss_rel, weight_atol):
     run_ranks(jobs.dp_step, 1, tmp_path / "r1.pt", param_dtype, master_weights, timeout_s=300)
     run_ranks(jobs.dp_step, 2, tmp_path / "r2.pt", param_dtype, master_weights, timeout_s=300)

@@ -1,7 +1,7 @@
 """model.master_weights=optimizer on CPU (gloo; FSDP2 on 2 ranks, no FSDP2 on one): the params are bf16, the
-optimizer keeps fp32 masters and moments (parallel/optim.py MasterWeightAdamW). Given the grads the step received, the master update is
-torch AdamW's fp32 update (and the AdamW formula), the bf16 params are the masters rounded after every step, clipping
-folds in as torch's clip would scale, and a checkpoint resume continues bit-exactly."""
+optimizer keeps fp32 masters and moments (parallel/optim.py MasterWeightAdamW). Given the grads the step received,
+the master update is torch AdamW's fp32 update (and the AdamW formula), the bf16 params are the masters rounded after
+every step, clipping folds in as torch's clip would scale, and a checkpoint resume continues bit-exactly."""
 
 from __future__ import annotations
 
