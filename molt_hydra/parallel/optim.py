@@ -18,24 +18,57 @@ class MasterWeightAdamW(torch.optim.AdamW):
     gathers bf16 without a cast and reduces bf16 grads (model.master_weights=optimizer).
 
     The masters and moments live in `state` (DTensors placed like their params), so checkpoints save and restore
-    them. Clipping folds into the step: `clip_grad_norm_` only measures, the kernel divides by its `grad_scale`."""
+    them. Clipping folds into the step: `clip_grad_norm_` only measures, the kernel divides by its `grad_scale`.
+
+    With `accumulate_fp32` set (the trainer sets it when an optimizer step spans several micro-batches), a
+    post-accumulate-grad hook adds each micro-batch's grad (FSDP2: the reduced shard) into an fp32 sum and frees it,
+    so the sum is never rounded to bf16 between micro-batches (Megatron's main_grad); the step consumes the sums.
+    One micro-batch: the hook does nothing (its bf16 grad is the computed grad; the step upcasts it)."""
 
     CHUNK_NUMEL = 1 << 28  # grads upcast per kernel call: bounds the transient fp32 copies to 1 GiB
 
     def __init__(self, params, masters: dict, **kw):
         super().__init__(params, fused=True, **kw)  # the fused kernel takes grad_scale (CUDA and CPU)
         self._grad_scale = None
+        self.accumulate_fp32 = False
+        self.main_grads: dict = {}  # param -> fp32 grad sum of this step's micro-batches (accumulate_fp32 only)
         for group in self.param_groups:
             for p in group["params"]:
+                p.register_post_accumulate_grad_hook(self._accumulate)
                 # the whole state now, so a checkpoint's structure is known before the first step
                 master = masters[p]
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=master.device), "master": master,
                                  "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
 
     @torch.no_grad()
+    def _accumulate(self, p):
+        if not self.accumulate_fp32:
+            return
+        main = self.main_grads.get(p)
+        if main is None:
+            self.main_grads[p] = p.grad.float()  # DTensor stays DTensor (clip_grad_norm_ reduces its norm)
+        else:
+            _local(main).add_(_local(p.grad))  # bf16 promoted to fp32 inside the add
+        p.grad = None
+
+    def grad(self, p):
+        """The grad the step consumes: the fp32 sum over micro-batches, else the param's own grad."""
+        return self.main_grads.get(p, p.grad)
+
+    def round_into_grads(self):
+        """Hands the fp32 sums back as param grads, rounded once (for a clip that reads param grads in place)."""
+        for p, main in self.main_grads.items():
+            p.grad = main.to(p.dtype)
+        self.main_grads.clear()
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)
+        self.main_grads.clear()
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The total grad norm; the next step scales grads by min(1, max_norm / (norm + 1e-6)), as torch's clip."""
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [self.grad(p) for group in self.param_groups for p in group["params"] if self.grad(p) is not None]
         # in fp32 whatever the grads' dtype (torch's get_total_norm would sum bf16 squares in bf16)
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -45,7 +78,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if self.grad(p) is not None]
             start = 0
             while start < len(params):
                 end, numel = start, 0
@@ -56,7 +89,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 states = [self.state[p] for p in chunk]
                 masters = [_local(s["master"]) for s in states]
                 adamw(
-                    masters, [_local(p.grad).float() for p in chunk], [_local(s["exp_avg"]) for s in states],
+                    masters, [_local(self.grad(p)).float() for p in chunk], [_local(s["exp_avg"]) for s in states],
                     [_local(s["exp_avg_sq"]) for s in states], [], [s["step"] for s in states], fused=True,
                     grad_scale=self._grad_scale, found_inf=None, amsgrad=False, beta1=group["betas"][0],
                     beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],

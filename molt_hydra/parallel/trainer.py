@@ -285,6 +285,8 @@ class TrainerWorker:
             counts /= self.world_size // self.dp_size  # tp / cp ranks of one DP group hold the same samples
             n_tok, n_seq = counts[0].to(self.device), counts[1].to(self.device)
             parts = self._micro_batches(win)
+            if self.master_weights:  # several micro-batches: their grads sum in fp32 (parallel/optim.py)
+                self.optimizer.accumulate_fp32 = len(parts) > 1
             for part in parts:
                 rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
@@ -302,6 +304,8 @@ class TrainerWorker:
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
             if self.backend == "automodel" and self.world_size > 1:
                 from molt_hydra.models.automodel import clip_grad_norm
+                if self.master_weights:  # AutoModel's EP-aware clip scales param grads in place: the fp32 sums
+                    self.optimizer.round_into_grads()  # are rounded to bf16 once, after accumulating
                 gn = torch.as_tensor(clip_grad_norm(self.model, self.max_norm, self.dp_size), device=self.device)
             elif self.master_weights:  # measured here, applied inside the fused update (parallel/optim.py)
                 gn = self.optimizer.clip_grad_norm_(self.max_norm)

@@ -37,7 +37,8 @@ def update_steps(rank, world_size, port, out):
 
     def spy():
         names = {p: n for n, p in w.model.named_parameters()}
-        grads = {names[p]: _full(p.grad) for g in w.optimizer.param_groups for p in g["params"]}
+        # the grads the step consumes: fp32 sums over the micro-batches (several here, see accumulation_step)
+        grads = {names[p]: _full(w.optimizer.grad(p)) for g in w.optimizer.param_groups for p in g["params"]}
         rec = {"grads": grads, "lr": w.optimizer.param_groups[0]["lr"], "before": snapshot(w)}
         step()
         rec["after"] = snapshot(w)
@@ -71,4 +72,37 @@ def resume_run(rank, world_size, port, root, out, resume):
     snap = snapshot(w)
     if rank == 0:
         torch.save({"metrics": m, "state": snap}, out)
+    w.shutdown()
+
+
+def accumulation_step(rank, world_size, port, out):
+    """One optimizer step over several micro-batches. A hook placed before the optimizer's records every
+    micro-batch's grad as it arrives (bf16; FSDP2: this rank's reduced shard); a spy on the step records the grads
+    the step consumes. Rank 0 saves its local shards."""
+    w = master_worker(rank, world_size, port)
+    names = {p: n for n, p in w.model.named_parameters()}
+    per_micro = {n: [] for n in names.values()}
+
+    def record(p):
+        per_micro[names[p]].append(p.grad.to_local().clone() if hasattr(p.grad, "to_local") else p.grad.clone())
+
+    for p in names:
+        hooks = dict(p._post_accumulate_grad_hooks)
+        p._post_accumulate_grad_hooks.clear()  # re-inserted after the recorder (C++ walks the plain dict order)
+        p.register_post_accumulate_grad_hook(record)
+        p._post_accumulate_grad_hooks.update(hooks)
+    consumed, step = {}, w.optimizer.step
+
+    def spy():
+        for p, n in names.items():
+            g = w.optimizer.grad(p)
+            consumed[n] = (g.to_local() if hasattr(g, "to_local") else g).clone()
+        step()
+
+    w.optimizer.step = spy
+    w.max_norm = 0.0
+    samples = with_old_logprobs(w, make_samples(8))
+    w.train_step(samples[rank::world_size], ppo_objective())
+    if rank == 0:
+        torch.save({"per_micro": per_micro, "consumed": consumed}, out)
     w.shutdown()
