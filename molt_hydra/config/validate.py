@@ -408,8 +408,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         for ok, reason, fix in (
             (cfg.model.param_dtype.value != "float32", "model.param_dtype=float32 leaves no lower-precision copy "
              "to keep fp32 masters for.", "set model.param_dtype=bfloat16, or model.master_weights=fsdp"),
-            (not cpu, "the CPU trainer computes in fp32 (bf16 matmuls are slow there).",
-             "set model.master_weights=fsdp, or cluster.device=cuda"),
             (p.offload.value == "none", f"parallelism.offload={p.offload.value} moves FSDP2's fp32 state to the "
              "host; the optimizer-held masters are not wired to it.",
              "set parallelism.offload=none, or model.master_weights=fsdp")):

@@ -54,7 +54,7 @@ class FusedLogprobHead:
 class TrainerWorker:
     def __init__(self, *, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int,
                  model_path: str, role: str = "actor", dp_size: int | None = None, tp_size: int = 1,
-                 ep_size: int = 1, cp_size: int = 1, param_dtype: str = "bf16", attn_implementation: str = "sdpa",
+                 ep_size: int = 1, cp_size: int = 1, param_dtype: str | None = None, attn_implementation: str = "sdpa",
                  gradient_checkpointing: bool = False, random_init: bool = False, config_overrides: dict | None = None,
                  lr: float = 1e-6, betas: tuple = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  lr_scheduler: str = "constant", lr_warmup_ratio: float = 0.0, min_lr_ratio: float = 0.1,
@@ -70,13 +70,11 @@ class TrainerWorker:
                                        timeout_s=timeout_s)
         if master_weights not in ("fsdp", "optimizer"):
             raise ValueError(f"master_weights must be fsdp or optimizer, got {master_weights!r}")
-        # optimizer: params and grads in param_dtype, fp32 masters in AdamW (honoured on CPU too; validation refuses
-        # it for CPU runs, which compute in fp32)
-        self.master_weights = master_weights == "optimizer"
+        # None: bf16 on a GPU, fp32 on CPU (bf16 matmuls are slow there); an explicit dtype is honoured on both
+        param_dtype = param_dtype or ("bf16" if self.device.type == "cuda" else "fp32")
+        self.master_weights = master_weights == "optimizer"  # params and grads in param_dtype, fp32 masters in AdamW
         if self.master_weights and param_dtype == "fp32":
             raise ValueError("master_weights=optimizer needs a lower-precision param_dtype than fp32")
-        if not torch.cuda.is_available() and param_dtype != "fp32" and not self.master_weights:
-            param_dtype = "fp32"  # CPU: bf16 matmuls are slow and make equivalence tests meaningless
         self.dp_size = dp_size or world_size
         gradient_checkpointing = {False: "none", True: "full"}.get(gradient_checkpointing, gradient_checkpointing)
         # the critic (value head on a backbone) is always built with HF transformers

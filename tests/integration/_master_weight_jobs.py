@@ -106,3 +106,16 @@ def accumulation_step(rank, world_size, port, out):
     if rank == 0:
         torch.save({"per_micro": per_micro, "consumed": consumed}, out)
     w.shutdown()
+
+
+def compute_dtype(rank, world_size, port, out, param_dtype):
+    """The dtype the decoder layers compute in on CPU for a given trainer param_dtype (None: the default)."""
+    from molt_hydra.models.build import decoder_layers
+    w = worker(rank, world_size, port, **({"param_dtype": param_dtype} if param_dtype else {}))
+    seen = []
+    decoder_layers(w.model)[0].register_forward_hook(lambda m, args, output: seen.append(
+        (output[0] if isinstance(output, tuple) else output).dtype))
+    w.compute_logprobs(make_samples(2))
+    if rank == 0:
+        torch.save(seen, out)
+    w.shutdown()

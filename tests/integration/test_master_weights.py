@@ -121,3 +121,12 @@ def test_grads_accumulate_in_fp32_over_micro_batches(accumulation):
         bf16_worse += bool(err16 > err32)
     # the bf16 accumulation loses bits on (nearly) every tensor; fp32 keeps them
     assert bf16_worse >= 0.5 * len(rec["per_micro"]), (bf16_worse, len(rec["per_micro"]))
+
+
+@pytest.mark.parametrize("param_dtype,want", [(None, torch.float32), ("bf16", torch.bfloat16)],
+                         ids=["default_fp32", "bf16_honoured"])
+def test_cpu_trainer_computes_in_the_requested_dtype(tmp_path, param_dtype, want):
+    """model.param_dtype is honoured on CPU (FSDP2 casts to it); only the API default is fp32 there."""
+    run_ranks(jobs.compute_dtype, 1, tmp_path / "d.pt", param_dtype, timeout_s=240)
+    seen = torch.load(tmp_path / "d.pt", weights_only=False)
+    assert seen and set(seen) == {want}
