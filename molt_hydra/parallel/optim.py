@@ -15,7 +15,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     """AdamW whose parameters are low-precision (bf16) compute weights: the optimizer holds each one's fp32 master and
     fp32 moments, steps the masters with the param's grad upcast (torch's own fused AdamW kernel, so the update is
     torch AdamW's fp32 update), and writes the masters back into the params rounded to their dtype. FSDP2 then
-    gathers bf16 without a cast and reduces bf16 grads (model.master_weights=optimizer).
+    gathers bf16 without a cast and reduce-scatters fp32 into bf16 grads (model.master_weights=optimizer).
 
     The masters and moments live in `state` (DTensors placed like their params), so checkpoints save and restore
     them. Clipping folds into the step: `clip_grad_norm_` only measures, the kernel divides by its `grad_scale`.
