@@ -9,7 +9,8 @@ row carries trainer / ceiling. Run one world size per torchrun:
 A row is SHAPE:AC[:VARIANT[:SEQUENCES]] (SEQUENCES per GPU per step, default --mbs); AC 0 / 1 (full) / sel
 (selective, AutoModel only); VARIANT hf (default), am (NeMo AutoModel backend), with +compile (torch.compile per
 decoder block), +packed (one packed stream per micro-batch), +ep2 (AutoModel experts sharded over 2 ranks), +logits
-(full logits then chunked log-probs instead of the fused chunked lm_head + log-prob head).
+(full logits then chunked log-probs instead of the fused chunked lm_head + log-prob head), +mw (model.master_weights=
+optimizer: bf16 params and grads in FSDP2, fp32 masters and moments in the optimizer; without it fp32 params in FSDP2).
 
 `--shapes tiny` runs a 2-layer model on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
 same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency = tok/s(N) / (N · tok/s(1)).
@@ -140,6 +141,7 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
                       gradient_checkpointing=ac, param_dtype="bf16", lr=1e-6,
                       max_tokens_per_micro_batch=args.mb_tokens, backend=backend, packing="packed" in flags,
                       compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
+                      master_weights="optimizer" if "mw" in flags else "fsdp",
                       peak_tflops=peak or None, config_overrides=overrides, fused_head="logits" not in flags,
                       timeout_s=300)
     build_s = time.perf_counter() - t

@@ -2,7 +2,10 @@
 GPU, bf16 on the wire and in the engine), with the project's send and receive code in two processes (the engine side on
 the stand-in model runner of tests/gpu/_weight_sync_standin.py: vLLM cannot be installed on the device).
 
-- cuda_ipc, trainer and engine on GPU 0, against a device-to-device copy of the same bytes on that GPU (goal >= 0.5);
+- cuda_ipc, trainer and engine on GPU 0, against a device-to-device copy of the same bytes on that GPU (goal >= 0.5):
+  bucketed (pack + load, the path for dp > 1) per bucket size, and single pass (the engine loads straight from the
+  trainer's own parameters, one trainer rank), with a one-call fp32->bf16 `_foreach_copy_` of the same tensors in one
+  process as the single pass's own floor;
 - nccl, trainer GPU 0 -> engine GPU 1 (when 2 GPUs are visible), against a plain NCCL broadcast of the same bytes
   over the same group (goal >= 0.8).
 Both baselines are measured in the same run. Appends one row per transport and bucket size to RESULTS.md.
@@ -19,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from _common import append_row  # noqa: E402
-from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, connect,  # noqa: E402
-                                  device_copy_seconds, free_port, sync_seconds, wire_bytes)
+from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, call_seconds,  # noqa: E402
+                                  cast_copy_seconds, connect, device_copy_seconds, free_port, sync_seconds, wire_bytes)
 
 from molt_hydra.rollout.buckets import pack_bucket  # noqa: E402
 
@@ -56,7 +59,8 @@ def main():
     params = sum(t.numel() for t in rank.expected().values()) / 1e9
     setup = (f"random Qwen3 {args.shape} ({params:.2f} B params, {gb:.2f} GB bf16 on the wire, fp32 master), "
              f"project send side (push_from_rank) + worker-extension receive side on a stand-in model runner, "
-             f"best of 3 after a warm-up, full sync incl. send-side cast+pack; {n_gpus}x {gpu}, torch "
+             f"best of 3 whole push_from_rank calls after a warm-up (path selection, send-side cast+pack, pause .. "
+             f"finish); {n_gpus}x {gpu}, torch "
              f"{torch.__version__}")
 
     transports = args.transports.split(",")
@@ -70,6 +74,24 @@ def main():
                    f"cuda_ipc {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)", f"{copy_s / sync_s:.2f} of a device copy "
                    "(goal >= 0.5)", f"send side alone (gather + fp32->bf16 cast + pack) {pack_s:.4f} s/GB")
     if engine:
+        # single pass: the engine maps the trainer's parameters once (in the warm-up), then loads from them; with
+        # fp32 trainer parameters (the loader casts: 6 bytes/param) and bf16 ones (a plain copy: 4 bytes/param)
+        rank.single_pass = True
+        rank16 = StandInTrainerRank(args.shape, rank.device, single_pass=True, dtype=torch.bfloat16)
+        single_setup = setup.replace("bf16 on the wire", "bf16 written into the engine, nothing on a wire")
+        for r, kind in ((rank, "fp32"), (rank16, "bf16")):
+            sync_s = sync_seconds(r, engine, "cuda_ipc", buckets[0] << 20) / gb
+            floor_s = cast_copy_seconds(r) / gb
+            append_row("gpu_weight_sync", f"cuda_ipc single pass, one GPU, one trainer rank, {kind} trainer "
+                       "parameters; " + single_setup.replace("fp32 master", f"{kind} trainer parameters"),
+                       f"device copy {copy_s:.4f} s/GB ({1 / copy_s:.0f} GB/s)",
+                       f"cuda_ipc single pass {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)",
+                       f"{copy_s / sync_s:.2f} of a device copy (goal >= 0.5)",
+                       f"floor: one-call {kind}->bf16 _foreach_copy_ of the same tensors in one process "
+                       f"{floor_s:.4f} s/GB ({copy_s / floor_s:.2f} of a copy); a stand-in worker call's round trip "
+                       f"{call_seconds(engine) * 1e3:.2f} ms (3 per sync)")
+        rank.single_pass = False
+        del rank16
         engine.close()
 
     if n_gpus >= 2 and "nccl" in transports:

@@ -4,7 +4,8 @@
 # logging everything to $OUT (or ./gpu_logs). Run from the repository root (or a staged copy of it):
 #
 #   bash scripts/gpu_device.sh [all|single|bench|tests|multi|single_tests|bench2|sync ...]
-#   env: WHEELS, BENCH_SHAPES, BENCH_GPU, BENCH_TAG, BENCH_ARGS, BENCH2_SHAPES, PYTEST_ARGS, MULTI_K, SYNC_ARGS
+#   env: WHEELS, BENCH_SHAPES (split: GPU 0; BENCH_SHAPES_B: GPU 1), BENCH_GPU, BENCH_TAG, BENCH_ARGS,
+#        BENCH2_SHAPES, PYTEST_ARGS, MULTI_K, SYNC_ARGS
 #
 # With 2+ GPUs the single-GPU bench runs on GPU 0 while the single-GPU tests run on GPU 1; the 2-GPU tests last.
 # Several modes run in the order given (one wheel install).
@@ -68,6 +69,8 @@ for what in $modes; do
     multi) multi_tests ;;
     single_tests) single_tests ;;
     tests) single_tests; multi_tests ;;
+    split) BENCH_GPU=0 BENCH_TAG=_a bench & a=$!  # two benches at once, one per GPU; then the 1-GPU tests on GPU 1
+       BENCH_GPU=1 BENCH_TAG=_b BENCH_SHAPES="${BENCH_SHAPES_B:-4b:0:hf}" bench; single_tests; wait $a ;;
     single) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi ;;
     *) if [ "$ngpu" -ge 2 ]; then bench & b=$!; single_tests; wait $b; else bench; single_tests; fi
        multi_tests; bench2 ;;

@@ -59,6 +59,11 @@ ModelBackend = _choices(
     "hf",
 )
 Offload = _choices("Offload", "none", "optimizer", "full")
+MasterWeights = _choices(
+    "MasterWeights",
+    "fsdp",  # FSDP2 shards fp32 parameters and casts them to param_dtype at every all-gather; fp32 grads
+    "optimizer",  # param_dtype parameters (FSDP2 only on several ranks); AdamW keeps fp32 masters, moments, grad sums
+)
 Device = _choices("Device", "cpu", "cuda")
 ExecutorBackend = _choices(
     "ExecutorBackend",
@@ -120,7 +125,9 @@ class ModelConfig:
     backend: ModelBackend = ModelBackend["auto"]
     "Model implementation: NeMo AutoModel or HF transformers."
     param_dtype: DType = DType["bfloat16"]
-    "Compute dtype of the FSDP2 mixed-precision policy; master weights and grads reduce in fp32."
+    "Compute dtype of the trainer; the fp32 master weights sit where model.master_weights says."
+    master_weights: MasterWeights = MasterWeights["fsdp"]
+    "Where the fp32 master weights live: fsdp (fp32 params) or optimizer (param_dtype params and grads, fp32 in AdamW)."
     attn_implementation: AttnImpl = AttnImpl["sdpa"]
     "Attention kernel of the trainer model."
     gradient_checkpointing: GradCheckpoint = GradCheckpoint["full"]

@@ -404,6 +404,14 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "set it to auto (nccl between GPUs) or parallelism.colocate=true")
     problems.check(not (p.offload.value == "full" and p.trainer_devices == 1), "parallelism.offload",
                    "full offload needs more than one trainer rank.", "set parallelism.offload=optimizer")
+    if cfg.model.master_weights.value == "optimizer":  # fp32 masters in AdamW, param_dtype params (parallel/optim.py)
+        for ok, reason, fix in (
+            (cfg.model.param_dtype.value != "float32", "model.param_dtype=float32 leaves no lower-precision copy "
+             "to keep fp32 masters for.", "set model.param_dtype=bfloat16, or model.master_weights=fsdp"),
+            (p.offload.value == "none", f"parallelism.offload={p.offload.value} moves FSDP2's fp32 state to the "
+             "host; the optimizer-held masters are not wired to it.",
+             "set parallelism.offload=none, or model.master_weights=fsdp")):
+            problems.check(ok, "model.master_weights", f"optimizer: {reason}", fix)
 
     # -- knobs whose mechanism this backend does not have yet: refused, never silently ignored (the AutoModel-only
     #    ones only where the run uses the HF path: on CPU, or with model.backend=hf)

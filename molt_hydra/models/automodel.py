@@ -107,8 +107,10 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
                     experts_backend: str | None = None, linear_backend: str | None = None,
                     rms_norm: str = "torch_fp32", gate_precision: str = "float32", routing_replay: bool = False,
                     freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
-                    moe_reshard_after_forward: bool = False, sequence_parallel: bool = False):
-    """fp32 master weights, FSDP2 bf16 compute (fp32 grad reduce), AutoModel's own model class where it has one."""
+                    moe_reshard_after_forward: bool = False, sequence_parallel: bool = False,
+                    master_weights: str = "fsdp"):
+    """fp32 master weights, FSDP2 bf16 compute (fp32 grad reduce), AutoModel's own model class where it has one.
+    master_weights=optimizer on one rank: no FSDP2 at all (the trainer casts the params; nothing to shard)."""
     import torch.distributed as dist
     from nemo_automodel import NeMoAutoModelForCausalLM
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config, MoEParallelizerConfig
@@ -158,7 +160,7 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
     if moe and sizes["ep_size"] == 1:
         install_sync_free_permute(config.num_experts)
     model = NeMoAutoModelForCausalLM.from_config(config, **kw)
-    if dist.get_world_size() == 1:
+    if dist.get_world_size() == 1 and master_weights != "optimizer":
         # AutoModel skips fully_shard on one rank (components/distributed/fsdp2.py), and with it the bf16 compute
         # cast: the model would compute in fp32. One-rank FSDP2 with the same policy as the HF path restores it.
         from torch.distributed.device_mesh import init_device_mesh

@@ -67,6 +67,7 @@ def backend_options(cfg) -> dict:
     """TrainerWorker kwargs for the model backend from a validated RunConfig (RL roles and the SFT job alike)."""
     m, p = cfg.model, cfg.parallelism
     return dict(backend=m.backend.value, packing=p.packing, compile_blocks=m.compile_blocks,
+                master_weights=m.master_weights.value,
                 gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
                 freeze_moe_router=m.freeze_moe_router, freeze_visual_encoder=m.freeze_visual_encoder,
                 automodel_options=dict(moe_dispatcher=m.moe_dispatcher, experts_backend=m.experts_backend,

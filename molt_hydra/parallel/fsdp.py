@@ -34,3 +34,26 @@ def shard_model(model: nn.Module, mesh, *, param_dtype: str = "bf16", offload: b
         fully_shard(model.value_head, **{**kw, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32)})
     fully_shard(model, **kw)
     return model
+
+
+@torch.no_grad()
+def to_compute_dtype(model: nn.Module, dtype: torch.dtype, keep: tuple = ()) -> dict:
+    """model.master_weights=optimizer: replace every fp32 parameter (sharded or not) by a `dtype` copy, before the
+    first forward (FSDP2 reads its params' dtypes lazily then: no cast at all-gather, grads in `dtype`). Parameters
+    of the modules in `keep` (a critic's fp32 value head) stay fp32. Returns {new param: the fp32 original}, which
+    the optimizer keeps as masters; buffers (rotary frequencies) are left as they are. Tied params stay tied."""
+    kept = {id(p) for m in keep for p in m.parameters()}
+    new, masters = {}, {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in new:
+                if id(p) in kept or p.dtype != torch.float32:
+                    new[id(p)] = p
+                    masters[p] = p.detach()
+                else:
+                    q = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                    new[id(p)], masters[q] = q, p.detach()
+            setattr(module, name, new[id(p)])
+    return masters

@@ -5,12 +5,121 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.adamw import adamw
 
 
-def build_optimizer(model, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):
+FP32_STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW whose parameters are low-precision (bf16) compute weights: the optimizer holds each one's fp32 master and
+    fp32 moments, steps the masters with the param's grad upcast (torch's own fused AdamW kernel, so the update is
+    torch AdamW's fp32 update), and writes the masters back into the params rounded to their dtype. FSDP2 then
+    gathers bf16 without a cast and reduce-scatters fp32 into bf16 grads (model.master_weights=optimizer).
+
+    The masters and moments live in `state` (DTensors placed like their params), so checkpoints save and restore
+    them. Clipping folds into the step: `clip_grad_norm_` only measures, the kernel divides by its `grad_scale`.
+
+    With `accumulate_fp32` set (the trainer sets it when an optimizer step spans several micro-batches), a
+    post-accumulate-grad hook adds each micro-batch's grad (FSDP2: the reduced shard) into an fp32 sum and frees it,
+    so the sum is never rounded to bf16 between micro-batches (Megatron's main_grad); the step consumes the sums.
+    One micro-batch: the hook does nothing (its bf16 grad is the computed grad; the step upcasts it)."""
+
+    CHUNK_NUMEL = 1 << 28  # grads upcast per kernel call: bounds the transient fp32 copies to 1 GiB
+
+    def __init__(self, params, masters: dict, **kw):
+        super().__init__(params, fused=True, **kw)  # the fused kernel takes grad_scale (CUDA and CPU)
+        self._grad_scale = None
+        self.accumulate_fp32 = False
+        self.main_grads: dict = {}  # param -> fp32 grad sum of this step's micro-batches (accumulate_fp32 only)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.register_post_accumulate_grad_hook(self._accumulate)
+                # the whole state now, so a checkpoint's structure is known before the first step
+                master = masters[p]
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=master.device), "master": master,
+                                 "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+
+    @torch.no_grad()
+    def _accumulate(self, p):
+        if not self.accumulate_fp32:
+            return
+        main = self.main_grads.get(p)
+        if main is None:
+            self.main_grads[p] = p.grad.float()  # DTensor stays DTensor (clip_grad_norm_ reduces its norm)
+        else:
+            _local(main).add_(_local(p.grad))  # bf16 promoted to fp32 inside the add
+        p.grad = None
+
+    def grad(self, p):
+        """The grad the step consumes: the fp32 sum over micro-batches, else the param's own grad."""
+        return self.main_grads.get(p, p.grad)
+
+    def round_into_grads(self):
+        """Hands the fp32 sums back as param grads, rounded once (for a clip that reads param grads in place)."""
+        for p, main in self.main_grads.items():
+            p.grad = main.to(p.dtype)
+        self.main_grads.clear()
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)
+        self.main_grads.clear()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The total grad norm; the next step scales grads by min(1, max_norm / (norm + 1e-6)), as torch's clip."""
+        grads = [self.grad(p) for group in self.param_groups for p in group["params"] if self.grad(p) is not None]
+        # in fp32 whatever the grads' dtype (torch's get_total_norm would sum bf16 squares in bf16)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self._grad_scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0) if max_norm > 0 else None
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if self.grad(p) is not None]
+            start = 0
+            while start < len(params):
+                end, numel = start, 0
+                while end < len(params) and (end == start or numel + params[end].numel() <= self.CHUNK_NUMEL):
+                    numel += params[end].numel()
+                    end += 1
+                chunk, start = params[start:end], end
+                states = [self.state[p] for p in chunk]
+                masters = [_local(s["master"]) for s in states]
+                adamw(
+                    masters, [_local(self.grad(p)).float() for p in chunk], [_local(s["exp_avg"]) for s in states],
+                    [_local(s["exp_avg_sq"]) for s in states], [], [s["step"] for s in states], fused=True,
+                    grad_scale=self._grad_scale, found_inf=None, amsgrad=False, beta1=group["betas"][0],
+                    beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=False)
+                low = [(_local(p), m) for p, m in zip(chunk, masters) if p.dtype != m.dtype]  # fp32 params are masters
+                if low:
+                    torch._foreach_copy_(*map(list, zip(*low)))  # round the masters to the compute dtype
+        self._grad_scale = None
+
+    def load_state_dict(self, state_dict):
+        # torch casts every floating state tensor to its param's dtype on load (bf16 here): keep the fp32 ones
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        kept = {i: {k: v for k, v in state_dict["state"].get(i, {}).items() if k in FP32_STATE} for i in ids}
+        super().load_state_dict(state_dict)
+        for i, p in zip(ids, (p for g in self.param_groups for p in g["params"])):
+            self.state[p].update({k: v.to(device=p.device, dtype=torch.float32) for k, v in kept[i].items()})
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def build_optimizer(model, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                    masters: dict | None = None):
+    """masters: {param: its fp32 master} when the params are low-precision compute weights (MasterWeightAdamW)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
+    if masters is not None:
+        return MasterWeightAdamW(params, masters, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     # multi-tensor (foreach) kernels: a per-parameter loop over hundreds of DTensors costs ~1 s of CPU per step;
     # on GPU the fused kernel does the whole update in a few launches
     fused = all(p.device.type == "cuda" for p in params)

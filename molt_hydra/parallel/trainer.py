@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from molt_hydra.algorithm.experience import NumpyPickled
 from molt_hydra.models import moe_routing, vlm
-from molt_hydra.models.build import build_model, resolve_backend, resolve_path
+from molt_hydra.models.build import build_model, decoder_layers, resolve_backend, resolve_path
 from molt_hydra.models.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
 from molt_hydra.parallel import checkpoint as ckpt
 from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, partition_balanced, partition_padded,
@@ -34,7 +34,7 @@ from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
 from molt_hydra.parallel.fsdp import shard_model
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
-from molt_hydra.parallel.weight_buckets import iter_weight_buckets
+from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
 
 class FusedLogprobHead:
     """Replaces the lm_head's forward: from the final hidden states straight to the log-probs (and entropy) of the
@@ -55,7 +55,7 @@ class FusedLogprobHead:
 class TrainerWorker:
     def __init__(self, *, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int,
                  model_path: str, role: str = "actor", dp_size: int | None = None, tp_size: int = 1,
-                 ep_size: int = 1, cp_size: int = 1, param_dtype: str = "bf16", attn_implementation: str = "sdpa",
+                 ep_size: int = 1, cp_size: int = 1, param_dtype: str | None = None, attn_implementation: str = "sdpa",
                  gradient_checkpointing: bool = False, random_init: bool = False, config_overrides: dict | None = None,
                  lr: float = 1e-6, betas: tuple = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  lr_scheduler: str = "constant", lr_warmup_ratio: float = 0.0, min_lr_ratio: float = 0.1,
@@ -65,12 +65,17 @@ class TrainerWorker:
                  gate_precision: str = "float32", freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
                  backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
-                 automodel_options: dict | None = None, fused_head: bool = True):
+                 automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp"):
         self.rank, self.world_size, self.role = rank, world_size, role
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
                                        timeout_s=timeout_s)
-        if not torch.cuda.is_available() and param_dtype != "fp32":
-            param_dtype = "fp32"  # CPU: bf16 matmuls are slow and make equivalence tests meaningless
+        if master_weights not in ("fsdp", "optimizer"):
+            raise ValueError(f"master_weights must be fsdp or optimizer, got {master_weights!r}")
+        # None: bf16 on a GPU, fp32 on CPU (bf16 matmuls are slow there); an explicit dtype is honoured on both
+        param_dtype = param_dtype or ("bf16" if self.device.type == "cuda" else "fp32")
+        self.master_weights = master_weights == "optimizer"  # params and grads in param_dtype, fp32 masters in AdamW
+        if self.master_weights and param_dtype == "fp32":
+            raise ValueError("master_weights=optimizer needs a lower-precision param_dtype than fp32")
         self.dp_size = dp_size or world_size
         gradient_checkpointing = {False: "none", True: "full"}.get(gradient_checkpointing, gradient_checkpointing)
         # the critic (value head on a backbone) is always built with HF transformers
@@ -87,6 +92,7 @@ class TrainerWorker:
                 param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing, random_init=random_init,
                 config_overrides=config_overrides, attn_implementation=attn_implementation,
                 compile_blocks=compile_blocks, gate_precision=gate_precision, routing_replay=routing_replay,
+                master_weights=master_weights,
                 freeze_moe_router=freeze_moe_router, freeze_visual_encoder=freeze_visual_encoder,
                 **(automodel_options or {}))
             self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
@@ -111,9 +117,15 @@ class TrainerWorker:
             self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
             if freeze_visual_encoder:
                 vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
-            # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
-            self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
-                                     reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
+            if self.master_weights and world_size == 1 and not offload and not vlm.is_vlm(model.config):
+                # one rank, params already in the compute dtype: FSDP2 would only copy them into a second bf16 buffer
+                # (its one-rank all-gather) and the grads through a reduce buffer, every step (VLMs keep its input cast)
+                for layer in decoder_layers(model) if compile_blocks else ():
+                    layer.compile()
+                self.model = model.to(self.device)
+            else:  # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
+                self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
+                                         reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
             if vlm.is_vlm(model.config) and role != "ref" and not freeze_visual_encoder:
                 vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
         # fused head (models/logprobs.py): the causal LM hands out its final hidden states and the log-probs are taken
@@ -123,13 +135,20 @@ class TrainerWorker:
             head = self.model.get_output_embeddings()
             if isinstance(head, torch.nn.Linear) and head.bias is None:
                 self.head = FusedLogprobHead(head)
+        masters = None
+        if self.master_weights:  # before the first forward, where FSDP2 reads the params' dtypes
+            from molt_hydra.parallel.fsdp import DTYPES, to_compute_dtype
+            value_head = getattr(self.model, "value_head", None)
+            keep = (value_head,) if value_head is not None else ()
+            masters = to_compute_dtype(self.model, DTYPES[param_dtype], keep=keep)
         self._routing_stats = None
         self.temperature, self.chunk = temperature, logprob_chunk_size
         self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm
         self.aux_loss_coef, self.peak_tflops = aux_loss_coef, peak_tflops
         self.optimizer = self.scheduler = None
         if role != "ref":
-            self.optimizer = build_optimizer(self.model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            self.optimizer = build_optimizer(self.model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                             masters=masters)
             self.scheduler = build_scheduler(self.optimizer, name=lr_scheduler, total_steps=total_steps,
                                              warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio)
         self.global_step = 0
@@ -276,6 +295,8 @@ class TrainerWorker:
             counts /= self.world_size // self.dp_size  # tp / cp ranks of one DP group hold the same samples
             n_tok, n_seq = counts[0].to(self.device), counts[1].to(self.device)
             parts = self._micro_batches(win)
+            if self.master_weights:  # several micro-batches: their grads sum in fp32 (parallel/optim.py)
+                self.optimizer.accumulate_fp32 = len(parts) > 1
             for part in parts:
                 rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
@@ -298,7 +319,11 @@ class TrainerWorker:
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
             if self.backend == "automodel" and self.world_size > 1:
                 from molt_hydra.models.automodel import clip_grad_norm
+                if self.master_weights:  # AutoModel's EP-aware clip scales param grads in place: the fp32 sums
+                    self.optimizer.round_into_grads()  # are rounded to bf16 once, after accumulating
                 gn = torch.as_tensor(clip_grad_norm(self.model, self.max_norm, self.dp_size), device=self.device)
+            elif self.master_weights:  # measured here, applied inside the fused update (parallel/optim.py)
+                gn = self.optimizer.clip_grad_norm_(self.max_norm)
             else:
                 params = [p for p in self.model.parameters() if p.grad is not None]
                 gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
@@ -353,6 +378,13 @@ class TrainerWorker:
             return buckets
         # frozen routers never change: they stay out of the sync (the engine keeps the checkpoint's)
         return ([(n, t) for n, t in b if n not in self.frozen_names] for b in buckets)
+
+    def local_weights(self):
+        """The single-pass GPU weight sync's tensors: views of this rank's own full parameters on its GPU, or None."""
+        weights = local_full_weights(self.model, to_hf=self._to_hf())
+        if weights is None or not all(t.is_cuda for _, t in weights):
+            return None  # a gather or a copy is needed, or the parameters are offloaded: the bucketed path
+        return [(n, t) for n, t in weights if n not in self.frozen_names]  # frozen routers stay out (weight_buckets)
 
     def _to_hf(self):
         """AutoModel keeps its own names and grouped experts: its state-dict adapter maps them back to the

@@ -166,18 +166,37 @@ class WeightSyncWorkerExtension:
 
     # --- CUDA IPC (GPU, colocated): the trainer shares a packed bucket's memory, the worker maps it ---
 
-    def receive_ipc(self, metas: list, handle: tuple) -> int:
-        """`handle`: (rebuild_fn, args) of the packed bucket from `torch.multiprocessing.reductions.reduce_tensor`."""
+    def _open_ipc(self, handle: tuple) -> torch.Tensor:
+        """`handle`: (rebuild_fn, args) from `torch.multiprocessing.reductions.reduce_tensor` in the trainer."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         rebuild, args = handle
         if rebuild is rebuild_cuda_tensor:  # the trainer's device index; colocated, it is this worker's device
             args = (*args[:6], self.device.index, *args[7:])
-        flat = rebuild(*args)
+        return rebuild(*args)
+
+    def receive_ipc(self, metas: list, handle: tuple) -> int:
+        """One packed bucket (`weight_sync.CudaIpcTransport`), mapped for this call only."""
+        flat = self._open_ipc(handle)
         n = self._load(unpack_bucket(metas, flat))
         if flat.is_cuda:  # the loads have read the buffer before the trainer frees it
             torch.cuda.current_stream(flat.device).synchronize()
         del flat  # unmapped: the trainer frees the buffer when this call returns
+        return n
+
+    def load_shared_params(self, token: str, names: list[str] | None, handles: list | None) -> int | None:
+        """Single pass (`weight_sync.SharedParamsTransport`): load straight from views of the trainer's own parameters,
+        mapped once per `token` and kept across syncs (the trainer updates them in place). Returns None when the token
+        is new and no handles came with it: the trainer then calls again with them. A new token drops the old views
+        first, so a replaced trainer storage is never read again."""
+        if getattr(self, "_shared_params", None) is None or self._shared_params[0] != token:
+            if handles is None:
+                return None
+            self._shared_params = None  # unmap the previous storages before mapping the new ones
+            self._shared_params = (token, list(zip(names, map(self._open_ipc, handles))))
+        n = self._load(self._shared_params[1])
+        if self.device.type == "cuda":  # the copies are done before the trainer may step (and write) again
+            torch.cuda.current_stream(self.device).synchronize()
         return n
 
 

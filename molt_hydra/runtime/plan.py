@@ -184,9 +184,19 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
     # Korthikanti et al. 2022); no AC keeps every block's working set.
     act_per_token = (shape.layers * shape.hidden * compute_bytes + 34 * shape.hidden) if ac != "none" else (
         34 * shape.hidden * shape.layers)
+    if cfg.model.master_weights.value == "optimizer":  # param_dtype params, fp32 masters in AdamW (parallel/optim.py)
+        # several micro-batches per optimizer step: grads sum into fp32 buffers, each micro-batch's param_dtype grad
+        # freed as it is added (one FSDP unit's at a time); one micro-batch: the param_dtype grads themselves
+        accumulates = t.dynamic_batch or t.batch_size // (t.micro_batch_size * dp) > 1
+        grad_bytes = 4 if accumulates else compute_bytes
+        state = {f"weights {cfg.model.param_dtype.value}": compute_bytes * P / shard / GIB,
+                 f"grads {'fp32 (accumulated)' if accumulates else cfg.model.param_dtype.value}":
+                     grad_bytes * P / shard / GIB,
+                 "fp32 master weights": 4 * P / shard / GIB}
+    else:
+        state = {"weights fp32": 4 * P / shard / GIB, "grads fp32": 4 * P / shard / GIB}
     trainer = {
-        "weights fp32": 4 * P / shard / GIB,
-        "grads fp32": 4 * P / shard / GIB,
+        **state,
         "adamw moments": 0.0 if p.offload.value != "none" else 8 * P / shard / GIB,
         "gathered layer": compute_bytes * (P - shape.vocab * shape.hidden) / shape.layers / GIB,
         "activations": act_per_token * tokens_per_rank / GIB,
@@ -211,7 +221,7 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
     kv_token = shape.kv_bytes_per_token_per_byte * engine_bytes / r.tensor_parallel_size
     plan.assumptions += [
         f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers",
-        f"trainer: fp32 master weights/grads/AdamW moments sharded over {shard} rank(s); {compute_bytes}-byte compute; "
+        f"trainer: {' + '.join(state)} + AdamW moments sharded over {shard} rank(s); {compute_bytes}-byte compute; "
         f"activation checkpointing {ac}; {tokens_per_rank} tokens per micro-batch per rank; logits in fp32",
     ]
     if cfg.job.value != "sft":

@@ -22,7 +22,7 @@ import types
 import torch
 import torch.multiprocessing as mp
 
-from molt_hydra.parallel.weight_buckets import iter_weight_buckets
+from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
 from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
 
 # Qwen3 layer shapes (hf config values of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B); weights are random.
@@ -92,6 +92,10 @@ class StandInWorker(WeightSyncWorkerExtension):
         from torch.multiprocessing.reductions import reduce_tensor
 
         return [(n, reduce_tensor(t)) for n, t in self.model_runner.params.items()]
+
+    def shared_params_token(self) -> str | None:
+        """The token of the trainer storages this worker has mapped (single-pass path), or None."""
+        return getattr(self, "_shared_params", None) and self._shared_params[0]
 
     def baseline_broadcast(self, nbytes: int) -> None:
         """A plain broadcast of `nbytes` into a fresh buffer: the baseline a weight sync is compared with."""
@@ -207,20 +211,40 @@ class StandInEngine:
 
 class StandInTrainerRank:
     """Stand-in for a TrainerWorker's rank 0 without FSDP: fp32 master weights on `device`, the real
-    `iter_weight_buckets` (what `TrainerWorker.weight_buckets` calls). `skip` leaves a tensor out of every sync."""
+    `iter_weight_buckets` (what `TrainerWorker.weight_buckets` calls) and `local_full_weights` (what
+    `TrainerWorker.local_weights` calls; `single_pass=False` withholds it, so a cuda_ipc sync takes the bucketed path,
+    as with dp > 1). `skip` leaves a tensor out of every sync."""
 
-    rank = 0
+    rank, world_size = 0, 1
 
-    def __init__(self, shape: str, device: torch.device):
+    def __init__(self, shape: str, device: torch.device, single_pass: bool = False, dtype=torch.float32):
         self.device = device
-        self.model = qwen3(shape, seed=0, dtype=torch.float32, device=device)
+        self.model = qwen3(shape, seed=0, dtype=dtype, device=device)
         self.skip: set[str] = set()
+        self.single_pass = single_pass
+
+    def __setattr__(self, name, value):
+        if name in ("skip", "single_pass"):  # what `local_weights` returns changes: look it up again next sync
+            self.__dict__.pop("shared_params_transport", None)
+        super().__setattr__(name, value)
 
     def weight_buckets(self, bucket_bytes, dtype=None, device="cpu"):
         for bucket in iter_weight_buckets(self.model, bucket_bytes, dtype, device):
             kept = [(n, t) for n, t in bucket if n not in self.skip]
             if kept:
                 yield kept
+
+    def local_weights(self):
+        weights = local_full_weights(self.model) if self.single_pass else None
+        return None if weights is None else [(n, t) for n, t in weights if n not in self.skip]
+
+    def optimizer_step(self, seed: int) -> None:
+        """A real AdamW step on random gradients: the parameters change in place, their storages stay."""
+        g = torch.Generator(self.device).manual_seed(seed)
+        for p in self.model.parameters():
+            p.grad = torch.randn(p.shape, generator=g, device=self.device, dtype=p.dtype)
+        torch.optim.AdamW(self.model.parameters(), lr=1e-2).step()
+        self.model.zero_grad(set_to_none=True)
 
     def expected(self) -> dict[str, torch.Tensor]:
         """What the engine must hold after a sync: every pushed tensor in bf16 (a tied lm_head is not pushed)."""
@@ -240,15 +264,50 @@ def wire_bytes(rank: StandInTrainerRank) -> int:
 
 def sync_seconds(rank: StandInTrainerRank, engine: StandInEngine, transport: str, bucket_bytes: int,
                  repeats: int = 3) -> float:
-    """Best of `repeats` full syncs (pause .. finish, send-side packing and casting included), after a warm-up."""
+    """Best of `repeats` whole `push_from_rank` calls (path selection, pause .. finish, send-side packing and casting
+    included), after a warm-up."""
+    import time
+
     from molt_hydra.rollout.weight_sync import push_from_rank
 
     best = float("inf")
     for i in range(repeats + 1):
-        m = push_from_rank(rank, [engine], transport, engine.version + 1, bucket_bytes=bucket_bytes,
-                           check_coverage=False, timeout_s=600, dtype="bfloat16")
+        start = time.perf_counter()
+        push_from_rank(rank, [engine], transport, engine.version + 1, bucket_bytes=bucket_bytes,
+                       check_coverage=False, timeout_s=600, dtype="bfloat16")
         if i:
-            best = min(best, m["weight_sync/seconds"])
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def call_seconds(engine: StandInEngine, repeats: int = 20) -> float:
+    """Median round trip of a worker call that does nothing (the stand-in's per-call cost, paid 3x per sync)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.call("shared_params_token")
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cast_copy_seconds(rank: StandInTrainerRank, repeats: int = 5) -> float:
+    """Best one-call `torch._foreach_copy_` of every pushed fp32 tensor into a bf16 tensor of its own, in one process:
+    the traffic of the single-pass sync (read fp32, write bf16) with none of its per-tensor or per-call costs."""
+    import time
+
+    src = [t.detach() for n, t in rank.model.state_dict().items() if n != "lm_head.weight"]
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]
+    best = float("inf")
+    for i in range(repeats + 1):
+        torch.cuda.synchronize(rank.device)
+        start = time.perf_counter()
+        torch._foreach_copy_(dst, src)
+        torch.cuda.synchronize(rank.device)
+        if i:
+            best = min(best, time.perf_counter() - start)
     return best
 
 

@@ -35,13 +35,16 @@ def _ckpt(d, moe):
     return str(d)
 
 
-@pytest.mark.parametrize("tp,ep,moe", [(1, 2, True), (2, 1, False)], ids=["ep2_moe", "tp2_dense"])
-def test_two_gpus_match_one(tmp_path, tp, ep, moe):
+@pytest.mark.parametrize("tp,ep,moe,master_weights", [(1, 2, True, "fsdp"), (2, 1, False, "fsdp"),
+                                                     (1, 2, True, "optimizer")],
+                         ids=["ep2_moe", "tp2_dense", "ep2_moe_master_weights"])
+def test_two_gpus_match_one(tmp_path, tp, ep, moe, master_weights):
     path = _ckpt(tmp_path / "ckpt", moe)
-    run_ranks(jobs.step, 1, path, tmp_path / "one.pt", 1, 1, moe, timeout_s=400)
-    run_ranks(jobs.step, 2, path, tmp_path / "two.pt", tp, ep, moe, timeout_s=400)
+    run_ranks(jobs.step, 1, path, tmp_path / "one.pt", 1, 1, moe, master_weights, timeout_s=400)
+    run_ranks(jobs.step, 2, path, tmp_path / "two.pt", tp, ep, moe, master_weights, timeout_s=400)
     one, two = (torch.load(tmp_path / f, weights_only=False) for f in ("one.pt", "two.pt"))
-    print(f"tp={tp} ep={ep}:", {k: (one[k], two[k]) for k in ("policy_loss", "actor_grad_norm")})
+    print(f"tp={tp} ep={ep} master_weights={master_weights}:",
+          {k: (one[k], two[k]) for k in ("policy_loss", "actor_grad_norm")})
     for k in ("policy_loss", "actor_grad_norm"):
         assert one[k] == pytest.approx(two[k], rel=2e-2), k
     if moe:

@@ -1,5 +1,6 @@
 """GPU weight sync between two processes with the project's send and receive code (run on the device:
-`pytest -m gpu tests/gpu`): CUDA IPC on one GPU, NCCL from GPU 0 to GPU 1. A random-init Qwen3-0.6B-shaped model
+`pytest -m gpu tests/gpu`): CUDA IPC on one GPU (bucketed, and single pass from the trainer's own parameters), NCCL
+from GPU 0 to GPU 1. A random-init Qwen3-0.6B-shaped model
 (fp32 master weights on the trainer side, bf16 on the engine side); vLLM's model runner is a named stand-in (see
 _weight_sync_standin.py). Speeds are printed against the baseline of the same bytes, not asserted; the 4B row is
 bench/gpu_weight_sync.py."""
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, connect,  # noqa: E402
-                                  device_copy_seconds, engine_weights, free_port, sync_seconds, wire_bytes)
+from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, cast_copy_seconds,  # noqa: E402
+                                  connect, device_copy_seconds, engine_weights, free_port, sync_seconds, wire_bytes)
 
 from molt_hydra.rollout.weight_sync import WeightCoverageError, push_from_rank  # noqa: E402
 
@@ -55,7 +56,7 @@ def test_cuda_ipc_sync_is_bit_equal_in_bf16_versioned_and_releases_its_buffers(i
     metrics = push(rank, engine, "cuda_ipc")
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated  # every packed bucket was released after the engine loaded it
-    assert engine.version == 1
+    assert engine.version == 1 and metrics["weight_sync/single_pass"] == 0.0  # the rank withholds local_weights
     assert metrics["weight_sync/bytes"] == wire_bytes(rank)  # bf16 on the wire: half the fp32 master bytes
     assert metrics["weight_sync/tensors"] == len(rank.expected())
     assert_bit_equal(rank, engine)
@@ -82,6 +83,65 @@ def test_cuda_ipc_speed_against_a_device_copy(ipc):
     print(f"\ncuda_ipc {SHAPE}: {nbytes / 1e9:.2f} GB bf16, sync {nbytes / sync_s / 1e9:.1f} GB/s "
           f"({sync_s / nbytes * 1e9:.4f} s/GB), device copy {nbytes / copy_s / 1e9:.1f} GB/s, "
           f"ratio {copy_s / sync_s:.2f} (goal >= 0.5)")
+    assert_bit_equal(rank, engine)
+
+
+@pytest.fixture(scope="module")
+def single(ipc):
+    """A one-rank trainer whose parameters are full tensors (single-pass path), on the same GPU and engine; one
+    optimizer step first, so it holds weights the engine does not have yet."""
+    rank = StandInTrainerRank(SHAPE, torch.device("cuda", 0), single_pass=True)
+    rank.optimizer_step(seed=1)
+    return rank, ipc[1]
+
+
+def test_single_pass_is_bit_equal_allocates_nothing_and_serves_in_place_updates_from_cached_mappings(single):
+    rank, engine = single
+    probe = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(engine_weights(engine)[probe], rank.expected()[probe])
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    metrics = push(rank, engine, "cuda_ipc")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated  # nothing packed: the engine read the parameters themselves
+    assert metrics["weight_sync/single_pass"] == 1.0
+    assert metrics["weight_sync/bytes"] == wire_bytes(rank)  # written into the engine in bf16
+    assert metrics["weight_sync/tensors"] == len(rank.expected())
+    assert_bit_equal(rank, engine)
+    token = engine.call("shared_params_token")
+    assert token is not None
+
+    rank.optimizer_step(seed=2)  # in place: same storages, new values
+    assert not torch.equal(engine_weights(engine)[probe], rank.expected()[probe])
+    push(rank, engine, "cuda_ipc")
+    assert engine.call("shared_params_token") == token  # the cached mappings served the sync ...
+    assert_bit_equal(rank, engine)  # ... and they were not stale
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+
+
+def test_single_pass_coverage_check_names_the_tensor_never_pushed(single):
+    rank, engine = single
+    rank.skip = {"model.norm.weight"}
+    try:
+        with pytest.raises(WeightCoverageError) as err:
+            push(rank, engine, "cuda_ipc")
+    finally:
+        rank.skip = set()
+    assert err.value.missing == ["model.norm.weight"]
+    assert push(rank, engine, "cuda_ipc")["weight_sync/single_pass"] == 1.0  # complete again: passes the check
+    assert_bit_equal(rank, engine)
+
+
+def test_single_pass_speed_against_a_device_copy(single):
+    rank, engine = single
+    nbytes = wire_bytes(rank)
+    sync_s = sync_seconds(rank, engine, "cuda_ipc", BUCKET)
+    copy_s = device_copy_seconds(nbytes, rank.device)
+    cast_s = cast_copy_seconds(rank)
+    print(f"\ncuda_ipc single pass {SHAPE}: {nbytes / 1e9:.2f} GB bf16, sync {nbytes / sync_s / 1e9:.1f} GB/s "
+          f"({sync_s / nbytes * 1e9:.4f} s/GB), device copy {nbytes / copy_s / 1e9:.1f} GB/s, ratio "
+          f"{copy_s / sync_s:.2f} (goal >= 0.5); one-call fp32->bf16 cast copy {copy_s / cast_s:.2f} of a copy")
     assert_bit_equal(rank, engine)
 
 

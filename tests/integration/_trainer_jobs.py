@@ -50,11 +50,11 @@ def with_old_logprobs(w, samples):
     return samples
 
 
-def dp_step(rank, world_size, port, out, param_dtype="fp32"):
+def dp_step(rank, world_size, port, out, param_dtype="fp32", master_weights="fsdp"):
     """Two optimizer windows of a PPO step over 8 samples; rank r of R holds samples of each window strided by R."""
     if param_dtype == "fp32":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    w = worker(rank, world_size, port, param_dtype=param_dtype)
+    w = worker(rank, world_size, port, param_dtype=param_dtype, master_weights=master_weights)
     samples = with_old_logprobs(w, make_samples(8))
     windows = [samples[:4], samples[4:]]
     local = [s for win in windows for s in win[rank::world_size]]

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from molt_hydra.parallel.weight_buckets import iter_weight_buckets
+from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
 from molt_hydra.rollout.buckets import ALIGN, bucket_weights, pack_bucket, unpack_bucket
 from molt_hydra.rollout.weight_sync import (BroadcastGroup, BroadcastTransport, CudaIpcTransport, Transport,
                                             WeightSync, choose_transport, open_broadcast, push_from_rank,
-                                            resolve_transport)
+                                            resolve_transport, single_pass_transport)
 from molt_hydra.rollout.weight_sync import SharedMemoryTransport
 from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
 
@@ -287,3 +287,96 @@ def test_shm_region_is_mapped_once_reused_across_syncs_and_replaced_when_a_bucke
     assert transport.handle[1] == 4096 * 2 and transport.handle[2] != token  # grown: a new region, mapped anew
     assert worker._shared_region[0] == transport.handle[2] and torch.equal(worker.loaded["huge"],
                                                                           torch.ones(4096, dtype=torch.bfloat16))
+
+
+# --- CUDA IPC in one pass: one trainer rank shares its own parameters, the worker maps them once per token ---
+
+class CastingWorker(FakeWorker):
+    """A worker whose loader copies by name into bf16 parameters of its own (as a vLLM loader casts into the engine's
+    parameters); counts the IPC handles it opened."""
+
+    def __init__(self, names_shapes):
+        super().__init__()
+        self.params = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in names_shapes}
+        self.opened = 0
+
+    def _open_ipc(self, handle):
+        self.opened += 1
+        return super()._open_ipc(handle)
+
+    def _load_into_model(self, bucket):
+        for name, t in bucket:
+            self.params[name].copy_(t)
+
+
+class OneRank(StandInTrainerRank):
+    """A one-rank trainer whose parameters are full tensors (TrainerWorker.local_weights on FSDP2 with dp=1)."""
+
+    world_size = 1
+
+    def local_weights(self):
+        return local_full_weights(self.model)
+
+
+def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_stale():
+    rank0, log = OneRank(), []
+    state = rank0.model.state_dict()
+    worker = CastingWorker([(n, t.shape) for n, t in state.items()])
+    engine = FakeEngine(worker, log)
+
+    def sync(version):
+        log.clear()
+        return push_from_rank(rank0, [engine], "cuda_ipc", version, bucket_bytes=256, check_coverage=False,
+                              timeout_s=10, dtype="bfloat16")
+
+    def assert_engine_holds_the_ranks_weights():
+        for name, t in rank0.model.state_dict().items():
+            assert torch.equal(worker.params[name], t.detach().to(torch.bfloat16)), name
+
+    metrics = sync(1)
+    assert metrics["weight_sync/single_pass"] == 1.0 and engine.version == 1
+    assert metrics["weight_sync/tensors"] == 4
+    assert metrics["weight_sync/bytes"] == sum(t.numel() * 2 for t in state.values())  # written in bf16, unpadded
+    assert [m for m in log if m.startswith("load_")] == ["load_shared_params"] * 2  # unknown token, then handles
+    assert worker.opened == 4 and worker._loaded_names == set(state)
+    assert_engine_holds_the_ranks_weights()
+    # the views alias the trainer's storages: nothing was copied on the trainer's side
+    mapped = dict(worker._shared_params[1])
+    assert all(mapped[n].data_ptr() == t.data_ptr() for n, t in state.items())
+
+    with torch.no_grad():  # an optimizer step: in place, same storages
+        for p in rank0.model.parameters():
+            p.mul_(-2).add_(0.5)
+    sync(2)
+    assert [m for m in log if m.startswith("load_")] == ["load_shared_params"]  # one call, nothing re-mapped
+    assert worker.opened == 4 and engine.version == 2
+    assert_engine_holds_the_ranks_weights()  # the cached views served the new values
+
+    rank0.model[1].weight = nn.Parameter(torch.randn(4, 16))  # a new storage (e.g. a reload): a new token
+    sync(3)
+    assert worker.opened == 8 and [m for m in log if m.startswith("load_")] == ["load_shared_params"] * 2
+    assert_engine_holds_the_ranks_weights()
+
+
+def test_single_pass_applies_only_to_cuda_ipc_from_one_rank_holding_whole_own_tensors():
+    rank0, bf16 = OneRank(), torch.bfloat16
+    carrier = single_pass_transport(rank0, "cuda_ipc", bf16)
+    assert [n for n, _ in carrier.tensors] == list(rank0.model.state_dict())
+    assert single_pass_transport(rank0, "cuda_ipc", bf16) is carrier  # storages unchanged: the same carrier
+    assert single_pass_transport(rank0, "nccl", bf16) is None and single_pass_transport(rank0, "shm", bf16) is None
+    assert single_pass_transport(StandInTrainerRank(), "cuda_ipc", bf16) is None  # no local_weights: gathers
+    rank0.world_size = 2
+    assert single_pass_transport(rank0, "cuda_ipc", bf16) is None
+    # a conversion that makes new tensors cannot be shared (the engine would read a temporary)
+    assert local_full_weights(rank0.model, to_hf=lambda n, t: [(n, t.clone())]) is None
+    assert len(local_full_weights(rank0.model, to_hf=lambda n, t: [(n, t[:1]), (n + ".rest", t[1:])])) == 8
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = types.SimpleNamespace(tie_word_embeddings=True)
+            self.embed = nn.Embedding(8, 4)
+            self.lm_head = nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+    assert [n for n, _ in local_full_weights(Tied())] == ["embed.weight"]  # the engine re-ties its lm_head
