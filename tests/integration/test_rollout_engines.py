@@ -112,6 +112,14 @@ def test_router_streams_an_engine_actors_tokens_as_they_are_sampled(engines):
     assert (joined.token_ids, joined.logprobs, joined.finish_reason) == (whole.token_ids, whole.logprobs, "length")
 
 
+def test_idle_engine_workers_block_on_their_queue_instead_of_spinning(engines):
+    """vLLM's worker spins 1 s on sched_yield after every read; ours block at once (rollout/quiet_executor.py), also
+    after generating (the readers are set once, at start)."""
+    router = Router(engines, timeout_s=120)
+    asyncio.run(router.generate(GenerationRequest("quiet", PROMPT, Sampling(max_tokens=4, ignore_eos=True))))
+    assert ray.get([e.worker_call.remote("queue_reader_busy_loop_s") for e in engines], timeout=60) == [[0.0], [0.0]]
+
+
 def test_weight_sync_matches_hf_then_restores_exactly_and_checks_coverage(engines, model_dir):
     model = hf_model(model_dir)
     original = {n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied: not pushed
