@@ -163,6 +163,9 @@ class VLLMEngine:
             logprobs=s.top_logprobs,  # 0: exactly the sampled token's logprob; k: plus the k best
             structured_outputs=StructuredOutputsParams(**s.structured) if s.structured else None,
             skip_special_tokens=False,
+            # We return token ids only: text is decoded only to match stop strings (vLLM's front otherwise detokenizes
+            # every sampled token and its logprob token, CPU that the rollout path competes with the engine for)
+            detokenize=bool(s.stop),
             output_kind=RequestOutputKind.DELTA,  # per-delta outputs let us stamp the version of every token
         )
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
