@@ -125,7 +125,7 @@ def test_stop_strings_still_end_generation_though_text_is_decoded_only_for_them(
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     router = Router(engines, timeout_s=120)
-    greedy = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
+    greedy = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=0)  # stops checked from token 1
     (free,) = asyncio.run(router.generate(GenerationRequest("stop", PROMPT, greedy)))
     text = [tok.decode(free.token_ids[:i]) for i in range(len(free.token_ids) + 1)]
     # the first token that appends text not seen before: stopping on that text ends generation at that token
@@ -133,9 +133,9 @@ def test_stop_strings_still_end_generation_though_text_is_decoded_only_for_them(
                and text[i][len(text[i - 1]):].strip() and text[i][len(text[i - 1]):] not in text[i - 1])
     stop = text[cut][len(text[cut - 1]):]
     (stopped,) = asyncio.run(router.generate(GenerationRequest("stop", PROMPT, Sampling(
-        max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,)))))
+        max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=0, stop=(stop,)))))
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
-    assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) <= cut
+    assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) == cut
 
 
 def test_weight_sync_matches_hf_then_restores_exactly_and_checks_coverage(engines, model_dir):
