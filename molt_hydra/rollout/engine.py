@@ -2,8 +2,9 @@
 
 A plain class, usable in-process (`await VLLMEngine(...).start()`) or as a Ray actor
 (`ray.remote(VLLMEngine).options(max_concurrency=..., num_cpus=...)`). vLLM is imported lazily in `start()` so the
-class can be shipped to a Ray worker without importing vLLM in the driver. Keeps vLLM's own multiprocessing executor:
-the `ray` executor is refused on CPU (feasibility §2).
+class can be shipped to a Ray worker without importing vLLM in the driver. Keeps vLLM's own executors: the `ray`
+executor is refused on CPU (feasibility §2); on CPU `uni` runs the model in vLLM's engine core process and `mp` is
+rollout/quiet_executor.py (vLLM's, with queue readers that do not spin while the engine idles).
 """
 
 from __future__ import annotations
