@@ -17,6 +17,7 @@ generation and the rest of the step take about the same time, with the CPU each 
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -115,7 +116,8 @@ def main():
                f"async (queue_depth 1) {a:.2f} s/step",
                f"ratio {a / s:.2f} (goal <= 0.60; ideal max(gen, rest)/sync {ideal:.2f}; 2-core bound {core_bound:.2f})",
                f"phase means s sync/async: {phases}. CPU s/step sync/async: {roles}; all {cpu_sync:.2f}/"
-               f"{cpu_async:.2f} (cores busy {cpu_sync / s:.2f}/{cpu_async / a:.2f})")
+               f"{cpu_async:.2f} (cores busy {cpu_sync / s:.2f}/{cpu_async / a:.2f}); load avg at the end "
+               + " ".join(f"{x:.1f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@
 """
 
 import argparse
+import os
 import shlex
 import statistics
 import subprocess
@@ -101,14 +102,14 @@ def compose_cost():
     return largest, results[largest], import_s, imp, fresh, base
 
 
-def launch_cost(launches):
+def launch_cost(launches, overrides=()):
     rows = []
     for i in range(launches):
         stamps = tempfile.mkdtemp(prefix="molt_bench_stamps_")
         out = tempfile.mkdtemp(prefix="molt_bench_run_")
         args = [str(MOLT_RUN), f"hydra.run.dir={out}", "train.max_steps=2", "logger.wandb.mode=disabled",
                 f"agent.runner._target_={REPO}/bench/agents/stamp_toy.py:StampToyEnv",
-                f"+agent.runner.stamp_dir={stamps}"]
+                f"+agent.runner.stamp_dir={stamps}", *overrides]
         metrics = Path(out) / "metrics.jsonl"
         seen = {}
 
@@ -180,6 +181,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--launches", type=int, default=2)
     p.add_argument("--skip-launch", action="store_true")
+    p.add_argument("--override", action="append", default=[], help="a molt-run override for the launches")
     args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
     largest, (cold, warm, lines), _, imp, fresh, base = compose_cost()
     append_row("config_cost", f"compose+validate of the largest recipe `{largest}` ({lines} resolved lines), "
@@ -189,16 +191,18 @@ def main():
                f"compose+validate {fresh:.2f} s cold / {warm:.3f} s warm (goal < 1 s)")
     if args.skip_launch:
         return
-    rows, py_base = launch_cost(args.launches)
+    rows, py_base = launch_cost(args.launches, args.override)
     best = min(rows, key=lambda r: r[2])
     append_row("startup_cost", f"`molt-run` default recipe (tiny Qwen3, toy task), launch -> first token measured "
-               f"with Env stamps (bench/agents/stamp_toy.py), best of {len(rows)}",
+               f"with Env stamps (bench/agents/stamp_toy.py), best of {len(rows)}"
+               + "".join(f", {o}" for o in args.override),
                f"python -c 'import molt_hydra.cli' {py_base:.1f} s",
                f"plan printed {best[0]:.1f} s; roles ready {best[4]:.1f} s (from Ray's start: {best[5]}); first "
                f"request {best[1]:.1f} s after {best[6]:.1f} CPU s of all the run's processes (least of the launches "
                f"{min(r[6] for r in rows):.1f}); first response (8 tok) {best[2]:.1f} s; first step logged "
                f"{best[3]:.1f} s",
-               f"first token in [{best[1]:.1f}, {best[2]:.1f}] s after launch (goal <= 20 s)")
+               f"first token in [{best[1]:.1f}, {best[2]:.1f}] s after launch (goal <= 20 s)",
+               note="load avg at the end " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":

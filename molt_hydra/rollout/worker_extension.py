@@ -128,6 +128,12 @@ class WeightSyncWorkerExtension:
         return uncovered_checkpoint_names(expected, getattr(self, "_loaded_names", set()),
                                           [*(hf.architectures or []), hf.model_type])
 
+    def queue_reader_busy_loop_s(self) -> float:
+        """Seconds this worker spins on its scheduler-output queue before it blocks (rollout/quiet_executor.py)."""
+        from molt_hydra.rollout.quiet_executor import worker_busy_loop_s
+
+        return worker_busy_loop_s()
+
     # --- R3 on CPU: the engine's own expert selection per request (rollout/routing_capture.py) ---
 
     def start_routing_capture(self) -> None:

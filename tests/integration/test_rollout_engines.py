@@ -112,6 +112,32 @@ def test_router_streams_an_engine_actors_tokens_as_they_are_sampled(engines):
     assert (joined.token_ids, joined.logprobs, joined.finish_reason) == (whole.token_ids, whole.logprobs, "length")
 
 
+def test_idle_engine_workers_block_on_their_queue_instead_of_spinning(engines):
+    """vLLM's worker spins 1 s on sched_yield after every read; ours 50 ms (rollout/quiet_executor.py), also after
+    generating (the readers are set once, at start)."""
+    router = Router(engines, timeout_s=120)
+    asyncio.run(router.generate(GenerationRequest("quiet", PROMPT, Sampling(max_tokens=4, ignore_eos=True))))
+    assert ray.get([e.worker_call.remote("queue_reader_busy_loop_s") for e in engines], timeout=60) == [[0.05], [0.05]]
+
+
+def test_stop_strings_still_end_generation_though_text_is_decoded_only_for_them(engines, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    router = Router(engines, timeout_s=120)
+    greedy = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=0)  # stops checked from token 1
+    (free,) = asyncio.run(router.generate(GenerationRequest("stop", PROMPT, greedy)))
+    text = [tok.decode(free.token_ids[:i]) for i in range(len(free.token_ids) + 1)]
+    # the first token that appends text not seen before: stopping on that text ends generation at that token
+    cut = next(i for i in range(1, len(text)) if text[i].startswith(text[i - 1])
+               and text[i][len(text[i - 1]):].strip() and text[i][len(text[i - 1]):] not in text[i - 1])
+    stop = text[cut][len(text[cut - 1]):]
+    (stopped,) = asyncio.run(router.generate(GenerationRequest("stop", PROMPT, Sampling(
+        max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=0, stop=(stop,)))))
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
+    assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) == cut
+
+
 def test_weight_sync_matches_hf_then_restores_exactly_and_checks_coverage(engines, model_dir):
     model = hf_model(model_dir)
     original = {n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied: not pushed
