@@ -21,6 +21,7 @@ from molt_hydra.rollout.generation import Generation, GenerationRequest
 
 log = logging.getLogger(__name__)
 WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtension"
+DEATH_POLL_S = 0.5  # how often a weight-sync call checks that the engine core is still alive
 
 
 class VLLMEngine:
@@ -221,14 +222,24 @@ class VLLMEngine:
 
     async def pause(self) -> None:
         """Freeze in-flight requests in the scheduler (mode keep): they continue after `resume` under new weights."""
-        await self._engine().pause_generation(mode="keep", clear_cache=False)
+        await self._while_alive(self._engine().pause_generation(mode="keep", clear_cache=False))
 
     async def resume(self) -> None:
-        await self._engine().resume_generation()
+        await self._while_alive(self._engine().resume_generation())
 
     async def worker_call(self, method: str, *args: Any) -> list:
         """Run a `WeightSyncWorkerExtension` method on every worker of this engine; one result per worker."""
-        return await self._engine().collective_rpc(method, args=args)
+        return await self._while_alive(self._engine().collective_rpc(method, args=args))
+
+    async def _while_alive(self, call) -> Any:
+        """vLLM leaves a call it sent to an engine core that then died unanswered (kill -9 during a weight sync):
+        race it against the core's death, so the sync fails at once and the driver replaces this engine."""
+        task = asyncio.ensure_future(call)
+        while not (await asyncio.wait({task}, timeout=DEATH_POLL_S))[0]:
+            if self._engine().errored:
+                task.cancel()
+                raise RuntimeError(f"rollout engine {self.engine_index}: vLLM's engine core died")
+        return task.result()
 
     async def load_weights_bytes(self, blob: bytes) -> int:
         # Tensors cannot cross collective_rpc on CPU (memoryview pickling); safetensors bytes can (feasibility §1c).
@@ -245,7 +256,7 @@ class VLLMEngine:
         """After the last bucket: finalize the reload, refresh tied heads, drop KV computed by the old weights and
         stamp the new version (`None`: the update failed, keep the old version number)."""
         await self.worker_call("finish_layerwise_reload")
-        await self._engine().reset_prefix_cache()
+        await self._while_alive(self._engine().reset_prefix_cache())
         if version is not None:
             self.version = version
 
