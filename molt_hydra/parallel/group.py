@@ -64,7 +64,8 @@ class TrainerGroup:
             cls = ray.remote(worker_cls)
             self.workers = [
                 cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=where[i])
-                .remote(rank=i, world_size=num_ranks, master_addr=addr, master_port=port, **worker_kwargs)
+                .remote(rank=i, world_size=num_ranks, master_addr=addr, master_port=port,
+                        cpu_threads=None if num_gpus_per_rank else max(1, int(num_cpus_per_rank)), **worker_kwargs)
                 for i in range(num_ranks)]
             self._wait_ranks_up(startup_timeout_s)
         except BaseException:

@@ -65,10 +65,13 @@ class TrainerWorker:
                  gate_precision: str = "float32", freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
                  backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
-                 automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp"):
+                 automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp",
+                 cpu_threads: int | None = None):
         self.rank, self.world_size, self.role = rank, world_size, role
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
                                        timeout_s=timeout_s)
+        if cpu_threads and self.device.type == "cpu":  # the CPUs reserved for this rank: a Ray worker started
+            torch.set_num_threads(cpu_threads)  # before it was placed need not carry Ray's OMP_NUM_THREADS for them
         if master_weights not in ("fsdp", "optimizer"):
             raise ValueError(f"master_weights must be fsdp or optimizer, got {master_weights!r}")
         # None: bf16 on a GPU, fp32 on CPU (bf16 matmuls are slow there); an explicit dtype is honoured on both
