@@ -190,6 +190,16 @@ def _registries(cfg: RunConfig, problems: Problems):
     return ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 
+def trainer_backend(cfg: RunConfig) -> str:
+    """`model.backend` as the trainer will resolve it (models/build.py resolve_backend), told before any GPU is
+    touched: automodel when asked for, or on auto when NeMo AutoModel is installed for a CUDA run; hf otherwise."""
+    backend = cfg.model.backend.value
+    if cfg.cluster.device.value == "cpu" or backend == "hf" or (
+            backend == "auto" and importlib.util.find_spec("nemo_automodel") is None):
+        return "hf"
+    return "automodel"
+
+
 def rollout_devices(cfg: RunConfig) -> int:
     r = cfg.rollout
     return r.num_engines * r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size
@@ -334,10 +344,8 @@ def validate(cfg: RunConfig) -> RunConfig:
                    f"{list(VLLM_CPU_VLM_TYPES)} (docs/vlm.md).",
                    "use an Idefics3 model (e.g. model.path=tiny://idefics3_tiny), run VLM RL on GPUs "
                    "(cluster.device=cuda), or train this VLM with job=sft on CPU")
-    # backend=auto resolves as the trainer does (models/build.py resolve_backend): AutoModel on GPU when installed
     m, backend = cfg.model, cfg.model.backend.value
-    automodel_installed = importlib.util.find_spec("nemo_automodel") is not None
-    hf_backend = backend == "hf" or cpu or (backend == "auto" and not automodel_installed)
+    hf_backend = trainer_backend(cfg) == "hf"
     problems.check(not (backend == "automodel" and cpu), "model.backend",
                    "NeMo AutoModel builds its models on CUDA devices only (its builder calls torch.cuda).",
                    "set model.backend=hf (or auto), or cluster.device=cuda")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+LOGPROB_CHUNK_TOKENS = 2048  # rows of logits taken at a time: bounds the fp32 working set
+
 
 def _shifted(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
     if temperature <= 0:
@@ -27,7 +29,7 @@ def _pad_first(values: torch.Tensor, shape) -> torch.Tensor:
 
 
 def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                         chunk_size: int = 2048) -> torch.Tensor:
+                         chunk_size: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """[B, T, V] logits, [B, T] ids -> [B, T] fp32 log p(ids[t]) under log_softmax(logits[t-1] / T); column 0 is 0."""
     z, y = _shifted(logits, ids, temperature)
     parts = []
@@ -39,7 +41,7 @@ def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: f
 
 
 def entropy_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                        chunk_size: int = 2048) -> torch.Tensor:
+                        chunk_size: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """[B, T] fp32 entropy H = logsumexp(z) - sum softmax(z) z of the distribution that produced token t (z = logits/T)."""
     z, _ = _shifted(logits, ids, temperature)
     parts = []
@@ -97,7 +99,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
 
 
 def linear_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                            chunk_size: int = 2048, with_entropy: bool = False):
+                            chunk_size: int = LOGPROB_CHUNK_TOKENS, with_entropy: bool = False):
     """[B, T, H] final hidden states and the [V, H] lm_head weight -> ([B, T] fp32 log p(ids[t]), [B, T] fp32 entropy
     or None), token-aligned as `logprobs_from_logits` of `hidden @ weight.T`, never holding more than `chunk_size`
     rows of logits (fp32) at a time, forward or backward."""

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from molt_hydra.algorithm.experience import NumpyPickled
 from molt_hydra.models import moe_routing, vlm
 from molt_hydra.models.build import build_model, decoder_layers, resolve_backend, resolve_path
-from molt_hydra.models.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
+from molt_hydra.models.logprobs import (LOGPROB_CHUNK_TOKENS, entropy_from_logits, linear_logprobs_entropy,
+                                       logprobs_from_logits)
 from molt_hydra.parallel import checkpoint as ckpt
 from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, partition_balanced, partition_padded,
                                           unpack)
@@ -60,7 +61,8 @@ class TrainerWorker:
                  lr: float = 1e-6, betas: tuple = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  lr_scheduler: str = "constant", lr_warmup_ratio: float = 0.0, min_lr_ratio: float = 0.1,
                  total_steps: int = 1, max_norm: float = 1.0, offload: bool = False,
-                 max_tokens_per_micro_batch: int = 16384, temperature: float = 1.0, logprob_chunk_size: int = 2048,
+                 max_tokens_per_micro_batch: int = 16384, temperature: float = 1.0,
+                 logprob_chunk_size: int = LOGPROB_CHUNK_TOKENS,
                  aux_loss_coef: float = 0.0, seed: int = 42, routing_replay: bool = False,
                  gate_precision: str = "float32", freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,

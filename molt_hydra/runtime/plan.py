@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.config.validate import rollout_devices
+from molt_hydra.config.validate import rollout_devices, trainer_backend
+from molt_hydra.models.logprobs import LOGPROB_CHUNK_TOKENS
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -41,9 +42,11 @@ class ModelShape:
     hidden: int
     vocab: int
     kv_bytes_per_token_per_byte: int  # 2 (K and V) x layers x kv_heads x head_dim: multiply by dtype bytes
+    vision: bool = False  # a vision-language model (its trainer takes log-probs from full logits)
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelShape":
+        vlm = "vision_config" in c or c.get("vision_params", 0) > 0
         c = c.get("text_config", c) | {k: v for k, v in c.items() if k == "vision_params"}
         h, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
         heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
@@ -60,7 +63,7 @@ class ModelShape:
         return cls(
             params=L * (attn + mlp_total) + embed + vision,
             active_params=L * (attn + mlp_active) + embed + vision,
-            layers=L, hidden=h, vocab=V, kv_bytes_per_token_per_byte=2 * L * kv * hd,
+            layers=L, hidden=h, vocab=V, kv_bytes_per_token_per_byte=2 * L * kv * hd, vision=vlm,
         )
 
 
@@ -195,12 +198,18 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
                  "fp32 master weights": 4 * P / shard / GIB}
     else:
         state = {"weights fp32": 4 * P / shard / GIB, "grads fp32": 4 * P / shard / GIB}
+    # the HF backend's text actor takes log-probs through the lm_head a chunk of tokens at a time (models/logprobs.py):
+    # forward and backward hold ~3 fp32 [chunk x vocab] arrays and the fp32 lm_head grad, whatever the micro-batch
+    fused_head = trainer_backend(cfg) == "hf" and not shape.vision
+    chunk = min(LOGPROB_CHUNK_TOKENS, tokens_per_rank)
+    logits = ({f"logits fp32, {chunk} tokens at a time": 4 * shape.vocab * (3 * chunk + shape.hidden) / GIB}
+              if fused_head else {"logits fp32": 4 * shape.vocab * tokens_per_rank / GIB})
     trainer = {
         **state,
         "adamw moments": 0.0 if p.offload.value != "none" else 8 * P / shard / GIB,
         "gathered layer": compute_bytes * (P - shape.vocab * shape.hidden) / shape.layers / GIB,
         "activations": act_per_token * tokens_per_rank / GIB,
-        "logits fp32": 4 * shape.vocab * tokens_per_rank / GIB,
+        **logits,
     }
     if cfg.job.value != "eval":
         plan.memory["actor"] = trainer
@@ -222,7 +231,9 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
     plan.assumptions += [
         f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers",
         f"trainer: {' + '.join(state)} + AdamW moments sharded over {shard} rank(s); {compute_bytes}-byte compute; "
-        f"activation checkpointing {ac}; {tokens_per_rank} tokens per micro-batch per rank; logits in fp32",
+        f"activation checkpointing {ac}; {tokens_per_rank} tokens per micro-batch per rank; "
+        + ("log-probs through the lm_head, fp32 logits of a chunk of tokens at a time" if fused_head
+           else "fp32 logits of the whole micro-batch"),
     ]
     if cfg.job.value != "sft":
         plan.assumptions.append(
