@@ -139,7 +139,11 @@ def build_model(path: str, *, role: str = "actor", attn_implementation: str = "s
 
 
 def decoder_layers(model: nn.Module):
-    """The blocks (`model.layers` / `backbone.layers`; a ModuleDict in AutoModel's classes), the FSDP2 unit."""
+    """The blocks (`model.layers` / `backbone.layers`; a ModuleDict in AutoModel's classes), the FSDP2 unit. A
+    vision-language model's are its language model's (HF `get_decoder`), not the vision tower's that come first."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if isinstance(getattr(decoder, "layers", None), (nn.ModuleList, nn.ModuleDict)):
+        model = decoder
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and name.endswith("layers"):
             return list(mod.values()) if isinstance(mod, nn.ModuleDict) else mod

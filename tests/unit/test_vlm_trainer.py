@@ -65,6 +65,16 @@ def test_build_model_accepts_vlm_and_refuses_vlm_critic(model_dir):
         build_model(model_dir, role="critic")
 
 
+@pytest.mark.parametrize("name,text_layers", [(MODEL, "model.language_model.layers"),
+                                               (IDEFICS3, "model.text_model.layers")])
+def test_fsdp_units_are_the_language_models_blocks(name, text_layers):
+    # the vision tower's blocks come first in the module tree; the FSDP2 (and compile) unit is the decoder block
+    from molt_hydra.models.build import decoder_layers
+
+    model = build_model(resolve_path(name))
+    assert decoder_layers(model) is model.get_submodule(text_layers)
+
+
 def test_trainer_logprobs_equal_hf_forward_with_processor_outputs(model_dir):
     from transformers import AutoModelForImageTextToText
 
