@@ -52,6 +52,8 @@ def qwen3(shape: str, seed: int, dtype: torch.dtype, device: torch.device):
 class StandInModelRunner:
     """Stand-in for vLLM's GPU model runner: `get_model().load_weights` copies (name, tensor) pairs by name."""
 
+    cast_before_copy = False  # a loader that casts into a temporary first: a copy plan cannot be proven for it
+
     def __init__(self, model):
         self.model = model
         self.params = dict(model.state_dict())
@@ -62,7 +64,8 @@ class StandInModelRunner:
     def load_weights(self, weights) -> set[str]:
         with torch.no_grad():
             for name, t in weights:
-                self.params[name].copy_(t)
+                param = self.params[name]
+                param.copy_(t.to(param.dtype) if self.cast_before_copy else t)
         return {name for name, _ in weights}
 
 
@@ -92,6 +95,18 @@ class StandInWorker(WeightSyncWorkerExtension):
         from torch.multiprocessing.reductions import reduce_tensor
 
         return [(n, reduce_tensor(t)) for n, t in self.model_runner.params.items()]
+
+    def shared_load(self) -> tuple[str | None, str | None]:
+        """How the last single-pass load ran ("record", "replay" or "loader") and why a copy plan was refused."""
+        plan = getattr(self, "_copy_plan", None)
+        return getattr(self, "shared_load_path", None), plan if isinstance(plan, str) else None
+
+    def set_loader(self, cast_before_copy: bool = False, record_copy_plans: bool = True) -> None:
+        """Switch the stand-in's loader (and whether copy plans are recorded); the current plan is dropped, as a
+        real engine's loaders never change under a plan."""
+        self.model_runner.cast_before_copy = cast_before_copy
+        self.record_copy_plans = record_copy_plans
+        self._copy_plan = None
 
     def shared_params_token(self) -> str | None:
         """The token of the trainer storages this worker has mapped (single-pass path), or None."""
