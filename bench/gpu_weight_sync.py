@@ -4,8 +4,9 @@ the stand-in model runner of tests/gpu/_weight_sync_standin.py: vLLM cannot be i
 
 - cuda_ipc, trainer and engine on GPU 0, against a device-to-device copy of the same bytes on that GPU (goal >= 0.5):
   bucketed (pack + load, the path for dp > 1) per bucket size, and single pass (the engine loads straight from the
-  trainer's own parameters, one trainer rank), with a one-call fp32->bf16 `_foreach_copy_` of the same tensors in one
-  process as the single pass's own floor;
+  trainer's own parameters, one trainer rank), with the engine's loaders on every sync and with the replayed copy
+  plan (rollout/copy_plan.py), against floors in one process (one CUDA graph of per-tensor copies; one-call
+  `_foreach_copy_`) and with the engine side's own time;
 - nccl, trainer GPU 0 -> engine GPU 1 (when 2 GPUs are visible), against a plain NCCL broadcast of the same bytes
   over the same group (goal >= 0.8).
 Both baselines are measured in the same run. Appends one row per transport and bucket size to RESULTS.md.
@@ -23,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from _common import append_row  # noqa: E402
 from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, call_seconds,  # noqa: E402
-                                  cast_copy_seconds, connect, device_copy_seconds, free_port, sync_seconds, wire_bytes)
+                                  cast_copy_seconds, connect, device_copy_seconds, free_port, graph_copy_seconds,
+                                  sync_seconds, wire_bytes)
 
 from molt_hydra.rollout.buckets import pack_bucket  # noqa: E402
 
@@ -75,20 +77,33 @@ def main():
                    "(goal >= 0.5)", f"send side alone (gather + fp32->bf16 cast + pack) {pack_s:.4f} s/GB")
     if engine:
         # single pass: the engine maps the trainer's parameters once (in the warm-up), then loads from them; with
-        # fp32 trainer parameters (the loader casts: 6 bytes/param) and bf16 ones (a plain copy: 4 bytes/param)
+        # fp32 trainer parameters (the loader casts: 6 bytes/param) and bf16 ones (a plain copy: 4 bytes/param);
+        # each with the loaders running every sync (the path before copy plans) and with the replayed copy plan
         rank.single_pass = True
         rank16 = StandInTrainerRank(args.shape, rank.device, single_pass=True, dtype=torch.bfloat16)
         single_setup = setup.replace("bf16 on the wire", "bf16 written into the engine, nothing on a wire")
         for r, kind in ((rank, "fp32"), (rank16, "bf16")):
+            engine.call("set_loader", False, False)
+            loader_s = sync_seconds(r, engine, "cuda_ipc", buckets[0] << 20) / gb
+            loader_engine_s = engine.call("last_load_seconds") / gb
+            engine.call("set_loader", False, True)
             sync_s = sync_seconds(r, engine, "cuda_ipc", buckets[0] << 20) / gb
+            path = engine.call("shared_load")
+            replay_engine_s = engine.call("last_load_seconds") / gb
             floor_s = cast_copy_seconds(r) / gb
+            graph_s = graph_copy_seconds(r) / gb
             append_row("gpu_weight_sync", f"cuda_ipc single pass, one GPU, one trainer rank, {kind} trainer "
-                       "parameters; " + single_setup.replace("fp32 master", f"{kind} trainer parameters"),
+                       "parameters, replayed copy plan; " + single_setup.replace("fp32 master",
+                                                                                  f"{kind} trainer parameters"),
                        f"device copy {copy_s:.4f} s/GB ({1 / copy_s:.0f} GB/s)",
-                       f"cuda_ipc single pass {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)",
-                       f"{copy_s / sync_s:.2f} of a device copy (goal >= 0.5)",
-                       f"floor: one-call {kind}->bf16 _foreach_copy_ of the same tensors in one process "
-                       f"{floor_s:.4f} s/GB ({copy_s / floor_s:.2f} of a copy); a stand-in worker call's round trip "
+                       f"single pass, replayed plan {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s; last load path "
+                       f"{path[0]}); loaders every sync {loader_s:.4f} s/GB",
+                       f"{copy_s / sync_s:.2f} of a device copy replayed, {copy_s / loader_s:.2f} with the loaders "
+                       "(goal >= 0.5)",
+                       f"engine side (load_shared_params incl. stream sync) replay {replay_engine_s:.4f} / loaders "
+                       f"{loader_engine_s:.4f} s/GB; floors in one process: CUDA graph of per-tensor {kind}->bf16 "
+                       f"copy_ {graph_s:.4f} s/GB ({copy_s / graph_s:.2f} of a copy), one-call _foreach_copy_ "
+                       f"{floor_s:.4f} s/GB ({copy_s / floor_s:.2f}); a stand-in worker call's round trip "
                        f"{call_seconds(engine) * 1e3:.2f} ms (3 per sync)")
         rank.single_pass = False
         del rank16

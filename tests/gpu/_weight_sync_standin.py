@@ -88,7 +88,20 @@ class StandInWorker(WeightSyncWorkerExtension):
     def _vllm_finish_reload(self) -> None:
         pass
 
+    def load_shared_params(self, *args):  # timed: the engine side of a single-pass sync, for the bench
+        import time
+
+        start = time.perf_counter()
+        try:
+            return super().load_shared_params(*args)
+        finally:
+            self.load_seconds = time.perf_counter() - start
+
     # --- for the checks and the baseline only ---
+
+    def last_load_seconds(self) -> float:
+        """Wall time of the last `load_shared_params` in this process (loads or replay, and the stream sync)."""
+        return self.load_seconds
 
     def share_weights(self) -> list:
         """IPC handles of every parameter, so the sender can compare bit for bit."""
@@ -320,6 +333,28 @@ def cast_copy_seconds(rank: StandInTrainerRank, repeats: int = 5) -> float:
         torch.cuda.synchronize(rank.device)
         start = time.perf_counter()
         torch._foreach_copy_(dst, src)
+        torch.cuda.synchronize(rank.device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def graph_copy_seconds(rank: StandInTrainerRank, repeats: int = 5) -> float:
+    """Best replay of one CUDA graph holding a `copy_` of every pushed tensor into a bf16 tensor of its own, in one
+    process: what a replayed copy plan does, with no worker call, IPC mapping or Python around it."""
+    import time
+
+    src = [t.detach() for n, t in rank.model.state_dict().items() if n != "lm_head.weight"]
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    best = float("inf")
+    for i in range(repeats + 1):
+        torch.cuda.synchronize(rank.device)
+        start = time.perf_counter()
+        graph.replay()
         torch.cuda.synchronize(rank.device)
         if i:
             best = min(best, time.perf_counter() - start)
