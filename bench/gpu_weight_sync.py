@@ -46,11 +46,63 @@ def pack_seconds(rank: StandInTrainerRank, bucket_bytes: int, repeats: int = 3) 
     return best
 
 
+def best_ms(fn, repeats: int = 7) -> float:
+    import time
+
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) * 1e3
+
+
+def profile_single_pass(r: StandInTrainerRank, engine: StandInEngine, path: str | None) -> None:
+    """Where a replayed single-pass sync spends its time: its pieces timed alone (trainer side path selection, an
+    event loop, each engine call) and, with `path`, a cProfile of 10 whole `push_from_rank` calls."""
+    import asyncio
+    import cProfile
+    import io
+    import pstats
+
+    from molt_hydra.rollout.weight_sync import push_from_rank, single_pass_transport
+
+    def push():
+        push_from_rank(r, [engine], "cuda_ipc", engine.version + 1, bucket_bytes=1 << 30, check_coverage=False,
+                       timeout_s=600, dtype="bfloat16")
+
+    token = r.shared_params_transport[1].token
+    parts = {"whole push_from_rank": best_ms(push),
+             "single_pass_transport (trainer: address check)": best_ms(
+                 lambda: single_pass_transport(r, "cuda_ipc", torch.bfloat16)),
+             "asyncio.run of nothing": best_ms(lambda: asyncio.run(asyncio.sleep(0))),
+             "engine call begin_layerwise_reload": best_ms(lambda: engine.call("begin_layerwise_reload")),
+             "engine call load_shared_params (replay + stream sync)": best_ms(
+                 lambda: engine.call("load_shared_params", token, None, None)),
+             "  of it inside the engine": engine.call("last_load_seconds") * 1e3,
+             "engine call finish_layerwise_reload": best_ms(lambda: engine.call("finish_layerwise_reload")),
+             "trainer stream synchronize": best_ms(lambda: torch.cuda.current_stream(r.device).synchronize())}
+    print("breakdown (ms, best of 7): " + "; ".join(f"{k} {v:.3f}" for k, v in parts.items()), flush=True)
+    if path:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(10):
+            push()
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(35)
+        stats.sort_stats("tottime").print_stats(25)
+        Path(path).write_text(text.getvalue())
+        print(text.getvalue()[:6000], flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="4b")
     p.add_argument("--bucket-mb", default="512,2048")
     p.add_argument("--transports", default="cuda_ipc,nccl")
+    p.add_argument("--profile", default="", help="write a cProfile of replayed single-pass syncs (bf16) here")
     args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
     buckets = [int(b) for b in args.bucket_mb.split(",")]
     gpu = torch.cuda.get_device_name(0)
@@ -95,16 +147,17 @@ def main():
             append_row("gpu_weight_sync", f"cuda_ipc single pass, one GPU, one trainer rank, {kind} trainer "
                        "parameters, replayed copy plan; " + single_setup.replace("fp32 master",
                                                                                   f"{kind} trainer parameters"),
-                       f"device copy {copy_s:.4f} s/GB ({1 / copy_s:.0f} GB/s)",
-                       f"single pass, replayed plan {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s; last load path "
-                       f"{path[0]}); loaders every sync {loader_s:.4f} s/GB",
+                       f"device copy {copy_s:.5f} s/GB ({1 / copy_s:.0f} GB/s)",
+                       f"single pass, replayed plan {sync_s:.5f} s/GB ({1 / sync_s:.0f} GB/s; last load path "
+                       f"{path[0]}); loaders every sync {loader_s:.5f} s/GB",
                        f"{copy_s / sync_s:.2f} of a device copy replayed, {copy_s / loader_s:.2f} with the loaders "
                        "(goal >= 0.5)",
-                       f"engine side (load_shared_params incl. stream sync) replay {replay_engine_s:.4f} / loaders "
-                       f"{loader_engine_s:.4f} s/GB; floors in one process: CUDA graph of per-tensor {kind}->bf16 "
-                       f"copy_ {graph_s:.4f} s/GB ({copy_s / graph_s:.2f} of a copy), one-call _foreach_copy_ "
-                       f"{floor_s:.4f} s/GB ({copy_s / floor_s:.2f}); a stand-in worker call's round trip "
+                       f"engine side (load_shared_params incl. stream sync) replay {replay_engine_s:.5f} / loaders "
+                       f"{loader_engine_s:.5f} s/GB; floors in one process: CUDA graph of per-tensor {kind}->bf16 "
+                       f"copy_ {graph_s:.5f} s/GB ({copy_s / graph_s:.2f} of a copy), one-call _foreach_copy_ "
+                       f"{floor_s:.5f} s/GB ({copy_s / floor_s:.2f}); a stand-in worker call's round trip "
                        f"{call_seconds(engine) * 1e3:.2f} ms (3 per sync)")
+            profile_single_pass(r, engine, args.profile and f"{args.profile}.{kind}")
         rank.single_pass = False
         del rank16
         engine.close()
