@@ -14,8 +14,8 @@ sees every aten op the loaders run. The plan is kept only when it is proven to b
 Replaying the recorded copies in their order, with the same source and destination views, repeats exactly the work
 the loaders did (copy_ is deterministic: the same bits). On CUDA the copies are captured once in a CUDA graph, so a
 sync is one graph launch instead of the Python loader loop (same-dtype copies become memcpy nodes); on CPU they run
-one by one. The plan holds while the engine's parameter addresses are those it was recorded against (`holds`); the
-worker drops it with the trainer views it reads (a new token).
+one by one. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
+checks before each replay); the worker drops it with the trainer views it reads (a new token).
 
 What is proven where: on the GPU stand-in of vLLM's model runner (tests/gpu/_weight_sync_standin.py: loaders copy in
 place by name) and on CPU unit tests with vLLM-style fused loaders (narrowed copies into a qkv parameter). Real vLLM
@@ -72,7 +72,8 @@ class _Recorder(TorchDispatchMode):
 
 
 class CopyPlan:
-    """The copies a recorded load made, in order, as (destination view, source view); `names`: what was loaded."""
+    """The copies a recorded load made, in order, as (destination view, source view); `names`: what was loaded;
+    `addresses`: where the engine's parameters were at the recording (the plan holds while they stay there)."""
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor, bool]], names: list[str],
                  addresses: tuple[int, ...]):
@@ -80,10 +81,6 @@ class CopyPlan:
         self.names = names
         self.addresses = addresses
         self.graph = None  # CUDA: captured on the first replay
-
-    def holds(self, engine_tensors: list[torch.Tensor]) -> bool:
-        """The engine still holds the parameters the plan writes (a replaced tensor has a new address)."""
-        return tuple(t.data_ptr() for t in engine_tensors) == self.addresses
 
     def replay(self) -> None:
         if not self.copies or not self.copies[0][0].is_cuda:
@@ -107,8 +104,8 @@ class CopyPlan:
         return graph
 
 
-def record_copy_plan(load, weights: list[tuple[str, torch.Tensor]],
-                     engine_tensors: list[torch.Tensor]) -> CopyPlan | str:
+def record_copy_plan(load, weights: list[tuple[str, torch.Tensor]], engine_tensors: list[torch.Tensor],
+                     addresses: tuple[int, ...]) -> CopyPlan | str:
     """Run `load()` (the engine's loaders over `weights`, views of the trainer's tensors) and watch it: a `CopyPlan`
     when it only copied shared views into `engine_tensors`' storages, else the reason it is refused. The load itself
     runs in full either way."""
@@ -119,4 +116,4 @@ def record_copy_plan(load, weights: list[tuple[str, torch.Tensor]],
         return recorder.refusal
     if not recorder.copies:
         return "the loaders copied nothing"
-    return CopyPlan(recorder.copies, [n for n, _ in weights], tuple(t.data_ptr() for t in engine_tensors))
+    return CopyPlan(recorder.copies, [n for n, _ in weights], addresses)

@@ -2,8 +2,12 @@
 refuses, and that a replay gives the loaders' own result; then through the worker extension's `load_shared_params`.
 The CUDA-graph replay of the same plan is tested on the GPU (tests/gpu/test_weight_sync_gpu.py)."""
 
-import torch
+import types
 
+import torch
+from torch import nn
+
+from molt_hydra.parallel.weight_buckets import parameter_addresses
 from molt_hydra.rollout.copy_plan import CopyPlan, record_copy_plan
 from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
 
@@ -15,16 +19,17 @@ def trainer_weights():
             [("q.weight", (4, 8)), ("k.weight", (2, 8)), ("v.weight", (2, 8)), ("norm.weight", (8,))]]
 
 
-class FusedEngine:
-    """bf16 engine parameters with vLLM's layout (q, k, v stacked in one qkv parameter) and vLLM-style loaders:
-    narrow the fused parameter to the shard's rows, then `copy_` (which casts fp32 -> bf16)."""
+class FusedEngine(nn.Module):
+    """bf16 engine tensors with vLLM's layout (q, k, v stacked in one qkv tensor) and vLLM-style loaders: narrow the
+    fused tensor to the shard's rows, then `copy_` (which casts fp32 -> bf16)."""
 
     ROWS = {"q.weight": (0, 4), "k.weight": (4, 2), "v.weight": (6, 2)}
 
     def __init__(self):
-        self.qkv = torch.zeros(8, 8, dtype=torch.bfloat16)
-        self.norm = torch.zeros(8, dtype=torch.bfloat16)
-        self.scratch = torch.zeros(8, dtype=torch.bfloat16)  # not a parameter
+        super().__init__()
+        self.register_buffer("qkv", torch.zeros(8, 8, dtype=torch.bfloat16))
+        self.register_buffer("norm", torch.zeros(8, dtype=torch.bfloat16))
+        self.scratch = torch.zeros(8, dtype=torch.bfloat16)  # not a parameter or buffer
 
     def tensors(self):
         return [self.qkv, self.norm]
@@ -46,7 +51,7 @@ class FusedEngine:
 
 def test_a_copy_only_load_is_recorded_and_its_replay_serves_in_place_updates_bit_equal():
     weights, engine = trainer_weights(), FusedEngine()
-    plan = record_copy_plan(lambda: engine.load(weights), weights, engine.tensors())
+    plan = record_copy_plan(lambda: engine.load(weights), weights, engine.tensors(), parameter_addresses(engine))
     assert isinstance(plan, CopyPlan)
     assert len(plan.copies) == 4 and plan.names == ["q.weight", "k.weight", "v.weight", "norm.weight"]
     qkv, norm = engine.expected(weights)
@@ -57,12 +62,12 @@ def test_a_copy_only_load_is_recorded_and_its_replay_serves_in_place_updates_bit
             t.mul_(-3).add_(0.25)
     qkv, norm = engine.expected(weights)
     assert not torch.equal(engine.qkv, qkv)
-    assert plan.holds(engine.tensors())
+    assert plan.addresses == parameter_addresses(engine)
     plan.replay()
     assert torch.equal(engine.qkv, qkv) and torch.equal(engine.norm, norm)  # same bits as the loaders would give
 
     engine.norm = torch.zeros(8, dtype=torch.bfloat16)  # the engine replaced a parameter: the plan writes a dead one
-    assert not plan.holds(engine.tensors())
+    assert plan.addresses != parameter_addresses(engine)
 
 
 def test_a_load_that_computes_allocates_or_writes_elsewhere_is_refused_and_still_runs():
@@ -70,7 +75,7 @@ def test_a_load_that_computes_allocates_or_writes_elsewhere_is_refused_and_still
 
     def refusal(load_with, engine=None):
         engine = engine or FusedEngine()
-        return record_copy_plan(lambda: load_with(engine), weights, engine.tensors()), engine
+        return record_copy_plan(lambda: load_with(engine), weights, engine.tensors(), ()), engine
 
     reason, engine = refusal(lambda e: e.load(weights, transform=lambda t: t * 2))  # a loader that scales
     assert isinstance(reason, str) and "mul" in reason
@@ -90,8 +95,12 @@ class CpuWorker(WeightSyncWorkerExtension):
     device = torch.device("cpu")
 
     def __init__(self):
-        self.engine = FusedEngine()
+        self.model_runner = types.SimpleNamespace(model=FusedEngine())  # as vLLM's model_runner.model
         self.transform = None
+
+    @property
+    def engine(self):
+        return self.model_runner.model
 
     def _vllm_begin_reload(self):
         pass
@@ -101,9 +110,6 @@ class CpuWorker(WeightSyncWorkerExtension):
 
     def _load_into_model(self, bucket):
         self.engine.load(bucket, self.transform)
-
-    def _engine_tensors(self):
-        return self.engine.tensors()
 
 
 def test_worker_records_on_a_new_token_replays_after_and_falls_back_when_unproven():

@@ -311,6 +311,9 @@ class CastingWorker(FakeWorker):
     def _engine_tensors(self):
         return list(self.params.values())
 
+    def _engine_addresses(self):
+        return tuple(t.data_ptr() for t in self.params.values())
+
 
 class OneRank(StandInTrainerRank):
     """A one-rank trainer whose parameters are full tensors (TrainerWorker.local_weights on FSDP2 with dp=1)."""
