@@ -28,6 +28,7 @@ from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_s
                                   sync_seconds, wire_bytes)
 
 from molt_hydra.rollout.buckets import pack_bucket  # noqa: E402
+from molt_hydra.rollout.copy_plan import CopyPlan  # noqa: E402
 
 
 def pack_seconds(rank: StandInTrainerRank, bucket_bytes: int, repeats: int = 3) -> float:
@@ -143,7 +144,8 @@ def main():
             path = engine.call("shared_load")
             replay_engine_s = engine.call("last_load_seconds") / gb
             floor_s = cast_copy_seconds(r) / gb
-            graph_s = graph_copy_seconds(r) / gb
+            graph_s = graph_copy_seconds(r, CopyPlan.BRANCHES) / gb
+            graph1_s = graph_copy_seconds(r, 1) / gb
             append_row("gpu_weight_sync", f"cuda_ipc single pass, one GPU, one trainer rank, {kind} trainer "
                        "parameters, replayed copy plan; " + single_setup.replace("fp32 master",
                                                                                   f"{kind} trainer parameters"),
@@ -153,8 +155,10 @@ def main():
                        f"{copy_s / sync_s:.2f} of a device copy replayed, {copy_s / loader_s:.2f} with the loaders "
                        "(goal >= 0.5)",
                        f"engine side (load_shared_params incl. stream sync) replay {replay_engine_s:.5f} / loaders "
-                       f"{loader_engine_s:.5f} s/GB; floors in one process: CUDA graph of per-tensor {kind}->bf16 "
-                       f"copy_ {graph_s:.5f} s/GB ({copy_s / graph_s:.2f} of a copy), one-call _foreach_copy_ "
+                       f"{loader_engine_s:.5f} s/GB; floors in one process: the plan's CUDA graph of per-tensor "
+                       f"{kind}->bf16 copy_ on {CopyPlan.BRANCHES} streams {graph_s:.5f} s/GB ({copy_s / graph_s:.2f} "
+                       f"of a copy), on one stream {graph1_s:.5f} s/GB ({copy_s / graph1_s:.2f}), one-call "
+                       f"_foreach_copy_ "
                        f"{floor_s:.5f} s/GB ({copy_s / floor_s:.2f}); a stand-in worker call's round trip "
                        f"{call_seconds(engine) * 1e3:.2f} ms (3 per sync)")
             profile_single_pass(r, engine, args.profile and f"{args.profile}.{kind}")

@@ -13,8 +13,9 @@ sees every aten op the loaders run. The plan is kept only when it is proven to b
 
 Replaying the recorded copies in their order, with the same source and destination views, repeats exactly the work
 the loaders did (copy_ is deterministic: the same bits). On CUDA the copies are captured once in a CUDA graph, so a
-sync is one graph launch instead of the Python loader loop (same-dtype copies become memcpy nodes); on CPU they run
-one by one. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
+sync is one graph launch instead of the Python loader loop (same-dtype copies become memcpy nodes), spread over a few
+streams when no two destinations overlap (the order of disjoint copies cannot change a bit); on CPU they run one by
+one, in order. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
 checks before each replay); the worker drops it with the trainer views it reads (a new token).
 
 What is proven where: on the GPU stand-in of vLLM's model runner (tests/gpu/_weight_sync_standin.py: loaders copy in
@@ -71,15 +72,34 @@ class _Recorder(TorchDispatchMode):
         return f"the loaders ran {func} (not a view or a copy)"
 
 
+def _disjoint(views: list[torch.Tensor]) -> bool:
+    """No two views may touch the same byte (each judged by the span from its first to its last element)."""
+    spans = []
+    for t in views:
+        if t.numel() == 0:
+            continue
+        if any(stride < 0 for stride in t.stride()):
+            return False
+        last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
+    spans.sort()
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 class CopyPlan:
     """The copies a recorded load made, in order, as (destination view, source view); `names`: what was loaded;
     `addresses`: where the engine's parameters were at the recording (the plan holds while they stay there)."""
+
+    BRANCHES = 4
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor, bool]], names: list[str],
                  addresses: tuple[int, ...]):
         self.copies = copies
         self.names = names
         self.addresses = addresses
+        # copies into disjoint destinations may run in any order: spread over a few streams in the graph, so the many
+        # small ones (norms) and each copy's launch gap hide behind the large ones; else one stream, recorded order
+        self.streams = self.BRANCHES if _disjoint([dst for dst, _, _ in copies]) else 1
         self.graph = None  # CUDA: captured on the first replay
 
     def replay(self) -> None:
@@ -98,8 +118,15 @@ class CopyPlan:
         device = self.copies[0][0].device
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for dst, src, non_blocking in self.copies:
-                dst.copy_(src, non_blocking=non_blocking)
+            capture = torch.cuda.current_stream(device)
+            branches = [capture, *(torch.cuda.Stream(device) for _ in range(self.streams - 1))]
+            for branch in branches[1:]:  # forked from the capture stream, joined back before the capture ends
+                branch.wait_stream(capture)
+            for i, (dst, src, non_blocking) in enumerate(self.copies):
+                with torch.cuda.stream(branches[i % self.streams]):
+                    dst.copy_(src, non_blocking=non_blocking)
+            for branch in branches[1:]:
+                capture.wait_stream(branch)
         torch.cuda.current_stream(device).synchronize()
         return graph
 

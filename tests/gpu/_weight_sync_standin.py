@@ -339,22 +339,21 @@ def cast_copy_seconds(rank: StandInTrainerRank, repeats: int = 5) -> float:
     return best
 
 
-def graph_copy_seconds(rank: StandInTrainerRank, repeats: int = 5) -> float:
-    """Best replay of one CUDA graph holding a `copy_` of every pushed tensor into a bf16 tensor of its own, in one
-    process: what a replayed copy plan does, with no worker call, IPC mapping or Python around it."""
+def graph_copy_seconds(rank: StandInTrainerRank, streams: int, repeats: int = 5) -> float:
+    """Best replay of a `CopyPlan` (one CUDA graph, copies spread over `streams`) of every pushed tensor into a bf16
+    tensor of its own, in one process: a replayed plan with no worker call, IPC mapping or Python around it."""
     import time
 
+    from molt_hydra.rollout.copy_plan import CopyPlan
+
     src = [t.detach() for n, t in rank.model.state_dict().items() if n != "lm_head.weight"]
-    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for d, s in zip(dst, src):
-            d.copy_(s)
+    plan = CopyPlan([(torch.empty_like(t, dtype=torch.bfloat16), t, False) for t in src], [], ())
+    plan.streams = streams
     best = float("inf")
     for i in range(repeats + 1):
         torch.cuda.synchronize(rank.device)
         start = time.perf_counter()
-        graph.replay()
+        plan.replay()
         torch.cuda.synchronize(rank.device)
         if i:
             best = min(best, time.perf_counter() - start)

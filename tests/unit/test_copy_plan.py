@@ -54,6 +54,7 @@ def test_a_copy_only_load_is_recorded_and_its_replay_serves_in_place_updates_bit
     plan = record_copy_plan(lambda: engine.load(weights), weights, engine.tensors(), parameter_addresses(engine))
     assert isinstance(plan, CopyPlan)
     assert len(plan.copies) == 4 and plan.names == ["q.weight", "k.weight", "v.weight", "norm.weight"]
+    assert plan.streams == CopyPlan.BRANCHES > 1  # the q/k/v row blocks and the norm do not overlap
     qkv, norm = engine.expected(weights)
     assert torch.equal(engine.qkv, qkv) and torch.equal(engine.norm, norm)  # the recorded load ran in full
 
@@ -151,3 +152,23 @@ def test_worker_records_on_a_new_token_replays_after_and_falls_back_when_unprove
     sync("b", with_handles=False)
     assert worker.shared_load_path == "loader"
     assert_fresh()
+
+
+def test_copies_into_overlapping_destinations_keep_their_recorded_order():
+    weights, engine = trainer_weights(), FusedEngine()
+    w = dict(weights)
+
+    def load():  # the last write wins: rows 0..3 of qkv from q, then rows 2..5 from k and v stacked
+        engine.qkv.narrow(0, 0, 4).copy_(w["q.weight"])
+        engine.qkv.narrow(0, 2, 2).copy_(w["k.weight"])
+        engine.qkv.narrow(0, 4, 2).copy_(w["v.weight"])
+        engine.qkv.narrow(0, 1, 2).copy_(w["k.weight"])
+
+    plan = record_copy_plan(load, weights, engine.tensors(), ())
+    assert plan.streams == 1
+    engine.qkv.zero_()
+    plan.replay()
+    expected = torch.zeros(8, 8)
+    expected[0:4], expected[2:4], expected[4:6], expected[1:3] = w["q.weight"], w["k.weight"], w["v.weight"], \
+        w["k.weight"]
+    assert torch.equal(engine.qkv, expected.to(torch.bfloat16))
