@@ -81,6 +81,8 @@ def profile_single_pass(r: StandInTrainerRank, engine: StandInEngine, path: str 
              "engine call load_shared_params (replay + stream sync)": best_ms(
                  lambda: engine.call("load_shared_params", token, None, None)),
              "  of it inside the engine": engine.call("last_load_seconds") * 1e3,
+             "  of it the plan's replay alone (in the engine, from the mapped trainer memory)": engine.call(
+                 "replay_seconds") * 1e3,
              "engine call finish_layerwise_reload": best_ms(lambda: engine.call("finish_layerwise_reload")),
              "trainer stream synchronize": best_ms(lambda: torch.cuda.current_stream(r.device).synchronize())}
     print("breakdown (ms, best of 7): " + "; ".join(f"{k} {v:.3f}" for k, v in parts.items()), flush=True)

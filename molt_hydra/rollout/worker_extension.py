@@ -210,11 +210,14 @@ class WeightSyncWorkerExtension:
             self._shared_params = None  # unmap the previous storages before mapping the new ones
             self._shared_params = (token, list(zip(names, map(self._open_ipc, handles))))
         weights = self._shared_params[1]
-        plan = getattr(self, "_copy_plan", None)
-        if isinstance(plan, CopyPlan) and plan.addresses != self._engine_addresses():
-            plan = None  # the engine's parameters were replaced since the recording: record again
+        plan = replayed = getattr(self, "_copy_plan", None)
         if isinstance(plan, CopyPlan):
+            # launched before the address check, which then runs on the CPU while the GPU copies: memory-safe even if
+            # the engine replaced a parameter (the plan holds every tensor it writes), and the loaders then rewrite
             plan.replay()
+            if plan.addresses != self._engine_addresses():
+                plan = self._copy_plan = None  # replaced since the recording: record again (`replayed` lives on)
+        if isinstance(plan, CopyPlan):
             self._loaded_names.update(plan.names)
             self.shared_load_path = "replay"
         elif plan is None and self.record_copy_plans:
@@ -226,6 +229,7 @@ class WeightSyncWorkerExtension:
             self.shared_load_path = "loader"
         if self.device.type == "cuda":  # the copies are done before the trainer may step (and write) again
             torch.cuda.current_stream(self.device).synchronize()
+        del replayed  # a dropped plan's graph outlives its last launch
         return len(weights)
 
     def _engine_tensors(self) -> list[torch.Tensor]:

@@ -99,6 +99,23 @@ class StandInWorker(WeightSyncWorkerExtension):
 
     # --- for the checks and the baseline only ---
 
+    def copy_plan_streams(self) -> int:
+        return self._copy_plan.streams
+
+    def replay_seconds(self, repeats: int = 5) -> float:
+        """Best replay of the current copy plan alone (graph launch + stream sync) in this process: what the engine's
+        GPU copies take from the mapped trainer memory, without the call, the address check or the Python around."""
+        import time
+
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            self._copy_plan.replay()
+            torch.cuda.current_stream(self.device).synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
     def last_load_seconds(self) -> float:
         """Wall time of the last `load_shared_params` in this process (loads or replay, and the stream sync)."""
         return self.load_seconds

@@ -105,6 +105,7 @@ def test_single_pass_is_bit_equal_allocates_nothing_and_serves_in_place_updates_
         push(rank, engine, "cuda_ipc")
         assert engine.call("shared_params_token") == token  # the cached mappings served the sync ...
         assert engine.call("shared_load") == ("replay", None)
+        assert engine.call("copy_plan_streams") == 4  # disjoint parameters: the graph's copies on 4 streams
         assert_bit_equal(rank, engine)  # ... and they were not stale
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated
