@@ -4,8 +4,9 @@ the stand-in model runner of tests/gpu/_weight_sync_standin.py: vLLM cannot be i
 
 - cuda_ipc, trainer and engine on GPU 0, against a device-to-device copy of the same bytes on that GPU (goal >= 0.5):
   bucketed (pack + load, the path for dp > 1) per bucket size, and single pass (the engine loads straight from the
-  trainer's own parameters, one trainer rank), with a one-call fp32->bf16 `_foreach_copy_` of the same tensors in one
-  process as the single pass's own floor;
+  trainer's own parameters, one trainer rank), with the engine's loaders on every sync and with the replayed copy
+  plan (rollout/copy_plan.py), against floors in one process (one CUDA graph of per-tensor copies; one-call
+  `_foreach_copy_`) and with the engine side's own time;
 - nccl, trainer GPU 0 -> engine GPU 1 (when 2 GPUs are visible), against a plain NCCL broadcast of the same bytes
   over the same group (goal >= 0.8).
 Both baselines are measured in the same run. Appends one row per transport and bucket size to RESULTS.md.
@@ -23,9 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from _common import append_row  # noqa: E402
 from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, call_seconds,  # noqa: E402
-                                  cast_copy_seconds, connect, device_copy_seconds, free_port, sync_seconds, wire_bytes)
+                                  cast_copy_seconds, connect, device_copy_seconds, free_port, graph_copy_seconds,
+                                  sync_seconds, wire_bytes)
 
 from molt_hydra.rollout.buckets import pack_bucket  # noqa: E402
+from molt_hydra.rollout.copy_plan import CopyPlan  # noqa: E402
 
 
 def pack_seconds(rank: StandInTrainerRank, bucket_bytes: int, repeats: int = 3) -> float:
@@ -44,11 +47,65 @@ def pack_seconds(rank: StandInTrainerRank, bucket_bytes: int, repeats: int = 3) 
     return best
 
 
+def best_ms(fn, repeats: int = 7) -> float:
+    import time
+
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) * 1e3
+
+
+def profile_single_pass(r: StandInTrainerRank, engine: StandInEngine, path: str | None) -> None:
+    """Where a replayed single-pass sync spends its time: its pieces timed alone (trainer side path selection, an
+    event loop, each engine call) and, with `path`, a cProfile of 10 whole `push_from_rank` calls."""
+    import asyncio
+    import cProfile
+    import io
+    import pstats
+
+    from molt_hydra.rollout.weight_sync import push_from_rank, single_pass_transport
+
+    def push():
+        push_from_rank(r, [engine], "cuda_ipc", engine.version + 1, bucket_bytes=1 << 30, check_coverage=False,
+                       timeout_s=600, dtype="bfloat16")
+
+    token = r.shared_params_transport[1].token
+    parts = {"whole push_from_rank": best_ms(push),
+             "single_pass_transport (trainer: address check)": best_ms(
+                 lambda: single_pass_transport(r, "cuda_ipc", torch.bfloat16)),
+             "asyncio.run of nothing": best_ms(lambda: asyncio.run(asyncio.sleep(0))),
+             "engine call begin_layerwise_reload": best_ms(lambda: engine.call("begin_layerwise_reload")),
+             "engine call load_shared_params (replay + stream sync)": best_ms(
+                 lambda: engine.call("load_shared_params", token, None, None)),
+             "  of it inside the engine": engine.call("last_load_seconds") * 1e3,
+             "  of it the plan's replay alone (in the engine, from the mapped trainer memory)": engine.call(
+                 "replay_seconds") * 1e3,
+             "engine call finish_layerwise_reload": best_ms(lambda: engine.call("finish_layerwise_reload")),
+             "trainer stream synchronize": best_ms(lambda: torch.cuda.current_stream(r.device).synchronize())}
+    print("breakdown (ms, best of 7): " + "; ".join(f"{k} {v:.3f}" for k, v in parts.items()), flush=True)
+    if path:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(10):
+            push()
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(35)
+        stats.sort_stats("tottime").print_stats(25)
+        Path(path).write_text(text.getvalue())
+        print(text.getvalue()[:6000], flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="4b")
     p.add_argument("--bucket-mb", default="512,2048")
     p.add_argument("--transports", default="cuda_ipc,nccl")
+    p.add_argument("--profile", default="", help="write a cProfile of replayed single-pass syncs (bf16) here")
     args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
     buckets = [int(b) for b in args.bucket_mb.split(",")]
     gpu = torch.cuda.get_device_name(0)
@@ -75,21 +132,38 @@ def main():
                    "(goal >= 0.5)", f"send side alone (gather + fp32->bf16 cast + pack) {pack_s:.4f} s/GB")
     if engine:
         # single pass: the engine maps the trainer's parameters once (in the warm-up), then loads from them; with
-        # fp32 trainer parameters (the loader casts: 6 bytes/param) and bf16 ones (a plain copy: 4 bytes/param)
+        # fp32 trainer parameters (the loader casts: 6 bytes/param) and bf16 ones (a plain copy: 4 bytes/param);
+        # each with the loaders running every sync (the path before copy plans) and with the replayed copy plan
         rank.single_pass = True
         rank16 = StandInTrainerRank(args.shape, rank.device, single_pass=True, dtype=torch.bfloat16)
         single_setup = setup.replace("bf16 on the wire", "bf16 written into the engine, nothing on a wire")
         for r, kind in ((rank, "fp32"), (rank16, "bf16")):
+            engine.call("set_loader", False, False)
+            loader_s = sync_seconds(r, engine, "cuda_ipc", buckets[0] << 20) / gb
+            loader_engine_s = engine.call("last_load_seconds") / gb
+            engine.call("set_loader", False, True)
             sync_s = sync_seconds(r, engine, "cuda_ipc", buckets[0] << 20) / gb
+            path = engine.call("shared_load")
+            replay_engine_s = engine.call("last_load_seconds") / gb
             floor_s = cast_copy_seconds(r) / gb
+            graph_s = graph_copy_seconds(r, CopyPlan.BRANCHES) / gb
+            graph1_s = graph_copy_seconds(r, 1) / gb
             append_row("gpu_weight_sync", f"cuda_ipc single pass, one GPU, one trainer rank, {kind} trainer "
-                       "parameters; " + single_setup.replace("fp32 master", f"{kind} trainer parameters"),
-                       f"device copy {copy_s:.4f} s/GB ({1 / copy_s:.0f} GB/s)",
-                       f"cuda_ipc single pass {sync_s:.4f} s/GB ({1 / sync_s:.0f} GB/s)",
-                       f"{copy_s / sync_s:.2f} of a device copy (goal >= 0.5)",
-                       f"floor: one-call {kind}->bf16 _foreach_copy_ of the same tensors in one process "
-                       f"{floor_s:.4f} s/GB ({copy_s / floor_s:.2f} of a copy); a stand-in worker call's round trip "
+                       "parameters, replayed copy plan; " + single_setup.replace("fp32 master",
+                                                                                  f"{kind} trainer parameters"),
+                       f"device copy {copy_s:.5f} s/GB ({1 / copy_s:.0f} GB/s)",
+                       f"single pass, replayed plan {sync_s:.5f} s/GB ({1 / sync_s:.0f} GB/s; last load path "
+                       f"{path[0]}); loaders every sync {loader_s:.5f} s/GB",
+                       f"{copy_s / sync_s:.2f} of a device copy replayed, {copy_s / loader_s:.2f} with the loaders "
+                       "(goal >= 0.5)",
+                       f"engine side (load_shared_params incl. stream sync) replay {replay_engine_s:.5f} / loaders "
+                       f"{loader_engine_s:.5f} s/GB; floors in one process: the plan's CUDA graph of per-tensor "
+                       f"{kind}->bf16 copy_ on {CopyPlan.BRANCHES} streams {graph_s:.5f} s/GB ({copy_s / graph_s:.2f} "
+                       f"of a copy), on one stream {graph1_s:.5f} s/GB ({copy_s / graph1_s:.2f}), one-call "
+                       f"_foreach_copy_ "
+                       f"{floor_s:.5f} s/GB ({copy_s / floor_s:.2f}); a stand-in worker call's round trip "
                        f"{call_seconds(engine) * 1e3:.2f} ms (3 per sync)")
+            profile_single_pass(r, engine, args.profile and f"{args.profile}.{kind}")
         rank.single_pass = False
         del rank16
         engine.close()

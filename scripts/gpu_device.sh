@@ -3,7 +3,7 @@
 # AutoModel and its small needs, liger-kernel) into /tmp/site, then run the GPU benches and `pytest -m gpu tests/gpu`,
 # logging everything to $OUT (or ./gpu_logs). Run from the repository root (or a staged copy of it):
 #
-#   bash scripts/gpu_device.sh [all|single|bench|tests|multi|single_tests|bench2|sync ...]
+#   bash scripts/gpu_device.sh [all|single|bench|tests|multi|single_tests|bench2|sync|sync_tests ...]
 #   env: WHEELS, BENCH_SHAPES (split: GPU 0; BENCH_SHAPES_B: GPU 1), BENCH_GPU, BENCH_TAG, BENCH_ARGS,
 #        BENCH2_SHAPES, PYTEST_ARGS, MULTI_K, SYNC_ARGS
 #
@@ -60,12 +60,18 @@ sync() {  # GPU weight sync (CUDA IPC on one GPU, NCCL GPU 0 -> 1) against a dev
   timeout "${SYNC_TIMEOUT:-240}" python3 bench/gpu_weight_sync.py --no-append ${SYNC_ARGS:-} > "$OUT/sync.log" 2>&1
   echo "sync rc=$?"
 }
+sync_tests() {  # the one-GPU weight-sync tests (CUDA IPC: bucketed, single pass, replayed copy plan) on GPU 0
+  CUDA_VISIBLE_DEVICES=0 timeout "${SYNC_TESTS_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -m gpu -s \
+    tests/gpu/test_weight_sync_gpu.py ${PYTEST_ARGS:-} > "$OUT/pytest_sync.log" 2>&1
+  echo "weight-sync tests rc=$?"
+}
 for what in $modes; do
   case "$what" in
     install) ;;  # the wheels only
     bench) bench ;;
     bench2) bench2 ;;
     sync) sync ;;
+    sync_tests) sync_tests ;;
     multi) multi_tests ;;
     single_tests) single_tests ;;
     tests) single_tests; multi_tests ;;

@@ -234,7 +234,8 @@ class SharedParamsTransport:
     handles; an engine that does not know the token answers None and gets the handles in a second call.
     Ordering: the trainer's stream is synchronized before the engines are called (their reads start after the last
     optimizer write), and every worker synchronizes its stream before answering (the trainer cannot step again
-    before the copies are done)."""
+    before the copies are done). On the engine side, the loaders of a token's first sync are recorded and, proven to
+    be plain copies, replayed as one CUDA graph on later syncs (rollout/copy_plan.py)."""
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None):
         self.tensors = tensors

@@ -52,6 +52,8 @@ def qwen3(shape: str, seed: int, dtype: torch.dtype, device: torch.device):
 class StandInModelRunner:
     """Stand-in for vLLM's GPU model runner: `get_model().load_weights` copies (name, tensor) pairs by name."""
 
+    cast_before_copy = False  # a loader that casts into a temporary first: a copy plan cannot be proven for it
+
     def __init__(self, model):
         self.model = model
         self.params = dict(model.state_dict())
@@ -62,7 +64,8 @@ class StandInModelRunner:
     def load_weights(self, weights) -> set[str]:
         with torch.no_grad():
             for name, t in weights:
-                self.params[name].copy_(t)
+                param = self.params[name]
+                param.copy_(t.to(param.dtype) if self.cast_before_copy else t)
         return {name for name, _ in weights}
 
 
@@ -85,13 +88,55 @@ class StandInWorker(WeightSyncWorkerExtension):
     def _vllm_finish_reload(self) -> None:
         pass
 
+    def load_shared_params(self, *args):  # timed: the engine side of a single-pass sync, for the bench
+        import time
+
+        start = time.perf_counter()
+        try:
+            return super().load_shared_params(*args)
+        finally:
+            self.load_seconds = time.perf_counter() - start
+
     # --- for the checks and the baseline only ---
+
+    def copy_plan_streams(self) -> int:
+        return self._copy_plan.streams
+
+    def replay_seconds(self, repeats: int = 5) -> float:
+        """Best replay of the current copy plan alone (graph launch + stream sync) in this process: what the engine's
+        GPU copies take from the mapped trainer memory, without the call, the address check or the Python around."""
+        import time
+
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            self._copy_plan.replay()
+            torch.cuda.current_stream(self.device).synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def last_load_seconds(self) -> float:
+        """Wall time of the last `load_shared_params` in this process (loads or replay, and the stream sync)."""
+        return self.load_seconds
 
     def share_weights(self) -> list:
         """IPC handles of every parameter, so the sender can compare bit for bit."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         return [(n, reduce_tensor(t)) for n, t in self.model_runner.params.items()]
+
+    def shared_load(self) -> tuple[str | None, str | None]:
+        """How the last single-pass load ran ("record", "replay" or "loader") and why a copy plan was refused."""
+        plan = getattr(self, "_copy_plan", None)
+        return getattr(self, "shared_load_path", None), plan if isinstance(plan, str) else None
+
+    def set_loader(self, cast_before_copy: bool = False, record_copy_plans: bool = True) -> None:
+        """Switch the stand-in's loader (and whether copy plans are recorded); the current plan is dropped, as a
+        real engine's loaders never change under a plan."""
+        self.model_runner.cast_before_copy = cast_before_copy
+        self.record_copy_plans = record_copy_plans
+        self._copy_plan = None
 
     def shared_params_token(self) -> str | None:
         """The token of the trainer storages this worker has mapped (single-pass path), or None."""
@@ -305,6 +350,27 @@ def cast_copy_seconds(rank: StandInTrainerRank, repeats: int = 5) -> float:
         torch.cuda.synchronize(rank.device)
         start = time.perf_counter()
         torch._foreach_copy_(dst, src)
+        torch.cuda.synchronize(rank.device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def graph_copy_seconds(rank: StandInTrainerRank, streams: int, repeats: int = 5) -> float:
+    """Best replay of a `CopyPlan` (one CUDA graph, copies spread over `streams`) of every pushed tensor into a bf16
+    tensor of its own, in one process: a replayed plan with no worker call, IPC mapping or Python around it."""
+    import time
+
+    from molt_hydra.rollout.copy_plan import CopyPlan
+
+    src = [t.detach() for n, t in rank.model.state_dict().items() if n != "lm_head.weight"]
+    plan = CopyPlan([(torch.empty_like(t, dtype=torch.bfloat16), t, False) for t in src], [], ())
+    plan.streams = streams
+    best = float("inf")
+    for i in range(repeats + 1):
+        torch.cuda.synchronize(rank.device)
+        start = time.perf_counter()
+        plan.replay()
         torch.cuda.synchronize(rank.device)
         if i:
             best = min(best, time.perf_counter() - start)

@@ -97,14 +97,37 @@ def test_single_pass_is_bit_equal_allocates_nothing_and_serves_in_place_updates_
     assert_bit_equal(rank, engine)
     token = engine.call("shared_params_token")
     assert token is not None
+    assert engine.call("shared_load") == ("record", None)  # the loaders ran and were proven to be copies only
 
-    rank.optimizer_step(seed=2)  # in place: same storages, new values
-    assert not torch.equal(engine_weights(engine)[probe], rank.expected()[probe])
-    push(rank, engine, "cuda_ipc")
-    assert engine.call("shared_params_token") == token  # the cached mappings served the sync ...
-    assert_bit_equal(rank, engine)  # ... and they were not stale
+    for seed in (2, 3):  # in place: same storages, new values; served by the replayed plan (one CUDA graph)
+        rank.optimizer_step(seed=seed)
+        assert not torch.equal(engine_weights(engine)[probe], rank.expected()[probe])
+        push(rank, engine, "cuda_ipc")
+        assert engine.call("shared_params_token") == token  # the cached mappings served the sync ...
+        assert engine.call("shared_load") == ("replay", None)
+        assert engine.call("copy_plan_streams") == 4  # disjoint parameters: the graph's copies on 4 streams
+        assert_bit_equal(rank, engine)  # ... and they were not stale
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated
+
+
+def test_single_pass_falls_back_to_the_loaders_when_the_copy_plan_cannot_be_proven(single):
+    """A loader that casts into a temporary before copying (fp32 trainer -> bf16 engine): the recording sees the
+    allocation, refuses the plan, and every sync runs the loaders; the weights are bit-equal either way."""
+    rank, engine = single
+    engine.call("set_loader", True, True)
+    try:
+        rank.optimizer_step(seed=4)
+        push(rank, engine, "cuda_ipc")
+        path, reason = engine.call("shared_load")
+        assert path == "record" and "_to_copy" in reason
+        assert_bit_equal(rank, engine)
+        rank.optimizer_step(seed=5)
+        push(rank, engine, "cuda_ipc")
+        assert engine.call("shared_load")[0] == "loader"
+        assert_bit_equal(rank, engine)
+    finally:
+        engine.call("set_loader", False, True)
 
 
 @pytest.mark.parametrize("path", ["ipc", "single"])  # after the single pass's first sync (needs fresh weights)
@@ -125,12 +148,17 @@ def test_cuda_ipc_coverage_check_names_the_tensor_never_pushed(path, request):
 def test_single_pass_speed_against_a_device_copy(single):
     rank, engine = single
     nbytes = wire_bytes(rank)
+    engine.call("set_loader", False, False)  # the loaders on every sync: the path before copy plans
+    loader_s = sync_seconds(rank, engine, "cuda_ipc", BUCKET)
+    engine.call("set_loader", False, True)
     sync_s = sync_seconds(rank, engine, "cuda_ipc", BUCKET)
+    assert engine.call("shared_load")[0] == "replay"
     copy_s = device_copy_seconds(nbytes, rank.device)
     cast_s = cast_copy_seconds(rank)
-    print(f"\ncuda_ipc single pass {SHAPE}: {nbytes / 1e9:.2f} GB bf16, sync {nbytes / sync_s / 1e9:.1f} GB/s "
-          f"({sync_s / nbytes * 1e9:.4f} s/GB), device copy {nbytes / copy_s / 1e9:.1f} GB/s, ratio "
-          f"{copy_s / sync_s:.2f} (goal >= 0.5); one-call fp32->bf16 cast copy {copy_s / cast_s:.2f} of a copy")
+    print(f"\ncuda_ipc single pass {SHAPE}: {nbytes / 1e9:.2f} GB bf16, replayed sync {nbytes / sync_s / 1e9:.1f} "
+          f"GB/s ({sync_s / nbytes * 1e9:.4f} s/GB), device copy {nbytes / copy_s / 1e9:.1f} GB/s, ratio "
+          f"{copy_s / sync_s:.2f} (goal >= 0.5); loaders every sync {copy_s / loader_s:.2f}; one-call fp32->bf16 "
+          f"cast copy {copy_s / cast_s:.2f} of a copy")
     assert_bit_equal(rank, engine)
 
 

@@ -308,6 +308,12 @@ class CastingWorker(FakeWorker):
         for name, t in bucket:
             self.params[name].copy_(t)
 
+    def _engine_tensors(self):
+        return list(self.params.values())
+
+    def _engine_addresses(self):
+        return tuple(t.data_ptr() for t in self.params.values())
+
 
 class OneRank(StandInTrainerRank):
     """A one-rank trainer whose parameters are full tensors (TrainerWorker.local_weights on FSDP2 with dp=1)."""
@@ -350,11 +356,13 @@ def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_s
     sync(2)
     assert [m for m in log if m.startswith("load_")] == ["load_shared_params"]  # one call, nothing re-mapped
     assert worker.opened == 4 and engine.version == 2
+    assert worker.shared_load_path == "replay"  # the first sync's loader copies were proven and replayed
     assert_engine_holds_the_ranks_weights()  # the cached views served the new values
 
     rank0.model[1].weight = nn.Parameter(torch.randn(4, 16))  # a new storage (e.g. a reload): a new token
     sync(3)
     assert worker.opened == 8 and [m for m in log if m.startswith("load_")] == ["load_shared_params"] * 2
+    assert worker.shared_load_path == "record"  # the plan read the old views: recorded again
     assert_engine_holds_the_ranks_weights()
 
 

@@ -1,0 +1,146 @@
+"""A recorded copy plan for the single-pass weight sync: the engine's own loaders run once, and are then replayed.
+
+In the single pass (`weight_sync.SharedParamsTransport`) the engine worker holds views of the trainer's parameters for
+as long as the trainer's storages stay put, and every sync loads the same views into the same engine parameters. The
+first sync of a token runs the engine's weight loaders as usual under `record_copy_plan`, a TorchDispatchMode that
+sees every aten op the loaders run. The plan is kept only when it is proven to be nothing but copies:
+
+- every op is a view (a non-mutating op whose outputs alias its inputs: narrow, view, t, detach ...) or a `copy_`;
+- every `copy_` reads a view of one of the shared (trainer) tensors and writes a view of an engine parameter or
+  buffer storage that is not itself shared;
+- nothing else runs: an allocation (a loader that casts into a temporary, `.to()`, `torch.cat`), arithmetic (a loader
+  that scales or quantizes), a write anywhere else refuses the plan, and the loaders keep running on every sync.
+
+Replaying the recorded copies in their order, with the same source and destination views, repeats exactly the work
+the loaders did (copy_ is deterministic: the same bits). On CUDA the copies are captured once in a CUDA graph, so a
+sync is one graph launch instead of the Python loader loop (same-dtype copies become memcpy nodes), spread over a few
+streams when no two destinations overlap (the order of disjoint copies cannot change a bit); on CPU they run one by
+one, in order. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
+checks before each replay); the worker drops it with the trainer views it reads (a new token).
+
+What is proven where: on the GPU stand-in of vLLM's model runner (tests/gpu/_weight_sync_standin.py: loaders copy in
+place by name) and on CPU unit tests with vLLM-style fused loaders (narrowed copies into a qkv parameter). Real vLLM
+on CUDA: unquantized layers load in place through their `weight_loader`s (narrow + copy_), which this records; but
+under vLLM's layerwise reload (what `begin_layerwise_reload` starts) a layer is first materialized into fresh tensors,
+loaded there, processed and copied into its kernel tensors: the recorder sees that allocation and refuses, so with real
+vLLM the loader path runs every sync until a plan can collapse such copy chains (not done: needs vLLM on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _is_view_op(func) -> bool:
+    """Non-mutating, and every output aliases an input (read-only alias): narrow/slice, view, t, detach ..."""
+    schema = func._schema
+    if schema.is_mutable or not schema.returns:
+        return False
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, sources: set[int], destinations: set[int]):
+        super().__init__()
+        self.sources, self.destinations = sources, destinations
+        self.copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        self.refusal: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.refusal is None:
+            self.refusal = self._check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _check(self, func, args, kwargs) -> str | None:
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            if not isinstance(src, torch.Tensor) or _storage(src) not in self.sources:
+                return "a copy from a tensor that is not a shared trainer view (the loader computed it)"
+            if _storage(dst) not in self.destinations or _storage(dst) in self.sources:
+                return "a copy into a tensor that is not an engine parameter or buffer"
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self.copies.append((dst, src, bool(non_blocking)))
+            return None
+        if _is_view_op(func):
+            return None
+        return f"the loaders ran {func} (not a view or a copy)"
+
+
+def _disjoint(views: list[torch.Tensor]) -> bool:
+    """No two views may touch the same byte (each judged by the span from its first to its last element)."""
+    spans = []
+    for t in views:
+        if t.numel() == 0:
+            continue
+        if any(stride < 0 for stride in t.stride()):
+            return False
+        last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
+    spans.sort()
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+class CopyPlan:
+    """The copies a recorded load made, in order, as (destination view, source view); `names`: what was loaded;
+    `addresses`: where the engine's parameters were at the recording (the plan holds while they stay there)."""
+
+    BRANCHES = 4
+
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor, bool]], names: list[str],
+                 addresses: tuple[int, ...]):
+        self.copies = copies
+        self.names = names
+        self.addresses = addresses
+        # copies into disjoint destinations may run in any order: spread over a few streams in the graph, so the many
+        # small ones (norms) and each copy's launch gap hide behind the large ones; else one stream, recorded order
+        self.streams = self.BRANCHES if _disjoint([dst for dst, _, _ in copies]) else 1
+        self.graph = None  # CUDA: captured on the first replay
+
+    def replay(self) -> None:
+        if not self.copies or not self.copies[0][0].is_cuda:
+            with torch.no_grad():
+                for dst, src, non_blocking in self.copies:
+                    dst.copy_(src, non_blocking=non_blocking)
+            return
+        if self.graph is None:
+            self.graph = self._capture()
+        self.graph.replay()
+
+    def _capture(self):
+        """One CUDA graph of every copy (no allocation: copies between existing tensors). The capture records the
+        copies without running them; the stream that replays it is ordered after the capture's side stream."""
+        device = self.copies[0][0].device
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            capture = torch.cuda.current_stream(device)
+            branches = [capture, *(torch.cuda.Stream(device) for _ in range(self.streams - 1))]
+            for branch in branches[1:]:  # forked from the capture stream, joined back before the capture ends
+                branch.wait_stream(capture)
+            for i, (dst, src, non_blocking) in enumerate(self.copies):
+                with torch.cuda.stream(branches[i % self.streams]):
+                    dst.copy_(src, non_blocking=non_blocking)
+            for branch in branches[1:]:
+                capture.wait_stream(branch)
+        torch.cuda.current_stream(device).synchronize()
+        return graph
+
+
+def record_copy_plan(load, weights: list[tuple[str, torch.Tensor]], engine_tensors: list[torch.Tensor],
+                     addresses: tuple[int, ...]) -> CopyPlan | str:
+    """Run `load()` (the engine's loaders over `weights`, views of the trainer's tensors) and watch it: a `CopyPlan`
+    when it only copied shared views into `engine_tensors`' storages, else the reason it is refused. The load itself
+    runs in full either way."""
+    recorder = _Recorder({_storage(t) for _, t in weights}, {_storage(t) for t in engine_tensors})
+    with recorder:
+        load()
+    if recorder.refusal is not None:
+        return recorder.refusal
+    if not recorder.copies:
+        return "the loaders copied nothing"
+    return CopyPlan(recorder.copies, [n for n, _ in weights], addresses)

@@ -1,0 +1,174 @@
+"""The single pass's recorded copy plan (rollout/copy_plan.py) on CPU tensors: what a recording proves, what it
+refuses, and that a replay gives the loaders' own result; then through the worker extension's `load_shared_params`.
+The CUDA-graph replay of the same plan is tested on the GPU (tests/gpu/test_weight_sync_gpu.py)."""
+
+import types
+
+import torch
+from torch import nn
+
+from molt_hydra.parallel.weight_buckets import parameter_addresses
+from molt_hydra.rollout.copy_plan import CopyPlan, record_copy_plan
+from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
+
+
+def trainer_weights():
+    """fp32 trainer tensors, named as a checkpoint names them (q/k/v separate, fused into qkv by the engine)."""
+    g = torch.Generator().manual_seed(0)
+    return [(n, torch.randn(shape, generator=g)) for n, shape in
+            [("q.weight", (4, 8)), ("k.weight", (2, 8)), ("v.weight", (2, 8)), ("norm.weight", (8,))]]
+
+
+class FusedEngine(nn.Module):
+    """bf16 engine tensors with vLLM's layout (q, k, v stacked in one qkv tensor) and vLLM-style loaders: narrow the
+    fused tensor to the shard's rows, then `copy_` (which casts fp32 -> bf16)."""
+
+    ROWS = {"q.weight": (0, 4), "k.weight": (4, 2), "v.weight": (6, 2)}
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("qkv", torch.zeros(8, 8, dtype=torch.bfloat16))
+        self.register_buffer("norm", torch.zeros(8, dtype=torch.bfloat16))
+        self.scratch = torch.zeros(8, dtype=torch.bfloat16)  # not a parameter or buffer
+
+    def tensors(self):
+        return [self.qkv, self.norm]
+
+    def load(self, weights, transform=None):
+        with torch.no_grad():
+            for name, t in weights:
+                t = transform(t) if transform else t
+                if name in self.ROWS:
+                    self.qkv.narrow(0, *self.ROWS[name]).copy_(t)
+                else:
+                    self.norm.copy_(t)
+
+    def expected(self, weights):
+        w = dict(weights)
+        return torch.cat([w["q.weight"], w["k.weight"], w["v.weight"]]).to(torch.bfloat16), \
+            w["norm.weight"].to(torch.bfloat16)
+
+
+def test_a_copy_only_load_is_recorded_and_its_replay_serves_in_place_updates_bit_equal():
+    weights, engine = trainer_weights(), FusedEngine()
+    plan = record_copy_plan(lambda: engine.load(weights), weights, engine.tensors(), parameter_addresses(engine))
+    assert isinstance(plan, CopyPlan)
+    assert len(plan.copies) == 4 and plan.names == ["q.weight", "k.weight", "v.weight", "norm.weight"]
+    assert plan.streams == CopyPlan.BRANCHES > 1  # the q/k/v row blocks and the norm do not overlap
+    qkv, norm = engine.expected(weights)
+    assert torch.equal(engine.qkv, qkv) and torch.equal(engine.norm, norm)  # the recorded load ran in full
+
+    with torch.no_grad():  # an optimizer step on the trainer: in place, same storages
+        for _, t in weights:
+            t.mul_(-3).add_(0.25)
+    qkv, norm = engine.expected(weights)
+    assert not torch.equal(engine.qkv, qkv)
+    assert plan.addresses == parameter_addresses(engine)
+    plan.replay()
+    assert torch.equal(engine.qkv, qkv) and torch.equal(engine.norm, norm)  # same bits as the loaders would give
+
+    engine.norm = torch.zeros(8, dtype=torch.bfloat16)  # the engine replaced a parameter: the plan writes a dead one
+    assert plan.addresses != parameter_addresses(engine)
+
+
+def test_a_load_that_computes_allocates_or_writes_elsewhere_is_refused_and_still_runs():
+    weights = trainer_weights()
+
+    def refusal(load_with, engine=None):
+        engine = engine or FusedEngine()
+        return record_copy_plan(lambda: load_with(engine), weights, engine.tensors(), ()), engine
+
+    reason, engine = refusal(lambda e: e.load(weights, transform=lambda t: t * 2))  # a loader that scales
+    assert isinstance(reason, str) and "mul" in reason
+    assert torch.equal(engine.norm, (dict(weights)["norm.weight"] * 2).to(torch.bfloat16))  # it ran in full
+    reason, _ = refusal(lambda e: e.load(weights, transform=lambda t: t.to(torch.bfloat16)))  # casts to a temporary
+    assert isinstance(reason, str) and "_to_copy" in reason
+    reason, _ = refusal(lambda e: e.scratch.copy_(dict(weights)["norm.weight"]))  # writes a non-parameter
+    assert reason == "a copy into a tensor that is not an engine parameter or buffer"
+    reason, _ = refusal(lambda e: None)
+    assert reason == "the loaders copied nothing"
+
+
+class CpuWorker(WeightSyncWorkerExtension):
+    """The worker extension on the fused CPU engine; `_open_ipc` gets (identity, (tensor,)) handles: the "mapped"
+    view is the trainer's tensor itself, as a CUDA IPC mapping aliases the trainer's storage."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.model_runner = types.SimpleNamespace(model=FusedEngine())  # as vLLM's model_runner.model
+        self.transform = None
+
+    @property
+    def engine(self):
+        return self.model_runner.model
+
+    def _vllm_begin_reload(self):
+        pass
+
+    def _vllm_finish_reload(self):
+        pass
+
+    def _load_into_model(self, bucket):
+        self.engine.load(bucket, self.transform)
+
+
+def test_worker_records_on_a_new_token_replays_after_and_falls_back_when_unproven():
+    weights, worker = trainer_weights(), CpuWorker()
+    names, handles = [n for n, _ in weights], [(lambda t: t, (t,)) for _, t in weights]
+
+    def sync(token, with_handles=True):
+        worker.begin_layerwise_reload()
+        n = worker.load_shared_params(token, names if with_handles else None, handles if with_handles else None)
+        worker.finish_layerwise_reload()
+        return n
+
+    def step():
+        with torch.no_grad():
+            for _, t in weights:
+                t.add_(1.5)
+
+    def assert_fresh():
+        qkv, norm = worker.engine.expected(weights)
+        assert torch.equal(worker.engine.qkv, qkv) and torch.equal(worker.engine.norm, norm)
+
+    assert sync("a") == 4 and worker.shared_load_path == "record"
+    step()
+    assert sync("a", with_handles=False) == 4 and worker.shared_load_path == "replay"
+    assert worker._loaded_names == set(names)  # the coverage check sees the replayed names
+    assert_fresh()
+
+    worker.engine.qkv = torch.zeros(8, 8, dtype=torch.bfloat16)  # a replaced parameter: record again
+    step()
+    sync("a", with_handles=False)
+    assert worker.shared_load_path == "record"
+    assert_fresh()
+
+    worker.transform = lambda t: t * 1  # an unprovable loader on a new token: the loaders run on every sync
+    step()
+    sync("b")
+    assert worker.shared_load_path == "record" and "mul" in worker._copy_plan
+    step()
+    sync("b", with_handles=False)
+    assert worker.shared_load_path == "loader"
+    assert_fresh()
+
+
+def test_copies_into_overlapping_destinations_keep_their_recorded_order():
+    weights, engine = trainer_weights(), FusedEngine()
+    w = dict(weights)
+
+    def load():  # the last write wins: rows 0..3 of qkv from q, then rows 2..5 from k and v stacked
+        engine.qkv.narrow(0, 0, 4).copy_(w["q.weight"])
+        engine.qkv.narrow(0, 2, 2).copy_(w["k.weight"])
+        engine.qkv.narrow(0, 4, 2).copy_(w["v.weight"])
+        engine.qkv.narrow(0, 1, 2).copy_(w["k.weight"])
+
+    plan = record_copy_plan(load, weights, engine.tensors(), ())
+    assert plan.streams == 1
+    engine.qkv.zero_()
+    plan.replay()
+    expected = torch.zeros(8, 8)
+    expected[0:4], expected[2:4], expected[4:6], expected[1:3] = w["q.weight"], w["k.weight"], w["v.weight"], \
+        w["k.weight"]
+    assert torch.equal(engine.qkv, expected.to(torch.bfloat16))
