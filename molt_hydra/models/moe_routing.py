@@ -87,6 +87,27 @@ class RoutingStats:
         return out
 
 
+class LoadBalancingLoss:
+    """The Switch-Transformer load-balancing loss of one forward, E * sum_e f_e * P_e over every MoE layer's rows
+    (f_e: share of top-k selections, P_e: mean router probability), as transformers' `load_balancing_loss_func`, but
+    f counts the experts each token used: under R3 the engine's, where HF would recompute the trainer's own top-k from
+    the router logits. The gradient flows through P (the live softmax), as in HF and Megatron."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.selections: torch.Tensor | float = 0.0
+        self.prob_sum: torch.Tensor | float = 0.0
+        self.rows = 0
+
+    def add(self, probs: torch.Tensor, used: torch.Tensor) -> None:
+        self.selections = self.selections + torch.bincount(used.reshape(-1), minlength=self.num_experts).float()
+        self.prob_sum = self.prob_sum + probs.float().sum(0)
+        self.rows += probs.shape[0]
+
+    def value(self) -> torch.Tensor:
+        return self.num_experts * (self.selections / self.rows * (self.prob_sum / self.rows)).sum()
+
+
 class ReplayableRouter(nn.Module):
     """Forward of a top-k softmax router with gate precision, replay and statistics (mixed into the HF router's
     class; see `install`)."""
@@ -96,6 +117,7 @@ class ReplayableRouter(nn.Module):
     replay: bool
     engine_experts: torch.Tensor | None  # [tokens, top_k] the engine's selection for the current forward
     stats: RoutingStats | None
+    balance: LoadBalancingLoss | None
 
     def forward(self, hidden_states):
         h = hidden_states.reshape(-1, self.hidden_dim)
@@ -113,6 +135,8 @@ class ReplayableRouter(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.stats is not None:
             self.stats.add(self.layer_index, probs, own, used, engine)
+        if self.balance is not None:
+            self.balance.add(probs, used)
         return logits, weights.to(hidden_states.dtype), used
 
 
@@ -131,7 +155,7 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
             module.__class__ = _replayable(type(module))
             module.layer_index = _layer_index(name)
             module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
-            module.engine_experts, module.stats = None, None
+            module.engine_experts, module.stats, module.balance = None, None, None
             found.append(module)
     return found
 
@@ -161,6 +185,21 @@ def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: Routing
     finally:
         for r in rs:
             r.engine_experts, r.stats = None, None
+
+
+@contextmanager
+def load_balancing(model: nn.Module):
+    """The forward inside yields its `LoadBalancingLoss` (the routers add to it); recomputes after it (activation
+    checkpointing, in the backward) add nothing."""
+    rs = routers(model)
+    balance = LoadBalancingLoss(rs[0].num_experts)
+    for r in rs:
+        r.balance = balance
+    try:
+        yield balance
+    finally:
+        for r in rs:
+            r.balance = None
 
 
 def freeze(model: nn.Module) -> list[str]:

@@ -111,10 +111,11 @@ class TrainerWorker:
                                 config_overrides=config_overrides,
                                 init_device=self.device if random_init else "cpu",
                                 value_head_init_std=value_head_init_std)
-            if aux_loss_coef > 0:
-                model.config.output_router_logits = True
-            # MoE (models/moe_routing.py): gate precision, R3 replay, routing statistics, frozen routers
+            # MoE (models/moe_routing.py): gate precision, R3 replay, routing statistics, frozen routers, and the
+            # load-balancing loss counted on the experts used; HF's own (router logits' top-k) for other MoE models
             routers = moe_routing.install(model, gate_precision, replay=routing_replay)
+            if aux_loss_coef > 0 and not routers:
+                model.config.output_router_logits = True
             if (routing_replay or freeze_moe_router) and not routers:
                 raise NotImplementedError(f"rollout.routing_replay / model.freeze_moe_router: {type(model).__name__} "
                                           "has no MoE router this trainer supports (HF path: Qwen3-MoE); turn them off")
@@ -171,10 +172,13 @@ class TrainerWorker:
         # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
         if self.head is not None:  # the lm_head returns [B, T, 1 or 2]: log p (and entropy)
             self.head.call = (ids, self.temperature, self.chunk, need_entropy)
-        res = self.model(input_ids=ids, position_ids=None if mm else pos, **mm)
+        balancing = self.moe and self.aux_loss_coef > 0
+        with moe_routing.load_balancing(self.model) if balancing else contextlib.nullcontext() as balance:
+            res = self.model(input_ids=ids, position_ids=None if mm else pos, **mm)
+        aux = balance.value() if balancing else getattr(res, "aux_loss", None)
         if self.head is not None:
             out = res.logits.masked_fill(first[..., None], 0.0)
-            return out[..., 0], (out[..., 1] if need_entropy else None), getattr(res, "aux_loss", None)
+            return out[..., 0], (out[..., 1] if need_entropy else None), aux
         logits = res.logits
         if hasattr(logits, "full_tensor"):  # tensor parallel: vocab-sharded DTensor logits
             logits = logits.full_tensor()
@@ -182,7 +186,7 @@ class TrainerWorker:
         ent = None
         if need_entropy:
             ent = entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
-        return lp, ent, getattr(res, "aux_loss", None)
+        return lp, ent, aux
 
     def _replay(self, mb: dict, routing_stats=None):
         """R3: the micro-batch's `routed_experts` ([B, L, moe layers, topk], recorded by the rollout engine) replace

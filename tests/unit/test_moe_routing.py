@@ -89,6 +89,45 @@ def test_replay_forward_matches_block_forced_to_the_same_experts():
     torch.testing.assert_close(out, expected)
 
 
+def _tiny_moe_lm(layers=2, experts=8, top_k=2):
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         num_experts=experts, num_experts_per_tok=top_k, output_router_logits=True)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    for r in moe_routing.install(model, "float32", replay=True):
+        torch.nn.init.normal_(r.weight)  # distinct router probabilities: top-k ties would make "own" ambiguous
+    return model
+
+
+def test_load_balancing_loss_without_replay_is_transformers_own():
+    model, ids = _tiny_moe_lm(), torch.randint(0, 32, (2, 5))
+    with moe_routing.load_balancing(model) as balance:
+        hf = model(input_ids=ids).aux_loss  # transformers' load_balancing_loss_func on the router logits
+    torch.testing.assert_close(balance.value(), hf)
+
+
+def test_load_balancing_loss_counts_the_replayed_experts():
+    model, ids = _tiny_moe_lm(), torch.randint(0, 32, (1, 6))
+    routed = torch.stack([torch.arange(6) % 8, (torch.arange(6) + 4) % 8], -1)  # [tokens, top_k], every layer
+    routed = routed[None, :, None].expand(1, 6, 2, 2)
+    captured = []
+    for r in moe_routing.routers(model):
+        r.register_forward_hook(lambda m, args, out: captured.append(torch.softmax(out[0], -1)))
+    with moe_routing.engine_routing(model, routed), moe_routing.load_balancing(model) as balance:
+        hf = model(input_ids=ids).aux_loss
+    # E * sum_e f_e P_e over both layers' 12 rows: f_e = the replayed selections of e / rows, P_e = the mean softmax
+    probs = torch.cat(captured)
+    f = torch.bincount(routed.reshape(-1), minlength=8).float() / probs.shape[0]
+    expected = 8 * (f * probs.mean(0)).sum()
+    torch.testing.assert_close(balance.value(), expected.detach())
+    assert not torch.allclose(balance.value(), hf)  # HF's counts the trainer's own top-k instead
+    balance.value().backward()  # the gate learns through P
+    assert all(r.weight.grad.abs().sum() > 0 for r in moe_routing.routers(model))
+
+
 @pytest.mark.parametrize("precision,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
 def test_gate_precision_under_bf16_compute(precision, dtype):
     model, gate = _router(hidden=16, experts=8)
