@@ -137,7 +137,7 @@ class ModelConfig:
     trust_remote_code: bool = True
     "Allow custom model code from the model directory."
     aux_loss_coef: float = ranged(0.0, ge=0)
-    "MoE load-balancing auxiliary-loss coefficient (0 disables)."
+    "MoE load-balancing auxiliary-loss coefficient (0 disables); counts the experts used (the engine's under R3)."
     freeze_visual_encoder: bool = False
     "VLM: train only the language model and head."
     freeze_moe_router: bool = False
