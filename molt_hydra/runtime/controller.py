@@ -98,7 +98,12 @@ class RLController:
             await self._wait_step(max(j - self.depth, 0))
             idle = time.perf_counter() - t0
             t1 = time.perf_counter()
-            batch = self._replayed_batch(j) if self.cfg.train.rollout_replay_dir else await gen.generate_batch()
+            if self.cfg.train.rollout_replay_dir:
+                batch = self._replayed_batch(j)
+            else:  # CPU trainer ranks train on every core of their node only while the engines are idle
+                await self.calls.engines_busy(True)
+                batch = await gen.generate_batch()
+                await self.calls.engines_busy(False)
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
             if self.cfg.train.rollout_dump_dir and batch.groups:
                 self._dump_batch(j, batch)
