@@ -61,9 +61,10 @@ class TrainerGroup:
             if len(set(self.rank_nodes)) > 1:  # a multi-node group says where it runs
                 print(f"trainer group {self.role!r}: {num_ranks} ranks on nodes {', '.join(self.rank_nodes)}; "
                       f"rendezvous at rank 0's {self.rendezvous}", flush=True)
-            # "control": a second thread per rank, for `engines_busy` hints that arrive while a step runs
-            cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
+            # CPU ranks: a second thread ("control") for `engines_busy` hints that arrive while a step runs (GPU
+            # ranks keep Ray's plain actor: every call on the thread that set the CUDA device)
             self.on_cpu, self._hints = not num_gpus_per_rank, 0
+            cls = ray.remote(concurrency_groups={"control": 1})(worker_cls) if self.on_cpu else ray.remote(worker_cls)
             self.workers = [
                 cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=where[i])
                 .remote(rank=i, world_size=num_ranks, master_addr=addr, master_port=port,
