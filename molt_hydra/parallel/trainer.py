@@ -81,6 +81,7 @@ class TrainerWorker:
         if self.cpu_threads and node_ranks:
             self.idle_cpu_threads = max(self.cpu_threads, len(os.sched_getaffinity(0)) // node_ranks)
         self._engines_busy = (0, True)  # (hint number, busy): the latest hint wins, whatever order they arrive in
+        self._threads_used: list[int] = []  # at each point the threads were set during the current call
         self._use_cpu_threads()
         if master_weights not in ("fsdp", "optimizer"):
             raise ValueError(f"master_weights must be fsdp or optimizer, got {master_weights!r}")
@@ -141,6 +142,8 @@ class TrainerWorker:
                                          reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
             if vlm.is_vlm(model.config) and role != "ref" and not freeze_visual_encoder:
                 vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
+        if self.idle_cpu_threads != self.cpu_threads:
+            self._follow_hints_per_block()
         # fused head (models/logprobs.py): the causal LM hands out its final hidden states and the log-probs are taken
         # through the lm_head chunk by chunk, never materialising [tokens x vocab] logits (HF text models)
         self.head = None
@@ -169,7 +172,7 @@ class TrainerWorker:
     # ---------------------------------------------------------------- CPU threads
     def engines_busy(self, busy: bool, hint: int) -> None:
         """Whether the rollout engines are generating (hint number `hint`, increasing): a CPU rank then keeps to
-        its reserved threads, otherwise it takes its share of the node's cores from the next forward on. Called on
+        its reserved threads, otherwise it takes its share of the node's cores from the next decoder block on. Called on
         the actor's control thread (parallel/group.py), so it is answered while a training step runs."""
         if hint > self._engines_busy[0]:
             self._engines_busy = (hint, busy)
@@ -181,7 +184,27 @@ class TrainerWorker:
         want = self.cpu_threads if self._engines_busy[1] else self.idle_cpu_threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
+        self._threads_used.append(want)
         return want
+
+    def _follow_hints_per_block(self):
+        """A hint takes effect at the next decoder block, forward or backward, not only at the next micro-batch
+        (one can be half of a step's work): a pre-hook sets the threads before each block's forward, and a hook on
+        the block's output before its backward (which runs on this thread: CPU autograd)."""
+        def before_backward(grad):
+            self._use_cpu_threads()
+
+        def before_forward(module, args):
+            self._use_cpu_threads()
+
+        def after_forward(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if torch.is_tensor(out) and out.requires_grad:
+                out.register_hook(before_backward)
+
+        for layer in decoder_layers(self.model):
+            layer.register_forward_pre_hook(before_forward)
+            layer.register_forward_hook(after_forward)
 
     # ---------------------------------------------------------------- forward
     def _forward(self, mb: dict, need_entropy: bool):
@@ -253,6 +276,7 @@ class TrainerWorker:
         if not samples:
             raise ValueError("compute_logprobs got no samples on this rank")
         out: list = [None] * len(samples)
+        self._threads_used = []
         if self.moe and self.role == "actor":  # trainer-vs-engine routing of this recompute, reported by train_step
             self._routing_stats = moe_routing.RoutingStats(self.model.config.num_hidden_layers,
                                                            self.model.config.num_experts)
@@ -317,7 +341,7 @@ class TrainerWorker:
                                                            self.model.config.num_experts)
         t0 = time.perf_counter()
         sums: dict[str, torch.Tensor] = {}
-        grad_norms, threads = [], []
+        grad_norms, self._threads_used = [], []
         for window in np.array_split(np.arange(len(samples)), num_optimizer_steps):
             win = [samples[i] for i in window]
             counts = torch.tensor([float(sum(s[mask_key].sum().item() for s in win)),
@@ -329,7 +353,7 @@ class TrainerWorker:
             if self.master_weights:  # several micro-batches: their grads sum in fp32 (parallel/optim.py)
                 self.optimizer.accumulate_fp32 = len(parts) > 1
             for part in parts:
-                threads.append(self._use_cpu_threads())
+                self._use_cpu_threads()
                 rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
                      for k, v in win[0].items()
@@ -366,7 +390,7 @@ class TrainerWorker:
             self.global_step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0, threads)
+        metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0, self._threads_used)
         return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
 
     def _step_metrics(self, samples, sums, grad_norms, seconds, threads) -> dict:
@@ -392,7 +416,7 @@ class TrainerWorker:
         metrics.update({f"{prefix}_lr": self.scheduler.get_last_lr()[0],
                         f"{prefix}_grad_norm": float(torch.stack(grad_norms).float().mean()),
                         f"{perf}train_tokens_per_sec": tokens / float(dt),
-                        f"{perf}step_time_s": float(dt), f"{perf}torch_threads": float(np.mean(threads))})
+                        f"{perf}step_time_s": float(dt), f"{perf}torch_threads": float(np.mean(threads) if threads else torch.get_num_threads())})
         if self.peak_tflops:
             seq = tokens / (len(samples) * self.world_size)
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),

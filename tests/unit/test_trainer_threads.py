@@ -56,6 +56,23 @@ def test_ranks_use_every_core_only_while_the_engines_are_idle(worker):
     assert step_threads(worker) == 1
 
 
+@pytest.mark.skipif(CORES < 2, reason="one core: nothing to share")
+def test_a_hint_takes_effect_inside_a_micro_batch(worker):
+    """One micro-batch, the hint lands while its first block runs: the blocks after it use every core."""
+    from molt_hydra.models.build import decoder_layers
+
+    worker.engines_busy(True, 10)
+    layers = decoder_layers(worker.model)
+    assert len(layers) >= 2
+    hint = layers[0].register_forward_pre_hook(lambda *_: worker.engines_busy(False, 11))
+    try:
+        threads = step_threads(worker)
+    finally:
+        hint.remove()
+    assert 1 < threads < CORES  # 1 up to block 0, all cores after (1 with threads set per micro-batch only)
+    assert step_threads(worker) == CORES
+
+
 def test_the_driver_tells_the_ranks_around_every_generation_before_queueing_the_batch():
     from molt_hydra.cli import to_run_config
     from molt_hydra.config.validate import validate
