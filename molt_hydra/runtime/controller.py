@@ -8,6 +8,10 @@ One asyncio driver owns the order of events, so a run is a deterministic functio
   rollout, where the sync pauses in-flight requests and they finish under the new weights (tokens carry both versions);
 * every trained sample's staleness (current version - oldest token version) is checked against `train.max_staleness`.
 
+One exception, in the last bits only: CPU trainer ranks take every core of their node once the engines stop generating
+(`engines_busy` around each generation); in async mode that point falls wherever the engines finish, and torch's
+multi-threaded float reductions (sums, norms) differ from single-threaded ones by rounding.
+
 Every remote call has a deadline (runtime/watchdog.py); when one expires the stacks of every role are dumped, the role
 is named and the run exits non-zero. A checkpoint holds the trainer state, the generator's position and the finished
 but untrained batches, so `checkpoint.resume=auto` continues exactly.
