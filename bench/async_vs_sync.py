@@ -13,12 +13,12 @@ generation and the rest of the step take about the same time, with the CPU each 
    driver, Ray's own processes) over the timed steps: CPU seconds per step per role, and cores busy in all.
 
 `--model smollm2`: the same on SmolLM2-135M-Instruct (fp32), the toy task (its answers run to the token budget,
-so the budget sets the work; the arithmetic task's answers stop after ~30 tokens), 2 prompts x 4 samples, micro-batch
+so the budget sets the work; the arithmetic task's answers stop after ~30 tokens), 1 prompt x 4 samples, micro-batch
 4, probes at 32 and 128 tokens. Why this workload: on the tiny model a whole step is ~0.4 s, so fixed per-step costs
 (Ray calls, the weight sync, vLLM's scheduler and front processes) are what is measured, not overlap; here model
-compute dominates both phases. Why 8 samples: training cost grows with samples x tokens while a CPU decode step costs
-about the same for 8 or 32 sequences (it reads every weight either way), so at 32 samples training takes ~2x
-generation at every budget, and only a small batch balances.
+compute dominates both phases. Why 4 samples: training cost grows with samples x tokens while a CPU decode step costs
+about the same for 4 or 32 sequences (it reads every fp32 weight either way, ~55-90 ms), so at 32 samples training
+takes ~2-5x generation at every budget (bench/RESULTS.md grpo_vs_trl rows), and only a small batch balances.
 
     flock /tmp/molt_heavy.lock .venv/bin/python bench/async_vs_sync.py [--model tiny|smollm2] [--steps 12]
         [--max-new-tokens N]
@@ -39,9 +39,9 @@ from _common import REPO, CpuSampler, append_row  # noqa: E402
 SKIP = 2
 MODELS = {  # model -> (overrides of the embedded default, description)
     "tiny": ([], "default recipe (tiny qwen3, toy, 8x8 samples)"),
-    "smollm2": (["model=smollm2_135m", "rollout.batch_size=2", "rollout.n_samples_per_prompt=4", "train.batch_size=8",
+    "smollm2": (["model=smollm2_135m", "rollout.batch_size=1", "rollout.n_samples_per_prompt=4", "train.batch_size=4",
                  "train.micro_batch_size=4", "train.optimizer.lr=1e-5"],
-                "SmolLM2-135M-Instruct fp32, toy task, 2x4 samples, micro 4"),
+                "SmolLM2-135M-Instruct fp32, toy task, 1x4 samples, micro 4"),
 }
 PHASES = ("generation", "vllm_idle_wait", "actor_idle_wait", "make_experience", "policy_train", "weight_sync_wait",
           "weight_sync")
