@@ -136,7 +136,8 @@ def main():
                f"async (queue_depth 1) {a:.2f} s/step",
                f"ratio {a / s:.2f} (goal <= 0.60; ideal max(gen, rest)/sync {ideal:.2f}; 2-core bound {core_bound:.2f})",
                f"phase means s sync/async: {phases}; trainer torch threads (mean over micro-batches) "
-               f"{mean(sync, 'perf/torch_threads'):.2f}/{mean(asyn, 'perf/torch_threads'):.2f}. CPU s/step sync/async: {roles}; all {cpu_sync:.2f}/"
+               f"{mean(sync, 'perf/torch_threads'):.2f}/{mean(asyn, 'perf/torch_threads'):.2f}. "
+               f"CPU s/step sync/async: {roles}; all {cpu_sync:.2f}/"
                f"{cpu_async:.2f} (cores busy {cpu_sync / s:.2f}/{cpu_async / a:.2f}); load avg at the end "
                + " ".join(f"{x:.1f}" for x in os.getloadavg()))
 

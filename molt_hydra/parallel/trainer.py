@@ -416,7 +416,8 @@ class TrainerWorker:
         metrics.update({f"{prefix}_lr": self.scheduler.get_last_lr()[0],
                         f"{prefix}_grad_norm": float(torch.stack(grad_norms).float().mean()),
                         f"{perf}train_tokens_per_sec": tokens / float(dt),
-                        f"{perf}step_time_s": float(dt), f"{perf}torch_threads": float(np.mean(threads) if threads else torch.get_num_threads())})
+                        f"{perf}step_time_s": float(dt),
+                        f"{perf}torch_threads": float(np.mean(threads) if threads else torch.get_num_threads())})
         if self.peak_tflops:
             seq = tokens / (len(samples) * self.world_size)
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),

@@ -85,8 +85,8 @@ def _controller(overrides, generator):
     async def engines_busy(busy):  # no trainer ranks to tell
         pass
 
-    return RLController(validate(to_run_config(compose_config(overrides))),
-                        SimpleNamespace(generator=generator, calls=SimpleNamespace(engines_busy=engines_busy)), log=None)
+    roles = SimpleNamespace(generator=generator, calls=SimpleNamespace(engines_busy=engines_busy))
+    return RLController(validate(to_run_config(compose_config(overrides))), roles, log=None)
 
 
 def _drain(ctl) -> list:
