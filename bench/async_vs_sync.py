@@ -12,7 +12,16 @@ generation and the rest of the step take about the same time, with the CPU each 
    = the model, engine core = vLLM's scheduler process, engine front = the AsyncLLM actor, trainer, agent runner,
    driver, Ray's own processes) over the timed steps: CPU seconds per step per role, and cores busy in all.
 
-    flock /tmp/molt_heavy.lock .venv/bin/python bench/async_vs_sync.py [--steps 12] [--max-new-tokens N]
+`--model smollm2`: the same on SmolLM2-135M-Instruct (fp32), the toy task (its answers run to the token budget,
+so the budget sets the work; the arithmetic task's answers stop after ~30 tokens), 1 prompt x 4 samples, micro-batch
+4, probes at 32 and 128 tokens. Why this workload: on the tiny model a whole step is ~0.4 s, so fixed per-step costs
+(Ray calls, the weight sync, vLLM's scheduler and front processes) are what is measured, not overlap; here model
+compute dominates both phases. Why 4 samples: training cost grows with samples x tokens while a CPU decode step costs
+about the same for 4 or 32 sequences (it reads every fp32 weight either way, ~55-90 ms), so at 32 samples training
+takes ~2-5x generation at every budget (bench/RESULTS.md grpo_vs_trl rows), and only a small batch balances.
+
+    flock /tmp/molt_heavy.lock .venv/bin/python bench/async_vs_sync.py [--model tiny|smollm2] [--steps 12]
+        [--max-new-tokens N]
 """
 
 import argparse
@@ -28,6 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, CpuSampler, append_row  # noqa: E402
 
 SKIP = 2
+MODELS = {  # model -> (overrides of the embedded default, description)
+    "tiny": ([], "default recipe (tiny qwen3, toy, 8x8 samples)"),
+    "smollm2": (["model=smollm2_135m", "rollout.batch_size=1", "rollout.n_samples_per_prompt=4", "train.batch_size=4",
+                 "train.micro_batch_size=4", "train.optimizer.lr=1e-5"],
+                "SmolLM2-135M-Instruct fp32, toy task, 1x4 samples, micro 4"),
+}
 PHASES = ("generation", "vllm_idle_wait", "actor_idle_wait", "make_experience", "policy_train", "weight_sync_wait",
           "weight_sync")
 def unprefix(row: dict) -> dict:
@@ -35,9 +50,10 @@ def unprefix(row: dict) -> dict:
     return {k[len("train/"):] if k.startswith("train/") else k: v for k, v in row.items()}
 
 
-def run(mode: str, steps: int, max_new: int, sample_cpu: bool = False) -> tuple[list[dict], dict]:
+def run(mode: str, steps: int, max_new: int, sample_cpu: bool = False, model: str = "tiny") -> tuple[list[dict], dict]:
     out = Path(tempfile.mkdtemp(prefix=f"molt_bench_{mode}_"))
-    args = [str(Path(sys.executable).with_name("molt-run")), f"hydra.run.dir={out}", f"train.max_steps={steps}",
+    args = [str(Path(sys.executable).with_name("molt-run")), *MODELS[model][0], f"hydra.run.dir={out}",
+            f"train.max_steps={steps}",
             f"train.mode={mode}", f"rollout.max_new_tokens={max_new}", "logger.wandb.mode=disabled",
             "checkpoint.export_final=false"]
     if mode == "async":
@@ -69,13 +85,15 @@ def gen_and_rest(rows) -> tuple[float, float]:
     return gen, mean(rows, "timing/step_total") - gen - mean(rows, "timing/weight_sync_wait")
 
 
-def balanced_tokens(steps: int) -> tuple[int, str]:
+def balanced_tokens(steps: int, model: str) -> tuple[int, str]:
     """The max_new_tokens where a sync step's generation and rest take the same time (two probes, linear fit)."""
     probes = {}
     for tokens in (32, 128):
-        probes[tokens] = gen_and_rest(run("sync", steps, tokens)[0])
+        rows = run("sync", steps, tokens, model=model)[0]
+        probes[tokens] = gen_and_rest(rows)
         print(f"probe sync max_new_tokens={tokens}: generation {probes[tokens][0]:.2f} s, rest "
-              f"{probes[tokens][1]:.2f} s", flush=True)
+              f"{probes[tokens][1]:.2f} s, response length {mean(rows, 'rollout/response_length_mean'):.0f}",
+              flush=True)
     (g0, r0), (g1, r1) = probes[32], probes[128]
     slope = ((g1 - g0) - (r1 - r0)) / 96  # d(gen - rest) / d(tokens)
     tokens = 32 + (r0 - g0) / slope if slope > 0 else 256
@@ -88,14 +106,15 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--max-new-tokens", type=int, default=None, help="skip the balance probes and use this budget")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
     if args.max_new_tokens is None:
-        tokens, how = balanced_tokens(6)
+        tokens, how = balanced_tokens(6, args.model)
     else:
         tokens, how = args.max_new_tokens, "budget given"
     print(f"balanced workload: max_new_tokens={tokens} ({how})", flush=True)
-    sync, cpu_s = run("sync", args.steps, tokens, sample_cpu=True)
-    asyn, cpu_a = run("async", args.steps, tokens, sample_cpu=True)
+    sync, cpu_s = run("sync", args.steps, tokens, sample_cpu=True, model=args.model)
+    asyn, cpu_a = run("async", args.steps, tokens, sample_cpu=True, model=args.model)
     s, a = mean(sync, "timing/step_total"), mean(asyn, "timing/step_total")
     gen, rest = gen_and_rest(sync)
     ideal = max(gen, rest) / s
@@ -109,13 +128,16 @@ def main():
     trained_s = sum(r["num_samples_trained"] for r in sync[SKIP:])
     trained_a = sum(r["num_samples_trained"] for r in asyn[SKIP:])
     append_row("async_vs_sync",
-               f"default recipe (tiny qwen3, toy, 8x8 samples), balanced max_new_tokens={tokens} ({how}), "
+               f"{MODELS[args.model][1]}, balanced max_new_tokens={tokens} ({how}), "
                f"{args.steps} steps, mean step_total of steps {SKIP + 1}..{args.steps}; samples trained "
-               f"{trained_s:.0f} sync / {trained_a:.0f} async",
+               f"{trained_s:.0f} sync / {trained_a:.0f} async, mean response length "
+               f"{mean(sync, 'rollout/response_length_mean'):.0f} / {mean(asyn, 'rollout/response_length_mean'):.0f}",
                f"sync {s:.2f} s/step (generation {gen:.2f} s, rest {rest:.2f} s)",
                f"async (queue_depth 1) {a:.2f} s/step",
                f"ratio {a / s:.2f} (goal <= 0.60; ideal max(gen, rest)/sync {ideal:.2f}; 2-core bound {core_bound:.2f})",
-               f"phase means s sync/async: {phases}. CPU s/step sync/async: {roles}; all {cpu_sync:.2f}/"
+               f"phase means s sync/async: {phases}; trainer torch threads (mean over micro-batches) "
+               f"{mean(sync, 'perf/torch_threads'):.2f}/{mean(asyn, 'perf/torch_threads'):.2f}. "
+               f"CPU s/step sync/async: {roles}; all {cpu_sync:.2f}/"
                f"{cpu_async:.2f} (cores busy {cpu_sync / s:.2f}/{cpu_async / a:.2f}); load avg at the end "
                + " ".join(f"{x:.1f}" for x in os.getloadavg()))
 

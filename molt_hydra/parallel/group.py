@@ -61,11 +61,15 @@ class TrainerGroup:
             if len(set(self.rank_nodes)) > 1:  # a multi-node group says where it runs
                 print(f"trainer group {self.role!r}: {num_ranks} ranks on nodes {', '.join(self.rank_nodes)}; "
                       f"rendezvous at rank 0's {self.rendezvous}", flush=True)
-            cls = ray.remote(worker_cls)
+            # CPU ranks: a second thread ("control") for `engines_busy` hints that arrive while a step runs (GPU
+            # ranks keep Ray's plain actor: every call on the thread that set the CUDA device)
+            self.on_cpu, self._hints = not num_gpus_per_rank, 0
+            cls = ray.remote(concurrency_groups={"control": 1})(worker_cls) if self.on_cpu else ray.remote(worker_cls)
             self.workers = [
                 cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=where[i])
                 .remote(rank=i, world_size=num_ranks, master_addr=addr, master_port=port,
-                        cpu_threads=None if num_gpus_per_rank else max(1, int(num_cpus_per_rank)), **worker_kwargs)
+                        cpu_threads=max(1, int(num_cpus_per_rank)) if self.on_cpu else None,
+                        node_ranks=self.rank_nodes.count(self.rank_nodes[i]), **worker_kwargs)
                 for i in range(num_ranks)]
             self._wait_ranks_up(startup_timeout_s)
         except BaseException:
@@ -153,6 +157,13 @@ class TrainerGroup:
         import ray
         args = per_rank_args or [()] * self.num_ranks
         return ray.get([getattr(w, method).remote(*a, **kw) for w, a in zip(self.workers, args)])
+
+    def engines_busy(self, busy: bool) -> list:
+        """Tell every CPU rank whether the rollout engines are generating (TrainerWorker.engines_busy): refs to
+        await, answered on each rank's control thread even while it trains; none on GPU ranks."""
+        self._hints += 1
+        return [w.engines_busy.options(concurrency_group="control").remote(busy, self._hints)
+                for w in self.workers] if self.on_cpu else []
 
     def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1) -> dict:
         kw = dict(num_optimizer_steps=num_optimizer_steps)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 
 import numpy as np
@@ -68,12 +69,22 @@ class TrainerWorker:
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
                  backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
                  automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp",
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, node_ranks: int | None = None):
         self.rank, self.world_size, self.role = rank, world_size, role
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
                                        timeout_s=timeout_s)
-        if cpu_threads and self.device.type == "cpu":  # the CPUs reserved for this rank: a Ray worker started
-            torch.set_num_threads(cpu_threads)  # before it was placed need not carry Ray's OMP_NUM_THREADS for them
+        # CPU threads: `cpu_threads` (the CPUs Ray reserved for this rank; a Ray worker started before it was placed
+        # need not carry Ray's OMP_NUM_THREADS for them) while the rollout engines generate beside it; with
+        # `node_ranks` (trainer ranks on this node), this node's cores split among them while the engines are idle
+        # (told through `engines_busy`; until then they count as busy). Set before every forward, in the calling
+        # thread: OpenMP's thread count is per thread, and a Ray actor with a control thread runs calls elsewhere.
+        self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
+        self.idle_cpu_threads = self.cpu_threads
+        if self.cpu_threads and node_ranks:
+            self.idle_cpu_threads = max(self.cpu_threads, len(os.sched_getaffinity(0)) // node_ranks)
+        self._engines_busy = (0, True)  # (hint number, busy): the latest hint wins, whatever order they arrive in
+        self._threads_used: list[int] = []  # at each point the threads were set during the current call
+        self._use_cpu_threads()
         if master_weights not in ("fsdp", "optimizer"):
             raise ValueError(f"master_weights must be fsdp or optimizer, got {master_weights!r}")
         # None: bf16 on a GPU, fp32 on CPU (bf16 matmuls are slow there); an explicit dtype is honoured on both
@@ -134,6 +145,8 @@ class TrainerWorker:
                                          reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
             if vlm.is_vlm(model.config) and role != "ref" and not freeze_visual_encoder:
                 vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
+        if self.idle_cpu_threads != self.cpu_threads:
+            self._follow_hints_per_block()
         # fused head (models/logprobs.py): the causal LM hands out its final hidden states and the log-probs are taken
         # through the lm_head chunk by chunk, never materialising [tokens x vocab] logits (HF text models)
         self.head = None
@@ -158,6 +171,43 @@ class TrainerWorker:
             self.scheduler = build_scheduler(self.optimizer, name=lr_scheduler, total_steps=total_steps,
                                              warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio)
         self.global_step = 0
+
+    # ---------------------------------------------------------------- CPU threads
+    def engines_busy(self, busy: bool, hint: int) -> None:
+        """Whether the rollout engines are generating (hint number `hint`, increasing): a CPU rank then keeps to
+        its reserved threads, otherwise it takes its share of the node's cores from the next decoder block on. Called on
+        the actor's control thread (parallel/group.py), so it is answered while a training step runs."""
+        if hint > self._engines_busy[0]:
+            self._engines_busy = (hint, busy)
+
+    def _use_cpu_threads(self) -> int:
+        """Sets this thread's torch threads from the latest engines hint; returns them."""
+        if not self.cpu_threads:
+            return torch.get_num_threads()
+        want = self.cpu_threads if self._engines_busy[1] else self.idle_cpu_threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+        self._threads_used.append(want)
+        return want
+
+    def _follow_hints_per_block(self):
+        """A hint takes effect at the next decoder block, forward or backward, not only at the next micro-batch
+        (one can be half of a step's work): a pre-hook sets the threads before each block's forward, and a hook on
+        the block's output before its backward (which runs on this thread: CPU autograd)."""
+        def before_backward(grad):
+            self._use_cpu_threads()
+
+        def before_forward(module, args):
+            self._use_cpu_threads()
+
+        def after_forward(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if torch.is_tensor(out) and out.requires_grad:
+                out.register_hook(before_backward)
+
+        for layer in decoder_layers(self.model):
+            layer.register_forward_pre_hook(before_forward)
+            layer.register_forward_hook(after_forward)
 
     # ---------------------------------------------------------------- forward
     def _forward(self, mb: dict, need_entropy: bool):
@@ -232,10 +282,12 @@ class TrainerWorker:
         if not samples:
             raise ValueError("compute_logprobs got no samples on this rank")
         out: list = [None] * len(samples)
+        self._threads_used = []
         if self.moe and self.role == "actor":  # trainer-vs-engine routing of this recompute, reported by train_step
             self._routing_stats = moe_routing.RoutingStats(self.model.config.num_hidden_layers,
                                                            self.model.config.num_experts)
         for part in self._micro_batches(samples):
+            self._use_cpu_threads()
             idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
             keys = ("input_ids", "routed_experts", *vlm.MULTIMODAL_KEYS)
             mb = self._batch([{k: samples[i][k] for k in keys if k in samples[i]} for i in idx])
@@ -295,7 +347,7 @@ class TrainerWorker:
                                                            self.model.config.num_experts)
         t0 = time.perf_counter()
         sums: dict[str, torch.Tensor] = {}
-        grad_norms = []
+        grad_norms, self._threads_used = [], []
         for window in np.array_split(np.arange(len(samples)), num_optimizer_steps):
             win = [samples[i] for i in window]
             counts = torch.tensor([float(sum(s[mask_key].sum().item() for s in win)),
@@ -307,6 +359,7 @@ class TrainerWorker:
             if self.master_weights:  # several micro-batches: their grads sum in fp32 (parallel/optim.py)
                 self.optimizer.accumulate_fp32 = len(parts) > 1
             for part in parts:
+                self._use_cpu_threads()
                 rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
                      for k, v in win[0].items()
@@ -343,10 +396,10 @@ class TrainerWorker:
             self.global_step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0)
+        metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0, self._threads_used)
         return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
 
-    def _step_metrics(self, samples, sums, grad_norms, seconds) -> dict:
+    def _step_metrics(self, samples, sums, grad_norms, seconds, threads) -> dict:
         dt = torch.tensor(seconds)
         keys = sorted(k for k in sums if k != "_tokens")
         n_all = float(sum(len(s["input_ids"]) for s in samples)) / (self.world_size // self.dp_size)
@@ -369,7 +422,8 @@ class TrainerWorker:
         metrics.update({f"{prefix}_lr": self.scheduler.get_last_lr()[0],
                         f"{prefix}_grad_norm": float(torch.stack(grad_norms).float().mean()),
                         f"{perf}train_tokens_per_sec": tokens / float(dt),
-                        f"{perf}step_time_s": float(dt), f"{perf}torch_threads": float(torch.get_num_threads())})
+                        f"{perf}step_time_s": float(dt),
+                        f"{perf}torch_threads": float(np.mean(threads) if threads else torch.get_num_threads())})
         if self.peak_tflops:
             seq = tokens / (len(samples) * self.world_size)
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),

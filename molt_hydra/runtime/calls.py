@@ -36,6 +36,15 @@ class RoleCalls:
                 raise RunFailed(who, f"{method} failed: {describe(result)}") from result
         return results
 
+    async def engines_busy(self, busy: bool) -> None:
+        """Every CPU trainer rank learns whether the rollout engines generate (parallel/group.py): while they do not
+        (a sync step's training; an async step's after its batch is generated), a rank trains on its share of all
+        of its node's cores, not only on the CPUs Ray reserved for it, which the engines need while they generate."""
+        refs = [ref for g in (self.roles.actor, self.roles.ref, self.roles.critic) if g is not None
+                for ref in g.engines_busy(busy)]
+        if refs:
+            await deadline(asyncio.gather(*refs), self.timeouts.trainer_call_s, "actor", "engines_busy")
+
     async def router_metrics(self) -> dict[str, float]:
         """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
         total: dict[str, float] = {}

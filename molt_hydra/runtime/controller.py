@@ -8,6 +8,10 @@ One asyncio driver owns the order of events, so a run is a deterministic functio
   rollout, where the sync pauses in-flight requests and they finish under the new weights (tokens carry both versions);
 * every trained sample's staleness (current version - oldest token version) is checked against `train.max_staleness`.
 
+One exception, in the last bits only: CPU trainer ranks take every core of their node once the engines stop generating
+(`engines_busy` around each generation); in async mode that point falls wherever the engines finish, and torch's
+multi-threaded float reductions (sums, norms) differ from single-threaded ones by rounding.
+
 Every remote call has a deadline (runtime/watchdog.py); when one expires the stacks of every role are dumped, the role
 is named and the run exits non-zero. A checkpoint holds the trainer state, the generator's position and the finished
 but untrained batches, so `checkpoint.resume=auto` continues exactly.
@@ -98,7 +102,12 @@ class RLController:
             await self._wait_step(max(j - self.depth, 0))
             idle = time.perf_counter() - t0
             t1 = time.perf_counter()
-            batch = self._replayed_batch(j) if self.cfg.train.rollout_replay_dir else await gen.generate_batch()
+            if self.cfg.train.rollout_replay_dir:
+                batch = self._replayed_batch(j)
+            else:  # CPU trainer ranks train on every core of their node only while the engines are idle
+                await self.calls.engines_busy(True)
+                batch = await gen.generate_batch()
+                await self.calls.engines_busy(False)
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
             if self.cfg.train.rollout_dump_dir and batch.groups:
                 self._dump_batch(j, batch)

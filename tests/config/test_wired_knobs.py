@@ -82,8 +82,11 @@ def _controller(overrides, generator):
     from molt_hydra.config.validate import validate
     from molt_hydra.runtime.controller import RLController
 
-    return RLController(validate(to_run_config(compose_config(overrides))),
-                        SimpleNamespace(generator=generator, calls=None), log=None)
+    async def engines_busy(busy):  # no trainer ranks to tell
+        pass
+
+    roles = SimpleNamespace(generator=generator, calls=SimpleNamespace(engines_busy=engines_busy))
+    return RLController(validate(to_run_config(compose_config(overrides))), roles, log=None)
 
 
 def _drain(ctl) -> list:
