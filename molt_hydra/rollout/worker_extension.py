@@ -67,13 +67,14 @@ class WeightSyncWorkerExtension:
 
         return self._load(list(load(blob).items()))
 
-    def load_shared_bucket(self, region: tuple, metas: list) -> int:
-        """`region`: (path, bytes, token) of the trainer's shared-memory region, mapped once per token; the bucket's
-        tensors go to the loader as views into it (the loader's copy is the only one on this side)."""
+    def load_shared_bucket(self, region: tuple, metas: list, offset: int = 0) -> int:
+        """`region`: (path, bytes, token) of the trainer's shared-memory region, mapped once per token; the bucket
+        starts at `offset` and its tensors go to the loader as views into it (the loader's copy is the only one on this
+        side)."""
         path, size, token = region
         if getattr(self, "_shared_region", (None, None))[0] != token:
             self._shared_region = (token, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
-        flat = self._shared_region[1][:packed_nbytes(metas)]
+        flat = self._shared_region[1][offset:offset + packed_nbytes(metas)]
         n = self._load(unpack_bucket(metas, flat))
         self._own_pending_views(flat)
         return n
