@@ -98,8 +98,9 @@ class WeightSyncWorkerExtension:
         Instead the linear layers (and the logits) keep their plain weights and run through torch's oneDNN linear on
         them: an update is then vLLM's loaders copying into the existing parameters, once. Done once at start: the
         packed layers are restored to their plain parameters and the engine's own checkpoint is loaded into them.
-        Returns the layers on plain weights (a second call changes nothing); 0 (nothing changed) off CPU, or when some
-        layer processes its weights otherwise (fused MoE experts, quantized layers): those keep the layerwise reload."""
+        Returns the layers on plain weights (a second call changes nothing); 0 (nothing changed) off CPU, without
+        enforce_eager, or when some layer processes its weights otherwise (fused MoE experts, quantized layers): those
+        keep the layerwise reload."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -113,7 +114,8 @@ class WeightSyncWorkerExtension:
         if getattr(self, "_plain_cpu_weights", False):
             return len(gemms)
         plain_kinds = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
-        if (not current_platform.is_cpu() or not gemms
+        # a compiled CPU model (DYNAMO_TRACE_ONCE) has its GEMM calls traced already: only eager engines switch
+        if (not current_platform.is_cpu() or not gemms or not self.model_config.enforce_eager
                 or any(not isinstance(getattr(m, "quant_method", None), plain_kinds) for m in gemms)
                 or any(hasattr(m, "w13_weight") for m in model.modules())):
             return 0
