@@ -130,7 +130,10 @@ class VLLMEngine:
                 if self._cpu_routing:
                     await self.worker_call("start_routing_capture")
                 if self.plain_cpu_weights and current_platform.is_cpu():
-                    await self.worker_call("keep_plain_cpu_weights")
+                    plain = all(await self.worker_call("keep_plain_cpu_weights"))
+                    log.info("engine %d: weight syncs %s", self.engine_index,
+                             "copy in place (plain CPU weights)" if plain else
+                             "go through vLLM's layerwise reload (MoE, quantized or compiled model: packed weights)")
         return self.engine_index
 
     def _engine(self):
