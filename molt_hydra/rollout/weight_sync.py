@@ -17,6 +17,7 @@ nothing is packed and nothing goes on a wire; the engine's loader casts straight
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -137,6 +138,13 @@ class _Pipeline:
     async def drain(self) -> None:
         while self.in_flight:
             await self._retire()
+
+    async def abandon(self) -> None:
+        """After a failed sync: retire every bucket still in flight, ignoring their errors, so none of them is retired
+        by (and fails) the next sync and no buffer is reused while an engine may still read it."""
+        while self.in_flight:
+            with contextlib.suppress(Exception):
+                await self._retire()
 
 
 class SharedMemoryTransport(_Pipeline):
@@ -338,10 +346,12 @@ class WeightSync:
             for bucket in buckets:
                 num_bytes += await self.transport.push(self.engines, bucket, self._call)  # bytes on the wire
                 num_tensors += len(bucket)
-            if hasattr(self.transport, "drain"):  # pipelined GPU transports: the last buckets are still in flight
+            if hasattr(self.transport, "drain"):  # pipelined transports: the last buckets are still in flight
                 await self.transport.drain()
             done = True
         finally:
+            if not done and hasattr(self.transport, "abandon"):
+                await self.transport.abandon()
             try:  # also after a failure: layers left mid-reload would break generation
                 await self._all("finish_weight_update", version if done else None)
             finally:

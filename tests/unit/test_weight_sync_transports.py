@@ -295,6 +295,30 @@ def test_shm_packs_the_next_bucket_into_the_other_slot_while_the_engines_load_on
     asyncio.run(scenario())
 
 
+def test_a_failed_pipelined_sync_leaves_nothing_in_flight_for_the_next_one():
+    """An engine whose loads fail (it died) fails the sync (engines finished and resumed) and no bucket of it stays in
+    flight: the next sync, to a healthy engine, is not failed by the old answers and delivers every tensor."""
+    class Dying(FakeWorker):
+        dead = True
+
+        def load_shared_bucket(self, *args):
+            if self.dead:
+                raise RuntimeError("engine died")
+            return super().load_shared_bucket(*args)
+
+    log, worker = [], Dying()
+    engine = FakeEngine(worker, log)
+    transport = SharedMemoryTransport(torch.float32)
+    one_per_bucket = 1  # 4 buckets: more than the two in flight
+    with pytest.raises(RuntimeError, match="engine died"):
+        asyncio.run(WeightSync([engine], transport, timeout_s=60).sync(bucket_weights(named_tensors(), one_per_bucket)))
+    assert not transport.in_flight and log[-2:] == ["finish_weight_update", "resume"]
+    worker.dead = False
+    sync = WeightSync([engine], transport, timeout_s=60, version=1)
+    assert asyncio.run(sync.sync(bucket_weights(named_tensors(), one_per_bucket))).version == 2
+    assert set(worker.loaded) == {n for n, _ in named_tensors()}
+
+
 def test_shm_region_is_mapped_once_reused_across_syncs_and_replaced_when_a_bucket_outgrows_it():
     """The CPU path: buckets packed (cast to the wire dtype) into one memfd region the worker maps by path and loads
     from as views; no file is left behind, the same region serves every later sync, a larger bucket gets a new one."""
