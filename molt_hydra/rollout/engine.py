@@ -44,7 +44,7 @@ class VLLMEngine:
         logprobs_mode: str = "processed_logprobs",
         return_routed_experts: bool = False,
         worker_extension_cls: str = WORKER_EXTENSION,
-        plain_cpu_weights: bool = True,  # CPU: linear layers on plain weights, a weight sync is one copy (see worker)
+        plain_cpu_weights: bool = False,  # CPU: linear layers on plain weights, a sync is one copy (see worker)
         extra_engine_args: dict[str, Any] | None = None,
         engine_index: int = 0,
     ) -> None:
@@ -129,11 +129,12 @@ class VLLMEngine:
                     self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # spawns the engine core
                 if self._cpu_routing:
                     await self.worker_call("start_routing_capture")
-                if self.plain_cpu_weights and current_platform.is_cpu():
-                    plain = all(await self.worker_call("keep_plain_cpu_weights"))
-                    log.info("engine %d: weight syncs %s", self.engine_index,
-                             "copy in place (plain CPU weights)" if plain else
-                             "go through vLLM's layerwise reload (MoE, quantized or compiled model: packed weights)")
+                if self.plain_cpu_weights and current_platform.is_cpu() and not all(
+                        await self.worker_call("keep_plain_cpu_weights")):
+                    self.shutdown()
+                    raise ValueError("rollout.plain_cpu_weights: this model has layers that process their weights "
+                                     "otherwise (fused MoE experts, quantized layers) or is compiled; set "
+                                     "rollout.plain_cpu_weights=false")
         return self.engine_index
 
     def _engine(self):

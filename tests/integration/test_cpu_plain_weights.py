@@ -46,7 +46,8 @@ def engines(dirs):
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     actor = ray.remote(VLLMEngine)
     handles = [actor.options(max_concurrency=16, num_cpus=0).remote(
-        path, dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_gb=1, seed=0, engine_index=i)
+        path, dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_gb=1, seed=0, engine_index=i,
+        plain_cpu_weights=True)
         for i, path in enumerate([base, new])]
     ray.get([h.start.remote() for h in handles], timeout=600)
     yield handles
