@@ -28,6 +28,8 @@ class WeightSyncWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+        if self.device.type == "cpu":
+            _keep_freed_memory_for_reuse()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
 
@@ -250,6 +252,22 @@ class WeightSyncWorkerExtension:
         if self.device.type == "cuda":  # the copies are done before the trainer may step (and write) again
             torch.cuda.current_stream(self.device).synchronize()
         return n
+
+
+def _keep_freed_memory_for_reuse() -> None:
+    """glibc serves every allocation above its mmap threshold with fresh pages and returns them on free, so each layer
+    the layerwise reload materialises and each oneDNN re-pack page-faults its whole size anew (measured: a clone of the
+    1 GB model's weights 0.25 s/GB, its re-pack 0.26 s/GB). With the threshold and trim raised, the blocks freed by one
+    layer (its old packed weight, its staging copy) are reused warm by the next: 0.06 and 0.16 s/GB."""
+    import ctypes
+
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters of glibc's malloc.h
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 31)
+    except (OSError, AttributeError):  # not glibc: its allocator keeps its own policy
+        pass
 
 
 def _linear_on_plain_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
