@@ -56,9 +56,10 @@ def engines(dirs):
 
 
 def generate(engine):
-    outs = ray.get([engine.generate.remote(GenerationRequest(f"p{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)],
-                   timeout=120)
-    return [(o[0].token_ids, o[0].logprobs) for o in outs]
+    """One request at a time: batches of the same shapes on both engines, so the same GEMM kernels run."""
+    outs = [ray.get(engine.generate.remote(GenerationRequest(f"p{i}", p, GREEDY)), timeout=120)[0]
+            for i, p in enumerate(PROMPTS)]
+    return [(o.token_ids, o.logprobs) for o in outs]
 
 
 def test_every_linear_layer_and_the_tied_logits_run_on_plain_weights(engines, dirs):
