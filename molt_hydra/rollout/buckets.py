@@ -37,8 +37,7 @@ def pack_bucket(bucket: Bucket, dtype: torch.dtype | None = None, out=None) -> t
     device. With `dtype`, floating tensors are cast while they are packed (an fp32 master weight becomes the engine's
     bf16 on the wire without a separate cast copy); integer tensors keep their dtype. `out(nbytes)`, if given,
     returns a uint8 buffer of at least nbytes to pack into (e.g. a reused shared-memory region)."""
-    metas = [(name, str(dtype if dtype is not None and t.is_floating_point() else t.dtype).removeprefix("torch."),
-              list(t.shape)) for name, t in bucket]
+    metas = bucket_metas(bucket, dtype)
     nbytes = packed_nbytes(metas)
     if out is not None:
         flat = out(nbytes)[:nbytes]
@@ -47,6 +46,12 @@ def pack_bucket(bucket: Bucket, dtype: torch.dtype | None = None, out=None) -> t
     if bucket:  # one call for the whole bucket: per-tensor Python overhead dominates small tensors
         torch._foreach_copy_([slot for _, slot in unpack_bucket(metas, flat)], [t.detach() for _, t in bucket])
     return metas, flat
+
+
+def bucket_metas(bucket: Bucket, dtype: torch.dtype | None = None) -> Metas:
+    """(name, dtype name, shape) of each tensor as `pack_bucket` packs it (floating tensors cast to `dtype`)."""
+    return [(name, str(dtype if dtype is not None and t.is_floating_point() else t.dtype).removeprefix("torch."),
+             list(t.shape)) for name, t in bucket]
 
 
 def _slots(metas: Metas) -> list[tuple[int, int]]:

@@ -44,6 +44,7 @@ class VLLMEngine:
         logprobs_mode: str = "processed_logprobs",
         return_routed_experts: bool = False,
         worker_extension_cls: str = WORKER_EXTENSION,
+        plain_cpu_weights: bool = False,  # CPU: linear layers on plain weights, a sync is one copy (see worker)
         extra_engine_args: dict[str, Any] | None = None,
         engine_index: int = 0,
     ) -> None:
@@ -72,6 +73,7 @@ class VLLMEngine:
         # Less common vLLM engine arguments (block size, attention backend, ...), passed through as named.
         self._engine_kwargs.update(extra_engine_args or {})
         self.return_routed_experts = return_routed_experts
+        self.plain_cpu_weights = plain_cpu_weights
         self._cpu_routing = False  # set in start(): R3 through rollout/routing_capture.py instead of vLLM's capture
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
@@ -127,6 +129,12 @@ class VLLMEngine:
                     self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # spawns the engine core
                 if self._cpu_routing:
                     await self.worker_call("start_routing_capture")
+                if self.plain_cpu_weights and current_platform.is_cpu() and not all(
+                        await self.worker_call("keep_plain_cpu_weights")):
+                    self.shutdown()
+                    raise ValueError("rollout.plain_cpu_weights: this model has layers that process their weights "
+                                     "otherwise (fused MoE experts, quantized layers) or is compiled; set "
+                                     "rollout.plain_cpu_weights=false")
         return self.engine_index
 
     def _engine(self):
@@ -245,9 +253,9 @@ class VLLMEngine:
         # Tensors cannot cross collective_rpc on CPU (memoryview pickling); safetensors bytes can (feasibility §1c).
         return sum(await self.worker_call("load_safetensors_bytes", bytes(blob)))
 
-    async def load_weights_shared(self, region: tuple, metas: list) -> int:
-        """One bucket packed in the trainer's shared-memory region (`weight_sync.SharedMemoryTransport`)."""
-        return sum(await self.worker_call("load_shared_bucket", region, metas))
+    async def load_weights_shared(self, region: tuple, metas: list, offset: int = 0) -> int:
+        """One bucket packed in the trainer's shared-memory region at `offset` (`weight_sync.SharedMemoryTransport`)."""
+        return sum(await self.worker_call("load_shared_bucket", region, metas, offset))
 
     async def begin_weight_update(self) -> None:
         await self.worker_call("begin_layerwise_reload")

@@ -17,6 +17,7 @@ nothing is packed and nothing goes on a wire; the engine's loader casts straight
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -28,7 +29,7 @@ from enum import Enum
 
 import torch
 
-from molt_hydra.rollout.buckets import Bucket, pack_bucket
+from molt_hydra.rollout.buckets import Bucket, bucket_metas, pack_bucket, packed_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -78,40 +79,6 @@ class ObjectStoreTransport:
         ref = ray.put(save({name: t.contiguous() for name, t in bucket}))  # one copy, read by every engine
         await asyncio.gather(*(call(e.load_weights_bytes.remote(ref)) for e in engines))
         return _nbytes(bucket)
-
-
-class SharedMemoryTransport:
-    """Engines on the trainer's host: each bucket is packed (cast to the engine dtype while copying: the one copy on
-    this side) into a shared-memory region that every engine worker maps once and hands to vLLM's weight loader as
-    views, with no serialisation. The region is a memfd (nothing left in /dev/shm if the trainer is killed; workers
-    open it as /proc/<pid>/fd/<fd>), kept for every later bucket and sync, replaced only when a bucket outgrows it."""
-
-    def __init__(self, dtype: torch.dtype | None = None):
-        self.dtype = dtype
-        self.region: torch.Tensor | None = None  # uint8, mapped on the memfd
-        self.handle: tuple[str, int, str] | None = None  # (path for other processes, bytes, token)
-        self.fd = -1
-
-    def _region(self, nbytes: int) -> torch.Tensor:
-        if self.region is None or self.region.numel() < nbytes:
-            self.close()
-            self.fd = os.memfd_create("molt_weights")
-            os.ftruncate(self.fd, nbytes)
-            self.region = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=nbytes, dtype=torch.uint8)
-            self.handle = (f"/proc/{os.getpid()}/fd/{self.fd}", nbytes, uuid.uuid4().hex)
-        return self.region
-
-    async def push(self, engines: list, bucket: Bucket, call) -> int:
-        metas, flat = pack_bucket(bucket, self.dtype, out=self._region)
-        await asyncio.gather(*(call(e.load_weights_shared.remote(self.handle, metas)) for e in engines))
-        return flat.numel()
-
-    def close(self) -> None:
-        """Drop this side's mapping; the memory is freed once every engine worker dropped its own (next region)."""
-        self.region = self.handle = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 class BroadcastGroup:
@@ -171,6 +138,57 @@ class _Pipeline:
     async def drain(self) -> None:
         while self.in_flight:
             await self._retire()
+
+    async def abandon(self) -> None:
+        """After a failed sync: retire every bucket still in flight, ignoring their errors, so none of them is retired
+        by (and fails) the next sync and no buffer is reused while an engine may still read it."""
+        while self.in_flight:
+            with contextlib.suppress(Exception):
+                await self._retire()
+
+
+class SharedMemoryTransport(_Pipeline):
+    """Engines on the trainer's host: each bucket is packed (cast to the engine dtype while copying: the one copy on
+    this side) into a shared-memory region that every engine worker maps once and hands to vLLM's weight loader as
+    views, with no serialisation. The region is a memfd (nothing left in /dev/shm if the trainer is killed; workers
+    open it as /proc/<pid>/fd/<fd>), kept for every later bucket and sync, replaced only when a bucket outgrows it.
+    It has two slots, so bucket k+1 is packed while the engines load bucket k (the trainer's copy and the engine's
+    run side by side); a slot is reused once the engines answered for the bucket it held."""
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.dtype = dtype
+        self.region: torch.Tensor | None = None  # uint8, mapped on the memfd: two slots of `region.numel() // 2`
+        self.handle: tuple[str, int, str] | None = None  # (path for other processes, bytes, token)
+        self.fd = -1
+        self.slot = 0  # the slot the next bucket is packed into
+
+    async def _region(self, nbytes: int) -> torch.Tensor:
+        if self.region is None or self.region.numel() < 2 * nbytes:
+            await self.drain()  # the engines still map the old region by its path until they loaded from it
+            self.close()
+            self.fd = os.memfd_create("molt_weights")
+            os.ftruncate(self.fd, 2 * nbytes)
+            self.region = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=2 * nbytes, dtype=torch.uint8)
+            self.handle = (f"/proc/{os.getpid()}/fd/{self.fd}", 2 * nbytes, uuid.uuid4().hex)
+        return self.region
+
+    async def push(self, engines: list, bucket: Bucket, call) -> int:
+        await self._admit()  # the slot packed next holds no bucket the engines still read
+        region = await self._region(packed_nbytes(bucket_metas(bucket, self.dtype)))
+        offset = self.slot * (region.numel() // 2)
+        metas, flat = pack_bucket(bucket, self.dtype, out=lambda n: region[offset:offset + n])
+        answers = asyncio.gather(*(call(e.load_weights_shared.remote(self.handle, metas, offset)) for e in engines))
+        self.in_flight.append((flat, None, answers))
+        self.slot ^= 1
+        return flat.numel()
+
+    def close(self) -> None:
+        """Drop this side's mapping; the memory is freed once every engine worker dropped its own (next region)."""
+        self.region = self.handle = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class BroadcastTransport(_Pipeline):
@@ -329,10 +347,12 @@ class WeightSync:
             for bucket in buckets:
                 num_bytes += await self.transport.push(self.engines, bucket, self._call)  # bytes on the wire
                 num_tensors += len(bucket)
-            if hasattr(self.transport, "drain"):  # pipelined GPU transports: the last buckets are still in flight
+            if hasattr(self.transport, "drain"):  # pipelined transports: the last buckets are still in flight
                 await self.transport.drain()
             done = True
         finally:
+            if not done and hasattr(self.transport, "abandon"):
+                await self.transport.abandon()
             try:  # also after a failure: layers left mid-reload would break generation
                 await self._all("finish_weight_update", version if done else None)
             finally:

