@@ -76,11 +76,6 @@ class VLLMEngine:
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
 
-    def import_vllm(self) -> None:
-        """Import vLLM's engine modules (seconds of CPU; `start` would): a caller can start other work after it."""
-        import vllm.engine.arg_utils  # noqa: F401
-        import vllm.v1.engine.async_llm  # noqa: F401
-
     async def start(self) -> int:
         """Build the engine (idempotent); returns the engine index once ready."""
         if self._start_lock is None:

@@ -172,10 +172,6 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
                  return_routed_experts=capture_routing, engine_index=i, extra_engine_args=extra_engine_args(cfg))
 
     engines = [new_engine(i) for i in range(r.num_engines)]
-    # On CPU the first token waits on the engine's chain: vLLM imported in its actor, then again in the engine core it
-    # spawns. The trainer's start (torch + transformers, the model) waits for the first import and runs beside the
-    # second, instead of sharing the few cores with the first.
-    imported = None if on_gpu else asyncio.gather(*(e.import_vllm.remote() for e in engines))
     starting = asyncio.gather(*(e.start.remote() for e in engines))
     starting.add_done_callback(ready("engines"))
 
@@ -230,8 +226,6 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
 
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     actor = ref = critic = None
-    if imported is not None:
-        await deadline(imported, t.timeouts.startup_s, "rollout engine", "start")
     if not scoring:
         actor = await deadline(asyncio.to_thread(group, "actor", policy_cls, routing_replay=r.routing_replay),
                                t.timeouts.startup_s, "actor", "start")
