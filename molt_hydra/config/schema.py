@@ -206,7 +206,7 @@ class RolloutConfig:
     enable_expert_parallel: bool = False
     "vLLM expert parallelism for MoE models."
     executor: ExecutorBackend = ExecutorBackend["auto"]
-    "vLLM distributed executor inside an engine."
+    "vLLM executor inside an engine; auto: uni (the model in vLLM's engine core) for one worker, mp for more."
     dtype: DType = DType["bfloat16"]
     "Engine weights/activations dtype (float32 gives logprobs exact to the trainer's)."
     max_model_len: Optional[int] = ranged(None, ge=1)

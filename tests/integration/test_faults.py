@@ -190,23 +190,37 @@ def test_killed_engine_actor_is_replaced_with_the_current_weights(tmp_path):
     assert "Traceback" not in run.err()
 
 
+def cpu_busy(pid: int, window_s: float = 0.05) -> bool:
+    """`pid` used more than half a core over the next `window_s`."""
+    def cpu_ticks() -> int:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    before = cpu_ticks()
+    time.sleep(window_s)
+    return (cpu_ticks() - before) / os.sysconf("SC_CLK_TCK") > window_s / 2
+
+
 @pytest.mark.slow
 def test_killed_engine_core_mid_generation_is_survived_and_requests_retried(tmp_path):
     """kill -9 of vLLM's engine core (its actor lives on, unhealthy) while the next batch generates (async mode):
     the runners' requests fail, wait for the replacement and are retried; every step finishes, one restart."""
-    # steps enough that the kill lands while batches are still to come (a tiny step takes ~0.3 s)
-    run = Run(tmp_path / "run", "train.max_steps=12")
+    # steps enough that the kill lands while batches are still to come (a tiny step takes ~0.25 s); 32 tokens per
+    # sample, so the engine spends its time generating rather than waiting for the trainer
+    run = Run(tmp_path / "run", "train.max_steps=40", "rollout.max_new_tokens=32")
     run.wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists()
                  and (tmp_path / "run" / "metrics.jsonl").read_text().strip())
     (core,) = run.children("EngineCore")
+    # mid generation: the engine core (which runs the model: the uni executor) busy; idle, it blocks on its queue
+    run.wait_for(lambda: cpu_busy(core), timeout=60)
     os.kill(core, signal.SIGKILL)
     code = run.finish()
     assert code == 0, run.err()[-3000:]
     m = metrics(tmp_path / "run")
-    assert sorted(m) == list(range(1, 13))
-    assert m[12]["train/rollout/engine_restarts"] == 1
-    assert m[12]["train/rollout/router/engine_deaths"] == 1  # one death, seen once by the one runner's router
-    assert m[12]["train/rollout/router/retries"] >= 1
+    assert sorted(m) == list(range(1, 41))
+    assert m[40]["train/rollout/engine_restarts"] == 1
+    assert m[40]["train/rollout/router/engine_deaths"] == 1  # one death, seen once by the one runner's router
+    assert m[40]["train/rollout/router/retries"] >= 1
     assert sum(row["train/rollout/dropped/total"] for row in m.values()) == 0  # nothing lost: every request retried
     assert "Traceback" not in run.err()
 

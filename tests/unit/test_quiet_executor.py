@@ -77,3 +77,26 @@ def test_readers_stop_spinning_and_still_receive_every_message():
     reading.join(60)
     assert received == ["step", 1, {"three": 3}]
 
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], "uni"),  # the default run: one CPU engine of one worker runs the model in its engine core
+    (["rollout.executor=mp"], "mp"),
+    (["rollout.tensor_parallel_size=2"], None),  # two workers: the engine's mp (the quiet executor on CPU)
+    (["cluster.device=cuda"], None),  # vLLM's choice on GPU
+])
+def test_auto_executor_runs_a_one_worker_cpu_engine_in_its_engine_core(overrides, expected):
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    from molt_hydra.config.schema import RunConfig
+    from molt_hydra.runtime.roles import extra_engine_args
+
+    cfg = OmegaConf.to_object(compose_config(overrides))
+    assert isinstance(cfg, RunConfig)
+    assert extra_engine_args(cfg).get("distributed_executor_backend") == expected
