@@ -291,6 +291,7 @@ class WeightSyncWorkerExtension:
 
         return parameter_addresses(self.model_runner.model)
 
+
 def _keep_freed_memory_for_reuse() -> None:
     """glibc serves every allocation above its mmap threshold with fresh pages and returns them on free, so each layer
     the layerwise reload materialises and each oneDNN re-pack page-faults its whole size anew (measured: a clone of the
