@@ -52,6 +52,7 @@ class VLLMEngine:
             raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
         self.engine_index = engine_index
         self.version = 0  # policy version of the weights currently loaded; bumped by `finish_weight_update`
+        self.weights_mixed = False  # a weight update failed part-way: unhealthy, kept paused until replaced
         self.kv_cache_gb = kv_cache_gb
         self._engine_kwargs: dict[str, Any] = dict(
             model=model,
@@ -229,10 +230,14 @@ class VLLMEngine:
     # --- weight sync (called by molt_hydra.rollout.weight_sync on every engine) ---
 
     async def pause(self) -> None:
-        """Freeze in-flight requests in the scheduler (mode keep): they continue after `resume` under new weights."""
-        await self._while_alive(self._engine().pause_generation(mode="keep", clear_cache=False))
+        """Freeze in-flight requests in the scheduler (mode keep): they continue after `resume` under new weights.
+        The engine core's own pause (it returns once the worker is idle): `AsyncLLM.pause_generation` adds a 20 ms
+        sleep for the ordering of outputs, which a weight sync does not need."""
+        await self._while_alive(self._engine().engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
 
     async def resume(self) -> None:
+        if self.weights_mixed:  # stays paused: not one more token from half-updated weights (it is replaced)
+            return
         await self._while_alive(self._engine().resume_generation())
 
     async def worker_call(self, method: str, *args: Any) -> list:
@@ -257,8 +262,9 @@ class VLLMEngine:
         """One bucket packed in the trainer's shared-memory region at `offset` (`weight_sync.SharedMemoryTransport`)."""
         return sum(await self.worker_call("load_shared_bucket", region, metas, offset))
 
-    async def begin_weight_update(self) -> None:
-        await self.worker_call("begin_layerwise_reload")
+    async def begin_weight_update(self) -> list:
+        """Per worker: its parameter region's handle when the trainer may write into it (worker_extension)."""
+        return await self.worker_call("begin_layerwise_reload")
 
     async def finish_weight_update(self, version: int | None) -> None:
         """After the last bucket: finalize the reload, refresh tied heads, drop KV computed by the old weights and
@@ -267,13 +273,16 @@ class VLLMEngine:
         await self._while_alive(self._engine().reset_prefix_cache())
         if version is not None:
             self.version = version
+        else:  # a failed update may have written part of the weights: never generate from them (`healthy`)
+            self.weights_mixed = True
 
     async def get_version(self) -> int:
         return self.version
 
     def healthy(self) -> bool:
-        """False once vLLM's engine core has died (the actor itself outlives it): the driver then replaces it."""
-        return self._llm is not None and not self._llm.errored
+        """False once vLLM's engine core has died (the actor itself outlives it) or a weight update failed part-way:
+        the driver then replaces it."""
+        return self._llm is not None and not self._llm.errored and not self.weights_mixed
 
     def shutdown(self) -> None:
         if self._llm is not None:

@@ -153,7 +153,13 @@ class SharedMemoryTransport(_Pipeline):
     views, with no serialisation. The region is a memfd (nothing left in /dev/shm if the trainer is killed; workers
     open it as /proc/<pid>/fd/<fd>), kept for every later bucket and sync, replaced only when a bucket outgrows it.
     It has two slots, so bucket k+1 is packed while the engines load bucket k (the trainer's copy and the engine's
-    run side by side); a slot is reused once the engines answered for the bucket it held."""
+    run side by side); a slot is reused once the engines answered for the bucket it held.
+
+    Mapped in place (CPU engines with plain weights): such a worker moves its parameters into a shared region of its
+    own on the first sync and records what its loaders copied from each bucket (`copy_plan.MappedCopy`); from the next
+    sync on, when every worker's region is one this transport holds a plan for, the trainer writes each bucket's
+    tensors straight into the engines' parameters (`copy_plan.MappedPlan`: one copy, the engines paused) and no bucket
+    goes to an engine. A tensor the plan does not know goes through the loaders (and is recorded) as before."""
 
     def __init__(self, dtype: torch.dtype | None = None):
         super().__init__()
@@ -162,6 +168,72 @@ class SharedMemoryTransport(_Pipeline):
         self.handle: tuple[str, int, str] | None = None  # (path for other processes, bytes, token)
         self.fd = -1
         self.slot = 0  # the slot the next bucket is packed into
+        self.plans: dict[str, object] = {}  # parameter-region token -> copy_plan.MappedPlan
+        self.recorded: dict[str, list] = {}  # this sync's recordings: token -> [handle, copies or refusal, names]
+        self.mapped: list | None = None  # this sync's plans (one per engine worker), when it writes in place
+        self.written: set[str] = set()  # names written in place this sync (the engines' coverage check gets them)
+
+    def begin(self, answers: list) -> None:
+        """`answers`: per engine, what each worker's `begin_layerwise_reload` returned (its parameter region's handle
+        or None). Picks this sync's path: in place when every worker has a region this transport holds a plan for."""
+        from molt_hydra.rollout.copy_plan import MappedPlan
+
+        handles = [h for per_engine in answers for h in (per_engine or [])]
+        live = {h[2]: h for h in handles if h is not None}
+        self.plans = {token: plan for token, plan in self.plans.items() if token in live}  # unmap gone engines
+        for token, (handle, copies, names) in self.recorded.items():  # the last sync's recordings (it succeeded)
+            if token not in live or isinstance(copies, str):
+                self.plans.pop(token, None)  # a load that was not copies only: this worker keeps its loaders
+                continue
+            if token in self.plans:  # tensors the plan did not know, loaded and recorded then
+                old = self.plans.pop(token)
+                copies, names = old.copies + copies, old.names | names
+            try:
+                self.plans[token] = MappedPlan(handle, copies, names)
+            except ValueError as e:  # overlapping writes: the order of names could matter; keep the loaders
+                logger.info("weight sync: the loaders stay on, %s", e)
+        self.recorded = {}
+        self.written = set()
+        self.mapped = [self.plans[h[2]] for h in handles] if handles and all(
+            h is not None and h[2] in self.plans for h in handles) else None
+
+    async def push(self, engines: list, bucket: Bucket, call) -> int:
+        written = 0
+        if self.mapped is not None:
+            known = [(n, t) for n, t in bucket if all(n in plan.names for plan in self.mapped)]
+            for plan in self.mapped:  # the engines are paused: nothing reads their parameters meanwhile
+                plan.write(known)
+            self.written.update(n for n, _ in known)
+            written = packed_nbytes(bucket_metas(known, self.dtype))
+            bucket = [(n, t) for n, t in bucket if not all(n in plan.names for plan in self.mapped)]
+            if not bucket:
+                return written
+        await self._admit()  # the slot packed next holds no bucket the engines still read
+        region = await self._region(packed_nbytes(bucket_metas(bucket, self.dtype)))
+        offset = self.slot * (region.numel() // 2)
+        metas, flat = pack_bucket(bucket, self.dtype, out=lambda n: region[offset:offset + n])
+        names = {n for n, _ in bucket}
+
+        async def load(engine) -> None:
+            answers = await call(engine.worker_call.remote("load_shared_bucket_recorded", self.handle, metas, offset))
+            for _, handle, copies in answers:
+                if handle is not None:
+                    self._record(handle, copies, names)
+
+        self.in_flight.append((flat, None, asyncio.gather(*(load(e) for e in engines))))
+        self.slot ^= 1
+        return written + flat.numel()
+
+    def _record(self, handle: tuple, copies: list | str, names: set[str]) -> None:
+        """One worker's recording of one bucket (`copies`: a reason instead when its loaders did more than copy)."""
+        entry = self.recorded.setdefault(handle[2], [handle, [], set()])
+        if not isinstance(entry[1], str):  # a refusal stands for the whole sync
+            entry[1] = copies if isinstance(copies, str) else entry[1] + copies
+        entry[2] |= names
+
+    async def abandon(self) -> None:
+        await super().abandon()
+        self.recorded = {}  # a failed sync's recordings may be partial
 
     async def _region(self, nbytes: int) -> torch.Tensor:
         if self.region is None or self.region.numel() < 2 * nbytes:
@@ -172,16 +244,6 @@ class SharedMemoryTransport(_Pipeline):
             self.region = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=2 * nbytes, dtype=torch.uint8)
             self.handle = (f"/proc/{os.getpid()}/fd/{self.fd}", 2 * nbytes, uuid.uuid4().hex)
         return self.region
-
-    async def push(self, engines: list, bucket: Bucket, call) -> int:
-        await self._admit()  # the slot packed next holds no bucket the engines still read
-        region = await self._region(packed_nbytes(bucket_metas(bucket, self.dtype)))
-        offset = self.slot * (region.numel() // 2)
-        metas, flat = pack_bucket(bucket, self.dtype, out=lambda n: region[offset:offset + n])
-        answers = asyncio.gather(*(call(e.load_weights_shared.remote(self.handle, metas, offset)) for e in engines))
-        self.in_flight.append((flat, None, answers))
-        self.slot ^= 1
-        return flat.numel()
 
     def close(self) -> None:
         """Drop this side's mapping; the memory is freed once every engine worker dropped its own (next region)."""
@@ -343,7 +405,9 @@ class WeightSync:
         await self._all("pause")
         done = False
         try:
-            await self._all("begin_weight_update")
+            begun = await self._all("begin_weight_update")
+            if hasattr(self.transport, "begin"):  # shm: whether this sync writes into the engines' parameters
+                self.transport.begin(begun)
             for bucket in buckets:
                 num_bytes += await self.transport.push(self.engines, bucket, self._call)  # bytes on the wire
                 num_tensors += len(bucket)
@@ -358,7 +422,8 @@ class WeightSync:
             finally:
                 await self._all("resume")
         self.version = version
-        missing = await self._all("worker_call", "missing_weights") if self.check_coverage else []
+        written = sorted(getattr(self.transport, "written", ()))  # loaded by a trainer that wrote them in place
+        missing = await self._all("worker_call", "missing_weights", written) if self.check_coverage else []
         missing_names = sorted({name for per_engine in missing for per_worker in per_engine for name in per_worker})
         if missing_names:
             raise WeightCoverageError(missing_names)

@@ -19,10 +19,13 @@ from molt_hydra.rollout.buckets import Bucket, packed_nbytes, unpack_bucket
 class WeightSyncWorkerExtension:
     _loaded_names: set[str]
 
-    def begin_layerwise_reload(self) -> None:
+    def begin_layerwise_reload(self) -> tuple | None:
+        """Returns the handle of this worker's parameter region when its parameters live in one (`map_parameters`):
+        the trainer then writes the update into it straight, with the copy plan it got for that handle."""
         if not getattr(self, "_plain_cpu_weights", False):  # plain weights load in place: no reload state
             self._vllm_begin_reload()
         self._loaded_names = set()
+        return getattr(self, "_parameter_map", (None, None))[0]
 
     def _vllm_begin_reload(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -80,6 +83,60 @@ class WeightSyncWorkerExtension:
         n = self._load(unpack_bucket(metas, flat))
         self._own_pending_views(flat)
         return n
+
+    def load_shared_bucket_recorded(self, region: tuple, metas: list, offset: int = 0) -> tuple:
+        """`load_shared_bucket` that also records what the loaders did, for a trainer that writes later updates into
+        this worker's parameters itself (`weight_sync.SharedMemoryTransport`). On a CPU engine with plain weights the
+        parameters are first moved into a shared region of their own (`map_parameters`, once); the loaders then run
+        under `copy_plan.record_copy_plan`. Returns (tensors loaded, the parameter region's handle or None, this
+        bucket's copies as `copy_plan.MappedCopy`s, or why there are none)."""
+        from molt_hydra.rollout.copy_plan import mapped_copies, record_copy_plan
+
+        handle = self.map_parameters()
+        if handle is None:
+            return self.load_shared_bucket(region, metas, offset), None, "the parameters are not in a shared region"
+        path, size, token = region
+        if getattr(self, "_shared_region", (None, None))[0] != token:
+            self._shared_region = (token, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+        flat = self._shared_region[1][offset:offset + packed_nbytes(metas)]
+        bucket = unpack_bucket(metas, flat)
+        plan = record_copy_plan(lambda: self._load(bucket), bucket, [self._parameter_map[1]], (), allow_empty=True,
+                                allow_fills=True)
+        copies = plan if isinstance(plan, str) else mapped_copies(plan, metas, flat, self._parameter_map[1])
+        return len(bucket), handle, copies
+
+    def map_parameters(self) -> tuple | None:
+        """Move this CPU engine's parameters (plain weights only: packed ones are rebuilt by every load) into one
+        shared memfd region, views of which replace their storages (tied parameters stay tied: a storage moves once);
+        returns (path for other processes, bytes, token), None where they cannot move. Done once, on the first sync
+        that asks: from then on the trainer can write an update straight into them (one copy, on its side)."""
+        import os
+        import uuid
+
+        if getattr(self, "_parameter_map", None) is not None:
+            return self._parameter_map[0]
+        if self.device.type != "cpu" or not getattr(self, "_plain_cpu_weights", False):
+            return None
+        params = list(self.model_runner.get_model().parameters())
+        storages: dict[int, tuple[torch.UntypedStorage, int]] = {}  # storage address -> (storage, region offset)
+        size = 0
+        for p in params:
+            storage = p.untyped_storage()
+            if storage.data_ptr() not in storages:
+                storages[storage.data_ptr()] = (storage, size)
+                size += -(-storage.nbytes() // 64) * 64  # every storage cache-line aligned
+        fd = os.memfd_create("molt_engine_parameters")
+        os.ftruncate(fd, max(size, 1))
+        region = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=max(size, 1), dtype=torch.uint8)
+        with torch.no_grad():
+            for storage, at in storages.values():
+                region[at:at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            for p in params:  # each parameter object keeps its identity (and vLLM's attributes on it)
+                at = storages[p.untyped_storage().data_ptr()][1]
+                p.data = torch.empty(0, dtype=p.dtype).set_(region.untyped_storage(), at // p.element_size()
+                                                            + p.storage_offset(), p.shape, p.stride())
+        self._parameter_map = ((f"/proc/{os.getpid()}/fd/{fd}", max(size, 1), uuid.uuid4().hex), region, fd)
+        return self._parameter_map[0]
 
     @staticmethod
     def _own_pending_views(flat: torch.Tensor) -> None:
@@ -159,19 +216,23 @@ class WeightSyncWorkerExtension:
                 refreshed += 1
         return refreshed
 
-    def missing_weights(self) -> list[str]:
-        """Checkpoint tensor names (the engine's own model dir) not pushed since `begin_layerwise_reload`."""
+    def missing_weights(self, written: list[str] = ()) -> list[str]:
+        """Checkpoint tensor names (the engine's own model dir) not pushed since `begin_layerwise_reload`; `written`:
+        names the trainer wrote into the parameters itself (mapped in place), loaded as well. The checkpoint's names
+        are read once (its headers), not on every sync."""
         import glob
         import os
 
         from safetensors import safe_open
 
-        expected: set[str] = set()
-        for f in glob.glob(os.path.join(self.model_config.model, "*.safetensors")):
+        self._loaded_names = getattr(self, "_loaded_names", set()) | set(written)
+        expected: set[str] = getattr(self, "_checkpoint_names", set())
+        for f in [] if expected else glob.glob(os.path.join(self.model_config.model, "*.safetensors")):
             with safe_open(f, framework="pt") as st:
                 expected.update(st.keys())
         if not expected:
             raise RuntimeError(f"no safetensors files in {self.model_config.model}: cannot check weight coverage")
+        self._checkpoint_names = expected
         hf = self.model_config.hf_config
         return uncovered_checkpoint_names(expected, getattr(self, "_loaded_names", set()),
                                           [*(hf.architectures or []), hf.model_type])

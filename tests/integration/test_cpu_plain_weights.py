@@ -84,3 +84,51 @@ def test_synced_engine_generates_exactly_what_a_fresh_engine_from_the_new_weight
     with pytest.raises(WeightCoverageError) as err:
         asyncio.run(sync.sync(bucket_weights([(n, t) for n, t in pushed.items() if n != left_out], 48 << 10)))
     assert err.value.missing == [left_out]
+
+
+def base_weights(dirs):
+    from transformers import AutoModelForCausalLM
+
+    base, _, pushed, _ = dirs
+    state = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
+    return {n: state[n].detach().clone() for n in pushed}
+
+
+def test_after_one_recorded_sync_the_trainer_writes_into_the_engines_parameters_and_it_generates_exactly(engines,
+                                                                                                        dirs):
+    """Mapped in place: the first sync of a transport goes through the engine's loaders, recording their copies
+    into the engine's parameters (which live in a shared region); later syncs are the trainer's copies into that
+    region, nothing sent to the engine but pause/resume, and the engine generates exactly what a fresh engine started
+    from the pushed weights does, in both directions."""
+    synced, fresh = engines
+    _, _, pushed, _ = dirs
+    base = base_weights(dirs)
+    transport = SharedMemoryTransport()
+    sync = WeightSync([synced], transport, check_coverage=True)
+    asyncio.run(sync.sync(bucket_weights(base.items(), 48 << 10)))
+    assert transport.mapped is None and transport.plans == {}  # the loaders ran (and recorded)
+    before = generate(synced)
+
+    asyncio.run(sync.sync(bucket_weights(pushed.items(), 48 << 10)))
+    assert transport.mapped is not None and transport.written == set(pushed)  # written in place, every tensor
+    assert generate(synced) == generate(fresh) != before
+    asyncio.run(sync.sync(bucket_weights(base.items(), 48 << 10)))
+    assert generate(synced) == before
+
+
+def test_a_sync_that_fails_part_way_leaves_the_engine_unhealthy_and_paused(engines, dirs):
+    """Part of the weights written, then the trainer fails: the engine must not serve from mixed weights. It reports
+    itself unhealthy (the driver replaces it) and is not resumed. Last in this module: the engine is done after it."""
+    synced = engines[0]
+    _, _, pushed, _ = dirs
+    buckets = list(bucket_weights(pushed.items(), 48 << 10))
+    assert ray.get(synced.healthy.remote(), timeout=30) is True
+
+    def trainer_dies_mid_sync():
+        yield from buckets[:2]
+        raise RuntimeError("trainer died mid-sync")
+
+    with pytest.raises(RuntimeError, match="mid-sync"):
+        asyncio.run(WeightSync([synced], SharedMemoryTransport()).sync(trainer_dies_mid_sync()))
+    assert ray.get(synced.healthy.remote(), timeout=30) is False
+    assert ray.get(synced.resume.remote(), timeout=30) is None and ray.get(synced.healthy.remote(), timeout=30) is False

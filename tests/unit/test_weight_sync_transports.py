@@ -108,7 +108,7 @@ class FakeEngine:
             if name == "load_weights_shared":  # what VLLMEngine.load_weights_shared asks of its workers
                 return await run(self.worker_thread, self.worker.load_shared_bucket, *args)
             if name == "begin_weight_update":
-                self.worker.begin_layerwise_reload()
+                return [self.worker.begin_layerwise_reload()]
             if name == "finish_weight_update":
                 self.worker.finish_layerwise_reload()
                 self.version = args[0]
@@ -266,14 +266,13 @@ def test_shm_packs_the_next_bucket_into_the_other_slot_while_the_engines_load_on
         answered = [asyncio.Event() for _ in range(3)]
         calls = []
 
-        async def load(handle, metas, offset):
+        async def load(method, handle, metas, offset):
+            assert method == "load_shared_bucket_recorded"
             calls.append(offset)
-            region = transport.region
-            seen = region[offset:offset + 16].view(torch.float32).clone()
             await answered[len(calls) - 1].wait()
-            return seen
+            return [(1, None, "not mapped")]  # one worker, its parameters not in a region of their own
 
-        engine = types.SimpleNamespace(load_weights_shared=types.SimpleNamespace(remote=load))
+        engine = types.SimpleNamespace(worker_call=types.SimpleNamespace(remote=load))
         transport = SharedMemoryTransport(torch.float32)
         buckets = [[("w", torch.full((4,), float(i)))] for i in range(3)]
         await transport.push([engine], buckets[0], lambda ref: ref)
@@ -301,10 +300,10 @@ def test_a_failed_pipelined_sync_leaves_nothing_in_flight_for_the_next_one():
     class Dying(FakeWorker):
         dead = True
 
-        def load_shared_bucket(self, *args):
+        def load_shared_bucket_recorded(self, *args):
             if self.dead:
                 raise RuntimeError("engine died")
-            return super().load_shared_bucket(*args)
+            return super().load_shared_bucket_recorded(*args)
 
     log, worker = [], Dying()
     engine = FakeEngine(worker, log)
@@ -448,3 +447,112 @@ def test_single_pass_applies_only_to_cuda_ipc_from_one_rank_holding_whole_own_te
             self.lm_head.weight = self.embed.weight
 
     assert [n for n, _ in local_full_weights(Tied())] == ["embed.weight"]  # the engine re-ties its lm_head
+
+
+# --- CPU, mapped in place: the worker's parameters live in a shared region the trainer writes into ---
+
+class PlainCpuWorker(WeightSyncWorkerExtension):
+    """A CPU worker with plain weights: bf16 parameters in vLLM's fused layout (q/k/v rows of one qkv), a tied head
+    (its own Parameter on the embedding's storage) and vLLM-style loaders (narrow, then copy_ casting fp32 -> bf16)."""
+
+    device = torch.device("cpu")
+    rank = 0
+    _plain_cpu_weights = True
+    ROWS = {"q.weight": (0, 4), "k.weight": (4, 2), "v.weight": (6, 2)}
+
+    def __init__(self):
+        model = nn.Module()
+        model.qkv = nn.Parameter(torch.zeros(8, 8, dtype=torch.bfloat16), requires_grad=False)
+        model.embed = nn.Parameter(torch.zeros(5, 8, dtype=torch.bfloat16), requires_grad=False)
+        model.head = nn.Parameter(model.embed.data, requires_grad=False)  # tied: a second Parameter, one storage
+        model.bias = nn.Parameter(torch.zeros(8, dtype=torch.bfloat16), requires_grad=False)
+        self.model = model
+        self.model_runner = types.SimpleNamespace(get_model=lambda: model)
+        self.loader_calls = 0
+
+    def _load_into_model(self, bucket):
+        self.loader_calls += 1
+        with torch.no_grad():
+            for name, t in bucket:
+                if name in self.ROWS:
+                    self.model.qkv.narrow(0, *self.ROWS[name]).copy_(t)
+                elif name == "head.weight":
+                    pass  # tied: the engine's loader skips it
+                else:
+                    getattr(self.model, name.removesuffix(".weight")).copy_(t)
+
+    def finish_layerwise_reload(self):
+        pass
+
+    def expected(self, weights):
+        w = dict(weights)
+        return {"qkv": torch.cat([w["q.weight"], w["k.weight"], w["v.weight"]]).to(torch.bfloat16),
+                "embed": w["embed.weight"].to(torch.bfloat16)}
+
+
+def plain_weights(seed, with_bias=False):
+    g = torch.Generator().manual_seed(seed)
+    names = [("q.weight", (4, 8)), ("k.weight", (2, 8)), ("v.weight", (2, 8)), ("embed.weight", (5, 8)),
+             ("head.weight", (5, 8))] + ([("bias.weight", (8,))] if with_bias else [])
+    return [(n, torch.randn(shape, generator=g)) for n, shape in names]
+
+
+def test_shm_writes_into_a_plain_cpu_engines_parameters_in_place_after_one_recorded_sync():
+    """Sync 1 goes through the engine's loaders (which move its parameters into a shared region of their own and
+    record their copies); from sync 2 on the trainer writes every bucket into those parameters itself: no bucket goes
+    to the engine, the result is bit-equal to the loaders' (fp32 -> bf16 casts included), the tied head stays tied.
+    A tensor the recording never saw goes through the loaders once and is written in place after that."""
+    log, worker = [], PlainCpuWorker()
+    engine, transport = FakeEngine(worker, log), SharedMemoryTransport(torch.bfloat16)
+    sync = WeightSync([engine], transport, timeout_s=60)
+    one_per_bucket = 1  # fused qkv split across buckets
+
+    first = plain_weights(0)
+    asyncio.run(sync.sync(bucket_weights(first, one_per_bucket)))
+    assert transport.mapped is None and log.count("load_shared_bucket_recorded") == 5
+    for name, want in worker.expected(first).items():
+        assert torch.equal(getattr(worker.model, name), want)
+    handle = worker.begin_layerwise_reload()
+    assert handle is not None and worker.model.head.data_ptr() == worker.model.embed.data_ptr()
+    region = torch.from_file(handle[0], shared=True, size=handle[1], dtype=torch.uint8)
+    assert region.untyped_storage().nbytes() == handle[1]  # the parameters' storage is that memfd region
+    assert worker.model.qkv.untyped_storage().data_ptr() == worker._parameter_map[1].untyped_storage().data_ptr()
+
+    log.clear()
+    second = plain_weights(1)
+    report = asyncio.run(sync.sync(bucket_weights(second, one_per_bucket)))
+    assert transport.mapped is not None and "load_shared_bucket_recorded" not in log and worker.loader_calls == 5
+    assert transport.written == {n for n, _ in second} and report.num_tensors == 5
+    for name, want in worker.expected(second).items():
+        assert torch.equal(getattr(worker.model, name), want)
+    assert torch.equal(worker.model.head, worker.expected(second)["embed"])  # tied: the same storage, written once
+
+    log.clear()
+    third = plain_weights(2, with_bias=True)  # a tensor the plan does not know: the loaders, once
+    asyncio.run(sync.sync(bucket_weights(third, one_per_bucket)))
+    assert log.count("load_shared_bucket_recorded") == 1 and worker.loader_calls == 6
+    assert torch.equal(worker.model.bias, third[-1][1].to(torch.bfloat16))
+    log.clear()
+    fourth = plain_weights(3, with_bias=True)
+    asyncio.run(sync.sync(bucket_weights(fourth, one_per_bucket)))
+    assert "load_shared_bucket_recorded" not in log and worker.loader_calls == 6
+    assert torch.equal(worker.model.bias, fourth[-1][1].to(torch.bfloat16))
+    assert torch.equal(worker.model.qkv, worker.expected(fourth)["qkv"])
+
+
+def test_a_worker_whose_loaders_compute_keeps_the_loaders_on_every_sync():
+    """A recording that saw more than copies (here a loader that scales into a temporary) gives no plan: every sync
+    keeps going through the loaders, and each still lands."""
+    class Scaling(PlainCpuWorker):
+        def _load_into_model(self, bucket):
+            super()._load_into_model([(n, t * 1) for n, t in bucket])
+
+    log, worker = [], Scaling()
+    transport = SharedMemoryTransport(torch.bfloat16)
+    sync = WeightSync([FakeEngine(worker, log)], transport, timeout_s=60)
+    for seed in range(3):
+        weights = plain_weights(seed)
+        asyncio.run(sync.sync(bucket_weights(weights, 1)))
+        assert transport.mapped is None and not transport.plans
+        assert torch.equal(worker.model.qkv, worker.expected(weights)["qkv"])
+    assert worker.loader_calls == 15
