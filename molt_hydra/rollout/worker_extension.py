@@ -119,7 +119,8 @@ class WeightSyncWorkerExtension:
             return self._parameter_map[0]
         if self.device.type != "cpu" or not getattr(self, "_plain_cpu_weights", False):
             return None
-        params = list(self.model_runner.get_model().parameters())
+        model = self.model_runner.get_model()
+        params = list(model.parameters())
         storages: dict[int, tuple[torch.UntypedStorage, int]] = {}  # storage address -> (storage, region offset)
         size = 0
         for p in params:
@@ -127,6 +128,13 @@ class WeightSyncWorkerExtension:
             if storage.data_ptr() not in storages:
                 storages[storage.data_ptr()] = (storage, size)
                 size += -(-storage.nbytes() // 64) * 64  # every storage cache-line aligned
+        ids = {id(p) for p in params}
+        for module in model.modules():  # a tensor kept beside the parameters on their memory would go on reading it
+            for value in [*vars(module).values(), *module._buffers.values()]:
+                if (isinstance(value, torch.Tensor) and id(value) not in ids
+                        and value.untyped_storage().data_ptr() in storages):
+                    self._parameter_map = (None, None, -1)  # the loaders write in place, as before
+                    return None
         fd = os.memfd_create("molt_engine_parameters")
         os.ftruncate(fd, max(size, 1))
         region = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=max(size, 1), dtype=torch.uint8)

@@ -556,3 +556,23 @@ def test_a_worker_whose_loaders_compute_keeps_the_loaders_on_every_sync():
         assert transport.mapped is None and not transport.plans
         assert torch.equal(worker.model.qkv, worker.expected(weights)["qkv"])
     assert worker.loader_calls == 15
+
+
+def test_a_tensor_kept_on_a_parameters_memory_keeps_the_parameters_where_they_are():
+    """A module attribute aliasing a parameter's memory (a cache a layer built from its weight) would go on reading
+    the old memory if the parameter moved into the shared region: such a worker is not mapped, its loaders write in
+    place on every sync, and the alias sees each update."""
+    class Caching(PlainCpuWorker):
+        def __init__(self):
+            super().__init__()
+            self.model.cached = self.model.qkv.data[:4]  # e.g. a view a layer keeps for its kernel
+
+    log, worker = [], Caching()
+    transport = SharedMemoryTransport(torch.bfloat16)
+    sync = WeightSync([FakeEngine(worker, log)], transport, timeout_s=60)
+    for seed in range(3):
+        weights = plain_weights(seed)
+        asyncio.run(sync.sync(bucket_weights(weights, 1)))
+        assert transport.mapped is None and worker.begin_layerwise_reload() is None
+        assert torch.equal(worker.model.cached, worker.expected(weights)["qkv"][:4])
+    assert worker.loader_calls == 15
