@@ -65,6 +65,7 @@ class SyncReport:
     num_bytes: int
     seconds: float
     single_pass: bool = False  # the engines loaded straight from the trainer's parameters (SharedParamsTransport)
+    in_place: bool = False  # the trainer wrote into the engines' parameters (SharedMemoryTransport, mapped)
 
 
 def _nbytes(bucket: Bucket) -> int:
@@ -430,7 +431,8 @@ class WeightSync:
         if missing_names:
             raise WeightCoverageError(missing_names)
         return SyncReport(version, num_tensors, num_bytes, time.perf_counter() - start,
-                          isinstance(self.transport, SharedParamsTransport))
+                          isinstance(self.transport, SharedParamsTransport),
+                          getattr(self.transport, "mapped", None) is not None)
 
 
 def _rendezvous_address(_worker) -> tuple[str, int]:
@@ -486,7 +488,8 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
                    timeout_s: float, dtype: str) -> dict:
     """One sync, run on every trainer rank (`worker`: a TrainerWorker): all ranks drive the gathers (FSDP
     collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. Metrics from rank 0; their
-    `weight_sync/single_pass` says which CUDA IPC path ran (1: straight from the rank's own parameters)."""
+    `weight_sync/single_pass` says which CUDA IPC path ran (1: straight from the rank's own parameters), and
+    `weight_sync/in_place` whether shm wrote into the engines' parameters (1) or went through their loaders."""
     wire = getattr(torch, dtype)
     carrier = single_pass_transport(worker, transport, wire)
     if carrier is not None:  # one rank holds every weight whole: the engines load from it, mapped once per token
@@ -509,4 +512,5 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
     sync = WeightSync(engines, carrier, check_coverage=check_coverage, timeout_s=timeout_s, version=version - 1)
     report = asyncio.run(sync.sync(buckets, version))
     return {"weight_sync/bytes": float(report.num_bytes), "weight_sync/tensors": float(report.num_tensors),
-            "weight_sync/seconds": report.seconds, "weight_sync/single_pass": float(report.single_pass)}
+            "weight_sync/seconds": report.seconds, "weight_sync/single_pass": float(report.single_pass),
+            "weight_sync/in_place": float(report.in_place)}

@@ -508,7 +508,7 @@ def test_shm_writes_into_a_plain_cpu_engines_parameters_in_place_after_one_recor
     one_per_bucket = 1  # fused qkv split across buckets
 
     first = plain_weights(0)
-    asyncio.run(sync.sync(bucket_weights(first, one_per_bucket)))
+    assert not asyncio.run(sync.sync(bucket_weights(first, one_per_bucket))).in_place
     assert transport.mapped is None and log.count("load_shared_bucket_recorded") == 5
     for name, want in worker.expected(first).items():
         assert torch.equal(getattr(worker.model, name), want)
@@ -522,7 +522,7 @@ def test_shm_writes_into_a_plain_cpu_engines_parameters_in_place_after_one_recor
     second = plain_weights(1)
     report = asyncio.run(sync.sync(bucket_weights(second, one_per_bucket)))
     assert transport.mapped is not None and "load_shared_bucket_recorded" not in log and worker.loader_calls == 5
-    assert transport.written == {n for n, _ in second} and report.num_tensors == 5
+    assert transport.written == {n for n, _ in second} and report.num_tensors == 5 and report.in_place
     for name, want in worker.expected(second).items():
         assert torch.equal(getattr(worker.model, name), want)
     assert torch.equal(worker.model.head, worker.expected(second)["embed"])  # tied: the same storage, written once
