@@ -186,7 +186,7 @@ class SharedMemoryTransport(_Pipeline):
             if token not in live or isinstance(copies, str):
                 self.plans.pop(token, None)  # a load that was not copies only: this worker keeps its loaders
                 continue
-            if token in self.plans:  # tensors the plan did not know, loaded and recorded then
+            if token in self.plans and self.mapped is not None:  # an in-place sync's loads: names new to the plan
                 old = self.plans.pop(token)
                 copies, names = old.copies + copies, old.names | names
             try:

@@ -539,6 +539,17 @@ def test_shm_writes_into_a_plain_cpu_engines_parameters_in_place_after_one_recor
     assert torch.equal(worker.model.bias, fourth[-1][1].to(torch.bfloat16))
     assert torch.equal(worker.model.qkv, worker.expected(fourth)["qkv"])
 
+    # a sync through the loaders while the plan exists (another engine was not mapped yet: a replacement) records
+    # the whole load again: it replaces the plan (no copy twice), and the next sync is in place again
+    transport.mapped = None
+    transport.begin = lambda answers, begin=transport.begin: begin([[None], *answers])
+    asyncio.run(sync.sync(bucket_weights(plain_weights(4, with_bias=True), one_per_bucket)))
+    assert log.count("load_shared_bucket_recorded") == 6 and worker.loader_calls == 12
+    del transport.begin
+    fifth = plain_weights(5, with_bias=True)
+    assert asyncio.run(sync.sync(bucket_weights(fifth, one_per_bucket))).in_place and worker.loader_calls == 12
+    assert torch.equal(worker.model.qkv, worker.expected(fifth)["qkv"])
+
 
 def test_a_worker_whose_loaders_compute_keeps_the_loaders_on_every_sync():
     """A recording that saw more than copies (here a loader that scales into a temporary) gives no plan: every sync
