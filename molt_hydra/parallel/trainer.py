@@ -45,12 +45,12 @@ class FusedLogprobHead:
 
     def __init__(self, head: torch.nn.Linear):
         self.weight_of = lambda: head.weight  # the gathered (unsharded) weight while the root unit is forward
-        self.call = None  # (targets, temperature, chunk size, with entropy) of the next model call
+        self.call = None  # (targets, temperature, chunk size, with entropy, needed tokens) of the next model call
         head.forward = self
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        targets, temperature, chunk, with_entropy = self.call
-        lp, ent = linear_logprobs_entropy(hidden, self.weight_of(), targets, temperature, chunk, with_entropy)
+        targets, temperature, chunk, with_entropy, needed = self.call
+        lp, ent = linear_logprobs_entropy(hidden, self.weight_of(), targets, temperature, chunk, with_entropy, needed)
         return torch.stack([lp, ent], -1) if with_entropy else lp[..., None]
 
 
@@ -210,7 +210,9 @@ class TrainerWorker:
             layer.register_forward_hook(after_forward)
 
     # ---------------------------------------------------------------- forward
-    def _forward(self, mb: dict, need_entropy: bool):
+    def _forward(self, mb: dict, need_entropy: bool, needed: torch.Tensor | None = None):
+        """Token-aligned log-probs (critic: values), entropy or None, MoE aux loss or None. `needed` (a mask): the
+        fused head computes only those tokens and gives 0 elsewhere; the logits path computes every token."""
         ids, pos = mb["input_ids"], mb["position_ids"]
         first = pos == 0  # token 0 of every packed sample has no prediction (and never a mask)
         if self.role == "critic":
@@ -221,7 +223,8 @@ class TrainerWorker:
         mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS if k in mb}
         # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
         if self.head is not None:  # the lm_head returns [B, T, 1 or 2]: log p (and entropy)
-            self.head.call = (ids, self.temperature, self.chunk, need_entropy)
+            self.head.call = (ids, self.temperature, self.chunk, need_entropy,
+                              None if needed is None else needed.bool())
         balancing = self.moe and self.aux_loss_coef > 0
         with moe_routing.load_balancing(self.model) if balancing else contextlib.nullcontext() as balance:
             res = self.model(input_ids=ids, position_ids=None if mm else pos, **mm)
@@ -277,8 +280,9 @@ class TrainerWorker:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[dict], with_entropy: bool = False) -> list:
-        """Per-sample token-aligned log-probs at the temperature (critic: values), fp32 on CPU; collective over DP."""
+    def compute_logprobs(self, samples: list[dict], with_entropy: bool = False, mask_key: str | None = None) -> list:
+        """Per-sample token-aligned log-probs at the temperature (critic: values), fp32 on CPU; collective over DP.
+        `mask_key`: only the tokens where the samples' mask of that name is set are needed (0 elsewhere)."""
         if not samples:
             raise ValueError("compute_logprobs got no samples on this rank")
         out: list = [None] * len(samples)
@@ -289,10 +293,10 @@ class TrainerWorker:
         for part in self._micro_batches(samples):
             self._use_cpu_threads()
             idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
-            keys = ("input_ids", "routed_experts", *vlm.MULTIMODAL_KEYS)
+            keys = ("input_ids", "routed_experts", *vlm.MULTIMODAL_KEYS, *((mask_key,) if mask_key else ()))
             mb = self._batch([{k: samples[i][k] for k in keys if k in samples[i]} for i in idx])
             with self._replay(mb, self._routing_stats if part else None):
-                val, ent, _ = self._forward(mb, with_entropy)
+                val, ent, _ = self._forward(mb, with_entropy, mb[mask_key] if mask_key else None)
             if not part:
                 continue
             lens = [len(samples[i]["input_ids"]) for i in part]
@@ -310,7 +314,8 @@ class TrainerWorker:
 
     # ---------------------------------------------------------------- training
     def _micro_loss(self, mb, rows, loss_fn, n_tok, n_seq, n_parts):
-        out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef))
+        # every objective reads log-probs and entropy on its mask only (parallel/objectives.py)
+        out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef), mb[loss_fn.mask_key])
         if self.packing:
             # losses see one right-padded row per sample, so per-sequence aggregation modes stay exact
             lengths = [len(r["input_ids"]) for r in rows]
@@ -327,8 +332,9 @@ class TrainerWorker:
         """Forward/backward over this rank's samples in `num_optimizer_steps` windows; one optimizer step per window.
         Collective: every DP rank calls it with its own shard. Returns DP-reduced metrics (same on every rank).
         `return_logprobs` (one window only): this rank's per-sample log-probs from the training forward, i.e. at the
-        parameters before the step, under "logprobs" (what compute_logprobs would give; MoE routing statistics are
-        counted in this forward), so one forward serves as the old-logprob pass and the loss's."""
+        parameters before the step, under "logprobs" (what compute_logprobs with the loss's mask_key would give, 0 off
+        the mask; MoE routing statistics are counted in this forward), so one forward serves as the old-logprob pass
+        and the loss's."""
         loss_fn = loss_fn or SFTObjective()
         mask_key = loss_fn.mask_key
         if self.optimizer is None:
