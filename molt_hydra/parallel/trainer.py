@@ -33,7 +33,7 @@ from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, p
                                           unpack)
 from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
-from molt_hydra.parallel.fsdp import shard_model
+from molt_hydra.parallel.fsdp import DTYPES, shard_model
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
 from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
@@ -134,9 +134,12 @@ class TrainerWorker:
             self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
             if freeze_visual_encoder:
                 vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
-            if self.master_weights and world_size == 1 and not offload and not vlm.is_vlm(model.config):
-                # one rank, params already in the compute dtype: FSDP2 would only copy them into a second bf16 buffer
-                # (its one-rank all-gather) and the grads through a reduce buffer, every step (VLMs keep its input cast)
+            compute_dtype = DTYPES.get(param_dtype)
+            stored_as_computed = self.master_weights or all(p.dtype == compute_dtype for p in model.parameters())
+            if stored_as_computed and world_size == 1 and not offload and not vlm.is_vlm(model.config):
+                # one rank, params already in the compute dtype: FSDP2 would only copy them into a second buffer (its
+                # one-rank all-gather) and the grads through a reduce buffer, every micro-batch (a SmolLM2 step on CPU:
+                # ~0.3 s each); VLMs keep its input cast
                 for layer in decoder_layers(model) if compile_blocks else ():
                     layer.compile()
                 self.model = model.to(self.device)
@@ -156,7 +159,7 @@ class TrainerWorker:
                 self.head = FusedLogprobHead(head)
         masters = None
         if self.master_weights:  # before the first forward, where FSDP2 reads the params' dtypes
-            from molt_hydra.parallel.fsdp import DTYPES, to_compute_dtype
+            from molt_hydra.parallel.fsdp import to_compute_dtype
             value_head = getattr(self.model, "value_head", None)
             keep = (value_head,) if value_head is not None else ()
             masters = to_compute_dtype(self.model, DTYPES[param_dtype], keep=keep)

@@ -37,7 +37,7 @@ def two_steps():
 
         def keep_grads(optimizer, args, kwargs, w=w, grads=grads):  # the clipped gradients about to be applied
             for name, p in w.model.named_parameters():
-                grads[name] = p.grad.full_tensor().clone()
+                grads[name] = (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
 
         w.optimizer.register_step_pre_hook(keep_grads)
         loss = ActorObjective(PolicyLoss("ppo", entropy_coef=0.01), old_from_forward=True)
