@@ -114,7 +114,8 @@ def shared_prompt_rows(samples: list[dict], mask_key: str) -> dict:
     (its response), with an attention mask that lets a response see the prompt and itself only, and position ids
     that continue the prompt's in every response. A response token's hidden state is then exactly the one of its
     own sample's row (causal attention over the same tokens at the same positions), while the prompt, often most
-    of an RL sample, is computed once per group. Rows right-padded; padding sees the prompt and the padding.
+    of an RL sample, is computed once per group. Rows right-padded; padding sees the prompt and the padding. The mask
+    is [T x T] per row and sdpa runs it with a masked kernel: meant for short rows (small models, CPU).
 
     Returns the model inputs `input_ids`, `position_ids` [R, T], `attention_mask` [R, 1, T, T] bool (True = may
     attend), and `sources` [S, L]: for token t of sample s (L = the longest sample), the flat index into the rows'
