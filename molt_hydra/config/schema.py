@@ -172,6 +172,8 @@ class ParallelismConfig:
     "none; optimizer (AdamW step and moments on CPU); full (FSDP2 CPUOffloadPolicy for params and optimizer)."
     packing: bool = False
     "Run each micro-batch as one packed stream instead of right-padded rows (needs a varlen attention kernel)."
+    share_prompts: bool = False
+    "A micro-batch row holds a prompt group: its prompt once, then each response (4D mask); dense HF, sdpa, no packing."
     colocate: bool = False
     "Rollout engines and trainer share devices; the engine sleeps while the trainer steps."
     colocate_models: bool = False

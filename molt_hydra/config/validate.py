@@ -327,6 +327,16 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not p.packing or cfg.model.attn_implementation.value in PACKING_ATTN, "parallelism.packing",
                    f"packed sequences need a varlen attention kernel, got {cfg.model.attn_implementation.value}.",
                    f"set model.attn_implementation to one of {list(PACKING_ATTN)} or parallelism.packing=false")
+    for bad, reason, fix in [
+            (p.packing, "packed streams have no per-prompt rows", "parallelism.packing=false"),
+            (cfg.model.attn_implementation.value != "sdpa", "the prompt-and-response rows need sdpa's 4D mask, got "
+             f"{cfg.model.attn_implementation.value}", "model.attn_implementation=sdpa"),
+            (trainer_backend(cfg) != "hf", "only the HF backend's fused log-prob head reads shared rows",
+             "model.backend=hf"),
+            (d.max_images_per_prompt > 0, "VLM samples run one per micro-batch", "data.max_images_per_prompt=0"),
+            (r.routing_replay, "routing replay's experts are laid out per sample", "rollout.routing_replay=false")]:
+        problems.check(not (p.share_prompts and bad), "parallelism.share_prompts", f"{reason}.",
+                       f"set {fix} or parallelism.share_prompts=false")
     cpu = cfg.cluster.device.value == "cpu"
     problems.check(not (cpu and r.executor.value == "ray"), "rollout.executor",
                    "vLLM on CPU refuses the ray executor.", "set rollout.executor=auto")

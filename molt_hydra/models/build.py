@@ -66,7 +66,8 @@ class CriticModel(nn.Module):
 def backend_options(cfg) -> dict:
     """TrainerWorker kwargs for the model backend from a validated RunConfig (RL roles and the SFT job alike)."""
     m, p = cfg.model, cfg.parallelism
-    return dict(backend=m.backend.value, packing=p.packing, compile_blocks=m.compile_blocks,
+    return dict(backend=m.backend.value, packing=p.packing, share_prompts=p.share_prompts,
+                compile_blocks=m.compile_blocks,
                 master_weights=m.master_weights.value,
                 gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
                 freeze_moe_router=m.freeze_moe_router, freeze_visual_encoder=m.freeze_visual_encoder,

@@ -99,13 +99,37 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
 
 
 def linear_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                            chunk_size: int = LOGPROB_CHUNK_TOKENS, with_entropy: bool = False):
+                            chunk_size: int = LOGPROB_CHUNK_TOKENS, with_entropy: bool = False,
+                            needed: torch.Tensor | None = None, sources: torch.Tensor | None = None):
     """[B, T, H] final hidden states and the [V, H] lm_head weight -> ([B, T] fp32 log p(ids[t]), [B, T] fp32 entropy
     or None), token-aligned as `logprobs_from_logits` of `hidden @ weight.T`, never holding more than `chunk_size`
-    rows of logits (fp32) at a time, forward or backward."""
+    rows of logits (fp32) at a time, forward or backward.
+
+    `needed` ([B, T], token-aligned like the masks): only those tokens' values are computed, the others are 0. The
+    head is ~a quarter of a small model's training FLOPs (4 vocab-wide matmuls per row), and an RL batch's prompts and
+    padding, often half its tokens, are never in a loss.
+
+    `sources` ([B, T] ints, with `needed`): the hidden states are laid out otherwise (parallel/batching.py
+    `shared_prompt_rows`); token t of row b is predicted by the flat row `sources[b, t]` of `hidden` ([R, T', H])."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if sources is not None:
+        if needed is None:
+            raise ValueError("linear_logprobs_entropy: `sources` needs `needed` (token 0 has no source)")
+        keep = needed.reshape(-1).nonzero()[:, 0]
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sources.reshape(-1).index_select(0, keep))
+        y = ids.reshape(-1).index_select(0, keep)
+        lp, ent = _ChunkedLinearLogprobs.apply(h, weight, y, float(temperature), int(chunk_size), with_entropy)
+        lp = lp.new_zeros(ids.numel()).index_copy(0, keep, lp).view(ids.shape)
+        return lp, (ent.new_zeros(ids.numel()).index_copy(0, keep, ent).view(ids.shape) if with_entropy else None)
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     y = ids[:, 1:].reshape(-1)
+    keep = None if needed is None else needed[:, 1:].reshape(-1).nonzero()[:, 0]
+    if keep is not None:
+        h, y = h.index_select(0, keep), y.index_select(0, keep)
     lp, ent = _ChunkedLinearLogprobs.apply(h, weight, y, float(temperature), int(chunk_size), with_entropy)
+    if keep is not None:  # back to every row, 0 where not needed (index_copy passes the gradient to its source)
+        n = ids.shape[0] * (ids.shape[1] - 1)
+        lp = lp.new_zeros(n).index_copy(0, keep, lp)
+        ent = ent.new_zeros(n).index_copy(0, keep, ent) if with_entropy else ent
     return _pad_first(lp, ids.shape), (_pad_first(ent, ids.shape) if with_entropy else None)

@@ -82,3 +82,64 @@ def pad_rows(samples: list[dict], keys: tuple[str, ...] | None = None) -> dict:
     n = out["input_ids"].shape[1]
     out["position_ids"] = torch.arange(n).expand(len(samples), n).contiguous()
     return out
+
+
+def prompt_groups(samples: list[dict], mask_key: str) -> list[list[int]]:
+    """Sample indices grouped by their prompt, the tokens before the first `mask_key` token (a GRPO group's samples
+    share it), in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        m = s[mask_key].bool()
+        first = int(m.int().argmax()) if m.any() else len(m)
+        groups.setdefault(tuple(s["input_ids"][:first].tolist()), []).append(i)
+    return list(groups.values())
+
+
+def shared_prompt_tokens(samples: list[dict], mask_key: str) -> list[int]:
+    """Per prompt group (`prompt_groups` order): the tokens of its shared-prompt row, prompt once + every response."""
+    out = []
+    for g in prompt_groups(samples, mask_key):
+        p = len(samples[g[0]]["input_ids"]) - _response_len(samples[g[0]], mask_key)
+        out.append(p + sum(_response_len(samples[i], mask_key) for i in g))
+    return out
+
+
+def _response_len(s: dict, mask_key: str) -> int:
+    m = s[mask_key].bool()
+    return len(m) - int(m.int().argmax()) if m.any() else 0
+
+
+def shared_prompt_rows(samples: list[dict], mask_key: str) -> dict:
+    """One row per prompt group: its prompt once, then each sample's tokens from its first `mask_key` token on
+    (its response), with an attention mask that lets a response see the prompt and itself only, and position ids
+    that continue the prompt's in every response. A response token's hidden state is then exactly the one of its
+    own sample's row (causal attention over the same tokens at the same positions), while the prompt, often most
+    of an RL sample, is computed once per group. Rows right-padded; padding sees the prompt and the padding. The mask
+    is [T x T] per row and sdpa runs it with a masked kernel: meant for short rows (small models, CPU).
+
+    Returns the model inputs `input_ids`, `position_ids` [R, T], `attention_mask` [R, 1, T, T] bool (True = may
+    attend), and `sources` [S, L]: for token t of sample s (L = the longest sample), the flat index into the rows'
+    [R * T] hidden states at token t-1, whose logits predict token t (0 at t = 0 and on padding)."""
+    groups = prompt_groups(samples, mask_key)
+    rows, width = [], max(shared_prompt_tokens(samples, mask_key))
+    sources = torch.zeros(len(samples), max(len(s["input_ids"]) for s in samples), dtype=torch.long)
+    for r, g in enumerate(groups):
+        ids = samples[g[0]]["input_ids"]
+        p = len(ids) - _response_len(samples[g[0]], mask_key)
+        parts, pos, seg, end = [ids[:p]], [torch.arange(p)], [torch.zeros(p, dtype=torch.long)], p
+        for j, i in enumerate(g):
+            x = samples[i]["input_ids"]
+            parts.append(x[p:])
+            pos.append(torch.arange(p, len(x)))
+            seg.append(torch.full((len(x) - p,), j + 1))
+            before = torch.arange(len(x) - 1)  # token t-1 for t = 1..n-1: in the prompt, or in this response
+            sources[i, 1:len(x)] = r * width + torch.where(before < p, before, before - p + end)
+            end += len(x) - p
+        pad = width - end
+        rows.append((torch.cat(parts + [ids.new_zeros(pad)]), torch.cat(pos + [torch.arange(pad)]),
+                     torch.cat(seg + [torch.full((pad,), -1)])))
+    seg = torch.stack([s for _, _, s in rows])
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    visible = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # [R, query, key]
+    return {"input_ids": torch.stack([x for x, _, _ in rows]), "position_ids": torch.stack([q for _, q, _ in rows]),
+            "attention_mask": (visible & causal)[:, None], "sources": sources}

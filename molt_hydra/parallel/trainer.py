@@ -30,10 +30,10 @@ from molt_hydra.models.logprobs import (LOGPROB_CHUNK_TOKENS, entropy_from_logit
                                        logprobs_from_logits)
 from molt_hydra.parallel import checkpoint as ckpt
 from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, partition_balanced, partition_padded,
-                                          unpack)
+                                          prompt_groups, shared_prompt_rows, shared_prompt_tokens, unpack)
 from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
-from molt_hydra.parallel.fsdp import shard_model
+from molt_hydra.parallel.fsdp import DTYPES, shard_model
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
 from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
@@ -45,12 +45,13 @@ class FusedLogprobHead:
 
     def __init__(self, head: torch.nn.Linear):
         self.weight_of = lambda: head.weight  # the gathered (unsharded) weight while the root unit is forward
-        self.call = None  # (targets, temperature, chunk size, with entropy) of the next model call
+        self.call = None  # (targets, temperature, chunk, with entropy, needed tokens, sources) of the next model call
         head.forward = self
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        targets, temperature, chunk, with_entropy = self.call
-        lp, ent = linear_logprobs_entropy(hidden, self.weight_of(), targets, temperature, chunk, with_entropy)
+        targets, temperature, chunk, with_entropy, needed, sources = self.call
+        lp, ent = linear_logprobs_entropy(hidden, self.weight_of(), targets, temperature, chunk, with_entropy, needed,
+                                          sources)
         return torch.stack([lp, ent], -1) if with_entropy else lp[..., None]
 
 
@@ -69,7 +70,7 @@ class TrainerWorker:
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
                  backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
                  automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp",
-                 cpu_threads: int | None = None, node_ranks: int | None = None):
+                 cpu_threads: int | None = None, node_ranks: int | None = None, share_prompts: bool = False):
         self.rank, self.world_size, self.role = rank, world_size, role
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
                                        timeout_s=timeout_s)
@@ -134,9 +135,12 @@ class TrainerWorker:
             self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
             if freeze_visual_encoder:
                 vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
-            if self.master_weights and world_size == 1 and not offload and not vlm.is_vlm(model.config):
-                # one rank, params already in the compute dtype: FSDP2 would only copy them into a second bf16 buffer
-                # (its one-rank all-gather) and the grads through a reduce buffer, every step (VLMs keep its input cast)
+            compute_dtype = DTYPES.get(param_dtype)
+            stored_as_computed = self.master_weights or all(p.dtype == compute_dtype for p in model.parameters())
+            if stored_as_computed and world_size == 1 and not offload and not vlm.is_vlm(model.config):
+                # one rank, params already in the compute dtype: FSDP2 would only copy them into a second buffer (its
+                # one-rank all-gather) and the grads through a reduce buffer, every micro-batch (a SmolLM2 step on CPU:
+                # ~0.3 s each); VLMs keep its input cast
                 for layer in decoder_layers(model) if compile_blocks else ():
                     layer.compile()
                 self.model = model.to(self.device)
@@ -154,9 +158,16 @@ class TrainerWorker:
             head = self.model.get_output_embeddings()
             if isinstance(head, torch.nn.Linear) and head.bias is None:
                 self.head = FusedLogprobHead(head)
+        # a prompt group's prompt computed once per micro-batch row (parallel/batching.py `shared_prompt_rows`); the
+        # critic's values are read on every token, so it keeps plain rows
+        self.share_prompts = share_prompts and role != "critic"
+        if self.share_prompts and (self.head is None or self.packing or self.moe
+                                   or self.model.config._attn_implementation != "sdpa"):
+            raise ValueError("parallelism.share_prompts needs the fused log-prob head (HF text model), sdpa attention, "
+                             "no packing and a dense model; set parallelism.share_prompts=false")
         masters = None
         if self.master_weights:  # before the first forward, where FSDP2 reads the params' dtypes
-            from molt_hydra.parallel.fsdp import DTYPES, to_compute_dtype
+            from molt_hydra.parallel.fsdp import to_compute_dtype
             value_head = getattr(self.model, "value_head", None)
             keep = (value_head,) if value_head is not None else ()
             masters = to_compute_dtype(self.model, DTYPES[param_dtype], keep=keep)
@@ -210,9 +221,12 @@ class TrainerWorker:
             layer.register_forward_hook(after_forward)
 
     # ---------------------------------------------------------------- forward
-    def _forward(self, mb: dict, need_entropy: bool):
+    def _forward(self, mb: dict, need_entropy: bool, needed: torch.Tensor | None = None):
+        """Token-aligned log-probs (critic: values), entropy or None, MoE aux loss or None. `needed` (a mask): the
+        fused head computes only those tokens and gives 0 elsewhere; the logits path computes every token."""
         ids, pos = mb["input_ids"], mb["position_ids"]
         first = pos == 0  # token 0 of every packed sample has no prediction (and never a mask)
+        shared = mb.get("shared")  # the model's rows when prompts are shared; ids / pos stay the samples' own
         if self.role == "critic":
             v = self.model(input_ids=ids, position_ids=pos)
             out = torch.zeros_like(v, dtype=torch.float32)
@@ -221,10 +235,13 @@ class TrainerWorker:
         mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS if k in mb}
         # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
         if self.head is not None:  # the lm_head returns [B, T, 1 or 2]: log p (and entropy)
-            self.head.call = (ids, self.temperature, self.chunk, need_entropy)
+            self.head.call = (ids, self.temperature, self.chunk, need_entropy,
+                              None if needed is None else needed.bool(), None if shared is None else shared["sources"])
         balancing = self.moe and self.aux_loss_coef > 0
         with moe_routing.load_balancing(self.model) if balancing else contextlib.nullcontext() as balance:
-            res = self.model(input_ids=ids, position_ids=None if mm else pos, **mm)
+            inputs = dict(input_ids=ids, position_ids=None if mm else pos) if shared is None else {
+                k: shared[k] for k in ("input_ids", "position_ids", "attention_mask")}
+            res = self.model(**inputs, **mm)
         aux = balance.value() if balancing else getattr(res, "aux_loss", None)
         if self.head is not None:
             out = res.logits.masked_fill(first[..., None], 0.0)
@@ -249,10 +266,14 @@ class TrainerWorker:
             return moe_routing.engine_routing(self.model, mb.get("routed_experts"), routing_stats)
         return contextlib.nullcontext()
 
-    def _micro_batches(self, samples: list[dict]) -> list[list[int]]:
+    def _micro_batches(self, samples: list[dict], mask_key: str | None = None) -> list[list[int]]:
         lengths = [len(s["input_ids"]) for s in samples]
         if any(s.get("pixel_values") is not None for s in samples):  # VLM: one sample per micro-batch (vlm.py)
             bins = [[i] for i in range(len(samples))]
+        elif self.share_prompts and mask_key:  # a prompt group stays in one micro-batch, as one row
+            groups = prompt_groups(samples, mask_key)
+            bins = [sorted(i for g in b for i in groups[g])
+                    for b in partition_padded(shared_prompt_tokens(samples, mask_key), self.max_tokens)]
         else:
             bins = None if self.packing else partition_padded(lengths, self.max_tokens)
         k = torch.tensor(count_micro_batches(lengths, self.max_tokens) if bins is None else len(bins))
@@ -261,9 +282,10 @@ class TrainerWorker:
             return partition_balanced(lengths, int(k))
         return bins + [[] for _ in range(int(k) - len(bins))]  # empty bins run a dummy forward
 
-    def _batch(self, rows: list[dict]) -> dict:
+    def _batch(self, rows: list[dict], mask_key: str | None = None) -> dict:
         """One micro-batch on the device: a packed [1, T] stream or right-padded [B, L] rows (see batching.py), plus
-        a VLM sample's image inputs, which are per sample and never packed."""
+        a VLM sample's image inputs, which are per sample and never packed; with shared prompts (and the mask that
+        tells prompts from responses), the model's rows under "shared", the samples' own rows as they are."""
         mm = vlm.multimodal_kwargs(rows)
         rows = [{k: v for k, v in r.items() if k not in vlm.MULTIMODAL_KEYS} for r in rows]
         if self.packing:
@@ -271,14 +293,18 @@ class TrainerWorker:
         mb = pad_rows(rows)
         lengths = torch.tensor([len(r["input_ids"]) for r in rows])
         mb["token_mask"] = torch.arange(mb["input_ids"].shape[1])[None] < lengths[:, None]
+        if self.share_prompts and mask_key:
+            mb["shared"] = shared_prompt_rows(rows, mask_key)
         return self._to_device(mb | mm)
 
     def _to_device(self, mb: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+        return {k: self._to_device(v) if isinstance(v, dict) else v.to(self.device, non_blocking=True)
+                for k, v in mb.items()}
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[dict], with_entropy: bool = False) -> list:
-        """Per-sample token-aligned log-probs at the temperature (critic: values), fp32 on CPU; collective over DP."""
+    def compute_logprobs(self, samples: list[dict], with_entropy: bool = False, mask_key: str | None = None) -> list:
+        """Per-sample token-aligned log-probs at the temperature (critic: values), fp32 on CPU; collective over DP.
+        `mask_key`: only the tokens where the samples' mask of that name is set are needed (0 elsewhere)."""
         if not samples:
             raise ValueError("compute_logprobs got no samples on this rank")
         out: list = [None] * len(samples)
@@ -286,13 +312,13 @@ class TrainerWorker:
         if self.moe and self.role == "actor":  # trainer-vs-engine routing of this recompute, reported by train_step
             self._routing_stats = moe_routing.RoutingStats(self.model.config.num_hidden_layers,
                                                            self.model.config.num_experts)
-        for part in self._micro_batches(samples):
+        for part in self._micro_batches(samples, mask_key):
             self._use_cpu_threads()
             idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
-            keys = ("input_ids", "routed_experts", *vlm.MULTIMODAL_KEYS)
-            mb = self._batch([{k: samples[i][k] for k in keys if k in samples[i]} for i in idx])
+            keys = ("input_ids", "routed_experts", *vlm.MULTIMODAL_KEYS, *((mask_key,) if mask_key else ()))
+            mb = self._batch([{k: samples[i][k] for k in keys if k in samples[i]} for i in idx], mask_key)
             with self._replay(mb, self._routing_stats if part else None):
-                val, ent, _ = self._forward(mb, with_entropy)
+                val, ent, _ = self._forward(mb, with_entropy, mb[mask_key] if mask_key else None)
             if not part:
                 continue
             lens = [len(samples[i]["input_ids"]) for i in part]
@@ -310,7 +336,8 @@ class TrainerWorker:
 
     # ---------------------------------------------------------------- training
     def _micro_loss(self, mb, rows, loss_fn, n_tok, n_seq, n_parts):
-        out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef))
+        # every objective reads log-probs and entropy on its mask only (parallel/objectives.py)
+        out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef), mb[loss_fn.mask_key])
         if self.packing:
             # losses see one right-padded row per sample, so per-sequence aggregation modes stay exact
             lengths = [len(r["input_ids"]) for r in rows]
@@ -327,8 +354,9 @@ class TrainerWorker:
         """Forward/backward over this rank's samples in `num_optimizer_steps` windows; one optimizer step per window.
         Collective: every DP rank calls it with its own shard. Returns DP-reduced metrics (same on every rank).
         `return_logprobs` (one window only): this rank's per-sample log-probs from the training forward, i.e. at the
-        parameters before the step, under "logprobs" (what compute_logprobs would give; MoE routing statistics are
-        counted in this forward), so one forward serves as the old-logprob pass and the loss's."""
+        parameters before the step, under "logprobs" (what compute_logprobs with the loss's mask_key would give, 0 off
+        the mask; MoE routing statistics are counted in this forward), so one forward serves as the old-logprob pass
+        and the loss's."""
         loss_fn = loss_fn or SFTObjective()
         mask_key = loss_fn.mask_key
         if self.optimizer is None:
@@ -355,7 +383,7 @@ class TrainerWorker:
             dist.all_reduce(counts)  # the window's action tokens N and sequences G over all DP ranks
             counts /= self.world_size // self.dp_size  # tp / cp ranks of one DP group hold the same samples
             n_tok, n_seq = counts[0].to(self.device), counts[1].to(self.device)
-            parts = self._micro_batches(win)
+            parts = self._micro_batches(win, mask_key)
             if self.master_weights:  # several micro-batches: their grads sum in fp32 (parallel/optim.py)
                 self.optimizer.accumulate_fp32 = len(parts) > 1
             for part in parts:
@@ -364,7 +392,7 @@ class TrainerWorker:
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
                      for k, v in win[0].items()
                      if torch.is_tensor(v) and v.dim() >= 1 and k not in vlm.MULTIMODAL_KEYS}]
-                mb = self._batch(rows)
+                mb = self._batch(rows, mask_key)
                 # backward inside: checkpoint recompute replays the same experts (and counts them again, which
                 # leaves the routing ratios as they are)
                 with self._replay(mb, self._routing_stats if logprobs is not None and part else None):

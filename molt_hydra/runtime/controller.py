@@ -184,7 +184,8 @@ class RLController:
 
         b = collate(exps, pad_token_id=roles.pad_token_id)
         lengths = [len(e.token_ids) for e in exps]
-        samples = [{"input_ids": e.token_ids, **(e.multimodal or {})} for e in exps]
+        # the action mask: log-probs are only needed there (the fused head skips the rest; critic values ignore it)
+        samples = [{"input_ids": e.token_ids, "action_mask": e.action_mask, **(e.multimodal or {})} for e in exps]
         if b.routed_experts is not None:  # R3: the trainer replays the engine's experts (models/moe_routing.py)
             for i, (s, n) in enumerate(zip(samples, lengths)):
                 s["routed_experts"] = b.routed_experts[i, :n]
@@ -193,11 +194,12 @@ class RLController:
         one_pass = self.old_logprobs_from_training(steps, frozen)
         old_logp = None  # one pass: the training forward's log-probs, known after the step
         if not one_pass:
-            old = await self.calls.ranks(roles.actor, "compute_logprobs", shard=samples)
+            old = await self.calls.ranks(roles.actor, "compute_logprobs", shard=samples, mask_key="action_mask")
             old_logp = _pad([x for rank in old for x in rank], lengths, b.action_mask.shape)
         ref_logp = values = None
         if roles.ref is not None:
-            ref = await self.calls.ranks(roles.ref, "compute_logprobs", shard=samples, role="reference")
+            ref = await self.calls.ranks(roles.ref, "compute_logprobs", shard=samples, role="reference",
+                                         mask_key="action_mask")
             ref_logp = _pad([x for rank in ref for x in rank], lengths, b.action_mask.shape)
         if roles.critic is not None:
             v = await self.calls.ranks(roles.critic, "compute_logprobs", shard=samples, role="critic")

@@ -109,6 +109,13 @@ CROSS_GROUP = [
       for n in ("tp", "cp", "ep")],
     ("full_offload_needs_ranks", ["parallelism.offload=full"], "parallelism.offload",
      "full offload needs more than one trainer rank"),
+    ("share_prompts_no_packing", ["parallelism.share_prompts=true", "parallelism.packing=true",
+                                  "model.attn_implementation=flash_attention_2"],
+     "parallelism.share_prompts", "packed streams have no per-prompt rows"),
+    ("share_prompts_needs_sdpa", ["parallelism.share_prompts=true", "model.attn_implementation=eager"],
+     "parallelism.share_prompts", "need sdpa's 4D mask, got eager"),
+    ("share_prompts_no_routing_replay", ["parallelism.share_prompts=true", "rollout.routing_replay=true"],
+     "parallelism.share_prompts", "routing replay's experts are laid out per sample"),
     # 1 group x 2 samples on 4 data-parallel ranks (5 devices: 1 engine + 4 trainer ranks).
     ("every_rank_gets_a_sample",
      ["rollout.batch_size=1", "rollout.n_samples_per_prompt=2", "parallelism.trainer_devices=4",

@@ -82,6 +82,45 @@ def test_fused_linear_head_equals_logits_then_logprobs_in_values_and_gradients(c
     assert got[1] is None or with_entropy
 
 
+@pytest.mark.parametrize("chunk,with_entropy", [(1, True), (3, False), (1000, True)])
+def test_fused_head_computes_only_the_needed_tokens(chunk, with_entropy):
+    """`needed`: the head's matmuls run on the needed rows only (4 vocab-wide matmuls per row: forward, recompute,
+    grad_h, grad_w, counted by torch's FLOP counter), values there equal the definition (full logits, log_softmax),
+    0 elsewhere, and the gradients of a loss over the needed tokens equal the definition's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    g = torch.Generator().manual_seed(2)
+    b, t, hdim, vocab, temp = 3, 10, 6, 40, 0.8
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    h0, w0 = torch.randn(b, t, hdim, generator=g), torch.randn(vocab, hdim, generator=g)
+    needed = torch.rand(b, t, generator=g) < 0.4
+    needed[:, 0] = False  # token 0 has no prediction
+    needed[2] = False  # a row with nothing needed (all prompt)
+    coef_lp, coef_ent = torch.randn(b, t, generator=g), torch.randn(b, t, generator=g)
+
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with FlopCounterMode(display=False) as flops:
+        lp, ent = linear_logprobs_entropy(h, w, ids, temp, chunk, with_entropy, needed=needed)
+        (coef_lp * lp + (coef_ent * ent if with_entropy else 0.0)).sum().backward()
+    assert flops.get_total_flops() == 4 * 2 * int(needed.sum()) * vocab * hdim
+
+    hd, wd = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    logp = torch.log_softmax((hd @ wd.T)[:, :-1] / temp, -1)  # the definition, every token
+    want_lp = torch.zeros(b, t)
+    want_lp[:, 1:] = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    want_ent = torch.zeros(b, t)
+    want_ent[:, 1:] = -(logp.exp() * logp).sum(-1)
+    m = needed.float()
+    (m * coef_lp * want_lp + (m * coef_ent * want_ent if with_entropy else 0.0)).sum().backward()
+    torch.testing.assert_close(lp, torch.where(needed, want_lp, 0.0), atol=1e-5, rtol=1e-5)
+    assert (lp[~needed] == 0).all()
+    if with_entropy:
+        torch.testing.assert_close(ent, torch.where(needed, want_ent, 0.0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h.grad, hd.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, wd.grad, atol=1e-5, rtol=1e-5)
+    assert (h.grad[2] == 0).all() and h.grad[:, 1:].abs().sum() > 0
+
+
 def test_parallel_sizes_follow_automodel_mesh_rules():
     assert parallel_sizes(8, dp=4, tp=2) == dict(dp_size=4, tp_size=2, cp_size=1, ep_size=1)
     assert parallel_sizes(8, dp=8, ep=8)["ep_size"] == 8  # experts over all data-parallel ranks
