@@ -230,13 +230,9 @@ class VLLMEngine:
 
     async def pause(self) -> None:
         """Freeze in-flight requests in the scheduler (mode keep): they continue after `resume` under new weights.
-        With none in flight (every sync outside partial rollout) the scheduler is paused without vLLM's 20 ms sleep
-        in `pause_generation`, which only lets in-flight requests' last outputs out first."""
-        llm = self._engine()
-        busy = llm.output_processor.has_unfinished_requests()
-        pausing = (llm.pause_generation if busy else llm.engine_core.pause_scheduler_async)(mode="keep",
-                                                                                           clear_cache=False)
-        await self._while_alive(pausing)
+        The engine core's own pause (it returns once the worker is idle): `AsyncLLM.pause_generation` adds a 20 ms
+        sleep for the ordering of outputs, which a weight sync does not need."""
+        await self._while_alive(self._engine().engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
 
     async def resume(self) -> None:
         await self._while_alive(self._engine().resume_generation())

@@ -1,6 +1,6 @@
-"""Round trips the driver no longer waits for on a step's critical path: `engines_busy` hints sent without waiting
-for the ranks' answers (runtime/calls.py; a failed one is raised by the next hint), and an engine paused for a weight
-sync with nothing in flight skips vLLM's `pause_generation` and its fixed sleep (rollout/engine.py)."""
+"""Fixed per-step costs off the driver's critical path (runtime/calls.py): `engines_busy` hints sent without waiting
+for the ranks' answers (a failed one is raised by the next hint), and every role's start-up heap frozen out of the
+garbage collector's full collections."""
 
 from __future__ import annotations
 
@@ -67,33 +67,6 @@ def test_a_failed_unawaited_hint_is_raised_by_the_next_one():
 
 def test_no_ranks_no_hints():
     asyncio.run(role_calls(None).engines_busy(True, wait=True))
-
-
-class FakeLLM:
-    """What `VLLMEngine.pause` touches of vLLM's AsyncLLM: which pause it called, with which arguments."""
-
-    errored = False
-
-    def __init__(self, in_flight: bool):
-        self.calls = []
-        self.output_processor = SimpleNamespace(has_unfinished_requests=lambda: in_flight)
-        self.engine_core = SimpleNamespace(pause_scheduler_async=self._recorder("pause_scheduler_async"))
-        self.pause_generation = self._recorder("pause_generation")
-
-    def _recorder(self, name):
-        async def call(**kw):
-            self.calls.append((name, kw))
-        return call
-
-
-@pytest.mark.parametrize("in_flight, called", [(False, "pause_scheduler_async"), (True, "pause_generation")])
-def test_an_idle_engine_pauses_its_scheduler_directly(in_flight, called):
-    from molt_hydra.rollout.engine import VLLMEngine
-
-    engine = VLLMEngine.__new__(VLLMEngine)
-    engine._llm = FakeLLM(in_flight)
-    asyncio.run(engine.pause())
-    assert engine._llm.calls == [(called, {"mode": "keep", "clear_cache": False})]
 
 
 def test_every_role_and_the_driver_freeze_their_start_up_heaps():
