@@ -40,7 +40,7 @@ SKIP = 2
 MODELS = {  # model -> (overrides of the embedded default, description)
     "tiny": ([], "default recipe (tiny qwen3, toy, 8x8 samples)"),
     "smollm2": (["model=smollm2_135m", "rollout.batch_size=1", "rollout.n_samples_per_prompt=4", "train.batch_size=4",
-                 "train.micro_batch_size=4", "train.optimizer.lr=1e-5"],
+                 "train.micro_batch_size=4", "train.optimizer.lr=1e-5", "data.max_len=512"],  # room for ~300 tokens
                 "SmolLM2-135M-Instruct fp32, toy task, 1x4 samples, micro 4"),
 }
 PHASES = ("generation", "vllm_idle_wait", "actor_idle_wait", "make_experience", "policy_train", "weight_sync_wait",
