@@ -154,8 +154,8 @@ def bench(label, model, repeats):
     load = os.getloadavg()
     return append_row(
         "rollout_overhead", f"{label} {r.dtype.value}, engine as a run builds it (executor {executor}, "
-        f"enforce_eager {r.enforce_eager}, kv {r.kv_cache_gb} GB), {GROUPS}x{N} samples x {MAX_TOKENS} tok (ignore_eos), 1 engine, "
-        f"{repeats} alternated pairs after {WARMUP} warm-ups, Ray up in both; {nice}",
+        f"enforce_eager {r.enforce_eager}, kv {r.kv_cache_gb} GB), {GROUPS}x{N} samples x {MAX_TOKENS} tok "
+        f"(ignore_eos), 1 engine, {repeats} alternated pairs after {WARMUP} warm-ups, Ray up in both; {nice}",
         f"raw vLLM AsyncLLM.generate {raw:.0f} tok/s median",
         f"agent->generator->router->Ray engine {ours:.0f} tok/s median",
         f"ratio {statistics.median(ratios):.2f} median of pairs (min {ratios[0]:.2f}, max {ratios[-1]:.2f}; "
