@@ -8,6 +8,8 @@ generation and the rest of the step take about the same time, with the CPU each 
    timing/step_total of steps 3..N, each phase's mean time in both modes, the ideal async/sync ratio
    max(gen, rest) / step_sync, and a 2-core bound: an async step cannot take less than (CPU seconds of a sync step)
    / 2 cores either (the bound is the larger of the two).
+   Every run is `molt-run` itself, so its engines are built as any run builds them (`rollout.executor=auto`: uni on
+   a one-worker CPU engine, the model in vLLM's engine core process).
 3. CPU: every process of each run is sampled (psutil, 0.5 s) and its CPU time is booked to its role (engine worker
    = the model, engine core = vLLM's scheduler process, engine front = the AsyncLLM actor, trainer, agent runner,
    driver, Ray's own processes) over the timed steps: CPU seconds per step per role, and cores busy in all.
@@ -19,6 +21,9 @@ so the budget sets the work; the arithmetic task's answers stop after ~30 tokens
 compute dominates both phases. Why 4 samples: training cost grows with samples x tokens while a CPU decode step costs
 about the same for 4 or 32 sequences (it reads every fp32 weight either way, ~55-90 ms), so at 32 samples training
 takes ~2-5x generation at every budget (bench/RESULTS.md grpo_vs_trl rows), and only a small batch balances.
+The floor on 2 cores: a sync step trains on both cores while generation runs the model on one (OMP threads = cores -
+1), so overlap can only fill the core generation leaves idle; an async step cannot take less than the sync step's CPU
+seconds / 2 (the row's 2-core bound, ~0.75 here), which is above the 0.60 goal.
 
     flock /tmp/molt_heavy.lock .venv/bin/python bench/async_vs_sync.py [--model tiny|smollm2] [--steps 12]
         [--max-new-tokens N]
@@ -40,7 +45,7 @@ SKIP = 2
 MODELS = {  # model -> (overrides of the embedded default, description)
     "tiny": ([], "default recipe (tiny qwen3, toy, 8x8 samples)"),
     "smollm2": (["model=smollm2_135m", "rollout.batch_size=1", "rollout.n_samples_per_prompt=4", "train.batch_size=4",
-                 "train.micro_batch_size=4", "train.optimizer.lr=1e-5"],
+                 "train.micro_batch_size=4", "train.optimizer.lr=1e-5", "data.max_len=512"],  # room for ~300 tokens
                 "SmolLM2-135M-Instruct fp32, toy task, 1x4 samples, micro 4"),
 }
 PHASES = ("generation", "vllm_idle_wait", "actor_idle_wait", "make_experience", "policy_train", "weight_sync_wait",

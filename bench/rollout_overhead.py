@@ -1,8 +1,11 @@
 """Tokens/s of the full path (StepEnvRunner agent -> SamplesGenerator -> Router -> Ray engine actor) divided by raw
 vLLM `AsyncLLM.generate` on the same prompts, sampling and engine settings, measured in this process, for the tiny
-Qwen3 and (when `smollm2://` resolves) SmolLM2-135M-Instruct. Both paths run with Ray up and are alternated pair by
-pair; the row gives the median of the per-pair ratios and their spread, the engines' niceness and the load average.
-Appends one row per model to RESULTS.md.
+Qwen3 and (when `smollm2://` resolves) SmolLM2-135M-Instruct. Both engines are built as a run builds its engines: the
+run config composed as `molt-run` composes it (the default recipe; `model=smollm2_135m` for SmolLM2), Ray started by
+`init_ray`, each engine's arguments from `runtime/roles.py engine_args` (so `rollout.executor=auto`: uni for this
+one-worker CPU engine). Both paths run with Ray up and are alternated pair by pair; the row gives the median of the
+per-pair ratios and their spread, the engine processes' niceness and the load average. Appends one row per model to
+RESULTS.md.
 
     flock /tmp/molt_heavy.lock .venv/bin/python bench/rollout_overhead.py [--models tiny,smollm2] [--repeats 10]
 """
@@ -20,7 +23,21 @@ from _common import append_row, resolve_smollm2  # noqa: E402
 
 GROUPS, N, MAX_TOKENS = 16, 4, 64
 WARMUP = 3
-ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1, seed=0)
+MODEL_OVERRIDES = {"tiny": [], "smollm2": ["model=smollm2_135m"]}
+
+
+def run_config(model: str):
+    """The run config `molt-run` would compose for this model (the default recipe otherwise)."""
+    import tempfile
+
+    from molt_hydra.cli import compose_checked, to_run_config
+    from molt_hydra.config.validate import validate
+
+    composed, problems = compose_checked([f"output_dir={tempfile.mkdtemp(prefix='molt_bench_rollout_')}",
+                                          *MODEL_OVERRIDES[model]])
+    if problems:
+        raise ValueError("\n".join(problems))
+    return validate(to_run_config(composed))
 
 
 def prompts(tok):
@@ -43,7 +60,7 @@ def niceness_of_engines() -> str:
     return ", ".join(sorted(seen))
 
 
-async def measure(model_dir, texts, tok, repeats):
+async def measure(cfg, model_dir, texts, tok, repeats):
     """Raw vLLM and the full path, alternated repeat by repeat (the order flips each time) so the noise of a shared
     machine hits both alike. Both run with Ray's daemons up: the same background processes in both."""
     import ray
@@ -56,11 +73,12 @@ async def measure(model_dir, texts, tok, repeats):
     from molt_hydra.rollout.generator import SamplesGenerator
     from molt_hydra.rollout.router import Router
 
-    from molt_hydra.runtime.roles import RAY_SYSTEM_CONFIG
+    from molt_hydra.runtime.roles import engine_args, init_ray
 
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
-             _system_config=RAY_SYSTEM_CONFIG)  # as a run starts it: roles at the launcher's niceness
-    raw_engine = VLLMEngine(model_dir, **ENGINE_ARGS)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Ray's workers inherit this process's environment
+    init_ray(cfg)  # as a run starts it
+    args = engine_args(cfg, model_dir, capture_routing=False, index=0)
+    raw_engine = VLLMEngine(**args)
     await raw_engine.start()
     llm = raw_engine._llm
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, temperature=1.0)
@@ -80,14 +98,15 @@ async def measure(model_dir, texts, tok, repeats):
         async def step(self, state):
             return Result(reward=1.0)
 
-    engine = ray.remote(VLLMEngine).options(max_concurrency=256, num_cpus=1).remote(model_dir, **ENGINE_ARGS)
+    engine = ray.remote(VLLMEngine).options(num_cpus=0).remote(**args)  # as runtime/roles.py places it
     ray.get(engine.start.remote())
     router = Router([engine], timeout_s=300)
     runner = StepEnvRunner(OneTurn)
 
     class AgentGroups:  # the runtime's adapter: prompt row -> episodes -> (trajectory, drop reason) pairs
         async def run_group(self, row, n, sampling):
-            episodes = [Episode(prompt=row["prompt"], sampling=sampling, max_length=1024) for _ in range(n)]
+            episodes = [Episode(prompt=row["prompt"], sampling=sampling, max_length=cfg.data.max_len)
+                        for _ in range(n)]
             outcome = await runner.run_group(episodes, router, tok)
             return [(t, None) for t in outcome.trajectories] + [
                 (None, r) for r, c in outcome.failures.items() for _ in range(c)]
@@ -116,19 +135,27 @@ async def measure(model_dir, texts, tok, repeats):
     return raws, ourss, nice
 
 
-def bench(label, model_dir, repeats):
+def bench(label, model, repeats):
     from transformers import AutoTokenizer
 
+    from molt_hydra.models.build import resolve_path
+    from molt_hydra.runtime.roles import engine_args
+
+    cfg = run_config(model)
+    model_dir = resolve_path(cfg.model.path)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    raws, ourss, nice = asyncio.run(measure(model_dir, prompts(tok), tok, repeats))
+    raws, ourss, nice = asyncio.run(measure(cfg, model_dir, prompts(tok), tok, repeats))
+    r = cfg.rollout
+    executor = engine_args(cfg, model_dir, False, 0)["extra_engine_args"].get("distributed_executor_backend", "auto")
     ratios = sorted(o / r for o, r in zip(ourss, raws))  # each pair measured back to back
     print("raw tok/s per repeat:", [round(r) for r in raws], "\nours tok/s per repeat:", [round(r) for r in ourss],
           "\nengine processes:", nice)
     raw, ours = statistics.median(raws), statistics.median(ourss)
     load = os.getloadavg()
     return append_row(
-        "rollout_overhead", f"{label} fp32, {GROUPS}x{N} samples x {MAX_TOKENS} tok (ignore_eos), 1 engine, "
-        f"{repeats} alternated pairs after {WARMUP} warm-ups, Ray up in both; {nice}",
+        "rollout_overhead", f"{label} {r.dtype.value}, engine as a run builds it (executor {executor}, "
+        f"enforce_eager {r.enforce_eager}, kv {r.kv_cache_gb} GB), {GROUPS}x{N} samples x {MAX_TOKENS} tok "
+        f"(ignore_eos), 1 engine, {repeats} alternated pairs after {WARMUP} warm-ups, Ray up in both; {nice}",
         f"raw vLLM AsyncLLM.generate {raw:.0f} tok/s median",
         f"agent->generator->router->Ray engine {ours:.0f} tok/s median",
         f"ratio {statistics.median(ratios):.2f} median of pairs (min {ratios[0]:.2f}, max {ratios[-1]:.2f}; "
@@ -140,17 +167,15 @@ def main():
     p.add_argument("--models", default="tiny,smollm2")
     p.add_argument("--repeats", type=int, default=10)
     args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
-    from molt_hydra.models.tiny import resolve_model_path
-
     for name in args.models.split(","):
         if name == "tiny":
-            bench("tiny qwen3", resolve_model_path("tiny://qwen3_tiny"), args.repeats)
+            bench("tiny qwen3", "tiny", args.repeats)
         elif name == "smollm2":
             path, why = resolve_smollm2()
             if path is None:
                 print(f"| skipped | rollout_overhead | SmolLM2-135M: {why} |")
             else:
-                bench("SmolLM2-135M-Instruct", path, args.repeats)
+                bench("SmolLM2-135M-Instruct", "smollm2", args.repeats)
 
 
 if __name__ == "__main__":

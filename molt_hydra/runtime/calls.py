@@ -19,6 +19,7 @@ class RoleCalls:
         self.engine_dtype = engine_dtype
         self.engines_lock = asyncio.Lock()  # a weight push and an engine replacement never overlap
         self.keeper = None  # runtime/engine_keeper.py, when dead engines are replaced
+        self.failed_hint: BaseException | None = None  # an unawaited engines_busy hint's error, raised by the next
 
     async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
         """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
@@ -36,14 +37,36 @@ class RoleCalls:
                 raise RunFailed(who, f"{method} failed: {describe(result)}") from result
         return results
 
-    async def engines_busy(self, busy: bool) -> None:
+    async def engines_busy(self, busy: bool, wait: bool) -> None:
         """Every CPU trainer rank learns whether the rollout engines generate (parallel/group.py): while they do not
         (a sync step's training; an async step's after its batch is generated), a rank trains on its share of all
-        of its node's cores, not only on the CPUs Ray reserved for it, which the engines need while they generate."""
-        refs = [ref for g in (self.roles.actor, self.roles.ref, self.roles.critic) if g is not None
-                for ref in g.engines_busy(busy)]
-        if refs:
-            await deadline(asyncio.gather(*refs), self.timeouts.trainer_call_s, "actor", "engines_busy")
+        of its node's cores, not only on the CPUs Ray reserved for it, which the engines need while they generate.
+        `wait`: return once every rank has the hint (a sync step's training must start on every core: the thread
+        count changes float reductions); otherwise return at once: hints carry increasing numbers, so a late one never
+        overrides a newer one, and a hint that failed is raised by the next call."""
+        if self.failed_hint is not None:
+            raise RunFailed("actor", f"engines_busy failed: {describe(self.failed_hint)}") from self.failed_hint
+        answers = [asyncio.ensure_future(ref) for g in (self.roles.actor, self.roles.ref, self.roles.critic)
+                   if g is not None for ref in g.engines_busy(busy)]
+        if wait and answers:
+            await deadline(asyncio.gather(*answers), self.timeouts.trainer_call_s, "actor", "engines_busy")
+        for answer in answers if not wait else ():
+            answer.add_done_callback(self._hint_answered)
+
+    def _hint_answered(self, answer: asyncio.Future) -> None:
+        if not answer.cancelled() and answer.exception() is not None and self.failed_hint is None:
+            self.failed_hint = answer.exception()
+
+    async def freeze_heaps(self) -> None:
+        """Every role's start-up objects (imports, model, engine) leave the garbage collector's view (`gc.freeze`, as
+        vLLM's engine core does after its start): else each full collection walks them all again, 0.2-0.4 s of CPU
+        every few steps per process on 2 cores. Not collected first (that would delay the first step); start-up
+        garbage in reference cycles stays, once."""
+        r = self.roles
+        actors = [*r.engines, *r.runners, *(w for g in (r.actor, r.ref, r.critic) if g is not None for w in g.workers)]
+        await deadline(asyncio.gather(*(a.__ray_call__.remote(_freeze_heap) for a in actors)),
+                       self.timeouts.engine_call_s, "roles", "gc.freeze")
+        _freeze_heap(None)
 
     async def router_metrics(self) -> dict[str, float]:
         """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
@@ -133,3 +156,9 @@ class RoleCalls:
             except Exception:
                 pass
             ray.kill(e)
+
+
+def _freeze_heap(_actor) -> None:
+    import gc
+
+    gc.freeze()

@@ -104,10 +104,12 @@ class RLController:
             t1 = time.perf_counter()
             if self.cfg.train.rollout_replay_dir:
                 batch = self._replayed_batch(j)
-            else:  # CPU trainer ranks train on every core of their node only while the engines are idle
-                await self.calls.engines_busy(True)
+            else:  # CPU trainer ranks train on every core of their node only while the engines are idle: the
+                # hints are sent, not awaited (round trips on the rollout's critical path), except the one a sync
+                # step's training must see first (its thread count changes float reductions)
+                await self.calls.engines_busy(True, wait=False)
                 batch = await gen.generate_batch()
-                await self.calls.engines_busy(False)
+                await self.calls.engines_busy(False, wait=self.depth == 0)
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
             if self.cfg.train.rollout_dump_dir and batch.groups:
                 self._dump_batch(j, batch)
@@ -380,6 +382,7 @@ class RLController:
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
         cfg = self.cfg
+        await self.calls.freeze_heaps()
         if self.step == 0 and cfg.eval.at_start:
             await self.maybe_eval(force=True)
         producer = asyncio.create_task(self.produce())
@@ -412,11 +415,14 @@ class RLController:
             waited = time.perf_counter() - t0
             metrics = await self.train_step(batch, gen_timing)
             frozen = metrics.pop("_frozen", False)
-            metrics.update(await self.calls.router_metrics())
+            # the runners' counts are read during the weight sync (its round trip off the step's critical path); in
+            # sync mode nothing generates meanwhile, so they are the step's own
+            counts, synced = await asyncio.gather(self.calls.router_metrics(),  # frozen: no sync, no sync metrics
+                                                  self.sync_weights() if not frozen else asyncio.sleep(0, {}))
+            metrics.update(counts)
             metrics.update(keeper.metrics())
             metrics["timing/actor_idle_wait"] = waited
-            if not frozen:
-                metrics.update(await self.sync_weights())
+            metrics.update(synced)
             async with self.step_done:
                 self.step += 1
                 self.step_done.notify_all()

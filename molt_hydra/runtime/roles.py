@@ -88,6 +88,18 @@ def extra_engine_args(cfg: RunConfig) -> dict:
     return {k: v for k, v in args.items() if v is not None}
 
 
+def engine_args(cfg: RunConfig, model_path: str, capture_routing: bool, index: int) -> dict:
+    """`VLLMEngine`'s arguments for engine `index` of a run (bench/rollout_overhead.py builds its engines from them)."""
+    r = cfg.rollout
+    return dict(model=model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
+                enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
+                max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
+                data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
+                kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
+                return_routed_experts=capture_routing, engine_index=index, extra_engine_args=extra_engine_args(cfg),
+                plain_cpu_weights=r.plain_cpu_weights)
+
+
 def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
     """Optimizer steps the LR schedule spans (Molt §4.6 max_steps)."""
     t, r = cfg.train, cfg.rollout
@@ -164,13 +176,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     def new_engine(i: int):  # also how a dead engine is replaced mid-run (runtime/engine_keeper.py)
         return engine_cls.options(
             num_cpus=0, num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0,
-        ).remote(model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
-                 enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
-                 max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
-                 data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
-                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
-                 return_routed_experts=capture_routing, engine_index=i, extra_engine_args=extra_engine_args(cfg),
-                 plain_cpu_weights=r.plain_cpu_weights)
+        ).remote(**engine_args(cfg, model_path, capture_routing, i))
 
     engines = [new_engine(i) for i in range(r.num_engines)]
     starting = asyncio.gather(*(e.start.remote() for e in engines))

@@ -175,16 +175,19 @@ def engine_versions(out: Path, step: int) -> set[int]:
 def test_killed_engine_actor_is_replaced_with_the_current_weights(tmp_path):
     """kill -9 of the run's only engine actor after step 1 (sync mode: the next weight push finds it dead): a new
     engine is started, gets the current weights and version, and every step finishes on exactly that version."""
-    run = Run(tmp_path / "run", "train.max_steps=4", "train.mode=sync", "logger.dump_trajectories=true")
+    # steps enough that the kill lands while steps are still to come (a small sync step takes ~0.1-0.15 s on 2 quiet
+    # cores, the kill ~0.3-0.6 s after step 1 is logged)
+    steps = 20
+    run = Run(tmp_path / "run", f"train.max_steps={steps}", "train.mode=sync", "logger.dump_trajectories=true")
     run.wait_for(lambda: (tmp_path / "run" / "trajectories" / "step1.jsonl").exists())
     (engine,) = run.children("VLLMEngine")
     os.kill(engine, signal.SIGKILL)
     code = run.finish()
     assert code == 0, run.err()[-3000:]
     m = metrics(tmp_path / "run")
-    assert sorted(m) == [1, 2, 3, 4]
-    assert m[4]["train/rollout/engine_restarts"] == 1
-    for step in (2, 3, 4):  # step N trains on tokens of the policy after N - 1 updates, the replacement's included
+    assert sorted(m) == list(range(1, steps + 1))
+    assert m[steps]["train/rollout/engine_restarts"] == 1
+    for step in range(2, steps + 1):  # step N trains on tokens of the policy after N - 1 updates, the replacement's
         assert engine_versions(tmp_path / "run", step) == {step - 1}, step
         assert abs(m[step]["train/vllm_kl"]) < 1e-4  # the replacement holds the trainer's weights, not the start's
     assert "Traceback" not in run.err()

@@ -73,7 +73,10 @@ def test_a_hint_takes_effect_inside_a_micro_batch(worker):
     assert step_threads(worker) == CORES
 
 
-def test_the_driver_tells_the_ranks_around_every_generation_before_queueing_the_batch():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_driver_tells_the_ranks_around_every_generation_before_queueing_the_batch(mode):
+    """Every generation is bracketed by hints; only a sync step's "idle" is awaited before its batch is queued (its
+    training must run on every core, for reproducible reductions); the others are sent without a round trip."""
     from molt_hydra.cli import to_run_config
     from molt_hydra.config.validate import validate
     from molt_hydra.rollout.generator import FinishedGroup, RolloutBatch
@@ -91,10 +94,10 @@ def test_the_driver_tells_the_ranks_around_every_generation_before_queueing_the_
                 return RolloutBatch([], {}, exhausted=True)
             return RolloutBatch([FinishedGroup(prompt_index=self.made, epoch=0, trajectories=[])], {}, False)
 
-    async def engines_busy(busy):
-        events.append("busy" if busy else "idle")
+    async def engines_busy(busy, wait):
+        events.append(("busy" if busy else "idle") + (" awaited" if wait else ""))
 
-    cfg = validate(to_run_config(compose_config(["train.mode=sync"])))
+    cfg = validate(to_run_config(compose_config([f"train.mode={mode}"])))
     ctl = RLController(cfg, SimpleNamespace(generator=Batches(), calls=SimpleNamespace(engines_busy=engines_busy)),
                        log=None)
 
@@ -109,4 +112,7 @@ def test_the_driver_tells_the_ranks_around_every_generation_before_queueing_the_
         await producer
 
     asyncio.run(run())
-    assert events == ["busy", "generate", "idle", "queued"] * 2 + ["busy", "generate", "idle"]
+    if mode == "sync":
+        assert events == ["busy", "generate", "idle awaited", "queued"] * 2 + ["busy", "generate", "idle awaited"]
+    else:
+        assert [e for e in events if e != "queued"] == ["busy", "generate", "idle"] * 3

@@ -1,0 +1,98 @@
+"""Fixed per-step costs off the driver's critical path (runtime/calls.py): `engines_busy` hints sent without waiting
+for the ranks' answers (a failed one is raised by the next hint), and every role's start-up heap frozen out of the
+garbage collector's full collections."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from molt_hydra.config.schema import TimeoutsConfig, WeightSyncConfig
+from molt_hydra.runtime.calls import RoleCalls
+from molt_hydra.runtime.watchdog import RunFailed
+
+
+class Ranks:
+    """A trainer group whose ranks answer a hint only when the test says so."""
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks, self.answers, self.hints = num_ranks, [], []
+
+    def engines_busy(self, busy: bool) -> list:
+        self.hints.append(busy)
+        futures = [asyncio.get_running_loop().create_future() for _ in range(self.num_ranks)]
+        self.answers.extend(futures)
+        return futures
+
+
+def role_calls(actor) -> RoleCalls:
+    roles = SimpleNamespace(actor=actor, ref=None, critic=None)
+    return RoleCalls(roles, TimeoutsConfig(), WeightSyncConfig(), "float32")
+
+
+def test_an_unawaited_hint_returns_before_the_ranks_answer_and_an_awaited_one_does_not():
+    async def run():
+        ranks = Ranks(2)
+        calls = role_calls(ranks)
+        await asyncio.wait_for(calls.engines_busy(True, wait=False), 5)  # nobody answered: returned anyway
+        assert ranks.hints == [True] and not any(f.done() for f in ranks.answers)
+        waiting = asyncio.ensure_future(calls.engines_busy(False, wait=True))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not waiting.done()  # held until both ranks answer the awaited hint
+        for f in ranks.answers:
+            f.set_result(None)
+        await asyncio.wait_for(waiting, 5)
+        assert ranks.hints == [True, False]
+
+    asyncio.run(run())
+
+
+def test_a_failed_unawaited_hint_is_raised_by_the_next_one():
+    async def run():
+        ranks = Ranks(1)
+        calls = role_calls(ranks)
+        await calls.engines_busy(True, wait=False)
+        ranks.answers[0].set_exception(RuntimeError("rank 0 lost its control thread"))
+        await asyncio.sleep(0)  # the answer's callback runs
+        with pytest.raises(RunFailed) as err:
+            await calls.engines_busy(False, wait=False)
+        assert err.value.role == "actor" and "rank 0 lost its control thread" in err.value.cause
+        assert ranks.hints == [True]  # the failed run sends nothing more
+
+    asyncio.run(run())
+
+
+def test_no_ranks_no_hints():
+    asyncio.run(role_calls(None).engines_busy(True, wait=True))
+
+
+def test_every_role_and_the_driver_freeze_their_start_up_heaps():
+    """RoleCalls.freeze_heaps sends gc.freeze to every actor of the run (engines, runners, each trainer group's
+    ranks) and freezes the driver's own heap; here each "actor" runs the call in this process and counts it."""
+    import gc
+
+    ran = []
+
+    class Actor:
+        def __init__(self, name):
+            self.__ray_call__ = SimpleNamespace(remote=lambda fn: self._run(name, fn))
+
+        @staticmethod
+        async def _run(name, fn):
+            fn(None)
+            ran.append(name)
+
+    group = lambda role: SimpleNamespace(workers=[Actor(f"{role} {i}") for i in range(2)])  # noqa: E731
+    roles = SimpleNamespace(engines=[Actor("engine")], runners=[Actor("runner")], actor=group("actor"), ref=None,
+                            critic=group("critic"))
+    calls = RoleCalls(roles, TimeoutsConfig(), WeightSyncConfig(), "float32")
+    gc.unfreeze()
+    try:
+        asyncio.run(calls.freeze_heaps())
+        assert sorted(ran) == ["actor 0", "actor 1", "critic 0", "critic 1", "engine", "runner"]
+        assert gc.get_freeze_count() > 0  # the driver's own heap too
+    finally:
+        gc.unfreeze()
