@@ -18,9 +18,12 @@ def tree(engine_core_only: bool = False) -> list[dict]:
     for p in psutil.Process().children(recursive=True):
         if engine_core_only and p.name() != "VLLM::EngineCore":
             continue
-        out.append({"pid": p.pid, "ppid": p.ppid(), "name": p.name(), "cmdline": " ".join(p.cmdline()),
-                    "env": {k: v for k, v in p.environ().items() if k in ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")},
-                    "vllm_ext": any("vllm/_C" in m.path for m in p.memory_maps())})
+        try:
+            out.append({"pid": p.pid, "ppid": p.ppid(), "name": p.name(), "cmdline": " ".join(p.cmdline()),
+                        "env": {k: v for k, v in p.environ().items() if k in ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")},
+                        "vllm_ext": any("vllm/_C" in m.path for m in p.memory_maps())})
+        except psutil.Error:  # a process that ended meanwhile
+            pass
     return out
 
 

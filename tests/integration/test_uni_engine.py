@@ -55,6 +55,7 @@ def test_engine_core_is_forked_from_a_server_that_imported_vllm_else_spawned(tin
     report = json.loads(done.stdout.split("REPORT ", 1)[1])
     by_pid = {p["pid"]: p for p in report["first"]}
     (core,) = [p for p in report["first"] if p["name"] == "VLLM::EngineCore"]
+    assert core["ppid"] != report["pid"], "the engine core is this process's own child: spawned, not forked"
     server = by_pid[core["ppid"]]
     assert server["ppid"] == report["pid"]
     assert "from multiprocessing.forkserver import main" in server["cmdline"] and "'vllm.v1.engine.core'" in \
