@@ -268,10 +268,6 @@ class VLLMEngine:
         # Tensors cannot cross collective_rpc on CPU (memoryview pickling); safetensors bytes can (feasibility §1c).
         return sum(await self.worker_call("load_safetensors_bytes", bytes(blob)))
 
-    async def load_weights_shared(self, region: tuple, metas: list, offset: int = 0) -> int:
-        """One bucket packed in the trainer's shared-memory region at `offset` (`weight_sync.SharedMemoryTransport`)."""
-        return sum(await self.worker_call("load_shared_bucket", region, metas, offset))
-
     async def begin_weight_update(self) -> list:
         """Per worker: its parameter region's handle when the trainer may write into it (worker_extension)."""
         return await self.worker_call("begin_layerwise_reload")

@@ -95,8 +95,7 @@ class FakeEngine:
         self.worker, self.log, self.version = worker, log, 0
         # a vLLM worker runs one RPC at a time, in order: two gloo receives of one group at once would abort gloo
         self.worker_thread = ThreadPoolExecutor(1)
-        for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call",
-                     "load_weights_shared"):
+        for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call"):
             setattr(self, name, types.SimpleNamespace(remote=self._remote(name)))
 
     def _remote(self, name):
@@ -105,8 +104,6 @@ class FakeEngine:
             run = asyncio.get_running_loop().run_in_executor
             if name == "worker_call":
                 return [await run(self.worker_thread, getattr(self.worker, args[0]), *args[1:])]
-            if name == "load_weights_shared":  # what VLLMEngine.load_weights_shared asks of its workers
-                return await run(self.worker_thread, self.worker.load_shared_bucket, *args)
             if name == "begin_weight_update":
                 return [self.worker.begin_layerwise_reload()]
             if name == "finish_weight_update":
