@@ -297,10 +297,10 @@ class RLController:
                     lambda: self.batches_made > self.step + self.depth or self.exhausted),
                     self.cfg.train.timeouts.step_s, "rollout", "generating the batch the weight sync waits for")
         t1 = time.perf_counter()
-        await self.calls.push_weights(self.version + 1)
+        pushed = await self.calls.push_weights(self.version + 1)  # trainer rank 0's weight_sync/* (which path ran)
         self.version += 1
         self.trainer_ahead = False
-        return {"timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t1}
+        return {**pushed, "timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t1}
 
     # ------------------------------------------------------------------ eval and checkpoints
     async def maybe_eval(self, force: bool = False) -> None:

@@ -82,7 +82,7 @@ def _controller(overrides, generator):
     from molt_hydra.config.validate import validate
     from molt_hydra.runtime.controller import RLController
 
-    async def engines_busy(busy):  # no trainer ranks to tell
+    async def engines_busy(busy, wait):  # no trainer ranks to tell
         pass
 
     roles = SimpleNamespace(generator=generator, calls=SimpleNamespace(engines_busy=engines_busy))

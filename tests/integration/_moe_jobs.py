@@ -22,7 +22,8 @@ def _perturb_routers(w, scale: float) -> None:
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for r in moe_routing.routers(w.model):
-            noise = torch.randn(r.weight.shape, generator=g) * scale * r.weight.full_tensor().std()
+            full = r.weight.full_tensor() if isinstance(r.weight, DTensor) else r.weight  # one rank: a plain module
+            noise = torch.randn(r.weight.shape, generator=g) * scale * full.std()
             r.weight.add_(distribute_tensor(noise, r.weight.device_mesh, r.weight.placements)
                           if isinstance(r.weight, DTensor) else noise)
 

@@ -12,7 +12,8 @@ def single_pass_tensors(rank, world_size, port, out):
 
     from molt_hydra.parallel.weight_buckets import local_full_weights, parameter_addresses
 
-    w = jobs.worker(rank, world_size, port)
+    # bf16 compute over fp32 storage: FSDP2 wraps even one rank (one fp32 rank trains the plain module)
+    w = jobs.worker(rank, world_size, port, param_dtype="bf16")
     shared = local_full_weights(w.model, to_hf=w._to_hf())
     result = {"shared": shared is not None}
     if shared is not None:

@@ -88,7 +88,11 @@ def test_one_step_async_logs_drift_reward_and_timing_every_step(tmp_path):
     assert all(1 <= row["train/perf/torch_threads"] <= len(os.sched_getaffinity(0)) for row in m.values())
     wanted = ["train/vllm_kl", "train/reward", "train/timing/generation", "train/timing/policy_train",
               "train/timing/weight_sync", "train/timing/step_total", "train/timing/share/policy_train"]
-    for step, row in m.items():
+    from safetensors.torch import load_file
+
+    n_weights = len(load_file(tmp_path / "checkpoints" / "best" / "model.safetensors"))  # HF names, tied head once
+    for step, row in m.items():  # each step's sync: every weight, through the loaders (packed weights, the default)
+        assert row["train/weight_sync/tensors"] == n_weights and row["train/weight_sync/in_place"] == 0.0, step
         assert all(k in row for k in wanted), (step, sorted(row))
     (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     rows = [r for r in history(wandb_file) if "train/reward" in r]
