@@ -28,6 +28,10 @@ class EngineKeeper:
             self.processes[index] = await self._local_processes(engine)
         while True:
             await asyncio.sleep(POLL_S)
+            # Polled outside the lock, so a health check waiting on a busy engine never holds up a weight push;
+            # re-checked under it, as a failed push may have replaced the engine meanwhile.
+            if not await self.dead_engines():
+                continue
             async with self.roles.calls.engines_lock:
                 for index in await self.dead_engines():
                     await self.replace(index, weights_version())
