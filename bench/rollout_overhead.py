@@ -3,7 +3,8 @@ vLLM `AsyncLLM.generate` on the same prompts, sampling and engine settings, meas
 Qwen3 and (when `smollm2://` resolves) SmolLM2-135M-Instruct. Both engines are built as a run builds its engines: the
 run config composed as `molt-run` composes it (the default recipe; `model=smollm2_135m` for SmolLM2), Ray started by
 `init_ray`, each engine's arguments from `runtime/roles.py engine_args` (so `rollout.executor=auto`: uni for this
-one-worker CPU engine). Both paths run with Ray up and are alternated pair by pair; the row gives the median of the
+one-worker CPU engine), and raw vLLM gets the sampling parameters our engine sends (finished output only, no text).
+Both paths run with Ray up and are alternated pair by pair; the row gives the median of the
 per-pair ratios and their spread, the engine processes' niceness and the load average. Appends one row per model to
 RESULTS.md.
 
@@ -64,7 +65,7 @@ async def measure(cfg, model_dir, texts, tok, repeats):
     """Raw vLLM and the full path, alternated repeat by repeat (the order flips each time) so the noise of a shared
     machine hits both alike. Both run with Ray's daemons up: the same background processes in both."""
     import ray
-    from vllm.sampling_params import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     from molt_hydra.agents.base import Env, Episode, Result
     from molt_hydra.agents.step_runner import StepEnvRunner
@@ -81,7 +82,10 @@ async def measure(cfg, model_dir, texts, tok, repeats):
     raw_engine = VLLMEngine(**args)
     await raw_engine.start()
     llm = raw_engine._llm
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, temperature=1.0)
+    # What our engine sends vLLM for these requests (rollout/engine.py `_outputs`): the finished completion only, token
+    # ids without text; so the ratio is the cost of our path alone, not of a different way of calling vLLM.
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, temperature=1.0, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
     async def one(prompt_ids, rid):

@@ -10,10 +10,13 @@ rollout/quiet_executor.py (vLLM's, with queue readers that do not spin while the
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import logging
 import math
 import os
+import pickle
 import uuid
 from typing import Any
 
@@ -79,6 +82,8 @@ class VLLMEngine:
         self._cpu_routing = False  # set in start(): R3 through rollout/routing_capture.py instead of vLLM's capture
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
+        self._running: dict[tuple[str, int], asyncio.Task] = {}  # (client, key) -> the request's task
+        self._finished: collections.defaultdict[str, asyncio.Queue] = collections.defaultdict(asyncio.Queue)
 
     async def start(self) -> int:
         """Build the engine (idempotent); returns the engine index once ready."""
@@ -138,6 +143,8 @@ class VLLMEngine:
                 with set_env_var("OMP_NUM_THREADS", omp_threads) if omp_threads else contextlib.nullcontext(), \
                         core_forkserver.core_launch() if core_server else contextlib.nullcontext():
                     self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # starts the engine core
+                # every output the engine core sends is stamped with this label (see `_outputs`)
+                await self._llm.update_weight_version(str(self.version))
                 if self._cpu_routing:
                     await self.worker_call("start_routing_capture")
                 if self.plain_cpu_weights and current_platform.is_cpu() and not all(
@@ -154,28 +161,77 @@ class VLLMEngine:
         return self._llm
 
     async def generate(self, request: GenerationRequest) -> list[Generation]:
-        """`request.sampling.n` completions, sampled as independent requests so each one streams its own versions."""
+        """`request.sampling.n` completions, sampled as independent requests (each with its own seed)."""
         if not request.prompt_ids:
             raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
         await self.start()
         s = request.sampling
         return list(await asyncio.gather(*(self._generate_one(request, i) for i in range(s.n))))
 
+    # --- batched calls: one Ray call carries every request a router issued in one event-loop turn ---
+
+    async def submit(self, client: str, batch: list[tuple[int, GenerationRequest]]) -> None:
+        """Start each (key, request) of `batch`; `client`'s results come back through `collect`."""
+        for key, request in batch:
+            task = self._running[(client, key)] = asyncio.ensure_future(self.generate(request))
+            task.add_done_callback(functools.partial(self._settled, client, key))
+
+    async def collect(self, client: str) -> list[tuple[int, list[Generation] | Exception | None]]:
+        """Every (key, result) of `client` finished since its last call, waiting until there is one. A result is the
+        generations, the request's exception, or None for a request `abort`ed."""
+        inbox = self._finished[client]
+        done = [await inbox.get()]
+        while not inbox.empty():
+            done.append(inbox.get_nowait())
+        return done
+
+    async def abort(self, client: str, keys: list[int]) -> None:
+        """Stop these requests (vLLM aborts them); each still comes back once from `collect`, as None."""
+        for key in keys:
+            task = self._running.get((client, key))
+            if task is not None:
+                task.cancel()
+
+    def _settled(self, client: str, key: int, task: asyncio.Task) -> None:
+        del self._running[(client, key)]
+        if task.cancelled():
+            result = None
+        elif (error := task.exception()) is not None:  # the request's own failure, or the engine core's death
+            try:
+                pickle.dumps(error)
+                result = error
+            except Exception:  # noqa: BLE001 - an exception Ray could not ship: its text instead
+                result = RuntimeError(f"{type(error).__name__}: {error}")
+        else:
+            result = task.result()
+        self._finished[client].put_nowait((key, result))
+
     async def generate_stream(self, request: GenerationRequest):
         """One completion (`sampling.n` must be 1) as it is sampled: `Generation` deltas, the last one carrying the
-        finish reason (earlier ones have finish_reason ""). Concatenated they equal what `generate` returns."""
+        finish reason (earlier ones have finish_reason ""). Joined (`join_deltas`) they equal what `generate`
+        returns; a delta's own versions are provisional, the last one's `version_spans` are exact."""
+        from vllm.sampling_params import RequestOutputKind
+
         if request.sampling.n != 1:
             raise ValueError(f"generate_stream samples one completion, got n={request.sampling.n}")
         if not request.prompt_ids:
             raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
         await self.start()
-        async for delta in self._deltas(request, 0):
+        async for delta in self._outputs(request, 0, RequestOutputKind.DELTA):
             yield delta
 
     async def _generate_one(self, request: GenerationRequest, index: int) -> Generation:
-        return join_deltas([d async for d in self._deltas(request, index)], self.engine_index)
+        """The finished completion only (vLLM's FINAL_ONLY): this process is not woken for every sampled token."""
+        from vllm.sampling_params import RequestOutputKind
 
-    async def _deltas(self, request: GenerationRequest, index: int):
+        final = [g async for g in self._outputs(request, index, RequestOutputKind.FINAL_ONLY)]
+        return join_deltas(final, self.engine_index)
+
+    async def _outputs(self, request: GenerationRequest, index: int, kind):
+        """`Generation`s of one completion as vLLM hands them out: a delta per step (DELTA) or the whole completion once
+        (FINAL_ONLY). Versions: the engine core stamps every step's output with the weight version it was sampled by
+        (`update_weight_version` at each sync) and vLLM returns the spans on the finished output, so a token's
+        version never depends on when this process got round to reading it."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
         s = request.sampling
@@ -201,7 +257,7 @@ class VLLMEngine:
             # We return token ids only: text is decoded only to match stop strings (vLLM's front otherwise detokenizes
             # every sampled token and its logprob token, CPU that the rollout path competes with the engine for)
             detokenize=bool(s.stop),
-            output_kind=RequestOutputKind.DELTA,  # per-delta outputs let us stamp the version of every token
+            output_kind=kind,
         )
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
         if request.images:
@@ -209,7 +265,6 @@ class VLLMEngine:
         finished, generated = False, 0
         request_id = f"{request.session_id}-{uuid.uuid4().hex}"
         async for out in self._engine().generate(prompt, params, request_id=request_id):
-            version = self.version  # tokens of this delta were sampled by the weights loaded now
             for c in out.outputs:
                 if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
                     raise RuntimeError(f"engine {self.engine_index}: logprobs missing or misaligned for a delta")
@@ -219,6 +274,11 @@ class VLLMEngine:
                            for lp in c.logprobs]
                 finished |= c.finish_reason is not None
                 generated += len(c.token_ids)
+                spans = self._version_spans(c, generated) if c.finish_reason is not None else None
+                if kind == RequestOutputKind.FINAL_ONLY:
+                    versions = [v for v, start, end in spans for _ in range(start, end)]
+                else:  # a delta before the finished output: the version loaded now (the spans then correct it)
+                    versions = [self.version] * len(c.token_ids)
                 routed = c.routed_experts
                 if self._cpu_routing and c.finish_reason is not None:
                     # every computed position: the prompt and all generated tokens but the last (one worker on CPU)
@@ -227,15 +287,24 @@ class VLLMEngine:
                 yield Generation(
                     token_ids=list(c.token_ids),
                     logprobs=[lp[tid].logprob for tid, lp in zip(c.token_ids, c.logprobs)],
-                    versions=[version] * len(c.token_ids),
+                    versions=versions,
                     finish_reason="" if c.finish_reason is None else str(c.finish_reason),
                     stop_reason=c.stop_reason,
                     routed_experts=None if routed is None else routed if isinstance(routed, list) else routed.tolist(),
                     engine_index=self.engine_index,
                     top_logprobs=top,
+                    version_spans=spans,
                 )
         if not finished:
             yield Generation([], [], [], "abort", engine_index=self.engine_index)
+
+    def _version_spans(self, completion, num_tokens: int) -> list[tuple[int, int, int]]:
+        """(version, start, end) over the finished completion's tokens, as the engine core stamped them."""
+        spans = [(int(w.version), w.start, w.end) for w in completion.weight_versions or ()]
+        if sum(end - start for _, start, end in spans) != num_tokens:
+            raise RuntimeError(f"engine {self.engine_index}: vLLM's weight-version spans {spans} do not cover the "
+                               f"{num_tokens} generated tokens")
+        return spans
 
     # --- weight sync (called by molt_hydra.rollout.weight_sync on every engine) ---
 
@@ -278,6 +347,8 @@ class VLLMEngine:
         await asyncio.gather(self.worker_call("finish_layerwise_reload"),  # the engine core runs them one by one
                              self._while_alive(self._engine().reset_prefix_cache()))
         if version is not None:
+            # before `resume`: every token sampled from now on is stamped with the new version
+            await self._while_alive(self._engine().update_weight_version(str(version)))
             self.version = version
         else:  # a failed update may have written part of the weights: never generate from them (`healthy`)
             self.weights_mixed = True
@@ -297,14 +368,18 @@ class VLLMEngine:
 
 
 def join_deltas(deltas: list[Generation], engine_index: int = -1) -> Generation:
-    """The streamed deltas of one completion as one `Generation` (routing: the last delta that carried any)."""
+    """The streamed deltas of one completion as one `Generation` (routing: the last delta that carried any; versions:
+    the last delta's spans over the whole completion, when it carries them)."""
     last = deltas[-1] if deltas else Generation([], [], [], "abort")
     routed = next((d.routed_experts for d in reversed(deltas) if d.routed_experts is not None), None)
     tops = [d.top_logprobs for d in deltas]
+    versions = [v for d in deltas for v in d.versions]
+    if last.version_spans is not None:
+        versions = [v for v, start, end in last.version_spans for _ in range(start, end)]
     return Generation(
         token_ids=[t for d in deltas for t in d.token_ids],
         logprobs=[p for d in deltas for p in d.logprobs],
-        versions=[v for d in deltas for v in d.versions],
+        versions=versions,
         finish_reason=last.finish_reason or "abort",
         stop_reason=last.stop_reason,
         routed_experts=routed,

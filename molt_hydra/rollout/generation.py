@@ -40,6 +40,9 @@ class Generation:
     routed_experts: list | None = None  # MoE: [prompt + generated positions][layer][top-k] expert ids, when enabled
     engine_index: int = -1
     top_logprobs: list[dict[int, float]] | None = None  # per token: the `Sampling.top_logprobs` best alternatives
+    # The finished output of an engine: (version, start, end) over the whole completion, as the engine core stamped
+    # its tokens; on the last delta of a stream it corrects the provisional versions of the earlier deltas.
+    version_spans: list[tuple[int, int, int]] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):

@@ -5,6 +5,7 @@ Two engines are started once for the module (fp32, eager, tiny Qwen3 with tied e
 
 import asyncio
 import math
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -206,20 +207,35 @@ def test_partial_rollout_tokens_carry_two_versions(engines, model_dir):
 
 @ray.remote
 class DyingEngine:
-    """Test double for an engine whose process dies mid-request."""
+    """Test double for an engine whose process dies once it has taken the requests (the router's batched calls)."""
 
-    async def generate(self, request):
+    async def submit(self, client, batch):
         import os
 
         os._exit(1)
 
+    async def collect(self, client):
+        await asyncio.sleep(3600)
+
 
 @ray.remote
 class StuckEngine:
-    """Test double for an engine that never answers."""
+    """Test double for an engine that takes requests and never answers; records what the router aborts."""
 
-    async def generate(self, request):
+    def __init__(self):
+        self.aborted = []
+
+    async def submit(self, client, batch):
+        pass
+
+    async def collect(self, client):
         await asyncio.sleep(3600)
+
+    async def abort(self, client, keys):
+        self.aborted += keys
+
+    async def aborted_keys(self):
+        return self.aborted
 
 
 def test_router_retries_on_a_dead_engine_and_times_out_a_stuck_one(engines):
@@ -230,10 +246,16 @@ def test_router_retries_on_a_dead_engine_and_times_out_a_stuck_one(engines):
     assert m["rollout/router/engine_deaths"] == 1 and m["rollout/router/retries"] == 1
     assert router.engine_for("d") == 1
 
-    stuck = Router([StuckEngine.remote()], timeout_s=1.0)
+    stuck_engine = StuckEngine.remote()
+    stuck = Router([stuck_engine], timeout_s=1.0)
     with pytest.raises(TimeoutError, match="did not answer"):
         asyncio.run(stuck.generate(GenerationRequest("t", PROMPT, Sampling(max_tokens=4))))
     assert stuck.metrics()["rollout/router/timeouts"] == 1
+    for _ in range(100):  # the engine is told to drop it (an async actor runs calls in no set order: poll)
+        if ray.get(stuck_engine.aborted_keys.remote(), timeout=30):
+            break
+        time.sleep(0.1)
+    assert ray.get(stuck_engine.aborted_keys.remote(), timeout=30) == [0]
 
 
 @dataclass
