@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 
 from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, scalar
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
 log = logging.getLogger(__name__)
+PROMPT_MEMO = 4096  # distinct prompts remembered per runner (a few batches' worth)
 
 
 class StepEnvRunner(Runner):
@@ -35,6 +37,27 @@ class StepEnvRunner(Runner):
         self.env_cls = env
         self.env_kwargs = dict(env_kwargs or {})
         self.image_tokens_per_image = image_tokens_per_image
+        self._prompts: dict = {}  # (tokenizer, prompt) -> (text, token ids): see `_prompt_ids`
+
+    def _prompt_ids(self, prompt, tools, tokenizer) -> tuple[str, list[int]]:
+        """The first model input as text and token ids. Chat messages are rendered here, so datasets may hand either
+        form; an Env's reset may declare its own tools. A group's samples share their prompt, so each distinct one
+        is rendered and tokenized once (plain-JSON prompts only: their text is a function of what the key holds)."""
+        try:
+            key = (id(tokenizer), prompt if isinstance(prompt, str) else json.dumps([prompt, tools], sort_keys=True))
+        except TypeError:  # not plain JSON (an image object, say): no key that is safe to share
+            key = None
+        if key is None or key not in self._prompts:
+            text = prompt if isinstance(prompt, str) else tokenizer.apply_chat_template(
+                prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+            found = (text, tokenizer(text, add_special_tokens=False)["input_ids"])
+            if key is None:
+                return found
+            if len(self._prompts) >= PROMPT_MEMO:
+                del self._prompts[next(iter(self._prompts))]  # the oldest
+            self._prompts[key] = found
+        text, ids = self._prompts[key]
+        return text, list(ids)
 
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
         env = self.env_cls(**self.env_kwargs)
@@ -44,11 +67,7 @@ class StepEnvRunner(Runner):
         state = env.reset({"observation": prompt, "label": episode.label})
         if inspect.isawaitable(state):
             state = await state
-        prompt = state["observation"]
-        if not isinstance(prompt, str):  # chat messages: render them here, so datasets may hand either form
-            tools = state.get("tools", episode.tools)  # an Env's reset may declare its own tools
-            prompt = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt, ids = self._prompt_ids(state["observation"], state.get("tools", episode.tools), tokenizer)
         images = list(episode.images)
         sampling = episode.sampling
         image_budget = self.image_tokens_per_image * len(images)

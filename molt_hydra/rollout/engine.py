@@ -10,17 +10,15 @@ rollout/quiet_executor.py (vLLM's, with queue readers that do not spin while the
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import functools
 import logging
 import math
 import os
-import pickle
 import uuid
 from typing import Any
 
 from molt_hydra.rollout import core_forkserver
+from molt_hydra.rollout.batched_calls import BatchedCallee
 from molt_hydra.rollout.generation import Generation, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -28,7 +26,9 @@ WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtensio
 DEATH_POLL_S = 0.5  # how often a weight-sync call checks that the engine core is still alive
 
 
-class VLLMEngine:
+class VLLMEngine(BatchedCallee):
+    BATCHED = ("generate",)  # routers send their requests in batches (rollout/batched_calls.py)
+
     def __init__(
         self,
         model: str,
@@ -82,8 +82,6 @@ class VLLMEngine:
         self._cpu_routing = False  # set in start(): R3 through rollout/routing_capture.py instead of vLLM's capture
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
-        self._running: dict[tuple[str, int], asyncio.Task] = {}  # (client, key) -> the request's task
-        self._finished: collections.defaultdict[str, asyncio.Queue] = collections.defaultdict(asyncio.Queue)
 
     async def start(self) -> int:
         """Build the engine (idempotent); returns the engine index once ready."""
@@ -167,44 +165,6 @@ class VLLMEngine:
         await self.start()
         s = request.sampling
         return list(await asyncio.gather(*(self._generate_one(request, i) for i in range(s.n))))
-
-    # --- batched calls: one Ray call carries every request a router issued in one event-loop turn ---
-
-    async def submit(self, client: str, batch: list[tuple[int, GenerationRequest]]) -> None:
-        """Start each (key, request) of `batch`; `client`'s results come back through `collect`."""
-        for key, request in batch:
-            task = self._running[(client, key)] = asyncio.ensure_future(self.generate(request))
-            task.add_done_callback(functools.partial(self._settled, client, key))
-
-    async def collect(self, client: str) -> list[tuple[int, list[Generation] | Exception | None]]:
-        """Every (key, result) of `client` finished since its last call, waiting until there is one. A result is the
-        generations, the request's exception, or None for a request `abort`ed."""
-        inbox = self._finished[client]
-        done = [await inbox.get()]
-        while not inbox.empty():
-            done.append(inbox.get_nowait())
-        return done
-
-    async def abort(self, client: str, keys: list[int]) -> None:
-        """Stop these requests (vLLM aborts them); each still comes back once from `collect`, as None."""
-        for key in keys:
-            task = self._running.get((client, key))
-            if task is not None:
-                task.cancel()
-
-    def _settled(self, client: str, key: int, task: asyncio.Task) -> None:
-        del self._running[(client, key)]
-        if task.cancelled():
-            result = None
-        elif (error := task.exception()) is not None:  # the request's own failure, or the engine core's death
-            try:
-                pickle.dumps(error)
-                result = error
-            except Exception:  # noqa: BLE001 - an exception Ray could not ship: its text instead
-                result = RuntimeError(f"{type(error).__name__}: {error}")
-        else:
-            result = task.result()
-        self._finished[client].put_nowait((key, result))
 
     async def generate_stream(self, request: GenerationRequest):
         """One completion (`sampling.n` must be 1) as it is sampled: `Generation` deltas, the last one carrying the

@@ -5,21 +5,17 @@ engine's cache). A dead engine (its actor gone, or its vLLM engine core: the act
 no longer sent anything; its requests are retried, with their own sampling seeds, on another live engine or on the
 replacement the driver starts (runtime/engine_keeper.py), waiting for one while none is live. Retries and deaths are
 counted. Every engine call has a timeout: a stuck engine fails the request, counted, never a silent hang.
-
-Requests travel in batches (`EngineLink`): a Ray actor call costs about half a millisecond of CPU on each side, as much
-as vLLM spends on a short request, so all the requests issued for one engine in one event-loop turn (a GRPO group's
-samples, a batch's first turns) go out in one call, and finished results come back through one outstanding long poll.
+Requests travel to each engine in batches, their results back through a long poll (rollout/batched_calls.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import itertools
 import time
-import uuid
 from collections import OrderedDict
 
+from molt_hydra.rollout.batched_calls import BatchedCalls
 from molt_hydra.rollout.generation import Generation, GenerationRequest
 
 
@@ -59,76 +55,6 @@ class SessionAffinity:
         self.alive[index], self.in_flight[index] = True, 0
 
 
-class EngineLink:
-    """One router's batched calls to one engine actor (`VLLMEngine.submit` / `collect` / `abort`): requests sent in the
-    same event-loop turn leave in one `submit`; while any is waiting, one `collect` is outstanding and hands back all
-    the results that finished meanwhile. If the actor dies, every request waiting on it fails with that error."""
-
-    def __init__(self, engine, client: str):
-        self.engine, self.client = engine, client
-        self._outbox: list = []  # (key, request) of this event-loop turn
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._collector: asyncio.Task | None = None
-        self._keys = itertools.count()
-
-    def send(self, request: GenerationRequest) -> tuple[int, asyncio.Future]:
-        loop = asyncio.get_running_loop()
-        key, future = next(self._keys), loop.create_future()
-        self._waiting[key] = future
-        if not self._outbox:
-            loop.call_soon(self._flush)
-        self._outbox.append((key, request))
-        if self._collector is None:
-            self._collector = asyncio.ensure_future(self._collect())
-        return key, future
-
-    def abort(self, key: int) -> None:
-        """Stop a request whose caller gave up on it (timeout, cancelled rollout): vLLM frees its slot."""
-        if self._waiting.pop(key, None) is not None:
-            self.engine.abort.remote(self.client, [key])
-
-    def close(self, error: Exception) -> None:
-        """The engine was replaced: what still waits on it fails (and is retried elsewhere)."""
-        self._fail(error)
-        if self._collector is not None:
-            self._collector.cancel()
-
-    def _flush(self) -> None:
-        batch, self._outbox = self._outbox, []
-        submitted = asyncio.ensure_future(self.engine.submit.remote(self.client, batch))
-        submitted.add_done_callback(lambda done: self._submitted(done, [key for key, _ in batch]))
-
-    def _submitted(self, submitted: asyncio.Future, keys: list[int]) -> None:
-        if not submitted.cancelled() and submitted.exception() is not None:  # the actor never got them
-            for key in keys:
-                future = self._waiting.pop(key, None)
-                if future is not None and not future.done():
-                    future.set_exception(submitted.exception())
-
-    async def _collect(self) -> None:
-        """While requests wait: one long poll at a time, each answer resolving every request that finished."""
-        try:
-            while self._waiting:
-                for key, result in await self.engine.collect.remote(self.client):
-                    future = self._waiting.pop(key, None)
-                    if future is None or future.done():  # aborted, or its caller gave up
-                        continue
-                    if isinstance(result, BaseException):
-                        future.set_exception(result)
-                    else:
-                        future.set_result(result)
-        except Exception as e:  # the actor is gone (RayActorError): nothing waiting on it will come back
-            self._fail(e)
-        finally:
-            self._collector = None
-
-    def _fail(self, error: Exception) -> None:
-        waiting, self._waiting = self._waiting, {}
-        for future in waiting.values():
-            if not future.done():
-                future.set_exception(error)
-
-
 class Router:
     """A `TokenGenerator` over Ray handles of `VLLMEngine`."""
 
@@ -139,8 +65,7 @@ class Router:
         self.affinity = SessionAffinity(len(engines), max_sessions)
         self.counts = {"requests": 0, "retries": 0, "timeouts": 0, "engine_deaths": 0}
         self._outage, self._down_since = 0.0, None  # seconds with no live engine (requests waiting for one)
-        self._client = uuid.uuid4().hex  # this router's results, apart from other runners' on the same engines
-        self._links = [EngineLink(e, self._client) for e in engines]
+        self._links = [BatchedCalls(e, "generate") for e in engines]
 
     def engine_for(self, session_id: str) -> int:
         return self.affinity.pick(session_id)
@@ -152,19 +77,14 @@ class Router:
         for attempt in range(self.max_retries + 1):
             index = await self._live_engine(request.session_id)
             engine, link = self.engines[index], self._links[index]
-            key, future = link.send(request)
             self.affinity.in_flight[index] += 1
             try:
-                return await asyncio.wait_for(future, self.timeout_s)
+                return await asyncio.wait_for(link.call(request), self.timeout_s)  # a timeout aborts it in vLLM
             except asyncio.TimeoutError:
                 self.counts["timeouts"] += 1
-                link.abort(key)  # aborts the request inside vLLM
                 raise TimeoutError(
                     f"engine {index} did not answer session {request.session_id!r} within {self.timeout_s} s"
                 ) from None
-            except asyncio.CancelledError:  # the rollout was given up on: free its slot in the engine
-                link.abort(key)
-                raise
             except Exception as e:
                 if not isinstance(e, ray.exceptions.RayActorError) and await self._healthy(engine):
                     raise  # the request's own error, not the engine's
@@ -216,7 +136,7 @@ class Router:
         """The driver's replacement for dead engine `index` (started, holding the current weights and version)."""
         self._links[index].close(RuntimeError(f"engine {index} was replaced"))
         self.engines[index] = engine
-        self._links[index] = EngineLink(engine, self._client)
+        self._links[index] = BatchedCalls(engine, "generate")
         self.affinity.revive(index)
 
     async def generate_stream(self, request: GenerationRequest):

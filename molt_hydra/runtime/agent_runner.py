@@ -14,6 +14,7 @@ import threading
 import uuid
 from pathlib import Path
 
+from molt_hydra.rollout.batched_calls import BatchedCallee, BatchedCalls
 from molt_hydra.rollout.generation import Sampling
 
 
@@ -86,8 +87,10 @@ def routing_tensor(rows: list | None, length: int):
     return out
 
 
-class AgentRunnerActor:
+class AgentRunnerActor(BatchedCallee):
     """Hosts one agent runner. Returns trajectories (not tensors) so the generator can filter on their scores."""
+
+    BATCHED = ("run_group",)  # the driver's groups arrive in batches (rollout/batched_calls.py)
 
     def __init__(self, runner_spec: dict, engines: list, *, tokenizer_path: str, max_len: int, timeout_s: float,
                  engine_timeout_s: float, seed: int, max_turns: int, apply_chat_template: bool = False,
@@ -189,6 +192,7 @@ class RemoteGroupRunner:
 
     def __init__(self, actors: list):
         self.actors, self._next = actors, 0
+        self._calls = [BatchedCalls(a, "run_group") for a in actors]
 
     async def run_group(self, row: dict, n_samples: int, sampling: Sampling):
         import ray
@@ -197,7 +201,7 @@ class RemoteGroupRunner:
 
         i, self._next = self._next, (self._next + 1) % len(self.actors)
         try:
-            return await self.actors[i].run_group.remote(row, n_samples, sampling)
+            return await self._calls[i].call(row, n_samples, sampling)
         except ray.exceptions.RayActorError as e:  # the runner process is gone: the run cannot go on without it
             raise RunFailed(f"agent runner {i}", describe(e)) from e
 

@@ -209,7 +209,7 @@ def test_partial_rollout_tokens_carry_two_versions(engines, model_dir):
 class DyingEngine:
     """Test double for an engine whose process dies once it has taken the requests (the router's batched calls)."""
 
-    async def submit(self, client, batch):
+    async def submit(self, client, method, batch):
         import os
 
         os._exit(1)
@@ -225,7 +225,7 @@ class StuckEngine:
     def __init__(self):
         self.aborted = []
 
-    async def submit(self, client, batch):
+    async def submit(self, client, method, batch):
         pass
 
     async def collect(self, client):

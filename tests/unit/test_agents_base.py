@@ -92,3 +92,43 @@ def test_fresh_env_per_episode_and_empty_rollouts_counted():
     eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8) for _ in range(3)]
     outcome = asyncio.run(Counting().run_group(eps, None, None))
     assert dict(outcome.failures) == {"empty_session": 3} and outcome.trajectories == [] and len(made) == 3
+
+
+def test_a_groups_shared_prompt_is_rendered_and_tokenized_once(tiny_model):
+    """Eight samples of one chat prompt and one sample of another: two renders, two tokenizations, and every sample
+    still starts from its own prompt's exact ids."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env, Result
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    calls = {"render": 0, "tokenize": 0}
+
+    class Counted:  # the real tokenizer, its render and tokenize calls counted
+        def apply_chat_template(self, *a, **kw):
+            calls["render"] += 1
+            return tok.apply_chat_template(*a, **kw)
+
+        def __call__(self, *a, **kw):
+            calls["tokenize"] += 1
+            return tok(*a, **kw)
+
+        def decode(self, *a, **kw):
+            return tok.decode(*a, **kw)
+
+    class Echo:
+        async def generate(self, request):
+            return [Generation([7], [-0.5], [0], "stop")]
+
+    class OneTurn(Env):
+        async def step(self, state):
+            return Result(reward=1.0)
+
+    chats = [[{"role": "user", "content": "What is 2+2?"}]] * 8 + [[{"role": "user", "content": "And 3+3?"}]]
+    eps = [Episode(prompt=c, sampling=Sampling(max_tokens=1), max_length=64) for c in chats]
+    outcome = asyncio.run(StepEnvRunner(OneTurn).run_group(eps, Echo(), Counted()))
+    assert calls == {"render": 2, "tokenize": 2}
+    for traj, chat in zip(outcome.trajectories, chats):
+        expected = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"]
+        assert traj.token_ids == expected + [7]
