@@ -1,0 +1,99 @@
+"""Many calls to a real Ray actor per round trip (rollout/batched_calls.py): one submit per event-loop turn, each
+result back as soon as it is done, aborts reach the actor, the actor's death fails what waits on it."""
+
+import asyncio
+import sys
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from molt_hydra.rollout.batched_calls import BatchedCallee, BatchedCalls  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class travels with its code
+
+
+class Sleeper(BatchedCallee):
+    BATCHED = ("nap",)
+
+    def __init__(self):
+        self.submits, self.cancelled = [], []
+
+    async def submit(self, client, method, batch):
+        self.submits.append(len(batch))
+        await super().submit(client, method, batch)
+
+    async def nap(self, seconds, tag):
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            self.cancelled.append(tag)
+            raise
+        if tag == "boom":
+            raise KeyError(tag)
+        return tag
+
+    async def seen(self):
+        return self.submits, self.cancelled
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def test_one_submit_per_turn_and_each_result_as_soon_as_it_is_done(cluster):
+    actor = ray.remote(Sleeper).remote()
+    calls = BatchedCalls(actor, "nap")
+
+    async def scenario():
+        start = time.monotonic()
+        slow = asyncio.ensure_future(calls.call(3.0, "slow"))
+        fast = [asyncio.ensure_future(calls.call(0.05, f"f{i}")) for i in range(9)]
+        got = await asyncio.gather(*fast)
+        fast_done = time.monotonic() - start
+        return got, fast_done, await slow
+
+    got, fast_done, slow = asyncio.run(scenario())
+    assert got == [f"f{i}" for i in range(9)] and slow == "slow"
+    assert fast_done < 2.0  # not held back until the 3 s call finished
+    assert ray.get(actor.seen.remote())[0] == [10]  # ten calls, one round trip
+
+
+def test_a_call_given_up_on_is_aborted_in_the_actor_and_errors_come_back_as_raised(cluster):
+    actor = ray.remote(Sleeper).remote()
+    calls = BatchedCalls(actor, "nap")
+
+    async def scenario():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(calls.call(60.0, "given-up"), 0.5)
+        with pytest.raises(KeyError, match="boom"):
+            await calls.call(0.0, "boom")
+
+    asyncio.run(scenario())
+    for _ in range(100):  # the abort is a call of its own: an async actor runs calls in no set order
+        if ray.get(actor.seen.remote())[1]:
+            break
+        time.sleep(0.05)
+    assert ray.get(actor.seen.remote())[1] == ["given-up"]
+
+
+def test_the_actors_death_fails_every_waiting_call_and_unserved_methods_are_refused(cluster):
+    actor = ray.remote(Sleeper).remote()
+    calls = BatchedCalls(actor, "nap")
+
+    async def scenario():
+        waiting = [asyncio.ensure_future(calls.call(60.0, f"w{i}")) for i in range(3)]
+        await asyncio.sleep(1.0)
+        ray.kill(actor)
+        return await asyncio.gather(*waiting, return_exceptions=True)
+
+    errors = asyncio.run(scenario())
+    assert all(isinstance(e, ray.exceptions.RayActorError) for e in errors), errors
+
+    other = ray.remote(Sleeper).remote()
+    with pytest.raises(ValueError, match="not served in batches"):
+        asyncio.run(BatchedCalls(other, "seen").call())
