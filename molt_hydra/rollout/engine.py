@@ -78,7 +78,6 @@ class VLLMEngine:
         self.plain_cpu_weights = plain_cpu_weights
         self._cpu_routing = False  # set in start(): R3 through rollout/routing_capture.py instead of vLLM's capture
         self._plain_weights = False  # set in start(): the workers load in place, with no reload to finalize
-        self._prefix_caching = True  # set in start() from vLLM's resolved config
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
 
@@ -149,7 +148,6 @@ class VLLMEngine:
                                          "weights otherwise (fused MoE experts, quantized layers) or is compiled; set "
                                          "rollout.plain_cpu_weights=false")
                     self._plain_weights = True
-                self._prefix_caching = bool(self._llm.vllm_config.cache_config.enable_prefix_caching)
         return self.engine_index
 
     def _engine(self):
@@ -285,7 +283,7 @@ class VLLMEngine:
         paused, the old version number). `check`: run the coverage check beside the resume (the names the trainer
         wrote in place count as pushed) and return each worker's missing names; None when not asked."""
         finishing = [] if self._plain_weights else [self.worker_call("finish_layerwise_reload")]  # plain: nothing
-        if self._prefix_caching:  # a cache that does not exist is not a round trip
+        if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
             finishing.append(self._while_alive(self._engine().reset_prefix_cache()))
         try:  # the engine core runs them one by one; the resume must follow both
             await asyncio.gather(*finishing)
