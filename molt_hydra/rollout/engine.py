@@ -80,6 +80,7 @@ class VLLMEngine(BatchedCallee):
         self.return_routed_experts = return_routed_experts
         self.plain_cpu_weights = plain_cpu_weights
         self._cpu_routing = False  # set in start(): R3 through rollout/routing_capture.py instead of vLLM's capture
+        self._plain_weights = False  # set in start(): the workers load in place, with no reload to finalize
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
 
@@ -145,12 +146,13 @@ class VLLMEngine(BatchedCallee):
                 await self._llm.update_weight_version(str(self.version))
                 if self._cpu_routing:
                     await self.worker_call("start_routing_capture")
-                if self.plain_cpu_weights and current_platform.is_cpu() and not all(
-                        await self.worker_call("keep_plain_cpu_weights")):
-                    self.shutdown()
-                    raise ValueError("rollout.plain_cpu_weights: this model has layers that process their weights "
-                                     "otherwise (fused MoE experts, quantized layers) or is compiled; set "
-                                     "rollout.plain_cpu_weights=false")
+                if self.plain_cpu_weights and current_platform.is_cpu():
+                    if not all(await self.worker_call("keep_plain_cpu_weights")):
+                        self.shutdown()
+                        raise ValueError("rollout.plain_cpu_weights: this model has layers that process their "
+                                         "weights otherwise (fused MoE experts, quantized layers) or is compiled; set "
+                                         "rollout.plain_cpu_weights=false")
+                    self._plain_weights = True
         return self.engine_index
 
     def _engine(self):
@@ -266,7 +268,7 @@ class VLLMEngine(BatchedCallee):
                                f"{num_tokens} generated tokens")
         return spans
 
-    # --- weight sync (called by molt_hydra.rollout.weight_sync on every engine) ---
+    # --- weight sync (called by molt_hydra.rollout.weight_sync on every engine): one call before, one after ---
 
     async def pause(self) -> None:
         """Freeze in-flight requests in the scheduler (mode keep): they continue after `resume` under new weights.
@@ -298,20 +300,34 @@ class VLLMEngine(BatchedCallee):
         return sum(await self.worker_call("load_safetensors_bytes", bytes(blob)))
 
     async def begin_weight_update(self) -> list:
-        """Per worker: its parameter region's handle when the trainer may write into it (worker_extension)."""
+        """Pause, then start the update on every worker (after the pause: a layerwise reload must not start under a
+        running step); per worker, its parameter region's handle when the trainer may write into it (worker_extension).
+        One call, so a sync costs the trainer one round trip to this actor before its first bucket."""
+        await self.pause()
         return await self.worker_call("begin_layerwise_reload")
 
-    async def finish_weight_update(self, version: int | None) -> None:
-        """After the last bucket: finalize the reload, refresh tied heads, drop KV computed by the old weights and
-        stamp the new version (`None`: the update failed, keep the old version number)."""
-        await asyncio.gather(self.worker_call("finish_layerwise_reload"),  # the engine core runs them one by one
-                             self._while_alive(self._engine().reset_prefix_cache()))
-        if version is not None:
-            # before `resume`: every token sampled from now on is stamped with the new version
-            await self._while_alive(self._engine().update_weight_version(str(version)))
-            self.version = version
-        else:  # a failed update may have written part of the weights: never generate from them (`healthy`)
+    async def finish_weight_update(self, version: int | None, check: list[str] | None = None) -> list | None:
+        """After the last bucket: finalize the reload, drop KV computed by the old weights, stamp the new version and
+        resume. `version` None: the update failed part-way, so the engine is marked `weights_mixed` (unhealthy, kept
+        paused, the old version number). `check`: run the coverage check beside the resume (the names the trainer
+        wrote in place count as pushed) and return each worker's missing names; None when not asked."""
+        finishing = [] if self._plain_weights else [self.worker_call("finish_layerwise_reload")]  # plain: nothing
+        if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
+            finishing.append(self._while_alive(self._engine().reset_prefix_cache()))
+        if version is not None:  # every token sampled after the resume is stamped with it (see `_outputs`)
+            finishing.append(self._while_alive(self._engine().update_weight_version(str(version))))
+        try:  # the engine core runs them one by one; the resume must follow them
+            await asyncio.gather(*finishing)
+        except BaseException:
+            self.weights_mixed = True  # layers left mid-reload: never generate from them
+            raise
+        if version is None:  # a failed update may have written part of the weights: never generate from them
             self.weights_mixed = True
+            return None
+        self.version = version
+        checks = [self.worker_call("missing_weights", check)] if check is not None else []
+        _, *missing = await asyncio.gather(self.resume(), *checks)  # the check reads names only: beside the resume
+        return missing[0] if checks else None
 
     async def get_version(self) -> int:
         return self.version

@@ -400,10 +400,11 @@ class WeightSync:
         return await asyncio.gather(*(self._call(getattr(e, method).remote(*args)) for e in self.engines))
 
     async def sync(self, buckets: Iterable[Bucket], version: int | None = None) -> SyncReport:
+        """One call per engine before the buckets (pause + begin) and one after (finish + resume + the coverage
+        check): the round trips to the engines are what a sync costs beyond its one copy."""
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
         num_tensors = num_bytes = 0
-        await self._all("pause")
         done = False
         try:
             begun = await self._all("begin_weight_update")
@@ -418,16 +419,13 @@ class WeightSync:
         finally:
             if not done and hasattr(self.transport, "abandon"):
                 await self.transport.abandon()
-            try:  # also after a failure: layers left mid-reload would break generation
-                await self._all("finish_weight_update", version if done else None)
-            finally:
-                # the coverage check (after the finish: every load landed) runs beside the resume
-                written = sorted(getattr(self.transport, "written", ()))  # the trainer wrote these in place
-                check = [self._all("worker_call", "missing_weights", written)] if done and self.check_coverage else []
-                answers = await asyncio.gather(self._all("resume"), *check)
+            # also after a failure (version None): layers left mid-reload would break generation, and the engine
+            # must know its weights are mixed; the check (every load landed) counts what the trainer wrote in place
+            check = sorted(getattr(self.transport, "written", ())) if done and self.check_coverage else None
+            missing = await self._all("finish_weight_update", version if done else None, check)
         self.version = version
-        missing = answers[1] if self.check_coverage else []
-        missing_names = sorted({name for per_engine in missing for per_worker in per_engine for name in per_worker})
+        missing_names = sorted({name for per_engine in missing if per_engine for per_worker in per_engine
+                                for name in per_worker})
         if missing_names:
             raise WeightCoverageError(missing_names)
         return SyncReport(version, num_tensors, num_bytes, time.perf_counter() - start,

@@ -23,8 +23,13 @@ class WeightSyncWorkerExtension:
 
     def begin_layerwise_reload(self) -> tuple | None:
         """Returns the handle of this worker's parameter region when its parameters live in one (`map_parameters`):
-        the trainer then writes the update into it straight, with the copy plan it got for that handle."""
-        if not getattr(self, "_plain_cpu_weights", False):  # plain weights load in place: no reload state
+        the trainer then writes the update into it straight, with the copy plan it got for that handle. Plain weights
+        load in place, with no reload state and nothing to finalize: the caches of what the old weights computed are
+        dropped now instead of after the update (the engine is paused: nothing refills them until it resumes)."""
+        if getattr(self, "_plain_cpu_weights", False):
+            self.model_runner.reset_encoder_cache()
+            self.model_runner.reset_mm_cache()
+        else:
             self._vllm_begin_reload()
         self._loaded_names = set()
         return getattr(self, "_parameter_map", (None, None))[0]
@@ -50,9 +55,7 @@ class WeightSyncWorkerExtension:
             self.model_runner.get_model().load_weights(bucket)
 
     def finish_layerwise_reload(self) -> None:
-        if getattr(self, "_plain_cpu_weights", False):
-            self.model_runner.reset_encoder_cache()
-            self.model_runner.reset_mm_cache()
+        if getattr(self, "_plain_cpu_weights", False):  # nothing to finalize (begin_layerwise_reload)
             return
         self._vllm_finish_reload()
         if self.device.type == "cuda":  # the update is complete on the device when the sync returns

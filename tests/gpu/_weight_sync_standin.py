@@ -171,9 +171,9 @@ def serve(conn, shape: str, device: str, model_dir: str | None) -> None:
 
 class StandInEngine:
     """Stand-in for a `VLLMEngine` Ray handle: `handle.method.remote(*args)` sends the call at once (as Ray submits
-    it) and returns an awaitable result. pause/resume are vLLM scheduler calls: nothing to do without an engine.
-    Several calls may be outstanding (the GPU transports keep buckets in flight): the receiving process answers in
-    call order, and one reader thread hands each answer to its call."""
+    it) and returns an awaitable result. The pause and resume inside begin/finish_weight_update are vLLM scheduler
+    calls: nothing to do without an engine. Several calls may be outstanding (the GPU transports keep buckets in
+    flight): the receiving process answers in call order, and one reader thread hands each answer to its call."""
 
     def __init__(self, shape: str, device: str, model_dir: str | None = None):
         ctx = mp.get_context("spawn")
@@ -186,7 +186,7 @@ class StandInEngine:
         self.sending = threading.Lock()
         threading.Thread(target=self._read_answers, daemon=True).start()
         self.version = 0
-        for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call"):
+        for name in ("begin_weight_update", "finish_weight_update", "worker_call"):
             setattr(self, name, types.SimpleNamespace(remote=getattr(self, f"_{name}")))
 
     def _read_answers(self) -> None:
@@ -221,25 +221,18 @@ class StandInEngine:
             return value
         return result()
 
-    async def _noop(self):
-        return None
-
-    def _pause(self):
-        return self._noop()
-
-    def _resume(self):
-        return self._noop()
-
     def _begin_weight_update(self):
         return self._submit("begin_layerwise_reload")
 
-    def _finish_weight_update(self, version):
+    def _finish_weight_update(self, version, check=None):
         done = self._submit("finish_layerwise_reload")
+        checked = self._submit("missing_weights", check) if check is not None and version is not None else None
 
-        async def stamp():
+        async def stamp():  # resume: a vLLM scheduler call
             await done
             if version is not None:
                 self.version = version
+            return None if checked is None else [await checked]
         return stamp()
 
     def _worker_call(self, method: str, *args):

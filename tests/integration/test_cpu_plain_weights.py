@@ -116,6 +116,19 @@ def test_after_one_recorded_sync_the_trainer_writes_into_the_engines_parameters_
     assert generate(synced) == before
 
 
+def test_a_request_sent_during_an_update_waits_for_it_and_is_sampled_under_the_new_version(engines):
+    """One call before the buckets pauses the engine and one after stamps the version and resumes it: a request sent
+    in between samples nothing until the finish, then every token carries the version the finish stamped."""
+    synced = engines[0]
+    version = ray.get(synced.get_version.remote(), timeout=30) + 10
+    ray.get(synced.begin_weight_update.remote(), timeout=60)
+    pending = synced.generate.remote(GenerationRequest("during", PROMPTS[0], GREEDY))
+    assert not ray.wait([pending], timeout=3)[0]  # paused (unpaused, 24 tiny-model tokens take ~0.1 s)
+    assert ray.get(synced.finish_weight_update.remote(version, None), timeout=60) is None  # no check asked
+    assert ray.get(pending, timeout=120)[0].versions == [version] * GREEDY.max_tokens
+    assert ray.get(synced.healthy.remote(), timeout=30) is True
+
+
 def test_a_sync_that_fails_part_way_leaves_the_engine_unhealthy_and_paused(engines, dirs):
     """Part of the weights written, then the trainer fails: the engine must not serve from mixed weights. It reports
     itself unhealthy (the driver replaces it) and is not resumed. Last in this module: the engine is done after it."""
@@ -132,3 +145,29 @@ def test_a_sync_that_fails_part_way_leaves_the_engine_unhealthy_and_paused(engin
         asyncio.run(WeightSync([synced], SharedMemoryTransport()).sync(trainer_dies_mid_sync()))
     assert ray.get(synced.healthy.remote(), timeout=30) is False
     assert ray.get(synced.resume.remote(), timeout=30) is None and ray.get(synced.healthy.remote(), timeout=30) is False
+
+
+def test_an_update_whose_finish_fails_leaves_the_engine_unhealthy_and_paused(engines):
+    """The finish resumes the engine only once the update was finalized: when finalizing fails, the engine keeps its
+    old version, reports itself unhealthy (the driver replaces it) and is not resumed. Uses the second engine, last."""
+    def finalizing_fails(engine) -> None:  # runs in the engine actor (a nested function travels by value)
+        engine._plain_weights = False  # finish runs the workers' finalization, as on packed weights
+        real = engine.worker_call
+
+        async def worker_call(method, *args):
+            if method == "finish_layerwise_reload":  # a packed layer that cannot be re-processed
+                raise RuntimeError("re-processing failed")
+            return await real(method, *args)
+        engine.worker_call = worker_call
+
+    engine = engines[1]
+    version = ray.get(engine.get_version.remote(), timeout=30)
+    ray.get(engine.__ray_call__.remote(finalizing_fails), timeout=30)
+    ray.get(engine.begin_weight_update.remote(), timeout=60)
+    with pytest.raises(ray.exceptions.RayTaskError, match="re-processing failed"):
+        ray.get(engine.finish_weight_update.remote(version + 1, None), timeout=60)
+    assert ray.get(engine.healthy.remote(), timeout=30) is False
+    assert ray.get(engine.get_version.remote(), timeout=30) == version
+    pending = engine.generate.remote(GenerationRequest("after", PROMPTS[0], GREEDY))
+    assert not ray.wait([pending], timeout=3)[0]  # still paused
+    ray.cancel(pending)

@@ -95,7 +95,7 @@ class FakeEngine:
         self.worker, self.log, self.version = worker, log, 0
         # a vLLM worker runs one RPC at a time, in order: two gloo receives of one group at once would abort gloo
         self.worker_thread = ThreadPoolExecutor(1)
-        for name in ("pause", "resume", "begin_weight_update", "finish_weight_update", "worker_call"):
+        for name in ("begin_weight_update", "finish_weight_update", "worker_call"):
             setattr(self, name, types.SimpleNamespace(remote=self._remote(name)))
 
     def _remote(self, name):
@@ -104,11 +104,13 @@ class FakeEngine:
             run = asyncio.get_running_loop().run_in_executor
             if name == "worker_call":
                 return [await run(self.worker_thread, getattr(self.worker, args[0]), *args[1:])]
-            if name == "begin_weight_update":
+            if name == "begin_weight_update":  # pause (nothing to freeze here), then begin
                 return [self.worker.begin_layerwise_reload()]
-            if name == "finish_weight_update":
+            if name == "finish_weight_update":  # finish, stamp, resume (nothing to resume), the coverage check
+                version, check = args
                 self.worker.finish_layerwise_reload()
-                self.version = args[0]
+                self.version = version
+                return None if check is None or version is None else [self.worker.missing_weights(check)]
         return lambda *args: call(*args)
 
 
@@ -184,9 +186,9 @@ def test_gpu_transports_deliver_every_tensor_in_the_wire_dtype_and_bump_the_vers
         for name, t0 in named_tensors():
             want = t0.to(torch.bfloat16) if t0.is_floating_point() else t0
             assert w.loaded[name].dtype == want.dtype and torch.equal(w.loaded[name], want)
-    # pause first, resume last, versions stamped before resuming
-    assert log[:4] == ["pause", "pause", "begin_weight_update", "begin_weight_update"]
-    assert log[-2:] == ["resume", "resume"]
+    # one call per engine before the buckets (pause + begin), one after (finish, stamp, resume)
+    assert log[:2] == ["begin_weight_update"] * 2 and log[-2:] == ["finish_weight_update"] * 2
+    assert log.count("begin_weight_update") == log.count("finish_weight_update") == 2
     assert all(w._loaded_names == {n for n, _ in named_tensors()} for w in workers)
     assert log.index("finish_weight_update") > max(i for i, m in enumerate(log) if m.startswith("receive_"))
 
@@ -308,7 +310,7 @@ def test_a_failed_pipelined_sync_leaves_nothing_in_flight_for_the_next_one():
     one_per_bucket = 1  # 4 buckets: more than the two in flight
     with pytest.raises(RuntimeError, match="engine died"):
         asyncio.run(WeightSync([engine], transport, timeout_s=60).sync(bucket_weights(named_tensors(), one_per_bucket)))
-    assert not transport.in_flight and log[-2:] == ["finish_weight_update", "resume"]
+    assert not transport.in_flight and log[-1] == "finish_weight_update" and engine.version is None
     worker.dead = False
     sync = WeightSync([engine], transport, timeout_s=60, version=1)
     assert asyncio.run(sync.sync(bucket_weights(named_tensors(), one_per_bucket))).version == 2
@@ -464,7 +466,10 @@ class PlainCpuWorker(WeightSyncWorkerExtension):
         model.head = nn.Parameter(model.embed.data, requires_grad=False)  # tied: a second Parameter, one storage
         model.bias = nn.Parameter(torch.zeros(8, dtype=torch.bfloat16), requires_grad=False)
         self.model = model
-        self.model_runner = types.SimpleNamespace(get_model=lambda: model)
+        self.cache_resets = []  # what vLLM's model runner was asked to drop (outputs of the old weights)
+        self.model_runner = types.SimpleNamespace(get_model=lambda: model,
+                                                  reset_encoder_cache=lambda: self.cache_resets.append("encoder"),
+                                                  reset_mm_cache=lambda: self.cache_resets.append("mm"))
         self.loader_calls = 0
 
     def _load_into_model(self, bucket):
@@ -477,9 +482,6 @@ class PlainCpuWorker(WeightSyncWorkerExtension):
                     pass  # tied: the engine's loader skips it
                 else:
                     getattr(self.model, name.removesuffix(".weight")).copy_(t)
-
-    def finish_layerwise_reload(self):
-        pass
 
     def expected(self, weights):
         w = dict(weights)
@@ -506,6 +508,8 @@ def test_shm_writes_into_a_plain_cpu_engines_parameters_in_place_after_one_recor
 
     first = plain_weights(0)
     assert not asyncio.run(sync.sync(bucket_weights(first, one_per_bucket))).in_place
+    # outputs of the old weights are dropped when the update begins (paused): there is no reload to finish after it
+    assert worker.cache_resets == ["encoder", "mm"]
     assert transport.mapped is None and log.count("load_shared_bucket_recorded") == 5
     for name, want in worker.expected(first).items():
         assert torch.equal(getattr(worker.model, name), want)
