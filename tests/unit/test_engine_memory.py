@@ -26,13 +26,21 @@ def test_engine_passes_only_the_memory_knob_of_its_platform(monkeypatch, tiny_mo
 
     captured = {}
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: on_cpu)
-    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, args: captured.setdefault("a", args)))
+    class Front:  # what start() uses of the AsyncLLM it builds: the arguments, and the weight-version label
+        def __init__(self, args):
+            captured["a"] = args
+
+        async def update_weight_version(self, version):
+            captured["version"] = version
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, args: Front(args)))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "untouched")
     asyncio.run(VLLMEngine(tiny_model, kv_cache_gb=2.5, gpu_memory_utilization=0.7).start())
     args = captured["a"]
     assert args.kv_cache_memory_bytes is None  # never pinned: it would override gpu_memory_utilization on GPU
     assert args.gpu_memory_utilization == 0.7
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == ("3" if on_cpu else "untouched")  # ceil(2.5) GiB on CPU
+    assert captured["version"] == "0"  # the engine core stamps what it samples with the policy version
 
 
 def engine_memory(overrides: list[str]) -> dict:

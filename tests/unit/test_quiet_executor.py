@@ -20,8 +20,13 @@ def engine_args(monkeypatch, tiny_model, on_cpu: bool, tensor_parallel_size: int
 
     captured = {}
 
+    class Front:  # the AsyncLLM start() builds: it labels the weight version the engine core stamps
+        async def update_weight_version(self, version):
+            pass
+
     def from_engine_args(cls, args):  # the engine core is spawned in here: the environment it inherits
         captured.update(args=args, omp_threads=os.environ.get("OMP_NUM_THREADS"))
+        return Front()
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: on_cpu)
     monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(from_engine_args))
