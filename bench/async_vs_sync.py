@@ -21,12 +21,16 @@ so the budget sets the work; the arithmetic task's answers stop after ~30 tokens
 compute dominates both phases. Why 4 samples: training cost grows with samples x tokens while a CPU decode step costs
 about the same for 4 or 32 sequences (it reads every fp32 weight either way, ~55-90 ms), so at 32 samples training
 takes ~2-5x generation at every budget (bench/RESULTS.md grpo_vs_trl rows), and only a small batch balances.
-The floor on 2 cores: a sync step trains on both cores while generation runs the model on one (OMP threads = cores -
-1), so overlap can only fill the core generation leaves idle; an async step cannot take less than the sync step's CPU
-seconds / 2 (the row's 2-core bound, ~0.75 here), which is above the 0.60 goal.
+`--placement`: where the roles compute.
+- `shared` (the default run): a sync step trains on both cores while generation runs the model on one (OMP threads =
+  cores - 1), so overlap can only fill the core generation leaves idle; an async step cannot take less than the sync
+  step's CPU seconds / 2 (the row's 2-core bound, ~0.75 here), which is above the 0.60 goal.
+- `disjoint` (`parallelism.borrow_idle_cpus=false`): the trainer keeps to the one CPU Ray reserved for it and the
+  engine's model runs on the other, as engines and trainer sit on separate GPUs: a sync step leaves one of them idle
+  in each phase, which is the workload async overlap is for (balanced again under this placement).
 
     flock /tmp/molt_heavy.lock .venv/bin/python bench/async_vs_sync.py [--model tiny|smollm2] [--steps 12]
-        [--max-new-tokens N]
+        [--max-new-tokens N] [--placement shared|disjoint]
 """
 
 import argparse
@@ -48,6 +52,7 @@ MODELS = {  # model -> (overrides of the embedded default, description)
                  "train.micro_batch_size=4", "train.optimizer.lr=1e-5", "data.max_len=512"],  # room for ~300 tokens
                 "SmolLM2-135M-Instruct fp32, toy task, 1x4 samples, micro 4"),
 }
+PLACEMENTS = {"shared": [], "disjoint": ["parallelism.borrow_idle_cpus=false"]}
 PHASES = ("generation", "vllm_idle_wait", "actor_idle_wait", "make_experience", "policy_train", "weight_sync_wait",
           "weight_sync")
 def unprefix(row: dict) -> dict:
@@ -55,9 +60,11 @@ def unprefix(row: dict) -> dict:
     return {k[len("train/"):] if k.startswith("train/") else k: v for k, v in row.items()}
 
 
-def run(mode: str, steps: int, max_new: int, sample_cpu: bool = False, model: str = "tiny") -> tuple[list[dict], dict]:
+def run(mode: str, steps: int, max_new: int, sample_cpu: bool = False, model: str = "tiny",
+        placement: str = "shared") -> tuple[list[dict], dict]:
     out = Path(tempfile.mkdtemp(prefix=f"molt_bench_{mode}_"))
-    args = [str(Path(sys.executable).with_name("molt-run")), *MODELS[model][0], f"hydra.run.dir={out}",
+    args = [str(Path(sys.executable).with_name("molt-run")), *MODELS[model][0], *PLACEMENTS[placement],
+            f"hydra.run.dir={out}",
             f"train.max_steps={steps}",
             f"train.mode={mode}", f"rollout.max_new_tokens={max_new}", "logger.wandb.mode=disabled",
             "checkpoint.export_final=false"]
@@ -90,11 +97,11 @@ def gen_and_rest(rows) -> tuple[float, float]:
     return gen, mean(rows, "timing/step_total") - gen - mean(rows, "timing/weight_sync_wait")
 
 
-def balanced_tokens(steps: int, model: str) -> tuple[int, str]:
+def balanced_tokens(steps: int, model: str, placement: str) -> tuple[int, str]:
     """The max_new_tokens where a sync step's generation and rest take the same time (two probes, linear fit)."""
     probes = {}
     for tokens in (32, 128):
-        rows = run("sync", steps, tokens, model=model)[0]
+        rows = run("sync", steps, tokens, model=model, placement=placement)[0]
         probes[tokens] = gen_and_rest(rows)
         print(f"probe sync max_new_tokens={tokens}: generation {probes[tokens][0]:.2f} s, rest "
               f"{probes[tokens][1]:.2f} s, response length {mean(rows, 'rollout/response_length_mean'):.0f}",
@@ -112,14 +119,15 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=None, help="skip the balance probes and use this budget")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--placement", choices=sorted(PLACEMENTS), default="shared")
     args, _ = p.parse_known_args()  # --no-append is read by _common.append_row
     if args.max_new_tokens is None:
-        tokens, how = balanced_tokens(6, args.model)
+        tokens, how = balanced_tokens(6, args.model, args.placement)
     else:
         tokens, how = args.max_new_tokens, "budget given"
     print(f"balanced workload: max_new_tokens={tokens} ({how})", flush=True)
-    sync, cpu_s = run("sync", args.steps, tokens, sample_cpu=True, model=args.model)
-    asyn, cpu_a = run("async", args.steps, tokens, sample_cpu=True, model=args.model)
+    sync, cpu_s = run("sync", args.steps, tokens, sample_cpu=True, model=args.model, placement=args.placement)
+    asyn, cpu_a = run("async", args.steps, tokens, sample_cpu=True, model=args.model, placement=args.placement)
     s, a = mean(sync, "timing/step_total"), mean(asyn, "timing/step_total")
     gen, rest = gen_and_rest(sync)
     ideal = max(gen, rest) / s
@@ -130,10 +138,12 @@ def main():
     phases = "; ".join(f"{ph} {mean(sync, 'timing/' + ph):.2f}/{mean(asyn, 'timing/' + ph):.2f}" for ph in PHASES)
     roles = "; ".join(f"{r} {cpu_s.get(r, 0):.2f}/{cpu_a.get(r, 0):.2f}" for r in sorted(set(cpu_s) | set(cpu_a))
                       if r != "_wall")
+    where = " ".join(PLACEMENTS[args.placement]) or "the trainer borrows the cores the engine leaves idle"
     trained_s = sum(r["num_samples_trained"] for r in sync[SKIP:])
     trained_a = sum(r["num_samples_trained"] for r in asyn[SKIP:])
     append_row("async_vs_sync",
-               f"{MODELS[args.model][1]}, balanced max_new_tokens={tokens} ({how}), "
+               f"{MODELS[args.model][1]}, placement {args.placement} ({where}), balanced max_new_tokens={tokens} "
+               f"({how}), "
                f"{args.steps} steps, mean step_total of steps {SKIP + 1}..{args.steps}; samples trained "
                f"{trained_s:.0f} sync / {trained_a:.0f} async, mean response length "
                f"{mean(sync, 'rollout/response_length_mean'):.0f} / {mean(asyn, 'rollout/response_length_mean'):.0f}",

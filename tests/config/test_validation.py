@@ -42,6 +42,8 @@ CROSS_GROUP = [
      "rollout.plain_cpu_weights", "only eager engines switch"),
     ("plain_cpu_weights_on_gpu", ["rollout.plain_cpu_weights=true", "cluster=local_gpus"],
      "rollout.plain_cpu_weights", "this run's engines are on GPU"),
+    ("borrow_idle_cpus_on_gpu", ["parallelism.borrow_idle_cpus=false", "cluster=local_gpus"],
+     "parallelism.borrow_idle_cpus", "this run's trainer is on GPU"),
     ("shm_across_nodes", ["rollout.weight_sync.transport=shared_memory", "cluster=slurm", "cluster.nodes=2"],
      "rollout.weight_sync.transport", "cannot see it"),
     ("unknown_estimator", ["algorithm.estimator=nope"], "algorithm.estimator", "'nope' is not a registered estimator"),
