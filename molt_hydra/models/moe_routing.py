@@ -42,8 +42,9 @@ class RoutingStats:
 
     def __init__(self, num_layers: int, num_experts: int):
         self.num_experts = num_experts
-        self.match = torch.zeros(num_layers, dtype=torch.float64)
+        self.match = torch.zeros(num_layers, dtype=torch.float64)  # the router's own top-k == the engine's
         self.known = torch.zeros(num_layers, dtype=torch.float64)
+        self.replayed = torch.zeros(num_layers, dtype=torch.float64)  # the experts used == the engine's
         self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.prob = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.tokens = torch.zeros(num_layers, dtype=torch.float64)
@@ -52,23 +53,26 @@ class RoutingStats:
         with torch.no_grad():
             if engine is not None:
                 known = (engine >= 0).all(-1)
-                same = (own.sort(-1).values == engine.long().sort(-1).values).all(-1)
+                expected = engine.long().sort(-1).values
+                same = (own.sort(-1).values == expected).all(-1)
                 self.match[layer] += float((same & known).sum())
                 self.known[layer] += float(known.sum())
+                self.replayed[layer] += float(((used.sort(-1).values == expected).all(-1) & known).sum())
             self.load[layer] += torch.bincount(used.reshape(-1), minlength=self.num_experts).double().cpu()
             self.prob[layer] += probs.detach().double().sum(0).cpu()
             self.tokens[layer] += probs.shape[0]
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.cat([self.match, self.known, self.load.flatten(), self.prob.flatten(), self.tokens])
+        return torch.cat([self.match, self.known, self.replayed, self.load.flatten(), self.prob.flatten(),
+                          self.tokens])
 
     def metrics(self, summed: torch.Tensor | None = None) -> dict[str, float]:
         """`routing/*` metrics (docs/metrics.md) from `as_tensor()` summed over ranks (default: this rank's)."""
         flat = (self.as_tensor() if summed is None else summed).double()
         n_layers, n_exp = len(self.match), self.num_experts
-        match, known = flat[:n_layers], flat[n_layers:2 * n_layers]
-        load = flat[2 * n_layers:2 * n_layers + n_layers * n_exp].view(n_layers, n_exp)
-        prob = flat[2 * n_layers + n_layers * n_exp:-n_layers].view(n_layers, n_exp)
+        match, known, replayed = flat[:n_layers], flat[n_layers:2 * n_layers], flat[2 * n_layers:3 * n_layers]
+        load = flat[3 * n_layers:3 * n_layers + n_layers * n_exp].view(n_layers, n_exp)
+        prob = flat[3 * n_layers + n_layers * n_exp:-n_layers].view(n_layers, n_exp)
         tokens = flat[-n_layers:]
         seen = tokens > 0
         if not seen.any():
@@ -78,6 +82,7 @@ class RoutingStats:
             per_layer = match[seen] / known[seen].clamp(min=1)
             out["routing/agreement"] = float(match[seen].sum() / known[seen].sum())
             out["routing/agreement_worst_layer"] = float(per_layer.min())
+            out["routing/replayed"] = float(replayed[seen].sum() / known[seen].sum())
         frac = load[seen] / load[seen].sum(-1, keepdim=True).clamp(min=1)  # share of selections per expert
         mean_prob = prob[seen] / tokens[seen, None]
         # Switch-Transformer load-balancing loss: E * sum_e f_e * P_e (1.0 when perfectly balanced)

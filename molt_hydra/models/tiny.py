@@ -3,6 +3,8 @@ ChatML chat template that renders tools and Hermes-style `<tool_call>` blocks. N
 
 `model.path=tiny://qwen3_tiny` (or `tiny://qwen3_moe_tiny`) resolves here: the model is built once into a cache
 directory keyed by name and seed. `scripts/make_tiny_model.py OUT_DIR` writes both to a directory of your choice.
+The GPU recipes' models (`GPU_SHAPES`: Qwen3-0.6B / 4B and a Qwen3-30B-A3B cut to 8 layers, with the same small
+tokenizer and vocabulary) are random-init at full width, built one at a time, in bf16, on a GPU when there is one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ TINY_MODELS = {
         decoder_sparse_step=1, norm_topk_prob=True,
     ),
 }
+# Decoder shapes of published Qwen3 models (their config.json), on the tiny vocabulary: what the GPU recipes train.
+GPU_SHAPES = {
+    "qwen3_0p6b_shape": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                             head_dim=128, intermediate_size=3072),
+    "qwen3_4b_shape": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, intermediate_size=9728),
+    "qwen3_moe_30b_a3b_8l": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+                                 head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                 num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
+                                 tie_word_embeddings=False),
+}
+TINY_MODELS.update(GPU_SHAPES)
 
 # ChatML as Qwen renders it: tools go into the system turn, assistant tool calls are `<tool_call>{json}</tool_call>`,
 # tool results are wrapped as user-side `<tool_response>` blocks. Text-only content, or a list of parts.
@@ -100,7 +114,7 @@ def build_tokenizer(out: Path | None, extra_specials: tuple[str, ...] | list[str
     return tok
 
 
-def build(out_dir: Path, seed: int = 0) -> dict[str, Path]:
+def build(out_dir: Path, seed: int = 0, names: tuple[str, ...] = ("qwen3_tiny", "qwen3_moe_tiny")) -> dict[str, Path]:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -108,13 +122,18 @@ def build(out_dir: Path, seed: int = 0) -> dict[str, Path]:
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
     common = dict(TINY_SHAPE, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
     built = {}
-    classes = {"qwen3_tiny": (Qwen3Config, Qwen3ForCausalLM), "qwen3_moe_tiny": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
-    for name, extra in TINY_MODELS.items():
-        cfg_cls, model_cls = classes[name]
+    for name in names:
+        values = {**common, **TINY_MODELS[name]}
+        cfg_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if "num_experts" in values else (
+            Qwen3Config, Qwen3ForCausalLM)
         path = out_dir / name
         path.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(seed)
-        model = model_cls(cfg_cls(**common, **extra)).float()
+        large = name in GPU_SHAPES  # built in bf16 (half the disk), on the GPU when there is one (minutes on a CPU)
+        device = "cuda" if large and torch.cuda.is_available() else "cpu"
+        with torch.device(device):
+            model = model_cls(cfg_cls(**values, **({"torch_dtype": "bfloat16"} if large else {})))
+        model = model.to(torch.bfloat16) if large else model.float()
         model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
         model.save_pretrained(path, safe_serialization=True)
         tok.save_pretrained(path)
@@ -149,7 +168,7 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     # the cache key includes the shapes, so a changed tiny config never reuses a stale build
     root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest()
     target = root / name
-    if (target / "model.safetensors").exists():
+    if (target / "config.json").exists():
         return str(target)
     import os
     import shutil
@@ -160,14 +179,15 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
     if name in tiny_vlm.TINY_VLM_MODELS:
         tiny_vlm.build(staging / name, name=name)
-        if not (target / "model.safetensors").exists():
+        if not (target / "config.json").exists():
             shutil.rmtree(target, ignore_errors=True)
             os.replace(staging / name, target)
         shutil.rmtree(staging, ignore_errors=True)
         return str(target)
-    build(staging)
-    for built in TINY_MODELS:  # both models are built together; publish each by rename so readers never see half
-        if not (root / built / "model.safetensors").exists():
+    names = (name,) if name in GPU_SHAPES else ("qwen3_tiny", "qwen3_moe_tiny")  # the small pair: together
+    build(staging, names=names)
+    for built in names:  # publish each by rename, so readers never see half a model
+        if not (root / built / "config.json").exists():
             shutil.rmtree(root / built, ignore_errors=True)
             os.replace(staging / built, root / built)
     shutil.rmtree(staging, ignore_errors=True)

@@ -14,9 +14,11 @@ import contextlib
 import logging
 import math
 import os
+import time
 import uuid
 from typing import Any
 
+from molt_hydra.compat import vllm as vllm_compat
 from molt_hydra.rollout import core_forkserver
 from molt_hydra.rollout.batched_calls import BatchedCallee
 from molt_hydra.rollout.generation import Generation, GenerationRequest
@@ -51,12 +53,16 @@ class VLLMEngine(BatchedCallee):
         plain_cpu_weights: bool = False,  # CPU: linear layers on plain weights, a sync is one copy (see worker)
         extra_engine_args: dict[str, Any] | None = None,
         engine_index: int = 0,
+        sleep_level: int | None = None,  # colocated: 2 on GPU (weights and KV freed), 0 on CPU (paused); None: never
     ) -> None:
         if kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
         self.engine_index = engine_index
         self.version = 0  # policy version of the weights currently loaded; bumped by `finish_weight_update`
         self.weights_mixed = False  # a weight update failed part-way: unhealthy, kept paused until replaced
+        self.sleep_level = sleep_level
+        self.asleep = False  # put to sleep while a colocated trainer steps; woken by the next weight update
+        self.phase_seconds: dict[str, float] = {}  # the last sleep / wake's seconds and GiB freed (`sleep_metrics`)
         self.kv_cache_gb = kv_cache_gb
         self._engine_kwargs: dict[str, Any] = dict(
             model=model,
@@ -74,6 +80,7 @@ class VLLMEngine(BatchedCallee):
             logprobs_mode=logprobs_mode,
             enable_return_routed_experts=return_routed_experts,
             worker_extension_cls=worker_extension_cls,
+            enable_sleep_mode=bool(sleep_level) or None,  # level >= 1 frees GPU memory through vLLM's allocator
         )
         # Less common vLLM engine arguments (block size, attention backend, ...), passed through as named.
         self._engine_kwargs.update(extra_engine_args or {})
@@ -104,6 +111,8 @@ class VLLMEngine(BatchedCallee):
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.platforms import current_platform
                 from vllm.v1.engine.async_llm import AsyncLLM
+
+                self.vllm_version = vllm_compat.check_installed("cpu" if current_platform.is_cpu() else "cuda")
 
                 omp_threads = None  # the engine core's OMP_NUM_THREADS, when it runs the model itself
                 # KV cache: on GPU vLLM gives it what gpu_memory_utilization leaves after weights and activations;
@@ -143,7 +152,7 @@ class VLLMEngine(BatchedCallee):
                         core_forkserver.core_launch() if core_server else contextlib.nullcontext():
                     self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # starts the engine core
                 # every output the engine core sends is stamped with this label (see `_outputs`)
-                await self._llm.update_weight_version(str(self.version))
+                await vllm_compat.stamp_weight_version(self._llm, self.version)
                 if self._cpu_routing:
                     await self.worker_call("start_routing_capture")
                 if self.plain_cpu_weights and current_platform.is_cpu():
@@ -224,7 +233,7 @@ class VLLMEngine(BatchedCallee):
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
         if request.images:
             prompt["multi_modal_data"] = {"image": request.images}
-        finished, generated = False, 0
+        finished, generated, started_at = False, 0, self.version
         request_id = f"{request.session_id}-{uuid.uuid4().hex}"
         async for out in self._engine().generate(prompt, params, request_id=request_id):
             for c in out.outputs:
@@ -236,7 +245,7 @@ class VLLMEngine(BatchedCallee):
                            for lp in c.logprobs]
                 finished |= c.finish_reason is not None
                 generated += len(c.token_ids)
-                spans = self._version_spans(c, generated) if c.finish_reason is not None else None
+                spans = self._version_spans(c, generated, started_at) if c.finish_reason is not None else None
                 if kind == RequestOutputKind.FINAL_ONLY:
                     versions = [v for v, start, end in spans for _ in range(start, end)]
                 else:  # a delta before the finished output: the version loaded now (the spans then correct it)
@@ -260,9 +269,10 @@ class VLLMEngine(BatchedCallee):
         if not finished:
             yield Generation([], [], [], "abort", engine_index=self.engine_index)
 
-    def _version_spans(self, completion, num_tokens: int) -> list[tuple[int, int, int]]:
-        """(version, start, end) over the finished completion's tokens, as the engine core stamped them."""
-        spans = [(int(w.version), w.start, w.end) for w in completion.weight_versions or ()]
+    def _version_spans(self, completion, num_tokens: int, started_at: int) -> list[tuple[int, int, int]]:
+        """(version, start, end) over the finished completion's tokens, as the engine core stamped them (vLLM 0.24:
+        the version loaded when the request started; compat/vllm.py)."""
+        spans = vllm_compat.completion_version_spans(completion, num_tokens, started_at)
         if sum(end - start for _, start, end in spans) != num_tokens:
             raise RuntimeError(f"engine {self.engine_index}: vLLM's weight-version spans {spans} do not cover the "
                                f"{num_tokens} generated tokens")
@@ -302,9 +312,64 @@ class VLLMEngine(BatchedCallee):
     async def begin_weight_update(self) -> list:
         """Pause, then start the update on every worker (after the pause: a layerwise reload must not start under a
         running step); per worker, its parameter region's handle when the trainer may write into it (worker_extension).
-        One call, so a sync costs the trainer one round trip to this actor before its first bucket."""
+        One call, so a sync costs the trainer one round trip to this actor before its first bucket. Asleep (colocated,
+        level 2): the weights' memory is mapped again first; its contents are what this update writes."""
+        if self.asleep and self.sleep_level:
+            await self._wake(["weights"])
         await self.pause()
         return await self.worker_call("begin_layerwise_reload")
+
+    # --- colocated with the trainer: asleep while it steps (vLLM sleep mode), woken by the next weight update ---
+
+    async def sleep(self) -> dict[str, float]:
+        """Level 2 (GPU): the weights' and the KV cache's memory is released (the next update rewrites every weight);
+        level 0 (CPU, no sleep mode there): the scheduler is paused. Nothing may be in flight (sync mode: the batch is
+        done); vLLM's "wait" mode would finish it first. Returns seconds and GiB freed on the device."""
+        if self.asleep:
+            return {}
+        start = time.perf_counter()
+        free_before = await self._device_free()
+        await self._while_alive(self._engine().sleep(self.sleep_level or 0, mode="wait"))
+        self.asleep = True
+        freed = (await self._device_free()) - free_before
+        self.phase_seconds = {"engine/sleep_s": time.perf_counter() - start, "engine/freed_gib": freed / 2**30}
+        return self.phase_seconds
+
+    async def _wake(self, tags: list[str]) -> None:
+        start = time.perf_counter()
+        await self._while_alive(self._engine().wake_up(tags))
+        key = f"engine/wake_{tags[0]}_s"
+        self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + time.perf_counter() - start
+
+    async def _device_free(self) -> int:
+        """Free bytes on this engine's device, read by its first worker (the process that holds its memory)."""
+        return (await self.worker_call("device_free_bytes"))[0]
+
+    async def sleep_metrics(self) -> dict[str, float]:
+        """The last sleep's and wakes' seconds and GiB freed (read once per step; cleared when read)."""
+        out, self.phase_seconds = self.phase_seconds, {}
+        return out
+
+    # --- the sync probe (rollout/sync_probe.py): the engine's view of a fixed sequence and of its weights ---
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probs (temperature 1) of each token of `token_ids` given the ones before it; the first is 0."""
+        from vllm.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        final = None
+        async for out in self._engine().generate({"prompt_token_ids": list(token_ids)}, params,
+                                                 request_id=f"sync-probe-{uuid.uuid4().hex}"):
+            final = out
+        return [0.0] + [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
+
+    async def weight_checksums(self) -> dict[str, list[float]]:
+        """Per layer group, `sync_probe.group_sums` of the engine's weights, added over its workers (TP shards)."""
+        total: dict[str, list[float]] = {}
+        for per_worker in await self.worker_call("weight_checksums"):
+            for group, sums in per_worker.items():
+                total[group] = [a + b for a, b in zip(total.get(group, [0.0] * len(sums)), sums)]
+        return total
 
     async def finish_weight_update(self, version: int | None, check: list[str] | None = None) -> list | None:
         """After the last bucket: finalize the reload, drop KV computed by the old weights, stamp the new version and
@@ -312,10 +377,12 @@ class VLLMEngine(BatchedCallee):
         paused, the old version number). `check`: run the coverage check beside the resume (the names the trainer
         wrote in place count as pushed) and return each worker's missing names; None when not asked."""
         finishing = [] if self._plain_weights else [self.worker_call("finish_layerwise_reload")]  # plain: nothing
+        if self.asleep and version is not None:  # colocated: the KV cache is mapped again before generation resumes
+            finishing.append(self._wake(["kv_cache"] if self.sleep_level else ["scheduling"]))
         if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
             finishing.append(self._while_alive(self._engine().reset_prefix_cache()))
         if version is not None:  # every token sampled after the resume is stamped with it (see `_outputs`)
-            finishing.append(self._while_alive(self._engine().update_weight_version(str(version))))
+            finishing.append(self._while_alive(vllm_compat.stamp_weight_version(self._engine(), version)))
         try:  # the engine core runs them one by one; the resume must follow them
             await asyncio.gather(*finishing)
         except BaseException:
@@ -325,6 +392,7 @@ class VLLMEngine(BatchedCallee):
             self.weights_mixed = True
             return None
         self.version = version
+        self.asleep = False
         checks = [self.worker_call("missing_weights", check)] if check is not None else []
         _, *missing = await asyncio.gather(self.resume(), *checks)  # the check reads names only: beside the resume
         return missing[0] if checks else None

@@ -301,6 +301,11 @@ class CudaIpcTransport(_Pipeline):
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # free the buffer now that every engine dropped its mapping
 
+    async def drain(self) -> None:
+        await super().drain()
+        if torch.cuda.is_available():  # colocated: the packed buckets' memory goes back before the KV cache wakes
+            torch.cuda.empty_cache()
+
 
 class SharedParamsTransport:
     """CUDA IPC in one pass, for one trainer rank whose parameters are full tensors (FSDP2 with dp=1, or no FSDP): the

@@ -250,6 +250,16 @@ class WeightSyncWorkerExtension:
         return uncovered_checkpoint_names(expected, getattr(self, "_loaded_names", set()),
                                           [*(hf.architectures or []), hf.model_type])
 
+    def device_free_bytes(self) -> int:
+        """Free memory on this worker's device (what a colocated engine's sleep gives back); 0 on CPU."""
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+
+    def weight_checksums(self) -> dict[str, list[float]]:
+        """Per layer group, the sum of this worker's weights (rollout/sync_probe.py)."""
+        from molt_hydra.rollout.sync_probe import group_sums
+
+        return group_sums(list(self.model_runner.get_model().named_parameters()), None)
+
     def queue_reader_busy_loop_s(self) -> float:
         """Seconds this worker spins on its scheduler-output queue before it blocks (rollout/quiet_executor.py)."""
         from molt_hydra.rollout.quiet_executor import worker_busy_loop_s

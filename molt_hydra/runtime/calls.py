@@ -111,6 +111,55 @@ class RoleCalls:
                 raise RunFailed(who, f"push of version {version} failed: {describe(result)}") from result
         return results[0]
 
+    # --- colocated engines (parallelism.colocate): asleep while the trainer steps, woken by the weight push ---
+
+    async def sleep_engines(self) -> None:
+        """Every engine sleeps (GPU: its weights' and KV cache's memory released; CPU: paused) before the trainer
+        steps; the next weight push wakes it (rollout/engine.py)."""
+        await self._on_engines("sleep", "sleep")
+
+    async def release_trainer_memory(self) -> None:
+        """Every trainer rank hands the memory its allocator cached (activations, grads) back to the GPU, so the
+        engines beside it can wake into it."""
+        ranks = [w for g in (self.roles.actor, self.roles.ref, self.roles.critic) if g is not None for w in g.workers]
+        await deadline(asyncio.gather(*(w.__ray_call__.remote(_empty_cuda_cache) for w in ranks)),
+                       self.timeouts.trainer_call_s, "actor", "release cached GPU memory")
+
+    async def engine_phase_metrics(self) -> dict[str, float]:
+        """The engines' last sleep and wake: seconds (mean over engines) and GiB freed (sum)."""
+        per_engine = await self._on_engines("sleep_metrics", "read sleep metrics")
+        keys = sorted({k for m in per_engine for k in m})
+        return {k: (sum if k.endswith("gib") else _mean)([m.get(k, 0.0) for m in per_engine]) for k in keys}
+
+    async def _on_engines(self, method: str, what: str) -> list:
+        calls = asyncio.gather(*(getattr(e, method).remote() for e in self.roles.engines), return_exceptions=True)
+        results = await deadline(calls, self.timeouts.engine_call_s, "rollout engine", what)
+        for i, result in enumerate(results):
+            if isinstance(result, Exception):
+                raise RunFailed(f"rollout engine {i}", f"{what} failed: {describe(result)}") from result
+        return results
+
+    async def sync_probe(self, version: int) -> dict[str, float]:
+        """After the push of `version`: every engine's per-layer weight sums and its log-probs of the probe sequence
+        against the trainer's (rollout/sync_probe.py); a disagreement ends the run naming the layers."""
+        from molt_hydra.rollout.sync_probe import comparable_groups, differing_groups, logprob_gap, probe_tokens, verdict
+
+        tokens = probe_tokens(len(self.roles.tokenizer))
+        (sums, *_) = await self.ranks(self.roles.actor, "sync_probe_sums", self.engine_dtype)
+        (logprobs, *_) = await self.ranks(self.roles.actor, "sync_probe_logprobs", tokens)
+        engines = self.roles.engines
+        seen = await deadline(asyncio.gather(*(e.weight_checksums.remote() for e in engines),
+                                             *(e.score.remote(tokens) for e in engines)),
+                              self.timeouts.engine_call_s, "rollout engine", "sync probe")
+        gaps, compared = [], []
+        for i, (engine_sums, engine_logprobs) in enumerate(zip(seen[:len(engines)], seen[len(engines):])):
+            gaps.append(logprob_gap(logprobs, engine_logprobs))
+            compared.append(len(comparable_groups(sums, engine_sums)))
+            failure = verdict(version, i, self.engine_dtype, gaps[-1], differing_groups(sums, engine_sums))
+            if failure is not None:
+                raise RunFailed("weight sync", failure)
+        return {"weight_sync/probe_logprob_gap": max(gaps), "weight_sync/probe_groups": float(min(compared))}
+
     async def example_errors(self) -> dict[str, str]:
         """One example error message per drop reason, from every runner that still answers."""
         found: dict[str, str] = {}
@@ -156,6 +205,17 @@ class RoleCalls:
             except Exception:
                 pass
             ray.kill(e)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
+def _empty_cuda_cache(_worker) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _freeze_heap(_actor) -> None:

