@@ -185,7 +185,16 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
         shutil.rmtree(staging, ignore_errors=True)
         return str(target)
     names = (name,) if name in GPU_SHAPES else ("qwen3_tiny", "qwen3_moe_tiny")  # the small pair: together
-    build(staging, names=names)
+    if name in GPU_SHAPES:  # built on the GPU in a process of its own: this one (a run's driver) never holds GPU memory
+        import multiprocessing
+
+        builder = multiprocessing.get_context("spawn").Process(target=build, args=(staging,), kwargs={"names": names})
+        builder.start()
+        builder.join()
+        if builder.exitcode != 0:
+            raise RuntimeError(f"building tiny://{name} failed (exit {builder.exitcode}); its output is above")
+    else:
+        build(staging, names=names)
     for built in names:  # publish each by rename, so readers never see half a model
         if not (root / built / "config.json").exists():
             shutil.rmtree(root / built, ignore_errors=True)
