@@ -16,7 +16,7 @@ python3 -c "import vllm, ray, torch; print('vllm', vllm.__version__, 'ray', ray.
 torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$OUT/versions.txt"
 
 smoke() {  # sleep mode needs CUDA's virtual memory API (vLLM's CuMemAllocator): the first thing to know on a machine
-  timeout "${SMOKE_TIMEOUT:-240}" python3 - <<'PY' > "$OUT/smoke.log" 2>&1
+  cat > /tmp/molt_smoke.py <<'PY'
 import os, torch
 if __name__ == "__main__":
     from molt_hydra.models.tiny import resolve_model_path
@@ -34,6 +34,7 @@ if __name__ == "__main__":
     llm.llm_engine.engine_core.shutdown()
     os._exit(0)
 PY
+  timeout "${SMOKE_TIMEOUT:-240}" python3 /tmp/molt_smoke.py > "$OUT/smoke.log" 2>&1  # a file: vLLM spawns from it
   echo "smoke rc=$? $(grep SMOKE "$OUT/smoke.log")"
 }
 tests() {

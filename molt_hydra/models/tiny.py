@@ -186,13 +186,14 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
         return str(target)
     names = (name,) if name in GPU_SHAPES else ("qwen3_tiny", "qwen3_moe_tiny")  # the small pair: together
     if name in GPU_SHAPES:  # built on the GPU in a process of its own: this one (a run's driver) never holds GPU memory
-        import multiprocessing
+        import subprocess
+        import sys
 
-        builder = multiprocessing.get_context("spawn").Process(target=build, args=(staging,), kwargs={"names": names})
-        builder.start()
-        builder.join()
-        if builder.exitcode != 0:
-            raise RuntimeError(f"building tiny://{name} failed (exit {builder.exitcode}); its output is above")
+        code = f"from molt_hydra.models.tiny import build; build(__import__('pathlib').Path({str(staging)!r}), " \
+               f"names=({name!r},))"
+        built = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"building tiny://{name} failed: {built.stderr[-2000:]}")
     else:
         build(staging, names=names)
     for built in names:  # publish each by rename, so readers never see half a model

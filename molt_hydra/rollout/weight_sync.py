@@ -274,6 +274,16 @@ class BroadcastTransport(_Pipeline):
         return flat.numel()
 
 
+def ipc_handle(tensor: torch.Tensor) -> bytes:
+    """A CUDA tensor's IPC handle (torch's `reduce_tensor`: its rebuild function and arguments), pickled: vLLM's
+    collective_rpc serializes with msgspec, which refuses the function and the classes inside (vLLM 0.24)."""
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps(reduce_tensor(tensor))
+
+
 class CudaIpcTransport(_Pipeline):
     """Per bucket one flat buffer (cast to the engine dtype while packing) on the trainer's GPU; every engine worker
     maps it through its CUDA IPC handle, loads from it and unmaps it before answering, so the buffer is freed
@@ -287,11 +297,9 @@ class CudaIpcTransport(_Pipeline):
         self.dtype = dtype
 
     async def push(self, engines: list, bucket: Bucket, call) -> int:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         await self._admit()
         metas, flat = pack_bucket(bucket, self.dtype)
-        handle = reduce_tensor(flat)
+        handle = ipc_handle(flat)
         answers = asyncio.gather(*(call(e.worker_call.remote("receive_ipc", metas, handle)) for e in engines))
         self.in_flight.append((flat, None, answers))
         return flat.numel()
@@ -340,8 +348,6 @@ class SharedParamsTransport:
         return hashlib.sha1(repr((os.getpid(), layout)).encode()).hexdigest()
 
     async def push(self, engines: list, bucket: Bucket, call) -> int:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         if self.device is not None:  # the optimizer's last writes land before any engine reads
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -349,7 +355,7 @@ class SharedParamsTransport:
             answers = await call(engine.worker_call.remote("load_shared_params", self.token, None, None))
             if any(a is None for a in answers):  # a worker has not mapped this token's storages yet
                 if self.handles is None:
-                    self.handles = [reduce_tensor(t.detach()) for _, t in self.tensors]
+                    self.handles = [ipc_handle(t.detach()) for _, t in self.tensors]
                 names = [n for n, _ in self.tensors]
                 await call(engine.worker_call.remote("load_shared_params", self.token, names, self.handles))
 

@@ -304,16 +304,18 @@ class WeightSyncWorkerExtension:
 
     # --- CUDA IPC (GPU, colocated): the trainer shares a packed bucket's memory, the worker maps it ---
 
-    def _open_ipc(self, handle: tuple) -> torch.Tensor:
-        """`handle`: (rebuild_fn, args) from `torch.multiprocessing.reductions.reduce_tensor` in the trainer."""
+    def _open_ipc(self, handle: bytes) -> torch.Tensor:
+        """`handle`: `weight_sync.ipc_handle`, the pickled (rebuild_fn, args) of torch's `reduce_tensor` in the trainer."""
+        import pickle
+
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        rebuild, args = handle
+        rebuild, args = pickle.loads(handle)
         if rebuild is rebuild_cuda_tensor:  # the trainer's device index; colocated, it is this worker's device
             args = (*args[:6], self.device.index, *args[7:])
         return rebuild(*args)
 
-    def receive_ipc(self, metas: list, handle: tuple) -> int:
+    def receive_ipc(self, metas: list, handle: bytes) -> int:
         """One packed bucket (`weight_sync.CudaIpcTransport`), mapped for this call only."""
         flat = self._open_ipc(handle)
         n = self._load(unpack_bucket(metas, flat))

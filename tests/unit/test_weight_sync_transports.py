@@ -404,9 +404,15 @@ def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_s
     assert [m for m in log if m.startswith("load_")] == ["load_shared_params"] * 2  # unknown token, then handles
     assert worker.opened == 4 and worker._loaded_names == set(state)
     assert_engine_holds_the_ranks_weights()
-    # the views alias the trainer's storages: nothing was copied on the trainer's side
+    # the views share the trainer's storages' memory (here on CPU the same shared pages, mapped again from the
+    # pickled handle): nothing was copied on the trainer's side, and a write there is seen through the view
     mapped = dict(worker._shared_params[1])
-    assert all(mapped[n].data_ptr() == t.data_ptr() for n, t in state.items())
+    with torch.no_grad():
+        for t in state.values():
+            t.add_(1.0)
+        assert all(torch.equal(mapped[n], t) for n, t in state.items())
+        for t in state.values():
+            t.sub_(1.0)
 
     with torch.no_grad():  # an optimizer step: in place, same storages
         for p in rank0.model.parameters():
