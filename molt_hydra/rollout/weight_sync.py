@@ -275,13 +275,15 @@ class BroadcastTransport(_Pipeline):
 
 
 def ipc_handle(tensor: torch.Tensor) -> bytes:
-    """A CUDA tensor's IPC handle (torch's `reduce_tensor`: its rebuild function and arguments), pickled: vLLM's
-    collective_rpc serializes with msgspec, which refuses the function and the classes inside (vLLM 0.24)."""
-    import pickle
+    """A tensor's IPC handle (torch's `reduce_tensor`: its rebuild function and arguments) as bytes: vLLM's
+    collective_rpc serializes with msgspec, which refuses the function and the classes inside (vLLM 0.24). Pickled
+    by the multiprocessing pickler torch registers its sharing with, so a CPU tensor's storage travels as its shared
+    memory (the CPU stand-ins of the tests), not as a copy."""
+    from multiprocessing.reduction import ForkingPickler
 
     from torch.multiprocessing.reductions import reduce_tensor
 
-    return pickle.dumps(reduce_tensor(tensor))
+    return bytes(ForkingPickler.dumps(reduce_tensor(tensor)))
 
 
 class CudaIpcTransport(_Pipeline):

@@ -17,6 +17,10 @@ import torch
 from torch import nn
 
 from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
+
+# The CUDA IPC transports' handles are pickled (`weight_sync.ipc_handle`); on these CPU stand-ins a CPU tensor's handle
+# names its shared-memory file, which this process maps back to the same storage (torch's sharing cache)
+torch.multiprocessing.set_sharing_strategy("file_system")
 from molt_hydra.rollout.buckets import ALIGN, bucket_weights, pack_bucket, unpack_bucket
 from molt_hydra.rollout.weight_sync import (BroadcastGroup, BroadcastTransport, CudaIpcTransport, Transport,
                                             WeightSync, choose_transport, open_broadcast, push_from_rank,
@@ -384,6 +388,7 @@ class OneRank(StandInTrainerRank):
 
 def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_stale():
     rank0, log = OneRank(), []
+    rank0.model.share_memory()  # as CUDA memory is: shareable where it is (sharing moves no storage, keeps the token)
     state = rank0.model.state_dict()
     worker = CastingWorker([(n, t.shape) for n, t in state.items()])
     engine = FakeEngine(worker, log)
