@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 # the 4B-shaped throughput run: long answers, CUDA graphs on, activation checkpointing, 4 x 1024-token micro-batches
 THROUGHPUT = ["+recipe=qwen3_toy_gpu", "model.path=tiny://qwen3_4b_shape", "model.gradient_checkpointing=full",
               "rollout.enforce_eager=false", "rollout.max_new_tokens=512", "data.max_len=1024",
@@ -45,7 +47,7 @@ def device_copy_seconds(nbytes: int, repeats: int = 10) -> float:
 def summarize(run: Path) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     m = [r for r in rows if r["kind"] == "train"]
-    cfg = json.loads((run / "run_record.json").read_text())["config"]
+    cfg = yaml.safe_load((run / "resolved_config.yaml").read_text())
     med = lambda key: statistics.median(r.get(f"train/{key}", 0.0) for r in m)  # noqa: E731
     rewards = [r["train/reward"] for r in m]
     k = min(5, len(m) // 2) or 1

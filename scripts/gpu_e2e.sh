@@ -47,7 +47,9 @@ bench() {
     --out "$OUT/gpu_colocated.json" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"; cut -c1-600 "$OUT/bench.log" | tail -8
 }
-consoles() {  # what each run printed, its failure report, and the last errors in Ray's actor logs
+consoles() {  # what each run printed, its failure report, the last errors in Ray's actor logs; every run's metrics
+  for f in $(find "$RUNS" -name metrics.jsonl 2>/dev/null); do
+    sed "s#^{#{\"run\": \"$(basename "$(dirname "$f")")\", #" "$f"; done > "$OUT/metrics_all.jsonl"
   for f in $(find "$RUNS" -name console.log -o -name failure.txt -o -name throughput_console.log 2>/dev/null); do
     echo "=== $f"; tail -c 6000 "$f"; done > "$OUT/consoles.log"
   for f in $(ls -t /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | head -6); do

@@ -3,6 +3,7 @@ alike; sums that ignore how vLLM fuses tensors; the float64 tolerance; the verdi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from molt_hydra.rollout.sync_probe import (LOGPROB_FLOOR, comparable_groups, differing_groups, group_sums, layer_group,
@@ -48,7 +49,8 @@ def test_one_changed_element_is_found_and_unsummable_groups_are_left_out():
 
 
 def test_the_verdict_names_the_version_the_engine_and_the_layers_with_the_dtype_floor():
-    assert logprob_gap([0.0, -1.0, -2.0], [0.0, -1.5, -2.5]) == 0.5  # the first token has no log-prob
+    assert logprob_gap([0.0, -1.0, -2.0], [0.0, -1.5, -2.5]) == 0.5 / 1.5  # the first token has no log-prob
+    assert logprob_gap([0.0, -0.2, -0.4], [0.0, -0.3, -0.5]) == pytest.approx(0.1)  # scale at least 1
     assert verdict(3, 1, "bfloat16", LOGPROB_FLOOR["bfloat16"], []) is None
     stale = verdict(3, 1, "bfloat16", 0.01, ["layers.2", "layers.10"])
     assert stale.startswith("after weight sync version 3, rollout engine 1: layer groups layers.2, layers.10 differ")
