@@ -207,6 +207,21 @@ def load_balancing(model: nn.Module):
             r.balance = None
 
 
+def checkpoint_expert_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A transformers-5 Qwen3-MoE parameter under the checkpoint's names: its fused experts (`mlp.experts.gate_up_proj`
+    [E, 2I, H], gate rows first; `mlp.experts.down_proj` [E, H, I]) as one view per expert and projection, what
+    `from_pretrained`, every vLLM and an export load. vLLM 0.24's Qwen3-MoE loader skips the fused names without a
+    word (they match no parameter and no expert mapping), so a sync of them would leave the engine's experts stale."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        prefix, half = name[: -len("gate_up_proj")], tensor.shape[1] // 2
+        return [(f"{prefix}{e}.{proj}.weight", tensor[e, rows]) for e in range(tensor.shape[0])
+                for proj, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None)))]
+    if name.endswith("mlp.experts.down_proj"):
+        prefix = name[: -len("down_proj")]
+        return [(f"{prefix}{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+    return [(name, tensor)]
+
+
 def freeze(model: nn.Module) -> list[str]:
     """requires_grad=False on every router weight; returns their parameter names (kept out of sync too)."""
     names = []

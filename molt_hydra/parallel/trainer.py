@@ -479,9 +479,10 @@ class TrainerWorker:
 
     def _to_hf(self):
         """AutoModel keeps its own names and grouped experts: its state-dict adapter maps them back to the
-        checkpoint's HF names with one tensor per expert, which is what vLLM and transformers load."""
+        checkpoint's HF names with one tensor per expert, which is what vLLM and transformers load; transformers-5
+        MoE models fuse their experts, given back per expert too (`moe_routing.checkpoint_expert_tensors`)."""
         if self.backend != "automodel":
-            return None
+            return moe_routing.checkpoint_expert_tensors if self.moe else None
         from molt_hydra.models.automodel import hf_name_mapper
         return hf_name_mapper(self.model)
 

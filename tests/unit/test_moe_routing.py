@@ -202,3 +202,23 @@ def test_routing_travels_with_tokens_through_experience_collate_and_packing():
                    {"input_ids": exp.token_ids[:2], "routed_experts": exp.routed_experts[:2]}])
     assert packed["routed_experts"].shape == (1, 7, 2, 2)
     assert torch.equal(packed["routed_experts"][0, 5:], exp.routed_experts[:2])
+
+
+def test_fused_experts_travel_under_the_checkpoints_per_expert_names(tiny_moe_model):
+    """What the trainer syncs and exports (parallel/trainer.py `_to_hf`): transformers 5 fuses each layer's experts,
+    the checkpoint (and every vLLM loader: 0.24 silently drops fused names) names them per expert."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32)
+    state = model.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # fused in the model
+    sent = dict(pair for name, t in state.items() for pair in moe_routing.checkpoint_expert_tensors(name, t))
+    checkpoint = {k: v for f in Path(tiny_moe_model).glob("*.safetensors") for k, v in load_file(f).items()}
+    assert set(sent) - {"lm_head.weight"} == set(checkpoint) - {"lm_head.weight"}  # tied head: the sync skips it
+    for name, t in checkpoint.items():
+        assert torch.equal(sent[name], t), name
+    fused = state["model.layers.1.mlp.experts.gate_up_proj"]
+    assert sent["model.layers.1.mlp.experts.5.up_proj.weight"].data_ptr() == fused[5, fused.shape[1] // 2:].data_ptr()
