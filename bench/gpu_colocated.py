@@ -91,7 +91,8 @@ def main() -> None:
                               capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         (args.runs / "throughput_console.log").write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
         print(f"throughput run rc={proc.returncode}", flush=True)
-    rows = [summarize(p.parent) for p in sorted(args.runs.rglob("metrics.jsonl"))]
+    runs = [p.parent for p in sorted(args.runs.rglob("metrics.jsonl")) if '"kind": "train"' in p.read_text()]
+    rows = [summarize(run) for run in runs]  # a run that failed before its first step has no row
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k not in ("vllm_kl",)}), flush=True)
     if args.out:

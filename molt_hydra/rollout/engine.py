@@ -337,7 +337,11 @@ class VLLMEngine(BatchedCallee):
 
     async def _wake(self, tags: list[str]) -> None:
         start = time.perf_counter()
-        await self._while_alive(self._engine().wake_up(tags))
+        try:  # fails the weight update that woke it, named: the driver stops (or replaces the engine)
+            await self._while_alive(self._engine().wake_up(tags))
+        except Exception as e:
+            raise RuntimeError(f"rollout engine {self.engine_index}: waking its {' and '.join(tags)} failed: "
+                               f"{type(e).__name__}: {e}") from e
         key = f"engine/wake_{tags[0]}_s"
         self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + time.perf_counter() - start
 
