@@ -9,7 +9,10 @@ from torch import nn
 
 from molt_hydra.parallel.weight_buckets import parameter_addresses
 from molt_hydra.rollout.copy_plan import CopyPlan, record_copy_plan
+from molt_hydra.rollout.weight_sync import ipc_handle
 from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
+
+torch.multiprocessing.set_sharing_strategy("file_system")  # a CPU tensor's handle names its shared-memory file
 
 
 def trainer_weights():
@@ -90,8 +93,8 @@ def test_a_load_that_computes_allocates_or_writes_elsewhere_is_refused_and_still
 
 
 class CpuWorker(WeightSyncWorkerExtension):
-    """The worker extension on the fused CPU engine; `_open_ipc` gets (identity, (tensor,)) handles: the "mapped"
-    view is the trainer's tensor itself, as a CUDA IPC mapping aliases the trainer's storage."""
+    """The worker extension on the fused CPU engine; `_open_ipc` gets `weight_sync.ipc_handle`s of CPU tensors in
+    shared memory: the "mapped" view shares the trainer's memory, as a CUDA IPC mapping aliases its storage."""
 
     device = torch.device("cpu")
 
@@ -115,7 +118,9 @@ class CpuWorker(WeightSyncWorkerExtension):
 
 def test_worker_records_on_a_new_token_replays_after_and_falls_back_when_unproven():
     weights, worker = trainer_weights(), CpuWorker()
-    names, handles = [n for n, _ in weights], [(lambda t: t, (t,)) for _, t in weights]
+    for _, t in weights:
+        t.share_memory_()  # where CUDA memory already is: shareable in place
+    names, handles = [n for n, _ in weights], [ipc_handle(t) for _, t in weights]
 
     def sync(token, with_handles=True):
         worker.begin_layerwise_reload()
