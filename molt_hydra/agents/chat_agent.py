@@ -158,6 +158,8 @@ class ChatAgentRunner(Runner):
 
 def _check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
     """Unknown parser names fail when the runner is built, not at the first tool call."""
+    if tool_parser in (None, "hermes") and reasoning_parser is None:
+        return  # vLLM's built-in default; importing its registries costs seconds (config validation builds runners)
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 
