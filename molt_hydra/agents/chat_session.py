@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from molt_hydra.agents.base import Trajectory
 from molt_hydra.agents.chat_messages import ChatRequest, RequestError, image_sources, load_image
+from molt_hydra.agents.json_grammar import compact
 from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall, forced_tool_schema, parse_forced
 from molt_hydra.rollout.engine import join_deltas
 from molt_hydra.rollout.generation import Generation, GenerationRequest, Sampling, TokenGenerator
@@ -224,7 +225,7 @@ class ChatSession:
                 raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
                                    "response_format")
             structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
-        return {"top_logprobs": req.top_logprobs or 0, "structured": structured}
+        return {"top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
 
     async def _generate_turn(self, req: ChatRequest, key: str, on_delta: DeltaSink | None) -> TurnReply:
         extension = None if req.raw_prompt is not None else self._extension(req)
