@@ -303,8 +303,8 @@ def _cache_control(v: Any, where: str) -> None:
     """Anthropic's prompt-caching marker (top level, system / content blocks, tools): accepted, changes nothing here,
     as vLLM caches prompt prefixes by itself; only its shape is checked."""
     if v is not None and not (isinstance(v, dict) and v.get("type") == "ephemeral"):
-        raise _bad(f"{where}.cache_control must be {{'type': 'ephemeral'}} (with an optional 'ttl'), got {v!r}",
-                   f"{where}.cache_control".lstrip("."))
+        key = f"{where}.cache_control" if where else "cache_control"
+        raise _bad(f"{key} must be {{'type': 'ephemeral'}} (with an optional 'ttl'), got {v!r}", key)
 
 
 def _cache_controls(body: dict) -> None:

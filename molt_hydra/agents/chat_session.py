@@ -88,6 +88,7 @@ class ChatSession:
         max_choices: int = 8,
         accepts_images: bool = True,
         max_images: int | None = None,
+        model_label: str = "policy",
     ):
         self.session_id = session_id
         self.generator = generator
@@ -96,7 +97,7 @@ class ChatSession:
         self.max_length = max_length
         self.parser = parser
         self.max_choices = max_choices
-        self.accepts_images = accepts_images
+        self.accepts_images, self.model_label = accepts_images, model_label
         self.max_images = max_images  # the engines' per-prompt image limit; a prompt carries the conversation's
         self.loop: asyncio.AbstractEventLoop | None = None  # the agent's loop, where the generator is called
         self.label = label
@@ -181,8 +182,9 @@ class ChatSession:
 
     def _check_images(self, messages: list[dict]) -> None:
         if not self.accepts_images and image_sources(messages):
-            raise RequestError(400, "this model is text-only (or data.max_images_per_prompt=0): remove the image "
-                                    "parts, or train a vision model with data.max_images_per_prompt > 0", "messages")
+            raise RequestError(400, f"model {self.model_label!r} takes no images: it is text-only (or "
+                                    "data.max_images_per_prompt=0); remove the image parts, or train a vision model "
+                                    "with data.max_images_per_prompt > 0", "messages")
 
     def _check_image_count(self, images: list) -> None:
         if self.max_images is not None and len(images) > self.max_images:
