@@ -184,3 +184,11 @@ def test_anthropic_cache_control_is_accepted_everywhere_and_changes_nothing():
         anthropic_request({**plain, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "hi", "cache_control": {"type": "forever"}}]}]})
     assert e.value.status == 400 and e.value.param == "messages[0].content[0].cache_control"
+
+
+def test_an_undecodable_image_is_the_clients_400():
+    from molt_hydra.agents.chat_messages import load_image
+
+    with pytest.raises(RequestError) as e:
+        load_image("data:image/png;base64,bm90IGFuIGltYWdl")  # "not an image"
+    assert e.value.status == 400 and "image data URI is not a decodable image" in e.value.message
