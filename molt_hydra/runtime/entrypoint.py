@@ -129,12 +129,12 @@ def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str], last_
 
 
 async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
-    """One message (returned, printed last): the role, the cause, the drops and an example agent error (when nothing could be trained), the
-    checkpoint to resume from. The traceback is written to <output_dir>/failure.txt, not to the terminal."""
+    """One message (returned: the caller prints it last): the role, the cause, the drops and an example agent error
+    (when nothing could be trained), the checkpoint to resume from. The traceback is written to
+    <output_dir>/failure.txt, not to the terminal."""
     import traceback
 
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
-
     from molt_hydra.parallel.group import RankStartFailed
 
     if isinstance(error, RunFailed):
