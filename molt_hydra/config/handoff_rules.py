@@ -43,8 +43,8 @@ def length_rules(cfg, problems) -> None:
 def _choice(problems, key: str, value, known, what: str) -> None:
     known = sorted(known)
     near = difflib.get_close_matches(str(value), known, n=1)
-    problems.check(value in known, key, f"{value!r} is not {what}" + (f" (did you mean {near[0]!r}?)." if near else "."),
-                   f"use one of {known}, or unset {key}")
+    hint = f" (did you mean {near[0]!r}?)." if near else "."
+    problems.check(value in known, key, f"{value!r} is not {what}{hint}", f"use one of {known}, or unset {key}")
 
 
 def _literal_values(hint) -> set:

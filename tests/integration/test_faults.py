@@ -234,7 +234,8 @@ def test_killed_engine_core_mid_generation_is_survived_and_requests_retried(tmp_
     assert m[40]["train/rollout/engine_restarts"] == m[40]["train/engine/restarts"] == 1
     (line,) = [l for l in run.err().splitlines() if l.startswith("rollout engine 0 restarted")]
     retried = int(line.split("; ")[-1].split()[0])
-    assert line.startswith("rollout engine 0 restarted (1 of rollout.max_engine_restarts=3): its vLLM engine core died;")
+    assert line.startswith("rollout engine 0 restarted (1 of rollout.max_engine_restarts=3): "
+                           "its vLLM engine core died;"), line
     assert 1 <= retried <= m[40]["train/rollout/router/retries"], line
     assert m[40]["train/rollout/router/engine_deaths"] == 1  # one death, seen once by the one runner's router
     assert m[40]["train/rollout/router/retries"] >= 1

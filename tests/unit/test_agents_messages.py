@@ -176,7 +176,8 @@ def test_anthropic_cache_control_is_accepted_everywhere_and_changes_nothing():
     tool = {"name": "f", "input_schema": {"type": "object"}}
     plain = {"max_tokens": 5, "system": [{"type": "text", "text": "s"}], "tools": [tool],
              "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
-    marked = {"max_tokens": 5, "cache_control": cached, "system": [{"type": "text", "text": "s", "cache_control": cached}],
+    marked = {"max_tokens": 5, "cache_control": cached,
+              "system": [{"type": "text", "text": "s", "cache_control": cached}],
               "tools": [{**tool, "cache_control": cached}],
               "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": cached}]}]}
     assert anthropic_request(marked) == anthropic_request(plain)

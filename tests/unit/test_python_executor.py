@@ -285,7 +285,8 @@ def test_bwrap_sandbox_works_with_the_venv_under_tmp(tmp_path_factory):
             "print('problem:', pe._bwrap_problem())\n"
             "code = 'import sys, os; print(sys.prefix, os.getcwd()); open(sys.prefix + \"/x\", \"w\")'\n"
             "r = asyncio.run(pe.run_python(code, sandbox='bwrap'))\n"
-            "print('sandbox:', r.sandbox, 'exit:', r.exit_code); print(r.stdout.strip()); print(r.stderr.strip()[-200:])\n"
+            "print('sandbox:', r.sandbox, 'exit:', r.exit_code)\n"
+            "print(r.stdout.strip()); print(r.stderr.strip()[-200:])\n"
         )
         out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
