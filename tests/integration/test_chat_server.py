@@ -654,7 +654,7 @@ def test_unknown_and_behaviour_changing_fields_get_a_400_naming_them(loop, rec, 
         cached = {"type": "ephemeral"}
         sys_blocks = [{"type": "text", "text": "Be brief."}]
         user = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-        plain = dict(model="policy", max_tokens=3, temperature=0, system=sys_blocks, messages=user,
+        plain = dict(model="policy", max_tokens=3, system=sys_blocks, messages=user,
                      tools=[ANTHROPIC_TOOL], tool_choice={"type": "none"})
         log["an_plain"] = await an.messages.create(**plain)
         log["an_cached"] = await an.messages.create(

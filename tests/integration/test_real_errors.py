@@ -7,6 +7,7 @@ whose cause holds it (images to a text-only model gave `500 "EngineGenerateError
 from __future__ import annotations
 
 import asyncio
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from molt_hydra.runtime.entrypoint import _report_failure
 from molt_hydra.runtime.watchdog import describe
 
 WHY = "Qwen3ForCausalLM has no MoE router this trainer supports"
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import a test module
 
 
 class BrokenWorker:

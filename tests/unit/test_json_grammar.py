@@ -1,6 +1,6 @@
-"""A forced tool call / response_format is sent as a compact-JSON grammar (agents/json_grammar.py): it accepts the
-JSON the schema allows and refuses whitespace between JSON tokens, so a weak model cannot spin on blanks until
-max_tokens (vLLM's per-request `json` schema allows any whitespace)."""
+"""A forced tool call / response_format is sent as a JSON grammar with bounded whitespace (agents/json_grammar.py):
+it accepts the JSON the schema allows, compact or in `json.dumps` style, and refuses runs of whitespace, so a weak
+model cannot spin on blanks until max_tokens (vLLM's per-request `json` schema allows any whitespace)."""
 
 from __future__ import annotations
 
@@ -27,15 +27,17 @@ def test_forced_tool_call_grammar_refuses_free_whitespace(tool_choice):
     call = '{"code":"print(1)"}'
     good = f'[{{"name":"python","parameters":{call}}}]' if tool_choice == "required" else call
     assert accepts(structured, good)
-    for blank in (" ", "\n", "\t"):  # what the tiny model emitted until max_tokens: `[     \t \t {"name": ...`
+    assert accepts(structured, good.replace(":", ": ").replace(",", ", "))  # json.dumps style, as templates render
+    for blank in (" \t", "\n ", "     "):  # what the tiny model emitted until max_tokens: `[     \t \t {"name": ...`
         assert not accepts(structured, good[0] + blank + good[1:])
         assert not accepts(structured, good.replace(":", ":" + blank, 1))
+        assert not accepts(structured, good + blank)
     assert not accepts(structured, good.replace("code", "cod"))  # still only the tool's JSON
 
 
 def test_response_format_json_object_and_text_pass_through():
-    assert accepts(compact({"json_object": True}), '{"a":1}')
-    assert not accepts(compact({"json_object": True}), '{ "a":1}')
+    assert accepts(compact({"json_object": True}), '{"a": 1}')
+    assert not accepts(compact({"json_object": True}), '{  "a":1}')
     assert compact(None) is None and compact({"regex": "a+"}) == {"regex": "a+"}
 
 
