@@ -672,10 +672,11 @@ def test_unknown_and_behaviour_changing_fields_get_a_400_naming_them(loop, rec, 
     assert "agent.reasoning_parser=None" in log["thinking"]
     assert "unsupported field 'mcp_servers'" in log["mcp"]
     assert log["ok"].choices[0].finish_reason in ("stop", "length")
-    (_, _), (plain_req, (plain_gen,)), (cached_req, (cached_gen,)) = rec.calls
-    assert log["an_cached"].content[0].text == log["an_plain"].content[0].text
-    assert cached_gen.token_ids == plain_gen.token_ids
-    assert cached_req.prompt_ids == plain_req.prompt_ids  # cache_control adds nothing to what the model sees
+    # the cache_control-marked request is the very same turn as the plain one (the session's retry cache answers it
+    # without generating): cache_control changed nothing of what the model sees or samples
+    (_, _), (plain_req, (plain_gen,)) = rec.calls
+    assert log["an_cached"].content == log["an_plain"].content
+    assert log["an_cached"].usage.input_tokens == len(plain_req.prompt_ids)
     assert log["bad_cache"].startswith("cache_control must be {'type': 'ephemeral'}"), log["bad_cache"]
 
 
