@@ -178,8 +178,8 @@ class AgentRunnerActor(BatchedCallee):
     def example_errors(self) -> dict[str, str]:
         return self.errors
 
-    def replace_engine(self, index: int, engine) -> None:
-        self.router.replace_engine(index, engine)
+    def replace_engine(self, index: int, engine) -> int:
+        return self.router.replace_engine(index, engine)
 
     async def close(self) -> None:
         try:
