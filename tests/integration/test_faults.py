@@ -180,10 +180,10 @@ def engine_versions(out: Path, step: int) -> set[int]:
     return versions
 
 
-@pytest.mark.slow
 def test_killed_engine_actor_is_replaced_with_the_current_weights(tmp_path):
     """kill -9 of the run's only engine actor after step 1 (sync mode: the next weight push finds it dead): a new
-    engine is started, gets the current weights and version, and every step finishes on exactly that version."""
+    engine is started, gets the current weights and version, and every step finishes on exactly that version; the
+    restart is one console line and the engine/restarts metric (in `make test`: the one engine-restart run there)."""
     # steps enough that the kill lands while steps are still to come (a small sync step takes ~0.1-0.15 s on 2 quiet
     # cores, the kill ~0.3-0.6 s after step 1 is logged)
     steps = 20
