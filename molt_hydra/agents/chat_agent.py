@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -115,8 +116,9 @@ class ChatAgentRunner(Runner):
             image_tokens_per_image=self.image_tokens_per_image,
             max_turns=episode.max_turns,
             max_choices=self.max_choices,
-            accepts_images=self.accepts_images,
+            accepts_images=self.accepts_images and not text_only_model(tokenizer.name_or_path),
             max_images=self.max_images,
+            model_label=tokenizer.name_or_path,
         )
         server.open_session(session)
         messages = prompt_messages(episode.prompt, episode.images)
@@ -156,8 +158,24 @@ class ChatAgentRunner(Runner):
             self.server, self._server_loop = None, None
 
 
+@functools.cache
+def text_only_model(model_dir: str) -> bool:
+    """The tokenizer's model has no vision tower (its config says so): image parts are then the client's 400, naming
+    the model, instead of an engine error. Unknown (no readable config): False, the engine decides."""
+    from transformers import AutoConfig
+
+    from molt_hydra.models.vlm import is_vlm
+
+    try:
+        return not is_vlm(AutoConfig.from_pretrained(model_dir))
+    except (OSError, ValueError):
+        return False
+
+
 def _check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
     """Unknown parser names fail when the runner is built, not at the first tool call."""
+    if tool_parser in (None, "hermes") and reasoning_parser is None:
+        return  # vLLM's built-in default; importing its registries costs seconds (config validation builds runners)
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 

@@ -299,10 +299,33 @@ _ANTHROPIC_FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p",
                      "tools", "tool_choice", "thinking"}
 
 
+def _cache_control(v: Any, where: str) -> None:
+    """Anthropic's prompt-caching marker (top level, system / content blocks, tools): accepted, changes nothing here,
+    as vLLM caches prompt prefixes by itself; only its shape is checked."""
+    if v is not None and not (isinstance(v, dict) and v.get("type") == "ephemeral"):
+        key = f"{where}.cache_control" if where else "cache_control"
+        raise _bad(f"{key} must be {{'type': 'ephemeral'}} (with an optional 'ttl'), got {v!r}", key)
+
+
+def _cache_controls(body: dict) -> None:
+    _cache_control(body.get("cache_control"), "")
+    system = body.get("system")
+    blocks = [(f"system[{i}]", b) for i, b in enumerate(system)] if isinstance(system, list) else []
+    blocks += [(f"tools[{i}]", t) for i, t in enumerate(body.get("tools") or [])]
+    for i, m in enumerate(body.get("messages") or []):
+        content = m.get("content") if isinstance(m, dict) else None
+        blocks += [(f"messages[{i}].content[{j}]", b) for j, b in enumerate(content)] if isinstance(content, list) \
+            else []
+    for where, b in blocks:
+        if isinstance(b, dict):
+            _cache_control(b.get("cache_control"), where)
+
+
 def anthropic_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
-    check_fields(body, _ANTHROPIC_FIELDS, "/v1/messages")
+    check_fields(body, _ANTHROPIC_FIELDS | {"cache_control"}, "/v1/messages")
+    _cache_controls(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")

@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import secrets
 import threading
 import time
@@ -137,7 +138,7 @@ class ChatServer:
             return _openai_error(e)
         except Exception as e:
             log.exception("judge request failed")
-            return _openai_error(RequestError(500, f"generation failed: {type(e).__name__}: {e}", code="server_error"))
+            return _openai_error(RequestError(500, f"generation failed: {failure_text(e)}", code="server_error"))
         return web.json_response(self._openai_body(reply, req))
 
     async def _turn(self, request, parse, error, body_of, stream_with) -> web.StreamResponse:
@@ -151,7 +152,7 @@ class ChatServer:
             return error(e)
         except Exception as e:
             log.exception("%s failed", request.path)
-            return error(RequestError(500, f"generation failed: {type(e).__name__}: {e}", code="server_error"))
+            return error(RequestError(500, f"generation failed: {failure_text(e)}", code="server_error"))
         return web.json_response(body_of(reply, req))
 
     async def _on_agent_loop(self, session: ChatSession, coro):
@@ -220,8 +221,8 @@ class ChatServer:
         try:
             while True:
                 if item[0] == "error":
-                    log.error("stream failed: %s", item[1])
-                    await resp.write(f"event: error\ndata: {json.dumps({'error': str(item[1])})}\n\n".encode())
+                    log.error("stream failed: %s", failure_text(item[1]))
+                    await resp.write(f"event: error\ndata: {json.dumps({'error': failure_text(item[1])})}\n\n".encode())
                     break
                 for chunk in await gen.asend(item):
                     await resp.write(chunk)
@@ -574,6 +575,29 @@ def _anthropic_stop_reason(c: Choice) -> str:
     if c.finish_reason == "length":
         return "max_tokens"
     return "stop_sequence" if c.stop_sequence is not None else "end_turn"
+
+
+# `SomeError: message` lines of a (remote) traceback text
+_RAISED = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (\S.*)$", re.MULTILINE)
+
+
+def failure_text(e: BaseException) -> str:
+    """What failed, with the engine's own message: the first exception along the chain (Ray's remote cause, then
+    `__cause__` / `__context__`) whose message is not empty. vLLM raises e.g. `EngineGenerateError()` with no text and
+    the real error as its cause; across Ray only the remote traceback's text keeps that cause, so it is read there."""
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(x)
+        x = getattr(x, "cause", None) or x.__cause__ or x.__context__
+    for x in chain:
+        if str(x).strip() and not type(x).__name__.startswith("RayTaskError"):
+            return f"{type(x).__name__}: {' '.join(str(x).split())[:500]}"
+    for x in chain:  # only empty messages: the innermost named error with text in a remote traceback
+        found = _RAISED.findall(getattr(x, "traceback_str", "") or str(x))
+        if found:
+            name, text = found[0]  # a chained traceback prints the root cause first
+            return f"{type(chain[-1]).__name__} ({name}: {text.strip()[:500]})"
+    return f"{type(chain[-1]).__name__} (the engine gave no message; see the engine's log)"
 
 
 def _openai_error(e: RequestError) -> web.Response:

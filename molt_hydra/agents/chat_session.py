@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from molt_hydra.agents.base import Trajectory
 from molt_hydra.agents.chat_messages import ChatRequest, RequestError, image_sources, load_image
+from molt_hydra.agents.json_grammar import compact
 from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall, forced_tool_schema, parse_forced
 from molt_hydra.rollout.engine import join_deltas
 from molt_hydra.rollout.generation import Generation, GenerationRequest, Sampling, TokenGenerator
@@ -87,6 +88,7 @@ class ChatSession:
         max_choices: int = 8,
         accepts_images: bool = True,
         max_images: int | None = None,
+        model_label: str = "policy",
     ):
         self.session_id = session_id
         self.generator = generator
@@ -95,7 +97,7 @@ class ChatSession:
         self.max_length = max_length
         self.parser = parser
         self.max_choices = max_choices
-        self.accepts_images = accepts_images
+        self.accepts_images, self.model_label = accepts_images, model_label
         self.max_images = max_images  # the engines' per-prompt image limit; a prompt carries the conversation's
         self.loop: asyncio.AbstractEventLoop | None = None  # the agent's loop, where the generator is called
         self.label = label
@@ -180,8 +182,9 @@ class ChatSession:
 
     def _check_images(self, messages: list[dict]) -> None:
         if not self.accepts_images and image_sources(messages):
-            raise RequestError(400, "this model is text-only (or data.max_images_per_prompt=0): remove the image "
-                                    "parts, or train a vision model with data.max_images_per_prompt > 0", "messages")
+            raise RequestError(400, f"model {self.model_label!r} takes no images: it is text-only (or "
+                                    "data.max_images_per_prompt=0); remove the image parts, or train a vision model "
+                                    "with data.max_images_per_prompt > 0", "messages")
 
     def _check_image_count(self, images: list) -> None:
         if self.max_images is not None and len(images) > self.max_images:
@@ -224,7 +227,7 @@ class ChatSession:
                 raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
                                    "response_format")
             structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
-        return {"top_logprobs": req.top_logprobs or 0, "structured": structured}
+        return {"top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
 
     async def _generate_turn(self, req: ChatRequest, key: str, on_delta: DeltaSink | None) -> TurnReply:
         extension = None if req.raw_prompt is not None else self._extension(req)

@@ -3,7 +3,8 @@
 bubblewrap (`bwrap`, Debian's `bubblewrap`; `make install` brings it) gives each call fresh pid, network, ipc, uts
 and mount namespaces: the file system is only /usr, the Python install and its venv (all read-only), a fresh
 /proc and a minimal /dev, plus a size-capped tmpfs at /tmp that is the working directory, the only writable place,
-and is gone when the call ends. /etc holds only ld.so.cache and localtime; no project or run directory, no
+and is gone when the call ends (mounted before the read-only binds, so a Python or venv living under /tmp stays
+visible, read-only, inside it). /etc holds only ld.so.cache and localtime; no project or run directory, no
 home. Started as root, the code then runs
 as an unprivileged uid of its own (`setpriv`, no capabilities, no groups), so RLIMIT_NPROC counts only this call's
 processes; started as a user, bwrap maps that user into a user namespace. Killing bwrap kills the whole pid
@@ -146,7 +147,10 @@ def _bwrap_argv(limits: SandboxLimits, allow_network: bool, uid: int | None) -> 
             "--die-with-parent", "--new-session"]
     argv += ["--unshare-user", "--uid", "65534", "--gid", "65534"] if uid is None else []  # not root: a userns
     argv += [] if allow_network else ["--unshare-net"]
-    made = {"/"}
+    # The scratch tmpfs first: the read-only binds below land on top of it, so an interpreter or venv that lives
+    # under /tmp (a checkout there) stays visible instead of being hidden by the fresh /tmp.
+    argv += ["--perms", "1777", "--size", str(limits.max_file_mb * 2**20), "--tmpfs", SCRATCH]
+    made = {"/", SCRATCH}
     for root in _read_only_roots():
         parents = list(reversed(Path(root).parents))[1:]
         for parent in map(str, parents):  # bwrap makes missing parents 0700: the dropped uid could not pass them
@@ -165,8 +169,7 @@ def _bwrap_argv(limits: SandboxLimits, allow_network: bool, uid: int | None) -> 
     argv += ["--perms", "0755", "--dir", "/etc"]
     for path in etc:
         argv += ["--ro-bind-try", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", str(limits.max_file_mb * 2**20), "--tmpfs", SCRATCH, "--chdir", SCRATCH]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--chdir", SCRATCH]
     if uid is not None:  # root: leave for a uid of this call's own, without capabilities or groups
         argv += ["--", "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                  "--inh-caps=-all", "--bounding-set=-all"]

@@ -12,7 +12,36 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import threading
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+_failures = {"count": 0}  # tool-call blocks a parser could not read, in this process (agent/tool_parse_failures)
+
+
+def parse_failures() -> int:
+    return _failures["count"]
+
+
+class _ParserErrors(logging.Filter):
+    """vLLM's tool parsers log a traceback at ERROR when a call block does not parse (e.g. a stop string cut it) and
+    return the text as content. That is the model's output, not a fault here: the record is kept for `parse` to count
+    and report in one warning line."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.exc_info:
+            self.seen.error = record.exc_info[1]
+            return False
+        return True
+
+    def take(self) -> BaseException | None:
+        error, self.seen.error = getattr(self.seen, "error", None), None
+        return error
 
 
 @dataclass(frozen=True)
@@ -59,6 +88,9 @@ def parse_forced(text: str, tool_choice) -> ParsedReply:
     return ParsedReply("", calls)
 
 
+_ERRORS = _ParserErrors()
+
+
 class ReplyParser:
     """One model family's reasoning + tool-call parsers (vLLM's), built once per runner."""
 
@@ -75,6 +107,7 @@ class ReplyParser:
                 known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
                 raise ValueError(
                     f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {known}") from None
+            logging.getLogger(cls.__module__).addFilter(_ERRORS)  # once per logger: the same filter object
             try:
                 self.tool = cls(tokenizer)
             except RuntimeError as e:  # vLLM's parsers check the tokenizer has the family's marker tokens
@@ -98,7 +131,11 @@ class ReplyParser:
             content = content or ""
         if self.tool is None or not parse_tools or not tools:
             return ParsedReply(content, [], reasoning)
+        _ERRORS.take()
         info = self.tool.extract_tool_calls(content, _vllm_request(tools))
+        error = _ERRORS.take()
+        if error is not None:
+            return self._unparsed(content, reasoning, f"{type(error).__name__}: {error}")
         if not info.tools_called:
             return ParsedReply(content, [], reasoning)
         calls = []
@@ -108,9 +145,16 @@ class ReplyParser:
             except json.JSONDecodeError:
                 args = None
             if not isinstance(args, dict):
-                return ParsedReply(content, [], reasoning)
+                return self._unparsed(content, reasoning, f"arguments of {tc.function.name!r} are not a JSON object")
             calls.append(ToolCall(tc.function.name, args))
         return ParsedReply((info.content or "").strip(), calls, reasoning)
+
+    def _unparsed(self, content: str, reasoning: str | None, why: str) -> ParsedReply:
+        """A tool-call block that does not parse stays text for the agent; counted, and one warning line."""
+        _failures["count"] += 1
+        log.warning("agent.tool_parser=%s could not read a tool call (%s); the reply is kept as text "
+                    "(agent/tool_parse_failures)", self.tool_parser_name, " ".join(why.split())[:200])
+        return ParsedReply(content, [], reasoning)
 
     def streamable(self, text: str, tools: list[dict] | None, parse_tools: bool) -> tuple[str | None, str]:
         """(reasoning, content) of a partial generation that are safe to stream: content stops before anything that

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from molt_hydra.config import handoff_rules
 from molt_hydra.config.bounds import out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 
@@ -576,6 +577,12 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "lower rollout.num_engines / parallelism.trainer_devices, set parallelism.colocate_models=true, "
                    "or pick a bigger cluster=...")
 
+    handoff_rules.length_rules(cfg, problems)
+    handoff_rules.engine_name_rules(cfg, problems)
+    if cfg.job.value != "sft":
+        handoff_rules.agent_kwargs_rules(cfg, problems)
+    handoff_rules.moe_rules(cfg, problems)
+    handoff_rules.name_rules(cfg, problems)
     problems.raise_if_any()
     return cfg
 

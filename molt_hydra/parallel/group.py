@@ -27,6 +27,15 @@ def _rendezvous_address() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
+class RankStartFailed(RuntimeError):
+    """A rank of a trainer group failed while the group started (its constructor raised, or its process died):
+    `role` names it (`actor rank 0`), `error` is Ray's error as it came."""
+
+    def __init__(self, role: str, error: BaseException):
+        super().__init__(f"{role}: {error}")
+        self.role, self.error = role, error
+
+
 class TrainerGroup:
     """`num_ranks` TrainerWorker actors (one per GPU on GPU hosts, `num_cpus_per_rank` CPUs on CPU).
 
@@ -144,7 +153,10 @@ class TrainerGroup:
                     f"trainer group {self.role!r}: rank(s) {late} (on {[self.rank_nodes[i] for i in late]}) not up "
                     f"after {timeout_s:.0f}s (model build, then the torch.distributed rendezvous at rank 0's "
                     f"{self.rendezvous}). Fix: check that the nodes reach each other on that address and port")
-            ray.get(done[0])  # raises with the rank's own error
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError as e:  # the rank's own error, named by its role and rank
+                raise RankStartFailed(f"{self.role} rank {pending[done[0]]}", e) from e
             pending.pop(done[0])
 
     def _release(self):

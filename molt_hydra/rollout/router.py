@@ -132,12 +132,15 @@ class Router:
         except Exception:  # dead or not answering: not a healthy engine
             return False
 
-    def replace_engine(self, index: int, engine) -> None:
-        """The driver's replacement for dead engine `index` (started, holding the current weights and version)."""
+    def replace_engine(self, index: int, engine) -> int:
+        """The driver's replacement for dead engine `index` (started, holding the current weights and version); returns
+        how many requests were still in flight on the dead one (they fail now and are retried on the new one)."""
+        stranded = self.affinity.in_flight[index]
         self._links[index].close(RuntimeError(f"engine {index} was replaced"))
         self.engines[index] = engine
         self._links[index] = BatchedCalls(engine, "generate")
         self.affinity.revive(index)
+        return stranded
 
     async def generate_stream(self, request: GenerationRequest):
         """One completion as the engine samples it (`VLLMEngine.generate_stream` deltas); no retry once started."""

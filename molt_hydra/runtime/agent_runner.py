@@ -171,13 +171,15 @@ class AgentRunnerActor(BatchedCallee):
         return results
 
     def router_metrics(self) -> dict[str, float]:
-        return self.router.metrics()
+        from molt_hydra.agents.tool_parser import parse_failures
+
+        return {**self.router.metrics(), "agent/tool_parse_failures": float(parse_failures())}
 
     def example_errors(self) -> dict[str, str]:
         return self.errors
 
-    def replace_engine(self, index: int, engine) -> None:
-        self.router.replace_engine(index, engine)
+    def replace_engine(self, index: int, engine) -> int:
+        return self.router.replace_engine(index, engine)
 
     async def close(self) -> None:
         try:

@@ -1,14 +1,16 @@
 """A dead rollout engine is replaced, not fatal: the driver checks every engine's health every few seconds (the actor
 gone, or alive with its vLLM engine core dead); a dead one is killed, a new one is built as at start
 (`Roles.new_engine`), given the trainer's current weights and policy version, and handed to every runner's router,
-whose requests wait for it and are retried with their own seeds. Restarts are counted (`rollout/engine_restarts`)
-and bounded by `rollout.max_engine_restarts`; one more death ends the run, naming the engine."""
+whose requests wait for it and are retried with their own seeds. Each restart prints one console line (which
+engine, why, how many requests were retried) and is counted (`engine/restarts`, also `rollout/engine_restarts`);
+restarts are bounded by `rollout.max_engine_restarts`; one more death ends the run, naming the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import sys
 
 from molt_hydra.runtime.watchdog import RunFailed, deadline
 
@@ -20,6 +22,8 @@ class EngineKeeper:
         """`roles`: the built handles (runtime/roles.py), reached through `roles.calls`."""
         self.roles, self.max_restarts, self.startup_s = roles, max_restarts, startup_s
         self.restarts = 0
+        self.why: dict[int, str] = {}  # engine index -> how its death was seen, for the restart line
+        self.retries_seen = 0.0  # the runners' cumulative router retries at the last restart
         self.processes: dict[int, list[int]] = {}  # engine index -> its processes (its vLLM engine core included)
 
     async def watch(self, weights_version) -> None:
@@ -39,16 +43,19 @@ class EngineKeeper:
     async def dead_engines(self) -> list[int]:
         import ray
 
-        async def dead(engine) -> bool:
+        from molt_hydra.runtime.watchdog import describe
+
+        async def dead(engine) -> str | None:
             try:
-                return not await asyncio.wait_for(engine.healthy.remote(), 10)
-            except ray.exceptions.RayActorError:
-                return True
+                return None if await asyncio.wait_for(engine.healthy.remote(), 10) else "its vLLM engine core died"
+            except ray.exceptions.RayActorError as e:
+                return f"its actor {describe(e).removeprefix('the process ')}"
             except Exception:  # not answering in time: the stall watchdog's case, not a death
-                return False
+                return None
 
         states = await asyncio.gather(*(dead(e) for e in self.roles.engines))
-        return [i for i, is_dead in enumerate(states) if is_dead]
+        self.why.update({i: why for i, why in enumerate(states) if why})
+        return [i for i, why in enumerate(states) if why]
 
     async def replace(self, index: int, version: int | None) -> None:
         """A new engine `index`; with `version`, it receives the trainer's weights stamped so (None: the caller's
@@ -79,10 +86,22 @@ class EngineKeeper:
         if version:  # version 0: the model path's weights, which the new engine loaded itself
             await roles.calls.push_to(version, [engine])
         roles.engines[index] = engine
-        await deadline(asyncio.gather(*(r.replace_engine.remote(index, engine) for r in roles.runners)), 30,
-                       "agent runner", "replace a rollout engine")
+        stranded = await deadline(asyncio.gather(*(r.replace_engine.remote(index, engine) for r in roles.runners)),
+                                  30, "agent runner", "replace a rollout engine")
         roles.role_pids[role] = await deadline(engine.__ray_call__.remote(lambda e: os.getpid()), 30, role, "pid")
         self.processes[index] = await self._local_processes(engine)
+        await self._say_restarted(index, sum(n or 0 for n in stranded))
+
+    async def _say_restarted(self, index: int, stranded: int) -> None:
+        """One console line per restart: the engine, why, and the requests retried on the new engine: those that met
+        the dead one and already went back to wait (counted by the runners' routers since the previous restart), and
+        those still in flight on it when it was replaced (`stranded`: they fail now and retry)."""
+        retries = (await self.roles.calls.router_metrics()).get("rollout/router/retries", 0.0)
+        retried = int(retries - self.retries_seen) + stranded
+        self.retries_seen = retries + stranded  # the stranded ones are counted by their routers as they retry
+        print(f"rollout engine {index} restarted ({self.restarts} of rollout.max_engine_restarts="
+              f"{self.max_restarts}): {self.why.pop(index, 'it died')}; {retried} request(s) retried on the new "
+              "engine", file=sys.stderr, flush=True)
 
     @staticmethod
     async def _local_processes(engine) -> list[int]:
@@ -103,4 +122,4 @@ class EngineKeeper:
         return pids if node == ray.get_runtime_context().get_node_id() else []
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/engine_restarts": float(self.restarts)}
+        return {"engine/restarts": float(self.restarts), "rollout/engine_restarts": float(self.restarts)}

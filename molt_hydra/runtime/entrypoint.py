@@ -72,15 +72,17 @@ async def _main(cfg: RunConfig, record: dict) -> int:
     signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
     for sig in signals:
         loop.add_signal_handler(sig, main.cancel)
+    loop.set_exception_handler(_quiet_cancellations)
     from molt_hydra.runtime.roles import build_roles
 
     roles, opened = None, []  # opened: the run's logs, closed before any process is ended
+    last_words: list[str] = []  # the failure message: printed after every teardown, so it is what the user sees last
     try:
         roles = await build_roles(cfg, record)
         return await (_eval_only if cfg.job.value == "eval" else _train)(cfg, roles, opened)
     except RoleStalled as e:
         probe = roles is not None and e.role in ("rollout", "weight sync")
-        return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [])
+        return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [], last_words)
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -88,8 +90,8 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
         stalled = await roles.calls.probe_engines() if isinstance(e, RunFailed) and e.drops and roles else []
         if stalled:
-            return _stalled(cfg, roles, f"rollout stalled: {e.cause}", stalled)
-        await _report_failure(cfg, roles, e)
+            return _stalled(cfg, roles, f"rollout stalled: {e.cause}", stalled, last_words)
+        last_words += await _report_failure(cfg, roles, e)
         return EXIT_FAILED
     finally:
         for sig in signals:
@@ -113,28 +115,34 @@ async def _main(cfg: RunConfig, record: dict) -> int:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if last_words:
+            sys.stdout.flush()
+            print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)
 
 
-def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str]) -> int:
+def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str], last_words: list[str]) -> int:
     """A role stopped making progress: its name, every role's stacks in a file, exit 3."""
     reason += f"; not answering: {', '.join(not_answering)}" if not_answering else ""
     path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
-    print(f"\nRun stopped: {reason}.\nStacks of every role: {path}", file=sys.stderr)
+    last_words += [f"Run stopped: {reason}.", f"Stacks of every role: {path}"]
     return EXIT_STALLED
 
 
-async def _report_failure(cfg: RunConfig, roles, error: Exception) -> None:
-    """One message: the role, the cause, the drops and an example agent error (when nothing could be trained), the
-    checkpoint to resume from. The traceback is written to <output_dir>/failure.txt, not to the terminal."""
+async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
+    """One message (returned: the caller prints it last): the role, the cause, the drops and an example agent error
+    (when nothing could be trained), the checkpoint to resume from. The traceback is written to
+    <output_dir>/failure.txt, not to the terminal."""
     import traceback
 
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
+    from molt_hydra.parallel.group import RankStartFailed
 
     if isinstance(error, RunFailed):
         role, cause, drops = error.role, error.cause, {k: v for k, v in error.drops.items() if v}
+    elif isinstance(error, RankStartFailed):
+        role, cause, drops = error.role, describe(error.error), {}
     else:
-        role = "driver (I/O)" if isinstance(error, OSError) else "driver"
-        cause, drops = describe(error), {}
+        role, cause, drops = _actor_role(error), describe(error), {}
     lines = [f"Run failed: {role}: {cause}."]
     if drops:
         lines.append("  dropped samples by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
@@ -159,7 +167,31 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> None:
         lines.append(f"Details (traceback): {details}")
     except OSError:
         pass
-    print("\n" + "\n".join(lines), file=sys.stderr)
+    return lines
+
+
+# The Ray actor classes of the roles, for a failure that reached the driver without a role's name on it
+ACTOR_ROLES = {"VLLMEngine": "rollout engine", "AgentRunnerActor": "agent runner", "PolicyWorker": "actor",
+               "TrainerWorker": "trainer (reference or critic)"}
+
+
+def _actor_role(error: BaseException) -> str:
+    """The role whose Ray actor raised `error` (named in Ray's `ray::Class.method()` line), else the driver."""
+    import re
+
+    import ray
+
+    found = re.search(r"ray::(\w+)\.", str(error)) if isinstance(error, ray.exceptions.RayError) else None
+    if found:
+        return ACTOR_ROLES.get(found.group(1), found.group(1))
+    return "driver (I/O)" if isinstance(error, OSError) else "driver"
+
+
+def _quiet_cancellations(loop, context: dict) -> None:
+    """A gather left behind when the first failure ended the run: its CancelledError is not news; anything else is
+    reported as asyncio would."""
+    if not isinstance(context.get("exception"), asyncio.CancelledError):
+        loop.default_exception_handler(context)
 
 
 def _run_log(cfg: RunConfig, roles, wandb_id: str | None):

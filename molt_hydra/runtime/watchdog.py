@@ -38,6 +38,11 @@ def describe(error: BaseException) -> str:
 
     if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
         error = error.cause
+    if isinstance(error, ray.exceptions.RayActorError) and error.actor_init_failed:
+        # the actor's constructor raised: Ray keeps only its text; the exception is the traceback's last line
+        raised = [line for line in str(error).splitlines() if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", line)]
+        if raised:
+            return f"its start failed: {raised[-1].strip()}"
     if isinstance(error, ray.exceptions.RayActorError):
         text = " ".join(str(error).split())
         exit_type = re.search(r"Worker exit type: (\w+)", text)

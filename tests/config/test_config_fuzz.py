@@ -134,7 +134,9 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "cluster.devices_per_node", "algorithm.is_correction.low", "algorithm.is_correction.high",
         "algorithm.dynamic_filtering.low", "algorithm.dynamic_filtering.high", "algorithm.reward_clip",
         "data.max_images_per_prompt",  # > 0: images, refused for the default text-only model (docs/vlm.md)
-        "rollout.max_num_batched_tokens"}  # on CPU (no chunked prefill) at least rollout.max_model_len
+        "rollout.max_num_batched_tokens",  # on CPU (no chunked prefill) at least rollout.max_model_len
+        "rollout.max_model_len", "eval.max_new_tokens", "train.max_tokens_per_micro_batch",  # vs data.max_len
+        "model.aux_loss_coef"}  # > 0 acts on MoE routers: refused for the default dense model
 FREE = [leaf for leaf in NUMERIC if leaf.key not in TIED and not leaf.key.startswith("parallelism.")
         and leaf.key not in NOT_IMPLEMENTED]
 

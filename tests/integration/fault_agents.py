@@ -38,3 +38,10 @@ class NanRewardEnv(ToyEnv):
         if self.nan:
             result.reward = math.nan
         return result
+
+
+class RaisingEnv(ToyEnv):
+    """Every rollout raises, as agent code with a bug would."""
+
+    async def step(self, state):
+        raise ValueError("the grader is down")

@@ -17,7 +17,9 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError
 
 from event_loop import loop, run  # noqa: F401 - the shared loop fixture
 from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result, load_runner
+from molt_hydra.agents.json_grammar import compact
 from molt_hydra.agents.loading import resolve_target
+from molt_hydra.agents.tool_parser import forced_tool_schema
 from molt_hydra.agents.python_executor import run_python
 from molt_hydra.rollout.generation import Sampling
 
@@ -488,7 +490,7 @@ BAD_REQUESTS = [  # (wire, body, session suffix, status, words the error message
      "unsupported block type 'tool_result'"),
     ("anthropic", dict(OK_BODY, messages=[{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}]}]),
-     "", 400, "not a decodable image"),
+     "", 400, "takes no images: it is text-only"),  # this model has no vision tower (undecodable: unit tests)
 ]
 
 
@@ -599,13 +601,16 @@ def test_tool_choice_none_required_named_and_parallel_false(loop, rec, tokenizer
         assert log[key].choices[0].finish_reason == "tool_calls", log[key].choices[0]
         call = log[key].choices[0].message.tool_calls[0]
         assert call.function.name == "python" and isinstance(json.loads(call.function.arguments), dict)
-    assert rec.calls[2][0].sampling.structured["json"]["type"] == "array"  # vLLM's schema for "required"
-    assert rec.calls[3][0].sampling.structured["json"] == PYTHON_TOOL["function"]["parameters"]
+    # vLLM's schema for "required" / the named tool, as a compact-JSON grammar (no free whitespace to spin on)
+    assert rec.calls[2][0].sampling.structured == compact({"json": forced_tool_schema([PYTHON_TOOL], "required", None)})
+    assert rec.calls[3][0].sampling.structured == compact({"json": PYTHON_TOOL["function"]["parameters"]})
     assert len(log["one"].choices[0].message.tool_calls) == 1
 
 
 def test_logprobs_come_from_the_engine_and_response_format_is_enforced(loop, rec, tokenizer):
-    schema = {"type": "string", "enum": ["yes", "no"]}  # no room for free whitespace (an object loops on blanks)
+    # an object: its free whitespace let the tiny model loop on blanks until sent as a compact-JSON grammar
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"]}
 
     async def script(client, ctx, log):
         msgs = [{"role": "user", "content": "hello there"}]
@@ -622,8 +627,9 @@ def test_logprobs_come_from_the_engine_and_response_format_is_enforced(loop, rec
     assert [e.token for e in entries] == [tokenizer.decode([t], skip_special_tokens=False) for t in gen.token_ids]
     for e, tid in zip(entries, gen.token_ids):
         assert 2 <= len(e.top_logprobs) <= 3 and max(t.logprob for t in e.top_logprobs) >= e.logprob - 1e-6
-    assert req2.sampling.structured == {"json": schema}
-    assert json.loads(log["json"].choices[0].message.content) in ("yes", "no")
+    assert req2.sampling.structured == compact({"json": schema})
+    assert log["json"].choices[0].finish_reason == "stop"
+    assert json.loads(log["json"].choices[0].message.content)["answer"] in ("yes", "no")
 
 
 def test_unknown_and_behaviour_changing_fields_get_a_400_naming_them(loop, rec, tokenizer):
@@ -644,13 +650,34 @@ def test_unknown_and_behaviour_changing_fields_get_a_400_naming_them(loop, rec, 
         log["mcp"] = e.value.body["error"]["message"]
         log["ok"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=3, user="u",
                                                          metadata={"a": "b"}, store=False, frequency_penalty=0)
+        # Anthropic prompt caching, as the SDK's examples write it: accepted everywhere, changes nothing
+        cached = {"type": "ephemeral"}
+        sys_blocks = [{"type": "text", "text": "Be brief."}]
+        user = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+        plain = dict(model="policy", max_tokens=3, system=sys_blocks, messages=user,
+                     tools=[ANTHROPIC_TOOL], tool_choice={"type": "none"})
+        log["an_plain"] = await an.messages.create(**plain)
+        log["an_cached"] = await an.messages.create(
+            **{**plain, "system": [{**sys_blocks[0], "cache_control": cached}],
+               "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": cached}]}],
+               "tools": [{**ANTHROPIC_TOOL, "cache_control": cached}]},
+            extra_body={"cache_control": cached})
+        with pytest.raises(AnthropicBadRequest) as e:
+            await an.messages.create(**plain, extra_body={"cache_control": {"type": "forever"}})
+        log["bad_cache"] = e.value.body["error"]["message"]
 
     _, log = scripted(loop, rec, tokenizer, script)
     for field, message in zip(("frequency_penalty", "logit_bias", "reasoning_effort", "functions"), log["openai"]):
         assert f"'{field}'" in message, message
     assert "agent.reasoning_parser=None" in log["thinking"]
     assert "unsupported field 'mcp_servers'" in log["mcp"]
-    assert log["ok"].choices[0].finish_reason in ("stop", "length") and len(rec.calls) == 1
+    assert log["ok"].choices[0].finish_reason in ("stop", "length")
+    # the cache_control-marked request is the very same turn as the plain one (the session's retry cache answers it
+    # without generating): cache_control changed nothing of what the model sees or samples
+    (_, _), (plain_req, (plain_gen,)) = rec.calls
+    assert log["an_cached"].content == log["an_plain"].content
+    assert log["an_cached"].usage.input_tokens == len(plain_req.prompt_ids)
+    assert log["bad_cache"].startswith("cache_control must be {'type': 'ephemeral'}"), log["bad_cache"]
 
 
 def test_endpoints_errors_and_auth_shapes(loop, rec, tokenizer):
@@ -679,13 +706,14 @@ def test_endpoints_errors_and_auth_shapes(loop, rec, tokenizer):
         log["completion"] = await comp.completions.create(model="policy", prompt="<|im_start|>user\nhi<|im_end|>\n",
                                                           max_tokens=5, logprobs=1)
 
-    outcome, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"accepts_images": False})
+    # accepts_images left at its default: the runner reads from the model's config that it is text-only
+    outcome, log = scripted(loop, rec, tokenizer, script)
     assert log["models"] == (200, "policy")
     assert log["404"][0] == 404 and log["404"][1]["error"]["type"] == "invalid_request_error"
     assert log["405"][0] == 405 and "message" in log["405"][1]["error"]
     assert log["405a"][0] == 405 and log["405a"][1]["type"] == "error"  # Anthropic's shape on /messages
     assert log["413"][0] == 413 and "larger than" in log["413"][1]["error"]["message"]
-    assert "text-only" in log["img"]
+    assert log["img"].startswith(f"model {tokenizer.name_or_path!r} takes no images: it is text-only"), log["img"]
     (req, (gen,)), = rec.calls  # the raw completion is the one generation: no template, tokens as sent
     assert req.prompt_ids == tokenizer("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False)["input_ids"]
     c = log["completion"].choices[0]

@@ -21,12 +21,23 @@ from molt_hydra.runtime import report  # noqa: E402
 
 DENSE_SECTIONS = {"Reward and score", "Drift: sampler vs trainer", "Rollouts", "Throughput", "Time split", "Losses",
                   "Grad norm"}
-# name -> (overrides, expected sections). The default run: dense actor (no MoE section), no KL-to-reference term.
+# name -> (overrides, expected sections). The default run's (dense actor: no MoE section, no KL-to-reference term)
+# is checked on the async run of tests/integration/test_rl_loop.py, which starts the same stack with W&B offline:
+# one run fewer in the suite, the same assertions (`check_run_dashboard`).
 RUNS = {
-    "default": ([], DENSE_SECTIONS),
     # the MoE recipe (routing replay on): the MoE routing section too, from the metrics the trainer's routers log
     "moe": (["+recipe=tiny_moe_cpu"], DENSE_SECTIONS | {"MoE routing"}),
 }
+
+
+def check_run_dashboard(run_dir: Path, output: str, sections: set[str]) -> None:
+    """A run made with logger.wandb_dashboard=true (W&B offline): its dashboard names only logged metrics, has
+    `sections`, points at the run's W&B id, and molt-report draws one PNG per section."""
+    spec = check_dashboard_matches_run(run_dir, sections)
+    assert f"dashboard spec written to {run_dir / 'dashboard.json'}" in output
+    assert spec["filter"]["ID"] in {d.name.rsplit("-", 1)[-1] for d in run_dir.glob("wandb/offline-run-*")}
+    assert report.main([str(run_dir)]) == 0
+    assert len(list((run_dir / "report").glob("*.png"))) == len(sections)
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -34,8 +45,4 @@ def test_run_dashboard_names_only_logged_metrics(tmp_path, name):
     overrides, sections = RUNS[name]
     proc = molt_run(tmp_path, "train.max_steps=2", "logger.wandb.mode=offline", "logger.wandb_dashboard=true",
                     *overrides)
-    spec = check_dashboard_matches_run(tmp_path, sections)
-    assert f"dashboard spec written to {tmp_path / 'dashboard.json'}" in proc.stdout + proc.stderr
-    assert spec["filter"]["ID"] in {d.name.rsplit("-", 1)[-1] for d in tmp_path.glob("wandb/offline-run-*")}
-    assert report.main([str(tmp_path)]) == 0
-    assert len(list((tmp_path / "report").glob("*.png"))) == len(sections)
+    check_run_dashboard(tmp_path, proc.stdout + proc.stderr, sections)

@@ -82,19 +82,28 @@ class Run:
         return self.stdout.read()
 
 
-def test_agent_kwarg_typo_fails_the_run_with_drop_summary_and_example_error(tmp_path):
-    run = Run(tmp_path / "run", "+agent.runner.bogus_kwarg=1", "train.max_steps=3")
-    code = run.finish()
-    err = run.err()
-    assert code == EXIT_FAILED, err[-3000:]
-    assert "Run failed: agent runner:" in err
+def test_raising_agent_fails_the_run_with_the_failure_printed_last(tmp_path):
+    """Every rollout raises: the run ends naming the role, the drops and an example error, and that message is the
+    last thing on the console, after the W&B run's teardown summary (stdout and stderr in one stream, as a terminal
+    shows them)."""
+    out = tmp_path / "run"
+    cmd = [MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"agent.runner._target_={AGENTS}:RaisingEnv",
+           "train.max_steps=3", "logger.wandb.mode=offline"]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    console = proc.stdout
+    lines = [line for line in console.splitlines() if line.strip()]
+    assert proc.returncode == EXIT_FAILED, console[-3000:]
+    assert "wandb" in console.lower(), "the W&B sink ran (its teardown prints before the failure)"
     # SMALL runs 4 prompt groups of 4 at a time: a batch's worth of groups (4) failed, all 16 rollouts counted
-    assert "agent_exception 16" in err, err[-3000:]
-    assert "example error (agent_exception): TypeError: ToyEnv() takes no arguments" in err
-    assert "Last checkpoint: none" in err
-    assert "Traceback" not in err
-    assert not (tmp_path / "run" / "checkpoints" / "step_0").exists()  # nothing trained, nothing saved or exported
-    assert not (tmp_path / "run" / "hf_final").exists()
+    assert lines[-5].startswith("Run failed: agent runner: every rollout of the last 4 prompt groups"), lines[-8:]
+    assert lines[-4] == "  dropped samples by reason: agent_exception 16", lines[-8:]
+    assert lines[-3] == "  example error (agent_exception): ValueError: the grader is down", lines[-8:]
+    assert lines[-2] == "Last checkpoint: none (the run starts from step 0 again)", lines[-8:]
+    assert lines[-1] == f"Details (traceback): {out / 'failure.txt'}", lines[-8:]
+    assert "Traceback" not in console
+    assert not (out / "checkpoints" / "step_0").exists()  # nothing trained, nothing saved or exported
+    assert not (out / "hf_final").exists()
 
 
 @pytest.mark.slow
@@ -171,10 +180,10 @@ def engine_versions(out: Path, step: int) -> set[int]:
     return versions
 
 
-@pytest.mark.slow
 def test_killed_engine_actor_is_replaced_with_the_current_weights(tmp_path):
     """kill -9 of the run's only engine actor after step 1 (sync mode: the next weight push finds it dead): a new
-    engine is started, gets the current weights and version, and every step finishes on exactly that version."""
+    engine is started, gets the current weights and version, and every step finishes on exactly that version; the
+    restart is one console line and the engine/restarts metric (in `make test`: the one engine-restart run there)."""
     # steps enough that the kill lands while steps are still to come (a small sync step takes ~0.1-0.15 s on 2 quiet
     # cores, the kill ~0.3-0.6 s after step 1 is logged)
     steps = 20
@@ -186,7 +195,8 @@ def test_killed_engine_actor_is_replaced_with_the_current_weights(tmp_path):
     assert code == 0, run.err()[-3000:]
     m = metrics(tmp_path / "run")
     assert sorted(m) == list(range(1, steps + 1))
-    assert m[steps]["train/rollout/engine_restarts"] == 1
+    assert m[steps]["train/rollout/engine_restarts"] == m[steps]["train/engine/restarts"] == 1
+    assert "rollout engine 0 restarted (1 of rollout.max_engine_restarts=3): its actor died (" in run.err()
     for step in range(2, steps + 1):  # step N trains on tokens of the policy after N - 1 updates, the replacement's
         assert engine_versions(tmp_path / "run", step) == {step - 1}, step
         assert abs(m[step]["train/vllm_kl"]) < 1e-4  # the replacement holds the trainer's weights, not the start's
@@ -221,7 +231,12 @@ def test_killed_engine_core_mid_generation_is_survived_and_requests_retried(tmp_
     assert code == 0, run.err()[-3000:]
     m = metrics(tmp_path / "run")
     assert sorted(m) == list(range(1, 41))
-    assert m[40]["train/rollout/engine_restarts"] == 1
+    assert m[40]["train/rollout/engine_restarts"] == m[40]["train/engine/restarts"] == 1
+    (line,) = [l for l in run.err().splitlines() if l.startswith("rollout engine 0 restarted")]
+    retried = int(line.split("; ")[-1].split()[0])
+    assert line.startswith("rollout engine 0 restarted (1 of rollout.max_engine_restarts=3): "
+                           "its vLLM engine core died;"), line
+    assert 1 <= retried <= m[40]["train/rollout/router/retries"], line
     assert m[40]["train/rollout/router/engine_deaths"] == 1  # one death, seen once by the one runner's router
     assert m[40]["train/rollout/router/retries"] >= 1
     assert sum(row["train/rollout/dropped/total"] for row in m.values()) == 0  # nothing lost: every request retried

@@ -68,8 +68,12 @@ def test_sync_mode_trains_only_tokens_of_the_current_policy(tmp_path):
 def test_one_step_async_logs_drift_reward_and_timing_every_step(tmp_path):
     proc = molt_run(tmp_path, "train.max_steps=4", "logger.wandb.mode=offline", "eval.data_path=builtin://toy_eval",
                     "eval.at_start=true", "eval.every_steps=2", "eval.n_samples_per_prompt=2",
-                    "parallelism.borrow_idle_cpus=false")
+                    "parallelism.borrow_idle_cpus=false", "logger.wandb_dashboard=true")
     assert "Traceback" not in proc.stderr  # W&B is closed before the run ends its processes
+    # the default (dense) run's dashboard, checked here rather than on a run of its own (test_dashboard_run.py)
+    from test_dashboard_run import DENSE_SECTIONS, check_run_dashboard
+
+    check_run_dashboard(tmp_path, proc.stdout + proc.stderr, DENSE_SECTIONS)
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "eval"]
     assert [e["step"] for e in evals] == [0, 2, 4]  # at start, then on schedule

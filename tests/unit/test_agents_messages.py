@@ -169,3 +169,27 @@ def test_completions_and_anthropic_tool_choice_and_thinking():
         anthropic_request(dict(base, thinking={"type": "enabled", "budget_tokens": 100}))
     with pytest.raises(RequestError, match="not in tools"):
         anthropic_request(dict(base, tool_choice={"type": "tool", "name": "g"}))
+
+
+def test_anthropic_cache_control_is_accepted_everywhere_and_changes_nothing():
+    cached = {"type": "ephemeral", "ttl": "5m"}
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    plain = {"max_tokens": 5, "system": [{"type": "text", "text": "s"}], "tools": [tool],
+             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    marked = {"max_tokens": 5, "cache_control": cached,
+              "system": [{"type": "text", "text": "s", "cache_control": cached}],
+              "tools": [{**tool, "cache_control": cached}],
+              "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": cached}]}]}
+    assert anthropic_request(marked) == anthropic_request(plain)
+    with pytest.raises(RequestError) as e:
+        anthropic_request({**plain, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi", "cache_control": {"type": "forever"}}]}]})
+    assert e.value.status == 400 and e.value.param == "messages[0].content[0].cache_control"
+
+
+def test_an_undecodable_image_is_the_clients_400():
+    from molt_hydra.agents.chat_messages import load_image
+
+    with pytest.raises(RequestError) as e:
+        load_image("data:image/png;base64,bm90IGFuIGltYWdl")  # "not an image"
+    assert e.value.status == 400 and "image data URI is not a decodable image" in e.value.message

@@ -263,3 +263,37 @@ def test_the_run_record_and_start_up_name_the_sandbox(tmp_path, capsys, monkeypa
     expected = "bwrap (bubblewrap " if BWRAP_PROBLEM is None else f"rlimits fallback ({BWRAP_PROBLEM})"
     assert record["python_tool_sandbox"].startswith(expected)
     assert f"python tool sandbox: {record['python_tool_sandbox']}" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/usr/bin/bwrap").exists() and not __import__("shutil").which("bwrap"),
+                    reason="bubblewrap is not installed")
+def test_bwrap_sandbox_works_with_the_venv_under_tmp(tmp_path_factory):
+    """A checkout (and so its .venv) under /tmp: the scratch tmpfs at /tmp must not hide the interpreter (it did:
+    "setpriv: failed to execute .../.venv/bin/python", and the tool fell back to rlimits). A venv is made under /tmp
+    and the sandbox is run from its interpreter; bwrap must work there and run the code read-only beside the venv."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="molt-sbx-", dir="/tmp"))
+    try:
+        venv = base / "checkout" / ".venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        probe = (
+            "import asyncio, importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('pe', {str(Path(python_executor.__file__))!r})\n"
+            "pe = sys.modules['pe'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(pe)\n"
+            "assert sys.prefix.startswith('/tmp/'), sys.prefix\n"
+            "print('problem:', pe._bwrap_problem())\n"
+            "code = 'import sys, os; print(sys.prefix, os.getcwd()); open(sys.prefix + \"/x\", \"w\")'\n"
+            "r = asyncio.run(pe.run_python(code, sandbox='bwrap'))\n"
+            "print('sandbox:', r.sandbox, 'exit:', r.exit_code)\n"
+            "print(r.stdout.strip()); print(r.stderr.strip()[-200:])\n"
+        )
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        lines = out.stdout.splitlines()
+        assert lines[0] == "problem: None", out.stdout
+        assert lines[1] == "sandbox: bwrap exit: 1", out.stdout  # ran in bwrap; the write into the venv failed
+        assert lines[2] == f"{venv} /tmp", out.stdout  # the venv's interpreter, with the scratch tmpfs as cwd
+        assert "Read-only file system" in out.stdout, out.stdout
+    finally:
+        __import__("shutil").rmtree(base, ignore_errors=True)

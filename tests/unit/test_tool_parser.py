@@ -98,3 +98,37 @@ def test_unknown_parser_names_fail_naming_the_key(tok):
 def test_a_parser_that_does_not_fit_the_tokenizer_names_the_fix(tok):
     with pytest.raises(ValueError, match=r"agent.tool_parser='llama3_json' does not fit this model's tokenizer"):
         ReplyParser(tok, "llama3_json")  # the tiny Qwen tokenizer has no <|python_tag|>
+
+
+def test_a_tool_call_cut_by_a_stop_string_is_counted_with_one_warning_line(tok, caplog):
+    """vLLM's Hermes parser logs an ERROR with a traceback for an unclosed call; here it is one warning, counted as
+    agent/tool_parse_failures, and the text goes back to the agent as written."""
+    import logging
+
+    from molt_hydra.agents.tool_parser import parse_failures
+
+    vllm_log = logging.getLogger("vllm.tool_parsers.hermes_tool_parser")
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # what reaches vLLM's own handlers (after the logger's filters)
+    vllm_log.addHandler(handler)
+    try:
+        p = ReplyParser(tok, "hermes")
+        before = parse_failures()
+        cut = 'Let me run it.\n<tool_call>\n{"name": "python", "arguments": {"code": "pri'
+        with caplog.at_level(logging.WARNING, logger="molt_hydra.agents.tool_parser"):
+            r = p.parse(cut, TOOLS)
+        bad_args = p.parse('<tool_call>{"name": "python", "arguments": "print(1)"}</tool_call>', TOOLS)
+    finally:
+        vllm_log.removeHandler(handler)
+    assert (r.content, r.tool_calls) == (cut, [])
+    assert bad_args.tool_calls == []
+    assert parse_failures() == before + 2
+    assert not [rec for rec in seen if rec.levelno >= logging.ERROR], "vLLM's traceback reached its handlers"
+    cut_warning, args_warning = [rec for rec in caplog.records if rec.name == "molt_hydra.agents.tool_parser"]
+    assert {cut_warning.levelno, args_warning.levelno} == {logging.WARNING}
+    assert cut_warning.exc_info is None and "\n" not in cut_warning.getMessage()
+    assert cut_warning.getMessage().startswith("agent.tool_parser=hermes could not read a tool call (JSONDecodeError: ")
+    assert "(arguments of 'python' are not a JSON object)" in args_warning.getMessage()
+    assert p.parse('<tool_call>{"name": "python", "arguments": {}}</tool_call>', TOOLS).tool_calls  # still parses
+    assert parse_failures() == before + 2

@@ -1,0 +1,38 @@
+"""JSON-shaped output (a forced tool call, `response_format`) as a grammar without runs of whitespace.
+
+vLLM compiles a request's `json` schema with the engine-wide whitespace rule (`structured_outputs_config.
+disable_any_whitespace`, off by default; its per-request flag is not read by the xgrammar backend), and a grammar
+that allows any whitespace between JSON tokens lets a weak model emit blanks until `max_tokens`. So the schema is
+converted here, with xgrammar (the structured-output library vLLM itself uses), into a grammar that allows at most
+one whitespace character between JSON tokens and none after the value, sent as vLLM's per-request `grammar`: the
+same JSON values, both the compact and the `json.dumps` style (`", "`, `": "`, what chat templates render and
+models learn), and no way to spin on whitespace, on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from molt_hydra.agents.chat_messages import RequestError
+
+
+WHITESPACE_RUN = 1  # most whitespace characters between two JSON tokens: `": "` passes, a run of blanks does not
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar(schema_json: str) -> str:
+    import xgrammar
+
+    return str(xgrammar.Grammar.from_json_schema(schema_json, any_whitespace=True, max_whitespace_cnt=WHITESPACE_RUN))
+
+
+def compact(structured: dict | None, param: str = "response_format") -> dict | None:
+    """vLLM structured-output fields with `json` / `json_object` replaced by a whitespace-bounded JSON `grammar`."""
+    if not structured or not ("json" in structured or structured.get("json_object")):
+        return structured
+    schema = structured.get("json") or {"type": "object"}
+    try:
+        return {"grammar": _grammar(json.dumps(schema, sort_keys=True))}
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar refuses the schema: the client's mistake
+        raise RequestError(400, f"'{param}' schema cannot be enforced: {str(e).splitlines()[0][:300]}", param) from None

@@ -1,0 +1,99 @@
+"""Values that used to pass `dry_run=true` and then fail at run time (or do nothing) are refused at validation
+(config/handoff_rules.py): one table row per class and knob, each asserting the full key and the reason; one CLI
+call with one bad value of every class asserts exit 2, every key, and no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from _config_helpers import PLAN_HEADER, run_cli
+from molt_hydra.cli import EXIT_CONFIG_ERROR
+from test_validation import assert_fires, config_errors
+
+MOE = "model.path=tiny://qwen3_moe_tiny"
+BAD = [
+    # lengths that cannot work together (conf default data.max_len=256)
+    ("engine_shorter_than_context", ["rollout.max_model_len=4"], "rollout.max_model_len",
+     "4 is below data.max_len=256"),
+    ("engine_below_prompt_plus_turn", ["rollout.max_model_len=200", "rollout.max_new_tokens=128"],
+     "rollout.max_model_len", "200 is below data.max_len=256"),
+    ("eval_turn_cap", ["eval.max_new_tokens=256"], "eval.max_new_tokens",
+     "256 leaves no room for the prompt within data.max_len=256"),
+    ("gpu_step_budget_no_chunking", ["cluster=local_gpus", "rollout.enable_chunked_prefill=false",
+                                     "rollout.max_num_batched_tokens=64"], "rollout.max_num_batched_tokens",
+     "64 is below rollout.max_model_len 256 with chunked prefill off"),
+    ("dynamic_batch_budget", ["train.dynamic_batch=true", "train.max_tokens_per_micro_batch=100"],
+     "train.max_tokens_per_micro_batch", "100 is below data.max_len=256"),
+    # names vLLM looks up when an engine or a chat runner starts
+    ("attention_backend", ["rollout.attention_backend=FLASH_ATN"], "rollout.attention_backend",
+     "'FLASH_ATN' is not a vLLM attention backend (did you mean 'FLASH_ATTN'?)"),
+    ("mm_encoder_attn_backend", ["rollout.mm_encoder_attn_backend=SDPA"], "rollout.mm_encoder_attn_backend",
+     "'SDPA' is not a vLLM attention backend"),
+    ("mamba_dtype", ["rollout.mamba_ssm_cache_dtype=fp7"], "rollout.mamba_ssm_cache_dtype",
+     "'fp7' is not a value vLLM's EngineArgs.mamba_ssm_cache_dtype takes"),
+    ("gdn_backend", ["rollout.gdn_prefill_backend=tritonn"], "rollout.gdn_prefill_backend",
+     "'tritonn' is not a value vLLM's EngineArgs.gdn_prefill_backend takes (did you mean 'triton'?)"),
+    ("tool_parser", ["agent.tool_parser=hermez"], "agent.tool_parser", "'hermez' is not a vLLM tool parser"),
+    ("reasoning_parser", ["agent.reasoning_parser=qwen4"], "agent.reasoning_parser",
+     "'qwen4' is not a vLLM reasoning parser"),
+    # agent kwargs bound to the constructors they reach
+    ("env_kwarg_unknown", ["+agent.runner.bogus_kwarg=1"], "agent.runner.bogus_kwarg",
+     "ToyEnv() takes no argument 'bogus_kwarg'"),
+    ("env_kwarg_misspelled", ["agent=math", "+agent.runner.require_boxd=false"], "agent.runner.require_boxd",
+     "MathEnv(require_boxed) takes no argument 'require_boxd' (did you mean 'require_boxed'?)"),
+    ("runner_wrapped_env_kwarg", ["agent.runner._target_=${molt:recipes}/agents/toy.py",
+                                  "+agent.runner.bogus_kwarg=1"], "agent.runner.bogus_kwarg",
+     "ToyEnv() takes no argument 'bogus_kwarg'"),
+    ("env_constructor_refuses", ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv",
+                                 "+agent.runner.exec_timout_s=5"], "agent.runner.exec_timout_s",
+     "PythonToolEnv(**agent.runner kwargs) raised ValueError: not a python-tool kwarg"),
+    ("chat_agent_kwarg", ["agent=geo3k_python", "model.path=tiny://idefics3_tiny", "+agent.runner.bogus=1"],
+     "agent.runner.bogus", "Geo3kPythonAgent(**agent.runner kwargs) raised ValueError: not a python-tool kwarg"),
+    # empty names and unparsable addresses
+    *[(f"empty_{key}", [f"{key}="], key, "is '', which names nothing")
+      for key in ("data.input_key", "data.label_key", "data.split", "eval.split", "name", "logger.wandb.project",
+                  "checkpoint.dir", "data.tools_key", "logger.wandb.entity")],
+    ("ray_address_garbage", ["cluster.ray_address=not-an-address"], "cluster.ray_address",
+     "'not-an-address' is not an address Ray can join"),
+    ("ray_address_bad_port", ["cluster.ray_address=10.0.0.1:99999"], "cluster.ray_address",
+     "'10.0.0.1:99999' is not an address Ray can join"),
+    # MoE-only knobs on a dense model
+    *[(f"dense_{key}", [f"{key}={value}"], key, "acts on MoE routers, but model.path=tiny://qwen3_tiny is a dense")
+      for key, value in (("model.freeze_moe_router", "true"), ("rollout.routing_replay", "true"),
+                         ("model.gate_precision", "bfloat16"), ("model.aux_loss_coef", "0.01"),
+                         ("rollout.enable_expert_parallel", "true"),
+                         ("parallelism.moe_reshard_after_forward", "true"))],
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_handoff_rule_fires(overrides, key, fragment):
+    assert_fires(overrides, key, fragment)
+
+
+GOOD = [
+    ["rollout.max_model_len=512"],
+    ["eval.max_new_tokens=64"],
+    ["rollout.attention_backend=CPU_ATTN", "rollout.mamba_ssm_cache_dtype=float32"],
+    ["agent.tool_parser=qwen3_coder", "agent.reasoning_parser=qwen3"],
+    ["agent=math", "+agent.runner.require_boxed=false"],
+    ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv", "+agent.runner.exec_timeout_s=5"],
+    ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")
+    ["cluster.ray_address=10.0.0.1:6379"], ["cluster.ray_address=ray://head:10001"], ["cluster.ray_address=auto"],
+    [MOE, "model.freeze_moe_router=true", "rollout.routing_replay=true", "model.gate_precision=bfloat16"],
+]
+
+
+@pytest.mark.parametrize("overrides", GOOD, ids=[" ".join(g) for g in GOOD])
+def test_working_values_still_pass(overrides):
+    assert config_errors(overrides) == []
+
+
+def test_cli_refuses_one_of_each_class_with_exit_2(tmp_path):
+    rows = [BAD[0], BAD[5], BAD[11], BAD[16], BAD[-6]]
+    overrides = [o for row in rows for o in row[1]] + ["cluster.ray_address=not-an-address"]
+    res = run_cli([*overrides, "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert res.returncode == EXIT_CONFIG_ERROR, res.describe()
+    assert "Traceback" not in res.output and PLAN_HEADER not in res.stdout, res.describe()
+    keys = {l[2:].split(":", 1)[0] for l in res.stderr.splitlines() if l.startswith("- ")}
+    assert keys >= {row[2] for row in rows} | {"cluster.ray_address"}, res.describe()

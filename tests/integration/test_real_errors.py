@@ -1,0 +1,94 @@
+"""Failures carry the real error (real Ray actors and tasks). A role whose start raises is named, with its exception,
+in the run's failure message: a trainer rank by its role and rank, any other role's actor by its class (before, both
+read "driver: the process died" and the exception was only in failure.txt, e.g. model.freeze_moe_router on a dense
+model). The chat server's 5xx carries the engine's own message, also when vLLM raises an empty EngineGenerateError
+whose cause holds it (images to a text-only model gave `500 "EngineGenerateError: "`)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from molt_hydra.agents.chat_server import failure_text
+from molt_hydra.parallel.group import RankStartFailed, TrainerGroup
+from molt_hydra.runtime.entrypoint import _report_failure
+from molt_hydra.runtime.watchdog import describe
+
+WHY = "Qwen3ForCausalLM has no MoE router this trainer supports"
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import a test module
+
+
+class BrokenWorker:
+    """A trainer rank whose model build raises, as TrainerWorker does for a knob the model cannot take."""
+
+    def __init__(self, **kwargs):
+        raise NotImplementedError(WHY)
+
+
+class AgentRunnerActor:
+    """Named as the real agent-runner actor class, so the failure is told by Ray's `ray::Class.method()` line."""
+
+    def __init__(self):
+        raise ValueError("agent.runner needs a GPU")
+
+    def ping(self):
+        return True
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def report(tmp_path, error) -> list[str]:
+    cfg = SimpleNamespace(output_dir=str(tmp_path), job=SimpleNamespace(value="rl"),
+                          checkpoint=SimpleNamespace(dir=str(tmp_path / "checkpoints")))
+    return asyncio.run(_report_failure(cfg, None, error))
+
+
+def test_a_trainer_rank_whose_start_raises_is_named_with_its_error(local_ray, tmp_path):
+    with pytest.raises(RankStartFailed) as e:
+        TrainerGroup(1, num_cpus_per_rank=1, startup_timeout_s=120, worker_cls=BrokenWorker, role="actor")
+    assert e.value.role == "actor rank 0"
+    assert describe(e.value.error) == f"its start failed: NotImplementedError: {WHY}"
+    lines = report(tmp_path, e.value)
+    assert lines == [f"Run failed: actor rank 0: its start failed: NotImplementedError: {WHY}.",
+                     "Last checkpoint: none (the run starts from step 0 again)",
+                     f"Details (traceback): {tmp_path / 'failure.txt'}"]
+    assert f"NotImplementedError: {WHY}" in (tmp_path / "failure.txt").read_text()
+
+
+def test_another_roles_actor_whose_start_raises_is_named_by_its_class(local_ray, tmp_path):
+    actor = ray.remote(AgentRunnerActor).remote()
+    with pytest.raises(ray.exceptions.RayActorError) as e:
+        ray.get(actor.ping.remote())
+    (first, *_) = report(tmp_path, e.value)
+    assert first == "Run failed: agent runner: its start failed: ValueError: agent.runner needs a GPU."
+
+
+TEXT_ONLY = "Multi-modal processor not available for text-only models"  # what vLLM 0.32 says, as its cause
+
+
+def engine_generate_error():
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    try:
+        raise ValueError(TEXT_ONLY)
+    except ValueError as e:
+        raise EngineGenerateError() from e
+
+
+def test_a_5xx_carries_the_engines_message_in_process_and_across_ray(local_ray):
+    with pytest.raises(Exception) as here:
+        engine_generate_error()
+    assert failure_text(here.value) == f"ValueError: {TEXT_ONLY}"
+    with pytest.raises(Exception) as remote:
+        ray.get(ray.remote(engine_generate_error).remote())
+    assert type(remote.value).__name__.startswith("RayTaskError")
+    assert f"ValueError: {TEXT_ONLY}" in failure_text(remote.value)
