@@ -26,6 +26,10 @@ def test_engine_passes_only_the_memory_knob_of_its_platform(monkeypatch, tiny_mo
 
     captured = {}
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: on_cpu)
+    # vLLM's GPU build cannot be installed here: the GPU platform is faked, so is its version check's answer
+    monkeypatch.setattr("molt_hydra.compat.vllm.check_installed",
+                        lambda device: "0.24.0" if device == "cuda" else "0.32.0")
+
     class Front:  # what start() uses of the AsyncLLM it builds: the arguments, and the weight-version label
         def __init__(self, args):
             captured["a"] = args

@@ -29,6 +29,9 @@ def engine_args(monkeypatch, tiny_model, on_cpu: bool, tensor_parallel_size: int
         return Front()
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: on_cpu)
+    # vLLM's GPU build cannot be installed here: the GPU platform is faked, so is its version check's answer
+    monkeypatch.setattr("molt_hydra.compat.vllm.check_installed",
+                        lambda device: "0.24.0" if device == "cuda" else "0.32.0")
     monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(from_engine_args))
     monkeypatch.setenv("OMP_NUM_THREADS", "untouched")
     asyncio.run(VLLMEngine(tiny_model, tensor_parallel_size=tensor_parallel_size, extra_engine_args=extra).start())
