@@ -360,10 +360,11 @@ class RLController:
 
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
-        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep)
+        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep,
+                                            max_disk_gb=ckpt.max_disk_gb)
         if self.roles.critic is not None:
             await self.calls.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
-                                   {"rl_step": self.step}, keep=keep, role="critic")
+                                   {"rl_step": self.step}, keep=keep, max_disk_gb=ckpt.max_disk_gb, role="critic")
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
             hf = Path(self.roles.ckpt_dir) / "hf" / f"step_{self.step}"

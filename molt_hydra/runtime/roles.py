@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
+from molt_hydra.runtime.trainer_options import trainer_options
 from molt_hydra.runtime.watchdog import deadline
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -229,7 +230,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
             **{**common, "model_path": path or model_path}, role=role, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
             weight_decay=o.weight_decay, lr_scheduler=o.scheduler, lr_warmup_ratio=o.warmup_ratio,
             min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, total_steps=total_steps,
-            **extra)
+            **trainer_options(cfg, o), **extra)
 
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     actor = ref = critic = None
