@@ -253,6 +253,9 @@ class RLController:
         drift = drift_metrics(old_logp, b.rollout_log_probs, b.action_mask, is_correction=roles.policy_loss.is_correction,
                               policy_versions=b.policy_versions, current_version=self.version)
         metrics.update({k: float(v) for k, v in drift.items()})
+        if cfg.logger.dump_logprobs and self.step + 1 in cfg.logger.dump_logprobs_steps:  # this is step self.step + 1
+            from molt_hydra.logging.logprob_dump import write_logprob_dump
+            write_logprob_dump(Path(cfg.output_dir) / "logprobs" / f"step{self.step + 1}.tsv", b, old_logp, lengths)
         if roles.critic is not None:
             t2 = time.perf_counter()
             for _ in range(cfg.train.critic.epochs or cfg.train.epochs):

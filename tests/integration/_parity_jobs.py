@@ -10,10 +10,12 @@ from _trainer_jobs import make_samples, ppo_objective, with_old_logprobs, worker
 
 
 def warm_start(rank, world_size, port, root, out):
-    """Train a step and save; then a fresh worker loads that checkpoint weights-only, and another fully."""
+    """Train two steps (linear warmup: the first at lr 0) and save; then a fresh worker loads that checkpoint
+    weights-only, and another fully."""
     w = worker(rank, world_size, port)
     samples = with_old_logprobs(w, make_samples(4, seed=5))
-    w.train_step(samples, ppo_objective())
+    for _ in range(2):
+        w.train_step(samples, ppo_objective())
     w.save_checkpoint(root)
     trained = {n: _full(p) for n, p in w.model.named_parameters()}
     res = {"trained": trained, "lr_trained": w.scheduler.get_last_lr()[0]}

@@ -31,7 +31,9 @@ def test_warm_start_loads_weights_but_not_the_optimizer(tmp_path):
     warm, resumed = res["warm"], res["resumed"]
     # fresh AdamW (no moments), scheduler at its start (linear warmup of 10 steps: lr 0 at step 0), step 0
     assert warm["optim_state"] == {} and warm["step"] == 0 and warm["sched_epoch"] == 0 and warm["lr"] == 0.0
-    assert resumed["step"] == 1 and resumed["sched_epoch"] == 1 and resumed["lr"] == res["lr_trained"] == 1e-3
+    # linear over 10 steps, warmup 1: after 2 steps lr = 1e-3 * (10 - 2) / (10 - 1)
+    assert resumed["step"] == 2 and resumed["sched_epoch"] == 2
+    assert resumed["lr"] == res["lr_trained"] == pytest.approx(1e-3 * 8 / 9)
     assert all(s["exp_avg"].abs().max() > 0 for s in resumed["optim_state"].values())
 
 
