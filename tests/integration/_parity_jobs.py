@@ -26,6 +26,9 @@ def warm_start(rank, world_size, port, root, out):
                      "optim_state": {k: dict(s) for k, s in v.optimizer.state.items()},
                      "step": v.global_step, "lr": v.scheduler.get_last_lr()[0],
                      "sched_epoch": v.scheduler.last_epoch}
+    res["deterministic_before"] = torch.are_deterministic_algorithms_enabled()
+    worker(rank, world_size, port, full_determinism=True)  # train.full_determinism
+    res["deterministic_after"] = torch.are_deterministic_algorithms_enabled()
     if rank == 0:
         torch.save(res, out)
     w.shutdown()

@@ -20,9 +20,15 @@ from molt_hydra.parallel.launch import run_ranks  # noqa: E402
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_warm_start_loads_weights_but_not_the_optimizer(tmp_path):
-    run_ranks(jobs.warm_start, 1, str(tmp_path / "ckpt"), tmp_path / "w.pt", timeout_s=240)
-    res = torch.load(tmp_path / "w.pt", weights_only=False)
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    d = tmp_path_factory.mktemp("warm")
+    run_ranks(jobs.warm_start, 1, str(d / "ckpt"), d / "w.pt", timeout_s=240)
+    return torch.load(d / "w.pt", weights_only=False)
+
+
+def test_warm_start_loads_weights_but_not_the_optimizer(warm):
+    res = warm
     from molt_hydra.models.build import build_model
     init = build_model("tiny://qwen3_tiny").state_dict()
     for name, p in res["trained"].items():
@@ -35,6 +41,12 @@ def test_warm_start_loads_weights_but_not_the_optimizer(tmp_path):
     assert resumed["step"] == 2 and resumed["sched_epoch"] == 2
     assert resumed["lr"] == res["lr_trained"] == pytest.approx(1e-3 * 8 / 9)
     assert all(s["exp_avg"].abs().max() > 0 for s in resumed["optim_state"].values())
+
+
+def test_full_determinism_turns_on_deterministic_kernels(warm):
+    """train.full_determinism: transformers' enable_full_determinism (Molt's call) in the trainer rank."""
+    res = warm
+    assert res["deterministic_before"] is False and res["deterministic_after"] is True
 
 
 @pytest.fixture(scope="module")
