@@ -33,6 +33,6 @@ def over_budget(newest: Path, max_disk_gb: float | None) -> str | None:
     size = dir_bytes(newest)
     if size <= max_disk_gb * 1e9:
         return None
-    return (f"checkpoint.max_disk_gb={max_disk_gb}: the newest checkpoint {newest} alone takes {size / 1e9:.3f} GB, "
+    return (f"checkpoint.max_disk_gb={max_disk_gb}: the newest checkpoint {newest} alone takes {size / 1e9:.3g} GB, "
             f"over the budget (it is kept; every older one was pruned). Fix: raise checkpoint.max_disk_gb above "
-            f"{size / 1e9:.3f}, or unset it")
+            f"{size / 1e9:.3g}, or unset it")
