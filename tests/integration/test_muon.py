@@ -109,3 +109,23 @@ def test_experts_on_muon_or_adamw(tmp_path):
                 blend = g[e].lerp(torch.zeros_like(g[e]).lerp_(g[e], 1 - 0.95), 0.95)
                 want = before[e] * (1 - 0.02 * 0.1) - 0.02 * orthogonalised(blend)
                 torch.testing.assert_close(after[e], want, rtol=0, atol=1e-6)
+
+
+def test_bench_muon_cost_runs_on_cpu(tmp_path):
+    """bench/muon_cost.py's CPU smoke shape: one row, its ratios from its own times, Muon over exactly the tiny
+    model's 2-D decoder weights (2 layers x q 128x128, k and v 64x128, o 128x128, gate and up 256x128, down 128x256;
+    the tied embedding stays on AdamW)."""
+    import json
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "muon.json"
+    subprocess.run([sys.executable, "bench/muon_cost.py", "--device", "cpu", "--shape", "tiny", "--seq", "64",
+                    "--mbs", "2", "--steps", "1", "--opt-steps", "1", "--out", str(out)], check=True, cwd=repo,
+                   env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, timeout=300)
+    row = json.loads(out.read_text())
+    assert row["optimizer_step_ratio"] == row["muon_optimizer_step_s"] / row["adamw_optimizer_step_s"]
+    assert row["train_step_ratio"] == row["muon_train_step_s"] / row["adamw_train_step_s"]
+    per_layer = 128 * 128 + 2 * 64 * 128 + 128 * 128 + 3 * 256 * 128
+    assert row["muon_params_b"] * 1e9 == pytest.approx(2 * per_layer)
