@@ -3,7 +3,8 @@
 Layout: <root>/step_<N>/{dcp/ (model + optimizer, sharded), extra_state.pt (scheduler + client state),
 rng_rank<r>.pt}, <root>/latest (text: the last tag). A save is written to <root>/.tmp-step_<N> and renamed only
 when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable. Retention (newest `keep`
-tags, a disk budget) is parallel/retention.py. Assumes every rank sees the same filesystem (one host, or a shared mount).
+tags, a disk budget) is parallel/retention.py. Assumes every rank sees the same filesystem (one host, or a shared
+mount).
 """
 
 from __future__ import annotations

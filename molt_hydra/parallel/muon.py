@@ -2,8 +2,8 @@
 
 Param groups as Molt's muon.py: 2-D weights and 3-D grouped MoE expert weights (unless `experts_adamw`, Molt's
 MUON_EXPERTS_ADAMW) -> Muon at `muon.lr` / `muon.weight_decay`; vectors, norms, biases -> AdamW at the AdamW lr / wd;
-embeddings -> AdamW with wd 0; output heads (lm_head, a critic's value head) -> AdamW at lr = muon.lr / sqrt(d_in),
-wd 0. A tied lm_head is the embedding.
+embeddings -> AdamW with wd 0; output heads (an untied lm_head, a critic's value head) -> AdamW at
+lr = muon.lr / sqrt(d_in), wd 0. A tied lm_head is the embedding.
 
 Distribution: the momentum is elementwise, so it stays sharded like its parameter (a DTensor in `state`, saved and
 resharded by DCP as the AdamW moments are). Only the Newton-Schulz orthogonalisation needs a whole matrix: each rank
@@ -103,14 +103,15 @@ def muon_param_groups(model, *, lr: float, weight_decay: float, muon_lr: float, 
                       experts_adamw: bool = False) -> list[dict]:
     """Molt's classification of the trainable parameters into Muon / AdamW / embedding / head groups (empty ones
     dropped)."""
-    embed = model.get_input_embeddings().weight
-    heads = [m for m in (model.get_output_embeddings(), getattr(model, "value_head", None)) if m is not None]
-    head_ids = {id(m.weight) for m in heads if m.weight is not embed}
+    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = [m for m in (out, getattr(model, "value_head", None)) if m is not None and id(m.weight) not in embed_ids]
+    head_ids = {id(m.weight) for m in heads}
     muon, plain, embeds, head = [], [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p is embed:
+        if id(p) in embed_ids:
             embeds.append(p)
         elif id(p) in head_ids:
             head.append(p)

@@ -78,8 +78,8 @@ class TrainerWorker:
         if full_determinism:  # train.full_determinism, as Molt: transformers' seeds + deterministic kernels
             from transformers import enable_full_determinism
             enable_full_determinism(seed)
-        # logger.debug_grad_norms: (name patterns, top k); parallelism.defer_grad_sync
-        self.debug_grad_norms, self.defer_grad_sync = debug_grad_norms, defer_grad_sync
+        # logger.debug_grad_norms: (name patterns, top k); parallelism.defer_grad_sync: the FSDP2 units (below)
+        self.debug_grad_norms, self.defer_grad_sync = debug_grad_norms, []
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
                                        timeout_s=timeout_s)
         # CPU threads: `cpu_threads` (the CPUs Ray reserved for this rank; a Ray worker started before it was placed
@@ -190,6 +190,12 @@ class TrainerWorker:
             self.scheduler = build_scheduler(self.optimizer, name=lr_scheduler, total_steps=total_steps,
                                              warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio)
         self.global_step = 0
+        if defer_grad_sync:  # every FSDP2 unit, whoever wrapped the model (HF path or AutoModel)
+            from torch.distributed.fsdp import FSDPModule
+            self.defer_grad_sync = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+            if not self.defer_grad_sync:
+                raise ValueError("parallelism.defer_grad_sync: this trainer is not sharded with FSDP2 (one rank, "
+                                 "params in the compute dtype), so there is no reduce-scatter to defer; unset it")
 
     # ---------------------------------------------------------------- CPU threads
     def engines_busy(self, busy: bool, hint: int) -> None:
@@ -396,8 +402,8 @@ class TrainerWorker:
                 self.optimizer.accumulate_fp32 = len(parts) > 1
             for j, part in enumerate(parts):
                 self._use_cpu_threads()
-                if self.defer_grad_sync and hasattr(self.model, "set_requires_gradient_sync"):
-                    self.model.set_requires_gradient_sync(j == len(parts) - 1)  # reduce-scatter on the last only
+                for unit in self.defer_grad_sync:  # reduce-scatter on the window's last micro-batch only
+                    unit.set_requires_gradient_sync(j == len(parts) - 1, recurse=False)
                 rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
                      for k, v in win[0].items()

@@ -1,5 +1,6 @@
 """Rank functions for tests/integration/test_trainer_parity.py (gloo, the tiny Qwen3 in fp32): warm start
-(checkpoint.load_model_only), deferred gradient sync and per-parameter grad norms. Rank 0 saves what the tests compare."""
+(checkpoint.load_model_only), determinism, deferred gradient sync and per-parameter grad norms. Rank 0 saves what
+the tests compare."""
 
 from __future__ import annotations
 
