@@ -2,8 +2,8 @@
 
 Builds a random-init Qwen3-shaped TrainerWorker (bench/gpu_trainer.py's shapes, FSDP2, bf16 compute, fp32 params),
 then for AdamW and for Muon in turn: one warm-up training step, `--steps` timed PPO training steps on synthetic
-experiences, and `--opt-steps` timed optimizer steps alone (the grads of the last training step). Prints one JSON row
-with both times and the ratios muon / adamw, and writes it to --out.
+experiences, and `--opt-steps` timed optimizer steps alone (on constant grads). Prints one JSON row with both times
+and the ratios muon / adamw, writes it to --out, and on GPU appends a row to bench/RESULTS.md (--no-append: print).
 
     python bench/muon_cost.py --out muon.json                       # one GPU, Qwen3-4B shape
     torchrun --standalone --nproc_per_node=N bench/muon_cost.py --out muon.json
@@ -74,6 +74,7 @@ def main():
     ap.add_argument("--mbs", type=int, default=2, help="sequences per rank per training step")
     ap.add_argument("--steps", type=int, default=2, help="timed training steps per optimizer")
     ap.add_argument("--opt-steps", type=int, default=5, help="timed optimizer-only steps per optimizer")
+    ap.add_argument("--no-append", action="store_true", help="GPU runs: print the RESULTS.md row, do not append it")
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch touches CUDA: the trainer picks gloo on CPU
@@ -109,6 +110,15 @@ def main():
               f"x{row['train_step_ratio']:.3f} ({muon['train_step_s']:.3f} s vs {adamw['train_step_s']:.3f} s)")
         print(json.dumps(row), flush=True)
         Path(args.out).write_text(json.dumps(row, indent=1))
+        if args.device == "cuda":  # the CPU smoke shape measures nothing worth a row
+            from _common import append_row
+            append_row("muon_cost", f"Qwen3-{args.shape} shape, random init, {world} x {row['gpu']}, FSDP2 bf16 "
+                       f"compute / fp32 params, {args.mbs} x {args.seq} tokens per rank, full AC",
+                       f"AdamW: step {adamw['train_step_s']:.3f} s, optimizer {adamw['optimizer_step_s']:.3f} s",
+                       f"Muon: step {muon['train_step_s']:.3f} s, optimizer {muon['optimizer_step_s']:.3f} s",
+                       f"x{row['train_step_ratio']:.3f} step, x{row['optimizer_step_ratio']:.2f} optimizer",
+                       f"Muon on {row['muon_params_b']:.2f} B of {row['params_b']:.2f} B params; +"
+                       f"{row['muon_extra_s_per_step']:.3f} s per training step")
     w.shutdown()
 
 
