@@ -181,7 +181,7 @@ class ParallelismConfig:
     colocate_models: bool = False
     "Actor, reference and critic share one actor-sized placement (time-sliced)."
     defer_grad_sync: bool = False
-    "Reduce-scatter gradients only on the last micro-batch of a step (Molt env MOLT_DEFER_GRAD_SYNC); not implemented."
+    "Reduce-scatter gradients only on the last micro-batch of each optimizer step (Molt env MOLT_DEFER_GRAD_SYNC)."
     moe_reshard_after_forward: bool = False
     "AutoModel MoE parallelizer reshard_after_forward (Molt env MOLT_MOE_RESHARD_AFTER_FWD)."
 
@@ -436,7 +436,7 @@ class DataConfig:
 @dataclass
 class OptimizerConfig:
     name: OptimizerName = OptimizerName["adamw"]
-    "adamw or muon (Muon needs the dion package)."
+    "adamw, or muon: Muon on 2-D (and grouped expert) weights, AdamW on the rest (parallel/muon.py)."
     lr: float = ranged(1e-6, gt=0)
     "AdamW learning rate."
     betas: list[float] = ranged(factory=lambda: [0.9, 0.95], ge=0, lt=1)
@@ -524,7 +524,7 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     "Critic training (gae only)."
     full_determinism: bool = False
-    "Deterministic kernels in trainer and engines (slower)."
+    "Deterministic kernels and seeds in trainer and engines (vLLM batch-invariant where it has it); slower."
     rollout_dump_dir: Optional[str] = None
     "Save each rollout batch to <dir>/rollout_step{N}.pt (N = 0, 1, ... in generation order)."
     rollout_replay_dir: Optional[str] = None
@@ -554,11 +554,11 @@ class CheckpointConfig:
     max_num: int = ranged(3)
     "Checkpoints kept (<= 0 keeps all); the best one is kept besides."
     max_disk_gb: Optional[float] = ranged(None, gt=0)
-    "Disk budget for retained checkpoints; None = unlimited."
+    "Disk budget (GB) per checkpoint root: oldest resumable checkpoints pruned, never the newest; None = unlimited."
     resume: Resume = Resume["never"]
     "never, auto (latest if any) or must (latest, fail if none)."
     load_model_only: bool = False
-    "On resume load weights only, not optimizer/scheduler (Molt env LOAD_MODEL_ONLY)."
+    "Resume = warm start: the checkpoint's weights only; fresh optimizer, scheduler, data position (LOAD_MODEL_ONLY)."
     best_metric_key: str = ""
     "Eval metric deciding the best checkpoint; '' = first key ending in _pass1; 'none' disables."
     path: Optional[str] = None
@@ -620,9 +620,15 @@ class LoggerConfig:
     debug_rollout: bool = False
     "Log per-sample reward/return/group std/decoded text each step (Molt env MOLT_DEBUG_ROLLOUT)."
     dump_logprobs: bool = False
-    "Once, write pos/token/vllm_logp/train_logp/mask as TSV (Molt env MOLT_DUMP_ROLLOUT_LOGPROBS)."
+    "Write per-token engine vs trainer log-probs to <output_dir>/logprobs/step{N}.tsv (docs/logprob_dump.md)."
+    dump_logprobs_steps: list[int] = ranged(factory=lambda: [1], ge=1)
+    "The RL steps logger.dump_logprobs writes (1 = the first step)."
     debug_grad_norms: bool = False
-    "Log per-parameter grad norms before clipping (Molt env MOLT_FSDP_DEBUG_GRADS)."
+    "Log the largest per-parameter grad norms (before clipping) as metrics (Molt env MOLT_FSDP_DEBUG_GRADS)."
+    debug_grad_norms_filter: list[str] = field(default_factory=list)
+    "fnmatch patterns of the parameter names debug_grad_norms considers (MOLT_FSDP_DEBUG_GRADS_FILTER); [] = all."
+    debug_grad_norms_topk: int = ranged(8, ge=1)
+    "How many of the largest grad norms debug_grad_norms logs per step (MOLT_FSDP_DEBUG_GRADS_TOPK)."
 
 
 @dataclass

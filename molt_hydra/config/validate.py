@@ -65,22 +65,6 @@ MUON_FIELDS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_nesterov",
 # never silently ignored. tests/config/test_schema_walk.py lists these as read by validation only.
 NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
     "parallelism.pp": ("pipeline parallelism is not implemented (as in Molt).", "set parallelism.pp=1"),
-    "train.full_determinism": ("deterministic-kernel mode is not implemented (runs are reproducible from the seed on "
-                               "CPU without it).", "set train.full_determinism=false"),
-    "checkpoint.max_disk_gb": ("disk-budget retention is not implemented.",
-                               "use checkpoint.max_num for retention and unset checkpoint.max_disk_gb"),
-    "checkpoint.load_model_only": ("weights-only resume is not implemented.", "set checkpoint.load_model_only=false"),
-    "logger.debug_grad_norms": ("per-parameter grad-norm logging is not implemented.",
-                                "set logger.debug_grad_norms=false"),
-    "parallelism.defer_grad_sync": ("deferring the gradient reduce-scatter to the last micro-batch is not "
-                                    "implemented; every micro-batch reduce-scatters.",
-                                    "set parallelism.defer_grad_sync=false"),
-    "logger.dump_logprobs": ("the one-off logprob TSV is not implemented (the vllm_kl / drift metrics measure the "
-                             "same disagreement every step).", "set logger.dump_logprobs=false"),
-    **{f"{block}.name": ("Muon is not implemented.", f"set {block}.name=adamw")
-       for block in ("train.optimizer", "train.critic.optimizer")},
-    **{f"{block}.{name}": ("Muon is not implemented, so its settings would change nothing.", f"unset {block}.{name}")
-       for block in ("train.optimizer", "train.critic.optimizer") for name in MUON_FIELDS},
 }
 # Keys the SFT job (runtime/sft_job.py) has no use for: set to anything but the default under job=sft, refused.
 SFT_IGNORES: dict[str, str] = {
@@ -277,6 +261,40 @@ def _colocation_rules(cfg: RunConfig, problems: Problems) -> None:
     problems.check(not gpu or cfg.cluster.memory_gb_per_device > 0, "cluster.memory_gb_per_device",
                    "colocated engines and trainer split each GPU's memory, and its size is unknown here (no nvidia-smi "
                    "on this node).", "set cluster.memory_gb_per_device to the GiB of one GPU (e.g. 80 or 141)")
+
+
+def _parity_rules(cfg: RunConfig, problems: Problems) -> None:
+    """Muon, warm start, log-prob dumps, grad-norm debugging, deferred grad sync: settings that would change nothing,
+    or that meet a mechanism they are not wired to."""
+    defaults = RunConfig()
+    changed = lambda key: not _is_default(_get(cfg, key), _get(defaults, key))  # noqa: E731
+    for block in ("train.optimizer", "train.critic.optimizer"):
+        muon = _get(cfg, f"{block}.name").value == "muon"
+        for name in MUON_FIELDS:
+            problems.check(muon or not changed(f"{block}.{name}"), f"{block}.{name}",
+                           f"it sets Muon, but {block}.name=adamw, so it changes nothing.",
+                           f"set {block}.name=muon, or unset {block}.{name}")
+        problems.check(not (muon and cfg.model.master_weights.value == "optimizer"), f"{block}.name",
+                       "muon: Muon steps the parameters themselves; the fp32 masters of model.master_weights=optimizer "
+                       "live in AdamW only.", "set model.master_weights=fsdp, or the optimizer to adamw")
+    c, log, p = cfg.checkpoint, cfg.logger, cfg.parallelism
+    problems.check(not c.load_model_only or c.resume.value != "never", "checkpoint.load_model_only",
+                   "it says what a resume loads, but checkpoint.resume=never loads nothing.",
+                   "set checkpoint.resume=auto (or must) with checkpoint.dir at the checkpoints to start from")
+    for key, switch in (("logger.dump_logprobs_steps", "logger.dump_logprobs"),
+                        ("logger.debug_grad_norms_filter", "logger.debug_grad_norms"),
+                        ("logger.debug_grad_norms_topk", "logger.debug_grad_norms")):
+        problems.check(_get(cfg, switch) or not changed(key), key, f"it tunes {switch}, which is off.",
+                       f"set {switch}=true, or unset {key}")
+    problems.check(not (log.dump_logprobs and cfg.job.value != "rl"), "logger.dump_logprobs",
+                   f"it dumps the engine's against the trainer's log-probs of RL steps; job={cfg.job.value} has none.",
+                   "unset logger.dump_logprobs")
+    problems.check(not (p.defer_grad_sync and p.trainer_devices == 1), "parallelism.defer_grad_sync",
+                   "one trainer rank has no gradient reduce-scatter to defer.", "unset parallelism.defer_grad_sync")
+    problems.check(not (p.defer_grad_sync and cfg.model.master_weights.value == "optimizer"),
+                   "parallelism.defer_grad_sync", "model.master_weights=optimizer sums every micro-batch's reduced "
+                   "grad in fp32 as it arrives; deferred, the grads arrive once, unsummed in bf16.",
+                   "unset parallelism.defer_grad_sync, or set model.master_weights=fsdp")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -504,6 +522,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems.check(not cfg.logger.wandb_dashboard or cfg.job.value != "sft", "logger.wandb_dashboard",
                    "SFT jobs log no RL metrics to build the dashboard from.", "set logger.wandb_dashboard=false")
 
+    _parity_rules(cfg, problems)
     defaults = RunConfig()
     for key, (reason, fix) in NOT_IMPLEMENTED.items():
         problems.check(_is_default(_get(cfg, key), _get(defaults, key)), key, f"not available: {reason}", fix)

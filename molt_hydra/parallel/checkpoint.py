@@ -2,8 +2,9 @@
 
 Layout: <root>/step_<N>/{dcp/ (model + optimizer, sharded), extra_state.pt (scheduler + client state),
 rng_rank<r>.pt}, <root>/latest (text: the last tag). A save is written to <root>/.tmp-step_<N> and renamed only
-when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable. Retention keeps the
-newest `keep` tags. Assumes every rank sees the same filesystem (one host, or a shared mount).
+when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable. Retention (newest `keep`
+tags, a disk budget) is parallel/retention.py. Assumes every rank sees the same filesystem (one host, or a shared
+mount).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
 )
+
+from molt_hydra.parallel import retention
 
 TAG = re.compile(r"^step_(\d+)$")
 
@@ -63,8 +66,9 @@ def _tags(root: Path) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
-                    client_state: dict | None = None, keep: int = 3) -> Path:
-    """Collective: every rank calls it. Returns the final directory."""
+                    client_state: dict | None = None, keep: int = 3, max_disk_gb: float | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final directory. Retention: parallel/retention.py; every rank
+    raises the same error when the newest checkpoint alone is over `max_disk_gb`."""
     root = Path(root)
     tag = f"step_{step}"
     tmp, final = root / f".tmp-{tag}", root / tag
@@ -90,10 +94,11 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(tag)
         os.replace(latest_tmp, root / "latest")
-        if keep > 0:
-            for _, old in _tags(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        retention.prune([p for _, p in _tags(root)], keep, max_disk_gb)
     _barrier()
+    error = retention.over_budget(final, max_disk_gb)
+    if error is not None:
+        raise RuntimeError(error)
     return final
 
 
@@ -107,12 +112,18 @@ def resolve_checkpoint(root: str | os.PathLike) -> Path | None:
     return tags[-1][1] if tags else None
 
 
-def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None) -> dict | None:
+def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None,
+                    model_only: bool = False) -> dict | None:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client state, or None when
-    there is nothing to resume from."""
+    there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state."""
     path = resolve_checkpoint(root)
     if path is None:
         return None
+    if model_only:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))  # the model's entries only
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        return {}
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}

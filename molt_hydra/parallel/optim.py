@@ -1,4 +1,4 @@
-"""AdamW + HF LR schedule with warmup (Molt's optimizer block, AdamW only)."""
+"""AdamW (or Muon, parallel/muon.py) + HF LR schedule with warmup (Molt's optimizer block)."""
 
 from __future__ import annotations
 
@@ -113,11 +113,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_optimizer(model, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                    masters: dict | None = None):
-    """masters: {param: its fp32 master} when the params are low-precision compute weights (MasterWeightAdamW)."""
+                    masters: dict | None = None, muon: dict | None = None):
+    """masters: {param: its fp32 master} when the params are low-precision compute weights (MasterWeightAdamW).
+    muon: Muon for the matrices (parallel/muon.py) with keys lr, momentum, weight_decay, nesterov, experts_adamw."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
+    if muon is not None:
+        from molt_hydra.parallel.muon import MuonAdamW, muon_param_groups
+        if masters is not None:
+            raise ValueError("Muon steps the parameters themselves; it has no fp32 masters (master_weights=fsdp)")
+        groups = muon_param_groups(model, lr=lr, weight_decay=weight_decay, muon_lr=muon["lr"],
+                                   muon_weight_decay=muon["weight_decay"], experts_adamw=muon["experts_adamw"])
+        return MuonAdamW(groups, betas=betas, eps=eps, momentum=muon["momentum"], nesterov=muon["nesterov"])
     if masters is not None:
         return MasterWeightAdamW(params, masters, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     # multi-tensor (foreach) kernels: a per-parameter loop over hundreds of DTensors costs ~1 s of CPU per step;

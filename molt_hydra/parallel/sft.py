@@ -56,8 +56,8 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
                            total_steps=total, **kw["worker"])
     start = 0
     if kw["resume"] and kw["ckpt_path"]:
-        client = worker.load_checkpoint(kw["ckpt_path"])
-        start = (client or {}).get("global_step", 0)
+        client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"])
+        start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
     out = Path(kw["output_dir"])
     log = out / "sft_metrics.jsonl"
     if rank == 0:
@@ -69,13 +69,15 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
         batch = [train[j] for j in order[i * bs:(i + 1) * bs]]
         m = worker.train_step(batch[rank::world], SFTObjective())
         rec = {"global_step": step + 1, "epoch": epoch, "sft_loss": m["sft_loss"], "lr": m["actor_lr"],
-               "grad_norm": m["actor_grad_norm"], "tokens_per_sec": m["perf/train_tokens_per_sec"]}
+               "grad_norm": m["actor_grad_norm"], "tokens_per_sec": m["perf/train_tokens_per_sec"],
+               **{k: v for k, v in m.items() if k.startswith("actor_grad_norm/")}}  # logger.debug_grad_norms
         last = step + 1 == total
         if evals is not None and ((kw["eval_steps"] > 0 and (step + 1) % kw["eval_steps"] == 0) or last
                                   or (kw["eval_steps"] <= 0 and (step + 1) % steps_per_epoch == 0)):
             rec["eval sft_loss"] = _eval_loss(worker, evals, rank, world)
         if kw["ckpt_path"] and kw["save_steps"] > 0 and (step + 1) % kw["save_steps"] == 0:
-            worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs}, keep=kw["keep"])
+            worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs}, keep=kw["keep"],
+                                   max_disk_gb=kw["max_disk_gb"])
         history.append(rec)
         if rank == 0:
             with log.open("a") as f:
@@ -97,15 +99,18 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
             lr_warmup_ratio: float = 0.03, min_lr_ratio: float = 0.1, max_norm: float = 1.0,
             max_tokens_per_micro_batch: int = 16384, param_dtype: str = "bf16", attn_implementation: str = "sdpa",
             gradient_checkpointing: bool | str = False, offload: bool = False, timeout_s: float = 600.0,
-            image_key: str | None = None, max_images_per_prompt: int = 0, **backend_options) -> list[dict]:
+            image_key: str | None = None, max_images_per_prompt: int = 0, max_disk_gb: float | None = None,
+            load_model_only: bool = False, **backend_options) -> list[dict]:
     """Train, evaluate, checkpoint and export; returns the per-step metric records (also in
     <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated.
-    backend_options: TrainerWorker's model-backend kwargs (models.build.backend_options)."""
+    backend_options: TrainerWorker's other kwargs (models.build.backend_options, runtime/trainer_options.py).
+    load_model_only: `resume` loads the checkpoint's weights only and starts at step 0 with a fresh optimizer."""
     kw = dict(model_path=model_path, train_data=train_data, eval_data=eval_data, output_dir=output_dir,
               input_key=input_key, output_key=output_key, chat_template=chat_template,
               train_on_last_turn_only=train_on_last_turn_only, max_len=max_len, max_samples=max_samples,
               batch_size=batch_size, max_epochs=max_epochs, eval_steps=eval_steps, save_steps=save_steps,
-              ckpt_path=ckpt_path, keep=keep, resume=resume, export_hf=export_hf, seed=seed,
+              ckpt_path=ckpt_path, keep=keep, resume=resume, export_hf=export_hf, seed=seed, max_disk_gb=max_disk_gb,
+              load_model_only=load_model_only,
               image_key=image_key, max_images_per_prompt=max_images_per_prompt,
               worker=dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, lr_scheduler=lr_scheduler,
                           lr_warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio, max_norm=max_norm,

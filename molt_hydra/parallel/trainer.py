@@ -34,6 +34,7 @@ from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, p
 from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
 from molt_hydra.parallel.fsdp import DTYPES, shard_model
+from molt_hydra.parallel.grad_debug import grad_norm_metrics
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
 from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
@@ -70,8 +71,15 @@ class TrainerWorker:
                  peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
                  backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
                  automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp",
-                 cpu_threads: int | None = None, node_ranks: int | None = None, share_prompts: bool = False):
+                 cpu_threads: int | None = None, node_ranks: int | None = None, share_prompts: bool = False,
+                 muon: dict | None = None, debug_grad_norms: tuple | None = None, full_determinism: bool = False,
+                 defer_grad_sync: bool = False):
         self.rank, self.world_size, self.role = rank, world_size, role
+        if full_determinism:  # train.full_determinism, as Molt: transformers' seeds + deterministic kernels
+            from transformers import enable_full_determinism
+            enable_full_determinism(seed)
+        # logger.debug_grad_norms: (name patterns, top k); parallelism.defer_grad_sync: the FSDP2 units (below)
+        self.debug_grad_norms, self.defer_grad_sync = debug_grad_norms, []
         self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
                                        timeout_s=timeout_s)
         # CPU threads: `cpu_threads` (the CPUs Ray reserved for this rank; a Ray worker started before it was placed
@@ -178,10 +186,16 @@ class TrainerWorker:
         self.optimizer = self.scheduler = None
         if role != "ref":
             self.optimizer = build_optimizer(self.model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                             masters=masters)
+                                             masters=masters, muon=muon)
             self.scheduler = build_scheduler(self.optimizer, name=lr_scheduler, total_steps=total_steps,
                                              warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio)
         self.global_step = 0
+        if defer_grad_sync:  # every FSDP2 unit, whoever wrapped the model (HF path or AutoModel)
+            from torch.distributed.fsdp import FSDPModule
+            self.defer_grad_sync = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+            if not self.defer_grad_sync:
+                raise ValueError("parallelism.defer_grad_sync: this trainer is not sharded with FSDP2 (one rank, "
+                                 "params in the compute dtype), so there is no reduce-scatter to defer; unset it")
 
     # ---------------------------------------------------------------- CPU threads
     def engines_busy(self, busy: bool, hint: int) -> None:
@@ -386,8 +400,10 @@ class TrainerWorker:
             parts = self._micro_batches(win, mask_key)
             if self.master_weights:  # several micro-batches: their grads sum in fp32 (parallel/optim.py)
                 self.optimizer.accumulate_fp32 = len(parts) > 1
-            for part in parts:
+            for j, part in enumerate(parts):
                 self._use_cpu_threads()
+                for unit in self.defer_grad_sync:  # reduce-scatter on the window's last micro-batch only
+                    unit.set_requires_gradient_sync(j == len(parts) - 1, recurse=False)
                 rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
                     {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
                      for k, v in win[0].items()
@@ -407,6 +423,9 @@ class TrainerWorker:
                 for k, v in mets.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().float() * w
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
+            if self.debug_grad_norms:  # before clipping; the last window's are reported
+                debug = grad_norm_metrics(((n, self._grad(p)) for n, p in self.model.named_parameters()),
+                                          *self.debug_grad_norms, "critic" if self.role == "critic" else "actor")
             if self.backend == "automodel" and self.world_size > 1:
                 from molt_hydra.models.automodel import clip_grad_norm
                 if self.master_weights:  # AutoModel's EP-aware clip scales param grads in place: the fp32 sums
@@ -425,7 +444,11 @@ class TrainerWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0, self._threads_used)
+        metrics.update(debug if self.debug_grad_norms else {})
         return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
+
+    def _grad(self, p):
+        return self.optimizer.grad(p) if self.master_weights else p.grad
 
     def _step_metrics(self, samples, sums, grad_norms, seconds, threads) -> dict:
         dt = torch.tensor(seconds)
@@ -486,13 +509,16 @@ class TrainerWorker:
         from molt_hydra.models.automodel import hf_name_mapper
         return hf_name_mapper(self.model)
 
-    def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3) -> str:
+    def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3,
+                        max_disk_gb: float | None = None) -> str:
         cs = {"global_step": self.global_step, **(client_state or {})}
-        return str(ckpt.save_checkpoint(root, self.global_step, self.model, self.optimizer, self.scheduler, cs, keep))
+        return str(ckpt.save_checkpoint(root, self.global_step, self.model, self.optimizer, self.scheduler, cs, keep,
+                                        max_disk_gb))
 
-    def load_checkpoint(self, root: str) -> dict | None:
-        cs = ckpt.load_checkpoint(root, self.model, self.optimizer, self.scheduler)
-        if cs is not None:
+    def load_checkpoint(self, root: str, model_only: bool = False) -> dict | None:
+        """`model_only` (checkpoint.load_model_only): the weights alone; optimizer, scheduler and step stay fresh."""
+        cs = ckpt.load_checkpoint(root, self.model, self.optimizer, self.scheduler, model_only=model_only)
+        if cs is not None and not model_only:
             self.global_step = int(cs.get("global_step", 0))
         return cs
 

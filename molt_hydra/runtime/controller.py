@@ -254,6 +254,9 @@ class RLController:
         drift = drift_metrics(old_logp, b.rollout_log_probs, b.action_mask, is_correction=roles.policy_loss.is_correction,
                               policy_versions=b.policy_versions, current_version=self.version)
         metrics.update({k: float(v) for k, v in drift.items()})
+        if cfg.logger.dump_logprobs and self.step + 1 in cfg.logger.dump_logprobs_steps:  # this is step self.step + 1
+            from molt_hydra.logging.logprob_dump import write_logprob_dump
+            write_logprob_dump(Path(cfg.output_dir) / "logprobs" / f"step{self.step + 1}.tsv", b, old_logp, lengths)
         if roles.critic is not None:
             t2 = time.perf_counter()
             for _ in range(cfg.train.critic.epochs or cfg.train.epochs):
@@ -376,10 +379,11 @@ class RLController:
 
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
-        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep)
+        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep,
+                                            max_disk_gb=ckpt.max_disk_gb)
         if self.roles.critic is not None:
             await self.calls.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
-                                   {"rl_step": self.step}, keep=keep, role="critic")
+                                   {"rl_step": self.step}, keep=keep, max_disk_gb=ckpt.max_disk_gb, role="critic")
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
             hf = Path(self.roles.ckpt_dir) / "hf" / f"step_{self.step}"

@@ -219,10 +219,14 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
         if found is None and cfg.checkpoint.resume.value == "must":
             raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {roles.ckpt_dir}")
         if found is not None:
-            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir)
+            warm = cfg.checkpoint.load_model_only  # weights only: the loop, optimizer and data start fresh
+            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir, model_only=warm)
             if roles.critic is not None:
-                await calls.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", role="critic")
-            state = client["loop"]
+                await calls.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", model_only=warm,
+                                  role="critic")
+            state = None if warm else client["loop"]
+            if warm:
+                await calls.push_weights(0)  # the engines start from the warm-start weights
     log = _run_log(cfg, roles, state["wandb_id"] if state else None)
     opened.append(log)
     ctl = RLController(cfg, roles, log)

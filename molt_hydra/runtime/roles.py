@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
+from molt_hydra.runtime.trainer_options import engine_env, trainer_options
 from molt_hydra.runtime.watchdog import deadline
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -235,6 +236,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         if shared_gpus is not None:  # on trainer GPU i, beside trainer rank i
             place = dict(num_gpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 shared_gpus, placement_group_bundle_index=i))
+        if engine_env(cfg):
+            place["runtime_env"] = {"env_vars": engine_env(cfg)}
         return engine_cls.options(num_cpus=0, **place).remote(**engine_args(cfg, model_path, capture_routing, i))
 
     engines = [new_engine(i) for i in range(r.num_engines)]
@@ -291,7 +294,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
             **{**common, "model_path": path or model_path}, role=role, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
             weight_decay=o.weight_decay, lr_scheduler=o.scheduler, lr_warmup_ratio=o.warmup_ratio,
             min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, total_steps=total_steps,
-            **extra)
+            **trainer_options(cfg, o), **extra)
 
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     actor = ref = critic = None

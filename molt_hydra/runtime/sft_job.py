@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.runtime.trainer_options import trainer_options
 from molt_hydra.runtime.roles import DTYPE_NAMES
 
 
@@ -23,4 +24,5 @@ def run_sft_job(cfg: RunConfig) -> list[dict]:
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * d.max_len,
         param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value], attn_implementation=cfg.model.attn_implementation.value,
         offload=cfg.parallelism.offload.value != "none", timeout_s=t.timeouts.collective_s,
-        image_key=d.image_key, max_images_per_prompt=d.max_images_per_prompt, **backend_options(cfg))
+        image_key=d.image_key, max_images_per_prompt=d.max_images_per_prompt, max_disk_gb=c.max_disk_gb,
+        load_model_only=c.load_model_only, **trainer_options(cfg, o), **backend_options(cfg))

@@ -19,7 +19,7 @@ from _config_helpers import PLAN_HEADER, run_cli_many
 from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, to_run_config
 from molt_hydra.config.bounds import BOUNDS, Bounds
 from molt_hydra.config.schema import ConfigError, RunConfig
-from molt_hydra.config.validate import NOT_IMPLEMENTED, validate
+from molt_hydra.config.validate import MUON_FIELDS, NOT_IMPLEMENTED, validate
 
 SEED = 1717
 N_BAD = 240
@@ -136,7 +136,10 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "data.max_images_per_prompt",  # > 0: images, refused for the default text-only model (docs/vlm.md)
         "rollout.max_num_batched_tokens",  # on CPU (no chunked prefill) at least rollout.max_model_len
         "rollout.max_model_len", "eval.max_new_tokens", "train.max_tokens_per_micro_batch",  # vs data.max_len
-        "model.aux_loss_coef"}  # > 0 acts on MoE routers: refused for the default dense model
+        "model.aux_loss_coef",  # > 0 acts on MoE routers: refused for the default dense model
+        # settings of a switch that is off by default (Muon, grad-norm debugging, log-prob dumps) are refused alone
+        *(f"{block}.{name}" for block in ("train.optimizer", "train.critic.optimizer") for name in MUON_FIELDS),
+        "logger.debug_grad_norms_topk", "logger.dump_logprobs_steps"}
 FREE = [leaf for leaf in NUMERIC if leaf.key not in TIED and not leaf.key.startswith("parallelism.")
         and leaf.key not in NOT_IMPLEMENTED]
 

