@@ -60,13 +60,14 @@ def _geo_triangles(n: int, seed: int, size: int = 56) -> list[dict]:
     return rows
 
 
-COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 40)}
+COLORS = {"red": (230, 20, 20), "green": (20, 180, 20), "blue": (20, 20, 230), "yellow": (240, 220, 20)}
 COLOR_QUESTION = ("<image>What colour is the shape? Answer with one letter: R (red), G (green), B (blue) or "
                   "Y (yellow).")
 
 
 def _colors(n: int, seed: int, *, sft: bool = False, size: int = 56) -> list[dict]:
-    """The pixel task of the CPU VLM recipe: one big disc or square in one of 4 colours on a white background; the
+    """The pixel task of the CPU VLM recipe: one big disc or square (most of the image: each of the 4 image tokens of
+    the tiny Idefics3 sees it) in one of 4 colours on a white background; the
     question is the same on every row, so only the image tells the answer (chance 1/4). Colours are balanced. The
     answer is the colour's initial (R, G, B, Y): one token of the tiny tokenizer, so one sampled token decides it.
     `sft`: the warm start's rows (`input` / `output`), each answer drawn independently of its image: they teach the
@@ -78,7 +79,7 @@ def _colors(n: int, seed: int, *, sft: bool = False, size: int = 56) -> list[dic
     rng.shuffle(names)
     rows = []
     for name in names:
-        r, cx, cy = rng.randint(16, 22), rng.randint(22, size - 22), rng.randint(22, size - 22)
+        r, cx, cy = rng.randint(22, 26), rng.randint(25, size - 25), rng.randint(25, size - 25)
         shade = tuple(min(255, max(0, c + rng.randint(-25, 25))) for c in COLORS[name])
         im = Image.new("RGB", (size, size), "white")
         draw = ImageDraw.Draw(im)
