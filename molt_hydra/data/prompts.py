@@ -67,8 +67,8 @@ COLOR_QUESTION = ("<image>What colour is the shape? Answer with one letter: R (r
 
 def _colors(n: int, seed: int, *, sft: bool = False, size: int = 56) -> list[dict]:
     """The pixel task of the CPU VLM recipe: one big disc or square (most of the image: each of the 4 image tokens of
-    the tiny Idefics3 sees it) in one of 4 colours on a white background; the
-    question is the same on every row, so only the image tells the answer (chance 1/4). Colours are balanced. The
+    the tiny Idefics3 sees it) in one of 4 colours on a white background; the question is the same on every row, so
+    only the image tells the answer (chance 1/4). Colours are balanced. The
     answer is the colour's initial (R, G, B, Y): one token of the tiny tokenizer, so one sampled token decides it.
     `sft`: the warm start's rows (`input` / `output`), each answer drawn independently of its image: they teach the
     answer format, never the colour."""
