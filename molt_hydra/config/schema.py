@@ -412,6 +412,8 @@ class DataConfig:
     "Image column (paths, PIL images or bytes); None = text only."
     max_images_per_prompt: int = ranged(0, ge=0)
     "Images per prompt the engine accepts (0 = text-only)."
+    blank_images: bool = False
+    "Replace every prompt image (train and eval) by a mid-grey one of its size: the control that the pixels matter."
     apply_chat_template: bool = True
     "Prompts are chat messages rendered with the tokenizer's chat template."
     output_key: Optional[str] = None

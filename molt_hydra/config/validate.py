@@ -70,7 +70,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
 SFT_IGNORES: dict[str, str] = {
     "data.split": "SFT reads the default split only.",
     "data.train_probs": "SFT concatenates its datasets.",
-    "data.image_key": "SFT is text-only.",
+    "data.blank_images": "SFT trains on its rows' images as they are.",
     "eval.split": "SFT reads the default split of its eval data.",
     **{f"logger.{name}": "SFT writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B, TensorBoard or "
        "progress line)." for name in ("every_steps", "tensorboard", "progress", "sample_table_every",
@@ -134,6 +134,24 @@ def _data_location(problems: Problems, key: str, spec: str | None) -> None:
             problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
         else:
             _location(problems, key, part, "file or directory", fix)
+
+
+def _image_data(problems: Problems, cfg: RunConfig) -> None:
+    """Image rows need an engine that takes images: a builtin image task with 0 images per prompt (e.g. for a
+    text-only model) would drop every row; blanking images that never reach the engine changes nothing."""
+    from molt_hydra.data.prompts import BUILTIN, IMAGE_TASKS
+
+    d = cfg.data
+    for key, spec in (("data.train_path", d.train_path), ("eval.data_path", cfg.eval.data_path)):
+        names = [s.strip()[len(BUILTIN):] for s in (spec or "").split(",") if s.strip().startswith(BUILTIN)]
+        with_images = [n for n in names if n in IMAGE_TASKS]
+        problems.check(not (with_images and d.max_images_per_prompt == 0), "data.max_images_per_prompt",
+                       f"{key} has image rows ({BUILTIN}{with_images[0] if with_images else ''}), but 0 images "
+                       "per prompt reach the engine (a text-only setup).",
+                       "set data.max_images_per_prompt=1 with a vision-language model.path")
+    problems.check(not (d.blank_images and d.max_images_per_prompt == 0), "data.blank_images",
+                   "no image reaches the engine (data.max_images_per_prompt=0), so there is nothing to blank.",
+                   "set data.blank_images=false, or data.max_images_per_prompt to the images per row")
 
 
 def _agent_target(problems: Problems, runner) -> None:
@@ -545,6 +563,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         _model_location(problems, key, _get(cfg, key))
     _data_location(problems, "data.train_path", d.train_path)
     _data_location(problems, "eval.data_path", cfg.eval.data_path)
+    _image_data(problems, cfg)
     if cfg.job.value != "sft":
         _agent_target(problems, cfg.agent.runner)
     replay = t.rollout_replay_dir

@@ -4,7 +4,7 @@ messages ending in a \\boxed{} instruction, `label`, `datasource`, and `images` 
     python -m molt_hydra.data.prepare dapo_math data/dapo_math_17k.jsonl     # recipes/qwen3_4b_math.yaml
     python -m molt_hydra.data.prepare aime_2024 data/aime_2024.jsonl         #   its eval set
     python -m molt_hydra.data.prepare gsm8k data/gsm8k_train.jsonl
-    python -m molt_hydra.data.prepare geometry3k data/geo3k_train.parquet    # recipes/qwen3_moe_geo3k.yaml
+    python -m molt_hydra.data.prepare geo3k data/geo3k_train.parquet         # recipes/qwen3_moe_geo3k.yaml
 
 `--source` reads a local file (json/jsonl/csv/parquet), a `save_to_disk` folder or another hub name with the same
 columns instead of the default hub dataset; `--split`, `--limit` as named. Images need parquet/arrow output.
@@ -78,6 +78,7 @@ PREPARERS = {
     "gsm8k": Preparer("openai/gsm8k", "main", "train", gsm8k),
     "geometry3k": Preparer("hiyouga/geometry3k", None, "train", geometry3k),
 }
+PREPARERS["geo3k"] = PREPARERS["geometry3k"]  # the name the geo3k recipes and issue 37 use
 
 
 def _load(source: str, config: str | None, split: str):
@@ -101,8 +102,8 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
     suffix = Path(out).suffix
     if suffix not in (".jsonl", ".json", ".parquet"):
         raise ValueError(f"output {out}: write .jsonl, .json or .parquet")
-    if name == "geometry3k" and suffix != ".parquet":
-        raise ValueError(f"output {out}: geometry3k has images; write .parquet")
+    if p.convert is geometry3k and suffix != ".parquet":
+        raise ValueError(f"output {out}: {name} has images; write .parquet")
     ds = _load(source or p.hub, p.config, split or p.split)
     ds = ds.map(p.convert, remove_columns=ds.column_names)
     if p.dedupe:

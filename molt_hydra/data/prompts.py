@@ -6,10 +6,13 @@ A row is a plain dict: `prompt` (string or chat messages), `label`, optional `to
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
-from molt_hydra.data.images import to_pil_images
+from molt_hydra.data.images import blank_like, to_pil_images
+
+log = logging.getLogger(__name__)
 
 BUILTIN = "builtin://"
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
@@ -57,6 +60,38 @@ def _geo_triangles(n: int, seed: int, size: int = 56) -> list[dict]:
     return rows
 
 
+COLORS = {"red": (230, 20, 20), "green": (20, 180, 20), "blue": (20, 20, 230), "yellow": (240, 220, 20)}
+COLOR_QUESTION = ("<image>What colour is the shape? Answer with one letter: R (red), G (green), B (blue) or "
+                  "Y (yellow).")
+
+
+def _colors(n: int, seed: int, *, sft: bool = False, size: int = 56) -> list[dict]:
+    """The pixel task of the CPU VLM recipe: one big disc or square (most of the image: each of the 4 image tokens of
+    the tiny Idefics3 sees it) in one of 4 colours on a white background; the question is the same on every row, so
+    only the image tells the answer (chance 1/4). Colours are balanced. The
+    answer is the colour's initial (R, G, B, Y): one token of the tiny tokenizer, so one sampled token decides it.
+    `sft`: the warm start's rows (`input` / `output`), each answer drawn independently of its image: they teach the
+    answer format, never the colour."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    names = [list(COLORS)[i % len(COLORS)] for i in range(n)]
+    rng.shuffle(names)
+    rows = []
+    for name in names:
+        r, cx, cy = rng.randint(22, 26), rng.randint(25, size - 25), rng.randint(25, size - 25)
+        shade = tuple(min(255, max(0, c + rng.randint(-25, 25))) for c in COLORS[name])
+        im = Image.new("RGB", (size, size), "white")
+        draw = ImageDraw.Draw(im)
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([cx - r, cy - r, cx + r, cy + r], fill=shade)
+        if sft:
+            rows.append({"input": COLOR_QUESTION, "output": rng.choice(list(COLORS))[0].upper(), "images": [im]})
+        else:
+            rows.append({"prompt": [{"role": "user", "content": COLOR_QUESTION}], "label": name[0].upper(),
+                         "datasource": "colors", "images": [im]})
+    return rows
+
+
 BUILTIN_TASKS = {
     "toy": lambda: _toy(512, seed=0),
     "toy_eval": lambda: _toy(32, seed=1),
@@ -64,7 +99,12 @@ BUILTIN_TASKS = {
     "arithmetic_eval": lambda: _arithmetic(100, seed=1),
     "geo_triangles": lambda: _geo_triangles(256, seed=0),
     "geo_triangles_eval": lambda: _geo_triangles(16, seed=1),
+    "colors": lambda: _colors(1024, seed=0),
+    "colors_eval": lambda: _colors(32, seed=1),
+    "colors_warm": lambda: _colors(256, seed=2, sft=True),
 }
+
+IMAGE_TASKS = ("geo_triangles", "geo_triangles_eval", "colors", "colors_eval", "colors_warm")  # rows with images
 
 
 def _load_one(spec: str, split: str):
@@ -84,9 +124,11 @@ def _load_one(spec: str, split: str):
 
 def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", label_key: str | None = "label",
                  tools_key: str | None = None, image_key: str | None = None, max_samples: int | None = None,
-                 probs: list[float] | None = None, seed: int = 0, max_images_per_prompt: int = 0) -> list[dict]:
+                 probs: list[float] | None = None, seed: int = 0, max_images_per_prompt: int = 0,
+                 blank_images: bool = False) -> list[dict]:
     """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`. Images of
-    `image_key` become PIL images, at most `max_images_per_prompt` per row."""
+    `image_key` become PIL images, at most `max_images_per_prompt` per row (`usable_image_rows`); `blank_images`
+    replaces each by a grey one of its size."""
     specs = [s.strip() for s in spec.split(",") if s.strip()]
     if probs is not None and len(probs) != len(specs):
         raise ValueError(f"data.train_probs has {len(probs)} values for {len(specs)} datasets")
@@ -99,9 +141,7 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
             rows = BUILTIN_TASKS[name]()
         else:
             rows = [_rename(r, input_key, label_key, tools_key, image_key) for r in _load_one(s, split)]
-        for i, r in enumerate(rows):
-            if "images" in r:
-                r["images"] = to_pil_images(r["images"], max_images_per_prompt, f"{s} row {i} ({image_key})")
+        rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
         parts.append(rows[:max_samples] if max_samples else rows)
     if probs is None:
         return [r for part in parts for r in part]
@@ -112,6 +152,30 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
         out.append(parts[i][cursors[i] % len(parts[i])])
         cursors[i] += 1
     return out
+
+
+def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: int, blank: bool) -> list[dict]:
+    """Rows whose images all decode (as RGB PIL images) within `max_images`; every other row is dropped, counted and
+    logged with its row id, so one bad image costs one sample, never the run. All rows dropped is an error."""
+    kept, dropped, first = [], [], ""
+    for i, r in enumerate(rows):
+        if "images" in r:
+            try:
+                r["images"] = to_pil_images(r["images"], max_images, f"{spec} row {i} ({image_key})")
+            except ValueError as e:
+                log.warning("data: dropped %s", e)
+                dropped.append(i)
+                first = first or str(e)
+                continue
+            if blank:
+                r["images"] = [blank_like(im) for im in r["images"]]
+        kept.append(r)
+    if dropped:
+        log.warning("data: dropped %d of %d rows of %s with unusable images (row ids %s)", len(dropped), len(rows),
+                    spec, dropped[:20])
+    if rows and not kept:
+        raise ValueError(f"every row of {spec} was dropped for its images; the first: {first}")
+    return kept
 
 
 def _rename(row: dict, input_key: str, label_key: str | None, tools_key: str | None, image_key: str | None) -> dict:

@@ -90,9 +90,16 @@ def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
 
 
 def load_rows(data: str | list[dict]) -> list[dict]:
-    """A list of dicts, or a .jsonl / .json file of them."""
+    """A list of dicts, a .jsonl / .json file of them, or `builtin://NAME` (a generated task, e.g. colors_warm)."""
+    from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS
+
     if not isinstance(data, (str, Path)):
         return list(data)
+    if str(data).startswith(BUILTIN):
+        name = str(data)[len(BUILTIN):]
+        if name not in BUILTIN_TASKS:
+            raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
+        return BUILTIN_TASKS[name]()
     path = Path(data)
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -165,6 +165,8 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     name = path[len(TINY_SCHEME) :]
     if name not in TINY_MODELS and name not in tiny_vlm.TINY_VLM_MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS) + list(tiny_vlm.TINY_VLM_MODELS)}")
+    if name == tiny_vlm.COLORS_WARM:
+        return tiny_vlm.warm_start(name)
     # the cache key includes the shapes, so a changed tiny config never reuses a stale build
     root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest()
     target = root / name

@@ -27,8 +27,13 @@ TINY_VLM_VISION = dict(
 )
 # Pixels bound per image (multiples of (14*2)^2): 28x28 .. 112x112, i.e. 1 .. 16 image tokens.
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
-TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny")
-TINY_VLM_TYPES = {"qwen25_vl_tiny": ("qwen2_5_vl", True), "idefics3_tiny": ("idefics3", True)}  # (model_type, vlm)
+# `tiny://idefics3_colors_warm`: the tiny Idefics3 after `molt-run +recipe=tiny_vlm_colors_warm` (job=sft on
+# builtin://colors_warm), which writes its export here; the colours recipe's warm start, never built by this module
+COLORS_WARM = "idefics3_colors_warm"
+COLORS_WARM_DIR = Path.home() / ".cache" / "molt_hydra" / "warm" / "tiny_vlm_colors_warm"
+TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny", COLORS_WARM)
+TINY_VLM_TYPES = {"qwen25_vl_tiny": ("qwen2_5_vl", True), "idefics3_tiny": ("idefics3", True),
+                  COLORS_WARM: ("idefics3", True)}  # (model_type, vlm)
 IDEFICS3_SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
 IDEFICS3_IMAGE_SIZE = 56
 TINY_IDEFICS3_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -41,7 +46,7 @@ TINY_IDEFICS3_TEXT = dict(
 
 def tiny_config_dict(name: str) -> dict:
     """The decoder's HF config values and the vision tower's rough size, without building (the plan's estimate)."""
-    if name == "idefics3_tiny":
+    if name.startswith("idefics3"):
         v = TINY_IDEFICS3_VISION
         return {"text_config": TINY_IDEFICS3_TEXT, "vision_params": 12 * v["num_hidden_layers"] * v["hidden_size"] ** 2}
     v = TINY_VLM_VISION
@@ -67,6 +72,15 @@ def build_tokenizer_and_image_processor():
         merge_size=2,
     )
     return tok, image_processor
+
+
+def warm_start(name: str) -> str:
+    """The exported warm start `tiny://NAME` names; a clear error with the command that makes it when it is missing."""
+    hf = COLORS_WARM_DIR / "hf"
+    if not (hf / "model.safetensors").exists():
+        raise FileNotFoundError(f"tiny://{name} is the export of `molt-run +recipe=tiny_vlm_colors_warm` ({hf}), "
+                                "which has not run here. Fix: run it first (about 30 s)")
+    return str(hf)
 
 
 def build(out_dir: Path, seed: int = 0, name: str = "qwen25_vl_tiny") -> Path:

