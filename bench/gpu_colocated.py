@@ -23,7 +23,8 @@ import yaml
 THROUGHPUT = ["+recipe=qwen3_toy_gpu", "model.path=tiny://qwen3_4b_shape", "model.gradient_checkpointing=full",
               "rollout.enforce_eager=false", "rollout.max_new_tokens=512", "data.max_len=1024",
               "train.micro_batch_size=4", "train.max_steps=5", "rollout.gpu_memory_utilization=null",
-              "logger.progress=false", "logger.wandb.mode=disabled", "checkpoint.export_final=false"]
+              "logger.progress=false", "logger.wandb.mode=disabled", "checkpoint.export_final=false",
+              "checkpoint.save_steps=0"]
 
 
 def device_copy_seconds(nbytes: int, repeats: int = 10) -> float:

@@ -545,8 +545,8 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str = "${output_dir}/checkpoints"
     "Root of resumable checkpoints."
-    save_steps: int = ranged(-1, ge=1, also=(-1,))
-    "Save a resumable checkpoint every N steps (-1 = only at the end)."
+    save_steps: int = ranged(-1, ge=0, also=(-1,))
+    "Save a resumable checkpoint every N steps (-1 = only at the end; 0 = never, e.g. a throughput run)."
     save_hf: bool = False
     "Also export an HF snapshot with each resumable save."
     export_final: bool = True

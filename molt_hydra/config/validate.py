@@ -299,6 +299,10 @@ def _parity_rules(cfg: RunConfig, problems: Problems) -> None:
     problems.check(not c.load_model_only or c.resume.value != "never", "checkpoint.load_model_only",
                    "it says what a resume loads, but checkpoint.resume=never loads nothing.",
                    "set checkpoint.resume=auto (or must) with checkpoint.dir at the checkpoints to start from")
+    for key in ("checkpoint.save_hf", "checkpoint.max_num", "checkpoint.max_disk_gb"):
+        problems.check(c.save_steps != 0 or not changed(key), key,
+                       "it shapes the resumable checkpoints, but checkpoint.save_steps=0 writes none.",
+                       f"set checkpoint.save_steps=-1 (at the end) or N (every N steps), or unset {key}")
     for key, switch in (("logger.dump_logprobs_steps", "logger.dump_logprobs"),
                         ("logger.debug_grad_norms_filter", "logger.debug_grad_norms"),
                         ("logger.debug_grad_norms_topk", "logger.debug_grad_norms")):

@@ -82,7 +82,11 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
         state = {"model": msd, "optim": osd}
     else:
         state = {"model": get_model_state_dict(model)}
-    dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+    try:
+        dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+    except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
+        rank, (cause, _) = next(iter(e.failures.items()))
+        raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:

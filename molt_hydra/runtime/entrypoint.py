@@ -237,7 +237,8 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
             await calls.push_weights(ctl.version)
         print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
     await ctl.run()
-    await ctl.save()
+    if cfg.checkpoint.save_steps != 0:  # 0: no resumable checkpoint at all
+        await ctl.save()
     export = None
     if cfg.checkpoint.export_final:
         (export, *_) = await calls.ranks(roles.actor, "export_hf", cfg.checkpoint.export_dir,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,7 +184,41 @@ def make_plan(cfg: RunConfig) -> Plan:
         plan.assumptions.append(f"no memory estimate: {cfg.model.path} has no local config.json and no known shape")
         return plan
     _estimate_memory(cfg, plan, shape, dp)
+    _checkpoint_disk(cfg, plan, shape)
     return plan
+
+
+def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
+    """A resumable checkpoint holds the trainer's fp32 weights and AdamW's two fp32 moments (masters too under
+    model.master_weights=optimizer): ~12-14 bytes a parameter, tens of GB for a few billion. A disk that cannot take
+    one fails the run at its first save, after the GPU time is spent; so the plan checks it before anything starts."""
+    c = cfg.checkpoint
+    if cfg.job.value == "eval" or c.save_steps == 0:
+        return
+    weights = DTYPE_BYTES[cfg.model.param_dtype.value] + 4 if cfg.model.master_weights.value == "optimizer" else 4
+    from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
+
+    critic = cfg.job.value == "rl" and "values" in ADVANTAGE_ESTIMATORS[cfg.algorithm.estimator].needs
+    one = (weights + 8) * shape.params * (1 + critic) / 1e9
+    at = Path(c.dir).absolute()
+    while not at.exists():
+        at = at.parent
+    free = shutil.disk_usage(at).free / 1e9
+    kept = c.max_num + 1 if c.max_num > 0 else 0  # the newest is written before the oldest is pruned
+    line = f"checkpoints: ~{one:.3g} GB each in {c.dir} ({free:.3g} GB free there)"
+    if kept:
+        line += f", up to {kept} on disk at once: {kept * one:.3g} GB"
+    if one > free:
+        line += " -- NOT ONE FITS: a run started here fails before its first step"
+    elif kept * one > free:
+        line += " -- DOES NOT FIT: lower checkpoint.max_num or set checkpoint.max_disk_gb"
+    plan.assumptions.append(line)
+    if one > free and not cfg.dry_run:  # a dry run may plan for another machine's disk: it shows, a run refuses
+        raise ConfigError(f"- checkpoint.dir: one resumable checkpoint of this run is ~{one:.3g} GB ({weights + 8} "
+                          f"bytes per parameter: weights and AdamW state, {shape.params / 1e9:.3g} B parameters"
+                          + (", actor and critic" if critic else "") + f"), but {at} has {free:.3g} GB free. "
+                          "Fix: checkpoint.dir on a disk with room, or checkpoint.save_steps=0 (no resumable "
+                          "checkpoint)")
 
 
 def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> None:

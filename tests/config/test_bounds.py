@@ -64,7 +64,7 @@ OUT_OF_RANGE = [
     ("rollout.block_size=0", "rollout.block_size", "must be >= 1, got 0"),
     ("rollout.weight_sync.bucket_mb=0", "rollout.weight_sync.bucket_mb", "must be >= 1, got 0"),
     ("logger.every_steps=0", "logger.every_steps", "must be >= 1, got 0"),
-    ("checkpoint.save_steps=0", "checkpoint.save_steps", "must be -1 or >= 1, got 0"),
+    ("checkpoint.save_steps=-2", "checkpoint.save_steps", "must be -1 or >= 0, got -2"),
     ("train.timeouts.step_s=0", "train.timeouts.step_s", "must be in (0, 10000000.0], got 0.0"),
     ("train.timeouts.startup_s=-5", "train.timeouts.startup_s", "must be in (0, 10000000.0], got -5.0"),
     ("cluster.time_min=0", "cluster.time_min", "must be >= 1, got 0"),

@@ -139,7 +139,8 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "model.aux_loss_coef",  # > 0 acts on MoE routers: refused for the default dense model
         # settings of a switch that is off by default (Muon, grad-norm debugging, log-prob dumps) are refused alone
         *(f"{block}.{name}" for block in ("train.optimizer", "train.critic.optimizer") for name in MUON_FIELDS),
-        "logger.debug_grad_norms_topk", "logger.dump_logprobs_steps"}
+        "logger.debug_grad_norms_topk", "logger.dump_logprobs_steps",
+        "checkpoint.save_steps"}  # 0 (never) refuses the knobs that shape checkpoints
 FREE = [leaf for leaf in NUMERIC if leaf.key not in TIED and not leaf.key.startswith("parallelism.")
         and leaf.key not in NOT_IMPLEMENTED]
 

@@ -63,6 +63,7 @@ def test_sync_mode_trains_only_tokens_of_the_current_policy(tmp_path):
         assert m[step]["train/drift/staleness_max"] == 0
         # the engine is idle while a sync step trains: the one trainer rank takes every core of the node
         assert m[step]["train/perf/torch_threads"] == len(os.sched_getaffinity(0))
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_4"  # save_steps=-1: one save, at the end
 
 
 def test_one_step_async_logs_drift_reward_and_timing_every_step(tmp_path):
@@ -109,9 +110,11 @@ def test_one_step_async_logs_drift_reward_and_timing_every_step(tmp_path):
 
 
 def test_n_step_async_bounds_staleness(tmp_path):
-    molt_run(tmp_path, "train.queue_depth=2", "algorithm.is_correction.level=token", "train.max_steps=4")
+    molt_run(tmp_path, "train.queue_depth=2", "algorithm.is_correction.level=token", "train.max_steps=4",
+             "checkpoint.save_steps=0")
     m = metrics(tmp_path)
     assert sorted(m) == [1, 2, 3, 4]
+    assert not (tmp_path / "checkpoints").exists()  # save_steps=0: no resumable checkpoint, not even at the end
     assert all(m[s]["train/drift/staleness_max"] <= 2 for s in m)
     assert m[3]["train/drift/staleness_max"] == 2 and m[4]["train/drift/staleness_max"] == 2
 
