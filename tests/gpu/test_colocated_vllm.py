@@ -78,26 +78,16 @@ def test_sampler_logprobs_agree_with_the_trainer_after_every_sync(toy):
         assert abs(row["train/vllm_kl"]) < 1e-2, (step, row["train/vllm_kl"])
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    runs = {}
-    for replay in (True, False):
-        out = tmp_path_factory.mktemp(f"qwen3_moe_r3_gpu_{'on' if replay else 'off'}")
-        runs[replay] = out, molt_run(out, "+recipe=qwen3_moe_r3_gpu", f"rollout.routing_replay={str(replay).lower()}",
-                                     "train.max_steps=3", "checkpoint.save_steps=0")  # 60 GB: the device's disk is 64
-    return runs
-
-
-def test_r3_replays_vllms_own_routed_experts_on_gpu(moe):
-    for replay, (_, m) in moe.items():
-        assert sorted(m) == [1, 2, 3]
-        for row in m.values():  # vLLM captured every token's experts: the trainer compares its own top-8 with them
-            assert 0.5 < row["train/routing/agreement"] <= 1.0
-            if replay:  # and, under R3, used exactly them
-                assert row["train/routing/replayed"] == 1.0
-            else:
-                assert row["train/routing/replayed"] == row["train/routing/agreement"]
-    on, off = (moe[r][1] for r in (True, False))
-    print("\nR3 on / off: agreement", [round(on[s]["train/routing/agreement"], 4) for s in on],
-          [round(off[s]["train/routing/agreement"], 4) for s in off],
-          "vllm_kl", [on[s]["train/vllm_kl"] for s in on], [off[s]["train/vllm_kl"] for s in off])
+@pytest.mark.parametrize("replay", [True, False], ids=["r3_on", "r3_off"])
+def test_r3_replays_vllms_own_routed_experts_on_gpu(tmp_path_factory, replay):
+    """One run per setting, same seeds (`-k r3_off` runs one); bench/gpu_colocated.py puts the pair side by side."""
+    out = tmp_path_factory.mktemp(f"qwen3_moe_r3_gpu_{'on' if replay else 'off'}")
+    m = molt_run(out, "+recipe=qwen3_moe_r3_gpu", f"rollout.routing_replay={str(replay).lower()}",
+                 "train.max_steps=3", "checkpoint.save_steps=0")  # a 60 GB checkpoint: the device's disk is 64 GB
+    assert sorted(m) == [1, 2, 3]
+    for row in m.values():  # vLLM captured every token's experts: the trainer compares its own top-8 with them
+        assert 0.5 < row["train/routing/agreement"] <= 1.0
+        if replay:  # and, under R3, used exactly them
+            assert row["train/routing/replayed"] == 1.0
+        else:
+            assert row["train/routing/replayed"] == row["train/routing/agreement"]
