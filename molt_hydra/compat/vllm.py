@@ -90,3 +90,30 @@ def preflight(device: str, partial_rollout: bool) -> str | None:
         return f"- cluster.device={device}: {e}"
     why = refuse_partial_rollout(version) if partial_rollout else None
     return None if why is None else f"- train.partial_rollout: {why} Fix: set train.partial_rollout=false"
+
+
+# quant methods whose loaders write the weights in the layout the kernels read, and whose
+# `process_weights_after_loading` leaves them there on CUDA (vLLM 0.24: linear.py, vocab_parallel_embedding.py,
+# fused_moe/unquantized_fused_moe_method.py + oracle/unquantized.py: `convert_to_unquantized_kernel_format` returns
+# the weights as they are for the Triton backends, swaps or re-blocks them for FlashInfer / AITER)
+_IN_PLACE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
+_IN_PLACE_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+
+
+def in_place_load_refusal(model) -> str | None:
+    """Why a weight update of this CUDA engine model must go through vLLM's layerwise reload (which materialises each
+    layer into fresh tensors, loads, processes and copies them into the kernel's), or None when its loaders can write
+    straight into the parameters the kernels read (narrow + copy_), as on the first load: then a sync is the loaders'
+    copies alone, which the single pass records once and replays (rollout/copy_plan.py). Quantized layers, and MoE
+    backends that re-lay their experts after loading, keep the reload."""
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        kind = type(method).__name__
+        if kind not in _IN_PLACE_METHODS:
+            return f"{name} processes its weights after loading ({kind})"
+        backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
+        if kind == "UnquantizedFusedMoEMethod" and backend not in _IN_PLACE_MOE_BACKENDS:
+            return f"{name}'s MoE backend {backend} re-lays its experts after loading"
+    return None

@@ -20,10 +20,11 @@ checks before each replay); the worker drops it with the trainer views it reads 
 
 What is proven where: on the GPU stand-in of vLLM's model runner (tests/gpu/_weight_sync_standin.py: loaders copy in
 place by name) and on CPU unit tests with vLLM-style fused loaders (narrowed copies into a qkv parameter). Real vLLM
-on CUDA: unquantized layers load in place through their `weight_loader`s (narrow + copy_), which this records; but
-under vLLM's layerwise reload (what `begin_layerwise_reload` starts) a layer is first materialized into fresh tensors,
-loaded there, processed and copied into its kernel tensors: the recorder sees that allocation and refuses, so with real
-vLLM the loader path runs every sync until a plan can collapse such copy chains (not done: needs vLLM on a GPU).
+on CUDA: unquantized layers load in place through their `weight_loader`s (narrow + copy_), which this records, once
+the worker has left vLLM's layerwise reload (`load_in_place_on_cuda`, where compat.vllm finds every layer keeps the
+loaders' layout). Under the layerwise reload a layer is first materialized into fresh tensors, loaded there,
+processed and copied into its kernel tensors: the recorder sees that allocation and refuses, and the loaders run on
+every sync (quantized models, re-laid MoE backends).
 """
 
 from __future__ import annotations

@@ -162,6 +162,12 @@ class VLLMEngine(BatchedCallee):
                                          "weights otherwise (fused MoE experts, quantized layers) or is compiled; set "
                                          "rollout.plain_cpu_weights=false")
                     self._plain_weights = True
+                elif current_platform.is_cuda():
+                    why = [w for w in await self.worker_call("load_in_place_on_cuda") if w is not None]
+                    self._plain_weights = not why
+                    if why:
+                        log.info("engine %d: weight updates go through vLLM's layerwise reload: %s",
+                                 self.engine_index, why[0])
         return self.engine_index
 
     def _engine(self):

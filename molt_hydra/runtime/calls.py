@@ -118,12 +118,14 @@ class RoleCalls:
         steps; the next weight push wakes it (rollout/engine.py)."""
         await self._on_engines("sleep", "sleep")
 
-    async def release_trainer_memory(self) -> None:
+    async def release_trainer_memory(self) -> dict[str, float]:
         """Every trainer rank hands the memory its allocator cached (activations, grads) back to the GPU, so the
-        engines beside it can wake into it."""
+        engines beside it can wake into it. Returns what stays allocated on the fullest rank: the plan's "trainer
+        resident" (runtime/plan.py) measured, so a split that is too tight shows before it runs out."""
         ranks = [w for g in (self.roles.actor, self.roles.ref, self.roles.critic) if g is not None for w in g.workers]
-        await deadline(asyncio.gather(*(w.__ray_call__.remote(_empty_cuda_cache) for w in ranks)),
-                       self.timeouts.trainer_call_s, "actor", "release cached GPU memory")
+        kept = await deadline(asyncio.gather(*(w.__ray_call__.remote(_empty_cuda_cache) for w in ranks)),
+                              self.timeouts.trainer_call_s, "actor", "release cached GPU memory")
+        return {"memory/trainer_resident_gib": max(kept, default=0.0)}
 
     async def engine_phase_metrics(self) -> dict[str, float]:
         """The engines' last sleep and wake: seconds (mean over engines) and GiB freed (sum)."""
@@ -211,11 +213,13 @@ def _mean(values: list[float]) -> float:
     return sum(values) / max(len(values), 1)
 
 
-def _empty_cuda_cache(_worker) -> None:
+def _empty_cuda_cache(_worker) -> float:
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if not torch.cuda.is_available():
+        return 0.0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() / 2**30
 
 
 def _freeze_heap(_actor) -> None:

@@ -316,11 +316,11 @@ class RLController:
         (after the trainer released its cached memory) and the step's sleep / wake phases are read back."""
         if not self.colocated:
             return await self.calls.push_weights(version)
-        await self.calls.release_trainer_memory()
+        resident = await self.calls.release_trainer_memory()
         pushed = await self.calls.push_weights(version)
         phases = await self.calls.engine_phase_metrics()
         wake = sum(v for k, v in phases.items() if k.startswith("engine/wake_"))
-        return {**pushed, **phases, "timing/engine_wake": wake}
+        return {**pushed, **phases, **resident, "timing/engine_wake": wake}
 
     # ------------------------------------------------------------------ eval and checkpoints
     async def maybe_eval(self, force: bool = False) -> None:

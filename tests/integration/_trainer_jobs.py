@@ -143,3 +143,16 @@ def layout_step(rank, world_size, port, out, packing):
     if rank == 0:
         torch.save({"lps": lps, "metrics": m, "model": full_state(w)[0]}, out)
     w.shutdown()
+
+
+def forward_only_reshards(rank, world_size, port, out):
+    """One rank gathers its bf16 compute params in forward and keeps them for the backward; after a forward-only
+    pass (old-logprob recompute, the sync probe) they must be freed: every parameter is its sharded DTensor again."""
+    from torch.distributed.tensor import DTensor
+
+    w = worker(rank, world_size, port, param_dtype="bf16")
+    before = all(isinstance(p, DTensor) for p in w.model.parameters())
+    w.compute_logprobs(make_samples(2))
+    after = sum(isinstance(p, DTensor) for p in w.model.parameters())
+    torch.save({"before": before, "after": after, "params": sum(1 for _ in w.model.parameters())}, out)
+    w.shutdown()

@@ -171,3 +171,9 @@ print("VLLM_OK", list(out.token_ids))
     r = subprocess.run(["flock", "/tmp/molt_heavy.lock", sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=240)
     assert "VLLM_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_a_forward_only_pass_on_one_rank_frees_its_gathered_params(tmp_path):
+    run_ranks(jobs.forward_only_reshards, 1, tmp_path / "r.pt", timeout_s=180)
+    r = torch.load(tmp_path / "r.pt", weights_only=False)
+    assert r["before"] and r["after"] == r["params"]  # every parameter sharded again, none left gathered

