@@ -76,7 +76,9 @@ def summarize(run: Path) -> dict:
         out["routing_replayed"] = [r["train/routing/replayed"] for r in m]
     if nbytes and sync > 0:
         copy = device_copy_seconds(nbytes)
-        out.update(sync_gb_s=nbytes / sync / 1e9, device_copy_gb_s=nbytes / copy / 1e9, sync_vs_copy=copy / sync)
+        push = med("weight_sync/push_seconds")  # the buckets alone: no engine pause / resume / wake round trips
+        out.update(sync_gb_s=nbytes / sync / 1e9, device_copy_gb_s=nbytes / copy / 1e9, sync_vs_copy=copy / sync,
+                   push_s=push, push_vs_copy=copy / push if push > 0 else None)
     return out
 
 

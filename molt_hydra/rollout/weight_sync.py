@@ -66,6 +66,7 @@ class SyncReport:
     seconds: float
     single_pass: bool = False  # the engines loaded straight from the trainer's parameters (SharedParamsTransport)
     in_place: bool = False  # the trainer wrote into the engines' parameters (SharedMemoryTransport, mapped)
+    push_seconds: float = 0.0  # the buckets alone: from after every engine began the update until the last landed
 
 
 def _nbytes(bucket: Bucket) -> int:
@@ -423,11 +424,13 @@ class WeightSync:
             begun = await self._all("begin_weight_update")
             if hasattr(self.transport, "begin"):  # shm: whether this sync writes into the engines' parameters
                 self.transport.begin(begun)
+            pushing = time.perf_counter()
             for bucket in buckets:
                 num_bytes += await self.transport.push(self.engines, bucket, self._call)  # bytes on the wire
                 num_tensors += len(bucket)
             if hasattr(self.transport, "drain"):  # pipelined transports: the last buckets are still in flight
                 await self.transport.drain()
+            pushed = time.perf_counter() - pushing
             done = True
         finally:
             if not done and hasattr(self.transport, "abandon"):
@@ -443,7 +446,7 @@ class WeightSync:
             raise WeightCoverageError(missing_names)
         return SyncReport(version, num_tensors, num_bytes, time.perf_counter() - start,
                           isinstance(self.transport, SharedParamsTransport),
-                          getattr(self.transport, "mapped", None) is not None)
+                          getattr(self.transport, "mapped", None) is not None, pushed)
 
 
 def _rendezvous_address(_worker) -> tuple[str, int]:
@@ -524,4 +527,4 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
     report = asyncio.run(sync.sync(buckets, version))
     return {"weight_sync/bytes": float(report.num_bytes), "weight_sync/tensors": float(report.num_tensors),
             "weight_sync/seconds": report.seconds, "weight_sync/single_pass": float(report.single_pass),
-            "weight_sync/in_place": float(report.in_place)}
+            "weight_sync/in_place": float(report.in_place), "weight_sync/push_seconds": report.push_seconds}
