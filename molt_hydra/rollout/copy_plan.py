@@ -5,14 +5,16 @@ as long as the trainer's storages stay put, and every sync loads the same views 
 first sync of a token runs the engine's weight loaders as usual under `record_copy_plan`, a TorchDispatchMode that
 sees every aten op the loaders run. The plan is kept only when it is proven to be nothing but copies:
 
-- every op is a view (a non-mutating op whose outputs alias its inputs: narrow, view, t, detach ...) or a `copy_`;
+- every op is a view (a non-mutating op whose outputs alias its inputs: narrow, view, t, detach ...), a `copy_`, or a
+  constant `fill_` into an engine tensor (vLLM's vocab-padding rows);
 - every `copy_` reads a view of one of the shared (trainer) tensors and writes a view of an engine parameter or
   buffer storage that is not itself shared;
 - nothing else runs: an allocation (a loader that casts into a temporary, `.to()`, `torch.cat`), arithmetic (a loader
   that scales or quantizes), a write anywhere else refuses the plan, and the loaders keep running on every sync.
 
-Replaying the recorded copies in their order, with the same source and destination views, repeats exactly the work
-the loaders did (copy_ is deterministic: the same bits). On CUDA the copies are captured once in a CUDA graph, so a
+Replaying the recorded copies and fills, with the same source and destination views, repeats exactly the work the
+loaders did (copy_ is deterministic: the same bits). Fills are replayed too: a colocated engine's level-2 sleep
+discards its weights' memory, padding rows included. On CUDA the copies are captured once in a CUDA graph, so a
 sync is one graph launch instead of the Python loader loop (same-dtype copies become memcpy nodes), spread over a few
 streams when no two destinations overlap (the order of disjoint copies cannot change a bit); on CPU they run one by
 one, in order. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
@@ -98,10 +100,11 @@ class CopyPlan:
     BRANCHES = 4
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor, bool]], names: list[str],
-                 addresses: tuple[int, ...]):
+                 addresses: tuple[int, ...], fills: list[tuple[torch.Tensor, float]] = ()):
         self.copies = copies
         self.names = names
         self.addresses = addresses
+        self.fills = list(fills)  # (destination, value): replayed before the copies (`record_copy_plan` proves it)
         # copies into disjoint destinations may run in any order: spread over a few streams in the graph, so the many
         # small ones (norms) and each copy's launch gap hide behind the large ones; else one stream, recorded order
         self.streams = self.BRANCHES if _disjoint([dst for dst, _, _ in copies]) else 1
@@ -110,6 +113,8 @@ class CopyPlan:
     def replay(self) -> None:
         if not self.copies or not self.copies[0][0].is_cuda:
             with torch.no_grad():
+                for dst, value in self.fills:
+                    dst.fill_(value)
                 for dst, src, non_blocking in self.copies:
                     dst.copy_(src, non_blocking=non_blocking)
             return
@@ -125,6 +130,8 @@ class CopyPlan:
         with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             capture = torch.cuda.current_stream(device)
             branches = [capture, *(torch.cuda.Stream(device) for _ in range(self.streams - 1))]
+            for dst, value in self.fills:
+                dst.fill_(value)
             for branch in branches[1:]:  # forked from the capture stream, joined back before the capture ends
                 branch.wait_stream(capture)
             for i, (dst, src, non_blocking) in enumerate(self.copies):
@@ -149,9 +156,10 @@ def record_copy_plan(load, weights: list[tuple[str, torch.Tensor]], engine_tenso
         return recorder.refusal
     if not recorder.copies and not allow_empty:  # a part of a load (one bucket) may copy nothing: a tied head
         return "the loaders copied nothing"
-    plan = CopyPlan(recorder.copies, [n for n, _ in weights], addresses)
-    plan.fills = recorder.fills or []  # with `allow_fills` only (the mapped plan below); CopyPlan replays none
-    return plan
+    fills = recorder.fills or []
+    if fills and not _disjoint([dst for dst, _ in fills] + [dst for dst, _, _ in recorder.copies]):
+        return "a fill overlaps a copy (their order would matter)"
+    return CopyPlan(recorder.copies, [n for n, _ in weights], addresses, fills)
 
 
 # --- CPU, mapped in place: the trainer writes the recorded copies into the engine's parameters itself ---------------

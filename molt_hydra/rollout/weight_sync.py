@@ -67,6 +67,7 @@ class SyncReport:
     single_pass: bool = False  # the engines loaded straight from the trainer's parameters (SharedParamsTransport)
     in_place: bool = False  # the trainer wrote into the engines' parameters (SharedMemoryTransport, mapped)
     push_seconds: float = 0.0  # the buckets alone: from after every engine began the update until the last landed
+    replayed: float = 0.0  # single pass: the share of engine workers that replayed their recorded copy plan
 
 
 def _nbytes(bucket: Bucket) -> int:
@@ -338,6 +339,8 @@ class SharedParamsTransport:
         self.tensors = tensors
         self.token = self.fingerprint(tensors)
         self.handles: list | None = None  # made on the first engine that asks for them, kept for the token's life
+        self.replayed = 0.0  # of the last sync's engine workers, the share that replayed their copy plan
+        self.refusals: set[str] = set()  # why a worker's loaders could not be recorded: each said once
         self.device = next((t.device for _, t in tensors if t.is_cuda), None)
         # bytes written into each engine: floating tensors in the engine dtype
         self.nbytes = sum(t.numel() * (dtype.itemsize if dtype and t.is_floating_point() else t.element_size())
@@ -354,15 +357,20 @@ class SharedParamsTransport:
         if self.device is not None:  # the optimizer's last writes land before any engine reads
             torch.cuda.current_stream(self.device).synchronize()
 
-        async def load(engine) -> None:
+        async def load(engine) -> list:
             answers = await call(engine.worker_call.remote("load_shared_params", self.token, None, None))
             if any(a is None for a in answers):  # a worker has not mapped this token's storages yet
                 if self.handles is None:
                     self.handles = [ipc_handle(t.detach()) for _, t in self.tensors]
                 names = [n for n, _ in self.tensors]
-                await call(engine.worker_call.remote("load_shared_params", self.token, names, self.handles))
+                answers = await call(engine.worker_call.remote("load_shared_params", self.token, names, self.handles))
+            return answers
 
-        await asyncio.gather(*(load(e) for e in engines))
+        answers = [a for per_engine in await asyncio.gather(*(load(e) for e in engines)) for a in per_engine]
+        self.replayed = sum(path == "replay" for _, path, _ in answers) / max(len(answers), 1)
+        for why in {why for _, _, why in answers if why} - self.refusals:
+            logger.warning("weight sync: the engine's loaders run on every sync (no copy plan): %s", why)
+            self.refusals.add(why)
         return self.nbytes
 
 
@@ -446,7 +454,8 @@ class WeightSync:
             raise WeightCoverageError(missing_names)
         return SyncReport(version, num_tensors, num_bytes, time.perf_counter() - start,
                           isinstance(self.transport, SharedParamsTransport),
-                          getattr(self.transport, "mapped", None) is not None, pushed)
+                          getattr(self.transport, "mapped", None) is not None, pushed,
+                          getattr(self.transport, "replayed", 0.0))
 
 
 def _rendezvous_address(_worker) -> tuple[str, int]:
@@ -527,4 +536,5 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
     report = asyncio.run(sync.sync(buckets, version))
     return {"weight_sync/bytes": float(report.num_bytes), "weight_sync/tensors": float(report.num_tensors),
             "weight_sync/seconds": report.seconds, "weight_sync/single_pass": float(report.single_pass),
-            "weight_sync/in_place": float(report.in_place), "weight_sync/push_seconds": report.push_seconds}
+            "weight_sync/in_place": float(report.in_place), "weight_sync/push_seconds": report.push_seconds,
+            "weight_sync/replayed": report.replayed}

@@ -338,8 +338,9 @@ class WeightSyncWorkerExtension:
 
     def load_shared_params(self, token: str, names: list[str] | None, handles: list | None) -> int | None:
         """Single pass (`weight_sync.SharedParamsTransport`): load straight from views of the trainer's own parameters,
-        mapped once per `token` and kept across syncs (the trainer updates them in place). Returns None when the token
-        is new and no handles came with it: the trainer then calls again with them. A new token drops the old views
+        mapped once per `token` and kept across syncs (the trainer updates them in place). Returns (tensors loaded, the
+        path taken: record / replay / loader, why the loaders could not be recorded or None); None when the token is
+        new and no handles came with it: the trainer then calls again with them. A new token drops the old views
         (and the copy plan reading them) first, so a replaced trainer storage is never read again.
 
         The first load of a token runs the engine's loaders under `record_copy_plan`; when that proves they only
@@ -366,7 +367,7 @@ class WeightSyncWorkerExtension:
             self.shared_load_path = "replay"
         elif plan is None and self.record_copy_plans:
             self._copy_plan = record_copy_plan(lambda: self._load(weights), weights, self._engine_tensors(),
-                                               self._engine_addresses())
+                                               self._engine_addresses(), allow_fills=True)
             self.shared_load_path = "record"
         else:  # refused for this token (the reason is in self._copy_plan), or opted out
             self._load(weights)
@@ -374,7 +375,7 @@ class WeightSyncWorkerExtension:
         if self.device.type == "cuda":  # the copies are done before the trainer may step (and write) again
             torch.cuda.current_stream(self.device).synchronize()
         del replayed  # a dropped plan's graph outlives its last launch
-        return len(weights)
+        return len(weights), self.shared_load_path, self._copy_plan if isinstance(self._copy_plan, str) else None
 
     def _engine_tensors(self) -> list[torch.Tensor]:
         """The engine model's parameters and buffers: the only tensors a replayed copy plan may write."""

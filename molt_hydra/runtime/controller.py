@@ -301,14 +301,17 @@ class RLController:
                 await deadline(self.batch_made.wait_for(
                     lambda: self.batches_made > self.step + self.depth or self.exhausted),
                     self.cfg.train.timeouts.step_s, "rollout", "generating the batch the weight sync waits for")
+        every, version = self.cfg.rollout.weight_sync.probe_every, self.version + 1
+        probed = every and (version == 1 or version % every == 0)  # the first sync proves the path at once
         t1 = time.perf_counter()
-        pushed = await self.push(self.version + 1)  # trainer rank 0's weight_sync/* (which path ran)
-        self.version += 1
+        trainer_view = await self.calls.trainer_probe_view() if probed else None  # before the push wakes engines
+        t2 = time.perf_counter()
+        pushed = await self.push(version)  # trainer rank 0's weight_sync/* (which path ran)
+        self.version = version
         self.trainer_ahead = False
-        synced = {**pushed, "timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t1}
-        every = self.cfg.rollout.weight_sync.probe_every
-        if every and (self.version == 1 or self.version % every == 0):  # the first sync proves the path at once
-            synced.update(await self.calls.sync_probe(self.version))
+        synced = {**pushed, "timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t2}
+        if probed:
+            synced.update(await self.calls.sync_probe(version, trainer_view))
         return synced
 
     async def push(self, version: int) -> dict[str, float]:

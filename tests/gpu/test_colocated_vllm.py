@@ -66,6 +66,8 @@ def test_weights_arrive_by_cuda_ipc_in_one_pass_and_the_probe_finds_them_equal(t
     _, m = toy
     for step, row in m.items():
         assert row["train/weight_sync/single_pass"] == 1.0, step  # the engine read the trainer's own parameters
+        # the first sync records the loaders' copies (vocab padding fills included); every later one replays them
+        assert row["train/weight_sync/replayed"] == (0.0 if step == 1 else 1.0), step
     probed = [s for s, row in m.items() if "train/weight_sync/probe_groups" in row]
     assert probed == [1, 5, 10, 15, 20]  # the first sync, then every probe_every=5
     for s in probed:  # every decoder layer + embedding + final norm summed equal on both sides (bf16 sums)

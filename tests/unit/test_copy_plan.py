@@ -74,6 +74,40 @@ def test_a_copy_only_load_is_recorded_and_its_replay_serves_in_place_updates_bit
     assert plan.addresses != parameter_addresses(engine)
 
 
+class PaddedVocabEngine(nn.Module):
+    """vLLM's VocabParallelEmbedding loader: the checkpoint's rows copied in, the padding rows filled with 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("embed", torch.full((6, 8), 7.0, dtype=torch.bfloat16))
+
+    def load(self, weights):
+        w = dict(weights)["q.weight"]  # 4 rows: 2 padding rows
+        with torch.no_grad():
+            self.embed[:w.shape[0]].copy_(w)
+            self.embed[w.shape[0]:].fill_(0)
+
+
+def test_a_vocab_padding_fill_is_replayed_with_the_copies():
+    """A colocated engine's level-2 sleep discards its weights' memory, padding rows too: the replay must write them."""
+    weights, engine = trainer_weights(), PaddedVocabEngine()
+    plan = record_copy_plan(lambda: engine.load(weights), weights, [engine.embed], (), allow_fills=True)
+    assert isinstance(plan, CopyPlan) and len(plan.fills) == 1
+    assert isinstance(record_copy_plan(lambda: engine.load(weights), weights, [engine.embed], ()), str)  # no fills
+    engine.embed.fill_(float("nan"))  # what a woken, discarded allocation may hold
+    plan.replay()
+    q = dict(weights)["q.weight"].to(torch.bfloat16)
+    assert torch.equal(engine.embed, torch.cat([q, torch.zeros(2, 8, dtype=torch.bfloat16)]))
+
+    def overlapping_fill():
+        with torch.no_grad():
+            engine.embed[:4].copy_(dict(weights)["q.weight"])
+            engine.embed[3:].fill_(0)  # writes a row the copy wrote: the order would matter
+
+    assert record_copy_plan(overlapping_fill, weights, [engine.embed], (), allow_fills=True) == \
+        "a fill overlaps a copy (their order would matter)"
+
+
 def test_a_load_that_computes_allocates_or_writes_elsewhere_is_refused_and_still_runs():
     weights = trainer_weights()
 
@@ -137,9 +171,9 @@ def test_worker_records_on_a_new_token_replays_after_and_falls_back_when_unprove
         qkv, norm = worker.engine.expected(weights)
         assert torch.equal(worker.engine.qkv, qkv) and torch.equal(worker.engine.norm, norm)
 
-    assert sync("a") == 4 and worker.shared_load_path == "record"
+    assert sync("a") == (4, "record", None)
     step()
-    assert sync("a", with_handles=False) == 4 and worker.shared_load_path == "replay"
+    assert sync("a", with_handles=False) == (4, "replay", None)
     assert worker._loaded_names == set(names)  # the coverage check sees the replayed names
     assert_fresh()
 
@@ -154,8 +188,8 @@ def test_worker_records_on_a_new_token_replays_after_and_falls_back_when_unprove
     sync("b")
     assert worker.shared_load_path == "record" and "mul" in worker._copy_plan
     step()
-    sync("b", with_handles=False)
-    assert worker.shared_load_path == "loader"
+    n, path, why = sync("b", with_handles=False)
+    assert (n, path) == (4, "loader") and "mul" in why
     assert_fresh()
 
 

@@ -422,10 +422,11 @@ def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_s
     with torch.no_grad():  # an optimizer step: in place, same storages
         for p in rank0.model.parameters():
             p.mul_(-2).add_(0.5)
-    sync(2)
+    replayed = sync(2)
     assert [m for m in log if m.startswith("load_")] == ["load_shared_params"]  # one call, nothing re-mapped
     assert worker.opened == 4 and engine.version == 2
     assert worker.shared_load_path == "replay"  # the first sync's loader copies were proven and replayed
+    assert metrics["weight_sync/replayed"] == 0.0 and replayed["weight_sync/replayed"] == 1.0
     assert_engine_holds_the_ranks_weights()  # the cached views served the new values
 
     rank0.model[1].weight = nn.Parameter(torch.randn(4, 16))  # a new storage (e.g. a reload): a new token
