@@ -15,8 +15,9 @@ and for MoE on the HF backend +grouped / +loop (model.moe_experts_impl; neither:
 grouped_mm experts, the HF path before models/moe_experts.py). The rows end in one summary table (MFU, tok/s, the
 same-run ceiling); a --profile row also prints its step's device time per phase (`phase_breakdown`).
 
-`--shapes tiny` (dense) / `tiny-moe` run 2-layer models on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
-same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency = tok/s(N) / (N · tok/s(1)).
+`--shapes tiny` (dense) / `tiny-moe` run 2-layer models on CPU/gloo (smoke check of this script). Weak scaling:
+every rank gets the same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency =
+tok/s(N) / (N · tok/s(1)).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     t = time.perf_counter()
     w = TrainerWorker(rank=rank, world_size=world, master_port=port, model_path=path, random_init=True,
-                      gradient_checkpointing=ac, param_dtype="bf16" if torch.cuda.is_available() else "fp32", lr=1e-6,
+                      gradient_checkpointing=ac, lr=1e-6,
+                      param_dtype="bf16" if torch.cuda.is_available() else "fp32",  # CPU: the fp32 smoke run
                       max_tokens_per_micro_batch=args.mb_tokens, backend=backend, packing="packed" in flags,
                       compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
                       master_weights="optimizer" if "mw" in flags else "fsdp",
@@ -203,10 +205,10 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
 
 
 def restore_transformers_experts(model) -> None:
-    from molt_hydra.compat.transformers import _PatchedExperts
+    from molt_hydra.compat.transformers import PatchedExperts
     for m in model.modules():
-        if isinstance(m, _PatchedExperts):
-            m.__class__ = next(c for c in type(m).__mro__[1:] if c is not _PatchedExperts)
+        if isinstance(m, PatchedExperts):
+            m.__class__ = next(c for c in type(m).__mro__[1:] if c is not PatchedExperts)
 
 
 # step phases from the profiler: each kernel's device time goes to the aten op that launched it (self time), the op

@@ -36,7 +36,7 @@ def _check_version() -> None:
                            f"transformers.py) is written for transformers {SUPPORTED_MAJOR}.x's fused experts")
 
 
-class _PatchedExperts:
+class PatchedExperts:
     """Marker base of a patched experts class; `experts_impl` is "grouped" or "loop"."""
 
     experts_impl: str
@@ -47,7 +47,7 @@ def _patched(cls: type, impl: str) -> type:
     from molt_hydra.models.moe_experts import grouped_experts_forward
 
     forward = grouped_experts_forward if impl == "grouped" else inspect.unwrap(cls.forward)
-    return type(f"{cls.__name__}_{impl}", (_PatchedExperts, cls), {"forward": forward, "experts_impl": impl})
+    return type(f"{cls.__name__}_{impl}", (PatchedExperts, cls), {"forward": forward, "experts_impl": impl})
 
 
 def install_experts(model: nn.Module, impl: str) -> list[nn.Module]:
