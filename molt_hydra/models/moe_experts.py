@@ -65,7 +65,7 @@ def grouped_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: t
     slot_weights = top_k_weights.reshape(-1).index_select(0, order).to(weight.dtype)
     h = experts.act_fn(gate) * up * slot_weights[:, None]
     y = F.grouped_mm(h, experts.down_proj.transpose(-2, -1), offs=offs)
-    per_slot = torch.empty_like(y).index_copy(0, order, y)
+    per_slot = torch.empty_like(y).index_copy_(0, order, y)  # in place: no clone of the empty buffer
     return per_slot.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
 
 

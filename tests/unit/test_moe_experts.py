@@ -5,6 +5,7 @@ grouped and loop says why or refuses."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
@@ -22,6 +23,8 @@ def _model(path, impl, dtype=torch.float32, replay=False):
     moe_routing.install(model, "float32", replay=replay)
     patched = install_experts(model, impl)
     assert patched and all(m.experts_impl == impl for m in patched)
+    if impl == "loop":  # the reference is transformers' eager per-expert loop, not its grouped_mm dispatch
+        assert inspect.getmodule(type(patched[0]).forward).__name__.endswith("modeling_qwen3_moe")
     return model.to(dtype)
 
 
