@@ -114,7 +114,10 @@ class LoadBalancingLoss:
         self.rows = 0
 
     def add(self, probs: torch.Tensor, used: torch.Tensor) -> None:
-        self.selections = self.selections + torch.bincount(used.reshape(-1), minlength=self.num_experts).float()
+        flat = used.reshape(-1)  # counted by scatter-add: bincount sizes its output from the data (a CUDA sync)
+        counts = torch.zeros(self.num_experts, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
+        self.selections = self.selections + counts
         self.prob_sum = self.prob_sum + probs.float().sum(0)
         self.rows += probs.shape[0]
 
