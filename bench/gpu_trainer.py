@@ -217,7 +217,7 @@ PHASES = (
     ("optimizer", ("adam", "_foreach_", "clip_grad", "_amp_")),
     ("experts GEMM", ("_grouped_mm",)),
     ("permute", ("argsort", "sort", "scatter_add", "cumsum", "index_select", "index_copy", "index_add", "nonzero",
-                 "where", "aten::index", "histc", "one_hot")),
+                 "where", "aten::index", "index_put", "histc", "one_hot")),
     ("router", ("topk", "softmax_backward", "aten::_softmax", "aten::softmax")),
     ("attention", ("attention", "flash", "cudnn", "sdpa", "_efficient")),
     ("loss / log-probs", ("log_softmax", "logsumexp", "nll", "cross_entropy", "aten::gather")),
@@ -252,11 +252,11 @@ def print_summary(results) -> None:
     for r in results:
         head = f"{r['model']}:{args_ac(r['ac'])}:{r['variant']}"
         if "error" in r:
-            print(f"{head} | ERROR {r['error'][:200]}")
+            print(f"== {head} | ERROR {r['error'][:200]}")
             continue
         ceiling = f"{100 * r['ceiling_mfu']:.1f}" if "ceiling_mfu" in r else r.get("ceiling_error", "-")[:80]
         ratio = f"{r['trainer_over_ceiling']:.2f}" if "trainer_over_ceiling" in r else "-"
-        print(f"{head} | {r.get('experts_impl')} | {r['perf/train_tokens_per_sec']:,.0f} | "
+        print(f"== {head} | {r.get('experts_impl')} | {r['perf/train_tokens_per_sec']:,.0f} | "
               f"{100 * r.get('perf/mfu', 0):.1f} | {ceiling} | {ratio} | {r['perf/step_time_s']:.3f} | "
               f"{r.get('perf/gpu_mem_peak_gb', 0):.1f} | {r['policy_loss']:.6f}", flush=True)
 
