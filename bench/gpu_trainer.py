@@ -10,10 +10,14 @@ A row is SHAPE:AC[:VARIANT[:SEQUENCES]] (SEQUENCES per GPU per step, default --m
 (selective, AutoModel only); VARIANT hf (default), am (NeMo AutoModel backend), with +compile (torch.compile per
 decoder block), +packed (one packed stream per micro-batch), +ep2 (AutoModel experts sharded over 2 ranks), +logits
 (full logits then chunked log-probs instead of the fused chunked lm_head + log-prob head), +mw (model.master_weights=
-optimizer: bf16 params and grads in FSDP2, fp32 masters and moments in the optimizer; without it fp32 params in FSDP2).
+optimizer: bf16 params and grads in FSDP2, fp32 masters and moments in the optimizer; without it fp32 params in FSDP2),
+and for MoE on the HF backend +grouped / +loop (model.moe_experts_impl; neither: auto) or +tfexperts (transformers' own
+grouped_mm experts, the HF path before models/moe_experts.py). The rows end in one summary table (MFU, tok/s, the
+same-run ceiling); a --profile row also prints its step's device time per phase (`phase_breakdown`).
 
-`--shapes tiny` runs a 2-layer model on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
-same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency = tok/s(N) / (N · tok/s(1)).
+`--shapes tiny` (dense) / `tiny-moe` run 2-layer models on CPU/gloo (smoke check of this script). Weak scaling:
+every rank gets the same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency =
+tok/s(N) / (N · tok/s(1)).
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ SHAPES = {  # Qwen3 release configs (hidden, layers, heads, kv heads, head_dim 1
                        norm_topk_prob=True, decoder_sparse_step=1, tie_word_embeddings=False, moe=True),
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, tie_word_embeddings=True),
+    "tiny-moe": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                     norm_topk_prob=True, decoder_sparse_step=1, tie_word_embeddings=True, moe=True),
 }
 
 
@@ -55,7 +62,8 @@ def write_config(name: str, rank: int) -> str:
     import transformers
     kw = dict(SHAPES[name])
     cls = transformers.Qwen3MoeConfig if kw.pop("moe", False) else transformers.Qwen3Config
-    cfg = cls(vocab_size=V if name != "tiny" else 512, head_dim=128 if name != "tiny" else 32,
+    tiny = name.startswith("tiny")
+    cfg = cls(vocab_size=512 if tiny else V, head_dim=32 if tiny else 128,
               max_position_embeddings=40960, rope_theta=1e6, **kw)
     d = Path(tempfile.gettempdir()) / f"molt_bench_{name}_r{rank}"
     cfg.save_pretrained(d)
@@ -135,15 +143,19 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     flags = set(variant.split("+"))
     backend = "automodel" if "am" in flags else "hf"
     overrides = {"_experts_implementation": "grouped_mm"} if "a3b" in name and backend == "hf" else None
+    experts_impl = "grouped" if "grouped" in flags else "loop" if "loop" in flags else "auto"
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     t = time.perf_counter()
     w = TrainerWorker(rank=rank, world_size=world, master_port=port, model_path=path, random_init=True,
-                      gradient_checkpointing=ac, param_dtype="bf16", lr=1e-6,
+                      gradient_checkpointing=ac, lr=1e-6,
+                      param_dtype="bf16" if torch.cuda.is_available() else "fp32",  # CPU: the fp32 smoke run
                       max_tokens_per_micro_batch=args.mb_tokens, backend=backend, packing="packed" in flags,
                       compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
                       master_weights="optimizer" if "mw" in flags else "fsdp",
                       peak_tflops=peak or None, config_overrides=overrides, fused_head="logits" not in flags,
-                      timeout_s=300)
+                      moe_experts_impl=experts_impl, timeout_s=300)
+    if "tfexperts" in flags:  # the HF path before models/moe_experts.py: transformers' own grouped_mm experts
+        restore_transformers_experts(w.model)
     build_s = time.perf_counter() - t
     n_params = sum(p.numel() for p in w.model.parameters())  # DTensor numel = global numel
     obj = ActorObjective(PolicyLoss("ppo"))
@@ -155,6 +167,7 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
             runs.append(m)
     row = f"{name}:{args_ac(ac)}:{variant}"
     profiled = row in args.profile.split("|")
+    phases = None
     if profiled and rank == 0:  # torch profiler over one more step: where the step time goes
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -162,6 +175,7 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
         print(f"== profile {row}: {len(prof.events())} events", flush=True)
         for key in ("self_cpu_time_total", "self_device_time_total"):
             print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
+        phases = phase_breakdown(prof)
     elif profiled:
         w.train_step(data, obj)
     rec = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k.startswith("perf/")}
@@ -178,13 +192,73 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
         dist.barrier()
         rec[f"gather_{dev}_s"] = time.perf_counter() - t
         rec[f"gather_{dev}_gb"] = nbytes / 1e9
+    if phases:
+        rec["phases_ms"] = phases
     rec.update(model=name, ac=ac, variant=variant, world=world, params_b=n_params / 1e9, build_s=build_s,
+               experts_impl="transformers" if "tfexperts" in flags else w.moe_experts_impl,
                tokens_per_gpu_step=args.mbs * args.seq, mb_tokens=args.mb_tokens, peak_tflops=peak)
     del w, obj
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rec
+
+
+def restore_transformers_experts(model) -> None:
+    from molt_hydra.compat.transformers import PatchedExperts
+    for m in model.modules():
+        if isinstance(m, PatchedExperts):
+            m.__class__ = next(c for c in type(m).__mro__[1:] if c is not PatchedExperts)
+
+
+# step phases from the profiler: each kernel's device time goes to the aten op that launched it (self time), the op
+# to the first phase one of whose name fragments it contains; "dense matmul" also holds the loop's per-expert GEMMs
+PHASES = (
+    ("optimizer", ("adam", "_foreach_", "clip_grad", "_amp_")),
+    ("experts GEMM", ("_grouped_mm",)),
+    ("permute", ("argsort", "sort", "scatter_add", "cumsum", "index_select", "index_copy", "index_add", "nonzero",
+                 "where", "aten::index", "index_put", "histc", "one_hot")),
+    ("router", ("topk", "softmax_backward", "aten::_softmax", "aten::softmax")),
+    ("attention", ("attention", "flash", "cudnn", "sdpa", "_efficient")),
+    ("loss / log-probs", ("log_softmax", "logsumexp", "nll", "cross_entropy", "aten::gather")),
+    ("dense matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("casts / copies", ("aten::copy_", "aten::_to_copy", "aten::to", "chunk_cat", "aten::cat", "fill_", "zero_")),
+)
+
+
+def phase_breakdown(prof) -> dict[str, float]:
+    ms = {phase: 0.0 for phase, _ in PHASES} | {"other": 0.0}
+    other = {}
+    clock = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"  # CPU: the smoke run
+    for ev in prof.key_averages():
+        t = getattr(ev, clock) / 1e3
+        if t <= 0:
+            continue
+        phase = next((p for p, frags in PHASES if any(f in ev.key for f in frags)), "other")
+        ms[phase] += t
+        if phase == "other":
+            other[ev.key] = other.get(ev.key, 0.0) + t
+    total = sum(ms.values())
+    print(f"== phases ({clock[5:8]} ms, share): " + ", ".join(f"{p} {v:.1f} ({v / total:.0%})" for p, v in ms.items()
+                                                     if v > 0) + f"; total {total:.1f}", flush=True)
+    print("   largest in other: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                            sorted(other.items(), key=lambda kv: -kv[1])[:8]), flush=True)
+    return {p: round(v, 2) for p, v in ms.items()}
+
+
+def print_summary(results) -> None:
+    """The rows side by side: MFU, tok/s, and the same-run plain-HF ceiling (same shape, AC, tokens)."""
+    print("== summary: row | experts | tok/s | MFU % | ceiling MFU % | trainer / ceiling | step s | peak GB | loss")
+    for r in results:
+        head = f"{r['model']}:{args_ac(r['ac'])}:{r['variant']}"
+        if "error" in r:
+            print(f"== {head} | ERROR {r['error'][:200]}")
+            continue
+        ceiling = f"{100 * r['ceiling_mfu']:.1f}" if "ceiling_mfu" in r else r.get("ceiling_error", "-")[:80]
+        ratio = f"{r['trainer_over_ceiling']:.2f}" if "trainer_over_ceiling" in r else "-"
+        print(f"== {head} | {r.get('experts_impl')} | {r['perf/train_tokens_per_sec']:,.0f} | "
+              f"{100 * r.get('perf/mfu', 0):.1f} | {ceiling} | {ratio} | {r['perf/step_time_s']:.3f} | "
+              f"{r.get('perf/gpu_mem_peak_gb', 0):.1f} | {r['policy_loss']:.6f}", flush=True)
 
 
 def args_ac(ac):
@@ -245,6 +319,8 @@ def main():
         if rank == 0:
             print(json.dumps(rec), flush=True)
             Path(args.out).write_text(json.dumps(results, indent=1))
+    if rank == 0:
+        print_summary(results)
     dist.destroy_process_group()
 
 

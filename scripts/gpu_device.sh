@@ -3,7 +3,7 @@
 # AutoModel and its small needs, liger-kernel) into /tmp/site, then run the GPU benches and `pytest -m gpu tests/gpu`,
 # logging everything to $OUT (or ./gpu_logs). Run from the repository root (or a staged copy of it):
 #
-#   bash scripts/gpu_device.sh [all|single|bench|tests|multi|single_tests|bench2|sync|sync_tests ...]
+#   bash scripts/gpu_device.sh [all|single|bench|tests|multi|single_tests|bench2|sync|sync_tests|moe ...]
 #   env: WHEELS, BENCH_SHAPES (split: GPU 0; BENCH_SHAPES_B: GPU 1), BENCH_GPU, BENCH_TAG, BENCH_ARGS,
 #        BENCH2_SHAPES, PYTEST_ARGS, MULTI_K, SYNC_ARGS
 #
@@ -65,6 +65,18 @@ sync_tests() {  # the one-GPU weight-sync tests (CUDA IPC: bucketed, single pass
     tests/gpu/test_weight_sync_gpu.py ${PYTEST_ARGS:-} > "$OUT/pytest_sync.log" 2>&1
   echo "weight-sync tests rc=$?"
 }
+moe() {  # issue 38: 30B-A3B shape (8 layers) HF experts grouped / transformers' grouped_mm / loop + the GPU test;
+  # the tiny-moe row first warms the process up (CUDA context, cuBLAS, allocator) for the rows that are compared
+  CUDA_VISIBLE_DEVICES=0 timeout "${MOE_TIMEOUT:-260}" torchrun --standalone --nproc_per_node=1 --master-port=29510 \
+    bench/gpu_trainer.py --out "$OUT/bench_moe.json" --gather 0 \
+    --shapes "${MOE_SHAPES:-tiny-moe:0:hf+mw+grouped,30b-a3b-8l:0:hf+mw+tfexperts,30b-a3b-8l:0:hf+mw+grouped,30b-a3b-8l:0:hf+mw+loop}" \
+    --profile "${MOE_PROFILE:-30b-a3b-8l:0:hf+mw+tfexperts|30b-a3b-8l:0:hf+mw+grouped}" > "$OUT/bench_moe.log" 2>&1
+  echo "moe bench rc=$?"
+  CUDA_VISIBLE_DEVICES=0 timeout "${MOE_TESTS_TIMEOUT:-70}" python3 -m pytest -p no:cacheprovider -m gpu -s \
+    tests/gpu/test_moe_experts_gpu.py > "$OUT/pytest_moe.log" 2>&1
+  echo "moe tests rc=$?"
+  grep -hE "^== [a-z0-9]|^   largest|relative error|passed|failed" "$OUT/bench_moe.log" "$OUT/pytest_moe.log"
+}
 for what in $modes; do
   case "$what" in
     install) ;;  # the wheels only
@@ -72,6 +84,7 @@ for what in $modes; do
     bench2) bench2 ;;
     sync) sync ;;
     sync_tests) sync_tests ;;
+    moe) moe ;;
     multi) multi_tests ;;
     single_tests) single_tests ;;
     tests) single_tests; multi_tests ;;

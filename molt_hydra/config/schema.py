@@ -65,6 +65,12 @@ MasterWeights = _choices(
     "optimizer",  # param_dtype parameters (FSDP2 only on several ranks); AdamW keeps fp32 masters, moments, grad sums
 )
 Device = _choices("Device", "cpu", "cuda")
+MoeExpertsImpl = _choices(
+    "MoeExpertsImpl",
+    "auto",  # grouped where torch's grouped GEMM runs (Hopper bf16, CPU fp32), else the loop with one log line
+    "grouped",  # every expert of a layer in one grouped GEMM per projection; refused where it cannot run
+    "loop",  # transformers' per-expert loop
+)
 ExecutorBackend = _choices(
     "ExecutorBackend",
     "auto",  # uni for one device, mp otherwise (vLLM's own multiprocessing inside the engine's Ray actor)
@@ -152,6 +158,8 @@ class ModelConfig:
     "RMSNorm implementation/precision (Molt env MOLT_RMS_NORM)."
     gate_precision: str = "float32"
     "MoE router precision in the trainer: gate matmul, softmax and top-k in float32 or bfloat16 (MOLT_GATE_PRECISION)."
+    moe_experts_impl: MoeExpertsImpl = MoeExpertsImpl["auto"]
+    "HF backend MoE experts: grouped GEMM over all experts of a layer, the per-expert loop, or auto (docs/gpu_trainer.md)."
 
 
 @dataclass

@@ -474,6 +474,15 @@ def validate(cfg: RunConfig) -> RunConfig:
             problems.check(value == default, key, f"{value!r} selects a NeMo AutoModel module; this run trains on "
                            "the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
                            f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
+    experts, dtype = m.moe_experts_impl.value, m.param_dtype.value
+    problems.check(hf_backend or experts == "auto", "model.moe_experts_impl",
+                   f"{experts!r} selects the HF backend's MoE experts; AutoModel's are model.experts_backend's "
+                   "(torch_mm: grouped GEMM).", "unset model.moe_experts_impl, or model.backend=hf")
+    grouped_dtype = "float32" if cpu else "bfloat16"  # torch's grouped GEMM: CPU kernel fp32, Hopper kernel bf16
+    problems.check(experts != "grouped" or dtype == grouped_dtype, "model.moe_experts_impl",
+                   f"grouped experts on {cfg.cluster.device.value} run torch's grouped GEMM in {grouped_dtype}, "
+                   f"but model.param_dtype={dtype}.",
+                   f"set model.param_dtype={grouped_dtype}, or model.moe_experts_impl=auto (per-expert loop there)")
     for name in ("tp", "cp", "ep"):
         size = getattr(p, name)
         problems.check(not (hf_backend and size > 1), f"parallelism.{name}",

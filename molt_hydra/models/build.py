@@ -70,6 +70,7 @@ def backend_options(cfg) -> dict:
                 compile_blocks=m.compile_blocks,
                 master_weights=m.master_weights.value,
                 gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
+                moe_experts_impl=m.moe_experts_impl.value,
                 freeze_moe_router=m.freeze_moe_router, freeze_visual_encoder=m.freeze_visual_encoder,
                 automodel_options=dict(moe_dispatcher=m.moe_dispatcher, experts_backend=m.experts_backend,
                                        linear_backend=m.linear_backend, rms_norm=m.rms_norm,

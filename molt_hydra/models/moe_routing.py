@@ -50,21 +50,30 @@ class RoutingStats:
         self.tokens = torch.zeros(num_layers, dtype=torch.float64)
 
     def add(self, layer: int, probs: torch.Tensor, own: torch.Tensor, used: torch.Tensor, engine: torch.Tensor | None):
+        # sums stay on the forward's device until `as_tensor`: a `.cpu()` / `float()` per layer would make every MoE
+        # layer of a log-prob recompute wait for the GPU (as would bincount, which sizes its output from the data)
         with torch.no_grad():
+            self._to(probs.device)
             if engine is not None:
                 known = (engine >= 0).all(-1)
                 expected = engine.long().sort(-1).values
                 same = (own.sort(-1).values == expected).all(-1)
-                self.match[layer] += float((same & known).sum())
-                self.known[layer] += float(known.sum())
-                self.replayed[layer] += float(((used.sort(-1).values == expected).all(-1) & known).sum())
-            self.load[layer] += torch.bincount(used.reshape(-1), minlength=self.num_experts).double().cpu()
-            self.prob[layer] += probs.detach().double().sum(0).cpu()
+                self.match[layer] += (same & known).sum()
+                self.known[layer] += known.sum()
+                self.replayed[layer] += ((used.sort(-1).values == expected).all(-1) & known).sum()
+            flat = used.reshape(-1)
+            self.load[layer].scatter_add_(0, flat, torch.ones_like(flat, dtype=self.load.dtype))
+            self.prob[layer] += probs.detach().double().sum(0)
             self.tokens[layer] += probs.shape[0]
+
+    def _to(self, device: torch.device) -> None:
+        if self.load.device != device:
+            for name in ("match", "known", "replayed", "load", "prob", "tokens"):
+                setattr(self, name, getattr(self, name).to(device))
 
     def as_tensor(self) -> torch.Tensor:
         return torch.cat([self.match, self.known, self.replayed, self.load.flatten(), self.prob.flatten(),
-                          self.tokens])
+                          self.tokens]).cpu()
 
     def metrics(self, summed: torch.Tensor | None = None) -> dict[str, float]:
         """`routing/*` metrics (docs/metrics.md) from `as_tensor()` summed over ranks (default: this rank's)."""
@@ -105,7 +114,10 @@ class LoadBalancingLoss:
         self.rows = 0
 
     def add(self, probs: torch.Tensor, used: torch.Tensor) -> None:
-        self.selections = self.selections + torch.bincount(used.reshape(-1), minlength=self.num_experts).float()
+        flat = used.reshape(-1)  # counted by scatter-add: bincount sizes its output from the data (a CUDA sync)
+        counts = torch.zeros(self.num_experts, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
+        self.selections = self.selections + counts
         self.prob_sum = self.prob_sum + probs.float().sum(0)
         self.rows += probs.shape[0]
 

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from molt_hydra.algorithm.experience import NumpyPickled
-from molt_hydra.models import moe_routing, vlm
+from molt_hydra.compat.transformers import expert_widths, install_experts
+from molt_hydra.models import moe_experts, moe_routing, vlm
 from molt_hydra.models.build import build_model, decoder_layers, resolve_backend, resolve_path
 from molt_hydra.models.logprobs import (LOGPROB_CHUNK_TOKENS, entropy_from_logits, linear_logprobs_entropy,
                                        logprobs_from_logits)
@@ -74,7 +75,7 @@ class TrainerWorker:
                  automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp",
                  cpu_threads: int | None = None, node_ranks: int | None = None, share_prompts: bool = False,
                  muon: dict | None = None, debug_grad_norms: tuple | None = None, full_determinism: bool = False,
-                 defer_grad_sync: bool = False):
+                 defer_grad_sync: bool = False, moe_experts_impl: str = "auto"):
         self.rank, self.world_size, self.role = rank, world_size, role
         if full_determinism:  # train.full_determinism, as Molt: transformers' seeds + deterministic kernels
             from transformers import enable_full_determinism
@@ -110,6 +111,7 @@ class TrainerWorker:
         self.packing = packing
         torch.manual_seed(seed)  # same init (e.g. value head) on every rank
         self.model_path = resolve_path(model_path)
+        self.moe_experts_impl = None  # HF MoE models: "grouped" | "loop" (models/moe_experts.py)
         if self.backend == "automodel":
             from molt_hydra.models.automodel import build_automodel
             self.mesh = None
@@ -141,6 +143,10 @@ class TrainerWorker:
                 raise NotImplementedError(f"rollout.routing_replay / model.freeze_moe_router: {type(model).__name__} "
                                           "has no MoE router this trainer supports (HF path: Qwen3-MoE); turn them off")
             self.moe = bool(routers)
+            if routers:
+                widths = expert_widths(model)
+                self.moe_experts_impl = moe_experts.choose(moe_experts_impl, self.device, DTYPES[param_dtype], widths)
+                install_experts(model, self.moe_experts_impl)
             self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
             if freeze_visual_encoder:
                 vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params

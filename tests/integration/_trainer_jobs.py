@@ -71,8 +71,9 @@ def moe_step(rank, world_size, port, out):
     samples = with_old_logprobs(w, make_samples(4))
     lps = w.compute_logprobs(samples)
     metrics = [w.train_step(samples[rank::world_size], ppo_objective()) for _ in range(2)]
+    experts = sorted({type(m).__name__ for m in w.model.modules() if type(m).__name__.startswith("Qwen3MoeExperts")})
     if rank == 0:
-        torch.save({"lps": lps, "metrics": metrics}, out)
+        torch.save({"lps": lps, "metrics": metrics, "experts_impl": w.moe_experts_impl, "experts": experts}, out)
     w.shutdown()
 
 

@@ -62,6 +62,8 @@ def role_results(tmp_path_factory):
 def test_moe_actor_logprobs_and_step(tmp_path):
     run_ranks(jobs.moe_step, 2, tmp_path / "m.pt", timeout_s=180)
     res = torch.load(tmp_path / "m.pt", weights_only=False)
+    # fp32 on CPU: model.moe_experts_impl=auto runs the grouped experts (models/moe_experts.py) in every layer
+    assert res["experts_impl"] == "grouped" and res["experts"] == ["Qwen3MoeExperts_grouped"]
     for lp, (hlp, _) in zip(res["lps"], _hf_logprobs(jobs.make_samples(4), 1.0, "tiny://qwen3_moe_tiny")):
         torch.testing.assert_close(lp, hlp, atol=1e-5, rtol=1e-5)
     first, second = res["metrics"]

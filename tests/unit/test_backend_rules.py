@@ -29,8 +29,14 @@ GPU_AM = ["cluster.device=cuda", "model.backend=automodel"]
     ([*GPU_AM, "model.moe_dispatcher=alltoall"], "model.moe_dispatcher", "AutoModel's dispatchers"),
     ([*GPU_AM, "model.experts_backend=gmm"], "model.experts_backend", "AutoModel's expert GEMMs"),
     ([*GPU_AM, "model.rms_norm=quack"], "model.rms_norm", "AutoModel's RMSNorm backends"),
+    ([*GPU_AM, "model.moe_experts_impl=loop"], "model.moe_experts_impl", "AutoModel's are model.experts_backend's"),
+    (["model.moe_experts_impl=grouped", "model.param_dtype=bfloat16"], "model.moe_experts_impl",
+     "on cpu run torch's grouped GEMM in float32"),
+    (["cluster.device=cuda", "model.backend=hf", "model.moe_experts_impl=grouped", "model.param_dtype=float32"],
+     "model.moe_experts_impl", "on cuda run torch's grouped GEMM in bfloat16"),
 ], ids=["automodel_needs_gpu", "hf_rms_norm", "cpu_experts", "cpu_linear", "cpu_dispatcher", "am_packing",
-        "am_aux_loss", "am_attn", "am_dispatcher", "am_experts", "am_rms_norm"])
+        "am_aux_loss", "am_attn", "am_dispatcher", "am_experts", "am_rms_norm", "am_hf_experts_impl",
+        "cpu_grouped_bf16", "gpu_grouped_fp32"])
 def test_backend_rule_fires(overrides, key, fragment):
     assert_fires(overrides, key, fragment)
 
@@ -39,6 +45,14 @@ def test_automodel_knobs_pass_on_the_automodel_path():
     lines = config_errors([*GPU_AM, "model.moe_dispatcher=torch", "model.experts_backend=torch_mm",
                            "model.rms_norm=te", "model.gradient_checkpointing=selective", "parallelism.ep=1"])
     assert not [l for l in lines if l.startswith(("model.", "parallelism.packing", "parallelism.ep"))], lines
+
+
+def test_grouped_experts_pass_where_their_kernel_runs():
+    for overrides in (["model.moe_experts_impl=grouped", "model.param_dtype=float32"],
+                      ["cluster.device=cuda", "model.backend=hf", "model.moe_experts_impl=grouped",
+                       "model.param_dtype=bfloat16"]):
+        lines = config_errors(overrides)
+        assert not [line for line in lines if "moe_experts_impl" in line], lines
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nemo_automodel") is not None, reason="auto resolves to automodel here")
