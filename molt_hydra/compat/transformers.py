@@ -1,6 +1,7 @@
 """transformers: what this project reaches into, and the releases it is checked against.
 
-Tested: transformers 5.19 (CPU, every CI run) and 5.17 / 5.18 (the H200 device). Reached into here:
+Tested: transformers 5.19 (CPU, every CI run); the H200 device runs 5.17 / 5.18 (this patch is checked there by
+`tests/gpu/test_moe_experts_gpu.py`). Any other major release is refused at trainer build. Reached into here:
 
 - MoE experts (`install_experts`): transformers 5's fused experts modules (Qwen3-MoE `Qwen3MoeExperts`:
   `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], `act_fn`, called as `experts(hidden [T, H], top_k_index [T, k],
