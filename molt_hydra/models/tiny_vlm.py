@@ -31,7 +31,8 @@ TINY_VLM_VISION = dict(
 # Pixels bound per image (multiples of (14*2)^2): 28x28 .. 112x112, i.e. 1 .. 16 image tokens.
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
 # `tiny://idefics3_colors_warm`: the tiny Idefics3 after `molt-run +recipe=tiny_vlm_colors_warm` (job=sft on
-# builtin://colors_warm), which writes its export here; the colours recipe's warm start, never built by this module
+# builtin://colors_warm), which writes its export here; the colours recipe's warm start, run by `warm_start` when
+# missing
 COLORS_WARM = "idefics3_colors_warm"
 COLORS_WARM_DIR = Path.home() / ".cache" / "molt_hydra" / "warm" / "tiny_vlm_colors_warm"
 TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny", COLORS_WARM, "qwen3_vl_moe_tiny")
@@ -100,11 +101,34 @@ def build_tokenizer_and_image_processor():
 
 
 def warm_start(name: str) -> str:
-    """The exported warm start `tiny://NAME` names; a clear error with the command that makes it when it is missing."""
+    """The exported warm start `tiny://NAME` names. Missing, it is made first, once, the way a user would make it:
+    `molt-run +recipe=tiny_vlm_colors_warm` (job=sft on the same stack, ~30 s on 2 cores) in a process of its own,
+    under a file lock (an RL run's driver and its workers all resolve the path); its log is kept beside the export."""
+    import fcntl
+    import json
+    import subprocess
+    import sys
+
     hf = COLORS_WARM_DIR / "hf"
-    if not (hf / "model.safetensors").exists():
-        raise FileNotFoundError(f"tiny://{name} is the export of `molt-run +recipe=tiny_vlm_colors_warm` ({hf}), "
-                                "which has not run here. Fix: run it first (about 30 s)")
+    if (hf / "model.safetensors").exists():
+        return str(hf)
+    COLORS_WARM_DIR.parent.mkdir(parents=True, exist_ok=True)
+    log = COLORS_WARM_DIR.parent / f"{COLORS_WARM_DIR.name}.log"
+    with open(COLORS_WARM_DIR.parent / f".{COLORS_WARM_DIR.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (hf / "model.safetensors").exists():  # made by another process meanwhile
+            return str(hf)
+        command = [sys.executable, "-m", "molt_hydra.cli", "+recipe=tiny_vlm_colors_warm"]
+        print(f"tiny://{name}: not made yet; running its warm start first: molt-run +recipe=tiny_vlm_colors_warm "
+              f"(log: {log})", flush=True)
+        with open(log, "w") as out:
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT)
+        if done.returncode != 0 or not (hf / "model.safetensors").exists():
+            raise RuntimeError(f"tiny://{name}: its warm start (molt-run +recipe=tiny_vlm_colors_warm) failed with exit "
+                               f"code {done.returncode}; its log: {log}\n" + "\n".join(log.read_text().splitlines()[-15:]))
+        last = json.loads((COLORS_WARM_DIR / "sft_metrics.jsonl").read_text().splitlines()[-1])
+        print(f"tiny://{name}: warm start done in {last['global_step']} steps, final sft_loss {last['sft_loss']:.3f}, "
+              f"exported to {hf} (an RL run's eval at step 0 is its accuracy)", flush=True)
     return str(hf)
 
 
