@@ -165,5 +165,6 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     if not out:
         raise ValueError(f"no SFT samples with supervised tokens among {len(rows)} rows "
                          f"(input_key={input_key!r}, output_key={output_key!r})"
-                         + (f"; {len(dropped)} dropped for their images, the first: {dropped[0][1]}" if dropped else ""))
+                         + (f"; {len(dropped)} dropped for their images, the first: {dropped[0][1]}"
+                            if dropped else ""))
     return out

@@ -124,8 +124,9 @@ def warm_start(name: str) -> str:
         with open(log, "w") as out:
             done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT)
         if done.returncode != 0 or not (hf / "model.safetensors").exists():
-            raise RuntimeError(f"tiny://{name}: its warm start (molt-run +recipe=tiny_vlm_colors_warm) failed with exit "
-                               f"code {done.returncode}; its log: {log}\n" + "\n".join(log.read_text().splitlines()[-15:]))
+            tail = "\n".join(log.read_text().splitlines()[-15:])
+            raise RuntimeError(f"tiny://{name}: its warm start (molt-run +recipe=tiny_vlm_colors_warm) failed with "
+                               f"exit code {done.returncode}; its log: {log}\n{tail}")
         last = json.loads((COLORS_WARM_DIR / "sft_metrics.jsonl").read_text().splitlines()[-1])
         print(f"tiny://{name}: warm start done in {last['global_step']} steps, final sft_loss {last['sft_loss']:.3f}, "
               f"exported to {hf} (an RL run's eval at step 0 is its accuracy)", flush=True)

@@ -110,6 +110,7 @@ def test_vlm_sft_drops_rows_with_unusable_images_and_logs_their_ids(tmp_path, ca
     assert "SFT row 3 (images): unusable image: an image of size (0, 0) has no pixels" in text
     assert "SFT row 4 (images) has 2 images > data.max_images_per_prompt=1" in text
     assert "dropped 4 of 6 SFT rows with unusable images (row ids [1, 2, 3, 4])" in text
-    with pytest.raises(ValueError, match="4 dropped for their images, the first: SFT row 0 .images.: unusable image: image file is truncated"):
+    with pytest.raises(ValueError, match="4 dropped for their images, the first: SFT row 0 .images.: unusable image: "
+                                         "image file is truncated"):
         build_sft_samples(rows[1:5], tok, output_key="output", image_key="images", max_images_per_prompt=1,
                           images=images)
