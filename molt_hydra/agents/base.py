@@ -132,13 +132,17 @@ class Trajectory:
 
     def _lay_routing(self, gen: Generation, start: int) -> None:
         # vLLM returns routing either for the generated tokens only or for prompt + generated (from position 0);
-        # earlier rows win so a prompt's routing is the one recorded when its tokens were first processed.
+        # earlier rows win so a prompt's routing is the one recorded when its tokens were first processed. Rows from
+        # position 0 are in the engine's positions, where each image placeholder is its whole span of image tokens:
+        # they are kept in full, so the list lines up with the expanded trajectory the trainer sees (to_experience).
         if self.routed_experts is None:
             self.routed_experts = [None] * start
         self.routed_experts.extend([None] * (len(self.token_ids) - len(self.routed_experts)))
         rows = gen.routed_experts or []
         offset = start if len(rows) == len(gen.token_ids) else 0
-        for i, row in enumerate(rows[: len(self.token_ids) - offset]):
+        if offset == 0:
+            self.routed_experts.extend([None] * (len(rows) - len(self.routed_experts)))
+        for i, row in enumerate(rows[: len(self.routed_experts) - offset]):
             if self.routed_experts[offset + i] is None:
                 self.routed_experts[offset + i] = list(row)
 

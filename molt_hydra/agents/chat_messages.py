@@ -614,7 +614,7 @@ def load_image(source: str):
             img.load()
         except Exception as e:  # binascii / PIL errors: a client's bad bytes, not a server failure
             raise _bad(f"image data URI is not a decodable image: {e}") from None
-        return img
+        return img.convert("RGB")  # palette, alpha, CMYK, 16-bit grey: RGB, as prompt loading converts
     if source.startswith(("http://", "https://")):
         raise _bad("image URLs are not fetched; send images as base64 data URIs")
     path = source.removeprefix("file://")
@@ -623,7 +623,7 @@ def load_image(source: str):
         img.load()
     except Exception as e:
         raise _bad(f"cannot open image {path!r}: {e}") from None
-    return img
+    return img.convert("RGB")
 
 
 def image_data_uri(img) -> str:

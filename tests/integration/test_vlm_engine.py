@@ -216,3 +216,46 @@ def test_sdk_images_reach_the_engine_and_the_trajectory_token_exact(loop, engine
     assert_engine_exact(loop, engine, traj, rec.calls, images, trainer)
     if wire == "openai":
         assert "3 images" in log["too_many"] and "data.max_images_per_prompt=2" in log["too_many"]
+
+
+def test_after_a_weight_update_a_repeated_image_is_encoded_by_the_new_vision_tower(loop, engine, tokenizer, images,
+                                                                                    model_dir):
+    """Runs last (it changes the engine's weights). vLLM keeps an image's vision-tower output by the image's hash
+    across requests; after a weight update the engine must encode a repeated image again (rollout/engine.py resets
+    that cache): its log-probs are then those of the new weights, not the old tower's."""
+    from safetensors.torch import save
+    from transformers import AutoModelForImageTextToText
+
+    from molt_hydra.rollout.generation import GenerationRequest
+
+    def hf_logprobs(model, sample, **kw):  # log p(x[t] | x[<t]) from the definition, token 0 -> 0
+        ids = sample["input_ids"][None]
+        lp = torch.log_softmax(model(input_ids=ids, **kw).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])
+        return torch.cat([torch.zeros(1), lp[:, 0]])
+
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x."}]}]
+    ids = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
+    request = GenerationRequest("encoder-cache", ids, SAMPLING, [figure((56, 56), "red")])
+    run(loop, engine.generate(request))  # its encoding is now in vLLM's encoder cache
+    old = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    new = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():  # only the vision tower and its connector change
+        for name, p in new.named_parameters():
+            if ".vision_model." in f".{name}" or ".connector." in f".{name}":
+                p.add_(torch.randn_like(p) * 0.5)
+    state = {k: v.contiguous() for k, v in new.state_dict().items() if k != "lm_head.weight"}  # tied
+    run(loop, engine.begin_weight_update())
+    run(loop, engine.load_weights_bytes(save(state)))
+    run(loop, engine.finish_weight_update(1))
+    (after,) = run(loop, engine.generate(request))  # the same ids, image and seed
+    full, _, _, ranges, mm = images.expand(ids + after.token_ids, [0.0] * (len(ids) + len(after.token_ids)),
+                                           [-1] * (len(ids) + len(after.token_ids)),
+                                           [(len(ids), len(ids) + len(after.token_ids))], request.images)
+    sample, (start, end) = {"input_ids": torch.tensor(full)}, ranges[0]
+    kw = {"pixel_values": mm["pixel_values"][None], "pixel_attention_mask": mm["pixel_attention_mask"][None]}
+    with torch.no_grad():
+        expected = hf_logprobs(new, sample, **kw)[start:end]
+        with_old_tower = hf_logprobs(old, sample, **kw)[start:end]
+    assert (expected - with_old_tower).abs().max() > 1e-3  # the comparison can fail: the tower changes the answer
+    torch.testing.assert_close(torch.tensor(after.logprobs), expected, atol=2e-4, rtol=0)

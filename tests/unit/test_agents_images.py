@@ -84,3 +84,47 @@ def test_step_runner_passes_row_images_and_adds_result_images(tiny_model):
     ep.max_length = turn1_prompt + 2 * 10 + 2
     asyncio.run(runner.run_group([ep], engine, tok))
     assert engine.requests[-1].sampling.max_tokens == 2
+
+
+def _png_uri(im) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_bad_images_are_the_clients_400_and_other_modes_convert(tiny_model):
+    """The chat server's bad-image cases: a truncated PNG, more images than data.max_images_per_prompt, any image
+    for a text-only model are 400s before the engine is asked; grey+alpha and 16-bit grey arrive as RGB."""
+    import base64
+    import io
+
+    import pytest
+
+    from molt_hydra.agents.chat_messages import RequestError
+
+    tok = tokenizer(tiny_model)
+    engine = VLMStandIn(tok.eos_token_id)
+
+    def ask(*uris, **session_kw):
+        session = ChatSession("s", engine, tok, Sampling(max_tokens=8), 512, reply_parser(tok), **session_kw)
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in uris] + [{"type": "text", "text": "x?"}]
+        return asyncio.run(session.complete(openai_request({"messages": [{"role": "user", "content": parts}]})))
+
+    noise = io.BytesIO()
+    Image.frombytes("RGB", (32, 32), bytes(range(256)) * 12).save(noise, format="PNG")
+    truncated = "data:image/png;base64," + base64.b64encode(noise.getvalue()[: len(noise.getvalue()) // 2]).decode()
+    red = image_data_uri(img("red"))
+    for uris, kw, words in [((truncated,), {}, "not a decodable image: image file is truncated"),
+                            ((red, red), {"max_images": 1}, "2 images > data.max_images_per_prompt=1"),
+                            ((red,), {"accepts_images": False}, "takes no images: it is text-only")]:
+        with pytest.raises(RequestError) as e:
+            ask(*uris, **kw)
+        assert e.value.status == 400 and words in e.value.message, e.value.message
+    assert engine.requests == []  # none of them reached the engine
+    ask(_png_uri(Image.new("LA", (4, 4), (200, 255))), _png_uri(Image.new("I;16", (4, 4), 100)))
+    (request,) = engine.requests
+    assert [(i.mode, i.getpixel((0, 0))) for i in request.images] == [("RGB", (200, 200, 200)),
+                                                                       ("RGB", (100, 100, 100))]

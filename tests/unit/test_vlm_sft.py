@@ -79,3 +79,38 @@ def test_vlm_sft_run_trains_with_frozen_vision_tower(tmp_path, name):
     vis = {k: v for k, v in out.items() if any(p in f".{k}" for p in (".visual.", ".vision_model.", ".connector."))}
     ref = dict(init.state_dict())
     assert vis and all(torch.equal(v.float(), ref[k].to(v.dtype).float()) for k, v in vis.items())
+
+
+def test_vlm_sft_drops_rows_with_unusable_images_and_logs_their_ids(tmp_path, caplog):
+    """job=sft as prompt loading: a truncated PNG, an empty file, a 0-pixel image, more images than
+    data.max_images_per_prompt each cost their row (logged with its id and counted); another mode converts."""
+    import io
+    import logging
+
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    tok, images = AutoTokenizer.from_pretrained(model_dir), vlm.TrajectoryImages.for_model(model_dir)
+    noise = io.BytesIO()
+    Image.frombytes("RGB", (32, 32), bytes(range(256)) * 12).save(noise, format="PNG")
+    truncated = noise.getvalue()[: len(noise.getvalue()) // 2]  # its header reads; its pixels do not
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    good = _rows(tmp_path, 1)[0]
+    bad = {1: [truncated], 2: [str(empty)], 3: [Image.new("RGB", (0, 0))], 4: [good["images"][0]] * 2}
+    rows = [good] + [dict(good, images=v) for v in bad.values()]
+    rows.append(dict(good, images=[Image.new("LA", (56, 56), (200, 255))]))  # grey + alpha: converts to RGB
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.sft_dataset"):
+        samples = build_sft_samples(rows, tok, output_key="output", image_key="images", max_images_per_prompt=1,
+                                    images=images)
+    assert len(samples) == 2  # rows 0 and 5
+    text = caplog.text
+    assert "SFT row 1 (images): unusable image: image file is truncated" in text
+    assert "SFT row 2 (images): unusable image: cannot identify image file" in text
+    assert "SFT row 3 (images): unusable image: an image of size (0, 0) has no pixels" in text
+    assert "SFT row 4 (images) has 2 images > data.max_images_per_prompt=1" in text
+    assert "dropped 4 of 6 SFT rows with unusable images (row ids [1, 2, 3, 4])" in text
+    with pytest.raises(ValueError, match="4 dropped for their images, the first: SFT row 0 .images.: unusable image: "
+                                         "image file is truncated"):
+        build_sft_samples(rows[1:5], tok, output_key="output", image_key="images", max_images_per_prompt=1,
+                          images=images)
