@@ -48,11 +48,11 @@ def train_and_sync_sides(rank, world_size, port, out, tokens, export_dir):
     optimized = [p for group in w.optimizer.param_groups for p in group["params"]]
     trainable = sorted(n for n, p in w.model.named_parameters() if p.requires_grad)
     w.export_hf(export_dir, dtype="fp32", merged=True)
+    sums = w.sync_probe_sums("float32")  # collective
     if rank == 0:
         torch.save({"before": before, "after": after, "buckets": buckets, "config": w.adapter_config(),
                     "probe_before": probe_before, "probe_after": probe_after, "num_optimized": len(optimized),
-                    "trainable": trainable, "shapes": adapted_shapes(w.model), "sync_probe_sums":
-                    w.sync_probe_sums("float32")}, out)
+                    "trainable": trainable, "shapes": adapted_shapes(w.model), "sync_probe_sums": sums}, out)
     w.shutdown()
 
 
