@@ -10,7 +10,10 @@ A row is SHAPE:AC[:VARIANT[:SEQUENCES]] (SEQUENCES per GPU per step, default --m
 (selective, AutoModel only); VARIANT hf (default), am (NeMo AutoModel backend), with +compile (torch.compile per
 decoder block), +packed (one packed stream per micro-batch), +ep2 (AutoModel experts sharded over 2 ranks), +logits
 (full logits then chunked log-probs instead of the fused chunked lm_head + log-prob head), +mw (model.master_weights=
-optimizer: bf16 params and grads in FSDP2, fp32 masters and moments in the optimizer; without it fp32 params in FSDP2).
+optimizer: bf16 params and grads in FSDP2, fp32 masters and moments in the optimizer; without it fp32 params in FSDP2),
++lora (a PEFT LoRA adapter of rank --lora-rank on the family's default modules, docs/lora.md: every decoder linear of
+a dense model, the attention of an MoE; the base frozen). MFU counts 6 x N x T over the whole model in every row,
+LoRA included (prime-rl's convention: the throughput as if every weight were trained).
 
 `--shapes tiny` runs a 2-layer model on CPU/gloo (smoke check of this script). Weak scaling: every rank gets the
 same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency = tok/s(N) / (N · tok/s(1)).
@@ -143,9 +146,11 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
                       compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
                       master_weights="optimizer" if "mw" in flags else "fsdp",
                       peak_tflops=peak or None, config_overrides=overrides, fused_head="logits" not in flags,
-                      timeout_s=300)
+                      timeout_s=300, lora=dict(rank=args.lora_rank, alpha=2.0 * args.lora_rank, dropout=0.0,
+                                               init="default", target_modules=None) if "lora" in flags else None)
     build_s = time.perf_counter() - t
     n_params = sum(p.numel() for p in w.model.parameters())  # DTensor numel = global numel
+    n_trained = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
     obj = ActorObjective(PolicyLoss("ppo"))
     data = samples(args.mbs, args.seq, w.model.config.vocab_size, seed=rank)
     runs = []
@@ -179,6 +184,7 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
         rec[f"gather_{dev}_s"] = time.perf_counter() - t
         rec[f"gather_{dev}_gb"] = nbytes / 1e9
     rec.update(model=name, ac=ac, variant=variant, world=world, params_b=n_params / 1e9, build_s=build_s,
+               trained_params_b=n_trained / 1e9,
                tokens_per_gpu_step=args.mbs * args.seq, mb_tokens=args.mb_tokens, peak_tflops=peak)
     del w, obj
     gc.collect()
@@ -204,6 +210,7 @@ def main():
     ap.add_argument("--profile", default="",
                     help="SHAPE:AC:VARIANT rows, '|'-separated, whose extra step is profiled (torch profiler tables)")
     ap.add_argument("--gather", type=int, default=1, help="time the weight-sync send side's full gathers")
+    ap.add_argument("--lora-rank", type=int, default=16, help="rank of the +lora rows' adapter")
     args = ap.parse_args()
     base_mbs, base_mb_tokens = args.mbs, args.mb_tokens
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
