@@ -8,6 +8,7 @@ a run resumed in new processes from a checkpoint equals the uninterrupted one.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def sides(tmp_path_factory):
 def engine():
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     handle = ray.remote(VLLMEngine).options(max_concurrency=8, num_cpus=0).remote(
-        resolve_model_path("tiny://qwen3_tiny"), dtype="float32", enforce_eager=True, max_model_len=256,
+        resolve_model_path("tiny://qwen3_tiny"), dtype="float32", enforce_eager=True, max_model_len=2048,
         kv_cache_gb=1, lora_rank=jobs.SPEC["rank"])
     ray.get(handle.start.remote(), timeout=600)
     yield handle
@@ -93,6 +94,38 @@ def test_a_sync_carries_the_adapter_alone_and_the_engine_then_computes_as_the_tr
     request = GenerationRequest("lora-test", TOKENS[:8], Sampling(max_tokens=6, temperature=1.0, seed=3))
     (generation,) = ray.get(engine.generate.remote(request), timeout=120)
     assert generation.versions == [1] * len(generation.token_ids) and generation.token_ids
+
+
+def test_a_request_in_flight_across_a_sync_finishes_under_its_own_adapter(sides, engine):
+    """Partial rollout's case: a sync lands while a long request generates. vLLM keeps the request's adapter, so every
+    token of it is sampled by the adapter it started under, and carries that version: its log-probs equal that
+    adapter's scores of the same sequence, not the new one's."""
+    s, _ = sides
+    trained = s["buckets"]
+    flipped = [[(n, -t if ".lora_B." in n else t) for n, t in bucket] for bucket in trained]  # another adapter
+
+    def sync(buckets, version):
+        asyncio.run(WeightSync([engine], AdapterTransport(s["config"]), version=version - 1).sync(buckets, version))
+
+    sync(trained, 10)
+    request = GenerationRequest("in-flight", TOKENS[:8], Sampling(max_tokens=1500, temperature=1.0, seed=5,
+                                                                  ignore_eos=True))
+    running = engine.generate.remote(request)
+    time.sleep(0.3)  # the request reaches the engine first (its version says so below)
+    sync(flipped, 11)
+    _, pending = ray.wait([running], timeout=0)
+    assert pending, "the request finished before the sync: nothing was in flight"
+    (generation,) = ray.get(running, timeout=600)
+    assert generation.versions == [10] * 1500
+    # every sampled token against each adapter's scores of the whole sequence (the first one is left out: it comes from
+    # the 8-token prefill, whose fp32 sums run in another order than the 1508-token one's)
+    sequence = TOKENS[:8] + generation.token_ids
+    under_new = ray.get(engine.score.remote(sequence), timeout=120)[9:]
+    sync(trained, 12)
+    under_old = ray.get(engine.score.remote(sequence), timeout=120)[9:]
+    sampled = generation.logprobs[1:]
+    assert max(abs(a - b) for a, b in zip(sampled, under_old)) < 1e-3
+    assert sum(abs(a - b) for a, b in zip(sampled, under_new)) / len(sampled) > 1e-2
 
 
 def test_export_reloads_as_a_peft_adapter_and_as_a_merged_model(sides):
