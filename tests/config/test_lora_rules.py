@@ -84,3 +84,16 @@ def test_gpu_recipes_take_a_rank_override(recipe):
 def test_moe_tiny_shape_has_experts():
     """The MoE rules read the experts from the tiny shape table (what `_model_fields` sees)."""
     assert "num_experts" in TINY_MODELS["qwen3_moe_tiny"]
+
+
+def test_rank_above_vllms_largest_is_refused_on_a_wide_model():
+    assert_fires(["model.path=tiny://qwen3_4b_shape", "cluster=local_gpus", "model.lora.rank=1024"],
+                 "model.lora.rank", "above the largest rank vLLM's LoRA layers serve (512)")
+
+
+def test_a_family_without_defaults_needs_target_modules(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "hidden_size": 64}')
+    assert_fires([*LORA, f"model.path={tmp_path}"], "model.lora.target_modules",
+                 "model family 'gpt2' has no default LoRA targets")
+    lines = config_errors([*LORA, f"model.path={tmp_path}", "model.lora.target_modules=[c_attn]"])
+    assert not [x for x in lines if x.startswith("model.lora.")]
