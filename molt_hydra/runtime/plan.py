@@ -76,9 +76,10 @@ class ModelShape:
             mlp_total = mlp_active = 3 * h * c["intermediate_size"]
         embed = V * h * (1 if c.get("tie_word_embeddings", False) else 2)
         vision = c.get("vision_params", 0)
-        linears = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
-                   **({} if experts else {"gate_proj": (h, c["intermediate_size"]), "up_proj": (h, c["intermediate_size"]),
-                                          "down_proj": (c["intermediate_size"], h)}), "lm_head": (h, V)}
+        ffn = c.get("intermediate_size", 0)
+        linears = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
+                   "o_proj": (heads * hd, h), "lm_head": (h, V),
+                   **({} if experts else {"gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)})}
         return cls(
             params=L * (attn + mlp_total) + embed + vision,
             active_params=L * (attn + mlp_active) + embed + vision,

@@ -25,7 +25,8 @@ def test_lora_on_the_colocated_gpu_loop(tmp_path):
                  "train.optimizer.lr=2e-3")
     assert len(m) == 6
     assert {r["train/weight_sync/bytes"] for r in m.values()} == {float(adapter_bytes())}
-    probed = [r["train/weight_sync/probe_logprob_gap"] for r in m.values() if "train/weight_sync/probe_logprob_gap" in r]
+    gap = "train/weight_sync/probe_logprob_gap"
+    probed = [r[gap] for r in m.values() if gap in r]
     assert probed and max(probed) < 5e-2  # LOGPROB_FLOOR["bfloat16"]: the run would have stopped above it
     assert all(abs(r["train/vllm_kl"]) < 1e-2 for r in m.values())
     # asleep at level 1 while the trainer steps: the weights go to host memory and come back (engine/wake_weights_s)
