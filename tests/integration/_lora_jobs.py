@@ -83,3 +83,23 @@ def ckpt_resumed(rank, world_size, port, root, samples_file, out):
     if rank == 0:
         torch.save({"metrics": m2, "model": msd, "optim": osd}, out)
     w.shutdown()
+
+
+def dropout_logprobs(rank, world_size, port, out):
+    """model.lora.dropout=0.5: the log-prob recomputes run without dropout (two calls agree; they equal the same
+    adapter's at dropout 0), while training keeps it (the model is back in train mode after each)."""
+    import _trainer_jobs as jobs
+
+    samples = jobs.make_samples(4)
+    w = lora_worker(rank, world_size, port, lora={**SPEC, "dropout": 0.5})
+    w.train_step(jobs.with_old_logprobs(w, jobs.make_samples(4)), jobs.ppo_objective())  # B != 0 from here
+    first, second = w.compute_logprobs(samples), w.compute_logprobs(samples)
+    training = w.model.training
+    for module in w.model.modules():  # the same adapter with its dropout removed
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    w.model.train()
+    plain = w.compute_logprobs(samples)
+    if rank == 0:
+        torch.save({"first": list(first), "second": list(second), "plain": list(plain), "training": training}, out)
+    w.shutdown()

@@ -163,3 +163,11 @@ def test_resume_in_new_processes_equals_the_uninterrupted_run(tmp_path):
     for name, st in a["optim"]["state"].items():
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(b["optim"]["state"][name][k], st[k]), (name, k)
+
+
+def test_lora_dropout_stays_out_of_the_log_prob_recomputes(tmp_path):
+    run_ranks(jobs.dropout_logprobs, 1, tmp_path / "d.pt", timeout_s=300)
+    d = torch.load(tmp_path / "d.pt", weights_only=False)
+    assert d["training"] is True
+    for a, b, plain in zip(d["first"], d["second"], d["plain"]):
+        assert torch.equal(a, b) and torch.equal(a, plain)
