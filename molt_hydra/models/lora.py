@@ -1,5 +1,5 @@
 """LoRA adapters (model.lora): PEFT's LoRA layers injected into the HF trainer model, the base frozen; the adapter's
-names as PEFT saves them (what vLLM's LoRA loader reads), its size from the definition, and the merge for export.
+names as PEFT saves them (what vLLM's LoRA loader reads), PEFT's directory format, and the merge for export.
 
 The adapter is injected in place (`peft.inject_adapter_in_model`), not wrapped in a `PeftModel`: the trainer keeps
 the HF model object it has (config, decoder layers, lm_head, gradient checkpointing), and each adapted Linear becomes
@@ -81,21 +81,10 @@ def add_adapter(model: nn.Module, spec: dict) -> nn.Module:
     return model
 
 
-def adapter_numel(shapes: dict[str, tuple[int, int]], rank: int) -> int:
-    """Elements of an adapter on modules of (in_features, out_features) `shapes`: rank x (in + out) each."""
-    return sum(rank * (i + o) for i, o in shapes.values())
-
-
-def adapted_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """{module name: (in_features, out_features)} of every adapted Linear (its base layer's shape)."""
-    return {name: (m.base_layer.in_features, m.base_layer.out_features) for name, m in model.named_modules()
-            if hasattr(m, "base_layer") and hasattr(m, "lora_A") and isinstance(m.base_layer, nn.Linear)}
-
-
 def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """A full state dict of the adapted model -> the base's HF state dict with W + scale * B @ A in each adapted
     weight (PEFT's merge for plain LoRA), computed in fp32. An adapted tied lm_head comes out as a weight of its own
-    (the merged model's config must untie it: `unties_head`)."""
+    (the merged model's config must untie it)."""
     out = {}
     for name, t in state.items():
         if is_adapter_param(name):
@@ -128,7 +117,3 @@ def adapter_config(spec: dict, base_path: str | None) -> dict:
     d = peft_config(spec, base_path).to_dict()
     return json.loads(json.dumps(d, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
-
-def unties_head(spec: dict) -> bool:
-    """Whether the merged model has an lm_head apart from the embedding (an adapted lm_head)."""
-    return "lm_head" in spec["target_modules"]

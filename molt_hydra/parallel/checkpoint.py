@@ -179,7 +179,7 @@ def export_adapter(out_dir: str | os.PathLike, model, spec: dict, *, tokenizer_p
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
         if merged:
             config = copy.deepcopy(model.config)
-            if lora.unties_head(spec):  # the adapted head is no longer the embedding
+            if "lm_head" in spec["target_modules"]:  # the adapted head is no longer the embedding
                 config.tie_word_embeddings = False
             _write_hf(tmp / "merged", lora.merged_state(sd, spec["alpha"] / spec["rank"]), config, dtype,
                       tokenizer_path, "5GB")

@@ -29,12 +29,16 @@ def base_state(w) -> dict:
     return {n: t.clone() for n, t in state.items() if not is_adapter_param(n)}
 
 
+def adapted_shapes(model) -> dict[str, tuple[int, int]]:
+    """{module name: (in_features, out_features)} of every module PEFT wrapped (its base layer's shape)."""
+    return {name: (m.base_layer.in_features, m.base_layer.out_features) for name, m in model.named_modules()
+            if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
+
+
 def train_and_sync_sides(rank, world_size, port, out, tokens, export_dir):
     """Two PPO steps on the adapter; before and after: the base, the probe's log-probs; the adapter as the sync
     sends it (trainer.weight_buckets, in the engine's fp32) and its export (PEFT dir + merged model)."""
     import _trainer_jobs as jobs
-
-    from molt_hydra.models.lora import adapted_shapes
 
     w = lora_worker(rank, world_size, port)
     before = base_state(w)
