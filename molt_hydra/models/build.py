@@ -65,8 +65,11 @@ class CriticModel(nn.Module):
 
 def backend_options(cfg) -> dict:
     """TrainerWorker kwargs for the model backend from a validated RunConfig (RL roles and the SFT job alike)."""
-    m, p = cfg.model, cfg.parallelism
-    return dict(backend=m.backend.value, packing=p.packing, share_prompts=p.share_prompts,
+    m, p, lo = cfg.model, cfg.parallelism, cfg.model.lora
+    lora = None if lo.rank is None else dict(  # models/lora.py; target_modules None: the family's default
+        rank=lo.rank, alpha=lo.alpha or 2.0 * lo.rank, dropout=lo.dropout, init=lo.init.value,
+        target_modules=list(lo.target_modules) if lo.target_modules else None)
+    return dict(backend=m.backend.value, lora=lora, packing=p.packing, share_prompts=p.share_prompts,
                 compile_blocks=m.compile_blocks,
                 master_weights=m.master_weights.value,
                 gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,

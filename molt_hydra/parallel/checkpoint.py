@@ -150,31 +150,67 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
               dtype: torch.dtype = torch.bfloat16, max_shard_size: str = "5GB", to_hf=None) -> Path | None:
     """Collective. Rank 0 writes safetensors + config (+ tokenizer) to out_dir via a temp dir; returns out_dir there.
     to_hf: (name, tensor) -> [(hf_name, tensor), ...] for models whose own names are not the checkpoint's."""
-    from huggingface_hub import save_torch_state_dict
-
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if to_hf is not None:
         sd = dict(pair for name, t in sd.items() for pair in to_hf(name, t))
     out = Path(out_dir)
     if _rank() == 0:
-        config = copy.deepcopy(model.config)
-        if getattr(config, "tie_word_embeddings", False):
-            sd.pop("lm_head.weight", None)
+        _write_hf(out, sd, model.config, dtype, tokenizer_path, max_shard_size)
+    _barrier()
+    return out if _rank() == 0 else None
+
+
+def export_adapter(out_dir: str | os.PathLike, model, spec: dict, *, tokenizer_path: str | None = None,
+                   dtype: torch.dtype = torch.bfloat16, merged: bool = False) -> Path | None:
+    """Collective. LoRA (models/lora.py): rank 0 writes the adapter in PEFT's format to out_dir (+ the tokenizer),
+    and with `merged` the base with the adapter merged in (W + alpha / rank * B @ A) as a full HF model under
+    out_dir/merged. Returns out_dir on rank 0."""
+    from molt_hydra.models import lora
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = Path(out_dir)
+    if _rank() == 0:
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in sd.items()}, tmp, max_shard_size=max_shard_size)
-        config.dtype = dtype
-        config.use_cache = True
-        config.save_pretrained(tmp)
+        adapter = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
+        lora.save_adapter(tmp, adapter, spec, tokenizer_path)
         if tokenizer_path is not None and any(Path(tokenizer_path).glob("tokenizer*")):
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
-            for name in ("preprocessor_config.json", "processor_config.json"):  # a VLM's (image) processor
-                if (Path(tokenizer_path) / name).is_file():
-                    shutil.copy(Path(tokenizer_path) / name, tmp)
+        if merged:
+            config = copy.deepcopy(model.config)
+            if "lm_head" in spec["target_modules"]:  # the adapted head is no longer the embedding
+                config.tie_word_embeddings = False
+            _write_hf(tmp / "merged", lora.merged_state(sd, spec["alpha"] / spec["rank"]), config, dtype,
+                      tokenizer_path, "5GB")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     _barrier()
     return out if _rank() == 0 else None
+
+
+def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_path: str | None,
+              max_shard_size: str) -> None:
+    """An HF model directory at `out` (through a temp dir beside it): safetensors in `dtype`, config, tokenizer."""
+    from huggingface_hub import save_torch_state_dict
+
+    config = copy.deepcopy(model_config)
+    if getattr(config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in sd.items()}, tmp, max_shard_size=max_shard_size)
+    config.dtype = dtype
+    config.use_cache = True
+    config.save_pretrained(tmp)
+    if tokenizer_path is not None and any(Path(tokenizer_path).glob("tokenizer*")):
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
+        for name in ("preprocessor_config.json", "processor_config.json"):  # a VLM's (image) processor
+            if (Path(tokenizer_path) / name).is_file():
+                shutil.copy(Path(tokenizer_path) / name, tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)

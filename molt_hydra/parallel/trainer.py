@@ -75,7 +75,7 @@ class TrainerWorker:
                  automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp",
                  cpu_threads: int | None = None, node_ranks: int | None = None, share_prompts: bool = False,
                  muon: dict | None = None, debug_grad_norms: tuple | None = None, full_determinism: bool = False,
-                 defer_grad_sync: bool = False, moe_experts_impl: str = "auto"):
+                 defer_grad_sync: bool = False, moe_experts_impl: str = "auto", lora: dict | None = None):
         self.rank, self.world_size, self.role = rank, world_size, role
         if full_determinism:  # train.full_determinism, as Molt: transformers' seeds + deterministic kernels
             from transformers import enable_full_determinism
@@ -112,6 +112,10 @@ class TrainerWorker:
         torch.manual_seed(seed)  # same init (e.g. value head) on every rank
         self.model_path = resolve_path(model_path)
         self.moe_experts_impl = None  # HF MoE models: "grouped" | "loop" (models/moe_experts.py)
+        # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
+        self.lora = lora if role == "actor" else None
+        if lora and (role == "critic" or self.backend != "hf"):
+            raise ValueError("model.lora: the adapter is wired for the actor on the HF backend (model.backend=hf)")
         if self.backend == "automodel":
             from molt_hydra.models.automodel import build_automodel
             self.mesh = None
@@ -134,6 +138,8 @@ class TrainerWorker:
                                 config_overrides=config_overrides,
                                 init_device=self.device if random_init else "cpu",
                                 value_head_init_std=value_head_init_std)
+            if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
+                model = self._add_adapter(model)
             # MoE (models/moe_routing.py): gate precision, R3 replay, routing statistics, frozen routers, and the
             # load-balancing loss counted on the experts used; HF's own (router logits' top-k) for other MoE models
             routers = moe_routing.install(model, gate_precision, replay=routing_replay)
@@ -203,6 +209,16 @@ class TrainerWorker:
             if not self.defer_grad_sync:
                 raise ValueError("parallelism.defer_grad_sync: this trainer is not sharded with FSDP2 (one rank, "
                                  "params in the compute dtype), so there is no reduce-scatter to defer; unset it")
+
+    def _add_adapter(self, model):
+        from molt_hydra.models import lora
+
+        targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
+        if targets is None:
+            raise ValueError(f"model.lora.target_modules: model family {model.config.model_type!r} has no default "
+                             "targets; set them (e.g. [q_proj,v_proj])")
+        self.lora = {**self.lora, "target_modules": targets}
+        return lora.add_adapter(model, self.lora)
 
     # ---------------------------------------------------------------- CPU threads
     def engines_busy(self, busy: bool, hint: int) -> None:
@@ -326,7 +342,17 @@ class TrainerWorker:
     @torch.no_grad()
     def compute_logprobs(self, samples: list[dict], with_entropy: bool = False, mask_key: str | None = None) -> list:
         """Per-sample token-aligned log-probs at the temperature (critic: values), fp32 on CPU; collective over DP.
-        `mask_key`: only the tokens where the samples' mask of that name is set are needed (0 elsewhere)."""
+        `mask_key`: only the tokens where the samples' mask of that name is set are needed (0 elsewhere). LoRA
+        dropout is off here: these are the policy's log-probs, which the engine samples from without dropout."""
+        if not (self.lora and self.lora["dropout"] > 0):
+            return self._compute_logprobs(samples, with_entropy, mask_key)
+        self.model.eval()
+        try:
+            return self._compute_logprobs(samples, with_entropy, mask_key)
+        finally:
+            self.model.train()
+
+    def _compute_logprobs(self, samples: list[dict], with_entropy: bool, mask_key: str | None) -> list:
         if not samples:
             raise ValueError("compute_logprobs got no samples on this rank")
         out: list = [None] * len(samples)
@@ -499,6 +525,10 @@ class TrainerWorker:
     # ---------------------------------------------------------------- weights & checkpoints
     def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, device="cpu"):
         """Generator: every rank iterates, rank 0 receives lists of (hf_name, full tensor)."""
+        if self.lora:  # the adapter alone, under PEFT's names (what vLLM's LoRA loader reads)
+            from molt_hydra.models.lora import is_adapter_param, peft_name
+            return iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=lambda n, t: [(peft_name(n), t)],
+                                       keep=is_adapter_param)
         buckets = iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf())
         if not self.frozen_names:
             return buckets
@@ -507,7 +537,7 @@ class TrainerWorker:
 
     def local_weights(self):
         """The single-pass GPU weight sync's tensors: views of this rank's own full parameters on its GPU, or None."""
-        weights = local_full_weights(self.model, to_hf=self._to_hf())
+        weights = None if self.lora else local_full_weights(self.model, to_hf=self._to_hf())
         if weights is None or not all(t.is_cuda for _, t in weights):
             return None  # a gather or a copy is needed, or the parameters are offloaded: the bucketed path
         return [(n, t) for n, t in weights if n not in self.frozen_names]  # frozen routers stay out (weight_buckets)
@@ -534,10 +564,21 @@ class TrainerWorker:
             self.global_step = int(cs.get("global_step", 0))
         return cs
 
-    def export_hf(self, out_dir: str, dtype: str = "bf16") -> str | None:
+    def adapter_config(self) -> dict:
+        """adapter_config.json of this actor's adapter (PEFT's format; what the engines' LoRA loader validates)."""
+        from molt_hydra.models.lora import adapter_config
+        return adapter_config(self.lora, self.model_path)
+
+    def export_hf(self, out_dir: str, dtype: str = "bf16", merged: bool = False) -> str | None:
+        """The final / best / per-checkpoint HF export. LoRA: the adapter in PEFT's format in `out_dir`, and with
+        `merged` (checkpoint.export_merged) the base with the adapter merged in, a full HF model in out_dir/merged."""
         if self.role == "critic":
             raise ValueError("export_hf exports causal LMs; the critic has no lm_head")
         from molt_hydra.parallel.fsdp import DTYPES
+        if self.lora:
+            out = ckpt.export_adapter(out_dir, self.model, self.lora, tokenizer_path=self.model_path,
+                                      dtype=DTYPES[dtype], merged=merged)
+            return str(out) if out else None
         out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype],
                              to_hf=self._to_hf())
         return str(out) if out else None

@@ -19,16 +19,18 @@ from molt_hydra.rollout.buckets import bucket_weights
 
 
 def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu", to_hf=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                        device: str | torch.device = "cpu", to_hf=None,
+                       keep=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (hf_name, full tensor on `device`, cast to `dtype` if given), each ≤ bucket_bytes unless a
     single tensor is larger. A tied lm_head is skipped (the receiver re-ties it to the embedding). to_hf maps a
-    model's own (name, full tensor) to [(hf_name, tensor), ...] (AutoModel's grouped experts -> one per expert)."""
+    model's own (name, full tensor) to [(hf_name, tensor), ...] (AutoModel's grouped experts -> one per expert).
+    keep: a predicate on the model's own names; only those tensors are gathered (a LoRA adapter's)."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
     def full_tensors():
         for name, t in model.state_dict().items():
-            if tied and name == "lm_head.weight":
+            if tied and name == "lm_head.weight" or keep is not None and not keep(name):
                 continue
             full = t.full_tensor() if isinstance(t, DTensor) else t  # a collective: every rank runs it
             if rank0:

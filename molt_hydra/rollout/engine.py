@@ -26,6 +26,9 @@ from molt_hydra.rollout.generation import Generation, GenerationRequest
 log = logging.getLogger(__name__)
 WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtension"
 DEATH_POLL_S = 0.5  # how often a weight-sync call checks that the engine core is still alive
+# LoRA: adapter versions an engine keeps loadable (in vLLM's CPU-side cache and as directories): the current one, and
+# the older ones in-flight requests may still run under (partial rollout); GPU slots: the current and one older
+ADAPTERS_KEPT, ADAPTER_SLOTS = 3, 2
 
 
 class VLLMEngine(BatchedCallee):
@@ -54,6 +57,7 @@ class VLLMEngine(BatchedCallee):
         extra_engine_args: dict[str, Any] | None = None,
         engine_index: int = 0,
         sleep_level: int | None = None,  # colocated: 2 on GPU (weights and KV freed), 0 on CPU (paused); None: never
+        lora_rank: int | None = None,  # model.lora.rank: serve the trainer's adapter (its syncs bring only it)
     ) -> None:
         if kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
@@ -90,6 +94,12 @@ class VLLMEngine(BatchedCallee):
         self._plain_weights = False  # set in start(): the workers load in place, with no reload to finalize
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
+        # LoRA: requests run under `lora_request` (None before the first sync: the base, which the adapter's B = 0
+        # init equals); a sync stages the adapter's directory, `finish_weight_update` loads it as the new version
+        self.lora_rank = lora_rank
+        self.lora_request = None
+        self._adapters: list = []  # LoRARequests kept loadable, oldest first
+        self._adapter_root: str | None = None
 
     async def start(self) -> int:
         """Build the engine (idempotent); returns the engine index once ready."""
@@ -111,6 +121,10 @@ class VLLMEngine(BatchedCallee):
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.platforms import current_platform
                 from vllm.v1.engine.async_llm import AsyncLLM
+
+                if self.lora_rank:
+                    kwargs.update(enable_lora=True, max_lora_rank=vllm_compat.lora_rank_slot(self.lora_rank),
+                                  max_loras=ADAPTER_SLOTS, max_cpu_loras=ADAPTERS_KEPT)
 
                 self.vllm_version = vllm_compat.check_installed("cpu" if current_platform.is_cpu() else "cuda")
 
@@ -240,8 +254,11 @@ class VLLMEngine(BatchedCallee):
         if request.images:
             prompt["multi_modal_data"] = {"image": request.images}
         finished, generated, started_at = False, 0, self.version
+        # LoRA: the whole completion runs under the adapter current now, also across a sync (vLLM keeps a request's
+        # adapter); its tokens carry that adapter's version, not the one loaded when each was sampled
+        lora = self.lora_request
         request_id = f"{request.session_id}-{uuid.uuid4().hex}"
-        async for out in self._engine().generate(prompt, params, request_id=request_id):
+        async for out in self._engine().generate(prompt, params, request_id=request_id, lora_request=lora):
             for c in out.outputs:
                 if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
                     raise RuntimeError(f"engine {self.engine_index}: logprobs missing or misaligned for a delta")
@@ -251,11 +268,12 @@ class VLLMEngine(BatchedCallee):
                            for lp in c.logprobs]
                 finished |= c.finish_reason is not None
                 generated += len(c.token_ids)
-                spans = self._version_spans(c, generated, started_at) if c.finish_reason is not None else None
+                spans = None if c.finish_reason is None else [(started_at, 0, generated)] if self.lora_rank else \
+                    self._version_spans(c, generated, started_at)
                 if kind == RequestOutputKind.FINAL_ONLY:
                     versions = [v for v, start, end in spans for _ in range(start, end)]
                 else:  # a delta before the finished output: the version loaded now (the spans then correct it)
-                    versions = [self.version] * len(c.token_ids)
+                    versions = [started_at if self.lora_rank else self.version] * len(c.token_ids)
                 routed = c.routed_experts
                 if self._cpu_routing and c.finish_reason is not None:
                     # every computed position: the prompt and all generated tokens but the last (one worker on CPU)
@@ -323,7 +341,45 @@ class VLLMEngine(BatchedCallee):
         if self.asleep and self.sleep_level:
             await self._wake(["weights"])
         await self.pause()
+        if self.lora_rank:  # the base stays as loaded: only an adapter arrives (`stage_adapter`)
+            return []
         return await self.worker_call("begin_layerwise_reload")
+
+    async def stage_adapter(self, blob: bytes, config: dict) -> int:
+        """LoRA: this sync's adapter (safetensors bytes under PEFT's names, in the engine dtype, and its
+        adapter_config.json) as a PEFT directory on this host, loaded by `finish_weight_update`; returns its bytes."""
+        import json
+        import tempfile
+
+        if self._adapter_root is None:  # /dev/shm: the adapter is written and read back in memory
+            self._adapter_root = tempfile.mkdtemp(prefix=f"molt_lora_engine{self.engine_index}_",
+                                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        staging = os.path.join(self._adapter_root, "staging")
+        os.makedirs(staging, exist_ok=True)
+        with open(os.path.join(staging, "adapter_model.safetensors"), "wb") as f:
+            f.write(blob)
+        with open(os.path.join(staging, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        return len(blob)
+
+    async def _load_staged_adapter(self, version: int):
+        """The staged adapter as `LoRARequest` policy-v{version} (id version + 1: vLLM's ids start at 1), loaded into
+        vLLM's cache now (no request pays the load); the oldest beyond ADAPTERS_KEPT is dropped, its directory too."""
+        import shutil
+
+        from vllm.lora.request import LoRARequest
+
+        path = os.path.join(self._adapter_root, f"v{version}")
+        shutil.rmtree(path, ignore_errors=True)  # a version pushed again (a replaced engine's first sync)
+        os.replace(os.path.join(self._adapter_root, "staging"), path)
+        request = LoRARequest(f"policy-v{version}", version + 1, path)
+        await self._while_alive(self._engine().add_lora(request))
+        self._adapters = [a for a in self._adapters if a.lora_int_id != request.lora_int_id] + [request]
+        while len(self._adapters) > ADAPTERS_KEPT:
+            old = self._adapters.pop(0)
+            await self._while_alive(self._engine().remove_lora(old.lora_int_id))
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        return request
 
     # --- colocated with the trainer: asleep while it steps (vLLM sleep mode), woken by the next weight update ---
 
@@ -369,7 +425,8 @@ class VLLMEngine(BatchedCallee):
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         final = None
         async for out in self._engine().generate({"prompt_token_ids": list(token_ids)}, params,
-                                                 request_id=f"sync-probe-{uuid.uuid4().hex}"):
+                                                 request_id=f"sync-probe-{uuid.uuid4().hex}",
+                                                 lora_request=self.lora_request):
             final = out
         return [0.0] + [lp[t].logprob for t, lp in zip(token_ids[1:], final.prompt_logprobs[1:])]
 
@@ -387,7 +444,15 @@ class VLLMEngine(BatchedCallee):
         `weights_mixed` (unhealthy, kept paused, the old version number). `check`: run the coverage check beside the
         resume (the names the trainer wrote in place count as pushed) and return each worker's missing names; None
         when not asked."""
-        finishing = [] if self._plain_weights else [self.worker_call("finish_layerwise_reload")]  # plain: nothing
+        # plain weights: nothing to finalize; LoRA: the base was not touched, the adapter loads before the resume
+        finishing = [] if self._plain_weights or self.lora_rank else [self.worker_call("finish_layerwise_reload")]
+        adapter = self.lora_request
+        if self.lora_rank and version is not None:
+            try:
+                adapter = await self._load_staged_adapter(version)
+            except BaseException:
+                self.weights_mixed = True  # never generate under an adapter that is not the one this version names
+                raise
         if self.asleep and version is not None:  # colocated: the KV cache is mapped again before generation resumes
             finishing.append(self._wake(["kv_cache"] if self.sleep_level else ["scheduling"]))
         if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
@@ -408,7 +473,7 @@ class VLLMEngine(BatchedCallee):
         if version is None:  # a failed update may have written part of the weights: never generate from them
             self.weights_mixed = True
             return None
-        self.version = version
+        self.version, self.lora_request = version, adapter  # together: a request reads both at its start
         self.asleep = False
         checks = [self.worker_call("missing_weights", check)] if check is not None else []
         _, *missing = await asyncio.gather(self.resume(), *checks)  # the check reads names only: beside the resume
@@ -426,6 +491,10 @@ class VLLMEngine(BatchedCallee):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._adapter_root is not None:
+            import shutil
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+            self._adapter_root = None
 
 
 def join_deltas(deltas: list[Generation], engine_index: int = -1) -> Generation:

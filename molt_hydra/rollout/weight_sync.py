@@ -84,6 +84,32 @@ class ObjectStoreTransport:
         return _nbytes(bucket)
 
 
+class AdapterTransport:
+    """LoRA (model.lora): the adapter's tensors, under PEFT's names and in the engine dtype, gathered over the sync's
+    buckets into one safetensors blob that goes once through Ray's object store (one host or many: it is megabytes);
+    each engine stages it as a PEFT directory and loads it as the new version in `finish_weight_update`
+    (rollout/engine.py `stage_adapter`). Nothing of the base model moves."""
+
+    def __init__(self, config: dict):
+        self.config = config  # adapter_config.json, which vLLM's loader validates against its LoRA config
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.send = None  # (engines, call) of this sync, for `drain`
+
+    async def push(self, engines: list, bucket: Bucket, call) -> int:
+        self.tensors.update((name, t.contiguous()) for name, t in bucket)
+        self.send = (engines, call)
+        return _nbytes(bucket)
+
+    async def drain(self) -> None:
+        import ray
+        from safetensors.torch import save
+
+        engines, call = self.send
+        ref = ray.put(save(self.tensors))
+        self.tensors = {}
+        await asyncio.gather(*(call(e.stage_adapter.remote(ref, self.config)) for e in engines))
+
+
 class BroadcastGroup:
     """A torch process group of its own (NCCL on GPU, gloo on CPU) built from a TCPStore hosted by rank 0: no default
     group, no vLLM, so the trainer (already in its FSDP group) and every engine worker (already in vLLM's) can join it.
@@ -489,6 +515,8 @@ def resolve_transport(cfg) -> str:
     (config/validate.py refuses the GPU ones on CPU, and cuda_ipc unless trainer and engines share GPUs)."""
     on_gpu = cfg.cluster.device.value == "cuda"
     transport = cfg.rollout.weight_sync.transport.value
+    if cfg.model.lora.rank:  # the adapter goes through the object store (AdapterTransport): nothing to open
+        return "object_store"
     if transport == "auto":
         transport = choose_transport(on_gpu=on_gpu, colocated=cfg.parallelism.colocate,
                                      same_host=cfg.cluster.nodes == 1).value
@@ -510,12 +538,21 @@ async def setup_weight_sync(cfg, actor, engines: list) -> str:
 def push_from_rank(worker, engines: list, transport: str, version: int, *, bucket_bytes: int, check_coverage: bool,
                    timeout_s: float, dtype: str) -> dict:
     """One sync, run on every trainer rank (`worker`: a TrainerWorker): all ranks drive the gathers (FSDP
-    collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. Metrics from rank 0; their
+    collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. A LoRA actor pushes its
+    adapter alone, whatever the placement's transport (`AdapterTransport`). Metrics from rank 0; their
     `weight_sync/single_pass` says which CUDA IPC path ran (1: straight from the rank's own parameters), and
     `weight_sync/in_place` whether shm wrote into the engines' parameters (1) or went through their loaders."""
     wire = getattr(torch, dtype)
-    carrier = single_pass_transport(worker, transport, wire)
-    if carrier is not None:  # one rank holds every weight whole: the engines load from it, mapped once per token
+    lora = getattr(worker, "lora", None)
+    carrier = None if lora else single_pass_transport(worker, transport, wire)
+    if lora:  # the adapter alone (trainer.weight_buckets), cast on the trainer's device
+        buckets = worker.weight_buckets(bucket_bytes, wire, "cpu")
+        if worker.rank != 0:
+            for _ in buckets:  # take part in the gathers
+                pass
+            return {}
+        carrier = AdapterTransport(worker.adapter_config())
+    elif carrier is not None:  # one rank holds every weight whole: the engines load from it, mapped once per token
         buckets = [carrier.tensors]
     else:
         # shm packs into its region: it casts while packing too, instead of casting into a copy and then packing it

@@ -250,7 +250,7 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
     export = None
     if cfg.checkpoint.export_final:
         (export, *_) = await calls.ranks(roles.actor, "export_hf", cfg.checkpoint.export_dir,
-                                         DTYPE_NAMES[cfg.model.param_dtype.value])
+                                         DTYPE_NAMES[cfg.model.param_dtype.value], merged=cfg.checkpoint.export_merged)
     log.progress.summary(_summary(cfg, roles, log, ctl, export))
     return 0
 

@@ -49,6 +49,16 @@ class ModelShape:
     vocab: int
     kv_bytes_per_token_per_byte: int  # 2 (K and V) x layers x kv_heads x head_dim: multiply by dtype bytes
     vision: bool = False  # a vision-language model (its trainer takes log-probs from full logits)
+    # (in, out) of each decoder block's linear modules a LoRA may adapt (models/lora.py), and of the lm_head
+    linears: dict = field(default_factory=dict)
+
+    def lora_params(self, rank: int, targets: list[str] | None) -> float:
+        """Parameters of a rank-`rank` adapter on `targets` (None: the family's default, here every listed linear
+        but the lm_head): rank x (in + out) per adapted module."""
+        per_layer = sum(i + o for name, (i, o) in self.linears.items()
+                        if name != "lm_head" and (targets is None or name in targets))
+        head = sum(self.linears.get("lm_head", (0, 0))) if targets and "lm_head" in targets else 0
+        return rank * (self.layers * per_layer + head)
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelShape":
@@ -66,10 +76,14 @@ class ModelShape:
             mlp_total = mlp_active = 3 * h * c["intermediate_size"]
         embed = V * h * (1 if c.get("tie_word_embeddings", False) else 2)
         vision = c.get("vision_params", 0)
+        ffn = c.get("intermediate_size", 0)
+        linears = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
+                   "o_proj": (heads * hd, h), "lm_head": (h, V),
+                   **({} if experts else {"gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)})}
         return cls(
             params=L * (attn + mlp_total) + embed + vision,
             active_params=L * (attn + mlp_active) + embed + vision,
-            layers=L, hidden=h, vocab=V, kv_bytes_per_token_per_byte=2 * L * kv * hd, vision=vlm,
+            layers=L, hidden=h, vocab=V, kv_bytes_per_token_per_byte=2 * L * kv * hd, vision=vlm, linears=linears,
         )
 
 
@@ -199,7 +213,9 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
     from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
 
     critic = cfg.job.value == "rl" and "values" in ADVANTAGE_ESTIMATORS[cfg.algorithm.estimator].needs
-    one = (weights + 8) * shape.params * (1 + critic) / 1e9
+    lora = cfg.model.lora
+    trained = shape.lora_params(lora.rank, lora.target_modules) if lora.rank else shape.params  # AdamW's moments
+    one = (weights * shape.params + 8 * trained) * (1 + critic) / 1e9
     at = Path(c.dir).absolute()
     while not at.exists():
         at = at.parent
@@ -214,7 +230,7 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
         line += " -- DOES NOT FIT: lower checkpoint.max_num or set checkpoint.max_disk_gb"
     plan.assumptions.append(line)
     if one > free and not cfg.dry_run:  # a dry run may plan for another machine's disk: it shows, a run refuses
-        raise ConfigError(f"- checkpoint.dir: one resumable checkpoint of this run is ~{one:.3g} GB ({weights + 8} "
+        raise ConfigError(f"- checkpoint.dir: one resumable checkpoint of this run is ~{one:.3g} GB ({weights} + 8 "
                           f"bytes per parameter: weights and AdamW state, {shape.params / 1e9:.3g} B parameters"
                           + (", actor and critic" if critic else "") + f"), but {at} has {free:.3g} GB free. "
                           "Fix: checkpoint.dir on a disk with room, or checkpoint.save_steps=0 (no resumable "
@@ -244,6 +260,10 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
                  "fp32 master weights": 4 * P / shard / GIB}
     else:
         state = {"weights fp32": 4 * P / shard / GIB, "grads fp32": 4 * P / shard / GIB}
+    lora = cfg.model.lora
+    trained = shape.lora_params(lora.rank, lora.target_modules) if lora.rank else P  # grads and moments: these only
+    if lora.rank:
+        state["grads fp32"] = 4 * trained / shard / GIB
     # the HF backend's text actor takes log-probs through the lm_head a chunk of tokens at a time (models/logprobs.py):
     # forward and backward hold ~3 fp32 [chunk x vocab] arrays and the fp32 lm_head grad, whatever the micro-batch
     fused_head = trainer_backend(cfg) == "hf" and not shape.vision
@@ -252,7 +272,7 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
               if fused_head else {"logits fp32": 4 * shape.vocab * tokens_per_rank / GIB})
     trainer = {
         **state,
-        "adamw moments": 0.0 if p.offload.value != "none" else 8 * P / shard / GIB,
+        "adamw moments": 0.0 if p.offload.value != "none" else 8 * trained / shard / GIB,
         "gathered layer": compute_bytes * (P - shape.vocab * shape.hidden) / shape.layers / GIB,
         "activations": act_per_token * tokens_per_rank / GIB,
         **logits,
@@ -277,7 +297,8 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
         plan.memory["rollout engine"] = {"weights": engine_weights, **({"kv cache": kv} if kv is not None else {})}
     kv_token = shape.kv_bytes_per_token_per_byte * engine_bytes / r.tensor_parallel_size
     plan.assumptions += [
-        f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers",
+        f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers"
+        + (f"; LoRA rank {lora.rank}: {trained / 1e6:,.2f} M trained (grads, AdamW moments)" if lora.rank else ""),
         f"trainer: {' + '.join(state)} + AdamW moments sharded over {shard} rank(s); {compute_bytes}-byte compute; "
         f"activation checkpointing {ac}; {tokens_per_rank} tokens per micro-batch per rank; "
         + ("log-probs through the lm_head, fp32 logits of a chunk of tokens at a time" if fused_head

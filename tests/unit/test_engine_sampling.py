@@ -16,7 +16,7 @@ class ParamsOnlyFront:
     def __init__(self):
         self.params = []
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, lora_request=None):
         self.params.append(params)
         return
         yield

@@ -129,10 +129,11 @@ def test_pack_casts_floats_to_the_wire_dtype_and_aligns_every_tensor():
 
 
 def test_transport_resolution_follows_placement():
-    def cfg(transport, device="cpu", colocate=False, nodes=1):
+    def cfg(transport, device="cpu", colocate=False, nodes=1, lora_rank=None):
         return types.SimpleNamespace(
             cluster=types.SimpleNamespace(device=types.SimpleNamespace(value=device), nodes=nodes),
             parallelism=types.SimpleNamespace(colocate=colocate),
+            model=types.SimpleNamespace(lora=types.SimpleNamespace(rank=lora_rank)),
             rollout=types.SimpleNamespace(weight_sync=types.SimpleNamespace(transport=types.SimpleNamespace(
                 value=transport))))
     assert resolve_transport(cfg("auto")) == "shm"
@@ -141,6 +142,9 @@ def test_transport_resolution_follows_placement():
     assert resolve_transport(cfg("auto", "cuda", colocate=True)) == "cuda_ipc"
     assert resolve_transport(cfg("auto", "cuda", nodes=2)) == "nccl"
     assert resolve_transport(cfg("nccl", "cuda")) == "nccl"
+    # LoRA: the adapter goes through the object store wherever the engines are (AdapterTransport)
+    assert resolve_transport(cfg("auto", "cuda", colocate=True, lora_rank=16)) == "object_store"
+    assert resolve_transport(cfg("auto", lora_rank=8)) == "object_store"
 
 
 @pytest.mark.parametrize("overrides,reason", [

