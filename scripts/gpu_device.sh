@@ -66,12 +66,18 @@ sync_tests() {  # the one-GPU weight-sync tests (CUDA IPC: bucketed, single pass
   echo "weight-sync tests rc=$?"
 }
 moe() {  # issue 38: 30B-A3B shape (8 layers) HF experts grouped / transformers' grouped_mm / loop + the GPU test;
-  # the tiny-moe row first warms the process up (CUDA context, cuBLAS, allocator) for the rows that are compared
-  CUDA_VISIBLE_DEVICES=0 timeout "${MOE_TIMEOUT:-260}" torchrun --standalone --nproc_per_node=1 --master-port=29510 \
-    bench/gpu_trainer.py --out "$OUT/bench_moe.json" --gather 0 \
-    --shapes "${MOE_SHAPES:-tiny-moe:0:hf+mw+grouped,30b-a3b-8l:0:hf+mw+tfexperts,30b-a3b-8l:0:hf+mw+grouped,30b-a3b-8l:0:hf+mw+loop}" \
-    --profile "${MOE_PROFILE:-30b-a3b-8l:0:hf+mw+tfexperts|30b-a3b-8l:0:hf+mw+grouped}" > "$OUT/bench_moe.log" 2>&1
-  echo "moe bench rc=$?"
+  # one process per compared row (2026-12-03: the second 30B row of one process found the first's 138 GiB still
+  # allocated and ran out of memory building its optimizer), each warmed up first by a tiny-moe row (CUDA context,
+  # cuBLAS, allocator)
+  local i=0 shape
+  : > "$OUT/bench_moe.log"
+  for shape in $(echo "${MOE_SHAPES:-30b-a3b-8l:0:hf+mw+tfexperts,30b-a3b-8l:0:hf+mw+grouped,30b-a3b-8l:0:hf+mw+loop}" | tr , ' '); do
+    i=$((i + 1))
+    CUDA_VISIBLE_DEVICES=0 timeout "${MOE_TIMEOUT:-150}" torchrun --standalone --nproc_per_node=1 --master-port=29510 \
+      bench/gpu_trainer.py --out "$OUT/bench_moe_$i.json" --gather 0 --shapes "tiny-moe:0:hf+mw+grouped,$shape" \
+      --profile "${MOE_PROFILE:-30b-a3b-8l:0:hf+mw+tfexperts|30b-a3b-8l:0:hf+mw+grouped}" >> "$OUT/bench_moe.log" 2>&1
+    echo "moe bench $shape rc=$?"
+  done
   CUDA_VISIBLE_DEVICES=0 timeout "${MOE_TESTS_TIMEOUT:-70}" python3 -m pytest -p no:cacheprovider -m gpu -s \
     tests/gpu/test_moe_experts_gpu.py > "$OUT/pytest_moe.log" 2>&1
   echo "moe tests rc=$?"
