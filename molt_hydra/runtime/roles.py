@@ -141,10 +141,17 @@ def engine_args(cfg: RunConfig, model_path: str, capture_routing: bool, index: i
                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
                 return_routed_experts=capture_routing, engine_index=index, extra_engine_args=extra_engine_args(cfg),
                 plain_cpu_weights=r.plain_cpu_weights, lora_rank=cfg.model.lora.rank,
-                # colocated: asleep while the trainer steps (GPU: memory released, LoRA: the base kept in host memory,
-                # since syncs bring the adapter only; CPU, no sleep mode: paused)
-                sleep_level=((1 if cfg.model.lora.rank else 2) if cfg.cluster.device.value == "cuda" else 0)
-                if colocate else None)
+                sleep_level=colocated_sleep_level(cfg) if colocate else None)
+
+
+def colocated_sleep_level(cfg: RunConfig) -> int:
+    """How a colocated engine sleeps while the trainer steps. GPU: level 2 releases its weights and KV cache, since
+    the next sync rewrites every weight; level 1 keeps the weights in host memory where syncs leave some out (LoRA:
+    the base, only the adapter travels; `model.freeze_moe_router`: the routers never change, so never travel).
+    CPU, which has no sleep mode: 0, paused."""
+    if cfg.cluster.device.value != "cuda":
+        return 0
+    return 1 if cfg.model.lora.rank or cfg.model.freeze_moe_router else 2
 
 
 async def colocated_placement(cfg: RunConfig, fsdp_roles: int):

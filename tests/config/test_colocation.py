@@ -69,3 +69,18 @@ def test_colocated_on_cpu_shares_the_slots():
     cfg = validate(to_run_config(compose_config(["parallelism.colocate=true", "train.mode=sync"])))
     assert cfg.parallelism.trainer_devices == cfg.cluster.devices_per_node  # no slot set aside for the engine
     assert make_plan(cfg).phases == {}  # host memory: no split to derive
+
+
+@pytest.mark.parametrize("overrides,level", [
+    ([], 2),  # every sync rewrites every weight: weights and KV cache are released
+    (["model.lora.rank=8"], 1),  # only the adapter travels: the base must survive the sleep
+    (["model.freeze_moe_router=true"], 1),  # frozen routers never travel: a released copy would wake as garbage
+])
+def test_a_colocated_engine_keeps_its_weights_asleep_where_syncs_leave_some_out(overrides, level):
+    from molt_hydra.runtime.roles import engine_args
+
+    cfg = validate(to_run_config(compose_config(["+recipe=qwen3_moe_r3_gpu", "cluster.memory_gb_per_device=139",
+                                                 *overrides])))
+    assert engine_args(cfg, cfg.model.path, True, 0)["sleep_level"] == level
+    cpu = validate(to_run_config(compose_config(["parallelism.colocate=true", "train.mode=sync"])))
+    assert engine_args(cpu, cpu.model.path, False, 0)["sleep_level"] == 0  # no sleep mode on CPU: paused
