@@ -23,9 +23,12 @@ SUPPORTED_MAJOR = 5  # the fused 3-D experts layout arrived with transformers 5.
 
 
 def _experts_classes() -> tuple:
+    """transformers 5's fused experts modules with the [E, 2I, H] / [E, H, I] layout and the (hidden_states,
+    top_k_index, top_k_weights) forward that models/moe_experts.py replaces (Qwen3-VL-MoE's is a copy, no subclass)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextExperts
 
-    return (Qwen3MoeExperts,)
+    return (Qwen3MoeExperts, Qwen3VLMoeTextExperts)
 
 
 def _check_version() -> None:

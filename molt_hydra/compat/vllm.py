@@ -107,6 +107,8 @@ def in_place_load_refusal(model) -> str | None:
     copies alone, which the single pass records once and replays (rollout/copy_plan.py). Quantized layers, and MoE
     backends that re-lay their experts after loading, keep the reload."""
     for name, module in model.named_modules():
+        if any(c.__name__ == "MLAAttention" for c in type(module).__mro__):  # W_UK_T / W_UV derived from kv_b_proj
+            return f"{name} derives its attention weights from the loaded ones after loading (MLA)"
         method = getattr(module, "quant_method", None)
         if method is None:
             continue

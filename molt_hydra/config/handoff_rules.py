@@ -178,7 +178,7 @@ def name_rules(cfg, problems) -> None:
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def _moe(path: str | None) -> bool | None:
+def is_moe(path: str | None) -> bool | None:
     """Whether model.path is a mixture-of-experts model, told from its config without loading weights; None when
     that cannot be told here (a hub id not downloaded)."""
     import json
@@ -205,13 +205,14 @@ def _moe(path: str | None) -> bool | None:
 
 def moe_rules(cfg, problems) -> None:
     """Knobs that act on MoE routers only: on a dense model they would fail in the trainer (or change nothing)."""
-    if _moe(cfg.model.path) is not False:
+    if is_moe(cfg.model.path) is not False:
         return
     m, r, p = cfg.model, cfg.rollout, cfg.parallelism
     for key, is_set in (("model.freeze_moe_router", m.freeze_moe_router), ("rollout.routing_replay", r.routing_replay),
                         ("model.gate_precision", m.gate_precision != "float32"),
                         ("model.aux_loss_coef", m.aux_loss_coef != 0),
                         ("rollout.enable_expert_parallel", r.enable_expert_parallel),
-                        ("parallelism.moe_reshard_after_forward", p.moe_reshard_after_forward)):
+                        ("parallelism.moe_reshard_after_forward", p.moe_reshard_after_forward),
+                        ("model.moe_experts_impl", m.moe_experts_impl.value != "auto")):
         problems.check(not is_set, key, f"acts on MoE routers, but model.path={m.path} is a dense model (its config "
                        f"has no experts).", f"unset {key}, or set model.path to a mixture-of-experts model")

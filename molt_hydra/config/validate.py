@@ -313,7 +313,11 @@ def _lora_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
         return
     fields = _model_fields(cfg.model.path) or {}
     model_type, hidden = fields.get("model_type"), fields.get("hidden_size")
-    moe = "num_experts" in fields or "num_local_experts" in fields
+    moe = bool(handoff_rules.is_moe(cfg.model.path))  # a VLM's experts sit in its text_config
+    problems.check("vision_config" not in fields, "model.lora.rank",
+                   "LoRA on a vision-language model is not wired: PEFT would adapt the vision tower's modules of the "
+                   "same names too, which vLLM's LoRA layers do not serve (the engine would sample from another "
+                   "policy).", "unset model.lora.rank (full fine-tuning), or use a text-only model")
     problems.check(lo.rank > 0, "model.lora.rank", "0 adapts nothing.",
                    "set model.lora.rank >= 1 (8-64 is usual), or null for full fine-tuning")
     problems.check(not hidden or lo.rank <= hidden, "model.lora.rank",
@@ -338,6 +342,8 @@ def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str]
                        moe: bool) -> None:
     """LoRA against the rest of the run: MoE experts and routers, a critic, the job, the trainer backend, and the
     knobs that act on full-weight syncs only."""
+    from molt_hydra.models import lora
+
     lo, m, r = cfg.model.lora, cfg.model, cfg.rollout
     cpu = cfg.cluster.device.value == "cpu"
     problems.check(not lo.experts or moe, "model.lora.experts", f"model.path ({model_type}) has no experts.",
@@ -372,6 +378,13 @@ def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str]
          "set it to auto (or object_store)"),
     ):
         problems.check(ok, key, f"model.lora.rank={lo.rank}: {reason}", fix)
+    t = cfg.train
+    lag = 0 if t.mode.value == "sync" else (t.max_staleness if t.max_staleness is not None
+                                            else t.queue_depth + int(t.partial_rollout))
+    problems.check(lag + 1 <= lora.ADAPTERS_KEPT, "train.max_staleness",
+                   f"model.lora.rank={lo.rank}: requests may run under {lag + 1} adapter versions at once, and an "
+                   f"engine keeps {lora.ADAPTERS_KEPT} loadable (an older one's files are deleted under a running "
+                   "request).", f"set train.max_staleness <= {lora.ADAPTERS_KEPT - 1} (or train.queue_depth)")
     problems.check(not cfg.checkpoint.export_merged or cfg.checkpoint.export_final, "checkpoint.export_merged",
                    "the merged model is written beside the final export, and checkpoint.export_final=false.",
                    "set checkpoint.export_final=true, or unset checkpoint.export_merged")

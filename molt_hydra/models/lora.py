@@ -15,6 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# adapter versions an engine keeps loadable (in vLLM's CPU-side cache and as directories): the current one and the
+# older ones in-flight requests may still run under (async generation ahead of the trainer); GPU slots: the current
+# and one older (a request of a third waits for a slot; config/validate.py refuses staleness the kept ones cannot hold)
+ADAPTERS_KEPT, ADAPTER_SLOTS = 3, 2
 ADAPTER = "default"  # PEFT's adapter name inside the model; PEFT drops it from the names it saves
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

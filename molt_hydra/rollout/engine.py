@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 from molt_hydra.compat import vllm as vllm_compat
+from molt_hydra.models.lora import ADAPTER_SLOTS, ADAPTERS_KEPT
 from molt_hydra.rollout import core_forkserver
 from molt_hydra.rollout.batched_calls import BatchedCallee
 from molt_hydra.rollout.generation import Generation, GenerationRequest
@@ -26,9 +27,6 @@ from molt_hydra.rollout.generation import Generation, GenerationRequest
 log = logging.getLogger(__name__)
 WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtension"
 DEATH_POLL_S = 0.5  # how often a weight-sync call checks that the engine core is still alive
-# LoRA: adapter versions an engine keeps loadable (in vLLM's CPU-side cache and as directories): the current one, and
-# the older ones in-flight requests may still run under (partial rollout); GPU slots: the current and one older
-ADAPTERS_KEPT, ADAPTER_SLOTS = 3, 2
 
 
 class VLLMEngine(BatchedCallee):
@@ -177,8 +175,8 @@ class VLLMEngine(BatchedCallee):
                                          "rollout.plain_cpu_weights=false")
                     self._plain_weights = True
                 elif current_platform.is_cuda():
+                    # in place, the workers still finish each update (their stream synchronized before it returns)
                     why = [w for w in await self.worker_call("load_in_place_on_cuda") if w is not None]
-                    self._plain_weights = not why
                     if why:
                         log.info("engine %d: weight updates go through vLLM's layerwise reload: %s",
                                  self.engine_index, why[0])

@@ -55,9 +55,8 @@ class WeightSyncWorkerExtension:
             self.model_runner.get_model().load_weights(bucket)
 
     def finish_layerwise_reload(self) -> None:
-        if getattr(self, "_loads_in_place", False):  # nothing to finalize (begin_layerwise_reload)
-            return
-        self._vllm_finish_reload()
+        if not getattr(self, "_loads_in_place", False):  # in place: nothing to finalize (begin_layerwise_reload)
+            self._vllm_finish_reload()
         if self.device.type == "cuda":  # the update is complete on the device when the sync returns
             torch.cuda.synchronize(self.device)
 

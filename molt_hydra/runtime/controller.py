@@ -272,12 +272,15 @@ class RLController:
     def old_logprobs_from_training(self, optimizer_steps: int, actor_frozen: bool) -> bool:
         """Whether the actor's training forward also gives the old log-probs (no separate no-grad pass): exact when
         the batch gets exactly one optimizer step (one window, one epoch), since the old log-probs are the trainer's
-        at the parameters it is about to step from; not when the KL to the reference is a reward penalty (the
+        at the parameters it is about to step from; not under LoRA dropout (the training forward is not the policy
+        that sampled), nor when the KL to the reference is a reward penalty (the
         advantages need the old log-probs before training) or the actor is frozen (nothing trains; drift metrics
         still need them)."""
         a = self.cfg.algorithm
         kl_in_reward = self.roles.ref is not None and not a.kl.use_loss
-        return optimizer_steps == 1 and self.cfg.train.epochs == 1 and not actor_frozen and not kl_in_reward
+        dropout = bool(self.cfg.model.lora.rank and self.cfg.model.lora.dropout)  # the training forward drops out
+        return (optimizer_steps == 1 and self.cfg.train.epochs == 1 and not actor_frozen and not kl_in_reward
+                and not dropout)
 
     def _check_progress(self, trainable: bool, metrics: dict[str, float]) -> None:
         """`train.max_untrainable_steps` steps in a row with every sample dropped end the run, with their drops."""

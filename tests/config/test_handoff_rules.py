@@ -62,7 +62,7 @@ BAD = [
       for key, value in (("model.freeze_moe_router", "true"), ("rollout.routing_replay", "true"),
                          ("model.gate_precision", "bfloat16"), ("model.aux_loss_coef", "0.01"),
                          ("rollout.enable_expert_parallel", "true"),
-                         ("parallelism.moe_reshard_after_forward", "true"))],
+                         ("parallelism.moe_reshard_after_forward", "true"), ("model.moe_experts_impl", "loop"))],
 ]
 
 

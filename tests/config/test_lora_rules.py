@@ -47,6 +47,11 @@ RULES = [
     ("merged_without_export", [*LORA, "checkpoint.export_merged=true", "checkpoint.export_final=false"],
      "checkpoint.export_merged", "checkpoint.export_final=false"),
     ("sft", [*LORA, "job=sft"], "model.lora.rank", "job=sft is not"),
+    ("vlm", [*LORA, "+recipe=tiny_vlm_colors_cpu"], "model.lora.rank", "PEFT would adapt the vision tower"),
+    ("vlm_moe_experts", [*LORA, "+recipe=qwen3_vl_moe_geo_gpu", "model.lora.experts=true"], "model.lora.experts",
+     "fused 3-D tensors"),  # its experts sit in text_config: found, not "has no experts"
+    # async, 3 versions behind: 4 adapters in use at once, one more than an engine keeps (models/lora.py)
+    ("staleness", [*LORA, "train.queue_depth=3"], "train.max_staleness", "under 4 adapter versions at once"),
 ]
 
 

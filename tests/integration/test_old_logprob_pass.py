@@ -85,6 +85,8 @@ def test_two_optimizer_steps_keep_the_pass(tmp_path):
     ([], 2, False, False),                       # two windows: the second one's forward sees stepped weights
     (["train.epochs=2"], 1, False, False),       # the second epoch's forward sees stepped weights
     ([], 1, True, False),                        # critic warm-up: the actor does not train this step
+    (["model.lora.rank=8"], 1, False, True),
+    (["model.lora.rank=8", "model.lora.dropout=0.1"], 1, False, False),  # the training forward drops out
 ])
 def test_when_the_training_forward_gives_the_old_logprobs(extra, steps, frozen, one_pass):
     from molt_hydra.runtime.controller import RLController

@@ -70,6 +70,15 @@ def test_in_place_loads_only_where_every_layer_keeps_the_loaders_layout():
     model[1].quant_method = object()  # e.g. an fp8 method: its weights are rescaled after loading
     assert compat.in_place_load_refusal(model) == "1 processes its weights after loading (object)"
 
+    class MLAAttention(torch.nn.Module):  # vLLM's MLA derives W_UK_T / W_UV from kv_b_proj after every load
+        pass
+
+    class DeepseekAttention(MLAAttention):
+        pass
+
+    mla = torch.nn.Sequential(torch.nn.Linear(2, 2), DeepseekAttention())
+    assert compat.in_place_load_refusal(mla) == "1 derives its attention weights from the loaded ones after loading (MLA)"
+
 
 def test_the_triton_moe_backends_keep_the_experts_as_loaded():
     """What in-place loads rely on for MoE engines: vLLM's conversion into the kernel format returns the Triton
