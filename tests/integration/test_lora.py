@@ -111,7 +111,7 @@ def test_a_request_in_flight_across_a_sync_finishes_under_its_own_adapter(sides,
     request = GenerationRequest("in-flight", TOKENS[:8], Sampling(max_tokens=1500, temperature=1.0, seed=5,
                                                                   ignore_eos=True))
     running = engine.generate.remote(request)
-    time.sleep(0.3)  # the request reaches the engine first (its version says so below)
+    time.sleep(1.0)  # the request reaches the engine first, even on a busy machine (its version says so below)
     sync(flipped, 11)
     _, pending = ray.wait([running], timeout=0)
     assert pending, "the request finished before the sync: nothing was in flight"
