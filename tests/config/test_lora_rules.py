@@ -86,9 +86,18 @@ def test_gpu_recipes_take_a_rank_override(recipe):
     assert cfg.model.lora.rank == 16
 
 
-def test_moe_tiny_shape_has_experts():
-    """The MoE rules read the experts from the tiny shape table (what `_model_fields` sees)."""
-    assert "num_experts" in TINY_MODELS["qwen3_moe_tiny"]
+def test_the_plan_counts_the_adapters_parameters_from_the_shape():
+    """qwen3_toy_gpu at rank 16 on the dense default (every decoder linear): rank x (in + out) per module, per layer."""
+    from molt_hydra.runtime.plan import make_plan
+
+    cfg = to_run_config(compose_config(["+recipe=qwen3_toy_gpu", "model.lora.rank=16",
+                                        "cluster.memory_gb_per_device=141"]))
+    s = {**TINY_SHAPE, **TINY_MODELS["qwen3_0p6b_shape"]}
+    h, f, q, kv = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"] * s["head_dim"], \
+        s["num_key_value_heads"] * s["head_dim"]
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h)  # q, k, v, o, gate, up, down
+    trained = 16 * per_layer * s["num_hidden_layers"]
+    assert f"LoRA rank 16: {trained / 1e6:,.2f} M trained" in make_plan(validate(cfg)).render()
 
 
 def test_rank_above_vllms_largest_is_refused_on_a_wide_model():
