@@ -21,7 +21,9 @@ def single_pass_tensors(rank, world_size, port, out):
                      for g in w.optimizer.param_groups for p in g["params"]}
         before = {n: t.clone() for n, t in shared}
         key = parameter_addresses(w.model)
-        samples = jobs.with_old_logprobs(w, jobs.make_samples(8))  # a forward alone: FSDP keeps unsharded params
+        # a forward alone: the rank reshards after it (no backward frees the gathered params), so the parameters sit
+        # where they were and the single pass's token stays valid
+        samples = jobs.with_old_logprobs(w, jobs.make_samples(8))
         result["key_after_forward"] = parameter_addresses(w.model) == key
         for _ in range(2):  # the first step's lr is 0 (warm-up)
             w.train_step(samples, jobs.ppo_objective())

@@ -40,6 +40,7 @@ def _eval_accuracy(out: Path, *overrides: str) -> dict[int, float]:
     return {r["step"]: r["eval/eval_colors_pass1"] for r in rows if r["kind"] == "eval"}
 
 
+@pytest.mark.slow  # 187 s on 2 cores (two runs of ~35 s start-up and 6 steps of 7-10 s): over make test's budget
 def test_a_few_rl_steps_learn_the_training_images_colours_from_pixels_and_not_from_blanks(tmp_path):
     labels = [r["label"] for r in load_prompts(IMAGES, max_images_per_prompt=1)]
     n = len(labels)

@@ -48,9 +48,9 @@ def test_automodel_knobs_pass_on_the_automodel_path():
 
 
 def test_grouped_experts_pass_where_their_kernel_runs():
-    for overrides in (["model.moe_experts_impl=grouped", "model.param_dtype=float32"],
-                      ["cluster.device=cuda", "model.backend=hf", "model.moe_experts_impl=grouped",
-                       "model.param_dtype=bfloat16"]):
+    for overrides in (["model=qwen3_moe_tiny", "model.moe_experts_impl=grouped", "model.param_dtype=float32"],
+                      ["model=qwen3_moe_tiny", "cluster.device=cuda", "model.backend=hf",
+                       "model.moe_experts_impl=grouped", "model.param_dtype=bfloat16"]):
         lines = config_errors(overrides)
         assert not [line for line in lines if "moe_experts_impl" in line], lines
 
