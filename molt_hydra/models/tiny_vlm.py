@@ -46,7 +46,7 @@ TINY_VLM_TYPES = {"qwen25_vl_tiny": ("qwen2_5_vl", True), "idefics3_tiny": ("ide
 TINY_QWEN3_VL_MOE_TEXT = dict(
     vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
-    moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+    moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
     norm_topk_prob=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20],
                      "mrope_interleaved": True},
@@ -222,6 +222,7 @@ def build_qwen3_vl_moe(out_dir: Path, seed: int = 0) -> Path:
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    _to_released_expert_layout(out_dir / "model.safetensors")
     tok.save_pretrained(out_dir)
     pixels = {"shortest_edge": QWEN3_VL_MIN_PIXELS, "longest_edge": QWEN3_VL_MAX_PIXELS}
     norm = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # Qwen3-VL's (CLIP's are Qwen2-VL's)
@@ -231,3 +232,17 @@ def build_qwen3_vl_moe(out_dir: Path, seed: int = 0) -> Path:
                  size=pixels, fps=2, min_frames=4, max_frames=8, do_sample_frames=True, **norm)
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     return out_dir
+
+
+def _to_released_expert_layout(path: Path) -> None:
+    """Qwen3-VL-MoE's released checkpoints store the fused experts transposed (`gate_up_proj` [E, H, 2I],
+    `down_proj` [E, I, H]): vLLM's loader transposes them unconditionally, transformers' conversion mapping on load.
+    transformers 5.x writes its in-memory [E, 2I, H] / [E, H, I] back as is, which vLLM 0.24 cannot load (seen on
+    the H200: a size mismatch in `_load_w2`). H != 2I (moe_intermediate_size 64) keeps the layout unambiguous:
+    transformers' Transpose(check_dims=True) skips a square tensor."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    for name in [n for n in state if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        state[name] = state[name].transpose(-1, -2).contiguous()
+    save_file(state, str(path), metadata={"format": "pt"})

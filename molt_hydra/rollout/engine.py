@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from molt_hydra.compat import vllm as vllm_compat
-from molt_hydra.models.lora import ADAPTER_SLOTS, ADAPTERS_KEPT
+from molt_hydra.models.lora import ADAPTER_SLOTS, ADAPTERS_KEPT, resolve_targets
 from molt_hydra.rollout import core_forkserver
 from molt_hydra.rollout.batched_calls import BatchedCallee
 from molt_hydra.rollout.generation import Generation, GenerationRequest
@@ -56,6 +56,7 @@ class VLLMEngine(BatchedCallee):
         engine_index: int = 0,
         sleep_level: int | None = None,  # colocated: 2 on GPU (weights and KV freed), 0 on CPU (paused); None: never
         lora_rank: int | None = None,  # model.lora.rank: serve the trainer's adapter (its syncs bring only it)
+        lora_target_modules: list[str] | None = None,  # model.lora.target_modules (None: the family's default)
     ) -> None:
         if kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
@@ -95,6 +96,7 @@ class VLLMEngine(BatchedCallee):
         # LoRA: requests run under `lora_request` (None before the first sync: the base, which the adapter's B = 0
         # init equals); a sync stages the adapter's directory, `finish_weight_update` loads it as the new version
         self.lora_rank = lora_rank
+        self.lora_target_modules = lora_target_modules
         self.lora_request = None
         self._adapters: list = []  # LoRARequests kept loadable, oldest first
         self._adapter_root: str | None = None
@@ -121,8 +123,15 @@ class VLLMEngine(BatchedCallee):
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 if self.lora_rank:
+                    from transformers import AutoConfig
+
+                    # LoRA layers only on the modules the trainer adapts (vLLM's default wraps every one it can):
+                    # fewer kernels per step, and vLLM 0.24 failed to start with its lm_head wrapped on the tied
+                    # 0.6B shape (vocab 512 < hidden 1024: a [1024, r] B copied into the head's [512, r])
+                    targets = resolve_targets(AutoConfig.from_pretrained(kwargs["model"]).model_type,
+                                              self.lora_target_modules)
                     kwargs.update(enable_lora=True, max_lora_rank=vllm_compat.lora_rank_slot(self.lora_rank),
-                                  max_loras=ADAPTER_SLOTS, max_cpu_loras=ADAPTERS_KEPT)
+                                  max_loras=ADAPTER_SLOTS, max_cpu_loras=ADAPTERS_KEPT, lora_target_modules=targets)
 
                 self.vllm_version = vllm_compat.check_installed("cpu" if current_platform.is_cpu() else "cuda")
 

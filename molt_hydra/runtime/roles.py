@@ -141,6 +141,7 @@ def engine_args(cfg: RunConfig, model_path: str, capture_routing: bool, index: i
                 kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed,
                 return_routed_experts=capture_routing, engine_index=index, extra_engine_args=extra_engine_args(cfg),
                 plain_cpu_weights=r.plain_cpu_weights, lora_rank=cfg.model.lora.rank,
+                lora_target_modules=cfg.model.lora.target_modules,
                 sleep_level=colocated_sleep_level(cfg) if colocate else None)
 
 
