@@ -144,11 +144,11 @@ def build(out_dir: Path, seed: int = 0, names: tuple[str, ...] = ("qwen3_tiny", 
 TINY_SCHEME = "tiny://"
 
 
-def _shapes_digest() -> str:
+def _shapes_digest(*extra) -> str:
     import hashlib
     import json
 
-    return hashlib.sha256(json.dumps([TINY_SHAPE, TINY_MODELS], sort_keys=True).encode()).hexdigest()[:10]
+    return hashlib.sha256(json.dumps([TINY_SHAPE, TINY_MODELS, *extra], sort_keys=True).encode()).hexdigest()[:10]
 
 
 def tiny_config_dict(name: str) -> dict:
@@ -168,7 +168,8 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     if name == tiny_vlm.COLORS_WARM:
         return tiny_vlm.warm_start(name)
     # the cache key includes the shapes, so a changed tiny config never reuses a stale build
-    root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest()
+    vlm_shape = [tiny_vlm.tiny_config_dict(name)] if name in tiny_vlm.TINY_VLM_MODELS else []
+    root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest(*vlm_shape)
     target = root / name
     if (target / "config.json").exists():
         return str(target)
