@@ -129,7 +129,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
 
 
 def _main(cfg: DictConfig) -> None:
-    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.validate import validate
     from molt_hydra.runtime.sweep import set_wandb_group
 
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep

@@ -7,7 +7,7 @@ import pytest
 
 from _config_helpers import compose_config
 from molt_hydra.cli import to_run_config
-from molt_hydra.config.validate import validate
+from molt_hydra.runtime.validate import validate
 from molt_hydra.models.tiny import TINY_MODELS, TINY_SHAPE
 from test_validation import assert_fires, config_errors
 
