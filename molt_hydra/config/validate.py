@@ -115,6 +115,13 @@ def rollout_devices(cfg: RunConfig) -> int:
     return r.num_engines * r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size
 
 
+def trainer_roles(cfg: RunConfig, needs: frozenset[str]) -> tuple[str, ...]:
+    """The FSDP roles of an RL run: the actor; a reference when the KL reaches the gradient or the estimator reads a
+    teacher; a critic when the estimator needs values."""
+    ref = cfg.algorithm.kl.coef > 0 or "reference" in needs
+    return ("actor", *(["reference"] if ref else []), *(["critic"] if "values" in needs else []))
+
+
 def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
     """Fill values left as None / -1 from other groups. Runs before the checks, so checks see final values."""
     r, a, t, e = cfg.rollout, cfg.algorithm, cfg.train, cfg.eval
@@ -492,12 +499,12 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
 def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """What each job needs (data, eval data), batch arithmetic (steps 16, 17, 21) and the resource fit (step 18):
     placement would deadlock otherwise."""
-    p, r, t, a = cfg.parallelism, cfg.rollout, cfg.train, cfg.algorithm
+    p, r, t = cfg.parallelism, cfg.rollout, cfg.train
     rl, job = cfg.job.value == "rl", cfg.job.value
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples, per_step = r.batch_size * r.n_samples_per_prompt, t.micro_batch_size * dp
     total = cfg.cluster.nodes * cfg.cluster.devices_per_node
-    extra_roles = int(rl) * (int(a.kl.coef > 0 or a.estimator == "on_policy_distill") + int("values" in needs))
+    extra_roles = int(rl) * (len(trainer_roles(cfg, needs)) - 1)
     fsdp = 0 if job == "eval" else p.trainer_devices if p.colocate_models else p.trainer_devices * (1 + extra_roles)
     engines = 0 if job == "sft" else rollout_devices(cfg)
     wanted = max(fsdp, engines) if p.colocate else fsdp + engines

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
 from molt_hydra.config.schema import ConfigError, RunConfig
-from molt_hydra.config.validate import rollout_devices, trainer_backend
+from molt_hydra.config.validate import rollout_devices, trainer_backend, trainer_roles
 from molt_hydra.models.logprobs import LOGPROB_CHUNK_TOKENS
 from molt_hydra.models.rules import model_fields
 
@@ -134,15 +134,14 @@ class Plan:
         return "\n".join(lines)
 
 
+def _trainer_roles(cfg: RunConfig) -> tuple[str, ...]:
+    return trainer_roles(cfg, frozenset(ADVANTAGE_ESTIMATORS[cfg.algorithm.estimator].needs))
+
+
 def make_plan(cfg: RunConfig) -> Plan:
     r, p, t, a = cfg.rollout, cfg.parallelism, cfg.train, cfg.algorithm
-    needs = set(ADVANTAGE_ESTIMATORS[a.estimator].needs)
-    trainer_share = 1.0
-    has_ref = a.kl.coef > 0 or a.estimator == "on_policy_distill"
-    has_critic = "values" in needs
-    fsdp_roles = 1 + int(has_ref) + int(has_critic)
-    if p.colocate_models and fsdp_roles > 1:
-        trainer_share = round(1.0 / fsdp_roles, 2)
+    fsdp = _trainer_roles(cfg)
+    trainer_share = round(1.0 / len(fsdp), 2) if p.colocate_models and len(fsdp) > 1 else 1.0
     roles: list[Role] = []
     if cfg.job.value in ("rl", "eval"):
         engine_devices = r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size
@@ -153,10 +152,9 @@ def make_plan(cfg: RunConfig) -> Plan:
     if cfg.job.value in ("rl", "sft"):
         mesh = f"FSDP2 dp={max(p.trainer_devices // (p.tp * p.cp), 1)} tp={p.tp} cp={p.cp} ep={p.ep}"
         roles.append(Role("actor", p.trainer_devices, trainer_share, 1, mesh))
-        if has_ref and cfg.job.value == "rl":
-            roles.append(Role("reference", p.trainer_devices, trainer_share, 1, "frozen, logprobs only"))
-        if has_critic and cfg.job.value == "rl":
-            roles.append(Role("critic", p.trainer_devices, trainer_share, 1, "value head, own optimizer"))
+        roles += [Role(name, p.trainer_devices, trainer_share, 1, note) for name, note in (
+            ("reference", "frozen, logprobs only"), ("critic", "value head, own optimizer"))
+            if name in fsdp and cfg.job.value == "rl"]
 
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples = r.batch_size * r.n_samples_per_prompt
@@ -198,7 +196,7 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
     if cfg.job.value == "eval" or c.save_steps == 0:
         return
     weights = DTYPE_BYTES[cfg.model.param_dtype.value] + 4 if cfg.model.master_weights.value == "optimizer" else 4
-    critic = cfg.job.value == "rl" and "values" in ADVANTAGE_ESTIMATORS[cfg.algorithm.estimator].needs
+    critic = cfg.job.value == "rl" and "critic" in _trainer_roles(cfg)
     lora = cfg.model.lora
     trained = shape.lora_params(lora.rank, lora.target_modules) if lora.rank else shape.params  # AdamW's moments
     one = (weights * shape.params + 8 * trained) * (1 + critic) / 1e9
@@ -312,10 +310,9 @@ def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engi
     generate phase leaves; a user's value, or a step that does not fit beside a sleeping engine, is checked here."""
     r, p, mem = cfg.rollout, cfg.parallelism, cfg.cluster.memory_gb_per_device
     resident = {k: v for k, v in trainer.items() if k.startswith(("weights", "fp32 master", "adamw"))}
-    a = cfg.algorithm
     weights = sum(v for k, v in trainer.items() if k.startswith("weights"))
-    ref = p.colocate_models and (a.kl.coef > 0 or a.estimator == "on_policy_distill")  # on these GPUs too
-    critic = p.colocate_models and "values" in ADVANTAGE_ESTIMATORS[a.estimator].needs
+    ref = p.colocate_models and "reference" in _trainer_roles(cfg)  # on these GPUs too
+    critic = p.colocate_models and "critic" in _trainer_roles(cfg)
     others = ref * weights + critic * sum(resident.values())
     roles = 1 + ref + critic
     contexts = CUDA_CONTEXT_GIB * (1 + roles)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.validate import trainer_roles
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
 from molt_hydra.runtime.trainer_options import engine_env, trainer_options
@@ -99,12 +100,6 @@ class Roles:
     last_checkpoint: str | None = None
     calls: object = None
     new_engine: object = None  # index -> a fresh (not yet started) engine actor, built as at start
-
-
-def _needs(cfg: RunConfig) -> frozenset[str]:
-    from molt_hydra.algorithm.advantage import get_advantage_estimator
-
-    return frozenset(get_advantage_estimator(cfg.algorithm.estimator).needs)
 
 
 def extra_engine_args(cfg: RunConfig) -> dict:
@@ -274,8 +269,8 @@ def _load_rows(cfg: RunConfig, scoring: bool) -> tuple[list, list | None]:
     return prompts, eval_rows
 
 
-async def _start_trainers(cfg: RunConfig, model_path: str, needs: frozenset[str], total_steps: int, fsdp_roles: int,
-                          shared_gpus, share: float | None, ready) -> tuple:
+async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...], total_steps: int, shared_gpus,
+                          share: float | None, ready) -> tuple:
     """The trainer ranks: actor, then reference / critic when the algorithm needs them (each group is built in a
     thread: its constructor blocks until every rank is up). Returns (actor, ref, critic), absent ones None."""
     from molt_hydra.models.build import backend_options, resolve_path
@@ -292,7 +287,7 @@ async def _start_trainers(cfg: RunConfig, model_path: str, needs: frozenset[str]
         aux_loss_coef=cfg.model.aux_loss_coef,
         offload=p.offload.value == "full", **backend_options(cfg))
     # colocate_models: actor / reference / critic ranks share each device (time-sliced), as Molt's 0.2-GPU actors
-    gpu_share = (1.0 / fsdp_roles if p.colocate_models else 1.0) if cfg.cluster.device.value == "cuda" else 0
+    gpu_share = (1.0 / len(fsdp) if p.colocate_models else 1.0) if cfg.cluster.device.value == "cuda" else 0
 
     def group(role: str, worker_cls, optimizer=None, path=None, **extra):
         o = optimizer or t.optimizer
@@ -313,9 +308,9 @@ async def _start_trainers(cfg: RunConfig, model_path: str, needs: frozenset[str]
     actor = await start("actor", "actor", policy_cls, routing_replay=r.routing_replay)
     ready("trainer")(None)
     ref = critic = None
-    if cfg.algorithm.kl.coef > 0 or "reference" in needs:
+    if "reference" in fsdp:
         ref = await start("reference", "ref", TrainerWorker, path=resolve_path(cfg.model.ref_path or cfg.model.path))
-    if "values" in needs:
+    if "critic" in fsdp:
         critic = await start("critic", "critic", TrainerWorker, t.critic.optimizer,
                              resolve_path(cfg.model.critic_path or cfg.model.path))
     return actor, ref, critic
@@ -369,6 +364,7 @@ def _role_pids(engines: list, groups: dict, runners: list) -> dict[str, int]:
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     from transformers import AutoTokenizer
 
+    from molt_hydra.algorithm.advantage import get_advantage_estimator
     from molt_hydra.models.build import resolve_path
     from molt_hydra.rollout.weight_sync import setup_weight_sync
 
@@ -381,9 +377,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     scoring = cfg.job.value == "eval"
     model_path = resolve_path(cfg.checkpoint.path if scoring and cfg.checkpoint.path else cfg.model.path)
     tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
-    needs = _needs(cfg)
-    fsdp_roles = 1 + int(cfg.algorithm.kl.coef > 0 or "reference" in needs) + int("values" in needs)
-    shared_gpus, share = await colocated_placement(cfg, fsdp_roles)
+    fsdp = trainer_roles(cfg, frozenset(get_advantage_estimator(cfg.algorithm.estimator).needs))
+    shared_gpus, share = await colocated_placement(cfg, len(fsdp))
     engines, starting, new_engine = _start_engines(cfg, model_path, shared_gpus, share)
     starting.add_done_callback(ready("engines"))
     runners = _start_runners(cfg, engines, tokenizer_path)
@@ -395,8 +390,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
     actor = ref = critic = None
     if not scoring:
-        actor, ref, critic = await _start_trainers(cfg, model_path, needs, scheduler_steps(cfg, len(prompts)),
-                                                   fsdp_roles, shared_gpus, share, ready)
+        actor, ref, critic = await _start_trainers(cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)),
+                                                   shared_gpus, share, ready)
     await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
     await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
     print("start-up, seconds from Ray's start until ready: "
