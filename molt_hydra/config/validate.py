@@ -1,7 +1,8 @@
 """Cross-group rules of the config layer: derive the values left to defaults, then one short function per config
 group, each appending (full key, reason, fix) to one `Problems`; runtime/validate.py runs them with the rules that
 need a higher layer's knowledge (models/rules.py, data/rules.py, agents/rules.py, algorithm/rules.py) and fails once
-with all. Single-group rules live in the dataclasses' `__post_init__` (config/schema.py).
+with all. Single-group rules live in the dataclasses' `__post_init__` (config/schema.py). Imports inside functions
+defer huggingface_hub and transformers to the rule that needs them.
 """
 
 from __future__ import annotations

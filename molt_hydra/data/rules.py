@@ -26,7 +26,6 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     d = cfg.data
     for key, spec in (("data.train_path", d.train_path), ("eval.data_path", cfg.eval.data_path)):
         _data_location(problems, key, spec)
-    for key, spec in (("data.train_path", d.train_path), ("eval.data_path", cfg.eval.data_path)):
         names = [s.strip()[len(BUILTIN):] for s in (spec or "").split(",") if s.strip().startswith(BUILTIN)]
         with_images = [n for n in names if n in IMAGE_TASKS]
         problems.check(not (with_images and d.max_images_per_prompt == 0), "data.max_images_per_prompt",
