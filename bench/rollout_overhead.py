@@ -32,7 +32,7 @@ def run_config(model: str):
     import tempfile
 
     from molt_hydra.cli import compose_checked, to_run_config
-    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.validate import validate
 
     composed, problems = compose_checked([f"output_dir={tempfile.mkdtemp(prefix='molt_bench_rollout_')}",
                                           *MODEL_OVERRIDES[model]])

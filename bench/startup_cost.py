@@ -2,7 +2,7 @@
 
 1. compose + validate, in this process, of every shipped recipe (with the overrides of its first-line command):
    Hydra compose API after `molt_hydra.config.store.register()`, then `molt_hydra.cli.to_run_config` and
-   `molt_hydra.config.validate.validate`. Reported for the largest recipe (most resolved config lines): the cold
+   `molt_hydra.runtime.validate.validate`. Reported for the largest recipe (most resolved config lines): the cold
    call (initialize_config_dir + first compose, as `molt-run` pays it) and the median of warm calls. Goal < 1 s.
    Baseline: `import molt_hydra.config.schema` (the typed schema import, which any run pays anyway).
 2. `molt-run` (the embedded default) from launch to the first generated token. Method: the run uses the toy Env
@@ -56,7 +56,7 @@ def compose_cost():
 
     from molt_hydra.cli import to_run_config
     from molt_hydra.config.store import CONF_DIR, register
-    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.validate import validate
     import_s = time.perf_counter() - t0
 
     def once(overrides, init):
@@ -90,7 +90,7 @@ def compose_cost():
         "from hydra import compose, initialize_config_dir;"
         "from molt_hydra.cli import to_run_config;"
         "from molt_hydra.config.store import CONF_DIR, register;"
-        "from molt_hydra.config.validate import validate;"
+        "from molt_hydra.runtime.validate import validate;"
         "t1=time.perf_counter(); register(); initialize_config_dir(config_dir=str(CONF_DIR), version_base='1.3');"
         f"validate(to_run_config(compose('config', overrides={recipe_overrides()[largest] + ['output_dir=/tmp/x']!r})));"
         "print(t1-t, time.perf_counter()-t1)")

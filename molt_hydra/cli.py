@@ -20,10 +20,14 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from molt_hydra.config.bounds import out_of_range
+from molt_hydra.config.bounds import declared_bounds, out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
@@ -70,11 +74,6 @@ def compose_checked(overrides: list[str], *, multirun: bool = False,
     """Parse and compose the command line's overrides as Hydra will, before Hydra does: (the composed config, []) or
     (None, problems), every failure a line `- key: reason Fix: fix` (exit 2) instead of Hydra's report (exit 1).
     A sweep is composed at its first point."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
     parser, problems, parsed = OverridesParser.create(), [], []
     for text in overrides:
         try:
@@ -117,8 +116,6 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         options = re.findall(r"^\t(\S+)$", text, re.M)
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
-        from molt_hydra.config.bounds import declared_bounds
-
         close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         return (f"- {key}: not a key of the config ({override}). Fix: {hint}`molt-run --cfg job` prints every key; "
@@ -129,12 +126,12 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
 
 
 def _main(cfg: DictConfig) -> None:
-    from molt_hydra.config.validate import validate
+    # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
+    from molt_hydra.runtime.plan import make_plan
     from molt_hydra.runtime.sweep import set_wandb_group
+    from molt_hydra.runtime.validate import validate
 
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
-    from molt_hydra.runtime.plan import make_plan
-
     try:
         run_cfg = validate(to_run_config(cfg))
         plan = make_plan(run_cfg)  # derives the colocated memory split, and refuses one that cannot fit

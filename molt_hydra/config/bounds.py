@@ -72,7 +72,8 @@ def declared_bounds(root: type) -> dict[str, tuple[Bounds | None, Any]]:
     return out
 
 
-def _value(node: Any, key: str) -> Any:
+def get(node: Any, key: str) -> Any:
+    """The value at a dotted key (`train.optimizer.lr`) of a config node, read by attribute."""
     for part in key.split("."):
         node = getattr(node, part)
     return node
@@ -86,7 +87,7 @@ def out_of_range(cfg: Any, root: type) -> list[str]:
         if bounds is None:
             continue
         try:
-            value = _value(cfg, key)
+            value = get(cfg, key)
         except Exception:  # noqa: BLE001 -- reported by the typed conversion with its own message
             continue
         is_list = isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"

@@ -21,19 +21,6 @@ class ConfigError(ValueError):
     """A config mistake: every line names the full key, the reason and the fix."""
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """`{field: one-line doc}` of a schema dataclass, read from the string literal that follows each field."""
-    import ast
-    import inspect
-
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    return {
-        node.target.id: nxt.value.value
-        for node, nxt in zip(body, body[1:])
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-    }
-
-
 def _require(ok: bool, key: str, reason: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"- {key}: {reason} Fix: {fix}")

@@ -49,6 +49,3 @@ def register() -> None:
     for recipe in sorted(RECIPES_DIR.glob("*.yaml")):
         cs.store(group="recipe", name=recipe.stem, node=OmegaConf.load(recipe), package="_global_")
 
-
-def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))

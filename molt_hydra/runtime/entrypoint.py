@@ -2,31 +2,34 @@
 stalled role (stacks dumped, role named, exit 3), on a failed role or an I/O error (one message naming the role, the
 cause and the checkpoint to resume from, exit 4; the traceback goes to <output_dir>/failure.txt) and on Ctrl-C /
 SIGTERM (everything stopped, last checkpoint kept). The run's logs are closed before any process is ended, and every
-process it started ends with it, so several runs in one process (a Hydra sweep, a notebook) each start clean."""
+process it started ends with it, so several runs in one process (a Hydra sweep, a notebook) each start clean.
+Imports inside functions defer torch, Ray and the roles (seconds) to the job that needs them."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.plan import Plan
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
+from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
                                         dump_stacks)
+from molt_hydra.runtime.writable import check_outputs
 
 EXIT_INTERRUPTED = 130
 
 
 def run(cfg: RunConfig, plan: Plan) -> None:
-    from molt_hydra.runtime.writable import check_outputs
-
     check_outputs(cfg)
     record = write_run_record(cfg, cfg.output_dir)
     if cfg.job.value == "sft":
@@ -35,7 +38,6 @@ def run(cfg: RunConfig, plan: Plan) -> None:
         run_sft_job(cfg)
         return
     from molt_hydra.models.build import resolve_path
-    from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 
     # a tiny:// model is built here, once (tiny://idefics3_colors_warm: its warm start runs), before Ray takes the cores
     try:
@@ -140,8 +142,6 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
     """One message (returned: the caller prints it last): the role, the cause, the drops and an example agent error
     (when nothing could be trained), the checkpoint to resume from. The traceback is written to
     <output_dir>/failure.txt, not to the terminal."""
-    import traceback
-
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
     from molt_hydra.parallel.group import RankStartFailed
 
@@ -185,8 +185,6 @@ ACTOR_ROLES = {"VLLMEngine": "rollout engine", "AgentRunnerActor": "agent runner
 
 def _actor_role(error: BaseException) -> str:
     """The role whose Ray actor raised `error` (named in Ray's `ray::Class.method()` line), else the driver."""
-    import re
-
     import ray
 
     found = re.search(r"ray::(\w+)\.", str(error)) if isinstance(error, ray.exceptions.RayError) else None

@@ -6,15 +6,16 @@ which roles exist and where they go, the batch arithmetic of one step, and a per
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
 from molt_hydra.config.schema import ConfigError, RunConfig
-from molt_hydra.config.validate import rollout_devices, trainer_backend
+from molt_hydra.config.validate import rollout_devices, trainer_backend, trainer_roles
 from molt_hydra.models.logprobs import LOGPROB_CHUNK_TOKENS
+from molt_hydra.models.rules import model_fields
 
 GIB = 1024**3
 # Colocated on one GPU (parallelism.colocate): each process's CUDA context, what a sleeping vLLM engine keeps (its
@@ -88,20 +89,8 @@ class ModelShape:
 
 
 def model_shape(path: str) -> ModelShape | None:
-    from molt_hydra.models.tiny import TINY_MODELS, TINY_SCHEME, tiny_config_dict
-
-    if path.startswith(TINY_SCHEME) and path[len(TINY_SCHEME):] in TINY_MODELS:
-        return ModelShape.from_hf_config(tiny_config_dict(path[len(TINY_SCHEME):]))
-    from molt_hydra.models import tiny_vlm
-
-    if path.startswith(TINY_SCHEME) and path[len(TINY_SCHEME):] in tiny_vlm.TINY_VLM_MODELS:
-        return ModelShape.from_hf_config(tiny_vlm.tiny_config_dict(path[len(TINY_SCHEME):]))
-    config = Path(path) / "config.json"
-    if config.exists():
-        return ModelShape.from_hf_config(json.loads(config.read_text()))
-    if path in KNOWN_SHAPES:
-        return ModelShape.from_hf_config(KNOWN_SHAPES[path])
-    return None
+    config = model_fields(path) or KNOWN_SHAPES.get(path)
+    return ModelShape.from_hf_config(config) if config else None
 
 
 @dataclass
@@ -145,17 +134,14 @@ class Plan:
         return "\n".join(lines)
 
 
+def _trainer_roles(cfg: RunConfig) -> tuple[str, ...]:
+    return trainer_roles(cfg, frozenset(ADVANTAGE_ESTIMATORS[cfg.algorithm.estimator].needs))
+
+
 def make_plan(cfg: RunConfig) -> Plan:
     r, p, t, a = cfg.rollout, cfg.parallelism, cfg.train, cfg.algorithm
-    from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
-
-    needs = set(ADVANTAGE_ESTIMATORS[a.estimator].needs)
-    trainer_share = 1.0
-    has_ref = a.kl.coef > 0 or a.estimator == "on_policy_distill"
-    has_critic = "values" in needs
-    fsdp_roles = 1 + int(has_ref) + int(has_critic)
-    if p.colocate_models and fsdp_roles > 1:
-        trainer_share = round(1.0 / fsdp_roles, 2)
+    fsdp = _trainer_roles(cfg)
+    trainer_share = round(1.0 / len(fsdp), 2) if p.colocate_models and len(fsdp) > 1 else 1.0
     roles: list[Role] = []
     if cfg.job.value in ("rl", "eval"):
         engine_devices = r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size
@@ -166,10 +152,9 @@ def make_plan(cfg: RunConfig) -> Plan:
     if cfg.job.value in ("rl", "sft"):
         mesh = f"FSDP2 dp={max(p.trainer_devices // (p.tp * p.cp), 1)} tp={p.tp} cp={p.cp} ep={p.ep}"
         roles.append(Role("actor", p.trainer_devices, trainer_share, 1, mesh))
-        if has_ref and cfg.job.value == "rl":
-            roles.append(Role("reference", p.trainer_devices, trainer_share, 1, "frozen, logprobs only"))
-        if has_critic and cfg.job.value == "rl":
-            roles.append(Role("critic", p.trainer_devices, trainer_share, 1, "value head, own optimizer"))
+        roles += [Role(name, p.trainer_devices, trainer_share, 1, note) for name, note in (
+            ("reference", "frozen, logprobs only"), ("critic", "value head, own optimizer"))
+            if name in fsdp and cfg.job.value == "rl"]
 
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples = r.batch_size * r.n_samples_per_prompt
@@ -183,7 +168,8 @@ def make_plan(cfg: RunConfig) -> Plan:
         "micro-batches per rank": (f"token budget {t.max_tokens_per_micro_batch}" if t.dynamic_batch
                                    else f"{mb_per_rank} of {t.micro_batch_size}"),
         "optimizer steps per rollout batch": f"{steps} x {t.epochs} epoch(s) = {steps * t.epochs}",
-        "accumulation per optimizer step": (t.batch_size // (t.micro_batch_size * dp)) if not t.dynamic_batch else "dynamic",
+        "accumulation per optimizer step": ("dynamic" if t.dynamic_batch
+                                            else t.batch_size // (t.micro_batch_size * dp)),
         "mode": f"{t.mode.value}, queue_depth={t.queue_depth}, max_staleness={t.max_staleness}"
                 + (", partial rollout" if t.partial_rollout else ""),
     }
@@ -210,9 +196,7 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
     if cfg.job.value == "eval" or c.save_steps == 0:
         return
     weights = DTYPE_BYTES[cfg.model.param_dtype.value] + 4 if cfg.model.master_weights.value == "optimizer" else 4
-    from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
-
-    critic = cfg.job.value == "rl" and "values" in ADVANTAGE_ESTIMATORS[cfg.algorithm.estimator].needs
+    critic = cfg.job.value == "rl" and "critic" in _trainer_roles(cfg)
     lora = cfg.model.lora
     trained = shape.lora_params(lora.rank, lora.target_modules) if lora.rank else shape.params  # AdamW's moments
     one = (weights * shape.params + 8 * trained) * (1 + critic) / 1e9
@@ -237,30 +221,28 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
                           "checkpoint)")
 
 
-def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> None:
-    r, p, t = cfg.rollout, cfg.parallelism, cfg.train
-    P, shard = shape.params, max(p.trainer_devices, 1)
-    compute_bytes = DTYPE_BYTES[cfg.model.param_dtype.value]
-    seq = cfg.data.max_len
-    tokens = t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * seq
+def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[str, float], list[str]]:
+    """One trainer rank's peak memory by part (GiB), and the assumptions behind it."""
+    p, t, m = cfg.parallelism, cfg.train, cfg.model
+    P, shard, compute_bytes = shape.params, max(p.trainer_devices, 1), DTYPE_BYTES[m.param_dtype.value]
+    tokens = t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * cfg.data.max_len
     tokens_per_rank = tokens // (p.cp * p.tp) or 1
-    ac = cfg.model.gradient_checkpointing.value
+    ac = m.gradient_checkpointing.value
     # Full AC keeps each block's input (h per token) plus one block's working set (~34 h bytes/token at 16-bit,
     # Korthikanti et al. 2022); no AC keeps every block's working set.
     act_per_token = (shape.layers * shape.hidden * compute_bytes + 34 * shape.hidden) if ac != "none" else (
         34 * shape.hidden * shape.layers)
-    if cfg.model.master_weights.value == "optimizer":  # param_dtype params, fp32 masters in AdamW (parallel/optim.py)
+    if m.master_weights.value == "optimizer":  # param_dtype params, fp32 masters in AdamW (parallel/optim.py)
         # several micro-batches per optimizer step: grads sum into fp32 buffers, each micro-batch's param_dtype grad
         # freed as it is added (one FSDP unit's at a time); one micro-batch: the param_dtype grads themselves
         accumulates = t.dynamic_batch or t.batch_size // (t.micro_batch_size * dp) > 1
         grad_bytes = 4 if accumulates else compute_bytes
-        state = {f"weights {cfg.model.param_dtype.value}": compute_bytes * P / shard / GIB,
-                 f"grads {'fp32 (accumulated)' if accumulates else cfg.model.param_dtype.value}":
-                     grad_bytes * P / shard / GIB,
+        state = {f"weights {m.param_dtype.value}": compute_bytes * P / shard / GIB,
+                 f"grads {'fp32 (accumulated)' if accumulates else m.param_dtype.value}": grad_bytes * P / shard / GIB,
                  "fp32 master weights": 4 * P / shard / GIB}
     else:
         state = {"weights fp32": 4 * P / shard / GIB, "grads fp32": 4 * P / shard / GIB}
-    lora = cfg.model.lora
+    lora = m.lora
     trained = shape.lora_params(lora.rank, lora.target_modules) if lora.rank else P  # grads and moments: these only
     if lora.rank:
         state["grads fp32"] = 4 * trained / shard / GIB
@@ -277,26 +259,7 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
         "activations": act_per_token * tokens_per_rank / GIB,
         **logits,
     }
-    if cfg.job.value != "eval":
-        plan.memory["actor"] = trainer
-    engine_bytes = DTYPE_BYTES[r.dtype.value]
-    engine_weights = engine_bytes * P / r.tensor_parallel_size / GIB
-    if p.colocate and cfg.cluster.device.value == "cuda" and cfg.job.value == "rl":
-        _colocated_split(cfg, plan, trainer, engine_weights)
-    # As the engine sizes it (rollout/engine.py): on GPU vLLM's KV cache takes what gpu_memory_utilization leaves
-    # after the weights (activations ignored here); CPU engines take exactly kv_cache_gb.
-    mem = cfg.cluster.memory_gb_per_device
-    if cfg.cluster.device.value == "cuda":
-        kv = max(r.gpu_memory_utilization * mem - engine_weights, 0.0) if mem else None
-        kv_source = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of {mem} GiB minus weights" if mem
-                     else f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of the device (size unknown: "
-                     f"set cluster.memory_gb_per_device)")
-    else:
-        kv, kv_source = r.kv_cache_gb, f"rollout.kv_cache_gb={r.kv_cache_gb}"
-    if cfg.job.value != "sft":
-        plan.memory["rollout engine"] = {"weights": engine_weights, **({"kv cache": kv} if kv is not None else {})}
-    kv_token = shape.kv_bytes_per_token_per_byte * engine_bytes / r.tensor_parallel_size
-    plan.assumptions += [
+    return trainer, [
         f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers"
         + (f"; LoRA rank {lora.rank}: {trained / 1e6:,.2f} M trained (grads, AdamW moments)" if lora.rank else ""),
         f"trainer: {' + '.join(state)} + AdamW moments sharded over {shard} rank(s); {compute_bytes}-byte compute; "
@@ -304,16 +267,40 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
         + ("log-probs through the lm_head, fp32 logits of a chunk of tokens at a time" if fused_head
            else "fp32 logits of the whole micro-batch"),
     ]
-    if cfg.job.value != "sft":
-        plan.assumptions.append(
-            f"engine: {engine_bytes}-byte weights / TP {r.tensor_parallel_size}; KV cache from {kv_source}"
-            + (f", holds {int(kv * GIB / kv_token) if kv_token else 0} tokens" if kv is not None else "")
+
+
+def _engine_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, engine_weights: float) -> str:
+    """As the engine sizes it (rollout/engine.py): on GPU vLLM's KV cache takes what gpu_memory_utilization leaves
+    after the weights (activations ignored here); CPU engines take exactly kv_cache_gb."""
+    r, mem = cfg.rollout, cfg.cluster.memory_gb_per_device
+    if cfg.cluster.device.value == "cuda":
+        kv = max(r.gpu_memory_utilization * mem - engine_weights, 0.0) if mem else None
+        kv_source = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of {mem} GiB minus weights" if mem
+                     else f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of the device (size unknown: "
+                     f"set cluster.memory_gb_per_device)")
+    else:
+        kv, kv_source = r.kv_cache_gb, f"rollout.kv_cache_gb={r.kv_cache_gb}"
+    plan.memory["rollout engine"] = {"weights": engine_weights, **({"kv cache": kv} if kv is not None else {})}
+    kv_token = shape.kv_bytes_per_token_per_byte * DTYPE_BYTES[r.dtype.value] / r.tensor_parallel_size
+    return (f"engine: {DTYPE_BYTES[r.dtype.value]}-byte weights / TP {r.tensor_parallel_size}; KV cache from "
+            f"{kv_source}" + (f", holds {int(kv * GIB / kv_token) if kv_token else 0} tokens" if kv is not None else "")
             + f" ({kv_token / 1024:.1f} KiB/token)")
-    if cfg.cluster.memory_gb_per_device:
+
+
+def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> None:
+    r, job, mem = cfg.rollout, cfg.job.value, cfg.cluster.memory_gb_per_device
+    trainer, notes = _trainer_memory(cfg, shape, dp)
+    if job != "eval":
+        plan.memory["actor"] = trainer
+    engine_weights = DTYPE_BYTES[r.dtype.value] * shape.params / r.tensor_parallel_size / GIB
+    if cfg.parallelism.colocate and cfg.cluster.device.value == "cuda" and job == "rl":
+        _colocated_split(cfg, plan, trainer, engine_weights)  # derives rollout.gpu_memory_utilization first
+    engine = _engine_memory(cfg, plan, shape, engine_weights) if job != "sft" else None
+    plan.assumptions += [*notes, *([engine] if engine else [])]
+    if mem:
         need = sum(trainer.values())
-        plan.assumptions.append(
-            f"fit: trainer needs {need:.1f} of {cfg.cluster.memory_gb_per_device} GiB per device"
-            + (" -- DOES NOT FIT" if need > cfg.cluster.memory_gb_per_device else ""))
+        plan.assumptions.append(f"fit: trainer needs {need:.1f} of {mem} GiB per device"
+                                + (" -- DOES NOT FIT" if need > mem else ""))
 
 
 def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engine_weights: float) -> None:
@@ -323,12 +310,9 @@ def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engi
     generate phase leaves; a user's value, or a step that does not fit beside a sleeping engine, is checked here."""
     r, p, mem = cfg.rollout, cfg.parallelism, cfg.cluster.memory_gb_per_device
     resident = {k: v for k, v in trainer.items() if k.startswith(("weights", "fp32 master", "adamw"))}
-    from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
-
-    a = cfg.algorithm
     weights = sum(v for k, v in trainer.items() if k.startswith("weights"))
-    ref = p.colocate_models and (a.kl.coef > 0 or a.estimator == "on_policy_distill")  # on these GPUs too
-    critic = p.colocate_models and "values" in ADVANTAGE_ESTIMATORS[a.estimator].needs
+    ref = p.colocate_models and "reference" in _trainer_roles(cfg)  # on these GPUs too
+    critic = p.colocate_models and "critic" in _trainer_roles(cfg)
     others = ref * weights + critic * sum(resident.values())
     roles = 1 + ref + critic
     contexts = CUDA_CONTEXT_GIB * (1 + roles)

@@ -2,17 +2,21 @@
 rollout engines first (their multi-device bundles), then the agent runners (no devices), then the trainer ranks (actor,
 then reference / critic when the algorithm needs them); then the data and the samples generator. Every role starts at
 once: start-up waits for the slowest (the engine), not for the sum.
-The driver reaches what is built through runtime/calls.py."""
+The driver reaches what is built through runtime/calls.py. Imports inside functions defer Ray, torch, transformers and
+vLLM (seconds each) to the process and moment that builds the roles."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.validate import trainer_roles
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
 from molt_hydra.runtime.trainer_options import engine_env, trainer_options
@@ -98,12 +102,6 @@ class Roles:
     new_engine: object = None  # index -> a fresh (not yet started) engine actor, built as at start
 
 
-def _needs(cfg: RunConfig) -> frozenset[str]:
-    from molt_hydra.algorithm.advantage import get_advantage_estimator
-
-    return frozenset(get_advantage_estimator(cfg.algorithm.estimator).needs)
-
-
 def extra_engine_args(cfg: RunConfig) -> dict:
     """The rollout group's less common vLLM arguments, passed only when set (None leaves vLLM's default)."""
     r = cfg.rollout
@@ -167,7 +165,8 @@ async def colocated_placement(cfg: RunConfig, fsdp_roles: int):
 
     roles = fsdp_roles if p.colocate_models else 1
     pg = ray.util.placement_group([{"GPU": 1, "CPU": roles}] * p.trainer_devices, strategy="PACK")
-    await deadline(pg.ready(), cfg.train.timeouts.startup_s, "placement", f"reserve {p.trainer_devices} colocated GPU(s)")
+    await deadline(pg.ready(), cfg.train.timeouts.startup_s, "placement",
+                   f"reserve {p.trainer_devices} colocated GPU(s)")
     return pg, 1.0 / (roles + 1)
 
 
@@ -200,55 +199,36 @@ def init_ray(cfg: RunConfig) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
 
 
-async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
-    import importlib
-    import threading
-
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    # Ray's own processes start while this one imports torch + transformers (seconds on 2 cores): neither waits.
-    t0 = time.perf_counter()
+def _start_ray(cfg: RunConfig) -> tuple[float, dict[str, float]]:
+    """Start (or join) Ray while this process imports transformers (seconds on 2 cores): neither waits. Returns the
+    start time and the start-up profile, seconds from there until each role is ready."""
     importing = threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True)
+    t0 = time.perf_counter()
     importing.start()
     init_ray(cfg)
-    up = {"ray": time.perf_counter() - t0}  # seconds from here until each role is ready: the start-up profile
+    up = {"ray": time.perf_counter() - t0}
     importing.join()
+    return t0, up
 
-    def ready(name: str):
-        return lambda _: up.setdefault(name, time.perf_counter() - t0)
-    from transformers import AutoConfig, AutoTokenizer
 
-    from molt_hydra.algorithm.is_correction import ISCorrection
-    from molt_hydra.algorithm.loss import PolicyLoss
-    from molt_hydra.data.prompts import load_prompts
-    from molt_hydra.models.build import backend_options, resolve_path
+def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | None):
+    """Rollout engines first (their bundles are the largest); `new_engine(i)` also replaces a dead engine mid-run
+    (runtime/engine_keeper.py). Returns (engines, their start, new_engine)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from transformers import AutoConfig
+
     from molt_hydra.models.moe_routing import is_moe_config
-    from molt_hydra.parallel.group import TrainerGroup
-    from molt_hydra.parallel.trainer import TrainerWorker
     from molt_hydra.rollout.engine import VLLMEngine
-    from molt_hydra.rollout.generation import Sampling
-    from molt_hydra.rollout.generator import SamplesGenerator
-    from molt_hydra.rollout.weight_sync import setup_weight_sync
-    from molt_hydra.runtime.agent_runner import AgentRunnerActor, RemoteGroupRunner, request_seed
 
-    r, p, a, t, d = cfg.rollout, cfg.parallelism, cfg.algorithm, cfg.train, cfg.data
-    scoring = cfg.job.value == "eval"
-    model_path = resolve_path(cfg.checkpoint.path if scoring and cfg.checkpoint.path else cfg.model.path)
-    tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
-    needs = _needs(cfg)
-    on_gpu = cfg.cluster.device.value == "cuda"
+    r, engine_cls = cfg.rollout, ray.remote(VLLMEngine)
     # Engines return their routed experts for every MoE actor: replayed under R3, and always compared with the
     # trainer's own routing (routing/agreement: drift made visible, with or without replay)
     capture_routing = r.routing_replay or is_moe_config(AutoConfig.from_pretrained(model_path))
 
-    # 1. engines first: their bundles are the largest
-    engine_cls = ray.remote(VLLMEngine)
-    fsdp_roles = 1 + int(a.kl.coef > 0 or "reference" in needs) + int("values" in needs)
-    shared_gpus, share = await colocated_placement(cfg, fsdp_roles)
-
-    def new_engine(i: int):  # also how a dead engine is replaced mid-run (runtime/engine_keeper.py)
-        place = dict(num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if on_gpu else 0)
+    def new_engine(i: int):
+        place = dict(num_gpus=(r.tensor_parallel_size * r.data_parallel_size) if cfg.cluster.device.value == "cuda"
+                     else 0)
         if shared_gpus is not None:  # on trainer GPU i, beside trainer rank i
             place = dict(num_gpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 shared_gpus, placement_group_bundle_index=i))
@@ -257,34 +237,48 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         return engine_cls.options(num_cpus=0, **place).remote(**engine_args(cfg, model_path, capture_routing, i))
 
     engines = [new_engine(i) for i in range(r.num_engines)]
-    starting = asyncio.gather(*(e.start.remote() for e in engines))
-    starting.add_done_callback(ready("engines"))
+    return engines, asyncio.gather(*(e.start.remote() for e in engines)), new_engine
 
-    # 2. agent runners: they need only the engines' handles, so they start while the engines and trainer build
-    runner_cls = ray.remote(AgentRunnerActor)
-    runners = [runner_cls.options(num_cpus=0).remote(
+
+def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
+    """Agent runners need only the engines' handles, so they start while the engines and trainer build."""
+    import ray
+
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    d, runner_cls = cfg.data, ray.remote(AgentRunnerActor)
+    return [runner_cls.options(num_cpus=0).remote(
         dict(cfg.agent.runner), engines, tokenizer_path=tokenizer_path, max_len=d.max_len,
-        timeout_s=cfg.agent.timeout_s, engine_timeout_s=t.timeouts.engine_call_s, seed=cfg.seed,
+        timeout_s=cfg.agent.timeout_s, engine_timeout_s=cfg.train.timeouts.engine_call_s, seed=cfg.seed,
         max_turns=cfg.agent.max_turns, apply_chat_template=d.apply_chat_template,
         chat_options=dict(tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser,
                           max_choices=cfg.agent.max_choices, accepts_images=d.max_images_per_prompt > 0,
                           max_images=d.max_images_per_prompt or None))
-        for _ in range(r.num_runners)]
-    runners_ready = asyncio.gather(*(x.__ray_ready__.remote() for x in runners))
-    runners_ready.add_done_callback(ready("agent runners"))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        for _ in range(cfg.rollout.num_runners)]
 
-    # 3. trainer ranks (built in a thread: the group constructor blocks until every rank is up)
-    eval_rows = None
-    if cfg.eval.data_path:
-        eval_rows = load_prompts(cfg.eval.data_path, split=cfg.eval.split, input_key=d.input_key,
-                                 label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key,
-                                 max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images)
+
+def _load_rows(cfg: RunConfig, scoring: bool) -> tuple[list, list | None]:
+    """(training prompts, eval rows or None); an eval job without training data scores its eval rows."""
+    from molt_hydra.data.prompts import load_prompts
+
+    d = cfg.data
+    rows = dict(input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key,
+                max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images)
+    eval_rows = load_prompts(cfg.eval.data_path, split=cfg.eval.split, **rows) if cfg.eval.data_path else None
     prompts = eval_rows if scoring and not d.train_path else load_prompts(
-        d.train_path, split=d.split, input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key,
-        image_key=d.image_key, max_samples=d.max_samples, probs=d.train_probs, seed=cfg.seed,
-        max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images)
-    opt = t.optimizer
+        d.train_path, split=d.split, max_samples=d.max_samples, probs=d.train_probs, seed=cfg.seed, **rows)
+    return prompts, eval_rows
+
+
+async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...], total_steps: int, shared_gpus,
+                          share: float | None, ready) -> tuple:
+    """The trainer ranks: actor, then reference / critic when the algorithm needs them (each group is built in a
+    thread: its constructor blocks until every rank is up). Returns (actor, ref, critic), absent ones None."""
+    from molt_hydra.models.build import backend_options, resolve_path
+    from molt_hydra.parallel.group import TrainerGroup
+    from molt_hydra.parallel.trainer import TrainerWorker
+
+    r, p, t, d = cfg.rollout, cfg.parallelism, cfg.train, cfg.data
     common = dict(
         model_path=model_path, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp, ep_size=p.ep, cp_size=p.cp,
         param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value], attn_implementation=cfg.model.attn_implementation.value,
@@ -293,15 +287,11 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         temperature=r.temperature, seed=cfg.seed, timeout_s=t.timeouts.collective_s,
         aux_loss_coef=cfg.model.aux_loss_coef,
         offload=p.offload.value == "full", **backend_options(cfg))
-    total_steps = scheduler_steps(cfg, len(prompts))
-
     # colocate_models: actor / reference / critic ranks share each device (time-sliced), as Molt's 0.2-GPU actors
-    gpu_share = (1.0 / fsdp_roles if p.colocate_models else 1.0) if on_gpu else 0
-    if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
-        await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
+    gpu_share = (1.0 / len(fsdp) if p.colocate_models else 1.0) if cfg.cluster.device.value == "cuda" else 0
 
     def group(role: str, worker_cls, optimizer=None, path=None, **extra):
-        o = optimizer or opt
+        o = optimizer or t.optimizer
         on_shared = shared_gpus if role == "actor" or p.colocate_models else None
         return TrainerGroup(
             p.trainer_devices, num_gpus_per_rank=gpu_share if on_shared is None else share, num_cpus_per_rank=1,
@@ -312,59 +302,108 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
             min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, total_steps=total_steps,
             **trainer_options(cfg, o), **extra)
 
-    policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
-    actor = ref = critic = None
-    if not scoring:
-        actor = await deadline(asyncio.to_thread(group, "actor", policy_cls, routing_replay=r.routing_replay),
-                               t.timeouts.startup_s, "actor", "start")
-        ready("trainer")(None)
-    if not scoring and (a.kl.coef > 0 or "reference" in needs):
-        ref_path = resolve_path(cfg.model.ref_path or cfg.model.path)
-        ref = await deadline(asyncio.to_thread(group, "ref", TrainerWorker, path=ref_path), t.timeouts.startup_s,
-                             "reference", "start")
-    if not scoring and "values" in needs:
-        critic_path = resolve_path(cfg.model.critic_path or cfg.model.path)
-        critic = await deadline(asyncio.to_thread(group, "critic", TrainerWorker, t.critic.optimizer, critic_path),
-                                t.timeouts.startup_s, "critic", "start")
-    await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-    await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
-    print("start-up, seconds from Ray's start until ready: "
-          + ", ".join(f"{name} {s:.1f}" for name, s in sorted(up.items(), key=lambda kv: kv[1])), flush=True)
+    async def start(name: str, *args, **extra):
+        return await deadline(asyncio.to_thread(group, *args, **extra), t.timeouts.startup_s, name, "start")
 
+    policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
+    actor = await start("actor", "actor", policy_cls, routing_replay=r.routing_replay)
+    ready("trainer")(None)
+    ref = critic = None
+    if "reference" in fsdp:
+        ref = await start("reference", "ref", TrainerWorker, path=resolve_path(cfg.model.ref_path or cfg.model.path))
+    if "critic" in fsdp:
+        critic = await start("critic", "critic", TrainerWorker, t.critic.optimizer,
+                             resolve_path(cfg.model.critic_path or cfg.model.path))
+    return actor, ref, critic
+
+
+def _generator(cfg: RunConfig, prompts: list, runners: list):
+    """The samples generator: groups of prompts through the agent runners, as the rollout group asks."""
+    from molt_hydra.rollout.generation import Sampling
+    from molt_hydra.rollout.generator import SamplesGenerator
+    from molt_hydra.runtime.agent_runner import RemoteGroupRunner, request_seed
+
+    r, t, df = cfg.rollout, cfg.train, cfg.algorithm.dynamic_filtering
     # min_tokens=0 (Molt sends 1): vLLM masks EOS on a forced first token, so that token's logprob would differ from
     # the trainer's by log(1 - p_eos) and show up as drift that is not drift.
-    sampling = Sampling(max_tokens=r.max_new_tokens or d.max_len // 2, temperature=r.temperature, top_p=r.top_p,
-                        top_k=r.top_k, min_tokens=0)
-    df = a.dynamic_filtering
-    generator = SamplesGenerator(
+    sampling = Sampling(max_tokens=r.max_new_tokens or cfg.data.max_len // 2, temperature=r.temperature,
+                        top_p=r.top_p, top_k=r.top_k, min_tokens=0)
+    return SamplesGenerator(
         prompts, RemoteGroupRunner(runners), batch_size=r.batch_size,
         n_samples_per_prompt=r.n_samples_per_prompt, sampling=sampling, max_inflight_groups=r.max_inflight_groups,
         seed=cfg.seed, num_epochs=t.num_episodes, dynamic_filtering=(df.low, df.high) if df.enable else None,
         incomplete_groups=r.incomplete_groups.value, carry_over=t.partial_rollout,
         group_seed=lambda epoch, index: request_seed(cfg.seed, epoch, index))
 
+
+def _policy_loss(cfg: RunConfig):
+    from molt_hydra.algorithm.is_correction import ISCorrection
+    from molt_hydra.algorithm.loss import PolicyLoss
+
+    a, c = cfg.algorithm, cfg.algorithm.is_correction
+    return PolicyLoss(a.policy_loss, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, dual_clip=a.dual_clip,
+                      entropy_coef=a.entropy_coef, kl_use_loss=a.kl.use_loss, kl_estimator=a.kl.estimator.value,
+                      loss_agg=a.loss_agg.value,
+                      is_correction=ISCorrection(c.level.value, c.mode.value, c.low, c.high))
+
+
+def _role_pids(engines: list, groups: dict, runners: list) -> dict[str, int]:
+    """Each role process's pid, by role name (the run record's and the watchdog's view)."""
+    import ray
+
+    def pids(handles: list) -> list[int]:
+        return ray.get([h.__ray_call__.remote(lambda s: os.getpid()) for h in handles], timeout=60)
+
+    out = {f"rollout engine {i}": pid for i, pid in enumerate(pids(engines))}
+    for name, g in groups.items():  # absent roles are None
+        out.update({f"{name} rank {i}": pid for i, pid in enumerate(pids(g.workers) if g is not None else [])})
+    out.update({f"agent runner {i}": pid for i, pid in enumerate(ray.get([x.pid.remote() for x in runners],
+                                                                           timeout=60))})
+    return out
+
+
+async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
+    from transformers import AutoTokenizer
+
+    from molt_hydra.algorithm.advantage import get_advantage_estimator
+    from molt_hydra.models.build import resolve_path
+    from molt_hydra.rollout.weight_sync import setup_weight_sync
+
+    t0, up = _start_ray(cfg)
+
+    def ready(name: str):
+        return lambda _: up.setdefault(name, time.perf_counter() - t0)
+
+    r, t = cfg.rollout, cfg.train
+    scoring = cfg.job.value == "eval"
+    model_path = resolve_path(cfg.checkpoint.path if scoring and cfg.checkpoint.path else cfg.model.path)
+    tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
+    fsdp = trainer_roles(cfg, frozenset(get_advantage_estimator(cfg.algorithm.estimator).needs))
+    shared_gpus, share = await colocated_placement(cfg, len(fsdp))
+    engines, starting, new_engine = _start_engines(cfg, model_path, shared_gpus, share)
+    starting.add_done_callback(ready("engines"))
+    runners = _start_runners(cfg, engines, tokenizer_path)
+    runners_ready = asyncio.gather(*(x.__ray_ready__.remote() for x in runners))
+    runners_ready.add_done_callback(ready("agent runners"))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    prompts, eval_rows = _load_rows(cfg, scoring)
+    if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
+        await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
+    actor = ref = critic = None
+    if not scoring:
+        actor, ref, critic = await _start_trainers(cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)),
+                                                   shared_gpus, share, ready)
+    await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
+    await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
+    print("start-up, seconds from Ray's start until ready: "
+          + ", ".join(f"{name} {s:.1f}" for name, s in sorted(up.items(), key=lambda kv: kv[1])), flush=True)
     transport = await setup_weight_sync(cfg, actor, engines)
-
-    pids = {f"rollout engine {i}": pid for i, pid in enumerate(ray.get([e.__ray_call__.remote(lambda s: os.getpid())
-                                                                        for e in engines], timeout=60))}
-    for name, g in (("actor", actor), ("reference", ref), ("critic", critic)):  # absent roles are None
-        if g is not None:
-            for i, pid in enumerate(ray.get([w.__ray_call__.remote(lambda s: os.getpid()) for w in g.workers],
-                                            timeout=60)):
-                pids[f"{name} rank {i}"] = pid
-    for i, pid in enumerate(ray.get([x.pid.remote() for x in runners], timeout=60)):
-        pids[f"agent runner {i}"] = pid
-
     roles = Roles(
-        engines=engines, actor=actor, ref=ref, critic=critic, runners=runners, generator=generator,
-        pad_token_id=tokenizer.pad_token_id or 0,
-        policy_loss=PolicyLoss(a.policy_loss, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-                               dual_clip=a.dual_clip, entropy_coef=a.entropy_coef, kl_use_loss=a.kl.use_loss,
-                               kl_estimator=a.kl.estimator.value, loss_agg=a.loss_agg.value,
-                               is_correction=ISCorrection(a.is_correction.level.value, a.is_correction.mode.value,
-                                                          a.is_correction.low, a.is_correction.high)),
-        tokenizer=tokenizer, ckpt_dir=cfg.checkpoint.dir, run_record=run_record, transport=transport,
-        eval_rows=eval_rows, role_pids=pids, new_engine=new_engine)
+        engines=engines, actor=actor, ref=ref, critic=critic, runners=runners,
+        generator=_generator(cfg, prompts, runners), pad_token_id=tokenizer.pad_token_id or 0, policy_loss=_policy_loss(cfg), tokenizer=tokenizer,
+        ckpt_dir=cfg.checkpoint.dir, run_record=run_record, transport=transport, eval_rows=eval_rows,
+        role_pids=_role_pids(engines, {"actor": actor, "reference": ref, "critic": critic}, runners),
+        new_engine=new_engine)
     roles.calls = RoleCalls(roles, t.timeouts, r.weight_sync, r.dtype.value)
     roles.calls.keeper = EngineKeeper(roles, max_restarts=r.max_engine_restarts, startup_s=t.timeouts.startup_s)
     return roles

@@ -133,6 +133,53 @@ def wait_for_nodes(alloc: Allocation, want_cpus: float, want_gpus: float, steps:
         time.sleep(0.5)
 
 
+def _check_allocation(alloc: Allocation | None, cluster: ClusterConfig) -> None:
+    """Refuse a multi-node cluster with no allocation and no Ray address, and an allocation of another size."""
+    if alloc is None and cluster.nodes > 1 and not cluster.ray_address:
+        raise RayClusterError(
+            f"cluster.nodes={cluster.nodes} but this process runs in no Slurm allocation (SLURM_JOB_ID unset) and "
+            f"cluster.ray_address is unset, so only this machine would be used. Fix: submit it (`molt-run -m ... "
+            f"cluster=slurm`, or `sbatch launchers/molt.sbatch`), set cluster.ray_address to a running Ray "
+            f"cluster, or set cluster.nodes=1.")
+    if alloc is not None and not cluster.ray_address and len(alloc.nodes) != cluster.nodes:
+        raise RayClusterError(
+            f"Slurm job {alloc.job_id} has {len(alloc.nodes)} node(s) ({','.join(alloc.nodes)}) but cluster.nodes="
+            f"{cluster.nodes}. Fix: set cluster.nodes={len(alloc.nodes)} or allocate {cluster.nodes} node(s).")
+
+
+def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int, timeout_s: float
+                 ) -> tuple[str, dict[str, tuple]]:
+    """The Ray head on this node, then one `ray start` step per other node; each stopped when `stack` closes.
+    Returns the head's address and {node: (process, log)}."""
+    # Ray >= 2.5x turns token auth on for a `ray start --head` unless told otherwise, while this driver fixed its
+    # auth mode when it imported ray (disabled unless RAY_AUTH_MODE was set): head and workers follow the driver.
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "RAY_USAGE_STATS_ENABLED": "0"}
+    head_ip = node_ip(alloc.this_node)
+    # Free ports, not Ray's fixed defaults (6379, 10001, 52365): other jobs may share this node.
+    address = f"{head_ip}:{_free_port(head_ip)}"
+    common = ["--num-cpus", str(cpus), "--disable-usage-stats", "--block"]
+    head_log = log_dir / f"head-{alloc.this_node}.log"
+    head = _popen([_ray_bin(), "start", "--head", f"--node-ip-address={head_ip}",
+                   f"--port={address.rsplit(':', 1)[1]}", f"--ray-client-server-port={_free_port(head_ip)}",
+                   f"--dashboard-agent-listen-port={_free_port(head_ip)}", "--include-dashboard=false",
+                   f"--temp-dir={_temp_dir(alloc.job_id, alloc.this_node)}", *common], head_log, env)
+    stack.callback(_stop, head)
+    steps = {alloc.this_node: (head, head_log)}
+    _wait_head(address, head, head_log, timeout_s)
+    for node in alloc.others:
+        log = log_dir / f"worker-{node}.log"
+        # One srun step per other node (the job's own step runs only on this one). --overlap: the step may share
+        # the node with other steps of the job.
+        proc = _popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
+                       f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}", "--kill-on-bad-exit=1",
+                       _ray_bin(), "start", f"--address={address}", f"--node-ip-address={node_ip(node)}",
+                       f"--dashboard-agent-listen-port={_free_port(head_ip)}",
+                       f"--temp-dir={_temp_dir(alloc.job_id, node)}", *common], log, env)
+        stack.callback(_stop, proc)
+        steps[node] = (proc, log)
+    return address, steps
+
+
 @contextmanager
 def ray_cluster(cluster: ClusterConfig, log_dir: str | Path, num_cpus: int | None = None,
                 timeout_s: float = START_TIMEOUT_S, **init_kwargs) -> Iterator[str | None]:
@@ -141,52 +188,17 @@ def ray_cluster(cluster: ClusterConfig, log_dir: str | Path, num_cpus: int | Non
     one with cluster.nodes > 1 and no ray_address it refuses (the other nodes would be silently missing).
     num_cpus: logical CPUs each Ray node advertises (default cluster.cpus_per_node); init_kwargs go to ray.init."""
     alloc = allocation()
-    if alloc is None and cluster.nodes > 1 and not cluster.ray_address:
-        raise RayClusterError(
-            f"cluster.nodes={cluster.nodes} but this process runs in no Slurm allocation (SLURM_JOB_ID unset) and "
-            f"cluster.ray_address is unset, so only this machine would be used. Fix: submit it (`molt-run -m ... "
-            f"cluster=slurm`, or `sbatch launchers/molt.sbatch`), set cluster.ray_address to a running Ray "
-            f"cluster, or set cluster.nodes=1.")
+    _check_allocation(alloc, cluster)
     if alloc is None or cluster.ray_address:
         yield cluster.ray_address
         return
-    if len(alloc.nodes) != cluster.nodes:
-        raise RayClusterError(
-            f"Slurm job {alloc.job_id} has {len(alloc.nodes)} node(s) ({','.join(alloc.nodes)}) but cluster.nodes="
-            f"{cluster.nodes}. Fix: set cluster.nodes={len(alloc.nodes)} or allocate {cluster.nodes} node(s).")
-    import ray
+    import ray  # deferred: the launcher imports this module before it knows whether Ray starts here
 
-    log_dir = Path(log_dir)
     cpus = num_cpus or cluster.cpus_per_node
     gpus = cluster.devices_per_node if cluster.device.value == "cuda" else 0
-    # Ray >= 2.5x turns token auth on for a `ray start --head` unless told otherwise, while this driver fixed its
-    # auth mode when it imported ray (disabled unless RAY_AUTH_MODE was set): head and workers follow the driver.
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "RAY_USAGE_STATS_ENABLED": "0"}
-    head_ip = node_ip(alloc.this_node)
-    # Free ports, not Ray's fixed defaults (6379, 10001, 52365): other jobs may share this node.
-    address = f"{head_ip}:{_free_port(head_ip)}"
-    common = ["--num-cpus", str(cpus), "--disable-usage-stats", "--block"]
     t0 = time.monotonic()
     with ExitStack() as stack:
-        head_log = log_dir / f"head-{alloc.this_node}.log"
-        head = _popen([_ray_bin(), "start", "--head", f"--node-ip-address={head_ip}",
-                       f"--port={address.rsplit(':', 1)[1]}", f"--ray-client-server-port={_free_port(head_ip)}",
-                       f"--dashboard-agent-listen-port={_free_port(head_ip)}", "--include-dashboard=false",
-                       f"--temp-dir={_temp_dir(alloc.job_id, alloc.this_node)}", *common], head_log, env)
-        stack.callback(_stop, head)
-        steps = {alloc.this_node: (head, head_log)}
-        _wait_head(address, head, head_log, timeout_s)
-        for node in alloc.others:
-            log = log_dir / f"worker-{node}.log"
-            # One srun step per other node (the job's own step runs only on this one). --overlap: the step may
-            # share the node with other steps of the job.
-            proc = _popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
-                           f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}", "--kill-on-bad-exit=1",
-                           _ray_bin(), "start", f"--address={address}", f"--node-ip-address={node_ip(node)}",
-                           f"--dashboard-agent-listen-port={_free_port(head_ip)}",
-                           f"--temp-dir={_temp_dir(alloc.job_id, node)}", *common], log, env)
-            stack.callback(_stop, proc)
-            steps[node] = (proc, log)
+        address, steps = _start_nodes(stack, alloc, Path(log_dir), cpus, timeout_s)
         ray.init(address=address, **init_kwargs)
         stack.callback(ray.shutdown)
         res = wait_for_nodes(alloc, cpus * len(alloc.nodes), gpus * len(alloc.nodes), steps, timeout_s)

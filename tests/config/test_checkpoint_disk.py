@@ -13,7 +13,7 @@ import pytest
 from _config_helpers import compose_config
 from molt_hydra.cli import to_run_config
 from molt_hydra.config.schema import ConfigError
-from molt_hydra.config.validate import validate
+from molt_hydra.runtime.validate import validate
 from molt_hydra.runtime.plan import make_plan, model_shape
 
 # a Qwen3-shaped config.json of ~1.3 T parameters: no disk here holds its 16 TB checkpoint

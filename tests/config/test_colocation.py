@@ -9,7 +9,7 @@ import pytest
 from _config_helpers import compose_config
 from molt_hydra.cli import to_run_config
 from molt_hydra.config.schema import ConfigError
-from molt_hydra.config.validate import validate
+from molt_hydra.runtime.validate import validate
 from molt_hydra.runtime.plan import CUDA_CONTEXT_GIB, FRAGMENTATION, GIB, make_plan, model_shape
 
 GPU = ["cluster.device=cuda", "cluster.devices_per_node=1", "cluster.memory_gb_per_device=139",

@@ -19,7 +19,8 @@ from _config_helpers import PLAN_HEADER, run_cli_many
 from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, to_run_config
 from molt_hydra.config.bounds import BOUNDS, Bounds
 from molt_hydra.config.schema import ConfigError, RunConfig
-from molt_hydra.config.validate import MUON_FIELDS, NOT_IMPLEMENTED, validate
+from molt_hydra.config.validate import MUON_FIELDS, NOT_IMPLEMENTED
+from molt_hydra.runtime.validate import validate
 
 SEED = 1717
 N_BAD = 240

@@ -1,4 +1,4 @@
-"""model.lora's validation rules (config/validate.py `_lora_rules`), one case each: the key, a fragment of the reason
+"""model.lora's validation rules (models/rules.py `check_lora`), one case each: the key, a fragment of the reason
 taken from the rule, and a fix on every line; the LoRA recipe and the GPU recipes with a rank override validate."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from _config_helpers import compose_config
 from molt_hydra.cli import to_run_config
-from molt_hydra.config.validate import validate
+from molt_hydra.runtime.validate import validate
 from molt_hydra.models.tiny import TINY_MODELS, TINY_SHAPE
 from test_validation import assert_fires, config_errors
 

@@ -3,15 +3,17 @@ dropped, every option of Molt's inventory (§1 tables, §1.6 dead flags) has a r
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import fnmatch
+import inspect
 import re
 import typing
 from pathlib import Path
 
 import pytest
 
-from molt_hydra.config.schema import RunConfig, field_docs
+from molt_hydra.config.schema import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "molt_options.md"
@@ -22,6 +24,16 @@ BACKTICKED = re.compile(r"`([^`]+)`")
 
 
 # ------------------------------------------------------------------------------------------------------ schema walk
+def field_docs(cls: type) -> dict[str, str]:
+    """`{field: one-line doc}` of a schema dataclass, read from the string literal that follows each field."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {
+        node.target.id: nxt.value.value
+        for node, nxt in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+    }
+
+
 def schema_classes(root: type = RunConfig) -> dict[str, type]:
     """`{dotted prefix: dataclass}` of every dataclass reachable from RunConfig ('' is the root)."""
     out, todo = {}, [("", root)]

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from _config_helpers import PLAN_HEADER, Recipe, compose_config, recipes, run_cli_many
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.store import CONF_DIR, RECIPES_DIR
-from molt_hydra.config.validate import validate
+from molt_hydra.runtime.validate import validate
 
 RECIPES = recipes()
 # `--cfg job` through the CLI for a recipe with only +recipe=... and one with a launch override (cluster=...);

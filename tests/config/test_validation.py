@@ -9,7 +9,7 @@ import pytest
 from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
 from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
 from molt_hydra.config.schema import ConfigError
-from molt_hydra.config.validate import validate
+from molt_hydra.runtime.validate import validate
 
 
 def config_errors(overrides: list[str]) -> list[str]:

@@ -79,7 +79,7 @@ def _controller(overrides, generator):
 
     from _config_helpers import compose_config
     from molt_hydra.cli import to_run_config
-    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.validate import validate
     from molt_hydra.runtime.controller import RLController
 
     async def engines_busy(busy, wait):  # no trainer ranks to tell

@@ -83,7 +83,7 @@ def test_geo3k_prepared_file_is_what_the_geo3k_recipe_plans_from(tmp_path, capsy
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
     from _config_helpers import compose_config
 
-    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.validate import validate
     from molt_hydra.runtime.plan import make_plan
 
     src = tmp_path / "geo3k_source.parquet"

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
 from _config_helpers import compose_config  # noqa: E402
 
-from molt_hydra.config.validate import validate  # noqa: E402
+from molt_hydra.runtime.validate import validate  # noqa: E402
 from molt_hydra.rollout.engine import VLLMEngine  # noqa: E402
 from molt_hydra.runtime.plan import make_plan  # noqa: E402
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
 from _config_helpers import compose_config, recipes  # noqa: E402
 
 from molt_hydra.config.schema import ConfigError  # noqa: E402
-from molt_hydra.config.validate import validate  # noqa: E402
+from molt_hydra.runtime.validate import validate  # noqa: E402
 
 GPU_RECIPES = ["qwen3_4b_math", "qwen3_moe_geo3k", "qwen3_4b_sft"]
 

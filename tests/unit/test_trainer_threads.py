@@ -78,7 +78,7 @@ def test_the_driver_tells_the_ranks_around_every_generation_before_queueing_the_
     """Every generation is bracketed by hints; only a sync step's "idle" is awaited before its batch is queued (its
     training must run on every core, for reproducible reductions); the others are sent without a round trip."""
     from molt_hydra.cli import to_run_config
-    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.validate import validate
     from molt_hydra.rollout.generator import FinishedGroup, RolloutBatch
     from molt_hydra.runtime.controller import RLController
 

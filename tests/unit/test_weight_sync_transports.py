@@ -162,7 +162,7 @@ def test_validation_refuses_a_transport_the_placement_cannot_use(overrides, reas
     from _config_helpers import compose_config
 
     from molt_hydra.config.schema import ConfigError
-    from molt_hydra.config.validate import validate
+    from molt_hydra.runtime.validate import validate
 
     with pytest.raises(ConfigError, match=f"rollout.weight_sync.transport: .*{reason}"):
         validate(OmegaConf.to_object(compose_config(overrides)))

@@ -1,0 +1,86 @@
+"""Validation rules for `agent.runner`: its `_target_` names an Env, ChatAgent or Runner, and its kwargs bind to the
+constructors they reach (built once here, so their own checks run before anything starts). Run by
+runtime/validate.py beside config/validate.py's rules."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+
+from molt_hydra.agents.base import Env, Runner
+from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
+from molt_hydra.agents.loading import resolve_target
+from molt_hydra.agents.step_runner import StepEnvRunner
+from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.validate import Problems
+
+TARGET_FIX = "set agent.runner._target_ to pkg.module.Name or path/to/file.py:Name (an Env, ChatAgent or Runner)"
+
+
+def _target(problems: Problems, runner) -> type | None:
+    """The class `agent.runner._target_` names, or None (reported) when it names none."""
+    target = runner.get("_target_") if hasattr(runner, "get") else None
+    if not isinstance(target, str) or not target:
+        problems.check(False, "agent.runner._target_", f"the agent has no _target_ (keys {sorted(runner)}).",
+                       TARGET_FIX)
+        return None
+    try:
+        obj = resolve_target(target)
+    except Exception as e:  # noqa: BLE001 -- any failure to import user code is a config error here
+        problems.check(False, "agent.runner._target_", f"cannot import {target!r} ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200] if str(e) else ''}).", TARGET_FIX)
+        return None
+    ok = isinstance(obj, type) and issubclass(obj, (Runner, Env, ChatAgent))
+    problems.check(ok, "agent.runner._target_", f"{target!r} is {obj!r}, not an Env, ChatAgent or Runner subclass.",
+                   TARGET_FIX)
+    return obj if isinstance(obj, type) else None
+
+
+def _kwarg_problems(problems: Problems, cls, kwargs: dict) -> None:
+    """Bind kwargs to `cls`'s constructor as `cls(**kwargs)` would; report each unknown or missing one by its key."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to bind against
+        return
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for name in sorted(set(kwargs) - set(named)):
+            near = difflib.get_close_matches(name, named, n=1)
+            problems.check(False, f"agent.runner.{name}", f"{cls.__name__}({', '.join(named)}) takes no argument "
+                           f"{name!r}" + (f" (did you mean {near[0]!r}?)." if near else "."),
+                           f"remove +agent.runner.{name}" + (f" or spell it agent.runner.{near[0]}" if near else ""))
+    for name, p in params.items():
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and name not in kwargs:
+            problems.check(False, f"agent.runner.{name}", f"{cls.__name__} needs it and it is not set.",
+                           f"add +agent.runner.{name}=VALUE")
+
+
+def check_agent(cfg: RunConfig, problems: Problems) -> None:
+    """`agent.runner`'s kwargs against the constructors they reach: the Runner's, then the Env / ChatAgent's that a
+    StepEnvRunner / ChatAgentRunner builds per rollout (built once here too, so its own checks run now)."""
+    if cfg.job.value == "sft":  # SFT runs no agent
+        return
+    spec = dict(cfg.agent.runner)
+    cls = _target(problems, cfg.agent.runner)
+    spec.pop("_target_", None)
+    before = len(problems.lines)
+    if cls is None:
+        return
+    _kwarg_problems(problems, cls, spec)
+    if len(problems.lines) > before:
+        return
+    if issubclass(cls, (StepEnvRunner, ChatAgentRunner)):
+        runner = cls(**spec)  # both only store their arguments
+        cls, spec = (runner.env_cls, runner.env_kwargs) if isinstance(runner, StepEnvRunner) else (
+            runner.agent_cls, runner.agent_kwargs)
+        _kwarg_problems(problems, cls, spec)
+    if len(problems.lines) == before and issubclass(cls, (Env, ChatAgent)) and not issubclass(cls, Runner):
+        try:
+            cls(**spec)
+        except Exception as e:  # noqa: BLE001 -- whatever the agent's constructor refuses is a config error
+            text = str(e).splitlines()[0][:300] if str(e) else ""
+            named = re.match(r"(agent\.runner\.\w+): (.*) Fix: (.*)", text)  # already "key: reason Fix: fix"
+            key, reason, fix = named.groups() if named else ("agent.runner", text, "fix the agent.runner.* kwargs")
+            problems.check(False, key, f"{cls.__name__}(**agent.runner kwargs) raised {type(e).__name__}: {reason}",
+                           fix)

