@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, scalar
-from molt_hydra.agents.chat_messages import image_data_uri
-from molt_hydra.agents.chat_server import ChatServer
-from molt_hydra.agents.chat_session import ChatSession
+from molt_hydra.agents.targets import resolve_target
 from molt_hydra.agents.tool_parser import reply_parser
+from molt_hydra.agents.wire.images import image_data_uri
+from molt_hydra.agents.wire.server import ChatServer
+from molt_hydra.agents.wire.session import ChatSession
 from molt_hydra.rollout.generation import Sampling, TokenGenerator
 
 
@@ -71,8 +72,6 @@ class ChatAgentRunner(Runner):
         `accepts_images`: False for a text-only model, so image parts get a 400 (data.max_images_per_prompt > 0);
         `max_images`: the engines' per-prompt image limit (data.max_images_per_prompt), more is a 400."""
         if isinstance(agent, str):
-            from molt_hydra.agents.loading import resolve_target
-
             agent = resolve_target(agent)
         if not (isinstance(agent, type) and issubclass(agent, ChatAgent)):
             raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent!r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 
-from molt_hydra.agents.chat_messages import RequestError
+from molt_hydra.agents.wire.request import RequestError
 
 
 WHITESPACE_RUN = 1  # most whitespace characters between two JSON tokens: `": "` passes, a run of blanks does not

@@ -15,6 +15,7 @@ import json
 import logging
 
 from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, scalar
+from molt_hydra.agents.targets import resolve_target
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,6 @@ class StepEnvRunner(Runner):
         is built with `env_kwargs`. `image_tokens_per_image`: tokens the engine adds per image when it expands the
         placeholder (0 for text models), reserved from the length budget."""
         if isinstance(env, str):
-            from molt_hydra.agents.loading import resolve_target
-
             env = resolve_target(env)
         if not (isinstance(env, type) and issubclass(env, Env)):
             raise TypeError(f"StepEnvRunner needs an Env subclass, got {env!r}")

@@ -16,6 +16,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from molt_hydra.compat.vllm import chat_completion_request
+
 log = logging.getLogger(__name__)
 _failures = {"count": 0}  # tool-call blocks a parser could not read, in this process (agent/tool_parse_failures)
 
@@ -55,23 +57,6 @@ class ParsedReply:
     content: str  # text outside reasoning and parsed tool-call blocks
     tool_calls: list[ToolCall]
     reasoning: str | None = None
-
-
-def _vllm_request(tools: list[dict] | None, tool_choice="auto", parallel_tool_calls: bool | None = None):
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-    kw = {"tool_choice": tool_choice} if tools else {}
-    return ChatCompletionRequest(model="policy", messages=[], tools=tools, parallel_tool_calls=parallel_tool_calls,
-                                 **kw)
-
-
-def forced_tool_schema(tools: list[dict], tool_choice, parallel_tool_calls: bool | None) -> dict:
-    """JSON schema that makes the model call a tool: vLLM's own rule for tool_choice "required" / a named tool."""
-    from vllm.tool_parsers.utils import get_json_schema_from_tools
-
-    req = _vllm_request(tools, tool_choice, parallel_tool_calls)
-    schema = get_json_schema_from_tools(req.tool_choice, req.tools, req.parallel_tool_calls)
-    return json.loads(schema) if isinstance(schema, str) else schema
 
 
 def parse_forced(text: str, tool_choice) -> ParsedReply:
@@ -127,12 +112,12 @@ class ReplyParser:
     def parse(self, text: str, tools: list[dict] | None, parse_tools: bool = True) -> ParsedReply:
         reasoning, content = None, text
         if self.reasoning is not None:
-            reasoning, content = self.reasoning.extract_reasoning(text, _vllm_request(tools))
+            reasoning, content = self.reasoning.extract_reasoning(text, chat_completion_request(tools))
             content = content or ""
         if self.tool is None or not parse_tools or not tools:
             return ParsedReply(content, [], reasoning)
         _ERRORS.take()
-        info = self.tool.extract_tool_calls(content, _vllm_request(tools))
+        info = self.tool.extract_tool_calls(content, chat_completion_request(tools))
         error = _ERRORS.take()
         if error is not None:
             return self._unparsed(content, reasoning, f"{type(error).__name__}: {error}")
