@@ -54,7 +54,6 @@ class TurnReply:
     choices: list[Choice]
     prompt_tokens: int
     completion_tokens: int
-    cached: bool = False
     streamed: bool = False  # choice 0's text already reached the client token by token
 
 
@@ -62,13 +61,6 @@ class TurnReply:
 class _Branch:
     traj: Trajectory
     choice: Choice
-
-
-@dataclass
-class SessionStats:
-    generate_calls: int = 0
-    retries_served: int = 0
-    judge_calls: int = 0
 
 
 _PROBE = "\u2063probe\u2063"
@@ -84,7 +76,6 @@ class ChatSession:
         max_length: int,
         parser: ReplyParser,
         label=None,
-        prompt=None,
         image_tokens_per_image: int = 0,
         max_turns: int | None = None,
         max_choices: int = 8,
@@ -103,11 +94,10 @@ class ChatSession:
         self.max_images = max_images  # the engines' per-prompt image limit; a prompt carries the conversation's
         self.loop: asyncio.AbstractEventLoop | None = None  # the agent's loop, where the generator is called
         self.label = label
-        self.prompt = prompt
         self.image_tokens_per_image = image_tokens_per_image
         self.max_turns = max_turns
         self.lock = asyncio.Lock()  # turns of one session are serialized
-        self.stats = SessionStats()
+        self.generate_calls = 0  # turns generated (agent.max_turns bounds them)
         self.closed = False
         self._sealed: list[Trajectory] = []
         self._branches: list[_Branch] = []
@@ -153,8 +143,7 @@ class ChatSession:
                 raise RequestError(404, f"session {self.session_id} is closed", code="session_closed")
             key = req.key()
             if key == self._last_key and self._last_reply is not None:
-                self.stats.retries_served += 1
-                return dataclasses.replace(self._last_reply, cached=True, streamed=False)
+                return dataclasses.replace(self._last_reply, streamed=False)
             return await self._generate_turn(req, key, on_delta)
 
     async def judge(self, req: ChatRequest) -> TurnReply:
@@ -172,7 +161,6 @@ class ChatSession:
             self.sampling, n=req.n, max_tokens=min(o.get("max_tokens", self.sampling.max_tokens), remaining),
             min_tokens=0, stop=self.sampling.stop + o.get("stop", ()),
             **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o}, **self._decoding(req))
-        self.stats.judge_calls += 1
         gens = await self.generator.generate(
             GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling, images))
         return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
@@ -241,7 +229,7 @@ class ChatSession:
         extension, prompt_ids, images = self._prompt(req)
         sampling = self._turn_sampling(req)
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
-        out_of_turns = self.max_turns is not None and self.stats.generate_calls >= self.max_turns
+        out_of_turns = self.max_turns is not None and self.generate_calls >= self.max_turns
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
                 raise RequestError(400, f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this "
@@ -255,7 +243,7 @@ class ChatSession:
         self.last_prompt_tokens = len(prompt_ids)
         max_tokens = min(sampling.max_tokens, remaining)
         sampling = dataclasses.replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens))
-        self.stats.generate_calls += 1
+        self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
         gens = [await self._stream(request, req, on_delta)] if streamed else await self.generator.generate(request)
