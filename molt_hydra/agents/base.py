@@ -180,8 +180,6 @@ class RolloutOutcome:
 
 
 class Runner(ABC):
-    PRERENDER_PROMPT = True  # whether the prompt dataset should apply the chat template (Molt compat flag)
-
     @abstractmethod
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
         """Run one rollout; the segments it produced (may be empty)."""

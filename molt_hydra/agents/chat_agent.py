@@ -54,8 +54,6 @@ class ChatAgent(ABC):
 
 
 class ChatAgentRunner(Runner):
-    PRERENDER_PROMPT = False
-
     def __init__(
         self,
         agent: type[ChatAgent] | str,

@@ -23,8 +23,6 @@ PROMPT_MEMO = 4096  # distinct prompts remembered per runner (a few batches' wor
 
 
 class StepEnvRunner(Runner):
-    PRERENDER_PROMPT = True
-
     def __init__(self, env: type[Env] | str, env_kwargs: dict | None = None, image_tokens_per_image: int = 0):
         """`env`: an Env subclass or its import target (see `loading.resolve_target`); a fresh instance per episode
         is built with `env_kwargs`. `image_tokens_per_image`: tokens the engine adds per image when it expands the

@@ -21,6 +21,7 @@ import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from molt_hydra.agents.base import Trajectory
 from molt_hydra.agents.json_grammar import compact
@@ -66,38 +67,27 @@ class _Branch:
 _PROBE = "\u2063probe\u2063"
 
 
+@dataclass(eq=False, repr=False)
 class ChatSession:
-    def __init__(
-        self,
-        session_id: str,
-        generator: TokenGenerator,
-        tokenizer,
-        sampling: Sampling,
-        max_length: int,
-        parser: ReplyParser,
-        label=None,
-        image_tokens_per_image: int = 0,
-        max_turns: int | None = None,
-        max_choices: int = 8,
-        accepts_images: bool = True,
-        max_images: int | None = None,
-        model_label: str = "policy",
-    ):
-        self.session_id = session_id
-        self.generator = generator
-        self.tokenizer = tokenizer
-        self.sampling = sampling
-        self.max_length = max_length
-        self.parser = parser
-        self.max_choices = max_choices
-        self.accepts_images, self.model_label = accepts_images, model_label
-        self.max_images = max_images  # the engines' per-prompt image limit; a prompt carries the conversation's
+    session_id: str
+    generator: TokenGenerator
+    tokenizer: Any
+    sampling: Sampling
+    max_length: int
+    parser: ReplyParser
+    label: Any = None
+    image_tokens_per_image: int = 0
+    max_turns: int | None = None
+    max_choices: int = 8
+    accepts_images: bool = True
+    max_images: int | None = None  # the engines' per-prompt image limit; a prompt carries the conversation's
+    model_label: str = "policy"
+
+    def __post_init__(self):
         self.loop: asyncio.AbstractEventLoop | None = None  # the agent's loop, where the generator is called
-        self.label = label
-        self.image_tokens_per_image = image_tokens_per_image
-        self.max_turns = max_turns
         self.lock = asyncio.Lock()  # turns of one session are serialized
         self.generate_calls = 0  # turns generated (agent.max_turns bounds them)
+        self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
         self.closed = False
         self._sealed: list[Trajectory] = []
         self._branches: list[_Branch] = []
@@ -106,8 +96,7 @@ class ChatSession:
         self._last_key: str | None = None
         self._last_reply: TurnReply | None = None
         self._turn_end = self._assistant_turn_end()
-        self._end_ids = {tokenizer.eos_token_id, *sampling.stop_token_ids}
-        self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
+        self._end_ids = {self.tokenizer.eos_token_id, *self.sampling.stop_token_ids}
 
     # --- rendering ---
 
