@@ -191,13 +191,15 @@ def _whole(block: dict) -> tuple[dict, dict]:
 class MessageStream(Stream):
     """Each run of reasoning or content is a content block (thinking / text); tool_use blocks are sent whole."""
 
+    ID_PREFIX = "msg_"
+
     @staticmethod
     def ev(kind: str, data: dict) -> bytes:
         return sse(dict(data, type=kind), kind)
 
     def start(self) -> list[bytes]:
         # input_tokens is known before the first token: the session tokenized the prompt already
-        start = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": self.model, "content": [],
+        start = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                  "stop_reason": None, "stop_sequence": None,
                  "usage": {"input_tokens": self.session.last_prompt_tokens, "output_tokens": 0}}
         return [self.ev("message_start", {"message": start})]

@@ -57,9 +57,7 @@ def body(reply, req: ChatRequest, model: str) -> dict:
 
 
 class CompletionStream(Stream):
-    def __init__(self, req: ChatRequest, model: str, session):
-        super().__init__(req, model, session)
-        self.id, self.created = new_id("cmpl-"), int(time.time())
+    ID_PREFIX = "cmpl-"
 
     def chunk(self, text: str, finish=None, usage=None) -> bytes:
         body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,

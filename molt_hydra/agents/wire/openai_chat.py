@@ -39,14 +39,8 @@ def _message(m: Any, where: str) -> dict:
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise bad(f"{where} must be an object with role in {sorted(ROLES)}", where)
     role = ROLES[m["role"]]
-    content = m.get("content")
-    if content is None:
-        content = ""
-    elif isinstance(content, list):
-        content = check.content([_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)])
-    elif not isinstance(content, str):
-        raise bad(f"{where}.content must be a string or a list of parts", where)
-    out: dict = {"role": role, "content": content}
+    out: dict = {"role": role, "content": check.text_or_parts("" if m.get("content") is None else m["content"], where,
+                                                                  _part)}
     if role == "assistant" and m.get("tool_calls"):
         if not isinstance(m["tool_calls"], list):
             raise bad(f"{where}.tool_calls must be a list", where)
@@ -122,9 +116,7 @@ def body(reply, req: ChatRequest, model: str) -> dict:
 
 
 class ChatStream(Stream):
-    def __init__(self, req: ChatRequest, model: str, session):
-        super().__init__(req, model, session)
-        self.id, self.created = new_id("chatcmpl-"), int(time.time())
+    ID_PREFIX = "chatcmpl-"
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,

@@ -112,6 +112,15 @@ def content(parts: list[dict]) -> str | list[dict]:
     return parts
 
 
+def text_or_parts(v: Any, where: str, part) -> str | list[dict]:
+    """A message's content: a string, or a list of parts each read by `part(p, where)`."""
+    if isinstance(v, list):
+        return content([part(p, f"{where}.content[{j}]") for j, p in enumerate(v)])
+    if not isinstance(v, str):
+        raise bad(f"{where}.content must be a string or a list of parts", where)
+    return v
+
+
 def text_part(p: dict, where: str) -> dict:
     if not isinstance(p.get("text"), str):
         raise bad(f"{where}: text part needs a string 'text'", where)

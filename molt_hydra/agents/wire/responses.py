@@ -62,12 +62,8 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
     if kind == "message":
         if item.get("role") not in ROLES or item["role"] == "tool":
             raise bad(f"{where}: message role must be user, system, developer or assistant", where)
-        content = item.get("content", "")
-        if isinstance(content, list):
-            content = check.content([_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)])
-        elif not isinstance(content, str):
-            raise bad(f"{where}.content must be a string or a list of parts", where)
-        canon.append({"role": ROLES[item["role"]], "content": content})
+        canon.append({"role": ROLES[item["role"]], "content": check.text_or_parts(item.get("content", ""), where,
+                                                                                   _part)})
     elif kind == "function_call":
         if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
             raise bad(f"{where}: function_call needs a string name and arguments", where)
@@ -144,9 +140,11 @@ def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
 class ResponseStream(Stream):
     """Each run of reasoning or content is an output item, opened, filled by deltas and closed."""
 
+    ID_PREFIX = "resp_"
+
     def __init__(self, req: ChatRequest, model: str, session):
         super().__init__(req, model, session)
-        self.id, self.seq, self.item_id, self.text = new_id("resp_"), 0, None, ""
+        self.seq, self.item_id, self.text = 0, None, ""
 
     def ev(self, kind: str, **data) -> bytes:
         self.seq += 1
@@ -156,7 +154,7 @@ class ResponseStream(Stream):
         return dict(item_id=self.item_id, output_index=self.index, content_index=0, **data)
 
     def start(self) -> list[bytes]:
-        shell = {"id": self.id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        shell = {"id": self.id, "object": "response", "created_at": self.created, "status": "in_progress",
                  "model": self.model, "output": [], "error": None, "incomplete_details": None,
                  "tools": [], "tool_choice": "auto", "parallel_tool_calls": True}
         return [self.ev("response.created", response=shell), self.ev("response.in_progress", response=shell)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 
 from molt_hydra.agents.wire.request import ChatRequest
 
@@ -21,8 +22,11 @@ class Stream:
     text)` for each piece of "reasoning" or "content" the engine samples, `end(reply)` with the whole `TurnReply`.
     A stream of blocks (Responses items, Anthropic content blocks) opens a block at each change of kind."""
 
+    ID_PREFIX = ""  # of the reply's id
+
     def __init__(self, req: ChatRequest, model: str, session):
         self.req, self.model, self.session = req, model, session
+        self.id, self.created = new_id(self.ID_PREFIX), int(time.time())
         self.kind, self.index = None, -1  # the open block
 
     def start(self) -> list[bytes]:
