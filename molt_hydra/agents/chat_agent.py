@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, scalar
-from molt_hydra.agents.targets import resolve_target
+from molt_hydra.agents.targets import subclass
 from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
 from molt_hydra.agents.wire.server import ChatServer
@@ -69,11 +69,7 @@ class ChatAgentRunner(Runner):
         agent.reasoning_parser); `max_choices`: the largest `n` a request may ask for (agent.max_choices);
         `accepts_images`: False for a text-only model, so image parts get a 400 (data.max_images_per_prompt > 0);
         `max_images`: the engines' per-prompt image limit (data.max_images_per_prompt), more is a 400."""
-        if isinstance(agent, str):
-            agent = resolve_target(agent)
-        if not (isinstance(agent, type) and issubclass(agent, ChatAgent)):
-            raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent!r}")
-        self.agent_cls = agent
+        self.agent_cls = subclass(agent, ChatAgent, "ChatAgentRunner needs a ChatAgent subclass")
         self.agent_kwargs = dict(agent_kwargs or {})
         self.configure_chat(tool_parser, reasoning_parser, max_choices, accepts_images, max_images)
         self.image_tokens_per_image = image_tokens_per_image

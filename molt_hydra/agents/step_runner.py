@@ -15,7 +15,7 @@ import json
 import logging
 
 from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, scalar
-from molt_hydra.agents.targets import resolve_target
+from molt_hydra.agents.targets import subclass
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
 log = logging.getLogger(__name__)
@@ -24,14 +24,10 @@ PROMPT_MEMO = 4096  # distinct prompts remembered per runner (a few batches' wor
 
 class StepEnvRunner(Runner):
     def __init__(self, env: type[Env] | str, env_kwargs: dict | None = None, image_tokens_per_image: int = 0):
-        """`env`: an Env subclass or its import target (see `loading.resolve_target`); a fresh instance per episode
+        """`env`: an Env subclass or its import target (see `targets.resolve_target`); a fresh instance per episode
         is built with `env_kwargs`. `image_tokens_per_image`: tokens the engine adds per image when it expands the
         placeholder (0 for text models), reserved from the length budget."""
-        if isinstance(env, str):
-            env = resolve_target(env)
-        if not (isinstance(env, type) and issubclass(env, Env)):
-            raise TypeError(f"StepEnvRunner needs an Env subclass, got {env!r}")
-        self.env_cls = env
+        self.env_cls = subclass(env, Env, "StepEnvRunner needs an Env subclass")
         self.env_kwargs = dict(env_kwargs or {})
         self.image_tokens_per_image = image_tokens_per_image
         self._prompts: dict = {}  # (tokenizer, prompt) -> (text, token ids): see `_prompt_ids`

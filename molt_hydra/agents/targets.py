@@ -26,6 +26,14 @@ def resolve_target(target: str) -> Any:
     return getattr(module, name)
 
 
+def subclass(obj: type | str, base: type, need: str) -> type:
+    """`obj`, or the class its target names, when it subclasses `base`; else a TypeError: `need`, got what."""
+    obj = resolve_target(obj) if isinstance(obj, str) else obj
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise TypeError(f"{need}, got {obj!r}")
+    return obj
+
+
 def _import_file(path: Path):
     path = path.expanduser().resolve()
     if not path.is_file():
