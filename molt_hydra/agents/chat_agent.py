@@ -1,6 +1,7 @@
 """`ChatAgent` + `ChatAgentRunner`: the agent owns the loop through the stock `openai` / `anthropic` SDK, pointed at
 this process's loopback chat server (Molt §3.5). Each rollout gets a session; when the agent returns its `Result`,
-every segment the session captured gets the rollout's reward, score and info.
+every segment the session captured gets the rollout's reward, score and info. transformers and the model code are
+imported where a model's config is read (deferred: heavy, and config validation builds runners).
 """
 
 from __future__ import annotations
