@@ -286,7 +286,6 @@ class ChatSession:
         """Sample one completion token by token, handing the client each safe-to-show piece as it appears."""
         stops = request.sampling.stop
         hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be completing
-        forced = req.forced_tool
         sent = {"reasoning": "", "content": ""}
         deltas: list[Generation] = []
 
@@ -298,13 +297,13 @@ class ChatSession:
 
         async for d in self.generator.generate_stream(request):
             deltas.append(d)
+            if req.forced_tool:
+                continue  # the reply is a tool call, sent whole at the end
             ids = [t for x in deltas for t in x.token_ids]
             while ids and ids[-1] in self._end_ids:
                 ids = ids[:-1]
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
             cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
-            if forced:
-                continue  # the reply is a tool call, sent whole at the end
             reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
             emit("content", content)
