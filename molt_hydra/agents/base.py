@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import uuid
 from abc import ABC, abstractmethod
@@ -65,8 +66,6 @@ def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None
     if isinstance(override, Sampling):
         return override
     if isinstance(override, dict):
-        import dataclasses
-
         unknown = set(override) - {f.name for f in dataclasses.fields(Sampling)}
         if unknown:
             raise ValueError(f"sampling_params override has unknown keys {sorted(unknown)}")
@@ -180,8 +179,6 @@ class RolloutOutcome:
 
 
 class Runner(ABC):
-    PRERENDER_PROMPT = True  # whether the prompt dataset should apply the chat template (Molt compat flag)
-
     @abstractmethod
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
         """Run one rollout; the segments it produced (may be empty)."""

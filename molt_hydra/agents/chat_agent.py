@@ -1,6 +1,7 @@
 """`ChatAgent` + `ChatAgentRunner`: the agent owns the loop through the stock `openai` / `anthropic` SDK, pointed at
 this process's loopback chat server (Molt §3.5). Each rollout gets a session; when the agent returns its `Result`,
-every segment the session captured gets the rollout's reward, score and info.
+every segment the session captured gets the rollout's reward, score and info. transformers and the model code are
+imported where a model's config is read (deferred: heavy, and config validation builds runners).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, scalar
-from molt_hydra.agents.chat_messages import image_data_uri
-from molt_hydra.agents.chat_server import ChatServer
-from molt_hydra.agents.chat_session import ChatSession
-from molt_hydra.agents.tool_parser import reply_parser
+from molt_hydra.agents.targets import subclass
+from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
+from molt_hydra.agents.wire.images import image_data_uri
+from molt_hydra.agents.wire.server import ChatServer
+from molt_hydra.agents.wire.session import ChatSession
 from molt_hydra.rollout.generation import Sampling, TokenGenerator
 
 
@@ -53,8 +55,6 @@ class ChatAgent(ABC):
 
 
 class ChatAgentRunner(Runner):
-    PRERENDER_PROMPT = False
-
     def __init__(
         self,
         agent: type[ChatAgent] | str,
@@ -70,13 +70,7 @@ class ChatAgentRunner(Runner):
         agent.reasoning_parser); `max_choices`: the largest `n` a request may ask for (agent.max_choices);
         `accepts_images`: False for a text-only model, so image parts get a 400 (data.max_images_per_prompt > 0);
         `max_images`: the engines' per-prompt image limit (data.max_images_per_prompt), more is a 400."""
-        if isinstance(agent, str):
-            from molt_hydra.agents.loading import resolve_target
-
-            agent = resolve_target(agent)
-        if not (isinstance(agent, type) and issubclass(agent, ChatAgent)):
-            raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent!r}")
-        self.agent_cls = agent
+        self.agent_cls = subclass(agent, ChatAgent, "ChatAgentRunner needs a ChatAgent subclass")
         self.agent_kwargs = dict(agent_kwargs or {})
         self.configure_chat(tool_parser, reasoning_parser, max_choices, accepts_images, max_images)
         self.image_tokens_per_image = image_tokens_per_image
@@ -87,7 +81,10 @@ class ChatAgentRunner(Runner):
     def configure_chat(self, tool_parser: str | None = "hermes", reasoning_parser: str | None = None,
                        max_choices: int = 8, accepts_images: bool = True, max_images: int | None = None) -> None:
         """The agent.* chat settings (the runner process applies the config's values over the constructor's)."""
-        _check_parser_names(tool_parser, reasoning_parser)
+        if tool_parser not in (None, "hermes") or reasoning_parser is not None:
+            # an unknown name fails here, not at the first tool call; vLLM's default is not looked up (its registries
+            # cost seconds, and config validation builds runners)
+            check_parser_names(tool_parser, reasoning_parser)
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.max_choices, self.accepts_images, self.max_images = max_choices, accepts_images, max_images
 
@@ -112,7 +109,6 @@ class ChatAgentRunner(Runner):
             episode.max_length,
             reply_parser(tokenizer, self.tool_parser, self.reasoning_parser),
             label=episode.label,
-            prompt=episode.prompt,
             image_tokens_per_image=self.image_tokens_per_image,
             max_turns=episode.max_turns,
             max_choices=self.max_choices,
@@ -170,21 +166,6 @@ def text_only_model(model_dir: str) -> bool:
         return not is_vlm(AutoConfig.from_pretrained(model_dir))
     except (OSError, ValueError):
         return False
-
-
-def _check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
-    """Unknown parser names fail when the runner is built, not at the first tool call."""
-    if tool_parser in (None, "hermes") and reasoning_parser is None:
-        return  # vLLM's built-in default; importing its registries costs seconds (config validation builds runners)
-    from vllm.reasoning import ReasoningParserManager
-    from vllm.tool_parsers import ToolParserManager
-
-    tools = {*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers}
-    if tool_parser and tool_parser not in tools:
-        raise ValueError(f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {sorted(tools)}")
-    if reasoning_parser and reasoning_parser not in ReasoningParserManager.list_registered():
-        raise ValueError(f"agent.reasoning_parser={reasoning_parser!r} is not a vLLM reasoning parser; known: "
-                         f"{ReasoningParserManager.list_registered()}")
 
 
 def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:

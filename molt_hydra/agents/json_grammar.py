@@ -6,7 +6,8 @@ that allows any whitespace between JSON tokens lets a weak model emit blanks unt
 converted here, with xgrammar (the structured-output library vLLM itself uses), into a grammar that allows at most
 one whitespace character between JSON tokens and none after the value, sent as vLLM's per-request `grammar`: the
 same JSON values, both the compact and the `json.dumps` style (`", "`, `": "`, what chat templates render and
-models learn), and no way to spin on whitespace, on CPU and GPU.
+models learn), and no way to spin on whitespace, on CPU and GPU. xgrammar is imported where a grammar is first built
+(deferred: heavy).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 
-from molt_hydra.agents.chat_messages import RequestError
+from molt_hydra.agents.wire.request import RequestError
 
 
 WHITESPACE_RUN = 1  # most whitespace characters between two JSON tokens: `": "` passes, a run of blanks does not

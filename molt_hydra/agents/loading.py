@@ -10,49 +10,13 @@ Call this inside each runner process: runners hold a server and event-loop state
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from molt_hydra.agents.base import Env, Runner
-
-
-def resolve_target(target: str) -> Any:
-    path, sep, name = target.partition(":") if ".py" in target else (target, "", "")
-    if path.endswith(".py"):
-        module = _import_file(Path(path))
-        name = name or "AgentRunner"
-    else:
-        module_name, _, name = target.rpartition(".")
-        if not module_name:
-            raise ValueError(f"agent target {target!r}: expected 'pkg.module.Name' or 'file.py[:Name]'")
-        module = importlib.import_module(module_name)
-    if not hasattr(module, name):
-        raise ValueError(f"agent target {target!r}: {module.__name__} has no attribute {name!r}")
-    return getattr(module, name)
-
-
-def _import_file(path: Path):
-    path = path.expanduser().resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"agent file {path} does not exist")
-    # One module per file path, registered so that classes it defines pickle and compare by identity.
-    module_name = f"molt_agent_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
+from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
+from molt_hydra.agents.step_runner import StepEnvRunner
+from molt_hydra.agents.targets import resolve_target
 
 
 def load_runner(spec: str | Mapping, **kwargs: Any) -> Runner:
@@ -64,15 +28,9 @@ def load_runner(spec: str | Mapping, **kwargs: Any) -> Runner:
         spec = spec["_target_"]
     obj = resolve_target(spec)
     if isinstance(obj, type) and issubclass(obj, Runner):
-        runner = obj(**kwargs)
-    elif isinstance(obj, type) and issubclass(obj, Env):
-        from molt_hydra.agents.step_runner import StepEnvRunner
-
-        runner = StepEnvRunner(obj, env_kwargs=kwargs)
-    else:
-        from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
-
-        if not (isinstance(obj, type) and issubclass(obj, ChatAgent)):
-            raise TypeError(f"agent target {spec!r} is {obj!r}; expected a Runner, Env or ChatAgent subclass")
-        runner = ChatAgentRunner(obj, agent_kwargs=kwargs)
-    return runner
+        return obj(**kwargs)
+    if isinstance(obj, type) and issubclass(obj, Env):
+        return StepEnvRunner(obj, env_kwargs=kwargs)
+    if isinstance(obj, type) and issubclass(obj, ChatAgent):
+        return ChatAgentRunner(obj, agent_kwargs=kwargs)
+    raise TypeError(f"agent target {spec!r} is {obj!r}; expected a Runner, Env or ChatAgent subclass")

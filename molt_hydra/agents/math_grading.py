@@ -2,7 +2,7 @@
 
 Timeouts are off inside math-verify (its signal-based timer only works on the main thread, and runners run agents
 on event loops in other threads); agents call `grade_math` through `asyncio.to_thread` so the agent's
-`timeout_s` bounds it instead.
+`timeout_s` bounds it instead. math-verify is imported at the first grade (deferred: it loads sympy).
 """
 
 from __future__ import annotations

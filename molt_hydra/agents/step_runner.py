@@ -15,6 +15,7 @@ import json
 import logging
 
 from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, scalar
+from molt_hydra.agents.targets import subclass
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
 log = logging.getLogger(__name__)
@@ -22,19 +23,11 @@ PROMPT_MEMO = 4096  # distinct prompts remembered per runner (a few batches' wor
 
 
 class StepEnvRunner(Runner):
-    PRERENDER_PROMPT = True
-
     def __init__(self, env: type[Env] | str, env_kwargs: dict | None = None, image_tokens_per_image: int = 0):
-        """`env`: an Env subclass or its import target (see `loading.resolve_target`); a fresh instance per episode
+        """`env`: an Env subclass or its import target (see `targets.resolve_target`); a fresh instance per episode
         is built with `env_kwargs`. `image_tokens_per_image`: tokens the engine adds per image when it expands the
         placeholder (0 for text models), reserved from the length budget."""
-        if isinstance(env, str):
-            from molt_hydra.agents.loading import resolve_target
-
-            env = resolve_target(env)
-        if not (isinstance(env, type) and issubclass(env, Env)):
-            raise TypeError(f"StepEnvRunner needs an Env subclass, got {env!r}")
-        self.env_cls = env
+        self.env_cls = subclass(env, Env, "StepEnvRunner needs an Env subclass")
         self.env_kwargs = dict(env_kwargs or {})
         self.image_tokens_per_image = image_tokens_per_image
         self._prompts: dict = {}  # (tokenizer, prompt) -> (text, token ids): see `_prompt_ids`
@@ -61,36 +54,11 @@ class StepEnvRunner(Runner):
 
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
         env = self.env_cls(**self.env_kwargs)
-        prompt = episode.prompt
-        if episode.apply_chat_template and isinstance(prompt, str):  # Molt: a string is the user's one message
-            prompt = [{"role": "user", "content": prompt}]
-        state = env.reset({"observation": prompt, "label": episode.label})
-        if inspect.isawaitable(state):
-            state = await state
-        prompt, ids = self._prompt_ids(state["observation"], state.get("tools", episode.tools), tokenizer)
-        images = list(episode.images)
-        sampling = episode.sampling
-        image_budget = self.image_tokens_per_image * len(images)
-
-        max_initial = max(1, episode.max_length - sampling.max_tokens - image_budget)
-        if len(ids) > max_initial:
-            if images:  # cutting could split an image's placeholder tokens
-                raise ValueError(f"prompt with images has {len(ids)} tokens > {max_initial} allowed by max_length")
-            log.warning("rollout %s: prompt left-truncated %d -> %d tokens", episode.rollout_id, len(ids), max_initial)
-            ids = ids[-max_initial:]
-            prompt = tokenizer.decode(ids, skip_special_tokens=False)
-
-        traj = Trajectory(prompt=episode.prompt, label=episode.label, images=images)
-        traj.append_feedback(ids)
-        observation_text = prompt
-        turn = 0
+        traj, observation_text = await self._first_prompt(env, episode, tokenizer)
+        images, sampling, turn = list(episode.images), episode.sampling, 0
         while True:
-            if episode.max_turns is not None and turn >= episode.max_turns:
-                traj.truncated = True
-                break
-            remaining = episode.max_length - len(traj.token_ids) - image_budget
-            max_tokens = min(sampling.max_tokens, remaining)
-            if max_tokens <= 0:
+            max_tokens = min(sampling.max_tokens, episode.max_length - len(traj.token_ids) - self._image_tokens(images))
+            if episode.max_turns is not None and turn >= episode.max_turns or max_tokens <= 0:
                 traj.truncated = True
                 break
             turn_sampling = dataclasses.replace(
@@ -102,7 +70,6 @@ class StepEnvRunner(Runner):
             traj.truncated |= gen.finish_reason == "length"
             action_text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
             observation_text += action_text
-
             result = await env.step(
                 {
                     "observation_text": observation_text,
@@ -114,29 +81,58 @@ class StepEnvRunner(Runner):
                     "tokenizer": tokenizer,  # e.g. for vLLM's tool parsers (agents.tool_parser.reply_parser)
                 }
             )
-            if not isinstance(result, Result):
-                raise TypeError(f"{self.env_cls.__name__}.step must return Result, got {type(result).__name__}")
-            reward = scalar(result.reward, "Result.reward")
-            traj.reward += reward  # summed over turns (Molt §3.4)
-            traj.score = reward if result.score is None else scalar(result.score, "Result.score")
-            traj.info = dict(result.info)
-            traj.truncated |= result.truncated
+            self._score(traj, result)
             sampling = apply_sampling_override(sampling, result.sampling_params)
             turn += 1
-            if result.terminated or traj.truncated:
-                break  # no trailing feedback: nothing after it would be trained on
-
-            feedback = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
-            new_images = list(result.images or [])
-            room = episode.max_length - len(traj.token_ids) - image_budget
-            room -= self.image_tokens_per_image * len(new_images)
-            if len(feedback) >= room:  # not even one token left to generate after it
-                traj.append_feedback(feedback[: max(0, room)] if not new_images else [])
-                traj.truncated = True
+            # no trailing feedback after the last turn: nothing after it would be trained on
+            if result.terminated or traj.truncated or not self._feedback(traj, result, images, episode, tokenizer):
                 break
-            traj.append_feedback(feedback)
             observation_text += result.observation
-            images.extend(new_images)
-            traj.images = list(images)
-            image_budget += self.image_tokens_per_image * len(new_images)
         return [traj]
+
+    def _image_tokens(self, images: list) -> int:
+        return self.image_tokens_per_image * len(images)
+
+    async def _first_prompt(self, env: Env, episode: Episode, tokenizer) -> tuple[Trajectory, str]:
+        """The env's reset observation as the trajectory's first feedback (left-truncated to leave room for one
+        generation), and its text."""
+        prompt = episode.prompt
+        if episode.apply_chat_template and isinstance(prompt, str):  # Molt: a string is the user's one message
+            prompt = [{"role": "user", "content": prompt}]
+        state = env.reset({"observation": prompt, "label": episode.label})
+        if inspect.isawaitable(state):
+            state = await state
+        prompt, ids = self._prompt_ids(state["observation"], state.get("tools", episode.tools), tokenizer)
+        max_initial = max(1, episode.max_length - episode.sampling.max_tokens - self._image_tokens(episode.images))
+        if len(ids) > max_initial:
+            if episode.images:  # cutting could split an image's placeholder tokens
+                raise ValueError(f"prompt with images has {len(ids)} tokens > {max_initial} allowed by max_length")
+            log.warning("rollout %s: prompt left-truncated %d -> %d tokens", episode.rollout_id, len(ids), max_initial)
+            ids = ids[-max_initial:]
+            prompt = tokenizer.decode(ids, skip_special_tokens=False)
+        traj = Trajectory(prompt=episode.prompt, label=episode.label, images=list(episode.images))
+        traj.append_feedback(ids)
+        return traj, prompt
+
+    def _score(self, traj: Trajectory, result: Result) -> None:
+        if not isinstance(result, Result):
+            raise TypeError(f"{self.env_cls.__name__}.step must return Result, got {type(result).__name__}")
+        reward = scalar(result.reward, "Result.reward")
+        traj.reward += reward  # summed over turns (Molt §3.4)
+        traj.score = reward if result.score is None else scalar(result.score, "Result.score")
+        traj.info = dict(result.info)
+        traj.truncated |= result.truncated
+
+    def _feedback(self, traj: Trajectory, result: Result, images: list, episode: Episode, tokenizer) -> bool:
+        """Append the observation (and its images) as feedback; False when it does not fit (cut, truncated)."""
+        feedback = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
+        new_images = list(result.images or [])
+        room = episode.max_length - len(traj.token_ids) - self._image_tokens(images + new_images)
+        if len(feedback) >= room:  # not even one token left to generate after it
+            traj.append_feedback(feedback[: max(0, room)] if not new_images else [])
+            traj.truncated = True
+            return False
+        traj.append_feedback(feedback)
+        images.extend(new_images)
+        traj.images = list(images)
+        return True

@@ -6,6 +6,7 @@ chosen per model family by `agent.tool_parser` (hermes, qwen3_coder, llama3_json
 A call whose arguments are not a JSON object stays in the text content, so the agent sees what the model wrote.
 `tool_choice` "required" / a named tool is enforced with vLLM's structured output (the JSON schema vLLM's own
 server derives from the tools); such a reply is the bare JSON and is parsed here, not by the model-family parser.
+vLLM is imported where a parser is looked up (deferred: config validation imports the agents without it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import logging
 import threading
 from dataclasses import dataclass
+
+from molt_hydra.compat.vllm import chat_completion_request
 
 log = logging.getLogger(__name__)
 _failures = {"count": 0}  # tool-call blocks a parser could not read, in this process (agent/tool_parse_failures)
@@ -57,23 +60,6 @@ class ParsedReply:
     reasoning: str | None = None
 
 
-def _vllm_request(tools: list[dict] | None, tool_choice="auto", parallel_tool_calls: bool | None = None):
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-    kw = {"tool_choice": tool_choice} if tools else {}
-    return ChatCompletionRequest(model="policy", messages=[], tools=tools, parallel_tool_calls=parallel_tool_calls,
-                                 **kw)
-
-
-def forced_tool_schema(tools: list[dict], tool_choice, parallel_tool_calls: bool | None) -> dict:
-    """JSON schema that makes the model call a tool: vLLM's own rule for tool_choice "required" / a named tool."""
-    from vllm.tool_parsers.utils import get_json_schema_from_tools
-
-    req = _vllm_request(tools, tool_choice, parallel_tool_calls)
-    schema = get_json_schema_from_tools(req.tool_choice, req.tools, req.parallel_tool_calls)
-    return json.loads(schema) if isinstance(schema, str) else schema
-
-
 def parse_forced(text: str, tool_choice) -> ParsedReply:
     """The bare JSON a forced tool choice generated: an array of {name, parameters} ("required") or the named tool's
     arguments object."""
@@ -91,22 +77,31 @@ def parse_forced(text: str, tool_choice) -> ParsedReply:
 _ERRORS = _ParserErrors()
 
 
+def check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
+    """Unknown parser names fail naming the config key and vLLM's known names."""
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    tools = {*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers}
+    if tool_parser and tool_parser not in tools:
+        raise ValueError(f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {sorted(tools)}")
+    if reasoning_parser and reasoning_parser not in ReasoningParserManager.list_registered():
+        raise ValueError(f"agent.reasoning_parser={reasoning_parser!r} is not a vLLM reasoning parser; known: "
+                         f"{ReasoningParserManager.list_registered()}")
+
+
 class ReplyParser:
     """One model family's reasoning + tool-call parsers (vLLM's), built once per runner."""
 
     def __init__(self, tokenizer, tool_parser: str | None = "hermes", reasoning_parser: str | None = None):
+        check_parser_names(tool_parser, reasoning_parser)
         from vllm.reasoning import ReasoningParserManager
         from vllm.tool_parsers import ToolParserManager
 
         self.tool_parser_name, self.reasoning_parser_name = tool_parser, reasoning_parser
         self.tool = self.reasoning = None
         if tool_parser:
-            try:
-                cls = ToolParserManager.get_tool_parser(tool_parser)
-            except KeyError:
-                known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
-                raise ValueError(
-                    f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {known}") from None
+            cls = ToolParserManager.get_tool_parser(tool_parser)
             logging.getLogger(cls.__module__).addFilter(_ERRORS)  # once per logger: the same filter object
             try:
                 self.tool = cls(tokenizer)
@@ -114,25 +109,19 @@ class ReplyParser:
                 raise ValueError(f"agent.tool_parser={tool_parser!r} does not fit this model's tokenizer ({e}); set "
                                  "agent.tool_parser to the model family's parser, or null for none") from None
         if reasoning_parser:
-            try:
-                self.reasoning = ReasoningParserManager.get_reasoning_parser(reasoning_parser)(tokenizer)
-            except KeyError:
-                known = ReasoningParserManager.list_registered()
-                raise ValueError(
-                    f"agent.reasoning_parser={reasoning_parser!r} is not a vLLM reasoning parser; known: {known}"
-                ) from None
+            self.reasoning = ReasoningParserManager.get_reasoning_parser(reasoning_parser)(tokenizer)
         # Text streamed as content must stop where a tool call may begin (vLLM's parsers name their start marker).
         self.tool_start = getattr(self.tool, "tool_call_start_token", None) or getattr(self.tool, "bot_token", None)
 
     def parse(self, text: str, tools: list[dict] | None, parse_tools: bool = True) -> ParsedReply:
         reasoning, content = None, text
         if self.reasoning is not None:
-            reasoning, content = self.reasoning.extract_reasoning(text, _vllm_request(tools))
+            reasoning, content = self.reasoning.extract_reasoning(text, chat_completion_request(tools))
             content = content or ""
         if self.tool is None or not parse_tools or not tools:
             return ParsedReply(content, [], reasoning)
         _ERRORS.take()
-        info = self.tool.extract_tool_calls(content, _vllm_request(tools))
+        info = self.tool.extract_tool_calls(content, chat_completion_request(tools))
         error = _ERRORS.take()
         if error is not None:
             return self._unparsed(content, reasoning, f"{type(error).__name__}: {error}")

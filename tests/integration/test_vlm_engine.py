@@ -20,7 +20,7 @@ from PIL import Image, ImageDraw
 
 from event_loop import loop, run  # noqa: F401 - the shared loop fixture
 from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result, StepEnvRunner
-from molt_hydra.agents.chat_messages import image_data_uri
+from molt_hydra.agents.wire.images import image_data_uri
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.models import vlm
 from molt_hydra.models.tiny import resolve_model_path

@@ -10,8 +10,9 @@ import asyncio
 from PIL import Image
 
 from molt_hydra.agents import Episode, Result, StepEnvRunner
-from molt_hydra.agents.chat_messages import image_data_uri, openai_request
-from molt_hydra.agents.chat_session import ChatSession
+from molt_hydra.agents.wire.images import image_data_uri
+from molt_hydra.agents.wire.openai_chat import parse as openai_request
+from molt_hydra.agents.wire.session import ChatSession
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.tool_parser import reply_parser
 from molt_hydra.rollout.generation import Generation, Sampling
@@ -103,7 +104,7 @@ def test_chat_bad_images_are_the_clients_400_and_other_modes_convert(tiny_model)
 
     import pytest
 
-    from molt_hydra.agents.chat_messages import RequestError
+    from molt_hydra.agents.wire.request import RequestError
 
     tok = tokenizer(tiny_model)
     engine = VLMStandIn(tok.eos_token_id)

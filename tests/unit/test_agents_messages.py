@@ -7,8 +7,9 @@ import pytest
 from PIL import Image
 
 from molt_hydra.agents.chat_agent import prompt_messages
-from molt_hydra.agents.chat_messages import (RequestError, anthropic_request, completions_request, image_data_uri,
-                                             image_sources, load_image, openai_request, responses_request)
+from molt_hydra.agents.wire import anthropic, completions, openai_chat, responses
+from molt_hydra.agents.wire.images import image_data_uri, image_sources, load_image
+from molt_hydra.agents.wire.request import RequestError
 
 
 def red(size=4):
@@ -22,7 +23,7 @@ def b64png(img):
 
 
 def test_openai_messages_and_sampling_fields():
-    req = openai_request({
+    req = openai_chat.parse({
         "messages": [
             {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
             {"role": "user", "content": "hi"},
@@ -43,12 +44,12 @@ def test_openai_messages_and_sampling_fields():
     assert req.overrides == {"max_tokens": 7, "temperature": 0.0, "top_p": 0.5, "seed": 3, "stop": ("END",)}
     assert (req.n, req.stream, req.include_usage) == (2, True, True)
     with pytest.raises(RequestError, match="unsupported field 'unknown_field'"):  # never silently dropped
-        openai_request({"messages": [{"role": "user", "content": "hi"}], "unknown_field": 1})
+        openai_chat.parse({"messages": [{"role": "user", "content": "hi"}], "unknown_field": 1})
 
 
 def test_anthropic_blocks_map_to_the_same_canonical_messages():
     png = b64png(red())
-    req = anthropic_request({
+    req = anthropic.parse({
         "system": [{"type": "text", "text": "sys"}],
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "look "},
@@ -89,15 +90,15 @@ def test_anthropic_blocks_map_to_the_same_canonical_messages():
 ])
 def test_openai_bad_input_names_the_problem(body, status, words):
     with pytest.raises(RequestError) as e:
-        openai_request(body)
+        openai_chat.parse(body)
     assert e.value.status == status and words in e.value.message
 
 
 def test_images_decode_from_both_wire_formats_and_never_from_the_network():
     img = red(6)
-    oa = openai_request({"messages": [{"role": "user", "content": [
+    oa = openai_chat.parse({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image_data_uri(img)}}, {"type": "text", "text": "what?"}]}]})
-    an = anthropic_request({"messages": [{"role": "user", "content": [
+    an = anthropic.parse({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64png(img)}},
         {"type": "text", "text": "what?"}]}]})
     for req in (oa, an):
@@ -121,7 +122,7 @@ def test_prompt_image_markers_become_data_uri_parts_in_order():
 
 def test_responses_items_become_the_chat_messages_a_chat_request_would_send():
     tool = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}
-    req = responses_request({
+    req = responses.parse({
         "model": "policy", "instructions": "sys", "tools": [tool], "store": False, "max_output_tokens": 9,
         "input": [
             {"role": "user", "content": "hi"},
@@ -151,24 +152,24 @@ def test_responses_items_become_the_chat_messages_a_chat_request_would_send():
                         ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
                         ({"input": "x", "reasoning": {"effort": "high"}}, "unsupported field 'reasoning'")):
         with pytest.raises(RequestError, match=words):
-            responses_request(body)
+            responses.parse(body)
 
 
 def test_completions_and_anthropic_tool_choice_and_thinking():
-    req = completions_request({"prompt": ["abc"], "max_tokens": 3, "logprobs": 2, "stop": "\n"})
+    req = completions.parse({"prompt": ["abc"], "max_tokens": 3, "logprobs": 2, "stop": "\n"})
     assert (req.raw_prompt, req.overrides, req.top_logprobs) == ("abc", {"max_tokens": 3, "stop": ("\n",)}, 2)
     with pytest.raises(RequestError, match="'echo'"):
-        completions_request({"prompt": "abc", "echo": True})
+        completions.parse({"prompt": "abc", "echo": True})
     base = {"max_tokens": 100, "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
-    assert anthropic_request(dict(base, tool_choice={"type": "any"})).tool_choice == "required"
-    req = anthropic_request(dict(base, tool_choice={"type": "tool", "name": "f", "disable_parallel_tool_use": True}))
+    assert anthropic.parse(dict(base, tool_choice={"type": "any"})).tool_choice == "required"
+    req = anthropic.parse(dict(base, tool_choice={"type": "tool", "name": "f", "disable_parallel_tool_use": True}))
     assert (req.tool_choice, req.parallel_tool_calls) == ({"type": "function", "function": {"name": "f"}}, False)
-    assert anthropic_request(dict(base, thinking={"type": "enabled", "budget_tokens": 50})).thinking is True
+    assert anthropic.parse(dict(base, thinking={"type": "enabled", "budget_tokens": 50})).thinking is True
     with pytest.raises(RequestError, match="less than 'max_tokens'"):
-        anthropic_request(dict(base, thinking={"type": "enabled", "budget_tokens": 100}))
+        anthropic.parse(dict(base, thinking={"type": "enabled", "budget_tokens": 100}))
     with pytest.raises(RequestError, match="not in tools"):
-        anthropic_request(dict(base, tool_choice={"type": "tool", "name": "g"}))
+        anthropic.parse(dict(base, tool_choice={"type": "tool", "name": "g"}))
 
 
 def test_anthropic_cache_control_is_accepted_everywhere_and_changes_nothing():
@@ -180,16 +181,14 @@ def test_anthropic_cache_control_is_accepted_everywhere_and_changes_nothing():
               "system": [{"type": "text", "text": "s", "cache_control": cached}],
               "tools": [{**tool, "cache_control": cached}],
               "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": cached}]}]}
-    assert anthropic_request(marked) == anthropic_request(plain)
+    assert anthropic.parse(marked) == anthropic.parse(plain)
     with pytest.raises(RequestError) as e:
-        anthropic_request({**plain, "messages": [{"role": "user", "content": [
+        anthropic.parse({**plain, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "hi", "cache_control": {"type": "forever"}}]}]})
     assert e.value.status == 400 and e.value.param == "messages[0].content[0].cache_control"
 
 
 def test_an_undecodable_image_is_the_clients_400():
-    from molt_hydra.agents.chat_messages import load_image
-
     with pytest.raises(RequestError) as e:
         load_image("data:image/png;base64,bm90IGFuIGltYWdl")  # "not an image"
     assert e.value.status == 400 and "image data URI is not a decodable image" in e.value.message

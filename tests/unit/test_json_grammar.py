@@ -8,9 +8,9 @@ import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
-from molt_hydra.agents.chat_messages import RequestError
 from molt_hydra.agents.json_grammar import compact
-from molt_hydra.agents.tool_parser import forced_tool_schema
+from molt_hydra.agents.wire.request import RequestError
+from molt_hydra.compat.vllm import forced_tool_schema
 
 TOOL = {"type": "function", "function": {"name": "python", "description": "Run code", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from molt_hydra.agents.tool_parser import ReplyParser, ToolCall, forced_tool_schema, parse_forced
+from molt_hydra.agents.tool_parser import ReplyParser, ToolCall, parse_forced
 
 TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}}}}]
@@ -77,12 +77,8 @@ def test_streamed_content_stops_where_a_tool_call_may_begin(tok):
     assert p.streamable("Let me <tool_c", TOOLS, False) == (None, "Let me <tool_c")
 
 
-def test_forced_tool_choice_uses_vllms_schema_and_parses_the_bare_json():
-    required = forced_tool_schema(TOOLS, "required", None)
-    assert required["type"] == "array" and required["minItems"] == 1
-    assert forced_tool_schema(TOOLS, "required", False)["maxItems"] == 1
+def test_forced_tool_choice_parses_the_bare_json():  # the schema that forces it: tests/unit/test_vllm_compat_chat.py
     named = {"type": "function", "function": {"name": "python"}}
-    assert forced_tool_schema(TOOLS, named, None) == TOOLS[0]["function"]["parameters"]
     assert parse_forced(json.dumps([{"name": "python", "parameters": {"code": "3"}}]), "required").tool_calls == [
         ToolCall("python", {"code": "3"})]
     assert parse_forced('{"code": "4"}', named).tool_calls == [ToolCall("python", {"code": "4"})]

@@ -21,11 +21,14 @@ import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from molt_hydra.agents.base import Trajectory
-from molt_hydra.agents.chat_messages import ChatRequest, RequestError, image_sources, load_image
 from molt_hydra.agents.json_grammar import compact
-from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall, forced_tool_schema, parse_forced
+from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall, parse_forced
+from molt_hydra.agents.wire.images import image_sources, load_image
+from molt_hydra.agents.wire.request import ChatRequest, RequestError
+from molt_hydra.compat.vllm import forced_tool_schema
 from molt_hydra.rollout.engine import join_deltas
 from molt_hydra.rollout.generation import Generation, GenerationRequest, Sampling, TokenGenerator
 
@@ -52,7 +55,6 @@ class TurnReply:
     choices: list[Choice]
     prompt_tokens: int
     completion_tokens: int
-    cached: bool = False
     streamed: bool = False  # choice 0's text already reached the client token by token
 
 
@@ -62,50 +64,30 @@ class _Branch:
     choice: Choice
 
 
-@dataclass
-class SessionStats:
-    generate_calls: int = 0
-    retries_served: int = 0
-    judge_calls: int = 0
-
-
 _PROBE = "\u2063probe\u2063"
 
 
+@dataclass(eq=False, repr=False)
 class ChatSession:
-    def __init__(
-        self,
-        session_id: str,
-        generator: TokenGenerator,
-        tokenizer,
-        sampling: Sampling,
-        max_length: int,
-        parser: ReplyParser,
-        label=None,
-        prompt=None,
-        image_tokens_per_image: int = 0,
-        max_turns: int | None = None,
-        max_choices: int = 8,
-        accepts_images: bool = True,
-        max_images: int | None = None,
-        model_label: str = "policy",
-    ):
-        self.session_id = session_id
-        self.generator = generator
-        self.tokenizer = tokenizer
-        self.sampling = sampling
-        self.max_length = max_length
-        self.parser = parser
-        self.max_choices = max_choices
-        self.accepts_images, self.model_label = accepts_images, model_label
-        self.max_images = max_images  # the engines' per-prompt image limit; a prompt carries the conversation's
+    session_id: str
+    generator: TokenGenerator
+    tokenizer: Any
+    sampling: Sampling
+    max_length: int
+    parser: ReplyParser
+    label: Any = None
+    image_tokens_per_image: int = 0
+    max_turns: int | None = None
+    max_choices: int = 8
+    accepts_images: bool = True
+    max_images: int | None = None  # the engines' per-prompt image limit; a prompt carries the conversation's
+    model_label: str = "policy"
+
+    def __post_init__(self):
         self.loop: asyncio.AbstractEventLoop | None = None  # the agent's loop, where the generator is called
-        self.label = label
-        self.prompt = prompt
-        self.image_tokens_per_image = image_tokens_per_image
-        self.max_turns = max_turns
         self.lock = asyncio.Lock()  # turns of one session are serialized
-        self.stats = SessionStats()
+        self.generate_calls = 0  # turns generated (agent.max_turns bounds them)
+        self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
         self.closed = False
         self._sealed: list[Trajectory] = []
         self._branches: list[_Branch] = []
@@ -114,8 +96,7 @@ class ChatSession:
         self._last_key: str | None = None
         self._last_reply: TurnReply | None = None
         self._turn_end = self._assistant_turn_end()
-        self._end_ids = {tokenizer.eos_token_id, *sampling.stop_token_ids}
-        self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
+        self._end_ids = {self.tokenizer.eos_token_id, *self.sampling.stop_token_ids}
 
     # --- rendering ---
 
@@ -151,34 +132,39 @@ class ChatSession:
                 raise RequestError(404, f"session {self.session_id} is closed", code="session_closed")
             key = req.key()
             if key == self._last_key and self._last_reply is not None:
-                self.stats.retries_served += 1
-                return dataclasses.replace(self._last_reply, cached=True, streamed=False)
+                return dataclasses.replace(self._last_reply, streamed=False)
             return await self._generate_turn(req, key, on_delta)
 
     async def judge(self, req: ChatRequest) -> TurnReply:
         """An LLM-as-judge call on the same engines: the client's sampling is honoured and nothing is recorded."""
         if req.raw_prompt is not None or req.stream:
             raise RequestError(400, "the judge endpoint serves non-streamed chat completions only", "stream")
-        if req.n > self.max_choices:
-            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
-        prompt_ids = self._tokenize(self._render(req.messages, req.tools, True))
-        self._check_images(req.messages)
+        self._check_n(req)
+        prompt_ids, images = self._full_prompt(req)
         o = req.overrides
         remaining = self.max_length - len(prompt_ids)
         if remaining <= 0:
             raise RequestError(400, f"judge prompt is {len(prompt_ids)} tokens; max_length is {self.max_length}",
                                "messages", "context_length_exceeded")
-        max_tokens = min(o.get("max_tokens", self.sampling.max_tokens), remaining)
         sampling = dataclasses.replace(
-            self.sampling, n=req.n, max_tokens=max_tokens, min_tokens=0, stop=self.sampling.stop + o.get("stop", ()),
-            **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o},
-            **self._decoding(req))
-        images = [load_image(s) for s in image_sources(req.messages)]
-        self._check_image_count(images)
-        self.stats.judge_calls += 1
+            self.sampling, n=req.n, max_tokens=min(o.get("max_tokens", self.sampling.max_tokens), remaining),
+            min_tokens=0, stop=self.sampling.stop + o.get("stop", ()),
+            **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o}, **self._decoding(req))
         gens = await self.generator.generate(
             GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling, images))
         return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
+
+    def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
+        """A chat request rendered whole (no open segment to extend): its token ids and images."""
+        self._check_images(req.messages)
+        prompt_ids = self._tokenize(self._render(req.messages, req.tools, True))
+        images = [load_image(s) for s in image_sources(req.messages)]
+        self._check_image_count(images)
+        return prompt_ids, images
+
+    def _check_n(self, req: ChatRequest) -> None:
+        if req.n > self.max_choices:
+            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
 
     def _check_images(self, messages: list[dict]) -> None:
         if not self.accepts_images and image_sources(messages):
@@ -211,8 +197,7 @@ class ChatSession:
                     400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: training assumes the "
                     f"recipe's sampling, so a client may not change it; omit '{key}' or send {ours}", key,
                     "sampling_mismatch")
-        if req.n > self.max_choices:
-            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
+        self._check_n(req)
         return dataclasses.replace(
             self.sampling, n=req.n,
             max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", self.sampling.max_tokens)),
@@ -222,7 +207,7 @@ class ChatSession:
     def _decoding(self, req: ChatRequest) -> dict:
         """Engine-side output controls of a request: logprobs and structured output (response_format / forced tool)."""
         structured = req.response_format
-        if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+        if req.forced_tool:
             if structured is not None:
                 raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
                                    "response_format")
@@ -230,55 +215,55 @@ class ChatSession:
         return {"top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
 
     async def _generate_turn(self, req: ChatRequest, key: str, on_delta: DeltaSink | None) -> TurnReply:
-        extension = None if req.raw_prompt is not None else self._extension(req)
-        if req.raw_prompt is not None:
-            prompt_ids, images = self._tokenize(req.raw_prompt), []
-        elif extension is not None:
-            branch, delta_ids, new_sources = extension
-            self._check_images(req.messages[len(self._prev_messages):])
-            prompt_ids = branch.traj.token_ids + delta_ids
-            images = branch.traj.images + [load_image(s) for s in new_sources]
-        else:
-            self._check_images(req.messages)
-            prompt_ids = self._tokenize(self._render(req.messages, req.tools, True))
-            images = [load_image(s) for s in image_sources(req.messages)]
-        self._check_image_count(images)
+        extension, prompt_ids, images = self._prompt(req)
         sampling = self._turn_sampling(req)
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
-        out_of_turns = self.max_turns is not None and self.stats.generate_calls >= self.max_turns
+        out_of_turns = self.max_turns is not None and self.generate_calls >= self.max_turns
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
-                raise RequestError(
-                    400,
-                    f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this session's max_length is "
-                    f"{self.max_length}",
-                    "messages",
-                    "context_length_exceeded",
-                )
+                raise RequestError(400, f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this "
+                                   f"session's max_length is {self.max_length}", "messages", "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for b in self._branches:
                 b.traj.truncated = True
-            empty = Choice(Generation([], [], [], "length"), "", [], [], "length", None)
-            reply = TurnReply([empty], len(prompt_ids), 0)
+            reply = TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
             self._last_key, self._last_reply = key, reply
             return reply
-
         self.last_prompt_tokens = len(prompt_ids)
         max_tokens = min(sampling.max_tokens, remaining)
         sampling = dataclasses.replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens))
-        self.stats.generate_calls += 1
+        self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
-        if streamed:
-            gens = [await self._stream(request, req, on_delta)]
-        else:
-            gens = await self.generator.generate(request)
+        gens = [await self._stream(request, req, on_delta)] if streamed else await self.generator.generate(request)
         if len(gens) != req.n:
             raise RuntimeError(f"engine returned {len(gens)} generations for n={req.n}")
         choices = [self._choice(g, req) for g in gens]
-
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
+        self._commit(req, extension, prompt_ids, images, gens, choices)
+        reply = TurnReply(choices, len(prompt_ids), sum(len(g.token_ids) for g in gens), streamed=streamed)
+        self._last_key, self._last_reply = key, reply
+        return reply
+
+    def _prompt(self, req: ChatRequest):
+        """(extension or None, prompt ids, images) of a turn: a raw prompt, the open branch extended, or a full
+        render."""
+        if req.raw_prompt is not None:
+            return None, self._tokenize(req.raw_prompt), []
+        extension = self._extension(req)
+        if extension is None:
+            return None, *self._full_prompt(req)
+        branch, delta_ids, new_sources = extension
+        self._check_images(req.messages[len(self._prev_messages):])
+        images = branch.traj.images + [load_image(s) for s in new_sources]
+        self._check_image_count(images)
+        return extension, branch.traj.token_ids + delta_ids, images
+
+    def _commit(self, req: ChatRequest, extension, prompt_ids: list[int], images: list, gens: list[Generation],
+                choices: list[Choice]) -> None:
+        """Record a generated turn: the extended (or a new) segment, one branch per choice; other branches seal."""
         if extension is not None:
+            branch, delta_ids, _ = extension
             self._sealed.extend(b.traj for b in self._branches if b is not branch)
             base = branch.traj
             base.append_feedback(delta_ids)
@@ -293,18 +278,14 @@ class ChatSession:
             traj.append_action(gen)
             traj.truncated |= gen.finish_reason == "length"
             self._branches.append(_Branch(traj, choice))
-        reply = TurnReply(choices, len(prompt_ids), sum(len(g.token_ids) for g in gens), streamed=streamed)
         # A raw completion is never continued as a chat: no chat request equals this marker.
         self._prev_messages = req.messages if req.raw_prompt is None else [{"raw_prompt": req.raw_prompt}]
         self._prev_tools = req.tools
-        self._last_key, self._last_reply = key, reply
-        return reply
 
     async def _stream(self, request: GenerationRequest, req: ChatRequest, on_delta: DeltaSink) -> Generation:
         """Sample one completion token by token, handing the client each safe-to-show piece as it appears."""
         stops = request.sampling.stop
         hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be completing
-        forced = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
         sent = {"reasoning": "", "content": ""}
         deltas: list[Generation] = []
 
@@ -316,13 +297,13 @@ class ChatSession:
 
         async for d in self.generator.generate_stream(request):
             deltas.append(d)
+            if req.forced_tool:
+                continue  # the reply is a tool call, sent whole at the end
             ids = [t for x in deltas for t in x.token_ids]
             while ids and ids[-1] in self._end_ids:
                 ids = ids[:-1]
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
             cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
-            if forced:
-                continue  # the reply is a tool call, sent whole at the end
             reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
             emit("content", content)
@@ -360,7 +341,7 @@ class ChatSession:
             text = text[: text.index(stop_sequence)]  # OpenAI/Anthropic omit the stop sequence from the text
         if req.raw_prompt is not None:
             parsed = ParsedReply(text, [])
-        elif req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+        elif req.forced_tool:
             parsed = parse_forced(text, req.tool_choice)
         else:
             parsed = self.parser.parse(text, req.tools, parse_tools=req.tool_choice != "none")

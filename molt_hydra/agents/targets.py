@@ -1,0 +1,53 @@
+"""Agent targets: `pkg.module.Name`, or a python file `path/to/agent.py` (class `AgentRunner`, Molt's convention)
+or `path/to/agent.py:Name`, resolved to the object they name."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def resolve_target(target: str) -> Any:
+    path, sep, name = target.partition(":") if ".py" in target else (target, "", "")
+    if path.endswith(".py"):
+        module = _import_file(Path(path))
+        name = name or "AgentRunner"
+    else:
+        module_name, _, name = target.rpartition(".")
+        if not module_name:
+            raise ValueError(f"agent target {target!r}: expected 'pkg.module.Name' or 'file.py[:Name]'")
+        module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        raise ValueError(f"agent target {target!r}: {module.__name__} has no attribute {name!r}")
+    return getattr(module, name)
+
+
+def subclass(obj: type | str, base: type, need: str) -> type:
+    """`obj`, or the class its target names, when it subclasses `base`; else a TypeError: `need`, got what."""
+    obj = resolve_target(obj) if isinstance(obj, str) else obj
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise TypeError(f"{need}, got {obj!r}")
+    return obj
+
+
+def _import_file(path: Path):
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"agent file {path} does not exist")
+    # One module per file path, registered so that classes it defines pickle and compare by identity.
+    module_name = f"molt_agent_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module

@@ -1,0 +1,238 @@
+"""Anthropic `/v1/messages`: request → `ChatRequest` (tool_use / tool_result blocks as OpenAI-shaped tool calls and
+tool messages), reply → message body / events, and Anthropic's error shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from molt_hydra.agents.wire import request as check
+from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
+from molt_hydra.agents.wire.stream import Stream, new_id, sse
+
+FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream", "tools",
+          "tool_choice", "thinking", "cache_control"}
+
+
+def parse(body: Any) -> ChatRequest:
+    check.fields(body, FIELDS, "/v1/messages")
+    _cache_controls(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    canon: list[dict] = []
+    system = body.get("system")
+    if system:
+        if isinstance(system, list):
+            system = check.content([check.text_part(b, "system") for b in system])
+        if not isinstance(system, str):
+            raise bad("'system' must be a string or a list of text blocks", "system")
+        canon.append({"role": "system", "content": system})
+    for i, m in enumerate(messages):
+        canon.extend(_message(m, f"messages[{i}]"))
+    overrides = check.sampling(body, ("max_tokens",), "stop_sequences", temperature_max=1.0)
+    tools = _tools(body.get("tools"))
+    tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
+    return ChatRequest(messages=canon, tools=tools, overrides=overrides, stream=check.flag(body, "stream"),
+                       tool_choice=tool_choice, parallel_tool_calls=parallel,
+                       thinking=_thinking(body.get("thinking"), overrides.get("max_tokens")))
+
+
+def _cache_control(v: Any, where: str) -> None:
+    """Anthropic's prompt-caching marker (top level, system / content blocks, tools): accepted, changes nothing here,
+    as vLLM caches prompt prefixes by itself; only its shape is checked."""
+    if v is not None and not (isinstance(v, dict) and v.get("type") == "ephemeral"):
+        key = f"{where}.cache_control" if where else "cache_control"
+        raise bad(f"{key} must be {{'type': 'ephemeral'}} (with an optional 'ttl'), got {v!r}", key)
+
+
+def _cache_controls(body: dict) -> None:
+    _cache_control(body.get("cache_control"), "")
+    system = body.get("system")
+    blocks = [(f"system[{i}]", b) for i, b in enumerate(system)] if isinstance(system, list) else []
+    blocks += [(f"tools[{i}]", t) for i, t in enumerate(body.get("tools") or [])]
+    for i, m in enumerate(body.get("messages") or []):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            blocks += [(f"messages[{i}].content[{j}]", b) for j, b in enumerate(content)]
+    for where, b in blocks:
+        if isinstance(b, dict):
+            _cache_control(b.get("cache_control"), where)
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
+        raise bad("'tools' must be a list of {name, description?, input_schema}", "tools")
+    for i, t in enumerate(tools):
+        if t.get("type") not in (None, "custom"):  # server tools (web_search, bash, ...) run at Anthropic
+            raise bad(f"tools[{i}] type {t['type']!r} is a server tool; only client tools are served", "tools")
+    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                              "parameters": t.get("input_schema", {})}} for t in tools] or None
+
+
+def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | None]:
+    if v is None:
+        return "auto", None
+    kind = v.get("type") if isinstance(v, dict) else None
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        mapped = {"type": "function", "function": {"name": v.get("name")}}
+    if mapped is None:
+        raise bad(f"'tool_choice' type must be auto, any, tool or none, got {v!r}", "tool_choice")
+    disable = v.get("disable_parallel_tool_use")
+    return check.tool_choice(mapped, tools), (None if disable is None else not disable)
+
+
+def _thinking(v: Any, max_tokens: int | None) -> bool | None:
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "disabled":
+        return False
+    if kind != "enabled":
+        raise bad(f"'thinking' type must be enabled or disabled, got {v!r}", "thinking")
+    budget = v.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise bad("'thinking.budget_tokens' must be a positive integer", "thinking")
+    if max_tokens is not None and budget >= max_tokens:
+        raise bad(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})", "thinking")
+    return True
+
+
+def _message(m: Any, where: str) -> list[dict]:
+    """One Anthropic message → canonical messages: a user turn's tool_result blocks become tool messages first."""
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise bad(f"{where} must be an object with role 'user' or 'assistant'", where)
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": m["role"], "content": content}]
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or a list of blocks", where)
+    parts, tool_calls, tool_results = [], [], []
+    for j, b in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            parts.append(check.text_part(b, at))
+        elif kind == "image":
+            parts.append(_image(b, at))
+        elif kind == "tool_use" and m["role"] == "assistant":
+            if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                raise bad(f"{at}: tool_use needs a string name and an object input", at)
+            tool_calls.append({"id": str(b.get("id", "")), "type": "function",
+                               "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
+        elif kind == "tool_result" and m["role"] == "user":
+            tool_results.append({"role": "tool", "content": _tool_result(b.get("content", ""), at),
+                                 "tool_call_id": str(b.get("tool_use_id", ""))})
+        else:
+            raise bad(f"{at}: unsupported block type {kind!r} in a {m['role']} message", at)
+    out = list(tool_results)
+    if parts or tool_calls or not tool_results:
+        msg: dict = {"role": m["role"], "content": check.content(parts)}
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        out.append(msg)
+    return out
+
+
+def _tool_result(inner: Any, at: str) -> str | list[dict]:
+    if isinstance(inner, str):
+        return inner
+    if not isinstance(inner, list):
+        raise bad(f"{at}: tool_result content must be a string or a list of blocks", at)
+    return check.content([_image(x, at) if isinstance(x, dict) and x.get("type") == "image" else check.text_part(x, at)
+                          for x in inner])
+
+
+def _image(b: dict, where: str) -> dict:
+    src = b.get("source")
+    if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
+        return {"type": "image", "source": f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"}
+    if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
+        return {"type": "image", "source": src["url"]}
+    raise bad(f"{where}: image needs source {{type: base64, media_type, data}} or {{type: url, url}}", where)
+
+
+# --- replies ---
+
+
+def _blocks(c) -> list[dict]:
+    blocks: list[dict] = [{"type": "thinking", "thinking": c.reasoning, "signature": ""}] if c.reasoning else []
+    blocks += [{"type": "text", "text": c.content}] if c.content else []
+    return blocks + [{"type": "tool_use", "id": "toolu_" + cid.removeprefix("call_"), "name": tc.name,
+                      "input": tc.arguments} for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
+
+
+def _stop_reason(c) -> str:
+    if c.tool_calls:
+        return "tool_use"
+    if c.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if c.stop_sequence is not None else "end_turn"
+
+
+def body(reply, req: ChatRequest, model: str) -> dict:
+    c = reply.choices[0]
+    return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": _blocks(c),
+            "stop_reason": _stop_reason(c), "stop_sequence": c.stop_sequence,
+            "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}}
+
+
+def _whole(block: dict) -> tuple[dict, dict]:
+    """A block streamed whole: it starts empty and one delta carries all of it."""
+    if block["type"] == "tool_use":
+        return dict(block, input={}), {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+    key = block["type"]  # thinking / text
+    return dict(block, **{key: ""}), {"type": f"{key}_delta", key: block[key]}
+
+
+class MessageStream(Stream):
+    """Each run of reasoning or content is a content block (thinking / text); tool_use blocks are sent whole."""
+
+    ID_PREFIX = "msg_"
+
+    @staticmethod
+    def ev(kind: str, data: dict) -> bytes:
+        return sse(dict(data, type=kind), kind)
+
+    def start(self) -> list[bytes]:
+        # input_tokens is known before the first token: the session tokenized the prompt already
+        start = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                 "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": self.session.last_prompt_tokens, "output_tokens": 0}}
+        return [self.ev("message_start", {"message": start})]
+
+    def open(self) -> list[bytes]:
+        block = {"type": "text", "text": ""} if self.kind == "content" else \
+            {"type": "thinking", "thinking": "", "signature": ""}
+        return [self.ev("content_block_start", {"index": self.index, "content_block": block})]
+
+    def piece(self, text: str) -> list[bytes]:
+        delta = {"type": "text_delta", "text": text} if self.kind == "content" else \
+            {"type": "thinking_delta", "thinking": text}
+        return [self.ev("content_block_delta", {"index": self.index, "delta": delta})]
+
+    def close(self) -> list[bytes]:
+        return [] if self.kind is None else [self.ev("content_block_stop", {"index": self.index})]
+
+    def end(self, reply) -> list[bytes]:
+        out = self.close()
+        for block in _blocks(reply.choices[0])[self.index + 1 if reply.streamed else 0:]:
+            self.index += 1
+            started, delta = _whole(block)
+            out += [self.ev("content_block_start", {"index": self.index, "content_block": started}),
+                    self.ev("content_block_delta", {"index": self.index, "delta": delta}),
+                    self.ev("content_block_stop", {"index": self.index})]
+        final = body(reply, self.req, self.model)
+        return out + [self.ev("message_delta", {"delta": {"stop_reason": final["stop_reason"],
+                                                          "stop_sequence": final["stop_sequence"]},
+                                                "usage": final["usage"]}),
+                      self.ev("message_stop", {})]
+
+
+def error(e: RequestError) -> dict:
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
+        e.status, "invalid_request_error")
+    return {"type": "error", "error": {"type": "api_error" if e.status >= 500 else kind, "message": e.message}}

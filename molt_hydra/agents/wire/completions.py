@@ -1,0 +1,76 @@
+"""OpenAI `/v1/completions`: a raw-text prompt, tokenized as sent (no chat template), and the legacy reply shape."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from molt_hydra.agents.wire import request as check
+from molt_hydra.agents.wire.openai_chat import logprobs, usage
+from molt_hydra.agents.wire.request import ChatRequest, bad
+from molt_hydra.agents.wire.stream import Stream, new_id, sse
+
+FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "logprobs", "suffix"}
+
+
+def parse(body: Any) -> ChatRequest:
+    check.fields(body, FIELDS, "/v1/completions")
+    if body.get("suffix"):
+        raise bad("'suffix' (fill-in-the-middle) is not supported", "suffix")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise bad("'prompt' must be one non-empty string", "prompt")
+    overrides = check.sampling(body, ("max_tokens",), "stop")
+    top = check.integer(body, "logprobs", 0, 5)
+    stream_options = body.get("stream_options") or {}
+    return ChatRequest(messages=[], overrides=overrides, n=check.integer(body, "n", 1) or 1,
+                       stream=check.flag(body, "stream"),
+                       include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+                       top_logprobs=top, raw_prompt=prompt)
+
+
+def _finish(c) -> str:
+    return "length" if c.finish_reason == "length" else "stop"
+
+
+def _logprobs(c) -> dict | None:
+    """The chat log-probs in the legacy shape: parallel lists and each token's offset in the text."""
+    chat = logprobs(c)
+    if chat is None:
+        return None
+    entries, offsets, pos = chat["content"], [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def body(reply, req: ChatRequest, model: str) -> dict:
+    return {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "text": c.content, "finish_reason": _finish(c), "logprobs": _logprobs(c)}
+                        for i, c in enumerate(reply.choices)],
+            "usage": usage(reply)}
+
+
+class CompletionStream(Stream):
+    ID_PREFIX = "cmpl-"
+
+    def chunk(self, text: str, finish=None, usage=None) -> bytes:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [] if usage else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+        return sse(dict(body, usage=usage) if usage else body)
+
+    def piece(self, text: str) -> list[bytes]:
+        return [self.chunk(text)] if self.kind == "content" else []  # a raw completion has no reasoning channel
+
+    def end(self, reply) -> list[bytes]:
+        c = reply.choices[0]
+        out = [] if reply.streamed else [self.chunk(c.content)]
+        out.append(self.chunk("", _finish(c)))
+        if self.req.include_usage:
+            out.append(self.chunk("", usage=usage(reply)))
+        return out + [b"data: [DONE]\n\n"]

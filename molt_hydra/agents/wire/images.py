@@ -1,0 +1,47 @@
+"""Images in canonical messages: where they are, how a source becomes a PIL image, how a PIL image becomes a source.
+PIL is imported where an image is opened (deferred: the server's text path never needs it)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+from molt_hydra.agents.wire.request import bad
+
+
+def image_sources(messages: list[dict]) -> list[str]:
+    """Image sources of these messages, in the order the template renders their placeholders."""
+    return [p["source"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+            if p["type"] == "image"]
+
+
+def load_image(source: str):
+    """A data: URI (base64) or a local file path → PIL image. The loopback server fetches nothing over the network."""
+    from PIL import Image
+
+    if source.startswith("data:"):
+        header, _, data = source.partition(",")
+        if ";base64" not in header:
+            raise bad("image data URI must be base64-encoded")
+        try:
+            img = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+            img.load()
+        except Exception as e:  # binascii / PIL errors: a client's bad bytes, not a server failure
+            raise bad(f"image data URI is not a decodable image: {e}") from None
+        return img.convert("RGB")  # palette, alpha, CMYK, 16-bit grey: RGB, as prompt loading converts
+    if source.startswith(("http://", "https://")):
+        raise bad("image URLs are not fetched; send images as base64 data URIs")
+    path = source.removeprefix("file://")
+    try:
+        img = Image.open(path)
+        img.load()
+    except Exception as e:
+        raise bad(f"cannot open image {path!r}: {e}") from None
+    return img.convert("RGB")
+
+
+def image_data_uri(img) -> str:
+    """PIL image → PNG data URI (how datasets' images reach a ChatAgent's messages)."""
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

@@ -1,0 +1,152 @@
+"""OpenAI `/v1/chat/completions` (also the judge endpoint's wire): request → `ChatRequest`, reply → body / chunks,
+and the OpenAI error shape that `/v1/completions` and `/v1/responses` share."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from molt_hydra.agents.wire import request as check
+from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
+from molt_hydra.agents.wire.stream import Stream, new_id, sse
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+FIELDS = {"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+          "stop", "seed", "stream", "logprobs", "top_logprobs", "response_format", "parallel_tool_calls"}
+
+
+def parse(body: Any) -> ChatRequest:
+    check.fields(body, FIELDS, "/v1/chat/completions")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    canon = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    overrides = check.sampling(body, ("max_completion_tokens", "max_tokens"), "stop")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    tools = _tools(body.get("tools"))
+    return ChatRequest(
+        messages=canon, tools=tools, overrides=overrides, n=check.integer(body, "n", 1) or 1,
+        stream=check.flag(body, "stream"), include_usage=bool(stream_options.get("include_usage")),
+        tool_choice=check.tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=check.parallel_tool_calls(body), top_logprobs=check.top_logprobs(body, "logprobs"),
+        response_format=check.response_format(body.get("response_format")))
+
+
+def _message(m: Any, where: str) -> dict:
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise bad(f"{where} must be an object with role in {sorted(ROLES)}", where)
+    role = ROLES[m["role"]]
+    out: dict = {"role": role, "content": check.text_or_parts("" if m.get("content") is None else m["content"], where,
+                                                                  _part)}
+    if role == "assistant" and m.get("tool_calls"):
+        if not isinstance(m["tool_calls"], list):
+            raise bad(f"{where}.tool_calls must be a list", where)
+        out["tool_calls"] = [_tool_call(tc, f"{where}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])]
+    if role == "tool" and m.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(m["tool_call_id"])
+    return out
+
+
+def _part(p: Any, where: str) -> dict:
+    kind = p.get("type") if isinstance(p, dict) else None
+    if kind in ("text", "input_text"):
+        return check.text_part(p, where)
+    if kind == "image_url":
+        url = p.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise bad(f"{where}: image_url part needs image_url.url", where)
+        return {"type": "image", "source": url}
+    raise bad(f"{where}: unsupported content part type {kind!r} (text, image_url)", where)
+
+
+def _tool_call(tc: Any, where: str) -> dict:
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad(f"{where} needs function.name", where)
+    args = fn.get("arguments", "{}")
+    if not isinstance(args, str):
+        args = json.dumps(args)
+    return {"id": str(tc.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list", "tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+    return tools or None
+
+
+# --- replies ---
+
+
+def message(c) -> dict:
+    msg: dict = {"role": "assistant", "content": c.content if c.content or not c.tool_calls else None}
+    if c.reasoning is not None:
+        msg["reasoning_content"] = c.reasoning
+    if c.tool_calls:
+        msg["tool_calls"] = [
+            {"id": cid, "type": "function", "function": {"name": tc.name, "arguments": json.dumps(tc.arguments)}}
+            for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
+    return msg
+
+
+def usage(reply) -> dict:
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+
+
+def logprobs(c) -> dict | None:
+    return None if c.logprobs is None else {"content": c.logprobs}
+
+
+def body(reply, req: ChatRequest, model: str) -> dict:
+    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "message": message(c), "finish_reason": c.finish_reason, "logprobs": logprobs(c)}
+                        for i, c in enumerate(reply.choices)],
+            "usage": usage(reply)}
+
+
+class ChatStream(Stream):
+    ID_PREFIX = "chatcmpl-"
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": choices}
+        return sse(body if usage is None else dict(body, usage=usage))
+
+    def start(self) -> list[bytes]:
+        return [self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])]
+
+    def piece(self, text: str) -> list[bytes]:
+        key = "content" if self.kind == "content" else "reasoning_content"
+        return [self.chunk([{"index": 0, "delta": {key: text}, "finish_reason": None}])]
+
+    def end(self, reply) -> list[bytes]:
+        out = []
+        for i, c in enumerate(reply.choices):
+            if not reply.streamed:  # not streamed live (n > 1, a cached retry): the whole text now
+                out.append(self.chunk([{"index": i, "delta": {"role": "assistant", "content": c.content,
+                                                              "reasoning_content": c.reasoning},
+                                        "finish_reason": None}]))
+            if c.tool_calls:
+                deltas = [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]
+                out.append(self.chunk([{"index": i, "delta": {"tool_calls": deltas}, "finish_reason": None}]))
+            out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason,
+                                    "logprobs": logprobs(c)}]))
+        if self.req.include_usage:
+            out.append(self.chunk([], usage(reply)))
+        return out + [b"data: [DONE]\n\n"]
+
+
+def error(e: RequestError) -> dict:
+    kind = "authentication_error" if e.status == 401 else "invalid_request_error" if e.status < 500 else "server_error"
+    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": e.code}}

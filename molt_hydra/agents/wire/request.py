@@ -1,0 +1,201 @@
+"""The one request check every wire format goes through: a body's fields, sampling, tool choice, log-probs and
+structured output → one canonical `ChatRequest`, or a 4xx `RequestError` that says what is wrong.
+
+Canonical messages are what the chat template renders and what the session compares turn to turn:
+`{"role": system|user|assistant|tool, "content": str | [{"type": "text", "text"} | {"type": "image", "source"}],
+"tool_calls"?: [{"id", "type": "function", "function": {"name", "arguments": str}}], "tool_call_id"?}`.
+Text-only part lists collapse to a string, so echoing a message in either shape compares equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    tools: list[dict] | None = None  # OpenAI function-tool shape, as the chat template expects
+    overrides: dict = field(default_factory=dict)  # Sampling fields set by this request (checked by the session)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False  # OpenAI stream_options.include_usage
+    tool_choice: str | dict = "auto"  # none | auto | required | {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = None  # False: at most one tool call is returned
+    top_logprobs: int | None = None  # None: no logprobs in the reply; k: the sampled token's plus k alternatives
+    response_format: dict | None = None  # vLLM structured output: {"json": schema} / {"json_object": True}
+    thinking: bool | None = None  # Anthropic thinking enabled / disabled; None: not asked
+    raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
+
+    def key(self) -> str:
+        """What makes two requests the same turn (a client retry)."""
+        d = dataclasses.asdict(self)
+        d.pop("stream"), d.pop("include_usage")
+        return json.dumps(d, sort_keys=True, default=str)
+
+    @property
+    def forced_tool(self) -> bool:
+        """tool_choice "required" or a named function: the reply is a tool call, enforced by structured output."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+
+# Fields of each wire format that are accepted but change nothing here (documented in docs/agents.md);
+# any field neither honoured nor listed here is refused with a 400 naming it.
+IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_retention", "stream_options"}
+# Fields accepted only at the value that changes nothing (sampling shapers training does not assume).
+NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
+                  "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,),
+                  "include": ([],)}
+
+
+def fields(body: Any, honoured: set[str], api: str) -> None:
+    """The body is a JSON object whose every field is honoured, ignored or at its neutral value."""
+    if not isinstance(body, dict):
+        raise bad("request body must be a JSON object")
+    for key, value in body.items():
+        if value is None or key in honoured or key in IGNORED_FIELDS:
+            continue
+        if key in NEUTRAL_VALUES:
+            if value not in NEUTRAL_VALUES[key]:
+                raise bad(f"'{key}'={value!r} is not supported by the training chat server ({api}): it would change "
+                          f"what is sampled; omit it or send {NEUTRAL_VALUES[key][0]!r}", key)
+            continue
+        raise bad(f"unsupported field '{key}' for {api}; honoured: {sorted(honoured)}; accepted and ignored: "
+                  f"{sorted(IGNORED_FIELDS)} (see docs/agents.md)", key)
+
+
+def bad(message: str, param: str | None = None) -> RequestError:
+    return RequestError(400, message, param, "invalid_request_error")
+
+
+def number(body: dict, key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi):
+        raise bad(f"'{key}' must be a number in [{lo}, {hi}], got {v!r}", key)
+    return None if v is None else float(v)
+
+
+def integer(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+        raise bad(f"'{key}' must be an integer >= {lo}, got {v!r}", key)
+    if v is not None and hi is not None and v > hi:
+        raise bad(f"'{key}' must be <= {hi}, got {v}", key)
+    return v
+
+
+def flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"'{key}' must be a boolean, got {v!r}", key)
+    return bool(v)
+
+
+def parallel_tool_calls(body: dict) -> bool | None:
+    return None if body.get("parallel_tool_calls") is None else flag(body, "parallel_tool_calls")
+
+
+def content(parts: list[dict]) -> str | list[dict]:
+    """Text-only part lists collapse to one string (templates concatenate text parts)."""
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def text_or_parts(v: Any, where: str, part) -> str | list[dict]:
+    """A message's content: a string, or a list of parts each read by `part(p, where)`."""
+    if isinstance(v, list):
+        return content([part(p, f"{where}.content[{j}]") for j, p in enumerate(v)])
+    if not isinstance(v, str):
+        raise bad(f"{where}.content must be a string or a list of parts", where)
+    return v
+
+
+def text_part(p: dict, where: str) -> dict:
+    if not isinstance(p.get("text"), str):
+        raise bad(f"{where}: text part needs a string 'text'", where)
+    return {"type": "text", "text": p["text"]}
+
+
+def sampling(body: dict, max_keys: tuple[str, ...], stop_key: str | None = None,
+             temperature_max: float = 2.0) -> dict:
+    """Sampling fields the client set (the session checks them against the recipe); the first of `max_keys` set
+    is the token cap."""
+    overrides: dict = {}
+    for key in max_keys:
+        v = integer(body, key, 1)
+        if v is not None:
+            overrides["max_tokens"] = v
+            break
+    for key, lo, hi in (("temperature", 0.0, temperature_max), ("top_p", 1e-9, 1.0)):
+        v = number(body, key, lo, hi)
+        if v is not None:
+            overrides[key] = v
+    for key, lo in (("seed", 0), ("top_k", 1)):
+        v = integer(body, key, lo)
+        if v is not None:
+            overrides[key] = v
+    stop = body.get(stop_key) if stop_key else None
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise bad(f"'{stop_key}' must be a non-empty string or a list of non-empty strings, got {stop!r}",
+                      stop_key)
+        overrides["stop"] = tuple(stop)
+    return overrides
+
+
+def tool_choice(v: Any, tools: list[dict] | None, param: str = "tool_choice") -> str | dict:
+    """none | auto | required | a named function (chat or Responses shape), checked against the tools."""
+    if v is None:
+        return "auto"
+    if isinstance(v, dict) and v.get("type") == "function":
+        name = (v.get("function") or {}).get("name") if "function" in v else v.get("name")  # chat / responses shape
+        if not isinstance(name, str):
+            raise bad(f"'{param}' names no function", param)
+        v = {"type": "function", "function": {"name": name}}
+    if v not in ("none", "auto", "required") and not isinstance(v, dict):
+        raise bad(f"'{param}' must be none, auto, required or a named function, got {v!r}", param)
+    if v == "required" or isinstance(v, dict):
+        names = [t["function"]["name"] for t in tools or []]
+        if not names:
+            raise bad(f"'{param}'={v!r} needs 'tools'", param)
+        if isinstance(v, dict) and v["function"]["name"] not in names:
+            raise bad(f"'{param}' names {v['function']['name']!r}, which is not in tools {names}", param)
+    return v
+
+
+def response_format(v: Any, param: str = "response_format") -> dict | None:
+    """OpenAI response_format (or Responses text.format) → vLLM structured output fields."""
+    kind = v.get("type") if isinstance(v, dict) else None
+    if v is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = v.get("json_schema", v)  # chat nests it; the Responses API puts it at the top
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad(f"'{param}' json_schema needs a 'schema' object", param)
+        return {"json": schema}
+    raise bad(f"'{param}' type must be text, json_object or json_schema, got {kind!r}", param)
+
+
+def top_logprobs(body: dict, flag_key: str | None) -> int | None:
+    """OpenAI's `top_logprobs` (<= 20), gated by `logprobs: true` where the API has that flag."""
+    top = integer(body, "top_logprobs", 0, 20)
+    if flag_key is not None and not flag(body, flag_key):
+        if top:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0

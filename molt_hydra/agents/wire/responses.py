@@ -1,0 +1,202 @@
+"""OpenAI `/v1/responses` as a chat turn. Input items (messages, function_call, function_call_output) become chat
+messages; nothing is stored server-side, so `previous_response_id` is refused: send the whole input each turn."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from molt_hydra.agents.wire import request as check
+from molt_hydra.agents.wire.openai_chat import ROLES
+from molt_hydra.agents.wire.request import ChatRequest, bad
+from molt_hydra.agents.wire.stream import Stream, new_id, sse
+
+FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
+          "text", "parallel_tool_calls", "top_logprobs"}
+
+
+def parse(body: Any) -> ChatRequest:
+    if isinstance(body, dict) and body.get("previous_response_id") is not None:
+        raise bad("'previous_response_id' is not supported: this server stores no responses; send the full input "
+                  "(agent SDKs do so when store=false)", "previous_response_id")
+    check.fields(body, FIELDS, "/v1/responses")
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad("'input' must be a string or a non-empty list of items", "input")
+    canon: list[dict] = []
+    instructions = body.get("instructions")
+    if instructions:
+        if not isinstance(instructions, str):
+            raise bad("'instructions' must be a string", "instructions")
+        canon.append({"role": "system", "content": instructions})
+    for i, item in enumerate(items):
+        _item(item, f"input[{i}]", canon)
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("'tools' must be a list", "tools")
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+                raise bad(f"tools[{i}]: only function tools {{type: function, name, parameters}} are served "
+                          f"(hosted tools run at OpenAI), got {t!r}", "tools")
+        tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+                 for t in tools] or None
+    text = body.get("text") or {}
+    if not isinstance(text, dict):
+        raise bad("'text' must be an object", "text")
+    return ChatRequest(
+        messages=canon, tools=tools, overrides=check.sampling(body, ("max_output_tokens",)),
+        stream=check.flag(body, "stream"), tool_choice=check.tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=check.parallel_tool_calls(body),
+        top_logprobs=check.top_logprobs(body, None) if body.get("top_logprobs") else None,
+        response_format=check.response_format(text.get("format"), "text.format"))
+
+
+def _item(item: Any, where: str, canon: list[dict]) -> None:
+    if not isinstance(item, dict):
+        raise bad(f"{where} must be an object", where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        if item.get("role") not in ROLES or item["role"] == "tool":
+            raise bad(f"{where}: message role must be user, system, developer or assistant", where)
+        canon.append({"role": ROLES[item["role"]], "content": check.text_or_parts(item.get("content", ""), where,
+                                                                                   _part)})
+    elif kind == "function_call":
+        if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
+            raise bad(f"{where}: function_call needs a string name and arguments", where)
+        call = {"id": str(item.get("call_id", "")), "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+        last = canon[-1] if canon else None
+        if last is not None and last["role"] == "assistant":  # the reply's text and its calls are one chat message
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            canon.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        out = item.get("output", "")
+        if isinstance(out, list):
+            out = check.content([check.text_part(p, where) if p.get("type") != "input_image"
+                                 else {"type": "image", "source": p.get("image_url")} for p in out])
+        elif not isinstance(out, str):
+            raise bad(f"{where}: function_call_output.output must be a string or a list of parts", where)
+        canon.append({"role": "tool", "content": out, "tool_call_id": str(item.get("call_id", ""))})
+    elif kind != "reasoning":  # an echoed reasoning item: templates drop earlier turns' reasoning, it renders nowhere
+        raise bad(f"{where}: unsupported input item type {kind!r} (message, function_call, function_call_output, "
+                  "reasoning)", where)
+
+
+def _part(p: Any, at: str) -> dict:
+    ptype = p.get("type") if isinstance(p, dict) else None
+    if ptype in ("input_text", "output_text", "text"):
+        return check.text_part(p, at)
+    if ptype == "input_image" and isinstance(p.get("image_url"), str):
+        return {"type": "image", "source": p["image_url"]}
+    if ptype == "refusal" and isinstance(p.get("refusal"), str):
+        return {"type": "text", "text": p["refusal"]}
+    raise bad(f"{at}: unsupported content part {ptype!r} (input_text, output_text, input_image)", at)
+
+
+# --- replies ---
+
+
+def _reasoning_item(item_id: str, text: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": "completed"}
+
+
+def _message_item(item_id: str, parts: list[dict], status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": parts}
+
+
+def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
+    c = reply.choices[0]
+    output: list[dict] = []
+    if c.reasoning:
+        output.append(_reasoning_item(new_id("rs_"), c.reasoning))
+    if c.content or not c.tool_calls:
+        output.append(_message_item(new_id("msg_"), [{"type": "output_text", "text": c.content, "annotations": [],
+                                                      "logprobs": c.logprobs or []}]))
+    for cid, tc in zip(c.tool_call_ids, c.tool_calls):
+        output.append({"type": "function_call", "id": f"fc_{cid.removeprefix('call_')}", "call_id": cid,
+                       "name": tc.name, "arguments": json.dumps(tc.arguments), "status": "completed"})
+    incomplete = c.finish_reason == "length"
+    return {
+        "id": rid or new_id("resp_"), "object": "response", "created_at": int(time.time()),
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None, "model": model, "output": output,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "tool_choice": req.tool_choice if isinstance(req.tool_choice, str)
+        else {"type": "function", "name": req.tool_choice["function"]["name"]},
+        "tools": [dict(t["function"], type="function") for t in req.tools or []],
+        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
+                  "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
+    }
+
+
+class ResponseStream(Stream):
+    """Each run of reasoning or content is an output item, opened, filled by deltas and closed."""
+
+    ID_PREFIX = "resp_"
+
+    def __init__(self, req: ChatRequest, model: str, session):
+        super().__init__(req, model, session)
+        self.seq, self.item_id, self.text = 0, None, ""
+
+    def ev(self, kind: str, **data) -> bytes:
+        self.seq += 1
+        return sse(dict(data, type=kind, sequence_number=self.seq - 1), kind)
+
+    def at(self, **data) -> dict:  # where the open item's text goes
+        return dict(item_id=self.item_id, output_index=self.index, content_index=0, **data)
+
+    def start(self) -> list[bytes]:
+        shell = {"id": self.id, "object": "response", "created_at": self.created, "status": "in_progress",
+                 "model": self.model, "output": [], "error": None, "incomplete_details": None,
+                 "tools": [], "tool_choice": "auto", "parallel_tool_calls": True}
+        return [self.ev("response.created", response=shell), self.ev("response.in_progress", response=shell)]
+
+    def open(self) -> list[bytes]:
+        self.item_id, self.text = new_id("msg_" if self.kind == "content" else "rs_"), ""
+        if self.kind == "reasoning":
+            item = {"type": "reasoning", "id": self.item_id, "summary": [], "status": "in_progress"}
+            return [self.ev("response.output_item.added", output_index=self.index, item=item)]
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [self.ev("response.output_item.added", output_index=self.index,
+                        item=_message_item(self.item_id, [], "in_progress")),
+                self.ev("response.content_part.added", **self.at(part=part))]
+
+    def piece(self, text: str) -> list[bytes]:
+        self.text += text
+        if self.kind == "content":
+            return [self.ev("response.output_text.delta", **self.at(delta=text, logprobs=[]))]
+        return [self.ev("response.reasoning_text.delta", **self.at(delta=text))]
+
+    def close(self) -> list[bytes]:
+        if self.kind == "content":
+            part = {"type": "output_text", "text": self.text, "annotations": []}
+            return [self.ev("response.output_text.done", **self.at(text=self.text)),
+                    self.ev("response.content_part.done", **self.at(part=part)),
+                    self.ev("response.output_item.done", output_index=self.index,
+                            item=_message_item(self.item_id, [part]))]
+        if self.kind == "reasoning":
+            return [self.ev("response.reasoning_text.done", **self.at(text=self.text)),
+                    self.ev("response.output_item.done", output_index=self.index,
+                            item=_reasoning_item(self.item_id, self.text))]
+        return []
+
+    def end(self, reply) -> list[bytes]:
+        out = self.close()
+        final = body(reply, self.req, self.model, self.id)
+        streamed = self.index + 1 if reply.streamed else 0  # the rest (tool calls, a cached reply) is sent whole
+        for j, item in enumerate(final["output"][streamed:], start=streamed):
+            out.append(self.ev("response.output_item.added", output_index=j, item=item))
+            if item["type"] == "function_call":
+                out.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=j,
+                                   arguments=item["arguments"]))
+            out.append(self.ev("response.output_item.done", output_index=j, item=item))
+        done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return out + [self.ev(done, response=final)]

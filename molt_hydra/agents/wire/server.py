@@ -1,0 +1,249 @@
+"""The loopback HTTP server: routes, the per-run API key, the agent's event loop, SSE, and errors in each API's shape.
+
+One server per runner process, bound to 127.0.0.1 on a free port, on its OWN thread and event loop: a turn runs on
+the agent's loop (where the engine client lives), so a synchronous client that blocks that loop is detected and
+answered with an error naming the fix instead of deadlocking. Every route but `/health` needs the per-run API key
+(`Authorization: Bearer KEY`, scheme case-insensitive, or `x-api-key: KEY`), else 401. Session routes live under
+`/s/{session_id}`: the OpenAI SDK takes `base_url=.../s/{sid}/v1`, the Anthropic SDK `base_url=.../s/{sid}`, a judge
+client `base_url=.../s/{sid}/judge/v1`. Every error, 404 / 405 / 413 included, is in the API's own JSON error shape.
+Streaming is true token streaming: text reaches the client as the engine samples it; tool calls are sent whole once
+the generation ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+import re
+import secrets
+import threading
+
+from aiohttp import web
+
+from molt_hydra.agents.wire import anthropic, completions, openai_chat, responses
+from molt_hydra.agents.wire.request import RequestError
+from molt_hydra.agents.wire.session import ChatSession
+from molt_hydra.agents.wire.stream import sse
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 2**20  # base64 images make bodies large
+BLOCKED_LOOP_S = 10.0  # the agent's loop did not run a no-op for this long: something blocks it
+# path under /s/{sid} -> (request parser, reply body, stream of a streamed reply)
+WIRES = {
+    "/v1/chat/completions": (openai_chat.parse, openai_chat.body, openai_chat.ChatStream),
+    "/v1/completions": (completions.parse, completions.body, completions.CompletionStream),
+    "/v1/responses": (responses.parse, responses.body, responses.ResponseStream),
+    "/v1/messages": (anthropic.parse, anthropic.body, anthropic.MessageStream),
+}
+JUDGE = "/judge/v1/chat/completions"  # OpenAI chat, unrecorded: `ChatSession.judge`
+
+
+class ChatServer:
+    def __init__(self, api_key: str | None = None, host: str = "127.0.0.1", model_name: str = "policy"):
+        self.api_key = api_key or secrets.token_urlsafe(24)
+        self.host = host
+        self.model_name = model_name
+        self.sessions: dict[str, ChatSession] = {}
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("ChatServer is not started")
+        return f"http://{self.host}:{self.port}"
+
+    def session_url(self, session_id: str) -> str:
+        return f"{self.url}/s/{session_id}"
+
+    async def start(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="chat-server", daemon=True)
+        self._thread.start()
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._serve(), self._loop))
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/s/{sid}/v1/models", self._models)
+        for path, wire in WIRES.items():
+            app.router.add_post(f"/s/{{sid}}{path}", functools.partial(self._turn, *wire))
+        app.router.add_post(f"/s/{{sid}}{JUDGE}", functools.partial(self._turn, *WIRES["/v1/chat/completions"]))
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._loop is None:
+            return
+        if self._runner is not None:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop))
+            self._runner = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        await asyncio.to_thread(self._thread.join)
+        self._loop.close()
+        self._loop = self._thread = None
+
+    def open_session(self, session: ChatSession) -> None:
+        session.loop = asyncio.get_running_loop()  # turns run where the agent and the engine client live
+        self.sessions[session.session_id] = session
+
+    def close_session(self, session_id: str):
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            raise RuntimeError(f"unknown session {session_id}")
+        return session.close()
+
+    # --- routes ---
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": self.model_name})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return error_response(request.path, RequestError(401, "invalid API key", code="invalid_api_key"))
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "molt_hydra"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _turn(self, parse, body_of, stream, request: web.Request) -> web.StreamResponse:
+        judge = request.path.endswith(JUDGE)
+        try:
+            session, body = await self._accept(request)
+            req = parse(body)
+            if req.stream and not judge:
+                return await self._sse(request, session, stream(req, self.model_name, session))
+            reply = await self._on_agent_loop(session, session.judge(req) if judge else session.complete(req))
+        except RequestError as e:
+            return error_response(request.path, e)
+        except Exception as e:
+            log.exception("%s failed", request.path)
+            return error_response(request.path, RequestError(500, f"generation failed: {failure_text(e)}",
+                                                             code="server_error"))
+        return web.json_response(body_of(reply, req, self.model_name))
+
+    async def _on_agent_loop(self, session: ChatSession, coro):
+        """Run a session coroutine on the agent's loop; refuse loudly when that loop is blocked."""
+        ping = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), session.loop)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(ping), BLOCKED_LOOP_S)
+        except TimeoutError:
+            coro.close()
+            raise RequestError(
+                400, f"the agent's event loop has been blocked for {BLOCKED_LOOP_S:.0f} s, so its turn cannot run: a "
+                "synchronous client (openai.OpenAI, anthropic.Anthropic, requests, a sync framework call) inside "
+                "async run()? Use the async client (AsyncOpenAI / AsyncAnthropic / the framework's async API) or "
+                "move the blocking code off the loop with `await asyncio.to_thread(fn, ...)`", code="event_loop_blocked"
+            ) from None
+        fut = asyncio.run_coroutine_threadsafe(coro, session.loop)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+
+    async def _accept(self, request: web.Request) -> tuple[ChatSession, object]:
+        if not self._authorized(request):
+            raise RequestError(401, "invalid API key", code="invalid_api_key")
+        session = self.sessions.get(request.match_info["sid"])
+        if session is None:
+            raise RequestError(404, f"unknown session {request.match_info['sid']!r}", code="unknown_session")
+        try:
+            return session, json.loads(await request.text())
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+    def _authorized(self, request: web.Request) -> bool:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        key = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        return hmac.compare_digest(key.encode(), self.api_key.encode())
+
+    async def _sse(self, request: web.Request, session: ChatSession, stream) -> web.StreamResponse:
+        """Stream a turn: ("reasoning" | "content", text) pieces, then ("end", reply), reach `stream` as the session
+        generates on the agent's loop; a failure before the first piece is a plain JSON error, after it an SSE
+        `error` event."""
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def on_delta(kind: str, text: str) -> None:  # called on the agent's loop
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, text))
+
+        async def produce():
+            try:
+                queue.put_nowait(("end", await self._on_agent_loop(session, session.complete(stream.req, on_delta))))
+            except Exception as e:
+                queue.put_nowait(("error", e))
+
+        task = asyncio.ensure_future(produce())
+        kind, payload = await queue.get()
+        if kind == "error":  # nothing was sent yet: a plain JSON error
+            raise payload
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        out = stream.start()
+        try:
+            while kind != "error":
+                out += stream.end(payload) if kind == "end" else stream.delta(kind, payload)
+                for chunk in out:
+                    await resp.write(chunk)
+                if kind == "end":
+                    break
+                out = []
+                kind, payload = await queue.get()
+            else:
+                log.error("stream failed: %s", failure_text(payload))
+                await resp.write(sse({"error": failure_text(payload)}, "error"))
+        finally:
+            await task
+        await resp.write_eof()
+        return resp
+
+
+def error_response(path: str, e: RequestError) -> web.Response:
+    shape = anthropic.error if path.endswith("/messages") else openai_chat.error
+    return web.json_response(shape(e), status=e.status)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """aiohttp's own 404 / 405 / 413 answers are plain text: give them the API's JSON error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(request.path, RequestError(e.status, f"{e.reason}: {request.method} {request.path}",
+                                                          code=e.reason.lower()))
+
+
+# `SomeError: message` lines of a (remote) traceback text
+_RAISED = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (\S.*)$", re.MULTILINE)
+
+
+def failure_text(e: BaseException) -> str:
+    """What failed, with the engine's own message: the first exception along the chain (Ray's remote cause, then
+    `__cause__` / `__context__`) whose message is not empty. vLLM raises e.g. `EngineGenerateError()` with no text and
+    the real error as its cause; across Ray only the remote traceback's text keeps that cause, so it is read there."""
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(x)
+        x = getattr(x, "cause", None) or x.__cause__ or x.__context__
+    for x in chain:
+        if str(x).strip() and not type(x).__name__.startswith("RayTaskError"):
+            return f"{type(x).__name__}: {' '.join(str(x).split())[:500]}"
+    for x in chain:  # only empty messages: the innermost named error with text in a remote traceback
+        found = _RAISED.findall(getattr(x, "traceback_str", "") or str(x))
+        if found:
+            name, text = found[0]  # a chained traceback prints the root cause first
+            return f"{type(chain[-1]).__name__} ({name}: {text.strip()[:500]})"
+    return f"{type(chain[-1]).__name__} (the engine gave no message; see the engine's log)"

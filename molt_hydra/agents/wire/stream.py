@@ -1,0 +1,53 @@
+"""What every wire format's reply shares: ids, server-sent-event frames, and the shape of a streamed turn."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from molt_hydra.agents.wire.request import ChatRequest
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def sse(data: dict, event: str | None = None) -> bytes:
+    return (f"event: {event}\n" if event else "").encode() + f"data: {json.dumps(data)}\n\n".encode()
+
+
+class Stream:
+    """One streamed turn as SSE frames: `start()` once the turn has begun (its prompt is tokenized), `delta(kind,
+    text)` for each piece of "reasoning" or "content" the engine samples, `end(reply)` with the whole `TurnReply`.
+    A stream of blocks (Responses items, Anthropic content blocks) opens a block at each change of kind."""
+
+    ID_PREFIX = ""  # of the reply's id
+
+    def __init__(self, req: ChatRequest, model: str, session):
+        self.req, self.model, self.session = req, model, session
+        self.id, self.created = new_id(self.ID_PREFIX), int(time.time())
+        self.kind, self.index = None, -1  # the open block
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def delta(self, kind: str, text: str) -> list[bytes]:
+        out = []
+        if kind != self.kind:
+            out += self.close()
+            self.kind, self.index = kind, self.index + 1
+            out += self.open()
+        return out + self.piece(text)
+
+    def open(self) -> list[bytes]:
+        return []
+
+    def piece(self, text: str) -> list[bytes]:
+        raise NotImplementedError
+
+    def close(self) -> list[bytes]:
+        return []
+
+    def end(self, reply) -> list[bytes]:
+        raise NotImplementedError
