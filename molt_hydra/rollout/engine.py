@@ -25,7 +25,7 @@ from molt_hydra.rollout.batched_calls import BatchedCallee
 from molt_hydra.rollout.generation import Generation, GenerationRequest
 
 log = logging.getLogger(__name__)
-WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtension"
+WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.EngineWorkerExtension"
 DEATH_POLL_S = 0.5  # how often a weight-sync call checks that the engine core is still alive
 
 

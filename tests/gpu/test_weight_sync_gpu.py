@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, cast_copy_seconds,  # noqa: E402
                                   connect, device_copy_seconds, engine_weights, free_port, sync_seconds, wire_bytes)
 
-from molt_hydra.rollout.weight_sync import WeightCoverageError, push_from_rank  # noqa: E402
+from molt_hydra.weight_sync.sender import WeightCoverageError, push_from_rank  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -1,6 +1,6 @@
 """A recorded copy plan for the single-pass weight sync: the engine's own loaders run once, and are then replayed.
 
-In the single pass (`weight_sync.SharedParamsTransport`) the engine worker holds views of the trainer's parameters for
+In the single pass (shared_params.py) the engine worker holds views of the trainer's parameters for
 as long as the trainer's storages stay put, and every sync loads the same views into the same engine parameters. The
 first sync of a token runs the engine's weight loaders as usual under `record_copy_plan`, a TorchDispatchMode that
 sees every aten op the loaders run. The plan is kept only when it is proven to be nothing but copies:
@@ -20,10 +20,10 @@ streams when no two destinations overlap (the order of disjoint copies cannot ch
 one, in order. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
 checks before each replay); the worker drops it with the trainer views it reads (a new token).
 
-What is proven where: on the GPU stand-in of vLLM's model runner (tests/gpu/_weight_sync_standin.py: loaders copy in
+The recorder is torch's dispatch mode (compat/torch.py). What is proven where: on the GPU stand-in of vLLM's model runner (tests/gpu/_weight_sync_standin.py: loaders copy in
 place by name) and on CPU unit tests with vLLM-style fused loaders (narrowed copies into a qkv parameter). Real vLLM
 on CUDA: unquantized layers load in place through their `weight_loader`s (narrow + copy_), which this records, once
-the worker has left vLLM's layerwise reload (`load_in_place_on_cuda`, where compat.vllm finds every layer keeps the
+the worker has left vLLM's layerwise reload (receiver.py `load_in_place_on_cuda`, where compat.vllm finds every layer keeps the
 loaders' layout). Under the layerwise reload a layer is first materialized into fresh tensors, loaded there,
 processed and copied into its kernel tensors: the recorder sees that allocation and refuses, and the loaders run on
 every sync (quantized models, re-laid MoE backends).
@@ -32,7 +32,9 @@ every sync (quantized models, re-laid MoE backends).
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from molt_hydra.compat.torch import dispatch_mode
+from molt_hydra.weight_sync.buckets import unpack_bucket
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -47,7 +49,7 @@ def _is_view_op(func) -> bool:
     return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(dispatch_mode()):
     def __init__(self, sources: set[int], destinations: set[int], allow_fills: bool = False):
         super().__init__()
         self.sources, self.destinations = sources, destinations
@@ -164,7 +166,7 @@ def record_copy_plan(load, weights: list[tuple[str, torch.Tensor]], engine_tenso
 
 # --- CPU, mapped in place: the trainer writes the recorded copies into the engine's parameters itself ---------------
 #
-# A CPU engine with plain weights keeps its parameters in one shared region (worker_extension.map_parameters). The
+# A CPU engine with plain weights keeps its parameters in one shared region (receiver.map_parameters). The
 # loaders of one bucket, recorded as above while they load from the trainer's packed shared-memory buckets, become
 # `MappedCopy`s that name their source by tensor name and element offset and their destination by byte offset in that
 # region; the trainer maps the region (`MappedPlan`) and replays them from its own tensors: an update is then one copy,
@@ -178,8 +180,6 @@ def mapped_copies(plan: CopyPlan, metas: list, flat: torch.Tensor, region: torch
     stride) inside that name's tensor of the packed bucket `flat` (laid out by `metas`), each destination as (dtype,
     byte offset, shape, stride) in `region`; or why they cannot be (a source that reinterprets its tensor's dtype).
     A recorded constant fill is (None, value, [], [], destination...): `MappedPlan` proves it need not be replayed."""
-    from molt_hydra.rollout.buckets import unpack_bucket
-
     tensors = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name, t.dtype)
                for name, t in unpack_bucket(metas, flat)]
     out: list[MappedCopy] = [(None, value, [], [], str(dst.dtype).removeprefix("torch."), dst.data_ptr()
