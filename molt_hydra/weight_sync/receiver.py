@@ -14,18 +14,19 @@ the loaders were recorded copying. Every reach into vLLM's internals goes throug
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
-import uuid
 
 import torch
 
 from molt_hydra.compat import transformers as transformers_compat
 from molt_hydra.compat import vllm as vllm_compat
 from molt_hydra.weight_sync.buckets import Bucket, packed_nbytes, parameter_addresses, unpack_bucket
-from molt_hydra.weight_sync.copy_plan import CopyPlan, mapped_copies, record_copy_plan
+from molt_hydra.weight_sync.copy_plan import CopyPlan, record_copy_plan
 from molt_hydra.weight_sync.probe import group_sums
+from molt_hydra.weight_sync.shared_memory import mapped_copies, new_region, open_region
 from molt_hydra.weight_sync.transports import BroadcastGroup, open_ipc_handle
 
 
@@ -111,9 +112,8 @@ class WeightReceiver:
     def _shared_bucket(self, region: tuple, metas: list, offset: int) -> tuple[torch.Tensor, Bucket]:
         """`region`: (path, bytes, token) of the trainer's region, mapped once per token; the bucket starts at
         `offset` and its tensors go to the loader as views into it (the loader's copy is the only one on this side)."""
-        path, size, token = region
-        if getattr(self, "_shared_region", (None, None))[0] != token:
-            self._shared_region = (token, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+        if getattr(self, "_shared_region", (None, None))[0] != region[2]:
+            self._shared_region = (region[2], open_region(region))
         flat = self._shared_region[1][offset:offset + packed_nbytes(metas)]
         return flat, unpack_bucket(metas, flat)
 
@@ -121,7 +121,7 @@ class WeightReceiver:
         """Load one bucket and record what the loaders did, for a trainer that writes later updates into this worker's
         parameters itself. On a CPU engine with plain weights the parameters are first moved into a shared region of
         their own (`map_parameters`, once); the loaders then run under `copy_plan.record_copy_plan`. Returns (tensors
-        loaded, the parameter region's handle or None, this bucket's copies as `copy_plan.MappedCopy`s, or why there
+        loaded, the parameter region's handle or None, this bucket's copies as `shared_memory.MappedCopy`s, or why there
         are none)."""
         handle = self.map_parameters()
         flat, bucket = self._shared_bucket(region, metas, offset)
@@ -160,9 +160,7 @@ class WeightReceiver:
                         and value.untyped_storage().data_ptr() in storages):
                     self._parameter_map = (None, None, -1)  # the loaders write in place, as before
                     return None
-        fd = os.memfd_create("molt_engine_parameters")
-        os.ftruncate(fd, max(size, 1))
-        region = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=max(size, 1), dtype=torch.uint8)
+        region, handle, fd = new_region("molt_engine_parameters", max(size, 1))
         with torch.no_grad():
             for storage, at in storages.values():
                 region[at:at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
@@ -170,8 +168,8 @@ class WeightReceiver:
                 at = storages[p.untyped_storage().data_ptr()][1]
                 p.data = torch.empty(0, dtype=p.dtype).set_(region.untyped_storage(), at // p.element_size()
                                                             + p.storage_offset(), p.shape, p.stride())
-        self._parameter_map = ((f"/proc/{os.getpid()}/fd/{fd}", max(size, 1), uuid.uuid4().hex), region, fd)
-        return self._parameter_map[0]
+        self._parameter_map = (handle, region, fd)
+        return handle
 
     # --- NCCL broadcast (GPU, disaggregated): the trainer's rank 0 is rank 0 of a group of its own ---
 
@@ -183,18 +181,16 @@ class WeightReceiver:
     def receive_broadcast(self, metas: list) -> int:
         """One flat uint8 buffer per bucket, broadcast from rank 0 (`transports.BroadcastTransport`). On a GPU the
         receive runs on a stream of its own, so it does not queue behind the previous bucket's loads."""
-        if self.device.type != "cuda":
-            flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=self.device)
-            self._weight_comm.broadcast(flat, src=0)
-            return self._load(unpack_bucket(metas, flat))
-        if getattr(self, "_receive_stream", None) is None:
+        cuda = self.device.type == "cuda"
+        if cuda and getattr(self, "_receive_stream", None) is None:
             self._receive_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._receive_stream):
+        with torch.cuda.stream(self._receive_stream) if cuda else contextlib.nullcontext():
             flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=self.device)
-            self._weight_comm.broadcast(flat, src=0)  # the receive stream waits for the bytes
-        loads = torch.cuda.current_stream(self.device)
-        loads.wait_stream(self._receive_stream)
-        flat.record_stream(loads)  # freed only after the loads that read it
+            self._weight_comm.broadcast(flat, src=0)  # a GPU's receive stream waits for the bytes
+        if cuda:
+            loads = torch.cuda.current_stream(self.device)
+            loads.wait_stream(self._receive_stream)
+            flat.record_stream(loads)  # freed only after the loads that read it
         return self._load(unpack_bucket(metas, flat))
 
     # --- CUDA IPC (GPU, colocated): the trainer shares a packed bucket's memory, or its own parameters ---

@@ -7,9 +7,9 @@ later bucket and sync, replaced only when a bucket outgrows it. It has two slots
 engines load bucket k; a slot is reused once the engines answered for the bucket it held.
 
 Mapped in place (CPU engines with plain weights): such a worker moves its parameters into a shared region of its own
-on the first sync and records what its loaders copied from each bucket (`copy_plan.MappedCopy`); from the next sync
+on the first sync and records what its loaders copied from each bucket (`MappedCopy`); from the next sync
 on, when every worker's region is one this transport holds a plan for, the trainer writes each bucket's tensors
-straight into the engines' parameters (`copy_plan.MappedPlan`: one copy, the engines paused) and no bucket goes to an
+straight into the engines' parameters (`MappedPlan`: one copy, the engines paused) and no bucket goes to an
 engine. A tensor the plan does not know goes through the loaders (and is recorded) as before.
 """
 
@@ -21,11 +21,25 @@ import uuid
 
 import torch
 
-from molt_hydra.weight_sync.buckets import Bucket, bucket_metas, pack_bucket, packed_nbytes
-from molt_hydra.weight_sync.copy_plan import MappedPlan
+from molt_hydra.weight_sync.buckets import Bucket, bucket_metas, pack_bucket, packed_nbytes, unpack_bucket
+from molt_hydra.weight_sync.copy_plan import CopyPlan, disjoint
 from molt_hydra.weight_sync.transports import Pipeline
 
 logger = logging.getLogger(__name__)
+
+
+def new_region(name: str, nbytes: int) -> tuple[torch.Tensor, tuple[str, int, str], int]:
+    """A memfd of `nbytes` mapped here (nothing is left in /dev/shm if this process dies), its handle for other
+    processes (path, bytes, token) and its fd."""
+    fd = os.memfd_create(name)
+    os.ftruncate(fd, nbytes)
+    region = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    return region, (f"/proc/{os.getpid()}/fd/{fd}", nbytes, uuid.uuid4().hex), fd
+
+
+def open_region(handle: tuple[str, int, str]) -> torch.Tensor:
+    """Another process's `new_region`, mapped here."""
+    return torch.from_file(handle[0], shared=True, size=handle[1], dtype=torch.uint8)
 
 
 class SharedMemoryTransport(Pipeline):
@@ -109,10 +123,7 @@ class SharedMemoryTransport(Pipeline):
         if self.region is None or self.region.numel() < 2 * nbytes:
             await self.drain()  # the engines still map the old region by its path until they loaded from it
             self.close()
-            self.fd = os.memfd_create("molt_weights")
-            os.ftruncate(self.fd, 2 * nbytes)
-            self.region = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=2 * nbytes, dtype=torch.uint8)
-            self.handle = (f"/proc/{os.getpid()}/fd/{self.fd}", 2 * nbytes, uuid.uuid4().hex)
+            self.region, self.handle, self.fd = new_region("molt_weights", 2 * nbytes)
         return self.region
 
     def close(self) -> None:
@@ -121,3 +132,73 @@ class SharedMemoryTransport(Pipeline):
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+# --- mapped in place: the trainer writes the recorded copies into the engine's parameters itself ---
+#
+# A CPU engine with plain weights keeps its parameters in one shared region (receiver.map_parameters). The
+# loaders of one bucket, recorded (copy_plan.py) while they load from the trainer's packed shared-memory buckets, become
+# `MappedCopy`s that name their source by tensor name and element offset and their destination by byte offset in that
+# region; the trainer maps the region (`MappedPlan`) and replays them from its own tensors: an update is then one copy,
+# on the trainer's side, and nothing goes to the engine but a pause, a resume and the names written.
+
+MappedCopy = tuple  # (source name, source element offset, shape, stride, dest dtype, dest byte offset, shape, stride)
+
+
+def mapped_copies(plan: CopyPlan, metas: list, flat: torch.Tensor, region: torch.Tensor) -> list[MappedCopy] | str:
+    """A recorded bucket's copies in terms any process can replay: each source as (name, element offset, shape,
+    stride) inside that name's tensor of the packed bucket `flat` (laid out by `metas`), each destination as (dtype,
+    byte offset, shape, stride) in `region`; or why they cannot be (a source that reinterprets its tensor's dtype).
+    A recorded constant fill is (None, value, [], [], destination...): `MappedPlan` proves it need not be replayed."""
+    tensors = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name, t.dtype)
+               for name, t in unpack_bucket(metas, flat)]
+    out: list[MappedCopy] = [(None, value, [], [], str(dst.dtype).removeprefix("torch."), dst.data_ptr()
+                              - region.data_ptr(), list(dst.shape), list(dst.stride()))
+                             for dst, value in plan.fills if dst.numel()]  # an empty one has no address
+    for dst, src, _ in plan.copies:
+        if not dst.numel():
+            continue
+        hit = next((t for t in tensors if t[0] <= src.data_ptr() < t[1]), None)
+        if hit is None or src.dtype != hit[3]:
+            return "a copy from a view that is not one of the bucket's tensors in its own dtype"
+        out.append((hit[2], (src.data_ptr() - hit[0]) // src.element_size(), list(src.shape), list(src.stride()),
+                    str(dst.dtype).removeprefix("torch."), dst.data_ptr() - region.data_ptr(), list(dst.shape),
+                    list(dst.stride())))
+    return out
+
+
+class MappedPlan:
+    """The trainer's end of one engine worker's parameter region: mapped here once, with the copies recorded into it
+    grouped by source name. `names`: every tensor the recording loaded (some load nothing, e.g. a tied head).
+
+    Every destination must be disjoint from every other (`ValueError` otherwise): then the order in which names come
+    cannot change a byte, and a recorded constant fill (vocab padding) holds its value from the recording on, as
+    nothing else writes there, so it is not replayed."""
+
+    def __init__(self, handle: tuple, copies: list[MappedCopy], names: set[str]):
+        self.token, self.region = handle[2], open_region(handle)
+        self.names, self.copies = set(names), list(copies)
+        self.by_name: dict[str, list] = {}
+        destinations = []
+        for name, offset, shape, stride, dtype, at, dst_shape, dst_stride in copies:
+            dtype = getattr(torch, dtype)
+            dst = torch.empty(0, dtype=dtype).set_(self.region.untyped_storage(), at // dtype.itemsize, dst_shape,
+                                                   dst_stride)
+            destinations.append(dst)
+            if name is not None:
+                self.by_name.setdefault(name, []).append((dst, offset, shape, stride))
+        if not disjoint(destinations):
+            raise ValueError("recorded copies write overlapping parts of the engine's parameters")
+
+    def write(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """The bucket's recorded copies, from the trainer's own tensors (cast to each destination's dtype while they
+        copy; every name must be in `names`)."""
+        dsts, srcs = [], []
+        for name, t in bucket:
+            t = t.detach() if t.is_contiguous() else t.detach().contiguous()  # offsets are those of a packed tensor
+            for dst, offset, shape, stride in self.by_name.get(name, ()):
+                dsts.append(dst)
+                srcs.append(t.as_strided(shape, stride, t.storage_offset() + offset))
+        if dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
