@@ -1,9 +1,9 @@
 """torch: the one module below torch's public surface the package uses, and the releases it is checked against.
 
 `TorchDispatchMode` (torch.utils._python_dispatch): a mode that sees every aten op run under it, with the op's schema
-(`is_view_op`: mutability, alias info of its returns). The weight sync's copy plan (weight_sync/copy_plan.py) records an engine's
-weight loaders with it, and proves them to be views and copies only. Written for torch 2.11 (the GPU build) to 2.13
-(CPU); tests/unit/test_compat_weight_loading.py checks what it relies on against the installed torch.
+(`is_view_op`: mutability, alias info of its returns). The weight sync's copy plan (weight_sync/copy_plan.py) records
+an engine's weight loaders with it, and proves them to be views and copies only. Written for torch 2.11 (the GPU
+build) to 2.13 (CPU); tests/unit/test_compat_weight_loading.py checks what it relies on against the installed torch.
 """
 
 from __future__ import annotations

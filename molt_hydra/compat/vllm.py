@@ -142,25 +142,21 @@ def lora_rank_slot(rank: int) -> int:
 # at the same path; `weight_loading` refuses any other release, or a name that moved, naming both.
 # tests/unit/test_compat_weight_loading.py checks each name and the behaviour relied on against the installed vLLM.
 WEIGHT_LOADING_RELEASES = ("0.32", "0.24")
-_RELOAD = "vllm.model_executor.model_loader.reload"
-WEIGHT_LOADING = {
-    "set_current_vllm_config": "vllm.config",
-    "initialize_layerwise_reload": f"{_RELOAD}.layerwise",
-    "finalize_layerwise_reload": f"{_RELOAD}.layerwise",
-    "get_layerwise_info": f"{_RELOAD}.layerwise",
-    "LAYERWISE_INFO": f"{_RELOAD}.layerwise",  # layer -> info; info.loaded_weights: [(name, BoundArguments)]
-    "restore_layer_on_meta": f"{_RELOAD}.meta",
-    "materialize_layer": f"{_RELOAD}.meta",
-    "get_model_loader": "vllm.model_executor.model_loader",
-    "LinearBase": "vllm.model_executor.layers.linear",
-    "UnquantizedLinearMethod": "vllm.model_executor.layers.linear",
-    "UnquantizedEmbeddingMethod": "vllm.model_executor.layers.vocab_parallel_embedding",
-    "current_platform": "vllm.platforms",
+_LOADER = "vllm.model_executor.model_loader"
+WEIGHT_LOADING = {  # module -> the names used from it (LAYERWISE_INFO: layer -> info, whose .loaded_weights are
+    "vllm.config": ("set_current_vllm_config",),  # (name, BoundArguments) pairs held until the layer is complete)
+    f"{_LOADER}.reload.layerwise": ("initialize_layerwise_reload", "finalize_layerwise_reload", "get_layerwise_info",
+                                    "LAYERWISE_INFO"),
+    f"{_LOADER}.reload.meta": ("restore_layer_on_meta", "materialize_layer"),
+    _LOADER: ("get_model_loader",),
+    "vllm.model_executor.layers.linear": ("LinearBase", "UnquantizedLinearMethod"),
+    "vllm.model_executor.layers.vocab_parallel_embedding": ("UnquantizedEmbeddingMethod",),
+    "vllm.platforms": ("current_platform",),
 }
 
 
 def weight_loading(name: str):
-    """One of vLLM's internals in `WEIGHT_LOADING`, checked against the releases it was written for."""
+    """One of the names in `WEIGHT_LOADING`, checked against the releases it was written for."""
     import importlib
 
     found = installed()
@@ -168,11 +164,12 @@ def weight_loading(name: str):
     if found is None or _release(found[1]) not in WEIGHT_LOADING_RELEASES:
         raise VLLMVersionError(f"{' '.join(found or ('no vLLM',))} is installed; the weight sync's receiver "
                                f"(compat/vllm.py) is written for vLLM {supported}")
+    module = next(m for m, names in WEIGHT_LOADING.items() if name in names)
     try:
-        return getattr(importlib.import_module(WEIGHT_LOADING[name]), name)
+        return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise VLLMVersionError(f"{found[0]} {found[1]} has no {WEIGHT_LOADING[name]}.{name}, which the weight sync's "
-                               f"receiver (compat/vllm.py) uses as in vLLM {supported}: {e}") from e
+        raise VLLMVersionError(f"{found[0]} {found[1]} has no {module}.{name}, which the weight sync's receiver "
+                               f"(compat/vllm.py) uses as in vLLM {supported}: {e}") from e
 
 
 def begin_layerwise_reload(model, vllm_config) -> None:

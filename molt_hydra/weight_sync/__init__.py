@@ -10,7 +10,7 @@ The engine's end is `receiver.WeightReceiver`, mixed into vLLM's workers (rollou
 Transports (transports.py, shared_memory.py, shared_params.py), each a value of the config key:
 | transport | where | how |
 |---|---|---|
-| shared_memory | CPU, one host | packed into a reused memfd region the engines map; CPU plain weights: written in place |
+| shared_memory | CPU, one host | packed into a reused memfd region the engines map; plain CPU weights: in place |
 | object_store | any host; every LoRA run | safetensors bytes through Ray's object store (LoRA: the adapter alone) |
 | nccl | GPU, engines on their own GPUs | packed buckets broadcast over a process group of their own |
 | cuda_ipc | GPU, colocated | packed buckets mapped by IPC handle; one trainer rank: its own parameters, in one pass |

@@ -20,13 +20,14 @@ streams when no two destinations overlap (the order of disjoint copies cannot ch
 one, in order. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
 checks before each replay); the worker drops it with the trainer views it reads (a new token).
 
-The recorder is torch's dispatch mode (compat/torch.py). What is proven where: on the GPU stand-in of vLLM's model runner (tests/gpu/_weight_sync_standin.py: loaders copy in
-place by name) and on CPU unit tests with vLLM-style fused loaders (narrowed copies into a qkv parameter). Real vLLM
-on CUDA: unquantized layers load in place through their `weight_loader`s (narrow + copy_), which this records, once
-the worker has left vLLM's layerwise reload (receiver.py `load_in_place_on_cuda`, where compat.vllm finds every layer keeps the
-loaders' layout). Under the layerwise reload a layer is first materialized into fresh tensors, loaded there,
-processed and copied into its kernel tensors: the recorder sees that allocation and refuses, and the loaders run on
-every sync (quantized models, re-laid MoE backends).
+The recorder is torch's dispatch mode (compat/torch.py). What is proven where: on the GPU stand-in of vLLM's model
+runner (tests/gpu/_weight_sync_standin.py: loaders copy in place by name) and on CPU unit tests with vLLM-style fused
+loaders (narrowed copies into a qkv parameter). Real vLLM on CUDA: unquantized layers load in place through their
+`weight_loader`s (narrow + copy_), which this records, once the worker has left vLLM's layerwise reload (receiver.py
+`load_in_place_on_cuda`, where compat.vllm finds every layer keeps the loaders' layout). Under the layerwise reload a
+layer is first materialized into fresh tensors, loaded there, processed and copied into its kernel tensors: the
+recorder sees that allocation and refuses, and the loaders run on every sync (quantized models, re-laid MoE
+backends).
 """
 
 from __future__ import annotations

