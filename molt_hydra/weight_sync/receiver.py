@@ -20,6 +20,8 @@ import glob
 import os
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load
 
 from molt_hydra.compat import transformers as transformers_compat
 from molt_hydra.compat import vllm as vllm_compat
@@ -103,8 +105,6 @@ class WeightReceiver:
 
     def load_safetensors_bytes(self, blob: bytes) -> int:
         """Object store: one bucket as safetensors bytes (tensors cannot cross collective_rpc on CPU)."""
-        from safetensors.torch import load
-
         return self._load(list(load(blob).items()))
 
     # --- shared memory (shared_memory.py): the trainer's region mapped once, the bucket loaded from views of it ---
@@ -261,8 +261,6 @@ class WeightReceiver:
         """Checkpoint tensor names (the engine's own model dir) not pushed since `begin_layerwise_reload`; `written`:
         names the trainer wrote into the parameters itself (mapped in place), loaded as well. The checkpoint's names
         are read once (its headers), not on every sync."""
-        from safetensors import safe_open
-
         self._loaded_names = getattr(self, "_loaded_names", set()) | set(written)
         expected: set[str] = getattr(self, "_checkpoint_names", set())
         for f in [] if expected else glob.glob(os.path.join(self.model_config.model, "*.safetensors")):

@@ -8,6 +8,7 @@ trainer rank runs `push_from_rank` (the gathers are collectives); rank 0 pushes.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport
 from molt_hydra.weight_sync.shared_params import single_pass_transport
 from molt_hydra.weight_sync.transports import (BroadcastGroup, BroadcastTransport, CudaIpcTransport,
                                                ObjectStoreTransport, Transport)
+
+# Ray is imported where the trainer's rank 0 needs it (its address): the package imports without it
 
 
 class WeightCoverageError(RuntimeError):
@@ -109,8 +112,6 @@ def resolve_transport(cfg) -> str:
 
 def _rendezvous_address(_worker) -> tuple[str, int]:
     """This host's address and a free port on it (run on the trainer's rank 0, which hosts the group's store)."""
-    import socket
-
     import ray
 
     with socket.socket() as s:

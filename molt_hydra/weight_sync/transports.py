@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import save
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from molt_hydra.weight_sync.buckets import Bucket, pack_bucket
+
+# Ray is imported where the object store is used: engine workers never need it
 
 
 class Transport:
@@ -60,7 +67,6 @@ class ObjectStoreTransport(Transport):
 
     async def drain(self) -> None:
         import ray
-        from safetensors.torch import save
 
         if not self.tensors:
             return
@@ -131,8 +137,6 @@ class BroadcastGroup:
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device | str,
                  timeout_s: float = 600.0):
-        import torch.distributed as dist
-
         timeout = timedelta(seconds=timeout_s)
         self.device = torch.device(device)
         self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
@@ -149,8 +153,6 @@ class BroadcastGroup:
 
     def broadcast_async(self, tensor: torch.Tensor, src: int = 0):
         """Queue the broadcast; `.wait()` on the result makes the current stream (NCCL) / the caller (gloo) wait."""
-        import torch.distributed as dist
-
         options = dist.BroadcastOptions()
         options.rootRank = src
         return self.group.broadcast([tensor], options)
@@ -176,19 +178,11 @@ def ipc_handle(tensor: torch.Tensor) -> bytes:
     collective_rpc serializes with msgspec, which refuses the function and the classes inside (vLLM 0.24). Pickled
     by the multiprocessing pickler torch registers its sharing with, so a CPU tensor's storage travels as its shared
     memory (the CPU stand-ins of the tests), not as a copy."""
-    from multiprocessing.reduction import ForkingPickler
-
-    from torch.multiprocessing.reductions import reduce_tensor
-
     return bytes(ForkingPickler.dumps(reduce_tensor(tensor)))
 
 
 def open_ipc_handle(handle: bytes, device: torch.device) -> torch.Tensor:
     """The engine's end of `ipc_handle`: the trainer's tensor mapped on `device` (colocated: the trainer's GPU)."""
-    import pickle
-
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     rebuild, args = pickle.loads(handle)
     if rebuild is rebuild_cuda_tensor:  # the trainer's device index; colocated, it is this worker's device
         args = (*args[:6], device.index, *args[7:])
