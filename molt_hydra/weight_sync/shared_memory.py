@@ -102,11 +102,15 @@ class SharedMemoryTransport(Pipeline):
         self.slot ^= 1
         return flat, (self.handle, metas, offset)
 
-    async def _load(self, engine, call, args: tuple) -> None:
-        names = {name for name, _, _ in args[1]}
-        for _, handle, copies in await super()._load(engine, call, args):
-            if handle is not None:
-                self._record(handle, copies, names)
+    def _load(self, engine, call, args: tuple):
+        answer, names = super()._load(engine, call, args), {name for name, _, _ in args[1]}
+
+        async def record() -> None:
+            for _, handle, copies in await answer:
+                if handle is not None:
+                    self._record(handle, copies, names)
+
+        return record()
 
     def _record(self, handle: tuple, copies: list | str, names: set[str]) -> None:
         """One worker's recording of one bucket (`copies`: a reason instead when its loaders did more than copy)."""

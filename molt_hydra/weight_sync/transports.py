@@ -104,8 +104,10 @@ class Pipeline(Transport):
         metas, flat = pack_bucket(bucket, self.dtype)  # where the bucket lives: the trainer's GPU
         return flat, (metas,)
 
-    async def _load(self, engine, call, args: tuple):
-        return await call(engine.worker_call.remote(self.method, *args))
+    def _load(self, engine, call, args: tuple):
+        """The engine's answer to come: `.remote()` submits the call now, so engines get buckets in order and at once
+        (a broadcast's receivers join while the trainer gathers the next bucket)."""
+        return call(engine.worker_call.remote(self.method, *args))
 
     def _send(self, flat: torch.Tensor):
         return None
