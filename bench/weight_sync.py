@@ -68,9 +68,11 @@ def bench(label: str, model_dir: str, weights: dict, repeats: int = 5) -> str:
 
     import ray
 
-    from molt_hydra.rollout.buckets import bucket_weights
+    from molt_hydra.weight_sync.buckets import bucket_weights
     from molt_hydra.rollout.engine import VLLMEngine
-    from molt_hydra.rollout.weight_sync import ObjectStoreTransport, SharedMemoryTransport, WeightSync
+    from molt_hydra.weight_sync.sender import WeightSync
+    from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport
+    from molt_hydra.weight_sync.transports import ObjectStoreTransport
     from molt_hydra.runtime.roles import RAY_SYSTEM_CONFIG
 
     gb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9

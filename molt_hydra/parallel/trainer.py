@@ -39,7 +39,7 @@ from molt_hydra.parallel.fsdp import DTYPES, shard_model
 from molt_hydra.parallel.grad_debug import grad_norm_metrics
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
-from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
+from molt_hydra.weight_sync.buckets import iter_weight_buckets, local_full_weights
 
 class FusedLogprobHead:
     """Replaces the lm_head's forward: from the final hidden states straight to the log-probs (and entropy) of the

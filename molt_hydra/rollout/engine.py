@@ -25,7 +25,7 @@ from molt_hydra.rollout.batched_calls import BatchedCallee
 from molt_hydra.rollout.generation import Generation, GenerationRequest
 
 log = logging.getLogger(__name__)
-WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtension"
+WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.EngineWorkerExtension"
 DEATH_POLL_S = 0.5  # how often a weight-sync call checks that the engine core is still alive
 
 
@@ -309,7 +309,7 @@ class VLLMEngine(BatchedCallee):
                                f"{num_tokens} generated tokens")
         return spans
 
-    # --- weight sync (called by molt_hydra.rollout.weight_sync on every engine): one call before, one after ---
+    # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before, one after ---
 
     async def pause(self) -> None:
         """Freeze in-flight requests in the scheduler (mode keep): they continue after `resume` under new weights.
@@ -323,7 +323,7 @@ class VLLMEngine(BatchedCallee):
         await self._while_alive(self._engine().resume_generation())
 
     async def worker_call(self, method: str, *args: Any) -> list:
-        """Run a `WeightSyncWorkerExtension` method on every worker of this engine; one result per worker."""
+        """Run an `EngineWorkerExtension` method on every worker of this engine; one result per worker."""
         return await self._while_alive(self._engine().collective_rpc(method, args=args))
 
     async def _while_alive(self, call) -> Any:
@@ -423,7 +423,7 @@ class VLLMEngine(BatchedCallee):
         out, self.phase_seconds = self.phase_seconds, {}
         return out
 
-    # --- the sync probe (rollout/sync_probe.py): the engine's view of a fixed sequence and of its weights ---
+    # --- the sync probe (weight_sync/probe.py): the engine's view of a fixed sequence and of its weights ---
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Log-probs (temperature 1) of each token of `token_ids` given the ones before it; the first is 0."""

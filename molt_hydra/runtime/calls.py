@@ -142,11 +142,11 @@ class RoleCalls:
         return results
 
     async def trainer_probe_view(self) -> tuple:
-        """The trainer's side of the sync probe (rollout/sync_probe.py): the probe sequence, the weights' per-layer
+        """The trainer's side of the sync probe (weight_sync/probe.py): the probe sequence, the weights' per-layer
         sums and its log-probs of it. Taken before the push, from the weights it pushes: colocated, the engines still
         sleep, so this forward has the train phase's room, not what a woken engine leaves (on the H200 a 4B model's
         gathered weights beside a 91 GiB engine ran out of memory)."""
-        from molt_hydra.rollout.sync_probe import probe_tokens
+        from molt_hydra.weight_sync.probe import probe_tokens
 
         tokens = probe_tokens(len(self.roles.tokenizer))
         (sums, *_) = await self.ranks(self.roles.actor, "sync_probe_sums", self.engine_dtype)
@@ -156,7 +156,7 @@ class RoleCalls:
     async def sync_probe(self, version: int, trainer_view: tuple) -> dict[str, float]:
         """After the push of `version`: every engine's per-layer weight sums and its log-probs of the probe sequence
         against the trainer's (`trainer_probe_view`); a disagreement ends the run naming the layers."""
-        from molt_hydra.rollout.sync_probe import comparable_groups, differing_groups, logprob_gap, verdict
+        from molt_hydra.weight_sync.probe import comparable_groups, differing_groups, logprob_gap, verdict
 
         tokens, sums, logprobs = trainer_view
         engines = self.roles.engines

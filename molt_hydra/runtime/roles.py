@@ -35,7 +35,7 @@ class PolicyWorkerMixin:
 
     def push_weights(self, engines: list, transport: str, version: int, bucket_bytes: int, check_coverage: bool,
                      timeout_s: float, dtype: str) -> dict:
-        from molt_hydra.rollout.weight_sync import push_from_rank
+        from molt_hydra.weight_sync import push_from_rank
 
         return push_from_rank(self, engines, transport, version, bucket_bytes=bucket_bytes,
                               check_coverage=check_coverage, timeout_s=timeout_s, dtype=dtype)
@@ -46,7 +46,7 @@ class PolicyWorkerMixin:
         import torch
         import torch.distributed as dist
 
-        from molt_hydra.rollout.sync_probe import group_sums
+        from molt_hydra.weight_sync.probe import group_sums
 
         from molt_hydra.models.lora import is_adapter_param
 
@@ -367,7 +367,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
 
     from molt_hydra.algorithm.advantage import get_advantage_estimator
     from molt_hydra.models.build import resolve_path
-    from molt_hydra.rollout.weight_sync import setup_weight_sync
+    from molt_hydra.weight_sync import setup_weight_sync
 
     t0, up = _start_ray(cfg)
 

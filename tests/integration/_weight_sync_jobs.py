@@ -10,7 +10,7 @@ def single_pass_tensors(rank, world_size, port, out):
     import _trainer_jobs as jobs
     from torch.distributed.tensor import DTensor
 
-    from molt_hydra.parallel.weight_buckets import local_full_weights, parameter_addresses
+    from molt_hydra.weight_sync.buckets import local_full_weights, parameter_addresses
 
     # bf16 compute over fp32 storage: FSDP2 wraps even one rank (one fp32 rank trains the plain module)
     w = jobs.worker(rank, world_size, port, param_dtype="bf16")

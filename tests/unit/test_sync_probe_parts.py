@@ -1,4 +1,4 @@
-"""The sync probe's pure parts (rollout/sync_probe.py): which layer group a weight counts in, on HF and on vLLM names
+"""The sync probe's pure parts (weight_sync/probe.py): which layer group a weight counts in, on HF and on vLLM names
 alike; sums that ignore how vLLM fuses tensors; the float64 tolerance; the verdict's floor per engine dtype."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from molt_hydra.rollout.sync_probe import (LOGPROB_FLOOR, comparable_groups, differing_groups, group_sums, layer_group,
+from molt_hydra.weight_sync.probe import (LOGPROB_FLOOR, comparable_groups, differing_groups, group_sums, layer_group,
                                            logprob_gap, probe_tokens, verdict)
 
 

@@ -16,17 +16,16 @@ import pytest
 import torch
 from torch import nn
 
-from molt_hydra.parallel.weight_buckets import iter_weight_buckets, local_full_weights
-
-# The CUDA IPC transports' handles are pickled (`weight_sync.ipc_handle`); on these CPU stand-ins a CPU tensor's handle
+# The CUDA IPC transports' handles are pickled (`transports.ipc_handle`); on these CPU stand-ins a CPU tensor's handle
 # names its shared-memory file, which this process maps back to the same storage (torch's sharing cache)
 torch.multiprocessing.set_sharing_strategy("file_system")
-from molt_hydra.rollout.buckets import ALIGN, bucket_weights, pack_bucket, unpack_bucket
-from molt_hydra.rollout.weight_sync import (BroadcastGroup, BroadcastTransport, CudaIpcTransport, Transport,
-                                            WeightSync, choose_transport, open_broadcast, push_from_rank,
-                                            resolve_transport, single_pass_transport)
-from molt_hydra.rollout.weight_sync import SharedMemoryTransport
-from molt_hydra.rollout.worker_extension import WeightSyncWorkerExtension
+from molt_hydra.weight_sync.buckets import (ALIGN, bucket_weights, iter_weight_buckets,  # noqa: E402
+                                            local_full_weights, pack_bucket, unpack_bucket)
+from molt_hydra.weight_sync.receiver import WeightReceiver  # noqa: E402
+from molt_hydra.weight_sync.sender import WeightSync, open_broadcast, push_from_rank, resolve_transport  # noqa: E402
+from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport  # noqa: E402
+from molt_hydra.weight_sync.shared_params import single_pass_transport  # noqa: E402
+from molt_hydra.weight_sync.transports import BroadcastGroup, BroadcastTransport, CudaIpcTransport  # noqa: E402
 
 
 def named_tensors():
@@ -53,13 +52,6 @@ def test_pack_unpack_roundtrip_is_exact_across_dtypes():
         unpack_bucket(metas, flat[:-1])
 
 
-def test_transport_follows_placement():
-    assert choose_transport(on_gpu=False, colocated=False, same_host=True) is Transport.shm
-    assert choose_transport(on_gpu=False, colocated=False, same_host=False) is Transport.object_store
-    assert choose_transport(on_gpu=True, colocated=True, same_host=True) is Transport.cuda_ipc
-    assert choose_transport(on_gpu=True, colocated=False, same_host=True) is Transport.nccl
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,7 +65,7 @@ def gloo_groups(world: int) -> list[BroadcastGroup]:
         return list(pool.map(lambda r: BroadcastGroup("127.0.0.1", port, r, world, "cpu", timeout_s=30), range(world)))
 
 
-class FakeWorker(WeightSyncWorkerExtension):
+class FakeWorker(WeightReceiver):
     """Stands in for a GPU vLLM worker: `reload_weights` records the tensors it was given."""
 
     device = torch.device("cpu")
@@ -99,7 +91,7 @@ class FakeEngine:
         self.worker, self.log, self.version = worker, log, 0
         # a vLLM worker runs one RPC at a time, in order: two gloo receives of one group at once would abort gloo
         self.worker_thread = ThreadPoolExecutor(1)
-        for name in ("begin_weight_update", "finish_weight_update", "worker_call"):
+        for name in ("begin_weight_update", "finish_weight_update", "worker_call", "load_weights_bytes"):
             setattr(self, name, types.SimpleNamespace(remote=self._remote(name)))
 
     def _remote(self, name):
@@ -108,6 +100,8 @@ class FakeEngine:
             run = asyncio.get_running_loop().run_in_executor
             if name == "worker_call":
                 return [await run(self.worker_thread, getattr(self.worker, args[0]), *args[1:])]
+            if name == "load_weights_bytes":  # the object store's call: safetensors bytes to every worker
+                return await run(self.worker_thread, self.worker.load_safetensors_bytes, bytes(args[0]))
             if name == "begin_weight_update":  # pause (nothing to freeze here), then begin
                 return [self.worker.begin_layerwise_reload()]
             if name == "finish_weight_update":  # finish, stamp, resume (nothing to resume), the coverage check
@@ -128,31 +122,8 @@ def test_pack_casts_floats_to_the_wire_dtype_and_aligns_every_tensor():
         assert torch.equal(t1, t0.to(torch.bfloat16) if t0.is_floating_point() else t0)
 
 
-def test_transport_resolution_follows_placement():
-    def cfg(transport, device="cpu", colocate=False, nodes=1, lora_rank=None):
-        return types.SimpleNamespace(
-            cluster=types.SimpleNamespace(device=types.SimpleNamespace(value=device), nodes=nodes),
-            parallelism=types.SimpleNamespace(colocate=colocate),
-            model=types.SimpleNamespace(lora=types.SimpleNamespace(rank=lora_rank)),
-            rollout=types.SimpleNamespace(weight_sync=types.SimpleNamespace(transport=types.SimpleNamespace(
-                value=transport))))
-    assert resolve_transport(cfg("auto")) == "shm"
-    assert resolve_transport(cfg("shared_memory")) == "shm"
-    assert resolve_transport(cfg("auto", nodes=2)) == "object_store"
-    assert resolve_transport(cfg("auto", "cuda", colocate=True)) == "cuda_ipc"
-    assert resolve_transport(cfg("auto", "cuda", nodes=2)) == "nccl"
-    assert resolve_transport(cfg("nccl", "cuda")) == "nccl"
-    # LoRA: the adapter goes through the object store wherever the engines are (AdapterTransport)
-    assert resolve_transport(cfg("auto", "cuda", colocate=True, lora_rank=16)) == "object_store"
-    assert resolve_transport(cfg("auto", lora_rank=8)) == "object_store"
-
-
-@pytest.mark.parametrize("overrides,reason", [
-    (["rollout.weight_sync.transport=nccl"], "this run is on CPU"),
-    (["rollout.weight_sync.transport=cuda_ipc", "cluster=local_gpus", "parallelism.trainer_devices=1"],
-     "must share each GPU"),
-])
-def test_validation_refuses_a_transport_the_placement_cannot_use(overrides, reason):
+def run_config(*overrides: str):
+    """The validated RunConfig `molt-run` would build from these overrides."""
     import sys
     from pathlib import Path
 
@@ -161,11 +132,42 @@ def test_validation_refuses_a_transport_the_placement_cannot_use(overrides, reas
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
     from _config_helpers import compose_config
 
-    from molt_hydra.config.schema import ConfigError
     from molt_hydra.runtime.validate import validate
 
+    return validate(OmegaConf.to_object(compose_config(list(overrides))))
+
+
+GPU_ONE_HOST = ["cluster=local_gpus", "cluster.memory_gb_per_device=139", "parallelism.trainer_devices=1"]
+
+
+@pytest.mark.parametrize("overrides,transport", [
+    ([], "shared_memory"),  # auto, CPU, one host
+    (["rollout.weight_sync.transport=shared_memory"], "shared_memory"),
+    (["rollout.weight_sync.transport=object_store"], "object_store"),
+    (["cluster=slurm", "cluster.nodes=2", "parallelism.trainer_devices=2"], "object_store"),  # auto: other hosts
+    ([*GPU_ONE_HOST], "nccl"),  # auto, GPU, engines on their own GPUs
+    ([*GPU_ONE_HOST, "rollout.weight_sync.transport=nccl"], "nccl"),
+    ([*GPU_ONE_HOST, "cluster.devices_per_node=1", "parallelism.colocate=true", "train.mode=sync"], "cuda_ipc"),
+    ([*GPU_ONE_HOST, "cluster.devices_per_node=1", "parallelism.colocate=true", "train.mode=sync",
+      "rollout.weight_sync.transport=cuda_ipc"], "cuda_ipc"),
+    (["+recipe=tiny_lora_cpu"], "object_store"),  # LoRA: the adapter, wherever the engines are
+])
+def test_each_config_value_selects_its_transport(overrides, transport):
+    """Every transport is reachable from `rollout.weight_sync.transport` (or `auto` on its placement) through a
+    config that validates; the GPU ones are run through that value by tests/gpu."""
+    assert resolve_transport(run_config(*overrides)) == transport
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (["rollout.weight_sync.transport=nccl"], "this run is on CPU"),
+    (["rollout.weight_sync.transport=cuda_ipc", "cluster=local_gpus", "parallelism.trainer_devices=1"],
+     "must share each GPU"),
+])
+def test_validation_refuses_a_transport_the_placement_cannot_use(overrides, reason):
+    from molt_hydra.config.schema import ConfigError
+
     with pytest.raises(ConfigError, match=f"rollout.weight_sync.transport: .*{reason}"):
-        validate(OmegaConf.to_object(compose_config(overrides)))
+        run_config(*overrides)
 
 
 def wire_bytes(tensors, dtype) -> int:
@@ -217,20 +219,35 @@ class StandInTrainerRank:
         return iter_weight_buckets(self.model, bucket_bytes, dtype, device)
 
 
-@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
-def test_push_from_rank_sends_the_engine_dtype_and_stamps_the_version(transport):
+COLOCATED_GPU = [*GPU_ONE_HOST, "cluster.devices_per_node=1", "parallelism.colocate=true", "train.mode=sync"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.weight_sync.transport=shared_memory"], ["rollout.weight_sync.transport=object_store"],
+    [*GPU_ONE_HOST, "rollout.weight_sync.transport=nccl"], [*COLOCATED_GPU, "rollout.weight_sync.transport=cuda_ipc"],
+])
+def test_push_from_rank_sends_the_engine_dtype_and_stamps_the_version(overrides, monkeypatch):
+    """Each transport, selected by its config value, through the real sender and receiver on CPU stand-ins: gloo plays
+    NCCL's part, a CPU buffer's shared-memory handle CUDA IPC's, and `ray.put` hands the object store's bytes as they
+    are (tests/integration/test_sync_probe.py runs it through Ray)."""
+    import ray
+
+    monkeypatch.setattr(ray, "put", lambda blob: blob)
+    transport = resolve_transport(run_config(*overrides))
     rank0, log = StandInTrainerRank(), []
     worker = FakeWorker()
     engine = FakeEngine(worker, log)
-    if transport == "nccl":  # the set-up the runtime does once at start; gloo plays NCCL's part on CPU
+    if transport == "nccl":  # the set-up the runtime does once at start
         asyncio.run(open_broadcast(rank0, [engine], workers_per_engine=1, timeout_s=30))
         assert isinstance(rank0.weight_broadcast_group, BroadcastGroup) and worker._weight_comm.group.size() == 2
     metrics = push_from_rank(rank0, [engine], transport, 7, bucket_bytes=256, check_coverage=False,
-                             timeout_s=10, dtype="bfloat16")
+                             timeout_s=120, dtype="bfloat16")  # shm: the first load imports vLLM
     state = rank0.model.state_dict()
     assert engine.version == 7
     assert metrics["weight_sync/tensors"] == len(state) == 4
-    assert metrics["weight_sync/bytes"] == wire_bytes(state.items(), torch.bfloat16)
+    packed = transport != "object_store"  # each tensor aligned in a flat buffer; the object store sends safetensors
+    assert metrics["weight_sync/bytes"] == (wire_bytes(state.items(), torch.bfloat16) if packed
+                                            else sum(t.numel() * 2 for t in state.values()))
     for name, t in state.items():
         assert worker.loaded[name].dtype == torch.bfloat16 and torch.equal(worker.loaded[name], t.to(torch.bfloat16))
 
@@ -445,7 +462,8 @@ def test_single_pass_applies_only_to_cuda_ipc_from_one_rank_holding_whole_own_te
     carrier = single_pass_transport(rank0, "cuda_ipc", bf16)
     assert [n for n, _ in carrier.tensors] == list(rank0.model.state_dict())
     assert single_pass_transport(rank0, "cuda_ipc", bf16) is carrier  # storages unchanged: the same carrier
-    assert single_pass_transport(rank0, "nccl", bf16) is None and single_pass_transport(rank0, "shm", bf16) is None
+    assert single_pass_transport(rank0, "nccl", bf16) is None
+    assert single_pass_transport(rank0, "shared_memory", bf16) is None
     assert single_pass_transport(StandInTrainerRank(), "cuda_ipc", bf16) is None  # no local_weights: gathers
     rank0.world_size = 2
     assert single_pass_transport(rank0, "cuda_ipc", bf16) is None
@@ -466,7 +484,7 @@ def test_single_pass_applies_only_to_cuda_ipc_from_one_rank_holding_whole_own_te
 
 # --- CPU, mapped in place: the worker's parameters live in a shared region the trainer writes into ---
 
-class PlainCpuWorker(WeightSyncWorkerExtension):
+class PlainCpuWorker(WeightReceiver):
     """A CPU worker with plain weights: bf16 parameters in vLLM's fused layout (q/k/v rows of one qkv), a tied head
     (its own Parameter on the embedding's storage) and vLLM-style loaders (narrow, then copy_ casting fp32 -> bf16)."""
 

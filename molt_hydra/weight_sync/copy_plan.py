@@ -1,6 +1,6 @@
 """A recorded copy plan for the single-pass weight sync: the engine's own loaders run once, and are then replayed.
 
-In the single pass (`weight_sync.SharedParamsTransport`) the engine worker holds views of the trainer's parameters for
+In the single pass (shared_params.py) the engine worker holds views of the trainer's parameters for
 as long as the trainer's storages stay put, and every sync loads the same views into the same engine parameters. The
 first sync of a token runs the engine's weight loaders as usual under `record_copy_plan`, a TorchDispatchMode that
 sees every aten op the loaders run. The plan is kept only when it is proven to be nothing but copies:
@@ -20,34 +20,28 @@ streams when no two destinations overlap (the order of disjoint copies cannot ch
 one, in order. The plan holds while the engine's parameter addresses are those it was recorded against (the worker
 checks before each replay); the worker drops it with the trainer views it reads (a new token).
 
-What is proven where: on the GPU stand-in of vLLM's model runner (tests/gpu/_weight_sync_standin.py: loaders copy in
-place by name) and on CPU unit tests with vLLM-style fused loaders (narrowed copies into a qkv parameter). Real vLLM
-on CUDA: unquantized layers load in place through their `weight_loader`s (narrow + copy_), which this records, once
-the worker has left vLLM's layerwise reload (`load_in_place_on_cuda`, where compat.vllm finds every layer keeps the
-loaders' layout). Under the layerwise reload a layer is first materialized into fresh tensors, loaded there,
-processed and copied into its kernel tensors: the recorder sees that allocation and refuses, and the loaders run on
-every sync (quantized models, re-laid MoE backends).
+The recorder is torch's dispatch mode (compat/torch.py). What is proven where: on the GPU stand-in of vLLM's model
+runner (tests/gpu/_weight_sync_standin.py: loaders copy in place by name) and on CPU unit tests with vLLM-style fused
+loaders (narrowed copies into a qkv parameter). Real vLLM on CUDA: unquantized layers load in place through their
+`weight_loader`s (narrow + copy_), which this records, once the worker has left vLLM's layerwise reload (receiver.py
+`load_in_place_on_cuda`, where compat.vllm finds every layer keeps the loaders' layout). Under the layerwise reload a
+layer is first materialized into fresh tensors, loaded there, processed and copied into its kernel tensors: the
+recorder sees that allocation and refuses, and the loaders run on every sync (quantized models, re-laid MoE
+backends).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from molt_hydra.compat.torch import dispatch_mode, is_view_op
 
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _is_view_op(func) -> bool:
-    """Non-mutating, and every output aliases an input (read-only alias): narrow/slice, view, t, detach ..."""
-    schema = func._schema
-    if schema.is_mutable or not schema.returns:
-        return False
-    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
-class _Recorder(TorchDispatchMode):
+class _Recorder(dispatch_mode()):
     def __init__(self, sources: set[int], destinations: set[int], allow_fills: bool = False):
         super().__init__()
         self.sources, self.destinations = sources, destinations
@@ -71,7 +65,7 @@ class _Recorder(TorchDispatchMode):
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             self.copies.append((dst, src, bool(non_blocking)))
             return None
-        if _is_view_op(func):
+        if is_view_op(func):
             return None
         if func is torch.ops.aten.fill_.Scalar and self.fills is not None and _storage(args[0]) in self.destinations:
             self.fills.append((args[0], args[1]))  # a constant into an engine tensor (vocab padding rows)
@@ -79,7 +73,7 @@ class _Recorder(TorchDispatchMode):
         return f"the loaders ran {func} (not a view or a copy)"
 
 
-def _disjoint(views: list[torch.Tensor]) -> bool:
+def disjoint(views: list[torch.Tensor]) -> bool:
     """No two views may touch the same byte (each judged by the span from its first to its last element)."""
     spans = []
     for t in views:
@@ -107,7 +101,7 @@ class CopyPlan:
         self.fills = list(fills)  # (destination, value): replayed before the copies (`record_copy_plan` proves it)
         # copies into disjoint destinations may run in any order: spread over a few streams in the graph, so the many
         # small ones (norms) and each copy's launch gap hide behind the large ones; else one stream, recorded order
-        self.streams = self.BRANCHES if _disjoint([dst for dst, _, _ in copies]) else 1
+        self.streams = self.BRANCHES if disjoint([dst for dst, _, _ in copies]) else 1
         self.graph = None  # CUDA: captured on the first replay
 
     def replay(self) -> None:
@@ -157,79 +151,6 @@ def record_copy_plan(load, weights: list[tuple[str, torch.Tensor]], engine_tenso
     if not recorder.copies and not allow_empty:  # a part of a load (one bucket) may copy nothing: a tied head
         return "the loaders copied nothing"
     fills = recorder.fills or []
-    if fills and not _disjoint([dst for dst, _ in fills] + [dst for dst, _, _ in recorder.copies]):
+    if fills and not disjoint([dst for dst, _ in fills] + [dst for dst, _, _ in recorder.copies]):
         return "a fill overlaps a copy (their order would matter)"
     return CopyPlan(recorder.copies, [n for n, _ in weights], addresses, fills)
-
-
-# --- CPU, mapped in place: the trainer writes the recorded copies into the engine's parameters itself ---------------
-#
-# A CPU engine with plain weights keeps its parameters in one shared region (worker_extension.map_parameters). The
-# loaders of one bucket, recorded as above while they load from the trainer's packed shared-memory buckets, become
-# `MappedCopy`s that name their source by tensor name and element offset and their destination by byte offset in that
-# region; the trainer maps the region (`MappedPlan`) and replays them from its own tensors: an update is then one copy,
-# on the trainer's side, and nothing goes to the engine but a pause, a resume and the names written.
-
-MappedCopy = tuple  # (source name, source element offset, shape, stride, dest dtype, dest byte offset, shape, stride)
-
-
-def mapped_copies(plan: CopyPlan, metas: list, flat: torch.Tensor, region: torch.Tensor) -> list[MappedCopy] | str:
-    """A recorded bucket's copies in terms any process can replay: each source as (name, element offset, shape,
-    stride) inside that name's tensor of the packed bucket `flat` (laid out by `metas`), each destination as (dtype,
-    byte offset, shape, stride) in `region`; or why they cannot be (a source that reinterprets its tensor's dtype).
-    A recorded constant fill is (None, value, [], [], destination...): `MappedPlan` proves it need not be replayed."""
-    from molt_hydra.rollout.buckets import unpack_bucket
-
-    tensors = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name, t.dtype)
-               for name, t in unpack_bucket(metas, flat)]
-    out: list[MappedCopy] = [(None, value, [], [], str(dst.dtype).removeprefix("torch."), dst.data_ptr()
-                              - region.data_ptr(), list(dst.shape), list(dst.stride()))
-                             for dst, value in plan.fills if dst.numel()]  # an empty one has no address
-    for dst, src, _ in plan.copies:
-        if not dst.numel():
-            continue
-        hit = next((t for t in tensors if t[0] <= src.data_ptr() < t[1]), None)
-        if hit is None or src.dtype != hit[3]:
-            return "a copy from a view that is not one of the bucket's tensors in its own dtype"
-        out.append((hit[2], (src.data_ptr() - hit[0]) // src.element_size(), list(src.shape), list(src.stride()),
-                    str(dst.dtype).removeprefix("torch."), dst.data_ptr() - region.data_ptr(), list(dst.shape),
-                    list(dst.stride())))
-    return out
-
-
-class MappedPlan:
-    """The trainer's end of one engine worker's parameter region: mapped here once, with the copies recorded into it
-    grouped by source name. `names`: every tensor the recording loaded (some load nothing, e.g. a tied head).
-
-    Every destination must be disjoint from every other (`ValueError` otherwise): then the order in which names come
-    cannot change a byte, and a recorded constant fill (vocab padding) holds its value from the recording on, as
-    nothing else writes there, so it is not replayed."""
-
-    def __init__(self, handle: tuple, copies: list[MappedCopy], names: set[str]):
-        path, size, self.token = handle
-        self.region = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self.names, self.copies = set(names), list(copies)
-        self.by_name: dict[str, list] = {}
-        destinations = []
-        for name, offset, shape, stride, dtype, at, dst_shape, dst_stride in copies:
-            dtype = getattr(torch, dtype)
-            dst = torch.empty(0, dtype=dtype).set_(self.region.untyped_storage(), at // dtype.itemsize, dst_shape,
-                                                   dst_stride)
-            destinations.append(dst)
-            if name is not None:
-                self.by_name.setdefault(name, []).append((dst, offset, shape, stride))
-        if not _disjoint(destinations):
-            raise ValueError("recorded copies write overlapping parts of the engine's parameters")
-
-    def write(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """The bucket's recorded copies, from the trainer's own tensors (cast to each destination's dtype while they
-        copy; every name must be in `names`)."""
-        dsts, srcs = [], []
-        for name, t in bucket:
-            t = t.detach() if t.is_contiguous() else t.detach().contiguous()  # offsets are those of a packed tensor
-            for dst, offset, shape, stride in self.by_name.get(name, ()):
-                dsts.append(dst)
-                srcs.append(t.as_strided(shape, stride, t.storage_offset() + offset))
-        if dsts:
-            with torch.no_grad():
-                torch._foreach_copy_(dsts, srcs)

@@ -87,10 +87,6 @@ def logprob_gap(trainer: list[float], engine: list[float]) -> float:
     return sum(abs(a - b) for a, b in pairs) / max(len(pairs), 1) / scale
 
 
-class SyncProbeFailed(RuntimeError):
-    pass
-
-
 def verdict(version: int, engine_index: int, dtype: str, gap: float, groups: list[str]) -> str | None:
     """The failure message, or None when the engine agrees with the trainer."""
     floor = LOGPROB_FLOOR[dtype]

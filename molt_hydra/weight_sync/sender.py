@@ -1,0 +1,187 @@
+"""The trainer's side of a sync: pick the transport from the config, open what it needs once, and push each sync.
+
+One sync: pause every engine (mode keep: in-flight requests freeze, then continue under the new weights), push the
+buckets, refresh tied heads + reset the prefix cache + stamp the new policy version on every engine, resume. Every
+trainer rank runs `push_from_rank` (the gathers are collectives); rank 0 pushes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from molt_hydra.weight_sync.buckets import Bucket
+from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport
+from molt_hydra.weight_sync.shared_params import single_pass_transport
+from molt_hydra.weight_sync.transports import (BroadcastGroup, BroadcastTransport, CudaIpcTransport,
+                                               ObjectStoreTransport, Transport)
+
+# Ray is imported where the trainer's rank 0 needs it (its address): the package imports without it
+
+
+class WeightCoverageError(RuntimeError):
+    """Raised after a sync (engines already resumed) when some checkpoint tensors were never pushed."""
+
+    def __init__(self, missing: list[str]):
+        self.missing = missing
+        super().__init__(f"{len(missing)} parameters were never pushed to vLLM: {missing[:20]}")
+
+
+@dataclass
+class SyncReport:
+    version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    single_pass: bool = False  # the engines loaded straight from the trainer's parameters (SharedParamsTransport)
+    in_place: bool = False  # the trainer wrote into the engines' parameters (SharedMemoryTransport, mapped)
+    push_seconds: float = 0.0  # the buckets alone: from after every engine began the update until the last landed
+    replayed: float = 0.0  # single pass: the share of engine workers that replayed their recorded copy plan
+
+
+class WeightSync:
+    """Pushes weights to engine actors (Ray handles of `VLLMEngine`); `sync` bumps the policy version."""
+
+    def __init__(self, engines: list, transport: Transport, *, check_coverage: bool = False, timeout_s: float = 600.0,
+                 version: int = 0):
+        if not engines:
+            raise ValueError("WeightSync needs at least one engine")
+        self.engines = engines
+        self.transport = transport
+        self.check_coverage = check_coverage
+        self.timeout_s = timeout_s
+        self.version = version
+
+    async def _call(self, ref):
+        return await asyncio.wait_for(ref, self.timeout_s)  # a dead or stuck engine fails the sync, never hangs it
+
+    async def _all(self, method: str, *args) -> list:
+        return await asyncio.gather(*(self._call(getattr(e, method).remote(*args)) for e in self.engines))
+
+    async def sync(self, buckets: Iterable[Bucket], version: int | None = None) -> SyncReport:
+        """One call per engine before the buckets (pause + begin) and one after (finish + resume + the coverage
+        check): the round trips to the engines are what a sync costs beyond its one copy."""
+        version = self.version + 1 if version is None else version
+        start = time.perf_counter()
+        num_tensors = num_bytes = 0
+        done = False
+        try:
+            self.transport.begin(await self._all("begin_weight_update"))  # shm: whether it writes in place
+            pushing = time.perf_counter()
+            for bucket in buckets:
+                num_bytes += await self.transport.push(self.engines, bucket, self._call)  # bytes on the wire
+                num_tensors += len(bucket)
+            await self.transport.drain()  # pipelined transports: the last buckets are still in flight
+            pushed = time.perf_counter() - pushing
+            done = True
+        finally:
+            if not done:
+                await self.transport.abandon()
+            # also after a failure (version None): layers left mid-reload would break generation, and the engine
+            # must know its weights are mixed; the check (every load landed) counts what the trainer wrote in place
+            check = sorted(self.transport.written) if done and self.check_coverage else None
+            missing = await self._all("finish_weight_update", version if done else None, check)
+        self.version = version
+        missing_names = sorted({name for per_engine in missing if per_engine for per_worker in per_engine
+                                for name in per_worker})
+        if missing_names:
+            raise WeightCoverageError(missing_names)
+        return SyncReport(version, num_tensors, num_bytes, time.perf_counter() - start,
+                          self.transport.single_pass, self.transport.in_place, pushed,
+                          self.transport.replayed)
+
+
+def resolve_transport(cfg) -> str:
+    """`rollout.weight_sync.transport` with `auto` resolved from placement: GPU colocated shares memory (cuda_ipc), GPU
+    apart broadcasts (nccl); CPU uses shared_memory when every engine shares the trainer's host, else object_store.
+    (config/validate.py refuses the GPU ones on CPU, and cuda_ipc unless trainer and engines share GPUs.)"""
+    if cfg.model.lora.rank:  # the adapter goes through the object store (ObjectStoreTransport): nothing to open
+        return "object_store"
+    transport = cfg.rollout.weight_sync.transport.value
+    if transport != "auto":
+        return transport
+    if cfg.cluster.device.value == "cuda":
+        return "cuda_ipc" if cfg.parallelism.colocate else "nccl"
+    return "shared_memory" if cfg.cluster.nodes == 1 else "object_store"
+
+
+def _rendezvous_address(_worker) -> tuple[str, int]:
+    """This host's address and a free port on it (run on the trainer's rank 0, which hosts the group's store)."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def _join_as_sender(worker, host: str, port: int, world_size: int, timeout_s: float) -> None:
+    worker.weight_broadcast_group = BroadcastGroup(host, port, 0, world_size, worker.device, timeout_s)
+
+
+async def open_broadcast(rank0, engines: list, *, workers_per_engine: int, timeout_s: float) -> None:
+    """Form the group {trainer rank 0} ∪ {every worker of every engine}: rank 0 is the trainer (it hosts the store),
+    engine i's worker w is rank 1 + i * workers_per_engine + w. Every member joins concurrently (the store waits for
+    all of them); the trainer rank keeps its end as `weight_broadcast_group`."""
+    host, port = await rank0.__ray_call__.remote(_rendezvous_address)
+    world = 1 + len(engines) * workers_per_engine
+    joins = [e.worker_call.remote("init_weight_broadcast", host, port, 1 + i * workers_per_engine, world, timeout_s)
+             for i, e in enumerate(engines)]
+    await asyncio.gather(rank0.__ray_call__.remote(_join_as_sender, host, port, world, timeout_s), *joins)
+
+
+async def setup_weight_sync(cfg, actor, engines: list) -> str:
+    """Once, after engines and trainer ranks are up: resolve the transport and open what it needs (the NCCL group for
+    `nccl`; the others need nothing opened). Returns the transport name for `push_from_rank`."""
+    transport = resolve_transport(cfg)
+    if transport == "nccl" and actor is not None:
+        r = cfg.rollout
+        per_engine = r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size  # vLLM workers
+        await open_broadcast(actor.workers[0], engines, workers_per_engine=per_engine,
+                             timeout_s=cfg.train.timeouts.startup_s)
+    return transport
+
+
+def _buckets_and_carrier(worker, transport: str, bucket_bytes: int, wire: torch.dtype):
+    """This rank's buckets and, on rank 0, the transport that carries them (None elsewhere)."""
+    if getattr(worker, "lora", None):  # the adapter alone (trainer.weight_buckets), cast on the trainer's device
+        carrier = ObjectStoreTransport(worker.adapter_config()) if worker.rank == 0 else None
+        return worker.weight_buckets(bucket_bytes, wire, "cpu"), carrier
+    single = single_pass_transport(worker, transport, wire)
+    if single is not None:  # one rank holds every weight whole: the engines load from it, mapped once per token
+        return [single.tensors], single
+    # GPU transports cast while packing (one pass on the trainer's GPU); so does shared memory from a CPU rank (it
+    # packs into its region: no cast copy before it); the host transports get tensors cast on the GPU
+    on_device = transport in ("nccl", "cuda_ipc") or transport == "shared_memory" and worker.device.type == "cpu"
+    buckets = worker.weight_buckets(bucket_bytes, None if on_device else wire, worker.device if on_device else "cpu")
+    if worker.rank != 0:
+        return buckets, None
+    if transport == "shared_memory":  # one region, mapped by the engines once, reused by every sync of this rank
+        worker.shm_weight_transport = getattr(worker, "shm_weight_transport", None) or SharedMemoryTransport(wire)
+        return buckets, worker.shm_weight_transport
+    return buckets, {"object_store": ObjectStoreTransport, "cuda_ipc": lambda: CudaIpcTransport(wire),
+                     "nccl": lambda: BroadcastTransport(worker.weight_broadcast_group, wire)}[transport]()
+
+
+def push_from_rank(worker, engines: list, transport: str, version: int, *, bucket_bytes: int, check_coverage: bool,
+                   timeout_s: float, dtype: str) -> dict:
+    """One sync, run on every trainer rank (`worker`: a TrainerWorker): all ranks drive the gathers (FSDP
+    collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. A LoRA actor pushes its
+    adapter alone, whatever the placement's transport. Metrics from rank 0; their `weight_sync/single_pass` says which
+    CUDA IPC path ran (1: straight from the rank's own parameters), and `weight_sync/in_place` whether shared memory
+    wrote into the engines' parameters (1) or went through their loaders."""
+    buckets, carrier = _buckets_and_carrier(worker, transport, bucket_bytes, getattr(torch, dtype))
+    if carrier is None:
+        for _ in buckets:  # take part in the gathers; only rank 0 receives tensors
+            pass
+        return {}
+    sync = WeightSync(engines, carrier, check_coverage=check_coverage, timeout_s=timeout_s, version=version - 1)
+    report = asyncio.run(sync.sync(buckets, version))
+    return {"weight_sync/bytes": float(report.num_bytes), "weight_sync/tensors": float(report.num_tensors),
+            "weight_sync/seconds": report.seconds, "weight_sync/single_pass": float(report.single_pass),
+            "weight_sync/in_place": float(report.in_place), "weight_sync/push_seconds": report.push_seconds,
+            "weight_sync/replayed": report.replayed}

@@ -1,0 +1,84 @@
+"""CUDA IPC in one pass: the engines load straight from the trainer's own parameters; nothing is packed or sent.
+
+For one trainer rank whose parameters are full tensors (FSDP2 with dp=1, or no FSDP): the trainer shares IPC handles
+of its OWN parameter storages, which the optimizer updates in place, and each engine worker opens them once and keeps
+the views for every later sync; a sync is then one call per engine whose loader reads the trainer's parameters and
+casts while it copies into the engine's own (fp32 -> bf16: 6 bytes of traffic per parameter against 10 for pack +
+load). So the wire-dtype rule of the packed transports does not apply: the loader receives the trainer's dtype.
+
+The views are keyed by `token`, a fingerprint of the storages (address, layout, dtype of every tensor) and of this
+process: if the trainer's storages change (a reload, a new process), the token changes and engines open the new
+handles; an engine that does not know the token answers None and gets the handles in a second call.
+Ordering: the trainer's stream is synchronized before the engines are called (their reads start after the last
+optimizer write), and every worker synchronizes its stream before answering (the trainer cannot step again before the
+copies are done). On the engine side, the loaders of a token's first sync are recorded and, proven to be plain
+copies, replayed as one CUDA graph on later syncs (copy_plan.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+
+import torch
+
+from molt_hydra.weight_sync.buckets import Bucket, parameter_addresses
+from molt_hydra.weight_sync.transports import Transport, ipc_handle
+
+logger = logging.getLogger(__name__)
+
+
+class SharedParamsTransport(Transport):
+    single_pass = True
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None):
+        self.tensors = tensors
+        layout = [(n, t.data_ptr(), tuple(t.shape), t.stride(), str(t.dtype), str(t.device)) for n, t in tensors]
+        self.token = hashlib.sha1(repr((os.getpid(), layout)).encode()).hexdigest()
+        self.handles: list | None = None  # made on the first engine that asks for them, kept for the token's life
+        self.replayed = 0.0  # of the last sync's engine workers, the share that replayed their copy plan
+        self.refusals: set[str] = set()  # why a worker's loaders could not be recorded: each said once
+        self.device = next((t.device for _, t in tensors if t.is_cuda), None)
+        # bytes written into each engine: floating tensors in the engine dtype
+        self.nbytes = sum(t.numel() * (dtype.itemsize if dtype and t.is_floating_point() else t.element_size())
+                          for _, t in tensors)
+
+    async def push(self, engines: list, bucket: Bucket, call) -> int:
+        if self.device is not None:  # the optimizer's last writes land before any engine reads
+            torch.cuda.current_stream(self.device).synchronize()
+
+        async def load(engine) -> list:
+            answers = await call(engine.worker_call.remote("load_shared_params", self.token, None, None))
+            if any(a is None for a in answers):  # a worker has not mapped this token's storages yet
+                if self.handles is None:
+                    self.handles = [ipc_handle(t.detach()) for _, t in self.tensors]
+                names = [n for n, _ in self.tensors]
+                answers = await call(engine.worker_call.remote("load_shared_params", self.token, names, self.handles))
+            return answers
+
+        answers = [a for per_engine in await asyncio.gather(*(load(e) for e in engines)) for a in per_engine]
+        self.replayed = sum(path == "replay" for _, path, _ in answers) / max(len(answers), 1)
+        for why in {why for _, _, why in answers if why} - self.refusals:
+            logger.warning("weight sync: the engine's loaders run on every sync (no copy plan): %s", why)
+            self.refusals.add(why)
+        return self.nbytes
+
+
+def single_pass_transport(worker, transport: str, dtype: torch.dtype) -> SharedParamsTransport | None:
+    """The single-pass carrier when it applies: CUDA IPC, one trainer rank, and `worker.local_weights()` finds every
+    weight whole in a parameter storage of its own; else None (the bucketed path: dp > 1, offload, converted names
+    ...). The answer is kept on the worker while its parameter storages stay where they are (a cheap check each sync):
+    the weights are looked up, and their handles made, once per change, not once per sync."""
+    if transport != "cuda_ipc" or getattr(worker, "world_size", 1) != 1 or not hasattr(worker, "local_weights"):
+        return None
+    cached = getattr(worker, "shared_params_transport", None)
+    if cached is not None and cached[0] == (parameter_addresses(worker.model), dtype):
+        return cached[1]
+    shared = worker.local_weights()  # after it: FSDP's state-dict hook may have put the sharded parameters back
+    carrier = None if shared is None else SharedParamsTransport(shared, dtype)
+    worker.shared_params_transport = ((parameter_addresses(worker.model), dtype), carrier)
+    logger.info("weight sync over CUDA IPC: %s", "bucketed (the rank's weights need a gather or a copy)"
+                if carrier is None else f"single pass from the trainer's own {len(shared)} parameters")
+    return carrier
