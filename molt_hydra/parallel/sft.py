@@ -37,6 +37,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     from molt_hydra.models.vlm import TrajectoryImages
     from molt_hydra.parallel.objectives import SFTObjective
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
     path = resolve_path(kw["model_path"])
     tok = AutoTokenizer.from_pretrained(path)
@@ -51,9 +52,8 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
         raise ValueError(f"train.batch_size={bs} must divide over {world} ranks and be <= {len(train)} samples")
     steps_per_epoch = len(train) // bs  # trailing partial batch dropped, as Molt does
     total = math.ceil(kw["max_epochs"] * steps_per_epoch)
-    worker = TrainerWorker(rank=rank, world_size=world, master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                           master_port=port, model_path=path, role="actor",
-                           total_steps=total, **kw["worker"])
+    worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,
+                                       master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), **kw["worker"]))
     start = 0
     if kw["resume"] and kw["ckpt_path"]:
         client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"])
@@ -104,7 +104,7 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
             load_model_only: bool = False, **backend_options) -> list[dict]:
     """Train, evaluate, checkpoint and export; returns the per-step metric records (also in
     <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated.
-    backend_options: TrainerWorker's other kwargs (models.build.backend_options, runtime/trainer_options.py).
+    backend_options: TrainerSpec's other fields (models.build.backend_options, runtime/trainer_options.py).
     load_model_only: `resume` loads the checkpoint's weights only and starts at step 0 with a fresh optimizer."""
     kw = dict(model_path=model_path, train_data=train_data, eval_data=eval_data, output_dir=output_dir,
               input_key=input_key, output_key=output_key, chat_template=chat_template,

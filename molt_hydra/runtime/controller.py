@@ -371,7 +371,7 @@ class RLController:
 
     async def save_best(self) -> None:
         """The best policy so far by `checkpoint.best_metric_key`, as an HF snapshot beside the checkpoints."""
-        from molt_hydra.runtime.roles import DTYPE_NAMES
+        from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 
         best = Path(self.roles.ckpt_dir) / "best"
         await self.calls.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
@@ -381,7 +381,7 @@ class RLController:
     async def save(self) -> None:
         """A resumable checkpoint: trainer state (DCP) plus the loop's own state and the run record, all inside the
         trainer's atomic save, so a checkpoint is either complete or absent."""
-        from molt_hydra.runtime.roles import DTYPE_NAMES
+        from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}

@@ -81,9 +81,10 @@ def trainer(model_dir, one_rank_process_group):
     """A 1-rank FSDP2 (gloo) trainer on the same checkpoint as the engine (only its log-prob recompute is used)."""
     from molt_hydra.parallel.launch import free_port
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
-    return TrainerWorker(rank=0, world_size=1, master_port=free_port(), model_path=model_dir, lr=1e-2,
-                         total_steps=1, param_dtype="fp32", timeout_s=120)
+    return TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=free_port(), model_path=model_dir, lr=1e-2,
+                                     total_steps=1, param_dtype="fp32", timeout_s=120))
 
 
 class Recorder:
