@@ -69,7 +69,7 @@ def main():
     from molt_hydra.algorithm.experience import collate
     from molt_hydra.models.tiny import resolve_model_path
     from molt_hydra.parallel.launch import run_ranks
-    from molt_hydra.runtime.agent_runner import to_experience
+    from molt_hydra.algorithm.experience import to_experience
 
     model = resolve_model_path("tiny://qwen3_moe_tiny")
     exps = [to_experience(t, 512)[0] for t in asyncio.run(rollouts(model))]

@@ -25,7 +25,7 @@ from molt_hydra.agents.loading import resolve_target
 from molt_hydra.models import vlm
 from molt_hydra.models.tiny import resolve_model_path
 from molt_hydra.rollout.generation import Sampling
-from molt_hydra.runtime.agent_runner import to_experience
+from molt_hydra.algorithm.experience import to_experience
 
 MAX_IMAGES = 2
 # the random model's turns end on a third of the vocabulary as stop tokens: ~3 tokens a turn, never the length cap;
