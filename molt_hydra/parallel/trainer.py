@@ -385,8 +385,6 @@ class TrainerWorker:
                     module.reshard()
         return NumpyPickled(out)
 
-    compute_values = compute_logprobs
-
     # ---------------------------------------------------------------- training
     def _micro_loss(self, mb, rows, loss_fn, n_tok, n_seq, n_parts):
         # every objective reads log-probs and entropy on its mask only (parallel/objectives.py)
