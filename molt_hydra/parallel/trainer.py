@@ -1,7 +1,7 @@
 """One FSDP2 trainer rank (actor, reference or critic): forward passes, the training step, weights, checkpoints.
 
-Usable as a Ray actor per rank (parallel/group.py) or directly in a torchrun / multiprocessing process (tests,
-bench, SFT). No Ray, vLLM or Hydra import on this path.
+Built from one `TrainerSpec` (parallel/trainer_spec.py). Usable as a Ray actor per rank (parallel/group.py) or
+directly in a torchrun / multiprocessing process (tests, bench, SFT). No Ray, vLLM or Hydra import on this path.
 
 Samples are dicts of 1-D token-aligned tensors (see models/logprobs.py): `input_ids` plus whatever the objective
 needs (`action_mask`, `advantages`, `old_logprobs`, `ref_logprobs`, `rollout_logprobs`, `returns`, `values`, or

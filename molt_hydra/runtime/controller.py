@@ -35,6 +35,7 @@ from molt_hydra.algorithm.kl import approx_kl, make_kl_controller
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.runtime.agent_runner import request_seed
+from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline
 
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
@@ -347,8 +348,6 @@ class RLController:
 
     async def save_best(self) -> None:
         """The best policy so far by `checkpoint.best_metric_key`, as an HF snapshot beside the checkpoints."""
-        from molt_hydra.runtime.trainer_options import DTYPE_NAMES
-
         best = Path(self.roles.ckpt_dir) / "best"
         await self.calls.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
         key, value = self.best
@@ -357,8 +356,6 @@ class RLController:
     async def save(self) -> None:
         """A resumable checkpoint: trainer state (DCP) plus the loop's own state and the run record, all inside the
         trainer's atomic save, so a checkpoint is either complete or absent."""
-        from molt_hydra.runtime.trainer_options import DTYPE_NAMES
-
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
         (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep,
