@@ -13,7 +13,7 @@ an action. Nothing is re-tokenized: token_ids are exactly what the engine saw an
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import numpy as np
@@ -62,20 +62,13 @@ class Experience:
 @dataclass
 class ExperienceBatch:
     token_ids: torch.Tensor          # [B, L] long, right-padded with pad_token_id
-    attention_mask: torch.Tensor     # [B, L] bool: real tokens
     action_mask: torch.Tensor        # [B, L] bool
     rollout_log_probs: torch.Tensor  # [B, L] float32
     policy_versions: torch.Tensor    # [B, L] long, -1 on padding and non-generated tokens
     rewards: torch.Tensor            # [B] float32
-    scores: torch.Tensor             # [B] float32
     group_ids: list[Hashable]
     rollout_ids: list[Hashable]
-    infos: list[dict[str, Any]]
     routed_experts: torch.Tensor | None = None  # [B, L, layers, top_k] int16, -1 on padding and unknown tokens
-
-    def to(self, device: torch.device | str) -> "ExperienceBatch":
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> ExperienceBatch:
@@ -88,16 +81,12 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> Experie
 
     return ExperienceBatch(
         token_ids=pad("token_ids", pad_token_id),
-        attention_mask=pad_sequence([torch.ones(len(e.token_ids), dtype=torch.bool) for e in experiences],
-                                    batch_first=True, padding_value=False),
         action_mask=pad("action_mask", False),
         rollout_log_probs=pad("rollout_log_probs", 0.0),
         policy_versions=pad("policy_versions", -1),
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float32),
-        scores=torch.tensor([e.score for e in experiences], dtype=torch.float32),
         group_ids=[e.group_id for e in experiences],
         rollout_ids=[e.rollout_id for e in experiences],
-        infos=[e.info for e in experiences],
         routed_experts=_collate_routing(experiences),
     )
 
