@@ -368,14 +368,11 @@ class TrainerWorker:
             if not part:
                 continue
             lens = [len(samples[i]["input_ids"]) for i in part]
-            if self.packing:  # one row; sample j spans [bounds[j], bounds[j+1])
-                bounds = np.cumsum([0] + lens)
-                spans = [(0, bounds[j], bounds[j + 1]) for j in range(len(part))]
-            else:
-                spans = [(j, 0, n) for j, n in enumerate(lens)]
+            if self.packing:  # one packed row -> a right-padded row per sample
+                val, ent = unpack(val, lens), (unpack(ent, lens) if with_entropy else None)
             val, ent = val.float().cpu(), (ent.float().cpu() if with_entropy else None)
-            for (r, a, b), i in zip(spans, part):
-                out[i] = (val[r, a:b], ent[r, a:b]) if with_entropy else val[r, a:b]
+            for j, (i, n) in enumerate(zip(part, lens)):
+                out[i] = (val[j, :n], ent[j, :n]) if with_entropy else val[j, :n]
         # One rank keeps its gathered (compute-dtype) params after forward, for the backward; a forward-only pass has
         # no backward to free them, so they would stay allocated: colocated, 6.8 GiB of a 4B model under the engine's
         # KV cache (an OOM on the H200).
