@@ -141,6 +141,7 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.parallel.objectives import ActorObjective
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
     path = write_config(name, rank)
     flags = set(variant.split("+"))
@@ -149,16 +150,17 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     experts_impl = "grouped" if "grouped" in flags else "loop" if "loop" in flags else "auto"
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     t = time.perf_counter()
-    w = TrainerWorker(rank=rank, world_size=world, master_port=port, model_path=path, random_init=True,
-                      gradient_checkpointing=ac, lr=1e-6,
-                      param_dtype="bf16" if torch.cuda.is_available() else "fp32",  # CPU: the fp32 smoke run
-                      max_tokens_per_micro_batch=args.mb_tokens, backend=backend, packing="packed" in flags,
-                      compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
-                      master_weights="optimizer" if "mw" in flags else "fsdp",
-                      peak_tflops=peak or None, config_overrides=overrides, fused_head="logits" not in flags,
-                      moe_experts_impl=experts_impl, timeout_s=300,
-                      lora=dict(rank=args.lora_rank, alpha=2.0 * args.lora_rank, dropout=0.0, init="default",
-                                target_modules=None) if "lora" in flags else None)
+    spec = TrainerSpec(rank=rank, world_size=world, master_port=port, model_path=path, random_init=True,
+                       gradient_checkpointing=ac, lr=1e-6,
+                       param_dtype="bf16" if torch.cuda.is_available() else "fp32",  # CPU: the fp32 smoke run
+                       max_tokens_per_micro_batch=args.mb_tokens, backend=backend, packing="packed" in flags,
+                       compile_blocks="compile" in flags, ep_size=2 if "ep2" in flags else 1,
+                       master_weights="optimizer" if "mw" in flags else "fsdp",
+                       peak_tflops=peak or None, config_overrides=overrides, fused_head="logits" not in flags,
+                       moe_experts_impl=experts_impl, timeout_s=300,
+                       lora=dict(rank=args.lora_rank, alpha=2.0 * args.lora_rank, dropout=0.0, init="default",
+                                 target_modules=None) if "lora" in flags else None)
+    w = TrainerWorker(spec)
     if "tfexperts" in flags:  # the HF path before models/moe_experts.py: transformers' own grouped_mm experts
         restore_transformers_experts(w.model)
     build_s = time.perf_counter() - t

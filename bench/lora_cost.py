@@ -100,11 +100,12 @@ def train_job(rank, world_size, port, out, path, lora_rank):
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.parallel.objectives import ActorObjective
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
     lora = None if lora_rank is None else dict(rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0, init="default",
                                                target_modules=None)
-    w = TrainerWorker(rank=rank, world_size=world_size, master_port=port, model_path=path, lr=1e-5,
-                      max_tokens_per_micro_batch=1024, total_steps=10, timeout_s=600, lora=lora)
+    w = TrainerWorker(TrainerSpec(rank=rank, world_size=world_size, master_port=port, model_path=path, lr=1e-5,
+                                  max_tokens_per_micro_batch=1024, total_steps=10, timeout_s=600, lora=lora))
     g = torch.Generator().manual_seed(0)
     samples = []
     for _ in range(8):

@@ -52,9 +52,11 @@ async def rollouts(model: str):
 
 def recompute(rank, world_size, port, samples_path, out, replay):
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
-    w = TrainerWorker(rank=rank, world_size=world_size, master_port=port, model_path="tiny://qwen3_moe_tiny",
-                      routing_replay=replay, max_tokens_per_micro_batch=4096, timeout_s=120)
+    w = TrainerWorker(TrainerSpec(rank=rank, world_size=world_size, master_port=port,
+                                  model_path="tiny://qwen3_moe_tiny", routing_replay=replay,
+                                  max_tokens_per_micro_batch=4096, timeout_s=120))
     samples = torch.load(samples_path, weights_only=False)
     lps = w.compute_logprobs(samples)
     stats = w._routing_stats.metrics()
@@ -67,7 +69,7 @@ def main():
     from molt_hydra.algorithm.experience import collate
     from molt_hydra.models.tiny import resolve_model_path
     from molt_hydra.parallel.launch import run_ranks
-    from molt_hydra.runtime.agent_runner import to_experience
+    from molt_hydra.algorithm.experience import to_experience
 
     model = resolve_model_path("tiny://qwen3_moe_tiny")
     exps = [to_experience(t, 512)[0] for t in asyncio.run(rollouts(model))]

@@ -82,14 +82,16 @@ def main():
     from molt_hydra.parallel.launch import free_port
     from molt_hydra.parallel.objectives import ActorObjective
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     port = int(os.environ.get("MASTER_PORT", free_port()))
     path = write_config(args.shape, rank)
     t = time.perf_counter()
-    w = TrainerWorker(rank=rank, world_size=world, master_port=port, model_path=path, random_init=True,
-                      gradient_checkpointing=args.device == "cuda", param_dtype="bf16" if args.device == "cuda"
-                      else "fp32", max_tokens_per_micro_batch=args.mbs * args.seq, timeout_s=300)
+    w = TrainerWorker(TrainerSpec(rank=rank, world_size=world, master_port=port, model_path=path, random_init=True,
+                                  gradient_checkpointing=args.device == "cuda",
+                                  param_dtype="bf16" if args.device == "cuda" else "fp32",
+                                  max_tokens_per_micro_batch=args.mbs * args.seq, timeout_s=300))
     build_s = time.perf_counter() - t
     data = samples(args.mbs, args.seq, w.model.config.vocab_size, seed=rank)
     obj = ActorObjective(PolicyLoss("ppo"))

@@ -162,6 +162,14 @@ def _broadcast(rollout_advantages: torch.Tensor, ctx: AdvantageContext) -> torch
     return rollout_advantages[ctx.sample_to_rollout][:, None] * ctx.action_mask
 
 
+def _per_group(rewards: torch.Tensor, groups: list[list[int]], fn) -> torch.Tensor:
+    """Each group's rollout rewards replaced by `fn` of them (a tensor of the group's size)."""
+    out = rewards.clone()
+    for group in groups:
+        out[group] = fn(rewards[group])
+    return out
+
+
 def _kl_penalized_rewards(ctx: AdvantageContext, sample_rewards: torch.Tensor | None) -> torch.Tensor:
     """Per-token reward -kl_coef * kl, plus each sample's reward on its last action token (rows without an action
     token get none), zeroed off the action mask."""
@@ -193,22 +201,15 @@ def reinforce(rewards, groups, ctx):
 @register_advantage_estimator("reinforce_baseline", needs={"groups"})
 def reinforce_baseline(rewards, groups, ctx):
     """r_i - mean(group), whitened over the batch (a singleton group gives 0 before whitening)."""
-    centred = rewards.clone()
-    for group in groups:
-        centred[group] = rewards[group] - rewards[group].mean()
-    returns = _broadcast(centred, ctx)
+    returns = _broadcast(_per_group(rewards, groups, lambda r: r - r.mean()), ctx)
     return (whiten_advantages(returns, ctx.action_mask) if ctx.whiten else returns), returns
 
 
 @register_advantage_estimator("rloo", needs={"groups"})
 def rloo(rewards, groups, ctx):
     """r_i minus the mean of the OTHER rewards of its group; a singleton keeps its raw reward (Molt, deliberate)."""
-    advantages = rewards.clone()
-    for group in groups:
-        if len(group) > 1:
-            r = rewards[group]
-            advantages[group] = r - (r.sum() - r) / (len(group) - 1)
-    advantages = _broadcast(advantages, ctx)
+    advantages = _broadcast(_per_group(rewards, groups, lambda r: r - (r.sum() - r) / (len(r) - 1) if len(r) > 1
+                                       else r), ctx)
     return advantages, advantages
 
 
@@ -216,22 +217,15 @@ def rloo(rewards, groups, ctx):
 def grpo(rewards, groups, ctx):
     """(r_i - mean) / (std + 1e-9) with the unbiased (n-1) std; a singleton (std taken as 0) and a zero-variance group
     give 0."""
-    advantages = rewards.clone()
-    for group in groups:
-        r = rewards[group]
-        std = r.std() if len(group) > 1 else 0.0
-        advantages[group] = (r - r.mean()) / (std + GRPO_STD_EPS)
-    advantages = _broadcast(advantages, ctx)
+    advantages = _broadcast(_per_group(
+        rewards, groups, lambda r: (r - r.mean()) / ((r.std() if len(r) > 1 else 0.0) + GRPO_STD_EPS)), ctx)
     return advantages, advantages
 
 
 @register_advantage_estimator("dr_grpo", needs={"groups"})
 def dr_grpo(rewards, groups, ctx):
     """r_i - mean(group), not divided by the std (Dr. GRPO); a singleton group gives 0."""
-    advantages = rewards.clone()
-    for group in groups:
-        advantages[group] = rewards[group] - rewards[group].mean()
-    advantages = _broadcast(advantages, ctx)
+    advantages = _broadcast(_per_group(rewards, groups, lambda r: r - r.mean()), ctx)
     return advantages, advantages
 
 

@@ -57,8 +57,19 @@ def is_loadable(path: Path) -> bool:
     return (path / "extra_state.pt").is_file() and (path / "dcp" / ".metadata").is_file()
 
 
-def _write_extra(tmp: Path, extra: dict):
-    torch.save(extra, tmp / "extra_state.pt")
+def _dcp_state(model, optimizer=None) -> dict:
+    """What DCP saves and loads: the model's (sharded) state dict, and the optimizer's when given."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """A finished directory takes `final`'s place in one rename (what was there is removed first)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def _tags(root: Path) -> list[tuple[int, Path]]:
@@ -77,24 +88,17 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir()
     _barrier()
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model)}
     try:
-        dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+        dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp / "dcp"))
     except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
         rank, (cause, _) = next(iter(e.failures.items()))
         raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
-        _write_extra(tmp, {"client_state": client_state or {}, "step": step,
-                           "scheduler": scheduler.state_dict() if scheduler is not None else None})
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        torch.save({"client_state": client_state or {}, "step": step,
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "extra_state.pt")
+        _replace_dir(tmp, final)
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(tag)
         os.replace(latest_tmp, root / "latest")
@@ -123,20 +127,13 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
     path = resolve_checkpoint(root)
     if path is None:
         return None
+    optimizer = None if model_only else optimizer
+    state = _dcp_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path / "dcp"))  # without an optimizer: the model's entries only
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}))
     if model_only:
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))  # the model's entries only
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
         return {}
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     extra = torch.load(path / "extra_state.pt", weights_only=False)
     if scheduler is not None and extra["scheduler"] is not None:
         scheduler.load_state_dict(extra["scheduler"])
@@ -174,18 +171,14 @@ def export_adapter(out_dir: str | os.PathLike, model, spec: dict, *, tokenizer_p
         shutil.rmtree(tmp, ignore_errors=True)
         adapter = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
         lora.save_adapter(tmp, adapter, spec, tokenizer_path)
-        if tokenizer_path is not None and any(Path(tokenizer_path).glob("tokenizer*")):
-            from transformers import AutoTokenizer
-            AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
+        _save_tokenizer(tokenizer_path, tmp)
         if merged:
             config = copy.deepcopy(model.config)
             if "lm_head" in spec["target_modules"]:  # the adapted head is no longer the embedding
                 config.tie_word_embeddings = False
             _write_hf(tmp / "merged", lora.merged_state(sd, spec["alpha"] / spec["rank"]), config, dtype,
                       tokenizer_path, "5GB")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _replace_dir(tmp, out)
     _barrier()
     return out if _rank() == 0 else None
 
@@ -205,12 +198,17 @@ def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_p
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(tmp)
-    if tokenizer_path is not None and any(Path(tokenizer_path).glob("tokenizer*")):
-        from transformers import AutoTokenizer
-        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
+    if _save_tokenizer(tokenizer_path, tmp):
         for name in ("preprocessor_config.json", "processor_config.json"):  # a VLM's (image) processor
             if (Path(tokenizer_path) / name).is_file():
                 shutil.copy(Path(tokenizer_path) / name, tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    _replace_dir(tmp, out)
+
+
+def _save_tokenizer(tokenizer_path: str | None, out: Path) -> bool:
+    """The model's tokenizer beside its weights, when its directory has one."""
+    if tokenizer_path is None or not any(Path(tokenizer_path).glob("tokenizer*")):
+        return False
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out)
+    return True

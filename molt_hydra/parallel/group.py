@@ -12,7 +12,10 @@ Ray is imported lazily so parallel/trainer.py stays importable where Ray is abse
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from molt_hydra.parallel.trainer import TrainerWorker
+from molt_hydra.parallel.trainer_spec import TrainerSpec
 
 
 def _rendezvous_address() -> tuple[str, int]:
@@ -43,16 +46,16 @@ class TrainerGroup:
     borrow_idle_cpus: CPU ranks also train on their node's other cores while the engines don't generate (told through
     `engines_busy`); False keeps each rank to its reserved CPUs, so every step runs on the same thread count.
     startup_timeout_s: how long placement and every rank's start (model build, rendezvous) may take.
-    worker_kwargs: TrainerWorker keyword arguments (model_path, role, lr, ...).
+    spec: what every rank is built from (parallel/trainer_spec.py); the group fills in each rank's place.
     After start: `rank_nodes` (each rank's node IP) and `rendezvous` (rank 0's "ip:port")."""
 
-    def __init__(self, num_ranks: int, *, num_gpus_per_rank: float = 0, num_cpus_per_rank: float = 1,
-                 placement_group=None, startup_timeout_s: float = 600.0, worker_cls: type = TrainerWorker,
-                 borrow_idle_cpus: bool = True, **worker_kwargs):
+    def __init__(self, num_ranks: int, spec: TrainerSpec, *, num_gpus_per_rank: float = 0,
+                 num_cpus_per_rank: float = 1, placement_group=None, startup_timeout_s: float = 600.0,
+                 worker_cls: type = TrainerWorker, borrow_idle_cpus: bool = True):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.num_ranks, self.role = num_ranks, worker_kwargs.get("role", "actor")
+        self.num_ranks, self.role = num_ranks, spec.role
         self.workers, self._own_placement = [], placement_group is None
         bundle = {k: v for k, v in (("CPU", num_cpus_per_rank), ("GPU", num_gpus_per_rank)) if v}
         try:
@@ -85,10 +88,9 @@ class TrainerGroup:
             cls = ray.remote(concurrency_groups={"control": 1})(worker_cls) if self.on_cpu else ray.remote(worker_cls)
             self.workers = [
                 cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=where[i])
-                .remote(rank=i, world_size=num_ranks, master_addr=addr, master_port=port,
-                        cpu_threads=max(1, int(num_cpus_per_rank)) if self.on_cpu else None,
-                        node_ranks=self.rank_nodes.count(self.rank_nodes[i]) if self.borrows else None,
-                        **worker_kwargs)
+                .remote(replace(spec, rank=i, world_size=num_ranks, master_addr=addr, master_port=port,
+                                cpu_threads=max(1, int(num_cpus_per_rank)) if self.on_cpu else None,
+                                node_ranks=self.rank_nodes.count(self.rank_nodes[i]) if self.borrows else None))
                 for i in range(num_ranks)]
             self._wait_ranks_up(startup_timeout_s)
         except BaseException:
@@ -188,24 +190,9 @@ class TrainerGroup:
         return [w.engines_busy.options(concurrency_group="control").remote(busy, self._hints)
                 for w in self.workers] if self.borrows else []
 
-    def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1) -> dict:
-        kw = dict(num_optimizer_steps=num_optimizer_steps)
-        if loss_fn is not None:
-            kw["loss_fn"] = loss_fn
-        return self._all("train_step", [(s,) for s in self.shard(samples)], **kw)[0]
-
     def compute_logprobs(self, samples: list[dict], with_entropy: bool = False) -> list:
         outs = self._all("compute_logprobs", [(s,) for s in self.shard(samples)], with_entropy=with_entropy)
         return [x for o in outs for x in o]
-
-    def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3) -> str:
-        return self._all("save_checkpoint", root=root, client_state=client_state, keep=keep)[0]
-
-    def load_checkpoint(self, root: str) -> dict | None:
-        return self._all("load_checkpoint", root=root)[0]
-
-    def export_hf(self, out_dir: str, dtype: str = "bf16") -> str:
-        return self._all("export_hf", out_dir=out_dir, dtype=dtype)[0]
 
     def shutdown(self):
         self._all("shutdown")

@@ -37,6 +37,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     from molt_hydra.models.vlm import TrajectoryImages
     from molt_hydra.parallel.objectives import SFTObjective
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
     path = resolve_path(kw["model_path"])
     tok = AutoTokenizer.from_pretrained(path)
@@ -51,9 +52,8 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
         raise ValueError(f"train.batch_size={bs} must divide over {world} ranks and be <= {len(train)} samples")
     steps_per_epoch = len(train) // bs  # trailing partial batch dropped, as Molt does
     total = math.ceil(kw["max_epochs"] * steps_per_epoch)
-    worker = TrainerWorker(rank=rank, world_size=world, master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                           master_port=port, model_path=path, role="actor",
-                           total_steps=total, **kw["worker"])
+    worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,
+                                       master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), **kw["worker"]))
     start = 0
     if kw["resume"] and kw["ckpt_path"]:
         client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"])
@@ -91,33 +91,24 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     return history
 
 
+SFT_DEFAULTS = dict(lr=5e-6, lr_warmup_ratio=0.03, param_dtype="bf16")  # where the SFT job's differ from TrainerSpec's
+
+
 def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, input_key: str = "input",
             output_key: str | None = None, chat_template: str | None = None, train_on_last_turn_only: bool = False,
             max_len: int = 2048, max_samples: int | None = None, batch_size: int = 8, max_epochs: float = 1,
             eval_steps: int = -1, save_steps: int = -1, ckpt_path: str | None = None, keep: int = 3,
-            resume: bool = False, export_hf: bool = True, num_ranks: int = 1, seed: int = 42, lr: float = 5e-6,
-            betas: tuple = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, lr_scheduler: str = "constant",
-            lr_warmup_ratio: float = 0.03, min_lr_ratio: float = 0.1, max_norm: float = 1.0,
-            max_tokens_per_micro_batch: int = 16384, param_dtype: str = "bf16", attn_implementation: str = "sdpa",
-            gradient_checkpointing: bool | str = False, offload: bool = False, timeout_s: float = 600.0,
+            resume: bool = False, export_hf: bool = True, num_ranks: int = 1, seed: int = 42,
             image_key: str | None = None, max_images_per_prompt: int = 0, max_disk_gb: float | None = None,
-            load_model_only: bool = False, **backend_options) -> list[dict]:
+            load_model_only: bool = False, **trainer) -> list[dict]:
     """Train, evaluate, checkpoint and export; returns the per-step metric records (also in
     <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated.
-    backend_options: TrainerWorker's other kwargs (models.build.backend_options, runtime/trainer_options.py).
+    trainer: TrainerSpec fields (parallel/trainer_spec.py: lr, param_dtype, max_tokens_per_micro_batch, the backend's
+    options, ...), SFT_DEFAULTS where not given.
     load_model_only: `resume` loads the checkpoint's weights only and starts at step 0 with a fresh optimizer."""
-    kw = dict(model_path=model_path, train_data=train_data, eval_data=eval_data, output_dir=output_dir,
-              input_key=input_key, output_key=output_key, chat_template=chat_template,
-              train_on_last_turn_only=train_on_last_turn_only, max_len=max_len, max_samples=max_samples,
-              batch_size=batch_size, max_epochs=max_epochs, eval_steps=eval_steps, save_steps=save_steps,
-              ckpt_path=ckpt_path, keep=keep, resume=resume, export_hf=export_hf, seed=seed, max_disk_gb=max_disk_gb,
-              load_model_only=load_model_only,
-              image_key=image_key, max_images_per_prompt=max_images_per_prompt,
-              worker=dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, lr_scheduler=lr_scheduler,
-                          lr_warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio, max_norm=max_norm,
-                          max_tokens_per_micro_batch=max_tokens_per_micro_batch, param_dtype=param_dtype,
-                          attn_implementation=attn_implementation, gradient_checkpointing=gradient_checkpointing,
-                          offload=offload, seed=seed, timeout_s=timeout_s, **backend_options))
+    kw = {k: v for k, v in locals().items() if k != "trainer"}  # every argument above, as the ranks read them
+    kw["worker"] = {**SFT_DEFAULTS, "seed": seed, **trainer}
+    timeout_s = kw["worker"].get("timeout_s", 600.0)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         return _sft_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), kw)
     from molt_hydra.parallel.launch import run_ranks

@@ -1,7 +1,7 @@
 """One FSDP2 trainer rank (actor, reference or critic): forward passes, the training step, weights, checkpoints.
 
-Usable as a Ray actor per rank (parallel/group.py) or directly in a torchrun / multiprocessing process (tests,
-bench, SFT). No Ray, vLLM or Hydra import on this path.
+Built from one `TrainerSpec` (parallel/trainer_spec.py). Usable as a Ray actor per rank (parallel/group.py) or
+directly in a torchrun / multiprocessing process (tests, bench, SFT). No Ray, vLLM or Hydra import on this path.
 
 Samples are dicts of 1-D token-aligned tensors (see models/logprobs.py): `input_ids` plus whatever the objective
 needs (`action_mask`, `advantages`, `old_logprobs`, `ref_logprobs`, `rollout_logprobs`, `returns`, `values`, or
@@ -26,7 +26,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from molt_hydra.algorithm.experience import NumpyPickled
 from molt_hydra.compat.transformers import expert_widths, install_experts
-from molt_hydra.models import moe_experts, moe_routing, vlm
+from molt_hydra.models import lora, moe_experts, moe_routing, vlm
+from molt_hydra.models.automodel import build_automodel, clip_grad_norm, hf_name_mapper, replay_routed_experts
 from molt_hydra.models.build import build_model, decoder_layers, resolve_backend, resolve_path
 from molt_hydra.models.logprobs import (LOGPROB_CHUNK_TOKENS, entropy_from_logits, linear_logprobs_entropy,
                                        logprobs_from_logits)
@@ -35,10 +36,11 @@ from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, p
                                           prompt_groups, shared_prompt_rows, shared_prompt_tokens, unpack)
 from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
-from molt_hydra.parallel.fsdp import DTYPES, shard_model
+from molt_hydra.parallel.fsdp import DTYPES, shard_model, to_compute_dtype
 from molt_hydra.parallel.grad_debug import grad_norm_metrics
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
+from molt_hydra.parallel.trainer_spec import TrainerSpec
 from molt_hydra.weight_sync.buckets import iter_weight_buckets, local_full_weights
 
 class FusedLogprobHead:
@@ -59,160 +61,158 @@ class FusedLogprobHead:
 
 
 class TrainerWorker:
-    def __init__(self, *, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int,
-                 model_path: str, role: str = "actor", dp_size: int | None = None, tp_size: int = 1,
-                 ep_size: int = 1, cp_size: int = 1, param_dtype: str | None = None, attn_implementation: str = "sdpa",
-                 gradient_checkpointing: bool = False, random_init: bool = False, config_overrides: dict | None = None,
-                 lr: float = 1e-6, betas: tuple = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 lr_scheduler: str = "constant", lr_warmup_ratio: float = 0.0, min_lr_ratio: float = 0.1,
-                 total_steps: int = 1, max_norm: float = 1.0, offload: bool = False,
-                 max_tokens_per_micro_batch: int = 16384, temperature: float = 1.0,
-                 logprob_chunk_size: int = LOGPROB_CHUNK_TOKENS,
-                 aux_loss_coef: float = 0.0, seed: int = 42, routing_replay: bool = False,
-                 gate_precision: str = "float32", freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
-                 peak_tflops: float | None = None, timeout_s: float = 600.0, value_head_init_std: float | None = None,
-                 backend: str = "hf", packing: bool = False, compile_blocks: bool = False,
-                 automodel_options: dict | None = None, fused_head: bool = True, master_weights: str = "fsdp",
-                 cpu_threads: int | None = None, node_ranks: int | None = None, share_prompts: bool = False,
-                 muon: dict | None = None, debug_grad_norms: tuple | None = None, full_determinism: bool = False,
-                 defer_grad_sync: bool = False, moe_experts_impl: str = "auto", lora: dict | None = None):
-        self.rank, self.world_size, self.role = rank, world_size, role
-        if full_determinism:  # train.full_determinism, as Molt: transformers' seeds + deterministic kernels
+    def __init__(self, spec: TrainerSpec):
+        self.spec, self.rank, self.world_size, self.role = spec, spec.rank, spec.world_size, spec.role
+        if spec.full_determinism:  # train.full_determinism, as Molt: transformers' seeds + deterministic kernels
             from transformers import enable_full_determinism
-            enable_full_determinism(seed)
-        # logger.debug_grad_norms: (name patterns, top k); parallelism.defer_grad_sync: the FSDP2 units (below)
-        self.debug_grad_norms, self.defer_grad_sync = debug_grad_norms, []
-        self.device = init_distributed(rank, world_size, master_addr, master_port, offload=offload,
-                                       timeout_s=timeout_s)
-        # CPU threads: `cpu_threads` (the CPUs Ray reserved for this rank; a Ray worker started before it was placed
-        # need not carry Ray's OMP_NUM_THREADS for them) while the rollout engines generate beside it; with
-        # `node_ranks` (trainer ranks on this node), this node's cores split among them while the engines are idle
-        # (told through `engines_busy`; until then they count as busy). Set before every forward, in the calling
-        # thread: OpenMP's thread count is per thread, and a Ray actor with a control thread runs calls elsewhere.
-        self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
-        self.idle_cpu_threads = self.cpu_threads
-        if self.cpu_threads and node_ranks:
-            self.idle_cpu_threads = max(self.cpu_threads, len(os.sched_getaffinity(0)) // node_ranks)
-        self._engines_busy = (0, True)  # (hint number, busy): the latest hint wins, whatever order they arrive in
-        self._threads_used: list[int] = []  # at each point the threads were set during the current call
-        self._use_cpu_threads()
-        if master_weights not in ("fsdp", "optimizer"):
-            raise ValueError(f"master_weights must be fsdp or optimizer, got {master_weights!r}")
+            enable_full_determinism(spec.seed)
+        self.device = init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
+                                       offload=spec.offload, timeout_s=spec.timeout_s)
+        self._init_cpu_threads(spec)
         # None: bf16 on a GPU, fp32 on CPU (bf16 matmuls are slow there); an explicit dtype is honoured on both
-        param_dtype = param_dtype or ("bf16" if self.device.type == "cuda" else "fp32")
-        self.master_weights = master_weights == "optimizer"  # params and grads in param_dtype, fp32 masters in AdamW
-        if self.master_weights and param_dtype == "fp32":
+        self.param_dtype = spec.param_dtype or ("bf16" if self.device.type == "cuda" else "fp32")
+        self.master_weights = spec.master_weights == "optimizer"  # params and grads in param_dtype, fp32 masters
+        if self.master_weights and self.param_dtype == "fp32":
             raise ValueError("master_weights=optimizer needs a lower-precision param_dtype than fp32")
-        self.dp_size = dp_size or world_size
-        gradient_checkpointing = {False: "none", True: "full"}.get(gradient_checkpointing, gradient_checkpointing)
+        self.dp_size = spec.dp_size or spec.world_size
         # the critic (value head on a backbone) is always built with HF transformers
-        self.backend = resolve_backend(backend) if role != "critic" else "hf"
+        self.backend = resolve_backend(spec.backend) if spec.role != "critic" else "hf"
         # packed [1, T] streams need a varlen kernel (validated); otherwise right-padded [B, L] rows, mask-free
-        self.packing = packing
-        torch.manual_seed(seed)  # same init (e.g. value head) on every rank
-        self.model_path = resolve_path(model_path)
+        self.packing = spec.packing
+        torch.manual_seed(spec.seed)  # same init (e.g. value head) on every rank
+        self.model_path = resolve_path(spec.model_path)
         self.moe_experts_impl = None  # HF MoE models: "grouped" | "loop" (models/moe_experts.py)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
-        self.lora = lora if role == "actor" else None
-        if lora and (role == "critic" or self.backend != "hf"):
+        self.lora = spec.lora if spec.role == "actor" else None
+        if spec.lora and (spec.role == "critic" or self.backend != "hf"):
             raise ValueError("model.lora: the adapter is wired for the actor on the HF backend (model.backend=hf)")
         if self.backend == "automodel":
-            from molt_hydra.models.automodel import build_automodel
-            self.mesh = None
-            self.model = build_automodel(
-                self.model_path, role=role, dp_size=self.dp_size, tp_size=tp_size, ep_size=ep_size, cp_size=cp_size,
-                param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing, random_init=random_init,
-                config_overrides=config_overrides, attn_implementation=attn_implementation,
-                compile_blocks=compile_blocks, gate_precision=gate_precision, routing_replay=routing_replay,
-                master_weights=master_weights,
-                freeze_moe_router=freeze_moe_router, freeze_visual_encoder=freeze_visual_encoder,
-                **(automodel_options or {}))
-            self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
+            self._build_automodel(spec)
         else:
-            if gradient_checkpointing not in ("none", "full"):
-                raise ValueError(f"gradient_checkpointing={gradient_checkpointing!r}: the HF backend checkpoints "
-                                 "whole blocks (full) or nothing (none); selective needs model.backend=automodel")
-            self.mesh = build_device_mesh(self.dp_size, tp_size=tp_size, ep_size=ep_size, cp_size=cp_size)
-            model = build_model(self.model_path, role=role, attn_implementation=attn_implementation,
-                                gradient_checkpointing=gradient_checkpointing == "full", random_init=random_init,
-                                config_overrides=config_overrides,
-                                init_device=self.device if random_init else "cpu",
-                                value_head_init_std=value_head_init_std)
-            if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
-                model = self._add_adapter(model)
-            # MoE (models/moe_routing.py): gate precision, R3 replay, routing statistics, frozen routers, and the
-            # load-balancing loss counted on the experts used; HF's own (router logits' top-k) for other MoE models
-            routers = moe_routing.install(model, gate_precision, replay=routing_replay)
-            if aux_loss_coef > 0 and not routers:
-                model.config.output_router_logits = True
-            if (routing_replay or freeze_moe_router) and not routers:
-                raise NotImplementedError(f"rollout.routing_replay / model.freeze_moe_router: {type(model).__name__} "
-                                          "has no MoE router this trainer supports (HF path: Qwen3-MoE); turn them off")
-            self.moe = bool(routers)
-            if routers:
-                widths = expert_widths(model)
-                self.moe_experts_impl = moe_experts.choose(moe_experts_impl, self.device, DTYPES[param_dtype], widths)
-                install_experts(model, self.moe_experts_impl)
-            self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
-            if freeze_visual_encoder:
-                vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
-            compute_dtype = DTYPES.get(param_dtype)
-            stored_as_computed = self.master_weights or all(p.dtype == compute_dtype for p in model.parameters())
-            if stored_as_computed and world_size == 1 and not offload and not vlm.is_vlm(model.config):
-                # one rank, params already in the compute dtype: FSDP2 would only copy them into a second buffer (its
-                # one-rank all-gather) and the grads through a reduce buffer, every micro-batch (a SmolLM2 step on CPU:
-                # ~0.3 s each); VLMs keep its input cast
-                for layer in decoder_layers(model) if compile_blocks else ():
-                    layer.compile()
-                self.model = model.to(self.device)
-            else:  # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
-                self.model = shard_model(model, self.mesh, param_dtype=param_dtype, offload=offload,
-                                         reshard_after_forward=world_size > 1, compile_blocks=compile_blocks)
-            if vlm.is_vlm(model.config) and role != "ref" and not freeze_visual_encoder:
-                vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
+            self._build_hf(spec)
         if self.idle_cpu_threads != self.cpu_threads:
             self._follow_hints_per_block()
-        # fused head (models/logprobs.py): the causal LM hands out its final hidden states and the log-probs are taken
-        # through the lm_head chunk by chunk, never materialising [tokens x vocab] logits (HF text models)
-        self.head = None
-        if fused_head and self.backend == "hf" and role != "critic" and not vlm.is_vlm(self.model.config):
-            head = self.model.get_output_embeddings()
-            if isinstance(head, torch.nn.Linear) and head.bias is None:
-                self.head = FusedLogprobHead(head)
+        self.head = self._fused_head(spec)
         # a prompt group's prompt computed once per micro-batch row (parallel/batching.py `shared_prompt_rows`); the
         # critic's values are read on every token, so it keeps plain rows
-        self.share_prompts = share_prompts and role != "critic"
+        self.share_prompts = spec.share_prompts and spec.role != "critic"
         if self.share_prompts and (self.head is None or self.packing or self.moe
                                    or self.model.config._attn_implementation != "sdpa"):
             raise ValueError("parallelism.share_prompts needs the fused log-prob head (HF text model), sdpa attention, "
                              "no packing and a dense model; set parallelism.share_prompts=false")
+        self._routing_stats = None
+        self.temperature, self.chunk = spec.temperature, spec.logprob_chunk_size or LOGPROB_CHUNK_TOKENS
+        self.max_tokens, self.max_norm = spec.max_tokens_per_micro_batch, spec.max_norm
+        self.aux_loss_coef, self.peak_tflops = spec.aux_loss_coef, spec.peak_tflops
+        self.debug_grad_norms = spec.debug_grad_norms  # logger.debug_grad_norms: (name patterns, top k)
+        self._build_optimizer(spec)
+        self.global_step = 0
+        self.defer_grad_sync = self._deferred_units() if spec.defer_grad_sync else []
+
+    def _init_cpu_threads(self, spec: TrainerSpec) -> None:
+        """CPU threads: `cpu_threads` (the CPUs Ray reserved for this rank; a Ray worker started before it was placed
+        need not carry Ray's OMP_NUM_THREADS for them) while the rollout engines generate beside it; with
+        `node_ranks` (trainer ranks on this node), this node's cores split among them while the engines are idle
+        (told through `engines_busy`; until then they count as busy). Set before every forward, in the calling
+        thread: OpenMP's thread count is per thread, and a Ray actor with a control thread runs calls elsewhere."""
+        self.cpu_threads = spec.cpu_threads if self.device.type == "cpu" else None
+        self.idle_cpu_threads = self.cpu_threads
+        if self.cpu_threads and spec.node_ranks:
+            self.idle_cpu_threads = max(self.cpu_threads, len(os.sched_getaffinity(0)) // spec.node_ranks)
+        self._engines_busy = (0, True)  # (hint number, busy): the latest hint wins, whatever order they arrive in
+        self._threads_used: list[int] = []  # at each point the threads were set during the current call
+        self._use_cpu_threads()
+
+    def _build_automodel(self, spec: TrainerSpec) -> None:
+        self.mesh = None
+        self.model = build_automodel(
+            self.model_path, role=spec.role, dp_size=self.dp_size, tp_size=spec.tp_size, ep_size=spec.ep_size,
+            cp_size=spec.cp_size, param_dtype=self.param_dtype, gradient_checkpointing=spec.gradient_checkpointing,
+            random_init=spec.random_init, config_overrides=spec.config_overrides,
+            attn_implementation=spec.attn_implementation, compile_blocks=spec.compile_blocks,
+            gate_precision=spec.gate_precision, routing_replay=spec.routing_replay, master_weights=spec.master_weights,
+            freeze_moe_router=spec.freeze_moe_router, freeze_visual_encoder=spec.freeze_visual_encoder,
+            **(spec.automodel_options or {}))
+        self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
+
+    def _build_hf(self, spec: TrainerSpec) -> None:
+        if spec.gradient_checkpointing not in ("none", "full"):
+            raise ValueError(f"gradient_checkpointing={spec.gradient_checkpointing!r}: the HF backend checkpoints "
+                             "whole blocks (full) or nothing (none); selective needs model.backend=automodel")
+        self.mesh = build_device_mesh(self.dp_size, tp_size=spec.tp_size, ep_size=spec.ep_size, cp_size=spec.cp_size)
+        model = build_model(self.model_path, role=spec.role, attn_implementation=spec.attn_implementation,
+                            gradient_checkpointing=spec.gradient_checkpointing == "full", random_init=spec.random_init,
+                            config_overrides=spec.config_overrides,
+                            init_device=self.device if spec.random_init else "cpu",
+                            value_head_init_std=spec.value_head_init_std)
+        if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
+            model = self._add_adapter(model)
+        self._install_moe(model, spec)
+        if spec.freeze_visual_encoder:
+            vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
+        stored_as_computed = self.master_weights or all(p.dtype == DTYPES.get(self.param_dtype)
+                                                        for p in model.parameters())
+        if stored_as_computed and spec.world_size == 1 and not spec.offload and not vlm.is_vlm(model.config):
+            # one rank, params already in the compute dtype: FSDP2 would only copy them into a second buffer (its
+            # one-rank all-gather) and the grads through a reduce buffer, every micro-batch (a SmolLM2 step on CPU:
+            # ~0.3 s each); VLMs keep its input cast
+            for layer in decoder_layers(model) if spec.compile_blocks else ():
+                layer.compile()
+            self.model = model.to(self.device)
+        else:  # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
+            self.model = shard_model(model, self.mesh, param_dtype=self.param_dtype, offload=spec.offload,
+                                     reshard_after_forward=spec.world_size > 1, compile_blocks=spec.compile_blocks)
+        if vlm.is_vlm(model.config) and spec.role != "ref" and not spec.freeze_visual_encoder:
+            vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
+
+    def _install_moe(self, model, spec: TrainerSpec) -> None:
+        """MoE (models/moe_routing.py): gate precision, R3 replay, routing statistics, frozen routers, and the
+        load-balancing loss counted on the experts used; HF's own (router logits' top-k) for other MoE models."""
+        routers = moe_routing.install(model, spec.gate_precision, replay=spec.routing_replay)
+        if spec.aux_loss_coef > 0 and not routers:
+            model.config.output_router_logits = True
+        if (spec.routing_replay or spec.freeze_moe_router) and not routers:
+            raise NotImplementedError(f"rollout.routing_replay / model.freeze_moe_router: {type(model).__name__} "
+                                      "has no MoE router this trainer supports (HF path: Qwen3-MoE); turn them off")
+        self.moe = bool(routers)
+        if routers:
+            self.moe_experts_impl = moe_experts.choose(spec.moe_experts_impl, self.device, DTYPES[self.param_dtype],
+                                                       expert_widths(model))
+            install_experts(model, self.moe_experts_impl)
+        self.frozen_names = set(moe_routing.freeze(model)) if spec.freeze_moe_router else set()
+
+    def _fused_head(self, spec: TrainerSpec) -> FusedLogprobHead | None:
+        """The causal LM hands out its final hidden states and the log-probs are taken through the lm_head chunk by
+        chunk, never materialising [tokens x vocab] logits (HF text models; models/logprobs.py)."""
+        if not spec.fused_head or self.backend != "hf" or spec.role == "critic" or vlm.is_vlm(self.model.config):
+            return None
+        head = self.model.get_output_embeddings()
+        return FusedLogprobHead(head) if isinstance(head, torch.nn.Linear) and head.bias is None else None
+
+    def _build_optimizer(self, spec: TrainerSpec) -> None:
+        self.optimizer = self.scheduler = None
         masters = None
         if self.master_weights:  # before the first forward, where FSDP2 reads the params' dtypes
-            from molt_hydra.parallel.fsdp import to_compute_dtype
             value_head = getattr(self.model, "value_head", None)
-            keep = (value_head,) if value_head is not None else ()
-            masters = to_compute_dtype(self.model, DTYPES[param_dtype], keep=keep)
-        self._routing_stats = None
-        self.temperature, self.chunk = temperature, logprob_chunk_size
-        self.max_tokens, self.max_norm = max_tokens_per_micro_batch, max_norm
-        self.aux_loss_coef, self.peak_tflops = aux_loss_coef, peak_tflops
-        self.optimizer = self.scheduler = None
-        if role != "ref":
-            self.optimizer = build_optimizer(self.model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                             masters=masters, muon=muon)
-            self.scheduler = build_scheduler(self.optimizer, name=lr_scheduler, total_steps=total_steps,
-                                             warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio)
-        self.global_step = 0
-        if defer_grad_sync:  # every FSDP2 unit, whoever wrapped the model (HF path or AutoModel)
-            from torch.distributed.fsdp import FSDPModule
-            self.defer_grad_sync = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-            if not self.defer_grad_sync:
-                raise ValueError("parallelism.defer_grad_sync: this trainer is not sharded with FSDP2 (one rank, "
-                                 "params in the compute dtype), so there is no reduce-scatter to defer; unset it")
+            masters = to_compute_dtype(self.model, DTYPES[self.param_dtype],
+                                       keep=(value_head,) if value_head is not None else ())
+        if spec.role == "ref":
+            return
+        self.optimizer = build_optimizer(self.model, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                         weight_decay=spec.weight_decay, masters=masters, muon=spec.muon)
+        self.scheduler = build_scheduler(self.optimizer, name=spec.lr_scheduler, total_steps=spec.total_steps,
+                                         warmup_ratio=spec.lr_warmup_ratio, min_lr_ratio=spec.min_lr_ratio)
+
+    def _deferred_units(self) -> list:
+        """parallelism.defer_grad_sync: every FSDP2 unit, whoever wrapped the model (HF path or AutoModel); their
+        reduce-scatter runs on a window's last micro-batch only."""
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        if not units:
+            raise ValueError("parallelism.defer_grad_sync: this trainer is not sharded with FSDP2 (one rank, "
+                             "params in the compute dtype), so there is no reduce-scatter to defer; unset it")
+        return units
 
     def _add_adapter(self, model):
-        from molt_hydra.models import lora
-
         targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
         if targets is None:
             raise ValueError(f"model.lora.target_modules: model family {model.config.model_type!r} has no default "
@@ -297,7 +297,6 @@ class TrainerWorker:
         the gates' own top-k for the forward and the backward (checkpoint recompute) inside; on the HF path the
         routers also count trainer-vs-engine agreement into `routing_stats` (models/moe_routing.py)."""
         if self.backend == "automodel" and "routed_experts" in mb:
-            from molt_hydra.models.automodel import replay_routed_experts
             return replay_routed_experts(mb["routed_experts"], mb.get("token_mask"))
         if self.moe:
             return moe_routing.engine_routing(self.model, mb.get("routed_experts"), routing_stats,
@@ -369,14 +368,11 @@ class TrainerWorker:
             if not part:
                 continue
             lens = [len(samples[i]["input_ids"]) for i in part]
-            if self.packing:  # one row; sample j spans [bounds[j], bounds[j+1])
-                bounds = np.cumsum([0] + lens)
-                spans = [(0, bounds[j], bounds[j + 1]) for j in range(len(part))]
-            else:
-                spans = [(j, 0, n) for j, n in enumerate(lens)]
+            if self.packing:  # one packed row -> a right-padded row per sample
+                val, ent = unpack(val, lens), (unpack(ent, lens) if with_entropy else None)
             val, ent = val.float().cpu(), (ent.float().cpu() if with_entropy else None)
-            for (r, a, b), i in zip(spans, part):
-                out[i] = (val[r, a:b], ent[r, a:b]) if with_entropy else val[r, a:b]
+            for j, (i, n) in enumerate(zip(part, lens)):
+                out[i] = (val[j, :n], ent[j, :n]) if with_entropy else val[j, :n]
         # One rank keeps its gathered (compute-dtype) params after forward, for the backward; a forward-only pass has
         # no backward to free them, so they would stay allocated: colocated, 6.8 GiB of a 4B model under the engine's
         # KV cache (an OOM on the H200).
@@ -385,8 +381,6 @@ class TrainerWorker:
                 if isinstance(module, FSDPModule):
                     module.reshard()
         return NumpyPickled(out)
-
-    compute_values = compute_logprobs
 
     # ---------------------------------------------------------------- training
     def _micro_loss(self, mb, rows, loss_fn, n_tok, n_seq, n_parts):
@@ -412,7 +406,31 @@ class TrainerWorker:
         the mask; MoE routing statistics are counted in this forward), so one forward serves as the old-logprob pass
         and the loss's."""
         loss_fn = loss_fn or SFTObjective()
-        mask_key = loss_fn.mask_key
+        self._check_step(samples, loss_fn.mask_key, num_optimizer_steps, return_logprobs)
+        logprobs = [None] * len(samples) if return_logprobs else None
+        if return_logprobs and self.moe and self.role == "actor":
+            self._routing_stats = moe_routing.routing_stats(self.model.config)
+        t0 = time.perf_counter()
+        sums: dict[str, torch.Tensor] = {}
+        grad_norms, self._threads_used = [], []
+        for window in np.array_split(np.arange(len(samples)), num_optimizer_steps):
+            n_tok = self._backward_window([samples[i] for i in window], window, loss_fn, sums, logprobs)
+            sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
+            if self.debug_grad_norms:  # before clipping; the last window's are reported
+                debug = grad_norm_metrics(((n, self._grad(p)) for n, p in self.model.named_parameters()),
+                                          *self.debug_grad_norms, "critic" if self.role == "critic" else "actor")
+            grad_norms.append(self._clip_grads())
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.global_step += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0, self._threads_used)
+        metrics.update(debug if self.debug_grad_norms else {})
+        return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
+
+    def _check_step(self, samples: list[dict], mask_key: str, num_optimizer_steps: int, return_logprobs: bool):
         if self.optimizer is None:
             raise RuntimeError(f"role {self.role!r} has no optimizer; train_step needs actor or critic")
         if len(samples) < num_optimizer_steps:
@@ -423,68 +441,55 @@ class TrainerWorker:
         if return_logprobs and num_optimizer_steps != 1:
             raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps}): later windows' "
                              "forwards run after the first step changed the parameters")
-        logprobs = [None] * len(samples) if return_logprobs else None
-        if return_logprobs and self.moe and self.role == "actor":
-            self._routing_stats = moe_routing.routing_stats(self.model.config)
-        t0 = time.perf_counter()
-        sums: dict[str, torch.Tensor] = {}
-        grad_norms, self._threads_used = [], []
-        for window in np.array_split(np.arange(len(samples)), num_optimizer_steps):
-            win = [samples[i] for i in window]
-            counts = torch.tensor([float(sum(s[mask_key].sum().item() for s in win)),
-                                   float(sum(bool(s[mask_key].any()) for s in win))])
-            dist.all_reduce(counts)  # the window's action tokens N and sequences G over all DP ranks
-            counts /= self.world_size // self.dp_size  # tp / cp ranks of one DP group hold the same samples
-            n_tok, n_seq = counts[0].to(self.device), counts[1].to(self.device)
-            parts = self._micro_batches(win, mask_key)
-            if self.master_weights:  # several micro-batches: their grads sum in fp32 (parallel/optim.py)
-                self.optimizer.accumulate_fp32 = len(parts) > 1
-            for j, part in enumerate(parts):
-                self._use_cpu_threads()
-                for unit in self.defer_grad_sync:  # reduce-scatter on the window's last micro-batch only
-                    unit.set_requires_gradient_sync(j == len(parts) - 1, recurse=False)
-                rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
-                    {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2]))
-                     for k, v in win[0].items()
-                     if torch.is_tensor(v) and v.dim() >= 1 and k not in vlm.MULTIMODAL_KEYS}]
-                mb = self._batch(rows, mask_key)
-                # backward inside: checkpoint recompute replays the same experts (and counts them again, which
-                # leaves the routing ratios as they are)
-                with self._replay(mb, self._routing_stats if logprobs is not None and part else None):
-                    loss, mets = self._micro_loss(mb, rows, loss_fn, n_tok, n_seq, len(parts))
-                    loss.backward()
-                out = mets.pop("_logprobs")
-                for j, i in enumerate(part if logprobs is not None else ()):
-                    logprobs[window[i]] = out[j, :len(win[i]["input_ids"])].float().cpu()
-                # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch);
-                # the tp / cp ranks of one DP group hold the same samples, so each counts 1 / replicas of them
-                w = mets.pop("_mask_tokens") / (self.world_size // self.dp_size)
-                for k, v in mets.items():
-                    sums[k] = sums.get(k, 0.0) + v.detach().float() * w
-            sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
-            if self.debug_grad_norms:  # before clipping; the last window's are reported
-                debug = grad_norm_metrics(((n, self._grad(p)) for n, p in self.model.named_parameters()),
-                                          *self.debug_grad_norms, "critic" if self.role == "critic" else "actor")
-            if self.backend == "automodel" and self.world_size > 1:
-                from molt_hydra.models.automodel import clip_grad_norm
-                if self.master_weights:  # AutoModel's EP-aware clip scales param grads in place: the fp32 sums
-                    self.optimizer.round_into_grads()  # are rounded to bf16 once, after accumulating
-                gn = torch.as_tensor(clip_grad_norm(self.model, self.max_norm, self.dp_size), device=self.device)
-            elif self.master_weights:  # measured here, applied inside the fused update (parallel/optim.py)
-                gn = self.optimizer.clip_grad_norm_(self.max_norm)
-            else:
-                params = [p for p in self.model.parameters() if p.grad is not None]
-                gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
-            grad_norms.append(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.global_step += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0, self._threads_used)
-        metrics.update(debug if self.debug_grad_norms else {})
-        return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
+
+    def _backward_window(self, win: list[dict], window, loss_fn, sums: dict, logprobs: list | None) -> torch.Tensor:
+        """Forward and backward over the micro-batches of one optimizer step's samples `win` (indices `window` of the
+        step's): token-weighted metric sums add into `sums`, and the training forward's log-probs land in
+        `logprobs` (when given). Returns the window's action tokens N over all DP ranks."""
+        mask_key = loss_fn.mask_key
+        replicas = self.world_size // self.dp_size  # tp / cp ranks of one DP group hold the same samples
+        counts = torch.tensor([float(sum(s[mask_key].sum().item() for s in win)),
+                               float(sum(bool(s[mask_key].any()) for s in win))])
+        dist.all_reduce(counts)  # the window's action tokens N and sequences G over all DP ranks
+        n_tok, n_seq = (counts / replicas).to(self.device)
+        parts = self._micro_batches(win, mask_key)
+        if self.master_weights:  # several micro-batches: their grads sum in fp32 (parallel/optim.py)
+            self.optimizer.accumulate_fp32 = len(parts) > 1
+        for j, part in enumerate(parts):
+            self._use_cpu_threads()
+            for unit in self.defer_grad_sync:  # reduce-scatter on the window's last micro-batch only
+                unit.set_requires_gradient_sync(j == len(parts) - 1, recurse=False)
+            rows = [win[i] for i in part] or [  # dummy: 2 tokens, nothing masked, keeps collectives aligned
+                {k: (v[:2].clone() if k != mask_key else torch.zeros_like(v[:2])) for k, v in win[0].items()
+                 if torch.is_tensor(v) and v.dim() >= 1 and k not in vlm.MULTIMODAL_KEYS}]
+            mb = self._batch(rows, mask_key)
+            # backward inside: checkpoint recompute replays the same experts (and counts them again, which leaves
+            # the routing ratios as they are)
+            with self._replay(mb, self._routing_stats if logprobs is not None and part else None):
+                loss, mets = self._micro_loss(mb, rows, loss_fn, n_tok, n_seq, len(parts))
+                loss.backward()
+            out = mets.pop("_logprobs")
+            for r, i in enumerate(part if logprobs is not None else ()):
+                logprobs[window[i]] = out[r, :len(win[i]["input_ids"])].float().cpu()
+            # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch); the
+            # replicas of one DP group each count 1 / replicas of them
+            w = mets.pop("_mask_tokens") / replicas
+            for k, v in mets.items():
+                sums[k] = sums.get(k, 0.0) + v.detach().float() * w
+        return n_tok
+
+    def _clip_grads(self) -> torch.Tensor:
+        """Clips the window's gradients to max_norm (none at 0); returns their norm before clipping."""
+        if self.backend == "automodel" and self.world_size > 1:
+            if self.master_weights:  # AutoModel's EP-aware clip scales param grads in place: the fp32 sums
+                self.optimizer.round_into_grads()  # are rounded to bf16 once, after accumulating
+            gn = torch.as_tensor(clip_grad_norm(self.model, self.max_norm, self.dp_size), device=self.device)
+        elif self.master_weights:  # measured here, applied inside the fused update (parallel/optim.py)
+            gn = self.optimizer.clip_grad_norm_(self.max_norm)
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
+        return gn.full_tensor() if hasattr(gn, "full_tensor") else gn
 
     def _grad(self, p):
         return self.optimizer.grad(p) if self.master_weights else p.grad
@@ -548,7 +553,6 @@ class TrainerWorker:
         MoE models fuse their experts, given back per expert too (`moe_routing.checkpoint_expert_tensors`)."""
         if self.backend != "automodel":
             return moe_routing.checkpoint_expert_tensors if self.moe else None
-        from molt_hydra.models.automodel import hf_name_mapper
         return hf_name_mapper(self.model)
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3,
@@ -566,15 +570,13 @@ class TrainerWorker:
 
     def adapter_config(self) -> dict:
         """adapter_config.json of this actor's adapter (PEFT's format; what the engines' LoRA loader validates)."""
-        from molt_hydra.models.lora import adapter_config
-        return adapter_config(self.lora, self.model_path)
+        return lora.adapter_config(self.lora, self.model_path)
 
     def export_hf(self, out_dir: str, dtype: str = "bf16", merged: bool = False) -> str | None:
         """The final / best / per-checkpoint HF export. LoRA: the adapter in PEFT's format in `out_dir`, and with
         `merged` (checkpoint.export_merged) the base with the adapter merged in, a full HF model in out_dir/merged."""
         if self.role == "critic":
             raise ValueError("export_hf exports causal LMs; the critic has no lm_head")
-        from molt_hydra.parallel.fsdp import DTYPES
         if self.lora:
             out = ckpt.export_adapter(out_dir, self.model, self.lora, tokenizer_path=self.model_path,
                                       dtype=DTYPES[dtype], merged=merged)

@@ -1,5 +1,6 @@
 """The agent-runner process: runs the configured agent over prompt groups against the engines (through the router)
-and turns each finished trajectory into a training sample (Molt §3.8), with drops counted by reason.
+and hands back the finished trajectories, with failures counted by reason (Molt §3.8); the controller turns them into
+training rows (algorithm/experience.py).
 
 One `AgentRunnerActor` per `rollout.num_runners`, each a Ray actor with its own event loop (and, for chat agents,
 its own loopback chat server). The samples generator in the driver reaches them through `RemoteGroupRunner`.
@@ -22,69 +23,6 @@ def request_seed(base: int, *parts) -> int:
     """A stable 31-bit seed from the run seed and the sample's identity: a resumed run samples the same tokens."""
     digest = hashlib.sha256(repr((base, *parts)).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def to_experience(trajectory, max_len: int, images=None):
-    """(Experience, None) or (None, drop reason) for one trajectory segment, cut at `max_len` tokens.
-    `images`: the model's `models.vlm.TrajectoryImages` (None for a text-only model)."""
-    from molt_hydra.algorithm.experience import Experience
-
-    token_ids, logprobs, versions = trajectory.token_ids, trajectory.logprobs, trajectory.versions
-    action_ranges, multimodal = trajectory.action_ranges, None
-    if len(logprobs) != len(token_ids) or len(versions) != len(token_ids):
-        return None, "logprob_misalign"
-    if trajectory.images:
-        if images is None:
-            return None, "images_for_text_model"
-        try:
-            token_ids, logprobs, versions, action_ranges, multimodal = images.expand(
-                token_ids, logprobs, versions, action_ranges, trajectory.images)
-        except ValueError:
-            return None, "image_placeholder_mismatch"
-        if len(token_ids) > max_len:  # a cut image has features for tokens that are gone
-            return None, "image_truncated"
-    ids = token_ids[:max_len]
-    if not ids:
-        return None, "empty_tokens"
-    mask = [False] * len(ids)
-    for start, end in action_ranges:
-        if not 0 < start <= end <= len(token_ids):
-            raise ValueError(f"invalid action range {(start, end)} for {len(token_ids)} tokens")
-        for t in range(start, min(end, max_len)):
-            mask[t] = True
-    response_length = sum(mask)
-    if response_length == 0:
-        return None, "no_action_tokens"
-    numeric = {k: float(v) for k, v in trajectory.info.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    info = {
-        **numeric,
-        "response_length": float(response_length),
-        "total_length": float(len(ids)),
-        "response_clip_ratio": float(len(token_ids) >= max_len),
-        "truncated": float(bool(trajectory.truncated) or len(token_ids) > max_len),
-    }
-    return Experience(
-        token_ids=ids, action_mask=mask, rollout_log_probs=logprobs[:max_len],
-        policy_versions=[v if m else -1 for v, m in zip(versions[:max_len], mask)],
-        reward=float(trajectory.reward), score=trajectory.score, group_id=trajectory.group_id,
-        rollout_id=trajectory.rollout_id, info=info, routed_experts=routing_tensor(trajectory.routed_experts, len(ids)),
-        multimodal=multimodal,
-    ), None
-
-
-def routing_tensor(rows: list | None, length: int):
-    """Per-token [layer][top-k] expert ids (None where unknown) -> [length, layers, top_k] int16, -1 = unknown."""
-    import torch
-
-    known = next((r for r in rows or [] if r is not None), None)
-    if known is None:
-        return None
-    out = torch.full((length, len(known), len(known[0])), -1, dtype=torch.int16)
-    for t, row in enumerate(rows[:length]):
-        if row is not None:
-            out[t] = torch.as_tensor(row, dtype=torch.int16)
-    return out
 
 
 class AgentRunnerActor(BatchedCallee):
@@ -112,7 +50,7 @@ class AgentRunnerActor(BatchedCallee):
             self.runner.accepts_images = False  # an image part sent to a text-only model is the client's 400
         if images is not None and getattr(self.runner, "image_tokens_per_image", None) == 0:
             # each image takes engine tokens beyond its placeholder: reserve the most one can take, so a rollout
-            # stays within max_len once expanded (else to_experience drops it as image_truncated)
+            # stays within max_len once expanded (else algorithm/experience.py drops it as image_truncated)
             self.runner.image_tokens_per_image = images.max_tokens_per_image
         self.router = Router(engines, timeout_s=engine_timeout_s)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -207,7 +145,3 @@ class RemoteGroupRunner:
         except ray.exceptions.RayActorError as e:  # the runner process is gone: the run cannot go on without it
             raise RunFailed(f"agent runner {i}", describe(e)) from e
 
-
-def rollout_index(rollout_id: str) -> int:
-    """The sample's position within its group (rollout ids are `<group id>-<index>`): a stable training order."""
-    return int(str(rollout_id).rsplit("-", 1)[-1])

@@ -27,8 +27,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from molt_hydra.algorithm.advantage import compute_advantages
+from molt_hydra.algorithm.drift import drift_metrics
+from molt_hydra.algorithm.experience import (collate, experience_metrics, select_trainable, stack_padded,
+                                             trainer_rows)
+from molt_hydra.algorithm.kl import approx_kl, make_kl_controller
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.runtime.agent_runner import request_seed, to_experience
+from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
+from molt_hydra.runtime.agent_runner import request_seed
+from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline
 
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
@@ -80,8 +87,6 @@ class RLController:
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
         self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
-        from molt_hydra.algorithm.kl import make_kl_controller
-
         a = cfg.algorithm
         self.kl_ctl = make_kl_controller(a.kl.coef, a.kl.target, a.kl.horizon)
         self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
@@ -141,133 +146,105 @@ class RLController:
         return torch.load(path, weights_only=False) if path.exists() else RolloutBatch([], {}, exhausted=True)
 
     # ------------------------------------------------------------------ one step
-    def _experiences(self, groups) -> tuple[list, Counter]:
-        from molt_hydra.runtime.agent_runner import rollout_index
-
-        drops: Counter = Counter()
-        exps = []
-        max_len = self.cfg.data.max_len
-        limit = self.cfg.train.max_staleness
-        for group in groups:
-            for traj in sorted(group.trajectories, key=lambda t: (rollout_index(t.rollout_id), t.segment_index)):
-                exp, reason = to_experience(traj, max_len, self.trajectory_images)
-                if reason is not None:
-                    drops[reason] += 1
-                    continue
-                versions = exp.policy_versions[exp.action_mask]
-                stale = self.version - int(versions[versions >= 0].min()) if (versions >= 0).any() else 0
-                if stale > limit and self.cfg.train.stale_samples.value == "drop":
-                    drops["stale"] += 1
-                    continue
-                exps.append(exp)
-        return exps, drops
-
     async def train_step(self, batch, gen_timing: dict) -> dict[str, float]:
-        from molt_hydra.algorithm.advantage import compute_advantages
-        from molt_hydra.algorithm.drift import drift_metrics
-        from molt_hydra.algorithm.experience import collate
-        from molt_hydra.algorithm.kl import approx_kl
-        from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
-
-        cfg, roles, a = self.cfg, self.roles, self.cfg.algorithm
+        """One training step on a generated batch: experience, the forward passes the advantages need, the
+        advantages, the actor's and the critic's training, and the step's metrics (with "_frozen": no new weights)."""
+        cfg, roles = self.cfg, self.roles
         timing = dict(gen_timing)
         metrics: dict[str, float] = {**batch.metrics, **rollout_stats(batch.groups)}
         t0 = time.perf_counter()
-        exps, drops = self._experiences(batch.groups)
-        dp = roles.actor.num_ranks
-        if len(exps) % dp:  # every data-parallel rank must see the same number of samples (Molt drops them too)
-            drops["dp_remainder"] += len(exps) % dp
-            exps = exps[: len(exps) - len(exps) % dp]
-        for reason, n in drops.items():
-            metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
-        metrics["rollout/dropped/total"] = metrics.get("rollout/dropped/total", 0.0) + sum(drops.values())
-        metrics["num_samples_trained"] = float(len(exps))
-        self._check_progress(bool(exps), metrics)
+        exps = self._trainable(batch.groups, metrics)
         if not exps:  # everything was dropped (and counted): nothing to train on this step
             return {**metrics, **timing, "timing/make_experience": time.perf_counter() - t0, "_frozen": True}
-
         b = collate(exps, pad_token_id=roles.pad_token_id)
-        lengths = [len(e.token_ids) for e in exps]
-        # the action mask: log-probs are only needed there (the fused head skips the rest; critic values ignore it)
-        samples = [{"input_ids": e.token_ids, "action_mask": e.action_mask, **(e.multimodal or {})} for e in exps]
-        if b.routed_experts is not None:  # R3: the trainer replays the engine's experts (models/moe_routing.py)
-            for i, (s, n) in enumerate(zip(samples, lengths)):
-                s["routed_experts"] = b.routed_experts[i, :n]
         steps = 1 if cfg.train.force_on_policy else max(len(exps) // cfg.train.batch_size, 1)
         frozen = roles.critic is not None and self.step < cfg.train.critic.actor_freezing_steps
         one_pass = self.old_logprobs_from_training(steps, frozen)
-        old_logp = None  # one pass: the training forward's log-probs, known after the step
-        if not one_pass:
-            old = await self.calls.ranks(roles.actor, "compute_logprobs", shard=samples, mask_key="action_mask")
-            old_logp = _pad([x for rank in old for x in rank], lengths, b.action_mask.shape)
-        ref_logp = values = None
-        if roles.ref is not None:
-            ref = await self.calls.ranks(roles.ref, "compute_logprobs", shard=samples, role="reference",
-                                         mask_key="action_mask")
-            ref_logp = _pad([x for rank in ref for x in rank], lengths, b.action_mask.shape)
-        if roles.critic is not None:
-            v = await self.calls.ranks(roles.critic, "compute_logprobs", shard=samples, role="critic")
-            values = _pad([x for rank in v for x in rank], lengths, b.action_mask.shape)
-        kl = None
-        if ref_logp is not None and not a.kl.use_loss:
-            kl = approx_kl(old_logp, ref_logp, a.kl.estimator.value) * b.action_mask
-        advantages, returns = compute_advantages(
-            a.estimator, b.rewards, b.action_mask, group_ids=b.group_ids, rollout_ids=b.rollout_ids, kl=kl,
-            values=values, kl_coef=self.kl_ctl.value, gamma=a.gamma, lam=a.lam, whiten=a.whiten,
-            reward_clip=a.reward_clip)
-        if kl is not None:
-            metrics["kl"] = float((kl.sum(-1) / b.action_mask.sum(-1).clamp(min=1)).mean())
-        for key in sorted({k for e in exps for k in e.info}):
-            metrics[key] = _mean(e.info[key] for e in exps if key in e.info)
-        metrics["reward"] = _mean(e.reward for e in exps)
-        metrics["score"] = _mean(e.score for e in exps)
-        metrics["return"] = float((returns * b.action_mask).sum() / b.action_mask.sum())
+        old_logp, ref_logp, values = await self._forward_passes(trainer_rows(b, exps), b.action_mask.shape, one_pass)
+        advantages, returns = self._advantages(b, old_logp, ref_logp, values, metrics)
+        metrics.update(experience_metrics(exps, returns, b.action_mask))
         timing["timing/make_experience"] = time.perf_counter() - t0
 
-        train_samples = []
-        for i, n in enumerate(lengths):
-            s = {"input_ids": b.token_ids[i, :n], "action_mask": b.action_mask[i, :n],
-                 "advantages": advantages[i, :n], "rollout_logprobs": b.rollout_log_probs[i, :n],
-                 **(exps[i].multimodal or {})}
-            if old_logp is not None:
-                s["old_logprobs"] = old_logp[i, :n]
-            if b.routed_experts is not None:
-                s["routed_experts"] = b.routed_experts[i, :n]
-            if ref_logp is not None and a.kl.use_loss:
-                s["ref_logprobs"] = ref_logp[i, :n]
-            if values is not None:
-                s.update(values=values[i, :n], returns=returns[i, :n])
-            train_samples.append(s)
+        use_ref = ref_logp if cfg.algorithm.kl.use_loss else None
+        rows = trainer_rows(b, exps, advantages=advantages, rollout_logprobs=b.rollout_log_probs,
+                            old_logprobs=old_logp, ref_logprobs=use_ref, values=values,
+                            returns=returns if values is not None else None)
         metrics["actor_frozen"] = float(frozen)
         metrics["kl_coef"] = self.kl_ctl.value
         t1 = time.perf_counter()
         if not frozen:
-            self.trainer_ahead = True
-            for _ in range(cfg.train.epochs):
-                m = await self.calls.ranks(roles.actor, "train_step",
-                                           ActorObjective(roles.policy_loss, self.kl_ctl.value, one_pass),
-                                           shard=train_samples, num_optimizer_steps=steps, return_logprobs=one_pass)
-                if one_pass:
-                    old_logp = _pad([x for rank in m for x in rank.pop("logprobs")], lengths, b.action_mask.shape)
-                metrics.update(m[0])
+            trained = await self._train_actor(rows, steps, one_pass, b.action_mask.shape, metrics)
+            old_logp = trained if one_pass else old_logp
         timing["timing/policy_train"] = time.perf_counter() - t1
-        drift = drift_metrics(old_logp, b.rollout_log_probs, b.action_mask, is_correction=roles.policy_loss.is_correction,
-                              policy_versions=b.policy_versions, current_version=self.version)
+        drift = drift_metrics(old_logp, b.rollout_log_probs, b.action_mask,
+                              is_correction=roles.policy_loss.is_correction, policy_versions=b.policy_versions,
+                              current_version=self.version)
         metrics.update({k: float(v) for k, v in drift.items()})
         if cfg.logger.dump_logprobs and self.step + 1 in cfg.logger.dump_logprobs_steps:  # this is step self.step + 1
             from molt_hydra.logging.logprob_dump import write_logprob_dump
-            write_logprob_dump(Path(cfg.output_dir) / "logprobs" / f"step{self.step + 1}.tsv", b, old_logp, lengths)
+            write_logprob_dump(Path(cfg.output_dir) / "logprobs" / f"step{self.step + 1}.tsv", b, old_logp,
+                               [len(e.token_ids) for e in exps])
         if roles.critic is not None:
             t2 = time.perf_counter()
             for _ in range(cfg.train.critic.epochs or cfg.train.epochs):
-                m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(a.value_clip),
-                                           shard=train_samples, num_optimizer_steps=steps, role="critic")
+                m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(cfg.algorithm.value_clip),
+                                           shard=rows, num_optimizer_steps=steps, role="critic")
                 metrics.update(m[0])
             timing["timing/critic_train"] = time.perf_counter() - t2
         self.kl_ctl.update(metrics.get("kl", 0.0), cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
         metrics["_frozen"] = frozen
         return {**metrics, **timing, "perf/rollout_tokens_per_sec":
                 sum(e.action_mask.sum().item() for e in exps) / max(gen_timing.get("timing/generation", 0.0), 1e-9)}
+
+    def _trainable(self, groups, metrics: dict[str, float]) -> list:
+        """The batch's trainable experiences; the drops are counted into `metrics` and into the progress check."""
+        t = self.cfg.train
+        exps, drops = select_trainable(groups, self.cfg.data.max_len, self.trajectory_images, self.version,
+                                       t.max_staleness, t.stale_samples.value == "drop", self.roles.actor.num_ranks)
+        for reason, n in drops.items():
+            metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
+        metrics["rollout/dropped/total"] = metrics.get("rollout/dropped/total", 0.0) + sum(drops.values())
+        metrics["num_samples_trained"] = float(len(exps))
+        self._check_progress(bool(exps), metrics)
+        return exps
+
+    async def _forward_passes(self, samples: list[dict], shape, one_pass: bool):
+        """[B, L] old log-probs (None under one pass: the training forward gives them), the reference's log-probs
+        and the critic's values (None without those roles), each from its role's no-grad forward."""
+        roles, out = self.roles, []
+        for group, role, kw in ((None if one_pass else roles.actor, "actor", {"mask_key": "action_mask"}),
+                                (roles.ref, "reference", {"mask_key": "action_mask"}), (roles.critic, "critic", {})):
+            if group is None:
+                out.append(None)
+                continue
+            per_rank = await self.calls.ranks(group, "compute_logprobs", shard=samples, role=role, **kw)
+            out.append(stack_padded([x for rank in per_rank for x in rank], shape))
+        return tuple(out)
+
+    def _advantages(self, b, old_logp, ref_logp, values, metrics: dict[str, float]):
+        """Advantages and returns [B, L]; the KL to the reference joins the reward unless it is a loss term."""
+        a = self.cfg.algorithm
+        kl = None
+        if ref_logp is not None and not a.kl.use_loss:
+            kl = approx_kl(old_logp, ref_logp, a.kl.estimator.value) * b.action_mask
+            metrics["kl"] = float((kl.sum(-1) / b.action_mask.sum(-1).clamp(min=1)).mean())
+        return compute_advantages(
+            a.estimator, b.rewards, b.action_mask, group_ids=b.group_ids, rollout_ids=b.rollout_ids, kl=kl,
+            values=values, kl_coef=self.kl_ctl.value, gamma=a.gamma, lam=a.lam, whiten=a.whiten,
+            reward_clip=a.reward_clip)
+
+    async def _train_actor(self, rows: list[dict], steps: int, one_pass: bool, shape, metrics: dict[str, float]):
+        """`train.epochs` actor steps on `rows`; under one pass, the old log-probs its training forward gave [B, L]."""
+        self.trainer_ahead = True
+        objective = ActorObjective(self.roles.policy_loss, self.kl_ctl.value, one_pass)
+        old_logp = None
+        for _ in range(self.cfg.train.epochs):
+            m = await self.calls.ranks(self.roles.actor, "train_step", objective, shard=rows,
+                                       num_optimizer_steps=steps, return_logprobs=one_pass)
+            if one_pass:
+                old_logp = stack_padded([x for rank in m for x in rank.pop("logprobs")], shape)
+            metrics.update(m[0])
+        return old_logp
 
     def old_logprobs_from_training(self, optimizer_steps: int, actor_frozen: bool) -> bool:
         """Whether the actor's training forward also gives the old log-probs (no separate no-grad pass): exact when
@@ -371,8 +348,6 @@ class RLController:
 
     async def save_best(self) -> None:
         """The best policy so far by `checkpoint.best_metric_key`, as an HF snapshot beside the checkpoints."""
-        from molt_hydra.runtime.roles import DTYPE_NAMES
-
         best = Path(self.roles.ckpt_dir) / "best"
         await self.calls.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
         key, value = self.best
@@ -381,8 +356,6 @@ class RLController:
     async def save(self) -> None:
         """A resumable checkpoint: trainer state (DCP) plus the loop's own state and the run record, all inside the
         trainer's atomic save, so a checkpoint is either complete or absent."""
-        from molt_hydra.runtime.roles import DTYPE_NAMES
-
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
         (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep,
@@ -488,12 +461,3 @@ class RLController:
             return (None, None) if self.queue.empty() else self.queue.get_nowait()
         raise RoleStalled("rollout", "generating a batch", self.cfg.train.timeouts.step_s)
 
-
-def _pad(values, lengths, shape):
-    """Per-sample token-aligned tensors -> one [B, L] tensor, zero on padding."""
-    import torch
-
-    out = torch.zeros(shape, dtype=torch.float32)
-    for i, (v, n) in enumerate(zip(values, lengths)):
-        out[i, :n] = v[:n]
-    return out

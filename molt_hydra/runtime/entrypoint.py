@@ -217,7 +217,7 @@ def _run_log(cfg: RunConfig, roles, wandb_id: str | None):
 async def _train(cfg: RunConfig, roles, opened: list) -> int:
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
     from molt_hydra.runtime.controller import RLController
-    from molt_hydra.runtime.roles import DTYPE_NAMES
+    from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 
     calls, state, found = roles.calls, None, None
     if cfg.checkpoint.resume.value != "never":

@@ -19,10 +19,9 @@ from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import trainer_roles
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
-from molt_hydra.runtime.trainer_options import engine_env, trainer_options
+from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime.watchdog import deadline
 
-DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
 # ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
 # cluster this run starts runs them at the launcher's niceness instead (an existing cluster keeps its own setting).
@@ -274,33 +273,21 @@ async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...]
                           share: float | None, ready) -> tuple:
     """The trainer ranks: actor, then reference / critic when the algorithm needs them (each group is built in a
     thread: its constructor blocks until every rank is up). Returns (actor, ref, critic), absent ones None."""
-    from molt_hydra.models.build import backend_options, resolve_path
+    from molt_hydra.models.build import resolve_path
     from molt_hydra.parallel.group import TrainerGroup
     from molt_hydra.parallel.trainer import TrainerWorker
 
-    r, p, t, d = cfg.rollout, cfg.parallelism, cfg.train, cfg.data
-    common = dict(
-        model_path=model_path, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp, ep_size=p.ep, cp_size=p.cp,
-        param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value], attn_implementation=cfg.model.attn_implementation.value,
-        max_tokens_per_micro_batch=(t.max_tokens_per_micro_batch if t.dynamic_batch
-                                    else t.micro_batch_size * d.max_len),
-        temperature=r.temperature, seed=cfg.seed, timeout_s=t.timeouts.collective_s,
-        aux_loss_coef=cfg.model.aux_loss_coef,
-        offload=p.offload.value == "full", **backend_options(cfg))
+    r, p, t = cfg.rollout, cfg.parallelism, cfg.train
     # colocate_models: actor / reference / critic ranks share each device (time-sliced), as Molt's 0.2-GPU actors
     gpu_share = (1.0 / len(fsdp) if p.colocate_models else 1.0) if cfg.cluster.device.value == "cuda" else 0
 
     def group(role: str, worker_cls, optimizer=None, path=None, **extra):
-        o = optimizer or t.optimizer
         on_shared = shared_gpus if role == "actor" or p.colocate_models else None
+        spec = trainer_spec(cfg, role, optimizer or t.optimizer, path or model_path, total_steps, **extra)
         return TrainerGroup(
-            p.trainer_devices, num_gpus_per_rank=gpu_share if on_shared is None else share, num_cpus_per_rank=1,
+            p.trainer_devices, spec, num_gpus_per_rank=gpu_share if on_shared is None else share, num_cpus_per_rank=1,
             worker_cls=worker_cls, placement_group=on_shared,
-            startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus,
-            **{**common, "model_path": path or model_path}, role=role, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-            weight_decay=o.weight_decay, lr_scheduler=o.scheduler, lr_warmup_ratio=o.warmup_ratio,
-            min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, total_steps=total_steps,
-            **trainer_options(cfg, o), **extra)
+            startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus)
 
     async def start(name: str, *args, **extra):
         return await deadline(asyncio.to_thread(group, *args, **extra), t.timeouts.startup_s, name, "start")

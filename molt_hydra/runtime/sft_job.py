@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.runtime.trainer_options import trainer_options
-from molt_hydra.runtime.roles import DTYPE_NAMES
+from molt_hydra.runtime.trainer_options import DTYPE_NAMES, trainer_options
 
 
 def run_sft_job(cfg: RunConfig) -> list[dict]:

@@ -1,9 +1,14 @@
-"""The trainer arguments of issue 39's knobs (Muon, grad-norm debugging, determinism, deferred grad sync), for the RL
-roles (runtime/roles.py) and the SFT job alike."""
+"""The config's trainer settings as the trainer takes them: the `TrainerSpec` of an RL role (runtime/roles.py), the
+optimizer and issue-39 knobs (Muon, grad-norm debugging, determinism, deferred grad sync) the SFT job shares, and
+the rollout engines' environment under full determinism. Imports of torch-importing modules wait inside functions:
+the driver imports this before Ray starts and overlaps its torch import with Ray's start (runtime/roles.py)."""
 
 from __future__ import annotations
 
 from molt_hydra.config.schema import OptimizerConfig, RunConfig
+from molt_hydra.parallel.trainer_spec import TrainerSpec
+
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # model.param_dtype -> the trainer's name
 
 
 def muon_options(o: OptimizerConfig) -> dict | None:
@@ -16,11 +21,30 @@ def muon_options(o: OptimizerConfig) -> dict | None:
 
 
 def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
-    """TrainerWorker keyword arguments for a role stepped by the optimizer block `o`."""
+    """TrainerSpec fields for a role stepped by the optimizer block `o` (RL roles and the SFT job)."""
     log = cfg.logger
     grads = (tuple(log.debug_grad_norms_filter), log.debug_grad_norms_topk) if log.debug_grad_norms else None
     return dict(muon=muon_options(o), debug_grad_norms=grads, full_determinism=cfg.train.full_determinism,
                 defer_grad_sync=cfg.parallelism.defer_grad_sync)
+
+
+def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str, total_steps: int,
+                 **role_fields) -> TrainerSpec:
+    """What every rank of the RL role `role` (actor, ref, critic) is built from; `o`: the optimizer block that steps
+    it; `role_fields`: the role's own (the actor's routing_replay). parallel/group.py fills in each rank's place."""
+    from molt_hydra.models.build import backend_options
+
+    p, t, d = cfg.parallelism, cfg.train, cfg.data
+    return TrainerSpec(
+        model_path=model_path, role=role, timeout_s=t.timeouts.collective_s, seed=cfg.seed,
+        dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp, ep_size=p.ep, cp_size=p.cp,
+        offload=p.offload.value == "full", param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value],
+        attn_implementation=cfg.model.attn_implementation.value, aux_loss_coef=cfg.model.aux_loss_coef,
+        temperature=cfg.rollout.temperature, total_steps=total_steps,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * d.max_len,
+        lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, lr_scheduler=o.scheduler,
+        lr_warmup_ratio=o.warmup_ratio, min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm,
+        **trainer_options(cfg, o), **backend_options(cfg), **role_fields)
 
 
 def engine_env(cfg: RunConfig) -> dict[str, str]:

@@ -29,10 +29,12 @@ def step(rank, world_size, port, path, out, tp, ep, moe, master_weights="fsdp"):
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.parallel.objectives import ActorObjective
     from molt_hydra.parallel.trainer import TrainerWorker
-    w = TrainerWorker(rank=rank, world_size=world_size, master_port=port, model_path=path, backend="automodel",
-                      dp_size=world_size // tp, tp_size=tp, ep_size=ep, lr=1e-4, param_dtype="bf16",
-                      max_tokens_per_micro_batch=1024, timeout_s=300,
-                      routing_replay=moe, master_weights=master_weights)
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
+    w = TrainerWorker(TrainerSpec(rank=rank, world_size=world_size, master_port=port, model_path=path,
+                                  backend="automodel", dp_size=world_size // tp, tp_size=tp, ep_size=ep, lr=1e-4,
+                                  param_dtype="bf16",
+                                  max_tokens_per_micro_batch=1024, timeout_s=300,
+                                  routing_replay=moe, master_weights=master_weights))
     data = samples(8, w.model.config.vocab_size, 2 if moe else 0, 8)
     dp = world_size // tp
     local = data[(rank // tp) % dp::dp] if dp > 1 else data

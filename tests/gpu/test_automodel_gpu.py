@@ -54,10 +54,11 @@ def _samples(n=4, seed=0, vocab=SHAPE["vocab_size"]):
 def _worker(path, backend, **kw):
     from molt_hydra.parallel.launch import free_port
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
     import torch.distributed as dist
     port = free_port() if not dist.is_initialized() else 0
-    return TrainerWorker(rank=0, world_size=1, master_port=port, model_path=path, backend=backend, lr=1e-4,
-                         param_dtype="bf16", max_tokens_per_micro_batch=1024, timeout_s=300, **kw)
+    return TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=port, model_path=path, backend=backend, lr=1e-4,
+                                     param_dtype="bf16", max_tokens_per_micro_batch=1024, timeout_s=300, **kw))
 
 
 @pytest.fixture(scope="module")

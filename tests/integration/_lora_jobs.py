@@ -11,12 +11,13 @@ SPEC = dict(rank=8, alpha=16.0, dropout=0.0, init="default", target_modules=ALL)
 
 def lora_worker(rank, world_size, port, **kw):
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
     from molt_hydra.runtime.roles import PolicyWorkerMixin
 
     policy = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     args = dict(model_path="tiny://qwen3_tiny", lr=2e-2, max_tokens_per_micro_batch=40, total_steps=10,
                 timeout_s=120, lora=dict(SPEC))
-    return policy(rank=rank, world_size=world_size, master_port=port, **{**args, **kw})
+    return policy(TrainerSpec(rank=rank, world_size=world_size, master_port=port, **{**args, **kw}))
 
 
 def base_state(w) -> dict:

@@ -9,9 +9,10 @@ import torch.distributed as dist
 
 def _worker(rank, world_size, port, **kw):
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
     args = dict(model_path="tiny://qwen3_moe_tiny", lr=1e-2, max_tokens_per_micro_batch=256, total_steps=10,
                 lr_scheduler="constant", timeout_s=120)
-    return TrainerWorker(rank=rank, world_size=world_size, master_port=port, **{**args, **kw})
+    return TrainerWorker(TrainerSpec(rank=rank, world_size=world_size, master_port=port, **{**args, **kw}))
 
 
 def _perturb_routers(w, scale: float) -> None:

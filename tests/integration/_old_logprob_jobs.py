@@ -54,11 +54,13 @@ def controller_step(rank, world_size, port, out, cfg, model_name, force_two_pass
     from molt_hydra.algorithm.is_correction import ISCorrection
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
     from molt_hydra.runtime.controller import RLController
 
     a = cfg.algorithm
-    w = TrainerWorker(rank=rank, world_size=world_size, master_port=port, model_path=model_name, lr=1e-2,
-                      max_tokens_per_micro_batch=40, timeout_s=120, routing_replay=cfg.rollout.routing_replay)
+    w = TrainerWorker(TrainerSpec(rank=rank, world_size=world_size, master_port=port, model_path=model_name, lr=1e-2,
+                                  max_tokens_per_micro_batch=40, timeout_s=120,
+                                  routing_replay=cfg.rollout.routing_replay))
     policy_loss = PolicyLoss(a.policy_loss, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
                              entropy_coef=a.entropy_coef, loss_agg=a.loss_agg.value,
                              is_correction=ISCorrection(a.is_correction.level.value, a.is_correction.mode.value,

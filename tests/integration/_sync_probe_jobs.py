@@ -10,11 +10,13 @@ def probe_sides(rank, world_size, port, out, tokens):
     import _trainer_jobs as jobs
 
     from molt_hydra.parallel.trainer import TrainerWorker
+
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
     from molt_hydra.runtime.roles import PolicyWorkerMixin
 
     policy = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
-    w = policy(rank=rank, world_size=world_size, master_port=port, model_path="tiny://qwen3_tiny", lr=1e-2,
-               max_tokens_per_micro_batch=64, total_steps=10, timeout_s=120, temperature=0.7)
+    w = policy(TrainerSpec(rank=rank, world_size=world_size, master_port=port, model_path="tiny://qwen3_tiny", lr=1e-2,
+                           max_tokens_per_micro_batch=64, total_steps=10, timeout_s=120, temperature=0.7))
     before = (w.sync_probe_sums("float32"), w.sync_probe_logprobs(tokens))
     samples = jobs.with_old_logprobs(w, jobs.make_samples(4 * world_size))[rank::world_size]
     w.train_step(samples, jobs.ppo_objective())

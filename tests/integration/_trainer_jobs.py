@@ -31,9 +31,10 @@ def ppo_objective():
 
 def worker(rank, world_size, port, **kw):
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
     args = dict(model_path="tiny://qwen3_tiny", lr=1e-3, max_tokens_per_micro_batch=40, max_norm=1.0,
                 total_steps=10, lr_scheduler="linear", lr_warmup_ratio=0.1, timeout_s=120)
-    return TrainerWorker(rank=rank, world_size=world_size, master_port=port, **{**args, **kw})
+    return TrainerWorker(TrainerSpec(rank=rank, world_size=world_size, master_port=port, **{**args, **kw}))
 
 
 def full_state(w):

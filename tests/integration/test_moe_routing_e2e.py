@@ -17,7 +17,7 @@ from molt_hydra.algorithm.drift import drift_metrics
 from molt_hydra.algorithm.experience import collate
 from molt_hydra.parallel.launch import run_ranks
 from molt_hydra.rollout.generation import GenerationRequest, Sampling
-from molt_hydra.runtime.agent_runner import to_experience
+from molt_hydra.algorithm.experience import to_experience
 
 import _moe_jobs as jobs
 

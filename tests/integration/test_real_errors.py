@@ -15,6 +15,7 @@ import ray
 
 from molt_hydra.agents.wire.server import failure_text
 from molt_hydra.parallel.group import RankStartFailed, TrainerGroup
+from molt_hydra.parallel.trainer_spec import TrainerSpec
 from molt_hydra.runtime.entrypoint import _report_failure
 from molt_hydra.runtime.watchdog import describe
 
@@ -25,7 +26,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers
 class BrokenWorker:
     """A trainer rank whose model build raises, as TrainerWorker does for a knob the model cannot take."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, spec):
         raise NotImplementedError(WHY)
 
 
@@ -54,7 +55,8 @@ def report(tmp_path, error) -> list[str]:
 
 def test_a_trainer_rank_whose_start_raises_is_named_with_its_error(local_ray, tmp_path):
     with pytest.raises(RankStartFailed) as e:
-        TrainerGroup(1, num_cpus_per_rank=1, startup_timeout_s=120, worker_cls=BrokenWorker, role="actor")
+        TrainerGroup(1, TrainerSpec("tiny://qwen3_tiny"), num_cpus_per_rank=1, startup_timeout_s=120,
+                     worker_cls=BrokenWorker)
     assert e.value.role == "actor rank 0"
     assert describe(e.value.error) == f"its start failed: NotImplementedError: {WHY}"
     lines = report(tmp_path, e.value)

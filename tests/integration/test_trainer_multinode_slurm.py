@@ -48,8 +48,9 @@ def _reference_rank(rank, world_size, port, out_dir):
     """Local rank of the reference: fixes the batch (old log-probs a perturbed recompute, as a stale policy gives),
     then trains one step on this rank's contiguous half, as TrainerGroup.shard hands it out."""
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
-    w = TrainerWorker(rank=rank, world_size=world_size, master_port=port, **TRAINER)
+    w = TrainerWorker(TrainerSpec(rank=rank, world_size=world_size, master_port=port, **TRAINER))
     before = _full_weights(w)
     samples = with_old_logprobs(w, make_samples(8))
     lps = w.compute_logprobs(samples)
@@ -83,6 +84,7 @@ def _two_node_step(log_dir: str, samples: list[dict]) -> dict:
     import ray
 
     from molt_hydra.parallel.group import TrainerGroup
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
     from molt_hydra.runtime.slurm_ray import node_ip, ray_cluster
 
     out = {"job": os.environ["SLURM_JOB_ID"], "driver": os.environ["SLURMD_NODENAME"]}
@@ -94,8 +96,8 @@ def _two_node_step(log_dir: str, samples: list[dict]) -> dict:
                 pg = ray.util.placement_group([{"CPU": 1, f"node:{node_ip('n2')}": 0.01},
                                                {"CPU": 1, f"node:{node_ip('n1')}": 0.01}])
                 ray.get(pg.ready(), timeout=120)
-            g = TrainerGroup(2, num_cpus_per_rank=1, placement_group=pg, startup_timeout_s=300, role="actor",
-                             **TRAINER)
+            g = TrainerGroup(2, TrainerSpec(**TRAINER), num_cpus_per_rank=1, placement_group=pg,
+                             startup_timeout_s=300)
             lps = g.compute_logprobs(samples)
             facts = ray.get([w.__ray_call__.remote(_rank_facts) for w in g.workers], timeout=120)
             metrics = ray.get([w.train_step.remote(s, ppo_objective())
@@ -107,7 +109,7 @@ def _two_node_step(log_dir: str, samples: list[dict]) -> dict:
             if pg is not None:
                 ray.util.remove_placement_group(pg)
         try:  # a third rank fits on neither one-CPU node: refused at once, not after the start-up timeout
-            TrainerGroup(3, num_cpus_per_rank=1, startup_timeout_s=300, role="actor", **TRAINER)
+            TrainerGroup(3, TrainerSpec(**TRAINER), num_cpus_per_rank=1, startup_timeout_s=300)
         except ValueError as e:
             out["three_ranks"] = str(e)
     return out

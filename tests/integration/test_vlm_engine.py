@@ -25,7 +25,7 @@ from molt_hydra.agents.loading import resolve_target
 from molt_hydra.models import vlm
 from molt_hydra.models.tiny import resolve_model_path
 from molt_hydra.rollout.generation import Sampling
-from molt_hydra.runtime.agent_runner import to_experience
+from molt_hydra.algorithm.experience import to_experience
 
 MAX_IMAGES = 2
 # the random model's turns end on a third of the vocabulary as stop tokens: ~3 tokens a turn, never the length cap;
@@ -81,9 +81,10 @@ def trainer(model_dir, one_rank_process_group):
     """A 1-rank FSDP2 (gloo) trainer on the same checkpoint as the engine (only its log-prob recompute is used)."""
     from molt_hydra.parallel.launch import free_port
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
-    return TrainerWorker(rank=0, world_size=1, master_port=free_port(), model_path=model_dir, lr=1e-2,
-                         total_steps=1, param_dtype="fp32", timeout_s=120)
+    return TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=free_port(), model_path=model_dir, lr=1e-2,
+                                     total_steps=1, param_dtype="fp32", timeout_s=120))
 
 
 class Recorder:

@@ -34,9 +34,10 @@ def hf_logprobs(model, sample, **kw) -> torch.Tensor:
 
 def vlm_worker(model_dir, **kw):
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
-    return TrainerWorker(rank=0, world_size=1, master_port=_port(), model_path=model_dir, lr=1e-2, total_steps=2,
-                         param_dtype="fp32", timeout_s=120, **kw)
+    return TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=_port(), model_path=model_dir, lr=1e-2,
+                                     total_steps=2, param_dtype="fp32", timeout_s=120, **kw))
 
 
 def mixed_dp_rank(rank: int, world: int, port: int, out_dir: str, freeze: bool, model: str = "tiny://qwen25_vl_tiny"):
@@ -49,12 +50,13 @@ def mixed_dp_rank(rank: int, world: int, port: int, out_dir: str, freeze: bool, 
     from molt_hydra.models import vlm
     from molt_hydra.models.build import resolve_path
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
     model_dir = resolve_path(model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     images = vlm.TrajectoryImages.for_model(model_dir)
-    w = TrainerWorker(rank=rank, world_size=world, master_port=port, model_path=model_dir, lr=1e-2,
-                      param_dtype="fp32", timeout_s=60, freeze_visual_encoder=freeze)
+    w = TrainerWorker(TrainerSpec(rank=rank, world_size=world, master_port=port, model_path=model_dir, lr=1e-2,
+                                  param_dtype="fp32", timeout_s=60, freeze_visual_encoder=freeze))
     if rank == 0:
         ids = tok("x is 60", add_special_tokens=False)["input_ids"]
         ids = [images.placeholder_id] + ids

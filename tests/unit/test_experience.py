@@ -29,14 +29,11 @@ def test_collate_right_pads_every_field():
     b = Experience([5, 6], [0, 1], [0.0, -1.0], -1.0, "g", "r1", policy_versions=[-1, 3])
     batch = collate([a, b], pad_token_id=99)
     assert batch.token_ids.tolist() == [[1, 2, 3, 4], [5, 6, 99, 99]]
-    assert batch.attention_mask.tolist() == [[True] * 4, [True, True, False, False]]
     assert batch.action_mask.tolist() == [[False, True, False, True], [False, True, False, False]]
     assert batch.rollout_log_probs.tolist() == [[0.0, -0.5, 0.0, -0.25], [0.0, -1.0, 0.0, 0.0]]
     assert batch.policy_versions.tolist() == [[-1, 2, -1, 3], [-1, 3, -1, -1]]
-    assert batch.rewards.tolist() == [1.0, -1.0] and batch.scores.tolist() == [0.5, -1.0]
+    assert batch.rewards.tolist() == [1.0, -1.0]
     assert batch.group_ids == ["g", "g"] and batch.rollout_ids == ["r0", "r1"]
-    assert batch.infos == [{"turns": 2}, {}]
-    assert batch.to("cpu").token_ids.tolist() == batch.token_ids.tolist()
     with pytest.raises(ValueError, match="at least one"):
         collate([])
 

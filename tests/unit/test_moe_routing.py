@@ -181,7 +181,7 @@ def test_routing_travels_with_tokens_through_experience_collate_and_packing():
     from molt_hydra.algorithm.experience import collate
     from molt_hydra.parallel.batching import pack
     from molt_hydra.rollout.generation import Generation
-    from molt_hydra.runtime.agent_runner import to_experience
+    from molt_hydra.algorithm.experience import to_experience
 
     traj = Trajectory()
     traj.append_feedback([5, 6, 7])

@@ -39,14 +39,15 @@ def steps():
     from molt_hydra.algorithm.loss import PolicyLoss
     from molt_hydra.parallel.objectives import ActorObjective
     from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     samples, out = grpo_samples(), {}
     for name, kw in VARIANTS.items():
-        w = TrainerWorker(rank=0, world_size=1, master_port=port, model_path="tiny://qwen3_tiny", timeout_s=120,
-                          lr=1e-3, max_tokens_per_micro_batch=40, seed=7, **kw)
+        w = TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=port, model_path="tiny://qwen3_tiny",
+                                      timeout_s=120, lr=1e-3, max_tokens_per_micro_batch=40, seed=7, **kw))
         assert (w.head is not None) == (name != "full")
         grads, model_tokens = {}, []
 

@@ -27,12 +27,14 @@ def worker():
 
     from molt_hydra.parallel.trainer import TrainerWorker
 
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
+
     before = torch.get_num_threads()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    yield TrainerWorker(rank=0, world_size=1, master_port=port, model_path="tiny://qwen3_tiny", timeout_s=120,
-                        cpu_threads=1, node_ranks=1)
+    yield TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=port, model_path="tiny://qwen3_tiny",
+                                    timeout_s=120, cpu_threads=1, node_ranks=1))
     torch.set_num_threads(before)
     if dist.is_initialized():
         dist.destroy_process_group()

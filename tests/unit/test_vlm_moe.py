@@ -103,7 +103,7 @@ def _own_experts(model_dir, sample) -> torch.Tensor:
 def test_engine_routing_over_image_spans_lines_up_with_the_expanded_trajectory(model_dir):
     from molt_hydra.agents.base import Trajectory
     from molt_hydra.rollout.generation import Generation
-    from molt_hydra.runtime.agent_runner import to_experience
+    from molt_hydra.algorithm.experience import to_experience
 
     ids, image, images = _sample(model_dir)
     prompt, reply = ids[:-4], ids[-4:]

@@ -19,7 +19,7 @@ from molt_hydra.agents.loading import resolve_target
 from molt_hydra.models import vlm
 from molt_hydra.models.build import resolve_path
 from molt_hydra.rollout.generation import Generation, Sampling
-from molt_hydra.runtime.agent_runner import to_experience
+from molt_hydra.algorithm.experience import to_experience
 
 from _vlm_helpers import hf_logprobs, vlm_worker, one_rank_process_group  # noqa: F401 (module fixture)
 
