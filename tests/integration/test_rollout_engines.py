@@ -114,7 +114,7 @@ def test_router_streams_an_engine_actors_tokens_as_they_are_sampled(engines):
 
 
 def test_idle_engine_workers_block_on_their_queue_instead_of_spinning(engines):
-    """vLLM's worker spins 1 s on sched_yield after every read; ours 50 ms (rollout/quiet_executor.py), also after
+    """vLLM's worker spins 1 s on sched_yield after every read; ours 50 ms (compat/vllm.py: cpu_executor), also after
     generating (the readers are set once, at start)."""
     router = Router(engines, timeout_s=120)
     asyncio.run(router.generate(GenerationRequest("quiet", PROMPT, Sampling(max_tokens=4, ignore_eos=True))))
