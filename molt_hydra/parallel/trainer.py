@@ -152,7 +152,7 @@ class TrainerWorker:
             if routers:
                 widths = expert_widths(model)
                 self.moe_experts_impl = moe_experts.choose(moe_experts_impl, self.device, DTYPES[param_dtype], widths)
-                install_experts(model, self.moe_experts_impl)
+                install_experts(model, self.moe_experts_impl, moe_experts.grouped_experts_forward)
             self.frozen_names = set(moe_routing.freeze(model)) if freeze_moe_router else set()
             if freeze_visual_encoder:
                 vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
