@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 ROLES = ("actor", "ref", "critic")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # model.param_dtype
 
 
 def resolve_path(path: str) -> str:
