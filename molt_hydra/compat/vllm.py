@@ -24,7 +24,6 @@ failing far from the cause when an API it uses has moved. Here, explicitly:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import glob
 import importlib.util

@@ -120,9 +120,8 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     the processor outputs ride along (`images`: the model's `models.vlm.TrajectoryImages`); a row longer than
     max_len once expanded is skipped, as a cut would orphan image features; a row with an image that cannot be read or
     more than `max_images_per_prompt` images is dropped, logged with its row id and counted (as prompt loading does)."""
-    from molt_hydra.agents.base import NOT_GENERATED
     from molt_hydra.data.images import to_pil_images
-    from molt_hydra.models.vlm import image_parts
+    from molt_hydra.models.vlm import NOT_GENERATED, image_parts
 
     markers = discover_reply_markers(tokenizer, chat_template)
     special = _special_ids(tokenizer)

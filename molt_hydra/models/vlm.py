@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+NOT_GENERATED = -1  # the policy version stamped on prompt / feedback tokens (agents/base.py's)
 # every key a sample may carry for the forward's image inputs: per sample, never packed
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_attention_mask")
 # stored without the forward's batch dimension (Qwen's `pixel_values` are flat patches and keep their shape)
@@ -167,8 +168,6 @@ class TrajectoryImages:
                action_ranges: list[tuple[int, int]], images: list):
         """-> (token_ids, logprobs, versions, action_ranges, multimodal) with every image placeholder expanded.
         Raises ValueError when the placeholders and the images do not match one to one."""
-        from molt_hydra.agents.base import NOT_GENERATED
-
         mm, replacements = self.process(images)
         replacements = iter(replacements)
         ids, lps, vers, new_index = [], [], [], []
