@@ -7,48 +7,15 @@ run id goes into every checkpoint so a resumed run continues the same W&B run; s
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
+from molt_hydra.logging import dashboard
+
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """Rows of a metrics.jsonl; a torn last line (the run is still writing) is skipped."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and "step" in row:
-                rows.append(row)
-    return rows
-
-
-def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    """(step, value) of one metric; for a step logged twice (a resumed run re-ran it) the later value wins."""
-    by_step: dict[int, float] = {}
-    for row in rows:
-        value = row.get(key)
-        if _number(value) and math.isfinite(value):
-            by_step[int(row["step"])] = float(value)
-    return sorted(by_step.items())
-
-
-def final_and_best(rows: list[dict], key: str, mode: str) -> tuple[float | None, float | None, int | None]:
-    """Value at the last step, best value (max or min), and the step of the best (first one on ties)."""
-    s = series(rows, key)
-    if not s:
-        return None, None, None
-    pick = max if mode == "max" else min
-    best = pick(v for _, v in s)
-    return s[-1][1], best, next(step for step, v in s if v == best)
 
 
 class MetricSinks:
@@ -143,11 +110,9 @@ class MetricSinks:
     def _publish_dashboard(self) -> None:
         """logger.wandb_dashboard: best values into the summary (the sweep's runs table), then the run's dashboard:
         saved to W&B when online, else written as dashboard.json for `molt-report --wandb` after `wandb sync`."""
-        from molt_hydra.logging import dashboard
-
-        rows = read_metrics(self.dir / "metrics.jsonl")
+        rows = dashboard.read_metrics(self.dir / "metrics.jsonl")
         for key, mode in dashboard.TABLE_METRICS:
-            best = final_and_best(rows, key, mode)[1]
+            best = dashboard.final_and_best(rows, key, mode)[1]
             if best is not None:
                 self.wandb_run.summary[f"best/{key}"] = best
         run = self.wandb_run

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from molt_hydra.logging.sinks import final_and_best, read_metrics, series  # noqa: F401 (re-exported)
+from molt_hydra.logging.dashboard import final_and_best, read_metrics, series  # noqa: F401 (re-exported)
 
 DEFAULT_METRICS = ("train/reward", "train/vllm_kl:min")
 
