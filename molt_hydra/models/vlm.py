@@ -18,6 +18,8 @@ replacement to the trajectory and keeps the processor outputs:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -137,8 +139,6 @@ class TrajectoryImages:
     @classmethod
     def for_model(cls, model_dir: str) -> "TrajectoryImages | None":
         """None for a text-only model."""
-        from pathlib import Path
-
         from transformers import AutoConfig
 
         if not (Path(model_dir) / "config.json").is_file():  # e.g. a tokenizer-only directory

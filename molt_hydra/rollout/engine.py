@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -309,9 +312,6 @@ class VLLMEngine(BatchedCallee):
     async def stage_adapter(self, blob: bytes, config: dict) -> int:
         """LoRA: this sync's adapter (safetensors bytes under PEFT's names, in the engine dtype, and its
         adapter_config.json) as a PEFT directory on this host, loaded by `finish_weight_update`; returns its bytes."""
-        import json
-        import tempfile
-
         if self._adapter_root is None:  # /dev/shm: the adapter is written and read back in memory
             self._adapter_root = tempfile.mkdtemp(prefix=f"molt_lora_engine{self.engine_index}_",
                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -326,8 +326,6 @@ class VLLMEngine(BatchedCallee):
     async def _load_staged_adapter(self, version: int):
         """The staged adapter as `LoRARequest` policy-v{version} (id version + 1: vLLM's ids start at 1), loaded into
         vLLM's cache now (no request pays the load); the oldest beyond ADAPTERS_KEPT is dropped, its directory too."""
-        import shutil
-
         from vllm.lora.request import LoRARequest
 
         path = os.path.join(self._adapter_root, f"v{version}")
@@ -453,7 +451,6 @@ class VLLMEngine(BatchedCallee):
             self._llm.shutdown()
             self._llm = None
         if self._adapter_root is not None:
-            import shutil
             shutil.rmtree(self._adapter_root, ignore_errors=True)
             self._adapter_root = None
 
