@@ -85,6 +85,31 @@ def tiny_config_dict(name: str) -> dict:
     return TINY_SHAPE | TINY_MODELS[name]
 
 
+def build_once(root: Path, names: tuple[str, ...], build_into) -> None:
+    """`build_into(staging)` writes the models `names` into a private staging directory under `root`; each is then
+    published by rename, so readers never see half a model (one another process published meanwhile is kept)."""
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+    staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
+    try:
+        build_into(staging)
+        for name in names:
+            if not (root / name / "config.json").exists():
+                shutil.rmtree(root / name, ignore_errors=True)
+                os.replace(staging / name, root / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _build_in_subprocess(staging: Path, name: str) -> None:
+    """A GPU-shape model, built on the GPU in a process of its own: a run's driver never holds GPU memory."""
+    code = f"from molt_hydra.models.tiny import build; build(__import__('pathlib').Path({str(staging)!r}), " \
+           f"names=({name!r},))"
+    built = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise RuntimeError(f"building tiny://{name} failed: {built.stderr[-2000:]}")
+
+
 def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     """Map `tiny://NAME` to a built directory (building it once, atomically); any other path is returned as is."""
     if not path.startswith(TINY_SCHEME):
@@ -96,33 +121,12 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
         return tiny_vlm.warm_start(name)
     # the cache key includes the shapes, so a changed tiny config never reuses a stale build
     root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest()
-    target = root / name
-    if (target / "config.json").exists():
-        return str(target)
-
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
-    staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
+    if (root / name / "config.json").exists():
+        return str(root / name)
     if name in tiny_vlm.TINY_VLM_MODELS:
-        tiny_vlm.build(staging / name, name=name)
-        if not (target / "config.json").exists():
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(staging / name, target)
-        shutil.rmtree(staging, ignore_errors=True)
-        return str(target)
-    names = (name,) if name in GPU_SHAPES else ("qwen3_tiny", "qwen3_moe_tiny")  # the small pair: together
-    if name in GPU_SHAPES:  # built on the GPU in a process of its own: this one (a run's driver) never holds GPU memory
-
-        code = f"from molt_hydra.models.tiny import build; build(__import__('pathlib').Path({str(staging)!r}), " \
-               f"names=({name!r},))"
-        built = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        if built.returncode != 0:
-            raise RuntimeError(f"building tiny://{name} failed: {built.stderr[-2000:]}")
-    else:
-        build(staging, names=names)
-    for built in names:  # publish each by rename, so readers never see half a model
-        if not (root / built / "config.json").exists():
-            shutil.rmtree(root / built, ignore_errors=True)
-            os.replace(staging / built, root / built)
-    shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+        build_once(root, (name,), lambda staging: tiny_vlm.build(staging / name, name=name))
+    elif name in GPU_SHAPES:
+        build_once(root, (name,), lambda staging: _build_in_subprocess(staging, name))
+    else:  # the small pair: together
+        build_once(root, ("qwen3_tiny", "qwen3_moe_tiny"), build)
+    return str(root / name)
