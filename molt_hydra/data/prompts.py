@@ -106,6 +106,14 @@ BUILTIN_TASKS = {
 IMAGE_TASKS = ("geo_triangles", "geo_triangles_eval", "colors", "colors_eval", "colors_warm")  # rows with images
 
 
+def builtin_rows(spec: str) -> list[dict]:
+    """The rows of `builtin://NAME`."""
+    name = spec[len(BUILTIN):]
+    if name not in BUILTIN_TASKS:
+        raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
+    return BUILTIN_TASKS[name]()
+
+
 def _load_one(spec: str, split: str):
     import datasets
 
@@ -134,10 +142,7 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     parts = []
     for s in specs:
         if s.startswith(BUILTIN):
-            name = s[len(BUILTIN):]
-            if name not in BUILTIN_TASKS:
-                raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
-            rows = BUILTIN_TASKS[name]()
+            rows = builtin_rows(s)
         else:
             rows = [_rename(r, input_key, label_key, tools_key, image_key) for r in _load_one(s, split)]
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)

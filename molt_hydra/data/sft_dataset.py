@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from molt_hydra.data.images import to_pil_images
-from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS
+from molt_hydra.data.prompts import BUILTIN, builtin_rows
 from molt_hydra.models.vlm import NOT_GENERATED, image_parts
 
 log = logging.getLogger(__name__)
@@ -101,10 +101,7 @@ def load_rows(data: str | list[dict]) -> list[dict]:
     if not isinstance(data, (str, Path)):
         return list(data)
     if str(data).startswith(BUILTIN):
-        name = str(data)[len(BUILTIN):]
-        if name not in BUILTIN_TASKS:
-            raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
-        return BUILTIN_TASKS[name]()
+        return builtin_rows(str(data))
     path = Path(data)
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
