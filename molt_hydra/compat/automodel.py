@@ -15,6 +15,7 @@ version. Reached into here:
 from __future__ import annotations
 
 from importlib import metadata
+# imported where used: nemo_automodel (GPU hosts only)
 
 SUPPORTED = ("0.7",)
 

@@ -8,6 +8,7 @@ that `molt-run` checks the composed config (all errors in one message) before Hy
 from __future__ import annotations
 
 from importlib import metadata
+# imported where used: hydra's internals (only when molt-run parses its command line)
 
 SUPPORTED = "1.3"
 

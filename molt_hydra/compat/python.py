@@ -21,6 +21,7 @@ import platform
 import signal
 import sys
 from pathlib import Path
+# imported where used: setproctitle (optional)
 
 FORKSERVER_PYTHONS = ((3, 10), (3, 13))  # the releases whose forkserver state is read below
 PR_SET_PDEATHSIG = 1

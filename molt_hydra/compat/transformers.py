@@ -24,6 +24,7 @@ import functools
 import inspect
 
 from torch import nn
+# imported where used: transformers' model modules (heavy)
 
 SUPPORTED_MAJOR = 5  # the fused 3-D experts layout and the TopKRouter modules arrived with transformers 5.0
 

@@ -37,6 +37,7 @@ from typing import get_args
 import numpy as np
 
 from molt_hydra.compat import python as python_compat
+# imported where used: vLLM (heavy: the CLI imports this module before any engine exists)
 
 log = logging.getLogger(__name__)
 # device -> (distribution, supported "major.minor" releases)

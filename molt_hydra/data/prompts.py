@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 from molt_hydra.data.images import blank_like, to_pil_images
+# imported where used: PIL and datasets (heavy; builtin tasks need neither)
 
 log = logging.getLogger(__name__)
 

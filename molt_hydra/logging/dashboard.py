@@ -17,6 +17,7 @@ import json
 import math
 import re
 from pathlib import Path
+# imported where used: wandb and wandb_workspaces (heavy, optional)
 
 SPEC_FILE = "dashboard.json"
 TRAIN_X, EVAL_X = "train/global_step", "eval/global_step"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_hydra.logging import dashboard
+# imported where used: wandb, TensorBoard (heavy, optional)
 
 
 def _number(value: Any) -> bool:

@@ -21,6 +21,7 @@ import torch
 from molt_hydra.compat import automodel as automodel_compat
 from molt_hydra.compat import transformers as transformers_compat
 from molt_hydra.models.build import DTYPES, decoder_layers, load_config
+# imported where used: nemo_automodel and torch.distributed (GPU hosts only)
 
 AC_MODES = {False: False, True: "full", "none": False, "full": "full", "selective": "selective"}
 VISION_PREFIXES = ("visual.", "vision_tower.", "vision_model.", "model.visual.", "model.vision_tower.")

@@ -16,6 +16,7 @@ from torch import nn
 from molt_hydra.models import vlm
 from molt_hydra.models.smollm2 import resolve_smollm2
 from molt_hydra.models.tiny import resolve_model_path
+# imported where used: transformers (heavy)
 
 ROLES = ("actor", "ref", "critic")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # model.param_dtype

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+# imported where used: peft and safetensors (heavy)
 
 # adapter versions an engine keeps loadable (in vLLM's CPU-side cache and as directories): the current one and the
 # older ones in-flight requests may still run under (async generation ahead of the trainer); GPU slots: the current

@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from molt_hydra.models.tiny import build_once
+# imported where used: torch and transformers (heavy; only to convert once)
 
 SCHEME = "smollm2://"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

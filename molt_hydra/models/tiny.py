@@ -20,6 +20,7 @@ from pathlib import Path
 
 from molt_hydra.models import tiny_vlm
 from molt_hydra.models.tiny_tokenizer import VOCAB_SIZE, build_tokenizer
+# imported where used: torch and transformers (heavy; only to build once)
 
 TINY_SHAPE = dict(
     vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -4,6 +4,7 @@ chat template that renders tools and Hermes-style `<tool_call>` blocks (models/t
 from __future__ import annotations
 
 import random
+# imported where used: tokenizers and transformers (heavy; only to build once)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
 VOCAB_SIZE = 512

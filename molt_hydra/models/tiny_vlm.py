@@ -24,6 +24,7 @@ from pathlib import Path
 
 from molt_hydra.compat import transformers as transformers_compat
 from molt_hydra.models.tiny_tokenizer import CHAT_TEMPLATE, build_tokenizer
+# imported where used: torch and transformers (heavy; only to build once)
 
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 TINY_VLM_TEXT = dict(

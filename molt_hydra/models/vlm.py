@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+# imported where used: transformers (heavy)
 
 NOT_GENERATED = -1  # the policy version stamped on prompt / feedback tokens (agents/base.py's)
 # every key a sample may carry for the forward's image inputs: per sample, never packed

@@ -26,6 +26,7 @@ from molt_hydra.compat import vllm as vllm_compat
 from molt_hydra.models.lora import ADAPTER_SLOTS, ADAPTERS_KEPT
 from molt_hydra.rollout.batched_calls import BatchedCallee
 from molt_hydra.rollout.generation import Generation, GenerationRequest, Sampling
+# imported where used: vLLM (heavy: the class is shipped to a Ray actor first)
 
 log = logging.getLogger(__name__)
 WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.WeightSyncWorkerExtension"

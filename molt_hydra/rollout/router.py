@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 from molt_hydra.rollout.batched_calls import BatchedCalls
 from molt_hydra.rollout.generation import Generation, GenerationRequest
+# imported where used: ray (heavy)
 
 
 # The running rollout's `asyncio.timeout` (agents/base.py): time spent waiting for a replacement engine is added to
