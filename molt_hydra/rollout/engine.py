@@ -261,10 +261,8 @@ class VLLMEngine(BatchedCallee):
     # --- weight sync (called by molt_hydra.rollout.weight_sync on every engine): one call before, one after ---
 
     async def pause(self) -> None:
-        """Freeze in-flight requests in the scheduler (mode keep): they continue after `resume` under new weights.
-        The engine core's own pause (it returns once the worker is idle): `AsyncLLM.pause_generation` adds a 20 ms
-        sleep for the ordering of outputs, which a weight sync does not need."""
-        await self._while_alive(self._engine().engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
+        """Freeze in-flight requests in the scheduler: they continue after `resume` under new weights."""
+        await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
 
     async def resume(self) -> None:
         if self.weights_mixed:  # stays paused: not one more token from half-updated weights (it is replaced)

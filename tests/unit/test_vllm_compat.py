@@ -163,3 +163,23 @@ def test_the_routed_experts_capture_finds_the_v1_runner_layout_it_reads():
     assert {"req_ids", "num_reqs"} <= {n for n, _ in inspect.getmembers(InputBatch)} | set(
         InputBatch.__init__.__code__.co_names)
     assert "num_computed_tokens_cpu" in inspect.getsource(InputBatch.__init__)
+
+
+def test_the_scheduler_pause_keeps_requests_and_leaves_the_cache():
+    """A weight sync pauses through the engine core client's own pause, in the mode that keeps requests in flight."""
+    import inspect
+    from typing import get_args
+
+    from vllm.v1.engine.core_client import AsyncMPClient
+
+    params = inspect.signature(AsyncMPClient.pause_scheduler_async).parameters
+    assert "keep" in get_args(params["mode"].annotation) and "clear_cache" in params
+    calls = []
+
+    class Client:
+        def pause_scheduler_async(self, **kwargs):
+            calls.append(kwargs)
+            return "awaitable"
+
+    assert compat.pause_scheduler(type("LLM", (), {"engine_core": Client()})()) == "awaitable"
+    assert calls == [{"mode": "keep", "clear_cache": False}]
