@@ -45,8 +45,9 @@ def scoped_env(values: dict[str, str]):
 def _server():
     if not FORKSERVER_PYTHONS[0] <= sys.version_info[:2] <= FORKSERVER_PYTHONS[1]:
         low, high = (".".join(map(str, v)) for v in FORKSERVER_PYTHONS)
-        raise RuntimeError(f"Python {'.'.join(map(str, sys.version_info[:3]))}: the engine core's forkserver (molt_hydra/compat/"
-                           f"python.py) reads CPython {low} - {high}'s multiprocessing.forkserver state")
+        version = ".".join(map(str, sys.version_info[:3]))
+        raise RuntimeError(f"Python {version}: the engine core's forkserver (molt_hydra/compat/python.py) reads "
+                           f"CPython {low} - {high}'s multiprocessing.forkserver state")
     return multiprocessing.forkserver._forkserver
 
 
