@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # torch stays unimported until a model exists (the config checks import models/tiny*.py)
+    from torch import nn
 # imported where used: transformers' model modules (heavy)
 
 SUPPORTED_MAJOR = 5  # the fused 3-D experts layout and the TopKRouter modules arrived with transformers 5.0
