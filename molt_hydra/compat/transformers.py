@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from importlib import metadata
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch stays unimported until a model exists (the config checks import models/tiny*.py)
@@ -32,11 +33,10 @@ SUPPORTED_MAJOR = 5  # the fused 3-D experts layout and the TopKRouter modules a
 
 
 def check_version(what: str) -> None:
-    import transformers
-
-    if int(transformers.__version__.split(".")[0]) != SUPPORTED_MAJOR:
-        raise RuntimeError(f"transformers {transformers.__version__} is installed; {what} (molt_hydra/compat/"
-                           f"transformers.py) is written for transformers {SUPPORTED_MAJOR}.x")
+    version = metadata.version("transformers")
+    if int(version.split(".")[0]) != SUPPORTED_MAJOR:
+        raise RuntimeError(f"transformers {version} is installed; {what} (molt_hydra/compat/transformers.py) is written "
+                           f"for transformers {SUPPORTED_MAJOR}.x")
 
 
 def _experts_classes() -> tuple:

@@ -3,6 +3,8 @@ transformers still has the modules and behaviour the reaches rely on (the expert
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import pytest
 import torch
 import transformers
@@ -18,7 +20,7 @@ def tiny_moe_config():
 
 
 def test_another_major_release_is_refused_naming_both(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "6.0.0")
+    monkeypatch.setattr(metadata, "version", lambda dist: "6.0.0")
     with pytest.raises(RuntimeError, match=r"transformers 6\.0\.0 is installed; the MoE router patch \(molt_hydra/"
                                            r"compat/transformers.py\) is written for transformers 5\.x"):
         compat.install_routers(torch.nn.Module(), moe_routing.ReplayableRouter)
