@@ -7,7 +7,7 @@ that `molt-run` checks the composed config (all errors in one message) before Hy
 
 from __future__ import annotations
 
-from importlib import metadata
+from molt_hydra.compat import written_for
 # imported where used: hydra's internals (only when molt-run parses its command line)
 
 SUPPORTED = "1.3"
@@ -15,10 +15,7 @@ SUPPORTED = "1.3"
 
 def get_args_parser():
     """Hydra's own command-line parser (its `overrides`, `multirun`, `help`, `info`, `config_dir`, ... flags)."""
-    version = metadata.version("hydra-core")
-    if not version.startswith(SUPPORTED + "."):
-        raise RuntimeError(f"hydra-core {version} is installed; molt-run's command-line check (molt_hydra/compat/"
-                           f"hydra.py) is written for hydra-core {SUPPORTED}.x")
+    written_for("molt-run's command-line check", "hydra", "hydra-core", (SUPPORTED,))
     from hydra._internal.utils import get_args_parser as hydras
 
     return hydras()

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from importlib import metadata
 from typing import TYPE_CHECKING
+
+from molt_hydra.compat import written_for
 
 if TYPE_CHECKING:  # torch stays unimported until a model exists (the config checks import models/tiny*.py)
     from torch import nn
@@ -33,10 +34,7 @@ SUPPORTED_MAJOR = 5  # the fused 3-D experts layout and the TopKRouter modules a
 
 
 def check_version(what: str) -> None:
-    version = metadata.version("transformers")
-    if int(version.split(".")[0]) != SUPPORTED_MAJOR:
-        raise RuntimeError(f"transformers {version} is installed; {what} (molt_hydra/compat/transformers.py) is written "
-                           f"for transformers {SUPPORTED_MAJOR}.x")
+    written_for(what, "transformers", "transformers", (str(SUPPORTED_MAJOR),))
 
 
 def _experts_classes() -> tuple:

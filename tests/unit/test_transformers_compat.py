@@ -21,8 +21,8 @@ def tiny_moe_config():
 
 def test_another_major_release_is_refused_naming_both(monkeypatch):
     monkeypatch.setattr(metadata, "version", lambda dist: "6.0.0")
-    with pytest.raises(RuntimeError, match=r"transformers 6\.0\.0 is installed; the MoE router patch \(molt_hydra/"
-                                           r"compat/transformers.py\) is written for transformers 5\.x"):
+    with pytest.raises(RuntimeError, match=r"the MoE router patch \(molt_hydra/compat/transformers.py\) is written "
+                                           r"for transformers 5\.x; transformers 6\.0\.0 is installed"):
         compat.install_routers(torch.nn.Module(), moe_routing.ReplayableRouter)
 
 
