@@ -164,11 +164,7 @@ class VLLMEngine(BatchedCallee):
 
     async def generate(self, request: GenerationRequest) -> list[Generation]:
         """`request.sampling.n` completions, sampled as independent requests (each with its own seed)."""
-        if not request.prompt_ids:
-            raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
-        await self.start()
-        s = request.sampling
-        return list(await asyncio.gather(*(self._generate_one(request, i) for i in range(s.n))))
+        return list(await asyncio.gather(*(self._generate_one(request, i) for i in range(request.sampling.n))))
 
     async def generate_stream(self, request: GenerationRequest):
         """One completion (`sampling.n` must be 1) as it is sampled: `Generation` deltas, the last one carrying the
@@ -178,9 +174,6 @@ class VLLMEngine(BatchedCallee):
 
         if request.sampling.n != 1:
             raise ValueError(f"generate_stream samples one completion, got n={request.sampling.n}")
-        if not request.prompt_ids:
-            raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
-        await self.start()
         async for delta in self._outputs(request, 0, RequestOutputKind.DELTA):
             yield delta
 
@@ -217,6 +210,9 @@ class VLLMEngine(BatchedCallee):
         version never depends on when this process got round to reading it."""
         from vllm.sampling_params import RequestOutputKind
 
+        if not request.prompt_ids:
+            raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
+        await self.start()
         s = request.sampling
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
         if request.images:
