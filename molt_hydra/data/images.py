@@ -9,6 +9,7 @@ its row named, never later inside an engine's processor.
 from __future__ import annotations
 
 import io
+# imported where used: PIL (only for image rows)
 
 
 def to_pil_images(value, max_images: int, where: str) -> list:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from molt_hydra.data.prompts import FILE_TYPES
+# imported where used: datasets (heavy)
 
 BOXED = "Put the final answer in \\boxed{}."
 # DAPO-Math-17k wraps each problem in its "Answer: $Answer" instructions; the reference math agents grade \boxed{}

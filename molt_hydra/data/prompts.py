@@ -7,10 +7,12 @@ A row is a plain dict: `prompt` (string or chat messages), `label`, optional `to
 from __future__ import annotations
 
 import logging
+import math
 import random
 from pathlib import Path
 
 from molt_hydra.data.images import blank_like, to_pil_images
+# imported where used: PIL and datasets (heavy; builtin tasks need neither)
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,6 @@ def _toy(n: int, seed: int) -> list[dict]:
 def _geo_triangles(n: int, seed: int, size: int = 56) -> list[dict]:
     """Synthetic geometry with a figure (the CPU VLM recipe's task, geo3k-shaped): a triangle drawn with two of its
     angles given, find the third. One 56x56 PIL image per row, placed at the prompt's `<image>` marker."""
-    import math
-
     from PIL import Image, ImageDraw
 
     rng = random.Random(seed)
@@ -107,6 +107,14 @@ BUILTIN_TASKS = {
 IMAGE_TASKS = ("geo_triangles", "geo_triangles_eval", "colors", "colors_eval", "colors_warm")  # rows with images
 
 
+def builtin_rows(spec: str) -> list[dict]:
+    """The rows of `builtin://NAME`."""
+    name = spec[len(BUILTIN):]
+    if name not in BUILTIN_TASKS:
+        raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
+    return BUILTIN_TASKS[name]()
+
+
 def _load_one(spec: str, split: str):
     import datasets
 
@@ -135,10 +143,7 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     parts = []
     for s in specs:
         if s.startswith(BUILTIN):
-            name = s[len(BUILTIN):]
-            if name not in BUILTIN_TASKS:
-                raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
-            rows = BUILTIN_TASKS[name]()
+            rows = builtin_rows(s)
         else:
             rows = [_rename(r, input_key, label_key, tools_key, image_key) for r in _load_one(s, split)]
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 
+from molt_hydra.data.images import to_pil_images
+from molt_hydra.data.prompts import BUILTIN, builtin_rows
+from molt_hydra.models.vlm import NOT_GENERATED, image_parts
+
 log = logging.getLogger(__name__)
 
 _PROBE_USER, _PROBE_REPLY = "Zq probe question 17", "Zq probe reply 42"
@@ -94,15 +98,10 @@ def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
 
 def load_rows(data: str | list[dict]) -> list[dict]:
     """A list of dicts, a .jsonl / .json file of them, or `builtin://NAME` (a generated task, e.g. colors_warm)."""
-    from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS
-
     if not isinstance(data, (str, Path)):
         return list(data)
     if str(data).startswith(BUILTIN):
-        name = str(data)[len(BUILTIN):]
-        if name not in BUILTIN_TASKS:
-            raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
-        return BUILTIN_TASKS[name]()
+        return builtin_rows(str(data))
     path = Path(data)
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -120,10 +119,6 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     the processor outputs ride along (`images`: the model's `models.vlm.TrajectoryImages`); a row longer than
     max_len once expanded is skipped, as a cut would orphan image features; a row with an image that cannot be read or
     more than `max_images_per_prompt` images is dropped, logged with its row id and counted (as prompt loading does)."""
-    from molt_hydra.agents.base import NOT_GENERATED
-    from molt_hydra.data.images import to_pil_images
-    from molt_hydra.models.vlm import image_parts
-
     markers = discover_reply_markers(tokenizer, chat_template)
     special = _special_ids(tokenizer)
     out, dropped = [], []

@@ -14,8 +14,10 @@ The spec is written as `dashboard.json` into the run / sweep directory; `publish
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
+# imported where used: wandb and wandb_workspaces (heavy, optional)
 
 SPEC_FILE = "dashboard.json"
 TRAIN_X, EVAL_X = "train/global_step", "eval/global_step"
@@ -81,14 +83,41 @@ def _matcher(patterns: list[str]) -> re.Pattern:
 
 def logged_keys(metrics_jsonl: Path) -> set[str]:
     """Every metric key of a metrics.jsonl (the `step` / `kind` bookkeeping left out); a torn last line is skipped."""
-    keys: set[str] = set()
-    for line in metrics_jsonl.read_text().splitlines() if metrics_jsonl.is_file() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        keys |= {k for k in row if k not in ("step", "kind")}
-    return keys
+    return {k for row in read_metrics(metrics_jsonl) for k in row if k not in ("step", "kind")}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of a metrics.jsonl; a torn last line (the run is still writing) is skipped."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and "step" in row:
+                rows.append(row)
+    return rows
+
+
+def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of one metric; for a step logged twice (a resumed run re-ran it) the later value wins."""
+    by_step: dict[int, float] = {}
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            by_step[int(row["step"])] = float(value)
+    return sorted(by_step.items())
+
+
+def final_and_best(rows: list[dict], key: str, mode: str) -> tuple[float | None, float | None, int | None]:
+    """Value at the last step, best value (max or min), and the step of the best (first one on ties)."""
+    s = series(rows, key)
+    if not s:
+        return None, None, None
+    pick = max if mode == "max" else min
+    best = pick(v for _, v in s)
+    return s[-1][1], best, next(step for step, v in s if v == best)
 
 
 def sections(keys: set[str]) -> list[dict]:

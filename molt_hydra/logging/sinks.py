@@ -11,6 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from molt_hydra.logging import dashboard
+# imported where used: wandb, TensorBoard (heavy, optional)
+
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -108,12 +111,9 @@ class MetricSinks:
     def _publish_dashboard(self) -> None:
         """logger.wandb_dashboard: best values into the summary (the sweep's runs table), then the run's dashboard:
         saved to W&B when online, else written as dashboard.json for `molt-report --wandb` after `wandb sync`."""
-        from molt_hydra.logging import dashboard
-        from molt_hydra.runtime.report import final_and_best, read_metrics
-
-        rows = read_metrics(self.dir / "metrics.jsonl")
+        rows = dashboard.read_metrics(self.dir / "metrics.jsonl")
         for key, mode in dashboard.TABLE_METRICS:
-            best = final_and_best(rows, key, mode)[1]
+            best = dashboard.final_and_best(rows, key, mode)[1]
             if best is not None:
                 self.wandb_run.summary[f"best/{key}"] = best
         run = self.wandb_run

@@ -18,6 +18,11 @@ import re
 
 import torch
 
+from molt_hydra.compat import automodel as automodel_compat
+from molt_hydra.compat import transformers as transformers_compat
+from molt_hydra.models.build import DTYPES, decoder_layers, load_config
+# imported where used: nemo_automodel and torch.distributed (GPU hosts only)
+
 AC_MODES = {False: False, True: "full", "none": False, "full": "full", "selective": "selective"}
 VISION_PREFIXES = ("visual.", "vision_tower.", "vision_model.", "model.visual.", "model.vision_tower.")
 ROUTER_PARAM = re.compile(r"\.mlp\.gate\.")
@@ -73,23 +78,6 @@ def permute_tokens_all_local(indices: torch.Tensor, weights: torch.Tensor, token
     return sorted_token_ids, sorted_weights, tokens_per_expert, offs
 
 
-def install_sync_free_permute(n_experts: int) -> None:
-    """Route AutoModel's grouped-GEMM experts through `permute_tokens_all_local` whenever a call has all `n_experts`
-    local (ep = 1); expert-parallel calls (fewer local experts) keep AutoModel's own permutation."""
-    from nemo_automodel.components.moe import experts
-
-    original = getattr(experts._permute_tokens_for_grouped_mm, "_molt_original", experts._permute_tokens_for_grouped_mm)
-
-    def permute(indices, weights, token_mask, n_local_experts, experts_start_idx, *, return_slot_ids=False):
-        if n_local_experts == n_experts and experts_start_idx == 0:
-            return permute_tokens_all_local(indices, weights, token_mask, n_experts, return_slot_ids=return_slot_ids)
-        return original(indices, weights, token_mask, n_local_experts, experts_start_idx,
-                        return_slot_ids=return_slot_ids)
-
-    permute._molt_original = original
-    experts._permute_tokens_for_grouped_mm = permute
-
-
 @contextlib.contextmanager
 def replay_routed_experts(routed: torch.Tensor, token_mask: torch.Tensor | None = None):
     """R3: every gate uses the given selection (router logits stay live, so the router still learns). Keep the
@@ -113,66 +101,74 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
     master_weights=optimizer on one rank: no FSDP2 at all (the trainer casts the params; nothing to shard)."""
     import torch.distributed as dist
     from nemo_automodel import NeMoAutoModelForCausalLM
-    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config, MoEParallelizerConfig
-    from nemo_automodel.components.distributed.mesh import ParallelismSizes
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.moe.router_replay import RouterReplay
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from molt_hydra.models.build import load_config
-    from molt_hydra.parallel.fsdp import DTYPES
 
     if role == "critic":
         raise ValueError("the critic is built with HF transformers (value head on a backbone), not AutoModel")
     if gradient_checkpointing not in AC_MODES:
         raise ValueError(f"gradient_checkpointing must be one of {list(AC_MODES)}, got {gradient_checkpointing!r}")
-    ac = AC_MODES[gradient_checkpointing] if role != "ref" else False
-    sizes = parallel_sizes(dist.get_world_size(), dp=dp_size, tp=tp_size, ep=ep_size, cp=cp_size)
     config = load_config(path, config_overrides, random_init)
     config.dtype = torch.float32  # master weights; AutoModel's model classes read the storage dtype from the config
-    moe = bool(getattr(config, "num_experts", 0))
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, output_dtype=None,
-                              cast_forward_inputs=False)
-    strategy = FSDP2Config(sequence_parallel=sequence_parallel, mp_policy=mp, activation_checkpointing=ac,
-                           enable_compile=compile_blocks,
-                           # one rank: keep gathered params from forward to backward (nothing to save by freeing)
-                           reshard_after_forward=None if dist.get_world_size() > 1 else False)
-    moe_cfg = MoEParallelizerConfig(reshard_after_forward=moe_reshard_after_forward, mp_policy=mp) \
-        if moe and sizes["ep_size"] > 1 else None
-    setup = DistributedSetup.build(strategy, ParallelismSizes(**sizes), moe_parallel_config=moe_cfg,
-                                   activation_checkpointing=ac)
-    backend = BackendConfig(attn="sdpa" if attn_implementation == "sdpa" else attn_implementation,
-                            linear=linear_backend or "torch", rms_norm=rms_norm, rope_fusion=False,
-                            experts=experts_backend or "torch_mm", dispatcher=moe_dispatcher,
-                            gate_precision=gate_precision)
     if not getattr(config, "architectures", None):  # AutoModel picks its own model class by architecture name
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    from nemo_automodel._transformers.model_init import get_is_hf_model
-    if get_is_hf_model(config, False):
+        config.architectures = [transformers_compat.causal_lm_architecture(config.model_type)]
+    if not automodel_compat.has_own_model_class(config):
         raise ValueError(f"model.backend=automodel: NeMo AutoModel has no model class of its own for "
                          f"{config.architectures[0]}; set model.backend=hf")
+    moe = bool(getattr(config, "num_experts", 0))
+    setup = _distributed_setup(dist.get_world_size(), dp_size, tp_size, ep_size, cp_size, param_dtype, moe,
+                               AC_MODES[gradient_checkpointing] if role != "ref" else False, compile_blocks,
+                               sequence_parallel, moe_reshard_after_forward)
+    backend = BackendConfig(attn=attn_implementation, linear=linear_backend or "torch", rms_norm=rms_norm,
+                            rope_fusion=False, experts=experts_backend or "torch_mm", dispatcher=moe_dispatcher,
+                            gate_precision=gate_precision)
     kw = dict(distributed_setup=setup, dtype=torch.float32, backend=backend, use_liger_kernel=False,
               load_base_model=not random_init)
     if moe:
         kw["moe_overrides"] = {"enable_routing_replay": routing_replay}
     RouterReplay.clear_registry()  # gates register in construction order: this model's layers only
-    if moe and sizes["ep_size"] == 1:
-        install_sync_free_permute(config.num_experts)
+    if moe and ep_size == 1:
+        automodel_compat.install_sync_free_permute(config.num_experts, permute_tokens_all_local)
     model = NeMoAutoModelForCausalLM.from_config(config, **kw)
     if dist.get_world_size() == 1 and master_weights != "optimizer":
-        # AutoModel skips fully_shard on one rank (components/distributed/fsdp2.py), and with it the bf16 compute
-        # cast: the model would compute in fp32. One-rank FSDP2 with the same policy as the HF path restores it.
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from molt_hydra.parallel.fsdp import shard_model
-        model = shard_model(model, init_device_mesh("cuda", (1,), mesh_dim_names=("dp",)), param_dtype=param_dtype,
-                            reshard_after_forward=False)
+        _shard_one_rank(model, param_dtype)
     model._molt_mesh = setup.mesh_context  # the grad-norm reduction needs the dense and expert meshes
     freeze(model, router=freeze_moe_router or role == "ref", visual=freeze_visual_encoder or role == "ref",
            everything=role == "ref")
     model.train(role != "ref")
     return model
+
+
+def _distributed_setup(world: int, dp: int, tp: int, ep: int, cp: int, param_dtype: str, moe: bool, ac,
+                       compile_blocks: bool, sequence_parallel: bool, moe_reshard_after_forward: bool):
+    """AutoModel's mesh and FSDP2 strategy: bf16 compute, fp32 grad reduce; experts sharded over ep when ep > 1."""
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config, MoEParallelizerConfig
+    from nemo_automodel.components.distributed.mesh import ParallelismSizes
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    sizes = parallel_sizes(world, dp=dp, tp=tp, ep=ep, cp=cp)
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, output_dtype=None,
+                              cast_forward_inputs=False)
+    strategy = FSDP2Config(sequence_parallel=sequence_parallel, mp_policy=mp, activation_checkpointing=ac,
+                           enable_compile=compile_blocks,
+                           # one rank: keep gathered params from forward to backward (nothing to save by freeing)
+                           reshard_after_forward=None if world > 1 else False)
+    moe_cfg = MoEParallelizerConfig(reshard_after_forward=moe_reshard_after_forward, mp_policy=mp) \
+        if moe and ep > 1 else None
+    return DistributedSetup.build(strategy, ParallelismSizes(**sizes), moe_parallel_config=moe_cfg,
+                                  activation_checkpointing=ac)
+
+
+def _shard_one_rank(model, param_dtype: str) -> None:
+    """AutoModel skips fully_shard on one rank (components/distributed/fsdp2.py), and with it the bf16 compute cast:
+    the model would compute in fp32. One-rank FSDP2 with the HF path's policy (parallel/fsdp.py) restores it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, cast_forward_inputs=True)
+    mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp",))
+    for module in [*decoder_layers(model), model]:
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
 
 
 def clip_grad_norm(model, max_norm: float, dp_size: int) -> torch.Tensor:

@@ -13,16 +13,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from molt_hydra.models import vlm
+from molt_hydra.models.smollm2 import resolve_smollm2
+from molt_hydra.models.tiny import resolve_model_path
+# imported where used: transformers (heavy)
+
 ROLES = ("actor", "ref", "critic")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # model.param_dtype
 
 
 def resolve_path(path: str) -> str:
     """`tiny://NAME` and `smollm2://NAME` build a local model directory once; any other path is used as is."""
     if path.startswith("tiny://"):
-        from molt_hydra.models.tiny import resolve_model_path
         return str(resolve_model_path(path))
     if path.startswith("smollm2://"):
-        from molt_hydra.models.smollm2 import resolve_smollm2
         return resolve_smollm2(path)
     return path
 
@@ -116,7 +120,6 @@ def build_model(path: str, *, role: str = "actor", attn_implementation: str = "s
     config = load_config(path, config_overrides, random_init)
     if role == "critic":
         config.tie_word_embeddings = False
-    from molt_hydra.models import vlm
 
     cls = _auto_classes(base=role == "critic")
     if vlm.is_vlm(config):

@@ -22,6 +22,12 @@ def _shifted(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
     return logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
 
 
+def _per_chunk(z: torch.Tensor, shape, temperature: float, chunk_size: int, fn) -> torch.Tensor:
+    """`fn(fp32 chunk of z / T, its first row)` over row chunks of the shifted logits z, as [B, T] with column 0 = 0."""
+    parts = [fn(z[s:s + chunk_size].float() / temperature, s) for s in range(0, z.shape[0], chunk_size)]
+    return _pad_first(torch.cat(parts) if parts else z.new_zeros(0, dtype=torch.float32), shape)
+
+
 def _pad_first(values: torch.Tensor, shape) -> torch.Tensor:
     out = values.new_zeros(shape)
     out[:, 1:] = values.view(shape[0], shape[1] - 1)
@@ -32,23 +38,17 @@ def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: f
                          chunk_size: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """[B, T, V] logits, [B, T] ids -> [B, T] fp32 log p(ids[t]) under log_softmax(logits[t-1] / T); column 0 is 0."""
     z, y = _shifted(logits, ids, temperature)
-    parts = []
-    for s in range(0, z.shape[0], chunk_size):
-        zc = z[s:s + chunk_size].float() / temperature
-        # logp = z_y - logsumexp(z): never materialises the full log_softmax of the chunk
-        parts.append(zc.gather(-1, y[s:s + chunk_size, None])[:, 0] - torch.logsumexp(zc, dim=-1))
-    return _pad_first(torch.cat(parts) if parts else z.new_zeros(0, dtype=torch.float32), ids.shape)
+    # logp = z_y - logsumexp(z): never materialises the full log_softmax of the chunk
+    return _per_chunk(z, ids.shape, temperature, chunk_size,
+                      lambda zc, s: zc.gather(-1, y[s:s + chunk_size, None])[:, 0] - torch.logsumexp(zc, dim=-1))
 
 
 def entropy_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
                         chunk_size: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """[B, T] fp32 entropy H = logsumexp(z) - sum softmax(z) z of the distribution that produced token t (z = logits/T)."""
     z, _ = _shifted(logits, ids, temperature)
-    parts = []
-    for s in range(0, z.shape[0], chunk_size):
-        zc = z[s:s + chunk_size].float() / temperature
-        parts.append(torch.logsumexp(zc, dim=-1) - (torch.softmax(zc, dim=-1) * zc).sum(-1))
-    return _pad_first(torch.cat(parts) if parts else z.new_zeros(0, dtype=torch.float32), ids.shape)
+    return _per_chunk(z, ids.shape, temperature, chunk_size,
+                      lambda zc, s: torch.logsumexp(zc, dim=-1) - (torch.softmax(zc, dim=-1) * zc).sum(-1))
 
 
 class _ChunkedLinearLogprobs(torch.autograd.Function):

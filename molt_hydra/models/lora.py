@@ -10,10 +10,12 @@ a `peft.tuners.lora.Linear` holding `base_layer` plus `lora_A.default` / `lora_B
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+# imported where used: peft and safetensors (heavy)
 
 # adapter versions an engine keeps loadable (in vLLM's CPU-side cache and as directories): the current one and the
 # older ones in-flight requests may still run under (async generation ahead of the trainer); GPU slots: the current
@@ -68,8 +70,6 @@ def add_adapter(model: nn.Module, spec: dict) -> nn.Module:
     """Injects the adapter (fp32, like every trainer weight; FSDP2's policy casts it as the base) and freezes the
     base: only lora_A / lora_B require grad, so the optimizer holds them alone (parallel/optim.py). A tied lm_head's
     adapter adds to the logits only (the embedding stays the base's, as in vLLM's LoRA logits layer)."""
-    import warnings
-
     from peft import inject_adapter_in_model
 
     try:

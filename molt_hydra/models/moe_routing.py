@@ -11,12 +11,12 @@ the last generated token, padding) use the trainer's own top-k.
 Gate precision: the gate matmul, softmax and top-k run in `gate_precision` whatever the compute dtype (Molt's
 MOLT_GATE_PRECISION, default float32 under bf16 mixed precision).
 
-The router module is swapped in place (`__class__`) so parameter names, checkpoints and weight sync are unchanged.
+The router module is swapped in place (compat/transformers.py: `install_routers`) so parameter names, checkpoints
+and weight sync are unchanged.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from contextlib import contextmanager
 
@@ -24,19 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from molt_hydra.compat import transformers as transformers_compat
+
 GATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def is_moe_config(config) -> bool:
     config = config.get_text_config()  # a VLM's experts are in its decoder's config
     return int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0) > 0
-
-
-def _router_classes() -> tuple:
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
-
-    return (Qwen3MoeTopKRouter, Qwen3VLMoeTextTopKRouter)
 
 
 def routing_stats(config) -> "RoutingStats":
@@ -193,23 +188,15 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
     """Make every MoE router of `model` a `ReplayableRouter` (in place); returns them in layer order."""
     if gate_precision not in GATE_DTYPES:
         raise ValueError(f"gate_precision must be one of {sorted(GATE_DTYPES)}, got {gate_precision!r}")
-    classes = _router_classes()
     found = []
-    for name, module in model.named_modules():
-        if isinstance(module, classes) and not isinstance(module, ReplayableRouter):
-            module.__class__ = _replayable(type(module))
-            module.layer_index = _layer_index(name)
-            module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
-            module.engine_experts, module.image_tokens, module.stats, module.balance = None, None, None, None
-            if not hasattr(module, "norm_topk_prob"):  # Qwen3-VL-MoE's router always renormalises its top-k
-                module.norm_topk_prob = True
-            found.append(module)
+    for name, module in transformers_compat.install_routers(model, ReplayableRouter):
+        module.layer_index = _layer_index(name)
+        module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
+        module.engine_experts, module.image_tokens, module.stats, module.balance = None, None, None, None
+        if not hasattr(module, "norm_topk_prob"):  # Qwen3-VL-MoE's router always renormalises its top-k
+            module.norm_topk_prob = True
+        found.append(module)
     return found
-
-
-@functools.cache
-def _replayable(cls: type) -> type:
-    return type(f"Replayable{cls.__name__}", (ReplayableRouter, cls), {})
 
 
 def _layer_index(name: str) -> int:
@@ -269,9 +256,8 @@ def checkpoint_expert_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str
 def freeze(model: nn.Module) -> list[str]:
     """requires_grad=False on every router weight; returns their parameter names (kept out of sync too)."""
     names = []
-    for name, module in model.named_modules():
-        if isinstance(module, _router_classes()):
-            for pname, p in module.named_parameters(recurse=False):
-                p.requires_grad_(False)
-                names.append(f"{name}.{pname}")
+    for name, module in transformers_compat.router_modules(model):
+        for pname, p in module.named_parameters(recurse=False):
+            p.requires_grad_(False)
+            names.append(f"{name}.{pname}")
     return names

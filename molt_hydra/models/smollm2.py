@@ -5,10 +5,10 @@ safetensors directory (transformers cannot save a GGUF-loaded model directly) an
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from molt_hydra.models.tiny import build_once
+# imported where used: torch and transformers (heavy; only to convert once)
 
 SCHEME = "smollm2://"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,9 +30,12 @@ def resolve_smollm2(path: str, cache_root: Path | None = None) -> str:
     if name != "SmolLM2-135M-Instruct":
         raise ValueError(f"unknown smollm2 model {name!r}; the package ships SmolLM2-135M-Instruct")
     root = cache_root or Path.home() / ".cache" / "molt_hydra" / "smollm2"
-    target = root / name
-    if (target / "model.safetensors").exists():
-        return str(target)
+    if not (root / name / "model.safetensors").exists():
+        build_once(root, (name,), lambda staging: _convert(staging / name))
+    return str(root / name)
+
+
+def _convert(out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -46,13 +49,5 @@ def resolve_smollm2(path: str, cache_root: Path | None = None) -> str:
     plain.load_state_dict(quantized.state_dict(), assign=True)
     plain.tie_weights()
     plain.generation_config = quantized.generation_config
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
-    staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
-    plain.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    if not (target / "model.safetensors").exists():  # publish by rename: readers never see half a directory
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
-    shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)

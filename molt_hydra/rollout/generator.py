@@ -22,13 +22,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from molt_hydra.rollout.generation import Sampling
-from molt_hydra.runtime.watchdog import RunFailed
 
 # Molt's seven reasons, then the agent-side failures molt_hydra counts too (Molt prints and forgets them).
 DROP_REASONS = (
     "empty_tokens", "vlm_media_unresolved", "vlm_truncation", "logprob_misalign", "no_action_tokens",
     "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "nonfinite_reward",
 )
+
+
+class RunFailed(RuntimeError):
+    """A failure the run cannot survive (a role died, an I/O error, nothing left to train on): the run ends with one
+    message naming the role and the cause (runtime/watchdog.py re-exports it)."""
+
+    def __init__(self, role: str, cause: str, drops: dict[str, int] | None = None):
+        super().__init__(f"{role}: {cause}")
+        self.role, self.cause, self.drops = role, cause, drops or {}
 
 
 class GroupRunner(Protocol):

@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 from molt_hydra.rollout.batched_calls import BatchedCalls
 from molt_hydra.rollout.generation import Generation, GenerationRequest
+# imported where used: ray (heavy)
 
 
 # The running rollout's `asyncio.timeout` (agents/base.py): time spent waiting for a replacement engine is added to
@@ -66,9 +67,6 @@ class Router:
         self.counts = {"requests": 0, "retries": 0, "timeouts": 0, "engine_deaths": 0}
         self._outage, self._down_since = 0.0, None  # seconds with no live engine (requests waiting for one)
         self._links = [BatchedCalls(e, "generate") for e in engines]
-
-    def engine_for(self, session_id: str) -> int:
-        return self.affinity.pick(session_id)
 
     async def generate(self, request: GenerationRequest) -> list[Generation]:
         import ray

@@ -17,14 +17,14 @@ class EngineWorkerExtension(WeightReceiver):
 
     def queue_reader_busy_loop_s(self) -> float:
         """Seconds this worker spins on its scheduler-output queue before it blocks (rollout/quiet_executor.py)."""
-        from molt_hydra.rollout.quiet_executor import worker_busy_loop_s
+        from molt_hydra.compat.vllm import worker_busy_loop_s
 
         return worker_busy_loop_s()
 
     # --- R3 on CPU: the engine's own expert selection per request (rollout/routing_capture.py) ---
 
     def start_routing_capture(self) -> None:
-        from molt_hydra.rollout.routing_capture import EngineRoutingCapture
+        from molt_hydra.compat.vllm import EngineRoutingCapture
 
         self._routing_capture = EngineRoutingCapture(self)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pickle
 import re
 import shutil
@@ -29,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from molt_hydra.logging.dashboard import final_and_best, read_metrics, series  # noqa: F401 (re-exported)
 
 DEFAULT_METRICS = ("train/reward", "train/vllm_kl:min")
 
@@ -44,40 +45,6 @@ class Point:
     max_steps: int | None = None
     rows: list[dict] = field(default_factory=list)
     status: str = ""
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """Rows of a metrics.jsonl; a torn last line (the run is still writing) is skipped."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and "step" in row:
-                rows.append(row)
-    return rows
-
-
-def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    """(step, value) of one metric; for a step logged twice (a resumed run re-ran it) the later value wins."""
-    by_step: dict[int, float] = {}
-    for row in rows:
-        value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            by_step[int(row["step"])] = float(value)
-    return sorted(by_step.items())
-
-
-def final_and_best(rows: list[dict], key: str, mode: str) -> tuple[float | None, float | None, int | None]:
-    """Value at the last step, best value (max or min), and the step of the best (first one on ties)."""
-    s = series(rows, key)
-    if not s:
-        return None, None, None
-    pick = max if mode == "max" else min
-    best = pick(v for _, v in s)
-    return s[-1][1], best, next(step for step, v in s if v == best)
 
 
 def _submissions(sweep: Path) -> dict[int, tuple[str, list[str], tuple | None]]:

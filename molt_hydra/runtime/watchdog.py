@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from molt_hydra.rollout.generator import RunFailed  # noqa: F401 (re-exported: raised by the generator too)
+
 EXIT_STALLED = 3
 EXIT_FAILED = 4
 
@@ -21,15 +23,6 @@ class RoleStalled(RuntimeError):
     def __init__(self, role: str, what: str, seconds: float):
         super().__init__(f"{role} stalled: {what} did not finish within {seconds:g} s")
         self.role = role
-
-
-class RunFailed(RuntimeError):
-    """A failure the run cannot survive (a role died, an I/O error, nothing left to train on): the run ends with one
-    message naming the role and the cause."""
-
-    def __init__(self, role: str, cause: str, drops: dict[str, int] | None = None):
-        super().__init__(f"{role}: {cause}")
-        self.role, self.cause, self.drops = role, cause, drops or {}
 
 
 def describe(error: BaseException) -> str:

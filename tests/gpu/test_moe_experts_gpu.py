@@ -31,7 +31,7 @@ def _layer(impl: str, dtype: torch.dtype, seed: int = 0):
         torch.nn.init.normal_(p, std=0.02)
         p.data = p.data.bfloat16().float()  # bf16-exact weights: the fp32 reference routes every token the same
     moe_routing.install(holder, "float32")  # the fp32 gate, as the trainer runs it
-    install_experts(holder, impl)
+    install_experts(holder, impl, moe_experts.grouped_experts_forward)
     return holder.to(dtype)
 
 

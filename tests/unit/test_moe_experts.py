@@ -21,7 +21,7 @@ U32 = 2.0 ** -24  # fp32 unit roundoff
 def _model(path, impl, dtype=torch.float32, replay=False):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     moe_routing.install(model, "float32", replay=replay)
-    patched = install_experts(model, impl)
+    patched = install_experts(model, impl, moe_experts.grouped_experts_forward)
     assert patched and all(m.experts_impl == impl for m in patched)
     if impl == "loop":  # the reference is transformers' eager per-expert loop, not its grouped_mm dispatch
         assert inspect.getmodule(type(patched[0]).forward).__name__.endswith("modeling_qwen3_moe")

@@ -1,5 +1,5 @@
 """CPU engines run vLLM's multiprocess executor with shared-memory queue readers that block instead of spinning
-(rollout/quiet_executor.py); the live engine's workers are checked in tests/integration/test_rollout_engines.py."""
+(compat/vllm.py: `cpu_executor`); the live engine's workers are checked in tests/integration/test_rollout_engines.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
 from molt_hydra.rollout.engine import VLLMEngine
-from molt_hydra.rollout.quiet_executor import READER_BUSY_LOOP_S, QuietMultiprocExecutor, quiet_worker_reader
+from molt_hydra.compat.vllm import READER_BUSY_LOOP_S, QuietMultiprocExecutor, quiet_worker_reader
 
 
 def engine_args(monkeypatch, tiny_model, on_cpu: bool, tensor_parallel_size: int = 1, **extra):

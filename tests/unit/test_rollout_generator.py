@@ -193,7 +193,7 @@ def in_dispatch_order(scripts):
 
 
 def test_a_batch_worth_of_failed_groups_in_a_row_fails_with_the_drops():
-    from molt_hydra.runtime.watchdog import RunFailed
+    from molt_hydra.rollout.generator import RunFailed
 
     scripts = [[1.0] * 2, ["raise"] * 2, [float("nan"), "raise"], ["raise"] * 2, [1.0] * 2]
     gen = SamplesGenerator(in_dispatch_order(scripts), ScriptedRunner(), batch_size=3,

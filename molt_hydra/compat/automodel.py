@@ -1,0 +1,47 @@
+"""NeMo AutoModel: what this project reaches into, and the releases it is checked against.
+
+Written for nemo-automodel 0.7.x (the H200 device's; it is not installed on CPU hosts, where `model.backend=automodel`
+is refused before anything here runs). Any other release is refused by each function below, naming the installed
+version. Reached into here:
+
+- `install_sync_free_permute`: AutoModel's grouped-GEMM experts permute their tokens with
+  `nemo_automodel.components.moe.experts._permute_tokens_for_grouped_mm(indices, weights, token_mask,
+  n_local_experts, experts_start_idx, *, return_slot_ids)`; it is replaced by one that hands calls with every expert
+  local to a given sync-free permutation (models/automodel.py) and the others to AutoModel's own.
+- `has_own_model_class`: `nemo_automodel._transformers.model_init.get_is_hf_model(config, force_hf)`, whether
+  AutoModel would build a model with transformers' class (no AutoModel class of its own for the architecture).
+"""
+
+from __future__ import annotations
+
+from molt_hydra.compat import written_for
+# imported where used: nemo_automodel (GPU hosts only)
+
+SUPPORTED = ("0.7",)
+
+
+def install_sync_free_permute(n_experts: int, permute_all_local) -> None:
+    """Route AutoModel's grouped-GEMM experts through `permute_all_local(indices, weights, token_mask, n_experts, *,
+    return_slot_ids)` whenever a call has all `n_experts` local (ep = 1); expert-parallel calls (fewer local
+    experts) keep AutoModel's own permutation. Installing again replaces the previous one."""
+    written_for("the sync-free token permutation", "automodel", "nemo-automodel", SUPPORTED)
+    from nemo_automodel.components.moe import experts
+
+    original = getattr(experts._permute_tokens_for_grouped_mm, "_molt_original", experts._permute_tokens_for_grouped_mm)
+
+    def permute(indices, weights, token_mask, n_local_experts, experts_start_idx, *, return_slot_ids=False):
+        if n_local_experts == n_experts and experts_start_idx == 0:
+            return permute_all_local(indices, weights, token_mask, n_experts, return_slot_ids=return_slot_ids)
+        return original(indices, weights, token_mask, n_local_experts, experts_start_idx,
+                        return_slot_ids=return_slot_ids)
+
+    permute._molt_original = original
+    experts._permute_tokens_for_grouped_mm = permute
+
+
+def has_own_model_class(config) -> bool:
+    """Whether AutoModel builds `config`'s architecture with a model class of its own (not transformers')."""
+    written_for("the model-class lookup", "automodel", "nemo-automodel", SUPPORTED)
+    from nemo_automodel._transformers.model_init import get_is_hf_model
+
+    return not get_is_hf_model(config, False)

@@ -1,0 +1,21 @@
+"""Hydra: what this project reaches into, and the releases it is checked against.
+
+Written for hydra-core 1.3.x (tested: 1.3.8, every CI run); another release is refused, naming the installed one.
+Reached into here: `hydra._internal.utils.get_args_parser`, the parser `hydra.main` reads the command line with, so
+that `molt-run` checks the composed config (all errors in one message) before Hydra starts.
+"""
+
+from __future__ import annotations
+
+from molt_hydra.compat import written_for
+# imported where used: hydra's internals (only when molt-run parses its command line)
+
+SUPPORTED = "1.3"
+
+
+def get_args_parser():
+    """Hydra's own command-line parser (its `overrides`, `multirun`, `help`, `info`, `config_dir`, ... flags)."""
+    written_for("molt-run's command-line check", "hydra", "hydra-core", (SUPPORTED,))
+    from hydra._internal.utils import get_args_parser as hydras
+
+    return hydras()
