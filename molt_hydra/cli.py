@@ -155,7 +155,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    from hydra._internal.utils import get_args_parser
+    from molt_hydra.compat.hydra import get_args_parser
 
     register()
     args = get_args_parser().parse_args()

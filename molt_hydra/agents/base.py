@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from molt_hydra.models.vlm import NOT_GENERATED  # noqa: F401 -- re-exported: the version of prompt / feedback tokens
 from molt_hydra.rollout.generation import Generation, Sampling, TokenGenerator
 from molt_hydra.rollout.router import EPISODE_DEADLINE
 
@@ -29,7 +30,6 @@ AGENT_TIMEOUT = "agent_timeout"
 EMPTY_SESSION = "empty_session"
 FAILURE_REASONS = (AGENT_EXCEPTION, AGENT_TIMEOUT, EMPTY_SESSION)
 
-NOT_GENERATED = -1  # policy version stamped on prompt / feedback tokens
 
 
 @dataclass

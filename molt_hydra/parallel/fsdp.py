@@ -10,9 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from molt_hydra.models.build import decoder_layers
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from molt_hydra.models.build import DTYPES, decoder_layers
 
 
 def shard_model(model: nn.Module, mesh, *, param_dtype: str = "bf16", offload: bool = False,

@@ -28,7 +28,7 @@ from molt_hydra.algorithm.experience import NumpyPickled
 from molt_hydra.compat.transformers import expert_widths, install_experts
 from molt_hydra.models import lora, moe_experts, moe_routing, vlm
 from molt_hydra.models.automodel import build_automodel, clip_grad_norm, hf_name_mapper, replay_routed_experts
-from molt_hydra.models.build import build_model, decoder_layers, resolve_backend, resolve_path
+from molt_hydra.models.build import DTYPES, build_model, decoder_layers, resolve_backend, resolve_path
 from molt_hydra.models.logprobs import (LOGPROB_CHUNK_TOKENS, entropy_from_logits, linear_logprobs_entropy,
                                        logprobs_from_logits)
 from molt_hydra.parallel import checkpoint as ckpt
@@ -36,7 +36,7 @@ from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, p
                                           prompt_groups, shared_prompt_rows, shared_prompt_tokens, unpack)
 from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
-from molt_hydra.parallel.fsdp import DTYPES, shard_model, to_compute_dtype
+from molt_hydra.parallel.fsdp import shard_model, to_compute_dtype
 from molt_hydra.parallel.grad_debug import grad_norm_metrics
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
