@@ -212,6 +212,9 @@ def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
             (not (muon and cfg.model.master_weights.value == "optimizer"), f"{key}.name",
              "muon: Muon steps the parameters themselves; the fp32 masters of model.master_weights=optimizer live in "
              "AdamW only.", "set model.master_weights=fsdp, or the optimizer to adamw"),
+            (not (muon and cfg.parallelism.offload.value == "optimizer"), f"{key}.name",
+             "muon: parallelism.offload=optimizer steps AdamW on the host (as Molt's, which refuses Muon too).",
+             "set parallelism.offload=none, or the optimizer to adamw"),
         ))
         # the schema default is a transformers scheduler (tests/config/test_bounds.py); importing transformers'
         # scheduler list costs ~0.5 s, so only a changed name pays for it
@@ -366,8 +369,6 @@ def unavailable_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
     only where the run uses the HF path: on CPU, or with model.backend=hf)."""
     p, m, hf_backend = cfg.parallelism, cfg.model, trainer_backend(cfg) == "hf"
     problems.table((
-        (p.offload.value != "optimizer", "parallelism.offload", "optimizer-only offload is not implemented (full "
-         "FSDP2 offload is).", "set parallelism.offload=full or none"),
         (not hf_backend or m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
          "selective (per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
          "set model.gradient_checkpointing=full"),
@@ -396,9 +397,10 @@ def model_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
             (m.param_dtype.value != "float32", "model.master_weights", "model.param_dtype=float32 leaves no "
              "lower-precision copy to keep fp32 masters for.",
              "set model.param_dtype=bfloat16, or model.master_weights=fsdp"),
-            (p.offload.value == "none", "model.master_weights", f"parallelism.offload={p.offload.value} moves FSDP2's "
-             "fp32 state to the host; the optimizer-held masters are not wired to it.",
-             "set parallelism.offload=none, or model.master_weights=fsdp"),
+            (p.offload.value != "full", "model.master_weights", "parallelism.offload=full moves FSDP2's fp32 state "
+             "to the host; the optimizer-held masters are not wired to it.",
+             "set parallelism.offload=optimizer (masters and moments on the host) or none, or "
+             "model.master_weights=fsdp"),
         ), "optimizer: ")
 
 
@@ -428,6 +430,9 @@ def parallelism_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
          "only CPU trainer ranks borrow cores; this run's trainer is on GPU.", "unset it"),
         (not (p.offload.value == "full" and p.trainer_devices == 1), "parallelism.offload",
          "full offload needs more than one trainer rank.", "set parallelism.offload=optimizer"),
+        (not (p.offload.value == "optimizer" and cfg.cluster.device.value == "cpu"), "parallelism.offload",
+         "optimizer: the trainer already runs on the host (cluster.device=cpu), so there is nothing to offload.",
+         "unset parallelism.offload"),
         (not (p.defer_grad_sync and p.trainer_devices == 1), "parallelism.defer_grad_sync",
          "one trainer rank has no gradient reduce-scatter to defer.", "unset parallelism.defer_grad_sync"),
         (not (p.defer_grad_sync and m.master_weights.value == "optimizer"), "parallelism.defer_grad_sync",

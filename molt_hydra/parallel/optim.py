@@ -23,20 +23,25 @@ class MasterWeightAdamW(torch.optim.AdamW):
     With `accumulate_fp32` set (the trainer sets it when an optimizer step spans several micro-batches), a
     post-accumulate-grad hook adds each micro-batch's grad (FSDP2: the reduced shard) into an fp32 sum and frees it,
     so the sum is never rounded to bf16 between micro-batches (Megatron's main_grad); the step consumes the sums.
-    One micro-batch: the hook does nothing (its bf16 grad is the computed grad; the step upcasts it)."""
+    One micro-batch: the hook does nothing (its bf16 grad is the computed grad; the step upcasts it).
+
+    With `on_host` (parallelism.offload=optimizer, as Molt's `--fsdp.offload optimizer`) the masters and moments are
+    host copies: each step's grads go to the host, torch's fused AdamW runs there on the CPU, and the masters come
+    back into the params (still on their device), rounded to the params' dtype."""
 
     CHUNK_NUMEL = 1 << 28  # grads upcast per kernel call: bounds the transient fp32 copies to 1 GiB
 
-    def __init__(self, params, masters: dict, **kw):
+    def __init__(self, params, masters: dict, on_host: bool = False, **kw):
         super().__init__(params, fused=True, **kw)  # the fused kernel takes grad_scale (CUDA and CPU)
         self._grad_scale = None
+        self.on_host = on_host
         self.accumulate_fp32 = False
         self.main_grads: dict = {}  # param -> fp32 grad sum of this step's micro-batches (accumulate_fp32 only)
         for group in self.param_groups:
             for p in group["params"]:
                 p.register_post_accumulate_grad_hook(self._accumulate)
                 # the whole state now, so a checkpoint's structure is known before the first step
-                master = masters[p]
+                master = _host_copy(masters[p]) if on_host else masters[p]
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=master.device), "master": master,
                                  "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
 
@@ -88,15 +93,18 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 chunk, start = params[start:end], end
                 states = [self.state[p] for p in chunk]
                 masters = [_local(s["master"]) for s in states]
+                where = masters[0].device  # the params' device, or the host (on_host)
+                scale = None if self._grad_scale is None else self._grad_scale.to(where)
                 adamw(
-                    masters, [_local(self.grad(p)).float() for p in chunk], [_local(s["exp_avg"]) for s in states],
-                    [_local(s["exp_avg_sq"]) for s in states], [], [s["step"] for s in states], fused=True,
-                    grad_scale=self._grad_scale, found_inf=None, amsgrad=False, beta1=group["betas"][0],
-                    beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                    maximize=False)
-                low = [(_local(p), m) for p, m in zip(chunk, masters) if p.dtype != m.dtype]  # fp32 params are masters
-                if low:
-                    torch._foreach_copy_(*map(list, zip(*low)))  # round the masters to the compute dtype
+                    masters, [_local(self.grad(p)).to(where, torch.float32) for p in chunk],
+                    [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+                    [s["step"] for s in states], fused=True, grad_scale=scale, found_inf=None, amsgrad=False,
+                    beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                # fp32 params on their device are their own masters; any other takes its master, rounded (and moved)
+                copies = [(p, m) for p, m in zip(map(_local, chunk), masters) if p.dtype != m.dtype or self.on_host]
+                if copies:
+                    torch._foreach_copy_(*map(list, zip(*copies)))
         self._grad_scale = None
 
     def load_state_dict(self, state_dict):
@@ -105,16 +113,28 @@ class MasterWeightAdamW(torch.optim.AdamW):
         kept = {i: {k: v for k, v in state_dict["state"].get(i, {}).items() if k in FP32_STATE} for i in ids}
         super().load_state_dict(state_dict)
         for i, p in zip(ids, (p for g in self.param_groups for p in g["params"])):
-            self.state[p].update({k: v.to(device=p.device, dtype=torch.float32) for k, v in kept[i].items()})
+            device = "cpu" if self.on_host else p.device
+            self.state[p].update({k: v.to(device=device, dtype=torch.float32) for k, v in kept[i].items()})
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of `t` in host memory (a DTensor's shard, kept a DTensor placed as `t` for the checkpoints)."""
+    local = _local(t).detach().to("cpu", torch.float32, copy=True)
+    if not hasattr(t, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
 def build_optimizer(model, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                    masters: dict | None = None, muon: dict | None = None):
-    """masters: {param: its fp32 master} when the params are low-precision compute weights (MasterWeightAdamW).
+                    masters: dict | None = None, muon: dict | None = None, on_host: bool = False):
+    """masters: {param: its fp32 master} when the params are low-precision compute weights (MasterWeightAdamW);
+    on_host: those masters and the moments in host memory, the step on the CPU (parallelism.offload=optimizer).
     muon: Muon for the matrices (parallel/muon.py) with keys lr, momentum, weight_decay, nesterov, experts_adamw."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -122,12 +142,14 @@ def build_optimizer(model, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, w
     if muon is not None:
         from molt_hydra.parallel.muon import MuonAdamW, muon_param_groups
         if masters is not None:
-            raise ValueError("Muon steps the parameters themselves; it has no fp32 masters (master_weights=fsdp)")
+            raise ValueError("Muon steps the parameters themselves; it has no fp32 masters (master_weights=fsdp, and "
+                             "parallelism.offload other than optimizer)")
         groups = muon_param_groups(model, lr=lr, weight_decay=weight_decay, muon_lr=muon["lr"],
                                    muon_weight_decay=muon["weight_decay"], experts_adamw=muon["experts_adamw"])
         return MuonAdamW(groups, betas=betas, eps=eps, momentum=muon["momentum"], nesterov=muon["nesterov"])
     if masters is not None:
-        return MasterWeightAdamW(params, masters, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        return MasterWeightAdamW(params, masters, on_host=on_host, lr=lr, betas=tuple(betas), eps=eps,
+                                 weight_decay=weight_decay)
     # multi-tensor (foreach) kernels: a per-parameter loop over hundreds of DTensors costs ~1 s of CPU per step;
     # on GPU the fused kernel does the whole update in a few launches
     fused = all(p.device.type == "cuda" for p in params)

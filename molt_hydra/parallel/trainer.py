@@ -198,8 +198,11 @@ class TrainerWorker:
                                        keep=(value_head,) if value_head is not None else ())
         if spec.role == "ref":
             return
+        if spec.optimizer_offload and masters is None:  # params stay as they are; fp32 masters go to the host
+            masters = {p: p.detach() for p in self.model.parameters()}
         self.optimizer = build_optimizer(self.model, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                         weight_decay=spec.weight_decay, masters=masters, muon=spec.muon)
+                                         weight_decay=spec.weight_decay, masters=masters, muon=spec.muon,
+                                         on_host=spec.optimizer_offload)
         self.scheduler = build_scheduler(self.optimizer, name=spec.lr_scheduler, total_steps=spec.total_steps,
                                          warmup_ratio=spec.lr_warmup_ratio, min_lr_ratio=spec.min_lr_ratio)
 

@@ -24,7 +24,8 @@ class TrainerSpec:
     tp_size: int = 1
     ep_size: int = 1
     cp_size: int = 1
-    offload: bool = False
+    offload: bool = False  # parallelism.offload=full: FSDP2 keeps params, grads and optimizer state on the host
+    optimizer_offload: bool = False  # parallelism.offload=optimizer: fp32 masters + AdamW moments on the host
     packing: bool = False
     share_prompts: bool = False
     defer_grad_sync: bool = False

@@ -22,6 +22,7 @@ def run_sft_job(cfg: RunConfig) -> list[dict]:
         min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * d.max_len,
         param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value], attn_implementation=cfg.model.attn_implementation.value,
-        offload=cfg.parallelism.offload.value != "none", timeout_s=t.timeouts.collective_s,
+        offload=cfg.parallelism.offload.value == "full",
+        optimizer_offload=cfg.parallelism.offload.value == "optimizer", timeout_s=t.timeouts.collective_s,
         image_key=d.image_key, max_images_per_prompt=d.max_images_per_prompt, max_disk_gb=c.max_disk_gb,
         load_model_only=c.load_model_only, **trainer_options(cfg, o), **backend_options(cfg))

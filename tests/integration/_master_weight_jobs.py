@@ -119,3 +119,27 @@ def compute_dtype(rank, world_size, port, out, param_dtype):
     if rank == 0:
         torch.save(seen, out)
     w.shutdown()
+
+
+def offload_steps(rank, world_size, port, out, optimizer_offload):
+    """Two optimizer steps of the fp32 tiny Qwen3 with the optimizer on the host (parallelism.offload=optimizer) or
+    not; rank 0 saves the full params after and, offloaded, where the masters live and whether they equal the
+    params."""
+    w = worker(rank, world_size, port, optimizer_offload=optimizer_offload, weight_decay=0.1, lr_scheduler="constant")
+    samples = with_old_logprobs(w, make_samples(8, seed=5))
+    for _ in range(2):
+        w.train_step(samples[rank::world_size], ppo_objective())
+    saved = {"params": {n: _full(p).cpu() for n, p in w.model.named_parameters()},
+             "param_devices": {str(p.device) for p in w.model.parameters()}, "optimizer": type(w.optimizer).__name__,
+             "peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0}
+    if optimizer_offload:
+        local = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in w.model.named_parameters()}
+        state = {n: w.optimizer.state[p] for n, p in w.model.named_parameters()}
+        masters = {n: s["master"].to_local() if hasattr(s["master"], "to_local") else s["master"]
+                   for n, s in state.items()}
+        saved.update(state_devices={str(_full(v).device) for s in state.values() for v in s.values()},
+                     master_is_param={n: masters[n].data_ptr() == local[n].data_ptr() for n in masters},
+                     master_equals_param={n: torch.equal(masters[n], local[n]) for n in masters})
+    if rank == 0:
+        torch.save(saved, out)
+    w.shutdown()

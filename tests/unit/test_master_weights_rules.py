@@ -31,3 +31,9 @@ def test_master_weights_optimizer_passes_on_gpu_bf16():
 def test_master_weights_optimizer_passes_on_cpu_bf16():
     lines = config_errors(["model.param_dtype=bfloat16", "model.master_weights=optimizer"])
     assert not [line for line in lines if "model.master_weights" in line], lines
+
+
+def test_master_weights_optimizer_with_the_optimizer_offloaded_passes_on_gpu():
+    """Molt's `--fsdp.offload optimizer`: bf16 params on the GPU, their fp32 masters and AdamW moments on the host."""
+    lines = config_errors([*GPU_MW, "parallelism.offload=optimizer"])
+    assert not [line for line in lines if "model.master_weights" in line or "parallelism.offload" in line], lines
