@@ -1,9 +1,13 @@
-"""torch: the one module below torch's public surface the package uses, and the releases it is checked against.
+"""torch: what the package uses below torch's public surface, and the releases it is checked against.
 
-`TorchDispatchMode` (torch.utils._python_dispatch): a mode that sees every aten op run under it, with the op's schema
-(`is_view_op`: mutability, alias info of its returns). The weight sync's copy plan (weight_sync/copy_plan.py) records
-an engine's weight loaders with it, and proves them to be views and copies only. Written for torch 2.11 (the GPU
-build) to 2.13 (CPU); tests/unit/test_compat_weight_loading.py checks what it relies on against the installed torch.
+- `TorchDispatchMode` (torch.utils._python_dispatch): a mode that sees every aten op run under it, with the op's
+  schema (`is_view_op`: mutability, alias info of its returns). The weight sync's copy plan (weight_sync/copy_plan.py)
+  records an engine's weight loaders with it, and proves them to be views and copies only.
+- A DTensor built from its spec (`DTensor(local, spec)`, torch.distributed.tensor._dtensor_spec): a host-memory shard
+  placed like a GPU parameter, as FSDP2's own CPU offload holds them (parallel/optim.py, parallelism.offload=optimizer);
+  the public `DTensor.from_local` moves the shard to the mesh's device.
+Written for torch 2.11 (the GPU build) to 2.13 (CPU); tests/unit/test_compat_weight_loading.py and
+tests/unit/test_torch_compat.py check what they rely on against the installed torch.
 """
 
 from __future__ import annotations
@@ -11,17 +15,33 @@ from __future__ import annotations
 SUPPORTED = ((2, 11), (2, 13))  # inclusive
 
 
-def dispatch_mode() -> type:
-    """torch's TorchDispatchMode base class; a clear error on a torch outside the range above."""
+def _check(what: str) -> None:
     import torch
 
     found = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     if not SUPPORTED[0] <= found <= SUPPORTED[1]:
-        raise RuntimeError(f"torch {torch.__version__} is installed; the weight sync's copy plan (compat/torch.py) is "
-                           f"written for torch {'.'.join(map(str, SUPPORTED[0]))}-{'.'.join(map(str, SUPPORTED[1]))}")
+        raise RuntimeError(f"torch {torch.__version__} is installed; {what} (compat/torch.py) is written for torch "
+                           f"{'.'.join(map(str, SUPPORTED[0]))}-{'.'.join(map(str, SUPPORTED[1]))}")
+
+
+def dispatch_mode() -> type:
+    """torch's TorchDispatchMode base class; a clear error on a torch outside the range above."""
+    _check("the weight sync's copy plan")
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def dtensor_in_place(local, template):
+    """`local` (e.g. an fp32 copy in host memory of `template`'s shard) as a DTensor of `local`'s dtype placed like
+    `template`, `local` kept where it is (no move to the mesh's device)."""
+    _check("the host-memory optimizer state")
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = template._spec
+    meta = TensorMeta(template.shape, template.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=False)
 
 
 def is_view_op(func) -> bool:

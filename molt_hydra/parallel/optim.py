@@ -7,6 +7,8 @@ import math
 import torch
 from torch.optim.adamw import adamw
 
+from molt_hydra.compat.torch import dtensor_in_place
+
 
 FP32_STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -124,11 +126,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """An fp32 copy of `t` in host memory (a DTensor's shard, kept a DTensor placed as `t` for the checkpoints)."""
     local = _local(t).detach().to("cpu", torch.float32, copy=True)
-    if not hasattr(t, "to_local"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return dtensor_in_place(local, t) if hasattr(t, "to_local") else local
 
 
 def build_optimizer(model, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,

@@ -239,7 +239,7 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
         grad_bytes = 4 if accumulates else compute_bytes
         state = {f"weights {m.param_dtype.value}": compute_bytes * P / shard / GIB,
                  f"grads {'fp32 (accumulated)' if accumulates else m.param_dtype.value}": grad_bytes * P / shard / GIB,
-                 "fp32 master weights": 4 * P / shard / GIB}
+                 "fp32 master weights": 0.0 if p.offload.value != "none" else 4 * P / shard / GIB}
     else:
         state = {"weights fp32": 4 * P / shard / GIB, "grads fp32": 4 * P / shard / GIB}
     lora = m.lora

@@ -137,9 +137,32 @@ def offload_steps(rank, world_size, port, out, optimizer_offload):
         state = {n: w.optimizer.state[p] for n, p in w.model.named_parameters()}
         masters = {n: s["master"].to_local() if hasattr(s["master"], "to_local") else s["master"]
                    for n, s in state.items()}
-        saved.update(state_devices={str(_full(v).device) for s in state.values() for v in s.values()},
+        # where each state tensor's memory is (a DTensor's shard: `full_tensor()` would gather it onto the mesh)
+        devices = {str(getattr(v, "_local_tensor", v).device) for s in state.values() for v in s.values()}
+        saved.update(state_devices=devices,
                      master_is_param={n: masters[n].data_ptr() == local[n].data_ptr() for n in masters},
-                     master_equals_param={n: torch.equal(masters[n], local[n]) for n in masters})
+                     master_equals_param={n: torch.equal(masters[n], local[n].to(masters[n].device)) for n in masters})
     if rank == 0:
         torch.save(saved, out)
+    w.shutdown()
+
+
+def offload_resume(rank, world_size, port, root, out, resume):
+    """parallelism.offload=optimizer: resume=False steps, saves, steps; resume=True loads that save and steps. Rank 0
+    saves the full params and the optimizer's full state after the last step."""
+    w = worker(rank, world_size, port, optimizer_offload=True, weight_decay=0.1, lr_scheduler="constant")
+    samples = with_old_logprobs(w, make_samples(8, seed=3)) if not resume else torch.load(
+        f"{root}/samples.pt", weights_only=False)
+    if resume:
+        w.load_checkpoint(root)
+    else:
+        if rank == 0:
+            torch.save(samples, f"{root}/samples.pt")
+        w.train_step(samples[rank::world_size], ppo_objective())
+        w.save_checkpoint(root)
+    w.train_step(samples[rank::world_size], ppo_objective())
+    snap = snapshot(w)
+    devices = {str(getattr(v, "_local_tensor", v).device) for st in w.optimizer.state.values() for v in st.values()}
+    if rank == 0:
+        torch.save({"state": snap, "devices": devices}, out)
     w.shutdown()
