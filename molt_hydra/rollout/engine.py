@@ -113,7 +113,8 @@ class VLLMEngine(BatchedCallee):
             # LoRA layers only on the modules the trainer adapts (vLLM's default wraps every one it can): fewer
             # kernels per step, and vLLM 0.24 failed to start with its lm_head wrapped on the tied 0.6B shape
             # (vocab 512 < hidden 1024: a [1024, r] B copied into the head's [512, r])
-            config = AutoConfig.from_pretrained(kwargs["model"], trust_remote_code=kwargs.get("trust_remote_code", False))
+            config = AutoConfig.from_pretrained(kwargs["model"],
+                                                trust_remote_code=kwargs.get("trust_remote_code", False))
             targets = resolve_targets(config.model_type, self.lora_target_modules)
             kwargs.update(enable_lora=True, max_lora_rank=vllm_compat.lora_rank_slot(self.lora_rank),
                           max_loras=ADAPTER_SLOTS, max_cpu_loras=ADAPTERS_KEPT, lora_target_modules=targets)
