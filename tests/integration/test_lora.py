@@ -53,7 +53,7 @@ def engine():
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     handle = ray.remote(VLLMEngine).options(max_concurrency=8, num_cpus=0).remote(
         resolve_model_path("tiny://qwen3_tiny"), dtype="float32", enforce_eager=True, max_model_len=2048,
-        kv_cache_gb=1, lora_rank=jobs.SPEC["rank"])
+        kv_cache_gb=1, lora_rank=jobs.SPEC["rank"], lora_target_modules=jobs.SPEC["target_modules"])
     ray.get(handle.start.remote(), timeout=600)
     yield handle
     ray.get(handle.shutdown.remote(), timeout=60)
