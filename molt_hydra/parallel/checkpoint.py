@@ -65,6 +65,11 @@ def _dcp_state(model, optimizer=None) -> dict:
     return {"model": msd, "optim": osd}
 
 
+def _write_extra(tmp: Path, extra: dict) -> None:
+    """The last write before the rename: its own function, so the crash test can kill a save exactly here."""
+    torch.save(extra, tmp / "extra_state.pt")
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
     """A finished directory takes `final`'s place in one rename (what was there is removed first)."""
     if final.exists():
@@ -96,8 +101,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
-        torch.save({"client_state": client_state or {}, "step": step,
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "extra_state.pt")
+        _write_extra(tmp, {"client_state": client_state or {}, "step": step,
+                           "scheduler": scheduler.state_dict() if scheduler is not None else None})
         _replace_dir(tmp, final)
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(tag)
