@@ -93,7 +93,7 @@ def logprobs_and_roles(rank, world_size, port, out):
         s["returns"] = s["action_mask"] * 1.0
         s["values"] = torch.zeros_like(s["returns"])
     res["critic"] = [critic.train_step(samples, CriticObjective(value_clip=None)) for _ in range(5)]
-    res["values"] = critic.compute_values(samples)
+    res["values"] = critic.compute_logprobs(samples)  # a critic's forward returns its values
     if rank == 0:
         torch.save(res, out)
     actor.shutdown()
