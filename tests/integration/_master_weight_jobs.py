@@ -56,9 +56,11 @@ def update_steps(rank, world_size, port, out):
     w.shutdown()
 
 
-def resume_run(rank, world_size, port, root, out, resume):
-    """resume=False: step, save, step; resume=True: load that save, step. Both record the state after the last step."""
-    w = master_worker(rank, world_size, port)
+def resume_run(rank, world_size, port, root, out, resume, optimizer_offload=False):
+    """resume=False: step, save, step; resume=True: load that save, step. Both record the state after the last step,
+    and where the optimizer's state tensors live (optimizer_offload: parallelism.offload=optimizer, fp32 params)."""
+    w = (worker(rank, world_size, port, optimizer_offload=True, weight_decay=0.1, lr_scheduler="constant")
+         if optimizer_offload else master_worker(rank, world_size, port))
     samples = with_old_logprobs(w, make_samples(8, seed=3)) if not resume else torch.load(
         f"{root}/samples.pt", weights_only=False)
     if resume:
@@ -70,8 +72,10 @@ def resume_run(rank, world_size, port, root, out, resume):
         w.save_checkpoint(root)
     m = w.train_step(samples[rank::world_size], ppo_objective())
     snap = snapshot(w)
+    # where each state tensor's memory is (a DTensor's shard: `full_tensor()` would gather it onto the mesh)
+    devices = {str(getattr(v, "_local_tensor", v).device) for st in w.optimizer.state.values() for v in st.values()}
     if rank == 0:
-        torch.save({"metrics": m, "state": snap}, out)
+        torch.save({"metrics": m, "state": snap, "devices": devices}, out)
     w.shutdown()
 
 
@@ -144,25 +148,4 @@ def offload_steps(rank, world_size, port, out, optimizer_offload):
                      master_equals_param={n: torch.equal(masters[n], local[n].to(masters[n].device)) for n in masters})
     if rank == 0:
         torch.save(saved, out)
-    w.shutdown()
-
-
-def offload_resume(rank, world_size, port, root, out, resume):
-    """parallelism.offload=optimizer: resume=False steps, saves, steps; resume=True loads that save and steps. Rank 0
-    saves the full params and the optimizer's full state after the last step."""
-    w = worker(rank, world_size, port, optimizer_offload=True, weight_decay=0.1, lr_scheduler="constant")
-    samples = with_old_logprobs(w, make_samples(8, seed=3)) if not resume else torch.load(
-        f"{root}/samples.pt", weights_only=False)
-    if resume:
-        w.load_checkpoint(root)
-    else:
-        if rank == 0:
-            torch.save(samples, f"{root}/samples.pt")
-        w.train_step(samples[rank::world_size], ppo_objective())
-        w.save_checkpoint(root)
-    w.train_step(samples[rank::world_size], ppo_objective())
-    snap = snapshot(w)
-    devices = {str(getattr(v, "_local_tensor", v).device) for st in w.optimizer.state.values() for v in st.values()}
-    if rank == 0:
-        torch.save({"state": snap, "devices": devices}, out)
     w.shutdown()

@@ -39,8 +39,8 @@ def test_the_offloaded_optimizer_trains_as_the_in_place_one(world_size, tmp_path
 def test_a_resumed_run_with_the_optimizer_on_the_host_continues_bit_exactly(tmp_path):
     """Save after one step and load into fresh ranks (2 ranks, FSDP2): the masters and moments come back into host
     memory and the next step equals the uninterrupted run's."""
-    run_ranks(jobs.offload_resume, 2, str(tmp_path), tmp_path / "straight.pt", False, timeout_s=240)
-    run_ranks(jobs.offload_resume, 2, str(tmp_path), tmp_path / "resumed.pt", True, timeout_s=240)
+    run_ranks(jobs.resume_run, 2, str(tmp_path), tmp_path / "straight.pt", False, True, timeout_s=240)
+    run_ranks(jobs.resume_run, 2, str(tmp_path), tmp_path / "resumed.pt", True, True, timeout_s=240)
     straight, resumed = (torch.load(tmp_path / f, weights_only=False) for f in ("straight.pt", "resumed.pt"))
     assert straight["devices"] == resumed["devices"] == {"cpu"}
     for key in ("params", "master", "exp_avg", "exp_avg_sq"):
