@@ -167,6 +167,13 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
         assert (wa[name] - wb[name]).abs().max() <= 1e-6, name
 
 
+def _is_engine_core(pid: int) -> bool:
+    try:
+        return any("EngineCore" in Path(f"/proc/{pid}/{f}").read_text(errors="ignore") for f in ("cmdline", "comm"))
+    except FileNotFoundError:  # exited while the tree was walked
+        return False
+
+
 def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     cmd = [MOLT_RUN, *SMALL, f"hydra.run.dir={tmp_path}", "train.max_steps=50", "train.timeouts.step_s=20",
            "train.timeouts.engine_call_s=20"]
@@ -176,9 +183,10 @@ def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
-    engine_cores = [p for p in descendants(proc.pid)
-                    if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")
-                    or "EngineCore" in Path(f"/proc/{p}/comm").read_text(errors="ignore")]
+    engine_cores, looked_until = [], time.monotonic() + 30  # a process's title can lag its start: look a while
+    while not engine_cores and time.monotonic() < looked_until:
+        engine_cores = [p for p in descendants(proc.pid) if _is_engine_core(p)]
+        time.sleep(0.5)
     assert engine_cores, "no vLLM EngineCore process found under the run"
     for p in engine_cores:
         os.kill(p, signal.SIGSTOP)  # the engine hangs: no error, no progress
