@@ -1,7 +1,8 @@
 """The package's shape in the figures issue 36 asks for: `python scripts/code_stats.py [--long]`.
 
-Code lines leave out blank lines, comments and docstrings. Layers read top-down (docs/architecture.md); an import
-of a higher layer is "upward". A monkey-patch is an assignment to an attribute of an imported upstream module or
+Code lines leave out blank lines, comments and docstrings (PEP 257's: a body's first string and the attribute
+docstring after an assignment, as each config field's one-line doc). Layers read top-down (docs/architecture.md);
+an import of a higher layer is "upward". A monkey-patch is an assignment to an attribute of an imported upstream module or
 class; a private reach is an import of an underscore name, or of a module path with an underscore part, from an
 upstream library. Both are counted outside `compat/` only.
 """
@@ -39,12 +40,19 @@ def code_lines(src: str, tree: ast.AST) -> int:
         if tok.type not in skip:
             lines.update(range(tok.start[0], tok.end[0] + 1))
     for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body and \
-                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
-                isinstance(body[0].value.value, str):
-            lines -= set(range(body[0].lineno, body[0].end_lineno + 1))
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for doc in docstrings(node.body):
+                lines -= set(range(doc.lineno, doc.end_lineno + 1))
     return len(lines)
+
+
+def docstrings(body: list[ast.stmt]):
+    """PEP 257's docstrings of a body: its first string, and an attribute docstring after each assignment."""
+    for i, stmt in enumerate(body):
+        is_string = isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and \
+            isinstance(stmt.value.value, str)
+        if is_string and (i == 0 or isinstance(body[i - 1], (ast.Assign, ast.AnnAssign))):
+            yield stmt
 
 
 def module_name(path: pathlib.Path) -> str:
