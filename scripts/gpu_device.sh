@@ -74,7 +74,7 @@ moe() {  # issue 38: 30B-A3B shape (8 layers) HF experts grouped / transformers'
   for shape in $(echo "${MOE_SHAPES:-30b-a3b-8l:0:hf+mw+tfexperts,30b-a3b-8l:0:hf+mw+grouped,30b-a3b-8l:0:hf+mw+loop}" | tr , ' '); do
     i=$((i + 1))
     CUDA_VISIBLE_DEVICES=0 timeout "${MOE_TIMEOUT:-150}" torchrun --standalone --nproc_per_node=1 --master-port=29510 \
-      bench/gpu_trainer.py --out "$OUT/bench_moe_$i.json" --gather 0 --shapes "tiny-moe:0:hf+mw+grouped,$shape" \
+      bench/gpu_trainer.py --out "$OUT/bench_moe_$i.json" --gather 0 ${MOE_ARGS:-} --shapes "tiny-moe:0:hf+mw+grouped,$shape" \
       --profile "${MOE_PROFILE:-30b-a3b-8l:0:hf+mw+tfexperts|30b-a3b-8l:0:hf+mw+grouped}" >> "$OUT/bench_moe.log" 2>&1
     echo "moe bench $shape rc=$?"
   done
