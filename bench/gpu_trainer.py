@@ -168,9 +168,10 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     n_trained = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
     obj = ActorObjective(PolicyLoss("ppo"))
     data = samples(args.mbs, args.seq, w.model.config.vocab_size, seed=rank)
-    runs = []
+    runs, graphs = [], []
     for i in range(args.steps + 1):
         m = w.train_step(data, obj)
+        graphs.append(compiled_graphs())
         if i:
             runs.append(m)
     row = f"{name}:{args_ac(ac)}:{variant}"
@@ -188,6 +189,8 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
         w.train_step(data, obj)
     rec = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k.startswith("perf/")}
     rec["policy_loss"] = runs[-1]["policy_loss"]
+    # graphs torch.compile built in the first step, and after it (a recompile: a new shape or a failed guard)
+    rec["compiled_graphs_first_step"], rec["recompiles_after_first_step"] = graphs[0], graphs[-1] - graphs[0]
     # weight-sync send side: full bf16 tensors, bucket 1 GiB, to GPU (NCCL-broadcast source) and to host (shm/object store)
     for dev in (("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)) if args.gather else ():
         dist.barrier()
@@ -211,6 +214,11 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rec
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 def restore_transformers_experts(model) -> None:
@@ -258,7 +266,8 @@ def phase_breakdown(prof) -> dict[str, float]:
 
 def print_summary(results) -> None:
     """The rows side by side: MFU, tok/s, and the same-run plain-HF ceiling (same shape, AC, tokens)."""
-    print("== summary: row | experts | tok/s | MFU % | ceiling MFU % | trainer / ceiling | step s | peak GB | loss")
+    print("== summary: row | experts | tok/s | MFU % | ceiling MFU % | trainer / ceiling | step s | peak GB | loss | "
+          "compiled graphs (recompiles after step 1)")
     for r in results:
         head = f"{r['model']}:{args_ac(r['ac'])}:{r['variant']}"
         if "error" in r:
@@ -268,7 +277,8 @@ def print_summary(results) -> None:
         ratio = f"{r['trainer_over_ceiling']:.2f}" if "trainer_over_ceiling" in r else "-"
         print(f"== {head} | {r.get('experts_impl')} | {r['perf/train_tokens_per_sec']:,.0f} | "
               f"{100 * r.get('perf/mfu', 0):.1f} | {ceiling} | {ratio} | {r['perf/step_time_s']:.3f} | "
-              f"{r.get('perf/gpu_mem_peak_gb', 0):.1f} | {r['policy_loss']:.6f}", flush=True)
+              f"{r.get('perf/gpu_mem_peak_gb', 0):.1f} | {r['policy_loss']:.6f} | "
+              f"{r['compiled_graphs_first_step']} ({r['recompiles_after_first_step']})", flush=True)
 
 
 def args_ac(ac):

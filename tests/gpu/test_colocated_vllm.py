@@ -80,6 +80,21 @@ def test_sampler_logprobs_agree_with_the_trainer_after_every_sync(toy):
         assert abs(row["train/vllm_kl"]) < 1e-2, (step, row["train/vllm_kl"])
 
 
+def test_automodel_trainer_learns_colocated_and_sends_its_weights_by_cuda_ipc(tmp_path_factory):
+    """The same toy recipe with NeMo AutoModel as the trainer's backend: the engine sleeps, wakes, takes the
+    AutoModel shards in one pass, and the loop learns as with the HF trainer."""
+    pytest.importorskip("nemo_automodel", reason="needs NeMo AutoModel (make install-gpu; on the device: .whl)")
+    out = tmp_path_factory.mktemp("qwen3_toy_gpu_automodel")
+    m = molt_run(out, "+recipe=qwen3_toy_gpu", "model.backend=automodel")
+    assert yaml.safe_load((out / "resolved_config.yaml").read_text())["model"]["backend"] == "automodel"
+    rewards = [m[s]["train/reward"] for s in sorted(m)]
+    assert sorted(m) == list(range(1, 21)) and mean(rewards[-5:]) - mean(rewards[:5]) > 0.1, rewards
+    for step, row in m.items():
+        assert row["train/weight_sync/single_pass"] == 1.0 and abs(row["train/vllm_kl"]) < 1e-2, (step, row)
+        assert row["train/engine/freed_gib"] > 0, step
+    assert m[20]["train/weight_sync/probe_groups"] == 28 + 2
+
+
 @pytest.mark.parametrize("replay", [True, False], ids=["r3_on", "r3_off"])
 def test_r3_replays_vllms_own_routed_experts_on_gpu(tmp_path_factory, replay):
     """One run per setting, same seeds (`-k r3_off` runs one); bench/gpu_colocated.py puts the pair side by side."""
