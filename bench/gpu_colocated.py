@@ -4,7 +4,7 @@ last 5 steps, |vllm_kl| after each sync, the weight sync's seconds and GB/s agai
 bytes measured in this process on the same GPU (goal >= 0.5), the engine's sleep / wake seconds and GiB freed, the
 step's time split (generate / sleep / train / wake / sync), tokens per second per GPU, and R3's routing figures.
 
-    python bench/gpu_colocated.py --runs DIR [--throughput] [--out FILE]
+    python bench/gpu_colocated.py --runs DIR [--throughput [--set KEY=VALUE ...]] [--out FILE]
 """
 
 from __future__ import annotations
@@ -86,11 +86,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=Path, required=True, help="directory holding run directories (metrics.jsonl)")
     ap.add_argument("--throughput", action="store_true", help="first run the Qwen3-4B-shaped colocated run there")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for the throughput run (repeatable), e.g. model.master_weights=optimizer")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.throughput:
         out = args.runs / "qwen3_4b_shape_throughput"
-        proc = subprocess.run([sys.executable, "-m", "molt_hydra.cli", *THROUGHPUT, f"hydra.run.dir={out}"],
+        proc = subprocess.run([sys.executable, "-m", "molt_hydra.cli", *THROUGHPUT, *args.set, f"hydra.run.dir={out}"],
                               capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         (args.runs / "throughput_console.log").write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
         print(f"throughput run rc={proc.returncode}", flush=True)

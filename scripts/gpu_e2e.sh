@@ -60,7 +60,7 @@ for what in ${*:-smoke tests bench}; do
     smoke) smoke ;;
     tests) tests ;;
     bench) bench ;;
-    throughput) BENCH_ARGS="--throughput" bench ;;
+    throughput) BENCH_ARGS="--throughput ${THROUGHPUT_ARGS:-}" bench ;;  # e.g. "--set model.master_weights=optimizer"
   esac
 done
 consoles
