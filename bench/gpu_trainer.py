@@ -249,8 +249,9 @@ def phase_breakdown(prof) -> dict[str, float]:
     clock = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"  # CPU: the smoke run
     for ev in prof.key_averages():
         t = getattr(ev, clock) / 1e3
-        # a kernel is also its own event whose time its launching op's self device time already holds: count it once
-        if t <= 0 or ev.device_type != torch.autograd.DeviceType.CPU:
+        # a kernel is also its own event whose time its launching op's self device time already holds: count it once;
+        # "Command Buffer Full" is CUPTI's time of the host blocked on a full launch queue, not device work
+        if t <= 0 or ev.device_type != torch.autograd.DeviceType.CPU or ev.key == "Command Buffer Full":
             continue
         phase = next((p for p, frags in PHASES if any(f in ev.key for f in frags)), "other")
         ms[phase] += t
