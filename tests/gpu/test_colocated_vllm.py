@@ -80,9 +80,10 @@ def test_sampler_logprobs_agree_with_the_trainer_after_every_sync(toy):
         assert abs(row["train/vllm_kl"]) < 1e-2, (step, row["train/vllm_kl"])
 
 
-def test_automodel_trainer_learns_colocated_and_sends_its_weights_by_cuda_ipc(tmp_path_factory):
-    """The same toy recipe with NeMo AutoModel as the trainer's backend: the engine sleeps, wakes, takes the
-    AutoModel shards in one pass, and the loop learns as with the HF trainer."""
+def test_automodel_trainer_learns_colocated_and_its_weights_arrive_equal(tmp_path_factory):
+    """The same toy recipe with NeMo AutoModel as the trainer's backend: the engine sleeps, wakes, takes AutoModel's
+    weights over CUDA IPC (in one pass or bucketed, as its parameters allow), the probe finds them equal, and the
+    loop learns as with the HF trainer."""
     pytest.importorskip("nemo_automodel", reason="needs NeMo AutoModel (make install-gpu; on the device: .whl)")
     out = tmp_path_factory.mktemp("qwen3_toy_gpu_automodel")
     m = molt_run(out, "+recipe=qwen3_toy_gpu", "model.backend=automodel")
@@ -90,8 +91,7 @@ def test_automodel_trainer_learns_colocated_and_sends_its_weights_by_cuda_ipc(tm
     rewards = [m[s]["train/reward"] for s in sorted(m)]
     assert sorted(m) == list(range(1, 21)) and mean(rewards[-5:]) - mean(rewards[:5]) > 0.1, rewards
     for step, row in m.items():
-        assert row["train/weight_sync/single_pass"] == 1.0 and abs(row["train/vllm_kl"]) < 1e-2, (step, row)
-        assert row["train/engine/freed_gib"] > 0, step
+        assert abs(row["train/vllm_kl"]) < 1e-2 and row["train/engine/freed_gib"] > 0, (step, row)
     assert m[20]["train/weight_sync/probe_groups"] == 28 + 2
 
 
