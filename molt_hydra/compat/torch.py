@@ -12,21 +12,14 @@ tests/unit/test_torch_compat.py check what they rely on against the installed to
 
 from __future__ import annotations
 
-SUPPORTED = ((2, 11), (2, 13))  # inclusive
+from molt_hydra.compat import written_for
 
-
-def _check(what: str) -> None:
-    import torch
-
-    found = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if not SUPPORTED[0] <= found <= SUPPORTED[1]:
-        raise RuntimeError(f"torch {torch.__version__} is installed; {what} (compat/torch.py) is written for torch "
-                           f"{'.'.join(map(str, SUPPORTED[0]))}-{'.'.join(map(str, SUPPORTED[1]))}")
+SUPPORTED = {"torch": ("2.11", "2.12", "2.13")}
 
 
 def dispatch_mode() -> type:
     """torch's TorchDispatchMode base class; a clear error on a torch outside the range above."""
-    _check("the weight sync's copy plan")
+    written_for("the weight sync's copy plan", "torch", SUPPORTED)
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
@@ -35,7 +28,7 @@ def dispatch_mode() -> type:
 def dtensor_in_place(local, template):
     """`local` (e.g. an fp32 copy in host memory of `template`'s shard) as a DTensor of `local`'s dtype placed like
     `template`, `local` kept where it is (no move to the mesh's device)."""
-    _check("the host-memory optimizer state")
+    written_for("the host-memory optimizer state", "torch", SUPPORTED)
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 

@@ -30,11 +30,7 @@ if TYPE_CHECKING:  # torch stays unimported until a model exists (the config che
     from torch import nn
 # imported where used: transformers' model modules (heavy)
 
-SUPPORTED_MAJOR = 5  # the fused 3-D experts layout and the TopKRouter modules arrived with transformers 5.0
-
-
-def check_version(what: str) -> None:
-    written_for(what, "transformers", "transformers", (str(SUPPORTED_MAJOR),))
+SUPPORTED = {"transformers": ("5",)}  # the fused 3-D experts layout and the TopKRouter modules arrived with 5.0
 
 
 def _experts_classes() -> tuple:
@@ -66,7 +62,7 @@ class PatchedExperts:
 def install_experts(model: nn.Module, impl: str, grouped_forward) -> list[nn.Module]:
     """Give every fused experts module of `model` the `impl` forward ("grouped": `grouped_forward`, "loop": the
     module's own eager loop); returns them. Modules patched before are patched again (another impl)."""
-    check_version("the MoE experts patch")
+    written_for("the MoE experts patch", "transformers", SUPPORTED)
     classes, found = _experts_classes(), []
     for module in model.modules():
         if isinstance(module, classes):
@@ -89,7 +85,7 @@ def expert_widths(model: nn.Module) -> tuple[int, ...]:
 def install_routers(model: nn.Module, mixin: type) -> list[tuple[str, nn.Module]]:
     """Make every top-k softmax MoE router of `model` a subclass (`mixin`, its class) in place; returns the newly
     patched ones with their names, in module order."""
-    check_version("the MoE router patch")
+    written_for("the MoE router patch", "transformers", SUPPORTED)
     classes, found = _router_classes(), []
     for name, module in model.named_modules():
         if isinstance(module, classes) and not isinstance(module, mixin):
@@ -105,14 +101,14 @@ def router_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def qwen2_vl_image_processor(**kwargs):
     """Qwen2-VL's PIL image processor (Qwen2.5-VL and Qwen3-VL use it; no torchvision)."""
-    check_version("the Qwen2-VL PIL image processor")
+    written_for("the Qwen2-VL PIL image processor", "transformers", SUPPORTED)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(**kwargs)
 
 
 def idefics3_image_processor(**kwargs):
-    check_version("the Idefics3 PIL image processor")
+    written_for("the Idefics3 PIL image processor", "transformers", SUPPORTED)
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     return Idefics3ImageProcessorPil(**kwargs)
@@ -120,7 +116,7 @@ def idefics3_image_processor(**kwargs):
 
 def causal_lm_architecture(model_type: str) -> str:
     """The causal-LM class name transformers maps `model_type` to (e.g. "qwen3" -> "Qwen3ForCausalLM")."""
-    check_version("the causal-LM class mapping")
+    written_for("the causal-LM class mapping", "transformers", SUPPORTED)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
@@ -136,7 +132,7 @@ def checkpoint_to_model_name(model_keys: list[str]):
     """name -> the model's name for a checkpoint tensor, by the conversion mapping of the first of `model_keys`
     (class name, then model type) that has one (Qwen3-MoE: per-expert `experts.{e}.gate_proj.weight` ... ->
     `experts.gate_up_proj`); the identity when none has."""
-    check_version("the checkpoint conversion mapping")
+    written_for("the checkpoint conversion mapping", "transformers", SUPPORTED)
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     transforms = next((m for m in map(get_checkpoint_conversion_mapping, model_keys) if m), [])

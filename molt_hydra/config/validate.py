@@ -197,15 +197,13 @@ def algorithm_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 
 
 def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """One block type at two keys: its numbers, its scheduler's name, and Muon's knobs (only under name=muon)."""
+    """One block type at two keys: its betas, its scheduler's name, and Muon's knobs (only under name=muon); its
+    numbers' ranges are declared in config/schema.py."""
     for key in ("train.optimizer", "train.critic.optimizer"):
         o, muon = get(cfg, key), get(cfg, f"{key}.name").value == "muon"
         problems.table((
-            (o.lr > 0, f"{key}.lr", f"must be > 0, got {o.lr}.", f"e.g. {key}.lr=1e-6"),
             (len(o.betas) == 2, f"{key}.betas", f"need two values, got {list(o.betas)}.",
              f"e.g. {key}.betas=[0.9,0.95]"),
-            (0 <= o.warmup_ratio < 1, f"{key}.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio}.",
-             f"e.g. {key}.warmup_ratio=0.03"),
             *((muon or not changed(cfg, f"{key}.{name}"), f"{key}.{name}",
                f"it sets Muon, but {key}.name=adamw, so it changes nothing.", f"set {key}.name=muon, or unset "
                f"{key}.{name}") for name in MUON_FIELDS),
@@ -331,13 +329,11 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
              "set model.rms_norm=torch_fp32"),
         ), "model.backend=automodel: ")
     else:  # knobs only AutoModel has: set away from their defaults they would change nothing on the HF path
-        problems.table((value == default, key, f"{value!r} selects a NeMo AutoModel module; this run trains on the HF "
-                        "backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
+        problems.table((not changed(cfg, key), key, f"{get(cfg, key)!r} selects a NeMo AutoModel module; this run "
+                        "trains on the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
                         f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
-                       for key, value, default in (("model.moe_dispatcher", m.moe_dispatcher, "hybridep"),
-                                                   ("model.experts_backend", m.experts_backend, None),
-                                                   ("model.linear_backend", m.linear_backend, None),
-                                                   ("model.rms_norm", m.rms_norm, "torch_fp32")))
+                       for key in ("model.moe_dispatcher", "model.experts_backend", "model.linear_backend",
+                                   "model.rms_norm"))
     experts, dtype = m.moe_experts_impl.value, m.param_dtype.value
     grouped_dtype = "float32" if cpu else "bfloat16"  # torch's grouped GEMM: CPU kernel fp32, Hopper kernel bf16
     problems.table((
