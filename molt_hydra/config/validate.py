@@ -136,11 +136,10 @@ def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
         a.kl.coef = 1.0 if a.estimator == "on_policy_distill" else (
             0.01 if (a.kl.use_loss or "kl" in estimator_needs) else 0.0
         )
-    e.batch_size = e.batch_size or r.batch_size
+    for name in ("batch_size", "temperature", "top_p", "max_new_tokens"):  # eval's None: the rollout's value
+        if getattr(e, name) is None:
+            setattr(e, name, getattr(r, name))
     e.n_samples_per_prompt = e.n_samples_per_prompt or 1
-    e.temperature = e.temperature if e.temperature is not None else r.temperature
-    e.top_p = e.top_p if e.top_p is not None else r.top_p
-    e.max_new_tokens = e.max_new_tokens or r.max_new_tokens
     if t.max_staleness is None:
         t.max_staleness = 0 if t.mode.value == "sync" else t.queue_depth + int(t.partial_rollout)
     colocated_gpu = cfg.parallelism.colocate and cfg.cluster.device.value == "cuda"

