@@ -288,12 +288,10 @@ class ISCorrectionConfig:
     "Upper bound of the pi_train / pi_rollout band."
 
     def __post_init__(self) -> None:
-        _require(
-            not (self.level in (ISLevel["seq"], ISLevel["geo"]) and self.mode != ISMode["mask"]),
-            "algorithm.is_correction.mode",
-            f"level={self.level.value} only supports mode=mask, got mode={self.mode.value}.",
-            "set algorithm.is_correction.mode=mask or algorithm.is_correction.level=token",
-        )
+        _require(not (self.level in (ISLevel["seq"], ISLevel["geo"]) and self.mode != ISMode["mask"]),
+                 "algorithm.is_correction.mode", f"level={self.level.value} only supports mode=mask, got "
+                 f"mode={self.mode.value}.",
+                 "set algorithm.is_correction.mode=mask or algorithm.is_correction.level=token")
         _require(self.low < self.high, "algorithm.is_correction.low",
                  f"need low < high, got [{self.low}, {self.high}].", "e.g. low=0.5 high=5.0")
 

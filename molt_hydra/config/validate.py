@@ -16,9 +16,11 @@ from molt_hydra.config.bounds import get, out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 
 PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
-AUTOMODEL_DISPATCHERS = ("torch", "deepep", "hybridep", "uccl_ep")
-AUTOMODEL_EXPERTS = ("torch", "torch_mm", "te")
-AUTOMODEL_RMS_NORMS = ("torch", "torch_fp32", "te")
+# NeMo AutoModel's module knobs: key -> (what AutoModel calls them, the values it takes; None: unset, its default)
+AUTOMODEL_CHOICES = {"model.moe_dispatcher": ("dispatchers", ("torch", "deepep", "hybridep", "uccl_ep")),
+                     "model.experts_backend": ("expert GEMMs", (None, "torch", "torch_mm", "te")),
+                     "model.linear_backend": ("linear backends", (None, "torch", "te")),
+                     "model.rms_norm": ("RMSNorm backends", ("torch", "torch_fp32", "te"))}
 # model.attn_implementation values each trainer backend accepts: transformers' `attn_implementation` (its flex is
 # spelled flex_attention), NeMo AutoModel's `BackendConfig.attn`
 BACKEND_ATTN = {"hf": ("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
@@ -315,24 +317,15 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
              "trainer loss.", "set model.aux_loss_coef=0, or model.backend=hf"),
             (p.offload.value == "none", "parallelism.offload", "CPU offload is not wired to AutoModel's FSDP2.",
              "set parallelism.offload=none, or model.backend=hf"),
-            (m.moe_dispatcher in AUTOMODEL_DISPATCHERS, "model.moe_dispatcher",
-             f"AutoModel's dispatchers are {list(AUTOMODEL_DISPATCHERS)}, got {m.moe_dispatcher!r}.",
-             "set model.moe_dispatcher=torch"),
-            (m.experts_backend in (None, *AUTOMODEL_EXPERTS), "model.experts_backend",
-             f"AutoModel's expert GEMMs are {list(AUTOMODEL_EXPERTS)}, got {m.experts_backend!r}.",
-             "unset model.experts_backend (torch_mm)"),
-            (m.linear_backend in (None, "torch", "te"), "model.linear_backend",
-             f"AutoModel's linear backends are torch and te, got {m.linear_backend!r}.", "unset model.linear_backend"),
-            (m.rms_norm in AUTOMODEL_RMS_NORMS, "model.rms_norm",
-             f"AutoModel's RMSNorm backends are {list(AUTOMODEL_RMS_NORMS)}, got {m.rms_norm!r}.",
-             "set model.rms_norm=torch_fp32"),
+            *((get(cfg, key) in values, key, f"AutoModel's {what} are {[v for v in values if v]}, got "
+               f"{get(cfg, key)!r}.", f"set {key} to one of them, or unset it (default {get(defaults(), key)})")
+              for key, (what, values) in AUTOMODEL_CHOICES.items()),
         ), "model.backend=automodel: ")
     else:  # knobs only AutoModel has: set away from their defaults they would change nothing on the HF path
         problems.table((not changed(cfg, key), key, f"{get(cfg, key)!r} selects a NeMo AutoModel module; this run "
                         "trains on the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
                         f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
-                       for key in ("model.moe_dispatcher", "model.experts_backend", "model.linear_backend",
-                                   "model.rms_norm"))
+                       for key in AUTOMODEL_CHOICES)
     experts, dtype = m.moe_experts_impl.value, m.param_dtype.value
     grouped_dtype = "float32" if cpu else "bfloat16"  # torch's grouped GEMM: CPU kernel fp32, Hopper kernel bf16
     problems.table((
