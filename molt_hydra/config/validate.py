@@ -318,8 +318,8 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
             (p.offload.value == "none", "parallelism.offload", "CPU offload is not wired to AutoModel's FSDP2.",
              "set parallelism.offload=none, or model.backend=hf"),
             *((get(cfg, key) in values, key, f"AutoModel's {what} are {[v for v in values if v]}, got "
-               f"{get(cfg, key)!r}.", f"set {key} to one of them, or unset it (default {get(defaults(), key)})")
-              for key, (what, values) in AUTOMODEL_CHOICES.items()),
+               f"{get(cfg, key)!r}.", f"set {key} to one of them, or unset it (default "
+               f"{get(defaults(), key) or 'null'})") for key, (what, values) in AUTOMODEL_CHOICES.items()),
         ), "model.backend=automodel: ")
     else:  # knobs only AutoModel has: set away from their defaults they would change nothing on the HF path
         problems.table((not changed(cfg, key), key, f"{get(cfg, key)!r} selects a NeMo AutoModel module; this run "
