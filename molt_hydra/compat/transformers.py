@@ -33,19 +33,12 @@ if TYPE_CHECKING:  # torch stays unimported until a model exists (the config che
 SUPPORTED = {"transformers": ("5",)}  # the fused 3-D experts layout and the TopKRouter modules arrived with 5.0
 
 
-def _experts_classes() -> tuple:
-    """transformers 5's fused experts modules (Qwen3-VL-MoE's is a copy, no subclass)."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextExperts
+def _moe_classes() -> tuple[tuple, tuple]:
+    """(fused experts classes, top-k router classes) of transformers 5 (Qwen3-VL-MoE's are copies, no subclasses)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextExperts, Qwen3VLMoeTextTopKRouter
 
-    return (Qwen3MoeExperts, Qwen3VLMoeTextExperts)
-
-
-def _router_classes() -> tuple:
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
-
-    return (Qwen3MoeTopKRouter, Qwen3VLMoeTextTopKRouter)
+    return (Qwen3MoeExperts, Qwen3VLMoeTextExperts), (Qwen3MoeTopKRouter, Qwen3VLMoeTextTopKRouter)
 
 
 @functools.cache
@@ -63,7 +56,7 @@ def install_experts(model: nn.Module, impl: str, grouped_forward) -> list[nn.Mod
     """Give every fused experts module of `model` the `impl` forward ("grouped": `grouped_forward`, "loop": the
     module's own eager loop); returns them. Modules patched before are patched again (another impl)."""
     written_for("the MoE experts patch", "transformers", SUPPORTED)
-    classes, found = _experts_classes(), []
+    classes, found = _moe_classes()[0], []
     for module in model.modules():
         if isinstance(module, classes):
             base = next(c for c in type(module).__mro__ if c in classes)
@@ -77,7 +70,7 @@ def install_experts(model: nn.Module, impl: str, grouped_forward) -> list[nn.Mod
 def expert_widths(model: nn.Module) -> tuple[int, ...]:
     """(hidden, expert FFN) of the model's first experts module, () when it has none."""
     for module in model.modules():
-        if isinstance(module, _experts_classes()):
+        if isinstance(module, _moe_classes()[0]):
             return tuple(module.down_proj.shape[1:])
     return ()
 
@@ -86,7 +79,7 @@ def install_routers(model: nn.Module, mixin: type) -> list[tuple[str, nn.Module]
     """Make every top-k softmax MoE router of `model` a subclass (`mixin`, its class) in place; returns the newly
     patched ones with their names, in module order."""
     written_for("the MoE router patch", "transformers", SUPPORTED)
-    classes, found = _router_classes(), []
+    classes, found = _moe_classes()[1], []
     for name, module in model.named_modules():
         if isinstance(module, classes) and not isinstance(module, mixin):
             module.__class__ = _subclass(mixin, type(module), f"Replayable{type(module).__name__}")
@@ -96,7 +89,7 @@ def install_routers(model: nn.Module, mixin: type) -> list[tuple[str, nn.Module]
 
 def router_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every top-k softmax MoE router of `model`, patched or not."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, _router_classes())]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _moe_classes()[1])]
 
 
 def qwen2_vl_image_processor(**kwargs):
