@@ -17,9 +17,15 @@ from molt_hydra.compat import written_for
 SUPPORTED = {"torch": ("2.11", "2.12", "2.13")}
 
 
+def _check(what: str) -> None:
+    import torch  # the imported build's version: free to read, where the package metadata costs ms (once a param)
+
+    written_for(what, "torch", SUPPORTED, ("torch", torch.__version__))
+
+
 def dispatch_mode() -> type:
     """torch's TorchDispatchMode base class; a clear error on a torch outside the range above."""
-    written_for("the weight sync's copy plan", "torch", SUPPORTED)
+    _check("the weight sync's copy plan")
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
@@ -28,7 +34,7 @@ def dispatch_mode() -> type:
 def dtensor_in_place(local, template):
     """`local` (e.g. an fp32 copy in host memory of `template`'s shard) as a DTensor of `local`'s dtype placed like
     `template`, `local` kept where it is (no move to the mesh's device)."""
-    written_for("the host-memory optimizer state", "torch", SUPPORTED)
+    _check("the host-memory optimizer state")
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 

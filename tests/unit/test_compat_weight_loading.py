@@ -7,7 +7,6 @@ outside the supported ones is refused naming both. vLLM 0.24 (GPU) holds the sam
 from __future__ import annotations
 
 import inspect
-from importlib import metadata
 
 import pytest
 import torch
@@ -76,7 +75,7 @@ def test_torch_dispatch_mode_sees_views_and_copies_as_the_copy_plan_records_them
         dst.mul_(2)
     assert seen == [(torch.ops.aten.slice.Tensor, True), (torch.ops.aten.t.default, True),  # narrow: a slice
                     (torch.ops.aten.copy_.default, False), (torch.ops.aten.mul_.Tensor, False)]
-    monkeypatch.setattr(metadata, "version", lambda dist: "2.14.0")
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
     with pytest.raises(RuntimeError, match=r"copy plan \(molt_hydra/compat/torch.py\) is written for torch 2\.11\.x or "
                                            r"2\.12\.x or 2\.13\.x; torch 2\.14\.0 is installed"):
         torch_compat.dispatch_mode()
