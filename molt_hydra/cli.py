@@ -125,8 +125,14 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
             "molt_hydra/config/schema.py declares for it")
 
 
+def _exit_config_error(text: str) -> None:
+    print(f"Config error(s):\n{text}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG_ERROR)
+
+
 def _main(cfg: DictConfig) -> None:
     # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
+    from molt_hydra.compat.vllm import preflight
     from molt_hydra.runtime.plan import make_plan
     from molt_hydra.runtime.sweep import set_wandb_group
     from molt_hydra.runtime.validate import validate
@@ -136,19 +142,14 @@ def _main(cfg: DictConfig) -> None:
         run_cfg = validate(to_run_config(cfg))
         plan = make_plan(run_cfg)  # derives the colocated memory split, and refuses one that cannot fit
     except ConfigError as e:
-        print(f"Config error(s):\n{e}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
+        _exit_config_error(str(e))
     print(plan.render())
     if run_cfg.dry_run:
         return
-    if run_cfg.job.value != "sft":  # the vLLM build this run will start: a supported one, before anything starts
-        from molt_hydra.compat.vllm import preflight
-
-        problem = preflight(run_cfg.cluster.device.value, run_cfg.train.partial_rollout)
-        if problem is not None:
-            print(f"Config error(s):\n{problem}", file=sys.stderr)
-            sys.exit(EXIT_CONFIG_ERROR)
-
+    # the vLLM build this run will start: a supported one, before anything starts
+    if run_cfg.job.value != "sft" and (problem := preflight(run_cfg.cluster.device.value,
+                                                            run_cfg.train.partial_rollout)):
+        _exit_config_error(problem)
     from molt_hydra.runtime.entrypoint import run
 
     run(run_cfg, plan)
@@ -163,8 +164,7 @@ def main() -> None:
     if not (informational or args.config_name or args.config_path):
         _, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir)
         if problems:
-            print("Config error(s):\n" + "\n".join(problems), file=sys.stderr)
-            sys.exit(EXIT_CONFIG_ERROR)
+            _exit_config_error("\n".join(problems))
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
 
 

@@ -17,14 +17,14 @@ from __future__ import annotations
 from molt_hydra.compat import written_for
 # imported where used: nemo_automodel (GPU hosts only)
 
-SUPPORTED = ("0.7",)
+SUPPORTED = {"nemo-automodel": ("0.7",)}
 
 
 def install_sync_free_permute(n_experts: int, permute_all_local) -> None:
     """Route AutoModel's grouped-GEMM experts through `permute_all_local(indices, weights, token_mask, n_experts, *,
     return_slot_ids)` whenever a call has all `n_experts` local (ep = 1); expert-parallel calls (fewer local
     experts) keep AutoModel's own permutation. Installing again replaces the previous one."""
-    written_for("the sync-free token permutation", "automodel", "nemo-automodel", SUPPORTED)
+    written_for("the sync-free token permutation", "automodel", SUPPORTED)
     from nemo_automodel.components.moe import experts
 
     original = getattr(experts._permute_tokens_for_grouped_mm, "_molt_original", experts._permute_tokens_for_grouped_mm)
@@ -41,7 +41,7 @@ def install_sync_free_permute(n_experts: int, permute_all_local) -> None:
 
 def has_own_model_class(config) -> bool:
     """Whether AutoModel builds `config`'s architecture with a model class of its own (not transformers')."""
-    written_for("the model-class lookup", "automodel", "nemo-automodel", SUPPORTED)
+    written_for("the model-class lookup", "automodel", SUPPORTED)
     from nemo_automodel._transformers.model_init import get_is_hf_model
 
     return not get_is_hf_model(config, False)

@@ -10,12 +10,12 @@ from __future__ import annotations
 from molt_hydra.compat import written_for
 # imported where used: hydra's internals (only when molt-run parses its command line)
 
-SUPPORTED = "1.3"
+SUPPORTED = {"hydra-core": ("1.3",)}
 
 
 def get_args_parser():
     """Hydra's own command-line parser (its `overrides`, `multirun`, `help`, `info`, `config_dir`, ... flags)."""
-    written_for("molt-run's command-line check", "hydra", "hydra-core", (SUPPORTED,))
+    written_for("molt-run's command-line check", "hydra", SUPPORTED)
     from hydra._internal.utils import get_args_parser as hydras
 
     return hydras()

@@ -20,9 +20,11 @@ import os
 import signal
 import sys
 from pathlib import Path
+
+from molt_hydra.compat import written_for
 # imported where used: setproctitle (optional)
 
-FORKSERVER_PYTHONS = ((3, 10), (3, 13))  # the releases whose forkserver state is read below
+FORKSERVER_PYTHONS = {"Python": ("3.10", "3.11", "3.12", "3.13")}  # whose forkserver state is read below
 PR_SET_PDEATHSIG = 1
 _started: dict[str, str] | None = None  # the variables the running server was started with, when started here
 
@@ -43,11 +45,8 @@ def scoped_env(values: dict[str, str]):
 
 
 def _server():
-    if not FORKSERVER_PYTHONS[0] <= sys.version_info[:2] <= FORKSERVER_PYTHONS[1]:
-        low, high = (".".join(map(str, v)) for v in FORKSERVER_PYTHONS)
-        version = ".".join(map(str, sys.version_info[:3]))
-        raise RuntimeError(f"Python {version}: the engine core's forkserver (molt_hydra/compat/python.py) reads "
-                           f"CPython {low} - {high}'s multiprocessing.forkserver state")
+    version = ".".join(map(str, sys.version_info[:3]))
+    written_for("the engine core's forkserver", "python", FORKSERVER_PYTHONS, ("Python", version))
     return multiprocessing.forkserver._forkserver
 
 

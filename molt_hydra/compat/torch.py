@@ -12,16 +12,15 @@ tests/unit/test_torch_compat.py check what they rely on against the installed to
 
 from __future__ import annotations
 
-SUPPORTED = ((2, 11), (2, 13))  # inclusive
+from molt_hydra.compat import written_for
+
+SUPPORTED = {"torch": ("2.11", "2.12", "2.13")}
 
 
 def _check(what: str) -> None:
-    import torch
+    import torch  # the imported build's version: free to read, where the package metadata costs ms (once a param)
 
-    found = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if not SUPPORTED[0] <= found <= SUPPORTED[1]:
-        raise RuntimeError(f"torch {torch.__version__} is installed; {what} (compat/torch.py) is written for torch "
-                           f"{'.'.join(map(str, SUPPORTED[0]))}-{'.'.join(map(str, SUPPORTED[1]))}")
+    written_for(what, "torch", SUPPORTED, ("torch", torch.__version__))
 
 
 def dispatch_mode() -> type:

