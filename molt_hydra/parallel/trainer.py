@@ -67,13 +67,11 @@ class TrainerWorker:
             from transformers import enable_full_determinism
             enable_full_determinism(spec.seed)
         self.device = init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
-                                       offload=spec.offload, timeout_s=spec.timeout_s)
+                                       timeout_s=spec.timeout_s)
         self._init_cpu_threads(spec)
         # None: bf16 on a GPU, fp32 on CPU (bf16 matmuls are slow there); an explicit dtype is honoured on both
         self.param_dtype = spec.param_dtype or ("bf16" if self.device.type == "cuda" else "fp32")
         self.master_weights = spec.master_weights == "optimizer"  # params and grads in param_dtype, fp32 masters
-        if self.master_weights and self.param_dtype == "fp32":
-            raise ValueError("master_weights=optimizer needs a lower-precision param_dtype than fp32")
         self.dp_size = spec.dp_size or spec.world_size
         # the critic (value head on a backbone) is always built with HF transformers
         self.backend = resolve_backend(spec.backend) if spec.role != "critic" else "hf"
@@ -84,8 +82,6 @@ class TrainerWorker:
         self.moe_experts_impl = None  # HF MoE models: "grouped" | "loop" (models/moe_experts.py)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
         self.lora = spec.lora if spec.role == "actor" else None
-        if spec.lora and (spec.role == "critic" or self.backend != "hf"):
-            raise ValueError("model.lora: the adapter is wired for the actor on the HF backend (model.backend=hf)")
         if self.backend == "automodel":
             self._build_automodel(spec)
         else:
@@ -107,7 +103,10 @@ class TrainerWorker:
         self.debug_grad_norms = spec.debug_grad_norms  # logger.debug_grad_norms: (name patterns, top k)
         self._build_optimizer(spec)
         self.global_step = 0
-        self.defer_grad_sync = self._deferred_units() if spec.defer_grad_sync else []
+        # every FSDP2 unit, whoever wrapped the model (HF path or AutoModel); none on one unsharded rank
+        self.fsdp_units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        # parallelism.defer_grad_sync (several ranks, validated): reduce-scatter on a window's last micro-batch only
+        self.defer_grad_sync = self.fsdp_units if spec.defer_grad_sync else []
 
     def _init_cpu_threads(self, spec: TrainerSpec) -> None:
         """CPU threads: `cpu_threads` (the CPUs Ray reserved for this rank; a Ray worker started before it was placed
@@ -136,10 +135,7 @@ class TrainerWorker:
         self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
 
     def _build_hf(self, spec: TrainerSpec) -> None:
-        if spec.gradient_checkpointing not in ("none", "full"):
-            raise ValueError(f"gradient_checkpointing={spec.gradient_checkpointing!r}: the HF backend checkpoints "
-                             "whole blocks (full) or nothing (none); selective needs model.backend=automodel")
-        self.mesh = build_device_mesh(self.dp_size, tp_size=spec.tp_size, ep_size=spec.ep_size, cp_size=spec.cp_size)
+        self.mesh = build_device_mesh(self.dp_size)  # the config keeps selective checkpointing to AutoModel
         model = build_model(self.model_path, role=spec.role, attn_implementation=spec.attn_implementation,
                             gradient_checkpointing=spec.gradient_checkpointing == "full", random_init=spec.random_init,
                             config_overrides=spec.config_overrides,
@@ -205,15 +201,6 @@ class TrainerWorker:
                                          on_host=spec.optimizer_offload)
         self.scheduler = build_scheduler(self.optimizer, name=spec.lr_scheduler, total_steps=spec.total_steps,
                                          warmup_ratio=spec.lr_warmup_ratio, min_lr_ratio=spec.min_lr_ratio)
-
-    def _deferred_units(self) -> list:
-        """parallelism.defer_grad_sync: every FSDP2 unit, whoever wrapped the model (HF path or AutoModel); their
-        reduce-scatter runs on a window's last micro-batch only."""
-        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-        if not units:
-            raise ValueError("parallelism.defer_grad_sync: this trainer is not sharded with FSDP2 (one rank, "
-                             "params in the compute dtype), so there is no reduce-scatter to defer; unset it")
-        return units
 
     def _add_adapter(self, model):
         targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
@@ -379,10 +366,8 @@ class TrainerWorker:
         # One rank keeps its gathered (compute-dtype) params after forward, for the backward; a forward-only pass has
         # no backward to free them, so they would stay allocated: colocated, 6.8 GiB of a 4B model under the engine's
         # KV cache (an OOM on the H200).
-        if self.world_size == 1:
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+        for module in self.fsdp_units if self.world_size == 1 else ():
+            module.reshard()
         return NumpyPickled(out)
 
     # ---------------------------------------------------------------- training
@@ -409,7 +394,7 @@ class TrainerWorker:
         the mask; MoE routing statistics are counted in this forward), so one forward serves as the old-logprob pass
         and the loss's."""
         loss_fn = loss_fn or SFTObjective()
-        self._check_step(samples, loss_fn.mask_key, num_optimizer_steps, return_logprobs)
+        self._check_step(samples, num_optimizer_steps, return_logprobs)
         logprobs = [None] * len(samples) if return_logprobs else None
         if return_logprobs and self.moe and self.role == "actor":
             self._routing_stats = moe_routing.routing_stats(self.model.config)
@@ -433,14 +418,9 @@ class TrainerWorker:
         metrics.update(debug if self.debug_grad_norms else {})
         return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
 
-    def _check_step(self, samples: list[dict], mask_key: str, num_optimizer_steps: int, return_logprobs: bool):
-        if self.optimizer is None:
-            raise RuntimeError(f"role {self.role!r} has no optimizer; train_step needs actor or critic")
+    def _check_step(self, samples: list[dict], num_optimizer_steps: int, return_logprobs: bool):
         if len(samples) < num_optimizer_steps:
             raise ValueError(f"{len(samples)} samples on rank {self.rank} < num_optimizer_steps={num_optimizer_steps}")
-        missing = {mask_key, "input_ids"} - set(samples[0])
-        if missing:
-            raise KeyError(f"samples lack {sorted(missing)} (have {sorted(samples[0])})")
         if return_logprobs and num_optimizer_steps != 1:
             raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps}): later windows' "
                              "forwards run after the first step changed the parameters")
@@ -534,9 +514,8 @@ class TrainerWorker:
     def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, device="cpu"):
         """Generator: every rank iterates, rank 0 receives lists of (hf_name, full tensor)."""
         if self.lora:  # the adapter alone, under PEFT's names (what vLLM's LoRA loader reads)
-            from molt_hydra.models.lora import is_adapter_param, peft_name
-            return iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=lambda n, t: [(peft_name(n), t)],
-                                       keep=is_adapter_param)
+            return iter_weight_buckets(self.model, bucket_bytes, dtype, device,
+                                       to_hf=lambda n, t: [(lora.peft_name(n), t)], keep=lora.is_adapter_param)
         buckets = iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf())
         if not self.frozen_names:
             return buckets
@@ -583,9 +562,9 @@ class TrainerWorker:
         if self.lora:
             out = ckpt.export_adapter(out_dir, self.model, self.lora, tokenizer_path=self.model_path,
                                       dtype=DTYPES[dtype], merged=merged)
-            return str(out) if out else None
-        out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype],
-                             to_hf=self._to_hf())
+        else:
+            out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype],
+                                 to_hf=self._to_hf())
         return str(out) if out else None
 
     def shutdown(self):
