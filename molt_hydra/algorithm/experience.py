@@ -159,11 +159,6 @@ def routing_tensor(rows: list | None, length: int) -> torch.Tensor | None:
     return out
 
 
-def rollout_index(rollout_id: str) -> int:
-    """The sample's position within its group (rollout ids are `<group id>-<index>`): a stable training order."""
-    return int(str(rollout_id).rsplit("-", 1)[-1])
-
-
 def staleness(exp: Experience, version: int) -> int:
     """How many policy versions the oldest generated token lags `version` (0 when no token's version is known)."""
     versions = exp.policy_versions[exp.action_mask]
@@ -179,7 +174,9 @@ def select_trainable(groups, max_len: int, images, version: int, max_staleness: 
     drops: Counter = Counter()
     exps = []
     for group in groups:
-        for traj in sorted(group.trajectories, key=lambda t: (rollout_index(t.rollout_id), t.segment_index)):
+        # rollout ids are `<group id>-<index>`: the index within the group, then the segment, is a stable order
+        for traj in sorted(group.trajectories, key=lambda t: (int(str(t.rollout_id).rsplit("-", 1)[-1]),
+                                                               t.segment_index)):
             exp, reason = to_experience(traj, max_len, images)
             if reason is None and drop_stale and staleness(exp, version) > max_staleness:
                 reason = "stale"

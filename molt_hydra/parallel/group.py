@@ -177,11 +177,6 @@ class TrainerGroup:
         n = len(samples) // self.num_ranks
         return [samples[i * n:(i + 1) * n] for i in range(self.num_ranks)]
 
-    def _all(self, method: str, per_rank_args=None, **kw):
-        import ray
-        args = per_rank_args or [()] * self.num_ranks
-        return ray.get([getattr(w, method).remote(*a, **kw) for w, a in zip(self.workers, args)])
-
     def engines_busy(self, busy: bool) -> list:
         """Tell every CPU rank whether the rollout engines are generating (TrainerWorker.engines_busy): refs to
         await, answered on each rank's control thread even while it trains; none on GPU ranks or ranks that don't
@@ -190,10 +185,8 @@ class TrainerGroup:
         return [w.engines_busy.options(concurrency_group="control").remote(busy, self._hints)
                 for w in self.workers] if self.borrows else []
 
-    def compute_logprobs(self, samples: list[dict], with_entropy: bool = False) -> list:
-        outs = self._all("compute_logprobs", [(s,) for s in self.shard(samples)], with_entropy=with_entropy)
-        return [x for o in outs for x in o]
-
     def shutdown(self):
-        self._all("shutdown")
+        import ray
+
+        ray.get([w.shutdown.remote() for w in self.workers])
         self._release()

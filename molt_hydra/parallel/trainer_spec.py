@@ -70,7 +70,5 @@ class TrainerSpec:
     debug_grad_norms: tuple | None = None  # logger.debug_grad_norms: (name patterns, top k)
 
     def __post_init__(self) -> None:
-        if self.master_weights not in ("fsdp", "optimizer"):
-            raise ValueError(f"master_weights must be fsdp or optimizer, got {self.master_weights!r}")
         self.gradient_checkpointing = {False: "none", True: "full"}.get(self.gradient_checkpointing,
                                                                        self.gradient_checkpointing)
