@@ -20,9 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from molt_hydra.parallel import retention
 

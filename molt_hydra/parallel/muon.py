@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
 
@@ -29,8 +30,6 @@ def _whole(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (laid out like `param`'s shard) gathered into the whole matrix on every rank."""
     if not hasattr(param, "device_mesh"):
         return local
-    from torch.distributed.tensor import DTensor
-
     return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
                               stride=param.stride()).full_tensor()
 
@@ -39,8 +38,6 @@ def _own_shard(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a whole matrix, as `param` is sharded (Replicate -> its placements is local slicing)."""
     if not hasattr(param, "device_mesh"):
         return whole
-    from torch.distributed.tensor import DTensor, Replicate
-
     mesh = param.device_mesh
     return DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, param.placements).to_local()
 

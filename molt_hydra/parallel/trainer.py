@@ -123,7 +123,6 @@ class TrainerWorker:
         self._use_cpu_threads()
 
     def _build_automodel(self, spec: TrainerSpec) -> None:
-        self.mesh = None
         self.model = build_automodel(
             self.model_path, role=spec.role, dp_size=self.dp_size, tp_size=spec.tp_size, ep_size=spec.ep_size,
             cp_size=spec.cp_size, param_dtype=self.param_dtype, gradient_checkpointing=spec.gradient_checkpointing,
@@ -135,12 +134,11 @@ class TrainerWorker:
         self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
 
     def _build_hf(self, spec: TrainerSpec) -> None:
-        self.mesh = build_device_mesh(self.dp_size)  # the config keeps selective checkpointing to AutoModel
+        mesh = build_device_mesh(self.dp_size)  # the config keeps selective checkpointing to AutoModel
         model = build_model(self.model_path, role=spec.role, attn_implementation=spec.attn_implementation,
                             gradient_checkpointing=spec.gradient_checkpointing == "full", random_init=spec.random_init,
                             config_overrides=spec.config_overrides,
-                            init_device=self.device if spec.random_init else "cpu",
-                            value_head_init_std=spec.value_head_init_std)
+                            init_device=self.device if spec.random_init else "cpu")
         if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
             model = self._add_adapter(model)
         self._install_moe(model, spec)
@@ -156,7 +154,7 @@ class TrainerWorker:
                 layer.compile()
             self.model = model.to(self.device)
         else:  # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
-            self.model = shard_model(model, self.mesh, param_dtype=self.param_dtype, offload=spec.offload,
+            self.model = shard_model(model, mesh, param_dtype=self.param_dtype, offload=spec.offload,
                                      reshard_after_forward=spec.world_size > 1, compile_blocks=spec.compile_blocks)
         if vlm.is_vlm(model.config) and spec.role != "ref" and not spec.freeze_visual_encoder:
             vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
@@ -189,9 +187,8 @@ class TrainerWorker:
         self.optimizer = self.scheduler = None
         masters = None
         if self.master_weights:  # before the first forward, where FSDP2 reads the params' dtypes
-            value_head = getattr(self.model, "value_head", None)
-            masters = to_compute_dtype(self.model, DTYPES[self.param_dtype],
-                                       keep=(value_head,) if value_head is not None else ())
+            value_head = getattr(self.model, "value_head", None)  # a Linear, kept fp32
+            masters = to_compute_dtype(self.model, DTYPES[self.param_dtype], keep=[value_head] if value_head else [])
         if spec.role == "ref":
             return
         if spec.optimizer_offload and masters is None:  # params stay as they are; fp32 masters go to the host
@@ -480,10 +477,8 @@ class TrainerWorker:
     def _step_metrics(self, samples, sums, grad_norms, seconds, threads) -> dict:
         dt = torch.tensor(seconds)
         keys = sorted(k for k in sums if k != "_tokens")
-        n_all = float(sum(len(s["input_ids"]) for s in samples)) / (self.world_size // self.dp_size)
-        red = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]
-                          + [torch.as_tensor(sums["_tokens"], device=self.device),
-                             torch.tensor(n_all, device=self.device)]).cpu()
+        sums["_all"] = float(sum(len(s["input_ids"]) for s in samples)) / (self.world_size // self.dp_size)
+        red = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in [*keys, "_tokens", "_all"]]).cpu()
         dist.all_reduce(red)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time, as Molt reports
         n_mask, tokens = float(red[-2]), float(red[-1])
@@ -516,11 +511,9 @@ class TrainerWorker:
         if self.lora:  # the adapter alone, under PEFT's names (what vLLM's LoRA loader reads)
             return iter_weight_buckets(self.model, bucket_bytes, dtype, device,
                                        to_hf=lambda n, t: [(lora.peft_name(n), t)], keep=lora.is_adapter_param)
-        buckets = iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf())
-        if not self.frozen_names:
-            return buckets
         # frozen routers never change: they stay out of the sync (the engine keeps the checkpoint's)
-        return ([(n, t) for n, t in b if n not in self.frozen_names] for b in buckets)
+        return iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf(),
+                                   keep=lambda name: name not in self.frozen_names)
 
     def local_weights(self):
         """The single-pass GPU weight sync's tensors: views of this rank's own full parameters on its GPU, or None."""

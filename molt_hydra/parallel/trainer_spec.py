@@ -39,7 +39,6 @@ class TrainerSpec:
     config_overrides: dict | None = None
     compile_blocks: bool = False
     fused_head: bool = True
-    value_head_init_std: float | None = None
     automodel_options: dict | None = None
     lora: dict | None = None
     seed: int = 42
