@@ -552,12 +552,8 @@ class TrainerWorker:
         `merged` (checkpoint.export_merged) the base with the adapter merged in, a full HF model in out_dir/merged."""
         if self.role == "critic":
             raise ValueError("export_hf exports causal LMs; the critic has no lm_head")
-        if self.lora:
-            out = ckpt.export_adapter(out_dir, self.model, self.lora, tokenizer_path=self.model_path,
-                                      dtype=DTYPES[dtype], merged=merged)
-        else:
-            out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype],
-                                 to_hf=self._to_hf())
+        out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype],
+                             to_hf=self._to_hf(), adapter=self.lora, merged=merged)
         return str(out) if out else None
 
     def shutdown(self):
