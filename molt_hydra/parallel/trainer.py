@@ -50,14 +50,14 @@ class FusedLogprobHead:
 
     def __init__(self, head: torch.nn.Linear):
         self.weight_of = lambda: head.weight  # the gathered (unsharded) weight while the root unit is forward
-        self.call = None  # (targets, temperature, chunk, with entropy, needed tokens, sources) of the next model call
+        # the next model call's (targets, temperature, chunk, with entropy, needed tokens, sources), in the order
+        # linear_logprobs_entropy takes them
+        self.call = None
         head.forward = self
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        targets, temperature, chunk, with_entropy, needed, sources = self.call
-        lp, ent = linear_logprobs_entropy(hidden, self.weight_of(), targets, temperature, chunk, with_entropy, needed,
-                                          sources)
-        return torch.stack([lp, ent], -1) if with_entropy else lp[..., None]
+        lp, ent = linear_logprobs_entropy(hidden, self.weight_of(), *self.call)
+        return torch.stack([lp, ent], -1) if self.call[3] else lp[..., None]  # [3]: with entropy
 
 
 class TrainerWorker:
@@ -253,8 +253,7 @@ class TrainerWorker:
         shared = mb.get("shared")  # the model's rows when prompts are shared; ids / pos stay the samples' own
         if self.role == "critic":
             v = self.model(input_ids=ids, position_ids=pos)
-            out = torch.zeros_like(v, dtype=torch.float32)
-            out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
+            out = torch.nn.functional.pad(v[:, :-1].float(), (1, 0))  # V(state before token t), token-aligned
             return out.masked_fill(first, 0.0), None, None
         mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS if k in mb}
         # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
