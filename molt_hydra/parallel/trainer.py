@@ -140,7 +140,10 @@ class TrainerWorker:
                             config_overrides=spec.config_overrides,
                             init_device=self.device if spec.random_init else "cpu")
         if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
-            model = self._add_adapter(model)
+            # target_modules None: the family's default (the config refuses a family without one)
+            targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
+            self.lora = {**self.lora, "target_modules": targets}
+            model = lora.add_adapter(model, self.lora)
         self._install_moe(model, spec)
         if spec.freeze_visual_encoder:
             vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
@@ -199,14 +202,6 @@ class TrainerWorker:
         self.scheduler = build_scheduler(self.optimizer, name=spec.lr_scheduler, total_steps=spec.total_steps,
                                          warmup_ratio=spec.lr_warmup_ratio, min_lr_ratio=spec.min_lr_ratio)
 
-    def _add_adapter(self, model):
-        targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
-        if targets is None:
-            raise ValueError(f"model.lora.target_modules: model family {model.config.model_type!r} has no default "
-                             "targets; set them (e.g. [q_proj,v_proj])")
-        self.lora = {**self.lora, "target_modules": targets}
-        return lora.add_adapter(model, self.lora)
-
     # ---------------------------------------------------------------- CPU threads
     def engines_busy(self, busy: bool, hint: int) -> None:
         """Whether the rollout engines are generating (hint number `hint`, increasing): a CPU rank then keeps to
@@ -229,19 +224,16 @@ class TrainerWorker:
         """A hint takes effect at the next decoder block, forward or backward, not only at the next micro-batch
         (one can be half of a step's work): a pre-hook sets the threads before each block's forward, and a hook on
         the block's output before its backward (which runs on this thread: CPU autograd)."""
-        def before_backward(grad):
-            self._use_cpu_threads()
-
-        def before_forward(module, args):
+        def use_threads(*hook_args):  # a forward pre-hook (module, args) or a grad hook (grad)
             self._use_cpu_threads()
 
         def after_forward(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
             if torch.is_tensor(out) and out.requires_grad:
-                out.register_hook(before_backward)
+                out.register_hook(use_threads)
 
         for layer in decoder_layers(self.model):
-            layer.register_forward_pre_hook(before_forward)
+            layer.register_forward_pre_hook(use_threads)
             layer.register_forward_hook(after_forward)
 
     # ---------------------------------------------------------------- forward
