@@ -79,7 +79,6 @@ class TrainerWorker:
         self.packing = spec.packing
         torch.manual_seed(spec.seed)  # same init (e.g. value head) on every rank
         self.model_path = resolve_path(spec.model_path)
-        self.moe_experts_impl = None  # HF MoE models: "grouped" | "loop" (models/moe_experts.py)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
         self.lora = spec.lora if spec.role == "actor" else None
         if self.backend == "automodel":
@@ -131,7 +130,8 @@ class TrainerWorker:
             gate_precision=spec.gate_precision, routing_replay=spec.routing_replay, master_weights=spec.master_weights,
             freeze_moe_router=spec.freeze_moe_router, freeze_visual_encoder=spec.freeze_visual_encoder,
             **(spec.automodel_options or {}))
-        self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
+        # AutoModel's gates replay, freeze and keep their own stats; its experts are model.experts_backend's
+        self.moe, self.frozen_names, self.moe_experts_impl = False, set(), None
 
     def _build_hf(self, spec: TrainerSpec) -> None:
         mesh = build_device_mesh(self.dp_size)  # the config keeps selective checkpointing to AutoModel
@@ -171,7 +171,7 @@ class TrainerWorker:
         if (spec.routing_replay or spec.freeze_moe_router) and not routers:
             raise NotImplementedError(f"rollout.routing_replay / model.freeze_moe_router: {type(model).__name__} "
                                       "has no MoE router this trainer supports (HF path: Qwen3-MoE); turn them off")
-        self.moe = bool(routers)
+        self.moe, self.moe_experts_impl = bool(routers), None  # HF MoE models: "grouped" | "loop" (moe_experts.py)
         if routers:
             self.moe_experts_impl = moe_experts.choose(spec.moe_experts_impl, self.device, DTYPES[self.param_dtype],
                                                        expert_widths(model))
@@ -265,9 +265,8 @@ class TrainerWorker:
         if hasattr(logits, "full_tensor"):  # tensor parallel: vocab-sharded DTensor logits
             logits = logits.full_tensor()
         lp = logprobs_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
-        ent = None
-        if need_entropy:
-            ent = entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
+        ent = (entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0) if need_entropy
+               else None)
         return lp, ent, aux
 
     def _replay(self, mb: dict, routing_stats=None):
