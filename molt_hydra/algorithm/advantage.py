@@ -100,21 +100,11 @@ def group_rollouts(num_samples: int, group_ids: Sequence[Hashable] | None = None
     return first_sample, list(groups.values()), torch.tensor(sample_to_rollout, dtype=torch.long)
 
 
-def compute_advantages(
-    estimator: str,
-    rewards: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    group_ids: Sequence[Hashable] | None = None,
-    rollout_ids: Sequence[Hashable] | None = None,
-    kl: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    whiten: bool = True,
-    reward_clip: Sequence[float] | None = (-10.0, 10.0),
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_advantages(estimator: str, rewards: torch.Tensor, action_mask: torch.Tensor, *,
+                       group_ids: Sequence[Hashable] | None = None, rollout_ids: Sequence[Hashable] | None = None,
+                       kl: torch.Tensor | None = None, values: torch.Tensor | None = None, kl_coef: float = 0.0,
+                       gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
+                       reward_clip: Sequence[float] | None = (-10.0, 10.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [S, L], returns [S, L]) in float32 for one training step's samples.
 
     `rewards` [S] is each sample's reward (segments of one rollout repeat it); `kl` [S, L] the per-token KL to the
@@ -241,8 +231,6 @@ def gae(rewards, groups, ctx):
     """GAE(gamma, lambda) on the KL-penalised token rewards. Masked tokens (observations, padding) are transparent: an
     action token bootstraps from the next ACTION token's value, and the advantage carries across the gap unchanged.
     Advantages are whitened then re-masked; returns = (A + V) * mask, the un-whitened value target."""
-    if ctx.values is None:
-        raise ValueError("gae needs critic values (ctx.values is None)")
     mask = ctx.action_mask.to(ctx.values.dtype)
     token_rewards = _kl_penalized_rewards(ctx, rewards[ctx.sample_to_rollout])
     values = ctx.values * mask

@@ -26,16 +26,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
-def aggregate_loss(
-    loss: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "token-mean",
-    *,
-    num_tokens: int | torch.Tensor | None = None,
-    global_batch_size: int | torch.Tensor | None = None,
-    dp_size: int = 1,
-    loss_scale_factor: float | None = None,
-) -> torch.Tensor:
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
+                   num_tokens: int | torch.Tensor | None = None, global_batch_size: int | torch.Tensor | None = None,
+                   dp_size: int = 1, loss_scale_factor: float | None = None) -> torch.Tensor:
     """One micro-batch's share of the window loss.
 
     token-mean:               sum(loss*m) / N * dp_size                   (N = num_tokens; local sum(m) if dp_size == 1)

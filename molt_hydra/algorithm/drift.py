@@ -14,15 +14,9 @@ from molt_hydra.algorithm.kl import LOG_RATIO_LIMIT, approx_kl, safe_log_ratio
 
 
 @torch.no_grad()
-def drift_metrics(
-    train_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    is_correction: ISCorrection | None = None,
-    policy_versions: torch.Tensor | None = None,
-    current_version: int | None = None,
-) -> dict[str, torch.Tensor]:
+def drift_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, action_mask: torch.Tensor, *,
+                  is_correction: ISCorrection | None = None, policy_versions: torch.Tensor | None = None,
+                  current_version: int | None = None) -> dict[str, torch.Tensor]:
     """Scalar metrics over the action tokens of a [B, L] batch; {} when there is no action token.
 
     IS filtering fractions need an enabled `is_correction`; staleness needs `policy_versions` [B, L] (the weight

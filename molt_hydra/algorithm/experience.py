@@ -48,11 +48,8 @@ class Experience:
             self.score = self.reward
         lengths = {f: tuple(getattr(self, f).shape) for f in
                    ("token_ids", "action_mask", "rollout_log_probs", "policy_versions")}
-        if self.routed_experts is not None:
+        if self.routed_experts is not None:  # the engine's, [T, layers, top_k] (routing_tensor)
             self.routed_experts = torch.as_tensor(self.routed_experts, dtype=torch.int16)
-            if self.routed_experts.dim() != 3 or len(self.routed_experts) != len(self.token_ids):
-                raise ValueError(f"Experience.routed_experts must be [T={len(self.token_ids)}, layers, top_k], "
-                                 f"got {tuple(self.routed_experts.shape)}")
         if len(set(lengths.values())) != 1 or len(lengths["token_ids"]) != 1:
             raise ValueError(f"Experience fields must be 1-D and token-aligned, got shapes {lengths}")
         if len(self.token_ids) and self.action_mask[0]:
@@ -80,15 +77,11 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> Experie
         return pad_sequence([getattr(e, name) for e in experiences], batch_first=True, padding_value=value)
 
     return ExperienceBatch(
-        token_ids=pad("token_ids", pad_token_id),
-        action_mask=pad("action_mask", False),
-        rollout_log_probs=pad("rollout_log_probs", 0.0),
-        policy_versions=pad("policy_versions", -1),
+        token_ids=pad("token_ids", pad_token_id), action_mask=pad("action_mask", False),
+        rollout_log_probs=pad("rollout_log_probs", 0.0), policy_versions=pad("policy_versions", -1),
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float32),
-        group_ids=[e.group_id for e in experiences],
-        rollout_ids=[e.rollout_id for e in experiences],
-        routed_experts=_collate_routing(experiences),
-    )
+        group_ids=[e.group_id for e in experiences], rollout_ids=[e.rollout_id for e in experiences],
+        routed_experts=_collate_routing(experiences))
 
 
 def _collate_routing(experiences: Sequence[Experience]) -> torch.Tensor | None:
@@ -133,8 +126,7 @@ def to_experience(trajectory, max_len: int, images=None) -> tuple[Experience | N
         policy_versions=[v if m else -1 for v, m in zip(versions[:max_len], mask)],
         reward=float(trajectory.reward), score=trajectory.score, group_id=trajectory.group_id,
         rollout_id=trajectory.rollout_id, info=info, routed_experts=routing_tensor(trajectory.routed_experts, len(ids)),
-        multimodal=multimodal,
-    ), None
+        multimodal=multimodal), None
 
 
 def action_mask(action_ranges, num_tokens: int, max_len: int) -> list[bool]:
@@ -159,11 +151,6 @@ def routing_tensor(rows: list | None, length: int) -> torch.Tensor | None:
     return out
 
 
-def rollout_index(rollout_id: str) -> int:
-    """The sample's position within its group (rollout ids are `<group id>-<index>`): a stable training order."""
-    return int(str(rollout_id).rsplit("-", 1)[-1])
-
-
 def staleness(exp: Experience, version: int) -> int:
     """How many policy versions the oldest generated token lags `version` (0 when no token's version is known)."""
     versions = exp.policy_versions[exp.action_mask]
@@ -179,7 +166,9 @@ def select_trainable(groups, max_len: int, images, version: int, max_staleness: 
     drops: Counter = Counter()
     exps = []
     for group in groups:
-        for traj in sorted(group.trajectories, key=lambda t: (rollout_index(t.rollout_id), t.segment_index)):
+        # rollout ids are `<group id>-<index>`: the index within the group, then the segment, is a stable order
+        for traj in sorted(group.trajectories, key=lambda t: (int(str(t.rollout_id).rsplit("-", 1)[-1]),
+                                                               t.segment_index)):
             exp, reason = to_experience(traj, max_len, images)
             if reason is None and drop_stale and staleness(exp, version) > max_staleness:
                 reason = "stale"
@@ -238,8 +227,12 @@ class NumpyPickled(list):
     The receiver gets a plain list of tensors, so trainer methods see what an in-process caller passes."""
 
     def __reduce__(self):
-        return _from_numpy, ([{k: _to_numpy(v) for k, v in x.items()} if isinstance(x, dict) else _to_numpy(x)
-                              for x in self],)
+        return _each, (_from_numpy, _each(_to_numpy, self))
+
+
+def _each(fn, items) -> list:
+    """`fn` on every item, or on every value of an item that is a dict."""
+    return [{k: fn(v) for k, v in x.items()} if isinstance(x, dict) else fn(x) for x in items]
 
 
 def _to_numpy(v):
@@ -248,9 +241,6 @@ def _to_numpy(v):
     return v
 
 
-def _from_numpy(items: list) -> list:
-    def tensor(v):
-        # a received buffer is read-only; tensors handed to the trainer must be writable like any other
-        return torch.from_numpy(v if v.flags.writeable else v.copy()) if isinstance(v, np.ndarray) else v
-
-    return [{k: tensor(v) for k, v in x.items()} if isinstance(x, dict) else tensor(x) for x in items]
+def _from_numpy(v):
+    # a received buffer is read-only; tensors handed to the trainer must be writable like any other
+    return torch.from_numpy(v if v.flags.writeable else v.copy()) if isinstance(v, np.ndarray) else v

@@ -22,32 +22,15 @@ import torch
 from molt_hydra.algorithm.aggregation import masked_mean, masked_sum
 from molt_hydra.algorithm.kl import LOG_RATIO_LIMIT, safe_log_ratio
 
-IS_LEVELS = ("off", "token", "seq", "geo")
-IS_MODES = ("mask", "clip", "trunc")
-
 
 @dataclass(frozen=True)
 class ISCorrection:
+    """Built from the validated config (runtime/roles.py; config/schema.py ISCorrectionConfig checks the level, the
+    mode, mask-only at seq/geo and low < high)."""
     level: str = "off"
     mode: str = "mask"
     low: float = 0.5
     high: float = 5.0
-
-    def __post_init__(self) -> None:
-        # The config passes str-valued Enums; keep the plain value so messages and comparisons read the same.
-        object.__setattr__(self, "level", getattr(self.level, "value", self.level))
-        object.__setattr__(self, "mode", getattr(self.mode, "value", self.mode))
-        if self.level not in IS_LEVELS:
-            raise ValueError(f"algorithm.is_correction.level={self.level!r} is not one of {list(IS_LEVELS)}")
-        if self.mode not in IS_MODES:
-            raise ValueError(f"algorithm.is_correction.mode={self.mode!r} is not one of {list(IS_MODES)}")
-        if self.level in ("seq", "geo") and self.mode != "mask":
-            raise ValueError(
-                f"algorithm.is_correction.level={self.level} only supports algorithm.is_correction.mode=mask "
-                f"(got {self.mode}): a sequence-level unit is a rejection filter, not a per-token weight")
-        if not self.low <= self.high:
-            raise ValueError(f"algorithm.is_correction.low={self.low} must be <= algorithm.is_correction.high="
-                             f"{self.high}")
 
     @property
     def enabled(self) -> bool:

@@ -36,33 +36,20 @@ def approx_kl(logp: torch.Tensor, logp_base: torch.Tensor, estimator: str = "k1"
     raise ValueError(f"algorithm.kl.estimator={estimator!r} is not one of {list(KL_ESTIMATORS)}")
 
 
-class FixedKLController:
-    """A constant KL coefficient; `update` does nothing."""
+class KLController:
+    """The KL coefficient `value`: constant without a `target`; with one, a proportional controller steering the
+    measured KL towards it (Ziegler et al.; Molt's update rule). Per training step: e = clip(current / target - 1,
+    -0.2, 0.2); value *= 1 + e * n_steps / horizon, where n_steps is the number of rollout samples in the step and
+    horizon is measured in samples."""
 
-    def __init__(self, coef: float):
-        self.value = coef
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        pass
-
-
-class AdaptiveKLController:
-    """Proportional controller steering the measured KL towards `target` (Ziegler et al.; Molt's update rule).
-
-    Per training step: e = clip(current / target - 1, -0.2, 0.2); value *= 1 + e * n_steps / horizon, where n_steps
-    is the number of rollout samples in the step and horizon is measured in samples.
-    """
-
-    def __init__(self, init_coef: float, target: float, horizon: int):
-        self.value = init_coef
-        self.target = target
-        self.horizon = horizon
+    def __init__(self, coef: float, target: float | None = None, horizon: int = 10000):
+        self.value, self.target, self.horizon = coef, target, horizon
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + error * n_steps / self.horizon
+        if self.target:  # adaptive iff `target` is truthy (Molt: `kl.target` set and non-zero)
+            error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+            self.value *= 1 + error * n_steps / self.horizon
 
 
-def make_kl_controller(coef: float, target: float | None = None, horizon: int = 10000):
-    """Adaptive iff `target` is truthy (Molt: `kl.target` set and non-zero), else fixed."""
-    return AdaptiveKLController(coef, target, horizon) if target else FixedKLController(coef)
+def make_kl_controller(coef: float, target: float | None = None, horizon: int = 10000) -> KLController:
+    return KLController(coef, target, horizon)

@@ -19,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from molt_hydra.algorithm.aggregation import LOSS_AGG_MODES, aggregate_loss, masked_mean
+from molt_hydra.algorithm.aggregation import aggregate_loss, masked_mean
 from molt_hydra.algorithm.is_correction import ISCorrection
-from molt_hydra.algorithm.kl import KL_ESTIMATORS, LOG_RATIO_LIMIT, approx_kl, safe_log_ratio
+from molt_hydra.algorithm.kl import LOG_RATIO_LIMIT, approx_kl, safe_log_ratio
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -76,57 +76,22 @@ def cispo_loss(ratio, advantages, log_probs, action_mask, *, clip_eps_high, **_)
 
 
 class PolicyLoss:
-    """The configured actor loss; every rejected combination raises at construction, naming the config key."""
+    """The configured actor loss, built from the validated config (runtime/roles.py): the config rejects the
+    combinations Molt rejects (dual clip ppo-only and > 1, cispo's ceiling >= 1), naming the key."""
 
-    def __init__(
-        self,
-        name: str = "ppo",
-        *,
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.2,
-        dual_clip: float | None = None,
-        entropy_coef: float = 0.0,
-        kl_use_loss: bool = False,
-        kl_estimator: str = "k1",
-        loss_agg: str = "token-mean",
-        is_correction: ISCorrection = ISCorrection(),
-    ):
+    def __init__(self, name: str = "ppo", *, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
+                 dual_clip: float | None = None, entropy_coef: float = 0.0, kl_use_loss: bool = False,
+                 kl_estimator: str = "k1", loss_agg: str = "token-mean", is_correction: ISCorrection = ISCorrection()):
         self.surrogate = get_policy_loss(name)
-        if dual_clip is not None and name != "ppo":
-            raise ValueError(f"algorithm.dual_clip is a PPO-only extra bound, but algorithm.policy_loss={name!r}")
-        if dual_clip is not None and dual_clip <= 1.0:
-            raise ValueError(f"algorithm.dual_clip must be > 1.0, got {dual_clip}")
-        if name == "cispo" and clip_eps_high < 1.0:
-            raise ValueError(f"algorithm.clip_eps_high={clip_eps_high} is CISPO's absolute ratio ceiling and must be "
-                             ">= 1.0 (e.g. 1.2)")
-        # The config passes str-valued Enums; keep the plain value.
-        self.loss_agg = getattr(loss_agg, "value", loss_agg)
-        self.kl_estimator = getattr(kl_estimator, "value", kl_estimator)
-        if self.loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(f"algorithm.loss_agg={self.loss_agg!r} is not one of {list(LOSS_AGG_MODES)}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"algorithm.kl.estimator={self.kl_estimator!r} is not one of {list(KL_ESTIMATORS)}")
-        self.name = name
+        self.loss_agg, self.kl_estimator = loss_agg, kl_estimator
         self.clip_eps_low, self.clip_eps_high, self.dual_clip = clip_eps_low, clip_eps_high, dual_clip
-        self.entropy_coef = entropy_coef
-        self.kl_use_loss = kl_use_loss
-        self.is_correction = is_correction
+        self.entropy_coef, self.kl_use_loss, self.is_correction = entropy_coef, kl_use_loss, is_correction
 
-    def __call__(
-        self,
-        log_probs: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        action_mask: torch.Tensor,
-        *,
-        rollout_log_probs: torch.Tensor | None = None,
-        ref_log_probs: torch.Tensor | None = None,
-        entropy: torch.Tensor | None = None,
-        kl_coef: float = 0.0,
-        num_tokens: int | torch.Tensor | None = None,
-        global_batch_size: int | torch.Tensor | None = None,
-        dp_size: int = 1,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                 action_mask: torch.Tensor, *, rollout_log_probs: torch.Tensor | None = None,
+                 ref_log_probs: torch.Tensor | None = None, entropy: torch.Tensor | None = None, kl_coef: float = 0.0,
+                 num_tokens: int | torch.Tensor | None = None, global_batch_size: int | torch.Tensor | None = None,
+                 dp_size: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss to backpropagate, detached scalar metrics) for one micro-batch.
 
         `log_probs` carry the gradient; `old_log_probs` are the trainer's log-probs at collection time (the PPO
@@ -149,12 +114,9 @@ class PolicyLoss:
             metrics["is_filter_ratio"] = self.is_correction.filter_ratio(filtered, mask)
         window = dict(num_tokens=num_tokens, dp_size=dp_size)
         loss = aggregate_loss(per_token, mask, self.loss_agg, global_batch_size=global_batch_size, **window)
-        metrics.update(
-            policy_loss=masked_mean(per_token.detach(), mask),
-            policy_clip_ratio=clip_ratio.detach(),
-            policy_kl=masked_mean(-policy_log_ratio.detach(), mask),
-            advantage_mean=masked_mean(advantages, mask),
-        )
+        metrics.update(policy_loss=masked_mean(per_token.detach(), mask), policy_clip_ratio=clip_ratio.detach(),
+                       policy_kl=masked_mean(-policy_log_ratio.detach(), mask),
+                       advantage_mean=masked_mean(advantages, mask))
         if self.kl_use_loss and kl_coef > 0:
             if ref_log_probs is None:
                 raise ValueError("algorithm.kl.use_loss=true with a positive KL coefficient needs reference log-probs")

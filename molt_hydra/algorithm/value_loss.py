@@ -12,16 +12,9 @@ import torch
 from molt_hydra.algorithm.aggregation import aggregate_loss, masked_mean
 
 
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    value_clip: float | None = 0.2,
-    num_tokens: int | torch.Tensor | None = None,
-    dp_size: int = 1,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor, *,
+               value_clip: float | None = 0.2, num_tokens: int | torch.Tensor | None = None,
+               dp_size: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss to backpropagate, metrics). `old_values` are the critic's values at collection, `returns` the GAE
     targets; `num_tokens` / `dp_size` follow aggregation.py's global-window contract (token-mean)."""
     loss_mat = 0.5 * (values - returns).square()

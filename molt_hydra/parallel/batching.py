@@ -16,8 +16,7 @@ import torch
 
 
 def count_micro_batches(lengths: list[int], max_tokens: int) -> int:
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens_per_micro_batch must be > 0, got {max_tokens}")
+    """First-fit-decreasing bins of `max_tokens` (>= 1: parallelism.max_tokens_per_micro_batch's bound)."""
     bins: list[int] = []
     for n in sorted(lengths, reverse=True):
         for i, used in enumerate(bins):
@@ -59,8 +58,6 @@ def unpack(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 def partition_padded(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Bins for right-padded [B, L] micro-batches: samples sorted by length, a bin grows while B·L_max (padding
     included) fits `max_tokens`, so neighbours of similar length share a bin and little compute is padding."""
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens_per_micro_batch must be > 0, got {max_tokens}")
     bins: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
         if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= max_tokens:

@@ -20,9 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from molt_hydra.parallel import retention
 
@@ -149,43 +148,41 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
 
 
 def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None = None,
-              dtype: torch.dtype = torch.bfloat16, max_shard_size: str = "5GB", to_hf=None) -> Path | None:
+              dtype: torch.dtype = torch.bfloat16, max_shard_size: str = "5GB", to_hf=None, adapter: dict | None = None,
+              merged: bool = False) -> Path | None:
     """Collective. Rank 0 writes safetensors + config (+ tokenizer) to out_dir via a temp dir; returns out_dir there.
-    to_hf: (name, tensor) -> [(hf_name, tensor), ...] for models whose own names are not the checkpoint's."""
+    to_hf: (name, tensor) -> [(hf_name, tensor), ...] for models whose own names are not the checkpoint's.
+    adapter: a LoRA spec (models/lora.py): the adapter in PEFT's format instead, and with `merged` the base with the
+    adapter merged in (W + alpha / rank * B @ A) as a full HF model under out_dir/merged."""
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if to_hf is not None:
+    if to_hf is not None and adapter is None:
         sd = dict(pair for name, t in sd.items() for pair in to_hf(name, t))
     out = Path(out_dir)
-    if _rank() == 0:
+    if _rank() == 0 and adapter is not None:
+        _write_adapter(out, sd, model.config, adapter, tokenizer_path, dtype, merged)
+    elif _rank() == 0:
         _write_hf(out, sd, model.config, dtype, tokenizer_path, max_shard_size)
     _barrier()
     return out if _rank() == 0 else None
 
 
-def export_adapter(out_dir: str | os.PathLike, model, spec: dict, *, tokenizer_path: str | None = None,
-                   dtype: torch.dtype = torch.bfloat16, merged: bool = False) -> Path | None:
-    """Collective. LoRA (models/lora.py): rank 0 writes the adapter in PEFT's format to out_dir (+ the tokenizer),
-    and with `merged` the base with the adapter merged in (W + alpha / rank * B @ A) as a full HF model under
-    out_dir/merged. Returns out_dir on rank 0."""
+def _write_adapter(out: Path, sd: dict, model_config, spec: dict, tokenizer_path: str | None, dtype: torch.dtype,
+                   merged: bool) -> None:
+    """A PEFT adapter directory at `out` (through a temp dir beside it), with the merged model under merged/."""
     from molt_hydra.models import lora
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    out = Path(out_dir)
-    if _rank() == 0:
-        tmp = out.with_name(f".tmp-{out.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        adapter = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
-        lora.save_adapter(tmp, adapter, spec, tokenizer_path)
-        _save_tokenizer(tokenizer_path, tmp)
-        if merged:
-            config = copy.deepcopy(model.config)
-            if "lm_head" in spec["target_modules"]:  # the adapted head is no longer the embedding
-                config.tie_word_embeddings = False
-            _write_hf(tmp / "merged", lora.merged_state(sd, spec["alpha"] / spec["rank"]), config, dtype,
-                      tokenizer_path, "5GB")
-        _replace_dir(tmp, out)
-    _barrier()
-    return out if _rank() == 0 else None
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    adapter = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
+    lora.save_adapter(tmp, adapter, spec, tokenizer_path)
+    _save_tokenizer(tokenizer_path, tmp)
+    if merged:
+        config = copy.deepcopy(model_config)
+        if "lm_head" in spec["target_modules"]:  # the adapted head is no longer the embedding
+            config.tie_word_embeddings = False
+        _write_hf(tmp / "merged", lora.merged_state(sd, spec["alpha"] / spec["rank"]), config, dtype, tokenizer_path,
+                  "5GB")
+    _replace_dir(tmp, out)
 
 
 def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_path: str | None,

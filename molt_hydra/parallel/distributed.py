@@ -1,7 +1,7 @@
 """Process group + device mesh for the trainer ranks: gloo on CPU, NCCL on GPU, with a timeout on every collective.
 
-The HF backend is data parallel only (FSDP2 over `dp`): tensor / expert / context parallel sizes > 1 are refused here
-with a clear error (config/validate.py refuses them earlier). The AutoModel backend builds its own dp x cp x tp (+ ep)
+The HF backend is data parallel only (FSDP2 over `dp`): config/validate.py refuses tensor / expert / context parallel
+sizes > 1 there. The AutoModel backend builds its own dp x cp x tp (+ ep)
 mesh (models/automodel.py) and does not use `build_device_mesh`.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, *, offload: bool = False,
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, *,
                      timeout_s: float = 600.0) -> torch.device:
     """Join (or create) the default process group; return this rank's device. Idempotent."""
     if not dist.is_initialized():
@@ -35,15 +35,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def build_device_mesh(dp_size: int, *, tp_size: int = 1, ep_size: int = 1, cp_size: int = 1):
+def build_device_mesh(dp_size: int):
+    """FSDP2's one `dp` dimension over every rank (the config keeps tp = ep = cp = 1 on the HF backend)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    unsupported = {k: v for k, v in dict(tp_size=tp_size, ep_size=ep_size, cp_size=cp_size).items() if v != 1}
-    if unsupported:
-        raise NotImplementedError(
-            f"parallelism {unsupported} is not supported by the molt_hydra FSDP2 trainer (HF transformers backend, "
-            f"data parallel only); set these to 1 and scale with parallelism.dp_size")
-    world = dist.get_world_size()
-    if dp_size != world:
-        raise ValueError(f"dp_size={dp_size} must equal the number of trainer ranks ({world}) when tp=ep=cp=1")
     return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dp_size,), mesh_dim_names=("dp",))

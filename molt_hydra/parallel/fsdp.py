@@ -15,8 +15,6 @@ from molt_hydra.models.build import DTYPES, decoder_layers
 
 def shard_model(model: nn.Module, mesh, *, param_dtype: str = "bf16", offload: bool = False,
                 reshard_after_forward: bool = True, compile_blocks: bool = False) -> nn.Module:
-    if param_dtype not in DTYPES:
-        raise ValueError(f"param_dtype must be one of {list(DTYPES)}, got {param_dtype!r}")
     # gradients are reduced in fp32 whatever the compute dtype, as Molt does
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, cast_forward_inputs=True)
     kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

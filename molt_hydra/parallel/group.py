@@ -105,11 +105,10 @@ class TrainerGroup:
         # ranks that fit each node when it is empty: fewer in all can never be placed, so say so now, not after the wait
         fit = sum(min(int(n["Resources"].get(k, 0) / v + 1e-9) for k, v in bundle.items())  # 1e-9: shares like 1/3
                   for n in ray.nodes() if n["Alive"])
+        fix = "Fix: lower parallelism.trainer_devices, or give the cluster more nodes / cluster.cpus_per_node / devices"
         if fit < self.num_ranks:
-            raise ValueError(
-                f"trainer group {self.role!r}: {self.num_ranks} rank(s) of {bundle} each, but the Ray cluster's nodes "
-                f"hold at most {fit}. Fix: lower parallelism.trainer_devices, or give the cluster more nodes / "
-                f"cluster.cpus_per_node / devices")
+            raise ValueError(f"trainer group {self.role!r}: {self.num_ranks} rank(s) of {bundle} each, but the Ray "
+                             f"cluster's nodes hold at most {fit}. {fix}")
         pg = ray.util.placement_group([bundle] * self.num_ranks, strategy="PACK")
         try:
             ray.get(pg.ready(), timeout=timeout_s)
@@ -117,10 +116,8 @@ class TrainerGroup:
             ray.util.remove_placement_group(pg)
             have, free = ({k: r.get(k, 0) for k in bundle}
                           for r in (ray.cluster_resources(), ray.available_resources()))
-            raise TimeoutError(
-                f"trainer group {self.role!r}: Ray could not place {self.num_ranks} rank(s) of {bundle} within "
-                f"{timeout_s:.0f}s; the cluster has {have}, {free} of it free. Fix: lower parallelism.trainer_devices, "
-                f"or give the cluster more nodes / cluster.cpus_per_node / devices") from None
+            raise TimeoutError(f"trainer group {self.role!r}: Ray could not place {self.num_ranks} rank(s) of {bundle} "
+                               f"within {timeout_s:.0f}s; the cluster has {have}, {free} of it free. {fix}") from None
         return pg
 
     def _bundles_by_node(self) -> list[tuple[int, str]]:
@@ -177,11 +174,6 @@ class TrainerGroup:
         n = len(samples) // self.num_ranks
         return [samples[i * n:(i + 1) * n] for i in range(self.num_ranks)]
 
-    def _all(self, method: str, per_rank_args=None, **kw):
-        import ray
-        args = per_rank_args or [()] * self.num_ranks
-        return ray.get([getattr(w, method).remote(*a, **kw) for w, a in zip(self.workers, args)])
-
     def engines_busy(self, busy: bool) -> list:
         """Tell every CPU rank whether the rollout engines are generating (TrainerWorker.engines_busy): refs to
         await, answered on each rank's control thread even while it trains; none on GPU ranks or ranks that don't
@@ -190,10 +182,8 @@ class TrainerGroup:
         return [w.engines_busy.options(concurrency_group="control").remote(busy, self._hints)
                 for w in self.workers] if self.borrows else []
 
-    def compute_logprobs(self, samples: list[dict], with_entropy: bool = False) -> list:
-        outs = self._all("compute_logprobs", [(s,) for s in self.shard(samples)], with_entropy=with_entropy)
-        return [x for o in outs for x in o]
-
     def shutdown(self):
-        self._all("shutdown")
+        import ray
+
+        ray.get([w.shutdown.remote() for w in self.workers])
         self._release()

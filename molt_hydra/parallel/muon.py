@@ -17,10 +17,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; a plain tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -28,8 +30,6 @@ def _whole(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (laid out like `param`'s shard) gathered into the whole matrix on every rank."""
     if not hasattr(param, "device_mesh"):
         return local
-    from torch.distributed.tensor import DTensor
-
     return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
                               stride=param.stride()).full_tensor()
 
@@ -38,8 +38,6 @@ def _own_shard(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a whole matrix, as `param` is sharded (Replicate -> its placements is local slicing)."""
     if not hasattr(param, "device_mesh"):
         return whole
-    from torch.distributed.tensor import DTensor, Replicate
-
     mesh = param.device_mesh
     return DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, param.placements).to_local()
 
@@ -80,21 +78,21 @@ class MuonAdamW(torch.optim.Optimizer):
                     self._muon_step(p, group)
                 continue
             states = [self.state[p] for p in params]
-            adamw([_local(p) for p in params], [_local(p.grad) for p in params],
-                  [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+            adamw([local_part(p) for p in params], [local_part(p.grad) for p in params],
+                  [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states], [],
                   [s["step"] for s in states], foreach=True, amsgrad=False, beta1=group["betas"][0],
                   beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                   maximize=False)
 
     def _muon_step(self, p: torch.Tensor, group: dict):
         mu = group["momentum"]
-        buf, grad = _local(self.state[p]["momentum_buffer"]), _local(p.grad)
+        buf, grad = local_part(self.state[p]["momentum_buffer"]), local_part(p.grad)
         buf.lerp_(grad, 1 - mu)  # torch Muon's momentum, elementwise on the shard
         blend = grad.lerp(buf, mu) if group["nesterov"] else buf
         whole = _whole(p, blend)
         # grouped experts [E, d_out, d_in]: each expert's matrix is orthogonalised on its own
         update = torch.stack([orthogonalised(m) for m in whole]) if whole.dim() == 3 else orthogonalised(whole)
-        local = _local(p)
+        local = local_part(p)
         local.mul_(1 - group["lr"] * group["weight_decay"])
         local.add_(_own_shard(p, update.to(local.dtype)), alpha=-group["lr"])
 

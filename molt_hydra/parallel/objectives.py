@@ -9,6 +9,7 @@ denominators; `entropy_coef` tells the trainer whether to compute entropy.
 from __future__ import annotations
 
 from molt_hydra.algorithm.aggregation import aggregate_loss, masked_mean
+from molt_hydra.algorithm.value_loss import value_loss
 
 
 class SFTObjective:
@@ -49,6 +50,5 @@ class CriticObjective:
         self.value_clip = value_clip
 
     def __call__(self, values, mb, entropy=None, *, num_tokens, global_batch_size, dp_size):
-        from molt_hydra.algorithm.value_loss import value_loss
         return value_loss(values, mb["values"], mb["returns"], mb["action_mask"], value_clip=self.value_clip,
                           num_tokens=num_tokens, dp_size=dp_size)

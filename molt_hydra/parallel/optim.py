@@ -8,6 +8,8 @@ import torch
 from torch.optim.adamw import adamw
 
 from molt_hydra.compat.torch import dtensor_in_place
+from molt_hydra.parallel.muon import MuonAdamW, local_part, muon_param_groups
+from molt_hydra.weight_sync.buckets import bucket_weights
 
 
 FP32_STATE = ("master", "exp_avg", "exp_avg_sq")
@@ -31,7 +33,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     host copies: each step's grads go to the host, torch's fused AdamW runs there on the CPU, and the masters come
     back into the params (still on their device), rounded to the params' dtype."""
 
-    CHUNK_NUMEL = 1 << 28  # grads upcast per kernel call: bounds the transient fp32 copies to 1 GiB
+    CHUNK_BYTES = 1 << 29  # params' bytes per kernel call: bounds the transient fp32 grads of bf16 ones to 1 GiB
 
     def __init__(self, params, masters: dict, on_host: bool = False, **kw):
         super().__init__(params, fused=True, **kw)  # the fused kernel takes grad_scale (CUDA and CPU)
@@ -55,7 +57,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         if main is None:
             self.main_grads[p] = p.grad.float()  # DTensor stays DTensor (clip_grad_norm_ reduces its norm)
         else:
-            _local(main).add_(_local(p.grad))  # bf16 promoted to fp32 inside the add
+            local_part(main).add_(local_part(p.grad))  # bf16 promoted to fp32 inside the add
         p.grad = None
 
     def grad(self, p):
@@ -85,26 +87,20 @@ class MasterWeightAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            params = [p for p in group["params"] if self.grad(p) is not None]
-            start = 0
-            while start < len(params):
-                end, numel = start, 0
-                while end < len(params) and (end == start or numel + params[end].numel() <= self.CHUNK_NUMEL):
-                    numel += params[end].numel()
-                    end += 1
-                chunk, start = params[start:end], end
+            params = [(None, p) for p in group["params"] if self.grad(p) is not None]
+            for chunk in ([p for _, p in bucket] for bucket in bucket_weights(params, self.CHUNK_BYTES)):
                 states = [self.state[p] for p in chunk]
-                masters = [_local(s["master"]) for s in states]
+                masters = [local_part(s["master"]) for s in states]
                 where = masters[0].device  # the params' device, or the host (on_host)
                 scale = None if self._grad_scale is None else self._grad_scale.to(where)
                 adamw(
-                    masters, [_local(self.grad(p)).to(where, torch.float32) for p in chunk],
-                    [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+                    masters, [local_part(self.grad(p)).to(where, torch.float32) for p in chunk],
+                    [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states], [],
                     [s["step"] for s in states], fused=True, grad_scale=scale, found_inf=None, amsgrad=False,
                     beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
                 # fp32 params on their device are their own masters; any other takes its master, rounded (and moved)
-                copies = [(p, m) for p, m in zip(map(_local, chunk), masters) if p.dtype != m.dtype or self.on_host]
+                copies = [(p, m) for p, m in zip(map(local_part, chunk), masters) if p.dtype != m.dtype or self.on_host]
                 if copies:
                     torch._foreach_copy_(*map(list, zip(*copies)))
         self._grad_scale = None
@@ -119,13 +115,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
             self.state[p].update({k: v.to(device=device, dtype=torch.float32) for k, v in kept[i].items()})
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """An fp32 copy of `t` in host memory (a DTensor's shard, kept a DTensor placed as `t` for the checkpoints)."""
-    local = _local(t).detach().to("cpu", torch.float32, copy=True)
+    local = local_part(t).detach().to("cpu", torch.float32, copy=True)
     return dtensor_in_place(local, t) if hasattr(t, "to_local") else local
 
 
@@ -137,11 +129,7 @@ def build_optimizer(model, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, w
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
-    if muon is not None:
-        from molt_hydra.parallel.muon import MuonAdamW, muon_param_groups
-        if masters is not None:
-            raise ValueError("Muon steps the parameters themselves; it has no fp32 masters (master_weights=fsdp, and "
-                             "parallelism.offload other than optimizer)")
+    if muon is not None:  # no fp32 masters: the config keeps Muon to master_weights=fsdp without optimizer offload
         groups = muon_param_groups(model, lr=lr, weight_decay=weight_decay, muon_lr=muon["lr"],
                                    muon_weight_decay=muon["weight_decay"], experts_adamw=muon["experts_adamw"])
         return MuonAdamW(groups, betas=betas, eps=eps, momentum=muon["momentum"], nesterov=muon["nesterov"])
@@ -149,10 +137,9 @@ def build_optimizer(model, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, w
         return MasterWeightAdamW(params, masters, on_host=on_host, lr=lr, betas=tuple(betas), eps=eps,
                                  weight_decay=weight_decay)
     # multi-tensor (foreach) kernels: a per-parameter loop over hundreds of DTensors costs ~1 s of CPU per step;
-    # on GPU the fused kernel does the whole update in a few launches
-    fused = all(p.device.type == "cuda" for p in params)
+    # on GPU the fused kernel does the whole update in a few launches (None, not False, keeps foreach's default)
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                             **({"fused": True} if fused else {}))
+                             fused=all(p.device.type == "cuda" for p in params) or None)
 
 
 def build_scheduler(optimizer, *, name: str = "constant", total_steps: int = 1, warmup_ratio: float = 0.0,

@@ -50,14 +50,14 @@ class FusedLogprobHead:
 
     def __init__(self, head: torch.nn.Linear):
         self.weight_of = lambda: head.weight  # the gathered (unsharded) weight while the root unit is forward
-        self.call = None  # (targets, temperature, chunk, with entropy, needed tokens, sources) of the next model call
+        # the next model call's (targets, temperature, chunk, with entropy, needed tokens, sources), in the order
+        # linear_logprobs_entropy takes them
+        self.call = None
         head.forward = self
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        targets, temperature, chunk, with_entropy, needed, sources = self.call
-        lp, ent = linear_logprobs_entropy(hidden, self.weight_of(), targets, temperature, chunk, with_entropy, needed,
-                                          sources)
-        return torch.stack([lp, ent], -1) if with_entropy else lp[..., None]
+        lp, ent = linear_logprobs_entropy(hidden, self.weight_of(), *self.call)
+        return torch.stack([lp, ent], -1) if self.call[3] else lp[..., None]  # [3]: with entropy
 
 
 class TrainerWorker:
@@ -67,13 +67,11 @@ class TrainerWorker:
             from transformers import enable_full_determinism
             enable_full_determinism(spec.seed)
         self.device = init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
-                                       offload=spec.offload, timeout_s=spec.timeout_s)
+                                       timeout_s=spec.timeout_s)
         self._init_cpu_threads(spec)
         # None: bf16 on a GPU, fp32 on CPU (bf16 matmuls are slow there); an explicit dtype is honoured on both
         self.param_dtype = spec.param_dtype or ("bf16" if self.device.type == "cuda" else "fp32")
         self.master_weights = spec.master_weights == "optimizer"  # params and grads in param_dtype, fp32 masters
-        if self.master_weights and self.param_dtype == "fp32":
-            raise ValueError("master_weights=optimizer needs a lower-precision param_dtype than fp32")
         self.dp_size = spec.dp_size or spec.world_size
         # the critic (value head on a backbone) is always built with HF transformers
         self.backend = resolve_backend(spec.backend) if spec.role != "critic" else "hf"
@@ -81,11 +79,8 @@ class TrainerWorker:
         self.packing = spec.packing
         torch.manual_seed(spec.seed)  # same init (e.g. value head) on every rank
         self.model_path = resolve_path(spec.model_path)
-        self.moe_experts_impl = None  # HF MoE models: "grouped" | "loop" (models/moe_experts.py)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
         self.lora = spec.lora if spec.role == "actor" else None
-        if spec.lora and (spec.role == "critic" or self.backend != "hf"):
-            raise ValueError("model.lora: the adapter is wired for the actor on the HF backend (model.backend=hf)")
         if self.backend == "automodel":
             self._build_automodel(spec)
         else:
@@ -107,7 +102,10 @@ class TrainerWorker:
         self.debug_grad_norms = spec.debug_grad_norms  # logger.debug_grad_norms: (name patterns, top k)
         self._build_optimizer(spec)
         self.global_step = 0
-        self.defer_grad_sync = self._deferred_units() if spec.defer_grad_sync else []
+        # every FSDP2 unit, whoever wrapped the model (HF path or AutoModel); none on one unsharded rank
+        self.fsdp_units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        # parallelism.defer_grad_sync (several ranks, validated): reduce-scatter on a window's last micro-batch only
+        self.defer_grad_sync = self.fsdp_units if spec.defer_grad_sync else []
 
     def _init_cpu_threads(self, spec: TrainerSpec) -> None:
         """CPU threads: `cpu_threads` (the CPUs Ray reserved for this rank; a Ray worker started before it was placed
@@ -124,7 +122,6 @@ class TrainerWorker:
         self._use_cpu_threads()
 
     def _build_automodel(self, spec: TrainerSpec) -> None:
-        self.mesh = None
         self.model = build_automodel(
             self.model_path, role=spec.role, dp_size=self.dp_size, tp_size=spec.tp_size, ep_size=spec.ep_size,
             cp_size=spec.cp_size, param_dtype=self.param_dtype, gradient_checkpointing=spec.gradient_checkpointing,
@@ -133,20 +130,20 @@ class TrainerWorker:
             gate_precision=spec.gate_precision, routing_replay=spec.routing_replay, master_weights=spec.master_weights,
             freeze_moe_router=spec.freeze_moe_router, freeze_visual_encoder=spec.freeze_visual_encoder,
             **(spec.automodel_options or {}))
-        self.moe, self.frozen_names = False, set()  # AutoModel's gates replay, freeze and keep their own stats
+        # AutoModel's gates replay, freeze and keep their own stats; its experts are model.experts_backend's
+        self.moe, self.frozen_names, self.moe_experts_impl = False, set(), None
 
     def _build_hf(self, spec: TrainerSpec) -> None:
-        if spec.gradient_checkpointing not in ("none", "full"):
-            raise ValueError(f"gradient_checkpointing={spec.gradient_checkpointing!r}: the HF backend checkpoints "
-                             "whole blocks (full) or nothing (none); selective needs model.backend=automodel")
-        self.mesh = build_device_mesh(self.dp_size, tp_size=spec.tp_size, ep_size=spec.ep_size, cp_size=spec.cp_size)
+        mesh = build_device_mesh(self.dp_size)  # the config keeps selective checkpointing to AutoModel
         model = build_model(self.model_path, role=spec.role, attn_implementation=spec.attn_implementation,
                             gradient_checkpointing=spec.gradient_checkpointing == "full", random_init=spec.random_init,
                             config_overrides=spec.config_overrides,
-                            init_device=self.device if spec.random_init else "cpu",
-                            value_head_init_std=spec.value_head_init_std)
+                            init_device=self.device if spec.random_init else "cpu")
         if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
-            model = self._add_adapter(model)
+            # target_modules None: the family's default (the config refuses a family without one)
+            targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
+            self.lora = {**self.lora, "target_modules": targets}
+            model = lora.add_adapter(model, self.lora)
         self._install_moe(model, spec)
         if spec.freeze_visual_encoder:
             vlm.freeze_visual_encoder(model)  # before the optimizer, which takes only requires_grad params
@@ -160,7 +157,7 @@ class TrainerWorker:
                 layer.compile()
             self.model = model.to(self.device)
         else:  # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
-            self.model = shard_model(model, self.mesh, param_dtype=self.param_dtype, offload=spec.offload,
+            self.model = shard_model(model, mesh, param_dtype=self.param_dtype, offload=spec.offload,
                                      reshard_after_forward=spec.world_size > 1, compile_blocks=spec.compile_blocks)
         if vlm.is_vlm(model.config) and spec.role != "ref" and not spec.freeze_visual_encoder:
             vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
@@ -174,7 +171,7 @@ class TrainerWorker:
         if (spec.routing_replay or spec.freeze_moe_router) and not routers:
             raise NotImplementedError(f"rollout.routing_replay / model.freeze_moe_router: {type(model).__name__} "
                                       "has no MoE router this trainer supports (HF path: Qwen3-MoE); turn them off")
-        self.moe = bool(routers)
+        self.moe, self.moe_experts_impl = bool(routers), None  # HF MoE models: "grouped" | "loop" (moe_experts.py)
         if routers:
             self.moe_experts_impl = moe_experts.choose(spec.moe_experts_impl, self.device, DTYPES[self.param_dtype],
                                                        expert_widths(model))
@@ -193,9 +190,8 @@ class TrainerWorker:
         self.optimizer = self.scheduler = None
         masters = None
         if self.master_weights:  # before the first forward, where FSDP2 reads the params' dtypes
-            value_head = getattr(self.model, "value_head", None)
-            masters = to_compute_dtype(self.model, DTYPES[self.param_dtype],
-                                       keep=(value_head,) if value_head is not None else ())
+            value_head = getattr(self.model, "value_head", None)  # a Linear, kept fp32
+            masters = to_compute_dtype(self.model, DTYPES[self.param_dtype], keep=[value_head] if value_head else [])
         if spec.role == "ref":
             return
         if spec.optimizer_offload and masters is None:  # params stay as they are; fp32 masters go to the host
@@ -205,23 +201,6 @@ class TrainerWorker:
                                          on_host=spec.optimizer_offload)
         self.scheduler = build_scheduler(self.optimizer, name=spec.lr_scheduler, total_steps=spec.total_steps,
                                          warmup_ratio=spec.lr_warmup_ratio, min_lr_ratio=spec.min_lr_ratio)
-
-    def _deferred_units(self) -> list:
-        """parallelism.defer_grad_sync: every FSDP2 unit, whoever wrapped the model (HF path or AutoModel); their
-        reduce-scatter runs on a window's last micro-batch only."""
-        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-        if not units:
-            raise ValueError("parallelism.defer_grad_sync: this trainer is not sharded with FSDP2 (one rank, "
-                             "params in the compute dtype), so there is no reduce-scatter to defer; unset it")
-        return units
-
-    def _add_adapter(self, model):
-        targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
-        if targets is None:
-            raise ValueError(f"model.lora.target_modules: model family {model.config.model_type!r} has no default "
-                             "targets; set them (e.g. [q_proj,v_proj])")
-        self.lora = {**self.lora, "target_modules": targets}
-        return lora.add_adapter(model, self.lora)
 
     # ---------------------------------------------------------------- CPU threads
     def engines_busy(self, busy: bool, hint: int) -> None:
@@ -245,19 +224,16 @@ class TrainerWorker:
         """A hint takes effect at the next decoder block, forward or backward, not only at the next micro-batch
         (one can be half of a step's work): a pre-hook sets the threads before each block's forward, and a hook on
         the block's output before its backward (which runs on this thread: CPU autograd)."""
-        def before_backward(grad):
-            self._use_cpu_threads()
-
-        def before_forward(module, args):
+        def use_threads(*hook_args):  # a forward pre-hook (module, args) or a grad hook (grad)
             self._use_cpu_threads()
 
         def after_forward(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
             if torch.is_tensor(out) and out.requires_grad:
-                out.register_hook(before_backward)
+                out.register_hook(use_threads)
 
         for layer in decoder_layers(self.model):
-            layer.register_forward_pre_hook(before_forward)
+            layer.register_forward_pre_hook(use_threads)
             layer.register_forward_hook(after_forward)
 
     # ---------------------------------------------------------------- forward
@@ -269,8 +245,7 @@ class TrainerWorker:
         shared = mb.get("shared")  # the model's rows when prompts are shared; ids / pos stay the samples' own
         if self.role == "critic":
             v = self.model(input_ids=ids, position_ids=pos)
-            out = torch.zeros_like(v, dtype=torch.float32)
-            out[:, 1:] = v[:, :-1].float()  # V(state before token t), token-aligned
+            out = torch.nn.functional.pad(v[:, :-1].float(), (1, 0))  # V(state before token t), token-aligned
             return out.masked_fill(first, 0.0), None, None
         mm = {k: mb[k] for k in vlm.MULTIMODAL_KEYS if k in mb}
         # VLM: the model derives its M-RoPE positions from ids + image grid (one sample per micro-batch)
@@ -290,9 +265,8 @@ class TrainerWorker:
         if hasattr(logits, "full_tensor"):  # tensor parallel: vocab-sharded DTensor logits
             logits = logits.full_tensor()
         lp = logprobs_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
-        ent = None
-        if need_entropy:
-            ent = entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
+        ent = (entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0) if need_entropy
+               else None)
         return lp, ent, aux
 
     def _replay(self, mb: dict, routing_stats=None):
@@ -379,10 +353,8 @@ class TrainerWorker:
         # One rank keeps its gathered (compute-dtype) params after forward, for the backward; a forward-only pass has
         # no backward to free them, so they would stay allocated: colocated, 6.8 GiB of a 4B model under the engine's
         # KV cache (an OOM on the H200).
-        if self.world_size == 1:
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+        for module in self.fsdp_units if self.world_size == 1 else ():
+            module.reshard()
         return NumpyPickled(out)
 
     # ---------------------------------------------------------------- training
@@ -409,7 +381,7 @@ class TrainerWorker:
         the mask; MoE routing statistics are counted in this forward), so one forward serves as the old-logprob pass
         and the loss's."""
         loss_fn = loss_fn or SFTObjective()
-        self._check_step(samples, loss_fn.mask_key, num_optimizer_steps, return_logprobs)
+        self._check_step(samples, num_optimizer_steps, return_logprobs)
         logprobs = [None] * len(samples) if return_logprobs else None
         if return_logprobs and self.moe and self.role == "actor":
             self._routing_stats = moe_routing.routing_stats(self.model.config)
@@ -433,14 +405,9 @@ class TrainerWorker:
         metrics.update(debug if self.debug_grad_norms else {})
         return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
 
-    def _check_step(self, samples: list[dict], mask_key: str, num_optimizer_steps: int, return_logprobs: bool):
-        if self.optimizer is None:
-            raise RuntimeError(f"role {self.role!r} has no optimizer; train_step needs actor or critic")
+    def _check_step(self, samples: list[dict], num_optimizer_steps: int, return_logprobs: bool):
         if len(samples) < num_optimizer_steps:
             raise ValueError(f"{len(samples)} samples on rank {self.rank} < num_optimizer_steps={num_optimizer_steps}")
-        missing = {mask_key, "input_ids"} - set(samples[0])
-        if missing:
-            raise KeyError(f"samples lack {sorted(missing)} (have {sorted(samples[0])})")
         if return_logprobs and num_optimizer_steps != 1:
             raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps}): later windows' "
                              "forwards run after the first step changed the parameters")
@@ -500,10 +467,8 @@ class TrainerWorker:
     def _step_metrics(self, samples, sums, grad_norms, seconds, threads) -> dict:
         dt = torch.tensor(seconds)
         keys = sorted(k for k in sums if k != "_tokens")
-        n_all = float(sum(len(s["input_ids"]) for s in samples)) / (self.world_size // self.dp_size)
-        red = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]
-                          + [torch.as_tensor(sums["_tokens"], device=self.device),
-                             torch.tensor(n_all, device=self.device)]).cpu()
+        sums["_all"] = float(sum(len(s["input_ids"]) for s in samples)) / (self.world_size // self.dp_size)
+        red = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in [*keys, "_tokens", "_all"]]).cpu()
         dist.all_reduce(red)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time, as Molt reports
         n_mask, tokens = float(red[-2]), float(red[-1])
@@ -534,14 +499,11 @@ class TrainerWorker:
     def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, device="cpu"):
         """Generator: every rank iterates, rank 0 receives lists of (hf_name, full tensor)."""
         if self.lora:  # the adapter alone, under PEFT's names (what vLLM's LoRA loader reads)
-            from molt_hydra.models.lora import is_adapter_param, peft_name
-            return iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=lambda n, t: [(peft_name(n), t)],
-                                       keep=is_adapter_param)
-        buckets = iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf())
-        if not self.frozen_names:
-            return buckets
+            return iter_weight_buckets(self.model, bucket_bytes, dtype, device,
+                                       to_hf=lambda n, t: [(lora.peft_name(n), t)], keep=lora.is_adapter_param)
         # frozen routers never change: they stay out of the sync (the engine keeps the checkpoint's)
-        return ([(n, t) for n, t in b if n not in self.frozen_names] for b in buckets)
+        return iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf(),
+                                   keep=lambda name: name not in self.frozen_names)
 
     def local_weights(self):
         """The single-pass GPU weight sync's tensors: views of this rank's own full parameters on its GPU, or None."""
@@ -580,12 +542,8 @@ class TrainerWorker:
         `merged` (checkpoint.export_merged) the base with the adapter merged in, a full HF model in out_dir/merged."""
         if self.role == "critic":
             raise ValueError("export_hf exports causal LMs; the critic has no lm_head")
-        if self.lora:
-            out = ckpt.export_adapter(out_dir, self.model, self.lora, tokenizer_path=self.model_path,
-                                      dtype=DTYPES[dtype], merged=merged)
-            return str(out) if out else None
         out = ckpt.export_hf(out_dir, self.model, tokenizer_path=self.model_path, dtype=DTYPES[dtype],
-                             to_hf=self._to_hf())
+                             to_hf=self._to_hf(), adapter=self.lora, merged=merged)
         return str(out) if out else None
 
     def shutdown(self):

@@ -39,7 +39,6 @@ class TrainerSpec:
     config_overrides: dict | None = None
     compile_blocks: bool = False
     fused_head: bool = True
-    value_head_init_std: float | None = None
     automodel_options: dict | None = None
     lora: dict | None = None
     seed: int = 42
@@ -70,7 +69,5 @@ class TrainerSpec:
     debug_grad_norms: tuple | None = None  # logger.debug_grad_norms: (name patterns, top k)
 
     def __post_init__(self) -> None:
-        if self.master_weights not in ("fsdp", "optimizer"):
-            raise ValueError(f"master_weights must be fsdp or optimizer, got {self.master_weights!r}")
         self.gradient_checkpointing = {False: "none", True: "full"}.get(self.gradient_checkpointing,
                                                                        self.gradient_checkpointing)

@@ -98,7 +98,8 @@ def _two_node_step(log_dir: str, samples: list[dict]) -> dict:
                 ray.get(pg.ready(), timeout=120)
             g = TrainerGroup(2, TrainerSpec(**TRAINER), num_cpus_per_rank=1, placement_group=pg,
                              startup_timeout_s=300)
-            lps = g.compute_logprobs(samples)
+            lps = [x for rank in ray.get([w.compute_logprobs.remote(s) for w, s in zip(g.workers, g.shard(samples))])
+                   for x in rank]
             facts = ray.get([w.__ray_call__.remote(_rank_facts) for w in g.workers], timeout=120)
             metrics = ray.get([w.train_step.remote(s, ppo_objective())
                                for w, s in zip(g.workers, g.shard(samples))], timeout=300)

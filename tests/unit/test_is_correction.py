@@ -2,11 +2,21 @@
 
 import math
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 
-from molt_hydra.algorithm.is_correction import IS_LEVELS, IS_MODES, ISCorrection
+from molt_hydra.algorithm.is_correction import ISCorrection
 from molt_hydra.algorithm.loss import PolicyLoss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+from test_validation import assert_fires, config_errors  # noqa: E402
+
+IS_LEVELS = ("off", "token", "seq", "geo")
+IS_MODES = ("mask", "clip", "trunc")
 
 E = math.exp
 
@@ -18,21 +28,21 @@ def close(actual, expected, atol=1e-6):
 @pytest.mark.parametrize("level", IS_LEVELS)
 @pytest.mark.parametrize("mode", IS_MODES)
 def test_seq_and_geo_only_allow_mask(level, mode):
+    """ISCorrection is built from the validated config (runtime/roles.py), which refuses clip/trunc at seq/geo."""
+    overrides = [f"algorithm.is_correction.level={level}", f"algorithm.is_correction.mode={mode}"]
     if level in ("seq", "geo") and mode != "mask":
-        with pytest.raises(ValueError, match=rf"algorithm.is_correction.level={level} only supports "
-                                             r"algorithm.is_correction.mode=mask"):
-            ISCorrection(level, mode)
+        assert_fires(overrides, "algorithm.is_correction.mode", f"level={level} only supports mode=mask")
     else:
+        assert not [e for e in config_errors(overrides) if e.startswith("algorithm.is_correction.mode")]
         assert ISCorrection(level, mode).enabled == (level != "off")
 
 
 def test_unknown_level_mode_and_inverted_band_are_rejected():
-    with pytest.raises(ValueError, match="algorithm.is_correction.level='tok'"):
-        ISCorrection("tok")
-    with pytest.raises(ValueError, match="algorithm.is_correction.mode='cap'"):
-        ISCorrection("token", "cap")
-    with pytest.raises(ValueError, match="algorithm.is_correction.low=2.0 must be <= algorithm.is_correction.high"):
-        ISCorrection("token", low=2.0, high=1.0)
+    for override in ("algorithm.is_correction.level=tok", "algorithm.is_correction.mode=cap"):
+        with pytest.raises(ConfigCompositionException, match=override):
+            config_errors([override])
+    assert_fires(["algorithm.is_correction.level=token", "algorithm.is_correction.low=2.0",
+                  "algorithm.is_correction.high=1.0"], "algorithm.is_correction.low", "need low < high")
 
 
 # train - rollout log-ratios 0.1 (kept), 2.0 (ratio 7.39 > 5), -1.0 (ratio 0.37 < 0.5); the 4th token is padding

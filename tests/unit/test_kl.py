@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from molt_hydra.algorithm.kl import AdaptiveKLController, FixedKLController, approx_kl, make_kl_controller
+from molt_hydra.algorithm.kl import KLController, approx_kl, make_kl_controller
 
 NAN, INF = float("nan"), float("inf")
 
@@ -60,13 +60,13 @@ def test_unknown_estimator_names_the_key():
 
 
 def test_fixed_controller_never_moves():
-    controller = FixedKLController(0.05)
+    controller = KLController(0.05)
     controller.update(current_kl=10.0, n_steps=1000)
     assert controller.value == 0.05
 
 
 def test_adaptive_controller_proportional_update_and_clamp():
-    controller = AdaptiveKLController(init_coef=0.1, target=0.05, horizon=1000)
+    controller = KLController(0.1, target=0.05, horizon=1000)
     controller.update(current_kl=0.055, n_steps=100)  # e = 0.055 / 0.05 - 1 = 0.1
     assert controller.value == pytest.approx(0.1 * (1 + 0.1 * 100 / 1000))
     before = controller.value
@@ -78,7 +78,11 @@ def test_adaptive_controller_proportional_update_and_clamp():
 
 
 def test_controller_choice_follows_target():
-    assert isinstance(make_kl_controller(0.01, target=None), FixedKLController)
-    assert isinstance(make_kl_controller(0.01, target=0.0), FixedKLController)  # falsy target: fixed, as in Molt
+    for target in (None, 0.0):  # falsy target: fixed, as in Molt
+        fixed = make_kl_controller(0.01, target=target)
+        fixed.update(current_kl=10.0, n_steps=1000)
+        assert fixed.value == 0.01
     adaptive = make_kl_controller(0.01, target=0.1, horizon=500)
-    assert isinstance(adaptive, AdaptiveKLController) and adaptive.horizon == 500 and adaptive.value == 0.01
+    assert adaptive.horizon == 500 and adaptive.value == 0.01
+    adaptive.update(current_kl=0.2, n_steps=100)  # e = 1, clamped to +0.2
+    assert adaptive.value == pytest.approx(0.01 * (1 + 0.2 * 100 / 500))

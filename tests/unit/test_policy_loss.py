@@ -2,10 +2,17 @@
 
 import math
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 
 from molt_hydra.algorithm.loss import POLICY_LOSSES, PolicyLoss, get_policy_loss, ppo_loss, register_policy_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+from test_validation import assert_fires, config_errors  # noqa: E402
 
 LN = math.log
 
@@ -104,19 +111,23 @@ def test_cispo_caps_the_weight_and_passes_gradient_through_logp():
     close(logp.grad, [[-1.2 * 1 / 3, -0.5 * -1 / 3, -1.0 * 2 / 3, 0.0]])  # capped, never zeroed
 
 
-def test_constructor_rejects_what_molt_rejects_naming_the_key():
-    with pytest.raises(ValueError, match="algorithm.dual_clip is a PPO-only"):
-        PolicyLoss("gspo", dual_clip=3.0)
-    with pytest.raises(ValueError, match="algorithm.dual_clip is a PPO-only"):
-        PolicyLoss("cispo", clip_eps_high=1.2, dual_clip=3.0)
-    with pytest.raises(ValueError, match="algorithm.dual_clip must be > 1.0"):
-        PolicyLoss("ppo", dual_clip=1.0)
-    with pytest.raises(ValueError, match="algorithm.clip_eps_high=0.2 is CISPO's absolute ratio ceiling"):
-        PolicyLoss("cispo", clip_eps_high=0.2)
-    with pytest.raises(ValueError, match="algorithm.loss_agg='mean'"):
-        PolicyLoss(loss_agg="mean")
-    with pytest.raises(ValueError, match="algorithm.kl.estimator='k4'"):
-        PolicyLoss(kl_estimator="k4")
+@pytest.mark.parametrize("overrides,key,fragment", [
+    (["algorithm.policy_loss=gspo", "algorithm.dual_clip=3.0"], "algorithm.dual_clip", "dual clip is a PPO-only"),
+    (["algorithm.policy_loss=cispo", "algorithm.clip_eps_high=1.2", "algorithm.dual_clip=3.0"], "algorithm.dual_clip",
+     "dual clip is a PPO-only"),
+    (["algorithm.dual_clip=1.0"], "algorithm.dual_clip", "must be > 1.0"),
+    (["algorithm.policy_loss=cispo", "algorithm.clip_eps_high=0.2"], "algorithm.clip_eps_high",
+     "cispo reads it as an absolute ratio ceiling"),
+])
+def test_config_rejects_what_molt_rejects_naming_the_key(overrides, key, fragment):
+    """PolicyLoss is built from the validated config (runtime/roles.py), which refuses these combinations."""
+    assert_fires(overrides, key, fragment)
+
+
+@pytest.mark.parametrize("override", ["algorithm.loss_agg=mean", "algorithm.kl.estimator=k4"])
+def test_config_rejects_unknown_loss_agg_and_kl_estimator(override):
+    with pytest.raises(ConfigCompositionException, match=override):
+        config_errors([override])
 
 
 @pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])

@@ -3,6 +3,9 @@ the GPU-free parts of the NeMo AutoModel backend (mesh sizes, R3 index layout, b
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,9 @@ from molt_hydra.models.automodel import parallel_sizes, per_layer_replay_indices
 from molt_hydra.models.build import resolve_backend
 from molt_hydra.models.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
 from molt_hydra.parallel.batching import pad_rows, partition_padded
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+from test_validation import assert_fires  # noqa: E402
 
 
 def test_partition_padded_respects_padded_budget_and_groups_similar_lengths():
@@ -21,8 +27,8 @@ def test_partition_padded_respects_padded_budget_and_groups_similar_lengths():
     # longest first: [100, 90] share a bin (2 x 100), then [50, 12, 11, 10] (4 x 50)
     assert sorted(map(sorted, bins)) == [[0, 2], [1, 3, 4, 5]]
     assert partition_padded([300], 200) == [[0]]  # a sample over budget gets its own bin
-    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
-        partition_padded([1], 0)
+    # the budget's bound (>= 1) is the config's: a zero budget never reaches the trainer
+    assert_fires(["train.max_tokens_per_micro_batch=0"], "train.max_tokens_per_micro_batch", "must be >= 1")
 
 
 def test_pad_rows_right_pads_every_token_key():
