@@ -55,17 +55,9 @@ class ChatAgent(ABC):
 
 
 class ChatAgentRunner(Runner):
-    def __init__(
-        self,
-        agent: type[ChatAgent] | str,
-        agent_kwargs: dict | None = None,
-        tool_parser: str | None = "hermes",
-        image_tokens_per_image: int = 0,
-        reasoning_parser: str | None = None,
-        max_choices: int = 8,
-        accepts_images: bool = True,
-        max_images: int | None = None,
-    ):
+    def __init__(self, agent: type[ChatAgent] | str, agent_kwargs: dict | None = None,
+                 tool_parser: str | None = "hermes", image_tokens_per_image: int = 0, reasoning_parser: str | None = None, max_choices: int = 8,
+                 accepts_images: bool = True, max_images: int | None = None):
         """`tool_parser` / `reasoning_parser`: vLLM parser names for the model family (agent.tool_parser /
         agent.reasoning_parser); `max_choices`: the largest `n` a request may ask for (agent.max_choices);
         `accepts_images`: False for a text-only model, so image parts get a 400 (data.max_images_per_prompt > 0);
@@ -102,38 +94,19 @@ class ChatAgentRunner(Runner):
         server = await self._ensure_server()
         sid = uuid.uuid4().hex
         session = ChatSession(
-            sid,
-            generator,
-            tokenizer,
-            episode.sampling,
-            episode.max_length,
-            reply_parser(tokenizer, self.tool_parser, self.reasoning_parser),
-            label=episode.label,
-            image_tokens_per_image=self.image_tokens_per_image,
-            max_turns=episode.max_turns,
-            max_choices=self.max_choices,
-            accepts_images=self.accepts_images and not text_only_model(tokenizer.name_or_path),
-            max_images=self.max_images,
-            model_label=tokenizer.name_or_path,
-        )
+            sid, generator, tokenizer, episode.sampling, episode.max_length,
+            reply_parser(tokenizer, self.tool_parser, self.reasoning_parser), label=episode.label,
+            image_tokens_per_image=self.image_tokens_per_image, max_turns=episode.max_turns,
+            max_choices=self.max_choices, max_images=self.max_images, model_label=tokenizer.name_or_path,
+            accepts_images=self.accepts_images and not text_only_model(tokenizer.name_or_path))
         server.open_session(session)
         messages = prompt_messages(episode.prompt, episode.images)
+        url = server.session_url(sid)
         ctx = AgentContext(
-            messages=messages,
-            tools=copy.deepcopy(episode.tools),
-            prompt=last_user_text(messages),
-            label=episode.label,
-            images=list(episode.images),
-            base_url=server.session_url(sid) + "/v1",
-            session_url=server.session_url(sid),
-            api_key=server.api_key,
-            model_name=server.model_name,
-            session_id=sid,
-            sampling_params=episode.sampling,
-            max_length=episode.max_length,
-            max_turns=episode.max_turns,
-            judge_url=server.session_url(sid) + "/judge/v1",
-        )
+            messages=messages, tools=copy.deepcopy(episode.tools), prompt=last_user_text(messages),
+            label=episode.label, images=list(episode.images), base_url=url + "/v1", session_url=url,
+            api_key=server.api_key, model_name=server.model_name, session_id=sid, sampling_params=episode.sampling,
+            max_length=episode.max_length, max_turns=episode.max_turns, judge_url=url + "/judge/v1")
         try:
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)
         finally:
