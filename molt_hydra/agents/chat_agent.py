@@ -56,8 +56,9 @@ class ChatAgent(ABC):
 
 class ChatAgentRunner(Runner):
     def __init__(self, agent: type[ChatAgent] | str, agent_kwargs: dict | None = None,
-                 tool_parser: str | None = "hermes", image_tokens_per_image: int = 0, reasoning_parser: str | None = None, max_choices: int = 8,
-                 accepts_images: bool = True, max_images: int | None = None):
+                 tool_parser: str | None = "hermes", image_tokens_per_image: int = 0,
+                 reasoning_parser: str | None = None, max_choices: int = 8, accepts_images: bool = True,
+                 max_images: int | None = None):
         """`tool_parser` / `reasoning_parser`: vLLM parser names for the model family (agent.tool_parser /
         agent.reasoning_parser); `max_choices`: the largest `n` a request may ask for (agent.max_choices);
         `accepts_images`: False for a text-only model, so image parts get a 400 (data.max_images_per_prompt > 0);
