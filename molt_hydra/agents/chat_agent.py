@@ -150,15 +150,12 @@ def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:
         if m.get("role") != "user" or not isinstance(m.get("content"), str) or "<image>" not in m["content"]:
             continue
         parts: list[dict] = []
-        chunks = m["content"].split("<image>")
-        for i, chunk in enumerate(chunks):
+        for i, chunk in enumerate(m["content"].split("<image>")):
+            if i:  # a marker stood here: the next image, or (more markers than images) the marker literally
+                parts.append({"type": "image_url", "image_url": {"url": image_data_uri(pending.pop(0))}} if pending
+                             else {"type": "text", "text": "<image>"})
             if chunk:
                 parts.append({"type": "text", "text": chunk})
-            if i < len(chunks) - 1:
-                if pending:
-                    parts.append({"type": "image_url", "image_url": {"url": image_data_uri(pending.pop(0))}})
-                else:  # more markers than images: keep the marker literally
-                    parts.append({"type": "text", "text": "<image>"})
         m["content"] = parts
     return messages
 

@@ -161,7 +161,5 @@ class ReplyParser:
         return parsed.reasoning, content
 
 
-@functools.cache
-def reply_parser(tokenizer, tool_parser: str | None = "hermes", reasoning_parser: str | None = None) -> ReplyParser:
-    """The runner's one `ReplyParser` per tokenizer and parser names (building one reads the whole vocabulary)."""
-    return ReplyParser(tokenizer, tool_parser, reasoning_parser)
+# The runner's one `ReplyParser` per tokenizer and parser names (building one reads the whole vocabulary).
+reply_parser = functools.cache(ReplyParser)
