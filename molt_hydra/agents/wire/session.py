@@ -103,9 +103,8 @@ class ChatSession:
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
-            )
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
         except Exception as e:  # jinja raises on messages the template rejects (e.g. role order)
             raise RequestError(400, f"chat template rejected the messages: {e}", "messages") from None
 
@@ -311,9 +310,8 @@ class ChatSession:
     def _extension(self, req: ChatRequest):
         """(branch, delta ids) when this request continues an open branch, else None."""
         k = len(self._prev_messages)
-        if not self._branches or req.tools != self._prev_tools or len(req.messages) < k + 2:
-            return None
-        if req.messages[:k] != self._prev_messages:
+        if (not self._branches or req.tools != self._prev_tools or len(req.messages) < k + 2
+                or req.messages[:k] != self._prev_messages):
             return None
         branch = next((b for b in self._branches if _echoes(req.messages[k], b.choice)), None)
         if branch is None:
@@ -341,10 +339,7 @@ class ChatSession:
         else:
             parsed = self.parser.parse(text, req.tools, parse_tools=req.tool_choice != "none")
         calls = parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
-        if calls:
-            finish = "tool_calls"
-        else:
-            finish = "length" if gen.finish_reason == "length" else "stop"
+        finish = "tool_calls" if calls else "length" if gen.finish_reason == "length" else "stop"
         call_ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
         return Choice(gen, parsed.content, calls, call_ids, finish, stop_sequence, parsed.reasoning,
                       None if req.top_logprobs is None else self._logprob_entries(gen))
