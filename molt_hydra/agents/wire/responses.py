@@ -69,9 +69,8 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
             raise bad(f"{where}: function_call needs a string name and arguments", where)
         call = {"id": str(item.get("call_id", "")), "type": "function",
                 "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
-        last = canon[-1] if canon else None
-        if last is not None and last["role"] == "assistant":  # the reply's text and its calls are one chat message
-            last.setdefault("tool_calls", []).append(call)
+        if canon and canon[-1]["role"] == "assistant":  # the reply's text and its calls are one chat message
+            canon[-1].setdefault("tool_calls", []).append(call)
         else:
             canon.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif kind == "function_call_output":
