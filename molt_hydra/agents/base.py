@@ -59,6 +59,14 @@ def scalar(value: Any, what: str) -> float:
     return float(value)
 
 
+def reward_and_score(result: Any, returned_by: str) -> tuple[float, float]:
+    """A `Result`'s reward and score (the score defaults to the reward) as floats; anything else is an error."""
+    if not isinstance(result, Result):
+        raise TypeError(f"{returned_by} must return Result, got {type(result).__name__}")
+    reward = scalar(result.reward, "Result.reward")
+    return reward, reward if result.score is None else scalar(result.score, "Result.score")
+
+
 def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None) -> Sampling:
     if override is None:
         return sampling

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, scalar
+from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score
 from molt_hydra.agents.targets import subclass
 from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
@@ -112,10 +112,7 @@ class ChatAgentRunner(Runner):
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)
         finally:
             segments = server.close_session(sid)
-        if not isinstance(result, Result):
-            raise TypeError(f"{self.agent_cls.__name__}.run must return Result, got {type(result).__name__}")
-        reward = scalar(result.reward, "Result.reward")
-        score = reward if result.score is None else scalar(result.score, "Result.score")
+        reward, score = reward_and_score(result, f"{self.agent_cls.__name__}.run")
         for seg in segments:  # the rollout counts once per group; every segment trains on its own tokens
             seg.reward, seg.score, seg.info = reward, score, dict(result.info)
             if result.images is not None:

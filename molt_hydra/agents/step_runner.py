@@ -14,7 +14,7 @@ import inspect
 import json
 import logging
 
-from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, scalar
+from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, reward_and_score
 from molt_hydra.agents.targets import subclass
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
@@ -107,11 +107,8 @@ class StepEnvRunner(Runner):
         return traj, prompt
 
     def _score(self, traj: Trajectory, result: Result) -> None:
-        if not isinstance(result, Result):
-            raise TypeError(f"{self.env_cls.__name__}.step must return Result, got {type(result).__name__}")
-        reward = scalar(result.reward, "Result.reward")
+        reward, traj.score = reward_and_score(result, f"{self.env_cls.__name__}.step")
         traj.reward += reward  # summed over turns (Molt §3.4)
-        traj.score = reward if result.score is None else scalar(result.score, "Result.score")
         traj.info = dict(result.info)
         traj.truncated |= result.truncated
 
