@@ -9,7 +9,6 @@ changing its imports.
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import logging
 import uuid
@@ -60,17 +59,25 @@ def scalar(value: Any, what: str) -> float:
     return float(value)
 
 
+def reward_and_score(result: Any, returned_by: str) -> tuple[float, float]:
+    """A `Result`'s reward and score (the score defaults to the reward) as floats; anything else is an error."""
+    if not isinstance(result, Result):
+        raise TypeError(f"{returned_by} must return Result, got {type(result).__name__}")
+    reward = scalar(result.reward, "Result.reward")
+    return reward, reward if result.score is None else scalar(result.score, "Result.score")
+
+
 def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None) -> Sampling:
     if override is None:
         return sampling
     if isinstance(override, Sampling):
         return override
-    if isinstance(override, dict):
-        unknown = set(override) - {f.name for f in dataclasses.fields(Sampling)}
-        if unknown:
-            raise ValueError(f"sampling_params override has unknown keys {sorted(unknown)}")
-        return dataclasses.replace(sampling, **override)
-    raise TypeError(f"sampling_params must be a Sampling or dict, got {type(override).__name__}")
+    if not isinstance(override, dict):
+        raise TypeError(f"sampling_params must be a Sampling or dict, got {type(override).__name__}")
+    unknown = set(override) - {f.name for f in dataclasses.fields(Sampling)}
+    if unknown:
+        raise ValueError(f"sampling_params override has unknown keys {sorted(unknown)}")
+    return dataclasses.replace(sampling, **override)
 
 
 @dataclass
@@ -153,9 +160,6 @@ class Trajectory:
     def num_generated(self) -> int:
         return sum(e - s for s, e in self.action_ranges)
 
-    def copy(self) -> Trajectory:
-        return copy.deepcopy(self)
-
 
 class Env(ABC):
     """Framework-owned loop: `reset` once (optional), then `step` after every generation. Fresh instance per episode."""
@@ -208,13 +212,10 @@ class Runner(ABC):
         try:
             async with deadline:
                 segments = await self.execute(episode, generator, tokenizer)
-        except TimeoutError as e:
-            if deadline.expired():  # ours, not a TimeoutError the agent raised itself
+        except Exception as e:  # the agent is user code: any error ends this rollout only
+            if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
                 log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
                 return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"
-            log.exception("rollout %s: agent raised", episode.rollout_id)
-            return [], AGENT_EXCEPTION, f"{type(e).__name__}: {e}"
-        except Exception as e:  # the agent is user code: any error ends this rollout only
             log.exception("rollout %s: agent raised", episode.rollout_id)
             return [], AGENT_EXCEPTION, f"{type(e).__name__}: {e}"
         if not any(seg.num_generated for seg in segments):

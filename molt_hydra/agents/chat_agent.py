@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, scalar
+from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score
 from molt_hydra.agents.targets import subclass
 from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
@@ -55,17 +55,10 @@ class ChatAgent(ABC):
 
 
 class ChatAgentRunner(Runner):
-    def __init__(
-        self,
-        agent: type[ChatAgent] | str,
-        agent_kwargs: dict | None = None,
-        tool_parser: str | None = "hermes",
-        image_tokens_per_image: int = 0,
-        reasoning_parser: str | None = None,
-        max_choices: int = 8,
-        accepts_images: bool = True,
-        max_images: int | None = None,
-    ):
+    def __init__(self, agent: type[ChatAgent] | str, agent_kwargs: dict | None = None,
+                 tool_parser: str | None = "hermes", image_tokens_per_image: int = 0,
+                 reasoning_parser: str | None = None, max_choices: int = 8, accepts_images: bool = True,
+                 max_images: int | None = None):
         """`tool_parser` / `reasoning_parser`: vLLM parser names for the model family (agent.tool_parser /
         agent.reasoning_parser); `max_choices`: the largest `n` a request may ask for (agent.max_choices);
         `accepts_images`: False for a text-only model, so image parts get a 400 (data.max_images_per_prompt > 0);
@@ -102,46 +95,24 @@ class ChatAgentRunner(Runner):
         server = await self._ensure_server()
         sid = uuid.uuid4().hex
         session = ChatSession(
-            sid,
-            generator,
-            tokenizer,
-            episode.sampling,
-            episode.max_length,
-            reply_parser(tokenizer, self.tool_parser, self.reasoning_parser),
-            label=episode.label,
-            image_tokens_per_image=self.image_tokens_per_image,
-            max_turns=episode.max_turns,
-            max_choices=self.max_choices,
-            accepts_images=self.accepts_images and not text_only_model(tokenizer.name_or_path),
-            max_images=self.max_images,
-            model_label=tokenizer.name_or_path,
-        )
+            sid, generator, tokenizer, episode.sampling, episode.max_length,
+            reply_parser(tokenizer, self.tool_parser, self.reasoning_parser), label=episode.label,
+            image_tokens_per_image=self.image_tokens_per_image, max_turns=episode.max_turns,
+            max_choices=self.max_choices, max_images=self.max_images, model_label=tokenizer.name_or_path,
+            accepts_images=self.accepts_images and not text_only_model(tokenizer.name_or_path))
         server.open_session(session)
         messages = prompt_messages(episode.prompt, episode.images)
+        url = server.session_url(sid)
         ctx = AgentContext(
-            messages=messages,
-            tools=copy.deepcopy(episode.tools),
-            prompt=last_user_text(messages),
-            label=episode.label,
-            images=list(episode.images),
-            base_url=server.session_url(sid) + "/v1",
-            session_url=server.session_url(sid),
-            api_key=server.api_key,
-            model_name=server.model_name,
-            session_id=sid,
-            sampling_params=episode.sampling,
-            max_length=episode.max_length,
-            max_turns=episode.max_turns,
-            judge_url=server.session_url(sid) + "/judge/v1",
-        )
+            messages=messages, tools=copy.deepcopy(episode.tools), prompt=last_user_text(messages),
+            label=episode.label, images=list(episode.images), base_url=url + "/v1", session_url=url,
+            api_key=server.api_key, model_name=server.model_name, session_id=sid, sampling_params=episode.sampling,
+            max_length=episode.max_length, max_turns=episode.max_turns, judge_url=url + "/judge/v1")
         try:
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)
         finally:
             segments = server.close_session(sid)
-        if not isinstance(result, Result):
-            raise TypeError(f"{self.agent_cls.__name__}.run must return Result, got {type(result).__name__}")
-        reward = scalar(result.reward, "Result.reward")
-        score = reward if result.score is None else scalar(result.score, "Result.score")
+        reward, score = reward_and_score(result, f"{self.agent_cls.__name__}.run")
         for seg in segments:  # the rollout counts once per group; every segment trains on its own tokens
             seg.reward, seg.score, seg.info = reward, score, dict(result.info)
             if result.images is not None:
@@ -176,15 +147,12 @@ def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:
         if m.get("role") != "user" or not isinstance(m.get("content"), str) or "<image>" not in m["content"]:
             continue
         parts: list[dict] = []
-        chunks = m["content"].split("<image>")
-        for i, chunk in enumerate(chunks):
+        for i, chunk in enumerate(m["content"].split("<image>")):
+            if i:  # a marker stood here: the next image, or (more markers than images) the marker literally
+                parts.append({"type": "image_url", "image_url": {"url": image_data_uri(pending.pop(0))}} if pending
+                             else {"type": "text", "text": "<image>"})
             if chunk:
                 parts.append({"type": "text", "text": chunk})
-            if i < len(chunks) - 1:
-                if pending:
-                    parts.append({"type": "image_url", "image_url": {"url": image_data_uri(pending.pop(0))}})
-                else:  # more markers than images: keep the marker literally
-                    parts.append({"type": "text", "text": "<image>"})
         m["content"] = parts
     return messages
 

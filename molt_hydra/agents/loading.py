@@ -29,8 +29,6 @@ def load_runner(spec: str | Mapping, **kwargs: Any) -> Runner:
     obj = resolve_target(spec)
     if isinstance(obj, type) and issubclass(obj, Runner):
         return obj(**kwargs)
-    if isinstance(obj, type) and issubclass(obj, Env):
-        return StepEnvRunner(obj, env_kwargs=kwargs)
-    if isinstance(obj, type) and issubclass(obj, ChatAgent):
-        return ChatAgentRunner(obj, agent_kwargs=kwargs)
+    if isinstance(obj, type) and issubclass(obj, (Env, ChatAgent)):  # the kwargs go to every fresh Env / agent
+        return StepEnvRunner(obj, kwargs) if issubclass(obj, Env) else ChatAgentRunner(obj, kwargs)
     raise TypeError(f"agent target {spec!r} is {obj!r}; expected a Runner, Env or ChatAgent subclass")

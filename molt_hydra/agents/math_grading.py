@@ -30,13 +30,10 @@ def grade_math(response: str, label, require_boxed: bool = True) -> float:
     from math_verify import parse, verify
 
     answer = last_boxed(response)
-    if answer is None:
-        if require_boxed:
-            return 0.0
-        gold, pred = parse(f"${label}$", parsing_timeout=None), parse(response, parsing_timeout=None)
-        return float(bool(gold and pred) and verify(gold, pred, timeout_seconds=None))
+    if answer is None and require_boxed:
+        return 0.0
     gold = parse(f"${label}$", parsing_timeout=None)
-    pred = parse(f"${answer}$", parsing_timeout=None)
-    if not gold or not pred:
+    pred = parse(response if answer is None else f"${answer}$", parsing_timeout=None)
+    if answer is not None and not (gold and pred):
         return float(str(label).strip() == answer.strip())
-    return float(verify(gold, pred, timeout_seconds=None))
+    return float(bool(gold and pred) and verify(gold, pred, timeout_seconds=None))

@@ -24,6 +24,7 @@ The limits are arguments (Molt's PYTHON_EXECUTOR_* environment knobs become agen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import os
@@ -122,16 +123,12 @@ class ExecutionResult:
 
 @functools.cache
 def network_namespace_available() -> bool:
-    """Whether children can get their own network namespace here (the fallback's network isolation)."""
-    if sys.platform != "linux":
+    """Whether children can get their own network namespace here (the fallback's network isolation): probed once
+    with util-linux's `unshare` in a throwaway child (it needs CAP_SYS_ADMIN; a failure must not surprise the
+    sandbox)."""
+    if sys.platform != "linux" or shutil.which("unshare") is None:
         return False
-    # Probed once in a throwaway child: unshare needs CAP_SYS_ADMIN, and a failure must not surprise the sandbox.
-    pid = os.fork()
-    if pid == 0:
-        ok = ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) == 0
-        os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+    return subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0
 
 
 def _read_only_roots() -> list[str]:
@@ -220,21 +217,10 @@ def _child_env(scratch: str) -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-async def run_python(
-    code: str,
-    *,
-    timeout_s: float = 10.0,
-    memory_mb: int = 1024,
-    max_output_bytes: int = 16384,
-    max_processes: int = SandboxLimits.max_processes,
-    max_open_files: int = SandboxLimits.max_open_files,
-    max_file_mb: int = SandboxLimits.max_file_mb,
-    allow_network: bool = False,
-    sandbox: str = "auto",
-) -> ExecutionResult:
-    """Run `code` with `python -I` in the sandbox (`auto`: bwrap if it works here, else `rlimits`); kill the whole
-    group at `timeout_s`."""
-    limits = SandboxLimits(timeout_s, memory_mb, max_output_bytes, max_processes, max_open_files, max_file_mb)
+async def run_python(code: str, *, allow_network: bool = False, sandbox: str = "auto", **limits) -> ExecutionResult:
+    """Run `code` with `python -I` in the sandbox (`auto`: bwrap if it works here, else `rlimits`) under
+    `SandboxLimits(**limits)` (`timeout_s=`, `memory_mb=`, ...); kill the whole group at `timeout_s`."""
+    limits = SandboxLimits(**limits)
     if sandbox not in ("auto", "bwrap", "rlimits"):
         raise ValueError(f"sandbox: must be auto, bwrap or rlimits, got {sandbox!r}")
     if sandbox == "auto":
@@ -248,30 +234,20 @@ async def run_python(
     prefix = _bwrap_argv(limits, allow_network, uid) if sandbox == "bwrap" else []
 
     def limit_child() -> None:  # runs in the forked child before exec; rlimits are inherited through bwrap
-        memory = limits.memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
-        file_size = limits.max_file_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+        for kind, value in ((resource.RLIMIT_AS, limits.memory_mb * 2**20), (resource.RLIMIT_CORE, 0),
+                            (resource.RLIMIT_NOFILE, limits.max_open_files),
+                            (resource.RLIMIT_FSIZE, limits.max_file_mb * 2**20)):
+            resource.setrlimit(kind, (value, value))
         if isolate_net:
             ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
 
+    bootstrap = _BOOTSTRAP.format(block=not allow_network, nproc=_process_limit(sandbox, limits.max_processes))
+    pipe = asyncio.subprocess.PIPE
     try:
         proc = await asyncio.create_subprocess_exec(
-            *prefix,
-            sys.executable,
-            "-I",
-            "-c",
-            _BOOTSTRAP.format(block=not allow_network, nproc=_process_limit(sandbox, limits.max_processes)),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            preexec_fn=limit_child,
-            start_new_session=True,
-            cwd=None if sandbox == "bwrap" else scratch,
-            env=_child_env(scratch),
-        )
+            *prefix, sys.executable, "-I", "-c", bootstrap, stdin=pipe, stdout=pipe, stderr=pipe,
+            preexec_fn=limit_child, start_new_session=True, cwd=None if sandbox == "bwrap" else scratch,
+            env=_child_env(scratch))
         return await _communicate(proc, code, limits, sandbox)
     finally:
         if sandbox == "rlimits":
@@ -323,18 +299,11 @@ async def _communicate(proc, code: str, limits: SandboxLimits, sandbox: str) -> 
     except BaseException:  # cancelled by the agent's own timeout: never leave the child running
         _kill_group(proc.pid)
         raise
-    return ExecutionResult(
-        stdout=out.decode(errors="replace"),
-        stderr=err.decode(errors="replace"),
-        exit_code=None if timed_out else proc.returncode,
-        timed_out=timed_out,
-        output_truncated=truncated,
-        sandbox=sandbox,
-    )
+    exit_code = None if timed_out else proc.returncode
+    return ExecutionResult(out.decode(errors="replace"), err.decode(errors="replace"), exit_code, timed_out, truncated,
+                           sandbox)
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

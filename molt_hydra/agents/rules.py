@@ -61,12 +61,10 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
     StepEnvRunner / ChatAgentRunner builds per rollout (built once here too, so its own checks run now)."""
     if cfg.job.value == "sft":  # SFT runs no agent
         return
-    spec = dict(cfg.agent.runner)
     cls = _target(problems, cfg.agent.runner)
-    spec.pop("_target_", None)
-    before = len(problems.lines)
     if cls is None:
         return
+    spec, before = {k: v for k, v in cfg.agent.runner.items() if k != "_target_"}, len(problems.lines)
     _kwarg_problems(problems, cls, spec)
     if len(problems.lines) > before:
         return

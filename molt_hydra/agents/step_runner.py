@@ -14,7 +14,7 @@ import inspect
 import json
 import logging
 
-from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, scalar
+from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, reward_and_score
 from molt_hydra.agents.targets import subclass
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
@@ -61,26 +61,18 @@ class StepEnvRunner(Runner):
             if episode.max_turns is not None and turn >= episode.max_turns or max_tokens <= 0:
                 traj.truncated = True
                 break
-            turn_sampling = dataclasses.replace(
-                sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens)
-            )
+            turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=max_tokens,
+                                                min_tokens=min(sampling.min_tokens, max_tokens))
             request = GenerationRequest(episode.rollout_id, list(traj.token_ids), turn_sampling, list(images))
             (gen,) = await generator.generate(request)
             traj.append_action(gen)
             traj.truncated |= gen.finish_reason == "length"
             action_text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
             observation_text += action_text
-            result = await env.step(
-                {
-                    "observation_text": observation_text,
-                    "action_text": action_text,
-                    "action_ids": list(gen.token_ids),
-                    "label": episode.label,
-                    "sampling_params": turn_sampling,
-                    "turn": turn,
-                    "tokenizer": tokenizer,  # e.g. for vLLM's tool parsers (agents.tool_parser.reply_parser)
-                }
-            )
+            # the tokenizer, e.g. for vLLM's tool parsers (agents.tool_parser.reply_parser)
+            result = await env.step({"observation_text": observation_text, "action_text": action_text,
+                                     "action_ids": list(gen.token_ids), "label": episode.label,
+                                     "sampling_params": turn_sampling, "turn": turn, "tokenizer": tokenizer})
             self._score(traj, result)
             sampling = apply_sampling_override(sampling, result.sampling_params)
             turn += 1
@@ -115,11 +107,8 @@ class StepEnvRunner(Runner):
         return traj, prompt
 
     def _score(self, traj: Trajectory, result: Result) -> None:
-        if not isinstance(result, Result):
-            raise TypeError(f"{self.env_cls.__name__}.step must return Result, got {type(result).__name__}")
-        reward = scalar(result.reward, "Result.reward")
+        reward, traj.score = reward_and_score(result, f"{self.env_cls.__name__}.step")
         traj.reward += reward  # summed over turns (Molt §3.4)
-        traj.score = reward if result.score is None else scalar(result.score, "Result.score")
         traj.info = dict(result.info)
         traj.truncated |= result.truncated
 

@@ -27,24 +27,22 @@ def parse_failures() -> int:
     return _failures["count"]
 
 
-class _ParserErrors(logging.Filter):
+_seen = threading.local()  # .error: the parser error this thread logged last (`_parser_errors`, `_take_error`)
+
+
+def _parser_errors(record: logging.LogRecord) -> bool:
     """vLLM's tool parsers log a traceback at ERROR when a call block does not parse (e.g. a stop string cut it) and
     return the text as content. That is the model's output, not a fault here: the record is kept for `parse` to count
     and report in one warning line."""
+    if record.levelno >= logging.ERROR and record.exc_info:
+        _seen.error = record.exc_info[1]
+        return False
+    return True
 
-    def __init__(self):
-        super().__init__()
-        self.seen = threading.local()
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and record.exc_info:
-            self.seen.error = record.exc_info[1]
-            return False
-        return True
-
-    def take(self) -> BaseException | None:
-        error, self.seen.error = getattr(self.seen, "error", None), None
-        return error
+def _take_error() -> BaseException | None:
+    error, _seen.error = getattr(_seen, "error", None), None
+    return error
 
 
 @dataclass(frozen=True)
@@ -74,9 +72,6 @@ def parse_forced(text: str, tool_choice) -> ParsedReply:
     return ParsedReply("", calls)
 
 
-_ERRORS = _ParserErrors()
-
-
 def check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
     """Unknown parser names fail naming the config key and vLLM's known names."""
     from vllm.reasoning import ReasoningParserManager
@@ -102,7 +97,7 @@ class ReplyParser:
         self.tool = self.reasoning = None
         if tool_parser:
             cls = ToolParserManager.get_tool_parser(tool_parser)
-            logging.getLogger(cls.__module__).addFilter(_ERRORS)  # once per logger: the same filter object
+            logging.getLogger(cls.__module__).addFilter(_parser_errors)  # once per logger: the same filter object
             try:
                 self.tool = cls(tokenizer)
             except RuntimeError as e:  # vLLM's parsers check the tokenizer has the family's marker tokens
@@ -120,9 +115,9 @@ class ReplyParser:
             content = content or ""
         if self.tool is None or not parse_tools or not tools:
             return ParsedReply(content, [], reasoning)
-        _ERRORS.take()
+        _take_error()
         info = self.tool.extract_tool_calls(content, chat_completion_request(tools))
-        error = _ERRORS.take()
+        error = _take_error()
         if error is not None:
             return self._unparsed(content, reasoning, f"{type(error).__name__}: {error}")
         if not info.tools_called:
@@ -161,7 +156,5 @@ class ReplyParser:
         return parsed.reasoning, content
 
 
-@functools.cache
-def reply_parser(tokenizer, tool_parser: str | None = "hermes", reasoning_parser: str | None = None) -> ReplyParser:
-    """The runner's one `ReplyParser` per tokenizer and parser names (building one reads the whole vocabulary)."""
-    return ReplyParser(tokenizer, tool_parser, reasoning_parser)
+# The runner's one `ReplyParser` per tokenizer and parser names (building one reads the whole vocabulary).
+reply_parser = functools.cache(ReplyParser)

@@ -16,7 +16,7 @@ FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "
 
 def parse(body: Any) -> ChatRequest:
     check.fields(body, FIELDS, "/v1/messages")
-    _cache_controls(body)
+    _cache_control(body, "")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
@@ -24,7 +24,8 @@ def parse(body: Any) -> ChatRequest:
     system = body.get("system")
     if system:
         if isinstance(system, list):
-            system = check.content([check.text_part(b, "system") for b in system])
+            system = check.content([check.text_part(_cache_control(b, f"system[{i}]"), "system")
+                                    for i, b in enumerate(system)])
         if not isinstance(system, str):
             raise bad("'system' must be a string or a list of text blocks", "system")
         canon.append({"role": "system", "content": system})
@@ -38,26 +39,14 @@ def parse(body: Any) -> ChatRequest:
                        thinking=_thinking(body.get("thinking"), overrides.get("max_tokens")))
 
 
-def _cache_control(v: Any, where: str) -> None:
-    """Anthropic's prompt-caching marker (top level, system / content blocks, tools): accepted, changes nothing here,
-    as vLLM caches prompt prefixes by itself; only its shape is checked."""
+def _cache_control(block: Any, where: str) -> Any:
+    """`block`, once its Anthropic prompt-caching marker (top level, system / content blocks, tools) is checked: it
+    is accepted and changes nothing here, as vLLM caches prompt prefixes by itself; only its shape is checked."""
+    v = block.get("cache_control") if isinstance(block, dict) else None
     if v is not None and not (isinstance(v, dict) and v.get("type") == "ephemeral"):
         key = f"{where}.cache_control" if where else "cache_control"
         raise bad(f"{key} must be {{'type': 'ephemeral'}} (with an optional 'ttl'), got {v!r}", key)
-
-
-def _cache_controls(body: dict) -> None:
-    _cache_control(body.get("cache_control"), "")
-    system = body.get("system")
-    blocks = [(f"system[{i}]", b) for i, b in enumerate(system)] if isinstance(system, list) else []
-    blocks += [(f"tools[{i}]", t) for i, t in enumerate(body.get("tools") or [])]
-    for i, m in enumerate(body.get("messages") or []):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            blocks += [(f"messages[{i}].content[{j}]", b) for j, b in enumerate(content)]
-    for where, b in blocks:
-        if isinstance(b, dict):
-            _cache_control(b.get("cache_control"), where)
+    return block
 
 
 def _tools(tools: Any) -> list[dict] | None:
@@ -66,6 +55,7 @@ def _tools(tools: Any) -> list[dict] | None:
     if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
         raise bad("'tools' must be a list of {name, description?, input_schema}", "tools")
     for i, t in enumerate(tools):
+        _cache_control(t, f"tools[{i}]")
         if t.get("type") not in (None, "custom"):  # server tools (web_search, bash, ...) run at Anthropic
             raise bad(f"tools[{i}] type {t['type']!r} is a server tool; only client tools are served", "tools")
     return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
@@ -113,7 +103,7 @@ def _message(m: Any, where: str) -> list[dict]:
     parts, tool_calls, tool_results = [], [], []
     for j, b in enumerate(content):
         at = f"{where}.content[{j}]"
-        kind = b.get("type") if isinstance(b, dict) else None
+        kind = _cache_control(b, at).get("type") if isinstance(b, dict) else None
         if kind == "text":
             parts.append(check.text_part(b, at))
         elif kind == "image":

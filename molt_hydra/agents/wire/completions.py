@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -40,10 +41,8 @@ def _logprobs(c) -> dict | None:
     chat = logprobs(c)
     if chat is None:
         return None
-    entries, offsets, pos = chat["content"], [], 0
-    for e in entries:
-        offsets.append(pos)
-        pos += len(e["token"])
+    entries = chat["content"]
+    offsets = list(itertools.accumulate((len(e["token"]) for e in entries), initial=0))[:-1]
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
             "text_offset": offsets}

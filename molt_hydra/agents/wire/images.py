@@ -19,25 +19,19 @@ def load_image(source: str):
     """A data: URI (base64) or a local file path → PIL image. The loopback server fetches nothing over the network."""
     from PIL import Image
 
-    if source.startswith("data:"):
-        header, _, data = source.partition(",")
-        if ";base64" not in header:
-            raise bad("image data URI must be base64-encoded")
-        try:
-            img = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
-            img.load()
-        except Exception as e:  # binascii / PIL errors: a client's bad bytes, not a server failure
-            raise bad(f"image data URI is not a decodable image: {e}") from None
-        return img.convert("RGB")  # palette, alpha, CMYK, 16-bit grey: RGB, as prompt loading converts
     if source.startswith(("http://", "https://")):
         raise bad("image URLs are not fetched; send images as base64 data URIs")
-    path = source.removeprefix("file://")
+    is_data_uri, path = source.startswith("data:"), source.removeprefix("file://")
+    header, _, data = source.partition(",")
+    if is_data_uri and ";base64" not in header:
+        raise bad("image data URI must be base64-encoded")
     try:
-        img = Image.open(path)
+        img = Image.open(io.BytesIO(base64.b64decode(data, validate=True)) if is_data_uri else path)
         img.load()
-    except Exception as e:
-        raise bad(f"cannot open image {path!r}: {e}") from None
-    return img.convert("RGB")
+    except Exception as e:  # binascii / PIL errors: a client's bad bytes or path, not a server failure
+        what = "image data URI is not a decodable image" if is_data_uri else f"cannot open image {path!r}"
+        raise bad(f"{what}: {e}") from None
+    return img.convert("RGB")  # palette, alpha, CMYK, 16-bit grey: RGB, as prompt loading converts
 
 
 def image_data_uri(img) -> str:

@@ -27,12 +27,12 @@ def parse(body: Any) -> ChatRequest:
     if not isinstance(stream_options, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     tools = _tools(body.get("tools"))
-    return ChatRequest(
-        messages=canon, tools=tools, overrides=overrides, n=check.integer(body, "n", 1) or 1,
-        stream=check.flag(body, "stream"), include_usage=bool(stream_options.get("include_usage")),
-        tool_choice=check.tool_choice(body.get("tool_choice"), tools),
-        parallel_tool_calls=check.parallel_tool_calls(body), top_logprobs=check.top_logprobs(body, "logprobs"),
-        response_format=check.response_format(body.get("response_format")))
+    return ChatRequest(canon, tools, overrides, n=check.integer(body, "n", 1) or 1, stream=check.flag(body, "stream"),
+                       include_usage=bool(stream_options.get("include_usage")),
+                       tool_choice=check.tool_choice(body.get("tool_choice"), tools),
+                       parallel_tool_calls=check.parallel_tool_calls(body),
+                       top_logprobs=check.top_logprobs(body, "logprobs"),
+                       response_format=check.response_format(body.get("response_format")))
 
 
 def _message(m: Any, where: str) -> dict:

@@ -131,20 +131,10 @@ def sampling(body: dict, max_keys: tuple[str, ...], stop_key: str | None = None,
              temperature_max: float = 2.0) -> dict:
     """Sampling fields the client set (the session checks them against the recipe); the first of `max_keys` set
     is the token cap."""
-    overrides: dict = {}
-    for key in max_keys:
-        v = integer(body, key, 1)
-        if v is not None:
-            overrides["max_tokens"] = v
-            break
-    for key, lo, hi in (("temperature", 0.0, temperature_max), ("top_p", 1e-9, 1.0)):
-        v = number(body, key, lo, hi)
-        if v is not None:
-            overrides[key] = v
-    for key, lo in (("seed", 0), ("top_k", 1)):
-        v = integer(body, key, lo)
-        if v is not None:
-            overrides[key] = v
+    overrides = {"max_tokens": next((v for key in max_keys if (v := integer(body, key, 1)) is not None), None),
+                 "temperature": number(body, "temperature", 0.0, temperature_max),
+                 "top_p": number(body, "top_p", 1e-9, 1.0), "seed": integer(body, "seed", 0),
+                 "top_k": integer(body, "top_k", 1)}
     stop = body.get(stop_key) if stop_key else None
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
@@ -152,7 +142,7 @@ def sampling(body: dict, max_keys: tuple[str, ...], stop_key: str | None = None,
             raise bad(f"'{stop_key}' must be a non-empty string or a list of non-empty strings, got {stop!r}",
                       stop_key)
         overrides["stop"] = tuple(stop)
-    return overrides
+    return {key: v for key, v in overrides.items() if v is not None}
 
 
 def tool_choice(v: Any, tools: list[dict] | None, param: str = "tool_choice") -> str | dict:

@@ -69,9 +69,8 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
             raise bad(f"{where}: function_call needs a string name and arguments", where)
         call = {"id": str(item.get("call_id", "")), "type": "function",
                 "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
-        last = canon[-1] if canon else None
-        if last is not None and last["role"] == "assistant":  # the reply's text and its calls are one chat message
-            last.setdefault("tool_calls", []).append(call)
+        if canon and canon[-1]["role"] == "assistant":  # the reply's text and its calls are one chat message
+            canon[-1].setdefault("tool_calls", []).append(call)
         else:
             canon.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif kind == "function_call_output":
@@ -122,19 +121,17 @@ def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
         output.append({"type": "function_call", "id": f"fc_{cid.removeprefix('call_')}", "call_id": cid,
                        "name": tc.name, "arguments": json.dumps(tc.arguments), "status": "completed"})
     incomplete = c.finish_reason == "length"
-    return {
-        "id": rid or new_id("resp_"), "object": "response", "created_at": int(time.time()),
-        "status": "incomplete" if incomplete else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "error": None, "model": model, "output": output,
-        "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "tool_choice": req.tool_choice if isinstance(req.tool_choice, str)
-        else {"type": "function", "name": req.tool_choice["function"]["name"]},
-        "tools": [dict(t["function"], type="function") for t in req.tools or []],
-        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
-                  "total_tokens": reply.prompt_tokens + reply.completion_tokens,
-                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
-    }
+    tool_choice = req.tool_choice
+    if isinstance(tool_choice, dict):
+        tool_choice = {"type": "function", "name": tool_choice["function"]["name"]}
+    usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
+             "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": rid or new_id("resp_"), "object": "response", "created_at": int(time.time()),
+            "status": "incomplete" if incomplete else "completed", "error": None, "model": model, "output": output,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "usage": usage,
+            "parallel_tool_calls": req.parallel_tool_calls is not False, "tool_choice": tool_choice,
+            "tools": [dict(t["function"], type="function") for t in req.tools or []]}
 
 
 class ResponseStream(Stream):

@@ -15,6 +15,7 @@ whose reply the agent echoes is extended, the others are sealed as their own seg
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import math
@@ -102,9 +103,8 @@ class ChatSession:
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
-            )
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
         except Exception as e:  # jinja raises on messages the template rejects (e.g. role order)
             raise RequestError(400, f"chat template rejected the messages: {e}", "messages") from None
 
@@ -133,7 +133,8 @@ class ChatSession:
             key = req.key()
             if key == self._last_key and self._last_reply is not None:
                 return dataclasses.replace(self._last_reply, streamed=False)
-            return await self._generate_turn(req, key, on_delta)
+            self._last_key, self._last_reply = key, await self._generate_turn(req, on_delta)
+            return self._last_reply
 
     async def judge(self, req: ChatRequest) -> TurnReply:
         """An LLM-as-judge call on the same engines: the client's sampling is honoured and nothing is recorded."""
@@ -156,28 +157,27 @@ class ChatSession:
 
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
-        self._check_images(req.messages)
-        prompt_ids = self._tokenize(self._render(req.messages, req.tools, True))
-        images = [load_image(s) for s in image_sources(req.messages)]
-        self._check_image_count(images)
-        return prompt_ids, images
+        images = self._load_images(req.messages)
+        return self._tokenize(self._render(req.messages, req.tools, True)), images
 
     def _check_n(self, req: ChatRequest) -> None:
         if req.n > self.max_choices:
             raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
 
-    def _check_images(self, messages: list[dict]) -> None:
-        if not self.accepts_images and image_sources(messages):
+    def _load_images(self, messages: list[dict], earlier: list | None = None) -> list:
+        """The images of a prompt: `earlier` ones (of the segment it extends) + those in `messages`, checked."""
+        sources = image_sources(messages)
+        if sources and not self.accepts_images:
             raise RequestError(400, f"model {self.model_label!r} takes no images: it is text-only (or "
                                     "data.max_images_per_prompt=0); remove the image parts, or train a vision model "
                                     "with data.max_images_per_prompt > 0", "messages")
-
-    def _check_image_count(self, images: list) -> None:
+        images = (earlier or []) + [load_image(s) for s in sources]
         if self.max_images is not None and len(images) > self.max_images:
             raise RequestError(400, f"the conversation has {len(images)} images > data.max_images_per_prompt="
                                     f"{self.max_images}, the engines' per-prompt image limit (every turn's prompt "
                                     "carries all earlier images): send fewer images, or raise "
                                     "data.max_images_per_prompt", "messages")
+        return images
 
     def _turn_sampling(self, req: ChatRequest) -> Sampling:
         """The recipe's sampling, narrowed by the client (the one rule, docs/agents.md): temperature / top_p / top_k
@@ -214,7 +214,7 @@ class ChatSession:
             structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
         return {"top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
 
-    async def _generate_turn(self, req: ChatRequest, key: str, on_delta: DeltaSink | None) -> TurnReply:
+    async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         extension, prompt_ids, images = self._prompt(req)
         sampling = self._turn_sampling(req)
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
@@ -226,9 +226,7 @@ class ChatSession:
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for b in self._branches:
                 b.traj.truncated = True
-            reply = TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
-            self._last_key, self._last_reply = key, reply
-            return reply
+            return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
         self.last_prompt_tokens = len(prompt_ids)
         max_tokens = min(sampling.max_tokens, remaining)
         sampling = dataclasses.replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens))
@@ -241,9 +239,7 @@ class ChatSession:
         choices = [self._choice(g, req) for g in gens]
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
         self._commit(req, extension, prompt_ids, images, gens, choices)
-        reply = TurnReply(choices, len(prompt_ids), sum(len(g.token_ids) for g in gens), streamed=streamed)
-        self._last_key, self._last_reply = key, reply
-        return reply
+        return TurnReply(choices, len(prompt_ids), sum(len(g.token_ids) for g in gens), streamed=streamed)
 
     def _prompt(self, req: ChatRequest):
         """(extension or None, prompt ids, images) of a turn: a raw prompt, the open branch extended, or a full
@@ -253,17 +249,15 @@ class ChatSession:
         extension = self._extension(req)
         if extension is None:
             return None, *self._full_prompt(req)
-        branch, delta_ids, new_sources = extension
-        self._check_images(req.messages[len(self._prev_messages):])
-        images = branch.traj.images + [load_image(s) for s in new_sources]
-        self._check_image_count(images)
+        branch, delta_ids = extension
+        images = self._load_images(req.messages[len(self._prev_messages):], branch.traj.images)
         return extension, branch.traj.token_ids + delta_ids, images
 
     def _commit(self, req: ChatRequest, extension, prompt_ids: list[int], images: list, gens: list[Generation],
                 choices: list[Choice]) -> None:
         """Record a generated turn: the extended (or a new) segment, one branch per choice; other branches seal."""
         if extension is not None:
-            branch, delta_ids, _ = extension
+            branch, delta_ids = extension
             self._sealed.extend(b.traj for b in self._branches if b is not branch)
             base = branch.traj
             base.append_feedback(delta_ids)
@@ -272,7 +266,7 @@ class ChatSession:
             self._sealed.extend(b.traj for b in self._branches)
             base = Trajectory(prompt=req.raw_prompt or req.messages, label=self.label, images=images)
             base.append_feedback(prompt_ids)
-        trajs = [base.copy() for _ in range(req.n - 1)] + [base]
+        trajs = [copy.deepcopy(base) for _ in range(req.n - 1)] + [base]
         self._branches = []
         for traj, gen, choice in zip(trajs, gens, choices):
             traj.append_action(gen)
@@ -314,11 +308,10 @@ class ChatSession:
         return gen
 
     def _extension(self, req: ChatRequest):
-        """(branch, delta ids, new image sources) when this request continues an open branch, else None."""
+        """(branch, delta ids) when this request continues an open branch, else None."""
         k = len(self._prev_messages)
-        if not self._branches or req.tools != self._prev_tools or len(req.messages) < k + 2:
-            return None
-        if req.messages[:k] != self._prev_messages:
+        if (not self._branches or req.tools != self._prev_tools or len(req.messages) < k + 2
+                or req.messages[:k] != self._prev_messages):
             return None
         branch = next((b for b in self._branches if _echoes(req.messages[k], b.choice)), None)
         if branch is None:
@@ -329,7 +322,7 @@ class ChatSession:
             return None
         # Every message after the echoed reply is in this delta (Molt rendered only the last one).
         delta = self._bridge(branch.choice.gen) + full[len(head) :]
-        return branch, self._tokenize(delta), image_sources(req.messages[k + 1 :])
+        return branch, self._tokenize(delta)
 
     def _choice(self, gen: Generation, req: ChatRequest) -> Choice:
         ids = gen.token_ids
@@ -346,10 +339,7 @@ class ChatSession:
         else:
             parsed = self.parser.parse(text, req.tools, parse_tools=req.tool_choice != "none")
         calls = parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
-        if calls:
-            finish = "tool_calls"
-        else:
-            finish = "length" if gen.finish_reason == "length" else "stop"
+        finish = "tool_calls" if calls else "length" if gen.finish_reason == "length" else "stop"
         call_ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
         return Choice(gen, parsed.content, calls, call_ids, finish, stop_sequence, parsed.reasoning,
                       None if req.top_logprobs is None else self._logprob_entries(gen))
