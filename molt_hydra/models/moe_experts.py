@@ -24,6 +24,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from molt_hydra.models.moe_routing import expert_counts
+
 log = logging.getLogger(__name__)
 IMPLS = ("auto", "grouped", "loop")
 
@@ -48,9 +50,7 @@ def expert_order(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     """(slots sorted by expert, int32 group ends for grouped_mm), both computed on the device without a sync."""
     flat = top_k_index.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
-    return order, counts.cumsum(0).to(torch.int32)
+    return order, expert_counts(flat, num_experts, torch.int64).cumsum(0).to(torch.int32)
 
 
 def grouped_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -27,8 +27,7 @@ def model_fields(path: str | None) -> dict | None:
     if path.startswith(tiny.TINY_SCHEME):
         name = path[len(tiny.TINY_SCHEME):]
         if name in tiny_vlm.TINY_VLM_TYPES:
-            model_type, _ = tiny_vlm.TINY_VLM_TYPES[name]
-            return {"model_type": model_type, "vision_config": {}, **tiny_vlm.tiny_config_dict(name)}
+            return {"model_type": tiny_vlm.TINY_VLM_TYPES[name], "vision_config": {}, **tiny_vlm.tiny_config_dict(name)}
         if name not in tiny.TINY_MODELS:
             return None
         shape = tiny.tiny_config_dict(name)
