@@ -29,13 +29,8 @@ HEAD = ("lm_head",)  # vLLM serves it (LogitsProcessorWithLoRA), tied or not; of
 # linear of the decoder (attention + MLP, as prime-rl and Tinker default); Qwen3-MoE its attention only: the routed
 # experts are fused 3-D tensors in transformers 5 (no nn.Linear for PEFT) and the router is not a LoRA target vLLM
 # serves. A family not listed needs model.lora.target_modules, which the trainer checks against the built model.
-FAMILIES = {
-    "qwen3": (ATTENTION + MLP, ATTENTION + MLP + HEAD),
-    "qwen2": (ATTENTION + MLP, ATTENTION + MLP + HEAD),
-    "llama": (ATTENTION + MLP, ATTENTION + MLP + HEAD),
-    "mistral": (ATTENTION + MLP, ATTENTION + MLP + HEAD),
-    "qwen3_moe": (ATTENTION, ATTENTION + HEAD),
-}
+FAMILIES = {**dict.fromkeys(("qwen3", "qwen2", "llama", "mistral"), (ATTENTION + MLP, ATTENTION + MLP + HEAD)),
+            "qwen3_moe": (ATTENTION, ATTENTION + HEAD)}
 
 
 def resolve_targets(model_type: str | None, target_modules: list[str] | None) -> list[str] | None:

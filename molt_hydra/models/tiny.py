@@ -111,7 +111,7 @@ def _build_in_subprocess(staging: Path, name: str) -> None:
         raise RuntimeError(f"building tiny://{name} failed: {built.stderr[-2000:]}")
 
 
-def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
+def resolve_model_path(path: str) -> str:
     """Map `tiny://NAME` to a built directory (building it once, atomically); any other path is returned as is."""
     if not path.startswith(TINY_SCHEME):
         return path
@@ -122,7 +122,7 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
         return tiny_vlm.warm_start(name)
     # the cache key includes the shapes, so a changed tiny config never reuses a stale build
     vlm_shape = [tiny_vlm.tiny_config_dict(name)] if name in tiny_vlm.TINY_VLM_MODELS else []
-    root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest(*vlm_shape)
+    root = Path.home() / ".cache" / "molt_hydra" / "tiny" / _shapes_digest(*vlm_shape)
     if (root / name / "config.json").exists():
         return str(root / name)
     if name in tiny_vlm.TINY_VLM_MODELS:

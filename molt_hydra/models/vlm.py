@@ -18,6 +18,7 @@ replacement to the trajectory and keeps the processor outputs:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -37,13 +38,8 @@ def image_parts(messages: list[dict]) -> list[dict]:
     for m in messages:
         content = m.get("content")
         if m.get("role") == "user" and isinstance(content, str) and "<image>" in content:
-            parts = []
-            for i, chunk in enumerate(content.split("<image>")):
-                if i:
-                    parts.append({"type": "image"})
-                if chunk:
-                    parts.append({"type": "text", "text": chunk})
-            m = dict(m, content=parts)
+            m = dict(m, content=[{"type": "image"} if chunk == "<image>" else {"type": "text", "text": chunk}
+                                 for chunk in re.split("(<image>)", content) if chunk])
         out.append(m)
     return out
 
