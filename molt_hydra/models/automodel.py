@@ -106,8 +106,6 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
 
     if role == "critic":
         raise ValueError("the critic is built with HF transformers (value head on a backbone), not AutoModel")
-    if gradient_checkpointing not in AC_MODES:
-        raise ValueError(f"gradient_checkpointing must be one of {list(AC_MODES)}, got {gradient_checkpointing!r}")
     config = load_config(path, config_overrides, random_init)
     config.dtype = torch.float32  # master weights; AutoModel's model classes read the storage dtype from the config
     if not getattr(config, "architectures", None):  # AutoModel picks its own model class by architecture name

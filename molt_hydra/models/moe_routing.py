@@ -142,7 +142,7 @@ class ReplayableRouter(nn.Module):
     layer_index: int
     gate_dtype: torch.dtype
     replay: bool
-    engine_experts: torch.Tensor | None  # [tokens, top_k] the engine's selection for the current forward
+    engine_experts: torch.Tensor | None  # [tokens, layers, top_k] the engine's selection for the current forward
     image_tokens: torch.Tensor | None  # [tokens] 1 on a VLM's image tokens, for the statistics' split
     stats: RoutingStats | None
     balance: LoadBalancingLoss | None
@@ -154,7 +154,7 @@ class ReplayableRouter(nn.Module):
         own = torch.topk(probs, self.top_k, dim=-1).indices
         used, engine = own, self.engine_experts
         if engine is not None:
-            engine = engine.to(own.device)
+            engine = engine[:, self.layer_index].to(own.device)
             if self.replay:
                 known = (engine >= 0).all(-1, keepdim=True)
                 used = torch.where(known, engine.long(), own)
@@ -174,8 +174,6 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 def install(model: nn.Module, gate_precision: str = "float32", replay: bool = False) -> list[nn.Module]:
     """Make every MoE router of `model` a `ReplayableRouter` (in place); returns them in layer order."""
-    if gate_precision not in GATE_DTYPES:
-        raise ValueError(f"gate_precision must be one of {sorted(GATE_DTYPES)}, got {gate_precision!r}")
     found = []
     for name, module in transformers_compat.install_routers(model, ReplayableRouter):
         module.layer_index = _layer_index(name)
@@ -198,32 +196,34 @@ def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: Routing
                    image_tokens: torch.Tensor | None = None):
     """During this forward, routers see the engine's experts `routed` ([..., tokens, layers, top_k], flattened to
     the forward's token order) and add to `stats`, image tokens (`image_tokens`, same shape as the ids) apart."""
-    rs = routers(model)
     flat = None if routed is None else routed.reshape(-1, *routed.shape[-2:])
     image = None if image_tokens is None else image_tokens.reshape(-1)
-    for r in rs:
-        r.engine_experts = None if flat is None else flat[:, r.layer_index]
-        r.stats, r.image_tokens = stats, image
-    try:
+    with _set_on_routers(model, engine_experts=flat, stats=stats, image_tokens=image):
         yield
-    finally:
-        for r in rs:
-            r.engine_experts, r.stats, r.image_tokens = None, None, None
 
 
 @contextmanager
 def load_balancing(model: nn.Module):
     """The forward inside yields its `LoadBalancingLoss` (the routers add to it); recomputes after it (activation
     checkpointing, in the backward) add nothing."""
-    rs = routers(model)
-    balance = LoadBalancingLoss(rs[0].num_experts)
-    for r in rs:
-        r.balance = balance
-    try:
+    balance = LoadBalancingLoss(routers(model)[0].num_experts)
+    with _set_on_routers(model, balance=balance):
         yield balance
+
+
+@contextmanager
+def _set_on_routers(model: nn.Module, **values):
+    """Every router's attributes `values` for the block, None after it."""
+    rs = routers(model)
+    for r in rs:
+        for name, value in values.items():
+            setattr(r, name, value)
+    try:
+        yield
     finally:
         for r in rs:
-            r.balance = None
+            for name in values:
+                setattr(r, name, None)
 
 
 def checkpoint_expert_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
