@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from molt_hydra.models import tiny_vlm
-from molt_hydra.models.tiny_tokenizer import VOCAB_SIZE, build_tokenizer
+from molt_hydra.models.tiny_tokenizer import VOCAB_SIZE, build_tokenizer, save_random_init, special_ids
 # imported where used: torch and transformers (heavy; only to build once)
 
 TINY_SHAPE = dict(
@@ -47,30 +47,22 @@ GPU_SHAPES = {
 }
 TINY_MODELS.update(GPU_SHAPES)
 
+
 def build(out_dir: Path, seed: int = 0, names: tuple[str, ...] = ("qwen3_tiny", "qwen3_moe_tiny")) -> dict[str, Path]:
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tok = build_tokenizer()
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
-    common = dict(TINY_SHAPE, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
+    special = special_ids(tok)
     built = {}
     for name in names:
-        values = {**common, **TINY_MODELS[name]}
+        values = {**TINY_SHAPE, **special, **TINY_MODELS[name]}
         cfg_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if "num_experts" in values else (
             Qwen3Config, Qwen3ForCausalLM)
-        path = out_dir / name
-        path.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(seed)
-        large = name in GPU_SHAPES  # built in bf16 (half the disk), on the GPU when there is one (minutes on a CPU)
-        device = "cuda" if large and torch.cuda.is_available() else "cpu"
-        with torch.device(device):
-            model = model_cls(cfg_cls(**values, **({"torch_dtype": "bfloat16"} if large else {})))
-        model = model.to(torch.bfloat16) if large else model.float()
-        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-        model.save_pretrained(path, safe_serialization=True)
-        tok.save_pretrained(path)
-        built[name] = path
+        large = name in GPU_SHAPES
+        config = cfg_cls(**values, **({"torch_dtype": "bfloat16"} if large else {}))
+        save_random_init(out_dir / name, seed, model_cls, config, special, large)
+        tok.save_pretrained(out_dir / name)
+        built[name] = out_dir / name
     return built
 
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from molt_hydra.compat import transformers as transformers_compat
-from molt_hydra.models.tiny_tokenizer import CHAT_TEMPLATE, build_tokenizer
+from molt_hydra.models.tiny_tokenizer import CHAT_TEMPLATE, build_tokenizer, save_random_init, special_ids
 # imported where used: torch and transformers (heavy; only to build once)
 
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -121,23 +121,6 @@ def build(out_dir: Path, seed: int = 0, name: str = "qwen25_vl_tiny") -> Path:
     return builders[TINY_VLM_TYPES[name]](out_dir, seed)
 
 
-def _special_ids(tok) -> dict:
-    pad = tok.pad_token_id
-    return dict(bos_token_id=pad, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=pad)
-
-
-def _save_random_init(out_dir: Path, seed: int, model_cls, config, special: dict) -> None:
-    import torch
-    from transformers import GenerationConfig
-
-    torch.manual_seed(seed)
-    model = model_cls(config).float()
-    model.generation_config = GenerationConfig(eos_token_id=special["eos_token_id"],
-                                               pad_token_id=special["pad_token_id"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-
-
 def build_idefics3(out_dir: Path, seed: int = 0) -> Path:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
 
@@ -146,11 +129,11 @@ def build_idefics3(out_dir: Path, seed: int = 0) -> Path:
     edge = {"longest_edge": IDEFICS3_IMAGE_SIZE}
     image_processor = transformers_compat.idefics3_image_processor(size=edge, max_image_size=edge,
                                                                    do_image_splitting=False)
-    special = _special_ids(tok)
+    special = special_ids(tok)
     config = Idefics3Config(vision_config=TINY_IDEFICS3_VISION, text_config=dict(TINY_IDEFICS3_TEXT, **special),
                             scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"),
                             tie_word_embeddings=True, **special)
-    _save_random_init(out_dir, seed, Idefics3ForConditionalGeneration, config, special)
+    save_random_init(out_dir, seed, Idefics3ForConditionalGeneration, config, special)
     # image_seq_len = (image_size / patch_size)^2 / scale_factor^2 tokens per image, as the model computes it
     seq_len = (IDEFICS3_IMAGE_SIZE // TINY_IDEFICS3_VISION["patch_size"]) ** 2 // 4
     Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=seq_len,
@@ -165,13 +148,13 @@ def _build_qwen_vl(out_dir: Path, seed: int, config_cls, model_cls, text: dict, 
     # Qwen-VL renders an image part as the vision span the processor expands to one pad per merged patch
     tok.chat_template = CHAT_TEMPLATE.replace("<|image|>", "<|vision_start|><|image_pad|><|vision_end|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
-    special = _special_ids(tok)
+    special = special_ids(tok)
     config = config_cls(
         text_config=dict(text, **special), vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie, **special,
     )
-    _save_random_init(out_dir, seed, model_cls, config, special)
+    save_random_init(out_dir, seed, model_cls, config, special)
     tok.save_pretrained(out_dir)
     transformers_compat.qwen2_vl_image_processor(temporal_patch_size=2, merge_size=2,
                                                  **processor).save_pretrained(out_dir)
