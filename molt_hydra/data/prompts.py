@@ -22,12 +22,9 @@ FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "par
 
 def _arithmetic(n: int, seed: int, max_operand: int = 20) -> list[dict]:
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a}+{b}? Put the final answer in \\boxed{{}}."}],
-                     "label": str(a + b), "datasource": "arithmetic"})
-    return rows
+    pairs = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
+    return [{"prompt": [{"role": "user", "content": f"What is {a}+{b}? Put the final answer in \\boxed{{}}."}],
+             "label": str(a + b), "datasource": "arithmetic"} for a, b in pairs]
 
 
 def _toy(n: int, seed: int) -> list[dict]:

@@ -65,22 +65,12 @@ def build_tokenizer(extra_specials: tuple[str, ...] | list[str] = ()):
     tk = Tokenizer(models.BPE(unk_token=None))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIALS + list(extra_specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS + list(extra_specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tk.train_from_iterator(_corpus(random.Random(0)), trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        additional_special_tokens=SPECIALS[1:] + list(extra_specials),
-        model_max_length=4096,
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=None, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", unk_token=None, model_max_length=4096,
+                                  additional_special_tokens=SPECIALS[1:] + list(extra_specials))
     tok.chat_template = CHAT_TEMPLATE
     assert len(tok) <= VOCAB_SIZE, len(tok)
     return tok
