@@ -83,15 +83,10 @@ def reply_loss_mask(ids: list[int], markers: ReplyMarkers, special_ids: set[int]
 def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
     prompt = row[input_key]
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if output_key is not None:
-        reply = row[output_key]
-        if isinstance(reply, str):
-            msgs.append({"role": "assistant", "content": reply})
-        elif isinstance(reply, dict):
-            msgs.append(reply)
-        else:
-            msgs.extend(reply)
-    return msgs
+    reply = row[output_key] if output_key is not None else []  # a string, one message or a list of them
+    if isinstance(reply, str):
+        reply = {"role": "assistant", "content": reply}
+    return msgs + ([reply] if isinstance(reply, dict) else list(reply))
 
 
 def load_rows(data: str | list[dict]) -> list[dict]:

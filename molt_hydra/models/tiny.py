@@ -69,10 +69,6 @@ def build(out_dir: Path, seed: int = 0, names: tuple[str, ...] = ("qwen3_tiny", 
 TINY_SCHEME = "tiny://"
 
 
-def _shapes_digest(*extra) -> str:
-    return hashlib.sha256(json.dumps([TINY_SHAPE, TINY_MODELS, *extra], sort_keys=True).encode()).hexdigest()[:10]
-
-
 def tiny_config_dict(name: str) -> dict:
     """The HF config values of a tiny model, without building it (the plan's memory estimate reads these)."""
     return TINY_SHAPE | TINY_MODELS[name]
@@ -112,12 +108,14 @@ def resolve_model_path(path: str) -> str:
         raise ValueError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS) + list(tiny_vlm.TINY_VLM_MODELS)}")
     if name == tiny_vlm.COLORS_WARM:
         return tiny_vlm.warm_start(name)
+    vlm = name in tiny_vlm.TINY_VLM_MODELS
     # the cache key includes the shapes, so a changed tiny config never reuses a stale build
-    vlm_shape = [tiny_vlm.tiny_config_dict(name)] if name in tiny_vlm.TINY_VLM_MODELS else []
-    root = Path.home() / ".cache" / "molt_hydra" / "tiny" / _shapes_digest(*vlm_shape)
+    shapes = [TINY_SHAPE, TINY_MODELS, *([tiny_vlm.tiny_config_dict(name)] if vlm else [])]
+    root = Path.home() / ".cache" / "molt_hydra" / "tiny" / hashlib.sha256(
+        json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:10]
     if (root / name / "config.json").exists():
         return str(root / name)
-    if name in tiny_vlm.TINY_VLM_MODELS:
+    if vlm:
         build_once(root, (name,), lambda staging: tiny_vlm.build(staging / name, name=name))
     elif name in GPU_SHAPES:
         build_once(root, (name,), lambda staging: _build_in_subprocess(staging, name))
