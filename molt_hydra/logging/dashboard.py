@@ -77,6 +77,10 @@ SECTIONS: list[tuple[str, str | None, list[tuple[str, list[str]]]]] = [
 ]
 
 
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _matcher(patterns: list[str]) -> re.Pattern:
     return re.compile("|".join(re.escape(p).replace(r"\*", "[^/]*") for p in patterns) + r"\Z")
 
@@ -105,7 +109,7 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
     by_step: dict[int, float] = {}
     for row in rows:
         value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if is_number(value) and math.isfinite(value):
             by_step[int(row["step"])] = float(value)
     return sorted(by_step.items())
 

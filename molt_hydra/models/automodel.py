@@ -104,8 +104,6 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.moe.router_replay import RouterReplay
 
-    if role == "critic":
-        raise ValueError("the critic is built with HF transformers (value head on a backbone), not AutoModel")
     config = load_config(path, config_overrides, random_init)
     config.dtype = torch.float32  # master weights; AutoModel's model classes read the storage dtype from the config
     if not getattr(config, "architectures", None):  # AutoModel picks its own model class by architecture name
