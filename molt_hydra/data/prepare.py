@@ -68,16 +68,15 @@ def geometry3k(row: dict) -> dict:
 class Preparer:
     hub: str
     config: str | None
-    split: str
     convert: Callable[[dict], dict]
     dedupe: bool = False  # DAPO-Math-17k repeats each of its 17k problems ~100 times
 
 
 PREPARERS = {
-    "dapo_math": Preparer("BytedTsinghua-SIA/DAPO-Math-17k", None, "train", dapo_math, dedupe=True),
-    "aime_2024": Preparer("HuggingFaceH4/aime_2024", None, "train", aime),
-    "gsm8k": Preparer("openai/gsm8k", "main", "train", gsm8k),
-    "geometry3k": Preparer("hiyouga/geometry3k", None, "train", geometry3k),
+    "dapo_math": Preparer("BytedTsinghua-SIA/DAPO-Math-17k", None, dapo_math, dedupe=True),
+    "aime_2024": Preparer("HuggingFaceH4/aime_2024", None, aime),
+    "gsm8k": Preparer("openai/gsm8k", "main", gsm8k),
+    "geometry3k": Preparer("hiyouga/geometry3k", None, geometry3k),
 }
 PREPARERS["geo3k"] = PREPARERS["geometry3k"]  # the name the geo3k recipes and issue 37 use
 
@@ -93,7 +92,7 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
         raise ValueError(f"output {out}: write .jsonl, .json or .parquet")
     if p.convert is geometry3k and suffix != ".parquet":
         raise ValueError(f"output {out}: {name} has images; write .parquet")
-    ds = load_dataset(source or p.hub, split or p.split, p.config)
+    ds = load_dataset(source or p.hub, split or "train", p.config)  # every default hub dataset's training split
     ds = ds.map(p.convert, remove_columns=ds.column_names)
     if p.dedupe:
         seen: set[str] = set()

@@ -176,19 +176,15 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
     """Make every MoE router of `model` a `ReplayableRouter` (in place); returns them in layer order."""
     found = []
     for name, module in transformers_compat.install_routers(model, ReplayableRouter):
-        module.layer_index = _layer_index(name)
+        # "model.layers.3.mlp.gate" -> 3: the engine's routed experts are indexed by global decoder layer
+        parts = name.split(".")
+        module.layer_index = int(parts[parts.index("layers") + 1])
         module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
         module.engine_experts, module.image_tokens, module.stats, module.balance = None, None, None, None
         if not hasattr(module, "norm_topk_prob"):  # Qwen3-VL-MoE's router always renormalises its top-k
             module.norm_topk_prob = True
         found.append(module)
     return found
-
-
-def _layer_index(name: str) -> int:
-    # "model.layers.3.mlp.gate" -> 3: the engine's routed experts are indexed by global decoder layer
-    parts = name.split(".")
-    return int(parts[parts.index("layers") + 1])
 
 
 @contextmanager
