@@ -99,7 +99,7 @@ def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torc
     return out
 
 
-def save_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: dict, base_path: str | None) -> Path:
+def save_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: dict, base_path: str | None) -> None:
     """PEFT's format: adapter_model.safetensors (PEFT names) + adapter_config.json; `PeftModel.from_pretrained` and
     vLLM's `LoRARequest` both load the directory."""
     from safetensors.torch import save_file
@@ -108,7 +108,6 @@ def save_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: di
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(adapter_config(spec, base_path), indent=2))
-    return out
 
 
 def adapter_config(spec: dict, base_path: str | None) -> dict:
