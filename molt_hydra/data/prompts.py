@@ -139,10 +139,8 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
         raise ValueError(f"data.train_probs has {len(probs)} values for {len(specs)} datasets")
     parts = []
     for s in specs:
-        if s.startswith(BUILTIN):
-            rows = builtin_rows(s)
-        else:
-            rows = [_rename(r, input_key, label_key, tools_key, image_key) for r in load_dataset(s, split)]
+        rows = builtin_rows(s) if s.startswith(BUILTIN) else [
+            _rename(r, input_key, label_key, tools_key, image_key) for r in load_dataset(s, split)]
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
         parts.append(rows[:max_samples] if max_samples else rows)
     if probs is None:

@@ -79,10 +79,9 @@ def grouped_unavailable(device: torch.device, dtype: torch.dtype, widths: tuple[
             return f"the GPU is sm_{cap[0]}{cap[1]}; torch's grouped GEMM kernel is Hopper's (sm_90+)"
         if dtype != torch.bfloat16:
             return f"compute dtype {dtype} on CUDA; torch's grouped GEMM runs bf16 (model.param_dtype=bfloat16)"
-    elif device.type == "cpu":
-        if dtype != torch.float32:
-            return f"compute dtype {dtype} on CPU; torch's CPU grouped GEMM is used here in float32 only"
-    else:
+    elif device.type == "cpu" and dtype != torch.float32:
+        return f"compute dtype {dtype} on CPU; torch's CPU grouped GEMM is used here in float32 only"
+    elif device.type != "cpu":
         return f"no grouped GEMM on {device.type}"
     size = torch.finfo(dtype).bits // 8
     if any(w * size % 16 for w in widths):  # the kernels' rows must start on 16-byte boundaries
