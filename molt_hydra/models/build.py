@@ -70,8 +70,7 @@ def backend_options(cfg) -> dict:
         rank=lo.rank, alpha=lo.alpha or 2.0 * lo.rank, dropout=lo.dropout, init=lo.init.value,
         target_modules=list(lo.target_modules) if lo.target_modules else None)
     return dict(backend=m.backend.value, lora=lora, packing=p.packing, share_prompts=p.share_prompts,
-                compile_blocks=m.compile_blocks,
-                master_weights=m.master_weights.value,
+                compile_blocks=m.compile_blocks, master_weights=m.master_weights.value,
                 gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
                 moe_experts_impl=m.moe_experts_impl.value,
                 freeze_moe_router=m.freeze_moe_router, freeze_visual_encoder=m.freeze_visual_encoder,
