@@ -30,10 +30,9 @@ class MetricSinks:
         if wandb_mode != "disabled":
             import wandb
 
-            self.wandb_run = wandb.init(
-                project=project, entity=entity, group=group, name=run_name, config=config, mode=wandb_mode,
-                dir=str(self.dir), id=resume_wandb_id, resume="allow" if resume_wandb_id else None,
-            )
+            self.wandb_run = wandb.init(project=project, entity=entity, group=group, name=run_name, config=config,
+                                        mode=wandb_mode, dir=str(self.dir), id=resume_wandb_id,
+                                        resume="allow" if resume_wandb_id else None)
             for prefix in ("train", "eval"):
                 self.wandb_run.define_metric(f"{prefix}/global_step")
                 self.wandb_run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/global_step")
