@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from molt_hydra.data.prompts import FILE_TYPES
+from molt_hydra.data.prompts import load_dataset
 # imported where used: datasets (heavy)
 
 BOXED = "Put the final answer in \\boxed{}."
@@ -68,30 +68,17 @@ def geometry3k(row: dict) -> dict:
 class Preparer:
     hub: str
     config: str | None
-    split: str
     convert: Callable[[dict], dict]
     dedupe: bool = False  # DAPO-Math-17k repeats each of its 17k problems ~100 times
 
 
 PREPARERS = {
-    "dapo_math": Preparer("BytedTsinghua-SIA/DAPO-Math-17k", None, "train", dapo_math, dedupe=True),
-    "aime_2024": Preparer("HuggingFaceH4/aime_2024", None, "train", aime),
-    "gsm8k": Preparer("openai/gsm8k", "main", "train", gsm8k),
-    "geometry3k": Preparer("hiyouga/geometry3k", None, "train", geometry3k),
+    "dapo_math": Preparer("BytedTsinghua-SIA/DAPO-Math-17k", None, dapo_math, dedupe=True),
+    "aime_2024": Preparer("HuggingFaceH4/aime_2024", None, aime),
+    "gsm8k": Preparer("openai/gsm8k", "main", gsm8k),
+    "geometry3k": Preparer("hiyouga/geometry3k", None, geometry3k),
 }
 PREPARERS["geo3k"] = PREPARERS["geometry3k"]  # the name the geo3k recipes and issue 37 use
-
-
-def _load(source: str, config: str | None, split: str):
-    import datasets
-
-    path = Path(source)
-    if path.suffix in FILE_TYPES:
-        return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
-    if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
-        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
-    return datasets.load_dataset(source, config, split=split)
 
 
 def prepare(name: str, out: str, *, source: str | None = None, split: str | None = None,
@@ -105,7 +92,7 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
         raise ValueError(f"output {out}: write .jsonl, .json or .parquet")
     if p.convert is geometry3k and suffix != ".parquet":
         raise ValueError(f"output {out}: {name} has images; write .parquet")
-    ds = _load(source or p.hub, p.config, split or p.split)
+    ds = load_dataset(source or p.hub, split or "train", p.config)  # every default hub dataset's training split
     ds = ds.map(p.convert, remove_columns=ds.column_names)
     if p.dedupe:
         seen: set[str] = set()

@@ -22,12 +22,9 @@ FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "par
 
 def _arithmetic(n: int, seed: int, max_operand: int = 20) -> list[dict]:
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a}+{b}? Put the final answer in \\boxed{{}}."}],
-                     "label": str(a + b), "datasource": "arithmetic"})
-    return rows
+    pairs = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
+    return [{"prompt": [{"role": "user", "content": f"What is {a}+{b}? Put the final answer in \\boxed{{}}."}],
+             "label": str(a + b), "datasource": "arithmetic"} for a, b in pairs]
 
 
 def _toy(n: int, seed: int) -> list[dict]:
@@ -115,7 +112,8 @@ def builtin_rows(spec: str) -> list[dict]:
     return BUILTIN_TASKS[name]()
 
 
-def _load_one(spec: str, split: str):
+def load_dataset(spec: str, split: str, config: str | None = None):
+    """A data file (json/jsonl/csv/parquet/arrow), a `save_to_disk` folder or a hub dataset name, as one split."""
     import datasets
 
     path = Path(spec)
@@ -125,9 +123,8 @@ def _load_one(spec: str, split: str):
         return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
-    else:
-        loaded = datasets.load_dataset(spec)
-    return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    return datasets.load_dataset(spec, config, split=split)
 
 
 def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", label_key: str | None = "label",
@@ -142,10 +139,8 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
         raise ValueError(f"data.train_probs has {len(probs)} values for {len(specs)} datasets")
     parts = []
     for s in specs:
-        if s.startswith(BUILTIN):
-            rows = builtin_rows(s)
-        else:
-            rows = [_rename(r, input_key, label_key, tools_key, image_key) for r in _load_one(s, split)]
+        rows = builtin_rows(s) if s.startswith(BUILTIN) else [
+            _rename(r, input_key, label_key, tools_key, image_key) for r in load_dataset(s, split)]
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
         parts.append(rows[:max_samples] if max_samples else rows)
     if probs is None:

@@ -10,8 +10,8 @@ from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, IMAGE_TASKS
 
 def _data_location(problems: Problems, key: str, spec: str | None) -> None:
     fix = f"give files, directories, hub dataset ids or one of {[BUILTIN + n for n in sorted(BUILTIN_TASKS)]}"
-    if spec is not None and not spec.replace(",", "").strip():
-        problems.check(False, key, f"{spec!r} names no dataset.", fix + ", or null")
+    problems.check(spec is None or bool(spec.replace(",", "").strip()), key, f"{spec!r} names no dataset.",
+                   fix + ", or null")
     for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
         if part.startswith(BUILTIN):
             problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)

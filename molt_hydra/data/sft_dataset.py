@@ -29,8 +29,7 @@ _PROBE_USER, _PROBE_REPLY = "Zq probe question 17", "Zq probe reply 42"
 @dataclass(frozen=True)
 class ReplyMarkers:
     reply_open: tuple[int, ...]
-    reply_close: int | None
-    supervise_close: bool
+    reply_close: int | None  # a special (stop) token, supervised; None: a reply ends at the next special token
 
 
 def _render(tokenizer, messages, chat_template, add_generation_prompt):
@@ -55,16 +54,15 @@ def discover_reply_markers(tokenizer, chat_template: str | None = None) -> Reply
         raise ValueError("chat template does not render the assistant message content")
     open_ids = tokenizer(prompt[len(bare):], add_special_tokens=False)["input_ids"]
     after = tokenizer(full[at + len(_PROBE_REPLY):], add_special_tokens=False)["input_ids"]
-    close = after[0] if after else None
-    special = _special_ids(tokenizer)
-    if close is not None and close not in special:
-        close = None  # plain text after the reply (e.g. a newline): no terminator token
-    return ReplyMarkers(tuple(open_ids), close, close is not None)
+    # plain text after the reply (e.g. a newline) is no terminator token
+    close = after[0] if after and after[0] in _special_ids(tokenizer) else None
+    return ReplyMarkers(tuple(open_ids), close)
 
 
 def reply_loss_mask(ids: list[int], markers: ReplyMarkers, special_ids: set[int],
                     last_turn_only: bool = False) -> list[int]:
-    """1 on every token after each reply_open up to reply_close (inclusive iff supervise_close)."""
+    """1 on every token after each reply_open up to reply_close (inclusive; a reply without one ends before the
+    next special token)."""
     n, k, op = len(ids), len(markers.reply_open), list(markers.reply_open)
     mask, runs, i = [0] * n, [], 0
     while i < n:
@@ -74,7 +72,7 @@ def reply_loss_mask(ids: list[int], markers: ReplyMarkers, special_ids: set[int]
         j = start = i + k
         while j < n and ids[j] != markers.reply_close and not (markers.reply_close is None and ids[j] in special_ids):
             j += 1
-        end = j + 1 if (j < n and markers.supervise_close) else j
+        end = j + 1 if (j < n and markers.reply_close is not None) else j
         runs.append((start, end))
         i = max(j, start)
     for start, end in runs[-1:] if last_turn_only else runs:
@@ -85,15 +83,10 @@ def reply_loss_mask(ids: list[int], markers: ReplyMarkers, special_ids: set[int]
 def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
     prompt = row[input_key]
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if output_key is not None:
-        reply = row[output_key]
-        if isinstance(reply, str):
-            msgs.append({"role": "assistant", "content": reply})
-        elif isinstance(reply, dict):
-            msgs.append(reply)
-        else:
-            msgs.extend(reply)
-    return msgs
+    reply = row[output_key] if output_key is not None else []  # a string, one message or a list of them
+    if isinstance(reply, str):
+        reply = {"role": "assistant", "content": reply}
+    return msgs + ([reply] if isinstance(reply, dict) else list(reply))
 
 
 def load_rows(data: str | list[dict]) -> list[dict]:
@@ -134,10 +127,10 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
                 log.warning("data: dropped %s", e)
                 dropped.append((i, str(e)))
                 continue
-        if row_images and images is None:
-            raise ValueError(f"SFT row {i} has images but the model has no vision tower. Fix: use a VLM or set "
-                             "data.image_key=null")
         if row_images:
+            if images is None:
+                raise ValueError(f"SFT row {i} has images but the model has no vision tower. Fix: use a VLM or set "
+                                 "data.image_key=null")
             msgs = image_parts(msgs)
         text = _render(tokenizer, msgs, chat_template, False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -77,6 +77,10 @@ SECTIONS: list[tuple[str, str | None, list[tuple[str, list[str]]]]] = [
 ]
 
 
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _matcher(patterns: list[str]) -> re.Pattern:
     return re.compile("|".join(re.escape(p).replace(r"\*", "[^/]*") for p in patterns) + r"\Z")
 
@@ -105,7 +109,7 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
     by_step: dict[int, float] = {}
     for row in rows:
         value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if is_number(value) and math.isfinite(value):
             by_step[int(row["step"])] = float(value)
     return sorted(by_step.items())
 
@@ -137,10 +141,6 @@ def sections(keys: set[str]) -> list[dict]:
     return out
 
 
-def panel_keys(spec: dict) -> set[str]:
-    return {k for s in spec["sections"] for p in s["panels"] for k in p["keys"]}
-
-
 def run_spec(run_dir: Path, *, run_id: str | None, name: str, project: str, entity: str | None) -> dict:
     """The dashboard of one run: its sections, filtered to that W&B run."""
     return {"name": f"molt_hydra run {name}", "project": project, "entity": entity,
@@ -153,17 +153,10 @@ def sweep_spec(point_dirs: list[Path], swept_keys: list[str], *, group: str, pro
     """The dashboard of a sweep: the same sections over all points, one line per point grouped by the swept keys,
     and a runs table (swept keys, final and best of TABLE_METRICS)."""
     keys = set().union(*(logged_keys(Path(d) / "metrics.jsonl") for d in point_dirs)) if point_dirs else set()
-    columns = [f"config:{k}" for k in swept_keys]
-    for key, _mode in TABLE_METRICS:
-        columns += [f"summary:{key}", f"summary:best/{key}"]
+    columns = [f"config:{k}" for k in swept_keys] + [f"summary:{best}{key}" for key, _ in TABLE_METRICS
+                                                      for best in ("", "best/")]
     return {"name": f"molt_hydra sweep {group}", "project": project, "entity": entity, "filter": {"Group": group},
             "groupby": swept_keys, "columns": columns, "sections": sections(keys)}
-
-
-def write_spec(spec: dict, directory: Path) -> Path:
-    path = Path(directory) / SPEC_FILE
-    path.write_text(json.dumps(spec, indent=2) + "\n")
-    return path
 
 
 def workspace(spec: dict, entity: str):
@@ -185,20 +178,16 @@ def workspace(spec: dict, entity: str):
 
 def publish(spec: dict, directory: Path, online: bool = True) -> str:
     """Write the spec into `directory`; save it to W&B when `online` and logged in. Returns what happened."""
-    path = write_spec(spec, directory)
-    api = _api() if online else None
+    import wandb
+
+    path = Path(directory) / SPEC_FILE
+    path.write_text(json.dumps(spec, indent=2) + "\n")
+    try:  # an API client needs a key (WANDB_API_KEY or `wandb login`)
+        api = wandb.Api(timeout=20) if online else None
+    except wandb.errors.UsageError:  # no API key: the offline path
+        api = None
     if api is None:
         return (f"dashboard spec written to {path} (W&B offline or not logged in: after `wandb login` and "
                 f"`wandb sync`, `molt-report --wandb {directory}` publishes it)")
     saved = workspace(spec, spec["entity"] or api.default_entity).save()
     return f"dashboard saved to W&B: {saved.url} (spec: {path})"
-
-
-def _api():
-    """A W&B API client when a key is configured (WANDB_API_KEY or `wandb login`), else None."""
-    import wandb
-
-    try:
-        return wandb.Api(timeout=20)
-    except wandb.errors.UsageError:  # no API key: the offline path
-        return None

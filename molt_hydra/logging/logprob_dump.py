@@ -11,7 +11,7 @@ from pathlib import Path
 COLUMNS = ("sample", "rollout_id", "pos", "token_id", "version", "mask", "vllm_logp", "train_logp")
 
 
-def write_logprob_dump(path: Path, batch, train_logp, lengths: list[int]) -> Path:
+def write_logprob_dump(path: Path, batch, train_logp, lengths: list[int]) -> None:
     """`batch`: the step's ExperienceBatch ([B, L] rows); `train_logp`: [B, L]; `lengths`: each row's real tokens."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -26,4 +26,3 @@ def write_logprob_dump(path: Path, batch, train_logp, lengths: list[int]) -> Pat
                 f.write(f"{i}\t{rid}\t{pos}\t{ids[pos]}\t{versions[pos]}\t{mask[pos]}\t{vllm[pos]:.9g}\t"
                         f"{train[pos]:.9g}\n")
     tmp.replace(path)  # complete or absent
-    return path

@@ -20,11 +20,8 @@ class Progress:
             return
         if self.first_step is None:
             self.first_step = step - 1
-        elapsed = time.monotonic() - self.started
-        done = step - self.first_step
-        eta = ""
-        if self.total:
-            eta = f" | ETA {max(self.total - step, 0) * elapsed / max(done, 1):5.0f}s"
+        per_step = (time.monotonic() - self.started) / max(step - self.first_step, 1)
+        eta = f" | ETA {max(self.total - step, 0) * per_step:5.0f}s" if self.total else ""
         reward = m.get("reward", float("nan"))
         bar = "█" * int(round(20 * min(max(reward, 0.0), 1.0))) if math.isfinite(reward) else ""
         self.console.print(

@@ -9,14 +9,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from molt_hydra.logging import dashboard
 # imported where used: wandb, TensorBoard (heavy, optional)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class MetricSinks:
@@ -35,10 +30,9 @@ class MetricSinks:
         if wandb_mode != "disabled":
             import wandb
 
-            self.wandb_run = wandb.init(
-                project=project, entity=entity, group=group, name=run_name, config=config, mode=wandb_mode,
-                dir=str(self.dir), id=resume_wandb_id, resume="allow" if resume_wandb_id else None,
-            )
+            self.wandb_run = wandb.init(project=project, entity=entity, group=group, name=run_name, config=config,
+                                        mode=wandb_mode, dir=str(self.dir), id=resume_wandb_id,
+                                        resume="allow" if resume_wandb_id else None)
             for prefix in ("train", "eval"):
                 self.wandb_run.define_metric(f"{prefix}/global_step")
                 self.wandb_run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/global_step")
@@ -69,7 +63,7 @@ class MetricSinks:
 
     def log(self, metrics: dict[str, float], step: int, prefix: str = "train") -> None:
         # Non-finite values are kept (NaN in the jsonl, as W&B shows them): a metric that goes NaN must be seen.
-        clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if _number(v)}
+        clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if dashboard.is_number(v)}
         self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
         if self.wandb_run is not None:
             replayed = {f"{prefix}/replayed_after_resume": 1.0} if step <= self.replayed_to else {}

@@ -21,6 +21,7 @@ import torch
 from molt_hydra.compat import automodel as automodel_compat
 from molt_hydra.compat import transformers as transformers_compat
 from molt_hydra.models.build import DTYPES, decoder_layers, load_config
+from molt_hydra.models.moe_routing import expert_counts
 # imported where used: nemo_automodel and torch.distributed (GPU hosts only)
 
 AC_MODES = {False: False, True: "full", "none": False, "full": "full", "selective": "selective"}
@@ -69,8 +70,7 @@ def permute_tokens_all_local(indices: torch.Tensor, weights: torch.Tensor, token
     flat = indices.reshape(-1)
     kept = torch.where(token_mask.unsqueeze(-1), weights.float(), 0.0).reshape(-1)
     order = flat.argsort(stable=True)  # slot ids (token * topk + k) grouped by expert, token order inside
-    tokens_per_expert = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
-    tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+    tokens_per_expert = expert_counts(flat, n_experts, torch.int64)
     offs = tokens_per_expert.cumsum(0).to(torch.int32)
     sorted_token_ids, sorted_weights = order // topk, kept[order]
     if return_slot_ids:
@@ -104,10 +104,6 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.moe.router_replay import RouterReplay
 
-    if role == "critic":
-        raise ValueError("the critic is built with HF transformers (value head on a backbone), not AutoModel")
-    if gradient_checkpointing not in AC_MODES:
-        raise ValueError(f"gradient_checkpointing must be one of {list(AC_MODES)}, got {gradient_checkpointing!r}")
     config = load_config(path, config_overrides, random_init)
     config.dtype = torch.float32  # master weights; AutoModel's model classes read the storage dtype from the config
     if not getattr(config, "architectures", None):  # AutoModel picks its own model class by architecture name

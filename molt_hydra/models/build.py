@@ -24,11 +24,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32} 
 
 def resolve_path(path: str) -> str:
     """`tiny://NAME` and `smollm2://NAME` build a local model directory once; any other path is used as is."""
-    if path.startswith("tiny://"):
-        return str(resolve_model_path(path))
-    if path.startswith("smollm2://"):
-        return resolve_smollm2(path)
-    return path
+    return resolve_smollm2(path) if path.startswith("smollm2://") else resolve_model_path(path)
 
 
 def nemo_automodel_usable() -> bool:
@@ -74,8 +70,7 @@ def backend_options(cfg) -> dict:
         rank=lo.rank, alpha=lo.alpha or 2.0 * lo.rank, dropout=lo.dropout, init=lo.init.value,
         target_modules=list(lo.target_modules) if lo.target_modules else None)
     return dict(backend=m.backend.value, lora=lora, packing=p.packing, share_prompts=p.share_prompts,
-                compile_blocks=m.compile_blocks,
-                master_weights=m.master_weights.value,
+                compile_blocks=m.compile_blocks, master_weights=m.master_weights.value,
                 gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
                 moe_experts_impl=m.moe_experts_impl.value,
                 freeze_moe_router=m.freeze_moe_router, freeze_visual_encoder=m.freeze_visual_encoder,
@@ -83,11 +78,6 @@ def backend_options(cfg) -> dict:
                                        linear_backend=m.linear_backend, rms_norm=m.rms_norm,
                                        moe_reshard_after_forward=p.moe_reshard_after_forward,
                                        sequence_parallel=p.sequence_parallel))
-
-
-def _auto_classes(base: bool):
-    import transformers
-    return transformers.AutoModel if base else transformers.AutoModelForCausalLM
 
 
 def load_config(path: str, config_overrides: dict | None = None, random_init: bool = False):
@@ -116,26 +106,23 @@ def build_model(path: str, *, role: str = "actor", attn_implementation: str = "s
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    import transformers
+
     path = resolve_path(path)
     config = load_config(path, config_overrides, random_init)
-    if role == "critic":
-        config.tie_word_embeddings = False
-
-    cls = _auto_classes(base=role == "critic")
+    cls = transformers.AutoModelForCausalLM
     if vlm.is_vlm(config):
         if role == "critic":
             raise NotImplementedError("a vision-language critic is not supported; use a critic-free estimator")
-        import transformers
         cls = transformers.AutoModelForImageTextToText  # vision tower + decoder (HF path, also on GPU)
+    elif role == "critic":
+        config.tie_word_embeddings = False
+        cls = transformers.AutoModel
     kw = dict(dtype=torch.float32, attn_implementation=attn_implementation)
     with torch.device(init_device):
-        if random_init:
-            model = cls.from_config(config, **kw)
-        else:
-            model = cls.from_pretrained(path, config=config, **kw)
-    if role == "critic":
-        std = value_head_init_std if value_head_init_std is not None else getattr(config, "initializer_range", 0.02)
-        with torch.device(init_device):
+        model = cls.from_config(config, **kw) if random_init else cls.from_pretrained(path, config=config, **kw)
+        if role == "critic":
+            std = value_head_init_std if value_head_init_std is not None else getattr(config, "initializer_range", 0.02)
             model = CriticModel(model, config.hidden_size, std)
     if gradient_checkpointing and role != "ref":
         # non-reentrant: recompute runs inside the FSDP2 pre-forward hooks, so params are re-gathered in backward

@@ -15,17 +15,15 @@ import torch
 LOGPROB_CHUNK_TOKENS = 2048  # rows of logits taken at a time: bounds the fp32 working set
 
 
-def _shifted(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
+def _per_chunk(logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_size: int, fn) -> torch.Tensor:
+    """`fn(fp32 chunk of the shifted logits / T, the chunk's token ids)` over row chunks: [B, T], column 0 = 0."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     # logits at t-1 predict token t; flatten rows so chunks bound the fp32 working set
-    return logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
-
-
-def _per_chunk(z: torch.Tensor, shape, temperature: float, chunk_size: int, fn) -> torch.Tensor:
-    """`fn(fp32 chunk of z / T, its first row)` over row chunks of the shifted logits z, as [B, T] with column 0 = 0."""
-    parts = [fn(z[s:s + chunk_size].float() / temperature, s) for s in range(0, z.shape[0], chunk_size)]
-    return _pad_first(torch.cat(parts) if parts else z.new_zeros(0, dtype=torch.float32), shape)
+    z, y = logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    parts = [fn(z[s:s + chunk_size].float() / temperature, y[s:s + chunk_size])
+             for s in range(0, z.shape[0], chunk_size)]
+    return _pad_first(torch.cat(parts) if parts else z.new_zeros(0, dtype=torch.float32), ids.shape)
 
 
 def _pad_first(values: torch.Tensor, shape) -> torch.Tensor:
@@ -37,18 +35,16 @@ def _pad_first(values: torch.Tensor, shape) -> torch.Tensor:
 def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
                          chunk_size: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """[B, T, V] logits, [B, T] ids -> [B, T] fp32 log p(ids[t]) under log_softmax(logits[t-1] / T); column 0 is 0."""
-    z, y = _shifted(logits, ids, temperature)
     # logp = z_y - logsumexp(z): never materialises the full log_softmax of the chunk
-    return _per_chunk(z, ids.shape, temperature, chunk_size,
-                      lambda zc, s: zc.gather(-1, y[s:s + chunk_size, None])[:, 0] - torch.logsumexp(zc, dim=-1))
+    return _per_chunk(logits, ids, temperature, chunk_size,
+                      lambda zc, yc: zc.gather(-1, yc[:, None])[:, 0] - torch.logsumexp(zc, dim=-1))
 
 
 def entropy_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
                         chunk_size: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """[B, T] fp32 entropy H = logsumexp(z) - sum softmax(z) z of the distribution that produced token t (z = logits/T)."""
-    z, _ = _shifted(logits, ids, temperature)
-    return _per_chunk(z, ids.shape, temperature, chunk_size,
-                      lambda zc, s: torch.logsumexp(zc, dim=-1) - (torch.softmax(zc, dim=-1) * zc).sum(-1))
+    return _per_chunk(logits, ids, temperature, chunk_size,
+                      lambda zc, _: torch.logsumexp(zc, dim=-1) - (torch.softmax(zc, dim=-1) * zc).sum(-1))
 
 
 class _ChunkedLinearLogprobs(torch.autograd.Function):

@@ -29,13 +29,8 @@ HEAD = ("lm_head",)  # vLLM serves it (LogitsProcessorWithLoRA), tied or not; of
 # linear of the decoder (attention + MLP, as prime-rl and Tinker default); Qwen3-MoE its attention only: the routed
 # experts are fused 3-D tensors in transformers 5 (no nn.Linear for PEFT) and the router is not a LoRA target vLLM
 # serves. A family not listed needs model.lora.target_modules, which the trainer checks against the built model.
-FAMILIES = {
-    "qwen3": (ATTENTION + MLP, ATTENTION + MLP + HEAD),
-    "qwen2": (ATTENTION + MLP, ATTENTION + MLP + HEAD),
-    "llama": (ATTENTION + MLP, ATTENTION + MLP + HEAD),
-    "mistral": (ATTENTION + MLP, ATTENTION + MLP + HEAD),
-    "qwen3_moe": (ATTENTION, ATTENTION + HEAD),
-}
+FAMILIES = {**dict.fromkeys(("qwen3", "qwen2", "llama", "mistral"), (ATTENTION + MLP, ATTENTION + MLP + HEAD)),
+            "qwen3_moe": (ATTENTION, ATTENTION + HEAD)}
 
 
 def resolve_targets(model_type: str | None, target_modules: list[str] | None) -> list[str] | None:
@@ -104,7 +99,7 @@ def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torc
     return out
 
 
-def save_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: dict, base_path: str | None) -> Path:
+def save_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: dict, base_path: str | None) -> None:
     """PEFT's format: adapter_model.safetensors (PEFT names) + adapter_config.json; `PeftModel.from_pretrained` and
     vLLM's `LoRARequest` both load the directory."""
     from safetensors.torch import save_file
@@ -113,7 +108,6 @@ def save_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: di
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(adapter_config(spec, base_path), indent=2))
-    return out
 
 
 def adapter_config(spec: dict, base_path: str | None) -> dict:

@@ -24,6 +24,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from molt_hydra.models.moe_routing import expert_counts
+
 log = logging.getLogger(__name__)
 IMPLS = ("auto", "grouped", "loop")
 
@@ -48,9 +50,7 @@ def expert_order(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     """(slots sorted by expert, int32 group ends for grouped_mm), both computed on the device without a sync."""
     flat = top_k_index.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
-    return order, counts.cumsum(0).to(torch.int32)
+    return order, expert_counts(flat, num_experts, torch.int64).cumsum(0).to(torch.int32)
 
 
 def grouped_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -79,10 +79,9 @@ def grouped_unavailable(device: torch.device, dtype: torch.dtype, widths: tuple[
             return f"the GPU is sm_{cap[0]}{cap[1]}; torch's grouped GEMM kernel is Hopper's (sm_90+)"
         if dtype != torch.bfloat16:
             return f"compute dtype {dtype} on CUDA; torch's grouped GEMM runs bf16 (model.param_dtype=bfloat16)"
-    elif device.type == "cpu":
-        if dtype != torch.float32:
-            return f"compute dtype {dtype} on CPU; torch's CPU grouped GEMM is used here in float32 only"
-    else:
+    elif device.type == "cpu" and dtype != torch.float32:
+        return f"compute dtype {dtype} on CPU; torch's CPU grouped GEMM is used here in float32 only"
+    elif device.type != "cpu":
         return f"no grouped GEMM on {device.type}"
     size = torch.finfo(dtype).bits // 8
     if any(w * size % 16 for w in widths):  # the kernels' rows must start on 16-byte boundaries

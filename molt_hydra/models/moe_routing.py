@@ -40,85 +40,76 @@ def routing_stats(config) -> "RoutingStats":
     return RoutingStats(text.num_hidden_layers, text.num_experts)
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """Selections per expert, counted by scatter-add: bincount sizes its output from the data (a CUDA sync)."""
+    flat = ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=dtype, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=dtype))
+
+
 class RoutingStats:
     """Sums over one or more forwards: per layer, token selections that match the engine's (all tokens, and image
     tokens apart), expert loads and the mean router probability per expert (for the load-balancing loss)."""
 
     def __init__(self, num_layers: int, num_experts: int):
         self.num_experts = num_experts
-        self.match = torch.zeros(num_layers, dtype=torch.float64)  # the router's own top-k == the engine's
-        self.known = torch.zeros(num_layers, dtype=torch.float64)
-        self.replayed = torch.zeros(num_layers, dtype=torch.float64)  # the experts used == the engine's
-        # the same three over image tokens only (a VLM's `mm_token_type_ids` == 1); text = all - image
-        self.image = torch.zeros(3, num_layers, dtype=torch.float64)
-        self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-        self.prob = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-        self.tokens = torch.zeros(num_layers, dtype=torch.float64)
+        # "routed" rows: tokens whose router's own top-k == the engine's, tokens the engine routed, tokens whose
+        # experts used == the engine's; "image": the same three over a VLM's image tokens (text = all - image)
+        shapes = {"routed": (3, num_layers), "image": (3, num_layers), "load": (num_layers, num_experts),
+                  "prob": (num_layers, num_experts), "tokens": (num_layers,)}
+        self.sums = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in shapes.items()}
 
     def add(self, layer: int, probs: torch.Tensor, own: torch.Tensor, used: torch.Tensor, engine: torch.Tensor | None,
             image: torch.Tensor | None = None):
         # sums stay on the forward's device until `as_tensor`: a `.cpu()` / `float()` per layer would make every MoE
         # layer of a log-prob recompute wait for the GPU (as would bincount, which sizes its output from the data)
         with torch.no_grad():
-            self._to(probs.device)
+            if self.sums["load"].device != probs.device:
+                self.sums = {name: t.to(probs.device) for name, t in self.sums.items()}
+            sums = self.sums
             if engine is not None:
                 known = (engine >= 0).all(-1)
                 expected = engine.long().sort(-1).values
                 same = (own.sort(-1).values == expected).all(-1) & known
                 replayed = (used.sort(-1).values == expected).all(-1) & known
-                self.match[layer] += same.sum()
-                self.known[layer] += known.sum()
-                self.replayed[layer] += replayed.sum()
+                counted = torch.stack((same, known, replayed))
+                sums["routed"][:, layer] += counted.sum(-1)
                 if image is not None:
-                    image = image.to(known.device).bool()
-                    for i, counted in enumerate((same, known, replayed)):
-                        self.image[i, layer] += (counted & image).sum()
-            flat = used.reshape(-1)
-            self.load[layer].scatter_add_(0, flat, torch.ones_like(flat, dtype=self.load.dtype))
-            self.prob[layer] += probs.detach().double().sum(0)
-            self.tokens[layer] += probs.shape[0]
-
-    def _to(self, device: torch.device) -> None:
-        if self.load.device != device:
-            for name in ("match", "known", "replayed", "image", "load", "prob", "tokens"):
-                setattr(self, name, getattr(self, name).to(device))
+                    sums["image"][:, layer] += (counted & image.to(known.device).bool()).sum(-1)
+            sums["load"][layer] += expert_counts(used, self.num_experts, torch.float64)
+            sums["prob"][layer] += probs.detach().double().sum(0)
+            sums["tokens"][layer] += probs.shape[0]
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.cat([self.match, self.known, self.replayed, self.image.flatten(), self.load.flatten(),
-                          self.prob.flatten(), self.tokens]).cpu()
+        return torch.cat([t.flatten() for t in self.sums.values()]).cpu()
 
     def metrics(self, summed: torch.Tensor | None = None) -> dict[str, float]:
         """`routing/*` metrics (docs/metrics.md) from `as_tensor()` summed over ranks (default: this rank's)."""
         flat = (self.as_tensor() if summed is None else summed).double()
-        n_layers, n_exp = len(self.match), self.num_experts
-        match, known, replayed = flat[:n_layers], flat[n_layers:2 * n_layers], flat[2 * n_layers:3 * n_layers]
-        image = flat[3 * n_layers:6 * n_layers].view(3, n_layers)
-        load = flat[6 * n_layers:6 * n_layers + n_layers * n_exp].view(n_layers, n_exp)
-        prob = flat[6 * n_layers + n_layers * n_exp:-n_layers].view(n_layers, n_exp)
-        tokens = flat[-n_layers:]
+        parts = flat.split([t.numel() for t in self.sums.values()])
+        routed, image, load, prob, tokens = (part.view(t.shape) for part, t in zip(parts, self.sums.values()))
         seen = tokens > 0
         if not seen.any():
             return {}
+        (match, known, replayed), (img_match, img_known, img_replayed) = routed[:, seen], image[:, seen].sum(-1)
         out = {}
-        if known[seen].sum() > 0:
-            per_layer = match[seen] / known[seen].clamp(min=1)
-            out["routing/agreement"] = float(match[seen].sum() / known[seen].sum())
-            out["routing/agreement_worst_layer"] = float(per_layer.min())
-            out["routing/replayed"] = float(replayed[seen].sum() / known[seen].sum())
-            img_match, img_known, img_replayed = (image[i][seen].sum() for i in range(3))
+        if known.sum() > 0:
+            out["routing/agreement"] = float(match.sum() / known.sum())
+            out["routing/agreement_worst_layer"] = float((match / known.clamp(min=1)).min())
+            out["routing/replayed"] = float(replayed.sum() / known.sum())
             if img_known > 0:  # a VLM batch with images: the same ratios over image tokens and over text tokens
-                text_known = known[seen].sum() - img_known
+                text_known = known.sum() - img_known
                 out["routing/agreement_image"] = float(img_match / img_known)
                 out["routing/replayed_image"] = float(img_replayed / img_known)
-                out["routing/image_tokens"] = float(img_known / known[seen].sum())  # their share
+                out["routing/image_tokens"] = float(img_known / known.sum())  # their share
                 if text_known > 0:
-                    out["routing/agreement_text"] = float((match[seen].sum() - img_match) / text_known)
-                    out["routing/replayed_text"] = float((replayed[seen].sum() - img_replayed) / text_known)
+                    out["routing/agreement_text"] = float((match.sum() - img_match) / text_known)
+                    out["routing/replayed_text"] = float((replayed.sum() - img_replayed) / text_known)
         frac = load[seen] / load[seen].sum(-1, keepdim=True).clamp(min=1)  # share of selections per expert
         mean_prob = prob[seen] / tokens[seen, None]
         # Switch-Transformer load-balancing loss: E * sum_e f_e * P_e (1.0 when perfectly balanced)
-        out["routing/aux_loss"] = float((n_exp * (frac * mean_prob).sum(-1)).mean())
-        entropy = -(frac * frac.clamp(min=1e-12).log()).sum(-1) / math.log(n_exp)
+        out["routing/aux_loss"] = float((self.num_experts * (frac * mean_prob).sum(-1)).mean())
+        entropy = -(frac * frac.clamp(min=1e-12).log()).sum(-1) / math.log(self.num_experts)
         out["routing/expert_load_entropy"] = float(entropy.mean())
         return out
 
@@ -136,10 +127,7 @@ class LoadBalancingLoss:
         self.rows = 0
 
     def add(self, probs: torch.Tensor, used: torch.Tensor) -> None:
-        flat = used.reshape(-1)  # counted by scatter-add: bincount sizes its output from the data (a CUDA sync)
-        counts = torch.zeros(self.num_experts, device=flat.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
-        self.selections = self.selections + counts
+        self.selections = self.selections + expert_counts(used, self.num_experts, torch.float32)
         self.prob_sum = self.prob_sum + probs.float().sum(0)
         self.rows += probs.shape[0]
 
@@ -154,7 +142,7 @@ class ReplayableRouter(nn.Module):
     layer_index: int
     gate_dtype: torch.dtype
     replay: bool
-    engine_experts: torch.Tensor | None  # [tokens, top_k] the engine's selection for the current forward
+    engine_experts: torch.Tensor | None  # [tokens, layers, top_k] the engine's selection for the current forward
     image_tokens: torch.Tensor | None  # [tokens] 1 on a VLM's image tokens, for the statistics' split
     stats: RoutingStats | None
     balance: LoadBalancingLoss | None
@@ -166,7 +154,7 @@ class ReplayableRouter(nn.Module):
         own = torch.topk(probs, self.top_k, dim=-1).indices
         used, engine = own, self.engine_experts
         if engine is not None:
-            engine = engine.to(own.device)
+            engine = engine[:, self.layer_index].to(own.device)
             if self.replay:
                 known = (engine >= 0).all(-1, keepdim=True)
                 used = torch.where(known, engine.long(), own)
@@ -186,11 +174,11 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 def install(model: nn.Module, gate_precision: str = "float32", replay: bool = False) -> list[nn.Module]:
     """Make every MoE router of `model` a `ReplayableRouter` (in place); returns them in layer order."""
-    if gate_precision not in GATE_DTYPES:
-        raise ValueError(f"gate_precision must be one of {sorted(GATE_DTYPES)}, got {gate_precision!r}")
     found = []
     for name, module in transformers_compat.install_routers(model, ReplayableRouter):
-        module.layer_index = _layer_index(name)
+        # "model.layers.3.mlp.gate" -> 3: the engine's routed experts are indexed by global decoder layer
+        parts = name.split(".")
+        module.layer_index = int(parts[parts.index("layers") + 1])
         module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
         module.engine_experts, module.image_tokens, module.stats, module.balance = None, None, None, None
         if not hasattr(module, "norm_topk_prob"):  # Qwen3-VL-MoE's router always renormalises its top-k
@@ -199,43 +187,39 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
     return found
 
 
-def _layer_index(name: str) -> int:
-    # "model.layers.3.mlp.gate" -> 3: the engine's routed experts are indexed by global decoder layer
-    parts = name.split(".")
-    return int(parts[parts.index("layers") + 1])
-
-
 @contextmanager
 def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: RoutingStats | None = None,
                    image_tokens: torch.Tensor | None = None):
     """During this forward, routers see the engine's experts `routed` ([..., tokens, layers, top_k], flattened to
     the forward's token order) and add to `stats`, image tokens (`image_tokens`, same shape as the ids) apart."""
-    rs = routers(model)
     flat = None if routed is None else routed.reshape(-1, *routed.shape[-2:])
     image = None if image_tokens is None else image_tokens.reshape(-1)
-    for r in rs:
-        r.engine_experts = None if flat is None else flat[:, r.layer_index]
-        r.stats, r.image_tokens = stats, image
-    try:
+    with _set_on_routers(model, engine_experts=flat, stats=stats, image_tokens=image):
         yield
-    finally:
-        for r in rs:
-            r.engine_experts, r.stats, r.image_tokens = None, None, None
 
 
 @contextmanager
 def load_balancing(model: nn.Module):
     """The forward inside yields its `LoadBalancingLoss` (the routers add to it); recomputes after it (activation
     checkpointing, in the backward) add nothing."""
-    rs = routers(model)
-    balance = LoadBalancingLoss(rs[0].num_experts)
-    for r in rs:
-        r.balance = balance
-    try:
+    balance = LoadBalancingLoss(routers(model)[0].num_experts)
+    with _set_on_routers(model, balance=balance):
         yield balance
+
+
+@contextmanager
+def _set_on_routers(model: nn.Module, **values):
+    """Every router's attributes `values` for the block, None after it."""
+    rs = routers(model)
+    for r in rs:
+        for name, value in values.items():
+            setattr(r, name, value)
+    try:
+        yield
     finally:
         for r in rs:
-            r.balance = None
+            for name in values:
+                setattr(r, name, None)
 
 
 def checkpoint_expert_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

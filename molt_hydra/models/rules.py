@@ -27,14 +27,13 @@ def model_fields(path: str | None) -> dict | None:
     if path.startswith(tiny.TINY_SCHEME):
         name = path[len(tiny.TINY_SCHEME):]
         if name in tiny_vlm.TINY_VLM_TYPES:
-            model_type, _ = tiny_vlm.TINY_VLM_TYPES[name]
-            return {"model_type": model_type, "vision_config": {}, **tiny_vlm.tiny_config_dict(name)}
+            return {"model_type": tiny_vlm.TINY_VLM_TYPES[name], "vision_config": {}, **tiny_vlm.tiny_config_dict(name)}
         if name not in tiny.TINY_MODELS:
             return None
         shape = tiny.tiny_config_dict(name)
         return {"model_type": "qwen3_moe" if "num_experts" in shape else "qwen3", **shape}
     if path.startswith(smollm2.SCHEME):  # its converted directory, once built
-        path = str(Path.home() / ".cache" / "molt_hydra" / "smollm2" / path[len(smollm2.SCHEME):])
+        path = str(smollm2.CACHE / path[len(smollm2.SCHEME):])
     try:  # an over-long, unreadable or malformed path is model.path's own rule's to report, not a traceback here
         c = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):

@@ -12,6 +12,7 @@ from molt_hydra.models.tiny import build_once
 
 SCHEME = "smollm2://"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE = Path.home() / ".cache" / "molt_hydra" / "smollm2"  # the converted directories
 
 
 def _gguf_file() -> Path:
@@ -25,14 +26,13 @@ def _gguf_file() -> Path:
     return path
 
 
-def resolve_smollm2(path: str, cache_root: Path | None = None) -> str:
+def resolve_smollm2(path: str) -> str:
     name = path[len(SCHEME):]
     if name != "SmolLM2-135M-Instruct":
         raise ValueError(f"unknown smollm2 model {name!r}; the package ships SmolLM2-135M-Instruct")
-    root = cache_root or Path.home() / ".cache" / "molt_hydra" / "smollm2"
-    if not (root / name / "model.safetensors").exists():
-        build_once(root, (name,), lambda staging: _convert(staging / name))
-    return str(root / name)
+    if not (CACHE / name / "model.safetensors").exists():
+        build_once(CACHE, (name,), lambda staging: _convert(staging / name))
+    return str(CACHE / name)
 
 
 def _convert(out: Path) -> None:

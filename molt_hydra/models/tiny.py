@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from molt_hydra.models import tiny_vlm
-from molt_hydra.models.tiny_tokenizer import VOCAB_SIZE, build_tokenizer
+from molt_hydra.models.tiny_tokenizer import VOCAB_SIZE, build_tokenizer, save_random_init, special_ids
 # imported where used: torch and transformers (heavy; only to build once)
 
 TINY_SHAPE = dict(
@@ -47,38 +47,26 @@ GPU_SHAPES = {
 }
 TINY_MODELS.update(GPU_SHAPES)
 
+
 def build(out_dir: Path, seed: int = 0, names: tuple[str, ...] = ("qwen3_tiny", "qwen3_moe_tiny")) -> dict[str, Path]:
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tok = build_tokenizer()
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
-    common = dict(TINY_SHAPE, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
+    special = special_ids(tok)
     built = {}
     for name in names:
-        values = {**common, **TINY_MODELS[name]}
+        values = {**TINY_SHAPE, **special, **TINY_MODELS[name]}
         cfg_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if "num_experts" in values else (
             Qwen3Config, Qwen3ForCausalLM)
-        path = out_dir / name
-        path.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(seed)
-        large = name in GPU_SHAPES  # built in bf16 (half the disk), on the GPU when there is one (minutes on a CPU)
-        device = "cuda" if large and torch.cuda.is_available() else "cpu"
-        with torch.device(device):
-            model = model_cls(cfg_cls(**values, **({"torch_dtype": "bfloat16"} if large else {})))
-        model = model.to(torch.bfloat16) if large else model.float()
-        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-        model.save_pretrained(path, safe_serialization=True)
-        tok.save_pretrained(path)
-        built[name] = path
+        large = name in GPU_SHAPES
+        config = cfg_cls(**values, **({"torch_dtype": "bfloat16"} if large else {}))
+        save_random_init(out_dir / name, seed, model_cls, config, special, large)
+        tok.save_pretrained(out_dir / name)
+        built[name] = out_dir / name
     return built
 
 
 TINY_SCHEME = "tiny://"
-
-
-def _shapes_digest(*extra) -> str:
-    return hashlib.sha256(json.dumps([TINY_SHAPE, TINY_MODELS, *extra], sort_keys=True).encode()).hexdigest()[:10]
 
 
 def tiny_config_dict(name: str) -> dict:
@@ -111,7 +99,7 @@ def _build_in_subprocess(staging: Path, name: str) -> None:
         raise RuntimeError(f"building tiny://{name} failed: {built.stderr[-2000:]}")
 
 
-def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
+def resolve_model_path(path: str) -> str:
     """Map `tiny://NAME` to a built directory (building it once, atomically); any other path is returned as is."""
     if not path.startswith(TINY_SCHEME):
         return path
@@ -120,12 +108,14 @@ def resolve_model_path(path: str, cache_root: Path | None = None) -> str:
         raise ValueError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS) + list(tiny_vlm.TINY_VLM_MODELS)}")
     if name == tiny_vlm.COLORS_WARM:
         return tiny_vlm.warm_start(name)
+    vlm = name in tiny_vlm.TINY_VLM_MODELS
     # the cache key includes the shapes, so a changed tiny config never reuses a stale build
-    vlm_shape = [tiny_vlm.tiny_config_dict(name)] if name in tiny_vlm.TINY_VLM_MODELS else []
-    root = (cache_root or Path.home() / ".cache" / "molt_hydra" / "tiny") / _shapes_digest(*vlm_shape)
+    shapes = [TINY_SHAPE, TINY_MODELS, *([tiny_vlm.tiny_config_dict(name)] if vlm else [])]
+    root = Path.home() / ".cache" / "molt_hydra" / "tiny" / hashlib.sha256(
+        json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:10]
     if (root / name / "config.json").exists():
         return str(root / name)
-    if name in tiny_vlm.TINY_VLM_MODELS:
+    if vlm:
         build_once(root, (name,), lambda staging: tiny_vlm.build(staging / name, name=name))
     elif name in GPU_SHAPES:
         build_once(root, (name,), lambda staging: _build_in_subprocess(staging, name))

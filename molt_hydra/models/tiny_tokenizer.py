@@ -1,9 +1,11 @@
 """The tiny models' tokenizer: a byte-level BPE trained here on a small synthetic corpus (no download), with a ChatML
-chat template that renders tools and Hermes-style `<tool_call>` blocks (models/tiny.py, models/tiny_vlm.py)."""
+chat template that renders tools and Hermes-style `<tool_call>` blocks (models/tiny.py, models/tiny_vlm.py); and the
+random-init save every tiny model shares."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 # imported where used: tokenizers and transformers (heavy; only to build once)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
@@ -63,22 +65,34 @@ def build_tokenizer(extra_specials: tuple[str, ...] | list[str] = ()):
     tk = Tokenizer(models.BPE(unk_token=None))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIALS + list(extra_specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS + list(extra_specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tk.train_from_iterator(_corpus(random.Random(0)), trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        additional_special_tokens=SPECIALS[1:] + list(extra_specials),
-        model_max_length=4096,
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=None, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", unk_token=None, model_max_length=4096,
+                                  additional_special_tokens=SPECIALS[1:] + list(extra_specials))
     tok.chat_template = CHAT_TEMPLATE
     assert len(tok) <= VOCAB_SIZE, len(tok)
     return tok
+
+
+def special_ids(tok) -> dict:
+    """The token ids every tiny model's config carries: pad as bos, `<|im_end|>` as eos."""
+    pad = tok.pad_token_id
+    return dict(bos_token_id=pad, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=pad)
+
+
+def save_random_init(out_dir: Path, seed: int, model_cls, config, special: dict, large: bool = False) -> None:
+    """A tiny model of `config`, random-init from `seed`, saved to `out_dir`. `large` (a GPU recipe's full-width
+    shape): built in bf16 (half the disk), on the GPU when there is one (minutes on a CPU)."""
+    import torch
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    with torch.device("cuda" if large and torch.cuda.is_available() else "cpu"):
+        model = model_cls(config)
+    model = model.to(torch.bfloat16) if large else model.float()
+    model.generation_config = GenerationConfig(eos_token_id=special["eos_token_id"],
+                                               pad_token_id=special["pad_token_id"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from molt_hydra.compat import transformers as transformers_compat
-from molt_hydra.models.tiny_tokenizer import CHAT_TEMPLATE, build_tokenizer
+from molt_hydra.models.tiny_tokenizer import CHAT_TEMPLATE, build_tokenizer, save_random_init, special_ids
 # imported where used: torch and transformers (heavy; only to build once)
 
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -43,9 +43,9 @@ MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
 # missing
 COLORS_WARM = "idefics3_colors_warm"
 COLORS_WARM_DIR = Path.home() / ".cache" / "molt_hydra" / "warm" / "tiny_vlm_colors_warm"
-TINY_VLM_MODELS = ("qwen25_vl_tiny", "idefics3_tiny", COLORS_WARM, "qwen3_vl_moe_tiny")
-TINY_VLM_TYPES = {"qwen25_vl_tiny": ("qwen2_5_vl", True), "idefics3_tiny": ("idefics3", True),
-                  COLORS_WARM: ("idefics3", True), "qwen3_vl_moe_tiny": ("qwen3_vl_moe", True)}  # (model_type, vlm)
+TINY_VLM_TYPES = {"qwen25_vl_tiny": "qwen2_5_vl", "idefics3_tiny": "idefics3", COLORS_WARM: "idefics3",
+                  "qwen3_vl_moe_tiny": "qwen3_vl_moe"}  # name -> model_type
+TINY_VLM_MODELS = tuple(TINY_VLM_TYPES)
 # Qwen3-VL-MoE: the 30B-A3B's layout (head_dim 128 with its M-RoPE sections, untied head, every layer sparse) at
 # toy width. vLLM builds M-RoPE only when `mrope_section` is in the config (else plain 1-D RoPE, while transformers
 # defaults to the sections: the two would disagree on every image position), so it is written out; vLLM's Qwen3-MoE
@@ -75,23 +75,15 @@ TINY_IDEFICS3_TEXT = dict(
 )
 
 
+SHAPES = {"idefics3": (TINY_IDEFICS3_TEXT, TINY_IDEFICS3_VISION), "qwen2_5_vl": (TINY_VLM_TEXT, TINY_VLM_VISION),
+          "qwen3_vl_moe": (TINY_QWEN3_VL_MOE_TEXT, TINY_QWEN3_VL_VISION)}  # model_type -> (decoder, vision tower)
+
+
 def tiny_config_dict(name: str) -> dict:
     """The decoder's HF config values and the vision tower's rough size, without building (the plan's estimate)."""
-    if name.startswith("idefics3"):
-        v = TINY_IDEFICS3_VISION
-        return {"text_config": TINY_IDEFICS3_TEXT, "vision_params": 12 * v["num_hidden_layers"] * v["hidden_size"] ** 2}
-    if name == "qwen3_vl_moe_tiny":
-        v = TINY_QWEN3_VL_VISION
-        return {"text_config": TINY_QWEN3_VL_MOE_TEXT, "vision_params": 12 * v["depth"] * v["hidden_size"] ** 2}
-    v = TINY_VLM_VISION
-    return {"text_config": TINY_VLM_TEXT, "vision_params": 12 * v["depth"] * v["hidden_size"] ** 2}
-
-
-def _qwen_vl_tokenizer():
-    tok = build_tokenizer(extra_specials=VISION_SPECIALS)
-    # Qwen-VL renders an image part as the vision span the processor expands to one pad per merged patch
-    tok.chat_template = CHAT_TEMPLATE.replace("<|image|>", "<|vision_start|><|image_pad|><|vision_end|>")
-    return tok
+    text, vision = SHAPES[TINY_VLM_TYPES[name]]
+    depth = vision.get("depth") or vision["num_hidden_layers"]
+    return {"text_config": text, "vision_params": 12 * depth * vision["hidden_size"] ** 2}
 
 
 def warm_start(name: str) -> str:
@@ -123,34 +115,25 @@ def warm_start(name: str) -> str:
 
 
 def build(out_dir: Path, seed: int = 0, name: str = "qwen25_vl_tiny") -> Path:
-    if name not in TINY_VLM_MODELS:
+    if name not in TINY_VLM_TYPES:
         raise ValueError(f"unknown tiny VLM {name!r}; known: {list(TINY_VLM_MODELS)}")
-    if name == "qwen3_vl_moe_tiny":
-        return build_qwen3_vl_moe(out_dir, seed)
-    return build_idefics3(out_dir, seed) if name == "idefics3_tiny" else build_qwen25_vl(out_dir, seed)
+    builders = {"idefics3": build_idefics3, "qwen2_5_vl": build_qwen25_vl, "qwen3_vl_moe": build_qwen3_vl_moe}
+    return builders[TINY_VLM_TYPES[name]](out_dir, seed)
 
 
 def build_idefics3(out_dir: Path, seed: int = 0) -> Path:
-    import torch
-    from transformers import GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
 
     tok = build_tokenizer(extra_specials=IDEFICS3_SPECIALS)
     tok.chat_template = CHAT_TEMPLATE.replace("<|image|>", "<image>")  # one `<image>` per image part
     edge = {"longest_edge": IDEFICS3_IMAGE_SIZE}
     image_processor = transformers_compat.idefics3_image_processor(size=edge, max_image_size=edge,
                                                                    do_image_splitting=False)
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
-    config = Idefics3Config(
-        vision_config=TINY_IDEFICS3_VISION,
-        text_config=dict(TINY_IDEFICS3_TEXT, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad),
-        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=True,
-        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
-    )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).float()
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    special = special_ids(tok)
+    config = Idefics3Config(vision_config=TINY_IDEFICS3_VISION, text_config=dict(TINY_IDEFICS3_TEXT, **special),
+                            scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                            tie_word_embeddings=True, **special)
+    save_random_init(out_dir, seed, Idefics3ForConditionalGeneration, config, special)
     # image_seq_len = (image_size / patch_size)^2 / scale_factor^2 tokens per image, as the model computes it
     seq_len = (IDEFICS3_IMAGE_SIZE // TINY_IDEFICS3_VISION["patch_size"]) ** 2 // 4
     Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=seq_len,
@@ -161,23 +144,17 @@ def build_idefics3(out_dir: Path, seed: int = 0) -> Path:
 def _build_qwen_vl(out_dir: Path, seed: int, config_cls, model_cls, text: dict, vision: dict, tie: bool, **processor):
     """A random-init Qwen-VL with the tiny tokenizer and a PIL image processor, saved part by part: a Qwen-VL
     processor cannot be constructed without torchvision (its video processor)."""
-    import torch
-    from transformers import GenerationConfig
-
-    tok = _qwen_vl_tokenizer()
+    tok = build_tokenizer(extra_specials=VISION_SPECIALS)
+    # Qwen-VL renders an image part as the vision span the processor expands to one pad per merged patch
+    tok.chat_template = CHAT_TEMPLATE.replace("<|image|>", "<|vision_start|><|image_pad|><|vision_end|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
+    special = special_ids(tok)
     config = config_cls(
-        text_config=dict(text, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad),
-        vision_config=vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=tie, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
+        text_config=dict(text, **special), vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie, **special,
     )
-    torch.manual_seed(seed)
-    model = model_cls(config).float()
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_random_init(out_dir, seed, model_cls, config, special)
     tok.save_pretrained(out_dir)
     transformers_compat.qwen2_vl_image_processor(temporal_patch_size=2, merge_size=2,
                                                  **processor).save_pretrained(out_dir)

@@ -18,6 +18,7 @@ replacement to the trajectory and keeps the processor outputs:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -37,13 +38,8 @@ def image_parts(messages: list[dict]) -> list[dict]:
     for m in messages:
         content = m.get("content")
         if m.get("role") == "user" and isinstance(content, str) and "<image>" in content:
-            parts = []
-            for i, chunk in enumerate(content.split("<image>")):
-                if i:
-                    parts.append({"type": "image"})
-                if chunk:
-                    parts.append({"type": "text", "text": chunk})
-            m = dict(m, content=parts)
+            m = dict(m, content=[{"type": "image"} if chunk == "<image>" else {"type": "text", "text": chunk}
+                                 for chunk in re.split("(<image>)", content) if chunk])
         out.append(m)
     return out
 
@@ -54,18 +50,6 @@ def is_vlm(config) -> bool:
 
 def is_idefics3(config) -> bool:
     return getattr(config, "model_type", None) in ("idefics3", "smolvlm")
-
-
-def load_image_processor(model_dir: str):
-    """The model directory's image processor with the PIL backend (no torchvision)."""
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(model_dir, backend="pil")
-
-
-def mm_token_type_ids(token_ids, image_token_id: int) -> torch.Tensor:
-    """[T] long: 1 on image tokens, 0 on text (the processor's `mm_token_type_ids`; M-RoPE needs it)."""
-    return (torch.as_tensor(token_ids) == image_token_id).long()
 
 
 def multimodal_kwargs(samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -91,13 +75,10 @@ def visual_encoder(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def freeze_visual_encoder(model: nn.Module) -> int:
-    """Vision tower and projector out of training (and so out of the optimizer, which takes requires_grad params).
-    Returns the number of frozen parameters."""
-    mods = visual_encoder(model)
-    for m in mods:
+def freeze_visual_encoder(model: nn.Module) -> None:
+    """Vision tower and projector out of training (and so out of the optimizer, which takes requires_grad params)."""
+    for m in visual_encoder(model):
         m.requires_grad_(False)
-    return sum(p.numel() for m in mods for p in m.parameters())
 
 
 def keep_visual_encoder_in_every_backward(model: nn.Module) -> None:
@@ -133,14 +114,16 @@ class TrajectoryImages:
     """Turns a trajectory's images into the trainer's inputs: the trajectory keeps one placeholder per image (what
     the chat template renders and the engine is sent); here each is replaced as the engine replaces it, the
     per-token arrays grow with context-only entries, and the processor outputs ride along. Subclasses: one per
-    model family (`for_model` picks)."""
+    model family (`for_model` picks), each with `max_tokens_per_image` (the most tokens one image takes in the
+    engine's prompt) and `process(images)` -> (processor outputs as a sample stores them, the ids replacing each
+    image's placeholder)."""
 
     placeholder_id: int
 
     @classmethod
     def for_model(cls, model_dir: str) -> "TrajectoryImages | None":
-        """None for a text-only model."""
-        from transformers import AutoConfig
+        """None for a text-only model. Processors with the PIL backend (no torchvision)."""
+        from transformers import AutoConfig, AutoImageProcessor, AutoProcessor
 
         if not (Path(model_dir) / "config.json").is_file():  # e.g. a tokenizer-only directory
             return None
@@ -148,18 +131,9 @@ class TrajectoryImages:
         if not is_vlm(config):
             return None
         if is_idefics3(config):
-            return Idefics3Images.for_model(model_dir)
-        return QwenVLImages(load_image_processor(model_dir), config.image_token_id,
+            return Idefics3Images(AutoProcessor.from_pretrained(model_dir, backend="pil"))
+        return QwenVLImages(AutoImageProcessor.from_pretrained(model_dir, backend="pil"), config.image_token_id,
                             config.vision_config.spatial_merge_size)
-
-    @property
-    def max_tokens_per_image(self) -> int:
-        """The most tokens one image takes in the engine's prompt."""
-        raise NotImplementedError
-
-    def process(self, images: list) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-        """-> (processor outputs as a sample stores them, the ids replacing each image's placeholder)."""
-        raise NotImplementedError
 
     def finish(self, ids: list[int], mm: dict) -> dict:
         """Per-token processor outputs of the expanded ids (Qwen's `mm_token_type_ids`)."""
@@ -202,12 +176,6 @@ class Idefics3Images(TrajectoryImages):
         self.processor = processor
         self.placeholder_id = processor.image_token_id
 
-    @classmethod
-    def for_model(cls, model_dir: str) -> "Idefics3Images":
-        from transformers import AutoProcessor
-
-        return cls(AutoProcessor.from_pretrained(model_dir, backend="pil"))
-
     @property
     def max_tokens_per_image(self) -> int:
         ip = self.processor.image_processor
@@ -244,4 +212,5 @@ class QwenVLImages(TrajectoryImages):
                 [[self.placeholder_id] * n for n in counts])
 
     def finish(self, ids: list[int], mm: dict) -> dict:
-        return dict(mm, mm_token_type_ids=mm_token_type_ids(ids, self.placeholder_id))
+        # 1 on image tokens, 0 on text (the processor's `mm_token_type_ids`; M-RoPE needs it)
+        return dict(mm, mm_token_type_ids=(torch.as_tensor(ids) == self.placeholder_id).long())

@@ -35,12 +35,16 @@ ESSENTIAL = {
 }
 
 
+def panel_keys(spec: dict) -> set[str]:
+    return {k for s in spec["sections"] for p in s["panels"] for k in p["keys"]}
+
+
 def check_dashboard_matches_run(run_dir: Path, expected_sections: set[str]) -> dict:
     """The run's dashboard.json (written when its sinks closed) names only keys of its metrics.jsonl, has exactly
     `expected_sections`, each with its essential metrics; returns the spec."""
     logged = dashboard.logged_keys(run_dir / "metrics.jsonl")
     spec = json.loads((run_dir / dashboard.SPEC_FILE).read_text())
-    assert dashboard.panel_keys(spec) <= logged, sorted(dashboard.panel_keys(spec) - logged)
+    assert panel_keys(spec) <= logged, sorted(panel_keys(spec) - logged)
     assert {s["name"] for s in spec["sections"]} == expected_sections
     for section in spec["sections"]:
         shown = {k for p in section["panels"] for k in p["keys"]}
@@ -171,6 +175,6 @@ def test_sinks_write_the_dashboard_and_best_values_at_close(tmp_path, monkeypatc
         return
     spec = json.loads((tmp_path / dashboard.SPEC_FILE).read_text())
     assert spec["filter"] == {"ID": run_id}
-    assert dashboard.panel_keys(spec) == {"train/reward", "train/vllm_kl", "train/policy_loss"}
+    assert panel_keys(spec) == {"train/reward", "train/vllm_kl", "train/policy_loss"}
     s = _summary_when_written(wandb_file)
     assert s["best/train/reward"] == 0.6 and s["best/train/vllm_kl"] == 0.01  # max reward, min drift

@@ -50,7 +50,7 @@ def expected_mask(tok, template, close_text, last_only=False):
 def test_mask_covers_exactly_assistant_tokens(tok, template, close_text, open_text, last_only):
     markers = discover_reply_markers(tok, template)
     assert tok.decode(list(markers.reply_open)) == open_text
-    assert markers.supervise_close == bool(close_text)
+    assert (markers.reply_close is not None) == bool(close_text)  # a terminator is supervised
     ids, want = expected_mask(tok, template, close_text, last_only)
     [s] = build_sft_samples([{"input": CHAT}], tok, chat_template=template, train_on_last_turn_only=last_only)
     assert s["input_ids"].tolist() == ids
