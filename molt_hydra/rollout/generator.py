@@ -18,7 +18,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Protocol
 
 from molt_hydra.rollout.generation import Sampling
@@ -83,53 +83,42 @@ class _Tally:
     score_count: int = 0
 
 
+@dataclass(eq=False)
 class SamplesGenerator:
-    def __init__(
-        self,
-        prompts: Sequence[dict],
-        runner: GroupRunner,
-        *,
-        batch_size: int,
-        n_samples_per_prompt: int,
-        sampling: Sampling,
-        max_inflight_groups: int | None = None,
-        seed: int = 0,
-        num_epochs: int = 1,
-        dynamic_filtering: tuple[float, float] | None = None,
-        incomplete_groups: str = "keep",
-        group_timeout_s: float | None = None,
-        carry_over: bool = True,
-        group_seed: Callable[[int, int], int] | None = None,
-    ):
-        """`carry_over`: keep `max_inflight_groups` running at all times, so groups of the next batch start while this
-        one finishes and straddle the weight sync that follows (Molt's streaming pool). Off, only as many groups run as
-        the batch still needs: every group of a batch starts under one policy version and nothing carries over.
-        `group_seed(epoch, prompt index)`: the base sampling seed of a group, so a resumed run samples the same."""
-        if not prompts:
+    """`carry_over`: keep `max_inflight_groups` running at all times, so groups of the next batch start while this one
+    finishes and straddle the weight sync that follows (Molt's streaming pool). Off, only as many groups run as the
+    batch still needs: every group of a batch starts under one policy version and nothing carries over.
+    `group_seed(epoch, prompt index)`: the base sampling seed of a group, so a resumed run samples the same."""
+
+    prompts: Sequence[dict]
+    runner: GroupRunner
+    _: KW_ONLY
+    batch_size: int
+    n_samples_per_prompt: int
+    sampling: Sampling
+    max_inflight_groups: int | None = None  # None: batch_size
+    seed: int = 0
+    num_epochs: int = 1
+    dynamic_filtering: tuple[float, float] | None = None
+    incomplete_groups: str = "keep"
+    group_timeout_s: float | None = None
+    carry_over: bool = True
+    group_seed: Callable[[int, int], int] | None = None
+
+    def __post_init__(self):
+        if not self.prompts:
             raise ValueError("SamplesGenerator needs at least one prompt")
-        if batch_size < 1 or n_samples_per_prompt < 1 or num_epochs < 1:
+        if self.batch_size < 1 or self.n_samples_per_prompt < 1 or self.num_epochs < 1:
             raise ValueError(f"batch_size, n_samples_per_prompt, num_epochs must be >= 1, got "
-                             f"{batch_size}, {n_samples_per_prompt}, {num_epochs}")
-        if incomplete_groups not in ("keep", "drop"):
-            raise ValueError(f"incomplete_groups must be 'keep' or 'drop', got {incomplete_groups!r}")
-        if dynamic_filtering is not None and not dynamic_filtering[0] < dynamic_filtering[1]:
-            raise ValueError(f"dynamic_filtering needs low < high, got {dynamic_filtering}")
-        self.prompts = prompts
-        self.runner = runner
-        self.batch_size = batch_size
-        self.n_samples = n_samples_per_prompt
-        self.sampling = sampling
-        self.max_inflight = max_inflight_groups or batch_size
-        self.seed = seed
-        self.num_epochs = num_epochs
-        self.dynamic_filtering = dynamic_filtering
-        self.incomplete_groups = incomplete_groups
-        self.group_timeout_s = group_timeout_s
-        self.carry_over = carry_over
-        self.group_seed = group_seed
+                             f"{self.batch_size}, {self.n_samples_per_prompt}, {self.num_epochs}")
+        if self.incomplete_groups not in ("keep", "drop"):
+            raise ValueError(f"incomplete_groups must be 'keep' or 'drop', got {self.incomplete_groups!r}")
+        if self.dynamic_filtering is not None and not self.dynamic_filtering[0] < self.dynamic_filtering[1]:
+            raise ValueError(f"dynamic_filtering needs low < high, got {self.dynamic_filtering}")
+        self.max_inflight_groups = self.max_inflight_groups or self.batch_size
         self.epoch = 0
         self.cursor = 0  # next position in prompt_order(seed, epoch)
-        self._order = prompt_order(len(prompts), seed, 0)
+        self._order = prompt_order(len(self.prompts), self.seed, 0)
         self._pending: list[tuple[int, int]] = []  # (epoch, prompt index) to dispatch before the order (resume)
         self._inflight: dict[asyncio.Task, tuple[int, int, int]] = {}  # task -> (epoch, prompt index, dispatch seq)
         self._dispatched = 0
@@ -155,19 +144,20 @@ class SamplesGenerator:
         sampling = self.sampling
         if self.group_seed is not None:
             sampling = dataclasses.replace(sampling, seed=self.group_seed(epoch, index))
+        n = self.n_samples_per_prompt
         try:
-            return await asyncio.wait_for(
-                self.runner.run_group(self.prompts[index], self.n_samples, sampling), self.group_timeout_s
-            )
+            return await asyncio.wait_for(self.runner.run_group(self.prompts[index], n, sampling), self.group_timeout_s)
         except asyncio.TimeoutError:
-            return [(None, "agent_timeout")] * self.n_samples
+            return [(None, "agent_timeout")] * n
         except RunFailed:  # the runner itself is gone: no later group can run either
             raise
         except Exception:  # the runner's own failure: every rollout of the group is lost, counted
-            return [(None, "agent_exception")] * self.n_samples
+            return [(None, "agent_exception")] * n
 
     def _refill(self) -> None:
-        limit = self.max_inflight if self.carry_over else min(self.max_inflight, self.batch_size - len(self._finished))
+        limit = self.max_inflight_groups
+        if not self.carry_over:
+            limit = min(limit, self.batch_size - len(self._finished))
         while len(self._inflight) < limit:
             nxt = self._next_prompt()
             if nxt is None:
@@ -188,15 +178,15 @@ class SamplesGenerator:
                 tally.dropped["nonfinite_reward"] += 1
             else:
                 kept.append(trajectory)
-        self._failed_in_a_row = 0 if kept else self._failed_in_a_row + 1
-        if self._failed_in_a_row >= self.batch_size:
-            raise RunFailed("agent runner", f"every rollout of the last {self._failed_in_a_row} prompt groups "
-                            f"({self._failed_in_a_row * self.n_samples} rollouts) failed; nothing can be trained",
+        failed = self._failed_in_a_row = 0 if kept else self._failed_in_a_row + 1
+        if failed >= self.batch_size:
+            raise RunFailed("agent runner", f"every rollout of the last {failed} prompt groups "
+                            f"({failed * self.n_samples_per_prompt} rollouts) failed; nothing can be trained",
                             drops=dict(tally.dropped))
         # A chat rollout may return several segments; the group's score counts each rollout once.
         per_rollout = {getattr(t, "rollout_id", None) or id(t): t for t in kept}
         scores = [score_of(t) for t in per_rollout.values()]
-        incomplete = len(per_rollout) < self.n_samples
+        incomplete = len(per_rollout) < self.n_samples_per_prompt
         if self.dynamic_filtering is not None:
             low, high = self.dynamic_filtering
             known = [s for s in scores if s is not None]
@@ -283,7 +273,7 @@ class SamplesGenerator:
                        max_inflight: int | None = None) -> dict[str, float]:
         """pass{n} = mean over groups of max reward (n > 1), pass1 = mean over groups of mean reward, per datasource.
         `max_inflight` (eval.batch_size): prompt groups evaluated concurrently; None = the training pool's limit."""
-        semaphore = asyncio.Semaphore(max_inflight or self.max_inflight)
+        semaphore = asyncio.Semaphore(max_inflight or self.max_inflight_groups)
 
         async def one(row):
             async with semaphore:
