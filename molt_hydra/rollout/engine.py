@@ -37,41 +37,30 @@ class VLLMEngine(BatchedCallee):
     BATCHED = ("generate",)  # routers send their requests in batches (rollout/batched_calls.py)
 
     def __init__(
-        self, model: str, *, dtype: str = "bfloat16", max_model_len: int | None = None, enforce_eager: bool = False,
-        enable_prefix_caching: bool = False, enable_chunked_prefill: bool | None = None,
-        max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        kv_cache_gb: float = 1.0,  # CPU engines only
-        gpu_memory_utilization: float = 0.9,  # GPU engines only
-        seed: int = 0, logprobs_mode: str = "processed_logprobs", return_routed_experts: bool = False,
-        worker_extension_cls: str = WORKER_EXTENSION,
+        self, model: str, *, seed: int = 0, engine_index: int = 0, return_routed_experts: bool = False,
+        kv_cache_gb: float = 1.0,  # CPU engines only (GPU ones: gpu_memory_utilization)
         plain_cpu_weights: bool = False,  # CPU: linear layers on plain weights, a sync is one copy (see worker)
-        extra_engine_args: dict[str, Any] | None = None, engine_index: int = 0,
         sleep_level: int | None = None,  # colocated: 2 on GPU (weights and KV freed), 0 on CPU (paused); None: never
         lora_rank: int | None = None,  # model.lora.rank: serve the trainer's adapter (its syncs bring only it)
         lora_target_modules: list[str] | None = None,  # model.lora.target_modules (None: the family's default)
+        extra_engine_args: dict[str, Any] | None = None,  # less common ones (runtime/roles.py), as named
+        **engine_args: Any,  # vLLM's `AsyncEngineArgs` by name (dtype, max_model_len, tensor_parallel_size, ...)
     ) -> None:
-        if kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
         self.engine_index, self.kv_cache_gb, self.plain_cpu_weights = engine_index, kv_cache_gb, plain_cpu_weights
         self.version = 0  # policy version of the weights currently loaded; bumped by `finish_weight_update`
         self.weights_mixed = False  # a weight update failed part-way: unhealthy, kept paused until replaced
         self.sleep_level = sleep_level
         self.asleep = False  # put to sleep while a colocated trainer steps; woken by the next weight update
         self.phase_seconds: dict[str, float] = {}  # the last sleep / wake's seconds and GiB freed (`sleep_metrics`)
-        self._engine_kwargs: dict[str, Any] = dict(
-            model=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed + engine_index,  # distinct sampling streams per engine, reproducible per run
-            logprobs_mode=logprobs_mode, enable_return_routed_experts=return_routed_experts,
-            worker_extension_cls=worker_extension_cls,
-            enable_sleep_mode=bool(sleep_level) or None,  # level >= 1 frees GPU memory through vLLM's allocator
-        )
-        # Less common vLLM engine arguments (block size, attention backend, ...), passed through as named.
-        self._engine_kwargs.update(extra_engine_args or {})
+        # our defaults where vLLM's differ; a `None` is left to vLLM (`_launch`)
+        self._engine_kwargs: dict[str, Any] = {
+            "dtype": "bfloat16", "enable_prefix_caching": False, "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": WORKER_EXTENSION, "tensor_parallel_size": 1, **engine_args, "model": model,
+            "seed": seed + engine_index,  # distinct sampling streams per engine, reproducible per run
+            "enable_return_routed_experts": return_routed_experts,
+            "enable_sleep_mode": bool(sleep_level) or None,  # level >= 1 frees GPU memory through vLLM's allocator
+            **(extra_engine_args or {}),
+        }
         self._cpu_routing = False  # set in start(): R3 through compat/vllm.py's capture instead of vLLM's
         self._plain_weights = False  # set in start(): the workers load in place, with no reload to finalize
         self._llm = None
@@ -217,8 +206,6 @@ class VLLMEngine(BatchedCallee):
         (FINAL_ONLY). Versions: the engine core stamps every step's output with the weight version it was sampled by
         (`update_weight_version` at each sync) and vLLM returns the spans on the finished output, so a token's
         version never depends on when this process got round to reading it."""
-        from vllm.sampling_params import RequestOutputKind
-
         if not request.prompt_ids:
             raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
         await self.start()
@@ -244,10 +231,8 @@ class VLLMEngine(BatchedCallee):
                 generated += len(c.token_ids)
                 spans = None if c.finish_reason is None else [(started_at, 0, generated)] if self.lora_rank else \
                     vllm_compat.completion_version_spans(c, generated, started_at)
-                if kind == RequestOutputKind.FINAL_ONLY:
-                    versions = [v for v, start, end in spans for _ in range(start, end)]
-                else:  # a delta before the finished output: the version loaded now (the spans then correct it)
-                    versions = [started_at if self.lora_rank else self.version] * len(c.token_ids)
+                # provisional: the version loaded now; the finished output's spans correct them (`join_deltas`)
+                versions = [started_at if self.lora_rank else self.version] * len(c.token_ids)
                 routed = c.routed_experts
                 if self._cpu_routing and c.finish_reason is not None:
                     # every computed position: the prompt and all generated tokens but the last (one worker on CPU)
@@ -344,10 +329,11 @@ class VLLMEngine(BatchedCallee):
         if self.asleep:
             return {}
         start = time.perf_counter()
-        free_before = await self._device_free()
+        # free bytes on the device, read by the first worker (the process that holds the engine's memory)
+        free_before = (await self.worker_call("device_free_bytes"))[0]
         await self._while_alive(self._engine().sleep(self.sleep_level or 0, mode="wait"))
         self.asleep = True
-        freed = (await self._device_free()) - free_before
+        freed = (await self.worker_call("device_free_bytes"))[0] - free_before
         self.phase_seconds = {"engine/sleep_s": time.perf_counter() - start, "engine/freed_gib": freed / 2**30}
         return self.phase_seconds
 
@@ -360,10 +346,6 @@ class VLLMEngine(BatchedCallee):
                                f"{type(e).__name__}: {e}") from e
         key = f"engine/wake_{tags[0]}_s"
         self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + time.perf_counter() - start
-
-    async def _device_free(self) -> int:
-        """Free bytes on this engine's device, read by its first worker (the process that holds its memory)."""
-        return (await self.worker_call("device_free_bytes"))[0]
 
     async def sleep_metrics(self) -> dict[str, float]:
         """The last sleep's and wakes' seconds and GiB freed (read once per step; cleared when read)."""
