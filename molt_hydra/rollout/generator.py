@@ -18,7 +18,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 from molt_hydra.rollout.generation import Sampling
@@ -72,17 +72,6 @@ class RolloutBatch:
     exhausted: bool  # no prompt left, nothing in flight or buffered
 
 
-@dataclass
-class _Tally:
-    dropped: Counter = field(default_factory=Counter)
-    groups_seen: int = 0
-    groups_kept: int = 0
-    all_pass: int = 0
-    all_fail: int = 0
-    score_sum: float = 0.0
-    score_count: int = 0
-
-
 @dataclass(eq=False)
 class SamplesGenerator:
     """`carry_over`: keep `max_inflight_groups` running at all times, so groups of the next batch start while this one
@@ -123,7 +112,8 @@ class SamplesGenerator:
         self._inflight: dict[asyncio.Task, tuple[int, int, int]] = {}  # task -> (epoch, prompt index, dispatch seq)
         self._dispatched = 0
         self._finished: list[FinishedGroup] = []
-        self._tally = _Tally()
+        self._dropped: Counter = Counter()  # rollouts dropped, by reason (since the last batch)
+        self._groups: Counter = Counter()  # groups seen / kept / all pass / all fail, scores (`_filter`)
         self._failed_in_a_row = 0  # groups in a row without one usable rollout: a batch's worth ends the run
 
     # --- dispatch ---
@@ -168,21 +158,21 @@ class SamplesGenerator:
     # --- filtering (Molt `_filter_group`) ---
 
     def _filter(self, epoch: int, index: int, results: list[tuple[Any, str | None]]) -> FinishedGroup | None:
-        tally = self._tally
-        tally.groups_seen += 1
+        dropped, groups = self._dropped, self._groups
+        groups["groups_seen"] += 1
         kept = []
         for trajectory, reason in results:
             if reason is not None or trajectory is None:
-                tally.dropped[reason or "empty_session"] += 1
+                dropped[reason or "empty_session"] += 1
             elif not math.isfinite(float(trajectory.reward)):  # a NaN/inf reward would poison its group's advantages
-                tally.dropped["nonfinite_reward"] += 1
+                dropped["nonfinite_reward"] += 1
             else:
                 kept.append(trajectory)
         failed = self._failed_in_a_row = 0 if kept else self._failed_in_a_row + 1
         if failed >= self.batch_size:
             raise RunFailed("agent runner", f"every rollout of the last {failed} prompt groups "
                             f"({failed * self.n_samples_per_prompt} rollouts) failed; nothing can be trained",
-                            drops=dict(tally.dropped))
+                            drops=dict(dropped))
         # A chat rollout may return several segments; the group's score counts each rollout once.
         per_rollout = {getattr(t, "rollout_id", None) or id(t): t for t in kept}
         scores = [score_of(t) for t in per_rollout.values()]
@@ -190,32 +180,33 @@ class SamplesGenerator:
         if self.dynamic_filtering is not None:
             low, high = self.dynamic_filtering
             known = [s for s in scores if s is not None]
-            tally.score_sum += sum(known)
-            tally.score_count += len(known)
-            tally.all_pass += bool(known) and all(s >= high for s in known)
-            tally.all_fail += bool(known) and all(s <= low for s in known)
+            groups["score_sum"] += sum(known)
+            groups["score_count"] += len(known)
+            groups["all_pass"] += bool(known) and all(s >= high for s in known)
+            groups["all_fail"] += bool(known) and all(s <= low for s in known)
             if incomplete:
-                tally.dropped["incomplete_group"] += len(kept)
+                dropped["incomplete_group"] += len(kept)
                 return None
             if all(s is not None for s in scores) and not low < sum(scores) / len(scores) < high:
-                tally.dropped["dynamic_filter"] += len(kept)
+                dropped["dynamic_filter"] += len(kept)
                 return None
         elif not kept or (incomplete and self.incomplete_groups == "drop"):
-            tally.dropped["incomplete_group"] += len(kept)
+            dropped["incomplete_group"] += len(kept)
             return None
-        tally.groups_kept += 1
+        groups["groups_kept"] += 1
         return FinishedGroup(index, epoch, kept)
 
     def _metrics(self) -> dict[str, float]:
-        t, self._tally = self._tally, _Tally()
-        metrics = {f"rollout/dropped/{r}": float(t.dropped[r]) for r in DROP_REASONS}
-        metrics["rollout/dropped/total"] = float(sum(t.dropped.values()))
-        if self.dynamic_filtering is not None and t.groups_seen:
-            metrics["dynamic_filtering_pass_rate"] = 100.0 * t.groups_kept / t.groups_seen
-            metrics["rollout/group_all_pass_rate"] = 100.0 * t.all_pass / t.groups_seen
-            metrics["rollout/group_all_fail_rate"] = 100.0 * t.all_fail / t.groups_seen
-            if t.score_count:
-                metrics["rollout/pre_filter_mean_score"] = t.score_sum / t.score_count
+        dropped, g = self._dropped, self._groups
+        self._dropped, self._groups = Counter(), Counter()
+        metrics = {f"rollout/dropped/{r}": float(dropped[r]) for r in DROP_REASONS}
+        metrics["rollout/dropped/total"] = float(sum(dropped.values()))
+        if self.dynamic_filtering is not None and g["groups_seen"]:
+            metrics["dynamic_filtering_pass_rate"] = 100.0 * g["groups_kept"] / g["groups_seen"]
+            metrics["rollout/group_all_pass_rate"] = 100.0 * g["all_pass"] / g["groups_seen"]
+            metrics["rollout/group_all_fail_rate"] = 100.0 * g["all_fail"] / g["groups_seen"]
+            if g["score_count"]:
+                metrics["rollout/pre_filter_mean_score"] = g["score_sum"] / g["score_count"]
         return metrics
 
     # --- the streaming pool ---
