@@ -64,7 +64,7 @@ class VLLMEngine(BatchedCallee):
         self._cpu_routing = False  # set in start(): R3 through compat/vllm.py's capture instead of vLLM's
         self._plain_weights = False  # set in start(): the workers load in place, with no reload to finalize
         self._llm = None
-        self._start_lock: asyncio.Lock | None = None
+        self._start_lock = asyncio.Lock()  # bound to an event loop only once contended
         # LoRA: requests run under `lora_request` (None before the first sync: the base, which the adapter's B = 0
         # init equals); a sync stages the adapter's directory, `finish_weight_update` loads it as the new version
         self.lora_rank, self.lora_target_modules, self.lora_request = lora_rank, lora_target_modules, None
@@ -73,8 +73,6 @@ class VLLMEngine(BatchedCallee):
 
     async def start(self) -> int:
         """Build the engine (idempotent); returns the engine index once ready."""
-        if self._start_lock is None:
-            self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self._llm is None:
                 await self._launch()
@@ -250,10 +248,6 @@ class VLLMEngine(BatchedCallee):
 
     # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before, one after ---
 
-    async def pause(self) -> None:
-        """Freeze in-flight requests in the scheduler: they continue after `resume` under new weights."""
-        await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
-
     async def resume(self) -> None:
         if self.weights_mixed:  # stays paused: not one more token from half-updated weights (it is replaced)
             return
@@ -284,7 +278,8 @@ class VLLMEngine(BatchedCallee):
         level 2): the weights' memory is mapped again first; its contents are what this update writes."""
         if self.asleep and self.sleep_level:
             await self._wake(["weights"])
-        await self.pause()
+        # in-flight requests freeze in the scheduler: they continue after `resume` under the new weights
+        await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
         if self.lora_rank:  # the base stays as loaded: only an adapter arrives (`stage_adapter`)
             return []
         return await self.worker_call("begin_layerwise_reload")

@@ -36,8 +36,6 @@ class WeightSync:
 
     def __init__(self, engines: list, transport: Transport, *, check_coverage: bool = False, timeout_s: float = 600.0,
                  version: int = 0):
-        if not engines:
-            raise ValueError("WeightSync needs at least one engine")
         self.engines = engines
         self.transport = transport
         self.check_coverage = check_coverage
