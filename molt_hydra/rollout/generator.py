@@ -124,8 +124,7 @@ class SamplesGenerator:
         if self.cursor == len(self._order):
             if self.epoch + 1 >= self.num_epochs:
                 return None
-            self.epoch += 1
-            self.cursor = 0
+            self.epoch, self.cursor = self.epoch + 1, 0
             self._order = prompt_order(len(self.prompts), self.seed, self.epoch)
         self.cursor += 1
         return self.epoch, self._order[self.cursor - 1]
