@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import pathlib
 import shutil
 import tempfile
 import time
@@ -196,8 +197,7 @@ class VLLMEngine(BatchedCallee):
             skip_special_tokens=False,
             # We return token ids only: text is decoded only to match stop strings (vLLM's front otherwise detokenizes
             # every sampled token and its logprob token, CPU that the rollout path competes with the engine for)
-            detokenize=bool(s.stop), output_kind=kind,
-        )
+            detokenize=bool(s.stop), output_kind=kind)
 
     async def _outputs(self, request: GenerationRequest, index: int, kind):
         """`Generation`s of one completion as vLLM hands them out: a delta per step (DELTA) or the whole completion once
@@ -241,8 +241,7 @@ class VLLMEngine(BatchedCallee):
                     versions=versions, finish_reason="" if c.finish_reason is None else str(c.finish_reason),
                     stop_reason=c.stop_reason,
                     routed_experts=None if routed is None else routed if isinstance(routed, list) else routed.tolist(),
-                    engine_index=self.engine_index, top_logprobs=top, version_spans=spans,
-                )
+                    engine_index=self.engine_index, top_logprobs=top, version_spans=spans)
         if not finished:
             yield Generation([], [], [], "abort", engine_index=self.engine_index)
 
@@ -290,12 +289,10 @@ class VLLMEngine(BatchedCallee):
         if self._adapter_root is None:  # /dev/shm: the adapter is written and read back in memory
             self._adapter_root = tempfile.mkdtemp(prefix=f"molt_lora_engine{self.engine_index}_",
                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        staging = os.path.join(self._adapter_root, "staging")
-        os.makedirs(staging, exist_ok=True)
-        with open(os.path.join(staging, "adapter_model.safetensors"), "wb") as f:
-            f.write(blob)
-        with open(os.path.join(staging, "adapter_config.json"), "w") as f:
-            json.dump(config, f)
+        staging = pathlib.Path(self._adapter_root, "staging")
+        staging.mkdir(exist_ok=True)
+        (staging / "adapter_model.safetensors").write_bytes(blob)
+        (staging / "adapter_config.json").write_text(json.dumps(config))
         return len(blob)
 
     async def _load_staged_adapter(self, version: int):
@@ -434,12 +431,7 @@ def join_deltas(deltas: list[Generation], engine_index: int = -1) -> Generation:
     if last.version_spans is not None:
         versions = [v for v, start, end in last.version_spans for _ in range(start, end)]
     return Generation(
-        token_ids=[t for d in deltas for t in d.token_ids],
-        logprobs=[p for d in deltas for p in d.logprobs],
-        versions=versions,
-        finish_reason=last.finish_reason or "abort",
-        stop_reason=last.stop_reason,
-        routed_experts=routed,
-        engine_index=engine_index if engine_index >= 0 else last.engine_index,
-        top_logprobs=None if all(t is None for t in tops) else [x for t in tops for x in (t or [])],
-    )
+        token_ids=[t for d in deltas for t in d.token_ids], logprobs=[p for d in deltas for p in d.logprobs],
+        versions=versions, finish_reason=last.finish_reason or "abort", stop_reason=last.stop_reason,
+        routed_experts=routed, engine_index=engine_index if engine_index >= 0 else last.engine_index,
+        top_logprobs=None if all(t is None for t in tops) else [x for t in tops for x in (t or [])])

@@ -26,8 +26,7 @@ from molt_hydra.rollout.generation import Sampling
 # Molt's seven reasons, then the agent-side failures molt_hydra counts too (Molt prints and forgets them).
 DROP_REASONS = (
     "empty_tokens", "vlm_media_unresolved", "vlm_truncation", "logprob_misalign", "no_action_tokens",
-    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "nonfinite_reward",
-)
+    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "nonfinite_reward")
 
 
 class RunFailed(RuntimeError):
@@ -233,13 +232,9 @@ class SamplesGenerator:
 
     def state_dict(self) -> dict:
         inflight = [(e, i) for e, i, _ in sorted(self._inflight.values(), key=lambda v: v[2])]
-        return {
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "cursor": self.cursor,
-            "pending": list(self._pending) + inflight,  # in-flight groups are rerun after a resume
-            "finished": [(g.prompt_index, g.epoch, g.trajectories) for g in self._finished],
-        }
+        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+                "pending": list(self._pending) + inflight,  # in-flight groups are rerun after a resume
+                "finished": [(g.prompt_index, g.epoch, g.trajectories) for g in self._finished]}
 
     def load_state_dict(self, state: dict) -> None:
         if self._inflight:

@@ -288,9 +288,7 @@ def _keep_freed_memory_for_reuse() -> None:
     1 GB model's weights 0.25 s/GB, its re-pack 0.26 s/GB). With the threshold and trim raised, the blocks freed by one
     layer (its old packed weight, its staging copy) are reused warm by the next: 0.06 and 0.16 s/GB."""
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters of glibc's malloc.h
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator keeps its own policy
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
         libc.mallopt(M_TRIM_THRESHOLD, 1 << 31)
-    except (OSError, AttributeError):  # not glibc: its allocator keeps its own policy
-        pass
