@@ -167,23 +167,19 @@ class VLLMEngine(BatchedCallee):
         """One completion (`sampling.n` must be 1) as it is sampled: `Generation` deltas, the last one carrying the
         finish reason (earlier ones have finish_reason ""). Joined (`join_deltas`) they equal what `generate`
         returns; a delta's own versions are provisional, the last one's `version_spans` are exact."""
-        from vllm.sampling_params import RequestOutputKind
-
         if request.sampling.n != 1:
             raise ValueError(f"generate_stream samples one completion, got n={request.sampling.n}")
-        async for delta in self._outputs(request, 0, RequestOutputKind.DELTA):
+        async for delta in self._outputs(request, 0, stream=True):
             yield delta
 
     async def _generate_one(self, request: GenerationRequest, index: int) -> Generation:
         """The finished completion only (vLLM's FINAL_ONLY): this process is not woken for every sampled token."""
-        from vllm.sampling_params import RequestOutputKind
-
-        final = [g async for g in self._outputs(request, index, RequestOutputKind.FINAL_ONLY)]
+        final = [g async for g in self._outputs(request, index, stream=False)]
         return join_deltas(final, self.engine_index)
 
     @staticmethod
-    def _sampling_params(s: Sampling, index: int, kind):
-        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    def _sampling_params(s: Sampling, index: int, stream: bool):
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
         return SamplingParams(
             n=1, max_tokens=s.max_tokens, min_tokens=s.min_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -194,16 +190,16 @@ class VLLMEngine(BatchedCallee):
             seed=None if s.seed is None else s.seed + index,
             logprobs=s.top_logprobs,  # 0: exactly the sampled token's logprob; k: plus the k best
             structured_outputs=StructuredOutputsParams(**s.structured) if s.structured else None,
-            skip_special_tokens=False,
+            skip_special_tokens=False, output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             # We return token ids only: text is decoded only to match stop strings (vLLM's front otherwise detokenizes
             # every sampled token and its logprob token, CPU that the rollout path competes with the engine for)
-            detokenize=bool(s.stop), output_kind=kind)
+            detokenize=bool(s.stop))
 
-    async def _outputs(self, request: GenerationRequest, index: int, kind):
-        """`Generation`s of one completion as vLLM hands them out: a delta per step (DELTA) or the whole completion once
-        (FINAL_ONLY). Versions: the engine core stamps every step's output with the weight version it was sampled by
-        (`update_weight_version` at each sync) and vLLM returns the spans on the finished output, so a token's
-        version never depends on when this process got round to reading it."""
+    async def _outputs(self, request: GenerationRequest, index: int, stream: bool):
+        """`Generation`s of one completion as vLLM hands them out: a delta per step (`stream`: DELTA) or the whole
+        completion once (FINAL_ONLY). Versions: the engine core stamps every step's output with the weight version it
+        was sampled by (`update_weight_version` at each sync) and vLLM returns the spans on the finished output, so a
+        token's version never depends on when this process got round to reading it."""
         if not request.prompt_ids:
             raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
         await self.start()
@@ -216,7 +212,7 @@ class VLLMEngine(BatchedCallee):
         # adapter); its tokens carry that adapter's version, not the one loaded when each was sampled
         lora = self.lora_request
         request_id = f"{request.session_id}-{uuid.uuid4().hex}"
-        async for out in self._engine().generate(prompt, self._sampling_params(s, index, kind), request_id=request_id,
+        async for out in self._engine().generate(prompt, self._sampling_params(s, index, stream), request_id=request_id,
                                                  lora_request=lora):
             for c in out.outputs:
                 if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
