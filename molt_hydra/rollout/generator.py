@@ -18,7 +18,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 from molt_hydra.rollout.generation import Sampling
@@ -26,8 +26,7 @@ from molt_hydra.rollout.generation import Sampling
 # Molt's seven reasons, then the agent-side failures molt_hydra counts too (Molt prints and forgets them).
 DROP_REASONS = (
     "empty_tokens", "vlm_media_unresolved", "vlm_truncation", "logprob_misalign", "no_action_tokens",
-    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "nonfinite_reward",
-)
+    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "nonfinite_reward")
 
 
 class RunFailed(RuntimeError):
@@ -72,69 +71,48 @@ class RolloutBatch:
     exhausted: bool  # no prompt left, nothing in flight or buffered
 
 
-@dataclass
-class _Tally:
-    dropped: Counter = field(default_factory=Counter)
-    groups_seen: int = 0
-    groups_kept: int = 0
-    all_pass: int = 0
-    all_fail: int = 0
-    score_sum: float = 0.0
-    score_count: int = 0
-
-
+@dataclass(eq=False)
 class SamplesGenerator:
-    def __init__(
-        self,
-        prompts: Sequence[dict],
-        runner: GroupRunner,
-        *,
-        batch_size: int,
-        n_samples_per_prompt: int,
-        sampling: Sampling,
-        max_inflight_groups: int | None = None,
-        seed: int = 0,
-        num_epochs: int = 1,
-        dynamic_filtering: tuple[float, float] | None = None,
-        incomplete_groups: str = "keep",
-        group_timeout_s: float | None = None,
-        carry_over: bool = True,
-        group_seed: Callable[[int, int], int] | None = None,
-    ):
-        """`carry_over`: keep `max_inflight_groups` running at all times, so groups of the next batch start while this
-        one finishes and straddle the weight sync that follows (Molt's streaming pool). Off, only as many groups run as
-        the batch still needs: every group of a batch starts under one policy version and nothing carries over.
-        `group_seed(epoch, prompt index)`: the base sampling seed of a group, so a resumed run samples the same."""
-        if not prompts:
+    """`carry_over`: keep `max_inflight_groups` running at all times, so groups of the next batch start while this one
+    finishes and straddle the weight sync that follows (Molt's streaming pool). Off, only as many groups run as the
+    batch still needs: every group of a batch starts under one policy version and nothing carries over.
+    `group_seed(epoch, prompt index)`: the base sampling seed of a group, so a resumed run samples the same."""
+
+    prompts: Sequence[dict]
+    runner: GroupRunner
+    _: KW_ONLY
+    batch_size: int
+    n_samples_per_prompt: int
+    sampling: Sampling
+    max_inflight_groups: int | None = None  # None: batch_size
+    seed: int = 0
+    num_epochs: int = 1
+    dynamic_filtering: tuple[float, float] | None = None
+    incomplete_groups: str = "keep"
+    group_timeout_s: float | None = None
+    carry_over: bool = True
+    group_seed: Callable[[int, int], int] | None = None
+
+    def __post_init__(self):
+        if not self.prompts:
             raise ValueError("SamplesGenerator needs at least one prompt")
-        if batch_size < 1 or n_samples_per_prompt < 1 or num_epochs < 1:
+        if self.batch_size < 1 or self.n_samples_per_prompt < 1 or self.num_epochs < 1:
             raise ValueError(f"batch_size, n_samples_per_prompt, num_epochs must be >= 1, got "
-                             f"{batch_size}, {n_samples_per_prompt}, {num_epochs}")
-        if incomplete_groups not in ("keep", "drop"):
-            raise ValueError(f"incomplete_groups must be 'keep' or 'drop', got {incomplete_groups!r}")
-        if dynamic_filtering is not None and not dynamic_filtering[0] < dynamic_filtering[1]:
-            raise ValueError(f"dynamic_filtering needs low < high, got {dynamic_filtering}")
-        self.prompts = prompts
-        self.runner = runner
-        self.batch_size = batch_size
-        self.n_samples = n_samples_per_prompt
-        self.sampling = sampling
-        self.max_inflight = max_inflight_groups or batch_size
-        self.seed = seed
-        self.num_epochs = num_epochs
-        self.dynamic_filtering = dynamic_filtering
-        self.incomplete_groups = incomplete_groups
-        self.group_timeout_s = group_timeout_s
-        self.carry_over = carry_over
-        self.group_seed = group_seed
+                             f"{self.batch_size}, {self.n_samples_per_prompt}, {self.num_epochs}")
+        if self.incomplete_groups not in ("keep", "drop"):
+            raise ValueError(f"incomplete_groups must be 'keep' or 'drop', got {self.incomplete_groups!r}")
+        if self.dynamic_filtering is not None and not self.dynamic_filtering[0] < self.dynamic_filtering[1]:
+            raise ValueError(f"dynamic_filtering needs low < high, got {self.dynamic_filtering}")
+        self.max_inflight_groups = self.max_inflight_groups or self.batch_size
         self.epoch = 0
         self.cursor = 0  # next position in prompt_order(seed, epoch)
-        self._order = prompt_order(len(prompts), seed, 0)
+        self._order = prompt_order(len(self.prompts), self.seed, 0)
         self._pending: list[tuple[int, int]] = []  # (epoch, prompt index) to dispatch before the order (resume)
         self._inflight: dict[asyncio.Task, tuple[int, int, int]] = {}  # task -> (epoch, prompt index, dispatch seq)
         self._dispatched = 0
         self._finished: list[FinishedGroup] = []
-        self._tally = _Tally()
+        self._dropped: Counter = Counter()  # rollouts dropped, by reason (since the last batch)
+        self._groups: Counter = Counter()  # groups seen / kept / all pass / all fail, scores (`_filter`)
         self._failed_in_a_row = 0  # groups in a row without one usable rollout: a batch's worth ends the run
 
     # --- dispatch ---
@@ -145,8 +123,7 @@ class SamplesGenerator:
         if self.cursor == len(self._order):
             if self.epoch + 1 >= self.num_epochs:
                 return None
-            self.epoch += 1
-            self.cursor = 0
+            self.epoch, self.cursor = self.epoch + 1, 0
             self._order = prompt_order(len(self.prompts), self.seed, self.epoch)
         self.cursor += 1
         return self.epoch, self._order[self.cursor - 1]
@@ -155,19 +132,20 @@ class SamplesGenerator:
         sampling = self.sampling
         if self.group_seed is not None:
             sampling = dataclasses.replace(sampling, seed=self.group_seed(epoch, index))
+        n = self.n_samples_per_prompt
         try:
-            return await asyncio.wait_for(
-                self.runner.run_group(self.prompts[index], self.n_samples, sampling), self.group_timeout_s
-            )
+            return await asyncio.wait_for(self.runner.run_group(self.prompts[index], n, sampling), self.group_timeout_s)
         except asyncio.TimeoutError:
-            return [(None, "agent_timeout")] * self.n_samples
+            return [(None, "agent_timeout")] * n
         except RunFailed:  # the runner itself is gone: no later group can run either
             raise
         except Exception:  # the runner's own failure: every rollout of the group is lost, counted
-            return [(None, "agent_exception")] * self.n_samples
+            return [(None, "agent_exception")] * n
 
     def _refill(self) -> None:
-        limit = self.max_inflight if self.carry_over else min(self.max_inflight, self.batch_size - len(self._finished))
+        limit = self.max_inflight_groups
+        if not self.carry_over:
+            limit = min(limit, self.batch_size - len(self._finished))
         while len(self._inflight) < limit:
             nxt = self._next_prompt()
             if nxt is None:
@@ -178,54 +156,55 @@ class SamplesGenerator:
     # --- filtering (Molt `_filter_group`) ---
 
     def _filter(self, epoch: int, index: int, results: list[tuple[Any, str | None]]) -> FinishedGroup | None:
-        tally = self._tally
-        tally.groups_seen += 1
+        dropped, groups = self._dropped, self._groups
+        groups["groups_seen"] += 1
         kept = []
         for trajectory, reason in results:
             if reason is not None or trajectory is None:
-                tally.dropped[reason or "empty_session"] += 1
+                dropped[reason or "empty_session"] += 1
             elif not math.isfinite(float(trajectory.reward)):  # a NaN/inf reward would poison its group's advantages
-                tally.dropped["nonfinite_reward"] += 1
+                dropped["nonfinite_reward"] += 1
             else:
                 kept.append(trajectory)
-        self._failed_in_a_row = 0 if kept else self._failed_in_a_row + 1
-        if self._failed_in_a_row >= self.batch_size:
-            raise RunFailed("agent runner", f"every rollout of the last {self._failed_in_a_row} prompt groups "
-                            f"({self._failed_in_a_row * self.n_samples} rollouts) failed; nothing can be trained",
-                            drops=dict(tally.dropped))
+        failed = self._failed_in_a_row = 0 if kept else self._failed_in_a_row + 1
+        if failed >= self.batch_size:
+            raise RunFailed("agent runner", f"every rollout of the last {failed} prompt groups "
+                            f"({failed * self.n_samples_per_prompt} rollouts) failed; nothing can be trained",
+                            drops=dict(dropped))
         # A chat rollout may return several segments; the group's score counts each rollout once.
         per_rollout = {getattr(t, "rollout_id", None) or id(t): t for t in kept}
         scores = [score_of(t) for t in per_rollout.values()]
-        incomplete = len(per_rollout) < self.n_samples
+        incomplete = len(per_rollout) < self.n_samples_per_prompt
         if self.dynamic_filtering is not None:
             low, high = self.dynamic_filtering
             known = [s for s in scores if s is not None]
-            tally.score_sum += sum(known)
-            tally.score_count += len(known)
-            tally.all_pass += bool(known) and all(s >= high for s in known)
-            tally.all_fail += bool(known) and all(s <= low for s in known)
+            groups["score_sum"] += sum(known)
+            groups["score_count"] += len(known)
+            groups["all_pass"] += bool(known) and all(s >= high for s in known)
+            groups["all_fail"] += bool(known) and all(s <= low for s in known)
             if incomplete:
-                tally.dropped["incomplete_group"] += len(kept)
+                dropped["incomplete_group"] += len(kept)
                 return None
             if all(s is not None for s in scores) and not low < sum(scores) / len(scores) < high:
-                tally.dropped["dynamic_filter"] += len(kept)
+                dropped["dynamic_filter"] += len(kept)
                 return None
         elif not kept or (incomplete and self.incomplete_groups == "drop"):
-            tally.dropped["incomplete_group"] += len(kept)
+            dropped["incomplete_group"] += len(kept)
             return None
-        tally.groups_kept += 1
+        groups["groups_kept"] += 1
         return FinishedGroup(index, epoch, kept)
 
     def _metrics(self) -> dict[str, float]:
-        t, self._tally = self._tally, _Tally()
-        metrics = {f"rollout/dropped/{r}": float(t.dropped[r]) for r in DROP_REASONS}
-        metrics["rollout/dropped/total"] = float(sum(t.dropped.values()))
-        if self.dynamic_filtering is not None and t.groups_seen:
-            metrics["dynamic_filtering_pass_rate"] = 100.0 * t.groups_kept / t.groups_seen
-            metrics["rollout/group_all_pass_rate"] = 100.0 * t.all_pass / t.groups_seen
-            metrics["rollout/group_all_fail_rate"] = 100.0 * t.all_fail / t.groups_seen
-            if t.score_count:
-                metrics["rollout/pre_filter_mean_score"] = t.score_sum / t.score_count
+        dropped, g = self._dropped, self._groups
+        self._dropped, self._groups = Counter(), Counter()
+        metrics = {f"rollout/dropped/{r}": float(dropped[r]) for r in DROP_REASONS}
+        metrics["rollout/dropped/total"] = float(sum(dropped.values()))
+        if self.dynamic_filtering is not None and g["groups_seen"]:
+            metrics["dynamic_filtering_pass_rate"] = 100.0 * g["groups_kept"] / g["groups_seen"]
+            metrics["rollout/group_all_pass_rate"] = 100.0 * g["all_pass"] / g["groups_seen"]
+            metrics["rollout/group_all_fail_rate"] = 100.0 * g["all_fail"] / g["groups_seen"]
+            if g["score_count"]:
+                metrics["rollout/pre_filter_mean_score"] = g["score_sum"] / g["score_count"]
         return metrics
 
     # --- the streaming pool ---
@@ -253,13 +232,9 @@ class SamplesGenerator:
 
     def state_dict(self) -> dict:
         inflight = [(e, i) for e, i, _ in sorted(self._inflight.values(), key=lambda v: v[2])]
-        return {
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "cursor": self.cursor,
-            "pending": list(self._pending) + inflight,  # in-flight groups are rerun after a resume
-            "finished": [(g.prompt_index, g.epoch, g.trajectories) for g in self._finished],
-        }
+        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+                "pending": list(self._pending) + inflight,  # in-flight groups are rerun after a resume
+                "finished": [(g.prompt_index, g.epoch, g.trajectories) for g in self._finished]}
 
     def load_state_dict(self, state: dict) -> None:
         if self._inflight:
@@ -283,7 +258,7 @@ class SamplesGenerator:
                        max_inflight: int | None = None) -> dict[str, float]:
         """pass{n} = mean over groups of max reward (n > 1), pass1 = mean over groups of mean reward, per datasource.
         `max_inflight` (eval.batch_size): prompt groups evaluated concurrently; None = the training pool's limit."""
-        semaphore = asyncio.Semaphore(max_inflight or self.max_inflight)
+        semaphore = asyncio.Semaphore(max_inflight or self.max_inflight_groups)
 
         async def one(row):
             async with semaphore:

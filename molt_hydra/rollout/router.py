@@ -100,24 +100,20 @@ class Router:
         """A live engine for the session, waiting (up to the engine timeout) while every engine is being replaced;
         the rollout's own deadline moves on by the time waited."""
         start = time.monotonic()
-        while True:
-            try:
-                index = self.affinity.pick(session_id)
-            except RuntimeError:
-                if self._down_since is None:
-                    self._down_since = start
-                if time.monotonic() - start >= self.timeout_s:
-                    raise RuntimeError(f"every rollout engine is dead; none came back within {self.timeout_s} s")
-                before = time.monotonic()
-                await asyncio.sleep(0.5)
-                episode = EPISODE_DEADLINE.get()
-                if episode is not None and episode.when() is not None:
-                    episode.reschedule(episode.when() + time.monotonic() - before)
-                continue
-            if self._down_since is not None:
-                self._outage += time.monotonic() - self._down_since
-                self._down_since = None
-            return index
+        while not any(self.affinity.alive):
+            if self._down_since is None:
+                self._down_since = start
+            if time.monotonic() - start >= self.timeout_s:
+                raise RuntimeError(f"every rollout engine is dead; none came back within {self.timeout_s} s")
+            before = time.monotonic()
+            await asyncio.sleep(0.5)
+            episode = EPISODE_DEADLINE.get()
+            if episode is not None and episode.when() is not None:
+                episode.reschedule(episode.when() + time.monotonic() - before)
+        if self._down_since is not None:
+            self._outage += time.monotonic() - self._down_since
+            self._down_since = None
+        return self.affinity.pick(session_id)
 
     def outage_s(self) -> float:
         """Seconds so far during which requests waited for a live engine."""

@@ -27,7 +27,7 @@ def bucket_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_byt
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     bucket: Bucket = []
-    size = 0
+    size = 0  # bytes in `bucket`
     for name, t in named_tensors:
         n = t.numel() * t.element_size()
         if bucket and size + n > bucket_bytes:
@@ -100,12 +100,9 @@ def parameter_addresses(model: nn.Module) -> tuple[int, ...]:
     out, stack = [], [model]
     while stack:
         module = stack.pop()
-        if module is None:
-            continue
-        for t in (*module._parameters.values(), *module._buffers.values()):
-            if t is not None:
-                out.append((t._local_tensor if isinstance(t, DTensor) else t).data_ptr())
-        stack.extend(module._modules.values())
+        out.extend((t._local_tensor if isinstance(t, DTensor) else t).data_ptr()
+                   for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)
+        stack.extend(m for m in module._modules.values() if m is not None)
     return tuple(out)
 
 
@@ -116,10 +113,8 @@ def pack_bucket(bucket: Bucket, dtype: torch.dtype | None = None, out=None) -> t
     returns a uint8 buffer of at least nbytes to pack into (e.g. a reused shared-memory region)."""
     metas = bucket_metas(bucket, dtype)
     nbytes = packed_nbytes(metas)
-    if out is not None:
-        flat = out(nbytes)[:nbytes]
-    else:
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=bucket[0][1].device if bucket else "cpu")
+    flat = out(nbytes)[:nbytes] if out is not None else \
+        torch.empty(nbytes, dtype=torch.uint8, device=bucket[0][1].device if bucket else "cpu")
     if bucket:  # one call for the whole bucket: per-tensor Python overhead dominates small tensors
         torch._foreach_copy_([slot for _, slot in unpack_bucket(metas, flat)], [t.detach() for _, t in bucket])
     return metas, flat

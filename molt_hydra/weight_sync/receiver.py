@@ -109,14 +109,6 @@ class WeightReceiver:
 
     # --- shared memory (shared_memory.py): the trainer's region mapped once, the bucket loaded from views of it ---
 
-    def _shared_bucket(self, region: tuple, metas: list, offset: int) -> tuple[torch.Tensor, Bucket]:
-        """`region`: (path, bytes, token) of the trainer's region, mapped once per token; the bucket starts at
-        `offset` and its tensors go to the loader as views into it (the loader's copy is the only one on this side)."""
-        if getattr(self, "_shared_region", (None, None))[0] != region[2]:
-            self._shared_region = (region[2], open_region(region))
-        flat = self._shared_region[1][offset:offset + packed_nbytes(metas)]
-        return flat, unpack_bucket(metas, flat)
-
     def load_shared_bucket_recorded(self, region: tuple, metas: list, offset: int = 0) -> tuple:
         """Load one bucket and record what the loaders did, for a trainer that writes later updates into this worker's
         parameters itself. On a CPU engine with plain weights the parameters are first moved into a shared region of
@@ -124,7 +116,12 @@ class WeightReceiver:
         loaded, the parameter region's handle or None, this bucket's copies as `shared_memory.MappedCopy`s, or why there
         are none)."""
         handle = self.map_parameters()
-        flat, bucket = self._shared_bucket(region, metas, offset)
+        # `region`: the trainer's (path, bytes, token), mapped once per token; the bucket starts at `offset`, its
+        # tensors go to the loader as views into it (the loader's copy is the only one on this side)
+        if getattr(self, "_shared_region", (None, None))[0] != region[2]:
+            self._shared_region = (region[2], open_region(region))
+        flat = self._shared_region[1][offset:offset + packed_nbytes(metas)]
+        bucket = unpack_bucket(metas, flat)
         if handle is None:
             n = self._load(bucket)
             # a layer split across buckets would read the next bucket's bytes from the reused slot: copy it out now
@@ -291,9 +288,7 @@ def _keep_freed_memory_for_reuse() -> None:
     1 GB model's weights 0.25 s/GB, its re-pack 0.26 s/GB). With the threshold and trim raised, the blocks freed by one
     layer (its old packed weight, its staging copy) are reused warm by the next: 0.06 and 0.16 s/GB."""
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters of glibc's malloc.h
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator keeps its own policy
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
         libc.mallopt(M_TRIM_THRESHOLD, 1 << 31)
-    except (OSError, AttributeError):  # not glibc: its allocator keeps its own policy
-        pass

@@ -11,7 +11,6 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -32,25 +31,11 @@ class WeightCoverageError(RuntimeError):
         super().__init__(f"{len(missing)} parameters were never pushed to vLLM: {missing[:20]}")
 
 
-@dataclass
-class SyncReport:
-    version: int
-    num_tensors: int
-    num_bytes: int
-    seconds: float
-    single_pass: bool = False  # the engines loaded straight from the trainer's parameters (SharedParamsTransport)
-    in_place: bool = False  # the trainer wrote into the engines' parameters (SharedMemoryTransport, mapped)
-    push_seconds: float = 0.0  # the buckets alone: from after every engine began the update until the last landed
-    replayed: float = 0.0  # single pass: the share of engine workers that replayed their recorded copy plan
-
-
 class WeightSync:
     """Pushes weights to engine actors (Ray handles of `VLLMEngine`); `sync` bumps the policy version."""
 
     def __init__(self, engines: list, transport: Transport, *, check_coverage: bool = False, timeout_s: float = 600.0,
                  version: int = 0):
-        if not engines:
-            raise ValueError("WeightSync needs at least one engine")
         self.engines = engines
         self.transport = transport
         self.check_coverage = check_coverage
@@ -63,9 +48,13 @@ class WeightSync:
     async def _all(self, method: str, *args) -> list:
         return await asyncio.gather(*(self._call(getattr(e, method).remote(*args)) for e in self.engines))
 
-    async def sync(self, buckets: Iterable[Bucket], version: int | None = None) -> SyncReport:
+    async def sync(self, buckets: Iterable[Bucket], version: int | None = None) -> dict[str, float]:
         """One call per engine before the buckets (pause + begin) and one after (finish + resume + the coverage
-        check): the round trips to the engines are what a sync costs beyond its one copy."""
+        check): the round trips to the engines are what a sync costs beyond its one copy. Returns the sync's metrics:
+        `weight_sync/single_pass` says which CUDA IPC path ran (1: straight from the rank's own parameters),
+        `weight_sync/in_place` whether shared memory wrote into the engines' parameters (1) or went through their
+        loaders, `weight_sync/push_seconds` the buckets alone (from after every engine began the update until the last
+        landed), `weight_sync/replayed` the share of engine workers that replayed their recorded copy plan."""
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
         num_tensors = num_bytes = 0
@@ -91,9 +80,10 @@ class WeightSync:
                                 for name in per_worker})
         if missing_names:
             raise WeightCoverageError(missing_names)
-        return SyncReport(version, num_tensors, num_bytes, time.perf_counter() - start,
-                          self.transport.single_pass, self.transport.in_place, pushed,
-                          self.transport.replayed)
+        return {"weight_sync/bytes": float(num_bytes), "weight_sync/tensors": float(num_tensors),
+                "weight_sync/seconds": time.perf_counter() - start, "weight_sync/push_seconds": pushed,
+                "weight_sync/single_pass": float(self.transport.single_pass),
+                "weight_sync/in_place": float(self.transport.in_place), "weight_sync/replayed": self.transport.replayed}
 
 
 def resolve_transport(cfg) -> str:
@@ -171,17 +161,11 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
                    timeout_s: float, dtype: str) -> dict:
     """One sync, run on every trainer rank (`worker`: a TrainerWorker): all ranks drive the gathers (FSDP
     collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. A LoRA actor pushes its
-    adapter alone, whatever the placement's transport. Metrics from rank 0; their `weight_sync/single_pass` says which
-    CUDA IPC path ran (1: straight from the rank's own parameters), and `weight_sync/in_place` whether shared memory
-    wrote into the engines' parameters (1) or went through their loaders."""
+    adapter alone, whatever the placement's transport. Metrics (`WeightSync.sync`'s) from rank 0."""
     buckets, carrier = _buckets_and_carrier(worker, transport, bucket_bytes, getattr(torch, dtype))
     if carrier is None:
         for _ in buckets:  # take part in the gathers; only rank 0 receives tensors
             pass
         return {}
     sync = WeightSync(engines, carrier, check_coverage=check_coverage, timeout_s=timeout_s, version=version - 1)
-    report = asyncio.run(sync.sync(buckets, version))
-    return {"weight_sync/bytes": float(report.num_bytes), "weight_sync/tensors": float(report.num_tensors),
-            "weight_sync/seconds": report.seconds, "weight_sync/single_pass": float(report.single_pass),
-            "weight_sync/in_place": float(report.in_place), "weight_sync/push_seconds": report.push_seconds,
-            "weight_sync/replayed": report.replayed}
+    return asyncio.run(sync.sync(buckets, version))

@@ -113,11 +113,10 @@ class Pipeline(Transport):
         return None
 
     async def _retire(self) -> None:
-        flat, work, answers = self.in_flight.pop(0)
+        _, work, answers = self.in_flight.pop(0)  # the buffer (`_`) is freed as this returns
         await answers
         if work is not None:  # NCCL: the current stream waits for the send; gloo: blocks until sent
             await asyncio.to_thread(work.wait)
-        del flat
 
     async def drain(self) -> None:
         while self.in_flight:

@@ -79,8 +79,8 @@ def test_a_sync_carries_the_adapter_alone_and_the_engine_then_computes_as_the_tr
 
     report = asyncio.run(WeightSync([engine], ObjectStoreTransport(s["config"])).sync(s["buckets"], version=1))
     rank = jobs.SPEC["rank"]
-    assert report.num_bytes == sum(rank * (i + o) for i, o in module_shapes().values()) * 4
-    assert report.num_tensors == 2 * len(module_shapes())
+    assert report["weight_sync/bytes"] == sum(rank * (i + o) for i, o in module_shapes().values()) * 4
+    assert report["weight_sync/tensors"] == 2 * len(module_shapes())
     names = [n for bucket in s["buckets"] for n, _ in bucket]
     assert all(n.startswith("base_model.model.") and (".lora_A.weight" in n or ".lora_B.weight" in n) for n in names)
 

@@ -92,7 +92,7 @@ def test_fused_expert_push_loads_and_a_left_out_expert_tensor_is_named(engine, t
     assert len(experts) == 2 * model.config.num_hidden_layers  # gate_up_proj and down_proj per layer, fused
     sync = WeightSync([engine], SharedMemoryTransport(), check_coverage=True)
     report = asyncio.run(sync.sync(bucket_weights({**state, **experts}.items(), BUCKET)))  # full push: no error
-    assert report.num_tensors == len(state)
+    assert report["weight_sync/tensors"] == len(state)
 
     model.load_state_dict(experts, strict=False)
     after = greedy(engine)

@@ -188,9 +188,10 @@ def test_gpu_transports_deliver_every_tensor_in_the_wire_dtype_and_bump_the_vers
             w._weight_comm = g
     else:
         t = CudaIpcTransport(torch.bfloat16)
-    report = asyncio.run(WeightSync(engines, t, timeout_s=10).sync(bucket_weights(named_tensors(), 600)))
-    assert report.version == 1 and report.num_tensors == 4
-    assert report.num_bytes == wire_bytes(named_tensors(), torch.bfloat16) < 512 + 16 + 2048 + 48  # not fp32 bytes
+    sync = WeightSync(engines, t, timeout_s=10)
+    report = asyncio.run(sync.sync(bucket_weights(named_tensors(), 600)))
+    assert sync.version == 1 and report["weight_sync/tensors"] == 4
+    assert report["weight_sync/bytes"] == wire_bytes(named_tensors(), torch.bfloat16) < 512 + 16 + 2048 + 48  # not fp32 bytes
     assert [e.version for e in engines] == [1, 1]
     for w in workers:
         for name, t0 in named_tensors():
@@ -338,7 +339,8 @@ def test_a_failed_pipelined_sync_leaves_nothing_in_flight_for_the_next_one():
     assert not transport.in_flight and log[-1] == "finish_weight_update" and engine.version is None
     worker.dead = False
     sync = WeightSync([engine], transport, timeout_s=60, version=1)
-    assert asyncio.run(sync.sync(bucket_weights(named_tensors(), one_per_bucket))).version == 2
+    asyncio.run(sync.sync(bucket_weights(named_tensors(), one_per_bucket)))
+    assert sync.version == 2
     assert set(worker.loaded) == {n for n, _ in named_tensors()}
 
 
@@ -353,7 +355,8 @@ def test_shm_region_is_mapped_once_reused_across_syncs_and_replaced_when_a_bucke
     transport = SharedMemoryTransport(torch.bfloat16)
     shm_files = set(glob.glob("/dev/shm/*molt*"))  # ours only: Ray / vLLM of other tests make their own
     report = asyncio.run(WeightSync([engine], transport, timeout_s=120).sync(bucket_weights(named_tensors(), 600)))
-    assert report.num_bytes == wire_bytes(named_tensors(), torch.bfloat16) and report.num_tensors == 4
+    assert report["weight_sync/bytes"] == wire_bytes(named_tensors(), torch.bfloat16)
+    assert report["weight_sync/tensors"] == 4
     for name, t0 in named_tensors():
         want = t0.to(torch.bfloat16) if t0.is_floating_point() else t0
         assert worker.loaded[name].dtype == want.dtype and torch.equal(worker.loaded[name], want)
@@ -541,7 +544,7 @@ def test_shm_writes_into_a_plain_cpu_engines_parameters_in_place_after_one_recor
     one_per_bucket = 1  # fused qkv split across buckets
 
     first = plain_weights(0)
-    assert not asyncio.run(sync.sync(bucket_weights(first, one_per_bucket))).in_place
+    assert asyncio.run(sync.sync(bucket_weights(first, one_per_bucket)))["weight_sync/in_place"] == 0.0
     # outputs of the old weights are dropped when the update begins (paused): there is no reload to finish after it
     assert worker.cache_resets == ["encoder", "mm"]
     assert transport.mapped is None and log.count("load_shared_bucket_recorded") == 5
@@ -557,7 +560,8 @@ def test_shm_writes_into_a_plain_cpu_engines_parameters_in_place_after_one_recor
     second = plain_weights(1)
     report = asyncio.run(sync.sync(bucket_weights(second, one_per_bucket)))
     assert transport.mapped is not None and "load_shared_bucket_recorded" not in log and worker.loader_calls == 5
-    assert transport.written == {n for n, _ in second} and report.num_tensors == 5 and report.in_place
+    assert transport.written == {n for n, _ in second} and report["weight_sync/tensors"] == 5
+    assert report["weight_sync/in_place"] == 1.0
     for name, want in worker.expected(second).items():
         assert torch.equal(getattr(worker.model, name), want)
     assert torch.equal(worker.model.head, worker.expected(second)["embed"])  # tied: the same storage, written once
@@ -582,7 +586,8 @@ def test_shm_writes_into_a_plain_cpu_engines_parameters_in_place_after_one_recor
     assert log.count("load_shared_bucket_recorded") == 6 and worker.loader_calls == 12
     del transport.begin
     fifth = plain_weights(5, with_bias=True)
-    assert asyncio.run(sync.sync(bucket_weights(fifth, one_per_bucket))).in_place and worker.loader_calls == 12
+    assert asyncio.run(sync.sync(bucket_weights(fifth, one_per_bucket)))["weight_sync/in_place"] == 1.0
+    assert worker.loader_calls == 12
     assert torch.equal(worker.model.qkv, worker.expected(fifth)["qkv"])
 
 
