@@ -336,6 +336,10 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
          f"grouped experts on {cfg.cluster.device.value} run torch's grouped GEMM in {grouped_dtype}, but "
          f"model.param_dtype={dtype}.",
          f"set model.param_dtype={grouped_dtype}, or model.moe_experts_impl=auto (per-expert loop there)"),
+        (experts != "grouped" or not (cpu and m.compile_blocks), "model.moe_experts_impl",
+         "grouped experts on cpu run torch's float32 grouped GEMM, which torch.compile cannot trace "
+         "(model.compile_blocks=true).", "set model.moe_experts_impl=auto (per-expert loop there), or "
+         "model.compile_blocks=false"),
         *((not (hf_backend and getattr(p, name) > 1), f"parallelism.{name}", f"{name}={getattr(p, name)} needs NeMo "
            "AutoModel's meshes on GPU; the HF backend shards with FSDP only.",
            f"set parallelism.{name}=1, or model.backend=automodel with cluster.device=cuda")

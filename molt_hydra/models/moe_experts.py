@@ -69,10 +69,14 @@ def grouped_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: t
     return per_slot.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
 
 
-def grouped_unavailable(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...]) -> str | None:
-    """Why torch's grouped GEMM cannot run the experts here (None: it can). `widths`: hidden and expert FFN sizes."""
+def grouped_unavailable(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...],
+                        compiled: bool = False) -> str | None:
+    """Why torch's grouped GEMM cannot run the experts here (None: it can). `widths`: hidden and expert FFN sizes;
+    `compiled`: the decoder blocks go through torch.compile (model.compile_blocks)."""
     if not hasattr(F, "grouped_mm"):
         return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm (torch >= 2.10)"
+    if compiled and device.type == "cpu":  # the op's fake (tracing) kernel accepts bf16 only; the CPU kernel is fp32
+        return "model.compile_blocks=true on CPU: torch.compile cannot trace the float32 grouped GEMM"
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (9, 0):
@@ -89,14 +93,14 @@ def grouped_unavailable(device: torch.device, dtype: torch.dtype, widths: tuple[
     return None
 
 
-def choose(impl: str, device: torch.device, dtype: torch.dtype, widths: tuple[int, ...]) -> str:
+def choose(impl: str, device: torch.device, dtype: torch.dtype, widths: tuple[int, ...], compiled: bool = False) -> str:
     """`model.moe_experts_impl` -> "grouped" | "loop": auto takes grouped where it runs and says once why not;
     grouped forced where it cannot run is a ValueError naming the key, the reason and the fix."""
     if impl not in IMPLS:
         raise ValueError(f"model.moe_experts_impl must be one of {list(IMPLS)}, got {impl!r}")
     if impl == "loop":
         return "loop"
-    reason = grouped_unavailable(device, dtype, widths)
+    reason = grouped_unavailable(device, dtype, widths, compiled)
     if reason is None:
         return "grouped"
     if impl == "grouped":

@@ -174,7 +174,7 @@ class TrainerWorker:
         self.moe, self.moe_experts_impl = bool(routers), None  # HF MoE models: "grouped" | "loop" (moe_experts.py)
         if routers:
             self.moe_experts_impl = moe_experts.choose(spec.moe_experts_impl, self.device, DTYPES[self.param_dtype],
-                                                       expert_widths(model))
+                                                       expert_widths(model), spec.compile_blocks)
             install_experts(model, self.moe_experts_impl, moe_experts.grouped_experts_forward)
         self.frozen_names = set(moe_routing.freeze(model)) if spec.freeze_moe_router else set()
 

@@ -46,6 +46,8 @@ CROSS_GROUP = [
      "parallelism.borrow_idle_cpus", "this run's trainer is on GPU"),
     ("shm_across_nodes", ["rollout.weight_sync.transport=shared_memory", "cluster=slurm", "cluster.nodes=2"],
      "rollout.weight_sync.transport", "cannot see it"),
+    ("grouped_experts_compiled_on_cpu", ["model.moe_experts_impl=grouped", "model.compile_blocks=true"],
+     "model.moe_experts_impl", "torch.compile cannot trace"),
     ("unknown_estimator", ["algorithm.estimator=nope"], "algorithm.estimator", "'nope' is not a registered estimator"),
     ("unknown_policy_loss", ["algorithm.policy_loss=nope"], "algorithm.policy_loss", "'nope' is not a registered loss"),
     ("plugin_import", ["algorithm.plugins=[no_such_module_for_molt_tests]"], "algorithm.plugins",

@@ -118,6 +118,10 @@ def test_auto_falls_back_with_one_line_and_grouped_forced_is_refused(caplog, tin
     with pytest.raises(ValueError, match="not multiples of 4 elements"):
         moe_experts.choose("grouped", cpu, torch.float32, (128, 6))
     assert moe_experts.choose("loop", cpu, torch.float32, widths) == "loop"
+    # compiled blocks on CPU: torch.compile's tracing of the fp32 grouped GEMM fails mid-step, so never chosen there
+    assert moe_experts.choose("auto", cpu, torch.float32, widths, compiled=True) == "loop"
+    with pytest.raises(ValueError, match="compile_blocks=true on CPU"):
+        moe_experts.choose("grouped", cpu, torch.float32, widths, compiled=True)
     with pytest.raises(ValueError, match="must be one of"):
         moe_experts.choose("fast", cpu, torch.float32, widths)
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32)
