@@ -23,7 +23,7 @@ from molt_hydra.runtime.plan import Plan
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
-                                        dump_stacks)
+                                        dump_stacks, kill)
 from molt_hydra.runtime.writable import check_outputs
 
 EXIT_INTERRUPTED = 130
@@ -66,13 +66,12 @@ def _run_to_end(coro) -> int:
     """asyncio.run, also where an event loop already runs in this thread (a notebook): the run then gets its own."""
     try:
         asyncio.get_running_loop()
-        running = True
-    except RuntimeError:  # the usual case: no loop here
-        running = False
-    if not running:  # outside the except block, so the run's own errors carry no unrelated context
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
-        return pool.submit(asyncio.run, coro).result()
+    except RuntimeError:  # the usual case: no loop here (the run starts outside the except block, so its own
+        pass  # errors carry no unrelated context)
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
+            return pool.submit(asyncio.run, coro).result()
+    return asyncio.run(coro)
 
 
 async def _main(cfg: RunConfig, record: dict) -> int:
@@ -120,11 +119,7 @@ async def _main(cfg: RunConfig, record: dict) -> int:
 
         started = descendants(os.getpid())
         ray.shutdown()
-        for pid in started:  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
         if last_words:
             sys.stdout.flush()
             print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)

@@ -119,17 +119,12 @@ class Plan:
                          + (f"   ({r.note})" if r.note else ""))
         lines.append("Batch arithmetic (one RL step):")
         lines += [f"  {k:<32} {v}" for k, v in self.batch.items()]
-        if self.memory:
-            lines.append("Memory estimate per device (GiB):")
-            for role, parts in self.memory.items():
-                total = sum(parts.values())
+        for title, table in (("Memory estimate per device (GiB):", self.memory),
+                             ("Memory by phase, one colocated GPU (GiB):", self.phases)):
+            lines += [title] if table else []
+            for name, parts in table.items():
                 detail = ", ".join(f"{k} {v:.3g}" for k, v in parts.items())
-                lines.append(f"  {role:<16} {total:8.3g}   = {detail}")
-        if self.phases:
-            lines.append("Memory by phase, one colocated GPU (GiB):")
-            for phase, parts in self.phases.items():
-                detail = ", ".join(f"{k} {v:.3g}" for k, v in parts.items())
-                lines.append(f"  {phase:<16} {sum(parts.values()):8.3g}   = {detail}")
+                lines.append(f"  {name:<16} {sum(parts.values()):8.3g}   = {detail}")
         lines += ["Assumptions:"] + [f"  - {a}" for a in self.assumptions]
         return "\n".join(lines)
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from molt_hydra.rollout.generator import RunFailed  # noqa: F401 (re-exported: raised by the generator too)
@@ -61,6 +64,13 @@ def descendants(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     kids = [int(p) for p in out.stdout.split()]
     return kids + [g for k in kids for g in descendants(k)]
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL each process that is still there."""
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def dump_stacks(run_dir: str | Path, role_pids: dict[str, int], reason: str) -> Path:
