@@ -75,11 +75,6 @@ class AgentRunnerActor(BatchedCallee):
                 work.cancel()
                 raise asyncio.TimeoutError
 
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
     async def run_group(self, row: dict, n_samples: int, sampling: Sampling) -> list[tuple[object, str | None]]:
         from molt_hydra.agents.base import AGENT_TIMEOUT, Episode
 

@@ -338,15 +338,11 @@ def _role_pids(engines: list, groups: dict, runners: list) -> dict[str, int]:
     """Each role process's pid, by role name (the run record's and the watchdog's view)."""
     import ray
 
-    def pids(handles: list) -> list[int]:
-        return ray.get([h.__ray_call__.remote(lambda s: os.getpid()) for h in handles], timeout=60)
-
-    out = {f"rollout engine {i}": pid for i, pid in enumerate(pids(engines))}
-    for name, g in groups.items():  # absent roles are None
-        out.update({f"{name} rank {i}": pid for i, pid in enumerate(pids(g.workers) if g is not None else [])})
-    out.update({f"agent runner {i}": pid for i, pid in enumerate(ray.get([x.pid.remote() for x in runners],
-                                                                           timeout=60))})
-    return out
+    named = [(f"rollout engine {i}", e) for i, e in enumerate(engines)]
+    named += [(f"{name} rank {i}", w) for name, g in groups.items() if g is not None for i, w in enumerate(g.workers)]
+    named += [(f"agent runner {i}", r) for i, r in enumerate(runners)]
+    pids = ray.get([h.__ray_call__.remote(lambda _: os.getpid()) for _, h in named], timeout=60)
+    return {name: pid for (name, _), pid in zip(named, pids)}
 
 
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
