@@ -73,7 +73,6 @@ class RLController:
         self.cfg, self.roles, self.calls, self.log = cfg, roles, roles.calls, log
         t = cfg.train
         self.depth = 0 if t.mode.value == "sync" else t.queue_depth
-        self.partial = t.partial_rollout
         self.step = 0  # training steps done
         self.version = 0  # policy version of the trainer's weights (and, after each sync, of the engines')
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -96,17 +95,14 @@ class RLController:
             self.trajectory_images = TrajectoryImages.for_model(resolve_path(cfg.model.path))
 
     # ------------------------------------------------------------------ producer
-    async def _wait_step(self, step: int) -> None:
-        async with self.step_done:
-            await self.step_done.wait_for(lambda: self.step >= step)
-
     async def produce(self) -> None:
         """Generate batch j once training step j - D is done (so the engines hold that step's weights)."""
         gen = self.roles.generator
         while not self.exhausted:
             j = self.batches_made
             t0 = time.perf_counter()
-            await self._wait_step(max(j - self.depth, 0))
+            async with self.step_done:
+                await self.step_done.wait_for(lambda: self.step >= max(j - self.depth, 0))
             idle = time.perf_counter() - t0
             t1 = time.perf_counter()
             if self.cfg.train.rollout_replay_dir:
@@ -276,7 +272,7 @@ class RLController:
     async def sync_weights(self) -> dict[str, float]:
         """Version k -> k+1 on every engine, after batch k + D exists (unless partial rollout)."""
         t0 = time.perf_counter()
-        if not self.partial:
+        if not self.cfg.train.partial_rollout:
             async with self.batch_made:
                 await deadline(self.batch_made.wait_for(
                     lambda: self.batches_made > self.step + self.depth or self.exhausted),
@@ -308,10 +304,8 @@ class RLController:
     # ------------------------------------------------------------------ eval and checkpoints
     async def maybe_eval(self, force: bool = False) -> None:
         e = self.cfg.eval
-        if self.roles.eval_rows is None:
-            return
         due = force or (e.every_steps > 0 and self.step >= (self.next_eval or e.every_steps))
-        if not due:
+        if self.roles.eval_rows is None or not due:
             return
         if e.every_steps > 0:
             self.next_eval = (self.step // e.every_steps + 1) * e.every_steps
@@ -334,17 +328,9 @@ class RLController:
 
     def client_state(self) -> dict:
         queued = list(self.queue._queue)  # finished, untrained batches: trained first after a resume
-        return {
-            "step": self.step,
-            "version": self.version,
-            "generator": self.roles.generator.state_dict(),
-            "queued": queued,
-            "batches_made": self.step + len(queued),
-            "best": self.best,
-            "next_eval": self.next_eval,
-            "kl_coef": self.kl_ctl.value,
-            "wandb_id": self.log.sinks.wandb_id,
-        }
+        return {"step": self.step, "version": self.version, "generator": self.roles.generator.state_dict(),
+                "queued": queued, "batches_made": self.step + len(queued), "best": self.best,
+                "next_eval": self.next_eval, "kl_coef": self.kl_ctl.value, "wandb_id": self.log.sinks.wandb_id}
 
     async def save_best(self) -> None:
         """The best policy so far by `checkpoint.best_metric_key`, as an HF snapshot beside the checkpoints."""
@@ -381,9 +367,8 @@ class RLController:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
-        cfg = self.cfg
         await self.calls.freeze_heaps()
-        if self.step == 0 and cfg.eval.at_start:
+        if self.step == 0 and self.cfg.eval.at_start:
             await self.maybe_eval(force=True)
         producer = asyncio.create_task(self.produce())
         keeper = self.calls.keeper  # replaces dead engines meanwhile; its failure (too many restarts) ends the run
@@ -425,10 +410,7 @@ class RLController:
             sync = self.sync_weights() if not frozen else self.push(self.version) if self.colocated else asyncio.sleep(
                 0, {})
             counts, synced = await asyncio.gather(self.calls.router_metrics(), sync)
-            metrics.update(counts)
-            metrics.update(keeper.metrics())
-            metrics["timing/actor_idle_wait"] = waited
-            metrics.update(synced)
+            metrics.update({**counts, **keeper.metrics(), "timing/actor_idle_wait": waited, **synced})
             async with self.step_done:
                 self.step += 1
                 self.step_done.notify_all()
