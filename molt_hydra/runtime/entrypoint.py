@@ -16,6 +16,7 @@ import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
@@ -150,26 +151,20 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
     if drops:
         lines.append("  dropped samples by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
         examples = {}
-        if roles is not None:
-            try:
-                examples = await roles.calls.example_errors()
-            except Exception:  # noqa: BLE001 - the summary is shown without examples
-                pass
+        with suppress(Exception):  # the summary is shown without examples
+            examples = await roles.calls.example_errors() if roles is not None else {}
         for reason, example in sorted(examples.items()):
             if reason in drops:
                 lines.append(f"  example error ({reason}): {example}")
-    try:
+    last = None
+    with suppress(OSError):
         last = resolve_checkpoint(cfg.checkpoint.dir) if cfg.job.value != "eval" else None
-    except OSError:
-        last = None
     lines.append(f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
                  else "Last checkpoint: none (the run starts from step 0 again)")
     details = Path(cfg.output_dir) / "failure.txt"
-    try:
+    with suppress(OSError):
         details.write_text("\n".join(lines) + "\n\n" + "".join(traceback.format_exception(error)))
         lines.append(f"Details (traceback): {details}")
-    except OSError:
-        pass
     return lines
 
 
