@@ -53,13 +53,15 @@ class ModelShape:
     # (in, out) of each decoder block's linear modules a LoRA may adapt (models/lora.py), and of the lm_head
     linears: dict = field(default_factory=dict)
 
-    def lora_params(self, rank: int, targets: list[str] | None) -> float:
-        """Parameters of a rank-`rank` adapter on `targets` (None: the family's default, here every listed linear
-        but the lm_head): rank x (in + out) per adapted module."""
+    def trained_params(self, lora) -> float:
+        """Parameters the optimizer steps (grads and AdamW moments): every one, or under LoRA the adapter's: rank x
+        (in + out) per adapted module on `model.lora.target_modules` (None: the family's default, here every listed
+        linear but the lm_head)."""
+        targets = lora.target_modules
         per_layer = sum(i + o for name, (i, o) in self.linears.items()
                         if name != "lm_head" and (targets is None or name in targets))
         head = sum(self.linears.get("lm_head", (0, 0))) if targets and "lm_head" in targets else 0
-        return rank * (self.layers * per_layer + head)
+        return lora.rank * (self.layers * per_layer + head) if lora.rank else self.params
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelShape":
@@ -154,14 +156,13 @@ def make_plan(cfg: RunConfig) -> Plan:
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples = r.batch_size * r.n_samples_per_prompt
     per_rank = samples // dp
-    mb_per_rank = math.ceil(per_rank / t.micro_batch_size)
     steps = 1 if t.force_on_policy else samples // t.batch_size
     batch: dict[str, int | str] = {
         "prompt groups x samples": f"{r.batch_size} x {r.n_samples_per_prompt} = {samples}",
         "data-parallel ranks": dp,
         "samples per rank": per_rank,
         "micro-batches per rank": (f"token budget {t.max_tokens_per_micro_batch}" if t.dynamic_batch
-                                   else f"{mb_per_rank} of {t.micro_batch_size}"),
+                                   else f"{math.ceil(per_rank / t.micro_batch_size)} of {t.micro_batch_size}"),
         "optimizer steps per rollout batch": f"{steps} x {t.epochs} epoch(s) = {steps * t.epochs}",
         "accumulation per optimizer step": ("dynamic" if t.dynamic_batch
                                             else t.batch_size // (t.micro_batch_size * dp)),
@@ -192,9 +193,7 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
         return
     weights = DTYPE_BYTES[cfg.model.param_dtype.value] + 4 if cfg.model.master_weights.value == "optimizer" else 4
     critic = cfg.job.value == "rl" and "critic" in _trainer_roles(cfg)
-    lora = cfg.model.lora
-    trained = shape.lora_params(lora.rank, lora.target_modules) if lora.rank else shape.params  # AdamW's moments
-    one = (weights * shape.params + 8 * trained) * (1 + critic) / 1e9
+    one = (weights * shape.params + 8 * shape.trained_params(cfg.model.lora)) * (1 + critic) / 1e9
     at = Path(c.dir).absolute()
     while not at.exists():
         at = at.parent
@@ -238,7 +237,7 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
     else:
         state = {"weights fp32": 4 * P / shard / GIB, "grads fp32": 4 * P / shard / GIB}
     lora = m.lora
-    trained = shape.lora_params(lora.rank, lora.target_modules) if lora.rank else P  # grads and moments: these only
+    trained = shape.trained_params(lora)
     if lora.rank:
         state["grads fp32"] = 4 * trained / shard / GIB
     # the HF backend's text actor takes log-probs through the lm_head a chunk of tokens at a time (models/logprobs.py):

@@ -134,9 +134,7 @@ def varying_overrides(points: list[Point]) -> dict[int, list[str]]:
 
 def _parse_metric(spec: str) -> tuple[str, str]:
     key, _, mode = spec.rpartition(":")
-    if not key or mode not in ("max", "min"):
-        return spec, "max"
-    return key, mode
+    return (key, mode) if key and mode in ("max", "min") else (spec, "max")
 
 
 def _fmt(v: float | None) -> str:
@@ -282,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     points = load_points(args.sweep_dir)
     if not points:
         print(f"molt-report: no sweep points under {args.sweep_dir} "
-              "(no metrics.jsonl, */.hydra/overrides.yaml or .submitit/)",
-              file=sys.stderr)
+              "(no metrics.jsonl, */.hydra/overrides.yaml or .submitit/)", file=sys.stderr)
         return 2
     print(render(*table(points, metrics)))
     key = metrics[0][0]
