@@ -303,32 +303,29 @@ def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engi
     steps, the engine sleeps (weights and KV cache released). The engine's `gpu_memory_utilization` is what the
     generate phase leaves; a user's value, or a step that does not fit beside a sleeping engine, is checked here."""
     r, p, mem = cfg.rollout, cfg.parallelism, cfg.cluster.memory_gb_per_device
-    resident = {k: v for k, v in trainer.items() if k.startswith(("weights", "fp32 master", "adamw"))}
+    resident = sum(v for k, v in trainer.items() if k.startswith(("weights", "fp32 master", "adamw")))
     weights = sum(v for k, v in trainer.items() if k.startswith("weights"))
     ref = p.colocate_models and "reference" in _trainer_roles(cfg)  # on these GPUs too
     critic = p.colocate_models and "critic" in _trainer_roles(cfg)
-    others = ref * weights + critic * sum(resident.values())
-    roles = 1 + ref + critic
-    contexts = CUDA_CONTEXT_GIB * (1 + roles)
-    leaves = mem * (1 - FRAGMENTATION) - contexts - sum(resident.values()) - others
+    others = ref * weights + critic * resident
+    contexts = CUDA_CONTEXT_GIB * (2 + ref + critic)  # the engine's and each trainer role's
+    leaves = mem * (1 - FRAGMENTATION) - contexts - resident - others
     if r.gpu_memory_utilization is None:
         r.gpu_memory_utilization = max(round(leaves / mem, 3), 0.001)
     engine = r.gpu_memory_utilization * mem
-    plan.phases["generate"] = {"engine (gpu_memory_utilization)": engine, "trainer resident": sum(resident.values()),
-                               "other roles resident": others, "CUDA contexts": contexts}
-    plan.phases["train"] = {"engine asleep": ENGINE_ASLEEP_GIB, "trainer step peak": sum(trainer.values()),
-                            "other roles resident": others, "CUDA contexts": contexts}
-    plan.phases["wake + sync"] = {"engine weights": engine_weights, "trainer resident": sum(resident.values()),
-                                  "other roles resident": others, "CUDA contexts": contexts}
+    beside = {"other roles resident": others, "CUDA contexts": contexts}
+    plan.phases["generate"] = {"engine (gpu_memory_utilization)": engine, "trainer resident": resident, **beside}
+    plan.phases["train"] = {"engine asleep": ENGINE_ASLEEP_GIB, "trainer step peak": sum(trainer.values()), **beside}
+    plan.phases["wake + sync"] = {"engine weights": engine_weights, "trainer resident": resident, **beside}
     plan.assumptions.append(
         f"colocated: rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} of {mem:g} GiB (the generate phase's "
-        f"room after {sum(resident.values()):.3g} GiB of trainer state, {contexts:g} GiB of CUDA contexts and "
+        f"room after {resident:.3g} GiB of trainer state, {contexts:g} GiB of CUDA contexts and "
         f"{FRAGMENTATION:.0%} for fragmentation); a sleeping engine keeps ~{ENGINE_ASLEEP_GIB:g} GiB")
     problems = []
     if engine < engine_weights + 1.0:
         problems.append(f"- rollout.gpu_memory_utilization: colocated, the engine gets {engine:.3g} GiB of the GPU's "
                         f"{mem:g} but needs {engine_weights:.3g} GiB of weights plus >= 1 GiB for activations and KV "
-                        f"cache (the trainer keeps {sum(resident.values()):.3g} GiB resident). Fix: more trainer ranks "
+                        f"cache (the trainer keeps {resident:.3g} GiB resident). Fix: more trainer ranks "
                         "(parallelism.trainer_devices) to shard its state, model.master_weights=optimizer, "
                         "parallelism.offload=full, or parallelism.colocate=false")
     for phase, parts in plan.phases.items():

@@ -49,15 +49,11 @@ def describe(error: BaseException) -> str:
 
 
 async def deadline(awaitable, seconds: float, role: str, what: str):
-    """Await `awaitable` (a coroutine or a Ray ObjectRef) for at most `seconds`."""
+    """Await `awaitable` (a coroutine, a future or a Ray ObjectRef) for at most `seconds`."""
     try:
-        return await asyncio.wait_for(_as_awaitable(awaitable), timeout=seconds)
+        return await asyncio.wait_for(awaitable, timeout=seconds)
     except asyncio.TimeoutError:
         raise RoleStalled(role, what, seconds) from None
-
-
-async def _as_awaitable(obj):
-    return await obj
 
 
 def descendants(pid: int) -> list[int]:
