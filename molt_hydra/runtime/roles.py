@@ -173,9 +173,7 @@ def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
     """Optimizer steps the LR schedule spans (Molt §4.6 max_steps)."""
     t, r = cfg.train, cfg.rollout
     per_batch = 1 if t.force_on_policy else max(r.batch_size * r.n_samples_per_prompt // t.batch_size, 1)
-    if t.max_steps is not None:
-        return max(t.max_steps * per_batch * t.epochs, 1)
-    batches = num_prompts // r.batch_size * t.num_episodes
+    batches = t.max_steps if t.max_steps is not None else num_prompts // r.batch_size * t.num_episodes
     return max(batches * per_batch * t.epochs, 1)
 
 
@@ -281,16 +279,15 @@ async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...]
     # colocate_models: actor / reference / critic ranks share each device (time-sliced), as Molt's 0.2-GPU actors
     gpu_share = (1.0 / len(fsdp) if p.colocate_models else 1.0) if cfg.cluster.device.value == "cuda" else 0
 
-    def group(role: str, worker_cls, optimizer=None, path=None, **extra):
+    async def start(name: str, role: str, worker_cls, optimizer=t.optimizer, path=model_path, **extra):
+        """One role's group, built in a thread: its constructor blocks until every rank is up."""
         on_shared = shared_gpus if role == "actor" or p.colocate_models else None
-        spec = trainer_spec(cfg, role, optimizer or t.optimizer, path or model_path, total_steps, **extra)
-        return TrainerGroup(
-            p.trainer_devices, spec, num_gpus_per_rank=gpu_share if on_shared is None else share, num_cpus_per_rank=1,
-            worker_cls=worker_cls, placement_group=on_shared,
+        spec = trainer_spec(cfg, role, optimizer, path, total_steps, **extra)
+        build = asyncio.to_thread(
+            TrainerGroup, p.trainer_devices, spec, num_gpus_per_rank=gpu_share if on_shared is None else share,
+            num_cpus_per_rank=1, worker_cls=worker_cls, placement_group=on_shared,
             startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus)
-
-    async def start(name: str, *args, **extra):
-        return await deadline(asyncio.to_thread(group, *args, **extra), t.timeouts.startup_s, name, "start")
+        return await deadline(build, t.timeouts.startup_s, name, "start")
 
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     actor = await start("actor", "actor", policy_cls, routing_replay=r.routing_replay)
