@@ -97,7 +97,6 @@ class RLController:
     # ------------------------------------------------------------------ producer
     async def produce(self) -> None:
         """Generate batch j once training step j - D is done (so the engines hold that step's weights)."""
-        gen = self.roles.generator
         while not self.exhausted:
             j = self.batches_made
             t0 = time.perf_counter()
@@ -111,7 +110,7 @@ class RLController:
                 # hints are sent, not awaited (round trips on the rollout's critical path), except the one a sync
                 # step's training must see first (its thread count changes float reductions)
                 await self.calls.engines_busy(True, wait=False)
-                batch = await gen.generate_batch()
+                batch = await self.roles.generator.generate_batch()
                 await self.calls.engines_busy(False, wait=self.depth == 0)
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
             if self.cfg.train.rollout_dump_dir and batch.groups:
@@ -207,14 +206,11 @@ class RLController:
     async def _forward_passes(self, samples: list[dict], shape, one_pass: bool):
         """[B, L] old log-probs (None under one pass: the training forward gives them), the reference's log-probs
         and the critic's values (None without those roles), each from its role's no-grad forward."""
-        roles, out = self.roles, []
+        roles, calls, out = self.roles, self.calls, []
         for group, role, kw in ((None if one_pass else roles.actor, "actor", {"mask_key": "action_mask"}),
                                 (roles.ref, "reference", {"mask_key": "action_mask"}), (roles.critic, "critic", {})):
-            if group is None:
-                out.append(None)
-                continue
-            per_rank = await self.calls.ranks(group, "compute_logprobs", shard=samples, role=role, **kw)
-            out.append(stack_padded([x for rank in per_rank for x in rank], shape))
+            per_rank = await calls.ranks(group, "compute_logprobs", shard=samples, role=role, **kw) if group else []
+            out.append(stack_padded([x for rank in per_rank for x in rank], shape) if group else None)
         return tuple(out)
 
     def _advantages(self, b, old_logp, ref_logp, values, metrics: dict[str, float]):
@@ -334,7 +330,7 @@ class RLController:
 
     async def save_best(self) -> None:
         """The best policy so far by `checkpoint.best_metric_key`, as an HF snapshot beside the checkpoints."""
-        best = Path(self.roles.ckpt_dir) / "best"
+        best = Path(self.cfg.checkpoint.dir) / "best"
         await self.calls.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
         key, value = self.best
         (best / "best.json").write_text(json.dumps({"step": self.step, "metric": key, "value": value}))
@@ -344,15 +340,14 @@ class RLController:
         trainer's atomic save, so a checkpoint is either complete or absent."""
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
-        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep,
+        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", ckpt.dir, state, keep=keep,
                                             max_disk_gb=ckpt.max_disk_gb)
         if self.roles.critic is not None:
-            await self.calls.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
-                                   {"rl_step": self.step}, keep=keep, max_disk_gb=ckpt.max_disk_gb, role="critic")
+            await self.calls.ranks(self.roles.critic, "save_checkpoint", ckpt.dir + "_critic", {"rl_step": self.step},
+                                   keep=keep, max_disk_gb=ckpt.max_disk_gb, role="critic")
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
-            hf = Path(self.roles.ckpt_dir) / "hf" / f"step_{self.step}"
-            await self.calls.ranks(self.roles.actor, "export_hf", str(hf),
+            await self.calls.ranks(self.roles.actor, "export_hf", str(Path(ckpt.dir) / "hf" / f"step_{self.step}"),
                                    DTYPE_NAMES[self.cfg.model.param_dtype.value])
         self.roles.last_checkpoint = path
 

@@ -211,14 +211,14 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
 
     calls, state, found = roles.calls, None, None
     if cfg.checkpoint.resume.value != "never":
-        found = resolve_checkpoint(roles.ckpt_dir)
+        found = resolve_checkpoint(cfg.checkpoint.dir)
         if found is None and cfg.checkpoint.resume.value == "must":
-            raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {roles.ckpt_dir}")
+            raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {cfg.checkpoint.dir}")
         if found is not None:
             warm = cfg.checkpoint.load_model_only  # weights only: the loop, optimizer and data start fresh
-            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir, model_only=warm)
+            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", cfg.checkpoint.dir, model_only=warm)
             if roles.critic is not None:
-                await calls.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", model_only=warm,
+                await calls.ranks(roles.critic, "load_checkpoint", cfg.checkpoint.dir + "_critic", model_only=warm,
                                   role="critic")
             state = None if warm else client["loop"]
             if warm:

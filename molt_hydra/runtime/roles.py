@@ -91,7 +91,6 @@ class Roles:
     policy_loss: object
     pad_token_id: int
     tokenizer: object
-    ckpt_dir: str
     run_record: dict
     transport: str
     eval_rows: list | None = None
@@ -380,8 +379,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     transport = await setup_weight_sync(cfg, actor, engines)
     roles = Roles(
         engines=engines, actor=actor, ref=ref, critic=critic, runners=runners,
-        generator=_generator(cfg, prompts, runners), pad_token_id=tokenizer.pad_token_id or 0, policy_loss=_policy_loss(cfg), tokenizer=tokenizer,
-        ckpt_dir=cfg.checkpoint.dir, run_record=run_record, transport=transport, eval_rows=eval_rows,
+        generator=_generator(cfg, prompts, runners), pad_token_id=tokenizer.pad_token_id or 0, tokenizer=tokenizer,
+        run_record=run_record, transport=transport, eval_rows=eval_rows, policy_loss=_policy_loss(cfg),
         role_pids=_role_pids(engines, {"actor": actor, "reference": ref, "critic": critic}, runners),
         new_engine=new_engine)
     roles.calls = RoleCalls(roles, t.timeouts, r.weight_sync, r.dtype.value)

@@ -32,7 +32,8 @@ def git_state() -> dict:
         out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 else ""
 
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": dirty}
 
 
 def versions() -> dict[str, str]:
