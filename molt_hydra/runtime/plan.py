@@ -136,7 +136,7 @@ def _trainer_roles(cfg: RunConfig) -> tuple[str, ...]:
 
 
 def make_plan(cfg: RunConfig) -> Plan:
-    r, p, t, a = cfg.rollout, cfg.parallelism, cfg.train, cfg.algorithm
+    r, p, t = cfg.rollout, cfg.parallelism, cfg.train
     fsdp = _trainer_roles(cfg)
     trainer_share = round(1.0 / len(fsdp), 2) if p.colocate_models and len(fsdp) > 1 else 1.0
     roles: list[Role] = []

@@ -18,7 +18,6 @@ when the last step reached train.max_steps).
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import re
 import shutil
