@@ -98,10 +98,8 @@ class AgentRunnerActor(BatchedCallee):
             return [(None, AGENT_TIMEOUT)] * n_samples
         for reason, error in outcome.errors.items():
             self.errors.setdefault(reason, error)
-        results: list[tuple[object, str | None]] = [
-            (None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
-        results += [(t, None) for t in outcome.trajectories]
-        return results
+        failed = [(None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
+        return failed + [(t, None) for t in outcome.trajectories]
 
     def router_metrics(self) -> dict[str, float]:
         from molt_hydra.agents.tool_parser import parse_failures

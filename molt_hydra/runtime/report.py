@@ -69,12 +69,9 @@ def _sacct_states(job_ids: list[str]) -> dict[str, str]:
         return {}
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
                          capture_output=True, text=True, timeout=30)
-    states = {}
-    for line in out.stdout.splitlines():
-        job, _, state = line.partition("|")
-        if job in job_ids:
-            states[job] = state.split()[0].lower() if state else ""  # "CANCELLED by 0" -> cancelled
-    return states
+    rows = (line.partition("|")[::2] for line in out.stdout.splitlines())  # (job, state)
+    # the state's first word, lower case: "CANCELLED by 0" -> cancelled
+    return {job: state.split()[0].lower() if state else "" for job, state in rows if job in job_ids}
 
 
 def _status_from_result(result: tuple) -> str:
