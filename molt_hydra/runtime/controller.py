@@ -160,12 +160,10 @@ class RLController:
         metrics.update(experience_metrics(exps, returns, b.action_mask))
         timing["timing/make_experience"] = time.perf_counter() - t0
 
-        use_ref = ref_logp if cfg.algorithm.kl.use_loss else None
-        rows = trainer_rows(b, exps, advantages=advantages, rollout_logprobs=b.rollout_log_probs,
-                            old_logprobs=old_logp, ref_logprobs=use_ref, values=values,
+        rows = trainer_rows(b, exps, advantages=advantages, rollout_logprobs=b.rollout_log_probs, values=values,
+                            old_logprobs=old_logp, ref_logprobs=ref_logp if cfg.algorithm.kl.use_loss else None,
                             returns=returns if values is not None else None)
-        metrics["actor_frozen"] = float(frozen)
-        metrics["kl_coef"] = self.kl_ctl.value
+        metrics.update(actor_frozen=float(frozen), kl_coef=self.kl_ctl.value)
         t1 = time.perf_counter()
         if not frozen:
             trained = await self._train_actor(rows, steps, one_pass, b.action_mask.shape, metrics)
@@ -417,8 +415,7 @@ class RLController:
             metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
             self.log.step(self.step, metrics, batch)
             last = metrics
-            save_every = cfg.checkpoint.save_steps
-            if save_every > 0 and self.step % save_every == 0:
+            if cfg.checkpoint.save_steps > 0 and self.step % cfg.checkpoint.save_steps == 0:
                 await self.save()
             await self.maybe_eval()
         return last
