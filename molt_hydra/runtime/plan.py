@@ -83,11 +83,9 @@ class ModelShape:
         linears = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
                    "o_proj": (heads * hd, h), "lm_head": (h, V),
                    **({} if experts else {"gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)})}
-        return cls(
-            params=L * (attn + mlp_total) + embed + vision,
-            active_params=L * (attn + mlp_active) + embed + vision,
-            layers=L, hidden=h, vocab=V, kv_bytes_per_token_per_byte=2 * L * kv * hd, vision=vlm, linears=linears,
-        )
+        return cls(params=L * (attn + mlp_total) + embed + vision,
+                   active_params=L * (attn + mlp_active) + embed + vision, layers=L, hidden=h, vocab=V,
+                   kv_bytes_per_token_per_byte=2 * L * kv * hd, vision=vlm, linears=linears)
 
 
 def model_shape(path: str) -> ModelShape | None:
@@ -246,13 +244,9 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
     chunk = min(LOGPROB_CHUNK_TOKENS, tokens_per_rank)
     logits = ({f"logits fp32, {chunk} tokens at a time": 4 * shape.vocab * (3 * chunk + shape.hidden) / GIB}
               if fused_head else {"logits fp32": 4 * shape.vocab * tokens_per_rank / GIB})
-    trainer = {
-        **state,
-        "adamw moments": 0.0 if p.offload.value != "none" else 8 * trained / shard / GIB,
-        "gathered layer": compute_bytes * (P - shape.vocab * shape.hidden) / shape.layers / GIB,
-        "activations": act_per_token * tokens_per_rank / GIB,
-        **logits,
-    }
+    trainer = {**state, "adamw moments": 0.0 if p.offload.value != "none" else 8 * trained / shard / GIB,
+               "gathered layer": compute_bytes * (P - shape.vocab * shape.hidden) / shape.layers / GIB,
+               "activations": act_per_token * tokens_per_rank / GIB, **logits}
     return trainer, [
         f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers"
         + (f"; LoRA rank {lora.rank}: {trained / 1e6:,.2f} M trained (grads, AdamW moments)" if lora.rank else ""),
