@@ -46,9 +46,9 @@ class Point:
     status: str = ""
 
 
-def _submissions(sweep: Path) -> dict[int, tuple[str, list[str], tuple | None]]:
-    """job number -> (Slurm/local job id, overrides, result) from submitit's folder."""
-    found: dict[int, tuple[str, list[str], tuple | None]] = {}
+def _add_submissions(sweep: Path, points: dict[int, Point]) -> None:
+    """Each job of submitit's folder onto its point (added when Hydra has not started it): its Slurm/local job id and
+    its result."""
     for sub in sorted(sweep.glob(".submitit/*/*_submitted.pkl")):
         job_id = sub.name.removesuffix("_submitted.pkl")
         try:  # DelayedSubmission(launcher, overrides, dir_key, job_num, ...)
@@ -60,8 +60,8 @@ def _submissions(sweep: Path) -> dict[int, tuple[str, list[str], tuple | None]]:
             result = pickle.loads(res.read_bytes()) if res.is_file() else None
         except Exception as e:  # noqa: BLE001
             result = ("error", f"unreadable result: {e}")
-        found[int(args[2])] = (job_id, list(args[0]), result)
-    return found
+        point = points.setdefault(int(args[2]), Point(num=int(args[2]), overrides=list(args[0])))
+        point.job_id, point.result = job_id, result
 
 
 def _sacct_states(job_ids: list[str]) -> dict[str, str]:
@@ -98,9 +98,7 @@ def load_points(sweep: Path) -> list[Point]:
             num = int(hydra_cfg.get("hydra", {}).get("job", {}).get("num", pdir.name.split("_", 1)[0]))
             points[num] = Point(num=num, overrides=list(yaml.safe_load(over.read_text()) or []), dir=pdir,
                                 max_steps=_max_steps(yaml.safe_load((pdir / ".hydra" / "config.yaml").read_text())))
-        for num, (job_id, overrides, result) in _submissions(sweep).items():
-            p = points.setdefault(num, Point(num=num, overrides=overrides))
-            p.job_id, p.result = job_id, result
+        _add_submissions(sweep, points)
     states = _sacct_states([p.job_id for p in points.values() if p.job_id and p.result is None])
     for p in points.values():
         p.rows = read_metrics(p.dir / "metrics.jsonl") if p.dir else []
