@@ -16,8 +16,7 @@ WRITERS = ("save_checkpoint", "export_hf")  # trainer calls that write to disk: 
 class RoleCalls:
     def __init__(self, roles, timeouts: TimeoutsConfig, weight_sync: WeightSyncConfig, engine_dtype: str):
         """`roles`: the built handles (runtime/roles.py `Roles`); `engine_dtype`: the dtype on the wire."""
-        self.roles, self.timeouts, self.weight_sync = roles, timeouts, weight_sync
-        self.engine_dtype = engine_dtype
+        self.roles, self.timeouts, self.weight_sync, self.engine_dtype = roles, timeouts, weight_sync, engine_dtype
         self.engines_lock = asyncio.Lock()  # a weight push and an engine replacement never overlap
         self.keeper = None  # runtime/engine_keeper.py, when dead engines are replaced
         self.failed_hint: BaseException | None = None  # an unawaited engines_busy hint's error, raised by the next

@@ -71,8 +71,7 @@ class RLController:
     def __init__(self, cfg: RunConfig, roles, log):
         """`roles`: the built runtime (runtime/roles.py) reached through `roles.calls`; `log`: logging/run_log.py."""
         self.cfg, self.roles, self.calls, self.log = cfg, roles, roles.calls, log
-        t = cfg.train
-        self.depth = 0 if t.mode.value == "sync" else t.queue_depth
+        self.depth = 0 if cfg.train.mode.value == "sync" else cfg.train.queue_depth
         self.step = 0  # training steps done
         self.version = 0  # policy version of the trainer's weights (and, after each sync, of the engines')
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -86,8 +85,8 @@ class RLController:
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
         self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
-        a = cfg.algorithm
-        self.kl_ctl = make_kl_controller(a.kl.coef, a.kl.target, a.kl.horizon)
+        kl = cfg.algorithm.kl
+        self.kl_ctl = make_kl_controller(kl.coef, kl.target, kl.horizon)
         self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
         if cfg.data.max_images_per_prompt:
             from molt_hydra.models.build import resolve_path
@@ -277,8 +276,7 @@ class RLController:
         trainer_view = await self.calls.trainer_probe_view() if probed else None  # before the push wakes engines
         t2 = time.perf_counter()
         pushed = await self.push(version)  # trainer rank 0's weight_sync/* (which path ran)
-        self.version = version
-        self.trainer_ahead = False
+        self.version, self.trainer_ahead = version, False
         synced = {**pushed, "timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t2}
         if probed:
             synced.update(await self.calls.sync_probe(version, trainer_view))
