@@ -59,8 +59,7 @@ class PolicyWorkerMixin:
                 copies = math.prod(param.device_mesh.size(i) for i, p in enumerate(param.placements)
                                    if p.is_replicate())
             for group, values in group_sums([(name, local)], getattr(torch, dtype)).items():
-                acc = sums.setdefault(group, [0.0] * 4)
-                sums[group] = [a + v / copies for a, v in zip(acc, values)]
+                sums[group] = [a + v / copies for a, v in zip(sums.get(group, [0.0] * 4), values)]
         groups = sorted(sums)
         if dist.is_initialized() and dist.get_world_size() > 1:
             table = torch.tensor([sums[g] for g in groups], dtype=torch.float64, device=self.device)
