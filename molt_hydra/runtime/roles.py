@@ -129,6 +129,12 @@ def extra_engine_args(cfg: RunConfig) -> dict:
 def engine_args(cfg: RunConfig, model_path: str, capture_routing: bool, index: int) -> dict:
     """`VLLMEngine`'s arguments for engine `index` of a run (bench/rollout_overhead.py builds its engines from them)."""
     r, colocate = cfg.rollout, cfg.parallelism.colocate
+    # A colocated engine sleeps while the trainer steps. GPU: level 2 releases its weights and KV cache, since the next
+    # sync rewrites every weight; level 1 keeps the weights in host memory where syncs leave some out (LoRA: the base,
+    # only the adapter travels; `model.freeze_moe_router`: the routers never change, so never travel). CPU, which has
+    # no sleep mode: 0, paused.
+    on_gpu = cfg.cluster.device.value == "cuda"
+    sleep_level = (1 if cfg.model.lora.rank or cfg.model.freeze_moe_router else 2) if on_gpu else 0
     return dict(model=model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
                 enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
                 max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
@@ -137,17 +143,7 @@ def engine_args(cfg: RunConfig, model_path: str, capture_routing: bool, index: i
                 return_routed_experts=capture_routing, engine_index=index, extra_engine_args=extra_engine_args(cfg),
                 plain_cpu_weights=r.plain_cpu_weights, lora_rank=cfg.model.lora.rank,
                 lora_target_modules=cfg.model.lora.target_modules,
-                sleep_level=colocated_sleep_level(cfg) if colocate else None)
-
-
-def colocated_sleep_level(cfg: RunConfig) -> int:
-    """How a colocated engine sleeps while the trainer steps. GPU: level 2 releases its weights and KV cache, since
-    the next sync rewrites every weight; level 1 keeps the weights in host memory where syncs leave some out (LoRA:
-    the base, only the adapter travels; `model.freeze_moe_router`: the routers never change, so never travel).
-    CPU, which has no sleep mode: 0, paused."""
-    if cfg.cluster.device.value != "cuda":
-        return 0
-    return 1 if cfg.model.lora.rank or cfg.model.freeze_moe_router else 2
+                sleep_level=sleep_level if colocate else None)
 
 
 async def colocated_placement(cfg: RunConfig, fsdp_roles: int):
