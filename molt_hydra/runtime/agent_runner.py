@@ -75,11 +75,6 @@ class AgentRunnerActor(BatchedCallee):
                 work.cancel()
                 raise asyncio.TimeoutError
 
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
     async def run_group(self, row: dict, n_samples: int, sampling: Sampling) -> list[tuple[object, str | None]]:
         from molt_hydra.agents.base import AGENT_TIMEOUT, Episode
 
@@ -103,10 +98,8 @@ class AgentRunnerActor(BatchedCallee):
             return [(None, AGENT_TIMEOUT)] * n_samples
         for reason, error in outcome.errors.items():
             self.errors.setdefault(reason, error)
-        results: list[tuple[object, str | None]] = [
-            (None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
-        results += [(t, None) for t in outcome.trajectories]
-        return results
+        failed = [(None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
+        return failed + [(t, None) for t in outcome.trajectories]
 
     def router_metrics(self) -> dict[str, float]:
         from molt_hydra.agents.tool_parser import parse_failures

@@ -5,6 +5,7 @@ config groups, never the root config."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import suppress
 
 from molt_hydra.config.schema import TimeoutsConfig, WeightSyncConfig
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline, describe
@@ -15,8 +16,7 @@ WRITERS = ("save_checkpoint", "export_hf")  # trainer calls that write to disk: 
 class RoleCalls:
     def __init__(self, roles, timeouts: TimeoutsConfig, weight_sync: WeightSyncConfig, engine_dtype: str):
         """`roles`: the built handles (runtime/roles.py `Roles`); `engine_dtype`: the dtype on the wire."""
-        self.roles, self.timeouts, self.weight_sync = roles, timeouts, weight_sync
-        self.engine_dtype = engine_dtype
+        self.roles, self.timeouts, self.weight_sync, self.engine_dtype = roles, timeouts, weight_sync, engine_dtype
         self.engines_lock = asyncio.Lock()  # a weight push and an engine replacement never overlap
         self.keeper = None  # runtime/engine_keeper.py, when dead engines are replaced
         self.failed_hint: BaseException | None = None  # an unawaited engines_busy hint's error, raised by the next
@@ -29,13 +29,8 @@ class RoleCalls:
         per_rank = ([(NumpyPickled(part), *args) for part in group.shard(shard)] if shard is not None
                     else [args] * group.num_ranks)
         refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
-        results = await deadline(asyncio.gather(*refs, return_exceptions=True), self.timeouts.trainer_call_s, role,
-                                 method)
-        for rank, result in enumerate(results):
-            if isinstance(result, Exception):
-                who = f"checkpoint writer ({role} rank {rank})" if method in WRITERS else f"{role} rank {rank}"
-                raise RunFailed(who, f"{method} failed: {describe(result)}") from result
-        return results
+        named = "checkpoint writer ({} rank {})" if method in WRITERS else "{} rank {}"
+        return await _every(refs, self.timeouts.trainer_call_s, role, method, lambda rank, _: named.format(role, rank))
 
     async def engines_busy(self, busy: bool, wait: bool) -> None:
         """Every CPU trainer rank learns whether the rollout engines generate (parallel/group.py): while they do not
@@ -46,8 +41,7 @@ class RoleCalls:
         overrides a newer one, and a hint that failed is raised by the next call."""
         if self.failed_hint is not None:
             raise RunFailed("actor", f"engines_busy failed: {describe(self.failed_hint)}") from self.failed_hint
-        answers = [asyncio.ensure_future(ref) for g in (self.roles.actor, self.roles.ref, self.roles.critic)
-                   if g is not None for ref in g.engines_busy(busy)]
+        answers = [asyncio.ensure_future(ref) for g in _trainer_groups(self.roles) for ref in g.engines_busy(busy)]
         if wait and answers:
             await deadline(asyncio.gather(*answers), self.timeouts.trainer_call_s, "actor", "engines_busy")
         for answer in answers if not wait else ():
@@ -63,7 +57,7 @@ class RoleCalls:
         every few steps per process on 2 cores. Not collected first (that would delay the first step); start-up
         garbage in reference cycles stays, once."""
         r = self.roles
-        actors = [*r.engines, *r.runners, *(w for g in (r.actor, r.ref, r.critic) if g is not None for w in g.workers)]
+        actors = [*r.engines, *r.runners, *(w for g in _trainer_groups(r) for w in g.workers)]
         await deadline(asyncio.gather(*(a.__ray_call__.remote(_freeze_heap) for a in actors)),
                        self.timeouts.engine_call_s, "roles", "gc.freeze")
         _freeze_heap(None)
@@ -71,11 +65,8 @@ class RoleCalls:
     async def router_metrics(self) -> dict[str, float]:
         """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
         total: dict[str, float] = {}
-        calls = asyncio.gather(*(r.router_metrics.remote() for r in self.roles.runners), return_exceptions=True)
-        results = await deadline(calls, self.timeouts.engine_call_s, "agent runner", "router metrics")
-        for i, per_runner in enumerate(results):
-            if isinstance(per_runner, Exception):
-                raise RunFailed(f"agent runner {i}", describe(per_runner)) from per_runner
+        for per_runner in await _every([r.router_metrics.remote() for r in self.roles.runners],
+                                       self.timeouts.engine_call_s, "agent runner", "router metrics"):
             for k, v in per_runner.items():
                 total[k] = total.get(k, 0.0) + v
         return total
@@ -95,21 +86,20 @@ class RoleCalls:
             return await self.push_to(version, self.roles.engines)
 
     async def push_to(self, version: int, engines: list) -> dict:
-        ws, t = self.weight_sync, self.timeouts
+        import ray
+
+        ws, t, what = self.weight_sync, self.timeouts, f"push of version {version}"
         calls = [w.push_weights.remote(engines, self.roles.transport, version, ws.bucket_mb << 20,
                                        ws.check_coverage, t.engine_call_s, self.engine_dtype)
                  for w in self.roles.actor.workers]
-        results = await deadline(asyncio.gather(*calls, return_exceptions=True), t.engine_call_s, "weight sync",
-                                 f"push version {version}")
-        for rank, result in enumerate(results):
-            if isinstance(result, TimeoutError):  # an engine call timed out inside the rank (Ray re-raises this type)
-                raise RoleStalled("weight sync", f"push version {version}", t.engine_call_s) from result
-            if isinstance(result, Exception):  # a dead rank is named as such; anything else is the push's failure
-                import ray
 
-                who = f"actor rank {rank}" if isinstance(result, ray.exceptions.RayActorError) else "weight sync"
-                raise RunFailed(who, f"push of version {version} failed: {describe(result)}") from result
-        return results[0]
+        def who(rank: int, error: Exception) -> str:
+            if isinstance(error, TimeoutError):  # an engine call timed out inside the rank (Ray re-raises this type)
+                raise RoleStalled("weight sync", what, t.engine_call_s) from error
+            # a dead rank is named as such; anything else is the push's failure
+            return f"actor rank {rank}" if isinstance(error, ray.exceptions.RayActorError) else "weight sync"
+
+        return (await _every(calls, t.engine_call_s, "weight sync", what, who))[0]
 
     # --- colocated engines (parallelism.colocate): asleep while the trainer steps, woken by the weight push ---
 
@@ -122,7 +112,7 @@ class RoleCalls:
         """Every trainer rank hands the memory its allocator cached (activations, grads) back to the GPU, so the
         engines beside it can wake into it. Returns what stays allocated on the fullest rank: the plan's "trainer
         resident" (runtime/plan.py) measured, so a split that is too tight shows before it runs out."""
-        ranks = [w for g in (self.roles.actor, self.roles.ref, self.roles.critic) if g is not None for w in g.workers]
+        ranks = [w for g in _trainer_groups(self.roles) for w in g.workers]
         kept = await deadline(asyncio.gather(*(w.__ray_call__.remote(_empty_cuda_cache) for w in ranks)),
                               self.timeouts.trainer_call_s, "actor", "release cached GPU memory")
         return {"memory/trainer_resident_gib": max(kept, default=0.0)}
@@ -134,12 +124,8 @@ class RoleCalls:
         return {k: (sum if k.endswith("gib") else _mean)([m.get(k, 0.0) for m in per_engine]) for k in keys}
 
     async def _on_engines(self, method: str, what: str) -> list:
-        calls = asyncio.gather(*(getattr(e, method).remote() for e in self.roles.engines), return_exceptions=True)
-        results = await deadline(calls, self.timeouts.engine_call_s, "rollout engine", what)
-        for i, result in enumerate(results):
-            if isinstance(result, Exception):
-                raise RunFailed(f"rollout engine {i}", f"{what} failed: {describe(result)}") from result
-        return results
+        return await _every([getattr(e, method).remote() for e in self.roles.engines], self.timeouts.engine_call_s,
+                            "rollout engine", what)
 
     async def trainer_probe_view(self) -> tuple:
         """The trainer's side of the sync probe (weight_sync/probe.py): the probe sequence, the weights' per-layer
@@ -203,20 +189,29 @@ class RoleCalls:
         roles = self.roles
         await roles.generator.close()
         for r in roles.runners:
-            try:
+            with suppress(Exception):  # shutting down: a runner that cannot close is killed below anyway
                 await asyncio.wait_for(r.close.remote(), 10)
-            except Exception:  # shutting down: a runner that cannot close is killed below anyway
-                pass
-        for group in (roles.actor, roles.ref, roles.critic):
-            if group is not None:
-                for w in group.workers:
-                    ray.kill(w)
+        for w in (w for g in _trainer_groups(roles) for w in g.workers):
+            ray.kill(w)
         for e in roles.engines:
-            try:
+            with suppress(Exception):
                 await asyncio.wait_for(e.shutdown.remote(), 20)
-            except Exception:
-                pass
             ray.kill(e)
+
+
+def _trainer_groups(roles) -> list:
+    """The trainer groups the run has (actor, reference, critic)."""
+    return [g for g in (roles.actor, roles.ref, roles.critic) if g is not None]
+
+
+async def _every(calls: list, seconds: float, role: str, what: str, who=None) -> list:
+    """Every call's result, in order, under one deadline; the first failure ends the run, naming `who(index, error)`
+    (default: `role index`)."""
+    results = await deadline(asyncio.gather(*calls, return_exceptions=True), seconds, role, what)
+    for i, result in enumerate(results):
+        if isinstance(result, Exception):
+            raise RunFailed(who(i, result) if who else f"{role} {i}", f"{what} failed: {describe(result)}") from result
+    return results
 
 
 def _mean(values: list[float]) -> float:

@@ -71,9 +71,7 @@ class RLController:
     def __init__(self, cfg: RunConfig, roles, log):
         """`roles`: the built runtime (runtime/roles.py) reached through `roles.calls`; `log`: logging/run_log.py."""
         self.cfg, self.roles, self.calls, self.log = cfg, roles, roles.calls, log
-        t = cfg.train
-        self.depth = 0 if t.mode.value == "sync" else t.queue_depth
-        self.partial = t.partial_rollout
+        self.depth = 0 if cfg.train.mode.value == "sync" else cfg.train.queue_depth
         self.step = 0  # training steps done
         self.version = 0  # policy version of the trainer's weights (and, after each sync, of the engines')
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -87,8 +85,8 @@ class RLController:
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
         self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
-        a = cfg.algorithm
-        self.kl_ctl = make_kl_controller(a.kl.coef, a.kl.target, a.kl.horizon)
+        kl = cfg.algorithm.kl
+        self.kl_ctl = make_kl_controller(kl.coef, kl.target, kl.horizon)
         self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
         if cfg.data.max_images_per_prompt:
             from molt_hydra.models.build import resolve_path
@@ -96,17 +94,13 @@ class RLController:
             self.trajectory_images = TrajectoryImages.for_model(resolve_path(cfg.model.path))
 
     # ------------------------------------------------------------------ producer
-    async def _wait_step(self, step: int) -> None:
-        async with self.step_done:
-            await self.step_done.wait_for(lambda: self.step >= step)
-
     async def produce(self) -> None:
         """Generate batch j once training step j - D is done (so the engines hold that step's weights)."""
-        gen = self.roles.generator
         while not self.exhausted:
             j = self.batches_made
             t0 = time.perf_counter()
-            await self._wait_step(max(j - self.depth, 0))
+            async with self.step_done:
+                await self.step_done.wait_for(lambda: self.step >= max(j - self.depth, 0))
             idle = time.perf_counter() - t0
             t1 = time.perf_counter()
             if self.cfg.train.rollout_replay_dir:
@@ -115,7 +109,7 @@ class RLController:
                 # hints are sent, not awaited (round trips on the rollout's critical path), except the one a sync
                 # step's training must see first (its thread count changes float reductions)
                 await self.calls.engines_busy(True, wait=False)
-                batch = await gen.generate_batch()
+                batch = await self.roles.generator.generate_batch()
                 await self.calls.engines_busy(False, wait=self.depth == 0)
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
             if self.cfg.train.rollout_dump_dir and batch.groups:
@@ -165,12 +159,10 @@ class RLController:
         metrics.update(experience_metrics(exps, returns, b.action_mask))
         timing["timing/make_experience"] = time.perf_counter() - t0
 
-        use_ref = ref_logp if cfg.algorithm.kl.use_loss else None
-        rows = trainer_rows(b, exps, advantages=advantages, rollout_logprobs=b.rollout_log_probs,
-                            old_logprobs=old_logp, ref_logprobs=use_ref, values=values,
+        rows = trainer_rows(b, exps, advantages=advantages, rollout_logprobs=b.rollout_log_probs, values=values,
+                            old_logprobs=old_logp, ref_logprobs=ref_logp if cfg.algorithm.kl.use_loss else None,
                             returns=returns if values is not None else None)
-        metrics["actor_frozen"] = float(frozen)
-        metrics["kl_coef"] = self.kl_ctl.value
+        metrics.update(actor_frozen=float(frozen), kl_coef=self.kl_ctl.value)
         t1 = time.perf_counter()
         if not frozen:
             trained = await self._train_actor(rows, steps, one_pass, b.action_mask.shape, metrics)
@@ -211,14 +203,11 @@ class RLController:
     async def _forward_passes(self, samples: list[dict], shape, one_pass: bool):
         """[B, L] old log-probs (None under one pass: the training forward gives them), the reference's log-probs
         and the critic's values (None without those roles), each from its role's no-grad forward."""
-        roles, out = self.roles, []
+        roles, calls, out = self.roles, self.calls, []
         for group, role, kw in ((None if one_pass else roles.actor, "actor", {"mask_key": "action_mask"}),
                                 (roles.ref, "reference", {"mask_key": "action_mask"}), (roles.critic, "critic", {})):
-            if group is None:
-                out.append(None)
-                continue
-            per_rank = await self.calls.ranks(group, "compute_logprobs", shard=samples, role=role, **kw)
-            out.append(stack_padded([x for rank in per_rank for x in rank], shape))
+            per_rank = await calls.ranks(group, "compute_logprobs", shard=samples, role=role, **kw) if group else []
+            out.append(stack_padded([x for rank in per_rank for x in rank], shape) if group else None)
         return tuple(out)
 
     def _advantages(self, b, old_logp, ref_logp, values, metrics: dict[str, float]):
@@ -276,7 +265,7 @@ class RLController:
     async def sync_weights(self) -> dict[str, float]:
         """Version k -> k+1 on every engine, after batch k + D exists (unless partial rollout)."""
         t0 = time.perf_counter()
-        if not self.partial:
+        if not self.cfg.train.partial_rollout:
             async with self.batch_made:
                 await deadline(self.batch_made.wait_for(
                     lambda: self.batches_made > self.step + self.depth or self.exhausted),
@@ -287,8 +276,7 @@ class RLController:
         trainer_view = await self.calls.trainer_probe_view() if probed else None  # before the push wakes engines
         t2 = time.perf_counter()
         pushed = await self.push(version)  # trainer rank 0's weight_sync/* (which path ran)
-        self.version = version
-        self.trainer_ahead = False
+        self.version, self.trainer_ahead = version, False
         synced = {**pushed, "timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t2}
         if probed:
             synced.update(await self.calls.sync_probe(version, trainer_view))
@@ -308,10 +296,8 @@ class RLController:
     # ------------------------------------------------------------------ eval and checkpoints
     async def maybe_eval(self, force: bool = False) -> None:
         e = self.cfg.eval
-        if self.roles.eval_rows is None:
-            return
         due = force or (e.every_steps > 0 and self.step >= (self.next_eval or e.every_steps))
-        if not due:
+        if self.roles.eval_rows is None or not due:
             return
         if e.every_steps > 0:
             self.next_eval = (self.step // e.every_steps + 1) * e.every_steps
@@ -334,21 +320,13 @@ class RLController:
 
     def client_state(self) -> dict:
         queued = list(self.queue._queue)  # finished, untrained batches: trained first after a resume
-        return {
-            "step": self.step,
-            "version": self.version,
-            "generator": self.roles.generator.state_dict(),
-            "queued": queued,
-            "batches_made": self.step + len(queued),
-            "best": self.best,
-            "next_eval": self.next_eval,
-            "kl_coef": self.kl_ctl.value,
-            "wandb_id": self.log.sinks.wandb_id,
-        }
+        return {"step": self.step, "version": self.version, "generator": self.roles.generator.state_dict(),
+                "queued": queued, "batches_made": self.step + len(queued), "best": self.best,
+                "next_eval": self.next_eval, "kl_coef": self.kl_ctl.value, "wandb_id": self.log.sinks.wandb_id}
 
     async def save_best(self) -> None:
         """The best policy so far by `checkpoint.best_metric_key`, as an HF snapshot beside the checkpoints."""
-        best = Path(self.roles.ckpt_dir) / "best"
+        best = Path(self.cfg.checkpoint.dir) / "best"
         await self.calls.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
         key, value = self.best
         (best / "best.json").write_text(json.dumps({"step": self.step, "metric": key, "value": value}))
@@ -358,15 +336,14 @@ class RLController:
         trainer's atomic save, so a checkpoint is either complete or absent."""
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
-        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", self.roles.ckpt_dir, state, keep=keep,
+        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", ckpt.dir, state, keep=keep,
                                             max_disk_gb=ckpt.max_disk_gb)
         if self.roles.critic is not None:
-            await self.calls.ranks(self.roles.critic, "save_checkpoint", self.roles.ckpt_dir + "_critic",
-                                   {"rl_step": self.step}, keep=keep, max_disk_gb=ckpt.max_disk_gb, role="critic")
+            await self.calls.ranks(self.roles.critic, "save_checkpoint", ckpt.dir + "_critic", {"rl_step": self.step},
+                                   keep=keep, max_disk_gb=ckpt.max_disk_gb, role="critic")
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
-            hf = Path(self.roles.ckpt_dir) / "hf" / f"step_{self.step}"
-            await self.calls.ranks(self.roles.actor, "export_hf", str(hf),
+            await self.calls.ranks(self.roles.actor, "export_hf", str(Path(ckpt.dir) / "hf" / f"step_{self.step}"),
                                    DTYPE_NAMES[self.cfg.model.param_dtype.value])
         self.roles.last_checkpoint = path
 
@@ -381,9 +358,8 @@ class RLController:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
-        cfg = self.cfg
         await self.calls.freeze_heaps()
-        if self.step == 0 and cfg.eval.at_start:
+        if self.step == 0 and self.cfg.eval.at_start:
             await self.maybe_eval(force=True)
         producer = asyncio.create_task(self.produce())
         keeper = self.calls.keeper  # replaces dead engines meanwhile; its failure (too many restarts) ends the run
@@ -425,10 +401,7 @@ class RLController:
             sync = self.sync_weights() if not frozen else self.push(self.version) if self.colocated else asyncio.sleep(
                 0, {})
             counts, synced = await asyncio.gather(self.calls.router_metrics(), sync)
-            metrics.update(counts)
-            metrics.update(keeper.metrics())
-            metrics["timing/actor_idle_wait"] = waited
-            metrics.update(synced)
+            metrics.update({**counts, **keeper.metrics(), "timing/actor_idle_wait": waited, **synced})
             async with self.step_done:
                 self.step += 1
                 self.step_done.notify_all()
@@ -440,8 +413,7 @@ class RLController:
             metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
             self.log.step(self.step, metrics, batch)
             last = metrics
-            save_every = cfg.checkpoint.save_steps
-            if save_every > 0 and self.step % save_every == 0:
+            if cfg.checkpoint.save_steps > 0 and self.step % cfg.checkpoint.save_steps == 0:
                 await self.save()
             await self.maybe_eval()
         return last

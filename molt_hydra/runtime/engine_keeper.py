@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sys
+from contextlib import suppress
 
-from molt_hydra.runtime.watchdog import RunFailed, deadline
+from molt_hydra.runtime.watchdog import RunFailed, deadline, kill
 
 POLL_S = 2.0  # how often the driver asks every engine whether it is alive
 
@@ -71,16 +71,12 @@ class EngineKeeper:
                                   "(resume from the last checkpoint with checkpoint.resume=auto)")
         self.restarts += 1
         roles, old = self.roles, self.roles.engines[index]
-        try:  # an actor that outlived its engine core: let vLLM clean up what is left of it
+        # an actor that outlived its engine core: let vLLM clean up what is left of it (already dead or not
+        # answering: killed below either way)
+        with suppress(Exception):
             await asyncio.wait_for(old.shutdown.remote(), 10)
-        except Exception:  # already dead or not answering: killed below either way
-            pass
         ray.kill(old)
-        for pid in self.processes.pop(index, []):  # an engine core whose actor was killed is left an orphan
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill(self.processes.pop(index, []))  # an engine core whose actor was killed is left an orphan
         engine = roles.new_engine(index)
         await deadline(engine.start.remote(), self.startup_s, role, "restart")
         if version:  # version 0: the model path's weights, which the new engine loaded itself

@@ -16,6 +16,7 @@ import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
@@ -23,7 +24,7 @@ from molt_hydra.runtime.plan import Plan
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
-                                        dump_stacks)
+                                        dump_stacks, kill)
 from molt_hydra.runtime.writable import check_outputs
 
 EXIT_INTERRUPTED = 130
@@ -66,13 +67,12 @@ def _run_to_end(coro) -> int:
     """asyncio.run, also where an event loop already runs in this thread (a notebook): the run then gets its own."""
     try:
         asyncio.get_running_loop()
-        running = True
-    except RuntimeError:  # the usual case: no loop here
-        running = False
-    if not running:  # outside the except block, so the run's own errors carry no unrelated context
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
-        return pool.submit(asyncio.run, coro).result()
+    except RuntimeError:  # the usual case: no loop here (the run starts outside the except block, so its own
+        pass  # errors carry no unrelated context)
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
+            return pool.submit(asyncio.run, coro).result()
+    return asyncio.run(coro)
 
 
 async def _main(cfg: RunConfig, record: dict) -> int:
@@ -120,11 +120,7 @@ async def _main(cfg: RunConfig, record: dict) -> int:
 
         started = descendants(os.getpid())
         ray.shutdown()
-        for pid in started:  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
         if last_words:
             sys.stdout.flush()
             print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)
@@ -155,26 +151,20 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
     if drops:
         lines.append("  dropped samples by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
         examples = {}
-        if roles is not None:
-            try:
-                examples = await roles.calls.example_errors()
-            except Exception:  # noqa: BLE001 - the summary is shown without examples
-                pass
+        with suppress(Exception):  # the summary is shown without examples
+            examples = await roles.calls.example_errors() if roles is not None else {}
         for reason, example in sorted(examples.items()):
             if reason in drops:
                 lines.append(f"  example error ({reason}): {example}")
-    try:
+    last = None
+    with suppress(OSError):
         last = resolve_checkpoint(cfg.checkpoint.dir) if cfg.job.value != "eval" else None
-    except OSError:
-        last = None
     lines.append(f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
                  else "Last checkpoint: none (the run starts from step 0 again)")
     details = Path(cfg.output_dir) / "failure.txt"
-    try:
+    with suppress(OSError):
         details.write_text("\n".join(lines) + "\n\n" + "".join(traceback.format_exception(error)))
         lines.append(f"Details (traceback): {details}")
-    except OSError:
-        pass
     return lines
 
 
@@ -200,10 +190,12 @@ def _quiet_cancellations(loop, context: dict) -> None:
         loop.default_exception_handler(context)
 
 
-def _run_log(cfg: RunConfig, roles, wandb_id: str | None):
+def _controller(cfg: RunConfig, roles, opened: list, wandb_id: str | None):
+    """The loop's controller, logging through the run's logs (appended to `opened`: closed before any process ends)."""
     from molt_hydra.logging.progress import Progress
     from molt_hydra.logging.run_log import RunLog
     from molt_hydra.logging.sinks import MetricSinks
+    from molt_hydra.runtime.controller import RLController
 
     w = cfg.logger.wandb
     sinks = MetricSinks(cfg.output_dir, run_name=w.run_name or Path(cfg.output_dir).name, config=config_as_dict(cfg),
@@ -211,60 +203,53 @@ def _run_log(cfg: RunConfig, roles, wandb_id: str | None):
                        tensorboard=cfg.logger.tensorboard, resume_wandb_id=wandb_id,
                        dashboard=cfg.logger.wandb_dashboard)
     progress = Progress(cfg.train.max_steps, cfg.logger.progress)
-    return RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks, progress)
+    opened.append(RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks, progress))
+    return RLController(cfg, roles, opened[-1])
 
 
 async def _train(cfg: RunConfig, roles, opened: list) -> int:
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
-    from molt_hydra.runtime.controller import RLController
     from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 
-    calls, state, found = roles.calls, None, None
-    if cfg.checkpoint.resume.value != "never":
-        found = resolve_checkpoint(roles.ckpt_dir)
-        if found is None and cfg.checkpoint.resume.value == "must":
-            raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {roles.ckpt_dir}")
+    calls, c, state, found = roles.calls, cfg.checkpoint, None, None
+    if c.resume.value != "never":
+        found = resolve_checkpoint(c.dir)
+        if found is None and c.resume.value == "must":
+            raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {c.dir}")
         if found is not None:
-            warm = cfg.checkpoint.load_model_only  # weights only: the loop, optimizer and data start fresh
-            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", roles.ckpt_dir, model_only=warm)
+            warm = c.load_model_only  # weights only: the loop, optimizer and data start fresh
+            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=warm)
             if roles.critic is not None:
-                await calls.ranks(roles.critic, "load_checkpoint", roles.ckpt_dir + "_critic", model_only=warm,
-                                  role="critic")
+                await calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic", model_only=warm, role="critic")
             state = None if warm else client["loop"]
             if warm:
                 await calls.push_weights(0)  # the engines start from the warm-start weights
-    log = _run_log(cfg, roles, state["wandb_id"] if state else None)
-    opened.append(log)
-    ctl = RLController(cfg, roles, log)
+    ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     if state is not None:
-        log.sinks.rewind(state["step"])
+        ctl.log.sinks.rewind(state["step"])
         ctl.restore(state)
         if ctl.version > 0:
             await calls.push_weights(ctl.version)
         print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
     await ctl.run()
-    if cfg.checkpoint.save_steps != 0:  # 0: no resumable checkpoint at all
+    if c.save_steps != 0:  # 0: no resumable checkpoint at all
         await ctl.save()
     export = None
-    if cfg.checkpoint.export_final:
-        (export, *_) = await calls.ranks(roles.actor, "export_hf", cfg.checkpoint.export_dir,
-                                         DTYPE_NAMES[cfg.model.param_dtype.value], merged=cfg.checkpoint.export_merged)
-    log.progress.summary(_summary(cfg, roles, log, ctl, export))
+    if c.export_final:
+        (export, *_) = await calls.ranks(roles.actor, "export_hf", c.export_dir,
+                                         DTYPE_NAMES[cfg.model.param_dtype.value], merged=c.export_merged)
+    ctl.log.progress.summary(_summary(cfg, roles, ctl, export))
     return 0
 
 
 async def _eval_only(cfg: RunConfig, roles, opened: list) -> int:
-    from molt_hydra.runtime.controller import RLController
-
-    log = _run_log(cfg, roles, None)
-    opened.append(log)
-    ctl = RLController(cfg, roles, log)
+    ctl = _controller(cfg, roles, opened, None)
     await ctl.maybe_eval(force=True)
     print(json.dumps(ctl.last_eval, indent=2))
     return 0
 
 
-def _summary(cfg: RunConfig, roles, log, ctl, export) -> list[str]:
+def _summary(cfg: RunConfig, roles, ctl, export) -> list[str]:
     rows = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl")]
     rewards = [r["train/reward"] for r in rows if r.get("kind") == "train" and "train/reward" in r]
     lines = [f"steps: {ctl.step}   policy version: {ctl.version}"]
@@ -272,10 +257,10 @@ def _summary(cfg: RunConfig, roles, log, ctl, export) -> list[str]:
         k = min(5, len(rewards) // 2)
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         lines.append(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})")
-    lines += [f"metrics:    {Path(cfg.output_dir) / 'metrics.jsonl'}",
-              f"checkpoint: {roles.last_checkpoint}"]
+    lines += [f"metrics:    {Path(cfg.output_dir) / 'metrics.jsonl'}", f"checkpoint: {roles.last_checkpoint}"]
     if export:
         lines.append(f"HF export:  {export}")
-    if log.sinks.wandb_run is not None:
-        lines.append(f"W&B:        {log.sinks.wandb_run.dir} ({log.sinks.wandb_run.settings.mode})")
+    run = ctl.log.sinks.wandb_run
+    if run is not None:
+        lines.append(f"W&B:        {run.dir} ({run.settings.mode})")
     return lines

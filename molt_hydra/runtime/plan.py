@@ -53,13 +53,15 @@ class ModelShape:
     # (in, out) of each decoder block's linear modules a LoRA may adapt (models/lora.py), and of the lm_head
     linears: dict = field(default_factory=dict)
 
-    def lora_params(self, rank: int, targets: list[str] | None) -> float:
-        """Parameters of a rank-`rank` adapter on `targets` (None: the family's default, here every listed linear
-        but the lm_head): rank x (in + out) per adapted module."""
+    def trained_params(self, lora) -> float:
+        """Parameters the optimizer steps (grads and AdamW moments): every one, or under LoRA the adapter's: rank x
+        (in + out) per adapted module on `model.lora.target_modules` (None: the family's default, here every listed
+        linear but the lm_head)."""
+        targets = lora.target_modules
         per_layer = sum(i + o for name, (i, o) in self.linears.items()
                         if name != "lm_head" and (targets is None or name in targets))
         head = sum(self.linears.get("lm_head", (0, 0))) if targets and "lm_head" in targets else 0
-        return rank * (self.layers * per_layer + head)
+        return lora.rank * (self.layers * per_layer + head) if lora.rank else self.params
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelShape":
@@ -81,11 +83,9 @@ class ModelShape:
         linears = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
                    "o_proj": (heads * hd, h), "lm_head": (h, V),
                    **({} if experts else {"gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)})}
-        return cls(
-            params=L * (attn + mlp_total) + embed + vision,
-            active_params=L * (attn + mlp_active) + embed + vision,
-            layers=L, hidden=h, vocab=V, kv_bytes_per_token_per_byte=2 * L * kv * hd, vision=vlm, linears=linears,
-        )
+        return cls(params=L * (attn + mlp_total) + embed + vision,
+                   active_params=L * (attn + mlp_active) + embed + vision, layers=L, hidden=h, vocab=V,
+                   kv_bytes_per_token_per_byte=2 * L * kv * hd, vision=vlm, linears=linears)
 
 
 def model_shape(path: str) -> ModelShape | None:
@@ -119,17 +119,12 @@ class Plan:
                          + (f"   ({r.note})" if r.note else ""))
         lines.append("Batch arithmetic (one RL step):")
         lines += [f"  {k:<32} {v}" for k, v in self.batch.items()]
-        if self.memory:
-            lines.append("Memory estimate per device (GiB):")
-            for role, parts in self.memory.items():
-                total = sum(parts.values())
+        for title, table in (("Memory estimate per device (GiB):", self.memory),
+                             ("Memory by phase, one colocated GPU (GiB):", self.phases)):
+            lines += [title] if table else []
+            for name, parts in table.items():
                 detail = ", ".join(f"{k} {v:.3g}" for k, v in parts.items())
-                lines.append(f"  {role:<16} {total:8.3g}   = {detail}")
-        if self.phases:
-            lines.append("Memory by phase, one colocated GPU (GiB):")
-            for phase, parts in self.phases.items():
-                detail = ", ".join(f"{k} {v:.3g}" for k, v in parts.items())
-                lines.append(f"  {phase:<16} {sum(parts.values()):8.3g}   = {detail}")
+                lines.append(f"  {name:<16} {sum(parts.values()):8.3g}   = {detail}")
         lines += ["Assumptions:"] + [f"  - {a}" for a in self.assumptions]
         return "\n".join(lines)
 
@@ -139,7 +134,7 @@ def _trainer_roles(cfg: RunConfig) -> tuple[str, ...]:
 
 
 def make_plan(cfg: RunConfig) -> Plan:
-    r, p, t, a = cfg.rollout, cfg.parallelism, cfg.train, cfg.algorithm
+    r, p, t = cfg.rollout, cfg.parallelism, cfg.train
     fsdp = _trainer_roles(cfg)
     trainer_share = round(1.0 / len(fsdp), 2) if p.colocate_models and len(fsdp) > 1 else 1.0
     roles: list[Role] = []
@@ -159,14 +154,13 @@ def make_plan(cfg: RunConfig) -> Plan:
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples = r.batch_size * r.n_samples_per_prompt
     per_rank = samples // dp
-    mb_per_rank = math.ceil(per_rank / t.micro_batch_size)
     steps = 1 if t.force_on_policy else samples // t.batch_size
     batch: dict[str, int | str] = {
         "prompt groups x samples": f"{r.batch_size} x {r.n_samples_per_prompt} = {samples}",
         "data-parallel ranks": dp,
         "samples per rank": per_rank,
         "micro-batches per rank": (f"token budget {t.max_tokens_per_micro_batch}" if t.dynamic_batch
-                                   else f"{mb_per_rank} of {t.micro_batch_size}"),
+                                   else f"{math.ceil(per_rank / t.micro_batch_size)} of {t.micro_batch_size}"),
         "optimizer steps per rollout batch": f"{steps} x {t.epochs} epoch(s) = {steps * t.epochs}",
         "accumulation per optimizer step": ("dynamic" if t.dynamic_batch
                                             else t.batch_size // (t.micro_batch_size * dp)),
@@ -197,9 +191,7 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
         return
     weights = DTYPE_BYTES[cfg.model.param_dtype.value] + 4 if cfg.model.master_weights.value == "optimizer" else 4
     critic = cfg.job.value == "rl" and "critic" in _trainer_roles(cfg)
-    lora = cfg.model.lora
-    trained = shape.lora_params(lora.rank, lora.target_modules) if lora.rank else shape.params  # AdamW's moments
-    one = (weights * shape.params + 8 * trained) * (1 + critic) / 1e9
+    one = (weights * shape.params + 8 * shape.trained_params(cfg.model.lora)) * (1 + critic) / 1e9
     at = Path(c.dir).absolute()
     while not at.exists():
         at = at.parent
@@ -243,7 +235,7 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
     else:
         state = {"weights fp32": 4 * P / shard / GIB, "grads fp32": 4 * P / shard / GIB}
     lora = m.lora
-    trained = shape.lora_params(lora.rank, lora.target_modules) if lora.rank else P  # grads and moments: these only
+    trained = shape.trained_params(lora)
     if lora.rank:
         state["grads fp32"] = 4 * trained / shard / GIB
     # the HF backend's text actor takes log-probs through the lm_head a chunk of tokens at a time (models/logprobs.py):
@@ -252,13 +244,9 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
     chunk = min(LOGPROB_CHUNK_TOKENS, tokens_per_rank)
     logits = ({f"logits fp32, {chunk} tokens at a time": 4 * shape.vocab * (3 * chunk + shape.hidden) / GIB}
               if fused_head else {"logits fp32": 4 * shape.vocab * tokens_per_rank / GIB})
-    trainer = {
-        **state,
-        "adamw moments": 0.0 if p.offload.value != "none" else 8 * trained / shard / GIB,
-        "gathered layer": compute_bytes * (P - shape.vocab * shape.hidden) / shape.layers / GIB,
-        "activations": act_per_token * tokens_per_rank / GIB,
-        **logits,
-    }
+    trainer = {**state, "adamw moments": 0.0 if p.offload.value != "none" else 8 * trained / shard / GIB,
+               "gathered layer": compute_bytes * (P - shape.vocab * shape.hidden) / shape.layers / GIB,
+               "activations": act_per_token * tokens_per_rank / GIB, **logits}
     return trainer, [
         f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers"
         + (f"; LoRA rank {lora.rank}: {trained / 1e6:,.2f} M trained (grads, AdamW moments)" if lora.rank else ""),
@@ -309,32 +297,29 @@ def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engi
     steps, the engine sleeps (weights and KV cache released). The engine's `gpu_memory_utilization` is what the
     generate phase leaves; a user's value, or a step that does not fit beside a sleeping engine, is checked here."""
     r, p, mem = cfg.rollout, cfg.parallelism, cfg.cluster.memory_gb_per_device
-    resident = {k: v for k, v in trainer.items() if k.startswith(("weights", "fp32 master", "adamw"))}
+    resident = sum(v for k, v in trainer.items() if k.startswith(("weights", "fp32 master", "adamw")))
     weights = sum(v for k, v in trainer.items() if k.startswith("weights"))
     ref = p.colocate_models and "reference" in _trainer_roles(cfg)  # on these GPUs too
     critic = p.colocate_models and "critic" in _trainer_roles(cfg)
-    others = ref * weights + critic * sum(resident.values())
-    roles = 1 + ref + critic
-    contexts = CUDA_CONTEXT_GIB * (1 + roles)
-    leaves = mem * (1 - FRAGMENTATION) - contexts - sum(resident.values()) - others
+    others = ref * weights + critic * resident
+    contexts = CUDA_CONTEXT_GIB * (2 + ref + critic)  # the engine's and each trainer role's
+    leaves = mem * (1 - FRAGMENTATION) - contexts - resident - others
     if r.gpu_memory_utilization is None:
         r.gpu_memory_utilization = max(round(leaves / mem, 3), 0.001)
     engine = r.gpu_memory_utilization * mem
-    plan.phases["generate"] = {"engine (gpu_memory_utilization)": engine, "trainer resident": sum(resident.values()),
-                               "other roles resident": others, "CUDA contexts": contexts}
-    plan.phases["train"] = {"engine asleep": ENGINE_ASLEEP_GIB, "trainer step peak": sum(trainer.values()),
-                            "other roles resident": others, "CUDA contexts": contexts}
-    plan.phases["wake + sync"] = {"engine weights": engine_weights, "trainer resident": sum(resident.values()),
-                                  "other roles resident": others, "CUDA contexts": contexts}
+    beside = {"other roles resident": others, "CUDA contexts": contexts}
+    plan.phases["generate"] = {"engine (gpu_memory_utilization)": engine, "trainer resident": resident, **beside}
+    plan.phases["train"] = {"engine asleep": ENGINE_ASLEEP_GIB, "trainer step peak": sum(trainer.values()), **beside}
+    plan.phases["wake + sync"] = {"engine weights": engine_weights, "trainer resident": resident, **beside}
     plan.assumptions.append(
         f"colocated: rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} of {mem:g} GiB (the generate phase's "
-        f"room after {sum(resident.values()):.3g} GiB of trainer state, {contexts:g} GiB of CUDA contexts and "
+        f"room after {resident:.3g} GiB of trainer state, {contexts:g} GiB of CUDA contexts and "
         f"{FRAGMENTATION:.0%} for fragmentation); a sleeping engine keeps ~{ENGINE_ASLEEP_GIB:g} GiB")
     problems = []
     if engine < engine_weights + 1.0:
         problems.append(f"- rollout.gpu_memory_utilization: colocated, the engine gets {engine:.3g} GiB of the GPU's "
                         f"{mem:g} but needs {engine_weights:.3g} GiB of weights plus >= 1 GiB for activations and KV "
-                        f"cache (the trainer keeps {sum(resident.values()):.3g} GiB resident). Fix: more trainer ranks "
+                        f"cache (the trainer keeps {resident:.3g} GiB resident). Fix: more trainer ranks "
                         "(parallelism.trainer_devices) to shard its state, model.master_weights=optimizer, "
                         "parallelism.offload=full, or parallelism.colocate=false")
     for phase, parts in plan.phases.items():

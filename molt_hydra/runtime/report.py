@@ -18,7 +18,6 @@ when the last step reached train.max_steps).
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import re
 import shutil
@@ -47,27 +46,22 @@ class Point:
     status: str = ""
 
 
-def _submissions(sweep: Path) -> dict[int, tuple[str, list[str], tuple | None]]:
-    """job number -> (Slurm/local job id, overrides, result) from submitit's folder."""
-    found: dict[int, tuple[str, list[str], tuple | None]] = {}
-    root = sweep / ".submitit"
-    for sub in sorted(root.glob("*/*_submitted.pkl")) if root.is_dir() else []:
-        job_id = sub.name[: -len("_submitted.pkl")]
-        try:
-            with sub.open("rb") as f:
-                args = pickle.load(f).args  # DelayedSubmission(launcher, overrides, dir_key, job_num, ...)
+def _add_submissions(sweep: Path, points: dict[int, Point]) -> None:
+    """Each job of submitit's folder onto its point (added when Hydra has not started it): its Slurm/local job id and
+    its result."""
+    for sub in sorted(sweep.glob(".submitit/*/*_submitted.pkl")):
+        job_id = sub.name.removesuffix("_submitted.pkl")
+        try:  # DelayedSubmission(launcher, overrides, dir_key, job_num, ...)
+            args = pickle.loads(sub.read_bytes()).args
         except Exception:  # noqa: BLE001 - an unreadable submission is just not listed
             continue
-        result = None
         res = sub.with_name(f"{job_id}_0_result.pkl")
-        if res.is_file():
-            try:
-                with res.open("rb") as f:
-                    result = pickle.load(f)
-            except Exception as e:  # noqa: BLE001
-                result = ("error", f"unreadable result: {e}")
-        found[int(args[2])] = (job_id, list(args[0]), result)
-    return found
+        try:
+            result = pickle.loads(res.read_bytes()) if res.is_file() else None
+        except Exception as e:  # noqa: BLE001
+            result = ("error", f"unreadable result: {e}")
+        point = points.setdefault(int(args[2]), Point(num=int(args[2]), overrides=list(args[0])))
+        point.job_id, point.result = job_id, result
 
 
 def _sacct_states(job_ids: list[str]) -> dict[str, str]:
@@ -75,12 +69,9 @@ def _sacct_states(job_ids: list[str]) -> dict[str, str]:
         return {}
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
                          capture_output=True, text=True, timeout=30)
-    states = {}
-    for line in out.stdout.splitlines():
-        job, _, state = line.partition("|")
-        if job in job_ids:
-            states[job] = state.split()[0].lower() if state else ""  # "CANCELLED by 0" -> cancelled
-    return states
+    rows = (line.partition("|")[::2] for line in out.stdout.splitlines())  # (job, state)
+    # the state's first word, lower case: "CANCELLED by 0" -> cancelled
+    return {job: state.split()[0].lower() if state else "" for job, state in rows if job in job_ids}
 
 
 def _status_from_result(result: tuple) -> str:
@@ -96,27 +87,18 @@ def _status_from_result(result: tuple) -> str:
 
 
 def load_points(sweep: Path) -> list[Point]:
+    """The sweep's points with their metrics and status; a run directory is one point."""
     if (sweep / "metrics.jsonl").is_file():  # a single run
-        cfg = _resolved_config(sweep)
-        p = Point(num=0, dir=sweep, max_steps=(cfg.get("train") or {}).get("max_steps"),
-                  rows=read_metrics(sweep / "metrics.jsonl"))
-        last = int(p.rows[-1]["step"]) if p.rows else None
-        p.status = ("no metrics" if last is None else "completed" if p.max_steps is not None and last >= p.max_steps
-                    else f"stopped at step {last}")
-        return [p]
-    points: dict[int, Point] = {}
-    for over in sorted(sweep.glob("*/.hydra/overrides.yaml")):
-        pdir = over.parent.parent
-        hydra_cfg = yaml.safe_load((pdir / ".hydra" / "hydra.yaml").read_text()) or {}
-        num = hydra_cfg.get("hydra", {}).get("job", {}).get("num")
-        if num is None:
-            num = int(pdir.name.split("_", 1)[0])
-        cfg = yaml.safe_load((pdir / ".hydra" / "config.yaml").read_text()) or {}
-        points[int(num)] = Point(num=int(num), overrides=list(yaml.safe_load(over.read_text()) or []), dir=pdir,
-                                 max_steps=(cfg.get("train") or {}).get("max_steps"))
-    for num, (job_id, overrides, result) in _submissions(sweep).items():
-        p = points.setdefault(num, Point(num=num, overrides=overrides))
-        p.job_id, p.result = job_id, result
+        points = {0: Point(num=0, dir=sweep, max_steps=_max_steps(_resolved_config(sweep)))}
+    else:
+        points = {}
+        for over in sorted(sweep.glob("*/.hydra/overrides.yaml")):
+            pdir = over.parent.parent
+            hydra_cfg = yaml.safe_load((pdir / ".hydra" / "hydra.yaml").read_text()) or {}
+            num = int(hydra_cfg.get("hydra", {}).get("job", {}).get("num", pdir.name.split("_", 1)[0]))
+            points[num] = Point(num=num, overrides=list(yaml.safe_load(over.read_text()) or []), dir=pdir,
+                                max_steps=_max_steps(yaml.safe_load((pdir / ".hydra" / "config.yaml").read_text())))
+        _add_submissions(sweep, points)
     states = _sacct_states([p.job_id for p in points.values() if p.job_id and p.result is None])
     for p in points.values():
         p.rows = read_metrics(p.dir / "metrics.jsonl") if p.dir else []
@@ -127,11 +109,13 @@ def load_points(sweep: Path) -> list[Point]:
             p.status = states[p.job_id]
         elif last is None:
             p.status = "no metrics"
-        elif p.max_steps is not None and last >= p.max_steps:
-            p.status = "completed"
         else:
-            p.status = f"stopped at step {last}"
+            p.status = "completed" if p.max_steps is not None and last >= p.max_steps else f"stopped at step {last}"
     return [points[n] for n in sorted(points)]
+
+
+def _max_steps(cfg: dict | None) -> int | None:
+    return ((cfg or {}).get("train") or {}).get("max_steps")
 
 
 def varying_overrides(points: list[Point]) -> dict[int, list[str]]:
@@ -144,9 +128,7 @@ def varying_overrides(points: list[Point]) -> dict[int, list[str]]:
 
 def _parse_metric(spec: str) -> tuple[str, str]:
     key, _, mode = spec.rpartition(":")
-    if not key or mode not in ("max", "min"):
-        return spec, "max"
-    return key, mode
+    return (key, mode) if key and mode in ("max", "min") else (spec, "max")
 
 
 def _fmt(v: float | None) -> str:
@@ -174,24 +156,36 @@ def render(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def plot(points: list[Point], key: str, path: Path) -> Path:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _panel(ax, points: list[Point], keys: list[str], title: str) -> None:
+    """One line per point and key over steps."""
     labels = varying_overrides(points)
-    fig, ax = plt.subplots(figsize=(8, 5))
     for p in points:
-        s = series(p.rows, key)
-        if s:
-            ax.plot([x for x, _ in s], [y for _, y in s], marker=".", label=f"{p.num}: {' '.join(labels[p.num])}")
+        for key in keys:
+            s = series(p.rows, key)
+            name = key.split("/", 1)[-1]
+            if s:
+                ax.plot([x for x, _ in s], [y for _, y in s], marker=".",
+                        label=f"{p.num}: {' '.join(labels[p.num])} {name}" if len(points) > 1 else name)
+    ax.set_title(title)
     ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.set_title(f"{key} per point")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
+
+
+def plot(points: list[Point], key: str, path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    _panel(ax, points, [key], f"{key} per point")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -237,13 +231,8 @@ def plot_sections(points: list[Point], spec: dict, out_dir: Path, metrics: list[
     with the table; returns the page."""
     import html
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
-    labels = varying_overrides(points)
     images = []
     for section in spec["sections"]:
         panels = section["panels"]
@@ -251,18 +240,7 @@ def plot_sections(points: list[Point], spec: dict, out_dir: Path, metrics: list[
         rows = -(-len(panels) // cols)
         fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
         for ax, panel in zip(axes.flat, panels):
-            for p in points:
-                for key in panel["keys"]:
-                    s = series(p.rows, key)
-                    if s:
-                        name = key.split("/", 1)[1]
-                        label = f"{p.num}: {' '.join(labels[p.num])} {name}" if len(points) > 1 else name
-                        ax.plot([x for x, _ in s], [y for _, y in s], marker=".", label=label)
-            ax.set_title(panel["title"])
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+            _panel(ax, points, panel["keys"], panel["title"])
         for ax in list(axes.flat)[len(panels):]:
             ax.axis("off")
         fig.suptitle(section["name"])
@@ -296,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     points = load_points(args.sweep_dir)
     if not points:
         print(f"molt-report: no sweep points under {args.sweep_dir} "
-              "(no metrics.jsonl, */.hydra/overrides.yaml or .submitit/)",
-              file=sys.stderr)
+              "(no metrics.jsonl, */.hydra/overrides.yaml or .submitit/)", file=sys.stderr)
         return 2
     print(render(*table(points, metrics)))
     key = metrics[0][0]

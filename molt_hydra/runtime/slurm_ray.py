@@ -28,6 +28,7 @@ from molt_hydra.config.schema import ClusterConfig
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+RAY = str(Path(sys.executable).with_name("ray"))  # the venv's, also when its bin/ is not on PATH
 
 
 class RayClusterError(RuntimeError):
@@ -40,10 +41,6 @@ class Allocation:
     nodes: tuple[str, ...]
     "Slurm node names of the job, in Slurm's order."
     this_node: str
-
-    @property
-    def others(self) -> tuple[str, ...]:
-        return tuple(n for n in self.nodes if n != self.this_node)
 
 
 def allocation() -> Allocation | None:
@@ -70,10 +67,6 @@ def _free_port(ip: str) -> int:
     with socket.socket() as s:
         s.bind((ip, 0))
         return s.getsockname()[1]
-
-
-def _ray_bin() -> str:
-    return str(Path(sys.executable).with_name("ray"))
 
 
 def _temp_dir(job_id: str, node: str) -> str:
@@ -159,20 +152,20 @@ def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int, 
     address = f"{head_ip}:{_free_port(head_ip)}"
     common = ["--num-cpus", str(cpus), "--disable-usage-stats", "--block"]
     head_log = log_dir / f"head-{alloc.this_node}.log"
-    head = _popen([_ray_bin(), "start", "--head", f"--node-ip-address={head_ip}",
+    head = _popen([RAY, "start", "--head", f"--node-ip-address={head_ip}",
                    f"--port={address.rsplit(':', 1)[1]}", f"--ray-client-server-port={_free_port(head_ip)}",
                    f"--dashboard-agent-listen-port={_free_port(head_ip)}", "--include-dashboard=false",
                    f"--temp-dir={_temp_dir(alloc.job_id, alloc.this_node)}", *common], head_log, env)
     stack.callback(_stop, head)
     steps = {alloc.this_node: (head, head_log)}
     _wait_head(address, head, head_log, timeout_s)
-    for node in alloc.others:
+    for node in (n for n in alloc.nodes if n != alloc.this_node):
         log = log_dir / f"worker-{node}.log"
         # One srun step per other node (the job's own step runs only on this one). --overlap: the step may share
         # the node with other steps of the job.
         proc = _popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
                        f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}", "--kill-on-bad-exit=1",
-                       _ray_bin(), "start", f"--address={address}", f"--node-ip-address={node_ip(node)}",
+                       RAY, "start", f"--address={address}", f"--node-ip-address={node_ip(node)}",
                        f"--dashboard-agent-listen-port={_free_port(head_ip)}",
                        f"--temp-dir={_temp_dir(alloc.job_id, node)}", *common], log, env)
         stack.callback(_stop, proc)

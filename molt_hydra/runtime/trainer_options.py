@@ -11,41 +11,36 @@ from molt_hydra.parallel.trainer_spec import TrainerSpec
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # model.param_dtype -> the trainer's name
 
 
-def muon_options(o: OptimizerConfig) -> dict | None:
-    """None for AdamW; Muon's settings otherwise (muon_weight_decay None -> weight_decay, as Molt)."""
-    if o.name.value != "muon":
-        return None
-    wd = o.weight_decay if o.muon_weight_decay is None else o.muon_weight_decay
-    return dict(lr=o.muon_lr, momentum=o.muon_momentum, weight_decay=wd, nesterov=o.muon_nesterov,
-                experts_adamw=o.muon_experts_adamw)
-
-
 def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
-    """TrainerSpec fields for a role stepped by the optimizer block `o` (RL roles and the SFT job)."""
-    log = cfg.logger
+    """TrainerSpec fields for a role stepped by the optimizer block `o`, shared by the RL roles and the SFT job: the
+    optimizer (Muon's settings, or None for AdamW; muon_weight_decay None -> weight_decay, as Molt), precision,
+    offload, micro-batch budget, the model backend's options and the issue-39 knobs."""
+    from molt_hydra.models.build import backend_options
+
+    log, p, t = cfg.logger, cfg.parallelism, cfg.train
     grads = (tuple(log.debug_grad_norms_filter), log.debug_grad_norms_topk) if log.debug_grad_norms else None
-    return dict(muon=muon_options(o), debug_grad_norms=grads, full_determinism=cfg.train.full_determinism,
-                defer_grad_sync=cfg.parallelism.defer_grad_sync)
+    muon = dict(lr=o.muon_lr, momentum=o.muon_momentum, nesterov=o.muon_nesterov, experts_adamw=o.muon_experts_adamw,
+                weight_decay=o.weight_decay if o.muon_weight_decay is None else o.muon_weight_decay)
+    return dict(
+        muon=muon if o.name.value == "muon" else None, debug_grad_norms=grads, full_determinism=t.full_determinism,
+        defer_grad_sync=p.defer_grad_sync, timeout_s=t.timeouts.collective_s, offload=p.offload.value == "full",
+        optimizer_offload=p.offload.value == "optimizer", param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value],
+        attn_implementation=cfg.model.attn_implementation.value,
+        max_tokens_per_micro_batch=(t.max_tokens_per_micro_batch if t.dynamic_batch
+                                    else t.micro_batch_size * cfg.data.max_len),
+        lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, lr_scheduler=o.scheduler,
+        lr_warmup_ratio=o.warmup_ratio, min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, **backend_options(cfg))
 
 
 def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str, total_steps: int,
                  **role_fields) -> TrainerSpec:
     """What every rank of the RL role `role` (actor, ref, critic) is built from; `o`: the optimizer block that steps
     it; `role_fields`: the role's own (the actor's routing_replay). parallel/group.py fills in each rank's place."""
-    from molt_hydra.models.build import backend_options
-
-    p, t, d = cfg.parallelism, cfg.train, cfg.data
+    p = cfg.parallelism
     return TrainerSpec(
-        model_path=model_path, role=role, timeout_s=t.timeouts.collective_s, seed=cfg.seed,
-        dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp, ep_size=p.ep, cp_size=p.cp,
-        offload=p.offload.value == "full", optimizer_offload=p.offload.value == "optimizer",
-        param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value],
-        attn_implementation=cfg.model.attn_implementation.value, aux_loss_coef=cfg.model.aux_loss_coef,
-        temperature=cfg.rollout.temperature, total_steps=total_steps,
-        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * d.max_len,
-        lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, lr_scheduler=o.scheduler,
-        lr_warmup_ratio=o.warmup_ratio, min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm,
-        **trainer_options(cfg, o), **backend_options(cfg), **role_fields)
+        model_path=model_path, role=role, seed=cfg.seed, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp,
+        ep_size=p.ep, cp_size=p.cp, aux_loss_coef=cfg.model.aux_loss_coef, temperature=cfg.rollout.temperature,
+        total_steps=total_steps, **trainer_options(cfg, o), **role_fields)
 
 
 def engine_env(cfg: RunConfig) -> dict[str, str]:

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from molt_hydra.rollout.generator import RunFailed  # noqa: F401 (re-exported: raised by the generator too)
@@ -46,21 +49,24 @@ def describe(error: BaseException) -> str:
 
 
 async def deadline(awaitable, seconds: float, role: str, what: str):
-    """Await `awaitable` (a coroutine or a Ray ObjectRef) for at most `seconds`."""
+    """Await `awaitable` (a coroutine, a future or a Ray ObjectRef) for at most `seconds`."""
     try:
-        return await asyncio.wait_for(_as_awaitable(awaitable), timeout=seconds)
+        return await asyncio.wait_for(awaitable, timeout=seconds)
     except asyncio.TimeoutError:
         raise RoleStalled(role, what, seconds) from None
-
-
-async def _as_awaitable(obj):
-    return await obj
 
 
 def descendants(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     kids = [int(p) for p in out.stdout.split()]
     return kids + [g for k in kids for g in descendants(k)]
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL each process that is still there."""
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def dump_stacks(run_dir: str | Path, role_pids: dict[str, int], reason: str) -> Path:

@@ -29,10 +29,9 @@ def not_writable(path: str | Path) -> str | None:
 
 def fail_unless_writable(dirs: dict[str, str | Path]) -> None:
     """`dirs`: config key -> directory. Prints one message per unwritable directory and exits non-zero."""
-    problems = [(key, path, why) for key, path in dirs.items() if (why := not_writable(path)) is not None]
-    if problems:
-        lines = [f"- {key}={path}: not writable: {why}. Fix: point {key} at a writable directory."
-                 for key, path, why in problems]
+    lines = [f"- {key}={path}: not writable: {why}. Fix: point {key} at a writable directory."
+             for key, path in dirs.items() if (why := not_writable(path)) is not None]
+    if lines:
         print("Run not started: output directory not writable.\n" + "\n".join(lines), file=sys.stderr)
         sys.exit(EXIT_FAILED)
 
