@@ -124,11 +124,12 @@ class ExecutionResult:
 @functools.cache
 def network_namespace_available() -> bool:
     """Whether children can get their own network namespace here (the fallback's network isolation): probed once
-    with util-linux's `unshare` in a throwaway child (it needs CAP_SYS_ADMIN; a failure must not surprise the
-    sandbox)."""
-    if sys.platform != "linux" or shutil.which("unshare") is None:
+    with the children's own syscall in a throwaway interpreter (it needs CAP_SYS_ADMIN; a failure must not surprise
+    the sandbox, and a fork of this threaded process could deadlock)."""
+    if sys.platform != "linux":
         return False
-    return subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0
+    probe = f"import ctypes, sys; sys.exit(ctypes.CDLL(None, use_errno=True).unshare({CLONE_NEWNET}) != 0)"
+    return subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True).returncode == 0
 
 
 def _read_only_roots() -> list[str]:

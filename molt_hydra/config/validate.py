@@ -317,6 +317,14 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
              "trainer loss.", "set model.aux_loss_coef=0, or model.backend=hf"),
             (p.offload.value == "none", "parallelism.offload", "CPU offload is not wired to AutoModel's FSDP2.",
              "set parallelism.offload=none, or model.backend=hf"),
+            # the critic (a value head on the backbone) is always built with HF transformers
+            ("values" not in needs or m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
+             f"the critic of estimator {cfg.algorithm.estimator} is built with HF transformers, which checkpoints "
+             "whole blocks or nothing; selective is AutoModel's.",
+             "set model.gradient_checkpointing=full, or an estimator without a critic"),
+            *(("values" not in needs or getattr(p, name) == 1, f"parallelism.{name}", f"the critic of estimator "
+               f"{cfg.algorithm.estimator} is built with HF transformers, which shards with FSDP only.",
+               f"set parallelism.{name}=1, or an estimator without a critic") for name in ("tp", "cp", "ep")),
             *((get(cfg, key) in values, key, f"AutoModel's {what} are {[v for v in values if v]}, got "
                f"{get(cfg, key)!r}.", f"set {key} to one of them, or unset it (default "
                f"{get(defaults(), key) or 'null'})") for key, (what, values) in AUTOMODEL_CHOICES.items()),

@@ -39,4 +39,7 @@ def build_device_mesh(dp_size: int):
     """FSDP2's one `dp` dimension over every rank (the config keeps tp = ep = cp = 1 on the HF backend)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if dp_size != dist.get_world_size():  # a mesh smaller than the world leaves ranks outside every collective: a hang
+        raise ValueError(f"dp_size={dp_size} must equal the number of trainer ranks ({dist.get_world_size()}) on the "
+                         "HF backend (data parallel only)")
     return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dp_size,), mesh_dim_names=("dp",))

@@ -134,14 +134,18 @@ class TrainerWorker:
         self.moe, self.frozen_names, self.moe_experts_impl = False, set(), None
 
     def _build_hf(self, spec: TrainerSpec) -> None:
-        mesh = build_device_mesh(self.dp_size)  # the config keeps selective checkpointing to AutoModel
+        mesh = build_device_mesh(self.dp_size)
         model = build_model(self.model_path, role=spec.role, attn_implementation=spec.attn_implementation,
                             gradient_checkpointing=spec.gradient_checkpointing == "full", random_init=spec.random_init,
                             config_overrides=spec.config_overrides,
                             init_device=self.device if spec.random_init else "cpu")
         if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
-            # target_modules None: the family's default (the config refuses a family without one)
+            # target_modules None: the family's default; the config refuses a family without one when it can read
+            # the model's config.json, a hub id it cannot read is refused here
             targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
+            if targets is None:
+                raise ValueError(f"model.lora.target_modules: model family {model.config.model_type!r} has no "
+                                 "default targets; set them (e.g. [q_proj,v_proj])")
             self.lora = {**self.lora, "target_modules": targets}
             model = lora.add_adapter(model, self.lora)
         self._install_moe(model, spec)

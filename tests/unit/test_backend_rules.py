@@ -34,9 +34,13 @@ GPU_AM = ["cluster.device=cuda", "model.backend=automodel"]
      "on cpu run torch's grouped GEMM in float32"),
     (["cluster.device=cuda", "model.backend=hf", "model.moe_experts_impl=grouped", "model.param_dtype=float32"],
      "model.moe_experts_impl", "on cuda run torch's grouped GEMM in bfloat16"),
+    # the critic is built with HF transformers on an AutoModel run too
+    ([*GPU_AM, "algorithm.estimator=gae", "model.gradient_checkpointing=selective"], "model.gradient_checkpointing",
+     "critic of estimator gae is built with HF transformers"),
+    ([*GPU_AM, "algorithm.estimator=gae", "parallelism.tp=2"], "parallelism.tp", "shards with FSDP only"),
 ], ids=["automodel_needs_gpu", "hf_rms_norm", "cpu_experts", "cpu_linear", "cpu_dispatcher", "am_packing",
         "am_aux_loss", "am_attn", "am_dispatcher", "am_experts", "am_rms_norm", "am_hf_experts_impl",
-        "cpu_grouped_bf16", "gpu_grouped_fp32"])
+        "cpu_grouped_bf16", "gpu_grouped_fp32", "am_critic_selective", "am_critic_tp"])
 def test_backend_rule_fires(overrides, key, fragment):
     assert_fires(overrides, key, fragment)
 
