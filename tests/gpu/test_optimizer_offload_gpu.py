@@ -1,7 +1,8 @@
 """parallelism.offload=optimizer on one GPU (run on the device): `python -m pytest -m gpu
 tests/gpu/test_optimizer_offload_gpu.py`. The params stay on the GPU, the fp32 masters and AdamW moments live on
-the host, the GPU holds less, and the training is the in-place optimizer's (fp32 params on both sides, so the only
-difference is CPU vs CUDA fused AdamW: rounding)."""
+the host, the GPU holds less, and the training is the in-place optimizer's (both compute in fp32: in bf16, an fp32
+rounding difference between CPU and CUDA AdamW can flip a bf16 rounding in the next forward; in fp32 only the AdamW
+arithmetic differs)."""
 
 from __future__ import annotations
 

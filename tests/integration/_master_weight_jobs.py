@@ -126,7 +126,7 @@ def compute_dtype(rank, world_size, port, out, param_dtype):
 
 
 def offload_steps(rank, world_size, port, out, optimizer_offload):
-    """Two optimizer steps of the fp32 tiny Qwen3 (fp32 params on a GPU too) with the optimizer on the host
+    """Two optimizer steps of the fp32 tiny Qwen3 (computing in fp32 on a GPU too) with the optimizer on the host
     (parallelism.offload=optimizer) or not; rank 0 saves the full params after and, offloaded, where the masters live
     and whether they equal the params."""
     w = worker(rank, world_size, port, optimizer_offload=optimizer_offload, weight_decay=0.1, lr_scheduler="constant",
