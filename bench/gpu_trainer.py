@@ -139,6 +139,7 @@ def ceiling(name, ac, args, rank, peak):
 
 def bench_one(name, ac, variant, args, rank, world, port, peak):
     from molt_hydra.algorithm.loss import PolicyLoss
+    from molt_hydra.compat.torch import compiled_graphs
     from molt_hydra.parallel.objectives import ActorObjective
     from molt_hydra.parallel.trainer import TrainerWorker
     from molt_hydra.parallel.trainer_spec import TrainerSpec
@@ -171,7 +172,7 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     runs, graphs = [], []
     for i in range(args.steps + 1):
         m = w.train_step(data, obj)
-        graphs.append(compiled_graphs())
+        graphs.append(compiled_graphs())  # torch.compile's graphs so far (compat/torch.py)
         if i:
             runs.append(m)
     row = f"{name}:{args_ac(ac)}:{variant}"
@@ -214,11 +215,6 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rec
-
-
-def compiled_graphs() -> int:
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
 
 
 def restore_transformers_experts(model) -> None:

@@ -6,6 +6,8 @@
 - A DTensor built from its spec (`DTensor(local, spec)`, torch.distributed.tensor._dtensor_spec): a host-memory shard
   placed like a GPU parameter, as FSDP2's own CPU offload holds them (parallel/optim.py, parallelism.offload=optimizer);
   the public `DTensor.from_local` moves the shard to the mesh's device.
+- torch.compile's counters (torch._dynamo.utils.counters["stats"]["unique_graphs"]): the graphs built so far in this
+  process, so a recompile (a new shape, a failed guard) shows as a step's `perf/compiled_graphs` rising.
 Written for torch 2.11 (the GPU build) to 2.13 (CPU); tests/unit/test_compat_weight_loading.py and
 tests/unit/test_torch_compat.py check what they rely on against the installed torch.
 """
@@ -50,3 +52,11 @@ def is_view_op(func) -> bool:
     if schema.is_mutable or not schema.returns:
         return False
     return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has built in this process (each recompile adds one)."""
+    _check("the compiled-graph count")
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from molt_hydra.algorithm.experience import NumpyPickled
+from molt_hydra.compat.torch import compiled_graphs
 from molt_hydra.compat.transformers import expert_widths, install_experts
 from molt_hydra.models import lora, moe_experts, moe_routing, vlm
 from molt_hydra.models.automodel import build_automodel, clip_grad_norm, hf_name_mapper, replay_routed_experts
@@ -77,6 +78,7 @@ class TrainerWorker:
         self.backend = resolve_backend(spec.backend) if spec.role != "critic" else "hf"
         # packed [1, T] streams need a varlen kernel (validated); otherwise right-padded [B, L] rows, mask-free
         self.packing = spec.packing
+        self.compile_blocks = spec.compile_blocks
         torch.manual_seed(spec.seed)  # same init (e.g. value head) on every rank
         self.model_path = resolve_path(spec.model_path)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
@@ -494,6 +496,8 @@ class TrainerWorker:
             seq = tokens / (len(samples) * self.world_size)
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),
                                         self.peak_tflops * 1e12, self.world_size)
+        if self.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
+            metrics[f"{perf}compiled_graphs"] = float(compiled_graphs())
         if self.device.type == "cuda":
             metrics[f"{perf}gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
             metrics[f"{perf}gpu_mem_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30

@@ -158,3 +158,16 @@ def forward_only_reshards(rank, world_size, port, out):
     after = sum(isinstance(p, DTensor) for p in w.model.parameters())
     torch.save({"before": before, "after": after, "params": sum(1 for _ in w.model.parameters())}, out)
     w.shutdown()
+
+
+def compiled_steps(rank, world_size, port, out, compile_blocks):
+    """Four RL steps of varied lengths (each its own micro-batch shapes) with the decoder blocks compiled or eager;
+    saves each step's policy loss and, compiled, the graphs torch.compile has built after it."""
+    w = worker(rank, world_size, port, compile_blocks=compile_blocks, param_dtype="fp32")
+    rows = []
+    for step in range(4):
+        m = w.train_step(with_old_logprobs(w, make_samples(8, seed=step)), ppo_objective())
+        rows.append((m["policy_loss"], m.get("perf/compiled_graphs")))
+    if rank == 0:
+        torch.save(rows, out)
+    w.shutdown()

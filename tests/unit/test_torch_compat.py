@@ -42,3 +42,18 @@ def test_a_host_shard_placed_like_a_gpu_parameter_stays_in_host_memory():
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port())], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
+
+
+def test_the_compiled_graph_count_rises_by_one_per_new_graph_and_not_on_reuse():
+    """`perf/compiled_graphs` reads torch.compile's own counter: a fresh function compiles one graph, a call with the
+    same shapes reuses it."""
+    import torch
+
+    from molt_hydra.compat.torch import compiled_graphs
+
+    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="eager")
+    before = compiled_graphs()
+    fn(torch.ones(3))
+    assert compiled_graphs() == before + 1
+    fn(torch.zeros(3))
+    assert compiled_graphs() == before + 1
