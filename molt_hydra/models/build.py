@@ -63,23 +63,6 @@ class CriticModel(nn.Module):
         self.backbone.gradient_checkpointing_enable(**kw)
 
 
-def backend_options(cfg) -> dict:
-    """TrainerWorker kwargs for the model backend from a validated RunConfig (RL roles and the SFT job alike)."""
-    m, p, lo = cfg.model, cfg.parallelism, cfg.model.lora
-    lora = None if lo.rank is None else dict(  # models/lora.py; target_modules None: the family's default
-        rank=lo.rank, alpha=lo.alpha or 2.0 * lo.rank, dropout=lo.dropout, init=lo.init.value,
-        target_modules=list(lo.target_modules) if lo.target_modules else None)
-    return dict(backend=m.backend.value, lora=lora, packing=p.packing, share_prompts=p.share_prompts,
-                compile_blocks=m.compile_blocks, master_weights=m.master_weights.value,
-                gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
-                moe_experts_impl=m.moe_experts_impl.value,
-                freeze_moe_router=m.freeze_moe_router, freeze_visual_encoder=m.freeze_visual_encoder,
-                automodel_options=dict(moe_dispatcher=m.moe_dispatcher, experts_backend=m.experts_backend,
-                                       linear_backend=m.linear_backend, rms_norm=m.rms_norm,
-                                       moe_reshard_after_forward=p.moe_reshard_after_forward,
-                                       sequence_parallel=p.sequence_parallel))
-
-
 def load_config(path: str, config_overrides: dict | None = None, random_init: bool = False):
     """The HF config of a (resolved) model directory with `config_overrides` applied; KV cache off for training."""
     import transformers

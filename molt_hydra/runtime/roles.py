@@ -336,6 +336,15 @@ def _role_pids(engines: list, groups: dict, runners: list) -> dict[str, int]:
     return {name: pid for (name, _), pid in zip(named, pids)}
 
 
+def weight_transport(cfg: RunConfig) -> str:
+    """The weight sync's transport for this run's placement (`rollout.weight_sync.transport`, auto resolved)."""
+    from molt_hydra.weight_sync import resolve_transport
+
+    return resolve_transport(cfg.rollout.weight_sync.transport.value, lora=bool(cfg.model.lora.rank),
+                             device=cfg.cluster.device.value, colocate=cfg.parallelism.colocate,
+                             nodes=cfg.cluster.nodes)
+
+
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     from transformers import AutoTokenizer
 
@@ -371,7 +380,9 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
     print("start-up, seconds from Ray's start until ready: "
           + ", ".join(f"{name} {s:.1f}" for name, s in sorted(up.items(), key=lambda kv: kv[1])), flush=True)
-    transport = await setup_weight_sync(cfg, actor, engines)
+    transport = weight_transport(cfg)
+    await setup_weight_sync(transport, actor, engines, workers_per_engine=r.tensor_parallel_size
+                            * r.data_parallel_size * r.pipeline_parallel_size, timeout_s=t.timeouts.startup_s)
     roles = Roles(
         engines=engines, actor=actor, ref=ref, critic=critic, runners=runners,
         generator=_generator(cfg, prompts, runners), pad_token_id=tokenizer.pad_token_id or 0, tokenizer=tokenizer,

@@ -1,7 +1,8 @@
 """The trainer -> engine weight protocol, versioned: what the runtime calls.
 
-- `setup_weight_sync(cfg, actor, engines)`, once: resolves `rollout.weight_sync.transport` (`resolve_transport`: auto
-  from placement) and opens what it needs; returns the transport's name.
+- `resolve_transport(...)`: `rollout.weight_sync.transport`, auto resolved from placement (the runtime passes the
+  placement: runtime/roles.py `weight_transport`); `setup_weight_sync(transport, actor, engines, ...)`, once: opens
+  what that transport needs.
 - `push_from_rank(worker, engines, transport, version, ...)`, on every trainer rank per sync: gathers the weights
   (buckets.py), rank 0 pushes them (sender.py) and stamps `version` on every engine.
 - the sync probe (probe.py): do the engines hold, and compute with, the trainer's weights.

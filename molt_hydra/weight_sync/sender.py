@@ -86,18 +86,17 @@ class WeightSync:
                 "weight_sync/in_place": float(self.transport.in_place), "weight_sync/replayed": self.transport.replayed}
 
 
-def resolve_transport(cfg) -> str:
+def resolve_transport(transport: str, *, lora: bool, device: str, colocate: bool, nodes: int) -> str:
     """`rollout.weight_sync.transport` with `auto` resolved from placement: GPU colocated shares memory (cuda_ipc), GPU
     apart broadcasts (nccl); CPU uses shared_memory when every engine shares the trainer's host, else object_store.
     (config/validate.py refuses the GPU ones on CPU, and cuda_ipc unless trainer and engines share GPUs.)"""
-    if cfg.model.lora.rank:  # the adapter goes through the object store (ObjectStoreTransport): nothing to open
+    if lora:  # the adapter goes through the object store (ObjectStoreTransport): nothing to open
         return "object_store"
-    transport = cfg.rollout.weight_sync.transport.value
     if transport != "auto":
         return transport
-    if cfg.cluster.device.value == "cuda":
-        return "cuda_ipc" if cfg.parallelism.colocate else "nccl"
-    return "shared_memory" if cfg.cluster.nodes == 1 else "object_store"
+    if device == "cuda":
+        return "cuda_ipc" if colocate else "nccl"
+    return "shared_memory" if nodes == 1 else "object_store"
 
 
 def _rendezvous_address(_worker) -> tuple[str, int]:
@@ -124,16 +123,11 @@ async def open_broadcast(rank0, engines: list, *, workers_per_engine: int, timeo
     await asyncio.gather(rank0.__ray_call__.remote(_join_as_sender, host, port, world, timeout_s), *joins)
 
 
-async def setup_weight_sync(cfg, actor, engines: list) -> str:
-    """Once, after engines and trainer ranks are up: resolve the transport and open what it needs (the NCCL group for
-    `nccl`; the others need nothing opened). Returns the transport name for `push_from_rank`."""
-    transport = resolve_transport(cfg)
+async def setup_weight_sync(transport: str, actor, engines: list, *, workers_per_engine: int, timeout_s: float) -> None:
+    """Once, after engines and trainer ranks are up: open what the resolved transport needs (the NCCL group for
+    `nccl`; the others need nothing opened)."""
     if transport == "nccl" and actor is not None:
-        r = cfg.rollout
-        per_engine = r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size  # vLLM workers
-        await open_broadcast(actor.workers[0], engines, workers_per_engine=per_engine,
-                             timeout_s=cfg.train.timeouts.startup_s)
-    return transport
+        await open_broadcast(actor.workers[0], engines, workers_per_engine=workers_per_engine, timeout_s=timeout_s)
 
 
 def _buckets_and_carrier(worker, transport: str, bucket_bytes: int, wire: torch.dtype):

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _weight_sync_standin import (StandInEngine, StandInTrainerRank, broadcast_seconds, cast_copy_seconds,  # noqa: E402
                                   connect, device_copy_seconds, engine_weights, free_port, sync_seconds, wire_bytes)
 
-from molt_hydra.weight_sync.sender import WeightCoverageError, push_from_rank, resolve_transport  # noqa: E402
+from molt_hydra.weight_sync.sender import WeightCoverageError, push_from_rank  # noqa: E402
+from molt_hydra.runtime.roles import weight_transport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
 from _config_helpers import compose_config  # noqa: E402
@@ -35,7 +36,7 @@ def configured(*overrides: str) -> str:
     from molt_hydra.runtime.validate import validate
 
     gpu = ["cluster=local_gpus", "cluster.memory_gb_per_device=139", "parallelism.trainer_devices=1"]
-    return resolve_transport(validate(OmegaConf.to_object(compose_config([*gpu, *overrides]))))
+    return weight_transport(validate(OmegaConf.to_object(compose_config([*gpu, *overrides]))))
 
 
 # each GPU transport, selected by its config value

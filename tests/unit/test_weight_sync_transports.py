@@ -19,10 +19,11 @@ from torch import nn
 # The CUDA IPC transports' handles are pickled (`transports.ipc_handle`); on these CPU stand-ins a CPU tensor's handle
 # names its shared-memory file, which this process maps back to the same storage (torch's sharing cache)
 torch.multiprocessing.set_sharing_strategy("file_system")
+from molt_hydra.runtime.roles import weight_transport  # noqa: E402
 from molt_hydra.weight_sync.buckets import (ALIGN, bucket_weights, iter_weight_buckets,  # noqa: E402
                                             local_full_weights, pack_bucket, unpack_bucket)
 from molt_hydra.weight_sync.receiver import WeightReceiver  # noqa: E402
-from molt_hydra.weight_sync.sender import WeightSync, open_broadcast, push_from_rank, resolve_transport  # noqa: E402
+from molt_hydra.weight_sync.sender import WeightSync, open_broadcast, push_from_rank  # noqa: E402
 from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport  # noqa: E402
 from molt_hydra.weight_sync.shared_params import single_pass_transport  # noqa: E402
 from molt_hydra.weight_sync.transports import BroadcastGroup, BroadcastTransport, CudaIpcTransport  # noqa: E402
@@ -155,7 +156,7 @@ GPU_ONE_HOST = ["cluster=local_gpus", "cluster.memory_gb_per_device=139", "paral
 def test_each_config_value_selects_its_transport(overrides, transport):
     """Every transport is reachable from `rollout.weight_sync.transport` (or `auto` on its placement) through a
     config that validates; the GPU ones are run through that value by tests/gpu."""
-    assert resolve_transport(run_config(*overrides)) == transport
+    assert weight_transport(run_config(*overrides)) == transport
 
 
 @pytest.mark.parametrize("overrides,reason", [
@@ -234,7 +235,7 @@ def test_push_from_rank_sends_the_engine_dtype_and_stamps_the_version(overrides,
     import ray
 
     monkeypatch.setattr(ray, "put", lambda blob: blob)
-    transport = resolve_transport(run_config(*overrides))
+    transport = weight_transport(run_config(*overrides))
     rank0, log = StandInTrainerRank(), []
     worker = FakeWorker()
     engine = FakeEngine(worker, log)
