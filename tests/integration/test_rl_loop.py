@@ -168,8 +168,11 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 
 def _is_engine_core(pid: int) -> bool:
+    """vLLM titles its engine core process `VLLM::EngineCore` (setproctitle): the command line where the title could
+    be written over argv, and always the kernel's 15-character name, `VLLM::EngineCor`."""
     try:
-        return any("EngineCore" in Path(f"/proc/{pid}/{f}").read_text(errors="ignore") for f in ("cmdline", "comm"))
+        return "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text(errors="ignore") or \
+            Path(f"/proc/{pid}/comm").read_text(errors="ignore").startswith("VLLM::EngineCor")
     except FileNotFoundError:  # exited while the tree was walked
         return False
 
@@ -187,7 +190,8 @@ def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     while not engine_cores and time.monotonic() < looked_until:
         engine_cores = [p for p in descendants(proc.pid) if _is_engine_core(p)]
         time.sleep(0.5)
-    assert engine_cores, "no vLLM EngineCore process found under the run"
+    tree = subprocess.run(["ps", "-eo", "pid,ppid,comm,args", "--forest"], capture_output=True, text=True).stdout
+    assert engine_cores, f"no vLLM EngineCore process found under the run (pid {proc.pid}):\n{tree[-6000:]}"
     for p in engine_cores:
         os.kill(p, signal.SIGSTOP)  # the engine hangs: no error, no progress
     started = time.monotonic()
