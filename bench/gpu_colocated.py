@@ -92,8 +92,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.throughput:
         out = args.runs / "qwen3_4b_shape_throughput"
-        proc = subprocess.run([sys.executable, "-m", "molt_hydra.cli", *THROUGHPUT, *args.set, f"hydra.run.dir={out}"],
-                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        cmd = [sys.executable, "-m", "molt_hydra.cli", *THROUGHPUT, *args.set, f"hydra.run.dir={out}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         (args.runs / "throughput_console.log").write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
         print(f"throughput run rc={proc.returncode}", flush=True)
     runs = [p.parent for p in sorted(args.runs.rglob("metrics.jsonl")) if '"kind": "train"' in p.read_text()]

@@ -78,7 +78,6 @@ class TrainerWorker:
         self.backend = resolve_backend(spec.backend) if spec.role != "critic" else "hf"
         # packed [1, T] streams need a varlen kernel (validated); otherwise right-padded [B, L] rows, mask-free
         self.packing = spec.packing
-        self.compile_blocks = spec.compile_blocks
         torch.manual_seed(spec.seed)  # same init (e.g. value head) on every rank
         self.model_path = resolve_path(spec.model_path)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
@@ -496,7 +495,7 @@ class TrainerWorker:
             seq = tokens / (len(samples) * self.world_size)
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),
                                         self.peak_tflops * 1e12, self.world_size)
-        if self.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
+        if self.spec.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
             metrics[f"{perf}compiled_graphs"] = float(compiled_graphs())
         if self.device.type == "cuda":
             metrics[f"{perf}gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
