@@ -30,14 +30,9 @@ class Bounds:
     def describe(self) -> str:
         low = f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
         high = f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None
-        if low and high:
-            text = f"in {low}, {high}"
-        elif low:
-            text = f">= {self.ge}" if self.ge is not None else f"> {self.gt}"
-        elif high:
-            text = f"<= {self.le}" if self.le is not None else f"< {self.lt}"
-        else:
-            text = "a finite number"
+        one_side = [f"{op} {limit}" for op, limit in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                    if limit is not None]
+        text = f"in {low}, {high}" if low and high else one_side[0] if one_side else "a finite number"
         return " or ".join([*map(str, self.also), text])
 
     def holds(self, v: float) -> bool:

@@ -13,7 +13,8 @@ import enum
 import typing
 from urllib.parse import urlsplit
 
-from molt_hydra.config.validate import defaults
+from molt_hydra.config.bounds import declared_bounds, get
+from molt_hydra.config.schema import RunConfig
 
 # rollout knobs passed to vLLM's EngineArgs under the same name; the values it takes are read from its field types
 ENGINE_ARG_NAMES = ("attention_backend", "mm_encoder_attn_backend", "mamba_ssm_cache_dtype", "gdn_prefill_backend")
@@ -60,22 +61,13 @@ def engine_name_rules(cfg, problems) -> None:
                 ReasoningParserManager.list_registered(), "a vLLM reasoning parser")
 
 
-def _string_fields(node, prefix: str, defaults):
-    for f in dataclasses.fields(node):
-        value, default = getattr(node, f.name), getattr(defaults, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _string_fields(value, f"{prefix}{f.name}.", default)
-        elif isinstance(value, str) and not isinstance(value, enum.Enum):
-            yield f"{prefix}{f.name}", value, default
-
-
 def name_rules(cfg, problems) -> None:
     """A string knob set to empty (or blank) where its default is not empty names nothing: `data.input_key=`."""
     reported = {line[2:].split(":", 1)[0] for line in problems.lines}
-    for key, value, default in _string_fields(cfg, "", defaults()):
-        if value.strip() or default == "" or key in reported:
-            continue
-        problems.check(False, key, f"is {value!r}, which names nothing.",
+    for key, (_, default) in declared_bounds(RunConfig).items():
+        value = get(cfg, key)
+        blank = isinstance(value, str) and not isinstance(value, enum.Enum) and not value.strip()
+        problems.check(not blank or default == "" or key in reported, key, f"is {value!r}, which names nothing.",
                        f"set {key} to a name" + (f", or {key}=null" if default is None else
                                                   f", or leave it out (default {default!r})"))
     address = cfg.cluster.ray_address

@@ -154,21 +154,23 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     return out
 
 
-def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: int, blank: bool) -> list[dict]:
-    """Rows whose images all decode (as RGB PIL images) within `max_images`; every other row is dropped, counted and
-    logged with its row id, so one bad image costs one sample, never the run. All rows dropped is an error."""
+def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: int, blank: bool,
+                      column: str = "images") -> list[dict]:
+    """Rows whose images (`column`, the data's `image_key`) all decode (as RGB PIL images) within `max_images`; every
+    other row is dropped, counted and logged with its row id, so one bad image costs one sample, never the run. All
+    rows dropped is an error."""
     kept, dropped, first = [], [], ""
     for i, r in enumerate(rows):
-        if "images" in r:
+        if r.get(column) is not None:
             try:
-                r["images"] = to_pil_images(r["images"], max_images, f"{spec} row {i} ({image_key})")
+                r[column] = to_pil_images(r[column], max_images, f"{spec} row {i} ({image_key})")
             except ValueError as e:
                 log.warning("data: dropped %s", e)
                 dropped.append(i)
                 first = first or str(e)
                 continue
             if blank:
-                r["images"] = [blank_like(im) for im in r["images"]]
+                r[column] = [blank_like(im) for im in r[column]]
         kept.append(r)
     if dropped:
         log.warning("data: dropped %d of %d rows of %s with unusable images (row ids %s)", len(dropped), len(rows),

@@ -11,17 +11,13 @@ is trained on), the trainer's convention. Packing happens in the trainer's micro
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from molt_hydra.data.images import to_pil_images
-from molt_hydra.data.prompts import BUILTIN, builtin_rows
+from molt_hydra.data.prompts import BUILTIN, builtin_rows, usable_image_rows
 from molt_hydra.models.vlm import NOT_GENERATED, image_parts
-
-log = logging.getLogger(__name__)
 
 _PROBE_USER, _PROBE_REPLY = "Zq probe question 17", "Zq probe reply 42"
 
@@ -111,22 +107,17 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     VLM rows (`image_key`): `<image>` markers in user strings become image parts, each placeholder is expanded and
     the processor outputs ride along (`images`: the model's `models.vlm.TrajectoryImages`); a row longer than
     max_len once expanded is skipped, as a cut would orphan image features; a row with an image that cannot be read or
-    more than `max_images_per_prompt` images is dropped, logged with its row id and counted (as prompt loading does)."""
+    more than `max_images_per_prompt` images is dropped, logged with its row id and counted (`usable_image_rows`)."""
     markers = discover_reply_markers(tokenizer, chat_template)
     special = _special_ids(tokenizer)
-    out, dropped = [], []
-    for i, row in enumerate(rows[:max_samples]):
+    out, rows = [], rows[:max_samples]
+    if image_key:  # a row with an unreadable image, or too many, costs its row (logged, counted), never the run
+        rows = usable_image_rows(rows, "SFT", image_key, max_images_per_prompt, blank=False, column=image_key)
+    for i, row in enumerate(rows):
         msgs = _messages(row, input_key, output_key)
         if not any(m["role"] == "assistant" for m in msgs):
             continue
-        row_images = []
-        if image_key and row.get(image_key) is not None:
-            try:
-                row_images = to_pil_images(row[image_key], max_images_per_prompt, f"SFT row {i} ({image_key})")
-            except ValueError as e:  # one bad image costs its row, never the run
-                log.warning("data: dropped %s", e)
-                dropped.append((i, str(e)))
-                continue
+        row_images = (row.get(image_key) or []) if image_key else []
         if row_images:
             if images is None:
                 raise ValueError(f"SFT row {i} has images but the model has no vision tower. Fix: use a VLM or set "
@@ -147,12 +138,7 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
         if sum(mask):
             out.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.float32),
                         **multimodal})
-    if dropped:
-        log.warning("data: dropped %d of %d SFT rows with unusable images (row ids %s)", len(dropped),
-                    len(rows[:max_samples]), [i for i, _ in dropped][:20])
     if not out:
         raise ValueError(f"no SFT samples with supervised tokens among {len(rows)} rows "
-                         f"(input_key={input_key!r}, output_key={output_key!r})"
-                         + (f"; {len(dropped)} dropped for their images, the first: {dropped[0][1]}"
-                            if dropped else ""))
+                         f"(input_key={input_key!r}, output_key={output_key!r})")
     return out

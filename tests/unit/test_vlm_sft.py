@@ -100,7 +100,7 @@ def test_vlm_sft_drops_rows_with_unusable_images_and_logs_their_ids(tmp_path, ca
     bad = {1: [truncated], 2: [str(empty)], 3: [Image.new("RGB", (0, 0))], 4: [good["images"][0]] * 2}
     rows = [good] + [dict(good, images=v) for v in bad.values()]
     rows.append(dict(good, images=[Image.new("LA", (56, 56), (200, 255))]))  # grey + alpha: converts to RGB
-    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.sft_dataset"):
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
         samples = build_sft_samples(rows, tok, output_key="output", image_key="images", max_images_per_prompt=1,
                                     images=images)
     assert len(samples) == 2  # rows 0 and 5
@@ -109,8 +109,8 @@ def test_vlm_sft_drops_rows_with_unusable_images_and_logs_their_ids(tmp_path, ca
     assert "SFT row 2 (images): unusable image: cannot identify image file" in text
     assert "SFT row 3 (images): unusable image: an image of size (0, 0) has no pixels" in text
     assert "SFT row 4 (images) has 2 images > data.max_images_per_prompt=1" in text
-    assert "dropped 4 of 6 SFT rows with unusable images (row ids [1, 2, 3, 4])" in text
-    with pytest.raises(ValueError, match="4 dropped for their images, the first: SFT row 0 .images.: unusable image: "
-                                         "image file is truncated"):
+    assert "dropped 4 of 6 rows of SFT with unusable images (row ids [1, 2, 3, 4])" in text
+    with pytest.raises(ValueError, match="every row of SFT was dropped for its images; the first: SFT row 0 .images.: "
+                                         "unusable image: image file is truncated"):
         build_sft_samples(rows[1:5], tok, output_key="output", image_key="images", max_images_per_prompt=1,
                           images=images)
