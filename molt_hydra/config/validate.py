@@ -302,40 +302,12 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
     """What the trainer backend the run resolves to (hf or NeMo AutoModel) can and cannot run."""
     m, p, cpu = cfg.model, cfg.parallelism, cfg.cluster.device.value == "cpu"
     hf_backend = trainer_backend(cfg) == "hf"
-    problems.check(not (m.backend.value == "automodel" and cpu), "model.backend",
-                   "NeMo AutoModel builds its models on CUDA devices only (its builder calls torch.cuda).",
-                   "set model.backend=hf (or auto), or cluster.device=cuda")
-    if not hf_backend:
-        problems.table((
-            (not p.packing, "parallelism.packing", "AutoModel micro-batches are right-padded rows; packed (THD) "
-             "streams are not wired to its attention.", "set parallelism.packing=false"),
-            (m.aux_loss_coef == 0, "model.aux_loss_coef", "AutoModel's MoE load-balancing loss is not added to the "
-             "trainer loss.", "set model.aux_loss_coef=0, or model.backend=hf"),
-            (p.offload.value == "none", "parallelism.offload", "CPU offload is not wired to AutoModel's FSDP2.",
-             "set parallelism.offload=none, or model.backend=hf"),
-            # the critic (a value head on the backbone) is always built with HF transformers
-            ("values" not in needs or m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
-             f"the critic of estimator {cfg.algorithm.estimator} is built with HF transformers, which checkpoints "
-             "whole blocks or nothing; selective is AutoModel's.",
-             "set model.gradient_checkpointing=full, or an estimator without a critic"),
-            *(("values" not in needs or getattr(p, name) == 1, f"parallelism.{name}", f"the critic of estimator "
-               f"{cfg.algorithm.estimator} is built with HF transformers, which shards with FSDP only.",
-               f"set parallelism.{name}=1, or an estimator without a critic") for name in ("tp", "cp", "ep")),
-            *((get(cfg, key) in values, key, f"AutoModel's {what} are {[v for v in values if v]}, got "
-               f"{get(cfg, key)!r}.", f"set {key} to one of them, or unset it (default "
-               f"{get(defaults(), key) or 'null'})") for key, (what, values) in AUTOMODEL_CHOICES.items()),
-        ), "model.backend=automodel: ")
-    else:  # knobs only AutoModel has: set away from their defaults they would change nothing on the HF path
-        problems.table((not changed(cfg, key), key, f"{get(cfg, key)!r} selects a NeMo AutoModel module; this run "
-                        "trains on the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
-                        f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
-                       for key in AUTOMODEL_CHOICES)
     experts, dtype = m.moe_experts_impl.value, m.param_dtype.value
     grouped_dtype = "float32" if cpu else "bfloat16"  # torch's grouped GEMM: CPU kernel fp32, Hopper kernel bf16
     problems.table((
-        (hf_backend or experts == "auto", "model.moe_experts_impl", f"{experts!r} selects the HF backend's MoE "
-         "experts; AutoModel's are model.experts_backend's (torch_mm: grouped GEMM).",
-         "unset model.moe_experts_impl, or model.backend=hf"),
+        (not (m.backend.value == "automodel" and cpu), "model.backend",
+         "NeMo AutoModel builds its models on CUDA devices only (its builder calls torch.cuda).",
+         "set model.backend=hf (or auto), or cluster.device=cuda"),
         (experts != "grouped" or dtype == grouped_dtype, "model.moe_experts_impl",
          f"grouped experts on {cfg.cluster.device.value} run torch's grouped GEMM in {grouped_dtype}, but "
          f"model.param_dtype={dtype}.",
@@ -344,17 +316,6 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
          "grouped experts on cpu run torch's float32 grouped GEMM, which torch.compile cannot trace "
          "(model.compile_blocks=true).", "set model.moe_experts_impl=auto (per-expert loop there), or "
          "model.compile_blocks=false"),
-        *((not (hf_backend and getattr(p, name) > 1), f"parallelism.{name}", f"{name}={getattr(p, name)} needs NeMo "
-           "AutoModel's meshes on GPU; the HF backend shards with FSDP only.",
-           f"set parallelism.{name}=1, or model.backend=automodel with cluster.device=cuda")
-          for name in ("tp", "cp", "ep")),
-        # mechanisms only NeMo AutoModel has (the run uses the HF path: on CPU, or with model.backend=hf)
-        (not hf_backend or m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
-         "not available: selective (per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
-         "set model.gradient_checkpointing=full"),
-        (not hf_backend or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
-         "not available: sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
-         "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),
     ))
     # backend auto on GPU may resolve to either, so only values both accept are safe there
     attn, backends = m.attn_implementation.value, ["hf"] if hf_backend else (
@@ -365,6 +326,53 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
                    f"set model.attn_implementation to one of {accepted}"
                    + ("" if backends == ["automodel"] else ", or the backend that has it: model.backend=hf|automodel "
                       "(automodel on GPU)"))
+    if hf_backend:
+        return
+    problems.table((
+        (not p.packing, "parallelism.packing", "AutoModel micro-batches are right-padded rows; packed (THD) "
+         "streams are not wired to its attention.", "set parallelism.packing=false"),
+        (m.aux_loss_coef == 0, "model.aux_loss_coef", "AutoModel's MoE load-balancing loss is not added to the "
+         "trainer loss.", "set model.aux_loss_coef=0, or model.backend=hf"),
+        (p.offload.value == "none", "parallelism.offload", "CPU offload is not wired to AutoModel's FSDP2.",
+         "set parallelism.offload=none, or model.backend=hf"),
+        (experts == "auto", "model.moe_experts_impl", f"{experts!r} selects the HF backend's MoE experts; AutoModel's "
+         "are model.experts_backend's (torch_mm: grouped GEMM).", "unset model.moe_experts_impl, or model.backend=hf"),
+        # the critic (a value head on the backbone) is always built with HF transformers
+        ("values" not in needs or m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
+         f"the critic of estimator {cfg.algorithm.estimator} is built with HF transformers, which checkpoints "
+         "whole blocks or nothing; selective is AutoModel's.",
+         "set model.gradient_checkpointing=full, or an estimator without a critic"),
+        *(("values" not in needs or getattr(p, name) == 1, f"parallelism.{name}", f"the critic of estimator "
+           f"{cfg.algorithm.estimator} is built with HF transformers, which shards with FSDP only.",
+           f"set parallelism.{name}=1, or an estimator without a critic") for name in ("tp", "cp", "ep")),
+        *((get(cfg, key) in values, key, f"AutoModel's {what} are {[v for v in values if v]}, got "
+           f"{get(cfg, key)!r}.", f"set {key} to one of them, or unset it (default "
+           f"{get(defaults(), key) or 'null'})") for key, (what, values) in AUTOMODEL_CHOICES.items()),
+    ), "model.backend=automodel: ")
+
+
+def hf_path_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """Knobs and mechanisms only NeMo AutoModel has, refused where the run trains on the HF path (on CPU, with
+    model.backend=hf, or auto without nemo_automodel): set, they would change nothing."""
+    m, p = cfg.model, cfg.parallelism
+    if trainer_backend(cfg) != "hf":
+        return
+    problems.table((
+        *((not changed(cfg, key), key, f"{get(cfg, key)!r} selects a NeMo AutoModel module; this run trains on the "
+           "HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
+           f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
+          for key in AUTOMODEL_CHOICES),
+        *((getattr(p, name) == 1, f"parallelism.{name}", f"{name}={getattr(p, name)} needs NeMo AutoModel's meshes "
+           "on GPU; the HF backend shards with FSDP only.",
+           f"set parallelism.{name}=1, or model.backend=automodel with cluster.device=cuda")
+          for name in ("tp", "cp", "ep")),
+        (m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing", "not available: selective "
+         "(per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
+         "set model.gradient_checkpointing=full"),
+        (not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel", "not available: "
+         "sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
+         "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),
+    ))
 
 
 def model_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
@@ -530,5 +538,5 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
 
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
-RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, backend_rules, model_rules,
+RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, backend_rules, hf_path_rules, model_rules,
          parallelism_rules, colocation_rules, logger_and_checkpoint_rules, job_rules)
