@@ -33,6 +33,7 @@ import logging
 import os
 import platform
 import sys
+import unittest.mock
 from pathlib import Path
 from typing import get_args
 
@@ -273,7 +274,7 @@ def cpu_core_env(kv_cache_space_gib: int, tensor_parallel_size: int, omp_threads
            "LOCAL_WORLD_SIZE": str(tensor_parallel_size)}
     if omp_threads:
         env["OMP_NUM_THREADS"] = omp_threads
-    if "VLLM_SSM_CONV_STATE_LAYOUT" not in os.environ and "avx512_bf16" in _cpu_flags():
+    if "VLLM_SSM_CONV_STATE_LAYOUT" not in os.environ and "avx512_bf16" in Path("/proc/cpuinfo").read_text():
         env["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"
     inherited = os.environ.get("LD_PRELOAD", "")
     preload = [lib for lib in inherited.split(":") if lib]
@@ -288,10 +289,6 @@ def cpu_core_env(kv_cache_space_gib: int, tensor_parallel_size: int, omp_threads
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
     return env
-
-
-def _cpu_flags() -> str:
-    return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
 
 
 @contextlib.contextmanager
@@ -313,11 +310,8 @@ def core_launch():
             return context
         return python_compat.ForkedWithLaunchEnv()
 
-    engine_utils.get_mp_context = get_mp_context
-    try:
+    with unittest.mock.patch.object(engine_utils, "get_mp_context", get_mp_context):
         yield
-    finally:
-        engine_utils.get_mp_context = vllms
 
 
 # --- R3 on CPU: the experts the engine's own fused-MoE routers selected, per request and token position ---
@@ -340,8 +334,7 @@ class EngineRoutingCapture:
             bind_routed_experts_capturer,
         )
 
-        runner = worker.model_runner
-        cfg = worker.vllm_config
+        runner, cfg = worker.model_runner, worker.vllm_config
         self.capturer = RoutedExpertsCapturer(cfg.scheduler_config.max_num_batched_tokens, cfg)
         bind_routed_experts_capturer(runner.get_model(), self.capturer)
         self.rows: dict[str, np.ndarray] = {}  # internal request id -> [positions, layers, top_k] int16, -1 = unknown
@@ -434,8 +427,6 @@ WEIGHT_LOADING = {  # module -> the names used from it (LAYERWISE_INFO: layer ->
 
 def weight_loading(name: str):
     """One of the names in `WEIGHT_LOADING`, checked against the releases it was written for."""
-    import importlib
-
     version = require("the weight sync's receiver", BOTH)
     module = next(m for m, names in WEIGHT_LOADING.items() if name in names)
     try:

@@ -40,15 +40,15 @@ def engine_name_rules(cfg, problems) -> None:
     """Names vLLM resolves when an engine starts, checked against the installed vLLM's EngineArgs field types and
     parser registries (public surfaces: no vLLM internals)."""
     r, agent = cfg.rollout, cfg.agent
-    if any(getattr(r, key) is not None for key in ENGINE_ARG_NAMES):
+    set_names = [key for key in ENGINE_ARG_NAMES if getattr(r, key) is not None]
+    if set_names:
         import vllm.engine.arg_utils as arg_utils
 
         fields = {f.name: f.type for f in dataclasses.fields(arg_utils.EngineArgs)}
-        for key in ENGINE_ARG_NAMES:
-            if getattr(r, key) is not None:
-                hint = eval(fields[key], vars(arg_utils)) if isinstance(fields[key], str) else fields[key]  # noqa: S307
-                what = "a vLLM attention backend" if "att" in key else f"a value vLLM's EngineArgs.{key} takes"
-                _choice(problems, f"rollout.{key}", getattr(r, key), _accepted_names(hint), what)
+        for key in set_names:
+            hint = eval(fields[key], vars(arg_utils)) if isinstance(fields[key], str) else fields[key]  # noqa: S307
+            what = "a vLLM attention backend" if "att" in key else f"a value vLLM's EngineArgs.{key} takes"
+            _choice(problems, f"rollout.{key}", getattr(r, key), _accepted_names(hint), what)
     if agent.tool_parser not in (None, "hermes"):  # hermes is vLLM's built-in default: no import for it
         from vllm.tool_parsers import ToolParserManager
 
