@@ -45,10 +45,7 @@ def ranged(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MIS
            gt: float | None = None, le: float | None = None, lt: float | None = None, also: tuple = ()) -> Any:
     """A dataclass field whose value (or each element, for a list) must lie in the stated range; None always passes
     (an Optional field left unset). `ranged(1, ge=1)`; `ranged(-1, ge=1, also=(-1,))`; `ranged(factory=..., lt=1)`."""
-    meta = {BOUNDS: Bounds(ge, gt, le, lt, tuple(also))}
-    if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+    return field(default=default, default_factory=factory, metadata={BOUNDS: Bounds(ge, gt, le, lt, tuple(also))})
 
 
 def declared_bounds(root: type) -> dict[str, tuple[Bounds | None, Any]]:

@@ -125,16 +125,13 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
             msgs = image_parts(msgs)
         text = _render(tokenizer, msgs, chat_template, False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = ids if row_images else ids[:max_len]  # an image row is skipped when too long, never cut (see above)
+        mask = reply_loss_mask(ids, markers, special, train_on_last_turn_only)
         multimodal = {}
-        if row_images:
-            mask = reply_loss_mask(ids, markers, special, train_on_last_turn_only)
-            # the mask rides through the expansion as per-token values; image tokens get 0 (context only)
+        if row_images:  # the mask rides through the expansion as per-token values; image tokens get 0 (context only)
             ids, mask, _, _, multimodal = images.expand(ids, mask, [NOT_GENERATED] * len(ids), [], row_images)
             if len(ids) > max_len:
                 continue
-        else:
-            ids = ids[:max_len]
-            mask = reply_loss_mask(ids, markers, special, train_on_last_turn_only)
         if sum(mask):
             out.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.float32),
                         **multimodal})

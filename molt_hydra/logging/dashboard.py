@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 from pathlib import Path
 # imported where used: wandb and wandb_workspaces (heavy, optional)
@@ -119,9 +120,8 @@ def final_and_best(rows: list[dict], key: str, mode: str) -> tuple[float | None,
     s = series(rows, key)
     if not s:
         return None, None, None
-    pick = max if mode == "max" else min
-    best = pick(v for _, v in s)
-    return s[-1][1], best, next(step for step, v in s if v == best)
+    best_step, best = (max if mode == "max" else min)(s, key=operator.itemgetter(1))  # the first of equal values
+    return s[-1][1], best, best_step
 
 
 def sections(keys: set[str]) -> list[dict]:
