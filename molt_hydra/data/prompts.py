@@ -180,8 +180,7 @@ def _rename(row: dict, input_key: str, label_key: str | None, tools_key: str | N
         raise KeyError(f"data.input_key={input_key!r} is not a column; columns: {sorted(row)}")
     out = {"prompt": row[input_key], "label": row.get(label_key, "") if label_key else "",
            "datasource": row.get("datasource", "default")}
-    if tools_key and row.get(tools_key) is not None:
-        out["tools"] = row[tools_key]
-    if image_key and row.get(image_key) is not None:
-        out["images"] = row[image_key]
+    for name, column in (("tools", tools_key), ("images", image_key)):  # optional columns: absent when unset or null
+        if column and row.get(column) is not None:
+            out[name] = row[column]
     return out

@@ -8,30 +8,24 @@ from molt_hydra.config.validate import Problems, check_location
 from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, IMAGE_TASKS
 
 
-def _data_location(problems: Problems, key: str, spec: str | None) -> None:
-    fix = f"give files, directories, hub dataset ids or one of {[BUILTIN + n for n in sorted(BUILTIN_TASKS)]}"
-    problems.check(spec is None or bool(spec.replace(",", "").strip()), key, f"{spec!r} names no dataset.",
-                   fix + ", or null")
-    for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
-        if part.startswith(BUILTIN):
-            problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
-        else:
-            check_location(problems, key, part, "file or directory", fix)
-
-
 def check_data(cfg: RunConfig, problems: Problems) -> None:
     """Both datasets' locations. Image rows need an engine that takes images: a builtin image task with 0 images per
     prompt (e.g. for a text-only model) would drop every row; blanking images that never reach the engine changes
     nothing."""
     d = cfg.data
+    fix = f"give files, directories, hub dataset ids or one of {[BUILTIN + n for n in sorted(BUILTIN_TASKS)]}"
     for key, spec in (("data.train_path", d.train_path), ("eval.data_path", cfg.eval.data_path)):
-        _data_location(problems, key, spec)
-        names = [s.strip()[len(BUILTIN):] for s in (spec or "").split(",") if s.strip().startswith(BUILTIN)]
-        with_images = [n for n in names if n in IMAGE_TASKS]
-        problems.check(not (with_images and d.max_images_per_prompt == 0), "data.max_images_per_prompt",
-                       f"{key} has image rows ({BUILTIN}{with_images[0] if with_images else ''}), but 0 images "
-                       "per prompt reach the engine (a text-only setup).",
-                       "set data.max_images_per_prompt=1 with a vision-language model.path")
+        problems.check(spec is None or bool(spec.replace(",", "").strip()), key, f"{spec!r} names no dataset.",
+                       fix + ", or null")
+        for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
+            if not part.startswith(BUILTIN):
+                check_location(problems, key, part, "file or directory", fix)
+                continue
+            problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
+            problems.check(part[len(BUILTIN):] not in IMAGE_TASKS or d.max_images_per_prompt > 0,
+                           "data.max_images_per_prompt", f"{key} has image rows ({part}), but 0 images per prompt "
+                           "reach the engine (a text-only setup).",
+                           "set data.max_images_per_prompt=1 with a vision-language model.path")
     problems.check(not (d.blank_images and d.max_images_per_prompt == 0), "data.blank_images",
                    "no image reaches the engine (data.max_images_per_prompt=0), so there is nothing to blank.",
                    "set data.blank_images=false, or data.max_images_per_prompt to the images per row")
