@@ -375,9 +375,7 @@ class EngineRoutingCapture:
         """Rows for positions [0, num_positions) of the request whose external id is `request_id` (vLLM appends a
         suffix to make its internal id); removes them. None if this worker never saw the request."""
         key = next((k for k in self.rows if k == request_id or k.startswith(request_id + "-")), None)
-        if key is None:
-            return None
-        return self.rows.pop(key)[:num_positions].tolist()
+        return None if key is None else self.rows.pop(key)[:num_positions].tolist()
 
 
 # --- chat parsers (agents/wire) ---

@@ -15,14 +15,12 @@ def write_logprob_dump(path: Path, batch, train_logp, lengths: list[int]) -> Non
     """`batch`: the step's ExperienceBatch ([B, L] rows); `train_logp`: [B, L]; `lengths`: each row's real tokens."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
+    per_token = (batch.token_ids, batch.policy_versions, batch.action_mask.int(), batch.rollout_log_probs, train_logp)
     with open(tmp, "w") as f:
         f.write("\t".join(COLUMNS) + "\n")
         for i, n in enumerate(lengths):
             rid = str(batch.rollout_ids[i]).replace("\t", " ")
-            ids, mask = batch.token_ids[i, :n].tolist(), batch.action_mask[i, :n].int().tolist()
-            versions = batch.policy_versions[i, :n].tolist()
-            vllm, train = batch.rollout_log_probs[i, :n].tolist(), train_logp[i, :n].tolist()
-            for pos in range(n):  # %.9g: float32 values round-trip exactly
-                f.write(f"{i}\t{rid}\t{pos}\t{ids[pos]}\t{versions[pos]}\t{mask[pos]}\t{vllm[pos]:.9g}\t"
-                        f"{train[pos]:.9g}\n")
+            for pos, (token, version, mask, vllm, train) in enumerate(zip(*(t[i, :n].tolist() for t in per_token))):
+                # %.9g: float32 values round-trip exactly
+                f.write(f"{i}\t{rid}\t{pos}\t{token}\t{version}\t{mask}\t{vllm:.9g}\t{train:.9g}\n")
     tmp.replace(path)  # complete or absent
