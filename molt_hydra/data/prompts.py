@@ -114,9 +114,7 @@ def load_dataset(spec: str, split: str, config: str | None = None):
     import datasets
 
     path = Path(spec)
-    if path.suffix in FILE_TYPES:
-        if not path.exists():
-            raise FileNotFoundError(f"data file {spec} does not exist")
+    if path.suffix in FILE_TYPES:  # a missing file: datasets' FileNotFoundError names it
         return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
