@@ -337,14 +337,6 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
          "set parallelism.offload=none, or model.backend=hf"),
         (experts == "auto", "model.moe_experts_impl", f"{experts!r} selects the HF backend's MoE experts; AutoModel's "
          "are model.experts_backend's (torch_mm: grouped GEMM).", "unset model.moe_experts_impl, or model.backend=hf"),
-        # the critic (a value head on the backbone) is always built with HF transformers
-        ("values" not in needs or m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing",
-         f"the critic of estimator {cfg.algorithm.estimator} is built with HF transformers, which checkpoints "
-         "whole blocks or nothing; selective is AutoModel's.",
-         "set model.gradient_checkpointing=full, or an estimator without a critic"),
-        *(("values" not in needs or getattr(p, name) == 1, f"parallelism.{name}", f"the critic of estimator "
-           f"{cfg.algorithm.estimator} is built with HF transformers, which shards with FSDP only.",
-           f"set parallelism.{name}=1, or an estimator without a critic") for name in ("tp", "cp", "ep")),
         *((get(cfg, key) in values, key, f"AutoModel's {what} are {[v for v in values if v]}, got "
            f"{get(cfg, key)!r}.", f"set {key} to one of them, or unset it (default "
            f"{get(defaults(), key) or 'null'})") for key, (what, values) in AUTOMODEL_CHOICES.items()),
@@ -352,25 +344,28 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
 
 
 def hf_path_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """Knobs and mechanisms only NeMo AutoModel has, refused where the run trains on the HF path (on CPU, with
-    model.backend=hf, or auto without nemo_automodel): set, they would change nothing."""
-    m, p = cfg.model, cfg.parallelism
-    if trainer_backend(cfg) != "hf":
+    """What only NeMo AutoModel has, refused for the models HF transformers builds: the actor where the run trains on
+    the HF path (on CPU, with model.backend=hf, or auto without nemo_automodel), a critic (a value head on the
+    backbone) always. Set, these knobs would change nothing."""
+    m, p, hf_actor = cfg.model, cfg.parallelism, trainer_backend(cfg) == "hf"
+    if not (hf_actor or "values" in needs):
         return
+    built = "the HF backend" if hf_actor else (
+        f"the critic of estimator {cfg.algorithm.estimator} is built with HF transformers, which")
+    other = "model.backend=automodel with cluster.device=cuda" if hf_actor else "an estimator without a critic"
     problems.table((
-        *((not changed(cfg, key), key, f"{get(cfg, key)!r} selects a NeMo AutoModel module; this run trains on the "
-           "HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
+        *((not hf_actor or not changed(cfg, key), key, f"{get(cfg, key)!r} selects a NeMo AutoModel module; this run "
+           "trains on the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
            f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
           for key in AUTOMODEL_CHOICES),
         *((getattr(p, name) == 1, f"parallelism.{name}", f"{name}={getattr(p, name)} needs NeMo AutoModel's meshes "
-           "on GPU; the HF backend shards with FSDP only.",
-           f"set parallelism.{name}=1, or model.backend=automodel with cluster.device=cuda")
+           f"on GPU; {built} shards with FSDP only.", f"set parallelism.{name}=1, or {other}")
           for name in ("tp", "cp", "ep")),
         (m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing", "not available: selective "
-         "(per-op) checkpointing needs NeMo AutoModel; the HF path checkpoints whole blocks.",
-         "set model.gradient_checkpointing=full"),
-        (not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel", "not available: "
-         "sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
+         f"(per-op) checkpointing needs NeMo AutoModel; {built} checkpoints whole blocks or nothing.",
+         f"set model.gradient_checkpointing=full, or {other}"),
+        (not hf_actor or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
+         "not available: sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
          "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),
     ))
 
