@@ -74,9 +74,7 @@ def forkserver_unusable() -> str:
     except FileNotFoundError:
         return f"the forkserver (pid {pid}) died"
     differ = [f"{k}={os.environ.get(k)!r}, the server's {v!r}" for k, v in _started.items() if os.environ.get(k) != v]
-    if differ:
-        return "a variable set for the child differs from the forkserver's: " + "; ".join(differ)
-    return ""
+    return "a variable set for the child differs from the forkserver's: " + "; ".join(differ) if differ else ""
 
 
 class LaunchEnvProcess(multiprocessing.context.ForkServerProcess):
