@@ -8,6 +8,9 @@ from pathlib import Path
 
 from molt_hydra.config.schema import LoggerConfig
 
+# a trajectory's fields in its dump row, after the decoded prompt, response and reward
+TRAJECTORY_FIELDS = ("token_ids", "logprobs", "versions", "action_ranges", "group_id", "rollout_id")
+
 
 class RunLog:
     def __init__(self, cfg: LoggerConfig, output_dir: str | Path, tokenizer, sinks, progress):
@@ -27,11 +30,8 @@ class RunLog:
             out.mkdir(exist_ok=True)
             with open(out / f"step{step}.jsonl", "w") as f:
                 for t in rows:
-                    prompt, response, reward = self._sample_row(t)
-                    f.write(json.dumps({"prompt": prompt, "response": response, "reward": reward,
-                                        "token_ids": t.token_ids, "logprobs": t.logprobs, "versions": t.versions,
-                                        "action_ranges": t.action_ranges, "group_id": t.group_id,
-                                        "rollout_id": t.rollout_id}) + "\n")
+                    row = dict(zip(("prompt", "response", "reward"), self._sample_row(t)))
+                    f.write(json.dumps({**row, **{name: getattr(t, name) for name in TRAJECTORY_FIELDS}}) + "\n")
 
     def eval(self, step: int, metrics: dict) -> None:
         self.sinks.log(metrics, step, prefix="eval")
