@@ -33,7 +33,6 @@ import logging
 import os
 import platform
 import sys
-import unittest.mock
 from pathlib import Path
 from typing import get_args
 
@@ -295,6 +294,8 @@ def cpu_core_env(kv_cache_space_gib: int, tensor_parallel_size: int, omp_threads
 def core_launch():
     """While vLLM builds an engine here: its core is forked from the server when the variables vLLM set for it are
     the server's (vLLM's own `get_mp_context` is asked first, for its choice and its side effects)."""
+    import unittest.mock
+
     import vllm.v1.engine.utils as engine_utils
 
     vllms = engine_utils.get_mp_context
