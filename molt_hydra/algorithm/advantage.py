@@ -147,17 +147,13 @@ def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return (advantages - mean) * var.clamp(min=WHITEN_VAR_FLOOR).rsqrt()
 
 
-def _broadcast(rollout_advantages: torch.Tensor, ctx: AdvantageContext) -> torch.Tensor:
-    """Each sample's rollout scalar on every action token of the sample."""
-    return rollout_advantages[ctx.sample_to_rollout][:, None] * ctx.action_mask
-
-
-def _per_group(rewards: torch.Tensor, groups: list[list[int]], fn) -> torch.Tensor:
-    """Each group's rollout rewards replaced by `fn` of them (a tensor of the group's size)."""
+def _per_group(rewards: torch.Tensor, groups: list[list[int]], ctx: AdvantageContext, fn) -> torch.Tensor:
+    """Each group's rollout rewards replaced by `fn` of them (a tensor of the group's size), each rollout's value
+    then on every action token of its samples."""
     out = rewards.clone()
     for group in groups:
         out[group] = fn(rewards[group])
-    return out
+    return out[ctx.sample_to_rollout][:, None] * ctx.action_mask
 
 
 def _kl_penalized_rewards(ctx: AdvantageContext, sample_rewards: torch.Tensor | None) -> torch.Tensor:
@@ -191,15 +187,14 @@ def reinforce(rewards, groups, ctx):
 @register_advantage_estimator("reinforce_baseline", needs={"groups"})
 def reinforce_baseline(rewards, groups, ctx):
     """r_i - mean(group), whitened over the batch (a singleton group gives 0 before whitening)."""
-    returns = _broadcast(_per_group(rewards, groups, lambda r: r - r.mean()), ctx)
+    returns = _per_group(rewards, groups, ctx, lambda r: r - r.mean())
     return (whiten_advantages(returns, ctx.action_mask) if ctx.whiten else returns), returns
 
 
 @register_advantage_estimator("rloo", needs={"groups"})
 def rloo(rewards, groups, ctx):
     """r_i minus the mean of the OTHER rewards of its group; a singleton keeps its raw reward (Molt, deliberate)."""
-    advantages = _broadcast(_per_group(rewards, groups, lambda r: r - (r.sum() - r) / (len(r) - 1) if len(r) > 1
-                                       else r), ctx)
+    advantages = _per_group(rewards, groups, ctx, lambda r: r - (r.sum() - r) / (len(r) - 1) if len(r) > 1 else r)
     return advantages, advantages
 
 
@@ -207,15 +202,15 @@ def rloo(rewards, groups, ctx):
 def grpo(rewards, groups, ctx):
     """(r_i - mean) / (std + 1e-9) with the unbiased (n-1) std; a singleton (std taken as 0) and a zero-variance group
     give 0."""
-    advantages = _broadcast(_per_group(
-        rewards, groups, lambda r: (r - r.mean()) / ((r.std() if len(r) > 1 else 0.0) + GRPO_STD_EPS)), ctx)
+    advantages = _per_group(
+        rewards, groups, ctx, lambda r: (r - r.mean()) / ((r.std() if len(r) > 1 else 0.0) + GRPO_STD_EPS))
     return advantages, advantages
 
 
 @register_advantage_estimator("dr_grpo", needs={"groups"})
 def dr_grpo(rewards, groups, ctx):
     """r_i - mean(group), not divided by the std (Dr. GRPO); a singleton group gives 0."""
-    advantages = _broadcast(_per_group(rewards, groups, lambda r: r - r.mean()), ctx)
+    advantages = _per_group(rewards, groups, ctx, lambda r: r - r.mean())
     return advantages, advantages
 
 

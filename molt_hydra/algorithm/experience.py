@@ -186,15 +186,10 @@ def trainer_rows(batch: ExperienceBatch, experiences: Sequence[Experience], **pe
     """One dict of 1-D token-aligned tensors per sample, as the trainer ranks take them (parallel/trainer.py): ids,
     action mask (log-probs are needed only there), a VLM sample's image inputs, the engine's experts (R3) and the
     sample's row of each [B, L] tensor of `per_token` that is not None (advantages, old_logprobs, ...)."""
-    rows = []
-    for i, e in enumerate(experiences):
-        n = len(e.token_ids)
-        row = {"input_ids": e.token_ids, "action_mask": e.action_mask, **(e.multimodal or {})}
-        if batch.routed_experts is not None:
-            row["routed_experts"] = batch.routed_experts[i, :n]
-        row.update({k: v[i, :n] for k, v in per_token.items() if v is not None})
-        rows.append(row)
-    return rows
+    per_token = {"routed_experts": batch.routed_experts, **per_token}
+    return [{"input_ids": e.token_ids, "action_mask": e.action_mask, **(e.multimodal or {}),
+             **{k: v[i, :len(e.token_ids)] for k, v in per_token.items() if v is not None}}
+            for i, e in enumerate(experiences)]
 
 
 def stack_padded(values: Sequence[torch.Tensor], shape) -> torch.Tensor:

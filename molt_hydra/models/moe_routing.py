@@ -187,15 +187,13 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
     return found
 
 
-@contextmanager
 def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: RoutingStats | None = None,
                    image_tokens: torch.Tensor | None = None):
-    """During this forward, routers see the engine's experts `routed` ([..., tokens, layers, top_k], flattened to
-    the forward's token order) and add to `stats`, image tokens (`image_tokens`, same shape as the ids) apart."""
+    """A context in whose forward routers see the engine's experts `routed` ([..., tokens, layers, top_k], flattened
+    to the forward's token order) and add to `stats`, image tokens (`image_tokens`, same shape as the ids) apart."""
     flat = None if routed is None else routed.reshape(-1, *routed.shape[-2:])
     image = None if image_tokens is None else image_tokens.reshape(-1)
-    with _set_on_routers(model, engine_experts=flat, stats=stats, image_tokens=image):
-        yield
+    return _set_on_routers(model, engine_experts=flat, stats=stats, image_tokens=image)
 
 
 @contextmanager

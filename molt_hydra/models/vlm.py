@@ -148,19 +148,16 @@ class TrajectoryImages:
         ids, lps, vers, new_index = [], [], [], []
         for t, lp, v in zip(token_ids, logprobs, versions):
             new_index.append(len(ids))
-            if t != self.placeholder_id:
-                ids.append(t)
-                lps.append(lp)
-                vers.append(v)
-                continue
-            span = next(replacements, None)
-            if span is None:
-                raise ValueError(f"more image placeholders in the trajectory than its {len(images)} images")
-            if v != NOT_GENERATED:
-                raise ValueError("the policy generated an image placeholder token")
+            span = [t]
+            if t == self.placeholder_id:  # the image's span: context tokens, log-prob 0, version NOT_GENERATED (= v)
+                span, lp = next(replacements, None), 0.0
+                if span is None:
+                    raise ValueError(f"more image placeholders in the trajectory than its {len(images)} images")
+                if v != NOT_GENERATED:
+                    raise ValueError("the policy generated an image placeholder token")
             ids.extend(span)
-            lps.extend([0.0] * len(span))
-            vers.extend([NOT_GENERATED] * len(span))
+            lps.extend([lp] * len(span))
+            vers.extend([v] * len(span))
         if next(replacements, None) is not None:
             raise ValueError(f"fewer image placeholders in the trajectory than its {len(images)} images")
         new_index.append(len(ids))

@@ -86,9 +86,7 @@ def prompt_groups(samples: list[dict], mask_key: str) -> list[list[int]]:
     share it), in order of first appearance."""
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samples):
-        m = s[mask_key].bool()
-        first = int(m.int().argmax()) if m.any() else len(m)
-        groups.setdefault(tuple(s["input_ids"][:first].tolist()), []).append(i)
+        groups.setdefault(tuple(s["input_ids"][:_prompt_len(s, mask_key)].tolist()), []).append(i)
     return list(groups.values())
 
 
@@ -96,14 +94,15 @@ def shared_prompt_tokens(samples: list[dict], mask_key: str) -> list[int]:
     """Per prompt group (`prompt_groups` order): the tokens of its shared-prompt row, prompt once + every response."""
     out = []
     for g in prompt_groups(samples, mask_key):
-        p = len(samples[g[0]]["input_ids"]) - _response_len(samples[g[0]], mask_key)
-        out.append(p + sum(_response_len(samples[i], mask_key) for i in g))
+        p = _prompt_len(samples[g[0]], mask_key)  # the group's samples share their first p tokens
+        out.append(p + sum(len(samples[i]["input_ids"]) - p for i in g))
     return out
 
 
-def _response_len(s: dict, mask_key: str) -> int:
+def _prompt_len(s: dict, mask_key: str) -> int:
+    """The tokens before the first `mask_key` token (all of them when none is set)."""
     m = s[mask_key].bool()
-    return len(m) - int(m.int().argmax()) if m.any() else 0
+    return int(m.int().argmax()) if m.any() else len(m)
 
 
 def shared_prompt_rows(samples: list[dict], mask_key: str) -> dict:
@@ -122,7 +121,7 @@ def shared_prompt_rows(samples: list[dict], mask_key: str) -> dict:
     sources = torch.zeros(len(samples), max(len(s["input_ids"]) for s in samples), dtype=torch.long)
     for r, g in enumerate(groups):
         ids = samples[g[0]]["input_ids"]
-        p = len(ids) - _response_len(samples[g[0]], mask_key)
+        p = _prompt_len(samples[g[0]], mask_key)
         parts, pos, seg, end = [ids[:p]], [torch.arange(p)], [torch.zeros(p, dtype=torch.long)], p
         for j, i in enumerate(g):
             x = samples[i]["input_ids"]

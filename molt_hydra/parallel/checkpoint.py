@@ -148,7 +148,7 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
 
 
 def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None = None,
-              dtype: torch.dtype = torch.bfloat16, max_shard_size: str = "5GB", to_hf=None, adapter: dict | None = None,
+              dtype: torch.dtype = torch.bfloat16, to_hf=None, adapter: dict | None = None,
               merged: bool = False) -> Path | None:
     """Collective. Rank 0 writes safetensors + config (+ tokenizer) to out_dir via a temp dir; returns out_dir there.
     to_hf: (name, tensor) -> [(hf_name, tensor), ...] for models whose own names are not the checkpoint's.
@@ -161,7 +161,7 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
     if _rank() == 0 and adapter is not None:
         _write_adapter(out, sd, model.config, adapter, tokenizer_path, dtype, merged)
     elif _rank() == 0:
-        _write_hf(out, sd, model.config, dtype, tokenizer_path, max_shard_size)
+        _write_hf(out, sd, model.config, dtype, tokenizer_path)
     _barrier()
     return out if _rank() == 0 else None
 
@@ -180,13 +180,11 @@ def _write_adapter(out: Path, sd: dict, model_config, spec: dict, tokenizer_path
         config = copy.deepcopy(model_config)
         if "lm_head" in spec["target_modules"]:  # the adapted head is no longer the embedding
             config.tie_word_embeddings = False
-        _write_hf(tmp / "merged", lora.merged_state(sd, spec["alpha"] / spec["rank"]), config, dtype, tokenizer_path,
-                  "5GB")
+        _write_hf(tmp / "merged", lora.merged_state(sd, spec["alpha"] / spec["rank"]), config, dtype, tokenizer_path)
     _replace_dir(tmp, out)
 
 
-def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_path: str | None,
-              max_shard_size: str) -> None:
+def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_path: str | None) -> None:
     """An HF model directory at `out` (through a temp dir beside it): safetensors in `dtype`, config, tokenizer."""
     from huggingface_hub import save_torch_state_dict
 
@@ -196,7 +194,7 @@ def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_p
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in sd.items()}, tmp, max_shard_size=max_shard_size)
+    save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in sd.items()}, tmp, max_shard_size="5GB")
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(tmp)

@@ -15,6 +15,7 @@ dp_size to cancel FSDP2's gradient mean over DP. Metrics are token-weighted over
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -43,6 +44,9 @@ from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
 from molt_hydra.parallel.trainer_spec import TrainerSpec
 from molt_hydra.weight_sync.buckets import iter_weight_buckets, local_full_weights
+
+log = logging.getLogger(__name__)
+
 
 class FusedLogprobHead:
     """Replaces the lm_head's forward: from the final hidden states straight to the log-probs (and entropy) of the
@@ -98,9 +102,6 @@ class TrainerWorker:
                              "no packing and a dense model; set parallelism.share_prompts=false")
         self._routing_stats = None
         self.temperature, self.chunk = spec.temperature, spec.logprob_chunk_size or LOGPROB_CHUNK_TOKENS
-        self.max_tokens, self.max_norm = spec.max_tokens_per_micro_batch, spec.max_norm
-        self.aux_loss_coef, self.peak_tflops = spec.aux_loss_coef, spec.peak_tflops
-        self.debug_grad_norms = spec.debug_grad_norms  # logger.debug_grad_norms: (name patterns, top k)
         self._build_optimizer(spec)
         self.global_step = 0
         # every FSDP2 unit, whoever wrapped the model (HF path or AutoModel); none on one unsharded rank
@@ -186,10 +187,17 @@ class TrainerWorker:
     def _fused_head(self, spec: TrainerSpec) -> FusedLogprobHead | None:
         """The causal LM hands out its final hidden states and the log-probs are taken through the lm_head chunk by
         chunk, never materialising [tokens x vocab] logits (HF text models; models/logprobs.py)."""
-        if not spec.fused_head or self.backend != "hf" or spec.role == "critic" or vlm.is_vlm(self.model.config):
+        if not spec.fused_head or spec.role == "critic":  # the critic's value head has no vocabulary
             return None
-        head = self.model.get_output_embeddings()
-        return FusedLogprobHead(head) if isinstance(head, torch.nn.Linear) and head.bias is None else None
+        head = self.model.get_output_embeddings() if self.backend == "hf" else None
+        why = ("model.backend=automodel" if self.backend != "hf"
+               else "a vision-language model" if vlm.is_vlm(self.model.config)
+               else None if isinstance(head, torch.nn.Linear) and head.bias is None
+               else f"the lm_head is a {type(head).__name__} (LoRA-adapted or with a bias), not a plain Linear")
+        if why is None:
+            return FusedLogprobHead(head)
+        log.warning("fused log-prob head off (%s): log-probs go through the full [tokens x vocab] logits", why)
+        return None
 
     def _build_optimizer(self, spec: TrainerSpec) -> None:
         self.optimizer = self.scheduler = None
@@ -257,7 +265,7 @@ class TrainerWorker:
         if self.head is not None:  # the lm_head returns [B, T, 1 or 2]: log p (and entropy)
             self.head.call = (ids, self.temperature, self.chunk, need_entropy,
                               None if needed is None else needed.bool(), None if shared is None else shared["sources"])
-        balancing = self.moe and self.aux_loss_coef > 0
+        balancing = self.moe and self.spec.aux_loss_coef > 0
         with moe_routing.load_balancing(self.model) if balancing else contextlib.nullcontext() as balance:
             inputs = dict(input_ids=ids, position_ids=None if mm else pos) if shared is None else {
                 k: shared[k] for k in ("input_ids", "position_ids", "attention_mask")}
@@ -286,16 +294,16 @@ class TrainerWorker:
         return contextlib.nullcontext()
 
     def _micro_batches(self, samples: list[dict], mask_key: str | None = None) -> list[list[int]]:
-        lengths = [len(s["input_ids"]) for s in samples]
+        lengths, budget = [len(s["input_ids"]) for s in samples], self.spec.max_tokens_per_micro_batch
         if any(s.get("pixel_values") is not None for s in samples):  # VLM: one sample per micro-batch (vlm.py)
             bins = [[i] for i in range(len(samples))]
         elif self.share_prompts and mask_key:  # a prompt group stays in one micro-batch, as one row
             groups = prompt_groups(samples, mask_key)
             bins = [sorted(i for g in b for i in groups[g])
-                    for b in partition_padded(shared_prompt_tokens(samples, mask_key), self.max_tokens)]
+                    for b in partition_padded(shared_prompt_tokens(samples, mask_key), budget)]
         else:
-            bins = None if self.packing else partition_padded(lengths, self.max_tokens)
-        k = torch.tensor(count_micro_batches(lengths, self.max_tokens) if bins is None else len(bins))
+            bins = None if self.packing else partition_padded(lengths, budget)
+        k = torch.tensor(count_micro_batches(lengths, budget) if bins is None else len(bins))
         dist.all_reduce(k, op=dist.ReduceOp.MAX)  # every rank runs the same number of FSDP forwards
         if bins is None:
             return partition_balanced(lengths, int(k))
@@ -372,8 +380,8 @@ class TrainerWorker:
             mb = {k: unpack(v, lengths) for k, v in mb.items() if v.dim() == 2}
             out, ent = unpack(out, lengths), None if ent is None else unpack(ent, lengths)
         loss, mets = loss_fn(out, mb, ent, num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
-        if aux is not None and self.aux_loss_coef > 0:
-            loss = loss + self.aux_loss_coef * aux / n_parts
+        if aux is not None and self.spec.aux_loss_coef > 0:
+            loss = loss + self.spec.aux_loss_coef * aux / n_parts
         mets = dict(mets, _mask_tokens=mb[loss_fn.mask_key].sum().float(), _logprobs=out.detach())
         return loss, mets
 
@@ -386,7 +394,11 @@ class TrainerWorker:
         the mask; MoE routing statistics are counted in this forward), so one forward serves as the old-logprob pass
         and the loss's."""
         loss_fn = loss_fn or SFTObjective()
-        self._check_step(samples, num_optimizer_steps, return_logprobs)
+        if len(samples) < num_optimizer_steps:
+            raise ValueError(f"{len(samples)} samples on rank {self.rank} < num_optimizer_steps={num_optimizer_steps}")
+        if return_logprobs and num_optimizer_steps != 1:
+            raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps}): later windows' "
+                             "forwards run after the first step changed the parameters")
         logprobs = [None] * len(samples) if return_logprobs else None
         if return_logprobs and self.moe and self.role == "actor":
             self._routing_stats = moe_routing.routing_stats(self.model.config)
@@ -396,9 +408,11 @@ class TrainerWorker:
         for window in np.array_split(np.arange(len(samples)), num_optimizer_steps):
             n_tok = self._backward_window([samples[i] for i in window], window, loss_fn, sums, logprobs)
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
-            if self.debug_grad_norms:  # before clipping; the last window's are reported
-                debug = grad_norm_metrics(((n, self._grad(p)) for n, p in self.model.named_parameters()),
-                                          *self.debug_grad_norms, "critic" if self.role == "critic" else "actor")
+            if self.spec.debug_grad_norms:  # before clipping; the last window's are reported
+                grads = ((n, self.optimizer.grad(p) if self.master_weights else p.grad)
+                         for n, p in self.model.named_parameters())
+                debug = grad_norm_metrics(grads, *self.spec.debug_grad_norms,
+                                          "critic" if self.role == "critic" else "actor")
             grad_norms.append(self._clip_grads())
             self.optimizer.step()
             self.scheduler.step()
@@ -407,15 +421,8 @@ class TrainerWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0, self._threads_used)
-        metrics.update(debug if self.debug_grad_norms else {})
+        metrics.update(debug if self.spec.debug_grad_norms else {})
         return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
-
-    def _check_step(self, samples: list[dict], num_optimizer_steps: int, return_logprobs: bool):
-        if len(samples) < num_optimizer_steps:
-            raise ValueError(f"{len(samples)} samples on rank {self.rank} < num_optimizer_steps={num_optimizer_steps}")
-        if return_logprobs and num_optimizer_steps != 1:
-            raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps}): later windows' "
-                             "forwards run after the first step changed the parameters")
 
     def _backward_window(self, win: list[dict], window, loss_fn, sums: dict, logprobs: list | None) -> torch.Tensor:
         """Forward and backward over the micro-batches of one optimizer step's samples `win` (indices `window` of the
@@ -458,16 +465,13 @@ class TrainerWorker:
         if self.backend == "automodel" and self.world_size > 1:
             if self.master_weights:  # AutoModel's EP-aware clip scales param grads in place: the fp32 sums
                 self.optimizer.round_into_grads()  # are rounded to bf16 once, after accumulating
-            gn = torch.as_tensor(clip_grad_norm(self.model, self.max_norm, self.dp_size), device=self.device)
+            gn = torch.as_tensor(clip_grad_norm(self.model, self.spec.max_norm, self.dp_size), device=self.device)
         elif self.master_weights:  # measured here, applied inside the fused update (parallel/optim.py)
-            gn = self.optimizer.clip_grad_norm_(self.max_norm)
+            gn = self.optimizer.clip_grad_norm_(self.spec.max_norm)
         else:
             params = [p for p in self.model.parameters() if p.grad is not None]
-            gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
+            gn = torch.nn.utils.clip_grad_norm_(params, self.spec.max_norm if self.spec.max_norm > 0 else math.inf)
         return gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-
-    def _grad(self, p):
-        return self.optimizer.grad(p) if self.master_weights else p.grad
 
     def _step_metrics(self, samples, sums, grad_norms, seconds, threads) -> dict:
         dt = torch.tensor(seconds)
@@ -491,10 +495,10 @@ class TrainerWorker:
                         f"{perf}train_tokens_per_sec": tokens / float(dt),
                         f"{perf}step_time_s": float(dt),
                         f"{perf}torch_threads": float(np.mean(threads) if threads else torch.get_num_threads())})
-        if self.peak_tflops:
+        if self.spec.peak_tflops:
             seq = tokens / (len(samples) * self.world_size)
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),
-                                        self.peak_tflops * 1e12, self.world_size)
+                                        self.spec.peak_tflops * 1e12, self.world_size)
         if self.spec.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
             metrics[f"{perf}compiled_graphs"] = float(compiled_graphs())
         if self.device.type == "cuda":
