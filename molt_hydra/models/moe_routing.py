@@ -142,10 +142,11 @@ class ReplayableRouter(nn.Module):
     layer_index: int
     gate_dtype: torch.dtype
     replay: bool
-    engine_experts: torch.Tensor | None  # [tokens, layers, top_k] the engine's selection for the current forward
-    image_tokens: torch.Tensor | None  # [tokens] 1 on a VLM's image tokens, for the statistics' split
-    stats: RoutingStats | None
-    balance: LoadBalancingLoss | None
+    # set for one forward (`_set_on_routers`), None otherwise
+    engine_experts: torch.Tensor | None = None  # [tokens, layers, top_k] the engine's selection for the forward
+    image_tokens: torch.Tensor | None = None  # [tokens] 1 on a VLM's image tokens, for the statistics' split
+    stats: RoutingStats | None = None
+    balance: LoadBalancingLoss | None = None
 
     def forward(self, hidden_states):
         h = hidden_states.reshape(-1, self.hidden_dim)
@@ -180,7 +181,6 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
         parts = name.split(".")
         module.layer_index = int(parts[parts.index("layers") + 1])
         module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
-        module.engine_experts, module.image_tokens, module.stats, module.balance = None, None, None, None
         if not hasattr(module, "norm_topk_prob"):  # Qwen3-VL-MoE's router always renormalises its top-k
             module.norm_topk_prob = True
         found.append(module)

@@ -176,9 +176,9 @@ class Idefics3Images(TrajectoryImages):
     @property
     def max_tokens_per_image(self) -> int:
         ip = self.processor.image_processor
-        tiles = 1
-        if ip.do_image_splitting:  # tiles of max_image_size over the longest edge, plus the global image
-            tiles = (-(-ip.size["longest_edge"] // ip.max_image_size["longest_edge"])) ** 2 + 1
+        # with splitting: tiles of max_image_size over the longest edge, plus the global image
+        edge_tiles = -(-ip.size["longest_edge"] // ip.max_image_size["longest_edge"])
+        tiles = edge_tiles**2 + 1 if ip.do_image_splitting else 1
         return tiles * (self.processor.image_seq_len + 3) + 2  # + fake/row-col tags per tile, newlines
 
     def process(self, images: list):

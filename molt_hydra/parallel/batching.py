@@ -92,11 +92,9 @@ def prompt_groups(samples: list[dict], mask_key: str) -> list[list[int]]:
 
 def shared_prompt_tokens(samples: list[dict], mask_key: str) -> list[int]:
     """Per prompt group (`prompt_groups` order): the tokens of its shared-prompt row, prompt once + every response."""
-    out = []
-    for g in prompt_groups(samples, mask_key):
-        p = _prompt_len(samples[g[0]], mask_key)  # the group's samples share their first p tokens
-        out.append(p + sum(len(samples[i]["input_ids"]) - p for i in g))
-    return out
+    # the group's samples share their first p tokens: every sample's tokens, less p for all samples but one
+    return [sum(len(samples[i]["input_ids"]) for i in g) - (len(g) - 1) * _prompt_len(samples[g[0]], mask_key)
+            for g in prompt_groups(samples, mask_key)]
 
 
 def _prompt_len(s: dict, mask_key: str) -> int:

@@ -38,10 +38,8 @@ def _barrier():
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
 
 
 def _set_rng_state(state: dict):

@@ -80,8 +80,6 @@ class TrainerWorker:
         self.dp_size = spec.dp_size or spec.world_size
         # the critic (value head on a backbone) is always built with HF transformers
         self.backend = resolve_backend(spec.backend) if spec.role != "critic" else "hf"
-        # packed [1, T] streams need a varlen kernel (validated); otherwise right-padded [B, L] rows, mask-free
-        self.packing = spec.packing
         torch.manual_seed(spec.seed)  # same init (e.g. value head) on every rank
         self.model_path = resolve_path(spec.model_path)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
@@ -96,7 +94,7 @@ class TrainerWorker:
         # a prompt group's prompt computed once per micro-batch row (parallel/batching.py `shared_prompt_rows`); the
         # critic's values are read on every token, so it keeps plain rows
         self.share_prompts = spec.share_prompts and spec.role != "critic"
-        if self.share_prompts and (self.head is None or self.packing or self.moe
+        if self.share_prompts and (self.head is None or self.spec.packing or self.moe
                                    or self.model.config._attn_implementation != "sdpa"):
             raise ValueError("parallelism.share_prompts needs the fused log-prob head (HF text model), sdpa attention, "
                              "no packing and a dense model; set parallelism.share_prompts=false")
@@ -223,15 +221,14 @@ class TrainerWorker:
         if hint > self._engines_busy[0]:
             self._engines_busy = (hint, busy)
 
-    def _use_cpu_threads(self) -> int:
-        """Sets this thread's torch threads from the latest engines hint; returns them."""
+    def _use_cpu_threads(self) -> None:
+        """Sets this thread's torch threads from the latest engines hint."""
         if not self.cpu_threads:
-            return torch.get_num_threads()
+            return
         want = self.cpu_threads if self._engines_busy[1] else self.idle_cpu_threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
         self._threads_used.append(want)
-        return want
 
     def _follow_hints_per_block(self):
         """A hint takes effect at the next decoder block, forward or backward, not only at the next micro-batch
@@ -302,7 +299,7 @@ class TrainerWorker:
             bins = [sorted(i for g in b for i in groups[g])
                     for b in partition_padded(shared_prompt_tokens(samples, mask_key), budget)]
         else:
-            bins = None if self.packing else partition_padded(lengths, budget)
+            bins = None if self.spec.packing else partition_padded(lengths, budget)
         k = torch.tensor(count_micro_batches(lengths, budget) if bins is None else len(bins))
         dist.all_reduce(k, op=dist.ReduceOp.MAX)  # every rank runs the same number of FSDP forwards
         if bins is None:
@@ -315,7 +312,7 @@ class TrainerWorker:
         tells prompts from responses), the model's rows under "shared", the samples' own rows as they are."""
         mm = vlm.multimodal_kwargs(rows)
         rows = [{k: v for k, v in r.items() if k not in vlm.MULTIMODAL_KEYS} for r in rows]
-        if self.packing:
+        if self.spec.packing:  # needs a varlen attention kernel (validated); rows need no mask (causal attention)
             return self._to_device(pack(rows) | mm)
         mb = pad_rows(rows)
         lengths = torch.tensor([len(r["input_ids"]) for r in rows])
@@ -358,11 +355,10 @@ class TrainerWorker:
             if not part:
                 continue
             lens = [len(samples[i]["input_ids"]) for i in part]
-            if self.packing:  # one packed row -> a right-padded row per sample
-                val, ent = unpack(val, lens), (unpack(ent, lens) if with_entropy else None)
-            val, ent = val.float().cpu(), (ent.float().cpu() if with_entropy else None)
+            # values (and entropy) as right-padded rows, one per sample (a packed row is split)
+            rows = [(unpack(x, lens) if self.spec.packing else x).float().cpu() for x in (val, ent) if x is not None]
             for j, (i, n) in enumerate(zip(part, lens)):
-                out[i] = (val[j, :n], ent[j, :n]) if with_entropy else val[j, :n]
+                out[i] = tuple(r[j, :n] for r in rows) if with_entropy else rows[0][j, :n]
         # One rank keeps its gathered (compute-dtype) params after forward, for the backward; a forward-only pass has
         # no backward to free them, so they would stay allocated: colocated, 6.8 GiB of a 4B model under the engine's
         # KV cache (an OOM on the H200).
@@ -374,7 +370,7 @@ class TrainerWorker:
     def _micro_loss(self, mb, rows, loss_fn, n_tok, n_seq, n_parts):
         # every objective reads log-probs and entropy on its mask only (parallel/objectives.py)
         out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef), mb[loss_fn.mask_key])
-        if self.packing:
+        if self.spec.packing:
             # losses see one right-padded row per sample, so per-sequence aggregation modes stay exact
             lengths = [len(r["input_ids"]) for r in rows]
             mb = {k: unpack(v, lengths) for k, v in mb.items() if v.dim() == 2}
