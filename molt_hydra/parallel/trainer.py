@@ -367,20 +367,6 @@ class TrainerWorker:
         return NumpyPickled(out)
 
     # ---------------------------------------------------------------- training
-    def _micro_loss(self, mb, rows, loss_fn, n_tok, n_seq, n_parts):
-        # every objective reads log-probs and entropy on its mask only (parallel/objectives.py)
-        out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef), mb[loss_fn.mask_key])
-        if self.spec.packing:
-            # losses see one right-padded row per sample, so per-sequence aggregation modes stay exact
-            lengths = [len(r["input_ids"]) for r in rows]
-            mb = {k: unpack(v, lengths) for k, v in mb.items() if v.dim() == 2}
-            out, ent = unpack(out, lengths), None if ent is None else unpack(ent, lengths)
-        loss, mets = loss_fn(out, mb, ent, num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
-        if aux is not None and self.spec.aux_loss_coef > 0:
-            loss = loss + self.spec.aux_loss_coef * aux / n_parts
-        mets = dict(mets, _mask_tokens=mb[loss_fn.mask_key].sum().float(), _logprobs=out.detach())
-        return loss, mets
-
     def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1,
                    return_logprobs: bool = False) -> dict:
         """Forward/backward over this rank's samples in `num_optimizer_steps` windows; one optimizer step per window.
@@ -444,14 +430,21 @@ class TrainerWorker:
             # backward inside: checkpoint recompute replays the same experts (and counts them again, which leaves
             # the routing ratios as they are)
             with self._replay(mb, self._routing_stats if logprobs is not None and part else None):
-                loss, mets = self._micro_loss(mb, rows, loss_fn, n_tok, n_seq, len(parts))
+                # every objective reads log-probs and entropy on its mask only (parallel/objectives.py)
+                out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef), mb[mask_key])
+                if self.spec.packing:  # losses see one right-padded row per sample (exact per-sequence aggregation)
+                    lengths = [len(r["input_ids"]) for r in rows]
+                    mb = {k: unpack(v, lengths) for k, v in mb.items() if v.dim() == 2}
+                    out, ent = unpack(out, lengths), None if ent is None else unpack(ent, lengths)
+                loss, mets = loss_fn(out, mb, ent, num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
+                if aux is not None and self.spec.aux_loss_coef > 0:
+                    loss = loss + self.spec.aux_loss_coef * aux / len(parts)
                 loss.backward()
-            out = mets.pop("_logprobs")
             for r, i in enumerate(part if logprobs is not None else ()):
-                logprobs[window[i]] = out[r, :len(win[i]["input_ids"])].float().cpu()
+                logprobs[window[i]] = out[r, :len(win[i]["input_ids"])].detach().float().cpu()
             # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch); the
             # replicas of one DP group each count 1 / replicas of them
-            w = mets.pop("_mask_tokens") / replicas
+            w = mb[mask_key].sum().float() / replicas
             for k, v in mets.items():
                 sums[k] = sums.get(k, 0.0) + v.detach().float() * w
         return n_tok
