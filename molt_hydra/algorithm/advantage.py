@@ -20,7 +20,7 @@ Register your own from any module listed in `algorithm.plugins`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -31,8 +31,7 @@ GRPO_STD_EPS = 1e-9
 WHITEN_VAR_FLOOR = 1e-8
 
 
-@dataclass(frozen=True)
-class EstimatorSpec:
+class EstimatorSpec(NamedTuple):
     fn: Callable
     needs: frozenset[str]
 
@@ -241,6 +240,4 @@ def gae(rewards, groups, ctx):
         advantages[:, t] = running
     returns = (advantages + values) * mask
     advantages = advantages * mask
-    if ctx.whiten:
-        advantages = whiten_advantages(advantages, ctx.action_mask) * mask
-    return advantages, returns
+    return (whiten_advantages(advantages, ctx.action_mask) * mask if ctx.whiten else advantages), returns

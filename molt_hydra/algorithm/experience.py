@@ -41,9 +41,8 @@ class Experience:
         self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long)
         self.action_mask = torch.as_tensor(self.action_mask, dtype=torch.bool)
         self.rollout_log_probs = torch.as_tensor(self.rollout_log_probs, dtype=torch.float32)
-        if self.policy_versions is None:
-            self.policy_versions = torch.full_like(self.token_ids, -1)
-        self.policy_versions = torch.as_tensor(self.policy_versions, dtype=torch.long)
+        self.policy_versions = torch.full_like(self.token_ids, -1) if self.policy_versions is None else \
+            torch.as_tensor(self.policy_versions, dtype=torch.long)
         if self.score is None:
             self.score = self.reward
         lengths = {f: tuple(getattr(self, f).shape) for f in

@@ -26,8 +26,6 @@ from torch import nn
 
 from molt_hydra.compat import transformers as transformers_compat
 
-GATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def is_moe_config(config) -> bool:
     config = config.get_text_config()  # a VLM's experts are in its decoder's config
@@ -160,8 +158,7 @@ class ReplayableRouter(nn.Module):
                 known = (engine >= 0).all(-1, keepdim=True)
                 used = torch.where(known, engine.long(), own)
         weights = probs.gather(-1, used)  # live: the gate's gradient flows through the softmax
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk_prob else weights
         if self.stats is not None:
             self.stats.add(self.layer_index, probs, own, used, engine, self.image_tokens)
         if self.balance is not None:
@@ -180,7 +177,7 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
         # "model.layers.3.mlp.gate" -> 3: the engine's routed experts are indexed by global decoder layer
         parts = name.split(".")
         module.layer_index = int(parts[parts.index("layers") + 1])
-        module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
+        module.gate_dtype, module.replay = getattr(torch, gate_precision), replay  # float32 | bfloat16
         if not hasattr(module, "norm_topk_prob"):  # Qwen3-VL-MoE's router always renormalises its top-k
             module.norm_topk_prob = True
         found.append(module)

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from molt_hydra.models import lora
 from molt_hydra.parallel import retention
 
 TAG = re.compile(r"^step_(\d+)$")
@@ -156,30 +157,23 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
     if to_hf is not None and adapter is None:
         sd = dict(pair for name, t in sd.items() for pair in to_hf(name, t))
     out = Path(out_dir)
-    if _rank() == 0 and adapter is not None:
-        _write_adapter(out, sd, model.config, adapter, tokenizer_path, dtype, merged)
+    if _rank() == 0 and adapter is not None:  # through a temp dir beside `out`, the merged model under merged/
+        tmp = out.with_name(f".tmp-{out.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tensors = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
+        lora.save_adapter(tmp, tensors, adapter, tokenizer_path)
+        _save_tokenizer(tokenizer_path, tmp)
+        if merged:
+            config = copy.deepcopy(model.config)
+            if "lm_head" in adapter["target_modules"]:  # the adapted head is no longer the embedding
+                config.tie_word_embeddings = False
+            _write_hf(tmp / "merged", lora.merged_state(sd, adapter["alpha"] / adapter["rank"]), config, dtype,
+                      tokenizer_path)
+        _replace_dir(tmp, out)
     elif _rank() == 0:
         _write_hf(out, sd, model.config, dtype, tokenizer_path)
     _barrier()
     return out if _rank() == 0 else None
-
-
-def _write_adapter(out: Path, sd: dict, model_config, spec: dict, tokenizer_path: str | None, dtype: torch.dtype,
-                   merged: bool) -> None:
-    """A PEFT adapter directory at `out` (through a temp dir beside it), with the merged model under merged/."""
-    from molt_hydra.models import lora
-
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    adapter = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
-    lora.save_adapter(tmp, adapter, spec, tokenizer_path)
-    _save_tokenizer(tokenizer_path, tmp)
-    if merged:
-        config = copy.deepcopy(model_config)
-        if "lm_head" in spec["target_modules"]:  # the adapted head is no longer the embedding
-            config.tie_word_embeddings = False
-        _write_hf(tmp / "merged", lora.merged_state(sd, spec["alpha"] / spec["rank"]), config, dtype, tokenizer_path)
-    _replace_dir(tmp, out)
 
 
 def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_path: str | None) -> None:

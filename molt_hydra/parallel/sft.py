@@ -108,11 +108,10 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
     load_model_only: `resume` loads the checkpoint's weights only and starts at step 0 with a fresh optimizer."""
     kw = {k: v for k, v in locals().items() if k != "trainer"}  # every argument above, as the ranks read them
     kw["worker"] = {**SFT_DEFAULTS, "seed": seed, **trainer}
-    timeout_s = kw["worker"].get("timeout_s", 600.0)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         return _sft_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), kw)
     from molt_hydra.parallel.launch import run_ranks
     log = Path(output_dir) / "sft_metrics.jsonl"
     start = len(log.read_text().splitlines()) if log.exists() else 0
-    run_ranks(_sft_rank, num_ranks, kw, timeout_s=max(timeout_s, 3600))
+    run_ranks(_sft_rank, num_ranks, kw, timeout_s=max(kw["worker"].get("timeout_s", 600.0), 3600))
     return [json.loads(x) for x in log.read_text().splitlines()[start:]]

@@ -114,9 +114,8 @@ class TrainerWorker:
         (told through `engines_busy`; until then they count as busy). Set before every forward, in the calling
         thread: OpenMP's thread count is per thread, and a Ray actor with a control thread runs calls elsewhere."""
         self.cpu_threads = spec.cpu_threads if self.device.type == "cpu" else None
-        self.idle_cpu_threads = self.cpu_threads
-        if self.cpu_threads and spec.node_ranks:
-            self.idle_cpu_threads = max(self.cpu_threads, len(os.sched_getaffinity(0)) // spec.node_ranks)
+        self.idle_cpu_threads = max(self.cpu_threads, len(os.sched_getaffinity(0)) // spec.node_ranks) \
+            if self.cpu_threads and spec.node_ranks else self.cpu_threads
         self._engines_busy = (0, True)  # (hint number, busy): the latest hint wins, whatever order they arrive in
         self._threads_used: list[int] = []  # at each point the threads were set during the current call
         self._use_cpu_threads()
@@ -271,9 +270,8 @@ class TrainerWorker:
         if self.head is not None:
             out = res.logits.masked_fill(first[..., None], 0.0)
             return out[..., 0], (out[..., 1] if need_entropy else None), aux
-        logits = res.logits
-        if hasattr(logits, "full_tensor"):  # tensor parallel: vocab-sharded DTensor logits
-            logits = logits.full_tensor()
+        # tensor parallel: vocab-sharded DTensor logits
+        logits = res.logits.full_tensor() if hasattr(res.logits, "full_tensor") else res.logits
         lp = logprobs_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
         ent = (entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0) if need_entropy
                else None)
