@@ -234,9 +234,8 @@ def checkpoint_expert_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str
 
 def freeze(model: nn.Module) -> list[str]:
     """requires_grad=False on every router weight; returns their parameter names (kept out of sync too)."""
-    names = []
-    for name, module in transformers_compat.router_modules(model):
-        for pname, p in module.named_parameters(recurse=False):
-            p.requires_grad_(False)
-            names.append(f"{name}.{pname}")
-    return names
+    params = {f"{name}.{pname}": p for name, module in transformers_compat.router_modules(model)
+              for pname, p in module.named_parameters(recurse=False)}
+    for p in params.values():
+        p.requires_grad_(False)
+    return list(params)

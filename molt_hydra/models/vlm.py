@@ -34,14 +34,10 @@ ROW_BATCHED_KEYS = ("mm_token_type_ids", "pixel_attention_mask")
 
 def image_parts(messages: list[dict]) -> list[dict]:
     """`<image>` markers in user strings → `{"type": "image"}` parts, in order."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if m.get("role") == "user" and isinstance(content, str) and "<image>" in content:
-            m = dict(m, content=[{"type": "image"} if chunk == "<image>" else {"type": "text", "text": chunk}
-                                 for chunk in re.split("(<image>)", content) if chunk])
-        out.append(m)
-    return out
+    return [dict(m, content=[{"type": "image"} if chunk == "<image>" else {"type": "text", "text": chunk}
+                             for chunk in re.split("(<image>)", m["content"]) if chunk])
+            if m.get("role") == "user" and isinstance(m.get("content"), str) and "<image>" in m["content"] else m
+            for m in messages]
 
 
 def is_vlm(config) -> bool:

@@ -61,11 +61,9 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, dict(betas=tuple(betas), eps=eps, momentum=momentum, nesterov=nesterov, muon=False))
         for group in self.param_groups:
             for p in group["params"]:
-                if group["muon"]:
-                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
-                else:
-                    self.state[p] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
-                                     "exp_avg_sq": torch.zeros_like(p)}
+                self.state[p] = {"momentum_buffer": torch.zeros_like(p)} if group["muon"] else {
+                    "step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p)}
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -300,9 +300,8 @@ class TrainerWorker:
             bins = None if self.spec.packing else partition_padded(lengths, budget)
         k = torch.tensor(count_micro_batches(lengths, budget) if bins is None else len(bins))
         dist.all_reduce(k, op=dist.ReduceOp.MAX)  # every rank runs the same number of FSDP forwards
-        if bins is None:
-            return partition_balanced(lengths, int(k))
-        return bins + [[] for _ in range(int(k) - len(bins))]  # empty bins run a dummy forward
+        # packed: balanced over k bins; rows: empty bins added, which run a dummy forward
+        return partition_balanced(lengths, int(k)) if bins is None else bins + [[] for _ in range(int(k) - len(bins))]
 
     def _batch(self, rows: list[dict], mask_key: str | None = None) -> dict:
         """One micro-batch on the device: a packed [1, T] stream or right-padded [B, L] rows (see batching.py), plus
