@@ -155,8 +155,7 @@ class ReplayableRouter(nn.Module):
         if engine is not None:
             engine = engine[:, self.layer_index].to(own.device)
             if self.replay:
-                known = (engine >= 0).all(-1, keepdim=True)
-                used = torch.where(known, engine.long(), own)
+                used = torch.where((engine >= 0).all(-1, keepdim=True), engine.long(), own)  # -1 rows: own top-k
         weights = probs.gather(-1, used)  # live: the gate's gradient flows through the softmax
         weights = weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk_prob else weights
         if self.stats is not None:

@@ -157,8 +157,7 @@ class TrajectoryImages:
         if next(replacements, None) is not None:
             raise ValueError(f"fewer image placeholders in the trajectory than its {len(images)} images")
         new_index.append(len(ids))
-        ranges = [(new_index[s], new_index[e]) for s, e in action_ranges]
-        return ids, lps, vers, ranges, self.finish(ids, mm)
+        return ids, lps, vers, [(new_index[s], new_index[e]) for s, e in action_ranges], self.finish(ids, mm)
 
 
 class Idefics3Images(TrajectoryImages):

@@ -51,8 +51,7 @@ def pack(samples: list[dict], keys: tuple[str, ...] | None = None) -> dict:
 
 def unpack(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """[1, T] packed row -> [S, max(lengths)] right-padded with 0 (the inverse of `pack` for one key)."""
-    rows = torch.split(x[0], lengths)
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    return torch.nn.utils.rnn.pad_sequence(torch.split(x[0], lengths), batch_first=True)
 
 
 def partition_padded(lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -86,8 +86,7 @@ class MuonAdamW(torch.optim.Optimizer):
         mu = group["momentum"]
         buf, grad = local_part(self.state[p]["momentum_buffer"]), local_part(p.grad)
         buf.lerp_(grad, 1 - mu)  # torch Muon's momentum, elementwise on the shard
-        blend = grad.lerp(buf, mu) if group["nesterov"] else buf
-        whole = _whole(p, blend)
+        whole = _whole(p, grad.lerp(buf, mu) if group["nesterov"] else buf)  # the (Nesterov-blended) momentum
         # grouped experts [E, d_out, d_in]: each expert's matrix is orthogonalised on its own
         update = torch.stack([orthogonalised(m) for m in whole]) if whole.dim() == 3 else orthogonalised(whole)
         local = local_part(p)

@@ -66,8 +66,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     for step in range(start, total):
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(kw["seed"] + epoch)).tolist()
-        batch = [train[j] for j in order[i * bs:(i + 1) * bs]]
-        m = worker.train_step(batch[rank::world], SFTObjective())
+        m = worker.train_step([train[j] for j in order[i * bs:(i + 1) * bs][rank::world]], SFTObjective())
         rec = {"global_step": step + 1, "epoch": epoch, "sft_loss": m["sft_loss"], "lr": m["actor_lr"],
                "grad_norm": m["actor_grad_norm"], "tokens_per_sec": m["perf/train_tokens_per_sec"],
                **{k: v for k, v in m.items() if k.startswith("actor_grad_norm/")}}  # logger.debug_grad_norms
