@@ -47,8 +47,7 @@ def register_advantage_estimator(name: str, *, needs: Iterable[str] = ()):
                          f"choose from {sorted(NEEDS)}")
 
     def decorator(fn):
-        known = ADVANTAGE_ESTIMATORS.get(name)
-        if known is not None and known.fn is not fn:
+        if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name].fn is not fn:
             raise ValueError(f"advantage estimator {name!r} already registered")
         ADVANTAGE_ESTIMATORS[name] = EstimatorSpec(fn, needs)
         return fn

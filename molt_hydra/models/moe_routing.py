@@ -145,6 +145,7 @@ class ReplayableRouter(nn.Module):
     image_tokens: torch.Tensor | None = None  # [tokens] 1 on a VLM's image tokens, for the statistics' split
     stats: RoutingStats | None = None
     balance: LoadBalancingLoss | None = None
+    norm_topk_prob = True  # Qwen3-MoE's router sets its own from the config; Qwen3-VL-MoE's always renormalises
 
     def forward(self, hidden_states):
         h = hidden_states.reshape(-1, self.hidden_dim)
@@ -171,16 +172,13 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 def install(model: nn.Module, gate_precision: str = "float32", replay: bool = False) -> list[nn.Module]:
     """Make every MoE router of `model` a `ReplayableRouter` (in place); returns them in layer order."""
-    found = []
-    for name, module in transformers_compat.install_routers(model, ReplayableRouter):
+    installed = transformers_compat.install_routers(model, ReplayableRouter)
+    for name, module in installed:
         # "model.layers.3.mlp.gate" -> 3: the engine's routed experts are indexed by global decoder layer
         parts = name.split(".")
         module.layer_index = int(parts[parts.index("layers") + 1])
         module.gate_dtype, module.replay = getattr(torch, gate_precision), replay  # float32 | bfloat16
-        if not hasattr(module, "norm_topk_prob"):  # Qwen3-VL-MoE's router always renormalises its top-k
-            module.norm_topk_prob = True
-        found.append(module)
-    return found
+    return [module for _, module in installed]
 
 
 def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: RoutingStats | None = None,

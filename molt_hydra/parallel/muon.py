@@ -28,18 +28,15 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 def _whole(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (laid out like `param`'s shard) gathered into the whole matrix on every rank."""
-    if not hasattr(param, "device_mesh"):
-        return local
     return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                              stride=param.stride()).full_tensor()
+                              stride=param.stride()).full_tensor() if hasattr(param, "device_mesh") else local
 
 
 def _own_shard(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a whole matrix, as `param` is sharded (Replicate -> its placements is local slicing)."""
-    if not hasattr(param, "device_mesh"):
-        return whole
-    mesh = param.device_mesh
-    return DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, param.placements).to_local()
+    mesh = getattr(param, "device_mesh", None)
+    return whole if mesh is None else \
+        DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, param.placements).to_local()
 
 
 def orthogonalised(matrix: torch.Tensor) -> torch.Tensor:
