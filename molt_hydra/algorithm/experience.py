@@ -75,21 +75,16 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> Experie
     def pad(name: str, value: float) -> torch.Tensor:
         return pad_sequence([getattr(e, name) for e in experiences], batch_first=True, padding_value=value)
 
+    # the engine's experts (R3) when any experience has them; -1 (unknown) on the others' tokens and on padding
+    shape = next((e.routed_experts.shape[1:] for e in experiences if e.routed_experts is not None), None)
+    routed = [e.routed_experts if e.routed_experts is not None or shape is None
+              else torch.full((len(e.token_ids), *shape), -1, dtype=torch.int16) for e in experiences]
     return ExperienceBatch(
         token_ids=pad("token_ids", pad_token_id), action_mask=pad("action_mask", False),
         rollout_log_probs=pad("rollout_log_probs", 0.0), policy_versions=pad("policy_versions", -1),
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float32),
         group_ids=[e.group_id for e in experiences], rollout_ids=[e.rollout_id for e in experiences],
-        routed_experts=_collate_routing(experiences))
-
-
-def _collate_routing(experiences: Sequence[Experience]) -> torch.Tensor | None:
-    shape = next((e.routed_experts.shape[1:] for e in experiences if e.routed_experts is not None), None)
-    if shape is None:
-        return None
-    rows = [e.routed_experts if e.routed_experts is not None
-            else torch.full((len(e.token_ids), *shape), -1, dtype=torch.int16) for e in experiences]
-    return pad_sequence(rows, batch_first=True, padding_value=-1)
+        routed_experts=None if shape is None else pad_sequence(routed, batch_first=True, padding_value=-1))
 
 
 def to_experience(trajectory, max_len: int, images=None) -> tuple[Experience | None, str | None]:
