@@ -135,8 +135,7 @@ def action_mask(action_ranges, num_tokens: int, max_len: int) -> list[bool]:
 
 def routing_tensor(rows: list | None, length: int) -> torch.Tensor | None:
     """Per-token [layer][top-k] expert ids (None where unknown) -> [length, layers, top_k] int16, -1 = unknown."""
-    known = next((r for r in rows or [] if r is not None), None)
-    if known is None:
+    if (known := next((r for r in rows or [] if r is not None), None)) is None:
         return None
     out = torch.full((length, len(known), len(known[0])), -1, dtype=torch.int16)
     for t, row in enumerate(rows[:length]):

@@ -107,8 +107,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
         os.replace(latest_tmp, root / "latest")
         retention.prune([p for _, p in _tags(root)], keep, max_disk_gb)
     _barrier()
-    error = retention.over_budget(final, max_disk_gb)
-    if error is not None:
+    if (error := retention.over_budget(final, max_disk_gb)) is not None:
         raise RuntimeError(error)
     return final
 
@@ -127,8 +126,7 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
                     model_only: bool = False) -> dict | None:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client state, or None when
     there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state."""
-    path = resolve_checkpoint(root)
-    if path is None:
+    if (path := resolve_checkpoint(root)) is None:
         return None
     optimizer = None if model_only else optimizer
     state = _dcp_state(model, optimizer)

@@ -53,8 +53,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def _accumulate(self, p):
         if not self.accumulate_fp32:
             return
-        main = self.main_grads.get(p)
-        if main is None:
+        if (main := self.main_grads.get(p)) is None:
             self.main_grads[p] = p.grad.float()  # DTensor stays DTensor (clip_grad_norm_ reduces its norm)
         else:
             local_part(main).add_(local_part(p.grad))  # bf16 promoted to fp32 inside the add
