@@ -120,9 +120,7 @@ class LoadBalancingLoss:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.selections: torch.Tensor | float = 0.0
-        self.prob_sum: torch.Tensor | float = 0.0
-        self.rows = 0
+        self.selections, self.prob_sum, self.rows = 0.0, 0.0, 0  # sums of the forward's selections, probs, rows
 
     def add(self, probs: torch.Tensor, used: torch.Tensor) -> None:
         self.selections = self.selections + expert_counts(used, self.num_experts, torch.float32)

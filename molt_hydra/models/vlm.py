@@ -165,8 +165,7 @@ class Idefics3Images(TrajectoryImages):
     vLLM's idefics3 prompt update does), and its pixels + pixel mask."""
 
     def __init__(self, processor):
-        self.processor = processor
-        self.placeholder_id = processor.image_token_id
+        self.processor, self.placeholder_id = processor, processor.image_token_id
 
     @property
     def max_tokens_per_image(self) -> int:

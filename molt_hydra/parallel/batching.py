@@ -40,12 +40,11 @@ def partition_balanced(lengths: list[int], k: int) -> list[list[int]]:
 
 
 def pack(samples: list[dict], keys: tuple[str, ...] | None = None) -> dict:
-    """Concatenate token-aligned tensors of each sample into [1, T, ...]; add position_ids and seq_index."""
+    """Concatenate token-aligned tensors of each sample into [1, T, ...]; add position_ids."""
     # token-aligned tensors: [T] or [T, ...] (e.g. R3's routed experts [T, layers, top_k])
     keys = keys or tuple(k for k, v in samples[0].items() if torch.is_tensor(v) and v.dim() >= 1)
     out = {k: torch.cat([s[k] for s in samples])[None] for k in keys}
     out["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None]
-    out["seq_index"] = torch.cat([torch.full((len(s["input_ids"]),), i) for i, s in enumerate(samples)])[None]
     return out
 
 

@@ -83,8 +83,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
                     client_state: dict | None = None, keep: int = 3, max_disk_gb: float | None = None) -> Path:
     """Collective: every rank calls it. Returns the final directory. Retention: parallel/retention.py; every rank
     raises the same error when the newest checkpoint alone is over `max_disk_gb`."""
-    root = Path(root)
-    tag = f"step_{step}"
+    root, tag = Path(root), f"step_{step}"
     tmp, final = root / f".tmp-{tag}", root / tag
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)

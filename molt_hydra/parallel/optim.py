@@ -37,9 +37,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     def __init__(self, params, masters: dict, on_host: bool = False, **kw):
         super().__init__(params, fused=True, **kw)  # the fused kernel takes grad_scale (CUDA and CPU)
-        self._grad_scale = None
-        self.on_host = on_host
-        self.accumulate_fp32 = False
+        self._grad_scale, self.on_host, self.accumulate_fp32 = None, on_host, False
         self.main_grads: dict = {}  # param -> fp32 grad sum of this step's micro-batches (accumulate_fp32 only)
         for group in self.param_groups:
             for p in group["params"]:

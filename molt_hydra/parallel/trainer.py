@@ -467,8 +467,7 @@ class TrainerWorker:
         dist.all_reduce(red)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time, as Molt reports
         n_mask, tokens = float(red[-2]), float(red[-1])
-        prefix = "critic" if self.role == "critic" else "actor"
-        perf = "perf/critic_" if self.role == "critic" else "perf/"
+        prefix, perf = ("critic", "perf/critic_") if self.role == "critic" else ("actor", "perf/")
         metrics = {k: float(red[i]) / max(n_mask, 1.0) for i, k in enumerate(keys)}
         if self.moe and self.role == "actor":  # every rank: the reduction is a collective
             stats = self._routing_stats or moe_routing.routing_stats(self.model.config)
