@@ -137,8 +137,7 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, action_mask: torch
 def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(A - mean) / sqrt(max(var, 1e-8)) with mean and population variance over the action tokens of the whole batch;
     applied at every position (masked ones become -mean/std). An empty mask gives zeros."""
-    count = mask.sum()
-    if count == 0:
+    if (count := mask.sum()) == 0:
         return torch.zeros_like(advantages)
     mean = masked_sum(advantages, mask) / count
     var = masked_sum((advantages - mean).square(), mask) / count

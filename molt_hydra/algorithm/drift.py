@@ -49,8 +49,7 @@ def drift_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, action_m
         metrics["drift/is_filtered_token_frac"] = masked_mean(filtered.float(), mask)
         metrics["drift/is_filtered_seq_frac"] = filtered.any(-1)[mask.any(-1)].float().mean()
     if policy_versions is not None and current_version is not None:
-        versioned = mask & (policy_versions >= 0)
-        if versioned.any():
+        if (versioned := mask & (policy_versions >= 0)).any():
             lag = (current_version - policy_versions[versioned]).float()
             metrics["drift/staleness_mean"] = lag.mean()
             metrics["drift/staleness_max"] = lag.max()

@@ -43,8 +43,7 @@ class Experience:
         self.rollout_log_probs = torch.as_tensor(self.rollout_log_probs, dtype=torch.float32)
         self.policy_versions = torch.full_like(self.token_ids, -1) if self.policy_versions is None else \
             torch.as_tensor(self.policy_versions, dtype=torch.long)
-        if self.score is None:
-            self.score = self.reward
+        self.score = self.reward if self.score is None else self.score
         lengths = {f: tuple(getattr(self, f).shape) for f in
                    ("token_ids", "action_mask", "rollout_log_probs", "policy_versions")}
         if self.routed_experts is not None:  # the engine's, [T, layers, top_k] (routing_tensor)

@@ -86,8 +86,7 @@ class RoutingStats:
         flat = (self.as_tensor() if summed is None else summed).double()
         parts = flat.split([t.numel() for t in self.sums.values()])
         routed, image, load, prob, tokens = (part.view(t.shape) for part, t in zip(parts, self.sums.values()))
-        seen = tokens > 0
-        if not seen.any():
+        if not (seen := tokens > 0).any():
             return {}
         (match, known, replayed), (img_match, img_known, img_replayed) = routed[:, seen], image[:, seen].sum(-1)
         out = {}

@@ -51,8 +51,7 @@ def is_idefics3(config) -> bool:
 def multimodal_kwargs(samples: list[dict]) -> dict[str, torch.Tensor]:
     """The forward's multimodal inputs of a micro-batch; {} for text samples. One VLM sample per micro-batch:
     the model derives M-RoPE positions per row, and a packed row would continue positions across samples."""
-    with_images = [s for s in samples if s.get("pixel_values") is not None]
-    if not with_images:
+    if not (with_images := [s for s in samples if s.get("pixel_values") is not None]):
         return {}
     if len(samples) != 1:
         raise ValueError(f"a VLM micro-batch holds one sample, got {len(samples)}")

@@ -38,11 +38,6 @@ def _barrier():
         dist.barrier()
 
 
-def _rng_state() -> dict:
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
-
-
 def _set_rng_state(state: dict):
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -95,7 +90,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
         rank, (cause, _) = next(iter(e.failures.items()))
         raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
-    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
+    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored by `_set_rng_state`
     _barrier()
     if _rank() == 0:
         _write_extra(tmp, {"client_state": client_state or {}, "step": step,

@@ -84,10 +84,7 @@ class TrainerWorker:
         self.model_path = resolve_path(spec.model_path)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
         self.lora = spec.lora if spec.role == "actor" else None
-        if self.backend == "automodel":
-            self._build_automodel(spec)
-        else:
-            self._build_hf(spec)
+        (self._build_automodel if self.backend == "automodel" else self._build_hf)(spec)
         if self.idle_cpu_threads != self.cpu_threads:
             self._follow_hints_per_block()
         self.head = self._fused_head(spec)
@@ -141,8 +138,7 @@ class TrainerWorker:
         if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
             # target_modules None: the family's default; the config refuses a family without one when it can read
             # the model's config.json, a hub id it cannot read is refused here
-            targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
-            if targets is None:
+            if (targets := lora.resolve_targets(model.config.model_type, self.lora["target_modules"])) is None:
                 raise ValueError(f"model.lora.target_modules: model family {model.config.model_type!r} has no "
                                  "default targets; set them (e.g. [q_proj,v_proj])")
             self.lora = {**self.lora, "target_modules": targets}
@@ -512,9 +508,8 @@ class TrainerWorker:
         """AutoModel keeps its own names and grouped experts: its state-dict adapter maps them back to the
         checkpoint's HF names with one tensor per expert, which is what vLLM and transformers load; transformers-5
         MoE models fuse their experts, given back per expert too (`moe_routing.checkpoint_expert_tensors`)."""
-        if self.backend != "automodel":
-            return moe_routing.checkpoint_expert_tensors if self.moe else None
-        return hf_name_mapper(self.model)
+        return hf_name_mapper(self.model) if self.backend == "automodel" else \
+            moe_routing.checkpoint_expert_tensors if self.moe else None
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3,
                         max_disk_gb: float | None = None) -> str:
