@@ -86,9 +86,8 @@ def group_rollouts(num_samples: int, group_ids: Sequence[Hashable] | None = None
     group_ids = rollout_ids if group_ids is None else group_ids
     if not len(rollout_ids) == len(group_ids) == num_samples:
         raise ValueError(f"{num_samples} samples but {len(rollout_ids)} rollout ids and {len(group_ids)} group ids")
-    row_of: dict[Hashable, int] = {}
-    groups: dict[Hashable, list[int]] = {}
-    first_sample, sample_to_rollout = [], []
+    # rollout id -> its row; group id -> its rollout rows; each row's first sample; each sample's row
+    row_of, groups, first_sample, sample_to_rollout = {}, {}, [], []
     for sample, (rollout_id, group_id) in enumerate(zip(rollout_ids, group_ids)):
         if rollout_id not in row_of:
             row_of[rollout_id] = len(first_sample)

@@ -92,8 +92,7 @@ def _build_in_subprocess(staging: Path, name: str) -> None:
     """A GPU-shape model, built on the GPU in a process of its own: a run's driver never holds GPU memory."""
     code = f"from molt_hydra.models.tiny import build; build(__import__('pathlib').Path({str(staging)!r}), " \
            f"names=({name!r},))"
-    built = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if built.returncode != 0:
+    if (built := subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)).returncode != 0:
         raise RuntimeError(f"building tiny://{name} failed: {built.stderr[-2000:]}")
 
 

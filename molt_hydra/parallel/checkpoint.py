@@ -38,14 +38,6 @@ def _barrier():
         dist.barrier()
 
 
-def _set_rng_state(state: dict):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def is_loadable(path: Path) -> bool:
     return (path / "extra_state.pt").is_file() and (path / "dcp" / ".metadata").is_file()
 
@@ -92,7 +84,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
         raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
-    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored by `_set_rng_state`
+    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored on load
     _barrier()
     if _rank() == 0:
         _write_extra(tmp, {"client_state": client_state or {}, "step": step,
@@ -136,7 +128,12 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
         scheduler.load_state_dict(extra["scheduler"])
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved
-        _set_rng_state(torch.load(rng, weights_only=False))
+        state = torch.load(rng, weights_only=False)
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
     return extra["client_state"]
 
 

@@ -54,10 +54,9 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     total = math.ceil(kw["max_epochs"] * steps_per_epoch)
     worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,
                                        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), **kw["worker"]))
-    start = 0
-    if kw["resume"] and kw["ckpt_path"]:
-        client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"])
-        start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
+    resume = kw["resume"] and kw["ckpt_path"]
+    client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"]) if resume else None
+    start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
     out = Path(kw["output_dir"])
     log = out / "sft_metrics.jsonl"
     if rank == 0:
