@@ -226,8 +226,7 @@ def gae(rewards, groups, ctx):
     token_rewards = _kl_penalized_rewards(ctx, rewards[ctx.sample_to_rollout])
     values = ctx.values * mask
     advantages = torch.zeros_like(values)
-    next_value = torch.zeros_like(values[:, 0])
-    running = torch.zeros_like(values[:, 0])
+    next_value = running = torch.zeros_like(values[:, 0])  # both rebound (not updated in place) in the loop
     for t in reversed(range(values.shape[-1])):
         m = mask[:, t]
         delta = token_rewards[:, t] + ctx.gamma * next_value - values[:, t]
