@@ -20,7 +20,7 @@ Register your own from any module listed in `algorithm.plugins`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -31,8 +31,7 @@ GRPO_STD_EPS = 1e-9
 WHITEN_VAR_FLOOR = 1e-8
 
 
-@dataclass(frozen=True)
-class EstimatorSpec:
+class EstimatorSpec(NamedTuple):
     fn: Callable
     needs: frozenset[str]
 
@@ -48,8 +47,7 @@ def register_advantage_estimator(name: str, *, needs: Iterable[str] = ()):
                          f"choose from {sorted(NEEDS)}")
 
     def decorator(fn):
-        known = ADVANTAGE_ESTIMATORS.get(name)
-        if known is not None and known.fn is not fn:
+        if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name].fn is not fn:
             raise ValueError(f"advantage estimator {name!r} already registered")
         ADVANTAGE_ESTIMATORS[name] = EstimatorSpec(fn, needs)
         return fn
@@ -88,9 +86,8 @@ def group_rollouts(num_samples: int, group_ids: Sequence[Hashable] | None = None
     group_ids = rollout_ids if group_ids is None else group_ids
     if not len(rollout_ids) == len(group_ids) == num_samples:
         raise ValueError(f"{num_samples} samples but {len(rollout_ids)} rollout ids and {len(group_ids)} group ids")
-    row_of: dict[Hashable, int] = {}
-    groups: dict[Hashable, list[int]] = {}
-    first_sample, sample_to_rollout = [], []
+    # rollout id -> its row; group id -> its rollout rows; each row's first sample; each sample's row
+    row_of, groups, first_sample, sample_to_rollout = {}, {}, [], []
     for sample, (rollout_id, group_id) in enumerate(zip(rollout_ids, group_ids)):
         if rollout_id not in row_of:
             row_of[rollout_id] = len(first_sample)
@@ -139,25 +136,20 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, action_mask: torch
 def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(A - mean) / sqrt(max(var, 1e-8)) with mean and population variance over the action tokens of the whole batch;
     applied at every position (masked ones become -mean/std). An empty mask gives zeros."""
-    count = mask.sum()
-    if count == 0:
+    if (count := mask.sum()) == 0:
         return torch.zeros_like(advantages)
     mean = masked_sum(advantages, mask) / count
     var = masked_sum((advantages - mean).square(), mask) / count
     return (advantages - mean) * var.clamp(min=WHITEN_VAR_FLOOR).rsqrt()
 
 
-def _broadcast(rollout_advantages: torch.Tensor, ctx: AdvantageContext) -> torch.Tensor:
-    """Each sample's rollout scalar on every action token of the sample."""
-    return rollout_advantages[ctx.sample_to_rollout][:, None] * ctx.action_mask
-
-
-def _per_group(rewards: torch.Tensor, groups: list[list[int]], fn) -> torch.Tensor:
-    """Each group's rollout rewards replaced by `fn` of them (a tensor of the group's size)."""
+def _per_group(rewards: torch.Tensor, groups: list[list[int]], ctx: AdvantageContext, fn) -> torch.Tensor:
+    """Each group's rollout rewards replaced by `fn` of them (a tensor of the group's size), each rollout's value
+    then on every action token of its samples."""
     out = rewards.clone()
     for group in groups:
         out[group] = fn(rewards[group])
-    return out
+    return out[ctx.sample_to_rollout][:, None] * ctx.action_mask
 
 
 def _kl_penalized_rewards(ctx: AdvantageContext, sample_rewards: torch.Tensor | None) -> torch.Tensor:
@@ -191,15 +183,14 @@ def reinforce(rewards, groups, ctx):
 @register_advantage_estimator("reinforce_baseline", needs={"groups"})
 def reinforce_baseline(rewards, groups, ctx):
     """r_i - mean(group), whitened over the batch (a singleton group gives 0 before whitening)."""
-    returns = _broadcast(_per_group(rewards, groups, lambda r: r - r.mean()), ctx)
+    returns = _per_group(rewards, groups, ctx, lambda r: r - r.mean())
     return (whiten_advantages(returns, ctx.action_mask) if ctx.whiten else returns), returns
 
 
 @register_advantage_estimator("rloo", needs={"groups"})
 def rloo(rewards, groups, ctx):
     """r_i minus the mean of the OTHER rewards of its group; a singleton keeps its raw reward (Molt, deliberate)."""
-    advantages = _broadcast(_per_group(rewards, groups, lambda r: r - (r.sum() - r) / (len(r) - 1) if len(r) > 1
-                                       else r), ctx)
+    advantages = _per_group(rewards, groups, ctx, lambda r: r - (r.sum() - r) / (len(r) - 1) if len(r) > 1 else r)
     return advantages, advantages
 
 
@@ -207,15 +198,15 @@ def rloo(rewards, groups, ctx):
 def grpo(rewards, groups, ctx):
     """(r_i - mean) / (std + 1e-9) with the unbiased (n-1) std; a singleton (std taken as 0) and a zero-variance group
     give 0."""
-    advantages = _broadcast(_per_group(
-        rewards, groups, lambda r: (r - r.mean()) / ((r.std() if len(r) > 1 else 0.0) + GRPO_STD_EPS)), ctx)
+    advantages = _per_group(
+        rewards, groups, ctx, lambda r: (r - r.mean()) / ((r.std() if len(r) > 1 else 0.0) + GRPO_STD_EPS))
     return advantages, advantages
 
 
 @register_advantage_estimator("dr_grpo", needs={"groups"})
 def dr_grpo(rewards, groups, ctx):
     """r_i - mean(group), not divided by the std (Dr. GRPO); a singleton group gives 0."""
-    advantages = _broadcast(_per_group(rewards, groups, lambda r: r - r.mean()), ctx)
+    advantages = _per_group(rewards, groups, ctx, lambda r: r - r.mean())
     return advantages, advantages
 
 
@@ -235,8 +226,7 @@ def gae(rewards, groups, ctx):
     token_rewards = _kl_penalized_rewards(ctx, rewards[ctx.sample_to_rollout])
     values = ctx.values * mask
     advantages = torch.zeros_like(values)
-    next_value = torch.zeros_like(values[:, 0])
-    running = torch.zeros_like(values[:, 0])
+    next_value = running = torch.zeros_like(values[:, 0])  # both rebound (not updated in place) in the loop
     for t in reversed(range(values.shape[-1])):
         m = mask[:, t]
         delta = token_rewards[:, t] + ctx.gamma * next_value - values[:, t]
@@ -246,6 +236,4 @@ def gae(rewards, groups, ctx):
         advantages[:, t] = running
     returns = (advantages + values) * mask
     advantages = advantages * mask
-    if ctx.whiten:
-        advantages = whiten_advantages(advantages, ctx.action_mask) * mask
-    return advantages, returns
+    return (whiten_advantages(advantages, ctx.action_mask) * mask if ctx.whiten else advantages), returns

@@ -41,8 +41,7 @@ def drift_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, action_m
     for q, name in ((0.5, "p50"), (0.99, "p99")):
         # linear interpolation between order statistics (numpy's default); torch.quantile caps the input at 2^24
         pos = q * (len(abs_diff) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(abs_diff) - 1)
+        lo, hi = int(pos), min(int(pos) + 1, len(abs_diff) - 1)
         metrics[f"drift/abs_logp_diff_{name}"] = abs_diff[lo] + (abs_diff[hi] - abs_diff[lo]) * (pos - lo)
     if is_correction is not None and is_correction.enabled:
         _, filtered = is_correction.weights(train_logp, rollout_logp, mask)
@@ -50,8 +49,7 @@ def drift_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, action_m
         metrics["drift/is_filtered_token_frac"] = masked_mean(filtered.float(), mask)
         metrics["drift/is_filtered_seq_frac"] = filtered.any(-1)[mask.any(-1)].float().mean()
     if policy_versions is not None and current_version is not None:
-        versioned = mask & (policy_versions >= 0)
-        if versioned.any():
+        if (versioned := mask & (policy_versions >= 0)).any():
             lag = (current_version - policy_versions[versioned]).float()
             metrics["drift/staleness_mean"] = lag.mean()
             metrics["drift/staleness_max"] = lag.max()

@@ -41,11 +41,9 @@ class Experience:
         self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long)
         self.action_mask = torch.as_tensor(self.action_mask, dtype=torch.bool)
         self.rollout_log_probs = torch.as_tensor(self.rollout_log_probs, dtype=torch.float32)
-        if self.policy_versions is None:
-            self.policy_versions = torch.full_like(self.token_ids, -1)
-        self.policy_versions = torch.as_tensor(self.policy_versions, dtype=torch.long)
-        if self.score is None:
-            self.score = self.reward
+        self.policy_versions = torch.full_like(self.token_ids, -1) if self.policy_versions is None else \
+            torch.as_tensor(self.policy_versions, dtype=torch.long)
+        self.score = self.reward if self.score is None else self.score
         lengths = {f: tuple(getattr(self, f).shape) for f in
                    ("token_ids", "action_mask", "rollout_log_probs", "policy_versions")}
         if self.routed_experts is not None:  # the engine's, [T, layers, top_k] (routing_tensor)
@@ -76,21 +74,16 @@ def collate(experiences: Sequence[Experience], pad_token_id: int = 0) -> Experie
     def pad(name: str, value: float) -> torch.Tensor:
         return pad_sequence([getattr(e, name) for e in experiences], batch_first=True, padding_value=value)
 
+    # the engine's experts (R3) when any experience has them; -1 (unknown) on the others' tokens and on padding
+    shape = next((e.routed_experts.shape[1:] for e in experiences if e.routed_experts is not None), None)
+    routed = [e.routed_experts if e.routed_experts is not None or shape is None
+              else torch.full((len(e.token_ids), *shape), -1, dtype=torch.int16) for e in experiences]
     return ExperienceBatch(
         token_ids=pad("token_ids", pad_token_id), action_mask=pad("action_mask", False),
         rollout_log_probs=pad("rollout_log_probs", 0.0), policy_versions=pad("policy_versions", -1),
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float32),
         group_ids=[e.group_id for e in experiences], rollout_ids=[e.rollout_id for e in experiences],
-        routed_experts=_collate_routing(experiences))
-
-
-def _collate_routing(experiences: Sequence[Experience]) -> torch.Tensor | None:
-    shape = next((e.routed_experts.shape[1:] for e in experiences if e.routed_experts is not None), None)
-    if shape is None:
-        return None
-    rows = [e.routed_experts if e.routed_experts is not None
-            else torch.full((len(e.token_ids), *shape), -1, dtype=torch.int16) for e in experiences]
-    return pad_sequence(rows, batch_first=True, padding_value=-1)
+        routed_experts=None if shape is None else pad_sequence(routed, batch_first=True, padding_value=-1))
 
 
 def to_experience(trajectory, max_len: int, images=None) -> tuple[Experience | None, str | None]:
@@ -141,8 +134,7 @@ def action_mask(action_ranges, num_tokens: int, max_len: int) -> list[bool]:
 
 def routing_tensor(rows: list | None, length: int) -> torch.Tensor | None:
     """Per-token [layer][top-k] expert ids (None where unknown) -> [length, layers, top_k] int16, -1 = unknown."""
-    known = next((r for r in rows or [] if r is not None), None)
-    if known is None:
+    if (known := next((r for r in rows or [] if r is not None), None)) is None:
         return None
     out = torch.full((length, len(known), len(known[0])), -1, dtype=torch.int16)
     for t, row in enumerate(rows[:length]):
@@ -186,15 +178,10 @@ def trainer_rows(batch: ExperienceBatch, experiences: Sequence[Experience], **pe
     """One dict of 1-D token-aligned tensors per sample, as the trainer ranks take them (parallel/trainer.py): ids,
     action mask (log-probs are needed only there), a VLM sample's image inputs, the engine's experts (R3) and the
     sample's row of each [B, L] tensor of `per_token` that is not None (advantages, old_logprobs, ...)."""
-    rows = []
-    for i, e in enumerate(experiences):
-        n = len(e.token_ids)
-        row = {"input_ids": e.token_ids, "action_mask": e.action_mask, **(e.multimodal or {})}
-        if batch.routed_experts is not None:
-            row["routed_experts"] = batch.routed_experts[i, :n]
-        row.update({k: v[i, :n] for k, v in per_token.items() if v is not None})
-        rows.append(row)
-    return rows
+    per_token = {"routed_experts": batch.routed_experts, **per_token}
+    return [{"input_ids": e.token_ids, "action_mask": e.action_mask, **(e.multimodal or {}),
+             **{k: v[i, :len(e.token_ids)] for k, v in per_token.items() if v is not None}}
+            for i, e in enumerate(experiences)]
 
 
 def stack_padded(values: Sequence[torch.Tensor], shape) -> torch.Tensor:

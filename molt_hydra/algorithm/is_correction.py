@@ -57,6 +57,4 @@ class ISCorrection:
 
     def filter_ratio(self, filtered: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Molt's `is_filter_ratio`: share of action tokens (token level) or of rows (seq/geo) that were filtered."""
-        if self.level == "token":
-            return masked_mean(filtered.float(), mask)
-        return filtered.float().mean()
+        return masked_mean(filtered.float(), mask) if self.level == "token" else filtered.float().mean()

@@ -27,5 +27,4 @@ def estimator_needs(cfg: RunConfig, problems: Problems) -> frozenset[str]:
     problems.check(a.policy_loss in POLICY_LOSSES, "algorithm.policy_loss", f"{a.policy_loss!r} is not a registered "
                    "loss.", f"use one of {sorted(POLICY_LOSSES)}, or register yours and list its module in "
                    "algorithm.plugins")
-    estimator = ADVANTAGE_ESTIMATORS.get(a.estimator)
-    return frozenset(estimator.needs) if estimator is not None else frozenset()
+    return ADVANTAGE_ESTIMATORS[a.estimator].needs if a.estimator in ADVANTAGE_ESTIMATORS else frozenset()

@@ -101,8 +101,11 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
     master_weights=optimizer on one rank: no FSDP2 at all (the trainer casts the params; nothing to shard)."""
     import torch.distributed as dist
     from nemo_automodel import NeMoAutoModelForCausalLM
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config, MoEParallelizerConfig
+    from nemo_automodel.components.distributed.mesh import ParallelismSizes
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.moe.router_replay import RouterReplay
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     config = load_config(path, config_overrides, random_init)
     config.dtype = torch.float32  # master weights; AutoModel's model classes read the storage dtype from the config
@@ -111,10 +114,20 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
     if not automodel_compat.has_own_model_class(config):
         raise ValueError(f"model.backend=automodel: NeMo AutoModel has no model class of its own for "
                          f"{config.architectures[0]}; set model.backend=hf")
-    moe = bool(getattr(config, "num_experts", 0))
-    setup = _distributed_setup(dist.get_world_size(), dp_size, tp_size, ep_size, cp_size, param_dtype, moe,
-                               AC_MODES[gradient_checkpointing] if role != "ref" else False, compile_blocks,
-                               sequence_parallel, moe_reshard_after_forward)
+    moe, world = bool(getattr(config, "num_experts", 0)), dist.get_world_size()
+    # AutoModel's mesh and FSDP2 strategy: bf16 compute, fp32 grad reduce; experts sharded over ep when ep > 1
+    sizes = parallel_sizes(world, dp=dp_size, tp=tp_size, ep=ep_size, cp=cp_size)
+    ac = AC_MODES[gradient_checkpointing] if role != "ref" else False
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, output_dtype=None,
+                              cast_forward_inputs=False)
+    strategy = FSDP2Config(sequence_parallel=sequence_parallel, mp_policy=mp, activation_checkpointing=ac,
+                           enable_compile=compile_blocks,
+                           # one rank: keep gathered params from forward to backward (nothing to save by freeing)
+                           reshard_after_forward=None if world > 1 else False)
+    moe_cfg = MoEParallelizerConfig(reshard_after_forward=moe_reshard_after_forward, mp_policy=mp) \
+        if moe and ep_size > 1 else None
+    setup = DistributedSetup.build(strategy, ParallelismSizes(**sizes), moe_parallel_config=moe_cfg,
+                                   activation_checkpointing=ac)
     backend = BackendConfig(attn=attn_implementation, linear=linear_backend or "torch", rms_norm=rms_norm,
                             rope_fusion=False, experts=experts_backend or "torch_mm", dispatcher=moe_dispatcher,
                             gate_precision=gate_precision)
@@ -126,33 +139,13 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
     if moe and ep_size == 1:
         automodel_compat.install_sync_free_permute(config.num_experts, permute_tokens_all_local)
     model = NeMoAutoModelForCausalLM.from_config(config, **kw)
-    if dist.get_world_size() == 1 and master_weights != "optimizer":
+    if world == 1 and master_weights != "optimizer":
         _shard_one_rank(model, param_dtype)
     model._molt_mesh = setup.mesh_context  # the grad-norm reduction needs the dense and expert meshes
     freeze(model, router=freeze_moe_router or role == "ref", visual=freeze_visual_encoder or role == "ref",
            everything=role == "ref")
     model.train(role != "ref")
     return model
-
-
-def _distributed_setup(world: int, dp: int, tp: int, ep: int, cp: int, param_dtype: str, moe: bool, ac,
-                       compile_blocks: bool, sequence_parallel: bool, moe_reshard_after_forward: bool):
-    """AutoModel's mesh and FSDP2 strategy: bf16 compute, fp32 grad reduce; experts sharded over ep when ep > 1."""
-    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config, MoEParallelizerConfig
-    from nemo_automodel.components.distributed.mesh import ParallelismSizes
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    sizes = parallel_sizes(world, dp=dp, tp=tp, ep=ep, cp=cp)
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32, output_dtype=None,
-                              cast_forward_inputs=False)
-    strategy = FSDP2Config(sequence_parallel=sequence_parallel, mp_policy=mp, activation_checkpointing=ac,
-                           enable_compile=compile_blocks,
-                           # one rank: keep gathered params from forward to backward (nothing to save by freeing)
-                           reshard_after_forward=None if world > 1 else False)
-    moe_cfg = MoEParallelizerConfig(reshard_after_forward=moe_reshard_after_forward, mp_policy=mp) \
-        if moe and ep > 1 else None
-    return DistributedSetup.build(strategy, ParallelismSizes(**sizes), moe_parallel_config=moe_cfg,
-                                  activation_checkpointing=ac)
 
 
 def _shard_one_rank(model, param_dtype: str) -> None:

@@ -27,16 +27,13 @@ def resolve_path(path: str) -> str:
     return resolve_smollm2(path) if path.startswith("smollm2://") else resolve_model_path(path)
 
 
-def nemo_automodel_usable() -> bool:
-    # NeMo AutoModel hard-codes CUDA devices in from_pretrained (feasibility.md §4), so it is only a GPU choice.
-    return torch.cuda.is_available() and importlib.util.find_spec("nemo_automodel") is not None
-
-
 def resolve_backend(backend: str) -> str:
     """`model.backend`: auto -> automodel when NeMo AutoModel is installed and a GPU is present, else hf."""
+    # NeMo AutoModel hard-codes CUDA devices in from_pretrained (feasibility.md §4), so it is only a GPU choice.
+    usable = torch.cuda.is_available() and importlib.util.find_spec("nemo_automodel") is not None
     if backend == "auto":
-        return "automodel" if nemo_automodel_usable() else "hf"
-    if backend == "automodel" and not nemo_automodel_usable():
+        return "automodel" if usable else "hf"
+    if backend == "automodel" and not usable:
         raise RuntimeError("model.backend=automodel needs the nemo_automodel package and a CUDA device; "
                            "install it (see docs) or set model.backend=hf")
     if backend not in ("hf", "automodel"):
@@ -80,8 +77,7 @@ def load_config(path: str, config_overrides: dict | None = None, random_init: bo
 
 def build_model(path: str, *, role: str = "actor", attn_implementation: str = "sdpa",
                 gradient_checkpointing: bool = False, random_init: bool = False,
-                config_overrides: dict | None = None, init_device: str | torch.device = "cpu",
-                value_head_init_std: float | None = None) -> nn.Module:
+                config_overrides: dict | None = None, init_device: str | torch.device = "cpu") -> nn.Module:
     """Return an fp32 module for `role` ("actor" | "ref" | "critic").
 
     random_init: build from the config alone (benchmarks); config_overrides: fields replaced in the HF config
@@ -105,8 +101,7 @@ def build_model(path: str, *, role: str = "actor", attn_implementation: str = "s
     with torch.device(init_device):
         model = cls.from_config(config, **kw) if random_init else cls.from_pretrained(path, config=config, **kw)
         if role == "critic":
-            std = value_head_init_std if value_head_init_std is not None else getattr(config, "initializer_range", 0.02)
-            model = CriticModel(model, config.hidden_size, std)
+            model = CriticModel(model, config.hidden_size, getattr(config, "initializer_range", 0.02))
     if gradient_checkpointing and role != "ref":
         # non-reentrant: recompute runs inside the FSDP2 pre-forward hooks, so params are re-gathered in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -100,8 +100,7 @@ def choose(impl: str, device: torch.device, dtype: torch.dtype, widths: tuple[in
         raise ValueError(f"model.moe_experts_impl must be one of {list(IMPLS)}, got {impl!r}")
     if impl == "loop":
         return "loop"
-    reason = grouped_unavailable(device, dtype, widths, compiled)
-    if reason is None:
+    if (reason := grouped_unavailable(device, dtype, widths, compiled)) is None:
         return "grouped"
     if impl == "grouped":
         raise ValueError(f"model.moe_experts_impl=grouped: {reason}. Set model.moe_experts_impl=auto (per-expert "

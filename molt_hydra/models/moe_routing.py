@@ -26,8 +26,6 @@ from torch import nn
 
 from molt_hydra.compat import transformers as transformers_compat
 
-GATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def is_moe_config(config) -> bool:
     config = config.get_text_config()  # a VLM's experts are in its decoder's config
@@ -88,8 +86,7 @@ class RoutingStats:
         flat = (self.as_tensor() if summed is None else summed).double()
         parts = flat.split([t.numel() for t in self.sums.values()])
         routed, image, load, prob, tokens = (part.view(t.shape) for part, t in zip(parts, self.sums.values()))
-        seen = tokens > 0
-        if not seen.any():
+        if not (seen := tokens > 0).any():
             return {}
         (match, known, replayed), (img_match, img_known, img_replayed) = routed[:, seen], image[:, seen].sum(-1)
         out = {}
@@ -122,9 +119,7 @@ class LoadBalancingLoss:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.selections: torch.Tensor | float = 0.0
-        self.prob_sum: torch.Tensor | float = 0.0
-        self.rows = 0
+        self.selections, self.prob_sum, self.rows = 0.0, 0.0, 0  # sums of the forward's selections, probs, rows
 
     def add(self, probs: torch.Tensor, used: torch.Tensor) -> None:
         self.selections = self.selections + expert_counts(used, self.num_experts, torch.float32)
@@ -142,10 +137,12 @@ class ReplayableRouter(nn.Module):
     layer_index: int
     gate_dtype: torch.dtype
     replay: bool
-    engine_experts: torch.Tensor | None  # [tokens, layers, top_k] the engine's selection for the current forward
-    image_tokens: torch.Tensor | None  # [tokens] 1 on a VLM's image tokens, for the statistics' split
-    stats: RoutingStats | None
-    balance: LoadBalancingLoss | None
+    # set for one forward (`_set_on_routers`), None otherwise
+    engine_experts: torch.Tensor | None = None  # [tokens, layers, top_k] the engine's selection for the forward
+    image_tokens: torch.Tensor | None = None  # [tokens] 1 on a VLM's image tokens, for the statistics' split
+    stats: RoutingStats | None = None
+    balance: LoadBalancingLoss | None = None
+    norm_topk_prob = True  # Qwen3-MoE's router sets its own from the config; Qwen3-VL-MoE's always renormalises
 
     def forward(self, hidden_states):
         h = hidden_states.reshape(-1, self.hidden_dim)
@@ -156,11 +153,9 @@ class ReplayableRouter(nn.Module):
         if engine is not None:
             engine = engine[:, self.layer_index].to(own.device)
             if self.replay:
-                known = (engine >= 0).all(-1, keepdim=True)
-                used = torch.where(known, engine.long(), own)
+                used = torch.where((engine >= 0).all(-1, keepdim=True), engine.long(), own)  # -1 rows: own top-k
         weights = probs.gather(-1, used)  # live: the gate's gradient flows through the softmax
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk_prob else weights
         if self.stats is not None:
             self.stats.add(self.layer_index, probs, own, used, engine, self.image_tokens)
         if self.balance is not None:
@@ -174,28 +169,22 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 def install(model: nn.Module, gate_precision: str = "float32", replay: bool = False) -> list[nn.Module]:
     """Make every MoE router of `model` a `ReplayableRouter` (in place); returns them in layer order."""
-    found = []
-    for name, module in transformers_compat.install_routers(model, ReplayableRouter):
+    installed = transformers_compat.install_routers(model, ReplayableRouter)
+    for name, module in installed:
         # "model.layers.3.mlp.gate" -> 3: the engine's routed experts are indexed by global decoder layer
         parts = name.split(".")
         module.layer_index = int(parts[parts.index("layers") + 1])
-        module.gate_dtype, module.replay = GATE_DTYPES[gate_precision], replay
-        module.engine_experts, module.image_tokens, module.stats, module.balance = None, None, None, None
-        if not hasattr(module, "norm_topk_prob"):  # Qwen3-VL-MoE's router always renormalises its top-k
-            module.norm_topk_prob = True
-        found.append(module)
-    return found
+        module.gate_dtype, module.replay = getattr(torch, gate_precision), replay  # float32 | bfloat16
+    return [module for _, module in installed]
 
 
-@contextmanager
 def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: RoutingStats | None = None,
                    image_tokens: torch.Tensor | None = None):
-    """During this forward, routers see the engine's experts `routed` ([..., tokens, layers, top_k], flattened to
-    the forward's token order) and add to `stats`, image tokens (`image_tokens`, same shape as the ids) apart."""
+    """A context in whose forward routers see the engine's experts `routed` ([..., tokens, layers, top_k], flattened
+    to the forward's token order) and add to `stats`, image tokens (`image_tokens`, same shape as the ids) apart."""
     flat = None if routed is None else routed.reshape(-1, *routed.shape[-2:])
     image = None if image_tokens is None else image_tokens.reshape(-1)
-    with _set_on_routers(model, engine_experts=flat, stats=stats, image_tokens=image):
-        yield
+    return _set_on_routers(model, engine_experts=flat, stats=stats, image_tokens=image)
 
 
 @contextmanager
@@ -239,9 +228,8 @@ def checkpoint_expert_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str
 
 def freeze(model: nn.Module) -> list[str]:
     """requires_grad=False on every router weight; returns their parameter names (kept out of sync too)."""
-    names = []
-    for name, module in transformers_compat.router_modules(model):
-        for pname, p in module.named_parameters(recurse=False):
-            p.requires_grad_(False)
-            names.append(f"{name}.{pname}")
-    return names
+    params = {f"{name}.{pname}": p for name, module in transformers_compat.router_modules(model)
+              for pname, p in module.named_parameters(recurse=False)}
+    for p in params.values():
+        p.requires_grad_(False)
+    return list(params)

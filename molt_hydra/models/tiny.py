@@ -53,7 +53,6 @@ def build(out_dir: Path, seed: int = 0, names: tuple[str, ...] = ("qwen3_tiny", 
 
     tok = build_tokenizer()
     special = special_ids(tok)
-    built = {}
     for name in names:
         values = {**TINY_SHAPE, **special, **TINY_MODELS[name]}
         cfg_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if "num_experts" in values else (
@@ -62,8 +61,7 @@ def build(out_dir: Path, seed: int = 0, names: tuple[str, ...] = ("qwen3_tiny", 
         config = cfg_cls(**values, **({"torch_dtype": "bfloat16"} if large else {}))
         save_random_init(out_dir / name, seed, model_cls, config, special, large)
         tok.save_pretrained(out_dir / name)
-        built[name] = out_dir / name
-    return built
+    return {name: out_dir / name for name in names}
 
 
 TINY_SCHEME = "tiny://"
@@ -94,8 +92,7 @@ def _build_in_subprocess(staging: Path, name: str) -> None:
     """A GPU-shape model, built on the GPU in a process of its own: a run's driver never holds GPU memory."""
     code = f"from molt_hydra.models.tiny import build; build(__import__('pathlib').Path({str(staging)!r}), " \
            f"names=({name!r},))"
-    built = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if built.returncode != 0:
+    if (built := subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)).returncode != 0:
         raise RuntimeError(f"building tiny://{name} failed: {built.stderr[-2000:]}")
 
 

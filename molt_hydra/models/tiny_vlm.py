@@ -69,10 +69,8 @@ IDEFICS3_SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<e
 IDEFICS3_IMAGE_SIZE = 56
 TINY_IDEFICS3_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                             image_size=IDEFICS3_IMAGE_SIZE, patch_size=14)
-TINY_IDEFICS3_TEXT = dict(
-    model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-)
+# the Qwen2.5-VL decoder's shape as a Llama (1-D RoPE)
+TINY_IDEFICS3_TEXT = dict(model_type="llama", **{k: v for k, v in TINY_VLM_TEXT.items() if k != "rope_parameters"})
 
 
 SHAPES = {"idefics3": (TINY_IDEFICS3_TEXT, TINY_IDEFICS3_VISION), "qwen2_5_vl": (TINY_VLM_TEXT, TINY_VLM_VISION),

@@ -34,14 +34,10 @@ ROW_BATCHED_KEYS = ("mm_token_type_ids", "pixel_attention_mask")
 
 def image_parts(messages: list[dict]) -> list[dict]:
     """`<image>` markers in user strings → `{"type": "image"}` parts, in order."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if m.get("role") == "user" and isinstance(content, str) and "<image>" in content:
-            m = dict(m, content=[{"type": "image"} if chunk == "<image>" else {"type": "text", "text": chunk}
-                                 for chunk in re.split("(<image>)", content) if chunk])
-        out.append(m)
-    return out
+    return [dict(m, content=[{"type": "image"} if chunk == "<image>" else {"type": "text", "text": chunk}
+                             for chunk in re.split("(<image>)", m["content"]) if chunk])
+            if m.get("role") == "user" and isinstance(m.get("content"), str) and "<image>" in m["content"] else m
+            for m in messages]
 
 
 def is_vlm(config) -> bool:
@@ -55,8 +51,7 @@ def is_idefics3(config) -> bool:
 def multimodal_kwargs(samples: list[dict]) -> dict[str, torch.Tensor]:
     """The forward's multimodal inputs of a micro-batch; {} for text samples. One VLM sample per micro-batch:
     the model derives M-RoPE positions per row, and a packed row would continue positions across samples."""
-    with_images = [s for s in samples if s.get("pixel_values") is not None]
-    if not with_images:
+    if not (with_images := [s for s in samples if s.get("pixel_values") is not None]):
         return {}
     if len(samples) != 1:
         raise ValueError(f"a VLM micro-batch holds one sample, got {len(samples)}")
@@ -148,24 +143,20 @@ class TrajectoryImages:
         ids, lps, vers, new_index = [], [], [], []
         for t, lp, v in zip(token_ids, logprobs, versions):
             new_index.append(len(ids))
-            if t != self.placeholder_id:
-                ids.append(t)
-                lps.append(lp)
-                vers.append(v)
-                continue
-            span = next(replacements, None)
-            if span is None:
-                raise ValueError(f"more image placeholders in the trajectory than its {len(images)} images")
-            if v != NOT_GENERATED:
-                raise ValueError("the policy generated an image placeholder token")
+            span = [t]
+            if t == self.placeholder_id:  # the image's span: context tokens, log-prob 0, version NOT_GENERATED (= v)
+                span, lp = next(replacements, None), 0.0
+                if span is None:
+                    raise ValueError(f"more image placeholders in the trajectory than its {len(images)} images")
+                if v != NOT_GENERATED:
+                    raise ValueError("the policy generated an image placeholder token")
             ids.extend(span)
-            lps.extend([0.0] * len(span))
-            vers.extend([NOT_GENERATED] * len(span))
+            lps.extend([lp] * len(span))
+            vers.extend([v] * len(span))
         if next(replacements, None) is not None:
             raise ValueError(f"fewer image placeholders in the trajectory than its {len(images)} images")
         new_index.append(len(ids))
-        ranges = [(new_index[s], new_index[e]) for s, e in action_ranges]
-        return ids, lps, vers, ranges, self.finish(ids, mm)
+        return ids, lps, vers, [(new_index[s], new_index[e]) for s, e in action_ranges], self.finish(ids, mm)
 
 
 class Idefics3Images(TrajectoryImages):
@@ -173,15 +164,14 @@ class Idefics3Images(TrajectoryImages):
     vLLM's idefics3 prompt update does), and its pixels + pixel mask."""
 
     def __init__(self, processor):
-        self.processor = processor
-        self.placeholder_id = processor.image_token_id
+        self.processor, self.placeholder_id = processor, processor.image_token_id
 
     @property
     def max_tokens_per_image(self) -> int:
         ip = self.processor.image_processor
-        tiles = 1
-        if ip.do_image_splitting:  # tiles of max_image_size over the longest edge, plus the global image
-            tiles = (-(-ip.size["longest_edge"] // ip.max_image_size["longest_edge"])) ** 2 + 1
+        # with splitting: tiles of max_image_size over the longest edge, plus the global image
+        edge_tiles = -(-ip.size["longest_edge"] // ip.max_image_size["longest_edge"])
+        tiles = edge_tiles**2 + 1 if ip.do_image_splitting else 1
         return tiles * (self.processor.image_seq_len + 3) + 2  # + fake/row-col tags per tile, newlines
 
     def process(self, images: list):

@@ -40,19 +40,17 @@ def partition_balanced(lengths: list[int], k: int) -> list[list[int]]:
 
 
 def pack(samples: list[dict], keys: tuple[str, ...] | None = None) -> dict:
-    """Concatenate token-aligned tensors of each sample into [1, T, ...]; add position_ids and seq_index."""
+    """Concatenate token-aligned tensors of each sample into [1, T, ...]; add position_ids."""
     # token-aligned tensors: [T] or [T, ...] (e.g. R3's routed experts [T, layers, top_k])
     keys = keys or tuple(k for k, v in samples[0].items() if torch.is_tensor(v) and v.dim() >= 1)
     out = {k: torch.cat([s[k] for s in samples])[None] for k in keys}
     out["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None]
-    out["seq_index"] = torch.cat([torch.full((len(s["input_ids"]),), i) for i, s in enumerate(samples)])[None]
     return out
 
 
 def unpack(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """[1, T] packed row -> [S, max(lengths)] right-padded with 0 (the inverse of `pack` for one key)."""
-    rows = torch.split(x[0], lengths)
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    return torch.nn.utils.rnn.pad_sequence(torch.split(x[0], lengths), batch_first=True)
 
 
 def partition_padded(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -86,24 +84,21 @@ def prompt_groups(samples: list[dict], mask_key: str) -> list[list[int]]:
     share it), in order of first appearance."""
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samples):
-        m = s[mask_key].bool()
-        first = int(m.int().argmax()) if m.any() else len(m)
-        groups.setdefault(tuple(s["input_ids"][:first].tolist()), []).append(i)
+        groups.setdefault(tuple(s["input_ids"][:_prompt_len(s, mask_key)].tolist()), []).append(i)
     return list(groups.values())
 
 
 def shared_prompt_tokens(samples: list[dict], mask_key: str) -> list[int]:
     """Per prompt group (`prompt_groups` order): the tokens of its shared-prompt row, prompt once + every response."""
-    out = []
-    for g in prompt_groups(samples, mask_key):
-        p = len(samples[g[0]]["input_ids"]) - _response_len(samples[g[0]], mask_key)
-        out.append(p + sum(_response_len(samples[i], mask_key) for i in g))
-    return out
+    # the group's samples share their first p tokens: every sample's tokens, less p for all samples but one
+    return [sum(len(samples[i]["input_ids"]) for i in g) - (len(g) - 1) * _prompt_len(samples[g[0]], mask_key)
+            for g in prompt_groups(samples, mask_key)]
 
 
-def _response_len(s: dict, mask_key: str) -> int:
+def _prompt_len(s: dict, mask_key: str) -> int:
+    """The tokens before the first `mask_key` token (all of them when none is set)."""
     m = s[mask_key].bool()
-    return len(m) - int(m.int().argmax()) if m.any() else 0
+    return int(m.int().argmax()) if m.any() else len(m)
 
 
 def shared_prompt_rows(samples: list[dict], mask_key: str) -> dict:
@@ -122,7 +117,7 @@ def shared_prompt_rows(samples: list[dict], mask_key: str) -> dict:
     sources = torch.zeros(len(samples), max(len(s["input_ids"]) for s in samples), dtype=torch.long)
     for r, g in enumerate(groups):
         ids = samples[g[0]]["input_ids"]
-        p = len(ids) - _response_len(samples[g[0]], mask_key)
+        p = _prompt_len(samples[g[0]], mask_key)
         parts, pos, seg, end = [ids[:p]], [torch.arange(p)], [torch.zeros(p, dtype=torch.long)], p
         for j, i in enumerate(g):
             x = samples[i]["input_ids"]

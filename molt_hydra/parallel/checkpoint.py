@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from molt_hydra.models import lora
 from molt_hydra.parallel import retention
 
 TAG = re.compile(r"^step_(\d+)$")
@@ -35,21 +36,6 @@ def _rank() -> int:
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def is_loadable(path: Path) -> bool:
@@ -84,8 +70,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
                     client_state: dict | None = None, keep: int = 3, max_disk_gb: float | None = None) -> Path:
     """Collective: every rank calls it. Returns the final directory. Retention: parallel/retention.py; every rank
     raises the same error when the newest checkpoint alone is over `max_disk_gb`."""
-    root = Path(root)
-    tag = f"step_{step}"
+    root, tag = Path(root), f"step_{step}"
     tmp, final = root / f".tmp-{tag}", root / tag
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -97,7 +82,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
         rank, (cause, _) = next(iter(e.failures.items()))
         raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
-    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
+    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored on load
     _barrier()
     if _rank() == 0:
         _write_extra(tmp, {"client_state": client_state or {}, "step": step,
@@ -108,8 +95,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
         os.replace(latest_tmp, root / "latest")
         retention.prune([p for _, p in _tags(root)], keep, max_disk_gb)
     _barrier()
-    error = retention.over_budget(final, max_disk_gb)
-    if error is not None:
+    if (error := retention.over_budget(final, max_disk_gb)) is not None:
         raise RuntimeError(error)
     return final
 
@@ -128,8 +114,7 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
                     model_only: bool = False) -> dict | None:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client state, or None when
     there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state."""
-    path = resolve_checkpoint(root)
-    if path is None:
+    if (path := resolve_checkpoint(root)) is None:
         return None
     optimizer = None if model_only else optimizer
     state = _dcp_state(model, optimizer)
@@ -143,12 +128,17 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
         scheduler.load_state_dict(extra["scheduler"])
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved
-        _set_rng_state(torch.load(rng, weights_only=False))
+        state = torch.load(rng, weights_only=False)
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
     return extra["client_state"]
 
 
 def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None = None,
-              dtype: torch.dtype = torch.bfloat16, max_shard_size: str = "5GB", to_hf=None, adapter: dict | None = None,
+              dtype: torch.dtype = torch.bfloat16, to_hf=None, adapter: dict | None = None,
               merged: bool = False) -> Path | None:
     """Collective. Rank 0 writes safetensors + config (+ tokenizer) to out_dir via a temp dir; returns out_dir there.
     to_hf: (name, tensor) -> [(hf_name, tensor), ...] for models whose own names are not the checkpoint's.
@@ -158,35 +148,26 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
     if to_hf is not None and adapter is None:
         sd = dict(pair for name, t in sd.items() for pair in to_hf(name, t))
     out = Path(out_dir)
-    if _rank() == 0 and adapter is not None:
-        _write_adapter(out, sd, model.config, adapter, tokenizer_path, dtype, merged)
+    if _rank() == 0 and adapter is not None:  # through a temp dir beside `out`, the merged model under merged/
+        tmp = out.with_name(f".tmp-{out.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tensors = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
+        lora.save_adapter(tmp, tensors, adapter, tokenizer_path)
+        _save_tokenizer(tokenizer_path, tmp)
+        if merged:
+            config = copy.deepcopy(model.config)
+            if "lm_head" in adapter["target_modules"]:  # the adapted head is no longer the embedding
+                config.tie_word_embeddings = False
+            _write_hf(tmp / "merged", lora.merged_state(sd, adapter["alpha"] / adapter["rank"]), config, dtype,
+                      tokenizer_path)
+        _replace_dir(tmp, out)
     elif _rank() == 0:
-        _write_hf(out, sd, model.config, dtype, tokenizer_path, max_shard_size)
+        _write_hf(out, sd, model.config, dtype, tokenizer_path)
     _barrier()
     return out if _rank() == 0 else None
 
 
-def _write_adapter(out: Path, sd: dict, model_config, spec: dict, tokenizer_path: str | None, dtype: torch.dtype,
-                   merged: bool) -> None:
-    """A PEFT adapter directory at `out` (through a temp dir beside it), with the merged model under merged/."""
-    from molt_hydra.models import lora
-
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    adapter = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
-    lora.save_adapter(tmp, adapter, spec, tokenizer_path)
-    _save_tokenizer(tokenizer_path, tmp)
-    if merged:
-        config = copy.deepcopy(model_config)
-        if "lm_head" in spec["target_modules"]:  # the adapted head is no longer the embedding
-            config.tie_word_embeddings = False
-        _write_hf(tmp / "merged", lora.merged_state(sd, spec["alpha"] / spec["rank"]), config, dtype, tokenizer_path,
-                  "5GB")
-    _replace_dir(tmp, out)
-
-
-def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_path: str | None,
-              max_shard_size: str) -> None:
+def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_path: str | None) -> None:
     """An HF model directory at `out` (through a temp dir beside it): safetensors in `dtype`, config, tokenizer."""
     from huggingface_hub import save_torch_state_dict
 
@@ -196,7 +177,7 @@ def _write_hf(out: Path, sd: dict, model_config, dtype: torch.dtype, tokenizer_p
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in sd.items()}, tmp, max_shard_size=max_shard_size)
+    save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in sd.items()}, tmp, max_shard_size="5GB")
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(tmp)

@@ -44,12 +44,9 @@ def to_compute_dtype(model: nn.Module, dtype: torch.dtype, keep: tuple = ()) -> 
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
-            if id(p) not in new:
-                if id(p) in kept or p.dtype != torch.float32:
-                    new[id(p)] = p
-                    masters[p] = p.detach()
-                else:
-                    q = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-                    new[id(p)], masters[q] = q, p.detach()
+            if id(p) not in new:  # the param itself (kept, or not fp32) or its `dtype` copy; the original: its master
+                as_is = id(p) in kept or p.dtype != torch.float32
+                new[id(p)] = p if as_is else nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                masters[new[id(p)]] = p.detach()
             setattr(module, name, new[id(p)])
     return masters

@@ -129,9 +129,7 @@ class TrainerGroup:
         where = ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"]
         placed = [(b, ips[where[b]]) for b in range(self.num_ranks)]
         if self._own_placement:
-            first = {}
-            for b, ip in placed:
-                first.setdefault(ip, b)
+            first = {ip: b for b, ip in reversed(placed)}  # each node's lowest bundle
             placed.sort(key=lambda bi: (first[bi[1]], bi[0]))
         return placed
 

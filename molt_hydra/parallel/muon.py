@@ -28,18 +28,15 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 def _whole(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (laid out like `param`'s shard) gathered into the whole matrix on every rank."""
-    if not hasattr(param, "device_mesh"):
-        return local
     return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                              stride=param.stride()).full_tensor()
+                              stride=param.stride()).full_tensor() if hasattr(param, "device_mesh") else local
 
 
 def _own_shard(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a whole matrix, as `param` is sharded (Replicate -> its placements is local slicing)."""
-    if not hasattr(param, "device_mesh"):
-        return whole
-    mesh = param.device_mesh
-    return DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, param.placements).to_local()
+    mesh = getattr(param, "device_mesh", None)
+    return whole if mesh is None else \
+        DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, param.placements).to_local()
 
 
 def orthogonalised(matrix: torch.Tensor) -> torch.Tensor:
@@ -61,11 +58,9 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, dict(betas=tuple(betas), eps=eps, momentum=momentum, nesterov=nesterov, muon=False))
         for group in self.param_groups:
             for p in group["params"]:
-                if group["muon"]:
-                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
-                else:
-                    self.state[p] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
-                                     "exp_avg_sq": torch.zeros_like(p)}
+                self.state[p] = {"momentum_buffer": torch.zeros_like(p)} if group["muon"] else {
+                    "step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p)}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -88,8 +83,7 @@ class MuonAdamW(torch.optim.Optimizer):
         mu = group["momentum"]
         buf, grad = local_part(self.state[p]["momentum_buffer"]), local_part(p.grad)
         buf.lerp_(grad, 1 - mu)  # torch Muon's momentum, elementwise on the shard
-        blend = grad.lerp(buf, mu) if group["nesterov"] else buf
-        whole = _whole(p, blend)
+        whole = _whole(p, grad.lerp(buf, mu) if group["nesterov"] else buf)  # the (Nesterov-blended) momentum
         # grouped experts [E, d_out, d_in]: each expert's matrix is orthogonalised on its own
         update = torch.stack([orthogonalised(m) for m in whole]) if whole.dim() == 3 else orthogonalised(whole)
         local = local_part(p)

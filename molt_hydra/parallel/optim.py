@@ -37,9 +37,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     def __init__(self, params, masters: dict, on_host: bool = False, **kw):
         super().__init__(params, fused=True, **kw)  # the fused kernel takes grad_scale (CUDA and CPU)
-        self._grad_scale = None
-        self.on_host = on_host
-        self.accumulate_fp32 = False
+        self._grad_scale, self.on_host, self.accumulate_fp32 = None, on_host, False
         self.main_grads: dict = {}  # param -> fp32 grad sum of this step's micro-batches (accumulate_fp32 only)
         for group in self.param_groups:
             for p in group["params"]:
@@ -53,8 +51,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def _accumulate(self, p):
         if not self.accumulate_fp32:
             return
-        main = self.main_grads.get(p)
-        if main is None:
+        if (main := self.main_grads.get(p)) is None:
             self.main_grads[p] = p.grad.float()  # DTensor stays DTensor (clip_grad_norm_ reduces its norm)
         else:
             local_part(main).add_(local_part(p.grad))  # bf16 promoted to fp32 inside the add

@@ -14,10 +14,9 @@ def flops_per_token(config, seq_len: int) -> float:
     n_q, n_kv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // n_q
     attn = h * d * (2 * n_q + 2 * n_kv)  # q, o and k, v projections
-    if getattr(config, "num_experts", 0):
-        mlp = 3 * h * config.moe_intermediate_size * config.num_experts_per_tok + h * config.num_experts  # + router
-    else:
-        mlp = 3 * h * config.intermediate_size
+    # MoE: the top-k experts' MLPs + the router
+    mlp = (3 * h * config.moe_intermediate_size * config.num_experts_per_tok + h * config.num_experts
+           if getattr(config, "num_experts", 0) else 3 * h * config.intermediate_size)
     return 6.0 * (L * (attn + mlp) + h * v) + 6.0 * L * seq_len * n_q * d
 
 

@@ -28,10 +28,7 @@ def prune(tags: list[Path], keep: int, max_disk_gb: float | None) -> None:
 
 def over_budget(newest: Path, max_disk_gb: float | None) -> str | None:
     """The error when the newest checkpoint alone does not fit the budget, else None."""
-    if max_disk_gb is None:
-        return None
-    size = dir_bytes(newest)
-    if size <= max_disk_gb * 1e9:
+    if max_disk_gb is None or (size := dir_bytes(newest)) <= max_disk_gb * 1e9:
         return None
     return (f"checkpoint.max_disk_gb={max_disk_gb}: the newest checkpoint {newest} alone takes {size / 1e9:.3g} GB, "
             f"over the budget (it is kept; every older one was pruned). Fix: raise checkpoint.max_disk_gb above "

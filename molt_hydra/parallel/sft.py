@@ -54,10 +54,9 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     total = math.ceil(kw["max_epochs"] * steps_per_epoch)
     worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,
                                        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), **kw["worker"]))
-    start = 0
-    if kw["resume"] and kw["ckpt_path"]:
-        client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"])
-        start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
+    resume = kw["resume"] and kw["ckpt_path"]
+    client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"]) if resume else None
+    start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
     out = Path(kw["output_dir"])
     log = out / "sft_metrics.jsonl"
     if rank == 0:
@@ -66,8 +65,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     for step in range(start, total):
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(kw["seed"] + epoch)).tolist()
-        batch = [train[j] for j in order[i * bs:(i + 1) * bs]]
-        m = worker.train_step(batch[rank::world], SFTObjective())
+        m = worker.train_step([train[j] for j in order[i * bs:(i + 1) * bs][rank::world]], SFTObjective())
         rec = {"global_step": step + 1, "epoch": epoch, "sft_loss": m["sft_loss"], "lr": m["actor_lr"],
                "grad_norm": m["actor_grad_norm"], "tokens_per_sec": m["perf/train_tokens_per_sec"],
                **{k: v for k, v in m.items() if k.startswith("actor_grad_norm/")}}  # logger.debug_grad_norms
@@ -108,11 +106,10 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
     load_model_only: `resume` loads the checkpoint's weights only and starts at step 0 with a fresh optimizer."""
     kw = {k: v for k, v in locals().items() if k != "trainer"}  # every argument above, as the ranks read them
     kw["worker"] = {**SFT_DEFAULTS, "seed": seed, **trainer}
-    timeout_s = kw["worker"].get("timeout_s", 600.0)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         return _sft_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), kw)
     from molt_hydra.parallel.launch import run_ranks
     log = Path(output_dir) / "sft_metrics.jsonl"
     start = len(log.read_text().splitlines()) if log.exists() else 0
-    run_ranks(_sft_rank, num_ranks, kw, timeout_s=max(timeout_s, 3600))
+    run_ranks(_sft_rank, num_ranks, kw, timeout_s=max(kw["worker"].get("timeout_s", 600.0), 3600))
     return [json.loads(x) for x in log.read_text().splitlines()[start:]]

@@ -15,6 +15,7 @@ dp_size to cancel FSDP2's gradient mean over DP. Metrics are token-weighted over
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -43,6 +44,9 @@ from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
 from molt_hydra.parallel.trainer_spec import TrainerSpec
 from molt_hydra.weight_sync.buckets import iter_weight_buckets, local_full_weights
+
+log = logging.getLogger(__name__)
+
 
 class FusedLogprobHead:
     """Replaces the lm_head's forward: from the final hidden states straight to the log-probs (and entropy) of the
@@ -76,31 +80,23 @@ class TrainerWorker:
         self.dp_size = spec.dp_size or spec.world_size
         # the critic (value head on a backbone) is always built with HF transformers
         self.backend = resolve_backend(spec.backend) if spec.role != "critic" else "hf"
-        # packed [1, T] streams need a varlen kernel (validated); otherwise right-padded [B, L] rows, mask-free
-        self.packing = spec.packing
         torch.manual_seed(spec.seed)  # same init (e.g. value head) on every rank
         self.model_path = resolve_path(spec.model_path)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
         self.lora = spec.lora if spec.role == "actor" else None
-        if self.backend == "automodel":
-            self._build_automodel(spec)
-        else:
-            self._build_hf(spec)
+        (self._build_automodel if self.backend == "automodel" else self._build_hf)(spec)
         if self.idle_cpu_threads != self.cpu_threads:
             self._follow_hints_per_block()
         self.head = self._fused_head(spec)
         # a prompt group's prompt computed once per micro-batch row (parallel/batching.py `shared_prompt_rows`); the
         # critic's values are read on every token, so it keeps plain rows
         self.share_prompts = spec.share_prompts and spec.role != "critic"
-        if self.share_prompts and (self.head is None or self.packing or self.moe
+        if self.share_prompts and (self.head is None or self.spec.packing or self.moe
                                    or self.model.config._attn_implementation != "sdpa"):
             raise ValueError("parallelism.share_prompts needs the fused log-prob head (HF text model), sdpa attention, "
                              "no packing and a dense model; set parallelism.share_prompts=false")
         self._routing_stats = None
         self.temperature, self.chunk = spec.temperature, spec.logprob_chunk_size or LOGPROB_CHUNK_TOKENS
-        self.max_tokens, self.max_norm = spec.max_tokens_per_micro_batch, spec.max_norm
-        self.aux_loss_coef, self.peak_tflops = spec.aux_loss_coef, spec.peak_tflops
-        self.debug_grad_norms = spec.debug_grad_norms  # logger.debug_grad_norms: (name patterns, top k)
         self._build_optimizer(spec)
         self.global_step = 0
         # every FSDP2 unit, whoever wrapped the model (HF path or AutoModel); none on one unsharded rank
@@ -115,9 +111,8 @@ class TrainerWorker:
         (told through `engines_busy`; until then they count as busy). Set before every forward, in the calling
         thread: OpenMP's thread count is per thread, and a Ray actor with a control thread runs calls elsewhere."""
         self.cpu_threads = spec.cpu_threads if self.device.type == "cpu" else None
-        self.idle_cpu_threads = self.cpu_threads
-        if self.cpu_threads and spec.node_ranks:
-            self.idle_cpu_threads = max(self.cpu_threads, len(os.sched_getaffinity(0)) // spec.node_ranks)
+        self.idle_cpu_threads = max(self.cpu_threads, len(os.sched_getaffinity(0)) // spec.node_ranks) \
+            if self.cpu_threads and spec.node_ranks else self.cpu_threads
         self._engines_busy = (0, True)  # (hint number, busy): the latest hint wins, whatever order they arrive in
         self._threads_used: list[int] = []  # at each point the threads were set during the current call
         self._use_cpu_threads()
@@ -143,8 +138,7 @@ class TrainerWorker:
         if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
             # target_modules None: the family's default; the config refuses a family without one when it can read
             # the model's config.json, a hub id it cannot read is refused here
-            targets = lora.resolve_targets(model.config.model_type, self.lora["target_modules"])
-            if targets is None:
+            if (targets := lora.resolve_targets(model.config.model_type, self.lora["target_modules"])) is None:
                 raise ValueError(f"model.lora.target_modules: model family {model.config.model_type!r} has no "
                                  "default targets; set them (e.g. [q_proj,v_proj])")
             self.lora = {**self.lora, "target_modules": targets}
@@ -186,10 +180,17 @@ class TrainerWorker:
     def _fused_head(self, spec: TrainerSpec) -> FusedLogprobHead | None:
         """The causal LM hands out its final hidden states and the log-probs are taken through the lm_head chunk by
         chunk, never materialising [tokens x vocab] logits (HF text models; models/logprobs.py)."""
-        if not spec.fused_head or self.backend != "hf" or spec.role == "critic" or vlm.is_vlm(self.model.config):
+        if not spec.fused_head or spec.role == "critic":  # the critic's value head has no vocabulary
             return None
-        head = self.model.get_output_embeddings()
-        return FusedLogprobHead(head) if isinstance(head, torch.nn.Linear) and head.bias is None else None
+        head = self.model.get_output_embeddings() if self.backend == "hf" else None
+        why = ("model.backend=automodel" if self.backend != "hf"
+               else "a vision-language model" if vlm.is_vlm(self.model.config)
+               else None if isinstance(head, torch.nn.Linear) and head.bias is None
+               else f"the lm_head is a {type(head).__name__} (LoRA-adapted or with a bias), not a plain Linear")
+        if why is None:
+            return FusedLogprobHead(head)
+        log.warning("fused log-prob head off (%s): log-probs go through the full [tokens x vocab] logits", why)
+        return None
 
     def _build_optimizer(self, spec: TrainerSpec) -> None:
         self.optimizer = self.scheduler = None
@@ -215,15 +216,14 @@ class TrainerWorker:
         if hint > self._engines_busy[0]:
             self._engines_busy = (hint, busy)
 
-    def _use_cpu_threads(self) -> int:
-        """Sets this thread's torch threads from the latest engines hint; returns them."""
+    def _use_cpu_threads(self) -> None:
+        """Sets this thread's torch threads from the latest engines hint."""
         if not self.cpu_threads:
-            return torch.get_num_threads()
+            return
         want = self.cpu_threads if self._engines_busy[1] else self.idle_cpu_threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
         self._threads_used.append(want)
-        return want
 
     def _follow_hints_per_block(self):
         """A hint takes effect at the next decoder block, forward or backward, not only at the next micro-batch
@@ -257,7 +257,7 @@ class TrainerWorker:
         if self.head is not None:  # the lm_head returns [B, T, 1 or 2]: log p (and entropy)
             self.head.call = (ids, self.temperature, self.chunk, need_entropy,
                               None if needed is None else needed.bool(), None if shared is None else shared["sources"])
-        balancing = self.moe and self.aux_loss_coef > 0
+        balancing = self.moe and self.spec.aux_loss_coef > 0
         with moe_routing.load_balancing(self.model) if balancing else contextlib.nullcontext() as balance:
             inputs = dict(input_ids=ids, position_ids=None if mm else pos) if shared is None else {
                 k: shared[k] for k in ("input_ids", "position_ids", "attention_mask")}
@@ -266,9 +266,8 @@ class TrainerWorker:
         if self.head is not None:
             out = res.logits.masked_fill(first[..., None], 0.0)
             return out[..., 0], (out[..., 1] if need_entropy else None), aux
-        logits = res.logits
-        if hasattr(logits, "full_tensor"):  # tensor parallel: vocab-sharded DTensor logits
-            logits = logits.full_tensor()
+        # tensor parallel: vocab-sharded DTensor logits
+        logits = res.logits.full_tensor() if hasattr(res.logits, "full_tensor") else res.logits
         lp = logprobs_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0)
         ent = (entropy_from_logits(logits, ids, self.temperature, self.chunk).masked_fill(first, 0.0) if need_entropy
                else None)
@@ -286,20 +285,19 @@ class TrainerWorker:
         return contextlib.nullcontext()
 
     def _micro_batches(self, samples: list[dict], mask_key: str | None = None) -> list[list[int]]:
-        lengths = [len(s["input_ids"]) for s in samples]
+        lengths, budget = [len(s["input_ids"]) for s in samples], self.spec.max_tokens_per_micro_batch
         if any(s.get("pixel_values") is not None for s in samples):  # VLM: one sample per micro-batch (vlm.py)
             bins = [[i] for i in range(len(samples))]
         elif self.share_prompts and mask_key:  # a prompt group stays in one micro-batch, as one row
             groups = prompt_groups(samples, mask_key)
             bins = [sorted(i for g in b for i in groups[g])
-                    for b in partition_padded(shared_prompt_tokens(samples, mask_key), self.max_tokens)]
+                    for b in partition_padded(shared_prompt_tokens(samples, mask_key), budget)]
         else:
-            bins = None if self.packing else partition_padded(lengths, self.max_tokens)
-        k = torch.tensor(count_micro_batches(lengths, self.max_tokens) if bins is None else len(bins))
+            bins = None if self.spec.packing else partition_padded(lengths, budget)
+        k = torch.tensor(count_micro_batches(lengths, budget) if bins is None else len(bins))
         dist.all_reduce(k, op=dist.ReduceOp.MAX)  # every rank runs the same number of FSDP forwards
-        if bins is None:
-            return partition_balanced(lengths, int(k))
-        return bins + [[] for _ in range(int(k) - len(bins))]  # empty bins run a dummy forward
+        # packed: balanced over k bins; rows: empty bins added, which run a dummy forward
+        return partition_balanced(lengths, int(k)) if bins is None else bins + [[] for _ in range(int(k) - len(bins))]
 
     def _batch(self, rows: list[dict], mask_key: str | None = None) -> dict:
         """One micro-batch on the device: a packed [1, T] stream or right-padded [B, L] rows (see batching.py), plus
@@ -307,7 +305,7 @@ class TrainerWorker:
         tells prompts from responses), the model's rows under "shared", the samples' own rows as they are."""
         mm = vlm.multimodal_kwargs(rows)
         rows = [{k: v for k, v in r.items() if k not in vlm.MULTIMODAL_KEYS} for r in rows]
-        if self.packing:
+        if self.spec.packing:  # needs a varlen attention kernel (validated); rows need no mask (causal attention)
             return self._to_device(pack(rows) | mm)
         mb = pad_rows(rows)
         lengths = torch.tensor([len(r["input_ids"]) for r in rows])
@@ -350,11 +348,10 @@ class TrainerWorker:
             if not part:
                 continue
             lens = [len(samples[i]["input_ids"]) for i in part]
-            if self.packing:  # one packed row -> a right-padded row per sample
-                val, ent = unpack(val, lens), (unpack(ent, lens) if with_entropy else None)
-            val, ent = val.float().cpu(), (ent.float().cpu() if with_entropy else None)
+            # values (and entropy) as right-padded rows, one per sample (a packed row is split)
+            rows = [(unpack(x, lens) if self.spec.packing else x).float().cpu() for x in (val, ent) if x is not None]
             for j, (i, n) in enumerate(zip(part, lens)):
-                out[i] = (val[j, :n], ent[j, :n]) if with_entropy else val[j, :n]
+                out[i] = tuple(r[j, :n] for r in rows) if with_entropy else rows[0][j, :n]
         # One rank keeps its gathered (compute-dtype) params after forward, for the backward; a forward-only pass has
         # no backward to free them, so they would stay allocated: colocated, 6.8 GiB of a 4B model under the engine's
         # KV cache (an OOM on the H200).
@@ -363,20 +360,6 @@ class TrainerWorker:
         return NumpyPickled(out)
 
     # ---------------------------------------------------------------- training
-    def _micro_loss(self, mb, rows, loss_fn, n_tok, n_seq, n_parts):
-        # every objective reads log-probs and entropy on its mask only (parallel/objectives.py)
-        out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef), mb[loss_fn.mask_key])
-        if self.packing:
-            # losses see one right-padded row per sample, so per-sequence aggregation modes stay exact
-            lengths = [len(r["input_ids"]) for r in rows]
-            mb = {k: unpack(v, lengths) for k, v in mb.items() if v.dim() == 2}
-            out, ent = unpack(out, lengths), None if ent is None else unpack(ent, lengths)
-        loss, mets = loss_fn(out, mb, ent, num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
-        if aux is not None and self.aux_loss_coef > 0:
-            loss = loss + self.aux_loss_coef * aux / n_parts
-        mets = dict(mets, _mask_tokens=mb[loss_fn.mask_key].sum().float(), _logprobs=out.detach())
-        return loss, mets
-
     def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1,
                    return_logprobs: bool = False) -> dict:
         """Forward/backward over this rank's samples in `num_optimizer_steps` windows; one optimizer step per window.
@@ -386,7 +369,11 @@ class TrainerWorker:
         the mask; MoE routing statistics are counted in this forward), so one forward serves as the old-logprob pass
         and the loss's."""
         loss_fn = loss_fn or SFTObjective()
-        self._check_step(samples, num_optimizer_steps, return_logprobs)
+        if len(samples) < num_optimizer_steps:
+            raise ValueError(f"{len(samples)} samples on rank {self.rank} < num_optimizer_steps={num_optimizer_steps}")
+        if return_logprobs and num_optimizer_steps != 1:
+            raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps}): later windows' "
+                             "forwards run after the first step changed the parameters")
         logprobs = [None] * len(samples) if return_logprobs else None
         if return_logprobs and self.moe and self.role == "actor":
             self._routing_stats = moe_routing.routing_stats(self.model.config)
@@ -396,9 +383,11 @@ class TrainerWorker:
         for window in np.array_split(np.arange(len(samples)), num_optimizer_steps):
             n_tok = self._backward_window([samples[i] for i in window], window, loss_fn, sums, logprobs)
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
-            if self.debug_grad_norms:  # before clipping; the last window's are reported
-                debug = grad_norm_metrics(((n, self._grad(p)) for n, p in self.model.named_parameters()),
-                                          *self.debug_grad_norms, "critic" if self.role == "critic" else "actor")
+            if self.spec.debug_grad_norms:  # before clipping; the last window's are reported
+                grads = ((n, self.optimizer.grad(p) if self.master_weights else p.grad)
+                         for n, p in self.model.named_parameters())
+                debug = grad_norm_metrics(grads, *self.spec.debug_grad_norms,
+                                          "critic" if self.role == "critic" else "actor")
             grad_norms.append(self._clip_grads())
             self.optimizer.step()
             self.scheduler.step()
@@ -407,15 +396,8 @@ class TrainerWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0, self._threads_used)
-        metrics.update(debug if self.debug_grad_norms else {})
+        metrics.update(debug if self.spec.debug_grad_norms else {})
         return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
-
-    def _check_step(self, samples: list[dict], num_optimizer_steps: int, return_logprobs: bool):
-        if len(samples) < num_optimizer_steps:
-            raise ValueError(f"{len(samples)} samples on rank {self.rank} < num_optimizer_steps={num_optimizer_steps}")
-        if return_logprobs and num_optimizer_steps != 1:
-            raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps}): later windows' "
-                             "forwards run after the first step changed the parameters")
 
     def _backward_window(self, win: list[dict], window, loss_fn, sums: dict, logprobs: list | None) -> torch.Tensor:
         """Forward and backward over the micro-batches of one optimizer step's samples `win` (indices `window` of the
@@ -441,14 +423,21 @@ class TrainerWorker:
             # backward inside: checkpoint recompute replays the same experts (and counts them again, which leaves
             # the routing ratios as they are)
             with self._replay(mb, self._routing_stats if logprobs is not None and part else None):
-                loss, mets = self._micro_loss(mb, rows, loss_fn, n_tok, n_seq, len(parts))
+                # every objective reads log-probs and entropy on its mask only (parallel/objectives.py)
+                out, ent, aux = self._forward(mb, bool(loss_fn.entropy_coef), mb[mask_key])
+                if self.spec.packing:  # losses see one right-padded row per sample (exact per-sequence aggregation)
+                    lengths = [len(r["input_ids"]) for r in rows]
+                    mb = {k: unpack(v, lengths) for k, v in mb.items() if v.dim() == 2}
+                    out, ent = unpack(out, lengths), None if ent is None else unpack(ent, lengths)
+                loss, mets = loss_fn(out, mb, ent, num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
+                if aux is not None and self.spec.aux_loss_coef > 0:
+                    loss = loss + self.spec.aux_loss_coef * aux / len(parts)
                 loss.backward()
-            out = mets.pop("_logprobs")
             for r, i in enumerate(part if logprobs is not None else ()):
-                logprobs[window[i]] = out[r, :len(win[i]["input_ids"])].float().cpu()
+                logprobs[window[i]] = out[r, :len(win[i]["input_ids"])].detach().float().cpu()
             # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch); the
             # replicas of one DP group each count 1 / replicas of them
-            w = mets.pop("_mask_tokens") / replicas
+            w = mb[mask_key].sum().float() / replicas
             for k, v in mets.items():
                 sums[k] = sums.get(k, 0.0) + v.detach().float() * w
         return n_tok
@@ -458,16 +447,13 @@ class TrainerWorker:
         if self.backend == "automodel" and self.world_size > 1:
             if self.master_weights:  # AutoModel's EP-aware clip scales param grads in place: the fp32 sums
                 self.optimizer.round_into_grads()  # are rounded to bf16 once, after accumulating
-            gn = torch.as_tensor(clip_grad_norm(self.model, self.max_norm, self.dp_size), device=self.device)
+            gn = torch.as_tensor(clip_grad_norm(self.model, self.spec.max_norm, self.dp_size), device=self.device)
         elif self.master_weights:  # measured here, applied inside the fused update (parallel/optim.py)
-            gn = self.optimizer.clip_grad_norm_(self.max_norm)
+            gn = self.optimizer.clip_grad_norm_(self.spec.max_norm)
         else:
             params = [p for p in self.model.parameters() if p.grad is not None]
-            gn = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else math.inf)
+            gn = torch.nn.utils.clip_grad_norm_(params, self.spec.max_norm if self.spec.max_norm > 0 else math.inf)
         return gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-
-    def _grad(self, p):
-        return self.optimizer.grad(p) if self.master_weights else p.grad
 
     def _step_metrics(self, samples, sums, grad_norms, seconds, threads) -> dict:
         dt = torch.tensor(seconds)
@@ -477,8 +463,7 @@ class TrainerWorker:
         dist.all_reduce(red)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time, as Molt reports
         n_mask, tokens = float(red[-2]), float(red[-1])
-        prefix = "critic" if self.role == "critic" else "actor"
-        perf = "perf/critic_" if self.role == "critic" else "perf/"
+        prefix, perf = ("critic", "perf/critic_") if self.role == "critic" else ("actor", "perf/")
         metrics = {k: float(red[i]) / max(n_mask, 1.0) for i, k in enumerate(keys)}
         if self.moe and self.role == "actor":  # every rank: the reduction is a collective
             stats = self._routing_stats or moe_routing.routing_stats(self.model.config)
@@ -491,10 +476,10 @@ class TrainerWorker:
                         f"{perf}train_tokens_per_sec": tokens / float(dt),
                         f"{perf}step_time_s": float(dt),
                         f"{perf}torch_threads": float(np.mean(threads) if threads else torch.get_num_threads())})
-        if self.peak_tflops:
+        if self.spec.peak_tflops:
             seq = tokens / (len(samples) * self.world_size)
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),
-                                        self.peak_tflops * 1e12, self.world_size)
+                                        self.spec.peak_tflops * 1e12, self.world_size)
         if self.spec.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
             metrics[f"{perf}compiled_graphs"] = float(compiled_graphs())
         if self.device.type == "cuda":
@@ -523,9 +508,8 @@ class TrainerWorker:
         """AutoModel keeps its own names and grouped experts: its state-dict adapter maps them back to the
         checkpoint's HF names with one tensor per expert, which is what vLLM and transformers load; transformers-5
         MoE models fuse their experts, given back per expert too (`moe_routing.checkpoint_expert_tensors`)."""
-        if self.backend != "automodel":
-            return moe_routing.checkpoint_expert_tensors if self.moe else None
-        return hf_name_mapper(self.model)
+        return hf_name_mapper(self.model) if self.backend == "automodel" else \
+            moe_routing.checkpoint_expert_tensors if self.moe else None
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3,
                         max_disk_gb: float | None = None) -> str:

@@ -48,7 +48,7 @@ def update_steps(rank, world_size, port, out):
     samples = with_old_logprobs(w, make_samples(8))
     metrics = []
     for max_norm in (0.0, 0.05):
-        w.max_norm = max_norm
+        w.spec.max_norm = max_norm
         metrics.append(w.train_step(samples[rank::world_size], ppo_objective()))
     if rank == 0:
         torch.save({"records": records, "metrics": metrics,
@@ -104,7 +104,7 @@ def accumulation_step(rank, world_size, port, out):
         step()
 
     w.optimizer.step = spy
-    w.max_norm = 0.0
+    w.spec.max_norm = 0.0
     samples = with_old_logprobs(w, make_samples(8))
     w.train_step(samples[rank::world_size], ppo_objective())
     if rank == 0:
