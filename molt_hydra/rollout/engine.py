@@ -63,7 +63,6 @@ class VLLMEngine(BatchedCallee):
             **(extra_engine_args or {}),
         }
         self._cpu_routing = False  # set in start(): R3 through compat/vllm.py's capture instead of vLLM's
-        self._plain_weights = False  # set in start(): the workers load in place, with no reload to finalize
         self._llm = None
         self._start_lock = asyncio.Lock()  # bound to an event loop only once contended
         # LoRA: requests run under `lora_request` (None before the first sync: the base, which the adapter's B = 0
@@ -146,7 +145,6 @@ class VLLMEngine(BatchedCallee):
                 raise ValueError("rollout.plain_cpu_weights: this model has layers that process their weights "
                                  "otherwise (fused MoE experts, quantized layers) or is compiled; set "
                                  "rollout.plain_cpu_weights=false")
-            self._plain_weights = True
         elif device == "cuda":
             # in place, the workers still finish each update (their stream synchronized before it returns)
             why = [w for w in await self.worker_call("load_in_place_on_cuda") if w is not None]
@@ -174,8 +172,7 @@ class VLLMEngine(BatchedCallee):
 
     async def _generate_one(self, request: GenerationRequest, index: int) -> Generation:
         """The finished completion only (vLLM's FINAL_ONLY): this process is not woken for every sampled token."""
-        final = [g async for g in self._outputs(request, index, stream=False)]
-        return join_deltas(final, self.engine_index)
+        return join_deltas([g async for g in self._outputs(request, index, stream=False)])
 
     @staticmethod
     def _sampling_params(s: Sampling, index: int, stream: bool):
@@ -208,19 +205,16 @@ class VLLMEngine(BatchedCallee):
         if request.images:
             prompt["multi_modal_data"] = {"image": request.images}
         finished, generated, started_at = False, 0, self.version
+        request_id = f"{request.session_id}-{uuid.uuid4().hex}"
         # LoRA: the whole completion runs under the adapter current now, also across a sync (vLLM keeps a request's
         # adapter); its tokens carry that adapter's version, not the one loaded when each was sampled
-        lora = self.lora_request
-        request_id = f"{request.session_id}-{uuid.uuid4().hex}"
         async for out in self._engine().generate(prompt, self._sampling_params(s, index, stream), request_id=request_id,
-                                                 lora_request=lora):
+                                                 lora_request=self.lora_request):
             for c in out.outputs:
                 if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
                     raise RuntimeError(f"engine {self.engine_index}: logprobs missing or misaligned for a delta")
-                top = None
-                if s.top_logprobs:
-                    top = [{t: p.logprob for t, p in lp.items() if p.rank is not None and p.rank <= s.top_logprobs}
-                           for lp in c.logprobs]
+                top = [{t: p.logprob for t, p in lp.items() if p.rank is not None and p.rank <= s.top_logprobs}
+                       for lp in c.logprobs] if s.top_logprobs else None
                 finished |= c.finish_reason is not None
                 generated += len(c.token_ids)
                 spans = None if c.finish_reason is None else [(started_at, 0, generated)] if self.lora_rank else \
@@ -369,7 +363,7 @@ class VLLMEngine(BatchedCallee):
         resume (the names the trainer wrote in place count as pushed) and return each worker's missing names; None
         when not asked."""
         # plain weights: nothing to finalize; LoRA: the base was not touched, the adapter loads before the resume
-        finishing = [] if self._plain_weights or self.lora_rank else [self.worker_call("finish_layerwise_reload")]
+        finishing = [] if self.plain_cpu_weights or self.lora_rank else [self.worker_call("finish_layerwise_reload")]
         adapter = self.lora_request
         try:  # a failure leaves layers mid-reload, or an adapter that is not the one this version names
             if self.lora_rank and version is not None:
@@ -417,17 +411,16 @@ class VLLMEngine(BatchedCallee):
             self._adapter_root = None
 
 
-def join_deltas(deltas: list[Generation], engine_index: int = -1) -> Generation:
+def join_deltas(deltas: list[Generation]) -> Generation:
     """The streamed deltas of one completion as one `Generation` (routing: the last delta that carried any; versions:
     the last delta's spans over the whole completion, when it carries them)."""
     last = deltas[-1] if deltas else Generation([], [], [], "abort")
     routed = next((d.routed_experts for d in reversed(deltas) if d.routed_experts is not None), None)
     tops = [d.top_logprobs for d in deltas]
-    versions = [v for d in deltas for v in d.versions]
-    if last.version_spans is not None:
-        versions = [v for v, start, end in last.version_spans for _ in range(start, end)]
+    versions = [v for d in deltas for v in d.versions] if last.version_spans is None else \
+        [v for v, start, end in last.version_spans for _ in range(start, end)]
     return Generation(
         token_ids=[t for d in deltas for t in d.token_ids], logprobs=[p for d in deltas for p in d.logprobs],
         versions=versions, finish_reason=last.finish_reason or "abort", stop_reason=last.stop_reason,
-        routed_experts=routed, engine_index=engine_index if engine_index >= 0 else last.engine_index,
+        routed_experts=routed, engine_index=last.engine_index,
         top_logprobs=None if all(t is None for t in tops) else [x for t in tops for x in (t or [])])

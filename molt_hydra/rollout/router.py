@@ -49,12 +49,6 @@ class SessionAffinity:
             self._sessions.popitem(last=False)
         return index
 
-    def mark_dead(self, index: int) -> None:
-        self.alive[index] = False
-
-    def revive(self, index: int) -> None:
-        self.alive[index], self.in_flight[index] = True, 0
-
 
 class Router:
     """A `TokenGenerator` over Ray handles of `VLLMEngine`."""
@@ -88,7 +82,7 @@ class Router:
                     raise  # the request's own error, not the engine's
                 if self.engines[index] is engine and self.affinity.alive[index]:  # first to see this death
                     self.counts["engine_deaths"] += 1
-                    self.affinity.mark_dead(index)
+                    self.affinity.alive[index] = False
                 if attempt == self.max_retries:
                     raise
                 self.counts["retries"] += 1
@@ -133,7 +127,7 @@ class Router:
         self._links[index].close(RuntimeError(f"engine {index} was replaced"))
         self.engines[index] = engine
         self._links[index] = BatchedCalls(engine, "generate")
-        self.affinity.revive(index)
+        self.affinity.alive[index], self.affinity.in_flight[index] = True, 0
         return stranded
 
     async def generate_stream(self, request: GenerationRequest):

@@ -90,8 +90,7 @@ class WeightReceiver:
         loaders copying into the parameters (compat.vllm.use_plain_cpu_linears). Returns the layers on plain weights;
         0 when the model cannot switch (it then keeps the layerwise reload)."""
         n = vllm_compat.use_plain_cpu_linears(self.model_runner.get_model(), self.vllm_config, self.model_config)
-        if n:
-            self._loads_in_place = True
+        self._loads_in_place = n > 0
         return n
 
     def load_in_place_on_cuda(self) -> str | None:

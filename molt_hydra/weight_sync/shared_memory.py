@@ -126,16 +126,12 @@ class SharedMemoryTransport(Pipeline):
     async def _region(self, nbytes: int) -> torch.Tensor:
         if self.region is None or self.region.numel() < 2 * nbytes:
             await self.drain()  # the engines still map the old region by its path until they loaded from it
-            self.close()
+            # drop this side's mapping first; the memory is freed once every engine worker dropped its own
+            self.region = None
+            if self.fd >= 0:
+                os.close(self.fd)
             self.region, self.handle, self.fd = new_region("molt_weights", 2 * nbytes)
         return self.region
-
-    def close(self) -> None:
-        """Drop this side's mapping; the memory is freed once every engine worker dropped its own (next region)."""
-        self.region = self.handle = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 # --- mapped in place: the trainer writes the recorded copies into the engine's parameters itself ---

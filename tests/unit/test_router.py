@@ -21,12 +21,12 @@ def test_ties_break_to_the_lowest_index():
 def test_dead_engine_sessions_move_and_stick_to_the_new_engine():
     a = SessionAffinity(2)
     assert a.pick("s") == 0
-    a.mark_dead(0)
+    a.alive[0] = False
     assert a.pick("s") == 1
     a.alive[0] = True
     assert a.pick("s") == 1
-    a.mark_dead(0)
-    a.mark_dead(1)
+    a.alive[0] = False
+    a.alive[1] = False
     with pytest.raises(RuntimeError, match="every rollout engine is dead"):
         a.pick("s")
 
