@@ -149,8 +149,7 @@ class VLLMEngine(BatchedCallee):
             # in place, the workers still finish each update (their stream synchronized before it returns)
             why = [w for w in await self.worker_call("load_in_place_on_cuda") if w is not None]
             if why:
-                log.info("engine %d: weight updates go through vLLM's layerwise reload: %s", self.engine_index,
-                         why[0])
+                log.info("engine %d: weight updates go through vLLM's layerwise reload: %s", self.engine_index, why[0])
 
     def _engine(self):
         if self._llm is None:

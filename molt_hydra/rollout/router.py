@@ -74,9 +74,8 @@ class Router:
                 return await asyncio.wait_for(link.call(request), self.timeout_s)  # a timeout aborts it in vLLM
             except asyncio.TimeoutError:
                 self.counts["timeouts"] += 1
-                raise TimeoutError(
-                    f"engine {index} did not answer session {request.session_id!r} within {self.timeout_s} s"
-                ) from None
+                raise TimeoutError(f"engine {index} did not answer session {request.session_id!r} within "
+                                   f"{self.timeout_s} s") from None
             except Exception as e:
                 if not isinstance(e, ray.exceptions.RayActorError) and await self._healthy(engine):
                     raise  # the request's own error, not the engine's

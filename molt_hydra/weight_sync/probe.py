@@ -65,8 +65,7 @@ def group_sums(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None)
 
 def comparable_groups(trainer: dict[str, list[float]], engine: dict[str, list[float]]) -> list[str]:
     """Groups both sides summed in full (no empty tensor on either side), in layer order."""
-    both = set(trainer) & set(engine)
-    return sorted((g for g in both if not trainer[g][3] and not engine[g][3]), key=_natural)
+    return sorted((g for g in trainer.keys() & engine.keys() if not trainer[g][3] and not engine[g][3]), key=_natural)
 
 
 def differing_groups(trainer: dict[str, list[float]], engine: dict[str, list[float]]) -> list[str]:

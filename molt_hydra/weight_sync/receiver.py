@@ -150,12 +150,12 @@ class WeightReceiver:
                 storages[storage.data_ptr()] = (storage, size)
                 size += -(-storage.nbytes() // 64) * 64  # every storage cache-line aligned
         ids = {id(p) for p in params}
-        for module in model.modules():  # a tensor kept beside the parameters on their memory would go on reading it
-            for value in [*vars(module).values(), *module._buffers.values()]:
-                if (isinstance(value, torch.Tensor) and id(value) not in ids
-                        and value.untyped_storage().data_ptr() in storages):
-                    self._parameter_map = (None, None, -1)  # the loaders write in place, as before
-                    return None
+        beside = (value for module in model.modules() for value in [*vars(module).values(), *module._buffers.values()]
+                  if isinstance(value, torch.Tensor) and id(value) not in ids)
+        # a tensor kept beside the parameters on their memory would go on reading it
+        if any(value.untyped_storage().data_ptr() in storages for value in beside):
+            self._parameter_map = (None, None, -1)  # the loaders write in place, as before
+            return None
         region, handle, fd = new_region("molt_engine_parameters", max(size, 1))
         with torch.no_grad():
             for storage, at in storages.values():
@@ -182,7 +182,7 @@ class WeightReceiver:
             self._receive_stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._receive_stream) if cuda else contextlib.nullcontext():
             flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=self.device)
-            self._weight_comm.broadcast(flat, src=0)  # a GPU's receive stream waits for the bytes
+            self._weight_comm.broadcast(flat, src=0).wait()  # a GPU's receive stream waits for the bytes
         if cuda:
             loads = torch.cuda.current_stream(self.device)
             loads.wait_stream(self._receive_stream)

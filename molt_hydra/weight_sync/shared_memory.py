@@ -54,11 +54,6 @@ class SharedMemoryTransport(Pipeline):
         self.plans: dict[str, MappedPlan] = {}  # parameter-region token -> its plan
         self.recorded: dict[str, list] = {}  # this sync's recordings: token -> [handle, copies or refusal, names]
         self.mapped: list[MappedPlan] | None = None  # this sync's plans (one per engine worker), when in place
-        self.written: set[str] = set()  # names written in place this sync (the engines' coverage check gets them)
-
-    @property
-    def in_place(self) -> bool:
-        return self.mapped is not None
 
     def begin(self, answers: list) -> None:
         """`answers`: per engine, what each worker's `begin_layerwise_reload` returned (its parameter region's handle
@@ -78,9 +73,10 @@ class SharedMemoryTransport(Pipeline):
             except ValueError as e:  # overlapping writes: the order of names could matter; keep the loaders
                 logger.info("weight sync: the loaders stay on, %s", e)
         self.recorded = {}
-        self.written = set()
+        self.written = set()  # names written in place this sync (the engines' coverage check gets them)
         self.mapped = [self.plans[h[2]] for h in handles] if handles and all(
             h is not None and h[2] in self.plans for h in handles) else None
+        self.in_place = self.mapped is not None
 
     async def push(self, engines: list, bucket: Bucket, call) -> int:
         written = 0
@@ -106,18 +102,17 @@ class SharedMemoryTransport(Pipeline):
         answer, names = super()._load(engine, call, args), {name for name, _, _ in args[1]}
 
         async def record() -> None:
+            """Each worker's recording of this bucket (`copies`: a reason instead when its loaders did more than
+            copy), added to its region's entry in `recorded`."""
             for _, handle, copies in await answer:
-                if handle is not None:
-                    self._record(handle, copies, names)
+                if handle is None:
+                    continue
+                entry = self.recorded.setdefault(handle[2], [handle, [], set()])
+                if not isinstance(entry[1], str):  # a refusal stands for the whole sync
+                    entry[1] = copies if isinstance(copies, str) else entry[1] + copies
+                entry[2] |= names
 
         return record()
-
-    def _record(self, handle: tuple, copies: list | str, names: set[str]) -> None:
-        """One worker's recording of one bucket (`copies`: a reason instead when its loaders did more than copy)."""
-        entry = self.recorded.setdefault(handle[2], [handle, [], set()])
-        if not isinstance(entry[1], str):  # a refusal stands for the whole sync
-            entry[1] = copies if isinstance(copies, str) else entry[1] + copies
-        entry[2] |= names
 
     async def abandon(self) -> None:
         await super().abandon()
