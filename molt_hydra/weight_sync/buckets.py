@@ -24,6 +24,8 @@ ALIGN = 16  # every tensor starts on a 16-byte boundary: `view(dtype)` of a slic
 
 def bucket_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Flush before a tensor would push the bucket past `bucket_bytes`; a tensor bigger than that goes alone."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     bucket: Bucket = []
     size = 0  # bytes in `bucket`
     for name, t in named_tensors:
