@@ -303,12 +303,12 @@ class VLLMEngine(BatchedCallee):
 
     # --- colocated with the trainer: asleep while it steps (vLLM sleep mode), woken by the next weight update ---
 
-    async def sleep(self) -> dict[str, float]:
+    async def sleep(self) -> None:
         """Level 2 (GPU): the weights' and the KV cache's memory is released (the next update rewrites every weight);
         level 0 (CPU, no sleep mode there): the scheduler is paused. Nothing may be in flight (sync mode: the batch is
-        done); vLLM's "wait" mode would finish it first. Returns seconds and GiB freed on the device."""
+        done); vLLM's "wait" mode would finish it first. Its seconds and GiB freed on the device: `sleep_metrics`."""
         if self.asleep:
-            return {}
+            return
         start = time.perf_counter()
         # free bytes on the device, read by the first worker (the process that holds the engine's memory)
         free_before = (await self.worker_call("device_free_bytes"))[0]
@@ -316,7 +316,6 @@ class VLLMEngine(BatchedCallee):
         self.asleep = True
         freed = (await self.worker_call("device_free_bytes"))[0] - free_before
         self.phase_seconds = {"engine/sleep_s": time.perf_counter() - start, "engine/freed_gib": freed / 2**30}
-        return self.phase_seconds
 
     async def _wake(self, tags: list[str]) -> None:
         start = time.perf_counter()

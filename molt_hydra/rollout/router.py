@@ -94,8 +94,7 @@ class Router:
         the rollout's own deadline moves on by the time waited."""
         start = time.monotonic()
         while not any(self.affinity.alive):
-            if self._down_since is None:
-                self._down_since = start
+            self._down_since = self._down_since or start
             if time.monotonic() - start >= self.timeout_s:
                 raise RuntimeError(f"every rollout engine is dead; none came back within {self.timeout_s} s")
             before = time.monotonic()
