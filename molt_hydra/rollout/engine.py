@@ -237,9 +237,8 @@ class VLLMEngine(BatchedCallee):
     # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before, one after ---
 
     async def resume(self) -> None:
-        if self.weights_mixed:  # stays paused: not one more token from half-updated weights (it is replaced)
-            return
-        await self._while_alive(self._engine().resume_generation())
+        if not self.weights_mixed:  # else paused for good: not one more token from half-updated weights (replaced)
+            await self._while_alive(self._engine().resume_generation())
 
     async def worker_call(self, method: str, *args: Any) -> list:
         """Run an `EngineWorkerExtension` method on every worker of this engine; one result per worker."""
@@ -268,9 +267,8 @@ class VLLMEngine(BatchedCallee):
             await self._wake(["weights"])
         # in-flight requests freeze in the scheduler: they continue after `resume` under the new weights
         await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
-        if self.lora_rank:  # the base stays as loaded: only an adapter arrives (`stage_adapter`)
-            return []
-        return await self.worker_call("begin_layerwise_reload")
+        # LoRA: the base stays as loaded, only an adapter arrives (`stage_adapter`)
+        return [] if self.lora_rank else await self.worker_call("begin_layerwise_reload")
 
     async def stage_adapter(self, blob: bytes, config: dict) -> int:
         """LoRA: this sync's adapter (safetensors bytes under PEFT's names, in the engine dtype, and its

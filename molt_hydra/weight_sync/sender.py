@@ -154,7 +154,8 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
                    timeout_s: float, dtype: str) -> dict:
     """One sync, run on every trainer rank (`worker`: a TrainerWorker): all ranks drive the gathers (FSDP
     collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. A LoRA actor pushes its
-    adapter alone, over the object store whatever the placement (`resolve_transport`). Metrics (`WeightSync.sync`'s) from rank 0."""
+    adapter alone, over the object store whatever the placement (`resolve_transport`). Metrics (`WeightSync.sync`'s)
+    from rank 0."""
     buckets, carrier = _buckets_and_carrier(worker, transport, bucket_bytes, getattr(torch, dtype))
     if carrier is None:
         for _ in buckets:  # take part in the gathers; only rank 0 receives tensors
