@@ -209,9 +209,7 @@ class VLLMEngine(BatchedCallee):
         # adapter); its tokens carry that adapter's version, not the one loaded when each was sampled
         async for out in self._engine().generate(prompt, self._sampling_params(s, index, stream), request_id=request_id,
                                                  lora_request=self.lora_request):
-            for c in out.outputs:
-                if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
-                    raise RuntimeError(f"engine {self.engine_index}: logprobs missing or misaligned for a delta")
+            for c in out.outputs:  # logprobs misaligned with the tokens: `Generation` refuses them
                 top = [{t: p.logprob for t, p in lp.items() if p.rank is not None and p.rank <= s.top_logprobs}
                        for lp in c.logprobs] if s.top_logprobs else None
                 finished |= c.finish_reason is not None

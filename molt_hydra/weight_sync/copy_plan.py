@@ -42,11 +42,11 @@ def _storage(t: torch.Tensor) -> int:
 
 
 class _Recorder(dispatch_mode()):
-    def __init__(self, sources: set[int], destinations: set[int], allow_fills: bool = False):
+    def __init__(self, sources: set[int], destinations: set[int]):
         super().__init__()
         self.sources, self.destinations = sources, destinations
         self.copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
-        self.fills: list[tuple[torch.Tensor, float]] | None = [] if allow_fills else None
+        self.fills: list[tuple[torch.Tensor, float]] = []
         self.refusal: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -67,7 +67,7 @@ class _Recorder(dispatch_mode()):
             return None
         if is_view_op(func):
             return None
-        if func is torch.ops.aten.fill_.Scalar and self.fills is not None and _storage(args[0]) in self.destinations:
+        if func is torch.ops.aten.fill_.Scalar and _storage(args[0]) in self.destinations:
             self.fills.append((args[0], args[1]))  # a constant into an engine tensor (vocab padding rows)
             return None
         return f"the loaders ran {func} (not a view or a copy)"
@@ -138,19 +138,17 @@ class CopyPlan:
 
 
 def record_copy_plan(load, weights: list[tuple[str, torch.Tensor]], engine_tensors: list[torch.Tensor],
-                     addresses: tuple[int, ...], allow_empty: bool = False,
-                     allow_fills: bool = False) -> CopyPlan | str:
+                     addresses: tuple[int, ...], allow_empty: bool = False) -> CopyPlan | str:
     """Run `load()` (the engine's loaders over `weights`, views of the trainer's tensors) and watch it: a `CopyPlan`
     when it only copied shared views into `engine_tensors`' storages, else the reason it is refused. The load itself
     runs in full either way."""
-    recorder = _Recorder({_storage(t) for _, t in weights}, {_storage(t) for t in engine_tensors}, allow_fills)
+    recorder = _Recorder({_storage(t) for _, t in weights}, {_storage(t) for t in engine_tensors})
     with recorder:
         load()
     if recorder.refusal is not None:
         return recorder.refusal
     if not recorder.copies and not allow_empty:  # a part of a load (one bucket) may copy nothing: a tied head
         return "the loaders copied nothing"
-    fills = recorder.fills or []
-    if fills and not disjoint([dst for dst, _ in fills] + [dst for dst, _, _ in recorder.copies]):
+    if recorder.fills and not disjoint([dst for dst, _ in recorder.fills] + [dst for dst, _, _ in recorder.copies]):
         return "a fill overlaps a copy (their order would matter)"
-    return CopyPlan(recorder.copies, [n for n, _ in weights], addresses, fills)
+    return CopyPlan(recorder.copies, [n for n, _ in weights], addresses, recorder.fills)

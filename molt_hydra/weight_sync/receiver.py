@@ -126,8 +126,7 @@ class WeightReceiver:
             # a layer split across buckets would read the next bucket's bytes from the reused slot: copy it out now
             vllm_compat.own_pending_reload_views(flat.data_ptr(), flat.data_ptr() + flat.numel())
             return n, None, "the parameters are not in a shared region"
-        plan = record_copy_plan(lambda: self._load(bucket), bucket, [self._parameter_map[1]], (), allow_empty=True,
-                                allow_fills=True)
+        plan = record_copy_plan(lambda: self._load(bucket), bucket, [self._parameter_map[1]], (), allow_empty=True)
         copies = plan if isinstance(plan, str) else mapped_copies(plan, metas, flat, self._parameter_map[1])
         return len(bucket), handle, copies
 
@@ -232,7 +231,7 @@ class WeightReceiver:
             self.shared_load_path = "replay"
         elif plan is None and self.record_copy_plans:
             self._copy_plan = record_copy_plan(lambda: self._load(weights), weights, self._engine_tensors(),
-                                               self._engine_addresses(), allow_fills=True)
+                                               self._engine_addresses())
             self.shared_load_path = "record"
         else:  # refused for this token (the reason is in self._copy_plan), or opted out
             self._load(weights)
