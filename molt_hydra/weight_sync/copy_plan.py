@@ -105,33 +105,34 @@ class CopyPlan:
         self.graph = None  # CUDA: captured on the first replay
 
     def replay(self) -> None:
-        if not self.copies or not self.copies[0][0].is_cuda:
-            with torch.no_grad():
-                for dst, value in self.fills:
-                    dst.fill_(value)
-                for dst, src, non_blocking in self.copies:
+        if self.copies and self.copies[0][0].is_cuda:
+            self.graph = self.graph or self._capture()
+            self.graph.replay()
+        else:
+            self._run([None])  # CPU: one by one, in order
+
+    def _run(self, branches: list) -> None:
+        """The fills, then the copies spread over `branches`: CUDA streams, forked from the first after the fills and
+        joined back by `_capture`; [None]: no stream of their own (CPU)."""
+        with torch.no_grad():
+            for dst, value in self.fills:
+                dst.fill_(value)
+            for branch in branches[1:]:
+                branch.wait_stream(branches[0])
+            for i, (dst, src, non_blocking) in enumerate(self.copies):
+                with torch.cuda.stream(branches[i % len(branches)]):
                     dst.copy_(src, non_blocking=non_blocking)
-            return
-        if self.graph is None:
-            self.graph = self._capture()
-        self.graph.replay()
 
     def _capture(self):
         """One CUDA graph of every copy (no allocation: copies between existing tensors). The capture records the
         copies without running them; the stream that replays it is ordered after the capture's side stream."""
         device = self.copies[0][0].device
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             capture = torch.cuda.current_stream(device)
             branches = [capture, *(torch.cuda.Stream(device) for _ in range(self.streams - 1))]
-            for dst, value in self.fills:
-                dst.fill_(value)
-            for branch in branches[1:]:  # forked from the capture stream, joined back before the capture ends
-                branch.wait_stream(capture)
-            for i, (dst, src, non_blocking) in enumerate(self.copies):
-                with torch.cuda.stream(branches[i % self.streams]):
-                    dst.copy_(src, non_blocking=non_blocking)
-            for branch in branches[1:]:
+            self._run(branches)
+            for branch in branches[1:]:  # joined back before the capture ends
                 capture.wait_stream(branch)
         torch.cuda.current_stream(device).synchronize()
         return graph
