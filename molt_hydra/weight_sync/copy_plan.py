@@ -62,8 +62,7 @@ class _Recorder(dispatch_mode()):
                 return "a copy from a tensor that is not a shared trainer view (the loader computed it)"
             if _storage(dst) not in self.destinations or _storage(dst) in self.sources:
                 return "a copy into a tensor that is not an engine parameter or buffer"
-            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-            self.copies.append((dst, src, bool(non_blocking)))
+            self.copies.append((dst, src, bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))))
             return None
         if is_view_op(func):
             return None

@@ -37,12 +37,11 @@ def layer_group(name: str) -> str:
     return f"vision/{group}" if ("visual" in name or "vision" in name) else group
 
 
-def probe_tokens(vocab_size: int, seed: int = 0) -> list[int]:
+def probe_tokens(vocab_size: int) -> list[int]:
     """A fixed sequence of ordinary token ids (the lowest 5% of the vocabulary left out: special tokens live there
     in some tokenizers), the same on every call."""
-    generator = torch.Generator().manual_seed(seed)
-    low = max(1, vocab_size // 20)
-    return torch.randint(low, vocab_size, (PROBE_TOKENS,), generator=generator).tolist()
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(max(1, vocab_size // 20), vocab_size, (PROBE_TOKENS,), generator=generator).tolist()
 
 
 def group_sums(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> dict[str, list[float]]:
