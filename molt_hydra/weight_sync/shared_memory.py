@@ -171,7 +171,7 @@ class MappedPlan:
     nothing else writes there, so it is not replayed."""
 
     def __init__(self, handle: tuple, copies: list[MappedCopy], names: set[str]):
-        self.token, self.region = handle[2], open_region(handle)
+        self.region = open_region(handle)
         self.names, self.copies = set(names), list(copies)
         self.by_name: dict[str, list] = {}
         destinations = []
