@@ -63,7 +63,6 @@ class VLLMEngine(BatchedCallee):
             **(extra_engine_args or {}),
         }
         self._cpu_routing = False  # set in start(): R3 through compat/vllm.py's capture instead of vLLM's
-        self._plain_weights = False  # set in start(): the workers load in place, with no reload to finalize
         self._llm = None
         self._start_lock = asyncio.Lock()  # bound to an event loop only once contended
         # LoRA: requests run under `lora_request` (None before the first sync: the base, which the adapter's B = 0
@@ -146,13 +145,11 @@ class VLLMEngine(BatchedCallee):
                 raise ValueError("rollout.plain_cpu_weights: this model has layers that process their weights "
                                  "otherwise (fused MoE experts, quantized layers) or is compiled; set "
                                  "rollout.plain_cpu_weights=false")
-            self._plain_weights = True
         elif device == "cuda":
             # in place, the workers still finish each update (their stream synchronized before it returns)
             why = [w for w in await self.worker_call("load_in_place_on_cuda") if w is not None]
             if why:
-                log.info("engine %d: weight updates go through vLLM's layerwise reload: %s", self.engine_index,
-                         why[0])
+                log.info("engine %d: weight updates go through vLLM's layerwise reload: %s", self.engine_index, why[0])
 
     def _engine(self):
         if self._llm is None:
@@ -174,8 +171,7 @@ class VLLMEngine(BatchedCallee):
 
     async def _generate_one(self, request: GenerationRequest, index: int) -> Generation:
         """The finished completion only (vLLM's FINAL_ONLY): this process is not woken for every sampled token."""
-        final = [g async for g in self._outputs(request, index, stream=False)]
-        return join_deltas(final, self.engine_index)
+        return join_deltas([g async for g in self._outputs(request, index, stream=False)])
 
     @staticmethod
     def _sampling_params(s: Sampling, index: int, stream: bool):
@@ -208,19 +204,14 @@ class VLLMEngine(BatchedCallee):
         if request.images:
             prompt["multi_modal_data"] = {"image": request.images}
         finished, generated, started_at = False, 0, self.version
+        request_id = f"{request.session_id}-{uuid.uuid4().hex}"
         # LoRA: the whole completion runs under the adapter current now, also across a sync (vLLM keeps a request's
         # adapter); its tokens carry that adapter's version, not the one loaded when each was sampled
-        lora = self.lora_request
-        request_id = f"{request.session_id}-{uuid.uuid4().hex}"
         async for out in self._engine().generate(prompt, self._sampling_params(s, index, stream), request_id=request_id,
-                                                 lora_request=lora):
-            for c in out.outputs:
-                if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
-                    raise RuntimeError(f"engine {self.engine_index}: logprobs missing or misaligned for a delta")
-                top = None
-                if s.top_logprobs:
-                    top = [{t: p.logprob for t, p in lp.items() if p.rank is not None and p.rank <= s.top_logprobs}
-                           for lp in c.logprobs]
+                                                 lora_request=self.lora_request):
+            for c in out.outputs:  # logprobs misaligned with the tokens: `Generation` refuses them
+                top = [{t: p.logprob for t, p in lp.items() if p.rank is not None and p.rank <= s.top_logprobs}
+                       for lp in c.logprobs] if s.top_logprobs else None
                 finished |= c.finish_reason is not None
                 generated += len(c.token_ids)
                 spans = None if c.finish_reason is None else [(started_at, 0, generated)] if self.lora_rank else \
@@ -244,9 +235,8 @@ class VLLMEngine(BatchedCallee):
     # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before, one after ---
 
     async def resume(self) -> None:
-        if self.weights_mixed:  # stays paused: not one more token from half-updated weights (it is replaced)
-            return
-        await self._while_alive(self._engine().resume_generation())
+        if not self.weights_mixed:  # else paused for good: not one more token from half-updated weights (replaced)
+            await self._while_alive(self._engine().resume_generation())
 
     async def worker_call(self, method: str, *args: Any) -> list:
         """Run an `EngineWorkerExtension` method on every worker of this engine; one result per worker."""
@@ -275,9 +265,8 @@ class VLLMEngine(BatchedCallee):
             await self._wake(["weights"])
         # in-flight requests freeze in the scheduler: they continue after `resume` under the new weights
         await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
-        if self.lora_rank:  # the base stays as loaded: only an adapter arrives (`stage_adapter`)
-            return []
-        return await self.worker_call("begin_layerwise_reload")
+        # LoRA: the base stays as loaded, only an adapter arrives (`stage_adapter`)
+        return [] if self.lora_rank else await self.worker_call("begin_layerwise_reload")
 
     async def stage_adapter(self, blob: bytes, config: dict) -> int:
         """LoRA: this sync's adapter (safetensors bytes under PEFT's names, in the engine dtype, and its
@@ -310,12 +299,12 @@ class VLLMEngine(BatchedCallee):
 
     # --- colocated with the trainer: asleep while it steps (vLLM sleep mode), woken by the next weight update ---
 
-    async def sleep(self) -> dict[str, float]:
+    async def sleep(self) -> None:
         """Level 2 (GPU): the weights' and the KV cache's memory is released (the next update rewrites every weight);
         level 0 (CPU, no sleep mode there): the scheduler is paused. Nothing may be in flight (sync mode: the batch is
-        done); vLLM's "wait" mode would finish it first. Returns seconds and GiB freed on the device."""
+        done); vLLM's "wait" mode would finish it first. Its seconds and GiB freed on the device: `sleep_metrics`."""
         if self.asleep:
-            return {}
+            return
         start = time.perf_counter()
         # free bytes on the device, read by the first worker (the process that holds the engine's memory)
         free_before = (await self.worker_call("device_free_bytes"))[0]
@@ -323,7 +312,6 @@ class VLLMEngine(BatchedCallee):
         self.asleep = True
         freed = (await self.worker_call("device_free_bytes"))[0] - free_before
         self.phase_seconds = {"engine/sleep_s": time.perf_counter() - start, "engine/freed_gib": freed / 2**30}
-        return self.phase_seconds
 
     async def _wake(self, tags: list[str]) -> None:
         start = time.perf_counter()
@@ -369,7 +357,7 @@ class VLLMEngine(BatchedCallee):
         resume (the names the trainer wrote in place count as pushed) and return each worker's missing names; None
         when not asked."""
         # plain weights: nothing to finalize; LoRA: the base was not touched, the adapter loads before the resume
-        finishing = [] if self._plain_weights or self.lora_rank else [self.worker_call("finish_layerwise_reload")]
+        finishing = [] if self.plain_cpu_weights or self.lora_rank else [self.worker_call("finish_layerwise_reload")]
         adapter = self.lora_request
         try:  # a failure leaves layers mid-reload, or an adapter that is not the one this version names
             if self.lora_rank and version is not None:
@@ -417,17 +405,16 @@ class VLLMEngine(BatchedCallee):
             self._adapter_root = None
 
 
-def join_deltas(deltas: list[Generation], engine_index: int = -1) -> Generation:
+def join_deltas(deltas: list[Generation]) -> Generation:
     """The streamed deltas of one completion as one `Generation` (routing: the last delta that carried any; versions:
     the last delta's spans over the whole completion, when it carries them)."""
     last = deltas[-1] if deltas else Generation([], [], [], "abort")
     routed = next((d.routed_experts for d in reversed(deltas) if d.routed_experts is not None), None)
     tops = [d.top_logprobs for d in deltas]
-    versions = [v for d in deltas for v in d.versions]
-    if last.version_spans is not None:
-        versions = [v for v, start, end in last.version_spans for _ in range(start, end)]
+    versions = [v for d in deltas for v in d.versions] if last.version_spans is None else \
+        [v for v, start, end in last.version_spans for _ in range(start, end)]
     return Generation(
         token_ids=[t for d in deltas for t in d.token_ids], logprobs=[p for d in deltas for p in d.logprobs],
         versions=versions, finish_reason=last.finish_reason or "abort", stop_reason=last.stop_reason,
-        routed_experts=routed, engine_index=engine_index if engine_index >= 0 else last.engine_index,
+        routed_experts=routed, engine_index=last.engine_index,
         top_logprobs=None if all(t is None for t in tops) else [x for t in tops for x in (t or [])])

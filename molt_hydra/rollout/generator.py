@@ -50,13 +50,6 @@ def prompt_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def score_of(trajectory) -> float | None:
-    score = getattr(trajectory, "score", None)
-    if score is None:
-        score = getattr(trajectory, "reward", None)
-    return None if score is None else float(score)
-
-
 @dataclass
 class FinishedGroup:
     prompt_index: int
@@ -96,9 +89,6 @@ class SamplesGenerator:
     def __post_init__(self):
         if not self.prompts:
             raise ValueError("SamplesGenerator needs at least one prompt")
-        if self.batch_size < 1 or self.n_samples_per_prompt < 1 or self.num_epochs < 1:
-            raise ValueError(f"batch_size, n_samples_per_prompt, num_epochs must be >= 1, got "
-                             f"{self.batch_size}, {self.n_samples_per_prompt}, {self.num_epochs}")
         if self.incomplete_groups not in ("keep", "drop"):
             raise ValueError(f"incomplete_groups must be 'keep' or 'drop', got {self.incomplete_groups!r}")
         if self.dynamic_filtering is not None and not self.dynamic_filtering[0] < self.dynamic_filtering[1]:
@@ -173,20 +163,16 @@ class SamplesGenerator:
                             drops=dict(dropped))
         # A chat rollout may return several segments; the group's score counts each rollout once.
         per_rollout = {getattr(t, "rollout_id", None) or id(t): t for t in kept}
-        scores = [score_of(t) for t in per_rollout.values()]
+        scores = [float(t.reward if getattr(t, "score", None) is None else t.score) for t in per_rollout.values()]
         incomplete = len(per_rollout) < self.n_samples_per_prompt
         if self.dynamic_filtering is not None:
             low, high = self.dynamic_filtering
-            known = [s for s in scores if s is not None]
-            groups["score_sum"] += sum(known)
-            groups["score_count"] += len(known)
-            groups["all_pass"] += bool(known) and all(s >= high for s in known)
-            groups["all_fail"] += bool(known) and all(s <= low for s in known)
-            if incomplete:
-                dropped["incomplete_group"] += len(kept)
-                return None
-            if all(s is not None for s in scores) and not low < sum(scores) / len(scores) < high:
-                dropped["dynamic_filter"] += len(kept)
+            groups["score_sum"] += sum(scores)
+            groups["score_count"] += len(scores)
+            groups["all_pass"] += bool(scores) and all(s >= high for s in scores)
+            groups["all_fail"] += bool(scores) and all(s <= low for s in scores)
+            if incomplete or not low < sum(scores) / len(scores) < high:  # incomplete: always dropped here
+                dropped["incomplete_group" if incomplete else "dynamic_filter"] += len(kept)
                 return None
         elif not kept or (incomplete and self.incomplete_groups == "drop"):
             dropped["incomplete_group"] += len(kept)
@@ -269,19 +255,17 @@ class SamplesGenerator:
         for ds, trajectories in await asyncio.gather(*(one(r) for r in rows)):
             per_ds.setdefault(ds, []).append(trajectories)
         metrics: dict[str, float] = {}
-        lengths, truncs = [], []
         for ds, groups in per_ds.items():
             rewards = [[float(t.reward) for t in g] for g in groups if g]
-            ds_len = [sum(e - s for s, e in t.action_ranges) for g in groups for t in g]
-            ds_trunc = [float(bool(t.truncated)) for g in groups for t in g]
             if n_samples > 1:
                 metrics[f"eval_{ds}_pass{n_samples}"] = sum(max(r) for r in rewards) / max(len(rewards), 1)
             metrics[f"eval_{ds}_pass1"] = sum(sum(r) / len(r) for r in rewards) / max(len(rewards), 1)
-            metrics[f"eval_{ds}_response_length_mean"] = sum(ds_len) / max(len(ds_len), 1)
-            metrics[f"eval_{ds}_truncated_rate"] = sum(ds_trunc) / max(len(ds_trunc), 1)
-            lengths += ds_len
-            truncs += ds_trunc
-        metrics["eval_response_length_mean"] = sum(lengths) / max(len(lengths), 1)
-        metrics["eval_truncated_rate"] = sum(truncs) / max(len(truncs), 1)
-        metrics["eval_num_samples"] = float(len(lengths))
+        # response length and truncation per datasource, then over every sample
+        scopes = {f"eval_{ds}_": [t for g in groups for t in g] for ds, groups in per_ds.items()}
+        scopes["eval_"] = [t for done in scopes.values() for t in done]
+        for prefix, done in scopes.items():
+            lengths = [sum(e - s for s, e in t.action_ranges) for t in done]
+            metrics[f"{prefix}response_length_mean"] = sum(lengths) / max(len(done), 1)
+            metrics[f"{prefix}truncated_rate"] = sum(bool(t.truncated) for t in done) / max(len(done), 1)
+        metrics["eval_num_samples"] = float(len(scopes["eval_"]))
         return metrics

@@ -25,18 +25,28 @@ from molt_hydra.rollout.generation import Generation, GenerationRequest
 EPISODE_DEADLINE: contextvars.ContextVar = contextvars.ContextVar("episode_deadline", default=None)
 
 
-class SessionAffinity:
-    """Sticky least-loaded assignment session → engine index, bounded LRU so long runs do not grow it forever."""
+MAX_RETRIES = 2  # a request whose engine died is retried this often on another (or its replacement)
 
-    def __init__(self, num_engines: int, max_sessions: int = 100_000):
-        if num_engines < 1:
-            raise ValueError(f"need at least one engine, got {num_engines}")
-        self.in_flight = [0] * num_engines
-        self.alive = [True] * num_engines
+
+class Router:
+    """A `TokenGenerator` over Ray handles of `VLLMEngine`. Sessions stick to their engine (a new one goes to the
+    least loaded live engine), remembered in a bounded LRU so long runs do not grow it forever."""
+
+    def __init__(self, engines: list, *, timeout_s: float = 600.0, max_sessions: int = 100_000):
+        if not engines:
+            raise ValueError(f"need at least one engine, got {len(engines)}")
+        self.engines = engines
+        self.timeout_s = timeout_s
         self.max_sessions = max_sessions
+        self.in_flight = [0] * len(engines)
+        self.alive = [True] * len(engines)
         self._sessions: OrderedDict[str, int] = OrderedDict()
+        self.counts = {"requests": 0, "retries": 0, "timeouts": 0, "engine_deaths": 0}
+        self._outage, self._down_since = 0.0, None  # seconds with no live engine (requests waiting for one)
+        self._links = [BatchedCalls(e, "generate") for e in engines]
 
     def pick(self, session_id: str) -> int:
+        """The session's engine index: sticky; the least loaded live one when new or when its engine died."""
         index = self._sessions.get(session_id)
         if index is None or not self.alive[index]:
             live = [i for i, ok in enumerate(self.alive) if ok]
@@ -49,60 +59,39 @@ class SessionAffinity:
             self._sessions.popitem(last=False)
         return index
 
-    def mark_dead(self, index: int) -> None:
-        self.alive[index] = False
-
-    def revive(self, index: int) -> None:
-        self.alive[index], self.in_flight[index] = True, 0
-
-
-class Router:
-    """A `TokenGenerator` over Ray handles of `VLLMEngine`."""
-
-    def __init__(self, engines: list, *, timeout_s: float = 600.0, max_retries: int = 2, max_sessions: int = 100_000):
-        self.engines = engines
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.affinity = SessionAffinity(len(engines), max_sessions)
-        self.counts = {"requests": 0, "retries": 0, "timeouts": 0, "engine_deaths": 0}
-        self._outage, self._down_since = 0.0, None  # seconds with no live engine (requests waiting for one)
-        self._links = [BatchedCalls(e, "generate") for e in engines]
-
     async def generate(self, request: GenerationRequest) -> list[Generation]:
         import ray
 
         self.counts["requests"] += 1
-        for attempt in range(self.max_retries + 1):
+        for attempt in range(MAX_RETRIES + 1):
             index = await self._live_engine(request.session_id)
             engine, link = self.engines[index], self._links[index]
-            self.affinity.in_flight[index] += 1
+            self.in_flight[index] += 1
             try:
                 return await asyncio.wait_for(link.call(request), self.timeout_s)  # a timeout aborts it in vLLM
             except asyncio.TimeoutError:
                 self.counts["timeouts"] += 1
-                raise TimeoutError(
-                    f"engine {index} did not answer session {request.session_id!r} within {self.timeout_s} s"
-                ) from None
+                raise TimeoutError(f"engine {index} did not answer session {request.session_id!r} within "
+                                   f"{self.timeout_s} s") from None
             except Exception as e:
                 if not isinstance(e, ray.exceptions.RayActorError) and await self._healthy(engine):
                     raise  # the request's own error, not the engine's
-                if self.engines[index] is engine and self.affinity.alive[index]:  # first to see this death
+                if self.engines[index] is engine and self.alive[index]:  # first to see this death
                     self.counts["engine_deaths"] += 1
-                    self.affinity.mark_dead(index)
-                if attempt == self.max_retries:
+                    self.alive[index] = False
+                if attempt == MAX_RETRIES:
                     raise
                 self.counts["retries"] += 1
             finally:
                 if self.engines[index] is engine:
-                    self.affinity.in_flight[index] -= 1
+                    self.in_flight[index] -= 1
 
     async def _live_engine(self, session_id: str) -> int:
         """A live engine for the session, waiting (up to the engine timeout) while every engine is being replaced;
         the rollout's own deadline moves on by the time waited."""
         start = time.monotonic()
-        while not any(self.affinity.alive):
-            if self._down_since is None:
-                self._down_since = start
+        while not any(self.alive):
+            self._down_since = self._down_since or start
             if time.monotonic() - start >= self.timeout_s:
                 raise RuntimeError(f"every rollout engine is dead; none came back within {self.timeout_s} s")
             before = time.monotonic()
@@ -113,7 +102,7 @@ class Router:
         if self._down_since is not None:
             self._outage += time.monotonic() - self._down_since
             self._down_since = None
-        return self.affinity.pick(session_id)
+        return self.pick(session_id)
 
     def outage_s(self) -> float:
         """Seconds so far during which requests waited for a live engine."""
@@ -129,23 +118,23 @@ class Router:
     def replace_engine(self, index: int, engine) -> int:
         """The driver's replacement for dead engine `index` (started, holding the current weights and version); returns
         how many requests were still in flight on the dead one (they fail now and are retried on the new one)."""
-        stranded = self.affinity.in_flight[index]
+        stranded = self.in_flight[index]
         self._links[index].close(RuntimeError(f"engine {index} was replaced"))
         self.engines[index] = engine
         self._links[index] = BatchedCalls(engine, "generate")
-        self.affinity.revive(index)
+        self.alive[index], self.in_flight[index] = True, 0
         return stranded
 
     async def generate_stream(self, request: GenerationRequest):
         """One completion as the engine samples it (`VLLMEngine.generate_stream` deltas); no retry once started."""
         self.counts["requests"] += 1
-        index = self.affinity.pick(request.session_id)
-        self.affinity.in_flight[index] += 1
+        index = self.pick(request.session_id)
+        self.in_flight[index] += 1
         try:
             async for ref in self.engines[index].generate_stream.options(num_returns="streaming").remote(request):
                 yield await asyncio.wait_for(ref, self.timeout_s)
         finally:
-            self.affinity.in_flight[index] -= 1
+            self.in_flight[index] -= 1
 
     def metrics(self) -> dict[str, float]:
         return {f"rollout/router/{k}": float(v) for k, v in self.counts.items()}

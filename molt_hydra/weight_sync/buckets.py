@@ -8,6 +8,7 @@ tensors. A tied lm_head is never sent: the engine re-ties its own. Tensors carry
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 
@@ -79,10 +80,9 @@ def local_full_weights(model: nn.Module, to_hf=None) -> list[tuple[str, torch.Te
                 for p in [*model.parameters(), *model.buffers()]}
     out = []
     for name, t in state:
-        if fsdp and not isinstance(t, DTensor):
-            return None  # FSDP's unsharded parameters: freed or re-gathered by the next forward
         local = (t.to_local() if isinstance(t, DTensor) else t).detach()
-        if local.shape != t.shape:
+        # a shard, or FSDP's unsharded parameters (freed or re-gathered by the next forward)
+        if local.shape != t.shape or fsdp and not isinstance(t, DTensor):
             return None
         for hf_name, x in (to_hf(name, local) if to_hf else [(name, local)]):
             if x.untyped_storage().data_ptr() not in storages:
@@ -128,16 +128,12 @@ def bucket_metas(bucket: Bucket, dtype: torch.dtype | None = None) -> Metas:
 
 def _slots(metas: Metas) -> list[tuple[int, int]]:
     """(offset, nbytes) of each tensor in the flat buffer."""
-    out, offset = [], 0
-    for _, dtype, shape in metas:
-        n = math.prod(shape) * getattr(torch, dtype).itemsize
-        out.append((offset, n))
-        offset += -(-n // ALIGN) * ALIGN
-    return out
+    sizes = [math.prod(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in metas]
+    return list(zip(itertools.accumulate((-(-n // ALIGN) * ALIGN for n in sizes), initial=0), sizes))
 
 
 def packed_nbytes(metas: Metas) -> int:
-    return max((o + -(-n // ALIGN) * ALIGN for o, n in _slots(metas)), default=0)
+    return sum(-(-n // ALIGN) * ALIGN for _, n in _slots(metas))
 
 
 def unpack_bucket(metas: Metas, flat: torch.Tensor) -> Bucket:

@@ -42,11 +42,11 @@ def _storage(t: torch.Tensor) -> int:
 
 
 class _Recorder(dispatch_mode()):
-    def __init__(self, sources: set[int], destinations: set[int], allow_fills: bool = False):
+    def __init__(self, sources: set[int], destinations: set[int]):
         super().__init__()
         self.sources, self.destinations = sources, destinations
         self.copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
-        self.fills: list[tuple[torch.Tensor, float]] | None = [] if allow_fills else None
+        self.fills: list[tuple[torch.Tensor, float]] = []
         self.refusal: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -62,12 +62,11 @@ class _Recorder(dispatch_mode()):
                 return "a copy from a tensor that is not a shared trainer view (the loader computed it)"
             if _storage(dst) not in self.destinations or _storage(dst) in self.sources:
                 return "a copy into a tensor that is not an engine parameter or buffer"
-            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-            self.copies.append((dst, src, bool(non_blocking)))
+            self.copies.append((dst, src, bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))))
             return None
         if is_view_op(func):
             return None
-        if func is torch.ops.aten.fill_.Scalar and self.fills is not None and _storage(args[0]) in self.destinations:
+        if func is torch.ops.aten.fill_.Scalar and _storage(args[0]) in self.destinations:
             self.fills.append((args[0], args[1]))  # a constant into an engine tensor (vocab padding rows)
             return None
         return f"the loaders ran {func} (not a view or a copy)"
@@ -105,52 +104,51 @@ class CopyPlan:
         self.graph = None  # CUDA: captured on the first replay
 
     def replay(self) -> None:
-        if not self.copies or not self.copies[0][0].is_cuda:
-            with torch.no_grad():
-                for dst, value in self.fills:
-                    dst.fill_(value)
-                for dst, src, non_blocking in self.copies:
+        if self.copies and self.copies[0][0].is_cuda:
+            self.graph = self.graph or self._capture()
+            self.graph.replay()
+        else:
+            self._run([None])  # CPU: one by one, in order
+
+    def _run(self, branches: list) -> None:
+        """The fills, then the copies spread over `branches`: CUDA streams, forked from the first after the fills and
+        joined back by `_capture`; [None]: no stream of their own (CPU)."""
+        with torch.no_grad():
+            for dst, value in self.fills:
+                dst.fill_(value)
+            for branch in branches[1:]:
+                branch.wait_stream(branches[0])
+            for i, (dst, src, non_blocking) in enumerate(self.copies):
+                with torch.cuda.stream(branches[i % len(branches)]):
                     dst.copy_(src, non_blocking=non_blocking)
-            return
-        if self.graph is None:
-            self.graph = self._capture()
-        self.graph.replay()
 
     def _capture(self):
         """One CUDA graph of every copy (no allocation: copies between existing tensors). The capture records the
         copies without running them; the stream that replays it is ordered after the capture's side stream."""
         device = self.copies[0][0].device
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             capture = torch.cuda.current_stream(device)
             branches = [capture, *(torch.cuda.Stream(device) for _ in range(self.streams - 1))]
-            for dst, value in self.fills:
-                dst.fill_(value)
-            for branch in branches[1:]:  # forked from the capture stream, joined back before the capture ends
-                branch.wait_stream(capture)
-            for i, (dst, src, non_blocking) in enumerate(self.copies):
-                with torch.cuda.stream(branches[i % self.streams]):
-                    dst.copy_(src, non_blocking=non_blocking)
-            for branch in branches[1:]:
+            self._run(branches)
+            for branch in branches[1:]:  # joined back before the capture ends
                 capture.wait_stream(branch)
         torch.cuda.current_stream(device).synchronize()
         return graph
 
 
 def record_copy_plan(load, weights: list[tuple[str, torch.Tensor]], engine_tensors: list[torch.Tensor],
-                     addresses: tuple[int, ...], allow_empty: bool = False,
-                     allow_fills: bool = False) -> CopyPlan | str:
+                     addresses: tuple[int, ...], allow_empty: bool = False) -> CopyPlan | str:
     """Run `load()` (the engine's loaders over `weights`, views of the trainer's tensors) and watch it: a `CopyPlan`
     when it only copied shared views into `engine_tensors`' storages, else the reason it is refused. The load itself
     runs in full either way."""
-    recorder = _Recorder({_storage(t) for _, t in weights}, {_storage(t) for t in engine_tensors}, allow_fills)
+    recorder = _Recorder({_storage(t) for _, t in weights}, {_storage(t) for t in engine_tensors})
     with recorder:
         load()
     if recorder.refusal is not None:
         return recorder.refusal
     if not recorder.copies and not allow_empty:  # a part of a load (one bucket) may copy nothing: a tied head
         return "the loaders copied nothing"
-    fills = recorder.fills or []
-    if fills and not disjoint([dst for dst, _ in fills] + [dst for dst, _, _ in recorder.copies]):
+    if recorder.fills and not disjoint([dst for dst, _ in recorder.fills] + [dst for dst, _, _ in recorder.copies]):
         return "a fill overlaps a copy (their order would matter)"
-    return CopyPlan(recorder.copies, [n for n, _ in weights], addresses, fills)
+    return CopyPlan(recorder.copies, [n for n, _ in weights], addresses, recorder.fills)

@@ -37,12 +37,11 @@ def layer_group(name: str) -> str:
     return f"vision/{group}" if ("visual" in name or "vision" in name) else group
 
 
-def probe_tokens(vocab_size: int, seed: int = 0) -> list[int]:
+def probe_tokens(vocab_size: int) -> list[int]:
     """A fixed sequence of ordinary token ids (the lowest 5% of the vocabulary left out: special tokens live there
     in some tokenizers), the same on every call."""
-    generator = torch.Generator().manual_seed(seed)
-    low = max(1, vocab_size // 20)
-    return torch.randint(low, vocab_size, (PROBE_TOKENS,), generator=generator).tolist()
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(max(1, vocab_size // 20), vocab_size, (PROBE_TOKENS,), generator=generator).tolist()
 
 
 def group_sums(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> dict[str, list[float]]:
@@ -65,8 +64,7 @@ def group_sums(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None)
 
 def comparable_groups(trainer: dict[str, list[float]], engine: dict[str, list[float]]) -> list[str]:
     """Groups both sides summed in full (no empty tensor on either side), in layer order."""
-    both = set(trainer) & set(engine)
-    return sorted((g for g in both if not trainer[g][3] and not engine[g][3]), key=_natural)
+    return sorted((g for g in trainer.keys() & engine.keys() if not trainer[g][3] and not engine[g][3]), key=_natural)
 
 
 def differing_groups(trainer: dict[str, list[float]], engine: dict[str, list[float]]) -> list[str]:

@@ -90,8 +90,7 @@ class WeightReceiver:
         loaders copying into the parameters (compat.vllm.use_plain_cpu_linears). Returns the layers on plain weights;
         0 when the model cannot switch (it then keeps the layerwise reload)."""
         n = vllm_compat.use_plain_cpu_linears(self.model_runner.get_model(), self.vllm_config, self.model_config)
-        if n:
-            self._loads_in_place = True
+        self._loads_in_place = n > 0
         return n
 
     def load_in_place_on_cuda(self) -> str | None:
@@ -127,8 +126,7 @@ class WeightReceiver:
             # a layer split across buckets would read the next bucket's bytes from the reused slot: copy it out now
             vllm_compat.own_pending_reload_views(flat.data_ptr(), flat.data_ptr() + flat.numel())
             return n, None, "the parameters are not in a shared region"
-        plan = record_copy_plan(lambda: self._load(bucket), bucket, [self._parameter_map[1]], (), allow_empty=True,
-                                allow_fills=True)
+        plan = record_copy_plan(lambda: self._load(bucket), bucket, [self._parameter_map[1]], (), allow_empty=True)
         copies = plan if isinstance(plan, str) else mapped_copies(plan, metas, flat, self._parameter_map[1])
         return len(bucket), handle, copies
 
@@ -151,12 +149,12 @@ class WeightReceiver:
                 storages[storage.data_ptr()] = (storage, size)
                 size += -(-storage.nbytes() // 64) * 64  # every storage cache-line aligned
         ids = {id(p) for p in params}
-        for module in model.modules():  # a tensor kept beside the parameters on their memory would go on reading it
-            for value in [*vars(module).values(), *module._buffers.values()]:
-                if (isinstance(value, torch.Tensor) and id(value) not in ids
-                        and value.untyped_storage().data_ptr() in storages):
-                    self._parameter_map = (None, None, -1)  # the loaders write in place, as before
-                    return None
+        beside = (value for module in model.modules() for value in [*vars(module).values(), *module._buffers.values()]
+                  if isinstance(value, torch.Tensor) and id(value) not in ids)
+        # a tensor kept beside the parameters on their memory would go on reading it
+        if any(value.untyped_storage().data_ptr() in storages for value in beside):
+            self._parameter_map = (None, None, -1)  # the loaders write in place, as before
+            return None
         region, handle, fd = new_region("molt_engine_parameters", max(size, 1))
         with torch.no_grad():
             for storage, at in storages.values():
@@ -183,7 +181,7 @@ class WeightReceiver:
             self._receive_stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._receive_stream) if cuda else contextlib.nullcontext():
             flat = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=self.device)
-            self._weight_comm.broadcast(flat, src=0)  # a GPU's receive stream waits for the bytes
+            self._weight_comm.broadcast(flat, src=0).wait()  # a GPU's receive stream waits for the bytes
         if cuda:
             loads = torch.cuda.current_stream(self.device)
             loads.wait_stream(self._receive_stream)
@@ -233,7 +231,7 @@ class WeightReceiver:
             self.shared_load_path = "replay"
         elif plan is None and self.record_copy_plans:
             self._copy_plan = record_copy_plan(lambda: self._load(weights), weights, self._engine_tensors(),
-                                               self._engine_addresses(), allow_fills=True)
+                                               self._engine_addresses())
             self.shared_load_path = "record"
         else:  # refused for this token (the reason is in self._copy_plan), or opted out
             self._load(weights)

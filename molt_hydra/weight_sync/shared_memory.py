@@ -54,11 +54,6 @@ class SharedMemoryTransport(Pipeline):
         self.plans: dict[str, MappedPlan] = {}  # parameter-region token -> its plan
         self.recorded: dict[str, list] = {}  # this sync's recordings: token -> [handle, copies or refusal, names]
         self.mapped: list[MappedPlan] | None = None  # this sync's plans (one per engine worker), when in place
-        self.written: set[str] = set()  # names written in place this sync (the engines' coverage check gets them)
-
-    @property
-    def in_place(self) -> bool:
-        return self.mapped is not None
 
     def begin(self, answers: list) -> None:
         """`answers`: per engine, what each worker's `begin_layerwise_reload` returned (its parameter region's handle
@@ -78,9 +73,10 @@ class SharedMemoryTransport(Pipeline):
             except ValueError as e:  # overlapping writes: the order of names could matter; keep the loaders
                 logger.info("weight sync: the loaders stay on, %s", e)
         self.recorded = {}
-        self.written = set()
+        self.written = set()  # names written in place this sync (the engines' coverage check gets them)
         self.mapped = [self.plans[h[2]] for h in handles] if handles and all(
             h is not None and h[2] in self.plans for h in handles) else None
+        self.in_place = self.mapped is not None
 
     async def push(self, engines: list, bucket: Bucket, call) -> int:
         written = 0
@@ -106,18 +102,17 @@ class SharedMemoryTransport(Pipeline):
         answer, names = super()._load(engine, call, args), {name for name, _, _ in args[1]}
 
         async def record() -> None:
+            """Each worker's recording of this bucket (`copies`: a reason instead when its loaders did more than
+            copy), added to its region's entry in `recorded`."""
             for _, handle, copies in await answer:
-                if handle is not None:
-                    self._record(handle, copies, names)
+                if handle is None:
+                    continue
+                entry = self.recorded.setdefault(handle[2], [handle, [], set()])
+                if not isinstance(entry[1], str):  # a refusal stands for the whole sync
+                    entry[1] = copies if isinstance(copies, str) else entry[1] + copies
+                entry[2] |= names
 
         return record()
-
-    def _record(self, handle: tuple, copies: list | str, names: set[str]) -> None:
-        """One worker's recording of one bucket (`copies`: a reason instead when its loaders did more than copy)."""
-        entry = self.recorded.setdefault(handle[2], [handle, [], set()])
-        if not isinstance(entry[1], str):  # a refusal stands for the whole sync
-            entry[1] = copies if isinstance(copies, str) else entry[1] + copies
-        entry[2] |= names
 
     async def abandon(self) -> None:
         await super().abandon()
@@ -126,16 +121,12 @@ class SharedMemoryTransport(Pipeline):
     async def _region(self, nbytes: int) -> torch.Tensor:
         if self.region is None or self.region.numel() < 2 * nbytes:
             await self.drain()  # the engines still map the old region by its path until they loaded from it
-            self.close()
+            # drop this side's mapping first; the memory is freed once every engine worker dropped its own
+            self.region = None
+            if self.fd >= 0:
+                os.close(self.fd)
             self.region, self.handle, self.fd = new_region("molt_weights", 2 * nbytes)
         return self.region
-
-    def close(self) -> None:
-        """Drop this side's mapping; the memory is freed once every engine worker dropped its own (next region)."""
-        self.region = self.handle = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 # --- mapped in place: the trainer writes the recorded copies into the engine's parameters itself ---
@@ -180,7 +171,7 @@ class MappedPlan:
     nothing else writes there, so it is not replayed."""
 
     def __init__(self, handle: tuple, copies: list[MappedCopy], names: set[str]):
-        self.token, self.region = handle[2], open_region(handle)
+        self.region = open_region(handle)
         self.names, self.copies = set(names), list(copies)
         self.by_name: dict[str, list] = {}
         destinations = []

@@ -38,7 +38,6 @@ class SharedParamsTransport(Transport):
         layout = [(n, t.data_ptr(), tuple(t.shape), t.stride(), str(t.dtype), str(t.device)) for n, t in tensors]
         self.token = hashlib.sha1(repr((os.getpid(), layout)).encode()).hexdigest()
         self.handles: list | None = None  # made on the first engine that asks for them, kept for the token's life
-        self.replayed = 0.0  # of the last sync's engine workers, the share that replayed their copy plan
         self.refusals: set[str] = set()  # why a worker's loaders could not be recorded: each said once
         self.device = next((t.device for _, t in tensors if t.is_cuda), None)
         # bytes written into each engine: floating tensors in the engine dtype

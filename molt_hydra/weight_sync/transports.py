@@ -36,8 +36,7 @@ class Transport:
     def begin(self, answers: list) -> None:
         pass
 
-    async def push(self, engines: list, bucket: Bucket, call) -> int:
-        raise NotImplementedError
+    # push(engines, bucket, call) -> bytes moved: every transport's own
 
     async def drain(self) -> None:
         pass
@@ -147,12 +146,9 @@ class BroadcastGroup:
             self.group = dist.ProcessGroupNCCL(self.store, rank, world_size, options)
         else:
             self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
-        self.broadcast(torch.zeros(1, device=self.device), src=0)
+        self.broadcast(torch.zeros(1, device=self.device), src=0).wait()
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.broadcast_async(tensor, src).wait()
-
-    def broadcast_async(self, tensor: torch.Tensor, src: int = 0):
+    def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Queue the broadcast; `.wait()` on the result makes the current stream (NCCL) / the caller (gloo) wait."""
         options = dist.BroadcastOptions()
         options.rootRank = src
@@ -171,7 +167,7 @@ class BroadcastTransport(Pipeline):
         self.group = group
 
     def _send(self, flat: torch.Tensor):
-        return self.group.broadcast_async(flat, 0)  # engines join as their calls arrive: it waits on the wire
+        return self.group.broadcast(flat, 0)  # engines join as their calls arrive: it waits on the wire
 
 
 def ipc_handle(tensor: torch.Tensor) -> bytes:

@@ -145,7 +145,7 @@ class StandInWorker(WeightReceiver):
     def baseline_broadcast(self, nbytes: int) -> None:
         """A plain broadcast of `nbytes` into a fresh buffer: the baseline a weight sync is compared with."""
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._weight_comm.broadcast(flat, src=0)
+        self._weight_comm.broadcast(flat, src=0).wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -397,7 +397,7 @@ def broadcast_seconds(rank: StandInTrainerRank, engine: StandInEngine, nbytes: i
         torch.cuda.synchronize(rank.device)
         start = time.perf_counter()
         done = engine._submit("baseline_broadcast", nbytes)
-        rank.weight_broadcast_group.broadcast(flat, src=0)
+        rank.weight_broadcast_group.broadcast(flat, src=0).wait()
         asyncio.run(done)
         if i:
             best = min(best, time.perf_counter() - start)

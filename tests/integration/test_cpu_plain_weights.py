@@ -152,7 +152,7 @@ def test_an_update_whose_finish_fails_leaves_the_engine_unhealthy_and_paused(eng
     """The finish resumes the engine only once the update was finalized: when finalizing fails, the engine keeps its
     old version, reports itself unhealthy (the driver replaces it) and is not resumed. Uses the second engine, last."""
     def finalizing_fails(engine) -> None:  # runs in the engine actor (a nested function travels by value)
-        engine._plain_weights = False  # finish runs the workers' finalization, as on packed weights
+        engine.plain_cpu_weights = False  # finish runs the workers' finalization, as on packed weights
         real = engine.worker_call
 
         async def worker_call(method, *args):

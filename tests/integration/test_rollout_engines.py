@@ -245,7 +245,7 @@ def test_router_retries_on_a_dead_engine_and_times_out_a_stuck_one(engines):
     assert gens[0].engine_index == 1 and len(gens[0].token_ids) == 4
     m = router.metrics()
     assert m["rollout/router/engine_deaths"] == 1 and m["rollout/router/retries"] == 1
-    assert router.affinity.pick("d") == 1
+    assert router.pick("d") == 1
 
     stuck_engine = StuckEngine.remote()
     stuck = Router([stuck_engine], timeout_s=1.0)

@@ -91,9 +91,8 @@ class PaddedVocabEngine(nn.Module):
 def test_a_vocab_padding_fill_is_replayed_with_the_copies():
     """A colocated engine's level-2 sleep discards its weights' memory, padding rows too: the replay must write them."""
     weights, engine = trainer_weights(), PaddedVocabEngine()
-    plan = record_copy_plan(lambda: engine.load(weights), weights, [engine.embed], (), allow_fills=True)
+    plan = record_copy_plan(lambda: engine.load(weights), weights, [engine.embed], ())
     assert isinstance(plan, CopyPlan) and len(plan.fills) == 1
-    assert isinstance(record_copy_plan(lambda: engine.load(weights), weights, [engine.embed], ()), str)  # no fills
     engine.embed.fill_(float("nan"))  # what a woken, discarded allocation may hold
     plan.replay()
     q = dict(weights)["q.weight"].to(torch.bfloat16)
@@ -104,7 +103,7 @@ def test_a_vocab_padding_fill_is_replayed_with_the_copies():
             engine.embed[:4].copy_(dict(weights)["q.weight"])
             engine.embed[3:].fill_(0)  # writes a row the copy wrote: the order would matter
 
-    assert record_copy_plan(overlapping_fill, weights, [engine.embed], (), allow_fills=True) == \
+    assert record_copy_plan(overlapping_fill, weights, [engine.embed], ()) == \
         "a fill overlaps a copy (their order would matter)"
 
 

@@ -2,11 +2,11 @@
 
 import pytest
 
-from molt_hydra.rollout.router import SessionAffinity
+from molt_hydra.rollout.router import Router
 
 
 def test_new_sessions_go_to_the_least_loaded_engine_and_stay_there():
-    a = SessionAffinity(3)
+    a = Router([None] * 3)
     a.in_flight = [2, 0, 1]
     assert a.pick("s1") == 1
     a.in_flight = [0, 5, 5]
@@ -15,24 +15,24 @@ def test_new_sessions_go_to_the_least_loaded_engine_and_stay_there():
 
 
 def test_ties_break_to_the_lowest_index():
-    assert SessionAffinity(4).pick("x") == 0
+    assert Router([None] * 4).pick("x") == 0
 
 
 def test_dead_engine_sessions_move_and_stick_to_the_new_engine():
-    a = SessionAffinity(2)
+    a = Router([None] * 2)
     assert a.pick("s") == 0
-    a.mark_dead(0)
+    a.alive[0] = False
     assert a.pick("s") == 1
     a.alive[0] = True
     assert a.pick("s") == 1
-    a.mark_dead(0)
-    a.mark_dead(1)
+    a.alive[0] = False
+    a.alive[1] = False
     with pytest.raises(RuntimeError, match="every rollout engine is dead"):
         a.pick("s")
 
 
 def test_session_map_is_bounded_lru():
-    a = SessionAffinity(2, max_sessions=2)
+    a = Router([None] * 2, max_sessions=2)
     a.pick("a")
     a.in_flight[0] = 1
     a.pick("b")  # -> 1
@@ -43,4 +43,4 @@ def test_session_map_is_bounded_lru():
 
 def test_needs_an_engine():
     with pytest.raises(ValueError, match="at least one engine"):
-        SessionAffinity(0)
+        Router([None] * 0)
