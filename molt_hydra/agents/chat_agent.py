@@ -18,7 +18,7 @@ from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_a
 from molt_hydra.agents.targets import subclass
 from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
-from molt_hydra.agents.wire.server import ChatServer
+from molt_hydra.agents.wire.server import MODEL_NAME, ChatServer
 from molt_hydra.agents.wire.session import ChatSession
 from molt_hydra.rollout.generation import Sampling, TokenGenerator
 
@@ -106,7 +106,7 @@ class ChatAgentRunner(Runner):
         ctx = AgentContext(
             messages=messages, tools=copy.deepcopy(episode.tools), prompt=last_user_text(messages),
             label=episode.label, images=list(episode.images), base_url=url + "/v1", session_url=url,
-            api_key=server.api_key, model_name=server.model_name, session_id=sid, sampling_params=episode.sampling,
+            api_key=server.api_key, model_name=MODEL_NAME, session_id=sid, sampling_params=episode.sampling,
             max_length=episode.max_length, max_turns=episode.max_turns, judge_url=url + "/judge/v1")
         try:
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)

@@ -44,10 +44,8 @@ SCRATCH = "/tmp"  # where the scratch tmpfs is mounted inside bwrap (and the wor
 # Runs in the child before the user code; audit hooks cannot be removed once added.
 _BOOTSTRAP = """
 import resource, sys
-_nproc = {nproc}
-if _nproc is not None:  # set here, inside the namespaces: see _process_limit
-    resource.setrlimit(resource.RLIMIT_NPROC, (_nproc, _nproc))
-del _nproc
+if {nproc} is not None:  # set here, inside the namespaces: see _process_limit
+    resource.setrlimit(resource.RLIMIT_NPROC, ({nproc}, {nproc}))
 def _no_network(event, args):
     if event.startswith("socket."):
         raise PermissionError("network access is disabled in this sandbox")
@@ -115,10 +113,8 @@ class ExecutionResult:
 
     def as_observation(self) -> str:
         """The text an agent feeds back to the model."""
-        if self.timed_out:
-            return (self.stdout + "\nTimeoutError: execution exceeded the time limit").strip()
-        text = self.stdout if self.ok else (self.stdout + self.stderr)
-        return text.strip()
+        tail = "\nTimeoutError: execution exceeded the time limit" if self.timed_out else "" if self.ok else self.stderr
+        return (self.stdout + tail).strip()
 
 
 @functools.cache
@@ -300,9 +296,8 @@ async def _communicate(proc, code: str, limits: SandboxLimits, sandbox: str) -> 
     except BaseException:  # cancelled by the agent's own timeout: never leave the child running
         _kill_group(proc.pid)
         raise
-    exit_code = None if timed_out else proc.returncode
-    return ExecutionResult(out.decode(errors="replace"), err.decode(errors="replace"), exit_code, timed_out, truncated,
-                           sandbox)
+    return ExecutionResult(out.decode(errors="replace"), err.decode(errors="replace"),
+                           None if timed_out else proc.returncode, timed_out, truncated, sandbox)
 
 
 def _kill_group(pid: int) -> None:

@@ -87,22 +87,16 @@ def number(body: dict, key: str, lo: float, hi: float) -> float | None:
 
 def integer(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
     v = body.get(key)
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
-        raise bad(f"'{key}' must be an integer >= {lo}, got {v!r}", key)
-    if v is not None and hi is not None and v > hi:
-        raise bad(f"'{key}' must be <= {hi}, got {v}", key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo or hi is not None and v > hi):
+        raise bad(f"'{key}' must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}", key)
     return v
 
 
-def flag(body: dict, key: str) -> bool:
-    v = body.get(key, False)
+def flag(body: dict, key: str, default: bool | None = False) -> bool | None:
+    v = body.get(key)
     if v is not None and not isinstance(v, bool):
         raise bad(f"'{key}' must be a boolean, got {v!r}", key)
-    return bool(v)
-
-
-def parallel_tool_calls(body: dict) -> bool | None:
-    return None if body.get("parallel_tool_calls") is None else flag(body, "parallel_tool_calls")
+    return default if v is None else v
 
 
 def content(parts: list[dict]) -> str | list[dict]:

@@ -50,7 +50,7 @@ def parse(body: Any) -> ChatRequest:
     return ChatRequest(
         messages=canon, tools=tools, overrides=check.sampling(body, ("max_output_tokens",)),
         stream=check.flag(body, "stream"), tool_choice=check.tool_choice(body.get("tool_choice"), tools),
-        parallel_tool_calls=check.parallel_tool_calls(body),
+        parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
         top_logprobs=check.top_logprobs(body, None) if body.get("top_logprobs") else None,
         response_format=check.response_format(text.get("format"), "text.format"))
 

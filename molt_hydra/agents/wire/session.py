@@ -59,12 +59,6 @@ class TurnReply:
     streamed: bool = False  # choice 0's text already reached the client token by token
 
 
-@dataclass
-class _Branch:
-    traj: Trajectory
-    choice: Choice
-
-
 _PROBE = "\u2063probe\u2063"
 
 
@@ -91,7 +85,7 @@ class ChatSession:
         self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
         self.closed = False
         self._sealed: list[Trajectory] = []
-        self._branches: list[_Branch] = []
+        self._branches: list[tuple[Trajectory, Choice]] = []  # one open segment per choice of the latest turn
         self._prev_messages: list[dict] = []
         self._prev_tools: list[dict] | None = None
         self._last_key: str | None = None
@@ -224,8 +218,8 @@ class ChatSession:
                 raise RequestError(400, f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this "
                                    f"session's max_length is {self.max_length}", "messages", "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
-            for b in self._branches:
-                b.traj.truncated = True
+            for traj, _ in self._branches:
+                traj.truncated = True
             return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
         self.last_prompt_tokens = len(prompt_ids)
         max_tokens = min(sampling.max_tokens, remaining)
@@ -249,29 +243,21 @@ class ChatSession:
         extension = self._extension(req)
         if extension is None:
             return None, *self._full_prompt(req)
-        branch, delta_ids = extension
-        images = self._load_images(req.messages[len(self._prev_messages):], branch.traj.images)
-        return extension, branch.traj.token_ids + delta_ids, images
+        traj, delta_ids = extension
+        images = self._load_images(req.messages[len(self._prev_messages):], traj.images)
+        return extension, traj.token_ids + delta_ids, images
 
     def _commit(self, req: ChatRequest, extension, prompt_ids: list[int], images: list, gens: list[Generation],
                 choices: list[Choice]) -> None:
         """Record a generated turn: the extended (or a new) segment, one branch per choice; other branches seal."""
-        if extension is not None:
-            branch, delta_ids = extension
-            self._sealed.extend(b.traj for b in self._branches if b is not branch)
-            base = branch.traj
-            base.append_feedback(delta_ids)
-            base.images = images
-        else:
-            self._sealed.extend(b.traj for b in self._branches)
-            base = Trajectory(prompt=req.raw_prompt or req.messages, label=self.label, images=images)
-            base.append_feedback(prompt_ids)
-        trajs = [copy.deepcopy(base) for _ in range(req.n - 1)] + [base]
-        self._branches = []
-        for traj, gen, choice in zip(trajs, gens, choices):
+        base, new_ids = extension or (Trajectory(prompt=req.raw_prompt or req.messages, label=self.label), prompt_ids)
+        self._sealed.extend(traj for traj, _ in self._branches if traj is not base)
+        base.append_feedback(new_ids)
+        base.images = images
+        self._branches = list(zip([copy.deepcopy(base) for _ in range(req.n - 1)] + [base], choices))
+        for (traj, _), gen in zip(self._branches, gens):
             traj.append_action(gen)
             traj.truncated |= gen.finish_reason == "length"
-            self._branches.append(_Branch(traj, choice))
         # A raw completion is never continued as a chat: no chat request equals this marker.
         self._prev_messages = req.messages if req.raw_prompt is None else [{"raw_prompt": req.raw_prompt}]
         self._prev_tools = req.tools
@@ -308,21 +294,21 @@ class ChatSession:
         return gen
 
     def _extension(self, req: ChatRequest):
-        """(branch, delta ids) when this request continues an open branch, else None."""
+        """(the open segment it continues, delta ids) when this request continues an open branch, else None."""
         k = len(self._prev_messages)
         if (not self._branches or req.tools != self._prev_tools or len(req.messages) < k + 2
                 or req.messages[:k] != self._prev_messages):
             return None
-        branch = next((b for b in self._branches if _echoes(req.messages[k], b.choice)), None)
-        if branch is None:
+        traj, choice = next(((t, c) for t, c in self._branches if _echoes(req.messages[k], c)), (None, None))
+        if traj is None:
             return None
         head = self._render(req.messages[: k + 1], req.tools, False)
         full = self._render(req.messages, req.tools, True)
         if not full.startswith(head):
             return None
         # Every message after the echoed reply is in this delta (Molt rendered only the last one).
-        delta = self._bridge(branch.choice.gen) + full[len(head) :]
-        return branch, self._tokenize(delta)
+        delta = self._bridge(choice.gen) + full[len(head) :]
+        return traj, self._tokenize(delta)
 
     def _choice(self, gen: Generation, req: ChatRequest) -> Choice:
         ids = gen.token_ids
@@ -359,8 +345,7 @@ class ChatSession:
     def close(self) -> list[Trajectory]:
         """Seal every open branch; the session's segments in the order they were opened."""
         self.closed = True
-        segments = self._sealed + [b.traj for b in self._branches]
-        self._sealed, self._branches = [], []
+        segments = self._sealed + [traj for traj, _ in self._branches]
         for i, seg in enumerate(segments):
             seg.segment_index = i
         return segments
