@@ -104,18 +104,16 @@ def _message(m: Any, where: str) -> list[dict]:
     for j, b in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = _cache_control(b, at).get("type") if isinstance(b, dict) else None
-        if kind == "text":
-            parts.append(check.text_part(b, at))
-        elif kind == "image":
-            parts.append(_image(b, at))
+        if kind in ("text", "image"):
+            parts.append(_part(b, at))
         elif kind == "tool_use" and m["role"] == "assistant":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                 raise bad(f"{at}: tool_use needs a string name and an object input", at)
             tool_calls.append({"id": str(b.get("id", "")), "type": "function",
                                "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
         elif kind == "tool_result" and m["role"] == "user":
-            tool_results.append({"role": "tool", "content": _tool_result(b.get("content", ""), at),
-                                 "tool_call_id": str(b.get("tool_use_id", ""))})
+            result = check.text_or_parts(b.get("content", ""), f"{at}.content", _part)
+            tool_results.append({"role": "tool", "content": result, "tool_call_id": str(b.get("tool_use_id", ""))})
         else:
             raise bad(f"{at}: unsupported block type {kind!r} in a {m['role']} message", at)
     out = list(tool_results)
@@ -127,22 +125,18 @@ def _message(m: Any, where: str) -> list[dict]:
     return out
 
 
-def _tool_result(inner: Any, at: str) -> str | list[dict]:
-    if isinstance(inner, str):
-        return inner
-    if not isinstance(inner, list):
-        raise bad(f"{at}: tool_result content must be a string or a list of blocks", at)
-    return check.content([_image(x, at) if isinstance(x, dict) and x.get("type") == "image" else check.text_part(x, at)
-                          for x in inner])
-
-
-def _image(b: dict, where: str) -> dict:
-    src = b.get("source")
+def _part(b: Any, where: str) -> dict:
+    """A text or image block (of a message or a tool result)."""
+    kind = _cache_control(b, where).get("type") if isinstance(b, dict) else None
+    if kind == "text":
+        return check.text_part(b, where)
+    src = b.get("source") if kind == "image" else None
     if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
         return {"type": "image", "source": f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"}
     if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
         return {"type": "image", "source": src["url"]}
-    raise bad(f"{where}: image needs source {{type: base64, media_type, data}} or {{type: url, url}}", where)
+    raise bad(f"{where}: expected a text block or an image with source {{type: base64, media_type, data}} or "
+              "{type: url, url}", where)
 
 
 # --- replies ---

@@ -39,8 +39,8 @@ def _message(m: Any, where: str) -> dict:
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise bad(f"{where} must be an object with role in {sorted(ROLES)}", where)
     role = ROLES[m["role"]]
-    out: dict = {"role": role, "content": check.text_or_parts("" if m.get("content") is None else m["content"], where,
-                                                                  _part)}
+    content = "" if m.get("content") is None else m["content"]
+    out: dict = {"role": role, "content": check.text_or_parts(content, f"{where}.content", _part)}
     if role == "assistant" and m.get("tool_calls"):
         if not isinstance(m["tool_calls"], list):
             raise bad(f"{where}.tool_calls must be a list", where)

@@ -107,11 +107,11 @@ def content(parts: list[dict]) -> str | list[dict]:
 
 
 def text_or_parts(v: Any, where: str, part) -> str | list[dict]:
-    """A message's content: a string, or a list of parts each read by `part(p, where)`."""
+    """Content at `where` (a message's, a tool result's): a string, or a list of parts each read by `part(p, at)`."""
     if isinstance(v, list):
-        return content([part(p, f"{where}.content[{j}]") for j, p in enumerate(v)])
+        return content([part(p, f"{where}[{j}]") for j, p in enumerate(v)])
     if not isinstance(v, str):
-        raise bad(f"{where}.content must be a string or a list of parts", where)
+        raise bad(f"{where} must be a string or a list of parts", where)
     return v
 
 

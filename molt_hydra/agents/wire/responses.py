@@ -62,8 +62,8 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
     if kind == "message":
         if item.get("role") not in ROLES or item["role"] == "tool":
             raise bad(f"{where}: message role must be user, system, developer or assistant", where)
-        canon.append({"role": ROLES[item["role"]], "content": check.text_or_parts(item.get("content", ""), where,
-                                                                                   _part)})
+        content = check.text_or_parts(item.get("content", ""), f"{where}.content", _part)
+        canon.append({"role": ROLES[item["role"]], "content": content})
     elif kind == "function_call":
         if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
             raise bad(f"{where}: function_call needs a string name and arguments", where)
@@ -74,12 +74,7 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
         else:
             canon.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif kind == "function_call_output":
-        out = item.get("output", "")
-        if isinstance(out, list):
-            out = check.content([check.text_part(p, where) if p.get("type") != "input_image"
-                                 else {"type": "image", "source": p.get("image_url")} for p in out])
-        elif not isinstance(out, str):
-            raise bad(f"{where}: function_call_output.output must be a string or a list of parts", where)
+        out = check.text_or_parts(item.get("output", ""), f"{where}.output", _part)
         canon.append({"role": "tool", "content": out, "tool_call_id": str(item.get("call_id", ""))})
     elif kind != "reasoning":  # an echoed reasoning item: templates drop earlier turns' reasoning, it renders nowhere
         raise bad(f"{where}: unsupported input item type {kind!r} (message, function_call, function_call_output, "
