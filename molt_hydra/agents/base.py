@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 AGENT_EXCEPTION = "agent_exception"
 AGENT_TIMEOUT = "agent_timeout"
 EMPTY_SESSION = "empty_session"
-FAILURE_REASONS = (AGENT_EXCEPTION, AGENT_TIMEOUT, EMPTY_SESSION)
 
 
 
@@ -51,7 +50,6 @@ def scalar(value: Any, what: str) -> float:
         raise ValueError(f"{what} is None; return a number")
     if hasattr(value, "flatten"):  # torch / numpy
         value = value.flatten()[0]
-        value = value.item() if hasattr(value, "item") else value
     elif isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{what} is an empty sequence")

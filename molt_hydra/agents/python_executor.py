@@ -146,8 +146,8 @@ def _bwrap_argv(limits: SandboxLimits, allow_network: bool, uid: int | None) -> 
     argv += ["--perms", "1777", "--size", str(limits.max_file_mb * 2**20), "--tmpfs", SCRATCH]
     made = {"/", SCRATCH}
     for root in _read_only_roots():
-        parents = list(reversed(Path(root).parents))[1:]
-        for parent in map(str, parents):  # bwrap makes missing parents 0700: the dropped uid could not pass them
+        # bwrap makes missing parents 0700: the dropped uid could not pass them
+        for parent in map(str, reversed(Path(root).parents)):
             if parent not in made:
                 argv += ["--perms", "0755", "--dir", parent]
                 made.add(parent)

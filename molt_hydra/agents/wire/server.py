@@ -81,7 +81,6 @@ class ChatServer:
             return
         if self._runner is not None:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop))
-            self._runner = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         await asyncio.to_thread(self._thread.join)
         self._loop.close()

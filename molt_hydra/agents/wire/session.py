@@ -181,12 +181,11 @@ class ChatSession:
             raise RequestError(400, f"'thinking' {'enabled' if req.thinking else 'disabled'} does not match this "
                                f"model's setup (agent.reasoning_parser={self.parser.reasoning_parser_name!r}): "
                                "thinking is what the model was trained to do; omit 'thinking'", "thinking")
-        o = dict(req.overrides)
+        o = req.overrides
         for key, recipe_key in RECIPE_SAMPLING.items():
-            if key not in o:
-                continue
-            ours, theirs = getattr(self.sampling, key), o.pop(key)
-            if key == "top_k" and ours <= 0 or not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6):
+            ours, theirs = getattr(self.sampling, key), o.get(key)
+            if theirs is not None and (key == "top_k" and ours <= 0
+                                       or not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6)):
                 raise RequestError(
                     400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: training assumes the "
                     f"recipe's sampling, so a client may not change it; omit '{key}' or send {ours}", key,
