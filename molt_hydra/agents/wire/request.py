@@ -148,7 +148,7 @@ def tool_choice(v: Any, tools: list[dict] | None, param: str = "tool_choice") ->
         if not isinstance(name, str):
             raise bad(f"'{param}' names no function", param)
         v = {"type": "function", "function": {"name": name}}
-    if v not in ("none", "auto", "required") and not isinstance(v, dict):
+    elif v not in ("none", "auto", "required"):
         raise bad(f"'{param}' must be none, auto, required or a named function, got {v!r}", param)
     if v == "required" or isinstance(v, dict):
         names = [t["function"]["name"] for t in tools or []]

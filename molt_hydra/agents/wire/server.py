@@ -128,12 +128,8 @@ class ChatServer:
                 "async run()? Use the async client (AsyncOpenAI / AsyncAnthropic / the framework's async API) or "
                 "move the blocking code off the loop with `await asyncio.to_thread(fn, ...)`", code="event_loop_blocked"
             ) from None
-        fut = asyncio.run_coroutine_threadsafe(coro, session.loop)
-        try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
+        # cancelling the wrapper (the client went away) cancels the turn on the agent's loop too
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))
 
     async def _accept(self, request: web.Request) -> tuple[ChatSession, object]:
         self._check_key(request)
@@ -179,8 +175,7 @@ class ChatServer:
         try:
             while kind != "error":
                 out += stream.end(payload) if kind == "end" else stream.delta(kind, payload)
-                for chunk in out:
-                    await resp.write(chunk)
+                await resp.write(b"".join(out))
                 if kind == "end":
                     break
                 out = []
@@ -192,11 +187,6 @@ class ChatServer:
             await task
         await resp.write_eof()
         return resp
-
-
-def error_response(path: str, e: RequestError) -> web.Response:
-    shape = anthropic.error if path.endswith("/messages") else openai_chat.error
-    return web.json_response(shape(e), status=e.status)
 
 
 @web.middleware
@@ -214,7 +204,8 @@ async def _json_errors(request: web.Request, handler):
     except Exception as e:
         log.exception("%s failed", request.path)
         error = RequestError(500, f"generation failed: {failure_text(e)}", code="server_error")
-    return error_response(request.path, error)
+    shape = anthropic.error if request.path.endswith("/messages") else openai_chat.error
+    return web.json_response(shape(error), status=error.status)
 
 
 # `SomeError: message` lines of a (remote) traceback text
