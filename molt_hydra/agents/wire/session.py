@@ -186,14 +186,12 @@ class ChatSession:
             ours, theirs = getattr(self.sampling, key), o.get(key)
             if theirs is not None and (key == "top_k" and ours <= 0
                                        or not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6)):
-                raise RequestError(
-                    400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: training assumes the "
-                    f"recipe's sampling, so a client may not change it; omit '{key}' or send {ours}", key,
-                    "sampling_mismatch")
+                raise RequestError(400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: "
+                                   f"training assumes the recipe's sampling, so a client may not change it; omit "
+                                   f"'{key}' or send {ours}", key, "sampling_mismatch")
         self._check_n(req)
         return dataclasses.replace(
-            self.sampling, n=req.n,
-            max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", self.sampling.max_tokens)),
+            self.sampling, n=req.n, max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", math.inf)),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
             seed=o.get("seed", self.sampling.seed), **self._decoding(req))
 
@@ -358,9 +356,8 @@ def _echoes(message: dict, choice: Choice) -> bool:
     if not isinstance(content, str) or content.strip() != choice.content.strip():
         return False
     try:
-        calls = [
-            (tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in message.get("tool_calls", [])
-        ]
+        calls = [(tc["function"]["name"], json.loads(tc["function"]["arguments"]))
+                 for tc in message.get("tool_calls", [])]
     except (json.JSONDecodeError, KeyError, TypeError):
         return False
     return calls == [(c.name, c.arguments) for c in choice.tool_calls]
