@@ -189,19 +189,16 @@ class Runner(ABC):
         self, episodes: list[Episode], generator: TokenGenerator, tokenizer, timeout_s: float | None = None
     ) -> RolloutOutcome:
         """Run episodes concurrently. A raising, hanging (past `timeout_s`) or empty rollout is counted, not fatal."""
-        outcomes = await asyncio.gather(*(self._run_one(ep, generator, tokenizer, timeout_s) for ep in episodes))
-        failures: Counter = Counter()
-        errors: dict[str, str] = {}
-        trajectories: list[Trajectory] = []
-        for episode, (segments, reason, error) in zip(episodes, outcomes):
-            if reason is not None:
-                failures[reason] += 1
-                errors.setdefault(reason, error)
-                continue
+        runs = await asyncio.gather(*(self._run_one(ep, generator, tokenizer, timeout_s) for ep in episodes))
+        outcome = RolloutOutcome([], Counter())
+        for episode, (segments, reason, error) in zip(episodes, runs):
+            if reason is not None:  # (a failed rollout has no segments)
+                outcome.failures[reason] += 1
+                outcome.errors.setdefault(reason, error)
             for seg in segments:
                 seg.group_id, seg.rollout_id = episode.group_id, episode.rollout_id
-            trajectories.extend(segments)
-        return RolloutOutcome(trajectories, failures, errors)
+            outcome.trajectories.extend(segments)
+        return outcome
 
     async def _run_one(self, episode, generator, tokenizer, timeout_s) -> tuple[list[Trajectory], str | None, str]:
         """(segments, None, "") or ([], failure reason, an error message for the run's failure summary)."""

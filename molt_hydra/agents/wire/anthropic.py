@@ -142,9 +142,15 @@ def _part(b: Any, where: str) -> dict:
 # --- replies ---
 
 
+def _text_block(kind: str, text: str) -> dict:
+    """A run of "reasoning" (a thinking block) or of "content" (a text block)."""
+    if kind == "content":
+        return {"type": "text", "text": text}
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _blocks(c) -> list[dict]:
-    blocks: list[dict] = [{"type": "thinking", "thinking": c.reasoning, "signature": ""}] if c.reasoning else []
-    blocks += [{"type": "text", "text": c.content}] if c.content else []
+    blocks = [_text_block(kind, text) for kind, text in (("reasoning", c.reasoning), ("content", c.content)) if text]
     return blocks + [{"type": "tool_use", "id": "toolu_" + cid.removeprefix("call_"), "name": tc.name,
                       "input": tc.arguments} for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
 
@@ -189,13 +195,10 @@ class MessageStream(Stream):
         return [self.ev("message_start", {"message": start})]
 
     def open(self) -> list[bytes]:
-        block = {"type": "text", "text": ""} if self.kind == "content" else \
-            {"type": "thinking", "thinking": "", "signature": ""}
-        return [self.ev("content_block_start", {"index": self.index, "content_block": block})]
+        return [self.ev("content_block_start", {"index": self.index, "content_block": _text_block(self.kind, "")})]
 
     def piece(self, text: str) -> list[bytes]:
-        delta = {"type": "text_delta", "text": text} if self.kind == "content" else \
-            {"type": "thinking_delta", "thinking": text}
+        _, delta = _whole(_text_block(self.kind, text))
         return [self.ev("content_block_delta", {"index": self.index, "delta": delta})]
 
     def close(self) -> list[bytes]:
@@ -210,10 +213,8 @@ class MessageStream(Stream):
                     self.ev("content_block_delta", {"index": self.index, "delta": delta}),
                     self.ev("content_block_stop", {"index": self.index})]
         final = body(reply, self.req, self.model)
-        return out + [self.ev("message_delta", {"delta": {"stop_reason": final["stop_reason"],
-                                                          "stop_sequence": final["stop_sequence"]},
-                                                "usage": final["usage"]}),
-                      self.ev("message_stop", {})]
+        delta = {key: final[key] for key in ("stop_reason", "stop_sequence")}
+        return out + [self.ev("message_delta", {"delta": delta, "usage": final["usage"]}), self.ev("message_stop", {})]
 
 
 def error(e: RequestError) -> dict:
