@@ -139,16 +139,14 @@ class Trajectory:
         # earlier rows win so a prompt's routing is the one recorded when its tokens were first processed. Rows from
         # position 0 are in the engine's positions, where each image placeholder is its whole span of image tokens:
         # they are kept in full, so the list lines up with the expanded trajectory the trainer sees (to_experience).
-        if self.routed_experts is None:
-            self.routed_experts = [None] * start
-        self.routed_experts.extend([None] * (len(self.token_ids) - len(self.routed_experts)))
+        experts = self.routed_experts = self.routed_experts or []
         rows = gen.routed_experts or []
         offset = start if len(rows) == len(gen.token_ids) else 0
-        if offset == 0:
-            self.routed_experts.extend([None] * (len(rows) - len(self.routed_experts)))
-        for i, row in enumerate(rows[: len(self.routed_experts) - offset]):
-            if self.routed_experts[offset + i] is None:
-                self.routed_experts[offset + i] = list(row)
+        # an entry per token (None where unknown), and every row of those that start at position 0
+        experts.extend([None] * (max(len(self.token_ids), len(rows) if offset == 0 else 0) - len(experts)))
+        for i, row in enumerate(rows[: len(experts) - offset]):
+            if experts[offset + i] is None:
+                experts[offset + i] = list(row)
 
     @property
     def generated_ids(self) -> list[int]:

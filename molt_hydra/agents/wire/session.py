@@ -132,7 +132,7 @@ class ChatSession:
 
     async def judge(self, req: ChatRequest) -> TurnReply:
         """An LLM-as-judge call on the same engines: the client's sampling is honoured and nothing is recorded."""
-        if req.raw_prompt is not None or req.stream:
+        if req.stream:
             raise RequestError(400, "the judge endpoint serves non-streamed chat completions only", "stream")
         self._check_n(req)
         prompt_ids, images = self._full_prompt(req)
