@@ -133,13 +133,12 @@ class ChatStream(Stream):
     def end(self, reply) -> list[bytes]:
         out = []
         for i, c in enumerate(reply.choices):
-            if not reply.streamed:  # not streamed live (n > 1, a cached retry): the whole text now
-                out.append(self.chunk([{"index": i, "delta": {"role": "assistant", "content": c.content,
-                                                              "reasoning_content": c.reasoning},
-                                        "finish_reason": None}]))
+            # not streamed live (n > 1, a cached retry): the whole text now
+            whole = {"role": "assistant", "content": c.content, "reasoning_content": c.reasoning}
+            deltas = [] if reply.streamed else [whole]
             if c.tool_calls:
-                deltas = [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]
-                out.append(self.chunk([{"index": i, "delta": {"tool_calls": deltas}, "finish_reason": None}]))
+                deltas.append({"tool_calls": [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]})
+            out += [self.chunk([{"index": i, "delta": delta, "finish_reason": None}]) for delta in deltas]
             out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason,
                                     "logprobs": logprobs(c)}]))
         if self.req.include_usage:
