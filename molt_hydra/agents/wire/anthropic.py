@@ -12,6 +12,8 @@ from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream", "tools",
           "tool_choice", "thinking", "cache_control"}
+# A Choice's finish_reason -> Anthropic's stop_reason; "stop" is "stop_sequence" when one ended it, else "end_turn".
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 
 def parse(body: Any) -> ChatRequest:
@@ -155,18 +157,11 @@ def _blocks(c) -> list[dict]:
                       "input": tc.arguments} for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
 
 
-def _stop_reason(c) -> str:
-    if c.tool_calls:
-        return "tool_use"
-    if c.finish_reason == "length":
-        return "max_tokens"
-    return "stop_sequence" if c.stop_sequence is not None else "end_turn"
-
-
 def body(reply, req: ChatRequest, model: str) -> dict:
     c = reply.choices[0]
+    stop_reason = STOP_REASONS.get(c.finish_reason, "end_turn" if c.stop_sequence is None else "stop_sequence")
     return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": _blocks(c),
-            "stop_reason": _stop_reason(c), "stop_sequence": c.stop_sequence,
+            "stop_reason": stop_reason, "stop_sequence": c.stop_sequence,
             "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}}
 
 

@@ -133,10 +133,7 @@ class ResponseStream(Stream):
     """Each run of reasoning or content is an output item, opened, filled by deltas and closed."""
 
     ID_PREFIX = "resp_"
-
-    def __init__(self, req: ChatRequest, model: str, session):
-        super().__init__(req, model, session)
-        self.seq, self.item_id, self.text = 0, None, ""
+    seq, item_id, text = 0, None, ""  # events sent; the open item's id and text so far
 
     def ev(self, kind: str, **data) -> bytes:
         self.seq += 1
