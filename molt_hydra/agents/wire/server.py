@@ -91,10 +91,7 @@ class ChatServer:
         self.sessions[session.session_id] = session
 
     def close_session(self, session_id: str):
-        session = self.sessions.pop(session_id, None)
-        if session is None:
-            raise RuntimeError(f"unknown session {session_id}")
-        return session.close()
+        return self.sessions.pop(session_id).close()
 
     # --- routes ---
 
