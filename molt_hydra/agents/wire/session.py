@@ -134,7 +134,6 @@ class ChatSession:
         """An LLM-as-judge call on the same engines: the client's sampling is honoured and nothing is recorded."""
         if req.stream:
             raise RequestError(400, "the judge endpoint serves non-streamed chat completions only", "stream")
-        self._check_n(req)
         prompt_ids, images = self._full_prompt(req)
         o = req.overrides
         remaining = self.max_length - len(prompt_ids)
@@ -142,7 +141,7 @@ class ChatSession:
             raise RequestError(400, f"judge prompt is {len(prompt_ids)} tokens; max_length is {self.max_length}",
                                "messages", "context_length_exceeded")
         sampling = dataclasses.replace(
-            self.sampling, n=req.n, max_tokens=min(o.get("max_tokens", self.sampling.max_tokens), remaining),
+            self.sampling, max_tokens=min(o.get("max_tokens", self.sampling.max_tokens), remaining),
             min_tokens=0, stop=self.sampling.stop + o.get("stop", ()),
             **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o}, **self._decoding(req))
         gens = await self.generator.generate(
@@ -153,10 +152,6 @@ class ChatSession:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
         images = self._load_images(req.messages)
         return self._tokenize(self._render(req.messages, req.tools, True)), images
-
-    def _check_n(self, req: ChatRequest) -> None:
-        if req.n > self.max_choices:
-            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
 
     def _load_images(self, messages: list[dict], earlier: list | None = None) -> list:
         """The images of a prompt: `earlier` ones (of the segment it extends) + those in `messages`, checked."""
@@ -189,21 +184,23 @@ class ChatSession:
                 raise RequestError(400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: "
                                    f"training assumes the recipe's sampling, so a client may not change it; omit "
                                    f"'{key}' or send {ours}", key, "sampling_mismatch")
-        self._check_n(req)
         return dataclasses.replace(
-            self.sampling, n=req.n, max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", math.inf)),
+            self.sampling, max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", math.inf)),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
             seed=o.get("seed", self.sampling.seed), **self._decoding(req))
 
     def _decoding(self, req: ChatRequest) -> dict:
-        """Engine-side output controls of a request: logprobs and structured output (response_format / forced tool)."""
+        """Engine-side output controls of a request: choices (n <= agent.max_choices), logprobs and structured output
+        (response_format / forced tool)."""
+        if req.n > self.max_choices:
+            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
         structured = req.response_format
         if req.forced_tool:
             if structured is not None:
                 raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
                                    "response_format")
             structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
-        return {"top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
+        return {"n": req.n, "top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
 
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         extension, prompt_ids, images = self._prompt(req)
@@ -313,8 +310,8 @@ class ChatSession:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         stop_sequence = gen.stop_reason if isinstance(gen.stop_reason, str) else None
-        if stop_sequence is not None and stop_sequence in text:
-            text = text[: text.index(stop_sequence)]  # OpenAI/Anthropic omit the stop sequence from the text
+        # OpenAI/Anthropic omit the stop sequence from the text
+        text = text.partition(stop_sequence)[0] if stop_sequence else text
         if req.raw_prompt is not None:
             parsed = ParsedReply(text, [])
         elif req.forced_tool:
