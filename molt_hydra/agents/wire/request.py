@@ -53,9 +53,8 @@ class ChatRequest:
 IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                   "prompt_cache_retention", "stream_options"}
 # Fields accepted only at the value that changes nothing (sampling shapers training does not assume).
-NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-                  "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,),
-                  "include": ([],)}
+NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "include": ([],),
+                  "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,)}
 
 
 def fields(body: Any, honoured: set[str], api: str) -> None:

@@ -112,10 +112,8 @@ class ChatSession:
 
     def _bridge(self, gen: Generation) -> str:
         """Text closing the generated turn so the next message renders as the template would place it."""
-        if gen.token_ids and gen.token_ids[-1] in self._end_ids:
-            end_text = self.tokenizer.decode(gen.token_ids[-1:], skip_special_tokens=False)
-            if self._turn_end.startswith(end_text):
-                return self._turn_end[len(end_text) :]
+        if gen.token_ids and gen.token_ids[-1] in self._end_ids:  # the generated end token is part of the turn's end
+            return self._turn_end.removeprefix(self.tokenizer.decode(gen.token_ids[-1:], skip_special_tokens=False))
         return self._turn_end
 
     # --- one turn ---
