@@ -155,8 +155,5 @@ def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:
 
 
 def last_user_text(messages: list[dict]) -> str:
-    for m in reversed(messages):
-        if m.get("role") == "user":
-            c = m.get("content")
-            return c if isinstance(c, str) else "".join(p.get("text", "") for p in c if p.get("type") == "text")
-    return ""
+    last = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")  # its content
+    return last if isinstance(last, str) else "".join(p.get("text", "") for p in last if p.get("type") == "text")

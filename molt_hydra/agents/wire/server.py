@@ -221,8 +221,6 @@ def failure_text(e: BaseException) -> str:
         if str(x).strip() and not type(x).__name__.startswith("RayTaskError"):
             return f"{type(x).__name__}: {' '.join(str(x).split())[:500]}"
     for x in chain:  # only empty messages: the innermost named error with text in a remote traceback
-        found = _RAISED.findall(getattr(x, "traceback_str", "") or str(x))
-        if found:
-            name, text = found[0]  # a chained traceback prints the root cause first
-            return f"{type(chain[-1]).__name__} ({name}: {text.strip()[:500]})"
+        if raised := _RAISED.search(getattr(x, "traceback_str", "") or str(x)):  # (a chained one prints it first)
+            return f"{type(chain[-1]).__name__} ({raised[1]}: {raised[2].strip()[:500]})"
     return f"{type(chain[-1]).__name__} (the engine gave no message; see the engine's log)"
