@@ -166,10 +166,11 @@ class ChatSession:
                                     "data.max_images_per_prompt", "messages")
         return images
 
-    def _turn_sampling(self, req: ChatRequest) -> Sampling:
+    def _turn_sampling(self, req: ChatRequest, remaining: int) -> Sampling:
         """The recipe's sampling, narrowed by the client (the one rule, docs/agents.md): temperature / top_p / top_k
-        that differ from the rollout's are refused; max_tokens only lowers the per-turn cap; stop strings add to
-        the recipe's; seed is honoured; n is bounded by agent.max_choices."""
+        that differ from the rollout's are refused; max_tokens only lowers the per-turn cap (as do the `remaining`
+        tokens of the session's max_length); stop strings add to the recipe's; seed is honoured; n is bounded by
+        agent.max_choices."""
         if req.thinking is not None and req.thinking != (self.parser.reasoning is not None):
             raise RequestError(400, f"'thinking' {'enabled' if req.thinking else 'disabled'} does not match this "
                                f"model's setup (agent.reasoning_parser={self.parser.reasoning_parser_name!r}): "
@@ -182,8 +183,9 @@ class ChatSession:
                 raise RequestError(400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: "
                                    f"training assumes the recipe's sampling, so a client may not change it; omit "
                                    f"'{key}' or send {ours}", key, "sampling_mismatch")
+        max_tokens = min(self.sampling.max_tokens, o.get("max_tokens", math.inf), remaining)
         return dataclasses.replace(
-            self.sampling, max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", math.inf)),
+            self.sampling, max_tokens=max_tokens, min_tokens=min(self.sampling.min_tokens, max_tokens),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
             seed=o.get("seed", self.sampling.seed), **self._decoding(req))
 
@@ -202,8 +204,8 @@ class ChatSession:
 
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         extension, prompt_ids, images = self._prompt(req)
-        sampling = self._turn_sampling(req)
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
+        sampling = self._turn_sampling(req, remaining)
         out_of_turns = self.max_turns is not None and self.generate_calls >= self.max_turns
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
@@ -214,8 +216,6 @@ class ChatSession:
                 traj.truncated = True
             return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
         self.last_prompt_tokens = len(prompt_ids)
-        max_tokens = min(sampling.max_tokens, remaining)
-        sampling = dataclasses.replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens))
         self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
