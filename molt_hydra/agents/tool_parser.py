@@ -66,8 +66,7 @@ def parse_forced(text: str, tool_choice) -> ParsedReply:
     except json.JSONDecodeError:
         return ParsedReply(text, [])  # cut by max_tokens: the agent sees the partial JSON
     if isinstance(tool_choice, dict):
-        name = tool_choice["function"]["name"]
-        return ParsedReply("", [ToolCall(name, obj)] if isinstance(obj, dict) else [])
+        return ParsedReply("", [ToolCall(tool_choice["function"]["name"], obj)] if isinstance(obj, dict) else [])
     calls = [ToolCall(c["name"], c.get("parameters") or {}) for c in obj if isinstance(c, dict) and "name" in c]
     return ParsedReply("", calls)
 

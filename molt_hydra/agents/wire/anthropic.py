@@ -102,7 +102,7 @@ def _message(m: Any, where: str) -> list[dict]:
         return [{"role": m["role"], "content": content}]
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of blocks", where)
-    parts, tool_calls, tool_results = [], [], []
+    parts, tool_calls, out = [], [], []  # out: the tool results first, as tool messages
     for j, b in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = _cache_control(b, at).get("type") if isinstance(b, dict) else None
@@ -115,11 +115,10 @@ def _message(m: Any, where: str) -> list[dict]:
                                "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
         elif kind == "tool_result" and m["role"] == "user":
             result = check.text_or_parts(b.get("content", ""), f"{at}.content", _part)
-            tool_results.append({"role": "tool", "content": result, "tool_call_id": str(b.get("tool_use_id", ""))})
+            out.append({"role": "tool", "content": result, "tool_call_id": str(b.get("tool_use_id", ""))})
         else:
             raise bad(f"{at}: unsupported block type {kind!r} in a {m['role']} message", at)
-    out = list(tool_results)
-    if parts or tool_calls or not tool_results:
+    if parts or tool_calls or not out:
         msg: dict = {"role": m["role"], "content": check.content(parts)}
         if tool_calls:
             msg["tool_calls"] = tool_calls

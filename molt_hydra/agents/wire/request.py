@@ -37,10 +37,8 @@ class ChatRequest:
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
 
     def key(self) -> str:
-        """What makes two requests the same turn (a client retry)."""
-        d = dataclasses.asdict(self)
-        d.pop("stream"), d.pop("include_usage")
-        return json.dumps(d, sort_keys=True, default=str)
+        """What makes two requests the same turn (a client retry): all but how the reply is delivered."""
+        return json.dumps(dict(dataclasses.asdict(self), stream=None, include_usage=None), sort_keys=True, default=str)
 
     @property
     def forced_tool(self) -> bool:

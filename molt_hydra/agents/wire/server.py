@@ -170,13 +170,12 @@ class ChatServer:
         await resp.prepare(request)
         out = stream.start()
         try:
-            while kind != "error":
-                out += stream.end(payload) if kind == "end" else stream.delta(kind, payload)
-                await resp.write(b"".join(out))
-                if kind == "end":
-                    break
+            while kind not in ("end", "error"):
+                await resp.write(b"".join(out + stream.delta(kind, payload)))
                 out = []
                 kind, payload = await queue.get()
+            if kind == "end":
+                await resp.write(b"".join(out + stream.end(payload)))
             else:
                 log.error("stream failed: %s", failure_text(payload))
                 await resp.write(sse({"error": failure_text(payload)}, "error"))
