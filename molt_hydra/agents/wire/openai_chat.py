@@ -80,7 +80,7 @@ def _tools(tools: Any) -> list[dict] | None:
         raise bad("'tools' must be a list", "tools")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(fn, dict) or t.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
     return tools or None
 

@@ -106,15 +106,13 @@ def _message_item(item_id: str, parts: list[dict], status: str = "completed") ->
 
 def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
     c = reply.choices[0]
-    output: list[dict] = []
-    if c.reasoning:
-        output.append(_reasoning_item(new_id("rs_"), c.reasoning))
+    output = [_reasoning_item(new_id("rs_"), c.reasoning)] if c.reasoning else []
     if c.content or not c.tool_calls:
         output.append(_message_item(new_id("msg_"), [{"type": "output_text", "text": c.content, "annotations": [],
                                                       "logprobs": c.logprobs or []}]))
-    for cid, tc in zip(c.tool_call_ids, c.tool_calls):
-        output.append({"type": "function_call", "id": f"fc_{cid.removeprefix('call_')}", "call_id": cid,
-                       "name": tc.name, "arguments": json.dumps(tc.arguments), "status": "completed"})
+    output += [{"type": "function_call", "id": f"fc_{cid.removeprefix('call_')}", "call_id": cid, "name": tc.name,
+                "arguments": json.dumps(tc.arguments), "status": "completed"}
+               for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
     incomplete = c.finish_reason == "length"
     tool_choice = req.tool_choice
     if isinstance(tool_choice, dict):
