@@ -219,13 +219,13 @@ class ChatSession:
         self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
-        gens = [await self._stream(request, req, on_delta)] if streamed else await self.generator.generate(request)
-        if len(gens) != req.n:
-            raise RuntimeError(f"engine returned {len(gens)} generations for n={req.n}")
-        choices = [self._choice(g, req) for g in gens]
+        choices = [await self._stream(request, req, on_delta)] if streamed else [
+            self._choice(g, req) for g in await self.generator.generate(request)]
+        if len(choices) != req.n:
+            raise RuntimeError(f"engine returned {len(choices)} generations for n={req.n}")
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
-        self._commit(req, extension, prompt_ids, images, gens, choices)
-        return TurnReply(choices, len(prompt_ids), sum(len(g.token_ids) for g in gens), streamed=streamed)
+        self._commit(req, extension, prompt_ids, images, choices)
+        return TurnReply(choices, len(prompt_ids), sum(len(c.gen.token_ids) for c in choices), streamed=streamed)
 
     def _prompt(self, req: ChatRequest):
         """(extension or None, prompt ids, images) of a turn: a raw prompt, the open branch extended, or a full
@@ -239,22 +239,21 @@ class ChatSession:
         images = self._load_images(req.messages[len(self._prev_messages):], traj.images)
         return extension, traj.token_ids + delta_ids, images
 
-    def _commit(self, req: ChatRequest, extension, prompt_ids: list[int], images: list, gens: list[Generation],
-                choices: list[Choice]) -> None:
+    def _commit(self, req: ChatRequest, extension, prompt_ids: list[int], images: list, choices: list[Choice]) -> None:
         """Record a generated turn: the extended (or a new) segment, one branch per choice; other branches seal."""
         base, new_ids = extension or (Trajectory(prompt=req.raw_prompt or req.messages, label=self.label), prompt_ids)
         self._sealed.extend(traj for traj, _ in self._branches if traj is not base)
         base.append_feedback(new_ids)
         base.images = images
         self._branches = list(zip([copy.deepcopy(base) for _ in range(req.n - 1)] + [base], choices))
-        for (traj, _), gen in zip(self._branches, gens):
-            traj.append_action(gen)
-            traj.truncated |= gen.finish_reason == "length"
+        for traj, choice in self._branches:
+            traj.append_action(choice.gen)
+            traj.truncated |= choice.gen.finish_reason == "length"
         # A raw completion is never continued as a chat: no chat request equals this marker.
         self._prev_messages = req.messages if req.raw_prompt is None else [{"raw_prompt": req.raw_prompt}]
         self._prev_tools = req.tools
 
-    async def _stream(self, request: GenerationRequest, req: ChatRequest, on_delta: DeltaSink) -> Generation:
+    async def _stream(self, request: GenerationRequest, req: ChatRequest, on_delta: DeltaSink) -> Choice:
         """Sample one completion token by token, handing the client each safe-to-show piece as it appears."""
         stops = request.sampling.stop
         hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be completing
@@ -279,11 +278,10 @@ class ChatSession:
             reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
             emit("content", content)
-        gen = join_deltas(deltas)
-        final = self._choice(gen, req)
+        final = self._choice(join_deltas(deltas), req)  # parsed once (a parse failure is counted once)
         emit("reasoning", final.reasoning)
         emit("content", final.content)
-        return gen
+        return final
 
     def _extension(self, req: ChatRequest):
         """(the open segment it continues, delta ids) when this request continues an open branch, else None."""
