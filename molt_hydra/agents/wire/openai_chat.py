@@ -68,8 +68,7 @@ def _tool_call(tc: Any, where: str) -> dict:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise bad(f"{where} needs function.name", where)
     args = fn.get("arguments", "{}")
-    if not isinstance(args, str):
-        args = json.dumps(args)
+    args = args if isinstance(args, str) else json.dumps(args)
     return {"id": str(tc.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 

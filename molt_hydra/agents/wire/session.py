@@ -343,10 +343,8 @@ class ChatSession:
 
 def _echoes(message: dict, choice: Choice) -> bool:
     """Is `message` the assistant reply we returned for `choice` (content and tool calls, ids ignored)?"""
-    if message.get("role") != "assistant":
-        return False
     content = message.get("content") or ""
-    if not isinstance(content, str) or content.strip() != choice.content.strip():
+    if message.get("role") != "assistant" or not isinstance(content, str) or content.strip() != choice.content.strip():
         return False
     try:
         calls = [(tc["function"]["name"], json.loads(tc["function"]["arguments"]))
