@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 AGENT_EXCEPTION = "agent_exception"
 AGENT_TIMEOUT = "agent_timeout"
 EMPTY_SESSION = "empty_session"
-FAILURE_REASONS = (AGENT_EXCEPTION, AGENT_TIMEOUT, EMPTY_SESSION)
 
 
 
@@ -51,7 +50,6 @@ def scalar(value: Any, what: str) -> float:
         raise ValueError(f"{what} is None; return a number")
     if hasattr(value, "flatten"):  # torch / numpy
         value = value.flatten()[0]
-        value = value.item() if hasattr(value, "item") else value
     elif isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{what} is an empty sequence")
@@ -141,16 +139,14 @@ class Trajectory:
         # earlier rows win so a prompt's routing is the one recorded when its tokens were first processed. Rows from
         # position 0 are in the engine's positions, where each image placeholder is its whole span of image tokens:
         # they are kept in full, so the list lines up with the expanded trajectory the trainer sees (to_experience).
-        if self.routed_experts is None:
-            self.routed_experts = [None] * start
-        self.routed_experts.extend([None] * (len(self.token_ids) - len(self.routed_experts)))
+        experts = self.routed_experts = self.routed_experts or []
         rows = gen.routed_experts or []
         offset = start if len(rows) == len(gen.token_ids) else 0
-        if offset == 0:
-            self.routed_experts.extend([None] * (len(rows) - len(self.routed_experts)))
-        for i, row in enumerate(rows[: len(self.routed_experts) - offset]):
-            if self.routed_experts[offset + i] is None:
-                self.routed_experts[offset + i] = list(row)
+        # an entry per token (None where unknown), and every row of those that start at position 0
+        experts.extend([None] * (max(len(self.token_ids), len(rows) if offset == 0 else 0) - len(experts)))
+        for i, row in enumerate(rows[: len(experts) - offset]):
+            if experts[offset + i] is None:
+                experts[offset + i] = list(row)
 
     @property
     def generated_ids(self) -> list[int]:
@@ -191,19 +187,16 @@ class Runner(ABC):
         self, episodes: list[Episode], generator: TokenGenerator, tokenizer, timeout_s: float | None = None
     ) -> RolloutOutcome:
         """Run episodes concurrently. A raising, hanging (past `timeout_s`) or empty rollout is counted, not fatal."""
-        outcomes = await asyncio.gather(*(self._run_one(ep, generator, tokenizer, timeout_s) for ep in episodes))
-        failures: Counter = Counter()
-        errors: dict[str, str] = {}
-        trajectories: list[Trajectory] = []
-        for episode, (segments, reason, error) in zip(episodes, outcomes):
-            if reason is not None:
-                failures[reason] += 1
-                errors.setdefault(reason, error)
-                continue
+        runs = await asyncio.gather(*(self._run_one(ep, generator, tokenizer, timeout_s) for ep in episodes))
+        outcome = RolloutOutcome([], Counter())
+        for episode, (segments, reason, error) in zip(episodes, runs):
+            if reason is not None:  # (a failed rollout has no segments)
+                outcome.failures[reason] += 1
+                outcome.errors.setdefault(reason, error)
             for seg in segments:
                 seg.group_id, seg.rollout_id = episode.group_id, episode.rollout_id
-            trajectories.extend(segments)
-        return RolloutOutcome(trajectories, failures, errors)
+            outcome.trajectories.extend(segments)
+        return outcome
 
     async def _run_one(self, episode, generator, tokenizer, timeout_s) -> tuple[list[Trajectory], str | None, str]:
         """(segments, None, "") or ([], failure reason, an error message for the run's failure summary)."""

@@ -16,9 +16,9 @@ from typing import Any
 
 from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score
 from molt_hydra.agents.targets import subclass
-from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
+from molt_hydra.agents.tool_parser import reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
-from molt_hydra.agents.wire.server import ChatServer
+from molt_hydra.agents.wire.server import MODEL_NAME, ChatServer
 from molt_hydra.agents.wire.session import ChatSession
 from molt_hydra.rollout.generation import Sampling, TokenGenerator
 
@@ -73,11 +73,8 @@ class ChatAgentRunner(Runner):
 
     def configure_chat(self, tool_parser: str | None = "hermes", reasoning_parser: str | None = None,
                        max_choices: int = 8, accepts_images: bool = True, max_images: int | None = None) -> None:
-        """The agent.* chat settings (the runner process applies the config's values over the constructor's)."""
-        if tool_parser not in (None, "hermes") or reasoning_parser is not None:
-            # an unknown name fails here, not at the first tool call; vLLM's default is not looked up (its registries
-            # cost seconds, and config validation builds runners)
-            check_parser_names(tool_parser, reasoning_parser)
+        """The agent.* chat settings (the runner process applies the config's values over the constructor's; config
+        validation checks the parser names, and `ReplyParser` refuses an unknown one at the first rollout)."""
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.max_choices, self.accepts_images, self.max_images = max_choices, accepts_images, max_images
 
@@ -106,7 +103,7 @@ class ChatAgentRunner(Runner):
         ctx = AgentContext(
             messages=messages, tools=copy.deepcopy(episode.tools), prompt=last_user_text(messages),
             label=episode.label, images=list(episode.images), base_url=url + "/v1", session_url=url,
-            api_key=server.api_key, model_name=server.model_name, session_id=sid, sampling_params=episode.sampling,
+            api_key=server.api_key, model_name=MODEL_NAME, session_id=sid, sampling_params=episode.sampling,
             max_length=episode.max_length, max_turns=episode.max_turns, judge_url=url + "/judge/v1")
         try:
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)
@@ -158,8 +155,5 @@ def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:
 
 
 def last_user_text(messages: list[dict]) -> str:
-    for m in reversed(messages):
-        if m.get("role") == "user":
-            c = m.get("content")
-            return c if isinstance(c, str) else "".join(p.get("text", "") for p in c if p.get("type") == "text")
-    return ""
+    last = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")  # its content
+    return last if isinstance(last, str) else "".join(p.get("text", "") for p in last if p.get("type") == "text")

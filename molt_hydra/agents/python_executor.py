@@ -44,10 +44,8 @@ SCRATCH = "/tmp"  # where the scratch tmpfs is mounted inside bwrap (and the wor
 # Runs in the child before the user code; audit hooks cannot be removed once added.
 _BOOTSTRAP = """
 import resource, sys
-_nproc = {nproc}
-if _nproc is not None:  # set here, inside the namespaces: see _process_limit
-    resource.setrlimit(resource.RLIMIT_NPROC, (_nproc, _nproc))
-del _nproc
+if {nproc} is not None:  # set here, inside the namespaces: see _process_limit
+    resource.setrlimit(resource.RLIMIT_NPROC, ({nproc}, {nproc}))
 def _no_network(event, args):
     if event.startswith("socket."):
         raise PermissionError("network access is disabled in this sandbox")
@@ -115,19 +113,15 @@ class ExecutionResult:
 
     def as_observation(self) -> str:
         """The text an agent feeds back to the model."""
-        if self.timed_out:
-            return (self.stdout + "\nTimeoutError: execution exceeded the time limit").strip()
-        text = self.stdout if self.ok else (self.stdout + self.stderr)
-        return text.strip()
+        tail = "\nTimeoutError: execution exceeded the time limit" if self.timed_out else "" if self.ok else self.stderr
+        return (self.stdout + tail).strip()
 
 
 @functools.cache
 def network_namespace_available() -> bool:
     """Whether children can get their own network namespace here (the fallback's network isolation): probed once
     with the children's own syscall in a throwaway interpreter (it needs CAP_SYS_ADMIN; a failure must not surprise
-    the sandbox, and a fork of this threaded process could deadlock)."""
-    if sys.platform != "linux":
-        return False
+    the sandbox, and a fork of this threaded process could deadlock). Off Linux the probe fails: False."""
     probe = f"import ctypes, sys; sys.exit(ctypes.CDLL(None, use_errno=True).unshare({CLONE_NEWNET}) != 0)"
     return subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True).returncode == 0
 
@@ -150,8 +144,8 @@ def _bwrap_argv(limits: SandboxLimits, allow_network: bool, uid: int | None) -> 
     argv += ["--perms", "1777", "--size", str(limits.max_file_mb * 2**20), "--tmpfs", SCRATCH]
     made = {"/", SCRATCH}
     for root in _read_only_roots():
-        parents = list(reversed(Path(root).parents))[1:]
-        for parent in map(str, parents):  # bwrap makes missing parents 0700: the dropped uid could not pass them
+        # bwrap makes missing parents 0700: the dropped uid could not pass them
+        for parent in map(str, reversed(Path(root).parents)):
             if parent not in made:
                 argv += ["--perms", "0755", "--dir", parent]
                 made.add(parent)
@@ -163,9 +157,8 @@ def _bwrap_argv(limits: SandboxLimits, allow_network: bool, uid: int | None) -> 
             argv += ["--symlink", os.readlink(host), host]
         elif os.path.isdir(host) and host not in made:
             argv += ["--ro-bind", host, host]
-    etc = ["/etc/ld.so.cache", "/etc/localtime"] + (["/etc/resolv.conf", "/etc/hosts", "/etc/ssl"] * allow_network)
     argv += ["--perms", "0755", "--dir", "/etc"]
-    for path in etc:
+    for path in ["/etc/ld.so.cache", "/etc/localtime"] + ["/etc/resolv.conf", "/etc/hosts", "/etc/ssl"] * allow_network:
         argv += ["--ro-bind-try", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev", "--chdir", SCRATCH]
     if uid is not None:  # root: leave for a uid of this call's own, without capabilities or groups
@@ -300,9 +293,8 @@ async def _communicate(proc, code: str, limits: SandboxLimits, sandbox: str) -> 
     except BaseException:  # cancelled by the agent's own timeout: never leave the child running
         _kill_group(proc.pid)
         raise
-    exit_code = None if timed_out else proc.returncode
-    return ExecutionResult(out.decode(errors="replace"), err.decode(errors="replace"), exit_code, timed_out, truncated,
-                           sandbox)
+    return ExecutionResult(out.decode(errors="replace"), err.decode(errors="replace"),
+                           None if timed_out else proc.returncode, timed_out, truncated, sandbox)
 
 
 def _kill_group(pid: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import json
 import logging
 
@@ -40,23 +41,22 @@ class StepEnvRunner(Runner):
             key = (id(tokenizer), prompt if isinstance(prompt, str) else json.dumps([prompt, tools], sort_keys=True))
         except TypeError:  # not plain JSON (an image object, say): no key that is safe to share
             key = None
-        if key is None or key not in self._prompts:
+        found = self._prompts.get(key)
+        if found is None:
             text = prompt if isinstance(prompt, str) else tokenizer.apply_chat_template(
                 prompt, tools=tools, tokenize=False, add_generation_prompt=True)
             found = (text, tokenizer(text, add_special_tokens=False)["input_ids"])
-            if key is None:
-                return found
-            if len(self._prompts) >= PROMPT_MEMO:
-                del self._prompts[next(iter(self._prompts))]  # the oldest
-            self._prompts[key] = found
-        text, ids = self._prompts[key]
-        return text, list(ids)
+            if key is not None:
+                if len(self._prompts) >= PROMPT_MEMO:
+                    del self._prompts[next(iter(self._prompts))]  # the oldest
+                self._prompts[key] = found
+        return found[0], list(found[1])
 
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
         env = self.env_cls(**self.env_kwargs)
         traj, observation_text = await self._first_prompt(env, episode, tokenizer)
-        images, sampling, turn = list(episode.images), episode.sampling, 0
-        while True:
+        images, sampling = list(episode.images), episode.sampling
+        for turn in itertools.count():
             max_tokens = min(sampling.max_tokens, episode.max_length - len(traj.token_ids) - self._image_tokens(images))
             if episode.max_turns is not None and turn >= episode.max_turns or max_tokens <= 0:
                 traj.truncated = True
@@ -75,7 +75,6 @@ class StepEnvRunner(Runner):
                                      "sampling_params": turn_sampling, "turn": turn, "tokenizer": tokenizer})
             self._score(traj, result)
             sampling = apply_sampling_override(sampling, result.sampling_params)
-            turn += 1
             # no trailing feedback after the last turn: nothing after it would be trained on
             if result.terminated or traj.truncated or not self._feedback(traj, result, images, episode, tokenizer):
                 break

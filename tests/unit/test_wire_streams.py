@@ -53,7 +53,7 @@ def exchange(tok, path, body, text="Hello there.", reasoning=None, key="k"):
             server.open_session(ChatSession("s", ScriptedEngine(tok, text), tok, Sampling(max_tokens=64), 2048,
                                             reply_parser(tok, "hermes", reasoning)))
             async with aiohttp.ClientSession() as http, http.post(
-                    f"{server.url}/s/s{path}", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+                    server.session_url("s") + path, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
                 raw = await r.text()
                 if not r.headers["Content-Type"].startswith("text/event-stream"):
                     return r.status, json.loads(raw)

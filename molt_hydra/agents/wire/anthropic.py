@@ -12,6 +12,8 @@ from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream", "tools",
           "tool_choice", "thinking", "cache_control"}
+# A Choice's finish_reason -> Anthropic's stop_reason; "stop" is "stop_sequence" when one ended it, else "end_turn".
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 
 def parse(body: Any) -> ChatRequest:
@@ -100,26 +102,23 @@ def _message(m: Any, where: str) -> list[dict]:
         return [{"role": m["role"], "content": content}]
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of blocks", where)
-    parts, tool_calls, tool_results = [], [], []
+    parts, tool_calls, out = [], [], []  # out: the tool results first, as tool messages
     for j, b in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = _cache_control(b, at).get("type") if isinstance(b, dict) else None
-        if kind == "text":
-            parts.append(check.text_part(b, at))
-        elif kind == "image":
-            parts.append(_image(b, at))
+        if kind in ("text", "image"):
+            parts.append(_part(b, at))
         elif kind == "tool_use" and m["role"] == "assistant":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                 raise bad(f"{at}: tool_use needs a string name and an object input", at)
             tool_calls.append({"id": str(b.get("id", "")), "type": "function",
                                "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
         elif kind == "tool_result" and m["role"] == "user":
-            tool_results.append({"role": "tool", "content": _tool_result(b.get("content", ""), at),
-                                 "tool_call_id": str(b.get("tool_use_id", ""))})
+            result = check.text_or_parts(b.get("content", ""), f"{at}.content", _part)
+            out.append({"role": "tool", "content": result, "tool_call_id": str(b.get("tool_use_id", ""))})
         else:
             raise bad(f"{at}: unsupported block type {kind!r} in a {m['role']} message", at)
-    out = list(tool_results)
-    if parts or tool_calls or not tool_results:
+    if parts or tool_calls or not out:
         msg: dict = {"role": m["role"], "content": check.content(parts)}
         if tool_calls:
             msg["tool_calls"] = tool_calls
@@ -127,46 +126,41 @@ def _message(m: Any, where: str) -> list[dict]:
     return out
 
 
-def _tool_result(inner: Any, at: str) -> str | list[dict]:
-    if isinstance(inner, str):
-        return inner
-    if not isinstance(inner, list):
-        raise bad(f"{at}: tool_result content must be a string or a list of blocks", at)
-    return check.content([_image(x, at) if isinstance(x, dict) and x.get("type") == "image" else check.text_part(x, at)
-                          for x in inner])
-
-
-def _image(b: dict, where: str) -> dict:
-    src = b.get("source")
+def _part(b: Any, where: str) -> dict:
+    """A text or image block (of a message or a tool result)."""
+    kind = _cache_control(b, where).get("type") if isinstance(b, dict) else None
+    if kind == "text":
+        return check.text_part(b, where)
+    src = b.get("source") if kind == "image" else None
     if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
         return {"type": "image", "source": f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"}
     if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
         return {"type": "image", "source": src["url"]}
-    raise bad(f"{where}: image needs source {{type: base64, media_type, data}} or {{type: url, url}}", where)
+    raise bad(f"{where}: expected a text block or an image with source {{type: base64, media_type, data}} or "
+              "{type: url, url}", where)
 
 
 # --- replies ---
 
 
+def _text_block(kind: str, text: str) -> dict:
+    """A run of "reasoning" (a thinking block) or of "content" (a text block)."""
+    if kind == "content":
+        return {"type": "text", "text": text}
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _blocks(c) -> list[dict]:
-    blocks: list[dict] = [{"type": "thinking", "thinking": c.reasoning, "signature": ""}] if c.reasoning else []
-    blocks += [{"type": "text", "text": c.content}] if c.content else []
+    blocks = [_text_block(kind, text) for kind, text in (("reasoning", c.reasoning), ("content", c.content)) if text]
     return blocks + [{"type": "tool_use", "id": "toolu_" + cid.removeprefix("call_"), "name": tc.name,
                       "input": tc.arguments} for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
 
 
-def _stop_reason(c) -> str:
-    if c.tool_calls:
-        return "tool_use"
-    if c.finish_reason == "length":
-        return "max_tokens"
-    return "stop_sequence" if c.stop_sequence is not None else "end_turn"
-
-
 def body(reply, req: ChatRequest, model: str) -> dict:
     c = reply.choices[0]
+    stop_reason = STOP_REASONS.get(c.finish_reason, "end_turn" if c.stop_sequence is None else "stop_sequence")
     return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": _blocks(c),
-            "stop_reason": _stop_reason(c), "stop_sequence": c.stop_sequence,
+            "stop_reason": stop_reason, "stop_sequence": c.stop_sequence,
             "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}}
 
 
@@ -195,13 +189,10 @@ class MessageStream(Stream):
         return [self.ev("message_start", {"message": start})]
 
     def open(self) -> list[bytes]:
-        block = {"type": "text", "text": ""} if self.kind == "content" else \
-            {"type": "thinking", "thinking": "", "signature": ""}
-        return [self.ev("content_block_start", {"index": self.index, "content_block": block})]
+        return [self.ev("content_block_start", {"index": self.index, "content_block": _text_block(self.kind, "")})]
 
     def piece(self, text: str) -> list[bytes]:
-        delta = {"type": "text_delta", "text": text} if self.kind == "content" else \
-            {"type": "thinking_delta", "thinking": text}
+        _, delta = _whole(_text_block(self.kind, text))
         return [self.ev("content_block_delta", {"index": self.index, "delta": delta})]
 
     def close(self) -> list[bytes]:
@@ -216,10 +207,8 @@ class MessageStream(Stream):
                     self.ev("content_block_delta", {"index": self.index, "delta": delta}),
                     self.ev("content_block_stop", {"index": self.index})]
         final = body(reply, self.req, self.model)
-        return out + [self.ev("message_delta", {"delta": {"stop_reason": final["stop_reason"],
-                                                          "stop_sequence": final["stop_sequence"]},
-                                                "usage": final["usage"]}),
-                      self.ev("message_stop", {})]
+        delta = {key: final[key] for key in ("stop_reason", "stop_sequence")}
+        return out + [self.ev("message_delta", {"delta": delta, "usage": final["usage"]}), self.ev("message_stop", {})]
 
 
 def error(e: RequestError) -> dict:

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from molt_hydra.agents.wire import request as check
-from molt_hydra.agents.wire.openai_chat import logprobs, usage
+from molt_hydra.agents.wire.openai_chat import usage
 from molt_hydra.agents.wire.request import ChatRequest, bad
 from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
@@ -26,22 +26,16 @@ def parse(body: Any) -> ChatRequest:
     overrides = check.sampling(body, ("max_tokens",), "stop")
     top = check.integer(body, "logprobs", 0, 5)
     stream_options = body.get("stream_options") or {}
-    return ChatRequest(messages=[], overrides=overrides, n=check.integer(body, "n", 1) or 1,
-                       stream=check.flag(body, "stream"),
-                       include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
-                       top_logprobs=top, raw_prompt=prompt)
-
-
-def _finish(c) -> str:
-    return "length" if c.finish_reason == "length" else "stop"
+    return ChatRequest(messages=[], overrides=overrides, n=check.integer(body, "n", 1) or 1, top_logprobs=top,
+                       stream=check.flag(body, "stream"), raw_prompt=prompt,
+                       include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
 
 
 def _logprobs(c) -> dict | None:
     """The chat log-probs in the legacy shape: parallel lists and each token's offset in the text."""
-    chat = logprobs(c)
-    if chat is None:
+    entries = c.logprobs
+    if entries is None:
         return None
-    entries = chat["content"]
     offsets = list(itertools.accumulate((len(e["token"]) for e in entries), initial=0))[:-1]
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
@@ -50,7 +44,7 @@ def _logprobs(c) -> dict | None:
 
 def body(reply, req: ChatRequest, model: str) -> dict:
     return {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": c.content, "finish_reason": _finish(c), "logprobs": _logprobs(c)}
+            "choices": [{"index": i, "text": c.content, "finish_reason": c.finish_reason, "logprobs": _logprobs(c)}
                         for i, c in enumerate(reply.choices)],
             "usage": usage(reply)}
 
@@ -69,7 +63,7 @@ class CompletionStream(Stream):
     def end(self, reply) -> list[bytes]:
         c = reply.choices[0]
         out = [] if reply.streamed else [self.chunk(c.content)]
-        out.append(self.chunk("", _finish(c)))
+        out.append(self.chunk("", c.finish_reason))
         if self.req.include_usage:
             out.append(self.chunk("", usage=usage(reply)))
         return out + [b"data: [DONE]\n\n"]

@@ -30,7 +30,7 @@ def parse(body: Any) -> ChatRequest:
     return ChatRequest(canon, tools, overrides, n=check.integer(body, "n", 1) or 1, stream=check.flag(body, "stream"),
                        include_usage=bool(stream_options.get("include_usage")),
                        tool_choice=check.tool_choice(body.get("tool_choice"), tools),
-                       parallel_tool_calls=check.parallel_tool_calls(body),
+                       parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
                        top_logprobs=check.top_logprobs(body, "logprobs"),
                        response_format=check.response_format(body.get("response_format")))
 
@@ -39,8 +39,8 @@ def _message(m: Any, where: str) -> dict:
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise bad(f"{where} must be an object with role in {sorted(ROLES)}", where)
     role = ROLES[m["role"]]
-    out: dict = {"role": role, "content": check.text_or_parts("" if m.get("content") is None else m["content"], where,
-                                                                  _part)}
+    content = "" if m.get("content") is None else m["content"]
+    out: dict = {"role": role, "content": check.text_or_parts(content, f"{where}.content", _part)}
     if role == "assistant" and m.get("tool_calls"):
         if not isinstance(m["tool_calls"], list):
             raise bad(f"{where}.tool_calls must be a list", where)
@@ -68,8 +68,7 @@ def _tool_call(tc: Any, where: str) -> dict:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise bad(f"{where} needs function.name", where)
     args = fn.get("arguments", "{}")
-    if not isinstance(args, str):
-        args = json.dumps(args)
+    args = args if isinstance(args, str) else json.dumps(args)
     return {"id": str(tc.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
@@ -80,7 +79,7 @@ def _tools(tools: Any) -> list[dict] | None:
         raise bad("'tools' must be a list", "tools")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(fn, dict) or t.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
     return tools or None
 
@@ -133,13 +132,12 @@ class ChatStream(Stream):
     def end(self, reply) -> list[bytes]:
         out = []
         for i, c in enumerate(reply.choices):
-            if not reply.streamed:  # not streamed live (n > 1, a cached retry): the whole text now
-                out.append(self.chunk([{"index": i, "delta": {"role": "assistant", "content": c.content,
-                                                              "reasoning_content": c.reasoning},
-                                        "finish_reason": None}]))
+            # not streamed live (n > 1, a cached retry): the whole text now
+            whole = {"role": "assistant", "content": c.content, "reasoning_content": c.reasoning}
+            deltas = [] if reply.streamed else [whole]
             if c.tool_calls:
-                deltas = [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]
-                out.append(self.chunk([{"index": i, "delta": {"tool_calls": deltas}, "finish_reason": None}]))
+                deltas.append({"tool_calls": [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]})
+            out += [self.chunk([{"index": i, "delta": delta, "finish_reason": None}]) for delta in deltas]
             out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason,
                                     "logprobs": logprobs(c)}]))
         if self.req.include_usage:

@@ -37,10 +37,8 @@ class ChatRequest:
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
 
     def key(self) -> str:
-        """What makes two requests the same turn (a client retry)."""
-        d = dataclasses.asdict(self)
-        d.pop("stream"), d.pop("include_usage")
-        return json.dumps(d, sort_keys=True, default=str)
+        """What makes two requests the same turn (a client retry): all but how the reply is delivered."""
+        return json.dumps(dict(dataclasses.asdict(self), stream=None, include_usage=None), sort_keys=True, default=str)
 
     @property
     def forced_tool(self) -> bool:
@@ -53,9 +51,8 @@ class ChatRequest:
 IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                   "prompt_cache_retention", "stream_options"}
 # Fields accepted only at the value that changes nothing (sampling shapers training does not assume).
-NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-                  "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,),
-                  "include": ([],)}
+NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "include": ([],),
+                  "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,)}
 
 
 def fields(body: Any, honoured: set[str], api: str) -> None:
@@ -87,22 +84,16 @@ def number(body: dict, key: str, lo: float, hi: float) -> float | None:
 
 def integer(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
     v = body.get(key)
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
-        raise bad(f"'{key}' must be an integer >= {lo}, got {v!r}", key)
-    if v is not None and hi is not None and v > hi:
-        raise bad(f"'{key}' must be <= {hi}, got {v}", key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo or hi is not None and v > hi):
+        raise bad(f"'{key}' must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}", key)
     return v
 
 
-def flag(body: dict, key: str) -> bool:
-    v = body.get(key, False)
+def flag(body: dict, key: str, default: bool | None = False) -> bool | None:
+    v = body.get(key)
     if v is not None and not isinstance(v, bool):
         raise bad(f"'{key}' must be a boolean, got {v!r}", key)
-    return bool(v)
-
-
-def parallel_tool_calls(body: dict) -> bool | None:
-    return None if body.get("parallel_tool_calls") is None else flag(body, "parallel_tool_calls")
+    return default if v is None else v
 
 
 def content(parts: list[dict]) -> str | list[dict]:
@@ -113,11 +104,11 @@ def content(parts: list[dict]) -> str | list[dict]:
 
 
 def text_or_parts(v: Any, where: str, part) -> str | list[dict]:
-    """A message's content: a string, or a list of parts each read by `part(p, where)`."""
+    """Content at `where` (a message's, a tool result's): a string, or a list of parts each read by `part(p, at)`."""
     if isinstance(v, list):
-        return content([part(p, f"{where}.content[{j}]") for j, p in enumerate(v)])
+        return content([part(p, f"{where}[{j}]") for j, p in enumerate(v)])
     if not isinstance(v, str):
-        raise bad(f"{where}.content must be a string or a list of parts", where)
+        raise bad(f"{where} must be a string or a list of parts", where)
     return v
 
 
@@ -154,7 +145,7 @@ def tool_choice(v: Any, tools: list[dict] | None, param: str = "tool_choice") ->
         if not isinstance(name, str):
             raise bad(f"'{param}' names no function", param)
         v = {"type": "function", "function": {"name": name}}
-    if v not in ("none", "auto", "required") and not isinstance(v, dict):
+    elif v not in ("none", "auto", "required"):
         raise bad(f"'{param}' must be none, auto, required or a named function, got {v!r}", param)
     if v == "required" or isinstance(v, dict):
         names = [t["function"]["name"] for t in tools or []]

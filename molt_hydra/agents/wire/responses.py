@@ -50,7 +50,7 @@ def parse(body: Any) -> ChatRequest:
     return ChatRequest(
         messages=canon, tools=tools, overrides=check.sampling(body, ("max_output_tokens",)),
         stream=check.flag(body, "stream"), tool_choice=check.tool_choice(body.get("tool_choice"), tools),
-        parallel_tool_calls=check.parallel_tool_calls(body),
+        parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
         top_logprobs=check.top_logprobs(body, None) if body.get("top_logprobs") else None,
         response_format=check.response_format(text.get("format"), "text.format"))
 
@@ -62,8 +62,8 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
     if kind == "message":
         if item.get("role") not in ROLES or item["role"] == "tool":
             raise bad(f"{where}: message role must be user, system, developer or assistant", where)
-        canon.append({"role": ROLES[item["role"]], "content": check.text_or_parts(item.get("content", ""), where,
-                                                                                   _part)})
+        content = check.text_or_parts(item.get("content", ""), f"{where}.content", _part)
+        canon.append({"role": ROLES[item["role"]], "content": content})
     elif kind == "function_call":
         if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
             raise bad(f"{where}: function_call needs a string name and arguments", where)
@@ -74,12 +74,7 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
         else:
             canon.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif kind == "function_call_output":
-        out = item.get("output", "")
-        if isinstance(out, list):
-            out = check.content([check.text_part(p, where) if p.get("type") != "input_image"
-                                 else {"type": "image", "source": p.get("image_url")} for p in out])
-        elif not isinstance(out, str):
-            raise bad(f"{where}: function_call_output.output must be a string or a list of parts", where)
+        out = check.text_or_parts(item.get("output", ""), f"{where}.output", _part)
         canon.append({"role": "tool", "content": out, "tool_call_id": str(item.get("call_id", ""))})
     elif kind != "reasoning":  # an echoed reasoning item: templates drop earlier turns' reasoning, it renders nowhere
         raise bad(f"{where}: unsupported input item type {kind!r} (message, function_call, function_call_output, "
@@ -111,15 +106,13 @@ def _message_item(item_id: str, parts: list[dict], status: str = "completed") ->
 
 def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
     c = reply.choices[0]
-    output: list[dict] = []
-    if c.reasoning:
-        output.append(_reasoning_item(new_id("rs_"), c.reasoning))
+    output = [_reasoning_item(new_id("rs_"), c.reasoning)] if c.reasoning else []
     if c.content or not c.tool_calls:
         output.append(_message_item(new_id("msg_"), [{"type": "output_text", "text": c.content, "annotations": [],
                                                       "logprobs": c.logprobs or []}]))
-    for cid, tc in zip(c.tool_call_ids, c.tool_calls):
-        output.append({"type": "function_call", "id": f"fc_{cid.removeprefix('call_')}", "call_id": cid,
-                       "name": tc.name, "arguments": json.dumps(tc.arguments), "status": "completed"})
+    output += [{"type": "function_call", "id": f"fc_{cid.removeprefix('call_')}", "call_id": cid, "name": tc.name,
+                "arguments": json.dumps(tc.arguments), "status": "completed"}
+               for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
     incomplete = c.finish_reason == "length"
     tool_choice = req.tool_choice
     if isinstance(tool_choice, dict):
@@ -138,10 +131,7 @@ class ResponseStream(Stream):
     """Each run of reasoning or content is an output item, opened, filled by deltas and closed."""
 
     ID_PREFIX = "resp_"
-
-    def __init__(self, req: ChatRequest, model: str, session):
-        super().__init__(req, model, session)
-        self.seq, self.item_id, self.text = 0, None, ""
+    seq, item_id, text = 0, None, ""  # events sent; the open item's id and text so far
 
     def ev(self, kind: str, **data) -> bytes:
         self.seq += 1

@@ -40,27 +40,21 @@ WIRES = {
     "/v1/messages": (anthropic.parse, anthropic.body, anthropic.MessageStream),
 }
 JUDGE = "/judge/v1/chat/completions"  # OpenAI chat, unrecorded: `ChatSession.judge`
+HOST = "127.0.0.1"
+MODEL_NAME = "policy"  # what /v1/models lists; replies name it as their model
 
 
 class ChatServer:
-    def __init__(self, api_key: str | None = None, host: str = "127.0.0.1", model_name: str = "policy"):
+    def __init__(self, api_key: str | None = None):
         self.api_key = api_key or secrets.token_urlsafe(24)
-        self.host = host
-        self.model_name = model_name
         self.sessions: dict[str, ChatSession] = {}
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
-    @property
-    def url(self) -> str:
-        if self.port is None:
-            raise RuntimeError("ChatServer is not started")
-        return f"http://{self.host}:{self.port}"
-
     def session_url(self, session_id: str) -> str:
-        return f"{self.url}/s/{session_id}"
+        return f"http://{HOST}:{self.port}/s/{session_id}"
 
     async def start(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -78,7 +72,7 @@ class ChatServer:
         app.router.add_post(f"/s/{{sid}}{JUDGE}", functools.partial(self._turn, *WIRES["/v1/chat/completions"]))
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, 0)
+        site = web.TCPSite(self._runner, HOST, 0)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 
@@ -87,7 +81,6 @@ class ChatServer:
             return
         if self._runner is not None:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop))
-            self._runner = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         await asyncio.to_thread(self._thread.join)
         self._loop.close()
@@ -98,37 +91,26 @@ class ChatServer:
         self.sessions[session.session_id] = session
 
     def close_session(self, session_id: str):
-        session = self.sessions.pop(session_id, None)
-        if session is None:
-            raise RuntimeError(f"unknown session {session_id}")
-        return session.close()
+        return self.sessions.pop(session_id).close()
 
     # --- routes ---
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": self.model_name})
+        return web.json_response({"status": "ok", "model": MODEL_NAME})
 
     async def _models(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return error_response(request.path, RequestError(401, "invalid API key", code="invalid_api_key"))
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "molt_hydra"}
+        self._check_key(request)
+        model = {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "molt_hydra"}
         return web.json_response({"object": "list", "data": [model]})
 
     async def _turn(self, parse, body_of, stream, request: web.Request) -> web.StreamResponse:
         judge = request.path.endswith(JUDGE)
-        try:
-            session, body = await self._accept(request)
-            req = parse(body)
-            if req.stream and not judge:
-                return await self._sse(request, session, stream(req, self.model_name, session))
-            reply = await self._on_agent_loop(session, session.judge(req) if judge else session.complete(req))
-        except RequestError as e:
-            return error_response(request.path, e)
-        except Exception as e:
-            log.exception("%s failed", request.path)
-            return error_response(request.path, RequestError(500, f"generation failed: {failure_text(e)}",
-                                                             code="server_error"))
-        return web.json_response(body_of(reply, req, self.model_name))
+        session, body = await self._accept(request)
+        req = parse(body)
+        if req.stream and not judge:
+            return await self._sse(request, session, stream(req, MODEL_NAME, session))
+        reply = await self._on_agent_loop(session, session.judge(req) if judge else session.complete(req))
+        return web.json_response(body_of(reply, req, MODEL_NAME))
 
     async def _on_agent_loop(self, session: ChatSession, coro):
         """Run a session coroutine on the agent's loop; refuse loudly when that loop is blocked."""
@@ -143,16 +125,11 @@ class ChatServer:
                 "async run()? Use the async client (AsyncOpenAI / AsyncAnthropic / the framework's async API) or "
                 "move the blocking code off the loop with `await asyncio.to_thread(fn, ...)`", code="event_loop_blocked"
             ) from None
-        fut = asyncio.run_coroutine_threadsafe(coro, session.loop)
-        try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
+        # cancelling the wrapper (the client went away) cancels the turn on the agent's loop too
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))
 
     async def _accept(self, request: web.Request) -> tuple[ChatSession, object]:
-        if not self._authorized(request):
-            raise RequestError(401, "invalid API key", code="invalid_api_key")
+        self._check_key(request)
         session = self.sessions.get(request.match_info["sid"])
         if session is None:
             raise RequestError(404, f"unknown session {request.match_info['sid']!r}", code="unknown_session")
@@ -163,10 +140,11 @@ class ChatServer:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
 
-    def _authorized(self, request: web.Request) -> bool:
+    def _check_key(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-        return hmac.compare_digest(key.encode(), self.api_key.encode())
+        if not hmac.compare_digest(key.encode(), self.api_key.encode()):
+            raise RequestError(401, "invalid API key", code="invalid_api_key")
 
     async def _sse(self, request: web.Request, session: ChatSession, stream) -> web.StreamResponse:
         """Stream a turn: ("reasoning" | "content", text) pieces, then ("end", reply), reach `stream` as the session
@@ -192,14 +170,12 @@ class ChatServer:
         await resp.prepare(request)
         out = stream.start()
         try:
-            while kind != "error":
-                out += stream.end(payload) if kind == "end" else stream.delta(kind, payload)
-                for chunk in out:
-                    await resp.write(chunk)
-                if kind == "end":
-                    break
+            while kind not in ("end", "error"):
+                await resp.write(b"".join(out + stream.delta(kind, payload)))
                 out = []
                 kind, payload = await queue.get()
+            if kind == "end":
+                await resp.write(b"".join(out + stream.end(payload)))
             else:
                 log.error("stream failed: %s", failure_text(payload))
                 await resp.write(sse({"error": failure_text(payload)}, "error"))
@@ -209,21 +185,23 @@ class ChatServer:
         return resp
 
 
-def error_response(path: str, e: RequestError) -> web.Response:
-    shape = anthropic.error if path.endswith("/messages") else openai_chat.error
-    return web.json_response(shape(e), status=e.status)
-
-
 @web.middleware
 async def _json_errors(request: web.Request, handler):
-    """aiohttp's own 404 / 405 / 413 answers are plain text: give them the API's JSON error shape."""
+    """Every failure as the API's JSON error: a request's own (4xx), aiohttp's plain-text 404 / 405 / 413, and any
+    other exception (500, with the engine's message)."""
     try:
         return await handler(request)
+    except RequestError as e:
+        error = e
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(request.path, RequestError(e.status, f"{e.reason}: {request.method} {request.path}",
-                                                          code=e.reason.lower()))
+        error = RequestError(e.status, f"{e.reason}: {request.method} {request.path}", code=e.reason.lower())
+    except Exception as e:
+        log.exception("%s failed", request.path)
+        error = RequestError(500, f"generation failed: {failure_text(e)}", code="server_error")
+    shape = anthropic.error if request.path.endswith("/messages") else openai_chat.error
+    return web.json_response(shape(error), status=error.status)
 
 
 # `SomeError: message` lines of a (remote) traceback text
@@ -242,8 +220,6 @@ def failure_text(e: BaseException) -> str:
         if str(x).strip() and not type(x).__name__.startswith("RayTaskError"):
             return f"{type(x).__name__}: {' '.join(str(x).split())[:500]}"
     for x in chain:  # only empty messages: the innermost named error with text in a remote traceback
-        found = _RAISED.findall(getattr(x, "traceback_str", "") or str(x))
-        if found:
-            name, text = found[0]  # a chained traceback prints the root cause first
-            return f"{type(chain[-1]).__name__} ({name}: {text.strip()[:500]})"
+        if raised := _RAISED.search(getattr(x, "traceback_str", "") or str(x)):  # (a chained one prints it first)
+            return f"{type(chain[-1]).__name__} ({raised[1]}: {raised[2].strip()[:500]})"
     return f"{type(chain[-1]).__name__} (the engine gave no message; see the engine's log)"

@@ -59,12 +59,6 @@ class TurnReply:
     streamed: bool = False  # choice 0's text already reached the client token by token
 
 
-@dataclass
-class _Branch:
-    traj: Trajectory
-    choice: Choice
-
-
 _PROBE = "\u2063probe\u2063"
 
 
@@ -91,7 +85,7 @@ class ChatSession:
         self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
         self.closed = False
         self._sealed: list[Trajectory] = []
-        self._branches: list[_Branch] = []
+        self._branches: list[tuple[Trajectory, Choice]] = []  # one open segment per choice of the latest turn
         self._prev_messages: list[dict] = []
         self._prev_tools: list[dict] | None = None
         self._last_key: str | None = None
@@ -118,10 +112,8 @@ class ChatSession:
 
     def _bridge(self, gen: Generation) -> str:
         """Text closing the generated turn so the next message renders as the template would place it."""
-        if gen.token_ids and gen.token_ids[-1] in self._end_ids:
-            end_text = self.tokenizer.decode(gen.token_ids[-1:], skip_special_tokens=False)
-            if self._turn_end.startswith(end_text):
-                return self._turn_end[len(end_text) :]
+        if gen.token_ids and gen.token_ids[-1] in self._end_ids:  # the generated end token is part of the turn's end
+            return self._turn_end.removeprefix(self.tokenizer.decode(gen.token_ids[-1:], skip_special_tokens=False))
         return self._turn_end
 
     # --- one turn ---
@@ -138,9 +130,8 @@ class ChatSession:
 
     async def judge(self, req: ChatRequest) -> TurnReply:
         """An LLM-as-judge call on the same engines: the client's sampling is honoured and nothing is recorded."""
-        if req.raw_prompt is not None or req.stream:
+        if req.stream:
             raise RequestError(400, "the judge endpoint serves non-streamed chat completions only", "stream")
-        self._check_n(req)
         prompt_ids, images = self._full_prompt(req)
         o = req.overrides
         remaining = self.max_length - len(prompt_ids)
@@ -148,7 +139,7 @@ class ChatSession:
             raise RequestError(400, f"judge prompt is {len(prompt_ids)} tokens; max_length is {self.max_length}",
                                "messages", "context_length_exceeded")
         sampling = dataclasses.replace(
-            self.sampling, n=req.n, max_tokens=min(o.get("max_tokens", self.sampling.max_tokens), remaining),
+            self.sampling, max_tokens=min(o.get("max_tokens", self.sampling.max_tokens), remaining),
             min_tokens=0, stop=self.sampling.stop + o.get("stop", ()),
             **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o}, **self._decoding(req))
         gens = await self.generator.generate(
@@ -159,10 +150,6 @@ class ChatSession:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
         images = self._load_images(req.messages)
         return self._tokenize(self._render(req.messages, req.tools, True)), images
-
-    def _check_n(self, req: ChatRequest) -> None:
-        if req.n > self.max_choices:
-            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
 
     def _load_images(self, messages: list[dict], earlier: list | None = None) -> list:
         """The images of a prompt: `earlier` ones (of the segment it extends) + those in `messages`, checked."""
@@ -179,67 +166,66 @@ class ChatSession:
                                     "data.max_images_per_prompt", "messages")
         return images
 
-    def _turn_sampling(self, req: ChatRequest) -> Sampling:
+    def _turn_sampling(self, req: ChatRequest, remaining: int) -> Sampling:
         """The recipe's sampling, narrowed by the client (the one rule, docs/agents.md): temperature / top_p / top_k
-        that differ from the rollout's are refused; max_tokens only lowers the per-turn cap; stop strings add to
-        the recipe's; seed is honoured; n is bounded by agent.max_choices."""
+        that differ from the rollout's are refused; max_tokens only lowers the per-turn cap (as do the `remaining`
+        tokens of the session's max_length); stop strings add to the recipe's; seed is honoured; n is bounded by
+        agent.max_choices."""
         if req.thinking is not None and req.thinking != (self.parser.reasoning is not None):
             raise RequestError(400, f"'thinking' {'enabled' if req.thinking else 'disabled'} does not match this "
                                f"model's setup (agent.reasoning_parser={self.parser.reasoning_parser_name!r}): "
                                "thinking is what the model was trained to do; omit 'thinking'", "thinking")
-        o = dict(req.overrides)
+        o = req.overrides
         for key, recipe_key in RECIPE_SAMPLING.items():
-            if key not in o:
-                continue
-            ours, theirs = getattr(self.sampling, key), o.pop(key)
-            if key == "top_k" and ours <= 0 or not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6):
-                raise RequestError(
-                    400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: training assumes the "
-                    f"recipe's sampling, so a client may not change it; omit '{key}' or send {ours}", key,
-                    "sampling_mismatch")
-        self._check_n(req)
+            ours, theirs = getattr(self.sampling, key), o.get(key)
+            if theirs is not None and (key == "top_k" and ours <= 0
+                                       or not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6)):
+                raise RequestError(400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: "
+                                   f"training assumes the recipe's sampling, so a client may not change it; omit "
+                                   f"'{key}' or send {ours}", key, "sampling_mismatch")
+        max_tokens = min(self.sampling.max_tokens, o.get("max_tokens", math.inf), remaining)
         return dataclasses.replace(
-            self.sampling, n=req.n,
-            max_tokens=min(self.sampling.max_tokens, o.get("max_tokens", self.sampling.max_tokens)),
+            self.sampling, max_tokens=max_tokens, min_tokens=min(self.sampling.min_tokens, max_tokens),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
             seed=o.get("seed", self.sampling.seed), **self._decoding(req))
 
     def _decoding(self, req: ChatRequest) -> dict:
-        """Engine-side output controls of a request: logprobs and structured output (response_format / forced tool)."""
+        """Engine-side output controls of a request: choices (n <= agent.max_choices), logprobs and structured output
+        (response_format / forced tool)."""
+        if req.n > self.max_choices:
+            raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
         structured = req.response_format
         if req.forced_tool:
             if structured is not None:
                 raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
                                    "response_format")
             structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
-        return {"top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
+        return {"n": req.n, "top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
 
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         extension, prompt_ids, images = self._prompt(req)
-        sampling = self._turn_sampling(req)
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
+        sampling = self._turn_sampling(req, remaining)
         out_of_turns = self.max_turns is not None and self.generate_calls >= self.max_turns
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
                 raise RequestError(400, f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this "
                                    f"session's max_length is {self.max_length}", "messages", "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
-            for b in self._branches:
-                b.traj.truncated = True
+            for traj, _ in self._branches:
+                traj.truncated = True
             return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
         self.last_prompt_tokens = len(prompt_ids)
-        max_tokens = min(sampling.max_tokens, remaining)
-        sampling = dataclasses.replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens))
         self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
-        gens = [await self._stream(request, req, on_delta)] if streamed else await self.generator.generate(request)
-        if len(gens) != req.n:
-            raise RuntimeError(f"engine returned {len(gens)} generations for n={req.n}")
-        choices = [self._choice(g, req) for g in gens]
+        choices = [await self._stream(request, req, on_delta)] if streamed else [
+            self._choice(g, req) for g in await self.generator.generate(request)]
+        if len(choices) != req.n:
+            raise RuntimeError(f"engine returned {len(choices)} generations for n={req.n}")
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
-        self._commit(req, extension, prompt_ids, images, gens, choices)
-        return TurnReply(choices, len(prompt_ids), sum(len(g.token_ids) for g in gens), streamed=streamed)
+        self._commit(req, extension, prompt_ids, images, choices)
+        return TurnReply(choices, len(prompt_ids), sum(len(c.gen.token_ids) for c in choices), streamed=streamed)
 
     def _prompt(self, req: ChatRequest):
         """(extension or None, prompt ids, images) of a turn: a raw prompt, the open branch extended, or a full
@@ -249,34 +235,25 @@ class ChatSession:
         extension = self._extension(req)
         if extension is None:
             return None, *self._full_prompt(req)
-        branch, delta_ids = extension
-        images = self._load_images(req.messages[len(self._prev_messages):], branch.traj.images)
-        return extension, branch.traj.token_ids + delta_ids, images
+        traj, delta_ids = extension
+        images = self._load_images(req.messages[len(self._prev_messages):], traj.images)
+        return extension, traj.token_ids + delta_ids, images
 
-    def _commit(self, req: ChatRequest, extension, prompt_ids: list[int], images: list, gens: list[Generation],
-                choices: list[Choice]) -> None:
+    def _commit(self, req: ChatRequest, extension, prompt_ids: list[int], images: list, choices: list[Choice]) -> None:
         """Record a generated turn: the extended (or a new) segment, one branch per choice; other branches seal."""
-        if extension is not None:
-            branch, delta_ids = extension
-            self._sealed.extend(b.traj for b in self._branches if b is not branch)
-            base = branch.traj
-            base.append_feedback(delta_ids)
-            base.images = images
-        else:
-            self._sealed.extend(b.traj for b in self._branches)
-            base = Trajectory(prompt=req.raw_prompt or req.messages, label=self.label, images=images)
-            base.append_feedback(prompt_ids)
-        trajs = [copy.deepcopy(base) for _ in range(req.n - 1)] + [base]
-        self._branches = []
-        for traj, gen, choice in zip(trajs, gens, choices):
-            traj.append_action(gen)
-            traj.truncated |= gen.finish_reason == "length"
-            self._branches.append(_Branch(traj, choice))
+        base, new_ids = extension or (Trajectory(prompt=req.raw_prompt or req.messages, label=self.label), prompt_ids)
+        self._sealed.extend(traj for traj, _ in self._branches if traj is not base)
+        base.append_feedback(new_ids)
+        base.images = images
+        self._branches = list(zip([copy.deepcopy(base) for _ in range(req.n - 1)] + [base], choices))
+        for traj, choice in self._branches:
+            traj.append_action(choice.gen)
+            traj.truncated |= choice.gen.finish_reason == "length"
         # A raw completion is never continued as a chat: no chat request equals this marker.
         self._prev_messages = req.messages if req.raw_prompt is None else [{"raw_prompt": req.raw_prompt}]
         self._prev_tools = req.tools
 
-    async def _stream(self, request: GenerationRequest, req: ChatRequest, on_delta: DeltaSink) -> Generation:
+    async def _stream(self, request: GenerationRequest, req: ChatRequest, on_delta: DeltaSink) -> Choice:
         """Sample one completion token by token, handing the client each safe-to-show piece as it appears."""
         stops = request.sampling.stop
         hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be completing
@@ -301,28 +278,27 @@ class ChatSession:
             reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
             emit("content", content)
-        gen = join_deltas(deltas)
-        final = self._choice(gen, req)
+        final = self._choice(join_deltas(deltas), req)  # parsed once (a parse failure is counted once)
         emit("reasoning", final.reasoning)
         emit("content", final.content)
-        return gen
+        return final
 
     def _extension(self, req: ChatRequest):
-        """(branch, delta ids) when this request continues an open branch, else None."""
+        """(the open segment it continues, delta ids) when this request continues an open branch, else None."""
         k = len(self._prev_messages)
         if (not self._branches or req.tools != self._prev_tools or len(req.messages) < k + 2
                 or req.messages[:k] != self._prev_messages):
             return None
-        branch = next((b for b in self._branches if _echoes(req.messages[k], b.choice)), None)
-        if branch is None:
+        traj, choice = next(((t, c) for t, c in self._branches if _echoes(req.messages[k], c)), (None, None))
+        if traj is None:
             return None
         head = self._render(req.messages[: k + 1], req.tools, False)
         full = self._render(req.messages, req.tools, True)
         if not full.startswith(head):
             return None
         # Every message after the echoed reply is in this delta (Molt rendered only the last one).
-        delta = self._bridge(branch.choice.gen) + full[len(head) :]
-        return branch, self._tokenize(delta)
+        delta = self._bridge(choice.gen) + full[len(head) :]
+        return traj, self._tokenize(delta)
 
     def _choice(self, gen: Generation, req: ChatRequest) -> Choice:
         ids = gen.token_ids
@@ -330,8 +306,8 @@ class ChatSession:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         stop_sequence = gen.stop_reason if isinstance(gen.stop_reason, str) else None
-        if stop_sequence is not None and stop_sequence in text:
-            text = text[: text.index(stop_sequence)]  # OpenAI/Anthropic omit the stop sequence from the text
+        # OpenAI/Anthropic omit the stop sequence from the text
+        text = text.partition(stop_sequence)[0] if stop_sequence else text
         if req.raw_prompt is not None:
             parsed = ParsedReply(text, [])
         elif req.forced_tool:
@@ -359,8 +335,7 @@ class ChatSession:
     def close(self) -> list[Trajectory]:
         """Seal every open branch; the session's segments in the order they were opened."""
         self.closed = True
-        segments = self._sealed + [b.traj for b in self._branches]
-        self._sealed, self._branches = [], []
+        segments = self._sealed + [traj for traj, _ in self._branches]
         for i, seg in enumerate(segments):
             seg.segment_index = i
         return segments
@@ -368,15 +343,12 @@ class ChatSession:
 
 def _echoes(message: dict, choice: Choice) -> bool:
     """Is `message` the assistant reply we returned for `choice` (content and tool calls, ids ignored)?"""
-    if message.get("role") != "assistant":
-        return False
     content = message.get("content") or ""
-    if not isinstance(content, str) or content.strip() != choice.content.strip():
+    if message.get("role") != "assistant" or not isinstance(content, str) or content.strip() != choice.content.strip():
         return False
     try:
-        calls = [
-            (tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in message.get("tool_calls", [])
-        ]
+        calls = [(tc["function"]["name"], json.loads(tc["function"]["arguments"]))
+                 for tc in message.get("tool_calls", [])]
     except (json.JSONDecodeError, KeyError, TypeError):
         return False
     return calls == [(c.name, c.arguments) for c in choice.tool_calls]

@@ -33,12 +33,11 @@ class Stream:
         return []
 
     def delta(self, kind: str, text: str) -> list[bytes]:
-        out = []
-        if kind != self.kind:
-            out += self.close()
-            self.kind, self.index = kind, self.index + 1
-            out += self.open()
-        return out + self.piece(text)
+        if kind == self.kind:
+            return self.piece(text)
+        out = self.close()  # of the block that was open
+        self.kind, self.index = kind, self.index + 1
+        return out + self.open() + self.piece(text)
 
     def open(self) -> list[bytes]:
         return []
