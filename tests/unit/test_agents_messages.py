@@ -155,6 +155,13 @@ def test_responses_items_become_the_chat_messages_a_chat_request_would_send():
             responses.parse(body)
 
 
+@pytest.mark.parametrize("system", [["plain text"], [3], [None]])
+def test_anthropic_system_blocks_that_are_not_objects_are_a_400_naming_the_block(system):
+    with pytest.raises(RequestError) as e:
+        anthropic.parse({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "system": system})
+    assert e.value.status == 400 and "text part needs a string 'text'" in e.value.message
+
+
 def test_completions_and_anthropic_tool_choice_and_thinking():
     req = completions.parse({"prompt": ["abc"], "max_tokens": 3, "logprobs": 2, "stop": "\n"})
     assert (req.raw_prompt, req.overrides, req.top_logprobs) == ("abc", {"max_tokens": 3, "stop": ("\n",)}, 2)

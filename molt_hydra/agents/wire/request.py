@@ -112,8 +112,8 @@ def text_or_parts(v: Any, where: str, part) -> str | list[dict]:
     return v
 
 
-def text_part(p: dict, where: str) -> dict:
-    if not isinstance(p.get("text"), str):
+def text_part(p: Any, where: str) -> dict:
+    if not isinstance(p, dict) or not isinstance(p.get("text"), str):
         raise bad(f"{where}: text part needs a string 'text'", where)
     return {"type": "text", "text": p["text"]}
 
