@@ -15,7 +15,8 @@ TRAJECTORY_FIELDS = ("token_ids", "logprobs", "versions", "action_ranges", "grou
 class RunLog:
     def __init__(self, cfg: LoggerConfig, output_dir: str | Path, tokenizer, sinks, progress):
         """`sinks`: logging/sinks.py MetricSinks; `progress`: logging/progress.py Progress."""
-        self.cfg, self.dir, self.tokenizer, self.sinks, self.progress = cfg, Path(output_dir), tokenizer, sinks, progress
+        self.cfg, self.dir, self.tokenizer = cfg, Path(output_dir), tokenizer
+        self.sinks, self.progress = sinks, progress
 
     def step(self, step: int, metrics: dict, batch) -> None:
         log = self.cfg
