@@ -36,7 +36,7 @@ from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
-from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline
+from molt_hydra.runtime.watchdog import RunFailed, deadline
 
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
                  "weight_sync_wait", "weight_sync")
@@ -121,6 +121,7 @@ class RLController:
                 self.batches_made += bool(batch.groups)
                 self.exhausted = batch.exhausted or not batch.groups
                 self.batch_made.notify_all()
+        await self.queue.put((None, {}))  # the end of the data, after every batch
 
     def _dump_batch(self, j: int, batch) -> None:
         """train.rollout_dump_dir: batch j as <dir>/rollout_step{j}.pt (Molt's rollout dump), for replay or study."""
@@ -319,7 +320,7 @@ class RLController:
         self.last_eval = m
 
     def client_state(self) -> dict:
-        queued = list(self.queue._queue)  # finished, untrained batches: trained first after a resume
+        queued = [item for item in self.queue._queue if item[0] is not None]  # trained first after a resume
         return {"step": self.step, "version": self.version, "generator": self.roles.generator.state_dict(),
                 "queued": queued, "batches_made": self.step + len(queued), "best": self.best,
                 "next_eval": self.next_eval, "kl_coef": self.kl_ctl.value, "wandb_id": self.log.sinks.wandb_id}
@@ -362,9 +363,9 @@ class RLController:
         if self.step == 0 and self.cfg.eval.at_start:
             await self.maybe_eval(force=True)
         producer = asyncio.create_task(self.produce())
-        keeper = self.calls.keeper  # replaces dead engines meanwhile; its failure (too many restarts) ends the run
-        watcher = asyncio.create_task(keeper.watch(lambda: self.version + self.trainer_ahead))
-        steps = asyncio.create_task(self._steps(producer, watcher))
+        # the keeper replaces dead engines meanwhile; its failure (too many restarts) ends the run
+        watcher = asyncio.create_task(self.calls.keeper.watch(lambda: self.version + self.trainer_ahead))
+        steps = asyncio.create_task(self._steps())
         background = {producer, watcher}
         try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)
             while True:
@@ -380,13 +381,14 @@ class RLController:
                 task.cancel()
             await asyncio.gather(steps, producer, watcher, return_exceptions=True)
 
-    async def _steps(self, producer: asyncio.Task, watcher: asyncio.Task) -> dict:
+    async def _steps(self) -> dict:
         cfg, max_steps, keeper = self.cfg, self.cfg.train.max_steps, self.calls.keeper
         last: dict[str, float] = {}
         while max_steps is None or self.step < max_steps:
             t0 = time.perf_counter()
-            batch, gen_timing = await self._next_batch(producer, watcher)
-            if batch is None:
+            batch, gen_timing = await deadline(self.queue.get(), cfg.train.timeouts.step_s, "rollout",
+                                               "generating a batch")
+            if batch is None:  # the data is done
                 break
             waited = time.perf_counter() - t0
             if self.colocated:  # the engines' memory goes to the trainer until the next push wakes them
@@ -417,19 +419,3 @@ class RLController:
                 await self.save()
             await self.maybe_eval()
         return last
-
-    async def _next_batch(self, producer: asyncio.Task, watcher: asyncio.Task):
-        """The next batch, or None when the data is done; the producer's or the engine watcher's failure surfaces."""
-        get = asyncio.ensure_future(self.queue.get())
-        done, _ = await asyncio.wait({get, producer, watcher}, timeout=self.cfg.train.timeouts.step_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
-            return get.result()
-        get.cancel()
-        if watcher in done:
-            watcher.result()
-        if producer in done:
-            producer.result()  # re-raises the producer's exception, if any
-            return (None, None) if self.queue.empty() else self.queue.get_nowait()
-        raise RoleStalled("rollout", "generating a batch", self.cfg.train.timeouts.step_s)
-

@@ -49,7 +49,7 @@ def run(cfg: RunConfig, plan: Plan) -> None:
 
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
     try:
-        with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray", include_dashboard=False):
+        with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
             code = _run_to_end(_main(cfg, record))
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
