@@ -42,9 +42,8 @@ def _convert(node):
             raise e.__cause__ from None
         key = getattr(e, "full_key", None) or "config"
         message = str(e).splitlines()[0]
-        fix = "set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower() else (
-            "check the value's type against molt_hydra/config/schema.py"
-        )
+        fix = ("set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower()
+               else "check the value's type against molt_hydra/config/schema.py")
         raise ConfigError(f"- {key}: {message}. Fix: {fix}") from None
 
 

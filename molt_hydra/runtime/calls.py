@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import suppress
+from statistics import fmean
 
 from molt_hydra.config.schema import TimeoutsConfig, WeightSyncConfig
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline, describe
@@ -121,7 +122,7 @@ class RoleCalls:
         """The engines' last sleep and wake: seconds (mean over engines) and GiB freed (sum)."""
         per_engine = await self._on_engines("sleep_metrics", "read sleep metrics")
         keys = sorted({k for m in per_engine for k in m})
-        return {k: (sum if k.endswith("gib") else _mean)([m.get(k, 0.0) for m in per_engine]) for k in keys}
+        return {k: (sum if k.endswith("gib") else fmean)([m.get(k, 0.0) for m in per_engine]) for k in keys}
 
     async def _on_engines(self, method: str, what: str) -> list:
         return await _every([getattr(e, method).remote() for e in self.roles.engines], self.timeouts.engine_call_s,
@@ -212,10 +213,6 @@ async def _every(calls: list, seconds: float, role: str, what: str, who=None) ->
         if isinstance(result, Exception):
             raise RunFailed(who(i, result) if who else f"{role} {i}", f"{what} failed: {describe(result)}") from result
     return results
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / max(len(values), 1)
 
 
 def _empty_cuda_cache(_worker) -> float:

@@ -349,12 +349,11 @@ class RLController:
         self.roles.last_checkpoint = path
 
     def restore(self, state: dict) -> None:
-        self.step, self.version = state["step"], state["version"]
+        for key in ("step", "version", "batches_made", "best", "next_eval"):
+            setattr(self, key, state[key])
         self.roles.generator.load_state_dict(state["generator"])
         for item in state["queued"]:
             self.queue.put_nowait(item)
-        self.batches_made = state["batches_made"]
-        self.best, self.next_eval = state["best"], state["next_eval"]
         self.kl_ctl.value = state["kl_coef"]
 
     # ------------------------------------------------------------------ the loop

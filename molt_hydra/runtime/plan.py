@@ -129,13 +129,14 @@ class Plan:
         return "\n".join(lines)
 
 
-def _trainer_roles(cfg: RunConfig) -> tuple[str, ...]:
+def fsdp_roles(cfg: RunConfig) -> tuple[str, ...]:
+    """The trainer roles (FSDP groups) this run builds: the actor, and the reference / critic its estimator needs."""
     return trainer_roles(cfg, frozenset(ADVANTAGE_ESTIMATORS[cfg.algorithm.estimator].needs))
 
 
 def make_plan(cfg: RunConfig) -> Plan:
     r, p, t = cfg.rollout, cfg.parallelism, cfg.train
-    fsdp = _trainer_roles(cfg)
+    fsdp = fsdp_roles(cfg)
     trainer_share = round(1.0 / len(fsdp), 2) if p.colocate_models and len(fsdp) > 1 else 1.0
     roles: list[Role] = []
     if cfg.job.value in ("rl", "eval"):
@@ -190,7 +191,7 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
     if cfg.job.value == "eval" or c.save_steps == 0:
         return
     weights = DTYPE_BYTES[cfg.model.param_dtype.value] + 4 if cfg.model.master_weights.value == "optimizer" else 4
-    critic = cfg.job.value == "rl" and "critic" in _trainer_roles(cfg)
+    critic = cfg.job.value == "rl" and "critic" in fsdp_roles(cfg)
     one = (weights * shape.params + 8 * shape.trained_params(cfg.model.lora)) * (1 + critic) / 1e9
     at = Path(c.dir).absolute()
     while not at.exists():
@@ -299,8 +300,8 @@ def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engi
     r, p, mem = cfg.rollout, cfg.parallelism, cfg.cluster.memory_gb_per_device
     resident = sum(v for k, v in trainer.items() if k.startswith(("weights", "fp32 master", "adamw")))
     weights = sum(v for k, v in trainer.items() if k.startswith("weights"))
-    ref = p.colocate_models and "reference" in _trainer_roles(cfg)  # on these GPUs too
-    critic = p.colocate_models and "critic" in _trainer_roles(cfg)
+    ref = p.colocate_models and "reference" in fsdp_roles(cfg)  # on these GPUs too
+    critic = p.colocate_models and "critic" in fsdp_roles(cfg)
     others = ref * weights + critic * resident
     contexts = CUDA_CONTEXT_GIB * (2 + ref + critic)  # the engine's and each trainer role's
     leaves = mem * (1 - FRAGMENTATION) - contexts - resident - others

@@ -156,15 +156,6 @@ def render(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _panel(ax, points: list[Point], keys: list[str], title: str) -> None:
     """One line per point and key over steps."""
     labels = varying_overrides(points)
@@ -183,11 +174,26 @@ def _panel(ax, points: list[Point], keys: list[str], title: str) -> None:
 
 
 def plot(points: list[Point], key: str, path: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    _panel(ax, points, [key], f"{key} per point")
+    return _figure(points, [{"keys": [key], "title": ""}], f"{key} per point", path, dpi=100)
+
+
+def _figure(points: list[Point], panels: list[dict], title: str, path: Path, dpi: int = 80) -> Path:
+    """One PNG of `panels` ({"keys", "title"} each, three a row at most) under `title`; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        _panel(ax, points, panel["keys"], panel["title"])
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -231,24 +237,11 @@ def plot_sections(points: list[Point], spec: dict, out_dir: Path, metrics: list[
     with the table; returns the page."""
     import html
 
-    plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     images = []
     for section in spec["sections"]:
-        panels = section["panels"]
-        cols = min(3, len(panels))
-        rows = -(-len(panels) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
-        for ax, panel in zip(axes.flat, panels):
-            _panel(ax, points, panel["keys"], panel["title"])
-        for ax in list(axes.flat)[len(panels):]:
-            ax.axis("off")
-        fig.suptitle(section["name"])
-        fig.tight_layout()
         png = out_dir / (re.sub(r"[^a-z0-9]+", "_", section["name"].lower()).strip("_") + ".png")
-        fig.savefig(png, dpi=80)
-        plt.close(fig)
-        images.append((section["name"], png.name))
+        images.append((section["name"], _figure(points, section["panels"], section["name"], png).name))
     body = "".join(f"<h2>{html.escape(name)}</h2><img src='{src}'>\n" for name, src in images)
     page = out_dir / "index.html"
     page.write_text(f"<html><head><meta charset='utf-8'><title>{html.escape(spec['name'])}</title></head><body>"

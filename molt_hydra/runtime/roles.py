@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.config.validate import trainer_roles
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
+from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime.watchdog import deadline
 
@@ -190,18 +190,6 @@ def init_ray(cfg: RunConfig) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
 
 
-def _start_ray(cfg: RunConfig) -> tuple[float, dict[str, float]]:
-    """Start (or join) Ray while this process imports transformers (seconds on 2 cores): neither waits. Returns the
-    start time and the start-up profile, seconds from there until each role is ready."""
-    importing = threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True)
-    t0 = time.perf_counter()
-    importing.start()
-    init_ray(cfg)
-    up = {"ray": time.perf_counter() - t0}
-    importing.join()
-    return t0, up
-
-
 def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | None):
     """Rollout engines first (their bundles are the largest); `new_engine(i)` also replaces a dead engine mid-run
     (runtime/engine_keeper.py). Returns (engines, their start, new_engine)."""
@@ -346,13 +334,19 @@ def weight_transport(cfg: RunConfig) -> str:
 
 
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
-    from transformers import AutoTokenizer
-
-    from molt_hydra.algorithm.advantage import get_advantage_estimator
     from molt_hydra.models.build import resolve_path
     from molt_hydra.weight_sync import setup_weight_sync
 
-    t0, up = _start_ray(cfg)
+    # Ray starts (or is joined) while this process imports transformers' tokenizers (seconds on 2 cores): neither
+    # waits. `up`: the start-up profile, seconds from Ray's start until each role is ready.
+    importing = threading.Thread(target=importlib.import_module, args=("transformers.models.auto.tokenization_auto",),
+                                 daemon=True)
+    t0 = time.perf_counter()
+    importing.start()
+    init_ray(cfg)
+    up = {"ray": time.perf_counter() - t0}
+    importing.join()
+    from transformers import AutoTokenizer
 
     def ready(name: str):
         return lambda _: up.setdefault(name, time.perf_counter() - t0)
@@ -361,7 +355,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     scoring = cfg.job.value == "eval"
     model_path = resolve_path(cfg.checkpoint.path if scoring and cfg.checkpoint.path else cfg.model.path)
     tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
-    fsdp = trainer_roles(cfg, frozenset(get_advantage_estimator(cfg.algorithm.estimator).needs))
+    fsdp = fsdp_roles(cfg)
     shared_gpus, share = await colocated_placement(cfg, len(fsdp))
     engines, starting, new_engine = _start_engines(cfg, model_path, shared_gpus, share)
     starting.add_done_callback(ready("engines"))

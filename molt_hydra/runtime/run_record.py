@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import suppress
 from dataclasses import asdict
 from enum import Enum
 from importlib import metadata
@@ -39,10 +40,8 @@ def git_state() -> dict:
 def versions() -> dict[str, str]:
     found = {}
     for dist in STACK:
-        try:
+        with suppress(metadata.PackageNotFoundError):  # not installed: not part of this run's stack
             found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
     return found
 
 
