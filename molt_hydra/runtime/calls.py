@@ -173,16 +173,11 @@ class RoleCalls:
         """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""
         from molt_hydra.rollout.generation import GenerationRequest, Sampling
 
-        async def answers(engine) -> bool:
-            probe = GenerationRequest("watchdog-probe", [self.roles.pad_token_id], Sampling(max_tokens=1))
-            try:
-                await asyncio.wait_for(engine.generate.remote(probe), seconds)
-                return True
-            except Exception:  # timeout or a dead actor: either way it is the one that stalled
-                return False
-
-        alive = await asyncio.gather(*(answers(e) for e in self.roles.engines))
-        return [f"rollout engine {i}" for i, ok in enumerate(alive) if not ok]
+        probe = GenerationRequest("watchdog-probe", [self.roles.pad_token_id], Sampling(max_tokens=1))
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(e.generate.remote(probe), seconds) for e in self.roles.engines), return_exceptions=True)
+        # a timeout or a dead actor: either way it is the one that stalled
+        return [f"rollout engine {i}" for i, answer in enumerate(answers) if isinstance(answer, BaseException)]
 
     async def shutdown(self) -> None:
         import ray

@@ -27,6 +27,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from molt_hydra.algorithm.advantage import compute_advantages
 from molt_hydra.algorithm.drift import drift_metrics
 from molt_hydra.algorithm.experience import (collate, experience_metrics, select_trainable, stack_padded,
@@ -36,6 +38,7 @@ from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
+from molt_hydra.rollout.generator import RolloutBatch
 from molt_hydra.runtime.watchdog import RunFailed, deadline
 
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
@@ -125,18 +128,12 @@ class RLController:
 
     def _dump_batch(self, j: int, batch) -> None:
         """train.rollout_dump_dir: batch j as <dir>/rollout_step{j}.pt (Molt's rollout dump), for replay or study."""
-        import torch
-
         path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(batch, path)
 
     def _replayed_batch(self, j: int):
         """train.rollout_replay_dir: batch j read back instead of generated; a missing file ends the data."""
-        import torch
-
-        from molt_hydra.rollout.generator import RolloutBatch
-
         path = Path(self.cfg.train.rollout_replay_dir) / f"rollout_step{j}.pt"
         return torch.load(path, weights_only=False) if path.exists() else RolloutBatch([], {}, exhausted=True)
 

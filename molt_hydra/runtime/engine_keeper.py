@@ -82,17 +82,15 @@ class EngineKeeper:
         if version:  # version 0: the model path's weights, which the new engine loaded itself
             await roles.calls.push_to(version, [engine])
         roles.engines[index] = engine
-        stranded = await deadline(asyncio.gather(*(r.replace_engine.remote(index, engine) for r in roles.runners)),
-                                  30, "agent runner", "replace a rollout engine")
+        stranded = sum(n or 0 for n in await deadline(asyncio.gather(
+            *(r.replace_engine.remote(index, engine) for r in roles.runners)), 30, "agent runner",
+            "replace a rollout engine"))
         roles.role_pids[role] = await deadline(engine.__ray_call__.remote(lambda e: os.getpid()), 30, role, "pid")
         self.processes[index] = await self._local_processes(engine)
-        await self._say_restarted(index, sum(n or 0 for n in stranded))
-
-    async def _say_restarted(self, index: int, stranded: int) -> None:
-        """One console line per restart: the engine, why, and the requests retried on the new engine: those that met
-        the dead one and already went back to wait (counted by the runners' routers since the previous restart), and
-        those still in flight on it when it was replaced (`stranded`: they fail now and retry)."""
-        retries = (await self.roles.calls.router_metrics()).get("rollout/router/retries", 0.0)
+        # One console line per restart: the engine, why, and the requests retried on the new engine: those that met
+        # the dead one and already went back to wait (counted by the runners' routers since the previous restart), and
+        # those still in flight on it when it was replaced (`stranded`: they fail now and retry).
+        retries = (await roles.calls.router_metrics()).get("rollout/router/retries", 0.0)
         retried = int(retries - self.retries_seen) + stranded
         self.retries_seen = retries + stranded  # the stranded ones are counted by their routers as they retry
         print(f"rollout engine {index} restarted ({self.restarts} of rollout.max_engine_restarts="

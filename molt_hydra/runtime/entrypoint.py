@@ -202,8 +202,8 @@ def _controller(cfg: RunConfig, roles, opened: list, wandb_id: str | None):
                        wandb_mode=w.mode.value, project=w.project, entity=w.entity, group=w.group,
                        tensorboard=cfg.logger.tensorboard, resume_wandb_id=wandb_id,
                        dashboard=cfg.logger.wandb_dashboard)
-    progress = Progress(cfg.train.max_steps, cfg.logger.progress)
-    opened.append(RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks, progress))
+    opened.append(RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks,
+                         Progress(cfg.train.max_steps, cfg.logger.progress)))
     return RLController(cfg, roles, opened[-1])
 
 
@@ -222,15 +222,13 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
             if roles.critic is not None:
                 await calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic", model_only=warm, role="critic")
             state = None if warm else client["loop"]
-            if warm:
-                await calls.push_weights(0)  # the engines start from the warm-start weights
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     if state is not None:
         ctl.log.sinks.rewind(state["step"])
         ctl.restore(state)
-        if ctl.version > 0:
-            await calls.push_weights(ctl.version)
         print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
+    if found is not None and (c.load_model_only or ctl.version > 0):  # warm start: version 0, the loaded weights
+        await calls.push_weights(ctl.version)
     await ctl.run()
     if c.save_steps != 0:  # 0: no resumable checkpoint at all
         await ctl.save()

@@ -45,18 +45,14 @@ def versions() -> dict[str, str]:
     return found
 
 
-def run_record(cfg) -> dict:
+def write_run_record(cfg, directory: str | Path) -> dict:
     from molt_hydra.agents.python_executor import sandbox_in_use
 
-    return {"git": git_state(), "versions": versions(), "job": cfg.job.value, "name": cfg.name,
-            "python_tool_sandbox": sandbox_in_use()}
-
-
-def write_run_record(cfg, directory: str | Path) -> dict:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config_as_dict(cfg))))
-    record = run_record(cfg)
+    record = {"git": git_state(), "versions": versions(), "job": cfg.job.value, "name": cfg.name,
+              "python_tool_sandbox": sandbox_in_use()}
     (directory / "run_record.json").write_text(json.dumps(record, indent=2))
     # Said at start-up too, so nobody believes in isolation the host does not give.
     print(f"python tool sandbox: {record['python_tool_sandbox']}", file=sys.stderr)

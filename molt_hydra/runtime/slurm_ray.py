@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -204,11 +204,9 @@ def _wait_head(address: str, head: subprocess.Popen, log: Path) -> None:
     host, port = address.rsplit(":", 1)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        try:
+        with suppress(OSError):  # not listening yet
             socket.create_connection((host, int(port)), timeout=1).close()
             return
-        except OSError:
-            pass
         if head.poll() is not None or time.monotonic() > deadline:
             raise RayClusterError(f"Ray head on {address} did not come up "
                                   f"({'exited' if head.poll() is not None else 'timeout'}); {log}:\n{_tail(log)}")

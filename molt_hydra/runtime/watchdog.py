@@ -73,8 +73,8 @@ def dump_stacks(run_dir: str | Path, role_pids: dict[str, int], reason: str) -> 
     """Write every role's Python stacks into <run_dir>/stacks-<time>.txt and return its path."""
     path = Path(run_dir) / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    beside = Path(sys.executable).with_name("py-spy")  # the venv's, when its bin/ is not on PATH
-    py_spy = shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+    # the venv's, when its bin/ is not on PATH
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     with open(path, "w") as f:
         f.write(f"# {reason}\n\n## driver (this process)\n")
         f.flush()
