@@ -8,6 +8,8 @@ import asyncio
 from contextlib import suppress
 from statistics import fmean
 
+import ray
+
 from molt_hydra.config.schema import TimeoutsConfig, WeightSyncConfig
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline, describe
 
@@ -87,11 +89,14 @@ class RoleCalls:
             return await self.push_to(version, self.roles.engines)
 
     async def push_to(self, version: int, engines: list) -> dict:
-        import ray
+        """Every trainer rank gathers full tensors bucket by bucket (FSDP collectives); rank 0 pushes each bucket to
+        `engines` through the placement's transport and stamps `version`."""
+        from molt_hydra.weight_sync import push_from_rank
 
         ws, t, what = self.weight_sync, self.timeouts, f"push of version {version}"
-        calls = [w.push_weights.remote(engines, self.roles.transport, version, ws.bucket_mb << 20,
-                                       ws.check_coverage, t.engine_call_s, self.engine_dtype)
+        calls = [w.__ray_call__.remote(push_from_rank, engines, self.roles.transport, version,
+                                       bucket_bytes=ws.bucket_mb << 20, check_coverage=ws.check_coverage,
+                                       timeout_s=t.engine_call_s, dtype=self.engine_dtype)
                  for w in self.roles.actor.workers]
 
         def who(rank: int, error: Exception) -> str:
@@ -180,8 +185,6 @@ class RoleCalls:
         return [f"rollout engine {i}" for i, answer in enumerate(answers) if isinstance(answer, BaseException)]
 
     async def shutdown(self) -> None:
-        import ray
-
         roles = self.roles
         await roles.generator.close()
         for r in roles.runners:

@@ -12,7 +12,9 @@ import os
 import sys
 from contextlib import suppress
 
-from molt_hydra.runtime.watchdog import RunFailed, deadline, kill
+import ray
+
+from molt_hydra.runtime.watchdog import RunFailed, deadline, descendants, describe, kill
 
 POLL_S = 2.0  # how often the driver asks every engine whether it is alive
 
@@ -41,10 +43,6 @@ class EngineKeeper:
                     await self.replace(index, weights_version())
 
     async def dead_engines(self) -> list[int]:
-        import ray
-
-        from molt_hydra.runtime.watchdog import describe
-
         async def dead(engine) -> str | None:
             try:
                 return None if await asyncio.wait_for(engine.healthy.remote(), 10) else "its vLLM engine core died"
@@ -60,8 +58,6 @@ class EngineKeeper:
     async def replace(self, index: int, version: int | None) -> None:
         """A new engine `index`; with `version`, it receives the trainer's weights stamped so (None: the caller's
         weight push that follows gives them)."""
-        import ray
-
         role = f"rollout engine {index}"
         if self.restarts >= self.max_restarts:
             raise RunFailed(role, f"died after {self.restarts} restart(s); rollout.max_engine_restarts="
@@ -100,14 +96,8 @@ class EngineKeeper:
     @staticmethod
     async def _local_processes(engine) -> list[int]:
         """The engine actor's process and its children, when it runs on this node (a pid means nothing elsewhere)."""
-        import ray
-
-        from molt_hydra.runtime.watchdog import descendants
-
         def probe(_engine):
-            import ray as ray_in_actor
-
-            return ray_in_actor.get_runtime_context().get_node_id(), [os.getpid(), *descendants(os.getpid())]
+            return ray.get_runtime_context().get_node_id(), [os.getpid(), *descendants(os.getpid())]
 
         try:
             node, pids = await asyncio.wait_for(engine.__ray_call__.remote(probe), 30)

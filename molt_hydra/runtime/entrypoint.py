@@ -76,12 +76,11 @@ def _run_to_end(coro) -> int:
 
 
 async def _main(cfg: RunConfig, record: dict) -> int:
-    main = asyncio.current_task()
     loop = asyncio.get_running_loop()
     # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread).
     signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
     for sig in signals:
-        loop.add_signal_handler(sig, main.cancel)
+        loop.add_signal_handler(sig, asyncio.current_task().cancel)
     loop.set_exception_handler(_quiet_cancellations)
     from molt_hydra.runtime.roles import build_roles
 

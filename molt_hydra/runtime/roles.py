@@ -2,8 +2,9 @@
 rollout engines first (their multi-device bundles), then the agent runners (no devices), then the trainer ranks (actor,
 then reference / critic when the algorithm needs them); then the data and the samples generator. Every role starts at
 once: start-up waits for the slowest (the engine), not for the sum.
-The driver reaches what is built through runtime/calls.py. Imports inside functions defer Ray, torch, transformers and
-vLLM (seconds each) to the process and moment that builds the roles."""
+The driver reaches what is built through runtime/calls.py. Imports inside functions defer torch, transformers and vLLM
+(seconds each) to the process and moment that builds the roles; Ray (a fraction of one) comes with this module, which
+only a run that builds roles imports."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+
+import ray
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
@@ -29,15 +32,8 @@ RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 class PolicyWorkerMixin:
-    """Trainer-rank side of the weight sync: every rank gathers full tensors bucket by bucket (FSDP collectives);
-    rank 0 pushes each bucket to the engines through the placement's transport and stamps the new version."""
-
-    def push_weights(self, engines: list, transport: str, version: int, bucket_bytes: int, check_coverage: bool,
-                     timeout_s: float, dtype: str) -> dict:
-        from molt_hydra.weight_sync import push_from_rank
-
-        return push_from_rank(self, engines, transport, version, bucket_bytes=bucket_bytes,
-                              check_coverage=check_coverage, timeout_s=timeout_s, dtype=dtype)
+    """Trainer-rank side of the sync probe (weight_sync/probe.py); the push itself runs on every rank as
+    `weight_sync.push_from_rank` (runtime/calls.py)."""
 
     def sync_probe_sums(self, dtype: str) -> dict[str, list[float]]:
         """The sync probe's per-layer-group sums of this trainer's weights cast to the engines' `dtype`, over every
@@ -154,8 +150,6 @@ async def colocated_placement(cfg: RunConfig, fsdp_roles: int):
     p = cfg.parallelism
     if not (p.colocate and cfg.cluster.device.value == "cuda"):
         return None, None
-    import ray
-
     roles = fsdp_roles if p.colocate_models else 1
     pg = ray.util.placement_group([{"GPU": 1, "CPU": roles}] * p.trainer_devices, strategy="PACK")
     await deadline(pg.ready(), cfg.train.timeouts.startup_s, "placement",
@@ -172,8 +166,6 @@ def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
 
 
 def init_ray(cfg: RunConfig) -> None:
-    import ray
-
     if ray.is_initialized():
         return
     if cfg.cluster.ray_address:
@@ -193,7 +185,6 @@ def init_ray(cfg: RunConfig) -> None:
 def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | None):
     """Rollout engines first (their bundles are the largest); `new_engine(i)` also replaces a dead engine mid-run
     (runtime/engine_keeper.py). Returns (engines, their start, new_engine)."""
-    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from transformers import AutoConfig
 
@@ -221,8 +212,6 @@ def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | 
 
 def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
     """Agent runners need only the engines' handles, so they start while the engines and trainer build."""
-    import ray
-
     from molt_hydra.runtime.agent_runner import AgentRunnerActor
 
     d, runner_cls = cfg.data, ray.remote(AgentRunnerActor)
@@ -315,8 +304,6 @@ def _policy_loss(cfg: RunConfig):
 
 def _role_pids(engines: list, groups: dict, runners: list) -> dict[str, int]:
     """Each role process's pid, by role name (the run record's and the watchdog's view)."""
-    import ray
-
     named = [(f"rollout engine {i}", e) for i, e in enumerate(engines)]
     named += [(f"{name} rank {i}", w) for name, g in groups.items() if g is not None for i, w in enumerate(g.workers)]
     named += [(f"agent runner {i}", r) for i, r in enumerate(runners)]
