@@ -159,8 +159,7 @@ def main() -> None:
 
     register()
     args = get_args_parser().parse_args()
-    informational = args.help or args.hydra_help or args.info or args.shell_completion
-    if not (informational or args.config_name or args.config_path):
+    if not (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name or args.config_path):
         _, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))

@@ -310,10 +310,13 @@ class RLController:
         m["timing/eval"] = time.perf_counter() - t0
         self.log.eval(self.step, m)
         key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
-        if key and key != "none" and key in m and (self.best is None or m[key] > self.best[1]):
+        if key in m and key != "none" and (self.best is None or m[key] > self.best[1]):
             self.best = (key, m[key])
-            if self.roles.actor is not None:  # job=eval scores; it has nothing to save
-                await self.save_best()
+            if self.roles.actor is not None:  # the best policy so far, an HF snapshot (job=eval has nothing to save)
+                best = Path(self.cfg.checkpoint.dir) / "best"
+                await self.calls.ranks(self.roles.actor, "export_hf", str(best),
+                                       DTYPE_NAMES[self.cfg.model.param_dtype.value])
+                (best / "best.json").write_text(json.dumps({"step": self.step, "metric": key, "value": m[key]}))
         self.last_eval = m
 
     def client_state(self) -> dict:
@@ -321,13 +324,6 @@ class RLController:
         return {"step": self.step, "version": self.version, "generator": self.roles.generator.state_dict(),
                 "queued": queued, "batches_made": self.step + len(queued), "best": self.best,
                 "next_eval": self.next_eval, "kl_coef": self.kl_ctl.value, "wandb_id": self.log.sinks.wandb_id}
-
-    async def save_best(self) -> None:
-        """The best policy so far by `checkpoint.best_metric_key`, as an HF snapshot beside the checkpoints."""
-        best = Path(self.cfg.checkpoint.dir) / "best"
-        await self.calls.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
-        key, value = self.best
-        (best / "best.json").write_text(json.dumps({"step": self.step, "metric": key, "value": value}))
 
     async def save(self) -> None:
         """A resumable checkpoint: trainer state (DCP) plus the loop's own state and the run record, all inside the

@@ -235,9 +235,8 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
                  "fp32 master weights": 0.0 if p.offload.value != "none" else 4 * P / shard / GIB}
     else:
         state = {"weights fp32": 4 * P / shard / GIB, "grads fp32": 4 * P / shard / GIB}
-    lora = m.lora
-    trained = shape.trained_params(lora)
-    if lora.rank:
+    trained = shape.trained_params(m.lora)
+    if m.lora.rank:
         state["grads fp32"] = 4 * trained / shard / GIB
     # the HF backend's text actor takes log-probs through the lm_head a chunk of tokens at a time (models/logprobs.py):
     # forward and backward hold ~3 fp32 [chunk x vocab] arrays and the fp32 lm_head grad, whatever the micro-batch
@@ -250,7 +249,7 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
                "activations": act_per_token * tokens_per_rank / GIB, **logits}
     return trainer, [
         f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers"
-        + (f"; LoRA rank {lora.rank}: {trained / 1e6:,.2f} M trained (grads, AdamW moments)" if lora.rank else ""),
+        + (f"; LoRA rank {m.lora.rank}: {trained / 1e6:,.2f} M trained (grads, AdamW moments)" if m.lora.rank else ""),
         f"trainer: {' + '.join(state)} + AdamW moments sharded over {shard} rank(s); {compute_bytes}-byte compute; "
         f"activation checkpointing {ac}; {tokens_per_rank} tokens per micro-batch per rank; "
         + ("log-probs through the lm_head, fp32 logits of a chunk of tokens at a time" if fused_head

@@ -83,21 +83,19 @@ def _popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM (srun forwards it to its step; `ray start --block` stops its Ray processes), SIGKILL after a grace."""
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+        with suppress(ProcessLookupError):  # its group has ended already
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _tail(path: Path, lines: int = 15) -> str:
-    try:
+    with suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    return "(no log)"
 
 
 def wait_for_nodes(alloc: Allocation, want_cpus: float, want_gpus: float, steps: dict[str, tuple]) -> dict:
