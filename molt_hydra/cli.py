@@ -151,7 +151,7 @@ def _main(cfg: DictConfig) -> None:
         _exit_config_error(problem)
     from molt_hydra.runtime.entrypoint import run
 
-    run(run_cfg, plan)
+    run(run_cfg)
 
 
 def main() -> None:

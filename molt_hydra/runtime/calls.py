@@ -5,6 +5,7 @@ config groups, never the root config."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from contextlib import suppress
 from statistics import fmean
 
@@ -61,9 +62,9 @@ class RoleCalls:
         garbage in reference cycles stays, once."""
         r = self.roles
         actors = [*r.engines, *r.runners, *(w for g in _trainer_groups(r) for w in g.workers)]
-        await deadline(asyncio.gather(*(a.__ray_call__.remote(_freeze_heap) for a in actors)),
+        await deadline(asyncio.gather(*(a.__ray_call__.remote(lambda _: gc.freeze()) for a in actors)),
                        self.timeouts.engine_call_s, "roles", "gc.freeze")
-        _freeze_heap(None)
+        gc.freeze()
 
     async def router_metrics(self) -> dict[str, float]:
         """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
@@ -221,8 +222,3 @@ def _empty_cuda_cache(_worker) -> float:
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated() / 2**30
 
-
-def _freeze_heap(_actor) -> None:
-    import gc
-
-    gc.freeze()

@@ -240,8 +240,7 @@ class RLController:
         that sampled), nor when the KL to the reference is a reward penalty (the
         advantages need the old log-probs before training) or the actor is frozen (nothing trains; drift metrics
         still need them)."""
-        a = self.cfg.algorithm
-        kl_in_reward = self.roles.ref is not None and not a.kl.use_loss
+        kl_in_reward = self.roles.ref is not None and not self.cfg.algorithm.kl.use_loss
         dropout = bool(self.cfg.model.lora.rank and self.cfg.model.lora.dropout)  # the training forward drops out
         return (optimizer_steps == 1 and self.cfg.train.epochs == 1 and not actor_frozen and not kl_in_reward
                 and not dropout)

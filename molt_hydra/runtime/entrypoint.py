@@ -20,7 +20,6 @@ from contextlib import suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.runtime.plan import Plan
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
@@ -30,7 +29,7 @@ from molt_hydra.runtime.writable import check_outputs
 EXIT_INTERRUPTED = 130
 
 
-def run(cfg: RunConfig, plan: Plan) -> None:
+def run(cfg: RunConfig) -> None:
     check_outputs(cfg)
     record = write_run_record(cfg, cfg.output_dir)
     if cfg.job.value == "sft":

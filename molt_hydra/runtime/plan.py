@@ -136,7 +136,7 @@ def fsdp_roles(cfg: RunConfig) -> tuple[str, ...]:
 
 def make_plan(cfg: RunConfig) -> Plan:
     r, p, t = cfg.rollout, cfg.parallelism, cfg.train
-    fsdp = fsdp_roles(cfg)
+    fsdp, dp = fsdp_roles(cfg), max(p.trainer_devices // (p.tp * p.cp), 1)
     trainer_share = round(1.0 / len(fsdp), 2) if p.colocate_models and len(fsdp) > 1 else 1.0
     roles: list[Role] = []
     if cfg.job.value in ("rl", "eval"):
@@ -146,13 +146,11 @@ def make_plan(cfg: RunConfig) -> Plan:
                           + (", sleeps while the trainer steps" if p.colocate else "")))
         roles.append(Role("agent runner", r.num_runners, 0, 1, "agents + reward, loopback chat server"))
     if cfg.job.value in ("rl", "sft"):
-        mesh = f"FSDP2 dp={max(p.trainer_devices // (p.tp * p.cp), 1)} tp={p.tp} cp={p.cp} ep={p.ep}"
-        roles.append(Role("actor", p.trainer_devices, trainer_share, 1, mesh))
+        roles.append(Role("actor", p.trainer_devices, trainer_share, 1, f"FSDP2 dp={dp} tp={p.tp} cp={p.cp} ep={p.ep}"))
         roles += [Role(name, p.trainer_devices, trainer_share, 1, note) for name, note in (
             ("reference", "frozen, logprobs only"), ("critic", "value head, own optimizer"))
             if name in fsdp and cfg.job.value == "rl"]
 
-    dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples = r.batch_size * r.n_samples_per_prompt
     per_rank = samples // dp
     steps = 1 if t.force_on_policy else samples // t.batch_size

@@ -108,8 +108,7 @@ def wait_for_nodes(alloc: Allocation, want_cpus: float, want_gpus: float, steps:
     while True:
         alive = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
         res = ray.cluster_resources()
-        ok = set(ips) <= alive and res.get("CPU", 0) >= want_cpus and res.get("GPU", 0) >= want_gpus
-        if ok:
+        if set(ips) <= alive and res.get("CPU", 0) >= want_cpus and res.get("GPU", 0) >= want_gpus:
             return res
         dead = {node: (proc, log) for node, (proc, log) in steps.items() if proc.poll() is not None}
         if dead or time.monotonic() > deadline:

@@ -57,8 +57,7 @@ async def deadline(awaitable, seconds: float, role: str, what: str):
 
 
 def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-    kids = [int(p) for p in out.stdout.split()]
+    kids = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
     return kids + [g for k in kids for g in descendants(k)]
 
 
