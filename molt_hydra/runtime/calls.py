@@ -167,13 +167,10 @@ class RoleCalls:
 
     async def example_errors(self) -> dict[str, str]:
         """One example error message per drop reason, from every runner that still answers."""
-        found: dict[str, str] = {}
         answers = asyncio.gather(*(r.example_errors.remote() for r in self.roles.runners), return_exceptions=True)
-        for errors in await asyncio.wait_for(answers, 30):
-            if isinstance(errors, dict):
-                for reason, error in errors.items():
-                    found.setdefault(reason, error)
-        return found
+        per_runner = [errors for errors in await asyncio.wait_for(answers, 30) if isinstance(errors, dict)]
+        # the first runner's example of a reason wins
+        return {reason: error for errors in reversed(per_runner) for reason, error in errors.items()}
 
     async def probe_engines(self, seconds: float = 10.0) -> list[str]:
         """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""

@@ -31,8 +31,7 @@ import torch
 
 from molt_hydra.algorithm.advantage import compute_advantages
 from molt_hydra.algorithm.drift import drift_metrics
-from molt_hydra.algorithm.experience import (collate, experience_metrics, select_trainable, stack_padded,
-                                             trainer_rows)
+from molt_hydra.algorithm.experience import collate, experience_metrics, select_trainable, stack_padded, trainer_rows
 from molt_hydra.algorithm.kl import approx_kl, make_kl_controller
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
@@ -104,10 +103,10 @@ class RLController:
             t0 = time.perf_counter()
             async with self.step_done:
                 await self.step_done.wait_for(lambda: self.step >= max(j - self.depth, 0))
-            idle = time.perf_counter() - t0
             t1 = time.perf_counter()
-            if self.cfg.train.rollout_replay_dir:
-                batch = self._replayed_batch(j)
+            if self.cfg.train.rollout_replay_dir:  # batch j read back, not generated; a missing file ends the data
+                path = Path(self.cfg.train.rollout_replay_dir) / f"rollout_step{j}.pt"
+                batch = torch.load(path, weights_only=False) if path.exists() else RolloutBatch([], {}, exhausted=True)
             else:  # CPU trainer ranks train on every core of their node only while the engines are idle: the
                 # hints are sent, not awaited (round trips on the rollout's critical path), except the one a sync
                 # step's training must see first (its thread count changes float reductions)
@@ -115,9 +114,11 @@ class RLController:
                 batch = await self.roles.generator.generate_batch()
                 await self.calls.engines_busy(False, wait=self.depth == 0)
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
-            if self.cfg.train.rollout_dump_dir and batch.groups:
-                self._dump_batch(j, batch)
-            timing = {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": idle}
+            if self.cfg.train.rollout_dump_dir and batch.groups:  # Molt's rollout dump: for replay or study
+                path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(batch, path)
+            timing = {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": t1 - t0}
             if batch.groups:
                 await self.queue.put((batch, timing))
             async with self.batch_made:  # wakes a weight sync waiting for this batch (or for the end of the data)
@@ -125,17 +126,6 @@ class RLController:
                 self.exhausted = batch.exhausted or not batch.groups
                 self.batch_made.notify_all()
         await self.queue.put((None, {}))  # the end of the data, after every batch
-
-    def _dump_batch(self, j: int, batch) -> None:
-        """train.rollout_dump_dir: batch j as <dir>/rollout_step{j}.pt (Molt's rollout dump), for replay or study."""
-        path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(batch, path)
-
-    def _replayed_batch(self, j: int):
-        """train.rollout_replay_dir: batch j read back instead of generated; a missing file ends the data."""
-        path = Path(self.cfg.train.rollout_replay_dir) / f"rollout_step{j}.pt"
-        return torch.load(path, weights_only=False) if path.exists() else RolloutBatch([], {}, exhausted=True)
 
     # ------------------------------------------------------------------ one step
     async def train_step(self, batch, gen_timing: dict) -> dict[str, float]:
@@ -191,9 +181,8 @@ class RLController:
         t = self.cfg.train
         exps, drops = select_trainable(groups, self.cfg.data.max_len, self.trajectory_images, self.version,
                                        t.max_staleness, t.stale_samples.value == "drop", self.roles.actor.num_ranks)
-        for reason, n in drops.items():
+        for reason, n in {**drops, "total": sum(drops.values())}.items():
             metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
-        metrics["rollout/dropped/total"] = metrics.get("rollout/dropped/total", 0.0) + sum(drops.values())
         metrics["num_samples_trained"] = float(len(exps))
         self._check_progress(bool(exps), metrics)
         return exps

@@ -30,11 +30,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KNOWN_SHAPES = {
     "Qwen/Qwen3-4B": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "Qwen/Qwen3-VL-30B-A3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                                           head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                           moe_intermediate_size=768, tie_word_embeddings=False,
-                                           vision_params=0.6e9),
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        tie_word_embeddings=False, vision_params=0.6e9),
     "smollm2://SmolLM2-135M-Instruct": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                             head_dim=64, tie_word_embeddings=True),

@@ -85,8 +85,7 @@ def dump_stacks(run_dir: str | Path, role_pids: dict[str, int], reason: str) -> 
                     f.write("py-spy is not installed; no stack\n")
                     continue
                 try:
-                    dump = subprocess.run([py_spy, "dump", "--pid", str(p)], capture_output=True, text=True,
-                                          timeout=15)
+                    dump = subprocess.run([py_spy, "dump", "--pid", str(p)], capture_output=True, text=True, timeout=15)
                     f.write(dump.stdout or dump.stderr)
                 except subprocess.TimeoutExpired:  # a process stopped hard enough that py-spy cannot read it
                     f.write("py-spy timed out reading this process\n")
