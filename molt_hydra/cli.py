@@ -56,8 +56,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     except ConfigError as whole:
         per_group = []
         for name in cfg:
-            node = cfg._get_node(name)
-            if isinstance(node, DictConfig):
+            if isinstance(node := cfg._get_node(name), DictConfig):
                 try:
                     _convert(node)
                 except ConfigError as e:

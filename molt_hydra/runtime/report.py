@@ -131,10 +131,6 @@ def _parse_metric(spec: str) -> tuple[str, str]:
     return (key, mode) if key and mode in ("max", "min") else (spec, "max")
 
 
-def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:.4g}"
-
-
 def table(points: list[Point], metrics: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:
     labels = varying_overrides(points)
     header = ["#", "overrides", "status", "steps"]
@@ -145,7 +141,7 @@ def table(points: list[Point], metrics: list[tuple[str, str]]) -> tuple[list[str
         row = [str(p.num), " ".join(labels[p.num]) or "-", p.status, str(p.rows[-1]["step"]) if p.rows else "-"]
         for key, mode in metrics:
             final, best, at = final_and_best(p.rows, key, mode)
-            row += [_fmt(final), _fmt(best), "-" if at is None else str(at)]
+            row += ["-" if v is None else f"{v:.4g}" for v in (final, best)] + ["-" if at is None else str(at)]
         rows.append(row)
     return header, rows
 

@@ -353,10 +353,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     prompts, eval_rows = _load_rows(cfg, scoring)
     if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
         await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-    actor = ref = critic = None
-    if not scoring:
-        actor, ref, critic = await _start_trainers(cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)),
-                                                   shared_gpus, share, ready)
+    actor, ref, critic = (None, None, None) if scoring else await _start_trainers(
+        cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)), shared_gpus, share, ready)
     await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
     await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
     print("start-up, seconds from Ray's start until ready: "

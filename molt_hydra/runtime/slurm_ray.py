@@ -59,8 +59,7 @@ def node_ip(node: str) -> str:
     """The address Slurm itself uses for a node (its NodeAddr), as an IPv4 address. Not `hostname -i`: fake nodes
     on one host (launchers/local_slurm.sh) differ only in NodeAddr (127.0.1.N; Ray rewrites 127.0.0.1)."""
     out = subprocess.run(["scontrol", "show", "node", node, "-o"], check=True, capture_output=True, text=True).stdout
-    addr = next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), node)
-    return socket.gethostbyname(addr)
+    return socket.gethostbyname(next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), node))
 
 
 def _free_port(ip: str) -> int:
