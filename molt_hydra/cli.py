@@ -138,10 +138,9 @@ def _main(cfg: DictConfig) -> None:
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
     try:
         run_cfg = validate(to_run_config(cfg))
-        plan = make_plan(run_cfg)  # derives the colocated memory split, and refuses one that cannot fit
+        print(make_plan(run_cfg).render())  # the plan derives the colocated memory split, refuses one that cannot fit
     except ConfigError as e:
         _exit_config_error(str(e))
-    print(plan.render())
     if run_cfg.dry_run:
         return
     # the vLLM build this run will start: a supported one, before anything starts

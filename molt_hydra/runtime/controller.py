@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -51,15 +51,13 @@ def _mean(values) -> float:
 
 def rollout_stats(groups) -> dict[str, float]:
     """Molt's rollout/* metrics over every generated rollout of the step (before staleness drops)."""
-    per_rollout = {t.rollout_id: t for g in groups for t in g.trajectories}
-    rewards = [float(t.reward) for t in per_rollout.values()]
+    rows = [t for g in groups for t in g.trajectories]
+    rewards = [float(t.reward) for t in {t.rollout_id: t for t in rows}.values()]  # a rollout's turns count once
     group_means = [_mean(float(t.reward) for t in {x.rollout_id: x for x in g.trajectories}.values())
                    for g in groups if g.trajectories]
-    rows = [t for g in groups for t in g.trajectories]
-    std = math.sqrt(sum((r - _mean(rewards)) ** 2 for r in rewards) / (len(rewards) - 1)) if len(rewards) > 1 else 0.0
     return {
         "rollout/reward_mean": _mean(rewards),
-        "rollout/reward_std": std,
+        "rollout/reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
         "rollout/pass1": _mean(group_means),
         "rollout/num_rollouts": float(len(rewards)),
         "rollout/num_prompt_groups": float(len(groups)),
@@ -87,8 +85,7 @@ class RLController:
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
         self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
-        kl = cfg.algorithm.kl
-        self.kl_ctl = make_kl_controller(kl.coef, kl.target, kl.horizon)
+        self.kl_ctl = make_kl_controller(cfg.algorithm.kl.coef, cfg.algorithm.kl.target, cfg.algorithm.kl.horizon)
         self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
         if cfg.data.max_images_per_prompt:
             from molt_hydra.models.build import resolve_path

@@ -41,9 +41,8 @@ def describe(error: BaseException) -> str:
             return f"its start failed: {raised[-1].strip()}"
     if isinstance(error, ray.exceptions.RayActorError):
         text = " ".join(str(error).split())
-        exit_type = re.search(r"Worker exit type: (\w+)", text)
-        detail = re.search(r"Worker exit detail: ([^.]*)", text)
-        why = ", ".join(m.group(0) for m in (exit_type, detail) if m) or "no reason given"
+        found = (re.search(r"Worker exit type: (\w+)", text), re.search(r"Worker exit detail: ([^.]*)", text))
+        why = ", ".join(m.group(0) for m in found if m) or "no reason given"
         return f"the process died ({why}; killed, out of memory, or crashed)"
     return f"{type(error).__name__}: {error}".splitlines()[0]
 
