@@ -133,9 +133,8 @@ def _parse_metric(spec: str) -> tuple[str, str]:
 
 def table(points: list[Point], metrics: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:
     labels = varying_overrides(points)
-    header = ["#", "overrides", "status", "steps"]
-    for key, mode in metrics:
-        header += [f"final {key}", f"best {key} ({mode})", "@step"]
+    header = ["#", "overrides", "status", "steps"] + [
+        name for key, mode in metrics for name in (f"final {key}", f"best {key} ({mode})", "@step")]
     rows = []
     for p in points:
         row = [str(p.num), " ".join(labels[p.num]) or "-", p.status, str(p.rows[-1]["step"]) if p.rows else "-"]

