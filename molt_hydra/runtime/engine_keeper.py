@@ -30,8 +30,7 @@ class EngineKeeper:
 
     async def watch(self, weights_version) -> None:
         """Forever: replace dead engines. `weights_version()`: the policy version of the trainer's weights now."""
-        for index, engine in enumerate(self.roles.engines):
-            self.processes[index] = await self._local_processes(engine)
+        self.processes = {i: await self._local_processes(engine) for i, engine in enumerate(self.roles.engines)}
         while True:
             await asyncio.sleep(POLL_S)
             # Polled outside the lock, so a health check waiting on a busy engine never holds up a weight push;

@@ -2,9 +2,9 @@
 rollout engines first (their multi-device bundles), then the agent runners (no devices), then the trainer ranks (actor,
 then reference / critic when the algorithm needs them); then the data and the samples generator. Every role starts at
 once: start-up waits for the slowest (the engine), not for the sum.
-The driver reaches what is built through runtime/calls.py. Imports inside functions defer torch, transformers and vLLM
-(seconds each) to the process and moment that builds the roles; Ray (a fraction of one) comes with this module, which
-only a run that builds roles imports."""
+The driver reaches what is built through runtime/calls.py. Imports inside functions defer transformers and vLLM
+(seconds each) to the process and moment that builds the roles; Ray and torch come with this module, which only a run
+that builds roles imports (its driver has loaded torch with the plan already)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 import ray
+import torch
+import torch.distributed as dist
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
@@ -38,9 +40,6 @@ class PolicyWorkerMixin:
     def sync_probe_sums(self, dtype: str) -> dict[str, list[float]]:
         """The sync probe's per-layer-group sums of this trainer's weights cast to the engines' `dtype`, over every
         rank (collective: each rank sums its shards; a replicated shard counts once)."""
-        import torch
-        import torch.distributed as dist
-
         from molt_hydra.weight_sync.probe import group_sums
 
         from molt_hydra.models.lora import is_adapter_param
@@ -65,8 +64,6 @@ class PolicyWorkerMixin:
 
     def sync_probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probs of the probe sequence at temperature 1 (what vLLM's prompt log-probs are); collective."""
-        import torch
-
         saved, self.temperature = self.temperature, 1.0
         try:
             return self.compute_logprobs([{"input_ids": torch.tensor(token_ids)}])[0].tolist()
