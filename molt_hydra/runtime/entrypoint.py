@@ -230,10 +230,8 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
     await ctl.run()
     if c.save_steps != 0:  # 0: no resumable checkpoint at all
         await ctl.save()
-    export = None
-    if c.export_final:
-        (export, *_) = await calls.ranks(roles.actor, "export_hf", c.export_dir,
-                                         DTYPE_NAMES[cfg.model.param_dtype.value], merged=c.export_merged)
+    export = (await calls.ranks(roles.actor, "export_hf", c.export_dir, DTYPE_NAMES[cfg.model.param_dtype.value],
+                                merged=c.export_merged))[0] if c.export_final else None
     ctl.log.progress.summary(_summary(cfg, roles, ctl, export))
     return 0
 
@@ -256,7 +254,6 @@ def _summary(cfg: RunConfig, roles, ctl, export) -> list[str]:
     lines += [f"metrics:    {Path(cfg.output_dir) / 'metrics.jsonl'}", f"checkpoint: {roles.last_checkpoint}"]
     if export:
         lines.append(f"HF export:  {export}")
-    run = ctl.log.sinks.wandb_run
-    if run is not None:
+    if (run := ctl.log.sinks.wandb_run) is not None:
         lines.append(f"W&B:        {run.dir} ({run.settings.mode})")
     return lines
