@@ -35,9 +35,9 @@ from molt_hydra.algorithm.experience import collate, experience_metrics, select_
 from molt_hydra.algorithm.kl import approx_kl, make_kl_controller
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
+from molt_hydra.rollout.generator import RolloutBatch
 from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
-from molt_hydra.rollout.generator import RolloutBatch
 from molt_hydra.runtime.watchdog import RunFailed, deadline
 
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
