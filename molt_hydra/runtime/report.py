@@ -203,13 +203,9 @@ def _resolved_config(run_dir: Path) -> dict:
 
 def swept_keys(points: list[Point]) -> list[str]:
     """The config keys a sweep varies (its overrides that differ between points), in order of first appearance."""
-    keys: list[str] = []
-    for labels in varying_overrides(points).values():
-        for override in labels:
-            key = override.partition("=")[0].lstrip("+~")
-            if "=" in override and not key.startswith("hydra.") and key != "recipe" and key not in keys:
-                keys.append(key)
-    return keys
+    keys = (over.partition("=")[0].lstrip("+~") for labels in varying_overrides(points).values() for over in labels
+            if "=" in over)
+    return list(dict.fromkeys(key for key in keys if not key.startswith("hydra.") and key != "recipe"))
 
 
 def dashboard_spec(target: Path, points: list[Point]) -> dict:
