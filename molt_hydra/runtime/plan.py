@@ -116,8 +116,7 @@ class Plan:
         for r in self.roles:
             lines.append(f"  {r.name:<16} x{r.count:<3} {r.devices_each:g} {unit} + {r.cpus_each:g} CPU each"
                          + (f"   ({r.note})" if r.note else ""))
-        lines.append("Batch arithmetic (one RL step):")
-        lines += [f"  {k:<32} {v}" for k, v in self.batch.items()]
+        lines += ["Batch arithmetic (one RL step):"] + [f"  {k:<32} {v}" for k, v in self.batch.items()]
         for title, table in (("Memory estimate per device (GiB):", self.memory),
                              ("Memory by phase, one colocated GPU (GiB):", self.phases)):
             lines += [title] if table else []
