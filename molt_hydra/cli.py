@@ -42,9 +42,8 @@ def _convert(node):
             raise e.__cause__ from None
         key = getattr(e, "full_key", None) or "config"
         message = str(e).splitlines()[0]
-        fix = "set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower() else (
-            "check the value's type against molt_hydra/config/schema.py"
-        )
+        fix = ("set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower()
+               else "check the value's type against molt_hydra/config/schema.py")
         raise ConfigError(f"- {key}: {message}. Fix: {fix}") from None
 
 
@@ -57,8 +56,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     except ConfigError as whole:
         per_group = []
         for name in cfg:
-            node = cfg._get_node(name)
-            if isinstance(node, DictConfig):
+            if isinstance(node := cfg._get_node(name), DictConfig):
                 try:
                     _convert(node)
                 except ConfigError as e:
@@ -140,10 +138,9 @@ def _main(cfg: DictConfig) -> None:
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
     try:
         run_cfg = validate(to_run_config(cfg))
-        plan = make_plan(run_cfg)  # derives the colocated memory split, and refuses one that cannot fit
+        print(make_plan(run_cfg).render())  # the plan derives the colocated memory split, refuses one that cannot fit
     except ConfigError as e:
         _exit_config_error(str(e))
-    print(plan.render())
     if run_cfg.dry_run:
         return
     # the vLLM build this run will start: a supported one, before anything starts
@@ -152,7 +149,7 @@ def _main(cfg: DictConfig) -> None:
         _exit_config_error(problem)
     from molt_hydra.runtime.entrypoint import run
 
-    run(run_cfg, plan)
+    run(run_cfg)
 
 
 def main() -> None:
@@ -160,8 +157,7 @@ def main() -> None:
 
     register()
     args = get_args_parser().parse_args()
-    informational = args.help or args.hydra_help or args.info or args.shell_completion
-    if not (informational or args.config_name or args.config_path):
+    if not (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name or args.config_path):
         _, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))

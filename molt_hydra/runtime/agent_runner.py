@@ -21,8 +21,7 @@ from molt_hydra.rollout.generation import Sampling
 
 def request_seed(base: int, *parts) -> int:
     """A stable 31-bit seed from the run seed and the sample's identity: a resumed run samples the same tokens."""
-    digest = hashlib.sha256(repr((base, *parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return int.from_bytes(hashlib.sha256(repr((base, *parts)).encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
 class AgentRunnerActor(BatchedCallee):

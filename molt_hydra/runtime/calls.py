@@ -5,7 +5,11 @@ config groups, never the root config."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from contextlib import suppress
+from statistics import fmean
+
+import ray
 
 from molt_hydra.config.schema import TimeoutsConfig, WeightSyncConfig
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline, describe
@@ -58,9 +62,9 @@ class RoleCalls:
         garbage in reference cycles stays, once."""
         r = self.roles
         actors = [*r.engines, *r.runners, *(w for g in _trainer_groups(r) for w in g.workers)]
-        await deadline(asyncio.gather(*(a.__ray_call__.remote(_freeze_heap) for a in actors)),
+        await deadline(asyncio.gather(*(a.__ray_call__.remote(lambda _: gc.freeze()) for a in actors)),
                        self.timeouts.engine_call_s, "roles", "gc.freeze")
-        _freeze_heap(None)
+        gc.freeze()
 
     async def router_metrics(self) -> dict[str, float]:
         """Cumulative request / retry / timeout / engine-death counts over every runner's router."""
@@ -86,11 +90,14 @@ class RoleCalls:
             return await self.push_to(version, self.roles.engines)
 
     async def push_to(self, version: int, engines: list) -> dict:
-        import ray
+        """Every trainer rank gathers full tensors bucket by bucket (FSDP collectives); rank 0 pushes each bucket to
+        `engines` through the placement's transport and stamps `version`."""
+        from molt_hydra.weight_sync import push_from_rank
 
         ws, t, what = self.weight_sync, self.timeouts, f"push of version {version}"
-        calls = [w.push_weights.remote(engines, self.roles.transport, version, ws.bucket_mb << 20,
-                                       ws.check_coverage, t.engine_call_s, self.engine_dtype)
+        calls = [w.__ray_call__.remote(push_from_rank, engines, self.roles.transport, version,
+                                       bucket_bytes=ws.bucket_mb << 20, check_coverage=ws.check_coverage,
+                                       timeout_s=t.engine_call_s, dtype=self.engine_dtype)
                  for w in self.roles.actor.workers]
 
         def who(rank: int, error: Exception) -> str:
@@ -121,7 +128,7 @@ class RoleCalls:
         """The engines' last sleep and wake: seconds (mean over engines) and GiB freed (sum)."""
         per_engine = await self._on_engines("sleep_metrics", "read sleep metrics")
         keys = sorted({k for m in per_engine for k in m})
-        return {k: (sum if k.endswith("gib") else _mean)([m.get(k, 0.0) for m in per_engine]) for k in keys}
+        return {k: (sum if k.endswith("gib") else fmean)([m.get(k, 0.0) for m in per_engine]) for k in keys}
 
     async def _on_engines(self, method: str, what: str) -> list:
         return await _every([getattr(e, method).remote() for e in self.roles.engines], self.timeouts.engine_call_s,
@@ -160,32 +167,22 @@ class RoleCalls:
 
     async def example_errors(self) -> dict[str, str]:
         """One example error message per drop reason, from every runner that still answers."""
-        found: dict[str, str] = {}
         answers = asyncio.gather(*(r.example_errors.remote() for r in self.roles.runners), return_exceptions=True)
-        for errors in await asyncio.wait_for(answers, 30):
-            if isinstance(errors, dict):
-                for reason, error in errors.items():
-                    found.setdefault(reason, error)
-        return found
+        per_runner = [errors for errors in await asyncio.wait_for(answers, 30) if isinstance(errors, dict)]
+        # the first runner's example of a reason wins
+        return {reason: error for errors in reversed(per_runner) for reason, error in errors.items()}
 
     async def probe_engines(self, seconds: float = 10.0) -> list[str]:
         """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""
         from molt_hydra.rollout.generation import GenerationRequest, Sampling
 
-        async def answers(engine) -> bool:
-            probe = GenerationRequest("watchdog-probe", [self.roles.pad_token_id], Sampling(max_tokens=1))
-            try:
-                await asyncio.wait_for(engine.generate.remote(probe), seconds)
-                return True
-            except Exception:  # timeout or a dead actor: either way it is the one that stalled
-                return False
-
-        alive = await asyncio.gather(*(answers(e) for e in self.roles.engines))
-        return [f"rollout engine {i}" for i, ok in enumerate(alive) if not ok]
+        probe = GenerationRequest("watchdog-probe", [self.roles.pad_token_id], Sampling(max_tokens=1))
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(e.generate.remote(probe), seconds) for e in self.roles.engines), return_exceptions=True)
+        # a timeout or a dead actor: either way it is the one that stalled
+        return [f"rollout engine {i}" for i, answer in enumerate(answers) if isinstance(answer, BaseException)]
 
     async def shutdown(self) -> None:
-        import ray
-
         roles = self.roles
         await roles.generator.close()
         for r in roles.runners:
@@ -214,10 +211,6 @@ async def _every(calls: list, seconds: float, role: str, what: str, who=None) ->
     return results
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / max(len(values), 1)
-
-
 def _empty_cuda_cache(_worker) -> float:
     import torch
 
@@ -226,8 +219,3 @@ def _empty_cuda_cache(_worker) -> float:
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated() / 2**30
 
-
-def _freeze_heap(_actor) -> None:
-    import gc
-
-    gc.freeze()

@@ -22,21 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from molt_hydra.algorithm.advantage import compute_advantages
 from molt_hydra.algorithm.drift import drift_metrics
-from molt_hydra.algorithm.experience import (collate, experience_metrics, select_trainable, stack_padded,
-                                             trainer_rows)
+from molt_hydra.algorithm.experience import collate, experience_metrics, select_trainable, stack_padded, trainer_rows
 from molt_hydra.algorithm.kl import approx_kl, make_kl_controller
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
+from molt_hydra.rollout.generator import RolloutBatch
 from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
-from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, deadline
+from molt_hydra.runtime.watchdog import RunFailed, deadline
 
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
                  "weight_sync_wait", "weight_sync")
@@ -49,15 +51,13 @@ def _mean(values) -> float:
 
 def rollout_stats(groups) -> dict[str, float]:
     """Molt's rollout/* metrics over every generated rollout of the step (before staleness drops)."""
-    per_rollout = {t.rollout_id: t for g in groups for t in g.trajectories}
-    rewards = [float(t.reward) for t in per_rollout.values()]
+    rows = [t for g in groups for t in g.trajectories]
+    rewards = [float(t.reward) for t in {t.rollout_id: t for t in rows}.values()]  # a rollout's turns count once
     group_means = [_mean(float(t.reward) for t in {x.rollout_id: x for x in g.trajectories}.values())
                    for g in groups if g.trajectories]
-    rows = [t for g in groups for t in g.trajectories]
-    std = math.sqrt(sum((r - _mean(rewards)) ** 2 for r in rewards) / (len(rewards) - 1)) if len(rewards) > 1 else 0.0
     return {
         "rollout/reward_mean": _mean(rewards),
-        "rollout/reward_std": std,
+        "rollout/reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
         "rollout/pass1": _mean(group_means),
         "rollout/num_rollouts": float(len(rewards)),
         "rollout/num_prompt_groups": float(len(groups)),
@@ -85,8 +85,7 @@ class RLController:
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
         self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
-        kl = cfg.algorithm.kl
-        self.kl_ctl = make_kl_controller(kl.coef, kl.target, kl.horizon)
+        self.kl_ctl = make_kl_controller(cfg.algorithm.kl.coef, cfg.algorithm.kl.target, cfg.algorithm.kl.horizon)
         self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
         if cfg.data.max_images_per_prompt:
             from molt_hydra.models.build import resolve_path
@@ -101,10 +100,10 @@ class RLController:
             t0 = time.perf_counter()
             async with self.step_done:
                 await self.step_done.wait_for(lambda: self.step >= max(j - self.depth, 0))
-            idle = time.perf_counter() - t0
             t1 = time.perf_counter()
-            if self.cfg.train.rollout_replay_dir:
-                batch = self._replayed_batch(j)
+            if self.cfg.train.rollout_replay_dir:  # batch j read back, not generated; a missing file ends the data
+                path = Path(self.cfg.train.rollout_replay_dir) / f"rollout_step{j}.pt"
+                batch = torch.load(path, weights_only=False) if path.exists() else RolloutBatch([], {}, exhausted=True)
             else:  # CPU trainer ranks train on every core of their node only while the engines are idle: the
                 # hints are sent, not awaited (round trips on the rollout's critical path), except the one a sync
                 # step's training must see first (its thread count changes float reductions)
@@ -112,32 +111,18 @@ class RLController:
                 batch = await self.roles.generator.generate_batch()
                 await self.calls.engines_busy(False, wait=self.depth == 0)
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
-            if self.cfg.train.rollout_dump_dir and batch.groups:
-                self._dump_batch(j, batch)
-            timing = {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": idle}
+            if self.cfg.train.rollout_dump_dir and batch.groups:  # Molt's rollout dump: for replay or study
+                path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(batch, path)
+            timing = {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": t1 - t0}
             if batch.groups:
                 await self.queue.put((batch, timing))
             async with self.batch_made:  # wakes a weight sync waiting for this batch (or for the end of the data)
                 self.batches_made += bool(batch.groups)
                 self.exhausted = batch.exhausted or not batch.groups
                 self.batch_made.notify_all()
-
-    def _dump_batch(self, j: int, batch) -> None:
-        """train.rollout_dump_dir: batch j as <dir>/rollout_step{j}.pt (Molt's rollout dump), for replay or study."""
-        import torch
-
-        path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(batch, path)
-
-    def _replayed_batch(self, j: int):
-        """train.rollout_replay_dir: batch j read back instead of generated; a missing file ends the data."""
-        import torch
-
-        from molt_hydra.rollout.generator import RolloutBatch
-
-        path = Path(self.cfg.train.rollout_replay_dir) / f"rollout_step{j}.pt"
-        return torch.load(path, weights_only=False) if path.exists() else RolloutBatch([], {}, exhausted=True)
+        await self.queue.put((None, {}))  # the end of the data, after every batch
 
     # ------------------------------------------------------------------ one step
     async def train_step(self, batch, gen_timing: dict) -> dict[str, float]:
@@ -193,9 +178,8 @@ class RLController:
         t = self.cfg.train
         exps, drops = select_trainable(groups, self.cfg.data.max_len, self.trajectory_images, self.version,
                                        t.max_staleness, t.stale_samples.value == "drop", self.roles.actor.num_ranks)
-        for reason, n in drops.items():
+        for reason, n in {**drops, "total": sum(drops.values())}.items():
             metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
-        metrics["rollout/dropped/total"] = metrics.get("rollout/dropped/total", 0.0) + sum(drops.values())
         metrics["num_samples_trained"] = float(len(exps))
         self._check_progress(bool(exps), metrics)
         return exps
@@ -242,8 +226,7 @@ class RLController:
         that sampled), nor when the KL to the reference is a reward penalty (the
         advantages need the old log-probs before training) or the actor is frozen (nothing trains; drift metrics
         still need them)."""
-        a = self.cfg.algorithm
-        kl_in_reward = self.roles.ref is not None and not a.kl.use_loss
+        kl_in_reward = self.roles.ref is not None and not self.cfg.algorithm.kl.use_loss
         dropout = bool(self.cfg.model.lora.rank and self.cfg.model.lora.dropout)  # the training forward drops out
         return (optimizer_steps == 1 and self.cfg.train.epochs == 1 and not actor_frozen and not kl_in_reward
                 and not dropout)
@@ -312,24 +295,20 @@ class RLController:
         m["timing/eval"] = time.perf_counter() - t0
         self.log.eval(self.step, m)
         key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
-        if key and key != "none" and key in m and (self.best is None or m[key] > self.best[1]):
+        if key in m and key != "none" and (self.best is None or m[key] > self.best[1]):
             self.best = (key, m[key])
-            if self.roles.actor is not None:  # job=eval scores; it has nothing to save
-                await self.save_best()
+            if self.roles.actor is not None:  # the best policy so far, an HF snapshot (job=eval has nothing to save)
+                best = Path(self.cfg.checkpoint.dir) / "best"
+                await self.calls.ranks(self.roles.actor, "export_hf", str(best),
+                                       DTYPE_NAMES[self.cfg.model.param_dtype.value])
+                (best / "best.json").write_text(json.dumps({"step": self.step, "metric": key, "value": m[key]}))
         self.last_eval = m
 
     def client_state(self) -> dict:
-        queued = list(self.queue._queue)  # finished, untrained batches: trained first after a resume
+        queued = [item for item in self.queue._queue if item[0] is not None]  # trained first after a resume
         return {"step": self.step, "version": self.version, "generator": self.roles.generator.state_dict(),
                 "queued": queued, "batches_made": self.step + len(queued), "best": self.best,
                 "next_eval": self.next_eval, "kl_coef": self.kl_ctl.value, "wandb_id": self.log.sinks.wandb_id}
-
-    async def save_best(self) -> None:
-        """The best policy so far by `checkpoint.best_metric_key`, as an HF snapshot beside the checkpoints."""
-        best = Path(self.cfg.checkpoint.dir) / "best"
-        await self.calls.ranks(self.roles.actor, "export_hf", str(best), DTYPE_NAMES[self.cfg.model.param_dtype.value])
-        key, value = self.best
-        (best / "best.json").write_text(json.dumps({"step": self.step, "metric": key, "value": value}))
 
     async def save(self) -> None:
         """A resumable checkpoint: trainer state (DCP) plus the loop's own state and the run record, all inside the
@@ -348,12 +327,11 @@ class RLController:
         self.roles.last_checkpoint = path
 
     def restore(self, state: dict) -> None:
-        self.step, self.version = state["step"], state["version"]
+        for key in ("step", "version", "batches_made", "best", "next_eval"):
+            setattr(self, key, state[key])
         self.roles.generator.load_state_dict(state["generator"])
         for item in state["queued"]:
             self.queue.put_nowait(item)
-        self.batches_made = state["batches_made"]
-        self.best, self.next_eval = state["best"], state["next_eval"]
         self.kl_ctl.value = state["kl_coef"]
 
     # ------------------------------------------------------------------ the loop
@@ -362,9 +340,9 @@ class RLController:
         if self.step == 0 and self.cfg.eval.at_start:
             await self.maybe_eval(force=True)
         producer = asyncio.create_task(self.produce())
-        keeper = self.calls.keeper  # replaces dead engines meanwhile; its failure (too many restarts) ends the run
-        watcher = asyncio.create_task(keeper.watch(lambda: self.version + self.trainer_ahead))
-        steps = asyncio.create_task(self._steps(producer, watcher))
+        # the keeper replaces dead engines meanwhile; its failure (too many restarts) ends the run
+        watcher = asyncio.create_task(self.calls.keeper.watch(lambda: self.version + self.trainer_ahead))
+        steps = asyncio.create_task(self._steps())
         background = {producer, watcher}
         try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)
             while True:
@@ -380,13 +358,14 @@ class RLController:
                 task.cancel()
             await asyncio.gather(steps, producer, watcher, return_exceptions=True)
 
-    async def _steps(self, producer: asyncio.Task, watcher: asyncio.Task) -> dict:
+    async def _steps(self) -> dict:
         cfg, max_steps, keeper = self.cfg, self.cfg.train.max_steps, self.calls.keeper
         last: dict[str, float] = {}
         while max_steps is None or self.step < max_steps:
             t0 = time.perf_counter()
-            batch, gen_timing = await self._next_batch(producer, watcher)
-            if batch is None:
+            batch, gen_timing = await deadline(self.queue.get(), cfg.train.timeouts.step_s, "rollout",
+                                               "generating a batch")
+            if batch is None:  # the data is done
                 break
             waited = time.perf_counter() - t0
             if self.colocated:  # the engines' memory goes to the trainer until the next push wakes them
@@ -417,19 +396,3 @@ class RLController:
                 await self.save()
             await self.maybe_eval()
         return last
-
-    async def _next_batch(self, producer: asyncio.Task, watcher: asyncio.Task):
-        """The next batch, or None when the data is done; the producer's or the engine watcher's failure surfaces."""
-        get = asyncio.ensure_future(self.queue.get())
-        done, _ = await asyncio.wait({get, producer, watcher}, timeout=self.cfg.train.timeouts.step_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
-            return get.result()
-        get.cancel()
-        if watcher in done:
-            watcher.result()
-        if producer in done:
-            producer.result()  # re-raises the producer's exception, if any
-            return (None, None) if self.queue.empty() else self.queue.get_nowait()
-        raise RoleStalled("rollout", "generating a batch", self.cfg.train.timeouts.step_s)
-

@@ -12,7 +12,9 @@ import os
 import sys
 from contextlib import suppress
 
-from molt_hydra.runtime.watchdog import RunFailed, deadline, kill
+import ray
+
+from molt_hydra.runtime.watchdog import RunFailed, deadline, descendants, describe, kill
 
 POLL_S = 2.0  # how often the driver asks every engine whether it is alive
 
@@ -28,8 +30,7 @@ class EngineKeeper:
 
     async def watch(self, weights_version) -> None:
         """Forever: replace dead engines. `weights_version()`: the policy version of the trainer's weights now."""
-        for index, engine in enumerate(self.roles.engines):
-            self.processes[index] = await self._local_processes(engine)
+        self.processes = {i: await self._local_processes(engine) for i, engine in enumerate(self.roles.engines)}
         while True:
             await asyncio.sleep(POLL_S)
             # Polled outside the lock, so a health check waiting on a busy engine never holds up a weight push;
@@ -41,10 +42,6 @@ class EngineKeeper:
                     await self.replace(index, weights_version())
 
     async def dead_engines(self) -> list[int]:
-        import ray
-
-        from molt_hydra.runtime.watchdog import describe
-
         async def dead(engine) -> str | None:
             try:
                 return None if await asyncio.wait_for(engine.healthy.remote(), 10) else "its vLLM engine core died"
@@ -60,8 +57,6 @@ class EngineKeeper:
     async def replace(self, index: int, version: int | None) -> None:
         """A new engine `index`; with `version`, it receives the trainer's weights stamped so (None: the caller's
         weight push that follows gives them)."""
-        import ray
-
         role = f"rollout engine {index}"
         if self.restarts >= self.max_restarts:
             raise RunFailed(role, f"died after {self.restarts} restart(s); rollout.max_engine_restarts="
@@ -82,17 +77,15 @@ class EngineKeeper:
         if version:  # version 0: the model path's weights, which the new engine loaded itself
             await roles.calls.push_to(version, [engine])
         roles.engines[index] = engine
-        stranded = await deadline(asyncio.gather(*(r.replace_engine.remote(index, engine) for r in roles.runners)),
-                                  30, "agent runner", "replace a rollout engine")
+        stranded = sum(n or 0 for n in await deadline(asyncio.gather(
+            *(r.replace_engine.remote(index, engine) for r in roles.runners)), 30, "agent runner",
+            "replace a rollout engine"))
         roles.role_pids[role] = await deadline(engine.__ray_call__.remote(lambda e: os.getpid()), 30, role, "pid")
         self.processes[index] = await self._local_processes(engine)
-        await self._say_restarted(index, sum(n or 0 for n in stranded))
-
-    async def _say_restarted(self, index: int, stranded: int) -> None:
-        """One console line per restart: the engine, why, and the requests retried on the new engine: those that met
-        the dead one and already went back to wait (counted by the runners' routers since the previous restart), and
-        those still in flight on it when it was replaced (`stranded`: they fail now and retry)."""
-        retries = (await self.roles.calls.router_metrics()).get("rollout/router/retries", 0.0)
+        # One console line per restart: the engine, why, and the requests retried on the new engine: those that met
+        # the dead one and already went back to wait (counted by the runners' routers since the previous restart), and
+        # those still in flight on it when it was replaced (`stranded`: they fail now and retry).
+        retries = (await roles.calls.router_metrics()).get("rollout/router/retries", 0.0)
         retried = int(retries - self.retries_seen) + stranded
         self.retries_seen = retries + stranded  # the stranded ones are counted by their routers as they retry
         print(f"rollout engine {index} restarted ({self.restarts} of rollout.max_engine_restarts="
@@ -102,14 +95,8 @@ class EngineKeeper:
     @staticmethod
     async def _local_processes(engine) -> list[int]:
         """The engine actor's process and its children, when it runs on this node (a pid means nothing elsewhere)."""
-        import ray
-
-        from molt_hydra.runtime.watchdog import descendants
-
         def probe(_engine):
-            import ray as ray_in_actor
-
-            return ray_in_actor.get_runtime_context().get_node_id(), [os.getpid(), *descendants(os.getpid())]
+            return ray.get_runtime_context().get_node_id(), [os.getpid(), *descendants(os.getpid())]
 
         try:
             node, pids = await asyncio.wait_for(engine.__ray_call__.remote(probe), 30)

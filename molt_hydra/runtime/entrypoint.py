@@ -20,7 +20,6 @@ from contextlib import suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.runtime.plan import Plan
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
@@ -30,7 +29,7 @@ from molt_hydra.runtime.writable import check_outputs
 EXIT_INTERRUPTED = 130
 
 
-def run(cfg: RunConfig, plan: Plan) -> None:
+def run(cfg: RunConfig) -> None:
     check_outputs(cfg)
     record = write_run_record(cfg, cfg.output_dir)
     if cfg.job.value == "sft":
@@ -49,7 +48,7 @@ def run(cfg: RunConfig, plan: Plan) -> None:
 
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
     try:
-        with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray", include_dashboard=False):
+        with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
             code = _run_to_end(_main(cfg, record))
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
@@ -76,12 +75,11 @@ def _run_to_end(coro) -> int:
 
 
 async def _main(cfg: RunConfig, record: dict) -> int:
-    main = asyncio.current_task()
     loop = asyncio.get_running_loop()
     # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread).
     signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
     for sig in signals:
-        loop.add_signal_handler(sig, main.cancel)
+        loop.add_signal_handler(sig, asyncio.current_task().cancel)
     loop.set_exception_handler(_quiet_cancellations)
     from molt_hydra.runtime.roles import build_roles
 
@@ -202,8 +200,8 @@ def _controller(cfg: RunConfig, roles, opened: list, wandb_id: str | None):
                        wandb_mode=w.mode.value, project=w.project, entity=w.entity, group=w.group,
                        tensorboard=cfg.logger.tensorboard, resume_wandb_id=wandb_id,
                        dashboard=cfg.logger.wandb_dashboard)
-    progress = Progress(cfg.train.max_steps, cfg.logger.progress)
-    opened.append(RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks, progress))
+    opened.append(RunLog(cfg.logger, cfg.output_dir, roles.tokenizer, sinks,
+                         Progress(cfg.train.max_steps, cfg.logger.progress)))
     return RLController(cfg, roles, opened[-1])
 
 
@@ -222,22 +220,18 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
             if roles.critic is not None:
                 await calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic", model_only=warm, role="critic")
             state = None if warm else client["loop"]
-            if warm:
-                await calls.push_weights(0)  # the engines start from the warm-start weights
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     if state is not None:
         ctl.log.sinks.rewind(state["step"])
         ctl.restore(state)
-        if ctl.version > 0:
-            await calls.push_weights(ctl.version)
         print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
+    if found is not None and (c.load_model_only or ctl.version > 0):  # warm start: version 0, the loaded weights
+        await calls.push_weights(ctl.version)
     await ctl.run()
     if c.save_steps != 0:  # 0: no resumable checkpoint at all
         await ctl.save()
-    export = None
-    if c.export_final:
-        (export, *_) = await calls.ranks(roles.actor, "export_hf", c.export_dir,
-                                         DTYPE_NAMES[cfg.model.param_dtype.value], merged=c.export_merged)
+    export = (await calls.ranks(roles.actor, "export_hf", c.export_dir, DTYPE_NAMES[cfg.model.param_dtype.value],
+                                merged=c.export_merged))[0] if c.export_final else None
     ctl.log.progress.summary(_summary(cfg, roles, ctl, export))
     return 0
 
@@ -260,7 +254,6 @@ def _summary(cfg: RunConfig, roles, ctl, export) -> list[str]:
     lines += [f"metrics:    {Path(cfg.output_dir) / 'metrics.jsonl'}", f"checkpoint: {roles.last_checkpoint}"]
     if export:
         lines.append(f"HF export:  {export}")
-    run = ctl.log.sinks.wandb_run
-    if run is not None:
+    if (run := ctl.log.sinks.wandb_run) is not None:
         lines.append(f"W&B:        {run.dir} ({run.settings.mode})")
     return lines

@@ -30,11 +30,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KNOWN_SHAPES = {
     "Qwen/Qwen3-4B": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "Qwen/Qwen3-VL-30B-A3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                                           head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                           moe_intermediate_size=768, tie_word_embeddings=False,
-                                           vision_params=0.6e9),
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        tie_word_embeddings=False, vision_params=0.6e9),
     "smollm2://SmolLM2-135M-Instruct": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                             head_dim=64, tie_word_embeddings=True),
@@ -117,8 +116,7 @@ class Plan:
         for r in self.roles:
             lines.append(f"  {r.name:<16} x{r.count:<3} {r.devices_each:g} {unit} + {r.cpus_each:g} CPU each"
                          + (f"   ({r.note})" if r.note else ""))
-        lines.append("Batch arithmetic (one RL step):")
-        lines += [f"  {k:<32} {v}" for k, v in self.batch.items()]
+        lines += ["Batch arithmetic (one RL step):"] + [f"  {k:<32} {v}" for k, v in self.batch.items()]
         for title, table in (("Memory estimate per device (GiB):", self.memory),
                              ("Memory by phase, one colocated GPU (GiB):", self.phases)):
             lines += [title] if table else []
@@ -129,13 +127,14 @@ class Plan:
         return "\n".join(lines)
 
 
-def _trainer_roles(cfg: RunConfig) -> tuple[str, ...]:
+def fsdp_roles(cfg: RunConfig) -> tuple[str, ...]:
+    """The trainer roles (FSDP groups) this run builds: the actor, and the reference / critic its estimator needs."""
     return trainer_roles(cfg, frozenset(ADVANTAGE_ESTIMATORS[cfg.algorithm.estimator].needs))
 
 
 def make_plan(cfg: RunConfig) -> Plan:
     r, p, t = cfg.rollout, cfg.parallelism, cfg.train
-    fsdp = _trainer_roles(cfg)
+    fsdp, dp = fsdp_roles(cfg), max(p.trainer_devices // (p.tp * p.cp), 1)
     trainer_share = round(1.0 / len(fsdp), 2) if p.colocate_models and len(fsdp) > 1 else 1.0
     roles: list[Role] = []
     if cfg.job.value in ("rl", "eval"):
@@ -145,13 +144,11 @@ def make_plan(cfg: RunConfig) -> Plan:
                           + (", sleeps while the trainer steps" if p.colocate else "")))
         roles.append(Role("agent runner", r.num_runners, 0, 1, "agents + reward, loopback chat server"))
     if cfg.job.value in ("rl", "sft"):
-        mesh = f"FSDP2 dp={max(p.trainer_devices // (p.tp * p.cp), 1)} tp={p.tp} cp={p.cp} ep={p.ep}"
-        roles.append(Role("actor", p.trainer_devices, trainer_share, 1, mesh))
+        roles.append(Role("actor", p.trainer_devices, trainer_share, 1, f"FSDP2 dp={dp} tp={p.tp} cp={p.cp} ep={p.ep}"))
         roles += [Role(name, p.trainer_devices, trainer_share, 1, note) for name, note in (
             ("reference", "frozen, logprobs only"), ("critic", "value head, own optimizer"))
             if name in fsdp and cfg.job.value == "rl"]
 
-    dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples = r.batch_size * r.n_samples_per_prompt
     per_rank = samples // dp
     steps = 1 if t.force_on_policy else samples // t.batch_size
@@ -190,7 +187,7 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
     if cfg.job.value == "eval" or c.save_steps == 0:
         return
     weights = DTYPE_BYTES[cfg.model.param_dtype.value] + 4 if cfg.model.master_weights.value == "optimizer" else 4
-    critic = cfg.job.value == "rl" and "critic" in _trainer_roles(cfg)
+    critic = cfg.job.value == "rl" and "critic" in fsdp_roles(cfg)
     one = (weights * shape.params + 8 * shape.trained_params(cfg.model.lora)) * (1 + critic) / 1e9
     at = Path(c.dir).absolute()
     while not at.exists():
@@ -234,9 +231,8 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
                  "fp32 master weights": 0.0 if p.offload.value != "none" else 4 * P / shard / GIB}
     else:
         state = {"weights fp32": 4 * P / shard / GIB, "grads fp32": 4 * P / shard / GIB}
-    lora = m.lora
-    trained = shape.trained_params(lora)
-    if lora.rank:
+    trained = shape.trained_params(m.lora)
+    if m.lora.rank:
         state["grads fp32"] = 4 * trained / shard / GIB
     # the HF backend's text actor takes log-probs through the lm_head a chunk of tokens at a time (models/logprobs.py):
     # forward and backward hold ~3 fp32 [chunk x vocab] arrays and the fp32 lm_head grad, whatever the micro-batch
@@ -249,7 +245,7 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
                "activations": act_per_token * tokens_per_rank / GIB, **logits}
     return trainer, [
         f"model: {P / 1e6:,.1f} M params ({shape.active_params / 1e6:,.1f} M active per token), {shape.layers} layers"
-        + (f"; LoRA rank {lora.rank}: {trained / 1e6:,.2f} M trained (grads, AdamW moments)" if lora.rank else ""),
+        + (f"; LoRA rank {m.lora.rank}: {trained / 1e6:,.2f} M trained (grads, AdamW moments)" if m.lora.rank else ""),
         f"trainer: {' + '.join(state)} + AdamW moments sharded over {shard} rank(s); {compute_bytes}-byte compute; "
         f"activation checkpointing {ac}; {tokens_per_rank} tokens per micro-batch per rank; "
         + ("log-probs through the lm_head, fp32 logits of a chunk of tokens at a time" if fused_head
@@ -299,8 +295,8 @@ def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engi
     r, p, mem = cfg.rollout, cfg.parallelism, cfg.cluster.memory_gb_per_device
     resident = sum(v for k, v in trainer.items() if k.startswith(("weights", "fp32 master", "adamw")))
     weights = sum(v for k, v in trainer.items() if k.startswith("weights"))
-    ref = p.colocate_models and "reference" in _trainer_roles(cfg)  # on these GPUs too
-    critic = p.colocate_models and "critic" in _trainer_roles(cfg)
+    ref = p.colocate_models and "reference" in fsdp_roles(cfg)  # on these GPUs too
+    critic = p.colocate_models and "critic" in fsdp_roles(cfg)
     others = ref * weights + critic * resident
     contexts = CUDA_CONTEXT_GIB * (2 + ref + critic)  # the engine's and each trainer role's
     leaves = mem * (1 - FRAGMENTATION) - contexts - resident - others

@@ -131,21 +131,16 @@ def _parse_metric(spec: str) -> tuple[str, str]:
     return (key, mode) if key and mode in ("max", "min") else (spec, "max")
 
 
-def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:.4g}"
-
-
 def table(points: list[Point], metrics: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:
     labels = varying_overrides(points)
-    header = ["#", "overrides", "status", "steps"]
-    for key, mode in metrics:
-        header += [f"final {key}", f"best {key} ({mode})", "@step"]
+    header = ["#", "overrides", "status", "steps"] + [
+        name for key, mode in metrics for name in (f"final {key}", f"best {key} ({mode})", "@step")]
     rows = []
     for p in points:
         row = [str(p.num), " ".join(labels[p.num]) or "-", p.status, str(p.rows[-1]["step"]) if p.rows else "-"]
         for key, mode in metrics:
             final, best, at = final_and_best(p.rows, key, mode)
-            row += [_fmt(final), _fmt(best), "-" if at is None else str(at)]
+            row += ["-" if v is None else f"{v:.4g}" for v in (final, best)] + ["-" if at is None else str(at)]
         rows.append(row)
     return header, rows
 
@@ -154,15 +149,6 @@ def render(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(c) for c in col) for col in zip(header, *rows)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _panel(ax, points: list[Point], keys: list[str], title: str) -> None:
@@ -183,11 +169,26 @@ def _panel(ax, points: list[Point], keys: list[str], title: str) -> None:
 
 
 def plot(points: list[Point], key: str, path: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    _panel(ax, points, [key], f"{key} per point")
+    return _figure(points, [{"keys": [key], "title": ""}], f"{key} per point", path, dpi=100)
+
+
+def _figure(points: list[Point], panels: list[dict], title: str, path: Path, dpi: int = 80) -> Path:
+    """One PNG of `panels` ({"keys", "title"} each, three a row at most) under `title`; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        _panel(ax, points, panel["keys"], panel["title"])
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -202,13 +203,9 @@ def _resolved_config(run_dir: Path) -> dict:
 
 def swept_keys(points: list[Point]) -> list[str]:
     """The config keys a sweep varies (its overrides that differ between points), in order of first appearance."""
-    keys: list[str] = []
-    for labels in varying_overrides(points).values():
-        for override in labels:
-            key = override.partition("=")[0].lstrip("+~")
-            if "=" in override and not key.startswith("hydra.") and key != "recipe" and key not in keys:
-                keys.append(key)
-    return keys
+    keys = (over.partition("=")[0].lstrip("+~") for labels in varying_overrides(points).values() for over in labels
+            if "=" in over)
+    return list(dict.fromkeys(key for key in keys if not key.startswith("hydra.") and key != "recipe"))
 
 
 def dashboard_spec(target: Path, points: list[Point]) -> dict:
@@ -231,24 +228,11 @@ def plot_sections(points: list[Point], spec: dict, out_dir: Path, metrics: list[
     with the table; returns the page."""
     import html
 
-    plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     images = []
     for section in spec["sections"]:
-        panels = section["panels"]
-        cols = min(3, len(panels))
-        rows = -(-len(panels) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
-        for ax, panel in zip(axes.flat, panels):
-            _panel(ax, points, panel["keys"], panel["title"])
-        for ax in list(axes.flat)[len(panels):]:
-            ax.axis("off")
-        fig.suptitle(section["name"])
-        fig.tight_layout()
         png = out_dir / (re.sub(r"[^a-z0-9]+", "_", section["name"].lower()).strip("_") + ".png")
-        fig.savefig(png, dpi=80)
-        plt.close(fig)
-        images.append((section["name"], png.name))
+        images.append((section["name"], _figure(points, section["panels"], section["name"], png).name))
     body = "".join(f"<h2>{html.escape(name)}</h2><img src='{src}'>\n" for name, src in images)
     page = out_dir / "index.html"
     page.write_text(f"<html><head><meta charset='utf-8'><title>{html.escape(spec['name'])}</title></head><body>"

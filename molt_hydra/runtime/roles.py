@@ -2,8 +2,9 @@
 rollout engines first (their multi-device bundles), then the agent runners (no devices), then the trainer ranks (actor,
 then reference / critic when the algorithm needs them); then the data and the samples generator. Every role starts at
 once: start-up waits for the slowest (the engine), not for the sum.
-The driver reaches what is built through runtime/calls.py. Imports inside functions defer Ray, torch, transformers and
-vLLM (seconds each) to the process and moment that builds the roles."""
+The driver reaches what is built through runtime/calls.py. Imports inside functions defer transformers and vLLM
+(seconds each) to the process and moment that builds the roles; Ray and torch come with this module, which only a run
+that builds roles imports (its driver has loaded torch with the plan already)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import ray
+import torch
+import torch.distributed as dist
+
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.config.validate import trainer_roles
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
+from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime.watchdog import deadline
 
@@ -29,22 +34,12 @@ RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 class PolicyWorkerMixin:
-    """Trainer-rank side of the weight sync: every rank gathers full tensors bucket by bucket (FSDP collectives);
-    rank 0 pushes each bucket to the engines through the placement's transport and stamps the new version."""
-
-    def push_weights(self, engines: list, transport: str, version: int, bucket_bytes: int, check_coverage: bool,
-                     timeout_s: float, dtype: str) -> dict:
-        from molt_hydra.weight_sync import push_from_rank
-
-        return push_from_rank(self, engines, transport, version, bucket_bytes=bucket_bytes,
-                              check_coverage=check_coverage, timeout_s=timeout_s, dtype=dtype)
+    """Trainer-rank side of the sync probe (weight_sync/probe.py); the push itself runs on every rank as
+    `weight_sync.push_from_rank` (runtime/calls.py)."""
 
     def sync_probe_sums(self, dtype: str) -> dict[str, list[float]]:
         """The sync probe's per-layer-group sums of this trainer's weights cast to the engines' `dtype`, over every
         rank (collective: each rank sums its shards; a replicated shard counts once)."""
-        import torch
-        import torch.distributed as dist
-
         from molt_hydra.weight_sync.probe import group_sums
 
         from molt_hydra.models.lora import is_adapter_param
@@ -69,8 +64,6 @@ class PolicyWorkerMixin:
 
     def sync_probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probs of the probe sequence at temperature 1 (what vLLM's prompt log-probs are); collective."""
-        import torch
-
         saved, self.temperature = self.temperature, 1.0
         try:
             return self.compute_logprobs([{"input_ids": torch.tensor(token_ids)}])[0].tolist()
@@ -154,8 +147,6 @@ async def colocated_placement(cfg: RunConfig, fsdp_roles: int):
     p = cfg.parallelism
     if not (p.colocate and cfg.cluster.device.value == "cuda"):
         return None, None
-    import ray
-
     roles = fsdp_roles if p.colocate_models else 1
     pg = ray.util.placement_group([{"GPU": 1, "CPU": roles}] * p.trainer_devices, strategy="PACK")
     await deadline(pg.ready(), cfg.train.timeouts.startup_s, "placement",
@@ -172,8 +163,6 @@ def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
 
 
 def init_ray(cfg: RunConfig) -> None:
-    import ray
-
     if ray.is_initialized():
         return
     if cfg.cluster.ray_address:
@@ -190,22 +179,9 @@ def init_ray(cfg: RunConfig) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
 
 
-def _start_ray(cfg: RunConfig) -> tuple[float, dict[str, float]]:
-    """Start (or join) Ray while this process imports transformers (seconds on 2 cores): neither waits. Returns the
-    start time and the start-up profile, seconds from there until each role is ready."""
-    importing = threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True)
-    t0 = time.perf_counter()
-    importing.start()
-    init_ray(cfg)
-    up = {"ray": time.perf_counter() - t0}
-    importing.join()
-    return t0, up
-
-
 def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | None):
     """Rollout engines first (their bundles are the largest); `new_engine(i)` also replaces a dead engine mid-run
     (runtime/engine_keeper.py). Returns (engines, their start, new_engine)."""
-    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from transformers import AutoConfig
 
@@ -233,8 +209,6 @@ def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | 
 
 def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
     """Agent runners need only the engines' handles, so they start while the engines and trainer build."""
-    import ray
-
     from molt_hydra.runtime.agent_runner import AgentRunnerActor
 
     d, runner_cls = cfg.data, ray.remote(AgentRunnerActor)
@@ -327,8 +301,6 @@ def _policy_loss(cfg: RunConfig):
 
 def _role_pids(engines: list, groups: dict, runners: list) -> dict[str, int]:
     """Each role process's pid, by role name (the run record's and the watchdog's view)."""
-    import ray
-
     named = [(f"rollout engine {i}", e) for i, e in enumerate(engines)]
     named += [(f"{name} rank {i}", w) for name, g in groups.items() if g is not None for i, w in enumerate(g.workers)]
     named += [(f"agent runner {i}", r) for i, r in enumerate(runners)]
@@ -346,13 +318,19 @@ def weight_transport(cfg: RunConfig) -> str:
 
 
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
-    from transformers import AutoTokenizer
-
-    from molt_hydra.algorithm.advantage import get_advantage_estimator
     from molt_hydra.models.build import resolve_path
     from molt_hydra.weight_sync import setup_weight_sync
 
-    t0, up = _start_ray(cfg)
+    # Ray starts (or is joined) while this process imports transformers' tokenizers (seconds on 2 cores): neither
+    # waits. `up`: the start-up profile, seconds from Ray's start until each role is ready.
+    importing = threading.Thread(target=importlib.import_module, args=("transformers.models.auto.tokenization_auto",),
+                                 daemon=True)
+    t0 = time.perf_counter()
+    importing.start()
+    init_ray(cfg)
+    up = {"ray": time.perf_counter() - t0}
+    importing.join()
+    from transformers import AutoTokenizer
 
     def ready(name: str):
         return lambda _: up.setdefault(name, time.perf_counter() - t0)
@@ -361,7 +339,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     scoring = cfg.job.value == "eval"
     model_path = resolve_path(cfg.checkpoint.path if scoring and cfg.checkpoint.path else cfg.model.path)
     tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
-    fsdp = trainer_roles(cfg, frozenset(get_advantage_estimator(cfg.algorithm.estimator).needs))
+    fsdp = fsdp_roles(cfg)
     shared_gpus, share = await colocated_placement(cfg, len(fsdp))
     engines, starting, new_engine = _start_engines(cfg, model_path, shared_gpus, share)
     starting.add_done_callback(ready("engines"))
@@ -372,10 +350,8 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     prompts, eval_rows = _load_rows(cfg, scoring)
     if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
         await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-    actor = ref = critic = None
-    if not scoring:
-        actor, ref, critic = await _start_trainers(cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)),
-                                                   shared_gpus, share, ready)
+    actor, ref, critic = (None, None, None) if scoring else await _start_trainers(
+        cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)), shared_gpus, share, ready)
     await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
     await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
     print("start-up, seconds from Ray's start until ready: "

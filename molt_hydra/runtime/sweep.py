@@ -17,10 +17,6 @@ def sweep_group(sweep_dir: str) -> str:
 
 def set_wandb_group(cfg: DictConfig) -> None:
     """In a multirun point, set logger.wandb.group to the sweep's name unless the command line set one."""
-    if not HydraConfig.initialized():
-        return
-    hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN or cfg.logger.wandb.group is not None:
-        return
-    with open_dict(cfg):
-        cfg.logger.wandb.group = sweep_group(hc.sweep.dir)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN and cfg.logger.wandb.group is None:
+        with open_dict(cfg):
+            cfg.logger.wandb.group = sweep_group(HydraConfig.get().sweep.dir)

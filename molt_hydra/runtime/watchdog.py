@@ -41,9 +41,8 @@ def describe(error: BaseException) -> str:
             return f"its start failed: {raised[-1].strip()}"
     if isinstance(error, ray.exceptions.RayActorError):
         text = " ".join(str(error).split())
-        exit_type = re.search(r"Worker exit type: (\w+)", text)
-        detail = re.search(r"Worker exit detail: ([^.]*)", text)
-        why = ", ".join(m.group(0) for m in (exit_type, detail) if m) or "no reason given"
+        found = (re.search(r"Worker exit type: (\w+)", text), re.search(r"Worker exit detail: ([^.]*)", text))
+        why = ", ".join(m.group(0) for m in found if m) or "no reason given"
         return f"the process died ({why}; killed, out of memory, or crashed)"
     return f"{type(error).__name__}: {error}".splitlines()[0]
 
@@ -57,8 +56,7 @@ async def deadline(awaitable, seconds: float, role: str, what: str):
 
 
 def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-    kids = [int(p) for p in out.stdout.split()]
+    kids = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
     return kids + [g for k in kids for g in descendants(k)]
 
 
@@ -73,8 +71,8 @@ def dump_stacks(run_dir: str | Path, role_pids: dict[str, int], reason: str) -> 
     """Write every role's Python stacks into <run_dir>/stacks-<time>.txt and return its path."""
     path = Path(run_dir) / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    beside = Path(sys.executable).with_name("py-spy")  # the venv's, when its bin/ is not on PATH
-    py_spy = shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+    # the venv's, when its bin/ is not on PATH
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     with open(path, "w") as f:
         f.write(f"# {reason}\n\n## driver (this process)\n")
         f.flush()
@@ -86,8 +84,7 @@ def dump_stacks(run_dir: str | Path, role_pids: dict[str, int], reason: str) -> 
                     f.write("py-spy is not installed; no stack\n")
                     continue
                 try:
-                    dump = subprocess.run([py_spy, "dump", "--pid", str(p)], capture_output=True, text=True,
-                                          timeout=15)
+                    dump = subprocess.run([py_spy, "dump", "--pid", str(p)], capture_output=True, text=True, timeout=15)
                     f.write(dump.stdout or dump.stderr)
                 except subprocess.TimeoutExpired:  # a process stopped hard enough that py-spy cannot read it
                     f.write("py-spy timed out reading this process\n")

@@ -93,12 +93,14 @@ def _drain(ctl) -> list:
     """Take every batch the producer makes, marking each as trained (what the loop does between them)."""
     async def run():
         producer = asyncio.create_task(ctl.produce())
-        watcher = asyncio.create_task(asyncio.Event().wait())  # no engines to watch here: never finishes
         batches = []
         while True:
-            batch, _ = await ctl._next_batch(producer, watcher)
+            get = asyncio.ensure_future(ctl.queue.get())
+            done, _ = await asyncio.wait({get, producer}, return_when=asyncio.FIRST_COMPLETED)
+            if producer in done and producer.exception() is not None:  # as RLController.run: its failure ends it
+                raise producer.exception()
+            batch, _ = await get  # a producer that ended put the end of the data (None) last
             if batch is None:
-                watcher.cancel()
                 return batches
             batches.append(batch)
             async with ctl.step_done:
