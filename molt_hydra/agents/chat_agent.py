@@ -16,7 +16,7 @@ from typing import Any
 
 from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score
 from molt_hydra.agents.targets import subclass
-from molt_hydra.agents.tool_parser import reply_parser
+from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
 from molt_hydra.agents.wire.server import MODEL_NAME, ChatServer
 from molt_hydra.agents.wire.session import ChatSession
@@ -73,8 +73,11 @@ class ChatAgentRunner(Runner):
 
     def configure_chat(self, tool_parser: str | None = "hermes", reasoning_parser: str | None = None,
                        max_choices: int = 8, accepts_images: bool = True, max_images: int | None = None) -> None:
-        """The agent.* chat settings (the runner process applies the config's values over the constructor's; config
-        validation checks the parser names, and `ReplyParser` refuses an unknown one at the first rollout)."""
+        """The agent.* chat settings (the runner process applies the config's values over the constructor's)."""
+        if tool_parser not in (None, "hermes") or reasoning_parser is not None:
+            # an unknown name fails here, once, not in every rollout; vLLM's default is not looked up (its
+            # registries cost seconds, and config validation builds runners)
+            check_parser_names(tool_parser, reasoning_parser)
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.max_choices, self.accepts_images, self.max_images = max_choices, accepts_images, max_images
 

@@ -71,20 +71,27 @@ def parse_forced(text: str, tool_choice) -> ParsedReply:
     return ParsedReply("", calls)
 
 
+def check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
+    """Unknown parser names fail naming the config key and vLLM's known names."""
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    tools = {*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers}
+    if tool_parser and tool_parser not in tools:
+        raise ValueError(f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {sorted(tools)}")
+    if reasoning_parser and reasoning_parser not in ReasoningParserManager.list_registered():
+        raise ValueError(f"agent.reasoning_parser={reasoning_parser!r} is not a vLLM reasoning parser; known: "
+                         f"{ReasoningParserManager.list_registered()}")
+
+
 class ReplyParser:
     """One model family's reasoning + tool-call parsers (vLLM's), built once per runner."""
 
     def __init__(self, tokenizer, tool_parser: str | None = "hermes", reasoning_parser: str | None = None):
-        """Unknown parser names fail naming the config key and vLLM's known names."""
+        check_parser_names(tool_parser, reasoning_parser)
         from vllm.reasoning import ReasoningParserManager
         from vllm.tool_parsers import ToolParserManager
 
-        tools = {*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers}
-        if tool_parser and tool_parser not in tools:
-            raise ValueError(f"agent.tool_parser={tool_parser!r} is not a vLLM tool parser; known: {sorted(tools)}")
-        if reasoning_parser and reasoning_parser not in ReasoningParserManager.list_registered():
-            raise ValueError(f"agent.reasoning_parser={reasoning_parser!r} is not a vLLM reasoning parser; known: "
-                             f"{ReasoningParserManager.list_registered()}")
         self.tool_parser_name, self.reasoning_parser_name = tool_parser, reasoning_parser
         self.tool = self.reasoning = None
         if tool_parser:

@@ -105,8 +105,11 @@ IMAGE_TASKS = ("geo_triangles", "geo_triangles_eval", "colors", "colors_eval", "
 
 
 def builtin_rows(spec: str) -> list[dict]:
-    """The rows of `builtin://NAME` (a known NAME: data/rules.py checks data.train_path and eval.data_path)."""
-    return BUILTIN_TASKS[spec[len(BUILTIN):]]()
+    """The rows of `builtin://NAME` (data/rules.py checks the config's names; `run_sft`'s are checked here)."""
+    name = spec[len(BUILTIN):]
+    if name not in BUILTIN_TASKS:
+        raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
+    return BUILTIN_TASKS[name]()
 
 
 def load_dataset(spec: str, split: str, config: str | None = None):
@@ -156,14 +159,13 @@ def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: i
     for i, r in enumerate(rows):
         if r.get(column) is not None:
             try:
-                r[column] = to_pil_images(r[column], max_images, f"{spec} row {i} ({image_key})")
+                decoded = to_pil_images(r[column], max_images, f"{spec} row {i} ({image_key})")
             except ValueError as e:
                 log.warning("data: dropped %s", e)
                 dropped.append(i)
                 first = first or str(e)
                 continue
-            if blank:
-                r[column] = [blank_like(im) for im in r[column]]
+            r = {**r, column: [blank_like(im) for im in decoded] if blank else decoded}  # the caller's row unchanged
         kept.append(r)
     if dropped:
         log.warning("data: dropped %d of %d rows of %s with unusable images (row ids %s)", len(dropped), len(rows),

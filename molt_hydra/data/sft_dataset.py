@@ -112,16 +112,17 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     special = _special_ids(tokenizer)
     out, rows = [], rows[:max_samples]
     if image_key:  # a row with an unreadable image, or too many, costs its row (logged, counted), never the run
+        with_images = next((i for i, row in enumerate(rows) if row.get(image_key)), None)
+        if with_images is not None and images is None:
+            raise ValueError(f"SFT row {with_images} has images but the model has no vision tower. Fix: use a VLM or "
+                             "set data.image_key=null")
         rows = usable_image_rows(rows, "SFT", image_key, max_images_per_prompt, blank=False, column=image_key)
-    for i, row in enumerate(rows):
+    for row in rows:
         msgs = _messages(row, input_key, output_key)
         if not any(m["role"] == "assistant" for m in msgs):
             continue
         row_images = (row.get(image_key) or []) if image_key else []
         if row_images:
-            if images is None:
-                raise ValueError(f"SFT row {i} has images but the model has no vision tower. Fix: use a VLM or set "
-                                 "data.image_key=null")
             msgs = image_parts(msgs)
         text = _render(tokenizer, msgs, chat_template, False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

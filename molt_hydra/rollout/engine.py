@@ -139,7 +139,8 @@ class VLLMEngine(BatchedCallee):
     async def _prepare_workers(self, device: str) -> None:
         if self._cpu_routing:
             await self.worker_call("start_routing_capture")
-        if self.plain_cpu_weights and device == "cpu":
+        self.plain_cpu_weights &= device == "cpu"  # (config refuses it elsewhere; the sync's finish step reads it)
+        if self.plain_cpu_weights:
             if not all(await self.worker_call("keep_plain_cpu_weights")):
                 self.shutdown()
                 raise ValueError("rollout.plain_cpu_weights: this model has layers that process their weights "
@@ -209,7 +210,9 @@ class VLLMEngine(BatchedCallee):
         # adapter); its tokens carry that adapter's version, not the one loaded when each was sampled
         async for out in self._engine().generate(prompt, self._sampling_params(s, index, stream), request_id=request_id,
                                                  lora_request=self.lora_request):
-            for c in out.outputs:  # logprobs misaligned with the tokens: `Generation` refuses them
+            for c in out.outputs:
+                if c.logprobs is None or len(c.logprobs) != len(c.token_ids):  # zip below would truncate silently
+                    raise RuntimeError(f"engine {self.engine_index}: logprobs missing or misaligned for a delta")
                 top = [{t: p.logprob for t, p in lp.items() if p.rank is not None and p.rank <= s.top_logprobs}
                        for lp in c.logprobs] if s.top_logprobs else None
                 finished |= c.finish_reason is not None

@@ -32,6 +32,8 @@ backends).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from molt_hydra.compat.torch import dispatch_mode, is_view_op
@@ -119,7 +121,8 @@ class CopyPlan:
             for branch in branches[1:]:
                 branch.wait_stream(branches[0])
             for i, (dst, src, non_blocking) in enumerate(self.copies):
-                with torch.cuda.stream(branches[i % len(branches)]):
+                branch = branches[i % len(branches)]  # None: no CUDA call at all (a CPU worker on a GPU host)
+                with torch.cuda.stream(branch) if branch is not None else contextlib.nullcontext():
                     dst.copy_(src, non_blocking=non_blocking)
 
     def _capture(self):

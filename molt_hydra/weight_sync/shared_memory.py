@@ -125,6 +125,7 @@ class SharedMemoryTransport(Pipeline):
             self.region = None
             if self.fd >= 0:
                 os.close(self.fd)
+                self.fd = -1  # should new_region raise, a later call must not close a number reused by then
             self.region, self.handle, self.fd = new_region("molt_weights", 2 * nbytes)
         return self.region
 

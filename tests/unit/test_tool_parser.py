@@ -128,3 +128,16 @@ def test_a_tool_call_cut_by_a_stop_string_is_counted_with_one_warning_line(tok, 
     assert "(arguments of 'python' are not a JSON object)" in args_warning.getMessage()
     assert p.parse('<tool_call>{"name": "python", "arguments": {}}</tool_call>', TOOLS).tool_calls  # still parses
     assert parse_failures() == before + 2
+
+
+def test_a_chat_runner_built_in_python_refuses_an_unknown_parser_at_once_not_per_rollout():
+    from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
+
+    class Agent(ChatAgent):
+        async def run(self, ctx):
+            return None
+
+    with pytest.raises(ValueError, match=r"agent.tool_parser='qwen9' is not a vLLM tool parser"):
+        ChatAgentRunner(Agent, tool_parser="qwen9")
+    with pytest.raises(ValueError, match=r"agent.reasoning_parser='nope'"):
+        ChatAgentRunner(Agent).configure_chat("hermes", "nope")

@@ -56,6 +56,11 @@ def test_vlm_sft_sample_masks_only_the_reply_and_expands_the_image(tmp_path):
         build_sft_samples([row], tok, output_key="output", image_key="images", images=images)
     with pytest.raises(ValueError, match="no vision tower"):
         build_sft_samples([row], tok, output_key="output", image_key="images", max_images_per_prompt=1)
+    # the first row with images is named by its place in the data, even one later dropped for too many images
+    text_row, over = {k: v for k, v in row.items() if k != "images"}, dict(row, images=row["images"] * 2)
+    with pytest.raises(ValueError, match="SFT row 1 has images but the model has no vision tower"):
+        build_sft_samples([text_row, over, text_row, row], tok, output_key="output", image_key="images",
+                          max_images_per_prompt=1)
 
 
 @pytest.mark.parametrize("name", ["qwen25_vl_tiny", "idefics3_tiny"])
@@ -104,6 +109,7 @@ def test_vlm_sft_drops_rows_with_unusable_images_and_logs_their_ids(tmp_path, ca
         samples = build_sft_samples(rows, tok, output_key="output", image_key="images", max_images_per_prompt=1,
                                     images=images)
     assert len(samples) == 2  # rows 0 and 5
+    assert rows[1]["images"] == [truncated] and rows[5]["images"][0].mode == "LA"  # the caller's rows, as given
     text = caplog.text
     assert "SFT row 1 (images): unusable image: image file is truncated" in text
     assert "SFT row 2 (images): unusable image: cannot identify image file" in text
