@@ -49,7 +49,3 @@ class KLController:
         if self.target:  # adaptive iff `target` is truthy (Molt: `kl.target` set and non-zero)
             error = min(max(current_kl / self.target - 1, -0.2), 0.2)
             self.value *= 1 + error * n_steps / self.horizon
-
-
-def make_kl_controller(coef: float, target: float | None = None, horizon: int = 10000) -> KLController:
-    return KLController(coef, target, horizon)

@@ -186,7 +186,8 @@ class TrainerWorker:
         why = ("model.backend=automodel" if self.backend != "hf"
                else "a vision-language model" if vlm.is_vlm(self.model.config)
                else None if isinstance(head, torch.nn.Linear) and head.bias is None
-               else f"the lm_head is a {type(head).__name__} (LoRA-adapted or with a bias), not a plain Linear")
+               else f"the lm_head is a {type(head).__module__}.{type(head).__name__} or has a bias, not a bias-free "
+                    "torch.nn.Linear (a LoRA-adapted lm_head, say)")
         if why is None:
             return FusedLogprobHead(head)
         log.warning("fused log-prob head off (%s): log-probs go through the full [tokens x vocab] logits", why)

@@ -32,7 +32,7 @@ import torch
 from molt_hydra.algorithm.advantage import compute_advantages
 from molt_hydra.algorithm.drift import drift_metrics
 from molt_hydra.algorithm.experience import collate, experience_metrics, select_trainable, stack_padded, trainer_rows
-from molt_hydra.algorithm.kl import approx_kl, make_kl_controller
+from molt_hydra.algorithm.kl import KLController, approx_kl
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.rollout.generator import RolloutBatch
@@ -85,7 +85,7 @@ class RLController:
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
         self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
-        self.kl_ctl = make_kl_controller(cfg.algorithm.kl.coef, cfg.algorithm.kl.target, cfg.algorithm.kl.horizon)
+        self.kl_ctl = KLController(cfg.algorithm.kl.coef, cfg.algorithm.kl.target, cfg.algorithm.kl.horizon)
         self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
         if cfg.data.max_images_per_prompt:
             from molt_hydra.models.build import resolve_path

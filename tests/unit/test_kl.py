@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from molt_hydra.algorithm.kl import KLController, approx_kl, make_kl_controller
+from molt_hydra.algorithm.kl import KLController, approx_kl
 
 NAN, INF = float("nan"), float("inf")
 
@@ -79,10 +79,10 @@ def test_adaptive_controller_proportional_update_and_clamp():
 
 def test_controller_choice_follows_target():
     for target in (None, 0.0):  # falsy target: fixed, as in Molt
-        fixed = make_kl_controller(0.01, target=target)
+        fixed = KLController(0.01, target=target)
         fixed.update(current_kl=10.0, n_steps=1000)
         assert fixed.value == 0.01
-    adaptive = make_kl_controller(0.01, target=0.1, horizon=500)
+    adaptive = KLController(0.01, target=0.1, horizon=500)
     assert adaptive.horizon == 500 and adaptive.value == 0.01
     adaptive.update(current_kl=0.2, n_steps=100)  # e = 1, clamped to +0.2
     assert adaptive.value == pytest.approx(0.01 * (1 + 0.2 * 100 / 500))

@@ -112,3 +112,24 @@ def test_shared_prompt_rows_layout():
     assert seen[5].tolist() == [True, True, True, False, False, True]  # response b: the prompt and itself
     assert seen[4].tolist() == [True, True, True, True, True, False]  # response a, causal
     assert rows["attention_mask"][1, 0, 1].tolist() == [True, True, False, False, False, False]
+
+
+def test_a_lora_adapted_lm_head_turns_the_fused_head_off_and_says_why(caplog):
+    """model.lora.target_modules with lm_head: PEFT wraps it, so the fused head cannot read one weight; the trainer
+    falls back to full logits and logs one line naming the head's type (never silently)."""
+    import logging
+
+    from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lora = dict(rank=4, alpha=8.0, dropout=0.0, init="default", target_modules=["q_proj", "lm_head"])
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.parallel.trainer"):
+        w = TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=port, model_path="tiny://qwen3_tiny",
+                                      timeout_s=120, lr=1e-3, seed=7, lora=lora))
+    head = w.model.get_output_embeddings()
+    assert w.head is None and type(head).__module__.startswith("peft.")
+    assert f"fused log-prob head off (the lm_head is a {type(head).__module__}.{type(head).__name__} or has a " \
+           "bias" in caplog.text
