@@ -6,12 +6,11 @@ mask; off the mask they are 0."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from molt_hydra.parallel.batching import shared_prompt_rows
+from molt_hydra.parallel.launch import free_port
 
 VARIANTS = {"full": dict(fused_head=False), "masked": dict(), "shared": dict(share_prompts=True)}
 
@@ -41,9 +40,7 @@ def steps():
     from molt_hydra.parallel.trainer import TrainerWorker
     from molt_hydra.parallel.trainer_spec import TrainerSpec
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     samples, out = grpo_samples(), {}
     for name, kw in VARIANTS.items():
         w = TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=port, model_path="tiny://qwen3_tiny",
@@ -122,9 +119,7 @@ def test_a_lora_adapted_lm_head_turns_the_fused_head_off_and_says_why(caplog):
     from molt_hydra.parallel.trainer import TrainerWorker
     from molt_hydra.parallel.trainer_spec import TrainerSpec
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     lora = dict(rank=4, alpha=8.0, dropout=0.0, init="default", target_modules=["q_proj", "lm_head"])
     with caplog.at_level(logging.WARNING, logger="molt_hydra.parallel.trainer"):
         w = TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=port, model_path="tiny://qwen3_tiny",
