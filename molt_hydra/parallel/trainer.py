@@ -38,7 +38,7 @@ from molt_hydra.parallel.batching import (count_micro_batches, pack, pad_rows, p
                                           prompt_groups, shared_prompt_rows, shared_prompt_tokens, unpack)
 from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
-from molt_hydra.parallel.fsdp import shard_model, to_compute_dtype
+from molt_hydra.parallel.fsdp import compile_block, shard_model, to_compute_dtype
 from molt_hydra.parallel.grad_debug import grad_norm_metrics
 from molt_hydra.parallel.optim import build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
@@ -153,7 +153,7 @@ class TrainerWorker:
             # one-rank all-gather) and the grads through a reduce buffer, every micro-batch (a SmolLM2 step on CPU:
             # ~0.3 s each); VLMs keep its input cast
             for layer in decoder_layers(model) if spec.compile_blocks else ():
-                layer.compile()
+                compile_block(layer)
             self.model = model.to(self.device)
         else:  # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
             self.model = shard_model(model, mesh, param_dtype=self.param_dtype, offload=spec.offload,

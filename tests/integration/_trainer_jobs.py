@@ -160,10 +160,12 @@ def forward_only_reshards(rank, world_size, port, out):
     w.shutdown()
 
 
-def compiled_steps(rank, world_size, port, out, compile_blocks):
-    """Four RL steps of varied lengths (each its own micro-batch shapes) with the decoder blocks compiled or eager;
-    saves each step's policy loss and, compiled, the graphs torch.compile has built after it."""
-    w = worker(rank, world_size, port, compile_blocks=compile_blocks, param_dtype="fp32")
+def compiled_steps(rank, world_size, port, out, compile_blocks, checkpointing=False):
+    """Four RL steps of varied lengths (each its own micro-batch shapes) with the decoder blocks compiled or eager,
+    activation checkpointing on or off; saves each step's policy loss and, compiled, the graphs torch.compile has
+    built after it."""
+    w = worker(rank, world_size, port, compile_blocks=compile_blocks, param_dtype="fp32",
+               gradient_checkpointing=checkpointing)
     rows = []
     for step in range(4):
         m = w.train_step(with_old_logprobs(w, make_samples(8, seed=step)), ppo_objective())

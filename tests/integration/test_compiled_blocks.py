@@ -18,10 +18,13 @@ from molt_hydra.parallel.launch import run_ranks  # noqa: E402
 pytestmark = pytest.mark.slow  # ~50 s on 2 cores: torch.compile's first step
 
 
-def test_compiled_blocks_train_as_eager_and_stop_compiling_after_the_first_step(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ac", "full_ac"])
+def test_compiled_blocks_train_as_eager_and_stop_compiling_after_the_first_step(tmp_path, checkpointing):
+    """Under full activation checkpointing the checkpoint sits inside the compiled block (fsdp.compile_block): the
+    same losses as the eager checkpointed model."""
     runs = {}
     for compiled in (False, True):
-        run_ranks(jobs.compiled_steps, 1, tmp_path / f"{compiled}.pt", compiled, timeout_s=600)
+        run_ranks(jobs.compiled_steps, 1, tmp_path / f"{compiled}.pt", compiled, checkpointing, timeout_s=600)
         runs[compiled] = torch.load(tmp_path / f"{compiled}.pt")
     graphs = [g for _, g in runs[True]]
     assert graphs[0] > 0 and graphs == [graphs[0]] * 4, graphs  # every later step's shapes reuse the first's graphs
