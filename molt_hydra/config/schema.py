@@ -113,8 +113,8 @@ class ModelConfig:
     "Attention kernel of the trainer model."
     gradient_checkpointing: GradCheckpoint = GradCheckpoint["full"]
     "Activation checkpointing: none, full (per decoder block) or selective."
-    compile_blocks: bool = False
-    "torch.compile each decoder block of the trainer model (GPU: fuses the eager elementwise ops; first step compiles)."
+    compile_blocks: Optional[bool] = None
+    "torch.compile each decoder block; None: on where measured faster (HF trainer, GPU, no activation checkpointing)."
     trust_remote_code: bool = True
     "Allow custom model code from the model directory."
     aux_loss_coef: float = ranged(0.0, ge=0)

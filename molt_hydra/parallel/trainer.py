@@ -84,6 +84,10 @@ class TrainerWorker:
         self.model_path = resolve_path(spec.model_path)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
         self.lora = spec.lora if spec.role == "actor" else None
+        # None (auto): compiled where it measured faster (bench/RESULTS.md): the HF trainer on a GPU without activation
+        # checkpointing; eager on CPU and on AutoModel unless asked
+        self.compile_blocks = spec.compile_blocks if spec.compile_blocks is not None else (
+            self.device.type == "cuda" and self.backend == "hf" and spec.gradient_checkpointing == "none")
         (self._build_automodel if self.backend == "automodel" else self._build_hf)(spec)
         if self.idle_cpu_threads != self.cpu_threads:
             self._follow_hints_per_block()
@@ -122,7 +126,7 @@ class TrainerWorker:
             self.model_path, role=spec.role, dp_size=self.dp_size, tp_size=spec.tp_size, ep_size=spec.ep_size,
             cp_size=spec.cp_size, param_dtype=self.param_dtype, gradient_checkpointing=spec.gradient_checkpointing,
             random_init=spec.random_init, config_overrides=spec.config_overrides,
-            attn_implementation=spec.attn_implementation, compile_blocks=spec.compile_blocks,
+            attn_implementation=spec.attn_implementation, compile_blocks=self.compile_blocks,
             gate_precision=spec.gate_precision, routing_replay=spec.routing_replay, master_weights=spec.master_weights,
             freeze_moe_router=spec.freeze_moe_router, freeze_visual_encoder=spec.freeze_visual_encoder,
             **(spec.automodel_options or {}))
@@ -152,12 +156,12 @@ class TrainerWorker:
             # one rank, params already in the compute dtype: FSDP2 would only copy them into a second buffer (its
             # one-rank all-gather) and the grads through a reduce buffer, every micro-batch (a SmolLM2 step on CPU:
             # ~0.3 s each); VLMs keep its input cast
-            for layer in decoder_layers(model) if spec.compile_blocks else ():
+            for layer in decoder_layers(model) if self.compile_blocks else ():
                 compile_block(layer)
             self.model = model.to(self.device)
         else:  # one rank: nothing to save by freeing gathered params after forward, and backward skips a re-gather
             self.model = shard_model(model, mesh, param_dtype=self.param_dtype, offload=spec.offload,
-                                     reshard_after_forward=spec.world_size > 1, compile_blocks=spec.compile_blocks)
+                                     reshard_after_forward=spec.world_size > 1, compile_blocks=self.compile_blocks)
         if vlm.is_vlm(model.config) and spec.role != "ref" and not spec.freeze_visual_encoder:
             vlm.keep_visual_encoder_in_every_backward(self.model)  # text-only micro-batches on some DP ranks
 
@@ -173,7 +177,7 @@ class TrainerWorker:
         self.moe, self.moe_experts_impl = bool(routers), None  # HF MoE models: "grouped" | "loop" (moe_experts.py)
         if routers:
             self.moe_experts_impl = moe_experts.choose(spec.moe_experts_impl, self.device, DTYPES[self.param_dtype],
-                                                       expert_widths(model), spec.compile_blocks)
+                                                       expert_widths(model), self.compile_blocks)
             install_experts(model, self.moe_experts_impl, moe_experts.grouped_experts_forward)
         self.frozen_names = set(moe_routing.freeze(model)) if spec.freeze_moe_router else set()
 
@@ -481,7 +485,7 @@ class TrainerWorker:
             seq = tokens / (len(samples) * self.world_size)
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),
                                         self.spec.peak_tflops * 1e12, self.world_size)
-        if self.spec.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
+        if self.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
             metrics[f"{perf}compiled_graphs"] = float(compiled_graphs())
         if self.device.type == "cuda":
             metrics[f"{perf}gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30

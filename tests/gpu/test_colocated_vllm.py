@@ -80,6 +80,14 @@ def test_sampler_logprobs_agree_with_the_trainer_after_every_sync(toy):
         assert abs(row["train/vllm_kl"]) < 1e-2, (step, row["train/vllm_kl"])
 
 
+def test_the_trainer_compiles_by_default_on_a_gpu_and_stops_recompiling(toy):
+    """model.compile_blocks unset: the HF trainer's blocks compile on a GPU (the toy runs without activation
+    checkpointing); the lengths change every step, yet after the first steps no graph is built again."""
+    _, m = toy
+    graphs = [m[s]["train/perf/compiled_graphs"] for s in sorted(m)]
+    assert graphs[0] > 0 and len(set(graphs[5:])) == 1, graphs  # 20 steps: flat from step 6 on
+
+
 def test_automodel_trainer_learns_colocated_and_its_weights_arrive_equal(tmp_path_factory):
     """The same toy recipe with NeMo AutoModel as the trainer's backend: the engine sleeps, wakes, takes AutoModel's
     weights over CUDA IPC (in one pass or bucketed, as its parameters allow), the probe finds them equal, and the
