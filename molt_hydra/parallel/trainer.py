@@ -84,10 +84,6 @@ class TrainerWorker:
         self.model_path = resolve_path(spec.model_path)
         # model.lora (models/lora.py): the actor trains a PEFT adapter on its frozen base; the reference is the base
         self.lora = spec.lora if spec.role == "actor" else None
-        # None (auto): compiled where it measured faster (bench/RESULTS.md): the HF trainer on a GPU without activation
-        # checkpointing; eager on CPU and on AutoModel unless asked
-        self.compile_blocks = spec.compile_blocks if spec.compile_blocks is not None else (
-            self.device.type == "cuda" and self.backend == "hf" and spec.gradient_checkpointing == "none")
         (self._build_automodel if self.backend == "automodel" else self._build_hf)(spec)
         if self.idle_cpu_threads != self.cpu_threads:
             self._follow_hints_per_block()
@@ -122,6 +118,7 @@ class TrainerWorker:
         self._use_cpu_threads()
 
     def _build_automodel(self, spec: TrainerSpec) -> None:
+        self.compile_blocks = bool(spec.compile_blocks)  # auto: eager (compiled AutoModel not yet run in the loop)
         self.model = build_automodel(
             self.model_path, role=spec.role, dp_size=self.dp_size, tp_size=spec.tp_size, ep_size=spec.ep_size,
             cp_size=spec.cp_size, param_dtype=self.param_dtype, gradient_checkpointing=spec.gradient_checkpointing,
@@ -139,6 +136,13 @@ class TrainerWorker:
                             gradient_checkpointing=spec.gradient_checkpointing == "full", random_init=spec.random_init,
                             config_overrides=spec.config_overrides,
                             init_device=self.device if spec.random_init else "cpu")
+        # None (auto): compiled where it measured faster and ran stable (bench/RESULTS.md): the HF text trainer on a
+        # GPU, with or without activation checkpointing, dense or MoE; LoRA and VLMs stay eager (not yet measured)
+        self.compile_blocks = spec.compile_blocks if spec.compile_blocks is not None else (
+            self.device.type == "cuda" and not self.lora and not vlm.is_vlm(model.config))
+        if spec.compile_blocks is None and self.compile_blocks:
+            log.info("model.compile_blocks unset: %s's decoder blocks compile on the GPU (false: eager)",
+                     type(model).__name__)
         if self.lora:  # before sharding: FSDP2 shards base and adapter alike, the optimizer takes the adapter
             # target_modules None: the family's default; the config refuses a family without one when it can read
             # the model's config.json, a hub id it cannot read is refused here

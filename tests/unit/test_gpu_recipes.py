@@ -71,3 +71,21 @@ def test_qwen3_vl_moe_geo_gpu_validates_and_plans_on_one_colocated_gpu():
     # the same knob on a dense VLM is refused: the rule reads the experts from the VLM's text_config
     with pytest.raises(ConfigError, match="rollout.routing_replay"):
         run_config([*recipe.overrides, "cluster.memory_gb_per_device=140", "model.path=tiny://qwen25_vl_tiny"])
+
+
+def gpu_recipes_on_auto_backend() -> list[str]:
+    chosen = []
+    for r in recipes():
+        cfg = OmegaConf.to_object(compose_config(r.overrides))
+        if cfg.cluster.device.value == "cuda" and cfg.model.backend.value == "auto":
+            chosen.append(r.name)
+    return chosen
+
+
+@pytest.mark.parametrize("name", gpu_recipes_on_auto_backend())
+def test_a_gpu_recipe_on_backend_auto_also_validates_where_automodel_is_installed(name):
+    """model.backend=auto resolves to AutoModel on a GPU node that has it (validate.trainer_backend): a recipe left on
+    auto must hold under both backends, or say `model.backend: hf` (as qwen3_moe_r3_gpu does, for aux_loss_coef)."""
+    for backend in ("automodel", "hf"):  # an H200's memory: colocated recipes split it, and no nvidia-smi here
+        cfg = run_config([f"+recipe={name}", f"model.backend={backend}", "cluster.memory_gb_per_device=141"])
+        assert cfg.model.backend.value == backend
