@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -61,9 +62,18 @@ SHAPES = {  # Qwen3 release configs (hidden, layers, heads, kv heads, head_dim 1
 }
 
 
+def shape(name: str) -> dict:
+    """SHAPES[name]; `30b-a3b-<N>l` is the 30B-A3B layer shape with N layers (the memory study's rows)."""
+    if name in SHAPES:
+        return dict(SHAPES[name])
+    if re.fullmatch(r"30b-a3b-\d+l", name):
+        return {**SHAPES["30b-a3b-8l"], "num_hidden_layers": int(name[len("30b-a3b-"):-1])}
+    raise SystemExit(f"--shapes: unknown shape {name!r}; one of {sorted(SHAPES)} or 30b-a3b-<N>l")
+
+
 def write_config(name: str, rank: int) -> str:
     import transformers
-    kw = dict(SHAPES[name])
+    kw = shape(name)
     cls = transformers.Qwen3MoeConfig if kw.pop("moe", False) else transformers.Qwen3Config
     tiny = name.startswith("tiny")
     cfg = cls(vocab_size=512 if tiny else V, head_dim=32 if tiny else 128,

@@ -3,7 +3,7 @@
 # AutoModel and its small needs, liger-kernel) into /tmp/site, then run the GPU benches and `pytest -m gpu tests/gpu`,
 # logging everything to $OUT (or ./gpu_logs). Run from the repository root (or a staged copy of it):
 #
-#   bash scripts/gpu_device.sh [all|single|bench|tests|multi|single_tests|bench2|sync|sync_tests|moe ...]
+#   bash scripts/gpu_device.sh [all|single|bench|tests|multi|single_tests|bench2|sync|sync_tests|moe|memory ...]
 #   env: WHEELS, BENCH_SHAPES (split: GPU 0; BENCH_SHAPES_B: GPU 1), BENCH_GPU, BENCH_TAG, BENCH_ARGS,
 #        BENCH2_SHAPES, PYTEST_ARGS, MULTI_K, SYNC_ARGS
 #
@@ -83,6 +83,20 @@ moe() {  # issue 38: 30B-A3B shape (8 layers) HF experts grouped / transformers'
   echo "moe tests rc=$?"
   grep -hE "^== [a-z0-9]|^   largest|relative error|passed|failed" "$OUT/bench_moe.log" "$OUT/pytest_moe.log"
 }
+memory() {  # issue 38: the largest 30B-A3B-layer MoE that trains on one GPU, AC off and on, 4 x 8,192 tokens a step;
+  # one process per row (an OOM leaves nothing behind), layers rising until a row fails
+  local ac layers
+  : > "$OUT/bench_memory.log"
+  for ac in 0 1; do
+    for layers in ${MEMORY_LAYERS:-8 12 16 20 24}; do
+      CUDA_VISIBLE_DEVICES=0 timeout "${MOE_TIMEOUT:-150}" torchrun --standalone --nproc_per_node=1 \
+        --master-port=29510 bench/gpu_trainer.py --out "$OUT/bench_memory_${ac}_$layers.json" --gather 0 --ceiling 0 \
+        --mb-tokens 8192 --steps 1 --shapes "30b-a3b-${layers}l:$ac:hf+mw+grouped+compile:16" >> "$OUT/bench_memory.log" 2>&1
+      grep -q '"error"' "$OUT/bench_memory_${ac}_$layers.json" 2>/dev/null && break
+    done
+  done
+  grep -h "^== 30b" "$OUT/bench_memory.log"
+}
 for what in $modes; do
   case "$what" in
     install) ;;  # the wheels only
@@ -91,6 +105,7 @@ for what in $modes; do
     sync) sync ;;
     sync_tests) sync_tests ;;
     moe) moe ;;
+    memory) memory ;;
     multi) multi_tests ;;
     single_tests) single_tests ;;
     tests) single_tests; multi_tests ;;
