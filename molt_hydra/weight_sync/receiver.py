@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import glob
 import os
+import time
 
 import torch
 from safetensors import safe_open
@@ -205,13 +206,15 @@ class WeightReceiver:
     def load_shared_params(self, token: str, names: list[str] | None, handles: list | None) -> tuple | None:
         """Single pass (shared_params.py): load straight from views of the trainer's own parameters, mapped once per
         `token` and kept across syncs (the trainer updates them in place). Returns (tensors loaded, the path taken:
-        record / replay / loader, why the loaders could not be recorded or None); None when the token is new and no
+        record / replay / loader, why the loaders could not be recorded or None, this worker's seconds from the call to
+        its copies done: the engine's share of the sync, apart from the round trip); None when the token is new and no
         handles came with it: the trainer then calls again with them. A new token drops the old views (and the copy
         plan reading them) first, so a replaced trainer storage is never read again.
 
         The first load of a token runs the engine's loaders under `record_copy_plan`; when that proves they only
         copied the shared views into the engine's parameters, later syncs replay those copies (one CUDA graph) instead
         of running the loaders; otherwise, or once the engine's parameters moved, the loaders run as usual."""
+        start = time.perf_counter()
         if getattr(self, "_shared_params", None) is None or self._shared_params[0] != token:
             if handles is None:
                 return None
@@ -239,7 +242,8 @@ class WeightReceiver:
         if self.device.type == "cuda":  # the copies are done before the trainer may step (and write) again
             torch.cuda.current_stream(self.device).synchronize()
         del replayed  # a dropped plan's graph outlives its last launch
-        return len(weights), self.shared_load_path, self._copy_plan if isinstance(self._copy_plan, str) else None
+        why = self._copy_plan if isinstance(self._copy_plan, str) else None
+        return len(weights), self.shared_load_path, why, time.perf_counter() - start
 
     def _engine_tensors(self) -> list[torch.Tensor]:
         """The engine model's parameters and buffers: the only tensors a replayed copy plan may write."""

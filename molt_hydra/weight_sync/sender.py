@@ -54,7 +54,9 @@ class WeightSync:
         `weight_sync/single_pass` says which CUDA IPC path ran (1: straight from the rank's own parameters),
         `weight_sync/in_place` whether shared memory wrote into the engines' parameters (1) or went through their
         loaders, `weight_sync/push_seconds` the buckets alone (from after every engine began the update until the last
-        landed), `weight_sync/replayed` the share of engine workers that replayed their recorded copy plan."""
+        landed), `weight_sync/replayed` the share of engine workers that replayed their recorded copy plan, and in a
+        single pass `weight_sync/engine_load_seconds`, the slowest worker's own load (push_seconds less it: the calls'
+        round trips)."""
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
         num_tensors = num_bytes = 0
@@ -83,7 +85,9 @@ class WeightSync:
         return {"weight_sync/bytes": float(num_bytes), "weight_sync/tensors": float(num_tensors),
                 "weight_sync/seconds": time.perf_counter() - start, "weight_sync/push_seconds": pushed,
                 "weight_sync/single_pass": float(self.transport.single_pass),
-                "weight_sync/in_place": float(self.transport.in_place), "weight_sync/replayed": self.transport.replayed}
+                "weight_sync/in_place": float(self.transport.in_place), "weight_sync/replayed": self.transport.replayed,
+                **({"weight_sync/engine_load_seconds": self.transport.engine_seconds} if self.transport.single_pass
+                   else {})}
 
 
 def resolve_transport(transport: str, *, lora: bool, device: str, colocate: bool, nodes: int) -> str:
