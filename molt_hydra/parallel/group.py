@@ -14,20 +14,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from molt_hydra.parallel.launch import rendezvous_address
 from molt_hydra.parallel.trainer import TrainerWorker
 from molt_hydra.parallel.trainer_spec import TrainerSpec
-
-
-def _rendezvous_address() -> tuple[str, int]:
-    """Runs in rank 0's bundle: this node's IP as Ray knows it, and a port free on every interface (rank 0's
-    TCPStore listens on all of them)."""
-    import socket
-
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
 class RankStartFailed(RuntimeError):
@@ -67,11 +56,11 @@ class TrainerGroup:
             where = [PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=b)
                      for b, _ in placed]
             if self.rank_nodes[0] == ray.util.get_node_ip_address():
-                # rank 0 is on this node: no task, whose Ray worker would start and import this module (torch +
-                # transformers) to run it: seconds of CPU at start-up, beside the engine's
-                addr, port = _rendezvous_address()
+                # rank 0 is on this node: no task, whose Ray worker would have to start for it (seconds of CPU at
+                # start-up, beside the engine's)
+                addr, port = rendezvous_address()
             else:
-                probe = ray.remote(num_cpus=0)(_rendezvous_address).options(scheduling_strategy=where[0]).remote()
+                probe = ray.remote(num_cpus=0)(rendezvous_address).options(scheduling_strategy=where[0]).remote()
                 try:
                     addr, port = ray.get(probe, timeout=startup_timeout_s)
                 except ray.exceptions.GetTimeoutError:

@@ -10,10 +10,17 @@ import socket
 import time
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """This node's IP as Ray knows it, and a port free on every interface (a TCPStore listens on all of them)."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 def _entry(rank, fn, world_size, port, threads, args):

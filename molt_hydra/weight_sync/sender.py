@@ -8,12 +8,12 @@ trainer rank runs `push_from_rank` (the gathers are collectives); rank 0 pushes.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterable
 
 import torch
 
+from molt_hydra.parallel.launch import rendezvous_address
 from molt_hydra.weight_sync.buckets import Bucket
 from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport
 from molt_hydra.weight_sync.shared_params import single_pass_transport
@@ -104,12 +104,8 @@ def resolve_transport(transport: str, *, lora: bool, device: str, colocate: bool
 
 
 def _rendezvous_address(_worker) -> tuple[str, int]:
-    """This host's address and a free port on it (run on the trainer's rank 0, which hosts the group's store)."""
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    """Run on the trainer's rank 0 (`__ray_call__`), which hosts the group's store."""
+    return rendezvous_address()
 
 
 def _join_as_sender(worker, host: str, port: int, world_size: int, timeout_s: float) -> None:
