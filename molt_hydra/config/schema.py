@@ -114,7 +114,7 @@ class ModelConfig:
     gradient_checkpointing: GradCheckpoint = GradCheckpoint["full"]
     "Activation checkpointing: none, full (per decoder block) or selective."
     compile_blocks: Optional[bool] = None
-    "torch.compile each decoder block; None: on where measured faster (the HF text trainer on a GPU, LoRA aside)."
+    "torch.compile each decoder block; None: on where measured faster (HF dense text trainer on a GPU, LoRA aside)."
     trust_remote_code: bool = True
     "Allow custom model code from the model directory."
     aux_loss_coef: float = ranged(0.0, ge=0)

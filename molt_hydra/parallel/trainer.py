@@ -99,6 +99,7 @@ class TrainerWorker:
         self.temperature, self.chunk = spec.temperature, spec.logprob_chunk_size or LOGPROB_CHUNK_TOKENS
         self._build_optimizer(spec)
         self.global_step = 0
+        self.told_no_graphs = False  # compiled blocks that built no graph: said once
         # every FSDP2 unit, whoever wrapped the model (HF path or AutoModel); none on one unsharded rank
         self.fsdp_units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         # parallelism.defer_grad_sync (several ranks, validated): reduce-scatter on a window's last micro-batch only
@@ -136,10 +137,12 @@ class TrainerWorker:
                             gradient_checkpointing=spec.gradient_checkpointing == "full", random_init=spec.random_init,
                             config_overrides=spec.config_overrides,
                             init_device=self.device if spec.random_init else "cpu")
-        # None (auto): compiled where it measured faster and ran stable (bench/RESULTS.md): the HF text trainer on a
-        # GPU, with or without activation checkpointing, dense or MoE; LoRA and VLMs stay eager (not yet measured)
+        # None (auto): compiled where it measured faster and ran stable in the loop (bench/RESULTS.md): the HF dense
+        # text trainer on a GPU, with or without activation checkpointing; MoE (its routing statistics and replay not
+        # yet run compiled in the GPU loop), LoRA and VLMs stay eager unless asked
         self.compile_blocks = spec.compile_blocks if spec.compile_blocks is not None else (
-            self.device.type == "cuda" and not self.lora and not vlm.is_vlm(model.config))
+            self.device.type == "cuda" and not self.lora and not vlm.is_vlm(model.config)
+            and not moe_routing.is_moe_config(model.config))
         if spec.compile_blocks is None and self.compile_blocks:
             log.info("model.compile_blocks unset: %s's decoder blocks compile on the GPU (false: eager)",
                      type(model).__name__)
@@ -490,7 +493,11 @@ class TrainerWorker:
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),
                                         self.spec.peak_tflops * 1e12, self.world_size)
         if self.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
-            metrics[f"{perf}compiled_graphs"] = float(compiled_graphs())
+            metrics[f"{perf}compiled_graphs"] = graphs = float(compiled_graphs())
+            if not graphs and not self.told_no_graphs:  # e.g. a data-dependent op inside an activation checkpoint
+                self.told_no_graphs = True
+                log.warning("model.compile_blocks: torch.compile built no graph in the first step; the blocks run "
+                            "eager (TORCH_LOGS=graph_breaks says why)")
         if self.device.type == "cuda":
             metrics[f"{perf}gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
             metrics[f"{perf}gpu_mem_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30

@@ -37,7 +37,7 @@ class TrainerSpec:
     gradient_checkpointing: bool | str = False  # False / True mean none / full
     random_init: bool = False
     config_overrides: dict | None = None
-    compile_blocks: bool | None = None  # None: on for the HF text trainer on a GPU (LoRA aside)
+    compile_blocks: bool | None = None  # None: on for the HF dense text trainer on a GPU (LoRA aside)
     fused_head: bool = True
     automodel_options: dict | None = None
     lora: dict | None = None

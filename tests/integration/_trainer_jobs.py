@@ -160,16 +160,29 @@ def forward_only_reshards(rank, world_size, port, out):
     w.shutdown()
 
 
-def compiled_steps(rank, world_size, port, out, compile_blocks, checkpointing=False):
+def compiled_steps(rank, world_size, port, out, compile_blocks, checkpointing=False, moe_replay=False):
     """Four RL steps of varied lengths (each its own micro-batch shapes) with the decoder blocks compiled or eager,
-    activation checkpointing on or off; saves each step's policy loss and, compiled, the graphs torch.compile has
-    built after it."""
+    activation checkpointing on or off; with `moe_replay`, the tiny Qwen3-MoE replaying random engine experts (R3)
+    with the routing statistics on. Saves each step's policy loss (and replayed share) and, compiled, the graphs
+    torch.compile has built after it."""
+    import logging
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("molt_hydra.parallel.trainer").addHandler(handler)
+    moe = dict(model_path="tiny://qwen3_moe_tiny", routing_replay=True) if moe_replay else {}
     w = worker(rank, world_size, port, compile_blocks=compile_blocks, param_dtype="fp32",
-               gradient_checkpointing=checkpointing)
+               gradient_checkpointing=checkpointing, **moe)
     rows = []
     for step in range(4):
-        m = w.train_step(with_old_logprobs(w, make_samples(8, seed=step)), ppo_objective())
-        rows.append((m["policy_loss"], m.get("perf/compiled_graphs")))
+        samples = make_samples(8, seed=step)
+        for i, s in enumerate(samples if moe_replay else ()):
+            c, g = w.model.config, torch.Generator().manual_seed(100 * step + i)
+            s["routed_experts"] = torch.stack([torch.randperm(c.num_experts, generator=g)[:c.num_experts_per_tok]
+                                               for _ in range(len(s["input_ids"]) * c.num_hidden_layers)]
+                                              ).view(len(s["input_ids"]), c.num_hidden_layers, -1)
+        m = w.train_step(with_old_logprobs(w, samples), ppo_objective())
+        rows.append((m["policy_loss"], m.get("perf/compiled_graphs"), m.get("routing/replayed")))
     if rank == 0:
-        torch.save(rows, out)
+        torch.save({"rows": rows, "warnings": warned}, out)
     w.shutdown()
