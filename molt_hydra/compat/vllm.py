@@ -294,8 +294,6 @@ def cpu_core_env(kv_cache_space_gib: int, tensor_parallel_size: int, omp_threads
 def core_launch():
     """While vLLM builds an engine here: its core is forked from the server when the variables vLLM set for it are
     the server's (vLLM's own `get_mp_context` is asked first, for its choice and its side effects)."""
-    import unittest.mock
-
     import vllm.v1.engine.utils as engine_utils
 
     vllms = engine_utils.get_mp_context
@@ -311,8 +309,11 @@ def core_launch():
             return context
         return python_compat.ForkedWithLaunchEnv()
 
-    with unittest.mock.patch.object(engine_utils, "get_mp_context", get_mp_context):
+    engine_utils.get_mp_context = get_mp_context
+    try:
         yield
+    finally:
+        engine_utils.get_mp_context = vllms
 
 
 # --- R3 on CPU: the experts the engine's own fused-MoE routers selected, per request and token position ---

@@ -67,7 +67,9 @@ def name_rules(cfg, problems) -> None:
     for key, (_, default) in declared_bounds(RunConfig).items():
         value = get(cfg, key)
         blank = isinstance(value, str) and not isinstance(value, enum.Enum) and not value.strip()
-        problems.check(not blank or default == "" or key in reported, key, f"is {value!r}, which names nothing.",
+        if not blank or default == "" or key in reported:
+            continue
+        problems.check(False, key, f"is {value!r}, which names nothing.",
                        f"set {key} to a name" + (f", or {key}=null" if default is None else
                                                   f", or leave it out (default {default!r})"))
     address = cfg.cluster.ray_address

@@ -151,27 +151,26 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
 
 
 def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: int, blank: bool,
-                      column: str = "images") -> list[dict]:
+                      column: str = "images", dropped: list | None = None) -> list[dict]:
     """Rows whose images (`column`, the data's `image_key`) all decode (as RGB PIL images) within `max_images`; every
-    other row is dropped, counted and logged with its row id, so one bad image costs one sample, never the run. All
-    rows dropped is an error."""
-    kept, dropped, first = [], [], ""
+    other row is dropped, counted and logged with its row id (and, given `dropped`, appended to it as (row id, why)),
+    so one bad image costs one sample, never the run. All rows dropped is an error."""
+    kept, dropped = [], [] if dropped is None else dropped
     for i, r in enumerate(rows):
         if r.get(column) is not None:
             try:
                 decoded = to_pil_images(r[column], max_images, f"{spec} row {i} ({image_key})")
             except ValueError as e:
                 log.warning("data: dropped %s", e)
-                dropped.append(i)
-                first = first or str(e)
+                dropped.append((i, str(e)))
                 continue
             r = {**r, column: [blank_like(im) for im in decoded] if blank else decoded}  # the caller's row unchanged
         kept.append(r)
     if dropped:
         log.warning("data: dropped %d of %d rows of %s with unusable images (row ids %s)", len(dropped), len(rows),
-                    spec, dropped[:20])
+                    spec, [i for i, _ in dropped][:20])
     if rows and not kept:
-        raise ValueError(f"every row of {spec} was dropped for its images; the first: {first}")
+        raise ValueError(f"every row of {spec} was dropped for its images; the first: {dropped[0][1]}")
     return kept
 
 

@@ -17,15 +17,16 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     for key, spec in (("data.train_path", d.train_path), ("eval.data_path", cfg.eval.data_path)):
         problems.check(spec is None or bool(spec.replace(",", "").strip()), key, f"{spec!r} names no dataset.",
                        fix + ", or null")
-        for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
+        parts = [p.strip() for p in (spec or "").split(",") if p.strip()]
+        for part in parts:
             if not part.startswith(BUILTIN):
                 check_location(problems, key, part, "file or directory", fix)
                 continue
             problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
-            problems.check(part[len(BUILTIN):] not in IMAGE_TASKS or d.max_images_per_prompt > 0,
-                           "data.max_images_per_prompt", f"{key} has image rows ({part}), but 0 images per prompt "
-                           "reach the engine (a text-only setup).",
-                           "set data.max_images_per_prompt=1 with a vision-language model.path")
+        image = next((p for p in parts if p.startswith(BUILTIN) and p[len(BUILTIN):] in IMAGE_TASKS), None)
+        problems.check(image is None or d.max_images_per_prompt > 0, "data.max_images_per_prompt",  # once per key
+                       f"{key} has image rows ({image}), but 0 images per prompt reach the engine (a text-only setup).",
+                       "set data.max_images_per_prompt=1 with a vision-language model.path")
     problems.check(not (d.blank_images and d.max_images_per_prompt == 0), "data.blank_images",
                    "no image reaches the engine (data.max_images_per_prompt=0), so there is nothing to blank.",
                    "set data.blank_images=false, or data.max_images_per_prompt to the images per row")

@@ -110,14 +110,15 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     more than `max_images_per_prompt` images is dropped, logged with its row id and counted (`usable_image_rows`)."""
     markers = discover_reply_markers(tokenizer, chat_template)
     special = _special_ids(tokenizer)
-    out, rows = [], rows[:max_samples]
+    out, dropped, rows = [], [], rows[:max_samples]
+    usable = rows
     if image_key:  # a row with an unreadable image, or too many, costs its row (logged, counted), never the run
         with_images = next((i for i, row in enumerate(rows) if row.get(image_key)), None)
         if with_images is not None and images is None:
             raise ValueError(f"SFT row {with_images} has images but the model has no vision tower. Fix: use a VLM or "
                              "set data.image_key=null")
-        rows = usable_image_rows(rows, "SFT", image_key, max_images_per_prompt, blank=False, column=image_key)
-    for row in rows:
+        usable = usable_image_rows(rows, "SFT", image_key, max_images_per_prompt, False, image_key, dropped)
+    for row in usable:
         msgs = _messages(row, input_key, output_key)
         if not any(m["role"] == "assistant" for m in msgs):
             continue
@@ -138,5 +139,7 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
                         **multimodal})
     if not out:
         raise ValueError(f"no SFT samples with supervised tokens among {len(rows)} rows "
-                         f"(input_key={input_key!r}, output_key={output_key!r})")
+                         f"(input_key={input_key!r}, output_key={output_key!r})"
+                         + (f"; {len(dropped)} dropped for their images, the first: {dropped[0][1]}"
+                            if dropped else ""))
     return out

@@ -128,10 +128,12 @@ def sections(keys: set[str]) -> list[dict]:
     """The catalog expanded against `keys`: [{name, panels: [{title, x, keys}]}], empty panels and sections out."""
     out = []
     for name, when, panels in SECTIONS:
-        matched = [(title, sorted(k for k in keys if _matcher(patterns).match(k))) for title, patterns in panels]
+        if when is not None and not any(map(_matcher([when]).match, keys)):
+            continue
+        matched = [(title, sorted(filter(_matcher(patterns).match, keys))) for title, patterns in panels]
         kept = [{"title": title, "x": EVAL_X if found[0].startswith("eval/") else TRAIN_X, "keys": found}
                 for title, found in matched if found]
-        if kept and (when is None or any(_matcher([when]).match(k) for k in keys)):
+        if kept:
             out.append({"name": name, "panels": kept})
     return out
 

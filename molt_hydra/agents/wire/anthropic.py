@@ -192,7 +192,8 @@ class MessageStream(Stream):
         return [self.ev("content_block_start", {"index": self.index, "content_block": _text_block(self.kind, "")})]
 
     def piece(self, text: str) -> list[bytes]:
-        _, delta = _whole(_text_block(self.kind, text))
+        key = "text" if self.kind == "content" else "thinking"
+        delta = {"type": f"{key}_delta", key: text}
         return [self.ev("content_block_delta", {"index": self.index, "delta": delta})]
 
     def close(self) -> list[bytes]:

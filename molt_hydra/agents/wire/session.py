@@ -132,6 +132,7 @@ class ChatSession:
         """An LLM-as-judge call on the same engines: the client's sampling is honoured and nothing is recorded."""
         if req.stream:
             raise RequestError(400, "the judge endpoint serves non-streamed chat completions only", "stream")
+        self._check_n(req)  # the cheap 400 before images are loaded and the prompt rendered
         prompt_ids, images = self._full_prompt(req)
         o = req.overrides
         remaining = self.max_length - len(prompt_ids)
@@ -189,11 +190,13 @@ class ChatSession:
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
             seed=o.get("seed", self.sampling.seed), **self._decoding(req))
 
-    def _decoding(self, req: ChatRequest) -> dict:
-        """Engine-side output controls of a request: choices (n <= agent.max_choices), logprobs and structured output
-        (response_format / forced tool)."""
+    def _check_n(self, req: ChatRequest) -> None:
         if req.n > self.max_choices:
             raise RequestError(400, f"'n'={req.n} exceeds agent.max_choices={self.max_choices}", "n")
+
+    def _decoding(self, req: ChatRequest) -> dict:
+        """Engine-side output controls of a request: choices (n, checked by `_check_n`), logprobs and structured
+        output (response_format / forced tool)."""
         structured = req.response_format
         if req.forced_tool:
             if structured is not None:
@@ -203,6 +206,7 @@ class ChatSession:
         return {"n": req.n, "top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
 
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
+        self._check_n(req)
         extension, prompt_ids, images = self._prompt(req)
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
         sampling = self._turn_sampling(req, remaining)
