@@ -89,10 +89,11 @@ memory() {  # issue 38: the largest 30B-A3B-layer MoE that trains on one GPU, AC
   : > "$OUT/bench_memory.log"
   for ac in 0 1; do
     for layers in ${MEMORY_LAYERS:-8 12 16 20 24}; do
+      rm -f "$OUT/bench_memory_${ac}_$layers.json"  # a stale row must not decide; a killed row writes none
       CUDA_VISIBLE_DEVICES=0 timeout "${MOE_TIMEOUT:-150}" torchrun --standalone --nproc_per_node=1 \
         --master-port=29510 bench/gpu_trainer.py --out "$OUT/bench_memory_${ac}_$layers.json" --gather 0 --ceiling 0 \
         --mb-tokens 8192 --steps 1 --shapes "30b-a3b-${layers}l:$ac:hf+mw+grouped+compile:16" >> "$OUT/bench_memory.log" 2>&1
-      grep -q '"error"' "$OUT/bench_memory_${ac}_$layers.json" 2>/dev/null && break
+      [ -s "$OUT/bench_memory_${ac}_$layers.json" ] && ! grep -q '"error"' "$OUT/bench_memory_${ac}_$layers.json" || break
     done
   done
   grep -h "^== 30b" "$OUT/bench_memory.log"

@@ -2,7 +2,8 @@
 # The GPU loop against real vLLM, on a CUDA machine, in one command (docs/gpu.md):
 #
 #   bash scripts/gpu_e2e.sh [smoke] [tests] [bench] [throughput]     (default: smoke tests bench)
-#   env: TESTS_K (a pytest -k expression for `tests`, e.g. "not r3"), THROUGHPUT_ARGS, BENCH_ARGS, OUT, RUNS
+#   env: TESTS_K (a pytest -k expression for `tests`, e.g. "not r3"), PYTEST_ARGS (extra pytest args for `tests`, no
+#   spaces inside one), THROUGHPUT_ARGS, BENCH_ARGS, OUT, RUNS
 #
 # smoke: vLLM starts on the GPU, sleeps (level 2: memory released), wakes and generates; tests: tests/gpu's real-vLLM
 # suite (the colocated recipes through molt-run: learning, sleep, CUDA IPC, probe, vllm_kl, R3); bench: their metrics
@@ -40,7 +41,7 @@ PY
 }
 tests() {
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -p no:cacheprovider -m gpu -s -v --basetemp="$RUNS" \
-    tests/gpu/test_colocated_vllm.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest_vllm.log" 2>&1
+    tests/gpu/test_colocated_vllm.py ${TESTS_K:+-k "$TESTS_K"} ${PYTEST_ARGS:-} > "$OUT/pytest_vllm.log" 2>&1
   echo "vLLM GPU tests rc=$?"; grep -E "passed|failed|error" "$OUT/pytest_vllm.log" | tail -3
 }
 bench() {

@@ -27,6 +27,7 @@ from molt_hydra.models.tiny_tokenizer import CHAT_TEMPLATE, build_tokenizer, sav
 # imported where used: torch and transformers (heavy; only to build once)
 
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# the Idefics3 toy's text model (TINY_IDEFICS3_TEXT, and so its cached warm start) derives from this one
 TINY_VLM_TEXT = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,

@@ -128,12 +128,12 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
         scheduler.load_state_dict(extra["scheduler"])
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved
-        state = torch.load(rng, weights_only=False)
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+        rng_state = torch.load(rng, weights_only=False)
+        random.setstate(rng_state["python"])
+        np.random.set_state(rng_state["numpy"])
+        torch.set_rng_state(rng_state["torch"])
+        if "cuda" in rng_state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng_state["cuda"])
     return extra["client_state"]
 
 

@@ -10,7 +10,6 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from molt_hydra.models.build import DTYPES, decoder_layers
@@ -38,11 +37,13 @@ def compile_block(layer: nn.Module) -> None:
     SiLU casts into a few kernels; identical blocks share one graph; FSDP2's hooks stay outside it. Under HF's
     activation checkpointing the checkpoint moves inside the compiled region (torchtitan's order: AC, then compile),
     so the compiled backward recomputes the fused forward; HF's checkpoint around a compiled block recomputes it
-    from outside and measured slower than eager (bench/RESULTS.md: Qwen3-4B with AC, 30.7 % vs 35.5 % MFU)."""
+    from outside and measured slower than eager (bench/RESULTS.md: Qwen3-4B with AC, 30.7 % vs 35.5 % MFU). The
+    layer's own checkpoint function (`_gradient_checkpointing_func`, set by gradient_checkpointing_enable) wraps
+    every call (HF checkpoints only when training); under no_grad it saves nothing to recompute, so that is harmless."""
     forward = layer.forward
     if getattr(layer, "gradient_checkpointing", False):  # transformers' GradientCheckpointingLayer
         layer.gradient_checkpointing = False
-        forward = functools.partial(checkpoint, forward, use_reentrant=False)
+        forward = functools.partial(layer._gradient_checkpointing_func, forward)
     layer.forward = torch.compile(forward)
 
 

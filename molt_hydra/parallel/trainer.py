@@ -193,15 +193,14 @@ class TrainerWorker:
         chunk, never materialising [tokens x vocab] logits (HF text models; models/logprobs.py)."""
         if not spec.fused_head or spec.role == "critic":  # the critic's value head has no vocabulary
             return None
-        head = self.model.get_output_embeddings() if self.backend == "hf" else None
-        why = ("model.backend=automodel" if self.backend != "hf"
-               else "a vision-language model" if vlm.is_vlm(self.model.config)
-               else None if isinstance(head, torch.nn.Linear) and head.bias is None
-               else f"the lm_head is a {type(head).__module__}.{type(head).__name__} or has a bias, not a bias-free "
-                    "torch.nn.Linear (a LoRA-adapted lm_head, say)")
-        if why is None:
+        if self.backend != "hf" or vlm.is_vlm(self.model.config):  # off by design: AutoModel, VLMs
+            return None
+        head = self.model.get_output_embeddings()
+        if isinstance(head, torch.nn.Linear) and head.bias is None:
             return FusedLogprobHead(head)
-        log.warning("fused log-prob head off (%s): log-probs go through the full [tokens x vocab] logits", why)
+        log.warning("fused log-prob head off (the lm_head is a %s.%s or has a bias, not a bias-free torch.nn.Linear "
+                    "(a LoRA-adapted lm_head, say)): log-probs go through the full [tokens x vocab] logits",
+                    type(head).__module__, type(head).__name__)
         return None
 
     def _build_optimizer(self, spec: TrainerSpec) -> None:
@@ -445,8 +444,10 @@ class TrainerWorker:
                 if aux is not None and self.spec.aux_loss_coef > 0:
                     loss = loss + self.spec.aux_loss_coef * aux / len(parts)
                 loss.backward()
-            for r, i in enumerate(part if logprobs is not None else ()):
-                logprobs[window[i]] = out[r, :len(win[i]["input_ids"])].detach().float().cpu()
+            if logprobs is not None and part:  # one device->host copy per micro-batch
+                lp = out.detach().float().cpu()
+                for r, i in enumerate(part):
+                    logprobs[window[i]] = lp[r, :len(win[i]["input_ids"])]
             # scalar metrics are micro-batch means: weight by tokens; kept on device (no sync per micro-batch); the
             # replicas of one DP group each count 1 / replicas of them
             w = mb[mask_key].sum().float() / replicas
@@ -524,8 +525,9 @@ class TrainerWorker:
         """AutoModel keeps its own names and grouped experts: its state-dict adapter maps them back to the
         checkpoint's HF names with one tensor per expert, which is what vLLM and transformers load; transformers-5
         MoE models fuse their experts, given back per expert too (`moe_routing.checkpoint_expert_tensors`)."""
-        return hf_name_mapper(self.model) if self.backend == "automodel" else \
-            moe_routing.checkpoint_expert_tensors if self.moe else None
+        if self.backend != "automodel":
+            return moe_routing.checkpoint_expert_tensors if self.moe else None
+        return hf_name_mapper(self.model)
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3,
                         max_disk_gb: float | None = None) -> str:

@@ -89,6 +89,9 @@ class SamplesGenerator:
     def __post_init__(self):
         if not self.prompts:
             raise ValueError("SamplesGenerator needs at least one prompt")
+        if self.batch_size < 1 or self.n_samples_per_prompt < 1 or self.num_epochs < 1:
+            raise ValueError(f"batch_size, n_samples_per_prompt, num_epochs must be >= 1, got "
+                             f"{self.batch_size}, {self.n_samples_per_prompt}, {self.num_epochs}")
         if self.incomplete_groups not in ("keep", "drop"):
             raise ValueError(f"incomplete_groups must be 'keep' or 'drop', got {self.incomplete_groups!r}")
         if self.dynamic_filtering is not None and not self.dynamic_filtering[0] < self.dynamic_filtering[1]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from molt_hydra.config.schema import ClusterConfig
+from molt_hydra.parallel.launch import free_port
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -60,12 +61,6 @@ def node_ip(node: str) -> str:
     on one host (launchers/local_slurm.sh) differ only in NodeAddr (127.0.1.N; Ray rewrites 127.0.0.1)."""
     out = subprocess.run(["scontrol", "show", "node", node, "-o"], check=True, capture_output=True, text=True).stdout
     return socket.gethostbyname(next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), node))
-
-
-def _free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 def _temp_dir(job_id: str, node: str) -> str:
@@ -143,12 +138,12 @@ def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int) 
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "RAY_USAGE_STATS_ENABLED": "0"}
     head_ip = node_ip(alloc.this_node)
     # Free ports, not Ray's fixed defaults (6379, 10001, 52365): other jobs may share this node.
-    address = f"{head_ip}:{_free_port(head_ip)}"
+    address = f"{head_ip}:{free_port(head_ip)}"
     common = ["--num-cpus", str(cpus), "--disable-usage-stats", "--block"]
     head_log = log_dir / f"head-{alloc.this_node}.log"
     head = _popen([RAY, "start", "--head", f"--node-ip-address={head_ip}",
-                   f"--port={address.rsplit(':', 1)[1]}", f"--ray-client-server-port={_free_port(head_ip)}",
-                   f"--dashboard-agent-listen-port={_free_port(head_ip)}", "--include-dashboard=false",
+                   f"--port={address.rsplit(':', 1)[1]}", f"--ray-client-server-port={free_port(head_ip)}",
+                   f"--dashboard-agent-listen-port={free_port(head_ip)}", "--include-dashboard=false",
                    f"--temp-dir={_temp_dir(alloc.job_id, alloc.this_node)}", *common], head_log, env)
     stack.callback(_stop, head)
     steps = {alloc.this_node: (head, head_log)}
@@ -160,7 +155,7 @@ def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int) 
         proc = _popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
                        f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}", "--kill-on-bad-exit=1",
                        RAY, "start", f"--address={address}", f"--node-ip-address={node_ip(node)}",
-                       f"--dashboard-agent-listen-port={_free_port(head_ip)}",
+                       f"--dashboard-agent-listen-port={free_port(head_ip)}",
                        f"--temp-dir={_temp_dir(alloc.job_id, node)}", *common], log, env)
         stack.callback(_stop, proc)
         steps[node] = (proc, log)

@@ -86,8 +86,8 @@ class WeightSync:
                 "weight_sync/seconds": time.perf_counter() - start, "weight_sync/push_seconds": pushed,
                 "weight_sync/single_pass": float(self.transport.single_pass),
                 "weight_sync/in_place": float(self.transport.in_place), "weight_sync/replayed": self.transport.replayed,
-                **({"weight_sync/engine_load_seconds": self.transport.engine_seconds} if self.transport.single_pass
-                   else {})}
+                **({"weight_sync/engine_load_seconds": self.transport.engine_seconds}
+                   if self.transport.engine_seconds is not None else {})}
 
 
 def resolve_transport(transport: str, *, lora: bool, device: str, colocate: bool, nodes: int) -> str:
@@ -132,6 +132,9 @@ async def setup_weight_sync(transport: str, actor, engines: list, *, workers_per
 
 def _buckets_and_carrier(worker, transport: str, bucket_bytes: int, wire: torch.dtype):
     """This rank's buckets and, on rank 0, the transport that carries them (None elsewhere)."""
+    if getattr(worker, "lora", None):  # the adapter alone (trainer.weight_buckets), cast on the trainer's device
+        carrier = ObjectStoreTransport(worker.adapter_config()) if worker.rank == 0 else None
+        return worker.weight_buckets(bucket_bytes, wire, "cpu"), carrier
     single = single_pass_transport(worker, transport, wire)
     if single is not None:  # one rank holds every weight whole: the engines load from it, mapped once per token
         return [single.tensors], single
@@ -144,9 +147,7 @@ def _buckets_and_carrier(worker, transport: str, bucket_bytes: int, wire: torch.
     if transport == "shared_memory":  # one region, mapped by the engines once, reused by every sync of this rank
         worker.shm_weight_transport = getattr(worker, "shm_weight_transport", None) or SharedMemoryTransport(wire)
         return buckets, worker.shm_weight_transport
-    # LoRA (always the object store: `resolve_transport`): the adapter alone (trainer.weight_buckets)
-    adapter = worker.adapter_config() if getattr(worker, "lora", None) else None
-    return buckets, {"object_store": lambda: ObjectStoreTransport(adapter), "cuda_ipc": lambda: CudaIpcTransport(wire),
+    return buckets, {"object_store": ObjectStoreTransport, "cuda_ipc": lambda: CudaIpcTransport(wire),
                      "nccl": lambda: BroadcastTransport(worker.weight_broadcast_group, wire)}[transport]()
 
 
@@ -154,7 +155,7 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
                    timeout_s: float, dtype: str) -> dict:
     """One sync, run on every trainer rank (`worker`: a TrainerWorker): all ranks drive the gathers (FSDP
     collectives), rank 0 pushes each bucket in the engine's `dtype` and stamps `version`. A LoRA actor pushes its
-    adapter alone, over the object store whatever the placement (`resolve_transport`). Metrics (`WeightSync.sync`'s)
+    adapter alone, over the object store whatever the transport passed. Metrics (`WeightSync.sync`'s)
     from rank 0."""
     buckets, carrier = _buckets_and_carrier(worker, transport, bucket_bytes, getattr(torch, dtype))
     if carrier is None:

@@ -59,7 +59,7 @@ class SharedParamsTransport(Transport):
 
         answers = [a for per_engine in await asyncio.gather(*(load(e) for e in engines)) for a in per_engine]
         self.replayed = sum(path == "replay" for _, path, _, _ in answers) / max(len(answers), 1)
-        self.engine_seconds = max(seconds for *_, seconds in answers)  # the slowest worker's own load
+        self.engine_seconds = max((seconds for *_, seconds in answers), default=0.0)  # the slowest worker's own load
         for why in {why for _, _, why, _ in answers if why} - self.refusals:
             logger.warning("weight sync: the engine's loaders run on every sync (no copy plan): %s", why)
             self.refusals.add(why)

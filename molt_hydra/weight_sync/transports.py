@@ -32,6 +32,7 @@ class Transport:
     replayed = 0.0  # single pass: the share of engine workers that replayed their recorded copy plan
     in_place = False  # this sync wrote into the engines' parameters (shared memory, mapped)
     single_pass = False  # the engines loaded straight from the trainer's parameters (shared_params.py)
+    engine_seconds: float | None = None  # single pass: the slowest engine worker's own load
 
     def begin(self, answers: list) -> None:
         pass

@@ -22,6 +22,7 @@ import types
 import torch
 import torch.multiprocessing as mp
 
+from molt_hydra.parallel.launch import free_port  # noqa: F401 (the tests' and the bench's)
 from molt_hydra.weight_sync.buckets import iter_weight_buckets, local_full_weights
 from molt_hydra.weight_sync.receiver import WeightReceiver
 
@@ -415,11 +416,3 @@ def connect(rank: StandInTrainerRank, engine: StandInEngine, port: int) -> None:
         joined = pool.submit(engine.call, "init_weight_broadcast", "127.0.0.1", port, 1, 2, 300)
         rank.weight_broadcast_group = BroadcastGroup("127.0.0.1", port, 0, 2, rank.device, 300)
         joined.result()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,6 +1,7 @@
-"""model.compile_blocks: torch.compile per decoder block trains as the eager model does, and after the first step
-builds no more graphs while the lengths keep changing (issue 38: no recompilation step to step). The trainer reports
-the count as `perf/compiled_graphs` (compat/torch.py), so a recompiling run shows it rising."""
+"""model.compile_blocks: torch.compile per decoder block trains as the eager model does, and after the second step
+(the first new length goes dynamic) builds no more graphs while the lengths keep changing (issue 38: no recompilation
+step to step). The trainer reports the count as `perf/compiled_graphs` (compat/torch.py), so a recompiling run shows
+it rising."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ pytestmark = pytest.mark.slow  # ~50 s on 2 cores: torch.compile's first step
 
 @pytest.mark.parametrize("checkpointing,moe_replay", [(False, False), (True, False), (False, True)],
                          ids=["no_ac", "full_ac", "moe_r3"])
-def test_compiled_blocks_train_as_eager_and_stop_compiling_after_the_first_step(tmp_path, checkpointing, moe_replay):
+def test_compiled_blocks_train_as_eager_and_stop_compiling_after_the_second_step(tmp_path, checkpointing, moe_replay):
     """Under full activation checkpointing the checkpoint sits inside the compiled block (fsdp.compile_block): the
     same losses as the eager checkpointed model. The MoE case (`model.compile_blocks=true`) replays the engine's
-    experts with the routing statistics on, inside the compiled blocks (with graph breaks and recompiles: the CPU's
-    per-expert loop is data-dependent; the GPU's grouped experts are not)."""
+    experts with the routing statistics on, inside the compiled blocks; it does not check the recompile count: the
+    CPU's per-expert loop is data-dependent and recompiles (the GPU's grouped experts do not)."""
     eager, compiled = (run(tmp_path, c, checkpointing, moe_replay) for c in (False, True))
     graphs = [g for _, g, _ in compiled["rows"]]
     assert graphs[0] > 0, graphs

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from molt_hydra.parallel.launch import free_port
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,7 +30,7 @@ def vlm_worker(model_dir, **kw):
     from molt_hydra.parallel.trainer import TrainerWorker
     from molt_hydra.parallel.trainer_spec import TrainerSpec
 
-    return TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=_port(), model_path=model_dir, lr=1e-2,
+    return TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=free_port(), model_path=model_dir, lr=1e-2,
                                      total_steps=2, param_dtype="fp32", timeout_s=120, **kw))
 
 

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
 from _config_helpers import compose_config, recipes  # noqa: E402
 
 from molt_hydra.config.schema import ConfigError  # noqa: E402
+from molt_hydra.config.validate import trainer_backend  # noqa: E402
 from molt_hydra.runtime.validate import validate  # noqa: E402
 
 GPU_RECIPES = ["qwen3_4b_math", "qwen3_moe_geo3k", "qwen3_4b_sft"]
@@ -88,4 +89,4 @@ def test_a_gpu_recipe_on_backend_auto_also_validates_where_automodel_is_installe
     auto must hold under both backends, or say `model.backend: hf` (as qwen3_moe_r3_gpu does, for aux_loss_coef)."""
     for backend in ("automodel", "hf"):  # an H200's memory: colocated recipes split it, and no nvidia-smi here
         cfg = run_config([f"+recipe={name}", f"model.backend={backend}", "cluster.memory_gb_per_device=141"])
-        assert cfg.model.backend.value == backend
+        assert trainer_backend(cfg) == backend

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,15 +24,13 @@ def worker():
     """A 1-rank gloo trainer on the tiny model, reserved 1 CPU, alone on its node; threads restored afterwards."""
     import torch.distributed as dist
 
+    from molt_hydra.parallel.launch import free_port
     from molt_hydra.parallel.trainer import TrainerWorker
 
     from molt_hydra.parallel.trainer_spec import TrainerSpec
 
     before = torch.get_num_threads()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    yield TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=port, model_path="tiny://qwen3_tiny",
+    yield TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=free_port(), model_path="tiny://qwen3_tiny",
                                     timeout_s=120, cpu_threads=1, node_ranks=1))
     torch.set_num_threads(before)
     if dist.is_initialized():

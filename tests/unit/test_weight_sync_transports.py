@@ -8,7 +8,6 @@ through the same torch reduction CUDA IPC uses. The GPU versions of these tests 
 """
 
 import asyncio
-import socket
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ from torch import nn
 # The CUDA IPC transports' handles are pickled (`transports.ipc_handle`); on these CPU stand-ins a CPU tensor's handle
 # names its shared-memory file, which this process maps back to the same storage (torch's sharing cache)
 torch.multiprocessing.set_sharing_strategy("file_system")
+from molt_hydra.parallel.launch import free_port  # noqa: E402
 from molt_hydra.runtime.roles import weight_transport  # noqa: E402
 from molt_hydra.weight_sync.buckets import (ALIGN, bucket_weights, iter_weight_buckets,  # noqa: E402
                                             local_full_weights, pack_bucket, unpack_bucket)
@@ -51,12 +51,6 @@ def test_pack_unpack_roundtrip_is_exact_across_dtypes():
         assert n1 == n2 and t1.dtype == t2.dtype and torch.equal(t1, t2)
     with pytest.raises(ValueError, match="bytes"):
         unpack_bucket(metas, flat[:-1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gloo_groups(world: int) -> list[BroadcastGroup]:
