@@ -44,7 +44,8 @@ ModelBackend = _choices("ModelBackend", "auto", "automodel", "hf")
 Offload = _choices("Offload", "none", "optimizer", "full")
 # fsdp: FSDP2 shards fp32 parameters and casts them to param_dtype at every all-gather; fp32 grads
 # optimizer: param_dtype parameters (FSDP2 only on several ranks); AdamW keeps fp32 masters, moments, grad sums
-MasterWeights = _choices("MasterWeights", "fsdp", "optimizer")
+# auto: optimizer on one GPU trainer rank where no rule refuses it, fsdp otherwise (config/validate.py derive)
+MasterWeights = _choices("MasterWeights", "auto", "fsdp", "optimizer")
 Device = _choices("Device", "cpu", "cuda")
 # auto: grouped where torch's grouped GEMM runs (Hopper bf16, CPU fp32), else the loop with one log line
 # grouped: every expert of a layer in one grouped GEMM per projection; refused where it cannot run
@@ -107,8 +108,8 @@ class ModelConfig:
     "Model implementation: NeMo AutoModel or HF transformers."
     param_dtype: DType = DType["bfloat16"]
     "Compute dtype of the trainer; the fp32 master weights sit where model.master_weights says."
-    master_weights: MasterWeights = MasterWeights["fsdp"]
-    "Where the fp32 master weights live: fsdp (fp32 params) or optimizer (param_dtype params and grads, fp32 in AdamW)."
+    master_weights: MasterWeights = MasterWeights["auto"]
+    "Where the fp32 master weights live: fsdp (fp32 params), optimizer (param_dtype params, fp32 in AdamW) or auto."
     attn_implementation: AttnImpl = AttnImpl["sdpa"]
     "Attention kernel of the trainer model."
     gradient_checkpointing: GradCheckpoint = GradCheckpoint["full"]

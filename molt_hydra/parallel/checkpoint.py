@@ -111,12 +111,20 @@ def resolve_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None,
-                    model_only: bool = False) -> dict | None:
+                    model_only: bool = False, expect: dict | None = None) -> dict | None:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client state, or None when
-    there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state."""
+    there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state. `expect`:
+    {client-state key: (value, config key)} a resume needs to match where the checkpoint recorded it (a ValueError
+    naming both values before anything loads)."""
     if (path := resolve_checkpoint(root)) is None:
         return None
     optimizer = None if model_only else optimizer
+    if optimizer is not None and expect:
+        saved = torch.load(path / "extra_state.pt", weights_only=False)["client_state"]
+        for name, (value, key) in expect.items():
+            if saved.get(name, value) != value:
+                raise ValueError(f"{key}: {path} was saved with {key}={saved[name]}, this run has {value}; its "
+                                 f"optimizer state cannot be resumed across the two. Fix: set {key}={saved[name]}")
     state = _dcp_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path / "dcp"))  # without an optimizer: the model's entries only
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],

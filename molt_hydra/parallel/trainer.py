@@ -531,13 +531,14 @@ class TrainerWorker:
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3,
                         max_disk_gb: float | None = None) -> str:
-        cs = {"global_step": self.global_step, **(client_state or {})}
+        cs = {"global_step": self.global_step, "master_weights": self.spec.master_weights, **(client_state or {})}
         return str(ckpt.save_checkpoint(root, self.global_step, self.model, self.optimizer, self.scheduler, cs, keep,
                                         max_disk_gb))
 
     def load_checkpoint(self, root: str, model_only: bool = False) -> dict | None:
         """`model_only` (checkpoint.load_model_only): the weights alone; optimizer, scheduler and step stay fresh."""
-        cs = ckpt.load_checkpoint(root, self.model, self.optimizer, self.scheduler, model_only=model_only)
+        cs = ckpt.load_checkpoint(root, self.model, self.optimizer, self.scheduler, model_only=model_only,
+                                  expect={"master_weights": (self.spec.master_weights, "model.master_weights")})
         if cs is not None and not model_only:
             self.global_step = int(cs.get("global_step", 0))
         return cs

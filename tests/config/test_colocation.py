@@ -49,7 +49,10 @@ def test_one_gpu_recipe_plans_as_written_with_the_engine_share_derived():
                                                  "rollout.gpu_memory_utilization=null"])))
     plan = make_plan(cfg)
     params = model_shape(cfg.model.path).params
-    resident = (4 + 8) * params / GIB  # fp32 weights + AdamW moments stay; grads and activations are freed
+    # one GPU rank: master_weights auto -> optimizer; bf16 weights, their fp32 masters and the AdamW moments stay
+    # while the engine generates (grads and activations are freed)
+    assert cfg.model.master_weights.value == "optimizer"
+    resident = (2 + 4 + 8) * params / GIB
     want = round((139 * (1 - FRAGMENTATION) - 2 * CUDA_CONTEXT_GIB - resident) / 139, 3)
     assert cfg.rollout.gpu_memory_utilization == want
     assert set(plan.phases) == {"generate", "train", "wake + sync"}
