@@ -31,7 +31,7 @@ def vlm_worker(model_dir, **kw):
     from molt_hydra.parallel.trainer_spec import TrainerSpec
 
     return TrainerWorker(TrainerSpec(rank=0, world_size=1, master_port=free_port(), model_path=model_dir, lr=1e-2,
-                                     total_steps=2, param_dtype="fp32", timeout_s=120, **kw))
+                                     total_steps=2, timeout_s=120, **{"param_dtype": "fp32", **kw}))
 
 
 def mixed_dp_rank(rank: int, world: int, port: int, out_dir: str, freeze: bool, model: str = "tiny://qwen25_vl_tiny"):

@@ -189,3 +189,22 @@ def test_two_dp_ranks_one_with_images_one_without_train_together(tmp_path, freez
     run_ranks(mixed_dp_rank, 2, str(tmp_path), freeze, model, timeout_s=240)
     losses = [json.loads((tmp_path / f"rank{r}.json").read_text())["sft_loss"] for r in (0, 1)]
     assert losses[0] == losses[1] and losses[0] > 0  # DP-reduced metric: the same on both ranks
+
+
+def test_a_vlm_trains_with_optimizer_held_masters(model_dir):
+    """model.master_weights=optimizer (what `auto` picks on one GPU rank) on a VLM: bf16 params (FSDP2 keeps the VLM's
+    input cast), fp32 masters in AdamW, and one step moves every trainable parameter, vision tower included, to its
+    master rounded to bf16."""
+    sample, _ = _sample(model_dir, _triangle())
+    sample["loss_mask"] = torch.zeros_like(sample["input_ids"], dtype=torch.bool)
+    sample["loss_mask"][-8:] = True
+    w = vlm_worker(model_dir, param_dtype="bf16", master_weights="optimizer")
+    params = dict(w.model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    before = {k: p.detach().clone() for k, p in params.items()}
+    w.train_step([sample])
+    for k, p in params.items():
+        master = w.optimizer.state[p]["master"]
+        assert master.dtype == torch.float32 and torch.equal(p.detach(), master.to(torch.bfloat16)), k
+        assert not torch.equal(p.detach(), before[k]), k
+    assert any(_is_vision(k) for k in params)
