@@ -40,3 +40,20 @@ def test_trainer_state_bytes_per_param(mode, micro, want):
         assert mem[key] == pytest.approx(nbytes * params / shard / GIB), key
     states = {k for k in mem if k.startswith(("weights", "grads", "fp32 master"))}
     assert states == set(want)
+
+
+@pytest.mark.parametrize("devices,mode,want", [
+    (1, "fsdp", "model"),  # one rank keeps every unsharded bf16 param from forward to backward
+    (1, "optimizer", None),  # no FSDP2 at all: the bf16 params are the model's own
+    (2, "fsdp", "layer"),  # resharded after forward: one decoder block's bf16 params at a time
+    (2, "optimizer", "layer"),
+], ids=["one_rank_fsdp", "one_rank_optimizer", "two_ranks_fsdp", "two_ranks_optimizer"])
+def test_gathered_params_follow_how_the_rank_wraps_the_model(devices, mode, want):
+    mem, params, cfg = actor_memory([f"parallelism.trainer_devices={devices}", f"model.master_weights={mode}"])
+    shape = model_shape(cfg.model.path)
+    if devices == 1:
+        expected = 0.0 if want is None else 2 * params / GIB
+        assert mem["gathered model"] == pytest.approx(expected) and "gathered layer" not in mem
+    else:
+        expected = 2 * (params - shape.vocab * shape.hidden) / shape.layers / GIB
+        assert mem["gathered layer"] == pytest.approx(expected) and "gathered model" not in mem
