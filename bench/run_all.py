@@ -16,7 +16,7 @@ from _common import BENCH, REPO, cuda_available  # noqa: E402
 
 CPU_BENCHES = ["startup_cost", "rollout_overhead", "weight_sync", "async_vs_sync --model smollm2",
                "async_vs_sync --model smollm2 --placement disjoint", "grpo_vs_trl", "grpo_vs_trl --model smollm2",
-               "moe_routing"]  # a name, then its arguments
+               "moe_routing", "master_weight_traffic"]  # a name, then its arguments
 
 
 def main():
