@@ -484,7 +484,13 @@ BAD_REQUESTS = [  # (wire, body, session suffix, status, words the error message
     ("openai", dict(OK_BODY, messages=[{"role": "user", "content": [{"type": "audio"}]}]), "", 400, "'audio'"),
     ("openai", dict(OK_BODY, tools=[{"type": "function"}]), "", 400, "tools[0]"),
     ("openai", dict(OK_BODY, messages=[{"role": "user", "content": "hi " * 600}]), "", 400, "max_length is 256"),
+    ("openai", "[" * 100_000, "", 400, "nested too deeply"),
+    ("openai", dict(OK_BODY, seed=2**64, temperature=0.0), "", 400, "'seed' must be an integer >= 0 and <= "),
+    ("openai", dict(OK_BODY, tool_choice="required", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": "x"}}]), "", 400, "tools[0].function.parameters must be a JSON schema object"),
     ("anthropic", [1, 2], "", 400, "JSON object"),
+    ("anthropic", dict(OK_BODY, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "{"}]),
+     "", 400, "(a prefill, to be continued): not supported"),
     ("anthropic", dict(OK_BODY, stop_sequences="x" * 0), "", 400, "'stop_sequences' must be"),
     ("anthropic", dict(OK_BODY, messages=[{"role": "assistant", "content": [{"type": "tool_result"}]}]), "", 400,
      "unsupported block type 'tool_result'"),
@@ -923,6 +929,11 @@ def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec,
         an = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
         log["an"] = await an.messages.create(model="policy", max_tokens=6, messages=msgs,
                                              thinking={"type": "enabled", "budget_tokens": 1})
+        # the reply echoed back whole, thinking block included, as the Anthropic docs ask of a tool loop
+        log["an2"] = await an.messages.create(model="policy", max_tokens=6, thinking={"type": "enabled",
+                                                                                     "budget_tokens": 1},
+                                              messages=msgs + [{"role": "assistant", "content": log["an"].content},
+                                                               {"role": "user", "content": "go on"}])
 
     _, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"reasoning_parser": "deepseek_r1"})
     texts = [tokenizer.decode([t for t in g.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=False)
@@ -930,3 +941,4 @@ def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec,
     msg = log["oa"].choices[0].message
     assert msg.model_extra["reasoning_content"] == texts[0] and not msg.content
     assert [(b.type, b.thinking) for b in log["an"].content] == [("thinking", texts[1])]
+    assert log["an2"].usage.output_tokens == len(rec.calls[2][1][0].token_ids)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -128,3 +129,227 @@ def test_errors_come_in_each_apis_shape(tok):
                                                                  "message": "invalid API key"}}
     status, body = exchange(tok, "/v1/responses", {"input": "hi", "bogus": 1})
     assert status == 400 and body["error"]["param"] == "bogus"
+
+
+# --- hostile and unusual requests: each gets its 4xx naming the field, never a 500, a hang or a silent change ---
+
+class FailingEngine(ScriptedEngine):
+    """Streams the first token, then the engine fails (e.g. it died mid-generation)."""
+
+    async def generate_stream(self, request):
+        yield Generation(self.ids[:1], [-0.5], [0], None)
+        raise RuntimeError("engine died")
+
+
+class SlowEngine(ScriptedEngine):
+    """Streams a token every 50 ms and counts the generations it finished."""
+
+    finished = 0
+
+    async def generate_stream(self, request):
+        for i, t in enumerate(self.ids):
+            await asyncio.sleep(0.05)
+            yield Generation([t], [-0.5], [0], "stop" if i == len(self.ids) - 1 else None)
+        self.finished += 1
+
+
+async def serving(tok, engine, reasoning=None):
+    """A started server with session "s" on `engine`: (server, session)."""
+    server = ChatServer(api_key="k")
+    await server.start()
+    session = ChatSession("s", engine, tok, Sampling(max_tokens=64), 2048, reply_parser(tok, "hermes", reasoning))
+    server.open_session(session)
+    return server, session
+
+
+TOOL_A = {"name": "python", "input_schema": {"type": "object"}}
+HOSTILE = [  # (path, raw body, status, param or None, words the message must contain)
+    ("/v1/chat/completions", b"[" * 100_000, 400, None, "nested too deeply"),
+    ("/v1/messages", b"[" * 100_000, 400, None, "nested too deeply"),
+    ("/v1/chat/completions", b'{"messages": [], "n": 1' + b"0" * 5000 + b"}", 400, None, "not valid JSON"),
+    ("/v1/chat/completions", {"messages": USER, "seed": 2**64}, 400, "seed", "<= 9223372036854775807"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": "f"}},
+     400, "tool_choice", "names no function"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "x"}}]}, 400, "tools", "tools[0]"),
+    ("/v1/responses", {"input": "hi", "tool_choice": "required", "tools": [
+        {"type": "function", "name": "f", "parameters": []}]}, 400, "tools", "tools[0]"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "any"}, "tools": [
+        {"name": "f", "input_schema": "x"}]}, 400, "tools", "tools[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "messages[0].name",
+     "must be a string"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "system": {}}, 400, "system", "'system' must be"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [TOOL_A],
+                      "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}}, 400, "tool_choice",
+     "disable_parallel_tool_use"),
+    ("/v1/messages", {"messages": USER + [{"role": "assistant", "content": "{"}], "max_tokens": 5}, 400, "messages",
+     "prefill"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", HOSTILE)
+def test_hostile_requests_get_a_4xx_naming_the_field(tok, path, body, status, param, words):
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + path, data=data, headers={"Authorization": "Bearer k"}) as r:
+                return r.status, await r.json()
+        finally:
+            await server.stop()
+
+    got, err = asyncio.run(go())
+    message = err["error"]["message"]
+    assert (got, words in message) == (status, True), message
+    if param is not None and path != "/v1/messages":  # Anthropic's error shape has no param
+        assert err["error"]["param"] == param, err
+
+
+def test_an_undecodable_api_key_is_a_401_and_an_unrouted_path_names_the_session_routes(tok):
+    async def raw(port, head: bytes) -> bytes:
+        body = json.dumps({"messages": USER}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head + b"Host: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        out = await reader.read()
+        writer.close()
+        return out
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            bad_key = b"Authorization: Bearer \xff\xfe\r\n"  # not UTF-8: aiohttp hands it on as surrogates
+            key = await raw(server.port, b"POST /s/s/v1/chat/completions HTTP/1.1\r\n" + bad_key)
+            root = await raw(server.port, b"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer k\r\n")
+            gone = await raw(server.port, b"POST /s/gone/v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer k\r\n")
+            return key, root, gone
+        finally:
+            await server.stop()
+
+    key, root, gone = asyncio.run(go())
+    assert key.startswith(b"HTTP/1.1 401") and b"invalid API key" in key
+    assert root.startswith(b"HTTP/1.1 404") and b"/s/{session_id}" in root and b"ctx.base_url" in root
+    assert gone.startswith(b"HTTP/1.1 404") and b"unknown session 'gone'" in gone and b"ctx.base_url" in gone
+
+
+def test_anthropic_thinking_blocks_echoed_back_extend_the_turn(tok):
+    """The Anthropic tool loop with thinking echoes `response.content` (thinking block included), as the Anthropic
+    docs require; the server drops the thinking (templates drop earlier turns' reasoning) and extends the segment."""
+    from anthropic import AsyncAnthropic
+
+    async def go():
+        server, session = await serving(tok, ScriptedEngine(tok, THOUGHT_TEXT_CALL), "qwen3")
+        try:
+            client = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            msgs = [{"role": "user", "content": "hi"}]
+            first = await client.messages.create(model="policy", max_tokens=50, messages=msgs, tools=[TOOL_A])
+            (use,) = [b for b in first.content if b.type == "tool_use"]
+            msgs += [{"role": "assistant", "content": first.content},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "1"}]}]
+            second = await client.messages.create(model="policy", max_tokens=50, messages=msgs, tools=[TOOL_A])
+            return first, second, session.close()
+        finally:
+            await server.stop()
+
+    first, second, segments = asyncio.run(go())
+    assert [b.type for b in first.content] == ["thinking", "text", "tool_use"]
+    assert second.stop_reason == "tool_use"
+    (traj,) = segments  # the echoed reply was recognised: one segment, two turns
+    assert len(traj.action_ranges) == 2
+
+
+def test_a_mid_stream_failure_reaches_each_sdk_with_the_engines_message(tok):
+    from anthropic import APIStatusError, AsyncAnthropic
+    from openai import APIError, AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, FailingEngine(tok, "Hello there."))
+        errors = {}
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            with pytest.raises(APIError) as e:
+                async for _ in await oa.chat.completions.create(model="policy", messages=USER, stream=True):
+                    pass
+            errors["openai"] = e.value.message
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            with pytest.raises(APIStatusError) as e:
+                async with an.messages.stream(model="policy", max_tokens=20, messages=USER) as s:
+                    async for _ in s:
+                        pass
+            errors["anthropic"] = e.value.body
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + "/v1/responses", json={"input": "hi", "stream": True},
+                    headers={"Authorization": "Bearer k"}) as r:
+                errors["responses"] = json.loads((await r.text()).strip().split("\n\n")[-1].split("data: ", 1)[1])
+            return errors
+        finally:
+            await server.stop()
+
+    errors = asyncio.run(go())
+    assert errors["openai"] == "generation failed: RuntimeError: engine died"
+    assert errors["anthropic"] == {"type": "error", "error": {
+        "type": "api_error", "message": "generation failed: RuntimeError: engine died"}}
+    assert errors["responses"]["type"] == "error"
+    assert errors["responses"]["message"] == "generation failed: RuntimeError: engine died"
+
+
+def test_a_client_leaving_mid_stream_is_no_server_error_and_its_retry_gets_the_finished_turn(tok, caplog):
+    async def go():
+        engine = SlowEngine(tok, "Hello there, this is a longer reply.")
+        server, session = await serving(tok, engine)
+        body = {"messages": USER, "stream": True}
+        headers = {"Authorization": "Bearer k"}
+        try:
+            async with aiohttp.ClientSession() as http:
+                r = await http.post(server.session_url("s") + "/v1/chat/completions", json=body, headers=headers)
+                await r.content.readline()
+                r.close()  # the client goes away after the first chunk
+            for _ in range(100):
+                if engine.finished:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + "/v1/chat/completions", json=dict(body, stream=False),
+                    headers=headers) as r:
+                retry = r.status, await r.json()
+            return engine.finished, retry, session.close()
+        finally:
+            await server.stop()
+
+    with caplog.at_level("INFO", logger="molt_hydra.agents.wire.server"):
+        finished, (status, body), segments = asyncio.run(go())
+    assert finished == 1 and status == 200  # the turn ran to its end; the retry was served from it
+    assert body["choices"][0]["message"]["content"] == "Hello there, this is a longer reply."
+    (traj,) = segments
+    assert len(traj.action_ranges) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    assert "client closed the stream" in caplog.text
+
+
+def test_concurrent_turns_on_one_session_are_served_one_after_another(tok):
+    async def go():
+        engine = SlowEngine(tok, "Hi.")
+        server, session = await serving(tok, engine)
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def one(i):  # odd ones streamed
+                    body = {"messages": [{"role": "user", "content": f"q{i}"}], "stream": i % 2 == 1}
+                    async with http.post(server.session_url("s") + "/v1/chat/completions", json=body,
+                                         headers={"Authorization": "Bearer k"}) as r:
+                        await r.read()
+                        return r.status
+                statuses = await asyncio.gather(*(one(i) for i in range(4)))
+            return statuses, session.close()
+        finally:
+            await server.stop()
+
+    statuses, segments = asyncio.run(go())
+    assert statuses == [200] * 4 and len(segments) == 4
+
+
+def test_message_names_reach_the_template():
+    from molt_hydra.agents.wire import openai_chat
+
+    req = openai_chat.parse({"messages": [{"role": "user", "content": "hi", "name": "bob"}]})
+    assert req.messages == [{"role": "user", "content": "hi", "name": "bob"}]

@@ -22,23 +22,31 @@ def parse(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
-    canon: list[dict] = []
-    system = body.get("system")
-    if system:
-        if isinstance(system, list):
-            system = check.content([check.text_part(_cache_control(b, f"system[{i}]"), "system")
-                                    for i, b in enumerate(system)])
-        if not isinstance(system, str):
-            raise bad("'system' must be a string or a list of text blocks", "system")
-        canon.append({"role": "system", "content": system})
+    canon = _system(body.get("system"))
     for i, m in enumerate(messages):
         canon.extend(_message(m, f"messages[{i}]"))
+    if canon[-1]["role"] == "assistant":
+        raise bad("the last message is the assistant's (a prefill, to be continued): not supported; end "
+                  "'messages' with a user message (to shape the reply, use 'tools' / 'tool_choice' or the prompt)",
+                  "messages")
     overrides = check.sampling(body, ("max_tokens",), "stop_sequences", temperature_max=1.0)
     tools = _tools(body.get("tools"))
     tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     return ChatRequest(messages=canon, tools=tools, overrides=overrides, stream=check.flag(body, "stream"),
                        tool_choice=tool_choice, parallel_tool_calls=parallel,
                        thinking=_thinking(body.get("thinking"), overrides.get("max_tokens")))
+
+
+def _system(system: Any) -> list[dict]:
+    """The system prompt (a string or text blocks) as the canonical messages it starts with."""
+    if system is None:
+        return []
+    if isinstance(system, list):
+        system = check.content([check.text_part(_cache_control(b, f"system[{i}]"), "system")
+                                for i, b in enumerate(system)])
+    if not isinstance(system, str):
+        raise bad(f"'system' must be a string or a list of text blocks, got {system!r}", "system")
+    return [{"role": "system", "content": system}] if system else []
 
 
 def _cache_control(block: Any, where: str) -> Any:
@@ -60,8 +68,10 @@ def _tools(tools: Any) -> list[dict] | None:
         _cache_control(t, f"tools[{i}]")
         if t.get("type") not in (None, "custom"):  # server tools (web_search, bash, ...) run at Anthropic
             raise bad(f"tools[{i}] type {t['type']!r} is a server tool; only client tools are served", "tools")
-    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                              "parameters": t.get("input_schema", {})}} for t in tools] or None
+    return [{"type": "function", "function": {
+        "name": t["name"], "description": t.get("description", ""),
+        "parameters": check.schema(t.get("input_schema"), f"tools[{i}].input_schema") or {}}}
+        for i, t in enumerate(tools)] or None
 
 
 def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | None]:
@@ -73,7 +83,7 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | N
         mapped = {"type": "function", "function": {"name": v.get("name")}}
     if mapped is None:
         raise bad(f"'tool_choice' type must be auto, any, tool or none, got {v!r}", "tool_choice")
-    disable = v.get("disable_parallel_tool_use")
+    disable = check.flag(v, "disable_parallel_tool_use", None)
     return check.tool_choice(mapped, tools), (None if disable is None else not disable)
 
 
@@ -113,6 +123,8 @@ def _message(m: Any, where: str) -> list[dict]:
                 raise bad(f"{at}: tool_use needs a string name and an object input", at)
             tool_calls.append({"id": str(b.get("id", "")), "type": "function",
                                "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
+        elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+            continue  # an echoed reply's thinking: the segment holds its generated tokens already (as Responses)
         elif kind == "tool_result" and m["role"] == "user":
             result = check.text_or_parts(b.get("content", ""), f"{at}.content", _part)
             out.append({"role": "tool", "content": result, "tool_call_id": str(b.get("tool_use_id", ""))})
@@ -210,6 +222,9 @@ class MessageStream(Stream):
         final = body(reply, self.req, self.model)
         delta = {key: final[key] for key in ("stop_reason", "stop_sequence")}
         return out + [self.ev("message_delta", {"delta": delta, "usage": final["usage"]}), self.ev("message_stop", {})]
+
+    def error(self, e: RequestError) -> list[bytes]:
+        return [sse(error(e), "error")]
 
 
 def error(e: RequestError) -> dict:

@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 from molt_hydra.agents.wire import request as check
-from molt_hydra.agents.wire.openai_chat import usage
-from molt_hydra.agents.wire.request import ChatRequest, bad
+from molt_hydra.agents.wire.openai_chat import error, usage
+from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
 from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "logprobs", "suffix"}
@@ -67,3 +67,6 @@ class CompletionStream(Stream):
         if self.req.include_usage:
             out.append(self.chunk("", usage=usage(reply)))
         return out + [b"data: [DONE]\n\n"]
+
+    def error(self, e: RequestError) -> list[bytes]:
+        return [sse(error(e))]

@@ -47,6 +47,10 @@ def _message(m: Any, where: str) -> dict:
         out["tool_calls"] = [_tool_call(tc, f"{where}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])]
     if role == "tool" and m.get("tool_call_id") is not None:
         out["tool_call_id"] = str(m["tool_call_id"])
+    if m.get("name") is not None:  # a participant's name: rendered where the chat template renders one
+        if not isinstance(m["name"], str):
+            raise bad(f"{where}.name must be a string, got {m['name']!r}", f"{where}.name")
+        out["name"] = m["name"]
     return out
 
 
@@ -81,6 +85,7 @@ def _tools(tools: Any) -> list[dict] | None:
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(fn, dict) or t.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+        check.schema(fn.get("parameters"), f"tools[{i}].function.parameters")
     return tools or None
 
 
@@ -143,6 +148,9 @@ class ChatStream(Stream):
         if self.req.include_usage:
             out.append(self.chunk([], usage(reply)))
         return out + [b"data: [DONE]\n\n"]
+
+    def error(self, e: RequestError) -> list[bytes]:
+        return [sse(error(e))]
 
 
 def error(e: RequestError) -> dict:

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+MAX_SEED = 2**63 - 1  # vLLM's own server bound; the engine seeds a torch.Generator (n choices add their index)
+
+
 class RequestError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -124,7 +127,7 @@ def sampling(body: dict, max_keys: tuple[str, ...], stop_key: str | None = None,
     is the token cap."""
     overrides = {"max_tokens": next((v for key in max_keys if (v := integer(body, key, 1)) is not None), None),
                  "temperature": number(body, "temperature", 0.0, temperature_max),
-                 "top_p": number(body, "top_p", 1e-9, 1.0), "seed": integer(body, "seed", 0),
+                 "top_p": number(body, "top_p", 1e-9, 1.0), "seed": integer(body, "seed", 0, MAX_SEED),
                  "top_k": integer(body, "top_k", 1)}
     stop = body.get(stop_key) if stop_key else None
     if stop is not None:
@@ -141,7 +144,8 @@ def tool_choice(v: Any, tools: list[dict] | None, param: str = "tool_choice") ->
     if v is None:
         return "auto"
     if isinstance(v, dict) and v.get("type") == "function":
-        name = (v.get("function") or {}).get("name") if "function" in v else v.get("name")  # chat / responses shape
+        fn = v.get("function") if "function" in v else v  # chat / responses shape
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise bad(f"'{param}' names no function", param)
         v = {"type": "function", "function": {"name": name}}
@@ -153,6 +157,13 @@ def tool_choice(v: Any, tools: list[dict] | None, param: str = "tool_choice") ->
             raise bad(f"'{param}'={v!r} needs 'tools'", param)
         if isinstance(v, dict) and v["function"]["name"] not in names:
             raise bad(f"'{param}' names {v['function']['name']!r}, which is not in tools {names}", param)
+    return v
+
+
+def schema(v: Any, where: str, param: str = "tools") -> dict | None:
+    """A tool's JSON schema (parameters / input_schema): absent, or an object."""
+    if v is not None and not isinstance(v, dict):
+        raise bad(f"{where} must be a JSON schema object, got {v!r}", param)
     return v
 
 

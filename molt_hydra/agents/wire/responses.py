@@ -9,7 +9,7 @@ from typing import Any
 
 from molt_hydra.agents.wire import request as check
 from molt_hydra.agents.wire.openai_chat import ROLES
-from molt_hydra.agents.wire.request import ChatRequest, bad
+from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
 from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
@@ -42,6 +42,7 @@ def parse(body: Any) -> ChatRequest:
             if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
                 raise bad(f"tools[{i}]: only function tools {{type: function, name, parameters}} are served "
                           f"(hosted tools run at OpenAI), got {t!r}", "tools")
+            check.schema(t.get("parameters"), f"tools[{i}].parameters")
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
                  for t in tools] or None
     text = body.get("text") or {}
@@ -187,3 +188,6 @@ class ResponseStream(Stream):
             out.append(self.ev("response.output_item.done", output_index=j, item=item))
         done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return out + [self.ev(done, response=final)]
+
+    def error(self, e: RequestError) -> list[bytes]:
+        return [self.ev("error", code=e.code, message=e.message, param=e.param)]

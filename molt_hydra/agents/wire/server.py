@@ -26,7 +26,6 @@ from aiohttp import web
 from molt_hydra.agents.wire import anthropic, completions, openai_chat, responses
 from molt_hydra.agents.wire.request import RequestError
 from molt_hydra.agents.wire.session import ChatSession
-from molt_hydra.agents.wire.stream import sse
 
 log = logging.getLogger(__name__)
 
@@ -125,25 +124,31 @@ class ChatServer:
                 "async run()? Use the async client (AsyncOpenAI / AsyncAnthropic / the framework's async API) or "
                 "move the blocking code off the loop with `await asyncio.to_thread(fn, ...)`", code="event_loop_blocked"
             ) from None
-        # cancelling the wrapper (the client went away) cancels the turn on the agent's loop too
+        # cancelling the wrapper (the server stopping) cancels the turn on the agent's loop too; a client that goes
+        # away cancels nothing (aiohttp runs the handler on): the turn ends and is recorded for the client's retry
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))
 
     async def _accept(self, request: web.Request) -> tuple[ChatSession, object]:
         self._check_key(request)
         session = self.sessions.get(request.match_info["sid"])
         if session is None:
-            raise RequestError(404, f"unknown session {request.match_info['sid']!r}", code="unknown_session")
+            raise RequestError(404, f"unknown session {request.match_info['sid']!r}: never opened, or its rollout has "
+                               "ended; use the ctx.base_url / ctx.session_url of the running rollout",
+                               code="unknown_session")
         try:
             return session, json.loads(await request.text())
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise RequestError(400, "request body is not valid JSON: nested too deeply to parse",
+                               code="invalid_json") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
             raise RequestError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
 
     def _check_key(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(key.encode(), self.api_key.encode()):
+        if not hmac.compare_digest(key.encode(errors="surrogateescape"), self.api_key.encode()):  # bytes as sent
             raise RequestError(401, "invalid API key", code="invalid_api_key")
 
     async def _sse(self, request: web.Request, session: ChatSession, stream) -> web.StreamResponse:
@@ -167,9 +172,9 @@ class ChatServer:
         if kind == "error":  # nothing was sent yet: a plain JSON error
             raise payload
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         out = stream.start()
         try:
+            await resp.prepare(request)
             while kind not in ("end", "error"):
                 await resp.write(b"".join(out + stream.delta(kind, payload)))
                 out = []
@@ -177,11 +182,14 @@ class ChatServer:
             if kind == "end":
                 await resp.write(b"".join(out + stream.end(payload)))
             else:
-                log.error("stream failed: %s", failure_text(payload))
-                await resp.write(sse({"error": failure_text(payload)}, "error"))
+                error = request_error(payload)
+                log.error("stream failed: %s", error.message)
+                await resp.write(b"".join(out + stream.error(error)))
+            await resp.write_eof()
+        except ConnectionResetError:  # the turn still ends and is recorded: the client's retry gets it from the cache
+            log.info("%s: the client closed the stream before its end", request.path)
         finally:
             await task
-        await resp.write_eof()
         return resp
 
 
@@ -197,11 +205,20 @@ async def _json_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         error = RequestError(e.status, f"{e.reason}: {request.method} {request.path}", code=e.reason.lower())
+        if e.status == 404 and not request.path.startswith("/s/"):
+            error.message += " (the API routes live under /s/{session_id}: use ctx.base_url / ctx.session_url)"
     except Exception as e:
         log.exception("%s failed", request.path)
-        error = RequestError(500, f"generation failed: {failure_text(e)}", code="server_error")
+        error = request_error(e)
     shape = anthropic.error if request.path.endswith("/messages") else openai_chat.error
     return web.json_response(shape(error), status=error.status)
+
+
+def request_error(e: Exception) -> RequestError:
+    """A failure as the error a client gets: a request's own, else a 500 with the engine's message."""
+    if isinstance(e, RequestError):
+        return e
+    return RequestError(500, f"generation failed: {failure_text(e)}", code="server_error")
 
 
 # `SomeError: message` lines of a (remote) traceback text

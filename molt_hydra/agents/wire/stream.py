@@ -6,7 +6,7 @@ import json
 import secrets
 import time
 
-from molt_hydra.agents.wire.request import ChatRequest
+from molt_hydra.agents.wire.request import ChatRequest, RequestError
 
 
 def new_id(prefix: str) -> str:
@@ -49,4 +49,8 @@ class Stream:
         return []
 
     def end(self, reply) -> list[bytes]:
+        raise NotImplementedError
+
+    def error(self, e: RequestError) -> list[bytes]:
+        """A failure after the stream began, as the API's own error event (its SDK raises it with the message)."""
         raise NotImplementedError
