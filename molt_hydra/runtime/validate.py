@@ -8,7 +8,7 @@ what they check. Each rule names the full key, the reason and the fix; nothing s
 from __future__ import annotations
 
 from molt_hydra.agents.rules import check_agent
-from molt_hydra.algorithm.rules import estimator_needs
+from molt_hydra.algorithm.rules import check_estimator_knobs, estimator_needs
 from molt_hydra.config import handoff_rules
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import RULES, Problems, check_ranges, derive
@@ -21,7 +21,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems = Problems()
     needs = estimator_needs(cfg, problems)
     derive(cfg, needs)
-    for rule in (*RULES, check_lora):
+    for rule in (*RULES, check_estimator_knobs, check_lora):
         rule(cfg, problems, needs)
     for rule in (check_model, check_data, check_agent, handoff_rules.engine_name_rules,
                  handoff_rules.name_rules):  # name_rules last: it skips keys reported already

@@ -155,7 +155,8 @@ def test_existing_local_paths_and_hub_ids_pass(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "1+1", "label": "2"}\n')
     assert config_errors([f"data.train_path={data}", f"model.tokenizer_path={tmp_path}",
-                          "model.critic_path=Qwen/Qwen3-4B"]) == []
+                          "model.critic_path=Qwen/Qwen3-4B", "algorithm=ppo_gae",  # a critic reads it
+                          "parallelism.colocate_models=true"]) == []
 
 
 @pytest.mark.parametrize("override", ["~agent.runner._target_", "agent.runner._target_=null"])

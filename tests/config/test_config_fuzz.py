@@ -18,7 +18,7 @@ import pytest
 from _config_helpers import PLAN_HEADER, run_cli_many
 from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, to_run_config
 from molt_hydra.config.bounds import BOUNDS, Bounds
-from molt_hydra.config.schema import ConfigError, RunConfig
+from molt_hydra.config.schema import ConfigError, OptimizerConfig, RunConfig
 from molt_hydra.config.validate import MUON_FIELDS, NOT_IMPLEMENTED
 from molt_hydra.runtime.validate import validate
 
@@ -143,7 +143,14 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "logger.debug_grad_norms_topk", "logger.dump_logprobs_steps",
         # LoRA: its knobs are refused while model.lora.rank is null; the rank is bounded by the model's hidden size
         "model.lora.rank", "model.lora.alpha", "model.lora.dropout",
-        "checkpoint.save_steps"}  # 0 (never) refuses the knobs that shape checkpoints
+        "checkpoint.save_steps",  # 0 (never) refuses the knobs that shape checkpoints
+        # knobs of a mechanism the default run does not use (tests/config/test_inert_knobs.py): grpo reads no discount,
+        # lambda or value clip and trains no critic; no KL is computed; no eval data; the constant scheduler
+        "algorithm.gamma", "algorithm.lam", "algorithm.value_clip", "algorithm.kl.target", "algorithm.kl.horizon",
+        "train.critic.epochs", *(f"train.critic.optimizer.{f.name}" for f in dataclasses.fields(OptimizerConfig)),
+        "train.optimizer.min_lr_ratio", *(f"eval.{name}" for name in ("batch_size", "n_samples_per_prompt",
+                                                                      "temperature", "top_p")),
+        "rollout.decode_context_parallel_size"}  # must divide rollout.tensor_parallel_size (1)
 FREE = [leaf for leaf in NUMERIC if leaf.key not in TIED and not leaf.key.startswith("parallelism.")
         and leaf.key not in NOT_IMPLEMENTED]
 

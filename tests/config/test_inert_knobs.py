@@ -1,0 +1,95 @@
+"""Knobs that would change nothing in the run they are set in are refused (key, reason, fix), found by the adversarial
+config hunt: a tuning knob of a mechanism the run does not use (an estimator that does not read it, a critic or a
+reference that is never built, evaluation without eval data, dataset columns of a builtin task, SFT-only keys under
+RL), and values the engine would refuse only at start-up (a context longer than the model's, a decode context
+parallel size that does not divide the engine's TP). Each case: the key, a fragment of the rule's reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from molt_hydra.models.tiny import TINY_SHAPE
+from test_validation import assert_fires, config_errors
+
+POSITIONS = TINY_SHAPE["max_position_embeddings"]
+
+CASES = [
+    # estimator knobs: grpo (the default) reads no discount, no GAE lambda, no whitening switch
+    ("gamma_grpo", ["algorithm.gamma=0.5"], "algorithm.gamma", "estimator grpo does not read it"),
+    ("lam_reinforce", ["algorithm=reinforce", "rollout.n_samples_per_prompt=1", "train.batch_size=8",
+                       "train.micro_batch_size=8", "algorithm.lam=0.5"], "algorithm.lam",
+     "estimator reinforce does not read it"),
+    ("whiten_rloo", ["algorithm=rloo", "algorithm.whiten=false"], "algorithm.whiten",
+     "estimator rloo does not read it"),
+    # critic knobs without a critic
+    ("value_clip", ["algorithm.value_clip=0.5"], "algorithm.value_clip", "estimator grpo trains none"),
+    ("critic_epochs", ["train.critic.epochs=2"], "train.critic.epochs", "estimator grpo trains none"),
+    ("critic_lr", ["train.critic.optimizer.lr=1e-4"], "train.critic.optimizer.lr", "estimator grpo trains none"),
+    ("critic_path", ["model.critic_path=tiny://qwen3_tiny"], "model.critic_path", "estimator grpo trains none"),
+    # KL knobs while nothing computes a KL, a reference path while none is built
+    ("kl_estimator_off", ["algorithm.kl.estimator=k3"], "algorithm.kl.estimator", "algorithm.kl.coef=0"),
+    ("kl_target_off", ["algorithm.kl.target=0.1"], "algorithm.kl.target", "algorithm.kl.coef=0"),
+    ("kl_use_loss_coef_zero", ["algorithm.kl.use_loss=true", "algorithm.kl.coef=0"], "algorithm.kl.use_loss",
+     "algorithm.kl.coef=0"),
+    ("kl_horizon_fixed", ["algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3", "algorithm.kl.horizon=5"],
+     "algorithm.kl.horizon", "algorithm.kl.target=null"),
+    ("ref_path_unbuilt", ["model.ref_path=tiny://qwen3_tiny"], "model.ref_path", "no reference model is built"),
+    ("distill_kl_estimator", ["algorithm=on_policy_distill", "model.ref_path=tiny://qwen3_tiny",
+                              "algorithm.kl.estimator=k3"], "algorithm.kl.estimator", "on_policy_distill"),
+    ("distill_kl_use_loss", ["algorithm=on_policy_distill", "model.ref_path=tiny://qwen3_tiny",
+                             "algorithm.kl.use_loss=true"], "algorithm.kl.use_loss", "on_policy_distill"),
+    # evaluation knobs without eval data
+    ("eval_temperature", ["eval.temperature=0.5"], "eval.temperature", "eval.data_path=null"),
+    ("eval_n_samples", ["eval.n_samples_per_prompt=4"], "eval.n_samples_per_prompt", "eval.data_path=null"),
+    ("eval_split", ["eval.split=test"], "eval.split", "eval.data_path=null"),
+    ("best_metric", ["checkpoint.best_metric_key=eval_default_pass1"], "checkpoint.best_metric_key",
+     "eval.data_path=null"),
+    # dataset columns and splits the data never reads
+    ("input_key_builtin", ["data.input_key=question"], "data.input_key", "builtin:// tasks"),
+    ("label_key_builtin", ["data.label_key=answer"], "data.label_key", "builtin:// tasks"),
+    ("split_builtin", ["data.split=test"], "data.split", "builtin://toy"),
+    ("eval_split_builtin", ["eval.data_path=builtin://toy", "eval.split=test"], "eval.split", "builtin://toy"),
+    ("output_key_rl", ["data.output_key=answer"], "data.output_key", "job=rl"),
+    ("last_turn_only_rl", ["data.train_on_last_turn_only=true"], "data.train_on_last_turn_only", "job=rl"),
+    ("min_lr_ratio_constant", ["train.optimizer.min_lr_ratio=0.2"], "train.optimizer.min_lr_ratio",
+     "only the cosine_with_min_lr scheduler takes a floor"),
+    ("checkpoint_path_rl", ["checkpoint.path=tiny://qwen3_tiny"], "checkpoint.path", "job=rl starts from model.path"),
+    # model knobs the model has nothing for, contexts the engine refuses
+    ("freeze_visual_text_model", ["model.freeze_visual_encoder=true"], "model.freeze_visual_encoder",
+     "text-only model"),
+    ("context_above_model", [f"data.max_len={POSITIONS * 2}"], "rollout.max_model_len",
+     f"above model.path's context length {POSITIONS}"),
+    ("resume_must_without_checkpoints", ["checkpoint.resume=must"], "checkpoint.resume", "does not exist"),
+    ("tp_not_dividing_trainer", ["cluster=local_gpus", "model.backend=automodel", "parallelism.tp=3",
+                                 "parallelism.trainer_devices=2", "rollout.num_engines=1"], "parallelism.tp",
+     "tp x cp=3 does not divide the 2 trainer device(s)"),
+    ("dcp_not_dividing_tp", ["rollout.decode_context_parallel_size=2"], "rollout.decode_context_parallel_size",
+     "must divide rollout.tensor_parallel_size=1"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_inert_or_unstartable_knob_is_refused(overrides, key, fragment):
+    assert_fires(overrides, key, fragment)
+
+
+ACCEPTED = [
+    # the same knobs where they act
+    ["algorithm=ppo_gae", "parallelism.colocate_models=true", "algorithm.gamma=0.99", "algorithm.lam=0.9", "algorithm.value_clip=0.5",
+     "train.critic.epochs=2", "train.critic.optimizer.lr=1e-4", "model.critic_path=tiny://qwen3_tiny"],
+    ["algorithm=reinforce", "rollout.n_samples_per_prompt=1", "train.batch_size=8", "train.micro_batch_size=8",
+     "parallelism.colocate_models=true", "algorithm.gamma=0.9", "algorithm.whiten=false"],
+    ["parallelism.colocate_models=true", "algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3", "algorithm.kl.target=0.1", "algorithm.kl.horizon=5",
+     "model.ref_path=tiny://qwen3_tiny"],
+    ["algorithm=on_policy_distill", "parallelism.colocate_models=true", "model.ref_path=tiny://qwen3_tiny"],
+    ["eval.data_path=builtin://toy", "eval.temperature=0.5", "eval.n_samples_per_prompt=4",
+     "checkpoint.best_metric_key=eval_default_pass1"],
+    [f"data.max_len={POSITIONS}"],
+    ["train.optimizer.scheduler=cosine_with_min_lr", "train.optimizer.min_lr_ratio=0.2"],
+    ["checkpoint.resume=must", "checkpoint.dir=/"],  # an existing directory (its checkpoints are the runtime's)
+]
+
+
+@pytest.mark.parametrize("overrides", ACCEPTED, ids=range(len(ACCEPTED)))
+def test_the_same_knobs_where_they_act_validate(overrides):
+    assert config_errors(overrides) == []
