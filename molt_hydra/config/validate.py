@@ -539,8 +539,8 @@ def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> Non
     fallback = {"split": get(defaults(), "eval.split"), "batch_size": r.batch_size, "n_samples_per_prompt": 1,
                 "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
     problems.table((
-        *((getattr(e, name) == value or getattr(e, name) == "", f"eval.{name}", "it tunes evaluation, but eval.data_path=null runs none, so it "
-           "changes nothing.", f"set eval.data_path, or unset eval.{name}") for name, value in fallback.items()),
+        *((getattr(e, name) in (value, ""), f"eval.{name}", "it tunes evaluation, but eval.data_path=null runs none, "
+           "so it changes nothing.", f"set eval.data_path, or unset eval.{name}") for name, value in fallback.items()),
         (not changed(cfg, "checkpoint.best_metric_key"), "checkpoint.best_metric_key", "it picks the best checkpoint "
          "by an eval metric, but eval.data_path=null runs no evaluation, so it changes nothing.",
          "set eval.data_path, or unset checkpoint.best_metric_key"),

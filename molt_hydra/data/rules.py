@@ -3,10 +3,10 @@ rows carry images the engine can take. Run by runtime/validate.py beside config/
 
 from __future__ import annotations
 
-from molt_hydra.config.schema import RunConfig
 from pathlib import Path
 
 from molt_hydra.config.bounds import get
+from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
 from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS
 

@@ -94,7 +94,8 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                    "GPUs (cluster.device=cuda), or train this VLM with job=sft on CPU")
     problems.check(not (m.freeze_visual_encoder and vlm is False), "model.freeze_visual_encoder",
                    f"model.path={m.path} is a text-only model ({kind}): there is no visual encoder to freeze, so it "
-                   "changes nothing.", "unset model.freeze_visual_encoder, or set model.path to a vision-language model")
+                   "changes nothing.",
+                   "unset model.freeze_visual_encoder, or set model.path to a vision-language model")
     limit = context_length(fields)
     problems.check(cfg.job.value == "sft" or limit is None or r.max_model_len <= limit, "rollout.max_model_len",
                    f"{r.max_model_len} is above model.path's context length {limit} (its config.json): vLLM refuses to "

@@ -58,7 +58,7 @@ def resolved(overrides: list[str]) -> str:
     ([*ONE_GPU_RANK, "parallelism.trainer_devices=2"], "fsdp"),  # several ranks: not measured faster
     ([*ONE_GPU_RANK, "model.param_dtype=float32"], "fsdp"),  # no lower-precision copy to keep masters for
     ([*ONE_GPU_RANK, "train.optimizer.name=muon"], "fsdp"),  # Muon steps the params themselves
-    ([*ONE_GPU_RANK, "train.critic.optimizer.name=muon"], "fsdp"),  # refused on either block
+    ([*ONE_GPU_RANK, "algorithm=ppo_gae", "train.critic.optimizer.name=muon"], "fsdp"),  # the critic's block too
     ([*ONE_GPU_RANK, "model.lora.rank=8"], "fsdp"),  # optimizer masters are not wired to a frozen base
     ([*ONE_GPU_RANK, "model.master_weights=fsdp"], "fsdp"),  # an explicit choice stays
 ], ids=["cpu", "one_gpu_rank", "two_ranks", "fp32", "muon", "critic_muon", "lora", "explicit_fsdp"])
