@@ -9,7 +9,8 @@
 Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar,
 unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
 single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
-reason and the fix, and the exit code is 2. `molt-run --help` is conf/hydra/help/molt.yaml.
+reason and the fix, and the exit code is 2. A multirun validates and plans every point before the first starts
+(`sweep_problems`). `molt-run --help` is conf/hydra/help/molt.yaml.
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return run_cfg
 
 
-def compose_checked(overrides: list[str], *, multirun: bool = False,
-                    config_dir: str | None = None) -> tuple[DictConfig | None, list[str]]:
-    """Parse and compose the command line's overrides as Hydra will, before Hydra does: (the composed config, []) or
-    (None, problems), every failure a line `- key: reason Fix: fix` (exit 2) instead of Hydra's report (exit 1).
-    A sweep is composed at its first point."""
+def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir: str | None = None,
+                    hydra_config: bool = False) -> tuple[DictConfig | None, list[str]]:
+    """Parse and compose the command line's overrides as Hydra will, before Hydra does: (the composed config, with its
+    `hydra` node when `hydra_config`, and []) or (None, problems), every failure a line `- key: reason Fix: fix`
+    (exit 2) instead of Hydra's report (exit 1). A sweep is composed at its first point."""
     parser, problems, parsed = OverridesParser.create(), [], []
     for text in overrides:
         try:
@@ -97,7 +98,7 @@ def compose_checked(overrides: list[str], *, multirun: bool = False,
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=[*overrides, *search]), []
+            return compose("config", overrides=[*overrides, *search], return_hydra_config=hydra_config), []
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
 
@@ -121,6 +122,36 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     reason = str(chain[-1]).splitlines()[0]
     return (f"- {key or override}: {reason} ({override}). Fix: give a value of the type and choices that "
             "molt_hydra/config/schema.py declares for it")
+
+
+def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | None) -> list[str]:
+    """Every point of `molt-run -m` validated and planned before the first one starts: Hydra's sweeper runs the points
+    one after another, and a point refused when its turn came ended the sweep there, after the points before it had
+    run. The points are the basic sweeper's own (the config's hydra.sweeper.params, then the command line's sweeps,
+    their product: `BasicSweeper.split_arguments`); `first` is the first point composed with its hydra node. Returns
+    each failing point's problems under a line naming the point."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    from molt_hydra.runtime.plan import make_plan
+    from molt_hydra.runtime.validate import validate
+
+    if not first.hydra.sweeper._target_.endswith(".BasicSweeper"):
+        return []  # another sweeper (optuna, ...) makes its points as it goes
+    params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()]
+    parsed = OverridesParser.create().parse_overrides([*params, *overrides])
+    points = [point for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+    problems = []
+    for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
+        cfg, errors = compose_checked([*point, f"output_dir={Path.cwd() / 'multirun' / str(number)}"],
+                                      config_dir=config_dir)
+        try:
+            if cfg is not None:
+                make_plan(validate(to_run_config(cfg)))
+        except ConfigError as e:
+            errors = [str(e)]
+        if errors:
+            problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
+    return problems
 
 
 def _exit_config_error(text: str) -> None:
@@ -158,7 +189,10 @@ def main() -> None:
     register()
     args = get_args_parser().parse_args()
     if not (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name or args.config_path):
-        _, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir)
+        first, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir,
+                                          hydra_config=args.multirun)
+        if first is not None and args.multirun:
+            problems = sweep_problems(first, args.overrides, args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
-from molt_hydra.cli import to_run_config
+from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
+from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, sweep_problems, to_run_config
 from molt_hydra.config.schema import ConfigError, ISLevel
 
 CASES = {
@@ -101,3 +101,27 @@ def test_comma_value_outside_a_multirun_says_quote_or_sweep():
     assert "key='a,b'" in problems[0] and "add -m" in problems[0]
     cfg, problems = compose_checked(["logger.wandb.project=a,b"], multirun=True)
     assert problems == [] and cfg.logger.wandb.project == "a"  # checked at the sweep's first point
+
+
+def test_every_sweep_point_is_validated_before_the_first_runs():
+    """A knob one point's estimator reads and another's does not (whiten: reinforce_baseline reads it, grpo not): the
+    sweep stops before point #0 runs (no plan printed), naming the failing point, its overrides and the key."""
+    r = run_cli(["-m", "+recipe=tiny_cpu", "algorithm.estimator=reinforce_baseline,grpo", "algorithm.whiten=false",
+                 "dry_run=true"])
+    assert r.returncode == EXIT_CONFIG_ERROR and PLAN_HEADER not in r.stdout, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert lines[-2].startswith("sweep point #1 of 2 (") and "algorithm.estimator=grpo" in lines[-2]
+    assert lines[-1].startswith("- algorithm.whiten: estimator grpo does not read it") and " Fix: " in lines[-1]
+    assert sum(line.startswith("sweep point #") for line in lines) == 1  # point #0 is valid: not reported
+
+
+def test_a_recipes_sweep_params_are_points_too():
+    """hydra.sweeper.params of +recipe=sweep_estimators_is (3 estimators x 2 IS levels) are swept as Hydra's sweeper
+    would: 6 points, each valid; a command-line sweep multiplies them, and its failing points are each named."""
+    overrides = ["+recipe=sweep_estimators_is"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == [] and sweep_problems(first, overrides, None) == []
+    overrides.append("rollout.n_samples_per_prompt=1,8")  # 1: no group for any of the 3 group estimators; 8: as set
+    first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
+    heads = [line for line in sweep_problems(first, overrides, None) if line.startswith("sweep point #")]
+    assert len(heads) == 6 and all(" of 12 (" in h and "rollout.n_samples_per_prompt=1" in h for h in heads), heads
