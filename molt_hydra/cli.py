@@ -125,9 +125,9 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
 
 
 def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | None) -> list[str]:
-    """Every point of `molt-run -m` validated and planned before the first one starts: Hydra's sweeper runs the points
-    one after another, and a point refused when its turn came ended the sweep there, after the points before it had
-    run. The points are the basic sweeper's own (the config's hydra.sweeper.params, then the command line's sweeps,
+    """Every point of `molt-run -m` validated and planned before the first one starts, where Hydra's basic launcher
+    runs them here one after another: a point refused when its turn came ended the sweep there, after the points
+    before it had run. The points are the basic sweeper's own (the config's hydra.sweeper.params, then the command line's sweeps,
     their product: `BasicSweeper.split_arguments`); `first` is the first point composed with its hydra node. Returns
     each failing point's problems under a line naming the point."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -135,8 +135,11 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     from molt_hydra.runtime.plan import make_plan
     from molt_hydra.runtime.validate import validate
 
-    if not first.hydra.sweeper._target_.endswith(".BasicSweeper"):
-        return []  # another sweeper (optuna, ...) makes its points as it goes
+    if not (first.hydra.sweeper._target_.endswith(".BasicSweeper")
+            and first.hydra.launcher._target_.endswith(".BasicLauncher")):
+        # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
+        # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
+        return []
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()]
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
     points = [point for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
