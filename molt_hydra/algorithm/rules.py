@@ -47,10 +47,15 @@ def estimator_needs(cfg: RunConfig, problems: Problems) -> frozenset[str]:
 def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Knobs the run's estimator leaves unread, refused: the advantage context's knobs it does not declare in `reads`,
     the critic's without a critic, a reference path without a reference, the KL's while no KL is computed."""
-    a = cfg.algorithm
+    a, job = cfg.algorithm, cfg.job.value
+    if job != "rl":  # SFT trains on targets, eval only generates: no estimator, critic, reference or KL at all
+        keys = (*(f"algorithm.{name}" for name in sorted(KNOBS)), *CRITIC_KNOBS, *KL_KNOBS, "model.ref_path")
+        problems.table(((not changed(cfg, key), key, f"job={job} runs no RL estimator, so it changes nothing.",
+                         f"unset {key}, or set job=rl") for key in keys))
+        return
     if a.estimator not in ADVANTAGE_ESTIMATORS:
         return  # reported by estimator_needs
-    reads, rl = ADVANTAGE_ESTIMATORS[a.estimator].reads, cfg.job.value == "rl"
+    reads = ADVANTAGE_ESTIMATORS[a.estimator].reads
     for name in sorted(KNOBS - reads):
         readers = sorted(n for n, spec in ADVANTAGE_ESTIMATORS.items() if name in spec.reads)
         problems.check(not changed(cfg, f"algorithm.{name}"), f"algorithm.{name}", f"estimator {a.estimator} does "
@@ -59,8 +64,8 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
     problems.table(((not changed(cfg, key), key, f"it tunes the critic, but estimator {a.estimator} trains none, so "
                      "it changes nothing.", f"unset {key}, or algorithm=ppo_gae (a critic-trained estimator)")
                     for key in CRITIC_KNOBS if "values" not in needs))
-    problems.check(cfg.model.ref_path is None or (rl and "reference" in trainer_roles(cfg, needs)), "model.ref_path",
-                   f"no reference model is built (job={cfg.job.value}, algorithm.kl.coef={a.kl.coef}, estimator "
+    problems.check(cfg.model.ref_path is None or "reference" in trainer_roles(cfg, needs), "model.ref_path",
+                   f"no reference model is built (algorithm.kl.coef={a.kl.coef}, estimator "
                    f"{a.estimator} needs no teacher), so it changes nothing.",
                    "unset model.ref_path, or set algorithm.kl.use_loss=true (a KL loss to that reference)")
     kl_fix = "set algorithm.kl.coef > 0" + ("" if "kl" in needs else " with algorithm.kl.use_loss=true")

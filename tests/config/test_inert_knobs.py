@@ -93,3 +93,13 @@ ACCEPTED = [
 @pytest.mark.parametrize("overrides", ACCEPTED, ids=range(len(ACCEPTED)))
 def test_the_same_knobs_where_they_act_validate(overrides):
     assert config_errors(overrides) == []
+
+
+@pytest.mark.parametrize("job,key", [("sft", "algorithm.gamma=0.5"), ("sft", "algorithm.value_clip=0.1"),
+                                     ("eval", "algorithm.kl.estimator=k3"), ("sft", "model.ref_path=tiny://qwen3_tiny")])
+def test_an_rl_knob_outside_job_rl_is_refused_naming_the_job(job, key):
+    """No estimator runs outside job=rl: the knob is refused as one the job ignores, whatever the estimator (not as
+    one another estimator would read)."""
+    extra = ["data.train_path=builtin://toy"] if job == "sft" else ["eval.data_path=builtin://toy_eval"]
+    name = key.split("=")[0]
+    assert_fires([f"job={job}", *extra, key, "algorithm=reinforce"], name, f"job={job} runs no RL estimator")
