@@ -321,8 +321,11 @@ def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engi
         problems.append(f"- rollout.gpu_memory_utilization: colocated, the engine gets {engine:.3g} GiB of the GPU's "
                         f"{mem:g} but needs {engine_weights:.3g} GiB of weights plus >= 1 GiB for activations and KV "
                         f"cache (the trainer keeps {resident:.3g} GiB resident). Fix: more trainer ranks "
-                        "(parallelism.trainer_devices) to shard its state, model.master_weights=optimizer, "
-                        "parallelism.offload=full, or parallelism.colocate=false")
+                        "(parallelism.trainer_devices) to shard its state, parallelism.offload=optimizer (its fp32 "
+                        "masters and AdamW moments on the host; HF backend), "
+                        + ("model.master_weights=fsdp (2 bytes a parameter less: no bf16 copy beside the masters), "
+                           if cfg.model.master_weights.value == "optimizer" else "")
+                        + "or parallelism.colocate=false")
     for phase, parts in plan.phases.items():
         if sum(parts.values()) > mem:
             problems.append(f"- parallelism.colocate: the {phase} phase needs {sum(parts.values()):.3g} GiB of a "

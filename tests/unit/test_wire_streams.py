@@ -222,11 +222,14 @@ def test_an_undecodable_api_key_is_a_401_and_an_unrouted_path_names_the_session_
             key = await raw(server.port, b"POST /s/s/v1/chat/completions HTTP/1.1\r\n" + bad_key)
             root = await raw(server.port, b"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer k\r\n")
             gone = await raw(server.port, b"POST /s/gone/v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer k\r\n")
-            return key, root, gone
+            charset = await raw(server.port, b"POST /s/s/v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer k\r\n"
+                                b"Content-Type: application/json; charset=nope\r\n")
+            return key, root, gone, charset
         finally:
             await server.stop()
 
-    key, root, gone = asyncio.run(go())
+    key, root, gone, charset = asyncio.run(go())
+    assert charset.startswith(b"HTTP/1.1 200") and b"Hello." in charset  # JSON is read as its bytes say
     assert key.startswith(b"HTTP/1.1 401") and b"invalid API key" in key
     assert root.startswith(b"HTTP/1.1 404") and b"/s/{session_id}" in root and b"ctx.base_url" in root
     assert gone.startswith(b"HTTP/1.1 404") and b"unknown session 'gone'" in gone and b"ctx.base_url" in gone

@@ -136,7 +136,7 @@ class ChatServer:
                                "ended; use the ctx.base_url / ctx.session_url of the running rollout",
                                code="unknown_session")
         try:
-            return session, json.loads(await request.text())
+            return session, json.loads(await request.read())  # bytes: JSON's own UTF-8/16/32, whatever charset says
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         except RecursionError:
