@@ -20,6 +20,7 @@ import torch
 
 from molt_hydra.compat import automodel as automodel_compat
 from molt_hydra.compat import transformers as transformers_compat
+from molt_hydra.models import vlm
 from molt_hydra.models.build import DTYPES, decoder_layers, load_config
 from molt_hydra.models.moe_routing import expert_counts
 # imported where used: nemo_automodel and torch.distributed (GPU hosts only)
@@ -98,7 +99,8 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
                     moe_reshard_after_forward: bool = False, sequence_parallel: bool = False,
                     master_weights: str = "fsdp"):
     """fp32 master weights, FSDP2 bf16 compute (fp32 grad reduce), AutoModel's own model class where it has one.
-    master_weights=optimizer on one rank: no FSDP2 at all (the trainer casts the params; nothing to shard)."""
+    master_weights=optimizer on one rank: no FSDP2 at all (the trainer casts the params; nothing to shard), VLMs
+    aside."""
     import torch.distributed as dist
     from nemo_automodel import NeMoAutoModelForCausalLM
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config, MoEParallelizerConfig
@@ -139,8 +141,8 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
     if moe and ep_size == 1:
         automodel_compat.install_sync_free_permute(config.num_experts, permute_tokens_all_local)
     model = NeMoAutoModelForCausalLM.from_config(config, **kw)
-    if world == 1 and master_weights != "optimizer":
-        _shard_one_rank(model, param_dtype)
+    if world == 1 and (master_weights != "optimizer" or vlm.is_vlm(config)):  # a VLM keeps FSDP2's input cast
+        _shard_one_rank(model, param_dtype)  # (its fp32 pixel values meet bf16 params), as on the HF path
     model._molt_mesh = setup.mesh_context  # the grad-norm reduction needs the dense and expert meshes
     freeze(model, router=freeze_moe_router or role == "ref", visual=freeze_visual_encoder or role == "ref",
            everything=role == "ref")
