@@ -45,3 +45,12 @@ class RaisingEnv(ToyEnv):
 
     async def step(self, state):
         raise ValueError("the grader is down")
+
+
+class StringRewardEnv(ToyEnv):
+    """Every rollout's reward is the grader's text, not a number (as a grader parsing nothing would return)."""
+
+    async def step(self, state):
+        result = await super().step(state)
+        result.reward = f"{result.reward:.1f}"
+        return result

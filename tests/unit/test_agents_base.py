@@ -1,9 +1,12 @@
 import asyncio
+import math
 
+import numpy as np
 import pytest
+import torch
 
 from molt_hydra.agents import Episode, Runner, Trajectory, load_runner
-from molt_hydra.agents.base import apply_sampling_override, scalar
+from molt_hydra.agents.base import Result, apply_sampling_override, reward_and_score, scalar
 from molt_hydra.agents.chat_agent import ChatAgentRunner
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.math_grading import grade_math, last_boxed
@@ -42,6 +45,34 @@ def test_scalar_and_sampling_override():
     assert apply_sampling_override(s, None) is s
     with pytest.raises(ValueError, match=r"unknown keys \['max_new'\]"):
         apply_sampling_override(s, {"max_new": 3})
+
+
+@pytest.mark.parametrize("value, expected", [
+    (np.float32(0.25), 0.25), (np.int64(3), 3.0), (np.bool_(True), 1.0), (True, 1.0), (torch.tensor(0.5), 0.5),
+    (torch.tensor(True), 1.0), (torch.tensor([[0.75]]), 0.75), (np.array([0.5, 1.0]), 0.5), ((0.5,), 0.5),
+    (math.inf, math.inf)], ids=lambda v: type(v).__name__)
+def test_a_reward_of_any_numeric_kind_is_honoured(value, expected):
+    """Numbers of every kind become floats (inf too: the samples generator drops it as nonfinite_reward)."""
+    assert reward_and_score(Result(reward=value), "Env.step") == (expected, expected)
+
+
+@pytest.mark.parametrize("value, said", [
+    ("0.5", "Result.reward of GraderEnv.step is str '0.5'; return a number"),
+    (b"1", "is bytes b'1'"), ({"reward": 1.0}, "is dict {'reward': 1.0}"), ([[0.5]], "is list [0.5]"),
+    (1 + 2j, "is complex (1+2j)"), (None, "Result.reward of GraderEnv.step is None"),
+    ([], "is an empty list"), (torch.tensor([]), "is an empty Tensor"), (np.array([]), "is an empty ndarray")],
+    ids=lambda v: type(v).__name__)
+def test_a_reward_that_is_no_number_is_an_error_naming_the_agent_and_the_value(value, said):
+    """Before: a string reward was float()-ed silently ('0.5' -> 0.5), a dict or nested list raised float()'s
+    message naming neither the agent nor Result.reward, an empty tensor raised IndexError."""
+    with pytest.raises((TypeError, ValueError)) as err:
+        reward_and_score(Result(reward=value), "GraderEnv.step")
+    assert said in str(err.value) and "GraderEnv.step" in str(err.value)
+
+
+def test_a_score_that_is_no_number_is_named_as_the_score():
+    with pytest.raises(TypeError, match=r"Result.score of GraderEnv.step is str 'high'"):
+        reward_and_score(Result(reward=1.0, score="high"), "GraderEnv.step")
 
 
 def test_math_grading():
