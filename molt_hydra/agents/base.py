@@ -213,7 +213,8 @@ class Runner(ABC):
         try:
             async with deadline:
                 segments = await self.execute(episode, generator, tokenizer)
-        except Exception as e:  # the agent is user code: any error ends this rollout only
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # the agent is user code: any error ends this rollout
+            # only; a sys.exit() escaping would end the runner's agent loop, and every later rollout would time out
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
                 log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
                 return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"

@@ -32,12 +32,12 @@ EXIT_INTERRUPTED = 130
 def run(cfg: RunConfig) -> None:
     check_outputs(cfg)
     record = write_run_record(cfg, cfg.output_dir)
+    _check_resume(cfg)
     if cfg.job.value == "sft":
         from molt_hydra.runtime.sft_job import run_sft_job
 
         run_sft_job(cfg)
         return
-    _check_resume(cfg)
     from molt_hydra.models.build import resolve_path
 
     # a tiny:// model is built here, once (tiny://idefics3_colors_warm: its warm start runs), before Ray takes the cores
@@ -70,7 +70,7 @@ def _check_resume(cfg: RunConfig) -> None:
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
 
     c, skipped = cfg.checkpoint, []
-    if cfg.job.value != "rl" or c.resume.value == "never":
+    if cfg.job.value == "eval" or c.resume.value == "never":  # (eval loads checkpoint.path)
         return
     found = resolve_checkpoint(c.dir, skipped)
     for line in skipped:

@@ -4,6 +4,7 @@ fault each (loaded by path: `agent.runner._target_=<this file>:Name`)."""
 import itertools
 import math
 import os
+import sys
 import time
 
 from molt_hydra.recipes.agents.toy import ToyEnv
@@ -54,3 +55,10 @@ class StringRewardEnv(ToyEnv):
         result = await super().step(state)
         result.reward = f"{result.reward:.1f}"
         return result
+
+
+class ExitingEnv(ToyEnv):
+    """Every rollout calls sys.exit(), as agent code giving up the way a script would."""
+
+    async def step(self, state):
+        sys.exit("the grader gave up")

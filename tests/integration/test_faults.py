@@ -332,3 +332,15 @@ def test_prompts_longer_than_the_context_are_cut_and_a_64_token_context_syncs(tm
     m = metrics(tmp_path / "run")
     assert sorted(m) == [1, 2] and all(row["train/num_samples_trained"] == 16 for row in m.values())
     assert m[1]["train/weight_sync/probe_logprob_gap"] < 1e-3
+
+
+def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path):
+    """Before: the SystemExit ended each runner's agent loop; the run failed only after agent.timeout_s (60 s),
+    reporting 'agent_timeout 16: agent code blocked its event loop', not the agent's exit."""
+    run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:ExitingEnv", "train.max_steps=2")
+    code = run.finish()
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED, run.err()[-3000:]
+    assert lines[-4:-2] == ["  dropped samples by reason: agent_exception 16",
+                            "  example error (agent_exception): SystemExit: the grader gave up"], lines[-6:]
+    assert "Traceback" not in run.err()

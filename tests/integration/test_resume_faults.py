@@ -5,6 +5,7 @@ anything starts, naming the directory and the fix."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -95,3 +96,21 @@ def test_no_loadable_checkpoint_stops_the_run_before_anything_starts(interrupted
     if damaged:
         assert [line for line in lines if line.startswith("Checkpoint not loadable: ")], lines
     assert "Traceback" not in proc.stderr and not (out / "ray").exists()  # stopped before Ray started
+
+
+def test_sft_resume_must_without_a_checkpoint_stops_before_training(tmp_path):
+    """Before: job=sft passed resume=True to the trainer, which started from step 0 when there was nothing to load
+    (exit 0), so checkpoint.resume=must was not honoured."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1?"},
+                                             {"role": "assistant", "content": "2"}]}) + "\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([MOLT_RUN, "job=sft", f"data.train_path={data}", "data.input_key=messages",
+                           "train.batch_size=8", "train.micro_batch_size=4", f"hydra.run.dir={out}",
+                           "checkpoint.resume=must"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
+    assert lines[-1].startswith(f"Run failed: checkpoint.resume=must: no checkpoint under checkpoint.dir="
+                                f"{out / 'checkpoints'}. Fix: "), lines[-3:]
+    assert not (out / "sft_metrics.jsonl").exists() and "Traceback" not in proc.stderr

@@ -125,6 +125,29 @@ def test_fresh_env_per_episode_and_empty_rollouts_counted():
     assert dict(outcome.failures) == {"empty_session": 3} and outcome.trajectories == [] and len(made) == 3
 
 
+def test_an_agent_calling_sys_exit_fails_its_rollout_only():
+    """Before: SystemExit passed `except Exception`, left the group's gather and ended the runner's agent loop (its
+    thread's run_forever re-raises it): that group and every later one failed as agent_timeout after agent.timeout_s,
+    'agent code blocked its event loop'."""
+    import sys
+
+    class Exiting(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            if episode.label == "exit":
+                sys.exit("the grader gave up")
+            return []
+
+    async def group_then_another():
+        eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label=label)
+               for label in ("exit", "ok")]
+        return await Exiting().run_group(eps, None, None), await Exiting().run_group(eps[1:], None, None)
+
+    first, second = asyncio.run(group_then_another())
+    assert dict(first.failures) == {"agent_exception": 1, "empty_session": 1}
+    assert first.errors["agent_exception"] == "SystemExit: the grader gave up"
+    assert dict(second.failures) == {"empty_session": 1}
+
+
 def test_a_groups_shared_prompt_is_rendered_and_tokenized_once(tiny_model):
     """Eight samples of one chat prompt and one sample of another: two renders, two tokenizations, and every sample
     still starts from its own prompt's exact ids."""
