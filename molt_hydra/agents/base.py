@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import numbers
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -45,15 +46,22 @@ class Result:
 
 
 def scalar(value: Any, what: str) -> float:
-    """A reward/score as float: tensors and lists give their first element; None is an error."""
+    """A reward/score as float: a number (a bool, a numpy scalar), a tensor / array or a list / tuple (its first
+    element). Anything else (None, a string, a dict, an empty sequence) is an error naming `what` and the value."""
     if value is None:
         raise ValueError(f"{what} is None; return a number")
-    if hasattr(value, "flatten"):  # torch / numpy
-        value = value.flatten()[0]
-    elif isinstance(value, (list, tuple)):
-        if not value:
-            raise ValueError(f"{what} is an empty sequence")
+    if hasattr(value, "flatten") and not isinstance(value, (str, bytes)):  # torch / numpy, 0-d included
+        value = value.flatten()
+    if hasattr(value, "flatten") or isinstance(value, (list, tuple)):
+        if len(value) == 0:
+            raise ValueError(f"{what} is an empty {type(value).__name__}; return a number")
         value = value[0]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # a tensor / numpy element
+        value = value.item()
+    if not isinstance(value, numbers.Real):  # a string, a dict, a nested list, a complex number...
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise TypeError(f"{what} is {type(value).__name__} {shown}; return a number (a float, a bool, a numpy "
+                        "scalar, a one-element tensor or list)")
     return float(value)
 
 
@@ -61,8 +69,8 @@ def reward_and_score(result: Any, returned_by: str) -> tuple[float, float]:
     """A `Result`'s reward and score (the score defaults to the reward) as floats; anything else is an error."""
     if not isinstance(result, Result):
         raise TypeError(f"{returned_by} must return Result, got {type(result).__name__}")
-    reward = scalar(result.reward, "Result.reward")
-    return reward, reward if result.score is None else scalar(result.score, "Result.score")
+    reward = scalar(result.reward, f"Result.reward of {returned_by}")
+    return reward, reward if result.score is None else scalar(result.score, f"Result.score of {returned_by}")
 
 
 def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None) -> Sampling:
@@ -205,7 +213,8 @@ class Runner(ABC):
         try:
             async with deadline:
                 segments = await self.execute(episode, generator, tokenizer)
-        except Exception as e:  # the agent is user code: any error ends this rollout only
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # the agent is user code: any error ends this rollout
+            # only; a sys.exit() escaping would end the runner's agent loop, and every later rollout would time out
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
                 log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
                 return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"

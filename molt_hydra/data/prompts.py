@@ -118,11 +118,24 @@ def load_dataset(spec: str, split: str, config: str | None = None):
 
     path = Path(spec)
     if path.suffix in FILE_TYPES:  # a missing file: datasets' FileNotFoundError names it
-        return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
+        try:
+            return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # an empty file (a bare StopIteration), malformed rows (DatasetGenerationError)
+            raise ValueError(f"{path} is not a readable {path.suffix[1:]} file: {_reason(e)}") from None
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
         return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
     return datasets.load_dataset(spec, config, split=split)
+
+
+def _reason(error: BaseException) -> str:
+    """The root cause's first line (datasets wraps a parse error in 'An error occurred while generating...')."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = f"{error}".strip().splitlines()
+    return text[0] if text else "it is empty" if isinstance(error, StopIteration) else type(error).__name__
 
 
 def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", label_key: str | None = "label",
@@ -137,6 +150,8 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     for s in specs:
         rows = builtin_rows(s) if s.startswith(BUILTIN) else [
             _rename(r, input_key, label_key, tools_key, image_key) for r in load_dataset(s, split)]
+        if not rows:
+            raise ValueError(f"{s} has no rows")
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
         parts.append(rows[:max_samples] if max_samples else rows)
     if probs is None:

@@ -87,7 +87,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored on load
     _barrier()
     if _rank() == 0:
-        _write_extra(tmp, {"client_state": client_state or {}, "step": step,
+        world = dist.get_world_size() if dist.is_initialized() else 1  # rng_rank<r>.pt for every r below it
+        _write_extra(tmp, {"client_state": client_state or {}, "step": step, "world_size": world,
                            "scheduler": scheduler.state_dict() if scheduler is not None else None})
         _replace_dir(tmp, final)
         latest_tmp = root / ".latest.tmp"
@@ -100,14 +101,54 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     return final
 
 
-def resolve_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The `latest` tag when loadable, else the newest loadable step_<N>, else None."""
+def problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed (a file missing, truncated or unreadable), else None. The small
+    files are read whole; of the shards, that each one DCP's metadata names is there at its full length."""
+    what = "extra_state.pt"
+    try:
+        extra = torch.load(path / what, weights_only=False)
+        what = "dcp/.metadata"
+        storage = dcp.FileSystemReader(str(path / "dcp")).read_metadata().storage_data.values()
+        for info in storage:
+            what = f"dcp/{info.relative_path}"
+            if (path / what).stat().st_size < info.offset + info.length:
+                raise EOFError(f"{(path / what).stat().st_size} bytes, the metadata expects "
+                               f"{info.offset + info.length}")
+        for rank in range(extra.get("world_size", 0)):  # (a checkpoint of an older version did not record it)
+            what = f"rng_rank{rank}.pt"
+            torch.load(path / what, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - whatever the reason, this checkpoint cannot be resumed
+        cause = e.strerror if isinstance(e, OSError) and e.strerror else f"{e}".split(". ")[0] or type(e).__name__
+        return f"{what}: {cause}"
+    return None
+
+
+def _candidates(root: Path) -> list[Path]:
+    """The checkpoints to try, in order: the `latest` tag (when readable), then every step_<N>, newest first."""
+    tags = sorted(((int(m.group(1)), p) for p in root.glob("step_*") if (m := TAG.match(p.name)) and p.is_dir()),
+                  reverse=True)
+    found = [p for _, p in tags]
+    try:
+        latest = (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):  # absent, a directory, garbage: the step directories decide
+        return found
+    if TAG.match(latest):
+        found = [root / latest] + [p for p in found if p.name != latest]
+    return found
+
+
+def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None) -> Path | None:
+    """The `latest` tag when loadable, else the newest loadable step_<N>, else None. Each checkpoint passed over (a
+    `latest` naming a missing directory, a file missing, truncated or unreadable) is appended to `skipped` as
+    "<path>: <why>"."""
     root = Path(root)
-    latest = root / "latest"
-    if latest.is_file() and is_loadable(root / latest.read_text().strip()):
-        return root / latest.read_text().strip()
-    tags = _tags(root) if root.is_dir() else []
-    return tags[-1][1] if tags else None
+    for path in _candidates(root) if root.is_dir() else []:
+        why = "missing" if not path.is_dir() else problem(path)
+        if why is None:
+            return path
+        if skipped is not None:
+            skipped.append(f"{path}: {why}")
+    return None
 
 
 def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None,
@@ -126,7 +167,12 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
                 raise ValueError(f"{key}: {path} was saved with {key}={saved[name]}, this run has {value}; its "
                                  f"optimizer state cannot be resumed across the two. Fix: set {key}={saved[name]}")
     state = _dcp_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path / "dcp"))  # without an optimizer: the model's entries only
+    try:
+        dcp.load(state, checkpoint_id=str(path / "dcp"))  # without an optimizer: the model's entries only
+    except dcp.api.CheckpointException as e:  # damage the size checks of `problem` cannot see (bytes overwritten)
+        rank, (cause, _) = next(iter(e.failures.items()))
+        raise RuntimeError(f"reading {path} failed on rank {rank}: {type(cause).__name__}: {cause}. Fix: move {path} "
+                           "out of the checkpoint directory to resume from the one before it") from e
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))
     if model_only:

@@ -18,9 +18,12 @@ WRITERS = ("save_checkpoint", "export_hf")  # trainer calls that write to disk: 
 
 
 class RoleCalls:
-    def __init__(self, roles, timeouts: TimeoutsConfig, weight_sync: WeightSyncConfig, engine_dtype: str):
-        """`roles`: the built handles (runtime/roles.py `Roles`); `engine_dtype`: the dtype on the wire."""
+    def __init__(self, roles, timeouts: TimeoutsConfig, weight_sync: WeightSyncConfig, engine_dtype: str,
+                 max_model_len: int | None = None):
+        """`roles`: the built handles (runtime/roles.py `Roles`); `engine_dtype`: the dtype on the wire;
+        `max_model_len`: the engines' (the sync probe's sequence stays shorter)."""
         self.roles, self.timeouts, self.weight_sync, self.engine_dtype = roles, timeouts, weight_sync, engine_dtype
+        self.max_model_len = max_model_len
         self.engines_lock = asyncio.Lock()  # a weight push and an engine replacement never overlap
         self.keeper = None  # runtime/engine_keeper.py, when dead engines are replaced
         self.failed_hint: BaseException | None = None  # an unawaited engines_busy hint's error, raised by the next
@@ -141,7 +144,7 @@ class RoleCalls:
         gathered weights beside a 91 GiB engine ran out of memory)."""
         from molt_hydra.weight_sync.probe import probe_tokens
 
-        tokens = probe_tokens(len(self.roles.tokenizer))
+        tokens = probe_tokens(len(self.roles.tokenizer), self.max_model_len)
         (sums, *_) = await self.ranks(self.roles.actor, "sync_probe_sums", self.engine_dtype)
         (logprobs, *_) = await self.ranks(self.roles.actor, "sync_probe_logprobs", tokens)
         return tokens, sums, logprobs

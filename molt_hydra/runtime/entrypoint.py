@@ -32,6 +32,7 @@ EXIT_INTERRUPTED = 130
 def run(cfg: RunConfig) -> None:
     check_outputs(cfg)
     record = write_run_record(cfg, cfg.output_dir)
+    _check_resume(cfg)
     if cfg.job.value == "sft":
         from molt_hydra.runtime.sft_job import run_sft_job
 
@@ -60,6 +61,27 @@ def run(cfg: RunConfig) -> None:
         os._exit(code)
     if code:  # SystemExit: a notebook or a Python caller keeps its process
         sys.exit(code)
+
+
+def _check_resume(cfg: RunConfig) -> None:
+    """checkpoint.resume, before anything starts: a checkpoint passed over (a file missing, truncated or unreadable; a
+    `latest` naming a missing one) is one line each; none loadable, where there are checkpoints or resume=must asks
+    for one, ends the run naming the directory and the fix."""
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+
+    c, skipped = cfg.checkpoint, []
+    if cfg.job.value == "eval" or c.resume.value == "never":  # (eval loads checkpoint.path)
+        return
+    found = resolve_checkpoint(c.dir, skipped)
+    for line in skipped:
+        print(f"Checkpoint passed over: {line}; resuming from {found or 'none'} instead" if found
+              else f"Checkpoint not loadable: {line}", file=sys.stderr)
+    if found is None and (skipped or c.resume.value == "must"):
+        what = "no loadable checkpoint" if skipped else "no checkpoint"
+        print(f"\nRun failed: checkpoint.resume={c.resume.value}: {what} under checkpoint.dir={c.dir}. Fix: point "
+              "checkpoint.dir at a run's checkpoints, or start from step 0 with checkpoint.resume=never"
+              + (" after moving the damaged ones aside." if skipped else "."), file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 def _run_to_end(coro) -> int:
@@ -102,8 +124,8 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         last_words += await _report_failure(cfg, roles, e)
         return EXIT_FAILED
     finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+        for sig in signals:  # another Ctrl-C / SIGTERM would cut the teardown short and leave processes behind
+            loop.add_signal_handler(sig, _still_stopping)
         for log in opened:
             try:
                 log.close()
@@ -122,6 +144,12 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         if last_words:
             sys.stdout.flush()
             print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def _still_stopping() -> None:
+    print("Already stopping every role; please wait.", file=sys.stderr, flush=True)
 
 
 def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str], last_words: list[str]) -> int:
@@ -211,9 +239,7 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
 
     calls, c, state, found = roles.calls, cfg.checkpoint, None, None
     if c.resume.value != "never":
-        found = resolve_checkpoint(c.dir)
-        if found is None and c.resume.value == "must":
-            raise FileNotFoundError(f"checkpoint.resume=must but no checkpoint under {c.dir}")
+        found = resolve_checkpoint(c.dir)  # (checked and any passed over shown by _check_resume)
         if found is not None:
             warm = c.load_model_only  # weights only: the loop, optimizer and data start fresh
             (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=warm)

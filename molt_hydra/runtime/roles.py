@@ -12,6 +12,7 @@ import asyncio
 import importlib
 import math
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -163,8 +164,20 @@ def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
 
 
 def init_ray(cfg: RunConfig) -> None:
+    """Ray on this node (or joined at cluster.ray_address), keeping the run's SIGTERM handler: ray.init replaces it
+    with its own (sys.exit in Python, a stack dump and an abort in its C++ core), which skips the run's clean stop."""
     if ray.is_initialized():
         return
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        _start_ray(cfg)
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _start_ray(cfg: RunConfig) -> None:
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address)
         return
@@ -229,10 +242,21 @@ def _load_rows(cfg: RunConfig, scoring: bool) -> tuple[list, list | None]:
     d = cfg.data
     rows = dict(input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key,
                 max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images)
-    eval_rows = load_prompts(cfg.eval.data_path, split=cfg.eval.split, **rows) if cfg.eval.data_path else None
-    prompts = eval_rows if scoring and not d.train_path else load_prompts(
-        d.train_path, split=d.split, max_samples=d.max_samples, probs=d.train_probs, seed=cfg.seed, **rows)
+    eval_rows = _named("eval.data_path", load_prompts, cfg.eval.data_path, split=cfg.eval.split, **rows) \
+        if cfg.eval.data_path else None
+    prompts = eval_rows if scoring and not d.train_path else _named(
+        "data.train_path", load_prompts, d.train_path, split=d.split, max_samples=d.max_samples, probs=d.train_probs,
+        seed=cfg.seed, **rows)
     return prompts, eval_rows
+
+
+def _named(key: str, load, spec: str, **kw) -> list:
+    """`load(spec, **kw)`; a dataset that cannot be read (missing, empty, malformed, a missing column) is a ValueError
+    naming the config key that points at it."""
+    try:
+        return load(spec, **kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{key}={spec}: {e.args[0] if isinstance(e, KeyError) and e.args else e}") from e
 
 
 async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...], total_steps: int, shared_gpus,
@@ -317,6 +341,14 @@ def weight_transport(cfg: RunConfig) -> str:
                              nodes=cfg.cluster.nodes)
 
 
+def _abandon(*starts: asyncio.Future) -> None:
+    """Starts the run no longer waits for (it failed meanwhile): cancelled, and their errors (Ray shut down under
+    them) taken, so none is logged with a traceback after the run's failure message."""
+    for start in starts:
+        start.cancel()
+        start.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     from molt_hydra.models.build import resolve_path
     from molt_hydra.weight_sync import setup_weight_sync
@@ -346,14 +378,18 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     runners = _start_runners(cfg, engines, tokenizer_path)
     runners_ready = asyncio.gather(*(x.__ray_ready__.remote() for x in runners))
     runners_ready.add_done_callback(ready("agent runners"))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    prompts, eval_rows = _load_rows(cfg, scoring)
-    if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        prompts, eval_rows = _load_rows(cfg, scoring)
+        if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
+            await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
+        actor, ref, critic = (None, None, None) if scoring else await _start_trainers(
+            cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)), shared_gpus, share, ready)
         await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-    actor, ref, critic = (None, None, None) if scoring else await _start_trainers(
-        cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)), shared_gpus, share, ready)
-    await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-    await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
+        await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
+    except BaseException:
+        _abandon(starting, runners_ready)
+        raise
     print("start-up, seconds from Ray's start until ready: "
           + ", ".join(f"{name} {s:.1f}" for name, s in sorted(up.items(), key=lambda kv: kv[1])), flush=True)
     transport = weight_transport(cfg)
@@ -365,6 +401,6 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         run_record=run_record, transport=transport, eval_rows=eval_rows, policy_loss=_policy_loss(cfg),
         role_pids=_role_pids(engines, {"actor": actor, "reference": ref, "critic": critic}, runners),
         new_engine=new_engine)
-    roles.calls = RoleCalls(roles, t.timeouts, r.weight_sync, r.dtype.value)
+    roles.calls = RoleCalls(roles, t.timeouts, r.weight_sync, r.dtype.value, r.max_model_len)
     roles.calls.keeper = EngineKeeper(roles, max_restarts=r.max_engine_restarts, startup_s=t.timeouts.startup_s)
     return roles

@@ -37,11 +37,13 @@ def layer_group(name: str) -> str:
     return f"vision/{group}" if ("visual" in name or "vision" in name) else group
 
 
-def probe_tokens(vocab_size: int) -> list[int]:
+def probe_tokens(vocab_size: int, max_model_len: int | None = None) -> list[int]:
     """A fixed sequence of ordinary token ids (the lowest 5% of the vocabulary left out: special tokens live there
-    in some tokenizers), the same on every call."""
+    in some tokenizers), the same on every call; shorter than `max_model_len`, which the engine scoring it needs to
+    hold the sequence and the one token it is asked to generate."""
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(max(1, vocab_size // 20), vocab_size, (PROBE_TOKENS,), generator=generator).tolist()
+    tokens = torch.randint(max(1, vocab_size // 20), vocab_size, (PROBE_TOKENS,), generator=generator).tolist()
+    return tokens if max_model_len is None else tokens[:max(1, max_model_len - 1)]
 
 
 def group_sums(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> dict[str, list[float]]:

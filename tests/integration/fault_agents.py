@@ -4,6 +4,7 @@ fault each (loaded by path: `agent.runner._target_=<this file>:Name`)."""
 import itertools
 import math
 import os
+import sys
 import time
 
 from molt_hydra.recipes.agents.toy import ToyEnv
@@ -45,3 +46,19 @@ class RaisingEnv(ToyEnv):
 
     async def step(self, state):
         raise ValueError("the grader is down")
+
+
+class StringRewardEnv(ToyEnv):
+    """Every rollout's reward is the grader's text, not a number (as a grader parsing nothing would return)."""
+
+    async def step(self, state):
+        result = await super().step(state)
+        result.reward = f"{result.reward:.1f}"
+        return result
+
+
+class ExitingEnv(ToyEnv):
+    """Every rollout calls sys.exit(), as agent code giving up the way a script would."""
+
+    async def step(self, state):
+        sys.exit("the grader gave up")

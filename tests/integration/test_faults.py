@@ -290,3 +290,57 @@ def test_checkpoint_write_error_names_the_writer_and_keeps_the_last_checkpoint(t
     assert "Run failed: checkpoint writer (actor rank 0): save_checkpoint failed:" in err, err[-3000:]
     assert "Last checkpoint: " + str(ckpts / "step_") in err
     assert "Traceback" not in err and (tmp_path / "run" / "failure.txt").exists()
+
+
+def test_a_reward_that_is_no_number_fails_the_run_naming_the_agent_and_the_value(tmp_path):
+    """Before: a string reward ('0.3') was float()-ed silently and trained on."""
+    run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:StringRewardEnv", "train.max_steps=2")
+    code = run.finish()
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED, run.err()[-3000:]
+    assert lines[-5].startswith("Run failed: agent runner: every rollout of the last 4 prompt groups"), lines[-6:]
+    assert lines[-3].startswith("  example error (agent_exception): TypeError: Result.reward of "
+                                "StringRewardEnv.step is str '0."), lines[-6:]
+    assert "Traceback" not in run.err()
+
+
+def test_an_empty_prompt_file_fails_the_run_naming_the_key_and_the_file(tmp_path):
+    """Before: 'Run failed: driver: RuntimeError: coroutine raised StopIteration.', then two asyncio tracebacks of
+    the engines' and runners' starts left behind ('_GatheringFuture exception was never retrieved')."""
+    empty = tmp_path / "prompts.jsonl"
+    empty.write_text("")
+    run = Run(tmp_path / "run", f"data.train_path={empty}", "train.max_steps=1")
+    code = run.finish()
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED, run.err()[-3000:]
+    assert lines[-3] == (f"Run failed: driver: ValueError: data.train_path={empty}: {empty} is not a readable jsonl "
+                         "file: it is empty."), lines[-4:]
+    assert "Traceback" not in run.err() and "never retrieved" not in run.err()
+
+
+def test_prompts_longer_than_the_context_are_cut_and_a_64_token_context_syncs(tmp_path):
+    """data.max_len=64 (the engines' max_model_len) and prompts of ~1000 tokens: each prompt is left-truncated to
+    leave room for its generation, and the first weight sync's probe fits the context. Before: the 64-token probe
+    sequence plus its one generated token was refused by vLLM, failing the run as 'rollout engine:
+    VLLMValidationError: The decoder prompt (length 64) plus the number of requested output tokens ...'."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Count: " + " ".join(map(str, range(400 + i))), "label": "1"}) + "\n"
+                            for i in range(8)))
+    run = Run(tmp_path / "run", f"data.train_path={data}", "data.max_len=64", "train.max_steps=2")
+    code = run.finish()
+    assert code == 0, run.err()[-3000:]
+    m = metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2] and all(row["train/num_samples_trained"] == 16 for row in m.values())
+    assert m[1]["train/weight_sync/probe_logprob_gap"] < 1e-3
+
+
+def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path):
+    """Before: the SystemExit ended each runner's agent loop; the run failed only after agent.timeout_s (60 s),
+    reporting 'agent_timeout 16: agent code blocked its event loop', not the agent's exit."""
+    run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:ExitingEnv", "train.max_steps=2")
+    code = run.finish()
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED, run.err()[-3000:]
+    assert lines[-4:-2] == ["  dropped samples by reason: agent_exception 16",
+                            "  example error (agent_exception): SystemExit: the grader gave up"], lines[-6:]
+    assert "Traceback" not in run.err()

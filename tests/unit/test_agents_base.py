@@ -1,9 +1,12 @@
 import asyncio
+import math
 
+import numpy as np
 import pytest
+import torch
 
 from molt_hydra.agents import Episode, Runner, Trajectory, load_runner
-from molt_hydra.agents.base import apply_sampling_override, scalar
+from molt_hydra.agents.base import Result, apply_sampling_override, reward_and_score, scalar
 from molt_hydra.agents.chat_agent import ChatAgentRunner
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.math_grading import grade_math, last_boxed
@@ -42,6 +45,34 @@ def test_scalar_and_sampling_override():
     assert apply_sampling_override(s, None) is s
     with pytest.raises(ValueError, match=r"unknown keys \['max_new'\]"):
         apply_sampling_override(s, {"max_new": 3})
+
+
+@pytest.mark.parametrize("value, expected", [
+    (np.float32(0.25), 0.25), (np.int64(3), 3.0), (np.bool_(True), 1.0), (True, 1.0), (torch.tensor(0.5), 0.5),
+    (torch.tensor(True), 1.0), (torch.tensor([[0.75]]), 0.75), (np.array([0.5, 1.0]), 0.5), ((0.5,), 0.5),
+    (math.inf, math.inf)], ids=lambda v: type(v).__name__)
+def test_a_reward_of_any_numeric_kind_is_honoured(value, expected):
+    """Numbers of every kind become floats (inf too: the samples generator drops it as nonfinite_reward)."""
+    assert reward_and_score(Result(reward=value), "Env.step") == (expected, expected)
+
+
+@pytest.mark.parametrize("value, said", [
+    ("0.5", "Result.reward of GraderEnv.step is str '0.5'; return a number"),
+    (b"1", "is bytes b'1'"), ({"reward": 1.0}, "is dict {'reward': 1.0}"), ([[0.5]], "is list [0.5]"),
+    (1 + 2j, "is complex (1+2j)"), (None, "Result.reward of GraderEnv.step is None"),
+    ([], "is an empty list"), (torch.tensor([]), "is an empty Tensor"), (np.array([]), "is an empty ndarray")],
+    ids=lambda v: type(v).__name__)
+def test_a_reward_that_is_no_number_is_an_error_naming_the_agent_and_the_value(value, said):
+    """Before: a string reward was float()-ed silently ('0.5' -> 0.5), a dict or nested list raised float()'s
+    message naming neither the agent nor Result.reward, an empty tensor raised IndexError."""
+    with pytest.raises((TypeError, ValueError)) as err:
+        reward_and_score(Result(reward=value), "GraderEnv.step")
+    assert said in str(err.value) and "GraderEnv.step" in str(err.value)
+
+
+def test_a_score_that_is_no_number_is_named_as_the_score():
+    with pytest.raises(TypeError, match=r"Result.score of GraderEnv.step is str 'high'"):
+        reward_and_score(Result(reward=1.0, score="high"), "GraderEnv.step")
 
 
 def test_math_grading():
@@ -92,6 +123,29 @@ def test_fresh_env_per_episode_and_empty_rollouts_counted():
     eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8) for _ in range(3)]
     outcome = asyncio.run(Counting().run_group(eps, None, None))
     assert dict(outcome.failures) == {"empty_session": 3} and outcome.trajectories == [] and len(made) == 3
+
+
+def test_an_agent_calling_sys_exit_fails_its_rollout_only():
+    """Before: SystemExit passed `except Exception`, left the group's gather and ended the runner's agent loop (its
+    thread's run_forever re-raises it): that group and every later one failed as agent_timeout after agent.timeout_s,
+    'agent code blocked its event loop'."""
+    import sys
+
+    class Exiting(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            if episode.label == "exit":
+                sys.exit("the grader gave up")
+            return []
+
+    async def group_then_another():
+        eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label=label)
+               for label in ("exit", "ok")]
+        return await Exiting().run_group(eps, None, None), await Exiting().run_group(eps[1:], None, None)
+
+    first, second = asyncio.run(group_then_another())
+    assert dict(first.failures) == {"agent_exception": 1, "empty_session": 1}
+    assert first.errors["agent_exception"] == "SystemExit: the grader gave up"
+    assert dict(second.failures) == {"empty_session": 1}
 
 
 def test_a_groups_shared_prompt_is_rendered_and_tokenized_once(tiny_model):

