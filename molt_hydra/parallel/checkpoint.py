@@ -123,6 +123,18 @@ def problem(path: Path) -> str | None:
     return None
 
 
+def saved_master_weights(path: Path) -> str:
+    """The model.master_weights the checkpoint at `path` was saved under: recorded in its client state (since
+    2026-12-05); in an older one, told by its model tensors' dtypes in DCP's metadata: fsdp's are all fp32, optimizer's
+    parameters are in the compute dtype (their fp32 masters are optimizer state)."""
+    recorded = torch.load(path / "extra_state.pt", weights_only=False)["client_state"].get("master_weights")
+    if recorded is not None:
+        return recorded
+    meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+    dtypes = {m.properties.dtype for key, m in meta.items() if key.startswith("model.") and hasattr(m, "properties")}
+    return "fsdp" if dtypes <= {torch.float32} else "optimizer"
+
+
 def _candidates(root: Path) -> list[Path]:
     """The checkpoints to try, in order: the `latest` tag (when readable), then every step_<N>, newest first."""
     tags = sorted(((int(m.group(1)), p) for p in root.glob("step_*") if (m := TAG.match(p.name)) and p.is_dir()),
@@ -152,20 +164,18 @@ def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None
 
 
 def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None,
-                    model_only: bool = False, expect: dict | None = None) -> dict | None:
+                    model_only: bool = False, master_weights: str | None = None) -> dict | None:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client state, or None when
-    there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state. `expect`:
-    {client-state key: (value, config key)} a resume needs to match where the checkpoint recorded it (a ValueError
-    naming both values before anything loads)."""
+    there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state.
+    `master_weights`: this run's model.master_weights; a resume (not a warm start) of a checkpoint saved under the
+    other mode is refused before anything loads (the two optimizer states differ in kind)."""
     if (path := resolve_checkpoint(root)) is None:
         return None
     optimizer = None if model_only else optimizer
-    if optimizer is not None and expect:
-        saved = torch.load(path / "extra_state.pt", weights_only=False)["client_state"]
-        for name, (value, key) in expect.items():
-            if saved.get(name, value) != value:
-                raise ValueError(f"{key}: {path} was saved with {key}={saved[name]}, this run has {value}; its "
-                                 f"optimizer state cannot be resumed across the two. Fix: set {key}={saved[name]}")
+    if optimizer is not None and master_weights is not None and (saved := saved_master_weights(path)) != master_weights:
+        raise ValueError(f"model.master_weights: {path} was saved with model.master_weights={saved}, this run has "
+                         f"{master_weights}; its optimizer state cannot be resumed across the two. Fix: set "
+                         f"model.master_weights={saved} (or checkpoint.load_model_only=true: the weights alone)")
     state = _dcp_state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(path / "dcp"))  # without an optimizer: the model's entries only

@@ -102,6 +102,14 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     torch._foreach_copy_(*map(list, zip(*copies)))
         self._grad_scale = None
 
+    @torch.no_grad()
+    def masters_from_params(self) -> None:
+        """After a weights-only load replaced the params (a warm start): each master takes its param's value (the
+        loaded weights, as the params hold them), so the next step goes on from them."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                local_part(self.state[p]["master"]).copy_(local_part(p))
+
     def load_state_dict(self, state_dict):
         # torch casts every floating state tensor to its param's dtype on load (bf16 here): keep the fp32 ones
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]

@@ -40,7 +40,7 @@ from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
 from molt_hydra.parallel.fsdp import compile_block, shard_model, to_compute_dtype
 from molt_hydra.parallel.grad_debug import grad_norm_metrics
-from molt_hydra.parallel.optim import build_optimizer, build_scheduler
+from molt_hydra.parallel.optim import MasterWeightAdamW, build_optimizer, build_scheduler
 from molt_hydra.parallel.perf import flops_per_token, mfu
 from molt_hydra.parallel.trainer_spec import TrainerSpec
 from molt_hydra.weight_sync.buckets import iter_weight_buckets, local_full_weights
@@ -538,7 +538,9 @@ class TrainerWorker:
     def load_checkpoint(self, root: str, model_only: bool = False) -> dict | None:
         """`model_only` (checkpoint.load_model_only): the weights alone; optimizer, scheduler and step stay fresh."""
         cs = ckpt.load_checkpoint(root, self.model, self.optimizer, self.scheduler, model_only=model_only,
-                                  expect={"master_weights": (self.spec.master_weights, "model.master_weights")})
+                                  master_weights=self.spec.master_weights)
+        if cs is not None and model_only and isinstance(self.optimizer, MasterWeightAdamW):
+            self.optimizer.masters_from_params()  # else its first step would go on from the model as built
         if cs is not None and not model_only:
             self.global_step = int(cs.get("global_step", 0))
         return cs

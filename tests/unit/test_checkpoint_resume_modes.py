@@ -1,23 +1,22 @@
-"""A resume keeps `model.master_weights` (parallel/checkpoint.py load_checkpoint `expect`, one process, real DCP): the
+"""A resume keeps `model.master_weights` (parallel/checkpoint.py load_checkpoint, one process, real DCP): the
 optimizer state of fp32 FSDP params and of optimizer-held masters differ in kind, so a checkpoint saved in one mode is
-refused in the other before anything loads, naming the key, both values and the fix; a matching mode (or a
-checkpoint that recorded none) loads, and a warm start (weights only) is not checked."""
+refused in the other before anything loads, naming the key, both values and the fix. The mode is the one the
+checkpoint recorded, or, in a checkpoint older than the record, the one its model tensors' dtypes tell (fp32: fsdp;
+compute dtype: optimizer). A warm start (weights only) is not checked."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from molt_hydra.parallel.checkpoint import load_checkpoint, save_checkpoint
-
-EXPECT_OPTIMIZER = {"master_weights": ("optimizer", "model.master_weights")}
+from molt_hydra.parallel.checkpoint import load_checkpoint, save_checkpoint, saved_master_weights
 
 
-def _trained(seed: int):
+def _trained(seed: int, dtype=torch.float32):
     torch.manual_seed(seed)
-    model = torch.nn.Linear(8, 8)
+    model = torch.nn.Linear(8, 8).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(2, 8)).sum().backward()
+    model(torch.randn(2, 8, dtype=dtype)).sum().backward()
     opt.step()
     return model, opt
 
@@ -28,19 +27,23 @@ def test_a_checkpoint_of_the_other_mode_is_refused_before_loading(tmp_path):
     fresh, fresh_opt = _trained(1)
     before = fresh.weight.detach().clone()
     with pytest.raises(ValueError) as err:
-        load_checkpoint(tmp_path, fresh, fresh_opt, expect=EXPECT_OPTIMIZER)
+        load_checkpoint(tmp_path, fresh, fresh_opt, master_weights="optimizer")
     message = str(err.value)
-    assert message.startswith("model.master_weights: ") and "model.master_weights=fsdp" in message
-    assert "this run has optimizer" in message and message.endswith("Fix: set model.master_weights=fsdp")
+    assert message.startswith("model.master_weights: ") and "saved with model.master_weights=fsdp" in message
+    assert "this run has optimizer" in message and "Fix: set model.master_weights=fsdp" in message
     assert torch.equal(fresh.weight, before)  # refused before anything loaded
 
 
-@pytest.mark.parametrize("saved", [{"master_weights": "optimizer"}, {}], ids=["same_mode", "not_recorded"])
-def test_a_matching_or_unrecorded_mode_loads(tmp_path, saved):
-    model, opt = _trained(0)
-    save_checkpoint(tmp_path, 1, model, opt, client_state=saved)
-    fresh, fresh_opt = _trained(1)
-    assert load_checkpoint(tmp_path, fresh, fresh_opt, expect=EXPECT_OPTIMIZER) == saved
+@pytest.mark.parametrize("dtype,want", [(torch.float32, "fsdp"), (torch.bfloat16, "optimizer")], ids=["fp32", "bf16"])
+def test_an_unrecorded_mode_is_told_by_the_model_tensors_dtype(tmp_path, dtype, want):
+    model, opt = _trained(0, dtype)
+    path = save_checkpoint(tmp_path, 1, model, opt)  # no mode in its client state, as before the record
+    assert saved_master_weights(path) == want
+    other = "optimizer" if want == "fsdp" else "fsdp"
+    with pytest.raises(ValueError, match=f"saved with model.master_weights={want}, this run has {other}"):
+        load_checkpoint(tmp_path, *_trained(1, dtype), master_weights=other)
+    fresh, fresh_opt = _trained(1, dtype)
+    assert load_checkpoint(tmp_path, fresh, fresh_opt, master_weights=want) == {}
     assert torch.equal(fresh.weight, model.weight)
 
 
@@ -48,5 +51,5 @@ def test_a_warm_start_loads_the_weights_whatever_the_mode(tmp_path):
     model, opt = _trained(0)
     save_checkpoint(tmp_path, 1, model, opt, client_state={"master_weights": "fsdp"})
     fresh, fresh_opt = _trained(1)
-    assert load_checkpoint(tmp_path, fresh, fresh_opt, model_only=True, expect=EXPECT_OPTIMIZER) == {}
+    assert load_checkpoint(tmp_path, fresh, fresh_opt, model_only=True, master_weights="optimizer") == {}
     assert torch.equal(fresh.weight, model.weight)
