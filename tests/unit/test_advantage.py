@@ -276,6 +276,17 @@ def test_registry_rejects_duplicates_unknown_names_and_unknown_needs():
         register_advantage_estimator("dup_test")(lambda r, g, c: None)
     with pytest.raises(ValueError, match="unknown needs"):
         register_advantage_estimator("bad_needs_test", needs={"critic"})
+    with pytest.raises(ValueError, match=r"unknown reads \['beta'\]; choose from \['gamma', 'lam', 'whiten'\]"):
+        register_advantage_estimator("bad_reads_test", reads={"gamma", "beta"})
+
+
+def test_an_estimator_that_does_not_say_what_it_reads_is_taken_to_read_every_knob():
+    """A plugin registered without `reads` keeps every context knob settable (validation cannot tell it ignores
+    one); the builtins say what they read, and validation refuses the rest (tests/config/test_inert_knobs.py)."""
+    register_advantage_estimator("no_reads_test")(lambda rewards, groups, ctx: (rewards, rewards))
+    assert ADVANTAGE_ESTIMATORS["no_reads_test"].reads == {"gamma", "lam", "whiten"}
+    assert ADVANTAGE_ESTIMATORS["grpo"].reads == frozenset() and ADVANTAGE_ESTIMATORS["gae"].reads == {
+        "gamma", "lam", "whiten"}
     with pytest.raises(ValueError, match=r"Unknown advantage estimator 'nope'.*algorithm.estimator.*'grpo'.*"
                                          r"algorithm.plugins"):
         get_advantage_estimator("nope")
