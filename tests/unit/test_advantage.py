@@ -284,7 +284,10 @@ def test_an_estimator_that_does_not_say_what_it_reads_is_taken_to_read_every_kno
     """A plugin registered without `reads` keeps every context knob settable (validation cannot tell it ignores
     one); the builtins say what they read, and validation refuses the rest (tests/config/test_inert_knobs.py)."""
     register_advantage_estimator("no_reads_test")(lambda rewards, groups, ctx: (rewards, rewards))
-    assert ADVANTAGE_ESTIMATORS["no_reads_test"].reads == {"gamma", "lam", "whiten"}
+    try:
+        assert ADVANTAGE_ESTIMATORS["no_reads_test"].reads == {"gamma", "lam", "whiten"}
+    finally:  # the registry is the process's: later validation lists the estimators that read a knob
+        del ADVANTAGE_ESTIMATORS["no_reads_test"]
     assert ADVANTAGE_ESTIMATORS["grpo"].reads == frozenset() and ADVANTAGE_ESTIMATORS["gae"].reads == {
         "gamma", "lam", "whiten"}
     with pytest.raises(ValueError, match=r"Unknown advantage estimator 'nope'.*algorithm.estimator.*'grpo'.*"
