@@ -66,8 +66,9 @@ def run(cfg: RunConfig) -> None:
 def _check_resume(cfg: RunConfig) -> None:
     """checkpoint.resume, before anything starts: a checkpoint passed over (a file missing, truncated or unreadable; a
     `latest` naming a missing one) is one line each; none loadable, where there are checkpoints or resume=must asks
-    for one, ends the run naming the directory and the fix."""
-    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+    for one, ends the run naming the directory and the fix; so does a checkpoint saved under the other
+    model.master_weights (a warm start aside)."""
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint, saved_master_weights
 
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval" or c.resume.value == "never":  # (eval loads checkpoint.path)
@@ -81,6 +82,13 @@ def _check_resume(cfg: RunConfig) -> None:
         print(f"\nRun failed: checkpoint.resume={c.resume.value}: {what} under checkpoint.dir={c.dir}. Fix: point "
               "checkpoint.dir at a run's checkpoints, or start from step 0 with checkpoint.resume=never"
               + (" after moving the damaged ones aside." if skipped else "."), file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    # the two modes' optimizer states differ in kind: a resume across them is refused now, not once every role is up
+    mode = cfg.model.master_weights.value
+    if found is not None and not c.load_model_only and (saved := saved_master_weights(found)) != mode:
+        print(f"\nRun failed: model.master_weights: {found} was saved with model.master_weights={saved}, this run "
+              f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
+              f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
 
 

@@ -53,3 +53,26 @@ def test_a_warm_start_loads_the_weights_whatever_the_mode(tmp_path):
     fresh, fresh_opt = _trained(1)
     assert load_checkpoint(tmp_path, fresh, fresh_opt, model_only=True, master_weights="optimizer") == {}
     assert torch.equal(fresh.weight, model.weight)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["resume", "warm_start"])
+def test_the_run_refuses_a_resume_across_modes_before_anything_starts(tmp_path, capsys, warm):
+    """runtime/entrypoint.py `_check_resume`, which runs before Ray: the run's last line names the checkpoint, both
+    modes and the fix; a warm start (weights only) goes on."""
+    from types import SimpleNamespace
+
+    from molt_hydra.runtime.entrypoint import EXIT_FAILED, _check_resume
+
+    model, opt = _trained(0)
+    save_checkpoint(tmp_path, 1, model, opt, client_state={"master_weights": "fsdp"})
+    value = SimpleNamespace
+    cfg = value(job=value(value="rl"), model=value(master_weights=value(value="optimizer")), checkpoint=value(
+        dir=str(tmp_path), resume=value(value="auto"), load_model_only=warm))
+    if warm:
+        _check_resume(cfg)
+        return
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(cfg)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == EXIT_FAILED and last.startswith("Run failed: model.master_weights: ")
+    assert "saved with model.master_weights=fsdp, this run has optimizer" in last and "Fix: set model." in last
