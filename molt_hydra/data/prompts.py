@@ -149,7 +149,7 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     parts = []
     for s in specs:
         rows = builtin_rows(s) if s.startswith(BUILTIN) else [
-            _rename(r, input_key, label_key, tools_key, image_key) for r in load_dataset(s, split)]
+            _rename(r, i, input_key, label_key, tools_key, image_key) for i, r in enumerate(load_dataset(s, split))]
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
@@ -189,9 +189,15 @@ def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: i
     return kept
 
 
-def _rename(row: dict, input_key: str, label_key: str | None, tools_key: str | None, image_key: str | None) -> dict:
+def _rename(row: dict, index: int, input_key: str, label_key: str | None, tools_key: str | None,
+            image_key: str | None) -> dict:
+    """Row `index` in the runner's names; a missing prompt column, or a row whose prompt is neither text nor a list of
+    chat messages (null: a missing value), is an error naming the row."""
     if input_key not in row:
         raise KeyError(f"data.input_key={input_key!r} is not a column; columns: {sorted(row)}")
+    if not isinstance(row[input_key], (str, list)):
+        raise ValueError(f"row {index}: data.input_key={input_key!r} is {row[input_key]!r:.60}; each row's prompt is "
+                         "its text or a list of chat messages")
     out = {"prompt": row[input_key], "label": row.get(label_key, "") if label_key else "",
            "datasource": row.get("datasource", "default")}
     for name, column in (("tools", tools_key), ("images", image_key)):  # optional columns: absent when unset or null

@@ -1,7 +1,8 @@
 """Prompt files that cannot be read (data/prompts.py `load_prompts`, runtime/roles.py `_load_rows`): an empty file, a
 malformed JSONL line, a file without rows, a missing column end with one ValueError naming the config key, the file
 and the reason. Before: an empty .jsonl raised a bare StopIteration (in the run: 'RuntimeError: coroutine raised
-StopIteration'), a malformed line datasets' 'An error occurred while generating the dataset', naming neither."""
+StopIteration'), a malformed line datasets' 'An error occurred while generating the dataset', naming neither; a
+null prompt failed each of its rollouts as an agent_exception, every epoch."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ FILES = {
                         "is not a readable jsonl file: JSON parse error"),
     "no_rows.json": ("[]\n", "is not a readable json file: "),
     "no_column.jsonl": ('{"text": "a"}\n', "data.input_key='prompt' is not a column; columns: ['text']"),
+    "null_prompt.jsonl": ('{"prompt": "a"}\n{"prompt": null}\n', "row 1: data.input_key='prompt' is None; "),
 }
 
 
