@@ -123,7 +123,7 @@ def ckpt_results(tmp_path_factory):
 
 def test_resume_matches_uninterrupted(ckpt_results):
     a, b = ckpt_results["a"], ckpt_results["b"]
-    assert b["client"] == {"global_step": 1, "episode": 7}
+    assert b["client"] == {"global_step": 1, "master_weights": "fsdp", "episode": 7}  # the trainer records its mode
     torch.testing.assert_close(b["rng"], a["rng"], atol=0, rtol=0)
     assert b["metrics"]["policy_loss"] == pytest.approx(a["metrics"]["policy_loss"], rel=1e-6)
     assert b["metrics"]["actor_lr"] == a["metrics"]["actor_lr"]
