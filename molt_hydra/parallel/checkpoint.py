@@ -163,14 +163,21 @@ def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None
     return None
 
 
-def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None,
-                    model_only: bool = False, master_weights: str | None = None) -> dict | None:
+def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None, model_only: bool = False,
+                    master_weights: str | None = None, step: str | None = None) -> dict | None:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client state, or None when
     there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state.
     `master_weights`: this run's model.master_weights; a resume (not a warm start) of a checkpoint saved under the
-    other mode is refused before anything loads (the two optimizer states differ in kind)."""
-    if (path := resolve_checkpoint(root)) is None:
+    other mode is refused before anything loads (the two optimizer states differ in kind). `step` (a step_<N>
+    name): that checkpoint, not the newest loadable one: every role of a run resumes the step the actor's resolved
+    to, and a role whose own is missing or damaged is an error naming it."""
+    path = resolve_checkpoint(root) if step is None else Path(root) / step
+    if path is None:
         return None
+    if step is not None and (why := "missing" if not path.is_dir() else problem(path)) is not None:
+        raise ValueError(f"{path}: {why}; every role resumes {step}, the actor's newest loadable checkpoint. Fix: "
+                         f"move {step} and any later step out of the actor's checkpoint.dir (the one before it is "
+                         "then resumed), or resume with checkpoint.resume=never")
     optimizer = None if model_only else optimizer
     if optimizer is not None and master_weights is not None and (saved := saved_master_weights(path)) != master_weights:
         raise ValueError(f"model.master_weights: {path} was saved with model.master_weights={saved}, this run has "

@@ -535,10 +535,11 @@ class TrainerWorker:
         return str(ckpt.save_checkpoint(root, self.global_step, self.model, self.optimizer, self.scheduler, cs, keep,
                                         max_disk_gb))
 
-    def load_checkpoint(self, root: str, model_only: bool = False) -> dict | None:
-        """`model_only` (checkpoint.load_model_only): the weights alone; optimizer, scheduler and step stay fresh."""
+    def load_checkpoint(self, root: str, model_only: bool = False, step: str | None = None) -> dict | None:
+        """`model_only` (checkpoint.load_model_only): the weights alone; optimizer, scheduler and step stay fresh.
+        `step`: that step_<N> under `root` (every role of a run resumes the same one), else the newest loadable."""
         cs = ckpt.load_checkpoint(root, self.model, self.optimizer, self.scheduler, model_only=model_only,
-                                  master_weights=self.spec.master_weights)
+                                  master_weights=self.spec.master_weights, step=step)
         if cs is not None and model_only and isinstance(self.optimizer, MasterWeightAdamW):
             self.optimizer.masters_from_params()  # else its first step would go on from the model as built
         if cs is not None and not model_only:

@@ -250,9 +250,10 @@ async def _train(cfg: RunConfig, roles, opened: list) -> int:
         found = resolve_checkpoint(c.dir)  # (checked and any passed over shown by _check_resume)
         if found is not None:
             warm = c.load_model_only  # weights only: the loop, optimizer and data start fresh
-            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=warm)
-            if roles.critic is not None:
-                await calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic", model_only=warm, role="critic")
+            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=warm, step=found.name)
+            if roles.critic is not None:  # the actor's step, not the critic's newest: the two stay one step's pair
+                await calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic", model_only=warm,
+                                  step=found.name, role="critic")
             state = None if warm else client["loop"]
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     if state is not None:

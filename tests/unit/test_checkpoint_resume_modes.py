@@ -76,3 +76,19 @@ def test_the_run_refuses_a_resume_across_modes_before_anything_starts(tmp_path, 
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == EXIT_FAILED and last.startswith("Run failed: model.master_weights: ")
     assert "saved with model.master_weights=fsdp, this run has optimizer" in last and "Fix: set model." in last
+
+
+def test_a_role_resumes_the_step_it_is_told_and_a_missing_one_is_named(tmp_path):
+    """Every role resumes the actor's step (runtime/entrypoint.py passes `step`): here the newest is step_2, yet
+    step_1 is loaded when asked for; a step this role never saved is an error naming its path and the fix."""
+    first, opt = _trained(0)
+    save_checkpoint(tmp_path, 1, first, opt, client_state={"at": 1})
+    second, opt2 = _trained(1)
+    save_checkpoint(tmp_path, 2, second, opt2, client_state={"at": 2})
+    fresh, fresh_opt = _trained(2)
+    assert load_checkpoint(tmp_path, fresh, fresh_opt, step="step_1") == {"at": 1}
+    assert torch.equal(fresh.weight, first.weight)
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(tmp_path, fresh, fresh_opt, step="step_3")
+    assert str(err.value).startswith(f"{tmp_path / 'step_3'}: missing; every role resumes step_3") and "Fix: " in \
+        str(err.value)
