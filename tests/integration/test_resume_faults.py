@@ -82,6 +82,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(interrupt
 def test_no_loadable_checkpoint_stops_the_run_before_anything_starts(interrupted, tmp_path, resume, damaged):
     """Before: resume=auto with every checkpoint damaged started from step 0 over them (or failed as above)."""
     ckpts = _copy(interrupted, tmp_path) if damaged else tmp_path / "checkpoints"
+    ckpts.mkdir(exist_ok=True)  # a directory that does not exist is refused at validation (tests/config)
     for extra in ckpts.glob("step_*/extra_state.pt"):
         extra.unlink()
     out = tmp_path / "run"
@@ -105,6 +106,7 @@ def test_sft_resume_must_without_a_checkpoint_stops_before_training(tmp_path):
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1?"},
                                              {"role": "assistant", "content": "2"}]}) + "\n")
     out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)  # there, but empty (a missing one is refused at validation)
     proc = subprocess.run([MOLT_RUN, "job=sft", f"data.train_path={data}", "data.input_key=messages",
                            "train.batch_size=8", "train.micro_batch_size=4", f"hydra.run.dir={out}",
                            "checkpoint.resume=must"], capture_output=True, text=True, timeout=120,
