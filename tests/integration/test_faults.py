@@ -292,6 +292,7 @@ def test_checkpoint_write_error_names_the_writer_and_keeps_the_last_checkpoint(t
     assert "Traceback" not in err and (tmp_path / "run" / "failure.txt").exists()
 
 
+@pytest.mark.slow  # ~30 s: tests/unit/test_agents_base.py covers the conversion in make test
 def test_a_reward_that_is_no_number_fails_the_run_naming_the_agent_and_the_value(tmp_path):
     """Before: a string reward ('0.3') was float()-ed silently and trained on."""
     run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:StringRewardEnv", "train.max_steps=2")
@@ -318,6 +319,7 @@ def test_an_empty_prompt_file_fails_the_run_naming_the_key_and_the_file(tmp_path
     assert "Traceback" not in run.err() and "never retrieved" not in run.err()
 
 
+@pytest.mark.slow  # ~30 s: tests/unit/test_sync_probe_parts.py covers the probe's length in make test
 def test_prompts_longer_than_the_context_are_cut_and_a_64_token_context_syncs(tmp_path):
     """data.max_len=64 (the engines' max_model_len) and prompts of ~1000 tokens: each prompt is left-truncated to
     leave room for its generation, and the first weight sync's probe fits the context. Before: the 64-token probe
@@ -334,6 +336,7 @@ def test_prompts_longer_than_the_context_are_cut_and_a_64_token_context_syncs(tm
     assert m[1]["train/weight_sync/probe_logprob_gap"] < 1e-3
 
 
+@pytest.mark.slow  # ~30 s: tests/unit/test_agents_base.py covers the runner in make test
 def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path):
     """Before: the SystemExit ended each runner's agent loop; the run failed only after agent.timeout_s (60 s),
     reporting 'agent_timeout 16: agent code blocked its event loop', not the agent's exit."""
