@@ -128,10 +128,9 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     """Every point of `molt-run -m` validated and planned before the first one starts, where Hydra's basic launcher
     runs them here one after another: a point refused when its turn came ended the sweep there, after the points
     before it had run. The points are the basic sweeper's own (the config's hydra.sweeper.params, then the command line's sweeps,
-    their product: `BasicSweeper.split_arguments`); `first` is the first point composed with its hydra node. Returns
+    their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra node. Returns
     each failing point's problems under a line naming the point."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-
+    from molt_hydra.compat.hydra import sweep_points
     from molt_hydra.runtime.plan import make_plan
     from molt_hydra.runtime.validate import validate
 
@@ -142,7 +141,7 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
         return []
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()]
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
-    points = [point for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+    points = sweep_points(parsed)
     problems = []
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
         cfg, errors = compose_checked([*point, f"output_dir={Path.cwd() / 'multirun' / str(number)}"],

@@ -2,7 +2,9 @@
 
 Written for hydra-core 1.3.x (tested: 1.3.8, every CI run); another release is refused, naming the installed one.
 Reached into here: `hydra._internal.utils.get_args_parser`, the parser `hydra.main` reads the command line with, so
-that `molt-run` checks the composed config (all errors in one message) before Hydra starts.
+that `molt-run` checks the composed config (all errors in one message) before Hydra starts; and
+`hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
+overrides into points, so that a multirun is validated point by point before its first point runs.
 """
 
 from __future__ import annotations
@@ -19,3 +21,12 @@ def get_args_parser():
     from hydra._internal.utils import get_args_parser as hydras
 
     return hydras()
+
+
+def sweep_points(overrides: list) -> list[list[str]]:
+    """Every point of a sweep over the parsed `overrides` (Hydra `Override`s), as the basic sweeper makes them: each
+    point the list of `key=value` overrides its job composes with."""
+    written_for("molt-run's sweep check", "hydra", SUPPORTED)
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    return [point for batch in BasicSweeper.split_arguments(overrides, None) for point in batch]
