@@ -127,9 +127,9 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
 def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | None) -> list[str]:
     """Every point of `molt-run -m` validated and planned before the first one starts, where Hydra's basic launcher
     runs them here one after another: a point refused when its turn came ended the sweep there, after the points
-    before it had run. The points are the basic sweeper's own (the config's hydra.sweeper.params, then the command line's sweeps,
-    their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra node. Returns
-    each failing point's problems under a line naming the point."""
+    before it had run. The points are the basic sweeper's own (the config's hydra.sweeper.params, then the command
+    line's sweeps, their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra
+    node. Returns each failing point's problems under a line naming the point."""
     from molt_hydra.compat.hydra import sweep_points
     from molt_hydra.runtime.plan import make_plan
     from molt_hydra.runtime.validate import validate
