@@ -123,11 +123,14 @@ def problem(path: Path) -> str | None:
     return None
 
 
-def saved_master_weights(path: Path) -> str:
+def saved_master_weights(path: Path, client_state: dict | None = None) -> str:
     """The model.master_weights the checkpoint at `path` was saved under: recorded in its client state (since
-    2026-12-05); in an older one, told by its model tensors' dtypes in DCP's metadata: fsdp's are all fp32, optimizer's
-    parameters are in the compute dtype (their fp32 masters are optimizer state)."""
-    recorded = torch.load(path / "extra_state.pt", weights_only=False)["client_state"].get("master_weights")
+    2026-12-05; `client_state` when already read); in an older one, told by its model tensors' dtypes in DCP's
+    metadata: fsdp's are all fp32, optimizer's parameters are in the compute dtype (their fp32 masters are optimizer
+    state)."""
+    if client_state is None:
+        client_state = torch.load(path / "extra_state.pt", weights_only=False)["client_state"]
+    recorded = client_state.get("master_weights")
     if recorded is not None:
         return recorded
     meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
@@ -179,7 +182,9 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
                          f"move {step} and any later step out of the actor's checkpoint.dir (the one before it is "
                          "then resumed), or resume with checkpoint.resume=never")
     optimizer = None if model_only else optimizer
-    if optimizer is not None and master_weights is not None and (saved := saved_master_weights(path)) != master_weights:
+    extra = None if model_only else torch.load(path / "extra_state.pt", weights_only=False)
+    if (optimizer is not None and master_weights is not None
+            and (saved := saved_master_weights(path, extra["client_state"])) != master_weights):
         raise ValueError(f"model.master_weights: {path} was saved with model.master_weights={saved}, this run has "
                          f"{master_weights}; its optimizer state cannot be resumed across the two. Fix: set "
                          f"model.master_weights={saved} (or checkpoint.load_model_only=true: the weights alone)")
@@ -194,7 +199,6 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
                    optim_state_dict=state.get("optim", {}))
     if model_only:
         return {}
-    extra = torch.load(path / "extra_state.pt", weights_only=False)
     if scheduler is not None and extra["scheduler"] is not None:
         scheduler.load_state_dict(extra["scheduler"])
     rng = path / f"rng_rank{_rank()}.pt"

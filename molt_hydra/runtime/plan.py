@@ -243,7 +243,7 @@ def _trainer_memory(cfg: RunConfig, shape: ModelShape, dp: int) -> tuple[dict[st
     # FSDP2's unsharded compute-dtype params: one block at a time over several ranks (resharded after forward); one
     # rank keeps them all from forward to backward, or runs without FSDP2 when its params are already in the compute
     # dtype (optimizer masters, fp32 compute), VLMs aside (parallel/trainer.py _build_hf)
-    plain = m.master_weights.value == "optimizer" or m.param_dtype.value == "float32" and trainer_backend(cfg) == "hf"
+    plain = m.master_weights.value == "optimizer" or (m.param_dtype.value == "float32" and trainer_backend(cfg) == "hf")
     gathered = ({"gathered layer": compute_bytes * (P - shape.vocab * shape.hidden) / shape.layers / GIB} if shard > 1
                 else {"gathered model": 0.0 if plain and not shape.vision else compute_bytes * P / GIB})
     trainer = {**state, "adamw moments": 0.0 if p.offload.value != "none" else 8 * trained / shard / GIB, **gathered,
