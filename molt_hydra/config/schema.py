@@ -443,7 +443,7 @@ class OptimizerConfig:
     "Keep grouped MoE expert weights on AdamW under Muon (Molt env MUON_EXPERTS_ADAMW)."
     scheduler: str = "constant"
     "transformers.get_scheduler name (constant, cosine, cosine_with_min_lr, linear, ...)."
-    warmup_ratio: float = ranged(0.03, ge=0, lt=1)
+    warmup_ratio: float = ranged(0.0, ge=0, lt=1)
     "Warmup steps = ceil(total scheduler steps x ratio)."
     min_lr_ratio: float = ranged(0.1, ge=0, le=1)
     "min_lr_rate for schedulers that take one (cosine_with_min_lr)."

@@ -210,6 +210,15 @@ def algorithm_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
     ))
 
 
+# HF schedulers the trainer's per-step `scheduler.step()` cannot drive, and why (parallel/optim.py build_scheduler)
+UNBUILDABLE_SCHEDULERS = {
+    "reduce_lr_on_plateau": "it steps on a metric; the trainer steps every scheduler without one.",
+    "greedy": "it steps on a metric; the trainer steps every scheduler without one.",
+    "warmup_stable_decay": "it needs num_decay_steps, which no key sets.",
+}
+FLOOR_SCHEDULERS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr")
+
+
 def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """One block type at two keys: its betas, its scheduler's name, and Muon's knobs (only under name=muon); its
     numbers' ranges are declared in config/schema.py."""
@@ -227,10 +236,17 @@ def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
             (not (muon and cfg.parallelism.offload.value == "optimizer"), f"{key}.name",
              "muon: parallelism.offload=optimizer steps AdamW on the host (as Molt's, which refuses Muon too).",
              "set parallelism.offload=none, or the optimizer to adamw"),
-            # parallel/optim.py build_scheduler hands min_lr_rate to cosine_with_min_lr only
-            (o.scheduler == "cosine_with_min_lr" or not changed(cfg, f"{key}.min_lr_ratio"), f"{key}.min_lr_ratio",
-             f"only the cosine_with_min_lr scheduler takes a floor, but {key}.scheduler={o.scheduler}, so it changes "
-             "nothing.", f"set {key}.scheduler=cosine_with_min_lr, or unset {key}.min_lr_ratio"),
+            # parallel/optim.py build_scheduler hands min_lr_rate to the two floor schedulers only
+            (o.scheduler in FLOOR_SCHEDULERS or not changed(cfg, f"{key}.min_lr_ratio"), f"{key}.min_lr_ratio",
+             f"only the {' and '.join(FLOOR_SCHEDULERS)} schedulers take a floor, but {key}.scheduler={o.scheduler}, "
+             "so it changes nothing.", f"set {key}.scheduler=cosine_with_min_lr, or unset {key}.min_lr_ratio"),
+            (o.scheduler != "constant" or o.warmup_ratio == 0, f"{key}.warmup_ratio",
+             f"the constant scheduler has no warmup (HF's get_scheduler ignores it), so {o.warmup_ratio} changes "
+             "nothing.",
+             f"set {key}.scheduler=constant_with_warmup, or unset {key}.warmup_ratio"),
+            (o.scheduler not in UNBUILDABLE_SCHEDULERS, f"{key}.scheduler",
+             f"{o.scheduler}: {UNBUILDABLE_SCHEDULERS.get(o.scheduler)}",
+             "use constant, constant_with_warmup, linear, cosine or cosine_with_min_lr"),
         ))
         # the schema default is a transformers scheduler (tests/config/test_bounds.py); importing transformers'
         # scheduler list costs ~0.5 s, so only a changed name pays for it

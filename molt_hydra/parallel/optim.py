@@ -8,6 +8,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from molt_hydra.compat.torch import dtensor_in_place
+from molt_hydra.config.validate import FLOOR_SCHEDULERS
 from molt_hydra.parallel.muon import MuonAdamW, local_part, muon_param_groups
 from molt_hydra.weight_sync.buckets import bucket_weights
 
@@ -154,7 +155,7 @@ def build_scheduler(optimizer, *, name: str = "constant", total_steps: int = 1, 
     if total_steps < 1:
         raise ValueError(f"scheduler total_steps must be >= 1, got {total_steps}")
     warmup = math.ceil(total_steps * warmup_ratio)
-    extra = {"min_lr_rate": min_lr_ratio} if name == "cosine_with_min_lr" else None
+    extra = {"min_lr_rate": min_lr_ratio} if name in FLOOR_SCHEDULERS else None
     # as in HF: "constant" ignores the warmup, "constant_with_warmup" uses it
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
                          scheduler_specific_kwargs=extra)

@@ -52,7 +52,16 @@ CASES = [
     ("output_key_rl", ["data.output_key=answer"], "data.output_key", "job=rl"),
     ("last_turn_only_rl", ["data.train_on_last_turn_only=true"], "data.train_on_last_turn_only", "job=rl"),
     ("min_lr_ratio_constant", ["train.optimizer.min_lr_ratio=0.2"], "train.optimizer.min_lr_ratio",
-     "only the cosine_with_min_lr scheduler takes a floor"),
+     "only the cosine_with_min_lr and cosine_warmup_with_min_lr schedulers take a floor"),
+    ("warmup_constant", ["train.optimizer.warmup_ratio=0.1"], "train.optimizer.warmup_ratio",
+     "the constant scheduler has no warmup"),
+    ("critic_warmup_constant", ["algorithm=ppo_gae", "parallelism.colocate_models=true",
+                                "train.critic.optimizer.warmup_ratio=0.1"], "train.critic.optimizer.warmup_ratio",
+     "the constant scheduler has no warmup"),
+    ("scheduler_on_a_metric", ["train.optimizer.scheduler=reduce_lr_on_plateau"], "train.optimizer.scheduler",
+     "it steps on a metric"),
+    ("scheduler_without_decay_steps", ["train.optimizer.scheduler=warmup_stable_decay"], "train.optimizer.scheduler",
+     "num_decay_steps"),
     ("checkpoint_path_rl", ["checkpoint.path=tiny://qwen3_tiny"], "checkpoint.path", "job=rl starts from model.path"),
     # model knobs the model has nothing for, contexts the engine refuses
     ("freeze_visual_text_model", ["model.freeze_visual_encoder=true"], "model.freeze_visual_encoder",
@@ -86,6 +95,9 @@ ACCEPTED = [
      "checkpoint.best_metric_key=eval_default_pass1"],
     [f"data.max_len={POSITIONS}"],
     ["train.optimizer.scheduler=cosine_with_min_lr", "train.optimizer.min_lr_ratio=0.2"],
+    ["train.optimizer.scheduler=cosine_warmup_with_min_lr", "train.optimizer.min_lr_ratio=0.2",
+     "train.optimizer.warmup_ratio=0.1"],
+    ["train.optimizer.scheduler=constant_with_warmup", "train.optimizer.warmup_ratio=0.1"],
     ["checkpoint.resume=must", "checkpoint.dir=/"],  # an existing directory (its checkpoints are the runtime's)
 ]
 
