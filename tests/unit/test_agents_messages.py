@@ -59,7 +59,9 @@ def test_anthropic_blocks_map_to_the_same_canonical_messages():
                                               {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
             {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "2"}]},
-                {"type": "tool_result", "tool_use_id": "t2", "content": "3"},
+                {"type": "tool_result", "tool_use_id": "t2", "content": "3", "is_error": True},
+                {"type": "tool_result", "tool_use_id": "t3", "content": [{"type": "image", "source": {
+                    "type": "url", "url": "http://x/a.png"}}], "is_error": True},
                 {"type": "text", "text": "thanks"}]},
         ],
         "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
@@ -72,12 +74,21 @@ def test_anthropic_blocks_map_to_the_same_canonical_messages():
         {"role": "assistant", "content": "ok",
          "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
         {"role": "tool", "content": "2", "tool_call_id": "t1"},
-        {"role": "tool", "content": "3", "tool_call_id": "t2"},
+        {"role": "tool", "content": "Error: 3", "tool_call_id": "t2"},  # is_error: the model sees it
+        {"role": "tool", "content": [{"type": "text", "text": "Error: "}, {"type": "image", "source": "http://x/a.png"}],
+         "tool_call_id": "t3"},
         {"role": "user", "content": "thanks"},
     ]
     assert req.tools == [{"type": "function", "function": {"name": "f", "description": "d",
                                                            "parameters": {"type": "object"}}}]
     assert req.overrides == {"max_tokens": 5, "top_k": 4, "stop": ("A", "B")}
+
+
+def test_anthropic_tool_result_is_error_must_be_a_boolean():
+    with pytest.raises(RequestError, match=r"content\[0\]\.is_error must be a boolean") as e:
+        anthropic.parse({"max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "x", "is_error": "yes"}]}]})
+    assert e.value.status == 400
 
 
 @pytest.mark.parametrize("body,status,words", [

@@ -126,7 +126,7 @@ def _message(m: Any, where: str) -> list[dict]:
         elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
             continue  # an echoed reply's thinking: the segment holds its generated tokens already (as Responses)
         elif kind == "tool_result" and m["role"] == "user":
-            result = check.text_or_parts(b.get("content", ""), f"{at}.content", _part)
+            result = _tool_result(b, at)
             out.append({"role": "tool", "content": result, "tool_call_id": str(b.get("tool_use_id", ""))})
         else:
             raise bad(f"{at}: unsupported block type {kind!r} in a {m['role']} message", at)
@@ -136,6 +136,20 @@ def _message(m: Any, where: str) -> list[dict]:
             msg["tool_calls"] = tool_calls
         out.append(msg)
     return out
+
+
+def _tool_result(b: dict, where: str) -> str | list[dict]:
+    """A tool_result's content; `is_error: true` marks it "Error: " in front, the model's only way to see it (chat
+    templates have no field for a failed tool call)."""
+    is_error = b.get("is_error", False)
+    if not isinstance(is_error, bool):
+        raise bad(f"{where}.is_error must be a boolean", where)
+    content = check.text_or_parts(b.get("content", ""), f"{where}.content", _part)
+    if not is_error:
+        return content
+    if isinstance(content, str):
+        return "Error: " + content
+    return [{"type": "text", "text": "Error: "}, *content]
 
 
 def _part(b: Any, where: str) -> dict:
