@@ -16,6 +16,7 @@ reason and the fix, and the exit code is 2. A multirun validates and plans every
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import sys
 from pathlib import Path
@@ -156,6 +157,27 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     return problems
 
 
+SLURM_RESOURCES = ("partition", "account", "qos", "constraint", "setup", "time_min")
+
+
+def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -> list[str]:
+    """Slurm settings where nothing submits: submitit's launcher submits only a multirun's points, so `cluster=slurm`
+    without -m (outside an allocation) would run here, and cluster.{partition,...} set on the command line of a run
+    that submits nothing would change nothing (an sbatch'ed run takes its resources from sbatch's own options)."""
+    submits = first.hydra.launcher._target_.endswith(".SlurmLauncher")
+    if submits and not multirun and not os.environ.get("SLURM_JOB_ID"):
+        return ["- hydra/launcher: the cluster preset selects the Slurm launcher, which submits the points of a "
+                "multirun; without -m this run would start here, on this machine. Fix: add -m to submit it, or "
+                "sbatch launchers/molt.sbatch"]
+    if submits and multirun:
+        return []
+    why = "the launcher is Hydra's basic one, which runs the points here" if multirun else "no Slurm job is submitted"
+    keys = [f"cluster.{name}" for name in SLURM_RESOURCES]
+    return [f"- {key}: a Slurm resource of the submitit launcher, but {why}, so it changes nothing. Fix: unset it; "
+            "submit with -m and a Slurm cluster preset (cluster=slurm), or give it to sbatch (-p, -A, -q, -C, -t)"
+            for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
+
+
 def _exit_config_error(text: str) -> None:
     print(f"Config error(s):\n{text}", file=sys.stderr)
     sys.exit(EXIT_CONFIG_ERROR)
@@ -192,8 +214,10 @@ def main() -> None:
     args = get_args_parser().parse_args()
     if not (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name or args.config_path):
         first, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir,
-                                          hydra_config=args.multirun)
-        if first is not None and args.multirun:
+                                          hydra_config=True)
+        if first is not None:
+            problems = launcher_problems(first, args.overrides, args.multirun)
+        if first is not None and args.multirun and not problems:
             problems = sweep_problems(first, args.overrides, args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
-from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, sweep_problems, to_run_config
+from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, launcher_problems, sweep_problems, to_run_config
 from molt_hydra.config.schema import ConfigError, ISLevel
 
 CASES = {
@@ -25,6 +25,8 @@ CASES = {
     "out_of_range": (["logger.every_steps=0", "dry_run=true"], "logger.every_steps"),
     "overlong_path": (["model.path=" + "x" * 300, "dry_run=true"], "model.path"),
     "sweep_point_type": (["-m", "train.max_steps=1,2", "train.batch_size=x", "dry_run=true"], "train.batch_size"),
+    "slurm_without_multirun": (["cluster=slurm", "dry_run=true"], "hydra/launcher"),  # would run here, unsubmitted
+    "slurm_resource_unsubmitted": (["cluster.partition=gpu", "dry_run=true"], "cluster.partition"),
 }
 
 
@@ -125,3 +127,21 @@ def test_a_recipes_sweep_params_are_points_too():
     first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
     heads = [line for line in sweep_problems(first, overrides, None) if line.startswith("sweep point #")]
     assert len(heads) == 6 and all(" of 12 (" in h and "rollout.n_samples_per_prompt=1" in h for h in heads), heads
+
+
+@pytest.mark.parametrize("overrides,multirun,in_allocation,refused", [
+    (["cluster=slurm"], False, False, ["hydra/launcher"]),   # would start here: nothing submits without -m
+    (["cluster=slurm"], False, True, []),                     # sbatch launchers/molt.sbatch: runs in its allocation
+    (["cluster=slurm", "cluster.partition=gpu"], True, False, []),  # submitit reads it
+    (["cluster=slurm", "cluster.qos=high"], False, True, ["cluster.qos"]),  # sbatch's own -q decides
+    (["cluster.account=a", "cluster.time_min=30"], True, False, ["cluster.account", "cluster.time_min"]),  # basic
+])
+def test_slurm_settings_where_nothing_submits_are_refused(overrides, multirun, in_allocation, refused, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    if in_allocation:
+        monkeypatch.setenv("SLURM_JOB_ID", "7")
+    first, problems = compose_checked(overrides, multirun=multirun, hydra_config=True)
+    assert problems == []
+    found = launcher_problems(first, overrides, multirun)
+    assert [line.split(":")[0].removeprefix("- ") for line in found] == refused, found
+    assert all(" Fix: " in line for line in found)
