@@ -178,6 +178,16 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
             for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
 
 
+def sft_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
+    """rollout.* and agent.* given on the command line of job=sft: SFT starts no engine and runs no agent (the
+    composed defaults set some of these keys, so the rule reads the command line, not a change from the schema)."""
+    if first.job != "sft":
+        return []
+    keys = dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides)
+    return [f"- {key}: job=sft starts no rollout engine and runs no agent, so it changes nothing. Fix: unset {key} "
+            "for job=sft" for key in keys if key.split(".", 1)[0] in ("rollout", "agent")]
+
+
 def _exit_config_error(text: str) -> None:
     print(f"Config error(s):\n{text}", file=sys.stderr)
     sys.exit(EXIT_CONFIG_ERROR)
@@ -216,7 +226,7 @@ def main() -> None:
         first, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir,
                                           hydra_config=True)
         if first is not None:
-            problems = launcher_problems(first, args.overrides, args.multirun)
+            problems = launcher_problems(first, args.overrides, args.multirun) + sft_ignored(first, args.overrides)
         if first is not None and args.multirun and not problems:
             problems = sweep_problems(first, args.overrides, args.config_dir)
         if problems:
