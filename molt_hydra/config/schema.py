@@ -442,11 +442,11 @@ class OptimizerConfig:
     muon_experts_adamw: bool = False
     "Keep grouped MoE expert weights on AdamW under Muon (Molt env MUON_EXPERTS_ADAMW)."
     scheduler: str = "constant"
-    "transformers.get_scheduler name (constant, cosine, cosine_with_min_lr, linear, ...)."
+    "transformers.get_scheduler name (constant, constant_with_warmup, cosine, cosine_with_min_lr, linear, ...)."
     warmup_ratio: float = ranged(0.0, ge=0, lt=1)
-    "Warmup steps = ceil(total scheduler steps x ratio)."
+    "Warmup steps = ceil(total scheduler steps x ratio); not under constant, which has none (Molt's 0.03 was inert)."
     min_lr_ratio: float = ranged(0.1, ge=0, le=1)
-    "min_lr_rate for schedulers that take one (cosine_with_min_lr)."
+    "min_lr_rate for the schedulers that take one (cosine_with_min_lr, cosine_warmup_with_min_lr)."
     max_grad_norm: float = ranged(1.0)
     "Gradient clipping norm (<= 0 disables)."
     # Checked in config/validate.py, which knows whether this block sits at train.optimizer or
