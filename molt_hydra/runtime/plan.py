@@ -316,21 +316,24 @@ def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engi
         f"colocated: rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} of {mem:g} GiB (the generate phase's "
         f"room after {resident:.3g} GiB of trainer state, {contexts:g} GiB of CUDA contexts and "
         f"{FRAGMENTATION:.0%} for fragmentation); a sleeping engine keeps ~{ENGINE_ASLEEP_GIB:g} GiB")
+    # what shrinks the trainer's resident state (the generate and wake phases), and its step peak (the train phase)
+    less_resident = ("more trainer ranks (parallelism.trainer_devices) to shard its state, parallelism.offload="
+                     "optimizer (its fp32 masters and AdamW moments on the host; HF backend), "
+                     + ("model.master_weights=fsdp (2 bytes a parameter less: no bf16 copy beside the masters), "
+                        if cfg.model.master_weights.value == "optimizer" else ""))
+    fixes = {"generate": f"a lower rollout.gpu_memory_utilization, {less_resident}",
+             "train": f"a smaller micro-batch, activation checkpointing, {less_resident}",
+             "wake + sync": less_resident}
     problems = []
     if engine < engine_weights + 1.0:
         problems.append(f"- rollout.gpu_memory_utilization: colocated, the engine gets {engine:.3g} GiB of the GPU's "
                         f"{mem:g} but needs {engine_weights:.3g} GiB of weights plus >= 1 GiB for activations and KV "
-                        f"cache (the trainer keeps {resident:.3g} GiB resident). Fix: more trainer ranks "
-                        "(parallelism.trainer_devices) to shard its state, parallelism.offload=optimizer (its fp32 "
-                        "masters and AdamW moments on the host; HF backend), "
-                        + ("model.master_weights=fsdp (2 bytes a parameter less: no bf16 copy beside the masters), "
-                           if cfg.model.master_weights.value == "optimizer" else "")
-                        + "or parallelism.colocate=false")
+                        f"cache (the trainer keeps {resident:.3g} GiB resident). Fix: {less_resident}or "
+                        "parallelism.colocate=false")
     for phase, parts in plan.phases.items():
         if sum(parts.values()) > mem:
             problems.append(f"- parallelism.colocate: the {phase} phase needs {sum(parts.values()):.3g} GiB of a "
-                            f"{mem:g} GiB GPU ({', '.join(f'{k} {v:.3g}' for k, v in parts.items())}). Fix: a lower "
-                            "rollout.gpu_memory_utilization, a smaller micro-batch, activation checkpointing, more "
-                            "trainer ranks, or parallelism.colocate=false")
+                            f"{mem:g} GiB GPU ({', '.join(f'{k} {v:.3g}' for k, v in parts.items())}). Fix: "
+                            f"{fixes[phase]}or parallelism.colocate=false")
     if problems:
         raise ConfigError("\n".join(problems))

@@ -87,3 +87,16 @@ def test_a_colocated_engine_keeps_its_weights_asleep_where_syncs_leave_some_out(
     assert engine_args(cfg, cfg.model.path, True, 0)["sleep_level"] == level
     cpu = validate(to_run_config(compose_config(["parallelism.colocate=true", "train.mode=sync"])))
     assert engine_args(cpu, cpu.model.path, False, 0)["sleep_level"] == 0  # no sleep mode on CPU: paused
+
+
+def test_a_phase_that_cannot_fit_offers_the_fixes_that_shrink_what_it_holds():
+    """The 8-layer MoE recipe on an 80 GB card (run on an H100, session 17): the trainer's resident state overflows
+    the generate phase, so its fix names what shrinks that state (offload, fsdp masters under the resolved optimizer
+    masters), not the micro-batch or activation checkpointing, which only the train phase's peak holds."""
+    lines = errors(["+recipe=qwen3_moe_r3_gpu", "cluster.memory_gb_per_device=79.6"])
+    generate = next(line for line in lines if line.startswith("parallelism.colocate: the generate phase"))
+    fix = generate.split(" Fix: ")[1]
+    assert "parallelism.offload=optimizer" in fix and "model.master_weights=fsdp" in fix
+    assert "micro-batch" not in fix and "activation checkpointing" not in fix
+    train = next(line for line in lines if line.startswith("parallelism.colocate: the train phase"))
+    assert "a smaller micro-batch, activation checkpointing" in train.split(" Fix: ")[1]
