@@ -184,6 +184,11 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "disable_parallel_tool_use"),
     ("/v1/messages", {"messages": USER + [{"role": "assistant", "content": "{"}], "max_tokens": 5}, 400, "messages",
      "prefill"),
+    # a JSON array or object where a role / type name goes (was: 500 "unhashable type")
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0]", "role in"),
+    ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [TOOL_A], "tool_choice": {"type": ["any"]}}, 400,
+     "tool_choice", "'tool_choice' type must be"),
 ]
 
 

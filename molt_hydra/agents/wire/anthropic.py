@@ -78,7 +78,7 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | N
     if v is None:
         return "auto", None
     kind = v.get("type") if isinstance(v, dict) else None
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
     if kind == "tool":
         mapped = {"type": "function", "function": {"name": v.get("name")}}
     if mapped is None:

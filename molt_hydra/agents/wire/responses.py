@@ -61,7 +61,7 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
         raise bad(f"{where} must be an object", where)
     kind = item.get("type", "message")
     if kind == "message":
-        if item.get("role") not in ROLES or item["role"] == "tool":
+        if not isinstance(item.get("role"), str) or item["role"] not in ROLES or item["role"] == "tool":
             raise bad(f"{where}: message role must be user, system, developer or assistant", where)
         content = check.text_or_parts(item.get("content", ""), f"{where}.content", _part)
         canon.append({"role": ROLES[item["role"]], "content": content})
