@@ -361,3 +361,33 @@ def test_message_names_reach_the_template():
 
     req = openai_chat.parse({"messages": [{"role": "user", "content": "hi", "name": "bob"}]})
     assert req.messages == [{"role": "user", "content": "hi", "name": "bob"}]
+
+
+def test_agents_sdk_asking_for_logprobs_gets_the_engines(tok):
+    """The Agents SDK asks for log-probs with `top_logprobs` and `include=["message.output_text.logprobs"]` (was: a
+    400 'include' ... 'would change what is sampled'); other `include` entries are refused naming them."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello there."))
+        try:
+            client = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            agent = Agent(name="a", model=OpenAIResponsesModel(model="policy", openai_client=client),
+                          model_settings=ModelSettings(top_logprobs=1))
+            result = await Runner.run(agent, "hi", max_turns=1)
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + "/v1/responses", headers={"Authorization": "Bearer k"},
+                    json={"input": "hi", "include": ["file_search_call.results"]}) as r:
+                return result, r.status, await r.json()
+        finally:
+            await server.stop()
+
+    result, status, err = asyncio.run(go())
+    (part,) = result.raw_responses[0].output[0].content
+    assert part.text == result.final_output == "Hello there."
+    # the engine's log-prob of every sampled token, the end token included (what the trajectory records)
+    assert [lp.logprob for lp in part.logprobs] == [-0.5] * len(ScriptedEngine(tok, "Hello there.").ids)
+    assert status == 400 and err["error"]["param"] == "include" and "file_search_call.results" in err["error"]["message"]

@@ -13,7 +13,11 @@ from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
 from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
-          "text", "parallel_tool_calls", "top_logprobs"}
+          "text", "parallel_tool_calls", "top_logprobs", "include"}
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for log-probs (the Agents SDK sends it)
+# `include` entries that change nothing here: reasoning is never encrypted, and echoed reasoning items are dropped
+# (the segment holds the generated tokens), so a stateless client loses nothing without `encrypted_content`
+INCLUDE_IGNORED = {"reasoning.encrypted_content"}
 
 
 def parse(body: Any) -> ChatRequest:
@@ -52,8 +56,21 @@ def parse(body: Any) -> ChatRequest:
         messages=canon, tools=tools, overrides=check.sampling(body, ("max_output_tokens",)),
         stream=check.flag(body, "stream"), tool_choice=check.tool_choice(body.get("tool_choice"), tools),
         parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
-        top_logprobs=check.top_logprobs(body, None) if body.get("top_logprobs") else None,
+        top_logprobs=_top_logprobs(body),
         response_format=check.response_format(text.get("format"), "text.format"))
+
+
+def _top_logprobs(body: dict) -> int | None:
+    """Log-probs when `include` asks for them or `top_logprobs` > 0; other `include` entries (hosted tools' outputs,
+    server-side images) are refused, naming them."""
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise bad(f"'include' must be a list of strings, got {include!r}", "include")
+    if unknown := sorted(set(include) - INCLUDE_IGNORED - {LOGPROBS}):
+        raise bad(f"'include' entries {unknown} are not served (no hosted tools, nothing stored); served: "
+                  f"{[LOGPROBS, *sorted(INCLUDE_IGNORED)]}", "include")
+    top = check.top_logprobs(body, None)
+    return top if LOGPROBS in include or top else None
 
 
 def _item(item: Any, where: str, canon: list[dict]) -> None:
@@ -166,7 +183,7 @@ class ResponseStream(Stream):
     def close(self) -> list[bytes]:
         if self.kind == "content":
             part = {"type": "output_text", "text": self.text, "annotations": []}
-            return [self.ev("response.output_text.done", **self.at(text=self.text)),
+            return [self.ev("response.output_text.done", **self.at(text=self.text, logprobs=[])),
                     self.ev("response.content_part.done", **self.at(part=part)),
                     self.ev("response.output_item.done", output_index=self.index,
                             item=_message_item(self.item_id, [part]))]
