@@ -390,4 +390,5 @@ def test_agents_sdk_asking_for_logprobs_gets_the_engines(tok):
     assert part.text == result.final_output == "Hello there."
     # the engine's log-prob of every sampled token, the end token included (what the trajectory records)
     assert [lp.logprob for lp in part.logprobs] == [-0.5] * len(ScriptedEngine(tok, "Hello there.").ids)
-    assert status == 400 and err["error"]["param"] == "include" and "file_search_call.results" in err["error"]["message"]
+    assert (status, err["error"]["param"]) == (400, "include")
+    assert "file_search_call.results" in err["error"]["message"]
