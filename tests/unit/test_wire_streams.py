@@ -184,6 +184,7 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "disable_parallel_tool_use"),
     ("/v1/messages", {"messages": USER + [{"role": "assistant", "content": "{"}], "max_tokens": 5}, 400, "messages",
      "prefill"),
+    ("/v1/responses", {"input": "hi", "text": {"verbosity": "low"}}, 400, "text", "verbosity"),
     # a JSON array or object where a role / type name goes (was: 500 "unhashable type")
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0]", "role in"),
     ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),

@@ -52,6 +52,9 @@ def parse(body: Any) -> ChatRequest:
     text = body.get("text") or {}
     if not isinstance(text, dict):
         raise bad("'text' must be an object", "text")
+    if text.get("verbosity") not in (None, "medium") or set(text) - {"format", "verbosity"}:
+        raise bad(f"'text' {text!r}: only 'format' is served ('verbosity' only at its default \"medium\": this "
+                  "model is not trained to follow it, so another value would change nothing)", "text")
     return ChatRequest(
         messages=canon, tools=tools, overrides=check.sampling(body, ("max_output_tokens",)),
         stream=check.flag(body, "stream"), tool_choice=check.tool_choice(body.get("tool_choice"), tools),
