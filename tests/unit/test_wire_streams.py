@@ -119,6 +119,14 @@ def test_completions_stream_and_body_and_n(tok):
     status, body = exchange(tok, "/v1/completions", {"prompt": "abc", "n": 2, "logprobs": 1}, "xyz")
     assert [c["text"] for c in body["choices"]] == ["xyz", "xyz"]
     assert body["choices"][0]["logprobs"]["text_offset"][0] == 0
+    # streamed, every choice arrives and log-probs come with each choice's end (were: choice 0 only, no log-probs)
+    status, events = exchange(tok, "/v1/completions", {"prompt": "abc", "n": 2, "logprobs": 1, "stream": True}, "xyz")
+    choices = [c for _, d in events[:-1] for c in d["choices"]]
+    assert ["".join(c["text"] for c in choices if c["index"] == i) for i in (0, 1)] == ["xyz", "xyz"]
+    ends = [c for c in choices if c["finish_reason"] == "stop"]
+    assert [c["index"] for c in ends] == [0, 1]
+    n_ids = len(ScriptedEngine(tok, "xyz").ids)  # the end token included, as the trajectory records
+    assert [c["logprobs"]["token_logprobs"] for c in ends] == [[-0.5] * n_ids] * 2
 
 
 def test_errors_come_in_each_apis_shape(tok):
