@@ -401,3 +401,34 @@ def test_agents_sdk_asking_for_logprobs_gets_the_engines(tok):
     assert [lp.logprob for lp in part.logprobs] == [-0.5] * len(ScriptedEngine(tok, "Hello there.").ids)
     assert (status, err["error"]["param"]) == (400, "include")
     assert "file_search_call.results" in err["error"]["message"]
+
+
+def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
+    """Qwen3 writes `</think>\\n\\n<tool_call>`: the blank text streams, the reply drops it (no text), and the tool
+    call must still follow it in the stream (was: Anthropic and Responses streams lost the call, matched by position);
+    each streamed Responses item keeps its id in `response.completed` (were new ids)."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\n" + CALL), "qwen3")
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            async with an.messages.stream(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A]) as s:
+                message = await s.get_final_message()
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            tools = [dict(TOOL["function"], type="function")]
+            async with oa.responses.stream(model="policy", input="hi", tools=tools) as s:
+                added = [e.item for e in [e async for e in s] if e.type == "response.output_item.added"]
+                response = await s.get_final_response()
+            return message, added, response
+        finally:
+            await server.stop()
+
+    message, added, response = asyncio.run(go())
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert (use.name, use.input) == ("python", {"code": "print(1)"})
+    assert [i.type for i in added] == ["reasoning", "message", "function_call"]
+    assert [(i.type, i.id) for i in response.output] == [(i.type, i.id) for i in added]
+    assert response.output[2].arguments == '{"code": "print(1)"}'

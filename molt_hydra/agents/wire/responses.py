@@ -154,6 +154,10 @@ class ResponseStream(Stream):
     ID_PREFIX = "resp_"
     seq, item_id, text = 0, None, ""  # events sent; the open item's id and text so far
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.items: list[dict] = []  # the items streamed, as closed
+
     def ev(self, kind: str, **data) -> bytes:
         self.seq += 1
         return sse(dict(data, type=kind, sequence_number=self.seq - 1), kind)
@@ -185,22 +189,29 @@ class ResponseStream(Stream):
 
     def close(self) -> list[bytes]:
         if self.kind == "content":
-            part = {"type": "output_text", "text": self.text, "annotations": []}
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            self.items.append(_message_item(self.item_id, [part]))
             return [self.ev("response.output_text.done", **self.at(text=self.text, logprobs=[])),
                     self.ev("response.content_part.done", **self.at(part=part)),
-                    self.ev("response.output_item.done", output_index=self.index,
-                            item=_message_item(self.item_id, [part]))]
+                    self.ev("response.output_item.done", output_index=self.index, item=self.items[-1])]
         if self.kind == "reasoning":
+            self.items.append(_reasoning_item(self.item_id, self.text))
             return [self.ev("response.reasoning_text.done", **self.at(text=self.text)),
-                    self.ev("response.output_item.done", output_index=self.index,
-                            item=_reasoning_item(self.item_id, self.text))]
+                    self.ev("response.output_item.done", output_index=self.index, item=self.items[-1])]
         return []
 
     def end(self, reply) -> list[bytes]:
         out = self.close()
         final = body(reply, self.req, self.model, self.id)
-        streamed = self.index + 1 if reply.streamed else 0  # the rest (tool calls, a cached reply) is sent whole
-        for j, item in enumerate(final["output"][streamed:], start=streamed):
+        # the items streamed stand as sent, ids and text; the reply's others (tool calls, all of a cached reply)
+        # follow whole. Not by position: text streamed before a tool call may be blank, which the reply leaves out
+        streamed = self.items if reply.streamed else []
+        for item in streamed:
+            if item["type"] == "message":
+                item["content"][0]["logprobs"] = reply.choices[0].logprobs or []
+        rest = [item for item in final["output"] if item["type"] not in {i["type"] for i in streamed}]
+        final["output"] = streamed + rest
+        for j, item in enumerate(rest, start=len(streamed)):
             out.append(self.ev("response.output_item.added", output_index=j, item=item))
             if item["type"] == "function_call":
                 out.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=j,
