@@ -97,6 +97,8 @@ def test_responses_stream_items_open_fill_and_close_in_order(tok):
     assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
     final = events[-1][1]["response"]
     assert [i["type"] for i in final["output"]] == added and final["output"][2]["name"] == "python"
+    # the generated tokens between <think> and </think> (was: 0 always)
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == len(tok("\nhmm\n")["input_ids"]) > 0
 
 
 def test_anthropic_stream_numbers_its_blocks_and_sends_tool_use_whole(tok):

@@ -140,7 +140,8 @@ def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
         tool_choice = {"type": "function", "name": tool_choice["function"]["name"]}
     usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
              "total_tokens": reply.prompt_tokens + reply.completion_tokens,
-             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+             "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens}}
     return {"id": rid or new_id("resp_"), "object": "response", "created_at": int(time.time()),
             "status": "incomplete" if incomplete else "completed", "error": None, "model": model, "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "usage": usage,

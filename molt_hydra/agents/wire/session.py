@@ -49,6 +49,7 @@ class Choice:
     stop_sequence: str | None  # the stop string that ended it, if one did
     reasoning: str | None = None  # the model's thinking, split off by the reasoning parser
     logprobs: list[dict] | None = None  # OpenAI logprobs.content entries, when the client asked for them
+    reasoning_tokens: int = 0  # generated tokens inside the thinking markers (vLLM's reasoning parser counts them)
 
 
 @dataclass
@@ -322,7 +323,8 @@ class ChatSession:
         finish = "tool_calls" if calls else "length" if gen.finish_reason == "length" else "stop"
         call_ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
         return Choice(gen, parsed.content, calls, call_ids, finish, stop_sequence, parsed.reasoning,
-                      None if req.top_logprobs is None else self._logprob_entries(gen))
+                      None if req.top_logprobs is None else self._logprob_entries(gen),
+                      self.parser.reasoning.count_reasoning_tokens(gen.token_ids) if self.parser.reasoning else 0)
 
     def _logprob_entries(self, gen: Generation) -> list[dict]:
         """The engine's logprob of every generated token (and its top alternatives), in OpenAI's shape."""
