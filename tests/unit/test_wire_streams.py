@@ -195,6 +195,10 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/messages", {"messages": USER + [{"role": "assistant", "content": "{"}], "max_tokens": 5}, 400, "messages",
      "prefill"),
     ("/v1/responses", {"input": "hi", "text": {"verbosity": "low"}}, 400, "text", "verbosity"),
+    # a tool schema xgrammar cannot compile, under a forced tool choice: the tools are named (was: response_format)
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}]}, 400,
+     "tools", "'tools' schema cannot be enforced"),
     # a JSON array or object where a role / type name goes (was: 500 "unhashable type")
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0]", "role in"),
     ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),

@@ -204,7 +204,8 @@ class ChatSession:
                 raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
                                    "response_format")
             structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
-        return {"n": req.n, "top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
+        return {"n": req.n, "top_logprobs": req.top_logprobs or 0,
+                "structured": compact(structured, "tools" if req.forced_tool else "response_format")}
 
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         self._check_n(req)
