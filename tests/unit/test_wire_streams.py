@@ -438,3 +438,32 @@ def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
     assert [i.type for i in added] == ["reasoning", "message", "function_call"]
     assert [(i.type, i.id) for i in response.output] == [(i.type, i.id) for i in added]
     assert response.output[2].arguments == '{"code": "print(1)"}'
+
+
+def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(tok):
+    """The Anthropic stream's message_start carries this turn's input_tokens, also when the session's length budget
+    is spent and the turn is an empty max_tokens reply (was: the previous turn's count)."""
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        try:
+            server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello there."), tok, Sampling(max_tokens=64), 40,
+                                            reply_parser(tok, "hermes")))
+            first = [{"role": "user", "content": "hi"}]
+            async with aiohttp.ClientSession() as http:
+                async with http.post(server.session_url("s") + "/v1/messages", headers={"Authorization": "Bearer k"},
+                                     json={"messages": first, "max_tokens": 50}) as r:
+                    reply = await r.json()
+                more = first + [{"role": "assistant", "content": reply["content"]},
+                                {"role": "user", "content": "more " * 30}]
+                async with http.post(server.session_url("s") + "/v1/messages", headers={"Authorization": "Bearer k"},
+                                     json={"messages": more, "max_tokens": 50, "stream": True}) as r:
+                    raw = await r.text()
+            return reply, [json.loads(f.split("data: ", 1)[1]) for f in raw.strip().split("\n\n")]
+        finally:
+            await server.stop()
+
+    reply, events = asyncio.run(go())
+    start, delta = events[0]["message"]["usage"], events[-2]
+    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 0
+    assert start["input_tokens"] == delta["usage"]["input_tokens"] > 40 > reply["usage"]["input_tokens"]

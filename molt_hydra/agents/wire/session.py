@@ -213,6 +213,7 @@ class ChatSession:
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
         sampling = self._turn_sampling(req, remaining)
         out_of_turns = self.max_turns is not None and self.generate_calls >= self.max_turns
+        self.last_prompt_tokens = len(prompt_ids)  # also of a turn out of budget: its reply reports this prompt
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
                 raise RequestError(400, f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this "
@@ -221,7 +222,6 @@ class ChatSession:
             for traj, _ in self._branches:
                 traj.truncated = True
             return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
-        self.last_prompt_tokens = len(prompt_ids)
         self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
