@@ -104,8 +104,10 @@ class ReplyParser:
                                  "agent.tool_parser to the model family's parser, or null for none") from None
         if reasoning_parser:
             self.reasoning = ReasoningParserManager.get_reasoning_parser(reasoning_parser)(tokenizer)
-        # Text streamed as content must stop where a tool call may begin (vLLM's parsers name their start marker).
+        # Text streamed as content must stop where a tool call may begin (vLLM's parsers name their start marker;
+        # llama3_json's calls may also open with a bare `{`, its `tool_call_start_regex`).
         self.tool_start = getattr(self.tool, "tool_call_start_token", None) or getattr(self.tool, "bot_token", None)
+        self.tool_start_regex = getattr(self.tool, "tool_call_start_regex", None)
 
     def parse(self, text: str, tools: list[dict] | None, parse_tools: bool = True) -> ParsedReply:
         reasoning, content = None, text
@@ -147,7 +149,10 @@ class ReplyParser:
         if self.tool is not None and parse_tools and tools:
             if self.tool_start is None:
                 return parsed.reasoning, ""
-            cut = content.find(self.tool_start)
+            starts = [content.find(self.tool_start)]
+            if self.tool_start_regex is not None and (opened := self.tool_start_regex.search(content)):
+                starts.append(opened.start())
+            cut = min((i for i in starts if i >= 0), default=-1)
             if cut < 0:  # hold back a suffix that may be the start of the marker
                 cut = next((len(content) - k for k in range(min(len(self.tool_start) - 1, len(content)), 0, -1)
                             if self.tool_start.startswith(content[-k:])), len(content))

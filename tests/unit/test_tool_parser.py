@@ -75,6 +75,11 @@ def test_streamed_content_stops_where_a_tool_call_may_begin(tok):
     assert p.streamable("Let me <tool_c", TOOLS, True) == (None, "Let me ")
     assert p.streamable("Let me <tool_call>\n{", TOOLS, True) == (None, "Let me ")
     assert p.streamable("Let me <tool_c", TOOLS, False) == (None, "Let me <tool_c")
+    # llama3_json's calls may open with a bare `{` (no <|python_tag|>): it is held too (was: streamed as text)
+    llama = ReplyParser(with_tokens(tok, "<|python_tag|>"), "llama3_json")
+    text = 'Let me run it. {"name": "python", "arguments": {"code": "1"}}'
+    assert llama.streamable(text, TOOLS, True) == (None, "Let me run it. ")
+    assert llama.parse(text, TOOLS).tool_calls == [ToolCall("python", {"code": "1"})]  # it is a call
 
 
 def test_forced_tool_choice_parses_the_bare_json():  # the schema that forces it: tests/unit/test_vllm_compat_chat.py

@@ -97,6 +97,8 @@ def test_responses_stream_items_open_fill_and_close_in_order(tok):
     assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
     final = events[-1][1]["response"]
     assert [i["type"] for i in final["output"]] == added and final["output"][2]["name"] == "python"
+    # the generated tokens between <think> and </think> (was: 0 always)
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == len(tok("\nhmm\n")["input_ids"]) > 0
 
 
 def test_anthropic_stream_numbers_its_blocks_and_sends_tool_use_whole(tok):
@@ -119,6 +121,14 @@ def test_completions_stream_and_body_and_n(tok):
     status, body = exchange(tok, "/v1/completions", {"prompt": "abc", "n": 2, "logprobs": 1}, "xyz")
     assert [c["text"] for c in body["choices"]] == ["xyz", "xyz"]
     assert body["choices"][0]["logprobs"]["text_offset"][0] == 0
+    # streamed, every choice arrives and log-probs come with each choice's end (were: choice 0 only, no log-probs)
+    status, events = exchange(tok, "/v1/completions", {"prompt": "abc", "n": 2, "logprobs": 1, "stream": True}, "xyz")
+    choices = [c for _, d in events[:-1] for c in d["choices"]]
+    assert ["".join(c["text"] for c in choices if c["index"] == i) for i in (0, 1)] == ["xyz", "xyz"]
+    ends = [c for c in choices if c["finish_reason"] == "stop"]
+    assert [c["index"] for c in ends] == [0, 1]
+    n_ids = len(ScriptedEngine(tok, "xyz").ids)  # the end token included, as the trajectory records
+    assert [c["logprobs"]["token_logprobs"] for c in ends] == [[-0.5] * n_ids] * 2
 
 
 def test_errors_come_in_each_apis_shape(tok):
@@ -184,6 +194,16 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "disable_parallel_tool_use"),
     ("/v1/messages", {"messages": USER + [{"role": "assistant", "content": "{"}], "max_tokens": 5}, 400, "messages",
      "prefill"),
+    ("/v1/responses", {"input": "hi", "text": {"verbosity": "low"}}, 400, "text", "verbosity"),
+    # a tool schema xgrammar cannot compile, under a forced tool choice: the tools are named (was: response_format)
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}]}, 400,
+     "tools", "'tools' schema cannot be enforced"),
+    # a JSON array or object where a role / type name goes (was: 500 "unhashable type")
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0]", "role in"),
+    ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [TOOL_A], "tool_choice": {"type": ["any"]}}, 400,
+     "tool_choice", "'tool_choice' type must be"),
 ]
 
 
@@ -356,3 +376,94 @@ def test_message_names_reach_the_template():
 
     req = openai_chat.parse({"messages": [{"role": "user", "content": "hi", "name": "bob"}]})
     assert req.messages == [{"role": "user", "content": "hi", "name": "bob"}]
+
+
+def test_agents_sdk_asking_for_logprobs_gets_the_engines(tok):
+    """The Agents SDK asks for log-probs with `top_logprobs` and `include=["message.output_text.logprobs"]` (was: a
+    400 'include' ... 'would change what is sampled'); other `include` entries are refused naming them."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello there."))
+        try:
+            client = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            agent = Agent(name="a", model=OpenAIResponsesModel(model="policy", openai_client=client),
+                          model_settings=ModelSettings(top_logprobs=1))
+            result = await Runner.run(agent, "hi", max_turns=1)
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + "/v1/responses", headers={"Authorization": "Bearer k"},
+                    json={"input": "hi", "include": ["file_search_call.results"]}) as r:
+                return result, r.status, await r.json()
+        finally:
+            await server.stop()
+
+    result, status, err = asyncio.run(go())
+    (part,) = result.raw_responses[0].output[0].content
+    assert part.text == result.final_output == "Hello there."
+    # the engine's log-prob of every sampled token, the end token included (what the trajectory records)
+    assert [lp.logprob for lp in part.logprobs] == [-0.5] * len(ScriptedEngine(tok, "Hello there.").ids)
+    assert (status, err["error"]["param"]) == (400, "include")
+    assert "file_search_call.results" in err["error"]["message"]
+
+
+def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
+    """Qwen3 writes `</think>\\n\\n<tool_call>`: the blank text streams, the reply drops it (no text), and the tool
+    call must still follow it in the stream (was: Anthropic and Responses streams lost the call, matched by position);
+    each streamed Responses item keeps its id in `response.completed` (were new ids)."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\n" + CALL), "qwen3")
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            async with an.messages.stream(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A]) as s:
+                message = await s.get_final_message()
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            tools = [dict(TOOL["function"], type="function")]
+            async with oa.responses.stream(model="policy", input="hi", tools=tools) as s:
+                added = [e.item for e in [e async for e in s] if e.type == "response.output_item.added"]
+                response = await s.get_final_response()
+            return message, added, response
+        finally:
+            await server.stop()
+
+    message, added, response = asyncio.run(go())
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert (use.name, use.input) == ("python", {"code": "print(1)"})
+    assert [i.type for i in added] == ["reasoning", "message", "function_call"]
+    assert [(i.type, i.id) for i in response.output] == [(i.type, i.id) for i in added]
+    assert response.output[2].arguments == '{"code": "print(1)"}'
+
+
+def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(tok):
+    """The Anthropic stream's message_start carries this turn's input_tokens, also when the session's length budget
+    is spent and the turn is an empty max_tokens reply (was: the previous turn's count)."""
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        try:
+            server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello there."), tok, Sampling(max_tokens=64), 40,
+                                            reply_parser(tok, "hermes")))
+            first = [{"role": "user", "content": "hi"}]
+            async with aiohttp.ClientSession() as http:
+                async with http.post(server.session_url("s") + "/v1/messages", headers={"Authorization": "Bearer k"},
+                                     json={"messages": first, "max_tokens": 50}) as r:
+                    reply = await r.json()
+                more = first + [{"role": "assistant", "content": reply["content"]},
+                                {"role": "user", "content": "more " * 30}]
+                async with http.post(server.session_url("s") + "/v1/messages", headers={"Authorization": "Bearer k"},
+                                     json={"messages": more, "max_tokens": 50, "stream": True}) as r:
+                    raw = await r.text()
+            return reply, [json.loads(f.split("data: ", 1)[1]) for f in raw.strip().split("\n\n")]
+        finally:
+            await server.stop()
+
+    reply, events = asyncio.run(go())
+    start, delta = events[0]["message"]["usage"], events[-2]
+    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 0
+    assert start["input_tokens"] == delta["usage"]["input_tokens"] > 40 > reply["usage"]["input_tokens"]

@@ -78,7 +78,7 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | N
     if v is None:
         return "auto", None
     kind = v.get("type") if isinstance(v, dict) else None
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
     if kind == "tool":
         mapped = {"type": "function", "function": {"name": v.get("name")}}
     if mapped is None:
@@ -227,7 +227,10 @@ class MessageStream(Stream):
 
     def end(self, reply) -> list[bytes]:
         out = self.close()
-        for block in _blocks(reply.choices[0])[self.index + 1 if reply.streamed else 0:]:
+        # the blocks streamed stand as sent; the reply's others (tool calls, all of a cached reply) follow whole. Not
+        # by position: text streamed before a tool call may be blank, which the reply leaves out
+        sent = {"thinking" if kind == "reasoning" else "text" for kind in self.kinds_sent} if reply.streamed else set()
+        for block in [b for b in _blocks(reply.choices[0]) if b["type"] not in sent]:
             self.index += 1
             started, delta = _whole(block)
             out += [self.ev("content_block_start", {"index": self.index, "content_block": started}),

@@ -42,30 +42,36 @@ def _logprobs(c) -> dict | None:
             "text_offset": offsets}
 
 
+def _choice(index: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
 def body(reply, req: ChatRequest, model: str) -> dict:
     return {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": c.content, "finish_reason": c.finish_reason, "logprobs": _logprobs(c)}
-                        for i, c in enumerate(reply.choices)],
+            "choices": [_choice(i, c.content, c.finish_reason, _logprobs(c)) for i, c in enumerate(reply.choices)],
             "usage": usage(reply)}
 
 
 class CompletionStream(Stream):
     ID_PREFIX = "cmpl-"
 
-    def chunk(self, text: str, finish=None, usage=None) -> bytes:
+    def chunk(self, choices: list[dict], usage=None) -> bytes:
         body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [] if usage else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+                "choices": choices}
         return sse(dict(body, usage=usage) if usage else body)
 
     def piece(self, text: str) -> list[bytes]:
-        return [self.chunk(text)] if self.kind == "content" else []  # a raw completion has no reasoning channel
+        # a raw completion has no reasoning channel
+        return [self.chunk([_choice(0, text)])] if self.kind == "content" else []
 
     def end(self, reply) -> list[bytes]:
-        c = reply.choices[0]
-        out = [] if reply.streamed else [self.chunk(c.content)]
-        out.append(self.chunk("", c.finish_reason))
+        out = []
+        for i, c in enumerate(reply.choices):  # every choice (n > 1) and its log-probs, once its generation ended
+            if not reply.streamed:  # not streamed live (n > 1, a cached retry): the whole text now
+                out.append(self.chunk([_choice(i, c.content)]))
+            out.append(self.chunk([_choice(i, "", c.finish_reason, _logprobs(c))]))
         if self.req.include_usage:
-            out.append(self.chunk("", usage=usage(reply)))
+            out.append(self.chunk([], usage=usage(reply)))
         return out + [b"data: [DONE]\n\n"]
 
     def error(self, e: RequestError) -> list[bytes]:

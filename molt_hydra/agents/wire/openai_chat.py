@@ -36,7 +36,7 @@ def parse(body: Any) -> ChatRequest:
 
 
 def _message(m: Any, where: str) -> dict:
-    if not isinstance(m, dict) or m.get("role") not in ROLES:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
         raise bad(f"{where} must be an object with role in {sorted(ROLES)}", where)
     role = ROLES[m["role"]]
     content = "" if m.get("content") is None else m["content"]

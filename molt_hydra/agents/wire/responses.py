@@ -13,7 +13,11 @@ from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
 from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
-          "text", "parallel_tool_calls", "top_logprobs"}
+          "text", "parallel_tool_calls", "top_logprobs", "include"}
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for log-probs (the Agents SDK sends it)
+# `include` entries that change nothing here: reasoning is never encrypted, and echoed reasoning items are dropped
+# (the segment holds the generated tokens), so a stateless client loses nothing without `encrypted_content`
+INCLUDE_IGNORED = {"reasoning.encrypted_content"}
 
 
 def parse(body: Any) -> ChatRequest:
@@ -48,12 +52,28 @@ def parse(body: Any) -> ChatRequest:
     text = body.get("text") or {}
     if not isinstance(text, dict):
         raise bad("'text' must be an object", "text")
+    if text.get("verbosity") not in (None, "medium") or set(text) - {"format", "verbosity"}:
+        raise bad(f"'text' {text!r}: only 'format' is served ('verbosity' only at its default \"medium\": this "
+                  "model is not trained to follow it, so another value would change nothing)", "text")
     return ChatRequest(
         messages=canon, tools=tools, overrides=check.sampling(body, ("max_output_tokens",)),
         stream=check.flag(body, "stream"), tool_choice=check.tool_choice(body.get("tool_choice"), tools),
         parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
-        top_logprobs=check.top_logprobs(body, None) if body.get("top_logprobs") else None,
+        top_logprobs=_top_logprobs(body),
         response_format=check.response_format(text.get("format"), "text.format"))
+
+
+def _top_logprobs(body: dict) -> int | None:
+    """Log-probs when `include` asks for them or `top_logprobs` > 0; other `include` entries (hosted tools' outputs,
+    server-side images) are refused, naming them."""
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise bad(f"'include' must be a list of strings, got {include!r}", "include")
+    if unknown := sorted(set(include) - INCLUDE_IGNORED - {LOGPROBS}):
+        raise bad(f"'include' entries {unknown} are not served (no hosted tools, nothing stored); served: "
+                  f"{[LOGPROBS, *sorted(INCLUDE_IGNORED)]}", "include")
+    top = check.top_logprobs(body, None)
+    return top if LOGPROBS in include or top else None
 
 
 def _item(item: Any, where: str, canon: list[dict]) -> None:
@@ -61,7 +81,7 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
         raise bad(f"{where} must be an object", where)
     kind = item.get("type", "message")
     if kind == "message":
-        if item.get("role") not in ROLES or item["role"] == "tool":
+        if not isinstance(item.get("role"), str) or item["role"] not in ROLES or item["role"] == "tool":
             raise bad(f"{where}: message role must be user, system, developer or assistant", where)
         content = check.text_or_parts(item.get("content", ""), f"{where}.content", _part)
         canon.append({"role": ROLES[item["role"]], "content": content})
@@ -120,7 +140,8 @@ def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
         tool_choice = {"type": "function", "name": tool_choice["function"]["name"]}
     usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
              "total_tokens": reply.prompt_tokens + reply.completion_tokens,
-             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+             "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens}}
     return {"id": rid or new_id("resp_"), "object": "response", "created_at": int(time.time()),
             "status": "incomplete" if incomplete else "completed", "error": None, "model": model, "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "usage": usage,
@@ -133,6 +154,10 @@ class ResponseStream(Stream):
 
     ID_PREFIX = "resp_"
     seq, item_id, text = 0, None, ""  # events sent; the open item's id and text so far
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.items: list[dict] = []  # the items streamed, as closed
 
     def ev(self, kind: str, **data) -> bytes:
         self.seq += 1
@@ -165,22 +190,29 @@ class ResponseStream(Stream):
 
     def close(self) -> list[bytes]:
         if self.kind == "content":
-            part = {"type": "output_text", "text": self.text, "annotations": []}
-            return [self.ev("response.output_text.done", **self.at(text=self.text)),
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            self.items.append(_message_item(self.item_id, [part]))
+            return [self.ev("response.output_text.done", **self.at(text=self.text, logprobs=[])),
                     self.ev("response.content_part.done", **self.at(part=part)),
-                    self.ev("response.output_item.done", output_index=self.index,
-                            item=_message_item(self.item_id, [part]))]
+                    self.ev("response.output_item.done", output_index=self.index, item=self.items[-1])]
         if self.kind == "reasoning":
+            self.items.append(_reasoning_item(self.item_id, self.text))
             return [self.ev("response.reasoning_text.done", **self.at(text=self.text)),
-                    self.ev("response.output_item.done", output_index=self.index,
-                            item=_reasoning_item(self.item_id, self.text))]
+                    self.ev("response.output_item.done", output_index=self.index, item=self.items[-1])]
         return []
 
     def end(self, reply) -> list[bytes]:
         out = self.close()
         final = body(reply, self.req, self.model, self.id)
-        streamed = self.index + 1 if reply.streamed else 0  # the rest (tool calls, a cached reply) is sent whole
-        for j, item in enumerate(final["output"][streamed:], start=streamed):
+        # the items streamed stand as sent, ids and text; the reply's others (tool calls, all of a cached reply)
+        # follow whole. Not by position: text streamed before a tool call may be blank, which the reply leaves out
+        streamed = self.items if reply.streamed else []
+        for item in streamed:
+            if item["type"] == "message":
+                item["content"][0]["logprobs"] = reply.choices[0].logprobs or []
+        rest = [item for item in final["output"] if item["type"] not in {i["type"] for i in streamed}]
+        final["output"] = streamed + rest
+        for j, item in enumerate(rest, start=len(streamed)):
             out.append(self.ev("response.output_item.added", output_index=j, item=item))
             if item["type"] == "function_call":
                 out.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=j,

@@ -49,6 +49,7 @@ class Choice:
     stop_sequence: str | None  # the stop string that ended it, if one did
     reasoning: str | None = None  # the model's thinking, split off by the reasoning parser
     logprobs: list[dict] | None = None  # OpenAI logprobs.content entries, when the client asked for them
+    reasoning_tokens: int = 0  # generated tokens inside the thinking markers (vLLM's reasoning parser counts them)
 
 
 @dataclass
@@ -203,7 +204,8 @@ class ChatSession:
                 raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
                                    "response_format")
             structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
-        return {"n": req.n, "top_logprobs": req.top_logprobs or 0, "structured": compact(structured)}
+        return {"n": req.n, "top_logprobs": req.top_logprobs or 0,
+                "structured": compact(structured, "tools" if req.forced_tool else "response_format")}
 
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         self._check_n(req)
@@ -211,6 +213,7 @@ class ChatSession:
         remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
         sampling = self._turn_sampling(req, remaining)
         out_of_turns = self.max_turns is not None and self.generate_calls >= self.max_turns
+        self.last_prompt_tokens = len(prompt_ids)  # also of a turn out of budget: its reply reports this prompt
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
                 raise RequestError(400, f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this "
@@ -219,7 +222,6 @@ class ChatSession:
             for traj, _ in self._branches:
                 traj.truncated = True
             return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
-        self.last_prompt_tokens = len(prompt_ids)
         self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
@@ -322,7 +324,8 @@ class ChatSession:
         finish = "tool_calls" if calls else "length" if gen.finish_reason == "length" else "stop"
         call_ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
         return Choice(gen, parsed.content, calls, call_ids, finish, stop_sequence, parsed.reasoning,
-                      None if req.top_logprobs is None else self._logprob_entries(gen))
+                      None if req.top_logprobs is None else self._logprob_entries(gen),
+                      self.parser.reasoning.count_reasoning_tokens(gen.token_ids) if self.parser.reasoning else 0)
 
     def _logprob_entries(self, gen: Generation) -> list[dict]:
         """The engine's logprob of every generated token (and its top alternatives), in OpenAI's shape."""

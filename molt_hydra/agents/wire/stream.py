@@ -28,6 +28,7 @@ class Stream:
         self.req, self.model, self.session = req, model, session
         self.id, self.created = new_id(self.ID_PREFIX), int(time.time())
         self.kind, self.index = None, -1  # the open block
+        self.kinds_sent: set[str] = set()  # kinds of the blocks streamed so far (the end sends the reply's others)
 
     def start(self) -> list[bytes]:
         return []
@@ -37,6 +38,7 @@ class Stream:
             return self.piece(text)
         out = self.close()  # of the block that was open
         self.kind, self.index = kind, self.index + 1
+        self.kinds_sent.add(kind)
         return out + self.open() + self.piece(text)
 
     def open(self) -> list[bytes]:
