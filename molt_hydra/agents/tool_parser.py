@@ -58,19 +58,6 @@ class ParsedReply:
     reasoning: str | None = None
 
 
-def parse_forced(text: str, tool_choice) -> ParsedReply:
-    """The bare JSON a forced tool choice generated: an array of {name, parameters} ("required") or the named tool's
-    arguments object."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return ParsedReply(text, [])  # cut by max_tokens: the agent sees the partial JSON
-    if isinstance(tool_choice, dict):
-        return ParsedReply("", [ToolCall(tool_choice["function"]["name"], obj)] if isinstance(obj, dict) else [])
-    calls = [ToolCall(c["name"], c.get("parameters") or {}) for c in obj if isinstance(c, dict) and "name" in c]
-    return ParsedReply("", calls)
-
-
 def check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
     """Unknown parser names fail naming the config key and vLLM's known names."""
     from vllm.reasoning import ReasoningParserManager
@@ -133,6 +120,21 @@ class ReplyParser:
                 return self._unparsed(content, reasoning, f"arguments of {tc.function.name!r} are not a JSON object")
             calls.append(ToolCall(tc.function.name, args))
         return ParsedReply((info.content or "").strip(), calls, reasoning)
+
+    def parse_forced(self, text: str, tool_choice) -> ParsedReply:
+        """The bare JSON a forced tool choice generated, after the thinking of a reasoning model (the engine's grammar
+        starts where its reasoning ends: runtime/roles.py hands vLLM the reasoning parser): an array of {name,
+        parameters} ("required") or the named tool's arguments object."""
+        thought = self.parse(text, None, parse_tools=False)
+        try:
+            obj = json.loads(thought.content)
+        except json.JSONDecodeError:
+            return thought  # cut by max_tokens: the agent sees the partial JSON
+        if isinstance(tool_choice, dict):
+            calls = [ToolCall(tool_choice["function"]["name"], obj)] if isinstance(obj, dict) else []
+        else:
+            calls = [ToolCall(c["name"], c.get("parameters") or {}) for c in obj if isinstance(c, dict) and "name" in c]
+        return ParsedReply("", calls, thought.reasoning)
 
     def _unparsed(self, content: str, reasoning: str | None, why: str) -> ParsedReply:
         """A tool-call block that does not parse stays text for the agent; counted, and one warning line."""

@@ -116,6 +116,9 @@ def extra_engine_args(cfg: RunConfig) -> dict:
         "limit_mm_per_prompt": ({"image": cfg.data.max_images_per_prompt, "video": 0}
                                 if cfg.data.max_images_per_prompt else None),
         "trust_remote_code": cfg.model.trust_remote_code,
+        # a forced tool call / response_format then shapes the reply after the model's thinking, not from its first
+        # token (vLLM's structured outputs wait for the reasoning parser's end marker)
+        "reasoning_parser": cfg.agent.reasoning_parser,
     }
     return {k: v for k, v in args.items() if v is not None}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from _config_helpers import PLAN_HEADER, run_cli
-from molt_hydra.cli import EXIT_CONFIG_ERROR
+from _config_helpers import PLAN_HEADER, compose_config, run_cli
+from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
 from test_validation import assert_fires, config_errors
 
 MOE = "model.path=tiny://qwen3_moe_tiny"
@@ -97,3 +97,12 @@ def test_cli_refuses_one_of_each_class_with_exit_2(tmp_path):
     assert "Traceback" not in res.output and PLAN_HEADER not in res.stdout, res.describe()
     keys = {l[2:].split(":", 1)[0] for l in res.stderr.splitlines() if l.startswith("- ")}
     assert keys >= {row[2] for row in rows} | {"cluster.ray_address"}, res.describe()
+
+
+def test_the_engine_gets_the_agents_reasoning_parser():
+    """vLLM's structured outputs honour the reasoning end only when the engine knows the parser."""
+    from molt_hydra.runtime.roles import extra_engine_args
+
+    assert "reasoning_parser" not in extra_engine_args(to_run_config(compose_config([])))
+    cfg = to_run_config(compose_config(["agent.reasoning_parser=deepseek_r1"]))
+    assert extra_engine_args(cfg)["reasoning_parser"] == "deepseek_r1"

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from molt_hydra.agents.tool_parser import ReplyParser, ToolCall, parse_forced
+from molt_hydra.agents.tool_parser import ReplyParser, ToolCall
 
 TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}}}}]
@@ -82,11 +82,24 @@ def test_streamed_content_stops_where_a_tool_call_may_begin(tok):
     assert llama.parse(text, TOOLS).tool_calls == [ToolCall("python", {"code": "1"})]  # it is a call
 
 
-def test_forced_tool_choice_parses_the_bare_json():  # the schema that forces it: tests/unit/test_vllm_compat_chat.py
+def test_forced_tool_choice_parses_the_bare_json(tok):  # the schema that forces it: test_vllm_compat_chat.py
     named = {"type": "function", "function": {"name": "python"}}
-    assert parse_forced(json.dumps([{"name": "python", "parameters": {"code": "3"}}]), "required").tool_calls == [
+    p = ReplyParser(tok, "hermes")
+    assert p.parse_forced(json.dumps([{"name": "python", "parameters": {"code": "3"}}]), "required").tool_calls == [
         ToolCall("python", {"code": "3"})]
-    assert parse_forced('{"code": "4"}', named).tool_calls == [ToolCall("python", {"code": "4"})]
+    assert p.parse_forced('{"code": "4"}', named).tool_calls == [ToolCall("python", {"code": "4"})]
+
+
+def test_a_thinking_model_thinks_before_its_forced_tool_call(tok):
+    """The engine's grammar starts where the reasoning ends (the engine gets agent.reasoning_parser): the reply is
+    thinking, then the forced JSON; the thinking is surfaced as reasoning and the JSON read as the call."""
+    p = ReplyParser(tok, "hermes", "deepseek_r1")
+    r = p.parse_forced('<think>I should run it.</think>{"code": "5"}', {"type": "function", "function": {
+        "name": "python"}})
+    assert (r.reasoning, r.content, r.tool_calls) == ("I should run it.", "", [ToolCall("python", {"code": "5"})])
+    cut = p.parse_forced("<think>still thinking", "required")  # cut by max_tokens inside the thinking: no call
+    assert (cut.reasoning, cut.tool_calls) == ("still thinking", [])
+
 
 
 def test_unknown_parser_names_fail_naming_the_key(tok):

@@ -26,7 +26,7 @@ from typing import Any
 
 from molt_hydra.agents.base import Trajectory
 from molt_hydra.agents.json_grammar import compact
-from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall, parse_forced
+from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall
 from molt_hydra.agents.wire.images import image_sources, load_image
 from molt_hydra.agents.wire.request import ChatRequest, RequestError
 from molt_hydra.compat.vllm import forced_tool_schema
@@ -317,7 +317,7 @@ class ChatSession:
         if req.raw_prompt is not None:
             parsed = ParsedReply(text, [])
         elif req.forced_tool:
-            parsed = parse_forced(text, req.tool_choice)
+            parsed = self.parser.parse_forced(text, req.tool_choice)
         else:
             parsed = self.parser.parse(text, req.tools, parse_tools=req.tool_choice != "none")
         calls = parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
