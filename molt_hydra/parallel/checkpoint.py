@@ -167,13 +167,15 @@ def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None
 
 
 def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None, model_only: bool = False,
-                    master_weights: str | None = None, step: str | None = None) -> dict | None:
+                    master_weights: str | None = None, step: str | None = None,
+                    into: dict | None = None) -> dict | None:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client state, or None when
     there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state.
     `master_weights`: this run's model.master_weights; a resume (not a warm start) of a checkpoint saved under the
     other mode is refused before anything loads (the two optimizer states differ in kind). `step` (a step_<N>
     name): that checkpoint, not the newest loadable one: every role of a run resumes the step the actor's resolved
-    to, and a role whose own is missing or damaged is an error naming it."""
+    to, and a role whose own is missing or damaged is an error naming it. `into` (with `model_only`): the tensors
+    the weights load into, by name, instead of the model's (the fp32 masters of model.master_weights=optimizer)."""
     path = resolve_checkpoint(root) if step is None else Path(root) / step
     if path is None:
         return None
@@ -188,15 +190,16 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
         raise ValueError(f"model.master_weights: {path} was saved with model.master_weights={saved}, this run has "
                          f"{master_weights}; its optimizer state cannot be resumed across the two. Fix: set "
                          f"model.master_weights={saved} (or checkpoint.load_model_only=true: the weights alone)")
-    state = _dcp_state(model, optimizer)
+    state = {"model": into} if into is not None else _dcp_state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(path / "dcp"))  # without an optimizer: the model's entries only
     except dcp.api.CheckpointException as e:  # damage the size checks of `problem` cannot see (bytes overwritten)
         rank, (cause, _) = next(iter(e.failures.items()))
         raise RuntimeError(f"reading {path} failed on rank {rank}: {type(cause).__name__}: {cause}. Fix: move {path} "
                            "out of the checkpoint directory to resume from the one before it") from e
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))
+    if into is None:
+        set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
     if model_only:
         return {}
     if scheduler is not None and extra["scheduler"] is not None:

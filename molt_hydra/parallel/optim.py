@@ -103,13 +103,18 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     torch._foreach_copy_(*map(list, zip(*copies)))
         self._grad_scale = None
 
+    def masters_by_name(self, model) -> dict[str, torch.Tensor]:
+        """The fp32 master of each of `model`'s parameters, by its name: where a weights-only load (a warm start) puts
+        the checkpoint's weights, so an fp32 checkpoint keeps its precision (then `params_from_masters`)."""
+        return {name: self.state[p]["master"] for name, p in model.named_parameters() if p in self.state}
+
     @torch.no_grad()
-    def masters_from_params(self) -> None:
-        """After a weights-only load replaced the params (a warm start): each master takes its param's value (the
-        loaded weights, as the params hold them), so the next step goes on from them."""
+    def params_from_masters(self) -> None:
+        """Each param takes its master's value, rounded to the param's dtype (and moved to its device)."""
         for group in self.param_groups:
             for p in group["params"]:
-                local_part(self.state[p]["master"]).copy_(local_part(p))
+                if self.state[p]["master"] is not p:
+                    local_part(p).copy_(local_part(self.state[p]["master"]))
 
     def load_state_dict(self, state_dict):
         # torch casts every floating state tensor to its param's dtype on load (bf16 here): keep the fp32 ones

@@ -538,10 +538,14 @@ class TrainerWorker:
     def load_checkpoint(self, root: str, model_only: bool = False, step: str | None = None) -> dict | None:
         """`model_only` (checkpoint.load_model_only): the weights alone; optimizer, scheduler and step stay fresh.
         `step`: that step_<N> under `root` (every role of a run resumes the same one), else the newest loadable."""
+        # a warm start under optimizer masters loads into the masters (else its first step would go on from the
+        # model as built, and an fp32 checkpoint would reach them rounded to the params' bf16)
+        masters = model_only and isinstance(self.optimizer, MasterWeightAdamW)
         cs = ckpt.load_checkpoint(root, self.model, self.optimizer, self.scheduler, model_only=model_only,
-                                  master_weights=self.spec.master_weights, step=step)
-        if cs is not None and model_only and isinstance(self.optimizer, MasterWeightAdamW):
-            self.optimizer.masters_from_params()  # else its first step would go on from the model as built
+                                  master_weights=self.spec.master_weights, step=step,
+                                  into=self.optimizer.masters_by_name(self.model) if masters else None)
+        if cs is not None and masters:
+            self.optimizer.params_from_masters()
         if cs is not None and not model_only:
             self.global_step = int(cs.get("global_step", 0))
         return cs

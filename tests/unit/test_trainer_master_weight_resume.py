@@ -1,7 +1,7 @@
 """A trainer's checkpoints and `model.master_weights` (parallel/trainer.py save/load, one in-process rank on CPU,
 bf16 compute, the tiny Qwen3): the trainer records its mode, so a resume under the other mode is refused before
-anything loads, naming both; a warm start (weights only) under optimizer masters trains on from the loaded weights,
-not from the fp32 masters of the model as it was built."""
+anything loads, naming both; a warm start (weights only) under optimizer masters trains on from the loaded weights
+(in the fp32 masters unrounded), not from the fp32 masters of the model as it was built."""
 
 from __future__ import annotations
 
@@ -61,6 +61,11 @@ def test_a_warm_start_under_optimizer_masters_goes_on_from_the_loaded_weights(tm
     built = weights(warm)
     assert max((built[n] - saved[n]).abs().max().item() for n in saved) > 1e-2
     warm.load_checkpoint(str(tmp_path), model_only=True)
+    exact = weights(saver)  # the fp32 checkpoint reaches the fp32 masters unrounded
+    masters = {n: warm.optimizer.state[p]["master"] for n, p in warm.model.named_parameters()}
+    for n in saved:
+        assert torch.equal(masters[n].float(), exact[n]), n
+    assert any(not torch.equal(exact[n], saved[n]) for n in saved)  # rounding to bf16 would have changed some
     warm.train_step([sample()])
     after = weights(warm)
     for n in saved:
