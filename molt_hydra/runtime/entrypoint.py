@@ -20,6 +20,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
@@ -31,6 +32,13 @@ EXIT_INTERRUPTED = 130
 
 def run(cfg: RunConfig) -> None:
     check_outputs(cfg)
+    locked = {"output_dir": cfg.output_dir} if cfg.job.value == "eval" else {"output_dir": cfg.output_dir,
+                                                                          "checkpoint.dir": cfg.checkpoint.dir}
+    with run_lock(locked):  # one run per directory, from its first write to its end
+        _run(cfg)
+
+
+def _run(cfg: RunConfig) -> None:
     record = write_run_record(cfg, cfg.output_dir)
     _check_resume(cfg)
     if cfg.job.value == "sft":
