@@ -16,7 +16,7 @@ import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
@@ -34,8 +34,29 @@ def run(cfg: RunConfig) -> None:
     check_outputs(cfg)
     locked = {"output_dir": cfg.output_dir} if cfg.job.value == "eval" else {"output_dir": cfg.output_dir,
                                                                           "checkpoint.dir": cfg.checkpoint.dir}
-    with run_lock(locked):  # one run per directory, from its first write to its end
+    with run_lock(locked), _stoppable():  # one run per directory, from its first write to its end
         _run(cfg)
+
+
+@contextmanager
+def _stoppable():
+    """Ctrl-C or SIGTERM where the run's event loop does not take them (the resume check and the model's build before
+    it, seconds of imports; job=sft): exit 130 with one line. Before, Ctrl-C there printed a KeyboardInterrupt
+    traceback and SIGTERM ended the process without a word."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("\nInterrupted: the run stopped; the last checkpoint is kept.", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _run(cfg: RunConfig) -> None:
