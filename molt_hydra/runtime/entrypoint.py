@@ -222,8 +222,9 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
     last = None
     with suppress(OSError):
         last = resolve_checkpoint(cfg.checkpoint.dir) if cfg.job.value != "eval" else None
-    lines.append(f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
-                 else "Last checkpoint: none (the run starts from step 0 again)")
+    if cfg.job.value != "eval":  # (an eval job trains nothing: no checkpoint of its own to resume)
+        lines.append(f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
+                     else "Last checkpoint: none (the run starts from step 0 again)")
     details = Path(cfg.output_dir) / "failure.txt"
     with suppress(OSError):
         details.write_text("\n".join(lines) + "\n\n" + "".join(traceback.format_exception(error)))

@@ -94,3 +94,14 @@ def test_a_5xx_carries_the_engines_message_in_process_and_across_ray(local_ray):
         ray.get(ray.remote(engine_generate_error).remote())
     assert type(remote.value).__name__.startswith("RayTaskError")
     assert f"ValueError: {TEXT_ONLY}" in failure_text(remote.value)
+
+
+def test_an_eval_jobs_failure_offers_no_checkpoint_to_resume(tmp_path):
+    """job=eval trains nothing. Before: its failure ended 'Last checkpoint: none (the run starts from step 0 again)'."""
+    from molt_hydra.rollout.generator import RunFailed
+
+    cfg = SimpleNamespace(output_dir=str(tmp_path), job=SimpleNamespace(value="eval"),
+                          checkpoint=SimpleNamespace(dir=str(tmp_path / "checkpoints")))
+    lines = asyncio.run(_report_failure(cfg, None, RunFailed("agent runner", "every eval rollout failed")))
+    assert lines == ["Run failed: agent runner: every eval rollout failed.",
+                     f"Details (traceback): {tmp_path / 'failure.txt'}"]

@@ -165,6 +165,32 @@ def test_eval_pass_at_1_and_pass_at_k_per_datasource():
     assert m["eval_num_samples"] == 12 and m["eval_response_length_mean"] == 3
 
 
+def test_eval_scores_only_what_can_be_scored_and_counts_the_rest():
+    """Before: a failed rollout was left out uncounted, a NaN reward made pass@1 NaN, and a datasource whose every
+    rollout failed was scored 0.0."""
+    nan = float("nan")
+    eval_rows = [{"id": 0, "script": [1.0, "raise"], "datasource": "a"},
+                 {"id": 1, "script": [nan, 0.0], "datasource": "a"},
+                 {"id": 2, "script": ["raise", "raise"], "datasource": "b"}]
+    gen = SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING)
+    m = asyncio.run(gen.evaluate(eval_rows, 2, SAMPLING))
+    assert m["eval_a_pass1"] == pytest.approx((1.0 + 0.0) / 2) and m["eval_a_pass2"] == pytest.approx((1.0 + 0.0) / 2)
+    assert m["eval_dropped_agent_exception"] == 3 and m["eval_dropped_nonfinite_reward"] == 1
+    assert m["eval_num_samples"] == 2 and not any(k.startswith("eval_b_") for k in m)
+
+
+def test_an_eval_whose_every_rollout_failed_fails_with_the_drops():
+    """Before: job=eval with an agent that raised on every rollout exited 0, printing eval_toy_pass1 0.0."""
+    from molt_hydra.rollout.generator import RunFailed
+
+    gen = SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING)
+    with pytest.raises(RunFailed) as e:
+        asyncio.run(gen.evaluate([{"id": i, "script": ["raise", float("nan")]} for i in range(3)], 2, SAMPLING))
+    assert (e.value.role, e.value.cause) == ("agent runner", "every eval rollout (3 prompts x 2) failed; the eval "
+                                                             "has no score")
+    assert e.value.drops == {"agent_exception": 3, "nonfinite_reward": 3}
+
+
 def test_bad_config_is_a_clear_error():
     with pytest.raises(ValueError, match="low < high"):
         SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=2, sampling=SAMPLING,
