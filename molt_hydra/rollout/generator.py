@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import math
 import random
 from collections import Counter
@@ -124,6 +125,7 @@ class SamplesGenerator:
         self._dropped: Counter = Counter()  # rollouts dropped, by reason (since the last batch)
         self._groups: Counter = Counter()  # groups seen / kept / all pass / all fail, scores (`_filter`)
         self._failed_in_a_row = 0  # groups in a row without one usable rollout: a batch's worth ends the run
+        self._fingerprint: str | None = None  # `fingerprint`, made at the first save
 
     # --- dispatch ---
 
@@ -231,15 +233,31 @@ class SamplesGenerator:
 
     def state_dict(self) -> dict:
         inflight = [(e, i) for e, i, _ in sorted(self._inflight.values(), key=lambda v: v[2])]
-        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "prompts": self.fingerprint(),
                 "pending": list(self._pending) + inflight,  # in-flight groups are rerun after a resume
                 "finished": [(g.prompt_index, g.epoch, g.trajectories) for g in self._finished]}
+
+    def fingerprint(self) -> str:
+        """The prompts' count and a digest of their prompt and label, told apart by a resume: indices into other data
+        pick other prompts (or none: an IndexError) from then on. Images are not hashed (their PIL objects' repr
+        is not their content)."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            for row in self.prompts:
+                digest.update(repr((row.get("prompt"), row.get("label"))).encode())
+            self._fingerprint = f"{len(self.prompts)} rows, sha256 {digest.hexdigest()[:16]}"
+        return self._fingerprint
 
     def load_state_dict(self, state: dict) -> None:
         if self._inflight:
             raise RuntimeError("load_state_dict on a generator with groups in flight")
         if state["seed"] != self.seed:
             raise ValueError(f"checkpoint prompt order was seeded with {state['seed']}, this run uses {self.seed}")
+        if state.get("prompts", self.fingerprint()) != self.fingerprint():  # (a checkpoint older than the record)
+            raise ValueError(f"the checkpoint was trained on other prompts ({state['prompts']}) than this run's "
+                             f"({self.fingerprint()}); its place in them cannot be resumed. Fix: resume with the data "
+                             "it was trained on, or start on this data from its weights with "
+                             "checkpoint.load_model_only=true")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = prompt_order(len(self.prompts), self.seed, self.epoch)
         self._pending = [tuple(p) for p in state["pending"]]

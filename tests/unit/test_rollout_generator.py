@@ -104,6 +104,28 @@ def test_resume_continues_the_same_order_without_losing_or_repeating_prompts():
     assert sorted(got + rest) == list(range(12))
 
 
+@pytest.mark.parametrize("other", ["fewer", "edited"])
+def test_a_resume_on_other_prompts_is_refused_naming_both(other):
+    """Before: a resume after the data file was cut short failed mid-run with 'Run failed: driver: IndexError: list
+    index out of range' (advising the same resume again); one after rows were edited went on over other prompts."""
+    data = [{"id": i, "prompt": f"q{i}", "label": str(i)} for i in range(8)]
+    gen = SamplesGenerator(data, ScriptedRunner(), batch_size=2, n_samples_per_prompt=1, sampling=SAMPLING)
+    state = gen.state_dict()
+    assert state["prompts"] == gen.fingerprint() and gen.fingerprint().startswith("8 rows, sha256 ")
+    changed = data[:5] if other == "fewer" else [*data[:7], {**data[7], "label": "8"}]
+    resumed = SamplesGenerator(changed, ScriptedRunner(), batch_size=2, n_samples_per_prompt=1, sampling=SAMPLING)
+    with pytest.raises(ValueError) as e:
+        resumed.load_state_dict(state)
+    assert str(e.value).startswith(f"the checkpoint was trained on other prompts ({gen.fingerprint()}) than this "
+                                   f"run's ({resumed.fingerprint()}); ")
+    assert resumed.fingerprint() != gen.fingerprint()
+    same = SamplesGenerator([dict(r) for r in data], ScriptedRunner(), batch_size=2, n_samples_per_prompt=1,
+                            sampling=SAMPLING)
+    same.load_state_dict(state)  # the same data, reloaded: resumes
+    del state["prompts"]  # a checkpoint older than the record: resumes as before
+    resumed.load_state_dict(state)
+
+
 def test_surplus_finished_groups_go_into_the_state():
     async def go():
         gen = SamplesGenerator(rows(6), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING,
