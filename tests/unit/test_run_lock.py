@@ -16,8 +16,8 @@ from molt_hydra.runtime.run_lock import LOCK_NAME, run_lock
 from molt_hydra.runtime.watchdog import EXIT_FAILED
 
 MOLT_RUN = Path(sys.executable).with_name("molt-run")
-HOLD = "import sys, time; from molt_hydra.runtime.run_lock import run_lock\nwith run_lock({'output_dir': sys.argv[1]}):" \
-       "\n    print('held', flush=True); time.sleep(600)"
+HOLD = ("import sys, time\nfrom molt_hydra.runtime.run_lock import run_lock\n"
+        "with run_lock({'output_dir': sys.argv[1]}):\n    print('held', flush=True)\n    time.sleep(600)")
 
 
 def _holder(path: Path) -> subprocess.Popen:
