@@ -152,6 +152,7 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [], last_words)
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
+        last_words += _resume_hint(cfg)  # which one, after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
         # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
@@ -201,7 +202,6 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
     """One message (returned: the caller prints it last): the role, the cause, the drops and an example agent error
     (when nothing could be trained), the checkpoint to resume from. The traceback is written to
     <output_dir>/failure.txt, not to the terminal."""
-    from molt_hydra.parallel.checkpoint import resolve_checkpoint
     from molt_hydra.parallel.group import RankStartFailed
 
     if isinstance(error, RunFailed):
@@ -219,17 +219,25 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         for reason, example in sorted(examples.items()):
             if reason in drops:
                 lines.append(f"  example error ({reason}): {example}")
-    last = None
-    with suppress(OSError):
-        last = resolve_checkpoint(cfg.checkpoint.dir) if cfg.job.value != "eval" else None
-    if cfg.job.value != "eval":  # (an eval job trains nothing: no checkpoint of its own to resume)
-        lines.append(f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
-                     else "Last checkpoint: none (the run starts from step 0 again)")
+    lines += _resume_hint(cfg)
     details = Path(cfg.output_dir) / "failure.txt"
     with suppress(OSError):
         details.write_text("\n".join(lines) + "\n\n" + "".join(traceback.format_exception(error)))
         lines.append(f"Details (traceback): {details}")
     return lines
+
+
+def _resume_hint(cfg: RunConfig) -> list[str]:
+    """The checkpoint a resume would start from (an eval job trains nothing: none of its own)."""
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+
+    if cfg.job.value == "eval":
+        return []
+    last = None
+    with suppress(OSError):
+        last = resolve_checkpoint(cfg.checkpoint.dir)
+    return [f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
+            else "Last checkpoint: none (the run starts from step 0 again)"]
 
 
 # The Ray actor classes of the roles, for a failure that reached the driver without a role's name on it

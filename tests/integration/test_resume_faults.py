@@ -45,6 +45,8 @@ def test_sigterm_twice_stops_every_role_and_keeps_the_checkpoints(interrupted):
     out, code, err = interrupted
     assert code == EXIT_INTERRUPTED, err[-3000:]
     assert "Interrupted: stopping every role; the last checkpoint is kept." in err
+    newest = resolve_checkpoint(out / "checkpoints")  # named last, after the teardown (before: not named at all)
+    assert err.strip().splitlines()[-1] == f"Last checkpoint: {newest}; resume with checkpoint.resume=auto", err[-500:]
     assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
     skipped = []
     assert resolve_checkpoint(out / "checkpoints", skipped) is not None and skipped == []
