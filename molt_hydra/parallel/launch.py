@@ -1,7 +1,8 @@
 """Run a function on N local trainer ranks (torch.multiprocessing), for tests, benchmarks and single-host SFT.
 
 `fn(rank, world_size, master_port, *args)` runs in each spawned process; a rank that raises or a run that passes
-`timeout_s` terminates them all and raises here, so a broken collective never hangs the caller.
+`timeout_s` terminates them all and raises here, so a broken collective never hangs the caller; so does the
+caller's interruption.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, threads_per_
     ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), threads_per_rank, args),
                              nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish within {timeout_s:.0f}s")
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish within {timeout_s:.0f}s")
+    except BaseException:  # also Ctrl-C / SIGTERM (a KeyboardInterrupt): the ranks end with their caller
+        for p in ctx.processes:
+            p.kill()
+        raise

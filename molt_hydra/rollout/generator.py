@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import math
 import random
 from collections import Counter
@@ -36,6 +37,20 @@ class RunFailed(RuntimeError):
     def __init__(self, role: str, cause: str, drops: dict[str, int] | None = None):
         super().__init__(f"{role}: {cause}")
         self.role, self.cause, self.drops = role, cause, drops or {}
+
+
+def usable(results: list[tuple[Any, str | None]], dropped: Counter) -> list:
+    """The trajectories of a group's results that can be scored; each other result is counted in `dropped` by its
+    reason (a NaN / inf reward as nonfinite_reward: it would poison its group's advantages, or an eval's mean)."""
+    kept = []
+    for trajectory, reason in results:
+        if reason is not None or trajectory is None:
+            dropped[reason or "empty_session"] += 1
+        elif not math.isfinite(float(trajectory.reward)):
+            dropped["nonfinite_reward"] += 1
+        else:
+            kept.append(trajectory)
+    return kept
 
 
 class GroupRunner(Protocol):
@@ -110,6 +125,7 @@ class SamplesGenerator:
         self._dropped: Counter = Counter()  # rollouts dropped, by reason (since the last batch)
         self._groups: Counter = Counter()  # groups seen / kept / all pass / all fail, scores (`_filter`)
         self._failed_in_a_row = 0  # groups in a row without one usable rollout: a batch's worth ends the run
+        self._fingerprint: str | None = None  # `fingerprint`, made at the first save
 
     # --- dispatch ---
 
@@ -154,14 +170,7 @@ class SamplesGenerator:
     def _filter(self, epoch: int, index: int, results: list[tuple[Any, str | None]]) -> FinishedGroup | None:
         dropped, groups = self._dropped, self._groups
         groups["groups_seen"] += 1
-        kept = []
-        for trajectory, reason in results:
-            if reason is not None or trajectory is None:
-                dropped[reason or "empty_session"] += 1
-            elif not math.isfinite(float(trajectory.reward)):  # a NaN/inf reward would poison its group's advantages
-                dropped["nonfinite_reward"] += 1
-            else:
-                kept.append(trajectory)
+        kept = usable(results, dropped)
         failed = self._failed_in_a_row = 0 if kept else self._failed_in_a_row + 1
         if failed >= self.batch_size:
             raise RunFailed("agent runner", f"every rollout of the last {failed} prompt groups "
@@ -224,15 +233,31 @@ class SamplesGenerator:
 
     def state_dict(self) -> dict:
         inflight = [(e, i) for e, i, _ in sorted(self._inflight.values(), key=lambda v: v[2])]
-        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "prompts": self.fingerprint(),
                 "pending": list(self._pending) + inflight,  # in-flight groups are rerun after a resume
                 "finished": [(g.prompt_index, g.epoch, g.trajectories) for g in self._finished]}
+
+    def fingerprint(self) -> str:
+        """The prompts' count and a digest of their prompt and label, told apart by a resume: indices into other data
+        pick other prompts (or none: an IndexError) from then on. Images are not hashed (their PIL objects' repr
+        is not their content)."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            for row in self.prompts:
+                digest.update(repr((row.get("prompt"), row.get("label"))).encode())
+            self._fingerprint = f"{len(self.prompts)} rows, sha256 {digest.hexdigest()[:16]}"
+        return self._fingerprint
 
     def load_state_dict(self, state: dict) -> None:
         if self._inflight:
             raise RuntimeError("load_state_dict on a generator with groups in flight")
         if state["seed"] != self.seed:
             raise ValueError(f"checkpoint prompt order was seeded with {state['seed']}, this run uses {self.seed}")
+        if state.get("prompts", self.fingerprint()) != self.fingerprint():  # (a checkpoint older than the record)
+            raise ValueError(f"the checkpoint was trained on other prompts ({state['prompts']}) than this run's "
+                             f"({self.fingerprint()}); its place in them cannot be resumed. Fix: resume with the data "
+                             "it was trained on, or start on this data from its weights with "
+                             "checkpoint.load_model_only=true")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = prompt_order(len(self.prompts), self.seed, self.epoch)
         self._pending = [tuple(p) for p in state["pending"]]
@@ -248,28 +273,35 @@ class SamplesGenerator:
 
     async def evaluate(self, rows: Sequence[dict], n_samples: int, sampling: Sampling,
                        max_inflight: int | None = None) -> dict[str, float]:
-        """pass{n} = mean over groups of max reward (n > 1), pass1 = mean over groups of mean reward, per datasource.
+        """pass{n} = mean over groups of max reward (n > 1), pass1 = mean over groups of mean reward, per datasource,
+        over the rollouts that can be scored; the others are counted (eval_dropped_<reason>), and none at all fails
+        the run with the drops.
         `max_inflight` (eval.batch_size): prompt groups evaluated concurrently; None = the training pool's limit."""
         semaphore = asyncio.Semaphore(max_inflight or self.max_inflight_groups)
 
         async def one(row):
             async with semaphore:
-                results = await self.runner.run_group(row, n_samples, sampling)
-                return row.get("datasource", "default"), [t for t, reason in results if reason is None and t]
+                return row.get("datasource", "default"), await self.runner.run_group(row, n_samples, sampling)
 
         per_ds: dict[str, list[list]] = {}
-        for ds, trajectories in await asyncio.gather(*(one(r) for r in rows)):
-            per_ds.setdefault(ds, []).append(trajectories)
-        metrics: dict[str, float] = {}
+        dropped: Counter = Counter()
+        for ds, results in await asyncio.gather(*(one(r) for r in rows)):
+            per_ds.setdefault(ds, []).append(usable(results, dropped))
+        if not any(g for groups in per_ds.values() for g in groups):  # (was: exit 0 with a pass@1 of 0.0)
+            raise RunFailed("agent runner", f"every eval rollout ({len(rows)} prompts x {n_samples}) failed; the "
+                            "eval has no score", drops=dict(dropped))
+        metrics = {f"eval_dropped_{reason}": float(n) for reason, n in sorted(dropped.items())}
         for ds, groups in per_ds.items():
             rewards = [[float(t.reward) for t in g] for g in groups if g]
+            if not rewards:  # every rollout of this datasource failed: counted above, not scored 0
+                continue
             if n_samples > 1:
-                metrics[f"eval_{ds}_pass{n_samples}"] = sum(max(r) for r in rewards) / max(len(rewards), 1)
-            metrics[f"eval_{ds}_pass1"] = sum(sum(r) / len(r) for r in rewards) / max(len(rewards), 1)
+                metrics[f"eval_{ds}_pass{n_samples}"] = sum(max(r) for r in rewards) / len(rewards)
+            metrics[f"eval_{ds}_pass1"] = sum(sum(r) / len(r) for r in rewards) / len(rewards)
         # response length and truncation per datasource, then over every sample
         scopes = {f"eval_{ds}_": [t for g in groups for t in g] for ds, groups in per_ds.items()}
         scopes["eval_"] = [t for done in scopes.values() for t in done]
-        for prefix, done in scopes.items():
+        for prefix, done in ((p, done) for p, done in scopes.items() if done):
             lengths = [sum(e - s for s, e in t.action_ranges) for t in done]
             metrics[f"{prefix}response_length_mean"] = sum(lengths) / max(len(done), 1)
             metrics[f"{prefix}truncated_rate"] = sum(bool(t.truncated) for t in done) / max(len(done), 1)

@@ -205,12 +205,13 @@ def _trainer_groups(roles) -> list:
 
 
 async def _every(calls: list, seconds: float, role: str, what: str, who=None) -> list:
-    """Every call's result, in order, under one deadline; the first failure ends the run, naming `who(index, error)`
-    (default: `role index`)."""
+    """Every call's result, in order, under one deadline; the first failure (the first process that died, if any)
+    ends the run, naming `who(index, error)` (default: `role index`)."""
     results = await deadline(asyncio.gather(*calls, return_exceptions=True), seconds, role, what)
-    for i, result in enumerate(results):
-        if isinstance(result, Exception):
-            raise RunFailed(who(i, result) if who else f"{role} {i}", f"{what} failed: {describe(result)}") from result
+    failed = [(i, result) for i, result in enumerate(results) if isinstance(result, Exception)]
+    if failed:  # a process that died is the cause; the others' errors follow from it (gloo: 'closed by peer')
+        i, error = min(failed, key=lambda f: not isinstance(f[1], ray.exceptions.RayActorError))
+        raise RunFailed(who(i, error) if who else f"{role} {i}", f"{what} failed: {describe(error)}") from error
     return results
 
 

@@ -315,11 +315,13 @@ class RLController:
         trainer's atomic save, so a checkpoint is either complete or absent."""
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
-        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", ckpt.dir, state, keep=keep,
-                                            max_disk_gb=ckpt.max_disk_gb)
+        # The critic's first: the actor's save (its `latest`) marks the step complete, so a crash between the two
+        # leaves a critic step no resume reads, never an actor step whose critic is missing (a resume then failed).
         if self.roles.critic is not None:
             await self.calls.ranks(self.roles.critic, "save_checkpoint", ckpt.dir + "_critic", {"rl_step": self.step},
                                    keep=keep, max_disk_gb=ckpt.max_disk_gb, role="critic")
+        (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", ckpt.dir, state, keep=keep,
+                                            max_disk_gb=ckpt.max_disk_gb)
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
             await self.calls.ranks(self.roles.actor, "export_hf", str(Path(ckpt.dir) / "hf" / f"step_{self.step}"),

@@ -16,10 +16,11 @@ import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
@@ -31,6 +32,34 @@ EXIT_INTERRUPTED = 130
 
 def run(cfg: RunConfig) -> None:
     check_outputs(cfg)
+    locked = {"output_dir": cfg.output_dir} if cfg.job.value == "eval" else {"output_dir": cfg.output_dir,
+                                                                          "checkpoint.dir": cfg.checkpoint.dir}
+    with run_lock(locked), _stoppable():  # one run per directory, from its first write to its end
+        _run(cfg)
+
+
+@contextmanager
+def _stoppable():
+    """Ctrl-C or SIGTERM where the run's event loop does not take them (the resume check and the model's build before
+    it, seconds of imports; job=sft): exit 130 with one line. Before, Ctrl-C there printed a KeyboardInterrupt
+    traceback and SIGTERM ended the process without a word."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("\nInterrupted: the run stopped; the last checkpoint is kept.", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(cfg: RunConfig) -> None:
     record = write_run_record(cfg, cfg.output_dir)
     _check_resume(cfg)
     if cfg.job.value == "sft":
@@ -123,6 +152,7 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [], last_words)
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
+        last_words += _resume_hint(cfg)  # which one, after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
         # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
@@ -172,7 +202,6 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
     """One message (returned: the caller prints it last): the role, the cause, the drops and an example agent error
     (when nothing could be trained), the checkpoint to resume from. The traceback is written to
     <output_dir>/failure.txt, not to the terminal."""
-    from molt_hydra.parallel.checkpoint import resolve_checkpoint
     from molt_hydra.parallel.group import RankStartFailed
 
     if isinstance(error, RunFailed):
@@ -190,16 +219,25 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         for reason, example in sorted(examples.items()):
             if reason in drops:
                 lines.append(f"  example error ({reason}): {example}")
-    last = None
-    with suppress(OSError):
-        last = resolve_checkpoint(cfg.checkpoint.dir) if cfg.job.value != "eval" else None
-    lines.append(f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
-                 else "Last checkpoint: none (the run starts from step 0 again)")
+    lines += _resume_hint(cfg)
     details = Path(cfg.output_dir) / "failure.txt"
     with suppress(OSError):
         details.write_text("\n".join(lines) + "\n\n" + "".join(traceback.format_exception(error)))
         lines.append(f"Details (traceback): {details}")
     return lines
+
+
+def _resume_hint(cfg: RunConfig) -> list[str]:
+    """The checkpoint a resume would start from (an eval job trains nothing: none of its own)."""
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+
+    if cfg.job.value == "eval":
+        return []
+    last = None
+    with suppress(OSError):
+        last = resolve_checkpoint(cfg.checkpoint.dir)
+    return [f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
+            else "Last checkpoint: none (the run starts from step 0 again)"]
 
 
 # The Ray actor classes of the roles, for a failure that reached the driver without a role's name on it

@@ -347,3 +347,37 @@ def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path)
     assert lines[-4:-2] == ["  dropped samples by reason: agent_exception 16",
                             "  example error (agent_exception): SystemExit: the grader gave up"], lines[-6:]
     assert "Traceback" not in run.err()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_before_the_roles_start_stops_the_run_in_one_line(tmp_path, sig):
+    """Sent as soon as the run record is written (the resume check and the model's build follow: seconds of imports,
+    before the run's event loop takes the signals). Before: Ctrl-C printed a KeyboardInterrupt traceback (exit -2);
+    SIGTERM ended the process without a word (exit -15)."""
+    run = Run(tmp_path / "run", "train.max_steps=1")
+    run.wait_for(lambda: (tmp_path / "run" / "run_record.json").exists(), timeout=120)
+    os.kill(run.proc.pid, sig)
+    code = run.finish(timeout=60)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == 130, run.err()[-3000:]
+    assert lines[-1] == "Interrupted: the run stopped; the last checkpoint is kept.", lines[-3:]
+    assert "Traceback" not in run.err() and not (tmp_path / "run" / "ray").exists()
+
+
+def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path):
+    """job=sft trains in spawned rank processes. Before: SIGTERM killed the driver alone, without a word (exit -15),
+    and its ranks trained on, orphaned; with the driver's interruption handled but the ranks not ended, the driver
+    waited for them to finish the job."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1?"},
+                                                     {"role": "assistant", "content": f"{i + 1}"}]}) + "\n"
+                            for i in range(64)))
+    out = tmp_path / "run"
+    run = Run(out, "job=sft", f"data.train_path={data}", "data.input_key=messages", "train.batch_size=8",
+              "train.micro_batch_size=4", "train.epochs=200", "checkpoint.export_final=false", small=False)
+    run.wait_for(lambda: (out / "sft_metrics.jsonl").exists() and (out / "sft_metrics.jsonl").stat().st_size > 0)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code = run.finish(timeout=30)  # (asserts that no rank is left)
+    assert code == 130, run.err()[-3000:]
+    assert "Interrupted: the run stopped; the last checkpoint is kept." in run.err().splitlines()
+    assert "Traceback" not in run.err()

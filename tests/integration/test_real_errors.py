@@ -94,3 +94,38 @@ def test_a_5xx_carries_the_engines_message_in_process_and_across_ray(local_ray):
         ray.get(ray.remote(engine_generate_error).remote())
     assert type(remote.value).__name__.startswith("RayTaskError")
     assert f"ValueError: {TEXT_ONLY}" in failure_text(remote.value)
+
+
+def test_an_eval_jobs_failure_offers_no_checkpoint_to_resume(tmp_path):
+    """job=eval trains nothing. Before: its failure ended 'Last checkpoint: none (the run starts from step 0 again)'."""
+    from molt_hydra.rollout.generator import RunFailed
+
+    cfg = SimpleNamespace(output_dir=str(tmp_path), job=SimpleNamespace(value="eval"),
+                          checkpoint=SimpleNamespace(dir=str(tmp_path / "checkpoints")))
+    lines = asyncio.run(_report_failure(cfg, None, RunFailed("agent runner", "every eval rollout failed")))
+    assert lines == ["Run failed: agent runner: every eval rollout failed.",
+                     f"Details (traceback): {tmp_path / 'failure.txt'}"]
+
+
+class Rank:
+    """A trainer rank's call: the survivor's fails as gloo fails a collective whose peer died."""
+
+    def step(self, fail: bool) -> int:
+        if fail:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8861")
+        return 1
+
+
+def test_a_rank_that_died_is_named_over_the_peer_its_death_failed(local_ray):
+    """Before: rank 1 killed mid-save ended the run as 'checkpoint writer (actor rank 0): save_checkpoint failed:
+    RuntimeError: ... Connection closed by peer', naming the survivor (and a disk problem) rather than the dead rank."""
+    from molt_hydra.runtime.calls import _every
+    from molt_hydra.runtime.watchdog import RunFailed
+
+    survivor, dead = ray.remote(Rank).remote(), ray.remote(Rank).remote()
+    assert ray.get(dead.step.remote(False)) == 1
+    ray.kill(dead)
+    with pytest.raises(RunFailed) as e:
+        asyncio.run(_every([survivor.step.remote(True), dead.step.remote(False)], 60, "actor", "train_step"))
+    assert e.value.role == "actor 1"
+    assert e.value.cause.startswith("train_step failed: the process died ("), e.value.cause

@@ -45,6 +45,8 @@ def test_sigterm_twice_stops_every_role_and_keeps_the_checkpoints(interrupted):
     out, code, err = interrupted
     assert code == EXIT_INTERRUPTED, err[-3000:]
     assert "Interrupted: stopping every role; the last checkpoint is kept." in err
+    newest = resolve_checkpoint(out / "checkpoints")  # named last, after the teardown (before: not named at all)
+    assert err.strip().splitlines()[-1] == f"Last checkpoint: {newest}; resume with checkpoint.resume=auto", err[-500:]
     assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
     skipped = []
     assert resolve_checkpoint(out / "checkpoints", skipped) is not None and skipped == []
@@ -116,3 +118,30 @@ def test_sft_resume_must_without_a_checkpoint_stops_before_training(tmp_path):
     assert lines[-1].startswith(f"Run failed: checkpoint.resume=must: no checkpoint under checkpoint.dir="
                                 f"{out / 'checkpoints'}. Fix: "), lines[-3:]
     assert not (out / "sft_metrics.jsonl").exists() and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow  # ~2 min: two runs with a critic (three colocated trainer roles) on 2 cores
+def test_a_crash_between_the_critics_save_and_the_actors_resumes_the_step_before(tmp_path):
+    """A run with a critic (algorithm.estimator=gae) saves each step for both; here the step-2 save fails between the
+    two (a file stands where the critic's step_2 goes), as a crash there would. Before: the actor's step_2 (and its
+    `latest`) was written first, the run named it as the one to resume, and the resume failed: 'critic rank 0:
+    load_checkpoint failed: ... step_2: missing; every role resumes step_2'. Now the actor's save comes last, so the
+    step it marks complete has its critic: the resume goes on from step 1."""
+    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    critic_step_2 = Path(f"{ckpts}_critic") / "step_2"
+    critic_step_2.parent.mkdir(parents=True)
+    critic_step_2.write_text("in the way")
+    gae = ["algorithm.estimator=gae", "parallelism.colocate_models=true", "checkpoint.save_steps=1", "seed=3"]
+    crashed = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", "train.max_steps=3", *gae],
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in crashed.stderr.splitlines() if line.strip()]
+    assert crashed.returncode == EXIT_FAILED, crashed.stderr[-3000:]
+    assert lines[-3].startswith("Run failed: checkpoint writer (critic rank 0): save_checkpoint failed: "), lines[-3:]
+    assert lines[-2] == f"Last checkpoint: {ckpts / 'step_1'}; resume with checkpoint.resume=auto", lines[-3:]
+    critic_step_2.unlink()
+    resumed = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", "train.max_steps=3", *gae,
+                              "checkpoint.resume=auto"], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resumed from {ckpts / 'step_1'} at step 1" in resumed.stdout
+    assert resolve_checkpoint(ckpts).name == "step_3" and resolve_checkpoint(f"{ckpts}_critic").name == "step_3"

@@ -104,6 +104,28 @@ def test_resume_continues_the_same_order_without_losing_or_repeating_prompts():
     assert sorted(got + rest) == list(range(12))
 
 
+@pytest.mark.parametrize("other", ["fewer", "edited"])
+def test_a_resume_on_other_prompts_is_refused_naming_both(other):
+    """Before: a resume after the data file was cut short failed mid-run with 'Run failed: driver: IndexError: list
+    index out of range' (advising the same resume again); one after rows were edited went on over other prompts."""
+    data = [{"id": i, "prompt": f"q{i}", "label": str(i)} for i in range(8)]
+    gen = SamplesGenerator(data, ScriptedRunner(), batch_size=2, n_samples_per_prompt=1, sampling=SAMPLING)
+    state = gen.state_dict()
+    assert state["prompts"] == gen.fingerprint() and gen.fingerprint().startswith("8 rows, sha256 ")
+    changed = data[:5] if other == "fewer" else [*data[:7], {**data[7], "label": "8"}]
+    resumed = SamplesGenerator(changed, ScriptedRunner(), batch_size=2, n_samples_per_prompt=1, sampling=SAMPLING)
+    with pytest.raises(ValueError) as e:
+        resumed.load_state_dict(state)
+    assert str(e.value).startswith(f"the checkpoint was trained on other prompts ({gen.fingerprint()}) than this "
+                                   f"run's ({resumed.fingerprint()}); ")
+    assert resumed.fingerprint() != gen.fingerprint()
+    same = SamplesGenerator([dict(r) for r in data], ScriptedRunner(), batch_size=2, n_samples_per_prompt=1,
+                            sampling=SAMPLING)
+    same.load_state_dict(state)  # the same data, reloaded: resumes
+    del state["prompts"]  # a checkpoint older than the record: resumes as before
+    resumed.load_state_dict(state)
+
+
 def test_surplus_finished_groups_go_into_the_state():
     async def go():
         gen = SamplesGenerator(rows(6), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING,
@@ -163,6 +185,32 @@ def test_eval_pass_at_1_and_pass_at_k_per_datasource():
     assert m["eval_b_pass4"] == pytest.approx(1.0)
     assert m["eval_b_pass1"] == pytest.approx(0.75)
     assert m["eval_num_samples"] == 12 and m["eval_response_length_mean"] == 3
+
+
+def test_eval_scores_only_what_can_be_scored_and_counts_the_rest():
+    """Before: a failed rollout was left out uncounted, a NaN reward made pass@1 NaN, and a datasource whose every
+    rollout failed was scored 0.0."""
+    nan = float("nan")
+    eval_rows = [{"id": 0, "script": [1.0, "raise"], "datasource": "a"},
+                 {"id": 1, "script": [nan, 0.0], "datasource": "a"},
+                 {"id": 2, "script": ["raise", "raise"], "datasource": "b"}]
+    gen = SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING)
+    m = asyncio.run(gen.evaluate(eval_rows, 2, SAMPLING))
+    assert m["eval_a_pass1"] == pytest.approx((1.0 + 0.0) / 2) and m["eval_a_pass2"] == pytest.approx((1.0 + 0.0) / 2)
+    assert m["eval_dropped_agent_exception"] == 3 and m["eval_dropped_nonfinite_reward"] == 1
+    assert m["eval_num_samples"] == 2 and not any(k.startswith("eval_b_") for k in m)
+
+
+def test_an_eval_whose_every_rollout_failed_fails_with_the_drops():
+    """Before: job=eval with an agent that raised on every rollout exited 0, printing eval_toy_pass1 0.0."""
+    from molt_hydra.rollout.generator import RunFailed
+
+    gen = SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING)
+    with pytest.raises(RunFailed) as e:
+        asyncio.run(gen.evaluate([{"id": i, "script": ["raise", float("nan")]} for i in range(3)], 2, SAMPLING))
+    assert (e.value.role, e.value.cause) == ("agent runner", "every eval rollout (3 prompts x 2) failed; the eval "
+                                                             "has no score")
+    assert e.value.drops == {"agent_exception": 3, "nonfinite_reward": 3}
 
 
 def test_bad_config_is_a_clear_error():

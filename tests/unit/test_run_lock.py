@@ -1,0 +1,70 @@
+"""runtime/run_lock.py: one run per output / checkpoint directory. Before it, two runs started on one hydra.run.dir
+both ran: one failed saving ('FileNotFoundError: .../.tmp-step_5/dcp/.metadata.tmp', the other had removed its
+half-written save), the other exited 0 with checkpoints the two had written over each other."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from molt_hydra.runtime.run_lock import LOCK_NAME, run_lock
+from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+MOLT_RUN = Path(sys.executable).with_name("molt-run")
+HOLD = ("import sys, time\nfrom molt_hydra.runtime.run_lock import run_lock\n"
+        "with run_lock({'output_dir': sys.argv[1]}):\n    print('held', flush=True)\n    time.sleep(600)")
+
+
+def _holder(path: Path) -> subprocess.Popen:
+    """Another process holding `path`'s lock, as a run in progress would."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_directory_held_by_another_run_is_refused_naming_the_key_and_the_holder(tmp_path, capsys):
+    holder = _holder(tmp_path / "out")
+    try:
+        with pytest.raises(SystemExit) as e, run_lock({"output_dir": str(tmp_path / "elsewhere"),
+                                                       "checkpoint.dir": str(tmp_path / "out")}):
+            pass
+        assert e.value.code == EXIT_FAILED
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == (f"Run not started: checkpoint.dir={tmp_path / 'out'} is in use by another run (pid {holder.pid} "
+                       f"on {os.uname().nodename}). Fix: wait for that run to end, or point checkpoint.dir at another "
+                       "directory.")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_goes_with_a_killed_run_and_one_directory_named_twice_is_locked_once(tmp_path):
+    holder = _holder(tmp_path)
+    os.kill(holder.pid, signal.SIGKILL)  # a crashed run: its resume must not be blocked
+    holder.wait()
+    with run_lock({"output_dir": str(tmp_path), "checkpoint.dir": str(tmp_path)}):  # checkpoint.dir = output_dir
+        assert (tmp_path / LOCK_NAME).read_text() == f"pid {os.getpid()} on {os.uname().nodename}"
+    holder = _holder(tmp_path)  # released at the block's end (several runs in one process: a sweep)
+    holder.kill()
+    holder.wait()
+
+
+def test_molt_run_on_a_directory_in_use_stops_before_writing_anything(tmp_path):
+    """The real CLI: the second run's last line names the directory; it writes no run record and starts no Ray."""
+    out = tmp_path / "run"
+    holder = _holder(out)
+    try:
+        proc = subprocess.run([MOLT_RUN, f"hydra.run.dir={out}", "train.max_steps=1"], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == EXIT_FAILED, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"Run not started: output_dir={out} is in use by another "
+                                                           f"run (pid {holder.pid} on ")
+    assert not (out / "run_record.json").exists() and not (out / "ray").exists()
