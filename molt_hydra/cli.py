@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from molt_hydra.config.schema import ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
 EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130  # as the shell reports a Ctrl-C (runtime/entrypoint.py exits with it once the run started)
 
 
 def _convert(node):
@@ -218,6 +220,21 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    # Ctrl-C or SIGTERM while the config is composed, validated and planned (seconds of imports): one line, exit 130,
+    # no traceback; the run, once started, takes both itself (runtime/entrypoint.py)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        _check_then_run()
+    except KeyboardInterrupt:
+        print("\nInterrupted before the run started.", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _check_then_run() -> None:
     from molt_hydra.compat.hydra import get_args_parser
 
     register()

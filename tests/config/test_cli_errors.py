@@ -149,3 +149,28 @@ def test_slurm_settings_where_nothing_submits_are_refused(overrides, multirun, i
     found = launcher_problems(first, overrides, multirun)
     assert [line.split(":")[0].removeprefix("- ") for line in found] == refused, found
     assert all(" Fix: " in line for line in found)
+
+
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+def test_an_interrupt_while_the_config_is_checked_is_one_line(how, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM during the seconds of composing, validating and planning: exit 130 and one line, no
+    traceback (SIGTERM used to end the process without a word)."""
+    import os
+    import signal
+
+    import molt_hydra.cli as cli
+
+    def interrupted():
+        if how == "ctrl_c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(cli, "_check_then_run", interrupted)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert e.value.code == cli.EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err.strip() == "Interrupted before the run started."
