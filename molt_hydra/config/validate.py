@@ -44,6 +44,19 @@ SFT_IGNORES: dict[str, str] = {
 }
 
 
+# (knob, the bool switch it tunes): the knob set away from its default while its switch is off changes nothing
+SWITCHED_KNOBS = (
+    ("logger.dump_logprobs_steps", "logger.dump_logprobs"),
+    ("logger.debug_grad_norms_filter", "logger.debug_grad_norms"),
+    ("logger.debug_grad_norms_topk", "logger.debug_grad_norms"),
+    # the trainer's micro-batch budget is micro_batch_size x data.max_len unless dynamic batching is on
+    ("train.max_tokens_per_micro_batch", "train.dynamic_batch"),
+    # the samples generator filters groups only when enabled (runtime/roles.py)
+    ("algorithm.dynamic_filtering.low", "algorithm.dynamic_filtering.enable"),
+    ("algorithm.dynamic_filtering.high", "algorithm.dynamic_filtering.enable"),
+)
+
+
 class Problems:
     """Collects every failed rule so the user fixes them all in one round."""
 
@@ -273,6 +286,10 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
         (not (sync and t.queue_depth > 1), "train.queue_depth",
          "sync mode generates one batch at a time; queue_depth applies to train.mode=async.",
          "set train.queue_depth=1 or train.mode=async"),
+        # sync: every trained token is the current policy's (staleness 0), so nothing is ever stale
+        *((not (sync and bad), key, "sync mode trains only the current policy's tokens, so no sample is ever stale "
+           "and it changes nothing.", f"unset {key}, or set train.mode=async") for key, bad in (
+            ("train.max_staleness", t.max_staleness != 0), ("train.stale_samples", changed(cfg, "train.stale_samples")))),
         (replay is None or Path(replay).is_dir(), "train.rollout_replay_dir",
          f"{str(replay)[:80]!r} is not a directory of rollout_step{{N}}.pt files.",
          "point it at a train.rollout_dump_dir of an earlier run, or unset it"),
@@ -517,10 +534,12 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
            f"set checkpoint.save_steps=-1 (at the end) or N (every N steps), or unset {key}")
           for key in ("checkpoint.save_hf", "checkpoint.max_num", "checkpoint.max_disk_gb")),
         *((get(cfg, switch) or not changed(cfg, key), key, f"it tunes {switch}, which is off.",
-           f"set {switch}=true, or unset {key}") for key, switch in (
-            ("logger.dump_logprobs_steps", "logger.dump_logprobs"),
-            ("logger.debug_grad_norms_filter", "logger.debug_grad_norms"),
-            ("logger.debug_grad_norms_topk", "logger.debug_grad_norms"))),
+           f"set {switch}=true, or unset {key}") for key, switch in SWITCHED_KNOBS),
+        # its default names a directory under output_dir: compared with that, resolved
+        (c.export_final or c.export_dir == get(defaults(), "checkpoint.export_dir").replace(
+            "${output_dir}", str(cfg.output_dir)), "checkpoint.export_dir", "it places the final HF export, but "
+         "checkpoint.export_final=false writes none, so it changes nothing.",
+         "set checkpoint.export_final=true, or unset checkpoint.export_dir"),
         (not (log.dump_logprobs and cfg.job.value != "rl"), "logger.dump_logprobs",
          f"it dumps the engine's against the trainer's log-probs of RL steps; job={cfg.job.value} has none.",
          "unset logger.dump_logprobs"),

@@ -74,6 +74,19 @@ CASES = [
      "tp x cp=3 does not divide the 2 trainer device(s)"),
     ("dcp_not_dividing_tp", ["rollout.decode_context_parallel_size=2"], "rollout.decode_context_parallel_size",
      "must divide rollout.tensor_parallel_size=1"),
+    # tuning knobs of a switch that is off (config hunt 2)
+    ("token_budget_without_dynamic_batch", ["train.max_tokens_per_micro_batch=256"], "train.max_tokens_per_micro_batch",
+     "it tunes train.dynamic_batch, which is off"),
+    ("filter_low_without_filtering", ["algorithm.dynamic_filtering.low=0.2"], "algorithm.dynamic_filtering.low",
+     "it tunes algorithm.dynamic_filtering.enable, which is off"),
+    ("filter_high_without_filtering", ["algorithm.dynamic_filtering.high=0.8"], "algorithm.dynamic_filtering.high",
+     "it tunes algorithm.dynamic_filtering.enable, which is off"),
+    ("export_dir_without_export", ["checkpoint.export_final=false", "checkpoint.export_dir=/tmp/molt_export"],
+     "checkpoint.export_dir", "checkpoint.export_final=false writes none"),
+    ("staleness_under_sync", ["train.mode=sync", "train.max_staleness=3"], "train.max_staleness",
+     "no sample is ever stale"),
+    ("stale_policy_under_sync", ["train.mode=sync", "train.stale_samples=keep"], "train.stale_samples",
+     "no sample is ever stale"),
 ]
 
 
@@ -99,6 +112,12 @@ ACCEPTED = [
      "train.optimizer.warmup_ratio=0.1"],
     ["train.optimizer.scheduler=constant_with_warmup", "train.optimizer.warmup_ratio=0.1"],
     ["checkpoint.resume=must", "checkpoint.dir=/"],  # an existing directory (its checkpoints are the runtime's)
+    ["train.dynamic_batch=true", "train.max_tokens_per_micro_batch=256"],
+    ["algorithm.dynamic_filtering.enable=true", "algorithm.dynamic_filtering.low=0.2",
+     "algorithm.dynamic_filtering.high=0.8"],
+    ["checkpoint.export_dir=/tmp/molt_export"],
+    ["train.mode=sync", "train.max_staleness=0"],
+    ["train.stale_samples=keep", "train.max_staleness=0"],
 ]
 
 
