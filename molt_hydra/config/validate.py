@@ -34,9 +34,23 @@ NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
 # Keys the SFT job (runtime/sft_job.py) has no use for: set to anything but the default under job=sft, refused.
 SFT_IGNORES: dict[str, str] = {
     "data.split": "SFT reads the default split only.",
-    "data.train_probs": "SFT concatenates its datasets.",
+    "data.train_probs": "SFT reads one dataset.",
     "data.blank_images": "SFT trains on its rows' images as they are.",
     "eval.split": "SFT reads the default split of its eval data.",
+    # (runtime/sft_job.py hands run_sft none of these)
+    **{f"data.{name}": "SFT renders its rows' messages with the chat template as they are." for name in (
+        "label_key", "tools_key", "apply_chat_template")},
+    "model.tokenizer_path": "SFT tokenizes with the tokenizer saved beside the model it trains.",
+    **{f"train.{name}": "SFT generates no rollouts (it passes over its data train.epochs times)." for name in (
+        "num_episodes", "mode", "queue_depth", "partial_rollout", "stale_samples", "force_on_policy",
+        "rollout_dump_dir", "rollout_replay_dir", "max_untrainable_steps")},
+    **{f"train.timeouts.{name}": "SFT's ranks are bounded by train.timeouts.collective_s only." for name in (
+        "startup_s", "engine_call_s", "trainer_call_s", "step_s")},
+    **{f"parallelism.{name}": "SFT trains one model, with no engine or other role beside it." for name in (
+        "colocate", "colocate_models", "borrow_idle_cpus")},
+    "checkpoint.save_hf": "SFT checkpoints are resumable ones only; its HF export is the final one.",
+    "checkpoint.best_metric_key": "SFT keeps the newest checkpoints (checkpoint.max_num), never a best one.",
+    "eval.at_start": "SFT evaluates every eval.every_steps steps (or at each epoch's end) and at the last step.",
     **{f"logger.{name}": "SFT writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B, TensorBoard or "
        "progress line)." for name in ("every_steps", "tensorboard", "progress", "sample_table_every",
                                        "dump_trajectories", "debug_rollout", "wandb.mode", "wandb.project",
@@ -197,7 +211,7 @@ def algorithm_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
     """The estimator against the rollout and the critic (inventory §1.3 steps 3, 6, 7); IS correction (steps 8, 9)."""
     a, r, t = cfg.algorithm, cfg.rollout, cfg.train
     is_on = a.is_correction.level.value != "off"
-    off_policy = t.mode.value == "async" and (t.queue_depth > 1 or t.partial_rollout)
+    off_policy = cfg.job.value == "rl" and t.mode.value == "async" and (t.queue_depth > 1 or t.partial_rollout)
     problems.table((
         (not (cfg.job.value == "rl" and "groups" in needs) or r.n_samples_per_prompt > 1,
          "rollout.n_samples_per_prompt", f"estimator {a.estimator} compares samples within a group, so it needs > 1, "
@@ -521,6 +535,7 @@ def colocation_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) 
 def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Switches whose tuning knobs are set while they are off, and what a job has no use for."""
     c, log = cfg.checkpoint, cfg.logger
+    export_dir_set = c.export_dir != get(defaults(), "checkpoint.export_dir").replace("${output_dir}", cfg.output_dir)
     problems.table((
         (c.resume.value != "must" or cfg.job.value == "eval" or Path(c.dir).is_dir(), "checkpoint.resume",
          f"must: resume from the latest checkpoint under checkpoint.dir, but {str(c.dir)[:120]!r} does not exist, so "
@@ -536,10 +551,10 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
         *((get(cfg, switch) or not changed(cfg, key), key, f"it tunes {switch}, which is off.",
            f"set {switch}=true, or unset {key}") for key, switch in SWITCHED_KNOBS),
         # its default names a directory under output_dir: compared with that, resolved
-        (c.export_final or c.export_dir == get(defaults(), "checkpoint.export_dir").replace(
-            "${output_dir}", str(cfg.output_dir)), "checkpoint.export_dir", "it places the final HF export, but "
-         "checkpoint.export_final=false writes none, so it changes nothing.",
-         "set checkpoint.export_final=true, or unset checkpoint.export_dir"),
+        *((not export_dir_set or ok, "checkpoint.export_dir", f"it places the final HF export, but {reason}, so it "
+           "changes nothing.", f"{fix}unset checkpoint.export_dir") for ok, reason, fix in (
+            (c.export_final, "checkpoint.export_final=false writes none", "set checkpoint.export_final=true, or "),
+            (cfg.job.value != "sft", "job=sft exports to <output_dir>/hf", ""))),
         (not (log.dump_logprobs and cfg.job.value != "rl"), "logger.dump_logprobs",
          f"it dumps the engine's against the trainer's log-probs of RL steps; job={cfg.job.value} has none.",
          "unset logger.dump_logprobs"),
@@ -565,20 +580,24 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
 
 
 def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """Evaluation's knobs without eval data: no evaluation runs, so they would change nothing. Compared with what
-    derive() fills in when they are left unset (the rollout's values), so only a value the user chose is refused; an
-    empty split is handoff_rules.name_rules' to report."""
-    e, r = cfg.eval, cfg.rollout
-    if e.data_path is not None:
+    """Evaluation's knobs without eval data (no evaluation runs) or under job=sft (its evaluation samples nothing):
+    they would change nothing. Compared with what derive() fills in when they are left unset (the rollout's values),
+    so only a value the user chose is refused; an empty split is handoff_rules.name_rules' to report (SFT_IGNORES
+    reports SFT's split and best metric)."""
+    e, r, sft = cfg.eval, cfg.rollout, cfg.job.value == "sft"
+    if e.data_path is not None and not sft:
         return
     fallback = {"split": get(defaults(), "eval.split"), "batch_size": r.batch_size, "n_samples_per_prompt": 1,
                 "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
-    if cfg.job.value == "sft":  # SFT_IGNORES reports its split
+    if sft:  # SFT_IGNORES reports its split; SFT evaluates the eval rows' loss, sampling nothing
         del fallback["split"]
+    why, fix = ("job=sft scores its eval data by the loss on its replies, sampling nothing", "unset eval.{}") if (
+        sft and e.data_path is not None) else ("eval.data_path=null runs none", "set eval.data_path, or unset eval.{}")
     problems.table((
-        *((getattr(e, name) in (value, ""), f"eval.{name}", "it tunes evaluation, but eval.data_path=null runs none, "
-           "so it changes nothing.", f"set eval.data_path, or unset eval.{name}") for name, value in fallback.items()),
-        (not changed(cfg, "checkpoint.best_metric_key"), "checkpoint.best_metric_key", "it picks the best checkpoint "
+        *((getattr(e, name) in (value, ""), f"eval.{name}", f"it tunes evaluation, but {why}, so it changes nothing.",
+           fix.format(name)) for name, value in fallback.items()),
+        (sft or not changed(cfg, "checkpoint.best_metric_key"), "checkpoint.best_metric_key", "it picks the best "
+         "checkpoint "
          "by an eval metric, but eval.data_path=null runs no evaluation, so it changes nothing.",
          "set eval.data_path, or unset checkpoint.best_metric_key"),
     ))
@@ -608,6 +627,10 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
         (t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size", "must be a multiple of micro_batch_size "
          f"x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size}.",
          f"set train.batch_size to a multiple of {per_step}"),
+        # SFT splits each batch over its ranks evenly (parallel/sft.py); dynamic batching leaves the rule above out
+        (not (job == "sft" and t.dynamic_batch) or t.batch_size % p.trainer_devices == 0, "train.batch_size",
+         f"job=sft splits each batch of {t.batch_size} samples evenly over its {p.trainer_devices} ranks "
+         "(parallelism.trainer_devices).", f"set train.batch_size to a multiple of {p.trainer_devices}"),
         (not t.dynamic_batch or t.max_tokens_per_micro_batch >= cfg.data.max_len, "train.max_tokens_per_micro_batch",
          f"{t.max_tokens_per_micro_batch} is below data.max_len={cfg.data.max_len}: a full-length sample fits no "
          "micro-batch.", f"set it to at least {cfg.data.max_len}, or lower data.max_len"),

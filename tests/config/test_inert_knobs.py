@@ -134,3 +134,63 @@ def test_an_rl_knob_outside_job_rl_is_refused_naming_the_job(job, key):
     extra = ["data.train_path=builtin://toy"] if job == "sft" else ["eval.data_path=builtin://toy_eval"]
     name = key.split("=")[0]
     assert_fires([f"job={job}", *extra, key, "algorithm=reinforce"], name, f"job={job} runs no RL estimator")
+
+
+# job=sft: runtime/sft_job.py hands run_sft none of these, and its data loader reads one .jsonl / .json file (or a
+# builtin task with replies); each used to validate and then be ignored, or fail the started run with a traceback.
+SFT_CASES = [
+    ("rl_train_knob", ["train.num_episodes=3"], "train.num_episodes", "SFT generates no rollouts"),
+    ("queue_depth", ["train.queue_depth=2"], "train.queue_depth", "SFT generates no rollouts"),
+    ("step_timeout", ["train.timeouts.step_s=5"], "train.timeouts.step_s", "train.timeouts.collective_s only"),
+    ("colocate", ["parallelism.colocate=true"], "parallelism.colocate", "no engine or other role"),
+    ("tokenizer_path", ["model.tokenizer_path=tiny://qwen3_tiny"], "model.tokenizer_path",
+     "the tokenizer saved beside the model"),
+    ("tools_key", ["data.tools_key=tools"], "data.tools_key", "job=sft ignores it"),
+    ("no_chat_template", ["data.apply_chat_template=false"], "data.apply_chat_template", "job=sft ignores it"),
+    ("save_hf", ["checkpoint.save_hf=true"], "checkpoint.save_hf", "resumable ones only"),
+    ("best_metric", ["checkpoint.best_metric_key=eval_loss"], "checkpoint.best_metric_key", "never a best one"),
+    ("export_dir", ["checkpoint.export_dir=/tmp/molt_export"], "checkpoint.export_dir",
+     "job=sft exports to <output_dir>/hf"),
+    ("eval_at_start", ["eval.data_path={data}", "eval.at_start=true"], "eval.at_start", "job=sft ignores it"),
+    ("eval_temperature", ["eval.data_path={data}", "eval.temperature=0.5"], "eval.temperature",
+     "job=sft scores its eval data by the loss on its replies, sampling nothing"),
+    ("eval_samples", ["eval.data_path={data}", "eval.n_samples_per_prompt=4"], "eval.n_samples_per_prompt",
+     "sampling nothing"),
+    ("policy_loss", ["algorithm.policy_loss=gspo"], "algorithm.policy_loss", "job=sft runs no RL estimator"),
+    ("is_correction", ["algorithm.is_correction.level=token"], "algorithm.is_correction.level",
+     "job=sft runs no RL estimator"),
+    ("entropy", ["algorithm.entropy_coef=0.01"], "algorithm.entropy_coef", "job=sft runs no RL estimator"),
+    ("builtin_prompt_task", ["data.train_path=builtin://toy"], "data.train_path",
+     "a builtin prompt task has no replies to train on"),
+    ("builtin_prompt_eval", ["eval.data_path=builtin://toy_eval"], "eval.data_path", "has no replies"),
+    ("two_datasets", ["data.train_path='{data},{data}'"], "data.train_path", "job=sft reads one .jsonl or .json"),
+    ("a_directory", ["data.train_path={dir}"], "data.train_path", "job=sft reads one .jsonl or .json"),
+    ("uneven_dynamic_batch", ["train.dynamic_batch=true", "train.batch_size=15"], "train.batch_size",
+     "evenly over its 2 ranks"),
+]
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("sft_chats")
+    data = folder / "chats.jsonl"
+    data.write_text("".join(f'{{"messages": [{{"role": "user", "content": "hi {i}"}}, {{"role": "assistant", '
+                            f'"content": "hello {i}"}}]}}\n' for i in range(32)))
+    return {"data": str(data), "dir": str(folder)}
+
+
+def _sft(chats: dict[str, str], extra: list[str]) -> list[str]:
+    return ["job=sft", f"data.train_path={chats['data']}", "data.input_key=messages",
+            *(o.format(**chats) for o in extra)]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in SFT_CASES], ids=[c[0] for c in SFT_CASES])
+def test_a_knob_sft_ignores_or_cannot_read_is_refused(chats, overrides, key, fragment):
+    assert_fires(_sft(chats, overrides), key, fragment)
+
+
+@pytest.mark.parametrize("overrides", [[], ["eval.data_path={data}", "eval.every_steps=2"],
+                                       ["train.dynamic_batch=true", "train.batch_size=16"],
+                                       ["checkpoint.export_final=false"]], ids=range(4))
+def test_sft_with_what_it_reads_validates(chats, overrides):
+    assert config_errors(_sft(chats, overrides)) == []
