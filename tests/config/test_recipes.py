@@ -43,6 +43,17 @@ def sweep_points(recipe: Recipe) -> list[list[str]]:
     return [list(point) for point in itertools.product(*axes)]
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_a_model_chosen_on_the_command_line_wins_over_the_recipe(recipe: Recipe):
+    """`+recipe=NAME model=OTHER` trains OTHER: a recipe names its model through its defaults list (a model.path in
+    its body outranks the command line's group choice, which then changed only some model.* fields)."""
+    options = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+    own = compose_config(recipe.overrides).model.path
+    other = next(o for o in options if OmegaConf.load(CONF_DIR / "model" / f"{o}.yaml").path != own)
+    assert compose_config([*recipe.overrides, f"model={other}"]).model.path == OmegaConf.load(
+        CONF_DIR / "model" / f"{other}.yaml").path
+
+
 def test_recipes_found():
     assert len(RECIPES) >= 7, [r.name for r in RECIPES]
     for r in RECIPES:
