@@ -44,6 +44,20 @@ def test_what_cannot_run_colocated_is_refused(overrides, key, fragment):
     assert any(line.startswith(f"{key}: ") and fragment in line and " Fix: " in line for line in lines), lines
 
 
+# Not colocated, the same estimate: a trainer rank or an engine past the device's memory is refused before it starts
+# (were: "DOES NOT FIT" in the plan, then the run started and failed out of memory, or vLLM refused its engine)
+@pytest.mark.parametrize("overrides,key,fragment", [
+    (["+recipe=qwen3_4b_math", "train.micro_batch_size=64", "train.batch_size=512"], "cluster.memory_gb_per_device",
+     "above the 80 GiB of a device"),
+    (["+recipe=qwen3_4b_math", "rollout.gpu_memory_utilization=0.05"], "rollout.gpu_memory_utilization",
+     "0.05 of the 80 GiB device is 4 GiB, not enough for the engine's"),
+])
+def test_what_cannot_fit_a_device_is_refused(overrides, key, fragment):
+    lines = errors(overrides)
+    assert any(line.startswith(f"{key}: ") and fragment in line and " Fix: " in line for line in lines), lines
+    assert errors(overrides[:1]) == []  # the recipe as written fits
+
+
 def test_one_gpu_recipe_plans_as_written_with_the_engine_share_derived():
     cfg = validate(to_run_config(compose_config(["+recipe=qwen3_toy_gpu", "cluster.memory_gb_per_device=139",
                                                  "rollout.gpu_memory_utilization=null"])))
