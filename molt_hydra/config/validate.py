@@ -586,6 +586,7 @@ def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> Non
     reports SFT's split and best metric)."""
     e, r, sft = cfg.eval, cfg.rollout, cfg.job.value == "sft"
     if e.data_path is not None and not sft:
+        _rl_eval_schedule(cfg, problems)
         return
     fallback = {"split": get(defaults(), "eval.split"), "batch_size": r.batch_size, "n_samples_per_prompt": 1,
                 "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
@@ -600,6 +601,20 @@ def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> Non
          "checkpoint "
          "by an eval metric, but eval.data_path=null runs no evaluation, so it changes nothing.",
          "set eval.data_path, or unset checkpoint.best_metric_key"),
+    ))
+
+
+def _rl_eval_schedule(cfg: RunConfig, problems: Problems) -> None:
+    """An RL run evaluates at its start (eval.at_start) and every eval.every_steps steps, never at its end
+    (runtime/controller.py maybe_eval): eval data with neither, or a period past train.max_steps, evaluates nothing."""
+    e, last = cfg.eval, cfg.train.max_steps
+    problems.table((
+        (cfg.job.value != "rl" or e.every_steps > 0 or e.at_start, "eval.data_path", "no evaluation is scheduled "
+         "(eval.every_steps=-1, eval.at_start=false; an RL run does not evaluate at its end), so it changes nothing.",
+         "set eval.every_steps=N or eval.at_start=true, or unset eval.data_path"),
+        (cfg.job.value != "rl" or last is None or e.every_steps <= last, "eval.every_steps",
+         f"{e.every_steps} is past train.max_steps={last}: no scheduled evaluation runs (an RL run does not evaluate "
+         "at its end).", f"set eval.every_steps <= {last} (or -1 with eval.at_start=true)"),
     ))
 
 
@@ -634,6 +649,11 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
         (not t.dynamic_batch or t.max_tokens_per_micro_batch >= cfg.data.max_len, "train.max_tokens_per_micro_batch",
          f"{t.max_tokens_per_micro_batch} is below data.max_len={cfg.data.max_len}: a full-length sample fits no "
          "micro-batch.", f"set it to at least {cfg.data.max_len}, or lower data.max_len"),
+        # the samples generator trains on what is left when the prompts run out (rollout/generator.py)
+        (not rl or cfg.data.max_samples >= r.batch_size, "data.max_samples", f"{cfg.data.max_samples} prompt(s) are "
+         f"fewer than the rollout.batch_size={r.batch_size} groups of a step: no step would get a full batch (the "
+         "one step there is trains on a partial one).", f"set data.max_samples >= {r.batch_size}, or lower "
+         "rollout.batch_size"),
         (job == "eval" or cfg.data.train_path is not None, "data.train_path", f"job={job} needs training data.",
          "set data.train_path=<file, dir or builtin://NAME>"),
         (not wants_eval or cfg.eval.data_path is not None, "eval.data_path",

@@ -87,6 +87,14 @@ CASES = [
      "no sample is ever stale"),
     ("stale_policy_under_sync", ["train.mode=sync", "train.stale_samples=keep"], "train.stale_samples",
      "no sample is ever stale"),
+    # eval data an RL run never evaluates (it evaluates at its start and every eval.every_steps, not at its end)
+    ("fewer_prompts_than_a_batch", ["data.max_samples=3"], "data.max_samples",
+     "3 prompt(s) are fewer than the rollout.batch_size=8 groups"),
+    ("eval_data_unscheduled", ["eval.data_path=builtin://toy_eval"], "eval.data_path", "no evaluation is scheduled"),
+    ("eval_period_past_the_run", ["eval.data_path=builtin://toy_eval", "eval.every_steps=31"], "eval.every_steps",
+     "31 is past train.max_steps=30"),
+    ("eval_period_past_the_run_at_start", ["eval.data_path=builtin://toy_eval", "eval.at_start=true",
+                                           "eval.every_steps=100"], "eval.every_steps", "past train.max_steps"),
 ]
 
 
@@ -104,8 +112,10 @@ ACCEPTED = [
     ["parallelism.colocate_models=true", "algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3", "algorithm.kl.target=0.1", "algorithm.kl.horizon=5",
      "model.ref_path=tiny://qwen3_tiny"],
     ["algorithm=on_policy_distill", "parallelism.colocate_models=true", "model.ref_path=tiny://qwen3_tiny"],
-    ["eval.data_path=builtin://toy", "eval.temperature=0.5", "eval.n_samples_per_prompt=4",
+    ["eval.data_path=builtin://toy", "eval.every_steps=10", "eval.temperature=0.5", "eval.n_samples_per_prompt=4",
      "checkpoint.best_metric_key=eval_default_pass1"],
+    ["eval.data_path=builtin://toy", "eval.at_start=true"],
+    ["eval.data_path=builtin://toy", "eval.every_steps=30"],  # = train.max_steps: evaluated once, at the end
     [f"data.max_len={POSITIONS}"],
     ["train.optimizer.scheduler=cosine_with_min_lr", "train.optimizer.min_lr_ratio=0.2"],
     ["train.optimizer.scheduler=cosine_warmup_with_min_lr", "train.optimizer.min_lr_ratio=0.2",
