@@ -70,6 +70,15 @@ SWITCHED_KNOBS = (
     ("algorithm.dynamic_filtering.high", "algorithm.dynamic_filtering.enable"),
 )
 
+# Keys job=eval (one forced evaluation, no trainer: runtime/entrypoint.py _eval_only) has no use for and no recipe
+# sets: set under job=eval, refused. (A recipe's training knobs are left alone: `+recipe=NAME job=eval` scores it.)
+EVAL_IGNORES: dict[str, str] = {
+    **{f"logger.{name}": "it shapes the per-step training log; an eval job logs its one evaluation only." for name in (
+        "every_steps", "sample_table_every", "dump_trajectories", "debug_rollout")},
+    "logger.debug_grad_norms": "an eval job starts no trainer, so there are no gradients.",
+    "checkpoint.best_metric_key": "an eval job saves no checkpoint, best or other.",
+}
+
 
 class Problems:
     """Collects every failed rule so the user fixes them all in one round."""
@@ -303,7 +312,8 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
         # sync: every trained token is the current policy's (staleness 0), so nothing is ever stale
         *((not (sync and bad), key, "sync mode trains only the current policy's tokens, so no sample is ever stale "
            "and it changes nothing.", f"unset {key}, or set train.mode=async") for key, bad in (
-            ("train.max_staleness", t.max_staleness != 0), ("train.stale_samples", changed(cfg, "train.stale_samples")))),
+            ("train.max_staleness", t.max_staleness != 0),
+            ("train.stale_samples", changed(cfg, "train.stale_samples")))),
         (replay is None or Path(replay).is_dir(), "train.rollout_replay_dir",
          f"{str(replay)[:80]!r} is not a directory of rollout_step{{N}}.pt files.",
          "point it at a train.rollout_dump_dir of an earlier run, or unset it"),
@@ -568,8 +578,9 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
         (cfg.job.value == "sft" or cfg.data.chat_template is None, "data.chat_template", "not available: RL agents "
          "render prompts with the tokenizer's own template; the override applies to SFT only.",
          "unset data.chat_template, or save the template into the tokenizer directory"),
-        *((cfg.job.value != "sft" or not changed(cfg, key), key, f"job=sft ignores it: {reason}",
-           f"unset {key} for job=sft") for key, reason in SFT_IGNORES.items()),
+        *((cfg.job.value != job or not changed(cfg, key), key, f"job={job} ignores it: {reason}",
+           f"unset {key} for job={job}") for job, ignored in (("sft", SFT_IGNORES), ("eval", EVAL_IGNORES))
+          for key, reason in ignored.items()),
         (cfg.job.value != "rl" or c.path is None, "checkpoint.path", "job=rl starts from model.path (or resumes from "
          "checkpoint.dir); this path is read by job=eval and job=sft only, so it changes nothing.",
          "set model.path to it (a warm start), or unset checkpoint.path"),

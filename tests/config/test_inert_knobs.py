@@ -204,3 +204,19 @@ def test_a_knob_sft_ignores_or_cannot_read_is_refused(chats, overrides, key, fra
                                        ["checkpoint.export_final=false"]], ids=range(4))
 def test_sft_with_what_it_reads_validates(chats, overrides):
     assert config_errors(_sft(chats, overrides)) == []
+
+
+# job=eval: one forced evaluation, no trainer; knobs of the per-step log, gradients and checkpoints change nothing
+@pytest.mark.parametrize("override,key,fragment", [
+    ("logger.every_steps=5", "logger.every_steps", "an eval job logs its one evaluation only"),
+    ("logger.dump_trajectories=true", "logger.dump_trajectories", "an eval job logs its one evaluation only"),
+    ("logger.debug_grad_norms=true", "logger.debug_grad_norms", "job=eval ignores it: an eval job starts no trainer"),
+    ("checkpoint.best_metric_key=eval_toy_pass1", "checkpoint.best_metric_key", "an eval job saves no checkpoint"),
+])
+def test_a_knob_eval_ignores_is_refused(override, key, fragment):
+    assert_fires(["job=eval", "eval.data_path=builtin://toy_eval", override], key, fragment)
+
+
+def test_a_training_recipe_still_scores_with_job_eval():
+    """Its training knobs are the recipe's, not the user's: `+recipe=NAME job=eval` evaluates that recipe's model."""
+    assert config_errors(["+recipe=smollm2_arith", "job=eval"]) == []
