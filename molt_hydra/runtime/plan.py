@@ -277,6 +277,12 @@ def _engine_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, engine_weights
         kv, kv_source = r.kv_cache_gb, f"rollout.kv_cache_gb={r.kv_cache_gb}"
     plan.memory["rollout engine"] = {"weights": engine_weights, **({"kv cache": kv} if kv is not None else {})}
     kv_token = shape.kv_bytes_per_token_per_byte * DTYPE_BYTES[r.dtype.value] / r.tensor_parallel_size
+    # vLLM refuses to start a GPU engine whose KV cache cannot hold one sequence of max_model_len tokens
+    if cfg.cluster.device.value == "cuda" and kv and kv_token and kv * GIB < kv_token * r.max_model_len:
+        raise ConfigError(f"- rollout.gpu_memory_utilization: the engine's {kv:.3g} GiB KV cache holds "
+                          f"{int(kv * GIB / kv_token)} tokens, fewer than one sequence of rollout.max_model_len="
+                          f"{r.max_model_len} ({kv_token * r.max_model_len / GIB:.3g} GiB; vLLM would not start the "
+                          "engine). Fix: raise rollout.gpu_memory_utilization, or lower data.max_len")
     return (f"engine: {DTYPE_BYTES[r.dtype.value]}-byte weights / TP {r.tensor_parallel_size}; KV cache from "
             f"{kv_source}" + (f", holds {int(kv * GIB / kv_token) if kv_token else 0} tokens" if kv is not None else "")
             + f" ({kv_token / 1024:.1f} KiB/token)")

@@ -140,6 +140,7 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "model.aux_loss_coef",  # > 0 acts on MoE routers: refused for the default dense model
         "data.max_samples",  # at least rollout.batch_size prompts
         "rollout.block_size",  # on CPU a multiple of 32
+        "rollout.kv_cache_gb",  # on CPU whole GiB
         # settings of a switch that is off by default (Muon, grad-norm debugging, log-prob dumps) are refused alone
         *(f"{block}.{name}" for block in ("train.optimizer", "train.critic.optimizer") for name in MUON_FIELDS),
         "logger.debug_grad_norms_topk", "logger.dump_logprobs_steps",

@@ -76,6 +76,10 @@ CASES = [
      "must divide rollout.tensor_parallel_size=1"),
     # was: the engine core died at start-up ("No common block size for 7 (CPU_ATTN: [MultipleOf(32)])" in a Ray log)
     ("cpu_block_size", ["rollout.block_size=7"], "rollout.block_size", "a multiple of 32 tokens"),
+    # was: rounded up to whole GiB by rollout/engine.py (VLLM_CPU_KVCACHE_SPACE), or unread on GPU
+    ("cpu_kv_cache_fraction", ["rollout.kv_cache_gb=0.5"], "rollout.kv_cache_gb", "the engine would get 1"),
+    ("gpu_kv_cache_gb", ["cluster=local_gpus", "rollout.kv_cache_gb=4"], "rollout.kv_cache_gb",
+     "GPU engines take theirs from rollout.gpu_memory_utilization"),
     # tuning knobs of a switch that is off (config hunt 2)
     ("token_budget_without_dynamic_batch", ["train.max_tokens_per_micro_batch=256"], "train.max_tokens_per_micro_batch",
      "it tunes train.dynamic_batch, which is off"),
@@ -130,7 +134,7 @@ ACCEPTED = [
     ["checkpoint.export_dir=/tmp/molt_export"],
     ["train.mode=sync", "train.max_staleness=0"],
     ["train.stale_samples=keep", "train.max_staleness=0"],
-    ["rollout.block_size=64"],
+    ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
 ]
 
 
