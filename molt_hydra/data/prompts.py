@@ -102,6 +102,7 @@ BUILTIN_TASKS = {
 }
 
 IMAGE_TASKS = ("geo_triangles", "geo_triangles_eval", "colors", "colors_eval", "colors_warm")  # rows with images
+SFT_TASKS = ("colors_warm",)  # rows with replies (input / output), the only ones job=sft can train on
 
 
 def builtin_rows(spec: str) -> list[dict]:

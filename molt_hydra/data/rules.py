@@ -8,7 +8,7 @@ from pathlib import Path
 from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
-from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS
+from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, SFT_TASKS
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
 
@@ -32,10 +32,29 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
         problems.check(image is None or d.max_images_per_prompt > 0, "data.max_images_per_prompt",  # once per key
                        f"{key} has image rows ({image}), but 0 images per prompt reach the engine (a text-only setup).",
                        "set data.max_images_per_prompt=1 with a vision-language model.path")
+    _sft_data(cfg, problems)
     problems.check(not (d.blank_images and d.max_images_per_prompt == 0), "data.blank_images",
                    "no image reaches the engine (data.max_images_per_prompt=0), so there is nothing to blank.",
                    "set data.blank_images=false, or data.max_images_per_prompt to the images per row")
     _unread_keys(cfg, problems)
+
+
+def _sft_data(cfg: RunConfig, problems: Problems) -> None:
+    """SFT reads one .jsonl / .json file of chat rows, or a builtin task with replies (data/sft_dataset.py
+    load_rows): a list of datasets, a directory, another file type, a hub dataset or a prompt-only task failed the
+    run once it had started."""
+    if cfg.job.value != "sft":
+        return
+    tasks = [BUILTIN + n for n in SFT_TASKS]
+    for key, spec in (("data.train_path", cfg.data.train_path), ("eval.data_path", cfg.eval.data_path)):
+        parts = _specs(spec)
+        if not parts or len(parts) == 1 and (parts[0] in tasks or Path(parts[0]).suffix in (".jsonl", ".json")):
+            continue
+        prompts_only = len(parts) == 1 and parts[0].startswith(BUILTIN)
+        problems.check(False, key, f"job=sft reads one .jsonl or .json file of chat rows (or one of {tasks}), got "
+                       f"{spec!r}" + (": a builtin prompt task has no replies to train on." if prompts_only else "."),
+                       f"point {key} at one .jsonl/.json file (a dataset converts with datasets' to_json), or "
+                       "use job=rl for prompt data")
 
 
 def _specs(spec: str | None) -> list[str]:

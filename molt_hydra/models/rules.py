@@ -143,6 +143,9 @@ def check_lora(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> Non
         (lo.rank <= VLLM_MAX_LORA_RANK, "model.lora.rank",
          f"{lo.rank} is above the largest rank vLLM's LoRA layers serve ({VLLM_MAX_LORA_RANK}).",
          f"set model.lora.rank <= {VLLM_MAX_LORA_RANK}"),
+        (lo.target_modules is None or len(lo.target_modules) > 0, "model.lora.target_modules", "[] adapts no module "
+         "(the trainer and engines would take the family's default instead).",
+         "unset it for the default, or name the modules (e.g. [q_proj,v_proj])"),
         (not unknown, "model.lora.target_modules", f"{unknown} are not modules a LoRA adapts in this {model_type} "
          "model.", f"choose from {list(family[1]) if family else []}, or unset it for the default "
          f"{list(family[0]) if family else []}"),

@@ -264,6 +264,12 @@ def _engine_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, engine_weights
     r, mem = cfg.rollout, cfg.cluster.memory_gb_per_device
     if cfg.cluster.device.value == "cuda":
         kv = max(r.gpu_memory_utilization * mem - engine_weights, 0.0) if mem else None
+        if kv == 0.0 and not cfg.parallelism.colocate:  # (colocated: _colocated_split checks the engine's share)
+            raise ConfigError(f"- rollout.gpu_memory_utilization: {r.gpu_memory_utilization} of the {mem:g} GiB "
+                              f"device is {r.gpu_memory_utilization * mem:.3g} GiB, not enough for the engine's "
+                              f"{engine_weights:.3g} GiB of weights (vLLM would not start it). Fix: raise "
+                              "rollout.gpu_memory_utilization (default 0.9), or rollout.tensor_parallel_size to "
+                              "split the weights")
         kv_source = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of {mem} GiB minus weights" if mem
                      else f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of the device (size unknown: "
                      f"set cluster.memory_gb_per_device)")
@@ -271,6 +277,12 @@ def _engine_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, engine_weights
         kv, kv_source = r.kv_cache_gb, f"rollout.kv_cache_gb={r.kv_cache_gb}"
     plan.memory["rollout engine"] = {"weights": engine_weights, **({"kv cache": kv} if kv is not None else {})}
     kv_token = shape.kv_bytes_per_token_per_byte * DTYPE_BYTES[r.dtype.value] / r.tensor_parallel_size
+    # vLLM refuses to start a GPU engine whose KV cache cannot hold one sequence of max_model_len tokens
+    if cfg.cluster.device.value == "cuda" and kv and kv_token and kv * GIB < kv_token * r.max_model_len:
+        raise ConfigError(f"- rollout.gpu_memory_utilization: the engine's {kv:.3g} GiB KV cache holds "
+                          f"{int(kv * GIB / kv_token)} tokens, fewer than one sequence of rollout.max_model_len="
+                          f"{r.max_model_len} ({kv_token * r.max_model_len / GIB:.3g} GiB; vLLM would not start the "
+                          "engine). Fix: raise rollout.gpu_memory_utilization, or lower data.max_len")
     return (f"engine: {DTYPE_BYTES[r.dtype.value]}-byte weights / TP {r.tensor_parallel_size}; KV cache from "
             f"{kv_source}" + (f", holds {int(kv * GIB / kv_token) if kv_token else 0} tokens" if kv is not None else "")
             + f" ({kv_token / 1024:.1f} KiB/token)")
@@ -286,10 +298,20 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
         _colocated_split(cfg, plan, trainer, engine_weights)  # derives rollout.gpu_memory_utilization first
     engine = _engine_memory(cfg, plan, shape, engine_weights) if job != "sft" else None
     plan.assumptions += [*notes, *([engine] if engine else [])]
-    if mem:
+    if mem and job != "eval":  # (eval starts no trainer)
         need = sum(trainer.values())
         plan.assumptions.append(f"fit: trainer needs {need:.1f} of {mem} GiB per device"
                                 + (" -- DOES NOT FIT" if need > mem else ""))
+        # the same estimate refuses a colocated split (_colocated_split): a trainer alone past the device's memory
+        # would otherwise start, and fail with an out-of-memory error at its first step
+        if need > mem:
+            raise ConfigError(
+                f"- cluster.memory_gb_per_device: one trainer rank needs ~{need:.3g} GiB "
+                f"({', '.join(f'{k} {v:.3g}' for k, v in trainer.items() if v >= 0.05)}), above the {mem:g} GiB of "
+                "a device. Fix: more trainer ranks (parallelism.trainer_devices) to shard its state, a smaller "
+                "micro-batch (train.micro_batch_size or train.max_tokens_per_micro_batch), "
+                "model.gradient_checkpointing=full, parallelism.offload=optimizer, or cluster.memory_gb_per_device "
+                "if the devices have more")
 
 
 def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engine_weights: float) -> None:

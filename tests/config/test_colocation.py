@@ -10,7 +10,7 @@ from _config_helpers import compose_config
 from molt_hydra.cli import to_run_config
 from molt_hydra.config.schema import ConfigError
 from molt_hydra.runtime.validate import validate
-from molt_hydra.runtime.plan import CUDA_CONTEXT_GIB, FRAGMENTATION, GIB, make_plan, model_shape
+from molt_hydra.runtime.plan import CUDA_CONTEXT_GIB, FRAGMENTATION, GIB, KNOWN_SHAPES, make_plan, model_shape
 
 GPU = ["cluster.device=cuda", "cluster.devices_per_node=1", "cluster.memory_gb_per_device=139",
        "parallelism.colocate=true", "train.mode=sync"]
@@ -42,6 +42,30 @@ def errors(overrides: list[str]) -> list[str]:
 def test_what_cannot_run_colocated_is_refused(overrides, key, fragment):
     lines = errors(overrides)
     assert any(line.startswith(f"{key}: ") and fragment in line and " Fix: " in line for line in lines), lines
+
+
+# Qwen3-4B (bf16, its published shape): K and V of every layer's KV heads per token, and its parameters
+QWEN3_4B = KNOWN_SHAPES["Qwen/Qwen3-4B"]
+QWEN3_4B_KV = 2 * QWEN3_4B["num_hidden_layers"] * QWEN3_4B["num_key_value_heads"] * QWEN3_4B["head_dim"] * 2
+QWEN3_4B_PARAMS = model_shape("Qwen/Qwen3-4B").params
+
+
+# Not colocated, the same estimate: a trainer rank or an engine past the device's memory is refused before it starts
+# (were: "DOES NOT FIT" in the plan, then the run started and failed out of memory, or vLLM refused its engine)
+@pytest.mark.parametrize("overrides,key,fragment", [
+    (["+recipe=qwen3_4b_math", "train.micro_batch_size=64", "train.batch_size=512"], "cluster.memory_gb_per_device",
+     "above the 80 GiB of a device"),
+    (["+recipe=qwen3_4b_math", "rollout.gpu_memory_utilization=0.05"], "rollout.gpu_memory_utilization",
+     "0.05 of the 80 GiB device is 4 GiB, not enough for the engine's"),
+    (["+recipe=qwen3_4b_math", "rollout.gpu_memory_utilization=0.1"], "rollout.gpu_memory_utilization",
+     "fewer than one sequence of rollout.max_model_len=8192"),
+    (["+recipe=qwen3_4b_math", "rollout.gpu_memory_utilization=0.0945"], "rollout.gpu_memory_utilization",
+     f"holds {int((0.0945 * 80 - 2 * QWEN3_4B_PARAMS / GIB) * GIB / QWEN3_4B_KV)} tokens"),
+])
+def test_what_cannot_fit_a_device_is_refused(overrides, key, fragment):
+    lines = errors(overrides)
+    assert any(line.startswith(f"{key}: ") and fragment in line and " Fix: " in line for line in lines), lines
+    assert errors(overrides[:1]) == []  # the recipe as written fits
 
 
 def test_one_gpu_recipe_plans_as_written_with_the_engine_share_derived():

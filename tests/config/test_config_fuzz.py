@@ -138,6 +138,9 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "rollout.max_num_batched_tokens",  # on CPU (no chunked prefill) at least rollout.max_model_len
         "rollout.max_model_len", "eval.max_new_tokens", "train.max_tokens_per_micro_batch",  # vs data.max_len
         "model.aux_loss_coef",  # > 0 acts on MoE routers: refused for the default dense model
+        "data.max_samples",  # at least rollout.batch_size prompts
+        "rollout.block_size",  # on CPU a multiple of 32
+        "rollout.kv_cache_gb",  # on CPU whole GiB
         # settings of a switch that is off by default (Muon, grad-norm debugging, log-prob dumps) are refused alone
         *(f"{block}.{name}" for block in ("train.optimizer", "train.critic.optimizer") for name in MUON_FIELDS),
         "logger.debug_grad_norms_topk", "logger.dump_logprobs_steps",

@@ -73,7 +73,8 @@ def test_handoff_rule_fires(overrides, key, fragment):
 
 GOOD = [
     ["rollout.max_model_len=512"],
-    ["eval.max_new_tokens=64", "eval.data_path=builtin://toy"],  # without eval data it changes nothing (refused)
+    # without eval data (or an evaluation scheduled) it changes nothing (refused)
+    ["eval.max_new_tokens=64", "eval.data_path=builtin://toy", "eval.every_steps=10"],
     ["rollout.attention_backend=CPU_ATTN", "rollout.mamba_ssm_cache_dtype=float32"],
     ["agent.tool_parser=qwen3_coder", "agent.reasoning_parser=qwen3"],
     ["agent=math", "+agent.runner.require_boxed=false"],

@@ -74,6 +74,33 @@ CASES = [
      "tp x cp=3 does not divide the 2 trainer device(s)"),
     ("dcp_not_dividing_tp", ["rollout.decode_context_parallel_size=2"], "rollout.decode_context_parallel_size",
      "must divide rollout.tensor_parallel_size=1"),
+    # was: the engine core died at start-up ("No common block size for 7 (CPU_ATTN: [MultipleOf(32)])" in a Ray log)
+    ("cpu_block_size", ["rollout.block_size=7"], "rollout.block_size", "a multiple of 32 tokens"),
+    # was: rounded up to whole GiB by rollout/engine.py (VLLM_CPU_KVCACHE_SPACE), or unread on GPU
+    ("cpu_kv_cache_fraction", ["rollout.kv_cache_gb=0.5"], "rollout.kv_cache_gb", "the engine would get 1"),
+    ("gpu_kv_cache_gb", ["cluster=local_gpus", "rollout.kv_cache_gb=4"], "rollout.kv_cache_gb",
+     "GPU engines take theirs from rollout.gpu_memory_utilization"),
+    # tuning knobs of a switch that is off (config hunt 2)
+    ("token_budget_without_dynamic_batch", ["train.max_tokens_per_micro_batch=256"], "train.max_tokens_per_micro_batch",
+     "it tunes train.dynamic_batch, which is off"),
+    ("filter_low_without_filtering", ["algorithm.dynamic_filtering.low=0.2"], "algorithm.dynamic_filtering.low",
+     "it tunes algorithm.dynamic_filtering.enable, which is off"),
+    ("filter_high_without_filtering", ["algorithm.dynamic_filtering.high=0.8"], "algorithm.dynamic_filtering.high",
+     "it tunes algorithm.dynamic_filtering.enable, which is off"),
+    ("export_dir_without_export", ["checkpoint.export_final=false", "checkpoint.export_dir=/tmp/molt_export"],
+     "checkpoint.export_dir", "checkpoint.export_final=false writes none"),
+    ("staleness_under_sync", ["train.mode=sync", "train.max_staleness=3"], "train.max_staleness",
+     "no sample is ever stale"),
+    ("stale_policy_under_sync", ["train.mode=sync", "train.stale_samples=keep"], "train.stale_samples",
+     "no sample is ever stale"),
+    # eval data an RL run never evaluates (it evaluates at its start and every eval.every_steps, not at its end)
+    ("fewer_prompts_than_a_batch", ["data.max_samples=3"], "data.max_samples",
+     "3 prompt(s) are fewer than the rollout.batch_size=8 groups"),
+    ("eval_data_unscheduled", ["eval.data_path=builtin://toy_eval"], "eval.data_path", "no evaluation is scheduled"),
+    ("eval_period_past_the_run", ["eval.data_path=builtin://toy_eval", "eval.every_steps=31"], "eval.every_steps",
+     "31 is past train.max_steps=30"),
+    ("eval_period_past_the_run_at_start", ["eval.data_path=builtin://toy_eval", "eval.at_start=true",
+                                           "eval.every_steps=100"], "eval.every_steps", "past train.max_steps"),
 ]
 
 
@@ -91,14 +118,23 @@ ACCEPTED = [
     ["parallelism.colocate_models=true", "algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3", "algorithm.kl.target=0.1", "algorithm.kl.horizon=5",
      "model.ref_path=tiny://qwen3_tiny"],
     ["algorithm=on_policy_distill", "parallelism.colocate_models=true", "model.ref_path=tiny://qwen3_tiny"],
-    ["eval.data_path=builtin://toy", "eval.temperature=0.5", "eval.n_samples_per_prompt=4",
+    ["eval.data_path=builtin://toy", "eval.every_steps=10", "eval.temperature=0.5", "eval.n_samples_per_prompt=4",
      "checkpoint.best_metric_key=eval_default_pass1"],
+    ["eval.data_path=builtin://toy", "eval.at_start=true"],
+    ["eval.data_path=builtin://toy", "eval.every_steps=30"],  # = train.max_steps: evaluated once, at the end
     [f"data.max_len={POSITIONS}"],
     ["train.optimizer.scheduler=cosine_with_min_lr", "train.optimizer.min_lr_ratio=0.2"],
     ["train.optimizer.scheduler=cosine_warmup_with_min_lr", "train.optimizer.min_lr_ratio=0.2",
      "train.optimizer.warmup_ratio=0.1"],
     ["train.optimizer.scheduler=constant_with_warmup", "train.optimizer.warmup_ratio=0.1"],
     ["checkpoint.resume=must", "checkpoint.dir=/"],  # an existing directory (its checkpoints are the runtime's)
+    ["train.dynamic_batch=true", "train.max_tokens_per_micro_batch=256"],
+    ["algorithm.dynamic_filtering.enable=true", "algorithm.dynamic_filtering.low=0.2",
+     "algorithm.dynamic_filtering.high=0.8"],
+    ["checkpoint.export_dir=/tmp/molt_export"],
+    ["train.mode=sync", "train.max_staleness=0"],
+    ["train.stale_samples=keep", "train.max_staleness=0"],
+    ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
 ]
 
 
@@ -115,3 +151,79 @@ def test_an_rl_knob_outside_job_rl_is_refused_naming_the_job(job, key):
     extra = ["data.train_path=builtin://toy"] if job == "sft" else ["eval.data_path=builtin://toy_eval"]
     name = key.split("=")[0]
     assert_fires([f"job={job}", *extra, key, "algorithm=reinforce"], name, f"job={job} runs no RL estimator")
+
+
+# job=sft: runtime/sft_job.py hands run_sft none of these, and its data loader reads one .jsonl / .json file (or a
+# builtin task with replies); each used to validate and then be ignored, or fail the started run with a traceback.
+SFT_CASES = [
+    ("rl_train_knob", ["train.num_episodes=3"], "train.num_episodes", "SFT generates no rollouts"),
+    ("queue_depth", ["train.queue_depth=2"], "train.queue_depth", "SFT generates no rollouts"),
+    ("step_timeout", ["train.timeouts.step_s=5"], "train.timeouts.step_s", "train.timeouts.collective_s only"),
+    ("colocate", ["parallelism.colocate=true"], "parallelism.colocate", "no engine or other role"),
+    ("tokenizer_path", ["model.tokenizer_path=tiny://qwen3_tiny"], "model.tokenizer_path",
+     "the tokenizer saved beside the model"),
+    ("tools_key", ["data.tools_key=tools"], "data.tools_key", "job=sft ignores it"),
+    ("no_chat_template", ["data.apply_chat_template=false"], "data.apply_chat_template", "job=sft ignores it"),
+    ("save_hf", ["checkpoint.save_hf=true"], "checkpoint.save_hf", "resumable ones only"),
+    ("best_metric", ["checkpoint.best_metric_key=eval_loss"], "checkpoint.best_metric_key", "never a best one"),
+    ("export_dir", ["checkpoint.export_dir=/tmp/molt_export"], "checkpoint.export_dir",
+     "job=sft exports to <output_dir>/hf"),
+    ("eval_at_start", ["eval.data_path={data}", "eval.at_start=true"], "eval.at_start", "job=sft ignores it"),
+    ("eval_temperature", ["eval.data_path={data}", "eval.temperature=0.5"], "eval.temperature",
+     "job=sft scores its eval data by the loss on its replies, sampling nothing"),
+    ("eval_samples", ["eval.data_path={data}", "eval.n_samples_per_prompt=4"], "eval.n_samples_per_prompt",
+     "sampling nothing"),
+    ("policy_loss", ["algorithm.policy_loss=gspo"], "algorithm.policy_loss", "job=sft runs no RL estimator"),
+    ("is_correction", ["algorithm.is_correction.level=token"], "algorithm.is_correction.level",
+     "job=sft runs no RL estimator"),
+    ("entropy", ["algorithm.entropy_coef=0.01"], "algorithm.entropy_coef", "job=sft runs no RL estimator"),
+    ("builtin_prompt_task", ["data.train_path=builtin://toy"], "data.train_path",
+     "a builtin prompt task has no replies to train on"),
+    ("builtin_prompt_eval", ["eval.data_path=builtin://toy_eval"], "eval.data_path", "has no replies"),
+    ("two_datasets", ["data.train_path='{data},{data}'"], "data.train_path", "job=sft reads one .jsonl or .json"),
+    ("a_directory", ["data.train_path={dir}"], "data.train_path", "job=sft reads one .jsonl or .json"),
+    ("uneven_dynamic_batch", ["train.dynamic_batch=true", "train.batch_size=15"], "train.batch_size",
+     "evenly over its 2 ranks"),
+]
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("sft_chats")
+    data = folder / "chats.jsonl"
+    data.write_text("".join(f'{{"messages": [{{"role": "user", "content": "hi {i}"}}, {{"role": "assistant", '
+                            f'"content": "hello {i}"}}]}}\n' for i in range(32)))
+    return {"data": str(data), "dir": str(folder)}
+
+
+def _sft(chats: dict[str, str], extra: list[str]) -> list[str]:
+    return ["job=sft", f"data.train_path={chats['data']}", "data.input_key=messages",
+            *(o.format(**chats) for o in extra)]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in SFT_CASES], ids=[c[0] for c in SFT_CASES])
+def test_a_knob_sft_ignores_or_cannot_read_is_refused(chats, overrides, key, fragment):
+    assert_fires(_sft(chats, overrides), key, fragment)
+
+
+@pytest.mark.parametrize("overrides", [[], ["eval.data_path={data}", "eval.every_steps=2"],
+                                       ["train.dynamic_batch=true", "train.batch_size=16"],
+                                       ["checkpoint.export_final=false"]], ids=range(4))
+def test_sft_with_what_it_reads_validates(chats, overrides):
+    assert config_errors(_sft(chats, overrides)) == []
+
+
+# job=eval: one forced evaluation, no trainer; knobs of the per-step log, gradients and checkpoints change nothing
+@pytest.mark.parametrize("override,key,fragment", [
+    ("logger.every_steps=5", "logger.every_steps", "an eval job logs its one evaluation only"),
+    ("logger.dump_trajectories=true", "logger.dump_trajectories", "an eval job logs its one evaluation only"),
+    ("logger.debug_grad_norms=true", "logger.debug_grad_norms", "job=eval ignores it: an eval job starts no trainer"),
+    ("checkpoint.best_metric_key=eval_toy_pass1", "checkpoint.best_metric_key", "an eval job saves no checkpoint"),
+])
+def test_a_knob_eval_ignores_is_refused(override, key, fragment):
+    assert_fires(["job=eval", "eval.data_path=builtin://toy_eval", override], key, fragment)
+
+
+def test_a_training_recipe_still_scores_with_job_eval():
+    """Its training knobs are the recipe's, not the user's: `+recipe=NAME job=eval` evaluates that recipe's model."""
+    assert config_errors(["+recipe=smollm2_arith", "job=eval"]) == []

@@ -18,6 +18,7 @@ RULES = [
     ("rank_zero", ["model.lora.rank=0"], "model.lora.rank", "0 adapts nothing"),
     ("rank_above_hidden", [f"model.lora.rank={HIDDEN + 1}"], "model.lora.rank",
      f"{HIDDEN + 1} exceeds the hidden size {HIDDEN}"),
+    ("no_targets", [*LORA, "model.lora.target_modules=[]"], "model.lora.target_modules", "[] adapts no module"),
     ("unknown_target", [*LORA, "model.lora.target_modules=[q_proj,qkv]"], "model.lora.target_modules",
      "['qkv'] are not modules a LoRA adapts in this qwen3 model"),
     ("moe_router_target", [*LORA, "model=qwen3_moe_tiny", "cluster=local_gpus",

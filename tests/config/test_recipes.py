@@ -43,6 +43,26 @@ def sweep_points(recipe: Recipe) -> list[list[str]]:
     return [list(point) for point in itertools.product(*axes)]
 
 
+# a group's option is told by one key: the model it trains, the agent it runs
+IDENTITY = {"model": "path", "agent": "runner._target_"}
+
+
+@pytest.mark.parametrize("group", IDENTITY)
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_a_group_option_chosen_on_the_command_line_wins_over_the_recipe(recipe: Recipe, group: str):
+    """`+recipe=NAME model=OTHER` trains OTHER (`agent=OTHER` runs it): a recipe chooses its model and agent through
+    its defaults list; a model.path (agent.runner) in its body outranked the command line's choice, which then changed
+    only some of that group's other fields."""
+    def identity(cfg):
+        return OmegaConf.select(cfg, f"{group}.{IDENTITY[group]}")
+
+    options = {p.stem: identity(OmegaConf.create({group: OmegaConf.load(p)}))
+               for p in sorted((CONF_DIR / group).glob("*.yaml"))}
+    own = identity(compose_config(recipe.overrides))
+    other = next(name for name, value in options.items() if value != own)
+    assert identity(compose_config([*recipe.overrides, f"{group}={other}"])) == options[other]
+
+
 def test_recipes_found():
     assert len(RECIPES) >= 7, [r.name for r in RECIPES]
     for r in RECIPES:

@@ -55,6 +55,5 @@ def engine_memory(overrides: list[str]) -> dict:
 def test_plan_sizes_the_kv_cache_like_the_engine():
     cpu = engine_memory(["rollout.kv_cache_gb=3"])
     assert cpu["kv cache"] == 3
-    gpu = engine_memory(["cluster=local_gpus", "parallelism.trainer_devices=1", "rollout.kv_cache_gb=3",
-                         "rollout.gpu_memory_utilization=0.5"])
+    gpu = engine_memory(["cluster=local_gpus", "parallelism.trainer_devices=1", "rollout.gpu_memory_utilization=0.5"])
     assert gpu["kv cache"] == pytest.approx(0.5 * 80 - gpu["weights"])  # local_gpus: 80 GiB per device
