@@ -181,13 +181,16 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
 
 
 def sft_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
-    """rollout.* and agent.* given on the command line of job=sft: SFT starts no engine and runs no agent (the
-    composed defaults set some of these keys, so the rule reads the command line, not a change from the schema)."""
+    """rollout.*, agent.* and train.max_steps given on the command line of job=sft: SFT starts no engine, runs no
+    agent and trains train.epochs (the composed defaults set some of these keys, so the rule reads the command line,
+    not a change from the schema)."""
     if first.job != "sft":
         return []
     keys = dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides)
-    return [f"- {key}: job=sft starts no rollout engine and runs no agent, so it changes nothing. Fix: unset {key} "
-            "for job=sft" for key in keys if key.split(".", 1)[0] in ("rollout", "agent")]
+    return [f"- {key}: job=sft " + ("trains train.epochs over its data" if key == "train.max_steps" else
+                                    "starts no rollout engine and runs no agent") + f", so it changes nothing. Fix: "
+            f"unset {key} for job=sft" + (" (set train.epochs)" if key == "train.max_steps" else "")
+            for key in keys if key.split(".", 1)[0] in ("rollout", "agent") or key == "train.max_steps"]
 
 
 def _exit_config_error(text: str) -> None:

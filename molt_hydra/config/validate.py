@@ -322,8 +322,8 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
 
 
 def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """Engine features against each other and the device; the engine must hold a whole context (steps 10, 12-14)."""
-    r, d, e, t = cfg.rollout, cfg.data, cfg.eval, cfg.train
+    """Engine features against each other and the device (steps 10, 12-14)."""
+    r, t = cfg.rollout, cfg.train
     cpu, transport = cfg.cluster.device.value == "cpu", r.weight_sync.transport.value
     short_steps = bool(r.max_num_batched_tokens and r.max_num_batched_tokens < r.max_model_len)
     problems.table((
@@ -361,6 +361,14 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (not (transport == "shared_memory" and cfg.cluster.nodes > 1), "rollout.weight_sync.transport",
          f"shared_memory maps /dev/shm on trainer rank 0's node; engines on the other {cfg.cluster.nodes - 1} "
          "node(s) cannot see it.", "set it to auto (object_store across nodes)"),
+    ))
+
+
+def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """The engine's lengths, KV cache and blocks: values vLLM would refuse at start, or round."""
+    r, d, e = cfg.rollout, cfg.data, cfg.eval
+    cpu = cfg.cluster.device.value == "cpu"
+    problems.table((
         (r.max_new_tokens is None or r.max_new_tokens < d.max_len, "rollout.max_new_tokens",
          f"{r.max_new_tokens} leaves no room for the prompt within data.max_len={d.max_len}.",
          "lower rollout.max_new_tokens or raise data.max_len"),
@@ -692,5 +700,5 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
 
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
-RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, backend_rules, hf_path_rules, model_rules,
-         parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, job_rules)
+RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, engine_size_rules, backend_rules, hf_path_rules,
+         model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, job_rules)

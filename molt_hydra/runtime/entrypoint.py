@@ -63,9 +63,7 @@ def _run(cfg: RunConfig) -> None:
     record = write_run_record(cfg, cfg.output_dir)
     _check_resume(cfg)
     if cfg.job.value == "sft":
-        from molt_hydra.runtime.sft_job import run_sft_job
-
-        run_sft_job(cfg)
+        _run_sft(cfg)
         return
     from molt_hydra.models.build import resolve_path
 
@@ -118,6 +116,22 @@ def _check_resume(cfg: RunConfig) -> None:
         print(f"\nRun failed: model.master_weights: {found} was saved with model.master_weights={saved}, this run "
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
               f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+
+
+def _run_sft(cfg: RunConfig) -> None:
+    """job=sft on its torch.multiprocessing ranks; a failure is one message naming the rank, printed last (before: a
+    rank's traceback through Hydra's report)."""
+    from molt_hydra.runtime.sft_job import run_sft_job
+
+    try:
+        run_sft_job(cfg)
+    except Exception as e:  # noqa: BLE001 - the traceback goes to failure.txt
+        rank = getattr(e, "error_index", None)  # torch.multiprocessing's: the rank that raised or died
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # a rank's traceback ends with its error
+        lines = _with_details(cfg, [f"Run failed: sft trainer{'' if rank is None else f' rank {rank}'}: {cause}.",
+                                    *_resume_hint(cfg)], e)
+        print("\n" + "\n".join(lines), file=sys.stderr)
         sys.exit(EXIT_FAILED)
 
 
@@ -219,11 +233,15 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         for reason, example in sorted(examples.items()):
             if reason in drops:
                 lines.append(f"  example error ({reason}): {example}")
-    lines += _resume_hint(cfg)
+    return _with_details(cfg, lines + _resume_hint(cfg), error)
+
+
+def _with_details(cfg: RunConfig, lines: list[str], error: BaseException) -> list[str]:
+    """`lines`, written with the traceback to <output_dir>/failure.txt, and a last line naming that file."""
     details = Path(cfg.output_dir) / "failure.txt"
     with suppress(OSError):
         details.write_text("\n".join(lines) + "\n\n" + "".join(traceback.format_exception(error)))
-        lines.append(f"Details (traceback): {details}")
+        lines = [*lines, f"Details (traceback): {details}"]
     return lines
 
 

@@ -311,7 +311,7 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
                 "a device. Fix: more trainer ranks (parallelism.trainer_devices) to shard its state, a smaller "
                 "micro-batch (train.micro_batch_size or train.max_tokens_per_micro_batch), "
                 "model.gradient_checkpointing=full, parallelism.offload=optimizer, or cluster.memory_gb_per_device "
-                "if the devices have more")
+                "if the devices have more (0 skips this estimate)")
 
 
 def _colocated_split(cfg: RunConfig, plan: Plan, trainer: dict[str, float], engine_weights: float) -> None:

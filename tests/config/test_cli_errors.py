@@ -27,10 +27,12 @@ CASES = {
     "sweep_point_type": (["-m", "train.max_steps=1,2", "train.batch_size=x", "dry_run=true"], "train.batch_size"),
     "slurm_without_multirun": (["cluster=slurm", "dry_run=true"], "hydra/launcher"),  # would run here, unsubmitted
     "slurm_resource_unsubmitted": (["cluster.partition=gpu", "dry_run=true"], "cluster.partition"),
-    "rollout_key_under_sft": (["job=sft", "data.train_path=builtin://toy", "rollout.temperature=0.5", "dry_run=true"],
+    "rollout_key_under_sft": (["+recipe=tiny_vlm_colors_warm", "rollout.temperature=0.5", "dry_run=true"],
                               "rollout.temperature"),
-    "agent_key_under_sft": (["job=sft", "data.train_path=builtin://toy", "agent.max_turns=3", "dry_run=true"],
+    "agent_key_under_sft": (["+recipe=tiny_vlm_colors_warm", "agent.max_turns=3", "dry_run=true"],
                             "agent.max_turns"),
+    "max_steps_under_sft": (["+recipe=tiny_vlm_colors_warm", "train.max_steps=5", "dry_run=true"],
+                            "train.max_steps"),
 }
 
 
