@@ -201,6 +201,7 @@ def _exit_config_error(text: str) -> None:
 def _main(cfg: DictConfig) -> None:
     # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
     from molt_hydra.compat.vllm import preflight
+    from molt_hydra.config.validate import missing_gpu
     from molt_hydra.runtime.plan import make_plan
     from molt_hydra.runtime.sweep import set_wandb_group
     from molt_hydra.runtime.validate import validate
@@ -208,6 +209,8 @@ def _main(cfg: DictConfig) -> None:
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
     try:
         run_cfg = validate(to_run_config(cfg))
+        if not run_cfg.dry_run and (problem := missing_gpu(run_cfg)):  # the machine, before the plan for it
+            raise ConfigError(problem)
         print(make_plan(run_cfg).render())  # the plan derives the colocated memory split, refuses one that cannot fit
     except ConfigError as e:
         _exit_config_error(str(e))

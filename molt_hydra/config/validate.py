@@ -216,6 +216,21 @@ def _gpu_memory_gib() -> float | None:
         return None
 
 
+def missing_gpu(cfg: RunConfig) -> str | None:
+    """cluster.device=cuda on a machine that sees no CUDA device, with no Ray cluster elsewhere named: job=sft would
+    train on the CPU, an RL run wait for GPUs Ray never gets. A problem line, or None. (Not at validation: a dry run
+    plans a GPU recipe anywhere.)"""
+    if cfg.cluster.device.value != "cuda" or cfg.cluster.ray_address:
+        return None
+    import torch
+
+    if _gpu_memory_gib() is not None or torch.cuda.device_count() > 0:  # nvidia-smi first: no CUDA call in here
+        return None
+    return ("- cluster.device: cuda, but this machine sees no CUDA device (neither nvidia-smi nor torch finds one) and "
+            "cluster.ray_address names no cluster elsewhere. Fix: run it on a GPU node, set cluster.ray_address, or "
+            "set cluster.device=cpu")
+
+
 # --------------------------------------------------------------------------------------------- one function a group
 def algorithm_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """The estimator against the rollout and the critic (inventory §1.3 steps 3, 6, 7); IS correction (steps 8, 9)."""

@@ -31,6 +31,9 @@ CASES = {
                               "rollout.temperature"),
     "agent_key_under_sft": (["+recipe=tiny_vlm_colors_warm", "agent.max_turns=3", "dry_run=true"],
                             "agent.max_turns"),
+    # not a dry run: the machine is checked before anything starts (without the check, job=sft trained on the CPU)
+    "cuda_without_a_gpu": (["+recipe=tiny_vlm_colors_warm", "cluster.device=cuda", "checkpoint.dir=/tmp/molt_no_gpu",
+                            "checkpoint.export_final=false"], "cluster.device"),
     "max_steps_under_sft": (["+recipe=tiny_vlm_colors_warm", "train.max_steps=5", "dry_run=true"],
                             "train.max_steps"),
 }
@@ -176,3 +179,15 @@ def test_an_interrupt_while_the_config_is_checked_is_one_line(how, monkeypatch, 
         signal.signal(signal.SIGTERM, previous)
     assert e.value.code == cli.EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err.strip() == "Interrupted before the run started."
+
+
+def test_a_gpu_run_where_no_gpu_is_visible_is_refused_unless_ray_runs_elsewhere():
+    """This CI machine has no GPU: cluster.device=cuda is refused before anything starts, unless the run joins a Ray
+    cluster elsewhere (cluster.ray_address); CPU runs are not asked."""
+    from molt_hydra.config.validate import missing_gpu
+
+    cuda = to_run_config(compose_config(["cluster.device=cuda"]))
+    assert missing_gpu(cuda).startswith("- cluster.device: cuda, but this machine sees no CUDA device")
+    assert missing_gpu(to_run_config(compose_config(["cluster.device=cuda", "cluster.ray_address=10.0.0.1:6379"]))) \
+        is None
+    assert missing_gpu(to_run_config(compose_config([]))) is None
