@@ -73,8 +73,8 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
         if evals is not None and ((kw["eval_steps"] > 0 and (step + 1) % kw["eval_steps"] == 0) or last
                                   or (kw["eval_steps"] <= 0 and (step + 1) % steps_per_epoch == 0)):
             rec["eval sft_loss"] = _eval_loss(worker, evals, rank, world)
-        every = kw["save_steps"]  # -1: at the end only; 0: never
-        if kw["ckpt_path"] and ((every > 0 and (step + 1) % every == 0) or (every == -1 and last)):
+        every = kw["save_steps"]  # N: every N steps and the last (as an RL run); -1: at the end only; 0: never
+        if kw["ckpt_path"] and ((every > 0 and (step + 1) % every == 0) or (every != 0 and last)):
             worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs}, keep=kw["keep"],
                                    max_disk_gb=kw["max_disk_gb"])
         history.append(rec)

@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
     train, evals = rows(16, 0), rows(8, 1)
     full = run_sft("tiny://qwen3_tiny", train, str(d / "full"), eval_data=evals, max_epochs=3, eval_steps=2,
                    export_hf=False, **COMMON)
-    first = run_sft("tiny://qwen3_tiny", train, str(d / "part"), max_epochs=2, save_steps=2,
+    first = run_sft("tiny://qwen3_tiny", train, str(d / "part"), max_epochs=2, save_steps=3,  # 3, then the last: 4
                     ckpt_path=str(d / "ckpt"), export_hf=False, **COMMON)
     rest = run_sft("tiny://qwen3_tiny", train, str(d / "part"), max_epochs=3, save_steps=2,
                    ckpt_path=str(d / "ckpt"), resume=True, export_hf=True, **COMMON)
@@ -51,7 +51,7 @@ def test_sft_lowers_train_and_eval_loss(runs):
 def test_sft_resume_continues_where_it_stopped(runs):
     full, first, rest, d = runs
     assert [r["global_step"] for r in first] == [1, 2, 3, 4]
-    assert [r["global_step"] for r in rest] == [5, 6]  # resumed after the step-4 checkpoint
+    assert [r["global_step"] for r in rest] == [5, 6]  # resumed after the last step's checkpoint (4, not 3)
     for a, b in zip(full, first + rest):
         assert b["sft_loss"] == pytest.approx(a["sft_loss"], rel=1e-5)
     cfg = json.loads((d / "part" / "hf" / "config.json").read_text())
