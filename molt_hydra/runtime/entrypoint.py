@@ -32,8 +32,9 @@ EXIT_INTERRUPTED = 130
 
 def run(cfg: RunConfig) -> None:
     check_outputs(cfg)
-    locked = {"output_dir": cfg.output_dir} if cfg.job.value == "eval" else {"output_dir": cfg.output_dir,
-                                                                          "checkpoint.dir": cfg.checkpoint.dir}
+    # the checkpoint directory only where this run writes checkpoints (eval and save_steps=0 write none: no directory)
+    writes = cfg.job.value != "eval" and cfg.checkpoint.save_steps != 0
+    locked = {"output_dir": cfg.output_dir, **({"checkpoint.dir": cfg.checkpoint.dir} if writes else {})}
     with run_lock(locked), _stoppable():  # one run per directory, from its first write to its end
         _run(cfg)
 

@@ -47,20 +47,18 @@ def sweep_points(recipe: Recipe) -> list[list[str]]:
 IDENTITY = {"model": "path", "agent": "runner._target_"}
 
 
-@pytest.mark.parametrize("group", IDENTITY)
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
-def test_a_group_option_chosen_on_the_command_line_wins_over_the_recipe(recipe: Recipe, group: str):
+def test_a_group_option_chosen_on_the_command_line_wins_over_the_recipe(recipe: Recipe):
     """`+recipe=NAME model=OTHER` trains OTHER (`agent=OTHER` runs it): a recipe chooses its model and agent through
     its defaults list; a model.path (agent.runner) in its body outranked the command line's choice, which then changed
     only some of that group's other fields."""
-    def identity(cfg):
-        return OmegaConf.select(cfg, f"{group}.{IDENTITY[group]}")
-
-    options = {p.stem: identity(OmegaConf.create({group: OmegaConf.load(p)}))
-               for p in sorted((CONF_DIR / group).glob("*.yaml"))}
-    own = identity(compose_config(recipe.overrides))
-    other = next(name for name, value in options.items() if value != own)
-    assert identity(compose_config([*recipe.overrides, f"{group}={other}"])) == options[other]
+    own = compose_config(recipe.overrides)
+    for group, key in IDENTITY.items():
+        options = {p.stem: OmegaConf.select(OmegaConf.create({group: OmegaConf.load(p)}), f"{group}.{key}")
+                   for p in sorted((CONF_DIR / group).glob("*.yaml"))}
+        other = next(name for name, value in options.items() if value != OmegaConf.select(own, f"{group}.{key}"))
+        chosen = compose_config([*recipe.overrides, f"{group}={other}"])
+        assert OmegaConf.select(chosen, f"{group}.{key}") == options[other], (group, other)
 
 
 def test_recipes_found():

@@ -40,7 +40,8 @@ def check_run_dashboard(run_dir: Path, output: str, sections: set[str]) -> None:
     assert len(list((run_dir / "report").glob("*.png"))) == len(sections)
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
+@pytest.mark.slow  # ~30 s: the spec's sections are unit-tested (tests/unit/test_dashboard.py), the dense run's in
+@pytest.mark.parametrize("name", sorted(RUNS))  # test_rl_loop.py
 def test_run_dashboard_names_only_logged_metrics(tmp_path, name):
     overrides, sections = RUNS[name]
     proc = molt_run(tmp_path, "train.max_steps=2", "logger.wandb.mode=offline", "logger.wandb_dashboard=true",

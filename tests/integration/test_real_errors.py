@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -125,6 +126,10 @@ def test_a_rank_that_died_is_named_over_the_peer_its_death_failed(local_ray):
     survivor, dead = ray.remote(Rank).remote(), ray.remote(Rank).remote()
     assert ray.get(dead.step.remote(False)) == 1
     ray.kill(dead)
+    with pytest.raises(ray.exceptions.RayActorError):  # ray.kill is asynchronous: a call right after may still run
+        for _ in range(300):
+            ray.get(dead.step.remote(False))
+            time.sleep(0.1)
     with pytest.raises(RunFailed) as e:
         asyncio.run(_every([survivor.step.remote(True), dead.step.remote(False)], 60, "actor", "train_step"))
     assert e.value.role == "actor 1"
