@@ -187,10 +187,11 @@ def sft_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
     if first.job != "sft":
         return []
     keys = dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides)
-    return [f"- {key}: job=sft " + ("trains train.epochs over its data" if key == "train.max_steps" else
-                                    "starts no rollout engine and runs no agent") + f", so it changes nothing. Fix: "
-            f"unset {key} for job=sft" + (" (set train.epochs)" if key == "train.max_steps" else "")
-            for key in keys if key.split(".", 1)[0] in ("rollout", "agent") or key == "train.max_steps"]
+    why = {key: "trains train.epochs over its data (set those instead)" if key == "train.max_steps" else
+           "starts no rollout engine and runs no agent" for key in keys
+           if key.split(".", 1)[0] in ("rollout", "agent") or key == "train.max_steps"}
+    return [f"- {key}: job=sft {reason}, so it changes nothing. Fix: unset {key} for job=sft"
+            for key, reason in why.items()]
 
 
 def _exit_config_error(text: str) -> None:
