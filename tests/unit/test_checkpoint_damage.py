@@ -93,3 +93,55 @@ def test_a_half_written_save_is_not_a_candidate(saved, tmp_path):
     (root / ".tmp-step_3" / "extra_state.pt").unlink()
     skipped = []
     assert resolve_checkpoint(root, skipped) == root / "step_2" and skipped == []
+
+
+def _overwrite_middle(path):
+    """Bytes changed in place, the file's length kept: what the size checks cannot see (before the CRC32s were
+    recorded, such a shard loaded as garbage weights without a word)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    path.write_bytes(bytes(data))
+
+
+def test_a_shard_changed_at_its_full_length_is_passed_over_by_the_checksum_check(saved, tmp_path):
+    root, name = tmp_path / "root", "__0_0.distcp"
+    shutil.copytree(saved[0], root)
+    _overwrite_middle(root / "step_2" / "dcp" / name)
+    assert resolve_checkpoint(root) == root / "step_2"  # the cheap check (every rank's) cannot see it
+    skipped = []
+    assert resolve_checkpoint(root, skipped, checksums=True) == root / "step_1"
+    assert len(skipped) == 1 and skipped[0].startswith(f"{root / 'step_2'}: dcp/{name}: CRC32 "), skipped
+    assert skipped[0].endswith("(its bytes changed since the save)")
+
+
+def test_the_run_resumes_the_checked_checkpoint_and_names_the_one_passed_over(saved, tmp_path, capsys):
+    """runtime/entrypoint.py `_check_resume` checks the CRC32s once, before anything starts, and returns the
+    checkpoint every role then loads by name (their own check is the cheap one)."""
+    from types import SimpleNamespace as value
+
+    from molt_hydra.runtime.entrypoint import _check_resume
+
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    _overwrite_middle(root / "step_2" / "dcp" / "__0_0.distcp")
+    cfg = value(job=value(value="rl"), model=value(master_weights=value(value="fsdp")), checkpoint=value(
+        dir=str(root), resume=value(value="auto"), load_model_only=False))
+    assert _check_resume(cfg) == root / "step_1"
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"Checkpoint passed over: {root / 'step_2'}: dcp/__0_0.distcp: CRC32 ")
+    assert line.endswith(f"resuming from {root / 'step_1'} instead")
+    fresh, fresh_opt = _trained(1)
+    assert load_checkpoint(root, fresh, fresh_opt, step="step_1") == {"at": 1}
+    assert torch.equal(fresh.weight, saved[1])
+
+
+def test_the_next_save_removes_every_half_written_one(saved, tmp_path):
+    """A run killed mid-save leaves .tmp-step_<N>; the next save, whatever its step, removes them all (before:
+    only a leftover of the same step was removed, the others stayed, each as large as a checkpoint)."""
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    for step in (3, 7):
+        shutil.copytree(root / "step_2", root / f".tmp-step_{step}")
+    save_checkpoint(root, 4, *_trained(2))
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1", "step_2", "step_4"]
