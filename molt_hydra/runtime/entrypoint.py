@@ -75,11 +75,15 @@ def _run(cfg: RunConfig) -> None:
         print(f"\nRun failed: model.path={cfg.model.path}: {e}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
 
+    from molt_hydra.runtime.role_warnings import Shown
+
+    shown = Shown(cfg.output_dir)  # before any Ray process starts: each inherits where its warnings go
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
     try:
         with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
-            code = _run_to_end(_main(cfg, record, resume_from))
+            code = _run_to_end(_main(cfg, record, resume_from, shown))
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
+        shown.stop()
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
         code = EXIT_FAILED
     if code == EXIT_STALLED:
@@ -150,7 +154,7 @@ def _run_to_end(coro) -> int:
     return asyncio.run(coro)
 
 
-async def _main(cfg: RunConfig, record: dict, resume_from: Path | None) -> int:
+async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -> int:
     loop = asyncio.get_running_loop()
     # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread).
     signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
@@ -163,6 +167,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None) -> int:
     last_words: list[str] = []  # the failure message: printed after every teardown, so it is what the user sees last
     try:
         roles = await build_roles(cfg, record)
+        shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
         if cfg.job.value == "eval":
             return await _eval_only(cfg, roles, opened)
         return await _train(cfg, roles, opened, resume_from)
@@ -198,6 +203,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None) -> int:
         started = descendants(os.getpid())
         ray.shutdown()
         kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
+        shown.stop()
         if last_words:
             sys.stdout.flush()
             print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)
