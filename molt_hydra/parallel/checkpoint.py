@@ -1,17 +1,18 @@
 """Resumable checkpoints (torch.distributed.checkpoint) and HF export.
 
 Layout: <root>/step_<N>/{dcp/ (model + optimizer, sharded), extra_state.pt (scheduler + client state),
-rng_rank<r>.pt}, <root>/latest (text: the last tag). A save is written to <root>/.tmp-step_<N> and renamed only
-when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable (the next save removes the
-half-written directory). DCP stores no checksums: extra_state.pt records each shard file's CRC32, which a resume checks
-(a shard's bytes overwritten at its full length loaded as garbage weights without a word). Retention (newest `keep`
-tags, a disk budget) is parallel/retention.py. Assumes every rank sees the same filesystem (one host, or a shared
-mount).
+rng_rank<r>.pt, crc32.json}, <root>/latest (text: the last tag). A save is written to <root>/.tmp-step_<N> and renamed
+only when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable (the next save removes
+the half-written directory). Neither DCP nor torch.load checks checksums: crc32.json, written last, holds every file's
+CRC32, which a resume checks (a shard's bytes overwritten at its full length loaded as garbage weights, silently).
+Retention (newest `keep` tags, a disk budget) is parallel/retention.py. Assumes every rank sees the same filesystem
+(one host, or a shared mount).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
 import re
@@ -30,6 +31,7 @@ from molt_hydra.models import lora
 from molt_hydra.parallel import retention
 
 TAG = re.compile(r"^step_(\d+)$")
+CRCS = "crc32.json"  # {file under step_<N>: CRC32}
 
 
 def _rank() -> int:
@@ -86,15 +88,17 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
         rank, (cause, _) = next(iter(e.failures.items()))
         raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
-    crcs = _gather({p.name: _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")})  # each rank its own files
+    crcs = _gather({f"dcp/{p.name}": _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")})  # each its own
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
     torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored on load
     _barrier()
     if _rank() == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1  # rng_rank<r>.pt for every r below it
-        _write_extra(tmp, {"client_state": client_state or {}, "step": step, "world_size": world, "crc32": crcs,
+        _write_extra(tmp, {"client_state": client_state or {}, "step": step, "world_size": world, "crc32": True,
                            "scheduler": scheduler.state_dict() if scheduler is not None else None})
+        crcs.update({p.name: _crc32(p) for p in tmp.glob("*.pt")})  # extra_state.pt, every rank's rng_rank<r>.pt
+        (tmp / CRCS).write_text(json.dumps(crcs))
         _replace_dir(tmp, final)
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(tag)
@@ -123,23 +127,29 @@ def _gather(crcs: dict[str, int]) -> dict[str, int]:
     return {name: crc for part in every for name, crc in part.items()}
 
 
-def _crc_problem(dcp_dir: Path, crcs: dict[str, int]) -> str | None:
-    """The first shard whose CRC32 is not the one recorded at save, as "<file>: <why>"; the files are read in
-    threads (zlib's CRC runs without the GIL)."""
+def _crc_problem(path: Path) -> str | None:
+    """The first file under `path` whose CRC32 is not the one recorded at save, as "<file>: <why>"; the files are
+    read in threads (zlib's CRC runs without the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    names = sorted(crcs)
-    with ThreadPoolExecutor(min(8, len(names))) as pool:
-        for name, crc in zip(names, pool.map(lambda n: _crc32(dcp_dir / n), names)):
+    try:
+        crcs = json.loads((path / CRCS).read_text())
+    except (OSError, ValueError) as e:
+        return f"{CRCS}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+    names, pool = sorted(crcs), ThreadPoolExecutor(max(1, min(8, len(crcs))))
+    try:
+        for name, crc in zip(names, pool.map(lambda n: _crc32(path / n), names)):
             if crc != crcs[name]:
-                return f"dcp/{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
+                return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
+    finally:  # the files not read yet are not read (a mismatch found, Ctrl-C)
+        pool.shutdown(wait=False, cancel_futures=True)
     return None
 
 
 def problem(path: Path, checksums: bool = False) -> str | None:
     """Why the checkpoint at `path` cannot be resumed (a file missing, truncated or unreadable), else None. The small
     files are read whole; of the shards, that each one DCP's metadata names is there at its full length. With
-    `checksums` (the run's one check before it starts: it reads every byte), every shard's CRC32 is the one
+    `checksums` (the run's one check before it starts: it reads every byte), every file's CRC32 is the one
     recorded at save (a checkpoint saved before 2026-12-05 recorded none)."""
     what = "extra_state.pt"
     try:
@@ -157,7 +167,7 @@ def problem(path: Path, checksums: bool = False) -> str | None:
     except Exception as e:  # noqa: BLE001 - whatever the reason, this checkpoint cannot be resumed
         cause = e.strerror if isinstance(e, OSError) and e.strerror else f"{e}".split(". ")[0] or type(e).__name__
         return f"{what}: {cause}"
-    return _crc_problem(path / "dcp", extra["crc32"]) if checksums and extra.get("crc32") else None
+    return _crc_problem(path) if checksums and extra.get("crc32") else None
 
 
 def saved_master_weights(path: Path, client_state: dict | None = None) -> str:

@@ -95,24 +95,41 @@ def test_a_half_written_save_is_not_a_candidate(saved, tmp_path):
     assert resolve_checkpoint(root, skipped) == root / "step_2" and skipped == []
 
 
-def _overwrite_middle(path):
-    """Bytes changed in place, the file's length kept: what the size checks cannot see (before the CRC32s were
-    recorded, such a shard loaded as garbage weights without a word)."""
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+def _overwrite_data(path):
+    """Bytes changed in place, the file's length kept, inside its first tensor's data (a DCP shard: its middle; a
+    torch.save file: the data record of its first tensor), so that it still loads: what the size and load checks
+    cannot see. Before the CRC32s were recorded, such a shard resumed as garbage weights, an RNG file as other RNG
+    streams, without a word."""
+    import zipfile
+
+    data, start = bytearray(path.read_bytes()), len(path.read_bytes()) // 2
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            info = next(i for i in z.infolist() if "/data/" in i.filename)
+            start = info.header_offset + 30 + len(info.filename) + len(info.extra) + 4  # (stored, not compressed)
+    data[start:start + 8] = bytes(b ^ 0xFF for b in data[start:start + 8])
     path.write_bytes(bytes(data))
 
 
-def test_a_shard_changed_at_its_full_length_is_passed_over_by_the_checksum_check(saved, tmp_path):
-    root, name = tmp_path / "root", "__0_0.distcp"
+@pytest.mark.parametrize("name", ["dcp/__0_0.distcp", "rng_rank0.pt"])
+def test_a_file_changed_at_its_full_length_is_passed_over_by_the_checksum_check(saved, tmp_path, name):
+    root = tmp_path / "root"
     shutil.copytree(saved[0], root)
-    _overwrite_middle(root / "step_2" / "dcp" / name)
+    _overwrite_data(root / "step_2" / name)
     assert resolve_checkpoint(root) == root / "step_2"  # the cheap check (every rank's) cannot see it
     skipped = []
     assert resolve_checkpoint(root, skipped, checksums=True) == root / "step_1"
-    assert len(skipped) == 1 and skipped[0].startswith(f"{root / 'step_2'}: dcp/{name}: CRC32 "), skipped
+    assert len(skipped) == 1 and skipped[0].startswith(f"{root / 'step_2'}: {name}: CRC32 "), skipped
     assert skipped[0].endswith("(its bytes changed since the save)")
+
+
+def test_a_missing_checksum_file_is_named(saved, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    (root / "step_2" / "crc32.json").unlink()
+    skipped = []
+    assert resolve_checkpoint(root, skipped, checksums=True) == root / "step_1"
+    assert skipped == [f"{root / 'step_2'}: crc32.json: No such file or directory"]
 
 
 def test_the_run_resumes_the_checked_checkpoint_and_names_the_one_passed_over(saved, tmp_path, capsys):
@@ -124,7 +141,7 @@ def test_the_run_resumes_the_checked_checkpoint_and_names_the_one_passed_over(sa
 
     root = tmp_path / "root"
     shutil.copytree(saved[0], root)
-    _overwrite_middle(root / "step_2" / "dcp" / "__0_0.distcp")
+    _overwrite_data(root / "step_2" / "dcp" / "__0_0.distcp")
     cfg = value(job=value(value="rl"), model=value(master_weights=value(value="fsdp")), checkpoint=value(
         dir=str(root), resume=value(value="auto"), load_model_only=False))
     assert _check_resume(cfg) == root / "step_1"
