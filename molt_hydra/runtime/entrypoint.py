@@ -107,6 +107,9 @@ def _check_resume(cfg: RunConfig) -> Path | None:
     if cfg.job.value == "eval" or c.resume.value == "never":  # (eval loads checkpoint.path)
         return None
     found = resolve_checkpoint(c.dir, skipped, checksums=True)
+    for partial in sorted(Path(c.dir).glob(".tmp-step_*")):  # a run stopped mid-save: never a candidate
+        print(f"Checkpoint passed over: {partial}: a save that never finished (the next save removes it)",
+              file=sys.stderr)
     for line in skipped:
         print(f"Checkpoint passed over: {line}; resuming from {found or 'none'} instead" if found
               else f"Checkpoint not loadable: {line}", file=sys.stderr)

@@ -134,7 +134,7 @@ def test_a_missing_checksum_file_is_named(saved, tmp_path):
 
 def test_the_run_resumes_the_checked_checkpoint_and_names_the_one_passed_over(saved, tmp_path, capsys):
     """runtime/entrypoint.py `_check_resume` checks the CRC32s once, before anything starts, and returns the
-    checkpoint every role then loads by name (their own check is the cheap one)."""
+    checkpoint every role then loads by name (their own check is the cheap one); a half-written save is named too."""
     from types import SimpleNamespace as value
 
     from molt_hydra.runtime.entrypoint import _check_resume
@@ -142,10 +142,13 @@ def test_the_run_resumes_the_checked_checkpoint_and_names_the_one_passed_over(sa
     root = tmp_path / "root"
     shutil.copytree(saved[0], root)
     _overwrite_data(root / "step_2" / "dcp" / "__0_0.distcp")
+    shutil.copytree(root / "step_1", root / ".tmp-step_3")  # a run stopped while it saved step 3
     cfg = value(job=value(value="rl"), model=value(master_weights=value(value="fsdp")), checkpoint=value(
         dir=str(root), resume=value(value="auto"), load_model_only=False))
     assert _check_resume(cfg) == root / "step_1"
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    partial, line = capsys.readouterr().err.strip().splitlines()
+    assert partial == f"Checkpoint passed over: {root / '.tmp-step_3'}: a save that never finished (the next save " \
+                      "removes it)"
     assert line.startswith(f"Checkpoint passed over: {root / 'step_2'}: dcp/__0_0.distcp: CRC32 ")
     assert line.endswith(f"resuming from {root / 'step_1'} instead")
     fresh, fresh_opt = _trained(1)
