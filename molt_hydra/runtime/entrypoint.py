@@ -83,9 +83,10 @@ def _run(cfg: RunConfig) -> None:
         with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
             code = _run_to_end(_main(cfg, record, resume_from, shown))
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
-        shown.stop()
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
         code = EXIT_FAILED
+    finally:
+        shown.stop()  # (done by _main's teardown, before its last words, when it ran)
     if code == EXIT_STALLED:
         # A stalled role can leave a thread blocked in a Ray call that would hold interpreter exit: leave now.
         sys.stdout.flush()
