@@ -97,7 +97,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
         world = dist.get_world_size() if dist.is_initialized() else 1  # rng_rank<r>.pt for every r below it
         _write_extra(tmp, {"client_state": client_state or {}, "step": step, "world_size": world, "crc32": True,
                            "scheduler": scheduler.state_dict() if scheduler is not None else None})
-        crcs.update({p.name: _crc32(p) for p in tmp.glob("*.pt")})  # extra_state.pt, every rank's rng_rank<r>.pt
+        crcs.update({str(p.relative_to(tmp)): _crc32(p) for p in [tmp / "dcp" / ".metadata", *tmp.glob("*.pt")]})
         (tmp / CRCS).write_text(json.dumps(crcs))
         _replace_dir(tmp, final)
         latest_tmp = root / ".latest.tmp"
