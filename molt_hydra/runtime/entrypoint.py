@@ -102,7 +102,8 @@ def _check_resume(cfg: RunConfig) -> Path | None:
     missing one) is one line each; none loadable, where there are checkpoints or resume=must asks for one, ends the
     run naming the directory and the fix; so does a checkpoint saved under the other model.master_weights (a warm
     start aside)."""
-    from molt_hydra.parallel.checkpoint import resolve_checkpoint, saved_master_weights
+    from molt_hydra.parallel.checkpoint import problem, resolve_checkpoint, saved_master_weights
+    from molt_hydra.runtime.plan import fsdp_roles
 
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval" or c.resume.value == "never":  # (eval loads checkpoint.path)
@@ -127,6 +128,15 @@ def _check_resume(cfg: RunConfig) -> Path | None:
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
               f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
+    # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
+    critic = Path(c.dir + "_critic") / found.name if found is not None else None
+    if critic is not None and critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
+        why = "missing" if not critic.is_dir() else problem(critic, checksums=True)
+        if why is not None:
+            print(f"\nRun failed: checkpoint.resume={c.resume.value}: {critic}: {why}; the critic resumes the actor's "
+                  f"{found.name}. Fix: move {found.name} (and any later step) out of checkpoint.dir={c.dir}, the one "
+                  "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
+            sys.exit(EXIT_FAILED)
     return found
 
 

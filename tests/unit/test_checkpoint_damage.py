@@ -165,3 +165,34 @@ def test_the_next_save_removes_every_half_written_one(saved, tmp_path):
         shutil.copytree(root / "step_2", root / f".tmp-step_{step}")
     save_checkpoint(root, 4, *_trained(2))
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1", "step_2", "step_4"]
+
+
+def test_a_critic_checkpoint_changed_since_its_save_stops_the_run_before_anything_starts(saved, tmp_path, capsys):
+    """A run with a critic (algorithm.estimator=gae) resumes the critic at the actor's step; its files are checked by
+    the same resume check: a critic shard changed at its full length stops the run naming the file and the fix (before:
+    the critic's own check, the cheap one, loaded it)."""
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    from molt_hydra.runtime.entrypoint import EXIT_FAILED, _check_resume
+    from molt_hydra.runtime.validate import validate
+
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    shutil.copytree(saved[0], tmp_path / "root_critic")
+    _overwrite_data(tmp_path / "root_critic" / "step_2" / "dcp" / "__0_0.distcp")
+    overrides = ["algorithm.estimator=gae", "parallelism.colocate_models=true", "model.master_weights=fsdp",
+                 f"checkpoint.dir={root}", "checkpoint.resume=auto"]
+    cfg = validate(OmegaConf.to_object(compose_config(overrides, output_dir=str(tmp_path / "out"))))
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(cfg)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == EXIT_FAILED
+    assert last.startswith(f"Run failed: checkpoint.resume=auto: {tmp_path / 'root_critic' / 'step_2'}: "
+                           "dcp/__0_0.distcp: CRC32 ")
+    assert "the critic resumes the actor's step_2. Fix: move step_2 (and any later step) out of checkpoint.dir=" in last
