@@ -8,9 +8,11 @@ Imports inside functions defer torch, Ray and the roles (seconds) to the job tha
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -249,6 +251,12 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         role, cause, drops = error.role, describe(error.error), {}
     else:
         role, cause, drops = _actor_role(error), describe(error), {}
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) and not error.filename:
+        # a write to an open file (metrics.jsonl ...) names no path: the run's directories' free space tells which
+        dirs = (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoint.dir))
+        with suppress(OSError):
+            cause += " (free: " + ", ".join(f"{key}={path} {shutil.disk_usage(path).free / 1e9:.3g} GB"
+                                            for key, path in dirs if Path(path).exists()) + ")"
     lines = [f"Run failed: {role}: {cause}."]
     if drops:
         lines.append("  dropped samples by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
