@@ -18,6 +18,7 @@ import random
 import re
 import shutil
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,11 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
         rank, (cause, _) = next(iter(e.failures.items()))
         raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
-    crcs = _gather({f"dcp/{p.name}": _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")})  # each its own
+    crcs = {f"dcp/{p.name}": _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")}  # each rank its own files
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, crcs)
+        crcs = {name: crc for part in every for name, crc in part.items()}
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
     torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored on load
@@ -118,34 +123,6 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _gather(crcs: dict[str, int]) -> dict[str, int]:
-    """Every rank's {file: CRC32}, merged (collective)."""
-    if not dist.is_initialized():
-        return crcs
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, crcs)
-    return {name: crc for part in every for name, crc in part.items()}
-
-
-def _crc_problem(path: Path) -> str | None:
-    """The first file under `path` whose CRC32 is not the one recorded at save, as "<file>: <why>"; the files are
-    read in threads (zlib's CRC runs without the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    try:
-        crcs = json.loads((path / CRCS).read_text())
-    except (OSError, ValueError) as e:
-        return f"{CRCS}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
-    names, pool = sorted(crcs), ThreadPoolExecutor(max(1, min(8, len(crcs))))
-    try:
-        for name, crc in zip(names, pool.map(lambda n: _crc32(path / n), names)):
-            if crc != crcs[name]:
-                return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
-    finally:  # the files not read yet are not read (a mismatch found, Ctrl-C)
-        pool.shutdown(wait=False, cancel_futures=True)
-    return None
-
-
 def problem(path: Path, checksums: bool = False) -> str | None:
     """Why the checkpoint at `path` cannot be resumed (a file missing, truncated or unreadable), else None. The small
     files are read whole; of the shards, that each one DCP's metadata names is there at its full length. With
@@ -167,7 +144,21 @@ def problem(path: Path, checksums: bool = False) -> str | None:
     except Exception as e:  # noqa: BLE001 - whatever the reason, this checkpoint cannot be resumed
         cause = e.strerror if isinstance(e, OSError) and e.strerror else f"{e}".split(". ")[0] or type(e).__name__
         return f"{what}: {cause}"
-    return _crc_problem(path) if checksums and extra.get("crc32") else None
+    if not (checksums and extra.get("crc32")):
+        return None
+    try:
+        crcs = json.loads((path / CRCS).read_text())
+    except (OSError, ValueError) as e:
+        return f"{CRCS}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+    # read in threads (zlib's CRC runs without the GIL); after a mismatch (or Ctrl-C) the files not read yet are not
+    names, pool = sorted(crcs), ThreadPoolExecutor(max(1, min(8, len(crcs))))
+    try:
+        for name, crc in zip(names, pool.map(lambda n: _crc32(path / n), names)):
+            if crc != crcs[name]:
+                return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return None
 
 
 def saved_master_weights(path: Path, client_state: dict | None = None) -> str:

@@ -71,11 +71,10 @@ class Shown:
             w = json.loads(line)
             self.seen[w["kind"]] = self.seen.get(w["kind"], 0) + 1
             if self.seen[w["kind"]] == 1:
-                print(f"{self._role(w['pid'], w['ppid'])}: warning: {w['text']}", file=sys.stderr, flush=True)
-
-    def _role(self, pid: int, ppid: int) -> str:
-        by_pid = {p: role for role, p in (self.role_pids or {}).items()}
-        return by_pid.get(pid) or (f"{by_pid[ppid]} (engine core)" if ppid in by_pid else f"process {pid}")
+                by_pid = {pid: role for role, pid in (self.role_pids or {}).items()}
+                role = by_pid.get(w["pid"]) or (f"{by_pid[w['ppid']]} (engine core)" if w["ppid"] in by_pid
+                                                else f"process {w['pid']}")
+                print(f"{role}: warning: {w['text']}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         """The last warnings shown (before the run's last words), and how many more of the same kinds the file
