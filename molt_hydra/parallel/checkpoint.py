@@ -1,19 +1,24 @@
 """Resumable checkpoints (torch.distributed.checkpoint) and HF export.
 
 Layout: <root>/step_<N>/{dcp/ (model + optimizer, sharded), extra_state.pt (scheduler + client state),
-rng_rank<r>.pt}, <root>/latest (text: the last tag). A save is written to <root>/.tmp-step_<N> and renamed only
-when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable. Retention (newest `keep`
-tags, a disk budget) is parallel/retention.py. Assumes every rank sees the same filesystem (one host, or a shared
-mount).
+rng_rank<r>.pt, crc32.json}, <root>/latest (text: the last tag). A save is written to <root>/.tmp-step_<N> and renamed
+only when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable (the next save removes
+the half-written directory). Neither DCP nor torch.load checks checksums: crc32.json, written last, holds every file's
+CRC32, which a resume checks (a shard's bytes overwritten at its full length loaded as garbage weights, silently).
+Retention (newest `keep` tags, a disk budget) is parallel/retention.py. Assumes every rank sees the same filesystem
+(one host, or a shared mount).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
 import re
 import shutil
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +32,7 @@ from molt_hydra.models import lora
 from molt_hydra.parallel import retention
 
 TAG = re.compile(r"^step_(\d+)$")
+CRCS = "crc32.json"  # {file under step_<N>: CRC32}
 
 
 def _rank() -> int:
@@ -74,7 +80,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     tmp, final = root / f".tmp-{tag}", root / tag
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        for leftover in root.glob(".tmp-step_*"):  # crashed saves (the run lock keeps other writers out)
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir()
     _barrier()
     try:
@@ -82,14 +89,21 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
         rank, (cause, _) = next(iter(e.failures.items()))
         raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
+    crcs = {f"dcp/{p.name}": _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")}  # each rank its own files
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, crcs)
+        crcs = {name: crc for part in every for name, crc in part.items()}
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
     torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored on load
     _barrier()
     if _rank() == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1  # rng_rank<r>.pt for every r below it
-        _write_extra(tmp, {"client_state": client_state or {}, "step": step, "world_size": world,
+        _write_extra(tmp, {"client_state": client_state or {}, "step": step, "world_size": world, "crc32": True,
                            "scheduler": scheduler.state_dict() if scheduler is not None else None})
+        crcs.update({str(p.relative_to(tmp)): _crc32(p) for p in [tmp / "dcp" / ".metadata", *tmp.glob("*.pt")]})
+        (tmp / CRCS).write_text(json.dumps(crcs))
         _replace_dir(tmp, final)
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(tag)
@@ -101,9 +115,19 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     return final
 
 
-def problem(path: Path) -> str | None:
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def problem(path: Path, checksums: bool = False) -> str | None:
     """Why the checkpoint at `path` cannot be resumed (a file missing, truncated or unreadable), else None. The small
-    files are read whole; of the shards, that each one DCP's metadata names is there at its full length."""
+    files are read whole; of the shards, that each one DCP's metadata names is there at its full length. With
+    `checksums` (the run's one check before it starts: it reads every byte), every file's CRC32 is the one
+    recorded at save (a checkpoint saved before 2026-12-05 recorded none)."""
     what = "extra_state.pt"
     try:
         extra = torch.load(path / what, weights_only=False)
@@ -120,6 +144,20 @@ def problem(path: Path) -> str | None:
     except Exception as e:  # noqa: BLE001 - whatever the reason, this checkpoint cannot be resumed
         cause = e.strerror if isinstance(e, OSError) and e.strerror else f"{e}".split(". ")[0] or type(e).__name__
         return f"{what}: {cause}"
+    if not (checksums and extra.get("crc32")):
+        return None
+    try:
+        crcs = json.loads((path / CRCS).read_text())
+    except (OSError, ValueError) as e:
+        return f"{CRCS}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+    # read in threads (zlib's CRC runs without the GIL); after a mismatch (or Ctrl-C) the files not read yet are not
+    names, pool = sorted(crcs), ThreadPoolExecutor(max(1, min(8, len(crcs))))
+    try:
+        for name, crc in zip(names, pool.map(lambda n: _crc32(path / n), names)):
+            if crc != crcs[name]:
+                return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return None
 
 
@@ -152,13 +190,14 @@ def _candidates(root: Path) -> list[Path]:
     return found
 
 
-def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None) -> Path | None:
+def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None,
+                       checksums: bool = False) -> Path | None:
     """The `latest` tag when loadable, else the newest loadable step_<N>, else None. Each checkpoint passed over (a
-    `latest` naming a missing directory, a file missing, truncated or unreadable) is appended to `skipped` as
-    "<path>: <why>"."""
+    `latest` naming a missing directory, a file missing, truncated or unreadable; with `checksums`, a file changed
+    since the save) is appended to `skipped` as "<path>: <why>"."""
     root = Path(root)
     for path in _candidates(root) if root.is_dir() else []:
-        why = "missing" if not path.is_dir() else problem(path)
+        why = "missing" if not path.is_dir() else problem(path, checksums)
         if why is None:
             return path
         if skipped is not None:

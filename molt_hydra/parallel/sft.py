@@ -55,7 +55,8 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,
                                        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), **kw["worker"]))
     resume = kw["resume"] and kw["ckpt_path"]
-    client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"]) if resume else None
+    client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"],
+                                    step=kw["resume_step"]) if resume else None
     start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
     out = Path(kw["output_dir"])
     log = out / "sft_metrics.jsonl"
@@ -98,12 +99,13 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
             eval_steps: int = -1, save_steps: int = -1, ckpt_path: str | None = None, keep: int = 3,
             resume: bool = False, export_hf: bool = True, num_ranks: int = 1, seed: int = 42,
             image_key: str | None = None, max_images_per_prompt: int = 0, max_disk_gb: float | None = None,
-            load_model_only: bool = False, **trainer) -> list[dict]:
+            load_model_only: bool = False, resume_step: str | None = None, **trainer) -> list[dict]:
     """Train, evaluate, checkpoint and export; returns the per-step metric records (also in
     <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated.
     trainer: TrainerSpec fields (parallel/trainer_spec.py: lr, param_dtype, max_tokens_per_micro_batch, the backend's
     options, ...), SFT_DEFAULTS where not given.
-    load_model_only: `resume` loads the checkpoint's weights only and starts at step 0 with a fresh optimizer."""
+    load_model_only: `resume` loads the checkpoint's weights only and starts at step 0 with a fresh optimizer.
+    resume_step: the step_<N> under ckpt_path to resume (the run's checked choice), else the newest loadable."""
     kw = {k: v for k, v in locals().items() if k != "trainer"}  # every argument above, as the ranks read them
     kw["worker"] = {**SFT_DEFAULTS, "seed": seed, **trainer}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank

@@ -8,9 +8,11 @@ Imports inside functions defer torch, Ray and the roles (seconds) to the job tha
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -62,9 +64,9 @@ def _interrupt(signum, frame) -> None:
 
 def _run(cfg: RunConfig) -> None:
     record = write_run_record(cfg, cfg.output_dir)
-    _check_resume(cfg)
+    resume_from = _check_resume(cfg)
     if cfg.job.value == "sft":
-        _run_sft(cfg)
+        _run_sft(cfg, resume_from)
         return
     from molt_hydra.models.build import resolve_path
 
@@ -75,13 +77,18 @@ def _run(cfg: RunConfig) -> None:
         print(f"\nRun failed: model.path={cfg.model.path}: {e}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
 
+    from molt_hydra.runtime.role_warnings import Shown
+
+    shown = Shown(cfg.output_dir)  # before any Ray process starts: each inherits where its warnings go
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
     try:
         with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
-            code = _run_to_end(_main(cfg, record))
+            code = _run_to_end(_main(cfg, record, resume_from, shown))
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
         code = EXIT_FAILED
+    finally:
+        shown.stop()  # (done by _main's teardown, before its last words, when it ran)
     if code == EXIT_STALLED:
         # A stalled role can leave a thread blocked in a Ray call that would hold interpreter exit: leave now.
         sys.stdout.flush()
@@ -91,17 +98,22 @@ def _run(cfg: RunConfig) -> None:
         sys.exit(code)
 
 
-def _check_resume(cfg: RunConfig) -> None:
-    """checkpoint.resume, before anything starts: a checkpoint passed over (a file missing, truncated or unreadable; a
-    `latest` naming a missing one) is one line each; none loadable, where there are checkpoints or resume=must asks
-    for one, ends the run naming the directory and the fix; so does a checkpoint saved under the other
-    model.master_weights (a warm start aside)."""
-    from molt_hydra.parallel.checkpoint import resolve_checkpoint, saved_master_weights
+def _check_resume(cfg: RunConfig) -> Path | None:
+    """checkpoint.resume, before anything starts: returns the checkpoint every role resumes. One passed over (a file
+    missing, truncated, unreadable or changed since its save: the CRC32s are checked here, once; a `latest` naming a
+    missing one) is one line each; none loadable, where there are checkpoints or resume=must asks for one, ends the
+    run naming the directory and the fix; so does a checkpoint saved under the other model.master_weights (a warm
+    start aside)."""
+    from molt_hydra.parallel.checkpoint import problem, resolve_checkpoint, saved_master_weights
+    from molt_hydra.runtime.plan import fsdp_roles
 
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval" or c.resume.value == "never":  # (eval loads checkpoint.path)
-        return
-    found = resolve_checkpoint(c.dir, skipped)
+        return None
+    found = resolve_checkpoint(c.dir, skipped, checksums=True)
+    for partial in sorted(Path(c.dir).glob(".tmp-step_*")):  # a run stopped mid-save: never a candidate
+        print(f"Checkpoint passed over: {partial}: a save that never finished (the next save removes it)",
+              file=sys.stderr)
     for line in skipped:
         print(f"Checkpoint passed over: {line}; resuming from {found or 'none'} instead" if found
               else f"Checkpoint not loadable: {line}", file=sys.stderr)
@@ -118,15 +130,25 @@ def _check_resume(cfg: RunConfig) -> None:
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
               f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
+    # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
+    critic = Path(c.dir + "_critic") / found.name if found is not None else None
+    if critic is not None and critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
+        why = "missing" if not critic.is_dir() else problem(critic, checksums=True)
+        if why is not None:
+            print(f"\nRun failed: checkpoint.resume={c.resume.value}: {critic}: {why}; the critic resumes the actor's "
+                  f"{found.name}. Fix: move {found.name} (and any later step) out of checkpoint.dir={c.dir}, the one "
+                  "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
+            sys.exit(EXIT_FAILED)
+    return found
 
 
-def _run_sft(cfg: RunConfig) -> None:
+def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
     """job=sft on its torch.multiprocessing ranks; a failure is one message naming the rank, printed last (before: a
     rank's traceback through Hydra's report)."""
     from molt_hydra.runtime.sft_job import run_sft_job
 
     try:
-        run_sft_job(cfg)
+        run_sft_job(cfg, resume_from)
     except Exception as e:  # noqa: BLE001 - the traceback goes to failure.txt
         rank = getattr(e, "error_index", None)  # torch.multiprocessing's: the rank that raised or died
         cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # a rank's traceback ends with its error
@@ -148,7 +170,7 @@ def _run_to_end(coro) -> int:
     return asyncio.run(coro)
 
 
-async def _main(cfg: RunConfig, record: dict) -> int:
+async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -> int:
     loop = asyncio.get_running_loop()
     # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread).
     signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
@@ -161,7 +183,10 @@ async def _main(cfg: RunConfig, record: dict) -> int:
     last_words: list[str] = []  # the failure message: printed after every teardown, so it is what the user sees last
     try:
         roles = await build_roles(cfg, record)
-        return await (_eval_only if cfg.job.value == "eval" else _train)(cfg, roles, opened)
+        shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
+        if cfg.job.value == "eval":
+            return await _eval_only(cfg, roles, opened)
+        return await _train(cfg, roles, opened, resume_from)
     except RoleStalled as e:
         probe = roles is not None and e.role in ("rollout", "weight sync")
         return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [], last_words)
@@ -194,6 +219,7 @@ async def _main(cfg: RunConfig, record: dict) -> int:
         started = descendants(os.getpid())
         ray.shutdown()
         kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
+        shown.stop()
         if last_words:
             sys.stdout.flush()
             print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)
@@ -225,6 +251,12 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         role, cause, drops = error.role, describe(error.error), {}
     else:
         role, cause, drops = _actor_role(error), describe(error), {}
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) and not error.filename:
+        # a write to an open file (metrics.jsonl ...) names no path: the run's directories' free space tells which
+        dirs = (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoint.dir))
+        with suppress(OSError):
+            cause += " (free: " + ", ".join(f"{key}={path} {shutil.disk_usage(path).free / 1e9:.3g} GB"
+                                            for key, path in dirs if Path(path).exists()) + ")"
     lines = [f"Run failed: {role}: {cause}."]
     if drops:
         lines.append("  dropped samples by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
@@ -298,20 +330,18 @@ def _controller(cfg: RunConfig, roles, opened: list, wandb_id: str | None):
     return RLController(cfg, roles, opened[-1])
 
 
-async def _train(cfg: RunConfig, roles, opened: list) -> int:
-    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+async def _train(cfg: RunConfig, roles, opened: list, found: Path | None) -> int:
+    """`found`: the checkpoint _check_resume chose (None: start at step 0)."""
     from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 
-    calls, c, state, found = roles.calls, cfg.checkpoint, None, None
-    if c.resume.value != "never":
-        found = resolve_checkpoint(c.dir)  # (checked and any passed over shown by _check_resume)
-        if found is not None:
-            warm = c.load_model_only  # weights only: the loop, optimizer and data start fresh
-            (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=warm, step=found.name)
-            if roles.critic is not None:  # the actor's step, not the critic's newest: the two stay one step's pair
-                await calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic", model_only=warm,
-                                  step=found.name, role="critic")
-            state = None if warm else client["loop"]
+    calls, c, state = roles.calls, cfg.checkpoint, None
+    if found is not None:
+        warm = c.load_model_only  # weights only: the loop, optimizer and data start fresh
+        (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=warm, step=found.name)
+        if roles.critic is not None:  # the actor's step, not the critic's newest: the two stay one step's pair
+            await calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic", model_only=warm,
+                              step=found.name, role="critic")
+        state = None if warm else client["loop"]
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     if state is not None:
         ctl.log.sinks.rewind(state["step"])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.trainer_options import trainer_options
 
 
-def run_sft_job(cfg: RunConfig) -> list[dict]:
+def run_sft_job(cfg: RunConfig, resume_from: Path | None = None) -> list[dict]:
+    """`resume_from`: the checkpoint the run's resume check chose (every rank loads that one)."""
     from molt_hydra.models.build import resolve_path
     from molt_hydra.parallel.sft import run_sft
 
@@ -19,4 +22,5 @@ def run_sft_job(cfg: RunConfig) -> list[dict]:
         ckpt_path=c.dir, keep=c.max_num, resume=c.resume.value != "never", export_hf=c.export_final,
         num_ranks=cfg.parallelism.trainer_devices, seed=cfg.seed, image_key=d.image_key,
         max_images_per_prompt=d.max_images_per_prompt, max_disk_gb=c.max_disk_gb, load_model_only=c.load_model_only,
+        resume_step=resume_from.name if resume_from is not None else None,
         **trainer_options(cfg, t.optimizer))

@@ -27,9 +27,12 @@ def not_writable(path: str | Path) -> str | None:
         return f"{e.strerror or e} ({probe})"
 
 
-def fail_unless_writable(dirs: dict[str, str | Path]) -> None:
-    """`dirs`: config key -> directory. Prints one message per unwritable directory and exits non-zero."""
-    lines = [f"- {key}={path}: not writable: {why}. Fix: point {key} at a writable directory."
+def fail_unless_writable(dirs: dict[str, str | Path], fixes: dict[str, str] | None = None) -> None:
+    """`dirs`: config key (or output_dir/<sub>) -> directory; `fixes`: a key's fix where it is not "point it at a
+    writable directory".
+    Prints one message per unwritable directory and exits non-zero."""
+    fixes = fixes or {}
+    lines = [f"- {key}={path}: not writable: {why}. Fix: {fixes.get(key, f'point {key} at a writable directory')}."
              for key, path in dirs.items() if (why := not_writable(path)) is not None]
     if lines:
         print("Run not started: output directory not writable.\n" + "\n".join(lines), file=sys.stderr)
@@ -37,13 +40,22 @@ def fail_unless_writable(dirs: dict[str, str | Path]) -> None:
 
 
 def check_outputs(cfg) -> None:
-    """The run's own output, checkpoint and export directories (the resolved RunConfig)."""
-    dirs = {"output_dir": cfg.output_dir}
+    """The run's own output, checkpoint and export directories (the resolved RunConfig), and the metric sinks' own
+    directories under output_dir (an RL or eval run's: job=sft writes neither), which were first written after the
+    engines had started."""
+    dirs, fixes = {"output_dir": cfg.output_dir}, {}
     if cfg.job.value != "eval":
         dirs["checkpoint.dir"] = cfg.checkpoint.dir
         if cfg.checkpoint.export_final:
             dirs["checkpoint.export_dir"] = cfg.checkpoint.export_dir
-    fail_unless_writable(dirs)
+    sinks = (("logger.wandb.mode", "wandb", cfg.logger.wandb.mode.value != "disabled", "disabled"),
+             ("logger.tensorboard", "tensorboard", cfg.logger.tensorboard, "false"))
+    for key, name, used, off in sinks:
+        if used and cfg.job.value != "sft":
+            label = f"output_dir/{name}"
+            dirs[label] = Path(cfg.output_dir) / name
+            fixes[label] = f"make it a writable directory, point output_dir elsewhere, or set {key}={off}"
+    fail_unless_writable(dirs, fixes)
 
 
 class OutputWritable(Callback):

@@ -66,13 +66,17 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(interrupt
     step = int(newest.name.removeprefix("step_"))
     shard = newest / "dcp" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
+    partial = sorted(ckpts.glob(".tmp-step_*"))  # a save the SIGTERM cut short, if it came during one
     out = tmp_path / "run"
     proc = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
                            f"train.max_steps={step}", "checkpoint.resume=auto"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = ckpts / f"step_{step - 1}"
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("Checkpoint passed over")]
+    *cut, line = [line for line in proc.stderr.splitlines() if line.startswith("Checkpoint passed over")]
+    assert cut == [f"Checkpoint passed over: {p}: a save that never finished (the next save removes it)"
+                   for p in partial]
+    assert not list(ckpts.glob(".tmp-step_*"))  # the resumed run's save removed them
     assert line == (f"Checkpoint passed over: {newest}: dcp/__0_0.distcp: 1000 bytes, the metadata expects "
                     f"{line.split('expects ')[1].split(';')[0]}; resuming from {before} instead"), line
     assert f"Resumed from {before} at step {step - 1}" in proc.stdout

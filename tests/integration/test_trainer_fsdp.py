@@ -141,6 +141,20 @@ def test_killed_save_leaves_previous_checkpoint(ckpt_results):
     # the resumed run loaded step_1 (client state above) and its next save would clear the leftover
 
 
+def test_the_checksums_cover_every_ranks_files(ckpt_results):
+    """crc32.json holds every file: each rank's shards (gathered from the ranks that wrote them) and RNG file, DCP's
+    metadata, the extra state; and they check."""
+    import json
+
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+    step = ckpt_results["root"] / "step_1"
+    on_disk = sorted(str(p.relative_to(step)) for p in step.rglob("*") if p.is_file() and p.name != "crc32.json")
+    assert sorted(json.loads((step / "crc32.json").read_text())) == on_disk
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng_rank1.pt"} <= set(on_disk)
+    skipped = []
+    assert resolve_checkpoint(ckpt_results["root"], skipped, checksums=True) == step and skipped == []
+
+
 def test_hf_export_reloads_in_transformers(ckpt_results):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     m = AutoModelForCausalLM.from_pretrained(ckpt_results["export"], dtype=torch.float32)

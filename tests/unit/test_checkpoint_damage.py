@@ -93,3 +93,106 @@ def test_a_half_written_save_is_not_a_candidate(saved, tmp_path):
     (root / ".tmp-step_3" / "extra_state.pt").unlink()
     skipped = []
     assert resolve_checkpoint(root, skipped) == root / "step_2" and skipped == []
+
+
+def _overwrite_data(path):
+    """Bytes changed in place, the file's length kept, inside its first tensor's data (a DCP shard: its middle; a
+    torch.save file: the data record of its first tensor), so that it still loads: what the size and load checks
+    cannot see. Before the CRC32s were recorded, such a shard resumed as garbage weights, an RNG file as other RNG
+    streams, without a word."""
+    import zipfile
+
+    data, start = bytearray(path.read_bytes()), len(path.read_bytes()) // 2
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            info = next(i for i in z.infolist() if "/data/" in i.filename)
+            start = info.header_offset + 30 + len(info.filename) + len(info.extra) + 4  # (stored, not compressed)
+    data[start:start + 8] = bytes(b ^ 0xFF for b in data[start:start + 8])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["dcp/__0_0.distcp", "rng_rank0.pt"])
+def test_a_file_changed_at_its_full_length_is_passed_over_by_the_checksum_check(saved, tmp_path, name):
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    _overwrite_data(root / "step_2" / name)
+    assert resolve_checkpoint(root) == root / "step_2"  # the cheap check (every rank's) cannot see it
+    skipped = []
+    assert resolve_checkpoint(root, skipped, checksums=True) == root / "step_1"
+    assert len(skipped) == 1 and skipped[0].startswith(f"{root / 'step_2'}: {name}: CRC32 "), skipped
+    assert skipped[0].endswith("(its bytes changed since the save)")
+
+
+def test_a_missing_checksum_file_is_named(saved, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    (root / "step_2" / "crc32.json").unlink()
+    skipped = []
+    assert resolve_checkpoint(root, skipped, checksums=True) == root / "step_1"
+    assert skipped == [f"{root / 'step_2'}: crc32.json: No such file or directory"]
+
+
+def test_the_run_resumes_the_checked_checkpoint_and_names_the_one_passed_over(saved, tmp_path, capsys):
+    """runtime/entrypoint.py `_check_resume` checks the CRC32s once, before anything starts, and returns the
+    checkpoint every role then loads by name (their own check is the cheap one); a half-written save is named too."""
+    from types import SimpleNamespace as value
+
+    from molt_hydra.runtime.entrypoint import _check_resume
+
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    _overwrite_data(root / "step_2" / "dcp" / "__0_0.distcp")
+    shutil.copytree(root / "step_1", root / ".tmp-step_3")  # a run stopped while it saved step 3
+    cfg = value(job=value(value="rl"), model=value(master_weights=value(value="fsdp")), checkpoint=value(
+        dir=str(root), resume=value(value="auto"), load_model_only=False))
+    assert _check_resume(cfg) == root / "step_1"
+    partial, line = capsys.readouterr().err.strip().splitlines()
+    assert partial == f"Checkpoint passed over: {root / '.tmp-step_3'}: a save that never finished (the next save " \
+                      "removes it)"
+    assert line.startswith(f"Checkpoint passed over: {root / 'step_2'}: dcp/__0_0.distcp: CRC32 ")
+    assert line.endswith(f"resuming from {root / 'step_1'} instead")
+    fresh, fresh_opt = _trained(1)
+    assert load_checkpoint(root, fresh, fresh_opt, step="step_1") == {"at": 1}
+    assert torch.equal(fresh.weight, saved[1])
+
+
+def test_the_next_save_removes_every_half_written_one(saved, tmp_path):
+    """A run killed mid-save leaves .tmp-step_<N>; the next save, whatever its step, removes them all (before:
+    only a leftover of the same step was removed, the others stayed, each as large as a checkpoint)."""
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    for step in (3, 7):
+        shutil.copytree(root / "step_2", root / f".tmp-step_{step}")
+    save_checkpoint(root, 4, *_trained(2))
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1", "step_2", "step_4"]
+
+
+def test_a_critic_checkpoint_changed_since_its_save_stops_the_run_before_anything_starts(saved, tmp_path, capsys):
+    """A run with a critic (algorithm.estimator=gae) resumes the critic at the actor's step; its files are checked by
+    the same resume check: a critic shard changed at its full length stops the run naming the file and the fix (before:
+    the critic's own check, the cheap one, loaded it)."""
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    from molt_hydra.runtime.entrypoint import EXIT_FAILED, _check_resume
+    from molt_hydra.runtime.validate import validate
+
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    shutil.copytree(saved[0], tmp_path / "root_critic")
+    _overwrite_data(tmp_path / "root_critic" / "step_2" / "dcp" / "__0_0.distcp")
+    overrides = ["algorithm.estimator=gae", "parallelism.colocate_models=true", "model.master_weights=fsdp",
+                 f"checkpoint.dir={root}", "checkpoint.resume=auto"]
+    cfg = validate(OmegaConf.to_object(compose_config(overrides, output_dir=str(tmp_path / "out"))))
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(cfg)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == EXIT_FAILED
+    assert last.startswith(f"Run failed: checkpoint.resume=auto: {tmp_path / 'root_critic' / 'step_2'}: "
+                           "dcp/__0_0.distcp: CRC32 ")
+    assert "the critic resumes the actor's step_2. Fix: move step_2 (and any later step) out of checkpoint.dir=" in last

@@ -1,0 +1,34 @@
+"""runtime/writable.py `check_outputs`, which runs before Ray: the metric sinks' directories under output_dir (W&B's
+wandb/, TensorBoard's tensorboard/) that cannot hold files stop the run naming the directory, why and the fix. Before,
+wandb.init met them once every engine had started: `Run failed: driver (I/O): NotADirectoryError ...` minutes in. A
+plain file in the directory's place stands for any unwritable one (root ignores permission bits)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as value
+
+import pytest
+
+from molt_hydra.runtime.watchdog import EXIT_FAILED
+from molt_hydra.runtime.writable import check_outputs
+
+
+def _cfg(out, job="rl", wandb="offline", tensorboard=False):
+    return value(output_dir=str(out), job=value(value=job), logger=value(
+        wandb=value(mode=value(value=wandb)), tensorboard=tensorboard), checkpoint=value(
+        dir=str(out / "checkpoints"), export_final=False))
+
+
+@pytest.mark.parametrize("name, key, off, kw", [
+    ("wandb", "logger.wandb.mode", "disabled", {}),
+    ("tensorboard", "logger.tensorboard", "false", {"wandb": "disabled", "tensorboard": True}),
+])
+def test_an_unwritable_sink_directory_stops_the_run_before_anything_starts(tmp_path, capsys, name, key, off, kw):
+    (tmp_path / name).write_text("")
+    with pytest.raises(SystemExit) as stop:
+        check_outputs(_cfg(tmp_path, **kw))
+    assert stop.value.code == EXIT_FAILED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"- output_dir/{name}={tmp_path / name}: not writable: Not a directory ({tmp_path / name}). Fix: make it a "
+        f"writable directory, point output_dir elsewhere, or set {key}={off}.")
+
