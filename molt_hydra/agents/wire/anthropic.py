@@ -24,7 +24,8 @@ def parse(body: Any) -> ChatRequest:
         raise bad("'messages' must be a non-empty list", "messages")
     canon = _system(body.get("system"))
     for i, m in enumerate(messages):
-        canon.extend(_message(m, f"messages[{i}]"))
+        for msg in _message(m, f"messages[{i}]"):
+            _append_merged(canon, msg)
     if canon[-1]["role"] == "assistant":
         raise bad("the last message is the assistant's (a prefill, to be continued): not supported; end "
                   "'messages' with a user message (to shape the reply, use 'tools' / 'tool_choice' or the prompt)",
@@ -136,6 +137,22 @@ def _message(m: Any, where: str) -> list[dict]:
             msg["tool_calls"] = tool_calls
         out.append(msg)
     return out
+
+
+def _append_merged(canon: list[dict], msg: dict) -> None:
+    """Append `msg`, merged into the message before it when both are the user's or both the assistant's: Anthropic
+    joins consecutive same-role messages into one turn (a chat template would render two). Their texts are joined by
+    a blank line; an assistant's tool calls follow its text, as in one Anthropic message."""
+    prev = canon[-1] if canon else None
+    if prev is None or msg["role"] not in ("user", "assistant") or prev["role"] != msg["role"]:
+        canon.append(msg)
+        return
+    a, b = ([{"type": "text", "text": c}] if isinstance(c, str) else c for c in (prev["content"], msg["content"]))
+    gap = [{"type": "text", "text": "\n\n"}] if prev["content"] and msg["content"] else []
+    joined = [p for p in a + gap + b if p["type"] != "text" or p["text"]]
+    prev["content"] = check.content(joined)
+    if msg.get("tool_calls"):
+        prev["tool_calls"] = prev.get("tool_calls", []) + msg["tool_calls"]
 
 
 def _tool_result(b: dict, where: str) -> str | list[dict]:
