@@ -86,10 +86,14 @@ def test_openai_chat_streams_text_then_the_whole_tool_call(tok):
 
 
 def test_responses_stream_items_open_fill_and_close_in_order(tok):
-    status, events = exchange(tok, "/v1/responses", {"input": "hi", "tools": [dict(TOOL["function"], type="function")],
+    tools = [dict(TOOL["function"], type="function")]
+    status, events = exchange(tok, "/v1/responses", {"input": "hi", "tools": tools, "parallel_tool_calls": False,
                                                      "stream": True}, THOUGHT_TEXT_CALL, "qwen3")
     kinds = [k for k, _ in events]
     assert status == 200 and kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    # the response object echoes the request's tool settings from its first event (was: no tools, parallel true)
+    created = events[0][1]["response"]
+    assert (created["tools"], created["tool_choice"], created["parallel_tool_calls"]) == (tools, "auto", False)
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
     added = [d["item"]["type"] for k, d in events if k == "response.output_item.added"]
     done = [d["item"]["type"] for k, d in events if k == "response.output_item.done"]
@@ -195,6 +199,9 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/messages", {"messages": USER + [{"role": "assistant", "content": "{"}], "max_tokens": 5}, 400, "messages",
      "prefill"),
     ("/v1/responses", {"input": "hi", "text": {"verbosity": "low"}}, 400, "text", "verbosity"),
+    # a text.format schema xgrammar cannot compile: the Responses field is named (was: response_format)
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "object", "required": "a"}}}}, 400, "text.format", "'text.format' schema cannot be enforced"),
     # a tool schema xgrammar cannot compile, under a forced tool choice: the tools are named (was: response_format)
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}]}, 400,

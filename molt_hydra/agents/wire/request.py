@@ -36,6 +36,7 @@ class ChatRequest:
     parallel_tool_calls: bool | None = None  # False: at most one tool call is returned
     top_logprobs: int | None = None  # None: no logprobs in the reply; k: the sampled token's plus k alternatives
     response_format: dict | None = None  # vLLM structured output: {"json": schema} / {"json_object": True}
+    format_param: str = "response_format"  # the field that set response_format (Responses: text.format), for errors
     thinking: bool | None = None  # Anthropic thinking enabled / disabled; None: not asked
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
 

@@ -201,11 +201,11 @@ class ChatSession:
         structured = req.response_format
         if req.forced_tool:
             if structured is not None:
-                raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
-                                   "response_format")
+                raise RequestError(400, f"a forced tool_choice and a {req.format_param} cannot both shape the output",
+                                   req.format_param)
             structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
         return {"n": req.n, "top_logprobs": req.top_logprobs or 0,
-                "structured": compact(structured, "tools" if req.forced_tool else "response_format")}
+                "structured": compact(structured, "tools" if req.forced_tool else req.format_param)}
 
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         self._check_n(req)
