@@ -474,3 +474,29 @@ def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(t
     start, delta = events[0]["message"]["usage"], events[-2]
     assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 0
     assert start["input_tokens"] == delta["usage"]["input_tokens"] > 40 > reply["usage"]["input_tokens"]
+
+
+def test_anthropic_count_tokens_is_the_prompt_a_turn_reports_in_its_usage(tok):
+    """`client.messages.count_tokens` (was: 404) is the rendered prompt's length, as the turn's usage.input_tokens."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    body = {"system": "be brief", "messages": USER, "tools": [TOOL_A]}
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            counted = await an.messages.count_tokens(model="policy", **body)
+            with pytest.raises(BadRequestError) as bad:
+                await an.messages.count_tokens(model="policy", messages=[{"role": "user", "content": 3}])
+            reply = await an.messages.create(model="policy", max_tokens=20, **body)
+            return counted, reply, bad.value
+        finally:
+            await server.stop()
+
+    counted, reply, bad = asyncio.run(go())
+    rendered = tok.apply_chat_template([{"role": "system", "content": "be brief"}, *USER], tools=[
+        {"type": "function", "function": {"name": "python", "description": "", "parameters": {"type": "object"}}}],
+        tokenize=False, add_generation_prompt=True)
+    assert counted.input_tokens == reply.usage.input_tokens == len(tok(rendered, add_special_tokens=False).input_ids)
+    assert "messages[0].content must be" in bad.message and bad.body["error"]["type"] == "invalid_request_error"

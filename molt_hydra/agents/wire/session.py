@@ -148,6 +148,11 @@ class ChatSession:
             GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling, images))
         return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
 
+    async def count_tokens(self, req: ChatRequest) -> int:
+        """The prompt tokens of `req` rendered whole, as a turn's usage counts them; nothing generated or recorded.
+        On the agent's loop, as every use of the tokenizer (a fast tokenizer is not safe across threads)."""
+        return len(self._full_prompt(req)[0])
+
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
         images = self._load_images(req.messages)
