@@ -500,3 +500,27 @@ def test_anthropic_count_tokens_is_the_prompt_a_turn_reports_in_its_usage(tok):
         tokenize=False, add_generation_prompt=True)
     assert counted.input_tokens == reply.usage.input_tokens == len(tok(rendered, add_special_tokens=False).input_ids)
     assert "messages[0].content must be" in bad.message and bad.body["error"]["type"] == "invalid_request_error"
+
+
+def test_anthropic_thinking_budget_below_the_turns_cap_is_refused_naming_it(tok):
+    """budget_tokens is a cap this server cannot hold without forcing tokens the policy did not sample: a budget below
+    the turn's token cap (here the session's max_tokens=64) is a 400 naming it (was: accepted and ignored); one at
+    or above the cap cannot bind and is served."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHi."), "qwen3")
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            with pytest.raises(BadRequestError) as bad:
+                await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                         thinking={"type": "enabled", "budget_tokens": 63})
+            ok = await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                          thinking={"type": "enabled", "budget_tokens": 64})
+            return bad.value, ok
+        finally:
+            await server.stop()
+
+    bad, ok = asyncio.run(go())
+    assert "'thinking.budget_tokens'=63 is below this turn's token cap 64" in bad.message
+    assert [b.type for b in ok.content] == ["thinking", "text"] and ok.content[1].text.strip() == "Hi."

@@ -33,9 +33,10 @@ def parse(body: Any) -> ChatRequest:
     overrides = check.sampling(body, ("max_tokens",), "stop_sequences", temperature_max=1.0)
     tools = _tools(body.get("tools"))
     tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
+    thinking, budget = _thinking(body.get("thinking"), overrides.get("max_tokens"))
     return ChatRequest(messages=canon, tools=tools, overrides=overrides, stream=check.flag(body, "stream"),
-                       tool_choice=tool_choice, parallel_tool_calls=parallel,
-                       thinking=_thinking(body.get("thinking"), overrides.get("max_tokens")))
+                       tool_choice=tool_choice, parallel_tool_calls=parallel, thinking=thinking,
+                       thinking_budget=budget)
 
 
 def _system(system: Any) -> list[dict]:
@@ -88,12 +89,13 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | N
     return check.tool_choice(mapped, tools), (None if disable is None else not disable)
 
 
-def _thinking(v: Any, max_tokens: int | None) -> bool | None:
+def _thinking(v: Any, max_tokens: int | None) -> tuple[bool | None, int | None]:
+    """(thinking enabled / disabled / not asked, its budget_tokens); the session checks both against the model."""
     if v is None:
-        return None
+        return None, None
     kind = v.get("type") if isinstance(v, dict) else None
     if kind == "disabled":
-        return False
+        return False, None
     if kind != "enabled":
         raise bad(f"'thinking' type must be enabled or disabled, got {v!r}", "thinking")
     budget = v.get("budget_tokens")
@@ -101,7 +103,7 @@ def _thinking(v: Any, max_tokens: int | None) -> bool | None:
         raise bad("'thinking.budget_tokens' must be a positive integer", "thinking")
     if max_tokens is not None and budget >= max_tokens:
         raise bad(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})", "thinking")
-    return True
+    return True, budget
 
 
 def _message(m: Any, where: str) -> list[dict]:

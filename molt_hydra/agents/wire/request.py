@@ -38,6 +38,7 @@ class ChatRequest:
     response_format: dict | None = None  # vLLM structured output: {"json": schema} / {"json_object": True}
     format_param: str = "response_format"  # the field that set response_format (Responses: text.format), for errors
     thinking: bool | None = None  # Anthropic thinking enabled / disabled; None: not asked
+    thinking_budget: int | None = None  # Anthropic thinking.budget_tokens
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
 
     def key(self) -> str:

@@ -191,6 +191,13 @@ class ChatSession:
                                    f"training assumes the recipe's sampling, so a client may not change it; omit "
                                    f"'{key}' or send {ours}", key, "sampling_mismatch")
         max_tokens = min(self.sampling.max_tokens, o.get("max_tokens", math.inf), remaining)
+        if req.thinking_budget is not None and req.thinking_budget < max_tokens:
+            # vLLM could only cut a thought short by forcing its end marker: tokens the policy did not sample
+            raise RequestError(400, f"'thinking.budget_tokens'={req.thinking_budget} is below this turn's token cap "
+                               f"{max_tokens} (the least of rollout.max_tokens={self.sampling.max_tokens}, "
+                               "'max_tokens' and the session's remaining length), and a thought is never cut short "
+                               "here: the model thinks as long as it samples to. Send budget_tokens >= the cap (with "
+                               "'max_tokens' above it), or omit 'thinking'", "thinking.budget_tokens")
         return dataclasses.replace(
             self.sampling, max_tokens=max_tokens, min_tokens=min(self.sampling.min_tokens, max_tokens),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
