@@ -524,3 +524,54 @@ def test_anthropic_thinking_budget_below_the_turns_cap_is_refused_naming_it(tok)
     bad, ok = asyncio.run(go())
     assert "'thinking.budget_tokens'=63 is below this turn's token cap 64" in bad.message
     assert [b.type for b in ok.content] == ["thinking", "text"] and ok.content[1].text.strip() == "Hi."
+
+
+class RecordingEngine(ScriptedEngine):
+    """Scripted text; keeps each generation request (its sampling is what the engine would be asked for)."""
+
+    def __init__(self, tok, text):
+        super().__init__(tok, text)
+        self.requests = []
+
+    async def generate(self, request):
+        self.requests.append(request)
+        return await super().generate(request)
+
+
+def test_strict_tools_under_auto_reach_the_engine_as_their_grammar_from_each_sdk(tok):
+    """`strict: true` under tool_choice auto (OpenAI chat and Responses, Anthropic) was accepted and never enforced:
+    the turn now samples under the grammar that holds the call to the schema; without strict nothing is constrained."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents.json_grammar import strict_calls
+    from molt_hydra.agents.tool_parser import CALL_ENVELOPES
+
+    schema = TOOL["function"]["parameters"]
+    engine = RecordingEngine(tok, CALL)
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            for strict in (True, False):
+                chat = await oa.chat.completions.create(model="policy", messages=USER, tools=[
+                    {"type": "function", "function": {"name": "python", "parameters": schema, "strict": strict}}])
+                resp = await oa.responses.create(model="policy", input="hi", tools=[
+                    {"type": "function", "name": "python", "parameters": schema, "strict": strict}])
+                msg = await an.messages.create(model="policy", max_tokens=50, messages=USER, tools=[
+                    {"name": "python", "input_schema": schema, "strict": strict}])
+            with pytest.raises(Exception) as both:
+                await oa.chat.completions.create(model="policy", messages=USER, response_format={"type": "json_object"},
+                                                 tools=[dict(TOOL, function=dict(TOOL["function"], strict=True))])
+            return chat, resp, msg, both.value
+        finally:
+            await server.stop()
+
+    chat, resp, msg, both = asyncio.run(go())
+    grammar = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes")
+    assert [r.sampling.structured for r in engine.requests] == [grammar] * 3 + [None] * 3
+    assert chat.choices[0].message.tool_calls[0].function.arguments == '{"code": "print(1)"}'
+    assert resp.output[0].name == "python" and msg.content[0].input == {"code": "print(1)"}
+    assert both.status_code == 400 and "a strict tool and a response_format cannot both" in both.message

@@ -36,7 +36,7 @@ def parse(body: Any) -> ChatRequest:
     thinking, budget = _thinking(body.get("thinking"), overrides.get("max_tokens"))
     return ChatRequest(messages=canon, tools=tools, overrides=overrides, stream=check.flag(body, "stream"),
                        tool_choice=tool_choice, parallel_tool_calls=parallel, thinking=thinking,
-                       thinking_budget=budget)
+                       thinking_budget=budget, strict_tools=check.strict_names(body.get("tools") or []))
 
 
 def _system(system: Any) -> list[dict]:

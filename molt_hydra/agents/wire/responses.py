@@ -47,8 +47,11 @@ def parse(body: Any) -> ChatRequest:
                 raise bad(f"tools[{i}]: only function tools {{type: function, name, parameters}} are served "
                           f"(hosted tools run at OpenAI), got {t!r}", "tools")
             check.schema(t.get("parameters"), f"tools[{i}].parameters")
+        strict = check.strict_names(tools)
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
                  for t in tools] or None
+    else:
+        strict = []
     text = body.get("text") or {}
     if not isinstance(text, dict):
         raise bad("'text' must be an object", "text")
@@ -58,6 +61,7 @@ def parse(body: Any) -> ChatRequest:
     return ChatRequest(
         messages=canon, tools=tools, overrides=check.sampling(body, ("max_output_tokens",)),
         stream=check.flag(body, "stream"), tool_choice=check.tool_choice(body.get("tool_choice"), tools),
+        strict_tools=strict,
         parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
         top_logprobs=_top_logprobs(body),
         response_format=check.response_format(text.get("format"), "text.format"), format_param="text.format")

@@ -6,8 +6,8 @@ answered with an error naming the fix instead of deadlocking. Every route but `/
 (`Authorization: Bearer KEY`, scheme case-insensitive, or `x-api-key: KEY`), else 401. Session routes live under
 `/s/{session_id}`: the OpenAI SDK takes `base_url=.../s/{sid}/v1`, the Anthropic SDK `base_url=.../s/{sid}`, a judge
 client `base_url=.../s/{sid}/judge/v1`; `/v1/messages/count_tokens` counts a prompt's tokens (Anthropic's SDK).
-Every error, 404 / 405 / 413 included, is in the API's own JSON error shape. Streaming is true token streaming: text reaches the client as the engine samples it; tool calls are sent whole once
-the generation ends.
+Every error, 404 / 405 / 413 included, is in the API's own JSON error shape. Streaming is true token streaming:
+text reaches the client as the engine samples it; tool calls are sent whole once the generation ends.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt_hydra.agents.base import Trajectory
-from molt_hydra.agents.json_grammar import compact
+from molt_hydra.agents.json_grammar import compact, strict_calls
 from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall
 from molt_hydra.agents.wire.images import image_sources, load_image
 from molt_hydra.agents.wire.request import ChatRequest, RequestError
@@ -209,15 +209,20 @@ class ChatSession:
 
     def _decoding(self, req: ChatRequest) -> dict:
         """Engine-side output controls of a request: choices (n, checked by `_check_n`), logprobs and structured
-        output (response_format / forced tool)."""
+        output (response_format / forced tool / strict tools under tool_choice auto)."""
         structured = req.response_format
+        strict = bool(req.strict_tools) and req.tool_choice == "auto"  # (a forced call follows its schema anyway)
+        if (req.forced_tool or strict) and structured is not None:
+            raise RequestError(400, f"a {'forced tool_choice' if req.forced_tool else 'strict tool'} and a "
+                               f"{req.format_param} cannot both shape the output", req.format_param)
         if req.forced_tool:
-            if structured is not None:
-                raise RequestError(400, f"a forced tool_choice and a {req.format_param} cannot both shape the output",
-                                   req.format_param)
-            structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
-        return {"n": req.n, "top_logprobs": req.top_logprobs or 0,
-                "structured": compact(structured, "tools" if req.forced_tool else req.format_param)}
+            structured = compact({"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)},
+                                 "tools")
+        elif strict:
+            structured = strict_calls(req.tools, req.strict_tools, self.parser.envelope, self.parser.tool_parser_name)
+        else:
+            structured = compact(structured, req.format_param)
+        return {"n": req.n, "top_logprobs": req.top_logprobs or 0, "structured": structured}
 
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         self._check_n(req)
