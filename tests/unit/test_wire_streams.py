@@ -206,6 +206,11 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}]}, 400,
      "tools", "'tools' schema cannot be enforced"),
+    # tool keys that change what the model sees or may call (were: dropped silently)
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [dict(TOOL_A, input_examples=[{"code": "1"}])]}, 400,
+     "tools[0]", "tools[0] keys ['input_examples'] are not served"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "defer_loading": True}]}, 400,
+     "tools[0]", "tools[0] keys ['defer_loading'] are not served"),
     # a JSON array or object where a role / type name goes (was: 500 "unhashable type")
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0]", "role in"),
     ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),

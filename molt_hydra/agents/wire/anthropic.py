@@ -12,6 +12,9 @@ from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream", "tools",
           "tool_choice", "thinking", "cache_control"}
+# A client tool's keys served here; eager_input_streaming only changes how a tool_use block is streamed (here: whole).
+# Others (input_examples, defer_loading, allowed_callers) change what the model sees or may call: refused.
+TOOL_KEYS = {"name", "description", "input_schema", "cache_control", "type", "strict", "eager_input_streaming"}
 # A Choice's finish_reason -> Anthropic's stop_reason; "stop" is "stop_sequence" when one ended it, else "end_turn".
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
@@ -70,6 +73,8 @@ def _tools(tools: Any) -> list[dict] | None:
         _cache_control(t, f"tools[{i}]")
         if t.get("type") not in (None, "custom"):  # server tools (web_search, bash, ...) run at Anthropic
             raise bad(f"tools[{i}] type {t['type']!r} is a server tool; only client tools are served", "tools")
+        if unknown := sorted(set(t) - TOOL_KEYS):
+            raise bad(f"tools[{i}] keys {unknown} are not served (served: {sorted(TOOL_KEYS)})", f"tools[{i}]")
     return [{"type": "function", "function": {
         "name": t["name"], "description": t.get("description", ""),
         "parameters": check.schema(t.get("input_schema"), f"tools[{i}].input_schema") or {}}}

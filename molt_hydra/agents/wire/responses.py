@@ -15,6 +15,7 @@ from molt_hydra.agents.wire.stream import Stream, new_id, sse
 FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
           "text", "parallel_tool_calls", "top_logprobs", "include"}
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for log-probs (the Agents SDK sends it)
+TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}  # of a function tool
 # `include` entries that change nothing here: reasoning is never encrypted, and echoed reasoning items are dropped
 # (the segment holds the generated tokens), so a stateless client loses nothing without `encrypted_content`
 INCLUDE_IGNORED = {"reasoning.encrypted_content"}
@@ -47,6 +48,8 @@ def parse(body: Any) -> ChatRequest:
                 raise bad(f"tools[{i}]: only function tools {{type: function, name, parameters}} are served "
                           f"(hosted tools run at OpenAI), got {t!r}", "tools")
             check.schema(t.get("parameters"), f"tools[{i}].parameters")
+            if unknown := sorted(set(t) - TOOL_KEYS):  # e.g. defer_loading: the tool would be hidden until searched
+                raise bad(f"tools[{i}] keys {unknown} are not served (served: {sorted(TOOL_KEYS)})", f"tools[{i}]")
         strict = check.strict_names(tools)
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
                  for t in tools] or None
