@@ -580,3 +580,36 @@ def test_strict_tools_under_auto_reach_the_engine_as_their_grammar_from_each_sdk
     assert chat.choices[0].message.tool_calls[0].function.arguments == '{"code": "print(1)"}'
     assert resp.output[0].name == "python" and msg.content[0].input == {"code": "print(1)"}
     assert both.status_code == 400 and "a strict tool and a response_format cannot both" in both.message
+
+
+def test_a_turn_still_generating_when_its_session_closes_leaves_the_handed_segments_alone(tok):
+    """An agent that leaves a stream mid-turn and returns (or times out) closes its session while the engine still
+    generates; the handed-over segments are training data and must not grow afterwards (were: the finished turn was
+    appended to a segment already given to the trainer)."""
+    async def go():
+        engine = SlowEngine(tok, "Hello there, this is a longer reply.")
+        server, session = await serving(tok, engine)
+        headers = {"Authorization": "Bearer k"}
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(server.session_url("s") + "/v1/chat/completions", headers=headers,
+                                     json={"messages": USER}) as r:
+                    first = await r.json()
+                more = USER + [first["choices"][0]["message"], {"role": "user", "content": "more"}]
+                r = await http.post(server.session_url("s") + "/v1/chat/completions", json={
+                    "messages": more, "stream": True}, headers=headers)
+                await r.content.readline()
+                r.close()  # the agent leaves the stream and returns: the rollout closes its session
+            segments = server.close_session("s")
+            handed = [(list(s.token_ids), list(s.action_ranges)) for s in segments]
+            for _ in range(100):  # the streamed turn runs to its end (the first one was not streamed)
+                if engine.finished:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            return handed, [(s.token_ids, s.action_ranges) for s in segments]
+        finally:
+            await server.stop()
+
+    handed, later = asyncio.run(go())
+    assert len(handed[0][1]) == 1 and later == handed

@@ -246,6 +246,9 @@ class ChatSession:
             self._choice(g, req) for g in await self.generator.generate(request)]
         if len(choices) != req.n:
             raise RuntimeError(f"engine returned {len(choices)} generations for n={req.n}")
+        if self.closed:  # the rollout ended while this turn generated: its segments belong to the trainer now
+            raise RequestError(404, f"session {self.session_id} closed while this turn was generating; the turn is "
+                               "not recorded", code="session_closed")
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
         self._commit(req, extension, prompt_ids, images, choices)
         return TurnReply(choices, len(prompt_ids), sum(len(c.gen.token_ids) for c in choices), streamed=streamed)
