@@ -945,15 +945,16 @@ def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec,
         msgs = [{"role": "user", "content": "hello there"}]
         log["oa"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6)
         an = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
-        log["an"] = await an.messages.create(model="policy", max_tokens=6, messages=msgs,
-                                             thinking={"type": "enabled", "budget_tokens": 1})
+        # a budget at least the turn's cap (rollout.max_tokens=6 here) cannot bind, so it is served
+        thinking = {"type": "enabled", "budget_tokens": 6}
+        log["an"] = await an.messages.create(model="policy", max_tokens=100, messages=msgs, thinking=thinking)
         # the reply echoed back whole, thinking block included, as the Anthropic docs ask of a tool loop
-        log["an2"] = await an.messages.create(model="policy", max_tokens=6, thinking={"type": "enabled",
-                                                                                     "budget_tokens": 1},
+        log["an2"] = await an.messages.create(model="policy", max_tokens=100, thinking=thinking,
                                               messages=msgs + [{"role": "assistant", "content": log["an"].content},
                                                                {"role": "user", "content": "go on"}])
 
-    _, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"reasoning_parser": "deepseek_r1"})
+    _, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"reasoning_parser": "deepseek_r1"},
+                      sampling=Sampling(max_tokens=6, temperature=0.0))
     texts = [tokenizer.decode([t for t in g.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=False)
              for _, (g,) in rec.calls]
     msg = log["oa"].choices[0].message
