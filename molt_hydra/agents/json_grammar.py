@@ -1,4 +1,5 @@
-"""JSON-shaped output (a forced tool call, `response_format`) as a grammar without runs of whitespace.
+"""JSON-shaped output (a forced tool call, `response_format`, a strict tool's arguments) as a grammar without runs of
+whitespace.
 
 vLLM compiles a request's `json` schema with the engine-wide whitespace rule (`structured_outputs_config.
 disable_any_whitespace`, off by default; its per-request flag is not read by the xgrammar backend), and a grammar
@@ -26,6 +27,36 @@ def _grammar(schema_json: str) -> str:
     import xgrammar
 
     return str(xgrammar.Grammar.from_json_schema(schema_json, any_whitespace=True, max_whitespace_cnt=WHITESPACE_RUN))
+
+
+@functools.lru_cache(maxsize=64)
+def _tag_grammar(tag_json: str) -> str:
+    import xgrammar
+
+    return str(xgrammar.Grammar.from_structural_tag(tag_json))
+
+
+def strict_calls(tools: list[dict], strict: list[str], envelope: tuple[str, ...] | None, parser: str | None) -> dict:
+    """vLLM structured output for `strict: true` tools under tool_choice "auto": text stays free; from where the
+    model opens a tool call (the family's `envelope`: trigger, text before the name, between name and arguments,
+    after them) the call is held to a tool of the request, a strict tool's arguments to its schema and the others'
+    to a JSON object (vLLM's own server does the same, with its structural tags)."""
+    if envelope is None:
+        raise RequestError(400, f"'strict': true (tools {strict}) under tool_choice \"auto\" cannot be enforced for "
+                           f"agent.tool_parser={parser!r}: its tool-call markup is not known here; send strict false "
+                           "(and check the arguments), or tool_choice \"required\" / a named tool (enforced for "
+                           "every parser)", "tools")
+    trigger, before, between, after = envelope
+    tags = [{"type": "tag", "begin": before + fn["name"] + between, "end": after, "content": {
+        "type": "json_schema", "max_whitespace_cnt": WHITESPACE_RUN,
+        "json_schema": (fn.get("parameters") or {"type": "object"}) if fn["name"] in strict else {"type": "object"}}}
+        for fn in (t["function"] for t in tools)]
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}
+    try:
+        return {"grammar": _tag_grammar(json.dumps(tag, sort_keys=True))}
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar refuses a schema: the client's mistake
+        raise RequestError(400, f"'tools' strict schema cannot be enforced: {str(e).splitlines()[0][:300]}",
+                           "tools") from None
 
 
 def compact(structured: dict | None, param: str = "response_format") -> dict | None:

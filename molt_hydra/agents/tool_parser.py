@@ -27,6 +27,11 @@ def parse_failures() -> int:
     return _failures["count"]
 
 
+# How a family's tool call opens (the trigger, the text before the tool's name), continues to its arguments and
+# closes, as its chat template writes it: a strict tool's arguments are held to their schema in between
+# (json_grammar.strict_calls).
+CALL_ENVELOPES = {"hermes": ("<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>")}
+
 _seen = threading.local()  # .error: the parser error this thread logged last (`_parser_errors`, `_take_error`)
 
 
@@ -95,6 +100,7 @@ class ReplyParser:
         # llama3_json's calls may also open with a bare `{`, its `tool_call_start_regex`).
         self.tool_start = getattr(self.tool, "tool_call_start_token", None) or getattr(self.tool, "bot_token", None)
         self.tool_start_regex = getattr(self.tool, "tool_call_start_regex", None)
+        self.envelope = CALL_ENVELOPES.get(tool_parser)
 
     def parse(self, text: str, tools: list[dict] | None, parse_tools: bool = True) -> ParsedReply:
         reasoning, content = None, text

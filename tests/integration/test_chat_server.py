@@ -613,6 +613,24 @@ def test_tool_choice_none_required_named_and_parallel_false(loop, rec, tokenizer
     assert len(log["one"].choices[0].message.tool_calls) == 1
 
 
+def test_a_strict_tool_under_auto_samples_under_its_grammar_on_the_real_engine(loop, rec, tokenizer):
+    """`strict: true` under tool_choice auto (the Agents SDK's default; was: accepted, never enforced): vLLM compiles
+    the call grammar (tests/unit/test_json_grammar.py shows what it refuses) and the model's own call, which follows
+    the schema, comes through it unchanged. Responses renders the tool as chat does, so the prompt is the fitted one."""
+    from molt_hydra.agents.json_grammar import strict_calls
+    from molt_hydra.agents.tool_parser import CALL_ENVELOPES
+
+    async def script(client, ctx, log):
+        tool = dict(PYTHON_TOOL["function"], type="function", strict=True)
+        log["r"] = await client.responses.create(model="policy", input=LOOP_PROMPT, tools=[tool], temperature=0)
+
+    _, log = scripted(loop, rec, tokenizer, script)
+    (call,) = [item for item in log["r"].output if item.type == "function_call"]
+    assert (call.name, json.loads(call.arguments)) == ("python", {"code": "print(6*7)"})
+    grammar = strict_calls([PYTHON_TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes")
+    assert rec.calls[0][0].sampling.structured == grammar
+
+
 def test_logprobs_come_from_the_engine_and_response_format_is_enforced(loop, rec, tokenizer):
     # an object: its free whitespace let the tiny model loop on blanks until sent as a compact-JSON grammar
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
@@ -927,15 +945,16 @@ def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec,
         msgs = [{"role": "user", "content": "hello there"}]
         log["oa"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6)
         an = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
-        log["an"] = await an.messages.create(model="policy", max_tokens=6, messages=msgs,
-                                             thinking={"type": "enabled", "budget_tokens": 1})
+        # a budget at least the turn's cap (rollout.max_tokens=6 here) cannot bind, so it is served
+        thinking = {"type": "enabled", "budget_tokens": 6}
+        log["an"] = await an.messages.create(model="policy", max_tokens=100, messages=msgs, thinking=thinking)
         # the reply echoed back whole, thinking block included, as the Anthropic docs ask of a tool loop
-        log["an2"] = await an.messages.create(model="policy", max_tokens=6, thinking={"type": "enabled",
-                                                                                     "budget_tokens": 1},
+        log["an2"] = await an.messages.create(model="policy", max_tokens=100, thinking=thinking,
                                               messages=msgs + [{"role": "assistant", "content": log["an"].content},
                                                                {"role": "user", "content": "go on"}])
 
-    _, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"reasoning_parser": "deepseek_r1"})
+    _, log = scripted(loop, rec, tokenizer, script, agent_kwargs_extra={"reasoning_parser": "deepseek_r1"},
+                      sampling=Sampling(max_tokens=6, temperature=0.0))
     texts = [tokenizer.decode([t for t in g.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=False)
              for _, (g,) in rec.calls]
     msg = log["oa"].choices[0].message

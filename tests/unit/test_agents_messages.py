@@ -210,3 +210,28 @@ def test_an_undecodable_image_is_the_clients_400():
     with pytest.raises(RequestError) as e:
         load_image("data:image/png;base64,bm90IGFuIGltYWdl")  # "not an image"
     assert e.value.status == 400 and "image data URI is not a decodable image" in e.value.message
+
+
+def test_anthropic_consecutive_same_role_messages_are_one_turn_as_anthropic_merges_them():
+    """Two user messages (or a tool_result message then a text one, or an assistant's text then its tool_use) are one
+    turn at Anthropic; rendered as two, the template would show the model a conversation it was never in."""
+    png = b64png(red())
+    img = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+    req = anthropic.parse({"max_tokens": 5, "messages": [
+        {"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}, img]},
+        {"role": "assistant", "content": "let me look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}]},
+        {"role": "user", "content": "and now?"}, {"role": "user", "content": [{"type": "text", "text": "go"}]}]})
+    assert req.messages == [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "\n\n"},
+                                     {"type": "text", "text": "b"},
+                                     {"type": "image", "source": f"data:image/png;base64,{png}"}]},
+        {"role": "assistant", "content": "let me look",
+         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "1", "tool_call_id": "t1"},
+        {"role": "user", "content": "and now?\n\ngo"},
+    ]
+    one = anthropic.parse({"max_tokens": 5, "messages": [{"role": "user", "content": "a\n\nb"}]})
+    assert anthropic.parse({"max_tokens": 5, "messages": [{"role": "user", "content": "a"},
+                                                          {"role": "user", "content": "b"}]}) == one

@@ -8,7 +8,8 @@ import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
-from molt_hydra.agents.json_grammar import compact
+from molt_hydra.agents.json_grammar import compact, strict_calls
+from molt_hydra.agents.tool_parser import CALL_ENVELOPES
 from molt_hydra.agents.wire.request import RequestError
 from molt_hydra.compat.vllm import forced_tool_schema
 
@@ -45,3 +46,29 @@ def test_a_schema_xgrammar_refuses_is_the_clients_400():
     with pytest.raises(RequestError) as e:
         compact({"json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}})
     assert e.value.status == 400 and "'response_format' schema cannot be enforced" in e.value.message
+
+
+def test_strict_tools_under_auto_hold_calls_to_their_schemas_and_leave_text_free():
+    """`strict: true` under tool_choice auto (was: accepted, never enforced): text is free; a call opens only as a
+    call of a request's tool, a strict tool's arguments follow its schema, a non-strict tool's are a JSON object."""
+    free = {"type": "function", "function": {"name": "note"}}  # no parameters: any JSON object
+    structured = strict_calls([TOOL, free], ["python"], CALL_ENVELOPES["hermes"], "hermes")
+
+    def call(name: str, args: str) -> str:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+    assert accepts(structured, "Let me run it. " + call("python", '{"code": "print(1)"}'))
+    assert accepts(structured, "No tool needed: 42.")
+    assert accepts(structured, call("python", '{"code": "1"}') + "\n" + call("note", '{"any": [1, 2]}'))  # parallel
+    assert not accepts(structured, call("python", '{"code": 1}'))  # not the schema's string
+    assert not accepts(structured, call("python", '{}'))  # code is required
+    assert not accepts(structured, call("shell", '{"code": "1"}'))  # not a tool of the request
+    assert not accepts(structured, call("note", "[1]"))  # arguments are an object
+    assert not accepts(structured, call("python", '{"code":      "1"}'))  # no runs of whitespace
+
+
+def test_strict_tools_for_a_parser_without_a_known_envelope_are_the_clients_400():
+    with pytest.raises(RequestError) as e:
+        strict_calls([TOOL], ["python"], None, "qwen3_coder")
+    assert e.value.status == 400 and e.value.param == "tools"
+    assert "agent.tool_parser='qwen3_coder'" in e.value.message and "tool_choice \"required\"" in e.value.message

@@ -86,10 +86,14 @@ def test_openai_chat_streams_text_then_the_whole_tool_call(tok):
 
 
 def test_responses_stream_items_open_fill_and_close_in_order(tok):
-    status, events = exchange(tok, "/v1/responses", {"input": "hi", "tools": [dict(TOOL["function"], type="function")],
+    tools = [dict(TOOL["function"], type="function")]
+    status, events = exchange(tok, "/v1/responses", {"input": "hi", "tools": tools, "parallel_tool_calls": False,
                                                      "stream": True}, THOUGHT_TEXT_CALL, "qwen3")
     kinds = [k for k, _ in events]
     assert status == 200 and kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    # the response object echoes the request's tool settings from its first event (was: no tools, parallel true)
+    created = events[0][1]["response"]
+    assert (created["tools"], created["tool_choice"], created["parallel_tool_calls"]) == (tools, "auto", False)
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
     added = [d["item"]["type"] for k, d in events if k == "response.output_item.added"]
     done = [d["item"]["type"] for k, d in events if k == "response.output_item.done"]
@@ -195,10 +199,18 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/messages", {"messages": USER + [{"role": "assistant", "content": "{"}], "max_tokens": 5}, 400, "messages",
      "prefill"),
     ("/v1/responses", {"input": "hi", "text": {"verbosity": "low"}}, 400, "text", "verbosity"),
+    # a text.format schema xgrammar cannot compile: the Responses field is named (was: response_format)
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "object", "required": "a"}}}}, 400, "text.format", "'text.format' schema cannot be enforced"),
     # a tool schema xgrammar cannot compile, under a forced tool choice: the tools are named (was: response_format)
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}]}, 400,
      "tools", "'tools' schema cannot be enforced"),
+    # tool keys that change what the model sees or may call (were: dropped silently)
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [dict(TOOL_A, input_examples=[{"code": "1"}])]}, 400,
+     "tools[0]", "tools[0] keys ['input_examples'] are not served"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "defer_loading": True}]}, 400,
+     "tools[0]", "tools[0] keys ['defer_loading'] are not served"),
     # a JSON array or object where a role / type name goes (was: 500 "unhashable type")
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0]", "role in"),
     ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),
@@ -467,3 +479,137 @@ def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(t
     start, delta = events[0]["message"]["usage"], events[-2]
     assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 0
     assert start["input_tokens"] == delta["usage"]["input_tokens"] > 40 > reply["usage"]["input_tokens"]
+
+
+def test_anthropic_count_tokens_is_the_prompt_a_turn_reports_in_its_usage(tok):
+    """`client.messages.count_tokens` (was: 404) is the rendered prompt's length, as the turn's usage.input_tokens."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    body = {"system": "be brief", "messages": USER, "tools": [TOOL_A]}
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            counted = await an.messages.count_tokens(model="policy", **body)
+            with pytest.raises(BadRequestError) as bad:
+                await an.messages.count_tokens(model="policy", messages=[{"role": "user", "content": 3}])
+            reply = await an.messages.create(model="policy", max_tokens=20, **body)
+            return counted, reply, bad.value
+        finally:
+            await server.stop()
+
+    counted, reply, bad = asyncio.run(go())
+    rendered = tok.apply_chat_template([{"role": "system", "content": "be brief"}, *USER], tools=[
+        {"type": "function", "function": {"name": "python", "description": "", "parameters": {"type": "object"}}}],
+        tokenize=False, add_generation_prompt=True)
+    assert counted.input_tokens == reply.usage.input_tokens == len(tok(rendered, add_special_tokens=False).input_ids)
+    assert "messages[0].content must be" in bad.message and bad.body["error"]["type"] == "invalid_request_error"
+
+
+def test_anthropic_thinking_budget_below_the_turns_cap_is_refused_naming_it(tok):
+    """budget_tokens is a cap this server cannot hold without forcing tokens the policy did not sample: a budget below
+    the turn's token cap (here the session's max_tokens=64) is a 400 naming it (was: accepted and ignored); one at
+    or above the cap cannot bind and is served."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHi."), "qwen3")
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            with pytest.raises(BadRequestError) as bad:
+                await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                         thinking={"type": "enabled", "budget_tokens": 63})
+            ok = await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                          thinking={"type": "enabled", "budget_tokens": 64})
+            return bad.value, ok
+        finally:
+            await server.stop()
+
+    bad, ok = asyncio.run(go())
+    assert "'thinking.budget_tokens'=63 is below this turn's token cap 64" in bad.message
+    assert [b.type for b in ok.content] == ["thinking", "text"] and ok.content[1].text.strip() == "Hi."
+
+
+class RecordingEngine(ScriptedEngine):
+    """Scripted text; keeps each generation request (its sampling is what the engine would be asked for)."""
+
+    def __init__(self, tok, text):
+        super().__init__(tok, text)
+        self.requests = []
+
+    async def generate(self, request):
+        self.requests.append(request)
+        return await super().generate(request)
+
+
+def test_strict_tools_under_auto_reach_the_engine_as_their_grammar_from_each_sdk(tok):
+    """`strict: true` under tool_choice auto (OpenAI chat and Responses, Anthropic) was accepted and never enforced:
+    the turn now samples under the grammar that holds the call to the schema; without strict nothing is constrained."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents.json_grammar import strict_calls
+    from molt_hydra.agents.tool_parser import CALL_ENVELOPES
+
+    schema = TOOL["function"]["parameters"]
+    engine = RecordingEngine(tok, CALL)
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            for strict in (True, False):
+                chat = await oa.chat.completions.create(model="policy", messages=USER, tools=[
+                    {"type": "function", "function": {"name": "python", "parameters": schema, "strict": strict}}])
+                resp = await oa.responses.create(model="policy", input="hi", tools=[
+                    {"type": "function", "name": "python", "parameters": schema, "strict": strict}])
+                msg = await an.messages.create(model="policy", max_tokens=50, messages=USER, tools=[
+                    {"name": "python", "input_schema": schema, "strict": strict}])
+            with pytest.raises(Exception) as both:
+                await oa.chat.completions.create(model="policy", messages=USER, response_format={"type": "json_object"},
+                                                 tools=[dict(TOOL, function=dict(TOOL["function"], strict=True))])
+            return chat, resp, msg, both.value
+        finally:
+            await server.stop()
+
+    chat, resp, msg, both = asyncio.run(go())
+    grammar = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes")
+    assert [r.sampling.structured for r in engine.requests] == [grammar] * 3 + [None] * 3
+    assert chat.choices[0].message.tool_calls[0].function.arguments == '{"code": "print(1)"}'
+    assert resp.output[0].name == "python" and msg.content[0].input == {"code": "print(1)"}
+    assert both.status_code == 400 and "a strict tool and a response_format cannot both" in both.message
+
+
+def test_a_turn_still_generating_when_its_session_closes_leaves_the_handed_segments_alone(tok):
+    """An agent that leaves a stream mid-turn and returns (or times out) closes its session while the engine still
+    generates; the handed-over segments are training data and must not grow afterwards (were: the finished turn was
+    appended to a segment already given to the trainer)."""
+    async def go():
+        engine = SlowEngine(tok, "Hello there, this is a longer reply.")
+        server, session = await serving(tok, engine)
+        headers = {"Authorization": "Bearer k"}
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(server.session_url("s") + "/v1/chat/completions", headers=headers,
+                                     json={"messages": USER}) as r:
+                    first = await r.json()
+                more = USER + [first["choices"][0]["message"], {"role": "user", "content": "more"}]
+                r = await http.post(server.session_url("s") + "/v1/chat/completions", json={
+                    "messages": more, "stream": True}, headers=headers)
+                await r.content.readline()
+                r.close()  # the agent leaves the stream and returns: the rollout closes its session
+            segments = server.close_session("s")
+            handed = [(list(s.token_ids), list(s.action_ranges)) for s in segments]
+            for _ in range(100):  # the streamed turn runs to its end (the first one was not streamed)
+                if engine.finished:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            return handed, [(s.token_ids, s.action_ranges) for s in segments]
+        finally:
+            await server.stop()
+
+    handed, later = asyncio.run(go())
+    assert len(handed[0][1]) == 1 and later == handed

@@ -12,6 +12,9 @@ from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream", "tools",
           "tool_choice", "thinking", "cache_control"}
+# A client tool's keys served here; eager_input_streaming only changes how a tool_use block is streamed (here: whole).
+# Others (input_examples, defer_loading, allowed_callers) change what the model sees or may call: refused.
+TOOL_KEYS = {"name", "description", "input_schema", "cache_control", "type", "strict", "eager_input_streaming"}
 # A Choice's finish_reason -> Anthropic's stop_reason; "stop" is "stop_sequence" when one ended it, else "end_turn".
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
@@ -24,7 +27,8 @@ def parse(body: Any) -> ChatRequest:
         raise bad("'messages' must be a non-empty list", "messages")
     canon = _system(body.get("system"))
     for i, m in enumerate(messages):
-        canon.extend(_message(m, f"messages[{i}]"))
+        for msg in _message(m, f"messages[{i}]"):
+            _append_merged(canon, msg)
     if canon[-1]["role"] == "assistant":
         raise bad("the last message is the assistant's (a prefill, to be continued): not supported; end "
                   "'messages' with a user message (to shape the reply, use 'tools' / 'tool_choice' or the prompt)",
@@ -32,9 +36,10 @@ def parse(body: Any) -> ChatRequest:
     overrides = check.sampling(body, ("max_tokens",), "stop_sequences", temperature_max=1.0)
     tools = _tools(body.get("tools"))
     tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
+    thinking, budget = _thinking(body.get("thinking"), overrides.get("max_tokens"))
     return ChatRequest(messages=canon, tools=tools, overrides=overrides, stream=check.flag(body, "stream"),
-                       tool_choice=tool_choice, parallel_tool_calls=parallel,
-                       thinking=_thinking(body.get("thinking"), overrides.get("max_tokens")))
+                       tool_choice=tool_choice, parallel_tool_calls=parallel, thinking=thinking,
+                       thinking_budget=budget, strict_tools=check.strict_names(body.get("tools") or []))
 
 
 def _system(system: Any) -> list[dict]:
@@ -68,6 +73,8 @@ def _tools(tools: Any) -> list[dict] | None:
         _cache_control(t, f"tools[{i}]")
         if t.get("type") not in (None, "custom"):  # server tools (web_search, bash, ...) run at Anthropic
             raise bad(f"tools[{i}] type {t['type']!r} is a server tool; only client tools are served", "tools")
+        if unknown := sorted(set(t) - TOOL_KEYS):
+            raise bad(f"tools[{i}] keys {unknown} are not served (served: {sorted(TOOL_KEYS)})", f"tools[{i}]")
     return [{"type": "function", "function": {
         "name": t["name"], "description": t.get("description", ""),
         "parameters": check.schema(t.get("input_schema"), f"tools[{i}].input_schema") or {}}}
@@ -87,12 +94,13 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | N
     return check.tool_choice(mapped, tools), (None if disable is None else not disable)
 
 
-def _thinking(v: Any, max_tokens: int | None) -> bool | None:
+def _thinking(v: Any, max_tokens: int | None) -> tuple[bool | None, int | None]:
+    """(thinking enabled / disabled / not asked, its budget_tokens); the session checks both against the model."""
     if v is None:
-        return None
+        return None, None
     kind = v.get("type") if isinstance(v, dict) else None
     if kind == "disabled":
-        return False
+        return False, None
     if kind != "enabled":
         raise bad(f"'thinking' type must be enabled or disabled, got {v!r}", "thinking")
     budget = v.get("budget_tokens")
@@ -100,7 +108,7 @@ def _thinking(v: Any, max_tokens: int | None) -> bool | None:
         raise bad("'thinking.budget_tokens' must be a positive integer", "thinking")
     if max_tokens is not None and budget >= max_tokens:
         raise bad(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})", "thinking")
-    return True
+    return True, budget
 
 
 def _message(m: Any, where: str) -> list[dict]:
@@ -136,6 +144,22 @@ def _message(m: Any, where: str) -> list[dict]:
             msg["tool_calls"] = tool_calls
         out.append(msg)
     return out
+
+
+def _append_merged(canon: list[dict], msg: dict) -> None:
+    """Append `msg`, merged into the message before it when both are the user's or both the assistant's: Anthropic
+    joins consecutive same-role messages into one turn (a chat template would render two). Their texts are joined by
+    a blank line; an assistant's tool calls follow its text, as in one Anthropic message."""
+    prev = canon[-1] if canon else None
+    if prev is None or msg["role"] not in ("user", "assistant") or prev["role"] != msg["role"]:
+        canon.append(msg)
+        return
+    a, b = ([{"type": "text", "text": c}] if isinstance(c, str) else c for c in (prev["content"], msg["content"]))
+    gap = [{"type": "text", "text": "\n\n"}] if prev["content"] and msg["content"] else []
+    joined = [p for p in a + gap + b if p["type"] != "text" or p["text"]]
+    prev["content"] = check.content(joined)
+    if msg.get("tool_calls"):
+        prev["tool_calls"] = prev.get("tool_calls", []) + msg["tool_calls"]
 
 
 def _tool_result(b: dict, where: str) -> str | list[dict]:

@@ -30,6 +30,7 @@ def parse(body: Any) -> ChatRequest:
     return ChatRequest(canon, tools, overrides, n=check.integer(body, "n", 1) or 1, stream=check.flag(body, "stream"),
                        include_usage=bool(stream_options.get("include_usage")),
                        tool_choice=check.tool_choice(body.get("tool_choice"), tools),
+                       strict_tools=check.strict_names([t["function"] for t in tools or []]),
                        parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
                        top_logprobs=check.top_logprobs(body, "logprobs"),
                        response_format=check.response_format(body.get("response_format")))

@@ -36,7 +36,10 @@ class ChatRequest:
     parallel_tool_calls: bool | None = None  # False: at most one tool call is returned
     top_logprobs: int | None = None  # None: no logprobs in the reply; k: the sampled token's plus k alternatives
     response_format: dict | None = None  # vLLM structured output: {"json": schema} / {"json_object": True}
+    strict_tools: list[str] = field(default_factory=list)  # tools sent with `strict: true`: arguments per schema
+    format_param: str = "response_format"  # the field that set response_format (Responses: text.format), for errors
     thinking: bool | None = None  # Anthropic thinking enabled / disabled; None: not asked
+    thinking_budget: int | None = None  # Anthropic thinking.budget_tokens
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
 
     def key(self) -> str:
@@ -165,6 +168,14 @@ def schema(v: Any, where: str, param: str = "tools") -> dict | None:
     if v is not None and not isinstance(v, dict):
         raise bad(f"{where} must be a JSON schema object, got {v!r}", param)
     return v
+
+
+def strict_names(functions: list[dict], param: str = "tools") -> list[str]:
+    """The names of the tools (function specs: name, `strict`?) whose arguments must follow their schema."""
+    for i, fn in enumerate(functions):
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise bad(f"{param}[{i}] 'strict' must be a boolean, got {fn['strict']!r}", param)
+    return [fn["name"] for fn in functions if fn.get("strict")]
 
 
 def response_format(v: Any, param: str = "response_format") -> dict | None:

@@ -15,6 +15,7 @@ from molt_hydra.agents.wire.stream import Stream, new_id, sse
 FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
           "text", "parallel_tool_calls", "top_logprobs", "include"}
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for log-probs (the Agents SDK sends it)
+TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}  # of a function tool
 # `include` entries that change nothing here: reasoning is never encrypted, and echoed reasoning items are dropped
 # (the segment holds the generated tokens), so a stateless client loses nothing without `encrypted_content`
 INCLUDE_IGNORED = {"reasoning.encrypted_content"}
@@ -47,8 +48,13 @@ def parse(body: Any) -> ChatRequest:
                 raise bad(f"tools[{i}]: only function tools {{type: function, name, parameters}} are served "
                           f"(hosted tools run at OpenAI), got {t!r}", "tools")
             check.schema(t.get("parameters"), f"tools[{i}].parameters")
+            if unknown := sorted(set(t) - TOOL_KEYS):  # e.g. defer_loading: the tool would be hidden until searched
+                raise bad(f"tools[{i}] keys {unknown} are not served (served: {sorted(TOOL_KEYS)})", f"tools[{i}]")
+        strict = check.strict_names(tools)
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
                  for t in tools] or None
+    else:
+        strict = []
     text = body.get("text") or {}
     if not isinstance(text, dict):
         raise bad("'text' must be an object", "text")
@@ -58,9 +64,10 @@ def parse(body: Any) -> ChatRequest:
     return ChatRequest(
         messages=canon, tools=tools, overrides=check.sampling(body, ("max_output_tokens",)),
         stream=check.flag(body, "stream"), tool_choice=check.tool_choice(body.get("tool_choice"), tools),
+        strict_tools=strict,
         parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
         top_logprobs=_top_logprobs(body),
-        response_format=check.response_format(text.get("format"), "text.format"))
+        response_format=check.response_format(text.get("format"), "text.format"), format_param="text.format")
 
 
 def _top_logprobs(body: dict) -> int | None:
@@ -135,9 +142,6 @@ def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
                 "arguments": json.dumps(tc.arguments), "status": "completed"}
                for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
     incomplete = c.finish_reason == "length"
-    tool_choice = req.tool_choice
-    if isinstance(tool_choice, dict):
-        tool_choice = {"type": "function", "name": tool_choice["function"]["name"]}
     usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
              "total_tokens": reply.prompt_tokens + reply.completion_tokens,
              "input_tokens_details": {"cached_tokens": 0},
@@ -145,7 +149,15 @@ def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
     return {"id": rid or new_id("resp_"), "object": "response", "created_at": int(time.time()),
             "status": "incomplete" if incomplete else "completed", "error": None, "model": model, "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "usage": usage,
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "tool_choice": tool_choice,
+            **_settings(req)}
+
+
+def _settings(req: ChatRequest) -> dict:
+    """The request's tool settings, as a response object echoes them (from `response.created` on)."""
+    tool_choice = req.tool_choice
+    if isinstance(tool_choice, dict):
+        tool_choice = {"type": "function", "name": tool_choice["function"]["name"]}
+    return {"parallel_tool_calls": req.parallel_tool_calls is not False, "tool_choice": tool_choice,
             "tools": [dict(t["function"], type="function") for t in req.tools or []]}
 
 
@@ -168,8 +180,7 @@ class ResponseStream(Stream):
 
     def start(self) -> list[bytes]:
         shell = {"id": self.id, "object": "response", "created_at": self.created, "status": "in_progress",
-                 "model": self.model, "output": [], "error": None, "incomplete_details": None,
-                 "tools": [], "tool_choice": "auto", "parallel_tool_calls": True}
+                 "model": self.model, "output": [], "error": None, "incomplete_details": None, **_settings(self.req)}
         return [self.ev("response.created", response=shell), self.ev("response.in_progress", response=shell)]
 
     def open(self) -> list[bytes]:

@@ -5,9 +5,9 @@ the agent's loop (where the engine client lives), so a synchronous client that b
 answered with an error naming the fix instead of deadlocking. Every route but `/health` needs the per-run API key
 (`Authorization: Bearer KEY`, scheme case-insensitive, or `x-api-key: KEY`), else 401. Session routes live under
 `/s/{session_id}`: the OpenAI SDK takes `base_url=.../s/{sid}/v1`, the Anthropic SDK `base_url=.../s/{sid}`, a judge
-client `base_url=.../s/{sid}/judge/v1`. Every error, 404 / 405 / 413 included, is in the API's own JSON error shape.
-Streaming is true token streaming: text reaches the client as the engine samples it; tool calls are sent whole once
-the generation ends.
+client `base_url=.../s/{sid}/judge/v1`; `/v1/messages/count_tokens` counts a prompt's tokens (Anthropic's SDK).
+Every error, 404 / 405 / 413 included, is in the API's own JSON error shape. Streaming is true token streaming:
+text reaches the client as the engine samples it; tool calls are sent whole once the generation ends.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ WIRES = {
     "/v1/messages": (anthropic.parse, anthropic.body, anthropic.MessageStream),
 }
 JUDGE = "/judge/v1/chat/completions"  # OpenAI chat, unrecorded: `ChatSession.judge`
+COUNT_TOKENS = "/v1/messages/count_tokens"  # Anthropic's `messages.count_tokens`
 HOST = "127.0.0.1"
 MODEL_NAME = "policy"  # what /v1/models lists; replies name it as their model
 
@@ -69,6 +70,7 @@ class ChatServer:
         for path, wire in WIRES.items():
             app.router.add_post(f"/s/{{sid}}{path}", functools.partial(self._turn, *wire))
         app.router.add_post(f"/s/{{sid}}{JUDGE}", functools.partial(self._turn, *WIRES["/v1/chat/completions"]))
+        app.router.add_post(f"/s/{{sid}}{COUNT_TOKENS}", self._count_tokens)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, HOST, 0)
@@ -110,6 +112,12 @@ class ChatServer:
             return await self._sse(request, session, stream(req, MODEL_NAME, session))
         reply = await self._on_agent_loop(session, session.judge(req) if judge else session.complete(req))
         return web.json_response(body_of(reply, req, MODEL_NAME))
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """The prompt's tokens as the same request to /v1/messages would report them in `usage.input_tokens`."""
+        session, body = await self._accept(request)
+        req = anthropic.parse(body)
+        return web.json_response({"input_tokens": await self._on_agent_loop(session, session.count_tokens(req))})
 
     async def _on_agent_loop(self, session: ChatSession, coro):
         """Run a session coroutine on the agent's loop; refuse loudly when that loop is blocked."""
@@ -210,7 +218,7 @@ async def _json_errors(request: web.Request, handler):
     except Exception as e:
         log.exception("%s failed", request.path)
         error = request_error(e)
-    shape = anthropic.error if request.path.endswith("/messages") else openai_chat.error
+    shape = anthropic.error if request.path.endswith(("/v1/messages", COUNT_TOKENS)) else openai_chat.error
     return web.json_response(shape(error), status=error.status)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt_hydra.agents.base import Trajectory
-from molt_hydra.agents.json_grammar import compact
+from molt_hydra.agents.json_grammar import compact, strict_calls
 from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall
 from molt_hydra.agents.wire.images import image_sources, load_image
 from molt_hydra.agents.wire.request import ChatRequest, RequestError
@@ -148,6 +148,11 @@ class ChatSession:
             GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling, images))
         return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
 
+    async def count_tokens(self, req: ChatRequest) -> int:
+        """The prompt tokens of `req` rendered whole, as a turn's usage counts them; nothing generated or recorded.
+        On the agent's loop, as every use of the tokenizer (a fast tokenizer is not safe across threads)."""
+        return len(self._full_prompt(req)[0])
+
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
         images = self._load_images(req.messages)
@@ -186,6 +191,13 @@ class ChatSession:
                                    f"training assumes the recipe's sampling, so a client may not change it; omit "
                                    f"'{key}' or send {ours}", key, "sampling_mismatch")
         max_tokens = min(self.sampling.max_tokens, o.get("max_tokens", math.inf), remaining)
+        if req.thinking_budget is not None and req.thinking_budget < max_tokens:
+            # vLLM could only cut a thought short by forcing its end marker: tokens the policy did not sample
+            raise RequestError(400, f"'thinking.budget_tokens'={req.thinking_budget} is below this turn's token cap "
+                               f"{max_tokens} (the least of rollout.max_tokens={self.sampling.max_tokens}, "
+                               "'max_tokens' and the session's remaining length), and a thought is never cut short "
+                               "here: the model thinks as long as it samples to. Send budget_tokens >= the cap (with "
+                               "'max_tokens' above it), or omit 'thinking'", "thinking.budget_tokens")
         return dataclasses.replace(
             self.sampling, max_tokens=max_tokens, min_tokens=min(self.sampling.min_tokens, max_tokens),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
@@ -197,15 +209,20 @@ class ChatSession:
 
     def _decoding(self, req: ChatRequest) -> dict:
         """Engine-side output controls of a request: choices (n, checked by `_check_n`), logprobs and structured
-        output (response_format / forced tool)."""
+        output (response_format / forced tool / strict tools under tool_choice auto)."""
         structured = req.response_format
+        strict = bool(req.strict_tools) and req.tool_choice == "auto"  # (a forced call follows its schema anyway)
+        if (req.forced_tool or strict) and structured is not None:
+            raise RequestError(400, f"a {'forced tool_choice' if req.forced_tool else 'strict tool'} and a "
+                               f"{req.format_param} cannot both shape the output", req.format_param)
         if req.forced_tool:
-            if structured is not None:
-                raise RequestError(400, "a forced tool_choice and a response_format cannot both shape the output",
-                                   "response_format")
-            structured = {"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)}
-        return {"n": req.n, "top_logprobs": req.top_logprobs or 0,
-                "structured": compact(structured, "tools" if req.forced_tool else "response_format")}
+            structured = compact({"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)},
+                                 "tools")
+        elif strict:
+            structured = strict_calls(req.tools, req.strict_tools, self.parser.envelope, self.parser.tool_parser_name)
+        else:
+            structured = compact(structured, req.format_param)
+        return {"n": req.n, "top_logprobs": req.top_logprobs or 0, "structured": structured}
 
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         self._check_n(req)
@@ -229,6 +246,9 @@ class ChatSession:
             self._choice(g, req) for g in await self.generator.generate(request)]
         if len(choices) != req.n:
             raise RuntimeError(f"engine returned {len(choices)} generations for n={req.n}")
+        if self.closed:  # the rollout ended while this turn generated: its segments belong to the trainer now
+            raise RequestError(404, f"session {self.session_id} closed while this turn was generating; the turn is "
+                               "not recorded", code="session_closed")
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
         self._commit(req, extension, prompt_ids, images, choices)
         return TurnReply(choices, len(prompt_ids), sum(len(c.gen.token_ids) for c in choices), streamed=streamed)
