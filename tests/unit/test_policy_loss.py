@@ -234,3 +234,26 @@ def test_config_enum_values_are_accepted():
 
     LossAgg = Enum("LossAgg", {"seq-mean-token-sum": "seq-mean-token-sum"}, type=str)
     assert PolicyLoss(loss_agg=LossAgg["seq-mean-token-sum"]).loss_agg == "seq-mean-token-sum"
+
+
+def test_seq_mean_token_sum_norm_divides_by_a_constant_not_the_micro_batch_width():
+    """Dr. GRPO: sum_seq(sum_t loss) / (G * C) with one constant C; a sequence's weight must not depend on the padded
+    width of the micro-batch it lands in. The run passes C = data.max_len (runtime/roles.py)."""
+    from _config_helpers import compose_config
+    from molt_hydra.cli import to_run_config
+    from molt_hydra.runtime.roles import _policy_loss
+    from molt_hydra.runtime.validate import validate
+
+    cfg = validate(to_run_config(compose_config(["algorithm.loss_agg=seq-mean-token-sum-norm", "data.max_len=64"])))
+    policy = _policy_loss(cfg)
+    # ratio 1: per-token loss = -A. Sequence a has 2 action tokens, b has 4; G = 2 sequences in the window
+    a_adv, b_adv = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0, 5.0, 6.0]])
+    expected = -(1 + 2 + 3 + 4 + 5 + 6) / 2 / 64
+
+    def loss(adv):
+        logp = torch.zeros_like(adv)
+        return policy(logp, logp, adv, adv != 0, global_batch_size=2)[0]
+    apart = loss(a_adv) + loss(b_adv)  # two micro-batches of widths 2 and 4
+    together = loss(torch.cat([torch.cat([a_adv, torch.zeros(1, 2)], -1), b_adv]))  # one of width 4
+    close(apart, expected)
+    close(together, expected)
