@@ -59,7 +59,8 @@ def ppo_loss(ratio, advantages, log_probs, action_mask, *, clip_eps_low, clip_ep
 def gspo_loss(ratio, advantages, log_probs, action_mask, *, clip_eps_low, clip_eps_high, policy_log_ratio, **_):
     """PPO clipping on the sequence ratio s = exp(mean_t log r_t) (detached), while each token keeps its own
     gradient: s_t = exp(logp_t - sg(logp_t) + sg(log s))."""
-    seq_log_ratio = masked_mean(policy_log_ratio, action_mask, dim=-1).detach()
+    # clamped as PPO's token ratio is: a mean log-ratio past ~88 overflows exp() to an infinite loss and NaN grads
+    seq_log_ratio = masked_mean(policy_log_ratio, action_mask, dim=-1).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).detach()
     # logp - sg(logp) is 0 in value; nan_to_num stops a -inf log-prob from turning it into NaN (value and gradient).
     seq_ratio = torch.exp(torch.nan_to_num(log_probs - log_probs.detach(), nan=0.0) + seq_log_ratio)
     unclipped = seq_ratio * advantages

@@ -257,3 +257,17 @@ def test_seq_mean_token_sum_norm_divides_by_a_constant_not_the_micro_batch_width
     together = loss(torch.cat([torch.cat([a_adv, torch.zeros(1, 2)], -1), b_adv]))  # one of width 4
     close(apart, expected)
     close(together, expected)
+
+
+def test_gspo_sequence_ratio_is_clamped_at_e30_like_ppo_token_ratio():
+    # finite log-probs 99 apart: the sequence log-ratio 99 is clamped to 30 (exp(99) overflows float32 to inf)
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    old = torch.full((1, 2), -100.0)
+    adv = torch.tensor([[-1.0, -1.0]])  # A < 0: the unclipped branch -s * A wins
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, _ = PolicyLoss("gspo")(logp, old, adv, mask)
+    torch.testing.assert_close(loss, torch.tensor(math.exp(30)), rtol=1e-5, atol=0)
+    ppo, _ = PolicyLoss("ppo")(logp, old, adv, mask)
+    torch.testing.assert_close(loss, ppo, rtol=1e-5, atol=0)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.full((1, 2), math.exp(30) / 2), rtol=1e-5, atol=0)  # -s_t*A/N
