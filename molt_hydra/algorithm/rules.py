@@ -77,6 +77,12 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
     problems.table(((a.kl.coef > 0 or not changed(cfg, key), key, "it shapes the KL penalty, but "
                      "algorithm.kl.coef=0 computes none, so it changes nothing.", f"{kl_fix}, or unset {key}")
                     for key in KL_KNOBS))
+    # d k1 / d logp = 1 whatever logp_ref: as a loss it adds coef * mean grad log pi (zero in expectation) and never
+    # pulls towards the reference (Molt only printed a recommendation)
+    problems.check(not (a.kl.use_loss and a.kl.coef > 0 and a.kl.estimator.value == "k1"), "algorithm.kl.estimator",
+                   "k1 as a loss has the gradient grad log pi whatever the reference's log-probs (zero in "
+                   "expectation), so algorithm.kl.use_loss=true would not pull the policy towards the reference.",
+                   "set algorithm.kl.estimator=k3 (or k2) with algorithm.kl.use_loss=true, or use_loss=false")
     problems.check(a.kl.coef == 0 or a.kl.target is not None or not changed(cfg, "algorithm.kl.horizon"),
                    "algorithm.kl.horizon", "it paces the adaptive KL controller, but algorithm.kl.target=null keeps "
                    "the coefficient fixed, so it changes nothing.",

@@ -86,3 +86,25 @@ def test_controller_choice_follows_target():
     assert adaptive.horizon == 500 and adaptive.value == 0.01
     adaptive.update(current_kl=0.2, n_steps=100)  # e = 1, clamped to +0.2
     assert adaptive.value == pytest.approx(0.01 * (1 + 0.2 * 100 / 500))
+
+
+def test_k1_as_a_loss_ignores_the_reference_so_the_config_refuses_it():
+    """d k1 / d logp = 1 whatever the reference: the KL loss's gradient is coef / N per token for any reference."""
+    import sys
+    from pathlib import Path
+
+    from molt_hydra.algorithm.loss import PolicyLoss
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from test_validation import assert_fires, config_errors
+
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    for ref in (torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-9.0, -0.1, -5.0]])):
+        logp = torch.tensor([[-1.2, -0.7, -2.0]], requires_grad=True)
+        loss, _ = PolicyLoss("ppo", kl_use_loss=True, kl_estimator="k1")(
+            logp, logp.detach(), torch.zeros(1, 3), mask, ref_log_probs=ref, kl_coef=0.5)
+        loss.backward()
+        close(logp.grad, [[0.5 / 3] * 3])
+    base = ["algorithm.kl.use_loss=true", "parallelism.colocate_models=true"]
+    assert_fires(base, "algorithm.kl.estimator", "k1 as a loss has the gradient grad log pi whatever the reference")
+    for ok in (["algorithm.kl.estimator=k3"], ["algorithm.kl.estimator=k2"]):
+        assert not [e for e in config_errors(base + ok) if e.startswith("algorithm.kl.estimator")]
