@@ -108,3 +108,40 @@ def test_k1_as_a_loss_ignores_the_reference_so_the_config_refuses_it():
     assert_fires(base, "algorithm.kl.estimator", "k1 as a loss has the gradient grad log pi whatever the reference")
     for ok in (["algorithm.kl.estimator=k3"], ["algorithm.kl.estimator=k2"]):
         assert not [e for e in config_errors(base + ok) if e.startswith("algorithm.kl.estimator")]
+
+
+def test_a_frozen_actor_step_measures_no_kl_and_leaves_the_adaptive_coefficient():
+    """kl.use_loss: the KL is measured by the actor's training step; during the critic's warm-up the actor does not
+    train, and a missing measurement is not a KL of 0 (which lowered the coefficient by 1 - 0.2 * n / horizon)."""
+    import asyncio
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    tests = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(tests / "config"), str(tests / "integration")]
+    from _config_helpers import compose_config
+    from _old_logprob_jobs import batch
+
+    from molt_hydra.cli import to_run_config
+    from molt_hydra.runtime.controller import RLController
+    from molt_hydra.runtime.roles import _policy_loss
+    from molt_hydra.runtime.validate import validate
+
+    class Calls:  # the trainer ranks: log-probs / values of -1 for every token, a critic step's metrics
+        async def ranks(self, group, method, *args, shard=None, **kw):
+            if method == "compute_logprobs":
+                return [[torch.full((len(s["input_ids"]),), -1.0) for s in shard]]
+            return [{"value_loss": 0.1}]
+
+    cfg = validate(to_run_config(compose_config([
+        "algorithm=ppo_gae", "algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3", "algorithm.kl.coef=0.1",
+        "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "train.critic.actor_freezing_steps=2",
+        "parallelism.colocate_models=true", "rollout.batch_size=2", "rollout.n_samples_per_prompt=4",
+        "train.max_staleness=1", "train.batch_size=8", "train.micro_batch_size=8"])))
+    roles = SimpleNamespace(actor=SimpleNamespace(num_ranks=1), ref=object(), critic=object(), pad_token_id=0,
+                            policy_loss=_policy_loss(cfg), calls=Calls())
+    ctl = RLController(cfg, roles, log=None)
+    metrics = asyncio.run(ctl.train_step(batch("tiny://qwen3_tiny"), {"timing/generation": 1.0}))
+    assert metrics["actor_frozen"] == 1.0 and "kl" not in metrics
+    assert ctl.kl_ctl.value == 0.1  # was 0.1 * (1 - 0.2 * 8 / 100) = 0.0984
