@@ -83,6 +83,14 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
                    "k1 as a loss has the gradient grad log pi whatever the reference's log-probs (zero in "
                    "expectation), so algorithm.kl.use_loss=true would not pull the policy towards the reference.",
                    "set algorithm.kl.estimator=k3 (or k2) with algorithm.kl.use_loss=true, or use_loss=false")
+    # the adaptive update multiplies the coefficient by 1 + e * n / horizon with e down to -0.2: at n / horizon >= 5 a
+    # KL below target (the first step's, ~0) makes it <= 0, turning the penalty into a bonus for leaving the reference
+    samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    problems.check(a.kl.coef == 0 or not a.kl.target or a.kl.horizon > 0.2 * samples, "algorithm.kl.horizon",
+                   f"the adaptive KL update scales the coefficient by 1 + e * {samples} / {a.kl.horizon} per step "
+                   f"(e in [-0.2, 0.2]; {samples} = rollout.batch_size x rollout.n_samples_per_prompt), which is <= 0 "
+                   "when the KL is below target: the coefficient would turn negative.",
+                   f"set algorithm.kl.horizon > {int(0.2 * samples)} (e.g. the default 10000)")
     problems.check(a.kl.coef == 0 or a.kl.target is not None or not changed(cfg, "algorithm.kl.horizon"),
                    "algorithm.kl.horizon", "it paces the adaptive KL controller, but algorithm.kl.target=null keeps "
                    "the coefficient fixed, so it changes nothing.",

@@ -145,3 +145,21 @@ def test_a_frozen_actor_step_measures_no_kl_and_leaves_the_adaptive_coefficient(
     metrics = asyncio.run(ctl.train_step(batch("tiny://qwen3_tiny"), {"timing/generation": 1.0}))
     assert metrics["actor_frozen"] == 1.0 and "kl" not in metrics
     assert ctl.kl_ctl.value == 0.1  # was 0.1 * (1 - 0.2 * 8 / 100) = 0.0984
+
+
+def test_an_adaptive_horizon_that_would_flip_the_coefficient_negative_is_refused():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from test_validation import assert_fires, config_errors
+
+    samples = 128 * 8
+    controller = KLController(0.1, target=0.05, horizon=100)
+    controller.update(current_kl=0.0, n_steps=samples)  # the first step's KL: policy == reference
+    assert controller.value == pytest.approx(0.1 * (1 - 0.2 * samples / 100)) and controller.value < 0
+    base = ["algorithm=reinforce", "algorithm.kl.target=0.05", "rollout.batch_size=128",
+            "rollout.n_samples_per_prompt=8", "train.batch_size=1024", "parallelism.colocate_models=true"]
+    assert_fires(base + ["algorithm.kl.horizon=100"], "algorithm.kl.horizon", "the coefficient would turn negative")
+    assert_fires(base + ["algorithm.kl.horizon=204"], "algorithm.kl.horizon", "set algorithm.kl.horizon > 204")
+    assert not [e for e in config_errors(base + ["algorithm.kl.horizon=205"]) if e.startswith("algorithm.kl.horizon")]
+    assert not [e for e in config_errors(base) if e.startswith("algorithm.kl.horizon")]  # default 10000
