@@ -58,6 +58,9 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
         problems.table(((not changed(cfg, key), key, f"job={job} runs no RL estimator, so it changes nothing.",
                          f"unset {key}, or set job=rl") for key in keys))
         return
+    problems.check(a.policy_loss != "cispo" or not changed(cfg, "algorithm.clip_eps_low"), "algorithm.clip_eps_low",
+                   "cispo caps its importance weight at clip_eps_high only and has no lower bound, so it changes "
+                   "nothing.", "unset algorithm.clip_eps_low, or use algorithm.policy_loss=ppo or gspo")
     if a.estimator not in ADVANTAGE_ESTIMATORS:
         return  # reported by estimator_needs
     reads = ADVANTAGE_ESTIMATORS[a.estimator].reads

@@ -271,3 +271,16 @@ def test_gspo_sequence_ratio_is_clamped_at_e30_like_ppo_token_ratio():
     torch.testing.assert_close(loss, ppo, rtol=1e-5, atol=0)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.full((1, 2), math.exp(30) / 2), rtol=1e-5, atol=0)  # -s_t*A/N
+
+
+def test_cispo_has_no_lower_bound_so_clip_eps_low_is_refused():
+    logp = torch.tensor([[-0.5, -2.0]], requires_grad=True)
+    old = logp.detach() - torch.tensor([[LN(0.1), LN(3.0)]])  # ratios 0.1 (below any 1 - eps_low) and 3.0
+    adv, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool)
+    losses = [PolicyLoss("cispo", clip_eps_low=low, clip_eps_high=1.2)(logp, old, adv, mask)[0] for low in (0.1, 0.9)]
+    close(losses[0], (-0.1 * 1.0 * -0.5 - 1.2 * -1.0 * -2.0) / 2)
+    close(losses[1], losses[0].item())
+    cispo = ["algorithm.policy_loss=cispo", "algorithm.clip_eps_high=1.2"]
+    assert_fires([*cispo, "algorithm.clip_eps_low=0.1"], "algorithm.clip_eps_low", "cispo caps its importance weight")
+    assert not [e for e in config_errors(cispo) if e.startswith("algorithm.clip_eps_low")]
+    assert not [e for e in config_errors(["algorithm.clip_eps_low=0.1"]) if e.startswith("algorithm.clip_eps_low")]
