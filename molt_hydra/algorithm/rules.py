@@ -61,6 +61,14 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
     problems.check(a.policy_loss != "cispo" or not changed(cfg, "algorithm.clip_eps_low"), "algorithm.clip_eps_low",
                    "cispo caps its importance weight at clip_eps_high only and has no lower bound, so it changes "
                    "nothing.", "unset algorithm.clip_eps_low, or use algorithm.policy_loss=ppo or gspo")
+    c = a.is_correction
+    problems.table(((ok, f"algorithm.is_correction.{name}", reason, f"unset algorithm.is_correction.{name}, or {fix}")
+                    for name, ok, reason, fix in (
+        *((name, c.level.value != "off" or not changed(cfg, f"algorithm.is_correction.{name}"),
+           "algorithm.is_correction.level=off weights no token, so it changes nothing.",
+           "set algorithm.is_correction.level=token (or seq, geo)") for name in ("mode", "low", "high")),
+        ("low", c.mode.value != "trunc" or not changed(cfg, "algorithm.is_correction.low"),
+         "mode=trunc only caps the weight at high (TIS), so it changes nothing.", "set mode=mask or clip"))))
     if a.estimator not in ADVANTAGE_ESTIMATORS:
         return  # reported by estimator_needs
     reads = ADVANTAGE_ESTIMATORS[a.estimator].reads
