@@ -41,7 +41,9 @@ def estimator_needs(cfg: RunConfig, problems: Problems) -> frozenset[str]:
                      f"k1 log-ratio to the teacher (Molt forces it), so {value} would change nothing.",
                      f"unset {key}") for ok, key, value in (
         (a.kl.estimator.value == "k1", "algorithm.kl.estimator", f"kl.estimator={a.kl.estimator.value}"),
-        (not a.kl.use_loss, "algorithm.kl.use_loss", "kl.use_loss=true"))))
+        (not a.kl.use_loss, "algorithm.kl.use_loss", "kl.use_loss=true"),
+        # the task reward never reaches its advantages: clipping it is inert
+        (not changed(cfg, "algorithm.reward_clip"), "algorithm.reward_clip", f"reward_clip={list(a.reward_clip)}"))))
     return ADVANTAGE_ESTIMATORS[a.estimator].needs if a.estimator in ADVANTAGE_ESTIMATORS else frozenset()
 
 
