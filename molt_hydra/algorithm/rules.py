@@ -2,7 +2,8 @@
 estimators and losses), and the estimator and loss are registered names. Run first by runtime/validate.py: what the
 estimator needs (groups, a reference, a critic, per-token KL) drives derive() and the other groups' rules.
 `check_estimator_knobs` (run after derive()) refuses the knobs the estimator leaves unread: its context knobs, the
-critic's, the reference's and the KL's."""
+critic's, the reference's and the KL's; through `loss_and_kl_rules`, those of the policy loss, the IS correction and
+the KL controller that change nothing or would break the math."""
 
 from __future__ import annotations
 
@@ -60,17 +61,7 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
         problems.table(((not changed(cfg, key), key, f"job={job} runs no RL estimator, so it changes nothing.",
                          f"unset {key}, or set job=rl") for key in keys))
         return
-    problems.check(a.policy_loss != "cispo" or not changed(cfg, "algorithm.clip_eps_low"), "algorithm.clip_eps_low",
-                   "cispo caps its importance weight at clip_eps_high only and has no lower bound, so it changes "
-                   "nothing.", "unset algorithm.clip_eps_low, or use algorithm.policy_loss=ppo or gspo")
-    c = a.is_correction
-    problems.table(((ok, f"algorithm.is_correction.{name}", reason, f"unset algorithm.is_correction.{name}, or {fix}")
-                    for name, ok, reason, fix in (
-        *((name, c.level.value != "off" or not changed(cfg, f"algorithm.is_correction.{name}"),
-           "algorithm.is_correction.level=off weights no token, so it changes nothing.",
-           "set algorithm.is_correction.level=token (or seq, geo)") for name in ("mode", "low", "high")),
-        ("low", c.mode.value != "trunc" or not changed(cfg, "algorithm.is_correction.low"),
-         "mode=trunc only caps the weight at high (TIS), so it changes nothing.", "set mode=mask or clip"))))
+    loss_and_kl_rules(cfg, problems)
     if a.estimator not in ADVANTAGE_ESTIMATORS:
         return  # reported by estimator_needs
     reads = ADVANTAGE_ESTIMATORS[a.estimator].reads
@@ -90,6 +81,26 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
     problems.table(((a.kl.coef > 0 or not changed(cfg, key), key, "it shapes the KL penalty, but "
                      "algorithm.kl.coef=0 computes none, so it changes nothing.", f"{kl_fix}, or unset {key}")
                     for key in KL_KNOBS))
+    problems.check(a.kl.coef == 0 or a.kl.target is not None or not changed(cfg, "algorithm.kl.horizon"),
+                   "algorithm.kl.horizon", "it paces the adaptive KL controller, but algorithm.kl.target=null keeps "
+                   "the coefficient fixed, so it changes nothing.",
+                   "set algorithm.kl.target, or unset algorithm.kl.horizon")
+
+
+def loss_and_kl_rules(cfg: RunConfig, problems: Problems) -> None:
+    """An RL run's policy-loss, IS-correction and KL-controller knobs that change nothing or break the math."""
+    a = cfg.algorithm
+    problems.check(a.policy_loss != "cispo" or not changed(cfg, "algorithm.clip_eps_low"), "algorithm.clip_eps_low",
+                   "cispo caps its importance weight at clip_eps_high only and has no lower bound, so it changes "
+                   "nothing.", "unset algorithm.clip_eps_low, or use algorithm.policy_loss=ppo or gspo")
+    c = a.is_correction
+    problems.table(((ok, f"algorithm.is_correction.{name}", reason, f"unset algorithm.is_correction.{name}, or {fix}")
+                    for name, ok, reason, fix in (
+        *((name, c.level.value != "off" or not changed(cfg, f"algorithm.is_correction.{name}"),
+           "algorithm.is_correction.level=off weights no token, so it changes nothing.",
+           "set algorithm.is_correction.level=token (or seq, geo)") for name in ("mode", "low", "high")),
+        ("low", c.mode.value != "trunc" or not changed(cfg, "algorithm.is_correction.low"),
+         "mode=trunc only caps the weight at high (TIS), so it changes nothing.", "set mode=mask or clip"))))
     # d k1 / d logp = 1 whatever logp_ref: as a loss it adds coef * mean grad log pi (zero in expectation) and never
     # pulls towards the reference (Molt only printed a recommendation)
     problems.check(not (a.kl.use_loss and a.kl.coef > 0 and a.kl.estimator.value == "k1"), "algorithm.kl.estimator",
@@ -104,7 +115,3 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
                    f"(e in [-0.2, 0.2]; {samples} = rollout.batch_size x rollout.n_samples_per_prompt), which is <= 0 "
                    "when the KL is below target: the coefficient would turn negative.",
                    f"set algorithm.kl.horizon > {int(0.2 * samples)} (e.g. the default 10000)")
-    problems.check(a.kl.coef == 0 or a.kl.target is not None or not changed(cfg, "algorithm.kl.horizon"),
-                   "algorithm.kl.horizon", "it paces the adaptive KL controller, but algorithm.kl.target=null keeps "
-                   "the coefficient fixed, so it changes nothing.",
-                   "set algorithm.kl.target, or unset algorithm.kl.horizon")
