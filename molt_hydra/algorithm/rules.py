@@ -101,6 +101,9 @@ def loss_and_kl_rules(cfg: RunConfig, problems: Problems) -> None:
            "set algorithm.is_correction.level=token (or seq, geo)") for name in ("mode", "low", "high")),
         ("low", c.mode.value != "trunc" or not changed(cfg, "algorithm.is_correction.low"),
          "mode=trunc only caps the weight at high (TIS), so it changes nothing.", "set mode=mask or clip"))))
+    problems.check(a.estimator != "on_policy_distill" or a.kl.coef > 0, "algorithm.kl.coef", "on_policy_distill's "
+                   "advantages are -coef x (log pi_student - log pi_teacher), so coef=0 makes every advantage 0 and "
+                   "the run learns nothing from the teacher.", "set algorithm.kl.coef > 0 (its default is 1.0)")
     # d k1 / d logp = 1 whatever logp_ref: as a loss it adds coef * mean grad log pi (zero in expectation) and never
     # pulls towards the reference (Molt only printed a recommendation)
     problems.check(not (a.kl.use_loss and a.kl.coef > 0 and a.kl.estimator.value == "k1"), "algorithm.kl.estimator",
