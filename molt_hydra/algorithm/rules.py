@@ -101,6 +101,13 @@ def loss_and_kl_rules(cfg: RunConfig, problems: Problems) -> None:
            "set algorithm.is_correction.level=token (or seq, geo)") for name in ("mode", "low", "high")),
         ("low", c.mode.value != "trunc" or not changed(cfg, "algorithm.is_correction.low"),
          "mode=trunc only caps the weight at high (TIS), so it changes nothing.", "set mode=mask or clip"))))
+    # a token the trainer and the engine agree on has ratio 1: a band without it drops or rescales every such token
+    # (trunc reads no floor)
+    bad = "low" if c.mode.value != "trunc" and c.low > 1.0 else "high" if c.high < 1.0 else None
+    problems.check(c.level.value == "off" or bad is None, f"algorithm.is_correction.{bad}",
+                   f"the band [{c.low}, {c.high}] excludes 1, the ratio of a token the trainer and the engine agree "
+                   f"on, so mode={c.mode.value} would {'drop' if c.mode.value == 'mask' else 'rescale'} every "
+                   "on-policy token.", f"set algorithm.is_correction.{bad} so that low <= 1 <= high (e.g. 0.5, 5.0)")
     problems.check(a.estimator != "on_policy_distill" or a.kl.coef > 0, "algorithm.kl.coef", "on_policy_distill's "
                    "advantages are -coef x (log pi_student - log pi_teacher), so coef=0 makes every advantage 0 and "
                    "the run learns nothing from the teacher.", "set algorithm.kl.coef > 0 (its default is 1.0)")

@@ -161,3 +161,17 @@ def test_band_knobs_that_weigh_nothing_are_refused(overrides, key, fragment):
     accepted = ["algorithm.is_correction.level=token", "algorithm.is_correction.mode=clip",
                 "algorithm.is_correction.low=0.3", "algorithm.is_correction.high=3.0"]
     assert not [e for e in config_errors(accepted) if e.startswith("algorithm.is_correction")]
+
+
+@pytest.mark.parametrize("mode, low, high, key", [("mask", 1.5, 5.0, "low"), ("clip", 0.2, 0.8, "high"),
+                                                  ("mask", 0.5, 0.9, "high"), ("trunc", 0.5, 0.8, "high")])
+def test_a_band_without_ratio_1_is_refused(mode, low, high, key):
+    # trainer == engine on every token (ratio 1): mask drops all of them, clip rescales all of them
+    logp = torch.full((1, 3), -1.0)
+    w, f = ISCorrection("token", mode, low=low, high=high).weights(logp, logp, torch.ones(1, 3, dtype=torch.bool))
+    assert f.all() and not torch.equal(w, torch.ones(1, 3))
+    overrides = ["algorithm.is_correction.level=token", f"algorithm.is_correction.mode={mode}",
+                 f"algorithm.is_correction.high={high}", *([f"algorithm.is_correction.low={low}"] * (mode != "trunc"))]
+    assert_fires(overrides, f"algorithm.is_correction.{key}", f"the band [{low}, {high}] excludes 1")
+    ok = ["algorithm.is_correction.level=token", "algorithm.is_correction.low=0.9", "algorithm.is_correction.high=1.1"]
+    assert not [e for e in config_errors(ok) if "excludes 1" in e]
