@@ -34,7 +34,8 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
     token-mean:               sum(loss*m) / N * dp_size                   (N = num_tokens; local sum(m) if dp_size == 1)
     seq-mean-token-sum:       sum_seq(sum_t loss*m) / G * dp_size         (G = global_batch_size; local #rows with a
                                                                           token if dp_size == 1)
-    seq-mean-token-sum-norm:  seq-mean-token-sum / loss_scale_factor      (default: L, the mask width)
+    seq-mean-token-sum-norm:  seq-mean-token-sum / loss_scale_factor      (default: L, the mask width; the trainer
+                                                                          passes a constant, data.max_len)
     seq-mean-token-mean:      sum_seq(sum_t loss*m / (sum_t m + 1e-8)) / G * dp_size
     An empty window (N or G == 0) gives 0.
     """

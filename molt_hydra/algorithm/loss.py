@@ -59,7 +59,8 @@ def ppo_loss(ratio, advantages, log_probs, action_mask, *, clip_eps_low, clip_ep
 def gspo_loss(ratio, advantages, log_probs, action_mask, *, clip_eps_low, clip_eps_high, policy_log_ratio, **_):
     """PPO clipping on the sequence ratio s = exp(mean_t log r_t) (detached), while each token keeps its own
     gradient: s_t = exp(logp_t - sg(logp_t) + sg(log s))."""
-    seq_log_ratio = masked_mean(policy_log_ratio, action_mask, dim=-1).detach()
+    # clamped as PPO's token ratio is: a mean log-ratio past ~88 overflows exp() to an infinite loss and NaN grads
+    seq_log_ratio = masked_mean(policy_log_ratio, action_mask, dim=-1).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).detach()
     # logp - sg(logp) is 0 in value; nan_to_num stops a -inf log-prob from turning it into NaN (value and gradient).
     seq_ratio = torch.exp(torch.nan_to_num(log_probs - log_probs.detach(), nan=0.0) + seq_log_ratio)
     unclipped = seq_ratio * advantages
@@ -81,9 +82,13 @@ class PolicyLoss:
 
     def __init__(self, name: str = "ppo", *, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
                  dual_clip: float | None = None, entropy_coef: float = 0.0, kl_use_loss: bool = False,
-                 kl_estimator: str = "k1", loss_agg: str = "token-mean", is_correction: ISCorrection = ISCorrection()):
+                 kl_estimator: str = "k1", loss_agg: str = "token-mean", is_correction: ISCorrection = ISCorrection(),
+                 loss_scale_factor: float | None = None):
         self.surrogate = get_policy_loss(name)
         self.loss_agg, self.kl_estimator = loss_agg, kl_estimator
+        # seq-mean-token-sum-norm's constant (Dr. GRPO: the token budget); the default, the micro-batch's padded
+        # width, would weigh one sequence differently depending on which others share its micro-batch
+        self.loss_scale_factor = loss_scale_factor
         self.clip_eps_low, self.clip_eps_high, self.dual_clip = clip_eps_low, clip_eps_high, dual_clip
         self.entropy_coef, self.kl_use_loss, self.is_correction = entropy_coef, kl_use_loss, is_correction
 
@@ -113,7 +118,8 @@ class PolicyLoss:
             per_token = weight * per_token
             metrics["is_filter_ratio"] = self.is_correction.filter_ratio(filtered, mask)
         window = dict(num_tokens=num_tokens, dp_size=dp_size)
-        loss = aggregate_loss(per_token, mask, self.loss_agg, global_batch_size=global_batch_size, **window)
+        loss = aggregate_loss(per_token, mask, self.loss_agg, global_batch_size=global_batch_size,
+                              loss_scale_factor=self.loss_scale_factor, **window)
         metrics.update(policy_loss=masked_mean(per_token.detach(), mask), policy_clip_ratio=clip_ratio.detach(),
                        policy_kl=masked_mean(-policy_log_ratio.detach(), mask),
                        advantage_mean=masked_mean(advantages, mask))

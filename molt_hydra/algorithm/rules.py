@@ -2,7 +2,8 @@
 estimators and losses), and the estimator and loss are registered names. Run first by runtime/validate.py: what the
 estimator needs (groups, a reference, a critic, per-token KL) drives derive() and the other groups' rules.
 `check_estimator_knobs` (run after derive()) refuses the knobs the estimator leaves unread: its context knobs, the
-critic's, the reference's and the KL's."""
+critic's, the reference's and the KL's; through `loss_and_kl_rules`, those of the policy loss, the IS correction and
+the KL controller that change nothing or would break the math."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def estimator_needs(cfg: RunConfig, problems: Problems) -> frozenset[str]:
                      f"k1 log-ratio to the teacher (Molt forces it), so {value} would change nothing.",
                      f"unset {key}") for ok, key, value in (
         (a.kl.estimator.value == "k1", "algorithm.kl.estimator", f"kl.estimator={a.kl.estimator.value}"),
-        (not a.kl.use_loss, "algorithm.kl.use_loss", "kl.use_loss=true"))))
+        (not a.kl.use_loss, "algorithm.kl.use_loss", "kl.use_loss=true"),
+        # the task reward never reaches its advantages: clipping it is inert
+        (not changed(cfg, "algorithm.reward_clip"), "algorithm.reward_clip", f"reward_clip={list(a.reward_clip)}"))))
     return ADVANTAGE_ESTIMATORS[a.estimator].needs if a.estimator in ADVANTAGE_ESTIMATORS else frozenset()
 
 
@@ -58,6 +61,7 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
         problems.table(((not changed(cfg, key), key, f"job={job} runs no RL estimator, so it changes nothing.",
                          f"unset {key}, or set job=rl") for key in keys))
         return
+    loss_and_kl_rules(cfg, problems)
     if a.estimator not in ADVANTAGE_ESTIMATORS:
         return  # reported by estimator_needs
     reads = ADVANTAGE_ESTIMATORS[a.estimator].reads
@@ -81,3 +85,43 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
                    "algorithm.kl.horizon", "it paces the adaptive KL controller, but algorithm.kl.target=null keeps "
                    "the coefficient fixed, so it changes nothing.",
                    "set algorithm.kl.target, or unset algorithm.kl.horizon")
+
+
+def loss_and_kl_rules(cfg: RunConfig, problems: Problems) -> None:
+    """An RL run's policy-loss, IS-correction and KL-controller knobs that change nothing or break the math."""
+    a = cfg.algorithm
+    problems.check(a.policy_loss != "cispo" or not changed(cfg, "algorithm.clip_eps_low"), "algorithm.clip_eps_low",
+                   "cispo caps its importance weight at clip_eps_high only and has no lower bound, so it changes "
+                   "nothing.", "unset algorithm.clip_eps_low, or use algorithm.policy_loss=ppo or gspo")
+    c = a.is_correction
+    problems.table(((ok, f"algorithm.is_correction.{name}", reason, f"unset algorithm.is_correction.{name}, or {fix}")
+                    for name, ok, reason, fix in (
+        *((name, c.level.value != "off" or not changed(cfg, f"algorithm.is_correction.{name}"),
+           "algorithm.is_correction.level=off weights no token, so it changes nothing.",
+           "set algorithm.is_correction.level=token (or seq, geo)") for name in ("mode", "low", "high")),
+        ("low", c.mode.value != "trunc" or not changed(cfg, "algorithm.is_correction.low"),
+         "mode=trunc only caps the weight at high (TIS), so it changes nothing.", "set mode=mask or clip"))))
+    # a token the trainer and the engine agree on has ratio 1: a band without it drops or rescales every such token
+    # (trunc reads no floor)
+    bad = "low" if c.mode.value != "trunc" and c.low > 1.0 else "high" if c.high < 1.0 else None
+    problems.check(c.level.value == "off" or bad is None, f"algorithm.is_correction.{bad}",
+                   f"the band [{c.low}, {c.high}] excludes 1, the ratio of a token the trainer and the engine agree "
+                   f"on, so mode={c.mode.value} would {'drop' if c.mode.value == 'mask' else 'rescale'} every "
+                   "on-policy token.", f"set algorithm.is_correction.{bad} so that low <= 1 <= high (e.g. 0.5, 5.0)")
+    problems.check(a.estimator != "on_policy_distill" or a.kl.coef > 0, "algorithm.kl.coef", "on_policy_distill's "
+                   "advantages are -coef x (log pi_student - log pi_teacher), so coef=0 makes every advantage 0 and "
+                   "the run learns nothing from the teacher.", "set algorithm.kl.coef > 0 (its default is 1.0)")
+    # d k1 / d logp = 1 whatever logp_ref: as a loss it adds coef * mean grad log pi (zero in expectation) and never
+    # pulls towards the reference (Molt only printed a recommendation)
+    problems.check(not (a.kl.use_loss and a.kl.coef > 0 and a.kl.estimator.value == "k1"), "algorithm.kl.estimator",
+                   "k1 as a loss has the gradient grad log pi whatever the reference's log-probs (zero in "
+                   "expectation), so algorithm.kl.use_loss=true would not pull the policy towards the reference.",
+                   "set algorithm.kl.estimator=k3 (or k2) with algorithm.kl.use_loss=true, or use_loss=false")
+    # the adaptive update multiplies the coefficient by 1 + e * n / horizon with e down to -0.2: at n / horizon >= 5 a
+    # KL below target (the first step's, ~0) makes it <= 0, turning the penalty into a bonus for leaving the reference
+    samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    problems.check(a.kl.coef == 0 or not a.kl.target or a.kl.horizon > 0.2 * samples, "algorithm.kl.horizon",
+                   f"the adaptive KL update scales the coefficient by 1 + e * {samples} / {a.kl.horizon} per step "
+                   f"(e in [-0.2, 0.2]; {samples} = rollout.batch_size x rollout.n_samples_per_prompt), which is <= 0 "
+                   "when the KL is below target: the coefficient would turn negative.",
+                   f"set algorithm.kl.horizon > {int(0.2 * samples)} (e.g. the default 10000)")

@@ -168,7 +168,8 @@ class RLController:
                                            shard=rows, num_optimizer_steps=steps, role="critic")
                 metrics.update(m[0])
             timing["timing/critic_train"] = time.perf_counter() - t2
-        self.kl_ctl.update(metrics.get("kl", 0.0), cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
+        if "kl" in metrics:  # none measured (a frozen actor with kl.use_loss) is not a KL of 0 to steer by
+            self.kl_ctl.update(metrics["kl"], cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
         metrics["_frozen"] = frozen
         return {**metrics, **timing, "perf/rollout_tokens_per_sec":
                 sum(e.action_mask.sum().item() for e in exps) / max(gen_timing.get("timing/generation", 0.0), 1e-9)}

@@ -322,7 +322,7 @@ def _policy_loss(cfg: RunConfig):
     a, c = cfg.algorithm, cfg.algorithm.is_correction
     return PolicyLoss(a.policy_loss, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, dual_clip=a.dual_clip,
                       entropy_coef=a.entropy_coef, kl_use_loss=a.kl.use_loss, kl_estimator=a.kl.estimator.value,
-                      loss_agg=a.loss_agg.value,
+                      loss_agg=a.loss_agg.value, loss_scale_factor=cfg.data.max_len,
                       is_correction=ISCorrection(c.level.value, c.mode.value, c.low, c.high))
 
 

@@ -115,7 +115,7 @@ ACCEPTED = [
      "train.critic.epochs=2", "train.critic.optimizer.lr=1e-4", "model.critic_path=tiny://qwen3_tiny"],
     ["algorithm=reinforce", "rollout.n_samples_per_prompt=1", "train.batch_size=8", "train.micro_batch_size=8",
      "parallelism.colocate_models=true", "algorithm.gamma=0.9", "algorithm.whiten=false"],
-    ["parallelism.colocate_models=true", "algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3", "algorithm.kl.target=0.1", "algorithm.kl.horizon=5",
+    ["parallelism.colocate_models=true", "algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3", "algorithm.kl.target=0.1", "algorithm.kl.horizon=50",
      "model.ref_path=tiny://qwen3_tiny"],
     ["algorithm=on_policy_distill", "parallelism.colocate_models=true", "model.ref_path=tiny://qwen3_tiny"],
     ["eval.data_path=builtin://toy", "eval.every_steps=10", "eval.temperature=0.5", "eval.n_samples_per_prompt=4",

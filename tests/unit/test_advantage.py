@@ -229,6 +229,36 @@ def test_on_policy_distill_is_minus_beta_kl_and_ignores_the_reward():
         compute_advantages("on_policy_distill", torch.tensor([1.0]), mask)
 
 
+def test_on_policy_distill_ignores_the_reward_clip_so_the_config_refuses_it():
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from test_validation import assert_fires, config_errors
+
+    mask, kl = torch.tensor([[0, 1, 1]], dtype=torch.bool), torch.tensor([[0.3, -0.2, 0.4]])
+    for clip in ((-10.0, 10.0), (-0.1, 0.1), None):
+        advantages, _ = compute_advantages("on_policy_distill", torch.tensor([5.0]), mask, kl=kl, kl_coef=1.0,
+                                           reward_clip=clip)
+        assert advantages[0].tolist() == pytest.approx([0.0, 0.2, -0.4])
+    distill = ["algorithm=on_policy_distill", "parallelism.colocate_models=true", "model.ref_path=tiny://qwen3_tiny"]
+    assert_fires([*distill, "algorithm.reward_clip=[-1,1]"], "algorithm.reward_clip", "so reward_clip=[-1.0, 1.0] "
+                 "would change nothing")
+    assert not [e for e in config_errors(distill) if e.startswith("algorithm.reward_clip")]
+    assert not [e for e in config_errors(["algorithm.reward_clip=[-1,1]"]) if e.startswith("algorithm.reward_clip")]
+
+
+def test_on_policy_distill_with_a_zero_coefficient_learns_nothing_so_the_config_refuses_it():
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from test_validation import assert_fires, config_errors
+
+    mask, kl = torch.tensor([[0, 1, 1]], dtype=torch.bool), torch.tensor([[0.3, -0.2, 0.4]])
+    advantages, _ = compute_advantages("on_policy_distill", torch.tensor([1.0]), mask, kl=kl, kl_coef=0.0)
+    assert torch.equal(advantages, torch.zeros(1, 3))  # -0 * kl: no token is pushed towards the teacher
+    distill = ["algorithm=on_policy_distill", "parallelism.colocate_models=true", "model.ref_path=tiny://qwen3_tiny"]
+    assert_fires([*distill, "algorithm.kl.coef=0"], "algorithm.kl.coef", "coef=0 makes every advantage 0")
+    assert not [e for e in config_errors(distill) if e.startswith("algorithm.kl.coef")]  # derived 1.0
+
+
 # ---------------------------------------------------------------------------------------------------- whitening
 def test_whitening_uses_masked_population_variance_with_floor():
     x = torch.tensor([[1.0, 2.0, 100.0], [3.0, -50.0, 4.0]])

@@ -32,6 +32,8 @@ def test_seq_and_geo_only_allow_mask(level, mode):
     overrides = [f"algorithm.is_correction.level={level}", f"algorithm.is_correction.mode={mode}"]
     if level in ("seq", "geo") and mode != "mask":
         assert_fires(overrides, "algorithm.is_correction.mode", f"level={level} only supports mode=mask")
+    elif level == "off" and mode != "mask":
+        assert_fires(overrides, "algorithm.is_correction.mode", "level=off weights no token, so it changes nothing")
     else:
         assert not [e for e in config_errors(overrides) if e.startswith("algorithm.is_correction.mode")]
         assert ISCorrection(level, mode).enabled == (level != "off")
@@ -143,3 +145,33 @@ def test_seq_level_filter_ratio_counts_rows():
                            rollout_log_probs=rollout)
     close(metrics["is_filter_ratio"], 1 / 2)
     close(loss, (-1 - 1 + 0 + 0) / 4)  # row 0 kept with weight e^0 = 1, row 1 zeroed
+
+
+@pytest.mark.parametrize("overrides, key, fragment", [
+    (["algorithm.is_correction.low=0.3"], "algorithm.is_correction.low", "level=off weights no token"),
+    (["algorithm.is_correction.high=3.0"], "algorithm.is_correction.high", "level=off weights no token"),
+    (["algorithm.is_correction.level=token", "algorithm.is_correction.mode=trunc", "algorithm.is_correction.low=0.3"],
+     "algorithm.is_correction.low", "mode=trunc only caps the weight at high"),
+])
+def test_band_knobs_that_weigh_nothing_are_refused(overrides, key, fragment):
+    assert_fires(overrides, key, fragment)
+    # trunc reads no floor: low=0.3 and the default 0.5 give the same weights
+    weights = [ISCorrection("token", "trunc", low=low).weights(TRAIN, ROLLOUT, MASK)[0] for low in (0.3, 0.5)]
+    assert torch.equal(*weights)
+    accepted = ["algorithm.is_correction.level=token", "algorithm.is_correction.mode=clip",
+                "algorithm.is_correction.low=0.3", "algorithm.is_correction.high=3.0"]
+    assert not [e for e in config_errors(accepted) if e.startswith("algorithm.is_correction")]
+
+
+@pytest.mark.parametrize("mode, low, high, key", [("mask", 1.5, 5.0, "low"), ("clip", 0.2, 0.8, "high"),
+                                                  ("mask", 0.5, 0.9, "high"), ("trunc", 0.5, 0.8, "high")])
+def test_a_band_without_ratio_1_is_refused(mode, low, high, key):
+    # trainer == engine on every token (ratio 1): mask drops all of them, clip rescales all of them
+    logp = torch.full((1, 3), -1.0)
+    w, f = ISCorrection("token", mode, low=low, high=high).weights(logp, logp, torch.ones(1, 3, dtype=torch.bool))
+    assert f.all() and not torch.equal(w, torch.ones(1, 3))
+    overrides = ["algorithm.is_correction.level=token", f"algorithm.is_correction.mode={mode}",
+                 f"algorithm.is_correction.high={high}", *([f"algorithm.is_correction.low={low}"] * (mode != "trunc"))]
+    assert_fires(overrides, f"algorithm.is_correction.{key}", f"the band [{low}, {high}] excludes 1")
+    ok = ["algorithm.is_correction.level=token", "algorithm.is_correction.low=0.9", "algorithm.is_correction.high=1.1"]
+    assert not [e for e in config_errors(ok) if "excludes 1" in e]

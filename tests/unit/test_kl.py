@@ -86,3 +86,80 @@ def test_controller_choice_follows_target():
     assert adaptive.horizon == 500 and adaptive.value == 0.01
     adaptive.update(current_kl=0.2, n_steps=100)  # e = 1, clamped to +0.2
     assert adaptive.value == pytest.approx(0.01 * (1 + 0.2 * 100 / 500))
+
+
+def test_k1_as_a_loss_ignores_the_reference_so_the_config_refuses_it():
+    """d k1 / d logp = 1 whatever the reference: the KL loss's gradient is coef / N per token for any reference."""
+    import sys
+    from pathlib import Path
+
+    from molt_hydra.algorithm.loss import PolicyLoss
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from test_validation import assert_fires, config_errors
+
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    for ref in (torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-9.0, -0.1, -5.0]])):
+        logp = torch.tensor([[-1.2, -0.7, -2.0]], requires_grad=True)
+        loss, _ = PolicyLoss("ppo", kl_use_loss=True, kl_estimator="k1")(
+            logp, logp.detach(), torch.zeros(1, 3), mask, ref_log_probs=ref, kl_coef=0.5)
+        loss.backward()
+        close(logp.grad, [[0.5 / 3] * 3])
+    base = ["algorithm.kl.use_loss=true", "parallelism.colocate_models=true"]
+    assert_fires(base, "algorithm.kl.estimator", "k1 as a loss has the gradient grad log pi whatever the reference")
+    for ok in (["algorithm.kl.estimator=k3"], ["algorithm.kl.estimator=k2"]):
+        assert not [e for e in config_errors(base + ok) if e.startswith("algorithm.kl.estimator")]
+
+
+def test_a_frozen_actor_step_measures_no_kl_and_leaves_the_adaptive_coefficient():
+    """kl.use_loss: the KL is measured by the actor's training step; during the critic's warm-up the actor does not
+    train, and a missing measurement is not a KL of 0 (which lowered the coefficient by 1 - 0.2 * n / horizon)."""
+    import asyncio
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    tests = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(tests / "config"), str(tests / "integration")]
+    from _config_helpers import compose_config
+    from _old_logprob_jobs import batch
+
+    from molt_hydra.cli import to_run_config
+    from molt_hydra.runtime.controller import RLController
+    from molt_hydra.runtime.roles import _policy_loss
+    from molt_hydra.runtime.validate import validate
+
+    class Calls:  # the trainer ranks: log-probs / values of -1 for every token, a critic step's metrics
+        async def ranks(self, group, method, *args, shard=None, **kw):
+            if method == "compute_logprobs":
+                return [[torch.full((len(s["input_ids"]),), -1.0) for s in shard]]
+            return [{"value_loss": 0.1}]
+
+    cfg = validate(to_run_config(compose_config([
+        "algorithm=ppo_gae", "algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3", "algorithm.kl.coef=0.1",
+        "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "train.critic.actor_freezing_steps=2",
+        "parallelism.colocate_models=true", "rollout.batch_size=2", "rollout.n_samples_per_prompt=4",
+        "train.max_staleness=1", "train.batch_size=8", "train.micro_batch_size=8"])))
+    roles = SimpleNamespace(actor=SimpleNamespace(num_ranks=1), ref=object(), critic=object(), pad_token_id=0,
+                            policy_loss=_policy_loss(cfg), calls=Calls())
+    ctl = RLController(cfg, roles, log=None)
+    metrics = asyncio.run(ctl.train_step(batch("tiny://qwen3_tiny"), {"timing/generation": 1.0}))
+    assert metrics["actor_frozen"] == 1.0 and "kl" not in metrics
+    assert ctl.kl_ctl.value == 0.1  # was 0.1 * (1 - 0.2 * 8 / 100) = 0.0984
+
+
+def test_an_adaptive_horizon_that_would_flip_the_coefficient_negative_is_refused():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from test_validation import assert_fires, config_errors
+
+    samples = 128 * 8
+    controller = KLController(0.1, target=0.05, horizon=100)
+    controller.update(current_kl=0.0, n_steps=samples)  # the first step's KL: policy == reference
+    assert controller.value == pytest.approx(0.1 * (1 - 0.2 * samples / 100)) and controller.value < 0
+    base = ["algorithm=reinforce", "algorithm.kl.target=0.05", "rollout.batch_size=128",
+            "rollout.n_samples_per_prompt=8", "train.batch_size=1024", "parallelism.colocate_models=true"]
+    assert_fires(base + ["algorithm.kl.horizon=100"], "algorithm.kl.horizon", "the coefficient would turn negative")
+    assert_fires(base + ["algorithm.kl.horizon=204"], "algorithm.kl.horizon", "set algorithm.kl.horizon > 204")
+    assert not [e for e in config_errors(base + ["algorithm.kl.horizon=205"]) if e.startswith("algorithm.kl.horizon")]
+    assert not [e for e in config_errors(base) if e.startswith("algorithm.kl.horizon")]  # default 10000

@@ -234,3 +234,53 @@ def test_config_enum_values_are_accepted():
 
     LossAgg = Enum("LossAgg", {"seq-mean-token-sum": "seq-mean-token-sum"}, type=str)
     assert PolicyLoss(loss_agg=LossAgg["seq-mean-token-sum"]).loss_agg == "seq-mean-token-sum"
+
+
+def test_seq_mean_token_sum_norm_divides_by_a_constant_not_the_micro_batch_width():
+    """Dr. GRPO: sum_seq(sum_t loss) / (G * C) with one constant C; a sequence's weight must not depend on the padded
+    width of the micro-batch it lands in. The run passes C = data.max_len (runtime/roles.py)."""
+    from _config_helpers import compose_config
+    from molt_hydra.cli import to_run_config
+    from molt_hydra.runtime.roles import _policy_loss
+    from molt_hydra.runtime.validate import validate
+
+    cfg = validate(to_run_config(compose_config(["algorithm.loss_agg=seq-mean-token-sum-norm", "data.max_len=64"])))
+    policy = _policy_loss(cfg)
+    # ratio 1: per-token loss = -A. Sequence a has 2 action tokens, b has 4; G = 2 sequences in the window
+    a_adv, b_adv = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0, 5.0, 6.0]])
+    expected = -(1 + 2 + 3 + 4 + 5 + 6) / 2 / 64
+
+    def loss(adv):
+        logp = torch.zeros_like(adv)
+        return policy(logp, logp, adv, adv != 0, global_batch_size=2)[0]
+    apart = loss(a_adv) + loss(b_adv)  # two micro-batches of widths 2 and 4
+    together = loss(torch.cat([torch.cat([a_adv, torch.zeros(1, 2)], -1), b_adv]))  # one of width 4
+    close(apart, expected)
+    close(together, expected)
+
+
+def test_gspo_sequence_ratio_is_clamped_at_e30_like_ppo_token_ratio():
+    # finite log-probs 99 apart: the sequence log-ratio 99 is clamped to 30 (exp(99) overflows float32 to inf)
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    old = torch.full((1, 2), -100.0)
+    adv = torch.tensor([[-1.0, -1.0]])  # A < 0: the unclipped branch -s * A wins
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, _ = PolicyLoss("gspo")(logp, old, adv, mask)
+    torch.testing.assert_close(loss, torch.tensor(math.exp(30)), rtol=1e-5, atol=0)
+    ppo, _ = PolicyLoss("ppo")(logp, old, adv, mask)
+    torch.testing.assert_close(loss, ppo, rtol=1e-5, atol=0)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.full((1, 2), math.exp(30) / 2), rtol=1e-5, atol=0)  # -s_t*A/N
+
+
+def test_cispo_has_no_lower_bound_so_clip_eps_low_is_refused():
+    logp = torch.tensor([[-0.5, -2.0]], requires_grad=True)
+    old = logp.detach() - torch.tensor([[LN(0.1), LN(3.0)]])  # ratios 0.1 (below any 1 - eps_low) and 3.0
+    adv, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool)
+    losses = [PolicyLoss("cispo", clip_eps_low=low, clip_eps_high=1.2)(logp, old, adv, mask)[0] for low in (0.1, 0.9)]
+    close(losses[0], (-0.1 * 1.0 * -0.5 - 1.2 * -1.0 * -2.0) / 2)
+    close(losses[1], losses[0].item())
+    cispo = ["algorithm.policy_loss=cispo", "algorithm.clip_eps_high=1.2"]
+    assert_fires([*cispo, "algorithm.clip_eps_low=0.1"], "algorithm.clip_eps_low", "cispo caps its importance weight")
+    assert not [e for e in config_errors(cispo) if e.startswith("algorithm.clip_eps_low")]
+    assert not [e for e in config_errors(["algorithm.clip_eps_low=0.1"]) if e.startswith("algorithm.clip_eps_low")]
