@@ -180,18 +180,45 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
             for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
 
 
-def sft_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
-    """rollout.*, agent.* and train.max_steps given on the command line of job=sft: SFT starts no engine, runs no
-    agent and trains train.epochs (the composed defaults set some of these keys, so the rule reads the command line,
-    not a change from the schema)."""
-    if first.job != "sft":
-        return []
-    keys = dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides)
-    why = {key: "trains train.epochs over its data (set those instead)" if key == "train.max_steps" else
-           "starts no rollout engine and runs no agent" for key in keys
-           if key.split(".", 1)[0] in ("rollout", "agent") or key == "train.max_steps"}
-    return [f"- {key}: job=sft {reason}, so it changes nothing. Fix: unset {key} for job=sft"
-            for key, reason in why.items()]
+# Command-line keys a job has no use for: job -> {key or group: why it changes nothing there}. The longest entry a
+# key falls under decides; None marks a key the job reads inside a group it ignores. (The composed defaults and the
+# recipes set some of these keys, so the rule reads the command line, not a change from the schema: `+recipe=NAME
+# job=eval` scores a recipe's model.)
+_NO_ENGINE = "starts no rollout engine and runs no agent"
+_NO_TRAINER = "starts no trainer (it scores the model with the rollout engines only)"
+JOB_IGNORES: dict[str, dict[str, str | None]] = {
+    "sft": {"rollout": _NO_ENGINE, "agent": _NO_ENGINE,
+            "train.max_steps": "trains train.epochs over its data (set those instead)"},
+    "eval": {
+        "train": _NO_TRAINER, "parallelism": _NO_TRAINER,
+        **{f"train.timeouts.{name}": None for name in ("startup_s", "engine_call_s", "step_s")},
+        **{f"model.{name}": _NO_TRAINER for name in (
+            "ref_path", "critic_path", "backend", "param_dtype", "master_weights", "attn_implementation",
+            "gradient_checkpointing", "compile_blocks", "aux_loss_coef", "freeze_visual_encoder", "freeze_moe_router",
+            "moe_dispatcher", "linear_backend", "experts_backend", "rms_norm", "gate_precision", "moe_experts_impl")},
+        "algorithm": "computes no advantage and no loss",
+        "checkpoint": "saves no checkpoint (it scores checkpoint.path, else model.path)", "checkpoint.path": None,
+        **{f"data.{name}": "scores the rows of eval.data_path only" for name in (
+            "train_path", "train_probs", "split", "max_samples")},
+        **{f"eval.{name}": "evaluates once, when its engines are up" for name in ("every_steps", "at_start")},
+        "rollout.n_samples_per_prompt": "samples eval.n_samples_per_prompt per prompt (null = 1)",
+        "rollout.top_k": "samples without top-k (as every evaluation does)",
+        **{f"rollout.{name}": "generates no training batch" for name in ("max_inflight_groups", "incomplete_groups")},
+        **{f"rollout.{name}": "starts no trainer, so no weights reach the engines" for name in (
+            "weight_sync", "routing_replay")},
+    },
+}
+
+
+def job_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
+    """The command line's keys (and config groups) that `first.job` has no use for (JOB_IGNORES), one line each."""
+    job = getattr(first.job, "value", first.job)
+    table, lines = JOB_IGNORES.get(job, {}), []
+    for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides):
+        entries = [entry for entry in table if key == entry or key.startswith(entry + ".")]
+        if entries and (reason := table[max(entries, key=len)]) is not None:
+            lines.append(f"- {key}: job={job} {reason}, so it changes nothing. Fix: unset {key} for job={job}")
+    return lines
 
 
 def _exit_config_error(text: str) -> None:
@@ -250,7 +277,7 @@ def _check_then_run() -> None:
         first, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir,
                                           hydra_config=True)
         if first is not None:
-            problems = launcher_problems(first, args.overrides, args.multirun) + sft_ignored(first, args.overrides)
+            problems = launcher_problems(first, args.overrides, args.multirun) + job_ignored(first, args.overrides)
         if first is not None and args.multirun and not problems:
             problems = sweep_problems(first, args.overrides, args.config_dir)
         if problems:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
-from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, launcher_problems, sweep_problems, to_run_config
+from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_problems,
+                            to_run_config)
 from molt_hydra.config.schema import ConfigError, ISLevel
 
 CASES = {
@@ -36,6 +37,8 @@ CASES = {
                             "checkpoint.export_final=false"], "cluster.device"),
     "max_steps_under_sft": (["+recipe=tiny_vlm_colors_warm", "train.max_steps=5", "dry_run=true"],
                             "train.max_steps"),
+    "optimizer_key_under_eval": (["job=eval", "eval.data_path=builtin://toy_eval", "train.optimizer.lr=0.1",
+                                  "dry_run=true"], "train.optimizer.lr"),
 }
 
 
@@ -191,3 +194,40 @@ def test_a_gpu_run_where_no_gpu_is_visible_is_refused_unless_ray_runs_elsewhere(
     assert missing_gpu(to_run_config(compose_config(["cluster.device=cuda", "cluster.ray_address=10.0.0.1:6379"]))) \
         is None
     assert missing_gpu(to_run_config(compose_config([]))) is None
+
+
+# job=eval scores the model with the engines: no trainer, no estimator, no checkpoint of its own, one evaluation
+EVAL_IGNORED = ["train.optimizer.lr=0.1", "train.epochs=2", "train.mode=sync", "train.timeouts.collective_s=60",
+                "parallelism.colocate=true", "algorithm.kl.coef=0.1", "algorithm=rloo", "model.param_dtype=float32",
+                "model.gradient_checkpointing=none", "checkpoint.save_steps=5", "checkpoint.resume=auto",
+                "data.train_path=builtin://toy", "data.max_samples=4", "eval.every_steps=2", "eval.at_start=true",
+                "rollout.n_samples_per_prompt=2", "rollout.top_k=5", "rollout.weight_sync.bucket_mb=4",
+                "rollout.routing_replay=true"]
+# what it reads: the engines, the agent, the sampling eval.* falls back to, its timeouts, the model it scores
+EVAL_READS = ["train.timeouts.step_s=100", "train.timeouts.startup_s=100", "train.timeouts.engine_call_s=100",
+              "checkpoint.path=/tmp", "rollout.temperature=0.5", "rollout.batch_size=4", "rollout.max_new_tokens=8",
+              "rollout.kv_cache_gb=2", "model.path=tiny://qwen3_tiny", "eval.n_samples_per_prompt=2", "data.max_len=128",
+              "agent.max_turns=2", "model.trust_remote_code=false"]
+
+
+@pytest.mark.parametrize("override", EVAL_IGNORED)
+def test_a_key_job_eval_has_no_use_for_is_refused_on_its_command_line(override):
+    """Before: `job=eval train.optimizer.lr=0.1` (or parallelism.colocate, algorithm=rloo, eval.every_steps, ...)
+    scored the model as without it."""
+    key = override.split("=", 1)[0]
+    lines = job_ignored(compose_config(["job=eval", override]), ["job=eval", override])
+    assert len(lines) == 1 and lines[0].startswith(f"- {key}: job=eval ") and lines[0].endswith(
+        f"so it changes nothing. Fix: unset {key} for job=eval"), lines
+    assert job_ignored(compose_config([override]), [override]) == []  # job=rl reads every one of them
+
+
+def test_what_job_eval_reads_is_not_refused():
+    first = compose_config(["job=eval", *EVAL_READS])
+    assert job_ignored(first, ["job=eval", *EVAL_READS]) == []
+
+
+def test_a_key_is_refused_once_with_one_reason():
+    overrides = ["job=eval", "train.epochs=2", "train.epochs=3", "rollout.weight_sync.probe_every=2"]
+    lines = job_ignored(compose_config(overrides), overrides)
+    assert [line.split(":")[0] for line in lines] == ["- train.epochs", "- rollout.weight_sync.probe_every"], lines
+    assert "starts no trainer, so no weights reach the engines, so it changes nothing" in lines[1]
