@@ -28,6 +28,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from molt_hydra.config.bounds import declared_bounds, out_of_range
@@ -101,9 +102,29 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=[*overrides, *search], return_hydra_config=hydra_config), []
+            cfg = compose("config", overrides=[*overrides, *search], return_hydra_config=hydra_config)
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
+    problems = _not_a_bool(cfg, parsed)
+    return (None, problems) if problems else (cfg, [])
+
+
+def _not_a_bool(cfg: DictConfig, parsed: list) -> list[str]:
+    """A true/false key given anything but true, false (or null): OmegaConf reads every non-zero number (2, -1) and
+    yes / on / y as true, and 0 / no / off / n as false, silently; `parallelism.colocate=2` meant something else."""
+    problems = []
+    for o in parsed:
+        if o.is_sweep_override() or o.is_delete() or o.key_or_group.startswith("hydra."):
+            continue  # (each sweep point is composed on its own: sweep_problems)
+        node, value = cfg, o.value()
+        for part in o.key_or_group.split("."):
+            node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
+        if isinstance(node, BooleanNode) and not (value is None or isinstance(value, bool) or str(value).lower() in (
+                "true", "false") or "${" in str(value)):  # quoted (key='true'), an interpolation: as they read
+            key = o.key_or_group
+            problems.append(f"- {key}: true or false, got {value!r} (which would be read as {str(node._value()).lower()}). "
+                            f"Fix: write {key}=true or {key}=false")
+    return problems
 
 
 def _composition_problem(e: Exception, overrides: list[str]) -> str:

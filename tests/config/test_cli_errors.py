@@ -6,6 +6,7 @@ with a fix, and prints no Python traceback."""
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
 from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_problems,
@@ -231,3 +232,27 @@ def test_a_key_is_refused_once_with_one_reason():
     lines = job_ignored(compose_config(overrides), overrides)
     assert [line.split(":")[0] for line in lines] == ["- train.epochs", "- rollout.weight_sync.probe_every"], lines
     assert "starts no trainer, so no weights reach the engines, so it changes nothing" in lines[1]
+
+
+@pytest.mark.parametrize("value,read_as", [("2", "true"), ("-1", "true"), ("yes", "true"), ("on", "true"),
+                                           ("1", "true"), ("0", "false"), ("off", "false"), ("n", "false")])
+def test_a_switch_takes_true_or_false_only(value, read_as):
+    """Before: `parallelism.colocate=2` (or yes, -1, off, ...) composed as OmegaConf reads it (2 -> true), silently."""
+    cfg, problems = compose_checked([f"parallelism.colocate={value}"])
+    assert cfg is None and problems == [
+        f"- parallelism.colocate: true or false, got {value if value.lstrip('-').isdigit() else repr(value)} "
+        f"(which would be read as {read_as}). Fix: write parallelism.colocate=true or parallelism.colocate=false"]
+
+
+@pytest.mark.parametrize("override,value", [("parallelism.colocate=true", True), ("parallelism.colocate=FALSE", False),
+                                            ("parallelism.colocate='true'", True), ("model.compile_blocks=null", None)])
+def test_true_false_and_null_are_switch_values(override, value):
+    cfg, problems = compose_checked([override])
+    assert problems == [] and OmegaConf.select(cfg, override.split("=")[0]) is value
+
+
+def test_each_sweep_point_of_a_switch_is_checked():
+    first, problems = compose_checked(["parallelism.colocate=false,2"], multirun=True, hydra_config=True)
+    assert problems == []  # the first point, false, composes
+    lines = sweep_problems(first, ["parallelism.colocate=false,2"], None)
+    assert lines[0].startswith("sweep point #1 of 2") and lines[1].startswith("- parallelism.colocate: true or false")
