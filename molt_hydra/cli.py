@@ -9,7 +9,8 @@
 Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar,
 unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
 single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
-reason and the fix, and the exit code is 2. A multirun validates and plans every point before the first starts
+reason and the fix, and the exit code is 2. A run is validated and planned before Hydra makes its output directory
+(`point_problems`: a refused config leaves nothing behind), a multirun every point before the first starts
 (`sweep_problems`). `molt-run --help` is conf/hydra/help/molt.yaml.
 """
 
@@ -121,9 +122,9 @@ def _not_a_bool(cfg: DictConfig, parsed: list) -> list[str]:
             node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
         if isinstance(node, BooleanNode) and not (value is None or isinstance(value, bool) or str(value).lower() in (
                 "true", "false") or "${" in str(value)):  # quoted (key='true'), an interpolation: as they read
-            key = o.key_or_group
-            problems.append(f"- {key}: true or false, got {value!r} (which would be read as {str(node._value()).lower()}). "
-                            f"Fix: write {key}=true or {key}=false")
+            key, read_as = o.key_or_group, str(node._value()).lower()
+            problems.append(f"- {key}: true or false, got {value!r} (which would be read as {read_as}). Fix: write "
+                            f"{key}=true or {key}=false")
     return problems
 
 
@@ -155,8 +156,6 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     line's sweeps, their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra
     node. Returns each failing point's problems under a line naming the point."""
     from molt_hydra.compat.hydra import sweep_points
-    from molt_hydra.runtime.plan import make_plan
-    from molt_hydra.runtime.validate import validate
 
     if not (first.hydra.sweeper._target_.endswith(".BasicSweeper")
             and first.hydra.launcher._target_.endswith(".BasicLauncher")):
@@ -168,16 +167,23 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     points = sweep_points(parsed)
     problems = []
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
-        cfg, errors = compose_checked([*point, f"output_dir={Path.cwd() / 'multirun' / str(number)}"],
-                                      config_dir=config_dir)
-        try:
-            if cfg is not None:
-                make_plan(validate(to_run_config(cfg)))
-        except ConfigError as e:
-            errors = [str(e)]
-        if errors:
+        if errors := point_problems(point, Path.cwd() / "multirun" / str(number), config_dir):
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems
+
+
+def point_problems(overrides: list[str], output_dir: Path, config_dir: str | None) -> list[str]:
+    """One run's config composed and put through `checked` as `_main` will, before Hydra makes its output directory
+    (a refused config leaves no run directory behind): its problem lines, or []. `output_dir` stands in for the
+    directory Hydra will make, unless the command line sets output_dir itself."""
+    own = any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides)
+    cfg, errors = compose_checked([*overrides, *([] if own else [f"output_dir={output_dir}"])], config_dir=config_dir)
+    try:
+        if cfg is not None:
+            checked(cfg)
+    except ConfigError as e:
+        errors = [str(e)]
+    return errors
 
 
 SLURM_RESOURCES = ("partition", "account", "qos", "constraint", "setup", "time_min")
@@ -247,28 +253,37 @@ def _exit_config_error(text: str) -> None:
     sys.exit(EXIT_CONFIG_ERROR)
 
 
-def _main(cfg: DictConfig) -> None:
+def checked(cfg: DictConfig):
+    """Everything a run is checked against before it starts, raising ConfigError: the typed config validated, the
+    machine (not in a dry run: it plans a GPU recipe anywhere), the plan (which derives the colocated memory split and
+    refuses one that cannot fit), the installed vLLM of a run that starts engines. Returns (RunConfig, Plan)."""
     # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
     from molt_hydra.compat.vllm import preflight
     from molt_hydra.config.validate import missing_gpu
     from molt_hydra.runtime.plan import make_plan
-    from molt_hydra.runtime.sweep import set_wandb_group
     from molt_hydra.runtime.validate import validate
+
+    run_cfg = validate(to_run_config(cfg))
+    if not run_cfg.dry_run and (problem := missing_gpu(run_cfg)):  # the machine, before the plan for it
+        raise ConfigError(problem)
+    plan = make_plan(run_cfg)
+    if not run_cfg.dry_run and run_cfg.job.value != "sft" and (
+            problem := preflight(run_cfg.cluster.device.value, run_cfg.train.partial_rollout)):
+        raise ConfigError(problem)
+    return run_cfg, plan
+
+
+def _main(cfg: DictConfig) -> None:
+    from molt_hydra.runtime.sweep import set_wandb_group
 
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
     try:
-        run_cfg = validate(to_run_config(cfg))
-        if not run_cfg.dry_run and (problem := missing_gpu(run_cfg)):  # the machine, before the plan for it
-            raise ConfigError(problem)
-        print(make_plan(run_cfg).render())  # the plan derives the colocated memory split, refuses one that cannot fit
+        run_cfg, plan = checked(cfg)
     except ConfigError as e:
         _exit_config_error(str(e))
+    print(plan.render())
     if run_cfg.dry_run:
         return
-    # the vLLM build this run will start: a supported one, before anything starts
-    if run_cfg.job.value != "sft" and (problem := preflight(run_cfg.cluster.device.value,
-                                                            run_cfg.train.partial_rollout)):
-        _exit_config_error(problem)
     from molt_hydra.runtime.entrypoint import run
 
     run(run_cfg)
@@ -299,8 +314,9 @@ def _check_then_run() -> None:
                                           hydra_config=True)
         if first is not None:
             problems = launcher_problems(first, args.overrides, args.multirun) + job_ignored(first, args.overrides)
-        if first is not None and args.multirun and not problems:
-            problems = sweep_problems(first, args.overrides, args.config_dir)
+        if first is not None and not problems:  # every run checked before Hydra makes a directory for it
+            problems = sweep_problems(first, args.overrides, args.config_dir) if args.multirun else point_problems(
+                args.overrides, Path(first.hydra.run.dir).absolute(), args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()

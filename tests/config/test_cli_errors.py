@@ -48,7 +48,7 @@ def cli_results(tmp_path_factory):
     base = tmp_path_factory.mktemp("cli_errors")
     names = list(CASES)
     calls = [[*CASES[n][0], f"hydra.run.dir={base / n}", f"hydra.sweep.dir={base / n}"] for n in names]
-    return dict(zip(names, run_cli_many(calls)))
+    return dict(zip(names, run_cli_many(calls))) | {"_base": base}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -59,6 +59,8 @@ def test_config_mistake_fails_cleanly(case, cli_results):
     assert "Fix: " in res.stderr, res.describe()
     assert "Traceback" not in res.output, res.describe()
     assert PLAN_HEADER not in res.stdout, f"nothing may run after a config error\n{res.describe()}"
+    # before: a config refused at validation left a run directory of Hydra's .hydra/ and cli.log behind
+    assert not (cli_results["_base"] / case).exists(), f"a refused config leaves no run directory\n{res.describe()}"
 
 
 def test_invalid_enum_lists_the_valid_values(cli_results):
