@@ -314,9 +314,10 @@ def _check_then_run() -> None:
                                           hydra_config=True)
         if first is not None:
             problems = launcher_problems(first, args.overrides, args.multirun) + job_ignored(first, args.overrides)
-        if first is not None and not problems:  # every run checked before Hydra makes a directory for it
-            problems = sweep_problems(first, args.overrides, args.config_dir) if args.multirun else point_problems(
-                args.overrides, Path(first.hydra.run.dir).absolute(), args.config_dir)
+        if first is not None and args.multirun and not problems:
+            problems = sweep_problems(first, args.overrides, args.config_dir)
+        elif first is not None and not (problems or args.cfg):  # checked before Hydra makes its run directory
+            problems = point_problems(args.overrides, Path(first.hydra.run.dir).absolute(), args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
