@@ -256,12 +256,14 @@ def _exit_config_error(text: str) -> None:
 def checked(cfg: DictConfig):
     """Everything a run is checked against before it starts, raising ConfigError: the typed config validated, the
     machine (not in a dry run: it plans a GPU recipe anywhere), the plan (which derives the colocated memory split and
-    refuses one that cannot fit), the installed vLLM of a run that starts engines. Returns (RunConfig, Plan)."""
+    refuses one that cannot fit), the installed vLLM of a run that starts engines, the directories the run writes
+    (exit 1 when one is not writable: runtime/writable.py). Returns (RunConfig, Plan)."""
     # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
     from molt_hydra.compat.vllm import preflight
     from molt_hydra.config.validate import missing_gpu
     from molt_hydra.runtime.plan import make_plan
     from molt_hydra.runtime.validate import validate
+    from molt_hydra.runtime.writable import check_outputs
 
     run_cfg = validate(to_run_config(cfg))
     if not run_cfg.dry_run and (problem := missing_gpu(run_cfg)):  # the machine, before the plan for it
@@ -270,6 +272,8 @@ def checked(cfg: DictConfig):
     if not run_cfg.dry_run and run_cfg.job.value != "sft" and (
             problem := preflight(run_cfg.cluster.device.value, run_cfg.train.partial_rollout)):
         raise ConfigError(problem)
+    if not run_cfg.dry_run:
+        check_outputs(run_cfg)
     return run_cfg, plan
 
 

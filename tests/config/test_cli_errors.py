@@ -258,3 +258,14 @@ def test_each_sweep_point_of_a_switch_is_checked():
     assert problems == []  # the first point, false, composes
     lines = sweep_problems(first, ["parallelism.colocate=false,2"], None)
     assert lines[0].startswith("sweep point #1 of 2") and lines[1].startswith("- parallelism.colocate: true or false")
+
+
+def test_an_unwritable_output_dir_is_refused_before_hydra_makes_the_run_directory(tmp_path):
+    """Before: the run directory (.hydra/, cli.log) was made, the plan printed, then the run refused output_dir."""
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    r = run_cli(["output_dir=/proc/molt_no_such_dir", "checkpoint.save_steps=0", "checkpoint.export_final=false",
+                 f"hydra.run.dir={tmp_path / 'run'}"])
+    assert r.returncode == EXIT_FAILED and PLAN_HEADER not in r.stdout, r.describe()
+    assert "- output_dir=/proc/molt_no_such_dir: not writable" in r.stderr, r.describe()
+    assert not (tmp_path / "run").exists(), r.describe()
