@@ -178,11 +178,13 @@ def point_problems(overrides: list[str], output_dir: Path, config_dir: str | Non
     directory Hydra will make, unless the command line sets output_dir itself."""
     own = any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides)
     cfg, errors = compose_checked([*overrides, *([] if own else [f"output_dir={output_dir}"])], config_dir=config_dir)
+    if cfg is None:
+        return errors
+    errors = job_ignored(cfg, overrides)  # per point: a sweep over job=rl,eval has points of either
     try:
-        if cfg is not None:
-            checked(cfg)
+        checked(cfg)
     except ConfigError as e:
-        errors = [str(e)]
+        errors.append(str(e))
     return errors
 
 
@@ -317,7 +319,7 @@ def _check_then_run() -> None:
         first, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir,
                                           hydra_config=True)
         if first is not None:
-            problems = launcher_problems(first, args.overrides, args.multirun) + job_ignored(first, args.overrides)
+            problems = launcher_problems(first, args.overrides, args.multirun)
         if first is not None and args.multirun and not problems:
             problems = sweep_problems(first, args.overrides, args.config_dir)
         elif first is not None and not (problems or args.cfg):  # checked before Hydra makes its run directory

@@ -269,3 +269,14 @@ def test_an_unwritable_output_dir_is_refused_before_hydra_makes_the_run_director
     assert r.returncode == EXIT_FAILED and PLAN_HEADER not in r.stdout, r.describe()
     assert "- output_dir=/proc/molt_no_such_dir: not writable" in r.stderr, r.describe()
     assert not (tmp_path / "run").exists(), r.describe()
+
+
+def test_a_sweep_over_jobs_checks_what_each_points_job_ignores():
+    """Before: `-m job=rl,eval train.optimizer.lr=0.1` was checked at its first point (rl) only; the eval point scored
+    the model as without the learning rate."""
+    overrides = ["job=rl,eval", "eval.data_path=builtin://toy_eval", "eval.every_steps=5", "train.optimizer.lr=0.1"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == []
+    lines = sweep_problems(first, overrides, None)
+    assert lines[0].startswith("sweep point #1 of 2 (job=eval "), lines
+    assert [line.split(":")[0] for line in lines[1:]] == ["- eval.every_steps", "- train.optimizer.lr"], lines
