@@ -261,13 +261,16 @@ def test_each_sweep_point_of_a_switch_is_checked():
 
 
 def test_an_unwritable_output_dir_is_refused_before_hydra_makes_the_run_directory(tmp_path):
-    """Before: the run directory (.hydra/, cli.log) was made, the plan printed, then the run refused output_dir."""
+    """Before: the run directory (.hydra/, cli.log) was made, the plan printed, then the run refused output_dir; a
+    train.rollout_dump_dir that is a file failed the run at its first dump, after every role had started."""
     from molt_hydra.runtime.watchdog import EXIT_FAILED
 
+    (tmp_path / "a_file").write_text("")
     r = run_cli(["output_dir=/proc/molt_no_such_dir", "checkpoint.save_steps=0", "checkpoint.export_final=false",
-                 f"hydra.run.dir={tmp_path / 'run'}"])
+                 f"train.rollout_dump_dir={tmp_path / 'a_file'}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert r.returncode == EXIT_FAILED and PLAN_HEADER not in r.stdout, r.describe()
     assert "- output_dir=/proc/molt_no_such_dir: not writable" in r.stderr, r.describe()
+    assert f"- train.rollout_dump_dir={tmp_path / 'a_file'}: not writable: Not a directory" in r.stderr, r.describe()
     assert not (tmp_path / "run").exists(), r.describe()
 
 
