@@ -312,6 +312,7 @@ def _interrupt(signum, frame) -> None:
 
 def _check_then_run() -> None:
     from molt_hydra.compat.hydra import get_args_parser
+    from molt_hydra.runtime.writable import fail_unless_writable
 
     register()
     args = get_args_parser().parse_args()
@@ -323,7 +324,9 @@ def _check_then_run() -> None:
         if first is not None and args.multirun and not problems:
             problems = sweep_problems(first, args.overrides, args.config_dir)
         elif first is not None and not (problems or args.cfg):  # checked before Hydra makes its run directory
-            problems = point_problems(args.overrides, Path(first.hydra.run.dir).absolute(), args.config_dir)
+            run_dir = Path(first.hydra.run.dir).absolute()
+            fail_unless_writable({"hydra.run.dir": run_dir})  # named as the key that sets it (as OutputWritable does)
+            problems = point_problems(args.overrides, run_dir, args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
