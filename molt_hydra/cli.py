@@ -56,7 +56,7 @@ def _convert(node):
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed config from the composed tree; declared ranges, MISSING values and `__post_init__` rules fail here, all
     at once: on failure every group is converted on its own, so the message lists one problem per broken group."""
-    problems = out_of_range(cfg, RunConfig)
+    problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)]
     try:
         run_cfg = _convert(cfg)
     except ConfigError as whole:
@@ -71,6 +71,28 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     if problems:
         raise ConfigError("\n".join(problems)) from None
     return run_cfg
+
+
+def _added_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of the composed tree that the schema does not declare: Hydra lets `+train.max_stepz=5` (and ++) through
+    the typed schema, and the typed conversion drops them without a word. agent.runner holds the agent's kwargs."""
+    known, added = declared_bounds(RunConfig), []
+    for name in cfg:
+        key = f"{prefix}{name}"
+        if key in ("hydra", "agent.runner"):
+            continue
+        if isinstance(node := cfg._get_node(name), DictConfig) and any(k.startswith(f"{key}.") for k in known):
+            added += _added_keys(node, f"{key}.")
+        elif key not in known:
+            added.append(key)
+    return added
+
+
+def _not_a_key(key: str, how: str) -> str:
+    close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return (f"- {key}: not a key of the config ({how}). Fix: {hint}`molt-run --cfg job` prints every key; "
+            "agent.runner kwargs are added with +agent.runner.NAME=value")
 
 
 def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir: str | None = None,
@@ -140,10 +162,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         options = re.findall(r"^\t(\S+)$", text, re.M)
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
-        close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
-        return (f"- {key}: not a key of the config ({override}). Fix: {hint}`molt-run --cfg job` prints every key; "
-                "agent.runner kwargs are added with +agent.runner.NAME=value")
+        return _not_a_key(key, override)
     reason = str(chain[-1]).splitlines()[0]
     return (f"- {key or override}: {reason} ({override}). Fix: give a value of the type and choices that "
             "molt_hydra/config/schema.py declares for it")

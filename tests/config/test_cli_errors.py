@@ -38,6 +38,7 @@ CASES = {
                             "checkpoint.export_final=false"], "cluster.device"),
     "max_steps_under_sft": (["+recipe=tiny_vlm_colors_warm", "train.max_steps=5", "dry_run=true"],
                             "train.max_steps"),
+    "added_unknown_key": (["+train.max_stepz=5", "dry_run=true"], "train.max_stepz"),  # was: dropped, silently
     "optimizer_key_under_eval": (["job=eval", "eval.data_path=builtin://toy_eval", "train.optimizer.lr=0.1",
                                   "dry_run=true"], "train.optimizer.lr"),
 }
@@ -283,3 +284,17 @@ def test_a_sweep_over_jobs_checks_what_each_points_job_ignores():
     lines = sweep_problems(first, overrides, None)
     assert lines[0].startswith("sweep point #1 of 2 (job=eval "), lines
     assert [line.split(":")[0] for line in lines[1:]] == ["- eval.every_steps", "- train.optimizer.lr"], lines
+
+
+@pytest.mark.parametrize("override,key", [("+train.max_stepz=5", "train.max_stepz"), ("++seedd=1", "seedd"),
+                                          ("+train.foo.bar=1", "train.foo"), ("+model.lora.rankk=4", "model.lora.rankk")])
+def test_a_key_added_with_plus_must_be_in_the_schema(override, key):
+    """Before: Hydra appended it through the typed schema and the typed conversion dropped it without a word."""
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config([override]))
+    assert str(info.value).startswith(f"- {key}: not a key of the config (added with +). Fix: "), info.value
+
+
+def test_agent_kwargs_are_added_with_plus():
+    cfg = to_run_config(compose_config(["agent=math", "+agent.runner.require_boxed=false"]))
+    assert cfg.agent.runner["require_boxed"] is False
