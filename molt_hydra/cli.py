@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from molt_hydra.config.bounds import declared_bounds, out_of_range
+from molt_hydra.config.bounds import declared_bounds, get, out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
@@ -184,27 +184,38 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()]
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
     points = sweep_points(parsed)
-    problems = []
+    problems, owners = [], {}
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
-        if errors := point_problems(point, Path.cwd() / "multirun" / str(number), config_dir):
+        errors, run_cfg = point_problems(point, Path.cwd() / "multirun" / str(number), config_dir)
+        for key in SWEEP_OWN_DIRS if run_cfg is not None else ():
+            if (path := get(run_cfg, key)) and (owner := owners.setdefault((key, os.path.abspath(path)), number)) \
+                    != number:
+                errors.append(f"- {key}: {path} is sweep point #{owner}'s too, so this point would resume from, "
+                              f"overwrite or be locked out of that point's files. Fix: leave {key} at its default "
+                              "(under the point's output_dir), or sweep it with the points")
+        if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems
 
 
-def point_problems(overrides: list[str], output_dir: Path, config_dir: str | None) -> list[str]:
+# the directories a run writes: one sweep point's each
+SWEEP_OWN_DIRS = ("output_dir", "checkpoint.dir", "checkpoint.export_dir", "train.rollout_dump_dir")
+
+
+def point_problems(overrides: list[str], output_dir: Path, config_dir: str | None) -> tuple[list[str], object]:
     """One run's config composed and put through `checked` as `_main` will, before Hydra makes its output directory
-    (a refused config leaves no run directory behind): its problem lines, or []. `output_dir` stands in for the
-    directory Hydra will make, unless the command line sets output_dir itself."""
+    (a refused config leaves no run directory behind): (its problem lines or [], its RunConfig or None). `output_dir`
+    stands in for the directory Hydra will make, unless the command line sets output_dir itself."""
     own = any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides)
     cfg, errors = compose_checked([*overrides, *([] if own else [f"output_dir={output_dir}"])], config_dir=config_dir)
     if cfg is None:
-        return errors
-    errors = job_ignored(cfg, overrides)  # per point: a sweep over job=rl,eval has points of either
+        return errors, None
+    errors, run_cfg = job_ignored(cfg, overrides), None  # per point: a sweep over job=rl,eval has points of either
     try:
-        checked(cfg)
+        run_cfg, _ = checked(cfg)
     except ConfigError as e:
         errors.append(str(e))
-    return errors
+    return errors, run_cfg
 
 
 SLURM_RESOURCES = ("partition", "account", "qos", "constraint", "setup", "time_min")
@@ -345,7 +356,7 @@ def _check_then_run() -> None:
         elif first is not None and not (problems or args.cfg):  # checked before Hydra makes its run directory
             run_dir = Path(first.hydra.run.dir).absolute()
             fail_unless_writable({"hydra.run.dir": run_dir})  # named as the key that sets it (as OutputWritable does)
-            problems = point_problems(args.overrides, run_dir, args.config_dir)
+            problems, _ = point_problems(args.overrides, run_dir, args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()

@@ -298,3 +298,18 @@ def test_a_key_added_with_plus_must_be_in_the_schema(override, key):
 def test_agent_kwargs_are_added_with_plus():
     cfg = to_run_config(compose_config(["agent=math", "+agent.runner.require_boxed=false"]))
     assert cfg.agent.runner["require_boxed"] is False
+
+
+def test_sweep_points_sharing_a_directory_they_write_are_refused(tmp_path):
+    """Before: `-m seed=1,2 checkpoint.dir=DIR` ran both points into one checkpoint directory: the second resumed
+    from, overwrote or was locked out of the first's checkpoints."""
+    overrides = ["seed=1,2", f"checkpoint.dir={tmp_path}/ck", f"train.rollout_dump_dir={tmp_path}/dump"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == []
+    lines = sweep_problems(first, overrides, None)
+    assert lines[0].startswith("sweep point #1 of 2 (seed=2 ") and len(lines) == 3, lines
+    assert lines[1].startswith(f"- checkpoint.dir: {tmp_path}/ck is sweep point #0's too, so ") and " Fix: " in lines[1]
+    assert lines[2].startswith(f"- train.rollout_dump_dir: {tmp_path}/dump is sweep point #0's too"), lines
+    swept = [f"checkpoint.dir={tmp_path}/a,{tmp_path}/b"]  # each point its own
+    first, _ = compose_checked(swept, multirun=True, hydra_config=True)
+    assert sweep_problems(first, swept, None) == []
