@@ -554,7 +554,7 @@ def parallelism_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
             (r.routing_replay, "routing replay's experts are laid out per sample", "rollout.routing_replay=false"))),
         (cfg.cluster.device.value == "cpu" or p.borrow_idle_cpus, "parallelism.borrow_idle_cpus",
          "only CPU trainer ranks borrow cores; this run's trainer is on GPU.", "unset it"),
-        *((p.trainer_devices % size == 0, key, f"{name}={size} does not divide the "
+        *((cfg.job.value == "eval" or p.trainer_devices % size == 0, key, f"{name}={size} does not divide the "
            f"{p.trainer_devices} trainer device(s) (parallelism.trainer_devices), so no device mesh can be built.",
            f"set {key} to a divisor of {p.trainer_devices}, or parallelism.trainer_devices to a multiple of {size}")
           for key, name, size in (("parallelism.tp", "tp x cp", p.tp * p.cp), ("parallelism.ep", "ep", p.ep))),
@@ -714,8 +714,8 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
          f"a rollout step yields {samples} samples, not a multiple of train.batch_size={t.batch_size}; the remainder "
          "would be dropped every step.", "make rollout.batch_size x rollout.n_samples_per_prompt a multiple of "
          f"train.batch_size (e.g. train.batch_size={samples})"),
-        (t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size", "must be a multiple of micro_batch_size "
-         f"x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size}.",
+        (job == "eval" or t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size",  # (eval: no trainer)
+         f"must be a multiple of micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size}.",
          f"set train.batch_size to a multiple of {per_step}"),
         # SFT splits each batch over its ranks evenly (parallel/sft.py); dynamic batching leaves the rule above out
         (not (job == "sft" and t.dynamic_batch) or t.batch_size % p.trainer_devices == 0, "train.batch_size",

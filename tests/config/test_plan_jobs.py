@@ -44,3 +44,16 @@ def test_an_rl_plan_keeps_its_step():
     assert plan.batch["prompt groups x samples"] == f"{r.batch_size} x {r.n_samples_per_prompt} = " \
                                                     f"{r.batch_size * r.n_samples_per_prompt}"
     assert plan.render().splitlines()[1 + 1 + len(plan.roles)] == "Batch arithmetic (one RL step):"
+
+
+def test_an_eval_on_more_devices_is_not_held_to_the_trainers_arithmetic():
+    """Before: job=eval on a 4-device node was refused for train.batch_size (64 not a multiple of 16 x 3 trainer
+    ranks) and a recipe's parallelism.ep for the trainer mesh, though an eval job starts no trainer (and refuses
+    train.* on its command line)."""
+    cfg, plan = plan_of(["job=eval", "eval.data_path=builtin://toy_eval", "cluster.devices_per_node=4",
+                         "cluster.cpus_per_node=4"])
+    assert cfg.parallelism.trainer_devices == 3 and cfg.train.batch_size % (cfg.train.micro_batch_size * 3) != 0
+    assert plan.batch_title.startswith("Evaluation")
+    cfg, _ = plan_of(["+recipe=qwen3_moe_geo3k", "job=eval", "eval.data_path=builtin://geo_triangles_eval",
+                      "cluster.devices_per_node=6"])
+    assert cfg.parallelism.ep == 4 and cfg.parallelism.trainer_devices % 4 != 0
