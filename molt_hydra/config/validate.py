@@ -693,6 +693,26 @@ def _rl_eval_schedule(cfg: RunConfig, problems: Problems) -> None:
     ))
 
 
+def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """Knobs counted in RL steps set past train.max_steps: what they schedule would never happen in this run
+    (eval.every_steps: `_rl_eval_schedule`)."""
+    log, last, freeze = cfg.logger, cfg.train.max_steps, cfg.train.critic.actor_freezing_steps
+    if cfg.job.value != "rl" or last is None:
+        return
+    past = f"is past train.max_steps={last}"
+    problems.table((
+        (log.every_steps <= last, "logger.every_steps", f"{log.every_steps} {past}: no step's metrics would be "
+         "logged.", f"set logger.every_steps <= {last}"),
+        # (its default, 10, is past a short run's end: only a value the user chose)
+        (log.sample_table_every <= last or not changed(cfg, "logger.sample_table_every"), "logger.sample_table_every",
+         f"{log.sample_table_every} {past}: no sample table would be logged.", f"set it <= {last}, or 0 for none"),
+        (not log.dump_logprobs or max(log.dump_logprobs_steps) <= last, "logger.dump_logprobs_steps",
+         f"{max(log.dump_logprobs_steps)} {past}: that step is never dumped.", f"list steps <= {last}"),
+        (freeze < last, "train.critic.actor_freezing_steps", f"{freeze} is not below train.max_steps={last}: the actor "
+         "would never be updated (only the critic trains).", f"set it below {last}"),
+    ))
+
+
 def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """What each job needs (data, eval data), batch arithmetic (steps 16, 17, 21) and the resource fit (step 18):
     placement would deadlock otherwise."""
@@ -744,4 +764,5 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
 RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, engine_size_rules, backend_rules, hf_path_rules,
-         model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, job_rules)
+         model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, schedule_rules,
+         job_rules)

