@@ -168,6 +168,10 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
             "molt_hydra/config/schema.py declares for it")
 
 
+# the directories a run writes: one sweep point's each
+SWEEP_OWN_DIRS = ("output_dir", "checkpoint.dir", "checkpoint.export_dir", "train.rollout_dump_dir")
+
+
 def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | None) -> list[str]:
     """Every point of `molt-run -m` validated and planned before the first one starts, where Hydra's basic launcher
     runs them here one after another: a point refused when its turn came ended the sweep there, after the points
@@ -198,11 +202,9 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     return problems
 
 
-# the directories a run writes: one sweep point's each
-SWEEP_OWN_DIRS = ("output_dir", "checkpoint.dir", "checkpoint.export_dir", "train.rollout_dump_dir")
 
-
-def point_problems(overrides: list[str], output_dir: Path, config_dir: str | None) -> tuple[list[str], object]:
+def point_problems(overrides: list[str], output_dir: Path,
+                   config_dir: str | None) -> tuple[list[str], RunConfig | None]:
     """One run's config composed and put through `checked` as `_main` will, before Hydra makes its output directory
     (a refused config leaves no run directory behind): (its problem lines or [], its RunConfig or None). `output_dir`
     stands in for the directory Hydra will make, unless the command line sets output_dir itself."""
@@ -289,7 +291,7 @@ def checked(cfg: DictConfig):
     """Everything a run is checked against before it starts, raising ConfigError: the typed config validated, the
     machine (not in a dry run: it plans a GPU recipe anywhere), the plan (which derives the colocated memory split and
     refuses one that cannot fit), the installed vLLM of a run that starts engines, the directories the run writes
-    (exit 1 when one is not writable: runtime/writable.py). Returns (RunConfig, Plan)."""
+    (one not writable exits as runtime/writable.py says). Returns (RunConfig, Plan)."""
     # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
     from molt_hydra.compat.vllm import preflight
     from molt_hydra.config.validate import missing_gpu
