@@ -202,7 +202,6 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     return problems
 
 
-
 def point_problems(overrides: list[str], output_dir: Path,
                    config_dir: str | None) -> tuple[list[str], RunConfig | None]:
     """One run's config composed and put through `checked` as `_main` will, before Hydra makes its output directory
