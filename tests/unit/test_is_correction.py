@@ -32,6 +32,8 @@ def test_seq_and_geo_only_allow_mask(level, mode):
     overrides = [f"algorithm.is_correction.level={level}", f"algorithm.is_correction.mode={mode}"]
     if level in ("seq", "geo") and mode != "mask":
         assert_fires(overrides, "algorithm.is_correction.mode", f"level={level} only supports mode=mask")
+    elif level == "off" and mode != "mask":  # no correction: the mode changes nothing (config/validate.py)
+        assert_fires(overrides, "algorithm.is_correction.mode", "it tunes IS correction, which is off")
     else:
         assert not [e for e in config_errors(overrides) if e.startswith("algorithm.is_correction.mode")]
         assert ISCorrection(level, mode).enabled == (level != "off")
