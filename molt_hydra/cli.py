@@ -9,7 +9,8 @@
 Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar,
 unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
 single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
-reason and the fix, and the exit code is 2. A multirun validates and plans every point before the first starts
+reason and the fix, and the exit code is 2. A run is validated and planned before Hydra makes its output directory
+(`point_problems`: a refused config leaves nothing behind), a multirun every point before the first starts
 (`sweep_problems`). `molt-run --help` is conf/hydra/help/molt.yaml.
 """
 
@@ -28,9 +29,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from molt_hydra.config.bounds import declared_bounds, out_of_range
+from molt_hydra.config.bounds import declared_bounds, get, out_of_range
 from molt_hydra.config.schema import ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
@@ -54,7 +56,7 @@ def _convert(node):
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed config from the composed tree; declared ranges, MISSING values and `__post_init__` rules fail here, all
     at once: on failure every group is converted on its own, so the message lists one problem per broken group."""
-    problems = out_of_range(cfg, RunConfig)
+    problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)]
     try:
         run_cfg = _convert(cfg)
     except ConfigError as whole:
@@ -69,6 +71,28 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     if problems:
         raise ConfigError("\n".join(problems)) from None
     return run_cfg
+
+
+def _added_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of the composed tree that the schema does not declare: Hydra lets `+train.max_stepz=5` (and ++) through
+    the typed schema, and the typed conversion drops them without a word. agent.runner holds the agent's kwargs."""
+    known, added = declared_bounds(RunConfig), []
+    for name in cfg:
+        key = f"{prefix}{name}"
+        if key in ("hydra", "agent.runner"):
+            continue
+        if isinstance(node := cfg._get_node(name), DictConfig) and any(k.startswith(f"{key}.") for k in known):
+            added += _added_keys(node, f"{key}.")
+        elif key not in known:
+            added.append(key)
+    return added
+
+
+def _not_a_key(key: str, how: str) -> str:
+    close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return (f"- {key}: not a key of the config ({how}). Fix: {hint}`molt-run --cfg job` prints every key; "
+            "agent.runner kwargs are added with +agent.runner.NAME=value")
 
 
 def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir: str | None = None,
@@ -101,9 +125,29 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=[*overrides, *search], return_hydra_config=hydra_config), []
+            cfg = compose("config", overrides=[*overrides, *search], return_hydra_config=hydra_config)
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
+    problems = _not_a_bool(cfg, parsed)
+    return (None, problems) if problems else (cfg, [])
+
+
+def _not_a_bool(cfg: DictConfig, parsed: list) -> list[str]:
+    """A true/false key given anything but true, false (or null): OmegaConf reads every non-zero number (2, -1) and
+    yes / on / y as true, and 0 / no / off / n as false, silently; `parallelism.colocate=2` meant something else."""
+    problems = []
+    for o in parsed:
+        if o.is_sweep_override() or o.is_delete() or o.key_or_group.startswith("hydra."):
+            continue  # (each sweep point is composed on its own: sweep_problems)
+        node, value = cfg, o.value()
+        for part in o.key_or_group.split("."):
+            node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
+        if isinstance(node, BooleanNode) and not (value is None or isinstance(value, bool) or str(value).lower() in (
+                "true", "false") or "${" in str(value)):  # quoted (key='true'), an interpolation: as they read
+            key, read_as = o.key_or_group, str(node._value()).lower()
+            problems.append(f"- {key}: true or false, got {value!r} (which would be read as {read_as}). Fix: write "
+                            f"{key}=true or {key}=false")
+    return problems
 
 
 def _composition_problem(e: Exception, overrides: list[str]) -> str:
@@ -118,13 +162,14 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         options = re.findall(r"^\t(\S+)$", text, re.M)
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
-        close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
-        return (f"- {key}: not a key of the config ({override}). Fix: {hint}`molt-run --cfg job` prints every key; "
-                "agent.runner kwargs are added with +agent.runner.NAME=value")
+        return _not_a_key(key, override)
     reason = str(chain[-1]).splitlines()[0]
     return (f"- {key or override}: {reason} ({override}). Fix: give a value of the type and choices that "
             "molt_hydra/config/schema.py declares for it")
+
+
+# the directories a run writes: one sweep point's each
+SWEEP_OWN_DIRS = ("output_dir", "checkpoint.dir", "checkpoint.export_dir", "train.rollout_dump_dir")
 
 
 def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | None) -> list[str]:
@@ -134,8 +179,6 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     line's sweeps, their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra
     node. Returns each failing point's problems under a line naming the point."""
     from molt_hydra.compat.hydra import sweep_points
-    from molt_hydra.runtime.plan import make_plan
-    from molt_hydra.runtime.validate import validate
 
     if not (first.hydra.sweeper._target_.endswith(".BasicSweeper")
             and first.hydra.launcher._target_.endswith(".BasicLauncher")):
@@ -145,18 +188,35 @@ def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | No
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()]
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
     points = sweep_points(parsed)
-    problems = []
+    problems, owners = [], {}
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
-        cfg, errors = compose_checked([*point, f"output_dir={Path.cwd() / 'multirun' / str(number)}"],
-                                      config_dir=config_dir)
-        try:
-            if cfg is not None:
-                make_plan(validate(to_run_config(cfg)))
-        except ConfigError as e:
-            errors = [str(e)]
+        errors, run_cfg = point_problems(point, Path.cwd() / "multirun" / str(number), config_dir)
+        for key in SWEEP_OWN_DIRS if run_cfg is not None else ():
+            if (path := get(run_cfg, key)) and (owner := owners.setdefault((key, os.path.abspath(path)), number)) \
+                    != number:
+                errors.append(f"- {key}: {path} is sweep point #{owner}'s too, so this point would resume from, "
+                              f"overwrite or be locked out of that point's files. Fix: leave {key} at its default "
+                              "(under the point's output_dir), or sweep it with the points")
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems
+
+
+def point_problems(overrides: list[str], output_dir: Path,
+                   config_dir: str | None) -> tuple[list[str], RunConfig | None]:
+    """One run's config composed and put through `checked` as `_main` will, before Hydra makes its output directory
+    (a refused config leaves no run directory behind): (its problem lines or [], its RunConfig or None). `output_dir`
+    stands in for the directory Hydra will make, unless the command line sets output_dir itself."""
+    own = any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides)
+    cfg, errors = compose_checked([*overrides, *([] if own else [f"output_dir={output_dir}"])], config_dir=config_dir)
+    if cfg is None:
+        return errors, None
+    errors, run_cfg = job_ignored(cfg, overrides), None  # per point: a sweep over job=rl,eval has points of either
+    try:
+        run_cfg, _ = checked(cfg)
+    except ConfigError as e:
+        errors.append(str(e))
+    return errors, run_cfg
 
 
 SLURM_RESOURCES = ("partition", "account", "qos", "constraint", "setup", "time_min")
@@ -180,18 +240,45 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
             for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
 
 
-def sft_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
-    """rollout.*, agent.* and train.max_steps given on the command line of job=sft: SFT starts no engine, runs no
-    agent and trains train.epochs (the composed defaults set some of these keys, so the rule reads the command line,
-    not a change from the schema)."""
-    if first.job != "sft":
-        return []
-    keys = dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides)
-    why = {key: "trains train.epochs over its data (set those instead)" if key == "train.max_steps" else
-           "starts no rollout engine and runs no agent" for key in keys
-           if key.split(".", 1)[0] in ("rollout", "agent") or key == "train.max_steps"}
-    return [f"- {key}: job=sft {reason}, so it changes nothing. Fix: unset {key} for job=sft"
-            for key, reason in why.items()]
+# Command-line keys a job has no use for: job -> {key or group: why it changes nothing there}. The longest entry a
+# key falls under decides; None marks a key the job reads inside a group it ignores. (The composed defaults and the
+# recipes set some of these keys, so the rule reads the command line, not a change from the schema: `+recipe=NAME
+# job=eval` scores a recipe's model.)
+_NO_ENGINE = "starts no rollout engine and runs no agent"
+_NO_TRAINER = "starts no trainer (it scores the model with the rollout engines only)"
+JOB_IGNORES: dict[str, dict[str, str | None]] = {
+    "sft": {"rollout": _NO_ENGINE, "agent": _NO_ENGINE,
+            "train.max_steps": "trains train.epochs over its data (set those instead)"},
+    "eval": {
+        "train": _NO_TRAINER, "parallelism": _NO_TRAINER,
+        **{f"train.timeouts.{name}": None for name in ("startup_s", "engine_call_s", "step_s")},
+        **{f"model.{name}": _NO_TRAINER for name in (
+            "ref_path", "critic_path", "backend", "param_dtype", "master_weights", "attn_implementation",
+            "gradient_checkpointing", "compile_blocks", "aux_loss_coef", "freeze_visual_encoder", "freeze_moe_router",
+            "moe_dispatcher", "linear_backend", "experts_backend", "rms_norm", "gate_precision", "moe_experts_impl")},
+        "algorithm": "computes no advantage and no loss",
+        "checkpoint": "saves no checkpoint (it scores checkpoint.path, else model.path)", "checkpoint.path": None,
+        **{f"data.{name}": "scores the rows of eval.data_path only" for name in (
+            "train_path", "train_probs", "split", "max_samples")},
+        **{f"eval.{name}": "evaluates once, when its engines are up" for name in ("every_steps", "at_start")},
+        "rollout.n_samples_per_prompt": "samples eval.n_samples_per_prompt per prompt (null = 1)",
+        "rollout.top_k": "samples without top-k (as every evaluation does)",
+        **{f"rollout.{name}": "generates no training batch" for name in ("max_inflight_groups", "incomplete_groups")},
+        **{f"rollout.{name}": "starts no trainer, so no weights reach the engines" for name in (
+            "weight_sync", "routing_replay")},
+    },
+}
+
+
+def job_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
+    """The command line's keys (and config groups) that `first.job` has no use for (JOB_IGNORES), one line each."""
+    job = getattr(first.job, "value", first.job)
+    table, lines = JOB_IGNORES.get(job, {}), []
+    for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides):
+        entries = [entry for entry in table if key == entry or key.startswith(entry + ".")]
+        if entries and (reason := table[max(entries, key=len)]) is not None:
+            lines.append(f"- {key}: job={job} {reason}, so it changes nothing. Fix: unset {key} for job={job}")
+    return lines
 
 
 def _exit_config_error(text: str) -> None:
@@ -199,28 +286,41 @@ def _exit_config_error(text: str) -> None:
     sys.exit(EXIT_CONFIG_ERROR)
 
 
-def _main(cfg: DictConfig) -> None:
+def checked(cfg: DictConfig):
+    """Everything a run is checked against before it starts, raising ConfigError: the typed config validated, the
+    machine (not in a dry run: it plans a GPU recipe anywhere), the plan (which derives the colocated memory split and
+    refuses one that cannot fit), the installed vLLM of a run that starts engines, the directories the run writes
+    (one not writable exits as runtime/writable.py says). Returns (RunConfig, Plan)."""
     # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
     from molt_hydra.compat.vllm import preflight
     from molt_hydra.config.validate import missing_gpu
     from molt_hydra.runtime.plan import make_plan
-    from molt_hydra.runtime.sweep import set_wandb_group
     from molt_hydra.runtime.validate import validate
+    from molt_hydra.runtime.writable import check_outputs
+
+    run_cfg = validate(to_run_config(cfg))
+    if not run_cfg.dry_run and (problem := missing_gpu(run_cfg)):  # the machine, before the plan for it
+        raise ConfigError(problem)
+    plan = make_plan(run_cfg)
+    if not run_cfg.dry_run and run_cfg.job.value != "sft" and (
+            problem := preflight(run_cfg.cluster.device.value, run_cfg.train.partial_rollout)):
+        raise ConfigError(problem)
+    if not run_cfg.dry_run:
+        check_outputs(run_cfg)
+    return run_cfg, plan
+
+
+def _main(cfg: DictConfig) -> None:
+    from molt_hydra.runtime.sweep import set_wandb_group
 
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
     try:
-        run_cfg = validate(to_run_config(cfg))
-        if not run_cfg.dry_run and (problem := missing_gpu(run_cfg)):  # the machine, before the plan for it
-            raise ConfigError(problem)
-        print(make_plan(run_cfg).render())  # the plan derives the colocated memory split, refuses one that cannot fit
+        run_cfg, plan = checked(cfg)
     except ConfigError as e:
         _exit_config_error(str(e))
+    print(plan.render())
     if run_cfg.dry_run:
         return
-    # the vLLM build this run will start: a supported one, before anything starts
-    if run_cfg.job.value != "sft" and (problem := preflight(run_cfg.cluster.device.value,
-                                                            run_cfg.train.partial_rollout)):
-        _exit_config_error(problem)
     from molt_hydra.runtime.entrypoint import run
 
     run(run_cfg)
@@ -243,6 +343,7 @@ def _interrupt(signum, frame) -> None:
 
 def _check_then_run() -> None:
     from molt_hydra.compat.hydra import get_args_parser
+    from molt_hydra.runtime.writable import fail_unless_writable
 
     register()
     args = get_args_parser().parse_args()
@@ -250,9 +351,13 @@ def _check_then_run() -> None:
         first, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir,
                                           hydra_config=True)
         if first is not None:
-            problems = launcher_problems(first, args.overrides, args.multirun) + sft_ignored(first, args.overrides)
+            problems = launcher_problems(first, args.overrides, args.multirun)
         if first is not None and args.multirun and not problems:
             problems = sweep_problems(first, args.overrides, args.config_dir)
+        elif first is not None and not (problems or args.cfg):  # checked before Hydra makes its run directory
+            run_dir = Path(first.hydra.run.dir).absolute()
+            fail_unless_writable({"hydra.run.dir": run_dir})  # named as the key that sets it (as OutputWritable does)
+            problems, _ = point_problems(args.overrides, run_dir, args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()

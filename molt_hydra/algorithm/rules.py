@@ -94,13 +94,10 @@ def loss_and_kl_rules(cfg: RunConfig, problems: Problems) -> None:
                    "cispo caps its importance weight at clip_eps_high only and has no lower bound, so it changes "
                    "nothing.", "unset algorithm.clip_eps_low, or use algorithm.policy_loss=ppo or gspo")
     c = a.is_correction
-    problems.table(((ok, f"algorithm.is_correction.{name}", reason, f"unset algorithm.is_correction.{name}, or {fix}")
-                    for name, ok, reason, fix in (
-        *((name, c.level.value != "off" or not changed(cfg, f"algorithm.is_correction.{name}"),
-           "algorithm.is_correction.level=off weights no token, so it changes nothing.",
-           "set algorithm.is_correction.level=token (or seq, geo)") for name in ("mode", "low", "high")),
-        ("low", c.mode.value != "trunc" or not changed(cfg, "algorithm.is_correction.low"),
-         "mode=trunc only caps the weight at high (TIS), so it changes nothing.", "set mode=mask or clip"))))
+    # (mode / low / high while level=off: config/validate.py algorithm_rules)
+    problems.check(c.mode.value != "trunc" or not changed(cfg, "algorithm.is_correction.low"),
+                   "algorithm.is_correction.low", "mode=trunc only caps the weight at high (TIS), so it changes "
+                   "nothing.", "unset algorithm.is_correction.low, or set mode=mask or clip")
     # a token the trainer and the engine agree on has ratio 1: a band without it drops or rescales every such token
     # (trunc reads no floor)
     bad = "low" if c.mode.value != "trunc" and c.low > 1.0 else "high" if c.high < 1.0 else None

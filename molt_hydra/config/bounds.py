@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BOUNDS = "bounds"  # the dataclass field-metadata key
+INT64 = 2**63  # an integer's magnitude must stay below it: torch, Ray and vLLM take integers as C int64
 
 
 @dataclass(frozen=True)
 class Bounds:
     """Closed (ge/le) or open (gt/lt) limits; `also` lists sentinel values allowed outside them (e.g. -1 = auto).
-    A value must be finite (inf / nan never hold)."""
+    A value must be finite (inf / nan never hold), an integer a 64-bit one."""
 
     ge: float | None = None
     gt: float | None = None
@@ -36,7 +37,7 @@ class Bounds:
         return " or ".join([*map(str, self.also), text])
 
     def holds(self, v: float) -> bool:
-        return v in self.also or math.isfinite(v) and (
+        return v in self.also or math.isfinite(v) and not (isinstance(v, int) and abs(v) >= INT64) and (
             (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
             and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
 
@@ -85,7 +86,9 @@ def out_of_range(cfg: Any, root: type) -> list[str]:
         is_list = isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"
         values = list(value) if is_list else [value]
         if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not bounds.holds(v) for v in values):
-            lines.append(f"- {key}: {'each value ' if is_list else ''}must be {bounds.describe()}, "
+            wide = any(isinstance(v, int) and abs(v) >= INT64 for v in values)
+            lines.append(f"- {key}: {'each value ' if is_list else ''}must be {bounds.describe()}"
+                         f"{' and a 64-bit integer (below 2**63)' if wide else ''}, "
                          f"got {values if is_list else value}. Fix: set {key} within that range "
                          f"(default {'null' if default is None else default})")
     return lines

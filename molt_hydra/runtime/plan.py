@@ -109,6 +109,7 @@ class Plan:
     phases: dict[str, dict[str, float]] = field(default_factory=dict)  # colocated: one GPU's memory per phase
     assumptions: list[str] = field(default_factory=list)
     device: str = "cpu"
+    batch_title: str = "Batch arithmetic (one RL step):"
 
     def render(self) -> str:
         unit = "GPU" if self.device == "cuda" else "CPU slot"
@@ -116,7 +117,7 @@ class Plan:
         for r in self.roles:
             lines.append(f"  {r.name:<16} x{r.count:<3} {r.devices_each:g} {unit} + {r.cpus_each:g} CPU each"
                          + (f"   ({r.note})" if r.note else ""))
-        lines += ["Batch arithmetic (one RL step):"] + [f"  {k:<32} {v}" for k, v in self.batch.items()]
+        lines += [self.batch_title] + [f"  {k:<32} {v}" for k, v in self.batch.items()]
         for title, table in (("Memory estimate per device (GiB):", self.memory),
                              ("Memory by phase, one colocated GPU (GiB):", self.phases)):
             lines += [title] if table else []
@@ -133,7 +134,7 @@ def fsdp_roles(cfg: RunConfig) -> tuple[str, ...]:
 
 
 def make_plan(cfg: RunConfig) -> Plan:
-    r, p, t = cfg.rollout, cfg.parallelism, cfg.train
+    r, p = cfg.rollout, cfg.parallelism
     fsdp, dp = fsdp_roles(cfg), max(p.trainer_devices // (p.tp * p.cp), 1)
     trainer_share = round(1.0 / len(fsdp), 2) if p.colocate_models and len(fsdp) > 1 else 1.0
     roles: list[Role] = []
@@ -141,7 +142,7 @@ def make_plan(cfg: RunConfig) -> Plan:
         engine_devices = r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size
         roles.append(Role("rollout engine", r.num_engines, engine_devices, 0,
                           f"vLLM TP={r.tensor_parallel_size} DP={r.data_parallel_size}"
-                          + (", sleeps while the trainer steps" if p.colocate else "")))
+                          + (", sleeps while the trainer steps" if p.colocate and cfg.job.value == "rl" else "")))
         roles.append(Role("agent runner", r.num_runners, 0, 1, "agents + reward, loopback chat server"))
     if cfg.job.value in ("rl", "sft"):
         roles.append(Role("actor", p.trainer_devices, trainer_share, 1, f"FSDP2 dp={dp} tp={p.tp} cp={p.cp} ep={p.ep}"))
@@ -149,26 +150,14 @@ def make_plan(cfg: RunConfig) -> Plan:
             ("reference", "frozen, logprobs only"), ("critic", "value head, own optimizer"))
             if name in fsdp and cfg.job.value == "rl"]
 
-    samples = r.batch_size * r.n_samples_per_prompt
-    per_rank = samples // dp
-    steps = 1 if t.force_on_policy else samples // t.batch_size
-    batch: dict[str, int | str] = {
-        "prompt groups x samples": f"{r.batch_size} x {r.n_samples_per_prompt} = {samples}",
-        "data-parallel ranks": dp,
-        "samples per rank": per_rank,
-        "micro-batches per rank": (f"token budget {t.max_tokens_per_micro_batch}" if t.dynamic_batch
-                                   else f"{math.ceil(per_rank / t.micro_batch_size)} of {t.micro_batch_size}"),
-        "optimizer steps per rollout batch": f"{steps} x {t.epochs} epoch(s) = {steps * t.epochs}",
-        "accumulation per optimizer step": ("dynamic" if t.dynamic_batch
-                                            else t.batch_size // (t.micro_batch_size * dp)),
-        "mode": f"{t.mode.value}, queue_depth={t.queue_depth}, max_staleness={t.max_staleness}"
-                + (", partial rollout" if t.partial_rollout else ""),
-    }
-    plan = Plan(roles=roles, batch=batch, device=cfg.cluster.device.value)
+    title, batch = _batch(cfg, dp)
+    plan = Plan(roles=roles, batch=batch, device=cfg.cluster.device.value, batch_title=title)
+    engines = 0 if cfg.job.value == "sft" else rollout_devices(cfg)
+    trainers = 0 if cfg.job.value == "eval" else p.trainer_devices
     plan.assumptions.append(
-        f"{rollout_devices(cfg)} rollout + {p.trainer_devices} trainer device(s) of "
+        f"{engines} rollout + {trainers} trainer device(s) of "
         f"{cfg.cluster.nodes} x {cfg.cluster.devices_per_node} ({cfg.cluster.device.value})"
-        + (", colocated" if p.colocate else ""))
+        + (", colocated" if p.colocate and cfg.job.value == "rl" else ""))
 
     shape = model_shape(cfg.model.path)
     if shape is None:
@@ -177,6 +166,35 @@ def make_plan(cfg: RunConfig) -> Plan:
     _estimate_memory(cfg, plan, shape, dp)
     _checkpoint_disk(cfg, plan, shape)
     return plan
+
+
+def _batch(cfg: RunConfig, dp: int) -> tuple[str, dict[str, int | str]]:
+    """The batch arithmetic of the job's step: an RL step (a rollout batch, the optimizer steps over it), an SFT
+    optimizer step (no rollout), or an eval job's one pass (no trainer)."""
+    r, t, e, job = cfg.rollout, cfg.train, cfg.eval, cfg.job.value
+    if job == "eval":
+        return "Evaluation (one pass over eval.data_path):", {
+            "samples per prompt": e.n_samples_per_prompt, "prompt groups in flight": e.batch_size}
+    samples = t.batch_size if job == "sft" else r.batch_size * r.n_samples_per_prompt
+    per_rank = samples // dp
+    micro = (f"token budget {t.max_tokens_per_micro_batch}" if t.dynamic_batch
+             else f"{math.ceil(per_rank / t.micro_batch_size)} of {t.micro_batch_size}")
+    if job == "sft":
+        return "Batch arithmetic (one SFT optimizer step):", {
+            "samples per optimizer step": samples, "data-parallel ranks": dp, "samples per rank": per_rank,
+            "micro-batches per rank": micro, "epochs over the data": t.epochs}
+    steps = 1 if t.force_on_policy else samples // t.batch_size
+    return "Batch arithmetic (one RL step):", {
+        "prompt groups x samples": f"{r.batch_size} x {r.n_samples_per_prompt} = {samples}",
+        "data-parallel ranks": dp,
+        "samples per rank": per_rank,
+        "micro-batches per rank": micro,
+        "optimizer steps per rollout batch": f"{steps} x {t.epochs} epoch(s) = {steps * t.epochs}",
+        "accumulation per optimizer step": ("dynamic" if t.dynamic_batch
+                                            else t.batch_size // (t.micro_batch_size * dp)),
+        "mode": f"{t.mode.value}, queue_depth={t.queue_depth}, max_staleness={t.max_staleness}"
+                + (", partial rollout" if t.partial_rollout else ""),
+    }
 
 
 def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
@@ -297,7 +315,7 @@ def _estimate_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, dp: int) -> 
     if cfg.parallelism.colocate and cfg.cluster.device.value == "cuda" and job == "rl":
         _colocated_split(cfg, plan, trainer, engine_weights)  # derives rollout.gpu_memory_utilization first
     engine = _engine_memory(cfg, plan, shape, engine_weights) if job != "sft" else None
-    plan.assumptions += [*notes, *([engine] if engine else [])]
+    plan.assumptions += [*(notes if job != "eval" else notes[:1]), *([engine] if engine else [])]  # eval: no trainer
     if mem and job != "eval":  # (eval starts no trainer)
         need = sum(trainer.values())
         plan.assumptions.append(f"fit: trainer needs {need:.1f} of {mem} GiB per device"

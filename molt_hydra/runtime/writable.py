@@ -48,6 +48,8 @@ def check_outputs(cfg) -> None:
         dirs["checkpoint.dir"] = cfg.checkpoint.dir
         if cfg.checkpoint.export_final:
             dirs["checkpoint.export_dir"] = cfg.checkpoint.export_dir
+    if cfg.train.rollout_dump_dir:  # (was: the first dump failed the run, after every role had started)
+        dirs["train.rollout_dump_dir"] = cfg.train.rollout_dump_dir
     sinks = (("logger.wandb.mode", "wandb", cfg.logger.wandb.mode.value != "disabled", "disabled"),
              ("logger.tensorboard", "tensorboard", cfg.logger.tensorboard, "false"))
     for key, name, used, off in sinks:

@@ -98,6 +98,22 @@ def test_non_finite_and_overflowing_values_are_refused(override, key):
     assert_fires([override], key, "must be ")
 
 
+@pytest.mark.parametrize("override,key", [("rollout.num_runners=99999999999999999999", "rollout.num_runners"),
+                                          ("cluster.cpus_per_node=9223372036854775808", "cluster.cpus_per_node"),
+                                          ("rollout.top_k=-9223372036854775809", "rollout.top_k")])
+def test_an_integer_past_64_bits_is_refused(override, key):
+    """Before: accepted, then an overflow where Ray, torch or vLLM took it (ray.init(num_cpus=...), a top-k tensor)."""
+    assert_fires([override], key, f"and a 64-bit integer (below 2**63), got {override.split('=')[1]}.")
+
+
+def test_the_largest_64_bit_integer_is_in_range():
+    from _config_helpers import compose_config
+    from molt_hydra.config.bounds import out_of_range
+
+    assert out_of_range(compose_config([f"train.max_steps={2**63 - 1}"]), RunConfig) == []
+    assert out_of_range(compose_config([f"train.max_steps={2**63}"]), RunConfig)[0].startswith("- train.max_steps:")
+
+
 def test_range_errors_come_with_single_group_errors_at_once():
     """Ranges (bounds.py) and __post_init__ rules of other groups are reported together, one line each."""
     lines = config_errors(["train.max_steps=0", "rollout.top_p=7", "algorithm.reward_clip=[5,-5]",

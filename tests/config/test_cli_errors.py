@@ -6,9 +6,11 @@ with a fix, and prints no Python traceback."""
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
-from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, launcher_problems, sweep_problems, to_run_config
+from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_problems,
+                            to_run_config)
 from molt_hydra.config.schema import ConfigError, ISLevel
 
 CASES = {
@@ -36,6 +38,9 @@ CASES = {
                             "checkpoint.export_final=false"], "cluster.device"),
     "max_steps_under_sft": (["+recipe=tiny_vlm_colors_warm", "train.max_steps=5", "dry_run=true"],
                             "train.max_steps"),
+    "added_unknown_key": (["+train.max_stepz=5", "dry_run=true"], "train.max_stepz"),  # was: dropped, silently
+    "optimizer_key_under_eval": (["job=eval", "eval.data_path=builtin://toy_eval", "train.optimizer.lr=0.1",
+                                  "dry_run=true"], "train.optimizer.lr"),
 }
 
 
@@ -44,7 +49,7 @@ def cli_results(tmp_path_factory):
     base = tmp_path_factory.mktemp("cli_errors")
     names = list(CASES)
     calls = [[*CASES[n][0], f"hydra.run.dir={base / n}", f"hydra.sweep.dir={base / n}"] for n in names]
-    return dict(zip(names, run_cli_many(calls)))
+    return dict(zip(names, run_cli_many(calls))) | {"_base": base}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -55,6 +60,8 @@ def test_config_mistake_fails_cleanly(case, cli_results):
     assert "Fix: " in res.stderr, res.describe()
     assert "Traceback" not in res.output, res.describe()
     assert PLAN_HEADER not in res.stdout, f"nothing may run after a config error\n{res.describe()}"
+    # before: a config refused at validation left a run directory of Hydra's .hydra/ and cli.log behind
+    assert not (cli_results["_base"] / case).exists(), f"a refused config leaves no run directory\n{res.describe()}"
 
 
 def test_invalid_enum_lists_the_valid_values(cli_results):
@@ -191,3 +198,118 @@ def test_a_gpu_run_where_no_gpu_is_visible_is_refused_unless_ray_runs_elsewhere(
     assert missing_gpu(to_run_config(compose_config(["cluster.device=cuda", "cluster.ray_address=10.0.0.1:6379"]))) \
         is None
     assert missing_gpu(to_run_config(compose_config([]))) is None
+
+
+# job=eval scores the model with the engines: no trainer, no estimator, no checkpoint of its own, one evaluation
+EVAL_IGNORED = ["train.optimizer.lr=0.1", "train.epochs=2", "train.mode=sync", "train.timeouts.collective_s=60",
+                "parallelism.colocate=true", "algorithm.kl.coef=0.1", "algorithm=rloo", "model.param_dtype=float32",
+                "model.gradient_checkpointing=none", "checkpoint.save_steps=5", "checkpoint.resume=auto",
+                "data.train_path=builtin://toy", "data.max_samples=4", "eval.every_steps=2", "eval.at_start=true",
+                "rollout.n_samples_per_prompt=2", "rollout.top_k=5", "rollout.weight_sync.bucket_mb=4",
+                "rollout.routing_replay=true"]
+# what it reads: the engines, the agent, the sampling eval.* falls back to, its timeouts, the model it scores
+EVAL_READS = ["train.timeouts.step_s=100", "train.timeouts.startup_s=100", "train.timeouts.engine_call_s=100",
+              "checkpoint.path=/tmp", "rollout.temperature=0.5", "rollout.batch_size=4", "rollout.max_new_tokens=8",
+              "rollout.kv_cache_gb=2", "model.path=tiny://qwen3_tiny", "eval.n_samples_per_prompt=2", "data.max_len=128",
+              "agent.max_turns=2", "model.trust_remote_code=false"]
+
+
+@pytest.mark.parametrize("override", EVAL_IGNORED)
+def test_a_key_job_eval_has_no_use_for_is_refused_on_its_command_line(override):
+    """Before: `job=eval train.optimizer.lr=0.1` (or parallelism.colocate, algorithm=rloo, eval.every_steps, ...)
+    scored the model as without it."""
+    key = override.split("=", 1)[0]
+    lines = job_ignored(compose_config(["job=eval", override]), ["job=eval", override])
+    assert len(lines) == 1 and lines[0].startswith(f"- {key}: job=eval ") and lines[0].endswith(
+        f"so it changes nothing. Fix: unset {key} for job=eval"), lines
+    assert job_ignored(compose_config([override]), [override]) == []  # job=rl reads every one of them
+
+
+def test_what_job_eval_reads_is_not_refused():
+    first = compose_config(["job=eval", *EVAL_READS])
+    assert job_ignored(first, ["job=eval", *EVAL_READS]) == []
+
+
+def test_a_key_is_refused_once_with_one_reason():
+    overrides = ["job=eval", "train.epochs=2", "train.epochs=3", "rollout.weight_sync.probe_every=2"]
+    lines = job_ignored(compose_config(overrides), overrides)
+    assert [line.split(":")[0] for line in lines] == ["- train.epochs", "- rollout.weight_sync.probe_every"], lines
+    assert "starts no trainer, so no weights reach the engines, so it changes nothing" in lines[1]
+
+
+@pytest.mark.parametrize("value,read_as", [("2", "true"), ("-1", "true"), ("yes", "true"), ("on", "true"),
+                                           ("1", "true"), ("0", "false"), ("off", "false"), ("n", "false")])
+def test_a_switch_takes_true_or_false_only(value, read_as):
+    """Before: `parallelism.colocate=2` (or yes, -1, off, ...) composed as OmegaConf reads it (2 -> true), silently."""
+    cfg, problems = compose_checked([f"parallelism.colocate={value}"])
+    assert cfg is None and problems == [
+        f"- parallelism.colocate: true or false, got {value if value.lstrip('-').isdigit() else repr(value)} "
+        f"(which would be read as {read_as}). Fix: write parallelism.colocate=true or parallelism.colocate=false"]
+
+
+@pytest.mark.parametrize("override,value", [("parallelism.colocate=true", True), ("parallelism.colocate=FALSE", False),
+                                            ("parallelism.colocate='true'", True), ("model.compile_blocks=null", None)])
+def test_true_false_and_null_are_switch_values(override, value):
+    cfg, problems = compose_checked([override])
+    assert problems == [] and OmegaConf.select(cfg, override.split("=")[0]) is value
+
+
+def test_each_sweep_point_of_a_switch_is_checked():
+    first, problems = compose_checked(["parallelism.colocate=false,2"], multirun=True, hydra_config=True)
+    assert problems == []  # the first point, false, composes
+    lines = sweep_problems(first, ["parallelism.colocate=false,2"], None)
+    assert lines[0].startswith("sweep point #1 of 2") and lines[1].startswith("- parallelism.colocate: true or false")
+
+
+def test_an_unwritable_output_dir_is_refused_before_hydra_makes_the_run_directory(tmp_path):
+    """Before: the run directory (.hydra/, cli.log) was made, the plan printed, then the run refused output_dir; a
+    train.rollout_dump_dir that is a file failed the run at its first dump, after every role had started."""
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    (tmp_path / "a_file").write_text("")
+    r = run_cli(["output_dir=/proc/molt_no_such_dir", "checkpoint.save_steps=0", "checkpoint.export_final=false",
+                 f"train.rollout_dump_dir={tmp_path / 'a_file'}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert r.returncode == EXIT_FAILED and PLAN_HEADER not in r.stdout, r.describe()
+    assert "- output_dir=/proc/molt_no_such_dir: not writable" in r.stderr, r.describe()
+    assert f"- train.rollout_dump_dir={tmp_path / 'a_file'}: not writable: Not a directory" in r.stderr, r.describe()
+    assert not (tmp_path / "run").exists(), r.describe()
+
+
+def test_a_sweep_over_jobs_checks_what_each_points_job_ignores():
+    """Before: `-m job=rl,eval train.optimizer.lr=0.1` was checked at its first point (rl) only; the eval point scored
+    the model as without the learning rate."""
+    overrides = ["job=rl,eval", "eval.data_path=builtin://toy_eval", "eval.every_steps=5", "train.optimizer.lr=0.1"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == []
+    lines = sweep_problems(first, overrides, None)
+    assert lines[0].startswith("sweep point #1 of 2 (job=eval "), lines
+    assert [line.split(":")[0] for line in lines[1:]] == ["- eval.every_steps", "- train.optimizer.lr"], lines
+
+
+@pytest.mark.parametrize("override,key", [("+train.max_stepz=5", "train.max_stepz"), ("++seedd=1", "seedd"),
+                                          ("+train.foo.bar=1", "train.foo"), ("+model.lora.rankk=4", "model.lora.rankk")])
+def test_a_key_added_with_plus_must_be_in_the_schema(override, key):
+    """Before: Hydra appended it through the typed schema and the typed conversion dropped it without a word."""
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config([override]))
+    assert str(info.value).startswith(f"- {key}: not a key of the config (added with +). Fix: "), info.value
+
+
+def test_agent_kwargs_are_added_with_plus():
+    cfg = to_run_config(compose_config(["agent=math", "+agent.runner.require_boxed=false"]))
+    assert cfg.agent.runner["require_boxed"] is False
+
+
+def test_sweep_points_sharing_a_directory_they_write_are_refused(tmp_path):
+    """Before: `-m seed=1,2 checkpoint.dir=DIR` ran both points into one checkpoint directory: the second resumed
+    from, overwrote or was locked out of the first's checkpoints."""
+    overrides = ["seed=1,2", f"checkpoint.dir={tmp_path}/ck", f"train.rollout_dump_dir={tmp_path}/dump"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == []
+    lines = sweep_problems(first, overrides, None)
+    assert lines[0].startswith("sweep point #1 of 2 (seed=2 ") and len(lines) == 3, lines
+    assert lines[1].startswith(f"- checkpoint.dir: {tmp_path}/ck is sweep point #0's too, so ") and " Fix: " in lines[1]
+    assert lines[2].startswith(f"- train.rollout_dump_dir: {tmp_path}/dump is sweep point #0's too"), lines
+    swept = [f"checkpoint.dir={tmp_path}/a,{tmp_path}/b"]  # each point its own
+    first, _ = compose_checked(swept, multirun=True, hydra_config=True)
+    assert sweep_problems(first, swept, None) == []

@@ -141,6 +141,8 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "data.max_samples",  # at least rollout.batch_size prompts
         "rollout.block_size",  # on CPU a multiple of 32
         "rollout.kv_cache_gb",  # on CPU whole GiB
+        "rollout.gpu_memory_utilization",  # GPU engines only: refused on the default CPU run
+        "logger.every_steps", "logger.sample_table_every",  # at most train.max_steps (30)
         # settings of a switch that is off by default (Muon, grad-norm debugging, log-prob dumps) are refused alone
         *(f"{block}.{name}" for block in ("train.optimizer", "train.critic.optimizer") for name in MUON_FIELDS),
         "logger.debug_grad_norms_topk", "logger.dump_logprobs_steps",

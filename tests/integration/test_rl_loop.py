@@ -26,8 +26,9 @@ SMALL = ["rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "train.batch_
          "logger.wandb.mode=disabled", "checkpoint.export_final=false"]
 
 
-def molt_run(out: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [MOLT_RUN, *SMALL, f"hydra.run.dir={out}", *overrides]
+def molt_run(out: Path, *overrides: str, timeout: float = 600,
+             small: list[str] = SMALL) -> subprocess.CompletedProcess:
+    cmd = [MOLT_RUN, *small, f"hydra.run.dir={out}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
@@ -214,7 +215,9 @@ def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
 
 
 def test_eval_job_scores_a_checkpoint(tmp_path):
-    proc = molt_run(tmp_path, "job=eval", "eval.data_path=builtin://toy_eval", "eval.n_samples_per_prompt=2")
+    small = [o for o in SMALL if o.split(".")[0] not in ("train", "checkpoint") and "n_samples" not in o]
+    proc = molt_run(tmp_path, "job=eval", "eval.data_path=builtin://toy_eval", "eval.n_samples_per_prompt=2",
+                    small=small)  # (job=eval refuses the training knobs on its command line)
     scores = json.loads(proc.stdout[proc.stdout.index("{\n"):])
     assert scores["eval_num_samples"] == 2 * 32
     assert 0.0 <= scores["eval_toy_pass1"] <= scores["eval_toy_pass2"] <= 1.0

@@ -32,8 +32,8 @@ def test_seq_and_geo_only_allow_mask(level, mode):
     overrides = [f"algorithm.is_correction.level={level}", f"algorithm.is_correction.mode={mode}"]
     if level in ("seq", "geo") and mode != "mask":
         assert_fires(overrides, "algorithm.is_correction.mode", f"level={level} only supports mode=mask")
-    elif level == "off" and mode != "mask":
-        assert_fires(overrides, "algorithm.is_correction.mode", "level=off weights no token, so it changes nothing")
+    elif level == "off" and mode != "mask":  # no correction: the mode changes nothing (config/validate.py)
+        assert_fires(overrides, "algorithm.is_correction.mode", "it tunes IS correction, which is off")
     else:
         assert not [e for e in config_errors(overrides) if e.startswith("algorithm.is_correction.mode")]
         assert ISCorrection(level, mode).enabled == (level != "off")
@@ -148,8 +148,8 @@ def test_seq_level_filter_ratio_counts_rows():
 
 
 @pytest.mark.parametrize("overrides, key, fragment", [
-    (["algorithm.is_correction.low=0.3"], "algorithm.is_correction.low", "level=off weights no token"),
-    (["algorithm.is_correction.high=3.0"], "algorithm.is_correction.high", "level=off weights no token"),
+    (["algorithm.is_correction.low=0.3"], "algorithm.is_correction.low", "it tunes IS correction, which is off"),
+    (["algorithm.is_correction.high=3.0"], "algorithm.is_correction.high", "it tunes IS correction, which is off"),
     (["algorithm.is_correction.level=token", "algorithm.is_correction.mode=trunc", "algorithm.is_correction.low=0.3"],
      "algorithm.is_correction.low", "mode=trunc only caps the weight at high"),
 ])
