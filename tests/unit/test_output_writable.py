@@ -16,7 +16,7 @@ from molt_hydra.runtime.writable import check_outputs
 def _cfg(out, job="rl", wandb="offline", tensorboard=False):
     return value(output_dir=str(out), job=value(value=job), logger=value(
         wandb=value(mode=value(value=wandb)), tensorboard=tensorboard), checkpoint=value(
-        dir=str(out / "checkpoints"), export_final=False))
+        dir=str(out / "checkpoints"), export_final=False), train=value(rollout_dump_dir=None))
 
 
 @pytest.mark.parametrize("name, key, off, kw", [
