@@ -68,6 +68,38 @@ def test_sweep_points_run_as_slurm_jobs(slurm_cluster, tmp_path):
     assert (sweep / "report_train_reward.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_request_slurm_refuses_is_a_config_error(slurm_cluster, tmp_path):
+    """More nodes than the partition has: sbatch refuses at once (local_slurm.sh: EnforcePartLimits=ALL); the sweep
+    says so as a config error with the keys asked for and the partitions there are. Before: submitit's traceback."""
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "cluster.nodes=3", "dry_run=true",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    error = r.stderr[r.stderr.index("Config error(s):"):]
+    assert "Slurm refused the sweep's job" in error and "cluster.nodes=3, cluster.cpus_per_node=2" in error
+    assert "Fix:" in error and "\ndebug* up 2 " in error  # the partition: 2 nodes
+
+
+def test_failed_point_is_named_and_the_others_run(slurm_cluster, tmp_path):
+    """The middle point of three fails in its job (a config error only its job sees: the front composes a Slurm sweep
+    at its first point). Every point is waited for; the failed one is named with its overrides, job, state and the
+    end of its log; the sweep ends with exit 4. Before: a traceback for the failed job, the last one not waited for."""
+    sweep = tmp_path / "sweep"
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true", "algorithm.estimator=grpo,nosuch,rloo",
+               f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    array = _array_id(sweep)
+    assert f"sweep point #1 (+recipe=tiny_cpu cluster=slurm dry_run=True algorithm.estimator=nosuch): Slurm job " \
+           f"{array}_1 FAILED" in r.stderr
+    assert "'nosuch' is not a registered estimator" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"Run failed: sweep {sweep}: 1 of 3 point(s) failed")
+    assert "sweep point #0" not in r.stderr and "sweep point #2" not in r.stderr
+    rows = sacct(array, until=lambda rows: len(rows) == 3)
+    assert {jid: recs[-1]["State"] for jid, recs in rows.items()} == {
+        f"{array}_0": "COMPLETED", f"{array}_1": "FAILED", f"{array}_2": "COMPLETED"}
+
+
 def _ray_driver(job_log_dir: str) -> dict:
     """Runs inside the Slurm job: form Ray over the allocation, then report what it sees."""
     import os

@@ -1,0 +1,106 @@
+"""Sweeps on Slurm: the `launch` of hydra-submitit-launcher's SlurmLauncher (compat/hydra.py puts it in place of the
+plugin's own: Hydra instantiates launchers only from its hydra_plugins package), with what a sweep owes its user when
+Slurm says no or a point fails. Its own `launch` let sbatch's refusal out as a submitit traceback, and waited on the
+points in order, ending at the first failed one with its traceback: the points after it unreported (still running).
+Here a refused submission is a config error naming the cluster.* keys and what the partitions have (exit 2), and every
+point is waited for; the failed ones are then listed (number, overrides, Slurm job, state, the end of its log) and the
+sweep ends as failed (exit 4). conf/hydra/launcher/molt_slurm.yaml selects it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from omegaconf import OmegaConf
+
+# the cluster.* keys the launcher preset maps onto sbatch (molt_slurm.yaml, molt_slurm_gpu.yaml)
+REQUEST_KEYS = ("nodes", "cpus_per_node", "devices_per_node", "partition", "account", "qos", "constraint", "time_min")
+
+
+def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+    """SlurmLauncher.launch: submit every point as one job array, wait for all, report the failed ones."""
+    from submitit.core.utils import FailedJobError
+
+    executor = _executor(launcher)
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    if "mode" in launcher.config.hydra.sweep:
+        sweep_dir.chmod(int(str(launcher.config.hydra.sweep.mode), 8))
+    submitit_launcher.log.info(f"Submitit 'slurm' sweep output dir : {sweep_dir}")
+    points = [list(o) for o in job_overrides]
+    params = [(o, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}", Singleton.get_state())
+              for i, o in enumerate(points)]
+    try:
+        jobs = executor.map_array(launcher, *zip(*params))
+    except FailedJobError as e:  # sbatch refused the array: nothing was submitted
+        from molt_hydra.cli import EXIT_CONFIG_ERROR
+
+        print(f"Config error(s):\n{_refusal(launcher, str(e).strip())}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG_ERROR)
+    for i, (point, job) in enumerate(zip(points, jobs)):
+        submitit_launcher.log.info(f"\t#{initial_job_idx + i} : {' '.join(filter_overrides(point))} "
+                                   f"(Slurm job {job.job_id})")
+    results, failed = [], []
+    for i, (point, job) in enumerate(zip(points, jobs)):  # every point, also after a failed one
+        try:
+            ret = job.results()[0]
+            if ret.status != JobStatus.COMPLETED:  # the task raised (Hydra's run_job caught it)
+                raise RuntimeError(repr(ret._return_value))
+            results.append(ret)
+        except Exception as e:  # noqa: BLE001 - a failed, cancelled or timed-out point: reported below
+            failed.append(_failure(initial_job_idx + i, point, job, e))
+    if failed:
+        from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+        print("\n".join(failed) + f"\nRun failed: sweep {sweep_dir}: {len(failed)} of {len(points)} point(s) "
+              "failed (listed above); the others completed. Fix: see each point's log; a point resubmitted "
+              "into the same directory resumes from its latest checkpoint.", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILED)
+    return results
+
+
+def _executor(launcher):
+    """The executor as the parent's launch sets it up (submitit_folder, max_num_timeout, the queue parameters)."""
+    import submitit
+
+    params = dict(launcher.params)
+    ex = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
+                               slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    return ex
+
+
+def _refusal(launcher, sbatch_error: str) -> str:
+    cluster = launcher.config.cluster
+    keys = [k for k in REQUEST_KEYS if cluster.get(k) is not None
+            and (k != "devices_per_node" or launcher.params.get("gpus_per_node"))]  # GPUs: the _gpu preset only
+    asked = ", ".join(f"cluster.{k}={cluster[k]}" for k in keys)
+    return (f"- cluster: Slurm refused the sweep's job ({sbatch_error.splitlines()[-1]}); asked for {asked}. "
+            f"Fix: ask for what a partition has (cluster.nodes, cluster.cpus_per_node, cluster.devices_per_node "
+            f"within its nodes; an existing cluster.partition/account/qos/constraint). Partitions:\n{_sinfo()}")
+
+
+def _sinfo() -> str:
+    try:
+        out = subprocess.run(["sinfo", "-o", "%P %a %D %c %m %G %l %f"], capture_output=True, text=True, timeout=20)
+        return out.stdout.strip() or out.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(sinfo failed: {e})"
+
+
+def _failure(number: int, point: list[str], job: Any, error: Exception) -> str:
+    """One failed point: its number and overrides, its Slurm job and state, the end of its log (or of the error)."""
+    try:
+        log = job.stderr() or ""
+    except Exception:  # noqa: BLE001 - no log file (the job never started)
+        log = ""
+    tail = [ln for ln in (log or str(error)).splitlines() if ln.strip()][-8:]
+    return (f"sweep point #{number} ({' '.join(filter_overrides(point))}): Slurm job {job.job_id} {job.state}; "
+            f"log {job.paths.stderr}:\n" + "\n".join(f"    {ln}" for ln in tail))
