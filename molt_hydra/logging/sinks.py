@@ -36,16 +36,21 @@ class MetricSinks:
             for prefix in ("train", "eval"):
                 self.wandb_run.define_metric(f"{prefix}/global_step")
                 self.wandb_run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/global_step")
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.tb = self._tensorboard(run_name) if tensorboard else None
 
-            self.tb = SummaryWriter(str(self.dir / "tensorboard" / run_name))
+    def _tensorboard(self, run_name: str, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.dir / "tensorboard" / run_name), purge_step=purge_step)
 
     def rewind(self, step: int) -> None:
         """On resume from step `step`: drop the jsonl rows past it (the interrupted run logged them; the resumed run
-        logs those steps again), so every step keeps a single row. W&B history cannot be rewritten: the W&B rows of
-        those steps logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them."""
+        logs those steps again), so every step keeps a single row; TensorBoard is told the same (a restart marker at
+        step + 1: its readers drop the earlier points from there on). W&B history cannot be rewritten: the W&B rows
+        of those steps logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them."""
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = self._tensorboard(Path(self.tb.log_dir).name, purge_step=step + 1)
         self.jsonl.close()
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.dir / name

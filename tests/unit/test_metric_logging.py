@@ -67,3 +67,23 @@ def test_wandb_rows_logged_again_after_a_resume_are_marked(tmp_path):
                    if "train/reward" in r]
     assert sorted(marked, key=lambda m: (m[0], m[1] or 0)) == [(1, None), (2, None), (3, None), (3, 1.0),
                                                                 (4, None), (4, 1.0), (5, None)]
+
+
+def test_tensorboard_drops_the_interrupted_runs_points_past_the_checkpoint(tmp_path):
+    """TensorBoard after a resume shows one point per step: the resumed run's, from the checkpoint's step + 1 on
+    (before: steps 3 and 4 twice, the interrupted run's and the resumed run's)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled", tensorboard=True)
+    for step in (1, 2, 3, 4):  # interrupted after logging step 4; its last checkpoint is step 2
+        sinks.log({"vllm_kl": float(step)}, step)
+    sinks.close()
+    resumed = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled", tensorboard=True)
+    resumed.rewind(2)
+    for step in (3, 4, 5):
+        resumed.log({"vllm_kl": 10.0 * step}, step)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "t"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/vllm_kl")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
+                                                                          (5, 50.0)]
