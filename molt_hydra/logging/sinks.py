@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from molt_hydra.logging import dashboard
@@ -55,11 +56,18 @@ class MetricSinks:
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.dir / name
             if path.exists():
-                rows = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
-                steps = [json.loads(line)["step"] for line in rows]
+                rows, torn = [], 0
+                for line in path.read_text(errors="replace").splitlines():
+                    try:
+                        rows.append((line, int(json.loads(line)["step"])))
+                    except (ValueError, KeyError, TypeError):  # cut short: killed mid-write (node failure, disk full)
+                        torn += bool(line.strip())
+                if torn:
+                    print(f"{path}: {torn} unreadable row(s) dropped on resume (a write the stop cut short)",
+                          file=sys.stderr, flush=True)
                 if name == "metrics.jsonl":
-                    self.replayed_to = max(steps, default=0)
-                path.write_text("".join(line for line, s in zip(rows, steps) if s <= step))
+                    self.replayed_to = max((s for _, s in rows), default=0)
+                path.write_text("".join(line + "\n" for line, s in rows if s <= step))
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
 
     @property
@@ -123,3 +131,4 @@ class MetricSinks:
         except Exception as e:  # noqa: BLE001 - a failed upload must not lose the run's end; the spec is on disk
             print(f"dashboard not saved to W&B ({e!r}); spec: {self.dir / dashboard.SPEC_FILE}, "
                   f"retry with `molt-report --wandb {self.dir}`", flush=True)
+

@@ -87,3 +87,20 @@ def test_tensorboard_drops_the_interrupted_runs_points_past_the_checkpoint(tmp_p
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/vllm_kl")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
                                                                           (5, 50.0)]
+
+
+def test_rewind_survives_a_row_cut_short(tmp_path, capsys):
+    """A run killed mid-write (node failure, disk full) leaves a torn last row: the resume drops it, says so, and the
+    next row starts on a line of its own (before: the resume failed with a JSONDecodeError)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n{"step": 2, "kind": "train"}\n'
+                                            '{"step": 3, "ki')
+    (tmp_path / "samples.jsonl").write_text('{"step": 1, "prompt": "p"}\n{"step": 2, "prompt": "lo')
+    resumed = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
+    resumed.rewind(2)
+    resumed.log({"reward": 3.0}, 3)
+    resumed.close()
+    assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in rows(tmp_path / "samples.jsonl")] == [1]
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'metrics.jsonl'}: 1 unreadable row(s) dropped on resume" in err
+    assert f"{tmp_path / 'samples.jsonl'}: 1 unreadable row(s) dropped on resume" in err
