@@ -31,9 +31,11 @@ class MetricSinks:
         if wandb_mode != "disabled":
             import wandb
 
+            from molt_hydra.compat.wandb import settings
+
             self.wandb_run = wandb.init(project=project, entity=entity, group=group, name=run_name, config=config,
                                         mode=wandb_mode, dir=str(self.dir), id=resume_wandb_id,
-                                        resume="allow" if resume_wandb_id else None)
+                                        resume="allow" if resume_wandb_id else None, settings=settings())
             for prefix in ("train", "eval"):
                 self.wandb_run.define_metric(f"{prefix}/global_step")
                 self.wandb_run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/global_step")

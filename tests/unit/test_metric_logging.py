@@ -104,3 +104,29 @@ def test_rewind_survives_a_row_cut_short(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{tmp_path / 'metrics.jsonl'}: 1 unreadable row(s) dropped on resume" in err
     assert f"{tmp_path / 'samples.jsonl'}: 1 unreadable row(s) dropped on resume" in err
+
+
+KILLED_RUN = """
+import os, signal, sys, time
+from molt_hydra.logging.sinks import MetricSinks
+sinks = MetricSinks(sys.argv[1], run_name="t", config={}, wandb_mode="offline")
+for step in (1, 2, 3):
+    sinks.log({"vllm_kl": 0.1 * step, "reward": 1.0}, step)
+time.sleep(2.5)
+os.killpg(0, signal.SIGKILL)  # what Slurm does to a requeued or cancelled job's step: wandb-core goes too
+"""
+
+
+def test_wandb_rows_survive_a_kill_two_seconds_later(tmp_path):
+    """A job killed 2.5 s after logging (requeue, preemption, scancel) keeps those rows in its .wandb file: W&B writes
+    it every second (compat/wandb.py). Before: every 15 s; the rows were lost, and a resume from a checkpoint past
+    them never logged them again."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", KILLED_RUN, str(tmp_path)], start_new_session=True,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    logged = [(r["train/global_step"], r["train/vllm_kl"], r["train/reward"]) for r in history(wandb_file)
+              if "train/vllm_kl" in r]
+    assert logged == [(1, 0.1, 1.0), (2, 0.2, 1.0), (3, 0.1 * 3, 1.0)]
