@@ -25,6 +25,7 @@ class MetricSinks:
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.wandb_run = None
         self.replayed_to = 0  # after a resume: steps <= this were logged to W&B by the interrupted run (see rewind)
+        self.resumes_wandb = resume_wandb_id is not None
         if wandb_mode == "auto":
             wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         self.wandb_mode = wandb_mode
@@ -47,10 +48,11 @@ class MetricSinks:
         return SummaryWriter(str(self.dir / "tensorboard" / run_name), purge_step=purge_step)
 
     def rewind(self, step: int) -> None:
-        """On resume from step `step`: drop the jsonl rows past it (the interrupted run logged them; the resumed run
-        logs those steps again), so every step keeps a single row; TensorBoard is told the same (a restart marker at
-        step + 1: its readers drop the earlier points from there on). W&B history cannot be rewritten: the W&B rows
-        of those steps logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them."""
+        """On resume from step `step` (0: a start from scratch, e.g. a Slurm requeue before the first checkpoint):
+        drop the jsonl rows past it (the interrupted run logged them; this run logs those steps again), so every step
+        keeps a single row; TensorBoard is told the same (a restart marker at step + 1: its readers drop the earlier
+        points from there on). W&B history cannot be rewritten: in the W&B run resumed, the rows of those steps
+        logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them."""
         if self.tb is not None:
             self.tb.close()
             self.tb = self._tensorboard(Path(self.tb.log_dir).name, purge_step=step + 1)
@@ -67,9 +69,12 @@ class MetricSinks:
                 if torn:
                     print(f"{path}: {torn} unreadable row(s) dropped on resume (a write the stop cut short)",
                           file=sys.stderr, flush=True)
-                if name == "metrics.jsonl":
+                if name == "metrics.jsonl" and self.resumes_wandb:
                     self.replayed_to = max((s for _, s in rows), default=0)
                 path.write_text("".join(line + "\n" for line, s in rows if s <= step))
+                if past := sum(s > step for _, s in rows):
+                    print(f"{path}: {past} row(s) past step {step} dropped (the interrupted run's; logged again)",
+                          flush=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
 
     @property

@@ -220,3 +220,33 @@ def test_requeued_point_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     done = lambda rows: len(rows.get(job, [])) >= 2 and rows[job][-1]["State"] == "COMPLETED"  # noqa: E731
     states = [r["State"] for r in sacct(job, until=done)[job]]
     assert states[0] == "REQUEUED" and states[-1] == "COMPLETED", states
+
+
+@pytest.mark.slow
+def test_point_requeued_before_its_first_checkpoint_starts_over_with_one_row_per_step(slurm_cluster, tmp_path):
+    """Needs the RL loop: the slurm preset's default saves only at the end, so a point requeued mid-run has no
+    checkpoint and starts again at step 1 in the same directory: metrics.jsonl keeps one row per step (before: the
+    first attempt's steps, then 1, 2, ... again)."""
+    sweep = tmp_path / "sweep"
+    max_steps = 10
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo",
+                             f"train.max_steps={max_steps}", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = list(sweep.glob("*/metrics.jsonl"))
+            if found and len(found[0].read_text().splitlines()) >= 3:
+                break
+            time.sleep(1)
+        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and p.name[:1].isdigit()]
+        first = len(found[0].read_text().splitlines())
+        subprocess.run(["scontrol", "requeue", job], check=True)
+        out, _ = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [json.loads(ln)["step"] for ln in found[0].read_text().splitlines()] == list(range(1, max_steps + 1))
+    log = (sweep / ".submitit" / job / f"{job}_0_log.out").read_text()
+    assert "row(s) past step 0 dropped" in log and first >= 3

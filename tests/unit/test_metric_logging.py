@@ -130,3 +130,25 @@ def test_wandb_rows_survive_a_kill_two_seconds_later(tmp_path):
     logged = [(r["train/global_step"], r["train/vllm_kl"], r["train/reward"]) for r in history(wandb_file)
               if "train/vllm_kl" in r]
     assert logged == [(1, 0.1, 1.0), (2, 0.2, 1.0), (3, 0.1 * 3, 1.0)]
+
+
+def test_start_from_scratch_over_an_attempt_without_checkpoint(tmp_path, capsys):
+    """A Slurm point requeued before its first checkpoint starts again at step 1 in the same directory (rewind(0)):
+    the earlier attempt's rows go (before: steps 1, 2 twice in metrics.jsonl), and its new W&B run (no id to resume)
+    marks nothing as replayed."""
+    sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    for step in (1, 2):
+        sinks.log({"reward": float(step)}, step)
+    sinks.close()
+    again = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    again.rewind(0)
+    for step in (1, 2, 3):
+        again.log({"reward": 10.0 * step}, step)
+    new_id = again.wandb_id
+    again.close()
+    assert [(r["step"], r["train/reward"]) for r in rows(tmp_path / "metrics.jsonl")] == [(1, 10.0), (2, 20.0),
+                                                                                         (3, 30.0)]
+    assert f"{tmp_path / 'metrics.jsonl'}: 2 row(s) past step 0 dropped" in capsys.readouterr().out
+    (wandb_file,) = tmp_path.glob(f"wandb/offline-run-*-{new_id}/run-{new_id}.wandb")
+    assert [(r["train/global_step"], r.get("train/replayed_after_resume")) for r in history(wandb_file)
+            if "train/reward" in r] == [(1, None), (2, None), (3, None)]
