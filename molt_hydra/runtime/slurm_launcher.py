@@ -46,15 +46,16 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     for i, (point, job) in enumerate(zip(points, jobs)):
         submitit_launcher.log.info(f"\t#{initial_job_idx + i} : {' '.join(filter_overrides(point))} "
                                    f"(Slurm job {job.job_id})")
-    results, failed = [], []
-    for i, (point, job) in enumerate(zip(points, jobs)):  # every point, also after a failed one
-        try:
-            ret = job.results()[0]
-            if ret.status != JobStatus.COMPLETED:  # the task raised (Hydra's run_job caught it)
-                raise RuntimeError(repr(ret._return_value))
-            results.append(ret)
-        except Exception as e:  # noqa: BLE001 - a failed, cancelled or timed-out point: reported below
-            failed.append(_failure(initial_job_idx + i, point, job, e))
+    try:
+        results, failed = _wait(jobs, points, initial_job_idx)
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM here stops the waiting, not the points: say so, and how to reach them
+        from molt_hydra.cli import EXIT_INTERRUPTED
+
+        array = jobs[0].job_id.split("_")[0]
+        print(f"\nInterrupted: molt-run stopped waiting; the sweep's {len(jobs)} point(s) keep running in Slurm (job "
+              f"{array}: `squeue -j {array}`, cancel them with `scancel {array}`); `molt-report {sweep_dir}` shows "
+              "how far each got.", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
     if failed:
         from molt_hydra.runtime.watchdog import EXIT_FAILED
 
@@ -63,6 +64,20 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
               "into the same directory resumes from its latest checkpoint.", file=sys.stderr, flush=True)
         sys.exit(EXIT_FAILED)
     return results
+
+
+def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobReturn], list[str]]:
+    """Every point's result, also after a failed one; a failed, cancelled or timed-out point as its report line."""
+    results, failed = [], []
+    for i, (point, job) in enumerate(zip(points, jobs)):
+        try:
+            ret = job.results()[0]
+            if ret.status != JobStatus.COMPLETED:  # the task raised (Hydra's run_job caught it)
+                raise RuntimeError(repr(ret._return_value))
+            results.append(ret)
+        except Exception as e:  # noqa: BLE001 - reported by the caller, with the others
+            failed.append(_failure(first + i, point, job, e))
+    return results, failed
 
 
 def _executor(launcher):

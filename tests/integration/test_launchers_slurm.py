@@ -4,6 +4,7 @@ formed inside the allocation. The cluster is started by the session fixture and 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -98,6 +99,29 @@ def test_failed_point_is_named_and_the_others_run(slurm_cluster, tmp_path):
     rows = sacct(array, until=lambda rows: len(rows) == 3)
     assert {jid: recs[-1]["State"] for jid, recs in rows.items()} == {
         f"{array}_0": "COMPLETED", f"{array}_1": "FAILED", f"{array}_2": "COMPLETED"}
+
+
+def test_interrupting_the_waiting_front_names_the_points_still_running(slurm_cluster, tmp_path):
+    """SIGTERM (or Ctrl-C) to `molt-run -m` while it waits on its Slurm points: it says they keep running and how to
+    reach them, exit 130; they do complete. Before: 'Interrupted before the run started.'"""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true",
+                             "algorithm.estimator=grpo,rloo", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (sweep / ".submitit").is_dir() or not any(p.name[:1].isdigit() for p in (sweep / ".submitit").iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(1)  # past the submission, into the waiting
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    array = _array_id(sweep)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"Interrupted: molt-run stopped waiting; the sweep's 2 point(s) keep running in Slurm (job {array}: "
+        f"`squeue -j {array}`, cancel them with `scancel {array}`); `molt-report {sweep}` shows how far each got.")
+    done = lambda rows: len(rows) == 2 and all(r[-1]["State"] == "COMPLETED" for r in rows.values())  # noqa: E731
+    assert done(sacct(array, timeout_s=120, until=done))
 
 
 def _ray_driver(job_log_dir: str) -> dict:
