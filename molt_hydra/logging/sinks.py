@@ -1,7 +1,8 @@
 """Where metrics go: a jsonl file always, W&B (offline unless an API key is set) and TensorBoard when configured.
 
 Train metrics are logged as `train/<name>` against `train/global_step`, eval as `eval/<name>` (Molt's names). The W&B
-run id goes into every checkpoint so a resumed run continues the same W&B run; sweeps set the W&B group.
+run id goes into every checkpoint so a resumed run continues the same W&B run (a run that starts over in the same
+directory continues the last W&B run there); sweeps set the W&B group.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ class MetricSinks:
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.wandb_run = None
         self.replayed_to = 0  # after a resume: steps <= this were logged to W&B by the interrupted run (see rewind)
-        self.resumes_wandb = resume_wandb_id is not None
+        self.resumes_wandb = False  # the W&B run goes on from an earlier one (rows logged again are marked)
         if wandb_mode == "auto":
             wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         self.wandb_mode = wandb_mode
         if wandb_mode != "disabled":
             import wandb
 
-            from molt_hydra.compat.wandb import settings
+            from molt_hydra.compat.wandb import last_run_id, settings
 
+            # no checkpoint to name it (a Slurm point requeued before its first one): the last W&B run here goes on
+            resume_wandb_id = resume_wandb_id or last_run_id(self.dir)
+            self.resumes_wandb = resume_wandb_id is not None
             self.wandb_run = wandb.init(project=project, entity=entity, group=group, name=run_name, config=config,
                                         mode=wandb_mode, dir=str(self.dir), id=resume_wandb_id,
                                         resume="allow" if resume_wandb_id else None, settings=settings())

@@ -134,21 +134,39 @@ def test_wandb_rows_survive_a_kill_two_seconds_later(tmp_path):
 
 def test_start_from_scratch_over_an_attempt_without_checkpoint(tmp_path, capsys):
     """A Slurm point requeued before its first checkpoint starts again at step 1 in the same directory (rewind(0)):
-    the earlier attempt's rows go (before: steps 1, 2 twice in metrics.jsonl), and its new W&B run (no id to resume)
-    marks nothing as replayed."""
+    the earlier attempt's rows go (before: steps 1, 2 twice in metrics.jsonl), and its W&B run goes on (before: a
+    second W&B run of the same name in the sweep's group), the steps logged again marked."""
     sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    first_id = sinks.wandb_id
     for step in (1, 2):
         sinks.log({"reward": float(step)}, step)
     sinks.close()
     again = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    assert again.wandb_id == first_id
     again.rewind(0)
     for step in (1, 2, 3):
         again.log({"reward": 10.0 * step}, step)
-    new_id = again.wandb_id
     again.close()
     assert [(r["step"], r["train/reward"]) for r in rows(tmp_path / "metrics.jsonl")] == [(1, 10.0), (2, 20.0),
                                                                                          (3, 30.0)]
     assert f"{tmp_path / 'metrics.jsonl'}: 2 row(s) past step 0 dropped" in capsys.readouterr().out
+    marked = [(r["train/global_step"], r.get("train/replayed_after_resume"))
+              for f in sorted(tmp_path.glob(f"wandb/offline-run-*-{first_id}/run-{first_id}.wandb"))
+              for r in history(f) if "train/reward" in r]
+    assert marked == [(1, None), (2, None), (1, 1.0), (2, 1.0), (3, None)]
+
+
+def test_a_new_wandb_run_marks_nothing_replayed(tmp_path):
+    """W&B off in the attempt before (no W&B run to go on): its rows are dropped from metrics.jsonl, and the new W&B
+    run's rows, the only ones it has, are not marked as logged again."""
+    sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
+    sinks.log({"reward": 1.0}, 1)
+    sinks.close()
+    again = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    again.rewind(0)
+    again.log({"reward": 2.0}, 1)
+    new_id = again.wandb_id
+    again.close()
     (wandb_file,) = tmp_path.glob(f"wandb/offline-run-*-{new_id}/run-{new_id}.wandb")
     assert [(r["train/global_step"], r.get("train/replayed_after_resume")) for r in history(wandb_file)
-            if "train/reward" in r] == [(1, None), (2, None), (3, None)]
+            if "train/reward" in r] == [(1, None)]
