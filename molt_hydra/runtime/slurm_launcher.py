@@ -59,9 +59,10 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     if failed:
         from molt_hydra.runtime.watchdog import EXIT_FAILED
 
+        others = "; the others completed" if len(failed) < len(points) else ""
         print("\n".join(failed) + f"\nRun failed: sweep {sweep_dir}: {len(failed)} of {len(points)} point(s) "
-              "failed (listed above); the others completed. Fix: see each point's log; a point resubmitted "
-              "into the same directory resumes from its latest checkpoint.", file=sys.stderr, flush=True)
+              f"failed (listed above){others}. Fix: see each point's log; a point resubmitted into the same "
+              "directory resumes from its latest checkpoint.", file=sys.stderr, flush=True)
         sys.exit(EXIT_FAILED)
     return results
 
