@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,6 +20,12 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf
 
+POLL_S = 5.0
+# squeue reasons of a pending job that Slurm does not clear by itself (a site without EnforcePartLimits=ALL accepts
+# such a request at submission, then keeps it pending for ever)
+NEVER_STARTS = {"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
+                "InvalidQOS", "QOSMaxWallDurationPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit",
+                "QOSMaxGRESPerJob", "AccountNotAllowed", "QOSNotAllowed"}
 # the cluster.* keys the launcher preset maps onto sbatch (molt_slurm.yaml, molt_slurm_gpu.yaml)
 REQUEST_KEYS = ("nodes", "cpus_per_node", "devices_per_node", "partition", "account", "qos", "constraint", "time_min")
 
@@ -68,7 +75,20 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
 
 
 def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobReturn], list[str]]:
-    """Every point's result, also after a failed one; a failed, cancelled or timed-out point as its report line."""
+    """Every point's result, also after a failed one; a failed, cancelled or timed-out point as its report line.
+    A point pending for a reason Slurm will not clear by itself is named meanwhile (once per reason)."""
+    told: set[tuple[str, str]] = set()
+    while not all(job.done() for job in jobs):
+        stuck = _never_starts(jobs)
+        for number, job in enumerate(jobs, start=first):
+            why = stuck.get(job.job_id)
+            if why and (job.job_id, why) not in told:
+                told.add((job.job_id, why))
+                print(f"sweep point #{number}: Slurm job {job.job_id} is pending with reason {why}: as its "
+                      f"partition's limits stand, Slurm will not start it. Fix: `scancel {job.job_id}` and ask for "
+                      f"what the partition allows (`sinfo`; cluster.nodes, cpus_per_node, devices_per_node, time_min, "
+                      f"account, qos, constraint); molt-run keeps waiting.", file=sys.stderr, flush=True)
+        time.sleep(POLL_S)
     results, failed = [], []
     for i, (point, job) in enumerate(zip(points, jobs)):
         try:
@@ -101,6 +121,14 @@ def _refusal(launcher, sbatch_error: str) -> str:
     return (f"- cluster: Slurm refused the sweep's job ({sbatch_error.splitlines()[-1]}); asked for {asked}. "
             f"Fix: ask for what a partition has (cluster.nodes, cluster.cpus_per_node, cluster.devices_per_node "
             f"within its nodes; an existing cluster.partition/account/qos/constraint). Partitions:\n{_sinfo()}")
+
+
+def _never_starts(jobs: list) -> dict[str, str]:
+    """{job id: reason} of the jobs pending for a reason that only a change of the request or the cluster clears."""
+    out = subprocess.run(["squeue", "-h", "-r", "-t", "PD", "-o", "%i|%r", "-j", ",".join(j.job_id for j in jobs)],
+                         capture_output=True, text=True, timeout=60).stdout
+    pending = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+    return {job: why for job, why in pending.items() if why in NEVER_STARTS}
 
 
 def _sinfo() -> str:

@@ -124,6 +124,31 @@ def test_interrupting_the_waiting_front_names_the_points_still_running(slurm_clu
     assert done(sacct(array, timeout_s=120, until=done))
 
 
+def test_point_pending_for_a_reason_slurm_never_clears_is_named(slurm_cluster, tmp_path):
+    """A site without EnforcePartLimits=ALL accepts a request beyond the partition's limits, then keeps it pending for
+    ever. Made here by lowering the partition's MaxTime under a held point, then releasing it: the waiting front names
+    the point, the reason and the fix; once the limit is back the point runs. Before: silence, for ever."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true",
+                             "+hydra.launcher.additional_parameters.hold=true", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (sweep / ".submitit").is_dir() or not any(p.name.isdigit() for p in (sweep / ".submitit").iterdir()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]  # one point: a plain job
+        subprocess.run(["scontrol", "update", "PartitionName=debug", "MaxTime=1"], check=True)
+        subprocess.run(["scontrol", "release", job], check=True)
+        time.sleep(15)  # three of the front's looks at squeue
+    finally:
+        subprocess.run(["scontrol", "update", "PartitionName=debug", "MaxTime=INFINITE"], check=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count(f"sweep point #0: Slurm job {job} is pending with reason PartitionTimeLimit: as its partition's "
+                     f"limits stand, Slurm will not start it. Fix: `scancel {job}`") == 1
+
+
 def _ray_driver(job_log_dir: str) -> dict:
     """Runs inside the Slurm job: form Ray over the allocation, then report what it sees."""
     import os
