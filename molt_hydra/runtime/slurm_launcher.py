@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.core.utils import JobReturn, filter_overrides
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf
@@ -93,8 +93,7 @@ def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobRetu
     for i, (point, job) in enumerate(zip(points, jobs)):
         try:
             ret = job.results()[0]
-            if ret.status != JobStatus.COMPLETED:  # the task raised (Hydra's run_job caught it)
-                raise RuntimeError(repr(ret._return_value))
+            ret.return_value  # noqa: B018 - raises what the task raised (Hydra's run_job caught it)
             results.append(ret)
         except Exception as e:  # noqa: BLE001 - reported by the caller, with the others
             failed.append(_failure(first + i, point, job, e))
@@ -146,5 +145,7 @@ def _failure(number: int, point: list[str], job: Any, error: Exception) -> str:
     except Exception:  # noqa: BLE001 - no log file (the job never started)
         log = ""
     tail = [ln for ln in (log or str(error)).splitlines() if ln.strip()][-8:]
+    if type(error).__module__.split(".")[0] != "submitit":  # the task's own exception: its log may not show it
+        tail.append(repr(error)[:1000])
     return (f"sweep point #{number} ({' '.join(filter_overrides(point))}): Slurm job {job.job_id} {job.state}; "
             f"log {job.paths.stderr}:\n" + "\n".join(f"    {ln}" for ln in tail))
