@@ -124,8 +124,11 @@ def _refusal(launcher, sbatch_error: str) -> str:
 
 def _never_starts(jobs: list) -> dict[str, str]:
     """{job id: reason} of the jobs pending for a reason that only a change of the request or the cluster clears."""
-    out = subprocess.run(["squeue", "-h", "-r", "-t", "PD", "-o", "%i|%r", "-j", ",".join(j.job_id for j in jobs)],
-                         capture_output=True, text=True, timeout=60).stdout
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-t", "PD", "-o", "%i|%r", "-j", ",".join(j.job_id for j in jobs)],
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):  # slurmctld busy or restarting: look again next time
+        return {}
     pending = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
     return {job: why for job, why in pending.items() if why in NEVER_STARTS}
 
