@@ -342,7 +342,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def _check_then_run() -> None:
-    from molt_hydra.compat.hydra import get_args_parser
+    from molt_hydra.compat.hydra import get_args_parser, report_slurm_sweeps
     from molt_hydra.runtime.writable import fail_unless_writable
 
     register()
@@ -360,6 +360,8 @@ def _check_then_run() -> None:
             problems, _ = point_problems(args.overrides, run_dir, args.config_dir)
         if problems:
             _exit_config_error("\n".join(problems))
+    if args.multirun:
+        report_slurm_sweeps()  # a Slurm sweep's refusal and failed points, reported (compat/hydra.py)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
 
 

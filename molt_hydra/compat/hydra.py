@@ -1,10 +1,12 @@
 """Hydra: what this project reaches into, and the releases it is checked against.
 
-Written for hydra-core 1.3.x (tested: 1.3.8, every CI run); another release is refused, naming the installed one.
+Written for hydra-core 1.3.x (tested: 1.3.8, every CI run) and hydra-submitit-launcher 1.2.x; another release is
+refused, naming the installed one.
 Reached into here: `hydra._internal.utils.get_args_parser`, the parser `hydra.main` reads the command line with, so
 that `molt-run` checks the composed config (all errors in one message) before Hydra starts; and
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
-overrides into points, so that a multirun is validated point by point before its first point runs.
+overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
+plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`).
 """
 
 from __future__ import annotations
@@ -30,3 +32,15 @@ def sweep_points(overrides: list) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
     return [point for batch in BasicSweeper.split_arguments(overrides, None) for point in batch]
+
+
+def report_slurm_sweeps() -> None:
+    """hydra-submitit-launcher's SlurmLauncher.launch replaced by molt_hydra/runtime/slurm_launcher.py `launch`
+    (sbatch's refusal as a config error; every point waited for, the failed ones listed). A replaced method, not a
+    subclass: Hydra instantiates a launcher only from its `hydra_plugins` package. Called before Hydra starts."""
+    written_for("molt-run's Slurm sweeps", "hydra", {"hydra-submitit-launcher": ("1.2",)})
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+
+    from molt_hydra.runtime.slurm_launcher import launch
+
+    SlurmLauncher.launch = launch

@@ -1,13 +1,15 @@
 """Where metrics go: a jsonl file always, W&B (offline unless an API key is set) and TensorBoard when configured.
 
 Train metrics are logged as `train/<name>` against `train/global_step`, eval as `eval/<name>` (Molt's names). The W&B
-run id goes into every checkpoint so a resumed run continues the same W&B run; sweeps set the W&B group.
+run id goes into every checkpoint so a resumed run continues the same W&B run (a run that starts over in the same
+directory continues the last W&B run there); sweeps set the W&B group.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from molt_hydra.logging import dashboard
@@ -24,37 +26,59 @@ class MetricSinks:
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.wandb_run = None
         self.replayed_to = 0  # after a resume: steps <= this were logged to W&B by the interrupted run (see rewind)
+        self.resumes_wandb = False  # the W&B run goes on from an earlier one (rows logged again are marked)
         if wandb_mode == "auto":
             wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         self.wandb_mode = wandb_mode
         if wandb_mode != "disabled":
             import wandb
 
+            from molt_hydra.compat.wandb import last_run_id, settings
+
+            # no checkpoint to name it (a Slurm point requeued before its first one): the last W&B run here goes on
+            resume_wandb_id = resume_wandb_id or last_run_id(self.dir)
+            self.resumes_wandb = resume_wandb_id is not None
             self.wandb_run = wandb.init(project=project, entity=entity, group=group, name=run_name, config=config,
                                         mode=wandb_mode, dir=str(self.dir), id=resume_wandb_id,
-                                        resume="allow" if resume_wandb_id else None)
+                                        resume="allow" if resume_wandb_id else None, settings=settings())
             for prefix in ("train", "eval"):
                 self.wandb_run.define_metric(f"{prefix}/global_step")
                 self.wandb_run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/global_step")
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.tb = self._tensorboard(run_name) if tensorboard else None
 
-            self.tb = SummaryWriter(str(self.dir / "tensorboard" / run_name))
+    def _tensorboard(self, run_name: str, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.dir / "tensorboard" / run_name), purge_step=purge_step)
 
     def rewind(self, step: int) -> None:
-        """On resume from step `step`: drop the jsonl rows past it (the interrupted run logged them; the resumed run
-        logs those steps again), so every step keeps a single row. W&B history cannot be rewritten: the W&B rows of
-        those steps logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them."""
+        """On resume from step `step` (0: a start from scratch, e.g. a Slurm requeue before the first checkpoint):
+        drop the jsonl rows past it (the interrupted run logged them; this run logs those steps again), so every step
+        keeps a single row; TensorBoard is told the same (a restart marker at step + 1: its readers drop the earlier
+        points from there on). W&B history cannot be rewritten: in the W&B run resumed, the rows of those steps
+        logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them."""
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = self._tensorboard(Path(self.tb.log_dir).name, purge_step=step + 1)
         self.jsonl.close()
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.dir / name
             if path.exists():
-                rows = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
-                steps = [json.loads(line)["step"] for line in rows]
-                if name == "metrics.jsonl":
-                    self.replayed_to = max(steps, default=0)
-                path.write_text("".join(line for line, s in zip(rows, steps) if s <= step))
+                rows, torn = [], 0
+                for line in path.read_text(errors="replace").splitlines():
+                    try:
+                        rows.append((line, int(json.loads(line)["step"])))
+                    except (ValueError, KeyError, TypeError):  # cut short: killed mid-write (node failure, disk full)
+                        torn += bool(line.strip())
+                if torn:
+                    print(f"{path}: {torn} unreadable row(s) dropped on resume (a write the stop cut short)",
+                          file=sys.stderr, flush=True)
+                if name == "metrics.jsonl" and self.resumes_wandb:
+                    self.replayed_to = max((s for _, s in rows), default=0)
+                path.write_text("".join(line + "\n" for line, s in rows if s <= step))
+                if past := sum(s > step for _, s in rows):
+                    print(f"{path}: {past} row(s) past step {step} dropped (the interrupted run's; logged again)",
+                          flush=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
 
     @property
@@ -118,3 +142,4 @@ class MetricSinks:
         except Exception as e:  # noqa: BLE001 - a failed upload must not lose the run's end; the spec is on disk
             print(f"dashboard not saved to W&B ({e!r}); spec: {self.dir / dashboard.SPEC_FILE}, "
                   f"retry with `molt-report --wandb {self.dir}`", flush=True)
+

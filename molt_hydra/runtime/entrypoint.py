@@ -343,8 +343,8 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None) -> int
                               step=found.name, role="critic")
         state = None if warm else client["loop"]
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
+    ctl.log.sinks.rewind(state["step"] if state else 0)  # 0: an earlier attempt here that saved no checkpoint
     if state is not None:
-        ctl.log.sinks.rewind(state["step"])
         ctl.restore(state)
         print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
     if found is not None and (c.load_model_only or ctl.version > 0):  # warm start: version 0, the loaded weights

@@ -4,6 +4,7 @@ formed inside the allocation. The cluster is started by the session fixture and 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -66,6 +67,90 @@ def test_sweep_points_run_as_slurm_jobs(slurm_cluster, tmp_path):
     assert lines[2].split()[:3] == ["0", "algorithm.estimator=grpo", "completed"]
     assert lines[3].split()[:3] == ["1", "algorithm.estimator=rloo", "completed"]
     assert (sweep / "report_train_reward.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_request_slurm_refuses_is_a_config_error(slurm_cluster, tmp_path):
+    """More nodes than the partition has: sbatch refuses at once (local_slurm.sh: EnforcePartLimits=ALL); the sweep
+    says so as a config error with the keys asked for and the partitions there are. Before: submitit's traceback."""
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "cluster.nodes=3", "dry_run=true",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    error = r.stderr[r.stderr.index("Config error(s):"):]
+    assert "Slurm refused the sweep's job" in error and "cluster.nodes=3, cluster.cpus_per_node=2" in error
+    assert "Fix:" in error and "\ndebug* up 2 " in error  # the partition: 2 nodes
+
+
+def test_failed_point_is_named_and_the_others_run(slurm_cluster, tmp_path):
+    """The middle point of three fails in its job (a config error only its job sees: the front composes a Slurm sweep
+    at its first point). Every point is waited for; the failed one is named with its overrides, job, state and the
+    end of its log; the sweep ends with exit 4. Before: a traceback for the failed job, the last one not waited for."""
+    sweep = tmp_path / "sweep"
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true", "algorithm.estimator=grpo,nosuch,rloo",
+               f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    array = _array_id(sweep)
+    assert f"sweep point #1 (+recipe=tiny_cpu cluster=slurm dry_run=True algorithm.estimator=nosuch): Slurm job " \
+           f"{array}_1 FAILED" in r.stderr
+    assert "'nosuch' is not a registered estimator" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"Run failed: sweep {sweep}: 1 of 3 point(s) failed")
+    assert "sweep point #0" not in r.stderr and "sweep point #2" not in r.stderr
+    rows = sacct(array, until=lambda rows: len(rows) == 3)
+    assert {jid: recs[-1]["State"] for jid, recs in rows.items()} == {
+        f"{array}_0": "COMPLETED", f"{array}_1": "FAILED", f"{array}_2": "COMPLETED"}
+
+
+def test_interrupting_the_waiting_front_names_the_points_still_running(slurm_cluster, tmp_path):
+    """SIGTERM (or Ctrl-C) to `molt-run -m` while it waits on its Slurm points: it says they keep running and how to
+    reach them, exit 130; they do complete. Before: 'Interrupted before the run started.'"""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true",
+                             "algorithm.estimator=grpo,rloo", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (sweep / ".submitit").is_dir() or not any(p.name[:1].isdigit() for p in (sweep / ".submitit").iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(1)  # past the submission, into the waiting
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    array = _array_id(sweep)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"Interrupted: molt-run stopped waiting; the sweep's 2 point(s) keep running in Slurm (job {array}: "
+        f"`squeue -j {array}`, cancel them with `scancel {array}`); `molt-report {sweep}` shows how far each got.")
+    done = lambda rows: len(rows) == 2 and all(r[-1]["State"] == "COMPLETED" for r in rows.values())  # noqa: E731
+    assert done(sacct(array, timeout_s=120, until=done))
+
+
+def test_point_pending_for_a_reason_slurm_never_clears_is_named(slurm_cluster, tmp_path):
+    """A site without EnforcePartLimits=ALL accepts a request beyond the partition's limits, then keeps it pending for
+    ever. Made here by lowering the partition's MaxTime under a held point, then releasing it: the waiting front names
+    the point, the reason and the fix; once the limit is back the point runs. Before: silence, for ever."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true",
+                             "+hydra.launcher.additional_parameters.hold=true", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (sweep / ".submitit").is_dir() or not any(p.name.isdigit() for p in (sweep / ".submitit").iterdir()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]  # one point: a plain job
+        subprocess.run(["scontrol", "update", "PartitionName=debug", "MaxTime=1"], check=True)
+        subprocess.run(["scontrol", "release", job], check=True)
+        time.sleep(15)  # three of the front's looks at squeue
+    finally:
+        subprocess.run(["scontrol", "update", "PartitionName=debug", "MaxTime=INFINITE"], check=True)
+        if sys.exc_info()[0] is not None:  # failed before the release: no held job or waiting front left behind
+            proc.kill()
+            held = [p.name for p in (sweep / ".submitit").glob("*") if p.name.isdigit()]
+            subprocess.run(["scancel", *held], check=False)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count(f"sweep point #0: Slurm job {job} is pending with reason PartitionTimeLimit: as its partition's "
+                     f"limits stand, Slurm will not start it. Fix: `scancel {job}`") == 1
 
 
 def _ray_driver(job_log_dir: str) -> dict:
@@ -188,3 +273,33 @@ def test_requeued_point_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     done = lambda rows: len(rows.get(job, [])) >= 2 and rows[job][-1]["State"] == "COMPLETED"  # noqa: E731
     states = [r["State"] for r in sacct(job, until=done)[job]]
     assert states[0] == "REQUEUED" and states[-1] == "COMPLETED", states
+
+
+@pytest.mark.slow
+def test_point_requeued_before_its_first_checkpoint_starts_over_with_one_row_per_step(slurm_cluster, tmp_path):
+    """Needs the RL loop: the slurm preset's default saves only at the end, so a point requeued mid-run has no
+    checkpoint and starts again at step 1 in the same directory: metrics.jsonl keeps one row per step (before: the
+    first attempt's steps, then 1, 2, ... again)."""
+    sweep = tmp_path / "sweep"
+    max_steps = 10
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo",
+                             f"train.max_steps={max_steps}", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = list(sweep.glob("*/metrics.jsonl"))
+            if found and len(found[0].read_text().splitlines()) >= 3:
+                break
+            time.sleep(1)
+        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and p.name[:1].isdigit()]
+        first = len(found[0].read_text().splitlines())
+        subprocess.run(["scontrol", "requeue", job], check=True)
+        out, _ = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [json.loads(ln)["step"] for ln in found[0].read_text().splitlines()] == list(range(1, max_steps + 1))
+    log = (sweep / ".submitit" / job / f"{job}_0_log.out").read_text()
+    assert "row(s) past step 0 dropped" in log and first >= 3

@@ -67,3 +67,106 @@ def test_wandb_rows_logged_again_after_a_resume_are_marked(tmp_path):
                    if "train/reward" in r]
     assert sorted(marked, key=lambda m: (m[0], m[1] or 0)) == [(1, None), (2, None), (3, None), (3, 1.0),
                                                                 (4, None), (4, 1.0), (5, None)]
+
+
+def test_tensorboard_drops_the_interrupted_runs_points_past_the_checkpoint(tmp_path):
+    """TensorBoard after a resume shows one point per step: the resumed run's, from the checkpoint's step + 1 on
+    (before: steps 3 and 4 twice, the interrupted run's and the resumed run's)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled", tensorboard=True)
+    for step in (1, 2, 3, 4):  # interrupted after logging step 4; its last checkpoint is step 2
+        sinks.log({"vllm_kl": float(step)}, step)
+    sinks.close()
+    resumed = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled", tensorboard=True)
+    resumed.rewind(2)
+    for step in (3, 4, 5):
+        resumed.log({"vllm_kl": 10.0 * step}, step)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "t"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/vllm_kl")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
+                                                                          (5, 50.0)]
+
+
+def test_rewind_survives_a_row_cut_short(tmp_path, capsys):
+    """A run killed mid-write (node failure, disk full) leaves a torn last row: the resume drops it, says so, and the
+    next row starts on a line of its own (before: the resume failed with a JSONDecodeError)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n{"step": 2, "kind": "train"}\n'
+                                            '{"step": 3, "ki')
+    (tmp_path / "samples.jsonl").write_text('{"step": 1, "prompt": "p"}\n{"step": 2, "prompt": "lo')
+    resumed = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
+    resumed.rewind(2)
+    resumed.log({"reward": 3.0}, 3)
+    resumed.close()
+    assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in rows(tmp_path / "samples.jsonl")] == [1]
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'metrics.jsonl'}: 1 unreadable row(s) dropped on resume" in err
+    assert f"{tmp_path / 'samples.jsonl'}: 1 unreadable row(s) dropped on resume" in err
+
+
+KILLED_RUN = """
+import os, signal, sys, time
+from molt_hydra.logging.sinks import MetricSinks
+sinks = MetricSinks(sys.argv[1], run_name="t", config={}, wandb_mode="offline")
+for step in (1, 2, 3):
+    sinks.log({"vllm_kl": 0.1 * step, "reward": 1.0}, step)
+time.sleep(2.5)
+os.killpg(0, signal.SIGKILL)  # what Slurm does to a requeued or cancelled job's step: wandb-core goes too
+"""
+
+
+def test_wandb_rows_survive_a_kill_two_seconds_later(tmp_path):
+    """A job killed 2.5 s after logging (requeue, preemption, scancel) keeps those rows in its .wandb file: W&B writes
+    it every second (compat/wandb.py). Before: every 15 s; the rows were lost, and a resume from a checkpoint past
+    them never logged them again."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", KILLED_RUN, str(tmp_path)], start_new_session=True,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    logged = [(r["train/global_step"], r["train/vllm_kl"], r["train/reward"]) for r in history(wandb_file)
+              if "train/vllm_kl" in r]
+    assert logged == [(1, 0.1, 1.0), (2, 0.2, 1.0), (3, 0.1 * 3, 1.0)]
+
+
+def test_start_from_scratch_over_an_attempt_without_checkpoint(tmp_path, capsys):
+    """A Slurm point requeued before its first checkpoint starts again at step 1 in the same directory (rewind(0)):
+    the earlier attempt's rows go (before: steps 1, 2 twice in metrics.jsonl), and its W&B run goes on (before: a
+    second W&B run of the same name in the sweep's group), the steps logged again marked."""
+    sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    first_id = sinks.wandb_id
+    for step in (1, 2):
+        sinks.log({"reward": float(step)}, step)
+    sinks.close()
+    again = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    assert again.wandb_id == first_id
+    again.rewind(0)
+    for step in (1, 2, 3):
+        again.log({"reward": 10.0 * step}, step)
+    again.close()
+    assert [(r["step"], r["train/reward"]) for r in rows(tmp_path / "metrics.jsonl")] == [(1, 10.0), (2, 20.0),
+                                                                                         (3, 30.0)]
+    assert f"{tmp_path / 'metrics.jsonl'}: 2 row(s) past step 0 dropped" in capsys.readouterr().out
+    marked = [(r["train/global_step"], r.get("train/replayed_after_resume"))
+              for f in sorted(tmp_path.glob(f"wandb/offline-run-*-{first_id}/run-{first_id}.wandb"))
+              for r in history(f) if "train/reward" in r]
+    assert marked == [(1, None), (2, None), (1, 1.0), (2, 1.0), (3, None)]
+
+
+def test_a_new_wandb_run_marks_nothing_replayed(tmp_path):
+    """W&B off in the attempt before (no W&B run to go on): its rows are dropped from metrics.jsonl, and the new W&B
+    run's rows, the only ones it has, are not marked as logged again."""
+    sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
+    sinks.log({"reward": 1.0}, 1)
+    sinks.close()
+    again = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    again.rewind(0)
+    again.log({"reward": 2.0}, 1)
+    new_id = again.wandb_id
+    again.close()
+    (wandb_file,) = tmp_path.glob(f"wandb/offline-run-*-{new_id}/run-{new_id}.wandb")
+    assert [(r["train/global_step"], r.get("train/replayed_after_resume")) for r in history(wandb_file)
+            if "train/reward" in r] == [(1, None)]

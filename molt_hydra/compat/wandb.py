@@ -1,0 +1,32 @@
+"""W&B: what this project reaches into.
+
+`x_transaction_log_flush_interval`, a private wandb setting (wandb >= 0.2x's wandb-core; tested: 0.31.0): how often the
+run's records reach its `.wandb` file, 15 s by default. A Slurm job that is requeued, preempted, timed out or cancelled
+is killed together with wandb-core (the step's SIGTERM reaches it too), and what it had not written is lost: seen, the
+last 4 steps of a requeued point, 2 of them before its checkpoint, so its resume never logged them again. Written every
+second instead, a kill loses at most the last second. A wandb without the setting keeps its own interval.
+`wandb/latest-run`, the link wandb leaves in a run's directory to its last run's files (`last_run_id`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FLUSH_S = 1.0
+
+
+def settings():
+    """The `wandb.Settings` every molt_hydra run starts W&B with."""
+    import wandb
+
+    known = getattr(wandb.Settings, "model_fields", {})
+    return wandb.Settings(**({"x_transaction_log_flush_interval": FLUSH_S}
+                             if "x_transaction_log_flush_interval" in known else {}))
+
+
+def last_run_id(output_dir: Path) -> str | None:
+    """The id of the last W&B run started in `output_dir`: wandb's `wandb/latest-run` link names its directory,
+    `<offline-run|run>-<date>_<time>-<id>`. None where W&B never ran."""
+    link = Path(output_dir) / "wandb" / "latest-run"
+    return os.readlink(link).rsplit("-", 1)[-1] if link.is_symlink() else None

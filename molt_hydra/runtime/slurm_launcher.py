@@ -1,0 +1,154 @@
+"""Sweeps on Slurm: the `launch` of hydra-submitit-launcher's SlurmLauncher (compat/hydra.py puts it in place of the
+plugin's own: Hydra instantiates launchers only from its hydra_plugins package), with what a sweep owes its user when
+Slurm says no or a point fails. Its own `launch` let sbatch's refusal out as a submitit traceback, and waited on the
+points in order, ending at the first failed one with its traceback: the points after it unreported (still running).
+Here a refused submission is a config error naming the cluster.* keys and what the partitions have (exit 2), and every
+point is waited for; the failed ones are then listed (number, overrides, Slurm job, state, the end of its log) and the
+sweep ends as failed (exit 4). conf/hydra/launcher/molt_slurm.yaml selects it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, filter_overrides
+from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from omegaconf import OmegaConf
+
+POLL_S = 5.0
+# squeue reasons of a pending job that Slurm does not clear by itself (a site without EnforcePartLimits=ALL accepts
+# such a request at submission, then keeps it pending for ever)
+NEVER_STARTS = {"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
+                "InvalidQOS", "QOSMaxWallDurationPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit",
+                "QOSMaxGRESPerJob", "AccountNotAllowed", "QOSNotAllowed"}
+# the cluster.* keys the launcher preset maps onto sbatch (molt_slurm.yaml, molt_slurm_gpu.yaml)
+REQUEST_KEYS = ("nodes", "cpus_per_node", "devices_per_node", "partition", "account", "qos", "constraint", "time_min")
+
+
+def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+    """SlurmLauncher.launch: submit every point as one job array, wait for all, report the failed ones."""
+    from submitit.core.utils import FailedJobError
+
+    executor = _executor(launcher)
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    if "mode" in launcher.config.hydra.sweep:
+        sweep_dir.chmod(int(str(launcher.config.hydra.sweep.mode), 8))
+    submitit_launcher.log.info(f"Submitit 'slurm' sweep output dir : {sweep_dir}")
+    points = [list(o) for o in job_overrides]
+    params = [(o, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}", Singleton.get_state())
+              for i, o in enumerate(points)]
+    try:
+        jobs = executor.map_array(launcher, *zip(*params))
+    except FailedJobError as e:  # sbatch refused the array: nothing was submitted
+        from molt_hydra.cli import EXIT_CONFIG_ERROR
+
+        print(f"Config error(s):\n{_refusal(launcher, str(e).strip())}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG_ERROR)
+    for i, (point, job) in enumerate(zip(points, jobs)):
+        submitit_launcher.log.info(f"\t#{initial_job_idx + i} : {' '.join(filter_overrides(point))} "
+                                   f"(Slurm job {job.job_id})")
+    try:
+        results, failed = _wait(jobs, points, initial_job_idx)
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM here stops the waiting, not the points: say so, and how to reach them
+        from molt_hydra.cli import EXIT_INTERRUPTED
+
+        array = jobs[0].job_id.split("_")[0]
+        print(f"\nInterrupted: molt-run stopped waiting; the sweep's {len(jobs)} point(s) keep running in Slurm (job "
+              f"{array}: `squeue -j {array}`, cancel them with `scancel {array}`); `molt-report {sweep_dir}` shows "
+              "how far each got.", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if failed:
+        from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+        others = "; the others completed" if len(failed) < len(points) else ""
+        print("\n".join(failed) + f"\nRun failed: sweep {sweep_dir}: {len(failed)} of {len(points)} point(s) "
+              f"failed (listed above){others}. Fix: see each point's log; a point resubmitted into the same "
+              "directory resumes from its latest checkpoint.", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILED)
+    return results
+
+
+def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobReturn], list[str]]:
+    """Every point's result, also after a failed one; a failed, cancelled or timed-out point as its report line.
+    A point pending for a reason Slurm will not clear by itself is named meanwhile (once per reason)."""
+    told: set[tuple[str, str]] = set()
+    while not all(job.done() for job in jobs):
+        stuck = _never_starts(jobs)
+        for number, job in enumerate(jobs, start=first):
+            why = stuck.get(job.job_id)
+            if why and (job.job_id, why) not in told:
+                told.add((job.job_id, why))
+                print(f"sweep point #{number}: Slurm job {job.job_id} is pending with reason {why}: as its "
+                      f"partition's limits stand, Slurm will not start it. Fix: `scancel {job.job_id}` and ask for "
+                      f"what the partition allows (`sinfo`; cluster.nodes, cpus_per_node, devices_per_node, time_min, "
+                      f"account, qos, constraint); molt-run keeps waiting.", file=sys.stderr, flush=True)
+        time.sleep(POLL_S)
+    results, failed = [], []
+    for i, (point, job) in enumerate(zip(points, jobs)):
+        try:
+            ret = job.results()[0]
+            ret.return_value  # noqa: B018 - raises what the task raised (Hydra's run_job caught it)
+            results.append(ret)
+        except Exception as e:  # noqa: BLE001 - reported by the caller, with the others
+            failed.append(_failure(first + i, point, job, e))
+    return results, failed
+
+
+def _executor(launcher):
+    """The executor as the parent's launch sets it up (submitit_folder, max_num_timeout, the queue parameters)."""
+    import submitit
+
+    params = dict(launcher.params)
+    ex = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
+                               slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    return ex
+
+
+def _refusal(launcher, sbatch_error: str) -> str:
+    cluster = launcher.config.cluster
+    keys = [k for k in REQUEST_KEYS if cluster.get(k) is not None
+            and (k != "devices_per_node" or launcher.params.get("gpus_per_node"))]  # GPUs: the _gpu preset only
+    asked = ", ".join(f"cluster.{k}={cluster[k]}" for k in keys)
+    return (f"- cluster: Slurm refused the sweep's job ({sbatch_error.splitlines()[-1]}); asked for {asked}. "
+            f"Fix: ask for what a partition has (cluster.nodes, cluster.cpus_per_node, cluster.devices_per_node "
+            f"within its nodes; an existing cluster.partition/account/qos/constraint). Partitions:\n{_sinfo()}")
+
+
+def _never_starts(jobs: list) -> dict[str, str]:
+    """{job id: reason} of the jobs pending for a reason that only a change of the request or the cluster clears."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-t", "PD", "-o", "%i|%r", "-j", ",".join(j.job_id for j in jobs)],
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):  # slurmctld busy or restarting: look again next time
+        return {}
+    pending = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+    return {job: why for job, why in pending.items() if why in NEVER_STARTS}
+
+
+def _sinfo() -> str:
+    try:
+        out = subprocess.run(["sinfo", "-o", "%P %a %D %c %m %G %l %f"], capture_output=True, text=True, timeout=20)
+        return out.stdout.strip() or out.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(sinfo failed: {e})"
+
+
+def _failure(number: int, point: list[str], job: Any, error: Exception) -> str:
+    """One failed point: its number and overrides, its Slurm job and state, the end of its log (or of the error)."""
+    try:
+        log = job.stderr() or ""
+    except Exception:  # noqa: BLE001 - no log file (the job never started)
+        log = ""
+    tail = [ln for ln in (log or str(error)).splitlines() if ln.strip()][-8:]
+    if type(error).__module__.split(".")[0] != "submitit":  # the task's own exception: its log may not show it
+        tail.append(repr(error)[:1000])
+    return (f"sweep point #{number} ({' '.join(filter_overrides(point))}): Slurm job {job.job_id} {job.state}; "
+            f"log {job.paths.stderr}:\n" + "\n".join(f"    {ln}" for ln in tail))
