@@ -33,11 +33,9 @@ from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from molt_hydra.config.bounds import declared_bounds, get, out_of_range
-from molt_hydra.config.schema import ConfigError, RunConfig
+from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
-EXIT_CONFIG_ERROR = 2
-EXIT_INTERRUPTED = 130  # as the shell reports a Ctrl-C (runtime/entrypoint.py exits with it once the run started)
 
 
 def _convert(node):

@@ -35,12 +35,12 @@ def sweep_points(overrides: list) -> list[list[str]]:
 
 
 def report_slurm_sweeps() -> None:
-    """hydra-submitit-launcher's SlurmLauncher.launch replaced by molt_hydra/runtime/slurm_launcher.py `launch`
+    """hydra-submitit-launcher's SlurmLauncher.launch replaced by compat/slurm_launcher.py `launch`
     (sbatch's refusal as a config error; every point waited for, the failed ones listed). A replaced method, not a
     subclass: Hydra instantiates a launcher only from its `hydra_plugins` package. Called before Hydra starts."""
     written_for("molt-run's Slurm sweeps", "hydra", {"hydra-submitit-launcher": ("1.2",)})
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 
-    from molt_hydra.runtime.slurm_launcher import launch
+    from molt_hydra.compat.slurm_launcher import launch
 
     SlurmLauncher.launch = launch

@@ -17,6 +17,13 @@ from omegaconf import MISSING
 from molt_hydra.config.bounds import ranged
 
 
+
+# What molt-run exits with (one table: the CLI, the run's entrypoint and watchdog, the Slurm sweep launcher)
+EXIT_CONFIG_ERROR = 2  # the config was refused; nothing started
+EXIT_STALLED = 3  # a role stalled past its deadline (runtime/watchdog.py)
+EXIT_FAILED = 4  # a role failed, or a sweep point did
+EXIT_INTERRUPTED = 130  # as the shell reports a Ctrl-C (before and after the run started)
+
 class ConfigError(ValueError):
     """A config mistake: every line names the full key, the reason and the fix."""
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
@@ -29,7 +29,6 @@ from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled,
                                         dump_stacks, kill)
 from molt_hydra.runtime.writable import check_outputs
 
-EXIT_INTERRUPTED = 130
 
 
 def run(cfg: RunConfig) -> None:

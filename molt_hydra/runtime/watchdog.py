@@ -18,8 +18,7 @@ from pathlib import Path
 
 from molt_hydra.rollout.generator import RunFailed  # noqa: F401 (re-exported: raised by the generator too)
 
-EXIT_STALLED = 3
-EXIT_FAILED = 4
+from molt_hydra.config.schema import EXIT_FAILED, EXIT_STALLED  # noqa: F401 (imported from here by the runtime)
 
 
 class RoleStalled(RuntimeError):

@@ -21,7 +21,7 @@ from test_faults import Run  # noqa: E402
 from test_rl_loop import MOLT_RUN, SMALL, metrics  # noqa: E402
 
 from molt_hydra.parallel.checkpoint import resolve_checkpoint  # noqa: E402
-from molt_hydra.runtime.entrypoint import EXIT_INTERRUPTED  # noqa: E402
+from molt_hydra.config.schema import EXIT_INTERRUPTED  # noqa: E402
 from molt_hydra.runtime.watchdog import EXIT_FAILED  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Sweeps on Slurm: the `launch` of hydra-submitit-launcher's SlurmLauncher (compat/hydra.py puts it in place of the
+"""Sweeps on Slurm (hydra-submitit-launcher 1.2.x, checked by compat/hydra.py): the `launch` of hydra-submitit-launcher's SlurmLauncher (compat/hydra.py puts it in place of the
 plugin's own: Hydra instantiates launchers only from its hydra_plugins package), with what a sweep owes its user when
 Slurm says no or a point fails. Its own `launch` let sbatch's refusal out as a submitit traceback, and waited on the
 points in order, ending at the first failed one with its traceback: the points after it unreported (still running).
@@ -19,6 +19,8 @@ from hydra.core.utils import JobReturn, filter_overrides
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf
+
+from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_INTERRUPTED
 
 POLL_S = 5.0
 # squeue reasons of a pending job that Slurm does not clear by itself (a site without EnforcePartLimits=ALL accepts
@@ -46,8 +48,6 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     try:
         jobs = executor.map_array(launcher, *zip(*params))
     except FailedJobError as e:  # sbatch refused the array: nothing was submitted
-        from molt_hydra.cli import EXIT_CONFIG_ERROR
-
         print(f"Config error(s):\n{_refusal(launcher, str(e).strip())}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG_ERROR)
     for i, (point, job) in enumerate(zip(points, jobs)):
@@ -56,16 +56,12 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     try:
         results, failed = _wait(jobs, points, initial_job_idx)
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM here stops the waiting, not the points: say so, and how to reach them
-        from molt_hydra.cli import EXIT_INTERRUPTED
-
         array = jobs[0].job_id.split("_")[0]
         print(f"\nInterrupted: molt-run stopped waiting; the sweep's {len(jobs)} point(s) keep running in Slurm (job "
               f"{array}: `squeue -j {array}`, cancel them with `scancel {array}`); `molt-report {sweep_dir}` shows "
               "how far each got.", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
     if failed:
-        from molt_hydra.runtime.watchdog import EXIT_FAILED
-
         others = "; the others completed" if len(failed) < len(points) else ""
         print("\n".join(failed) + f"\nRun failed: sweep {sweep_dir}: {len(failed)} of {len(points)} point(s) "
               f"failed (listed above){others}. Fix: see each point's log; a point resubmitted into the same "
