@@ -5,12 +5,12 @@ run's records reach its `.wandb` file, 15 s by default. A Slurm job that is requ
 is killed together with wandb-core (the step's SIGTERM reaches it too), and what it had not written is lost: seen, the
 last 4 steps of a requeued point, 2 of them before its checkpoint, so its resume never logged them again. Written every
 second instead, a kill loses at most the last second. A wandb without the setting keeps its own interval.
-`wandb/latest-run`, the link wandb leaves in a run's directory to its last run's files (`last_run_id`).
+`wandb/latest-run`, the link wandb leaves in a run's directory to its last run's files, which hold
+`run-<id>.wandb` (`last_run_id`; the directory's own name may end in `-1` when a run restarts within a second).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 FLUSH_S = 1.0
@@ -26,7 +26,8 @@ def settings():
 
 
 def last_run_id(output_dir: Path) -> str | None:
-    """The id of the last W&B run started in `output_dir`: wandb's `wandb/latest-run` link names its directory,
-    `<offline-run|run>-<date>_<time>-<id>`. None where W&B never ran."""
+    """The id of the last W&B run started in `output_dir`, from the `run-<id>.wandb` file its `wandb/latest-run`
+    link holds. None where W&B never ran."""
     link = Path(output_dir) / "wandb" / "latest-run"
-    return os.readlink(link).rsplit("-", 1)[-1] if link.is_symlink() else None
+    files = sorted(link.glob("run-*.wandb")) if link.is_symlink() else []
+    return files[0].stem.removeprefix("run-") if files else None

@@ -151,7 +151,7 @@ def test_start_from_scratch_over_an_attempt_without_checkpoint(tmp_path, capsys)
                                                                                          (3, 30.0)]
     assert f"{tmp_path / 'metrics.jsonl'}: 2 row(s) past step 0 dropped" in capsys.readouterr().out
     marked = [(r["train/global_step"], r.get("train/replayed_after_resume"))
-              for f in sorted(tmp_path.glob(f"wandb/offline-run-*-{first_id}/run-{first_id}.wandb"))
+              for f in sorted(tmp_path.glob(f"wandb/offline-run-*-{first_id}*/run-{first_id}.wandb"))
               for r in history(f) if "train/reward" in r]
     assert marked == [(1, None), (2, None), (1, 1.0), (2, 1.0), (3, None)]
 
@@ -170,3 +170,16 @@ def test_a_new_wandb_run_marks_nothing_replayed(tmp_path):
     (wandb_file,) = tmp_path.glob(f"wandb/offline-run-*-{new_id}/run-{new_id}.wandb")
     assert [(r["train/global_step"], r.get("train/replayed_after_resume")) for r in history(wandb_file)
             if "train/reward" in r] == [(1, None)]
+
+
+def test_the_last_wandb_run_id_is_read_from_its_file_not_its_directory_name(tmp_path):
+    """wandb names a run started again within the same second `<...>-<id>-1`: the id is the `run-<id>.wandb` file's
+    (the directory name's last part would be "1", and the next attempt would start a W&B run of that id)."""
+    from molt_hydra.compat.wandb import last_run_id
+
+    assert last_run_id(tmp_path) is None
+    run = tmp_path / "wandb" / "offline-run-20261205_140737-u2kixbff-1"
+    run.mkdir(parents=True)
+    (run / "run-u2kixbff.wandb").write_bytes(b"")
+    (tmp_path / "wandb" / "latest-run").symlink_to(run.name)
+    assert last_run_id(tmp_path) == "u2kixbff"
