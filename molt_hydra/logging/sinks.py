@@ -142,4 +142,3 @@ class MetricSinks:
         except Exception as e:  # noqa: BLE001 - a failed upload must not lose the run's end; the spec is on disk
             print(f"dashboard not saved to W&B ({e!r}); spec: {self.dir / dashboard.SPEC_FILE}, "
                   f"retry with `molt-report --wandb {self.dir}`", flush=True)
-

@@ -30,7 +30,6 @@ from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled,
 from molt_hydra.runtime.writable import check_outputs
 
 
-
 def run(cfg: RunConfig) -> None:
     check_outputs(cfg)
     # the checkpoint directory only where this run writes checkpoints (eval and save_steps=0 write none: no directory)
