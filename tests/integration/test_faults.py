@@ -82,6 +82,8 @@ class Run:
         return self.stdout.read()
 
 
+@pytest.mark.slow  # ~31 s: tests/unit/test_rollout_generator.py (failed groups fail the run with the drops) and
+# test_real_errors (the failure printed last) cover it in make test
 def test_raising_agent_fails_the_run_with_the_failure_printed_last(tmp_path):
     """Every rollout raises: the run ends naming the role, the drops and an example error, and that message is the
     last thing on the console, after the W&B run's teardown summary (stdout and stderr in one stream, as a terminal
@@ -122,6 +124,7 @@ def test_blocking_agent_times_out_and_the_run_goes_on(tmp_path):
     assert timeouts >= 4, timeouts  # at least the sleeper's group, lost whole while its loop was blocked
 
 
+@pytest.mark.slow  # ~33 s: tests/unit/test_rollout_generator.py covers the non-finite rewards' drop in make test
 def test_nan_rewards_are_dropped_counted_and_shown(tmp_path):
     run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:NanRewardEnv", "train.max_steps=2",
               "logger.progress=true", "logger.wandb.mode=offline")
