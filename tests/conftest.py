@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -23,3 +24,13 @@ def tiny_moe_model() -> str:
     from molt_hydra.models.tiny import resolve_model_path
 
     return resolve_model_path("tiny://qwen3_moe_tiny")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_ends_with_its_module():
+    """A module's in-process Ray cluster ends with the module even where the fixture that started it failed after
+    `ray.init` (an engine that would not start): otherwise every later module's `ray.init` fails ("called ray.init
+    twice") and the run-level tests find a stranger's cluster."""
+    yield
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()

@@ -9,6 +9,7 @@ tokenizer and vocabulary) are random-init at full width, built one at a time, in
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -74,18 +75,24 @@ def tiny_config_dict(name: str) -> dict:
 
 def build_once(root: Path, names: tuple[str, ...], build_into) -> None:
     """`build_into(staging)` writes the models `names` into a private staging directory under `root`; each is then
-    published by rename, so readers never see half a model (one another process published meanwhile is kept)."""
+    published by rename, so readers never see half a model. One builder at a time, under a file lock: the ranks of
+    a run resolve the same path at once, and a second builder replacing a published model would pull it from under
+    a process already reading it."""
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
-    staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
-    try:
-        build_into(staging)
-        for name in names:
-            if not (root / name / "config.json").exists():
-                shutil.rmtree(root / name, ignore_errors=True)
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        missing = [name for name in names if not (root / name / "config.json").exists()]
+        if not missing:  # built by another process meanwhile
+            return
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+        staging.chmod(0o755)  # mkdtemp makes it private; the published model directory is not
+        try:
+            build_into(staging)
+            for name in missing:
+                shutil.rmtree(root / name, ignore_errors=True)  # what a killed build left
                 os.replace(staging / name, root / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _build_in_subprocess(staging: Path, name: str) -> None:
