@@ -191,8 +191,9 @@ def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     while not engine_cores and time.monotonic() < looked_until:
         engine_cores = [p for p in descendants(proc.pid) if _is_engine_core(p)]
         time.sleep(0.5)
-    assert engine_cores, f"no vLLM EngineCore process found under the run (pid {proc.pid}):\n" + subprocess.run(
-        ["ps", "-eo", "pid,ppid,comm,args", "--forest"], capture_output=True, text=True).stdout[-6000:]
+    ended = proc.communicate()[1][-4000:] if not engine_cores and proc.poll() is not None else "(still running)"
+    assert engine_cores, f"no vLLM EngineCore process found under the run (pid {proc.pid}); its stderr: {ended}\n" + \
+        subprocess.run(["ps", "-eo", "pid,ppid,comm,args", "--forest"], capture_output=True, text=True).stdout[-6000:]
     for p in engine_cores:
         os.kill(p, signal.SIGSTOP)  # the engine hangs: no error, no progress
     started = time.monotonic()
