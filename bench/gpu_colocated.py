@@ -78,7 +78,8 @@ def summarize(run: Path) -> dict:
         copy = device_copy_seconds(nbytes)
         push = med("weight_sync/push_seconds")  # the buckets alone: no engine pause / resume / wake round trips
         out.update(sync_gb_s=nbytes / sync / 1e9, device_copy_gb_s=nbytes / copy / 1e9, sync_vs_copy=copy / sync,
-                   push_s=push, push_vs_copy=copy / push if push > 0 else None)
+                   push_s=push, push_vs_copy=copy / push if push > 0 else None,
+                   begin_s=med("weight_sync/begin_seconds"), finish_s=med("weight_sync/finish_seconds"))
         if "train/weight_sync/engine_load_seconds" in m[-1]:  # single pass: the engine's own load vs the round trip
             load = med("weight_sync/engine_load_seconds")
             out.update(engine_load_s=load, engine_load_vs_copy=copy / load if load > 0 else None,

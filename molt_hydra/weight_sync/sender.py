@@ -56,7 +56,9 @@ class WeightSync:
         loaders, `weight_sync/push_seconds` the buckets alone (from after every engine began the update until the last
         landed), `weight_sync/replayed` the share of engine workers that replayed their recorded copy plan, and in a
         single pass `weight_sync/engine_load_seconds`, the slowest worker's own load (push_seconds less it: the calls'
-        round trips)."""
+        round trips); `weight_sync/begin_seconds` and `weight_sync/finish_seconds` the calls before and after the
+        buckets (pause and begin; finish, caches reset, version stamped, resume), where a sync's time beyond its copy
+        goes."""
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
         num_tensors = num_bytes = 0
@@ -64,6 +66,7 @@ class WeightSync:
         try:
             self.transport.begin(await self._all("begin_weight_update"))  # shm: whether it writes in place
             pushing = time.perf_counter()
+            began = pushing - start
             for bucket in buckets:
                 num_bytes += await self.transport.push(self.engines, bucket, self._call)  # bytes on the wire
                 num_tensors += len(bucket)
@@ -76,7 +79,9 @@ class WeightSync:
             # also after a failure (version None): layers left mid-reload would break generation, and the engine
             # must know its weights are mixed; the check (every load landed) counts what the trainer wrote in place
             check = sorted(self.transport.written) if done and self.check_coverage else None
+            finishing = time.perf_counter()
             missing = await self._all("finish_weight_update", version if done else None, check)
+            finished = time.perf_counter() - finishing
         self.version = version
         missing_names = sorted({name for per_engine in missing if per_engine for per_worker in per_engine
                                 for name in per_worker})
@@ -84,6 +89,7 @@ class WeightSync:
             raise WeightCoverageError(missing_names)
         return {"weight_sync/bytes": float(num_bytes), "weight_sync/tensors": float(num_tensors),
                 "weight_sync/seconds": time.perf_counter() - start, "weight_sync/push_seconds": pushed,
+                "weight_sync/begin_seconds": began, "weight_sync/finish_seconds": finished,
                 "weight_sync/single_pass": float(self.transport.single_pass),
                 "weight_sync/in_place": float(self.transport.in_place), "weight_sync/replayed": self.transport.replayed,
                 **({"weight_sync/engine_load_seconds": self.transport.engine_seconds}

@@ -425,6 +425,8 @@ def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_s
     assert metrics["weight_sync/single_pass"] == 1.0 and engine.version == 1
     # the worker's own load is part of the push, which also holds the calls' round trips
     assert 0 < metrics["weight_sync/engine_load_seconds"] < metrics["weight_sync/push_seconds"]
+    parts = [metrics[f"weight_sync/{k}_seconds"] for k in ("begin", "push", "finish")]  # the calls, in turn
+    assert all(t > 0 for t in parts) and sum(parts) <= metrics["weight_sync/seconds"]
     assert metrics["weight_sync/tensors"] == 4
     assert metrics["weight_sync/bytes"] == sum(t.numel() * 2 for t in state.values())  # written in bf16, unpadded
     assert [m for m in log if m.startswith("load_")] == ["load_shared_params"] * 2  # unknown token, then handles
