@@ -85,6 +85,8 @@ class RLController:
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
         self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
+        self.preempted = asyncio.Event()  # Slurm's notice (runtime/preemption.py): save at this step's end and stop
+        self.saved_step: int | None = None
         self.kl_ctl = KLController(cfg.algorithm.kl.coef, cfg.algorithm.kl.target, cfg.algorithm.kl.horizon)
         self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
         if cfg.data.max_images_per_prompt:
@@ -327,7 +329,7 @@ class RLController:
         if ckpt.save_hf:
             await self.calls.ranks(self.roles.actor, "export_hf", str(Path(ckpt.dir) / "hf" / f"step_{self.step}"),
                                    DTYPE_NAMES[self.cfg.model.param_dtype.value])
-        self.roles.last_checkpoint = path
+        self.roles.last_checkpoint, self.saved_step = path, self.step
 
     def restore(self, state: dict) -> None:
         for key in ("step", "version", "batches_made", "best", "next_eval"):
@@ -395,7 +397,10 @@ class RLController:
             metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
             self.log.step(self.step, metrics, batch)
             last = metrics
-            if cfg.checkpoint.save_steps > 0 and self.step % cfg.checkpoint.save_steps == 0:
+            save_every, preempted = cfg.checkpoint.save_steps, self.preempted.is_set()
+            if save_every > 0 and self.step % save_every == 0 or preempted and save_every != 0:
                 await self.save()
+            if preempted:
+                break
             await self.maybe_eval()
         return last

@@ -22,6 +22,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
+from molt_hydra.runtime.preemption import PreemptionNotice
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
@@ -79,14 +80,17 @@ def _run(cfg: RunConfig) -> None:
 
     shown = Shown(cfg.output_dir)  # before any Ray process starts: each inherits where its warnings go
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
+    notice = PreemptionNotice()
     try:
         with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
-            code = _run_to_end(_main(cfg, record, resume_from, shown))
+            code = _run_to_end(_main(cfg, record, resume_from, shown, notice))
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
         code = EXIT_FAILED
     finally:
         shown.stop()  # (done by _main's teardown, before its last words, when it ran)
+    if notice.received.is_set() and code in (0, EXIT_INTERRUPTED):  # Slurm's notice: requeue (or stop) now
+        notice.handover()
     if code == EXIT_STALLED:
         # A stalled role can leave a thread blocked in a Ray call that would hold interpreter exit: leave now.
         sys.stdout.flush()
@@ -168,12 +172,14 @@ def _run_to_end(coro) -> int:
     return asyncio.run(coro)
 
 
-async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -> int:
+async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice) -> int:
     loop = asyncio.get_running_loop()
     # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread).
     signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
     for sig in signals:
         loop.add_signal_handler(sig, asyncio.current_task().cancel)
+    if cfg.job.value == "rl":  # Slurm's notice of a time limit: a checkpoint at the step's end (eval saves none)
+        notice.install(loop, asyncio.current_task())
     loop.set_exception_handler(_quiet_cancellations)
     from molt_hydra.runtime.roles import build_roles
 
@@ -184,7 +190,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -
         shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
         if cfg.job.value == "eval":
             return await _eval_only(cfg, roles, opened)
-        return await _train(cfg, roles, opened, resume_from)
+        return await _train(cfg, roles, opened, resume_from, notice)
     except RoleStalled as e:
         probe = roles is not None and e.role in ("rollout", "weight sync")
         return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [], last_words)
@@ -223,6 +229,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -
             print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)
         for sig in signals:
             loop.remove_signal_handler(sig)
+        notice.uninstall(loop)
 
 
 def _still_stopping() -> None:
@@ -328,7 +335,7 @@ def _controller(cfg: RunConfig, roles, opened: list, wandb_id: str | None):
     return RLController(cfg, roles, opened[-1])
 
 
-async def _train(cfg: RunConfig, roles, opened: list, found: Path | None) -> int:
+async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice: PreemptionNotice) -> int:
     """`found`: the checkpoint _check_resume chose (None: start at step 0)."""
     from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 
@@ -347,7 +354,11 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None) -> int
         print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
     if found is not None and (c.load_model_only or ctl.version > 0):  # warm start: version 0, the loaded weights
         await calls.push_weights(ctl.version)
+    ctl.preempted = notice.received
     await ctl.run()
+    if notice.received.is_set():  # saved at the step's end (not the end of training): no final save or export
+        notice.saved_step = ctl.saved_step
+        return 0
     if c.save_steps != 0:  # 0: no resumable checkpoint at all
         await ctl.save()
     export = (await calls.ranks(roles.actor, "export_hf", c.export_dir, DTYPE_NAMES[cfg.model.param_dtype.value],

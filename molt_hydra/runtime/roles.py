@@ -25,6 +25,7 @@ from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
 from molt_hydra.runtime.plan import fsdp_roles
+from molt_hydra.runtime.preemption import NOTICE
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime.watchdog import deadline
 
@@ -168,16 +169,20 @@ def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
 
 def init_ray(cfg: RunConfig) -> None:
     """Ray on this node (or joined at cluster.ray_address), keeping the run's SIGTERM handler: ray.init replaces it
-    with its own (sys.exit in Python, a stack dump and an abort in its C++ core), which skips the run's clean stop."""
+    with its own (sys.exit in Python, a stack dump and an abort in its C++ core), which skips the run's clean stop.
+    The processes it starts (and all they start) ignore Slurm's notice: only the driver acts on it (preemption.py)."""
     if ray.is_initialized():
         return
     main_thread = threading.current_thread() is threading.main_thread()
-    handler = signal.getsignal(signal.SIGTERM) if main_thread else None
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, NOTICE)} if main_thread else {}
+    if main_thread:
+        signal.signal(NOTICE, signal.SIG_IGN)  # an ignored signal stays ignored across fork and exec
     try:
         _start_ray(cfg)
     finally:
-        if handler is not None:
-            signal.signal(signal.SIGTERM, handler)
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def _start_ray(cfg: RunConfig) -> None:

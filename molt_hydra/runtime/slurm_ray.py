@@ -26,6 +26,7 @@ from typing import Iterator
 
 from molt_hydra.config.schema import ClusterConfig
 from molt_hydra.parallel.launch import free_port
+from molt_hydra.runtime.preemption import ignoring_the_notice
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -141,7 +142,7 @@ def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int) 
     address = f"{head_ip}:{free_port(head_ip)}"
     common = ["--num-cpus", str(cpus), "--disable-usage-stats", "--block"]
     head_log = log_dir / f"head-{alloc.this_node}.log"
-    head = _popen([RAY, "start", "--head", f"--node-ip-address={head_ip}",
+    head = _popen([*ignoring_the_notice(RAY), "start", "--head", f"--node-ip-address={head_ip}",
                    f"--port={address.rsplit(':', 1)[1]}", f"--ray-client-server-port={free_port(head_ip)}",
                    f"--dashboard-agent-listen-port={free_port(head_ip)}", "--include-dashboard=false",
                    f"--temp-dir={_temp_dir(alloc.job_id, alloc.this_node)}", *common], head_log, env)
@@ -154,7 +155,7 @@ def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int) 
         # the node with other steps of the job.
         proc = _popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
                        f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}", "--kill-on-bad-exit=1",
-                       RAY, "start", f"--address={address}", f"--node-ip-address={node_ip(node)}",
+                       *ignoring_the_notice(RAY), "start", f"--address={address}", f"--node-ip-address={node_ip(node)}",
                        f"--dashboard-agent-listen-port={free_port(head_ip)}",
                        f"--temp-dir={_temp_dir(alloc.job_id, node)}", *common], log, env)
         stack.callback(_stop, proc)

@@ -4,6 +4,7 @@ formed inside the allocation. The cluster is started by the session fixture and 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -303,3 +304,69 @@ def test_point_requeued_before_its_first_checkpoint_starts_over_with_one_row_per
     assert [json.loads(ln)["step"] for ln in found[0].read_text().splitlines()] == list(range(1, max_steps + 1))
     log = (sweep / ".submitit" / job / f"{job}_0_log.out").read_text()
     assert "row(s) past step 0 dropped" in log and first >= 3
+
+
+@pytest.mark.slow
+def test_a_notice_before_the_time_limit_saves_the_step_and_the_requeued_point_goes_on_from_it(slurm_cluster, tmp_path):
+    """Needs the RL loop: SIGUSR2 (what sbatch --signal sends `hydra.launcher.signal_delay_s` before the time limit)
+    to a point with the preset's `checkpoint.save_steps=-1`: the point saves the step under way, submitit requeues
+    it, and it goes on from that step (before: requeued at once, from step 0 again)."""
+    sweep = tmp_path / "sweep"
+    max_steps = 10
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo",
+                             f"train.max_steps={max_steps}", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, found = time.monotonic() + 900, []
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = list(sweep.glob("*/metrics.jsonl"))
+            if found and len(found[0].read_text().splitlines()) >= 3:
+                break
+            time.sleep(1)
+        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and p.name[:1].isdigit()]
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)  # to the job's steps: the point's Python
+        out, _ = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = [json.loads(ln)["step"] for ln in found[0].read_text().splitlines()]
+    assert steps == list(range(1, max_steps + 1))  # one row per step: resumed where it saved, nothing run twice
+    log = (sweep / ".submitit" / job / f"{job}_0_log.err").read_text()
+    (saved,) = [int(ln.split("checkpoint saved at step ")[1].split(";")[0]) for ln in log.splitlines()
+                if "SIGUSR2: checkpoint saved at step" in ln]
+    assert 3 <= saved < max_steps
+    out_log = (sweep / ".submitit" / job / f"{job}_0_log.out").read_text()
+    assert f"at step {saved} (policy version" in out_log  # the requeued attempt resumed from it
+    done = lambda rows: len(rows.get(job, [])) >= 2 and rows[job][-1]["State"] == "COMPLETED"  # noqa: E731
+    states = [r["State"] for r in sacct(job, until=done)[job]]
+    assert states[0] == "REQUEUED" and states[-1] == "COMPLETED", states
+
+
+@pytest.mark.slow
+def test_plain_sbatch_passes_the_notice_on_then_requeues_and_the_job_resumes(slurm_cluster, tmp_path):
+    """Needs the RL loop: launchers/molt.sbatch (no submitit) gets the time-limit notice (--signal=B:USR2: the batch
+    shell only); it passes it on to molt-run, which saves its step and exits, then requeues the job, which resumes
+    from that step (before: requeued at once, from the last periodic checkpoint)."""
+    env = {**os.environ, "PATH": f"{Path(MOLT_RUN).parent}:{os.environ['PATH']}"}
+    max_steps = 10
+    job = subprocess.run(["sbatch", "--parsable", "-N", "1", "--cpus-per-task=2", str(REPO / "launchers" / "molt.sbatch"),
+                          "+recipe=tiny_cpu", f"train.max_steps={max_steps}"],
+                         cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout.strip()
+    deadline, found = time.monotonic() + 900, []
+    while time.monotonic() < deadline:
+        found = list(tmp_path.glob(f"outputs/*/slurm-{job}/metrics.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 3:
+            break
+        time.sleep(1)
+    assert found, (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+    subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True)
+    done = lambda rows: len(rows.get(job, [])) >= 2 and rows[job][-1]["State"] in ("COMPLETED", "FAILED")  # noqa: E731
+    states = [r["State"] for r in sacct(job, timeout_s=1200, until=done)[job]]
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert states[0] == "REQUEUED" and states[-1] == "COMPLETED", (states, log[-3000:])
+    (saved,) = [int(ln.split("checkpoint saved at step ")[1].split(";")[0]) for ln in log.splitlines()
+                if "Run stopped on SIGUSR2" in ln]
+    assert f"at step {saved} (policy version" in log  # the requeued job resumed from it
+    steps = [json.loads(ln)["step"] for ln in found[0].read_text().splitlines()]
+    assert steps == list(range(1, max_steps + 1))

@@ -1,0 +1,71 @@
+"""Slurm's notice before a time limit or a preemption: SIGUSR2, `hydra.launcher.signal_delay_s` ahead (sbatch
+`--signal`). Under submitit its handler requeues the point and exits at once, so the requeued point went back to its
+last periodic checkpoint (none with the presets' `checkpoint.save_steps=-1`: step 0 again). Here the run first ends
+the step under way and saves a resumable checkpoint, then hands over to that handler (requeue, exit); without
+submitit (a plain sbatch script), it stops after the save. A step that has not ended GRACE_S after the notice is cut
+short like a Ctrl-C (the last checkpoint is kept) so the requeue still happens before Slurm's kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import threading
+
+GRACE_S = 60.0  # half of the presets' signal_delay_s (120 s): a step's end plus its save must fit before the kill
+NOTICE = signal.SIGUSR2
+
+
+def ignoring_the_notice(program: str) -> list[str]:
+    """The command line that runs `program` with the notice ignored. Slurm signals every process of a job step (the
+    Ray head's, and through srun the other nodes'): they must live on while the driver saves. Ignored stays ignored
+    across exec, so all they start ignore it too."""
+    return [sys.executable, "-c", f"import os, signal, sys; signal.signal(signal.{NOTICE.name}, signal.SIG_IGN); "
+            "os.execv(sys.argv[1], sys.argv[1:])", program]
+
+
+class PreemptionNotice:
+    """`received`: set when the notice came (the controller saves and stops at the end of its step); `handover()`
+    after the run's teardown: submitit's requeue, or an exit naming the saved checkpoint."""
+
+    def __init__(self) -> None:
+        self.received = asyncio.Event()
+        self.saved_step: int | None = None
+        self._submitit = None
+
+    def install(self, loop: asyncio.AbstractEventLoop, main_task: asyncio.Task) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread takes signals (a notebook's run thread)
+        previous = signal.getsignal(NOTICE)
+        # submitit's handler (submitit/core/job_environment.py, SignalHandler): a bound method; anything else
+        # (the default action: terminate) is not kept
+        self._submitit = previous if getattr(previous, "__name__", "") == "checkpoint_and_try_requeue" else None
+        loop.add_signal_handler(NOTICE, self._notice, loop, main_task)
+
+    def _notice(self, loop: asyncio.AbstractEventLoop, main_task: asyncio.Task) -> None:
+        if self.received.is_set():
+            return
+        print(f"\n{NOTICE.name}: Slurm's notice of a time limit or a preemption: the run saves a checkpoint at the "
+              f"end of this step (cut short after {GRACE_S:.0f} s), then {'is requeued' if self._submitit else 'stops'}.",
+              file=sys.stderr, flush=True)
+        self.received.set()
+        loop.call_later(GRACE_S, main_task.cancel)
+
+    def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
+        if threading.current_thread() is threading.main_thread():
+            loop.remove_signal_handler(NOTICE)
+
+    def handover(self) -> None:
+        """After the teardown, outside the event loop: submitit requeues the point and exits (-1); elsewhere exit
+        EXIT_INTERRUPTED with the step the next run resumes from."""
+        from molt_hydra.config.schema import EXIT_INTERRUPTED
+
+        where = f"checkpoint saved at step {self.saved_step}" if self.saved_step is not None else "no checkpoint saved"
+        if self._submitit is not None:
+            print(f"{NOTICE.name}: {where}; requeueing the point (it resumes with checkpoint.resume=auto).",
+                  file=sys.stderr, flush=True)
+            self._submitit(NOTICE, None)  # requeues and exits
+        print(f"\nRun stopped on {NOTICE.name} (a time limit or a preemption): {where}; resume with "
+              "checkpoint.resume=auto.", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)

@@ -1,0 +1,82 @@
+"""runtime/preemption.py: Slurm's SIGUSR2 notice marks the run for a save at its step's end, cuts a step that does not
+end within the grace, and hands over to submitit's requeue (or exits 130) after the teardown. Real signals to this
+process; submitit's handler is stood in for by a function of the name submitit's bound method has (its real one
+needs a Slurm job: tests/integration/test_launchers_slurm.py runs it)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from molt_hydra.config.schema import EXIT_INTERRUPTED
+from molt_hydra.runtime import preemption
+from molt_hydra.runtime.preemption import PreemptionNotice
+
+
+def _run_with_notice(notice: PreemptionNotice, body) -> object:
+    async def main():
+        notice.install(asyncio.get_running_loop(), asyncio.current_task())
+        try:
+            return await body()
+        finally:
+            notice.uninstall(asyncio.get_running_loop())
+
+    return asyncio.run(main())
+
+
+def test_the_notice_is_received_without_ending_the_step():
+    notice = PreemptionNotice()
+
+    async def step():
+        os.kill(os.getpid(), signal.SIGUSR2)
+        await asyncio.wait_for(notice.received.wait(), 5)
+        await asyncio.sleep(0.2)  # the step goes on: nothing was cancelled
+        return "step done"
+
+    assert _run_with_notice(notice, step) == "step done"
+
+
+def test_a_step_that_outlasts_the_grace_is_cut_short(monkeypatch):
+    monkeypatch.setattr(preemption, "GRACE_S", 0.3)
+    notice = PreemptionNotice()
+
+    async def endless_step():
+        os.kill(os.getpid(), signal.SIGUSR2)
+        await asyncio.sleep(30)
+
+    with pytest.raises(asyncio.CancelledError):
+        _run_with_notice(notice, endless_step)
+
+
+def test_handover_calls_submitits_requeue_else_exits_130(capsys):
+    calls = []
+
+    def checkpoint_and_try_requeue(signum, frame):  # the name of submitit's SignalHandler method
+        calls.append(signum)
+        raise SystemExit(-1)  # as submitit's does after `scontrol requeue`
+
+    previous = signal.signal(signal.SIGUSR2, checkpoint_and_try_requeue)
+    try:
+        notice = PreemptionNotice()
+
+        async def step():
+            os.kill(os.getpid(), signal.SIGUSR2)
+            await asyncio.wait_for(notice.received.wait(), 5)
+
+        _run_with_notice(notice, step)
+        notice.saved_step = 7
+        with pytest.raises(SystemExit) as e:
+            notice.handover()
+        assert e.value.code == -1 and calls == [signal.SIGUSR2]
+        assert "checkpoint saved at step 7; requeueing" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+    plain = PreemptionNotice()  # no submitit (a plain sbatch script): stop, naming the step to resume from
+    with pytest.raises(SystemExit) as e:
+        plain.handover()
+    assert e.value.code == EXIT_INTERRUPTED
+    assert "no checkpoint saved; resume with checkpoint.resume=auto" in capsys.readouterr().err
