@@ -357,7 +357,7 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     ctl.preempted = notice.received
     await ctl.run()
     if notice.received.is_set():  # saved at the step's end (not the end of training): no final save or export
-        notice.saved_step = ctl.saved_step
+        notice.saved(ctl.saved_step)
         return 0
     if c.save_steps != 0:  # 0: no resumable checkpoint at all
         await ctl.save()

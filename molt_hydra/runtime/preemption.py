@@ -32,15 +32,16 @@ class PreemptionNotice:
     def __init__(self) -> None:
         self.received = asyncio.Event()
         self.saved_step: int | None = None
-        self._submitit = None
+        self._previous = self._submitit = self._cut = None
 
     def install(self, loop: asyncio.AbstractEventLoop, main_task: asyncio.Task) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread takes signals (a notebook's run thread)
-        previous = signal.getsignal(NOTICE)
+        self._previous = signal.getsignal(NOTICE)
         # submitit's handler (submitit/core/job_environment.py, SignalHandler): a bound method; anything else
-        # (the default action: terminate) is not kept
-        self._submitit = previous if getattr(previous, "__name__", "") == "checkpoint_and_try_requeue" else None
+        # (the default action: terminate) is not handed over to
+        named = getattr(self._previous, "__name__", "")
+        self._submitit = self._previous if named == "checkpoint_and_try_requeue" else None
         loop.add_signal_handler(NOTICE, self._notice, loop, main_task)
 
     def _notice(self, loop: asyncio.AbstractEventLoop, main_task: asyncio.Task) -> None:
@@ -50,11 +51,17 @@ class PreemptionNotice:
               f"end of this step (cut short after {GRACE_S:.0f} s), then {'is requeued' if self._submitit else 'stops'}.",
               file=sys.stderr, flush=True)
         self.received.set()
-        loop.call_later(GRACE_S, main_task.cancel)
+        self._cut = loop.call_later(GRACE_S, main_task.cancel)
+
+    def saved(self, step: int | None) -> None:
+        """The step ended (and was saved, unless checkpoint.save_steps=0): the teardown is not cut short."""
+        self.saved_step = step
+        if self._cut is not None:
+            self._cut.cancel()
 
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
-        if threading.current_thread() is threading.main_thread():
-            loop.remove_signal_handler(NOTICE)
+        if threading.current_thread() is threading.main_thread() and loop.remove_signal_handler(NOTICE):
+            signal.signal(NOTICE, self._previous)  # (asyncio leaves the default action: terminate)
 
     def handover(self) -> None:
         """After the teardown, outside the event loop: submitit requeues the point and exits (-1); elsewhere exit

@@ -51,6 +51,29 @@ def test_a_step_that_outlasts_the_grace_is_cut_short(monkeypatch):
         _run_with_notice(notice, endless_step)
 
 
+def test_once_the_step_is_saved_the_teardown_is_not_cut_short_and_the_previous_handler_is_back(monkeypatch):
+    monkeypatch.setattr(preemption, "GRACE_S", 0.3)
+
+    def previous(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGUSR2, previous)
+    try:
+        notice = PreemptionNotice()
+
+        async def step_then_teardown():
+            os.kill(os.getpid(), signal.SIGUSR2)
+            await asyncio.wait_for(notice.received.wait(), 5)
+            notice.saved(3)
+            await asyncio.sleep(0.6)  # a teardown longer than the grace
+            return "torn down"
+
+        assert _run_with_notice(notice, step_then_teardown) == "torn down"
+        assert notice.saved_step == 3 and signal.getsignal(signal.SIGUSR2) is previous
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
 def test_handover_calls_submitits_requeue_else_exits_130(capsys):
     calls = []
 
@@ -67,7 +90,7 @@ def test_handover_calls_submitits_requeue_else_exits_130(capsys):
             await asyncio.wait_for(notice.received.wait(), 5)
 
         _run_with_notice(notice, step)
-        notice.saved_step = 7
+        notice.saved(7)
         with pytest.raises(SystemExit) as e:
             notice.handover()
         assert e.value.code == -1 and calls == [signal.SIGUSR2]
