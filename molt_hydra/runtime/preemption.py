@@ -60,8 +60,9 @@ class PreemptionNotice:
             self._cut.cancel()
 
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
-        if threading.current_thread() is threading.main_thread() and loop.remove_signal_handler(NOTICE):
-            signal.signal(NOTICE, self._previous)  # (asyncio leaves the default action: terminate)
+        main = threading.current_thread() is threading.main_thread()
+        if main and loop.remove_signal_handler(NOTICE) and self._previous is not None:  # (None: not set from Python)
+            signal.signal(NOTICE, self._previous)  # asyncio would leave the default action: terminate
 
     def handover(self) -> None:
         """After the teardown, outside the event loop: submitit requeues the point and exits (-1); elsewhere exit
