@@ -2,7 +2,9 @@
 malformed JSONL line, a file without rows, a missing column end with one ValueError naming the config key, the file
 and the reason. Before: an empty .jsonl raised a bare StopIteration (in the run: 'RuntimeError: coroutine raised
 StopIteration'), a malformed line datasets' 'An error occurred while generating the dataset', naming neither; a
-null prompt failed each of its rollouts as an agent_exception, every epoch."""
+null prompt failed each of its rollouts as an agent_exception, every epoch. A configured label / tools / image column
+the data lacks was silently absent from every row. Several datasets: a probability of 0 hung the interleaving loop
+(that dataset is never drawn, so never exhausted), and data.max_samples capped each dataset but not their union."""
 
 from __future__ import annotations
 
@@ -17,7 +19,11 @@ FILES = {
                         "is not a readable jsonl file: JSON parse error"),
     "no_rows.json": ("[]\n", "is not a readable json file: "),
     "no_column.jsonl": ('{"text": "a"}\n', "data.input_key='prompt' is not a column; columns: ['text']"),
-    "null_prompt.jsonl": ('{"prompt": "a"}\n{"prompt": null}\n', "row 1: data.input_key='prompt' is None; "),
+    "null_prompt.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": null, "label": "2"}\n',
+                          "row 1: data.input_key='prompt' is None; "),
+    # Before: each row's label silently "" (the math agents then rewarded every answer 0, or an empty \boxed{} 1)
+    "no_label_column.jsonl": ('{"prompt": "a", "answer": "1"}\n',
+                              "data.label_key='label' is not a column; columns: ['answer', 'prompt']"),
 }
 
 
@@ -37,3 +43,33 @@ def test_a_readable_file_loads(tmp_path):
     path.write_text('{"prompt": "a", "label": "1"}\n')
     assert _named("data.train_path", load_prompts, str(path)) == [{"prompt": "a", "label": "1",
                                                                     "datasource": "default"}]
+
+
+@pytest.mark.parametrize("key", ["label_key", "tools_key", "image_key"])
+def test_a_configured_column_the_data_lacks_is_named_with_its_fix(tmp_path, key):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "label": "1"}\n')
+    with pytest.raises(ValueError, match=rf"data\.{key}='nope' is not a column; columns: \['label', 'prompt'\].*Fix: "):
+        _named("data.train_path", load_prompts, str(path), **{key: "nope"})
+    assert load_prompts(str(path), label_key=None) == [{"prompt": "a", "label": "", "datasource": "default"}]
+
+
+def _two_files(tmp_path) -> str:
+    for name, n in (("a", 5), ("b", 3)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(f'{{"prompt": "{name}{i}", "label": "{i}"}}\n'
+                                                        for i in range(n)))
+    return f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
+
+
+@pytest.mark.parametrize("probs", [None, [0.5, 0.5]])
+def test_max_samples_caps_each_dataset_and_their_union(tmp_path, probs):
+    rows = load_prompts(_two_files(tmp_path), max_samples=4, probs=probs)
+    assert len(rows) == 4  # a: 4 of 5, b: 3 of 3, together 7 (or 8 interleaved) -> 4
+    if probs is None:
+        assert [r["prompt"] for r in rows] == ["a0", "a1", "a2", "a3"]
+
+
+@pytest.mark.timeout(30)  # before: an endless loop
+def test_a_dataset_with_probability_zero_is_refused_not_looped_on(tmp_path):
+    with pytest.raises(ValueError, match=r"data.train_probs=\[1.0, 0.0\]: every dataset needs a probability > 0"):
+        load_prompts(_two_files(tmp_path), probs=[1.0, 0.0])
