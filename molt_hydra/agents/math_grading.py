@@ -26,9 +26,16 @@ def last_boxed(text: str) -> str | None:
 
 def grade_math(response: str, label, require_boxed: bool = True) -> float:
     """1.0 when the response's last boxed answer equals `label` mathematically, else 0.0. Without a box: 0.0, or,
-    with `require_boxed=False`, math-verify's own extraction of the response's last answer is graded."""
+    with `require_boxed=False`, math-verify's own extraction of the response's last answer is graded. A list label
+    is the answer tuple ("2, 3"; math-verify compares it as a set). A missing label is an error, not a grade: the
+    string fallback below would reward an empty \\boxed{} against "" and \\boxed{None} against None."""
     from math_verify import parse, verify
 
+    if isinstance(label, (list, tuple)):  # str() would give "['2', '3']", which matches no answer
+        label = ", ".join(map(str, label))
+    if label is None or not str(label).strip():
+        raise ValueError(f"grade_math: the row has no label to grade against ({label!r}). Fix: point data.label_key "
+                         "at the column of each row's answer, and give every row one")
     answer = last_boxed(response)
     if answer is None and require_boxed:
         return 0.0

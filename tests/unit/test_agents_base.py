@@ -83,6 +83,12 @@ def test_math_grading():
     # unboxed grading takes the response's last answer, so a wrong intermediate number does not count
     assert grade_math("12 + 7 = 19", "19", require_boxed=False) == 1.0
     assert grade_math("19? No: 12 + 7 = 8", "19", require_boxed=False) == 0.0
+    # a list label is the answer tuple (was: graded against the text "['2', '3']", so never correct)
+    assert grade_math(r"\boxed{3, 2}", ["2", "3"]) == 1.0 and grade_math(r"\boxed{2}", ["2", "3"]) == 0.0
+    # no label is an error, not a grade (was: \boxed{} scored 1.0 against "", \boxed{None} 1.0 against None)
+    for response, label in ((r"\boxed{}", ""), (r"\boxed{None}", None), (r"\boxed{ }", " ")):
+        with pytest.raises(ValueError, match="no label to grade against.*Fix: point data.label_key"):
+            grade_math(response, label)
 
 
 def test_toy_reward_is_the_digit_fraction():
