@@ -76,6 +76,20 @@ def reply_loss_mask(ids: list[int], markers: ReplyMarkers, special_ids: set[int]
     return mask
 
 
+def _check_row(row, index: int, input_key: str, output_key: str | None) -> None:
+    """A row that is no object, or whose prompt / reply is missing or of another shape, is an error naming the row and
+    the key (was: a bare KeyError / TypeError from the trainer rank)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"SFT row {index} is {row!r:.60}, not an object with data.input_key={input_key!r}. Fix: "
+                         "make every row a JSON object")
+    for key, column, types in (("input_key", input_key, (str, list)), ("output_key", output_key, (str, dict, list))):
+        if column is not None and not isinstance(row.get(column), types):
+            got = f"is {row[column]!r:.60}" if column in row else f"is missing (keys {sorted(row)})"
+            raise ValueError(f"SFT row {index}: data.{key}={column!r} {got}; it must be a string or a list of chat "
+                             f"messages{' (or one message)' if key == 'output_key' else ''}. Fix: set data.{key} to "
+                             "that column, and give every row one")
+
+
 def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
     prompt = row[input_key]
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -111,6 +125,8 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     markers = discover_reply_markers(tokenizer, chat_template)
     special = _special_ids(tokenizer)
     out, dropped, rows = [], [], rows[:max_samples]
+    for index, row in enumerate(rows):
+        _check_row(row, index, input_key, output_key)
     usable = rows
     if image_key:  # a row with an unreadable image, or too many, costs its row (logged, counted), never the run
         with_images = next((i for i, row in enumerate(rows) if row.get(image_key)), None)

@@ -3,6 +3,8 @@ for ChatML (the tiny model's template) and a Gemma-style template written here."
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -66,6 +68,20 @@ def test_rows_without_reply_are_dropped_and_all_empty_is_an_error(tok):
     assert len(samples) == 1
     with pytest.raises(ValueError, match="no SFT samples"):
         build_sft_samples(rows[1:], tok)
+
+
+@pytest.mark.parametrize("rows,output_key,message", [
+    ([{"input": "hi", "output": "a"}, {"input": "x"}], "output",
+     "SFT row 1: data.output_key='output' is missing (keys ['input'])"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], None, "SFT row 0: data.input_key='input' is missing"),
+    ([{"input": None, "output": "a"}], "output", "SFT row 0: data.input_key='input' is None"),
+    ([{"input": "hi", "output": 5}], "output", "SFT row 0: data.output_key='output' is 5"),
+    ([{"input": "hi", "output": "a"}, 7], "output", "SFT row 1 is 7, not an object"),
+])
+def test_a_row_without_its_columns_is_named_with_the_key(tok, rows, output_key, message):
+    """Before: a bare KeyError('output') / TypeError("'NoneType' object is not iterable") from the trainer rank."""
+    with pytest.raises(ValueError, match=re.escape(message) + ".*Fix: "):
+        build_sft_samples(rows, tok, output_key=output_key)
 
 
 def test_template_without_generation_prompt_is_refused(tok):
