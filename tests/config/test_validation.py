@@ -68,6 +68,9 @@ CROSS_GROUP = [
      "without IS correction the drift is uncorrected"),
     ("is_needs_full_top_p", ["algorithm.is_correction.level=token", "rollout.top_p=0.9"], "rollout.top_p",
      "but top_p=0.9 renormalises vLLM's"),
+    # before: accepted; every token's ratio was its top-k mass (< 1), so mode=mask dropped tokens by that mass alone
+    ("is_needs_no_top_k", ["algorithm.is_correction.level=token", "rollout.top_k=20"], "rollout.top_k",
+     "but top_k=20 renormalises vLLM's over the 20 likeliest tokens"),
     ("sync_no_partial", ["train.mode=sync", "train.partial_rollout=true"], "train.partial_rollout",
      "sync mode trains only tokens of the current policy"),
     ("sync_no_queue", ["train.mode=sync", "train.queue_depth=2"], "train.queue_depth",
