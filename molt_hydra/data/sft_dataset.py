@@ -107,10 +107,22 @@ def load_rows(data: str | list[dict]) -> list[dict]:
         return builtin_rows(str(data))
     path = Path(data)
     if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    raise ValueError(f"SFT data {str(path)!r}: expected a .jsonl or .json file (or a list of rows)")
+        return [_json(text, path, i) for i, text in enumerate(path.read_text().splitlines(), 1) if text.strip()]
+    if path.suffix != ".json":
+        raise ValueError(f"SFT data {str(path)!r}: expected a .jsonl or .json file (or a list of rows)")
+    if not isinstance(rows := _json(path.read_text(), path, None), list):
+        raise ValueError(f"SFT data {str(path)!r}: a .json file must hold a list of rows, got a "
+                         f"{type(rows).__name__}. Fix: wrap the rows in [...], or write them one a line as .jsonl")
+    return rows
+
+
+def _json(text: str, path: Path, line: int | None):
+    """json.loads, whose error names neither the file nor (in a .jsonl) the line: both, here."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"SFT data {str(path)!r}: line {line or e.lineno} is not JSON ({e.msg}). Fix: one JSON "
+                         "object per line (.jsonl), or one JSON list of objects (.json)") from None
 
 
 def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", output_key: str | None = None,

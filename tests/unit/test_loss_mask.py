@@ -8,7 +8,7 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from molt_hydra.data.sft_dataset import build_sft_samples, discover_reply_markers
+from molt_hydra.data.sft_dataset import build_sft_samples, discover_reply_markers, load_rows
 
 GEMMA = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
          "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
@@ -82,6 +82,19 @@ def test_a_row_without_its_columns_is_named_with_the_key(tok, rows, output_key, 
     """Before: a bare KeyError('output') / TypeError("'NoneType' object is not iterable") from the trainer rank."""
     with pytest.raises(ValueError, match=re.escape(message) + ".*Fix: "):
         build_sft_samples(rows, tok, output_key=output_key)
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("bad.jsonl", '{"input": "a", "output": "b"}\n\n{"input": "a", "output"}\n', "line 3 is not JSON"),
+    ("bad.json", '[{"input": "a"},\n{"input": "b"', "line 2 is not JSON"),
+    ("dict.json", '{"input": "a"}', "a .json file must hold a list of rows, got a dict"),
+])
+def test_sft_data_that_is_not_rows_is_named_with_its_line(tmp_path, name, text, message):
+    """Before: json's bare "Expecting ':' delimiter: line 1 column 24" (the line within the .jsonl line, not the file's,
+    and no file), and a .json object a TypeError from slicing it."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=f"SFT data '{re.escape(str(tmp_path / name))}': {message}.*Fix: "):
+        load_rows(str(tmp_path / name))
 
 
 def test_template_without_generation_prompt_is_refused(tok):
