@@ -127,6 +127,9 @@ def load_dataset(spec: str, split: str, config: str | None = None):
             raise ValueError(f"{path} is not a readable {path.suffix[1:]} file: {_reason(e)}") from None
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict) and split not in loaded:  # (was: a KeyError read as "...: test")
+            raise ValueError(f"{path} has no split {split!r}; its splits: {sorted(loaded)}. Fix: set data.split (for "
+                             "eval.data_path: eval.split) to one of them")
         return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
     return datasets.load_dataset(spec, config, split=split)
 

@@ -73,3 +73,13 @@ def test_max_samples_caps_each_dataset_and_their_union(tmp_path, probs):
 def test_a_dataset_with_probability_zero_is_refused_not_looped_on(tmp_path):
     with pytest.raises(ValueError, match=r"data.train_probs=\[1.0, 0.0\]: every dataset needs a probability > 0"):
         load_prompts(_two_files(tmp_path), probs=[1.0, 0.0])
+
+
+def test_a_split_the_saved_datasetdict_lacks_is_named_with_its_splits(tmp_path):
+    """Before: the KeyError's bare 'test' ("data.train_path=DIR: test")."""
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a", "label": "1"}])}).save_to_disk(
+        str(tmp_path / "dict"))
+    with pytest.raises(ValueError, match=r"has no split 'test'; its splits: \['train'\]. Fix: set data.split"):
+        _named("data.train_path", load_prompts, str(tmp_path / "dict"), split="test")
