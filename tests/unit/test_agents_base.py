@@ -1,5 +1,6 @@
 import asyncio
 import math
+import time
 
 import numpy as np
 import pytest
@@ -89,6 +90,19 @@ def test_math_grading():
     for response, label in ((r"\boxed{}", ""), (r"\boxed{None}", None), (r"\boxed{ }", " ")):
         with pytest.raises(ValueError, match="no label to grade against.*Fix: point data.label_key"):
             grade_math(response, label)
+
+
+@pytest.mark.timeout(60)  # before: never returned
+def test_an_answer_sympy_cannot_evaluate_is_graded_0_by_its_deadline():
+    """\\boxed{9^{9^{9^{9}}}} is one big-integer power that holds the GIL until done (never): graded in-process it froze
+    every thread of the agent runner, so neither the agent's timeout nor any other could fire. Now its worker process
+    is killed at the deadline, the answer graded 0.0 (math-verify's verdict for a timed-out comparison), and the next
+    grade runs in a fresh worker."""
+    assert grade_math(r"\boxed{4}", "4") == 1.0  # a worker started (its start is not the deadline's)
+    start = time.monotonic()
+    assert grade_math(r"\boxed{9^{9^{9^{9}}}}", "1", timeout_s=2) == 0.0
+    assert time.monotonic() - start < 10
+    assert grade_math(r"\boxed{\frac{6}{4}}", "1.5") == 1.0
 
 
 def test_toy_reward_is_the_digit_fraction():
