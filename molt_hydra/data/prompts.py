@@ -222,7 +222,8 @@ def _rename(row: dict, index: int, input_key: str, label_key: str | None, tools_
         raise ValueError(f"row {index}: data.input_key={input_key!r} is {row[input_key]!r:.60}; each row's prompt is "
                          "its text or a list of chat messages")
     out = {"prompt": row[input_key], "label": row[label_key] if label_key else "",
-           "datasource": row.get("datasource", "default")}
+           # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
+           "datasource": str(row.get("datasource") or "default")}
     for name, column in (("tools", tools_key), ("images", image_key)):  # optional columns: absent when unset or null
         if column and row.get(column) is not None:
             out[name] = row[column]

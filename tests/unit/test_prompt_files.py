@@ -83,3 +83,11 @@ def test_a_split_the_saved_datasetdict_lacks_is_named_with_its_splits(tmp_path):
         str(tmp_path / "dict"))
     with pytest.raises(ValueError, match=r"has no split 'test'; its splits: \['train'\]. Fix: set data.split"):
         _named("data.train_path", load_prompts, str(tmp_path / "dict"), split="test")
+
+
+def test_a_null_datasource_is_the_default_one(tmp_path):
+    """Before: a row with "datasource": null was scored under the eval metrics eval_None_*."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "label": "1", "datasource": "gsm8k"}\n{"prompt": "b", "label": "2", '
+                    '"datasource": null}\n')
+    assert [r["datasource"] for r in load_prompts(str(path))] == ["gsm8k", "default"]
