@@ -28,8 +28,10 @@ def estimator_needs(cfg: RunConfig, problems: Problems) -> frozenset[str]:
         try:
             load_plugins([module])
         except ImportError as e:
-            problems.check(False, "algorithm.plugins", f"cannot import {module!r} ({e.__cause__ or e}).",
-                           "put the module on PYTHONPATH or fix its name")
+            cause = e.__cause__ or e
+            problems.check(False, "algorithm.plugins", f"cannot import {module!r} ({type(cause).__name__}: {cause}).",
+                           "put the module on PYTHONPATH or fix its name" if isinstance(cause, ImportError) else
+                           "fix the module's code: importing it must succeed")
     problems.check(a.estimator in ADVANTAGE_ESTIMATORS, "algorithm.estimator",
                    f"{a.estimator!r} is not a registered estimator.",
                    f"use one of {sorted(ADVANTAGE_ESTIMATORS)}, or register yours and list its module in "
