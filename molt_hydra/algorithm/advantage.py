@@ -137,10 +137,10 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, action_mask: torch
                          f"{tuple(returns.shape)}; expected the action mask's {tuple(mask.shape)}")
     # The policy loss would zero a non-finite advantage (Molt's sanitisation): the run would train on nothing, unseen
     if not (finite := torch.isfinite(advantages[mask])).all():
-        critic = values is not None and not torch.isfinite(values[mask]).all()
+        cause = ": a reward is NaN" if rollout_rewards.isnan().any() else ": the critic's values are non-finite " \
+            "there (a diverged critic)" if values is not None and not torch.isfinite(values[mask]).all() else ""
         raise ValueError(f"advantage estimator {estimator!r} gave {int((~finite).sum())} non-finite advantages on "
-                         f"action tokens" + (": the critic's values are non-finite there (a diverged critic)" if
-                                             critic else "") + "; the policy loss would zero them and learn nothing")
+                         f"action tokens{cause}; the policy loss would zero them and learn nothing")
     # Molt leaves whitened values on masked positions (harmless only because the loss re-masks); here the invariant
     # "advantages are 0 off the action mask" holds for every estimator, plugins included.
     return torch.where(mask, advantages, 0.0).float(), returns.float()

@@ -371,6 +371,8 @@ def test_non_finite_advantages_on_action_tokens_are_an_error():
     with pytest.raises(ValueError, match=r"'gae' gave 2 non-finite advantages on action tokens: the critic's values "
                                          r"are non-finite there"):
         compute_advantages("gae", torch.tensor([1.0]), mask, values=torch.tensor([[0.0, float("nan"), 0.0]]))
+    with pytest.raises(ValueError, match=r"'grpo' gave 4 non-finite advantages on action tokens: a reward is NaN"):
+        compute_advantages("grpo", torch.tensor([1.0, float("nan")]), mask.expand(2, 3), group_ids=[0, 0])
     register_advantage_estimator("nan_test")(lambda r, g, ctx: (torch.full(ctx.action_mask.shape, float("nan")),) * 2)
     try:
         with pytest.raises(ValueError, match=r"'nan_test' gave 2 non-finite advantages.*would zero them"):
