@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from molt_hydra.algorithm.aggregation import masked_mean
+
 
 @dataclass
 class Experience:
@@ -211,7 +213,7 @@ def experience_metrics(experiences: Sequence[Experience], returns: torch.Tensor,
     metrics = {k: mean([e.info[k] for e in experiences if k in e.info]) for k in keys}
     metrics["reward"] = mean([e.reward for e in experiences])
     metrics["score"] = mean([e.score for e in experiences])
-    metrics["return"] = float((returns * mask).sum() / mask.sum())
+    metrics["return"] = float(masked_mean(returns, mask))  # (a plugin's returns may be NaN off the mask)
     return metrics
 
 

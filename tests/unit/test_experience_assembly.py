@@ -114,7 +114,7 @@ def test_experience_metrics_are_sample_and_token_means():
     b, _ = to_experience(traj(generated=(7,), info={"turns": 3}), 16)
     b.reward, b.score = -1.0, 0.0
     batch = collate([a, b])
-    returns = torch.tensor([[9.0, 9.0, 1.0, 2.0], [9.0, 9.0, 6.0, 9.0]])  # off-mask values must not count
+    returns = torch.tensor([[9.0, 9.0, 1.0, 2.0], [9.0, float("nan"), 6.0, 9.0]])  # off-mask values must not count
     m = experience_metrics([a, b], returns, batch.action_mask)
     assert m["turns"] == 2.0 and m["reward"] == 0.0 and m["score"] == 0.5
     assert m["return"] == pytest.approx((1 + 2 + 6) / 3)
