@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 
-_BOXED = re.compile(r"\\boxed\{")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\{")
 GRADE_TIMEOUT_S = 10.0  # math-verify's own defaults: 5 s to parse, 5 s to verify
 START_TIMEOUT_S = 120.0  # a worker's import of math-verify / sympy (seconds on a loaded machine)
 MAX_WORKERS = min(8, os.cpu_count() or 1)
@@ -40,7 +40,7 @@ for line in sys.stdin:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (balanced braces), or None."""
+    """Content of the last `\\boxed{...}` or `\\fbox{...}` (balanced braces), or None."""
     starts = [m.end() for m in _BOXED.finditer(text)]
     if not starts:
         return None
@@ -53,15 +53,16 @@ def last_boxed(text: str) -> str | None:
 
 def grade_math(response: str, label, require_boxed: bool = True, timeout_s: float = GRADE_TIMEOUT_S) -> float:
     """1.0 when the response's last boxed answer equals `label` mathematically, else 0.0. Without a box: 0.0, or,
-    with `require_boxed=False`, math-verify's own extraction of the response's last answer is graded. A list label
-    is the answer tuple ("2, 3"; math-verify compares it as a set). A missing label is an error, not a grade: the
-    string fallback below would reward an empty \\boxed{} against "" and \\boxed{None} against None. A comparison
-    past `timeout_s` is 0.0."""
+    with `require_boxed=False`, math-verify's own extraction of the response's last answer is graded. A dict label
+    is unwrapped (`answer_of`); a list label is the answer tuple ("2, 3"; math-verify compares it as a set). A
+    missing label is an error, not a grade: the string fallback below would reward an empty \\boxed{} against ""
+    and \\boxed{None} against None. A comparison past `timeout_s` is 0.0."""
+    given, label = label, answer_of(label)
     if isinstance(label, (list, tuple)):  # str() would give "['2', '3']", which matches no answer
         label = ", ".join(map(str, label))
     if label is None or not str(label).strip():
-        raise ValueError(f"grade_math: the row has no label to grade against ({label!r}). Fix: point data.label_key "
-                         "at the column of each row's answer, and give every row one")
+        raise ValueError(f"grade_math: the row has no label to grade against ({given!r:.80}). Fix: point "
+                         "data.label_key at the column of each row's answer, and give every row one")
     answer = last_boxed(response)
     if answer is None and require_boxed:
         return 0.0
@@ -72,6 +73,24 @@ def grade_math(response: str, label, require_boxed: bool = True, timeout_s: floa
     if answer is not None and not (gold_parsed and pred_parsed):
         return float(str(label).strip() == answer.strip())
     return float(equal)
+
+
+def answer_of(label):
+    """The answer a label holds (Molt's math grader unwraps the same): the label itself, or a dict's `ground_truth`,
+    `answer`, `target` or `label`, else that of its nested `reward_model`, `extra_info` or `solution` (whose
+    `extracted` comes first); e.g. data.label_key=reward_model of the prep scripts' {"ground_truth": "3", "style": ..}.
+    (Was: a dict label was graded as its text, so no answer ever matched.)"""
+    if not isinstance(label, dict):
+        return label
+    for key in ("ground_truth", "answer", "target", "label"):
+        if label.get(key) is not None:
+            return answer_of(label[key])
+    for key in ("reward_model", "extra_info", "solution"):
+        if isinstance(inner := label.get(key), dict):
+            found = inner.get("extracted") if key == "solution" else None
+            if (found := answer_of(inner) if found is None else found) is not None:
+                return found
+    return None  # grade_math: "no label to grade against"
 
 
 class _Workers:

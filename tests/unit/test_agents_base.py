@@ -86,6 +86,13 @@ def test_math_grading():
     assert grade_math("19? No: 12 + 7 = 8", "19", require_boxed=False) == 0.0
     # a list label is the answer tuple (was: graded against the text "['2', '3']", so never correct)
     assert grade_math(r"\boxed{3, 2}", ["2", "3"]) == 1.0 and grade_math(r"\boxed{2}", ["2", "3"]) == 0.0
+    # a dict label holds the answer as Molt's grader unwraps it (before: graded as its text, never correct)
+    assert grade_math(r"\boxed{3}", {"ground_truth": "3", "style": "rule"}) == 1.0
+    assert grade_math(r"\boxed{3}", {"reward_model": {"ground_truth": 3}, "extra_info": {"answer": 4}}) == 1.0
+    assert grade_math(r"\boxed{5}", {"solution": {"extracted": "5", "answer": "x = 5"}}) == 1.0
+    assert grade_math(r"so \fbox{7}", "7") == 1.0 and last_boxed(r"\boxed{1} then \fbox{2}") == "2"
+    with pytest.raises(ValueError, match=r"no label to grade against \(\{'style': 'rule'\}\)"):
+        grade_math(r"\boxed{3}", {"style": "rule"})
     # no label is an error, not a grade (was: \boxed{} scored 1.0 against "", \boxed{None} 1.0 against None)
     for response, label in ((r"\boxed{}", ""), (r"\boxed{None}", None), (r"\boxed{ }", " ")):
         with pytest.raises(ValueError, match="no label to grade against.*Fix: point data.label_key"):
