@@ -88,6 +88,11 @@ def _check_row(row, index: int, input_key: str, output_key: str | None) -> None:
             raise ValueError(f"SFT row {index}: data.{key}={column!r} {got}; it must be a string or a list of chat "
                              f"messages{' (or one message)' if key == 'output_key' else ''}. Fix: set data.{key} to "
                              "that column, and give every row one")
+        value = row.get(column) if column is not None else None
+        for message in [value] if isinstance(value, dict) else value if isinstance(value, list) else []:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+                raise ValueError(f"SFT row {index}: data.{key}={column!r} holds {message!r:.60}, not a chat message. "
+                                 "Fix: make each message an object with a 'role' (and its 'content')")
 
 
 def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:

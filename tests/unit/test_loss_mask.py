@@ -77,6 +77,11 @@ def test_rows_without_reply_are_dropped_and_all_empty_is_an_error(tok):
     ([{"input": None, "output": "a"}], "output", "SFT row 0: data.input_key='input' is None"),
     ([{"input": "hi", "output": 5}], "output", "SFT row 0: data.output_key='output' is 5"),
     ([{"input": "hi", "output": "a"}, 7], "output", "SFT row 1 is 7, not an object"),
+    ([{"input": [{"content": "hi"}, {"role": "assistant", "content": "a"}]}], None,
+     "SFT row 0: data.input_key='input' holds {'content': 'hi'}, not a chat message"),
+    ([{"input": ["hi", "a"]}], None, "SFT row 0: data.input_key='input' holds 'hi', not a chat message"),
+    ([{"input": "hi", "output": {"content": "a"}}], "output",
+     "SFT row 0: data.output_key='output' holds {'content': 'a'}, not a chat message"),
 ])
 def test_a_row_without_its_columns_is_named_with_the_key(tok, rows, output_key, message):
     """Before: a bare KeyError('output') / TypeError("'NoneType' object is not iterable") from the trainer rank."""
