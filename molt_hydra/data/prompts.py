@@ -217,10 +217,14 @@ def _renamed(dataset, spec: str, **keys: str | None) -> list[dict]:
 def _rename(row: dict, index: int, input_key: str, label_key: str | None, tools_key: str | None,
             image_key: str | None) -> dict:
     """Row `index` in the runner's names; a row whose prompt is neither text nor a list of chat messages (null: a
-    missing value) is an error naming the row."""
-    if not isinstance(row[input_key], (str, list)):
-        raise ValueError(f"row {index}: data.input_key={input_key!r} is {row[input_key]!r:.60}; each row's prompt is "
-                         "its text or a list of chat messages")
+    missing value; a message without a role; no message) is an error naming the row (was, for a bad message: each of
+    its rollouts an agent_exception from the chat template, every epoch)."""
+    prompt = row[input_key]
+    messages_ok = isinstance(prompt, list) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
+    if not (isinstance(prompt, str) or messages_ok):
+        raise ValueError(f"row {index}: data.input_key={input_key!r} is {prompt!r:.60}; each row's prompt is its "
+                         "text or a non-empty list of chat messages, each an object with a 'role'")
     out = {"prompt": row[input_key], "label": row[label_key] if label_key else "",
            # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
            "datasource": str(row.get("datasource") or "default")}

@@ -19,6 +19,9 @@ FILES = {
                         "is not a readable jsonl file: JSON parse error"),
     "no_rows.json": ("[]\n", "is not a readable json file: "),
     "no_column.jsonl": ('{"text": "a"}\n', "data.input_key='prompt' is not a column; columns: ['text']"),
+    "roleless_message.jsonl": ('{"prompt": [{"content": "hi"}], "label": "1"}\n',
+                               "row 0: data.input_key='prompt' is [{'content': 'hi'}]; "),
+    "no_message.jsonl": ('{"prompt": [], "label": "1"}\n', "row 0: data.input_key='prompt' is []; "),
     "null_prompt.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": null, "label": "2"}\n',
                           "row 1: data.input_key='prompt' is None; "),
     # Before: each row's label silently "" (the math agents then rewarded every answer 0, or an empty \boxed{} 1)
