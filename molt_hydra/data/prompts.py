@@ -6,6 +6,7 @@ A row is a plain dict: `prompt` (string or chat messages), `label`, optional `to
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -228,7 +229,22 @@ def _rename(row: dict, index: int, input_key: str, label_key: str | None, tools_
     out = {"prompt": row[input_key], "label": row[label_key] if label_key else "",
            # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
            "datasource": str(row.get("datasource") or "default")}
-    for name, column in (("tools", tools_key), ("images", image_key)):  # optional columns: absent when unset or null
-        if column and row.get(column) is not None:
-            out[name] = row[column]
+    if tools_key and row.get(tools_key) is not None:  # optional columns: absent when unset or null
+        out["tools"] = _tools(row[tools_key], index, tools_key)
+    if image_key and row.get(image_key) is not None:
+        out["images"] = row[image_key]
     return out
+
+
+def _tools(value, index: int, tools_key: str) -> list[dict]:
+    """A row's tools: a list of function schemas, or its JSON text (the form that keeps rows' differing schemas apart:
+    datasets merges JSON objects of one column into one struct, adding each row's missing keys as nulls). Anything
+    else is an error naming the row (was: handed on as it was; a string rendered into the chat template as text)."""
+    try:
+        tools = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        tools = e
+    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"row {index}: data.tools_key={tools_key!r} is {value!r:.60}; a row's tools are a list of "
+                         "function schemas (objects), or that list as JSON text")
+    return tools

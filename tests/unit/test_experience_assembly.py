@@ -41,8 +41,8 @@ def test_to_experience_cuts_masks_and_counts_lengths():
     assert exp.rollout_log_probs.tolist() == [0.0, 0.0, -0.5, -0.5]
     assert exp.policy_versions.tolist() == [-1, -1, 3, 3]
     # numeric info only (a bool is not a number here); lengths after the cut; 6 tokens >= 4: clipped and truncated
-    assert exp.info == {"turns": 2.0, "acc": 0.5, "calls": 3.0, "gap": 0.25, "response_length": 2.0, "total_length": 4.0, "response_clip_ratio": 1.0,
-                        "truncated": 1.0}
+    assert exp.info == {"turns": 2.0, "acc": 0.5, "calls": 3.0, "gap": 0.25, "response_length": 2.0,
+                        "total_length": 4.0, "response_clip_ratio": 1.0, "truncated": 1.0}
     assert exp.reward == 1.0 and exp.score == 1.0 and exp.routed_experts is None
 
 

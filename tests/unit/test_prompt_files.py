@@ -8,6 +8,8 @@ the data lacks was silently absent from every row. Several datasets: a probabili
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from molt_hydra.data.prompts import load_prompts
@@ -22,6 +24,8 @@ FILES = {
     "roleless_message.jsonl": ('{"prompt": [{"content": "hi"}], "label": "1"}\n',
                                "row 0: data.input_key='prompt' is [{'content': 'hi'}]; "),
     "no_message.jsonl": ('{"prompt": [], "label": "1"}\n', "row 0: data.input_key='prompt' is []; "),
+    "tools_not_a_list.jsonl": ('{"prompt": "a", "label": "1", "tools": "not json"}\n',
+                               "row 0: data.tools_key='tools' is 'not json'; a row's tools are a list"),
     "null_prompt.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": null, "label": "2"}\n',
                           "row 1: data.input_key='prompt' is None; "),
     # Before: each row's label silently "" (the math agents then rewarded every answer 0, or an empty \boxed{} 1)
@@ -36,7 +40,7 @@ def test_an_unreadable_prompt_file_is_named_with_its_key_and_reason(tmp_path, na
     path = tmp_path / name
     path.write_text(text)
     with pytest.raises(ValueError) as err:
-        _named("data.train_path", load_prompts, str(path))
+        _named("data.train_path", load_prompts, str(path), tools_key="tools" if "tools" in name else None)
     message = str(err.value)
     assert message.startswith(f"data.train_path={path}: ") and reason in message, message
 
@@ -94,3 +98,14 @@ def test_a_null_datasource_is_the_default_one(tmp_path):
     path.write_text('{"prompt": "a", "label": "1", "datasource": "gsm8k"}\n{"prompt": "b", "label": "2", '
                     '"datasource": null}\n')
     assert [r["datasource"] for r in load_prompts(str(path))] == ["gsm8k", "default"]
+
+
+def test_tools_as_json_text_are_decoded_per_row(tmp_path):
+    """JSON text keeps each row's schemas as written (datasets merges JSON objects of a column into one struct, adding
+    every other row's keys as nulls). Before: the text was handed to the chat template as it was."""
+    one = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": "int"}}}}}]
+    two = [{"type": "function", "function": {"name": "g", "parameters": {"properties": {"y": {"type": "str"}}}}}]
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "a", "label": "1", "tools": json.dumps(t)} for t in (one, two)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [r["tools"] for r in load_prompts(str(path), tools_key="tools")] == [one, two]
