@@ -105,7 +105,8 @@ class _Workers:
         with self.slots:
             with self.lock:
                 proc = self.idle.pop() if self.idle else None
-            proc = proc or self._start()
+            if proc is None or proc.poll() is not None:  # none idle, or that one died while idle (OOM killer...)
+                proc = self._start()
             proc.stdin.write(json.dumps([gold, pred]) + "\n")
             proc.stdin.flush()
             line = self._line(proc, timeout_s)

@@ -10,7 +10,7 @@ from molt_hydra.agents import Episode, Runner, Trajectory, load_runner
 from molt_hydra.agents.base import Result, apply_sampling_override, reward_and_score, scalar
 from molt_hydra.agents.chat_agent import ChatAgentRunner
 from molt_hydra.agents.loading import resolve_target
-from molt_hydra.agents.math_grading import grade_math, last_boxed
+from molt_hydra.agents.math_grading import _WORKERS, grade_math, last_boxed
 from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.rollout.generation import Generation, Sampling
 
@@ -110,6 +110,10 @@ def test_an_answer_sympy_cannot_evaluate_is_graded_0_by_its_deadline():
     assert grade_math(r"\boxed{9^{9^{9^{9}}}}", "1", timeout_s=2) == 0.0
     assert time.monotonic() - start < 10
     assert grade_math(r"\boxed{\frac{6}{4}}", "1.5") == 1.0
+    for worker in list(_WORKERS.idle):  # an idle worker that died (e.g. the OOM killer) is replaced, not written to
+        worker.kill()
+        worker.wait()
+    assert grade_math(r"\boxed{2}", "2") == 1.0
 
 
 def test_toy_reward_is_the_digit_fraction():
