@@ -151,7 +151,7 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     `image_key` become PIL images, at most `max_images_per_prompt` per row (`usable_image_rows`); `blank_images`
     replaces each by a grey one of its size."""
     specs = [s.strip() for s in spec.split(",") if s.strip()]  # `probs`: one per spec (DataConfig checks it)
-    if probs is not None and min(probs) <= 0:  # never drawn, its rows would never be exhausted: the loop below hangs
+    if not all(p > 0 for p in probs or ()):  # never drawn, its rows would never be exhausted: the loop below hangs
         raise ValueError(f"data.train_probs={list(probs)}: every dataset needs a probability > 0")
     parts = []
     for s in specs:

@@ -33,7 +33,7 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
                        f"{key} has image rows ({image}), but 0 images per prompt reach the engine (a text-only setup).",
                        "set data.max_images_per_prompt=1 with a vision-language model.path")
     # a dataset never drawn is never exhausted, and interleaving runs until every one is (data/prompts.py)
-    problems.check(d.train_probs is None or min(d.train_probs) > 0, "data.train_probs",
+    problems.check(all(p > 0 for p in d.train_probs or ()), "data.train_probs",
                    f"{list(d.train_probs or [])} gives a dataset probability 0: it would never be drawn.",
                    "give every dataset of data.train_path a probability > 0, or remove that dataset")
     _sft_data(cfg, problems)
