@@ -135,6 +135,12 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, action_mask: torch
     if advantages.shape != mask.shape or returns.shape != mask.shape:
         raise ValueError(f"advantage estimator {estimator!r} returned shapes {tuple(advantages.shape)} and "
                          f"{tuple(returns.shape)}; expected the action mask's {tuple(mask.shape)}")
+    # The policy loss would zero a non-finite advantage (Molt's sanitisation): the run would train on nothing, unseen
+    if not (finite := torch.isfinite(advantages[mask])).all():
+        cause = ": a reward is NaN" if rollout_rewards.isnan().any() else ": the critic's values are non-finite " \
+            "there (a diverged critic)" if values is not None and not torch.isfinite(values[mask]).all() else ""
+        raise ValueError(f"advantage estimator {estimator!r} gave {int((~finite).sum())} non-finite advantages on "
+                         f"action tokens{cause}; the policy loss would zero them and learn nothing")
     # Molt leaves whitened values on masked positions (harmless only because the loss re-masks); here the invariant
     # "advantages are 0 off the action mask" holds for every estimator, plugins included.
     return torch.where(mask, advantages, 0.0).float(), returns.float()
@@ -168,7 +174,9 @@ def _kl_penalized_rewards(ctx: AdvantageContext, sample_rewards: torch.Tensor | 
         last = torch.where(ctx.action_mask, positions, -1).max(-1).values
         rows = (last >= 0).nonzero().squeeze(-1)
         token_rewards = token_rewards.index_put((rows, last[rows]), sample_rewards[rows], accumulate=True)
-    return token_rewards * ctx.action_mask
+    # `where`, not `* mask`: a NaN / inf off the mask (no meaning there) would stay NaN and flow into every earlier
+    # token's return through the discounted sum
+    return torch.where(ctx.action_mask, token_rewards, 0.0)
 
 
 @register_advantage_estimator("reinforce", needs={"kl"}, reads={"gamma", "whiten"})
@@ -231,7 +239,7 @@ def gae(rewards, groups, ctx):
     Advantages are whitened then re-masked; returns = (A + V) * mask, the un-whitened value target."""
     mask = ctx.action_mask.to(ctx.values.dtype)
     token_rewards = _kl_penalized_rewards(ctx, rewards[ctx.sample_to_rollout])
-    values = ctx.values * mask
+    values = torch.where(ctx.action_mask, ctx.values, 0.0)  # (not * mask: see _kl_penalized_rewards)
     advantages = torch.zeros_like(values)
     next_value = running = torch.zeros_like(values[:, 0])  # both rebound (not updated in place) in the loop
     for t in reversed(range(values.shape[-1])):

@@ -12,6 +12,7 @@ an action. Nothing is re-tokenized: token_ids are exactly what the engine saw an
 
 from __future__ import annotations
 
+import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
@@ -19,6 +20,8 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
+
+from molt_hydra.algorithm.aggregation import masked_mean
 
 
 @dataclass
@@ -109,8 +112,7 @@ def to_experience(trajectory, max_len: int, images=None) -> tuple[Experience | N
     mask = action_mask(action_ranges, len(token_ids), max_len)
     if not any(mask):
         return None, "no_action_tokens"
-    numeric = {k: float(v) for k, v in trajectory.info.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    numeric = {k: v for k, v in ((k, _number(v)) for k, v in trajectory.info.items()) if v is not None}
     info = {**numeric, "response_length": float(sum(mask)), "total_length": float(len(ids)),
             "response_clip_ratio": float(len(token_ids) >= max_len),
             "truncated": float(bool(trajectory.truncated) or len(token_ids) > max_len)}
@@ -120,6 +122,14 @@ def to_experience(trajectory, max_len: int, images=None) -> tuple[Experience | N
         reward=float(trajectory.reward), score=trajectory.score, group_id=trajectory.group_id,
         rollout_id=trajectory.rollout_id, info=info, routed_experts=routing_tensor(trajectory.routed_experts, len(ids)),
         multimodal=multimodal), None
+
+
+def _number(value) -> float | None:
+    """A `Result.info` value as a metric, or None: a Python, numpy or 0-d torch number (was: int and float only, so an
+    agent's numpy float32 / int64 or tensor scalar was dropped unseen); a bool is no number here."""
+    if hasattr(value, "item") and tuple(getattr(value, "shape", (None,))) == ():  # numpy scalar, 0-d tensor / array
+        value = value.item()
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
 
 
 def action_mask(action_ranges, num_tokens: int, max_len: int) -> list[bool]:
@@ -203,7 +213,7 @@ def experience_metrics(experiences: Sequence[Experience], returns: torch.Tensor,
     metrics = {k: mean([e.info[k] for e in experiences if k in e.info]) for k in keys}
     metrics["reward"] = mean([e.reward for e in experiences])
     metrics["score"] = mean([e.score for e in experiences])
-    metrics["return"] = float((returns * mask).sum() / mask.sum())
+    metrics["return"] = float(masked_mean(returns, mask))  # (a plugin's returns may be NaN off the mask)
     return metrics
 
 

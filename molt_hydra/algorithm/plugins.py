@@ -17,6 +17,7 @@ def load_plugins(modules: Iterable[str]) -> list[ModuleType]:
     for name in modules:
         try:
             loaded.append(importlib.import_module(name))
-        except ImportError as e:
-            raise ImportError(f"algorithm.plugins: cannot import {name!r}: {e}") from e
+        except Exception as e:  # noqa: BLE001 -- whatever a plugin raises on import (a SyntaxError, a duplicate
+            # registration's ValueError) is its failure to load, reported as one (was: a traceback out of validation)
+            raise ImportError(f"algorithm.plugins: cannot import {name!r}: {type(e).__name__}: {e}") from e
     return loaded

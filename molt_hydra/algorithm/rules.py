@@ -28,8 +28,10 @@ def estimator_needs(cfg: RunConfig, problems: Problems) -> frozenset[str]:
         try:
             load_plugins([module])
         except ImportError as e:
-            problems.check(False, "algorithm.plugins", f"cannot import {module!r} ({e.__cause__ or e}).",
-                           "put the module on PYTHONPATH or fix its name")
+            cause = e.__cause__ or e
+            problems.check(False, "algorithm.plugins", f"cannot import {module!r} ({type(cause).__name__}: {cause}).",
+                           "put the module on PYTHONPATH or fix its name" if isinstance(cause, ImportError) else
+                           "fix the module's code: importing it must succeed")
     problems.check(a.estimator in ADVANTAGE_ESTIMATORS, "algorithm.estimator",
                    f"{a.estimator!r} is not a registered estimator.",
                    f"use one of {sorted(ADVANTAGE_ESTIMATORS)}, or register yours and list its module in "
@@ -105,6 +107,12 @@ def loss_and_kl_rules(cfg: RunConfig, problems: Problems) -> None:
                    f"the band [{c.low}, {c.high}] excludes 1, the ratio of a token the trainer and the engine agree "
                    f"on, so mode={c.mode.value} would {'drop' if c.mode.value == 'mask' else 'rescale'} every "
                    "on-policy token.", f"set algorithm.is_correction.{bad} so that low <= 1 <= high (e.g. 0.5, 5.0)")
+    # vLLM's processed log-probs are renormalised over the top k tokens (as over top_p's nucleus: config/validate.py),
+    # so every ratio pi_train / pi_rollout would be the kept mass (< 1), not the drift: mask drops, clip/trunc rescale
+    problems.check(c.level.value == "off" or cfg.rollout.top_k == -1, "rollout.top_k", "IS correction compares "
+                   f"full-distribution log-probs, but top_k={cfg.rollout.top_k} renormalises vLLM's over the "
+                   f"{cfg.rollout.top_k} likeliest tokens: each ratio pi_train / pi_rollout would be the kept mass, "
+                   "not the train/rollout drift.", "set rollout.top_k=-1 or algorithm.is_correction.level=off")
     problems.check(a.estimator != "on_policy_distill" or a.kl.coef > 0, "algorithm.kl.coef", "on_policy_distill's "
                    "advantages are -coef x (log pi_student - log pi_teacher), so coef=0 makes every advantage 0 and "
                    "the run learns nothing from the teacher.", "set algorithm.kl.coef > 0 (its default is 1.0)")

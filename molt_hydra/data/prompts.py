@@ -6,6 +6,7 @@ A row is a plain dict: `prompt` (string or chat messages), `label`, optional `to
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -127,6 +128,9 @@ def load_dataset(spec: str, split: str, config: str | None = None):
             raise ValueError(f"{path} is not a readable {path.suffix[1:]} file: {_reason(e)}") from None
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict) and split not in loaded:  # (was: a KeyError read as "...: test")
+            raise ValueError(f"{path} has no split {split!r}; its splits: {sorted(loaded)}. Fix: set data.split (for "
+                             "eval.data_path: eval.split) to one of them")
         return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
     return datasets.load_dataset(spec, config, split=split)
 
@@ -147,23 +151,26 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     `image_key` become PIL images, at most `max_images_per_prompt` per row (`usable_image_rows`); `blank_images`
     replaces each by a grey one of its size."""
     specs = [s.strip() for s in spec.split(",") if s.strip()]  # `probs`: one per spec (DataConfig checks it)
+    if not all(p > 0 for p in probs or ()):  # never drawn, its rows would never be exhausted: the loop below hangs
+        raise ValueError(f"data.train_probs={list(probs)}: every dataset needs a probability > 0")
     parts = []
     for s in specs:
-        rows = builtin_rows(s) if s.startswith(BUILTIN) else [
-            _rename(r, i, input_key, label_key, tools_key, image_key) for i, r in enumerate(load_dataset(s, split))]
+        rows = builtin_rows(s) if s.startswith(BUILTIN) else _renamed(
+            load_dataset(s, split), s, input_key=input_key, label_key=label_key, tools_key=tools_key,
+            image_key=image_key)
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
         parts.append(rows[:max_samples] if max_samples else rows)
     if probs is None:
-        return [r for part in parts for r in part]
-    # Interleave by probability until every dataset is exhausted once (datasets' "all_exhausted").
-    rng, cursors, out = random.Random(seed), [0] * len(parts), []
-    while any(c < len(p) for c, p in zip(cursors, parts)):
-        i = rng.choices(range(len(parts)), weights=probs)[0]
-        out.append(parts[i][cursors[i] % len(parts[i])])
-        cursors[i] += 1
-    return out
+        out = [r for part in parts for r in part]
+    else:  # interleave by probability until every dataset is exhausted once (datasets' "all_exhausted")
+        rng, cursors, out = random.Random(seed), [0] * len(parts), []
+        while any(c < len(p) for c, p in zip(cursors, parts)):
+            i = rng.choices(range(len(parts)), weights=probs)[0]
+            out.append(parts[i][cursors[i] % len(parts[i])])
+            cursors[i] += 1
+    return out[:max_samples] if max_samples else out  # the cap holds per dataset and overall (Molt)
 
 
 def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: int, blank: bool,
@@ -190,18 +197,54 @@ def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: i
     return kept
 
 
+COLUMN_FIX = {"input_key": "set data.input_key to the prompt column",
+              "label_key": "set data.label_key to the column of each row's answer, or data.label_key=null for data "
+                           "without labels (the agent then gets label '')",
+              "tools_key": "set data.tools_key to the tools column, or null",
+              "image_key": "set data.image_key to the image column, or null for text-only data"}
+
+
+def _renamed(dataset, spec: str, **keys: str | None) -> list[dict]:
+    """The dataset's rows in the runner's names. Each configured column must exist: a missing label, tools or image
+    column would hand every rollout an empty label, no tools or no images (a math reward of 0 throughout, a VLM
+    trained text-only) without a word."""
+    for key, column in keys.items():
+        if column is not None and column not in dataset.column_names:
+            raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(dataset.column_names)} "
+                           f"({spec}). Fix: {COLUMN_FIX[key]}")
+    return [_rename(row, i, **keys) for i, row in enumerate(dataset)]
+
+
 def _rename(row: dict, index: int, input_key: str, label_key: str | None, tools_key: str | None,
             image_key: str | None) -> dict:
-    """Row `index` in the runner's names; a missing prompt column, or a row whose prompt is neither text nor a list of
-    chat messages (null: a missing value), is an error naming the row."""
-    if input_key not in row:
-        raise KeyError(f"data.input_key={input_key!r} is not a column; columns: {sorted(row)}")
-    if not isinstance(row[input_key], (str, list)):
-        raise ValueError(f"row {index}: data.input_key={input_key!r} is {row[input_key]!r:.60}; each row's prompt is "
-                         "its text or a list of chat messages")
-    out = {"prompt": row[input_key], "label": row.get(label_key, "") if label_key else "",
-           "datasource": row.get("datasource", "default")}
-    for name, column in (("tools", tools_key), ("images", image_key)):  # optional columns: absent when unset or null
-        if column and row.get(column) is not None:
-            out[name] = row[column]
+    """Row `index` in the runner's names; a row whose prompt is neither text nor a list of chat messages (null: a
+    missing value; a message without a role; no message) is an error naming the row (was, for a bad message: each of
+    its rollouts an agent_exception from the chat template, every epoch)."""
+    prompt = row[input_key]
+    messages_ok = isinstance(prompt, list) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
+    if not (isinstance(prompt, str) or messages_ok):
+        raise ValueError(f"row {index}: data.input_key={input_key!r} is {prompt!r:.60}; each row's prompt is its "
+                         "text or a non-empty list of chat messages, each an object with a 'role'")
+    out = {"prompt": row[input_key], "label": row[label_key] if label_key else "",
+           # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
+           "datasource": str(row.get("datasource") or "default")}
+    if tools_key and row.get(tools_key) is not None:  # optional columns: absent when unset or null
+        out["tools"] = _tools(row[tools_key], index, tools_key)
+    if image_key and row.get(image_key) is not None:
+        out["images"] = row[image_key]
     return out
+
+
+def _tools(value, index: int, tools_key: str) -> list[dict]:
+    """A row's tools: a list of function schemas, or its JSON text (the form that keeps rows' differing schemas apart:
+    datasets merges JSON objects of one column into one struct, adding each row's missing keys as nulls). Anything
+    else is an error naming the row (was: handed on as it was; a string rendered into the chat template as text)."""
+    try:
+        tools = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        tools = e
+    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"row {index}: data.tools_key={tools_key!r} is {value!r:.60}; a row's tools are a list of "
+                         "function schemas (objects), or that list as JSON text")
+    return tools

@@ -32,6 +32,10 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
         problems.check(image is None or d.max_images_per_prompt > 0, "data.max_images_per_prompt",  # once per key
                        f"{key} has image rows ({image}), but 0 images per prompt reach the engine (a text-only setup).",
                        "set data.max_images_per_prompt=1 with a vision-language model.path")
+    # a dataset never drawn is never exhausted, and interleaving runs until every one is (data/prompts.py)
+    problems.check(all(p > 0 for p in d.train_probs or ()), "data.train_probs",
+                   f"{list(d.train_probs or [])} gives a dataset probability 0: it would never be drawn.",
+                   "give every dataset of data.train_path a probability > 0, or remove that dataset")
     _sft_data(cfg, problems)
     problems.check(not (d.blank_images and d.max_images_per_prompt == 0), "data.blank_images",
                    "no image reaches the engine (data.max_images_per_prompt=0), so there is nothing to blank.",
@@ -78,7 +82,15 @@ def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
                      f"generate their own rows ({', '.join(specs)}); no column is read, so it changes nothing.",
                      f"unset {key}, or point the data at a dataset that has that column") for key in COLUMN_KEYS))
     for key, spec in (("data.split", cfg.data.train_path), ("eval.split", cfg.eval.data_path)):
-        no_split = [s for s in _specs(spec) if s.startswith(BUILTIN) or Path(s).suffix in FILE_TYPES]
+        no_split = [s for s in _specs(spec) if s.startswith(BUILTIN) or Path(s).suffix in FILE_TYPES or _one_dataset(s)]
         problems.check(not (no_split and len(no_split) == len(_specs(spec)) and _set(cfg, key)), key,
-                       f"{', '.join(no_split)} has no splits to choose from (a builtin:// task or a data file), so it "
-                       "changes nothing.", f"unset {key}, or point the data at a DatasetDict directory or hub dataset")
+                       f"{', '.join(no_split)} has no splits to choose from (a builtin:// task, a data file or a saved "
+                       "Dataset), so it changes nothing.",
+                       f"unset {key}, or point the data at a DatasetDict directory or hub dataset")
+
+
+def _one_dataset(spec: str) -> bool:
+    """A `save_to_disk` directory of one Dataset, not of a DatasetDict (datasets.load_from_disk tells them apart by
+    the same files): it loads whole, whatever the split."""
+    path = Path(spec)
+    return path.is_dir() and (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file()

@@ -76,6 +76,25 @@ def reply_loss_mask(ids: list[int], markers: ReplyMarkers, special_ids: set[int]
     return mask
 
 
+def _check_row(row, index: int, input_key: str, output_key: str | None) -> None:
+    """A row that is no object, or whose prompt / reply is missing or of another shape, is an error naming the row and
+    the key (was: a bare KeyError / TypeError from the trainer rank)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"SFT row {index} is {row!r:.60}, not an object with data.input_key={input_key!r}. Fix: "
+                         "make every row a JSON object")
+    for key, column, types in (("input_key", input_key, (str, list)), ("output_key", output_key, (str, dict, list))):
+        if column is not None and not isinstance(row.get(column), types):
+            got = f"is {row[column]!r:.60}" if column in row else f"is missing (keys {sorted(row)})"
+            raise ValueError(f"SFT row {index}: data.{key}={column!r} {got}; it must be a string or a list of chat "
+                             f"messages{' (or one message)' if key == 'output_key' else ''}. Fix: set data.{key} to "
+                             "that column, and give every row one")
+        value = row.get(column) if column is not None else None
+        for message in [value] if isinstance(value, dict) else value if isinstance(value, list) else []:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+                raise ValueError(f"SFT row {index}: data.{key}={column!r} holds {message!r:.60}, not a chat message. "
+                                 "Fix: make each message an object with a 'role' (and its 'content')")
+
+
 def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
     prompt = row[input_key]
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -93,10 +112,22 @@ def load_rows(data: str | list[dict]) -> list[dict]:
         return builtin_rows(str(data))
     path = Path(data)
     if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    raise ValueError(f"SFT data {str(path)!r}: expected a .jsonl or .json file (or a list of rows)")
+        return [_json(text, path, i) for i, text in enumerate(path.read_text().splitlines(), 1) if text.strip()]
+    if path.suffix != ".json":
+        raise ValueError(f"SFT data {str(path)!r}: expected a .jsonl or .json file (or a list of rows)")
+    if not isinstance(rows := _json(path.read_text(), path, None), list):
+        raise ValueError(f"SFT data {str(path)!r}: a .json file must hold a list of rows, got a "
+                         f"{type(rows).__name__}. Fix: wrap the rows in [...], or write them one a line as .jsonl")
+    return rows
+
+
+def _json(text: str, path: Path, line: int | None):
+    """json.loads, whose error names neither the file nor (in a .jsonl) the line: both, here."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"SFT data {str(path)!r}: line {line or e.lineno} is not JSON ({e.msg}). Fix: one JSON "
+                         "object per line (.jsonl), or one JSON list of objects (.json)") from None
 
 
 def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", output_key: str | None = None,
@@ -111,6 +142,8 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     markers = discover_reply_markers(tokenizer, chat_template)
     special = _special_ids(tokenizer)
     out, dropped, rows = [], [], rows[:max_samples]
+    for index, row in enumerate(rows):
+        _check_row(row, index, input_key, output_key)
     usable = rows
     if image_key:  # a row with an unreadable image, or too many, costs its row (logged, counted), never the run
         with_images = next((i for i, row in enumerate(rows) if row.get(image_key)), None)

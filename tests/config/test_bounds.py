@@ -128,6 +128,9 @@ def test_train_probs_must_sum_to_one():
     assert_fires(["data.train_probs=[1.5]"], "data.train_probs", "each value must be in [0, 1]")
     assert_fires(["data.train_probs=[0.5,0.5]"], "data.train_probs", "2 probabilities for 1 dataset(s)")
     assert config_errors(["data.train_path='builtin://toy,builtin://arithmetic'", "data.train_probs=[0.25,0.75]"]) == []
+    # before: accepted, and loading the prompts looped forever (the dataset of probability 0 is never exhausted)
+    assert_fires(["data.train_path='builtin://toy,builtin://arithmetic'", "data.train_probs=[1.0,0.0]"],
+                 "data.train_probs", "[1.0, 0.0] gives a dataset probability 0")
 
 
 # ---------------------------------------------------------------------------------- names of external things

@@ -265,3 +265,18 @@ def test_a_knob_eval_ignores_is_refused(override, key, fragment):
 def test_a_training_recipe_still_scores_with_job_eval():
     """Its training knobs are the recipe's, not the user's: `+recipe=NAME job=eval` evaluates that recipe's model."""
     assert config_errors(["+recipe=smollm2_arith", "job=eval"]) == []
+
+
+def test_a_split_of_a_saved_dataset_without_splits_is_refused(tmp_path):
+    """A `save_to_disk` directory of one Dataset loads whole, whatever data.split / eval.split say (before: accepted
+    and ignored); a DatasetDict directory's split is read."""
+    import datasets
+
+    rows = [{"prompt": "a", "label": "1"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows)}
+                         ).save_to_disk(str(tmp_path / "dict"))
+    assert_fires([f"data.train_path={tmp_path / 'one'}", "data.split=test"], "data.split", "a saved Dataset")
+    assert_fires([f"eval.data_path={tmp_path / 'one'}", "eval.split=test"], "eval.split", "a saved Dataset")
+    assert not [line for line in config_errors([f"data.train_path={tmp_path / 'dict'}", "data.split=test"])
+                if line.startswith("data.split")]

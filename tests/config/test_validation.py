@@ -68,6 +68,9 @@ CROSS_GROUP = [
      "without IS correction the drift is uncorrected"),
     ("is_needs_full_top_p", ["algorithm.is_correction.level=token", "rollout.top_p=0.9"], "rollout.top_p",
      "but top_p=0.9 renormalises vLLM's"),
+    # before: accepted; every token's ratio was its top-k mass (< 1), so mode=mask dropped tokens by that mass alone
+    ("is_needs_no_top_k", ["algorithm.is_correction.level=token", "rollout.top_k=20"], "rollout.top_k",
+     "but top_k=20 renormalises vLLM's over the 20 likeliest tokens"),
     ("sync_no_partial", ["train.mode=sync", "train.partial_rollout=true"], "train.partial_rollout",
      "sync mode trains only tokens of the current policy"),
     ("sync_no_queue", ["train.mode=sync", "train.queue_depth=2"], "train.queue_depth",
@@ -293,3 +296,18 @@ def test_cli_reports_all_and_starts_nothing(failing_cli_runs):
     assert sorted(l[2:].split(":", 1)[0] for l in error_lines) == sorted(THREE_KEYS), cross.describe()
     assert "rollout.temperature: must be > 0" in post_init.stderr, post_init.describe()
     assert not list(base.rglob("run_record.json")), "a failing config must not start the run"
+
+
+@pytest.mark.parametrize("name,source,reason", [
+    ("dup_grpo_plugin_test", "from molt_hydra.algorithm.advantage import register_advantage_estimator\n"
+     "register_advantage_estimator('grpo')(lambda r, g, c: (r, r))\n",
+     "(ValueError: advantage estimator 'grpo' already registered). Fix: fix the module's code"),
+    ("syntax_plugin_test", "def broken(:\n", "(SyntaxError: invalid syntax"),
+    ("raising_plugin_test", "raise RuntimeError('boom')\n", "(RuntimeError: boom). Fix: fix the module's code"),
+])
+def test_a_plugin_failing_on_import_is_a_config_error(tmp_path, monkeypatch, name, source, reason):
+    """Before: only an ImportError was reported; a plugin's SyntaxError, duplicate registration or other error at
+    import left validation as a traceback (exit 1)."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert_fires([f"algorithm.plugins=[{name}]"], "algorithm.plugins", f"cannot import {name!r} {reason}")

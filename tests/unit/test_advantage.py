@@ -342,3 +342,40 @@ def test_plugin_estimator_selected_by_name_receives_real_groups(monkeypatch):
                                        group_ids=["p", "p", "p", "q"])
     assert plugin.SEEN_GROUPS == [[[0, 1, 2], [3]]]  # Molt would have handed it [[0], [1], [2], [3]]
     assert advantages[:, 0].tolist() == [1 - 3, 5 - 3, 3 - 3, 7 - 7]  # medians 3 and 7
+
+
+def test_non_finite_values_off_the_action_mask_change_nothing():
+    """Masked tokens (prompt, observations, padding) carry no reward and are transparent to GAE, so a NaN / inf there
+    (a KL or critic value of a token never trained on) leaves the advantages as if it were 0. Before: `x * mask` kept
+    NaN * 0 = NaN, and the discounted sums carried it into every earlier action token.
+    Tokens 0..5, actions at 1, 2, 4; reward 1 on token 4; gamma = lam = 1, no whitening.
+      reinforce: token rewards [0, 0, 0, 0, 1, 0] -> returns G_t = [1, 1, 1, 1, 1, 0]; advantages G on the mask.
+      gae, V = 0.5 on actions: A_4 = 1 - 0.5 = 0.5; A_2 = 0 + V_4 - V_2 + A_4 = 0.5; A_1 = 0 + V_2 - V_1 + A_2 = 0.5;
+      returns A + V = 1 on the mask."""
+    mask = torch.tensor([[False, True, True, False, True, False]])
+    nan, inf = float("nan"), float("inf")
+    kl = torch.tensor([[0.0, 0.0, 0.0, nan, 0.0, inf]])
+    adv, ret = compute_advantages("reinforce", torch.tensor([1.0]), mask, kl=kl, kl_coef=0.1, whiten=False)
+    close(adv, torch.tensor([[0.0, 1, 1, 0, 1, 0]]))
+    close(ret, torch.tensor([[1.0, 1, 1, 1, 1, 0]]))
+    values = torch.tensor([[nan, 0.5, 0.5, inf, 0.5, nan]])
+    adv, ret = compute_advantages("gae", torch.tensor([1.0]), mask, values=values, whiten=False)
+    close(adv, torch.tensor([[0.0, 0.5, 0.5, 0, 0.5, 0]]))
+    close(ret, torch.tensor([[0.0, 1, 1, 0, 1, 0]]))
+
+
+def test_non_finite_advantages_on_action_tokens_are_an_error():
+    """The policy loss zeroes a non-finite advantage (Molt's sanitisation), so a diverged critic's NaN values, or a
+    plugin's NaN, would train on nothing without a word. Before: returned as they were."""
+    mask = torch.tensor([[False, True, True]])
+    with pytest.raises(ValueError, match=r"'gae' gave 2 non-finite advantages on action tokens: the critic's values "
+                                         r"are non-finite there"):
+        compute_advantages("gae", torch.tensor([1.0]), mask, values=torch.tensor([[0.0, float("nan"), 0.0]]))
+    with pytest.raises(ValueError, match=r"'grpo' gave 4 non-finite advantages on action tokens: a reward is NaN"):
+        compute_advantages("grpo", torch.tensor([1.0, float("nan")]), mask.expand(2, 3), group_ids=[0, 0])
+    register_advantage_estimator("nan_test")(lambda r, g, ctx: (torch.full(ctx.action_mask.shape, float("nan")),) * 2)
+    try:
+        with pytest.raises(ValueError, match=r"'nan_test' gave 2 non-finite advantages.*would zero them"):
+            compute_advantages("nan_test", torch.tensor([1.0]), mask)
+    finally:
+        del ADVANTAGE_ESTIMATORS["nan_test"]

@@ -1,5 +1,6 @@
 import asyncio
 import math
+import time
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from molt_hydra.agents import Episode, Runner, Trajectory, load_runner
 from molt_hydra.agents.base import Result, apply_sampling_override, reward_and_score, scalar
 from molt_hydra.agents.chat_agent import ChatAgentRunner
 from molt_hydra.agents.loading import resolve_target
-from molt_hydra.agents.math_grading import grade_math, last_boxed
+from molt_hydra.agents.math_grading import _WORKERS, grade_math, last_boxed
 from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.rollout.generation import Generation, Sampling
 
@@ -83,6 +84,36 @@ def test_math_grading():
     # unboxed grading takes the response's last answer, so a wrong intermediate number does not count
     assert grade_math("12 + 7 = 19", "19", require_boxed=False) == 1.0
     assert grade_math("19? No: 12 + 7 = 8", "19", require_boxed=False) == 0.0
+    # a list label is the answer tuple (was: graded against the text "['2', '3']", so never correct)
+    assert grade_math(r"\boxed{3, 2}", ["2", "3"]) == 1.0 and grade_math(r"\boxed{2}", ["2", "3"]) == 0.0
+    # a dict label holds the answer as Molt's grader unwraps it (before: graded as its text, never correct)
+    assert grade_math(r"\boxed{3}", {"ground_truth": "3", "style": "rule"}) == 1.0
+    assert grade_math(r"\boxed{3}", {"reward_model": {"ground_truth": 3}, "extra_info": {"answer": 4}}) == 1.0
+    assert grade_math(r"\boxed{5}", {"solution": {"extracted": "5", "answer": "x = 5"}}) == 1.0
+    assert grade_math(r"so \fbox{7}", "7") == 1.0 and last_boxed(r"\boxed{1} then \fbox{2}") == "2"
+    with pytest.raises(ValueError, match=r"no label to grade against \(\{'style': 'rule'\}\)"):
+        grade_math(r"\boxed{3}", {"style": "rule"})
+    # no label is an error, not a grade (was: \boxed{} scored 1.0 against "", \boxed{None} 1.0 against None)
+    for response, label in ((r"\boxed{}", ""), (r"\boxed{None}", None), (r"\boxed{ }", " ")):
+        with pytest.raises(ValueError, match="no label to grade against.*Fix: point data.label_key"):
+            grade_math(response, label)
+
+
+@pytest.mark.timeout(60)  # before: never returned
+def test_an_answer_sympy_cannot_evaluate_is_graded_0_by_its_deadline():
+    """\\boxed{9^{9^{9^{9}}}} is one big-integer power that holds the GIL until done (never): graded in-process it froze
+    every thread of the agent runner, so neither the agent's timeout nor any other could fire. Now its worker process
+    is killed at the deadline, the answer graded 0.0 (math-verify's verdict for a timed-out comparison), and the next
+    grade runs in a fresh worker."""
+    assert grade_math(r"\boxed{4}", "4") == 1.0  # a worker started (its start is not the deadline's)
+    start = time.monotonic()
+    assert grade_math(r"\boxed{9^{9^{9^{9}}}}", "1", timeout_s=2) == 0.0
+    assert time.monotonic() - start < 10
+    assert grade_math(r"\boxed{\frac{6}{4}}", "1.5") == 1.0
+    for worker in list(_WORKERS.idle):  # an idle worker that died (e.g. the OOM killer) is replaced, not written to
+        worker.kill()
+        worker.wait()
+    assert grade_math(r"\boxed{2}", "2") == 1.0
 
 
 def test_toy_reward_is_the_digit_fraction():

@@ -4,6 +4,7 @@ values worked out by hand."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,7 +30,10 @@ def test_action_mask_marks_the_ranges_cut_at_max_len():
 
 
 def test_to_experience_cuts_masks_and_counts_lengths():
-    t = traj(generated=(5, 6, 7, 8), info={"turns": 2, "ok": True, "name": "x"})
+    # numpy / 0-d torch numbers are numbers too (before: dropped unseen); a bool, a string, a vector are not
+    t = traj(generated=(5, 6, 7, 8), info={"turns": 2, "ok": True, "name": "x", "acc": np.float32(0.5),
+                                           "calls": np.int64(3), "gap": torch.tensor(0.25), "flag": np.bool_(True),
+                                           "vec": torch.ones(2)})
     exp, reason = to_experience(t, max_len=4)  # 2 prompt + 2 of the 4 generated tokens survive
     assert reason is None
     assert exp.token_ids.tolist() == [1, 2, 5, 6]
@@ -37,8 +41,8 @@ def test_to_experience_cuts_masks_and_counts_lengths():
     assert exp.rollout_log_probs.tolist() == [0.0, 0.0, -0.5, -0.5]
     assert exp.policy_versions.tolist() == [-1, -1, 3, 3]
     # numeric info only (a bool is not a number here); lengths after the cut; 6 tokens >= 4: clipped and truncated
-    assert exp.info == {"turns": 2.0, "response_length": 2.0, "total_length": 4.0, "response_clip_ratio": 1.0,
-                        "truncated": 1.0}
+    assert exp.info == {"turns": 2.0, "acc": 0.5, "calls": 3.0, "gap": 0.25, "response_length": 2.0,
+                        "total_length": 4.0, "response_clip_ratio": 1.0, "truncated": 1.0}
     assert exp.reward == 1.0 and exp.score == 1.0 and exp.routed_experts is None
 
 
@@ -110,7 +114,7 @@ def test_experience_metrics_are_sample_and_token_means():
     b, _ = to_experience(traj(generated=(7,), info={"turns": 3}), 16)
     b.reward, b.score = -1.0, 0.0
     batch = collate([a, b])
-    returns = torch.tensor([[9.0, 9.0, 1.0, 2.0], [9.0, 9.0, 6.0, 9.0]])  # off-mask values must not count
+    returns = torch.tensor([[9.0, 9.0, 1.0, 2.0], [9.0, float("nan"), 6.0, 9.0]])  # off-mask values must not count
     m = experience_metrics([a, b], returns, batch.action_mask)
     assert m["turns"] == 2.0 and m["reward"] == 0.0 and m["score"] == 0.5
     assert m["return"] == pytest.approx((1 + 2 + 6) / 3)

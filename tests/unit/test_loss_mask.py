@@ -3,10 +3,12 @@ for ChatML (the tiny model's template) and a Gemma-style template written here."
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from transformers import AutoTokenizer
 
-from molt_hydra.data.sft_dataset import build_sft_samples, discover_reply_markers
+from molt_hydra.data.sft_dataset import build_sft_samples, discover_reply_markers, load_rows
 
 GEMMA = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
          "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
@@ -66,6 +68,38 @@ def test_rows_without_reply_are_dropped_and_all_empty_is_an_error(tok):
     assert len(samples) == 1
     with pytest.raises(ValueError, match="no SFT samples"):
         build_sft_samples(rows[1:], tok)
+
+
+@pytest.mark.parametrize("rows,output_key,message", [
+    ([{"input": "hi", "output": "a"}, {"input": "x"}], "output",
+     "SFT row 1: data.output_key='output' is missing (keys ['input'])"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], None, "SFT row 0: data.input_key='input' is missing"),
+    ([{"input": None, "output": "a"}], "output", "SFT row 0: data.input_key='input' is None"),
+    ([{"input": "hi", "output": 5}], "output", "SFT row 0: data.output_key='output' is 5"),
+    ([{"input": "hi", "output": "a"}, 7], "output", "SFT row 1 is 7, not an object"),
+    ([{"input": [{"content": "hi"}, {"role": "assistant", "content": "a"}]}], None,
+     "SFT row 0: data.input_key='input' holds {'content': 'hi'}, not a chat message"),
+    ([{"input": ["hi", "a"]}], None, "SFT row 0: data.input_key='input' holds 'hi', not a chat message"),
+    ([{"input": "hi", "output": {"content": "a"}}], "output",
+     "SFT row 0: data.output_key='output' holds {'content': 'a'}, not a chat message"),
+])
+def test_a_row_without_its_columns_is_named_with_the_key(tok, rows, output_key, message):
+    """Before: a bare KeyError('output') / TypeError("'NoneType' object is not iterable") from the trainer rank."""
+    with pytest.raises(ValueError, match=re.escape(message) + ".*Fix: "):
+        build_sft_samples(rows, tok, output_key=output_key)
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("bad.jsonl", '{"input": "a", "output": "b"}\n\n{"input": "a", "output"}\n', "line 3 is not JSON"),
+    ("bad.json", '[{"input": "a"},\n{"input": "b"', "line 2 is not JSON"),
+    ("dict.json", '{"input": "a"}', "a .json file must hold a list of rows, got a dict"),
+])
+def test_sft_data_that_is_not_rows_is_named_with_its_line(tmp_path, name, text, message):
+    """Before: json's bare "Expecting ':' delimiter: line 1 column 24" (the line within the .jsonl line, not the file's,
+    and no file), and a .json object a TypeError from slicing it."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=f"SFT data '{re.escape(str(tmp_path / name))}': {message}.*Fix: "):
+        load_rows(str(tmp_path / name))
 
 
 def test_template_without_generation_prompt_is_refused(tok):

@@ -2,9 +2,13 @@
 malformed JSONL line, a file without rows, a missing column end with one ValueError naming the config key, the file
 and the reason. Before: an empty .jsonl raised a bare StopIteration (in the run: 'RuntimeError: coroutine raised
 StopIteration'), a malformed line datasets' 'An error occurred while generating the dataset', naming neither; a
-null prompt failed each of its rollouts as an agent_exception, every epoch."""
+null prompt failed each of its rollouts as an agent_exception, every epoch. A configured label / tools / image column
+the data lacks was silently absent from every row. Several datasets: a probability of 0 hung the interleaving loop
+(that dataset is never drawn, so never exhausted), and data.max_samples capped each dataset but not their union."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -17,7 +21,16 @@ FILES = {
                         "is not a readable jsonl file: JSON parse error"),
     "no_rows.json": ("[]\n", "is not a readable json file: "),
     "no_column.jsonl": ('{"text": "a"}\n', "data.input_key='prompt' is not a column; columns: ['text']"),
-    "null_prompt.jsonl": ('{"prompt": "a"}\n{"prompt": null}\n', "row 1: data.input_key='prompt' is None; "),
+    "roleless_message.jsonl": ('{"prompt": [{"content": "hi"}], "label": "1"}\n',
+                               "row 0: data.input_key='prompt' is [{'content': 'hi'}]; "),
+    "no_message.jsonl": ('{"prompt": [], "label": "1"}\n', "row 0: data.input_key='prompt' is []; "),
+    "tools_not_a_list.jsonl": ('{"prompt": "a", "label": "1", "tools": "not json"}\n',
+                               "row 0: data.tools_key='tools' is 'not json'; a row's tools are a list"),
+    "null_prompt.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": null, "label": "2"}\n',
+                          "row 1: data.input_key='prompt' is None; "),
+    # Before: each row's label silently "" (the math agents then rewarded every answer 0, or an empty \boxed{} 1)
+    "no_label_column.jsonl": ('{"prompt": "a", "answer": "1"}\n',
+                              "data.label_key='label' is not a column; columns: ['answer', 'prompt']"),
 }
 
 
@@ -27,7 +40,7 @@ def test_an_unreadable_prompt_file_is_named_with_its_key_and_reason(tmp_path, na
     path = tmp_path / name
     path.write_text(text)
     with pytest.raises(ValueError) as err:
-        _named("data.train_path", load_prompts, str(path))
+        _named("data.train_path", load_prompts, str(path), tools_key="tools" if "tools" in name else None)
     message = str(err.value)
     assert message.startswith(f"data.train_path={path}: ") and reason in message, message
 
@@ -37,3 +50,62 @@ def test_a_readable_file_loads(tmp_path):
     path.write_text('{"prompt": "a", "label": "1"}\n')
     assert _named("data.train_path", load_prompts, str(path)) == [{"prompt": "a", "label": "1",
                                                                     "datasource": "default"}]
+
+
+@pytest.mark.parametrize("key", ["label_key", "tools_key", "image_key"])
+def test_a_configured_column_the_data_lacks_is_named_with_its_fix(tmp_path, key):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "label": "1"}\n')
+    with pytest.raises(ValueError, match=rf"data\.{key}='nope' is not a column; columns: \['label', 'prompt'\].*Fix: "):
+        _named("data.train_path", load_prompts, str(path), **{key: "nope"})
+    assert load_prompts(str(path), label_key=None) == [{"prompt": "a", "label": "", "datasource": "default"}]
+
+
+def _two_files(tmp_path) -> str:
+    for name, n in (("a", 5), ("b", 3)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(f'{{"prompt": "{name}{i}", "label": "{i}"}}\n'
+                                                        for i in range(n)))
+    return f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
+
+
+@pytest.mark.parametrize("probs", [None, [0.5, 0.5]])
+def test_max_samples_caps_each_dataset_and_their_union(tmp_path, probs):
+    rows = load_prompts(_two_files(tmp_path), max_samples=4, probs=probs)
+    assert len(rows) == 4  # a: 4 of 5, b: 3 of 3, together 7 (or 8 interleaved) -> 4
+    if probs is None:
+        assert [r["prompt"] for r in rows] == ["a0", "a1", "a2", "a3"]
+
+
+@pytest.mark.timeout(30)  # before: an endless loop
+def test_a_dataset_with_probability_zero_is_refused_not_looped_on(tmp_path):
+    with pytest.raises(ValueError, match=r"data.train_probs=\[1.0, 0.0\]: every dataset needs a probability > 0"):
+        load_prompts(_two_files(tmp_path), probs=[1.0, 0.0])
+
+
+def test_a_split_the_saved_datasetdict_lacks_is_named_with_its_splits(tmp_path):
+    """Before: the KeyError's bare 'test' ("data.train_path=DIR: test")."""
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a", "label": "1"}])}).save_to_disk(
+        str(tmp_path / "dict"))
+    with pytest.raises(ValueError, match=r"has no split 'test'; its splits: \['train'\]. Fix: set data.split"):
+        _named("data.train_path", load_prompts, str(tmp_path / "dict"), split="test")
+
+
+def test_a_null_datasource_is_the_default_one(tmp_path):
+    """Before: a row with "datasource": null was scored under the eval metrics eval_None_*."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "label": "1", "datasource": "gsm8k"}\n{"prompt": "b", "label": "2", '
+                    '"datasource": null}\n')
+    assert [r["datasource"] for r in load_prompts(str(path))] == ["gsm8k", "default"]
+
+
+def test_tools_as_json_text_are_decoded_per_row(tmp_path):
+    """JSON text keeps each row's schemas as written (datasets merges JSON objects of a column into one struct, adding
+    every other row's keys as nulls). Before: the text was handed to the chat template as it was."""
+    one = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": "int"}}}}}]
+    two = [{"type": "function", "function": {"name": "g", "parameters": {"properties": {"y": {"type": "str"}}}}}]
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "a", "label": "1", "tools": json.dumps(t)} for t in (one, two)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [r["tools"] for r in load_prompts(str(path), tools_key="tools")] == [one, two]
