@@ -27,7 +27,8 @@ from molt_hydra.rollout.generation import Sampling
 # Molt's seven reasons, then the agent-side failures molt_hydra counts too (Molt prints and forgets them).
 DROP_REASONS = (
     "empty_tokens", "vlm_media_unresolved", "vlm_truncation", "logprob_misalign", "no_action_tokens",
-    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "nonfinite_reward")
+    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "nonfinite_reward",
+    "nonfinite_score")
 
 
 class RunFailed(RuntimeError):
@@ -41,13 +42,17 @@ class RunFailed(RuntimeError):
 
 def usable(results: list[tuple[Any, str | None]], dropped: Counter) -> list:
     """The trajectories of a group's results that can be scored; each other result is counted in `dropped` by its
-    reason (a NaN / inf reward as nonfinite_reward: it would poison its group's advantages, or an eval's mean)."""
+    reason (a NaN / inf reward as nonfinite_reward: it would poison its group's advantages, or an eval's mean; a
+    NaN / inf `Result.score` as nonfinite_score: the dynamic filter would drop its group as if out of range, and the
+    score metrics would be NaN)."""
     kept = []
     for trajectory, reason in results:
         if reason is not None or trajectory is None:
             dropped[reason or "empty_session"] += 1
         elif not math.isfinite(float(trajectory.reward)):
             dropped["nonfinite_reward"] += 1
+        elif getattr(trajectory, "score", None) is not None and not math.isfinite(float(trajectory.score)):
+            dropped["nonfinite_score"] += 1
         else:
             kept.append(trajectory)
     return kept

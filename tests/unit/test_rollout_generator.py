@@ -34,8 +34,14 @@ class ScriptedRunner:
             await asyncio.sleep(60)
         if "boom" in script:
             raise RuntimeError("runner crashed")
-        return [(None, "agent_exception") if s == "raise" else (Traj(s, rollout_id=f"{row['id']}-{i}"), None)
+        return [(None, "agent_exception") if s == "raise" else (Traj(*_reward_score(s), rollout_id=f"{row['id']}-{i}"),
+                                                                None)
                 for i, s in enumerate(script)]
+
+
+def _reward_score(entry) -> tuple:
+    """A script entry: a reward, or (reward, score)."""
+    return tuple(entry) if isinstance(entry, tuple) else (entry, None)
 
 
 def rows(n):
@@ -230,6 +236,16 @@ def test_nonfinite_rewards_are_dropped_and_counted_not_trained():
     kept = {g.prompt_index: [t.reward for t in g.trajectories] for g in batch.groups}
     assert kept == {0: [1.0, 0.0], 1: [0.5] * 4}  # incomplete groups are kept by default, without the bad samples
     assert batch.metrics["rollout/dropped/nonfinite_reward"] == 2
+    assert batch.metrics["rollout/dropped/total"] == 2
+
+
+def test_nonfinite_scores_are_dropped_and_counted_not_filtered_as_out_of_range():
+    nan, inf = float("nan"), float("inf")
+    gen = SamplesGenerator([{"id": 0, "script": [(1.0, nan), 0.0, 1.0, (0.0, inf)]}], ScriptedRunner(), batch_size=1,
+                           n_samples_per_prompt=4, sampling=SAMPLING)
+    batch = asyncio.run(gen.generate_batch())
+    assert [t.reward for g in batch.groups for t in g.trajectories] == [0.0, 1.0]
+    assert batch.metrics["rollout/dropped/nonfinite_score"] == 2
     assert batch.metrics["rollout/dropped/total"] == 2
 
 
