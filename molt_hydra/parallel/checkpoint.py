@@ -1,7 +1,8 @@
 """Resumable checkpoints (torch.distributed.checkpoint) and HF export.
 
 Layout: <root>/step_<N>/{dcp/ (model + optimizer, sharded), extra_state.pt (scheduler + client state),
-rng_rank<r>.pt, crc32.json}, <root>/latest (text: the last tag). A save is written to <root>/.tmp-step_<N> and renamed
+rng_rank<r>.pt, crc32.json}, <root>/latest (text: the last tag, for people and tools; a resume takes the newest
+complete step, whatever the tag says). A save is written to <root>/.tmp-step_<N> and renamed
 only when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable (the next save removes
 the half-written directory). Neither DCP nor torch.load checks checksums: crc32.json, written last, holds every file's
 CRC32, which a resume checks (a shard's bytes overwritten at its full length loaded as garbage weights, silently).
@@ -177,23 +178,23 @@ def saved_master_weights(path: Path, client_state: dict | None = None) -> str:
 
 
 def _candidates(root: Path) -> list[Path]:
-    """The checkpoints to try, in order: the `latest` tag (when readable), then every step_<N>, newest first."""
-    tags = sorted(((int(m.group(1)), p) for p in root.glob("step_*") if (m := TAG.match(p.name)) and p.is_dir()),
-                  reverse=True)
-    found = [p for _, p in tags]
+    """The checkpoints to try, newest step first: every step_<N>, and the `latest` tag's (when readable) even where its
+    directory is missing (then named as such). The order is the steps', not the tag's: a save renames its step into
+    place before it rewrites `latest`, so after a crash between the two the tag names the step before a complete one
+    (before: that older step was resumed, the newer one's training lost and its step numbers trained again)."""
+    tags = {int(m.group(1)): p for p in root.glob("step_*") if (m := TAG.match(p.name)) and p.is_dir()}
     try:
-        latest = (root / "latest").read_text().strip()
+        latest = TAG.match((root / "latest").read_text().strip())
     except (OSError, UnicodeDecodeError):  # absent, a directory, garbage: the step directories decide
-        return found
-    if TAG.match(latest):
-        found = [root / latest] + [p for p in found if p.name != latest]
-    return found
+        latest = None
+    if latest:
+        tags.setdefault(int(latest.group(1)), root / latest.group(0))
+    return [tags[step] for step in sorted(tags, reverse=True)]
 
 
 def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None,
                        checksums: bool = False) -> Path | None:
-    """The `latest` tag when loadable, else the newest loadable step_<N>, else None. Each checkpoint passed over (a
-    `latest` naming a missing directory, a file missing, truncated or unreadable; with `checksums`, a file changed
+    """The newest loadable step_<N>, else None. Each checkpoint passed over (a `latest` naming a missing directory, a file missing, truncated or unreadable; with `checksums`, a file changed
     since the save) is appended to `skipped` as "<path>: <why>"."""
     root = Path(root)
     for path in _candidates(root) if root.is_dir() else []:

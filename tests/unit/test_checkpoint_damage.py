@@ -75,6 +75,19 @@ def test_a_latest_tag_naming_no_loadable_checkpoint_leaves_the_newest_step(saved
     assert skipped == ([f"{root / 'step_9'}: missing"] if latest == b"step_9" else [])
 
 
+def test_a_latest_tag_left_behind_by_a_crash_after_the_rename_resumes_the_newer_complete_step(saved, tmp_path):
+    """A save renames .tmp-step_<N> to step_<N>, then rewrites `latest`: killed between the two, the tag still names
+    step_1 while step_2 is complete. The resume takes the newest complete step (before: step_1, step 2's training
+    lost and trained again, its data order repeated)."""
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    (root / "latest").write_text("step_1")
+    skipped = []
+    assert resolve_checkpoint(root, skipped, checksums=True) == root / "step_2" and skipped == []
+    fresh, fresh_opt = _trained(1)
+    assert load_checkpoint(root, fresh, fresh_opt) == {"at": 2}
+
+
 def test_nothing_loadable_is_none_with_every_reason(saved, tmp_path):
     root = tmp_path / "root"
     shutil.copytree(saved[0], root)
