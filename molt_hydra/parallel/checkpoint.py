@@ -19,7 +19,6 @@ import random
 import re
 import shutil
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +30,20 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from molt_hydra.models import lora
 from molt_hydra.parallel import retention
+from molt_hydra.parallel.crc_reader import ChecksumMismatch, summing_reader
 
 TAG = re.compile(r"^step_(\d+)$")
 CRCS = "crc32.json"  # {file under step_<N>: CRC32}
+
+
+class DamagedCheckpoint(RuntimeError):
+    """A load that found a shard's bytes changed since the save (args: the message; "<checkpoint>: <file>: <its
+    CRC32s>"); every
+    rank raises it (DCP gathers the ranks' read errors), the model's state half loaded: the caller loads another
+    checkpoint or stops."""
+
+    def __str__(self) -> str:
+        return f"{self.args[0]}"
 
 
 def _rank() -> int:
@@ -127,8 +137,9 @@ def _crc32(path: Path) -> int:
 def problem(path: Path, checksums: bool = False) -> str | None:
     """Why the checkpoint at `path` cannot be resumed (a file missing, truncated or unreadable), else None. The small
     files are read whole; of the shards, that each one DCP's metadata names is there at its full length. With
-    `checksums` (the run's one check before it starts: it reads every byte), every file's CRC32 is the one
-    recorded at save (a checkpoint saved before 2026-12-05 recorded none)."""
+    `checksums` (the run's check before it starts), every small file's CRC32 is the one recorded at save (a
+    checkpoint saved before 2026-12-05 recorded none); the shards' are checked by the load, as it reads them
+    (parallel/crc_reader.py: the shards are read once)."""
     what = "extra_state.pt"
     try:
         extra = torch.load(path / what, weights_only=False)
@@ -151,15 +162,22 @@ def problem(path: Path, checksums: bool = False) -> str | None:
         crcs = json.loads((path / CRCS).read_text())
     except (OSError, ValueError) as e:
         return f"{CRCS}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
-    # read in threads (zlib's CRC runs without the GIL); after a mismatch (or Ctrl-C) the files not read yet are not
-    names, pool = sorted(crcs), ThreadPoolExecutor(max(1, min(8, len(crcs))))
-    try:
-        for name, crc in zip(names, pool.map(lambda n: _crc32(path / n), names)):
-            if crc != crcs[name]:
-                return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    for name in sorted(n for n in crcs if not _is_shard(n)):  # the shards' are checked as the load reads them
+        if (crc := _crc32(path / name)) != crcs[name]:
+            return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
     return None
+
+
+def _is_shard(name: str) -> bool:
+    return name.endswith(".distcp")
+
+
+def _shard_crcs(path: Path) -> dict[str, int]:
+    """The shards' CRC32s recorded at save ({} for a checkpoint saved before they were)."""
+    try:
+        return {name: crc for name, crc in json.loads((path / CRCS).read_text()).items() if _is_shard(name)}
+    except FileNotFoundError:
+        return {}
 
 
 def saved_master_weights(path: Path, client_state: dict | None = None) -> str:
@@ -177,7 +195,7 @@ def saved_master_weights(path: Path, client_state: dict | None = None) -> str:
     return "fsdp" if dtypes <= {torch.float32} else "optimizer"
 
 
-def _candidates(root: Path) -> list[Path]:
+def _candidates(root: Path, older_than: Path | None = None) -> list[Path]:
     """The checkpoints to try, newest step first: every step_<N>, and the `latest` tag's (when readable) even where its
     directory is missing (then named as such). The order is the steps', not the tag's: a save renames its step into
     place before it rewrites `latest`, so after a crash between the two the tag names the step before a complete one
@@ -189,15 +207,17 @@ def _candidates(root: Path) -> list[Path]:
         latest = None
     if latest:
         tags.setdefault(int(latest.group(1)), root / latest.group(0))
-    return [tags[step] for step in sorted(tags, reverse=True)]
+    below = int(TAG.match(older_than.name).group(1)) if older_than is not None else None
+    return [tags[step] for step in sorted(tags, reverse=True) if below is None or step < below]
 
 
-def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None,
-                       checksums: bool = False) -> Path | None:
+def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None, checksums: bool = False,
+                       older_than: Path | None = None) -> Path | None:
     """The newest loadable step_<N>, else None. Each checkpoint passed over (a `latest` naming a missing directory, a file missing, truncated or unreadable; with `checksums`, a file changed
-    since the save) is appended to `skipped` as "<path>: <why>"."""
+    since the save) is appended to `skipped` as "<path>: <why>". `older_than` (a step_<N>): only steps before it (a
+    load found its shard damaged)."""
     root = Path(root)
-    for path in _candidates(root) if root.is_dir() else []:
+    for path in _candidates(root, older_than) if root.is_dir() else []:
         why = "missing" if not path.is_dir() else problem(path, checksums)
         if why is None:
             return path
@@ -232,11 +252,13 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
                          f"model.master_weights={saved} (or checkpoint.load_model_only=true: the weights alone)")
     state = {"model": into} if into is not None else _dcp_state(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=str(path / "dcp"))  # without an optimizer: the model's entries only
-    except dcp.api.CheckpointException as e:  # damage the size checks of `problem` cannot see (bytes overwritten)
+        # without an optimizer: the model's entries only; each shard's CRC32 is checked as it is read
+        dcp.load(state, storage_reader=summing_reader(path / "dcp", _shard_crcs(path)))
+    except dcp.api.CheckpointException as e:  # damage the checks of `problem` cannot see (a shard's bytes changed)
         rank, (cause, _) = next(iter(e.failures.items()))
-        raise RuntimeError(f"reading {path} failed on rank {rank}: {type(cause).__name__}: {cause}. Fix: move {path} "
-                           "out of the checkpoint directory to resume from the one before it") from e
+        error = DamagedCheckpoint if isinstance(cause, ChecksumMismatch) else RuntimeError
+        raise error(f"reading {path} failed on rank {rank}: {type(cause).__name__}: {cause}. Fix: move {path} out of "
+                    "the checkpoint directory to resume from the one before it", f"{path}: {cause}") from e
     if into is None:
         set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))

@@ -98,8 +98,8 @@ def _run(cfg: RunConfig) -> None:
 
 def _check_resume(cfg: RunConfig) -> Path | None:
     """checkpoint.resume, before anything starts: returns the checkpoint every role resumes. One passed over (a file
-    missing, truncated, unreadable or changed since its save: the CRC32s are checked here, once; a `latest` naming a
-    missing one) is one line each; none loadable, where there are checkpoints or resume=must asks for one, ends the
+    missing, truncated, unreadable or changed since its save: the small files' CRC32s are checked here, the shards'
+    as the roles load them, see _load_verified; a `latest` naming a missing one) is one line each; none loadable, where there are checkpoints or resume=must asks for one, ends the
     run naming the directory and the fix; so does a checkpoint saved under the other model.master_weights (a warm
     start aside)."""
     from molt_hydra.parallel.checkpoint import problem, resolve_checkpoint, saved_master_weights
@@ -334,12 +334,8 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None) -> int
 
     calls, c, state = roles.calls, cfg.checkpoint, None
     if found is not None:
-        warm = c.load_model_only  # weights only: the loop, optimizer and data start fresh
-        (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=warm, step=found.name)
-        if roles.critic is not None:  # the actor's step, not the critic's newest: the two stay one step's pair
-            await calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic", model_only=warm,
-                              step=found.name, role="critic")
-        state = None if warm else client["loop"]
+        client, found = await _load_verified(cfg, roles, found)
+        state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     ctl.log.sinks.rewind(state["step"] if state else 0)  # 0: an earlier attempt here that saved no checkpoint
     if state is not None:
@@ -354,6 +350,48 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None) -> int
                                 merged=c.export_merged))[0] if c.export_final else None
     ctl.log.progress.summary(_summary(cfg, roles, ctl, export))
     return 0
+
+
+async def _load_verified(cfg: RunConfig, roles, found: Path) -> tuple[dict, Path]:
+    """Every trainer role loads `found` (the critic the actor's step: the two stay one step's pair), and each shard's
+    CRC32 is checked as it is read (the resume check read only the small files: a shard is read once). A shard
+    changed since its save passes the pair over, named, for the newest older checkpoint the resume check passes;
+    with none left, the load's error (the file, the fix) ends the run. Returns the client state and the checkpoint."""
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+
+    c = cfg.checkpoint
+    while True:
+        try:
+            (client, *_) = await roles.calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=c.load_model_only,
+                                                   step=found.name)
+            if roles.critic is not None:
+                await roles.calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic",
+                                        model_only=c.load_model_only, step=found.name, role="critic")
+            return client, found
+        except RunFailed as e:
+            why, skipped = _damage(e), []
+            older = resolve_checkpoint(c.dir, skipped, checksums=True, older_than=found) if why else None
+            if older is None:
+                raise
+        for line in [why, *skipped]:  # (the next load overwrites all that the failed one loaded)
+            print(f"Checkpoint passed over: {line}; resuming from {older} instead", file=sys.stderr)
+        found = older
+
+
+def _damage(error: BaseException) -> str | None:
+    """The damaged file a failed checkpoint load found ("<checkpoint>: <file>: <CRC32s>"), else None."""
+    import ray
+
+    from molt_hydra.parallel.checkpoint import DamagedCheckpoint
+
+    while error is not None:  # RunFailed <- Ray's RayTaskError (the rank's error as its .cause) <- the rank's error
+        if isinstance(error, ray.exceptions.RayTaskError):
+            error = error.cause
+        elif isinstance(error, DamagedCheckpoint):
+            return error.args[1]
+        else:
+            error = error.__cause__
+    return None
 
 
 async def _eval_only(cfg: RunConfig, roles, opened: list) -> int:
