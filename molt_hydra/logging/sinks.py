@@ -7,6 +7,7 @@ directory continues the last W&B run there); sweeps set the W&B group.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -86,6 +87,7 @@ class MetricSinks:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, metrics: dict[str, float], step: int, prefix: str = "train") -> None:
+        self._check_in_place()
         # Non-finite values are kept (NaN in the jsonl, as W&B shows them): a metric that goes NaN must be seen.
         clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if dashboard.is_number(v)}
         self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
@@ -95,6 +97,19 @@ class MetricSinks:
         if self.tb is not None:
             for k, v in clean.items():
                 self.tb.add_scalar(k, v, step)
+
+    def _check_in_place(self) -> None:
+        """The open metrics.jsonl is still the file at its path. Before: with output_dir removed (or moved) mid-run,
+        every row went on to the removed file, W&B's and TensorBoard's too, and the run said nothing until its end."""
+        path = self.dir / "metrics.jsonl"
+        try:
+            there = os.stat(path).st_ino == os.fstat(self.jsonl.fileno()).st_ino
+        except FileNotFoundError:
+            there = False
+        if not there:
+            raise FileNotFoundError(errno.ENOENT, "removed or replaced while the run wrote it (output_dir deleted or "
+                                    "moved?): the metrics from here on would be lost. Fix: leave output_dir in place "
+                                    "while the run goes on", str(path))
 
     def log_samples(self, rows: list[tuple[str, str, float]], step: int) -> None:
         """A table of (prompt, response, reward) sample trajectories."""

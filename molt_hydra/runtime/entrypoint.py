@@ -22,6 +22,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
+from molt_hydra.runtime import reaper
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
@@ -217,6 +218,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -
         started = descendants(os.getpid())
         ray.shutdown()
         kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
+        reaper.stop()  # (the watcher that ends them when this process is killed)
         shown.stop()
         if last_words:
             sys.stdout.flush()

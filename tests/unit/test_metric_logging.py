@@ -183,3 +183,23 @@ def test_the_last_wandb_run_id_is_read_from_its_file_not_its_directory_name(tmp_
     (run / "run-u2kixbff.wandb").write_bytes(b"")
     (tmp_path / "wandb" / "latest-run").symlink_to(run.name)
     assert last_run_id(tmp_path) == "u2kixbff"
+
+
+def test_a_row_logged_after_output_dir_vanished_stops_the_run_naming_the_file(tmp_path):
+    """Before: the rows went on to the removed metrics.jsonl (and W&B's removed .wandb file) without a word."""
+    import shutil
+
+    import pytest
+
+    for gone in ("removed", "moved"):
+        out = tmp_path / gone
+        sinks = MetricSinks(out, run_name="r", config={}, wandb_mode="disabled")
+        sinks.log({"reward": 1.0}, 1)
+        if gone == "removed":
+            shutil.rmtree(out)
+        else:
+            out.rename(tmp_path / "elsewhere")
+        with pytest.raises(FileNotFoundError) as err:
+            sinks.log({"reward": 2.0}, 2)
+        assert err.value.filename == str(out / "metrics.jsonl") and "removed or replaced while the run" in str(err.value)
+        sinks.close()
