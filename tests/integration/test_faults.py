@@ -403,7 +403,7 @@ def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path):
     while left and time.monotonic() < deadline:
         time.sleep(0.5)
         left = [p for p in left if _alive(p)]
-    names = [Path(f"/proc/{p}/cmdline").read_text(errors="ignore")[:80] for p in left if _alive(p)]
+    names = [Path(f"/proc/{p}/cmdline").read_text(errors="ignore").replace("\0", " ").strip() for p in left]
     for pid in left:  # never leave them to the next test
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

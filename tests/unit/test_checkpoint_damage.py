@@ -166,8 +166,14 @@ def test_a_shard_changed_at_its_full_length_fails_its_load_naming_the_file(saved
     assert str(err.value).endswith(f"Fix: move {root / 'step_2'} out of the checkpoint directory to resume from the "
                                    "one before it")
     fresh, fresh_opt = _trained(1)
+    with pytest.raises(DamagedCheckpoint):
+        load_checkpoint(root, fresh, fresh_opt, step="step_2")
     assert load_checkpoint(root, fresh, fresh_opt, step="step_1") == {"at": 1}  # the next load replaces it all
-    assert torch.equal(fresh.weight, saved[1])
+    clean, clean_opt = _trained(1)
+    load_checkpoint(root, clean, clean_opt, step="step_1")
+    assert torch.equal(fresh.weight, saved[1]) and torch.equal(fresh.weight, clean.weight)
+    for mine, theirs in zip(fresh_opt.state.values(), clean_opt.state.values()):
+        assert all(torch.equal(torch.as_tensor(mine[k]), torch.as_tensor(theirs[k])) for k in theirs)
 
 
 def _bytes_read() -> int:
