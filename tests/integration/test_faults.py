@@ -403,11 +403,18 @@ def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path):
     while left and time.monotonic() < deadline:
         time.sleep(0.5)
         left = [p for p in left if _alive(p)]
-    names = [Path(f"/proc/{p}/cmdline").read_text(errors="ignore").replace("\0", " ").strip() for p in left]
+    names = [_cmdline(p) for p in left]
     for pid in left:  # never leave them to the next test
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert not left, names
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="ignore").replace("\0", " ").strip()
+    except FileNotFoundError:
+        return "(gone)"
 
 
 def _alive(pid: int) -> bool:
