@@ -107,7 +107,10 @@ def _check_resume(cfg: RunConfig) -> Path | None:
     from molt_hydra.runtime.plan import fsdp_roles
 
     c, skipped = cfg.checkpoint, []
-    if cfg.job.value == "eval" or c.resume.value == "never":  # (eval loads checkpoint.path)
+    if cfg.job.value == "eval":  # (eval loads checkpoint.path)
+        return None
+    if c.resume.value == "never":
+        _refuse_earlier_checkpoints(cfg)
         return None
     found = resolve_checkpoint(c.dir, skipped, checksums=True)
     for partial in sorted(Path(c.dir).glob(".tmp-step_*")):  # a run stopped mid-save: never a candidate
@@ -139,6 +142,26 @@ def _check_resume(cfg: RunConfig) -> Path | None:
                   "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
             sys.exit(EXIT_FAILED)
     return found
+
+
+def _refuse_earlier_checkpoints(cfg: RunConfig) -> None:
+    """checkpoint.resume=never where checkpoint.dir holds an earlier run's checkpoints, and this run saves its own
+    there: the run stops before anything starts, naming them and the fix. Before: its saves mixed with the earlier
+    run's steps; retention (newest steps kept) removed each one of its own as soon as it was saved, while it was
+    below theirs, and a later resume took the earlier run's newest step."""
+    from molt_hydra.parallel.checkpoint import TAG
+
+    c = cfg.checkpoint
+    if c.save_steps == 0:  # this run writes no checkpoint
+        return
+    for root in (Path(c.dir), Path(c.dir + "_critic")):
+        steps = sorted((int(m.group(1)) for p in root.glob("step_*") if (m := TAG.match(p.name)) and p.is_dir()))
+        if steps:
+            print(f"\nRun failed: checkpoint.resume=never, but {root} holds an earlier run's checkpoints (step_"
+                  f"{steps[-1]} the newest); this run's would mix with them, and retention would remove this run's "
+                  "as the oldest. Fix: checkpoint.resume=auto to go on from them, another checkpoint.dir (or "
+                  "output_dir), or move them aside.", file=sys.stderr)
+            sys.exit(EXIT_FAILED)
 
 
 def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:

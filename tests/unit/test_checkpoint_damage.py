@@ -280,3 +280,25 @@ def test_a_critic_checkpoint_changed_since_its_save_stops_the_run_before_anythin
     assert last.startswith(f"Run failed: checkpoint.resume=auto: {tmp_path / 'root_critic' / 'step_2'}: "
                            "rng_rank0.pt: CRC32 ")
     assert "the critic resumes the actor's step_2. Fix: move step_2 (and any later step) out of checkpoint.dir=" in last
+
+
+def test_resume_never_over_an_earlier_runs_checkpoints_stops_before_anything_starts(saved, tmp_path, capsys):
+    """checkpoint.resume=never with checkpoint.dir holding step_1, step_2 of an earlier run. Before: the run started;
+    with checkpoint.max_num=2 its own step_1 was pruned as soon as saved (the newest steps are kept: the earlier
+    run's), and a later resume took the earlier run's step_2."""
+    from types import SimpleNamespace as value
+
+    from molt_hydra.runtime.entrypoint import EXIT_FAILED, _check_resume
+
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    cfg = value(job=value(value="rl"), checkpoint=value(dir=str(root), resume=value(value="never"), save_steps=1))
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(cfg)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == EXIT_FAILED
+    assert last.startswith(f"Run failed: checkpoint.resume=never, but {root} holds an earlier run's checkpoints "
+                           "(step_2 the newest)") and "Fix: checkpoint.resume=auto" in last, last
+    for fine in (value(dir=str(root), resume=value(value="never"), save_steps=0),  # saves nothing there
+                 value(dir=str(tmp_path / "empty"), resume=value(value="never"), save_steps=1)):
+        assert _check_resume(value(job=value(value="rl"), checkpoint=fine)) is None
