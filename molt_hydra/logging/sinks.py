@@ -99,17 +99,22 @@ class MetricSinks:
                 self.tb.add_scalar(k, v, step)
 
     def _check_in_place(self) -> None:
-        """The open metrics.jsonl is still the file at its path. Before: with output_dir removed (or moved) mid-run,
-        every row went on to the removed file, W&B's and TensorBoard's too, and the run said nothing until its end."""
+        """Every sink still writes where it started: metrics.jsonl is the file at its path, an offline W&B run's
+        file (its only copy) and TensorBoard's directory are there. Before: with output_dir (or a sink's directory)
+        removed or moved mid-run, the rows went on to the removed files without a word until the run's end."""
         path = self.dir / "metrics.jsonl"
         try:
-            there = os.stat(path).st_ino == os.fstat(self.jsonl.fileno()).st_ino
+            gone = [] if os.stat(path).st_ino == os.fstat(self.jsonl.fileno()).st_ino else [path]
         except FileNotFoundError:
-            there = False
-        if not there:
-            raise FileNotFoundError(errno.ENOENT, "removed or replaced while the run wrote it (output_dir deleted or "
-                                    "moved?): the metrics from here on would be lost. Fix: leave output_dir in place "
-                                    "while the run goes on", str(path))
+            gone = [path]
+        if self.wandb_run is not None and self.wandb_mode == "offline":
+            gone += [p for p in [Path(self.wandb_run.settings.sync_file)] if not p.is_file()]
+        if self.tb is not None:
+            gone += [p for p in [Path(self.tb.get_logdir())] if not p.is_dir()]
+        if gone:
+            raise FileNotFoundError(errno.ENOENT, "removed or replaced while the run wrote it (output_dir, or the "
+                                    "sink's directory, deleted or moved?): the metrics from here on would be lost. "
+                                    "Fix: leave output_dir in place while the run goes on", str(gone[0]))
 
     def log_samples(self, rows: list[tuple[str, str, float]], step: int) -> None:
         """A table of (prompt, response, reward) sample trajectories."""

@@ -1,6 +1,7 @@
 """The metric sinks and the progress line with values a faulty run produces: NaN is shown, never dropped or fatal;
 a resumed run keeps one row per step."""
 
+import contextlib
 import json
 import math
 import sys
@@ -185,21 +186,28 @@ def test_the_last_wandb_run_id_is_read_from_its_file_not_its_directory_name(tmp_
     assert last_run_id(tmp_path) == "u2kixbff"
 
 
-def test_a_row_logged_after_output_dir_vanished_stops_the_run_naming_the_file(tmp_path):
-    """Before: the rows went on to the removed metrics.jsonl (and W&B's removed .wandb file) without a word."""
+def test_a_row_logged_after_a_sinks_directory_vanished_stops_the_run_naming_it(tmp_path):
+    """Before: the rows went on to the removed metrics.jsonl (and W&B's removed .wandb file, TensorBoard's removed
+    event file) without a word."""
     import shutil
 
     import pytest
 
-    for gone in ("removed", "moved"):
-        out = tmp_path / gone
-        sinks = MetricSinks(out, run_name="r", config={}, wandb_mode="disabled")
+    for gone in ("output_dir removed", "output_dir moved", "wandb", "tensorboard"):
+        out = tmp_path / gone.replace(" ", "_")
+        sinks = MetricSinks(out, run_name="r", config={}, wandb_mode="offline" if gone == "wandb" else "disabled",
+                            tensorboard=gone == "tensorboard")
         sinks.log({"reward": 1.0}, 1)
-        if gone == "removed":
+        named = out / "metrics.jsonl"
+        if gone == "output_dir removed":
             shutil.rmtree(out)
-        else:
+        elif gone == "output_dir moved":
             out.rename(tmp_path / "elsewhere")
+        else:
+            named = next((out / gone).rglob("run-*.wandb")) if gone == "wandb" else out / "tensorboard" / "r"
+            shutil.rmtree(out / gone)
         with pytest.raises(FileNotFoundError) as err:
             sinks.log({"reward": 2.0}, 2)
-        assert err.value.filename == str(out / "metrics.jsonl") and "removed or replaced while the run" in str(err.value)
-        sinks.close()
+        assert err.value.filename == str(named) and "removed or replaced while the run" in str(err.value), gone
+        with contextlib.suppress(OSError):  # (TensorBoard's close: its file is gone)
+            sinks.close()
