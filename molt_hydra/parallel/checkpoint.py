@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from molt_hydra.models import lora
 from molt_hydra.parallel import retention
-from molt_hydra.parallel.crc_reader import ChecksumMismatch, summing_reader
+from molt_hydra.parallel.crc_reader import ChecksumMismatch, SummingReader
 
 TAG = re.compile(r"^step_(\d+)$")
 CRCS = "crc32.json"  # {file under step_<N>: CRC32}
@@ -253,7 +253,7 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
     state = {"model": into} if into is not None else _dcp_state(model, optimizer)
     try:
         # without an optimizer: the model's entries only; each shard's CRC32 is checked as it is read
-        dcp.load(state, storage_reader=summing_reader(path / "dcp", _shard_crcs(path)))
+        dcp.load(state, storage_reader=SummingReader(path / "dcp", _shard_crcs(path)))
     except dcp.api.CheckpointException as e:  # damage the checks of `problem` cannot see (a shard's bytes changed)
         rank, (cause, _) = next(iter(e.failures.items()))
         error = DamagedCheckpoint if isinstance(cause, ChecksumMismatch) else RuntimeError

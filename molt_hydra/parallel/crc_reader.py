@@ -1,23 +1,26 @@
-"""A DCP reader that checks each file's CRC32 (recorded at save, crc32.json) while the load reads it: the bytes are
+"""A DCP reader that checks each shard's CRC32 (recorded at save, crc32.json) while the load reads it: the bytes are
 read from disk once. Before, the resume check read every byte of the checkpoint for the CRCs and the ranks' load read
 them all again (a 60 GB checkpoint: 120 GB of start-up reads).
 
-The CRC is taken in file order: a read past the bytes summed so far first sums the gap (an item this rank does not
-load), and the bytes after the last read are summed when the file is closed. The stream says it is not seekable, so
-DCP reads each item whole into memory before torch.load (which would read a seekable one's zip end first, then its
-data: every byte read twice). Each file is checked by the ranks that read it; a mismatch raises, which DCP reports on
-every rank."""
+Each file is checked by one rank (SummingReader), in file order: a read past the bytes summed so far first sums the
+gap (items that rank does not load), and the bytes after its last read are summed when the file is closed. The
+stream says it is not seekable, so DCP reads each item whole into memory before torch.load (which would read a
+seekable one's zip end first, then its data: every byte read twice). A mismatch raises, which DCP reports on every
+rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import zlib
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadPlan
 
 CHUNK = 1 << 24
 
@@ -73,7 +76,7 @@ class _Summed(io.RawIOBase):
 class _SummingFileSystem(FileSystem):
     def __init__(self, root: Path, crcs: dict[str, int]):
         super().__init__()
-        self.root, self.crcs = root, crcs  # crcs: {name relative to the checkpoint directory: CRC32}
+        self.root, self.crcs = root, crcs  # crcs: {file name under root: CRC32}, the files this rank checks
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -93,12 +96,32 @@ class _SummingFileSystem(FileSystem):
 
     def _check(self, name: str, summed: _Summed, error: Exception | None = None) -> None:
         if (crc := summed.finish()) != self.crcs[name]:
-            raise ChecksumMismatch(f"{name}: CRC32 {crc:08x}, saved as {self.crcs[name]:08x} (its bytes changed "
+            raise ChecksumMismatch(f"dcp/{name}: CRC32 {crc:08x}, saved as {self.crcs[name]:08x} (its bytes changed "
                                    "since the save)") from error
 
 
-def summing_reader(dcp_dir: Path, crcs: dict[str, int]) -> FileSystemReader:
-    """A reader of `dcp_dir` (<checkpoint>/dcp) that checks the files named in `crcs` ({"dcp/<file>": CRC32})."""
-    reader = FileSystemReader(str(dcp_dir))
-    reader.fs = _SummingFileSystem(dcp_dir.parent, crcs)
-    return reader
+class SummingReader(FileSystemReader):
+    """Reads <checkpoint>/dcp, checking the shards named in `crcs` ({"dcp/<file>": CRC32}). Each file is checked by
+    one rank, the one that loads the most of it (the coordinator's plan says which: a replicated entry, saved by one
+    rank, is read by every rank, and its file must not be read whole by each)."""
+
+    def __init__(self, dcp_dir: Path, crcs: dict[str, int]):
+        super().__init__(str(dcp_dir))
+        self.crcs = {name.removeprefix("dcp/"): crc for name, crc in crcs.items()}
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        most: dict[str, tuple[int, int]] = {}  # file -> (bytes, rank) of the rank that loads the most of it
+        for rank, plan in enumerate(plans):
+            loads = Counter()
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                loads[info.relative_path] += info.length
+            for name, n in loads.items():
+                if name in self.crcs and n > most.get(name, (-1, 0))[0]:
+                    most[name] = (n, rank)
+        return [dataclasses.replace(plan, storage_data=sorted(name for name, (_, r) in most.items() if r == rank))
+                for rank, plan in enumerate(super().prepare_global_plan(plans))]
+
+    def read_data(self, plan: LoadPlan, planner):
+        self.fs = _SummingFileSystem(Path(self.path), {name: self.crcs[name] for name in plan.storage_data or ()})
+        return super().read_data(plan, planner)
