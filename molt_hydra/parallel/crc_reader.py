@@ -5,8 +5,8 @@ them all again (a 60 GB checkpoint: 120 GB of start-up reads).
 Each file is checked by one rank (SummingReader), in file order: a read past the bytes summed so far first sums the
 gap (items that rank does not load), and the bytes after its last read are summed when the file is closed. The
 stream says it is not seekable, so DCP reads each item whole into memory before torch.load (which would read a
-seekable one's zip end first, then its data: every byte read twice). A mismatch raises, which DCP reports on every
-rank."""
+seekable one's zip end first, then its data: every byte read twice; the cost: one item's bytes in memory beside its
+tensor while it loads). A mismatch raises, which DCP reports on every rank."""
 
 from __future__ import annotations
 
