@@ -13,6 +13,7 @@ Retention (newest `keep` tags, a disk budget) is parallel/retention.py. Assumes 
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import random
@@ -69,7 +70,19 @@ def _dcp_state(model, optimizer=None) -> dict:
 
 def _write_extra(tmp: Path, extra: dict) -> None:
     """The last write before the rename: its own function, so the crash test can kill a save exactly here."""
-    torch.save(extra, tmp / "extra_state.pt")
+    _save_small(extra, tmp / "extra_state.pt")
+
+
+def _save_small(obj, path: Path) -> None:
+    """torch.save through memory: a failed write is an OSError naming the cause (a full disk: ENOSPC). Before, torch's
+    zip writer on the file raised 'enforce fail at inline_container.cc ... unexpected pos', then aborted the
+    process as it closed the file ('terminate called without an active exception')."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        path.write_bytes(buffer.getbuffer())
+    except OSError as e:  # a write to the open file names no file
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -85,45 +98,86 @@ def _tags(root: Path) -> list[tuple[int, Path]]:
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
                     client_state: dict | None = None, keep: int = 3, max_disk_gb: float | None = None) -> Path:
-    """Collective: every rank calls it. Returns the final directory. Retention: parallel/retention.py; every rank
-    raises the same error when the newest checkpoint alone is over `max_disk_gb`."""
+    """Collective: every rank calls it. Returns the final directory. Retention: parallel/retention.py. Every rank
+    raises the same error when a write failed on any rank (naming that rank and the cause: a full disk...; the
+    half-written save is removed, its space freed), or when the newest checkpoint alone is over `max_disk_gb`."""
     root, tag = Path(root), f"step_{step}"
     tmp, final = root / f".tmp-{tag}", root / tag
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for leftover in root.glob(".tmp-step_*"):  # crashed saves (the run lock keeps other writers out)
-            shutil.rmtree(leftover, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
+    _on_every_rank(tmp, _prepare, root, tmp, rank0_only=True)
     try:
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp / "dcp"))
     except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
         rank, (cause, _) = next(iter(e.failures.items()))
+        _remove(tmp)
         raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
-    crcs = {f"dcp/{p.name}": _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")}  # each rank its own files
+    crcs = _on_every_rank(tmp, _write_rank_files, tmp)
     if dist.is_initialized():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, crcs)
         crcs = {name: crc for part in every for name, crc in part.items()}
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
-    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored on load
-    _barrier()
-    if _rank() == 0:
-        world = dist.get_world_size() if dist.is_initialized() else 1  # rng_rank<r>.pt for every r below it
-        _write_extra(tmp, {"client_state": client_state or {}, "step": step, "world_size": world, "crc32": True,
-                           "scheduler": scheduler.state_dict() if scheduler is not None else None})
-        crcs.update({str(p.relative_to(tmp)): _crc32(p) for p in [tmp / "dcp" / ".metadata", *tmp.glob("*.pt")]})
-        (tmp / CRCS).write_text(json.dumps(crcs))
-        _replace_dir(tmp, final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(tag)
-        os.replace(latest_tmp, root / "latest")
-        retention.prune([p for _, p in _tags(root)], keep, max_disk_gb)
-    _barrier()
+    world = dist.get_world_size() if dist.is_initialized() else 1  # rng_rank<r>.pt for every r below it
+    extra = {"client_state": client_state or {}, "step": step, "world_size": world, "crc32": True,
+             "scheduler": scheduler.state_dict() if scheduler is not None else None}
+    _on_every_rank(tmp, _publish, tmp, final, extra, crcs, keep, max_disk_gb, rank0_only=True)
     if (error := retention.over_budget(final, max_disk_gb)) is not None:
         raise RuntimeError(error)
     return final
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob(".tmp-step_*"):  # crashed saves (the run lock keeps other writers out)
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _write_rank_files(tmp: Path) -> dict[str, int]:
+    """This rank's RNG streams (restored on load); returns the CRC32s of its files."""
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
+    _save_small(rng, tmp / f"rng_rank{_rank()}.pt")
+    return {f"dcp/{p.name}": _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")}  # each rank its own shards
+
+
+def _publish(tmp: Path, final: Path, extra: dict, crcs: dict, keep: int, max_disk_gb: float | None) -> None:
+    """Rank 0: the extra state and the CRC32s, written last, then the rename that makes the save a checkpoint."""
+    _write_extra(tmp, extra)
+    crcs.update({str(p.relative_to(tmp)): _crc32(p) for p in [tmp / "dcp" / ".metadata", *tmp.glob("*.pt")]})
+    (tmp / CRCS).write_text(json.dumps(crcs))
+    _replace_dir(tmp, final)
+    latest_tmp = final.parent / ".latest.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, final.parent / "latest")
+    retention.prune([p for _, p in _tags(final.parent)], keep, max_disk_gb)
+
+
+def _on_every_rank(tmp: Path, step, *args, rank0_only: bool = False):
+    """`step(*args)` on every rank (`rank0_only`: on rank 0, the others wait), then a collective that tells every
+    rank whether it failed anywhere: each one then raises, naming the first rank that failed and its cause (and the
+    half-written save is removed). Before: the rank whose write failed (a disk full as rank 0 wrote
+    extra_state.pt) raised alone; the others waited in the next barrier until the collective timeout, which the run
+    then named. Returns `step`'s result."""
+    result, error = None, None
+    try:
+        if _rank() == 0 or not rank0_only:
+            result = step(*args)
+    except Exception as e:  # noqa: BLE001 - every rank raises it below
+        error = e
+    every = [error and f"{type(error).__name__}: {error}"]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, error and f"{type(error).__name__}: {error}")
+    failed = [(rank, why) for rank, why in enumerate(every) if why]
+    if failed:
+        _remove(tmp)
+        raise RuntimeError(f"writing {tmp} failed on rank {failed[0][0]}: {failed[0][1]}") from error
+    return result
+
+
+def _remove(tmp: Path) -> None:
+    """Rank 0: a failed save's directory (a full disk gets its space back)."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _crc32(path: Path) -> int:
