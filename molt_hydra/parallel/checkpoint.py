@@ -267,9 +267,10 @@ def _candidates(root: Path, older_than: Path | None = None) -> list[Path]:
 
 def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None, checksums: bool = False,
                        older_than: Path | None = None) -> Path | None:
-    """The newest loadable step_<N>, else None. Each checkpoint passed over (a `latest` naming a missing directory, a file missing, truncated or unreadable; with `checksums`, a file changed
-    since the save) is appended to `skipped` as "<path>: <why>". `older_than` (a step_<N>): only steps before it (a
-    load found its shard damaged)."""
+    """The newest loadable step_<N>, else None. Each checkpoint passed over (a `latest` naming a missing directory,
+    a file missing, truncated or unreadable; with `checksums`, a small file changed since the save) is appended to
+    `skipped` as "<path>: <why>". `older_than` (a step_<N>): only steps before it (a load found its shard
+    damaged)."""
     root = Path(root)
     for path in _candidates(root, older_than) if root.is_dir() else []:
         why = "missing" if not path.is_dir() else problem(path, checksums)

@@ -100,9 +100,10 @@ def _run(cfg: RunConfig) -> None:
 def _check_resume(cfg: RunConfig) -> Path | None:
     """checkpoint.resume, before anything starts: returns the checkpoint every role resumes. One passed over (a file
     missing, truncated, unreadable or changed since its save: the small files' CRC32s are checked here, the shards'
-    as the roles load them, see _load_verified; a `latest` naming a missing one) is one line each; none loadable, where there are checkpoints or resume=must asks for one, ends the
-    run naming the directory and the fix; so does a checkpoint saved under the other model.master_weights (a warm
-    start aside)."""
+    as the roles load them, see _load_verified; a `latest` naming a missing one) is one line each; none loadable,
+    where there are checkpoints or resume=must asks for one, ends the run naming the directory and the fix; so does
+    a checkpoint saved under the other model.master_weights (a warm start aside), and resume=never over an earlier
+    run's checkpoints."""
     from molt_hydra.parallel.checkpoint import problem, resolve_checkpoint, saved_master_weights
     from molt_hydra.runtime.plan import fsdp_roles
 
@@ -211,14 +212,14 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -
         return await _train(cfg, roles, opened, resume_from)
     except RoleStalled as e:
         probe = roles is not None and e.role in ("rollout", "weight sync")
-        return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [], last_words)
+        return _stalled(cfg, roles, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
         last_words += _resume_hint(cfg)  # which one, after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
         # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
-        stalled = await roles.calls.probe_engines() if isinstance(e, RunFailed) and e.drops and roles else []
+        stalled = await roles.calls.probe_rollout() if isinstance(e, RunFailed) and e.drops and roles else []
         if stalled:
             return _stalled(cfg, roles, f"rollout stalled: {e.cause}", stalled, last_words)
         last_words += await _report_failure(cfg, roles, e)

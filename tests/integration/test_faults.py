@@ -387,6 +387,25 @@ def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path):
     assert "Traceback" not in run.err()
 
 
+@pytest.mark.slow  # ~1.5 min; no fast test: the probe needs a run's Ray actors (test_rl_loop's stalled engine: the
+# same stall path, in make test)
+def test_a_stopped_agent_runner_stalls_the_run_naming_it(tmp_path):
+    """SIGSTOP of every agent runner while the run generates: the step deadline ends it with exit 3, naming the
+    runners as the roles not answering (before: 'rollout stalled' alone; the engine probe found every engine fine)."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=50", "train.timeouts.step_s=20")
+    run.wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text())
+    runners = run.children("AgentRunnerActor")
+    assert runners
+    for pid in runners:
+        os.kill(pid, signal.SIGSTOP)
+    code = run.finish(timeout=300)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == 3, run.err()[-3000:]
+    assert lines[-2].startswith("Run stopped: rollout stalled: ") and lines[-2].endswith(
+        "; not answering: " + ", ".join(f"agent runner {i}" for i in range(len(runners))) + "."), lines[-3:]
+
+
 @pytest.mark.slow  # ~1 min: tests/unit/test_reaper.py (the watcher, real processes) covers it in make test
 def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path):
     """Before: Ray's DashboardAgent and RuntimeEnvAgent outlived a kill -9 of the driver by 60 s (their report of the
