@@ -198,6 +198,8 @@ def test_a_row_logged_after_a_sinks_directory_vanished_stops_the_run_naming_it(t
         sinks = MetricSinks(out, run_name="r", config={}, wandb_mode="offline" if gone == "wandb" else "disabled",
                             tensorboard=gone == "tensorboard")
         sinks.log({"reward": 1.0}, 1)
+        if sinks.tb is not None:
+            sinks.tb.flush()  # (its writer thread would write row 1 to the removed file: a thread's traceback)
         named = out / "metrics.jsonl"
         if gone == "output_dir removed":
             shutil.rmtree(out)
