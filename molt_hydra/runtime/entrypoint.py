@@ -204,6 +204,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -
 
     roles, opened = None, []  # opened: the run's logs, closed before any process is ended
     last_words: list[str] = []  # the failure message: printed after every teardown, so it is what the user sees last
+    interrupted = False
     try:
         roles = await build_roles(cfg, record)
         shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
@@ -215,7 +216,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -
         return _stalled(cfg, roles, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
-        last_words += _resume_hint(cfg)  # which one, after the teardown: the last thing the user reads
+        interrupted = True  # which one is named after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
         # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
@@ -244,6 +245,8 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown) -
         kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
         reaper.stop()  # (the watcher that ends them when this process is killed)
         shown.stop()
+        if interrupted:  # read now that nothing writes: a save the teardown let finish is the one to name (before:
+            last_words += _resume_hint(cfg)  # read before it, the step before the newest checkpoint was named)
         if last_words:
             sys.stdout.flush()
             print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)
