@@ -7,6 +7,7 @@ directory continues the last W&B run there); sweeps set the W&B group.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -86,6 +87,7 @@ class MetricSinks:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, metrics: dict[str, float], step: int, prefix: str = "train") -> None:
+        self._check_in_place()
         # Non-finite values are kept (NaN in the jsonl, as W&B shows them): a metric that goes NaN must be seen.
         clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if dashboard.is_number(v)}
         self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
@@ -95,6 +97,24 @@ class MetricSinks:
         if self.tb is not None:
             for k, v in clean.items():
                 self.tb.add_scalar(k, v, step)
+
+    def _check_in_place(self) -> None:
+        """Every sink still writes where it started: metrics.jsonl is the file at its path, an offline W&B run's
+        file (its only copy) and TensorBoard's directory are there. Before: with output_dir (or a sink's directory)
+        removed or moved mid-run, the rows went on to the removed files without a word until the run's end."""
+        path = self.dir / "metrics.jsonl"
+        try:
+            gone = [] if os.stat(path).st_ino == os.fstat(self.jsonl.fileno()).st_ino else [path]
+        except FileNotFoundError:
+            gone = [path]
+        if self.wandb_run is not None and self.wandb_mode == "offline":
+            gone += [p for p in [Path(self.wandb_run.settings.sync_file)] if not p.is_file()]
+        if self.tb is not None:
+            gone += [p for p in [Path(self.tb.get_logdir())] if not p.is_dir()]
+        if gone:
+            raise FileNotFoundError(errno.ENOENT, "removed or replaced while the run wrote it (output_dir, or the "
+                                    "sink's directory, deleted or moved?): the metrics from here on would be lost. "
+                                    "Fix: leave output_dir in place while the run goes on", str(gone[0]))
 
     def log_samples(self, rows: list[tuple[str, str, float]], step: int) -> None:
         """A table of (prompt, response, reward) sample trajectories."""

@@ -1,7 +1,8 @@
 """Resumable checkpoints (torch.distributed.checkpoint) and HF export.
 
 Layout: <root>/step_<N>/{dcp/ (model + optimizer, sharded), extra_state.pt (scheduler + client state),
-rng_rank<r>.pt, crc32.json}, <root>/latest (text: the last tag). A save is written to <root>/.tmp-step_<N> and renamed
+rng_rank<r>.pt, crc32.json}, <root>/latest (text: the last tag, for people and tools; a resume takes the newest
+complete step, whatever the tag says). A save is written to <root>/.tmp-step_<N> and renamed
 only when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable (the next save removes
 the half-written directory). Neither DCP nor torch.load checks checksums: crc32.json, written last, holds every file's
 CRC32, which a resume checks (a shard's bytes overwritten at its full length loaded as garbage weights, silently).
@@ -12,13 +13,13 @@ Retention (newest `keep` tags, a disk budget) is parallel/retention.py. Assumes 
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import random
 import re
 import shutil
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,20 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from molt_hydra.models import lora
 from molt_hydra.parallel import retention
+from molt_hydra.parallel.crc_reader import ChecksumMismatch, SummingReader
 
 TAG = re.compile(r"^step_(\d+)$")
 CRCS = "crc32.json"  # {file under step_<N>: CRC32}
+
+
+class DamagedCheckpoint(RuntimeError):
+    """A load that found a shard's bytes changed since the save (args: the message; "<checkpoint>: <file>: <its
+    CRC32s>"); every
+    rank raises it (DCP gathers the ranks' read errors), the model's state half loaded: the caller loads another
+    checkpoint or stops."""
+
+    def __str__(self) -> str:
+        return f"{self.args[0]}"
 
 
 def _rank() -> int:
@@ -58,7 +70,19 @@ def _dcp_state(model, optimizer=None) -> dict:
 
 def _write_extra(tmp: Path, extra: dict) -> None:
     """The last write before the rename: its own function, so the crash test can kill a save exactly here."""
-    torch.save(extra, tmp / "extra_state.pt")
+    _save_small(extra, tmp / "extra_state.pt")
+
+
+def _save_small(obj, path: Path) -> None:
+    """torch.save through memory: a failed write is an OSError naming the cause (a full disk: ENOSPC). Before, torch's
+    zip writer on the file raised 'enforce fail at inline_container.cc ... unexpected pos', then aborted the
+    process as it closed the file ('terminate called without an active exception')."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        path.write_bytes(buffer.getbuffer())
+    except OSError as e:  # a write to the open file names no file
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -74,45 +98,86 @@ def _tags(root: Path) -> list[tuple[int, Path]]:
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
                     client_state: dict | None = None, keep: int = 3, max_disk_gb: float | None = None) -> Path:
-    """Collective: every rank calls it. Returns the final directory. Retention: parallel/retention.py; every rank
-    raises the same error when the newest checkpoint alone is over `max_disk_gb`."""
+    """Collective: every rank calls it. Returns the final directory. Retention: parallel/retention.py. Every rank
+    raises the same error when a write failed on any rank (naming that rank and the cause: a full disk...; the
+    half-written save is removed, its space freed), or when the newest checkpoint alone is over `max_disk_gb`."""
     root, tag = Path(root), f"step_{step}"
     tmp, final = root / f".tmp-{tag}", root / tag
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for leftover in root.glob(".tmp-step_*"):  # crashed saves (the run lock keeps other writers out)
-            shutil.rmtree(leftover, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
+    _on_every_rank(tmp, _prepare, root, tmp, rank0_only=True)
     try:
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp / "dcp"))
     except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
         rank, (cause, _) = next(iter(e.failures.items()))
+        _remove(tmp)
         raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
-    crcs = {f"dcp/{p.name}": _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")}  # each rank its own files
+    crcs = _on_every_rank(tmp, _write_rank_files, tmp)
     if dist.is_initialized():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, crcs)
         crcs = {name: crc for part in every for name, crc in part.items()}
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
-    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")  # this rank's RNG streams, restored on load
-    _barrier()
-    if _rank() == 0:
-        world = dist.get_world_size() if dist.is_initialized() else 1  # rng_rank<r>.pt for every r below it
-        _write_extra(tmp, {"client_state": client_state or {}, "step": step, "world_size": world, "crc32": True,
-                           "scheduler": scheduler.state_dict() if scheduler is not None else None})
-        crcs.update({str(p.relative_to(tmp)): _crc32(p) for p in [tmp / "dcp" / ".metadata", *tmp.glob("*.pt")]})
-        (tmp / CRCS).write_text(json.dumps(crcs))
-        _replace_dir(tmp, final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(tag)
-        os.replace(latest_tmp, root / "latest")
-        retention.prune([p for _, p in _tags(root)], keep, max_disk_gb)
-    _barrier()
+    world = dist.get_world_size() if dist.is_initialized() else 1  # rng_rank<r>.pt for every r below it
+    extra = {"client_state": client_state or {}, "step": step, "world_size": world, "crc32": True,
+             "scheduler": scheduler.state_dict() if scheduler is not None else None}
+    _on_every_rank(tmp, _publish, tmp, final, extra, crcs, keep, max_disk_gb, rank0_only=True)
     if (error := retention.over_budget(final, max_disk_gb)) is not None:
         raise RuntimeError(error)
     return final
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob(".tmp-step_*"):  # crashed saves (the run lock keeps other writers out)
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _write_rank_files(tmp: Path) -> dict[str, int]:
+    """This rank's RNG streams (restored on load); returns the CRC32s of its files."""
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
+    _save_small(rng, tmp / f"rng_rank{_rank()}.pt")
+    return {f"dcp/{p.name}": _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")}  # each rank its own shards
+
+
+def _publish(tmp: Path, final: Path, extra: dict, crcs: dict, keep: int, max_disk_gb: float | None) -> None:
+    """Rank 0: the extra state and the CRC32s, written last, then the rename that makes the save a checkpoint."""
+    _write_extra(tmp, extra)
+    crcs.update({str(p.relative_to(tmp)): _crc32(p) for p in [tmp / "dcp" / ".metadata", *tmp.glob("*.pt")]})
+    (tmp / CRCS).write_text(json.dumps(crcs))
+    _replace_dir(tmp, final)
+    latest_tmp = final.parent / ".latest.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, final.parent / "latest")
+    retention.prune([p for _, p in _tags(final.parent)], keep, max_disk_gb)
+
+
+def _on_every_rank(tmp: Path, step, *args, rank0_only: bool = False):
+    """`step(*args)` on every rank (`rank0_only`: on rank 0, the others wait), then a collective that tells every
+    rank whether it failed anywhere: each one then raises, naming the first rank that failed and its cause (and the
+    half-written save is removed). Before: the rank whose write failed (a disk full as rank 0 wrote
+    extra_state.pt) raised alone; the others waited in the next barrier until the collective timeout, which the run
+    then named. Returns `step`'s result."""
+    result, error = None, None
+    try:
+        if _rank() == 0 or not rank0_only:
+            result = step(*args)
+    except Exception as e:  # noqa: BLE001 - every rank raises it below
+        error = e
+    every = [error and f"{type(error).__name__}: {error}"]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, error and f"{type(error).__name__}: {error}")
+    failed = [(rank, why) for rank, why in enumerate(every) if why]
+    if failed:
+        _remove(tmp)
+        raise RuntimeError(f"writing {tmp} failed on rank {failed[0][0]}: {failed[0][1]}") from error
+    return result
+
+
+def _remove(tmp: Path) -> None:
+    """Rank 0: a failed save's directory (a full disk gets its space back)."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _crc32(path: Path) -> int:
@@ -126,8 +191,9 @@ def _crc32(path: Path) -> int:
 def problem(path: Path, checksums: bool = False) -> str | None:
     """Why the checkpoint at `path` cannot be resumed (a file missing, truncated or unreadable), else None. The small
     files are read whole; of the shards, that each one DCP's metadata names is there at its full length. With
-    `checksums` (the run's one check before it starts: it reads every byte), every file's CRC32 is the one
-    recorded at save (a checkpoint saved before 2026-12-05 recorded none)."""
+    `checksums` (the run's check before it starts), every small file's CRC32 is the one recorded at save (a
+    checkpoint saved before 2026-12-05 recorded none); the shards' are checked by the load, as it reads them
+    (parallel/crc_reader.py: the shards are read once)."""
     what = "extra_state.pt"
     try:
         extra = torch.load(path / what, weights_only=False)
@@ -150,15 +216,22 @@ def problem(path: Path, checksums: bool = False) -> str | None:
         crcs = json.loads((path / CRCS).read_text())
     except (OSError, ValueError) as e:
         return f"{CRCS}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
-    # read in threads (zlib's CRC runs without the GIL); after a mismatch (or Ctrl-C) the files not read yet are not
-    names, pool = sorted(crcs), ThreadPoolExecutor(max(1, min(8, len(crcs))))
-    try:
-        for name, crc in zip(names, pool.map(lambda n: _crc32(path / n), names)):
-            if crc != crcs[name]:
-                return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    for name in sorted(n for n in crcs if not _is_shard(n)):  # the shards' are checked as the load reads them
+        if (crc := _crc32(path / name)) != crcs[name]:
+            return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
     return None
+
+
+def _is_shard(name: str) -> bool:
+    return name.endswith(".distcp")
+
+
+def _shard_crcs(path: Path) -> dict[str, int]:
+    """The shards' CRC32s recorded at save ({} for a checkpoint saved before they were)."""
+    try:
+        return {name: crc for name, crc in json.loads((path / CRCS).read_text()).items() if _is_shard(name)}
+    except FileNotFoundError:
+        return {}
 
 
 def saved_master_weights(path: Path, client_state: dict | None = None) -> str:
@@ -176,27 +249,30 @@ def saved_master_weights(path: Path, client_state: dict | None = None) -> str:
     return "fsdp" if dtypes <= {torch.float32} else "optimizer"
 
 
-def _candidates(root: Path) -> list[Path]:
-    """The checkpoints to try, in order: the `latest` tag (when readable), then every step_<N>, newest first."""
-    tags = sorted(((int(m.group(1)), p) for p in root.glob("step_*") if (m := TAG.match(p.name)) and p.is_dir()),
-                  reverse=True)
-    found = [p for _, p in tags]
+def _candidates(root: Path, older_than: Path | None = None) -> list[Path]:
+    """The checkpoints to try, newest step first: every step_<N>, and the `latest` tag's (when readable) even where its
+    directory is missing (then named as such). The order is the steps', not the tag's: a save renames its step into
+    place before it rewrites `latest`, so after a crash between the two the tag names the step before a complete one
+    (before: that older step was resumed, the newer one's training lost and its step numbers trained again)."""
+    tags = {int(m.group(1)): p for p in root.glob("step_*") if (m := TAG.match(p.name)) and p.is_dir()}
     try:
-        latest = (root / "latest").read_text().strip()
+        latest = TAG.match((root / "latest").read_text().strip())
     except (OSError, UnicodeDecodeError):  # absent, a directory, garbage: the step directories decide
-        return found
-    if TAG.match(latest):
-        found = [root / latest] + [p for p in found if p.name != latest]
-    return found
+        latest = None
+    if latest:
+        tags.setdefault(int(latest.group(1)), root / latest.group(0))
+    below = int(TAG.match(older_than.name).group(1)) if older_than is not None else None
+    return [tags[step] for step in sorted(tags, reverse=True) if below is None or step < below]
 
 
-def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None,
-                       checksums: bool = False) -> Path | None:
-    """The `latest` tag when loadable, else the newest loadable step_<N>, else None. Each checkpoint passed over (a
-    `latest` naming a missing directory, a file missing, truncated or unreadable; with `checksums`, a file changed
-    since the save) is appended to `skipped` as "<path>: <why>"."""
+def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None, checksums: bool = False,
+                       older_than: Path | None = None) -> Path | None:
+    """The newest loadable step_<N>, else None. Each checkpoint passed over (a `latest` naming a missing directory,
+    a file missing, truncated or unreadable; with `checksums`, a small file changed since the save) is appended to
+    `skipped` as "<path>: <why>". `older_than` (a step_<N>): only steps before it (a load found its shard
+    damaged)."""
     root = Path(root)
-    for path in _candidates(root) if root.is_dir() else []:
+    for path in _candidates(root, older_than) if root.is_dir() else []:
         why = "missing" if not path.is_dir() else problem(path, checksums)
         if why is None:
             return path
@@ -231,11 +307,13 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
                          f"model.master_weights={saved} (or checkpoint.load_model_only=true: the weights alone)")
     state = {"model": into} if into is not None else _dcp_state(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=str(path / "dcp"))  # without an optimizer: the model's entries only
-    except dcp.api.CheckpointException as e:  # damage the size checks of `problem` cannot see (bytes overwritten)
+        # without an optimizer: the model's entries only; each shard's CRC32 is checked as it is read
+        dcp.load(state, storage_reader=SummingReader(path / "dcp", _shard_crcs(path)))
+    except dcp.api.CheckpointException as e:  # damage the checks of `problem` cannot see (a shard's bytes changed)
         rank, (cause, _) = next(iter(e.failures.items()))
-        raise RuntimeError(f"reading {path} failed on rank {rank}: {type(cause).__name__}: {cause}. Fix: move {path} "
-                           "out of the checkpoint directory to resume from the one before it") from e
+        error = DamagedCheckpoint if isinstance(cause, ChecksumMismatch) else RuntimeError
+        raise error(f"reading {path} failed on rank {rank}: {type(cause).__name__}: {cause}. Fix: move {path} out of "
+                    "the checkpoint directory to resume from the one before it", f"{path}: {cause}") from e
     if into is None:
         set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))

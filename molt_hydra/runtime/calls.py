@@ -175,15 +175,17 @@ class RoleCalls:
         # the first runner's example of a reason wins
         return {reason: error for errors in reversed(per_runner) for reason, error in errors.items()}
 
-    async def probe_engines(self, seconds: float = 10.0) -> list[str]:
-        """Which engines fail a 1-token request: names the stalled role when a rollout batch never completes."""
+    async def probe_rollout(self, seconds: float = 10.0) -> list[str]:
+        """Which engines fail a 1-token request and which agent runners do not answer: names the stalled role when
+        a rollout batch never completes (before: a stopped agent runner was never named, only 'rollout')."""
         from molt_hydra.rollout.generation import GenerationRequest, Sampling
 
         probe = GenerationRequest("watchdog-probe", [self.roles.pad_token_id], Sampling(max_tokens=1))
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(e.generate.remote(probe), seconds) for e in self.roles.engines), return_exceptions=True)
+        calls = {**{f"rollout engine {i}": e.generate.remote(probe) for i, e in enumerate(self.roles.engines)},
+                 **{f"agent runner {i}": r.__ray_call__.remote(_answer) for i, r in enumerate(self.roles.runners)}}
+        answers = await asyncio.gather(*(asyncio.wait_for(c, seconds) for c in calls.values()), return_exceptions=True)
         # a timeout or a dead actor: either way it is the one that stalled
-        return [f"rollout engine {i}" for i, answer in enumerate(answers) if isinstance(answer, BaseException)]
+        return [name for name, answer in zip(calls, answers) if isinstance(answer, BaseException)]
 
     async def shutdown(self) -> None:
         roles = self.roles
@@ -197,6 +199,11 @@ class RoleCalls:
             with suppress(Exception):
                 await asyncio.wait_for(e.shutdown.remote(), 20)
             ray.kill(e)
+
+
+def _answer(_actor) -> bool:
+    """The probe of an agent runner: answered by its own event loop, free while the agent code runs (in its thread)."""
+    return True
 
 
 def _trainer_groups(roles) -> list:

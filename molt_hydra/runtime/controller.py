@@ -318,8 +318,9 @@ class RLController:
         trainer's atomic save, so a checkpoint is either complete or absent."""
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
-        # The critic's first: the actor's save (its `latest`) marks the step complete, so a crash between the two
-        # leaves a critic step no resume reads, never an actor step whose critic is missing (a resume then failed).
+        # The critic's first: the actor's step_<N> (renamed into place last) marks the step complete, so a crash
+        # between the two leaves a critic step no resume reads, never an actor step whose critic is missing (a
+        # resume then failed).
         if self.roles.critic is not None:
             await self.calls.ranks(self.roles.critic, "save_checkpoint", ckpt.dir + "_critic", {"rl_step": self.step},
                                    keep=keep, max_disk_gb=ckpt.max_disk_gb, role="critic")

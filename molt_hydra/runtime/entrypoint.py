@@ -22,6 +22,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
+from molt_hydra.runtime import reaper
 from molt_hydra.runtime.preemption import PreemptionNotice
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
@@ -102,15 +103,19 @@ def _run(cfg: RunConfig) -> None:
 
 def _check_resume(cfg: RunConfig) -> Path | None:
     """checkpoint.resume, before anything starts: returns the checkpoint every role resumes. One passed over (a file
-    missing, truncated, unreadable or changed since its save: the CRC32s are checked here, once; a `latest` naming a
-    missing one) is one line each; none loadable, where there are checkpoints or resume=must asks for one, ends the
-    run naming the directory and the fix; so does a checkpoint saved under the other model.master_weights (a warm
-    start aside)."""
+    missing, truncated, unreadable or changed since its save: the small files' CRC32s are checked here, the shards'
+    as the roles load them, see _load_verified; a `latest` naming a missing one) is one line each; none loadable,
+    where there are checkpoints or resume=must asks for one, ends the run naming the directory and the fix; so does
+    a checkpoint saved under the other model.master_weights (a warm start aside), and resume=never over an earlier
+    run's checkpoints."""
     from molt_hydra.parallel.checkpoint import problem, resolve_checkpoint, saved_master_weights
     from molt_hydra.runtime.plan import fsdp_roles
 
     c, skipped = cfg.checkpoint, []
-    if cfg.job.value == "eval" or c.resume.value == "never":  # (eval loads checkpoint.path)
+    if cfg.job.value == "eval":  # (eval loads checkpoint.path)
+        return None
+    if c.resume.value == "never":
+        _refuse_earlier_checkpoints(cfg)
         return None
     found = resolve_checkpoint(c.dir, skipped, checksums=True)
     for partial in sorted(Path(c.dir).glob(".tmp-step_*")):  # a run stopped mid-save: never a candidate
@@ -142,6 +147,26 @@ def _check_resume(cfg: RunConfig) -> Path | None:
                   "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
             sys.exit(EXIT_FAILED)
     return found
+
+
+def _refuse_earlier_checkpoints(cfg: RunConfig) -> None:
+    """checkpoint.resume=never where checkpoint.dir holds an earlier run's checkpoints, and this run saves its own
+    there: the run stops before anything starts, naming them and the fix. Before: its saves mixed with the earlier
+    run's steps; retention (newest steps kept) removed each one of its own as soon as it was saved, while it was
+    below theirs, and a later resume took the earlier run's newest step."""
+    from molt_hydra.parallel.checkpoint import TAG
+
+    c = cfg.checkpoint
+    if c.save_steps == 0:  # this run writes no checkpoint
+        return
+    for root in (Path(c.dir), Path(c.dir + "_critic")):
+        steps = sorted((int(m.group(1)) for p in root.glob("step_*") if (m := TAG.match(p.name)) and p.is_dir()))
+        if steps:
+            print(f"\nRun failed: checkpoint.resume=never, but {root} holds an earlier run's checkpoints (step_"
+                  f"{steps[-1]} the newest); this run's would mix with them, and retention would remove this run's "
+                  "as the oldest. Fix: checkpoint.resume=auto to go on from them, another checkpoint.dir (or "
+                  "output_dir), or move them aside.", file=sys.stderr)
+            sys.exit(EXIT_FAILED)
 
 
 def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
@@ -185,6 +210,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
 
     roles, opened = None, []  # opened: the run's logs, closed before any process is ended
     last_words: list[str] = []  # the failure message: printed after every teardown, so it is what the user sees last
+    interrupted = False
     try:
         roles = await build_roles(cfg, record)
         shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
@@ -193,14 +219,14 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         return await _train(cfg, roles, opened, resume_from, notice)
     except RoleStalled as e:
         probe = roles is not None and e.role in ("rollout", "weight sync")
-        return _stalled(cfg, roles, f"{e}", await roles.calls.probe_engines() if probe else [], last_words)
+        return _stalled(cfg, roles, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
-        last_words += _resume_hint(cfg)  # which one, after the teardown: the last thing the user reads
+        interrupted = True  # which one is named after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
         # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
-        stalled = await roles.calls.probe_engines() if isinstance(e, RunFailed) and e.drops and roles else []
+        stalled = await roles.calls.probe_rollout() if isinstance(e, RunFailed) and e.drops and roles else []
         if stalled:
             return _stalled(cfg, roles, f"rollout stalled: {e.cause}", stalled, last_words)
         last_words += await _report_failure(cfg, roles, e)
@@ -223,7 +249,10 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         started = descendants(os.getpid())
         ray.shutdown()
         kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
+        reaper.stop()  # (the watcher that ends them when this process is killed)
         shown.stop()
+        if interrupted:  # read now that nothing writes: a save the teardown let finish is the one to name (before:
+            last_words += _resume_hint(cfg)  # read before it, the step before the newest checkpoint was named)
         if last_words:
             sys.stdout.flush()
             print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)
@@ -341,12 +370,8 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
 
     calls, c, state = roles.calls, cfg.checkpoint, None
     if found is not None:
-        warm = c.load_model_only  # weights only: the loop, optimizer and data start fresh
-        (client, *_) = await calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=warm, step=found.name)
-        if roles.critic is not None:  # the actor's step, not the critic's newest: the two stay one step's pair
-            await calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic", model_only=warm,
-                              step=found.name, role="critic")
-        state = None if warm else client["loop"]
+        client, found = await _load_verified(cfg, roles, found)
+        state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     ctl.log.sinks.rewind(state["step"] if state else 0)  # 0: an earlier attempt here that saved no checkpoint
     if state is not None:
@@ -365,6 +390,48 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
                                 merged=c.export_merged))[0] if c.export_final else None
     ctl.log.progress.summary(_summary(cfg, roles, ctl, export))
     return 0
+
+
+async def _load_verified(cfg: RunConfig, roles, found: Path) -> tuple[dict, Path]:
+    """Every trainer role loads `found` (the critic the actor's step: the two stay one step's pair), and each shard's
+    CRC32 is checked as it is read (the resume check read only the small files: a shard is read once). A shard
+    changed since its save passes the pair over, named, for the newest older checkpoint the resume check passes;
+    with none left, the load's error (the file, the fix) ends the run. Returns the client state and the checkpoint."""
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint
+
+    c = cfg.checkpoint
+    while True:
+        try:
+            (client, *_) = await roles.calls.ranks(roles.actor, "load_checkpoint", c.dir, model_only=c.load_model_only,
+                                                   step=found.name)
+            if roles.critic is not None:
+                await roles.calls.ranks(roles.critic, "load_checkpoint", c.dir + "_critic",
+                                        model_only=c.load_model_only, step=found.name, role="critic")
+            return client, found
+        except RunFailed as e:
+            why, skipped = _damage(e), []
+            older = resolve_checkpoint(c.dir, skipped, checksums=True, older_than=found) if why else None
+            if older is None:
+                raise
+        for line in [why, *skipped]:  # (the next load overwrites all that the failed one loaded)
+            print(f"Checkpoint passed over: {line}; resuming from {older} instead", file=sys.stderr)
+        found = older
+
+
+def _damage(error: BaseException) -> str | None:
+    """The damaged file a failed checkpoint load found ("<checkpoint>: <file>: <CRC32s>"), else None."""
+    import ray
+
+    from molt_hydra.parallel.checkpoint import DamagedCheckpoint
+
+    while error is not None:  # RunFailed <- Ray's RayTaskError (the rank's error as its .cause) <- the rank's error
+        if isinstance(error, ray.exceptions.RayTaskError):
+            error = error.cause
+        elif isinstance(error, DamagedCheckpoint):
+            return error.args[1]
+        else:
+            error = error.__cause__
+    return None
 
 
 async def _eval_only(cfg: RunConfig, roles, opened: list) -> int:

@@ -27,7 +27,8 @@ from molt_hydra.runtime.engine_keeper import EngineKeeper
 from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.preemption import NOTICE
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
-from molt_hydra.runtime.watchdog import deadline
+from molt_hydra.runtime import reaper
+from molt_hydra.runtime.watchdog import deadline, descendants
 
 # Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
 # ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
@@ -198,6 +199,7 @@ def _start_ray(cfg: RunConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Actor logs (vLLM is chatty) stay in Ray's session log files; the terminal shows the run's own progress.
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
+    reaper.watch(descendants(os.getpid()))  # a kill -9 of this driver ends Ray's processes too (runtime/reaper.py)
 
 
 def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | None):

@@ -4,6 +4,7 @@ NCCL on the GPU device). Rank 0 writes what the tests compare into `out` with to
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -124,9 +125,15 @@ def ckpt_killed(rank, world_size, port, root, samples_file):
     w.save_checkpoint(root)
 
 
+def _bytes_read() -> int:
+    return int(next(line for line in open("/proc/self/io") if line.startswith("rchar:")).split()[1])
+
+
 def ckpt_resumed(rank, world_size, port, root, samples_file, out):
     w = worker(rank, world_size, port)
+    before = _bytes_read()
     client = w.load_checkpoint(root)
+    Path(f"{out}.rank{rank}.read").write_text(str(_bytes_read() - before))  # what this rank's load read
     rng = torch.rand(4)
     samples = torch.load(samples_file, weights_only=False)["samples"]
     m2 = w.train_step(samples[rank::world_size], ppo_objective())

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -384,3 +385,59 @@ def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path):
     assert code == 130, run.err()[-3000:]
     assert "Interrupted: the run stopped; the last checkpoint is kept." in run.err().splitlines()
     assert "Traceback" not in run.err()
+
+
+@pytest.mark.slow  # ~1.5 min; no fast test: the probe needs a run's Ray actors (test_rl_loop's stalled engine: the
+# same stall path, in make test)
+def test_a_stopped_agent_runner_stalls_the_run_naming_it(tmp_path):
+    """SIGSTOP of every agent runner while the run generates: the step deadline ends it with exit 3, naming the
+    runners as the roles not answering (before: 'rollout stalled' alone; the engine probe found every engine fine)."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=50", "train.timeouts.step_s=20")
+    run.wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text())
+    runners = run.children("AgentRunnerActor")
+    assert runners
+    for pid in runners:
+        os.kill(pid, signal.SIGSTOP)
+    code = run.finish(timeout=300)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == 3, run.err()[-3000:]
+    assert lines[-2].startswith("Run stopped: rollout stalled: ") and lines[-2].endswith(
+        "; not answering: " + ", ".join(f"agent runner {i}" for i in range(len(runners))) + "."), lines[-3:]
+
+
+@pytest.mark.slow  # ~1 min: tests/unit/test_reaper.py (the watcher, real processes) covers it in make test
+def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path):
+    """Before: Ray's DashboardAgent and RuntimeEnvAgent outlived a kill -9 of the driver by 60 s (their report of the
+    raylet's death waited on the GCS, dead too); now every process ends within runtime/reaper.py's grace."""
+    from molt_hydra.runtime.reaper import GRACE_S
+
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=30", "checkpoint.save_steps=1")
+    run.wait_for(lambda: (out / "checkpoints" / "step_1").exists())
+    run.seen.update(descendants(run.proc.pid))
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait()
+    deadline, left = time.monotonic() + GRACE_S + 10, run.seen
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = [p for p in left if _alive(p)]
+    names = [_cmdline(p) for p in left]
+    for pid in left:  # never leave them to the next test
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, names
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="ignore").replace("\0", " ").strip()
+    except FileNotFoundError:
+        return "(gone)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -84,6 +84,32 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(interrupt
     assert resolve_checkpoint(ckpts) == newest  # and saved again in its place
 
 
+@pytest.mark.slow  # a third run (~1 min); make test: tests/unit/test_checkpoint_damage.py (the load's check)
+def test_a_shard_changed_at_its_full_length_is_passed_over_when_the_load_reads_it(interrupted, tmp_path):
+    """A shard's CRC32 is checked as the actor's load reads it (the resume check reads the small files only: a shard
+    is read once); a mismatch passes the checkpoint over, in one line, for the one before, which every role loads."""
+    ckpts = _copy(interrupted, tmp_path)
+    for partial in ckpts.glob(".tmp-step_*"):
+        shutil.rmtree(partial)
+    newest = resolve_checkpoint(ckpts)
+    step = int(newest.name.removeprefix("step_"))
+    shard = newest / "dcp" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "run"
+    proc = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
+                           f"train.max_steps={step}", "checkpoint.resume=auto"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = ckpts / f"step_{step - 1}"
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("Checkpoint passed over")]
+    assert len(lines) == 1 and lines[0].startswith(f"Checkpoint passed over: {newest}: dcp/__0_0.distcp: CRC32 ")
+    assert lines[0].endswith(f"(its bytes changed since the save); resuming from {before} instead"), lines
+    assert f"Resumed from {before} at step {step - 1}" in proc.stdout
+    assert sorted(metrics(out)) == [step]  # the damaged checkpoint's step trained again
+
+
 @pytest.mark.parametrize("resume, damaged", [("auto", True), ("must", True), ("must", False)])
 def test_no_loadable_checkpoint_stops_the_run_before_anything_starts(interrupted, tmp_path, resume, damaged):
     """Before: resume=auto with every checkpoint damaged started from step 0 over them (or failed as above)."""

@@ -1,6 +1,7 @@
 """The metric sinks and the progress line with values a faulty run produces: NaN is shown, never dropped or fatal;
 a resumed run keeps one row per step."""
 
+import contextlib
 import json
 import math
 import sys
@@ -183,3 +184,32 @@ def test_the_last_wandb_run_id_is_read_from_its_file_not_its_directory_name(tmp_
     (run / "run-u2kixbff.wandb").write_bytes(b"")
     (tmp_path / "wandb" / "latest-run").symlink_to(run.name)
     assert last_run_id(tmp_path) == "u2kixbff"
+
+
+def test_a_row_logged_after_a_sinks_directory_vanished_stops_the_run_naming_it(tmp_path):
+    """Before: the rows went on to the removed metrics.jsonl (and W&B's removed .wandb file, TensorBoard's removed
+    event file) without a word."""
+    import shutil
+
+    import pytest
+
+    for gone in ("output_dir removed", "output_dir moved", "wandb", "tensorboard"):
+        out = tmp_path / gone.replace(" ", "_")
+        sinks = MetricSinks(out, run_name="r", config={}, wandb_mode="offline" if gone == "wandb" else "disabled",
+                            tensorboard=gone == "tensorboard")
+        sinks.log({"reward": 1.0}, 1)
+        if sinks.tb is not None:
+            sinks.tb.flush()  # (its writer thread would write row 1 to the removed file: a thread's traceback)
+        named = out / "metrics.jsonl"
+        if gone == "output_dir removed":
+            shutil.rmtree(out)
+        elif gone == "output_dir moved":
+            out.rename(tmp_path / "elsewhere")
+        else:
+            named = next((out / gone).rglob("run-*.wandb")) if gone == "wandb" else out / "tensorboard" / "r"
+            shutil.rmtree(out / gone)
+        with pytest.raises(FileNotFoundError) as err:
+            sinks.log({"reward": 2.0}, 2)
+        assert err.value.filename == str(named) and "removed or replaced while the run" in str(err.value), gone
+        with contextlib.suppress(OSError):  # (TensorBoard's close: its file is gone)
+            sinks.close()

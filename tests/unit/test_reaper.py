@@ -1,0 +1,61 @@
+"""runtime/reaper.py: the processes a run's ray.init started end with the driver, also when it is killed (real
+processes: a `sleep` in its own session stands for Ray's DashboardAgent, which outlived a kill -9 of the driver by
+60 s). The Ray run itself: tests/integration/test_faults.py (slow)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from molt_hydra.runtime import reaper
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = """
+import subprocess, time
+from molt_hydra.runtime import reaper
+agent = subprocess.Popen(["sleep", "300"], start_new_session=True)  # outlives its parent unless something ends it
+reaper.watch([agent.pid])
+print(agent.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _gone(pid: int, within: float) -> bool:
+    until = time.monotonic() + within
+    while time.monotonic() < until:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True  # dead, not yet reaped by its new parent
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_killed_driver_takes_the_watched_processes_with_it():
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    agent = int(driver.stdout.readline())
+    try:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        assert _gone(agent, reaper.GRACE_S + 5)  # (the grace: what ends on its own, a Ray worker, does)
+    finally:
+        if not _gone(agent, 0):
+            os.kill(agent, signal.SIGKILL)
+
+
+def test_stop_ends_the_watcher_and_leaves_the_rest_to_the_teardown():
+    agent = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    reaper.watch([agent.pid])
+    watcher = reaper._watcher
+    reaper.stop()
+    try:
+        assert watcher.poll() == 0 and agent.poll() is None
+    finally:
+        agent.kill()
+        agent.wait()
