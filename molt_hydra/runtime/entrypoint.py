@@ -203,8 +203,6 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
     signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
     for sig in signals:
         loop.add_signal_handler(sig, asyncio.current_task().cancel)
-    if cfg.job.value == "rl":  # Slurm's notice of a time limit: a checkpoint at the step's end (eval saves none)
-        notice.install(loop, asyncio.current_task())
     loop.set_exception_handler(_quiet_cancellations)
     from molt_hydra.runtime.roles import build_roles
 
@@ -369,6 +367,7 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 
     calls, c, state = roles.calls, cfg.checkpoint, None
+    notice.install(asyncio.get_running_loop(), asyncio.current_task())  # Slurm's notice: a save at the step's end
     if found is not None:
         client, found = await _load_verified(cfg, roles, found)
         state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
