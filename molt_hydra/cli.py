@@ -105,7 +105,8 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
             parsed += parser.parse_overrides([text])
         except OverrideParseException as e:
             problems.append(f"- {text}: Hydra cannot parse this override ({str(e).splitlines()[0]}). Fix: write "
-                            "key=value; quote a value holding , [ ] { } $ or spaces (key='a,b'); see "
+                            "key=value; quote a value holding , [ ] { } $, spaces or letters beyond ASCII for Hydra, "
+                            "inside the shell's quotes (\"key='a, b'\"); see "
                             "https://hydra.cc/docs/advanced/override_grammar/basic/")
     if not multirun:
         problems += [f"- {text}: a sweep (a,b / range / glob), but this is not a multirun. Fix: quote the value "
@@ -221,6 +222,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         options = re.findall(r"^\t(\S+)$", text, re.M)
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
     if "Could not delete" in text:  # `~agent.runner.NAME` of a kwarg the agent is not given
+        override = next((o for o in overrides if o.startswith("~") and f"'{o[1:].split('=', 1)[0]}'" in text), override)
         return f"- {override}: {str(chain[-1]).splitlines()[0]} Fix: drop {override}; `molt-run --cfg job` prints " \
                "every key"
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):

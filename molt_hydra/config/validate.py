@@ -42,6 +42,8 @@ SFT_IGNORES: dict[str, str] = {
     **{f"data.{name}": "SFT renders its rows' messages with the chat template as they are." for name in (
         "label_key", "tools_key", "apply_chat_template")},
     "model.tokenizer_path": "SFT tokenizes with the tokenizer saved beside the model it trains.",
+    "model.trust_remote_code": "SFT starts no rollout engine, the only part that runs a model directory's own code.",
+    "cluster.ray_address": "SFT starts no Ray: its ranks are processes of this machine (parallel/sft.py).",
     **{f"train.{name}": "SFT generates no rollouts (it passes over its data train.epochs times)." for name in (
         "num_episodes", "mode", "queue_depth", "partial_rollout", "stale_samples", "force_on_policy",
         "rollout_dump_dir", "rollout_replay_dir", "max_untrainable_steps")},
@@ -749,6 +751,9 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
          f"fewer than the rollout.batch_size={r.batch_size} groups of a step: no step would get a full batch (the "
          "one step there is trains on a partial one).", f"set data.max_samples >= {r.batch_size}, or lower "
          "rollout.batch_size"),
+        (job != "sft" or cfg.cluster.nodes == 1, "cluster.nodes", f"job=sft runs its {p.trainer_devices} ranks as "
+         f"processes of this machine (parallel/sft.py spawns them), but cluster.nodes={cfg.cluster.nodes}: they would "
+         "all start here.", "set cluster.nodes=1, or use a one-node cluster preset"),
         (job == "eval" or cfg.data.train_path is not None, "data.train_path", f"job={job} needs training data.",
          "set data.train_path=<file, dir or builtin://NAME>"),
         (not wants_eval or cfg.eval.data_path is not None, "eval.data_path",
