@@ -315,6 +315,14 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
             for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
 
 
+def chdir_problems(first: DictConfig) -> list[str]:
+    """hydra.job.chdir=true would run the job from its output directory, where every relative path of the config
+    (data, model, checkpoint.path, ...), checked from here, would name another file or none."""
+    return ["- hydra.job.chdir: true runs the job from its output directory, where the config's relative paths "
+            "(checked from here) would name other files. Fix: leave hydra.job.chdir=false (the run writes under "
+            "output_dir either way)"] if first.hydra.job.chdir else []
+
+
 # Command-line keys a job has no use for: job -> {key or group: why it changes nothing there}. The longest entry a
 # key falls under decides; None marks a key the job reads inside a group it ignores. (The composed defaults and the
 # recipes set some of these keys, so the rule reads the command line, not a change from the schema: `+recipe=NAME
@@ -467,7 +475,7 @@ def _command_line_problems(args) -> list[str]:
         overrides, multirun=args.multirun, config_dir=args.config_dir, hydra_config=True)
     if first is None or problems:  # (ends here even under --cfg: Hydra could not compose it)
         _exit_config_error("\n".join(problems))
-    if problems := launcher_problems(first, overrides, args.multirun):
+    if problems := launcher_problems(first, overrides, args.multirun) + chdir_problems(first):
         return problems
     if args.multirun and not args.cfg:
         problems, points = sweep_checked(first, overrides, args.config_dir)

@@ -629,6 +629,9 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
         (not (log.dump_logprobs and cfg.job.value != "rl"), "logger.dump_logprobs",
          f"it dumps the engine's against the trainer's log-probs of RL steps; job={cfg.job.value} has none.",
          "unset logger.dump_logprobs"),
+        (not log.dump_logprobs or log.dump_logprobs_steps, "logger.dump_logprobs_steps", "is empty, so "
+         "logger.dump_logprobs=true dumps no step.", "list the RL steps to dump (e.g. [1]), or unset "
+         "logger.dump_logprobs"),
         # (logger.wandb.group is left: a sweep point sets it itself; run_name also names the TensorBoard run)
         *((log.wandb.mode.value != "disabled" or not changed(cfg, key), key, "it names the W&B run, but "
            "logger.wandb.mode=disabled starts none, so it changes nothing.", f"unset {key}, or set logger.wandb.mode="
@@ -708,8 +711,8 @@ def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) ->
         # (its default, 10, is past a short run's end: only a value the user chose)
         (log.sample_table_every <= last or not changed(cfg, "logger.sample_table_every"), "logger.sample_table_every",
          f"{log.sample_table_every} {past}: no sample table would be logged.", f"set it <= {last}, or 0 for none"),
-        (not log.dump_logprobs or max(log.dump_logprobs_steps) <= last, "logger.dump_logprobs_steps",
-         f"{max(log.dump_logprobs_steps)} {past}: that step is never dumped.", f"list steps <= {last}"),
+        (not log.dump_logprobs or max(log.dump_logprobs_steps, default=0) <= last, "logger.dump_logprobs_steps",
+         f"{max(log.dump_logprobs_steps, default=0)} {past}: that step is never dumped.", f"list steps <= {last}"),
         (freeze < last, "train.critic.actor_freezing_steps", f"{freeze} is not below train.max_steps={last}: the actor "
          "would never be updated (only the critic trains).", f"set it below {last}"),
     ))

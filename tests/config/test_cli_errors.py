@@ -453,3 +453,11 @@ def test_a_run_is_composed_validated_and_planned_once(monkeypatch, tmp_path, cap
     assert len(calls) == 1 and len(runs) == 1 and len(made) == 1, (calls, runs, made)
     assert runs[0].output_dir == str(made[0]) and (made[0] / ".hydra" / "config.yaml").exists()
     assert capsys.readouterr().out.count(PLAN_HEADER) == 1
+
+
+def test_a_job_run_from_its_output_directory_is_refused(monkeypatch, tmp_path, capsys):
+    """Before: hydra.job.chdir=true was accepted: the run's relative paths (data, model, checkpoint.path), checked from
+    the directory molt-run started in, were read from the run's output directory instead."""
+    assert _main_in_process(["hydra.job.chdir=true", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith("Config error(s):\n- hydra.job.chdir: true runs the job from its output "
+                                              "directory")

@@ -132,6 +132,9 @@ CASES = [
      "31 is past train.max_steps=30"),
     ("eval_period_past_the_run_at_start", ["eval.data_path=builtin://toy_eval", "eval.at_start=true",
                                            "eval.every_steps=100"], "eval.every_steps", "past train.max_steps"),
+    # before: a ValueError traceback from the rule that compares the last listed step with train.max_steps
+    ("dump_no_step", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[]"], "logger.dump_logprobs_steps",
+     "is empty, so logger.dump_logprobs=true dumps no step"),
 ]
 
 
