@@ -455,6 +455,9 @@ def _check_then_run() -> None:
                                    ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
     if len(modes) > 1:  # (Hydra's own refusal is a ValueError traceback)
         _exit_config_error(f"- {' '.join(modes)}: Hydra takes one of these at a time. Fix: keep one of {modes}")
+    if args.config_dir and not Path(args.config_dir).is_dir():  # (Hydra searches it for nothing, without a word)
+        _exit_config_error(f"- --config-dir {args.config_dir}: not a directory, so none of its recipes would be found. "
+                           "Fix: point it at the directory that holds recipe/NAME.yaml")
     if not (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name or args.config_path):
         problems = _command_line_problems(args)
         if problems and not args.cfg:

@@ -461,3 +461,10 @@ def test_a_job_run_from_its_output_directory_is_refused(monkeypatch, tmp_path, c
     assert _main_in_process(["hydra.job.chdir=true", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
     assert capsys.readouterr().err.startswith("Config error(s):\n- hydra.job.chdir: true runs the job from its output "
                                               "directory")
+
+
+def test_a_config_dir_that_is_no_directory_is_refused(monkeypatch, tmp_path, capsys):
+    """Before: `--config-dir /no/such/dir` was searched for nothing, without a word (its recipes never found)."""
+    missing = tmp_path / "no_such_dir"
+    assert _main_in_process(["--config-dir", str(missing), "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith(f"Config error(s):\n- --config-dir {missing}: not a directory")
