@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from molt_hydra.config.bounds import declared_bounds, get, out_of_range
+from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_range
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
@@ -48,7 +48,7 @@ def _convert(node):
         key = getattr(e, "full_key", None) or "config"
         message = str(e).splitlines()[0]
         fix = ("set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower()
-               else "check the value's type against molt_hydra/config/schema.py")
+               else f"set {key} to {expected(RunConfig, key)}")
         raise ConfigError(f"- {key}: {message}. Fix: {fix}") from None
 
 
@@ -228,8 +228,19 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
         return _not_a_key(key, override)
     reason = str(chain[-1]).splitlines()[0]
-    return (f"- {key or override}: {reason} ({override}). Fix: give a value of the type and choices that "
-            "molt_hydra/config/schema.py declares for it")
+    if group := re.search(r"Could not override '([^']+)'\. No match in the defaults list", text):  # `recipe=NAME`
+        return (f"- {override}: {group[1]} is in no defaults list, so there is nothing to override. Fix: add it "
+                f"with +{override.lstrip('+~')}")
+    if group := re.search(r"Multiple values for (\S+)\.|(\S+) appears more than once in the final defaults", text):
+        name = group[1] or group[2]  # `+recipe=a +recipe=b`; `+algorithm=rloo` beside the default algorithm
+        added = [o for o in overrides if o.startswith("+") and o.lstrip("+").split("=", 1)[0] == name]
+        fix = ("give one +recipe=NAME (a recipe of your own, --config-dir DIR with DIR/recipe/NAME.yaml, can combine "
+               "two)" if name == "recipe" else f"choose one: {name}=NAME, without +, replaces the default {name}")
+        return f"- {added[-1] if added else override}: {name} is chosen more than once. Fix: {fix}"
+    if key is None:
+        return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares "
+                "for it (`molt-run --cfg job` prints every key)")
+    return f"- {key}: {reason} ({override}). Fix: set {key.split('[')[0]} to {expected(RunConfig, key)}"
 
 
 # the directories a run writes: one sweep point's each

@@ -468,3 +468,26 @@ def test_a_config_dir_that_is_no_directory_is_refused(monkeypatch, tmp_path, cap
     missing = tmp_path / "no_such_dir"
     assert _main_in_process(["--config-dir", str(missing), "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
     assert capsys.readouterr().err.startswith(f"Config error(s):\n- --config-dir {missing}: not a directory")
+
+
+# the schema's declarations (config/schema.py): batch_size = ranged(32, ge=1); Job = rl | sft | eval, default rl;
+# model.path = MISSING; betas = ranged([0.9, 0.95], ge=0, lt=1); lora.rank: Optional[int] = ranged(None, ge=0)
+@pytest.mark.parametrize("overrides,line", [
+    (["train.batch_size=abc"], "Fix: set train.batch_size to an integer >= 1 (default 32)"),
+    (["job=null"], "Fix: set job to one of [rl, sft, eval] (default rl)"),
+    (["model.path=null"], "Fix: set model.path to a string (required: no default)"),
+    (["train.optimizer.betas=[a,b]"], "Fix: set train.optimizer.betas to a list of numbers in [0, 1) (default [0.9, "
+                                      "0.95])"),
+    (["model.lora.rank=abc"], "Fix: set model.lora.rank to an integer >= 0, or null (default null)"),
+    (["+recipe=tiny_cpu", "+recipe=smollm2_arith"], "- +recipe=smollm2_arith: recipe is chosen more than once. Fix: "
+                                                    "give one +recipe=NAME"),
+    (["+algorithm=rloo"], "- +algorithm=rloo: algorithm is chosen more than once. Fix: choose one: algorithm=NAME, "
+                          "without +, replaces the default algorithm"),
+    (["recipe=tiny_cpu"], "- recipe=tiny_cpu: recipe is in no defaults list, so there is nothing to override. Fix: "
+                          "add it with +recipe=tiny_cpu"),
+])
+def test_a_wrong_value_or_group_choice_names_what_the_schema_takes(overrides, line):
+    """Before: every such fix was `give a value of the type and choices that molt_hydra/config/schema.py declares for
+    it` (or, for the groups, that line with no key at all)."""
+    cfg, problems = compose_checked(overrides)
+    assert cfg is None and len(problems) == 1 and line in problems[0], problems
