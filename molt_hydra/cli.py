@@ -488,18 +488,18 @@ def _command_line_problems(args) -> list[str]:
     overrides, problems = expand_globs(args.overrides, args.config_dir) if args.multirun else (args.overrides, [])
     first, problems = (None, problems) if problems else compose_checked(
         overrides, multirun=args.multirun, config_dir=args.config_dir, hydra_config=True)
-    if first is None or problems:  # (ends here even under --cfg: Hydra could not compose it)
+    if first is None:  # (ends here even under --cfg: Hydra could not compose it)
         _exit_config_error("\n".join(problems))
     if problems := launcher_problems(first, overrides, args.multirun) + chdir_problems(first):
         return problems
-    if args.multirun and not args.cfg:
+    if args.multirun:
         problems, points = sweep_checked(first, overrides, args.config_dir)
         if points and not problems and all(result[0].dry_run for _, result in points):
             _dry_sweep(points)
         return problems
     if args.cfg:
-        return [] if args.multirun else point_problems([*overrides, "dry_run=true"], Path(os.path.abspath(
-            first.hydra.run.dir)), args.config_dir)[0]
+        run_dir = Path(os.path.abspath(first.hydra.run.dir))
+        return point_problems([*overrides, "dry_run=true"], run_dir, args.config_dir)[0]
     return _check_run(first, overrides, args.config_dir)  # before Hydra makes its run directory
 
 
