@@ -229,6 +229,9 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
         return _not_a_key(key, override)
     reason = str(chain[-1]).splitlines()[0]
+    if group := re.search(r"Could not append to config\. An item is already at '([^']+)'", text):  # `+seed=1`
+        return (f"- {override}: {group[1]} is a key of the config already; + adds a key it lacks. Fix: drop the +: "
+                f"{override.lstrip('+')}")
     if group := re.search(r"Could not override '([^']+)'\. No match in the defaults list", text):  # `recipe=NAME`
         return (f"- {override}: {group[1]} is in no defaults list, so there is nothing to override. Fix: add it "
                 f"with +{override.lstrip('+~')}")

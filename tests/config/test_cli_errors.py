@@ -485,6 +485,8 @@ def test_a_config_dir_that_is_no_directory_is_refused(monkeypatch, tmp_path, cap
                           "without +, replaces the default algorithm"),
     (["recipe=tiny_cpu"], "- recipe=tiny_cpu: recipe is in no defaults list, so there is nothing to override. Fix: "
                           "add it with +recipe=tiny_cpu"),
+    (["+train.batch_size=64"], "- +train.batch_size=64: train.batch_size is a key of the config already; + adds a key "
+                               "it lacks. Fix: drop the +: train.batch_size=64"),
 ])
 def test_a_wrong_value_or_group_choice_names_what_the_schema_takes(overrides, line):
     """Before: every such fix was `give a value of the type and choices that molt_hydra/config/schema.py declares for
