@@ -49,7 +49,8 @@ def _convert(node):
         key = getattr(e, "full_key", None) or "config"
         message = str(e).splitlines()[0]
         fix = ("set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower()
-               else f"set {key} to {expected(RunConfig, key)}")
+               else "write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} "
+                    "resolves" if "HydraConfig was not set" in message else f"set {key} to {expected(RunConfig, key)}")
         raise ConfigError(f"- {key}: {message}. Fix: {fix}") from None
 
 

@@ -493,3 +493,12 @@ def test_a_wrong_value_or_group_choice_names_what_the_schema_takes(overrides, li
     it` (or, for the groups, that line with no key at all)."""
     cfg, problems = compose_checked(overrides)
     assert cfg is None and len(problems) == 1 and line in problems[0], problems
+
+
+def test_a_hydra_interpolation_in_a_value_says_to_write_the_value():
+    """Before: `${hydra:job.name}` in a value (refused: the config is checked before Hydra starts) said `check the
+    value's type against molt_hydra/config/schema.py`."""
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config(["logger.wandb.run_name=${hydra:job.name}"]))
+    assert str(info.value).startswith("- logger.wandb.run_name: ") and str(info.value).endswith(
+        "Fix: write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} resolves")
