@@ -9,9 +9,10 @@
 Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar,
 unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
 single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
-reason and the fix, and the exit code is 2. A run is validated and planned before Hydra makes its output directory
-(`point_problems`: a refused config leaves nothing behind), a multirun every point before the first starts
-(`sweep_problems`). `molt-run --help` is conf/hydra/help/molt.yaml.
+reason and the fix, and the exit code is 2. A run is validated and planned once, before Hydra makes its output
+directory (`point_problems`: a refused config leaves nothing behind; Hydra then makes the directory that was checked
+and the run gets the checked config), a multirun every point before the first starts (`sweep_problems`). A dry run
+prints its plan (every point's, for a multirun) and writes nothing. `molt-run --help` is conf/hydra/help/molt.yaml.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from molt_hydra.config.bounds import declared_bounds, get, out_of_range
+from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_range
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
@@ -47,7 +49,8 @@ def _convert(node):
         key = getattr(e, "full_key", None) or "config"
         message = str(e).splitlines()[0]
         fix = ("set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower()
-               else "check the value's type against molt_hydra/config/schema.py")
+               else "write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} "
+                    "resolves" if "HydraConfig was not set" in message else f"set {key} to {expected(RunConfig, key)}")
         raise ConfigError(f"- {key}: {message}. Fix: {fix}") from None
 
 
@@ -104,21 +107,26 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
             parsed += parser.parse_overrides([text])
         except OverrideParseException as e:
             problems.append(f"- {text}: Hydra cannot parse this override ({str(e).splitlines()[0]}). Fix: write "
-                            "key=value; quote a value holding , [ ] { } $ or spaces (key='a,b'); see "
+                            "key=value; quote a value holding , [ ] { } $, spaces or letters beyond ASCII for Hydra, "
+                            "inside the shell's quotes (\"key='a, b'\"); see "
                             "https://hydra.cc/docs/advanced/override_grammar/basic/")
     if not multirun:
         problems += [f"- {text}: a sweep (a,b / range / glob), but this is not a multirun. Fix: quote the value "
                      f"(key='a,b'), give a list (key=[a,b]), or add -m to sweep" for o, text in zip(parsed, overrides)
                      if o.is_sweep_override()]
+    problems += [_deleted(o.key_or_group, text) for o, text in zip(parsed, overrides)
+                 if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
     if problems:
         return None, problems
-    try:  # a sweep (`-m a=1,2`) is checked at its first point; the sweeper composes the others, one job each
-        overrides = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
-                     else text for o, text in zip(parsed, overrides)]
-    except Exception:  # noqa: BLE001 -- a sweep kind without a first value (glob): left to the sweeper
-        return None, []
-    search = ([f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
-              if config_dir and not any(o.key_or_group == "hydra.searchpath" for o in parsed) else [])
+    search = _search_path(parsed, config_dir)
+    firsts = {text: next(iter(o.sweep_string_iterator()), None) for o, text in zip(parsed, overrides)
+              if o.is_sweep_override()}  # (a glob: expand_globs made it a list)
+    if None in firsts.values():  # (Hydra would launch 0 jobs and exit 0)
+        return None, [f"- {text}: a sweep of no value, so the multirun would run nothing. Fix: give it at least one "
+                      "value (range(a,b) needs a < b)" for text, first in firsts.items() if first is None]
+    # a sweep (`-m a=1,2`) is checked at its first point; the sweeper composes the others, one job each
+    overrides = [f"{o.get_key_element()}={firsts[text]}" if o.is_sweep_override() else text
+                 for o, text in zip(parsed, overrides)]
     register()
     GlobalHydra.instance().clear()
     try:
@@ -128,6 +136,62 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
         return None, [_composition_problem(e, overrides)]
     problems = _not_a_bool(cfg, parsed)
     return (None, problems) if problems else (cfg, [])
+
+
+def _deleted(key: str, text: str) -> str:
+    """`~key`: every key of the typed config keeps a value, so a deleted one (or a deleted group's keys) fell back to
+    the schema's default without a word (`~train` dropped config.yaml's max_steps: the run never ended), or crashed
+    the composition (`~job`). The agent's kwargs (agent.runner.*) and Hydra's own keys may be deleted."""
+    if key == "recipe" or (CONF_DIR / key).is_dir():
+        return (f"- {text}: deletes the config group {key}, whose keys would then take the schema's defaults unseen. "
+                f"Fix: choose another option ({key}=NAME), or set the keys you mean to change ({key}.KEY=VALUE)")
+    if any(name.startswith(f"{key}.") for name in declared_bounds(RunConfig)):
+        return (f"- {text}: deletes {key}, whose keys would then take the schema's defaults unseen. Fix: set the keys "
+                f"you mean to change ({key}.KEY=VALUE); `molt-run --cfg job` prints their current values")
+    return (f"- {text}: deletes {key}, which would then take its schema default unseen. Fix: set it instead "
+            f"({key}=VALUE, or null where the schema allows it); `molt-run --cfg job` prints its current value")
+
+
+def quoted(value: str) -> str:
+    """`value` quoted as Hydra's override grammar (and OmegaConf after it) reads it back exactly: a path of this
+    machine may hold spaces, commas, quotes, brackets, `${` or non-ASCII letters, each of which broke `key=value`."""
+    value = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)  # a quote escaped, backslashes before it too
+    value = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, value)  # (and before the closing quote)
+    return "'" + value.replace("${", "\\${") + "'"  # not an interpolation
+
+
+def _search_path(parsed: list, config_dir: str | None) -> list[str]:
+    """`--config-dir DIR` as the override that makes Hydra search it (its recipes, DIR/recipe/NAME.yaml)."""
+    return ([f"hydra.searchpath=[{quoted(f'file://{Path(config_dir).resolve()}')}]"]
+            if config_dir and not any(o.key_or_group == "hydra.searchpath" for o in parsed) else [])
+
+
+def expand_globs(overrides: list[str], config_dir: str | None) -> tuple[list[str], list[str]]:
+    """A multirun's `glob(...)` sweeps written out as the lists of config-group options Hydra's sweeper will run, so
+    that every point is checked before the first starts: (the overrides, []) or (None, problems) for a glob that
+    selects nothing (Hydra would launch 0 jobs and exit 0), on a key that is no config group among them."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        return overrides, []  # reported by compose_checked
+    if not any(isinstance(o.value(), Glob) for o in parsed):
+        return overrides, []
+    register()
+    GlobalHydra.instance().clear()
+    expanded, problems = [], []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        for o, text in zip(parsed, overrides):
+            if not isinstance(o.value(), Glob):
+                expanded.append(text)
+            elif chosen := o.value().filter(loader.get_group_options(
+                    o.key_or_group, config_name="config", overrides=_search_path(parsed, config_dir))):
+                expanded.append(f"{o.get_key_element()}={','.join(chosen)}")
+            else:
+                problems.append(f"- {text}: glob() sweeps the options of a config group, and selects none here, so "
+                                "the multirun would run nothing. Fix: match one of the group's options (model=glob("
+                                "qwen3_*)), or list the values of a key (seed=1,2,3)")
+    return (None, problems) if problems else (expanded, [])
 
 
 def _not_a_bool(cfg: DictConfig, parsed: list) -> list[str]:
@@ -159,11 +223,29 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
         options = re.findall(r"^\t(\S+)$", text, re.M)
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
+    if "Could not delete" in text:  # `~agent.runner.NAME` of a kwarg the agent is not given
+        override = next((o for o in overrides if o.startswith("~") and f"'{o[1:].split('=', 1)[0]}'" in text), override)
+        return f"- {override}: {str(chain[-1]).splitlines()[0]} Fix: drop {override}; `molt-run --cfg job` prints " \
+               "every key"
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
         return _not_a_key(key, override)
     reason = str(chain[-1]).splitlines()[0]
-    return (f"- {key or override}: {reason} ({override}). Fix: give a value of the type and choices that "
-            "molt_hydra/config/schema.py declares for it")
+    if group := re.search(r"Could not append to config\. An item is already at '([^']+)'", text):  # `+seed=1`
+        return (f"- {override}: {group[1]} is a key of the config already; + adds a key it lacks. Fix: drop the +: "
+                f"{override.lstrip('+')}")
+    if group := re.search(r"Could not override '([^']+)'\. No match in the defaults list", text):  # `recipe=NAME`
+        return (f"- {override}: {group[1]} is in no defaults list, so there is nothing to override. Fix: add it "
+                f"with +{override.lstrip('+~')}")
+    if group := re.search(r"Multiple values for (\S+)\.|(\S+) appears more than once in the final defaults", text):
+        name = group[1] or group[2]  # `+recipe=a +recipe=b`; `+algorithm=rloo` beside the default algorithm
+        added = [o for o in overrides if o.startswith("+") and o.lstrip("+").split("=", 1)[0] == name]
+        fix = ("give one +recipe=NAME (a recipe of your own, --config-dir DIR with DIR/recipe/NAME.yaml, can combine "
+               "two)" if name == "recipe" else f"choose one: {name}=NAME, without +, replaces the default {name}")
+        return f"- {added[-1] if added else override}: {name} is chosen more than once. Fix: {fix}"
+    if key is None:
+        return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares "
+                "for it (`molt-run --cfg job` prints every key)")
+    return f"- {key}: {reason} ({override}). Fix: set {key.split('[')[0]} to {expected(RunConfig, key)}"
 
 
 # the directories a run writes: one sweep point's each
@@ -171,50 +253,61 @@ SWEEP_OWN_DIRS = ("output_dir", "checkpoint.dir", "checkpoint.export_dir", "trai
 
 
 def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | None) -> list[str]:
+    """Every point of `molt-run -m` validated and planned before the first one starts: `sweep_checked`'s problems."""
+    return sweep_checked(first, overrides, config_dir)[0]
+
+
+def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | None) -> tuple[list[str], list]:
     """Every point of `molt-run -m` validated and planned before the first one starts, where Hydra's basic launcher
     runs them here one after another: a point refused when its turn came ended the sweep there, after the points
     before it had run. The points are the basic sweeper's own (the config's hydra.sweeper.params, then the command
     line's sweeps, their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra
-    node. Returns each failing point's problems under a line naming the point."""
+    node. Returns (each failing point's problems under a line naming the point, [(point, `checked`'s result)] of
+    every point)."""
     from molt_hydra.compat.hydra import sweep_points
 
     if not (first.hydra.sweeper._target_.endswith(".BasicSweeper")
             and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
         # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
-        return []
+        return [], []
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()]
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
     points = sweep_points(parsed)
-    problems, owners = [], {}
+    if not points:  # (Hydra would launch 0 jobs and exit 0)
+        return [f"- {' '.join(overrides)}: the sweep has no point, so the multirun would run nothing. Fix: give each "
+                "swept key at least one value (range(a,b) with a < b)"], []
+    problems, owners, results = [], {}, []
+    sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
-        errors, run_cfg = point_problems(point, Path.cwd() / "multirun" / str(number), config_dir)
-        for key in SWEEP_OWN_DIRS if run_cfg is not None else ():
-            if (path := get(run_cfg, key)) and (owner := owners.setdefault((key, os.path.abspath(path)), number)) \
+        errors, result = point_problems(point, sweep_dir / str(number), config_dir)
+        results.append((point, result))
+        for key in SWEEP_OWN_DIRS if result is not None else ():
+            if (path := get(result[0], key)) and (owner := owners.setdefault((key, os.path.abspath(path)), number)) \
                     != number:
                 errors.append(f"- {key}: {path} is sweep point #{owner}'s too, so this point would resume from, "
                               f"overwrite or be locked out of that point's files. Fix: leave {key} at its default "
                               "(under the point's output_dir), or sweep it with the points")
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
-    return problems
+    return problems, results
 
 
-def point_problems(overrides: list[str], output_dir: Path,
-                   config_dir: str | None) -> tuple[list[str], RunConfig | None]:
-    """One run's config composed and put through `checked` as `_main` will, before Hydra makes its output directory
-    (a refused config leaves no run directory behind): (its problem lines or [], its RunConfig or None). `output_dir`
+def point_problems(overrides: list[str], output_dir: Path, config_dir: str | None) -> tuple[list[str], tuple | None]:
+    """One run's config composed and put through `checked`, before Hydra makes its output directory (a refused config
+    leaves no run directory behind): (its problem lines or [], `checked`'s (RunConfig, Plan) or None). `output_dir`
     stands in for the directory Hydra will make, unless the command line sets output_dir itself."""
     own = any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides)
-    cfg, errors = compose_checked([*overrides, *([] if own else [f"output_dir={output_dir}"])], config_dir=config_dir)
+    cfg, errors = compose_checked([*overrides, *([] if own else [f"output_dir={quoted(str(output_dir))}"])],
+                                  config_dir=config_dir)
     if cfg is None:
         return errors, None
-    errors, run_cfg = job_ignored(cfg, overrides), None  # per point: a sweep over job=rl,eval has points of either
+    errors, result = job_ignored(cfg, overrides), None  # per point: a sweep over job=rl,eval has points of either
     try:
-        run_cfg, _ = checked(cfg)
+        result = checked(cfg)
     except ConfigError as e:
         errors.append(str(e))
-    return errors, run_cfg
+    return errors, result
 
 
 SLURM_RESOURCES = ("partition", "account", "qos", "constraint", "setup", "time_min")
@@ -236,6 +329,14 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
     return [f"- {key}: a Slurm resource of the submitit launcher, but {why}, so it changes nothing. Fix: unset it; "
             "submit with -m and a Slurm cluster preset (cluster=slurm), or give it to sbatch (-p, -A, -q, -C, -t)"
             for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
+
+
+def chdir_problems(first: DictConfig) -> list[str]:
+    """hydra.job.chdir=true would run the job from its output directory, where every relative path of the config
+    (data, model, checkpoint.path, ...), checked from here, would name another file or none."""
+    return ["- hydra.job.chdir: true runs the job from its output directory, where the config's relative paths "
+            "(checked from here) would name other files. Fix: leave hydra.job.chdir=false (the run writes under "
+            "output_dir either way)"] if first.hydra.job.chdir else []
 
 
 # Command-line keys a job has no use for: job -> {key or group: why it changes nothing there}. The longest entry a
@@ -284,6 +385,21 @@ def _exit_config_error(text: str) -> None:
     sys.exit(EXIT_CONFIG_ERROR)
 
 
+# job=eval scores the model with the engines alone: a recipe's training-only choices (its algorithm, the teacher or
+# critic that algorithm starts) are read by no part of it. Set aside (schema defaults) so that `+recipe=NAME job=eval`
+# scores any recipe's model; the command line's own are refused (JOB_IGNORES).
+EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path")
+
+
+def _set_aside(cfg: DictConfig) -> DictConfig:
+    if getattr(cfg.job, "value", cfg.job) != "eval":
+        return cfg
+    cfg, defaults = cfg.copy(), OmegaConf.structured(RunConfig)
+    for key in EVAL_SETS_ASIDE:
+        OmegaConf.update(cfg, key, OmegaConf.select(defaults, key), merge=False)
+    return cfg
+
+
 def checked(cfg: DictConfig):
     """Everything a run is checked against before it starts, raising ConfigError: the typed config validated, the
     machine (not in a dry run: it plans a GPU recipe anywhere), the plan (which derives the colocated memory split and
@@ -296,7 +412,7 @@ def checked(cfg: DictConfig):
     from molt_hydra.runtime.validate import validate
     from molt_hydra.runtime.writable import check_outputs
 
-    run_cfg = validate(to_run_config(cfg))
+    run_cfg = validate(to_run_config(_set_aside(cfg)))
     if not run_cfg.dry_run and (problem := missing_gpu(run_cfg)):  # the machine, before the plan for it
         raise ConfigError(problem)
     plan = make_plan(run_cfg)
@@ -308,14 +424,21 @@ def checked(cfg: DictConfig):
     return run_cfg, plan
 
 
+# output_dir -> `checked`'s (RunConfig, Plan) of the run checked before Hydra started, which Hydra runs next in this
+# process: composing, validating and planning again would cost as much (a multirun's points are each checked again)
+_CHECKED: dict[str, tuple] = {}
+
+
 def _main(cfg: DictConfig) -> None:
     from molt_hydra.runtime.sweep import set_wandb_group
 
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
-    try:
-        run_cfg, plan = checked(cfg)
-    except ConfigError as e:
-        _exit_config_error(str(e))
+    if (result := _CHECKED.pop(str(cfg.output_dir), None)) is None:
+        try:
+            result = checked(cfg)
+        except ConfigError as e:
+            _exit_config_error(str(e))
+    run_cfg, plan = result
     print(plan.render())
     if run_cfg.dry_run:
         return
@@ -341,26 +464,80 @@ def _interrupt(signum, frame) -> None:
 
 def _check_then_run() -> None:
     from molt_hydra.compat.hydra import get_args_parser, report_slurm_sweeps
-    from molt_hydra.runtime.writable import fail_unless_writable
 
     register()
-    args = get_args_parser().parse_args()
+    args, problems = get_args_parser().parse_args(), []
+    modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
+                                   ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
+    if len(modes) > 1:  # (Hydra's own refusal is a ValueError traceback)
+        _exit_config_error(f"- {' '.join(modes)}: Hydra takes one of these at a time. Fix: keep one of {modes}")
+    if args.config_dir and not Path(args.config_dir).is_dir():  # (Hydra searches it for nothing, without a word)
+        _exit_config_error(f"- --config-dir {args.config_dir}: not a directory, so none of its recipes would be found. "
+                           "Fix: point it at the directory that holds recipe/NAME.yaml")
     if not (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name or args.config_path):
-        first, problems = compose_checked(args.overrides, multirun=args.multirun, config_dir=args.config_dir,
-                                          hydra_config=True)
-        if first is not None:
-            problems = launcher_problems(first, args.overrides, args.multirun)
-        if first is not None and args.multirun and not problems:
-            problems = sweep_problems(first, args.overrides, args.config_dir)
-        elif first is not None and not (problems or args.cfg):  # checked before Hydra makes its run directory
-            run_dir = Path(first.hydra.run.dir).absolute()
-            fail_unless_writable({"hydra.run.dir": run_dir})  # named as the key that sets it (as OutputWritable does)
-            problems, _ = point_problems(args.overrides, run_dir, args.config_dir)
-        if problems:
+        problems = _command_line_problems(args)
+        if problems and not args.cfg:
             _exit_config_error("\n".join(problems))
     if args.multirun:
         report_slurm_sweeps()  # a Slurm sweep's refusal and failed points, reported (compat/hydra.py)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
+    if problems:  # --cfg: the config is printed, then why a run of it would be refused
+        _exit_config_error("\n".join(problems))
+
+
+def _command_line_problems(args) -> list[str]:
+    """The command line checked before Hydra starts: overrides (a composition failure ends the process here), launcher,
+    then every sweep point or the run (`--cfg`: the config as a dry run checks it, neither this machine nor the
+    directories)."""
+    overrides, problems = expand_globs(args.overrides, args.config_dir) if args.multirun else (args.overrides, [])
+    first, problems = (None, problems) if problems else compose_checked(
+        overrides, multirun=args.multirun, config_dir=args.config_dir, hydra_config=True)
+    if first is None:  # (ends here even under --cfg: Hydra could not compose it)
+        _exit_config_error("\n".join(problems))
+    if problems := launcher_problems(first, overrides, args.multirun) + chdir_problems(first):
+        return problems
+    if args.multirun:
+        problems, points = sweep_checked(first, overrides, args.config_dir)
+        if points and not problems and all(result[0].dry_run for _, result in points):
+            _dry_sweep(points)
+        return problems
+    if args.cfg:
+        run_dir = Path(os.path.abspath(first.hydra.run.dir))
+        return point_problems([*overrides, "dry_run=true"], run_dir, args.config_dir)[0]
+    return _check_run(first, overrides, args.config_dir)  # before Hydra makes its run directory
+
+
+def _dry_sweep(points: list) -> None:
+    """A multirun of dry runs, every point checked: each point's plan, and the process ends; nothing is written (Hydra
+    would make the sweep directory and each point's, with .hydra/ and a log)."""
+    for number, (point, (_, plan)) in enumerate(points):
+        print(f"== sweep point #{number} of {len(points)} ({' '.join(point)}) ==")
+        print(plan.render())
+    print(f"Dry run: nothing started, nothing written ({len(points)} sweep points planned).")
+    sys.exit(0)
+
+
+def _check_run(first: DictConfig, overrides: list[str], config_dir: str | None) -> list[str]:
+    """One run checked before Hydra starts: its problems, or none and then either the dry run's plan printed and the
+    process ended (a dry run writes nothing: Hydra would make the run directory, .hydra/ and cli.log), or the run
+    handed to Hydra, which makes this directory (pinned: `${now:...}` resolves anew in Hydra's own compose) and gets
+    the checked config (`_CHECKED`)."""
+    from molt_hydra.runtime.writable import fail_unless_writable
+
+    run_dir = Path(os.path.abspath(first.hydra.run.dir))  # as Hydra makes hydra.runtime.output_dir
+    if not first.dry_run:
+        fail_unless_writable({"hydra.run.dir": run_dir})  # named as the key that sets it (as OutputWritable does)
+    problems, result = point_problems(overrides, run_dir, config_dir)
+    if problems:
+        return problems
+    run_cfg, plan = result
+    if run_cfg.dry_run:
+        print(plan.render())
+        print(f"Dry run: nothing started, nothing written (the run would write to {run_cfg.output_dir}).")
+        sys.exit(0)
+    sys.argv.append(f"hydra.run.dir={quoted(str(run_dir))}")
+    _CHECKED[run_cfg.output_dir] = result
+    return []
 
 
 if __name__ == "__main__":

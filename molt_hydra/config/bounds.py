@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 BOUNDS = "bounds"  # the dataclass field-metadata key
@@ -92,3 +94,41 @@ def out_of_range(cfg: Any, root: type) -> list[str]:
                          f"got {values if is_list else value}. Fix: set {key} within that range "
                          f"(default {'null' if default is None else default})")
     return lines
+
+
+def expected(root: type, key: str) -> str:
+    """What the schema takes at a dotted key, for a message's fix: `an integer >= 1 (default 32)`, `one of [cpu, cuda]
+    (default cpu)`, `a string (required: no default)`; a list element's key (`betas[0]`) names its list."""
+    key, cls, hint, meta = re.sub(r"\[\d+\]$", "", key), root, None, None
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return "a value of the type molt_hydra/config/schema.py declares for it"
+        hint, meta = typing.get_type_hints(cls)[part], fields[part]
+        cls = hint
+    bounds, default = meta.metadata.get(BOUNDS), declared_bounds(root).get(key, (None, None))[1]
+    if dataclasses.is_dataclass(hint):
+        return f"its keys ({key}.KEY=VALUE), not a value"
+    shown = ("required: no default" if default is dataclasses.MISSING or default == "???" else
+             f"default {_yaml(default)}")
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = typing.get_origin(hint) is typing.Union
+    within = bounds is not None and (bounds.ge, bounds.gt, bounds.le, bounds.lt) != (None,) * 4
+    return (f"{_kind(args[0] if optional else hint)}{f' {bounds.describe()}' if within else ''}"
+            f"{', or null' if optional else ''} ({shown})")
+
+
+def _kind(hint: Any) -> str:
+    if typing.get_origin(hint) is list:
+        return f"a list of {_kind(typing.get_args(hint)[0]).removeprefix('an ').removeprefix('a ')}s"
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return f"one of [{', '.join(m.value for m in hint)}]"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, "a mapping")
+
+
+def _yaml(value: Any) -> str:
+    """A default as it is written on the command line: null, true, 'text', an enum's bare name."""
+    if isinstance(value, Enum):
+        return value.value
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(
+        value, str) else str(value)

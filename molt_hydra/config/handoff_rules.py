@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from molt_hydra.config.bounds import declared_bounds, get
 from molt_hydra.config.schema import RunConfig
 
+NAME_MAX = 255  # the longest file name (bytes) of Linux's file systems (ext4, xfs, btrfs, tmpfs, NFS)
 # rollout knobs passed to vLLM's EngineArgs under the same name; the values it takes are read from its field types
 ENGINE_ARG_NAMES = ("attention_backend", "mm_encoder_attn_backend", "mamba_ssm_cache_dtype", "gdn_prefill_backend")
 
@@ -72,6 +73,12 @@ def name_rules(cfg, problems) -> None:
         problems.check(False, key, f"is {value!r}, which names nothing.",  # (a MISSING default, ???: no fallback)
                        f"set {key} to a name" + (f", or {key}=null" if default is None else "" if default == "???"
                                                   else f", or leave it out (default {default!r})"))
+    # `name` is a directory of the run's path (hydra.run.dir: outputs/<name>/<time>); Hydra failed to make a longer one
+    # with a traceback, after every check had passed
+    size = len(cfg.name.encode())
+    problems.check(size <= NAME_MAX, "name", f"is {size} bytes long, but it names the run's directory (outputs/<name>/"
+                   f"...), and a file system takes at most {NAME_MAX} bytes per name.",
+                   f"shorten name to {NAME_MAX} bytes or fewer")
     address = cfg.cluster.ray_address
     if address is not None and address.strip() and address not in ("auto", "local"):
         try:

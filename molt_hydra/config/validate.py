@@ -42,6 +42,8 @@ SFT_IGNORES: dict[str, str] = {
     **{f"data.{name}": "SFT renders its rows' messages with the chat template as they are." for name in (
         "label_key", "tools_key", "apply_chat_template")},
     "model.tokenizer_path": "SFT tokenizes with the tokenizer saved beside the model it trains.",
+    "model.trust_remote_code": "SFT starts no rollout engine, the only part that runs a model directory's own code.",
+    "cluster.ray_address": "SFT starts no Ray: its ranks are processes of this machine (parallel/sft.py).",
     **{f"train.{name}": "SFT generates no rollouts (it passes over its data train.epochs times)." for name in (
         "num_episodes", "mode", "queue_depth", "partial_rollout", "stale_samples", "force_on_policy",
         "rollout_dump_dir", "rollout_replay_dir", "max_untrainable_steps")},
@@ -627,6 +629,9 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
         (not (log.dump_logprobs and cfg.job.value != "rl"), "logger.dump_logprobs",
          f"it dumps the engine's against the trainer's log-probs of RL steps; job={cfg.job.value} has none.",
          "unset logger.dump_logprobs"),
+        (not log.dump_logprobs or log.dump_logprobs_steps, "logger.dump_logprobs_steps", "is empty, so "
+         "logger.dump_logprobs=true dumps no step.", "list the RL steps to dump (e.g. [1]), or unset "
+         "logger.dump_logprobs"),
         # (logger.wandb.group is left: a sweep point sets it itself; run_name also names the TensorBoard run)
         *((log.wandb.mode.value != "disabled" or not changed(cfg, key), key, "it names the W&B run, but "
            "logger.wandb.mode=disabled starts none, so it changes nothing.", f"unset {key}, or set logger.wandb.mode="
@@ -706,8 +711,8 @@ def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) ->
         # (its default, 10, is past a short run's end: only a value the user chose)
         (log.sample_table_every <= last or not changed(cfg, "logger.sample_table_every"), "logger.sample_table_every",
          f"{log.sample_table_every} {past}: no sample table would be logged.", f"set it <= {last}, or 0 for none"),
-        (not log.dump_logprobs or max(log.dump_logprobs_steps) <= last, "logger.dump_logprobs_steps",
-         f"{max(log.dump_logprobs_steps)} {past}: that step is never dumped.", f"list steps <= {last}"),
+        (not log.dump_logprobs or max(log.dump_logprobs_steps, default=0) <= last, "logger.dump_logprobs_steps",
+         f"{max(log.dump_logprobs_steps, default=0)} {past}: that step is never dumped.", f"list steps <= {last}"),
         (freeze < last, "train.critic.actor_freezing_steps", f"{freeze} is not below train.max_steps={last}: the actor "
          "would never be updated (only the critic trains).", f"set it below {last}"),
     ))
@@ -749,6 +754,9 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
          f"fewer than the rollout.batch_size={r.batch_size} groups of a step: no step would get a full batch (the "
          "one step there is trains on a partial one).", f"set data.max_samples >= {r.batch_size}, or lower "
          "rollout.batch_size"),
+        (job != "sft" or cfg.cluster.nodes == 1, "cluster.nodes", f"job=sft runs its {p.trainer_devices} ranks as "
+         f"processes of this machine (parallel/sft.py spawns them), but cluster.nodes={cfg.cluster.nodes}: they would "
+         "all start here.", "set cluster.nodes=1, or use a one-node cluster preset"),
         (job == "eval" or cfg.data.train_path is not None, "data.train_path", f"job={job} needs training data.",
          "set data.train_path=<file, dir or builtin://NAME>"),
         (not wants_eval or cfg.eval.data_path is not None, "eval.data_path",

@@ -29,11 +29,9 @@ from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
                                         dump_stacks, kill)
-from molt_hydra.runtime.writable import check_outputs
 
 
 def run(cfg: RunConfig) -> None:
-    check_outputs(cfg)
     # the checkpoint directory only where this run writes checkpoints (eval and save_steps=0 write none: no directory)
     writes = cfg.job.value != "eval" and cfg.checkpoint.save_steps != 0
     locked = {"output_dir": cfg.output_dir, **({"checkpoint.dir": cfg.checkpoint.dir} if writes else {})}

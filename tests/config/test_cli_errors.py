@@ -313,3 +313,192 @@ def test_sweep_points_sharing_a_directory_they_write_are_refused(tmp_path):
     swept = [f"checkpoint.dir={tmp_path}/a,{tmp_path}/b"]  # each point its own
     first, _ = compose_checked(swept, multirun=True, hydra_config=True)
     assert sweep_problems(first, swept, None) == []
+
+
+@pytest.mark.parametrize("override,how", [("~job", "deletes job, which"), ("~name", "deletes name, which"),
+                                          ("~train", "deletes train, whose keys"),
+                                          ("~model", "deletes the config group model")])
+def test_deleting_a_key_of_the_typed_config_is_refused(override, how):
+    """Before: `~job` ended in a ConfigAttributeError traceback; `~train` and `~name` ran with the schema's defaults in
+    their place (`~train` dropped config.yaml's train.max_steps=30: the run never ended), without a word."""
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(f"- {override}: {how}"), problems
+    assert " Fix: " in problems[0]
+
+
+def test_an_agent_kwarg_may_be_deleted():
+    cfg, problems = compose_checked(["+agent.runner.require_boxed=false", "~agent.runner.require_boxed"])
+    assert problems == [] and "require_boxed" not in cfg.agent.runner
+    cfg, problems = compose_checked(["agent=math", "~agent.runner.nope"])
+    assert problems == ["- ~agent.runner.nope: Could not delete from config. 'agent.runner.nope' does not exist. Fix: "
+                        "drop ~agent.runner.nope; `molt-run --cfg job` prints every key"]
+
+
+@pytest.mark.parametrize("sweep", ["seed=range(0,0)", "seed=range(5,1)"])
+def test_a_sweep_of_no_value_is_refused(sweep):
+    """Before: Hydra launched 0 jobs and molt-run exited 0, having run nothing."""
+    cfg, problems = compose_checked([sweep, "dry_run=true"], multirun=True)
+    assert cfg is None and problems == [f"- {sweep}: a sweep of no value, so the multirun would run nothing. Fix: "
+                                        "give it at least one value (range(a,b) needs a < b)"]
+
+
+def test_a_glob_sweep_is_written_out_as_hydras_sweeper_runs_it():
+    """Before: a glob sweep was not checked before its points ran (one refused point ended the sweep there, after the
+    points before it had run), and a glob selecting nothing (or on a key that is no group) launched 0 jobs, exit 0."""
+    import fnmatch
+
+    from molt_hydra.cli import expand_globs
+    from molt_hydra.config.store import CONF_DIR, RECIPES_DIR
+
+    models = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if fnmatch.fnmatch(p.stem, "qwen3_*"))
+    recipes = sorted(p.stem for p in RECIPES_DIR.glob("tiny_*.yaml"))
+    assert expand_globs(["model=glob(qwen3_*)", "+recipe=glob(tiny_*)", "seed=1,2"], None) == (
+        [f"model={','.join(models)}", f"+recipe={','.join(recipes)}", "seed=1,2"], [])
+    for glob in ("seed=glob(*)", "model=glob(nothing_*)"):
+        overrides, problems = expand_globs([glob], None)
+        assert overrides is None and len(problems) == 1 and problems[0].startswith(
+            f"- {glob}: glob() sweeps the options of a config group, and selects none here"), problems
+
+
+@pytest.mark.parametrize("value", ["we,ird dir/ünï cødé", "it's [a] {b}", "${oops}/x", "back\\slash\\"])
+def test_a_run_directory_holding_any_character_is_checked(value, tmp_path):
+    """The pre-check gives the composed config the run directory as an override. Before: `output_dir=<dir>` unquoted,
+    so a directory (the cwd, or name=...) holding a comma was read as a sweep, a quote or a letter beyond ASCII was
+    unparseable: `molt-run "name='ünïcødé'"` was refused, and a run started under such a directory too."""
+    from molt_hydra.cli import point_problems
+
+    errors, result = point_problems(["dry_run=true"], tmp_path / value, None)
+    assert errors == [] and result[0].output_dir == str(tmp_path / value), errors
+    from molt_hydra.cli import quoted
+
+    cfg, problems = compose_checked([f"output_dir={quoted(value)}"])
+    assert problems == [] and cfg.output_dir == value
+
+
+def test_a_recipes_model_is_scored_by_job_eval():
+    """Before: `+recipe=on_policy_distill job=eval` was refused for model.ref_path, which the recipe sets (its
+    teacher) and an evaluation never reads. Its algorithm and reference are set aside; on the command line they are
+    still refused (JOB_IGNORES: job_ignored)."""
+    from molt_hydra.cli import checked
+
+    overrides = ["+recipe=on_policy_distill", "job=eval", "eval.data_path=builtin://toy_eval", "dry_run=true"]
+    run_cfg, _ = checked(compose_config(overrides))
+    assert run_cfg.model.ref_path is None and run_cfg.algorithm.estimator == "grpo"  # the schema's defaults
+    rl, _ = checked(compose_config(["+recipe=on_policy_distill", "dry_run=true"]))
+    assert rl.model.ref_path == "tiny://qwen3_moe_tiny" and rl.algorithm.estimator == "on_policy_distill"
+    assert [line.split(":")[0] for line in job_ignored(compose_config([*overrides, "model.ref_path=x"]),
+                                                       [*overrides, "model.ref_path=x"])] == ["- model.ref_path"]
+
+
+def _main_in_process(argv: list[str], monkeypatch, tmp_path):
+    """`molt-run ARGV` in this process, in tmp_path: (its exit code, or None)."""
+    import sys
+
+    import molt_hydra.cli as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["molt-run", *argv])
+    try:
+        cli.main()
+    except SystemExit as e:
+        return e.code
+    return None
+
+
+def test_a_dry_run_writes_nothing(monkeypatch, tmp_path, capsys):
+    """Before: `molt-run dry_run=true` (and a multirun of dry runs) left Hydra's run directory behind: .hydra/ with
+    three files and cli.log, for a run that never started."""
+    assert _main_in_process(["dry_run=true"], monkeypatch, tmp_path) == 0
+    out = capsys.readouterr().out
+    assert PLAN_HEADER in out and "Dry run: nothing started, nothing written (the run would write to " in out
+    assert _main_in_process(["-m", "seed=1,2", "dry_run=true"], monkeypatch, tmp_path) == 0
+    assert capsys.readouterr().out.count(PLAN_HEADER) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cfg_prints_the_config_then_why_it_would_be_refused(monkeypatch, tmp_path, capsys):
+    """Before: `molt-run --cfg job seed=-1` printed the config and exited 0, as for a config that runs."""
+    assert _main_in_process(["--cfg", "job", "seed=-1"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    out, err = capsys.readouterr()
+    assert "seed: -1" in out and "- seed: must be in [0, 4294967296), got -1." in err
+    assert _main_in_process(["--cfg", "job", "seed=1"], monkeypatch, tmp_path) is None
+
+
+def test_two_modes_at_once_are_one_line(monkeypatch, tmp_path, capsys):
+    """Before: `molt-run --cfg job -m ...` ended in Hydra's ValueError traceback."""
+    assert _main_in_process(["--cfg", "job", "-m", "seed=1,2"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == ("Config error(s):\n- --multirun --cfg: Hydra takes one of these at a time. "
+                                       "Fix: keep one of ['--multirun', '--cfg']\n")
+
+
+def test_a_run_is_composed_validated_and_planned_once(monkeypatch, tmp_path, capsys):
+    """Before: the pre-check and Hydra's task function each composed, validated and planned the run (~0.3 s each),
+    and the run itself checked its directories a third time. Hydra now makes the very directory that was checked (its
+    `${now:...}` is pinned) and the run gets the checked config. (`run` stands in for the runtime: no Ray here.)"""
+    import logging
+
+    import molt_hydra.cli as cli
+    import molt_hydra.runtime.entrypoint as entrypoint
+
+    calls, runs = [], []
+    monkeypatch.setattr(cli, "checked", lambda cfg, real=cli.checked: calls.append(1) or real(cfg))
+    monkeypatch.setattr(entrypoint, "run", runs.append)
+    handlers = logging.root.handlers[:]
+    try:
+        assert _main_in_process(["train.max_steps=1", "hydra.run.dir=outputs/${now:%H-%M-%S-%f}"], monkeypatch,
+                                tmp_path) is None
+    finally:
+        logging.root.handlers[:] = handlers  # (Hydra's job logging, in this process)
+    made = list((tmp_path / "outputs").iterdir())
+    assert len(calls) == 1 and len(runs) == 1 and len(made) == 1, (calls, runs, made)
+    assert runs[0].output_dir == str(made[0]) and (made[0] / ".hydra" / "config.yaml").exists()
+    assert capsys.readouterr().out.count(PLAN_HEADER) == 1
+
+
+def test_a_job_run_from_its_output_directory_is_refused(monkeypatch, tmp_path, capsys):
+    """Before: hydra.job.chdir=true was accepted: the run's relative paths (data, model, checkpoint.path), checked from
+    the directory molt-run started in, were read from the run's output directory instead."""
+    assert _main_in_process(["hydra.job.chdir=true", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith("Config error(s):\n- hydra.job.chdir: true runs the job from its output "
+                                              "directory")
+
+
+def test_a_config_dir_that_is_no_directory_is_refused(monkeypatch, tmp_path, capsys):
+    """Before: `--config-dir /no/such/dir` was searched for nothing, without a word (its recipes never found)."""
+    missing = tmp_path / "no_such_dir"
+    assert _main_in_process(["--config-dir", str(missing), "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith(f"Config error(s):\n- --config-dir {missing}: not a directory")
+
+
+# the schema's declarations (config/schema.py): batch_size = ranged(32, ge=1); Job = rl | sft | eval, default rl;
+# model.path = MISSING; betas = ranged([0.9, 0.95], ge=0, lt=1); lora.rank: Optional[int] = ranged(None, ge=0)
+@pytest.mark.parametrize("overrides,line", [
+    (["train.batch_size=abc"], "Fix: set train.batch_size to an integer >= 1 (default 32)"),
+    (["job=null"], "Fix: set job to one of [rl, sft, eval] (default rl)"),
+    (["model.path=null"], "Fix: set model.path to a string (required: no default)"),
+    (["train.optimizer.betas=[a,b]"], "Fix: set train.optimizer.betas to a list of numbers in [0, 1) (default [0.9, "
+                                      "0.95])"),
+    (["model.lora.rank=abc"], "Fix: set model.lora.rank to an integer >= 0, or null (default null)"),
+    (["+recipe=tiny_cpu", "+recipe=smollm2_arith"], "- +recipe=smollm2_arith: recipe is chosen more than once. Fix: "
+                                                    "give one +recipe=NAME"),
+    (["+algorithm=rloo"], "- +algorithm=rloo: algorithm is chosen more than once. Fix: choose one: algorithm=NAME, "
+                          "without +, replaces the default algorithm"),
+    (["recipe=tiny_cpu"], "- recipe=tiny_cpu: recipe is in no defaults list, so there is nothing to override. Fix: "
+                          "add it with +recipe=tiny_cpu"),
+    (["+train.batch_size=64"], "- +train.batch_size=64: train.batch_size is a key of the config already; + adds a key "
+                               "it lacks. Fix: drop the +: train.batch_size=64"),
+])
+def test_a_wrong_value_or_group_choice_names_what_the_schema_takes(overrides, line):
+    """Before: every such fix was `give a value of the type and choices that molt_hydra/config/schema.py declares for
+    it` (or, for the groups, that line with no key at all)."""
+    cfg, problems = compose_checked(overrides)
+    assert cfg is None and len(problems) == 1 and line in problems[0], problems
+
+
+def test_a_hydra_interpolation_in_a_value_says_to_write_the_value():
+    """Before: `${hydra:job.name}` in a value (refused: the config is checked before Hydra starts) said `check the
+    value's type against molt_hydra/config/schema.py`."""
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config(["logger.wandb.run_name=${hydra:job.name}"]))
+    assert str(info.value).startswith("- logger.wandb.run_name: ") and str(info.value).endswith(
+        "Fix: write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} resolves")

@@ -54,6 +54,9 @@ BAD = [
     *[(f"empty_{key}", [f"{key}="], key, "is '', which names nothing")
       for key in ("data.input_key", "data.label_key", "data.split", "eval.split", "name", "logger.wandb.project",
                   "checkpoint.dir", "data.tools_key", "logger.wandb.entity")],
+    # a name longer than a file name may be (255 bytes: 128 two-byte letters are 256): before, Hydra failed to make
+    # outputs/<name>/<time> with an OSError traceback, after every check had passed
+    ("name_too_long", ["name='" + "é" * 128 + "'"], "name", "is 256 bytes long, but it names the run's directory"),
     ("ray_address_garbage", ["cluster.ray_address=not-an-address"], "cluster.ray_address",
      "'not-an-address' is not an address Ray can join"),
     ("ray_address_bad_port", ["cluster.ray_address=10.0.0.1:99999"], "cluster.ray_address",

@@ -132,6 +132,9 @@ CASES = [
      "31 is past train.max_steps=30"),
     ("eval_period_past_the_run_at_start", ["eval.data_path=builtin://toy_eval", "eval.at_start=true",
                                            "eval.every_steps=100"], "eval.every_steps", "past train.max_steps"),
+    # before: a ValueError traceback from the rule that compares the last listed step with train.max_steps
+    ("dump_no_step", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[]"], "logger.dump_logprobs_steps",
+     "is empty, so logger.dump_logprobs=true dumps no step"),
 ]
 
 
@@ -222,6 +225,11 @@ SFT_CASES = [
     ("a_directory", ["data.train_path={dir}"], "data.train_path", "job=sft reads one .jsonl or .json"),
     ("uneven_dynamic_batch", ["train.dynamic_batch=true", "train.batch_size=15"], "train.batch_size",
      "evenly over its 2 ranks"),
+    # SFT starts no Ray and no engine (before: accepted; a ray_address also let cluster.device=cuda past the GPU
+    # check on a machine without one), and spawns its ranks here (before: nodes=2 started all 4 ranks here)
+    ("ray_address", ["cluster.ray_address=10.0.0.1:6379"], "cluster.ray_address", "SFT starts no Ray"),
+    ("trust_remote_code", ["model.trust_remote_code=false"], "model.trust_remote_code", "SFT starts no rollout engine"),
+    ("two_nodes", ["cluster.nodes=2"], "cluster.nodes", "job=sft runs its 4 ranks as processes of this machine"),
 ]
 
 

@@ -143,3 +143,13 @@ def test_help_speaks_for_the_project(cli_runs):
     assert listed == {r.name for r in RECIPES}, recipes_section
     assert "molt-run +recipe=NAME dry_run=true" in out
     assert "powered by Hydra" not in out
+
+
+def test_an_algorithm_chosen_beside_a_recipe_is_that_algorithm(option="rloo"):
+    """Before: eight recipes set algorithm.estimator=grpo as a value, applied after the command line's group choice:
+    `+recipe=tiny_cpu algorithm=ppo_gae` ran gae's lam with grpo's estimator (refused with `estimator grpo does not
+    read it`). They choose the group instead (override /algorithm), which the command line's choice replaces."""
+    estimator = yaml.safe_load((CONF_DIR / "algorithm" / f"{option}.yaml").read_text())["estimator"]
+    for recipe in RECIPES:
+        cfg = compose_config([*recipe.overrides, f"algorithm={option}"])
+        assert cfg.algorithm.estimator == estimator, (recipe.name, cfg.algorithm.estimator)
