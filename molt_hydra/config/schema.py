@@ -258,8 +258,8 @@ class RolloutConfig:
     "Dead engines replaced over a run (new engine, current weights, in-flight requests retried); one more ends it."
     max_new_tokens: Optional[int] = ranged(None, ge=1)
     "Per-turn generation cap; None = the remaining context."
-    temperature: float = ranged(1.0, gt=0)
-    "Sampling temperature; training logprobs use logits / temperature."
+    temperature: float = ranged(1.0, ge=1e-5)
+    "Sampling temperature; training logprobs use logits / temperature. >= 1e-5: vLLM samples greedily below it."
     top_p: float = ranged(1.0, gt=0, le=1)
     "Nucleus sampling; must be 1.0 when IS correction is on."
     top_k: int = ranged(-1, ge=1, also=(-1,))

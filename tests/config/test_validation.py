@@ -216,7 +216,9 @@ POST_INIT = [
     *[(f"rollout_{n}_positive", [f"rollout.{n}=0"], f"rollout.{n}", "must be >= 1, got 0")
       for n in ("num_engines", "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
                 "batch_size", "n_samples_per_prompt", "num_runners")],
-    ("rollout_temperature", ["rollout.temperature=0"], "rollout.temperature", "must be > 0, got 0.0"),
+    ("rollout_temperature", ["rollout.temperature=0"], "rollout.temperature", "must be >= 1e-05, got 0.0"),
+    ("rollout_temperature_greedy_in_vllm", ["rollout.temperature=1e-6"], "rollout.temperature",
+     "must be >= 1e-05, got 1e-06"),  # vLLM samples greedily below 1e-5; the trainer would divide by it
     ("rollout_top_p_zero", ["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1], got 0.0"),
     ("rollout_top_p_above_one", ["rollout.top_p=1.5"], "rollout.top_p", "must be in (0, 1], got 1.5"),
     ("is_seq_mask_only", ["algorithm.is_correction.level=seq", "algorithm.is_correction.mode=clip"],
@@ -259,7 +261,7 @@ def test_single_group_rule_fires(overrides, key, fragment):
 
 def test_post_init_failures_of_several_groups_are_reported_together():
     lines = config_errors(["rollout.temperature=0", "train.epochs=0"])
-    assert any(l.startswith("rollout.temperature: must be > 0") for l in lines), lines
+    assert any(l.startswith("rollout.temperature: must be >= 1e-05") for l in lines), lines
     assert any(l.startswith("train.epochs: must be >= 1") for l in lines), lines
 
 
@@ -294,7 +296,7 @@ def test_cli_reports_all_and_starts_nothing(failing_cli_runs):
         assert PLAN_HEADER not in res.stdout, res.describe()
     error_lines = [l for l in cross.stderr.splitlines() if l.startswith("- ")]
     assert sorted(l[2:].split(":", 1)[0] for l in error_lines) == sorted(THREE_KEYS), cross.describe()
-    assert "rollout.temperature: must be > 0" in post_init.stderr, post_init.describe()
+    assert "rollout.temperature: must be >= 1e-05" in post_init.stderr, post_init.describe()
     assert not list(base.rglob("run_record.json")), "a failing config must not start the run"
 
 
