@@ -4,6 +4,7 @@ the run (or sweep) directory before Hydra creates it; `check_outputs` checks the
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -17,9 +18,12 @@ def not_writable(path: str | Path) -> str | None:
     """Why `path` cannot hold new files (None when it can): a probe directory is made and removed in the path, or in
     its nearest existing parent when the path does not exist yet. Permission bits are not enough: root ignores them,
     not a read-only mount or an immutable directory."""
-    probe = Path(path).absolute()
+    probe, missing = Path(path).absolute(), []
     while not probe.exists():
-        probe = probe.parent
+        probe, missing = probe.parent, [probe.name, *missing]
+    limit = os.pathconf(probe, "PC_NAME_MAX")  # each directory still to be made must be a name the disk takes
+    if too_long := [name for name in missing if len(os.fsencode(name)) > limit]:
+        return f"the name {too_long[0][:40]!r}... is {len(os.fsencode(too_long[0]))} bytes, over this disk's {limit}"
     try:
         with tempfile.TemporaryDirectory(dir=probe, prefix=".molt-write-probe-"):
             return None
