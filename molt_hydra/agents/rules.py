@@ -13,7 +13,7 @@ from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.config.schema import RunConfig
-from molt_hydra.config.validate import Problems
+from molt_hydra.config.validate import Problems, changed
 
 TARGET_FIX = "set agent.runner._target_ to pkg.module.Name or path/to/file.py:Name (an Env, ChatAgent or Runner)"
 
@@ -56,6 +56,18 @@ def _kwarg_problems(problems: Problems, cls, kwargs: dict) -> None:
                            f"add +agent.runner.{name}=VALUE")
 
 
+def _chat_settings_read(cfg: RunConfig, problems: Problems, cls: type) -> None:
+    """agent.tool_parser and max_choices configure the chat server of a ChatAgent (the runner's `configure_chat`); an
+    Env's step runner, or a Runner without it, reads neither. (reasoning_parser also reaches the engines: an Env's
+    structured sampling waits for the end of the thinking too.)"""
+    runner = StepEnvRunner if issubclass(cls, Env) else ChatAgentRunner if issubclass(cls, ChatAgent) else cls
+    if hasattr(runner, "configure_chat"):
+        return
+    for key in ("agent.tool_parser", "agent.max_choices"):
+        problems.check(not changed(cfg, key), key, f"the agent {cls.__name__} talks to no chat server (not a "
+                       "ChatAgent), and nothing else reads it.", f"unset {key} (it configures ChatAgent agents)")
+
+
 def check_agent(cfg: RunConfig, problems: Problems) -> None:
     """`agent.runner`'s kwargs against the constructors they reach: the Runner's, then the Env / ChatAgent's that a
     StepEnvRunner / ChatAgentRunner builds per rollout (built once here too, so its own checks run now)."""
@@ -64,6 +76,7 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
     cls = _target(problems, cfg.agent.runner)
     if cls is None:
         return
+    _chat_settings_read(cfg, problems, cls)
     spec, before = {k: v for k, v in cfg.agent.runner.items() if k != "_target_"}, len(problems.lines)
     _kwarg_problems(problems, cls, spec)
     if len(problems.lines) > before:

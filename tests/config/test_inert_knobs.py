@@ -132,6 +132,10 @@ CASES = [
      "31 is past train.max_steps=30"),
     ("eval_period_past_the_run_at_start", ["eval.data_path=builtin://toy_eval", "eval.at_start=true",
                                            "eval.every_steps=100"], "eval.every_steps", "past train.max_steps"),
+    # was: accepted for an Env agent, whose step runner starts no chat server (the default agent is toy's ToyEnv)
+    *[(f"chat_setting_for_an_env_{key}", [f"agent.{key}={value}"], f"agent.{key}",
+       "the agent ToyEnv talks to no chat server (not a ChatAgent)") for key, value in
+      (("tool_parser", "qwen3_coder"), ("max_choices", 4))],
     # before: a ValueError traceback from the rule that compares the last listed step with train.max_steps
     ("dump_no_step", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[]"], "logger.dump_logprobs_steps",
      "is empty, so logger.dump_logprobs=true dumps no step"),
@@ -176,6 +180,7 @@ ACCEPTED = [
     ["logger.wandb.mode=offline", "logger.wandb.project=x", "logger.wandb.entity=y", "logger.wandb.run_name=z"],
     ["logger.wandb.mode=disabled", "logger.tensorboard=true", "logger.wandb.run_name=z"],  # names the TB run too
     ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
+    ["agent=tiny_geo", "agent.tool_parser=qwen3_coder", "agent.max_choices=4"],  # a ChatAgent: its chat server's
 ]
 
 
