@@ -216,6 +216,11 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [TOOL_A], "tool_choice": {"type": ["any"]}}, 400,
      "tool_choice", "'tool_choice' type must be"),
+    # JSON's \\udXXX escape naming half a surrogate pair: text no tokenizer encodes (was: 500 from the tokenizer)
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400, "messages[0].content",
+     "messages[0].content holds a lone UTF-16 surrogate"),
+    ("/v1/messages", b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], '
+     b'"stop_sequences": ["\\udfff"]}', 400, None, "stop_sequences[0] holds a lone UTF-16 surrogate"),
 ]
 
 

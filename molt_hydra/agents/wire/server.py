@@ -24,7 +24,7 @@ import threading
 from aiohttp import web
 
 from molt_hydra.agents.wire import anthropic, completions, openai_chat, responses
-from molt_hydra.agents.wire.request import RequestError
+from molt_hydra.agents.wire.request import RequestError, unicode_text
 from molt_hydra.agents.wire.session import ChatSession
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class ChatServer:
                                "ended; use the ctx.base_url / ctx.session_url of the running rollout",
                                code="unknown_session")
         try:
-            return session, json.loads(await request.read())  # bytes: JSON's own UTF-8/16/32, whatever charset says
+            body = json.loads(await request.read())  # bytes: JSON's own UTF-8/16/32, whatever charset says
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         except RecursionError:
@@ -152,6 +152,8 @@ class ChatServer:
                                code="invalid_json") from None
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
             raise RequestError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        unicode_text(body)
+        return session, body
 
     def _check_key(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
