@@ -457,6 +457,30 @@ def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
     assert response.output[2].arguments == '{"code": "print(1)"}'
 
 
+def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_openai_sdk(tok):
+    """n > 1 and a client's retry (the cached turn) stream each choice whole at the end; the SDK's accumulator joins
+    every delta's fields, so each choice is one assistant message with the generated text (was: choice 0's role
+    sent twice, "assistantassistant")."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello there."))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            finals = []
+            for n in (2, 1, 1):  # the n=1 request twice: the second is a retry, served from the cache
+                messages = USER if n == 2 else [{"role": "user", "content": "again"}]
+                async with oa.chat.completions.stream(model="policy", messages=messages, n=n) as s:
+                    finals.append(await s.get_final_completion())
+            return finals
+        finally:
+            await server.stop()
+
+    for final in asyncio.run(go()):
+        assert [(c.message.role, c.message.content) for c in final.choices] == [
+            ("assistant", "Hello there.")] * len(final.choices)
+
+
 def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(tok):
     """The Anthropic stream's message_start carries this turn's input_tokens, also when the session's length budget
     is spent and the turn is an empty max_tokens reply (was: the previous turn's count)."""

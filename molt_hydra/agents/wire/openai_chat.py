@@ -138,8 +138,9 @@ class ChatStream(Stream):
     def end(self, reply) -> list[bytes]:
         out = []
         for i, c in enumerate(reply.choices):
-            # not streamed live (n > 1, a cached retry): the whole text now
-            whole = {"role": "assistant", "content": c.content, "reasoning_content": c.reasoning}
+            # not streamed live (n > 1, a cached retry): the whole text now. Choice 0's role went in `start`: SDKs
+            # concatenate every delta's fields, so a second one reads "assistantassistant"
+            whole = {"content": c.content, "reasoning_content": c.reasoning, **({"role": "assistant"} if i else {})}
             deltas = [] if reply.streamed else [whole]
             if c.tool_calls:
                 deltas.append({"tool_calls": [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]})
