@@ -611,6 +611,48 @@ def test_strict_tools_under_auto_reach_the_engine_as_their_grammar_from_each_sdk
     assert both.status_code == 400 and "a strict tool and a response_format cannot both" in both.message
 
 
+def test_one_tool_call_asked_for_under_auto_reaches_the_engine_as_the_single_call_grammar(tok):
+    """parallel_tool_calls false (OpenAI chat, Responses) / disable_parallel_tool_use (Anthropic) under tool_choice
+    auto: sampled under the grammar that ends the output after one call (was: all calls sampled and trained, all but
+    the first cut from the reply); with a tool parser whose markup is unknown, a 400 naming the field."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents.json_grammar import strict_calls
+    from molt_hydra.agents.tool_parser import CALL_ENVELOPES
+
+    engine = RecordingEngine(tok, CALL)
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        coder = ChatSession("c", engine, tok, Sampling(max_tokens=64), 2048, reply_parser(tok, "qwen3_coder"))
+        server.open_session(coder)
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=False)
+            await oa.responses.create(model="policy", input="hi", tools=[dict(TOOL["function"], type="function")],
+                                      parallel_tool_calls=False)
+            await an.messages.create(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A],
+                                     tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+            await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=True)
+            with pytest.raises(Exception) as refused:
+                await AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0).chat.\
+                    completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=False)
+            return refused.value
+        finally:
+            await server.stop()
+
+    refused = asyncio.run(go())
+    tool_a = {"type": "function", "function": {"name": "python", "description": "", "parameters": TOOL_A[
+        "input_schema"]}}
+    single = strict_calls([TOOL], [], CALL_ENVELOPES["hermes"], "hermes", single=True)
+    assert single == strict_calls([tool_a], [], CALL_ENVELOPES["hermes"], "hermes", single=True)  # same call shape
+    assert [r.sampling.structured for r in engine.requests] == [single] * 3 + [None]
+    assert refused.status_code == 400 and refused.body["param"] == "parallel_tool_calls"
+    assert "agent.tool_parser='qwen3_coder'" in refused.message
+
+
 def test_a_turn_still_generating_when_its_session_closes_leaves_the_handed_segments_alone(tok):
     """An agent that leaves a stream mid-turn and returns (or times out) closes its session while the engine still
     generates; the handed-over segments are training data and must not grow afterwards (were: the finished turn was

@@ -209,17 +209,22 @@ class ChatSession:
 
     def _decoding(self, req: ChatRequest) -> dict:
         """Engine-side output controls of a request: choices (n, checked by `_check_n`), logprobs and structured
-        output (response_format / forced tool / strict tools under tool_choice auto)."""
+        output (response_format / forced tool / strict tools or a single call under tool_choice auto)."""
         structured = req.response_format
         strict = bool(req.strict_tools) and req.tool_choice == "auto"  # (a forced call follows its schema anyway)
+        # parallel_tool_calls false: held to one call as sampled, never cut to one after (the trajectory would train a
+        # call the agent never ran); moot when no call is parsed (no tool parser) or the output is a response_format
+        single = (req.parallel_tool_calls is False and req.tool_choice == "auto" and bool(req.tools)
+                  and self.parser.tool is not None and structured is None)
         if (req.forced_tool or strict) and structured is not None:
             raise RequestError(400, f"a {'forced tool_choice' if req.forced_tool else 'strict tool'} and a "
                                f"{req.format_param} cannot both shape the output", req.format_param)
         if req.forced_tool:
             structured = compact({"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)},
                                  "tools")
-        elif strict:
-            structured = strict_calls(req.tools, req.strict_tools, self.parser.envelope, self.parser.tool_parser_name)
+        elif strict or single:
+            structured = strict_calls(req.tools, req.strict_tools, self.parser.envelope, self.parser.tool_parser_name,
+                                      single)
         else:
             structured = compact(structured, req.format_param)
         return {"n": req.n, "top_logprobs": req.top_logprobs or 0, "structured": structured}
@@ -340,7 +345,7 @@ class ChatSession:
             parsed = self.parser.parse_forced(text, req.tool_choice)
         else:
             parsed = self.parser.parse(text, req.tools, parse_tools=req.tool_choice != "none")
-        calls = parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
+        calls = parsed.tool_calls  # parallel_tool_calls false: at most one, by the grammar (`_decoding`)
         finish = "tool_calls" if calls else "length" if gen.finish_reason == "length" else "stop"
         call_ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
         return Choice(gen, parsed.content, calls, call_ids, finish, stop_sequence, parsed.reasoning,
