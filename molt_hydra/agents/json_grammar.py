@@ -52,10 +52,13 @@ def strict_calls(tools: list[dict], strict: list[str], envelope: tuple[str, ...]
                            f"{parser!r}: its tool-call markup is not known here; {fix}, or tool_choice \"required\" "
                            "/ a named tool (enforced for every parser)", param)
     trigger, before, between, after = envelope
-    tags = [{"type": "tag", "begin": before + fn["name"] + between, "end": after, "content": {
-        "type": "json_schema", "max_whitespace_cnt": WHITESPACE_RUN,
-        "json_schema": (fn.get("parameters") or {"type": "object"}) if fn["name"] in strict else {"type": "object"}}}
-        for fn in (t["function"] for t in tools)]
+    # the name as JSON writes it inside the call, where the parser reads it
+    tags = [{"type": "tag", "begin": before + json.dumps(fn["name"], ensure_ascii=False)[1:-1] + between,
+             "end": after, "content": {
+                 "type": "json_schema", "max_whitespace_cnt": WHITESPACE_RUN,
+                 "json_schema": (fn.get("parameters") or {"type": "object"}) if fn["name"] in strict else
+                 {"type": "object"}}}
+            for fn in (t["function"] for t in tools)]
     tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
                                                 "stop_after_first": single}}
     try:

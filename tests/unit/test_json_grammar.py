@@ -4,6 +4,8 @@ model cannot spin on blanks until max_tokens (vLLM's per-request `json` schema a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
@@ -65,6 +67,16 @@ def test_strict_tools_under_auto_hold_calls_to_their_schemas_and_leave_text_free
     assert not accepts(structured, call("shell", '{"code": "1"}'))  # not a tool of the request
     assert not accepts(structured, call("note", "[1]"))  # arguments are an object
     assert not accepts(structured, call("python", '{"code":      "1"}'))  # no runs of whitespace
+
+
+def test_a_tool_name_json_escapes_is_matched_as_the_parser_reads_it():
+    """The call grammar's envelope holds a tool's name as JSON writes it inside the call (was: raw, so a name with a
+    quote or backslash could never be called under the grammar, though the hermes parser reads the escaped call)."""
+    name = 'say "hi" \\ café'
+    tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    structured = strict_calls([tool], [name], CALL_ENVELOPES["hermes"], "hermes")
+    call = json.dumps({"name": name, "arguments": {"a": 1}}, ensure_ascii=False)
+    assert accepts(structured, f"<tool_call>\n{call}\n</tool_call>")
 
 
 @pytest.mark.parametrize("strict", [["python"], []])
