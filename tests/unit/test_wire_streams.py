@@ -221,6 +221,11 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "messages[0].content holds a lone UTF-16 surrogate"),
     ("/v1/messages", b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], '
      b'"stop_sequences": ["\\udfff"]}', 400, None, "stop_sequences[0] holds a lone UTF-16 surrogate"),
+    # stream_options checked as chat checks it (was: a string or "include_usage": "no" taken as asking for usage)
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": "x"}, 400, "stream_options",
+     "'stream_options' must be an object"),
+    ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": "no"}}, 400,
+     "stream_options.include_usage", "must be a boolean"),
 ]
 
 

@@ -134,6 +134,17 @@ def flag(body: dict, key: str, default: bool | None = False) -> bool | None:
     return default if v is None else v
 
 
+def include_usage(body: dict) -> bool:
+    """OpenAI's `stream_options.include_usage` (chat and completions): a usage chunk ends the stream."""
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad(f"'stream_options' must be an object, got {options!r}", "stream_options")
+    v = (options or {}).get("include_usage")
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"'stream_options.include_usage' must be a boolean, got {v!r}", "stream_options.include_usage")
+    return bool(v)
+
+
 def content(parts: list[dict]) -> str | list[dict]:
     """Text-only part lists collapse to one string (templates concatenate text parts)."""
     if all(p["type"] == "text" for p in parts):
