@@ -338,6 +338,50 @@ def test_a_mid_stream_failure_reaches_each_sdk_with_the_engines_message(tok):
     assert errors["responses"]["message"] == "generation failed: RuntimeError: engine died"
 
 
+class StuckEngine(ScriptedEngine):
+    """Streams the first token, then generates until cancelled."""
+
+    async def generate(self, request):
+        await asyncio.sleep(3600)
+
+    async def generate_stream(self, request):
+        yield Generation(self.ids[:1], [-0.5], [0], None)
+        await asyncio.sleep(3600)
+
+
+def test_a_turn_cancelled_on_the_agents_loop_ends_each_request_with_an_error_it_reads(tok):
+    """A turn whose task is cancelled on the agent's loop (its rollout cancelled, the runner shutting down) ends its
+    request with a 503 in the API's shape, streamed or not (was: a dropped connection, and a stream that never
+    ended)."""
+    from openai import APIError, AsyncOpenAI, InternalServerError
+
+    async def cancel_the_turn():  # once it is generating
+        while not (turns := [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "complete"]):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        turns[0].cancel()
+
+    async def go():
+        server, _ = await serving(tok, StuckEngine(tok, "Hello there."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0, timeout=20)
+        try:
+            asyncio.ensure_future(cancel_the_turn())
+            with pytest.raises(InternalServerError) as plain:
+                await oa.chat.completions.create(model="policy", messages=USER)
+            asyncio.ensure_future(cancel_the_turn())
+            with pytest.raises(APIError) as streamed:
+                async for _ in await oa.chat.completions.create(model="policy", messages=USER, stream=True):
+                    pass
+            return plain.value, streamed.value
+        finally:
+            await server.stop()
+
+    plain, streamed = asyncio.run(go())
+    assert plain.status_code == 503 and plain.body["code"] == "turn_cancelled"
+    for e in (plain, streamed):
+        assert "was cancelled on the agent's event loop" in e.message and "not recorded" in e.message
+
+
 def test_a_client_leaving_mid_stream_is_no_server_error_and_its_retry_gets_the_finished_turn(tok, caplog):
     async def go():
         engine = SlowEngine(tok, "Hello there, this is a longer reply.")
