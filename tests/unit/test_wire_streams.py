@@ -382,6 +382,31 @@ def test_a_turn_cancelled_on_the_agents_loop_ends_each_request_with_an_error_it_
         assert "was cancelled on the agent's event loop" in e.message and "not recorded" in e.message
 
 
+@pytest.mark.parametrize("close", [True, False])
+def test_a_session_whose_agent_loop_has_ended_answers_at_once_naming_it(tok, close):
+    """The loop that opened a session stopped (its runner ended, closed or not): a 503 naming it at once (was: a 500
+    "Event loop is closed", or after 10 s the blocked-loop 400 blaming a synchronous client)."""
+    import time
+
+    async def go():
+        server, session = await serving(tok, ScriptedEngine(tok, "Hello."))
+        session.loop = asyncio.new_event_loop()  # the agent's loop, once its runner ended
+        if close:
+            session.loop.close()
+        try:
+            start = time.monotonic()
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + "/v1/messages", json={"messages": USER, "max_tokens": 5},
+                    headers={"Authorization": "Bearer k"}) as r:
+                return r.status, await r.json(), time.monotonic() - start
+        finally:
+            await server.stop()
+
+    status, body, took = asyncio.run(go())
+    assert (status, body["error"]["type"]) == (503, "api_error") and took < 5
+    assert "event loop of session s is no longer running" in body["error"]["message"]
+
+
 def test_a_client_leaving_mid_stream_is_no_server_error_and_its_retry_gets_the_finished_turn(tok, caplog):
     async def go():
         engine = SlowEngine(tok, "Hello there, this is a longer reply.")

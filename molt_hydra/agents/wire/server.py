@@ -120,7 +120,11 @@ class ChatServer:
         return web.json_response({"input_tokens": await self._on_agent_loop(session, session.count_tokens(req))})
 
     async def _on_agent_loop(self, session: ChatSession, coro):
-        """Run a session coroutine on the agent's loop; refuse loudly when that loop is blocked."""
+        """Run a session coroutine on the agent's loop; refuse loudly when that loop is blocked or gone."""
+        if not session.loop.is_running():  # (was: a 500 "Event loop is closed", or the blocked-loop 400 after 10 s)
+            coro.close()
+            raise RequestError(503, f"the agent's event loop of session {session.session_id} is no longer running "
+                               "(the runner that opened it has ended): no turn can run", code="agent_loop_stopped")
         ping = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), session.loop)
         try:
             await asyncio.wait_for(asyncio.wrap_future(ping), BLOCKED_LOOP_S)
