@@ -555,6 +555,34 @@ def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_open
             ("assistant", "Hello there.")] * len(final.choices)
 
 
+def test_characters_whose_bytes_span_tokens_stream_whole_to_each_sdk(tok):
+    """An emoji or a CJK character is several byte tokens here, and a prefix of them decodes as U+FFFD: the stream
+    holds it back until the character is whole (was: U+FFFD sent, then nothing more of the text)."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    text = "Hi 😀 there, 你好 world."
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) > len(text)  # some characters span tokens
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, text))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            chunks = await oa.chat.completions.create(model="policy", messages=USER, stream=True)
+            chat = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+            async with oa.responses.stream(model="policy", input="again") as s:
+                responses = "".join([e.delta async for e in s if e.type == "response.output_text.delta"])
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            async with an.messages.stream(model="policy", max_tokens=64, messages=[
+                    {"role": "user", "content": "once more"}]) as s:
+                anthropic = "".join([e.delta.text async for e in s if e.type == "content_block_delta"])
+            return chat, responses, anthropic
+        finally:
+            await server.stop()
+
+    assert asyncio.run(go()) == (text, text, text)
+
+
 def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(tok):
     """The Anthropic stream's message_start carries this turn's input_tokens, also when the session's length budget
     is spent and the turn is an empty max_tokens reply (was: the previous turn's count)."""

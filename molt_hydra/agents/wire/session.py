@@ -304,7 +304,9 @@ class ChatSession:
             ids = [t for x in deltas for t in x.token_ids]
             while ids and ids[-1] in self._end_ids:
                 ids = ids[:-1]
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            # a character whose bytes span tokens decodes as U+FFFD until its last byte comes: held back (was: sent,
+            # and the stream stopped there, as later text no longer extended what was sent)
+            text = self.tokenizer.decode(ids, skip_special_tokens=False).rstrip("\ufffd")
             cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
             reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
