@@ -583,6 +583,50 @@ def test_characters_whose_bytes_span_tokens_stream_whole_to_each_sdk(tok):
     assert asyncio.run(go()) == (text, text, text)
 
 
+class DecodeCounter:
+    """The real tokenizer, counting the token ids it decodes (a spy)."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.tok(*args, **kwargs)
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kwargs)
+
+
+def test_a_long_stream_decodes_each_token_a_bounded_number_of_times(tok):
+    """Streaming decodes the text as tokens arrive, each token a few times (was: the whole generation again per
+    token, quadratic: minutes of the agent's loop for a 32k-token stream)."""
+    text = "The quick brown fox jumps over the lazy dog. " * 100
+    n = len(ScriptedEngine(tok, text).ids)
+    counter = DecodeCounter(tok)
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        try:
+            server.open_session(ChatSession("s", ScriptedEngine(tok, text), counter, Sampling(max_tokens=n), 2 * n + 99,
+                                            reply_parser(tok, "hermes")))
+            counter.decoded = 0  # (the session's set-up decodes its probe)
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + "/v1/chat/completions", json={"messages": USER, "stream": True},
+                    headers={"Authorization": "Bearer k"}) as r:
+                raw = await r.text()
+            return "".join(json.loads(f[6:])["choices"][0]["delta"].get("content", "")
+                           for f in raw.strip().split("\n\n")[:-1] if json.loads(f[6:])["choices"])
+        finally:
+            await server.stop()
+
+    assert asyncio.run(go()) == text
+    assert n > 500 and counter.decoded <= 8 * n, (counter.decoded, n)
+
+
 def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(tok):
     """The Anthropic stream's message_start carries this turn's input_tokens, also when the session's length budget
     is spent and the turn is an empty max_tokens reply (was: the previous turn's count)."""

@@ -297,16 +297,12 @@ class ChatSession:
                 on_delta(kind, text[len(sent[kind]):])
                 sent[kind] = text
 
+        detok = _Detokenizer(self.tokenizer)
         async for d in self.generator.generate_stream(request):
             deltas.append(d)
             if req.forced_tool:
                 continue  # the reply is a tool call, sent whole at the end
-            ids = [t for x in deltas for t in x.token_ids]
-            while ids and ids[-1] in self._end_ids:
-                ids = ids[:-1]
-            # a character whose bytes span tokens decodes as U+FFFD until its last byte comes: held back (was: sent,
-            # and the stream stopped there, as later text no longer extended what was sent)
-            text = self.tokenizer.decode(ids, skip_special_tokens=False).rstrip("\ufffd")
+            text = detok.add([t for t in d.token_ids if t not in self._end_ids])  # (they only end a generation)
             cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
             reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
@@ -373,6 +369,27 @@ class ChatSession:
         for i, seg in enumerate(segments):
             seg.segment_index = i
         return segments
+
+
+class _Detokenizer:
+    """The text of a generation as its tokens arrive, each decoded a bounded number of times (was: the whole
+    generation decoded again per token, quadratic: minutes of the agent loop for a 32k-token stream). vLLM's
+    incremental detokenizing: the text a window of tokens adds beyond the window's previous read point. A character
+    whose bytes span tokens decodes as U+FFFD until its last byte comes, so it is held back until whole (was: sent, and
+    the stream stopped there, as later text no longer extended what was sent)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.prefix = self.read = 0  # the window: ids[prefix:] is decoded, of which ids[prefix:read] is in `text`
+
+    def add(self, ids: list[int]) -> str:
+        self.ids += ids
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=False)
+        window = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=False)
+        if len(window) > len(before) and not window.endswith("\ufffd"):
+            self.text += window[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self.text
 
 
 def _echoes(message: dict, choice: Choice) -> bool:
