@@ -600,31 +600,49 @@ class DecodeCounter:
         return self.tok.decode(ids, **kwargs)
 
 
-def test_a_long_stream_decodes_each_token_a_bounded_number_of_times(tok):
-    """Streaming decodes the text as tokens arrive, each token a few times (was: the whole generation again per
-    token, quadratic: minutes of the agent's loop for a 32k-token stream)."""
-    text = "The quick brown fox jumps over the lazy dog. " * 100
+class ParseCounter:
+    """The real reply parser, counting the characters it parses for streaming (a spy)."""
+
+    def __init__(self, parser):
+        self.parser, self.parsed = parser, 0
+
+    def __getattr__(self, name):
+        return getattr(self.parser, name)
+
+    def streamable(self, text, *args):
+        self.parsed += len(text)
+        return self.parser.streamable(text, *args)
+
+
+def test_a_long_stream_decodes_and_parses_each_token_a_bounded_number_of_times(tok):
+    """Streaming decodes the text as tokens arrive, each token a few times, and parses it again only once it grew
+    by a fraction (were: the whole generation decoded and parsed again per token, quadratic: minutes of the agent's
+    loop for a long thought); the stream still carries all of the thought and the answer."""
+    thought, answer = "The quick brown fox jumps over the lazy dog. " * 60, "It jumps. " * 40
+    text = f"<think>\n{thought}</think>\n\n{answer}"
     n = len(ScriptedEngine(tok, text).ids)
-    counter = DecodeCounter(tok)
+    decodes, parses = DecodeCounter(tok), ParseCounter(reply_parser(tok, "hermes", "qwen3"))
 
     async def go():
         server = ChatServer(api_key="k")
         await server.start()
         try:
-            server.open_session(ChatSession("s", ScriptedEngine(tok, text), counter, Sampling(max_tokens=n), 2 * n + 99,
-                                            reply_parser(tok, "hermes")))
-            counter.decoded = 0  # (the session's set-up decodes its probe)
+            server.open_session(ChatSession("s", ScriptedEngine(tok, text), decodes, Sampling(max_tokens=n), 2 * n + 99,
+                                            parses))
+            decodes.decoded = 0  # (the session's set-up decodes its probe)
             async with aiohttp.ClientSession() as http, http.post(
                     server.session_url("s") + "/v1/chat/completions", json={"messages": USER, "stream": True},
                     headers={"Authorization": "Bearer k"}) as r:
                 raw = await r.text()
-            return "".join(json.loads(f[6:])["choices"][0]["delta"].get("content", "")
-                           for f in raw.strip().split("\n\n")[:-1] if json.loads(f[6:])["choices"])
+            deltas = [c["delta"] for f in raw.strip().split("\n\n")[:-1] for c in json.loads(f[6:])["choices"]]
+            return ["".join(d.get(key) or "" for d in deltas) for key in ("reasoning_content", "content")]
         finally:
             await server.stop()
 
-    assert asyncio.run(go()) == text
-    assert n > 500 and counter.decoded <= 8 * n, (counter.decoded, n)
+    reasoning, content = asyncio.run(go())
+    assert (reasoning.strip(), content.strip()) == (thought.strip(), answer.strip())
+    assert n > 500 and decodes.decoded <= 8 * n, (decodes.decoded, n)
+    assert parses.parsed <= 100 * len(text), (parses.parsed, len(text))
 
 
 def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(tok):

@@ -35,6 +35,7 @@ from molt_hydra.rollout.generation import Generation, GenerationRequest, Samplin
 
 # What a streaming client gets while the engine samples: ("reasoning" | "content", text delta).
 DeltaSink = Callable[[str, str], None]
+PARSE_GROWTH = 64  # a streamed text is parsed again once it grew by 1/PARSE_GROWTH of its length (`_stream`)
 # Sampling values the recipe fixes for training (the recompute assumes them): a client may not change them.
 RECIPE_SAMPLING = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k"}
 
@@ -297,12 +298,17 @@ class ChatSession:
                 on_delta(kind, text[len(sent[kind]):])
                 sent[kind] = text
 
-        detok = _Detokenizer(self.tokenizer)
+        detok, parsed = _Detokenizer(self.tokenizer), -1  # parsed: the length of the text parsed last
         async for d in self.generator.generate_stream(request):
             deltas.append(d)
             if req.forced_tool:
                 continue  # the reply is a tool call, sent whole at the end
             text = detok.add([t for t in d.token_ids if t not in self._end_ids])  # (they only end a generation)
+            # vLLM's parsers scan the whole text (a reasoning parser: ~0.2 us a character): parsed again once it grew
+            # by 1/64, the parsing stays linear in the text (was: every token, quadratic: minutes for a long thought)
+            if len(text) - parsed <= len(text) // PARSE_GROWTH:
+                continue
+            parsed = len(text)
             cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
             reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
