@@ -555,6 +555,37 @@ def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_open
             ("assistant", "Hello there.")] * len(final.choices)
 
 
+class MaskedAlternativesEngine(ScriptedEngine):
+    """Log-probs as the engine's processed distribution gives them under top_k / top_p: alternatives it rules out
+    come back as -inf."""
+
+    async def generate(self, request):
+        tops = [{t: -0.5, t + 1: float("-inf")} for t in self.ids]
+        return [Generation(list(self.ids), [-0.5] * len(self.ids), [0] * len(self.ids), "stop", top_logprobs=tops)]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}),
+    ("/v1/responses", {"input": "hi", "top_logprobs": 2})])
+def test_a_ruled_out_alternative_is_reported_as_valid_json(tok, path, body):
+    """-inf log-probs are -9999.0, vLLM's and OpenAI's floor (was: `-Infinity`, which no strict JSON parser reads)."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    async def go():
+        server, _ = await serving(tok, MaskedAlternativesEngine(tok, "Hi."))
+        try:
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + path, json=body, headers={"Authorization": "Bearer k"}) as r:
+                return json.loads(await r.text(), parse_constant=refuse)
+        finally:
+            await server.stop()
+
+    reply = json.dumps(asyncio.run(go()))
+    assert "-9999.0" in reply and "Infinity" not in reply
+
+
 def test_characters_whose_bytes_span_tokens_stream_whole_to_each_sdk(tok):
     """An emoji or a CJK character is several byte tokens here, and a prefix of them decodes as U+FFFD: the stream
     holds it back until the character is whole (was: U+FFFD sent, then nothing more of the text)."""

@@ -35,6 +35,9 @@ from molt_hydra.rollout.generation import Generation, GenerationRequest, Samplin
 
 # What a streaming client gets while the engine samples: ("reasoning" | "content", text delta).
 DeltaSink = Callable[[str, str], None]
+# A token the processed distribution rules out (top_p / top_k) has logprob -inf, which JSON cannot carry (Python
+# writes `-Infinity`, which other JSON parsers refuse): reported as vLLM's server and OpenAI report it.
+LOGPROB_FLOOR = -9999.0
 PARSE_GROWTH = 64  # a streamed text is parsed again once it grew by 1/PARSE_GROWTH of its length (`_stream`)
 # Sampling values the recipe fixes for training (the recompute assumes them): a client may not change them.
 RECIPE_SAMPLING = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k"}
@@ -360,7 +363,7 @@ class ChatSession:
         """The engine's logprob of every generated token (and its top alternatives), in OpenAI's shape."""
         def entry(tid: int, lp: float) -> dict:
             text = self.tokenizer.decode([tid], skip_special_tokens=False)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(text.encode())}
 
         tops = gen.top_logprobs or [{}] * len(gen.token_ids)
         return [dict(entry(t, lp), top_logprobs=[entry(a, x) for a, x in sorted(top.items(), key=lambda kv: -kv[1])])
