@@ -36,22 +36,31 @@ def _tag_grammar(tag_json: str) -> str:
     return str(xgrammar.Grammar.from_structural_tag(tag_json))
 
 
-def strict_calls(tools: list[dict], strict: list[str], envelope: tuple[str, ...] | None, parser: str | None) -> dict:
-    """vLLM structured output for `strict: true` tools under tool_choice "auto": text stays free; from where the
-    model opens a tool call (the family's `envelope`: trigger, text before the name, between name and arguments,
-    after them) the call is held to a tool of the request, a strict tool's arguments to its schema and the others'
-    to a JSON object (vLLM's own server does the same, with its structural tags)."""
+def strict_calls(tools: list[dict], strict: list[str], envelope: tuple[str, ...] | None, parser: str | None,
+                 single: bool = False) -> dict:
+    """vLLM structured output for `strict: true` tools, or at most one call (`single`: parallel_tool_calls false),
+    under tool_choice "auto": text stays free; from where the model opens a tool call (the family's `envelope`:
+    trigger, text before the name, between name and arguments, after them) the call is held to a tool of the
+    request, a strict tool's arguments to its schema and the others' to a JSON object, and with `single` the output
+    ends after the first call (vLLM's own server does the same, with its structural tags)."""
     if envelope is None:
-        raise RequestError(400, f"'strict': true (tools {strict}) under tool_choice \"auto\" cannot be enforced for "
-                           f"agent.tool_parser={parser!r}: its tool-call markup is not known here; send strict false "
-                           "(and check the arguments), or tool_choice \"required\" / a named tool (enforced for "
-                           "every parser)", "tools")
+        what, fix, param = (f"'strict': true (tools {strict})", "send strict false (and check the arguments)", "tools")
+        if not strict:
+            what, fix, param = ("'parallel_tool_calls': false (Anthropic: 'disable_parallel_tool_use': true)",
+                                "omit it (and run each call returned)", "parallel_tool_calls")
+        raise RequestError(400, f"{what} under tool_choice \"auto\" cannot be enforced for agent.tool_parser="
+                           f"{parser!r}: its tool-call markup is not known here; {fix}, or tool_choice \"required\" "
+                           "/ a named tool (enforced for every parser)", param)
     trigger, before, between, after = envelope
-    tags = [{"type": "tag", "begin": before + fn["name"] + between, "end": after, "content": {
-        "type": "json_schema", "max_whitespace_cnt": WHITESPACE_RUN,
-        "json_schema": (fn.get("parameters") or {"type": "object"}) if fn["name"] in strict else {"type": "object"}}}
-        for fn in (t["function"] for t in tools)]
-    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}
+    # the name as JSON writes it inside the call, where the parser reads it
+    tags = [{"type": "tag", "begin": before + json.dumps(fn["name"], ensure_ascii=False)[1:-1] + between,
+             "end": after, "content": {
+                 "type": "json_schema", "max_whitespace_cnt": WHITESPACE_RUN,
+                 "json_schema": (fn.get("parameters") or {"type": "object"}) if fn["name"] in strict else
+                 {"type": "object"}}}
+            for fn in (t["function"] for t in tools)]
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+                                                "stop_after_first": single}}
     try:
         return {"grammar": _tag_grammar(json.dumps(tag, sort_keys=True))}
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar refuses a schema: the client's mistake

@@ -611,6 +611,9 @@ def test_tool_choice_none_required_named_and_parallel_false(loop, rec, tokenizer
     assert rec.calls[2][0].sampling.structured == compact({"json": forced_tool_schema([PYTHON_TOOL], "required", None)})
     assert rec.calls[3][0].sampling.structured == compact({"json": PYTHON_TOOL["function"]["parameters"]})
     assert len(log["one"].choices[0].message.tool_calls) == 1
+    # sampled as one call (the grammar ends the output after it; the fitted model writes two), not cut to one after
+    # sampling: the trajectory holds no call the agent never ran
+    assert tokenizer.decode(rec.calls[4][1][0].token_ids).count("<tool_call>") == 1
 
 
 def test_a_strict_tool_under_auto_samples_under_its_grammar_on_the_real_engine(loop, rec, tokenizer):

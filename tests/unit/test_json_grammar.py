@@ -4,6 +4,8 @@ model cannot spin on blanks until max_tokens (vLLM's per-request `json` schema a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
@@ -67,8 +69,33 @@ def test_strict_tools_under_auto_hold_calls_to_their_schemas_and_leave_text_free
     assert not accepts(structured, call("python", '{"code":      "1"}'))  # no runs of whitespace
 
 
-def test_strict_tools_for_a_parser_without_a_known_envelope_are_the_clients_400():
+def test_a_tool_name_json_escapes_is_matched_as_the_parser_reads_it():
+    """The call grammar's envelope holds a tool's name as JSON writes it inside the call (was: raw, so a name with a
+    quote or backslash could never be called under the grammar, though the hermes parser reads the escaped call)."""
+    name = 'say "hi" \\ café'
+    tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    structured = strict_calls([tool], [name], CALL_ENVELOPES["hermes"], "hermes")
+    call = json.dumps({"name": name, "arguments": {"a": 1}}, ensure_ascii=False)
+    assert accepts(structured, f"<tool_call>\n{call}\n</tool_call>")
+
+
+@pytest.mark.parametrize("strict", [["python"], []])
+def test_a_single_call_under_auto_ends_the_output_after_one_call(strict):
+    """parallel_tool_calls false under tool_choice auto, strict tools or not (was: every call sampled, all but the
+    first cut from the reply, so the trajectory trained calls the agent never ran): text, then at most one call."""
+    structured = strict_calls([TOOL], strict, CALL_ENVELOPES["hermes"], "hermes", single=True)
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "1"}}\n</tool_call>'
+    assert accepts(structured, "Let me run it. " + call)
+    assert accepts(structured, "No tool needed: 42.")
+    assert not accepts(structured, call + "\n" + call)  # a second call
+    assert not accepts(structured, call + " and more text")  # the output ends with the call
+    assert accepts(strict_calls([TOOL], strict, CALL_ENVELOPES["hermes"], "hermes"), call + "\n" + call)
+
+
+@pytest.mark.parametrize("strict,param,words", [(["python"], "tools", "send strict false"),
+                                                ([], "parallel_tool_calls", "'parallel_tool_calls': false")])
+def test_a_call_grammar_for_a_parser_without_a_known_envelope_is_the_clients_400(strict, param, words):
     with pytest.raises(RequestError) as e:
-        strict_calls([TOOL], ["python"], None, "qwen3_coder")
-    assert e.value.status == 400 and e.value.param == "tools"
+        strict_calls([TOOL], strict, None, "qwen3_coder", single=not strict)
+    assert e.value.status == 400 and e.value.param == param and words in e.value.message
     assert "agent.tool_parser='qwen3_coder'" in e.value.message and "tool_choice \"required\"" in e.value.message

@@ -216,6 +216,16 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/responses", {"input": [{"role": {"user": 1}, "content": "hi"}]}, 400, "input[0]", "message role"),
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [TOOL_A], "tool_choice": {"type": ["any"]}}, 400,
      "tool_choice", "'tool_choice' type must be"),
+    # JSON's \\udXXX escape naming half a surrogate pair: text no tokenizer encodes (was: 500 from the tokenizer)
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400, "messages[0].content",
+     "messages[0].content holds a lone UTF-16 surrogate"),
+    ("/v1/messages", b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], '
+     b'"stop_sequences": ["\\udfff"]}', 400, None, "stop_sequences[0] holds a lone UTF-16 surrogate"),
+    # stream_options checked as chat checks it (was: a string or "include_usage": "no" taken as asking for usage)
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": "x"}, 400, "stream_options",
+     "'stream_options' must be an object"),
+    ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": "no"}}, 400,
+     "stream_options.include_usage", "must be a boolean"),
 ]
 
 
@@ -326,6 +336,75 @@ def test_a_mid_stream_failure_reaches_each_sdk_with_the_engines_message(tok):
         "type": "api_error", "message": "generation failed: RuntimeError: engine died"}}
     assert errors["responses"]["type"] == "error"
     assert errors["responses"]["message"] == "generation failed: RuntimeError: engine died"
+
+
+class StuckEngine(ScriptedEngine):
+    """Streams the first token, then generates until cancelled."""
+
+    async def generate(self, request):
+        await asyncio.sleep(3600)
+
+    async def generate_stream(self, request):
+        yield Generation(self.ids[:1], [-0.5], [0], None)
+        await asyncio.sleep(3600)
+
+
+def test_a_turn_cancelled_on_the_agents_loop_ends_each_request_with_an_error_it_reads(tok):
+    """A turn whose task is cancelled on the agent's loop (its rollout cancelled, the runner shutting down) ends its
+    request with a 503 in the API's shape, streamed or not (was: a dropped connection, and a stream that never
+    ended)."""
+    from openai import APIError, AsyncOpenAI, InternalServerError
+
+    async def cancel_the_turn():  # once it is generating
+        while not (turns := [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "complete"]):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        turns[0].cancel()
+
+    async def go():
+        server, _ = await serving(tok, StuckEngine(tok, "Hello there."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0, timeout=20)
+        try:
+            asyncio.ensure_future(cancel_the_turn())
+            with pytest.raises(InternalServerError) as plain:
+                await oa.chat.completions.create(model="policy", messages=USER)
+            asyncio.ensure_future(cancel_the_turn())
+            with pytest.raises(APIError) as streamed:
+                async for _ in await oa.chat.completions.create(model="policy", messages=USER, stream=True):
+                    pass
+            return plain.value, streamed.value
+        finally:
+            await server.stop()
+
+    plain, streamed = asyncio.run(go())
+    assert plain.status_code == 503 and plain.body["code"] == "turn_cancelled"
+    for e in (plain, streamed):
+        assert "was cancelled on the agent's event loop" in e.message and "not recorded" in e.message
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_a_session_whose_agent_loop_has_ended_answers_at_once_naming_it(tok, close):
+    """The loop that opened a session stopped (its runner ended, closed or not): a 503 naming it at once (was: a 500
+    "Event loop is closed", or after 10 s the blocked-loop 400 blaming a synchronous client)."""
+    import time
+
+    async def go():
+        server, session = await serving(tok, ScriptedEngine(tok, "Hello."))
+        session.loop = asyncio.new_event_loop()  # the agent's loop, once its runner ended
+        if close:
+            session.loop.close()
+        try:
+            start = time.monotonic()
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + "/v1/messages", json={"messages": USER, "max_tokens": 5},
+                    headers={"Authorization": "Bearer k"}) as r:
+                return r.status, await r.json(), time.monotonic() - start
+        finally:
+            await server.stop()
+
+    status, body, took = asyncio.run(go())
+    assert (status, body["error"]["type"]) == (503, "api_error") and took < 5
+    assert "event loop of session s is no longer running" in body["error"]["message"]
 
 
 def test_a_client_leaving_mid_stream_is_no_server_error_and_its_retry_gets_the_finished_turn(tok, caplog):
@@ -450,6 +529,151 @@ def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
     assert [i.type for i in added] == ["reasoning", "message", "function_call"]
     assert [(i.type, i.id) for i in response.output] == [(i.type, i.id) for i in added]
     assert response.output[2].arguments == '{"code": "print(1)"}'
+
+
+def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_openai_sdk(tok):
+    """n > 1 and a client's retry (the cached turn) stream each choice whole at the end; the SDK's accumulator joins
+    every delta's fields, so each choice is one assistant message with the generated text (was: choice 0's role
+    sent twice, "assistantassistant")."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello there."))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            finals = []
+            for n in (2, 1, 1):  # the n=1 request twice: the second is a retry, served from the cache
+                messages = USER if n == 2 else [{"role": "user", "content": "again"}]
+                async with oa.chat.completions.stream(model="policy", messages=messages, n=n) as s:
+                    finals.append(await s.get_final_completion())
+            return finals
+        finally:
+            await server.stop()
+
+    for final in asyncio.run(go()):
+        assert [(c.message.role, c.message.content) for c in final.choices] == [
+            ("assistant", "Hello there.")] * len(final.choices)
+
+
+class MaskedAlternativesEngine(ScriptedEngine):
+    """Log-probs as the engine's processed distribution gives them under top_k / top_p: alternatives it rules out
+    come back as -inf."""
+
+    async def generate(self, request):
+        tops = [{t: -0.5, t + 1: float("-inf")} for t in self.ids]
+        return [Generation(list(self.ids), [-0.5] * len(self.ids), [0] * len(self.ids), "stop", top_logprobs=tops)]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}),
+    ("/v1/responses", {"input": "hi", "top_logprobs": 2})])
+def test_a_ruled_out_alternative_is_reported_as_valid_json(tok, path, body):
+    """-inf log-probs are -9999.0, vLLM's and OpenAI's floor (was: `-Infinity`, which no strict JSON parser reads)."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    async def go():
+        server, _ = await serving(tok, MaskedAlternativesEngine(tok, "Hi."))
+        try:
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + path, json=body, headers={"Authorization": "Bearer k"}) as r:
+                return json.loads(await r.text(), parse_constant=refuse)
+        finally:
+            await server.stop()
+
+    reply = json.dumps(asyncio.run(go()))
+    assert "-9999.0" in reply and "Infinity" not in reply
+
+
+def test_characters_whose_bytes_span_tokens_stream_whole_to_each_sdk(tok):
+    """An emoji or a CJK character is several byte tokens here, and a prefix of them decodes as U+FFFD: the stream
+    holds it back until the character is whole (was: U+FFFD sent, then nothing more of the text)."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    text = "Hi 😀 there, 你好 world."
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) > len(text)  # some characters span tokens
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, text))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            chunks = await oa.chat.completions.create(model="policy", messages=USER, stream=True)
+            chat = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+            async with oa.responses.stream(model="policy", input="again") as s:
+                responses = "".join([e.delta async for e in s if e.type == "response.output_text.delta"])
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            async with an.messages.stream(model="policy", max_tokens=64, messages=[
+                    {"role": "user", "content": "once more"}]) as s:
+                anthropic = "".join([e.delta.text async for e in s if e.type == "content_block_delta"])
+            return chat, responses, anthropic
+        finally:
+            await server.stop()
+
+    assert asyncio.run(go()) == (text, text, text)
+
+
+class DecodeCounter:
+    """The real tokenizer, counting the token ids it decodes (a spy)."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.tok(*args, **kwargs)
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kwargs)
+
+
+class ParseCounter:
+    """The real reply parser, counting the characters it parses for streaming (a spy)."""
+
+    def __init__(self, parser):
+        self.parser, self.parsed = parser, 0
+
+    def __getattr__(self, name):
+        return getattr(self.parser, name)
+
+    def streamable(self, text, *args):
+        self.parsed += len(text)
+        return self.parser.streamable(text, *args)
+
+
+def test_a_long_stream_decodes_and_parses_each_token_a_bounded_number_of_times(tok):
+    """Streaming decodes the text as tokens arrive, each token a few times, and parses it again only once it grew
+    by a fraction (were: the whole generation decoded and parsed again per token, quadratic: minutes of the agent's
+    loop for a long thought); the stream still carries all of the thought and the answer."""
+    thought, answer = "The quick brown fox jumps over the lazy dog. " * 60, "It jumps. " * 40
+    text = f"<think>\n{thought}</think>\n\n{answer}"
+    n = len(ScriptedEngine(tok, text).ids)
+    decodes, parses = DecodeCounter(tok), ParseCounter(reply_parser(tok, "hermes", "qwen3"))
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        try:
+            server.open_session(ChatSession("s", ScriptedEngine(tok, text), decodes, Sampling(max_tokens=n), 2 * n + 99,
+                                            parses))
+            decodes.decoded = 0  # (the session's set-up decodes its probe)
+            async with aiohttp.ClientSession() as http, http.post(
+                    server.session_url("s") + "/v1/chat/completions", json={"messages": USER, "stream": True},
+                    headers={"Authorization": "Bearer k"}) as r:
+                raw = await r.text()
+            deltas = [c["delta"] for f in raw.strip().split("\n\n")[:-1] for c in json.loads(f[6:])["choices"]]
+            return ["".join(d.get(key) or "" for d in deltas) for key in ("reasoning_content", "content")]
+        finally:
+            await server.stop()
+
+    reasoning, content = asyncio.run(go())
+    assert (reasoning.strip(), content.strip()) == (thought.strip(), answer.strip())
+    assert n > 500 and decodes.decoded <= 8 * n, (decodes.decoded, n)
+    assert parses.parsed <= 100 * len(text), (parses.parsed, len(text))
 
 
 def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(tok):
@@ -580,6 +804,48 @@ def test_strict_tools_under_auto_reach_the_engine_as_their_grammar_from_each_sdk
     assert chat.choices[0].message.tool_calls[0].function.arguments == '{"code": "print(1)"}'
     assert resp.output[0].name == "python" and msg.content[0].input == {"code": "print(1)"}
     assert both.status_code == 400 and "a strict tool and a response_format cannot both" in both.message
+
+
+def test_one_tool_call_asked_for_under_auto_reaches_the_engine_as_the_single_call_grammar(tok):
+    """parallel_tool_calls false (OpenAI chat, Responses) / disable_parallel_tool_use (Anthropic) under tool_choice
+    auto: sampled under the grammar that ends the output after one call (was: all calls sampled and trained, all but
+    the first cut from the reply); with a tool parser whose markup is unknown, a 400 naming the field."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents.json_grammar import strict_calls
+    from molt_hydra.agents.tool_parser import CALL_ENVELOPES
+
+    engine = RecordingEngine(tok, CALL)
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        coder = ChatSession("c", engine, tok, Sampling(max_tokens=64), 2048, reply_parser(tok, "qwen3_coder"))
+        server.open_session(coder)
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=False)
+            await oa.responses.create(model="policy", input="hi", tools=[dict(TOOL["function"], type="function")],
+                                      parallel_tool_calls=False)
+            await an.messages.create(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A],
+                                     tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+            await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=True)
+            with pytest.raises(Exception) as refused:
+                await AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0).chat.\
+                    completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=False)
+            return refused.value
+        finally:
+            await server.stop()
+
+    refused = asyncio.run(go())
+    tool_a = {"type": "function", "function": {"name": "python", "description": "", "parameters": TOOL_A[
+        "input_schema"]}}
+    single = strict_calls([TOOL], [], CALL_ENVELOPES["hermes"], "hermes", single=True)
+    assert single == strict_calls([tool_a], [], CALL_ENVELOPES["hermes"], "hermes", single=True)  # same call shape
+    assert [r.sampling.structured for r in engine.requests] == [single] * 3 + [None]
+    assert refused.status_code == 400 and refused.body["param"] == "parallel_tool_calls"
+    assert "agent.tool_parser='qwen3_coder'" in refused.message
 
 
 def test_a_turn_still_generating_when_its_session_closes_leaves_the_handed_segments_alone(tok):

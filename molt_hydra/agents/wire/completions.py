@@ -25,10 +25,9 @@ def parse(body: Any) -> ChatRequest:
         raise bad("'prompt' must be one non-empty string", "prompt")
     overrides = check.sampling(body, ("max_tokens",), "stop")
     top = check.integer(body, "logprobs", 0, 5)
-    stream_options = body.get("stream_options") or {}
     return ChatRequest(messages=[], overrides=overrides, n=check.integer(body, "n", 1) or 1, top_logprobs=top,
                        stream=check.flag(body, "stream"), raw_prompt=prompt,
-                       include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
+                       include_usage=check.include_usage(body))
 
 
 def _logprobs(c) -> dict | None:

@@ -23,12 +23,9 @@ def parse(body: Any) -> ChatRequest:
         raise bad("'messages' must be a non-empty list", "messages")
     canon = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     overrides = check.sampling(body, ("max_completion_tokens", "max_tokens"), "stop")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
     tools = _tools(body.get("tools"))
     return ChatRequest(canon, tools, overrides, n=check.integer(body, "n", 1) or 1, stream=check.flag(body, "stream"),
-                       include_usage=bool(stream_options.get("include_usage")),
+                       include_usage=check.include_usage(body),
                        tool_choice=check.tool_choice(body.get("tool_choice"), tools),
                        strict_tools=check.strict_names([t["function"] for t in tools or []]),
                        parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
@@ -138,8 +135,9 @@ class ChatStream(Stream):
     def end(self, reply) -> list[bytes]:
         out = []
         for i, c in enumerate(reply.choices):
-            # not streamed live (n > 1, a cached retry): the whole text now
-            whole = {"role": "assistant", "content": c.content, "reasoning_content": c.reasoning}
+            # not streamed live (n > 1, a cached retry): the whole text now. Choice 0's role went in `start`: SDKs
+            # concatenate every delta's fields, so a second one reads "assistantassistant"
+            whole = {"content": c.content, "reasoning_content": c.reasoning, **({"role": "assistant"} if i else {})}
             deltas = [] if reply.streamed else [whole]
             if c.tool_calls:
                 deltas.append({"tool_calls": [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]})

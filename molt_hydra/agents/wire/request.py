@@ -77,6 +77,38 @@ def fields(body: Any, honoured: set[str], api: str) -> None:
                   f"{sorted(IGNORED_FIELDS)} (see docs/agents.md)", key)
 
 
+def unicode_text(body: Any) -> None:
+    """Every string of a parsed body, keys too, is valid Unicode. JSON's `\\udXXX` escape can name half of a UTF-16
+    pair alone, which Python keeps as a lone surrogate that no tokenizer, template or engine encodes (was: a 500)."""
+    stack: list[tuple[Any, tuple | None]] = [(body, None)]  # (value, (parent's path, key)): formatted on a failure
+    while stack:  # iterative: a body nested as deeply as the JSON decoder allows
+        v, at = stack.pop()
+        if isinstance(v, str):
+            _encodable(v, at)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                _encodable(k, at)
+                stack.append((x, (at, k)))
+        elif isinstance(v, list):
+            stack.extend((x, (at, i)) for i, x in enumerate(v))
+
+
+def _encodable(s: str, at: tuple | None) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode()
+    except UnicodeEncodeError as e:
+        keys = []
+        while at is not None:
+            at, key = at
+            keys.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+        where = "".join(reversed(keys)).removeprefix(".") or None
+        raise bad(f"{where or 'the request body'} holds a lone UTF-16 surrogate ({s[e.start]!r} at character "
+                  f"{e.start}): text must be valid Unicode; send a character outside the BMP as UTF-8 or as its "
+                  "escaped surrogate pair (\\ud83d\\ude00)", where) from None
+
+
 def bad(message: str, param: str | None = None) -> RequestError:
     return RequestError(400, message, param, "invalid_request_error")
 
@@ -100,6 +132,17 @@ def flag(body: dict, key: str, default: bool | None = False) -> bool | None:
     if v is not None and not isinstance(v, bool):
         raise bad(f"'{key}' must be a boolean, got {v!r}", key)
     return default if v is None else v
+
+
+def include_usage(body: dict) -> bool:
+    """OpenAI's `stream_options.include_usage` (chat and completions): a usage chunk ends the stream."""
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad(f"'stream_options' must be an object, got {options!r}", "stream_options")
+    v = (options or {}).get("include_usage")
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"'stream_options.include_usage' must be a boolean, got {v!r}", "stream_options.include_usage")
+    return bool(v)
 
 
 def content(parts: list[dict]) -> str | list[dict]:

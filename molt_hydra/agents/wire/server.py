@@ -24,7 +24,7 @@ import threading
 from aiohttp import web
 
 from molt_hydra.agents.wire import anthropic, completions, openai_chat, responses
-from molt_hydra.agents.wire.request import RequestError
+from molt_hydra.agents.wire.request import RequestError, unicode_text
 from molt_hydra.agents.wire.session import ChatSession
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,11 @@ class ChatServer:
         return web.json_response({"input_tokens": await self._on_agent_loop(session, session.count_tokens(req))})
 
     async def _on_agent_loop(self, session: ChatSession, coro):
-        """Run a session coroutine on the agent's loop; refuse loudly when that loop is blocked."""
+        """Run a session coroutine on the agent's loop; refuse loudly when that loop is blocked or gone."""
+        if not session.loop.is_running():  # (was: a 500 "Event loop is closed", or the blocked-loop 400 after 10 s)
+            coro.close()
+            raise RequestError(503, f"the agent's event loop of session {session.session_id} is no longer running "
+                               "(the runner that opened it has ended): no turn can run", code="agent_loop_stopped")
         ping = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), session.loop)
         try:
             await asyncio.wait_for(asyncio.wrap_future(ping), BLOCKED_LOOP_S)
@@ -134,7 +138,16 @@ class ChatServer:
             ) from None
         # cancelling the wrapper (the server stopping) cancels the turn on the agent's loop too; a client that goes
         # away cancels nothing (aiohttp runs the handler on): the turn ends and is recorded for the client's retry
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))
+        try:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this request's own cancellation (the server stopping)
+                raise
+            # the turn's task was cancelled on the agent's loop (was: a dropped connection, or a stream that never
+            # ended): the client gets an error it can read
+            raise RequestError(503, f"the turn of session {session.session_id} was cancelled on the agent's event "
+                               "loop before it finished (its rollout was cancelled or timed out, or the runner is "
+                               "shutting down): it is not recorded", code="turn_cancelled") from None
 
     async def _accept(self, request: web.Request) -> tuple[ChatSession, object]:
         self._check_key(request)
@@ -144,7 +157,7 @@ class ChatServer:
                                "ended; use the ctx.base_url / ctx.session_url of the running rollout",
                                code="unknown_session")
         try:
-            return session, json.loads(await request.read())  # bytes: JSON's own UTF-8/16/32, whatever charset says
+            body = json.loads(await request.read())  # bytes: JSON's own UTF-8/16/32, whatever charset says
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         except RecursionError:
@@ -152,6 +165,8 @@ class ChatServer:
                                code="invalid_json") from None
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
             raise RequestError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        unicode_text(body)
+        return session, body
 
     def _check_key(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")

@@ -35,6 +35,10 @@ from molt_hydra.rollout.generation import Generation, GenerationRequest, Samplin
 
 # What a streaming client gets while the engine samples: ("reasoning" | "content", text delta).
 DeltaSink = Callable[[str, str], None]
+# A token the processed distribution rules out (top_p / top_k) has logprob -inf, which JSON cannot carry (Python
+# writes `-Infinity`, which other JSON parsers refuse): reported as vLLM's server and OpenAI report it.
+LOGPROB_FLOOR = -9999.0
+PARSE_GROWTH = 64  # a streamed text is parsed again once it grew by 1/PARSE_GROWTH of its length (`_stream`)
 # Sampling values the recipe fixes for training (the recompute assumes them): a client may not change them.
 RECIPE_SAMPLING = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k"}
 
@@ -209,17 +213,22 @@ class ChatSession:
 
     def _decoding(self, req: ChatRequest) -> dict:
         """Engine-side output controls of a request: choices (n, checked by `_check_n`), logprobs and structured
-        output (response_format / forced tool / strict tools under tool_choice auto)."""
+        output (response_format / forced tool / strict tools or a single call under tool_choice auto)."""
         structured = req.response_format
         strict = bool(req.strict_tools) and req.tool_choice == "auto"  # (a forced call follows its schema anyway)
+        # parallel_tool_calls false: held to one call as sampled, never cut to one after (the trajectory would train a
+        # call the agent never ran); moot when no call is parsed (no tool parser) or the output is a response_format
+        single = (req.parallel_tool_calls is False and req.tool_choice == "auto" and bool(req.tools)
+                  and self.parser.tool is not None and structured is None)
         if (req.forced_tool or strict) and structured is not None:
             raise RequestError(400, f"a {'forced tool_choice' if req.forced_tool else 'strict tool'} and a "
                                f"{req.format_param} cannot both shape the output", req.format_param)
         if req.forced_tool:
             structured = compact({"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)},
                                  "tools")
-        elif strict:
-            structured = strict_calls(req.tools, req.strict_tools, self.parser.envelope, self.parser.tool_parser_name)
+        elif strict or single:
+            structured = strict_calls(req.tools, req.strict_tools, self.parser.envelope, self.parser.tool_parser_name,
+                                      single)
         else:
             structured = compact(structured, req.format_param)
         return {"n": req.n, "top_logprobs": req.top_logprobs or 0, "structured": structured}
@@ -292,14 +301,17 @@ class ChatSession:
                 on_delta(kind, text[len(sent[kind]):])
                 sent[kind] = text
 
+        detok, parsed = _Detokenizer(self.tokenizer), -1  # parsed: the length of the text parsed last
         async for d in self.generator.generate_stream(request):
             deltas.append(d)
             if req.forced_tool:
                 continue  # the reply is a tool call, sent whole at the end
-            ids = [t for x in deltas for t in x.token_ids]
-            while ids and ids[-1] in self._end_ids:
-                ids = ids[:-1]
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            text = detok.add([t for t in d.token_ids if t not in self._end_ids])  # (they only end a generation)
+            # vLLM's parsers scan the whole text (a reasoning parser: ~0.2 us a character): parsed again once it grew
+            # by 1/64, the parsing stays linear in the text (was: every token, quadratic: minutes for a long thought)
+            if len(text) - parsed <= len(text) // PARSE_GROWTH:
+                continue
+            parsed = len(text)
             cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
             reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
@@ -340,7 +352,7 @@ class ChatSession:
             parsed = self.parser.parse_forced(text, req.tool_choice)
         else:
             parsed = self.parser.parse(text, req.tools, parse_tools=req.tool_choice != "none")
-        calls = parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
+        calls = parsed.tool_calls  # parallel_tool_calls false: at most one, by the grammar (`_decoding`)
         finish = "tool_calls" if calls else "length" if gen.finish_reason == "length" else "stop"
         call_ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
         return Choice(gen, parsed.content, calls, call_ids, finish, stop_sequence, parsed.reasoning,
@@ -351,7 +363,7 @@ class ChatSession:
         """The engine's logprob of every generated token (and its top alternatives), in OpenAI's shape."""
         def entry(tid: int, lp: float) -> dict:
             text = self.tokenizer.decode([tid], skip_special_tokens=False)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(text.encode())}
 
         tops = gen.top_logprobs or [{}] * len(gen.token_ids)
         return [dict(entry(t, lp), top_logprobs=[entry(a, x) for a, x in sorted(top.items(), key=lambda kv: -kv[1])])
@@ -366,6 +378,27 @@ class ChatSession:
         for i, seg in enumerate(segments):
             seg.segment_index = i
         return segments
+
+
+class _Detokenizer:
+    """The text of a generation as its tokens arrive, each decoded a bounded number of times (was: the whole
+    generation decoded again per token, quadratic: minutes of the agent loop for a 32k-token stream). vLLM's
+    incremental detokenizing: the text a window of tokens adds beyond the window's previous read point. A character
+    whose bytes span tokens decodes as U+FFFD until its last byte comes, so it is held back until whole (was: sent, and
+    the stream stopped there, as later text no longer extended what was sent)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.prefix = self.read = 0  # the window: ids[prefix:] is decoded, of which ids[prefix:read] is in `text`
+
+    def add(self, ids: list[int]) -> str:
+        self.ids += ids
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=False)
+        window = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=False)
+        if len(window) > len(before) and not window.endswith("\ufffd"):
+            self.text += window[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self.text
 
 
 def _echoes(message: dict, choice: Choice) -> bool:
