@@ -15,7 +15,9 @@ multi-threaded float reductions (sums, norms) differ from single-threaded ones b
 
 Every remote call has a deadline (runtime/watchdog.py); when one expires the stacks of every role are dumped, the role
 is named and the run exits non-zero. A checkpoint holds the trainer state, the generator's position and the finished
-but untrained batches, so `checkpoint.resume=auto` continues exactly.
+but untrained batches, so `checkpoint.resume=auto` continues exactly; except under partial rollout, whose groups in
+flight at the save (vLLM requests, not saved) start over under the resumed weights where the uninterrupted run finished
+them across the weight sync.
 """
 
 from __future__ import annotations
