@@ -530,10 +530,12 @@ class TrainerWorker:
         return hf_name_mapper(self.model)
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3,
-                        max_disk_gb: float | None = None) -> str:
+                        max_disk_gb: float | None = None, tag: int | None = None) -> str:
+        """Saved as step_<tag> (the RL loop's step: every role of a run saves that step under one name), else
+        step_<optimizer steps>."""
         cs = {"global_step": self.global_step, "master_weights": self.spec.master_weights, **(client_state or {})}
-        return str(ckpt.save_checkpoint(root, self.global_step, self.model, self.optimizer, self.scheduler, cs, keep,
-                                        max_disk_gb))
+        step = self.global_step if tag is None else tag
+        return str(ckpt.save_checkpoint(root, step, self.model, self.optimizer, self.scheduler, cs, keep, max_disk_gb))
 
     def load_checkpoint(self, root: str, model_only: bool = False, step: str | None = None) -> dict | None:
         """`model_only` (checkpoint.load_model_only): the weights alone; optimizer, scheduler and step stay fresh.

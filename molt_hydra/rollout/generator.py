@@ -7,7 +7,9 @@ rollouts straddle a weight sync (partial rollout: the engines pause/resume mid-r
 
 It sees trajectories only through `reward`, `score` (None → reward), `rollout_id`, `truncated` and `action_ranges`.
 Prompt order is a function of (seed, epoch); `state_dict` holds the position, the prompts still in flight (they are
-re-dispatched on resume, so none is lost or repeated) and the surplus finished groups.
+re-dispatched on resume, so none is lost or repeated; under partial rollout they start over under the resumed
+weights, where the uninterrupted run finished them across the weight sync), the surplus finished groups and the
+counts of the groups filtered since the last batch.
 """
 
 from __future__ import annotations
@@ -240,7 +242,9 @@ class SamplesGenerator:
         inflight = [(e, i) for e, i, _ in sorted(self._inflight.values(), key=lambda v: v[2])]
         return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "prompts": self.fingerprint(),
                 "pending": list(self._pending) + inflight,  # in-flight groups are rerun after a resume
-                "finished": [(g.prompt_index, g.epoch, g.trajectories) for g in self._finished]}
+                "finished": [(g.prompt_index, g.epoch, g.trajectories) for g in self._finished],
+                # a save mid-batch (async, partial rollout): the counts of the groups already filtered go into it
+                "counts": (dict(self._dropped), dict(self._groups), self._failed_in_a_row)}
 
     def fingerprint(self) -> str:
         """The prompts' count and a digest of their prompt and label, told apart by a resume: indices into other data
@@ -267,6 +271,8 @@ class SamplesGenerator:
         self._order = prompt_order(len(self.prompts), self.seed, self.epoch)
         self._pending = [tuple(p) for p in state["pending"]]
         self._finished = [FinishedGroup(i, e, t) for i, e, t in state["finished"]]
+        dropped, groups, self._failed_in_a_row = state.get("counts", ({}, {}, 0))  # (older checkpoints: none)
+        self._dropped, self._groups = Counter(dropped), Counter(groups)
 
     async def close(self) -> None:
         for task in self._inflight:

@@ -15,7 +15,9 @@ multi-threaded float reductions (sums, norms) differ from single-threaded ones b
 
 Every remote call has a deadline (runtime/watchdog.py); when one expires the stacks of every role are dumped, the role
 is named and the run exits non-zero. A checkpoint holds the trainer state, the generator's position and the finished
-but untrained batches, so `checkpoint.resume=auto` continues exactly.
+but untrained batches, so `checkpoint.resume=auto` continues exactly; except under partial rollout, whose groups in
+flight at the save (vLLM requests, not saved) start over under the resumed weights where the uninterrupted run finished
+them across the weight sync.
 """
 
 from __future__ import annotations
@@ -311,7 +313,8 @@ class RLController:
         queued = [item for item in self.queue._queue if item[0] is not None]  # trained first after a resume
         return {"step": self.step, "version": self.version, "generator": self.roles.generator.state_dict(),
                 "queued": queued, "batches_made": self.step + len(queued), "best": self.best,
-                "next_eval": self.next_eval, "kl_coef": self.kl_ctl.value, "wandb_id": self.log.sinks.wandb_id}
+                "next_eval": self.next_eval, "kl_coef": self.kl_ctl.value, "wandb_id": self.log.sinks.wandb_id,
+                "untrainable": (self.untrainable_steps, dict(self.untrainable))}
 
     async def save(self) -> None:
         """A resumable checkpoint: trainer state (DCP) plus the loop's own state and the run record, all inside the
@@ -321,11 +324,12 @@ class RLController:
         # The critic's first: the actor's step_<N> (renamed into place last) marks the step complete, so a crash
         # between the two leaves a critic step no resume reads, never an actor step whose critic is missing (a
         # resume then failed).
+        # Both are tagged step_<RL step>: the roles' optimizer step counts differ (a frozen actor, critic.epochs)
         if self.roles.critic is not None:
             await self.calls.ranks(self.roles.critic, "save_checkpoint", ckpt.dir + "_critic", {"rl_step": self.step},
-                                   keep=keep, max_disk_gb=ckpt.max_disk_gb, role="critic")
+                                   keep=keep, max_disk_gb=ckpt.max_disk_gb, tag=self.step, role="critic")
         (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", ckpt.dir, state, keep=keep,
-                                            max_disk_gb=ckpt.max_disk_gb)
+                                            max_disk_gb=ckpt.max_disk_gb, tag=self.step)
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
             await self.calls.ranks(self.roles.actor, "export_hf", str(Path(ckpt.dir) / "hf" / f"step_{self.step}"),
@@ -339,12 +343,15 @@ class RLController:
         for item in state["queued"]:
             self.queue.put_nowait(item)
         self.kl_ctl.value = state["kl_coef"]
+        # the steps in a row with nothing trainable go on counting (a checkpoint older than the count: from 0)
+        steps, drops = state.get("untrainable", (0, {}))
+        self.untrainable_steps, self.untrainable = steps, Counter(drops)
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
         await self.calls.freeze_heaps()
-        if self.step == 0 and self.cfg.eval.at_start:
-            await self.maybe_eval(force=True)
+        # at step 0, eval.at_start; on resume, the eval a preemption's save skipped (none else is due there)
+        await self.maybe_eval(force=self.step == 0 and self.cfg.eval.at_start)
         producer = asyncio.create_task(self.produce())
         # the keeper replaces dead engines meanwhile; its failure (too many restarts) ends the run
         watcher = asyncio.create_task(self.calls.keeper.watch(lambda: self.version + self.trainer_ahead))
@@ -399,9 +406,10 @@ class RLController:
             self.log.step(self.step, metrics, batch)
             last = metrics
             save_every, preempted = cfg.checkpoint.save_steps, self.preempted.is_set()
+            if not preempted:  # before the save: its checkpoint holds the eval schedule and best after this step's
+                await self.maybe_eval()
             if save_every > 0 and self.step % save_every == 0 or preempted and save_every != 0:
                 await self.save()
-            if preempted:
+            if preempted:  # (an eval due now runs first thing on resume: its `next_eval` is this step)
                 break
-            await self.maybe_eval()
         return last

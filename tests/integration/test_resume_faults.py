@@ -175,3 +175,29 @@ def test_a_crash_between_the_critics_save_and_the_actors_resumes_the_step_before
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resumed from {ckpts / 'step_1'} at step 1" in resumed.stdout
     assert resolve_checkpoint(ckpts).name == "step_3" and resolve_checkpoint(f"{ckpts}_critic").name == "step_3"
+
+
+@pytest.mark.slow  # ~3 min: three runs with a critic on 2 cores; fast: test_controller_progress.py (the loop's state)
+def test_a_run_with_a_frozen_actor_resumes_its_critic_at_the_same_step(tmp_path):
+    """Checkpoints are named by the RL step, for actor and critic alike. Before, each role named its own by its
+    optimizer steps: with train.critic.actor_freezing_steps=1 the actor's were step_0, step_1 and the critic's step_1,
+    step_2, so a resume paired the actor after step 2 with the critic after step 1, without a word (the critic then
+    trained on from a step behind: another value_loss at step 3)."""
+    gae = ["algorithm.estimator=gae", "parallelism.colocate_models=true", "checkpoint.save_steps=1", "seed=3",
+           "train.critic.actor_freezing_steps=1"]
+
+    def go(out, steps, *more):
+        proc = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"train.max_steps={steps}", *gae, *more],
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    go(straight, 3)
+    go(resumed, 2)
+    for role in ("checkpoints", "checkpoints_critic"):
+        assert sorted(p.name for p in (resumed / role).glob("step_*")) == ["step_1", "step_2"], role
+    assert f"Resumed from {resumed / 'checkpoints' / 'step_2'} at step 2" in go(resumed, 3, "checkpoint.resume=auto").stdout
+    a, b = metrics(straight), metrics(resumed)
+    for key in ("train/value_loss", "train/policy_loss", "train/reward"):
+        assert b[3][key] == pytest.approx(a[3][key], rel=1e-5, abs=1e-7), key

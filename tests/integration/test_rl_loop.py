@@ -133,7 +133,11 @@ def test_partial_rollout_completes_within_max_staleness(tmp_path):
 
 
 def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
-    common = ["train.max_steps=4", "checkpoint.save_steps=1", "seed=7", "checkpoint.export_final=true"]
+    """Also the eval schedule (fast: test_controller_progress.py, test_rollout_generator.py cover the state's round
+    trips). Before, the step-2 checkpoint was saved before that step's eval, so the resumed run evaluated off
+    schedule at step 3 (next_eval was still 2)."""
+    common = ["train.max_steps=4", "checkpoint.save_steps=1", "seed=7", "checkpoint.export_final=true",
+              "eval.data_path=builtin://toy_eval", "eval.every_steps=2", "eval.n_samples_per_prompt=2"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     molt_run(straight, *common)
 
@@ -159,8 +163,15 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
                   if json.loads(line)["kind"] == "train"]
     assert sorted(train_rows) == [1, 2, 3, 4]  # one row per step: rows the killed run logged past step 2 are gone
     for step in (1, 2, 3, 4):
-        for key in ("train/reward", "train/policy_loss", "train/actor_grad_norm"):
+        for key in ("train/reward", "train/policy_loss", "train/actor_grad_norm", "train/actor_lr", "train/kl_coef"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+    evals = [json.loads(line) for out in (straight, resumed) for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [2, 4, 2, 4]  # every eval.every_steps steps, each once
+    for ea, eb in zip(evals[:2], evals[2:]):
+        assert ea.keys() == eb.keys()
+        for key in (k for k in ea if k.endswith("pass1")):
+            assert eb[key] == pytest.approx(ea[key], abs=1e-7), (ea["step"], key)
     from safetensors.torch import load_file
 
     wa, wb = (load_file(d / "hf_final" / "model.safetensors") for d in (straight, resumed))

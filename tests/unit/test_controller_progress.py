@@ -43,3 +43,25 @@ def test_a_trainable_step_resets_the_count():
     with pytest.raises(RunFailed) as err:
         ctl._check_progress(False, dropped(stale=1))
     assert err.value.drops == {"stale": 2}
+
+
+def test_the_count_of_untrainable_steps_survives_a_resume():
+    """A run stopped after 2 of 3 allowed untrainable steps and resumed fails at the same step as the uninterrupted
+    run. Before: the count was not in the checkpoint, so the resumed run allowed 3 more (5 in a row)."""
+    from molt_hydra.rollout.generation import Sampling
+    from molt_hydra.rollout.generator import SamplesGenerator
+
+    def with_generator(ctl):
+        gen = SamplesGenerator([{"prompt": "p"}], runner=None, batch_size=1, n_samples_per_prompt=1,
+                               sampling=Sampling(max_tokens=1))
+        ctl.roles.generator, ctl.log = gen, SimpleNamespace(sinks=SimpleNamespace(wandb_id=None))
+        return ctl
+
+    ctl = with_generator(controller(3))
+    ctl._check_progress(False, dropped(stale=5))
+    ctl._check_progress(False, dropped(stale=2))
+    resumed = with_generator(controller(3))
+    resumed.restore(ctl.client_state())
+    with pytest.raises(RunFailed) as err:
+        resumed._check_progress(False, dropped(stale=4))
+    assert "3 steps in a row" in err.value.cause and err.value.drops == {"stale": 5 + 2 + 4}

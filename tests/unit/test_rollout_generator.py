@@ -148,6 +148,36 @@ def test_surplus_finished_groups_go_into_the_state():
     assert len(state["finished"]) == 4 and state["pending"] == []
 
 
+def test_a_save_mid_batch_keeps_the_counts_of_the_groups_already_filtered():
+    """A save while a batch is half made (async mode, partial rollout): its groups already filtered out are not
+    re-run on resume (their prompts are used), so their counts must go into the state. Before, the resumed batch
+    reported no dynamic_filter drop and a pass rate of 100% for a batch that filtered one group of four."""
+    scripts = {0: [1.0, 1.0], 1: [0.0, 1.0], 2: ["hang"], 3: [1.0, 0.0]}  # 0 all pass: filtered; 2 hangs
+    data = [{"id": i, "script": s} for i, s in scripts.items()]
+
+    def make(data):
+        return SamplesGenerator(data, ScriptedRunner(), batch_size=3, n_samples_per_prompt=2, sampling=SAMPLING,
+                                max_inflight_groups=4, dynamic_filtering=(0.0, 1.0))
+
+    async def half():
+        gen = make(data)
+        making = asyncio.ensure_future(gen.generate_batch())
+        await asyncio.sleep(0.05)  # groups 0, 1, 3 are done and filtered; 2 is in flight
+        state = gen.state_dict()
+        making.cancel()
+        await gen.close()
+        return state
+
+    state = asyncio.run(half())
+    resumed = make([*data[:2], {"id": 2, "script": [0.0, 1.0]}, data[3]])  # group 2 reruns (and now finishes)
+    resumed.load_state_dict(state)
+    batch = asyncio.run(resumed.generate_batch())
+    assert sorted(g.prompt_index for g in batch.groups) == [1, 2, 3]
+    m = batch.metrics
+    assert m["rollout/dropped/dynamic_filter"] == 2 and m["rollout/dropped/total"] == 2  # group 0's two rollouts
+    assert m["dynamic_filtering_pass_rate"] == 100.0 * 3 / 4 and m["rollout/group_all_pass_rate"] == 100.0 / 4
+
+
 def test_dynamic_filtering_and_drop_accounting():
     scripts = {0: [1.0, 1.0, 1.0, 1.0], 1: [0.0, 0.0, 0.0, 0.0], 2: [1.0, 0.0, 1.0, 0.0],
                3: [1.0, 0.0, "raise", 1.0], 4: ["hang"] * 4, 5: ["boom"] * 4}
