@@ -48,6 +48,32 @@ def test_scalar_and_sampling_override():
         apply_sampling_override(s, {"max_new": 3})
 
 
+@pytest.mark.parametrize("override, said", [
+    ({"max_tokens": -5}, "['max_tokens'] is -5; it must be an int >= 1"), ({"max_tokens": 2.5}, "an int >= 1"),
+    ({"temperature": "hot"}, "['temperature'] is 'hot'; it must be a number >= 0"),
+    ({"temperature": math.nan}, "a number >= 0"), ({"top_p": 0}, "a number in (0, 1]"),
+    ({"top_k": 0}, "-1 (off) or an int >= 1"), ({"min_tokens": True}, "an int >= 0"),
+    ({"stop": ""}, "a non-empty string or a list of them"), ({"stop": [1]}, "a non-empty string or a list of them"),
+    ({"stop_token_ids": [-1]}, "a list of token ids"), ({"seed": "42"}, "None or an int >= 0"),
+    ({"ignore_eos": "yes"}, "a bool"), ({"structured": "json"}, "None or a dict"),
+    ({"n": 4}, "['n']=4: the step runner samples one completion per turn"),
+    ({"top_logprobs": 5}, "['top_logprobs']=5"), (Sampling(max_tokens=0), "['max_tokens'] is 0")],
+    ids=lambda v: str(v)[:30])
+def test_a_sampling_override_the_engine_cannot_honour_is_an_error_naming_the_key(override, said):
+    """Before: only unknown keys were refused. A bad value went to the engine (vLLM's error, naming no agent), n /
+    top_logprobs were silently ignored, and max_tokens <= 0 ended the episode as "truncated" with its reward kept."""
+    with pytest.raises(ValueError) as err:
+        apply_sampling_override(Sampling(max_tokens=8), override)
+    assert said in str(err.value) and "sampling_params" in str(err.value)
+
+
+def test_a_sampling_override_of_good_values_is_applied():
+    s = Sampling(max_tokens=8, seed=3)
+    assert apply_sampling_override(s, {"stop": "</answer>", "stop_token_ids": [2], "temperature": 0, "n": 1}) == \
+        Sampling(max_tokens=8, seed=3, stop=("</answer>",), stop_token_ids=(2,), temperature=0)
+    assert apply_sampling_override(s, Sampling(max_tokens=4)) == Sampling(max_tokens=4)
+
+
 @pytest.mark.parametrize("value, expected", [
     (np.float32(0.25), 0.25), (np.int64(3), 3.0), (np.bool_(True), 1.0), (True, 1.0), (torch.tensor(0.5), 0.5),
     (torch.tensor(True), 1.0), (torch.tensor([[0.75]]), 0.75), (np.array([0.5, 1.0]), 0.5), ((0.5,), 0.5),
@@ -217,3 +243,23 @@ def test_a_groups_shared_prompt_is_rendered_and_tokenized_once(tiny_model):
         expected = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
                        add_special_tokens=False)["input_ids"]
         assert traj.token_ids == expected + [7]
+
+
+def test_an_env_asking_for_no_tokens_fails_its_rollout_instead_of_a_silent_truncation(tiny_model):
+    """Before: `sampling_params={"max_tokens": 0}` ended the episode as truncated after one turn, reward kept."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    class Echo:
+        async def generate(self, request):
+            return [Generation([7], [-0.5], [0], "stop")]
+
+    class NoBudget(Env):
+        async def step(self, state):
+            return Result(reward=1.0, observation=" again", terminated=False, sampling_params={"max_tokens": 0})
+
+    eps = [Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=64) for _ in range(2)]
+    outcome = asyncio.run(StepEnvRunner(NoBudget).run_group(eps, Echo(), AutoTokenizer.from_pretrained(tiny_model)))
+    assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 2}
+    assert "Result.sampling_params['max_tokens'] is 0; it must be an int >= 1" in outcome.errors["agent_exception"]
