@@ -113,6 +113,9 @@ class ChatAgentRunner(Runner):
         finally:
             segments = server.close_session(sid)
         reward, score = reward_and_score(result, f"{self.agent_cls.__name__}.run")
+        if result.images and not session.accepts_images:  # they would replace the trajectory's (none) for training
+            raise ValueError(f"{self.agent_cls.__name__}.run returned {len(result.images)} Result.images, but the "
+                             "model is text-only; return images only with a vision model (leave Result.images None)")
         for seg in segments:  # the rollout counts once per group; every segment trains on its own tokens
             seg.reward, seg.score, seg.info = reward, score, dict(result.info)
             if result.images is not None:

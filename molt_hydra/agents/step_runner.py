@@ -31,6 +31,7 @@ class StepEnvRunner(Runner):
         self.env_cls = subclass(env, Env, "StepEnvRunner needs an Env subclass")
         self.env_kwargs = dict(env_kwargs or {})
         self.image_tokens_per_image = image_tokens_per_image
+        self.accepts_images = True  # False for a text-only model (the runner process sets it)
         self._prompts: dict = {}  # (tokenizer, prompt) -> (text, token ids): see `_prompt_ids`
 
     def _prompt_ids(self, prompt, tools, tokenizer) -> tuple[str, list[int]]:
@@ -115,6 +116,9 @@ class StepEnvRunner(Runner):
         """Append the observation (and its images) as feedback; False when it does not fit (cut, truncated)."""
         feedback = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
         new_images = list(result.images or [])
+        if new_images and not self.accepts_images:  # the engine cannot see them; training would carry them
+            raise ValueError(f"{self.env_cls.__name__}.step returned {len(new_images)} Result.images, but the model "
+                             "is text-only; return images only with a vision model (leave Result.images None)")
         room = episode.max_length - len(traj.token_ids) - self._image_tokens(images + new_images)
         if len(feedback) >= room:  # not even one token left to generate after it
             traj.append_feedback(feedback[: max(0, room)] if not new_images else [])

@@ -46,7 +46,7 @@ class AgentRunnerActor(BatchedCallee):
         images = TrajectoryImages.for_model(tokenizer_path)
         text_only = images is None and (Path(tokenizer_path) / "config.json").is_file()
         if text_only and getattr(self.runner, "accepts_images", False):
-            self.runner.accepts_images = False  # an image part sent to a text-only model is the client's 400
+            self.runner.accepts_images = False  # image parts / Result.images for a text-only model are refused
         if images is not None and getattr(self.runner, "image_tokens_per_image", None) == 0:
             # each image takes engine tokens beyond its placeholder: reserve the most one can take, so a rollout
             # stays within max_len once expanded (else algorithm/experience.py drops it as image_truncated)
