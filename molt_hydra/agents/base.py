@@ -66,10 +66,27 @@ def scalar(value: Any, what: str) -> float:
     return float(value)
 
 
+# What the runners read from the other `Result` fields (a truthy string "no" would end an episode, info=None or an
+# observation that is no string failed deep inside a runner with a message naming neither the agent nor the field).
+RESULT_FIELDS = {
+    "observation": (lambda v: isinstance(v, str), "a string"),
+    "terminated": (lambda v: not isinstance(v, (str, bytes)) and v in (True, False), "a bool"),
+    "truncated": (lambda v: not isinstance(v, (str, bytes)) and v in (True, False), "a bool"),
+    "info": (lambda v: isinstance(v, dict), "a dict"),
+    "images": (lambda v: v is None or isinstance(v, (list, tuple)), "None or a list of images"),
+}
+
+
 def reward_and_score(result: Any, returned_by: str) -> tuple[float, float]:
-    """A `Result`'s reward and score (the score defaults to the reward) as floats; anything else is an error."""
+    """A `Result`'s reward and score (the score defaults to the reward) as floats; anything else, or another field
+    of a type the runners cannot read, is an error naming the field."""
     if not isinstance(result, Result):
         raise TypeError(f"{returned_by} must return Result, got {type(result).__name__}")
+    for name, (ok, must) in RESULT_FIELDS.items():
+        value = getattr(result, name)
+        if not _safe(ok, value):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise TypeError(f"Result.{name} of {returned_by} is {type(value).__name__} {shown}; it must be {must}")
     reward = scalar(result.reward, f"Result.reward of {returned_by}")
     return reward, reward if result.score is None else scalar(result.score, f"Result.score of {returned_by}")
 
@@ -103,6 +120,13 @@ OVERRIDE_RULES = {
     "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
     "structured": (lambda v: v is None or isinstance(v, dict), "None or a dict of vLLM StructuredOutputsParams fields"),
 }
+
+
+def _safe(ok, value) -> bool:
+    try:
+        return bool(ok(value))
+    except Exception:  # noqa: BLE001 -- a value whose == raises (a many-element array) is not the type asked for
+        return False
 
 
 def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None) -> Sampling:

@@ -110,7 +110,7 @@ class StepEnvRunner(Runner):
         reward, traj.score = reward_and_score(result, f"{self.env_cls.__name__}.step")
         traj.reward += reward  # summed over turns (Molt §3.4)
         traj.info = dict(result.info)
-        traj.truncated |= result.truncated
+        traj.truncated |= bool(result.truncated)
 
     def _feedback(self, traj: Trajectory, result: Result, images: list, episode: Episode, tokenizer) -> bool:
         """Append the observation (and its images) as feedback; False when it does not fit (cut, truncated)."""

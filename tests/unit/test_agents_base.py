@@ -97,6 +97,27 @@ def test_a_reward_that_is_no_number_is_an_error_naming_the_agent_and_the_value(v
     assert said in str(err.value) and "GraderEnv.step" in str(err.value)
 
 
+@pytest.mark.parametrize("field, value, said", [
+    ("observation", None, "Result.observation of GraderEnv.step is NoneType None; it must be a string"),
+    ("observation", ["look"], "is list ['look']; it must be a string"),
+    ("info", None, "Result.info of GraderEnv.step is NoneType None; it must be a dict"),
+    ("terminated", "no", "Result.terminated of GraderEnv.step is str 'no'; it must be a bool"),
+    ("truncated", np.array([True, False]), "Result.truncated of GraderEnv.step is ndarray"),
+    ("images", "cat.png", "Result.images of GraderEnv.step is str 'cat.png'; it must be None or a list")],
+    ids=lambda v: str(v)[:20])
+def test_a_result_field_of_the_wrong_type_is_an_error_naming_it(field, value, said):
+    """Before: terminated="no" (truthy) ended the episode; info=None or an observation of None failed inside the
+    runner ("'NoneType' object is not iterable", "You need to specify either `text`..."), naming no field."""
+    with pytest.raises(TypeError) as err:
+        reward_and_score(Result(reward=1.0, **{field: value}), "GraderEnv.step")
+    assert said in str(err.value)
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), torch.tensor(False), 1, 0])
+def test_a_bool_of_any_kind_ends_an_episode(value):
+    assert reward_and_score(Result(reward=0.5, terminated=value, truncated=value), "Env.step") == (0.5, 0.5)
+
+
 def test_a_score_that_is_no_number_is_named_as_the_score():
     with pytest.raises(TypeError, match=r"Result.score of GraderEnv.step is str 'high'"):
         reward_and_score(Result(reward=1.0, score="high"), "GraderEnv.step")
