@@ -94,6 +94,11 @@ class StepEnvRunner(Runner):
         state = env.reset({"observation": prompt, "label": episode.label})
         if inspect.isawaitable(state):
             state = await state
+        if not isinstance(state, dict) or not isinstance(state.get("observation"), (str, list)):
+            got = f"a dict whose 'observation' is {type(state.get('observation')).__name__}" if isinstance(
+                state, dict) else type(state).__name__
+            raise TypeError(f"{self.env_cls.__name__}.reset must return a dict with 'observation' (the prompt text "
+                            f"or chat messages), got {got}; return the state it was given, changed")
         prompt, ids = self._prompt_ids(state["observation"], state.get("tools", episode.tools), tokenizer)
         max_initial = max(1, episode.max_length - episode.sampling.max_tokens - self._image_tokens(episode.images))
         if len(ids) > max_initial:

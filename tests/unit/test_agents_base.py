@@ -284,3 +284,26 @@ def test_an_env_asking_for_no_tokens_fails_its_rollout_instead_of_a_silent_trunc
     outcome = asyncio.run(StepEnvRunner(NoBudget).run_group(eps, Echo(), AutoTokenizer.from_pretrained(tiny_model)))
     assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 2}
     assert "Result.sampling_params['max_tokens'] is 0; it must be an int >= 1" in outcome.errors["agent_exception"]
+
+
+@pytest.mark.parametrize("returned, said", [
+    (None, "got NoneType"), ({"label": 1}, "got a dict whose 'observation' is NoneType"),
+    ({"observation": 5}, "got a dict whose 'observation' is int")], ids=str)
+def test_a_reset_returning_no_observation_fails_its_rollout_naming_reset(tiny_model, returned, said):
+    """Before: "'NoneType' object is not subscriptable", "KeyError: 'observation'", a jinja UndefinedError."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    class BadReset(Env):
+        def reset(self, state):
+            return returned
+
+        async def step(self, state):
+            return Result(reward=1.0)
+
+    ep = Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=64)
+    outcome = asyncio.run(StepEnvRunner(BadReset).run_group([ep], None, AutoTokenizer.from_pretrained(tiny_model)))
+    assert dict(outcome.failures) == {"agent_exception": 1}
+    assert "BadReset.reset must return a dict with 'observation'" in outcome.errors["agent_exception"]
+    assert said in outcome.errors["agent_exception"]
