@@ -188,6 +188,12 @@ def test_load_runner_forms(tmp_path):
         load_runner("nope/missing.py")
     with pytest.raises(ValueError, match="needs a '_target_' key"):
         load_runner({"max_turns": 2})
+    # two classes of the name asked for: before, the later one loaded silently
+    (tmp_path / "twice.py").write_text("from molt_hydra.recipes.agents.toy import AgentRunner as Base\n"
+                                       "class AgentRunner(Base):\n    pass\n\n"
+                                       "class AgentRunner(Base):\n    x = 1\n")
+    with pytest.raises(ValueError, match=r"defines AgentRunner 2 times \(lines 2, 5\); the last would run"):
+        load_runner(str(tmp_path / "twice.py"))
 
 
 def test_fresh_env_per_episode_and_empty_rollouts_counted():
