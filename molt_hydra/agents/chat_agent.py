@@ -105,7 +105,7 @@ class ChatAgentRunner(Runner):
         url = server.session_url(sid)
         ctx = AgentContext(
             messages=messages, tools=copy.deepcopy(episode.tools), prompt=last_user_text(messages),
-            label=episode.label, images=list(episode.images), base_url=url + "/v1", session_url=url,
+            label=copy.deepcopy(episode.label), images=list(episode.images), base_url=url + "/v1", session_url=url,
             api_key=server.api_key, model_name=MODEL_NAME, session_id=sid, sampling_params=episode.sampling,
             max_length=episode.max_length, max_turns=episode.max_turns, judge_url=url + "/judge/v1")
         try:

@@ -9,6 +9,7 @@ and feedback that does not fit is cut and marks the episode truncated.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import itertools
@@ -55,7 +56,8 @@ class StepEnvRunner(Runner):
 
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
         env = self.env_cls(**self.env_kwargs)
-        traj, observation_text = await self._first_prompt(env, episode, tokenizer)
+        label = copy.deepcopy(episode.label)  # the env's own: the group's rollouts share the row's
+        traj, observation_text = await self._first_prompt(env, episode, label, tokenizer)
         images, sampling = list(episode.images), episode.sampling
         for turn in itertools.count():
             max_tokens = min(sampling.max_tokens, episode.max_length - len(traj.token_ids) - self._image_tokens(images))
@@ -72,7 +74,7 @@ class StepEnvRunner(Runner):
             observation_text += action_text
             # the tokenizer, e.g. for vLLM's tool parsers (agents.tool_parser.reply_parser)
             result = await env.step({"observation_text": observation_text, "action_text": action_text,
-                                     "action_ids": list(gen.token_ids), "label": episode.label,
+                                     "action_ids": list(gen.token_ids), "label": label,
                                      "sampling_params": turn_sampling, "turn": turn, "tokenizer": tokenizer})
             self._score(traj, result)
             sampling = apply_sampling_override(sampling, result.sampling_params)
@@ -85,13 +87,14 @@ class StepEnvRunner(Runner):
     def _image_tokens(self, images: list) -> int:
         return self.image_tokens_per_image * len(images)
 
-    async def _first_prompt(self, env: Env, episode: Episode, tokenizer) -> tuple[Trajectory, str]:
+    async def _first_prompt(self, env: Env, episode: Episode, label, tokenizer) -> tuple[Trajectory, str]:
         """The env's reset observation as the trajectory's first feedback (left-truncated to leave room for one
-        generation), and its text."""
+        generation), and its text. reset gets copies: an env that edits its chat messages in place (a system message
+        inserted) would otherwise edit the prompt of every later rollout of its group."""
         prompt = episode.prompt
         if episode.apply_chat_template and isinstance(prompt, str):  # Molt: a string is the user's one message
             prompt = [{"role": "user", "content": prompt}]
-        state = env.reset({"observation": prompt, "label": episode.label})
+        state = env.reset({"observation": copy.deepcopy(prompt), "label": label})
         if inspect.isawaitable(state):
             state = await state
         if not isinstance(state, dict) or not isinstance(state.get("observation"), (str, list)):

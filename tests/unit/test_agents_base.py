@@ -313,3 +313,74 @@ def test_a_reset_returning_no_observation_fails_its_rollout_naming_reset(tiny_mo
     assert dict(outcome.failures) == {"agent_exception": 1}
     assert "BadReset.reset must return a dict with 'observation'" in outcome.errors["agent_exception"]
     assert said in outcome.errors["agent_exception"]
+
+
+def test_an_env_editing_its_prompt_or_label_in_place_leaves_its_groups_other_rollouts_alone(tiny_model):
+    """Before: reset got the group's shared chat messages and label; an env inserting a system message in place gave
+    the second rollout two system messages, and one popping its label list graded the next rollout against []."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    seen = []
+
+    class Echo:
+        async def generate(self, request):
+            return [Generation([7], [-0.5], [0], "stop")]
+
+    class InPlace(Env):
+        def reset(self, state):
+            state["observation"].insert(0, {"role": "system", "content": "Be brief."})
+            return state
+
+        async def step(self, state):
+            seen.append(list(state["label"]))
+            return Result(reward=float(state["label"].pop() == "4"))
+
+    chat, label = [{"role": "user", "content": "2+2?"}], ["4"]
+    eps = [Episode(prompt=chat, sampling=Sampling(max_tokens=1), max_length=64, label=label) for _ in range(3)]
+    outcome = asyncio.run(StepEnvRunner(InPlace).run_group(eps, Echo(), tok))
+    expected = tok([tok.apply_chat_template([{"role": "system", "content": "Be brief."}, *chat], tokenize=False,
+                                            add_generation_prompt=True)], add_special_tokens=False)["input_ids"][0]
+    assert [t.token_ids for t in outcome.trajectories] == [expected + [7]] * 3
+    assert seen == [["4"]] * 3 and [t.reward for t in outcome.trajectories] == [1.0] * 3
+    assert chat == [{"role": "user", "content": "2+2?"}] and label == ["4"]
+
+
+def test_a_chat_agent_editing_its_label_leaves_its_groups_other_rollouts_alone(tiny_model):
+    """Before: ctx.label was the group's shared label: one rollout's edit was the next one's label."""
+    from openai import AsyncOpenAI
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.chat_agent import ChatAgent
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    sent, labels = [], []
+
+    class Recording:
+        async def generate(self, request):
+            sent.append(request.sampling.temperature)
+            return [Generation([7, tok.eos_token_id], [-0.5, -0.5], [0, 0], "stop")]
+
+    class Appending(ChatAgent):
+        async def run(self, ctx):
+            labels.append(list(ctx.label))
+            ctx.label.append("extra")
+            async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=1.0)
+
+    runner = ChatAgentRunner(Appending)
+
+    async def group():
+        eps = [Episode(prompt="hi", sampling=Sampling(max_tokens=4, temperature=0.7), max_length=128, label=["4"])
+               for _ in range(2)]
+        eps[1].label = eps[0].label  # one row's label, shared by its group
+        try:
+            return await runner.run_group(eps, Recording(), tok)
+        finally:
+            await runner.close()
+
+    outcome = asyncio.run(group())
+    assert len(outcome.trajectories) == 2 and sent == [0.7, 0.7] and labels == [["4"], ["4"]]
