@@ -280,6 +280,10 @@ class Runner(ABC):
         try:
             async with deadline:
                 segments = await self.execute(episode, generator, tokenizer)
+            if not isinstance(segments, list) or not all(isinstance(s, Trajectory) for s in segments):
+                got = type(segments).__name__ if not isinstance(segments, list) else "a list holding " + ", ".join(
+                    sorted({type(s).__name__ for s in segments if not isinstance(s, Trajectory)}))
+                raise TypeError(f"{type(self).__name__}.execute must return a list of Trajectory, got {got}")
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # the agent is user code: any error ends this rollout
             # only; a sys.exit() escaping would end the runner's agent loop, and every later rollout would time out
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised

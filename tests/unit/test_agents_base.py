@@ -209,6 +209,23 @@ def test_fresh_env_per_episode_and_empty_rollouts_counted():
     assert dict(outcome.failures) == {"empty_session": 3} and outcome.trajectories == [] and len(made) == 3
 
 
+@pytest.mark.parametrize("returned, got", [
+    (None, "got NoneType"), (Trajectory(), "got Trajectory"), ([{"token_ids": [1]}], "got a list holding dict")],
+    ids=str)
+def test_a_runner_returning_no_list_of_trajectories_fails_its_rollout_naming_execute(returned, got):
+    """Before: "'NoneType' object is not iterable", "'Trajectory' object is not iterable", "'dict' object has no
+    attribute 'num_generated'"."""
+
+    class Custom(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            return returned
+
+    ep = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8)
+    outcome = asyncio.run(Custom().run_group([ep], None, None))
+    assert dict(outcome.failures) == {"agent_exception": 1}
+    assert outcome.errors["agent_exception"] == f"TypeError: Custom.execute must return a list of Trajectory, {got}"
+
+
 def test_an_agent_calling_sys_exit_fails_its_rollout_only():
     """Before: SystemExit passed `except Exception`, left the group's gather and ended the runner's agent loop (its
     thread's run_forever re-raises it): that group and every later one failed as agent_timeout after agent.timeout_s,
