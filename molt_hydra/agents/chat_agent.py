@@ -118,6 +118,7 @@ class ChatAgentRunner(Runner):
                              "model is text-only; return images only with a vision model (leave Result.images None)")
         for seg in segments:  # the rollout counts once per group; every segment trains on its own tokens
             seg.reward, seg.score, seg.info = reward, score, dict(result.info)
+            seg.truncated |= bool(result.truncated)  # the agent cut the episode off (its truncated_rate counts it)
             if result.images is not None:
                 seg.images = list(result.images)
         return segments

@@ -386,7 +386,7 @@ def test_a_chat_agent_editing_its_label_leaves_its_groups_other_rollouts_alone(t
             ctx.label.append("extra")
             async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
                 await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
-            return Result(reward=1.0)
+            return Result(reward=1.0, truncated=True)  # e.g. it stopped at its own turn limit
 
     runner = ChatAgentRunner(Appending)
 
@@ -401,3 +401,5 @@ def test_a_chat_agent_editing_its_label_leaves_its_groups_other_rollouts_alone(t
 
     outcome = asyncio.run(group())
     assert len(outcome.trajectories) == 2 and sent == [0.7, 0.7] and labels == [["4"], ["4"]]
+    # and Result.truncated reaches every segment (before: ignored on the chat path, truncated_rate 0)
+    assert [t.truncated for t in outcome.trajectories] == [True, True]
