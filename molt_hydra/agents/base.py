@@ -284,8 +284,12 @@ class Runner(ABC):
                 got = type(segments).__name__ if not isinstance(segments, list) else "a list holding " + ", ".join(
                     sorted({type(s).__name__ for s in segments if not isinstance(s, Trajectory)}))
                 raise TypeError(f"{type(self).__name__}.execute must return a list of Trajectory, got {got}")
-        except (Exception, SystemExit, KeyboardInterrupt) as e:  # the agent is user code: any error ends this rollout
-            # only; a sys.exit() escaping would end the runner's agent loop, and every later rollout would time out
+        except (Exception, SystemExit, KeyboardInterrupt, asyncio.CancelledError) as e:  # the agent is user code: any
+            # error ends this rollout only; a sys.exit() escaping would end the runner's agent loop, and every later
+            # rollout would time out. A CancelledError the agent raised itself (nobody cancelled this task) would end
+            # its whole group.
+            if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # this rollout really is being cancelled
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
                 log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
                 return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"

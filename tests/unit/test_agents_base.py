@@ -249,6 +249,35 @@ def test_an_agent_calling_sys_exit_fails_its_rollout_only():
     assert dict(second.failures) == {"empty_session": 1}
 
 
+def test_an_agent_raising_cancelled_error_fails_its_rollout_only_and_a_real_cancel_still_cancels():
+    """Before: a CancelledError the agent raised itself (an inner task's, re-raised) left the gather and ended the
+    whole group's run_group, every rollout lost and the runner's call failed."""
+
+    class Cancelling(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            if episode.label == "cancel":
+                raise asyncio.CancelledError("an inner task was cancelled")
+            if episode.label == "hang":
+                await asyncio.sleep(3600)
+            return []
+
+    eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label=label)
+           for label in ("cancel", "ok")]
+    outcome = asyncio.run(Cancelling().run_group(eps, None, None, 5))
+    assert dict(outcome.failures) == {"agent_exception": 1, "empty_session": 1}
+    assert outcome.errors["agent_exception"] == "CancelledError: an inner task was cancelled"
+
+    async def cancelled_from_outside():
+        hang = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label="hang")
+        group = asyncio.ensure_future(Cancelling().run_group([hang], None, None, 60))
+        await asyncio.sleep(0.1)
+        group.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await group
+
+    asyncio.run(cancelled_from_outside())
+
+
 def test_a_groups_shared_prompt_is_rendered_and_tokenized_once(tiny_model):
     """Eight samples of one chat prompt and one sample of another: two renders, two tokenizations, and every sample
     still starts from its own prompt's exact ids."""
