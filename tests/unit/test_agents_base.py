@@ -432,3 +432,29 @@ def test_a_chat_agent_editing_its_label_leaves_its_groups_other_rollouts_alone(t
     assert len(outcome.trajectories) == 2 and sent == [0.7, 0.7] and labels == [["4"], ["4"]]
     # and Result.truncated reaches every segment (before: ignored on the chat path, truncated_rate 0)
     assert [t.truncated for t in outcome.trajectories] == [True, True]
+
+
+def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks_text_models(tiny_model, tmp_path):
+    """Before: a Runner overriding run_group that raised failed the runner actor's call (a traceback through Ray);
+    now its group's rollouts fail, counted as agent_exception with the message. A step runner on a text model is
+    told it takes no images (Result.images then fail the rollout, test_agents_images.py)."""
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    (tmp_path / "custom.py").write_text(
+        "from molt_hydra.agents.base import Runner\n"
+        "class AgentRunner(Runner):\n"
+        "    async def execute(self, episode, generator, tokenizer):\n        return []\n"
+        "    async def run_group(self, episodes, generator, tokenizer, timeout_s=None):\n"
+        "        raise RuntimeError('my batching broke')\n")
+    kw = dict(tokenizer_path=tiny_model, max_len=64, timeout_s=5, engine_timeout_s=5, seed=0, max_turns=2)
+    actor = AgentRunnerActor({"_target_": str(tmp_path / "custom.py")}, [object()], **kw)
+    try:
+        assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
+            (None, "agent_exception")] * 2
+        assert actor.example_errors() == {"agent_exception": "AgentRunner.run_group raised RuntimeError: my "
+                                                              "batching broke"}
+    finally:
+        actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
+    toy = AgentRunnerActor({"_target_": "recipes/agents/toy.py:ToyEnv"}, [object()], **kw)
+    toy.agent_loop.call_soon_threadsafe(toy.agent_loop.stop)
+    assert toy.runner.accepts_images is False
