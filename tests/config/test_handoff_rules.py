@@ -87,7 +87,8 @@ GOOD = [
     # without eval data (or an evaluation scheduled) it changes nothing (refused)
     ["eval.max_new_tokens=64", "eval.data_path=builtin://toy", "eval.every_steps=10"],
     ["rollout.attention_backend=CPU_ATTN", "rollout.mamba_ssm_cache_dtype=float32"],
-    ["agent.tool_parser=qwen3_coder", "agent.reasoning_parser=qwen3"],
+    ["agent.runner._target_=${molt:recipes}/agents/chat_minimal.py:MinimalChatAgent", "agent.tool_parser=qwen3_coder",
+     "agent.reasoning_parser=qwen3"],  # the tool parser configures a ChatAgent's chat server (an Env's is refused)
     ["agent=math", "+agent.runner.require_boxed=false"],
     ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv", "+agent.runner.exec_timeout_s=5"],
     ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")
