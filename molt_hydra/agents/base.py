@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import numbers
 import uuid
 from abc import ABC, abstractmethod
@@ -65,25 +66,91 @@ def scalar(value: Any, what: str) -> float:
     return float(value)
 
 
+# What the runners read from the other `Result` fields (a truthy string "no" would end an episode, info=None or an
+# observation that is no string failed deep inside a runner with a message naming neither the agent nor the field).
+RESULT_FIELDS = {
+    "observation": (lambda v: isinstance(v, str), "a string"),
+    "terminated": (lambda v: not isinstance(v, (str, bytes)) and v in (True, False), "a bool"),
+    "truncated": (lambda v: not isinstance(v, (str, bytes)) and v in (True, False), "a bool"),
+    "info": (lambda v: isinstance(v, dict), "a dict"),
+    "images": (lambda v: v is None or isinstance(v, (list, tuple)), "None or a list of images"),
+}
+
+
 def reward_and_score(result: Any, returned_by: str) -> tuple[float, float]:
-    """A `Result`'s reward and score (the score defaults to the reward) as floats; anything else is an error."""
+    """A `Result`'s reward and score (the score defaults to the reward) as floats; anything else, or another field
+    of a type the runners cannot read, is an error naming the field."""
     if not isinstance(result, Result):
         raise TypeError(f"{returned_by} must return Result, got {type(result).__name__}")
+    for name, (ok, must) in RESULT_FIELDS.items():
+        value = getattr(result, name)
+        if not _safe(ok, value):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise TypeError(f"Result.{name} of {returned_by} is {type(value).__name__} {shown}; it must be {must}")
     reward = scalar(result.reward, f"Result.reward of {returned_by}")
     return reward, reward if result.score is None else scalar(result.score, f"Result.score of {returned_by}")
 
 
+def _int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v  # not NaN
+
+
+def _strings(v) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v)
+
+
+# What each Sampling field may be set to from an Env's `Result.sampling_params` (the engine would otherwise refuse the
+# request with vLLM's message, or max_tokens <= 0 would end the episode as silently "truncated"). `n` and
+# `top_logprobs` stay as the runner sets them: the step runner samples one completion per turn and hands no
+# alternatives to `Env.step`, so another value would change nothing.
+OVERRIDE_RULES = {
+    "max_tokens": (lambda v: _int(v) and v >= 1, "an int >= 1"),
+    "min_tokens": (lambda v: _int(v) and v >= 0, "an int >= 0"),
+    "temperature": (lambda v: _real(v) and 0 <= v < math.inf, "a number >= 0"),
+    "top_p": (lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _int(v) and (v == -1 or v >= 1), "-1 (off) or an int >= 1"),
+    "stop": (lambda v: isinstance(v, str) and v or _strings(v), "a non-empty string or a list of them"),
+    "stop_token_ids": (lambda v: isinstance(v, (list, tuple)) and all(_int(x) and x >= 0 for x in v),
+                       "a list of token ids (ints >= 0)"),
+    "seed": (lambda v: v is None or _int(v) and 0 <= v < 2**63, "None or an int >= 0"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
+    "structured": (lambda v: v is None or isinstance(v, dict), "None or a dict of vLLM StructuredOutputsParams fields"),
+}
+
+
+def _safe(ok, value) -> bool:
+    try:
+        return bool(ok(value))
+    except Exception:  # noqa: BLE001 -- a value whose == raises (a many-element array) is not the type asked for
+        return False
+
+
 def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None) -> Sampling:
+    """`sampling` with an Env's `Result.sampling_params` applied (a Sampling replaces it whole); a key or value the
+    engine could not honour is an error naming it and what it may be."""
     if override is None:
         return sampling
     if isinstance(override, Sampling):
-        return override
+        override = {f.name: getattr(override, f.name) for f in dataclasses.fields(Sampling)}
     if not isinstance(override, dict):
         raise TypeError(f"sampling_params must be a Sampling or dict, got {type(override).__name__}")
     unknown = set(override) - {f.name for f in dataclasses.fields(Sampling)}
     if unknown:
         raise ValueError(f"sampling_params override has unknown keys {sorted(unknown)}")
-    return dataclasses.replace(sampling, **override)
+    for key, value in override.items():
+        if key in ("n", "top_logprobs"):
+            if value not in (getattr(sampling, key), {"n": 1, "top_logprobs": 0}[key]):
+                raise ValueError(f"Result.sampling_params[{key!r}]={value!r}: the step runner samples one "
+                                 "completion per turn and hands no alternatives to Env.step; leave it out")
+        elif not OVERRIDE_RULES[key][0](value):
+            raise ValueError(f"Result.sampling_params[{key!r}] is {value!r}; it must be {OVERRIDE_RULES[key][1]}")
+    stops = {k: (override[k],) if isinstance(override[k], str) else tuple(override[k])
+             for k in ("stop", "stop_token_ids") if k in override}
+    return dataclasses.replace(sampling, **{**override, **stops})
 
 
 @dataclass
@@ -213,8 +280,16 @@ class Runner(ABC):
         try:
             async with deadline:
                 segments = await self.execute(episode, generator, tokenizer)
-        except (Exception, SystemExit, KeyboardInterrupt) as e:  # the agent is user code: any error ends this rollout
-            # only; a sys.exit() escaping would end the runner's agent loop, and every later rollout would time out
+            if not isinstance(segments, list) or not all(isinstance(s, Trajectory) for s in segments):
+                got = type(segments).__name__ if not isinstance(segments, list) else "a list holding " + ", ".join(
+                    sorted({type(s).__name__ for s in segments if not isinstance(s, Trajectory)}))
+                raise TypeError(f"{type(self).__name__}.execute must return a list of Trajectory, got {got}")
+        except (Exception, SystemExit, KeyboardInterrupt, asyncio.CancelledError) as e:  # the agent is user code: any
+            # error ends this rollout only; a sys.exit() escaping would end the runner's agent loop, and every later
+            # rollout would time out. A CancelledError the agent raised itself (nobody cancelled this task) would end
+            # its whole group.
+            if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # this rollout really is being cancelled
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
                 log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
                 return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"

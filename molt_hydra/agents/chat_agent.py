@@ -105,7 +105,7 @@ class ChatAgentRunner(Runner):
         url = server.session_url(sid)
         ctx = AgentContext(
             messages=messages, tools=copy.deepcopy(episode.tools), prompt=last_user_text(messages),
-            label=episode.label, images=list(episode.images), base_url=url + "/v1", session_url=url,
+            label=copy.deepcopy(episode.label), images=list(episode.images), base_url=url + "/v1", session_url=url,
             api_key=server.api_key, model_name=MODEL_NAME, session_id=sid, sampling_params=episode.sampling,
             max_length=episode.max_length, max_turns=episode.max_turns, judge_url=url + "/judge/v1")
         try:
@@ -113,8 +113,12 @@ class ChatAgentRunner(Runner):
         finally:
             segments = server.close_session(sid)
         reward, score = reward_and_score(result, f"{self.agent_cls.__name__}.run")
+        if result.images and not session.accepts_images:  # they would replace the trajectory's (none) for training
+            raise ValueError(f"{self.agent_cls.__name__}.run returned {len(result.images)} Result.images, but the "
+                             "model is text-only; return images only with a vision model (leave Result.images None)")
         for seg in segments:  # the rollout counts once per group; every segment trains on its own tokens
             seg.reward, seg.score, seg.info = reward, score, dict(result.info)
+            seg.truncated |= bool(result.truncated)  # the agent cut the episode off (its truncated_rate counts it)
             if result.images is not None:
                 seg.images = list(result.images)
         return segments

@@ -68,6 +68,22 @@ def _chat_settings_read(cfg: RunConfig, problems: Problems, cls: type) -> None:
                        "ChatAgent), and nothing else reads it.", f"unset {key} (it configures ChatAgent agents)")
 
 
+# The method each kind of agent class implements, which its runner awaits.
+AWAITED = ((Env, "step"), (ChatAgent, "run"), (Runner, "execute"))
+
+
+def _awaited_methods_async(problems: Problems, cls: type) -> None:
+    """A plain `def step` / `run` / `execute` fails every rollout ("object Result can't be used in 'await'
+    expression"): refused here, naming the method and the fix."""
+    for base, name in AWAITED:
+        method = getattr(cls, name, None) if issubclass(cls, base) else None
+        if method is not None and not inspect.iscoroutinefunction(method):
+            problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a plain function, but the "
+                           f"runner awaits it (the {base.__name__} contract: `async def {name}`).",
+                           f"declare it `async def {name}(...)` (blocking work inside it: "
+                           "`await asyncio.to_thread(fn, ...)`)")
+
+
 def check_agent(cfg: RunConfig, problems: Problems) -> None:
     """`agent.runner`'s kwargs against the constructors they reach: the Runner's, then the Env / ChatAgent's that a
     StepEnvRunner / ChatAgentRunner builds per rollout (built once here too, so its own checks run now)."""
@@ -81,11 +97,13 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
     _kwarg_problems(problems, cls, spec)
     if len(problems.lines) > before:
         return
+    _awaited_methods_async(problems, cls)
     if issubclass(cls, (StepEnvRunner, ChatAgentRunner)):
         runner = cls(**spec)  # both only store their arguments
         cls, spec = (runner.env_cls, runner.env_kwargs) if isinstance(runner, StepEnvRunner) else (
             runner.agent_cls, runner.agent_kwargs)
         _kwarg_problems(problems, cls, spec)
+        _awaited_methods_async(problems, cls)
     if len(problems.lines) == before and issubclass(cls, (Env, ChatAgent)) and not issubclass(cls, Runner):
         try:
             cls(**spec)

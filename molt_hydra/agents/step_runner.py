@@ -9,6 +9,7 @@ and feedback that does not fit is cut and marks the episode truncated.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import itertools
@@ -31,6 +32,7 @@ class StepEnvRunner(Runner):
         self.env_cls = subclass(env, Env, "StepEnvRunner needs an Env subclass")
         self.env_kwargs = dict(env_kwargs or {})
         self.image_tokens_per_image = image_tokens_per_image
+        self.accepts_images = True  # False for a text-only model (the runner process sets it)
         self._prompts: dict = {}  # (tokenizer, prompt) -> (text, token ids): see `_prompt_ids`
 
     def _prompt_ids(self, prompt, tools, tokenizer) -> tuple[str, list[int]]:
@@ -54,7 +56,8 @@ class StepEnvRunner(Runner):
 
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
         env = self.env_cls(**self.env_kwargs)
-        traj, observation_text = await self._first_prompt(env, episode, tokenizer)
+        label = copy.deepcopy(episode.label)  # the env's own: the group's rollouts share the row's
+        traj, observation_text = await self._first_prompt(env, episode, label, tokenizer)
         images, sampling = list(episode.images), episode.sampling
         for turn in itertools.count():
             max_tokens = min(sampling.max_tokens, episode.max_length - len(traj.token_ids) - self._image_tokens(images))
@@ -71,7 +74,7 @@ class StepEnvRunner(Runner):
             observation_text += action_text
             # the tokenizer, e.g. for vLLM's tool parsers (agents.tool_parser.reply_parser)
             result = await env.step({"observation_text": observation_text, "action_text": action_text,
-                                     "action_ids": list(gen.token_ids), "label": episode.label,
+                                     "action_ids": list(gen.token_ids), "label": label,
                                      "sampling_params": turn_sampling, "turn": turn, "tokenizer": tokenizer})
             self._score(traj, result)
             sampling = apply_sampling_override(sampling, result.sampling_params)
@@ -84,15 +87,21 @@ class StepEnvRunner(Runner):
     def _image_tokens(self, images: list) -> int:
         return self.image_tokens_per_image * len(images)
 
-    async def _first_prompt(self, env: Env, episode: Episode, tokenizer) -> tuple[Trajectory, str]:
+    async def _first_prompt(self, env: Env, episode: Episode, label, tokenizer) -> tuple[Trajectory, str]:
         """The env's reset observation as the trajectory's first feedback (left-truncated to leave room for one
-        generation), and its text."""
+        generation), and its text. reset gets copies: an env that edits its chat messages in place (a system message
+        inserted) would otherwise edit the prompt of every later rollout of its group."""
         prompt = episode.prompt
         if episode.apply_chat_template and isinstance(prompt, str):  # Molt: a string is the user's one message
             prompt = [{"role": "user", "content": prompt}]
-        state = env.reset({"observation": prompt, "label": episode.label})
+        state = env.reset({"observation": copy.deepcopy(prompt), "label": label})
         if inspect.isawaitable(state):
             state = await state
+        if not isinstance(state, dict) or not isinstance(state.get("observation"), (str, list)):
+            got = f"a dict whose 'observation' is {type(state.get('observation')).__name__}" if isinstance(
+                state, dict) else type(state).__name__
+            raise TypeError(f"{self.env_cls.__name__}.reset must return a dict with 'observation' (the prompt text "
+                            f"or chat messages), got {got}; return the state it was given, changed")
         prompt, ids = self._prompt_ids(state["observation"], state.get("tools", episode.tools), tokenizer)
         max_initial = max(1, episode.max_length - episode.sampling.max_tokens - self._image_tokens(episode.images))
         if len(ids) > max_initial:
@@ -109,12 +118,15 @@ class StepEnvRunner(Runner):
         reward, traj.score = reward_and_score(result, f"{self.env_cls.__name__}.step")
         traj.reward += reward  # summed over turns (Molt §3.4)
         traj.info = dict(result.info)
-        traj.truncated |= result.truncated
+        traj.truncated |= bool(result.truncated)
 
     def _feedback(self, traj: Trajectory, result: Result, images: list, episode: Episode, tokenizer) -> bool:
         """Append the observation (and its images) as feedback; False when it does not fit (cut, truncated)."""
         feedback = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
         new_images = list(result.images or [])
+        if new_images and not self.accepts_images:  # the engine cannot see them; training would carry them
+            raise ValueError(f"{self.env_cls.__name__}.step returned {len(new_images)} Result.images, but the model "
+                             "is text-only; return images only with a vision model (leave Result.images None)")
         room = episode.max_length - len(traj.token_ids) - self._image_tokens(images + new_images)
         if len(feedback) >= room:  # not even one token left to generate after it
             traj.append_feedback(feedback[: max(0, room)] if not new_images else [])

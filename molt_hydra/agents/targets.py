@@ -3,6 +3,7 @@ or `path/to/agent.py:Name`, resolved to the object they name."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.util
@@ -16,6 +17,7 @@ def resolve_target(target: str) -> Any:
     if path.endswith(".py"):
         module = _import_file(Path(path))
         name = name or "AgentRunner"
+        _defined_once(Path(module.__file__), name)
     else:
         module_name, _, name = target.rpartition(".")
         if not module_name:
@@ -32,6 +34,16 @@ def subclass(obj: type | str, base: type, need: str) -> type:
     if not (isinstance(obj, type) and issubclass(obj, base)):
         raise TypeError(f"{need}, got {obj!r}")
     return obj
+
+
+def _defined_once(path: Path, name: str) -> None:
+    """A file that defines the target's class (or function) twice loads the later one silently: an error naming both
+    lines, since which one the author meant is a guess."""
+    lines = [node.lineno for node in ast.parse(path.read_text(), str(path)).body
+             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name]
+    if len(lines) > 1:
+        raise ValueError(f"agent file {path} defines {name} {len(lines)} times (lines {', '.join(map(str, lines))}); "
+                         f"the last would run: remove or rename the others")
 
 
 def _import_file(path: Path):

@@ -46,7 +46,7 @@ class AgentRunnerActor(BatchedCallee):
         images = TrajectoryImages.for_model(tokenizer_path)
         text_only = images is None and (Path(tokenizer_path) / "config.json").is_file()
         if text_only and getattr(self.runner, "accepts_images", False):
-            self.runner.accepts_images = False  # an image part sent to a text-only model is the client's 400
+            self.runner.accepts_images = False  # image parts / Result.images for a text-only model are refused
         if images is not None and getattr(self.runner, "image_tokens_per_image", None) == 0:
             # each image takes engine tokens beyond its placeholder: reserve the most one can take, so a rollout
             # stays within max_len once expanded (else algorithm/experience.py drops it as image_truncated)
@@ -75,7 +75,7 @@ class AgentRunnerActor(BatchedCallee):
                 raise asyncio.TimeoutError
 
     async def run_group(self, row: dict, n_samples: int, sampling: Sampling) -> list[tuple[object, str | None]]:
-        from molt_hydra.agents.base import AGENT_TIMEOUT, Episode
+        from molt_hydra.agents.base import AGENT_EXCEPTION, AGENT_TIMEOUT, Episode
 
         group_id = uuid.uuid4().hex
         # Seeds derive from the group's base seed (set by the generator from the run seed, epoch and prompt), so
@@ -95,6 +95,10 @@ class AgentRunnerActor(BatchedCallee):
             self.errors.setdefault(AGENT_TIMEOUT, f"agent code blocked its event loop past agent.timeout_s="
                                                   f"{self.timeout_s} (a blocking call inside async code?)")
             return [(None, AGENT_TIMEOUT)] * n_samples
+        except Exception as e:  # noqa: BLE001 -- a Runner's own run_group is user code: its group fails, counted
+            self.errors.setdefault(AGENT_EXCEPTION, f"{type(self.runner).__name__}.run_group raised "
+                                                    f"{type(e).__name__}: {e}")
+            return [(None, AGENT_EXCEPTION)] * n_samples
         for reason, error in outcome.errors.items():
             self.errors.setdefault(reason, error)
         failed = [(None, reason) for reason, count in outcome.failures.items() for _ in range(count)]

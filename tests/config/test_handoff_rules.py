@@ -4,6 +4,8 @@ call with one bad value of every class asserts exit 2, every key, and no traceba
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli
@@ -11,6 +13,7 @@ from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
 from molt_hydra.config.schema import ConfigError
 from test_validation import assert_fires, config_errors
 
+FAULTS = Path(__file__).resolve().parents[1] / "integration" / "fault_agents.py"
 MOE = "model.path=tiny://qwen3_moe_tiny"
 BAD = [
     # lengths that cannot work together (conf default data.max_len=256)
@@ -54,6 +57,10 @@ BAD = [
     *[(f"empty_{key}", [f"{key}="], key, "is '', which names nothing")
       for key in ("data.input_key", "data.label_key", "data.split", "eval.split", "name", "logger.wandb.project",
                   "checkpoint.dir", "data.tools_key", "logger.wandb.entity")],
+    # a plain `def` where the runner awaits (before: every rollout failed "object Result can't be used in 'await'")
+    *[(f"sync_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
+       f"{cls}.{name} is a plain function, but the runner awaits it")
+      for cls, name in (("SyncStepEnv", "step"), ("SyncRunAgent", "run"), ("SyncExecuteRunner", "execute"))],
     # a name longer than a file name may be (255 bytes: 128 two-byte letters are 256): before, Hydra failed to make
     # outputs/<name>/<time> with an OSError traceback, after every check had passed
     ("name_too_long", ["name='" + "é" * 128 + "'"], "name", "is 256 bytes long, but it names the run's directory"),
@@ -80,7 +87,8 @@ GOOD = [
     # without eval data (or an evaluation scheduled) it changes nothing (refused)
     ["eval.max_new_tokens=64", "eval.data_path=builtin://toy", "eval.every_steps=10"],
     ["rollout.attention_backend=CPU_ATTN", "rollout.mamba_ssm_cache_dtype=float32"],
-    ["agent.tool_parser=qwen3_coder", "agent.reasoning_parser=qwen3"],
+    ["agent.runner._target_=${molt:recipes}/agents/chat_minimal.py:MinimalChatAgent", "agent.tool_parser=qwen3_coder",
+     "agent.reasoning_parser=qwen3"],  # the tool parser configures a ChatAgent's chat server (an Env's is refused)
     ["agent=math", "+agent.runner.require_boxed=false"],
     ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv", "+agent.runner.exec_timeout_s=5"],
     ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")

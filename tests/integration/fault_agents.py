@@ -7,6 +7,9 @@ import os
 import sys
 import time
 
+from molt_hydra.agents.base import Result
+from molt_hydra.agents.chat_agent import ChatAgent
+from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.recipes.agents.toy import ToyEnv
 
 _made = itertools.count()  # environments made in this runner process (one per rollout)
@@ -62,3 +65,27 @@ class ExitingEnv(ToyEnv):
 
     async def step(self, state):
         sys.exit("the grader gave up")
+
+
+class SyncStepEnv(ToyEnv):
+    """A plain `def step` (the runner awaits it): refused at validation (tests/config/test_handoff_rules.py)."""
+
+    def step(self, state):  # noqa: D102 -- wrongly synchronous, on purpose
+        return Result(reward=1.0)
+
+
+class SyncRunAgent(ChatAgent):
+    """A ChatAgent with a plain `def run`: refused at validation likewise."""
+
+    def run(self, ctx):  # noqa: D102
+        return Result(reward=1.0)
+
+
+class SyncExecuteRunner(StepEnvRunner):
+    """A Runner whose `execute` is a plain `def`: refused at validation likewise."""
+
+    def __init__(self):
+        super().__init__(ToyEnv)
+
+    def execute(self, episode, generator, tokenizer):  # noqa: D102
+        return []

@@ -48,6 +48,32 @@ def test_scalar_and_sampling_override():
         apply_sampling_override(s, {"max_new": 3})
 
 
+@pytest.mark.parametrize("override, said", [
+    ({"max_tokens": -5}, "['max_tokens'] is -5; it must be an int >= 1"), ({"max_tokens": 2.5}, "an int >= 1"),
+    ({"temperature": "hot"}, "['temperature'] is 'hot'; it must be a number >= 0"),
+    ({"temperature": math.nan}, "a number >= 0"), ({"top_p": 0}, "a number in (0, 1]"),
+    ({"top_k": 0}, "-1 (off) or an int >= 1"), ({"min_tokens": True}, "an int >= 0"),
+    ({"stop": ""}, "a non-empty string or a list of them"), ({"stop": [1]}, "a non-empty string or a list of them"),
+    ({"stop_token_ids": [-1]}, "a list of token ids"), ({"seed": "42"}, "None or an int >= 0"),
+    ({"ignore_eos": "yes"}, "a bool"), ({"structured": "json"}, "None or a dict"),
+    ({"n": 4}, "['n']=4: the step runner samples one completion per turn"),
+    ({"top_logprobs": 5}, "['top_logprobs']=5"), (Sampling(max_tokens=0), "['max_tokens'] is 0")],
+    ids=lambda v: str(v)[:30])
+def test_a_sampling_override_the_engine_cannot_honour_is_an_error_naming_the_key(override, said):
+    """Before: only unknown keys were refused. A bad value went to the engine (vLLM's error, naming no agent), n /
+    top_logprobs were silently ignored, and max_tokens <= 0 ended the episode as "truncated" with its reward kept."""
+    with pytest.raises(ValueError) as err:
+        apply_sampling_override(Sampling(max_tokens=8), override)
+    assert said in str(err.value) and "sampling_params" in str(err.value)
+
+
+def test_a_sampling_override_of_good_values_is_applied():
+    s = Sampling(max_tokens=8, seed=3)
+    assert apply_sampling_override(s, {"stop": "</answer>", "stop_token_ids": [2], "temperature": 0, "n": 1}) == \
+        Sampling(max_tokens=8, seed=3, stop=("</answer>",), stop_token_ids=(2,), temperature=0)
+    assert apply_sampling_override(s, Sampling(max_tokens=4)) == Sampling(max_tokens=4)
+
+
 @pytest.mark.parametrize("value, expected", [
     (np.float32(0.25), 0.25), (np.int64(3), 3.0), (np.bool_(True), 1.0), (True, 1.0), (torch.tensor(0.5), 0.5),
     (torch.tensor(True), 1.0), (torch.tensor([[0.75]]), 0.75), (np.array([0.5, 1.0]), 0.5), ((0.5,), 0.5),
@@ -69,6 +95,27 @@ def test_a_reward_that_is_no_number_is_an_error_naming_the_agent_and_the_value(v
     with pytest.raises((TypeError, ValueError)) as err:
         reward_and_score(Result(reward=value), "GraderEnv.step")
     assert said in str(err.value) and "GraderEnv.step" in str(err.value)
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("observation", None, "Result.observation of GraderEnv.step is NoneType None; it must be a string"),
+    ("observation", ["look"], "is list ['look']; it must be a string"),
+    ("info", None, "Result.info of GraderEnv.step is NoneType None; it must be a dict"),
+    ("terminated", "no", "Result.terminated of GraderEnv.step is str 'no'; it must be a bool"),
+    ("truncated", np.array([True, False]), "Result.truncated of GraderEnv.step is ndarray"),
+    ("images", "cat.png", "Result.images of GraderEnv.step is str 'cat.png'; it must be None or a list")],
+    ids=lambda v: str(v)[:20])
+def test_a_result_field_of_the_wrong_type_is_an_error_naming_it(field, value, said):
+    """Before: terminated="no" (truthy) ended the episode; info=None or an observation of None failed inside the
+    runner ("'NoneType' object is not iterable", "You need to specify either `text`..."), naming no field."""
+    with pytest.raises(TypeError) as err:
+        reward_and_score(Result(reward=1.0, **{field: value}), "GraderEnv.step")
+    assert said in str(err.value)
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), torch.tensor(False), 1, 0])
+def test_a_bool_of_any_kind_ends_an_episode(value):
+    assert reward_and_score(Result(reward=0.5, terminated=value, truncated=value), "Env.step") == (0.5, 0.5)
 
 
 def test_a_score_that_is_no_number_is_named_as_the_score():
@@ -141,6 +188,12 @@ def test_load_runner_forms(tmp_path):
         load_runner("nope/missing.py")
     with pytest.raises(ValueError, match="needs a '_target_' key"):
         load_runner({"max_turns": 2})
+    # two classes of the name asked for: before, the later one loaded silently
+    (tmp_path / "twice.py").write_text("from molt_hydra.recipes.agents.toy import AgentRunner as Base\n"
+                                       "class AgentRunner(Base):\n    pass\n\n"
+                                       "class AgentRunner(Base):\n    x = 1\n")
+    with pytest.raises(ValueError, match=r"defines AgentRunner 2 times \(lines 2, 5\); the last would run"):
+        load_runner(str(tmp_path / "twice.py"))
 
 
 def test_fresh_env_per_episode_and_empty_rollouts_counted():
@@ -154,6 +207,23 @@ def test_fresh_env_per_episode_and_empty_rollouts_counted():
     eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8) for _ in range(3)]
     outcome = asyncio.run(Counting().run_group(eps, None, None))
     assert dict(outcome.failures) == {"empty_session": 3} and outcome.trajectories == [] and len(made) == 3
+
+
+@pytest.mark.parametrize("returned, got", [
+    (None, "got NoneType"), (Trajectory(), "got Trajectory"), ([{"token_ids": [1]}], "got a list holding dict")],
+    ids=str)
+def test_a_runner_returning_no_list_of_trajectories_fails_its_rollout_naming_execute(returned, got):
+    """Before: "'NoneType' object is not iterable", "'Trajectory' object is not iterable", "'dict' object has no
+    attribute 'num_generated'"."""
+
+    class Custom(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            return returned
+
+    ep = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8)
+    outcome = asyncio.run(Custom().run_group([ep], None, None))
+    assert dict(outcome.failures) == {"agent_exception": 1}
+    assert outcome.errors["agent_exception"] == f"TypeError: Custom.execute must return a list of Trajectory, {got}"
 
 
 def test_an_agent_calling_sys_exit_fails_its_rollout_only():
@@ -177,6 +247,35 @@ def test_an_agent_calling_sys_exit_fails_its_rollout_only():
     assert dict(first.failures) == {"agent_exception": 1, "empty_session": 1}
     assert first.errors["agent_exception"] == "SystemExit: the grader gave up"
     assert dict(second.failures) == {"empty_session": 1}
+
+
+def test_an_agent_raising_cancelled_error_fails_its_rollout_only_and_a_real_cancel_still_cancels():
+    """Before: a CancelledError the agent raised itself (an inner task's, re-raised) left the gather and ended the
+    whole group's run_group, every rollout lost and the runner's call failed."""
+
+    class Cancelling(Runner):
+        async def execute(self, episode, generator, tokenizer):
+            if episode.label == "cancel":
+                raise asyncio.CancelledError("an inner task was cancelled")
+            if episode.label == "hang":
+                await asyncio.sleep(3600)
+            return []
+
+    eps = [Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label=label)
+           for label in ("cancel", "ok")]
+    outcome = asyncio.run(Cancelling().run_group(eps, None, None, 5))
+    assert dict(outcome.failures) == {"agent_exception": 1, "empty_session": 1}
+    assert outcome.errors["agent_exception"] == "CancelledError: an inner task was cancelled"
+
+    async def cancelled_from_outside():
+        hang = Episode(prompt="p", sampling=Sampling(max_tokens=1), max_length=8, label="hang")
+        group = asyncio.ensure_future(Cancelling().run_group([hang], None, None, 60))
+        await asyncio.sleep(0.1)
+        group.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await group
+
+    asyncio.run(cancelled_from_outside())
 
 
 def test_a_groups_shared_prompt_is_rendered_and_tokenized_once(tiny_model):
@@ -217,3 +316,145 @@ def test_a_groups_shared_prompt_is_rendered_and_tokenized_once(tiny_model):
         expected = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
                        add_special_tokens=False)["input_ids"]
         assert traj.token_ids == expected + [7]
+
+
+def test_an_env_asking_for_no_tokens_fails_its_rollout_instead_of_a_silent_truncation(tiny_model):
+    """Before: `sampling_params={"max_tokens": 0}` ended the episode as truncated after one turn, reward kept."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    class Echo:
+        async def generate(self, request):
+            return [Generation([7], [-0.5], [0], "stop")]
+
+    class NoBudget(Env):
+        async def step(self, state):
+            return Result(reward=1.0, observation=" again", terminated=False, sampling_params={"max_tokens": 0})
+
+    eps = [Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=64) for _ in range(2)]
+    outcome = asyncio.run(StepEnvRunner(NoBudget).run_group(eps, Echo(), AutoTokenizer.from_pretrained(tiny_model)))
+    assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 2}
+    assert "Result.sampling_params['max_tokens'] is 0; it must be an int >= 1" in outcome.errors["agent_exception"]
+
+
+@pytest.mark.parametrize("returned, said", [
+    (None, "got NoneType"), ({"label": 1}, "got a dict whose 'observation' is NoneType"),
+    ({"observation": 5}, "got a dict whose 'observation' is int")], ids=str)
+def test_a_reset_returning_no_observation_fails_its_rollout_naming_reset(tiny_model, returned, said):
+    """Before: "'NoneType' object is not subscriptable", "KeyError: 'observation'", a jinja UndefinedError."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    class BadReset(Env):
+        def reset(self, state):
+            return returned
+
+        async def step(self, state):
+            return Result(reward=1.0)
+
+    ep = Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=64)
+    outcome = asyncio.run(StepEnvRunner(BadReset).run_group([ep], None, AutoTokenizer.from_pretrained(tiny_model)))
+    assert dict(outcome.failures) == {"agent_exception": 1}
+    assert "BadReset.reset must return a dict with 'observation'" in outcome.errors["agent_exception"]
+    assert said in outcome.errors["agent_exception"]
+
+
+def test_an_env_editing_its_prompt_or_label_in_place_leaves_its_groups_other_rollouts_alone(tiny_model):
+    """Before: reset got the group's shared chat messages and label; an env inserting a system message in place gave
+    the second rollout two system messages, and one popping its label list graded the next rollout against []."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    seen = []
+
+    class Echo:
+        async def generate(self, request):
+            return [Generation([7], [-0.5], [0], "stop")]
+
+    class InPlace(Env):
+        def reset(self, state):
+            state["observation"].insert(0, {"role": "system", "content": "Be brief."})
+            return state
+
+        async def step(self, state):
+            seen.append(list(state["label"]))
+            return Result(reward=float(state["label"].pop() == "4"))
+
+    chat, label = [{"role": "user", "content": "2+2?"}], ["4"]
+    eps = [Episode(prompt=chat, sampling=Sampling(max_tokens=1), max_length=64, label=label) for _ in range(3)]
+    outcome = asyncio.run(StepEnvRunner(InPlace).run_group(eps, Echo(), tok))
+    expected = tok([tok.apply_chat_template([{"role": "system", "content": "Be brief."}, *chat], tokenize=False,
+                                            add_generation_prompt=True)], add_special_tokens=False)["input_ids"][0]
+    assert [t.token_ids for t in outcome.trajectories] == [expected + [7]] * 3
+    assert seen == [["4"]] * 3 and [t.reward for t in outcome.trajectories] == [1.0] * 3
+    assert chat == [{"role": "user", "content": "2+2?"}] and label == ["4"]
+
+
+def test_a_chat_agent_editing_its_label_leaves_its_groups_other_rollouts_alone(tiny_model):
+    """Before: ctx.label was the group's shared label: one rollout's edit was the next one's label."""
+    from openai import AsyncOpenAI
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.chat_agent import ChatAgent
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    sent, labels = [], []
+
+    class Recording:
+        async def generate(self, request):
+            sent.append(request.sampling.temperature)
+            return [Generation([7, tok.eos_token_id], [-0.5, -0.5], [0, 0], "stop")]
+
+    class Appending(ChatAgent):
+        async def run(self, ctx):
+            labels.append(list(ctx.label))
+            ctx.label.append("extra")
+            async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=1.0, truncated=True)  # e.g. it stopped at its own turn limit
+
+    runner = ChatAgentRunner(Appending)
+
+    async def group():
+        eps = [Episode(prompt="hi", sampling=Sampling(max_tokens=4, temperature=0.7), max_length=128, label=["4"])
+               for _ in range(2)]
+        eps[1].label = eps[0].label  # one row's label, shared by its group
+        try:
+            return await runner.run_group(eps, Recording(), tok)
+        finally:
+            await runner.close()
+
+    outcome = asyncio.run(group())
+    assert len(outcome.trajectories) == 2 and sent == [0.7, 0.7] and labels == [["4"], ["4"]]
+    # and Result.truncated reaches every segment (before: ignored on the chat path, truncated_rate 0)
+    assert [t.truncated for t in outcome.trajectories] == [True, True]
+
+
+def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks_text_models(tiny_model, tmp_path):
+    """Before: a Runner overriding run_group that raised failed the runner actor's call (a traceback through Ray);
+    now its group's rollouts fail, counted as agent_exception with the message. A step runner on a text model is
+    told it takes no images (Result.images then fail the rollout, test_agents_images.py)."""
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    (tmp_path / "custom.py").write_text(
+        "from molt_hydra.agents.base import Runner\n"
+        "class AgentRunner(Runner):\n"
+        "    async def execute(self, episode, generator, tokenizer):\n        return []\n"
+        "    async def run_group(self, episodes, generator, tokenizer, timeout_s=None):\n"
+        "        raise RuntimeError('my batching broke')\n")
+    kw = dict(tokenizer_path=tiny_model, max_len=64, timeout_s=5, engine_timeout_s=5, seed=0, max_turns=2)
+    actor = AgentRunnerActor({"_target_": str(tmp_path / "custom.py")}, [object()], **kw)
+    try:
+        assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
+            (None, "agent_exception")] * 2
+        assert actor.example_errors() == {"agent_exception": "AgentRunner.run_group raised RuntimeError: my "
+                                                              "batching broke"}
+    finally:
+        actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
+    toy = AgentRunnerActor({"_target_": "recipes/agents/toy.py:ToyEnv"}, [object()], **kw)
+    toy.agent_loop.call_soon_threadsafe(toy.agent_loop.stop)
+    assert toy.runner.accepts_images is False

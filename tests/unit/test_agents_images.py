@@ -87,6 +87,40 @@ def test_step_runner_passes_row_images_and_adds_result_images(tiny_model):
     assert engine.requests[-1].sampling.max_tokens == 2
 
 
+def test_result_images_for_a_text_only_model_fail_the_rollout_naming_the_agent(tiny_model):
+    """Before: an Env's Result.images went to the text model's engine request and a ChatAgent's replaced its
+    trajectory's images, to be trained on as if the model had seen them. (tiny_model is text-only.)"""
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
+
+    tok = tokenizer(tiny_model)
+
+    class Env(resolve_target("recipes/agents/toy.py:ToyEnv")):
+        async def step(self, state):
+            return Result(reward=1.0, observation="look", terminated=False, images=[img("green")])
+
+    class Agent(ChatAgent):
+        async def run(self, ctx):
+            async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=1.0, images=[img("green")])
+
+    step_runner, chat_runner = StepEnvRunner(Env), ChatAgentRunner(Agent)
+    step_runner.accepts_images = chat_runner.accepts_images = False  # as the runner process sets them
+
+    async def both():
+        ep = Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=128)
+        try:
+            return [await r.run_group([ep], VLMStandIn(tok.eos_token_id), tok) for r in (step_runner, chat_runner)]
+        finally:
+            await chat_runner.close()
+
+    for outcome, agent in zip(asyncio.run(both()), ("Env.step", "Agent.run")):
+        assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
+        assert f"{agent} returned 1 Result.images, but the model is text-only" in outcome.errors["agent_exception"]
+
+
 def _png_uri(im) -> str:
     import base64
     import io
