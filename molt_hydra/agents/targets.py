@@ -28,6 +28,13 @@ def resolve_target(target: str) -> Any:
     return getattr(module, name)
 
 
+def absolute_target(target: str) -> str:
+    """A file target with its path made absolute here (the driver's working directory, where validation found it):
+    the agent runners import it in Ray workers, whose working directory is another on a remote cluster."""
+    path, sep, name = target.partition(":") if ".py" in target else (target, "", "")
+    return f"{Path(path).absolute()}{sep}{name}" if path.endswith(".py") else target
+
+
 def subclass(obj: type | str, base: type, need: str) -> type:
     """`obj`, or the class its target names, when it subclasses `base`; else a TypeError: `need`, got what."""
     obj = resolve_target(obj) if isinstance(obj, str) else obj

@@ -232,11 +232,13 @@ def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | 
 
 def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
     """Agent runners need only the engines' handles, so they start while the engines and trainer build."""
+    from molt_hydra.agents.targets import absolute_target
     from molt_hydra.runtime.agent_runner import AgentRunnerActor
 
     d, runner_cls = cfg.data, ray.remote(AgentRunnerActor)
+    runner = {**cfg.agent.runner, "_target_": absolute_target(cfg.agent.runner["_target_"])}
     return [runner_cls.options(num_cpus=0).remote(
-        dict(cfg.agent.runner), engines, tokenizer_path=tokenizer_path, max_len=d.max_len,
+        runner, engines, tokenizer_path=tokenizer_path, max_len=d.max_len,
         timeout_s=cfg.agent.timeout_s, engine_timeout_s=cfg.train.timeouts.engine_call_s, seed=cfg.seed,
         max_turns=cfg.agent.max_turns, apply_chat_template=d.apply_chat_template,
         chat_options=dict(tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser,

@@ -458,3 +458,15 @@ def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks
     toy = AgentRunnerActor({"_target_": "recipes/agents/toy.py:ToyEnv"}, [object()], **kw)
     toy.agent_loop.call_soon_threadsafe(toy.agent_loop.stop)
     assert toy.runner.accepts_images is False
+
+
+def test_a_relative_agent_file_reaches_the_runners_as_an_absolute_path(tmp_path, monkeypatch):
+    """The runners import the file in Ray workers, whose working directory differs on a remote cluster (before: the
+    relative path was sent as it was)."""
+    from molt_hydra.agents.targets import absolute_target
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_target("agents/my_env.py:MyEnv") == f"{tmp_path}/agents/my_env.py:MyEnv"
+    assert absolute_target("agents/my_env.py") == f"{tmp_path}/agents/my_env.py"
+    assert absolute_target("/abs/agent.py:X") == "/abs/agent.py:X"
+    assert absolute_target("pkg.module.Name") == "pkg.module.Name"
