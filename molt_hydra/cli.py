@@ -386,9 +386,10 @@ def _exit_config_error(text: str) -> None:
 
 
 # job=eval scores the model with the engines alone: a recipe's training-only choices (its algorithm, the teacher or
-# critic that algorithm starts) are read by no part of it. Set aside (schema defaults) so that `+recipe=NAME job=eval`
-# scores any recipe's model; the command line's own are refused (JOB_IGNORES).
-EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path")
+# critic that algorithm starts, its trainer placement) are read by no part of it. Set aside (schema defaults) so that
+# `+recipe=NAME job=eval` scores any recipe's model; the command line's own are refused (JOB_IGNORES). A GPU recipe's
+# parallelism.colocate would otherwise give the one engine half its GPU and sleep mode, beside no trainer.
+EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path", "parallelism")
 
 
 def _set_aside(cfg: DictConfig) -> DictConfig:

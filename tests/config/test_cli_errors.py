@@ -390,6 +390,18 @@ def test_a_recipes_model_is_scored_by_job_eval():
                                                        [*overrides, "model.ref_path=x"])] == ["- model.ref_path"]
 
 
+def test_job_eval_places_its_engines_as_no_trainer_shares_them():
+    """Before: `+recipe=qwen3_toy_gpu job=eval` (a colocated GPU recipe) started its one engine on half a GPU in
+    sleep mode, though JOB_IGNORES says eval reads no `parallelism` and no trainer shares the GPU."""
+    from molt_hydra.cli import checked
+    from molt_hydra.runtime.roles import engine_args
+
+    run_cfg, _ = checked(compose_config(["+recipe=qwen3_toy_gpu", "job=eval", "eval.data_path=builtin://toy_eval",
+                                         "dry_run=true"]))
+    assert run_cfg.parallelism.colocate is False  # the schema's
+    assert engine_args(run_cfg, "m", False, 0)["sleep_level"] is None
+
+
 def _main_in_process(argv: list[str], monkeypatch, tmp_path):
     """`molt-run ARGV` in this process, in tmp_path: (its exit code, or None)."""
     import sys
