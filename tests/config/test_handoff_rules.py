@@ -67,6 +67,13 @@ BAD = [
                          ("model.gate_precision", "bfloat16"), ("model.aux_loss_coef", "0.01"),
                          ("rollout.enable_expert_parallel", "true"),
                          ("parallelism.moe_reshard_after_forward", "true"), ("model.moe_experts_impl", "loop"))],
+    # engine knobs of a layer kind on a model without it: before, accepted, then ignored by vLLM (MTP: no engine)
+    *[(f"no_layers_{key}", [f"rollout.{key}={value}"], f"rollout.{key}",
+       f"acts on {what}, but model.path=tiny://qwen3_tiny (qwen3) has none")
+      for key, value, what in (("mm_encoder_attn_backend", "TORCH_SDPA", "a multimodal (vision / audio) encoder"),
+                               ("gdn_prefill_backend", "triton", "Gated-DeltaNet layers"),
+                               ("mamba_ssm_cache_dtype", "float32", "state-space (Mamba / linear-attention) layers"),
+                               ("mtp_num_speculative_tokens", "1", "multi-token-prediction (MTP) layers"))],
 ]
 
 
@@ -79,8 +86,10 @@ GOOD = [
     ["rollout.max_model_len=512"],
     # without eval data (or an evaluation scheduled) it changes nothing (refused)
     ["eval.max_new_tokens=64", "eval.data_path=builtin://toy", "eval.every_steps=10"],
-    ["rollout.attention_backend=CPU_ATTN", "rollout.mamba_ssm_cache_dtype=float32"],
-    ["agent.tool_parser=qwen3_coder", "agent.reasoning_parser=qwen3"],
+    ["rollout.attention_backend=CPU_ATTN"],
+    ["model.path=tiny://idefics3_tiny", "rollout.mm_encoder_attn_backend=TORCH_SDPA"],
+    ["agent=geo3k_python", "model.path=tiny://idefics3_tiny", "agent.tool_parser=qwen3_coder",
+     "agent.reasoning_parser=qwen3"],  # a chat agent (an Env reads no parser)
     ["agent=math", "+agent.runner.require_boxed=false"],
     ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv", "+agent.runner.exec_timeout_s=5"],
     ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")
@@ -102,6 +111,32 @@ def test_cli_refuses_one_of_each_class_with_exit_2(tmp_path):
     assert "Traceback" not in res.output and PLAN_HEADER not in res.stdout, res.describe()
     keys = {l[2:].split(":", 1)[0] for l in res.stderr.splitlines() if l.startswith("- ")}
     assert keys >= {row[2] for row in rows} | {"cluster.ray_address"}, res.describe()
+
+
+# config.json keys that carry each layer kind, as the HF configs of models vLLM serves with them name them
+LAYER_CONFIGS = {
+    "gdn_prefill_backend=triton": {"model_type": "qwen3_next", "linear_num_value_heads": 32},  # Qwen3-Next
+    "mamba_ssm_cache_dtype=float32": {"model_type": "nemotron_h", "ssm_state_size": 128},  # Nemotron-H
+    "mtp_num_speculative_tokens=1": {"model_type": "deepseek_v3", "num_nextn_predict_layers": 1},  # DeepSeek-V3
+}
+
+
+@pytest.mark.parametrize("knob", LAYER_CONFIGS)
+def test_a_layer_kinds_engine_knob_is_taken_for_a_model_with_those_layers(knob, tmp_path):
+    """The layer-kind rule reads the model's config.json: a model with the layers passes, its dense twin (the same
+    config without the key) is refused."""
+    import json
+
+    from molt_hydra.models.tiny import tiny_config_dict
+
+    key, twin = knob.split("=")[0], dict(LAYER_CONFIGS[knob])
+    twin.pop(next(k for k in twin if k != "model_type"))
+    for name, extra in (("with", LAYER_CONFIGS[knob]), ("without", twin)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**tiny_config_dict("qwen3_tiny"), **extra}))
+    on = [f"model.path={tmp_path / 'with'}", "model.tokenizer_path=tiny://qwen3_tiny", f"rollout.{knob}"]
+    assert [line for line in config_errors(on) if line.startswith(f"rollout.{key}")] == []
+    assert_fires([f"model.path={tmp_path / 'without'}", *on[1:]], f"rollout.{key}", "has none (its config.json)")
 
 
 def test_the_engine_gets_the_agents_reasoning_parser():
