@@ -96,6 +96,26 @@ def _not_a_key(key: str, how: str) -> str:
             "agent.runner kwargs are added with +agent.runner.NAME=value")
 
 
+# The primary config Hydra will compose, as --config-path / --config-name choose it (`primary_problems`): the
+# pre-check composes the same one.
+PRIMARY = {"path": str(CONF_DIR), "name": "config"}
+
+
+def primary_problems(config_path: str | None, config_name: str | None) -> list[str]:
+    """--config-path / --config-name set where the pre-check composes from (PRIMARY), as Hydra reads them: a relative
+    --config-path names a folder of the molt_hydra package (hydra.main's module), not of the current directory."""
+    PRIMARY.update(path=str(CONF_DIR), name=config_name or "config")
+    if config_path is None:
+        return []
+    path = Path(config_path) if os.path.isabs(config_path) else CONF_DIR.parent / config_path
+    if config_path.startswith("pkg://") or not path.is_dir():
+        return [f"- --config-path {config_path}: Hydra would search {path} for the primary config, which is not a "
+                "directory. Fix: give the absolute path of the directory holding your config (a relative one is read "
+                "inside the molt_hydra package), or use --config-dir DIR to add DIR's recipes to molt's own"]
+    PRIMARY["path"] = str(path.resolve())
+    return []
+
+
 def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir: str | None = None,
                     hydra_config: bool = False) -> tuple[DictConfig | None, list[str]]:
     """Parse and compose the command line's overrides as Hydra will, before Hydra does: (the composed config, with its
@@ -130,8 +150,8 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     register()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=[*overrides, *search], return_hydra_config=hydra_config)
+        with initialize_config_dir(config_dir=PRIMARY["path"], version_base="1.3"):
+            cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
     problems = _not_a_bool(cfg, parsed)
@@ -179,13 +199,13 @@ def expand_globs(overrides: list[str], config_dir: str | None) -> tuple[list[str
     register()
     GlobalHydra.instance().clear()
     expanded, problems = [], []
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=PRIMARY["path"], version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()
         for o, text in zip(parsed, overrides):
             if not isinstance(o.value(), Glob):
                 expanded.append(text)
             elif chosen := o.value().filter(loader.get_group_options(
-                    o.key_or_group, config_name="config", overrides=_search_path(parsed, config_dir))):
+                    o.key_or_group, config_name=PRIMARY["name"], overrides=_search_path(parsed, config_dir))):
                 expanded.append(f"{o.get_key_element()}={','.join(chosen)}")
             else:
                 problems.append(f"- {text}: glob() sweeps the options of a config group, and selects none here, so "
@@ -220,6 +240,9 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
     override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
+    if "Cannot find primary config" in text:  # --config-name NAME
+        return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
+                "that directory (without .yaml), or leave --config-name out (molt's config)")
     if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
         options = re.findall(r"^\t(\S+)$", text, re.M)
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
@@ -475,7 +498,9 @@ def _check_then_run() -> None:
     if args.config_dir and not Path(args.config_dir).is_dir():  # (Hydra searches it for nothing, without a word)
         _exit_config_error(f"- --config-dir {args.config_dir}: not a directory, so none of its recipes would be found. "
                            "Fix: point it at the directory that holds recipe/NAME.yaml")
-    if not (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name or args.config_path):
+    if primary := primary_problems(args.config_path, args.config_name):
+        _exit_config_error("\n".join(primary))
+    if not (args.help or args.hydra_help or args.info or args.shell_completion):
         problems = _command_line_problems(args)
         if problems and not args.cfg:
             _exit_config_error("\n".join(problems))

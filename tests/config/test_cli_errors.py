@@ -410,6 +410,7 @@ def _main_in_process(argv: list[str], monkeypatch, tmp_path):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["molt-run", *argv])
+    monkeypatch.setattr(cli, "PRIMARY", dict(cli.PRIMARY))  # --config-path / --config-name: this call's only
     try:
         cli.main()
     except SystemExit as e:
@@ -514,3 +515,18 @@ def test_a_hydra_interpolation_in_a_value_says_to_write_the_value():
         to_run_config(compose_config(["logger.wandb.run_name=${hydra:job.name}"]))
     assert str(info.value).startswith("- logger.wandb.run_name: ") and str(info.value).endswith(
         "Fix: write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} resolves")
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--config-name", "nope"], "- --config-name nope: no such config in "),
+    (["--config-path", "no_such_dir"], "- --config-path no_such_dir: Hydra would search "),
+    (["--config-name", "config", "seed=-1"], "- seed: must be in [0, 4294967296)"),
+    (["--config-path", "conf", "seed=-1"], "- seed: must be in [0, 4294967296)"),
+])
+def test_config_name_and_path_go_through_the_pre_check(argv, line, monkeypatch, tmp_path, capsys):
+    """Before: --config-name / --config-path skipped the pre-check: a refused config was reported after Hydra made
+    the run directory (outputs/ left behind), and a config name that does not exist ended with Hydra's message, exit
+    1. A relative --config-path is read inside the molt_hydra package (hydra.main's module), as Hydra reads it."""
+    assert _main_in_process([*argv, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert line in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
