@@ -300,7 +300,7 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if not points:  # (Hydra would launch 0 jobs and exit 0)
         return [f"- {' '.join(overrides)}: the sweep has no point, so the multirun would run nothing. Fix: give each "
                 "swept key at least one value (range(a,b) with a < b)"], []
-    problems, owners, results = [], {}, []
+    problems, owners, results = _repeated_points(points), {}, []
     sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
         errors, result = point_problems(point, sweep_dir / str(number), config_dir)
@@ -314,6 +314,18 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems, results
+
+
+def _repeated_points(points: list[list[str]]) -> list[str]:
+    """A sweep point that repeats an earlier one (`seed=1,1`, `lr=0.1,1e-1`: the values as Hydra parses them) would
+    run the same configuration twice, a second run's time spent on nothing new."""
+    parser, first_seen, problems = OverridesParser.create(), {}, []
+    for number, point in enumerate(points):
+        same = tuple(sorted((o.key_or_group, repr(o.value())) for o in parser.parse_overrides(point)))
+        if (earlier := first_seen.setdefault(same, number)) != number:
+            problems.append(f"- sweep point #{number} ({' '.join(point)}) repeats sweep point #{earlier}: the same "
+                            "run twice. Fix: give each swept key distinct values")
+    return problems
 
 
 def point_problems(overrides: list[str], output_dir: Path, config_dir: str | None) -> tuple[list[str], tuple | None]:

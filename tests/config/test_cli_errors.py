@@ -530,3 +530,10 @@ def test_config_name_and_path_go_through_the_pre_check(argv, line, monkeypatch, 
     assert _main_in_process([*argv, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
     assert line in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sweep", [["seed=1,1"], ["train.optimizer.lr=0.1,1e-1"]])
+def test_a_sweep_point_repeating_another_is_refused(sweep, monkeypatch, tmp_path, capsys):
+    """Before: `-m seed=1,1` ran the same configuration twice (1e-1 is 0.1 as Hydra parses it)."""
+    assert _main_in_process(["-m", *sweep, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert "- sweep point #1 (" in (err := capsys.readouterr().err) and "repeats sweep point #0" in err

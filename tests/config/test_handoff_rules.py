@@ -57,6 +57,9 @@ BAD = [
     # a name longer than a file name may be (255 bytes: 128 two-byte letters are 256): before, Hydra failed to make
     # outputs/<name>/<time> with an OSError traceback, after every check had passed
     ("name_too_long", ["name='" + "é" * 128 + "'"], "name", "is 256 bytes long, but it names the run's directory"),
+    # ... and one directory: before, name=.. wrote the run to outputs/../<time>, outside outputs/
+    *[(f"name_{label}", [f"name={value}"], "name", "which a / or a name of . or .. would move elsewhere")
+      for label, value in (("slash", "a/b"), ("dotdot", ".."), ("climbs", "a/../../b"))],
     ("ray_address_garbage", ["cluster.ray_address=not-an-address"], "cluster.ray_address",
      "'not-an-address' is not an address Ray can join"),
     ("ray_address_bad_port", ["cluster.ray_address=10.0.0.1:99999"], "cluster.ray_address",
@@ -137,6 +140,16 @@ def test_a_layer_kinds_engine_knob_is_taken_for_a_model_with_those_layers(knob, 
     on = [f"model.path={tmp_path / 'with'}", "model.tokenizer_path=tiny://qwen3_tiny", f"rollout.{knob}"]
     assert [line for line in config_errors(on) if line.startswith(f"rollout.{key}")] == []
     assert_fires([f"model.path={tmp_path / 'without'}", *on[1:]], f"rollout.{key}", "has none (its config.json)")
+
+
+def test_a_file_where_a_directory_goes_or_an_empty_file_is_refused(tmp_path):
+    """Before: model.path naming a regular file, and data.train_path an empty file, passed a dry run (each exists)
+    and failed only when the run loaded them."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "weights.bin").write_text("x")
+    assert_fires([f"data.train_path={tmp_path / 'empty.jsonl'}"], "data.train_path", "is an empty file")
+    assert_fires([f"model.path={tmp_path / 'weights.bin'}", "model.tokenizer_path=tiny://qwen3_tiny"], "model.path",
+                 "is a file, not a directory")
 
 
 def test_the_engine_gets_the_agents_reasoning_parser():
