@@ -143,13 +143,19 @@ def test_a_layer_kinds_engine_knob_is_taken_for_a_model_with_those_layers(knob, 
 
 
 def test_a_file_where_a_directory_goes_or_an_empty_file_is_refused(tmp_path):
-    """Before: model.path naming a regular file, and data.train_path an empty file, passed a dry run (each exists)
-    and failed only when the run loaded them."""
+    """Before: model.path naming a regular file or a directory without config.json, and data.train_path an empty
+    file or directory, passed a dry run (each exists) and failed only when the run loaded them."""
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "weights.bin").write_text("x")
     assert_fires([f"data.train_path={tmp_path / 'empty.jsonl'}"], "data.train_path", "is an empty file")
     assert_fires([f"model.path={tmp_path / 'weights.bin'}", "model.tokenizer_path=tiny://qwen3_tiny"], "model.path",
                  "is a file, not a directory")
+    (tmp_path / "empty").mkdir()
+    assert_fires([f"data.train_path={tmp_path / 'empty'}"], "data.train_path", "is an empty directory")
+    (tmp_path / "no_config").mkdir()
+    (tmp_path / "no_config" / "model.safetensors").write_text("x")
+    assert_fires([f"model.path={tmp_path / 'no_config'}", "model.tokenizer_path=tiny://qwen3_tiny"], "model.path",
+                 "holds no config.json, so it is no HF model directory")
 
 
 def test_the_engine_gets_the_agents_reasoning_parser():
