@@ -93,8 +93,13 @@ def _model_location(problems: Problems, key: str, location: str | None) -> None:
         problems.check(location[len(tiny.TINY_SCHEME):] in names, key, f"{location!r} is not a tiny model.", fix)
         return
     check_location(problems, key, location, "directory", fix)
-    path = Path(location).expanduser()
-    if key in ("model.path", "model.ref_path", "model.critic_path") and path.is_dir() and any(path.iterdir()):
+    try:  # (an over-long or unreadable path: check_location reported it)
+        path = Path(location).expanduser()
+        model_dir = key in ("model.path", "model.ref_path", "model.critic_path") and path.is_dir() and any(
+            path.iterdir())
+    except OSError:
+        return
+    if model_dir:
         problems.check((path / "config.json").is_file(), key, f"{location!r} holds no "
                        "config.json, so it is no HF model directory (the trainer and vLLM load the model from it).", fix)
 
