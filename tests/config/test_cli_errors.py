@@ -415,6 +415,10 @@ def _main_in_process(argv: list[str], monkeypatch, tmp_path):
         cli.main()
     except SystemExit as e:
         return e.code
+    finally:  # Hydra's run leaves its config set process-wide: ${hydra:...} would resolve in later tests
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().cfg = None
     return None
 
 
