@@ -96,6 +96,26 @@ def _not_a_key(key: str, how: str) -> str:
             "agent.runner kwargs are added with +agent.runner.NAME=value")
 
 
+# The primary config Hydra will compose, as --config-path / --config-name choose it (`primary_problems`): the
+# pre-check composes the same one.
+PRIMARY = {"path": str(CONF_DIR), "name": "config"}
+
+
+def primary_problems(config_path: str | None, config_name: str | None) -> list[str]:
+    """--config-path / --config-name set where the pre-check composes from (PRIMARY), as Hydra reads them: a relative
+    --config-path names a folder of the molt_hydra package (hydra.main's module), not of the current directory."""
+    PRIMARY.update(path=str(CONF_DIR), name=config_name or "config")
+    if config_path is None:
+        return []
+    path = Path(config_path) if os.path.isabs(config_path) else CONF_DIR.parent / config_path
+    if config_path.startswith("pkg://") or not path.is_dir():
+        return [f"- --config-path {config_path}: Hydra would search {path} for the primary config, which is not a "
+                "directory. Fix: give the absolute path of the directory holding your config (a relative one is read "
+                "inside the molt_hydra package), or use --config-dir DIR to add DIR's recipes to molt's own"]
+    PRIMARY["path"] = str(path.resolve())
+    return []
+
+
 def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir: str | None = None,
                     hydra_config: bool = False) -> tuple[DictConfig | None, list[str]]:
     """Parse and compose the command line's overrides as Hydra will, before Hydra does: (the composed config, with its
@@ -130,8 +150,8 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     register()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=[*overrides, *search], return_hydra_config=hydra_config)
+        with initialize_config_dir(config_dir=PRIMARY["path"], version_base="1.3"):
+            cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
     problems = _not_a_bool(cfg, parsed)
@@ -179,13 +199,13 @@ def expand_globs(overrides: list[str], config_dir: str | None) -> tuple[list[str
     register()
     GlobalHydra.instance().clear()
     expanded, problems = [], []
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=PRIMARY["path"], version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()
         for o, text in zip(parsed, overrides):
             if not isinstance(o.value(), Glob):
                 expanded.append(text)
             elif chosen := o.value().filter(loader.get_group_options(
-                    o.key_or_group, config_name="config", overrides=_search_path(parsed, config_dir))):
+                    o.key_or_group, config_name=PRIMARY["name"], overrides=_search_path(parsed, config_dir))):
                 expanded.append(f"{o.get_key_element()}={','.join(chosen)}")
             else:
                 problems.append(f"- {text}: glob() sweeps the options of a config group, and selects none here, so "
@@ -220,6 +240,9 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
     override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
+    if "Cannot find primary config" in text:  # --config-name NAME
+        return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
+                "that directory (without .yaml), or leave --config-name out (molt's config)")
     if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
         options = re.findall(r"^\t(\S+)$", text, re.M)
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
@@ -277,7 +300,7 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if not points:  # (Hydra would launch 0 jobs and exit 0)
         return [f"- {' '.join(overrides)}: the sweep has no point, so the multirun would run nothing. Fix: give each "
                 "swept key at least one value (range(a,b) with a < b)"], []
-    problems, owners, results = [], {}, []
+    problems, owners, results = _repeated_points(points), {}, []
     sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
         errors, result = point_problems(point, sweep_dir / str(number), config_dir)
@@ -291,6 +314,18 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems, results
+
+
+def _repeated_points(points: list[list[str]]) -> list[str]:
+    """A sweep point that repeats an earlier one (`seed=1,1`, `lr=0.1,1e-1`: the values as Hydra parses them) would
+    run the same configuration twice, a second run's time spent on nothing new."""
+    parser, first_seen, problems = OverridesParser.create(), {}, []
+    for number, point in enumerate(points):
+        same = tuple(sorted((o.key_or_group, repr(o.value())) for o in parser.parse_overrides(point)))
+        if (earlier := first_seen.setdefault(same, number)) != number:
+            problems.append(f"- sweep point #{number} ({' '.join(point)}) repeats sweep point #{earlier}: the same "
+                            "run twice. Fix: give each swept key distinct values")
+    return problems
 
 
 def point_problems(overrides: list[str], output_dir: Path, config_dir: str | None) -> tuple[list[str], tuple | None]:
@@ -386,9 +421,10 @@ def _exit_config_error(text: str) -> None:
 
 
 # job=eval scores the model with the engines alone: a recipe's training-only choices (its algorithm, the teacher or
-# critic that algorithm starts) are read by no part of it. Set aside (schema defaults) so that `+recipe=NAME job=eval`
-# scores any recipe's model; the command line's own are refused (JOB_IGNORES).
-EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path")
+# critic that algorithm starts, its trainer placement) are read by no part of it. Set aside (schema defaults) so that
+# `+recipe=NAME job=eval` scores any recipe's model; the command line's own are refused (JOB_IGNORES). A GPU recipe's
+# parallelism.colocate would otherwise give the one engine half its GPU and sleep mode, beside no trainer.
+EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path", "parallelism")
 
 
 def _set_aside(cfg: DictConfig) -> DictConfig:
@@ -474,7 +510,9 @@ def _check_then_run() -> None:
     if args.config_dir and not Path(args.config_dir).is_dir():  # (Hydra searches it for nothing, without a word)
         _exit_config_error(f"- --config-dir {args.config_dir}: not a directory, so none of its recipes would be found. "
                            "Fix: point it at the directory that holds recipe/NAME.yaml")
-    if not (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name or args.config_path):
+    if primary := primary_problems(args.config_path, args.config_name):
+        _exit_config_error("\n".join(primary))
+    if not (args.help or args.hydra_help or args.info or args.shell_completion):
         problems = _command_line_problems(args)
         if problems and not args.cfg:
             _exit_config_error("\n".join(problems))

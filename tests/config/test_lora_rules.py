@@ -112,3 +112,15 @@ def test_a_family_without_defaults_needs_target_modules(tmp_path):
                  "model family 'gpt2' has no default LoRA targets")
     lines = config_errors([*LORA, f"model.path={tmp_path}", "model.lora.target_modules=[c_attn]"])
     assert not [x for x in lines if x.startswith("model.lora.")]
+
+
+@pytest.mark.parametrize("job", ["job=eval", "job=sft"])
+def test_the_fix_for_lora_outside_rl_turns_a_recipes_lora_off(job):
+    """Before: `+recipe=tiny_lora_cpu job=eval` said "unset model.lora.rank"; model.lora.rank=null alone was then
+    refused for the recipe's alpha and target_modules (LoRA knobs while LoRA is off). The fix's overrides, applied,
+    leave no LoRA error."""
+    base = ["+recipe=tiny_lora_cpu", job, "eval.data_path=builtin://toy_eval"]
+    line = next(line for line in config_errors(base) if line.startswith("model.lora.rank: LoRA is wired for RL"))
+    off = line.split("turn LoRA off: ", 1)[1].split()
+    assert off[0] == "model.lora.rank=null"
+    assert [e for e in config_errors([*base, *off]) if e.startswith("model.lora")] == []

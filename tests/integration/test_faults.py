@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_rl_loop import MOLT_RUN, SMALL, metrics  # noqa: E402
 from wandb_offline import history  # noqa: E402
 
+from molt_hydra.config.schema import EXIT_CONFIG_ERROR  # noqa: E402
 from molt_hydra.runtime.watchdog import EXIT_FAILED, descendants  # noqa: E402
 
 AGENTS = Path(__file__).resolve().parent / "fault_agents.py"
@@ -309,17 +310,16 @@ def test_a_reward_that_is_no_number_fails_the_run_naming_the_agent_and_the_value
     assert "Traceback" not in run.err()
 
 
-def test_an_empty_prompt_file_fails_the_run_naming_the_key_and_the_file(tmp_path):
+def test_an_empty_prompt_file_is_refused_naming_the_key_and_the_file(tmp_path):
     """Before: 'Run failed: driver: RuntimeError: coroutine raised StopIteration.', then two asyncio tracebacks of
-    the engines' and runners' starts left behind ('_GatheringFuture exception was never retrieved')."""
+    the engines' and runners' starts left behind ('_GatheringFuture exception was never retrieved'). Then the run
+    failed naming the file; now validation refuses it before anything starts (config/validate.py check_location)."""
     empty = tmp_path / "prompts.jsonl"
     empty.write_text("")
     run = Run(tmp_path / "run", f"data.train_path={empty}", "train.max_steps=1")
     code = run.finish()
-    lines = [line for line in run.err().splitlines() if line.strip()]
-    assert code == EXIT_FAILED, run.err()[-3000:]
-    assert lines[-3] == (f"Run failed: driver: ValueError: data.train_path={empty}: {empty} is not a readable jsonl "
-                         "file: it is empty."), lines[-4:]
+    assert code == EXIT_CONFIG_ERROR, run.err()[-3000:]
+    assert f"- data.train_path: '{empty}' is an empty file: there is nothing to load." in run.err()
     assert "Traceback" not in run.err() and "never retrieved" not in run.err()
 
 
