@@ -89,6 +89,7 @@ class RLController:
         self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
         self.preempted = asyncio.Event()  # Slurm's notice (runtime/preemption.py): save at this step's end and stop
         self.saved_step: int | None = None
+        self.stopped_for_notice = False  # the loop ended on the notice, before its last step
         self.kl_ctl = KLController(cfg.algorithm.kl.coef, cfg.algorithm.kl.target, cfg.algorithm.kl.horizon)
         self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
         if cfg.data.max_images_per_prompt:
@@ -411,5 +412,6 @@ class RLController:
             if save_every > 0 and self.step % save_every == 0 or preempted and save_every != 0:
                 await self.save()
             if preempted:  # (an eval due now runs first thing on resume: its `next_eval` is this step)
+                self.stopped_for_notice = True
                 break
         return last

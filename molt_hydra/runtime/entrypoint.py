@@ -88,7 +88,8 @@ def _run(cfg: RunConfig) -> None:
         code = EXIT_FAILED
     finally:
         shown.stop()  # (done by _main's teardown, before its last words, when it ran)
-    if notice.received.is_set() and code in (0, EXIT_INTERRUPTED):  # Slurm's notice: requeue (or stop) now
+    # Slurm's notice: requeue (or stop) now, unless the run ended anyway (a notice during its final save / export)
+    if notice.stopped and code == 0 or notice.received.is_set() and code == EXIT_INTERRUPTED:
         notice.handover()
     if code == EXIT_STALLED:
         # A stalled role can leave a thread blocked in a Ray call that would hold interpreter exit: leave now.
@@ -378,7 +379,7 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
         await calls.push_weights(ctl.version)
     ctl.preempted = notice.received
     await ctl.run()
-    if notice.received.is_set():  # saved at the step's end (not the end of training): no final save or export
+    if ctl.stopped_for_notice:  # saved at the step's end (not the end of training): no final save or export
         notice.saved(ctl.saved_step)
         return 0
     if c.save_steps != 0:  # 0: no resumable checkpoint at all

@@ -32,6 +32,7 @@ class PreemptionNotice:
     def __init__(self) -> None:
         self.received = asyncio.Event()
         self.saved_step: int | None = None
+        self.stopped = False  # the training loop stopped on the notice (`saved`)
         self._previous = self._submitit = self._cut = None
 
     def install(self, loop: asyncio.AbstractEventLoop, main_task: asyncio.Task) -> None:
@@ -54,8 +55,8 @@ class PreemptionNotice:
         self._cut = loop.call_later(GRACE_S, main_task.cancel)
 
     def saved(self, step: int | None) -> None:
-        """The step ended (and was saved, unless checkpoint.save_steps=0): the teardown is not cut short."""
-        self.saved_step = step
+        """The loop stopped at a step's end (saved, unless checkpoint.save_steps=0): the teardown is not cut short."""
+        self.saved_step, self.stopped = step, True
         if self._cut is not None:
             self._cut.cancel()
 

@@ -235,34 +235,39 @@ def test_sweep_trains_and_reports(slurm_cluster, tmp_path):
     assert (sweep / "report_train_reward.png").stat().st_size > 5000
 
 
-@pytest.mark.slow
-def test_requeued_point_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
-    """Needs the RL loop: `scontrol requeue` mid-run; the point comes back to the same directory and continues its
-    step counter from the latest checkpoint (metrics.jsonl is appended, never restarted at step 1)."""
+def _interrupt_one_point(tmp_path: Path, max_steps: int, interrupt: list[str], *overrides: str):
+    """A one-point tiny_cpu sweep on Slurm, sent `interrupt` + [its job id] once it logged 3 steps, run to its end.
+    Returns (its metrics.jsonl, the job id, the rows logged before the interrupt)."""
     sweep = tmp_path / "sweep"
-    max_steps = 12
     proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo",
-                             f"train.max_steps={max_steps}", "checkpoint.save_steps=1", f"hydra.sweep.dir={sweep}"],
+                             f"train.max_steps={max_steps}", *overrides, f"hydra.sweep.dir={sweep}"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        metrics = None
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and proc.poll() is None:
+        metrics, deadline = None, time.monotonic() + 900
+        while metrics is None and time.monotonic() < deadline and proc.poll() is None:
             found = list(sweep.glob("*/metrics.jsonl"))
-            if found and len(found[0].read_text().splitlines()) >= 3:
-                metrics = found[0]
-                break
-            time.sleep(1)
+            metrics = found[0] if found and len(found[0].read_text().splitlines()) >= 3 else None
+            time.sleep(0 if metrics else 1)  # (a step of tiny_cpu takes ~0.2 s: interrupt it at once)
         assert metrics is not None, "the point never logged 3 steps"
         # a one-point sweep is submitted as a plain job (<id>), several points as an array (<id>_<n>)
         (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and p.name[:1].isdigit()]
-        subprocess.run(["scontrol", "requeue", job], check=True)
+        subprocess.run([*interrupt, job], check=True)
         before = metrics.read_text().splitlines()
         out, _ = proc.communicate(timeout=1200)
         assert proc.returncode == 0, out[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
+    return metrics, job, before
+
+
+@pytest.mark.slow
+def test_requeued_point_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
+    """Needs the RL loop: `scontrol requeue` mid-run; the point comes back to the same directory and continues its
+    step counter from the latest checkpoint (metrics.jsonl is appended, never restarted at step 1)."""
+    max_steps = 12
+    metrics, job, before = _interrupt_one_point(tmp_path, max_steps, ["scontrol", "requeue"],
+                                                "checkpoint.save_steps=1")
     lines = metrics.read_text().splitlines()
     assert lines[: len(before)] == before  # same output dir, appended
     last_before = json.loads(before[-1])["step"]
@@ -281,27 +286,10 @@ def test_point_requeued_before_its_first_checkpoint_starts_over_with_one_row_per
     """Needs the RL loop: the slurm preset's default saves only at the end, so a point requeued mid-run has no
     checkpoint and starts again at step 1 in the same directory: metrics.jsonl keeps one row per step (before: the
     first attempt's steps, then 1, 2, ... again)."""
-    sweep = tmp_path / "sweep"
     max_steps = 10
-    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo",
-                             f"train.max_steps={max_steps}", f"hydra.sweep.dir={sweep}"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and proc.poll() is None:
-            found = list(sweep.glob("*/metrics.jsonl"))
-            if found and len(found[0].read_text().splitlines()) >= 3:
-                break
-            time.sleep(1)
-        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and p.name[:1].isdigit()]
-        first = len(found[0].read_text().splitlines())
-        subprocess.run(["scontrol", "requeue", job], check=True)
-        out, _ = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, out[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert [json.loads(ln)["step"] for ln in found[0].read_text().splitlines()] == list(range(1, max_steps + 1))
+    metrics, job, before = _interrupt_one_point(tmp_path, max_steps, ["scontrol", "requeue"])
+    first, sweep = len(before), tmp_path / "sweep"
+    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == list(range(1, max_steps + 1))
     log = (sweep / ".submitit" / job / f"{job}_0_log.out").read_text()
     assert "row(s) past step 0 dropped" in log and first >= 3
 
@@ -311,26 +299,11 @@ def test_a_notice_before_the_time_limit_saves_the_step_and_the_requeued_point_go
     """Needs the RL loop: SIGUSR2 (what sbatch --signal sends `hydra.launcher.signal_delay_s` before the time limit)
     to a point with the preset's `checkpoint.save_steps=-1`: the point saves the step under way, submitit requeues
     it, and it goes on from that step (before: requeued at once, from step 0 again)."""
-    sweep = tmp_path / "sweep"
     max_steps = 10
-    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo",
-                             f"train.max_steps={max_steps}", f"hydra.sweep.dir={sweep}"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline, found = time.monotonic() + 900, []
-        while time.monotonic() < deadline and proc.poll() is None:
-            found = list(sweep.glob("*/metrics.jsonl"))
-            if found and len(found[0].read_text().splitlines()) >= 3:
-                break
-            time.sleep(1)
-        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and p.name[:1].isdigit()]
-        subprocess.run(["scancel", "--signal=USR2", job], check=True)  # to the job's steps: the point's Python
-        out, _ = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, out[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    steps = [json.loads(ln)["step"] for ln in found[0].read_text().splitlines()]
+    # to the job's steps: the point's Python (and its Ray processes, which ignore it)
+    metrics, job, _ = _interrupt_one_point(tmp_path, max_steps, ["scancel", "--signal=USR2"])
+    sweep = tmp_path / "sweep"
+    steps = [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()]
     assert steps == list(range(1, max_steps + 1))  # one row per step: resumed where it saved, nothing run twice
     log = (sweep / ".submitit" / job / f"{job}_0_log.err").read_text()
     (saved,) = [int(ln.split("checkpoint saved at step ")[1].split(";")[0]) for ln in log.splitlines()

@@ -51,52 +51,55 @@ def test_a_step_that_outlasts_the_grace_is_cut_short(monkeypatch):
         _run_with_notice(notice, endless_step)
 
 
-def test_once_the_step_is_saved_the_teardown_is_not_cut_short_and_the_previous_handler_is_back(monkeypatch):
+@pytest.fixture
+def usr2_handler():
+    """Sets this process's SIGUSR2 handler for the test, the one before it restored after."""
+    before = signal.getsignal(signal.SIGUSR2)
+    yield lambda handler: signal.signal(signal.SIGUSR2, handler)
+    signal.signal(signal.SIGUSR2, before)
+
+
+def test_once_the_step_is_saved_the_teardown_is_not_cut_short_and_the_previous_handler_is_back(monkeypatch,
+                                                                                                usr2_handler):
     monkeypatch.setattr(preemption, "GRACE_S", 0.3)
 
     def previous(signum, frame):
         pass
 
-    before = signal.signal(signal.SIGUSR2, previous)
-    try:
-        notice = PreemptionNotice()
+    usr2_handler(previous)
+    notice = PreemptionNotice()
 
-        async def step_then_teardown():
-            os.kill(os.getpid(), signal.SIGUSR2)
-            await asyncio.wait_for(notice.received.wait(), 5)
-            notice.saved(3)
-            await asyncio.sleep(0.6)  # a teardown longer than the grace
-            return "torn down"
+    async def step_then_teardown():
+        os.kill(os.getpid(), signal.SIGUSR2)
+        await asyncio.wait_for(notice.received.wait(), 5)
+        notice.saved(3)
+        await asyncio.sleep(0.6)  # a teardown longer than the grace
+        return "torn down"
 
-        assert _run_with_notice(notice, step_then_teardown) == "torn down"
-        assert notice.saved_step == 3 and signal.getsignal(signal.SIGUSR2) is previous
-    finally:
-        signal.signal(signal.SIGUSR2, before)
+    assert _run_with_notice(notice, step_then_teardown) == "torn down"
+    assert notice.saved_step == 3 and signal.getsignal(signal.SIGUSR2) is previous
 
 
-def test_handover_calls_submitits_requeue_else_exits_130(capsys):
+def test_handover_calls_submitits_requeue_else_exits_130(capsys, usr2_handler):
     calls = []
 
     def checkpoint_and_try_requeue(signum, frame):  # the name of submitit's SignalHandler method
         calls.append(signum)
         raise SystemExit(-1)  # as submitit's does after `scontrol requeue`
 
-    previous = signal.signal(signal.SIGUSR2, checkpoint_and_try_requeue)
-    try:
-        notice = PreemptionNotice()
+    usr2_handler(checkpoint_and_try_requeue)
+    notice = PreemptionNotice()
 
-        async def step():
-            os.kill(os.getpid(), signal.SIGUSR2)
-            await asyncio.wait_for(notice.received.wait(), 5)
+    async def step():
+        os.kill(os.getpid(), signal.SIGUSR2)
+        await asyncio.wait_for(notice.received.wait(), 5)
 
-        _run_with_notice(notice, step)
-        notice.saved(7)
-        with pytest.raises(SystemExit) as e:
-            notice.handover()
-        assert e.value.code == -1 and calls == [signal.SIGUSR2]
-        assert "checkpoint saved at step 7; requeueing" in capsys.readouterr().err
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
+    _run_with_notice(notice, step)
+    notice.saved(7)
+    with pytest.raises(SystemExit) as e:
+        notice.handover()
+    assert e.value.code == -1 and calls == [signal.SIGUSR2]
+    assert "checkpoint saved at step 7; requeueing" in capsys.readouterr().err
 
     plain = PreemptionNotice()  # no submitit (a plain sbatch script): stop, naming the step to resume from
     with pytest.raises(SystemExit) as e:
