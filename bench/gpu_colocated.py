@@ -65,7 +65,8 @@ def summarize(run: Path) -> dict:
         "sync_s": sync, "sync_bytes": nbytes, "single_pass": m[-1].get("train/weight_sync/single_pass"),
         "engine_sleep_s": med("engine/sleep_s"), "engine_wake_s": wake, "engine_freed_gib": med("engine/freed_gib"),
         "split_s": {"generate": med("timing/generation"), "sleep": med("timing/engine_sleep"),
-                    "train": med("timing/make_experience") + med("timing/policy_train"), "wake": wake, "sync": sync,
+                    "train": med("timing/make_experience") + med("timing/policy_train"),
+                    "release": med("timing/trainer_release"), "wake": wake, "sync": sync,
                     "step": med("timing/step_total")},
         "generated_tokens_per_s_per_gpu": statistics.median(
             t / r["train/timing/step_total"] for t, r in zip(tokens[1:] or tokens, steady)),
@@ -76,14 +77,18 @@ def summarize(run: Path) -> dict:
         out["routing_replayed"] = [r["train/routing/replayed"] for r in m]
     if nbytes and sync > 0:
         copy = device_copy_seconds(nbytes)
-        push = med("weight_sync/push_seconds")  # the buckets alone: no engine pause / resume / wake round trips
+        single = "train/weight_sync/engine_call_seconds" in m[-1]  # single pass: one call per engine
+        # bucketed: the buckets alone; single pass: the one call, less the wakes inside it
+        push = med("weight_sync/push_seconds") - (wake if single else 0.0)
         out.update(sync_gb_s=nbytes / sync / 1e9, device_copy_gb_s=nbytes / copy / 1e9, sync_vs_copy=copy / sync,
                    push_s=push, push_vs_copy=copy / push if push > 0 else None,
-                   begin_s=med("weight_sync/begin_seconds"), finish_s=med("weight_sync/finish_seconds"))
-        if "train/weight_sync/engine_load_seconds" in m[-1]:  # single pass: the engine's own load vs the round trip
-            load = med("weight_sync/engine_load_seconds")
+                   inside_trainer_s=med("weight_sync/seconds") - wake)  # sync_s less it: the driver's call
+        if single:  # the engine's own load, its vLLM calls, the Ray round trip
+            load, call = med("weight_sync/engine_load_seconds"), med("weight_sync/engine_call_seconds")
             out.update(engine_load_s=load, engine_load_vs_copy=copy / load if load > 0 else None,
-                       call_round_trip_s=push - load)
+                       engine_vllm_calls_s=call - load, ray_round_trip_s=push - call)
+        else:
+            out.update(begin_s=med("weight_sync/begin_seconds"), finish_s=med("weight_sync/finish_seconds"))
     return out
 
 

@@ -78,13 +78,13 @@ def profile_single_pass(r: StandInTrainerRank, engine: StandInEngine, path: str 
              "single_pass_transport (trainer: address check)": best_ms(
                  lambda: single_pass_transport(r, "cuda_ipc", torch.bfloat16)),
              "asyncio.run of nothing": best_ms(lambda: asyncio.run(asyncio.sleep(0))),
-             "engine call begin_layerwise_reload": best_ms(lambda: engine.call("begin_layerwise_reload")),
+             "engine call update_from_shared_params (begin + replay + stream sync + finish)": best_ms(
+                 lambda: engine.call("update_from_shared_params", token, None, None, False)),
              "engine call load_shared_params (replay + stream sync)": best_ms(
                  lambda: engine.call("load_shared_params", token, None, None)),
              "  of it inside the engine": engine.call("last_load_seconds") * 1e3,
              "  of it the plan's replay alone (in the engine, from the mapped trainer memory)": engine.call(
                  "replay_seconds") * 1e3,
-             "engine call finish_layerwise_reload": best_ms(lambda: engine.call("finish_layerwise_reload")),
              "trainer stream synchronize": best_ms(lambda: torch.cuda.current_stream(r.device).synchronize())}
     print("breakdown (ms, best of 7): " + "; ".join(f"{k} {v:.3f}" for k, v in parts.items()), flush=True)
     if path:

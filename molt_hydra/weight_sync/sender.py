@@ -1,8 +1,9 @@
 """The trainer's side of a sync: pick the transport from the config, open what it needs once, and push each sync.
 
 One sync: pause every engine (mode keep: in-flight requests freeze, then continue under the new weights), push the
-buckets, refresh tied heads + reset the prefix cache + stamp the new policy version on every engine, resume. Every
-trainer rank runs `push_from_rank` (the gathers are collectives); rank 0 pushes.
+buckets, refresh tied heads + reset the prefix cache + stamp the new policy version on every engine, resume; the
+single pass (shared_params.py) does all of it in one call per engine. Every trainer rank runs `push_from_rank` (the
+gathers are collectives); rank 0 pushes.
 """
 
 from __future__ import annotations
@@ -49,29 +50,49 @@ class WeightSync:
         return await asyncio.gather(*(self._call(getattr(e, method).remote(*args)) for e in self.engines))
 
     async def sync(self, buckets: Iterable[Bucket], version: int | None = None) -> dict[str, float]:
-        """One call per engine before the buckets (pause + begin) and one after (finish + resume + the coverage
-        check): the round trips to the engines are what a sync costs beyond its one copy. Returns the sync's metrics:
-        `weight_sync/single_pass` says which CUDA IPC path ran (1: straight from the rank's own parameters),
+        """Pushes `buckets` stamped `version` (default: the next). Returns the sync's metrics: `weight_sync/single_pass`
+        says which CUDA IPC path ran (1: straight from the rank's own parameters, one call per engine),
         `weight_sync/in_place` whether shared memory wrote into the engines' parameters (1) or went through their
         loaders, `weight_sync/push_seconds` the buckets alone (from after every engine began the update until the last
-        landed), `weight_sync/replayed` the share of engine workers that replayed their recorded copy plan, and in a
-        single pass `weight_sync/engine_load_seconds`, the slowest worker's own load (push_seconds less it: the calls'
-        round trips); `weight_sync/begin_seconds` and `weight_sync/finish_seconds` the calls before and after the
-        buckets (pause and begin; finish, caches reset, version stamped, resume), where a sync's time beyond its copy
-        goes."""
+        landed; single pass: the one call), `weight_sync/replayed` the share of engine workers that replayed their
+        recorded copy plan; in a single pass `weight_sync/engine_load_seconds`, the slowest worker's own load, and
+        `weight_sync/engine_call_seconds`, the slowest engine's own time in the call, wakes excluded (its vLLM calls:
+        push_seconds less it is the round trip); else `weight_sync/begin_seconds` and `weight_sync/finish_seconds`,
+        the calls before and after the buckets (pause and begin; finish, caches reset, version stamped, resume)."""
         version = self.version + 1 if version is None else version
+        start = time.perf_counter()
+        if self.transport.single_pass:
+            missing = await self.transport.update(self.engines, version, self.check_coverage, self._call)
+            num_tensors, num_bytes = len(self.transport.tensors), self.transport.nbytes
+            timings = {"weight_sync/push_seconds": time.perf_counter() - start,
+                       "weight_sync/engine_load_seconds": self.transport.engine_seconds,
+                       "weight_sync/engine_call_seconds": self.transport.engine_call_seconds}
+        else:
+            missing, num_tensors, num_bytes, timings = await self._begin_push_finish(buckets, version)
+        self.version = version
+        missing_names = sorted({name for per_worker in missing if per_worker for name in per_worker})
+        if missing_names:
+            raise WeightCoverageError(missing_names)
+        return {"weight_sync/bytes": float(num_bytes), "weight_sync/tensors": float(num_tensors),
+                "weight_sync/seconds": time.perf_counter() - start, **timings,
+                "weight_sync/single_pass": float(self.transport.single_pass),
+                "weight_sync/in_place": float(self.transport.in_place), "weight_sync/replayed": self.transport.replayed}
+
+    async def _begin_push_finish(self, buckets: Iterable[Bucket], version: int) -> tuple[list, int, int, dict]:
+        """One call per engine before the buckets (pause + begin) and one after (finish + resume + the coverage
+        check): the round trips to the engines are what a sync costs beyond its copies. Returns each worker's missing
+        names (None unless checked), the tensors and bytes pushed, and the phases' seconds."""
         start = time.perf_counter()
         num_tensors = num_bytes = 0
         done = False
         try:
             self.transport.begin(await self._all("begin_weight_update"))  # shm: whether it writes in place
             pushing = time.perf_counter()
-            began = pushing - start
             for bucket in buckets:
                 num_bytes += await self.transport.push(self.engines, bucket, self._call)  # bytes on the wire
                 num_tensors += len(bucket)
             await self.transport.drain()  # pipelined transports: the last buckets are still in flight
-            pushed = time.perf_counter() - pushing
+            pushed = time.perf_counter()
             done = True
         finally:
             if not done:
@@ -81,19 +102,9 @@ class WeightSync:
             check = sorted(self.transport.written) if done and self.check_coverage else None
             finishing = time.perf_counter()
             missing = await self._all("finish_weight_update", version if done else None, check)
-            finished = time.perf_counter() - finishing
-        self.version = version
-        missing_names = sorted({name for per_engine in missing if per_engine for per_worker in per_engine
-                                for name in per_worker})
-        if missing_names:
-            raise WeightCoverageError(missing_names)
-        return {"weight_sync/bytes": float(num_bytes), "weight_sync/tensors": float(num_tensors),
-                "weight_sync/seconds": time.perf_counter() - start, "weight_sync/push_seconds": pushed,
-                "weight_sync/begin_seconds": began, "weight_sync/finish_seconds": finished,
-                "weight_sync/single_pass": float(self.transport.single_pass),
-                "weight_sync/in_place": float(self.transport.in_place), "weight_sync/replayed": self.transport.replayed,
-                **({"weight_sync/engine_load_seconds": self.transport.engine_seconds}
-                   if self.transport.engine_seconds is not None else {})}
+        timings = {"weight_sync/begin_seconds": pushing - start, "weight_sync/push_seconds": pushed - pushing,
+                   "weight_sync/finish_seconds": time.perf_counter() - finishing}
+        return [w for per_engine in missing if per_engine for w in per_engine], num_tensors, num_bytes, timings
 
 
 def resolve_transport(transport: str, *, lora: bool, device: str, colocate: bool, nodes: int) -> str:

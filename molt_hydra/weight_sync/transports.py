@@ -3,7 +3,8 @@ transports, NCCL broadcast (GPU, disaggregated) and CUDA IPC (GPU, colocated). S
 single-pass CUDA IPC form have files of their own (shared_memory.py, shared_params.py).
 
 `WeightSync.sync` (sender.py) drives a transport: `begin` (with what each engine's `begin_weight_update` answered),
-`push` per bucket (returns the bytes it moved), `drain` at the end, `abandon` after a failure. Tensors travel in the
+`push` per bucket (returns the bytes it moved), `drain` at the end, `abandon` after a failure; the single pass instead
+makes one `update` call per engine. Tensors travel in the
 engine's dtype: the packed transports cast while packing on the trainer's device.
 """
 
@@ -31,8 +32,7 @@ class Transport:
     written: frozenset[str] | set[str] = frozenset()  # names the trainer wrote into the engines' parameters itself
     replayed = 0.0  # single pass: the share of engine workers that replayed their recorded copy plan
     in_place = False  # this sync wrote into the engines' parameters (shared memory, mapped)
-    single_pass = False  # the engines loaded straight from the trainer's parameters (shared_params.py)
-    engine_seconds: float | None = None  # single pass: the slowest engine worker's own load
+    single_pass = False  # the engines load straight from the trainer's parameters, one call each (shared_params.py)
 
     def begin(self, answers: list) -> None:
         pass

@@ -187,7 +187,7 @@ class StandInEngine:
         self.sending = threading.Lock()
         threading.Thread(target=self._read_answers, daemon=True).start()
         self.version = 0
-        for name in ("begin_weight_update", "finish_weight_update", "worker_call"):
+        for name in ("begin_weight_update", "finish_weight_update", "worker_call", "update_from_shared_params"):
             setattr(self, name, types.SimpleNamespace(remote=getattr(self, f"_{name}")))
 
     def _read_answers(self) -> None:
@@ -234,6 +234,15 @@ class StandInEngine:
             if version is not None:
                 self.version = version
             return None if checked is None else [await checked]
+        return stamp()
+
+    def _update_from_shared_params(self, args, version, check):
+        done = self._submit("update_from_shared_params", *args, check)
+
+        async def stamp():  # stamp and resume: vLLM calls, none here
+            answer = await done
+            self.version = version
+            return [answer], 0.0
         return stamp()
 
     def _worker_call(self, method: str, *args):

@@ -4,6 +4,7 @@ The CUDA-graph replay of the same plan is tested on the GPU (tests/gpu/test_weig
 
 import types
 
+import pytest
 import torch
 from torch import nn
 
@@ -191,6 +192,8 @@ def test_worker_records_on_a_new_token_replays_after_and_falls_back_when_unprove
     n, path, why = sync("b", with_handles=False)
     assert (n, path) == (4, "loader") and "mul" in why
     assert_fresh()
+    with pytest.raises(RuntimeError, match="no handles came with the trainer's new parameter token"):
+        sync("c", with_handles=False)  # a token this worker never mapped, and no handles: the update fails
 
 
 def test_copies_into_overlapping_destinations_keep_their_recorded_order():

@@ -86,7 +86,8 @@ class FakeEngine:
         self.worker, self.log, self.version = worker, log, 0
         # a vLLM worker runs one RPC at a time, in order: two gloo receives of one group at once would abort gloo
         self.worker_thread = ThreadPoolExecutor(1)
-        for name in ("begin_weight_update", "finish_weight_update", "worker_call", "load_weights_bytes"):
+        for name in ("begin_weight_update", "finish_weight_update", "worker_call", "load_weights_bytes",
+                     "update_from_shared_params"):
             setattr(self, name, types.SimpleNamespace(remote=self._remote(name)))
 
     def _remote(self, name):
@@ -104,6 +105,12 @@ class FakeEngine:
                 self.worker.finish_layerwise_reload()
                 self.version = version
                 return None if check is None or version is None else [self.worker.missing_weights(check)]
+            if name == "update_from_shared_params":  # the single pass's one call: the worker's, then stamp, resume
+                token_names_handles, version, check = args
+                answer = await run(self.worker_thread, self.worker.update_from_shared_params, *token_names_handles,
+                                   check)
+                self.version = version
+                return [answer], 0.0  # no vLLM calls of its own here
         return lambda *args: call(*args)
 
 
@@ -423,14 +430,14 @@ def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_s
 
     metrics = sync(1)
     assert metrics["weight_sync/single_pass"] == 1.0 and engine.version == 1
-    # the worker's own load is part of the push, which also holds the calls' round trips
+    # one call per engine: begin, load, finish and the stamp together; the worker's own load is part of it
+    assert log == ["update_from_shared_params"]
     assert 0 < metrics["weight_sync/engine_load_seconds"] < metrics["weight_sync/push_seconds"]
-    parts = [metrics[f"weight_sync/{k}_seconds"] for k in ("begin", "push", "finish")]  # the calls, in turn
-    assert all(t > 0 for t in parts) and sum(parts) <= metrics["weight_sync/seconds"]
+    assert metrics["weight_sync/push_seconds"] <= metrics["weight_sync/seconds"]
+    assert metrics["weight_sync/engine_call_seconds"] == 0.0 and "weight_sync/begin_seconds" not in metrics
     assert metrics["weight_sync/tensors"] == 4
     assert metrics["weight_sync/bytes"] == sum(t.numel() * 2 for t in state.values())  # written in bf16, unpadded
-    assert [m for m in log if m.startswith("load_")] == ["load_shared_params"] * 2  # unknown token, then handles
-    assert worker.opened == 4 and worker._loaded_names == set(state)
+    assert worker.opened == 4 and worker._loaded_names == set(state)  # the handles came with the first call
     assert_engine_holds_the_ranks_weights()
     # the views share the trainer's storages' memory (here on CPU the same shared pages, mapped again from the
     # pickled handle): nothing was copied on the trainer's side, and a write there is seen through the view
@@ -446,17 +453,24 @@ def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_s
         for p in rank0.model.parameters():
             p.mul_(-2).add_(0.5)
     replayed = sync(2)
-    assert [m for m in log if m.startswith("load_")] == ["load_shared_params"]  # one call, nothing re-mapped
-    assert worker.opened == 4 and engine.version == 2
+    assert log == ["update_from_shared_params"] and worker.opened == 4 and engine.version == 2  # nothing re-mapped
     assert worker.shared_load_path == "replay"  # the first sync's loader copies were proven and replayed
     assert metrics["weight_sync/replayed"] == 0.0 and replayed["weight_sync/replayed"] == 1.0
     assert_engine_holds_the_ranks_weights()  # the cached views served the new values
 
     rank0.model[1].weight = nn.Parameter(torch.randn(4, 16))  # a new storage (e.g. a reload): a new token
     sync(3)
-    assert worker.opened == 8 and [m for m in log if m.startswith("load_")] == ["load_shared_params"] * 2
+    assert worker.opened == 8 and log == ["update_from_shared_params"]  # a new token: its handles with the call
     assert worker.shared_load_path == "record"  # the plan read the old views: recorded again
     assert_engine_holds_the_ranks_weights()
+
+    # a replaced engine is a new handle: it gets the handles with its first call, and the old one is forgotten
+    new_worker = CastingWorker([(n, t.shape) for n, t in rank0.model.state_dict().items()])
+    replacement = FakeEngine(new_worker, log)
+    push_from_rank(rank0, [replacement], "cuda_ipc", 4, bucket_bytes=256, check_coverage=False, timeout_s=10,
+                   dtype="bfloat16")
+    assert new_worker.opened == 4 and replacement.version == 4 and worker.opened == 8
+    assert rank0.shared_params_transport[1].mapped == {replacement}
 
 
 def test_single_pass_applies_only_to_cuda_ipc_from_one_rank_holding_whole_own_tensors():
