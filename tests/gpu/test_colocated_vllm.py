@@ -103,11 +103,16 @@ def test_automodel_trainer_learns_colocated_and_its_weights_arrive_equal(tmp_pat
     assert m[20]["train/weight_sync/probe_groups"] == 28 + 2
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["r3_on", "r3_off"])
-def test_r3_replays_vllms_own_routed_experts_on_gpu(tmp_path_factory, replay):
-    """One run per setting, same seeds (`-k r3_off` runs one); bench/gpu_colocated.py puts the pair side by side."""
-    out = tmp_path_factory.mktemp(f"qwen3_moe_r3_gpu_{'on' if replay else 'off'}")
+@pytest.mark.parametrize("replay,backend", [(True, "hf"), (False, "hf"), (True, "automodel")],
+                         ids=["r3_on", "r3_off", "r3_on_automodel"])
+def test_r3_replays_vllms_own_routed_experts_on_gpu(tmp_path_factory, replay, backend):
+    """One run per setting, same seeds (`-k r3_off` runs one); bench/gpu_colocated.py puts the pair side by side.
+    `r3_on_automodel`: the same with NeMo AutoModel's MoE as the trainer (its RouterReplay; no aux loss there)."""
+    if backend == "automodel":
+        pytest.importorskip("nemo_automodel", reason="needs NeMo AutoModel (make install-gpu; on the device: .whl)")
+    out = tmp_path_factory.mktemp(f"qwen3_moe_r3_gpu_{'on' if replay else 'off'}_{backend}")
     m = molt_run(out, "+recipe=qwen3_moe_r3_gpu", f"rollout.routing_replay={str(replay).lower()}",
+                 f"model.backend={backend}", *(["model.aux_loss_coef=0"] if backend == "automodel" else []),
                  "train.max_steps=3", "checkpoint.save_steps=0")  # a 60 GB checkpoint: the device's disk is 64 GB
     assert sorted(m) == [1, 2, 3]
     for row in m.values():  # vLLM captured every token's experts: the trainer compares its own top-8 with them
