@@ -133,7 +133,7 @@ def add_into_fp32(main: torch.Tensor, grad: torch.Tensor) -> None:
     of the 30B-A3B-8-layer step's 751 ms): there one fused, vectorized kernel does it (bf16 load, fp32 add, store)."""
     if (main.device.type == "cuda" and grad.dtype != main.dtype and main.numel() > 1 and main.is_contiguous()
             and grad.is_contiguous()):
-        fused_add()(main.view(-1), grad.view(-1))
+        fused_add_(main, grad)
     else:
         # eager: equal dtypes (already vectorized), strided grads (no flat view to hand the kernel), sizes 0 and 1
         # (torch.compile specializes on them: a graph each), and the CPU (there every trainer process would pay
@@ -141,18 +141,23 @@ def add_into_fp32(main: torch.Tensor, grad: torch.Tensor) -> None:
         main.add_(grad)
 
 
+def fused_add_(main: torch.Tensor, grad: torch.Tensor) -> None:
+    """main += grad (contiguous, any shape, 2+ elements) through one compiled kernel, one graph for every shape."""
+    # 1-D, and detached: not views, since a view's base enters torch.compile's guards (a graph per base shape)
+    _compiled_add()(main.view(-1).detach(), grad.view(-1).detach())
+
+
 def _add(main: torch.Tensor, grad: torch.Tensor) -> None:
     main.add_(grad)
 
 
 @functools.cache
-def fused_add():
-    """`_add` compiled, 1-D, one graph for every size (dynamic=True) per device and dtype pair."""
-    return torch.compile(_add, dynamic=True, fullgraph=True)
+def _compiled_add():
+    return torch.compile(_add, dynamic=True, fullgraph=True)  # dynamic: one graph for every size (per dtype pair)
 
 
 def fused_add_graphs() -> int:
-    """The graphs `fused_add` has built in this process (1 per device and dtype pair: a rise is a recompile)."""
+    """The graphs `fused_add_` has built in this process (1 per device and dtype pair: a rise is a recompile)."""
     return graphs_of(_add)
 
 
