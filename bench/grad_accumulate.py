@@ -44,6 +44,7 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
+@torch.no_grad()  # as the optimizer's hook runs it (grad mode is part of torch.compile's guards)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
