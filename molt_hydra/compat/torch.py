@@ -7,7 +7,8 @@
   placed like a GPU parameter, as FSDP2's own CPU offload holds them (parallel/optim.py, parallelism.offload=optimizer);
   the public `DTensor.from_local` moves the shard to the mesh's device.
 - torch.compile's counters (torch._dynamo.utils.counters["stats"]["unique_graphs"]): the graphs built so far in this
-  process, so a recompile (a new shape, a failed guard) shows as a step's `perf/compiled_graphs` rising.
+  process, so a recompile (a new shape, a failed guard) shows as a step's `perf/compiled_graphs` rising; and the
+  graphs one function holds (torch._dynamo.eval_frame._debug_get_cache_entry_list: its code's cache entries).
 Written for torch 2.11 (the GPU build) to 2.13 (CPU); tests/unit/test_compat_weight_loading.py and
 tests/unit/test_torch_compat.py check what they rely on against the installed torch.
 """
@@ -60,3 +61,11 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def graphs_of(fn) -> int:
+    """The graphs torch.compile holds for the plain Python function `fn` (one per recompile), of any device."""
+    _check("the compiled-graph count")
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(fn.__code__))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch.optim.adamw import adamw
 
-from molt_hydra.compat.torch import dtensor_in_place
+from molt_hydra.compat.torch import dtensor_in_place, graphs_of
 from molt_hydra.config.validate import FLOOR_SCHEDULERS
 from molt_hydra.parallel.muon import MuonAdamW, local_part, muon_param_groups
 from molt_hydra.weight_sync.buckets import bucket_weights
@@ -55,7 +56,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         if (main := self.main_grads.get(p)) is None:
             self.main_grads[p] = p.grad.float()  # DTensor stays DTensor (clip_grad_norm_ reduces its norm)
         else:
-            local_part(main).add_(local_part(p.grad))  # bf16 promoted to fp32 inside the add
+            add_into_fp32(local_part(main), local_part(p.grad))
         p.grad = None
 
     def grad(self, p):
@@ -124,6 +125,40 @@ class MasterWeightAdamW(torch.optim.AdamW):
         for i, p in zip(ids, (p for g in self.param_groups for p in g["params"])):
             device = "cpu" if self.on_host else p.device
             self.state[p].update({k: v.to(device=device, dtype=torch.float32) for k, v in kept[i].items()})
+
+
+def add_into_fp32(main: torch.Tensor, grad: torch.Tensor) -> None:
+    """main += grad in place (main fp32, grad of the params' dtype, one shape), each element as eager torch adds it.
+    On CUDA a mixed-dtype add_ runs ATen's dynamic-casting, unvectorized loop (~40 % of the H200's bandwidth, ~97 ms
+    of the 30B-A3B-8-layer step's 751 ms): there one fused, vectorized kernel does it (bf16 load, fp32 add, store)."""
+    if (main.device.type == "cuda" and grad.dtype != main.dtype and main.numel() > 1 and main.is_contiguous()
+            and grad.is_contiguous()):
+        fused_add_(main, grad)
+    else:
+        # eager: equal dtypes (already vectorized), strided grads (no flat view to hand the kernel), sizes 0 and 1
+        # (torch.compile specializes on them: a graph each), and the CPU (there every trainer process would pay
+        # inductor's compile, and need a C++ compiler, for a loop its tests do not time)
+        main.add_(grad)
+
+
+def fused_add_(main: torch.Tensor, grad: torch.Tensor) -> None:
+    """main += grad (contiguous, any shape, 2+ elements) through one compiled kernel, one graph for every shape."""
+    # 1-D, and detached: not views, since a view's base enters torch.compile's guards (a graph per base shape)
+    _compiled_add()(main.view(-1).detach(), grad.view(-1).detach())
+
+
+def _add(main: torch.Tensor, grad: torch.Tensor) -> None:
+    main.add_(grad)
+
+
+@functools.cache
+def _compiled_add():
+    return torch.compile(_add, dynamic=True, fullgraph=True)  # dynamic: one graph for every size (per dtype pair)
+
+
+def fused_add_graphs() -> int:
+    """The graphs `fused_add_` has built in this process (1 per device and dtype pair: a rise is a recompile)."""
+    return graphs_of(_add)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

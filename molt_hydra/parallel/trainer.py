@@ -40,7 +40,7 @@ from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
 from molt_hydra.parallel.fsdp import compile_block, shard_model, to_compute_dtype
 from molt_hydra.parallel.grad_debug import grad_norm_metrics
-from molt_hydra.parallel.optim import MasterWeightAdamW, build_optimizer, build_scheduler
+from molt_hydra.parallel.optim import MasterWeightAdamW, build_optimizer, build_scheduler, fused_add_graphs
 from molt_hydra.parallel.perf import flops_per_token, mfu
 from molt_hydra.parallel.trainer_spec import TrainerSpec
 from molt_hydra.weight_sync.buckets import iter_weight_buckets, local_full_weights
@@ -495,7 +495,8 @@ class TrainerWorker:
                                         self.spec.peak_tflops * 1e12, self.world_size)
         if self.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
             metrics[f"{perf}compiled_graphs"] = graphs = float(compiled_graphs())
-            if not graphs and not self.told_no_graphs:  # e.g. a data-dependent op inside an activation checkpoint
+            # the blocks' own: the fp32 grad sums' fused add (one graph, on a GPU) says nothing of theirs
+            if not graphs - fused_add_graphs() and not self.told_no_graphs:  # e.g. a data-dependent op inside AC
                 self.told_no_graphs = True
                 log.warning("model.compile_blocks: torch.compile built no graph in the first step; the blocks run "
                             "eager (TORCH_LOGS=graph_breaks says why)")

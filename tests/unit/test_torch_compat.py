@@ -57,3 +57,26 @@ def test_the_compiled_graph_count_rises_by_one_per_new_graph_and_not_on_reuse():
     assert compiled_graphs() == before + 1
     fn(torch.zeros(3))
     assert compiled_graphs() == before + 1
+
+
+def test_the_fp32_grad_sum_compiles_one_graph_that_adds_as_eager_torch():
+    """parallel/optim.py's fused add (MasterWeightAdamW's fp32 grad sums over micro-batches; it runs on a GPU, here on
+    the CPU's inductor): over shapes of 1 to 3 dims, sizes from 2 elements to odd ones past any vector width, and grads
+    that are slices at odd offsets of one buffer (as FSDP2's reduced shards are), main += bf16 grad is the exact sum
+    rounded once to fp32, bit for bit eager torch's mixed-dtype add_, and one graph serves them all (a graph per size,
+    per rank or per view base would rise here)."""
+    import torch
+
+    from molt_hydra.parallel.optim import fused_add_, fused_add_graphs
+
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randn(8000, generator=gen).bfloat16()
+    grads = [torch.randn(s, generator=gen).bfloat16() for s in ((2,), (3,), (1000,), (37, 111), (3, 7, 11), (4099,))]
+    grads += [flat[off:off + n] for off, n in ((3, 129), (1001, 1999))] + [flat[4000:].view(50, 80)]
+    for grad in grads:
+        main = torch.randn(grad.shape, generator=gen)
+        exact = main.double() + grad.double()  # exact: both fit 53 bits at these magnitudes
+        eager = main.clone().add_(grad)
+        fused_add_(main, grad)
+        assert torch.equal(main, exact.float()) and torch.equal(main, eager), grad.shape
+    assert fused_add_graphs() == 1
