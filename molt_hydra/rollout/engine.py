@@ -388,7 +388,7 @@ class VLLMEngine(BatchedCallee):
     async def _end_update(self, version: int | None, *finalize) -> None:
         """After the loads (`finalize`: the workers' own last calls, run first): drop KV and image encodings computed
         by the old weights, stamp the new version and resume. `version` None: the update failed part-way, so the
-        engine is marked `weights_mixed` (unhealthy, kept paused, the old version number). Asleep at level 2 (the
+        engine is marked `weights_mixed` (unhealthy, kept paused, the old version number). Asleep at level 1 or 2 (a
         colocated GPU engine), vLLM's sleep already dropped those caches, and waking the KV cache resumes the
         scheduler: two round trips to the engine core less."""
         steps, adapter = list(finalize), self.lora_request

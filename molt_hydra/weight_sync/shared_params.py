@@ -3,8 +3,9 @@
 For one trainer rank whose parameters are full tensors (FSDP2 with dp=1, or no FSDP): the trainer shares IPC handles
 of its OWN parameter storages, which the optimizer updates in place, and each engine worker opens them once and keeps
 the views for every later sync; a sync is then one call per engine (begin, load, finish, stamp and resume together:
-one round trip) whose loader reads the trainer's parameters and casts while it copies into the engine's own (fp32 -> bf16: 6 bytes of traffic per parameter against 10 for pack +
-load). So the wire-dtype rule of the packed transports does not apply: the loader receives the trainer's dtype.
+one round trip) whose loader reads the trainer's parameters and casts while it copies into the engine's own (fp32 ->
+bf16: 6 bytes of traffic per parameter against 10 for pack + load). So the wire-dtype rule of the packed transports
+does not apply: the loader receives the trainer's dtype.
 
 The views are keyed by `token`, a fingerprint of the storages (address, layout, dtype of every tensor) and of this
 process: if the trainer's storages change (a reload, a new process), the token changes, a new transport is made and
@@ -37,7 +38,7 @@ class SharedParamsTransport(Transport):
         self.tensors = tensors
         layout = [(n, t.data_ptr(), tuple(t.shape), t.stride(), str(t.dtype), str(t.device)) for n, t in tensors]
         self.token = hashlib.sha1(repr((os.getpid(), layout)).encode()).hexdigest()
-        self.handles: list | None = None  # made on the first engine that asks for them, kept for the token's life
+        self.handles: list | None = None  # made for the first engine not yet reached, kept for the token's life
         self.refusals: set[str] = set()  # why a worker's loaders could not be recorded: each said once
         self.mapped: set = set()  # the engines (Ray handles) whose workers hold this token's views
         self.engine_seconds = 0.0  # the slowest engine worker's own load in the last update
