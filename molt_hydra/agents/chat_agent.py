@@ -113,6 +113,7 @@ class ChatAgentRunner(Runner):
         finally:
             segments = server.close_session(sid)
         reward, score = reward_and_score(result, f"{self.agent_cls.__name__}.run")
+        _refuse_step_fields(result, f"{self.agent_cls.__name__}.run")
         if result.images and not session.accepts_images:  # they would replace the trajectory's (none) for training
             raise ValueError(f"{self.agent_cls.__name__}.run returned {len(result.images)} Result.images, but the "
                              "model is text-only; return images only with a vision model (leave Result.images None)")
@@ -127,6 +128,20 @@ class ChatAgentRunner(Runner):
         if self.server is not None:
             await self.server.stop()
             self.server, self._server_loop = None, None
+
+
+def _refuse_step_fields(result, returned_by: str) -> None:
+    """`Result.observation`, `sampling_params` and `terminated=False` steer an Env's next turn (the step runner); a
+    ChatAgent's turns are its own requests, over when `run` returns: set, they would change nothing (a refusal)."""
+    step_fields = [f"Result.{name}" for name, unset in (("observation", ""), ("sampling_params", None))
+                   if getattr(result, name) != unset]
+    if step_fields:
+        raise ValueError(f"{returned_by} returned {' and '.join(step_fields)}, which steer an Env's next turn; a "
+                         "ChatAgent's turns are its own requests to ctx.base_url (sampling goes in each request): leave "
+                         "them unset")
+    if result.terminated is False and not result.truncated:
+        raise ValueError(f"{returned_by} returned Result.terminated=False; a ChatAgent's episode ends when run "
+                         "returns: set Result.truncated=True if it was cut off")
 
 
 @functools.cache

@@ -7,6 +7,7 @@ Idefics3) are tests/integration/test_vlm_engine.py.
 
 import asyncio
 
+import pytest
 from PIL import Image
 
 from molt_hydra.agents import Episode, Result, StepEnvRunner
@@ -119,6 +120,39 @@ def test_result_images_for_a_text_only_model_fail_the_rollout_naming_the_agent(t
     for outcome, agent in zip(asyncio.run(both()), ("Env.step", "Agent.run")):
         assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
         assert f"{agent} returned 1 Result.images, but the model is text-only" in outcome.errors["agent_exception"]
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"observation": "try again"}, "Result.observation, which steer an Env's next turn"),
+    ({"sampling_params": {"temperature": 0.1}}, "Result.sampling_params, which steer"),
+    ({"terminated": False}, "Result.terminated=False; a ChatAgent's episode ends when run returns")])
+def test_step_runner_fields_from_a_chat_agent_fail_the_rollout_naming_them(tiny_model, fields, named):
+    """Before: a ChatAgent's Result.observation, sampling_params and terminated=False were dropped without a word (they
+    steer an Env's next turn; a ChatAgent's turns are its own requests)."""
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
+
+    tok = tokenizer(tiny_model)
+
+    class Agent(ChatAgent):
+        async def run(self, ctx):
+            async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=1.0, **fields)
+
+    runner = ChatAgentRunner(Agent)
+
+    async def run():
+        try:
+            return await runner.run_group([Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=128)],
+                                          VLMStandIn(tok.eos_token_id), tok)
+        finally:
+            await runner.close()
+
+    outcome = asyncio.run(run())
+    assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
+    assert f"Agent.run returned {named}" in outcome.errors["agent_exception"]
 
 
 def _png_uri(im) -> str:
