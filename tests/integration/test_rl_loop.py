@@ -191,7 +191,9 @@ def _is_engine_core(pid: int) -> bool:
 
 
 def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
-    cmd = [MOLT_RUN, *SMALL, f"hydra.run.dir={tmp_path}", "train.max_steps=50", "train.timeouts.step_s=20",
+    # never done before the engine is found and stopped (with 50 steps, a loaded machine once saw the run end
+    # normally within the 30 s the search below allows: "no EngineCore found", the run's stderr a clean start's)
+    cmd = [MOLT_RUN, *SMALL, f"hydra.run.dir={tmp_path}", "train.max_steps=100000", "train.timeouts.step_s=20",
            "train.timeouts.engine_call_s=20"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -203,8 +205,9 @@ def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     while not engine_cores and time.monotonic() < looked_until:
         engine_cores = [p for p in descendants(proc.pid) if _is_engine_core(p)]
         time.sleep(0.5)
-    ended = proc.communicate()[1][-4000:] if not engine_cores and proc.poll() is not None else "(still running)"
-    assert engine_cores, f"no vLLM EngineCore process found under the run (pid {proc.pid}); its stderr: {ended}\n" + \
+    ended = (f"exit {proc.poll()}, stderr: " + proc.communicate()[1][-4000:] if not engine_cores
+             and proc.poll() is not None else "(still running)")
+    assert engine_cores, f"no vLLM EngineCore process found under the run (pid {proc.pid}); {ended}\n" + \
         subprocess.run(["ps", "-eo", "pid,ppid,comm,args", "--forest"], capture_output=True, text=True).stdout[-6000:]
     for p in engine_cores:
         os.kill(p, signal.SIGSTOP)  # the engine hangs: no error, no progress
