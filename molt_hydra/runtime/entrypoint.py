@@ -335,7 +335,7 @@ def _resume_hint(cfg: RunConfig) -> list[str]:
         return []
     last = None
     with suppress(OSError):
-        last = resolve_checkpoint(cfg.checkpoint.dir)
+        last = resolve_checkpoint(cfg.checkpoint.dir, checksums=True)  # as the resume will choose (small files)
     return [f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
             else "Last checkpoint: none (the run starts from step 0 again)"]
 

@@ -6,6 +6,8 @@ compute dtype: optimizer). A warm start (weights only) is not checked."""
 
 from __future__ import annotations
 
+import zipfile
+
 import pytest
 import torch
 
@@ -119,3 +121,24 @@ def test_an_sft_resume_under_another_batch_size_is_refused(tmp_path, capsys, bat
     assert stop.value.code == EXIT_FAILED and last.startswith("Run failed: train.batch_size: ")
     assert "after 3 steps of 8 samples (24 consumed); train.batch_size=4 would resume at sample 12" in last
     assert "Fix: set train.batch_size=8, or checkpoint.load_model_only=true" in last
+
+
+def test_the_resume_hint_names_the_checkpoint_the_resume_would_take(tmp_path):
+    """A failed run's last lines name the checkpoint to resume from. Before: the newest one whose files were there,
+    even when one had changed since its save (its CRC32 no longer matching), which the resume then passed over."""
+    from types import SimpleNamespace
+
+    from molt_hydra.runtime.entrypoint import _resume_hint
+
+    model, opt = _trained(0)
+    save_checkpoint(tmp_path, 1, model, opt)
+    newest = save_checkpoint(tmp_path, 2, model, opt)
+    rng = newest / "rng_rank0.pt"
+    with zipfile.ZipFile(rng) as archive:  # a byte of the saved RNG state itself: the file still loads
+        at = archive.getinfo("archive/data/0").header_offset + 200
+    data = bytearray(rng.read_bytes())
+    data[at] ^= 0xFF
+    rng.write_bytes(bytes(data))
+    value = SimpleNamespace
+    cfg = value(job=value(value="rl"), checkpoint=value(dir=str(tmp_path)))
+    assert _resume_hint(cfg) == [f"Last checkpoint: {tmp_path / 'step_1'}; resume with checkpoint.resume=auto"]
