@@ -234,14 +234,17 @@ def _shard_crcs(path: Path) -> dict[str, int]:
         return {}
 
 
+def saved_client_state(path: Path) -> dict:
+    """What the trainer recorded with the checkpoint at `path` (global_step, master_weights, the job's own counts)."""
+    return torch.load(path / "extra_state.pt", weights_only=False)["client_state"]
+
+
 def saved_master_weights(path: Path, client_state: dict | None = None) -> str:
     """The model.master_weights the checkpoint at `path` was saved under: recorded in its client state (since
     2026-12-05; `client_state` when already read); in an older one, told by its model tensors' dtypes in DCP's
     metadata: fsdp's are all fp32, optimizer's parameters are in the compute dtype (their fp32 masters are optimizer
     state)."""
-    if client_state is None:
-        client_state = torch.load(path / "extra_state.pt", weights_only=False)["client_state"]
-    recorded = client_state.get("master_weights")
+    recorded = (saved_client_state(path) if client_state is None else client_state).get("master_weights")
     if recorded is not None:
         return recorded
     meta = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata

@@ -136,6 +136,8 @@ def _check_resume(cfg: RunConfig) -> Path | None:
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
               f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
+    if cfg.job.value == "sft" and found is not None and not c.load_model_only:
+        _refuse_another_sft_batch_size(cfg, found)
     # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
     critic = Path(c.dir + "_critic") / found.name if found is not None else None
     if critic is not None and critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
@@ -146,6 +148,22 @@ def _check_resume(cfg: RunConfig) -> Path | None:
                   "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
             sys.exit(EXIT_FAILED)
     return found
+
+
+def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path) -> None:
+    """job=sft resumes at sample global_step x train.batch_size of the epoch's order: under another batch size than
+    the checkpoint's it skipped or repeated samples without a word (and stretched the LR schedule). Refused, naming
+    both sizes and the fix."""
+    from molt_hydra.parallel.checkpoint import saved_client_state
+
+    state = saved_client_state(found)
+    steps, consumed, size = state.get("global_step", 0), state.get("consumed_samples"), cfg.train.batch_size
+    if steps and consumed is not None and consumed != steps * size:
+        print(f"\nRun failed: train.batch_size: {found} was saved after {steps} steps of {consumed // steps} samples "
+              f"({consumed} consumed); train.batch_size={size} would resume at sample {steps * size}, skipping or "
+              f"repeating data. Fix: set train.batch_size={consumed // steps}, or checkpoint.load_model_only=true "
+              "(its weights alone, from step 0)", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 def _refuse_earlier_checkpoints(cfg: RunConfig) -> None:
@@ -317,7 +335,7 @@ def _resume_hint(cfg: RunConfig) -> list[str]:
         return []
     last = None
     with suppress(OSError):
-        last = resolve_checkpoint(cfg.checkpoint.dir)
+        last = resolve_checkpoint(cfg.checkpoint.dir, checksums=True)  # as the resume will choose (small files)
     return [f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
             else "Last checkpoint: none (the run starts from step 0 again)"]
 

@@ -6,6 +6,8 @@ compute dtype: optimizer). A warm start (weights only) is not checked."""
 
 from __future__ import annotations
 
+import zipfile
+
 import pytest
 import torch
 
@@ -92,3 +94,51 @@ def test_a_role_resumes_the_step_it_is_told_and_a_missing_one_is_named(tmp_path)
         load_checkpoint(tmp_path, fresh, fresh_opt, step="step_3")
     assert str(err.value).startswith(f"{tmp_path / 'step_3'}: missing; every role resumes step_3") and "Fix: " in \
         str(err.value)
+
+
+@pytest.mark.parametrize("batch_size,warm,refused", [(4, False, True), (8, False, False), (4, True, False)],
+                         ids=["other_size", "same_size", "warm_start"])
+def test_an_sft_resume_under_another_batch_size_is_refused(tmp_path, capsys, batch_size, warm, refused):
+    """job=sft resumes at sample global_step x train.batch_size: a checkpoint of 3 steps of 8 samples resumed with
+    batch size 4 went on at sample 12 of the epoch's order, repeating 12 samples without a word. Now the run stops
+    before anything starts naming both sizes; the same size, or a warm start (weights only, step 0), goes on."""
+    from types import SimpleNamespace
+
+    from molt_hydra.runtime.entrypoint import EXIT_FAILED, _check_resume
+
+    model, opt = _trained(0)
+    save_checkpoint(tmp_path, 3, model, opt, client_state={"master_weights": "fsdp", "global_step": 3,
+                                                           "consumed_samples": 3 * 8})
+    value = SimpleNamespace
+    cfg = value(job=value(value="sft"), model=value(master_weights=value(value="fsdp")), train=value(
+        batch_size=batch_size), checkpoint=value(dir=str(tmp_path), resume=value(value="auto"), load_model_only=warm))
+    if not refused:
+        assert _check_resume(cfg).name == "step_3"
+        return
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(cfg)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == EXIT_FAILED and last.startswith("Run failed: train.batch_size: ")
+    assert "after 3 steps of 8 samples (24 consumed); train.batch_size=4 would resume at sample 12" in last
+    assert "Fix: set train.batch_size=8, or checkpoint.load_model_only=true" in last
+
+
+def test_the_resume_hint_names_the_checkpoint_the_resume_would_take(tmp_path):
+    """A failed run's last lines name the checkpoint to resume from. Before: the newest one whose files were there,
+    even when one had changed since its save (its CRC32 no longer matching), which the resume then passed over."""
+    from types import SimpleNamespace
+
+    from molt_hydra.runtime.entrypoint import _resume_hint
+
+    model, opt = _trained(0)
+    save_checkpoint(tmp_path, 1, model, opt)
+    newest = save_checkpoint(tmp_path, 2, model, opt)
+    rng = newest / "rng_rank0.pt"
+    with zipfile.ZipFile(rng) as archive:  # a byte of the saved RNG state itself: the file still loads
+        at = archive.getinfo("archive/data/0").header_offset + 200
+    data = bytearray(rng.read_bytes())
+    data[at] ^= 0xFF
+    rng.write_bytes(bytes(data))
+    value = SimpleNamespace
+    cfg = value(job=value(value="rl"), checkpoint=value(dir=str(tmp_path)))
+    assert _resume_hint(cfg) == [f"Last checkpoint: {tmp_path / 'step_1'}; resume with checkpoint.resume=auto"]
