@@ -27,6 +27,13 @@ from molt_hydra.runtime.watchdog import EXIT_FAILED, descendants  # noqa: E402
 AGENTS = Path(__file__).resolve().parent / "fault_agents.py"
 
 
+def newest_step(ckpts: Path) -> int:
+    """The newest step_N saved under `ckpts` (0 if none). Wait on this, not on one step's directory: a tiny step takes
+    ~0.1 s, and checkpoint.max_num prunes a step's directory ~0.3 s after it appears, between two polls."""
+    steps = [p.name.removeprefix("step_") for p in ckpts.glob("step_*")]
+    return max((int(s) for s in steps if s.isdigit()), default=0)
+
+
 class Run:
     """`molt-run` in the background; remembers every process it started, to prove none outlives it."""
 
@@ -164,8 +171,8 @@ def test_read_only_checkpoint_dir_is_refused_before_anything_starts(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_rank_killed_names_the_rank_and_the_checkpoint_to_resume(tmp_path):
-    run = Run(tmp_path / "run", "train.max_steps=30", "checkpoint.save_steps=1")
-    run.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_1").exists())
+    run = Run(tmp_path / "run", "train.max_steps=100000", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(tmp_path / "run" / "checkpoints") >= 1)
     (rank,) = run.children("PolicyWorker")
     os.kill(rank, signal.SIGKILL)
     code = run.finish()
@@ -250,8 +257,8 @@ def test_killed_engine_core_mid_generation_is_survived_and_requests_retried(tmp_
 
 @pytest.mark.slow
 def test_engine_deaths_past_the_restart_budget_end_the_run_naming_the_engine(tmp_path):
-    run = Run(tmp_path / "run", "train.max_steps=30", "rollout.max_engine_restarts=0", "checkpoint.save_steps=1")
-    run.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_1").exists())
+    run = Run(tmp_path / "run", "train.max_steps=100000", "rollout.max_engine_restarts=0", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(tmp_path / "run" / "checkpoints") >= 1)
     (engine,) = run.children("VLLMEngine")
     os.kill(engine, signal.SIGKILL)
     code = run.finish()
@@ -281,8 +288,8 @@ def test_three_point_sweep_runs_every_point_in_one_process(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_write_error_names_the_writer_and_keeps_the_last_checkpoint(tmp_path):
     ckpts = tmp_path / "run" / "checkpoints"
-    run = Run(tmp_path / "run", "train.max_steps=30", "checkpoint.save_steps=1")
-    run.wait_for(lambda: (ckpts / "step_1").exists())
+    run = Run(tmp_path / "run", "train.max_steps=100000", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(ckpts) >= 1)
     if subprocess.run(["chattr", "+i", str(ckpts)], capture_output=True).returncode:
         run.proc.kill()
         pytest.skip("chattr +i is not available here (needs root on a filesystem that supports it)")
@@ -413,8 +420,8 @@ def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path):
     from molt_hydra.runtime.reaper import GRACE_S
 
     out = tmp_path / "run"
-    run = Run(out, "train.max_steps=30", "checkpoint.save_steps=1")
-    run.wait_for(lambda: (out / "checkpoints" / "step_1").exists())
+    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
     run.seen.update(descendants(run.proc.pid))
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_faults import Run  # noqa: E402
+from test_faults import Run, newest_step  # noqa: E402
 from test_rl_loop import MOLT_RUN, SMALL, metrics  # noqa: E402
 
 from molt_hydra.parallel.checkpoint import resolve_checkpoint  # noqa: E402
@@ -27,10 +27,10 @@ from molt_hydra.runtime.watchdog import EXIT_FAILED  # noqa: E402
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
-    """A run sent SIGTERM once its step-2 checkpoint exists, and again 0.5 s later, while it stops."""
+    """A run sent SIGTERM once a checkpoint of step 2 or later exists, and again 0.5 s later, while it stops."""
     out = tmp_path_factory.mktemp("sigterm") / "run"
-    run = Run(out, "train.max_steps=30", "checkpoint.save_steps=1")
-    run.wait_for(lambda: (out / "checkpoints" / "step_2").exists())
+    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 2)
     os.kill(run.proc.pid, signal.SIGTERM)
     time.sleep(0.5)
     os.kill(run.proc.pid, signal.SIGTERM)
