@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +28,29 @@ def _eval_loss(worker, samples, rank, world) -> float:
                       sum(float(x["loss_mask"].sum()) for x in own)])
     dist.all_reduce(s)
     return float(s[0] / s[1].clamp(min=1))
+
+
+def _resume(worker, kw: dict, rank: int) -> dict | None:
+    """Loads `resume_step` (the run's checked choice), else the newest loadable checkpoint. A shard changed since its
+    save (its CRC32 is checked as the load reads it: every rank raises) passes that checkpoint over, in one line, for
+    the newest older one the checks pass, as the RL resume does (runtime/entrypoint.py _load_verified); with none
+    left, the load's error (the file, the fix) ends the run. Before, job=sft failed on it."""
+    from molt_hydra.parallel.checkpoint import DamagedCheckpoint, resolve_checkpoint
+
+    root = kw["ckpt_path"]
+    step = kw["resume_step"] or getattr(resolve_checkpoint(root), "name", None)
+    while True:
+        try:
+            return worker.load_checkpoint(root, model_only=kw["load_model_only"], step=step)
+        except DamagedCheckpoint as e:
+            why, skipped = e.args[1], []
+            older = resolve_checkpoint(root, skipped, checksums=True, older_than=Path(root) / step)
+            if older is None:
+                raise
+        if rank == 0:  # (the next load overwrites all that the failed one loaded)
+            for line in [why, *skipped]:
+                print(f"Checkpoint passed over: {line}; resuming from {older} instead", file=sys.stderr, flush=True)
+        step = older.name
 
 
 def _sft_rank(rank: int, world: int, port: int, kw: dict):
@@ -54,9 +78,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     total = math.ceil(kw["max_epochs"] * steps_per_epoch)
     worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,
                                        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), **kw["worker"]))
-    resume = kw["resume"] and kw["ckpt_path"]
-    client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"],
-                                    step=kw["resume_step"]) if resume else None
+    client = _resume(worker, kw, rank) if kw["resume"] and kw["ckpt_path"] else None
     start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
     out = Path(kw["output_dir"])
     log = out / "sft_metrics.jsonl"
