@@ -38,11 +38,23 @@ def _entry(rank, fn, world_size, port, threads, args):
     os._exit(0)
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, threads_per_rank: int = 1):
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, threads_per_rank: int = 1, ignore=()):
+    """`ignore`: signals the ranks ignore for their life (Slurm's notice under job=sft: only the caller acts on it,
+    and Slurm sends it to every process of the job step). An ignored signal stays ignored across exec: they are
+    ignored here while the ranks start, the caller's handlers back after."""
+    import signal
+    import threading
+
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), threads_per_rank, args),
-                             nprocs=world_size, join=False, start_method="spawn")
+    main = threading.current_thread() is threading.main_thread()  # (only it may set handlers)
+    kept = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignore} if main else {}
+    try:
+        ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), threads_per_rank, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):

@@ -3,7 +3,9 @@ writes what the test compares to `<out>.rank<r>` with torch.save."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 import numpy as np
 import torch
@@ -36,3 +38,8 @@ def resumed_on_two_ranks(rank, world_size, port, root, out):
     torch.save(draws, f"{out}.rank{rank}")
     dist.destroy_process_group()
 
+
+def notified(rank, world_size, port, out):
+    """Slurm's notice (SIGUSR2) to this rank, then a file: there only if the rank lived on."""
+    os.kill(os.getpid(), signal.SIGUSR2)
+    torch.save("lived on", f"{out}.rank{rank}")

@@ -55,3 +55,12 @@ def test_a_resume_on_another_number_of_ranks_seeds_every_rank_from_the_seed_and_
     said = [r.getMessage().split(":")[0] for r in caplog.records if r.name == "molt_hydra.parallel.checkpoint"]
     assert said == [f"Resuming {root / 'step_5'} on 1 trainer ranks, saved on 2"]
 
+
+def test_local_ranks_started_ignoring_slurms_notice_live_through_it(tmp_path):
+    """job=sft's ranks (parallel/sft.py passes runtime/preemption.py's NOTICE): Slurm sends the notice to every
+    process of the job step; only the driver acts on it (it tells the ranks to save). Before, each rank died of it."""
+    import signal
+
+    run_ranks(jobs.notified, 2, tmp_path / "rank", timeout_s=120, ignore=(signal.SIGUSR2,))
+    assert [torch.load(tmp_path / f"rank.rank{r}", weights_only=False) for r in (0, 1)] == ["lived on"] * 2
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # this process's handler is back
