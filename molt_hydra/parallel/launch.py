@@ -27,9 +27,15 @@ def rendezvous_address() -> tuple[str, int]:
 def _entry(rank, fn, world_size, port, threads, args):
     import os
     import sys
+    import threading
 
     import torch
+    from tqdm import tqdm
     torch.set_num_threads(threads)
+    # Progress bars (transformers' "Loading weights") lock this process's threads only. tqdm's default lock adds a
+    # multiprocessing one, a named semaphore that os._exit below left behind: the resource tracker then printed
+    # "There appear to be N leaked semaphore objects" after the run's last line (every job=sft).
+    tqdm.set_lock(threading.RLock())
     fn(rank, world_size, port, *args)
     # Done and its results written: leave without the interpreter's teardown, where a gloo rank's C++ threads were
     # seen destroyed still joinable ("terminate called without an active exception", SIGABRT) after a good run.

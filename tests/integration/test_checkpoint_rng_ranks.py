@@ -64,3 +64,21 @@ def test_local_ranks_started_ignoring_slurms_notice_live_through_it(tmp_path):
     run_ranks(jobs.notified, 2, tmp_path / "rank", timeout_s=120, ignore=(signal.SIGUSR2,))
     assert [torch.load(tmp_path / f"rank.rank{r}", weights_only=False) for r in (0, 1)] == ["lived on"] * 2
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # this process's handler is back
+
+
+def test_a_ranks_progress_bar_leaves_no_semaphore_behind(tmp_path):
+    """A rank leaves by os._exit (parallel/launch.py); tqdm's default lock was a multiprocessing semaphore it left
+    behind, so every job=sft ended with the resource tracker's 'UserWarning: resource_tracker: There appear to be 2
+    leaked semaphore objects to clean up at shutdown', printed after the run's last line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    driver = "import _resume_jobs as jobs; from molt_hydra.parallel.launch import run_ranks; " \
+             "run_ranks(jobs.progress_bar, 1); print('done')"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr[-2000:]
+    assert "Loading weights: 100%" in proc.stderr and "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]
