@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import logging
 import os
 import random
 import re
@@ -33,6 +34,7 @@ from molt_hydra.models import lora
 from molt_hydra.parallel import retention
 from molt_hydra.parallel.crc_reader import ChecksumMismatch, SummingReader
 
+log = logging.getLogger(__name__)
 TAG = re.compile(r"^step_(\d+)$")
 CRCS = "crc32.json"  # {file under step_<N>: CRC32}
 
@@ -286,14 +288,15 @@ def resolve_checkpoint(root: str | os.PathLike, skipped: list[str] | None = None
 
 def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=None, model_only: bool = False,
                     master_weights: str | None = None, step: str | None = None,
-                    into: dict | None = None) -> dict | None:
+                    into: dict | None = None, seed: int = 0) -> dict | None:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client state, or None when
     there is nothing to resume from. `model_only` (a warm start): the weights alone, and no client state.
     `master_weights`: this run's model.master_weights; a resume (not a warm start) of a checkpoint saved under the
     other mode is refused before anything loads (the two optimizer states differ in kind). `step` (a step_<N>
     name): that checkpoint, not the newest loadable one: every role of a run resumes the step the actor's resolved
     to, and a role whose own is missing or damaged is an error naming it. `into` (with `model_only`): the tensors
-    the weights load into, by name, instead of the model's (the fp32 masters of model.master_weights=optimizer)."""
+    the weights load into, by name, instead of the model's (the fp32 masters of model.master_weights=optimizer).
+    `seed`: the run's, for the RNG streams of a resume on another number of ranks than saved (_restore_rng)."""
     path = resolve_checkpoint(root) if step is None else Path(root) / step
     if path is None:
         return None
@@ -324,15 +327,35 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
         return {}
     if scheduler is not None and extra["scheduler"] is not None:
         scheduler.load_state_dict(extra["scheduler"])
-    rng = path / f"rng_rank{_rank()}.pt"
-    if rng.is_file():  # absent when resuming on more ranks than saved
-        rng_state = torch.load(rng, weights_only=False)
-        random.setstate(rng_state["python"])
-        np.random.set_state(rng_state["numpy"])
-        torch.set_rng_state(rng_state["torch"])
-        if "cuda" in rng_state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng_state["cuda"])
+    _restore_rng(path, extra, seed)
     return extra["client_state"]
+
+
+def _restore_rng(path: Path, extra: dict, seed: int) -> None:
+    """This rank's RNG streams, as saved. On another number of ranks than saved, no saved stream is a rank's own
+    (before: a rank beyond the saved ones kept the stream it was built with, the others took theirs, without a word):
+    every rank seeds python, numpy and torch from `seed` + the step, alike, as a fresh run's ranks start, and rank 0
+    says so in one line."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    saved = extra.get("world_size") or len(list(path.glob("rng_rank*.pt")))  # (recorded since 2026-12-05)
+    if saved != world:
+        reseed = (seed + extra["step"]) % 2**32
+        random.seed(reseed)
+        np.random.seed(reseed)
+        torch.manual_seed(reseed)  # (every device's CUDA stream too)
+        if _rank() == 0:
+            log.warning(f"Resuming {path} on {world} trainer ranks, saved on {saved}: its RNG streams are one per "
+                        f"saved rank, so every rank's (python, numpy, torch) is seeded from seed + step = {reseed} "
+                        f"instead, alike, as at a fresh start. The run goes on reproducibly, but not as it would have "
+                        f"on {saved} ranks (each rank's share of a batch changes too); resume on {saved} ranks to "
+                        "continue exactly.")
+        return
+    state = torch.load(path / f"rng_rank{_rank()}.pt", weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None = None,

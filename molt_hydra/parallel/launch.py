@@ -27,9 +27,15 @@ def rendezvous_address() -> tuple[str, int]:
 def _entry(rank, fn, world_size, port, threads, args):
     import os
     import sys
+    import threading
 
     import torch
+    from tqdm import tqdm
     torch.set_num_threads(threads)
+    # Progress bars (transformers' "Loading weights") lock this process's threads only. tqdm's default lock adds a
+    # multiprocessing one, a named semaphore that os._exit below left behind: the resource tracker then printed
+    # "There appear to be N leaked semaphore objects" after the run's last line (every job=sft).
+    tqdm.set_lock(threading.RLock())
     fn(rank, world_size, port, *args)
     # Done and its results written: leave without the interpreter's teardown, where a gloo rank's C++ threads were
     # seen destroyed still joinable ("terminate called without an active exception", SIGABRT) after a good run.
@@ -38,11 +44,23 @@ def _entry(rank, fn, world_size, port, threads, args):
     os._exit(0)
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, threads_per_rank: int = 1):
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, threads_per_rank: int = 1, ignore=()):
+    """`ignore`: signals the ranks ignore for their life (Slurm's notice under job=sft: only the caller acts on it,
+    and Slurm sends it to every process of the job step). An ignored signal stays ignored across exec: they are
+    ignored here while the ranks start, the caller's handlers back after."""
+    import signal
+    import threading
+
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), threads_per_rank, args),
-                             nprocs=world_size, join=False, start_method="spawn")
+    main = threading.current_thread() is threading.main_thread()  # (only it may set handlers)
+    kept = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignore} if main else {}
+    try:
+        ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), threads_per_rank, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):

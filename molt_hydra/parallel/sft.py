@@ -4,7 +4,8 @@
 under torchrun (RANK/WORLD_SIZE set by the launcher) each process runs its own rank. Per optimizer step the global
 batch of `batch_size` samples is split over ranks (strided), so the loss is the window token mean over all of them
 (inventory §2.10). Checkpoints every `save_steps` carry the consumed-sample count, and `resume=True` continues from
-the latest one in `ckpt_path`; the final HF export goes to `output_dir`.
+the latest one in `ckpt_path`; the final HF export goes to `output_dir`. On Slurm's notice (the caller sets `stop`:
+runtime/preemption.py) the ranks save at the end of the step under way and return.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# run_sft's `stop` (a shared multiprocessing Value): the caller sets STOP on Slurm's notice; the ranks, once they saved
+# the step under way and stopped, leave STOPPED in it
+STOP, STOPPED = 1, 2
 
 
 def _eval_loss(worker, samples, rank, world) -> float:
@@ -27,6 +33,29 @@ def _eval_loss(worker, samples, rank, world) -> float:
                       sum(float(x["loss_mask"].sum()) for x in own)])
     dist.all_reduce(s)
     return float(s[0] / s[1].clamp(min=1))
+
+
+def _resume(worker, kw: dict, rank: int) -> dict | None:
+    """Loads `resume_step` (the run's checked choice), else the newest loadable checkpoint. A shard changed since its
+    save (its CRC32 is checked as the load reads it: every rank raises) passes that checkpoint over, in one line, for
+    the newest older one the checks pass, as the RL resume does (runtime/entrypoint.py _load_verified); with none
+    left, the load's error (the file, the fix) ends the run. Before, job=sft failed on it."""
+    from molt_hydra.parallel.checkpoint import DamagedCheckpoint, resolve_checkpoint
+
+    root = kw["ckpt_path"]
+    step = kw["resume_step"] or getattr(resolve_checkpoint(root), "name", None)
+    while True:
+        try:
+            return worker.load_checkpoint(root, model_only=kw["load_model_only"], step=step)
+        except DamagedCheckpoint as e:
+            why, skipped = e.args[1], []
+            older = resolve_checkpoint(root, skipped, checksums=True, older_than=Path(root) / step)
+            if older is None:
+                raise
+        if rank == 0:  # (the next load overwrites all that the failed one loaded)
+            for line in [why, *skipped]:
+                print(f"Checkpoint passed over: {line}; resuming from {older} instead", file=sys.stderr, flush=True)
+        step = older.name
 
 
 def _sft_rank(rank: int, world: int, port: int, kw: dict):
@@ -54,15 +83,13 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     total = math.ceil(kw["max_epochs"] * steps_per_epoch)
     worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,
                                        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), **kw["worker"]))
-    resume = kw["resume"] and kw["ckpt_path"]
-    client = worker.load_checkpoint(kw["ckpt_path"], model_only=kw["load_model_only"],
-                                    step=kw["resume_step"]) if resume else None
+    client = _resume(worker, kw, rank) if kw["resume"] and kw["ckpt_path"] else None
     start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
     out = Path(kw["output_dir"])
     log = out / "sft_metrics.jsonl"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    history = []
+    history, stop, stopping = [], kw["stop"], False
     for step in range(start, total):
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(kw["seed"] + epoch)).tolist()
@@ -71,20 +98,27 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
                "grad_norm": m["actor_grad_norm"], "tokens_per_sec": m["perf/train_tokens_per_sec"],
                **{k: v for k, v in m.items() if k.startswith("actor_grad_norm/")}}  # logger.debug_grad_norms
         last = step + 1 == total
+        if stop is not None:  # each rank reads it at its own moment: they agree first (any rank that saw it)
+            seen = torch.tensor([float(stop.value == STOP)])
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            stopping = bool(seen.item())
         if evals is not None and ((kw["eval_steps"] > 0 and (step + 1) % kw["eval_steps"] == 0) or last
                                   or (kw["eval_steps"] <= 0 and (step + 1) % steps_per_epoch == 0)):
             rec["eval sft_loss"] = _eval_loss(worker, evals, rank, world)
         every = kw["save_steps"]  # N: every N steps and the last (as an RL run); -1: at the end only; 0: never
-        if kw["ckpt_path"] and ((every > 0 and (step + 1) % every == 0) or (every != 0 and last)):
+        if kw["ckpt_path"] and ((every > 0 and (step + 1) % every == 0) or (every != 0 and (last or stopping))):
             worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs}, keep=kw["keep"],
                                    max_disk_gb=kw["max_disk_gb"])
         history.append(rec)
         if rank == 0:
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
+        if stopping:  # the step is saved (unless save_steps=0); no final export: the requeued run goes on
+            stop.value = STOPPED
+            break
     if evals is not None and start == total:
         history.append({"global_step": total, "eval sft_loss": _eval_loss(worker, evals, rank, world)})
-    if kw["export_hf"]:
+    if kw["export_hf"] and not stopping:
         worker.export_hf(str(out / "hf"))
     worker.shutdown()
     return history
@@ -99,13 +133,17 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
             eval_steps: int = -1, save_steps: int = -1, ckpt_path: str | None = None, keep: int = 3,
             resume: bool = False, export_hf: bool = True, num_ranks: int = 1, seed: int = 42,
             image_key: str | None = None, max_images_per_prompt: int = 0, max_disk_gb: float | None = None,
-            load_model_only: bool = False, resume_step: str | None = None, **trainer) -> list[dict]:
+            load_model_only: bool = False, resume_step: str | None = None, stop=None, ignore_signals=(),
+            **trainer) -> list[dict]:
     """Train, evaluate, checkpoint and export; returns the per-step metric records (also in
     <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated.
     trainer: TrainerSpec fields (parallel/trainer_spec.py: lr, param_dtype, max_tokens_per_micro_batch, the backend's
     options, ...), SFT_DEFAULTS where not given.
     load_model_only: `resume` loads the checkpoint's weights only and starts at step 0 with a fresh optimizer.
-    resume_step: the step_<N> under ckpt_path to resume (the run's checked choice), else the newest loadable."""
+    resume_step: the step_<N> under ckpt_path to resume (the run's checked choice), else the newest loadable.
+    stop: a multiprocessing Value("i", lock=False) shared with the caller (runtime/sft_job.py), who sets STOP on
+    Slurm's notice: the ranks save at the end of the step under way (save_steps=0 aside) and return without the final
+    export, leaving STOPPED. ignore_signals: signals the local ranks ignore (that notice: the caller acts on it)."""
     kw = {k: v for k, v in locals().items() if k != "trainer"}  # every argument above, as the ranks read them
     kw["worker"] = {**SFT_DEFAULTS, "seed": seed, **trainer}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
@@ -113,5 +151,6 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
     from molt_hydra.parallel.launch import run_ranks
     log = Path(output_dir) / "sft_metrics.jsonl"
     start = len(log.read_text().splitlines()) if log.exists() else 0
-    run_ranks(_sft_rank, num_ranks, kw, timeout_s=max(kw["worker"].get("timeout_s", 600.0), 3600))
+    run_ranks(_sft_rank, num_ranks, kw, timeout_s=max(kw["worker"].get("timeout_s", 600.0), 3600),
+              ignore=ignore_signals)
     return [json.loads(x) for x in log.read_text().splitlines()[start:]]

@@ -545,7 +545,7 @@ class TrainerWorker:
         # model as built, and an fp32 checkpoint would reach them rounded to the params' bf16)
         masters = model_only and isinstance(self.optimizer, MasterWeightAdamW)
         cs = ckpt.load_checkpoint(root, self.model, self.optimizer, self.scheduler, model_only=model_only,
-                                  master_weights=self.spec.master_weights, step=step,
+                                  master_weights=self.spec.master_weights, step=step, seed=self.spec.seed,
                                   into=self.optimizer.masters_by_name(self.model) if masters else None)
         if cs is not None and masters:
             self.optimizer.params_from_masters()

@@ -188,11 +188,19 @@ def _refuse_earlier_checkpoints(cfg: RunConfig) -> None:
 
 def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
     """job=sft on its torch.multiprocessing ranks; a failure is one message naming the rank, printed last (before: a
-    rank's traceback through Hydra's report)."""
+    rank's traceback through Hydra's report). Slurm's notice: the ranks save the step under way, then the notice's
+    handover (requeue, or exit 130), as an RL run's; a step past the grace is cut short (a KeyboardInterrupt: the ranks
+    end) and handed over all the same."""
     from molt_hydra.runtime.sft_job import run_sft_job
 
+    notice = PreemptionNotice()
     try:
-        run_sft_job(cfg, resume_from)
+        run_sft_job(cfg, resume_from, notice)
+    except KeyboardInterrupt:
+        if not notice.received.is_set():
+            raise  # Ctrl-C / SIGTERM: _stoppable's exit 130
+        print("\nInterrupted: the run stopped; the last checkpoint is kept.", file=sys.stderr)
+        notice.handover()
     except Exception as e:  # noqa: BLE001 - the traceback goes to failure.txt
         rank = getattr(e, "error_index", None)  # torch.multiprocessing's: the rank that raised or died
         cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # a rank's traceback ends with its error
@@ -200,6 +208,8 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
                                     *_resume_hint(cfg)], e)
         print("\n" + "\n".join(lines), file=sys.stderr)
         sys.exit(EXIT_FAILED)
+    if notice.stopped:  # (not when the notice came after the last step: the run ended anyway)
+        notice.handover()
 
 
 def _run_to_end(coro) -> int:
@@ -273,7 +283,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
             print("\n" + "\n".join(last_words), file=sys.stderr, flush=True)
         for sig in signals:
             loop.remove_signal_handler(sig)
-        notice.uninstall(loop)
+        notice.uninstall()
 
 
 def _still_stopping() -> None:

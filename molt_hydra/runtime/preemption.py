@@ -3,11 +3,14 @@
 last periodic checkpoint (none with the presets' `checkpoint.save_steps=-1`: step 0 again). Here the run first ends
 the step under way and saves a resumable checkpoint, then hands over to that handler (requeue, exit); without
 submitit (a plain sbatch script), it stops after the save. A step that has not ended GRACE_S after the notice is cut
-short like a Ctrl-C (the last checkpoint is kept) so the requeue still happens before Slurm's kill.
+short like a Ctrl-C (the last checkpoint is kept) so the requeue still happens before Slurm's kill. job=sft (no event
+loop: its main thread waits on its ranks) takes the notice through a plain handler that also tells its ranks, and
+its cut is a KeyboardInterrupt in that thread.
 """
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import signal
 import sys
@@ -33,26 +36,36 @@ class PreemptionNotice:
         self.received = asyncio.Event()
         self.saved_step: int | None = None
         self.stopped = False  # the training loop stopped on the notice (`saved`)
-        self._previous = self._submitit = self._cut = None
+        self._previous = self._submitit = self._cut = self._loop = None
+        self._installed = False
 
-    def install(self, loop: asyncio.AbstractEventLoop, main_task: asyncio.Task) -> None:
+    def install(self, loop: asyncio.AbstractEventLoop | None = None, main_task: asyncio.Task | None = None,
+                also=None) -> None:
+        """Through the run's event loop (RL): a step past the grace is cut by cancelling `main_task`. Without one
+        (job=sft): a plain handler, the cut a KeyboardInterrupt in the main thread (as Ctrl-C's). `also()`: called
+        as the notice comes (job=sft: sets the flag its ranks read at each step's end)."""
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread takes signals (a notebook's run thread)
-        self._previous = signal.getsignal(NOTICE)
+        self._previous, self._loop, self._installed = signal.getsignal(NOTICE), loop, True
         # submitit's handler (submitit/core/job_environment.py, SignalHandler): a bound method; anything else
         # (the default action: terminate) is not handed over to
         named = getattr(self._previous, "__name__", "")
         self._submitit = self._previous if named == "checkpoint_and_try_requeue" else None
-        loop.add_signal_handler(NOTICE, self._notice, loop, main_task)
+        if loop is not None:
+            loop.add_signal_handler(NOTICE, self._notice, lambda: loop.call_later(GRACE_S, main_task.cancel), also)
+        else:
+            signal.signal(NOTICE, lambda signum, frame: self._notice(_interrupt_main_later, also))
 
-    def _notice(self, loop: asyncio.AbstractEventLoop, main_task: asyncio.Task) -> None:
+    def _notice(self, cut_later, also) -> None:
         if self.received.is_set():
             return
         print(f"\n{NOTICE.name}: Slurm's notice of a time limit or a preemption: the run saves a checkpoint at the "
               f"end of this step (cut short after {GRACE_S:.0f} s), then {'is requeued' if self._submitit else 'stops'}.",
               file=sys.stderr, flush=True)
         self.received.set()
-        self._cut = loop.call_later(GRACE_S, main_task.cancel)
+        if also is not None:
+            also()
+        self._cut = cut_later()
 
     def saved(self, step: int | None) -> None:
         """The loop stopped at a step's end (saved, unless checkpoint.save_steps=0): the teardown is not cut short."""
@@ -60,10 +73,16 @@ class PreemptionNotice:
         if self._cut is not None:
             self._cut.cancel()
 
-    def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
-        main = threading.current_thread() is threading.main_thread()
-        if main and loop.remove_signal_handler(NOTICE) and self._previous is not None:  # (None: not set from Python)
-            signal.signal(NOTICE, self._previous)  # asyncio would leave the default action: terminate
+    def uninstall(self) -> None:
+        if self._cut is not None:  # (job=sft's timer would interrupt whatever runs next in this process)
+            self._cut.cancel()
+        if not self._installed:
+            return
+        self._installed = False
+        if self._loop is not None and not self._loop.remove_signal_handler(NOTICE):
+            return
+        # asyncio would leave the default action (terminate); None: a handler not set from Python
+        signal.signal(NOTICE, signal.SIG_DFL if self._previous is None else self._previous)
 
     def handover(self) -> None:
         """After the teardown, outside the event loop: submitit requeues the point and exits (-1); elsewhere exit
@@ -78,3 +97,11 @@ class PreemptionNotice:
         print(f"\nRun stopped on {NOTICE.name} (a time limit or a preemption): {where}; resume with "
               "checkpoint.resume=auto.", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _interrupt_main_later() -> threading.Timer:
+    """job=sft's cut: a KeyboardInterrupt in the main thread GRACE_S from now (its ranks then end, as on Ctrl-C)."""
+    timer = threading.Timer(GRACE_S, _thread.interrupt_main)
+    timer.daemon = True
+    timer.start()
+    return timer

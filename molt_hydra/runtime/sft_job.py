@@ -5,22 +5,36 @@ from __future__ import annotations
 from pathlib import Path
 
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.runtime.preemption import NOTICE, PreemptionNotice
 from molt_hydra.runtime.trainer_options import trainer_options
 
 
-def run_sft_job(cfg: RunConfig, resume_from: Path | None = None) -> list[dict]:
-    """`resume_from`: the checkpoint the run's resume check chose (every rank loads that one)."""
+def run_sft_job(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice) -> list[dict]:
+    """`resume_from`: the checkpoint the run's resume check chose (every rank loads that one). `notice`: Slurm's
+    (runtime/preemption.py), taken here while the ranks train: they save at the end of the step under way and stop,
+    and `notice.saved` names the step (the caller hands over: requeue or exit 130). Before, job=sft took no notice:
+    submitit requeued it at once, without a save."""
+    import multiprocessing
+
     from molt_hydra.models.build import resolve_path
-    from molt_hydra.parallel.sft import run_sft
+    from molt_hydra.parallel.sft import STOP, STOPPED, run_sft
 
     d, t, c = cfg.data, cfg.train, cfg.checkpoint
-    return run_sft(
-        resolve_path(c.path or cfg.model.path), d.train_path, cfg.output_dir, eval_data=cfg.eval.data_path,
-        input_key=d.input_key, output_key=d.output_key, chat_template=d.chat_template,
-        train_on_last_turn_only=d.train_on_last_turn_only, max_len=d.max_len, max_samples=d.max_samples,
-        batch_size=t.batch_size, max_epochs=t.epochs, eval_steps=cfg.eval.every_steps, save_steps=c.save_steps,
-        ckpt_path=c.dir, keep=c.max_num, resume=c.resume.value != "never", export_hf=c.export_final,
-        num_ranks=cfg.parallelism.trainer_devices, seed=cfg.seed, image_key=d.image_key,
-        max_images_per_prompt=d.max_images_per_prompt, max_disk_gb=c.max_disk_gb, load_model_only=c.load_model_only,
-        resume_step=resume_from.name if resume_from is not None else None,
-        **trainer_options(cfg, t.optimizer))
+    stop = multiprocessing.get_context("spawn").Value("i", 0, lock=False)  # read by the ranks at each step's end
+    notice.install(also=lambda: setattr(stop, "value", STOP))
+    try:
+        history = run_sft(
+            resolve_path(c.path or cfg.model.path), d.train_path, cfg.output_dir, eval_data=cfg.eval.data_path,
+            input_key=d.input_key, output_key=d.output_key, chat_template=d.chat_template,
+            train_on_last_turn_only=d.train_on_last_turn_only, max_len=d.max_len, max_samples=d.max_samples,
+            batch_size=t.batch_size, max_epochs=t.epochs, eval_steps=cfg.eval.every_steps, save_steps=c.save_steps,
+            ckpt_path=c.dir, keep=c.max_num, resume=c.resume.value != "never", export_hf=c.export_final,
+            num_ranks=cfg.parallelism.trainer_devices, seed=cfg.seed, image_key=d.image_key,
+            max_images_per_prompt=d.max_images_per_prompt, max_disk_gb=c.max_disk_gb,
+            load_model_only=c.load_model_only, resume_step=resume_from.name if resume_from is not None else None,
+            stop=stop, ignore_signals=(NOTICE,), **trainer_options(cfg, t.optimizer))
+    finally:
+        notice.uninstall()
+    if stop.value == STOPPED:  # (the last record is the step they stopped at)
+        notice.saved(history[-1]["global_step"] if c.save_steps != 0 else None)
+    return history

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ def _run_with_notice(notice: PreemptionNotice, body) -> object:
         try:
             return await body()
         finally:
-            notice.uninstall(asyncio.get_running_loop())
+            notice.uninstall()
 
     return asyncio.run(main())
 
@@ -106,3 +107,81 @@ def test_handover_calls_submitits_requeue_else_exits_130(capsys, usr2_handler):
         plain.handover()
     assert e.value.code == EXIT_INTERRUPTED
     assert "no checkpoint saved; resume with checkpoint.resume=auto" in capsys.readouterr().err
+
+
+def test_without_an_event_loop_the_notice_tells_the_ranks_and_its_cut_is_a_keyboard_interrupt(monkeypatch,
+                                                                                               usr2_handler):
+    """job=sft: the main thread waits on its ranks, no event loop runs. The notice sets the flag the ranks read
+    (`also`) at once; a step past the grace is cut by a KeyboardInterrupt in the main thread, which ends the ranks as
+    Ctrl-C does; after `uninstall` the previous handler is back. Before, install needed a loop: job=sft took no
+    notice."""
+    monkeypatch.setattr(preemption, "GRACE_S", 0.3)
+
+    def previous(signum, frame):
+        pass
+
+    usr2_handler(previous)
+    told, notice = [], PreemptionNotice()
+    notice.install(also=lambda: told.append("stop"))
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert notice.received.is_set() and told == ["stop"]
+        os.kill(os.getpid(), signal.SIGUSR2)  # a second notice changes nothing
+        assert told == ["stop"]
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(100):  # a step that outlasts the grace (job=sft's driver polls its ranks: short waits)
+                time.sleep(0.05)
+    finally:
+        notice.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) is previous
+
+
+def test_without_an_event_loop_a_saved_step_or_the_uninstall_stops_the_cut(monkeypatch, usr2_handler):
+    """The cut is a timer in this process: once the ranks saved, or after the run (a sweep's next point, a notebook),
+    it must not interrupt what runs next."""
+    monkeypatch.setattr(preemption, "GRACE_S", 0.3)
+    usr2_handler(signal.SIG_DFL)
+    for end in ("saved", "uninstall"):
+        notice = PreemptionNotice()
+        notice.install()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        notice.saved(4) if end == "saved" else notice.uninstall()
+        time.sleep(0.6)  # no KeyboardInterrupt
+        notice.uninstall()
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+
+
+def test_job_sft_hands_over_once_its_ranks_stopped_on_the_notice(tmp_path, monkeypatch, capsys, usr2_handler):
+    """runtime/entrypoint.py `_run_sft` and runtime/sft_job.py: the notice reaches the ranks through `stop`; once they
+    report that they stopped on it, the step they saved is named and the run exits 130 (or submitit requeues). The ranks
+    are stood in for by a function here (the real ones: tests/integration/test_sft_resume_faults.py, whose slow test
+    runs the whole job)."""
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    import molt_hydra.parallel.sft as sft
+    from molt_hydra.runtime import entrypoint
+
+    def ranks(*args, stop, ignore_signals, **kw):
+        assert ignore_signals == (signal.SIGUSR2,) and stop.value == 0
+        os.kill(os.getpid(), signal.SIGUSR2)  # Slurm's notice while step 3 trains
+        assert stop.value == sft.STOP
+        stop.value = sft.STOPPED  # step 3 saved, the ranks returned
+        return [{"global_step": 3, "sft_loss": 1.0}]
+
+    usr2_handler(signal.SIG_DFL)
+    monkeypatch.setattr(sft, "run_sft", ranks)
+    cfg = OmegaConf.to_object(compose_config(["job=sft", "data.train_path=chats.jsonl", "data.input_key=messages",
+                                              f"checkpoint.dir={tmp_path / 'ckpt'}"], output_dir=str(tmp_path)))
+    with pytest.raises(SystemExit) as e:
+        entrypoint._run_sft(cfg, None)
+    assert e.value.code == EXIT_INTERRUPTED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "Run stopped on SIGUSR2 (a time limit or a preemption): checkpoint saved at step 3; resume with "
+        "checkpoint.resume=auto.")
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the run's handler is gone with it

@@ -30,7 +30,7 @@ RANK_TRACEBACK = ("\n\n-- Process 1 terminated with the following error:\nTraceb
 def test_a_failed_sft_rank_is_one_message_naming_it(error, last, tmp_path, monkeypatch, capsys):
     import molt_hydra.runtime.sft_job as sft_job
 
-    def fails(cfg, resume_from):
+    def fails(cfg, resume_from, notice):
         raise error
 
     monkeypatch.setattr(sft_job, "run_sft_job", fails)
