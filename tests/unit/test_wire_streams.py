@@ -879,3 +879,42 @@ def test_a_turn_still_generating_when_its_session_closes_leaves_the_handed_segme
 
     handed, later = asyncio.run(go())
     assert len(handed[0][1]) == 1 and later == handed
+
+
+def test_the_anthropic_sdks_tool_runner_asks_for_a_thread_and_goes_on_with_the_full_history(tok):
+    """The anthropic SDK's tool runner sends `thread: {type: create}` (a message thread the server keeps) by default:
+    refused with error code thread_unsupported_request, which makes the SDK send every turn whole without it (was: a
+    plain 400 'unsupported field', and the runner failed on its first turn)."""
+    from anthropic import AsyncAnthropic, BadRequestError, beta_async_tool
+
+    ran = []
+
+    @beta_async_tool
+    async def python(code: str) -> str:
+        """Run Python code.
+
+        Args:
+            code: the code
+        """
+        ran.append(code)
+        return "1"
+
+    async def go():
+        server, session = await serving(tok, ScriptedEngine(tok, CALL))
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            runner = an.beta.messages.tool_runner(model="policy", max_tokens=50, messages=USER, tools=[python],
+                                                  max_iterations=2)
+            replies = [m async for m in runner]
+            with pytest.raises(BadRequestError) as refused:  # a thread asked for outright: the same error, loudly
+                await an.beta.messages.create(model="policy", max_tokens=50, messages=USER, thread={"type": "create"},
+                                              betas=["message-threads-2026-08-12"])
+            return replies, refused.value, session.close()
+        finally:
+            await server.stop()
+
+    replies, refused, segments = asyncio.run(go())
+    assert [[b.type for b in r.content] for r in replies] == [["tool_use"], ["tool_use"]] and ran == ["print(1)"] * 2
+    (traj,) = segments  # the second turn sent the whole history, which extends the first: one segment, two turns
+    assert len(traj.action_ranges) == 2
+    assert refused.error_code == "thread_unsupported_request" and "'thread'" in refused.message

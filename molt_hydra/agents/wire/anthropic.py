@@ -17,9 +17,16 @@ FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "
 TOOL_KEYS = {"name", "description", "input_schema", "cache_control", "type", "strict", "eager_input_streaming"}
 # A Choice's finish_reason -> Anthropic's stop_reason; "stop" is "stop_sequence" when one ended it, else "end_turn".
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+# Error codes the anthropic SDK branches on, sent as `error.details.error_code`: on thread_unsupported_request its
+# tool runner (which asks for a message thread by default) sends the turn again with the full history, unthreaded.
+DETAILED_CODES = {"thread_unsupported_request"}
 
 
 def parse(body: Any) -> ChatRequest:
+    if isinstance(body, dict) and body.get("thread") is not None:  # (was: a 400 the tool runner did not recover from)
+        raise RequestError(400, "'thread' (a message thread the server keeps) is not served: every turn here carries "
+                           "the whole conversation; send 'messages' in full without 'thread' (the anthropic SDK's tool "
+                           "runner does so by itself on this error)", "thread", "thread_unsupported_request")
     check.fields(body, FIELDS, "/v1/messages")
     _cache_control(body, "")
     messages = body.get("messages")
@@ -271,4 +278,7 @@ class MessageStream(Stream):
 def error(e: RequestError) -> dict:
     kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
         e.status, "invalid_request_error")
-    return {"type": "error", "error": {"type": "api_error" if e.status >= 500 else kind, "message": e.message}}
+    out = {"type": "api_error" if e.status >= 500 else kind, "message": e.message}
+    if e.code in DETAILED_CODES:
+        out["details"] = {"error_code": e.code}
+    return {"type": "error", "error": out}
