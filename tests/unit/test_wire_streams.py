@@ -918,3 +918,45 @@ def test_the_anthropic_sdks_tool_runner_asks_for_a_thread_and_goes_on_with_the_f
     (traj,) = segments  # the second turn sent the whole history, which extends the first: one segment, two turns
     assert len(traj.action_ranges) == 2
     assert refused.error_code == "thread_unsupported_request" and "'thread'" in refused.message
+
+
+def test_anthropic_structured_output_reaches_the_engine_as_its_grammar(tok):
+    """Anthropic structured output, `output_config.format` (the SDK's messages.parse) or the older top-level
+    `output_format` (LiteLLM's response_format), samples under the schema's grammar (was: a 400 'unsupported field');
+    `output_config.effort` other than the default "high" is a 400 naming it."""
+    import pydantic
+    from anthropic import AsyncAnthropic, BadRequestError, transform_schema
+
+    from molt_hydra.agents.json_grammar import compact
+
+    class City(pydantic.BaseModel):
+        city: str
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    engine = RecordingEngine(tok, '{"city": "Paris"}')
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            parsed = await an.messages.parse(model="policy", max_tokens=50, messages=USER, output_format=City)
+            await an.messages.create(model="policy", max_tokens=50, messages=USER, extra_body={
+                "output_format": {"type": "json_schema", "schema": schema}})
+            await an.messages.create(model="policy", max_tokens=50, messages=USER)
+            refused = []
+            for kw in ({"output_config": {"effort": "low"}},
+                       {"output_config": {"format": {"type": "json_schema", "schema": schema}},
+                        "tools": [TOOL_A], "tool_choice": {"type": "any"}}):
+                with pytest.raises(BadRequestError) as e:
+                    await an.messages.create(model="policy", max_tokens=50, messages=USER, **kw)
+                refused.append(e.value.message)
+            return parsed, refused
+        finally:
+            await server.stop()
+
+    parsed, (effort, both) = asyncio.run(go())
+    assert parsed.parsed_output == City(city="Paris")
+    assert [r.sampling.structured for r in engine.requests] == [
+        compact({"json": transform_schema(City)}), compact({"json": schema}), None]
+    assert "'output_config.effort'='low' is not served" in effort
+    assert "a forced tool_choice and a output_config.format cannot both shape the output" in both

@@ -11,7 +11,7 @@ from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
 from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream", "tools",
-          "tool_choice", "thinking", "cache_control"}
+          "tool_choice", "thinking", "cache_control", "output_config", "output_format"}
 # A client tool's keys served here; eager_input_streaming only changes how a tool_use block is streamed (here: whole).
 # Others (input_examples, defer_loading, allowed_callers) change what the model sees or may call: refused.
 TOOL_KEYS = {"name", "description", "input_schema", "cache_control", "type", "strict", "eager_input_streaming"}
@@ -44,9 +44,11 @@ def parse(body: Any) -> ChatRequest:
     tools = _tools(body.get("tools"))
     tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     thinking, budget = _thinking(body.get("thinking"), overrides.get("max_tokens"))
+    fmt, fmt_param = _output_format(body)
     return ChatRequest(messages=canon, tools=tools, overrides=overrides, stream=check.flag(body, "stream"),
                        tool_choice=tool_choice, parallel_tool_calls=parallel, thinking=thinking,
-                       thinking_budget=budget, strict_tools=check.strict_names(body.get("tools") or []))
+                       thinking_budget=budget, strict_tools=check.strict_names(body.get("tools") or []),
+                       response_format=fmt, format_param=fmt_param)
 
 
 def _system(system: Any) -> list[dict]:
@@ -116,6 +118,29 @@ def _thinking(v: Any, max_tokens: int | None) -> tuple[bool | None, int | None]:
     if max_tokens is not None and budget >= max_tokens:
         raise bad(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})", "thinking")
     return True, budget
+
+
+def _output_format(body: dict) -> tuple[dict | None, str]:
+    """Structured output: `output_config.format` (what the SDK's messages.parse sends) or the older top-level
+    `output_format` (LiteLLM), `{type: json_schema, schema}`, as vLLM's; `output_config.effort` only at its default
+    "high": how hard Claude tries has no knob in a policy that does what it was trained to."""
+    config, legacy = body.get("output_config"), body.get("output_format")
+    if config is not None and not isinstance(config, dict):
+        raise bad(f"'output_config' must be an object, got {config!r}", "output_config")
+    config = config or {}
+    if unknown := sorted(set(config) - {"format", "effort"}):
+        raise bad(f"'output_config' keys {unknown} are not served (served: effort, format)", "output_config")
+    if config.get("effort") not in (None, "high"):
+        raise bad(f"'output_config.effort'={config['effort']!r} is not served: the policy has no effort setting and "
+                  "answers as trained (Anthropic's default, 'high'); omit it", "output_config.effort")
+    fmt, param = config.get("format"), "output_config.format"
+    if legacy is not None:
+        if fmt is not None:
+            raise bad("'output_format' and 'output_config.format' are both set: send one", "output_format")
+        fmt, param = legacy, "output_format"
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
+        raise bad(f"'{param}' must be {{'type': 'json_schema', 'schema': {{...}}}}, got {fmt!r}", param)
+    return check.response_format(fmt, param), param
 
 
 def _message(m: Any, where: str) -> list[dict]:
