@@ -960,3 +960,31 @@ def test_anthropic_structured_output_reaches_the_engine_as_its_grammar(tok):
         compact({"json": transform_schema(City)}), compact({"json": schema}), None]
     assert "'output_config.effort'='low' is not served" in effort
     assert "a forced tool_choice and a output_config.format cannot both shape the output" in both
+
+
+def test_anthropic_adaptive_thinking_is_served_and_display_omitted_refused(tok):
+    """`thinking: {type: adaptive}` (Claude decides whether to think; LiteLLM's reasoning_effort sends it) is what the
+    policy does anyway: served, the thinking as a thinking block (was: a 400). `display: omitted` asks for the
+    thinking to be withheld: a 400 naming it (was: ignored, the thinking sent in full)."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHi."), "qwen3")
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            adaptive = await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                                thinking={"type": "adaptive", "display": "summarized"})
+            refused = []
+            for thinking in ({"type": "enabled", "budget_tokens": 64, "display": "omitted"},
+                             {"type": "adaptive", "display": "omitted"}):
+                with pytest.raises(BadRequestError) as e:
+                    await an.messages.create(model="policy", max_tokens=100, messages=USER, thinking=thinking)
+                refused.append(e.value.message)
+            return adaptive, refused
+        finally:
+            await server.stop()
+
+    adaptive, refused = asyncio.run(go())
+    assert [(b.type, getattr(b, "thinking", None) or b.text.strip()) for b in adaptive.content] == [
+        ("thinking", "\nhmm\n"), ("text", "Hi.")]
+    assert all("'thinking.display'='omitted' is not served" in m for m in refused), refused

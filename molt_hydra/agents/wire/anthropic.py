@@ -104,14 +104,20 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | N
 
 
 def _thinking(v: Any, max_tokens: int | None) -> tuple[bool | None, int | None]:
-    """(thinking enabled / disabled / not asked, its budget_tokens); the session checks both against the model."""
+    """(thinking enabled / disabled / not asked, its budget_tokens); the session checks both against the model.
+    `adaptive` (Claude decides whether and how long to think) is what the policy does anyway: as not asked."""
     if v is None:
         return None, None
     kind = v.get("type") if isinstance(v, dict) else None
-    if kind == "disabled":
-        return False, None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad(f"'thinking' type must be enabled, adaptive or disabled, got {v!r}", "thinking")
+    if unknown := sorted(set(v) - {"type", "budget_tokens", "display"}):
+        raise bad(f"'thinking' keys {unknown} are not served (served: type, budget_tokens, display)", "thinking")
+    if v.get("display") not in (None, "summarized"):  # (was: ignored, and the thinking sent in full)
+        raise bad(f"'thinking.display'={v['display']!r} is not served: thinking comes back in full, as 'summarized' "
+                  "(omit display, or leave the thinking blocks unread)", "thinking.display")
     if kind != "enabled":
-        raise bad(f"'thinking' type must be enabled or disabled, got {v!r}", "thinking")
+        return (False if kind == "disabled" else None), None
     budget = v.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise bad("'thinking.budget_tokens' must be a positive integer", "thinking")
