@@ -192,6 +192,10 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
         {"name": "f", "input_schema": "x"}]}, 400, "tools", "tools[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "messages[0].name",
      "must be a string"),
+    # an assistant message's legacy function_call (was: dropped, and the model saw an empty assistant turn)
+    ("/v1/chat/completions", {"messages": USER + [{"role": "assistant", "content": None, "function_call": {
+        "name": "python", "arguments": "{}"}}, {"role": "user", "content": "go on"}]}, 400, "messages[1].function_call",
+     "messages[1].function_call (legacy function calling) is not served"),
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "system": {}}, 400, "system", "'system' must be"),
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [TOOL_A],
                       "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}}, 400, "tool_choice",

@@ -37,6 +37,9 @@ def _message(m: Any, where: str) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
         raise bad(f"{where} must be an object with role in {sorted(ROLES)}", where)
     role = ROLES[m["role"]]
+    if m.get("function_call") is not None:  # (was: dropped, the model saw an empty assistant turn)
+        raise bad(f"{where}.function_call (legacy function calling) is not served: send the call as 'tool_calls' "
+                  "and its result as a 'tool' message", f"{where}.function_call")
     content = "" if m.get("content") is None else m["content"]
     out: dict = {"role": role, "content": check.text_or_parts(content, f"{where}.content", _part)}
     if role == "assistant" and m.get("tool_calls"):
