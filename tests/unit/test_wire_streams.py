@@ -210,6 +210,13 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}]}, 400,
      "tools", "'tools' schema cannot be enforced"),
+    # a tool description that is not a string (was: a 500 from vLLM's request model, after the turn was generated)
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "description": {"text": "d"}}}]}, 400, "tools", "tools[0].function.description must be a string"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "description": 3}]}, 400, "tools",
+     "tools[0].description must be a string"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [dict(TOOL_A, description=["d"])]}, 400, "tools",
+     "tools[0].description must be a string"),
     # tool keys that change what the model sees or may call (were: dropped silently)
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [dict(TOOL_A, input_examples=[{"code": "1"}])]}, 400,
      "tools[0]", "tools[0] keys ['input_examples'] are not served"),

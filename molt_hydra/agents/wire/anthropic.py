@@ -85,7 +85,7 @@ def _tools(tools: Any) -> list[dict] | None:
         if unknown := sorted(set(t) - TOOL_KEYS):
             raise bad(f"tools[{i}] keys {unknown} are not served (served: {sorted(TOOL_KEYS)})", f"tools[{i}]")
     return [{"type": "function", "function": {
-        "name": t["name"], "description": t.get("description", ""),
+        "name": t["name"], "description": check.description(t.get("description", ""), f"tools[{i}].description"),
         "parameters": check.schema(t.get("input_schema"), f"tools[{i}].input_schema") or {}}}
         for i, t in enumerate(tools)] or None
 

@@ -87,6 +87,7 @@ def _tools(tools: Any) -> list[dict] | None:
         if not isinstance(fn, dict) or t.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
         check.schema(fn.get("parameters"), f"tools[{i}].function.parameters")
+        check.description(fn.get("description"), f"tools[{i}].function.description")
     return tools or None
 
 

@@ -213,6 +213,14 @@ def schema(v: Any, where: str, param: str = "tools") -> dict | None:
     return v
 
 
+def description(v: Any, where: str) -> str | None:
+    """A tool's description: absent, or a string (vLLM's request model, which parsing the reply builds from the
+    tools, refuses any other: was a 500 once the turn had been generated)."""
+    if v is not None and not isinstance(v, str):
+        raise bad(f"{where} must be a string, got {v!r}", "tools")
+    return v
+
+
 def strict_names(functions: list[dict], param: str = "tools") -> list[str]:
     """The names of the tools (function specs: name, `strict`?) whose arguments must follow their schema."""
     for i, fn in enumerate(functions):
