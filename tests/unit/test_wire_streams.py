@@ -999,3 +999,25 @@ def test_anthropic_adaptive_thinking_is_served_and_display_omitted_refused(tok):
     assert [(b.type, getattr(b, "thinking", None) or b.text.strip()) for b in adaptive.content] == [
         ("thinking", "\nhmm\n"), ("text", "Hi.")]
     assert all("'thinking.display'='omitted' is not served" in m for m in refused), refused
+
+
+def test_models_list_and_retrieve_read_in_both_sdks(tok):
+    """`models.retrieve(name)` (was: 404) and `models.list()` parse in the openai and the anthropic SDK: any name is
+    the policy, as a request's `model` is."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            return ((await oa.models.retrieve("gpt-4o")), [m.id async for m in oa.models.list()],
+                    (await an.models.retrieve("claude-sonnet-4-5")), (await an.models.list()))
+        finally:
+            await server.stop()
+
+    oa_model, oa_ids, an_model, an_page = asyncio.run(go())
+    assert (oa_model.id, oa_model.owned_by, oa_ids) == ("gpt-4o", "molt_hydra", ["policy"])
+    assert (an_model.id, an_model.type, an_model.display_name) == ("claude-sonnet-4-5", "model", "claude-sonnet-4-5")
+    assert ([m.id for m in an_page.data], an_page.has_more, an_page.last_id) == (["policy"], False, "policy")
