@@ -837,8 +837,8 @@ def test_one_tool_call_asked_for_under_auto_reaches_the_engine_as_the_single_cal
             oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
             an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
             await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=False)
-            await oa.responses.create(model="policy", input="hi", tools=[dict(TOOL["function"], type="function")],
-                                      parallel_tool_calls=False)
+            await oa.responses.create(model="policy", input="hi", parallel_tool_calls=False, tools=[
+                dict(TOOL["function"], type="function", strict=False)])  # (Responses tools are strict by default)
             await an.messages.create(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A],
                                      tool_choice={"type": "auto", "disable_parallel_tool_use": True})
             await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=True)
@@ -1021,3 +1021,29 @@ def test_models_list_and_retrieve_read_in_both_sdks(tok):
     assert (oa_model.id, oa_model.owned_by, oa_ids) == ("gpt-4o", "molt_hydra", ["policy"])
     assert (an_model.id, an_model.type, an_model.display_name) == ("claude-sonnet-4-5", "model", "claude-sonnet-4-5")
     assert ([m.id for m in an_page.data], an_page.has_more, an_page.last_id) == (["policy"], False, "policy")
+
+
+def test_a_responses_tool_that_does_not_say_strict_is_strict_as_openai_makes_it(tok):
+    """OpenAI's Responses API makes a function tool strict unless it says `strict: false` (chat completions does not):
+    a tool with `strict` absent or null samples under the call grammar (was: unconstrained, silently)."""
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents.json_grammar import strict_calls
+    from molt_hydra.agents.tool_parser import CALL_ENVELOPES
+
+    engine = RecordingEngine(tok, CALL)
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            for i, strict in enumerate(({}, {"strict": None}, {"strict": False})):  # (inputs differ: no retry)
+                await oa.responses.create(model="policy", input=f"hi {i}", tools=[
+                    dict(TOOL["function"], type="function", **strict)])
+            await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL])  # chat: not strict
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
+    grammar = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes")
+    assert [r.sampling.structured for r in engine.requests] == [grammar, grammar, None, None]

@@ -221,12 +221,13 @@ def description(v: Any, where: str) -> str | None:
     return v
 
 
-def strict_names(functions: list[dict], param: str = "tools") -> list[str]:
-    """The names of the tools (function specs: name, `strict`?) whose arguments must follow their schema."""
+def strict_names(functions: list[dict], param: str = "tools", default: bool = False) -> list[str]:
+    """The names of the tools (function specs: name, `strict`?) whose arguments must follow their schema; `strict`
+    absent or null is the API's `default`."""
     for i, fn in enumerate(functions):
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise bad(f"{param}[{i}] 'strict' must be a boolean, got {fn['strict']!r}", param)
-    return [fn["name"] for fn in functions if fn.get("strict")]
+    return [fn["name"] for fn in functions if (default if fn.get("strict") is None else fn["strict"])]
 
 
 def response_format(v: Any, param: str = "response_format") -> dict | None:
