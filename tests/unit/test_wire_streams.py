@@ -1041,9 +1041,18 @@ def test_a_responses_tool_that_does_not_say_strict_is_strict_as_openai_makes_it(
                 await oa.responses.create(model="policy", input=f"hi {i}", tools=[
                     dict(TOOL["function"], type="function", **strict)])
             await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL])  # chat: not strict
+            # a parser whose call markup is unknown cannot hold it: a 400 that says why the tool is strict
+            server.open_session(ChatSession("c", engine, tok, Sampling(max_tokens=64), 2048,
+                                            reply_parser(tok, "qwen3_coder")))
+            coder = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
+            with pytest.raises(Exception) as refused:
+                await coder.responses.create(model="policy", input="hi",
+                                             tools=[dict(TOOL["function"], type="function")])
+            return refused.value
         finally:
             await server.stop()
 
-    asyncio.run(go())
+    refused = asyncio.run(go())
     grammar = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes")
     assert [r.sampling.structured for r in engine.requests] == [grammar, grammar, None, None]
+    assert refused.status_code == 400 and "a Responses tool is strict unless it says false" in refused.message
