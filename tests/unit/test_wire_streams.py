@@ -1056,3 +1056,38 @@ def test_a_responses_tool_that_does_not_say_strict_is_strict_as_openai_makes_it(
     grammar = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes")
     assert [r.sampling.structured for r in engine.requests] == [grammar, grammar, None, None]
     assert refused.status_code == 400 and "a Responses tool is strict unless it says false" in refused.message
+
+
+def test_top_k_follows_the_sampling_rule_in_chat_and_the_judge_honours_it(tok):
+    """`top_k` (vLLM's extension, sent with Qwen's recommended sampling) was an 'unsupported field' 400 in chat and
+    completions, though the sampling rule accepts the recipe's value and the judge honours the client's: now a turn
+    takes the recipe's top_k and refuses another naming it, the judge samples with the client's; vLLM's min_p /
+    repetition_penalty pass at their neutral value only."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    engine = RecordingEngine(tok, "Hello.")
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", engine, tok, Sampling(max_tokens=64, top_k=20), 2048,
+                                        reply_parser(tok, "hermes")))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            judge = AsyncOpenAI(base_url=server.session_url("s") + "/judge/v1", api_key="k", max_retries=0)
+            await oa.chat.completions.create(model="policy", messages=USER, extra_body={"top_k": 20, "min_p": 0})
+            await oa.completions.create(model="policy", prompt="hi", extra_body={"top_k": 20})
+            await judge.chat.completions.create(model="policy", messages=USER, extra_body={"top_k": 5})
+            refused = []
+            for extra in ({"top_k": 5}, {"min_p": 0.1}):
+                with pytest.raises(BadRequestError) as e:
+                    await oa.chat.completions.create(model="policy", messages=USER, extra_body=extra)
+                refused.append((e.value.body["param"], e.value.message))
+            return refused
+        finally:
+            await server.stop()
+
+    (top_k, min_p) = asyncio.run(go())
+    assert [r.sampling.top_k for r in engine.requests] == [20, 20, 5]
+    assert top_k[0] == "top_k" and "differs from this rollout's rollout.top_k=20" in top_k[1]
+    assert min_p[0] == "min_p" and "'min_p'=0.1 is not supported" in min_p[1]

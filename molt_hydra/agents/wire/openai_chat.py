@@ -13,7 +13,8 @@ from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FIELDS = {"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-          "stop", "seed", "stream", "logprobs", "top_logprobs", "response_format", "parallel_tool_calls"}
+          "stop", "seed", "stream", "logprobs", "top_logprobs", "response_format", "parallel_tool_calls",
+          "top_k"}  # (top_k: vLLM's extension; the sampling rule checks it as Anthropic's)
 
 
 def parse(body: Any) -> ChatRequest:
