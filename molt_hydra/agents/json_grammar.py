@@ -44,7 +44,8 @@ def strict_calls(tools: list[dict], strict: list[str], envelope: tuple[str, ...]
     request, a strict tool's arguments to its schema and the others' to a JSON object, and with `single` the output
     ends after the first call (vLLM's own server does the same, with its structural tags)."""
     if envelope is None:
-        what, fix, param = (f"'strict': true (tools {strict})", "send strict false (and check the arguments)", "tools")
+        what, fix, param = (f"'strict': true (tools {strict}; a Responses tool is strict unless it says false)",
+                            "send strict false (and check the arguments)", "tools")
         if not strict:
             what, fix, param = ("'parallel_tool_calls': false (Anthropic: 'disable_parallel_tool_use': true)",
                                 "omit it (and run each call returned)", "parallel_tool_calls")

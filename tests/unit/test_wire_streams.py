@@ -192,6 +192,10 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
         {"name": "f", "input_schema": "x"}]}, 400, "tools", "tools[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "messages[0].name",
      "must be a string"),
+    # an assistant message's legacy function_call (was: dropped, and the model saw an empty assistant turn)
+    ("/v1/chat/completions", {"messages": USER + [{"role": "assistant", "content": None, "function_call": {
+        "name": "python", "arguments": "{}"}}, {"role": "user", "content": "go on"}]}, 400, "messages[1].function_call",
+     "messages[1].function_call (legacy function calling) is not served"),
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "system": {}}, 400, "system", "'system' must be"),
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [TOOL_A],
                       "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}}, 400, "tool_choice",
@@ -206,6 +210,13 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}]}, 400,
      "tools", "'tools' schema cannot be enforced"),
+    # a tool description that is not a string (was: a 500 from vLLM's request model, after the turn was generated)
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "description": {"text": "d"}}}]}, 400, "tools", "tools[0].function.description must be a string"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "description": 3}]}, 400, "tools",
+     "tools[0].description must be a string"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [dict(TOOL_A, description=["d"])]}, 400, "tools",
+     "tools[0].description must be a string"),
     # tool keys that change what the model sees or may call (were: dropped silently)
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [dict(TOOL_A, input_examples=[{"code": "1"}])]}, 400,
      "tools[0]", "tools[0] keys ['input_examples'] are not served"),
@@ -826,8 +837,8 @@ def test_one_tool_call_asked_for_under_auto_reaches_the_engine_as_the_single_cal
             oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
             an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
             await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=False)
-            await oa.responses.create(model="policy", input="hi", tools=[dict(TOOL["function"], type="function")],
-                                      parallel_tool_calls=False)
+            await oa.responses.create(model="policy", input="hi", parallel_tool_calls=False, tools=[
+                dict(TOOL["function"], type="function", strict=False)])  # (Responses tools are strict by default)
             await an.messages.create(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A],
                                      tool_choice={"type": "auto", "disable_parallel_tool_use": True})
             await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], parallel_tool_calls=True)
@@ -879,3 +890,204 @@ def test_a_turn_still_generating_when_its_session_closes_leaves_the_handed_segme
 
     handed, later = asyncio.run(go())
     assert len(handed[0][1]) == 1 and later == handed
+
+
+def test_the_anthropic_sdks_tool_runner_asks_for_a_thread_and_goes_on_with_the_full_history(tok):
+    """The anthropic SDK's tool runner sends `thread: {type: create}` (a message thread the server keeps) by default:
+    refused with error code thread_unsupported_request, which makes the SDK send every turn whole without it (was: a
+    plain 400 'unsupported field', and the runner failed on its first turn)."""
+    from anthropic import AsyncAnthropic, BadRequestError, beta_async_tool
+
+    ran = []
+
+    @beta_async_tool
+    async def python(code: str) -> str:
+        """Run Python code.
+
+        Args:
+            code: the code
+        """
+        ran.append(code)
+        return "1"
+
+    async def go():
+        server, session = await serving(tok, ScriptedEngine(tok, CALL))
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            runner = an.beta.messages.tool_runner(model="policy", max_tokens=50, messages=USER, tools=[python],
+                                                  max_iterations=2)
+            replies = [m async for m in runner]
+            with pytest.raises(BadRequestError) as refused:  # a thread asked for outright: the same error, loudly
+                await an.beta.messages.create(model="policy", max_tokens=50, messages=USER, thread={"type": "create"},
+                                              betas=["message-threads-2026-08-12"])
+            return replies, refused.value, session.close()
+        finally:
+            await server.stop()
+
+    replies, refused, segments = asyncio.run(go())
+    assert [[b.type for b in r.content] for r in replies] == [["tool_use"], ["tool_use"]] and ran == ["print(1)"] * 2
+    (traj,) = segments  # the second turn sent the whole history, which extends the first: one segment, two turns
+    assert len(traj.action_ranges) == 2
+    assert refused.error_code == "thread_unsupported_request" and "'thread'" in refused.message
+
+
+def test_anthropic_structured_output_reaches_the_engine_as_its_grammar(tok):
+    """Anthropic structured output, `output_config.format` (the SDK's messages.parse) or the older top-level
+    `output_format` (LiteLLM's response_format), samples under the schema's grammar (was: a 400 'unsupported field');
+    `output_config.effort` other than the default "high" is a 400 naming it."""
+    import pydantic
+    from anthropic import AsyncAnthropic, BadRequestError, transform_schema
+
+    from molt_hydra.agents.json_grammar import compact
+
+    class City(pydantic.BaseModel):
+        city: str
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    engine = RecordingEngine(tok, '{"city": "Paris"}')
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            parsed = await an.messages.parse(model="policy", max_tokens=50, messages=USER, output_format=City)
+            await an.messages.create(model="policy", max_tokens=50, messages=USER, extra_body={
+                "output_format": {"type": "json_schema", "schema": schema}})
+            await an.messages.create(model="policy", max_tokens=50, messages=USER)
+            refused = []
+            for kw in ({"output_config": {"effort": "low"}},
+                       {"output_config": {"format": {"type": "json_schema", "schema": schema}},
+                        "tools": [TOOL_A], "tool_choice": {"type": "any"}}):
+                with pytest.raises(BadRequestError) as e:
+                    await an.messages.create(model="policy", max_tokens=50, messages=USER, **kw)
+                refused.append(e.value.message)
+            return parsed, refused
+        finally:
+            await server.stop()
+
+    parsed, (effort, both) = asyncio.run(go())
+    assert parsed.parsed_output == City(city="Paris")
+    assert [r.sampling.structured for r in engine.requests] == [
+        compact({"json": transform_schema(City)}), compact({"json": schema}), None]
+    assert "'output_config.effort'='low' is not served" in effort
+    assert "a forced tool_choice and a output_config.format cannot both shape the output" in both
+
+
+def test_anthropic_adaptive_thinking_is_served_and_display_omitted_refused(tok):
+    """`thinking: {type: adaptive}` (Claude decides whether to think; LiteLLM's reasoning_effort sends it) is what the
+    policy does anyway: served, the thinking as a thinking block (was: a 400). `display: omitted` asks for the
+    thinking to be withheld: a 400 naming it (was: ignored, the thinking sent in full)."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHi."), "qwen3")
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            adaptive = await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                                thinking={"type": "adaptive", "display": "summarized"})
+            refused = []
+            for thinking in ({"type": "enabled", "budget_tokens": 64, "display": "omitted"},
+                             {"type": "adaptive", "display": "omitted"}):
+                with pytest.raises(BadRequestError) as e:
+                    await an.messages.create(model="policy", max_tokens=100, messages=USER, thinking=thinking)
+                refused.append(e.value.message)
+            return adaptive, refused
+        finally:
+            await server.stop()
+
+    adaptive, refused = asyncio.run(go())
+    assert [(b.type, getattr(b, "thinking", None) or b.text.strip()) for b in adaptive.content] == [
+        ("thinking", "\nhmm\n"), ("text", "Hi.")]
+    assert all("'thinking.display'='omitted' is not served" in m for m in refused), refused
+
+
+def test_models_list_and_retrieve_read_in_both_sdks(tok):
+    """`models.retrieve(name)` (was: 404) and `models.list()` parse in the openai and the anthropic SDK: any name is
+    the policy, as a request's `model` is."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            return ((await oa.models.retrieve("gpt-4o")), [m.id async for m in oa.models.list()],
+                    (await an.models.retrieve("claude-sonnet-4-5")), (await an.models.list()))
+        finally:
+            await server.stop()
+
+    oa_model, oa_ids, an_model, an_page = asyncio.run(go())
+    assert (oa_model.id, oa_model.owned_by, oa_ids) == ("gpt-4o", "molt_hydra", ["policy"])
+    assert (an_model.id, an_model.type, an_model.display_name) == ("claude-sonnet-4-5", "model", "claude-sonnet-4-5")
+    assert ([m.id for m in an_page.data], an_page.has_more, an_page.last_id) == (["policy"], False, "policy")
+
+
+def test_a_responses_tool_that_does_not_say_strict_is_strict_as_openai_makes_it(tok):
+    """OpenAI's Responses API makes a function tool strict unless it says `strict: false` (chat completions does not):
+    a tool with `strict` absent or null samples under the call grammar (was: unconstrained, silently)."""
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents.json_grammar import strict_calls
+    from molt_hydra.agents.tool_parser import CALL_ENVELOPES
+
+    engine = RecordingEngine(tok, CALL)
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            for i, strict in enumerate(({}, {"strict": None}, {"strict": False})):  # (inputs differ: no retry)
+                await oa.responses.create(model="policy", input=f"hi {i}", tools=[
+                    dict(TOOL["function"], type="function", **strict)])
+            await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL])  # chat: not strict
+            # a parser whose call markup is unknown cannot hold it: a 400 that says why the tool is strict
+            server.open_session(ChatSession("c", engine, tok, Sampling(max_tokens=64), 2048,
+                                            reply_parser(tok, "qwen3_coder")))
+            coder = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
+            with pytest.raises(Exception) as refused:
+                await coder.responses.create(model="policy", input="hi",
+                                             tools=[dict(TOOL["function"], type="function")])
+            return refused.value
+        finally:
+            await server.stop()
+
+    refused = asyncio.run(go())
+    grammar = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes")
+    assert [r.sampling.structured for r in engine.requests] == [grammar, grammar, None, None]
+    assert refused.status_code == 400 and "a Responses tool is strict unless it says false" in refused.message
+
+
+def test_top_k_follows_the_sampling_rule_in_chat_and_the_judge_honours_it(tok):
+    """`top_k` (vLLM's extension, sent with Qwen's recommended sampling) was an 'unsupported field' 400 in chat and
+    completions, though the sampling rule accepts the recipe's value and the judge honours the client's: now a turn
+    takes the recipe's top_k and refuses another naming it, the judge samples with the client's; vLLM's min_p /
+    repetition_penalty pass at their neutral value only."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    engine = RecordingEngine(tok, "Hello.")
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", engine, tok, Sampling(max_tokens=64, top_k=20), 2048,
+                                        reply_parser(tok, "hermes")))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            judge = AsyncOpenAI(base_url=server.session_url("s") + "/judge/v1", api_key="k", max_retries=0)
+            await oa.chat.completions.create(model="policy", messages=USER, extra_body={"top_k": 20, "min_p": 0})
+            await oa.completions.create(model="policy", prompt="hi", extra_body={"top_k": 20})
+            await judge.chat.completions.create(model="policy", messages=USER, extra_body={"top_k": 5})
+            refused = []
+            for extra in ({"top_k": 5}, {"min_p": 0.1}):
+                with pytest.raises(BadRequestError) as e:
+                    await oa.chat.completions.create(model="policy", messages=USER, extra_body=extra)
+                refused.append((e.value.body["param"], e.value.message))
+            return refused
+        finally:
+            await server.stop()
+
+    (top_k, min_p) = asyncio.run(go())
+    assert [r.sampling.top_k for r in engine.requests] == [20, 20, 5]
+    assert top_k[0] == "top_k" and "differs from this rollout's rollout.top_k=20" in top_k[1]
+    assert min_p[0] == "min_p" and "'min_p'=0.1 is not supported" in min_p[1]

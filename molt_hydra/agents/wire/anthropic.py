@@ -11,15 +11,22 @@ from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
 from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream", "tools",
-          "tool_choice", "thinking", "cache_control"}
+          "tool_choice", "thinking", "cache_control", "output_config", "output_format"}
 # A client tool's keys served here; eager_input_streaming only changes how a tool_use block is streamed (here: whole).
 # Others (input_examples, defer_loading, allowed_callers) change what the model sees or may call: refused.
 TOOL_KEYS = {"name", "description", "input_schema", "cache_control", "type", "strict", "eager_input_streaming"}
 # A Choice's finish_reason -> Anthropic's stop_reason; "stop" is "stop_sequence" when one ended it, else "end_turn".
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+# Error codes the anthropic SDK branches on, sent as `error.details.error_code`: on thread_unsupported_request its
+# tool runner (which asks for a message thread by default) sends the turn again with the full history, unthreaded.
+DETAILED_CODES = {"thread_unsupported_request"}
 
 
 def parse(body: Any) -> ChatRequest:
+    if isinstance(body, dict) and body.get("thread") is not None:  # (was: a 400 the tool runner did not recover from)
+        raise RequestError(400, "'thread' (a message thread the server keeps) is not served: every turn here carries "
+                           "the whole conversation; send 'messages' in full without 'thread' (the anthropic SDK's tool "
+                           "runner does so by itself on this error)", "thread", "thread_unsupported_request")
     check.fields(body, FIELDS, "/v1/messages")
     _cache_control(body, "")
     messages = body.get("messages")
@@ -37,9 +44,11 @@ def parse(body: Any) -> ChatRequest:
     tools = _tools(body.get("tools"))
     tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     thinking, budget = _thinking(body.get("thinking"), overrides.get("max_tokens"))
+    fmt, fmt_param = _output_format(body)
     return ChatRequest(messages=canon, tools=tools, overrides=overrides, stream=check.flag(body, "stream"),
                        tool_choice=tool_choice, parallel_tool_calls=parallel, thinking=thinking,
-                       thinking_budget=budget, strict_tools=check.strict_names(body.get("tools") or []))
+                       thinking_budget=budget, strict_tools=check.strict_names(body.get("tools") or []),
+                       response_format=fmt, format_param=fmt_param)
 
 
 def _system(system: Any) -> list[dict]:
@@ -76,7 +85,7 @@ def _tools(tools: Any) -> list[dict] | None:
         if unknown := sorted(set(t) - TOOL_KEYS):
             raise bad(f"tools[{i}] keys {unknown} are not served (served: {sorted(TOOL_KEYS)})", f"tools[{i}]")
     return [{"type": "function", "function": {
-        "name": t["name"], "description": t.get("description", ""),
+        "name": t["name"], "description": check.description(t.get("description", ""), f"tools[{i}].description"),
         "parameters": check.schema(t.get("input_schema"), f"tools[{i}].input_schema") or {}}}
         for i, t in enumerate(tools)] or None
 
@@ -95,20 +104,49 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | N
 
 
 def _thinking(v: Any, max_tokens: int | None) -> tuple[bool | None, int | None]:
-    """(thinking enabled / disabled / not asked, its budget_tokens); the session checks both against the model."""
+    """(thinking enabled / disabled / not asked, its budget_tokens); the session checks both against the model.
+    `adaptive` (Claude decides whether and how long to think) is what the policy does anyway: as not asked."""
     if v is None:
         return None, None
     kind = v.get("type") if isinstance(v, dict) else None
-    if kind == "disabled":
-        return False, None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad(f"'thinking' type must be enabled, adaptive or disabled, got {v!r}", "thinking")
+    if unknown := sorted(set(v) - {"type", "budget_tokens", "display"}):
+        raise bad(f"'thinking' keys {unknown} are not served (served: type, budget_tokens, display)", "thinking")
+    if v.get("display") not in (None, "summarized"):  # (was: ignored, and the thinking sent in full)
+        raise bad(f"'thinking.display'={v['display']!r} is not served: thinking comes back in full, as 'summarized' "
+                  "(omit display, or leave the thinking blocks unread)", "thinking.display")
     if kind != "enabled":
-        raise bad(f"'thinking' type must be enabled or disabled, got {v!r}", "thinking")
+        return (False if kind == "disabled" else None), None
     budget = v.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise bad("'thinking.budget_tokens' must be a positive integer", "thinking")
     if max_tokens is not None and budget >= max_tokens:
         raise bad(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})", "thinking")
     return True, budget
+
+
+def _output_format(body: dict) -> tuple[dict | None, str]:
+    """Structured output: `output_config.format` (what the SDK's messages.parse sends) or the older top-level
+    `output_format` (LiteLLM), `{type: json_schema, schema}`, as vLLM's; `output_config.effort` only at its default
+    "high": how hard Claude tries has no knob in a policy that does what it was trained to."""
+    config, legacy = body.get("output_config"), body.get("output_format")
+    if config is not None and not isinstance(config, dict):
+        raise bad(f"'output_config' must be an object, got {config!r}", "output_config")
+    config = config or {}
+    if unknown := sorted(set(config) - {"format", "effort"}):
+        raise bad(f"'output_config' keys {unknown} are not served (served: effort, format)", "output_config")
+    if config.get("effort") not in (None, "high"):
+        raise bad(f"'output_config.effort'={config['effort']!r} is not served: the policy has no effort setting and "
+                  "answers as trained (Anthropic's default, 'high'); omit it", "output_config.effort")
+    fmt, param = config.get("format"), "output_config.format"
+    if legacy is not None:
+        if fmt is not None:
+            raise bad("'output_format' and 'output_config.format' are both set: send one", "output_format")
+        fmt, param = legacy, "output_format"
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
+        raise bad(f"'{param}' must be {{'type': 'json_schema', 'schema': {{...}}}}, got {fmt!r}", param)
+    return check.response_format(fmt, param), param
 
 
 def _message(m: Any, where: str) -> list[dict]:
@@ -271,4 +309,7 @@ class MessageStream(Stream):
 def error(e: RequestError) -> dict:
     kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
         e.status, "invalid_request_error")
-    return {"type": "error", "error": {"type": "api_error" if e.status >= 500 else kind, "message": e.message}}
+    out = {"type": "api_error" if e.status >= 500 else kind, "message": e.message}
+    if e.code in DETAILED_CODES:
+        out["details"] = {"error_code": e.code}
+    return {"type": "error", "error": out}

@@ -11,7 +11,8 @@ from molt_hydra.agents.wire.openai_chat import error, usage
 from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
 from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
-FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "logprobs", "suffix"}
+FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "logprobs",
+          "suffix"}
 
 
 def parse(body: Any) -> ChatRequest:

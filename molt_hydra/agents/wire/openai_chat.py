@@ -13,7 +13,8 @@ from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FIELDS = {"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-          "stop", "seed", "stream", "logprobs", "top_logprobs", "response_format", "parallel_tool_calls"}
+          "stop", "seed", "stream", "logprobs", "top_logprobs", "response_format", "parallel_tool_calls",
+          "top_k"}  # (top_k: vLLM's extension; the sampling rule checks it as Anthropic's)
 
 
 def parse(body: Any) -> ChatRequest:
@@ -37,6 +38,9 @@ def _message(m: Any, where: str) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
         raise bad(f"{where} must be an object with role in {sorted(ROLES)}", where)
     role = ROLES[m["role"]]
+    if m.get("function_call") is not None:  # (was: dropped, the model saw an empty assistant turn)
+        raise bad(f"{where}.function_call (legacy function calling) is not served: send the call as 'tool_calls' "
+                  "and its result as a 'tool' message", f"{where}.function_call")
     content = "" if m.get("content") is None else m["content"]
     out: dict = {"role": role, "content": check.text_or_parts(content, f"{where}.content", _part)}
     if role == "assistant" and m.get("tool_calls"):
@@ -84,6 +88,7 @@ def _tools(tools: Any) -> list[dict] | None:
         if not isinstance(fn, dict) or t.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
         check.schema(fn.get("parameters"), f"tools[{i}].function.parameters")
+        check.description(fn.get("description"), f"tools[{i}].function.description")
     return tools or None
 
 

@@ -58,7 +58,8 @@ IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier", "safety_
                   "prompt_cache_retention", "stream_options"}
 # Fields accepted only at the value that changes nothing (sampling shapers training does not assume).
 NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "include": ([],),
-                  "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,)}
+                  "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,),
+                  "min_p": (0, 0.0), "repetition_penalty": (1, 1.0)}  # (vLLM's extensions, sent for Qwen models)
 
 
 def fields(body: Any, honoured: set[str], api: str) -> None:
@@ -213,12 +214,21 @@ def schema(v: Any, where: str, param: str = "tools") -> dict | None:
     return v
 
 
-def strict_names(functions: list[dict], param: str = "tools") -> list[str]:
-    """The names of the tools (function specs: name, `strict`?) whose arguments must follow their schema."""
+def description(v: Any, where: str) -> str | None:
+    """A tool's description: absent, or a string (vLLM's request model, which parsing the reply builds from the
+    tools, refuses any other: was a 500 once the turn had been generated)."""
+    if v is not None and not isinstance(v, str):
+        raise bad(f"{where} must be a string, got {v!r}", "tools")
+    return v
+
+
+def strict_names(functions: list[dict], param: str = "tools", default: bool = False) -> list[str]:
+    """The names of the tools (function specs: name, `strict`?) whose arguments must follow their schema; `strict`
+    absent or null is the API's `default`."""
     for i, fn in enumerate(functions):
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise bad(f"{param}[{i}] 'strict' must be a boolean, got {fn['strict']!r}", param)
-    return [fn["name"] for fn in functions if fn.get("strict")]
+    return [fn["name"] for fn in functions if (default if fn.get("strict") is None else fn["strict"])]
 
 
 def response_format(v: Any, param: str = "response_format") -> dict | None:

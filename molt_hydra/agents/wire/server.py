@@ -67,6 +67,8 @@ class ChatServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/s/{sid}/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_get("/s/{sid}/v1/models/{model}", self._model)
         for path, wire in WIRES.items():
             app.router.add_post(f"/s/{{sid}}{path}", functools.partial(self._turn, *wire))
         app.router.add_post(f"/s/{{sid}}{JUDGE}", functools.partial(self._turn, *WIRES["/v1/chat/completions"]))
@@ -100,9 +102,15 @@ class ChatServer:
         return web.json_response({"status": "ok", "model": MODEL_NAME})
 
     async def _models(self, request: web.Request) -> web.Response:
+        """The policy, in a list both SDKs read (OpenAI's `object` / `data`, Anthropic's `has_more` / ids)."""
         self._check_key(request)
-        model = {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "molt_hydra"}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response({"object": "list", "data": [_model_info(MODEL_NAME)], "has_more": False,
+                                  "first_id": MODEL_NAME, "last_id": MODEL_NAME})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """`models.retrieve(name)` (was: 404): any name, as every request's `model` reaches the policy."""
+        self._check_key(request)
+        return web.json_response(_model_info(request.match_info["model"]))
 
     async def _turn(self, parse, body_of, stream, request: web.Request) -> web.StreamResponse:
         judge = request.path.endswith(JUDGE)
@@ -214,6 +222,12 @@ class ChatServer:
         finally:
             await task
         return resp
+
+
+def _model_info(model_id: str) -> dict:
+    """A model object in OpenAI's fields and Anthropic's (`type`, `display_name`, `created_at`)."""
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "molt_hydra", "type": "model",
+            "display_name": model_id, "created_at": "1970-01-01T00:00:00Z"}
 
 
 @web.middleware
