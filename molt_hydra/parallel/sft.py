@@ -58,17 +58,13 @@ def _resume(worker, kw: dict, rank: int) -> dict | None:
         step = older.name
 
 
-def _sft_rank(rank: int, world: int, port: int, kw: dict):
+def _samples(path: str, kw: dict) -> tuple[list, list | None]:
+    """The train and eval samples, tokenized on this rank."""
     from transformers import AutoTokenizer
 
     from molt_hydra.data.sft_dataset import build_sft_samples, load_rows
-    from molt_hydra.models.build import resolve_path
     from molt_hydra.models.vlm import TrajectoryImages
-    from molt_hydra.parallel.objectives import SFTObjective
-    from molt_hydra.parallel.trainer import TrainerWorker
-    from molt_hydra.parallel.trainer_spec import TrainerSpec
 
-    path = resolve_path(kw["model_path"])
     tok = AutoTokenizer.from_pretrained(path)
     data_kw = dict(input_key=kw["input_key"], output_key=kw["output_key"], max_len=kw["max_len"],
                    chat_template=kw["chat_template"], train_on_last_turn_only=kw["train_on_last_turn_only"],
@@ -76,6 +72,17 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
                    images=TrajectoryImages.for_model(path) if kw["image_key"] else None)
     train = build_sft_samples(load_rows(kw["train_data"]), tok, max_samples=kw["max_samples"], **data_kw)
     evals = build_sft_samples(load_rows(kw["eval_data"]), tok, **data_kw) if kw["eval_data"] is not None else None
+    return train, evals
+
+
+def _sft_rank(rank: int, world: int, port: int, kw: dict):
+    from molt_hydra.models.build import resolve_path
+    from molt_hydra.parallel.objectives import SFTObjective
+    from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
+
+    path = resolve_path(kw["model_path"])
+    train, evals = _samples(path, kw)
     bs = kw["batch_size"]
     if bs % world or bs > len(train):
         raise ValueError(f"train.batch_size={bs} must divide over {world} ranks and be <= {len(train)} samples")
