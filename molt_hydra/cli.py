@@ -337,7 +337,8 @@ def point_problems(overrides: list[str], output_dir: Path, config_dir: str | Non
                                   config_dir=config_dir)
     if cfg is None:
         return errors, None
-    errors, result = job_ignored(cfg, overrides), None  # per point: a sweep over job=rl,eval has points of either
+    # per point: a sweep over job=rl,eval has points of either
+    errors, result = job_ignored(cfg, overrides) + lora_muon_lr(cfg, overrides), None
     try:
         result = checked(cfg)
     except ConfigError as e:
@@ -413,6 +414,21 @@ def job_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
         if entries and (reason := table[max(entries, key=len)]) is not None:
             lines.append(f"- {key}: job={job} {reason}, so it changes nothing. Fix: unset {key} for job={job}")
     return lines
+
+
+def lora_muon_lr(first: DictConfig, overrides: list[str]) -> list[str]:
+    """train.optimizer.lr on the command line of a LoRA run with Muon: every adapter matrix steps at muon_lr, no AdamW
+    group is left (models/rules.py `_lora_muon` refuses the other AdamW knobs; conf/config.yaml and the recipes set
+    this one, so only the command line's is refused)."""
+    from molt_hydra.models.rules import LORA_MUON_INERT
+
+    o = first.train.optimizer
+    if first.model.lora.rank is None or getattr(o.name, "value", o.name) != "muon" or "train.optimizer.lr" not in (
+            text.lstrip("+~").split("=", 1)[0] for text in overrides):
+        return []
+    return [f"- train.optimizer.lr: model.lora.rank={first.model.lora.rank}: {LORA_MUON_INERT} Fix: drop "
+            "train.optimizer.lr and set train.optimizer.muon_lr (the adapter's step size), or "
+            "train.optimizer.name=adamw"]
 
 
 def _exit_config_error(text: str) -> None:

@@ -215,6 +215,8 @@ def lora_off(cfg: RunConfig) -> str:
 
 def _override_text(value) -> str:
     value = getattr(value, "value", value)
+    if isinstance(value, list):  # (one shell word: key=[0.9,0.95])
+        return "[" + ",".join(map(_override_text, value)) + "]"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -261,4 +263,29 @@ def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str]
         (r.weight_sync.transport.value in ("auto", "object_store"), "rollout.weight_sync.transport",
          "the adapter (megabytes) always travels as one safetensors blob through Ray's object store.",
          "set it to auto (or object_store)"),
+        *_lora_muon(cfg, moe),
     ), f"model.lora.rank={lo.rank}: ")
+
+
+LORA_MUON_INERT = ("train.optimizer.name=muon steps every adapter matrix (lora_A, lora_B: all 2-D) with Muon, so no "
+                   "AdamW group is left and it changes nothing.")
+
+
+def _lora_muon(cfg: RunConfig, moe: bool) -> list[tuple]:
+    """train.optimizer.name=muon under LoRA runs Muon on each adapter matrix (lora_A, lora_B); the adapter holds no
+    vector, embedding or head weight (bias none, the base frozen), so parallel/muon.py leaves no AdamW group: the
+    AdamW-only knobs would change nothing, and there are no grouped expert weights for muon_experts_adamw to move."""
+    o = cfg.train.optimizer
+    if o.name.value != "muon":
+        return []
+    # (train.optimizer.lr: conf/config.yaml and the recipes set it, so only the command line's is refused: cli.py)
+    inert = [name for name in ("betas", "eps") if changed(cfg, f"train.optimizer.{name}")]
+    if o.muon_weight_decay is not None and changed(cfg, "train.optimizer.weight_decay"):
+        inert.append("weight_decay")  # (the Muon group's decay is muon_weight_decay when set, else this)
+    return [*((False, f"train.optimizer.{name}", LORA_MUON_INERT, f"set train.optimizer.{name}="
+               f"{_override_text(get(defaults(), f'train.optimizer.{name}'))} (its default; tune "
+               "train.optimizer.muon_lr / muon_momentum / muon_weight_decay), or train.optimizer.name=adamw")
+              for name in inert),
+            (not (moe and o.muon_experts_adamw), "train.optimizer.muon_experts_adamw", "the adapter has no grouped expert "
+             "weights (the experts are part of the frozen base), so it changes nothing.",
+             "unset train.optimizer.muon_experts_adamw")]
