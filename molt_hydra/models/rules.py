@@ -133,7 +133,8 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
     if is_moe(fields) is not False:
         return
     problems.table(
-        (not is_set, key, f"acts on MoE routers, but model.path={m.path} is a dense model (its config has no experts).",
+        (not is_set, key, f"acts on MoE routers or experts, but model.path={m.path} is a dense model (its config has "
+         "no experts).",
          f"unset {key}, or set model.path to a mixture-of-experts model")
         for key, is_set in (("model.freeze_moe_router", m.freeze_moe_router),
                             ("rollout.routing_replay", r.routing_replay),
@@ -141,7 +142,11 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                             ("model.aux_loss_coef", m.aux_loss_coef != 0),
                             ("rollout.enable_expert_parallel", r.enable_expert_parallel),
                             ("parallelism.moe_reshard_after_forward", p.moe_reshard_after_forward),
-                            ("model.moe_experts_impl", m.moe_experts_impl.value != "auto")))
+                            ("model.moe_experts_impl", m.moe_experts_impl.value != "auto"),
+                            # (under name=adamw config/validate.py refuses it already; a critic_path may hold experts)
+                            *((f"{o}.muon_experts_adamw", get(cfg, f"{o}.name").value == "muon" and get(
+                                cfg, f"{o}.muon_experts_adamw")) for o in ("train.optimizer", "train.critic.optimizer")
+                              if o == "train.optimizer" or m.critic_path is None)))
 
 
 def _check_engine_layer_knobs(cfg: RunConfig, problems: Problems, fields: dict | None, kind: str | None) -> None:
