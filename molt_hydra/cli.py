@@ -28,8 +28,8 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Glob
-from hydra.errors import OverrideParseException
+from hydra.core.override_parser.types import Glob, IntervalSweep
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -139,6 +139,8 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     if problems:
         return None, problems
     search = _search_path(parsed, config_dir)
+    if problems := unlisted_sweeps(parsed, overrides):
+        return None, problems
     firsts = {text: next(iter(o.sweep_string_iterator()), None) for o, text in zip(parsed, overrides)
               if o.is_sweep_override()}  # (a glob: expand_globs made it a list)
     if None in firsts.values():  # (Hydra would launch 0 jobs and exit 0)
@@ -156,6 +158,22 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
         return None, [_composition_problem(e, overrides)]
     problems = _not_a_bool(cfg, parsed)
     return (None, problems) if problems else (cfg, [])
+
+
+def unlisted_sweeps(parsed: list, texts: list[str]) -> list[str]:
+    """Sweeps whose values cannot be listed, which Hydra's basic sweeper met with a traceback (exit 1): interval(a,b),
+    a sampling sweeper's continuous range (no such sweeper is installed), and range(a,b,0)."""
+    problems = []
+    for o, text in zip(parsed, texts):
+        try:
+            next(iter(o.sweep_string_iterator()), None) if o.is_sweep_override() else None
+        except (HydraException, ValueError) as e:
+            problems.append(f"- {text}: " + (
+                "interval() is a continuous range that only a sampling sweeper (Optuna, Ax; none is installed) "
+                "draws from; Hydra's basic sweeper runs listed values." if isinstance(o.value(), IntervalSweep) else
+                f"its values cannot be listed ({str(e).splitlines()[0]}).") + " Fix: list the values (key=a,b,c), or "
+                "give range(start,stop,step) with a non-zero step")
+    return problems
 
 
 def _deleted(key: str, text: str) -> str:
@@ -289,13 +307,15 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     every point)."""
     from molt_hydra.compat.hydra import sweep_points
 
-    if not (first.hydra.sweeper._target_.endswith(".BasicSweeper")
-            and first.hydra.launcher._target_.endswith(".BasicLauncher")):
+    basic = first.hydra.sweeper._target_.endswith(".BasicSweeper")
+    params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()] if basic else []
+    parsed = OverridesParser.create().parse_overrides([*params, *overrides])
+    if problems := unlisted_sweeps(parsed, [f"hydra.sweeper.params.{text}" for text in params]):
+        return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
+    if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
         # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
         return [], []
-    params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()]
-    parsed = OverridesParser.create().parse_overrides([*params, *overrides])
     points = sweep_points(parsed)
     if not points:  # (Hydra would launch 0 jobs and exit 0)
         return [f"- {' '.join(overrides)}: the sweep has no point, so the multirun would run nothing. Fix: give each "

@@ -41,6 +41,9 @@ CASES = {
     "added_unknown_key": (["+train.max_stepz=5", "dry_run=true"], "train.max_stepz"),  # was: dropped, silently
     "optimizer_key_under_eval": (["job=eval", "eval.data_path=builtin://toy_eval", "train.optimizer.lr=0.1",
                                   "dry_run=true"], "train.optimizer.lr"),
+    # before: Hydra's HydraException traceback, exit 1 (the basic sweeper lists values; interval() has none)
+    "interval_sweep": (["-m", "train.optimizer.lr=interval(0.1,0.2)", "dry_run=true"],
+                       "train.optimizer.lr=interval(0.1,0.2)"),
 }
 
 
@@ -340,6 +343,25 @@ def test_a_sweep_of_no_value_is_refused(sweep):
     cfg, problems = compose_checked([sweep, "dry_run=true"], multirun=True)
     assert cfg is None and problems == [f"- {sweep}: a sweep of no value, so the multirun would run nothing. Fix: "
                                         "give it at least one value (range(a,b) needs a < b)"]
+
+
+@pytest.mark.parametrize("sweep,reason", [
+    ("train.optimizer.lr=interval(0.1,0.2)", "interval() is a continuous range that only a sampling sweeper"),
+    ("seed=range(1,10,0)", "its values cannot be listed (range() arg 3 must not be zero)")])
+def test_a_sweep_whose_values_cannot_be_listed_is_refused(sweep, reason, tmp_path):
+    """Before: Hydra's traceback (HydraException, ValueError), exit 1; on the command line and in a recipe's
+    hydra.sweeper.params alike."""
+    cfg, problems = compose_checked([sweep, "dry_run=true"], multirun=True)
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(f"- {sweep}: {reason}"), problems
+    assert "Fix: list the values (key=a,b,c)" in problems[0]
+    key, value = sweep.split("=", 1)
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "swept.yaml").write_text(f"# @package _global_\nhydra:\n  sweeper:\n    params:\n"
+                                                    f"      {key}: {value}\n")
+    overrides = ["+recipe=swept", "dry_run=true"]
+    first, problems = compose_checked(overrides, multirun=True, config_dir=str(tmp_path), hydra_config=True)
+    assert problems == [] and [p.split(": ", 1)[0] for p in sweep_problems(first, overrides, str(tmp_path))] == [
+        f"- hydra.sweeper.params.{sweep}"]
 
 
 def test_a_glob_sweep_is_written_out_as_hydras_sweeper_runs_it():
