@@ -403,7 +403,9 @@ _NO_ENGINE = "starts no rollout engine and runs no agent"
 _NO_TRAINER = "starts no trainer (it scores the model with the rollout engines only)"
 JOB_IGNORES: dict[str, dict[str, str | None]] = {
     "sft": {"rollout": _NO_ENGINE, "agent": _NO_ENGINE,
-            "train.max_steps": "trains train.epochs over its data (set those instead)"},
+            "train.max_steps": "trains train.epochs over its data (set those instead)",
+            # (config/validate.py SFT_IGNORES has W&B's other keys; a multirun point sets this one itself)
+            "logger.wandb.group": "writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B run)"},
     "eval": {
         "train": _NO_TRAINER, "parallelism": _NO_TRAINER,
         **{f"train.timeouts.{name}": None for name in ("startup_s", "engine_call_s", "step_s")},

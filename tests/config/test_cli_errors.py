@@ -233,6 +233,16 @@ def test_what_job_eval_reads_is_not_refused():
     assert job_ignored(first, ["job=eval", *EVAL_READS]) == []
 
 
+def test_a_wandb_group_under_job_sft_is_refused_on_its_command_line():
+    """Before: `job=sft logger.wandb.group=g` was taken and changed nothing (SFT logs to sft_metrics.jsonl only; the
+    other W&B keys were refused already). A multirun point's own group is set after this check (runtime/sweep.py)."""
+    overrides = ["+recipe=tiny_vlm_colors_warm", "logger.wandb.group=g"]
+    assert job_ignored(compose_config(overrides), overrides) == [
+        "- logger.wandb.group: job=sft writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B run), so it "
+        "changes nothing. Fix: unset logger.wandb.group for job=sft"]
+    assert job_ignored(compose_config(["logger.wandb.group=g"]), ["logger.wandb.group=g"]) == []  # RL logs to W&B
+
+
 def test_a_key_is_refused_once_with_one_reason():
     overrides = ["job=eval", "train.epochs=2", "train.epochs=3", "rollout.weight_sync.probe_every=2"]
     lines = job_ignored(compose_config(overrides), overrides)
