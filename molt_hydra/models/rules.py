@@ -143,6 +143,11 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                             ("rollout.enable_expert_parallel", r.enable_expert_parallel),
                             ("parallelism.moe_reshard_after_forward", p.moe_reshard_after_forward),
                             ("model.moe_experts_impl", m.moe_experts_impl.value != "auto"),
+                            # AutoModel's MoE modules (config/validate.py hf_path_rules refuses them on the HF path)
+                            *(() if trainer_backend(cfg) == "hf" else (
+                                ("model.moe_dispatcher", changed(cfg, "model.moe_dispatcher")),
+                                ("model.experts_backend", m.experts_backend is not None),
+                                ("parallelism.ep", p.ep > 1))),
                             # (under name=adamw config/validate.py refuses it already; a critic_path may hold experts)
                             *((f"{o}.muon_experts_adamw", get(cfg, f"{o}.name").value == "muon" and get(
                                 cfg, f"{o}.muon_experts_adamw")) for o in ("train.optimizer", "train.critic.optimizer")

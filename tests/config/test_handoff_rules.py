@@ -15,6 +15,7 @@ from test_validation import assert_fires, config_errors
 
 FAULTS = Path(__file__).resolve().parents[1] / "integration" / "fault_agents.py"
 MOE = "model.path=tiny://qwen3_moe_tiny"
+AUTOMODEL = ["cluster=local_gpus", "model.backend=automodel"]
 BAD = [
     # lengths that cannot work together (conf default data.max_len=256)
     ("engine_shorter_than_context", ["rollout.max_model_len=4"], "rollout.max_model_len",
@@ -81,7 +82,10 @@ BAD = [
         # before, accepted: a dense model has no grouped expert weight for it to move off Muon
         (["train.optimizer.name=muon"], "train.optimizer.muon_experts_adamw", "true"),
         (["algorithm=ppo_gae", "train.critic.optimizer.name=muon"], "train.critic.optimizer.muon_experts_adamw",
-         "true"))],
+         "true"),
+        # before, accepted for AutoModel (the HF path refuses them as AutoModel-only): no experts to dispatch to
+        *((AUTOMODEL, key, value) for key, value in (("model.moe_dispatcher", "deepep"),
+                                                     ("model.experts_backend", "te"), ("parallelism.ep", "2"))))],
     # engine knobs of a layer kind on a model without it: before, accepted, then ignored by vLLM (MTP: no engine)
     *[(f"no_layers_{key}", [f"rollout.{key}={value}"], f"rollout.{key}",
        f"acts on {what}, but model.path=tiny://qwen3_tiny (qwen3) has none")
