@@ -139,6 +139,10 @@ CASES = [
     # before: a ValueError traceback from the rule that compares the last listed step with train.max_steps
     ("dump_no_step", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[]"], "logger.dump_logprobs_steps",
      "is empty, so logger.dump_logprobs=true dumps no step"),
+    # before, accepted: a VLM recipe on text data blanked no image (its rows have none)
+    ("blank_text_data", ["+recipe=tiny_vlm_colors_cpu", "data.train_path=builtin://toy",
+                         "eval.data_path=builtin://toy_eval", "data.blank_images=true"], "data.blank_images",
+     "no dataset of the run has prompt images (builtin://toy_eval, builtin://toy"),
 ]
 
 
@@ -181,6 +185,8 @@ ACCEPTED = [
     ["logger.wandb.mode=disabled", "logger.tensorboard=true", "logger.wandb.run_name=z"],  # names the TB run too
     ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
     ["agent=tiny_geo", "agent.tool_parser=qwen3_coder", "agent.max_choices=4"],  # a ChatAgent: its chat server's
+    # prompt images in one dataset of the two (the eval's here) are blanked
+    ["+recipe=tiny_vlm_colors_cpu", "data.train_path=builtin://toy", "data.blank_images=true"],
 ]
 
 
