@@ -545,6 +545,10 @@ def _check_then_run() -> None:
                                    ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
     if len(modes) > 1:  # (Hydra's own refusal is a ValueError traceback)
         _exit_config_error(f"- {' '.join(modes)}: Hydra takes one of these at a time. Fix: keep one of {modes}")
+    if args.experimental_rerun is not None:  # (Hydra's: a ValueError traceback for a missing file, else no check)
+        _exit_config_error(f"- --experimental-rerun {args.experimental_rerun}: Hydra reruns a config.pickle, which "
+                           "molt-run neither writes nor checks before it starts. Fix: run molt-run again with the "
+                           "overrides the run recorded in <its output_dir>/.hydra/overrides.yaml")
     if args.config_dir and not Path(args.config_dir).is_dir():  # (Hydra searches it for nothing, without a word)
         _exit_config_error(f"- --config-dir {args.config_dir}: not a directory, so none of its recipes would be found. "
                            "Fix: point it at the directory that holds recipe/NAME.yaml")
@@ -579,6 +583,9 @@ def _command_line_problems(args) -> list[str]:
         return problems
     if args.cfg:
         run_dir = Path(os.path.abspath(first.hydra.run.dir))
+        if args.resolve and not any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides):
+            # under --cfg Hydra sets no hydra.runtime.output_dir, so --resolve failed on output_dir with a traceback
+            sys.argv.append(f"output_dir={quoted(str(run_dir))}")
         return point_problems([*overrides, "dry_run=true"], run_dir, args.config_dir)[0]
     return _check_run(first, overrides, args.config_dir)  # before Hydra makes its run directory
 

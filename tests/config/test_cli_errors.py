@@ -473,6 +473,27 @@ def test_cfg_prints_the_config_then_why_it_would_be_refused(monkeypatch, tmp_pat
     assert _main_in_process(["--cfg", "job", "seed=1"], monkeypatch, tmp_path) is None
 
 
+def test_cfg_resolve_prints_the_run_directory_it_would_write(monkeypatch, tmp_path, capsys):
+    """Before: `molt-run --cfg job --resolve` ended in OmegaConf's traceback (exit 1): under --cfg Hydra sets no
+    hydra.runtime.output_dir for ${hydra:runtime.output_dir} to resolve to."""
+    assert _main_in_process(["--cfg", "job", "--resolve"], monkeypatch, tmp_path) is None
+    out = capsys.readouterr().out
+    run_dir = next(line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("output_dir: "))
+    assert run_dir.startswith(f"{tmp_path}/outputs/default/") and f"  dir: {run_dir}/checkpoints" in out
+    assert not (tmp_path / "outputs").exists()  # printed, not made
+    assert _main_in_process(["--cfg", "job", "--resolve", "output_dir=/tmp/molt_own"], monkeypatch, tmp_path) is None
+    assert "output_dir: /tmp/molt_own\n" in capsys.readouterr().out
+
+
+def test_experimental_rerun_is_one_line(monkeypatch, tmp_path, capsys):
+    """Before: Hydra's ValueError traceback for a missing pickle (and for an existing one, a run nothing checked)."""
+    assert _main_in_process(["--experimental-rerun", "x.pickle"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- --experimental-rerun x.pickle: Hydra reruns a config.pickle, which molt-run neither "
+        "writes nor checks before it starts. Fix: run molt-run again with the overrides the run recorded in <its "
+        "output_dir>/.hydra/overrides.yaml\n")
+
+
 def test_two_modes_at_once_are_one_line(monkeypatch, tmp_path, capsys):
     """Before: `molt-run --cfg job -m ...` ended in Hydra's ValueError traceback."""
     assert _main_in_process(["--cfg", "job", "-m", "seed=1,2"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
