@@ -558,6 +558,9 @@ def _check_then_run() -> None:
         problems = _command_line_problems(args)
         if problems and not args.cfg:
             _exit_config_error("\n".join(problems))
+    elif not args.shell_completion and (failed := compose_checked(args.overrides, multirun=args.multirun,
+                                                                  config_dir=args.config_dir)[1]):
+        _exit_config_error("\n".join(failed))  # --help / --info compose the overrides too (before: a traceback)
     if args.multirun:
         report_slurm_sweeps()  # a Slurm sweep's refusal and failed points, reported (compat/hydra.py)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
@@ -582,12 +585,20 @@ def _command_line_problems(args) -> list[str]:
             _dry_sweep(points)
         return problems
     if args.cfg:
+        if args.package not in (None, "", "_global_") and OmegaConf.select(first, args.package, default=_ABSENT) in (
+                _ABSENT, None):  # (before: Hydra's "Package ... not found in config", exit 1, no fix)
+            _exit_config_error(f"- --package {args.package}: no such key (or a null one) in the config, so there is "
+                               "nothing to print. Fix: name a key `molt-run --cfg job` prints (e.g. --package model), "
+                               "or leave --package out")
         run_dir = Path(os.path.abspath(first.hydra.run.dir))
         if args.resolve and not any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides):
             # under --cfg Hydra sets no hydra.runtime.output_dir, so --resolve failed on output_dir with a traceback
             sys.argv.append(f"output_dir={quoted(str(run_dir))}")
         return point_problems([*overrides, "dry_run=true"], run_dir, args.config_dir)[0]
     return _check_run(first, overrides, args.config_dir)  # before Hydra makes its run directory
+
+
+_ABSENT = object()
 
 
 def _dry_sweep(points: list) -> None:

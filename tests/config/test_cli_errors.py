@@ -494,6 +494,26 @@ def test_experimental_rerun_is_one_line(monkeypatch, tmp_path, capsys):
         "output_dir>/.hydra/overrides.yaml\n")
 
 
+@pytest.mark.parametrize("flags", [["--info", "config"], ["--info", "defaults-tree"], ["--help"]])
+def test_help_and_info_refuse_an_override_they_cannot_compose(flags, monkeypatch, tmp_path, capsys):
+    """Before: `molt-run --info config seed=abc` (or model=nope, under --help too) ended in Hydra's traceback, exit 1:
+    these flags skipped the check and Hydra composed the overrides itself."""
+    assert _main_in_process([*flags, "seed=abc"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("Config error(s):\n- seed: Value 'abc' of type 'str' could not be converted to Integer") \
+        and "Fix: set seed to an integer" in err and "Traceback" not in err
+
+
+def test_cfg_package_of_no_key_is_one_line(monkeypatch, tmp_path, capsys):
+    """Before: Hydra's "package 'nope' not found in config", exit 1, no fix."""
+    assert _main_in_process(["--cfg", "job", "--package", "nope"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- --package nope: no such key (or a null one) in the config, so there is nothing to "
+        "print. Fix: name a key `molt-run --cfg job` prints (e.g. --package model), or leave --package out\n")
+    assert _main_in_process(["--cfg", "job", "--package", "model"], monkeypatch, tmp_path) is None
+    assert "path: tiny://qwen3_tiny" in capsys.readouterr().out
+
+
 def test_two_modes_at_once_are_one_line(monkeypatch, tmp_path, capsys):
     """Before: `molt-run --cfg job -m ...` ended in Hydra's ValueError traceback."""
     assert _main_in_process(["--cfg", "job", "-m", "seed=1,2"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
