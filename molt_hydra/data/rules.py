@@ -36,6 +36,11 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     problems.check(all(p > 0 for p in d.train_probs or ()), "data.train_probs",
                    f"{list(d.train_probs or [])} gives a dataset probability 0: it would never be drawn.",
                    "give every dataset of data.train_path a probability > 0, or remove that dataset")
+    # (job=sft refuses any train_probs: config/validate.py SFT_IGNORES)
+    problems.check(not (d.train_probs is not None and len(d.train_probs) == 1 and cfg.job.value == "rl"),
+                   "data.train_probs", f"one dataset ({d.train_path}) is drawn with probability 1, so interleaving "
+                   "reads its rows in the order concatenation does and it changes nothing.",
+                   "unset data.train_probs, or list several datasets in data.train_path (comma-separated)")
     _sft_data(cfg, problems)
     problems.check(not (d.blank_images and d.max_images_per_prompt == 0), "data.blank_images",
                    "no image reaches the engine (data.max_images_per_prompt=0), so there is nothing to blank.",

@@ -139,6 +139,9 @@ CASES = [
     # before: a ValueError traceback from the rule that compares the last listed step with train.max_steps
     ("dump_no_step", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[]"], "logger.dump_logprobs_steps",
      "is empty, so logger.dump_logprobs=true dumps no step"),
+    # before, accepted: interleaving one dataset reads it in order, as concatenation does
+    ("one_dataset_probs", ["data.train_probs=[1.0]"], "data.train_probs",
+     "one dataset (builtin://toy) is drawn with probability 1"),
     # before, accepted: a VLM recipe on text data blanked no image (its rows have none)
     ("blank_text_data", ["+recipe=tiny_vlm_colors_cpu", "data.train_path=builtin://toy",
                          "eval.data_path=builtin://toy_eval", "data.blank_images=true"], "data.blank_images",
