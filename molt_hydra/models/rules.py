@@ -124,6 +124,12 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                    f"model.path={m.path} is a text-only model ({kind}): there is no visual encoder to freeze, so it "
                    "changes nothing.",
                    "unset model.freeze_visual_encoder, or set model.path to a vision-language model")
+    # parallel/trainer.py refuses these at start-up (after the engines are up): a prompt's shared row needs the fused
+    # log-prob head of a dense HF text model
+    problems.check(not (p.share_prompts and (vlm or is_moe(fields))), "parallelism.share_prompts",
+                   f"model.path={m.path} is {'a vision-language' if vlm else 'an MoE'} model ({kind}); shared prompt "
+                   "rows need the fused log-prob head of a dense text model (the trainer would refuse at start-up).",
+                   "set parallelism.share_prompts=false, or model.path to a dense text model")
     limit = context_length(fields)
     problems.check(cfg.job.value == "sft" or limit is None or r.max_model_len <= limit, "rollout.max_model_len",
                    f"{r.max_model_len} is above model.path's context length {limit} (its config.json): vLLM refuses to "
@@ -257,6 +263,11 @@ def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str]
          f"model.lora.rank={lo.rank}: requests may run under {lag + 1} adapter versions at once, and an engine keeps "
          f"{lora.ADAPTERS_KEPT} loadable (an older one's files are deleted under a running request).",
          f"set train.max_staleness <= {lora.ADAPTERS_KEPT - 1} (or train.queue_depth)"),
+        # an adapted lm_head is a PEFT layer, not the plain Linear the fused log-prob head reads (parallel/trainer.py)
+        (not (cfg.parallelism.share_prompts and "lm_head" in (lo.target_modules or [])), "parallelism.share_prompts",
+         "model.lora.target_modules adapts lm_head, so log-probs come from full logits, without the fused head that "
+         "shared prompt rows need (the trainer would refuse at start-up).",
+         "set parallelism.share_prompts=false, or leave lm_head out of model.lora.target_modules"),
         (not cfg.checkpoint.export_merged or cfg.checkpoint.export_final, "checkpoint.export_merged",
          "the merged model is written beside the final export, and checkpoint.export_final=false.",
          "set checkpoint.export_final=true, or unset checkpoint.export_merged"),
