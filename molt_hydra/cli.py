@@ -358,7 +358,7 @@ def point_problems(overrides: list[str], output_dir: Path, config_dir: str | Non
     if cfg is None:
         return errors, None
     # per point: a sweep over job=rl,eval has points of either
-    errors, result = job_ignored(cfg, overrides) + lora_muon_lr(cfg, overrides), None
+    errors, result = job_ignored(cfg, overrides) + unread_on_command_line(cfg, overrides), None
     try:
         result = checked(cfg)
     except ConfigError as e:
@@ -438,19 +438,23 @@ def job_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
     return lines
 
 
-def lora_muon_lr(first: DictConfig, overrides: list[str]) -> list[str]:
-    """train.optimizer.lr on the command line of a LoRA run with Muon: every adapter matrix steps at muon_lr, no AdamW
-    group is left (models/rules.py `_lora_muon` refuses the other AdamW knobs; conf/config.yaml and the recipes set
-    this one, so only the command line's is refused)."""
+def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]:
+    """Keys the run would not read, refused where the command line sets them: the composed config (conf/config.yaml,
+    a recipe) or a multirun point (runtime/sweep.py) sets them too, where they are left alone.
+    train.optimizer.lr under LoRA with Muon: every adapter matrix steps at muon_lr, no AdamW group is left
+    (models/rules.py `_lora_muon` refuses the other AdamW knobs). logger.wandb.group with W&B disabled: no run to
+    group (config/validate.py refuses W&B's other names)."""
     from molt_hydra.models.rules import LORA_MUON_INERT
 
-    o = first.train.optimizer
-    if first.model.lora.rank is None or getattr(o.name, "value", o.name) != "muon" or "train.optimizer.lr" not in (
-            text.lstrip("+~").split("=", 1)[0] for text in overrides):
-        return []
-    return [f"- train.optimizer.lr: model.lora.rank={first.model.lora.rank}: {LORA_MUON_INERT} Fix: drop "
-            "train.optimizer.lr and set train.optimizer.muon_lr (the adapter's step size), or "
-            "train.optimizer.name=adamw"]
+    given, o = {text.lstrip("+~").split("=", 1)[0] for text in overrides}, first.train.optimizer
+    wandb_mode, job = (getattr(v, "value", v) for v in (first.logger.wandb.mode, first.job))  # (job=sft: JOB_IGNORES)
+    return [f"- {key}: {reason} Fix: {fix}" for key, unread, reason, fix in (
+        ("train.optimizer.lr", first.model.lora.rank is not None and getattr(o.name, "value", o.name) == "muon",
+         f"model.lora.rank={first.model.lora.rank}: {LORA_MUON_INERT}", "drop train.optimizer.lr and set "
+         "train.optimizer.muon_lr (the adapter's step size), or train.optimizer.name=adamw"),
+        ("logger.wandb.group", wandb_mode == "disabled" and job != "sft", "it groups the W&B run, but logger.wandb.mode=disabled "
+         "starts none, so it changes nothing.", "unset logger.wandb.group, or set logger.wandb.mode=offline (or "
+         "auto/online)")) if unread and key in given]
 
 
 def _exit_config_error(text: str) -> None:

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
 from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_problems,
-                            to_run_config)
+                            to_run_config, unread_on_command_line)
 from molt_hydra.config.schema import ConfigError, ISLevel
 
 CASES = {
@@ -241,6 +241,16 @@ def test_a_wandb_group_under_job_sft_is_refused_on_its_command_line():
         "- logger.wandb.group: job=sft writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B run), so it "
         "changes nothing. Fix: unset logger.wandb.group for job=sft"]
     assert job_ignored(compose_config(["logger.wandb.group=g"]), ["logger.wandb.group=g"]) == []  # RL logs to W&B
+
+
+def test_a_wandb_group_with_wandb_disabled_is_refused_on_its_command_line():
+    """Before: accepted and changed nothing (W&B's other names were refused with mode=disabled already; a multirun
+    point's own group, set after this check, is left)."""
+    overrides = ["logger.wandb.mode=disabled", "logger.wandb.group=g"]
+    assert unread_on_command_line(compose_config(overrides), overrides) == [
+        "- logger.wandb.group: it groups the W&B run, but logger.wandb.mode=disabled starts none, so it changes "
+        "nothing. Fix: unset logger.wandb.group, or set logger.wandb.mode=offline (or auto/online)"]
+    assert unread_on_command_line(compose_config(["logger.wandb.group=g"]), ["logger.wandb.group=g"]) == []
 
 
 def test_a_key_is_refused_once_with_one_reason():
