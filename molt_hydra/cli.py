@@ -28,8 +28,8 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Glob
-from hydra.errors import OverrideParseException
+from hydra.core.override_parser.types import Glob, IntervalSweep
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -139,6 +139,8 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     if problems:
         return None, problems
     search = _search_path(parsed, config_dir)
+    if problems := unlisted_sweeps(parsed, overrides):
+        return None, problems
     firsts = {text: next(iter(o.sweep_string_iterator()), None) for o, text in zip(parsed, overrides)
               if o.is_sweep_override()}  # (a glob: expand_globs made it a list)
     if None in firsts.values():  # (Hydra would launch 0 jobs and exit 0)
@@ -156,6 +158,22 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
         return None, [_composition_problem(e, overrides)]
     problems = _not_a_bool(cfg, parsed)
     return (None, problems) if problems else (cfg, [])
+
+
+def unlisted_sweeps(parsed: list, texts: list[str]) -> list[str]:
+    """Sweeps whose values cannot be listed, which Hydra's basic sweeper met with a traceback (exit 1): interval(a,b),
+    a sampling sweeper's continuous range (no such sweeper is installed), and range(a,b,0)."""
+    problems = []
+    for o, text in zip(parsed, texts):
+        try:
+            next(iter(o.sweep_string_iterator()), None) if o.is_sweep_override() else None
+        except (HydraException, ValueError) as e:
+            problems.append(f"- {text}: " + (
+                "interval() is a continuous range that only a sampling sweeper (Optuna, Ax; none is installed) "
+                "draws from; Hydra's basic sweeper runs listed values." if isinstance(o.value(), IntervalSweep) else
+                f"its values cannot be listed ({str(e).splitlines()[0]}).") + " Fix: list the values (key=a,b,c), or "
+                "give range(start,stop,step) with a non-zero step")
+    return problems
 
 
 def _deleted(key: str, text: str) -> str:
@@ -289,13 +307,15 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     every point)."""
     from molt_hydra.compat.hydra import sweep_points
 
-    if not (first.hydra.sweeper._target_.endswith(".BasicSweeper")
-            and first.hydra.launcher._target_.endswith(".BasicLauncher")):
+    basic = first.hydra.sweeper._target_.endswith(".BasicSweeper")
+    params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()] if basic else []
+    parsed = OverridesParser.create().parse_overrides([*params, *overrides])
+    if problems := unlisted_sweeps(parsed, [f"hydra.sweeper.params.{text}" for text in params]):
+        return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
+    if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
         # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
         return [], []
-    params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()]
-    parsed = OverridesParser.create().parse_overrides([*params, *overrides])
     points = sweep_points(parsed)
     if not points:  # (Hydra would launch 0 jobs and exit 0)
         return [f"- {' '.join(overrides)}: the sweep has no point, so the multirun would run nothing. Fix: give each "
@@ -337,7 +357,8 @@ def point_problems(overrides: list[str], output_dir: Path, config_dir: str | Non
                                   config_dir=config_dir)
     if cfg is None:
         return errors, None
-    errors, result = job_ignored(cfg, overrides), None  # per point: a sweep over job=rl,eval has points of either
+    # per point: a sweep over job=rl,eval has points of either
+    errors, result = job_ignored(cfg, overrides) + unread_on_command_line(cfg, overrides), None
     try:
         result = checked(cfg)
     except ConfigError as e:
@@ -382,7 +403,9 @@ _NO_ENGINE = "starts no rollout engine and runs no agent"
 _NO_TRAINER = "starts no trainer (it scores the model with the rollout engines only)"
 JOB_IGNORES: dict[str, dict[str, str | None]] = {
     "sft": {"rollout": _NO_ENGINE, "agent": _NO_ENGINE,
-            "train.max_steps": "trains train.epochs over its data (set those instead)"},
+            "train.max_steps": "trains train.epochs over its data (set those instead)",
+            # (config/validate.py SFT_IGNORES has W&B's other keys; a multirun point sets this one itself)
+            "logger.wandb.group": "writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B run)"},
     "eval": {
         "train": _NO_TRAINER, "parallelism": _NO_TRAINER,
         **{f"train.timeouts.{name}": None for name in ("startup_s", "engine_call_s", "step_s")},
@@ -413,6 +436,25 @@ def job_ignored(first: DictConfig, overrides: list[str]) -> list[str]:
         if entries and (reason := table[max(entries, key=len)]) is not None:
             lines.append(f"- {key}: job={job} {reason}, so it changes nothing. Fix: unset {key} for job={job}")
     return lines
+
+
+def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]:
+    """Keys the run would not read, refused where the command line sets them: the composed config (conf/config.yaml,
+    a recipe) or a multirun point (runtime/sweep.py) sets them too, where they are left alone.
+    train.optimizer.lr under LoRA with Muon: every adapter matrix steps at muon_lr, no AdamW group is left
+    (models/rules.py `_lora_muon` refuses the other AdamW knobs). logger.wandb.group with W&B disabled: no run to
+    group (config/validate.py refuses W&B's other names)."""
+    from molt_hydra.models.rules import LORA_MUON_INERT
+
+    given, o = {text.lstrip("+~").split("=", 1)[0] for text in overrides}, first.train.optimizer
+    wandb_mode, job = (getattr(v, "value", v) for v in (first.logger.wandb.mode, first.job))  # (job=sft: JOB_IGNORES)
+    return [f"- {key}: {reason} Fix: {fix}" for key, unread, reason, fix in (
+        ("train.optimizer.lr", first.model.lora.rank is not None and getattr(o.name, "value", o.name) == "muon",
+         f"model.lora.rank={first.model.lora.rank}: {LORA_MUON_INERT}", "drop train.optimizer.lr and set "
+         "train.optimizer.muon_lr (the adapter's step size), or train.optimizer.name=adamw"),
+        ("logger.wandb.group", wandb_mode == "disabled" and job != "sft", "it groups the W&B run, but logger.wandb.mode=disabled "
+         "starts none, so it changes nothing.", "unset logger.wandb.group, or set logger.wandb.mode=offline (or "
+         "auto/online)")) if unread and key in given]
 
 
 def _exit_config_error(text: str) -> None:
@@ -507,6 +549,10 @@ def _check_then_run() -> None:
                                    ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
     if len(modes) > 1:  # (Hydra's own refusal is a ValueError traceback)
         _exit_config_error(f"- {' '.join(modes)}: Hydra takes one of these at a time. Fix: keep one of {modes}")
+    if args.experimental_rerun is not None:  # (Hydra's: a ValueError traceback for a missing file, else no check)
+        _exit_config_error(f"- --experimental-rerun {args.experimental_rerun}: Hydra reruns a config.pickle, which "
+                           "molt-run neither writes nor checks before it starts. Fix: run molt-run again with the "
+                           "overrides the run recorded in <its output_dir>/.hydra/overrides.yaml")
     if args.config_dir and not Path(args.config_dir).is_dir():  # (Hydra searches it for nothing, without a word)
         _exit_config_error(f"- --config-dir {args.config_dir}: not a directory, so none of its recipes would be found. "
                            "Fix: point it at the directory that holds recipe/NAME.yaml")
@@ -516,6 +562,9 @@ def _check_then_run() -> None:
         problems = _command_line_problems(args)
         if problems and not args.cfg:
             _exit_config_error("\n".join(problems))
+    elif not args.shell_completion and (failed := compose_checked(args.overrides, multirun=args.multirun,
+                                                                  config_dir=args.config_dir)[1]):
+        _exit_config_error("\n".join(failed))  # --help / --info compose the overrides too (before: a traceback)
     if args.multirun:
         report_slurm_sweeps()  # a Slurm sweep's refusal and failed points, reported (compat/hydra.py)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
@@ -540,9 +589,20 @@ def _command_line_problems(args) -> list[str]:
             _dry_sweep(points)
         return problems
     if args.cfg:
+        if args.package not in (None, "", "_global_") and OmegaConf.select(first, args.package, default=_ABSENT) in (
+                _ABSENT, None):  # (before: Hydra's "Package ... not found in config", exit 1, no fix)
+            _exit_config_error(f"- --package {args.package}: no such key (or a null one) in the config, so there is "
+                               "nothing to print. Fix: name a key `molt-run --cfg job` prints (e.g. --package model), "
+                               "or leave --package out")
         run_dir = Path(os.path.abspath(first.hydra.run.dir))
+        if args.resolve and not any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides):
+            # under --cfg Hydra sets no hydra.runtime.output_dir, so --resolve failed on output_dir with a traceback
+            sys.argv.append(f"output_dir={quoted(str(run_dir))}")
         return point_problems([*overrides, "dry_run=true"], run_dir, args.config_dir)[0]
     return _check_run(first, overrides, args.config_dir)  # before Hydra makes its run directory
+
+
+_ABSENT = object()
 
 
 def _dry_sweep(points: list) -> None:

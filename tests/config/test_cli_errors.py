@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
 from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_problems,
-                            to_run_config)
+                            to_run_config, unread_on_command_line)
 from molt_hydra.config.schema import ConfigError, ISLevel
 
 CASES = {
@@ -41,6 +41,9 @@ CASES = {
     "added_unknown_key": (["+train.max_stepz=5", "dry_run=true"], "train.max_stepz"),  # was: dropped, silently
     "optimizer_key_under_eval": (["job=eval", "eval.data_path=builtin://toy_eval", "train.optimizer.lr=0.1",
                                   "dry_run=true"], "train.optimizer.lr"),
+    # before: Hydra's HydraException traceback, exit 1 (the basic sweeper lists values; interval() has none)
+    "interval_sweep": (["-m", "train.optimizer.lr=interval(0.1,0.2)", "dry_run=true"],
+                       "train.optimizer.lr=interval(0.1,0.2)"),
 }
 
 
@@ -230,6 +233,26 @@ def test_what_job_eval_reads_is_not_refused():
     assert job_ignored(first, ["job=eval", *EVAL_READS]) == []
 
 
+def test_a_wandb_group_under_job_sft_is_refused_on_its_command_line():
+    """Before: `job=sft logger.wandb.group=g` was taken and changed nothing (SFT logs to sft_metrics.jsonl only; the
+    other W&B keys were refused already). A multirun point's own group is set after this check (runtime/sweep.py)."""
+    overrides = ["+recipe=tiny_vlm_colors_warm", "logger.wandb.group=g"]
+    assert job_ignored(compose_config(overrides), overrides) == [
+        "- logger.wandb.group: job=sft writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B run), so it "
+        "changes nothing. Fix: unset logger.wandb.group for job=sft"]
+    assert job_ignored(compose_config(["logger.wandb.group=g"]), ["logger.wandb.group=g"]) == []  # RL logs to W&B
+
+
+def test_a_wandb_group_with_wandb_disabled_is_refused_on_its_command_line():
+    """Before: accepted and changed nothing (W&B's other names were refused with mode=disabled already; a multirun
+    point's own group, set after this check, is left)."""
+    overrides = ["logger.wandb.mode=disabled", "logger.wandb.group=g"]
+    assert unread_on_command_line(compose_config(overrides), overrides) == [
+        "- logger.wandb.group: it groups the W&B run, but logger.wandb.mode=disabled starts none, so it changes "
+        "nothing. Fix: unset logger.wandb.group, or set logger.wandb.mode=offline (or auto/online)"]
+    assert unread_on_command_line(compose_config(["logger.wandb.group=g"]), ["logger.wandb.group=g"]) == []
+
+
 def test_a_key_is_refused_once_with_one_reason():
     overrides = ["job=eval", "train.epochs=2", "train.epochs=3", "rollout.weight_sync.probe_every=2"]
     lines = job_ignored(compose_config(overrides), overrides)
@@ -342,6 +365,25 @@ def test_a_sweep_of_no_value_is_refused(sweep):
                                         "give it at least one value (range(a,b) needs a < b)"]
 
 
+@pytest.mark.parametrize("sweep,reason", [
+    ("train.optimizer.lr=interval(0.1,0.2)", "interval() is a continuous range that only a sampling sweeper"),
+    ("seed=range(1,10,0)", "its values cannot be listed (range() arg 3 must not be zero)")])
+def test_a_sweep_whose_values_cannot_be_listed_is_refused(sweep, reason, tmp_path):
+    """Before: Hydra's traceback (HydraException, ValueError), exit 1; on the command line and in a recipe's
+    hydra.sweeper.params alike."""
+    cfg, problems = compose_checked([sweep, "dry_run=true"], multirun=True)
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(f"- {sweep}: {reason}"), problems
+    assert "Fix: list the values (key=a,b,c)" in problems[0]
+    key, value = sweep.split("=", 1)
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "swept.yaml").write_text(f"# @package _global_\nhydra:\n  sweeper:\n    params:\n"
+                                                    f"      {key}: {value}\n")
+    overrides = ["+recipe=swept", "dry_run=true"]
+    first, problems = compose_checked(overrides, multirun=True, config_dir=str(tmp_path), hydra_config=True)
+    assert problems == [] and [p.split(": ", 1)[0] for p in sweep_problems(first, overrides, str(tmp_path))] == [
+        f"- hydra.sweeper.params.{sweep}"]
+
+
 def test_a_glob_sweep_is_written_out_as_hydras_sweeper_runs_it():
     """Before: a glob sweep was not checked before its points ran (one refused point ended the sweep there, after the
     points before it had run), and a glob selecting nothing (or on a key that is no group) launched 0 jobs, exit 0."""
@@ -439,6 +481,47 @@ def test_cfg_prints_the_config_then_why_it_would_be_refused(monkeypatch, tmp_pat
     out, err = capsys.readouterr()
     assert "seed: -1" in out and "- seed: must be in [0, 4294967296), got -1." in err
     assert _main_in_process(["--cfg", "job", "seed=1"], monkeypatch, tmp_path) is None
+
+
+def test_cfg_resolve_prints_the_run_directory_it_would_write(monkeypatch, tmp_path, capsys):
+    """Before: `molt-run --cfg job --resolve` ended in OmegaConf's traceback (exit 1): under --cfg Hydra sets no
+    hydra.runtime.output_dir for ${hydra:runtime.output_dir} to resolve to."""
+    assert _main_in_process(["--cfg", "job", "--resolve"], monkeypatch, tmp_path) is None
+    out = capsys.readouterr().out
+    run_dir = next(line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("output_dir: "))
+    assert run_dir.startswith(f"{tmp_path}/outputs/default/") and f"  dir: {run_dir}/checkpoints" in out
+    assert not (tmp_path / "outputs").exists()  # printed, not made
+    assert _main_in_process(["--cfg", "job", "--resolve", "output_dir=/tmp/molt_own"], monkeypatch, tmp_path) is None
+    assert "output_dir: /tmp/molt_own\n" in capsys.readouterr().out
+
+
+def test_experimental_rerun_is_one_line(monkeypatch, tmp_path, capsys):
+    """Before: Hydra's ValueError traceback for a missing pickle (and for an existing one, a run nothing checked)."""
+    assert _main_in_process(["--experimental-rerun", "x.pickle"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- --experimental-rerun x.pickle: Hydra reruns a config.pickle, which molt-run neither "
+        "writes nor checks before it starts. Fix: run molt-run again with the overrides the run recorded in <its "
+        "output_dir>/.hydra/overrides.yaml\n")
+
+
+@pytest.mark.parametrize("flags", [["--info", "config"], ["--info", "defaults-tree"], ["--help"]])
+def test_help_and_info_refuse_an_override_they_cannot_compose(flags, monkeypatch, tmp_path, capsys):
+    """Before: `molt-run --info config seed=abc` (or model=nope, under --help too) ended in Hydra's traceback, exit 1:
+    these flags skipped the check and Hydra composed the overrides itself."""
+    assert _main_in_process([*flags, "seed=abc"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("Config error(s):\n- seed: Value 'abc' of type 'str' could not be converted to Integer") \
+        and "Fix: set seed to an integer" in err and "Traceback" not in err
+
+
+def test_cfg_package_of_no_key_is_one_line(monkeypatch, tmp_path, capsys):
+    """Before: Hydra's "package 'nope' not found in config", exit 1, no fix."""
+    assert _main_in_process(["--cfg", "job", "--package", "nope"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- --package nope: no such key (or a null one) in the config, so there is nothing to "
+        "print. Fix: name a key `molt-run --cfg job` prints (e.g. --package model), or leave --package out\n")
+    assert _main_in_process(["--cfg", "job", "--package", "model"], monkeypatch, tmp_path) is None
+    assert "path: tiny://qwen3_tiny" in capsys.readouterr().out
 
 
 def test_two_modes_at_once_are_one_line(monkeypatch, tmp_path, capsys):

@@ -15,6 +15,7 @@ from test_validation import assert_fires, config_errors
 
 FAULTS = Path(__file__).resolve().parents[1] / "integration" / "fault_agents.py"
 MOE = "model.path=tiny://qwen3_moe_tiny"
+AUTOMODEL = ["cluster=local_gpus", "model.backend=automodel"]
 BAD = [
     # lengths that cannot work together (conf default data.max_len=256)
     ("engine_shorter_than_context", ["rollout.max_model_len=4"], "rollout.max_model_len",
@@ -72,11 +73,19 @@ BAD = [
     ("ray_address_bad_port", ["cluster.ray_address=10.0.0.1:99999"], "cluster.ray_address",
      "'10.0.0.1:99999' is not an address Ray can join"),
     # MoE-only knobs on a dense model
-    *[(f"dense_{key}", [f"{key}={value}"], key, "acts on MoE routers, but model.path=tiny://qwen3_tiny is a dense")
-      for key, value in (("model.freeze_moe_router", "true"), ("rollout.routing_replay", "true"),
-                         ("model.gate_precision", "bfloat16"), ("model.aux_loss_coef", "0.01"),
-                         ("rollout.enable_expert_parallel", "true"),
-                         ("parallelism.moe_reshard_after_forward", "true"), ("model.moe_experts_impl", "loop"))],
+    *[(f"dense_{key}", [*extra, f"{key}={value}"], key, "acts on MoE routers or experts, but "
+       "model.path=tiny://qwen3_tiny is a dense") for extra, key, value in (
+        ([], "model.freeze_moe_router", "true"), ([], "rollout.routing_replay", "true"),
+        ([], "model.gate_precision", "bfloat16"), ([], "model.aux_loss_coef", "0.01"),
+        ([], "rollout.enable_expert_parallel", "true"), ([], "parallelism.moe_reshard_after_forward", "true"),
+        ([], "model.moe_experts_impl", "loop"),
+        # before, accepted: a dense model has no grouped expert weight for it to move off Muon
+        (["train.optimizer.name=muon"], "train.optimizer.muon_experts_adamw", "true"),
+        (["algorithm=ppo_gae", "train.critic.optimizer.name=muon"], "train.critic.optimizer.muon_experts_adamw",
+         "true"),
+        # before, accepted for AutoModel (the HF path refuses them as AutoModel-only): no experts to dispatch to
+        *((AUTOMODEL, key, value) for key, value in (("model.moe_dispatcher", "deepep"),
+                                                     ("model.experts_backend", "te"), ("parallelism.ep", "2"))))],
     # engine knobs of a layer kind on a model without it: before, accepted, then ignored by vLLM (MTP: no engine)
     *[(f"no_layers_{key}", [f"rollout.{key}={value}"], f"rollout.{key}",
        f"acts on {what}, but model.path=tiny://qwen3_tiny (qwen3) has none")
@@ -105,6 +114,7 @@ GOOD = [
     ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")
     ["cluster.ray_address=10.0.0.1:6379"], ["cluster.ray_address=ray://head:10001"], ["cluster.ray_address=auto"],
     [MOE, "model.freeze_moe_router=true", "rollout.routing_replay=true", "model.gate_precision=bfloat16"],
+    [MOE, "train.optimizer.name=muon", "train.optimizer.muon_experts_adamw=true"],
 ]
 
 

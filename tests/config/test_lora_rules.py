@@ -12,6 +12,7 @@ from molt_hydra.models.tiny import TINY_MODELS, TINY_SHAPE
 from test_validation import assert_fires, config_errors
 
 LORA = ["model.lora.rank=8"]
+MUON = [*LORA, "train.optimizer.name=muon"]
 HIDDEN = TINY_SHAPE["hidden_size"]
 
 RULES = [
@@ -53,6 +54,14 @@ RULES = [
      "fused 3-D tensors"),  # its experts sit in text_config: found, not "has no experts"
     # async, 3 versions behind: 4 adapters in use at once, one more than an engine keeps (models/lora.py)
     ("staleness", [*LORA, "train.queue_depth=3"], "train.max_staleness", "under 4 adapter versions at once"),
+    # Muon takes every adapter matrix, so the AdamW-only knobs had nothing to act on (before: accepted, unused)
+    *((f"muon_{name}", [*MUON, f"train.optimizer.{name}={value}", *extra], f"train.optimizer.{name}",
+       "no AdamW group is left") for name, value, extra in (
+        ("betas", "[0.8,0.9]", []), ("eps", "1e-6", []),
+        ("weight_decay", "0.1", ["train.optimizer.muon_weight_decay=0.01"]))),
+    ("muon_experts_adamw", [*MUON, "model=qwen3_moe_tiny", "cluster=local_gpus",
+                            "train.optimizer.muon_experts_adamw=true"], "train.optimizer.muon_experts_adamw",
+     "the adapter has no grouped expert weights"),
 ]
 
 
@@ -124,3 +133,25 @@ def test_the_fix_for_lora_outside_rl_turns_a_recipes_lora_off(job):
     off = line.split("turn LoRA off: ", 1)[1].split()
     assert off[0] == "model.lora.rank=null"
     assert [e for e in config_errors([*base, *off]) if e.startswith("model.lora")] == []
+
+
+def test_muon_on_the_adapter_validates_and_its_own_knobs_are_taken():
+    """LoRA with Muon is honoured (Muon steps lora_A and lora_B: tests/unit/test_muon_groups.py); Muon's own knobs
+    and weight_decay (the Muon group's decay while muon_weight_decay is null) are read."""
+    assert config_errors(["+recipe=tiny_lora_cpu", "train.optimizer.name=muon", "train.optimizer.muon_lr=0.01",
+                          "train.optimizer.muon_momentum=0.9", "train.optimizer.weight_decay=0.1"]) == []
+
+
+def test_the_command_lines_adamw_lr_is_refused_under_lora_with_muon(tmp_path):
+    """train.optimizer.lr on the command line of a LoRA run with Muon: before, accepted and never read (the recipe's
+    and conf/config.yaml's own lr are left alone: they are set for AdamW); as the CLI checks a run, in this process."""
+    from molt_hydra.cli import point_problems
+
+    base = ["+recipe=tiny_lora_cpu", "train.optimizer.name=muon", "dry_run=true"]
+    errors, _ = point_problems([*base, "train.optimizer.lr=0.05"], tmp_path, None)
+    assert [e.split(": ", 1)[0] for e in errors] == ["- train.optimizer.lr"]
+    assert "no AdamW group is left" in errors[0] and "Fix: drop train.optimizer.lr and set train.optimizer.muon_lr" \
+        in errors[0]
+    assert point_problems(base, tmp_path, None)[0] == []
+    assert point_problems(["+recipe=tiny_lora_cpu", "train.optimizer.lr=0.05", "dry_run=true"], tmp_path,
+                          None)[0] == []  # (AdamW reads it)

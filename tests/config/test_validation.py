@@ -178,7 +178,7 @@ def test_molt_parity_knobs_validate_when_their_switches_are_on():
     """Muon with its settings (actor and critic, under a critic-trained estimator), a warm start, log-prob dumps, grad-norm debugging, determinism, a
     disk budget and deferred grad sync on two trainer ranks: no rule fires."""
     assert config_errors([
-        "train.optimizer.name=muon", "train.optimizer.muon_lr=0.01", "train.optimizer.muon_experts_adamw=true",
+        "train.optimizer.name=muon", "train.optimizer.muon_lr=0.01",  # (muon_experts_adamw: an MoE model only)
         "train.critic.optimizer.name=muon", "train.critic.optimizer.muon_nesterov=false",
         "algorithm=ppo_gae", "parallelism.colocate_models=true",  # a critic for its optimizer; actor, ref, critic
         "checkpoint.resume=auto", "checkpoint.load_model_only=true", "checkpoint.max_disk_gb=5",

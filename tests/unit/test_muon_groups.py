@@ -38,3 +38,17 @@ def test_untied_lm_head_and_grouped_experts():
     by_name = {n: muon for muon, _, _, names in _groups(model, experts_adamw=True) for n in names}
     assert by_name["model.layers.0.mlp.experts.gate_up_proj"] is False
     assert by_name["model.layers.0.mlp.gate.weight"] is True  # the router is a 2-D matrix, not an expert
+
+
+def test_lora_adapter_matrices_all_go_to_muon():
+    """LoRA with Muon (honoured: config rules refuse only the AdamW knobs it leaves unread): every trainable tensor of
+    an adapter, the tied lm_head's too, is a 2-D lora_A / lora_B matrix, so the Muon group holds all of them and no
+    AdamW group is left."""
+    from molt_hydra.models import lora
+
+    spec = dict(rank=4, alpha=8.0, dropout=0.0, init="default", target_modules=[*lora.ATTENTION, *lora.MLP, "lm_head"])
+    model = lora.add_adapter(build_model("tiny://qwen3_tiny"), spec)
+    groups = _groups(model)
+    trained = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert groups == [(True, 0.02, 0.05, trained)]
+    assert any(n.startswith("lm_head.lora_B.") for n in trained) and all(lora.is_adapter_param(n) for n in trained)
