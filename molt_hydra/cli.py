@@ -289,6 +289,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     return f"- {key}: {reason} ({override}). Fix: set {key.split('[')[0]} to {expected(RunConfig, key)}"
 
 
+ANNOUNCED_SWEEP = 20  # sweeps of more points than this say that their check is under way
 # the directories a run writes: one sweep point's each
 SWEEP_OWN_DIRS = ("output_dir", "checkpoint.dir", "checkpoint.export_dir", "train.rollout_dump_dir")
 
@@ -320,6 +321,9 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if not points:  # (Hydra would launch 0 jobs and exit 0)
         return [f"- {' '.join(overrides)}: the sweep has no point, so the multirun would run nothing. Fix: give each "
                 "swept key at least one value (range(a,b) with a < b)"], []
+    if len(points) > ANNOUNCED_SWEEP:  # each point takes ~0.5 s: a long sweep's check is not a silent wait
+        print(f"Checking each of the sweep's {len(points)} points before the first starts (composed, validated and "
+              "planned one after another) ...", file=sys.stderr, flush=True)
     problems, owners, results = _repeated_points(points), {}, []
     sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here

@@ -148,6 +148,21 @@ def test_a_recipes_sweep_params_are_points_too():
     assert len(heads) == 6 and all(" of 12 (" in h and "rollout.n_samples_per_prompt=1" in h for h in heads), heads
 
 
+def test_a_long_sweeps_check_says_it_is_under_way(monkeypatch, capsys):
+    """Every point is checked before the first starts, ~0.5 s each: before, `-m seed=range(0,10000)` sat silent for an
+    hour and more. A sweep of more than ANNOUNCED_SWEEP points says so first, in one line; a short one says nothing."""
+    import molt_hydra.cli as cli
+
+    monkeypatch.setattr(cli, "point_problems", lambda point, out, config_dir: ([], None))  # the check itself: above
+    for n, said in ((cli.ANNOUNCED_SWEEP, []), (cli.ANNOUNCED_SWEEP + 1, [
+            f"Checking each of the sweep's {cli.ANNOUNCED_SWEEP + 1} points before the first starts (composed, "
+            "validated and planned one after another) ..."])):
+        overrides = ["+recipe=tiny_cpu", f"seed=range(0,{n})"]
+        first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
+        assert sweep_problems(first, overrides, None) == []
+        assert capsys.readouterr().err.splitlines() == said, n
+
+
 @pytest.mark.parametrize("overrides,multirun,in_allocation,refused", [
     (["cluster=slurm"], False, False, ["hydra/launcher"]),   # would start here: nothing submits without -m
     (["cluster=slurm"], False, True, []),                     # sbatch launchers/molt.sbatch: runs in its allocation
