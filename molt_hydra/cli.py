@@ -268,6 +268,10 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         override = next((o for o in overrides if o.startswith("~") and f"'{o[1:].split('=', 1)[0]}'" in text), override)
         return f"- {override}: {str(chain[-1]).splitlines()[0]} Fix: drop {override}; `molt-run --cfg job` prints " \
                "every key"
+    if sweeper := next((o for o in overrides if o.lstrip("+~").startswith("hydra.sweeper.params")), None):
+        return (f"- {sweeper}: hydra.sweeper.params cannot be set on the command line (Hydra leaves it unset there, "
+                "and OmegaConf merges nothing into an unset dict). Fix: sweep the key itself, -m KEY=a,b, or set "
+                "hydra.sweeper.params in a recipe, as recipes/sweep_estimators_is.yaml does")
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
         return _not_a_key(key, override)
     reason = str(chain[-1]).splitlines()[0]

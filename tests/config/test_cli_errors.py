@@ -148,6 +148,17 @@ def test_a_recipes_sweep_params_are_points_too():
     assert len(heads) == 6 and all(" of 12 (" in h and "rollout.n_samples_per_prompt=1" in h for h in heads), heads
 
 
+@pytest.mark.parametrize("override", ["hydra.sweeper.params={seed:'1,2'}", "+hydra.sweeper.params.seed='1,2'",
+                                      "hydra.sweeper.params.seed='1,2'"])
+def test_sweeper_params_on_the_command_line_name_the_way_that_works(override):
+    """Before: OmegaConf's "'NoneType' object has no attribute 'get'" or "Unexpected type for root: NoneType", with a
+    fix about the schema's types."""
+    first, problems = compose_checked(["+recipe=tiny_cpu", override], multirun=True, hydra_config=True)
+    assert problems == [f"- {override}: hydra.sweeper.params cannot be set on the command line (Hydra leaves it unset "
+                        "there, and OmegaConf merges nothing into an unset dict). Fix: sweep the key itself, -m "
+                        "KEY=a,b, or set hydra.sweeper.params in a recipe, as recipes/sweep_estimators_is.yaml does"]
+
+
 def test_a_long_sweeps_check_says_it_is_under_way(monkeypatch, capsys):
     """Every point is checked before the first starts, ~0.5 s each: before, `-m seed=range(0,10000)` sat silent for an
     hour and more. A sweep of more than ANNOUNCED_SWEEP points says so first, in one line; a short one says nothing."""
