@@ -28,7 +28,7 @@ from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.preemption import NOTICE
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime import reaper
-from molt_hydra.runtime.watchdog import deadline, descendants
+from molt_hydra.runtime.watchdog import deadline
 
 # Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
 # ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
@@ -198,8 +198,9 @@ def _start_ray(cfg: RunConfig) -> None:
     # CPU on 2 cores at start-up.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Actor logs (vLLM is chatty) stay in Ray's session log files; the terminal shows the run's own progress.
+    reaper.watch()  # a kill -9 of this driver, also during ray.init, ends Ray's processes too (runtime/reaper.py)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
-    reaper.watch(descendants(os.getpid()))  # a kill -9 of this driver ends Ray's processes too (runtime/reaper.py)
+    reaper.settled()
 
 
 def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | None):

@@ -414,14 +414,19 @@ def test_a_stopped_agent_runner_stalls_the_run_naming_it(tmp_path):
 
 
 @pytest.mark.slow  # ~1 min: tests/unit/test_reaper.py (the watcher, real processes) covers it in make test
-def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path):
+@pytest.mark.parametrize("when", ["ray.init", "step 1"])
+def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path, when):
     """Before: Ray's DashboardAgent and RuntimeEnvAgent outlived a kill -9 of the driver by 60 s (their report of the
-    raylet's death waited on the GCS, dead too); now every process ends within runtime/reaper.py's grace."""
+    raylet's death waited on the GCS, dead too), and still did after a kill during ray.init, which the reaper's
+    watcher did not yet run in; now every process ends within runtime/reaper.py's grace."""
     from molt_hydra.runtime.reaper import GRACE_S
 
     out = tmp_path / "run"
     run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
-    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    # (the agents: started by the raylet, during ray.init; the engines start after it)
+    run.wait_for(lambda: run.children("Agent") or run.children("dashboard/agent.py") if when == "ray.init"
+                 else newest_step(out / "checkpoints") >= 1)
+    assert when != "ray.init" or not run.children("VLLMEngine"), "ray.init had returned"
     run.seen.update(descendants(run.proc.pid))
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()
