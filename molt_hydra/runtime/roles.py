@@ -21,6 +21,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from molt_hydra.compat.ray import no_auto_init
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
@@ -172,6 +173,7 @@ def init_ray(cfg: RunConfig) -> None:
     """Ray on this node (or joined at cluster.ray_address), keeping the run's SIGTERM handler: ray.init replaces it
     with its own (sys.exit in Python, a stack dump and an abort in its C++ core), which skips the run's clean stop.
     The processes it starts (and all they start) ignore Slurm's notice: only the driver acts on it (preemption.py)."""
+    no_auto_init()  # after the teardown's ray.shutdown, a role's start still running in a thread starts no new Ray
     if ray.is_initialized():
         return
     main_thread = threading.current_thread() is threading.main_thread()

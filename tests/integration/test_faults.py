@@ -375,6 +375,22 @@ def test_a_signal_before_the_roles_start_stops_the_run_in_one_line(tmp_path, sig
     assert "Traceback" not in run.err() and not (tmp_path / "run" / "ray").exists()
 
 
+@pytest.mark.slow  # ~40 s: tests/unit/test_ray_compat.py (no Ray starts once the run's is shut down) in make test
+def test_a_ctrl_c_during_ray_init_stops_the_run_and_starts_no_second_ray(tmp_path):
+    """The interruption lands after ray.init, while the actor's ranks start in a thread. Before: that thread's next Ray
+    call after the teardown's ray.shutdown started a second Ray instance ('Started a local Ray instance' after the
+    last words), whose DashboardAgent and RuntimeEnvAgent outlived the run, which ended ~20 s later."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=3")
+    run.wait_for(lambda: run.children("raylet"), timeout=120)
+    os.kill(run.proc.pid, signal.SIGINT)
+    code = run.finish(timeout=120)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == 130, run.err()[-3000:]
+    assert lines[-1] == "Last checkpoint: none (the run starts from step 0 again)", lines[-3:]
+    assert run.err().count("Started a local Ray instance") == 1 and "Traceback" not in run.err(), run.err()[-3000:]
+
+
 def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path):
     """job=sft trains in spawned rank processes. Before: SIGTERM killed the driver alone, without a word (exit -15),
     and its ranks trained on, orphaned; with the driver's interruption handled but the ranks not ended, the driver
