@@ -20,3 +20,16 @@ def no_auto_init() -> None:
     from ray._private import auto_init_hook
 
     auto_init_hook.enable_auto_connect = False
+
+
+HEAD = ("gcs_server", "raylet")  # what every role needs; a run goes on without Ray's others (its log monitor ...)
+
+
+def dead_head_processes() -> dict[str, int]:
+    """Ray's GCS and raylet that this process's ray.init started and that have ended, each with its exit status
+    (negative: the signal that ended it); {} also where this process joined a Ray it did not start."""
+    written_for("reading Ray's own processes", "ray", SUPPORTED)
+    from ray._private import worker
+
+    node = worker._global_node
+    return {} if node is None else {kind: p.poll() for kind, p in node.dead_processes() if kind in HEAD}

@@ -24,6 +24,7 @@ from pathlib import Path
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
 from molt_hydra.runtime import reaper
 from molt_hydra.runtime.preemption import PreemptionNotice
+from molt_hydra.runtime.ray_head import dead_head
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
@@ -300,6 +301,8 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         role, cause, drops = error.role, describe(error.error), {}
     else:
         role, cause, drops = _actor_role(error), describe(error), {}
+    if (head := dead_head()) is not None and head.role != role:  # every role's calls fail with Ray's GCS or raylet
+        role, cause = head.role, f"{head.cause} (first seen as {role}: {cause})"
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) and not error.filename:
         # a write to an open file (metrics.jsonl ...) names no path: the run's directories' free space tells which
         dirs = (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoint.dir))

@@ -429,6 +429,25 @@ def test_a_stopped_agent_runner_stalls_the_run_naming_it(tmp_path):
         "; not answering: " + ", ".join(f"agent runner {i}" for i in range(len(runners))) + "."), lines[-3:]
 
 
+@pytest.mark.slow  # ~1 min each: tests/unit/test_ray_compat.py (a dead head process's failure) in make test
+@pytest.mark.parametrize("process, path", [("gcs_server", "ray/gcs/gcs_server"), ("raylet", "ray/raylet/raylet")])
+def test_a_kill_9_of_rays_gcs_or_raylet_ends_the_run_naming_it(tmp_path, process, path):
+    """Before: a killed gcs_server left the run going on blind for 60 s, then Ray's core ended it (exit 1) with its own
+    C++ line last, no role and no checkpoint named; a killed raylet was named as the first call that failed with it
+    ('actor rank 0: train_step failed: ... Owner's node has crashed')."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    t0 = time.monotonic()
+    os.kill(*run.children(path), signal.SIGKILL)
+    code = run.finish(timeout=120)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED and time.monotonic() - t0 < 50, run.err()[-3000:]  # (Ray's own end: at 60 s)
+    assert lines[-3] == f"Run failed: Ray's {process}: the process died (killed by SIGKILL); no role can go on " \
+                        "without it.", lines[-3:]
+    assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_") and "Traceback" not in run.err()
+
+
 @pytest.mark.slow  # ~1 min: tests/unit/test_reaper.py (the watcher, real processes) covers it in make test
 @pytest.mark.parametrize("when", ["ray.init", "step 1"])
 def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path, when):

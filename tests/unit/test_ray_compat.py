@@ -26,3 +26,36 @@ def test_other_rays_are_refused(monkeypatch):
     with pytest.raises(molt_hydra.compat.VersionError, match=r"turning off Ray's auto-init \(molt_hydra/compat/ray.py\) "
                        r"is written for ray 2\.60\.x; ray 2\.61\.0 is installed"):
         compat.no_auto_init()
+
+
+def test_rays_node_still_keeps_its_processes_where_they_are_read():
+    from ray._private import node, ray_constants, worker
+
+    assert hasattr(worker, "_global_node") and callable(node.Node.dead_processes)
+    assert (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET) == compat.HEAD
+
+
+def test_a_dead_gcs_or_raylet_is_a_failure_naming_it_and_the_signal(monkeypatch):
+    """Ray's node, standing in (a real one is the slow test's: tests/integration/test_faults.py): its processes are
+    real ones, a killed `sleep` for the raylet and one for the log monitor, which the run goes on without."""
+    import signal
+    import subprocess
+    from types import SimpleNamespace
+
+    from ray._private import worker
+
+    from molt_hydra.runtime.ray_head import dead_head
+
+    killed = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    for p in killed:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    dead = [("log_monitor", killed[0])]
+    monkeypatch.setattr(worker, "_global_node", SimpleNamespace(dead_processes=lambda: dead))
+    assert dead_head() is None
+    dead.append(("raylet", killed[1]))
+    failed = dead_head()
+    assert (failed.role, failed.cause) == ("Ray's raylet", "the process died (killed by SIGKILL); no role can go on "
+                                                            "without it")
+    monkeypatch.setattr(worker, "_global_node", None)  # (a Ray this process joined, or none)
+    assert dead_head() is None
