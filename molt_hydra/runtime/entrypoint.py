@@ -29,7 +29,7 @@ from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
-                                        dump_stacks, kill)
+                                        dump_stacks, kill, shutdown_ray)
 
 
 def run(cfg: RunConfig) -> None:
@@ -260,10 +260,8 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
                 await asyncio.wait_for(roles.calls.shutdown(), 25)
             except Exception as e:  # still exit: Ray's own shutdown below ends every actor process
                 print(f"shutdown: {e!r}", file=sys.stderr)
-        import ray
-
         started = descendants(os.getpid())
-        ray.shutdown()
+        shutdown_ray(started)
         kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
         reaper.stop()  # (the watcher that ends them when this process is killed)
         shown.stop()

@@ -448,6 +448,24 @@ def test_a_kill_9_of_rays_gcs_or_raylet_ends_the_run_naming_it(tmp_path, process
     assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_") and "Traceback" not in run.err()
 
 
+@pytest.mark.slow  # ~1.5 min: tests/unit/test_ray_shutdown.py (the shutdown's limit) in make test
+def test_a_stopped_raylet_does_not_hang_the_runs_end(tmp_path):
+    """SIGSTOP of the raylet: the roles' calls go on (they go straight to the actors), the run trains to its end.
+    Before: its teardown's ray.shutdown then waited on the raylet forever; now it kills the run's processes past
+    runtime/watchdog.py's SHUTDOWN_S and the run exits."""
+    from molt_hydra.runtime.watchdog import SHUTDOWN_S
+
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=6")
+    run.wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text())
+    os.kill(*run.children("ray/raylet/raylet"), signal.SIGSTOP)
+    code = run.finish(timeout=SHUTDOWN_S + 90)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == 0 and len(metrics(out)) == 6, run.err()[-3000:]
+    assert lines[-1] == f"Ray's shutdown did not end within {SHUTDOWN_S:g} s (its raylet or GCS stopped or hung): " \
+                        "killing its processes.", lines[-3:]
+
+
 @pytest.mark.slow  # ~1 min: tests/unit/test_reaper.py (the watcher, real processes) covers it in make test
 @pytest.mark.parametrize("when", ["ray.init", "step 1"])
 def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path, when):
