@@ -226,7 +226,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
 
     roles, opened = None, []  # opened: the run's logs, closed before any process is ended
     last_words: list[str] = []  # the failure message: printed after every teardown, so it is what the user sees last
-    interrupted = False
+    name_checkpoint = False  # an interruption or a stall: the checkpoint to resume from, named after the teardown
     try:
         roles = await build_roles(cfg, record)
         shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
@@ -234,16 +234,17 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
             return await _eval_only(cfg, roles, opened)
         return await _train(cfg, roles, opened, resume_from, notice)
     except RoleStalled as e:
-        probe = roles is not None and e.role in ("rollout", "weight sync")
+        probe, name_checkpoint = roles is not None and e.role in ("rollout", "weight sync"), True
         return _stalled(cfg, roles, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
-        interrupted = True  # which one is named after the teardown: the last thing the user reads
+        name_checkpoint = True  # which one is named after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
         # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
         stalled = await roles.calls.probe_rollout() if isinstance(e, RunFailed) and e.drops and roles else []
         if stalled:
+            name_checkpoint = True
             return _stalled(cfg, roles, f"rollout stalled: {e.cause}", stalled, last_words)
         last_words += await _report_failure(cfg, roles, e)
         return EXIT_FAILED
@@ -265,7 +266,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
         reaper.stop()  # (the watcher that ends them when this process is killed)
         shown.stop()
-        if interrupted:  # read now that nothing writes: a save the teardown let finish is the one to name (before:
+        if name_checkpoint:  # read now that nothing writes: a save the teardown let finish is the one to name (before:
             last_words += _resume_hint(cfg)  # read before it, the step before the newest checkpoint was named)
         if last_words:
             sys.stdout.flush()

@@ -425,7 +425,8 @@ def test_a_stopped_agent_runner_stalls_the_run_naming_it(tmp_path):
     code = run.finish(timeout=300)
     lines = [line for line in run.err().splitlines() if line.strip()]
     assert code == 3, run.err()[-3000:]
-    assert lines[-2].startswith("Run stopped: rollout stalled: ") and lines[-2].endswith(
+    assert lines[-1].startswith("Last checkpoint: "), lines[-3:]  # (before: none named)
+    assert lines[-3].startswith("Run stopped: rollout stalled: ") and lines[-3].endswith(
         "; not answering: " + ", ".join(f"agent runner {i}" for i in range(len(runners))) + "."), lines[-3:]
 
 
