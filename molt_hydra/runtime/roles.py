@@ -182,6 +182,8 @@ def init_ray(cfg: RunConfig) -> None:
         signal.signal(NOTICE, signal.SIG_IGN)  # an ignored signal stays ignored across fork and exec
     try:
         _start_ray(cfg)
+    except SystemExit:  # a SIGTERM during ray.init met Ray's own handler (sys.exit): before, exit 15 without a word
+        raise asyncio.CancelledError from None  # now the run stops as on a SIGTERM later: one line, exit 130
     finally:
         for sig, handler in kept.items():
             if handler is not None:
