@@ -348,12 +348,15 @@ ACTOR_ROLES = {"VLLMEngine": "rollout engine", "AgentRunnerActor": "agent runner
 
 
 def _actor_role(error: BaseException) -> str:
-    """The role whose Ray actor raised `error` (named in Ray's `ray::Class.method()` line), else the driver."""
+    """The role whose Ray actor raised `error` (named in Ray's `ray::Class.method()` line) or died (its `class_name:`
+    line: an engine killed while it started was named 'driver'), else the driver."""
     import ray
 
-    found = re.search(r"ray::(\w+)\.", str(error)) if isinstance(error, ray.exceptions.RayError) else None
+    found = re.search(r"ray::(\w+)\.|class_name: (\w+)", str(error)) if isinstance(error, ray.exceptions.RayError) \
+        else None
     if found:
-        return ACTOR_ROLES.get(found.group(1), found.group(1))
+        name = found.group(1) or found.group(2)
+        return ACTOR_ROLES.get(name, name)
     return "driver (I/O)" if isinstance(error, OSError) else "driver"
 
 
