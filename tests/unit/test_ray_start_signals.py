@@ -9,6 +9,7 @@ import signal
 import sys
 
 import ray
+from ray._private import auto_init_hook
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime import roles
@@ -23,6 +24,7 @@ def test_init_ray_keeps_the_runs_sigterm_handler(monkeypatch):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", ray_like_init)
+    monkeypatch.setattr(auto_init_hook, "enable_auto_connect", auto_init_hook.enable_auto_connect)  # (init_ray's)
     before = signal.signal(signal.SIGTERM, ours)
     try:
         roles.init_ray(RunConfig())
@@ -49,6 +51,7 @@ def test_a_sigterm_during_ray_init_stops_the_run_as_a_later_one_does(monkeypatch
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", ray_like_init)
+    monkeypatch.setattr(auto_init_hook, "enable_auto_connect", auto_init_hook.enable_auto_connect)  # (init_ray's)
     before = signal.signal(signal.SIGTERM, ours)
     try:
         with pytest.raises(asyncio.CancelledError):
