@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from molt_hydra.compat import VersionError
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
 from molt_hydra.runtime import reaper
 from molt_hydra.runtime.preemption import PreemptionNotice
@@ -300,7 +301,8 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         role, cause, drops = error.role, describe(error.error), {}
     else:
         role, cause, drops = _actor_role(error), describe(error), {}
-    if (head := dead_head()) is not None and head.role != role:  # every role's calls fail with Ray's GCS or raylet
+    # every role's calls fail with Ray's GCS or raylet (a Ray compat/ray.py was not written for: refused at its start)
+    if not isinstance(error, VersionError) and (head := dead_head()) is not None and head.role != role:
         role, cause = head.role, f"{head.cause} (first seen as {role}: {cause})"
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) and not error.filename:
         # a write to an open file (metrics.jsonl ...) names no path: the run's directories' free space tells which

@@ -59,3 +59,20 @@ def test_a_dead_gcs_or_raylet_is_a_failure_naming_it_and_the_signal(monkeypatch)
                                                             "without it")
     monkeypatch.setattr(worker, "_global_node", None)  # (a Ray this process joined, or none)
     assert dead_head() is None
+
+
+def test_a_ray_it_was_not_written_for_is_reported_in_one_message(monkeypatch, tmp_path):
+    """init_ray's check refuses it; the failure's report must not reach into Ray again (a second VersionError, raised
+    while the first was reported: a traceback)."""
+    import asyncio
+    from types import SimpleNamespace as value
+
+    import molt_hydra.compat
+    from molt_hydra.runtime.entrypoint import _report_failure
+
+    monkeypatch.setattr(molt_hydra.compat, "installed", lambda *dists: ("ray", "2.61.0"))
+    with pytest.raises(molt_hydra.compat.VersionError) as refused:
+        compat.no_auto_init()
+    cfg = value(output_dir=str(tmp_path), job=value(value="rl"), checkpoint=value(dir=str(tmp_path / "ckpt")))
+    lines = asyncio.run(_report_failure(cfg, None, refused.value))
+    assert lines[0] == f"Run failed: driver: VersionError: {refused.value}.", lines
