@@ -30,8 +30,8 @@ def test_a_failed_checkpoint_write_names_its_rank_and_cause(tmp_path):
     assert "CheckpointException" not in line
     # torch's zip writer loses the OSError of the short write (the same on a full disk): the message says what it
     # means. Before: '... RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598' alone.
-    found = re.search(r" \(a short write: ([\d.e+-]+) GB free on its disk; a full disk, a quota or a file-size limit\)$",
-                      line)
+    found = re.search(r" \(a short write: ([\d.e+-]+) GB free on its disk; a full disk, a quota or a file-size "
+                      r"limit\)$", line)
     assert found, line
     free = shutil.disk_usage(tmp_path).free / 1e9
     assert abs(float(found.group(1)) - free) <= max(0.01 * free, 0.01)

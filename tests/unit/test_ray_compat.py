@@ -1,5 +1,6 @@
 """compat/ray.py: once turned off, a Ray call made while no Ray runs raises instead of starting a Ray instance (a
-trainer group's start, in a thread, did so after an interrupted run's ray.shutdown: tests/integration/test_faults.py)."""
+trainer group's start, in a thread, did so after an interrupted run's ray.shutdown: tests/integration/test_faults.py),
+and Ray's GCS and raylet that the run started are read there (runtime/ray_head.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def test_other_rays_are_refused(monkeypatch):
     import molt_hydra.compat
 
     monkeypatch.setattr(molt_hydra.compat, "installed", lambda *dists: ("ray", "2.61.0"))
-    with pytest.raises(molt_hydra.compat.VersionError, match=r"turning off Ray's auto-init \(molt_hydra/compat/ray.py\) "
-                       r"is written for ray 2\.60\.x; ray 2\.61\.0 is installed"):
+    with pytest.raises(molt_hydra.compat.VersionError, match=r"turning off Ray's auto-init \(molt_hydra/compat/"
+                       r"ray.py\) is written for ray 2\.60\.x; ray 2\.61\.0 is installed"):
         compat.no_auto_init()
 
 
