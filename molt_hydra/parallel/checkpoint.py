@@ -110,8 +110,12 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp / "dcp"))
     except dcp.api.CheckpointException as e:  # its message names only the failing ranks: name the cause (disk full...)
         rank, (cause, _) = next(iter(e.failures.items()))
+        why = f"{type(cause).__name__}: {cause}"
+        if "unexpected pos" in why:  # torch's zip writer after a short write, the OSError (disk full...) lost
+            why += f" (a short write: {shutil.disk_usage(root).free / 1e9:.3g} GB free on its disk; a full disk, a " \
+                   "quota or a file-size limit)"
         _remove(tmp)
-        raise RuntimeError(f"writing {tmp} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
+        raise RuntimeError(f"writing {tmp} failed on rank {rank}: {why}") from e
     crcs = _on_every_rank(tmp, _write_rank_files, tmp)
     if dist.is_initialized():
         every = [None] * dist.get_world_size()

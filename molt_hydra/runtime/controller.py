@@ -38,6 +38,7 @@ from molt_hydra.algorithm.kl import KLController, approx_kl
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.rollout.generator import RolloutBatch
+from molt_hydra.runtime import ray_head
 from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 from molt_hydra.runtime.watchdog import RunFailed, deadline
@@ -360,8 +361,9 @@ class RLController:
         producer = asyncio.create_task(self.produce())
         # the keeper replaces dead engines meanwhile; its failure (too many restarts) ends the run
         watcher = asyncio.create_task(self.calls.keeper.watch(lambda: self.version + self.trainer_ahead))
+        head = asyncio.create_task(ray_head.watch())  # Ray's GCS and raylet: a death of either ends the run
         steps = asyncio.create_task(self._steps())
-        background = {producer, watcher}
+        background = {producer, watcher, head}
         try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)
             while True:
                 done, _ = await asyncio.wait({steps, *background}, return_when=asyncio.FIRST_COMPLETED)
@@ -372,9 +374,9 @@ class RLController:
                     if not task.cancelled() and task.exception() is not None:
                         raise task.exception()
         finally:
-            for task in (steps, producer, watcher):
+            for task in (steps, producer, watcher, head):
                 task.cancel()
-            await asyncio.gather(steps, producer, watcher, return_exceptions=True)
+            await asyncio.gather(steps, producer, watcher, head, return_exceptions=True)
 
     async def _steps(self) -> dict:
         cfg, max_steps, keeper = self.cfg, self.cfg.train.max_steps, self.calls.keeper

@@ -21,14 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from molt_hydra.compat import VersionError
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
 from molt_hydra.runtime import reaper
 from molt_hydra.runtime.preemption import PreemptionNotice
+from molt_hydra.runtime.ray_head import dead_head
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
-                                        dump_stacks, kill)
+                                        dump_stacks, kill, shutdown_ray)
 
 
 def run(cfg: RunConfig) -> None:
@@ -235,7 +237,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
 
     roles, opened = None, []  # opened: the run's logs, closed before any process is ended
     last_words: list[str] = []  # the failure message: printed after every teardown, so it is what the user sees last
-    interrupted = False
+    name_checkpoint = False  # an interruption or a stall: the checkpoint to resume from, named after the teardown
     try:
         roles = await build_roles(cfg, record)
         shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
@@ -243,16 +245,17 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
             return await _eval_only(cfg, roles, opened)
         return await _train(cfg, roles, opened, resume_from, notice)
     except RoleStalled as e:
-        probe = roles is not None and e.role in ("rollout", "weight sync")
+        probe, name_checkpoint = roles is not None and e.role in ("rollout", "weight sync"), True
         return _stalled(cfg, roles, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
-        interrupted = True  # which one is named after the teardown: the last thing the user reads
+        name_checkpoint = True  # which one is named after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
         # Every rollout failing can be a stuck engine (its requests time out): then it is that engine's stall.
         stalled = await roles.calls.probe_rollout() if isinstance(e, RunFailed) and e.drops and roles else []
         if stalled:
+            name_checkpoint = True
             return _stalled(cfg, roles, f"rollout stalled: {e.cause}", stalled, last_words)
         last_words += await _report_failure(cfg, roles, e)
         return EXIT_FAILED
@@ -269,14 +272,12 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
                 await asyncio.wait_for(roles.calls.shutdown(), 25)
             except Exception as e:  # still exit: Ray's own shutdown below ends every actor process
                 print(f"shutdown: {e!r}", file=sys.stderr)
-        import ray
-
         started = descendants(os.getpid())
-        ray.shutdown()
+        shutdown_ray(started)
         kill(started)  # anything Ray's shutdown missed (e.g. a hung vLLM engine core) goes too
         reaper.stop()  # (the watcher that ends them when this process is killed)
         shown.stop()
-        if interrupted:  # read now that nothing writes: a save the teardown let finish is the one to name (before:
+        if name_checkpoint:  # read now that nothing writes: a save the teardown let finish is the one to name (before:
             last_words += _resume_hint(cfg)  # read before it, the step before the newest checkpoint was named)
         if last_words:
             sys.stdout.flush()
@@ -310,6 +311,9 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         role, cause, drops = error.role, describe(error.error), {}
     else:
         role, cause, drops = _actor_role(error), describe(error), {}
+    # every role's calls fail with Ray's GCS or raylet (a Ray compat/ray.py was not written for: refused at its start)
+    if not isinstance(error, VersionError) and (head := dead_head()) is not None and head.role != role:
+        role, cause = head.role, f"{head.cause} (first seen as {role}: {cause})"
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) and not error.filename:
         # a write to an open file (metrics.jsonl ...) names no path: the run's directories' free space tells which
         dirs = (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoint.dir))
@@ -356,12 +360,15 @@ ACTOR_ROLES = {"VLLMEngine": "rollout engine", "AgentRunnerActor": "agent runner
 
 
 def _actor_role(error: BaseException) -> str:
-    """The role whose Ray actor raised `error` (named in Ray's `ray::Class.method()` line), else the driver."""
+    """The role whose Ray actor raised `error` (named in Ray's `ray::Class.method()` line) or died (its `class_name:`
+    line: an engine killed while it started was named 'driver'), else the driver."""
     import ray
 
-    found = re.search(r"ray::(\w+)\.", str(error)) if isinstance(error, ray.exceptions.RayError) else None
+    found = re.search(r"ray::(\w+)\.|class_name: (\w+)", str(error)) if isinstance(error, ray.exceptions.RayError) \
+        else None
     if found:
-        return ACTOR_ROLES.get(found.group(1), found.group(1))
+        name = found.group(1) or found.group(2)
+        return ACTOR_ROLES.get(name, name)
     return "driver (I/O)" if isinstance(error, OSError) else "driver"
 
 

@@ -1,15 +1,18 @@
 """The Ray processes a run starts end with its driver, also when the driver is killed (kill -9, the OOM killer): a
-watcher process, started after ray.init, reads a pipe only the driver writes to; the driver's death closes it, and
-the watcher SIGKILLs the processes that ray.init started that are still there after a grace. Before: Ray's agents
+watcher process, started before ray.init, reads a pipe only the driver writes to; the driver's death closes it, and
+the watcher SIGKILLs the processes the driver started that are still there after a grace. Before: Ray's agents
 (DashboardAgent, RuntimeEnvAgent) saw their raylet die within 2 s, then spent 60 s trying to report it to the GCS,
 dead too, before they exited (gcs_server and the raylet die with the driver, Ray starts them with PR_SET_PDEATHSIG;
-the workers die with the raylet). The watcher runs in its own session: a Ctrl-C or a SIGTERM to the run's process
-group leaves it to do its work; the run's own teardown, which ends every process it started, ends it (`stop`)."""
+the workers die with the raylet). The agents are the raylet's children, orphaned when it dies: the watcher lists the
+driver's descendants itself while ray.init runs (a kill during it left them too), then once more when told
+`settled`, and stops listing (what Ray starts later ends with the raylet). The watcher runs in its own session: a
+Ctrl-C or a SIGTERM to the run's process group leaves it to do its work; the run's own teardown, which ends every
+process it started, ends it (`stop`)."""
 
 from __future__ import annotations
 
-import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -18,29 +21,50 @@ from contextlib import suppress
 from pathlib import Path
 
 GRACE_S = 5.0  # after the driver's end, for what ray.init started to end on its own (a Ray worker: within 2 s)
+POLL_S = 0.05  # how often the watcher lists the driver's descendants until `settled` (~100 processes: ~2 ms each)
 STOP = b"stop\n"  # the driver's last words on a clean end
+SETTLED = b"settled\n"  # ray.init has returned
 _watcher: subprocess.Popen | None = None
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks after boot, /proc/<pid>/stat's 22nd field): a pid reused by a later
-    process has another. None when no such process, or a dead one not yet reaped (a zombie)."""
+def _stat(pid: str) -> tuple[int, str] | None:
+    """(parent pid, start time) of a process (/proc/<pid>/stat's 4th and 22nd fields: a pid reused by a later
+    process has another start time); None when no such process, or a dead one not yet reaped (a zombie)."""
     try:
-        state, *fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return None if state == "Z" else fields[18]
+        state, ppid, *fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if state == "Z" else (int(ppid), fields[17])
     except (OSError, IndexError):
         return None
 
 
-def watch(pids: list[int]) -> None:
-    """From now on, `pids` end with this process, however it ends (until `stop`)."""
+def _descendants(root: int) -> dict[int, str]:
+    """Every live process under `root` (but this one), with its start time."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (found := _stat(entry.name)) is not None and int(entry.name) != os.getpid():
+            children.setdefault(found[0], []).append((int(entry.name), found[1]))
+    listed, todo = {}, [root]
+    while todo:
+        for pid, started in children.get(todo.pop(), []):
+            listed[pid] = started
+            todo.append(pid)
+    return listed
+
+
+def watch() -> None:
+    """From now on, the processes this one starts, and all they start, end with it however it ends (until `stop`)."""
     global _watcher
     stop()
-    listed = [(pid, started) for pid in pids if (started := _start_time(pid)) is not None]
-    _watcher = subprocess.Popen([sys.executable, "-m", "molt_hydra.runtime.reaper"], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, start_new_session=True)
-    _watcher.stdin.write(json.dumps(listed).encode() + b"\n")
-    _watcher.stdin.flush()
+    _watcher = subprocess.Popen([sys.executable, "-m", "molt_hydra.runtime.reaper", str(os.getpid())],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    _watcher.stdout.readline()  # its first listing is done: nothing started from here on is missed
+
+
+def settled() -> None:
+    """ray.init has returned: the watcher lists this process's descendants a last time, then stops listing."""
+    with suppress(OSError):
+        _watcher.stdin.write(SETTLED)
+        _watcher.stdin.flush()
 
 
 def stop() -> None:
@@ -53,17 +77,32 @@ def stop() -> None:
         _watcher.stdin.close()
     with suppress(subprocess.TimeoutExpired):
         _watcher.wait(10)
+    _watcher.stdout.close()
     _watcher = None
 
 
-def _main() -> None:
-    listed = json.loads(sys.stdin.buffer.readline())
-    if sys.stdin.buffer.read() == STOP:  # (read() returns at EOF: the driver closed the pipe, or died)
-        return
+def _main(driver: int) -> None:
+    listed, said, listing = _descendants(driver), b"", True
+    print("listed", flush=True)
+    while True:
+        readable = select.select([sys.stdin.buffer], [], [], POLL_S if listing else None)[0]
+        if listing:
+            listed.update(_descendants(driver))
+        if readable and not (chunk := os.read(sys.stdin.fileno(), 64)):
+            break  # the pipe closed: the driver died (its own end says STOP first)
+        said += chunk if readable else b""
+        if said.endswith(STOP):
+            return
+        listing = listing and SETTLED not in said
+    _reap(listed)
+
+
+def _reap(listed: dict[int, str]) -> None:
     # A Ray worker ends on its own once its raylet is gone, and ends the processes it started (a SIGKILL would leave
     # them); what is still there after the grace is stuck (the agents' 60 s report to a dead GCS).
     until = time.monotonic() + GRACE_S
-    while (left := [pid for pid, started in listed if _start_time(pid) == started]) and time.monotonic() < until:
+    while (left := [pid for pid, started in listed.items() if (_stat(str(pid)) or (0, None))[1] == started]) \
+            and time.monotonic() < until:
         time.sleep(0.1)
     for pid in left:
         with suppress(ProcessLookupError):
@@ -71,4 +110,4 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    _main(int(sys.argv[1]))

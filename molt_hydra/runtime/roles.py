@@ -21,6 +21,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from molt_hydra.compat.ray import no_auto_init
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
@@ -28,7 +29,7 @@ from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.preemption import NOTICE
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime import reaper
-from molt_hydra.runtime.watchdog import deadline, descendants
+from molt_hydra.runtime.watchdog import deadline
 
 # Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
 # ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
@@ -172,6 +173,7 @@ def init_ray(cfg: RunConfig) -> None:
     """Ray on this node (or joined at cluster.ray_address), keeping the run's SIGTERM handler: ray.init replaces it
     with its own (sys.exit in Python, a stack dump and an abort in its C++ core), which skips the run's clean stop.
     The processes it starts (and all they start) ignore Slurm's notice: only the driver acts on it (preemption.py)."""
+    no_auto_init()  # after the teardown's ray.shutdown, a role's start still running in a thread starts no new Ray
     if ray.is_initialized():
         return
     main_thread = threading.current_thread() is threading.main_thread()
@@ -180,6 +182,8 @@ def init_ray(cfg: RunConfig) -> None:
         signal.signal(NOTICE, signal.SIG_IGN)  # an ignored signal stays ignored across fork and exec
     try:
         _start_ray(cfg)
+    except SystemExit:  # a SIGTERM during ray.init met Ray's own handler (sys.exit): before, exit 15 without a word
+        raise asyncio.CancelledError from None  # now the run stops as on a SIGTERM later: one line, exit 130
     finally:
         for sig, handler in kept.items():
             if handler is not None:
@@ -198,8 +202,9 @@ def _start_ray(cfg: RunConfig) -> None:
     # CPU on 2 cores at start-up.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Actor logs (vLLM is chatty) stay in Ray's session log files; the terminal shows the run's own progress.
+    reaper.watch()  # a kill -9 of this driver, also during ray.init, ends Ray's processes too (runtime/reaper.py)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
-    reaper.watch(descendants(os.getpid()))  # a kill -9 of this driver ends Ray's processes too (runtime/reaper.py)
+    reaper.settled()
 
 
 def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | None):

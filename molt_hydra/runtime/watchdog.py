@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -88,3 +89,22 @@ def dump_stacks(run_dir: str | Path, role_pids: dict[str, int], reason: str) -> 
                 except subprocess.TimeoutExpired:  # a process stopped hard enough that py-spy cannot read it
                     f.write("py-spy timed out reading this process\n")
     return path
+
+
+SHUTDOWN_S = 30.0  # Ray's shutdown: a few seconds on 2 cores
+
+
+def shutdown_ray(started: list[int]) -> None:
+    """ray.shutdown, which waited forever on a stopped (SIGSTOP) or hung raylet (the driver's core worker waits for
+    its answer): past SHUTDOWN_S, `started` (this process's descendants, Ray's own among them) are killed, which
+    ends the wait."""
+    import ray
+
+    stopping = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+    stopping.start()
+    stopping.join(SHUTDOWN_S)
+    if stopping.is_alive():
+        print(f"Ray's shutdown did not end within {SHUTDOWN_S:g} s (its raylet or GCS stopped or hung): killing its "
+              "processes.", file=sys.stderr, flush=True)
+        kill(started)
+        stopping.join(10)

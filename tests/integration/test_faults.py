@@ -375,6 +375,26 @@ def test_a_signal_before_the_roles_start_stops_the_run_in_one_line(tmp_path, sig
     assert "Traceback" not in run.err() and not (tmp_path / "run" / "ray").exists()
 
 
+@pytest.mark.slow  # ~40 s each: tests/unit/test_ray_compat.py (no Ray starts once the run's is shut down) and
+# tests/unit/test_ray_start_signals.py (a SIGTERM during ray.init) in make test
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_ray_init_stops_the_run_in_one_line_and_starts_no_second_ray(tmp_path, sig):
+    """Ctrl-C's interruption lands after ray.init, while the actor's ranks start in a thread. Before: that thread's
+    next Ray call after the teardown's ray.shutdown started a second Ray instance ('Started a local Ray instance'
+    after the last words), whose DashboardAgent and RuntimeEnvAgent outlived the run, which ended ~20 s later. A
+    SIGTERM met Ray's own handler, installed while ray.init runs: exit 15, not a word."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=3")
+    run.wait_for(lambda: run.children("raylet"), timeout=120)
+    os.kill(run.proc.pid, sig)
+    code = run.finish(timeout=120)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == 130, run.err()[-3000:]
+    assert lines[-1] == "Last checkpoint: none (the run starts from step 0 again)", lines[-3:]
+    # (a SIGTERM ends ray.init itself: no Ray started at all)
+    assert run.err().count("Started a local Ray instance") <= 1 and "Traceback" not in run.err(), run.err()[-3000:]
+
+
 def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path):
     """job=sft trains in spawned rank processes. Before: SIGTERM killed the driver alone, without a word (exit -15),
     and its ranks trained on, orphaned; with the driver's interruption handled but the ranks not ended, the driver
@@ -409,19 +429,62 @@ def test_a_stopped_agent_runner_stalls_the_run_naming_it(tmp_path):
     code = run.finish(timeout=300)
     lines = [line for line in run.err().splitlines() if line.strip()]
     assert code == 3, run.err()[-3000:]
-    assert lines[-2].startswith("Run stopped: rollout stalled: ") and lines[-2].endswith(
+    assert lines[-1].startswith("Last checkpoint: "), lines[-3:]  # (before: none named)
+    assert lines[-3].startswith("Run stopped: rollout stalled: ") and lines[-3].endswith(
         "; not answering: " + ", ".join(f"agent runner {i}" for i in range(len(runners))) + "."), lines[-3:]
 
 
+@pytest.mark.slow  # ~1 min each: tests/unit/test_ray_compat.py (a dead head process's failure) in make test
+@pytest.mark.parametrize("process, path", [("gcs_server", "ray/gcs/gcs_server"), ("raylet", "ray/raylet/raylet")])
+def test_a_kill_9_of_rays_gcs_or_raylet_ends_the_run_naming_it(tmp_path, process, path):
+    """Before: a killed gcs_server left the run going on blind for 60 s, then Ray's core ended it (exit 1) with its own
+    C++ line last, no role and no checkpoint named; a killed raylet was named as the first call that failed with it
+    ('actor rank 0: train_step failed: ... Owner's node has crashed')."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    t0 = time.monotonic()
+    os.kill(*run.children(path), signal.SIGKILL)
+    code = run.finish(timeout=120)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED and time.monotonic() - t0 < 50, run.err()[-3000:]  # (Ray's own end: at 60 s)
+    assert lines[-3] == f"Run failed: Ray's {process}: the process died (killed by SIGKILL); no role can go on " \
+                        "without it.", lines[-3:]
+    assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_") and "Traceback" not in run.err()
+
+
+@pytest.mark.slow  # ~1.5 min: tests/unit/test_ray_shutdown.py (the shutdown's limit) in make test
+def test_a_stopped_raylet_does_not_hang_the_runs_end(tmp_path):
+    """SIGSTOP of the raylet: the roles' calls go on (they go straight to the actors), the run trains to its end.
+    Before: its teardown's ray.shutdown then waited on the raylet forever; now it kills the run's processes past
+    runtime/watchdog.py's SHUTDOWN_S and the run exits."""
+    from molt_hydra.runtime.watchdog import SHUTDOWN_S
+
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=6")
+    run.wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text())
+    os.kill(*run.children("ray/raylet/raylet"), signal.SIGSTOP)
+    code = run.finish(timeout=SHUTDOWN_S + 90)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == 0 and len(metrics(out)) == 6, run.err()[-3000:]
+    assert lines[-1] == f"Ray's shutdown did not end within {SHUTDOWN_S:g} s (its raylet or GCS stopped or hung): " \
+                        "killing its processes.", lines[-3:]
+
+
 @pytest.mark.slow  # ~1 min: tests/unit/test_reaper.py (the watcher, real processes) covers it in make test
-def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path):
+@pytest.mark.parametrize("when", ["ray.init", "step 1"])
+def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path, when):
     """Before: Ray's DashboardAgent and RuntimeEnvAgent outlived a kill -9 of the driver by 60 s (their report of the
-    raylet's death waited on the GCS, dead too); now every process ends within runtime/reaper.py's grace."""
+    raylet's death waited on the GCS, dead too), and still did after a kill during ray.init, which the reaper's
+    watcher did not yet run in; now every process ends within runtime/reaper.py's grace."""
     from molt_hydra.runtime.reaper import GRACE_S
 
     out = tmp_path / "run"
     run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
-    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    # (the agents: started by the raylet, during ray.init; the engines start after it)
+    run.wait_for(lambda: run.children("Agent") or run.children("dashboard/agent.py") if when == "ray.init"
+                 else newest_step(out / "checkpoints") >= 1)
+    assert when != "ray.init" or not run.children("VLLMEngine"), "ray.init had returned"
     run.seen.update(descendants(run.proc.pid))
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()

@@ -221,6 +221,7 @@ def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     assert proc.returncode == 3, err[-3000:]
     assert time.monotonic() - started < 20 + 120  # the step deadline plus the probe and stack dump
     assert "rollout engine 0" in err and "stalled" in err
+    assert err.strip().splitlines()[-1].startswith("Last checkpoint: "), err[-3000:]  # (before: none named)
     (stacks,) = tmp_path.glob("stacks-*.txt")
     text = stacks.read_text()
     assert "## driver" in text and "## rollout engine 0" in text and "## actor rank 0" in text

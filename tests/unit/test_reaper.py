@@ -1,6 +1,6 @@
 """runtime/reaper.py: the processes a run's ray.init started end with the driver, also when it is killed (real
 processes: a `sleep` in its own session stands for Ray's DashboardAgent, which outlived a kill -9 of the driver by
-60 s). The Ray run itself: tests/integration/test_faults.py (slow)."""
+60 s, also one during ray.init). The Ray run itself: tests/integration/test_faults.py (slow)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = """
 import subprocess, time
 from molt_hydra.runtime import reaper
-agent = subprocess.Popen(["sleep", "300"], start_new_session=True)  # outlives its parent unless something ends it
-reaper.watch([agent.pid])
+reaper.watch()
+# started after the watcher, never named to it (ray.init's raylet starts the agents); outlives its parent unless
+# something ends it
+agent = subprocess.Popen(["sleep", "300"], start_new_session=True)
+time.sleep(3 * reaper.POLL_S)
 print(agent.pid, flush=True)
 time.sleep(300)
 """
@@ -50,9 +53,10 @@ def test_a_killed_driver_takes_the_watched_processes_with_it():
 
 
 def test_stop_ends_the_watcher_and_leaves_the_rest_to_the_teardown():
+    reaper.watch()
     agent = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    reaper.watch([agent.pid])
     watcher = reaper._watcher
+    reaper.settled()
     reaper.stop()
     try:
         assert watcher.poll() == 0 and agent.poll() is None

@@ -1,0 +1,35 @@
+"""Ray: what this project reaches into.
+
+`ray._private.auto_init_hook.enable_auto_connect` (ray 2.60): a Ray call made while no Ray runs starts a new local
+instance (read once, from RAY_ENABLE_AUTO_CONNECT, when ray is imported). A trainer group starts in a thread
+(runtime/roles.py) that a Ctrl-C during the run's start does not stop: after the teardown's ray.shutdown its next
+call started a second Ray, whose agents outlived the run and whose start delayed its exit ~20 s. Turned off at the
+teardown, such a call raises instead (the thread ends; its error goes nowhere: its awaiter was cancelled).
+"""
+
+from __future__ import annotations
+
+from molt_hydra.compat import written_for
+
+SUPPORTED = {"ray": ("2.60",)}
+
+
+def no_auto_init() -> None:
+    """From now on, no Ray call in this process starts a Ray instance; only an explicit ray.init does."""
+    written_for("turning off Ray's auto-init", "ray", SUPPORTED)
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
+
+
+HEAD = ("gcs_server", "raylet")  # what every role needs; a run goes on without Ray's others (its log monitor ...)
+
+
+def dead_head_processes() -> dict[str, int]:
+    """Ray's GCS and raylet that this process's ray.init started and that have ended, each with its exit status
+    (negative: the signal that ended it); {} also where this process joined a Ray it did not start."""
+    written_for("reading Ray's own processes", "ray", SUPPORTED)
+    from ray._private import worker
+
+    node = worker._global_node
+    return {} if node is None else {kind: p.poll() for kind, p in node.dead_processes() if kind in HEAD}

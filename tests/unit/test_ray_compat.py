@@ -1,0 +1,79 @@
+"""compat/ray.py: once turned off, a Ray call made while no Ray runs raises instead of starting a Ray instance (a
+trainer group's start, in a thread, did so after an interrupted run's ray.shutdown: tests/integration/test_faults.py),
+and Ray's GCS and raylet that the run started are read there (runtime/ray_head.py)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray._private import auto_init_hook
+
+from molt_hydra.compat import ray as compat
+
+
+def test_no_ray_call_starts_ray_once_auto_init_is_off(monkeypatch):
+    monkeypatch.setattr(auto_init_hook, "enable_auto_connect", True)  # (restored after the test)
+    assert not ray.is_initialized()
+    compat.no_auto_init()
+    with pytest.raises(Exception, match="Ray has not been started yet"):
+        ray.put(1)
+    assert not ray.is_initialized()
+
+
+def test_other_rays_are_refused(monkeypatch):
+    import molt_hydra.compat
+
+    monkeypatch.setattr(molt_hydra.compat, "installed", lambda *dists: ("ray", "2.61.0"))
+    with pytest.raises(molt_hydra.compat.VersionError, match=r"turning off Ray's auto-init \(molt_hydra/compat/"
+                       r"ray.py\) is written for ray 2\.60\.x; ray 2\.61\.0 is installed"):
+        compat.no_auto_init()
+
+
+def test_rays_node_still_keeps_its_processes_where_they_are_read():
+    from ray._private import node, ray_constants, worker
+
+    assert hasattr(worker, "_global_node") and callable(node.Node.dead_processes)
+    assert (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET) == compat.HEAD
+
+
+def test_a_dead_gcs_or_raylet_is_a_failure_naming_it_and_the_signal(monkeypatch):
+    """Ray's node, standing in (a real one is the slow test's: tests/integration/test_faults.py): its processes are
+    real ones, a killed `sleep` for the raylet and one for the log monitor, which the run goes on without."""
+    import signal
+    import subprocess
+    from types import SimpleNamespace
+
+    from ray._private import worker
+
+    from molt_hydra.runtime.ray_head import dead_head
+
+    killed = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    for p in killed:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    dead = [("log_monitor", killed[0])]
+    monkeypatch.setattr(worker, "_global_node", SimpleNamespace(dead_processes=lambda: dead))
+    assert dead_head() is None
+    dead.append(("raylet", killed[1]))
+    failed = dead_head()
+    assert (failed.role, failed.cause) == ("Ray's raylet", "the process died (killed by SIGKILL); no role can go on "
+                                                            "without it")
+    monkeypatch.setattr(worker, "_global_node", None)  # (a Ray this process joined, or none)
+    assert dead_head() is None
+
+
+def test_a_ray_it_was_not_written_for_is_reported_in_one_message(monkeypatch, tmp_path):
+    """init_ray's check refuses it; the failure's report must not reach into Ray again (a second VersionError, raised
+    while the first was reported: a traceback)."""
+    import asyncio
+    from types import SimpleNamespace as value
+
+    import molt_hydra.compat
+    from molt_hydra.runtime.entrypoint import _report_failure
+
+    monkeypatch.setattr(molt_hydra.compat, "installed", lambda *dists: ("ray", "2.61.0"))
+    with pytest.raises(molt_hydra.compat.VersionError) as refused:
+        compat.no_auto_init()
+    cfg = value(output_dir=str(tmp_path), job=value(value="rl"), checkpoint=value(dir=str(tmp_path / "ckpt")))
+    lines = asyncio.run(_report_failure(cfg, None, refused.value))
+    assert lines[0] == f"Run failed: driver: VersionError: {refused.value}.", lines
