@@ -143,8 +143,13 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                    "start such an engine.", f"set data.max_len and rollout.max_model_len <= {limit}")
     if cfg.job.value != "sft":  # (sft starts no engine)
         _check_engine_layer_knobs(cfg, problems, fields, kind)
-    if is_moe(fields) is not False:
-        return
+    if is_moe(fields) is False:
+        _refuse_moe_knobs_on_dense(cfg, problems)
+
+
+def _refuse_moe_knobs_on_dense(cfg: RunConfig, problems: Problems) -> None:
+    """Knobs that act on MoE routers or experts change nothing on a dense model: refused, each naming itself."""
+    m, r, p = cfg.model, cfg.rollout, cfg.parallelism
     problems.table(
         (not is_set, key, f"acts on MoE routers or experts, but model.path={m.path} is a dense model (its config has "
          "no experts).",
