@@ -46,8 +46,10 @@ def test_backend_rule_fires(overrides, key, fragment):
 
 
 def test_automodel_knobs_pass_on_the_automodel_path():
-    lines = config_errors([*GPU_AM, "model.moe_dispatcher=torch", "model.experts_backend=torch_mm",
-                           "model.rms_norm=te", "model.gradient_checkpointing=selective", "parallelism.ep=1"])
+    """The MoE knobs on an MoE model (a dense one refuses them: tests/config/test_handoff_rules.py)."""
+    lines = config_errors([*GPU_AM, "model=qwen3_moe_tiny", "model.moe_dispatcher=torch",
+                           "model.experts_backend=torch_mm", "model.rms_norm=te",
+                           "model.gradient_checkpointing=selective", "parallelism.ep=1"])
     assert not [l for l in lines if l.startswith(("model.", "parallelism.packing", "parallelism.ep"))], lines
 
 
