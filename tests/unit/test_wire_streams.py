@@ -448,7 +448,10 @@ def test_a_client_leaving_mid_stream_is_no_server_error_and_its_retry_gets_the_f
     assert body["choices"][0]["message"]["content"] == "Hello there, this is a longer reply."
     (traj,) = segments
     assert len(traj.action_ranges) == 1
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    # (an earlier test's openai SDK client, httpx2, can be garbage-collected in this loop and log its failed aclose;
+    # this test's clients are aiohttp's)
+    assert not [r for r in caplog.records if (r.levelno >= logging.ERROR or r.exc_info)
+                and "httpx2" not in r.getMessage()], caplog.text
     assert "client closed the stream" in caplog.text
 
 
