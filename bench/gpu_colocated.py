@@ -82,8 +82,10 @@ def summarize(run: Path) -> dict:
         push = med("weight_sync/push_seconds") - (wake if single else 0.0)
         out.update(sync_gb_s=nbytes / sync / 1e9, device_copy_gb_s=nbytes / copy / 1e9, sync_vs_copy=copy / sync,
                    push_s=push, push_vs_copy=copy / push if push > 0 else None,
-                   inside_trainer_s=med("weight_sync/seconds") - wake)  # sync_s less it: the driver's call
-        if single:  # the engine's own load, its vLLM calls, the Ray round trip
+                   # WeightSync's own: the driver's (single pass), trainer rank 0's (bucketed); sync_s less it: the
+                   # call into it (single pass: the lock and the offer's check; bucketed: the driver -> trainer call)
+                   weight_sync_s=med("weight_sync/seconds") - wake)
+        if single:  # the engine's own load, its vLLM calls, the Ray round trip driver -> engine
             load, call = med("weight_sync/engine_load_seconds"), med("weight_sync/engine_call_seconds")
             out.update(engine_load_s=load, engine_load_vs_copy=copy / load if load > 0 else None,
                        engine_vllm_calls_s=call - load, ray_round_trip_s=push - call)

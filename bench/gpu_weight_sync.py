@@ -67,16 +67,16 @@ def profile_single_pass(r: StandInTrainerRank, engine: StandInEngine, path: str 
     import pstats
 
     from molt_hydra.weight_sync.sender import push_from_rank
-    from molt_hydra.weight_sync.shared_params import single_pass_transport
+    from molt_hydra.weight_sync.shared_params import rank_shared_params
 
     def push():
         push_from_rank(r, [engine], "cuda_ipc", engine.version + 1, bucket_bytes=1 << 30, check_coverage=False,
                        timeout_s=600, dtype="bfloat16")
 
-    token = r.shared_params_transport[1].token
+    token = r.shared_params[1].token
     parts = {"whole push_from_rank": best_ms(push),
-             "single_pass_transport (trainer: address check)": best_ms(
-                 lambda: single_pass_transport(r, "cuda_ipc", torch.bfloat16)),
+             "rank_shared_params (trainer: address check)": best_ms(
+                 lambda: rank_shared_params(r, "cuda_ipc", torch.bfloat16)),
              "asyncio.run of nothing": best_ms(lambda: asyncio.run(asyncio.sleep(0))),
              "engine call update_from_shared_params (begin + replay + stream sync + finish)": best_ms(
                  lambda: engine.call("update_from_shared_params", token, None, None, False)),

@@ -26,6 +26,8 @@ class RoleCalls:
         self.max_model_len = max_model_len
         self.engines_lock = asyncio.Lock()  # a weight push and an engine replacement never overlap
         self.keeper = None  # runtime/engine_keeper.py, when dead engines are replaced
+        self.shared_push = None  # weight_sync/shared_params.py: the single pass, driven from here (one trainer rank)
+        self.offer: tuple | None = None  # (the trainer's offer,) taken with the release just before a push
         self.failed_hint: BaseException | None = None  # an unawaited engines_busy hint's error, raised by the next
 
     async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
@@ -93,11 +95,15 @@ class RoleCalls:
             return await self.push_to(version, self.roles.engines)
 
     async def push_to(self, version: int, engines: list) -> dict:
-        """Every trainer rank gathers full tensors bucket by bucket (FSDP collectives); rank 0 pushes each bucket to
-        `engines` through the placement's transport and stamps `version`."""
+        """`version` onto `engines`. The single pass (one trainer rank whose parameters the engines read by CUDA IPC)
+        is driven from here: one call per engine. Otherwise every trainer rank gathers full tensors bucket by bucket
+        (FSDP collectives); rank 0 pushes each bucket through the placement's transport and stamps `version`."""
         from molt_hydra.weight_sync import push_from_rank
 
         ws, t, what = self.weight_sync, self.timeouts, f"push of version {version}"
+        offer = await self._shared_params_offer(what)
+        if offer is not None:
+            return await self._push_shared_params(offer, version, engines)
         calls = [w.__ray_call__.remote(push_from_rank, engines, self.roles.transport, version,
                                        bucket_bytes=ws.bucket_mb << 20, check_coverage=ws.check_coverage,
                                        timeout_s=t.engine_call_s, dtype=self.engine_dtype)
@@ -111,6 +117,44 @@ class RoleCalls:
 
         return (await _every(calls, t.engine_call_s, "weight sync", what, who))[0]
 
+    def _single_rank_ipc(self) -> bool:
+        return self.roles.transport == "cuda_ipc" and self.roles.actor is not None and self.roles.actor.num_ranks == 1
+
+    async def _shared_params_offer(self, what: str):
+        """The trainer rank's single-pass offer (weight_sync/shared_params.py), or None (the bucketed path): the one
+        taken with the release of its cached memory just before this push (a colocated step), else asked now."""
+        if self.offer is not None:
+            (offer,), self.offer = self.offer, None
+            return offer
+        if not self._single_rank_ipc():
+            return None
+        from molt_hydra.weight_sync.shared_params import offer_shared_params
+
+        ref = self.roles.actor.workers[0].__ray_call__.remote(offer_shared_params, "cuda_ipc", self.engine_dtype,
+                                                               self.shared_push and self.shared_push.token)
+        return (await _every([ref], self.timeouts.trainer_call_s, "actor", what))[0]
+
+    async def _push_shared_params(self, offer, version: int, engines: list) -> dict:
+        """The single pass from the driver: one call per engine (round trip driver -> engine; the trainer's rank is not
+        on the way), under the engine-call deadline; a failure is the weight sync's."""
+        from molt_hydra.weight_sync.sender import WeightSync
+        from molt_hydra.weight_sync.shared_params import SharedParamsPush
+
+        self.shared_push = self.shared_push or SharedParamsPush()
+        self.shared_push.take(offer)
+        self.shared_push.mapped &= {*self.roles.engines, *engines}  # a replaced engine's handle is not kept
+        seconds, what = self.timeouts.engine_call_s, f"push of version {version}"
+        sync = WeightSync(engines, self.shared_push, check_coverage=self.weight_sync.check_coverage,
+                          timeout_s=seconds, version=version - 1)
+        try:
+            return await deadline(sync.sync([], version), seconds, "weight sync", what)
+        except (RoleStalled, RunFailed):
+            raise
+        except TimeoutError as error:  # one engine's call (WeightSync's own deadline)
+            raise RoleStalled("weight sync", what, seconds) from error
+        except Exception as error:
+            raise RunFailed("weight sync", f"{what} failed: {describe(error)}") from error
+
     # --- colocated engines (parallelism.colocate): asleep while the trainer steps, woken by the weight push ---
 
     async def sleep_engines(self) -> None:
@@ -123,9 +167,15 @@ class RoleCalls:
         engines beside it can wake into it. Returns what stays allocated on the fullest rank: the plan's "trainer
         resident" (runtime/plan.py) measured, so a split that is too tight shows before it runs out."""
         ranks = [w for g in _trainer_groups(self.roles) for w in g.workers]
-        kept = await deadline(asyncio.gather(*(w.__ray_call__.remote(_empty_cuda_cache) for w in ranks)),
-                              self.timeouts.trainer_call_s, "actor", "release cached GPU memory")
-        return {"memory/trainer_resident_gib": max(kept, default=0.0)}
+        # the single pass's rank makes its offer in the same call: the push after it is one call per engine
+        offering = self.roles.actor.workers[0] if self._single_rank_ipc() else None
+        known = self.shared_push and self.shared_push.token
+        answers = await deadline(asyncio.gather(*(
+            w.__ray_call__.remote(_release_cuda_cache, (self.engine_dtype, known) if w is offering else None)
+            for w in ranks)), self.timeouts.trainer_call_s, "actor", "release cached GPU memory")
+        if offering is not None:
+            self.offer = (answers[ranks.index(offering)][1],)
+        return {"memory/trainer_resident_gib": max((kept for kept, _ in answers), default=0.0)}
 
     async def engine_phase_metrics(self) -> dict[str, float]:
         """The engines' last sleep and wake: seconds (mean over engines) and GiB freed (sum)."""
@@ -222,11 +272,16 @@ async def _every(calls: list, seconds: float, role: str, what: str, who=None) ->
     return results
 
 
-def _empty_cuda_cache(_worker) -> float:
+def _release_cuda_cache(worker, offer_for: tuple | None) -> tuple[float, object]:
+    """On a trainer rank: its cached blocks back to the GPU; what stays allocated (GiB); with `offer_for` (the engine
+    dtype, the token the driver's push holds), also the rank's single-pass offer (`offer_shared_params`)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return 0.0
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated() / 2**30
+    from molt_hydra.weight_sync.shared_params import offer_shared_params
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+    offer = offer_shared_params(worker, "cuda_ipc", *offer_for) if offer_for is not None else None
+    return (torch.cuda.memory_allocated() / 2**30 if cuda else 0.0), offer
 

@@ -17,7 +17,7 @@ import torch
 from molt_hydra.parallel.launch import rendezvous_address
 from molt_hydra.weight_sync.buckets import Bucket
 from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport
-from molt_hydra.weight_sync.shared_params import single_pass_transport
+from molt_hydra.weight_sync.shared_params import SharedParamsPush, rank_shared_params
 from molt_hydra.weight_sync.transports import (BroadcastGroup, BroadcastTransport, CudaIpcTransport,
                                                ObjectStoreTransport, Transport)
 
@@ -63,7 +63,7 @@ class WeightSync:
         start = time.perf_counter()
         if self.transport.single_pass:
             missing = await self.transport.update(self.engines, version, self.check_coverage, self._call)
-            num_tensors, num_bytes = len(self.transport.tensors), self.transport.nbytes
+            num_tensors, num_bytes = self.transport.tensors, self.transport.nbytes
             timings = {"weight_sync/push_seconds": time.perf_counter() - start,
                        "weight_sync/engine_load_seconds": self.transport.engine_seconds,
                        "weight_sync/engine_call_seconds": self.transport.engine_call_seconds}
@@ -152,9 +152,11 @@ def _buckets_and_carrier(worker, transport: str, bucket_bytes: int, wire: torch.
     if getattr(worker, "lora", None):  # the adapter alone (trainer.weight_buckets), cast on the trainer's device
         carrier = ObjectStoreTransport(worker.adapter_config()) if worker.rank == 0 else None
         return worker.weight_buckets(bucket_bytes, wire, "cpu"), carrier
-    single = single_pass_transport(worker, transport, wire)
-    if single is not None:  # one rank holds every weight whole: the engines load from it, mapped once per token
-        return [single.tensors], single
+    shared = rank_shared_params(worker, transport, wire)
+    if shared is not None:  # one rank holds every weight whole: the engines load from it, mapped once per token
+        worker.shared_params_push = getattr(worker, "shared_params_push", None) or SharedParamsPush()
+        worker.shared_params_push.take(shared.offer(worker.shared_params_push.token))
+        return [], worker.shared_params_push
     # GPU transports cast while packing (one pass on the trainer's GPU); so does shared memory from a CPU rank (it
     # packs into its region: no cast copy before it); the host transports get tensors cast on the GPU
     on_device = transport in ("nccl", "cuda_ipc") or transport == "shared_memory" and worker.device.type == "cpu"

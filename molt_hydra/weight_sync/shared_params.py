@@ -7,13 +7,21 @@ one round trip) whose loader reads the trainer's parameters and casts while it c
 bf16: 6 bytes of traffic per parameter against 10 for pack + load). So the wire-dtype rule of the packed transports
 does not apply: the loader receives the trainer's dtype.
 
-The views are keyed by `token`, a fingerprint of the storages (address, layout, dtype of every tensor) and of this
-process: if the trainer's storages change (a reload, a new process), the token changes, a new transport is made and
-every engine gets the new handles with its first call (as does an engine the transport has not reached before).
-Ordering: the trainer's stream is synchronized before the engines are called (their reads start after the last
-optimizer write), and every worker synchronizes its stream before answering (the trainer cannot step again before the
-copies are done). On the engine side, the loaders of a token's first sync are recorded and, proven to be plain
-copies, replayed as one CUDA graph on later syncs (copy_plan.py).
+Two halves, so that whoever drives the sync calls the engines itself: `SharedParams` lives on the trainer rank (its
+tensors, their token, their handles, made once) and answers `offer` (stream synchronized, then the token, with names
+and handles only for a caller that does not hold that token yet); `SharedParamsPush` takes offers and makes the
+engine calls. Colocated, the driver holds the push and takes its offer with the call that releases the trainer's
+cached memory before every sync (runtime/calls.py), so a sync is one round trip driver -> engine; `push_from_rank`
+(engine replacement needs no special case there) holds one on the trainer rank.
+
+The views are keyed by `token`, a fingerprint of the storages (address, layout, dtype of every tensor) and of the
+trainer's process: if the trainer's storages change (a reload, a new process), the token changes, the offer carries the
+new handles and every engine gets them with its next call (as does an engine the push has not reached before).
+Ordering: the trainer's stream is synchronized by the offer (the engines' reads start after the last optimizer write;
+nothing runs on the trainer between the offer and the engine calls: colocated training is synchronous), and every
+worker synchronizes its stream before answering (the trainer cannot step again before the copies are done). On the
+engine side, the loaders of a token's first sync are recorded and, proven to be plain copies, replayed as one CUDA
+graph on later syncs (copy_plan.py).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import asyncio
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -31,37 +40,72 @@ from molt_hydra.weight_sync.transports import Transport, ipc_handle
 logger = logging.getLogger(__name__)
 
 
-class SharedParamsTransport(Transport):
-    single_pass = True  # `WeightSync.sync` calls `update` (one call per engine) instead of begin / push / finish
+@dataclass(frozen=True)
+class Offer:
+    """What the trainer's rank tells a push: its storages' token; their names and IPC handles unless the push already
+    holds that token (`known`); the bytes written into each engine and the tensor count (metrics)."""
+
+    token: str
+    names: list[str] | None
+    handles: list[bytes] | None
+    nbytes: int
+    tensors: int
+
+
+class SharedParams:
+    """The trainer rank's half: its own parameter tensors, their token and their IPC handles (made at the first offer
+    that needs them, kept for the token's life)."""
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None):
         self.tensors = tensors
         layout = [(n, t.data_ptr(), tuple(t.shape), t.stride(), str(t.dtype), str(t.device)) for n, t in tensors]
         self.token = hashlib.sha1(repr((os.getpid(), layout)).encode()).hexdigest()
-        self.handles: list | None = None  # made for the first engine not yet reached, kept for the token's life
-        self.refusals: set[str] = set()  # why a worker's loaders could not be recorded: each said once
-        self.mapped: set = set()  # the engines (Ray handles) whose workers hold this token's views
-        self.engine_seconds = 0.0  # the slowest engine worker's own load in the last update
-        self.engine_call_seconds = 0.0  # the slowest engine's own seconds in the last update (wakes excluded)
+        self.handles: list[bytes] | None = None
         self.device = next((t.device for _, t in tensors if t.is_cuda), None)
         # bytes written into each engine: floating tensors in the engine dtype
         self.nbytes = sum(t.numel() * (dtype.itemsize if dtype and t.is_floating_point() else t.element_size())
                           for _, t in tensors)
 
-    async def update(self, engines: list, version: int, check: bool, call) -> list:
-        """The whole update, one call per engine (`VLLMEngine.update_from_shared_params`): an engine this transport has
-        not reached yet gets the names and handles with it (its workers map them once; a replaced engine is a new
-        handle), the others the token alone. Returns each worker's missing names (None unless `check`)."""
+    def offer(self, known: str | None) -> Offer:
         if self.device is not None:  # the optimizer's last writes land before any engine reads
             torch.cuda.current_stream(self.device).synchronize()
-        self.mapped &= set(engines)  # a replaced engine's handle is not kept
-        names = [n for n, _ in self.tensors]
+        if self.token == known:
+            return Offer(self.token, None, None, self.nbytes, len(self.tensors))
+        if self.handles is None:
+            self.handles = [ipc_handle(t.detach()) for _, t in self.tensors]
+        return Offer(self.token, [n for n, _ in self.tensors], self.handles, self.nbytes, len(self.tensors))
 
+
+class SharedParamsPush(Transport):
+    """The engine calls of a single pass, driven from wherever `take` got its offer (the driver, or trainer rank 0 in
+    `push_from_rank`): an engine this push has not reached with the current token gets the names and handles with its
+    call (its workers map them once; a replaced engine is a new handle), the others the token alone."""
+
+    single_pass = True  # `WeightSync.sync` calls `update` (one call per engine) instead of begin / push / finish
+
+    def __init__(self):
+        self.token: str | None = None
+        self.names: list[str] | None = None
+        self.handles: list[bytes] | None = None
+        self.mapped: set = set()  # the engines (Ray handles) whose workers hold this token's views
+        self.refusals: set[str] = set()  # why a worker's loaders could not be recorded: each said once
+        self.nbytes = self.tensors = 0
+        self.engine_seconds = 0.0  # the slowest engine worker's own load in the last update
+        self.engine_call_seconds = 0.0  # the slowest engine's own seconds in the last update (wakes excluded)
+
+    def take(self, offer: Offer) -> None:
+        if offer.token != self.token:
+            if offer.handles is None:
+                raise RuntimeError(f"the trainer's parameter token {offer.token[:12]} came without its handles")
+            self.token, self.names, self.handles, self.mapped = offer.token, offer.names, offer.handles, set()
+        self.nbytes, self.tensors = offer.nbytes, offer.tensors
+
+    async def update(self, engines: list, version: int, check: bool, call) -> list:
+        """The whole update, one call per engine (`VLLMEngine.update_from_shared_params`). Returns each worker's missing
+        names (None unless `check`)."""
         async def update(engine) -> tuple[list, float]:
             first = engine not in self.mapped
-            if first and self.handles is None:
-                self.handles = [ipc_handle(t.detach()) for _, t in self.tensors]
-            args = (self.token, names, self.handles) if first else (self.token, None, None)
+            args = (self.token, self.names, self.handles) if first else (self.token, None, None)
             answer = await call(engine.update_from_shared_params.remote(args, version, check))
             self.mapped.add(engine)
             return answer
@@ -78,19 +122,25 @@ class SharedParamsTransport(Transport):
         return [missing for _, missing in answers]
 
 
-def single_pass_transport(worker, transport: str, dtype: torch.dtype) -> SharedParamsTransport | None:
-    """The single-pass carrier when it applies: CUDA IPC, one trainer rank, and `worker.local_weights()` finds every
-    weight whole in a parameter storage of its own; else None (the bucketed path: dp > 1, offload, converted names
-    ...). The answer is kept on the worker while its parameter storages stay where they are (a cheap check each sync):
-    the weights are looked up, and their handles made, once per change, not once per sync."""
+def rank_shared_params(worker, transport: str, dtype: torch.dtype) -> SharedParams | None:
+    """The rank's half of the single pass when it applies: CUDA IPC (never LoRA's transport), one trainer rank, and
+    `worker.local_weights()` finds every weight whole in a parameter storage of its own; else None (the bucketed
+    path: dp > 1, offload, converted names ...). The answer is kept on the worker while its parameter storages stay
+    where they are (a cheap check each sync): the weights are looked up, and their handles made, once per change."""
     if transport != "cuda_ipc" or getattr(worker, "world_size", 1) != 1 or not hasattr(worker, "local_weights"):
         return None
-    cached = getattr(worker, "shared_params_transport", None)
+    cached = getattr(worker, "shared_params", None)
     if cached is not None and cached[0] == (parameter_addresses(worker.model), dtype):
         return cached[1]
-    shared = worker.local_weights()  # after it: FSDP's state-dict hook may have put the sharded parameters back
-    carrier = None if shared is None else SharedParamsTransport(shared, dtype)
-    worker.shared_params_transport = ((parameter_addresses(worker.model), dtype), carrier)
+    weights = worker.local_weights()  # after it: FSDP's state-dict hook may have put the sharded parameters back
+    shared = None if weights is None else SharedParams(weights, dtype)
+    worker.shared_params = ((parameter_addresses(worker.model), dtype), shared)
     logger.info("weight sync over CUDA IPC: %s", "bucketed (the rank's weights need a gather or a copy)"
-                if carrier is None else f"single pass from the trainer's own {len(shared)} parameters")
-    return carrier
+                if shared is None else f"single pass from the trainer's own {len(weights)} parameters")
+    return shared
+
+
+def offer_shared_params(worker, transport: str, dtype: str, known: str | None) -> Offer | None:
+    """On the trainer rank (a Ray call): its offer for a push holding token `known`, or None (the bucketed path)."""
+    shared = rank_shared_params(worker, transport, getattr(torch, dtype))
+    return None if shared is None else shared.offer(known)

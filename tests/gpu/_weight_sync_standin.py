@@ -273,7 +273,7 @@ class StandInTrainerRank:
 
     def __setattr__(self, name, value):
         if name in ("skip", "single_pass"):  # what `local_weights` returns changes: look it up again next sync
-            self.__dict__.pop("shared_params_transport", None)
+            self.__dict__.pop("shared_params", None)
         super().__setattr__(name, value)
 
     def weight_buckets(self, bucket_bytes, dtype=None, device="cpu"):

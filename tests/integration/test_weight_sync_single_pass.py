@@ -1,5 +1,5 @@
 """The single-pass CUDA IPC weight sync shares a trainer rank's own parameter tensors (weight_sync/shared_params.py,
-`SharedParamsTransport`); what it relies on, checked on a real FSDP2 trainer over gloo (spawned ranks): with one rank,
+`SharedParams`); what it relies on, checked on a real FSDP2 trainer over gloo (spawned ranks): with one rank,
 `local_full_weights` returns views of the very storages the optimizer updates in place (so views taken once serve
 every later sync), and their addresses stay put across optimizer steps (the cached handles stay valid) but not across
 a forward alone (FSDP's unsharded parameters: the per-sync check sees it); with two ranks it refuses (a gather is

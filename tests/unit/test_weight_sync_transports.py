@@ -25,7 +25,7 @@ from molt_hydra.weight_sync.buckets import (ALIGN, bucket_weights, iter_weight_b
 from molt_hydra.weight_sync.receiver import WeightReceiver  # noqa: E402
 from molt_hydra.weight_sync.sender import WeightSync, open_broadcast, push_from_rank  # noqa: E402
 from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport  # noqa: E402
-from molt_hydra.weight_sync.shared_params import single_pass_transport  # noqa: E402
+from molt_hydra.weight_sync.shared_params import rank_shared_params  # noqa: E402
 from molt_hydra.weight_sync.transports import BroadcastGroup, BroadcastTransport, CudaIpcTransport  # noqa: E402
 
 
@@ -464,25 +464,87 @@ def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_s
     assert worker.shared_load_path == "record"  # the plan read the old views: recorded again
     assert_engine_holds_the_ranks_weights()
 
-    # a replaced engine is a new handle: it gets the handles with its first call, and the old one is forgotten
+    # a replaced engine is a new handle: it gets the handles with its first call
     new_worker = CastingWorker([(n, t.shape) for n, t in rank0.model.state_dict().items()])
     replacement = FakeEngine(new_worker, log)
     push_from_rank(rank0, [replacement], "cuda_ipc", 4, bucket_bytes=256, check_coverage=False, timeout_s=10,
                    dtype="bfloat16")
     assert new_worker.opened == 4 and replacement.version == 4 and worker.opened == 8
-    assert rank0.shared_params_transport[1].mapped == {replacement}
+
+
+def test_colocated_sync_is_one_call_per_engine_from_the_driver_with_the_offer_taken_at_the_release():
+    """The driver (runtime/calls.py `RoleCalls`) drives the single pass: the call that releases the trainer's cached
+    memory before a colocated push brings the rank's offer, so the push itself is one call per engine and none to the
+    trainer; a push without that release (a warm start, a replaced engine) asks for the offer first; the handles reach
+    each engine once per token; an engine's failure is the weight sync's, named so."""
+    from molt_hydra.config.schema import TimeoutsConfig, WeightSyncConfig
+    from molt_hydra.runtime.calls import RoleCalls
+    from molt_hydra.runtime.watchdog import RunFailed
+
+    rank0, log, trainer_calls = OneRank(), [], []
+    rank0.model.share_memory()
+    run_in_rank = rank0.__ray_call__.remote
+    rank0.__ray_call__ = types.SimpleNamespace(
+        remote=lambda fn, *args: trainer_calls.append(fn.__name__) or run_in_rank(fn, *args))
+    shapes = [(n, t.shape) for n, t in rank0.model.state_dict().items()]
+    workers = [CastingWorker(shapes), CastingWorker(shapes)]
+    engines = [FakeEngine(w, log) for w in workers]
+    roles = types.SimpleNamespace(transport="cuda_ipc", actor=types.SimpleNamespace(num_ranks=1, workers=[rank0]),
+                                  ref=None, critic=None, engines=engines)
+    calls = RoleCalls(roles, TimeoutsConfig(), WeightSyncConfig(), "bfloat16")
+
+    def assert_engines_hold_the_ranks_weights():
+        for worker in workers:
+            for name, t in rank0.model.state_dict().items():
+                assert torch.equal(worker.params[name], t.detach().to(torch.bfloat16)), name
+
+    async def colocated_sync(version):
+        log.clear(), trainer_calls.clear()
+        await calls.release_trainer_memory()
+        return await calls.push_weights(version)
+
+    async def scenario():
+        metrics = await colocated_sync(1)
+        assert trainer_calls == ["_release_cuda_cache"]  # the offer came with the release: the push called no rank
+        assert log == ["update_from_shared_params"] * 2 and [e.version for e in engines] == [1, 1]
+        assert metrics["weight_sync/single_pass"] == 1.0 and metrics["weight_sync/tensors"] == 4
+        assert [w.opened for w in workers] == [4, 4]  # the handles came with each engine's first call
+        assert_engines_hold_the_ranks_weights()
+
+        with torch.no_grad():  # an optimizer step: in place, the same storages
+            for p in rank0.model.parameters():
+                p.mul_(-2).add_(0.5)
+        await colocated_sync(2)
+        assert trainer_calls == ["_release_cuda_cache"] and [w.opened for w in workers] == [4, 4]
+        assert [e.version for e in engines] == [2, 2]
+        assert_engines_hold_the_ranks_weights()
+
+        trainer_calls.clear()
+        await calls.push_weights(3)  # no release before it: the offer is asked for, then the engines are called
+        assert trainer_calls == ["offer_shared_params"] and [e.version for e in engines] == [3, 3]
+
+        def broken(*args):
+            raise RuntimeError("no CUDA memory to map")
+
+        engines[1].update_from_shared_params = types.SimpleNamespace(remote=lambda *a: asyncio.to_thread(broken))
+        with pytest.raises(RunFailed) as failed:
+            await colocated_sync(4)
+        assert failed.value.role == "weight sync" and "push of version 4 failed: RuntimeError: no CUDA memory" in str(
+            failed.value)
+
+    asyncio.run(scenario())
 
 
 def test_single_pass_applies_only_to_cuda_ipc_from_one_rank_holding_whole_own_tensors():
     rank0, bf16 = OneRank(), torch.bfloat16
-    carrier = single_pass_transport(rank0, "cuda_ipc", bf16)
-    assert [n for n, _ in carrier.tensors] == list(rank0.model.state_dict())
-    assert single_pass_transport(rank0, "cuda_ipc", bf16) is carrier  # storages unchanged: the same carrier
-    assert single_pass_transport(rank0, "nccl", bf16) is None
-    assert single_pass_transport(rank0, "shared_memory", bf16) is None
-    assert single_pass_transport(StandInTrainerRank(), "cuda_ipc", bf16) is None  # no local_weights: gathers
+    shared = rank_shared_params(rank0, "cuda_ipc", bf16)
+    assert [n for n, _ in shared.tensors] == list(rank0.model.state_dict())
+    assert rank_shared_params(rank0, "cuda_ipc", bf16) is shared  # storages unchanged: the same one
+    assert rank_shared_params(rank0, "nccl", bf16) is None
+    assert rank_shared_params(rank0, "shared_memory", bf16) is None
+    assert rank_shared_params(StandInTrainerRank(), "cuda_ipc", bf16) is None  # no local_weights: gathers
     rank0.world_size = 2
-    assert single_pass_transport(rank0, "cuda_ipc", bf16) is None
+    assert rank_shared_params(rank0, "cuda_ipc", bf16) is None
     # a conversion that makes new tensors cannot be shared (the engine would read a temporary)
     assert local_full_weights(rank0.model, to_hf=lambda n, t: [(n, t.clone())]) is None
     assert len(local_full_weights(rank0.model, to_hf=lambda n, t: [(n, t[:1]), (n + ".rest", t[1:])])) == 8
