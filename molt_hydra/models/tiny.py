@@ -46,6 +46,8 @@ GPU_SHAPES = {
                                  num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
                                  tie_word_embeddings=False),
 }
+# the same widths in 2 layers (1.3 B parameters): the MoE GPU recipes on an 80 GB card
+GPU_SHAPES["qwen3_moe_30b_a3b_2l"] = {**GPU_SHAPES["qwen3_moe_30b_a3b_8l"], "num_hidden_layers": 2}
 TINY_MODELS.update(GPU_SHAPES)
 
 

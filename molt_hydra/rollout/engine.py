@@ -277,23 +277,23 @@ class VLLMEngine(BatchedCallee):
         elif self.sleep_level:
             await self._wake(["weights"])
 
-    async def update_from_shared_params(self, args: tuple, version: int, check: bool) -> tuple[list, float]:
-        """The single pass (weight_sync/shared_params.py) as one call, so a sync costs the trainer one round trip to
-        this actor: every worker begins, loads from the trainer's parameters (`args`: token, names, handles) and
-        finishes in one collective_rpc (with `check`, it lists what was never pushed), then the version is stamped and
-        generation resumes. Returns each worker's answer and this actor's own seconds in the call, wakes excluded
-        (the trainer's round trip is the rest)."""
+    async def update_from_shared_params(self, args: tuple, version: int, check: bool) -> tuple[list, float, tuple]:
+        """The single pass (weight_sync/shared_params.py) as one call, so a sync costs one round trip to this actor:
+        every worker begins, loads from the trainer's parameters (`args`: token, names, handles) and finishes in one
+        collective_rpc (with `check`, it lists what was never pushed), then the version is stamped and generation
+        resumes. Returns each worker's answer, this actor's own seconds in the call, wakes excluded (the round trip is
+        the rest), and the wall-clock times the call began and ended here (the caller splits the round trip)."""
         def woken() -> float:  # this call's wakes are the step's wake phase, not the sync's
             return sum(v for k, v in self.phase_seconds.items() if k.startswith("engine/wake_"))
 
-        start, woken_before = time.perf_counter(), woken()
+        entered, start, woken_before = time.time(), time.perf_counter(), woken()
         await self._hold_for_update()
         answers = None
         try:
             answers = await self.worker_call("update_from_shared_params", *args, check)
         finally:  # a failure may have written part of the weights: `_end_update` marks them mixed
             await self._end_update(None if answers is None else version)
-        return answers, time.perf_counter() - start - (woken() - woken_before)
+        return answers, time.perf_counter() - start - (woken() - woken_before), (entered, time.time())
 
     async def stage_adapter(self, blob: bytes, config: dict) -> int:
         """LoRA: this sync's adapter (safetensors bytes under PEFT's names, in the engine dtype, and its

@@ -57,7 +57,8 @@ class WeightSync:
         landed; single pass: the one call), `weight_sync/replayed` the share of engine workers that replayed their
         recorded copy plan; in a single pass `weight_sync/engine_load_seconds`, the slowest worker's own load, and
         `weight_sync/engine_call_seconds`, the slowest engine's own time in the call, wakes excluded (its vLLM calls:
-        push_seconds less it is the round trip); else `weight_sync/begin_seconds` and `weight_sync/finish_seconds`,
+        push_seconds less it is the round trip), whose legs are `weight_sync/to_engine_seconds` (the call until the
+        engine began it) and `weight_sync/from_engine_seconds` (its end until the answer), wall clock; else `weight_sync/begin_seconds` and `weight_sync/finish_seconds`,
         the calls before and after the buckets (pause and begin; finish, caches reset, version stamped, resume)."""
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
@@ -66,7 +67,9 @@ class WeightSync:
             num_tensors, num_bytes = self.transport.tensors, self.transport.nbytes
             timings = {"weight_sync/push_seconds": time.perf_counter() - start,
                        "weight_sync/engine_load_seconds": self.transport.engine_seconds,
-                       "weight_sync/engine_call_seconds": self.transport.engine_call_seconds}
+                       "weight_sync/engine_call_seconds": self.transport.engine_call_seconds,
+                       "weight_sync/to_engine_seconds": self.transport.to_engine_seconds,
+                       "weight_sync/from_engine_seconds": self.transport.from_engine_seconds}
         else:
             missing, num_tensors, num_bytes, timings = await self._begin_push_finish(buckets, version)
         self.version = version

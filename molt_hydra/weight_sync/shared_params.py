@@ -30,6 +30,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,8 @@ class SharedParamsPush(Transport):
         self.nbytes = self.tensors = 0
         self.engine_seconds = 0.0  # the slowest engine worker's own load in the last update
         self.engine_call_seconds = 0.0  # the slowest engine's own seconds in the last update (wakes excluded)
+        # the last update's slowest legs: from the call to the engine's start of it, from its end to the answer
+        self.to_engine_seconds = self.from_engine_seconds = 0.0
 
     def take(self, offer: Offer) -> None:
         if offer.token != self.token:
@@ -103,16 +106,20 @@ class SharedParamsPush(Transport):
     async def update(self, engines: list, version: int, check: bool, call) -> list:
         """The whole update, one call per engine (`VLLMEngine.update_from_shared_params`). Returns each worker's missing
         names (None unless `check`)."""
-        async def update(engine) -> tuple[list, float]:
+        async def update(engine) -> tuple:
             first = engine not in self.mapped
             args = (self.token, self.names, self.handles) if first else (self.token, None, None)
-            answer = await call(engine.update_from_shared_params.remote(args, version, check))
+            sent = time.time()  # wall clock, as the engine's stamps: the round trip's two legs
+            per_engine, seconds, (entered, left) = await call(engine.update_from_shared_params.remote(args, version,
+                                                                                                      check))
             self.mapped.add(engine)
-            return answer
+            return per_engine, seconds, entered - sent, time.time() - left
 
         replies = await asyncio.gather(*(update(e) for e in engines))
-        self.engine_call_seconds = max((seconds for _, seconds in replies), default=0.0)
-        answers = [a for per_engine, _ in replies for a in per_engine]
+        self.engine_call_seconds = max((seconds for _, seconds, _, _ in replies), default=0.0)
+        self.to_engine_seconds = max((leg for _, _, leg, _ in replies), default=0.0)
+        self.from_engine_seconds = max((leg for *_, leg in replies), default=0.0)
+        answers = [a for per_engine, *_ in replies for a in per_engine]
         loads = [load for load, _ in answers]
         self.replayed = sum(path == "replay" for _, path, _, _ in loads) / max(len(loads), 1)
         self.engine_seconds = max((seconds for *_, seconds in loads), default=0.0)  # the slowest worker's own load

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import concurrent.futures
 import threading
+import time
 import types
 
 import torch
@@ -237,12 +238,13 @@ class StandInEngine:
         return stamp()
 
     def _update_from_shared_params(self, args, version, check):
+        entered = time.time()
         done = self._submit("update_from_shared_params", *args, check)
 
         async def stamp():  # stamp and resume: vLLM calls, none here
             answer = await done
             self.version = version
-            return [answer], 0.0
+            return [answer], 0.0, (entered, time.time())
         return stamp()
 
     def _worker_call(self, method: str, *args):

@@ -8,6 +8,7 @@ through the same torch reduction CUDA IPC uses. The GPU versions of these tests 
 """
 
 import asyncio
+import time
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -110,7 +111,7 @@ class FakeEngine:
                 answer = await run(self.worker_thread, self.worker.update_from_shared_params, *token_names_handles,
                                    check)
                 self.version = version
-                return [answer], 0.0  # no vLLM calls of its own here
+                return [answer], 0.0, (time.time(), time.time())  # no vLLM calls of its own here
         return lambda *args: call(*args)
 
 
@@ -508,6 +509,8 @@ def test_colocated_sync_is_one_call_per_engine_from_the_driver_with_the_offer_ta
         assert trainer_calls == ["_release_cuda_cache"]  # the offer came with the release: the push called no rank
         assert log == ["update_from_shared_params"] * 2 and [e.version for e in engines] == [1, 1]
         assert metrics["weight_sync/single_pass"] == 1.0 and metrics["weight_sync/tensors"] == 4
+        legs = metrics["weight_sync/to_engine_seconds"] + metrics["weight_sync/from_engine_seconds"]
+        assert 0 < legs < metrics["weight_sync/push_seconds"]  # the round trip's two legs, inside the call
         assert [w.opened for w in workers] == [4, 4]  # the handles came with each engine's first call
         assert_engines_hold_the_ranks_weights()
 
