@@ -10,9 +10,16 @@ version. Reached into here:
   local to a given sync-free permutation (models/automodel.py) and the others to AutoModel's own.
 - `has_own_model_class`: `nemo_automodel._transformers.model_init.get_is_hf_model(config, force_hf)`, whether
   AutoModel would build a model with transformers' class (no AutoModel class of its own for the architecture).
+- `engine_routing`: `nemo_automodel.components.moe.router_replay.RouterReplay` (its `apply(indices)`, called by every
+  gate with its fresh top-k, its registry in layer order, its `replay` context). AutoModel's replay swaps the whole
+  selection; the engine leaves some tokens unrouted (-1 rows: the last generated token, tokens it never saw), whose
+  -1 ids then index the gate's scores out of range (a device-side assert, seen on an H100). `apply` is wrapped so the
+  gate keeps its own top-k on those rows, and, with replay off, everywhere (the engine's selection only compared).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from molt_hydra.compat import written_for
 # imported where used: nemo_automodel (GPU hosts only)
@@ -45,3 +52,32 @@ def has_own_model_class(config) -> bool:
     from nemo_automodel._transformers.model_init import get_is_hf_model
 
     return not get_is_hf_model(config, False)
+
+
+@contextmanager
+def engine_routing(per_layer: list, *, replay: bool, observe=None):
+    """Inside, every AutoModel gate meets the engine's selection `per_layer` (one [tokens, top_k] tensor per MoE layer,
+    -1 rows unrouted): it uses it where the engine routed the token if `replay` (R3), else keeps its own top-k; each
+    gate call reports `observe(layer, own, used, engine)` when given (routing statistics)."""
+    written_for("routing replay on the engine's routed tokens", "automodel", SUPPORTED)
+    import torch
+    from nemo_automodel.components.moe.router_replay import RouterReplay, RouterReplayMode
+
+    original = getattr(RouterReplay.apply, "_molt_original", RouterReplay.apply)
+
+    def apply(self, indices):
+        if self.mode != RouterReplayMode.REPLAY:
+            return original(self, indices)
+        engine = original(self, indices).to(indices.dtype)  # AutoModel's own checks: a target set, the same shape
+        used = torch.where((engine >= 0).all(-1, keepdim=True), engine, indices) if replay else indices
+        if observe is not None:
+            observe(RouterReplay.instances().index(self), indices, used, engine)
+        return used
+
+    apply._molt_original = original
+    RouterReplay.apply = apply
+    try:
+        with RouterReplay.replay(per_layer):
+            yield
+    finally:
+        RouterReplay.apply = original

@@ -45,16 +45,12 @@ def parallel_sizes(world: int, *, dp: int, tp: int = 1, ep: int = 1, cp: int = 1
     return dict(dp_size=dp, tp_size=tp, cp_size=cp, ep_size=ep)
 
 
-def per_layer_replay_indices(routed: torch.Tensor, token_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """[B, L, layers, topk] routed experts (the sample key `routed_experts`, right-padded) -> one [B*L, topk] int64
-    tensor per MoE layer in the token order the gates see (rows flattened). Padded tokens get experts 0..topk-1:
-    any valid, duplicate-free selection, as they are masked out of every loss."""
+def per_layer_replay_indices(routed: torch.Tensor) -> list[torch.Tensor]:
+    """[B, L, layers, topk] routed experts (the sample key `routed_experts`, right-padded with -1) -> one [B*L, topk]
+    int64 tensor per MoE layer in the token order the gates see (rows flattened); -1 rows (padding, tokens the engine
+    did not route) stay -1: the gate's own top-k there (compat/automodel.py `engine_routing`)."""
     b, n, layers, k = routed.shape
-    routed = routed.long()
-    if token_mask is not None:
-        fill = torch.arange(k, device=routed.device).expand(b, n, layers, k)
-        routed = torch.where(token_mask[:, :, None, None].to(routed.device), routed, fill)
-    flat = routed.reshape(b * n, layers, k)
+    flat = routed.long().reshape(b * n, layers, k)
     return [flat[:, i].contiguous() for i in range(layers)]
 
 
@@ -80,12 +76,14 @@ def permute_tokens_all_local(indices: torch.Tensor, weights: torch.Tensor, token
 
 
 @contextlib.contextmanager
-def replay_routed_experts(routed: torch.Tensor, token_mask: torch.Tensor | None = None):
-    """R3: every gate uses the given selection (router logits stay live, so the router still learns). Keep the
-    backward inside the block: activation-checkpoint recompute runs the gates again and must replay too."""
-    from nemo_automodel.components.moe.router_replay import RouterReplay
-
-    with RouterReplay.replay(per_layer_replay_indices(routed, token_mask)):
+def replay_routed_experts(routed: torch.Tensor, *, replay: bool = True, stats=None):
+    """The engine's routed experts `routed` inside: under R3 (`replay`) every gate uses them where the engine routed
+    the token and its own top-k elsewhere (router logits stay live, so the router still learns); without, the gates
+    keep their own. Either way `stats` (models/moe_routing.py `RoutingStats`) counts the gates' agreement with the
+    engine. Keep the backward inside the block: activation-checkpoint recompute runs the gates again and must replay
+    too."""
+    observe = None if stats is None else (lambda layer, own, used, engine: stats.add(layer, None, own, used, engine))
+    with automodel_compat.engine_routing(per_layer_replay_indices(routed), replay=replay, observe=observe):
         yield
 
 
@@ -94,7 +92,7 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
                     random_init: bool = False, config_overrides: dict | None = None,
                     attn_implementation: str = "sdpa", compile_blocks: bool = False, moe_dispatcher: str = "torch",
                     experts_backend: str | None = None, linear_backend: str | None = None,
-                    rms_norm: str = "torch_fp32", gate_precision: str = "float32", routing_replay: bool = False,
+                    rms_norm: str = "torch_fp32", gate_precision: str = "float32",
                     freeze_moe_router: bool = False, freeze_visual_encoder: bool = False,
                     moe_reshard_after_forward: bool = False, sequence_parallel: bool = False,
                     master_weights: str = "fsdp"):
@@ -135,8 +133,8 @@ def build_automodel(path: str, *, role: str = "actor", dp_size: int, tp_size: in
                             gate_precision=gate_precision)
     kw = dict(distributed_setup=setup, dtype=torch.float32, backend=backend, use_liger_kernel=False,
               load_base_model=not random_init)
-    if moe:
-        kw["moe_overrides"] = {"enable_routing_replay": routing_replay}
+    if moe:  # every gate gets a RouterReplay: the engine's experts are replayed under R3, compared without it
+        kw["moe_overrides"] = {"enable_routing_replay": True}
     RouterReplay.clear_registry()  # gates register in construction order: this model's layers only
     if moe and ep_size == 1:
         automodel_compat.install_sync_free_permute(config.num_experts, permute_tokens_all_local)

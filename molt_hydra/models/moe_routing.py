@@ -57,13 +57,15 @@ class RoutingStats:
                   "prob": (num_layers, num_experts), "tokens": (num_layers,)}
         self.sums = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in shapes.items()}
 
-    def add(self, layer: int, probs: torch.Tensor, own: torch.Tensor, used: torch.Tensor, engine: torch.Tensor | None,
-            image: torch.Tensor | None = None):
+    def add(self, layer: int, probs: torch.Tensor | None, own: torch.Tensor, used: torch.Tensor,
+            engine: torch.Tensor | None, image: torch.Tensor | None = None):
+        """One layer's forward: `probs` [tokens, experts] (None where the gate does not expose them: AutoModel's),
+        the gate's own top-k `own`, the experts `used`, the engine's `engine` (-1 rows: not routed there)."""
         # sums stay on the forward's device until `as_tensor`: a `.cpu()` / `float()` per layer would make every MoE
         # layer of a log-prob recompute wait for the GPU (as would bincount, which sizes its output from the data)
         with torch.no_grad():
-            if self.sums["load"].device != probs.device:
-                self.sums = {name: t.to(probs.device) for name, t in self.sums.items()}
+            if self.sums["load"].device != own.device:
+                self.sums = {name: t.to(own.device) for name, t in self.sums.items()}
             sums = self.sums
             if engine is not None:
                 known = (engine >= 0).all(-1)
@@ -75,8 +77,9 @@ class RoutingStats:
                 if image is not None:
                     sums["image"][:, layer] += (counted & image.to(known.device).bool()).sum(-1)
             sums["load"][layer] += expert_counts(used, self.num_experts, torch.float64)
-            sums["prob"][layer] += probs.detach().double().sum(0)
-            sums["tokens"][layer] += probs.shape[0]
+            if probs is not None:
+                sums["prob"][layer] += probs.detach().double().sum(0)
+            sums["tokens"][layer] += own.shape[0]
 
     def as_tensor(self) -> torch.Tensor:
         return torch.cat([t.flatten() for t in self.sums.values()]).cpu()
@@ -104,8 +107,8 @@ class RoutingStats:
                     out["routing/replayed_text"] = float((replayed.sum() - img_replayed) / text_known)
         frac = load[seen] / load[seen].sum(-1, keepdim=True).clamp(min=1)  # share of selections per expert
         mean_prob = prob[seen] / tokens[seen, None]
-        # Switch-Transformer load-balancing loss: E * sum_e f_e * P_e (1.0 when perfectly balanced)
-        out["routing/aux_loss"] = float((self.num_experts * (frac * mean_prob).sum(-1)).mean())
+        if mean_prob.sum() > 0:  # Switch-Transformer load-balancing loss: E * sum_e f_e * P_e (1.0 when balanced)
+            out["routing/aux_loss"] = float((self.num_experts * (frac * mean_prob).sum(-1)).mean())
         entropy = -(frac * frac.clamp(min=1e-12).log()).sum(-1) / math.log(self.num_experts)
         out["routing/expert_load_entropy"] = float(entropy.mean())
         return out

@@ -125,11 +125,11 @@ class TrainerWorker:
             cp_size=spec.cp_size, param_dtype=self.param_dtype, gradient_checkpointing=spec.gradient_checkpointing,
             random_init=spec.random_init, config_overrides=spec.config_overrides,
             attn_implementation=spec.attn_implementation, compile_blocks=self.compile_blocks,
-            gate_precision=spec.gate_precision, routing_replay=spec.routing_replay, master_weights=spec.master_weights,
+            gate_precision=spec.gate_precision, master_weights=spec.master_weights,
             freeze_moe_router=spec.freeze_moe_router, freeze_visual_encoder=spec.freeze_visual_encoder,
             **(spec.automodel_options or {}))
-        # AutoModel's gates replay, freeze and keep their own stats; its experts are model.experts_backend's
-        self.moe, self.frozen_names, self.moe_experts_impl = False, set(), None
+        # AutoModel's gates replay and freeze (its RouterReplay: `_replay`); its experts are model.experts_backend's
+        self.moe, self.frozen_names, self.moe_experts_impl = moe_routing.is_moe_config(self.model.config), set(), None
 
     def _build_hf(self, spec: TrainerSpec) -> None:
         mesh = build_device_mesh(self.dp_size)
@@ -288,8 +288,9 @@ class TrainerWorker:
         """R3: the micro-batch's `routed_experts` ([B, L, moe layers, topk], recorded by the rollout engine) replace
         the gates' own top-k for the forward and the backward (checkpoint recompute) inside; on the HF path the
         routers also count trainer-vs-engine agreement into `routing_stats` (models/moe_routing.py)."""
-        if self.backend == "automodel" and "routed_experts" in mb:
-            return replay_routed_experts(mb["routed_experts"], mb.get("token_mask"))
+        if self.backend == "automodel":  # its gates compare with (R3: use) the engine's experts; nothing else
+            return contextlib.nullcontext() if "routed_experts" not in mb else replay_routed_experts(
+                mb["routed_experts"], replay=self.spec.routing_replay, stats=routing_stats)
         if self.moe:
             return moe_routing.engine_routing(self.model, mb.get("routed_experts"), routing_stats,
                                               mb.get("mm_token_type_ids"))
@@ -319,8 +320,6 @@ class TrainerWorker:
         if self.spec.packing:  # needs a varlen attention kernel (validated); rows need no mask (causal attention)
             return self._to_device(pack(rows) | mm)
         mb = pad_rows(rows)
-        lengths = torch.tensor([len(r["input_ids"]) for r in rows])
-        mb["token_mask"] = torch.arange(mb["input_ids"].shape[1])[None] < lengths[:, None]
         if self.share_prompts and mask_key:
             mb["shared"] = shared_prompt_rows(rows, mask_key)
         return self._to_device(mb | mm)

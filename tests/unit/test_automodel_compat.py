@@ -22,6 +22,10 @@ def test_releases_outside_the_written_for_ones_are_refused_naming_both(monkeypat
                                            r"written for nemo-automodel 0\.7\.x; nemo-automodel 0\.8\.1 is installed"):
         compat.install_sync_free_permute(8, permute_tokens_all_local)
 
+    with pytest.raises(RuntimeError, match=r"routing replay on the engine's routed tokens .* 0\.8\.1 is installed"):
+        with compat.engine_routing([], replay=True):
+            pass
+
     def missing(dist):
         raise metadata.PackageNotFoundError(dist)
 
@@ -54,3 +58,52 @@ def test_automodel_has_its_own_class_for_qwen3_moe():
 
     config = Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"])
     assert compat.has_own_model_class(config)
+
+
+@needs_automodel
+def test_engine_routing_replays_routed_tokens_keeps_the_gates_own_elsewhere_and_reports_each_layer():
+    from nemo_automodel.components.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_registry()
+    gates = [RouterReplay(), RouterReplay()]
+    own = torch.tensor([[0, 1], [2, 3]])
+    engine = [torch.tensor([[5, 4], [-1, -1]]), torch.tensor([[6, 7], [1, 0]])]  # layer 0's token 1: unrouted
+    seen = []
+    with compat.engine_routing(engine, replay=True, observe=lambda *args: seen.append(args)):
+        used = [gate.apply(own) for gate in gates]
+    assert [u.tolist() for u in used] == [[[5, 4], [2, 3]], [[6, 7], [1, 0]]]
+    assert [layer for layer, *_ in seen] == [0, 1] and torch.equal(seen[0][3], engine[0])
+    with compat.engine_routing(engine, replay=False):  # R3 off: compared only
+        assert all(gate.apply(own) is own for gate in gates)
+    assert gates[0].apply(own) is own and not hasattr(RouterReplay.apply, "_molt_original")  # AutoModel's own again
+    RouterReplay.clear_registry()
+
+
+@needs_automodel
+def test_an_automodel_gate_under_engine_routing_uses_the_engines_experts_where_it_routed():
+    """AutoModel's own gate (Qwen3's routing: softmax, then top-k, renormalised): AutoModel's replay of an unrouted
+    (-1) row indexes the scores out of range (on a GPU: the device-side assert seen on an H100); under engine_routing
+    that row keeps the gate's own top-k, and every row's weights are the gate's probabilities at the experts used."""
+    from nemo_automodel.components.moe.config import MoEConfig
+    from nemo_automodel.components.moe.layers import Gate
+    from nemo_automodel.components.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_registry()
+    gate = Gate(MoEConfig(n_routed_experts=8, n_shared_experts=0, n_activated_experts=2, n_expert_groups=0,
+                          n_limited_groups=0, train_gate=True, gate_bias_update_factor=0.0, aux_loss_coeff=0.0,
+                          score_func="softmax", route_scale=1.0, dim=16, inter_dim=32, moe_inter_dim=8,
+                          norm_topk_prob=True, softmax_before_topk=True, dtype=torch.float32,
+                          enable_routing_replay=True))
+    torch.nn.init.normal_(gate.weight, generator=torch.Generator().manual_seed(0))
+    x, mask = torch.randn(3, 16, generator=torch.Generator().manual_seed(1)), torch.ones(3, dtype=torch.bool)
+    probs = torch.softmax(x @ gate.weight.T, dim=-1)
+    engine = torch.tensor([[5, 1], [-1, -1], [7, 0]])  # token 1: the engine did not route it
+    with compat.engine_routing([engine], replay=True):
+        weights, indices, _ = gate(x, mask, None)
+    used = torch.where((engine >= 0).all(-1, keepdim=True), engine, probs.topk(2).indices)
+    assert torch.equal(indices, used)
+    expected = probs.gather(1, used)
+    assert torch.allclose(weights, expected / expected.sum(-1, keepdim=True), atol=1e-6)
+    with RouterReplay.replay([engine]), pytest.raises(RuntimeError, match="out of bounds"):  # AutoModel's own
+        gate(x, mask, None)
+    RouterReplay.clear_registry()

@@ -176,6 +176,20 @@ def test_replayed_counts_the_experts_used_against_the_engines():
     assert off.metrics()["routing/replayed"] == off.metrics()["routing/agreement"] == 0.5
 
 
+def test_gates_without_probabilities_count_agreement_and_load_but_no_balancing_loss():
+    """AutoModel's gates report selections only (compat/automodel.py `engine_routing`): agreement, replayed share and
+    load entropy from them; no load-balancing loss, which needs the router probabilities."""
+    stats = moe_routing.RoutingStats(num_layers=1, num_experts=4)
+    own, engine = torch.tensor([[0, 1], [2, 3], [0, 2]]), torch.tensor([[1, 0], [2, 1], [-1, -1]])
+    stats.add(0, None, own, torch.tensor([[1, 0], [2, 1], [0, 2]]), engine)
+    m = stats.metrics()
+    assert m["routing/agreement"] == 0.5 and m["routing/replayed"] == 1.0  # of the 2 routed tokens
+    assert "routing/aux_loss" not in m
+    load = torch.tensor([2.0, 2.0, 2.0, 0.0]) / 6  # experts used: 1,0 / 2,1 / 0,2
+    expected = float(-(load[:3] * load[:3].log()).sum() / math.log(4))
+    assert m["routing/expert_load_entropy"] == pytest.approx(expected)
+
+
 def test_routing_travels_with_tokens_through_experience_collate_and_packing():
     from molt_hydra.agents.base import Trajectory
     from molt_hydra.algorithm.experience import collate

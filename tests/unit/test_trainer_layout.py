@@ -139,12 +139,11 @@ def test_parallel_sizes_follow_automodel_mesh_rules():
         parallel_sizes(4, dp=4, tp=0)
 
 
-def test_replay_indices_follow_the_gates_token_order_and_fill_padding():
-    routed = torch.tensor([[[[3, 1]], [[4, 0]]], [[[7, 2]], [[0, 0]]]])  # [B=2, L=2, layers=1, topk=2]
-    mask = torch.tensor([[True, True], [True, False]])
-    (layer0,) = per_layer_replay_indices(routed, mask)
-    # rows flattened (row 0 then row 1), as the MoE block flattens [B, L, H] -> [B*L, H]
-    assert layer0.tolist() == [[3, 1], [4, 0], [7, 2], [0, 1]] and layer0.dtype == torch.int64
+def test_replay_indices_follow_the_gates_token_order_and_keep_unrouted_rows():
+    routed = torch.tensor([[[[3, 1]], [[4, 0]]], [[[7, 2]], [[-1, -1]]]], dtype=torch.int16)  # [B=2, L=2, 1, topk=2]
+    (layer0,) = per_layer_replay_indices(routed)
+    # rows flattened (row 0 then row 1), as the MoE block flattens [B, L, H] -> [B*L, H]; the padded row stays -1
+    assert layer0.tolist() == [[3, 1], [4, 0], [7, 2], [-1, -1]] and layer0.dtype == torch.int64
     two = per_layer_replay_indices(torch.arange(16).view(1, 2, 2, 4))
     assert [t.tolist() for t in two] == [[[0, 1, 2, 3], [8, 9, 10, 11]], [[4, 5, 6, 7], [12, 13, 14, 15]]]
 
