@@ -87,6 +87,10 @@ class RLController:
         self.untrainable: Counter = Counter()  # drop reasons over the current run of steps with nothing to train
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
+        # cumulative counters (the runners' router counts, tool-call parse failures, engine restarts) as last logged,
+        # and as saved in the resumed checkpoint: the processes counting them start from 0 again after a resume
+        self.counters: dict[str, float] = {}
+        self.counters_before: dict[str, float] = {}
         self.colocated = cfg.parallelism.colocate  # engines sleep while the trainer steps; the push wakes them
         self.preempted = asyncio.Event()  # Slurm's notice (runtime/preemption.py): save at this step's end and stop
         self.saved_step: int | None = None
@@ -320,12 +324,15 @@ class RLController:
         return {"step": self.step, "version": self.version, "generator": self.roles.generator.state_dict(),
                 "queued": queued, "batches_made": self.step + len(queued), "best": self.best,
                 "next_eval": self.next_eval, "kl_coef": self.kl_ctl.value, "wandb_id": self.log.sinks.wandb_id,
-                "untrainable": (self.untrainable_steps, dict(self.untrainable))}
+                "untrainable": (self.untrainable_steps, dict(self.untrainable)), "counters": self.counters}
 
     async def save(self) -> None:
         """A resumable checkpoint: trainer state (DCP) plus the loop's own state and the run record, all inside the
         trainer's atomic save, so a checkpoint is either complete or absent."""
         ckpt, keep = self.cfg.checkpoint, self.cfg.checkpoint.max_num
+        # the counters up to this save (a due eval's requests too), which a resume goes on from
+        counted = {**await self.calls.router_metrics(), **self.calls.keeper.metrics()}
+        self.counters = {k: v + self.counters_before.get(k, 0.0) for k, v in counted.items()}
         state = {"rl_step": self.step, "loop": self.client_state(), "run_record": self.roles.run_record}
         # The critic's first: the actor's step_<N> (renamed into place last) marks the step complete, so a crash
         # between the two leaves a critic step no resume reads, never an actor step whose critic is missing (a
@@ -352,6 +359,7 @@ class RLController:
         # the steps in a row with nothing trainable go on counting (a checkpoint older than the count: from 0)
         steps, drops = state.get("untrainable", (0, {}))
         self.untrainable_steps, self.untrainable = steps, Counter(drops)
+        self.counters = self.counters_before = state.get("counters", {})  # (a checkpoint older than them: from 0)
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
@@ -400,7 +408,8 @@ class RLController:
             sync = self.sync_weights() if not frozen else self.push(self.version) if self.colocated else asyncio.sleep(
                 0, {})
             counts, synced = await asyncio.gather(self.calls.router_metrics(), sync)
-            metrics.update({**counts, **keeper.metrics(), "timing/actor_idle_wait": waited, **synced})
+            self.counters = {k: v + self.counters_before.get(k, 0.0) for k, v in {**counts, **keeper.metrics()}.items()}
+            metrics.update({**self.counters, "timing/actor_idle_wait": waited, **synced})
             async with self.step_done:
                 self.step += 1
                 self.step_done.notify_all()

@@ -58,8 +58,9 @@ class WeightSync:
         recorded copy plan; in a single pass `weight_sync/engine_load_seconds`, the slowest worker's own load, and
         `weight_sync/engine_call_seconds`, the slowest engine's own time in the call, wakes excluded (its vLLM calls:
         push_seconds less it is the round trip), whose legs are `weight_sync/to_engine_seconds` (the call until the
-        engine began it) and `weight_sync/from_engine_seconds` (its end until the answer), wall clock; else `weight_sync/begin_seconds` and `weight_sync/finish_seconds`,
-        the calls before and after the buckets (pause and begin; finish, caches reset, version stamped, resume)."""
+        engine began it) and `weight_sync/from_engine_seconds` (its end until the answer), wall clock; else
+        `weight_sync/begin_seconds` and `weight_sync/finish_seconds`, the calls before and after the buckets (pause
+        and begin; finish, caches reset, version stamped, resume)."""
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
         if self.transport.single_pass:

@@ -23,6 +23,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1200),
 
 MOLT_RUN = [sys.executable, "-m", "molt_hydra.cli"]
 QUIET = ["logger.progress=false", "logger.wandb.mode=disabled", "checkpoint.export_final=false"]
+# the MoE recipe's 8 layers need ~90 GiB colocated (its plan): an 80 GB card runs the same widths in 2 layers
+MOE_FITS = [] if torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else [
+    "model.path=tiny://qwen3_moe_30b_a3b_2l"]
 
 
 def molt_run(out: Path, *overrides: str, timeout: float = 900) -> dict[int, dict]:
@@ -111,7 +114,7 @@ def test_r3_replays_vllms_own_routed_experts_on_gpu(tmp_path_factory, replay, ba
     if backend == "automodel":
         pytest.importorskip("nemo_automodel", reason="needs NeMo AutoModel (make install-gpu; on the device: .whl)")
     out = tmp_path_factory.mktemp(f"qwen3_moe_r3_gpu_{'on' if replay else 'off'}_{backend}")
-    m = molt_run(out, "+recipe=qwen3_moe_r3_gpu", f"rollout.routing_replay={str(replay).lower()}",
+    m = molt_run(out, "+recipe=qwen3_moe_r3_gpu", *MOE_FITS, f"rollout.routing_replay={str(replay).lower()}",
                  f"model.backend={backend}", *(["model.aux_loss_coef=0"] if backend == "automodel" else []),
                  "train.max_steps=3", "checkpoint.save_steps=0")  # a 60 GB checkpoint: the device's disk is 64 GB
     assert sorted(m) == [1, 2, 3]

@@ -165,6 +165,10 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
     for step in (1, 2, 3, 4):
         for key in ("train/reward", "train/policy_loss", "train/actor_grad_norm", "train/actor_lr", "train/kl_coef"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+    # the cumulative counters go on from the checkpoint's (the resumed processes count from 0): every step's and
+    # eval's requests, the killed run's lost ones generated again
+    assert b[4]["train/rollout/router/requests"] == a[4]["train/rollout/router/requests"] > a[2][
+        "train/rollout/router/requests"] > 0
     evals = [json.loads(line) for out in (straight, resumed) for line in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "eval"]
     assert [e["step"] for e in evals] == [2, 4, 2, 4]  # every eval.every_steps steps, each once
