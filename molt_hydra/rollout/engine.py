@@ -291,6 +291,9 @@ class VLLMEngine(BatchedCallee):
         answers = None
         try:
             answers = await self.worker_call("update_from_shared_params", *args, check)
+        except Exception as e:  # named, as a failed wake is: the driver stops (or replaces this engine)
+            raise RuntimeError(f"rollout engine {self.engine_index}: loading the trainer's weights by CUDA IPC "
+                               f"failed: {type(e).__name__}: {e}") from e
         finally:  # a failure may have written part of the weights: `_end_update` marks them mixed
             await self._end_update(None if answers is None else version)
         return answers, time.perf_counter() - start - (woken() - woken_before), (entered, time.time())
