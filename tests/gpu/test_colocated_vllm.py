@@ -71,6 +71,9 @@ def test_weights_arrive_by_cuda_ipc_in_one_pass_and_the_probe_finds_them_equal(t
         assert row["train/weight_sync/single_pass"] == 1.0, step  # the engine read the trainer's own parameters
         # the first sync records the loaders' copies (vocab padding fills included); every later one replays them
         assert row["train/weight_sync/replayed"] == (0.0 if step == 1 else 1.0), step
+        # driven from the driver: one call per engine, whose two legs and the engine's own time make up the push
+        legs = row["train/weight_sync/to_engine_seconds"] + row["train/weight_sync/from_engine_seconds"]
+        assert 0 < legs < row["train/weight_sync/push_seconds"] - row["train/weight_sync/engine_call_seconds"], step
     probed = [s for s, row in m.items() if "train/weight_sync/probe_groups" in row]
     assert probed == [1, 5, 10, 15, 20]  # the first sync, then every probe_every=5
     for s in probed:  # every decoder layer + embedding + final norm summed equal on both sides (bf16 sums)
