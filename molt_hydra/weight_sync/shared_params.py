@@ -11,8 +11,8 @@ Two halves, so that whoever drives the sync calls the engines itself: `SharedPar
 tensors, their token, their handles, made once) and answers `offer` (stream synchronized, then the token, with names
 and handles only for a caller that does not hold that token yet); `SharedParamsPush` takes offers and makes the
 engine calls. Colocated, the driver holds the push and takes its offer with the call that releases the trainer's
-cached memory before every sync (runtime/calls.py), so a sync is one round trip driver -> engine; `push_from_rank`
-(engine replacement needs no special case there) holds one on the trainer rank.
+cached memory before every sync (runtime/calls.py), so a sync is one round trip driver -> engine. `push_from_rank`
+drives the same two halves from trainer rank 0 itself (one more hop), as the GPU stand-in tests and bench call it.
 
 The views are keyed by `token`, a fingerprint of the storages (address, layout, dtype of every tensor) and of the
 trainer's process: if the trainer's storages change (a reload, a new process), the token changes, the offer carries the
