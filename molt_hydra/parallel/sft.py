@@ -5,7 +5,8 @@ under torchrun (RANK/WORLD_SIZE set by the launcher) each process runs its own r
 batch of `batch_size` samples is split over ranks (strided), so the loss is the window token mean over all of them
 (inventory §2.10). Checkpoints every `save_steps` carry the consumed-sample count, and `resume=True` continues from
 the latest one in `ckpt_path`; the final HF export goes to `output_dir`. On Slurm's notice (the caller sets `stop`:
-runtime/preemption.py) the ranks save at the end of the step under way and return.
+runtime/preemption.py) the ranks save at the end of the step under way and return; an eval due at that step waits
+for the resume, which runs it first (the grace is short: the save comes first, as in the RL loop).
 """
 
 from __future__ import annotations
@@ -97,6 +98,12 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     history, stop, stopping = [], kw["stop"], False
+    # the eval a notice's save skipped (see below), or the end's: first, on its own record
+    if evals is not None and (start == total or (client or {}).get("eval_skipped") and not kw["load_model_only"]):
+        history.append({"global_step": start, "eval sft_loss": _eval_loss(worker, evals, rank, world)})
+        if rank == 0:
+            with log.open("a") as f:
+                f.write(json.dumps(history[-1]) + "\n")
     for step in range(start, total):
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(kw["seed"] + epoch)).tolist()
@@ -109,13 +116,15 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
             seen = torch.tensor([float(stop.value == STOP)])
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
             stopping = bool(seen.item())
-        if evals is not None and ((kw["eval_steps"] > 0 and (step + 1) % kw["eval_steps"] == 0) or last
-                                  or (kw["eval_steps"] <= 0 and (step + 1) % steps_per_epoch == 0)):
+        due = evals is not None and ((kw["eval_steps"] > 0 and (step + 1) % kw["eval_steps"] == 0) or last
+                                     or (kw["eval_steps"] <= 0 and (step + 1) % steps_per_epoch == 0))
+        if due and not stopping:  # on the notice the save comes first (a short grace): the resume runs this eval
             rec["eval sft_loss"] = _eval_loss(worker, evals, rank, world)
         every = kw["save_steps"]  # N: every N steps and the last (as an RL run); -1: at the end only; 0: never
         if kw["ckpt_path"] and ((every > 0 and (step + 1) % every == 0) or (every != 0 and (last or stopping))):
-            worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs}, keep=kw["keep"],
-                                   max_disk_gb=kw["max_disk_gb"])
+            worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs,
+                                                     "eval_skipped": due and stopping},
+                                   keep=kw["keep"], max_disk_gb=kw["max_disk_gb"])
         history.append(rec)
         if rank == 0:
             with log.open("a") as f:
@@ -123,8 +132,6 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
         if stopping:  # the step is saved (unless save_steps=0); no final export: the requeued run goes on
             stop.value = STOPPED
             break
-    if evals is not None and start == total:
-        history.append({"global_step": total, "eval sft_loss": _eval_loss(worker, evals, rank, world)})
     if kw["export_hf"] and not stopping:
         worker.export_hf(str(out / "hf"))
     worker.shutdown()

@@ -37,6 +37,7 @@ def rows(n: int) -> list[dict]:
 # 6 rows in batches of 2: 3 steps, one micro-batch each
 SMALL = dict(input_key="input", output_key="output", batch_size=2, lr=3e-3, num_ranks=1, lr_warmup_ratio=0.0,
              max_tokens_per_micro_batch=1024, max_len=64, timeout_s=120, param_dtype="fp32", export_hf=False)
+EVALS = dict(eval_data=rows(2), eval_steps=1)  # an eval at every step's end
 
 
 @pytest.fixture
@@ -56,30 +57,37 @@ def sft(one_rank, out: Path, **kw) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """Three steps without a stop, a checkpoint after each."""
+    """Three steps without a stop, an eval and a checkpoint after each."""
     out = tmp_path_factory.mktemp("straight")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RANK", "0")
         mp.setenv("WORLD_SIZE", "1")
         mp.setenv("MASTER_PORT", str(free_port()))
-        history = run_sft("tiny://qwen3_tiny", rows(6), str(out), ckpt_path=str(out / "ckpt"), save_steps=1, **SMALL)
+        history = run_sft("tiny://qwen3_tiny", rows(6), str(out), ckpt_path=str(out / "ckpt"), save_steps=1,
+                          **SMALL, **EVALS)
     assert [r["global_step"] for r in history] == [1, 2, 3]
-    return out / "ckpt", [r["sft_loss"] for r in history]
+    return out / "ckpt", [r["sft_loss"] for r in history], [r["eval sft_loss"] for r in history]
 
 
 def test_the_ranks_save_the_step_under_way_on_the_notice_and_the_resume_goes_on_exactly(straight, one_rank,
                                                                                            tmp_path):
     """`stop` set (the driver's handler of the notice sets it while step 1 trains): step 1 ends, is saved although
     save_steps=-1 saves only at the end, and the ranks return without the final export, leaving STOPPED. Before,
-    job=sft had no stop: the notice killed it (or submitit requeued it at once) and the requeued run began at step 0."""
+    job=sft had no stop: the notice killed it (or submitit requeued it at once) and the requeued run began at step 0.
+    The eval due at step 1 waits for the resume (the grace after the notice is short: the save first), which runs it
+    first, as the RL loop does; before, it ran ahead of the save."""
     stop = multiprocessing.get_context("spawn").Value("i", STOP, lock=False)
-    first = sft(one_rank, tmp_path, save_steps=-1, stop=stop, export_hf=True)
+    first = sft(one_rank, tmp_path, save_steps=-1, stop=stop, export_hf=True, **EVALS)
     assert [r["global_step"] for r in first] == [1] and stop.value == STOPPED
+    assert "eval sft_loss" not in first[0]  # skipped: the save came first
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_1"]
     assert not (tmp_path / "hf").exists()  # not the end of training: no export
-    rest = sft(one_rank, tmp_path, save_steps=-1, resume=True, stop=multiprocessing.Value("i", 0, lock=False))
-    assert [r["global_step"] for r in rest] == [2, 3]
-    assert [r["sft_loss"] for r in first + rest] == pytest.approx(straight[1], rel=1e-5)
+    rest = sft(one_rank, tmp_path, save_steps=-1, resume=True, stop=multiprocessing.Value("i", 0, lock=False),
+               **EVALS)
+    assert [r["global_step"] for r in rest] == [1, 2, 3]  # step 1's skipped eval, then steps 2 and 3
+    assert "sft_loss" not in rest[0] and _steps(tmp_path) == [1, 1, 2, 3]  # (its record in sft_metrics.jsonl too)
+    assert [r["eval sft_loss"] for r in rest] == pytest.approx(straight[2], rel=1e-5)
+    assert [r["sft_loss"] for r in first + rest[1:]] == pytest.approx(straight[1], rel=1e-5)
 
 
 def _change_a_byte(shard: Path) -> None:
