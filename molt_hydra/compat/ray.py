@@ -4,22 +4,44 @@
 instance (read once, from RAY_ENABLE_AUTO_CONNECT, when ray is imported). A trainer group starts in a thread
 (runtime/roles.py) that a Ctrl-C during the run's start does not stop: after the teardown's ray.shutdown its next
 call started a second Ray, whose agents outlived the run and whose start delayed its exit ~20 s. Turned off at the
-teardown, such a call raises instead (the thread ends; its error goes nowhere: its awaiter was cancelled).
+teardown, such a call raises instead (the thread ends; its error goes nowhere: its awaiter was cancelled). Once
+the run is over (`auto_init_restored`) it is back as it was: before, it stayed off in the process, and a notebook's
+later `ray.put` / `@ray.remote` call raised "Ray has not been started yet" instead of starting Ray as by default.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from molt_hydra.compat import written_for
 
 SUPPORTED = {"ray": ("2.60",)}
+_found: list[bool] = []  # the setting the first no_auto_init since `auto_init_restored`'s block began turned off
 
 
 def no_auto_init() -> None:
-    """From now on, no Ray call in this process starts a Ray instance; only an explicit ray.init does."""
+    """From now on (until `auto_init_restored`'s block ends), no Ray call in this process starts a Ray instance; only
+    an explicit ray.init does."""
     written_for("turning off Ray's auto-init", "ray", SUPPORTED)
     from ray._private import auto_init_hook
 
+    if not _found:
+        _found.append(auto_init_hook.enable_auto_connect)
     auto_init_hook.enable_auto_connect = False
+
+
+@contextmanager
+def auto_init_restored():
+    """Ray's auto-init as it was before the block, once the block ends (also on a failure), where no_auto_init turned
+    it off inside. The block holds the run's asyncio.run, which waits for the run's threads: none calls Ray after it."""
+    _found.clear()
+    try:
+        yield
+    finally:
+        if _found:  # (no_auto_init ran: its version check passed)
+            from ray._private import auto_init_hook
+
+            auto_init_hook.enable_auto_connect = _found.pop()
 
 
 HEAD = ("gcs_server", "raylet")  # what every role needs; a run goes on without Ray's others (its log monitor ...)

@@ -22,6 +22,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from molt_hydra.compat import VersionError
+from molt_hydra.compat.ray import auto_init_restored
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
 from molt_hydra.runtime import reaper
 from molt_hydra.runtime.preemption import PreemptionNotice
@@ -83,7 +84,8 @@ def _run(cfg: RunConfig) -> None:
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
     notice = PreemptionNotice()
     try:
-        with ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
+        # Ray's auto-init, which the run turns off (compat/ray.py), is back for this process's later Ray calls
+        with auto_init_restored(), ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
             code = _run_to_end(_main(cfg, record, resume_from, shown, notice))
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """compat/ray.py: once turned off, a Ray call made while no Ray runs raises instead of starting a Ray instance (a
-trainer group's start, in a thread, did so after an interrupted run's ray.shutdown: tests/integration/test_faults.py),
-and Ray's GCS and raylet that the run started are read there (runtime/ray_head.py)."""
+trainer group's start, in a thread, did so after an interrupted run's ray.shutdown: tests/integration/test_faults.py)
+and back as it was once the run is over; Ray's GCS and raylet that the run started are read there
+(runtime/ray_head.py)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,41 @@ def test_a_ray_it_was_not_written_for_is_reported_in_one_message(monkeypatch, tm
     cfg = value(output_dir=str(tmp_path), job=value(value="rl"), checkpoint=value(dir=str(tmp_path / "ckpt")))
     lines = asyncio.run(_report_failure(cfg, None, refused.value))
     assert lines[0] == f"Run failed: driver: VersionError: {refused.value}.", lines
+
+
+@pytest.mark.parametrize("ends", ["done", "failed", "interrupted"])
+def test_after_a_run_in_this_process_rays_auto_init_is_as_it_was(monkeypatch, tmp_path, ends):
+    """runtime/entrypoint.py `run` in this process (a notebook's call, cli.main in a test): the run turns auto-init off
+    (init_ray, stood in for by a `_main` that does only that); once it ends, however it ends, a Ray call here starts
+    Ray as Ray's default does. Before, auto-init stayed off: a later `ray.put(1)` raised 'Ray has not been started'."""
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    import molt_hydra.models.build
+    from molt_hydra.config.schema import EXIT_INTERRUPTED
+    from molt_hydra.runtime import entrypoint
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    async def run_main(*args):
+        compat.no_auto_init()
+        assert auto_init_hook.enable_auto_connect is False
+        if ends == "interrupted":
+            raise KeyboardInterrupt  # (a Ctrl-C where the event loop does not take it)
+        return 0 if ends == "done" else EXIT_FAILED
+
+    monkeypatch.setattr(auto_init_hook, "enable_auto_connect", True)  # Ray's default (restored after the test)
+    monkeypatch.setattr(entrypoint, "_main", run_main)
+    monkeypatch.setattr(molt_hydra.models.build, "resolve_path", lambda path: path)
+    cfg = OmegaConf.to_object(compose_config([f"checkpoint.dir={tmp_path / 'ckpt'}"], output_dir=str(tmp_path)))
+    if ends == "done":
+        entrypoint.run(cfg)
+    else:
+        with pytest.raises(SystemExit) as e:
+            entrypoint.run(cfg)
+        assert e.value.code == (EXIT_FAILED if ends == "failed" else EXIT_INTERRUPTED)
+    assert auto_init_hook.enable_auto_connect is True
