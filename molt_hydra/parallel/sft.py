@@ -94,16 +94,19 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     client = _resume(worker, kw, rank) if kw["resume"] and kw["ckpt_path"] else None
     start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
     out = Path(kw["output_dir"])
-    log = out / "sft_metrics.jsonl"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     history, stop, stopping = [], kw["stop"], False
+
+    def record(rec: dict) -> None:  # every rank keeps the history; rank 0 writes it
+        history.append(rec)
+        if rank == 0:
+            with (out / "sft_metrics.jsonl").open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+
     # the eval a notice's save skipped (see below), or the end's: first, on its own record
     if evals is not None and (start == total or (client or {}).get("eval_skipped") and not kw["load_model_only"]):
-        history.append({"global_step": start, "eval sft_loss": _eval_loss(worker, evals, rank, world)})
-        if rank == 0:
-            with log.open("a") as f:
-                f.write(json.dumps(history[-1]) + "\n")
+        record({"global_step": start, "eval sft_loss": _eval_loss(worker, evals, rank, world)})
     for step in range(start, total):
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(kw["seed"] + epoch)).tolist()
@@ -125,10 +128,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
             worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs,
                                                      "eval_skipped": due and stopping},
                                    keep=kw["keep"], max_disk_gb=kw["max_disk_gb"])
-        history.append(rec)
-        if rank == 0:
-            with log.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+        record(rec)
         if stopping:  # the step is saved (unless save_steps=0); no final export: the requeued run goes on
             stop.value = STOPPED
             break
