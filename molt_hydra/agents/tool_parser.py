@@ -164,7 +164,9 @@ class ReplyParser:
             if cut < 0:  # hold back a suffix that may be the start of the marker
                 cut = next((len(content) - k for k in range(min(len(self.tool_start) - 1, len(content)), 0, -1)
                             if self.tool_start.startswith(content[-k:])), len(content))
-            content = content[:cut]
+            # whitespace before a call is stripped from the reply (Qwen3's `</think>\n\n<tool_call>`): held back until
+            # text follows it (was: streamed, a blank text block / delta the reply does not have)
+            content = content[:cut].rstrip()
         return parsed.reasoning, content
 
 

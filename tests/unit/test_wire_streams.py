@@ -515,9 +515,10 @@ def test_agents_sdk_asking_for_logprobs_gets_the_engines(tok):
 
 
 def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
-    """Qwen3 writes `</think>\\n\\n<tool_call>`: the blank text streams, the reply drops it (no text), and the tool
-    call must still follow it in the stream (was: Anthropic and Responses streams lost the call, matched by position);
-    each streamed Responses item keeps its id in `response.completed` (were new ids)."""
+    """Qwen3 writes `</think>\\n\\n<tool_call>`: the reply drops the blank text, and so does the stream (was: a
+    blank text block, content delta or message item streamed before the call); the tool call follows the thinking
+    (was: Anthropic and Responses streams lost the call, matched by position); each streamed Responses item keeps its
+    id in `response.completed` (were new ids)."""
     from anthropic import AsyncAnthropic
     from openai import AsyncOpenAI
 
@@ -526,23 +527,29 @@ def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
         try:
             an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
             async with an.messages.stream(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A]) as s:
+                blocks = [e.content_block.type for e in [e async for e in s] if e.type == "content_block_start"]
                 message = await s.get_final_message()
             oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            chunks = [c async for c in await oa.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "again"}], tools=[TOOL], stream=True)]
             tools = [dict(TOOL["function"], type="function")]
             async with oa.responses.stream(model="policy", input="hi", tools=tools) as s:
                 added = [e.item for e in [e async for e in s] if e.type == "response.output_item.added"]
                 response = await s.get_final_response()
-            return message, added, response
+            return blocks, message, chunks, added, response
         finally:
             await server.stop()
 
-    message, added, response = asyncio.run(go())
-    assert message.stop_reason == "tool_use"
+    blocks, message, chunks, added, response = asyncio.run(go())
+    assert message.stop_reason == "tool_use" and blocks == ["thinking", "tool_use"]
     (use,) = [b for b in message.content if b.type == "tool_use"]
     assert (use.name, use.input) == ("python", {"code": "print(1)"})
-    assert [i.type for i in added] == ["reasoning", "message", "function_call"]
+    # the first chunk's empty content opens the reply (as OpenAI's); no other content delta
+    assert [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content is not None] == [""]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [i.type for i in added] == ["reasoning", "function_call"]
     assert [(i.type, i.id) for i in response.output] == [(i.type, i.id) for i in added]
-    assert response.output[2].arguments == '{"code": "print(1)"}'
+    assert response.output[1].arguments == '{"code": "print(1)"}'
 
 
 def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_openai_sdk(tok):
