@@ -983,6 +983,42 @@ def test_anthropic_structured_output_reaches_the_engine_as_its_grammar(tok):
     assert "a forced tool_choice and a output_config.format cannot both shape the output" in both
 
 
+def test_anthropic_refuses_empty_content_as_anthropic_does_and_openai_chat_serves_it(tok):
+    """A message with no content ('' or []), but for an optional final assistant one, and an empty text block are
+    Anthropic's 400 invalid_request_error (were: served, an empty turn rendered); OpenAI's chat API takes an empty
+    user content, and so does chat here."""
+    from anthropic import AsyncAnthropic, BadRequestError
+    from openai import AsyncOpenAI
+
+    go_on = {"role": "user", "content": "go on"}
+    cases = [([{"role": "user", "content": []}], "messages[0]: all messages must have non-empty content"),
+             ([{"role": "user", "content": ""}], "messages[0]: all messages must have non-empty content"),
+             (USER + [{"role": "assistant", "content": []}, go_on], "messages[1]: all messages must have non-empty"),
+             ([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": ""}]}],
+              "messages[0].content[1]: text content blocks must be non-empty"),
+             (USER + [{"role": "assistant", "content": ""}], "prefill")]  # a final one may be empty: still a prefill
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            refused = []
+            for messages, _ in cases:
+                with pytest.raises(BadRequestError) as e:
+                    await an.messages.create(model="policy", max_tokens=50, messages=messages)
+                refused.append((e.value.status_code, e.value.body["error"]["type"], e.value.message))
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            chat = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": ""}])
+            return refused, chat
+        finally:
+            await server.stop()
+
+    refused, chat = asyncio.run(go())
+    for (status, kind, message), (_, words) in zip(refused, cases):
+        assert (status, kind, words in message) == (400, "invalid_request_error", True), message
+    assert chat.choices[0].message.content == "Hello."
+
+
 def test_anthropic_adaptive_thinking_is_served_and_display_omitted_refused(tok):
     """`thinking: {type: adaptive}` (Claude decides whether to think; LiteLLM's reasoning_effort sends it) is what the
     policy does anyway: served, the thinking as a thinking block (was: a 400). `display: omitted` asks for the

@@ -34,6 +34,11 @@ def parse(body: Any) -> ChatRequest:
         raise bad("'messages' must be a non-empty list", "messages")
     canon = _system(body.get("system"))
     for i, m in enumerate(messages):
+        # Anthropic's rule (was: accepted, an empty turn rendered); a last assistant one is refused below, as a prefill
+        final_assistant = i == len(messages) - 1 and isinstance(m, dict) and m.get("role") == "assistant"
+        if isinstance(m, dict) and m.get("content") in ("", []) and not final_assistant:
+            raise bad(f"messages[{i}]: all messages must have non-empty content except for the optional final "
+                      "assistant message", f"messages[{i}].content")
         for msg in _message(m, f"messages[{i}]"):
             _append_merged(canon, msg)
     if canon[-1]["role"] == "assistant":
@@ -218,6 +223,8 @@ def _part(b: Any, where: str) -> dict:
     """A text or image block (of a message or a tool result)."""
     kind = _cache_control(b, where).get("type") if isinstance(b, dict) else None
     if kind == "text":
+        if b.get("text") == "":  # as Anthropic refuses it (was: accepted)
+            raise bad(f"{where}: text content blocks must be non-empty (leave the block out)", where)
         return check.text_part(b, where)
     src = b.get("source") if kind == "image" else None
     if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
