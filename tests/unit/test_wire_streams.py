@@ -524,12 +524,12 @@ def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
 
     async def go():
         server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\n" + CALL), "qwen3")
-        try:
-            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # the clients closed in this loop: garbage-collected later, they log a failed close (a later test's)
             async with an.messages.stream(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A]) as s:
                 blocks = [e.content_block.type for e in [e async for e in s] if e.type == "content_block_start"]
                 message = await s.get_final_message()
-            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
             chunks = [c async for c in await oa.chat.completions.create(
                 model="policy", messages=[{"role": "user", "content": "again"}], tools=[TOOL], stream=True)]
             tools = [dict(TOOL["function"], type="function")]
@@ -538,6 +538,7 @@ def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
                 response = await s.get_final_response()
             return blocks, message, chunks, added, response
         finally:
+            await an.close(), await oa.close()
             await server.stop()
 
     blocks, message, chunks, added, response = asyncio.run(go())
@@ -984,38 +985,46 @@ def test_anthropic_structured_output_reaches_the_engine_as_its_grammar(tok):
 
 
 def test_anthropic_refuses_empty_content_as_anthropic_does_and_openai_chat_serves_it(tok):
-    """A message with no content ('' or []), but for an optional final assistant one, and an empty text block are
-    Anthropic's 400 invalid_request_error (were: served, an empty turn rendered); OpenAI's chat API takes an empty
-    user content, and so does chat here."""
+    """A user message with no content ('' or []) and an empty text block in one are Anthropic's 400
+    invalid_request_error (were: served, an empty turn rendered). An empty assistant turn is served (this server's own
+    reply once a session's length budget is spent, echoed back by an agent), as is an empty text block of a tool's
+    result (a tool that printed nothing); OpenAI's chat API takes an empty user content, and so does chat here."""
     from anthropic import AsyncAnthropic, BadRequestError
     from openai import AsyncOpenAI
 
     go_on = {"role": "user", "content": "go on"}
     cases = [([{"role": "user", "content": []}], "messages[0]: all messages must have non-empty content"),
              ([{"role": "user", "content": ""}], "messages[0]: all messages must have non-empty content"),
-             (USER + [{"role": "assistant", "content": []}, go_on], "messages[1]: all messages must have non-empty"),
              ([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": ""}]}],
               "messages[0].content[1]: text content blocks must be non-empty"),
              (USER + [{"role": "assistant", "content": ""}], "prefill")]  # a final one may be empty: still a prefill
 
     async def go():
         server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
-        try:
-            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
             refused = []
             for messages, _ in cases:
                 with pytest.raises(BadRequestError) as e:
                     await an.messages.create(model="policy", max_tokens=50, messages=messages)
                 refused.append((e.value.status_code, e.value.body["error"]["type"], e.value.message))
-            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            served = [await an.messages.create(model="policy", max_tokens=50, messages=USER + [
+                {"role": "assistant", "content": []}, go_on]), await an.messages.create(
+                model="policy", max_tokens=50, messages=USER + [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                  "content": [{"type": "text", "text": ""}]}]}])]
             chat = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": ""}])
-            return refused, chat
+            return refused, served, chat
         finally:
+            await an.close(), await oa.close()
             await server.stop()
 
-    refused, chat = asyncio.run(go())
+    refused, served, chat = asyncio.run(go())
     for (status, kind, message), (_, words) in zip(refused, cases):
         assert (status, kind, words in message) == (400, "invalid_request_error", True), message
+    assert [r.content[0].text for r in served] == ["Hello.", "Hello."]
     assert chat.choices[0].message.content == "Hello."
 
 

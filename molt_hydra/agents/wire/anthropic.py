@@ -34,9 +34,9 @@ def parse(body: Any) -> ChatRequest:
         raise bad("'messages' must be a non-empty list", "messages")
     canon = _system(body.get("system"))
     for i, m in enumerate(messages):
-        # Anthropic's rule (was: accepted, an empty turn rendered); a last assistant one is refused below, as a prefill
-        final_assistant = i == len(messages) - 1 and isinstance(m, dict) and m.get("role") == "assistant"
-        if isinstance(m, dict) and m.get("content") in ("", []) and not final_assistant:
+        # Anthropic's rule for a user turn (was: accepted, an empty turn rendered). An empty assistant turn is served:
+        # this server's own reply is one when a session's length budget is spent, and an agent may echo it back
+        if isinstance(m, dict) and m.get("role") == "user" and m.get("content") in ("", []):
             raise bad(f"messages[{i}]: all messages must have non-empty content except for the optional final "
                       "assistant message", f"messages[{i}].content")
         for msg in _message(m, f"messages[{i}]"):
@@ -168,6 +168,8 @@ def _message(m: Any, where: str) -> list[dict]:
         at = f"{where}.content[{j}]"
         kind = _cache_control(b, at).get("type") if isinstance(b, dict) else None
         if kind in ("text", "image"):
+            if kind == "text" and b.get("text") == "" and m["role"] == "user":  # as Anthropic (was: accepted); a
+                raise bad(f"{at}: text content blocks must be non-empty (leave the block out)", at)  # tool's: served
             parts.append(_part(b, at))
         elif kind == "tool_use" and m["role"] == "assistant":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
@@ -223,8 +225,6 @@ def _part(b: Any, where: str) -> dict:
     """A text or image block (of a message or a tool result)."""
     kind = _cache_control(b, where).get("type") if isinstance(b, dict) else None
     if kind == "text":
-        if b.get("text") == "":  # as Anthropic refuses it (was: accepted)
-            raise bad(f"{where}: text content blocks must be non-empty (leave the block out)", where)
         return check.text_part(b, where)
     src = b.get("source") if kind == "image" else None
     if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
