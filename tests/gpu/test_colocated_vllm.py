@@ -45,7 +45,8 @@ def mean(values) -> float:
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen3_toy_gpu")
-    return out, molt_run(out, "+recipe=qwen3_toy_gpu")
+    # the HF trainer, whatever is installed (model.backend=auto would pick AutoModel where it imports)
+    return out, molt_run(out, "+recipe=qwen3_toy_gpu", "model.backend=hf")
 
 
 def test_colocated_loop_learns_on_one_gpu(toy):
