@@ -53,7 +53,13 @@ def summarize(run: Path) -> dict:
     rewards = [r["train/reward"] for r in m]
     k = min(5, len(m) // 2) or 1
     wake = med("timing/engine_wake")
-    sync = med("timing/weight_sync") - wake  # the push itself; its wake is reported apart
+    # the sync's figures step by step (its wake taken out of the same step's), then their median over the steady
+    # syncs: the first records the engine's copy plan, the second captures its CUDA graph
+    steady_syncs = m[2:] or m[-1:]
+
+    def per_sync(of) -> float:  # `of(v)`: one step's figure, `v(key)` reading its metrics
+        return statistics.median(of(lambda key, r=r: r.get(f"train/{key}", 0.0)) for r in steady_syncs)
+    sync = per_sync(lambda v: v("timing/weight_sync") - v("timing/engine_wake"))  # its wake is reported apart
     nbytes = int(m[-1].get("train/weight_sync/bytes", 0))
     tokens = [r["train/rollout/num_samples"] * r["train/rollout/response_length_mean"] for r in m]
     steady = m[1:] or m  # the first step also compiles / warms up
@@ -79,20 +85,24 @@ def summarize(run: Path) -> dict:
         copy = device_copy_seconds(nbytes)
         single = "train/weight_sync/engine_call_seconds" in m[-1]  # single pass: one call per engine
         # bucketed: the buckets alone; single pass: the one call, less the wakes inside it
-        push = med("weight_sync/push_seconds") - (wake if single else 0.0)
+        inner_wake = (lambda v: v("timing/engine_wake")) if single else (lambda v: 0.0)
+        push = per_sync(lambda v: v("weight_sync/push_seconds") - inner_wake(v))
         out.update(sync_gb_s=nbytes / sync / 1e9, device_copy_gb_s=nbytes / copy / 1e9, sync_vs_copy=copy / sync,
                    push_s=push, push_vs_copy=copy / push if push > 0 else None,
                    # WeightSync's own: the driver's (single pass), trainer rank 0's (bucketed); sync_s less it: the
                    # call into it (single pass: the lock and the offer's check; bucketed: the driver -> trainer call)
-                   weight_sync_s=med("weight_sync/seconds") - wake)
+                   weight_sync_s=per_sync(lambda v: v("weight_sync/seconds") - v("timing/engine_wake")))
         if single:  # the engine's own load, its vLLM calls, the Ray round trip driver -> engine
-            load, call = med("weight_sync/engine_load_seconds"), med("weight_sync/engine_call_seconds")
+            load = per_sync(lambda v: v("weight_sync/engine_load_seconds"))
             out.update(engine_load_s=load, engine_load_vs_copy=copy / load if load > 0 else None,
-                       engine_vllm_calls_s=call - load, ray_round_trip_s=push - call,
-                       to_engine_s=med("weight_sync/to_engine_seconds"),
-                       from_engine_s=med("weight_sync/from_engine_seconds"))
+                       engine_vllm_calls_s=per_sync(lambda v: v("weight_sync/engine_call_seconds")
+                                                    - v("weight_sync/engine_load_seconds")),
+                       ray_round_trip_s=per_sync(lambda v: v("weight_sync/push_seconds") - v("timing/engine_wake")
+                                                 - v("weight_sync/engine_call_seconds")),
+                       to_engine_s=per_sync(lambda v: v("weight_sync/to_engine_seconds")),
+                       from_engine_s=per_sync(lambda v: v("weight_sync/from_engine_seconds")))
         else:
-            out.update(begin_s=med("weight_sync/begin_seconds"), finish_s=med("weight_sync/finish_seconds"))
+            out.update({f"{k}_s": per_sync(lambda v, k=k: v(f"weight_sync/{k}_seconds")) for k in ("begin", "finish")})
     return out
 
 
