@@ -184,13 +184,19 @@ def freeze(model, *, router: bool, visual: bool, everything: bool = False) -> li
     return frozen
 
 
-def hf_name_mapper(model):
+def hf_name_mapper(model, views: bool = False):
     """(own name, full tensor) -> [(HF name, tensor), ...] through AutoModel's state-dict adapter: grouped experts
-    `...mlp.experts.gate_and_up_projs` [E, H, 2I] become `...mlp.experts.{e}.gate_proj.weight` etc."""
+    `...mlp.experts.gate_and_up_projs` [E, H, 2I] become `...mlp.experts.{e}.gate_proj.weight` etc. `views`: as views
+    of the tensor where AutoModel can (the weight sync, which only reads them); else contiguous copies (an export,
+    which safetensors writes whole)."""
     adapter = getattr(model, "state_dict_adapter", None)
 
     def to_hf(name: str, tensor: torch.Tensor):
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        return adapter.convert_single_tensor_to_hf(name, tensor) if adapter is not None else [(name, tensor)]
+        if adapter is None:
+            return [(name, tensor)]
+        if views:
+            return automodel_compat.convert_to_hf_views(adapter, name, tensor)
+        return adapter.convert_single_tensor_to_hf(name, tensor)
 
     return to_hf

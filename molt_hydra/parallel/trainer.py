@@ -511,23 +511,24 @@ class TrainerWorker:
             return iter_weight_buckets(self.model, bucket_bytes, dtype, device,
                                        to_hf=lambda n, t: [(lora.peft_name(n), t)], keep=lora.is_adapter_param)
         # frozen routers never change: they stay out of the sync (the engine keeps the checkpoint's)
-        return iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf(),
+        return iter_weight_buckets(self.model, bucket_bytes, dtype, device, to_hf=self._to_hf(views=True),
                                    keep=lambda name: name not in self.frozen_names)
 
     def local_weights(self):
         """The single-pass GPU weight sync's tensors: views of this rank's own full parameters on its GPU, or None."""
-        weights = None if self.lora else local_full_weights(self.model, to_hf=self._to_hf())
+        weights = None if self.lora else local_full_weights(self.model, to_hf=self._to_hf(views=True))
         if weights is None or not all(t.is_cuda for _, t in weights):
             return None  # a gather or a copy is needed, or the parameters are offloaded: the bucketed path
         return [(n, t) for n, t in weights if n not in self.frozen_names]  # frozen routers stay out (weight_buckets)
 
-    def _to_hf(self):
+    def _to_hf(self, views: bool = False):
         """AutoModel keeps its own names and grouped experts: its state-dict adapter maps them back to the
-        checkpoint's HF names with one tensor per expert, which is what vLLM and transformers load; transformers-5
-        MoE models fuse their experts, given back per expert too (`moe_routing.checkpoint_expert_tensors`)."""
+        checkpoint's HF names with one tensor per expert, which is what vLLM and transformers load (`views`: views of
+        the grouped tensors, for the weight sync); transformers-5 MoE models fuse their experts, given back per expert
+        too (`moe_routing.checkpoint_expert_tensors`)."""
         if self.backend != "automodel":
             return moe_routing.checkpoint_expert_tensors if self.moe else None
-        return hf_name_mapper(self.model)
+        return hf_name_mapper(self.model, views=views)
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3,
                         max_disk_gb: float | None = None, tag: int | None = None) -> str:

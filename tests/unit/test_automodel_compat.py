@@ -25,6 +25,8 @@ def test_releases_outside_the_written_for_ones_are_refused_naming_both(monkeypat
     with pytest.raises(RuntimeError, match=r"routing replay on the engine's routed tokens .* 0\.8\.1 is installed"):
         with compat.engine_routing([], replay=True):
             pass
+    with pytest.raises(RuntimeError, match=r"the HF view of grouped experts .* 0\.8\.1 is installed"):
+        compat.convert_to_hf_views(None, "w", torch.zeros(1))
 
     def missing(dist):
         raise metadata.PackageNotFoundError(dist)
@@ -107,3 +109,56 @@ def test_an_automodel_gate_under_engine_routing_uses_the_engines_experts_where_i
     with RouterReplay.replay([engine]), pytest.raises(RuntimeError, match="out of bounds"):  # AutoModel's own
         gate(x, mask, None)
     RouterReplay.clear_registry()
+
+
+@needs_automodel
+def test_grouped_experts_reach_the_weight_sync_as_views_of_the_trainers_own_storage():
+    """The sync's HF tensors of AutoModel's grouped experts are views of its parameters, equal to what AutoModel's
+    export gives (gate = [:, :I].T, up = [:, I:].T, down = .T per expert), so the single pass can share them (before,
+    the export's contiguous copies sent every AutoModel MoE down the bucketed path); the adapter is left unmarked."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
+    from nemo_automodel.components.moe.config import MoEConfig
+    from torch import nn
+
+    from molt_hydra.models.automodel import hf_name_mapper
+    from molt_hydra.weight_sync.buckets import local_full_weights
+
+    experts, hidden, inter = 4, 6, 3
+    moe = MoEConfig(n_routed_experts=experts, n_shared_experts=0, n_activated_experts=2, n_expert_groups=1,
+                    n_limited_groups=1, train_gate=True, gate_bias_update_factor=0.0, aux_loss_coeff=0.0,
+                    score_func="softmax", route_scale=1.0, dim=hidden, inter_dim=inter, moe_inter_dim=inter,
+                    norm_topk_prob=True)
+    model = nn.Module()
+    model.state_dict_adapter = Qwen3MoeStateDictAdapter(None, moe, BackendConfig())
+    model.gate_and_up_projs = nn.Parameter(torch.randn(experts, hidden, 2 * inter))
+    model.down_projs = nn.Parameter(torch.randn(experts, inter, hidden))
+    prefix = "model.layers.0.mlp.experts."
+    views, export = hf_name_mapper(model, views=True), hf_name_mapper(model)
+    for own, tensor in ((f"{prefix}gate_and_up_projs", model.gate_and_up_projs.detach()),
+                        (f"{prefix}down_projs", model.down_projs.detach())):
+        shared, copied = views(own, tensor), export(own, tensor)
+        assert [n for n, _ in shared] == [n for n, _ in copied] and len(shared) == experts * (2 if "gate" in own else 1)
+        for (name, view), (_, copy) in zip(shared, copied):
+            e = int(name.split(".")[-3])
+            expected = {"gate_proj": tensor[e][:, :inter].T, "up_proj": tensor[e][:, inter:].T,
+                        "down_proj": tensor[e].T}[name.split(".")[-2]]
+            assert torch.equal(view, expected) and torch.equal(copy, expected), name
+            assert view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr(), name
+    assert not getattr(model.state_dict_adapter, "_inplace_loaded_native_keys", None)  # no from_hf skips a rebuild
+
+    class FreshDestinations:  # a load form that hands out tensors to be filled later (not the values)
+        def convert_single_tensor_to_hf(self, fqn, tensor, for_checkpoint_load=False):
+            return [(fqn, torch.empty_like(tensor) if for_checkpoint_load else tensor.clone())]
+
+    w = torch.randn(3, 2)
+    (_, got), = compat.convert_to_hf_views(FreshDestinations(), "w", w)
+    assert torch.equal(got, w)  # the export form's values, not an uninitialized destination
+
+    # the state walk names the parameters by their attribute: map them under the layer's prefix
+    def under_prefix(to_hf):
+        return lambda name, t: to_hf(prefix + name, t)
+
+    assert local_full_weights(model, to_hf=under_prefix(hf_name_mapper(model))) is None  # copies: the bucketed path
+    shared = local_full_weights(model, to_hf=under_prefix(views))
+    assert len(shared) == 3 * experts
