@@ -10,7 +10,7 @@ version. Reached into here:
   local to a given sync-free permutation (models/automodel.py) and the others to AutoModel's own.
 - `has_own_model_class`: `nemo_automodel._transformers.model_init.get_is_hf_model(config, force_hf)`, whether
   AutoModel would build a model with transformers' class (no AutoModel class of its own for the architecture).
-- `convert_to_hf_views`: a state-dict adapter's `convert_single_tensor_to_hf(fqn, tensor, for_checkpoint_load=True)`
+- `hf_views`: a state-dict adapter's `convert_single_tensor_to_hf(fqn, tensor, for_checkpoint_load=True)`
   (grouped experts as views, `nemo_automodel.components.moe.state_dict_mixin`) and the `_inplace_loaded_native_keys`
   mark it leaves, undone.
 - `engine_routing`: `nemo_automodel.components.moe.router_replay.RouterReplay` (its `apply(indices)`, called by every
@@ -86,24 +86,30 @@ def engine_routing(per_layer: list, *, replay: bool, observe=None):
         RouterReplay.apply = original
 
 
-def convert_to_hf_views(adapter, fqn: str, tensor):
-    """AutoModel's conversion of one native tensor to its HF tensors (`convert_single_tensor_to_hf`), grouped experts as
-    views of `tensor` where AutoModel can give them: its checkpoint-load form (`for_checkpoint_load=True`), not the
-    export form, which copies each expert contiguous and runs `gc.collect` and `torch.cuda.empty_cache` per grouped
-    tensor (~0.4 s a weight sync for a 10 GB MoE). The single pass then shares the trainer's own expert storage with
-    the engine (a view's storage is the parameter's), and a bucket packs the views without the copies. That form
-    also marks `fqn` as loaded in place (`_inplace_loaded_native_keys`, read by the adapter's next `from_hf`, which
-    then skips rebuilding it): nothing was loaded, so the mark is undone. Some adapters' load form gives fresh
-    destinations for a later rebuild, not the values (DeepSeek-V4's): unless every tensor is a view of `tensor`, the
-    export form is what comes back."""
+
+def hf_views(adapter):
+    """`convert(fqn, tensor)`: AutoModel's conversion of one native tensor to its HF tensors
+    (`convert_single_tensor_to_hf`), grouped experts as views of `tensor` where AutoModel can give them: its
+    checkpoint-load form (`for_checkpoint_load=True`), not the export form, which copies each expert contiguous and runs
+    `gc.collect` and `torch.cuda.empty_cache` per grouped tensor (~0.4 s a weight sync for a 10 GB MoE). The single
+    pass then shares the trainer's own expert storage with the engine (a view's storage is the parameter's), and a
+    bucket packs the views without the copies. That form also marks `fqn` as loaded in place
+    (`_inplace_loaded_native_keys`, read by the adapter's next `from_hf`, which then skips rebuilding it): nothing was
+    loaded, so the mark is undone. Some adapters' load form gives fresh destinations for a later rebuild, not the
+    values (DeepSeek-V4's): unless every tensor is a view of `tensor`, the export form is what comes back. The release
+    is checked once here, not per tensor (a metadata lookup, ~0.6 ms: thousands of expert tensors a sync)."""
     written_for("the HF view of grouped experts", "automodel", SUPPORTED)
-    marks = getattr(adapter, "_inplace_loaded_native_keys", None)
-    kept = None if marks is None else set(marks)
-    try:
-        out = adapter.convert_single_tensor_to_hf(fqn, tensor, for_checkpoint_load=True)
-    finally:
-        adapter._inplace_loaded_native_keys = kept
-    storage = tensor.untyped_storage().data_ptr()
-    if all(t.untyped_storage().data_ptr() == storage for _, t in out):
-        return out
-    return adapter.convert_single_tensor_to_hf(fqn, tensor)
+
+    def convert(fqn: str, tensor):
+        marks = getattr(adapter, "_inplace_loaded_native_keys", None)
+        kept = None if marks is None else set(marks)
+        try:
+            out = adapter.convert_single_tensor_to_hf(fqn, tensor, for_checkpoint_load=True)
+        finally:
+            adapter._inplace_loaded_native_keys = kept
+        storage = tensor.untyped_storage().data_ptr()
+        if all(t.untyped_storage().data_ptr() == storage for _, t in out):
+            return out
+        return adapter.convert_single_tensor_to_hf(fqn, tensor)
+
+    return convert

@@ -190,13 +190,11 @@ def hf_name_mapper(model, views: bool = False):
     of the tensor where AutoModel can (the weight sync, which only reads them); else contiguous copies (an export,
     which safetensors writes whole)."""
     adapter = getattr(model, "state_dict_adapter", None)
+    convert = None if adapter is None else \
+        automodel_compat.hf_views(adapter) if views else adapter.convert_single_tensor_to_hf
 
     def to_hf(name: str, tensor: torch.Tensor):
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        if adapter is None:
-            return [(name, tensor)]
-        if views:
-            return automodel_compat.convert_to_hf_views(adapter, name, tensor)
-        return adapter.convert_single_tensor_to_hf(name, tensor)
+        return convert(name, tensor) if convert is not None else [(name, tensor)]
 
     return to_hf

@@ -26,7 +26,7 @@ def test_releases_outside_the_written_for_ones_are_refused_naming_both(monkeypat
         with compat.engine_routing([], replay=True):
             pass
     with pytest.raises(RuntimeError, match=r"the HF view of grouped experts .* 0\.8\.1 is installed"):
-        compat.convert_to_hf_views(None, "w", torch.zeros(1))
+        compat.hf_views(None)
 
     def missing(dist):
         raise metadata.PackageNotFoundError(dist)
@@ -152,7 +152,7 @@ def test_grouped_experts_reach_the_weight_sync_as_views_of_the_trainers_own_stor
             return [(fqn, torch.empty_like(tensor) if for_checkpoint_load else tensor.clone())]
 
     w = torch.randn(3, 2)
-    (_, got), = compat.convert_to_hf_views(FreshDestinations(), "w", w)
+    (_, got), = compat.hf_views(FreshDestinations())("w", w)
     assert torch.equal(got, w)  # the export form's values, not an uninitialized destination
 
     # the state walk names the parameters by their attribute: map them under the layer's prefix
