@@ -86,7 +86,6 @@ def engine_routing(per_layer: list, *, replay: bool, observe=None):
         RouterReplay.apply = original
 
 
-
 def hf_views(adapter):
     """`convert(fqn, tensor)`: AutoModel's conversion of one native tensor to its HF tensors
     (`convert_single_tensor_to_hf`), grouped experts as views of `tensor` where AutoModel can give them: its

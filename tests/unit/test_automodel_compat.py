@@ -147,6 +147,17 @@ def test_grouped_experts_reach_the_weight_sync_as_views_of_the_trainers_own_stor
             assert view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr(), name
     assert not getattr(model.state_dict_adapter, "_inplace_loaded_native_keys", None)  # no from_hf skips a rebuild
 
+    class MarksInPlace:  # AutoModel's load form on CUDA: views, and the key marked for `from_hf` to skip
+        _inplace_loaded_native_keys = {"earlier"}
+
+        def convert_single_tensor_to_hf(self, fqn, tensor, for_checkpoint_load=False):
+            self._inplace_loaded_native_keys.add(fqn)
+            return [(fqn, tensor.T)]
+
+    marking = MarksInPlace()
+    assert compat.hf_views(marking)("w", tensor)[0][1].untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    assert marking._inplace_loaded_native_keys == {"earlier"}  # the mark undone, the adapter's own kept
+
     class FreshDestinations:  # a load form that hands out tensors to be filled later (not the values)
         def convert_single_tensor_to_hf(self, fqn, tensor, for_checkpoint_load=False):
             return [(fqn, torch.empty_like(tensor) if for_checkpoint_load else tensor.clone())]
