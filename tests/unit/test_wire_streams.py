@@ -1028,6 +1028,51 @@ def test_anthropic_refuses_empty_content_as_anthropic_does_and_openai_chat_serve
     assert chat.choices[0].message.content == "Hello."
 
 
+def test_anthropic_refuses_blank_user_text_and_system_blocks_and_serves_a_blank_assistant_turn(tok):
+    """As Anthropic's API: an empty system text block, a system or a user message whose text is whitespace only are a
+    400 invalid_request_error (were: served, a blank prompt / turn rendered). A blank block beside real text is
+    served (Anthropic too), and so are an assistant's blank text (this server streams one before a tool call, and an
+    agent echoes it back) and a tool result's."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    call = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    cases = [({"system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": ""}]},
+              "system: text content blocks must be non-empty"),
+             ({"system": [{"type": "text", "text": " \n"}]}, "system: text content blocks must be non-empty and "
+                                                             "contain non-whitespace text"),
+             ({"messages": [{"role": "user", "content": [{"type": "text", "text": " "},
+                                                         {"type": "text", "text": "\n"}]}]},
+              "messages[0]: text content blocks must contain non-whitespace text"),
+             ({"messages": USER + [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "\t "}]},
+              "messages[2]: text content blocks must contain non-whitespace text")]
+    served = [{"system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": " "}]},
+              {"messages": [{"role": "user", "content": [{"type": "text", "text": " "},
+                                                          {"type": "text", "text": "hi"}]}]},
+              {"messages": USER + [{"role": "assistant", "content": [{"type": "text", "text": "\n\n"}, call]}, {
+                  "role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": " "}]}]}]
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            refused = []
+            for fields, _ in cases:
+                with pytest.raises(BadRequestError) as e:
+                    await an.messages.create(model="policy", max_tokens=50, **{"messages": USER, **fields})
+                refused.append((e.value.status_code, e.value.body["error"]["type"], e.value.message))
+            replies = [await an.messages.create(model="policy", max_tokens=50, **{"messages": USER, **fields})
+                       for fields in served]
+            return refused, replies
+        finally:
+            await an.close()
+            await server.stop()
+
+    refused, replies = asyncio.run(go())
+    for (status, kind, message), (_, words) in zip(refused, cases):
+        assert (status, kind, words in message) == (400, "invalid_request_error", True), message
+    assert [r.content[0].text for r in replies] == ["Hello."] * 3
+
+
 def test_anthropic_adaptive_thinking_is_served_and_display_omitted_refused(tok):
     """`thinking: {type: adaptive}` (Claude decides whether to think; LiteLLM's reasoning_effort sends it) is what the
     policy does anyway: served, the thinking as a thinking block (was: a 400). `display: omitted` asks for the
