@@ -1073,6 +1073,41 @@ def test_anthropic_refuses_blank_user_text_and_system_blocks_and_serves_a_blank_
     assert [r.content[0].text for r in replies] == ["Hello."] * 3
 
 
+def test_responses_refuses_an_empty_user_content_as_openai_does(tok):
+    """A user message item whose content is '' or [] (or absent) is OpenAI's 400 naming the item (was: served, an
+    empty turn rendered); an empty `input` string too. An assistant item with empty text (echoed back) is served."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    words = "content: a user message's content must be a non-empty string or list of parts"
+    cases = [([{"role": "user", "content": ""}], "input[0].content", f"input[0].{words}"),
+             ([{"role": "user", "content": "hi"}, {"type": "message", "role": "user", "content": []}],
+              "input[1].content", f"input[1].{words}"),
+             ([{"type": "message", "role": "user"}], "input[0].content", f"input[0].{words}"),
+             ("", "input", "'input' must be a non-empty string or a non-empty list of items")]
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            refused = []
+            for items, _, _ in cases:
+                with pytest.raises(BadRequestError) as e:
+                    await oa.responses.create(model="policy", input=items)
+                refused.append((e.value.status_code, e.value.body["param"], e.value.message))
+            served = await oa.responses.create(model="policy", input=[
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "go on"}])
+            return refused, served
+        finally:
+            await oa.close()
+            await server.stop()
+
+    refused, served = asyncio.run(go())
+    for (status, param, message), (_, where, words) in zip(refused, cases):
+        assert (status, param, words in message) == (400, where, True), message
+    assert served.output_text == "Hello."
+
+
 def test_anthropic_adaptive_thinking_is_served_and_display_omitted_refused(tok):
     """`thinking: {type: adaptive}` (Claude decides whether to think; LiteLLM's reasoning_effort sends it) is what the
     policy does anyway: served, the thinking as a thinking block (was: a 400). `display: omitted` asks for the
