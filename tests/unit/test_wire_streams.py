@@ -1226,3 +1226,32 @@ def test_top_k_follows_the_sampling_rule_in_chat_and_the_judge_honours_it(tok):
     assert [r.sampling.top_k for r in engine.requests] == [20, 20, 5]
     assert top_k[0] == "top_k" and "differs from this rollout's rollout.top_k=20" in top_k[1]
     assert min_p[0] == "min_p" and "'min_p'=0.1 is not supported" in min_p[1]
+
+
+def test_chat_max_tokens_and_max_completion_tokens_that_differ_are_refused(tok):
+    """`max_completion_tokens` and its deprecated alias `max_tokens` name one cap: set to different values, one was
+    silently ignored (max_completion_tokens taken); now a 400 naming them (OpenAI refuses both set at all). Equal
+    values, or one of them, cap the turn."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    engine = RecordingEngine(tok, "Hello.")
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER, max_tokens=5, max_completion_tokens=10)
+            for i, caps in enumerate(({"max_tokens": 7, "max_completion_tokens": 7}, {"max_tokens": 9})):
+                await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"hi {i}"}],
+                                                 **caps)
+            return e.value
+        finally:
+            await oa.close()
+            await server.stop()
+
+    refused = asyncio.run(go())
+    assert (refused.status_code, refused.body["param"]) == (400, "max_tokens")
+    assert "'max_completion_tokens'=10 and 'max_tokens'=5 differ" in refused.message, refused.message
+    assert [r.sampling.max_tokens for r in engine.requests] == [7, 9]
+
