@@ -1255,3 +1255,30 @@ def test_chat_max_tokens_and_max_completion_tokens_that_differ_are_refused(tok):
     assert "'max_completion_tokens'=10 and 'max_tokens'=5 differ" in refused.message, refused.message
     assert [r.sampling.max_tokens for r in engine.requests] == [7, 9]
 
+
+def test_anthropic_thinking_budget_without_enabled_thinking_is_refused(tok):
+    """`budget_tokens` with thinking `adaptive` or `disabled` (Anthropic refuses it: an extra input) was silently
+    ignored, the thought unbounded by it; now a 400 naming it. With `enabled` it is read as before."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHi."), "qwen3")
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            refused = []
+            for kind in ("adaptive", "disabled"):
+                with pytest.raises(BadRequestError) as e:
+                    await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                             thinking={"type": kind, "budget_tokens": 64})
+                refused.append(e.value.message)
+            served = await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                              thinking={"type": "enabled", "budget_tokens": 64})
+            return refused, served
+        finally:
+            await an.close()
+            await server.stop()
+
+    refused, served = asyncio.run(go())
+    for kind, message in zip(("adaptive", "disabled"), refused):
+        assert f"'thinking.budget_tokens' goes with type 'enabled' only; with '{kind}'" in message, message
+    assert [b.type for b in served.content] == ["thinking", "text"]

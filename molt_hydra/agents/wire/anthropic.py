@@ -130,6 +130,9 @@ def _thinking(v: Any, max_tokens: int | None) -> tuple[bool | None, int | None]:
         raise bad(f"'thinking.display'={v['display']!r} is not served: thinking comes back in full, as 'summarized' "
                   "(omit display, or leave the thinking blocks unread)", "thinking.display")
     if kind != "enabled":
+        if v.get("budget_tokens") is not None:  # (was: ignored, as Anthropic refuses it: an extra input)
+            raise bad(f"'thinking.budget_tokens' goes with type 'enabled' only; with {kind!r} it bounds nothing (the "
+                      "policy thinks as it was trained to): omit it, or send type 'enabled'", "thinking.budget_tokens")
         return (False if kind == "disabled" else None), None
     budget = v.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
