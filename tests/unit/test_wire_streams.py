@@ -813,19 +813,19 @@ def test_strict_tools_under_auto_reach_the_engine_as_their_grammar_from_each_sdk
                     {"type": "function", "name": "python", "parameters": schema, "strict": strict}])
                 msg = await an.messages.create(model="policy", max_tokens=50, messages=USER, tools=[
                     {"name": "python", "input_schema": schema, "strict": strict}])
-            with pytest.raises(Exception) as both:
-                await oa.chat.completions.create(model="policy", messages=USER, response_format={"type": "json_object"},
-                                                 tools=[dict(TOOL, function=dict(TOOL["function"], strict=True))])
-            return chat, resp, msg, both.value
+            # beside a response format: its JSON or a strict call (was: a 400, test_tools_beside_a_response_format_...)
+            await oa.chat.completions.create(model="policy", messages=USER, response_format={"type": "json_object"},
+                                             tools=[dict(TOOL, function=dict(TOOL["function"], strict=True))])
+            return chat, resp, msg
         finally:
             await server.stop()
 
-    chat, resp, msg, both = asyncio.run(go())
+    chat, resp, msg = asyncio.run(go())
     grammar = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes")
-    assert [r.sampling.structured for r in engine.requests] == [grammar] * 3 + [None] * 3
+    both = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes", output={"type": "object"})
+    assert [r.sampling.structured for r in engine.requests] == [grammar] * 3 + [None] * 3 + [both]
     assert chat.choices[0].message.tool_calls[0].function.arguments == '{"code": "print(1)"}'
     assert resp.output[0].name == "python" and msg.content[0].input == {"code": "print(1)"}
-    assert both.status_code == 400 and "a strict tool and a response_format cannot both" in both.message
 
 
 def test_one_tool_call_asked_for_under_auto_reaches_the_engine_as_the_single_call_grammar(tok):
@@ -1282,3 +1282,68 @@ def test_anthropic_thinking_budget_without_enabled_thinking_is_refused(tok):
     for kind, message in zip(("adaptive", "disabled"), refused):
         assert f"'thinking.budget_tokens' goes with type 'enabled' only; with '{kind}'" in message, message
     assert [b.type for b in served.content] == ["thinking", "text"]
+
+
+class TurnsEngine(RecordingEngine):
+    """Scripted text per turn, the last one repeated; keeps each generation request."""
+
+    def __init__(self, tok, *texts):
+        super().__init__(tok, texts[0])
+        self.turns = [ScriptedEngine(tok, t).ids for t in texts]
+
+    async def generate(self, request):
+        self.ids = self.turns[min(len(self.requests), len(self.turns) - 1)]
+        return await super().generate(request)
+
+
+def test_tools_beside_a_response_format_sample_its_json_or_a_call_from_each_sdk(tok):
+    """Tools under tool_choice auto beside a response format (the Agents SDK's tools with an `output_type`, a chat
+    client's tools with `response_format`, Anthropic's with `output_config.format`) were a 400 with a strict tool and,
+    without one, sampled under the JSON grammar alone: no tool could ever be called, silently. Now the turn samples
+    under a grammar that allows the format's JSON or the request's calls (strict ones held to their schema), and
+    nothing else; the Agents SDK runs its tool, then gets its output."""
+    import xgrammar
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+    from pydantic import BaseModel
+    from xgrammar.testing import _is_grammar_accept_string
+
+    class Answer(BaseModel):
+        answer: int
+
+    @function_tool
+    def python(code: str) -> str:
+        """Run python code."""
+        return "1"
+
+    set_tracing_disabled(True)
+    engine = TurnsEngine(tok, CALL, '{"answer": 42}')
+    answer = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            agent = Agent(name="a", tools=[python], output_type=Answer,
+                          model=OpenAIResponsesModel(model="policy", openai_client=oa))
+            result = await Runner.run(agent, "hi", max_turns=3)
+            await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], response_format={
+                "type": "json_schema", "json_schema": {"name": "answer", "schema": answer}})
+            await an.messages.create(model="policy", max_tokens=50, messages=USER, output_config={
+                "format": {"type": "json_schema", "schema": answer}}, tools=[{"name": "python", "input_schema": {
+                    "type": "object", "properties": {"code": {"type": "string"}}}}])
+            return result
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    result = asyncio.run(go())
+    assert result.final_output == Answer(answer=42)
+    for r in engine.requests:  # the agent's two turns, chat's and Anthropic's
+        grammar = xgrammar.Grammar.from_ebnf(r.sampling.structured["grammar"])
+        assert [_is_grammar_accept_string(grammar, text) for text in (
+            '{"answer": 42}', CALL, CALL + "\n" + CALL, "Sure. " + CALL, '{"answer": "x"}', "42")] == [
+            True, True, True, False, False, False]
+    assert len(engine.requests) == 4
