@@ -37,18 +37,22 @@ def _tag_grammar(tag_json: str) -> str:
 
 
 def strict_calls(tools: list[dict], strict: list[str], envelope: tuple[str, ...] | None, parser: str | None,
-                 single: bool = False) -> dict:
+                 single: bool = False, output: dict | None = None, output_param: str = "response_format") -> dict:
     """vLLM structured output for `strict: true` tools, or at most one call (`single`: parallel_tool_calls false),
     under tool_choice "auto": text stays free; from where the model opens a tool call (the family's `envelope`:
     trigger, text before the name, between name and arguments, after them) the call is held to a tool of the
     request, a strict tool's arguments to its schema and the others' to a JSON object, and with `single` the output
-    ends after the first call (vLLM's own server does the same, with its structural tags)."""
+    ends after the first call (vLLM's own server does the same, with its structural tags). With an `output` schema
+    (a response format beside the tools) the reply is either that JSON or calls, no free text."""
     if envelope is None:
         what, fix, param = (f"'strict': true (tools {strict}; a Responses tool is strict unless it says false)",
                             "send strict false (and check the arguments)", "tools")
         if not strict:
             what, fix, param = ("'parallel_tool_calls': false (Anthropic: 'disable_parallel_tool_use': true)",
                                 "omit it (and run each call returned)", "parallel_tool_calls")
+        if output is not None:
+            what, fix, param = (f"'{output_param}' beside 'tools' (the reply is its JSON or a call)",
+                                f"send '{output_param}' or 'tools', not both", output_param)
         raise RequestError(400, f"{what} under tool_choice \"auto\" cannot be enforced for agent.tool_parser="
                            f"{parser!r}: its tool-call markup is not known here; {fix}, or tool_choice \"required\" "
                            "/ a named tool (enforced for every parser)", param)
@@ -60,8 +64,13 @@ def strict_calls(tools: list[dict], strict: list[str], envelope: tuple[str, ...]
                  "json_schema": (fn.get("parameters") or {"type": "object"}) if fn["name"] in strict else
                  {"type": "object"}}}
             for fn in (t["function"] for t in tools)]
-    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
-                                                "stop_after_first": single}}
+    calls = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": single}
+    if output is not None:  # calls separated as the template renders them, or the format's JSON
+        calls = {"type": "or", "elements": [
+            {"type": "json_schema", "json_schema": output, "max_whitespace_cnt": WHITESPACE_RUN},
+            {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+             "stop_after_first": single}]}
+    tag = {"type": "structural_tag", "format": calls}
     try:
         return {"grammar": _tag_grammar(json.dumps(tag, sort_keys=True))}
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar refuses a schema: the client's mistake

@@ -31,7 +31,7 @@ def test_openai_messages_and_sampling_fields():
              "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "2"},
         ],
-        "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5, "n": 2, "stop": "END",
+        "max_completion_tokens": 7, "max_tokens": 7, "temperature": 0, "top_p": 0.5, "n": 2, "stop": "END",
         "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "user": "ignored",
     })
     assert req.messages == [
@@ -45,6 +45,9 @@ def test_openai_messages_and_sampling_fields():
     assert (req.n, req.stream, req.include_usage) == (2, True, True)
     with pytest.raises(RequestError, match="unsupported field 'unknown_field'"):  # never silently dropped
         openai_chat.parse({"messages": [{"role": "user", "content": "hi"}], "unknown_field": 1})
+    with pytest.raises(RequestError, match="differ"):  # one cap (was: max_tokens=99 silently dropped)
+        openai_chat.parse({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7,
+                           "max_tokens": 99})
 
 
 def test_anthropic_blocks_map_to_the_same_canonical_messages():

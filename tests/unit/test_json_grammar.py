@@ -99,3 +99,17 @@ def test_a_call_grammar_for_a_parser_without_a_known_envelope_is_the_clients_400
         strict_calls([TOOL], strict, None, "qwen3_coder", single=not strict)
     assert e.value.status == 400 and e.value.param == param and words in e.value.message
     assert "agent.tool_parser='qwen3_coder'" in e.value.message and "tool_choice \"required\"" in e.value.message
+
+
+def test_a_response_format_beside_tools_is_its_json_or_calls_and_for_an_unknown_envelope_the_clients_400():
+    """Tools under auto beside a response format: the output is the format's JSON or calls, no free text; a parser
+    whose call markup is unknown cannot hold that: a 400 naming the format's field."""
+    output = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    structured = strict_calls([TOOL], [], CALL_ENVELOPES["hermes"], "hermes", output=output)
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "1"}}\n</tool_call>'
+    texts = ('{"answer": 1}', call, "Sure. " + call, "42", '{"answer": 1} ' + call)
+    assert [accepts(structured, text) for text in texts] == [True, True, False, False, False]
+    with pytest.raises(RequestError) as e:
+        strict_calls([TOOL], [], None, "qwen3_coder", output=output, output_param="text.format")
+    assert (e.value.status, e.value.param) == (400, "text.format")
+    assert "'text.format' beside 'tools' (the reply is its JSON or a call)" in e.value.message

@@ -813,19 +813,19 @@ def test_strict_tools_under_auto_reach_the_engine_as_their_grammar_from_each_sdk
                     {"type": "function", "name": "python", "parameters": schema, "strict": strict}])
                 msg = await an.messages.create(model="policy", max_tokens=50, messages=USER, tools=[
                     {"name": "python", "input_schema": schema, "strict": strict}])
-            with pytest.raises(Exception) as both:
-                await oa.chat.completions.create(model="policy", messages=USER, response_format={"type": "json_object"},
-                                                 tools=[dict(TOOL, function=dict(TOOL["function"], strict=True))])
-            return chat, resp, msg, both.value
+            # beside a response format: its JSON or a strict call (was: a 400, test_tools_beside_a_response_format_...)
+            await oa.chat.completions.create(model="policy", messages=USER, response_format={"type": "json_object"},
+                                             tools=[dict(TOOL, function=dict(TOOL["function"], strict=True))])
+            return chat, resp, msg
         finally:
             await server.stop()
 
-    chat, resp, msg, both = asyncio.run(go())
+    chat, resp, msg = asyncio.run(go())
     grammar = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes")
-    assert [r.sampling.structured for r in engine.requests] == [grammar] * 3 + [None] * 3
+    both = strict_calls([TOOL], ["python"], CALL_ENVELOPES["hermes"], "hermes", output={"type": "object"})
+    assert [r.sampling.structured for r in engine.requests] == [grammar] * 3 + [None] * 3 + [both]
     assert chat.choices[0].message.tool_calls[0].function.arguments == '{"code": "print(1)"}'
     assert resp.output[0].name == "python" and msg.content[0].input == {"code": "print(1)"}
-    assert both.status_code == 400 and "a strict tool and a response_format cannot both" in both.message
 
 
 def test_one_tool_call_asked_for_under_auto_reaches_the_engine_as_the_single_call_grammar(tok):
@@ -1028,6 +1028,86 @@ def test_anthropic_refuses_empty_content_as_anthropic_does_and_openai_chat_serve
     assert chat.choices[0].message.content == "Hello."
 
 
+def test_anthropic_refuses_blank_user_text_and_system_blocks_and_serves_a_blank_assistant_turn(tok):
+    """As Anthropic's API: an empty system text block, a system or a user message whose text is whitespace only are a
+    400 invalid_request_error (were: served, a blank prompt / turn rendered). A blank block beside real text is
+    served (Anthropic too), and so are an assistant's blank text (this server streams one before a tool call, and an
+    agent echoes it back) and a tool result's."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    call = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    cases = [({"system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": ""}]},
+              "system: text content blocks must be non-empty"),
+             ({"system": [{"type": "text", "text": " \n"}]}, "system: text content blocks must be non-empty and "
+                                                             "contain non-whitespace text"),
+             ({"messages": [{"role": "user", "content": [{"type": "text", "text": " "},
+                                                         {"type": "text", "text": "\n"}]}]},
+              "messages[0]: text content blocks must contain non-whitespace text"),
+             ({"messages": USER + [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "\t "}]},
+              "messages[2]: text content blocks must contain non-whitespace text")]
+    served = [{"system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": " "}]},
+              {"messages": [{"role": "user", "content": [{"type": "text", "text": " "},
+                                                          {"type": "text", "text": "hi"}]}]},
+              {"messages": USER + [{"role": "assistant", "content": [{"type": "text", "text": "\n\n"}, call]}, {
+                  "role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": " "}]}]}]
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            refused = []
+            for fields, _ in cases:
+                with pytest.raises(BadRequestError) as e:
+                    await an.messages.create(model="policy", max_tokens=50, **{"messages": USER, **fields})
+                refused.append((e.value.status_code, e.value.body["error"]["type"], e.value.message))
+            replies = [await an.messages.create(model="policy", max_tokens=50, **{"messages": USER, **fields})
+                       for fields in served]
+            return refused, replies
+        finally:
+            await an.close()
+            await server.stop()
+
+    refused, replies = asyncio.run(go())
+    for (status, kind, message), (_, words) in zip(refused, cases):
+        assert (status, kind, words in message) == (400, "invalid_request_error", True), message
+    assert [r.content[0].text for r in replies] == ["Hello."] * 3
+
+
+def test_responses_refuses_an_empty_user_content_as_openai_does(tok):
+    """A user message item whose content is '' or [] (or absent) is OpenAI's 400 naming the item (was: served, an
+    empty turn rendered); an empty `input` string too. An assistant item with empty text (echoed back) is served."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    words = "content: a user message's content must be a non-empty string or list of parts"
+    cases = [([{"role": "user", "content": ""}], "input[0].content", f"input[0].{words}"),
+             ([{"role": "user", "content": "hi"}, {"type": "message", "role": "user", "content": []}],
+              "input[1].content", f"input[1].{words}"),
+             ([{"type": "message", "role": "user"}], "input[0].content", f"input[0].{words}"),
+             ("", "input", "'input' must be a non-empty string or a non-empty list of items")]
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            refused = []
+            for items, _, _ in cases:
+                with pytest.raises(BadRequestError) as e:
+                    await oa.responses.create(model="policy", input=items)
+                refused.append((e.value.status_code, e.value.body["param"], e.value.message))
+            served = await oa.responses.create(model="policy", input=[
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "go on"}])
+            return refused, served
+        finally:
+            await oa.close()
+            await server.stop()
+
+    refused, served = asyncio.run(go())
+    for (status, param, message), (_, where, words) in zip(refused, cases):
+        assert (status, param, words in message) == (400, where, True), message
+    assert served.output_text == "Hello."
+
+
 def test_anthropic_adaptive_thinking_is_served_and_display_omitted_refused(tok):
     """`thinking: {type: adaptive}` (Claude decides whether to think; LiteLLM's reasoning_effort sends it) is what the
     policy does anyway: served, the thinking as a thinking block (was: a 400). `display: omitted` asks for the
@@ -1146,3 +1226,124 @@ def test_top_k_follows_the_sampling_rule_in_chat_and_the_judge_honours_it(tok):
     assert [r.sampling.top_k for r in engine.requests] == [20, 20, 5]
     assert top_k[0] == "top_k" and "differs from this rollout's rollout.top_k=20" in top_k[1]
     assert min_p[0] == "min_p" and "'min_p'=0.1 is not supported" in min_p[1]
+
+
+def test_chat_max_tokens_and_max_completion_tokens_that_differ_are_refused(tok):
+    """`max_completion_tokens` and its deprecated alias `max_tokens` name one cap: set to different values, one was
+    silently ignored (max_completion_tokens taken); now a 400 naming them (OpenAI refuses both set at all). Equal
+    values, or one of them, cap the turn."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    engine = RecordingEngine(tok, "Hello.")
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER, max_tokens=5, max_completion_tokens=10)
+            for i, caps in enumerate(({"max_tokens": 7, "max_completion_tokens": 7}, {"max_tokens": 9})):
+                await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"hi {i}"}],
+                                                 **caps)
+            return e.value
+        finally:
+            await oa.close()
+            await server.stop()
+
+    refused = asyncio.run(go())
+    assert (refused.status_code, refused.body["param"]) == (400, "max_tokens")
+    assert "'max_completion_tokens'=10 and 'max_tokens'=5 differ" in refused.message, refused.message
+    assert [r.sampling.max_tokens for r in engine.requests] == [7, 9]
+
+
+def test_anthropic_thinking_budget_without_enabled_thinking_is_refused(tok):
+    """`budget_tokens` with thinking `adaptive` or `disabled` (Anthropic refuses it: an extra input) was silently
+    ignored, the thought unbounded by it; now a 400 naming it. With `enabled` it is read as before."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHi."), "qwen3")
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            refused = []
+            for kind in ("adaptive", "disabled"):
+                with pytest.raises(BadRequestError) as e:
+                    await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                             thinking={"type": kind, "budget_tokens": 64})
+                refused.append(e.value.message)
+            served = await an.messages.create(model="policy", max_tokens=100, messages=USER,
+                                              thinking={"type": "enabled", "budget_tokens": 64})
+            return refused, served
+        finally:
+            await an.close()
+            await server.stop()
+
+    refused, served = asyncio.run(go())
+    for kind, message in zip(("adaptive", "disabled"), refused):
+        assert f"'thinking.budget_tokens' goes with type 'enabled' only; with '{kind}'" in message, message
+    assert [b.type for b in served.content] == ["thinking", "text"]
+
+
+class TurnsEngine(RecordingEngine):
+    """Scripted text per turn, the last one repeated; keeps each generation request."""
+
+    def __init__(self, tok, *texts):
+        super().__init__(tok, texts[0])
+        self.turns = [ScriptedEngine(tok, t).ids for t in texts]
+
+    async def generate(self, request):
+        self.ids = self.turns[min(len(self.requests), len(self.turns) - 1)]
+        return await super().generate(request)
+
+
+def test_tools_beside_a_response_format_sample_its_json_or_a_call_from_each_sdk(tok):
+    """Tools under tool_choice auto beside a response format (the Agents SDK's tools with an `output_type`, a chat
+    client's tools with `response_format`, Anthropic's with `output_config.format`) were a 400 with a strict tool and,
+    without one, sampled under the JSON grammar alone: no tool could ever be called, silently. Now the turn samples
+    under a grammar that allows the format's JSON or the request's calls (strict ones held to their schema), and
+    nothing else; the Agents SDK runs its tool, then gets its output."""
+    import xgrammar
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+    from pydantic import BaseModel
+    from xgrammar.testing import _is_grammar_accept_string
+
+    class Answer(BaseModel):
+        answer: int
+
+    @function_tool
+    def python(code: str) -> str:
+        """Run python code."""
+        return "1"
+
+    set_tracing_disabled(True)
+    engine = TurnsEngine(tok, CALL, '{"answer": 42}')
+    answer = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            agent = Agent(name="a", tools=[python], output_type=Answer,
+                          model=OpenAIResponsesModel(model="policy", openai_client=oa))
+            result = await Runner.run(agent, "hi", max_turns=3)
+            await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], response_format={
+                "type": "json_schema", "json_schema": {"name": "answer", "schema": answer}})
+            await an.messages.create(model="policy", max_tokens=50, messages=USER, output_config={
+                "format": {"type": "json_schema", "schema": answer}}, tools=[{"name": "python", "input_schema": {
+                    "type": "object", "properties": {"code": {"type": "string"}}}}])
+            return result
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    result = asyncio.run(go())
+    assert result.final_output == Answer(answer=42)
+    for r in engine.requests:  # the agent's two turns, chat's and Anthropic's
+        grammar = xgrammar.Grammar.from_ebnf(r.sampling.structured["grammar"])
+        assert [_is_grammar_accept_string(grammar, text) for text in (
+            '{"answer": 42}', CALL, CALL + "\n" + CALL, "Sure. " + CALL, '{"answer": "x"}', "42")] == [
+            True, True, True, False, False, False]
+    assert len(engine.requests) == 4

@@ -40,6 +40,11 @@ def parse(body: Any) -> ChatRequest:
             raise bad(f"messages[{i}]: all messages must have non-empty content except for the optional final "
                       "assistant message", f"messages[{i}].content")
         for msg in _message(m, f"messages[{i}]"):
+            # as Anthropic (was: served, a blank user turn rendered); an assistant's blank text (streamed before a
+            # tool call, echoed back) and a tool result's are served
+            if msg["role"] == "user" and isinstance(msg["content"], str) and msg["content"].isspace():
+                raise bad(f"messages[{i}]: text content blocks must contain non-whitespace text",
+                          f"messages[{i}].content")
             _append_merged(canon, msg)
     if canon[-1]["role"] == "assistant":
         raise bad("the last message is the assistant's (a prefill, to be continued): not supported; end "
@@ -61,8 +66,11 @@ def _system(system: Any) -> list[dict]:
     if system is None:
         return []
     if isinstance(system, list):
-        system = check.content([check.text_part(_cache_control(b, f"system[{i}]"), "system")
-                                for i, b in enumerate(system)])
+        parts = [check.text_part(_cache_control(b, f"system[{i}]"), "system") for i, b in enumerate(system)]
+        system = check.content(parts)
+        if any(not p["text"] for p in parts) or system.isspace():  # as Anthropic (was: served, a blank prompt)
+            raise bad("system: text content blocks must be non-empty and contain non-whitespace text (leave the "
+                      "block out)", "system")
     if not isinstance(system, str):
         raise bad(f"'system' must be a string or a list of text blocks, got {system!r}", "system")
     return [{"role": "system", "content": system}] if system else []
@@ -122,6 +130,9 @@ def _thinking(v: Any, max_tokens: int | None) -> tuple[bool | None, int | None]:
         raise bad(f"'thinking.display'={v['display']!r} is not served: thinking comes back in full, as 'summarized' "
                   "(omit display, or leave the thinking blocks unread)", "thinking.display")
     if kind != "enabled":
+        if v.get("budget_tokens") is not None:  # (was: ignored, as Anthropic refuses it: an extra input)
+            raise bad(f"'thinking.budget_tokens' goes with type 'enabled' only; with {kind!r} it bounds nothing (the "
+                      "policy thinks as it was trained to): omit it, or send type 'enabled'", "thinking.budget_tokens")
         return (False if kind == "disabled" else None), None
     budget = v.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:

@@ -170,9 +170,13 @@ def text_part(p: Any, where: str) -> dict:
 
 def sampling(body: dict, max_keys: tuple[str, ...], stop_key: str | None = None,
              temperature_max: float = 2.0) -> dict:
-    """Sampling fields the client set (the session checks them against the recipe); the first of `max_keys` set
-    is the token cap."""
-    overrides = {"max_tokens": next((v for key in max_keys if (v := integer(body, key, 1)) is not None), None),
+    """Sampling fields the client set (the session checks them against the recipe); `max_keys` name the token cap
+    (chat: max_completion_tokens and its deprecated alias max_tokens), which must agree where more than one is set."""
+    caps = {key: v for key in max_keys if (v := integer(body, key, 1)) is not None}
+    if len(set(caps.values())) > 1:  # (was: the first taken, the other silently ignored)
+        raise bad(f"{' and '.join(f'{k!r}={v}' for k, v in caps.items())} differ: they name one token cap; send one "
+                  f"({max_keys[0]!r})", max_keys[-1])
+    overrides = {"max_tokens": next(iter(caps.values()), None),
                  "temperature": number(body, "temperature", 0.0, temperature_max),
                  "top_p": number(body, "top_p", 1e-9, 1.0), "seed": integer(body, "seed", 0, MAX_SEED),
                  "top_k": integer(body, "top_k", 1)}

@@ -27,10 +27,10 @@ def parse(body: Any) -> ChatRequest:
                   "(agent SDKs do so when store=false)", "previous_response_id")
     check.fields(body, FIELDS, "/v1/responses")
     items = body.get("input")
+    if not isinstance(items, (str, list)) or not items:
+        raise bad("'input' must be a non-empty string or a non-empty list of items", "input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise bad("'input' must be a string or a non-empty list of items", "input")
     canon: list[dict] = []
     instructions = body.get("instructions")
     if instructions:
@@ -91,6 +91,9 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
     if kind == "message":
         if not isinstance(item.get("role"), str) or item["role"] not in ROLES or item["role"] == "tool":
             raise bad(f"{where}: message role must be user, system, developer or assistant", where)
+        if item["role"] == "user" and item.get("content") in (None, "", []):  # as OpenAI (was: an empty turn rendered)
+            raise bad(f"{where}.content: a user message's content must be a non-empty string or list of parts",
+                      f"{where}.content")
         content = check.text_or_parts(item.get("content", ""), f"{where}.content", _part)
         canon.append({"role": ROLES[item["role"]], "content": content})
     elif kind == "function_call":

@@ -215,17 +215,21 @@ class ChatSession:
         """Engine-side output controls of a request: choices (n, checked by `_check_n`), logprobs and structured
         output (response_format / forced tool / strict tools or a single call under tool_choice auto)."""
         structured = req.response_format
+        calls = req.tool_choice == "auto" and bool(req.tools) and self.parser.tool is not None  # a call is parsed
         strict = bool(req.strict_tools) and req.tool_choice == "auto"  # (a forced call follows its schema anyway)
         # parallel_tool_calls false: held to one call as sampled, never cut to one after (the trajectory would train a
-        # call the agent never ran); moot when no call is parsed (no tool parser) or the output is a response_format
-        single = (req.parallel_tool_calls is False and req.tool_choice == "auto" and bool(req.tools)
-                  and self.parser.tool is not None and structured is None)
-        if (req.forced_tool or strict) and structured is not None:
-            raise RequestError(400, f"a {'forced tool_choice' if req.forced_tool else 'strict tool'} and a "
-                               f"{req.format_param} cannot both shape the output", req.format_param)
+        # call the agent never ran); moot when no call is parsed (no tool parser)
+        single = req.parallel_tool_calls is False and calls
+        if req.forced_tool and structured is not None:
+            raise RequestError(400, f"a forced tool_choice and a {req.format_param} cannot both shape the output",
+                               req.format_param)
         if req.forced_tool:
             structured = compact({"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)},
                                  "tools")
+        elif structured is not None and calls:  # the format's JSON or calls (was: the JSON only, so tools were
+            compact(structured, req.format_param)  # never called; with a strict tool, a 400); its schema checked here
+            structured = strict_calls(req.tools, req.strict_tools, self.parser.envelope, self.parser.tool_parser_name,
+                                      single, structured.get("json") or {"type": "object"}, req.format_param)
         elif strict or single:
             structured = strict_calls(req.tools, req.strict_tools, self.parser.envelope, self.parser.tool_parser_name,
                                       single)
