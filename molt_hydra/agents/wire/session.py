@@ -220,10 +220,9 @@ class ChatSession:
         # parallel_tool_calls false: held to one call as sampled, never cut to one after (the trajectory would train a
         # call the agent never ran); moot when no call is parsed (no tool parser)
         single = req.parallel_tool_calls is False and calls
-        if req.forced_tool and structured is not None:
-            raise RequestError(400, f"a forced tool_choice and a {req.format_param} cannot both shape the output",
-                               req.format_param)
-        if req.forced_tool:
+        if req.forced_tool:  # the reply is the call: a format beside it (the Agents SDK's output_type under
+            if structured is not None:  # tool_choice required) shapes the later text turns; its schema checked here
+                compact(structured, req.format_param)
             structured = compact({"json": forced_tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls)},
                                  "tools")
         elif structured is not None and calls:  # the format's JSON or calls (was: the JSON only, so tools were
