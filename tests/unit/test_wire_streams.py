@@ -1349,3 +1349,67 @@ def test_tools_beside_a_response_format_sample_its_json_or_a_call_from_each_sdk(
             '{"answer": 42}', CALL, CALL + "\n" + CALL, "Sure. " + CALL, '{"answer": "x"}', "42")] == [
             True, True, True, False, False, False]
     assert len(engine.requests) == 4
+
+
+NOT_AN_IMAGE = "data:image/png;base64,bm90IGFuIGltYWdl"  # base64 of "not an image"
+
+
+def test_a_bad_image_is_a_400_naming_its_place_in_the_request_from_each_sdk(tok):
+    """An image that does not decode (or a file that is not there) was a 400 with param null, its message naming no
+    message or part and holding PIL's `<_io.BytesIO object at 0x...>`; now the 400 names the part as each API names
+    its fields (also in a later turn that extends the conversation, and inside an Anthropic tool result), in words."""
+    from anthropic import AsyncAnthropic, BadRequestError as AnthropicBadRequest
+    from openai import AsyncOpenAI, BadRequestError
+    from PIL import Image
+
+    from molt_hydra.agents.wire.images import image_data_uri
+
+    text = {"type": "text", "text": "what is it?"}
+    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_uri(
+        Image.new("RGB", (4, 4), (255, 0, 0)))}}, text]}]  # a good image, in the turn the second case extends
+    bad_chat, missing = {"type": "image_url", "image_url": {"url": NOT_AN_IMAGE}}, "/nonexistent/a.png"
+    an_image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}
+    chat_cases = [  # (messages, param)
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": [text, bad_chat]}],
+         "messages[1].content[1]"),
+        (first + [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": [
+            text, {"type": "image_url", "image_url": {"url": missing}}]}], "messages[2].content[1]")]
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            await oa.chat.completions.create(model="policy", messages=first)
+            refused = []
+            for messages, _ in chat_cases:
+                with pytest.raises(BadRequestError) as e:
+                    await oa.chat.completions.create(model="policy", messages=messages)
+                refused.append((e.value.body["param"], e.value.body["message"]))
+            with pytest.raises(BadRequestError) as e:
+                await oa.responses.create(model="policy", input=[{"role": "user", "content": [
+                    {"type": "input_text", "text": "what?"}, {"type": "input_image", "image_url": NOT_AN_IMAGE}]}])
+            refused.append((e.value.body["param"], e.value.body["message"]))
+            anthropic_refused = []
+            for messages in ([{"role": "user", "content": [text, an_image]}], USER + [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                  "content": [text, an_image]}]}]):
+                with pytest.raises(AnthropicBadRequest) as e:
+                    await an.messages.create(model="policy", max_tokens=50, messages=messages)
+                anthropic_refused.append(e.value.body["error"]["message"])
+            return refused, anthropic_refused
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    refused, anthropic_refused = asyncio.run(go())
+    decode = "image data URI is not a decodable image: not an image format PIL reads"
+    assert [param for param, _ in refused] == ["messages[1].content[1]", "messages[2].content[1]", "input[0].content[1]"]
+    assert [message for _, message in refused] == [
+        f"messages[1].content[1]: {decode} (PNG, JPEG, GIF, WebP, ...)",
+        f"messages[2].content[1]: cannot open image '{missing}': No such file or directory",
+        f"input[0].content[1]: {decode} (PNG, JPEG, GIF, WebP, ...)"]
+    assert [m.split(": ", 1)[0] for m in anthropic_refused] == ["messages[0].content[1]",
+                                                                 "messages[2].content[0].content[1]"], anthropic_refused
+    assert all(decode in m and "object at 0x" not in m for m in anthropic_refused), anthropic_refused

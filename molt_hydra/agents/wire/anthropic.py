@@ -239,9 +239,10 @@ def _part(b: Any, where: str) -> dict:
         return check.text_part(b, where)
     src = b.get("source") if kind == "image" else None
     if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
-        return {"type": "image", "source": f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"}
+        return {"type": "image", "source": f"data:{src.get('media_type', 'image/png')};base64,{src['data']}",
+                "at": where}
     if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
-        return {"type": "image", "source": src["url"]}
+        return {"type": "image", "source": src["url"], "at": where}
     raise bad(f"{where}: expected a text block or an image with source {{type: base64, media_type, data}} or "
               "{type: url, url}", where)
 

@@ -4,6 +4,7 @@ PIL is imported where an image is opened (deferred: the server's text path never
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 
 from molt_hydra.agents.wire.request import bad
@@ -15,22 +16,27 @@ def image_sources(messages: list[dict]) -> list[str]:
             if p["type"] == "image"]
 
 
-def load_image(source: str):
-    """A data: URI (base64) or a local file path → PIL image. The loopback server fetches nothing over the network."""
-    from PIL import Image
+def load_image(source: str, where: str | None = None):
+    """A data: URI (base64) or a local file path → PIL image. The loopback server fetches nothing over the network.
+    `where`: the part's position in the request (`messages[2].content[1]`), which a 400 names (was: param null)."""
+    from PIL import Image, UnidentifiedImageError
 
+    at = f"{where}: " if where else ""
     if source.startswith(("http://", "https://")):
-        raise bad("image URLs are not fetched; send images as base64 data URIs")
+        raise bad(f"{at}image URLs are not fetched; send images as base64 data URIs", where)
     is_data_uri, path = source.startswith("data:"), source.removeprefix("file://")
     header, _, data = source.partition(",")
     if is_data_uri and ";base64" not in header:
-        raise bad("image data URI must be base64-encoded")
+        raise bad(f"{at}image data URI must be base64-encoded", where)
     try:
         img = Image.open(io.BytesIO(base64.b64decode(data, validate=True)) if is_data_uri else path)
         img.load()
-    except Exception as e:  # binascii / PIL errors: a client's bad bytes or path, not a server failure
+    except Exception as e:  # a client's bad bytes or path, not a server failure; said without PIL's object reprs
+        why = (f"not valid base64 ({e})" if isinstance(e, binascii.Error)
+               else "not an image format PIL reads (PNG, JPEG, GIF, WebP, ...)" if isinstance(e, UnidentifiedImageError)
+               else e.strerror if isinstance(e, OSError) and e.strerror else str(e))
         what = "image data URI is not a decodable image" if is_data_uri else f"cannot open image {path!r}"
-        raise bad(f"{what}: {e}") from None
+        raise bad(f"{at}{what}: {why}", where) from None
     return img.convert("RGB")  # palette, alpha, CMYK, 16-bit grey: RGB, as prompt loading converts
 
 

@@ -65,7 +65,7 @@ def _part(p: Any, where: str) -> dict:
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str):
             raise bad(f"{where}: image_url part needs image_url.url", where)
-        return {"type": "image", "source": url}
+        return {"type": "image", "source": url, "at": where}
     raise bad(f"{where}: unsupported content part type {kind!r} (text, image_url)", where)
 
 

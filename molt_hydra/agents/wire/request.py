@@ -41,6 +41,14 @@ class ChatRequest:
     thinking: bool | None = None  # Anthropic thinking enabled / disabled; None: not asked
     thinking_budget: int | None = None  # Anthropic thinking.budget_tokens
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
+    image_params: list = field(default_factory=list)  # each image part's position in the request, in render order
+
+    def __post_init__(self):
+        # the parsers mark each image part with where it is on the wire ("at"), for a 400 about the image to name
+        # (was: param null); kept here, out of the messages the template renders and a later turn is compared with
+        if not self.image_params:
+            self.image_params = [p.pop("at", None) for m in self.messages if isinstance(m["content"], list)
+                                 for p in m["content"] if p["type"] == "image"]
 
     def key(self) -> str:
         """What makes two requests the same turn (a client retry): all but how the reply is delivered."""

@@ -118,7 +118,7 @@ def _part(p: Any, at: str) -> dict:
     if ptype in ("input_text", "output_text", "text"):
         return check.text_part(p, at)
     if ptype == "input_image" and isinstance(p.get("image_url"), str):
-        return {"type": "image", "source": p["image_url"]}
+        return {"type": "image", "source": p["image_url"], "at": at}
     if ptype == "refusal" and isinstance(p.get("refusal"), str):
         return {"type": "text", "text": p["refusal"]}
     raise bad(f"{at}: unsupported content part {ptype!r} (input_text, output_text, input_image)", at)

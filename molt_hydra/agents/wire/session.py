@@ -159,17 +159,19 @@ class ChatSession:
 
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
-        images = self._load_images(req.messages)
+        images = self._load_images(req)
         return self._tokenize(self._render(req.messages, req.tools, True)), images
 
-    def _load_images(self, messages: list[dict], earlier: list | None = None) -> list:
-        """The images of a prompt: `earlier` ones (of the segment it extends) + those in `messages`, checked."""
-        sources = image_sources(messages)
+    def _load_images(self, req: ChatRequest, start: int = 0, earlier: list | None = None) -> list:
+        """The images of a prompt: `earlier` ones (of the segment it extends) + those in `req.messages[start:]`,
+        checked; a bad one is a 400 naming its position in the request."""
+        sources = image_sources(req.messages[start:])
         if sources and not self.accepts_images:
             raise RequestError(400, f"model {self.model_label!r} takes no images: it is text-only (or "
                                     "data.max_images_per_prompt=0); remove the image parts, or train a vision model "
                                     "with data.max_images_per_prompt > 0", "messages")
-        images = (earlier or []) + [load_image(s) for s in sources]
+        where = req.image_params[len(req.image_params) - len(sources):]  # the request's last, in render order
+        images = (earlier or []) + [load_image(s, at) for s, at in zip(sources, where, strict=True)]
         if self.max_images is not None and len(images) > self.max_images:
             raise RequestError(400, f"the conversation has {len(images)} images > data.max_images_per_prompt="
                                     f"{self.max_images}, the engines' per-prompt image limit (every turn's prompt "
@@ -274,7 +276,7 @@ class ChatSession:
         if extension is None:
             return None, *self._full_prompt(req)
         traj, delta_ids = extension
-        images = self._load_images(req.messages[len(self._prev_messages):], traj.images)
+        images = self._load_images(req, len(self._prev_messages), traj.images)
         return extension, traj.token_ids + delta_ids, images
 
     def _commit(self, req: ChatRequest, extension, prompt_ids: list[int], images: list, choices: list[Choice]) -> None:
