@@ -1413,3 +1413,37 @@ def test_a_bad_image_is_a_400_naming_its_place_in_the_request_from_each_sdk(tok)
     assert [m.split(": ", 1)[0] for m in anthropic_refused] == ["messages[0].content[1]",
                                                                  "messages[2].content[0].content[1]"], anthropic_refused
     assert all(decode in m and "object at 0x" not in m for m in anthropic_refused), anthropic_refused
+
+
+def test_chat_refuses_an_empty_content_array_of_a_user_system_or_developer_message(tok):
+    """OpenAI answers a user / system / developer message whose content is [] with a 400 naming it; chat here served
+    it, an empty turn rendered. An assistant turn with empty content ([], None or "" beside its tool calls, as agents
+    echo them) and a tool's empty output are still served."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    call = {"id": "c1", "type": "function", "function": {"name": "python", "arguments": "{}"}}
+    cases = [[{"role": "user", "content": []}], [{"role": "system", "content": []}] + USER,
+             USER + [{"role": "assistant", "content": "Hi."}, {"role": "developer", "content": []}]]
+    served = [USER + [{"role": "assistant", "content": []}, {"role": "user", "content": "go on"}]] + [
+        USER + [{"role": "assistant", "content": content, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": []}] for content in (None, "", [])]
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            refused = []
+            for messages in cases:
+                with pytest.raises(BadRequestError) as e:
+                    await oa.chat.completions.create(model="policy", messages=messages)
+                refused.append((e.value.status_code, e.value.body["param"], e.value.body["message"]))
+            replies = [await oa.chat.completions.create(model="policy", messages=m, tools=[TOOL]) for m in served]
+            return refused, replies
+        finally:
+            await oa.close()
+            await server.stop()
+
+    refused, replies = asyncio.run(go())
+    assert refused == [(400, f"messages[{i}].content", f"Invalid 'messages[{i}].content': empty array. Expected an "
+                        "array with minimum length 1, but got an empty array instead.") for i in (0, 0, 2)]
+    assert [r.choices[0].message.content for r in replies] == ["Hello."] * 4

@@ -42,6 +42,10 @@ def _message(m: Any, where: str) -> dict:
         raise bad(f"{where}.function_call (legacy function calling) is not served: send the call as 'tool_calls' "
                   "and its result as a 'tool' message", f"{where}.function_call")
     content = "" if m.get("content") is None else m["content"]
+    # as OpenAI (was: served, an empty turn rendered); an assistant's (a tool-call turn, echoed) and a tool's served
+    if content == [] and role in ("system", "user"):
+        raise bad(f"Invalid '{where}.content': empty array. Expected an array with minimum length 1, but got an "
+                  "empty array instead.", f"{where}.content")
     out: dict = {"role": role, "content": check.text_or_parts(content, f"{where}.content", _part)}
     if role == "assistant" and m.get("tool_calls"):
         if not isinstance(m["tool_calls"], list):
