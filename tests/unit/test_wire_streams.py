@@ -1447,3 +1447,52 @@ def test_chat_refuses_an_empty_content_array_of_a_user_system_or_developer_messa
     assert refused == [(400, f"messages[{i}].content", f"Invalid 'messages[{i}].content': empty array. Expected an "
                         "array with minimum length 1, but got an empty array instead.") for i in (0, 0, 2)]
     assert [r.choices[0].message.content for r in replies] == ["Hello."] * 4
+
+
+def test_duplicate_tool_names_a_string_stop_sequences_and_extra_tool_choice_keys_are_refused(tok):
+    """Two tools of one name (a call names its tool: which one did the model call?) were served on every route; now
+    a 400 naming `tools`, as OpenAI and Anthropic refuse them. Anthropic's `stop_sequences` as a string (taken as a
+    list of one) and an unknown key in its `tool_choice` (ignored) are 400s too, as Anthropic answers."""
+    from anthropic import AsyncAnthropic, BadRequestError as AnthropicBadRequest
+    from openai import AsyncOpenAI, BadRequestError
+
+    other = {"type": "function", "function": {"name": "other"}}
+    flat = [dict(t["function"], type="function") for t in (TOOL, other, TOOL)]  # Responses' shape
+    twice = "tools[0] and tools[2] are both named 'python': tool names must be unique"
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            refused = []
+            for call in (lambda: oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL, other, TOOL]),
+                         lambda: oa.responses.create(model="policy", input="hi", tools=flat)):
+                with pytest.raises(BadRequestError) as e:
+                    await call()
+                refused.append((e.value.body["param"], e.value.body["message"]))
+            anthropic_refused = []
+            for fields in ({"tools": [TOOL_A, {"name": "other"}, TOOL_A]}, {"stop_sequences": "END"},
+                           {"tools": [TOOL_A], "tool_choice": {"type": "auto", "name": "python"}},
+                           {"tools": [TOOL_A], "tool_choice": {"type": "none", "disable_parallel_tool_use": True}},
+                           {"tools": [TOOL_A], "tool_choice": {"type": "tool", "name": "python", "strict": True}}):
+                with pytest.raises(AnthropicBadRequest) as e:
+                    await an.messages.create(model="policy", max_tokens=50, messages=USER, **fields)
+                anthropic_refused.append((e.value.status_code, e.value.body["error"]["message"]))
+            served = await an.messages.create(model="policy", max_tokens=50, messages=USER, stop_sequences=["END"],
+                                              tools=[TOOL_A], tool_choice={"type": "tool", "name": "python",
+                                                                           "disable_parallel_tool_use": True})
+            return refused, anthropic_refused, served
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    refused, anthropic_refused, served = asyncio.run(go())
+    assert refused == [("tools", twice)] * 2
+    assert anthropic_refused == [(400, m) for m in (
+        twice, """'stop_sequences' must be a list of strings, got a string: send it as ["..."]""",
+        "tool_choice.name: Extra inputs are not permitted (tool_choice type 'auto' takes ['disable_parallel_tool_use', "
+        "'type'])", "tool_choice.disable_parallel_tool_use: Extra inputs are not permitted (tool_choice type 'none' "
+        "takes ['type'])", "tool_choice.strict: Extra inputs are not permitted (tool_choice type 'tool' takes "
+        "['disable_parallel_tool_use', 'name', 'type'])")]
+    assert served.stop_reason in ("end_turn", "tool_use")

@@ -50,6 +50,8 @@ def parse(body: Any) -> ChatRequest:
         raise bad("the last message is the assistant's (a prefill, to be continued): not supported; end "
                   "'messages' with a user message (to shape the reply, use 'tools' / 'tool_choice' or the prompt)",
                   "messages")
+    if isinstance(body.get("stop_sequences"), str):  # as Anthropic (was: taken as a list of one)
+        raise bad("'stop_sequences' must be a list of strings, got a string: send it as [\"...\"]", "stop_sequences")
     overrides = check.sampling(body, ("max_tokens",), "stop_sequences", temperature_max=1.0)
     tools = _tools(body.get("tools"))
     tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
@@ -97,6 +99,7 @@ def _tools(tools: Any) -> list[dict] | None:
             raise bad(f"tools[{i}] type {t['type']!r} is a server tool; only client tools are served", "tools")
         if unknown := sorted(set(t) - TOOL_KEYS):
             raise bad(f"tools[{i}] keys {unknown} are not served (served: {sorted(TOOL_KEYS)})", f"tools[{i}]")
+    check.unique_names([t["name"] for t in tools])
     return [{"type": "function", "function": {
         "name": t["name"], "description": check.description(t.get("description", ""), f"tools[{i}].description"),
         "parameters": check.schema(t.get("input_schema"), f"tools[{i}].input_schema") or {}}}
@@ -112,6 +115,10 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | N
         mapped = {"type": "function", "function": {"name": v.get("name")}}
     if mapped is None:
         raise bad(f"'tool_choice' type must be auto, any, tool or none, got {v!r}", "tool_choice")
+    keys = {"type", *(["disable_parallel_tool_use"] if kind != "none" else []), *(["name"] if kind == "tool" else [])}
+    if unknown := sorted(set(v) - keys):  # as Anthropic (was: ignored)
+        raise bad(f"tool_choice.{unknown[0]}: Extra inputs are not permitted (tool_choice type {kind!r} takes "
+                  f"{sorted(keys)})", "tool_choice")
     disable = check.flag(v, "disable_parallel_tool_use", None)
     return check.tool_choice(mapped, tools), (None if disable is None else not disable)
 

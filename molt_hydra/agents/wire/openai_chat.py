@@ -93,6 +93,7 @@ def _tools(tools: Any) -> list[dict] | None:
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
         check.schema(fn.get("parameters"), f"tools[{i}].function.parameters")
         check.description(fn.get("description"), f"tools[{i}].function.description")
+    check.unique_names([t["function"]["name"] for t in tools])
     return tools or None
 
 

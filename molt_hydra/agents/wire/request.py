@@ -234,6 +234,16 @@ def description(v: Any, where: str) -> str | None:
     return v
 
 
+def unique_names(names: list[str]) -> None:
+    """Tool names are unique (OpenAI and Anthropic refuse a duplicate): a call names its tool, and two of one name
+    would leave it unsaid which one the model called, and a forced or strict call's grammar with two schemas."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if first.setdefault(name, i) != i:
+            raise bad(f"tools[{first[name]}] and tools[{i}] are both named {name!r}: tool names must be unique",
+                      "tools")
+
+
 def strict_names(functions: list[dict], param: str = "tools", default: bool = False) -> list[str]:
     """The names of the tools (function specs: name, `strict`?) whose arguments must follow their schema; `strict`
     absent or null is the API's `default`."""

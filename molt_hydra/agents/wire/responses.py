@@ -51,6 +51,7 @@ def parse(body: Any) -> ChatRequest:
             check.description(t.get("description"), f"tools[{i}].description")
             if unknown := sorted(set(t) - TOOL_KEYS):  # e.g. defer_loading: the tool would be hidden until searched
                 raise bad(f"tools[{i}] keys {unknown} are not served (served: {sorted(TOOL_KEYS)})", f"tools[{i}]")
+        check.unique_names([t["name"] for t in tools])
         strict = check.strict_names(tools, default=True)  # Responses tools are strict unless `strict: false`
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
                  for t in tools] or None
