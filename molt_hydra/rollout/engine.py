@@ -178,13 +178,16 @@ class VLLMEngine(BatchedCallee):
     def _sampling_params(s: Sampling, index: int, stream: bool):
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+        seed = None if s.seed is None else s.seed + index
+        if seed == -1:  # vLLM reads -1 as "no seed"; torch's generator reads -1 as 2**64 - 1 (two's complement), so
+            seed = 2**64 - 1  # this is the stream -1 names, seeded (a client's int64 seed may be -1)
         return SamplingParams(
             n=1, max_tokens=s.max_tokens, min_tokens=s.min_tokens, temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k if s.top_k and s.top_k > 0 else -1,
             # Neutral values sent explicitly so the checkpoint's generation_config cannot leak in (Molt §4.3).
             min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
             stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
-            seed=None if s.seed is None else s.seed + index,
+            seed=seed,
             logprobs=s.top_logprobs,  # 0: exactly the sampled token's logprob; k: plus the k best
             structured_outputs=StructuredOutputsParams(**s.structured) if s.structured else None,
             skip_special_tokens=False, output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,

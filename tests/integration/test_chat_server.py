@@ -485,7 +485,8 @@ BAD_REQUESTS = [  # (wire, body, session suffix, status, words the error message
     ("openai", dict(OK_BODY, tools=[{"type": "function"}]), "", 400, "tools[0]"),
     ("openai", dict(OK_BODY, messages=[{"role": "user", "content": "hi " * 600}]), "", 400, "max_length is 256"),
     ("openai", "[" * 100_000, "", 400, "nested too deeply"),
-    ("openai", dict(OK_BODY, seed=2**64, temperature=0.0), "", 400, "'seed' must be an integer >= 0 and <= "),
+    ("openai", dict(OK_BODY, seed=2**64, temperature=0.0), "", 400,
+     "'seed' must be an integer >= -9223372036854775808 and <= "),
     ("openai", dict(OK_BODY, tool_choice="required", tools=[{"type": "function", "function": {
         "name": "f", "parameters": "x"}}]), "", 400, "tools[0].function.parameters must be a JSON schema object"),
     ("anthropic", [1, 2], "", 400, "JSON object"),

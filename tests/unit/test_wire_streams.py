@@ -1496,3 +1496,41 @@ def test_duplicate_tool_names_a_string_stop_sequences_and_extra_tool_choice_keys
         "takes ['type'])", "tool_choice.strict: Extra inputs are not permitted (tool_choice type 'tool' takes "
         "['disable_parallel_tool_use', 'name', 'type'])")]
     assert served.stop_reason in ("end_turn", "tool_use")
+
+
+def test_a_negative_seed_is_honoured_in_the_int64_range_as_openai_and_vllm_take_it(tok):
+    """A negative `seed` was a 400; OpenAI and vLLM's server take any int64. It reaches the engine as sent, and -1
+    (which vLLM reads as "no seed") is sent as the value torch's generator reads -1 as, so it stays seeded. Outside
+    int64 it is still a 400 naming `seed`."""
+    import torch
+    from openai import AsyncOpenAI, BadRequestError
+
+    from molt_hydra.rollout.engine import VLLMEngine
+
+    engine = RecordingEngine(tok, "Hello.")
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            for i, seed in enumerate((-5, -(2**63))):
+                await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"hi {i}"}],
+                                                 seed=seed)
+            await oa.completions.create(model="policy", prompt="abc", seed=-1)
+            refused = []
+            for seed in (-(2**63) - 1, 2**63):
+                with pytest.raises(BadRequestError) as e:
+                    await oa.chat.completions.create(model="policy", messages=USER, seed=seed)
+                refused.append((e.value.body["param"], e.value.body["message"]))
+            return refused
+        finally:
+            await oa.close()
+            await server.stop()
+
+    refused = asyncio.run(go())
+    assert [r.sampling.seed for r in engine.requests] == [-5, -(2**63), -1]
+    assert refused == [("seed", f"'seed' must be an integer >= {-(2**63)} and <= {2**63 - 1}, got {v}")
+                       for v in (-(2**63) - 1, 2**63)]
+    sent = [VLLMEngine._sampling_params(Sampling(max_tokens=8, seed=s), i, False).seed for s, i in ((-5, 0), (-1, 0), (-2, 1))]
+    assert sent == [-5, 2**64 - 1, 2**64 - 1]  # (was: None for the last two: sampled unseeded)
+    assert torch.Generator().manual_seed(2**64 - 1).initial_seed() == torch.Generator().manual_seed(-1).initial_seed()

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-MAX_SEED = 2**63 - 1  # vLLM's own server bound; the engine seeds a torch.Generator (n choices add their index)
+# int64, as OpenAI and vLLM's server take it; the engine seeds a torch.Generator (n choices add their index)
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 class RequestError(Exception):
@@ -186,7 +187,7 @@ def sampling(body: dict, max_keys: tuple[str, ...], stop_key: str | None = None,
                   f"({max_keys[0]!r})", max_keys[-1])
     overrides = {"max_tokens": next(iter(caps.values()), None),
                  "temperature": number(body, "temperature", 0.0, temperature_max),
-                 "top_p": number(body, "top_p", 1e-9, 1.0), "seed": integer(body, "seed", 0, MAX_SEED),
+                 "top_p": number(body, "top_p", 1e-9, 1.0), "seed": integer(body, "seed", MIN_SEED, MAX_SEED),
                  "top_k": integer(body, "top_k", 1)}
     stop = body.get(stop_key) if stop_key else None
     if stop is not None:
