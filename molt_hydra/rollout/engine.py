@@ -178,9 +178,9 @@ class VLLMEngine(BatchedCallee):
     def _sampling_params(s: Sampling, index: int, stream: bool):
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-        seed = None if s.seed is None else s.seed + index
-        if seed == -1:  # vLLM reads -1 as "no seed"; torch's generator reads -1 as 2**64 - 1 (two's complement), so
-            seed = 2**64 - 1  # this is the stream -1 names, seeded (a client's int64 seed may be -1)
+        # a client's int64 seed plus the choice index, mod 2**63: vLLM reads -1 as "no seed" (the request would be
+        # sampled unseeded) and its GPU runner keeps seeds in int64 (MAX_SEED + 1 would overflow); never either
+        seed = None if s.seed is None else (s.seed + index) % 2**63
         return SamplingParams(
             n=1, max_tokens=s.max_tokens, min_tokens=s.min_tokens, temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k if s.top_k and s.top_k > 0 else -1,

@@ -1499,10 +1499,9 @@ def test_duplicate_tool_names_a_string_stop_sequences_and_extra_tool_choice_keys
 
 
 def test_a_negative_seed_is_honoured_in_the_int64_range_as_openai_and_vllm_take_it(tok):
-    """A negative `seed` was a 400; OpenAI and vLLM's server take any int64. It reaches the engine as sent, and -1
-    (which vLLM reads as "no seed") is sent as the value torch's generator reads -1 as, so it stays seeded. Outside
-    int64 it is still a 400 naming `seed`."""
-    import torch
+    """A negative `seed` was a 400; OpenAI and vLLM's server take any int64. It reaches the engine as sent, which
+    seeds vLLM with seed + choice index mod 2**63 (never -1, vLLM's "no seed"; never past int64). Outside int64 it is
+    still a 400 naming `seed`."""
     from openai import AsyncOpenAI, BadRequestError
 
     from molt_hydra.rollout.engine import VLLMEngine
@@ -1531,6 +1530,7 @@ def test_a_negative_seed_is_honoured_in_the_int64_range_as_openai_and_vllm_take_
     assert [r.sampling.seed for r in engine.requests] == [-5, -(2**63), -1]
     assert refused == [("seed", f"'seed' must be an integer >= {-(2**63)} and <= {2**63 - 1}, got {v}")
                        for v in (-(2**63) - 1, 2**63)]
-    sent = [VLLMEngine._sampling_params(Sampling(max_tokens=8, seed=s), i, False).seed for s, i in ((-5, 0), (-1, 0), (-2, 1))]
-    assert sent == [-5, 2**64 - 1, 2**64 - 1]  # (was: None for the last two: sampled unseeded)
-    assert torch.Generator().manual_seed(2**64 - 1).initial_seed() == torch.Generator().manual_seed(-1).initial_seed()
+    pairs = ((-5, 0), (-1, 0), (-2, 1), (2**63 - 1, 1), (7, 2))  # (seed, choice index)
+    sent = [VLLMEngine._sampling_params(Sampling(max_tokens=8, seed=s), i, False).seed for s, i in pairs]
+    # seed + index mod 2**63: never vLLM's "no seed" (-1, was: None for the second and third), never past int64
+    assert sent == [2**63 - 5, 2**63 - 1, 2**63 - 1, 0, 9]
