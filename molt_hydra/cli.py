@@ -7,7 +7,7 @@
     molt-run -m +recipe=sweep_estimators_is cluster=slurm   # one Slurm job per sweep point
 
 Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar,
-unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
+a key given twice, unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
 single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
 reason and the fix, and the exit code is 2. A run is validated and planned once, before Hydra makes its output
 directory (`point_problems`: a refused config leaves nothing behind; Hydra then makes the directory that was checked
@@ -121,10 +121,10 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     """Parse and compose the command line's overrides as Hydra will, before Hydra does: (the composed config, with its
     `hydra` node when `hydra_config`, and []) or (None, problems), every failure a line `- key: reason Fix: fix`
     (exit 2) instead of Hydra's report (exit 1). A sweep is composed at its first point."""
-    parser, problems, parsed = OverridesParser.create(), [], []
+    parser, problems, pairs = OverridesParser.create(), [], []  # (override, its text): only those that parse
     for text in overrides:
         try:
-            parsed += parser.parse_overrides([text])
+            pairs += [(o, text) for o in parser.parse_overrides([text])]
         except OverrideParseException as e:
             problems.append(f"- {text}: Hydra cannot parse this override ({str(e).splitlines()[0]}). Fix: write "
                             "key=value; quote a value holding , [ ] { } $, spaces or letters beyond ASCII for Hydra, "
@@ -132,12 +132,13 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
                             "https://hydra.cc/docs/advanced/override_grammar/basic/")
     if not multirun:
         problems += [f"- {text}: a sweep (a,b / range / glob), but this is not a multirun. Fix: quote the value "
-                     f"(key='a,b'), give a list (key=[a,b]), or add -m to sweep" for o, text in zip(parsed, overrides)
+                     f"(key='a,b'), give a list (key=[a,b]), or add -m to sweep" for o, text in pairs
                      if o.is_sweep_override()]
-    problems += [_deleted(o.key_or_group, text) for o, text in zip(parsed, overrides)
+    problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
-    if problems:
+    if problems := problems + repeated_keys(pairs):
         return None, problems
+    parsed = [o for o, _ in pairs]
     search = _search_path(parsed, config_dir)
     if problems := unlisted_sweeps(parsed, overrides):
         return None, problems
@@ -158,6 +159,22 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
         return None, [_composition_problem(e, overrides)]
     problems = _not_a_bool(cfg, parsed)
     return (None, problems) if problems else (cfg, [])
+
+
+def repeated_keys(pairs: list) -> list[str]:
+    """A key (or config group) the command line gives more than once: Hydra applies each in turn, so the last one won
+    without a word (`rollout.n_samples_per_prompt=4 rollout.n_samples_per_prompt=8` ran 8; a sweep `-m seed=1,2
+    seed=3` ran seed=3 alone). One key with several values (`-m seed=1,2`) is one override, a sweep; `~key` undoes
+    what comes before it in so many words (+agent.runner.NAME=v ~agent.runner.NAME)."""
+    given: dict[tuple, list] = {}
+    for o, text in pairs:
+        if not o.is_delete():
+            given.setdefault((o.key_or_group, o.package), []).append((o, text))
+    return [f"- {key}: given {len(both)} times on the command line ({', '.join(text for _, text in both)}), but it "
+            "holds one value: Hydra would keep the last without a word (or refuse two +adds). Fix: give "
+            f"{key} once ({element}=VALUE); to run several values, sweep them in one override: -m {element}=A,B"
+            for (key, _), both in given.items() if len(both) > 1
+            for element in [both[-1][0].get_key_element()]]
 
 
 def unlisted_sweeps(parsed: list, texts: list[str]) -> list[str]:
@@ -606,7 +623,8 @@ def _command_line_problems(args) -> list[str]:
         if args.resolve and not any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides):
             # under --cfg Hydra sets no hydra.runtime.output_dir, so --resolve failed on output_dir with a traceback
             sys.argv.append(f"output_dir={quoted(str(run_dir))}")
-        return point_problems([*overrides, "dry_run=true"], run_dir, args.config_dir)[0]
+        as_dry = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "dry_run"]  # (given once: repeated_keys)
+        return point_problems([*as_dry, "dry_run=true"], run_dir, args.config_dir)[0]
     return _check_run(first, overrides, args.config_dir)  # before Hydra makes its run directory
 
 

@@ -608,8 +608,8 @@ def test_a_config_dir_that_is_no_directory_is_refused(monkeypatch, tmp_path, cap
     (["train.optimizer.betas=[a,b]"], "Fix: set train.optimizer.betas to a list of numbers in [0, 1) (default [0.9, "
                                       "0.95])"),
     (["model.lora.rank=abc"], "Fix: set model.lora.rank to an integer >= 0, or null (default null)"),
-    (["+recipe=tiny_cpu", "+recipe=smollm2_arith"], "- +recipe=smollm2_arith: recipe is chosen more than once. Fix: "
-                                                    "give one +recipe=NAME"),
+    (["+recipe=tiny_cpu", "+recipe=smollm2_arith"], "- recipe: given 2 times on the command line (+recipe=tiny_cpu, "
+                                                    "+recipe=smollm2_arith)"),
     (["+algorithm=rloo"], "- +algorithm=rloo: algorithm is chosen more than once. Fix: choose one: algorithm=NAME, "
                           "without +, replaces the default algorithm"),
     (["recipe=tiny_cpu"], "- recipe=tiny_cpu: recipe is in no defaults list, so there is nothing to override. Fix: "
@@ -653,3 +653,59 @@ def test_a_sweep_point_repeating_another_is_refused(sweep, monkeypatch, tmp_path
     """Before: `-m seed=1,1` ran the same configuration twice (1e-1 is 0.1 as Hydra parses it)."""
     assert _main_in_process(["-m", *sweep, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
     assert "- sweep point #1 (" in (err := capsys.readouterr().err) and "repeats sweep point #0" in err
+
+
+@pytest.mark.parametrize("overrides,multirun", [
+    (["rollout.n_samples_per_prompt=4", "rollout.n_samples_per_prompt=8"], False),
+    (["seed=1", "++seed=2"], False),
+    (["hydra.run.dir=/tmp/a", "hydra.run.dir=/tmp/b"], False),
+    (["model=qwen3_tiny", "model=smollm2_135m"], False),
+    (["seed=1,2", "seed=3"], True),  # the sweep was dropped for seed=3 alone
+])
+def test_a_key_given_twice_is_refused_naming_both(overrides, multirun):
+    """Before: the same key twice on the command line silently took the last value."""
+    key = overrides[0].split("=", 1)[0]
+    cfg, problems = compose_checked([*overrides, "dry_run=true"], multirun=multirun)
+    assert cfg is None and len(problems) == 1, problems
+    assert problems[0].startswith(f"- {key}: given 2 times on the command line ({', '.join(overrides)})"), problems
+    assert f"Fix: give {key} once" in problems[0]
+
+
+def test_only_a_repeated_key_is_refused():
+    """One key with several values is a sweep; other keys ending alike (train.batch_size, rollout.batch_size) are
+    other keys."""
+    overrides = ["seed=1,2", "train.batch_size=64", "rollout.batch_size=8", "rollout.batch_size=16"]
+    cfg, problems = compose_checked(overrides, multirun=True)
+    assert [line.split(":", 1)[0] for line in problems] == ["- rollout.batch_size"], problems
+
+
+def test_cfg_checks_as_a_dry_run_whatever_dry_run_the_user_gives(monkeypatch, tmp_path, capsys):
+    """--cfg checks the config as a dry run (dry_run=true added): the user's own dry_run is no repeat, twice it is."""
+    assert _main_in_process(["--cfg", "job", "dry_run=false"], monkeypatch, tmp_path) in (None, 0)
+    assert "Config error" not in capsys.readouterr().err
+    assert _main_in_process(["--cfg", "job", "dry_run=false", "dry_run=true"], monkeypatch, tmp_path) == \
+        EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith("Config error(s):\n- dry_run: given 2 times")
+
+
+def test_each_override_problem_names_its_own_override():
+    """Before: after an override Hydra cannot parse, the next ones' problems were named by the override before them
+    (`'seed=[1' seed=1,2` reported the sweep as `seed=[1`)."""
+    _, problems = compose_checked(["seed=[1", "train.max_steps=1,2"])
+    assert [line.split(":", 1)[0] for line in problems] == ["- seed=[1", "- train.max_steps=1,2"], problems
+
+
+def test_the_sbatch_launcher_passes_its_own_keys_only_where_the_user_leaves_them_out(tmp_path):
+    """launchers/molt.sbatch sets checkpoint.resume (and hydra.run.dir, cluster.nodes) before the user's arguments,
+    which may set them again: a key given twice is refused, so the user's `checkpoint.resume=never` must replace the
+    script's, not repeat it."""
+    import os
+    import subprocess
+
+    from _config_helpers import MOLT_RUN, REPO
+
+    env = {**os.environ, "PATH": f"{MOLT_RUN.parent}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    run = subprocess.run(["bash", str(REPO / "launchers" / "molt.sbatch"), "dry_run=true", "checkpoint.resume=never"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and f"{tmp_path}/outputs/default/slurm-7" in run.stdout, run.stdout + run.stderr
