@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -49,9 +50,15 @@ def _convert(node):
         key = getattr(e, "full_key", None) or "config"
         message = str(e).splitlines()[0]
         fix = ("set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower()
-               else "write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} "
-                    "resolves" if "HydraConfig was not set" in message else f"set {key} to {expected(RunConfig, key)}")
+               else _fix(key, message))
         raise ConfigError(f"- {key}: {message}. Fix: {fix}") from None
+
+
+def _fix(key: str, message: str) -> str:
+    return ("write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} resolves"
+            if "HydraConfig was not set" in message else f"set {key} to {expected(RunConfig, key)}"
+            if not key.startswith("hydra.") else f"set {key} as Hydra's own config takes it (`molt-run --cfg hydra` "
+            "prints it), or leave it out")
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -157,8 +164,27 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
             cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
-    problems = _not_a_bool(cfg, parsed)
+    problems = _not_a_bool(cfg, parsed) + _unresolved(cfg, pairs)
     return (None, problems) if problems else (cfg, [])
+
+
+# the hydra node's keys molt-run reads before Hydra starts (the run and sweep directories are made from name)
+HYDRA_READ = ("hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir")
+
+
+def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
+    """The command line's keys, then HYDRA_READ, that cannot resolve: `name=${name}`, `name=${oc.env:UNSET}` or
+    `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory."""
+    problems, texts = [], {o.key_or_group: text for o, text in pairs if not o.is_delete()}
+    for key in [*(k for k in texts if "/" not in k and not k.startswith("hydra.")), *HYDRA_READ]:
+        try:
+            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as e:
+            reason = str(e).splitlines()[0]
+            problems.append(f"- {key}: {reason} ({texts.get(key, 'its value')}). Fix: {_fix(key, reason)}")
+        if problems:  # (the directories are made from the keys before them: one cause, one line)
+            break
+    return problems
 
 
 def repeated_keys(pairs: list) -> list[str]:
@@ -197,14 +223,23 @@ def _deleted(key: str, text: str) -> str:
     """`~key`: every key of the typed config keeps a value, so a deleted one (or a deleted group's keys) fell back to
     the schema's default without a word (`~train` dropped config.yaml's max_steps: the run never ended), or crashed
     the composition (`~job`). The agent's kwargs (agent.runner.*) and Hydra's own keys may be deleted."""
-    if key == "recipe" or (CONF_DIR / key).is_dir():
+    if key == "recipe":  # (no recipe is in the defaults list: only +recipe=NAME adds one)
+        return (f"- {text}: no recipe is chosen by default, only by +recipe=NAME, so deleting it undoes the command "
+                "line's own choice. Fix: drop ~recipe, and +recipe=NAME too for no recipe")
+    if _is_group(key):
         return (f"- {text}: deletes the config group {key}, whose keys would then take the schema's defaults unseen. "
                 f"Fix: choose another option ({key}=NAME), or set the keys you mean to change ({key}.KEY=VALUE)")
     if any(name.startswith(f"{key}.") for name in declared_bounds(RunConfig)):
         return (f"- {text}: deletes {key}, whose keys would then take the schema's defaults unseen. Fix: set the keys "
                 f"you mean to change ({key}.KEY=VALUE); `molt-run --cfg job` prints their current values")
+    if key not in declared_bounds(RunConfig):  # (`~nope`: no default to fall back to)
+        return _not_a_key(key, text)
     return (f"- {text}: deletes {key}, which would then take its schema default unseen. Fix: set it instead "
             f"({key}=VALUE, or null where the schema allows it); `molt-run --cfg job` prints its current value")
+
+
+def _is_group(key: str) -> bool:
+    return key == "recipe" or (CONF_DIR / key).is_dir()
 
 
 def quoted(value: str) -> str:
@@ -278,6 +313,19 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if "Cannot find primary config" in text:  # --config-name NAME
         return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
                 "that directory (without .yaml), or leave --config-name out (molt's config)")
+    if "Config group override must be a string" in text:  # `model=null`, `rollout=4`, `+recipe=null`
+        override = next((o for o in overrides if "=" in o and _is_group(o.lstrip("+~").split("=", 1)[0])), override)
+        element, name = override.split("=", 1)[0], override.lstrip("+~").split("=", 1)[0]
+        return (f"- {override}: {name} is a config group, which takes the name of one of its options. Fix: choose one "
+                f"({element}=NAME; `molt-run --help` lists them), or set a key of it ({name}.KEY=VALUE)"
+                if name != "recipe" else f"- {override}: recipe is a config group, which takes the name of a recipe. "
+                f"Fix: give +recipe=NAME (`molt-run --help` lists them), or leave it out")
+    if "force-add of config groups is not supported" in text:  # `++recipe=NAME`, `++model=NAME`
+        override = next((o for o in overrides if o.startswith("++") and _is_group(o[2:].split("=", 1)[0])), override)
+        plain = override.lstrip("+")
+        fix = f"+{plain}" if plain.startswith("recipe=") else plain
+        return (f"- {override}: ++ force-adds a key; a config group is chosen with one + where the defaults list "
+                f"lacks it (+recipe=NAME), else without (model=NAME). Fix: {fix}")
     if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
         options = re.findall(r"^\t(\S+)$", text, re.M)
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
@@ -307,7 +355,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if key is None:
         return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares "
                 "for it (`molt-run --cfg job` prints every key)")
-    return f"- {key}: {reason} ({override}). Fix: set {key.split('[')[0]} to {expected(RunConfig, key)}"
+    return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
 
 
 ANNOUNCED_SWEEP = 20  # sweeps of more points than this say that their check is under way
@@ -398,18 +446,38 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
     """Slurm settings where nothing submits: submitit's launcher submits only a multirun's points, so `cluster=slurm`
     without -m (outside an allocation) would run here, and cluster.{partition,...} set on the command line of a run
     that submits nothing would change nothing (an sbatch'ed run takes its resources from sbatch's own options)."""
+    if plugins := plugin_problems(first):
+        return plugins
     submits = first.hydra.launcher._target_.endswith(".SlurmLauncher")
     if submits and not multirun and not os.environ.get("SLURM_JOB_ID"):
         return ["- hydra/launcher: the cluster preset selects the Slurm launcher, which submits the points of a "
                 "multirun; without -m this run would start here, on this machine. Fix: add -m to submit it, or "
                 "sbatch launchers/molt.sbatch"]
-    if submits and multirun:
-        return []
+    if submits and multirun:  # (submitit's own check of srun is a RuntimeError traceback once Hydra starts)
+        return [] if shutil.which("srun") else [
+            "- hydra/launcher: the cluster preset selects the Slurm launcher, which submits each point with sbatch, "
+            "but this machine has no Slurm (srun is not on PATH). Fix: run molt-run -m on a Slurm login node, or "
+            "choose a preset that runs here (cluster=local, cluster=local_gpus)"]
     why = "the launcher is Hydra's basic one, which runs the points here" if multirun else "no Slurm job is submitted"
     keys = [f"cluster.{name}" for name in SLURM_RESOURCES]
     return [f"- {key}: a Slurm resource of the submitit launcher, but {why}, so it changes nothing. Fix: unset it; "
             "submit with -m and a Slurm cluster preset (cluster=slurm), or give it to sbatch (-p, -A, -q, -C, -t)"
             for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
+
+
+def plugin_problems(first: DictConfig) -> list[str]:
+    """hydra.launcher and hydra.sweeper name a plugin class Hydra can start for a multirun: `hydra.launcher=null` ended
+    in an AttributeError traceback here, `hydra.sweeper._target_=x` in Hydra's RuntimeError once the multirun began."""
+    from molt_hydra.compat.hydra import plugin_classes
+
+    problems = []
+    for name in ("launcher", "sweeper"):
+        node = first.hydra[name]
+        target = node.get("_target_") if isinstance(node, DictConfig) else node
+        if target not in (known := plugin_classes(name)):
+            problems.append(f"- hydra.{name}: {target!r} is no {name} Hydra can start (its plugins: {known}). Fix: "
+                            f"choose one with hydra/{name}=NAME (`molt-run --hydra-help` lists them), or leave it out")
+    return problems
 
 
 def chdir_problems(first: DictConfig) -> list[str]:

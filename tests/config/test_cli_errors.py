@@ -185,6 +185,9 @@ def test_a_long_sweeps_check_says_it_is_under_way(monkeypatch, capsys):
     (["cluster.account=a", "cluster.time_min=30"], True, False, ["cluster.account", "cluster.time_min"]),  # basic
 ])
 def test_slurm_settings_where_nothing_submits_are_refused(overrides, multirun, in_allocation, refused, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # a Slurm login node: srun on PATH
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     if in_allocation:
         monkeypatch.setenv("SLURM_JOB_ID", "7")
@@ -709,3 +712,67 @@ def test_the_sbatch_launcher_passes_its_own_keys_only_where_the_user_leaves_them
     run = subprocess.run(["bash", str(REPO / "launchers" / "molt.sbatch"), "dry_run=true", "checkpoint.resume=never"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and f"{tmp_path}/outputs/default/slurm-7" in run.stdout, run.stdout + run.stderr
+
+
+
+def test_a_slurm_sweep_where_there_is_no_slurm_is_refused(monkeypatch):
+    """Before: `molt-run -m cluster=slurm ...` on a machine without Slurm ended in submitit's RuntimeError traceback
+    (`Could not detect "srun"`) once Hydra started."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    first, problems = compose_checked(["cluster=slurm", "seed=1,2"], multirun=True, hydra_config=True)
+    found = launcher_problems(first, ["cluster=slurm", "seed=1,2"], True)
+    assert problems == [] and len(found) == 1 and found[0].startswith("- hydra/launcher: ") and "srun" in found[0]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("hydra.launcher=null", "hydra.launcher"),
+    ("hydra.sweeper=null", "hydra.sweeper"),
+    ("hydra.sweeper._target_=my.Sweeper", "hydra.sweeper"),
+])
+def test_a_launcher_or_sweeper_hydra_cannot_start_is_refused(override, key):
+    """Before: hydra.launcher=null (or hydra.sweeper=null under -m) ended in an AttributeError traceback here, and a
+    _target_ that is no Hydra plugin in Hydra's RuntimeError once the multirun began."""
+    from molt_hydra.compat.hydra import plugin_classes
+
+    first, problems = compose_checked([override, "seed=1,2"], multirun=True, hydra_config=True)
+    found = launcher_problems(first, [override, "seed=1,2"], True)
+    value = override.split("=", 1)[1]
+    assert problems == [] and len(found) == 1, found
+    assert found[0].startswith(f"- {key}: {None if value == 'null' else value!r} is no ") and \
+        str(plugin_classes(key.split(".")[1])) in found[0] and f"Fix: choose one with hydra/{key[6:]}=NAME" in found[0]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("name=${name}", "name"),  # (the run directory is made from name: it was the traceback's key)
+    ("name=${oc.env:MOLT_TEST_UNSET_VARIABLE}", "name"),
+    ("hydra.run.dir=${nope}", "hydra.run.dir"),
+    ("hydra.job.chdir=${nope}", "hydra.job.chdir"),
+])
+def test_a_value_that_cannot_resolve_is_a_config_error_naming_it(override, key, monkeypatch, tmp_path, capsys):
+    """Before: an unresolvable interpolation in name (or in the hydra keys molt-run reads) ended in an OmegaConf
+    traceback (exit 1) when molt-run read hydra.run.dir."""
+    monkeypatch.delenv("MOLT_TEST_UNSET_VARIABLE", raising=False)
+    assert _main_in_process([override, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"Config error(s):\n- {key}: ") and f"({override}). Fix: " in err and err.count("\n- ") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override,start,fix", [
+    ("model=null", "- model=null: model is a config group", "choose one (model=NAME"),
+    ("rollout=4", "- rollout=4: rollout is a config group", "choose one (rollout=NAME"),
+    ("+recipe=null", "- +recipe=null: recipe is a config group", "give +recipe=NAME"),
+    ("++recipe=tiny_cpu", "- ++recipe=tiny_cpu: ++ force-adds a key", "Fix: +recipe=tiny_cpu"),
+    ("++model=qwen3_tiny", "- ++model=qwen3_tiny: ++ force-adds a key", "Fix: model=qwen3_tiny"),
+    ("~recipe", "- ~recipe: no recipe is chosen by default", "Fix: drop ~recipe"),
+    ("~train.optimzer.lr", "- train.optimzer.lr: not a key of the config (~train.optimzer.lr)",
+     "did you mean train.optimizer.lr"),
+])
+def test_a_group_given_no_option_or_a_key_deleted_that_is_none_says_so(override, start, fix):
+    """Before: `model=null` / `rollout=4` said `- the command line: Config group override must be a string or a list`
+    with the fix to give a value of the schema's type; `++recipe=NAME` that fix too; `~recipe` to choose
+    `recipe=NAME` (no such override) or set recipe.KEY; `~train.optimzer.lr` that the key would take its default."""
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(start) and fix in problems[0], problems
