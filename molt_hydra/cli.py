@@ -6,13 +6,13 @@
     molt-run +recipe=qwen3_4b_math dry_run=true
     molt-run -m +recipe=sweep_estimators_is cluster=slurm   # one Slurm job per sweep point
 
-Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar,
-a key given twice, unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
-single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
-reason and the fix, and the exit code is 2. A run is validated and planned once, before Hydra makes its output
-directory (`point_problems`: a refused config leaves nothing behind; Hydra then makes the directory that was checked
-and the run gets the checked config), a multirun every point before the first starts (`sweep_problems`). A dry run
-prints its plan (every point's, for a multirun) and writes nothing. `molt-run --help` is conf/hydra/help/molt.yaml.
+Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar, a key
+given twice, unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing
+values and single-group rules, and `validate` every cross-group rule; each message names the full key (or the override),
+the reason and the fix, and the exit code is 2. A run is validated and planned once, before Hydra makes its output
+directory (`point_problems`: a refused config leaves nothing behind; Hydra then makes the directory that was checked and
+the run gets the checked config), a multirun every point before the first starts (`sweep_problems`). A dry run prints
+its plan (every point's, for a multirun) and writes nothing. `molt-run --help` is conf/hydra/help/molt.yaml.
 """
 
 from __future__ import annotations
