@@ -18,6 +18,7 @@ its plan (every point's, for a multirun) and writes nothing. `molt-run --help` i
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import shutil
@@ -29,7 +30,7 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Glob, IntervalSweep
+from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
 from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.nodes import BooleanNode
@@ -143,6 +144,11 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
                      if o.is_sweep_override()]
     problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
+    if multirun:
+        problems += oversized_sweep(pairs) + [
+            f"- {text}: a sweep over dry_run would start some points and only plan the others. Fix: add dry_run=true "
+            "to plan every point, or leave dry_run out to run them" for o, text in pairs
+            if o.is_sweep_override() and o.key_or_group == "dry_run"]
     if problems := problems + repeated_keys(pairs):
         return None, problems
     parsed = [o for o, _ in pairs]
@@ -201,6 +207,28 @@ def repeated_keys(pairs: list) -> list[str]:
             f"{key} once ({element}=VALUE); to run several values, sweep them in one override: -m {element}=A,B"
             for (key, _), both in given.items() if len(both) > 1
             for element in [both[-1][0].get_key_element()]]
+
+
+# the most points a sweep may have: Slurm's default MaxArraySize (1001) holds one array of them; the basic launcher
+# runs them one after another here, each checked first (~0.5 s). Listing 10**8 of them hung before the first started.
+MAX_SWEEP_POINTS = 1000
+
+
+def oversized_sweep(pairs: list) -> list[str]:
+    """A sweep of more than MAX_SWEEP_POINTS points (the product of each swept key's count), counted without listing
+    them: `-m seed=range(0,100000000)` hung while Hydra listed and molt-run checked its points."""
+    sizes = {}
+    for o, text in pairs:
+        value = o.value() if o.is_sweep_override() else None
+        if isinstance(value, RangeSweep) and value.start is not None and value.stop is not None and value.step:
+            sizes[o.key_or_group] = (text, max(0, math.ceil((value.stop - value.start) / value.step)))
+        elif isinstance(value, (ChoiceSweep, list)):
+            sizes[o.key_or_group] = (text, len(value.list if isinstance(value, ChoiceSweep) else value))
+    if (points := math.prod(n for _, n in sizes.values())) <= MAX_SWEEP_POINTS:
+        return []
+    return [f"- {' '.join(text for text, _ in sizes.values())}: a sweep of {points} points, more than "
+            f"{MAX_SWEEP_POINTS} (each point is a run of its own). Fix: sweep fewer values, or split the sweep into "
+            f"multiruns of at most {MAX_SWEEP_POINTS} points"]
 
 
 def unlisted_sweeps(parsed: list, texts: list[str]) -> list[str]:
@@ -380,7 +408,8 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     basic = first.hydra.sweeper._target_.endswith(".BasicSweeper")
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()] if basic else []
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
-    if problems := unlisted_sweeps(parsed, [f"hydra.sweeper.params.{text}" for text in params]):
+    texts = [f"hydra.sweeper.params.{text}" for text in params]
+    if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts):
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
     if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own

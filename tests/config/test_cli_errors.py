@@ -776,3 +776,23 @@ def test_a_group_given_no_option_or_a_key_deleted_that_is_none_says_so(override,
     `recipe=NAME` (no such override) or set recipe.KEY; `~train.optimzer.lr` that the key would take its default."""
     cfg, problems = compose_checked([override])
     assert cfg is None and len(problems) == 1 and problems[0].startswith(start) and fix in problems[0], problems
+
+
+@pytest.mark.parametrize("sweeps,points", [
+    (["seed=range(0,100000000)"], 100000000),
+    (["seed=range(0,40)", "train.max_steps=1,2,3", "rollout.top_k=range(1,10)"], 40 * 3 * 9),  # (1080)
+])
+def test_a_sweep_of_too_many_points_is_refused_before_listing_them(sweeps, points):
+    """Before: `-m seed=range(0,100000000)` hung: every point was listed, then composed and checked one by one."""
+    from molt_hydra.cli import MAX_SWEEP_POINTS
+
+    cfg, problems = compose_checked([*sweeps, "dry_run=true"], multirun=True)
+    assert cfg is None and len(problems) == 1, problems
+    assert problems[0].startswith(f"- {' '.join(sweeps)}: a sweep of {points} points, more than {MAX_SWEEP_POINTS}")
+    assert compose_checked(["seed=range(0,40)", "train.max_steps=1,2,3", "dry_run=true"], multirun=True)[1] == []
+
+
+def test_a_sweep_over_dry_run_is_refused():
+    """Before: `-m seed=1,2 dry_run=true,false` planned half the points and started real runs of the others."""
+    cfg, problems = compose_checked(["seed=1,2", "dry_run=true,false"], multirun=True)
+    assert cfg is None and len(problems) == 1 and problems[0].startswith("- dry_run=true,false: a sweep over dry_run")
