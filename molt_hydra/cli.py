@@ -133,6 +133,9 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     for text in overrides:
         try:
             pairs += [(o, text) for o in parser.parse_overrides([text])]
+            if not pairs[-1][0].key_or_group:  # (Hydra parses `=1` as a key named '')
+                problems.append(f"- {text}: no key before the =. Fix: write key=value (`molt-run --cfg job` prints "
+                                "every key)")
         except OverrideParseException as e:
             problems.append(f"- {text}: Hydra cannot parse this override ({str(e).splitlines()[0]}). Fix: write "
                             "key=value; quote a value holding , [ ] { } $, spaces or letters beyond ASCII for Hydra, "
@@ -367,6 +370,8 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
                 "hydra.sweeper.params in a recipe, as recipes/sweep_estimators_is.yaml does")
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
         return _not_a_key(key, override)
+    if key and (given := override.lstrip("+~").split("=", 1)[0]).startswith(f"{key}."):  # `rollout.batch_size.x=4`
+        return _not_a_key(given, override)  # (was: rollout.batch_size could not be converted from a dict)
     reason = str(chain[-1]).splitlines()[0]
     if group := re.search(r"Could not append to config\. An item is already at '([^']+)'", text):  # `+seed=1`
         return (f"- {override}: {group[1]} is a key of the config already; + adds a key it lacks. Fix: drop the +: "

@@ -796,3 +796,15 @@ def test_a_sweep_over_dry_run_is_refused():
     """Before: `-m seed=1,2 dry_run=true,false` planned half the points and started real runs of the others."""
     cfg, problems = compose_checked(["seed=1,2", "dry_run=true,false"], multirun=True)
     assert cfg is None and len(problems) == 1 and problems[0].startswith("- dry_run=true,false: a sweep over dry_run")
+
+
+@pytest.mark.parametrize("override,line", [
+    ("rollout.batch_size.x=4", "- rollout.batch_size.x: not a key of the config (rollout.batch_size.x=4)"),
+    ("model.path.x=1", "- model.path.x: not a key of the config (model.path.x=1)"),
+    ("=1", "- =1: no key before the =."),
+])
+def test_a_key_below_a_value_or_no_key_at_all_says_so(override, line):
+    """Before: `rollout.batch_size.x=4` said rollout.batch_size could not be converted from a dict, fix: set it to an
+    integer; `=1` that ' is a config group' (Hydra parses a key named '')."""
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(line) and " Fix: " in problems[0], problems
