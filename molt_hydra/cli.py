@@ -32,7 +32,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
 from hydra.errors import HydraException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -65,18 +65,20 @@ def _fix(key: str, message: str) -> str:
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed config from the composed tree; declared ranges, MISSING values and `__post_init__` rules fail here, all
     at once: on failure every group is converted on its own, so the message lists one problem per broken group."""
-    problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)]
+    nested = _nested_items(cfg)  # (a group holding one fails its own rules with a TypeError: that line is left out)
+    problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)] + nested
     try:
         run_cfg = _convert(cfg)
     except ConfigError as whole:
         per_group = []
         for name in cfg:
-            if isinstance(node := cfg._get_node(name), DictConfig):
+            if isinstance(node := cfg._get_node(name), DictConfig) and not any(
+                    line.startswith(f"- {name}.") for line in nested):
                 try:
                     _convert(node)
                 except ConfigError as e:
                     per_group.append(str(e))
-        problems += per_group or [str(whole)]  # a root-level failure no single group reproduces
+        problems += per_group or ([] if nested else [str(whole)])  # a root-level failure no single group reproduces
     if problems:
         raise ConfigError("\n".join(problems)) from None
     return run_cfg
@@ -95,6 +97,21 @@ def _added_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
         elif key not in known:
             added.append(key)
     return added
+
+
+def _nested_items(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """A list or mapping inside a list of numbers or strings: OmegaConf checks a typed list's scalar items only, so
+    `train.optimizer.betas=[0.9,[1]]` and `cluster.setup=[[a]]` reached the run (or a TypeError far from the key)."""
+    problems = []
+    for name in cfg:
+        key, node = f"{prefix}{name}", cfg._get_node(name)
+        if isinstance(node, DictConfig) and key not in ("hydra", "agent.runner"):
+            problems += _nested_items(node, f"{key}.")
+        elif isinstance(node, ListConfig) and node._metadata.element_type in (int, float, str, bool) and any(
+                isinstance(node._get_node(i), (DictConfig, ListConfig)) for i in range(len(node))):
+            problems.append(f"- {key}: a list of single values, got {OmegaConf.to_container(node)}. Fix: set {key} to "
+                            f"{expected(RunConfig, key)}")
+    return problems
 
 
 def _not_a_key(key: str, how: str) -> str:

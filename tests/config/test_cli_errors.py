@@ -808,3 +808,20 @@ def test_a_key_below_a_value_or_no_key_at_all_says_so(override, line):
     integer; `=1` that ' is a config group' (Hydra parses a key named '')."""
     cfg, problems = compose_checked([override])
     assert cfg is None and len(problems) == 1 and problems[0].startswith(line) and " Fix: " in problems[0], problems
+
+
+@pytest.mark.parametrize("override", ["train.optimizer.betas=[0.9,[1]]", "cluster.setup=[[a]]",
+                                      "algorithm.reward_clip=[[1],2]", "data.train_probs=[{a: 1}]"])
+def test_a_list_or_mapping_inside_a_list_of_values_is_refused(override):
+    """Before: OmegaConf checks a typed list's scalar items only: betas=[0.9,[1]] and cluster.setup=[[a]] reached the
+    run; reward_clip=[[1],2] failed in AlgorithmConfig's own rule (`'<' not supported`), fix: `set algorithm to its
+    keys`."""
+    from molt_hydra.config.bounds import expected
+    from molt_hydra.config.schema import RunConfig
+
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config([override]))
+    (line,) = str(info.value).splitlines()  # (the group's own rule, failing on the item, is not reported too)
+    assert line.startswith(f"- {key}: a list of single values, got ") and line.endswith(
+        f"Fix: set {key} to {expected(RunConfig, key)}"), line
