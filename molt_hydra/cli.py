@@ -6,20 +6,22 @@
     molt-run +recipe=qwen3_4b_math dry_run=true
     molt-run -m +recipe=sweep_estimators_is cluster=slurm   # one Slurm job per sweep point
 
-Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar,
-unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing values and
-single-group rules, and `validate` every cross-group rule; each message names the full key (or the override), the
-reason and the fix, and the exit code is 2. A run is validated and planned once, before Hydra makes its output
-directory (`point_problems`: a refused config leaves nothing behind; Hydra then makes the directory that was checked
-and the run gets the checked config), a multirun every point before the first starts (`sweep_problems`). A dry run
-prints its plan (every point's, for a multirun) and writes nothing. `molt-run --help` is conf/hydra/help/molt.yaml.
+Config mistakes never reach the runtime: the overrides are parsed and composed first (`compose_checked`: grammar, a key
+given twice, unknown keys, wrong types, unknown group options), then `to_run_config` checks declared ranges, missing
+values and single-group rules, and `validate` every cross-group rule; each message names the full key (or the override),
+the reason and the fix, and the exit code is 2. A run is validated and planned once, before Hydra makes its output
+directory (`point_problems`: a refused config leaves nothing behind; Hydra then makes the directory that was checked and
+the run gets the checked config), a multirun every point before the first starts (`sweep_problems`). A dry run prints
+its plan (every point's, for a multirun) and writes nothing. `molt-run --help` is conf/hydra/help/molt.yaml.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -28,9 +30,9 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Glob, IntervalSweep
+from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
 from hydra.errors import HydraException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -49,26 +51,34 @@ def _convert(node):
         key = getattr(e, "full_key", None) or "config"
         message = str(e).splitlines()[0]
         fix = ("set it on the command line (key=value) or in the recipe" if "missing mandatory" in message.lower()
-               else "write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} "
-                    "resolves" if "HydraConfig was not set" in message else f"set {key} to {expected(RunConfig, key)}")
+               else _fix(key, message))
         raise ConfigError(f"- {key}: {message}. Fix: {fix}") from None
+
+
+def _fix(key: str, message: str) -> str:
+    return ("write the value itself: molt-run checks the config before Hydra starts, where no ${hydra:...} resolves"
+            if "HydraConfig was not set" in message else f"set {key} to {expected(RunConfig, key)}"
+            if not key.startswith("hydra.") else f"set {key} as Hydra's own config takes it (`molt-run --cfg hydra` "
+            "prints it), or leave it out")
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed config from the composed tree; declared ranges, MISSING values and `__post_init__` rules fail here, all
     at once: on failure every group is converted on its own, so the message lists one problem per broken group."""
-    problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)]
+    nested = _nested_items(cfg)  # (a group holding one fails its own rules with a TypeError: that line is left out)
+    problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)] + nested
     try:
         run_cfg = _convert(cfg)
     except ConfigError as whole:
         per_group = []
         for name in cfg:
-            if isinstance(node := cfg._get_node(name), DictConfig):
+            if isinstance(node := cfg._get_node(name), DictConfig) and not any(
+                    line.startswith(f"- {name}.") for line in nested):
                 try:
                     _convert(node)
                 except ConfigError as e:
                     per_group.append(str(e))
-        problems += per_group or [str(whole)]  # a root-level failure no single group reproduces
+        problems += per_group or ([] if nested else [str(whole)])  # a root-level failure no single group reproduces
     if problems:
         raise ConfigError("\n".join(problems)) from None
     return run_cfg
@@ -87,6 +97,21 @@ def _added_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
         elif key not in known:
             added.append(key)
     return added
+
+
+def _nested_items(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """A list or mapping inside a list of numbers or strings: OmegaConf checks a typed list's scalar items only, so
+    `train.optimizer.betas=[0.9,[1]]` and `cluster.setup=[[a]]` reached the run (or a TypeError far from the key)."""
+    problems = []
+    for name in cfg:
+        key, node = f"{prefix}{name}", cfg._get_node(name)
+        if isinstance(node, DictConfig) and key not in ("hydra", "agent.runner"):
+            problems += _nested_items(node, f"{key}.")
+        elif isinstance(node, ListConfig) and node._metadata.element_type in (int, float, str, bool) and any(
+                isinstance(node._get_node(i), (DictConfig, ListConfig)) for i in range(len(node))):
+            problems.append(f"- {key}: a list of single values, got {OmegaConf.to_container(node)}. Fix: set {key} to "
+                            f"{expected(RunConfig, key)}")
+    return problems
 
 
 def _not_a_key(key: str, how: str) -> str:
@@ -121,10 +146,13 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     """Parse and compose the command line's overrides as Hydra will, before Hydra does: (the composed config, with its
     `hydra` node when `hydra_config`, and []) or (None, problems), every failure a line `- key: reason Fix: fix`
     (exit 2) instead of Hydra's report (exit 1). A sweep is composed at its first point."""
-    parser, problems, parsed = OverridesParser.create(), [], []
+    parser, problems, pairs = OverridesParser.create(), [], []  # (override, its text): only those that parse
     for text in overrides:
         try:
-            parsed += parser.parse_overrides([text])
+            pairs += [(o, text) for o in parser.parse_overrides([text])]
+            if not pairs[-1][0].key_or_group:  # (Hydra parses `=1` as a key named '')
+                problems.append(f"- {text}: no key before the =. Fix: write key=value (`molt-run --cfg job` prints "
+                                "every key)")
         except OverrideParseException as e:
             problems.append(f"- {text}: Hydra cannot parse this override ({str(e).splitlines()[0]}). Fix: write "
                             "key=value; quote a value holding , [ ] { } $, spaces or letters beyond ASCII for Hydra, "
@@ -132,12 +160,18 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
                             "https://hydra.cc/docs/advanced/override_grammar/basic/")
     if not multirun:
         problems += [f"- {text}: a sweep (a,b / range / glob), but this is not a multirun. Fix: quote the value "
-                     f"(key='a,b'), give a list (key=[a,b]), or add -m to sweep" for o, text in zip(parsed, overrides)
+                     f"(key='a,b'), give a list (key=[a,b]), or add -m to sweep" for o, text in pairs
                      if o.is_sweep_override()]
-    problems += [_deleted(o.key_or_group, text) for o, text in zip(parsed, overrides)
+    problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
-    if problems:
+    if multirun:
+        problems += oversized_sweep(pairs) + [
+            f"- {text}: a sweep over dry_run would start some points and only plan the others. Fix: add dry_run=true "
+            "to plan every point, or leave dry_run out to run them" for o, text in pairs
+            if o.is_sweep_override() and o.key_or_group == "dry_run"]
+    if problems := problems + repeated_keys(pairs):
         return None, problems
+    parsed = [o for o, _ in pairs]
     search = _search_path(parsed, config_dir)
     if problems := unlisted_sweeps(parsed, overrides):
         return None, problems
@@ -156,8 +190,65 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
             cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
-    problems = _not_a_bool(cfg, parsed)
+    problems = _not_a_bool(cfg, parsed) + _unresolved(cfg, pairs)
     return (None, problems) if problems else (cfg, [])
+
+
+# the hydra node's keys molt-run reads before Hydra starts (the run and sweep directories are made from name)
+HYDRA_READ = ("hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir")
+
+
+def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
+    """The command line's keys, then HYDRA_READ, that cannot resolve: `name=${name}`, `name=${oc.env:UNSET}` or
+    `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory."""
+    problems, texts = [], {o.key_or_group: text for o, text in pairs if not o.is_delete()}
+    for key in [*(k for k in texts if "/" not in k and not k.startswith("hydra.")), *HYDRA_READ]:
+        try:
+            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as e:
+            reason = str(e).splitlines()[0]
+            problems.append(f"- {key}: {reason} ({texts.get(key, 'its value')}). Fix: {_fix(key, reason)}")
+        if problems:  # (the directories are made from the keys before them: one cause, one line)
+            break
+    return problems
+
+
+def repeated_keys(pairs: list) -> list[str]:
+    """A key (or config group) the command line gives more than once: Hydra applies each in turn, so the last one won
+    without a word (`rollout.n_samples_per_prompt=4 rollout.n_samples_per_prompt=8` ran 8; a sweep `-m seed=1,2
+    seed=3` ran seed=3 alone). One key with several values (`-m seed=1,2`) is one override, a sweep; `~key` undoes
+    what comes before it in so many words (+agent.runner.NAME=v ~agent.runner.NAME)."""
+    given: dict[tuple, list] = {}
+    for o, text in pairs:
+        if not o.is_delete():
+            given.setdefault((o.key_or_group, o.package), []).append((o, text))
+    return [f"- {key}: given {len(both)} times on the command line ({', '.join(text for _, text in both)}), but it "
+            "holds one value: Hydra would keep the last without a word (or refuse two +adds). Fix: give "
+            f"{key} once ({element}=VALUE); to run several values, sweep them in one override: -m {element}=A,B"
+            for (key, _), both in given.items() if len(both) > 1
+            for element in [both[-1][0].get_key_element()]]
+
+
+# the most points a sweep may have: Slurm's default MaxArraySize (1001) holds one array of them; the basic launcher
+# runs them one after another here, each checked first (~0.5 s). Listing 10**8 of them hung before the first started.
+MAX_SWEEP_POINTS = 1000
+
+
+def oversized_sweep(pairs: list) -> list[str]:
+    """A sweep of more than MAX_SWEEP_POINTS points (the product of each swept key's count), counted without listing
+    them: `-m seed=range(0,100000000)` hung while Hydra listed and molt-run checked its points."""
+    sizes = {}
+    for o, text in pairs:
+        value = o.value() if o.is_sweep_override() else None
+        if isinstance(value, RangeSweep) and value.start is not None and value.stop is not None and value.step:
+            sizes[o.key_or_group] = (text, max(0, math.ceil((value.stop - value.start) / value.step)))
+        elif isinstance(value, (ChoiceSweep, list)):
+            sizes[o.key_or_group] = (text, len(value.list if isinstance(value, ChoiceSweep) else value))
+    if (points := math.prod(n for _, n in sizes.values())) <= MAX_SWEEP_POINTS:
+        return []
+    return [f"- {' '.join(text for text, _ in sizes.values())}: a sweep of {points} points, more than "
+            f"{MAX_SWEEP_POINTS} (each point is a run of its own). Fix: sweep fewer values, or split the sweep into "
+            f"multiruns of at most {MAX_SWEEP_POINTS} points"]
 
 
 def unlisted_sweeps(parsed: list, texts: list[str]) -> list[str]:
@@ -180,14 +271,23 @@ def _deleted(key: str, text: str) -> str:
     """`~key`: every key of the typed config keeps a value, so a deleted one (or a deleted group's keys) fell back to
     the schema's default without a word (`~train` dropped config.yaml's max_steps: the run never ended), or crashed
     the composition (`~job`). The agent's kwargs (agent.runner.*) and Hydra's own keys may be deleted."""
-    if key == "recipe" or (CONF_DIR / key).is_dir():
+    if key == "recipe":  # (no recipe is in the defaults list: only +recipe=NAME adds one)
+        return (f"- {text}: no recipe is chosen by default, only by +recipe=NAME, so deleting it undoes the command "
+                "line's own choice. Fix: drop ~recipe, and +recipe=NAME too for no recipe")
+    if _is_group(key):
         return (f"- {text}: deletes the config group {key}, whose keys would then take the schema's defaults unseen. "
                 f"Fix: choose another option ({key}=NAME), or set the keys you mean to change ({key}.KEY=VALUE)")
     if any(name.startswith(f"{key}.") for name in declared_bounds(RunConfig)):
         return (f"- {text}: deletes {key}, whose keys would then take the schema's defaults unseen. Fix: set the keys "
                 f"you mean to change ({key}.KEY=VALUE); `molt-run --cfg job` prints their current values")
+    if key not in declared_bounds(RunConfig):  # (`~nope`: no default to fall back to)
+        return _not_a_key(key, text)
     return (f"- {text}: deletes {key}, which would then take its schema default unseen. Fix: set it instead "
             f"({key}=VALUE, or null where the schema allows it); `molt-run --cfg job` prints its current value")
+
+
+def _is_group(key: str) -> bool:
+    return key == "recipe" or (CONF_DIR / key).is_dir()
 
 
 def quoted(value: str) -> str:
@@ -261,6 +361,19 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if "Cannot find primary config" in text:  # --config-name NAME
         return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
                 "that directory (without .yaml), or leave --config-name out (molt's config)")
+    if "Config group override must be a string" in text:  # `model=null`, `rollout=4`, `+recipe=null`
+        override = next((o for o in overrides if "=" in o and _is_group(o.lstrip("+~").split("=", 1)[0])), override)
+        element, name = override.split("=", 1)[0], override.lstrip("+~").split("=", 1)[0]
+        return (f"- {override}: {name} is a config group, which takes the name of one of its options. Fix: choose one "
+                f"({element}=NAME; `molt-run --help` lists them), or set a key of it ({name}.KEY=VALUE)"
+                if name != "recipe" else f"- {override}: recipe is a config group, which takes the name of a recipe. "
+                f"Fix: give +recipe=NAME (`molt-run --help` lists them), or leave it out")
+    if "force-add of config groups is not supported" in text:  # `++recipe=NAME`, `++model=NAME`
+        override = next((o for o in overrides if o.startswith("++") and _is_group(o[2:].split("=", 1)[0])), override)
+        plain = override.lstrip("+")
+        fix = f"+{plain}" if plain.startswith("recipe=") else plain
+        return (f"- {override}: ++ force-adds a key; a config group is chosen with one + where the defaults list "
+                f"lacks it (+recipe=NAME), else without (model=NAME). Fix: {fix}")
     if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
         options = re.findall(r"^\t(\S+)$", text, re.M)
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
@@ -274,6 +387,8 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
                 "hydra.sweeper.params in a recipe, as recipes/sweep_estimators_is.yaml does")
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
         return _not_a_key(key, override)
+    if key and (given := override.lstrip("+~").split("=", 1)[0]).startswith(f"{key}."):  # `rollout.batch_size.x=4`
+        return _not_a_key(given, override)  # (was: rollout.batch_size could not be converted from a dict)
     reason = str(chain[-1]).splitlines()[0]
     if group := re.search(r"Could not append to config\. An item is already at '([^']+)'", text):  # `+seed=1`
         return (f"- {override}: {group[1]} is a key of the config already; + adds a key it lacks. Fix: drop the +: "
@@ -290,7 +405,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if key is None:
         return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares "
                 "for it (`molt-run --cfg job` prints every key)")
-    return f"- {key}: {reason} ({override}). Fix: set {key.split('[')[0]} to {expected(RunConfig, key)}"
+    return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
 
 
 ANNOUNCED_SWEEP = 20  # sweeps of more points than this say that their check is under way
@@ -315,7 +430,8 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     basic = first.hydra.sweeper._target_.endswith(".BasicSweeper")
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()] if basic else []
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
-    if problems := unlisted_sweeps(parsed, [f"hydra.sweeper.params.{text}" for text in params]):
+    texts = [f"hydra.sweeper.params.{text}" for text in params]
+    if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts):
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
     if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
@@ -381,18 +497,38 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
     """Slurm settings where nothing submits: submitit's launcher submits only a multirun's points, so `cluster=slurm`
     without -m (outside an allocation) would run here, and cluster.{partition,...} set on the command line of a run
     that submits nothing would change nothing (an sbatch'ed run takes its resources from sbatch's own options)."""
+    if plugins := plugin_problems(first):
+        return plugins
     submits = first.hydra.launcher._target_.endswith(".SlurmLauncher")
     if submits and not multirun and not os.environ.get("SLURM_JOB_ID"):
         return ["- hydra/launcher: the cluster preset selects the Slurm launcher, which submits the points of a "
                 "multirun; without -m this run would start here, on this machine. Fix: add -m to submit it, or "
                 "sbatch launchers/molt.sbatch"]
-    if submits and multirun:
-        return []
+    if submits and multirun:  # (submitit's own check of srun is a RuntimeError traceback once Hydra starts)
+        return [] if shutil.which("srun") else [
+            "- hydra/launcher: the cluster preset selects the Slurm launcher, which submits each point with sbatch, "
+            "but this machine has no Slurm (srun is not on PATH). Fix: run molt-run -m on a Slurm login node, or "
+            "choose a preset that runs here (cluster=local, cluster=local_gpus)"]
     why = "the launcher is Hydra's basic one, which runs the points here" if multirun else "no Slurm job is submitted"
     keys = [f"cluster.{name}" for name in SLURM_RESOURCES]
     return [f"- {key}: a Slurm resource of the submitit launcher, but {why}, so it changes nothing. Fix: unset it; "
             "submit with -m and a Slurm cluster preset (cluster=slurm), or give it to sbatch (-p, -A, -q, -C, -t)"
             for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
+
+
+def plugin_problems(first: DictConfig) -> list[str]:
+    """hydra.launcher and hydra.sweeper name a plugin class Hydra can start for a multirun: `hydra.launcher=null` ended
+    in an AttributeError traceback here, `hydra.sweeper._target_=x` in Hydra's RuntimeError once the multirun began."""
+    from molt_hydra.compat.hydra import plugin_classes
+
+    problems = []
+    for name in ("launcher", "sweeper"):
+        node = first.hydra[name]
+        target = node.get("_target_") if isinstance(node, DictConfig) else node
+        if target not in (known := plugin_classes(name)):
+            problems.append(f"- hydra.{name}: {target!r} is no {name} Hydra can start (its plugins: {known}). Fix: "
+                            f"choose one with hydra/{name}=NAME (`molt-run --hydra-help` lists them), or leave it out")
+    return problems
 
 
 def chdir_problems(first: DictConfig) -> list[str]:
@@ -606,7 +742,8 @@ def _command_line_problems(args) -> list[str]:
         if args.resolve and not any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides):
             # under --cfg Hydra sets no hydra.runtime.output_dir, so --resolve failed on output_dir with a traceback
             sys.argv.append(f"output_dir={quoted(str(run_dir))}")
-        return point_problems([*overrides, "dry_run=true"], run_dir, args.config_dir)[0]
+        as_dry = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "dry_run"]  # (given once: repeated_keys)
+        return point_problems([*as_dry, "dry_run=true"], run_dir, args.config_dir)[0]
     return _check_run(first, overrides, args.config_dir)  # before Hydra makes its run directory
 
 

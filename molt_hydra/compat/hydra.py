@@ -6,7 +6,8 @@ Reached into here: `hydra._internal.utils.get_args_parser`, the parser `hydra.ma
 that `molt-run` checks the composed config (all errors in one message) before Hydra starts; and
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
 overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
-plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`).
+plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`); and `hydra.core.plugins.Plugins.discover`, the
+launcher and sweeper classes Hydra can start (`plugin_classes`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ def get_args_parser():
     from hydra._internal.utils import get_args_parser as hydras
 
     return hydras()
+
+
+def plugin_classes(kind: str) -> list[str]:
+    """The `_target_`s Hydra can start as hydra.launcher or hydra.sweeper (`kind`): its discovered plugin classes (Hydra
+    refuses any other with a RuntimeError traceback when the multirun starts)."""
+    written_for("molt-run's launcher check", "hydra", SUPPORTED)
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.launcher import Launcher
+    from hydra.plugins.sweeper import Sweeper
+
+    found = Plugins.instance().discover({"launcher": Launcher, "sweeper": Sweeper}[kind])
+    return sorted(f"{c.__module__}.{c.__name__}" for c in found)
 
 
 def sweep_points(overrides: list) -> list[list[str]]:

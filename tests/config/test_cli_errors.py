@@ -185,6 +185,9 @@ def test_a_long_sweeps_check_says_it_is_under_way(monkeypatch, capsys):
     (["cluster.account=a", "cluster.time_min=30"], True, False, ["cluster.account", "cluster.time_min"]),  # basic
 ])
 def test_slurm_settings_where_nothing_submits_are_refused(overrides, multirun, in_allocation, refused, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # a Slurm login node: srun on PATH
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     if in_allocation:
         monkeypatch.setenv("SLURM_JOB_ID", "7")
@@ -608,8 +611,8 @@ def test_a_config_dir_that_is_no_directory_is_refused(monkeypatch, tmp_path, cap
     (["train.optimizer.betas=[a,b]"], "Fix: set train.optimizer.betas to a list of numbers in [0, 1) (default [0.9, "
                                       "0.95])"),
     (["model.lora.rank=abc"], "Fix: set model.lora.rank to an integer >= 0, or null (default null)"),
-    (["+recipe=tiny_cpu", "+recipe=smollm2_arith"], "- +recipe=smollm2_arith: recipe is chosen more than once. Fix: "
-                                                    "give one +recipe=NAME"),
+    (["+recipe=tiny_cpu", "+recipe=smollm2_arith"], "- recipe: given 2 times on the command line (+recipe=tiny_cpu, "
+                                                    "+recipe=smollm2_arith)"),
     (["+algorithm=rloo"], "- +algorithm=rloo: algorithm is chosen more than once. Fix: choose one: algorithm=NAME, "
                           "without +, replaces the default algorithm"),
     (["recipe=tiny_cpu"], "- recipe=tiny_cpu: recipe is in no defaults list, so there is nothing to override. Fix: "
@@ -653,3 +656,172 @@ def test_a_sweep_point_repeating_another_is_refused(sweep, monkeypatch, tmp_path
     """Before: `-m seed=1,1` ran the same configuration twice (1e-1 is 0.1 as Hydra parses it)."""
     assert _main_in_process(["-m", *sweep, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
     assert "- sweep point #1 (" in (err := capsys.readouterr().err) and "repeats sweep point #0" in err
+
+
+@pytest.mark.parametrize("overrides,multirun", [
+    (["rollout.n_samples_per_prompt=4", "rollout.n_samples_per_prompt=8"], False),
+    (["seed=1", "++seed=2"], False),
+    (["hydra.run.dir=/tmp/a", "hydra.run.dir=/tmp/b"], False),
+    (["model=qwen3_tiny", "model=smollm2_135m"], False),
+    (["seed=1,2", "seed=3"], True),  # the sweep was dropped for seed=3 alone
+])
+def test_a_key_given_twice_is_refused_naming_both(overrides, multirun):
+    """Before: the same key twice on the command line silently took the last value."""
+    key = overrides[0].split("=", 1)[0]
+    cfg, problems = compose_checked([*overrides, "dry_run=true"], multirun=multirun)
+    assert cfg is None and len(problems) == 1, problems
+    assert problems[0].startswith(f"- {key}: given 2 times on the command line ({', '.join(overrides)})"), problems
+    assert f"Fix: give {key} once" in problems[0]
+
+
+def test_only_a_repeated_key_is_refused():
+    """One key with several values is a sweep; other keys ending alike (train.batch_size, rollout.batch_size) are
+    other keys."""
+    overrides = ["seed=1,2", "train.batch_size=64", "rollout.batch_size=8", "rollout.batch_size=16"]
+    cfg, problems = compose_checked(overrides, multirun=True)
+    assert [line.split(":", 1)[0] for line in problems] == ["- rollout.batch_size"], problems
+
+
+def test_cfg_checks_as_a_dry_run_whatever_dry_run_the_user_gives(monkeypatch, tmp_path, capsys):
+    """--cfg checks the config as a dry run (dry_run=true added): the user's own dry_run is no repeat, twice it is."""
+    assert _main_in_process(["--cfg", "job", "dry_run=false"], monkeypatch, tmp_path) in (None, 0)
+    assert "Config error" not in capsys.readouterr().err
+    assert _main_in_process(["--cfg", "job", "dry_run=false", "dry_run=true"], monkeypatch, tmp_path) == \
+        EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith("Config error(s):\n- dry_run: given 2 times")
+
+
+def test_each_override_problem_names_its_own_override():
+    """Before: after an override Hydra cannot parse, the next ones' problems were named by the override before them
+    (`'seed=[1' seed=1,2` reported the sweep as `seed=[1`)."""
+    _, problems = compose_checked(["seed=[1", "train.max_steps=1,2"])
+    assert [line.split(":", 1)[0] for line in problems] == ["- seed=[1", "- train.max_steps=1,2"], problems
+
+
+def test_the_sbatch_launcher_passes_its_own_keys_only_where_the_user_leaves_them_out(tmp_path):
+    """launchers/molt.sbatch sets checkpoint.resume (and hydra.run.dir, cluster.nodes) before the user's arguments,
+    which may set them again: a key given twice is refused, so the user's `checkpoint.resume=never` must replace the
+    script's, not repeat it."""
+    import os
+    import subprocess
+
+    from _config_helpers import MOLT_RUN, REPO
+
+    env = {**os.environ, "PATH": f"{MOLT_RUN.parent}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    run = subprocess.run(["bash", str(REPO / "launchers" / "molt.sbatch"), "dry_run=true", "checkpoint.resume=never"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and f"{tmp_path}/outputs/default/slurm-7" in run.stdout, run.stdout + run.stderr
+
+
+
+def test_a_slurm_sweep_where_there_is_no_slurm_is_refused(monkeypatch):
+    """Before: `molt-run -m cluster=slurm ...` on a machine without Slurm ended in submitit's RuntimeError traceback
+    (`Could not detect "srun"`) once Hydra started."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    first, problems = compose_checked(["cluster=slurm", "seed=1,2"], multirun=True, hydra_config=True)
+    found = launcher_problems(first, ["cluster=slurm", "seed=1,2"], True)
+    assert problems == [] and len(found) == 1 and found[0].startswith("- hydra/launcher: ") and "srun" in found[0]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("hydra.launcher=null", "hydra.launcher"),
+    ("hydra.sweeper=null", "hydra.sweeper"),
+    ("hydra.sweeper._target_=my.Sweeper", "hydra.sweeper"),
+])
+def test_a_launcher_or_sweeper_hydra_cannot_start_is_refused(override, key):
+    """Before: hydra.launcher=null (or hydra.sweeper=null under -m) ended in an AttributeError traceback here, and a
+    _target_ that is no Hydra plugin in Hydra's RuntimeError once the multirun began."""
+    from molt_hydra.compat.hydra import plugin_classes
+
+    first, problems = compose_checked([override, "seed=1,2"], multirun=True, hydra_config=True)
+    found = launcher_problems(first, [override, "seed=1,2"], True)
+    value = override.split("=", 1)[1]
+    assert problems == [] and len(found) == 1, found
+    assert found[0].startswith(f"- {key}: {None if value == 'null' else value!r} is no ") and \
+        str(plugin_classes(key.split(".")[1])) in found[0] and f"Fix: choose one with hydra/{key[6:]}=NAME" in found[0]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("name=${name}", "name"),  # (the run directory is made from name: it was the traceback's key)
+    ("name=${oc.env:MOLT_TEST_UNSET_VARIABLE}", "name"),
+    ("hydra.run.dir=${nope}", "hydra.run.dir"),
+    ("hydra.job.chdir=${nope}", "hydra.job.chdir"),
+])
+def test_a_value_that_cannot_resolve_is_a_config_error_naming_it(override, key, monkeypatch, tmp_path, capsys):
+    """Before: an unresolvable interpolation in name (or in the hydra keys molt-run reads) ended in an OmegaConf
+    traceback (exit 1) when molt-run read hydra.run.dir."""
+    monkeypatch.delenv("MOLT_TEST_UNSET_VARIABLE", raising=False)
+    assert _main_in_process([override, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"Config error(s):\n- {key}: ") and f"({override}). Fix: " in err and err.count("\n- ") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override,start,fix", [
+    ("model=null", "- model=null: model is a config group", "choose one (model=NAME"),
+    ("rollout=4", "- rollout=4: rollout is a config group", "choose one (rollout=NAME"),
+    ("+recipe=null", "- +recipe=null: recipe is a config group", "give +recipe=NAME"),
+    ("++recipe=tiny_cpu", "- ++recipe=tiny_cpu: ++ force-adds a key", "Fix: +recipe=tiny_cpu"),
+    ("++model=qwen3_tiny", "- ++model=qwen3_tiny: ++ force-adds a key", "Fix: model=qwen3_tiny"),
+    ("~recipe", "- ~recipe: no recipe is chosen by default", "Fix: drop ~recipe"),
+    ("~train.optimzer.lr", "- train.optimzer.lr: not a key of the config (~train.optimzer.lr)",
+     "did you mean train.optimizer.lr"),
+])
+def test_a_group_given_no_option_or_a_key_deleted_that_is_none_says_so(override, start, fix):
+    """Before: `model=null` / `rollout=4` said `- the command line: Config group override must be a string or a list`
+    with the fix to give a value of the schema's type; `++recipe=NAME` that fix too; `~recipe` to choose
+    `recipe=NAME` (no such override) or set recipe.KEY; `~train.optimzer.lr` that the key would take its default."""
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(start) and fix in problems[0], problems
+
+
+@pytest.mark.parametrize("sweeps,points", [
+    (["seed=range(0,100000000)"], 100000000),
+    (["seed=range(0,40)", "train.max_steps=1,2,3", "rollout.top_k=range(1,10)"], 40 * 3 * 9),  # (1080)
+])
+def test_a_sweep_of_too_many_points_is_refused_before_listing_them(sweeps, points):
+    """Before: `-m seed=range(0,100000000)` hung: every point was listed, then composed and checked one by one."""
+    from molt_hydra.cli import MAX_SWEEP_POINTS
+
+    cfg, problems = compose_checked([*sweeps, "dry_run=true"], multirun=True)
+    assert cfg is None and len(problems) == 1, problems
+    assert problems[0].startswith(f"- {' '.join(sweeps)}: a sweep of {points} points, more than {MAX_SWEEP_POINTS}")
+    assert compose_checked(["seed=range(0,40)", "train.max_steps=1,2,3", "dry_run=true"], multirun=True)[1] == []
+
+
+def test_a_sweep_over_dry_run_is_refused():
+    """Before: `-m seed=1,2 dry_run=true,false` planned half the points and started real runs of the others."""
+    cfg, problems = compose_checked(["seed=1,2", "dry_run=true,false"], multirun=True)
+    assert cfg is None and len(problems) == 1 and problems[0].startswith("- dry_run=true,false: a sweep over dry_run")
+
+
+@pytest.mark.parametrize("override,line", [
+    ("rollout.batch_size.x=4", "- rollout.batch_size.x: not a key of the config (rollout.batch_size.x=4)"),
+    ("model.path.x=1", "- model.path.x: not a key of the config (model.path.x=1)"),
+    ("=1", "- =1: no key before the =."),
+])
+def test_a_key_below_a_value_or_no_key_at_all_says_so(override, line):
+    """Before: `rollout.batch_size.x=4` said rollout.batch_size could not be converted from a dict, fix: set it to an
+    integer; `=1` that ' is a config group' (Hydra parses a key named '')."""
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(line) and " Fix: " in problems[0], problems
+
+
+@pytest.mark.parametrize("override", ["train.optimizer.betas=[0.9,[1]]", "cluster.setup=[[a]]",
+                                      "algorithm.reward_clip=[[1],2]", "data.train_probs=[{a: 1}]"])
+def test_a_list_or_mapping_inside_a_list_of_values_is_refused(override):
+    """Before: OmegaConf checks a typed list's scalar items only: betas=[0.9,[1]] and cluster.setup=[[a]] reached the
+    run; reward_clip=[[1],2] failed in AlgorithmConfig's own rule (`'<' not supported`), fix: `set algorithm to its
+    keys`."""
+    from molt_hydra.config.bounds import expected
+    from molt_hydra.config.schema import RunConfig
+
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config([override]))
+    (line,) = str(info.value).splitlines()  # (the group's own rule, failing on the item, is not reported too)
+    assert line.startswith(f"- {key}: a list of single values, got ") and line.endswith(
+        f"Fix: set {key} to {expected(RunConfig, key)}"), line

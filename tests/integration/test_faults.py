@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_rl_loop import MOLT_RUN, SMALL, metrics  # noqa: E402
+from test_rl_loop import MOLT_RUN, SMALL, metrics, only_last  # noqa: E402
 from wandb_offline import history  # noqa: E402
 
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR  # noqa: E402
@@ -40,7 +40,7 @@ class Run:
     def __init__(self, out: Path, *overrides: str, logs: Path | None = None, small: bool = True):
         logs = logs or out.parent
         self.stdout, self.stderr = open(logs / f"{out.name}.out", "w+"), open(logs / f"{out.name}.err", "w+")
-        cmd = [MOLT_RUN, *(SMALL if small else []), f"hydra.run.dir={out}", *overrides]
+        cmd = only_last([MOLT_RUN, *(SMALL if small else []), f"hydra.run.dir={out}", *overrides])
         self.proc = subprocess.Popen(cmd, stdout=self.stdout, stderr=self.stderr, text=True,
                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
         self.seen: set[int] = set()
@@ -98,8 +98,8 @@ def test_raising_agent_fails_the_run_with_the_failure_printed_last(tmp_path):
     last thing on the console, after the W&B run's teardown summary (stdout and stderr in one stream, as a terminal
     shows them)."""
     out = tmp_path / "run"
-    cmd = [MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"agent.runner._target_={AGENTS}:RaisingEnv",
-           "train.max_steps=3", "logger.wandb.mode=offline"]
+    cmd = only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"agent.runner._target_={AGENTS}:RaisingEnv",
+                     "train.max_steps=3", "logger.wandb.mode=offline"])
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     console = proc.stdout
@@ -272,8 +272,9 @@ def test_engine_deaths_past_the_restart_budget_end_the_run_naming_the_engine(tmp
 @pytest.mark.slow
 def test_three_point_sweep_runs_every_point_in_one_process(tmp_path):
     """Hydra's basic launcher runs every point of `-m` in this one process: each starts and ends cleanly."""
-    cmd = [MOLT_RUN, "-m", *SMALL, "train.max_steps=2", "logger.wandb.mode=offline",
-           "algorithm.estimator=grpo,rloo,dr_grpo", f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.num}"]
+    cmd = only_last([MOLT_RUN, "-m", *SMALL, "train.max_steps=2", "logger.wandb.mode=offline",
+                     "algorithm.estimator=grpo,rloo,dr_grpo", f"hydra.sweep.dir={tmp_path}",
+                     "hydra.sweep.subdir=${hydra.job.num}"])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "MailboxClosedError" not in proc.stderr

@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_faults import Run, newest_step  # noqa: E402
-from test_rl_loop import MOLT_RUN, SMALL, metrics  # noqa: E402
+from test_rl_loop import MOLT_RUN, SMALL, metrics, only_last  # noqa: E402
 
 from molt_hydra.parallel.checkpoint import resolve_checkpoint  # noqa: E402
 from molt_hydra.config.schema import EXIT_INTERRUPTED  # noqa: E402
@@ -68,9 +68,9 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(interrupt
     shard.write_bytes(shard.read_bytes()[:1000])
     partial = sorted(ckpts.glob(".tmp-step_*"))  # a save the SIGTERM cut short, if it came during one
     out = tmp_path / "run"
-    proc = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
-                           f"train.max_steps={step}", "checkpoint.resume=auto"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
+                                     f"train.max_steps={step}", "checkpoint.resume=auto"]),
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = ckpts / f"step_{step - 1}"
     *cut, line = [line for line in proc.stderr.splitlines() if line.startswith("Checkpoint passed over")]
@@ -98,9 +98,9 @@ def test_a_shard_changed_at_its_full_length_is_passed_over_when_the_load_reads_i
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     out = tmp_path / "run"
-    proc = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
-                           f"train.max_steps={step}", "checkpoint.resume=auto"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
+                                     f"train.max_steps={step}", "checkpoint.resume=auto"]),
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = ckpts / f"step_{step - 1}"
     lines = [line for line in proc.stderr.splitlines() if line.startswith("Checkpoint passed over")]
@@ -118,8 +118,8 @@ def test_no_loadable_checkpoint_stops_the_run_before_anything_starts(interrupted
     for extra in ckpts.glob("step_*/extra_state.pt"):
         extra.unlink()
     out = tmp_path / "run"
-    proc = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
-                           f"checkpoint.resume={resume}"], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run(only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"checkpoint.dir={ckpts}",
+                                     f"checkpoint.resume={resume}"]), capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
@@ -162,15 +162,15 @@ def test_a_crash_between_the_critics_save_and_the_actors_resumes_the_step_before
     critic_step_2.parent.mkdir(parents=True)
     critic_step_2.write_text("in the way")
     gae = ["algorithm.estimator=gae", "parallelism.colocate_models=true", "checkpoint.save_steps=1", "seed=3"]
-    crashed = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", "train.max_steps=3", *gae],
+    crashed = subprocess.run(only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", "train.max_steps=3", *gae]),
                              capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [line for line in crashed.stderr.splitlines() if line.strip()]
     assert crashed.returncode == EXIT_FAILED, crashed.stderr[-3000:]
     assert lines[-3].startswith("Run failed: checkpoint writer (critic rank 0): save_checkpoint failed: "), lines[-3:]
     assert lines[-2] == f"Last checkpoint: {ckpts / 'step_1'}; resume with checkpoint.resume=auto", lines[-3:]
     critic_step_2.unlink()
-    resumed = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", "train.max_steps=3", *gae,
-                              "checkpoint.resume=auto"], capture_output=True, text=True, timeout=600,
+    resumed = subprocess.run(only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", "train.max_steps=3", *gae,
+                                        "checkpoint.resume=auto"]), capture_output=True, text=True, timeout=600,
                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resumed from {ckpts / 'step_1'} at step 1" in resumed.stdout
@@ -187,7 +187,8 @@ def test_a_run_with_a_frozen_actor_resumes_its_critic_at_the_same_step(tmp_path)
            "train.critic.actor_freezing_steps=1"]
 
     def go(out, steps, *more):
-        proc = subprocess.run([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"train.max_steps={steps}", *gae, *more],
+        proc = subprocess.run(only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", f"train.max_steps={steps}", *gae,
+                                         *more]),
                               capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc

@@ -26,9 +26,16 @@ SMALL = ["rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "train.batch_
          "logger.wandb.mode=disabled", "checkpoint.export_final=false"]
 
 
+def only_last(cmd: list[str]) -> list[str]:
+    """`cmd` with each override's key once, the last kept: these tests give SMALL, then what a test changes, and
+    molt-run refuses a key given twice."""
+    keys = [arg.lstrip("+~").split("=", 1)[0] if "=" in arg and not arg.startswith("-") else None for arg in cmd]
+    return [arg for i, (arg, key) in enumerate(zip(cmd, keys)) if key is None or key not in keys[i + 1:]]
+
+
 def molt_run(out: Path, *overrides: str, timeout: float = 600,
              small: list[str] = SMALL) -> subprocess.CompletedProcess:
-    cmd = [MOLT_RUN, *small, f"hydra.run.dir={out}", *overrides]
+    cmd = only_last([MOLT_RUN, *small, f"hydra.run.dir={out}", *overrides])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
@@ -141,7 +148,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     molt_run(straight, *common)
 
-    cmd = [MOLT_RUN, *SMALL, f"hydra.run.dir={resumed}", *common]
+    cmd = only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={resumed}", *common])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 300
@@ -197,8 +204,8 @@ def _is_engine_core(pid: int) -> bool:
 def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
     # never done before the engine is found and stopped (with 50 steps, a loaded machine once saw the run end
     # normally within the 30 s the search below allows: "no EngineCore found", the run's stderr a clean start's)
-    cmd = [MOLT_RUN, *SMALL, f"hydra.run.dir={tmp_path}", "train.max_steps=100000", "train.timeouts.step_s=20",
-           "train.timeouts.engine_call_s=20"]
+    cmd = only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={tmp_path}", "train.max_steps=100000",
+                     "train.timeouts.step_s=20", "train.timeouts.engine_call_s=20"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 300
