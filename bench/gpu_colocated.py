@@ -116,7 +116,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.throughput:
         out = args.runs / "qwen3_4b_shape_throughput"
-        cmd = [sys.executable, "-m", "molt_hydra.cli", *THROUGHPUT, *args.set, f"hydra.run.dir={out}"]
+        own = {a.split("=", 1)[0] for a in args.set}  # a --set replaces the default of its key (molt-run refuses a
+        base = [a for a in THROUGHPUT if a.split("=", 1)[0] not in own]  # key given twice)
+        cmd = [sys.executable, "-m", "molt_hydra.cli", *base, *args.set, f"hydra.run.dir={out}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         (args.runs / "throughput_console.log").write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
         print(f"throughput run rc={proc.returncode}", flush=True)
