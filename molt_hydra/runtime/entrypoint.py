@@ -26,12 +26,12 @@ from molt_hydra.compat.ray import auto_init_restored
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
 from molt_hydra.runtime import reaper
 from molt_hydra.runtime.preemption import PreemptionNotice
-from molt_hydra.runtime.ray_head import dead_head
+from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
-                                        dump_stacks, kill, shutdown_ray)
+                                        dump_stacks, kill, shutdown_ray, stopped)
 
 
 def run(cfg: RunConfig) -> None:
@@ -296,6 +296,8 @@ def _still_stopping() -> None:
 def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str], last_words: list[str]) -> int:
     """A role stopped making progress: its name, every role's stacks in a file, exit 3."""
     reason += f"; not answering: {', '.join(not_answering)}" if not_answering else ""
+    held = stopped(roles.role_pids) if roles is not None else []
+    reason += f"; stopped by a signal (SIGSTOP; SIGCONT resumes it): {', '.join(held)}" if held else ""
     path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
     last_words += [f"Run stopped: {reason}.", f"Stacks of every role: {path}"]
     return EXIT_STALLED
@@ -313,8 +315,10 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         role, cause, drops = error.role, describe(error.error), {}
     else:
         role, cause, drops = _actor_role(error), describe(error), {}
-    # every role's calls fail with Ray's GCS or raylet (a Ray compat/ray.py was not written for: refused at its start)
-    if not isinstance(error, VersionError) and (head := dead_head()) is not None and head.role != role:
+    # every role's calls fail with Ray's GCS or raylet (a Ray compat/ray.py was not written for: refused at its start);
+    # a role that died with its node may be the first sign of a raylet still ending (its agent died): waited for
+    if not isinstance(error, VersionError) and (head := await dead_head_within(
+            EXIT_S if _node_lost(error) else 0)) is not None and head.role != role:
         role, cause = head.role, f"{head.cause} (first seen as {role}: {cause})"
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) and not error.filename:
         # a write to an open file (metrics.jsonl ...) names no path: the run's directories' free space tells which
@@ -332,6 +336,18 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
             if reason in drops:
                 lines.append(f"  example error ({reason}): {example}")
     return _with_details(cfg, lines + _resume_hint(cfg), error)
+
+
+def _node_lost(error: BaseException | None) -> bool:
+    """A Ray actor died with its node somewhere in `error`'s chain of causes (Ray's "Owner's node has crashed", "its
+    node has died"); an actor that died alone is reported at once."""
+    import ray
+
+    while error is not None:
+        if isinstance(error, ray.exceptions.RayActorError) and re.search(r"node has (crashed|died)", str(error)):
+            return True
+        error = error.__cause__
+    return False
 
 
 def _with_details(cfg: RunConfig, lines: list[str], error: BaseException) -> list[str]:

@@ -1,7 +1,9 @@
 """Ray's own processes on this node, its GCS and its raylet (started by the run's ray.init), are roles too: when one
 dies, the run ends naming it. Before: after a kill -9 of gcs_server the run went on blind for 60 s, then Ray's core
 ended the driver (exit 1) with its own C++ line last, no role and no checkpoint named; a dead raylet was reported as
-the first call that failed with it ('actor rank 0: train_step failed: ... Owner's node has crashed')."""
+the first call that failed with it ('actor rank 0: train_step failed: ... Owner's node has crashed'), and still was
+where the raylet ended on its own after its workers (it fate-shares with its agents: a kill of one ends
+it gracefully, its workers first, so their deaths reached the driver while the raylet still lived)."""
 
 from __future__ import annotations
 
@@ -12,14 +14,26 @@ from molt_hydra.compat.ray import dead_head_processes
 from molt_hydra.runtime.watchdog import RunFailed
 
 POLL_S = 1.0  # a Popen.poll per process: the run fails within a second, well before Ray's 60 s GCS timeout
+EXIT_S = 5.0  # a raylet's graceful end, once its workers died (~0.1 s quiet; loaded, 2 cores: seconds)
 
 
 def dead_head() -> RunFailed | None:
     """The failure a dead GCS or raylet is, None while both live."""
     for kind, status in dead_head_processes().items():
         how = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
+        if kind == "raylet" and status == 0:  # its own graceful end, which the driver did not ask for
+            how += ", as Ray ends it when its dashboard or runtime-env agent dies"
         return RunFailed(f"Ray's {kind}", f"the process died ({how}); no role can go on without it")
     return None
+
+
+async def dead_head_within(seconds: float) -> RunFailed | None:
+    """dead_head, waiting up to `seconds` for the GCS or the raylet to end (a role's process died: its raylet may be
+    ending behind it)."""
+    until = asyncio.get_running_loop().time() + seconds
+    while (failed := dead_head()) is None and asyncio.get_running_loop().time() < until:
+        await asyncio.sleep(0.1)
+    return failed
 
 
 async def watch() -> None:

@@ -60,6 +60,18 @@ def descendants(pid: int) -> list[int]:
     return kids + [g for k in kids for g in descendants(k)]
 
 
+def stopped(role_pids: dict[str, int]) -> list[str]:
+    """Each role with a process stopped by a signal (SIGSTOP, SIGTSTP: state T), as "<role> (pid <pid>)": the cause of
+    a stall the deadline alone told as 'did not finish' (a stopped trainer rank: 'actor stalled: train_step ...')."""
+    found = []
+    for role, pid in role_pids.items():
+        for p in [pid, *descendants(pid)]:  # (an engine's vLLM engine core is its actor's child)
+            with suppress(OSError, IndexError):
+                if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                    found.append(f"{role} (pid {p})")
+    return found
+
+
 def kill(pids: list[int]) -> None:
     """SIGKILL each process that is still there."""
     for pid in pids:

@@ -454,6 +454,44 @@ def test_a_kill_9_of_rays_gcs_or_raylet_ends_the_run_naming_it(tmp_path, process
     assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_") and "Traceback" not in run.err()
 
 
+@pytest.mark.slow  # ~1.5 min each: tests/unit/test_ray_compat.py (the raylet's end waited for) in make test
+@pytest.mark.parametrize("agent", ["ray::DashboardAgent", "ray::RuntimeEnvAgent"])
+def test_a_kill_9_of_a_ray_agent_ends_the_run_naming_the_raylet_it_ended(tmp_path, agent):
+    """The raylet fate-shares with its agents: it ends gracefully, its workers first. Before: the run was reported as
+    the first role whose call failed ('Run failed: actor rank 0: train_step failed: the process died (... Owner's node
+    has crashed ...)'), the raylet still ending when the report looked."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    os.kill(run.children(agent)[0], signal.SIGKILL)
+    code = run.finish(timeout=120)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED, run.err()[-3000:]
+    assert lines[-3].startswith("Run failed: Ray's raylet: the process died (exit status 0, as Ray ends it when its "
+                                "dashboard or runtime-env agent dies); no role can go on without it"), lines[-3:]
+    assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_") and "Traceback" not in run.err()
+
+
+@pytest.mark.slow  # ~1.5 min: tests/unit/test_stalled_roles.py (the stopped roles named) in make test
+def test_a_stopped_trainer_rank_stalls_the_run_naming_the_rank_as_stopped(tmp_path):
+    """Before: 'Run stopped: actor stalled: train_step did not finish within 30 s.', neither the rank nor the cause."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1", "train.timeouts.trainer_call_s=20")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    (rank,) = run.children("PolicyWorker")
+    os.kill(rank, signal.SIGSTOP)
+    try:
+        code = run.finish(timeout=180)  # (asserts that no process is left)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(rank, signal.SIGKILL)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == 3, run.err()[-3000:]
+    assert lines[-3].startswith("Run stopped: actor stalled: ") and lines[-3].endswith(
+        f"; stopped by a signal (SIGSTOP; SIGCONT resumes it): actor rank 0 (pid {rank})."), lines[-3:]
+    assert lines[-1].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
+
+
 @pytest.mark.slow  # ~1.5 min: tests/unit/test_ray_shutdown.py (the shutdown's limit) in make test
 def test_a_stopped_raylet_does_not_hang_the_runs_end(tmp_path):
     """SIGSTOP of the raylet: the roles' calls go on (they go straight to the actors), the run trains to its end.

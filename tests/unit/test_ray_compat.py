@@ -116,3 +116,40 @@ def test_after_a_run_in_this_process_rays_auto_init_is_as_it_was(monkeypatch, tm
             entrypoint.run(cfg)
         assert e.value.code == (EXIT_FAILED if ends == "failed" else EXIT_INTERRUPTED)
     assert auto_init_hook.enable_auto_connect is True
+
+
+def test_a_role_that_died_with_its_raylet_ending_behind_it_is_reported_as_the_raylet(monkeypatch, tmp_path):
+    """A kill of Ray's dashboard agent ends its raylet gracefully (it fate-shares with the agent), its workers first:
+    a trainer rank's death reached the driver while the raylet still lived, and the run was reported as 'actor rank
+    0: train_step failed: ... Owner's node has crashed'. The report now waits (ray_head.EXIT_S) for the raylet's end.
+    Ray's node stands in, its raylet a real process that ends 0.5 s after the failure (the slow test's is real:
+    tests/integration/test_faults.py)."""
+    import asyncio
+    import subprocess
+    from types import SimpleNamespace as value
+
+    from ray._private import worker
+
+    from molt_hydra.runtime.entrypoint import _report_failure
+    from molt_hydra.runtime.watchdog import RunFailed
+
+    cfg = value(output_dir=str(tmp_path), job=value(value="rl"), checkpoint=value(dir=str(tmp_path / "ckpt")))
+
+    async def report(cause: BaseException) -> list[str]:
+        raylet = subprocess.Popen(["sleep", "0.5"])
+        monkeypatch.setattr(worker, "_global_node", value(dead_processes=lambda: [("raylet", raylet)]
+                                                          if raylet.poll() is not None else []))
+        try:
+            raise RunFailed("actor rank 0", "train_step failed: the process died") from cause
+        except RunFailed as error:
+            return await _report_failure(cfg, None, error)
+
+    died = ray.exceptions.RayActorError(error_msg="Worker exit detail: Owner's node has crashed.")
+    lines = asyncio.run(report(died))
+    assert lines[0] == "Run failed: Ray's raylet: the process died (exit status 0, as Ray ends it when its dashboard " \
+                       "or runtime-env agent dies); no role can go on without it (first seen as actor rank 0: " \
+                       "train_step failed: the process died).", lines
+    # a role's own error, or its process's death alone, is reported at once, as it is: the raylet is not waited for
+    for cause in (ValueError("bad batch"), ray.exceptions.RayActorError(error_msg="Worker exit type: SYSTEM_ERROR")):
+        lines = asyncio.run(report(cause))
+        assert lines[0] == "Run failed: actor rank 0: train_step failed: the process died.", lines
