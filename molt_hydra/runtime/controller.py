@@ -41,7 +41,7 @@ from molt_hydra.rollout.generator import RolloutBatch
 from molt_hydra.runtime import ray_head
 from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
-from molt_hydra.runtime.watchdog import RunFailed, deadline
+from molt_hydra.runtime.watchdog import RunFailed, deadline, watch_stopped
 
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
                  "weight_sync_wait", "weight_sync")
@@ -370,8 +370,9 @@ class RLController:
         # the keeper replaces dead engines meanwhile; its failure (too many restarts) ends the run
         watcher = asyncio.create_task(self.calls.keeper.watch(lambda: self.version + self.trainer_ahead))
         head = asyncio.create_task(ray_head.watch())  # Ray's GCS and raylet: a death of either ends the run
+        held = asyncio.create_task(watch_stopped(self.roles.role_pids))  # a role stopped by a signal (SIGSTOP)
         steps = asyncio.create_task(self._steps())
-        background = {producer, watcher, head}
+        background = {producer, watcher, head, held}
         try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)
             while True:
                 done, _ = await asyncio.wait({steps, *background}, return_when=asyncio.FIRST_COMPLETED)
@@ -382,9 +383,9 @@ class RLController:
                     if not task.cancelled() and task.exception() is not None:
                         raise task.exception()
         finally:
-            for task in (steps, producer, watcher, head):
+            for task in (steps, producer, watcher, head, held):
                 task.cancel()
-            await asyncio.gather(steps, producer, watcher, head, return_exceptions=True)
+            await asyncio.gather(steps, producer, watcher, head, held, return_exceptions=True)
 
     async def _steps(self) -> dict:
         cfg, max_steps, keeper = self.cfg, self.cfg.train.max_steps, self.calls.keeper

@@ -23,8 +23,8 @@ from molt_hydra.config.schema import EXIT_FAILED, EXIT_STALLED  # noqa: F401 (im
 
 
 class RoleStalled(RuntimeError):
-    def __init__(self, role: str, what: str, seconds: float):
-        super().__init__(f"{role} stalled: {what} did not finish within {seconds:g} s")
+    def __init__(self, role: str, what: str, seconds: float, message: str | None = None):
+        super().__init__(message or f"{role} stalled: {what} did not finish within {seconds:g} s")
         self.role = role
 
 
@@ -70,6 +70,29 @@ def stopped(role_pids: dict[str, int]) -> list[str]:
                 if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
                     found.append(f"{role} (pid {p})")
     return found
+
+
+# a role seen stopped in this many polls in a row ends the run (~60 s): without it, a stopped role was told only when a
+# call's deadline passed (a trainer rank: trainer_call_s, 1800 s by default; an agent runner: step_s, 3600 s)
+STOPPED_POLLS, STOPPED_POLL_S = 12, 5.0
+
+
+async def watch_stopped(role_pids: dict[str, int]) -> None:
+    """Until a role's process (or its child: a vLLM engine core) stays stopped by a signal for STOPPED_POLLS polls in a
+    row; then RoleStalled naming it. Polls further apart than 3 x STOPPED_POLL_S start the count again: the driver
+    was stopped itself (a Slurm suspend, ^Z), and its roles with it, all resumed together."""
+    seen: dict[str, int] = {}
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(STOPPED_POLL_S)
+        now, previous = time.monotonic(), seen
+        held = await asyncio.to_thread(stopped, role_pids) if now - last < 3 * STOPPED_POLL_S else []
+        last, seen = now, {who: previous.get(who, 0) + 1 for who in held}
+        for who, polls in seen.items():
+            if polls >= STOPPED_POLLS:
+                role = who.rsplit(" (pid ", 1)[0]
+                raise RoleStalled(role, "", 0, f"{role} stalled: its process has made no progress for "
+                                               f"{polls * STOPPED_POLL_S:g} s")
 
 
 def kill(pids: list[int]) -> None:

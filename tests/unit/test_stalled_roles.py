@@ -12,8 +12,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace as value
 
+import asyncio
+
+import pytest
+
+from molt_hydra.runtime import watchdog
 from molt_hydra.runtime.entrypoint import _stalled
-from molt_hydra.runtime.watchdog import EXIT_STALLED, descendants, stopped
+from molt_hydra.runtime.watchdog import EXIT_STALLED, RoleStalled, descendants, stopped
 
 
 def _state(pid: int) -> str:
@@ -50,4 +55,46 @@ def test_a_stall_names_the_roles_whose_process_is_stopped(tmp_path):
         for pid in descendants(engine.pid):
             os.kill(pid, signal.SIGKILL)
         for p in (rank, engine, runner):
+            p.kill()
+
+
+def test_a_role_that_stays_stopped_ends_the_run_without_waiting_for_a_deadline(monkeypatch):
+    """`watch_stopped` (the loop runs it beside its steps): a role seen stopped in STOPPED_POLLS polls in a row is a
+    stall named after it (before: told only when its call's deadline passed, 1800 s for a trainer rank); one resumed
+    before that, or polls far apart (the driver itself was stopped), start the count again."""
+    monkeypatch.setattr(watchdog, "STOPPED_POLLS", 4)
+    monkeypatch.setattr(watchdog, "STOPPED_POLL_S", 0.05)
+    rank, runner = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    pids = {"actor rank 0": rank.pid, "agent runner 0": runner.pid}
+    try:
+        os.kill(rank.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RoleStalled) as stall:
+            asyncio.run(asyncio.wait_for(watchdog.watch_stopped(pids), 10))
+        assert stall.value.role == "actor rank 0"
+        assert str(stall.value) == f"actor rank 0 stalled: its process has made no progress for {4 * 0.05:g} s"
+        assert time.monotonic() - start >= 4 * 0.05
+
+        async def resumed_in_time():  # stopped for 2 polls of 4, resumed, stopped again: never 4 in a row
+            watcher = asyncio.ensure_future(watchdog.watch_stopped(pids))
+            for sig in (signal.SIGCONT, signal.SIGSTOP, signal.SIGCONT):
+                await asyncio.sleep(2.5 * 0.05)
+                os.kill(rank.pid, sig)
+            await asyncio.sleep(3 * 0.05)
+            assert not watcher.done()
+            watcher.cancel()
+
+        os.kill(rank.pid, signal.SIGSTOP)
+        asyncio.run(resumed_in_time())
+
+        async def driver_stopped_too():  # polls 1 s apart (> 3 x the interval): each one starts the count again
+            clock = iter(range(0, 1000))  # (watchdog's own clock: asyncio's keeps the real one)
+            monkeypatch.setattr(watchdog, "time", value(monotonic=lambda: float(next(clock))))
+            await asyncio.wait_for(watchdog.watch_stopped(pids), 12 * 0.05)
+
+        os.kill(rank.pid, signal.SIGSTOP)
+        with pytest.raises(asyncio.TimeoutError):
+            asyncio.run(driver_stopped_too())
+    finally:
+        for p in (rank, runner):
             p.kill()
