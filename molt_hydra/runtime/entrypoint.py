@@ -297,7 +297,8 @@ def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str], last_
     """A role stopped making progress: its name, every role's stacks in a file, exit 3."""
     reason += f"; not answering: {', '.join(not_answering)}" if not_answering else ""
     held = stopped(roles.role_pids) if roles is not None else []
-    reason += f"; stopped by a signal (SIGSTOP; SIGCONT resumes it): {', '.join(held)}" if held else ""
+    reason += f"; stopped by a signal (SIGSTOP; SIGCONT resumes it): {', '.join(f'{r} (pid {p})' for r, p in held)}" \
+        if held else ""
     path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
     last_words += [f"Run stopped: {reason}.", f"Stacks of every role: {path}"]
     return EXIT_STALLED

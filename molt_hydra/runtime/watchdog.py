@@ -60,15 +60,15 @@ def descendants(pid: int) -> list[int]:
     return kids + [g for k in kids for g in descendants(k)]
 
 
-def stopped(role_pids: dict[str, int]) -> list[str]:
-    """Each role with a process stopped by a signal (SIGSTOP, SIGTSTP: state T), as "<role> (pid <pid>)": the cause of
-    a stall the deadline alone told as 'did not finish' (a stopped trainer rank: 'actor stalled: train_step ...')."""
+def stopped(role_pids: dict[str, int]) -> list[tuple[str, int]]:
+    """(role, pid) of each role's process stopped by a signal (SIGSTOP, SIGTSTP: state T): the cause of a stall the
+    deadline alone told as 'did not finish' (a stopped trainer rank: 'actor stalled: train_step ...')."""
     found = []
     for role, pid in role_pids.items():
         for p in [pid, *descendants(pid)]:  # (an engine's vLLM engine core is its actor's child)
             with suppress(OSError, IndexError):
                 if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-                    found.append(f"{role} (pid {p})")
+                    found.append((role, p))
     return found
 
 
@@ -81,16 +81,15 @@ async def watch_stopped(role_pids: dict[str, int]) -> None:
     """Until a role's process (or its child: a vLLM engine core) stays stopped by a signal for STOPPED_POLLS polls in a
     row; then RoleStalled naming it. Polls further apart than 3 x STOPPED_POLL_S start the count again: the driver
     was stopped itself (a Slurm suspend, ^Z), and its roles with it, all resumed together."""
-    seen: dict[str, int] = {}
+    seen: dict[tuple[str, int], int] = {}
     last = time.monotonic()
     while True:
         await asyncio.sleep(STOPPED_POLL_S)
         now, previous = time.monotonic(), seen
         held = await asyncio.to_thread(stopped, role_pids) if now - last < 3 * STOPPED_POLL_S else []
         last, seen = now, {who: previous.get(who, 0) + 1 for who in held}
-        for who, polls in seen.items():
+        for (role, _), polls in seen.items():
             if polls >= STOPPED_POLLS:
-                role = who.rsplit(" (pid ", 1)[0]
                 raise RoleStalled(role, "", 0, f"{role} stalled: its process has made no progress for "
                                                f"{polls * STOPPED_POLL_S:g} s")
 

@@ -39,7 +39,7 @@ def test_a_stall_names_the_roles_whose_process_is_stopped(tmp_path):
         while {_state(rank.pid), _state(core)} != {"T"}:
             time.sleep(0.01)
         pids = {"rollout engine 0": engine.pid, "actor rank 0": rank.pid, "agent runner 0": runner.pid}
-        assert stopped(pids) == [f"rollout engine 0 (pid {core})", f"actor rank 0 (pid {rank.pid})"]
+        assert stopped(pids) == [("rollout engine 0", core), ("actor rank 0", rank.pid)]
         last_words: list[str] = []
         code = _stalled(value(output_dir=str(tmp_path)), value(role_pids=pids),
                         "actor stalled: train_step did not finish within 30 s", [], last_words)
@@ -50,7 +50,7 @@ def test_a_stall_names_the_roles_whose_process_is_stopped(tmp_path):
         os.kill(rank.pid, signal.SIGCONT)
         while _state(rank.pid) == "T":
             time.sleep(0.01)
-        assert stopped(pids) == [f"rollout engine 0 (pid {core})"]
+        assert stopped(pids) == [("rollout engine 0", core)]
     finally:
         for pid in descendants(engine.pid):
             os.kill(pid, signal.SIGKILL)
