@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_rl_loop import MOLT_RUN, SMALL, metrics, only_last  # noqa: E402
+from test_rl_loop import ENDLESS, MOLT_RUN, SMALL, metrics, only_last  # noqa: E402
 from wandb_offline import history  # noqa: E402
 
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR  # noqa: E402
@@ -171,7 +171,7 @@ def test_read_only_checkpoint_dir_is_refused_before_anything_starts(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_rank_killed_names_the_rank_and_the_checkpoint_to_resume(tmp_path):
-    run = Run(tmp_path / "run", "train.max_steps=100000", "checkpoint.save_steps=1")
+    run = Run(tmp_path / "run", *ENDLESS, "checkpoint.save_steps=1")
     run.wait_for(lambda: newest_step(tmp_path / "run" / "checkpoints") >= 1)
     (rank,) = run.children("PolicyWorker")
     os.kill(rank, signal.SIGKILL)
@@ -257,7 +257,7 @@ def test_killed_engine_core_mid_generation_is_survived_and_requests_retried(tmp_
 
 @pytest.mark.slow
 def test_engine_deaths_past_the_restart_budget_end_the_run_naming_the_engine(tmp_path):
-    run = Run(tmp_path / "run", "train.max_steps=100000", "rollout.max_engine_restarts=0", "checkpoint.save_steps=1")
+    run = Run(tmp_path / "run", *ENDLESS, "rollout.max_engine_restarts=0", "checkpoint.save_steps=1")
     run.wait_for(lambda: newest_step(tmp_path / "run" / "checkpoints") >= 1)
     (engine,) = run.children("VLLMEngine")
     os.kill(engine, signal.SIGKILL)
@@ -289,7 +289,7 @@ def test_three_point_sweep_runs_every_point_in_one_process(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_write_error_names_the_writer_and_keeps_the_last_checkpoint(tmp_path):
     ckpts = tmp_path / "run" / "checkpoints"
-    run = Run(tmp_path / "run", "train.max_steps=100000", "checkpoint.save_steps=1")
+    run = Run(tmp_path / "run", *ENDLESS, "checkpoint.save_steps=1")
     run.wait_for(lambda: newest_step(ckpts) >= 1)
     if subprocess.run(["chattr", "+i", str(ckpts)], capture_output=True).returncode:
         run.proc.kill()
@@ -421,7 +421,7 @@ def test_a_stopped_agent_runner_stalls_the_run_naming_it(tmp_path):
     """SIGSTOP of every agent runner while the run generates: the step deadline ends it with exit 3, naming the
     runners as the roles not answering (before: 'rollout stalled' alone; the engine probe found every engine fine)."""
     out = tmp_path / "run"
-    run = Run(out, "train.max_steps=50", "train.timeouts.step_s=20")
+    run = Run(out, *ENDLESS, "train.timeouts.step_s=20")
     run.wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text())
     runners = run.children("AgentRunnerActor")
     assert runners
@@ -442,7 +442,7 @@ def test_a_kill_9_of_rays_gcs_or_raylet_ends_the_run_naming_it(tmp_path, process
     C++ line last, no role and no checkpoint named; a killed raylet was named as the first call that failed with it
     ('actor rank 0: train_step failed: ... Owner's node has crashed')."""
     out = tmp_path / "run"
-    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run = Run(out, *ENDLESS, "checkpoint.save_steps=1")
     run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
     t0 = time.monotonic()
     os.kill(*run.children(path), signal.SIGKILL)
@@ -461,7 +461,7 @@ def test_a_kill_9_of_a_ray_agent_ends_the_run_naming_the_raylet_it_ended(tmp_pat
     the first role whose call failed ('Run failed: actor rank 0: train_step failed: the process died (... Owner's node
     has crashed ...)'), the raylet still ending when the report looked."""
     out = tmp_path / "run"
-    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run = Run(out, *ENDLESS, "checkpoint.save_steps=1")
     run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
     os.kill(run.children(agent)[0], signal.SIGKILL)
     code = run.finish(timeout=120)  # (asserts that no process is left)
@@ -480,7 +480,7 @@ def test_a_stopped_trainer_rank_stalls_the_run_naming_the_rank_as_stopped(tmp_pa
     from molt_hydra.runtime.watchdog import STOPPED_POLL_S, STOPPED_POLLS
 
     out = tmp_path / "run"
-    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run = Run(out, *ENDLESS, "checkpoint.save_steps=1")
     run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
     (rank,) = run.children("PolicyWorker")
     os.kill(rank, signal.SIGSTOP)
@@ -524,7 +524,7 @@ def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path, when):
     from molt_hydra.runtime.reaper import GRACE_S
 
     out = tmp_path / "run"
-    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run = Run(out, *ENDLESS, "checkpoint.save_steps=1")
     # (the agents: started by the raylet, during ray.init; the engines start after it)
     run.wait_for(lambda: run.children("Agent") or run.children("dashboard/agent.py") if when == "ray.init"
                  else newest_step(out / "checkpoints") >= 1)

@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_faults import Run, newest_step  # noqa: E402
-from test_rl_loop import MOLT_RUN, SMALL, metrics, only_last  # noqa: E402
+from test_rl_loop import ENDLESS, MOLT_RUN, SMALL, metrics, only_last  # noqa: E402
 
 from molt_hydra.parallel.checkpoint import resolve_checkpoint  # noqa: E402
 from molt_hydra.config.schema import EXIT_INTERRUPTED  # noqa: E402
@@ -29,7 +29,7 @@ from molt_hydra.runtime.watchdog import EXIT_FAILED  # noqa: E402
 def interrupted(tmp_path_factory):
     """A run sent SIGTERM once a checkpoint of step 2 or later exists, and again 0.5 s later, while it stops."""
     out = tmp_path_factory.mktemp("sigterm") / "run"
-    run = Run(out, "train.max_steps=100000", "checkpoint.save_steps=1")
+    run = Run(out, *ENDLESS, "checkpoint.save_steps=1")
     run.wait_for(lambda: newest_step(out / "checkpoints") >= 2)
     os.kill(run.proc.pid, signal.SIGTERM)
     time.sleep(0.5)

@@ -24,6 +24,8 @@ MOLT_RUN = str(Path(sys.executable).with_name("molt-run"))
 SMALL = ["rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "train.batch_size=16",
          "train.micro_batch_size=16", "rollout.max_new_tokens=8", "logger.progress=false",
          "logger.wandb.mode=disabled", "checkpoint.export_final=false"]
+# a run that goes on until stopped: the toy data alone ends one after 128 steps, ~10 s on this VM
+ENDLESS = ("train.max_steps=100000", "train.num_episodes=1000")
 
 
 def only_last(cmd: list[str]) -> list[str]:
@@ -202,9 +204,9 @@ def _is_engine_core(pid: int) -> bool:
 
 
 def test_stalled_engine_ends_the_run_with_stacks_and_names_it(tmp_path):
-    # never done before the engine is found and stopped (with 50 steps, a loaded machine once saw the run end
-    # normally within the 30 s the search below allows: "no EngineCore found", the run's stderr a clean start's)
-    cmd = only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={tmp_path}", "train.max_steps=100000",
+    # never done before the engine is found and stopped (CI once saw a run end normally, its data done, within the
+    # 30 s the search below allows)
+    cmd = only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={tmp_path}", *ENDLESS,
                      "train.timeouts.step_s=20", "train.timeouts.engine_call_s=20"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
