@@ -116,7 +116,8 @@ OVERRIDE_RULES = {
     "stop": (lambda v: isinstance(v, str) and v or _strings(v), "a non-empty string or a list of them"),
     "stop_token_ids": (lambda v: isinstance(v, (list, tuple)) and all(_int(x) and x >= 0 for x in v),
                        "a list of token ids (ints >= 0)"),
-    "seed": (lambda v: v is None or _int(v) and 0 <= v < 2**63, "None or an int >= 0"),
+    # any int64, as the chat server takes a client's seed: the engine seeds vLLM with seed + choice index mod 2**63
+    "seed": (lambda v: v is None or _int(v) and -(2**63) <= v < 2**63, "None or an int64 (in [-2**63, 2**63 - 1])"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
     "structured": (lambda v: v is None or isinstance(v, dict), "None or a dict of vLLM StructuredOutputsParams fields"),
 }
