@@ -1534,3 +1534,46 @@ def test_a_negative_seed_is_honoured_in_the_int64_range_as_openai_and_vllm_take_
     sent = [VLLMEngine._sampling_params(Sampling(max_tokens=8, seed=s), i, False).seed for s, i in pairs]
     # seed + index mod 2**63: never vLLM's "no seed" (-1, was: None for the second and third), never past int64
     assert sent == [2**63 - 5, 2**63 - 1, 2**63 - 1, 0, 9]
+
+
+def test_extra_keys_in_an_openai_tool_choice_are_refused_naming_them(tok):
+    """A named tool_choice with a key beside the name (e.g. `strict`, or Anthropic-style `disable_parallel_tool_use`)
+    was served with the key ignored, on chat and Responses; now a 400 naming it, as Anthropic's tool_choice already
+    was. The plain shapes are served."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    flat = [dict(TOOL["function"], type="function")]
+    named = {"type": "function", "function": {"name": "python"}}
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, '{"code": "print(1)"}'))  # the forced call's arguments
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            refused = []
+            for create, tools, choice in (
+                    (oa.chat.completions.create, {"messages": USER, "tools": [TOOL]}, dict(named, strict=True)),
+                    (oa.chat.completions.create, {"messages": USER, "tools": [TOOL]},
+                     {"type": "function", "function": {"name": "python", "disable_parallel_tool_use": True}}),
+                    (oa.responses.create, {"input": "hi", "tools": flat},
+                     {"type": "function", "name": "python", "strict": False})):
+                with pytest.raises(BadRequestError) as e:
+                    await create(model="policy", tool_choice=choice, **tools)
+                refused.append((e.value.body["param"], e.value.body["message"]))
+            served = [await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], tool_choice=named),
+                      await oa.responses.create(model="policy", input="hi", tools=flat,
+                                                tool_choice={"type": "function", "name": "python"})]
+            return refused, served
+        finally:
+            await oa.close()
+            await server.stop()
+
+    refused, served = asyncio.run(go())
+    assert refused == [
+        ("tool_choice.strict", "tool_choice.strict: Extra inputs are not permitted (tool_choice takes ['function', "
+         "'type'])"),
+        ("tool_choice.function.disable_parallel_tool_use", "tool_choice.function.disable_parallel_tool_use: Extra "
+         "inputs are not permitted (tool_choice.function takes ['name'])"),
+        ("tool_choice.strict", "tool_choice.strict: Extra inputs are not permitted (tool_choice takes ['name', "
+         "'type'])")]
+    assert served[0].choices[0].finish_reason == "tool_calls" and served[1].output[0].name == "python"
+

@@ -208,6 +208,13 @@ def tool_choice(v: Any, tools: list[dict] | None, param: str = "tool_choice") ->
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise bad(f"'{param}' names no function", param)
+        # as OpenAI and Anthropic's tool_choice (was: ignored, e.g. a "strict" or "allowed_tools" that binds nothing)
+        shapes = [(param, v, {"type", "name"})] if fn is v else [(param, v, {"type", "function"}),
+                                                                 (f"{param}.function", fn, {"name"})]
+        for where, obj, keys in shapes:
+            if unknown := sorted(set(obj) - keys):
+                raise bad(f"{where}.{unknown[0]}: Extra inputs are not permitted ({where} takes {sorted(keys)})",
+                          f"{where}.{unknown[0]}")
         v = {"type": "function", "function": {"name": name}}
     elif v not in ("none", "auto", "required"):
         raise bad(f"'{param}' must be none, auto, required or a named function, got {v!r}", param)
