@@ -1577,3 +1577,57 @@ def test_extra_keys_in_an_openai_tool_choice_are_refused_naming_them(tok):
          "'type'])")]
     assert served[0].choices[0].finish_reason == "tool_calls" and served[1].output[0].name == "python"
 
+
+def test_an_openai_reasoning_effort_is_served_where_the_model_does_it_and_refused_naming_it_elsewhere(tok):
+    """`reasoning` (Responses) was a 400 on any value, also the effort "none" the OpenAI Agents SDK sends for an Agent
+    that names no model; `reasoning_effort` (chat) likewise. Now effort "none" / "medium" (OpenAI's default) is thinking
+    asked off / on, served where it matches the model (agent.reasoning_parser) and a 400 naming the field where not,
+    as Anthropic's `thinking`; another effort, or a summary (never written), is a 400 naming it."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI, BadRequestError
+    from openai.types.shared import Reasoning
+
+    set_tracing_disabled(True)
+
+    async def go(reasoning):
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHello." if reasoning else
+                                                      "Hello."), reasoning)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        judge = AsyncOpenAI(base_url=server.session_url("s") + "/judge/v1", api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            effort = "medium" if reasoning else "none"
+            agent = Agent(name="a", model=OpenAIResponsesModel(model="policy", openai_client=oa),
+                          model_settings=ModelSettings(reasoning=Reasoning(effort=effort)))
+            served = [(await Runner.run(agent, "hi", max_turns=1)).final_output,
+                      (await oa.chat.completions.create(model="policy", messages=USER, reasoning_effort=effort))
+                      .choices[0].message.content]
+            refused = []
+            for call in (lambda: oa.responses.create(model="policy", input="hi", reasoning={
+                             "effort": "none" if reasoning else "medium"}),
+                         lambda: oa.chat.completions.create(model="policy", messages=USER, reasoning_effort="high"),
+                         lambda: judge.chat.completions.create(model="policy", messages=USER, reasoning_effort=(
+                             "none" if reasoning else "medium")),
+                         lambda: oa.responses.create(model="policy", input="hi", reasoning={"summary": "auto"})):
+                with pytest.raises(BadRequestError) as e:
+                    await call()
+                refused.append((e.value.body["param"], e.value.body["message"]))
+            return served, refused
+        finally:
+            await oa.close(), await judge.close()
+            await server.stop()
+
+    for reasoning in (None, "qwen3"):
+        served, refused = asyncio.run(go(reasoning))
+        assert [s.strip() for s in served] == ["Hello."] * 2  # (qwen3: "\n\n" after </think>)
+        setup = f"agent.reasoning_parser={reasoning!r}"
+        turns = "disables" if reasoning else "enables"
+        assert refused == [
+            ("reasoning.effort", f"'reasoning.effort' {turns} thinking, which does not match this model's setup "
+             f"({setup}): thinking is what the model was trained to do; omit 'reasoning.effort'"),
+            ("reasoning_effort", "'reasoning_effort'='high' is not served: the policy has no effort setting and "
+             "thinks as it was trained to; send 'medium' (a model set up to think, agent.reasoning_parser) or 'none' "
+             "(one that is not), or omit it"),
+            ("reasoning_effort", f"'reasoning_effort' {turns} thinking, which does not match this model's setup "
+             f"({setup}): thinking is what the model was trained to do; omit 'reasoning_effort'"),
+            ("reasoning.summary", "'reasoning.summary'='auto' is not served: no summary is written, the model's whole "
+             "thinking comes back as the reasoning item's content (reasoning_text); omit it")], reasoning
