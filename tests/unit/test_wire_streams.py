@@ -1631,3 +1631,49 @@ def test_an_openai_reasoning_effort_is_served_where_the_model_does_it_and_refuse
              f"({setup}): thinking is what the model was trained to do; omit 'reasoning_effort'"),
             ("reasoning.summary", "'reasoning.summary'='auto' is not served: no summary is written, the model's whole "
              "thinking comes back as the reasoning item's content (reasoning_text); omit it")], reasoning
+
+
+class StopStringEngine(ScriptedEngine):
+    """Generates `text` and ends as vLLM does on a stop string: its last token completes `stop` (no end token)."""
+
+    def __init__(self, tok, text, stop):
+        self.ids, self.stop = tok(text, add_special_tokens=False)["input_ids"], stop
+
+    async def generate(self, request):
+        return [Generation(list(self.ids), [-0.5] * len(self.ids), [0] * len(self.ids), "stop", self.stop)]
+
+    async def generate_stream(self, request):
+        for i, t in enumerate(self.ids):
+            last = i == len(self.ids) - 1
+            yield Generation([t], [-0.5], [0], "stop" if last else None, self.stop if last else None)
+
+
+def test_a_stop_string_also_in_the_first_token_cuts_the_reply_where_the_engine_stopped(tok):
+    """vLLM looks for stop strings only after the first `min_tokens` tokens (the recipe's 1), so a reply may hold the
+    stop string there too: "\\nHello.\\n" with stop "\\n" ends at the second "\\n". The reply was cut at the first, so
+    the agent got "" while the trajectory trained "\\nHello."; now each SDK gets the text up to the stop it ended on."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, StopStringEngine(tok, "\nHello.\n", "\n"))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            out = []
+            for i, stream in enumerate((False, True)):
+                msgs = [{"role": "user", "content": f"hi {i}"}]
+                if stream:
+                    async with oa.chat.completions.stream(model="policy", messages=msgs, stop=["\n"]) as s:
+                        reply = await s.get_final_completion()
+                else:
+                    reply = await oa.chat.completions.create(model="policy", messages=msgs, stop=["\n"])
+                out.append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+            reply = await an.messages.create(model="policy", max_tokens=50, stop_sequences=["\n"], messages=USER)
+            out.append((reply.content[0].text, reply.stop_reason, reply.stop_sequence))
+            return out
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == [("\nHello.", "stop")] * 2 + [("\nHello.", "stop_sequence", "\n")]

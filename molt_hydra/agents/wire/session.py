@@ -354,8 +354,13 @@ class ChatSession:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         stop_sequence = gen.stop_reason if isinstance(gen.stop_reason, str) else None
-        # OpenAI/Anthropic omit the stop sequence from the text
-        text = text.partition(stop_sequence)[0] if stop_sequence else text
+        if stop_sequence:  # OpenAI/Anthropic omit the stop sequence from the text. Cut where the engine stopped: in
+            # the occurrence the last token completed. vLLM does not look in the first min_tokens tokens (the recipe's
+            # 1), so one may occur there too (was: cut there, and the agent never saw the rest the trajectory trains);
+            # a character split at the token boundary decodes as U+FFFD, not counted
+            before = self.tokenizer.decode(ids[:-1], skip_special_tokens=False).rstrip("\ufffd")
+            at = text.find(stop_sequence, max(0, len(before) - len(stop_sequence) + 1))
+            text = text.partition(stop_sequence)[0] if at < 0 else text[:at]
         if req.raw_prompt is not None:
             parsed = ParsedReply(text, [])
         elif req.forced_tool:
