@@ -149,9 +149,14 @@ def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None
                                  "completion per turn and hands no alternatives to Env.step; leave it out")
         elif not OVERRIDE_RULES[key][0](value):
             raise ValueError(f"Result.sampling_params[{key!r}] is {value!r}; it must be {OVERRIDE_RULES[key][1]}")
-    stops = {k: (override[k],) if isinstance(override[k], str) else tuple(override[k])
+    # numpy scalars as Python numbers (was: a numpy int seed passed, then overflowed the engine's seed + choice index
+    # mod 2**63, and numpy ints in stop_token_ids reached vLLM's request)
+    def plain(v):
+        return int(v) if _int(v) else float(v) if _real(v) else v
+
+    stops = {k: (override[k],) if isinstance(override[k], str) else tuple(map(plain, override[k]))
              for k in ("stop", "stop_token_ids") if k in override}
-    return dataclasses.replace(sampling, **{**override, **stops})
+    return dataclasses.replace(sampling, **{**{k: plain(v) for k, v in override.items()}, **stops})
 
 
 @dataclass

@@ -73,6 +73,15 @@ def test_a_sampling_override_of_good_values_is_applied():
     assert apply_sampling_override(s, {"stop": "</answer>", "stop_token_ids": [2], "temperature": 0, "n": 1}) == \
         Sampling(max_tokens=8, seed=3, stop=("</answer>",), stop_token_ids=(2,), temperature=0)
     assert apply_sampling_override(s, Sampling(max_tokens=4)) == Sampling(max_tokens=4)
+    # numpy numbers (an Env drawing a seed with numpy) as Python's: a numpy int seed passed, then overflowed the
+    # engine's seed + choice index mod 2**63 (OverflowError in the engine, naming nothing)
+    from molt_hydra.rollout.engine import VLLMEngine
+
+    got = apply_sampling_override(s, {"seed": np.int64(2**63 - 1), "max_tokens": np.int32(4),
+                                      "temperature": np.float32(0.5), "stop_token_ids": [np.int64(2)]})
+    assert [type(v) for v in (got.seed, got.max_tokens, got.temperature, *got.stop_token_ids)] == [int, int, float, int]
+    assert (got.seed, got.max_tokens, got.temperature, got.stop_token_ids) == (2**63 - 1, 4, 0.5, (2,))
+    assert VLLMEngine._sampling_params(got, 1, False).seed == 0  # (2**63 - 1 + 1) mod 2**63
     # a negative seed, as the chat server takes one (was: "None or an int >= 0")
     assert apply_sampling_override(s, {"seed": -5}).seed == -5
     assert apply_sampling_override(s, {"seed": -(2**63)}).seed == -(2**63)
