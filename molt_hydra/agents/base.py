@@ -116,7 +116,8 @@ OVERRIDE_RULES = {
     "stop": (lambda v: isinstance(v, str) and v or _strings(v), "a non-empty string or a list of them"),
     "stop_token_ids": (lambda v: isinstance(v, (list, tuple)) and all(_int(x) and x >= 0 for x in v),
                        "a list of token ids (ints >= 0)"),
-    "seed": (lambda v: v is None or _int(v) and 0 <= v < 2**63, "None or an int >= 0"),
+    # any int64, as the chat server takes a client's seed: the engine seeds vLLM with seed + choice index mod 2**63
+    "seed": (lambda v: v is None or _int(v) and -(2**63) <= v < 2**63, "None or an int64 (in [-2**63, 2**63 - 1])"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
     "structured": (lambda v: v is None or isinstance(v, dict), "None or a dict of vLLM StructuredOutputsParams fields"),
 }
@@ -148,9 +149,14 @@ def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None
                                  "completion per turn and hands no alternatives to Env.step; leave it out")
         elif not OVERRIDE_RULES[key][0](value):
             raise ValueError(f"Result.sampling_params[{key!r}] is {value!r}; it must be {OVERRIDE_RULES[key][1]}")
-    stops = {k: (override[k],) if isinstance(override[k], str) else tuple(override[k])
+    # numpy scalars as Python numbers (was: a numpy int seed passed, then overflowed the engine's seed + choice index
+    # mod 2**63, and numpy ints in stop_token_ids reached vLLM's request)
+    def plain(v):
+        return int(v) if _int(v) else float(v) if _real(v) else v
+
+    stops = {k: (override[k],) if isinstance(override[k], str) else tuple(map(plain, override[k]))
              for k in ("stop", "stop_token_ids") if k in override}
-    return dataclasses.replace(sampling, **{**override, **stops})
+    return dataclasses.replace(sampling, **{**{k: plain(v) for k, v in override.items()}, **stops})
 
 
 @dataclass

@@ -54,7 +54,8 @@ def test_scalar_and_sampling_override():
     ({"temperature": math.nan}, "a number >= 0"), ({"top_p": 0}, "a number in (0, 1]"),
     ({"top_k": 0}, "-1 (off) or an int >= 1"), ({"min_tokens": True}, "an int >= 0"),
     ({"stop": ""}, "a non-empty string or a list of them"), ({"stop": [1]}, "a non-empty string or a list of them"),
-    ({"stop_token_ids": [-1]}, "a list of token ids"), ({"seed": "42"}, "None or an int >= 0"),
+    ({"stop_token_ids": [-1]}, "a list of token ids"), ({"seed": "42"}, "None or an int64"),
+    ({"seed": 2**63}, "None or an int64 (in [-2**63, 2**63 - 1])"), ({"seed": -(2**63) - 1}, "None or an int64"),
     ({"ignore_eos": "yes"}, "a bool"), ({"structured": "json"}, "None or a dict"),
     ({"n": 4}, "['n']=4: the step runner samples one completion per turn"),
     ({"top_logprobs": 5}, "['top_logprobs']=5"), (Sampling(max_tokens=0), "['max_tokens'] is 0")],
@@ -72,6 +73,18 @@ def test_a_sampling_override_of_good_values_is_applied():
     assert apply_sampling_override(s, {"stop": "</answer>", "stop_token_ids": [2], "temperature": 0, "n": 1}) == \
         Sampling(max_tokens=8, seed=3, stop=("</answer>",), stop_token_ids=(2,), temperature=0)
     assert apply_sampling_override(s, Sampling(max_tokens=4)) == Sampling(max_tokens=4)
+    # numpy numbers (an Env drawing a seed with numpy) as Python's: a numpy int seed passed, then overflowed the
+    # engine's seed + choice index mod 2**63 (OverflowError in the engine, naming nothing)
+    from molt_hydra.rollout.engine import VLLMEngine
+
+    got = apply_sampling_override(s, {"seed": np.int64(2**63 - 1), "max_tokens": np.int32(4),
+                                      "temperature": np.float32(0.5), "stop_token_ids": [np.int64(2)]})
+    assert [type(v) for v in (got.seed, got.max_tokens, got.temperature, *got.stop_token_ids)] == [int, int, float, int]
+    assert (got.seed, got.max_tokens, got.temperature, got.stop_token_ids) == (2**63 - 1, 4, 0.5, (2,))
+    assert VLLMEngine._sampling_params(got, 1, False).seed == 0  # (2**63 - 1 + 1) mod 2**63
+    # a negative seed, as the chat server takes one (was: "None or an int >= 0")
+    assert apply_sampling_override(s, {"seed": -5}).seed == -5
+    assert apply_sampling_override(s, {"seed": -(2**63)}).seed == -(2**63)
 
 
 @pytest.mark.parametrize("value, expected", [

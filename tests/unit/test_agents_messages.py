@@ -164,7 +164,7 @@ def test_responses_items_become_the_chat_messages_a_chat_request_would_send():
     assert req.response_format == {"json_object": True}
     for body, words in (({"input": "x", "previous_response_id": "r"}, "stores no responses"),
                         ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
-                        ({"input": "x", "reasoning": {"effort": "high"}}, "unsupported field 'reasoning'")):
+                        ({"input": "x", "reasoning": {"effort": "high"}}, "'reasoning.effort'='high' is not served")):
         with pytest.raises(RequestError, match=words):
             responses.parse(body)
 

@@ -1534,3 +1534,146 @@ def test_a_negative_seed_is_honoured_in_the_int64_range_as_openai_and_vllm_take_
     sent = [VLLMEngine._sampling_params(Sampling(max_tokens=8, seed=s), i, False).seed for s, i in pairs]
     # seed + index mod 2**63: never vLLM's "no seed" (-1, was: None for the second and third), never past int64
     assert sent == [2**63 - 5, 2**63 - 1, 2**63 - 1, 0, 9]
+
+
+def test_extra_keys_in_an_openai_tool_choice_are_refused_naming_them(tok):
+    """A named tool_choice with a key beside the name (e.g. `strict`, or Anthropic-style `disable_parallel_tool_use`)
+    was served with the key ignored, on chat and Responses; now a 400 naming it, as Anthropic's tool_choice already
+    was. The plain shapes are served."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    flat = [dict(TOOL["function"], type="function")]
+    named = {"type": "function", "function": {"name": "python"}}
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, '{"code": "print(1)"}'))  # the forced call's arguments
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            refused = []
+            for create, tools, choice in (
+                    (oa.chat.completions.create, {"messages": USER, "tools": [TOOL]}, dict(named, strict=True)),
+                    (oa.chat.completions.create, {"messages": USER, "tools": [TOOL]},
+                     {"type": "function", "function": {"name": "python", "disable_parallel_tool_use": True}}),
+                    (oa.responses.create, {"input": "hi", "tools": flat},
+                     {"type": "function", "name": "python", "strict": False})):
+                with pytest.raises(BadRequestError) as e:
+                    await create(model="policy", tool_choice=choice, **tools)
+                refused.append((e.value.body["param"], e.value.body["message"]))
+            served = [await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL], tool_choice=named),
+                      await oa.responses.create(model="policy", input="hi", tools=flat,
+                                                tool_choice={"type": "function", "name": "python"})]
+            return refused, served
+        finally:
+            await oa.close()
+            await server.stop()
+
+    refused, served = asyncio.run(go())
+    assert refused == [
+        ("tool_choice.strict", "tool_choice.strict: Extra inputs are not permitted (tool_choice takes ['function', "
+         "'type'])"),
+        ("tool_choice.function.disable_parallel_tool_use", "tool_choice.function.disable_parallel_tool_use: Extra "
+         "inputs are not permitted (tool_choice.function takes ['name'])"),
+        ("tool_choice.strict", "tool_choice.strict: Extra inputs are not permitted (tool_choice takes ['name', "
+         "'type'])")]
+    assert served[0].choices[0].finish_reason == "tool_calls" and served[1].output[0].name == "python"
+
+
+def test_an_openai_reasoning_effort_is_served_where_the_model_does_it_and_refused_naming_it_elsewhere(tok):
+    """`reasoning` (Responses) was a 400 on any value, also the effort "none" the OpenAI Agents SDK sends for an Agent
+    that names no model; `reasoning_effort` (chat) likewise. Now effort "none" / "medium" (OpenAI's default) is thinking
+    asked off / on, served where it matches the model (agent.reasoning_parser) and a 400 naming the field where not,
+    as Anthropic's `thinking`; another effort, or a summary (never written), is a 400 naming it."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI, BadRequestError
+    from openai.types.shared import Reasoning
+
+    set_tracing_disabled(True)
+
+    async def go(reasoning):
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHello." if reasoning else
+                                                      "Hello."), reasoning)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        judge = AsyncOpenAI(base_url=server.session_url("s") + "/judge/v1", api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            effort = "medium" if reasoning else "none"
+            agent = Agent(name="a", model=OpenAIResponsesModel(model="policy", openai_client=oa),
+                          model_settings=ModelSettings(reasoning=Reasoning(effort=effort)))
+            served = [(await Runner.run(agent, "hi", max_turns=1)).final_output,
+                      (await oa.chat.completions.create(model="policy", messages=USER, reasoning_effort=effort))
+                      .choices[0].message.content]
+            refused = []
+            for call in (lambda: oa.responses.create(model="policy", input="hi", reasoning={
+                             "effort": "none" if reasoning else "medium"}),
+                         lambda: oa.chat.completions.create(model="policy", messages=USER, reasoning_effort="high"),
+                         lambda: judge.chat.completions.create(model="policy", messages=USER, reasoning_effort=(
+                             "none" if reasoning else "medium")),
+                         lambda: oa.responses.create(model="policy", input="hi", reasoning={"summary": "auto"})):
+                with pytest.raises(BadRequestError) as e:
+                    await call()
+                refused.append((e.value.body["param"], e.value.body["message"]))
+            return served, refused
+        finally:
+            await oa.close(), await judge.close()
+            await server.stop()
+
+    for reasoning in (None, "qwen3"):
+        served, refused = asyncio.run(go(reasoning))
+        assert [s.strip() for s in served] == ["Hello."] * 2  # (qwen3: "\n\n" after </think>)
+        setup = f"agent.reasoning_parser={reasoning!r}"
+        turns = "disables" if reasoning else "enables"
+        assert refused == [
+            ("reasoning.effort", f"'reasoning.effort' {turns} thinking, which does not match this model's setup "
+             f"({setup}): thinking is what the model was trained to do; omit 'reasoning.effort'"),
+            ("reasoning_effort", "'reasoning_effort'='high' is not served: the policy has no effort setting and "
+             "thinks as it was trained to; send 'medium' (a model set up to think, agent.reasoning_parser) or 'none' "
+             "(one that is not), or omit it"),
+            ("reasoning_effort", f"'reasoning_effort' {turns} thinking, which does not match this model's setup "
+             f"({setup}): thinking is what the model was trained to do; omit 'reasoning_effort'"),
+            ("reasoning.summary", "'reasoning.summary'='auto' is not served: no summary is written, the model's whole "
+             "thinking comes back as the reasoning item's content (reasoning_text); omit it")], reasoning
+
+
+class StopStringEngine(ScriptedEngine):
+    """Generates `text` and ends as vLLM does on a stop string: its last token completes `stop` (no end token)."""
+
+    def __init__(self, tok, text, stop):
+        self.ids, self.stop = tok(text, add_special_tokens=False)["input_ids"], stop
+
+    async def generate(self, request):
+        return [Generation(list(self.ids), [-0.5] * len(self.ids), [0] * len(self.ids), "stop", self.stop)]
+
+    async def generate_stream(self, request):
+        for i, t in enumerate(self.ids):
+            last = i == len(self.ids) - 1
+            yield Generation([t], [-0.5], [0], "stop" if last else None, self.stop if last else None)
+
+
+def test_a_stop_string_also_in_the_first_token_cuts_the_reply_where_the_engine_stopped(tok):
+    """vLLM looks for stop strings only after the first `min_tokens` tokens (the recipe's 1), so a reply may hold the
+    stop string there too: "\\nHello.\\n" with stop "\\n" ends at the second "\\n". The reply was cut at the first, so
+    the agent got "" while the trajectory trained "\\nHello."; now each SDK gets the text up to the stop it ended on."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, StopStringEngine(tok, "\nHello.\n", "\n"))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            out = []
+            for i, stream in enumerate((False, True)):
+                msgs = [{"role": "user", "content": f"hi {i}"}]
+                if stream:
+                    async with oa.chat.completions.stream(model="policy", messages=msgs, stop=["\n"]) as s:
+                        reply = await s.get_final_completion()
+                else:
+                    reply = await oa.chat.completions.create(model="policy", messages=msgs, stop=["\n"])
+                out.append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+            reply = await an.messages.create(model="policy", max_tokens=50, stop_sequences=["\n"], messages=USER)
+            out.append((reply.content[0].text, reply.stop_reason, reply.stop_sequence))
+            return out
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == [("\nHello.", "stop")] * 2 + [("\nHello.", "stop_sequence", "\n")]

@@ -14,7 +14,7 @@ from molt_hydra.agents.wire.stream import Stream, new_id, sse
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FIELDS = {"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
           "stop", "seed", "stream", "logprobs", "top_logprobs", "response_format", "parallel_tool_calls",
-          "top_k"}  # (top_k: vLLM's extension; the sampling rule checks it as Anthropic's)
+          "top_k", "reasoning_effort"}  # (top_k: vLLM's extension; the sampling rule checks it as Anthropic's)
 
 
 def parse(body: Any) -> ChatRequest:
@@ -31,7 +31,9 @@ def parse(body: Any) -> ChatRequest:
                        strict_tools=check.strict_names([t["function"] for t in tools or []]),
                        parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
                        top_logprobs=check.top_logprobs(body, "logprobs"),
-                       response_format=check.response_format(body.get("response_format")))
+                       response_format=check.response_format(body.get("response_format")),
+                       thinking=check.reasoning_effort(body.get("reasoning_effort"), "reasoning_effort"),
+                       thinking_param="reasoning_effort")
 
 
 def _message(m: Any, where: str) -> dict:

@@ -39,7 +39,8 @@ class ChatRequest:
     response_format: dict | None = None  # vLLM structured output: {"json": schema} / {"json_object": True}
     strict_tools: list[str] = field(default_factory=list)  # tools sent with `strict: true`: arguments per schema
     format_param: str = "response_format"  # the field that set response_format (Responses: text.format), for errors
-    thinking: bool | None = None  # Anthropic thinking enabled / disabled; None: not asked
+    thinking: bool | None = None  # Anthropic thinking enabled / disabled (OpenAI: reasoning effort); None: not asked
+    thinking_param: str = "thinking"  # the field that set `thinking`, for errors
     thinking_budget: int | None = None  # Anthropic thinking.budget_tokens
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
     image_params: list = field(default_factory=list)  # each image part's position in the request, in render order
@@ -208,6 +209,13 @@ def tool_choice(v: Any, tools: list[dict] | None, param: str = "tool_choice") ->
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise bad(f"'{param}' names no function", param)
+        # as OpenAI and Anthropic's tool_choice (was: ignored, e.g. a "strict" or "allowed_tools" that binds nothing)
+        shapes = [(param, v, {"type", "name"})] if fn is v else [(param, v, {"type", "function"}),
+                                                                 (f"{param}.function", fn, {"name"})]
+        for where, obj, keys in shapes:
+            if unknown := sorted(set(obj) - keys):
+                raise bad(f"{where}.{unknown[0]}: Extra inputs are not permitted ({where} takes {sorted(keys)})",
+                          f"{where}.{unknown[0]}")
         v = {"type": "function", "function": {"name": name}}
     elif v not in ("none", "auto", "required"):
         raise bad(f"'{param}' must be none, auto, required or a named function, got {v!r}", param)
@@ -252,6 +260,23 @@ def strict_names(functions: list[dict], param: str = "tools", default: bool = Fa
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise bad(f"{param}[{i}] 'strict' must be a boolean, got {fn['strict']!r}", param)
     return [fn["name"] for fn in functions if (default if fn.get("strict") is None else fn["strict"])]
+
+
+# OpenAI's reasoning efforts the policy can honour, as thinking asked for: "none" (a model that does not think) and
+# "medium", OpenAI's default (the model thinks as it was trained to); it has no knob for another level
+EFFORTS = {"none": False, "medium": True}
+
+
+def reasoning_effort(v: Any, param: str) -> bool | None:
+    """Chat `reasoning_effort` / Responses `reasoning.effort` as the thinking asked for (the session checks it
+    against the model, as Anthropic's `thinking`); absent or null asks nothing (was: a 400 on any `reasoning`)."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or v not in EFFORTS:
+        raise bad(f"'{param}'={v!r} is not served: the policy has no effort setting and thinks as it was trained to; "
+                  "send 'medium' (a model set up to think, agent.reasoning_parser) or 'none' (one that is not), or "
+                  "omit it", param)
+    return EFFORTS[v]
 
 
 def response_format(v: Any, param: str = "response_format") -> dict | None:

@@ -13,7 +13,7 @@ from molt_hydra.agents.wire.request import ChatRequest, RequestError, bad
 from molt_hydra.agents.wire.stream import Stream, new_id, sse
 
 FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
-          "text", "parallel_tool_calls", "top_logprobs", "include"}
+          "text", "parallel_tool_calls", "top_logprobs", "include", "reasoning"}
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for log-probs (the Agents SDK sends it)
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}  # of a function tool
 # `include` entries that change nothing here: reasoning is never encrypted, and echoed reasoning items are dropped
@@ -62,14 +62,32 @@ def parse(body: Any) -> ChatRequest:
         raise bad("'text' must be an object", "text")
     if text.get("verbosity") not in (None, "medium") or set(text) - {"format", "verbosity"}:
         raise bad(f"'text' {text!r}: only 'format' is served ('verbosity' only at its default \"medium\": this "
-                  "model is not trained to follow it, so another value would change nothing)", "text")
+                  "model is not trained to follow it, so another value would change nothing; the OpenAI Agents SDK "
+                  "sends \"low\" when an Agent names no model: give it model=ctx.model_name)", "text")
     return ChatRequest(
         messages=canon, tools=tools, overrides=check.sampling(body, ("max_output_tokens",)),
         stream=check.flag(body, "stream"), tool_choice=check.tool_choice(body.get("tool_choice"), tools),
         strict_tools=strict,
         parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
         top_logprobs=_top_logprobs(body),
-        response_format=check.response_format(text.get("format"), "text.format"), format_param="text.format")
+        response_format=check.response_format(text.get("format"), "text.format"), format_param="text.format",
+        thinking=_reasoning(body.get("reasoning")), thinking_param="reasoning.effort")
+
+
+def _reasoning(v: Any) -> bool | None:
+    """`reasoning`: its effort as the thinking asked for (the OpenAI Agents SDK sends effort "none" by default when
+    an Agent names no model); a summary is not written: the whole thinking comes back as the item's content."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad(f"'reasoning' must be an object, got {v!r}", "reasoning")
+    if unknown := sorted(set(v) - {"effort", "summary", "generate_summary"}):
+        raise bad(f"'reasoning' keys {unknown} are not served (served: effort, summary)", "reasoning")
+    for key in ("summary", "generate_summary"):
+        if v.get(key) is not None:  # (a summary the client would wait for and never get)
+            raise bad(f"'reasoning.{key}'={v[key]!r} is not served: no summary is written, the model's whole thinking "
+                      "comes back as the reasoning item's content (reasoning_text); omit it", f"reasoning.{key}")
+    return check.reasoning_effort(v.get("effort"), "reasoning.effort")
 
 
 def _top_logprobs(body: dict) -> int | None:

@@ -137,7 +137,8 @@ class ChatSession:
         """An LLM-as-judge call on the same engines: the client's sampling is honoured and nothing is recorded."""
         if req.stream:
             raise RequestError(400, "the judge endpoint serves non-streamed chat completions only", "stream")
-        self._check_n(req)  # the cheap 400 before images are loaded and the prompt rendered
+        self._check_n(req)  # the cheap 400s before images are loaded and the prompt rendered
+        self._check_thinking(req)  # (was: reasoning_effort unchecked here)
         prompt_ids, images = self._full_prompt(req)
         o = req.overrides
         remaining = self.max_length - len(prompt_ids)
@@ -184,10 +185,7 @@ class ChatSession:
         that differ from the rollout's are refused; max_tokens only lowers the per-turn cap (as do the `remaining`
         tokens of the session's max_length); stop strings add to the recipe's; seed is honoured; n is bounded by
         agent.max_choices."""
-        if req.thinking is not None and req.thinking != (self.parser.reasoning is not None):
-            raise RequestError(400, f"'thinking' {'enabled' if req.thinking else 'disabled'} does not match this "
-                               f"model's setup (agent.reasoning_parser={self.parser.reasoning_parser_name!r}): "
-                               "thinking is what the model was trained to do; omit 'thinking'", "thinking")
+        self._check_thinking(req)
         o = req.overrides
         for key, recipe_key in RECIPE_SAMPLING.items():
             ours, theirs = getattr(self.sampling, key), o.get(key)
@@ -208,6 +206,13 @@ class ChatSession:
             self.sampling, max_tokens=max_tokens, min_tokens=min(self.sampling.min_tokens, max_tokens),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
             seed=o.get("seed", self.sampling.seed), **self._decoding(req))
+
+    def _check_thinking(self, req: ChatRequest) -> None:
+        if req.thinking is not None and req.thinking != (self.parser.reasoning is not None):
+            param = req.thinking_param
+            raise RequestError(400, f"'{param}' {'enables' if req.thinking else 'disables'} thinking, which does not "
+                               f"match this model's setup (agent.reasoning_parser={self.parser.reasoning_parser_name!r})"
+                               f": thinking is what the model was trained to do; omit '{param}'", param)
 
     def _check_n(self, req: ChatRequest) -> None:
         if req.n > self.max_choices:
@@ -349,8 +354,13 @@ class ChatSession:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         stop_sequence = gen.stop_reason if isinstance(gen.stop_reason, str) else None
-        # OpenAI/Anthropic omit the stop sequence from the text
-        text = text.partition(stop_sequence)[0] if stop_sequence else text
+        if stop_sequence:  # OpenAI/Anthropic omit the stop sequence from the text. Cut where the engine stopped: in
+            # the occurrence the last token completed. vLLM does not look in the first min_tokens tokens (the recipe's
+            # 1), so one may occur there too (was: cut there, and the agent never saw the rest the trajectory trains);
+            # a character split at the token boundary decodes as U+FFFD, not counted
+            before = self.tokenizer.decode(ids[:-1], skip_special_tokens=False).rstrip("\ufffd")
+            at = text.find(stop_sequence, max(0, len(before) - len(stop_sequence) + 1))
+            text = text.partition(stop_sequence)[0] if at < 0 else text[:at]
         if req.raw_prompt is not None:
             parsed = ParsedReply(text, [])
         elif req.forced_tool:
