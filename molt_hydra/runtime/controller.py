@@ -370,8 +370,10 @@ class RLController:
         # the keeper replaces dead engines meanwhile; its failure (too many restarts) ends the run
         watcher = asyncio.create_task(self.calls.keeper.watch(lambda: self.version + self.trainer_ahead))
         head = asyncio.create_task(ray_head.watch())  # Ray's GCS and raylet: a death of either ends the run
-        # a role stopped by a signal (SIGSTOP); its pid is read in this node's /proc, so on one node only
-        held = asyncio.create_task(watch_stopped(self.roles.role_pids if self.cfg.cluster.nodes == 1 else {}))
+        # a role stopped by a signal (SIGSTOP); its pid is read in this node's /proc, so on one node only (Ray's GCS
+        # and raylet: where this process started them)
+        held = asyncio.create_task(watch_stopped(self.roles.role_pids if self.cfg.cluster.nodes == 1 else {},
+                                                 ray_head.pids()))
         steps = asyncio.create_task(self._steps())
         background = {producer, watcher, head, held}
         try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)

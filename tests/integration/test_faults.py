@@ -555,3 +555,36 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.slow  # ~2.5 min each: tests/unit/test_stalled_roles.py, test_ray_compat.py (a stopped head) in make test
+@pytest.mark.parametrize("process, path", [("gcs_server", "ray/gcs/gcs_server"), ("raylet", "ray/raylet/raylet")])
+def test_a_stopped_gcs_or_raylet_ends_the_run_naming_it(tmp_path, process, path):
+    """SIGSTOP of Ray's GCS: the roles' calls go straight to the actors, the run went on unseen (no new actor, no
+    engine restart) and its end waited on it; now the watcher's ~60 s end it, naming it. A stopped raylet: Ray's
+    health check may take its node for dead first, every actor with it; the run was reported as 'actor rank 0:
+    train_step failed: ... Owner's node has crashed'; now the raylet is named either way."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=100000", "train.num_episodes=1000", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    (pid,) = run.children(path)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        code = run.finish(timeout=240)  # (asserts that no process is left)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    stopped = "stopped by a signal (SIGSTOP; SIGCONT resumes it)"
+    # the watcher's polls (exit 3), or, for the raylet, Ray's health check first: its node's actors died (exit 4)
+    if code == 3 or process == "gcs_server":
+        assert code == 3, run.err()[-3000:]
+        assert lines[-3].startswith(f"Run stopped: Ray's {process} stalled: its process has made no progress for ") \
+            and lines[-3].endswith(f"; {stopped}: Ray's {process} (pid {pid})."), lines[-3:]
+        assert lines[-1].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
+    else:
+        assert code == EXIT_FAILED, run.err()[-3000:]
+        assert lines[-3].startswith(f"Run failed: Ray's raylet: its process (pid {pid}) is {stopped}; no role can go "
+                                    "on without it (first seen as "), lines[-3:]
+        assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
+    assert "Traceback" not in run.err()
