@@ -205,6 +205,9 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
             raise  # Ctrl-C / SIGTERM: _stoppable's exit 130
         print("\nInterrupted: the run stopped; the last checkpoint is kept.", file=sys.stderr)
         notice.handover()
+    except RoleStalled as e:  # a rank stopped by a signal (sft_job.py): its ranks are ended
+        print("\n" + "\n".join([str(e), *_resume_hint(cfg)]), file=sys.stderr)
+        sys.exit(EXIT_STALLED)
     except Exception as e:  # noqa: BLE001 - the traceback goes to failure.txt
         rank = getattr(e, "error_index", None)  # torch.multiprocessing's: the rank that raised or died
         cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # a rank's traceback ends with its error

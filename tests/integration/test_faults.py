@@ -415,6 +415,38 @@ def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path):
     assert "Traceback" not in run.err()
 
 
+@pytest.mark.slow  # ~2 min: tests/unit/test_sft_stopped_rank.py (spawned ranks, the watcher) in make test
+def test_a_stopped_sft_rank_ends_the_run_naming_it(tmp_path):
+    """SIGSTOP of a job=sft rank. Before: the other ranks waited on it in their collective, and the driver waited
+    3600 s at least (a one-rank run: that long); now the RL loop's watcher ends it within ~60 s, naming the rank."""
+    from molt_hydra.runtime.watchdog import STOPPED_POLL_S, STOPPED_POLLS
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1?"},
+                                                     {"role": "assistant", "content": f"{i + 1}"}]}) + "\n"
+                            for i in range(64)))
+    out = tmp_path / "run"
+    run = Run(out, "job=sft", f"data.train_path={data}", "data.input_key=messages", "train.batch_size=8",
+              "train.micro_batch_size=4", "train.epochs=200", "checkpoint.export_final=false",
+              "checkpoint.save_steps=1", small=False)
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    ranks = sorted(run.children("--multiprocessing-fork"))
+    os.kill(ranks[-1], signal.SIGSTOP)
+    try:
+        code = run.finish(timeout=STOPPED_POLLS * STOPPED_POLL_S + 90)  # (asserts that no rank is left)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(ranks[-1], signal.SIGKILL)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    rank = f"sft trainer rank {len(ranks) - 1}"
+    assert code == 3, run.err()[-3000:]
+    assert lines[-3] == (f"Run stopped: {rank} stalled: its process has made no progress for "
+                         f"{STOPPED_POLLS * STOPPED_POLL_S:g} s; stopped by a signal (SIGSTOP; SIGCONT resumes it): "
+                         f"{rank} (pid {ranks[-1]})."), lines[-3:]
+    assert lines[-2].startswith("Stacks of every role: ") and "Traceback" not in run.err()
+    assert lines[-1].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
+
+
 @pytest.mark.slow  # ~1.5 min; no fast test: the probe needs a run's Ray actors (test_rl_loop's stalled engine: the
 # same stall path, in make test)
 def test_a_stopped_agent_runner_stalls_the_run_naming_it(tmp_path):
