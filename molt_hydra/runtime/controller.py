@@ -38,7 +38,7 @@ from molt_hydra.algorithm.kl import KLController, approx_kl
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.rollout.generator import RolloutBatch
-from molt_hydra.runtime import ray_head
+from molt_hydra.runtime import ray_head, reaper
 from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 from molt_hydra.runtime.watchdog import RunFailed, deadline, watch_stopped
@@ -374,8 +374,9 @@ class RLController:
         # and raylet: where this process started them)
         held = asyncio.create_task(watch_stopped(self.roles.role_pids if self.cfg.cluster.nodes == 1 else {},
                                                  ray_head.pids()))
+        kept = asyncio.create_task(reaper.keep())  # what ends Ray's processes if this one is killed
         steps = asyncio.create_task(self._steps())
-        background = {producer, watcher, head, held}
+        background = {producer, watcher, head, held, kept}
         try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)
             while True:
                 done, _ = await asyncio.wait({steps, *background}, return_when=asyncio.FIRST_COMPLETED)
@@ -386,9 +387,9 @@ class RLController:
                     if not task.cancelled() and task.exception() is not None:
                         raise task.exception()
         finally:
-            for task in (steps, producer, watcher, head, held):
+            for task in (steps, *background):
                 task.cancel()
-            await asyncio.gather(steps, producer, watcher, head, held, return_exceptions=True)
+            await asyncio.gather(steps, producer, watcher, head, held, kept, return_exceptions=True)
 
     async def _steps(self) -> dict:
         cfg, max_steps, keeper = self.cfg, self.cfg.train.max_steps, self.calls.keeper

@@ -548,11 +548,12 @@ def test_a_stopped_raylet_does_not_hang_the_runs_end(tmp_path):
 
 
 @pytest.mark.slow  # ~1 min: tests/unit/test_reaper.py (the watcher, real processes) covers it in make test
-@pytest.mark.parametrize("when", ["ray.init", "step 1"])
+@pytest.mark.parametrize("when", ["ray.init", "step 1", "its reaper's kill -9"])
 def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path, when):
     """Before: Ray's DashboardAgent and RuntimeEnvAgent outlived a kill -9 of the driver by 60 s (their report of the
     raylet's death waited on the GCS, dead too), and still did after a kill during ray.init, which the reaper's
-    watcher did not yet run in; now every process ends within runtime/reaper.py's grace."""
+    watcher did not yet run in, or after a kill -9 of that watcher (unseen); now every process ends within
+    runtime/reaper.py's grace (a killed watcher is started again)."""
     from molt_hydra.runtime.reaper import GRACE_S
 
     out = tmp_path / "run"
@@ -561,6 +562,10 @@ def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path, when):
     run.wait_for(lambda: run.children("Agent") or run.children("dashboard/agent.py") if when == "ray.init"
                  else newest_step(out / "checkpoints") >= 1)
     assert when != "ray.init" or not run.children("VLLMEngine"), "ray.init had returned"
+    if when == "its reaper's kill -9":
+        (reaper,) = run.children("molt_hydra.runtime.reaper")
+        os.kill(reaper, signal.SIGKILL)
+        run.wait_for(lambda: f"The run's reaper (pid {reaper})" in run.err(), timeout=30)
     run.seen.update(descendants(run.proc.pid))
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()
