@@ -55,3 +55,12 @@ def dead_head_processes() -> dict[str, int]:
 
     node = worker._global_node
     return {} if node is None else {kind: p.poll() for kind, p in node.dead_processes() if kind in HEAD}
+
+
+def live_head_processes() -> dict[str, int]:
+    """The pid of Ray's GCS and raylet that this process's ray.init started and that still run; {} as above."""
+    written_for("reading Ray's own processes", "ray", SUPPORTED)
+    from ray._private import worker
+
+    node = worker._global_node
+    return {} if node is None else {kind: p.pid for kind, p in node.live_processes() if kind in HEAD}

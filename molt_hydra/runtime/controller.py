@@ -38,7 +38,7 @@ from molt_hydra.algorithm.kl import KLController, approx_kl
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.rollout.generator import RolloutBatch
-from molt_hydra.runtime import ray_head
+from molt_hydra.runtime import ray_head, reaper
 from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 from molt_hydra.runtime.watchdog import RunFailed, deadline, watch_stopped
@@ -370,10 +370,13 @@ class RLController:
         # the keeper replaces dead engines meanwhile; its failure (too many restarts) ends the run
         watcher = asyncio.create_task(self.calls.keeper.watch(lambda: self.version + self.trainer_ahead))
         head = asyncio.create_task(ray_head.watch())  # Ray's GCS and raylet: a death of either ends the run
-        # a role stopped by a signal (SIGSTOP); its pid is read in this node's /proc, so on one node only
-        held = asyncio.create_task(watch_stopped(self.roles.role_pids if self.cfg.cluster.nodes == 1 else {}))
+        # a role stopped by a signal (SIGSTOP); its pid is read in this node's /proc, so on one node only (Ray's GCS
+        # and raylet: where this process started them)
+        held = asyncio.create_task(watch_stopped(self.roles.role_pids if self.cfg.cluster.nodes == 1 else {},
+                                                 ray_head.pids()))
+        kept = asyncio.create_task(reaper.keep())  # what ends Ray's processes if this one is killed
         steps = asyncio.create_task(self._steps())
-        background = {producer, watcher, head, held}
+        background = {producer, watcher, head, held, kept}
         try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)
             while True:
                 done, _ = await asyncio.wait({steps, *background}, return_when=asyncio.FIRST_COMPLETED)
@@ -384,9 +387,9 @@ class RLController:
                     if not task.cancelled() and task.exception() is not None:
                         raise task.exception()
         finally:
-            for task in (steps, producer, watcher, head, held):
+            for task in (steps, *background):
                 task.cancel()
-            await asyncio.gather(steps, producer, watcher, head, held, return_exceptions=True)
+            await asyncio.gather(steps, producer, watcher, head, held, kept, return_exceptions=True)
 
     async def _steps(self) -> dict:
         cfg, max_steps, keeper = self.cfg, self.cfg.train.max_steps, self.calls.keeper

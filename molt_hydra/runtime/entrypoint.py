@@ -24,9 +24,9 @@ from pathlib import Path
 from molt_hydra.compat import VersionError
 from molt_hydra.compat.ray import auto_init_restored
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
-from molt_hydra.runtime import reaper
+from molt_hydra.runtime import ray_head, reaper
 from molt_hydra.runtime.preemption import PreemptionNotice
-from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within
+from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within, stopped_head
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
@@ -205,6 +205,9 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
             raise  # Ctrl-C / SIGTERM: _stoppable's exit 130
         print("\nInterrupted: the run stopped; the last checkpoint is kept.", file=sys.stderr)
         notice.handover()
+    except RoleStalled as e:  # a rank stopped by a signal (sft_job.py): its ranks are ended
+        print("\n" + "\n".join([str(e), *_resume_hint(cfg)]), file=sys.stderr)
+        sys.exit(EXIT_STALLED)
     except Exception as e:  # noqa: BLE001 - the traceback goes to failure.txt
         rank = getattr(e, "error_index", None)  # torch.multiprocessing's: the rank that raised or died
         cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # a rank's traceback ends with its error
@@ -296,7 +299,7 @@ def _still_stopping() -> None:
 def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str], last_words: list[str]) -> int:
     """A role stopped making progress: its name, every role's stacks in a file, exit 3."""
     reason += f"; not answering: {', '.join(not_answering)}" if not_answering else ""
-    held = stopped(roles.role_pids) if roles is not None else []
+    held = stopped(roles.role_pids, ray_head.pids()) if roles is not None else []
     reason += f"; stopped by a signal (SIGSTOP; SIGCONT resumes it): {', '.join(f'{r} (pid {p})' for r, p in held)}" \
         if held else ""
     path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
@@ -317,9 +320,11 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
     else:
         role, cause, drops = _actor_role(error), describe(error), {}
     # every role's calls fail with Ray's GCS or raylet (a Ray compat/ray.py was not written for: refused at its start);
-    # a role that died with its node may be the first sign of a raylet still ending (its agent died): waited for
-    if not isinstance(error, VersionError) and (head := await dead_head_within(
-            EXIT_S if _node_lost(error) else 0)) is not None and head.role != role:
+    # a role that died with its node may be the first sign of a raylet still ending (its agent died): waited for;
+    # or of one stopped by a signal (Ray's health check took its node for dead)
+    lost = not isinstance(error, VersionError) and _node_lost(error)
+    head = None if isinstance(error, VersionError) else await dead_head_within(EXIT_S if lost else 0)
+    if (head := head or (stopped_head() if lost else None)) is not None and head.role != role:
         role, cause = head.role, f"{head.cause} (first seen as {role}: {cause})"
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) and not error.filename:
         # a write to an open file (metrics.jsonl ...) names no path: the run's directories' free space tells which

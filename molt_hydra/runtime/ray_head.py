@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 
-from molt_hydra.compat.ray import dead_head_processes
-from molt_hydra.runtime.watchdog import RunFailed
+from molt_hydra.compat.ray import dead_head_processes, live_head_processes
+from molt_hydra.runtime.watchdog import RunFailed, stopped
 
 POLL_S = 1.0  # a Popen.poll per process: the run fails within a second, well before Ray's 60 s GCS timeout
 EXIT_S = 5.0  # a raylet's graceful end, once its workers died (~0.1 s quiet; loaded, 2 cores: seconds)
@@ -34,6 +35,25 @@ async def dead_head_within(seconds: float) -> RunFailed | None:
     while (failed := dead_head()) is None and asyncio.get_running_loop().time() < until:
         await asyncio.sleep(0.1)
     return failed
+
+
+def pids() -> dict[str, int]:
+    """The live GCS and raylet by role name, for watchdog.stopped: one stopped by a signal (SIGSTOP) is a stall of the
+    run's, named (before: the run went on blind, with no new actor, no engine restart, until its teardown's ray.shutdown
+    waited on it)."""
+    if "ray" not in sys.modules:  # nothing in this process started Ray (job=sft)
+        return {}
+    return {f"Ray's {kind}": pid for kind, pid in live_head_processes().items()}
+
+
+def stopped_head() -> RunFailed | None:
+    """The failure a GCS or raylet stopped by a signal is, None while neither is: Ray's health check may take a stopped
+    raylet's node for dead before the watcher's polls end the run, and every actor on it (before, the run was reported
+    as the first role whose call failed: 'actor rank 0: train_step failed: ... Owner's node has crashed')."""
+    for role, pid in stopped({}, pids()):
+        return RunFailed(role, f"its process (pid {pid}) is stopped by a signal (SIGSTOP; SIGCONT resumes it); no "
+                               "role can go on without it")
+    return None
 
 
 async def watch() -> None:

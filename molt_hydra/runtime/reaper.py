@@ -11,6 +11,7 @@ process it started, ends it (`stop`)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 
 GRACE_S = 5.0  # after the driver's end, for what ray.init started to end on its own (a Ray worker: within 2 s)
 POLL_S = 0.05  # how often the watcher lists the driver's descendants until `settled` (~100 processes: ~2 ms each)
+KEEP_S = 1.0  # how often the run checks that its watcher lives (`keep`)
 STOP = b"stop\n"  # the driver's last words on a clean end
 SETTLED = b"settled\n"  # ray.init has returned
 _watcher: subprocess.Popen | None = None
@@ -79,6 +81,22 @@ def stop() -> None:
         _watcher.wait(10)
     _watcher.stdout.close()
     _watcher = None
+
+
+async def keep() -> None:
+    """Until cancelled: a watcher that died (a kill -9 of it, the OOM killer) is started again, in one line naming it.
+    Before: its death went unseen, and a kill -9 of the driver then left Ray's agents behind for 60 s. The new one
+    lists this process's descendants at once (Ray's agents are its raylet's children)."""
+    while True:
+        await asyncio.sleep(KEEP_S)
+        if _watcher is None or (status := _watcher.poll()) is None:
+            continue
+        dead = _watcher.pid
+        await asyncio.to_thread(watch)
+        settled()
+        how = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
+        print(f"The run's reaper (pid {dead}), which ends Ray's processes if the driver is killed, died ({how}): "
+              f"started again (pid {_watcher.pid}).", file=sys.stderr, flush=True)
 
 
 def _main(driver: int) -> None:

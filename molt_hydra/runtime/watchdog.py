@@ -60,15 +60,17 @@ def descendants(pid: int) -> list[int]:
     return kids + [g for k in kids for g in descendants(k)]
 
 
-def stopped(role_pids: dict[str, int]) -> list[tuple[str, int]]:
+def stopped(role_pids: dict[str, int], alone: dict[str, int] | None = None) -> list[tuple[str, int]]:
     """(role, pid) of each role's process stopped by a signal (SIGSTOP, SIGTSTP: state T): the cause of a stall the
-    deadline alone told as 'did not finish' (a stopped trainer rank: 'actor stalled: train_step ...')."""
+    deadline alone told as 'did not finish' (a stopped trainer rank: 'actor stalled: train_step ...'). `alone`: roles
+    whose children are not theirs (Ray's raylet: its children are the roles' workers and Ray's agents)."""
+    # (an engine's vLLM engine core is its actor's child)
+    pids = [(role, p) for role, pid in role_pids.items() for p in (pid, *descendants(pid))] + [*(alone or {}).items()]
     found = []
-    for role, pid in role_pids.items():
-        for p in [pid, *descendants(pid)]:  # (an engine's vLLM engine core is its actor's child)
-            with suppress(OSError, IndexError):
-                if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-                    found.append((role, p))
+    for role, p in pids:
+        with suppress(OSError, IndexError):
+            if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                found.append((role, p))
     return found
 
 
@@ -77,16 +79,16 @@ def stopped(role_pids: dict[str, int]) -> list[tuple[str, int]]:
 STOPPED_POLLS, STOPPED_POLL_S = 12, 5.0
 
 
-async def watch_stopped(role_pids: dict[str, int]) -> None:
+async def watch_stopped(role_pids: dict[str, int], alone: dict[str, int] | None = None) -> None:
     """Until a role's process (or its child: a vLLM engine core) stays stopped by a signal for STOPPED_POLLS polls in a
     row; then RoleStalled naming it. Polls further apart than 3 x STOPPED_POLL_S start the count again: the driver
-    was stopped itself (a Slurm suspend, ^Z), and its roles with it, all resumed together."""
+    was stopped itself (a Slurm suspend, ^Z), and its roles with it, all resumed together. `alone`: as `stopped`'s."""
     seen: dict[tuple[str, int], int] = {}
     last = time.monotonic()
     while True:
         await asyncio.sleep(STOPPED_POLL_S)
         now, previous = time.monotonic(), seen
-        held = await asyncio.to_thread(stopped, role_pids) if now - last < 3 * STOPPED_POLL_S else []
+        held = await asyncio.to_thread(stopped, role_pids, alone) if now - last < 3 * STOPPED_POLL_S else []
         last, seen = now, {who: previous.get(who, 0) + 1 for who in held}
         for (role, _), polls in seen.items():
             if polls >= STOPPED_POLLS:

@@ -415,6 +415,38 @@ def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path):
     assert "Traceback" not in run.err()
 
 
+@pytest.mark.slow  # ~2 min: tests/unit/test_sft_stopped_rank.py (spawned ranks, the watcher) in make test
+def test_a_stopped_sft_rank_ends_the_run_naming_it(tmp_path):
+    """SIGSTOP of a job=sft rank. Before: the other ranks waited on it in their collective, and the driver waited
+    3600 s at least (a one-rank run: that long); now the RL loop's watcher ends it within ~60 s, naming the rank."""
+    from molt_hydra.runtime.watchdog import STOPPED_POLL_S, STOPPED_POLLS
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1?"},
+                                                     {"role": "assistant", "content": f"{i + 1}"}]}) + "\n"
+                            for i in range(64)))
+    out = tmp_path / "run"
+    run = Run(out, "job=sft", f"data.train_path={data}", "data.input_key=messages", "train.batch_size=8",
+              "train.micro_batch_size=4", "train.epochs=200", "checkpoint.export_final=false",
+              "checkpoint.save_steps=1", small=False)
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    ranks = sorted(run.children("--multiprocessing-fork"))
+    os.kill(ranks[-1], signal.SIGSTOP)
+    try:
+        code = run.finish(timeout=STOPPED_POLLS * STOPPED_POLL_S + 90)  # (asserts that no rank is left)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(ranks[-1], signal.SIGKILL)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    rank = f"sft trainer rank {len(ranks) - 1}"
+    assert code == 3, run.err()[-3000:]
+    assert lines[-3] == (f"Run stopped: {rank} stalled: its process has made no progress for "
+                         f"{STOPPED_POLLS * STOPPED_POLL_S:g} s; stopped by a signal (SIGSTOP; SIGCONT resumes it): "
+                         f"{rank} (pid {ranks[-1]})."), lines[-3:]
+    assert lines[-2].startswith("Stacks of every role: ") and "Traceback" not in run.err()
+    assert lines[-1].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
+
+
 @pytest.mark.slow  # ~1.5 min; no fast test: the probe needs a run's Ray actors (test_rl_loop's stalled engine: the
 # same stall path, in make test)
 def test_a_stopped_agent_runner_stalls_the_run_naming_it(tmp_path):
@@ -516,11 +548,12 @@ def test_a_stopped_raylet_does_not_hang_the_runs_end(tmp_path):
 
 
 @pytest.mark.slow  # ~1 min: tests/unit/test_reaper.py (the watcher, real processes) covers it in make test
-@pytest.mark.parametrize("when", ["ray.init", "step 1"])
+@pytest.mark.parametrize("when", ["ray.init", "step 1", "its reaper's kill -9"])
 def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path, when):
     """Before: Ray's DashboardAgent and RuntimeEnvAgent outlived a kill -9 of the driver by 60 s (their report of the
     raylet's death waited on the GCS, dead too), and still did after a kill during ray.init, which the reaper's
-    watcher did not yet run in; now every process ends within runtime/reaper.py's grace."""
+    watcher did not yet run in, or after a kill -9 of that watcher (unseen); now every process ends within
+    runtime/reaper.py's grace (a killed watcher is started again)."""
     from molt_hydra.runtime.reaper import GRACE_S
 
     out = tmp_path / "run"
@@ -529,6 +562,10 @@ def test_a_kill_9_of_the_driver_ends_every_process_it_started(tmp_path, when):
     run.wait_for(lambda: run.children("Agent") or run.children("dashboard/agent.py") if when == "ray.init"
                  else newest_step(out / "checkpoints") >= 1)
     assert when != "ray.init" or not run.children("VLLMEngine"), "ray.init had returned"
+    if when == "its reaper's kill -9":
+        (reaper,) = run.children("molt_hydra.runtime.reaper")
+        os.kill(reaper, signal.SIGKILL)
+        run.wait_for(lambda: f"The run's reaper (pid {reaper})" in run.err(), timeout=30)
     run.seen.update(descendants(run.proc.pid))
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()
@@ -555,3 +592,36 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.slow  # ~2.5 min each: tests/unit/test_stalled_roles.py, test_ray_compat.py (a stopped head) in make test
+@pytest.mark.parametrize("process, path", [("gcs_server", "ray/gcs/gcs_server"), ("raylet", "ray/raylet/raylet")])
+def test_a_stopped_gcs_or_raylet_ends_the_run_naming_it(tmp_path, process, path):
+    """SIGSTOP of Ray's GCS: the roles' calls go straight to the actors, the run went on unseen (no new actor, no
+    engine restart) and its end waited on it; now the watcher's ~60 s end it, naming it. A stopped raylet: Ray's
+    health check may take its node for dead first, every actor with it; the run was reported as 'actor rank 0:
+    train_step failed: ... Owner's node has crashed'; now the raylet is named either way."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=100000", "train.num_episodes=1000", "checkpoint.save_steps=1")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    (pid,) = run.children(path)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        code = run.finish(timeout=240)  # (asserts that no process is left)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    stopped = "stopped by a signal (SIGSTOP; SIGCONT resumes it)"
+    # the watcher's polls (exit 3), or, for the raylet, Ray's health check first: its node's actors died (exit 4)
+    if code == 3 or process == "gcs_server":
+        assert code == 3, run.err()[-3000:]
+        assert lines[-3].startswith(f"Run stopped: Ray's {process} stalled: its process has made no progress for ") \
+            and lines[-3].endswith(f"; {stopped}: Ray's {process} (pid {pid})."), lines[-3:]
+        assert lines[-1].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
+    else:
+        assert code == EXIT_FAILED, run.err()[-3000:]
+        assert lines[-3].startswith(f"Run failed: Ray's raylet: its process (pid {pid}) is {stopped}; no role can go "
+                                    "on without it (first seen as "), lines[-3:]
+        assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
+    assert "Traceback" not in run.err()

@@ -138,7 +138,8 @@ def test_a_role_that_died_with_its_raylet_ending_behind_it_is_reported_as_the_ra
     async def report(cause: BaseException) -> list[str]:
         raylet = subprocess.Popen(["sleep", "0.5"])
         monkeypatch.setattr(worker, "_global_node", value(dead_processes=lambda: [("raylet", raylet)]
-                                                          if raylet.poll() is not None else []))
+                                                          if raylet.poll() is not None else [],
+                                                          live_processes=lambda: []))  # (none stopped)
         try:
             raise RunFailed("actor rank 0", "train_step failed: the process died") from cause
         except RunFailed as error:
@@ -153,3 +154,48 @@ def test_a_role_that_died_with_its_raylet_ending_behind_it_is_reported_as_the_ra
     for cause in (ValueError("bad batch"), ray.exceptions.RayActorError(error_msg="Worker exit type: SYSTEM_ERROR")):
         lines = asyncio.run(report(cause))
         assert lines[0] == "Run failed: actor rank 0: train_step failed: the process died.", lines
+
+
+def test_a_role_that_died_with_its_raylet_stopped_is_reported_as_the_raylet(monkeypatch, tmp_path):
+    """SIGSTOP of the raylet: Ray's health check may take its node for dead, every actor with it. Before: the run
+    was reported as 'actor rank 0: train_step failed: ... Owner's node has crashed', the stopped raylet not named.
+    Ray's node stands in, its raylet a real stopped process (the real run: tests/integration/test_faults.py)."""
+    import asyncio
+    import signal
+    import subprocess
+    from types import SimpleNamespace as value
+
+    from ray._private import worker
+
+    from molt_hydra.runtime import entrypoint
+    from molt_hydra.runtime.watchdog import RunFailed
+
+    cfg = value(output_dir=str(tmp_path), job=value(value="rl"), checkpoint=value(dir=str(tmp_path / "ckpt")))
+    monkeypatch.setattr(entrypoint, "EXIT_S", 0.2)
+    raylet, gcs = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    monkeypatch.setattr(worker, "_global_node", value(dead_processes=lambda: [],
+                                                      live_processes=lambda: [("gcs_server", gcs), ("raylet", raylet),
+                                                                              ("log_monitor", raylet)]))
+
+    async def report(cause: BaseException) -> list[str]:
+        try:
+            raise RunFailed("actor rank 0", "train_step failed: the process died") from cause
+        except RunFailed as error:
+            return await entrypoint._report_failure(cfg, None, error)
+
+    died = ray.exceptions.RayActorError(error_msg="Worker exit detail: Owner's node has crashed.")
+    try:
+        raylet.send_signal(signal.SIGSTOP)
+        while open(f"/proc/{raylet.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            pass
+        lines = asyncio.run(report(died))
+        assert lines[0] == f"Run failed: Ray's raylet: its process (pid {raylet.pid}) is stopped by a signal " \
+                           "(SIGSTOP; SIGCONT resumes it); no role can go on without it (first seen as actor rank 0: " \
+                           "train_step failed: the process died).", lines
+        # a role's own error is its own, whatever the raylet's state
+        assert asyncio.run(report(ValueError("bad batch")))[0] == "Run failed: actor rank 0: train_step failed: the " \
+                                                                  "process died."
+    finally:
+        for p in (raylet, gcs):
+            p.kill()
+            p.wait()

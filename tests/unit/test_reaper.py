@@ -63,3 +63,42 @@ def test_stop_ends_the_watcher_and_leaves_the_rest_to_the_teardown():
     finally:
         agent.kill()
         agent.wait()
+
+
+KEPT = """
+import asyncio, os, signal, subprocess, time
+from molt_hydra.runtime import reaper
+reaper.KEEP_S = 0.05
+reaper.watch()
+agent = subprocess.Popen(["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+reaper.settled()
+first = reaper._watcher
+os.kill(first.pid, signal.SIGKILL)
+
+async def run():  # (the RL loop runs `keep` beside its steps)
+    keeping = asyncio.ensure_future(reaper.keep())
+    while reaper._watcher is first:
+        await asyncio.sleep(0.05)
+    print(agent.pid, first.pid, reaper._watcher.pid, flush=True)
+    await asyncio.sleep(300)
+
+asyncio.run(run())
+"""
+
+
+def test_a_killed_watcher_is_started_again_and_still_ends_the_processes_with_a_killed_driver():
+    """Before: a kill -9 of the watcher went unseen, and a kill -9 of the driver after it left Ray's agents behind."""
+    driver = subprocess.Popen([sys.executable, "-c", KEPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    agent = None
+    try:
+        agent, first, second = map(int, driver.stdout.readline().split())
+        assert driver.stderr.readline() == f"The run's reaper (pid {first}), which ends Ray's processes if the " \
+            f"driver is killed, died (killed by SIGKILL): started again (pid {second}).\n"
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        assert _gone(agent, reaper.GRACE_S + 5)
+    finally:
+        driver.kill()
+        if agent is not None and not _gone(agent, 0):
+            os.kill(agent, signal.SIGKILL)

@@ -98,3 +98,32 @@ def test_a_role_that_stays_stopped_ends_the_run_without_waiting_for_a_deadline(m
     finally:
         for p in (rank, runner):
             p.kill()
+
+
+def test_a_stopped_gcs_or_raylet_ends_the_run_naming_it_not_its_childrens_roles(monkeypatch):
+    """Ray's GCS and raylet are watched as roles `alone` (runtime/ray_head.pids), their children not theirs: a raylet's
+    children are the roles' workers and Ray's agents. Before: a stopped GCS went unseen while the run went on (no new
+    actor, no engine restart), and showed only when the teardown's ray.shutdown waited on it."""
+    monkeypatch.setattr(watchdog, "STOPPED_POLLS", 3)
+    monkeypatch.setattr(watchdog, "STOPPED_POLL_S", 0.05)
+    gcs = subprocess.Popen(["sleep", "60"])
+    raylet = subprocess.Popen([sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '60'])"])
+    try:
+        deadline = time.monotonic() + 10
+        while not descendants(raylet.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (worker,) = descendants(raylet.pid)
+        for pid in (worker, gcs.pid):
+            os.kill(pid, signal.SIGSTOP)
+        while {_state(worker), _state(gcs.pid)} != {"T"}:
+            time.sleep(0.01)
+        head = {"Ray's raylet": raylet.pid, "Ray's gcs_server": gcs.pid}
+        assert stopped({}, head) == [("Ray's gcs_server", gcs.pid)]
+        with pytest.raises(RoleStalled) as stall:
+            asyncio.run(asyncio.wait_for(watchdog.watch_stopped({}, head), 10))
+        assert str(stall.value) == f"Ray's gcs_server stalled: its process has made no progress for {3 * 0.05:g} s"
+    finally:
+        for pid in descendants(raylet.pid):
+            os.kill(pid, signal.SIGKILL)
+        for p in (gcs, raylet):
+            p.kill()
