@@ -602,7 +602,7 @@ def test_a_stopped_gcs_or_raylet_ends_the_run_naming_it(tmp_path, process, path)
     health check may take its node for dead first, every actor with it; the run was reported as 'actor rank 0:
     train_step failed: ... Owner's node has crashed'; now the raylet is named either way."""
     out = tmp_path / "run"
-    run = Run(out, "train.max_steps=100000", "train.num_episodes=1000", "checkpoint.save_steps=1")
+    run = Run(out, *ENDLESS, "checkpoint.save_steps=1")
     run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
     (pid,) = run.children(path)
     os.kill(pid, signal.SIGSTOP)
