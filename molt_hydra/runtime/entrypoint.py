@@ -31,7 +31,7 @@ from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
-                                        dump_stacks, kill, shutdown_ray, stopped)
+                                        kill, shutdown_ray, stall_report)
 
 
 def run(cfg: RunConfig) -> None:
@@ -298,12 +298,8 @@ def _still_stopping() -> None:
 
 def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str], last_words: list[str]) -> int:
     """A role stopped making progress: its name, every role's stacks in a file, exit 3."""
-    reason += f"; not answering: {', '.join(not_answering)}" if not_answering else ""
-    held = stopped(roles.role_pids, ray_head.pids()) if roles is not None else []
-    reason += f"; stopped by a signal (SIGSTOP; SIGCONT resumes it): {', '.join(f'{r} (pid {p})' for r, p in held)}" \
-        if held else ""
-    path = dump_stacks(cfg.output_dir, roles.role_pids if roles is not None else {}, reason)
-    last_words += [f"Run stopped: {reason}.", f"Stacks of every role: {path}"]
+    role_pids, head = (roles.role_pids, ray_head.pids()) if roles is not None else ({}, {})
+    last_words += stall_report(cfg.output_dir, role_pids, reason, not_answering, head)
     return EXIT_STALLED
 
 

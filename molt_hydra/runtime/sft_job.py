@@ -8,12 +8,11 @@ import subprocess
 import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from types import SimpleNamespace
 
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.preemption import NOTICE, PreemptionNotice
 from molt_hydra.runtime.trainer_options import trainer_options
-from molt_hydra.runtime.watchdog import RoleStalled, descendants, kill, watch_stopped
+from molt_hydra.runtime.watchdog import RoleStalled, descendants, kill, stall_report, watch_stopped
 
 
 def run_sft_job(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice) -> list[dict]:
@@ -58,15 +57,12 @@ def _rank_pids() -> dict[str, int]:
 async def _watch_ranks(cfg: RunConfig) -> None:
     """watch_stopped over the ranks, once every one started; a stall dumps their stacks and kills them (which ends
     run_ranks' wait), then raises RoleStalled whose text is the run's last words."""
-    from molt_hydra.runtime.entrypoint import _stalled
-
     while len(ranks := _rank_pids()) < cfg.parallelism.trainer_devices:
         await asyncio.sleep(0.5)
     try:
         await watch_stopped(ranks)
     except RoleStalled as e:
-        words: list[str] = []
-        _stalled(cfg, SimpleNamespace(role_pids=ranks), str(e), [], words)
+        words = stall_report(cfg.output_dir, ranks, str(e), [])
         kill([p for pid in ranks.values() for p in (pid, *descendants(pid))])
         raise RoleStalled(e.role, "", 0, "\n".join(words)) from None
 

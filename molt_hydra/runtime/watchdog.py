@@ -96,6 +96,17 @@ async def watch_stopped(role_pids: dict[str, int], alone: dict[str, int] | None 
                                                f"{polls * STOPPED_POLL_S:g} s")
 
 
+def stall_report(run_dir: str | Path, role_pids: dict[str, int], reason: str, not_answering: list[str],
+                 alone: dict[str, int] | None = None) -> list[str]:
+    """A stall's last words: the reason, the roles not answering and those stopped by a signal, and the file of every
+    role's stacks (written now). `alone`: as `stopped`'s."""
+    reason += f"; not answering: {', '.join(not_answering)}" if not_answering else ""
+    held = stopped(role_pids, alone)
+    reason += f"; stopped by a signal (SIGSTOP; SIGCONT resumes it): {', '.join(f'{r} (pid {p})' for r, p in held)}" \
+        if held else ""
+    return [f"Run stopped: {reason}.", f"Stacks of every role: {dump_stacks(run_dir, role_pids, reason)}"]
+
+
 def kill(pids: list[int]) -> None:
     """SIGKILL each process that is still there."""
     for pid in pids:
