@@ -120,6 +120,8 @@ def load_dataset(spec: str, split: str, config: str | None = None):
 
     path = Path(spec)
     if path.suffix in FILE_TYPES:  # a missing file: datasets' FileNotFoundError names it
+        if path.suffix in JSON_TYPES and path.is_file():
+            check_json_rows(path)
         try:
             return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
         except FileNotFoundError:
@@ -133,6 +135,36 @@ def load_dataset(spec: str, split: str, config: str | None = None):
                              "eval.data_path: eval.split) to one of them")
         return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
     return datasets.load_dataset(spec, config, split=split)
+
+
+JSON_TYPES = (".json", ".jsonl")
+
+
+def check_json_rows(path: Path) -> None:
+    """A .jsonl / .json file read as datasets will, line by line, so that an error names the file's line: datasets'
+    own name a row of its current chunk (a list row on line 3: 'Column() changed from object to string in row 0'), a
+    bad line 7 'row 6', and a file of blank lines 'Instruction "train" corresponds to no data!'. A UTF-8 BOM is read
+    over, as datasets does. Also data/rules.py's check, so a dry run finds these before anything starts."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8 ({e.reason}). Fix: save the file as UTF-8") from None
+    whole = path.suffix == ".json" and text.lstrip().startswith("[")  # datasets also reads JSON Lines in a .json
+    # split at "\n" alone: splitlines also splits at a U+2028 inside a JSON string, which JSON leaves unescaped
+    lines = [(1, text)] if whole else [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    for n, line in lines:
+        try:
+            rows = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {e.lineno if whole else n} is not JSON ({e.msg}). Fix: one JSON object "
+                             "per line (.jsonl), or one JSON list of objects (.json)") from None
+        for i, row in enumerate(rows if whole else [rows], 1):
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: {f'item {i}' if whole else f'line {n}'} is {row!r:.60}, not a JSON object. "
+                                 "Fix: make every row an object of columns, e.g. {\"prompt\": ..., \"label\": ...}")
+    if not lines or whole and not rows:
+        raise ValueError(f"{path} has no rows (it is empty or blank). Fix: write one JSON object per line")
 
 
 def _reason(error: BaseException) -> str:

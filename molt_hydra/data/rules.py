@@ -8,7 +8,8 @@ from pathlib import Path
 from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
-from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, SFT_TASKS
+from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, JSON_TYPES, SFT_TASKS, \
+    check_json_rows
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
 
@@ -26,6 +27,7 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
         for part in parts:
             if not part.startswith(BUILTIN):
                 check_location(problems, key, part, "file or directory", fix)
+                _check_local(problems, key, Path(part))
                 continue
             problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
         image = next((p for p in parts if p.startswith(BUILTIN) and p[len(BUILTIN):] in IMAGE_TASKS), None)
@@ -54,6 +56,26 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
         "files read without data.image_key), so there is nothing to blank.",
         "set data.blank_images=false, or point the data at images (a builtin image task, or data.image_key)")
     _unread_keys(cfg, problems)
+
+
+def _check_local(problems: Problems, key: str, path: Path) -> None:
+    """A local dataset the run can read: a file of a type it reads whose rows parse (JSON: each line or item an
+    object), or a `save_to_disk` directory. Before, each failed once the run had started Ray and its engines: a
+    malformed line, an unknown suffix ('Couldn't find any data file at' a file that is there), a plain directory."""
+    readable = f"a data file ({', '.join(sorted(FILE_TYPES))}) or a datasets save_to_disk directory"
+    if path.is_file() and path.stat().st_size and path.suffix in JSON_TYPES:
+        try:
+            check_json_rows(path)
+        except ValueError as e:
+            reason, _, fix = str(e).partition(" Fix: ")
+            problems.check(False, key, reason.rstrip(".") + ".", fix)
+    elif path.is_file():
+        problems.check(path.suffix in FILE_TYPES, key, f"{str(path)!r} is a file of a type the run does not read "
+                       f"(suffix {path.suffix or 'none'!r}).", f"convert it to {readable}")
+    elif path.is_dir() and any(path.iterdir()):  # (an empty one: check_location says so)
+        problems.check(any((path / name).is_file() for name in ("state.json", "dataset_dict.json")), key,
+                       f"{str(path)!r} is a directory but no datasets save_to_disk output (no state.json or "
+                       "dataset_dict.json).", f"point {key} at {readable}")
 
 
 def _sft_data(cfg: RunConfig, problems: Problems) -> None:

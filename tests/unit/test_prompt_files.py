@@ -16,10 +16,17 @@ from molt_hydra.data.prompts import load_prompts
 from molt_hydra.runtime.roles import _named
 
 FILES = {
-    "empty.jsonl": ("", "is not a readable jsonl file: it is empty"),
-    "malformed.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b", "lab\n',
-                        "is not a readable jsonl file: JSON parse error"),
-    "no_rows.json": ("[]\n", "is not a readable json file: "),
+    "empty.jsonl": ("", "has no rows (it is empty or blank). Fix: "),
+    "blank_lines.jsonl": ("\n  \n\n", "has no rows (it is empty or blank). Fix: "),
+    "malformed.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b", "lab\n', ": line 2 is not JSON ("),
+    # datasets named the row of its chunk: "row 6" for line 7, "row 0" for a list on line 3
+    "bad_line_7.jsonl": ("\n".join(['{"prompt": "a", "label": "1"}'] * 6 + ['{"prompt": }']),
+                         ": line 7 is not JSON (Expecting value). Fix: "),
+    "list_row.jsonl": ('{"prompt": "a", "label": "1"}\n\n["a", "b"]\n', ": line 3 is ['a', 'b'], not a JSON object. Fix: "),
+    "list_item.json": ('[{"prompt": "a", "label": "1"}, 5]', ": item 2 is 5, not a JSON object. Fix: "),
+    "not_utf8.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "caf\udce9", "label": "1"}\n',
+                       ": line 2 is not UTF-8 (invalid continuation byte). Fix: save the file as UTF-8"),
+    "no_rows.json": ("[]\n", "has no rows (it is empty or blank). Fix: "),
     "no_column.jsonl": ('{"text": "a"}\n', "data.input_key='prompt' is not a column; columns: ['text']"),
     "roleless_message.jsonl": ('{"prompt": [{"content": "hi"}], "label": "1"}\n',
                                "row 0: data.input_key='prompt' is [{'content': 'hi'}]; "),
@@ -38,7 +45,7 @@ FILES = {
 def test_an_unreadable_prompt_file_is_named_with_its_key_and_reason(tmp_path, name):
     text, reason = FILES[name]
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))  # (\udce9: the byte 0xe9, Latin-1's é)
     with pytest.raises(ValueError) as err:
         _named("data.train_path", load_prompts, str(path), tools_key="tools" if "tools" in name else None)
     message = str(err.value)
@@ -50,6 +57,12 @@ def test_a_readable_file_loads(tmp_path):
     path.write_text('{"prompt": "a", "label": "1"}\n')
     assert _named("data.train_path", load_prompts, str(path)) == [{"prompt": "a", "label": "1",
                                                                     "datasource": "default"}]
+
+
+def test_a_bom_blank_lines_crlf_a_last_line_without_newline_and_u2028_in_a_string_read_as_written(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "label": "1"}\r\n\n{"prompt": "b\xe2\x80\xa8c", "label": "2"}')
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("a", "1"), ("b\u2028c", "2")]
 
 
 @pytest.mark.parametrize("key", ["label_key", "tools_key", "image_key"])
@@ -109,3 +122,35 @@ def test_tools_as_json_text_are_decoded_per_row(tmp_path):
     rows = [{"prompt": "a", "label": "1", "tools": json.dumps(t)} for t in (one, two)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert [r["tools"] for r in load_prompts(str(path), tools_key="tools")] == [one, two]
+
+
+def _config_problems(spec: str) -> list[str]:
+    from molt_hydra.config.schema import RunConfig
+    from molt_hydra.config.validate import Problems
+    from molt_hydra.data.rules import check_data
+
+    cfg, problems = RunConfig(), Problems()
+    cfg.data.train_path = spec
+    check_data(cfg, problems)
+    return problems.lines
+
+
+def test_a_local_dataset_the_run_cannot_read_is_a_config_error_before_anything_starts(tmp_path):
+    """Validation (a dry run too) reads local data as the run will. Before, each failed only once the run had started
+    Ray and its engines: a bad JSONL line, a file of another type (datasets: "Couldn't find any data file at" the file
+    that is there), a directory that datasets never saved."""
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "label": "1"}\n{"prompt": \n')
+    (tmp_path / "rows.txt").write_text('{"prompt": "a", "label": "1"}\n')
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "rows.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
+    readable = "a data file (.arrow, .csv, .json, .jsonl, .parquet) or a datasets save_to_disk directory"
+    assert _config_problems(str(tmp_path / "bad.jsonl")) == [
+        f"- data.train_path: {tmp_path / 'bad.jsonl'}: line 2 is not JSON (Expecting value). Fix: one JSON object "
+        "per line (.jsonl), or one JSON list of objects (.json)"]
+    assert _config_problems(str(tmp_path / "rows.txt")) == [
+        f"- data.train_path: '{tmp_path / 'rows.txt'}' is a file of a type the run does not read (suffix '.txt'). "
+        f"Fix: convert it to {readable}"]
+    assert _config_problems(str(tmp_path / "plain")) == [
+        f"- data.train_path: '{tmp_path / 'plain'}' is a directory but no datasets save_to_disk output (no "
+        f"state.json or dataset_dict.json). Fix: point data.train_path at {readable}"]
+    assert _config_problems(str(tmp_path / "plain" / "rows.jsonl")) == []
