@@ -244,31 +244,57 @@ def _renamed(dataset, spec: str, **keys: str | None) -> list[dict]:
         if column is not None and column not in dataset.column_names:
             raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(dataset.column_names)} "
                            f"({spec}). Fix: {COLUMN_FIX[key]}")
-    return [_rename(row, i, **keys) for i, row in enumerate(dataset)]
+    return [_rename(row, f"{spec} row {i}", **keys) for i, row in enumerate(dataset)]
 
 
-def _rename(row: dict, index: int, input_key: str, label_key: str | None, tools_key: str | None,
+def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_key: str | None,
             image_key: str | None) -> dict:
-    """Row `index` in the runner's names; a row whose prompt is neither text nor a list of chat messages (null: a
-    missing value; a message without a role; no message) is an error naming the row (was, for a bad message: each of
-    its rollouts an agent_exception from the chat template, every epoch)."""
+    """Row `where` in the runner's names; a row whose prompt is neither text nor chat messages the chat server takes
+    (null: a missing value; a message without a role, of another role, with a number for content; an image part
+    whose file is not there) or whose label is null is an error naming the row. Before, a bad message failed each of
+    its rollouts (a 400 from the chat server, or the chat template), every epoch; a null label was graded as one."""
     prompt = row[input_key]
-    messages_ok = isinstance(prompt, list) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
-    if not (isinstance(prompt, str) or messages_ok):
-        raise ValueError(f"row {index}: data.input_key={input_key!r} is {prompt!r:.60}; each row's prompt is its "
-                         "text or a non-empty list of chat messages, each an object with a 'role'")
+    if (problem := _prompt_problem(prompt)) is not None:
+        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; {problem[0]}. Fix: {problem[1]}")
+    if label_key and row[label_key] is None:
+        raise ValueError(f"{where}: data.label_key={label_key!r} is null (or missing from this row). Fix: give every "
+                         "row its label, or set data.label_key=null for data without labels (the agent then gets '')")
     out = {"prompt": row[input_key], "label": row[label_key] if label_key else "",
            # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
            "datasource": str(row.get("datasource") or "default")}
     if tools_key and row.get(tools_key) is not None:  # optional columns: absent when unset or null
-        out["tools"] = _tools(row[tools_key], index, tools_key)
+        out["tools"] = _tools(row[tools_key], where, tools_key)
     if image_key and row.get(image_key) is not None:
         out["images"] = row[image_key]
     return out
 
 
-def _tools(value, index: int, tools_key: str) -> list[dict]:
+def _prompt_problem(prompt) -> tuple[str, str] | None:
+    """(why, fix) where the chat server would refuse `prompt` as a request's messages (its own parser, and its image
+    loader for each image part), or None."""
+    from molt_hydra.agents.wire import openai_chat
+    from molt_hydra.agents.wire.images import image_sources, load_image
+    from molt_hydra.agents.wire.request import RequestError
+
+    fix = ("give each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role' "
+           "(system, developer, user, assistant or tool) and a 'content' (a string or a list of parts)")
+    if isinstance(prompt, str):
+        return None
+    if not (isinstance(prompt, list) and prompt):
+        return "not text or a non-empty list of chat messages", fix
+    try:
+        messages = openai_chat.parse({"messages": prompt}).messages
+    except RequestError as e:
+        return e.message, fix
+    for at, source in enumerate(image_sources(messages)):
+        try:
+            load_image(source)
+        except RequestError as e:
+            return f"image {at}: {e.message}", "give each image_url part an image file's path or a base64 data: URI"
+    return None
+
+
+def _tools(value, where: str, tools_key: str) -> list[dict]:
     """A row's tools: a list of function schemas, or its JSON text (the form that keeps rows' differing schemas apart:
     datasets merges JSON objects of one column into one struct, adding each row's missing keys as nulls). Anything
     else is an error naming the row (was: handed on as it was; a string rendered into the chat template as text)."""
@@ -277,6 +303,6 @@ def _tools(value, index: int, tools_key: str) -> list[dict]:
     except json.JSONDecodeError as e:
         tools = e
     if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise ValueError(f"row {index}: data.tools_key={tools_key!r} is {value!r:.60}; a row's tools are a list of "
+        raise ValueError(f"{where}: data.tools_key={tools_key!r} is {value!r:.60}; a row's tools are a list of "
                          "function schemas (objects), or that list as JSON text")
     return tools

@@ -35,6 +35,23 @@ FILES = {
                                "row 0: data.tools_key='tools' is 'not json'; a row's tools are a list"),
     "null_prompt.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": null, "label": "2"}\n',
                           "row 1: data.input_key='prompt' is None; "),
+    # Before: loaded as they were; each rollout of the row failed (a 400 from the chat server), every epoch
+    "unknown_role.jsonl": ('{"prompt": [{"role": "wizard", "content": "hi"}], "label": "1"}\n',
+                           "unknown_role.jsonl row 0: data.input_key='prompt' is [{'role': 'wizard', 'content': 'hi'}]; "
+                           "messages[0] must be an object with role in ['assistant', 'developer', 'system', 'tool', "
+                           "'user']. Fix: "),
+    "number_content.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": [{"role": "user", "content": 5}], "label": "1"}\n',
+                             "row 1: data.input_key='prompt' is [{'role': 'user', 'content': 5}]; messages[0].content "
+                             "must be a string or a list of parts. Fix: "),
+    "missing_image_part.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": '
+                                 '"image_url", "image_url": {"url": "file:///no/such.png"}}]}], "label": "1"}\n',
+                                 "row 0: data.input_key='prompt' is [{'role': 'user', 'content': [{'type': 'text', "
+                                 "'text': 'see'; image 0: cannot open image '/no/such.png': No such file or directory. "
+                                 "Fix: give each image_url part an image file's path or a base64 data: URI"),
+    # Before: the row's label None, graded against as if it were one
+    "null_label.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n',
+                         "row 1: data.label_key='label' is null (or missing from this row). Fix: give every row its "
+                         "label, or set data.label_key=null"),
     # Before: each row's label silently "" (the math agents then rewarded every answer 0, or an empty \boxed{} 1)
     "no_label_column.jsonl": ('{"prompt": "a", "answer": "1"}\n',
                               "data.label_key='label' is not a column; columns: ['answer', 'prompt']"),
