@@ -162,7 +162,7 @@ def check_json_rows(path: Path) -> None:
         for i, row in enumerate(rows if whole else [rows], 1):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: {f'item {i}' if whole else f'line {n}'} is {row!r:.60}, not a JSON object. "
-                                 "Fix: make every row an object of columns, e.g. {\"prompt\": ..., \"label\": ...}")
+                                 "Fix: make every row an object of the dataset's columns")
     if not lines or whole and not rows:
         raise ValueError(f"{path} has no rows (it is empty or blank). Fix: write one JSON object per line")
 
