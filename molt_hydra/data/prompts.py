@@ -122,8 +122,11 @@ def load_dataset(spec: str, split: str, config: str | None = None):
     if path.suffix in FILE_TYPES:  # a missing file: datasets' FileNotFoundError names it
         if path.suffix in JSON_TYPES and path.is_file():
             check_json_rows(path)
+        # a CSV's cells as written: pandas would guess types per column, a label "2" read as 2.0 once a cell of its
+        # column is empty, "007" as 7.0 (graded as those); an empty cell is still None (a null label, refused)
+        text = {"features": _text_columns(path)} if path.suffix == ".csv" and path.is_file() else {}
         try:
-            return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
+            return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train", **text)
         except FileNotFoundError:
             raise
         except Exception as e:  # an empty file (a bare StopIteration), malformed rows (DatasetGenerationError)
@@ -165,6 +168,25 @@ def check_json_rows(path: Path) -> None:
                                  "Fix: make every row an object of the dataset's columns")
     if not lines or whole and not rows:
         raise ValueError(f"{path} has no rows (it is empty or blank). Fix: write one JSON object per line")
+
+
+def _text_columns(path: Path):
+    """A CSV file's columns, each read as text. A row of more cells than the header names is refused: pandas would
+    take its first cell for the row's index and shift the others one column left (a prompt read as its label)."""
+    import csv
+
+    import datasets
+
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        rows = csv.reader(f)
+        header = next(rows, [])
+        if len(set(header)) < len(header):
+            raise ValueError(f"{path}: the header names a column twice ({header}). Fix: give each column its own name")
+        for row in rows:
+            if len(row) > len(header):
+                raise ValueError(f"{path}: line {rows.line_num} has {len(row)} cells, the header names "
+                                 f"{len(header)} ({header}). Fix: quote cells that hold a comma, or name every column")
+    return datasets.Features({name: datasets.Value("string") for name in header})
 
 
 def _reason(error: BaseException) -> str:

@@ -52,6 +52,10 @@ FILES = {
     "null_label.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n',
                          "row 1: data.label_key='label' is null (or missing from this row). Fix: give every row its "
                          "label, or set data.label_key=null"),
+    # Before: pandas took the first cell for the row's index: prompt "1", label "extra"
+    "extra_cell.csv": ("prompt,label\na,1,extra\n", ": line 2 has 3 cells, the header names 2 (['prompt', 'label'])"),
+    "twice_named.csv": ("prompt,prompt\na,b\n", ": the header names a column twice (['prompt', 'prompt']). Fix: "),
+    "empty_label_cell.csv": ("prompt,label\na,1\nb,\n", "row 1: data.label_key='label' is null"),
     # Before: each row's label silently "" (the math agents then rewarded every answer 0, or an empty \boxed{} 1)
     "no_label_column.jsonl": ('{"prompt": "a", "answer": "1"}\n',
                               "data.label_key='label' is not a column; columns: ['answer', 'prompt']"),
@@ -171,3 +175,11 @@ def test_a_local_dataset_the_run_cannot_read_is_a_config_error_before_anything_s
         f"- data.train_path: '{tmp_path / 'plain'}' is a directory but no datasets save_to_disk output (no "
         f"state.json or dataset_dict.json). Fix: point data.train_path at {readable}"]
     assert _config_problems(str(tmp_path / "plain" / "rows.jsonl")) == []
+
+
+def test_csv_cells_are_read_as_written(tmp_path):
+    """Before: pandas guessed each column's type: labels "2", "007" and "1.50" became 2, 7 and 1.5 (graded as those
+    against the model's \\boxed{} answer), and a prompt "42" the number 42."""
+    path = tmp_path / "rows.csv"
+    path.write_bytes(b'\xef\xbb\xbfprompt,label\n42,2\n"a, b",007\nc,1.50\n')
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("42", "2"), ("a, b", "007"), ("c", "1.50")]
