@@ -118,7 +118,7 @@ def load_dataset(spec: str, split: str, config: str | None = None):
     """A data file (json/jsonl/csv/parquet/arrow), a `save_to_disk` folder or a hub dataset name, as one split."""
     import datasets
 
-    path = Path(spec)
+    path = Path(spec).expanduser()  # as validation reads it (config/validate.py check_location)
     if path.suffix in FILE_TYPES:  # a missing file: datasets' FileNotFoundError names it
         if path.suffix in JSON_TYPES and path.is_file():
             check_json_rows(path)

@@ -27,7 +27,7 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
         for part in parts:
             if not part.startswith(BUILTIN):
                 check_location(problems, key, part, "file or directory", fix)
-                _check_local(problems, key, Path(part))
+                _check_local(problems, key, Path(part).expanduser())
                 continue
             problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
         image = next((p for p in parts if p.startswith(BUILTIN) and p[len(BUILTIN):] in IMAGE_TASKS), None)
@@ -127,5 +127,5 @@ def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
 def _one_dataset(spec: str) -> bool:
     """A `save_to_disk` directory of one Dataset, not of a DatasetDict (datasets.load_from_disk tells them apart by
     the same files): it loads whole, whatever the split."""
-    path = Path(spec)
+    path = Path(spec).expanduser()
     return path.is_dir() and (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file()

@@ -118,7 +118,7 @@ def load_rows(data: str | list[dict]) -> list[dict]:
         return list(data)
     if str(data).startswith(BUILTIN):
         return builtin_rows(str(data))
-    path = Path(data)
+    path = Path(data).expanduser()  # as validation reads it (config/validate.py check_location)
     if path.suffix not in JSON_TYPES:
         raise ValueError(f"SFT data {str(path)!r}: expected a .jsonl or .json file (or a list of rows)")
     check_json_rows(path)  # names the line of one that is not JSON or not an object (was: a BOM, a U+2028 failed)

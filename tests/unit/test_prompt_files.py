@@ -183,3 +183,16 @@ def test_csv_cells_are_read_as_written(tmp_path):
     path = tmp_path / "rows.csv"
     path.write_bytes(b'\xef\xbb\xbfprompt,label\n42,2\n"a, b",007\nc,1.50\n')
     assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("42", "2"), ("a, b", "007"), ("c", "1.50")]
+
+
+def test_a_path_under_home_written_with_a_tilde_loads(tmp_path, monkeypatch):
+    """Validation expands "~" (config/validate.py check_location), so data.train_path=~/rows.jsonl passed it; then the
+    run, once Ray and the engines had started, failed with "Unable to find '<cwd>/~/rows.jsonl'"."""
+    from molt_hydra.data.sft_dataset import load_rows
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
+    (tmp_path / "chats.jsonl").write_text('{"input": "a", "output": "b"}\n')
+    assert [r["prompt"] for r in load_prompts("~/rows.jsonl")] == ["a"]
+    assert load_rows("~/chats.jsonl") == [{"input": "a", "output": "b"}]
+    assert _config_problems("~/rows.jsonl") == []
