@@ -210,8 +210,8 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     parts = []
     for s in specs:
         rows = builtin_rows(s) if s.startswith(BUILTIN) else _renamed(
-            load_dataset(s, split), s, input_key=input_key, label_key=label_key, tools_key=tools_key,
-            image_key=image_key)
+            load_dataset(s, split), s, max_images_per_prompt, input_key=input_key, label_key=label_key,
+            tools_key=tools_key, image_key=image_key)
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
@@ -258,7 +258,7 @@ COLUMN_FIX = {"input_key": "set data.input_key to the prompt column",
               "image_key": "set data.image_key to the image column, or null for text-only data"}
 
 
-def _renamed(dataset, spec: str, **keys: str | None) -> list[dict]:
+def _renamed(dataset, spec: str, max_images: int, **keys: str | None) -> list[dict]:
     """The dataset's rows in the runner's names. Each configured column must exist: a missing label, tools or image
     column would hand every rollout an empty label, no tools or no images (a math reward of 0 throughout, a VLM
     trained text-only) without a word."""
@@ -266,17 +266,17 @@ def _renamed(dataset, spec: str, **keys: str | None) -> list[dict]:
         if column is not None and column not in dataset.column_names:
             raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(dataset.column_names)} "
                            f"({spec}). Fix: {COLUMN_FIX[key]}")
-    return [_rename(row, f"{spec} row {i}", **keys) for i, row in enumerate(dataset)]
+    return [_rename(row, f"{spec} row {i}", max_images, **keys) for i, row in enumerate(dataset)]
 
 
-def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_key: str | None,
+def _rename(row: dict, where: str, max_images: int, input_key: str, label_key: str | None, tools_key: str | None,
             image_key: str | None) -> dict:
     """Row `where` in the runner's names; a row whose prompt is neither text nor chat messages the chat server takes
     (null: a missing value; a message without a role, of another role, with a number for content; an image part
     whose file is not there) or whose label is null is an error naming the row. Before, a bad message failed each of
     its rollouts (a 400 from the chat server, or the chat template), every epoch; a null label was graded as one."""
     prompt = row[input_key]
-    if (problem := _prompt_problem(prompt)) is not None:
+    if (problem := _prompt_problem(prompt, max_images)) is not None:
         raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; {problem[0]}. Fix: {problem[1]}")
     if label_key and row[label_key] is None:
         raise ValueError(f"{where}: data.label_key={label_key!r} is null (or missing from this row). Fix: give every "
@@ -291,9 +291,9 @@ def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_
     return out
 
 
-def _prompt_problem(prompt) -> tuple[str, str] | None:
-    """(why, fix) where the chat server would refuse `prompt` as a request's messages (its own parser, and its image
-    loader for each image part), or None."""
+def _prompt_problem(prompt, max_images: int) -> tuple[str, str] | None:
+    """(why, fix) where the chat server would refuse `prompt` as a request's messages (its own parser, its image
+    loader for each image part, the engines' image limit), or None."""
     from molt_hydra.agents.wire import openai_chat
     from molt_hydra.agents.wire.images import image_sources, load_image
     from molt_hydra.agents.wire.request import RequestError
@@ -308,7 +308,10 @@ def _prompt_problem(prompt) -> tuple[str, str] | None:
         messages = openai_chat.parse({"messages": prompt}).messages
     except RequestError as e:
         return e.message, fix
-    for at, source in enumerate(image_sources(messages)):
+    if len(sources := image_sources(messages)) > max_images:
+        return (f"{len(sources)} image parts > data.max_images_per_prompt={max_images}, the engines' per-prompt "
+                "limit", "raise data.max_images_per_prompt (a vision-language model), or remove the image parts")
+    for at, source in enumerate(sources):
         try:
             load_image(source)
         except RequestError as e:

@@ -48,6 +48,9 @@ FILES = {
                                  "row 0: data.input_key='prompt' is [{'role': 'user', 'content': [{'type': 'text', "
                                  "'text': 'see'; image 0: cannot open image '/no/such.png': No such file or directory. "
                                  "Fix: give each image_url part an image file's path or a base64 data: URI"),
+    "two_image_parts.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": '
+                              '"a.png"}}, {"type": "image_url", "image_url": {"url": "b.png"}}]}], "label": "1"}\n',
+                              "; 2 image parts > data.max_images_per_prompt=1, the engines' per-prompt limit. Fix: "),
     # Before: the row's label None, graded against as if it were one
     "null_label.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n',
                          "row 1: data.label_key='label' is null (or missing from this row). Fix: give every row its "
@@ -68,7 +71,8 @@ def test_an_unreadable_prompt_file_is_named_with_its_key_and_reason(tmp_path, na
     path = tmp_path / name
     path.write_bytes(text.encode("utf-8", "surrogateescape"))  # (\udce9: the byte 0xe9, Latin-1's é)
     with pytest.raises(ValueError) as err:
-        _named("data.train_path", load_prompts, str(path), tools_key="tools" if "tools" in name else None)
+        _named("data.train_path", load_prompts, str(path), tools_key="tools" if "tools" in name else None,
+               max_images_per_prompt=1)
     message = str(err.value)
     assert message.startswith(f"data.train_path={path}: ") and reason in message, message
 
