@@ -98,7 +98,8 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
     for names in p.columns:  # (was: a bare KeyError from the first row's conversion)
         if not set(names) & set(ds.column_names):
             raise ValueError(f"{source or p.hub} has no column {' or '.join(map(repr, names))}, which {name} reads; "
-                             f"its columns: {sorted(ds.column_names)}. Fix: --source a copy of {p.hub} with its columns")
+                             f"its columns: {sorted(ds.column_names)}. Fix: --source a copy of {p.hub} with its "
+                             "columns")
     ds = ds.map(p.convert, remove_columns=ds.column_names)
     if p.dedupe:
         seen: set[str] = set()
