@@ -143,11 +143,12 @@ def load_dataset(spec: str, split: str, config: str | None = None):
 JSON_TYPES = (".json", ".jsonl")
 
 
-def check_json_rows(path: Path) -> None:
+def check_json_rows(path: Path) -> list[dict]:
     """A .jsonl / .json file read as datasets will, line by line, so that an error names the file's line: datasets'
     own name a row of its current chunk (a list row on line 3: 'Column() changed from object to string in row 0'), a
     bad line 7 'row 6', and a file of blank lines 'Instruction "train" corresponds to no data!'. A UTF-8 BOM is read
-    over, as datasets does. Also data/rules.py's check, so a dry run finds these before anything starts."""
+    over, as datasets does. Also data/rules.py's check, so a dry run finds these before anything starts. Returns the
+    rows (objects)."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
@@ -156,6 +157,7 @@ def check_json_rows(path: Path) -> None:
     whole = path.suffix == ".json" and text.lstrip().startswith("[")  # datasets also reads JSON Lines in a .json
     # split at "\n" alone: splitlines also splits at a U+2028 inside a JSON string, which JSON leaves unescaped
     lines = [(1, text)] if whole else [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    out = []
     for n, line in lines:
         try:
             rows = json.loads(line)
@@ -166,8 +168,19 @@ def check_json_rows(path: Path) -> None:
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: {f'item {i}' if whole else f'line {n}'} is {row!r:.60}, not a JSON object. "
                                  "Fix: make every row an object of the dataset's columns")
-    if not lines or whole and not rows:
+        out.extend(rows if whole else [rows])
+    if not out:
         raise ValueError(f"{path} has no rows (it is empty or blank). Fix: write one JSON object per line")
+    return out
+
+
+def check_prompt_rows(path: Path, max_images: int, **keys: str | None) -> None:
+    """load_prompts' checks of each row (`_renamed`), on a JSON file's rows as parsed here (each row's missing keys
+    null, as datasets reads them): data/rules.py runs them, so a dry run, and a run before Ray starts, finds a bad
+    row (was: found only once Ray and the engines had started)."""
+    rows = check_json_rows(path)
+    columns = sorted({key for row in rows for key in row})
+    _renamed([{key: row.get(key) for key in columns} for row in rows], columns, str(path), max_images, **keys)
 
 
 def _text_columns(path: Path):
@@ -210,8 +223,8 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     parts = []
     for s in specs:
         rows = builtin_rows(s) if s.startswith(BUILTIN) else _renamed(
-            load_dataset(s, split), s, max_images_per_prompt, input_key=input_key, label_key=label_key,
-            tools_key=tools_key, image_key=image_key)
+            ds := load_dataset(s, split), ds.column_names, s, max_images_per_prompt, input_key=input_key,
+            label_key=label_key, tools_key=tools_key, image_key=image_key)
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
@@ -258,13 +271,13 @@ COLUMN_FIX = {"input_key": "set data.input_key to the prompt column",
               "image_key": "set data.image_key to the image column, or null for text-only data"}
 
 
-def _renamed(dataset, spec: str, max_images: int, **keys: str | None) -> list[dict]:
+def _renamed(dataset, columns: list[str], spec: str, max_images: int, **keys: str | None) -> list[dict]:
     """The dataset's rows in the runner's names. Each configured column must exist: a missing label, tools or image
     column would hand every rollout an empty label, no tools or no images (a math reward of 0 throughout, a VLM
     trained text-only) without a word."""
     for key, column in keys.items():
-        if column is not None and column not in dataset.column_names:
-            raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(dataset.column_names)} "
+        if column is not None and column not in columns:
+            raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(columns)} "
                            f"({spec}). Fix: {COLUMN_FIX[key]}")
     return [_rename(row, f"{spec} row {i}", max_images, **keys) for i, row in enumerate(dataset)]
 

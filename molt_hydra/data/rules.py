@@ -9,7 +9,7 @@ from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
 from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, JSON_TYPES, SFT_TASKS, \
-    check_json_rows
+    check_json_rows, check_prompt_rows
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
 
@@ -27,7 +27,7 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
         for part in parts:
             if not part.startswith(BUILTIN):
                 check_location(problems, key, part, "file or directory", fix)
-                _check_local(problems, key, Path(part).expanduser())
+                _check_local(cfg, problems, key, Path(part).expanduser())
                 continue
             problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
         image = next((p for p in parts if p.startswith(BUILTIN) and p[len(BUILTIN):] in IMAGE_TASKS), None)
@@ -58,16 +58,20 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     _unread_keys(cfg, problems)
 
 
-def _check_local(problems: Problems, key: str, path: Path) -> None:
+def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> None:
     """A local dataset the run can read: a file of a type it reads whose rows parse (JSON: each line or item an
-    object), or a `save_to_disk` directory. Before, each failed once the run had started Ray and its engines: a
-    malformed line, an unknown suffix ('Couldn't find any data file at' a file that is there), a plain directory."""
+    object; a prompt file's rows as load_prompts checks them), or a `save_to_disk` directory. Before, each failed once
+    the run had started Ray and its engines: a malformed line or row, an unknown suffix ('Couldn't find any data file
+    at' a file that is there), a plain directory."""
     readable = f"a data file ({', '.join(sorted(FILE_TYPES))}) or a datasets save_to_disk directory"
     if path.is_file() and path.stat().st_size and path.suffix in JSON_TYPES:
-        try:
-            check_json_rows(path)
-        except ValueError as e:
-            reason, _, fix = str(e).partition(" Fix: ")
+        d = cfg.data
+        try:  # job=sft's rows are chat rows of its own keys: data/sft_dataset.py checks them
+            check_json_rows(path) if cfg.job.value == "sft" else check_prompt_rows(
+                path, d.max_images_per_prompt, input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key,
+                image_key=d.image_key)
+        except (KeyError, ValueError) as e:
+            reason, _, fix = (e.args[0] if isinstance(e, KeyError) else str(e)).partition(" Fix: ")
             problems.check(False, key, reason.rstrip(".") + ".", fix)
     elif path.is_file():
         problems.check(path.suffix in FILE_TYPES, key, f"{str(path)!r} is a file of a type the run does not read "

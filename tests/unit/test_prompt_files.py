@@ -200,3 +200,19 @@ def test_a_path_under_home_written_with_a_tilde_loads(tmp_path, monkeypatch):
     assert [r["prompt"] for r in load_prompts("~/rows.jsonl")] == ["a"]
     assert load_rows("~/chats.jsonl") == [{"input": "a", "output": "b"}]
     assert _config_problems("~/rows.jsonl") == []
+
+
+def test_a_bad_row_of_a_local_prompt_file_is_a_config_error_before_anything_starts(tmp_path):
+    """load_prompts' row checks, run at validation on a JSON file's rows: before, a null prompt, a message of another
+    role or a null label surfaced only once Ray and the engines had started (and not in a dry run)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "label": "1"}\n\n{"prompt": [{"role": "wizard", "content": "x"}], "label": "2"}\n')
+    assert _config_problems(str(path)) == [
+        f"- data.train_path: {path} row 1: data.input_key='prompt' is [{{'role': 'wizard', 'content': 'x'}}]; "
+        "messages[0] must be an object with role in ['assistant', 'developer', 'system', 'tool', 'user']. Fix: give "
+        "each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role' (system, "
+        "developer, user, assistant or tool) and a 'content' (a string or a list of parts)"]
+    path.write_text('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n')
+    assert _config_problems(str(path)) == [
+        f"- data.train_path: {path} row 1: data.label_key='label' is null (or missing from this row). Fix: give every "
+        "row its label, or set data.label_key=null for data without labels (the agent then gets '')"]
