@@ -9,7 +9,8 @@ from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
 from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, JSON_TYPES, SFT_TASKS, \
-    check_json_rows, check_prompt_rows
+    check_prompt_rows
+from molt_hydra.data.sft_dataset import check_sft_rows
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
 
@@ -66,8 +67,8 @@ def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> No
     readable = f"a data file ({', '.join(sorted(FILE_TYPES))}) or a datasets save_to_disk directory"
     if path.is_file() and path.stat().st_size and path.suffix in JSON_TYPES:
         d = cfg.data
-        try:  # job=sft's rows are chat rows of its own keys: data/sft_dataset.py checks them
-            check_json_rows(path) if cfg.job.value == "sft" else check_prompt_rows(
+        try:
+            check_sft_rows(str(path), d.input_key, d.output_key) if cfg.job.value == "sft" else check_prompt_rows(
                 path, d.max_images_per_prompt, input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key,
                 image_key=d.image_key)
         except (KeyError, ValueError) as e:

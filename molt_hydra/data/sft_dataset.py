@@ -103,6 +103,17 @@ def _check_row(row, index: int, input_key: str, output_key: str | None) -> None:
                                  "its 'content' (a string or a list of parts, each an object)")
 
 
+def check_sft_rows(path: str, input_key: str, output_key: str | None) -> None:
+    """`load_rows` and each row's check, naming the file: data/rules.py runs them, so a dry run finds a bad SFT file
+    or row (was: found by the trainer ranks, once the run had started)."""
+    rows = load_rows(path)
+    try:
+        for index, row in enumerate(rows):
+            _check_row(row, index, input_key, output_key)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
     prompt = row[input_key]
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)

@@ -134,3 +134,20 @@ def test_rows_skipped_or_cut_are_counted_and_logged_with_their_ids(tok, caplog):
 def test_template_without_generation_prompt_is_refused(tok):
     with pytest.raises(ValueError, match="add_generation_prompt"):
         discover_reply_markers(tok, "{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def test_a_bad_sft_row_is_a_config_error_before_anything_starts(tmp_path):
+    """Before: validation (and a dry run) passed it; the trainer ranks refused it once the run had started."""
+    from molt_hydra.config.schema import Job, RunConfig
+    from molt_hydra.config.validate import Problems
+    from molt_hydra.data.rules import check_data
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text('{"input": "hi", "output": "a"}\n{"input": [{"role": "wizard", "content": "x"}], "output": "b"}\n')
+    cfg, problems = RunConfig(), Problems()
+    cfg.job, cfg.data.train_path, cfg.data.input_key, cfg.data.output_key = Job("sft"), str(path), "input", "output"
+    check_data(cfg, problems)
+    assert problems.lines == [
+        f"- data.train_path: {path}: SFT row 1: data.input_key='input' holds {{'role': 'wizard', 'content': 'x'}}, not "
+        "a chat message. Fix: make each message an object with a 'role' (one of system, user, assistant, tool) and its "
+        "'content' (a string or a list of parts, each an object)"]
