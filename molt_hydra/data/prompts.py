@@ -174,13 +174,18 @@ def check_json_rows(path: Path) -> list[dict]:
     return out
 
 
-def check_prompt_rows(path: Path, max_images: int, **keys: str | None) -> None:
-    """load_prompts' checks of each row (`_renamed`), on a JSON file's rows as parsed here (each row's missing keys
-    null, as datasets reads them): data/rules.py runs them, so a dry run, and a run before Ray starts, finds a bad
-    row (was: found only once Ray and the engines had started)."""
-    rows = check_json_rows(path)
-    columns = sorted({key for row in rows for key in row})
-    _renamed([{key: row.get(key) for key in columns} for row in rows], columns, str(path), max_images, **keys)
+def check_prompt_rows(spec: str, split: str, max_images: int, **keys: str | None) -> None:
+    """load_prompts' checks of each row of a local dataset (`_renamed`; images are decoded at load): data/rules.py
+    runs them, so a dry run, and a run before Ray starts, finds a bad row (was: found only once Ray and the engines
+    had started). A JSON file's rows are those check_json_rows parsed, each row's missing keys null as datasets reads
+    them (datasets' own errors name no line)."""
+    if (path := Path(spec).expanduser()).suffix in JSON_TYPES:
+        rows = check_json_rows(path)
+        columns = sorted({key for row in rows for key in row})
+        rows = [{key: row.get(key) for key in columns} for row in rows]
+    else:
+        columns = (rows := load_dataset(spec, split)).column_names
+    _renamed(rows, columns, spec, max_images, **keys)
 
 
 def _text_columns(path: Path):

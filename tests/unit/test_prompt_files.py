@@ -216,3 +216,26 @@ def test_a_bad_row_of_a_local_prompt_file_is_a_config_error_before_anything_star
     assert _config_problems(str(path)) == [
         f"- data.train_path: {path} row 1: data.label_key='label' is null (or missing from this row). Fix: give every "
         "row its label, or set data.label_key=null for data without labels (the agent then gets '')"]
+
+
+def test_a_bad_row_of_a_parquet_file_or_a_saved_dataset_is_a_config_error(tmp_path):
+    """The same checks on the rows datasets reads from a parquet file or a save_to_disk directory (before: found
+    once Ray and the engines had started); a corrupt parquet file is named too."""
+    import datasets
+
+    datasets.Dataset.from_list([{"prompt": "a", "label": "1"}, {"prompt": None, "label": "2"}]).to_parquet(
+        str(tmp_path / "rows.parquet"))
+    datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": 5}], "label": "1"}]).save_to_disk(
+        str(tmp_path / "saved"))
+    (tmp_path / "corrupt.parquet").write_bytes(b"not parquet")
+    fix = "Fix: give each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role'"
+    [problem] = _config_problems(str(tmp_path / "rows.parquet"))
+    assert problem.startswith(f"- data.train_path: {tmp_path / 'rows.parquet'} row 1: data.input_key='prompt' is "
+                              f"None; not text or a non-empty list of chat messages. {fix}"), problem
+    [problem] = _config_problems(str(tmp_path / "saved"))
+    assert problem.startswith(f"- data.train_path: {tmp_path / 'saved'} row 0: data.input_key='prompt' is [{{'role': "
+                              f"'user', 'content': 5}}]; messages[0].content must be a string or a list of parts. "
+                              f"{fix}"), problem
+    [problem] = _config_problems(str(tmp_path / "corrupt.parquet"))
+    assert problem.startswith(f"- data.train_path: {tmp_path / 'corrupt.parquet'} is not a readable parquet file: "
+                              "Parquet magic bytes not found in footer"), problem
