@@ -111,7 +111,8 @@ def test_geo3k_prepared_file_is_what_the_geo3k_recipe_plans_from(tmp_path, capsy
     ("aime_2024", '{"question": "x", "answer": "1"}\n',
      " has no column 'problem' or 'Problem', which aime_2024 reads; its columns: ['answer', 'question']. Fix: --source "
      "a copy of HuggingFaceH4/aime_2024 with its columns"),
-    ("gsm8k", '{"question": "x", "answer": "#### 1"}\n{"question": \n', ": line 2 is not JSON (Expecting value). Fix: "),
+    ("gsm8k", '{"question": "x", "answer": "#### 1"}\n{"question": \n',
+     ": line 2 is not JSON (Expecting value). Fix: "),
 ])
 def test_a_source_prepare_cannot_read_is_one_line_naming_it(tmp_path, capsys, name, text, message):
     """Before: a KeyError('problem') traceback from the first row's conversion; any ValueError a traceback too."""

@@ -119,7 +119,8 @@ def test_rows_skipped_or_cut_are_counted_and_logged_with_their_ids(tok, caplog):
     """Before: a row without a reply, or whose reply lay past data.max_len, was skipped without a word, and a row
     longer than max_len cut without one."""
     def chat(ask: str, reply: str | None = None) -> dict:
-        return {"input": [{"role": "user", "content": ask}] + ([{"role": "assistant", "content": reply}] if reply else [])}
+        reply_message = [{"role": "assistant", "content": reply}] if reply else []
+        return {"input": [{"role": "user", "content": ask}] + reply_message}
 
     long = chat("word " * 40, "the reply")  # the reply lies past max_len=20: nothing to train on
     cut = chat("hi", "word " * 40)  # cut inside its reply: trained on the reply's start

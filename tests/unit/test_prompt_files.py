@@ -22,7 +22,8 @@ FILES = {
     # datasets named the row of its chunk: "row 6" for line 7, "row 0" for a list on line 3
     "bad_line_7.jsonl": ("\n".join(['{"prompt": "a", "label": "1"}'] * 6 + ['{"prompt": }']),
                          ": line 7 is not JSON (Expecting value). Fix: "),
-    "list_row.jsonl": ('{"prompt": "a", "label": "1"}\n\n["a", "b"]\n', ": line 3 is ['a', 'b'], not a JSON object. Fix: "),
+    "list_row.jsonl": ('{"prompt": "a", "label": "1"}\n\n["a", "b"]\n',
+                       ": line 3 is ['a', 'b'], not a JSON object. Fix: "),
     "list_item.json": ('[{"prompt": "a", "label": "1"}, 5]', ": item 2 is 5, not a JSON object. Fix: "),
     "not_utf8.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "caf\udce9", "label": "1"}\n',
                        ": line 2 is not UTF-8 (invalid continuation byte). Fix: save the file as UTF-8"),
@@ -37,10 +38,12 @@ FILES = {
                           "row 1: data.input_key='prompt' is None; "),
     # Before: loaded as they were; each rollout of the row failed (a 400 from the chat server), every epoch
     "unknown_role.jsonl": ('{"prompt": [{"role": "wizard", "content": "hi"}], "label": "1"}\n',
-                           "unknown_role.jsonl row 0: data.input_key='prompt' is [{'role': 'wizard', 'content': 'hi'}]; "
+                           "unknown_role.jsonl row 0: data.input_key='prompt' is [{'role': 'wizard', 'content': "
+                           "'hi'}]; "
                            "messages[0] must be an object with role in ['assistant', 'developer', 'system', 'tool', "
                            "'user']. Fix: "),
-    "number_content.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": [{"role": "user", "content": 5}], "label": "1"}\n',
+    "number_content.jsonl": ('{"prompt": "a", "label": "1"}\n'
+                             '{"prompt": [{"role": "user", "content": 5}], "label": "1"}\n',
                              "row 1: data.input_key='prompt' is [{'role': 'user', 'content': 5}]; messages[0].content "
                              "must be a string or a list of parts. Fix: "),
     "missing_image_part.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": '
