@@ -154,7 +154,7 @@ def check_json_rows(path: Path) -> list[dict]:
     except UnicodeDecodeError as e:
         line = path.read_bytes()[:e.start].count(b"\n") + 1
         raise ValueError(f"{path}: line {line} is not UTF-8 ({e.reason}). Fix: save the file as UTF-8") from None
-    whole = path.suffix == ".json" and text.lstrip().startswith("[")  # datasets also reads JSON Lines in a .json
+    whole = path.suffix == ".json" and _one_value(text)  # datasets also reads JSON Lines in a .json
     # split at "\n" alone: splitlines also splits at a U+2028 inside a JSON string, which JSON leaves unescaped
     lines = [(1, text)] if whole else [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     out = []
@@ -164,14 +164,25 @@ def check_json_rows(path: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: line {e.lineno if whole else n} is not JSON ({e.msg}). Fix: one JSON object "
                              "per line (.jsonl), or one JSON list of objects (.json)") from None
-        for i, row in enumerate(rows if whole else [rows], 1):
+        rows = rows if whole and isinstance(rows, list) else [rows]  # a .json of one object: one row, as datasets
+        for i, row in enumerate(rows, 1):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: {f'item {i}' if whole else f'line {n}'} is {row!r:.60}, not a JSON object. "
                                  "Fix: make every row an object of the dataset's columns")
-        out.extend(rows if whole else [rows])
+        out.extend(rows)
     if not out:
         raise ValueError(f"{path} has no rows (it is empty or blank). Fix: write one JSON object per line")
     return out
+
+
+def _one_value(text: str) -> bool:
+    """Whether a .json file's text is one JSON value (a list of rows, or one object over several lines), not JSON
+    Lines; a list that does not parse is one too, so that its error names its own line."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return text.lstrip().startswith("[")
+    return True
 
 
 def check_prompt_rows(spec: str, split: str, max_images: int, **keys: str | None) -> None:

@@ -10,7 +10,6 @@ is trained on), the trainer's convention. Packing happens in the trainer's micro
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,14 +131,9 @@ def load_rows(data: str | list[dict]) -> list[dict]:
     path = Path(data).expanduser()  # as validation reads it (config/validate.py check_location)
     if path.suffix not in JSON_TYPES:
         raise ValueError(f"SFT data {str(path)!r}: expected a .jsonl or .json file (or a list of rows)")
-    check_json_rows(path)  # names the line of one that is not JSON or not an object (was: a BOM, a U+2028 failed)
-    text = path.read_text(encoding="utf-8-sig")
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.split("\n") if line.strip()]
-    if not isinstance(rows := json.loads(text), list):
-        raise ValueError(f"SFT data {str(path)!r}: a .json file must hold a list of rows, got a "
-                         f"{type(rows).__name__}. Fix: wrap the rows in [...], or write them one a line as .jsonl")
-    return rows
+    # read as prompt files are: a list, one object or JSON Lines in a .json, each row an object, an error naming the
+    # line (was: a BOM, a U+2028 in a string failed; JSON Lines in a .json was json's 'Extra data')
+    return check_json_rows(path)
 
 
 def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", output_key: str | None = None,

@@ -97,7 +97,8 @@ def test_a_row_without_its_columns_is_named_with_the_key(tok, rows, output_key, 
 @pytest.mark.parametrize("name,text,message", [
     ("bad.jsonl", '{"input": "a", "output": "b"}\n\n{"input": "a", "output"}\n', "line 3 is not JSON"),
     ("bad.json", '[{"input": "a"},\n{"input": "b"', "line 2 is not JSON"),
-    ("dict.json", '{"input": "a"}', "a .json file must hold a list of rows, got a dict"),
+    ("scalar.json", '5', "item 1 is 5, not a JSON object"),
+    ("lines_in.json", '{"input": "a", "output": "b"}\n{"input": }\n', "line 2 is not JSON"),  # (was: 'Extra data')
 ])
 def test_sft_data_that_is_not_rows_is_named_with_its_line(tmp_path, name, text, message):
     """Before: json's bare "Expecting ':' delimiter: line 1 column 24" (the line within the .jsonl line, not the file's,
@@ -105,6 +106,16 @@ def test_sft_data_that_is_not_rows_is_named_with_its_line(tmp_path, name, text, 
     (tmp_path / name).write_text(text)
     with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / name))}'?: {message}.*Fix: "):
         load_rows(str(tmp_path / name))
+
+
+def test_a_json_file_reads_as_prompt_files_do(tmp_path):
+    """A list of rows, one (pretty-printed) object or JSON Lines, as datasets reads a prompt .json. Before: JSON Lines
+    was json's 'Extra data: line 2 column 1', one object a refusal."""
+    for text in ('[{"input": "a"}, {"input": "b"}]', '{"input": "a"}\n{"input": "b"}\n'):
+        (tmp_path / "rows.json").write_text(text)
+        assert load_rows(str(tmp_path / "rows.json")) == [{"input": "a"}, {"input": "b"}]
+    (tmp_path / "rows.json").write_text('{\n  "input": "a"\n}\n')
+    assert load_rows(str(tmp_path / "rows.json")) == [{"input": "a"}]
 
 
 def test_a_bom_and_a_u2028_inside_a_string_read_as_written(tmp_path):

@@ -93,6 +93,13 @@ def test_a_bom_blank_lines_crlf_a_last_line_without_newline_and_u2028_in_a_strin
     assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("a", "1"), ("b\u2028c", "2")]
 
 
+def test_a_json_file_of_one_pretty_printed_object_is_one_row_as_datasets_reads_it(tmp_path):
+    path = tmp_path / "row.json"
+    path.write_text('{\n  "prompt": "a",\n  "label": "1"\n}\n')
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("a", "1")]
+    assert _config_problems(str(path)) == []
+
+
 @pytest.mark.parametrize("key", ["label_key", "tools_key", "image_key"])
 def test_a_configured_column_the_data_lacks_is_named_with_its_fix(tmp_path, key):
     path = tmp_path / "rows.jsonl"
