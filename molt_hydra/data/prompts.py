@@ -188,15 +188,20 @@ def _one_value(text: str) -> bool:
 def check_prompt_rows(spec: str, split: str, max_images: int, **keys: str | None) -> None:
     """load_prompts' checks of each row of a local dataset (`_renamed`; images are decoded at load): data/rules.py
     runs them, so a dry run, and a run before Ray starts, finds a bad row (was: found only once Ray and the engines
-    had started). A JSON file's rows are those check_json_rows parsed, each row's missing keys null as datasets reads
-    them (datasets' own errors name no line)."""
+    had started)."""
+    _renamed(*_table(spec, split), spec, max_images, **keys)
+
+
+def _table(spec: str, split: str) -> tuple:
+    """(rows, column names) of a dataset. A JSON file's rows are read here as written, each row's missing keys null
+    as datasets reads them: datasets reads a column of mixed types (a label "1" in one row, {"x": 1} in another) as
+    Json and decodes its strings, the label "1" read as 1, "null" as None, "42" as a prompt as the number 42."""
     if (path := Path(spec).expanduser()).suffix in JSON_TYPES:
         rows = check_json_rows(path)
         columns = sorted({key for row in rows for key in row})
-        rows = [{key: row.get(key) for key in columns} for row in rows]
-    else:
-        columns = (rows := load_dataset(spec, split)).column_names
-    _renamed(rows, columns, spec, max_images, **keys)
+        return [{key: row.get(key) for key in columns} for row in rows], columns
+    dataset = load_dataset(spec, split)
+    return dataset, dataset.column_names
 
 
 def _text_columns(path: Path):
@@ -239,8 +244,8 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     parts = []
     for s in specs:
         rows = builtin_rows(s) if s.startswith(BUILTIN) else _renamed(
-            ds := load_dataset(s, split), ds.column_names, s, max_images_per_prompt, input_key=input_key,
-            label_key=label_key, tools_key=tools_key, image_key=image_key)
+            *_table(s, split), s, max_images_per_prompt, input_key=input_key, label_key=label_key,
+            tools_key=tools_key, image_key=image_key)
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)

@@ -93,6 +93,16 @@ def test_a_bom_blank_lines_crlf_a_last_line_without_newline_and_u2028_in_a_strin
     assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("a", "1"), ("b\u2028c", "2")]
 
 
+def test_json_values_are_read_as_written_in_a_column_of_mixed_types(tmp_path):
+    """Before: datasets read a column of mixed types (text and chat messages; a label and a list of labels) as Json,
+    decoding its strings: the prompt "42" became the number 42 (refused), the labels "1" and "null" 1 and None."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "42", "label": "1"}, {"prompt": [{"role": "user", "content": "hi"}], "label": ["2", "two"]},
+            {"prompt": "c", "label": "null"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [(r["prompt"], r["label"]) for r in rows]
+
+
 def test_a_json_file_of_one_pretty_printed_object_is_one_row_as_datasets_reads_it(tmp_path):
     path = tmp_path / "row.json"
     path.write_text('{\n  "prompt": "a",\n  "label": "1"\n}\n')
