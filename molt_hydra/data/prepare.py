@@ -100,7 +100,7 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
             raise ValueError(f"{source or p.hub} has no column {' or '.join(map(repr, names))}, which {name} reads; "
                              f"its columns: {sorted(ds.column_names)}. Fix: --source a copy of {p.hub} with its "
                              "columns")
-    ds = ds.map(p.convert, remove_columns=ds.column_names)
+    ds = ds.map(_converting(p.convert, source or p.hub), with_indices=True, remove_columns=ds.column_names)
     if p.dedupe:
         seen: set[str] = set()
         keep = [i for i, m in enumerate(ds["prompt"]) if not (m[-1]["content"] in seen or seen.add(m[-1]["content"]))]
@@ -113,6 +113,19 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
     else:
         ds.to_json(out, lines=suffix == ".jsonl", force_ascii=False)
     return len(ds)
+
+
+def _converting(convert: Callable[[dict], dict], source: str) -> Callable[[dict, int], dict]:
+    """`convert`, a row it cannot convert (a null or odd-shaped cell) a ValueError naming the row (was: the
+    AttributeError / TypeError of the conversion, a traceback)."""
+    def run(row: dict, index: int) -> dict:
+        try:
+            return convert(row)
+        except (AttributeError, KeyError, TypeError) as e:
+            cells = {k: f"{v!r:.40}" for k, v in row.items() if k != "images"}
+            raise ValueError(f"{source} row {index} cannot be converted ({type(e).__name__}: {e}); its cells: "
+                             f"{cells}. Fix: correct or remove that row") from None
+    return run
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -113,9 +113,13 @@ def test_geo3k_prepared_file_is_what_the_geo3k_recipe_plans_from(tmp_path, capsy
      "a copy of HuggingFaceH4/aime_2024 with its columns"),
     ("gsm8k", '{"question": "x", "answer": "#### 1"}\n{"question": \n',
      ": line 2 is not JSON (Expecting value). Fix: "),
+    ("gsm8k", '{"question": "x", "answer": "#### 1"}\n{"question": "y", "answer": null}\n',
+     " row 1 cannot be converted (AttributeError: 'NoneType' object has no attribute 'split'); its cells: "
+     "{'question': \"'y'\", 'answer': 'None'}. Fix: correct or remove that row"),
 ])
 def test_a_source_prepare_cannot_read_is_one_line_naming_it(tmp_path, capsys, name, text, message):
-    """Before: a KeyError('problem') traceback from the first row's conversion; any ValueError a traceback too."""
+    """Before: a KeyError('problem') traceback from the first row's conversion, an AttributeError one from a null
+    cell's; any ValueError a traceback too."""
     source = tmp_path / "source.jsonl"
     source.write_text(text)
     with pytest.raises(SystemExit) as done:
