@@ -69,7 +69,8 @@ def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path, split
     if path.is_file() and path.suffix not in FILE_TYPES:
         problems.check(False, key, f"{str(path)!r} is a file of a type the run does not read (suffix "
                        f"{path.suffix or 'none'!r}).", f"convert it to {readable}")
-    elif path.is_dir() and any(path.iterdir()) and not _saved(path):  # (an empty one: check_location says so)
+    elif path.is_dir() and any(path.iterdir()) and not any(  # (an empty one: check_location says so)
+            (path / name).is_file() for name in ("state.json", "dataset_dict.json")):
         problems.check(False, key, f"{str(path)!r} is a directory but no datasets save_to_disk output (no "
                        "state.json or dataset_dict.json).", f"point {key} at {readable}")
     elif path.is_file() and path.stat().st_size or path.is_dir() and cfg.job.value != "sft":
@@ -83,10 +84,6 @@ def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path, split
         except (KeyError, OSError, ValueError) as e:
             reason, _, fix = (e.args[0] if isinstance(e, KeyError) else str(e)).partition(" Fix: ")
             problems.check(False, key, reason.rstrip(".") + ".", fix or f"point {key} at {readable}")
-
-
-def _saved(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
 
 
 def _sft_data(cfg: RunConfig, problems: Problems) -> None:
