@@ -69,14 +69,16 @@ class Preparer:
     hub: str
     config: str | None
     convert: Callable[[dict], dict]
+    columns: tuple[tuple[str, ...], ...]  # the columns `convert` reads, each as its alternative spellings
     dedupe: bool = False  # DAPO-Math-17k repeats each of its 17k problems ~100 times
 
 
 PREPARERS = {
-    "dapo_math": Preparer("BytedTsinghua-SIA/DAPO-Math-17k", None, dapo_math, dedupe=True),
-    "aime_2024": Preparer("HuggingFaceH4/aime_2024", None, aime),
-    "gsm8k": Preparer("openai/gsm8k", "main", gsm8k),
-    "geometry3k": Preparer("hiyouga/geometry3k", None, geometry3k),
+    "dapo_math": Preparer("BytedTsinghua-SIA/DAPO-Math-17k", None, dapo_math, (("prompt",), ("reward_model",)),
+                          dedupe=True),
+    "aime_2024": Preparer("HuggingFaceH4/aime_2024", None, aime, (("problem", "Problem"), ("answer", "Answer"))),
+    "gsm8k": Preparer("openai/gsm8k", "main", gsm8k, (("question",), ("answer",))),
+    "geometry3k": Preparer("hiyouga/geometry3k", None, geometry3k, (("problem",), ("answer",), ("images",))),
 }
 PREPARERS["geo3k"] = PREPARERS["geometry3k"]  # the name the geo3k recipes and issue 37 use
 
@@ -93,7 +95,12 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
     if p.convert is geometry3k and suffix != ".parquet":
         raise ValueError(f"output {out}: {name} has images; write .parquet")
     ds = load_dataset(source or p.hub, split or "train", p.config)  # every default hub dataset's training split
-    ds = ds.map(p.convert, remove_columns=ds.column_names)
+    for names in p.columns:  # (was: a bare KeyError from the first row's conversion)
+        if not set(names) & set(ds.column_names):
+            raise ValueError(f"{source or p.hub} has no column {' or '.join(map(repr, names))}, which {name} reads; "
+                             f"its columns: {sorted(ds.column_names)}. Fix: --source a copy of {p.hub} with its "
+                             "columns")
+    ds = ds.map(_converting(p.convert, source or p.hub), with_indices=True, remove_columns=ds.column_names)
     if p.dedupe:
         seen: set[str] = set()
         keep = [i for i, m in enumerate(ds["prompt"]) if not (m[-1]["content"] in seen or seen.add(m[-1]["content"]))]
@@ -108,6 +115,19 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
     return len(ds)
 
 
+def _converting(convert: Callable[[dict], dict], source: str) -> Callable[[dict, int], dict]:
+    """`convert`, a row it cannot convert (a null or odd-shaped cell) a ValueError naming the row (was: the
+    AttributeError / TypeError of the conversion, a traceback)."""
+    def run(row: dict, index: int) -> dict:
+        try:
+            return convert(row)
+        except (AttributeError, KeyError, TypeError) as e:
+            cells = {k: f"{v!r:.40}" for k, v in row.items() if k != "images"}
+            raise ValueError(f"{source} row {index} cannot be converted ({type(e).__name__}: {e}); its cells: "
+                             f"{cells}. Fix: correct or remove that row") from None
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m molt_hydra.data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=sorted(PREPARERS))
@@ -116,7 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", help="split to read (default: the dataset's training split)")
     parser.add_argument("--limit", type=int, help="keep the first N rows")
     a = parser.parse_args(argv)
-    n = prepare(a.name, a.out, source=a.source, split=a.split, limit=a.limit)
+    try:
+        n = prepare(a.name, a.out, source=a.source, split=a.split, limit=a.limit)
+    except (OSError, ValueError) as e:  # a missing or malformed source, a bad output name: one line, no traceback
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
     print(f"{a.name}: {n} rows -> {a.out}")
 
 

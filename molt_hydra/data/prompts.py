@@ -118,10 +118,15 @@ def load_dataset(spec: str, split: str, config: str | None = None):
     """A data file (json/jsonl/csv/parquet/arrow), a `save_to_disk` folder or a hub dataset name, as one split."""
     import datasets
 
-    path = Path(spec)
+    path = Path(spec).expanduser()  # as validation reads it (config/validate.py check_location)
     if path.suffix in FILE_TYPES:  # a missing file: datasets' FileNotFoundError names it
+        if path.suffix in JSON_TYPES and path.is_file():
+            check_json_rows(path)
+        # a CSV's cells as written: pandas would guess types per column, a label "2" read as 2.0 once a cell of its
+        # column is empty, "007" as 7.0 (graded as those); an empty cell is still None (a null label, refused)
+        text = {"features": _text_columns(path)} if path.suffix == ".csv" and path.is_file() else {}
         try:
-            return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
+            return datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train", **text)
         except FileNotFoundError:
             raise
         except Exception as e:  # an empty file (a bare StopIteration), malformed rows (DatasetGenerationError)
@@ -133,6 +138,89 @@ def load_dataset(spec: str, split: str, config: str | None = None):
                              "eval.data_path: eval.split) to one of them")
         return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
     return datasets.load_dataset(spec, config, split=split)
+
+
+JSON_TYPES = (".json", ".jsonl")
+
+
+def check_json_rows(path: Path) -> list[dict]:
+    """A .jsonl / .json file read as datasets will, line by line, so that an error names the file's line: datasets'
+    own name a row of its current chunk (a list row on line 3: 'Column() changed from object to string in row 0'), a
+    bad line 7 'row 6', and a file of blank lines 'Instruction "train" corresponds to no data!'. A UTF-8 BOM is read
+    over, as datasets does. Also data/rules.py's check, so a dry run finds these before anything starts. Returns the
+    rows (objects)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8 ({e.reason}). Fix: save the file as UTF-8") from None
+    whole = path.suffix == ".json" and _one_value(text)  # datasets also reads JSON Lines in a .json
+    # split at "\n" alone: splitlines also splits at a U+2028 inside a JSON string, which JSON leaves unescaped
+    lines = [(1, text)] if whole else [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    out = []
+    for n, line in lines:
+        try:
+            rows = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {e.lineno if whole else n} is not JSON ({e.msg}). Fix: one JSON object "
+                             "per line (.jsonl), or one JSON list of objects (.json)") from None
+        rows = rows if whole and isinstance(rows, list) else [rows]  # a .json of one object: one row, as datasets
+        for i, row in enumerate(rows, 1):
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: {f'item {i}' if whole else f'line {n}'} is {row!r:.60}, not a JSON object. "
+                                 "Fix: make every row an object of the dataset's columns")
+        out.extend(rows)
+    if not out:
+        raise ValueError(f"{path} has no rows (it is empty or blank). Fix: write one JSON object per line")
+    return out
+
+
+def _one_value(text: str) -> bool:
+    """Whether a .json file's text is one JSON value (a list of rows, or one object over several lines), not JSON
+    Lines; a list that does not parse is one too, so that its error names its own line."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return text.lstrip().startswith("[")
+    return True
+
+
+def check_prompt_rows(spec: str, split: str, max_images: int, **keys: str | None) -> None:
+    """load_prompts' checks of each row of a local dataset (`_renamed`; images are decoded at load): data/rules.py
+    runs them, so a dry run, and a run before Ray starts, finds a bad row (was: found only once Ray and the engines
+    had started)."""
+    _renamed(*_table(spec, split), spec, max_images, **keys)
+
+
+def _table(spec: str, split: str) -> tuple:
+    """(rows, column names) of a dataset. A JSON file's rows are read here as written, each row's missing keys null
+    as datasets reads them: datasets reads a column of mixed types (a label "1" in one row, {"x": 1} in another) as
+    Json and decodes its strings, the label "1" read as 1, "null" as None, "42" as a prompt as the number 42."""
+    if (path := Path(spec).expanduser()).suffix in JSON_TYPES:
+        rows = check_json_rows(path)
+        columns = sorted({key for row in rows for key in row})
+        return [{key: row.get(key) for key in columns} for row in rows], columns
+    dataset = load_dataset(spec, split)
+    return dataset, dataset.column_names
+
+
+def _text_columns(path: Path):
+    """A CSV file's columns, each read as text. A row of more cells than the header names is refused: pandas would
+    take its first cell for the row's index and shift the others one column left (a prompt read as its label)."""
+    import csv
+
+    import datasets
+
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        rows = csv.reader(f)
+        header = next(rows, [])
+        if len(set(header)) < len(header):
+            raise ValueError(f"{path}: the header names a column twice ({header}). Fix: give each column its own name")
+        for row in rows:
+            if len(row) > len(header):
+                raise ValueError(f"{path}: line {rows.line_num} has {len(row)} cells, the header names "
+                                 f"{len(header)} ({header}). Fix: quote cells that hold a comma, or name every column")
+    return datasets.Features({name: datasets.Value("string") for name in header})
 
 
 def _reason(error: BaseException) -> str:
@@ -156,8 +244,8 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     parts = []
     for s in specs:
         rows = builtin_rows(s) if s.startswith(BUILTIN) else _renamed(
-            load_dataset(s, split), s, input_key=input_key, label_key=label_key, tools_key=tools_key,
-            image_key=image_key)
+            *_table(s, split), s, max_images_per_prompt, input_key=input_key, label_key=label_key,
+            tools_key=tools_key, image_key=image_key)
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
@@ -204,39 +292,68 @@ COLUMN_FIX = {"input_key": "set data.input_key to the prompt column",
               "image_key": "set data.image_key to the image column, or null for text-only data"}
 
 
-def _renamed(dataset, spec: str, **keys: str | None) -> list[dict]:
+def _renamed(dataset, columns: list[str], spec: str, max_images: int, **keys: str | None) -> list[dict]:
     """The dataset's rows in the runner's names. Each configured column must exist: a missing label, tools or image
     column would hand every rollout an empty label, no tools or no images (a math reward of 0 throughout, a VLM
     trained text-only) without a word."""
     for key, column in keys.items():
-        if column is not None and column not in dataset.column_names:
-            raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(dataset.column_names)} "
+        if column is not None and column not in columns:
+            raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(columns)} "
                            f"({spec}). Fix: {COLUMN_FIX[key]}")
-    return [_rename(row, i, **keys) for i, row in enumerate(dataset)]
+    return [_rename(row, f"{spec} row {i}", max_images, **keys) for i, row in enumerate(dataset)]
 
 
-def _rename(row: dict, index: int, input_key: str, label_key: str | None, tools_key: str | None,
+def _rename(row: dict, where: str, max_images: int, input_key: str, label_key: str | None, tools_key: str | None,
             image_key: str | None) -> dict:
-    """Row `index` in the runner's names; a row whose prompt is neither text nor a list of chat messages (null: a
-    missing value; a message without a role; no message) is an error naming the row (was, for a bad message: each of
-    its rollouts an agent_exception from the chat template, every epoch)."""
+    """Row `where` in the runner's names; a row whose prompt is neither text nor chat messages the chat server takes
+    (null: a missing value; a message without a role, of another role, with a number for content; an image part
+    whose file is not there) or whose label is null is an error naming the row. Before, a bad message failed each of
+    its rollouts (a 400 from the chat server, or the chat template), every epoch; a null label was graded as one."""
     prompt = row[input_key]
-    messages_ok = isinstance(prompt, list) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
-    if not (isinstance(prompt, str) or messages_ok):
-        raise ValueError(f"row {index}: data.input_key={input_key!r} is {prompt!r:.60}; each row's prompt is its "
-                         "text or a non-empty list of chat messages, each an object with a 'role'")
+    if (problem := _prompt_problem(prompt, max_images)) is not None:
+        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; {problem[0]}. Fix: {problem[1]}")
+    if label_key and row[label_key] is None:
+        raise ValueError(f"{where}: data.label_key={label_key!r} is null (or missing from this row). Fix: give every "
+                         "row its label, or set data.label_key=null for data without labels (the agent then gets '')")
     out = {"prompt": row[input_key], "label": row[label_key] if label_key else "",
            # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
            "datasource": str(row.get("datasource") or "default")}
     if tools_key and row.get(tools_key) is not None:  # optional columns: absent when unset or null
-        out["tools"] = _tools(row[tools_key], index, tools_key)
+        out["tools"] = _tools(row[tools_key], where, tools_key)
     if image_key and row.get(image_key) is not None:
         out["images"] = row[image_key]
     return out
 
 
-def _tools(value, index: int, tools_key: str) -> list[dict]:
+def _prompt_problem(prompt, max_images: int) -> tuple[str, str] | None:
+    """(why, fix) where the chat server would refuse `prompt` as a request's messages (its own parser, its image
+    loader for each image part, the engines' image limit), or None."""
+    from molt_hydra.agents.wire import openai_chat
+    from molt_hydra.agents.wire.images import image_sources, load_image
+    from molt_hydra.agents.wire.request import RequestError
+
+    fix = ("give each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role' "
+           "(system, developer, user, assistant or tool) and a 'content' (a string or a list of parts)")
+    if isinstance(prompt, str):
+        return None
+    if not (isinstance(prompt, list) and prompt):
+        return "not text or a non-empty list of chat messages", fix
+    try:
+        messages = openai_chat.parse({"messages": prompt}).messages
+    except RequestError as e:
+        return e.message, fix
+    if len(sources := image_sources(messages)) > max_images:
+        return (f"{len(sources)} image parts > data.max_images_per_prompt={max_images}, the engines' per-prompt "
+                "limit", "raise data.max_images_per_prompt (a vision-language model), or remove the image parts")
+    for at, source in enumerate(sources):
+        try:
+            load_image(source)
+        except RequestError as e:
+            return f"image {at}: {e.message}", "give each image_url part an image file's path or a base64 data: URI"
+    return None
+
+
+def _tools(value, where: str, tools_key: str) -> list[dict]:
     """A row's tools: a list of function schemas, or its JSON text (the form that keeps rows' differing schemas apart:
     datasets merges JSON objects of one column into one struct, adding each row's missing keys as nulls). Anything
     else is an error naming the row (was: handed on as it was; a string rendered into the chat template as text)."""
@@ -245,6 +362,6 @@ def _tools(value, index: int, tools_key: str) -> list[dict]:
     except json.JSONDecodeError as e:
         tools = e
     if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise ValueError(f"row {index}: data.tools_key={tools_key!r} is {value!r:.60}; a row's tools are a list of "
+        raise ValueError(f"{where}: data.tools_key={tools_key!r} is {value!r:.60}; a row's tools are a list of "
                          "function schemas (objects), or that list as JSON text")
     return tools

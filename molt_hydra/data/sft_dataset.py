@@ -10,16 +10,19 @@ is trained on), the trainer's convention. Packing happens in the trainer's micro
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from molt_hydra.data.prompts import BUILTIN, builtin_rows, usable_image_rows
+from molt_hydra.data.prompts import BUILTIN, JSON_TYPES, builtin_rows, check_json_rows, usable_image_rows
 from molt_hydra.models.vlm import NOT_GENERATED, image_parts
 
+log = logging.getLogger(__name__)
+
 _PROBE_USER, _PROBE_REPLY = "Zq probe question 17", "Zq probe reply 42"
+ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render (one of another role: dropped)
 
 
 @dataclass(frozen=True)
@@ -90,9 +93,24 @@ def _check_row(row, index: int, input_key: str, output_key: str | None) -> None:
                              "that column, and give every row one")
         value = row.get(column) if column is not None else None
         for message in [value] if isinstance(value, dict) else value if isinstance(value, list) else []:
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+            content = message.get("content") if isinstance(message, dict) else None
+            # (was: another role rendered as the template pleased; a number for content a TypeError from the template)
+            if not (isinstance(message, dict) and message.get("role") in ROLES and (content is None or isinstance(
+                    content, str) or isinstance(content, list) and all(isinstance(p, dict) for p in content))):
                 raise ValueError(f"SFT row {index}: data.{key}={column!r} holds {message!r:.60}, not a chat message. "
-                                 "Fix: make each message an object with a 'role' (and its 'content')")
+                                 f"Fix: make each message an object with a 'role' (one of {', '.join(ROLES)}) and "
+                                 "its 'content' (a string or a list of parts, each an object)")
+
+
+def check_sft_rows(path: str, input_key: str, output_key: str | None) -> None:
+    """`load_rows` and each row's check, naming the file: data/rules.py runs them, so a dry run finds a bad SFT file
+    or row (was: found by the trainer ranks, once the run had started)."""
+    rows = load_rows(path)
+    try:
+        for index, row in enumerate(rows):
+            _check_row(row, index, input_key, output_key)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
@@ -110,24 +128,12 @@ def load_rows(data: str | list[dict]) -> list[dict]:
         return list(data)
     if str(data).startswith(BUILTIN):
         return builtin_rows(str(data))
-    path = Path(data)
-    if path.suffix == ".jsonl":
-        return [_json(text, path, i) for i, text in enumerate(path.read_text().splitlines(), 1) if text.strip()]
-    if path.suffix != ".json":
+    path = Path(data).expanduser()  # as validation reads it (config/validate.py check_location)
+    if path.suffix not in JSON_TYPES:
         raise ValueError(f"SFT data {str(path)!r}: expected a .jsonl or .json file (or a list of rows)")
-    if not isinstance(rows := _json(path.read_text(), path, None), list):
-        raise ValueError(f"SFT data {str(path)!r}: a .json file must hold a list of rows, got a "
-                         f"{type(rows).__name__}. Fix: wrap the rows in [...], or write them one a line as .jsonl")
-    return rows
-
-
-def _json(text: str, path: Path, line: int | None):
-    """json.loads, whose error names neither the file nor (in a .jsonl) the line: both, here."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"SFT data {str(path)!r}: line {line or e.lineno} is not JSON ({e.msg}). Fix: one JSON "
-                         "object per line (.jsonl), or one JSON list of objects (.json)") from None
+    # read as prompt files are: a list, one object or JSON Lines in a .json, each row an object, an error naming the
+    # line (was: a BOM, a U+2028 in a string failed; JSON Lines in a .json was json's 'Extra data')
+    return check_json_rows(path)
 
 
 def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", output_key: str | None = None,
@@ -138,10 +144,12 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     VLM rows (`image_key`): `<image>` markers in user strings become image parts, each placeholder is expanded and
     the processor outputs ride along (`images`: the model's `models.vlm.TrajectoryImages`); a row longer than
     max_len once expanded is skipped, as a cut would orphan image features; a row with an image that cannot be read or
-    more than `max_images_per_prompt` images is dropped, logged with its row id and counted (`usable_image_rows`)."""
+    more than `max_images_per_prompt` images is dropped, logged with its row id and counted (`usable_image_rows`).
+    Every row skipped (no reply, no supervised token, too long) or cut to max_len is counted and logged with its id
+    (was: skipped or cut without a word)."""
     markers = discover_reply_markers(tokenizer, chat_template)
     special = _special_ids(tokenizer)
-    out, dropped, rows = [], [], rows[:max_samples]
+    dropped, rows = [], rows[:max_samples]
     for index, row in enumerate(rows):
         _check_row(row, index, input_key, output_key)
     usable = rows
@@ -151,28 +159,45 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
             raise ValueError(f"SFT row {with_images} has images but the model has no vision tower. Fix: use a VLM or "
                              "set data.image_key=null")
         usable = usable_image_rows(rows, "SFT", image_key, max_images_per_prompt, False, image_key, dropped)
-    for row in usable:
-        msgs = _messages(row, input_key, output_key)
-        if not any(m["role"] == "assistant" for m in msgs):
-            continue
-        row_images = (row.get(image_key) or []) if image_key else []
-        if row_images:
-            msgs = image_parts(msgs)
-        text = _render(tokenizer, msgs, chat_template, False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids = ids if row_images else ids[:max_len]  # an image row is skipped when too long, never cut (see above)
-        mask = reply_loss_mask(ids, markers, special, train_on_last_turn_only)
-        multimodal = {}
-        if row_images:  # the mask rides through the expansion as per-token values; image tokens get 0 (context only)
-            ids, mask, _, _, multimodal = images.expand(ids, mask, [NOT_GENERATED] * len(ids), [], row_images)
-            if len(ids) > max_len:
-                continue
-        if sum(mask):
-            out.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.float32),
-                        **multimodal})
+    out, notes, kept, gone = [], {}, iter(usable), {i for i, _ in dropped}  # notes: why -> row ids skipped or cut
+    for index in (i for i in range(len(rows)) if i not in gone):
+        sample, note = _sample(next(kept), tokenizer, markers, special, input_key=input_key, output_key=output_key,
+                               max_len=max_len, chat_template=chat_template, last_only=train_on_last_turn_only,
+                               image_key=image_key, images=images)
+        if note:
+            notes.setdefault(note, []).append(index)
+        if sample is not None:
+            out.append(sample)
+    report = "; ".join(f"{len(ids)} {why} (row ids {ids[:20]})" for why, ids in notes.items())
+    if report:
+        log.warning("SFT data: of %d rows, %s", len(rows), report)
     if not out:
         raise ValueError(f"no SFT samples with supervised tokens among {len(rows)} rows "
-                         f"(input_key={input_key!r}, output_key={output_key!r})"
+                         f"(input_key={input_key!r}, output_key={output_key!r})" + (f": {report}" if report else "")
                          + (f"; {len(dropped)} dropped for their images, the first: {dropped[0][1]}"
                             if dropped else ""))
     return out
+
+
+def _sample(row: dict, tokenizer, markers: ReplyMarkers, special: set[int], *, input_key: str,
+            output_key: str | None, max_len: int, chat_template: str | None, last_only: bool, image_key: str | None,
+            images) -> tuple[dict | None, str | None]:
+    """(the row's sample, or None when it is skipped; why it was skipped or cut to max_len, or None)."""
+    msgs = _messages(row, input_key, output_key)
+    if not any(m["role"] == "assistant" for m in msgs):
+        return None, "skipped: no assistant message"
+    row_images = (row.get(image_key) or []) if image_key else []
+    if row_images:
+        msgs = image_parts(msgs)
+    ids = tokenizer(_render(tokenizer, msgs, chat_template, False), add_special_tokens=False)["input_ids"]
+    cut = f"cut to data.max_len={max_len} tokens" if len(ids) > max_len and not row_images else None
+    ids = ids if row_images else ids[:max_len]  # an image row is skipped when too long, never cut (see above)
+    mask = reply_loss_mask(ids, markers, special, last_only)
+    multimodal = {}
+    if row_images:  # the mask rides through the expansion as per-token values; image tokens get 0 (context only)
+        ids, mask, _, _, multimodal = images.expand(ids, mask, [NOT_GENERATED] * len(ids), [], row_images)
+        if len(ids) > max_len:
+            return None, f"skipped: longer than data.max_len={max_len} tokens once its images are expanded"
+    if not sum(mask):
+        return None, "skipped: no reply token" + (f" within data.max_len={max_len} tokens" if cut else "")
+    return {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.float32), **multimodal}, cut

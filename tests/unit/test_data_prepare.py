@@ -105,3 +105,25 @@ def test_geo3k_prepared_file_is_what_the_geo3k_recipe_plans_from(tmp_path, capsy
     (row,) = load_prompts(str(out), image_key=run_cfg.data.image_key,
                           max_images_per_prompt=run_cfg.data.max_images_per_prompt)
     assert row["label"] == "5" and row["images"][0].size == (40, 30)
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("aime_2024", '{"question": "x", "answer": "1"}\n',
+     " has no column 'problem' or 'Problem', which aime_2024 reads; its columns: ['answer', 'question']. Fix: --source "
+     "a copy of HuggingFaceH4/aime_2024 with its columns"),
+    ("gsm8k", '{"question": "x", "answer": "#### 1"}\n{"question": \n',
+     ": line 2 is not JSON (Expecting value). Fix: "),
+    ("gsm8k", '{"question": "x", "answer": "#### 1"}\n{"question": "y", "answer": null}\n',
+     " row 1 cannot be converted (AttributeError: 'NoneType' object has no attribute 'split'); its cells: "
+     "{'question': \"'y'\", 'answer': 'None'}. Fix: correct or remove that row"),
+])
+def test_a_source_prepare_cannot_read_is_one_line_naming_it(tmp_path, capsys, name, text, message):
+    """Before: a KeyError('problem') traceback from the first row's conversion, an AttributeError one from a null
+    cell's; any ValueError a traceback too."""
+    source = tmp_path / "source.jsonl"
+    source.write_text(text)
+    with pytest.raises(SystemExit) as done:
+        main([name, str(tmp_path / "out.jsonl"), "--source", str(source)])
+    assert done.value.code == 1
+    last = capsys.readouterr().err.splitlines()[-1]  # (after datasets' progress bars)
+    assert last.startswith(f"python -m molt_hydra.data.prepare: error: {source}{message}"), last

@@ -82,6 +82,11 @@ def test_rows_without_reply_are_dropped_and_all_empty_is_an_error(tok):
     ([{"input": ["hi", "a"]}], None, "SFT row 0: data.input_key='input' holds 'hi', not a chat message"),
     ([{"input": "hi", "output": {"content": "a"}}], "output",
      "SFT row 0: data.output_key='output' holds {'content': 'a'}, not a chat message"),
+    # before: rendered as the template pleased (Qwen's drops a message of another role) / a TypeError in the template
+    ([{"input": [{"role": "wizard", "content": "hi"}], "output": "a"}], "output",
+     "SFT row 0: data.input_key='input' holds {'role': 'wizard', 'content': 'hi'}, not a chat message"),
+    ([{"input": "hi", "output": {"role": "assistant", "content": 7}}], "output",
+     "SFT row 0: data.output_key='output' holds {'role': 'assistant', 'content': 7}, not a chat message"),
 ])
 def test_a_row_without_its_columns_is_named_with_the_key(tok, rows, output_key, message):
     """Before: a bare KeyError('output') / TypeError("'NoneType' object is not iterable") from the trainer rank."""
@@ -92,16 +97,69 @@ def test_a_row_without_its_columns_is_named_with_the_key(tok, rows, output_key, 
 @pytest.mark.parametrize("name,text,message", [
     ("bad.jsonl", '{"input": "a", "output": "b"}\n\n{"input": "a", "output"}\n', "line 3 is not JSON"),
     ("bad.json", '[{"input": "a"},\n{"input": "b"', "line 2 is not JSON"),
-    ("dict.json", '{"input": "a"}', "a .json file must hold a list of rows, got a dict"),
+    ("scalar.json", '5', "item 1 is 5, not a JSON object"),
+    ("lines_in.json", '{"input": "a", "output": "b"}\n{"input": }\n', "line 2 is not JSON"),  # (was: 'Extra data')
 ])
 def test_sft_data_that_is_not_rows_is_named_with_its_line(tmp_path, name, text, message):
     """Before: json's bare "Expecting ':' delimiter: line 1 column 24" (the line within the .jsonl line, not the file's,
     and no file), and a .json object a TypeError from slicing it."""
     (tmp_path / name).write_text(text)
-    with pytest.raises(ValueError, match=f"SFT data '{re.escape(str(tmp_path / name))}': {message}.*Fix: "):
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / name))}'?: {message}.*Fix: "):
         load_rows(str(tmp_path / name))
+
+
+def test_a_json_file_reads_as_prompt_files_do(tmp_path):
+    """A list of rows, one (pretty-printed) object or JSON Lines, as datasets reads a prompt .json. Before: JSON Lines
+    was json's 'Extra data: line 2 column 1', one object a refusal."""
+    for text in ('[{"input": "a"}, {"input": "b"}]', '{"input": "a"}\n{"input": "b"}\n'):
+        (tmp_path / "rows.json").write_text(text)
+        assert load_rows(str(tmp_path / "rows.json")) == [{"input": "a"}, {"input": "b"}]
+    (tmp_path / "rows.json").write_text('{\n  "input": "a"\n}\n')
+    assert load_rows(str(tmp_path / "rows.json")) == [{"input": "a"}]
+
+
+def test_a_bom_and_a_u2028_inside_a_string_read_as_written(tmp_path):
+    """Before: a UTF-8 BOM was 'line 1 is not JSON (Unexpected UTF-8 BOM)', and a U+2028 in a string (JSON leaves it
+    unescaped) split its line in two, each 'not JSON'. Prompt files (read by datasets) took both."""
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"input": "a", "output": "b"}\n{"input": "c\xe2\x80\xa8d", "output": "e"}')
+    assert load_rows(str(path)) == [{"input": "a", "output": "b"}, {"input": "c\u2028d", "output": "e"}]
+
+
+def test_rows_skipped_or_cut_are_counted_and_logged_with_their_ids(tok, caplog):
+    """Before: a row without a reply, or whose reply lay past data.max_len, was skipped without a word, and a row
+    longer than max_len cut without one."""
+    def chat(ask: str, reply: str | None = None) -> dict:
+        reply_message = [{"role": "assistant", "content": reply}] if reply else []
+        return {"input": [{"role": "user", "content": ask}] + reply_message}
+
+    long = chat("word " * 40, "the reply")  # the reply lies past max_len=20: nothing to train on
+    cut = chat("hi", "word " * 40)  # cut inside its reply: trained on the reply's start
+    samples = build_sft_samples([chat("hi", "ok"), chat("no reply"), long, cut], tok, max_len=20)
+    whole = tok(tok.apply_chat_template(chat("hi", "ok")["input"], tokenize=False), add_special_tokens=False)
+    assert [len(s["input_ids"]) for s in samples] == [len(whole["input_ids"]), 20]
+    assert caplog.messages == ["SFT data: of 4 rows, 1 skipped: no assistant message (row ids [1]); 1 skipped: no "
+                               "reply token within data.max_len=20 tokens (row ids [2]); 1 cut to data.max_len=20 "
+                               "tokens (row ids [3])"]
 
 
 def test_template_without_generation_prompt_is_refused(tok):
     with pytest.raises(ValueError, match="add_generation_prompt"):
         discover_reply_markers(tok, "{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def test_a_bad_sft_row_is_a_config_error_before_anything_starts(tmp_path):
+    """Before: validation (and a dry run) passed it; the trainer ranks refused it once the run had started."""
+    from molt_hydra.config.schema import Job, RunConfig
+    from molt_hydra.config.validate import Problems
+    from molt_hydra.data.rules import check_data
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text('{"input": "hi", "output": "a"}\n{"input": [{"role": "wizard", "content": "x"}], "output": "b"}\n')
+    cfg, problems = RunConfig(), Problems()
+    cfg.job, cfg.data.train_path, cfg.data.input_key, cfg.data.output_key = Job("sft"), str(path), "input", "output"
+    check_data(cfg, problems)
+    assert problems.lines == [
+        f"- data.train_path: {path}: SFT row 1: data.input_key='input' holds {{'role': 'wizard', 'content': 'x'}}, not "
+        "a chat message. Fix: make each message an object with a 'role' (one of system, user, assistant, tool) and its "
+        "'content' (a string or a list of parts, each an object)"]

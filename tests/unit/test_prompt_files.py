@@ -16,10 +16,18 @@ from molt_hydra.data.prompts import load_prompts
 from molt_hydra.runtime.roles import _named
 
 FILES = {
-    "empty.jsonl": ("", "is not a readable jsonl file: it is empty"),
-    "malformed.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b", "lab\n',
-                        "is not a readable jsonl file: JSON parse error"),
-    "no_rows.json": ("[]\n", "is not a readable json file: "),
+    "empty.jsonl": ("", "has no rows (it is empty or blank). Fix: "),
+    "blank_lines.jsonl": ("\n  \n\n", "has no rows (it is empty or blank). Fix: "),
+    "malformed.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b", "lab\n', ": line 2 is not JSON ("),
+    # datasets named the row of its chunk: "row 6" for line 7, "row 0" for a list on line 3
+    "bad_line_7.jsonl": ("\n".join(['{"prompt": "a", "label": "1"}'] * 6 + ['{"prompt": }']),
+                         ": line 7 is not JSON (Expecting value). Fix: "),
+    "list_row.jsonl": ('{"prompt": "a", "label": "1"}\n\n["a", "b"]\n',
+                       ": line 3 is ['a', 'b'], not a JSON object. Fix: "),
+    "list_item.json": ('[{"prompt": "a", "label": "1"}, 5]', ": item 2 is 5, not a JSON object. Fix: "),
+    "not_utf8.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "caf\udce9", "label": "1"}\n',
+                       ": line 2 is not UTF-8 (invalid continuation byte). Fix: save the file as UTF-8"),
+    "no_rows.json": ("[]\n", "has no rows (it is empty or blank). Fix: "),
     "no_column.jsonl": ('{"text": "a"}\n', "data.input_key='prompt' is not a column; columns: ['text']"),
     "roleless_message.jsonl": ('{"prompt": [{"content": "hi"}], "label": "1"}\n',
                                "row 0: data.input_key='prompt' is [{'content': 'hi'}]; "),
@@ -28,6 +36,32 @@ FILES = {
                                "row 0: data.tools_key='tools' is 'not json'; a row's tools are a list"),
     "null_prompt.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": null, "label": "2"}\n',
                           "row 1: data.input_key='prompt' is None; "),
+    # Before: loaded as they were; each rollout of the row failed (a 400 from the chat server), every epoch
+    "unknown_role.jsonl": ('{"prompt": [{"role": "wizard", "content": "hi"}], "label": "1"}\n',
+                           "unknown_role.jsonl row 0: data.input_key='prompt' is [{'role': 'wizard', 'content': "
+                           "'hi'}]; "
+                           "messages[0] must be an object with role in ['assistant', 'developer', 'system', 'tool', "
+                           "'user']. Fix: "),
+    "number_content.jsonl": ('{"prompt": "a", "label": "1"}\n'
+                             '{"prompt": [{"role": "user", "content": 5}], "label": "1"}\n',
+                             "row 1: data.input_key='prompt' is [{'role': 'user', 'content': 5}]; messages[0].content "
+                             "must be a string or a list of parts. Fix: "),
+    "missing_image_part.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": '
+                                 '"image_url", "image_url": {"url": "file:///no/such.png"}}]}], "label": "1"}\n',
+                                 "row 0: data.input_key='prompt' is [{'role': 'user', 'content': [{'type': 'text', "
+                                 "'text': 'see'; image 0: cannot open image '/no/such.png': No such file or directory. "
+                                 "Fix: give each image_url part an image file's path or a base64 data: URI"),
+    "two_image_parts.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": '
+                              '"a.png"}}, {"type": "image_url", "image_url": {"url": "b.png"}}]}], "label": "1"}\n',
+                              "; 2 image parts > data.max_images_per_prompt=1, the engines' per-prompt limit. Fix: "),
+    # Before: the row's label None, graded against as if it were one
+    "null_label.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n',
+                         "row 1: data.label_key='label' is null (or missing from this row). Fix: give every row its "
+                         "label, or set data.label_key=null"),
+    # Before: pandas took the first cell for the row's index: prompt "1", label "extra"
+    "extra_cell.csv": ("prompt,label\na,1,extra\n", ": line 2 has 3 cells, the header names 2 (['prompt', 'label'])"),
+    "twice_named.csv": ("prompt,prompt\na,b\n", ": the header names a column twice (['prompt', 'prompt']). Fix: "),
+    "empty_label_cell.csv": ("prompt,label\na,1\nb,\n", "row 1: data.label_key='label' is null"),
     # Before: each row's label silently "" (the math agents then rewarded every answer 0, or an empty \boxed{} 1)
     "no_label_column.jsonl": ('{"prompt": "a", "answer": "1"}\n',
                               "data.label_key='label' is not a column; columns: ['answer', 'prompt']"),
@@ -38,9 +72,10 @@ FILES = {
 def test_an_unreadable_prompt_file_is_named_with_its_key_and_reason(tmp_path, name):
     text, reason = FILES[name]
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))  # (\udce9: the byte 0xe9, Latin-1's é)
     with pytest.raises(ValueError) as err:
-        _named("data.train_path", load_prompts, str(path), tools_key="tools" if "tools" in name else None)
+        _named("data.train_path", load_prompts, str(path), tools_key="tools" if "tools" in name else None,
+               max_images_per_prompt=1)
     message = str(err.value)
     assert message.startswith(f"data.train_path={path}: ") and reason in message, message
 
@@ -50,6 +85,29 @@ def test_a_readable_file_loads(tmp_path):
     path.write_text('{"prompt": "a", "label": "1"}\n')
     assert _named("data.train_path", load_prompts, str(path)) == [{"prompt": "a", "label": "1",
                                                                     "datasource": "default"}]
+
+
+def test_a_bom_blank_lines_crlf_a_last_line_without_newline_and_u2028_in_a_string_read_as_written(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "label": "1"}\r\n\n{"prompt": "b\xe2\x80\xa8c", "label": "2"}')
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("a", "1"), ("b\u2028c", "2")]
+
+
+def test_json_values_are_read_as_written_in_a_column_of_mixed_types(tmp_path):
+    """Before: datasets read a column of mixed types (text and chat messages; a label and a list of labels) as Json,
+    decoding its strings: the prompt "42" became the number 42 (refused), the labels "1" and "null" 1 and None."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "42", "label": "1"}, {"prompt": [{"role": "user", "content": "hi"}], "label": ["2", "two"]},
+            {"prompt": "c", "label": "null"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [(r["prompt"], r["label"]) for r in rows]
+
+
+def test_a_json_file_of_one_pretty_printed_object_is_one_row_as_datasets_reads_it(tmp_path):
+    path = tmp_path / "row.json"
+    path.write_text('{\n  "prompt": "a",\n  "label": "1"\n}\n')
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("a", "1")]
+    assert _config_problems(str(path)) == []
 
 
 @pytest.mark.parametrize("key", ["label_key", "tools_key", "image_key"])
@@ -109,3 +167,95 @@ def test_tools_as_json_text_are_decoded_per_row(tmp_path):
     rows = [{"prompt": "a", "label": "1", "tools": json.dumps(t)} for t in (one, two)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert [r["tools"] for r in load_prompts(str(path), tools_key="tools")] == [one, two]
+
+
+def _config_problems(spec: str) -> list[str]:
+    from molt_hydra.config.schema import RunConfig
+    from molt_hydra.config.validate import Problems
+    from molt_hydra.data.rules import check_data
+
+    cfg, problems = RunConfig(), Problems()
+    cfg.data.train_path = spec
+    check_data(cfg, problems)
+    return problems.lines
+
+
+def test_a_local_dataset_the_run_cannot_read_is_a_config_error_before_anything_starts(tmp_path):
+    """Validation (a dry run too) reads local data as the run will. Before, each failed only once the run had started
+    Ray and its engines: a bad JSONL line, a file of another type (datasets: "Couldn't find any data file at" the file
+    that is there), a directory that datasets never saved."""
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "label": "1"}\n{"prompt": \n')
+    (tmp_path / "rows.txt").write_text('{"prompt": "a", "label": "1"}\n')
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "rows.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
+    readable = "a data file (.arrow, .csv, .json, .jsonl, .parquet) or a datasets save_to_disk directory"
+    assert _config_problems(str(tmp_path / "bad.jsonl")) == [
+        f"- data.train_path: {tmp_path / 'bad.jsonl'}: line 2 is not JSON (Expecting value). Fix: one JSON object "
+        "per line (.jsonl), or one JSON list of objects (.json)"]
+    assert _config_problems(str(tmp_path / "rows.txt")) == [
+        f"- data.train_path: '{tmp_path / 'rows.txt'}' is a file of a type the run does not read (suffix '.txt'). "
+        f"Fix: convert it to {readable}"]
+    assert _config_problems(str(tmp_path / "plain")) == [
+        f"- data.train_path: '{tmp_path / 'plain'}' is a directory but no datasets save_to_disk output (no "
+        f"state.json or dataset_dict.json). Fix: point data.train_path at {readable}"]
+    assert _config_problems(str(tmp_path / "plain" / "rows.jsonl")) == []
+
+
+def test_csv_cells_are_read_as_written(tmp_path):
+    """Before: pandas guessed each column's type: labels "2", "007" and "1.50" became 2, 7 and 1.5 (graded as those
+    against the model's \\boxed{} answer), and a prompt "42" the number 42."""
+    path = tmp_path / "rows.csv"
+    path.write_bytes(b'\xef\xbb\xbfprompt,label\n42,2\n"a, b",007\nc,1.50\n')
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("42", "2"), ("a, b", "007"), ("c", "1.50")]
+
+
+def test_a_path_under_home_written_with_a_tilde_loads(tmp_path, monkeypatch):
+    """Validation expands "~" (config/validate.py check_location), so data.train_path=~/rows.jsonl passed it; then the
+    run, once Ray and the engines had started, failed with "Unable to find '<cwd>/~/rows.jsonl'"."""
+    from molt_hydra.data.sft_dataset import load_rows
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
+    (tmp_path / "chats.jsonl").write_text('{"input": "a", "output": "b"}\n')
+    assert [r["prompt"] for r in load_prompts("~/rows.jsonl")] == ["a"]
+    assert load_rows("~/chats.jsonl") == [{"input": "a", "output": "b"}]
+    assert _config_problems("~/rows.jsonl") == []
+
+
+def test_a_bad_row_of_a_local_prompt_file_is_a_config_error_before_anything_starts(tmp_path):
+    """load_prompts' row checks, run at validation on a JSON file's rows: before, a null prompt, a message of another
+    role or a null label surfaced only once Ray and the engines had started (and not in a dry run)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "label": "1"}\n\n{"prompt": [{"role": "wizard", "content": "x"}], "label": "2"}\n')
+    assert _config_problems(str(path)) == [
+        f"- data.train_path: {path} row 1: data.input_key='prompt' is [{{'role': 'wizard', 'content': 'x'}}]; "
+        "messages[0] must be an object with role in ['assistant', 'developer', 'system', 'tool', 'user']. Fix: give "
+        "each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role' (system, "
+        "developer, user, assistant or tool) and a 'content' (a string or a list of parts)"]
+    path.write_text('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n')
+    assert _config_problems(str(path)) == [
+        f"- data.train_path: {path} row 1: data.label_key='label' is null (or missing from this row). Fix: give every "
+        "row its label, or set data.label_key=null for data without labels (the agent then gets '')"]
+
+
+def test_a_bad_row_of_a_parquet_file_or_a_saved_dataset_is_a_config_error(tmp_path):
+    """The same checks on the rows datasets reads from a parquet file or a save_to_disk directory (before: found
+    once Ray and the engines had started); a corrupt parquet file is named too."""
+    import datasets
+
+    datasets.Dataset.from_list([{"prompt": "a", "label": "1"}, {"prompt": None, "label": "2"}]).to_parquet(
+        str(tmp_path / "rows.parquet"))
+    datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": 5}], "label": "1"}]).save_to_disk(
+        str(tmp_path / "saved"))
+    (tmp_path / "corrupt.parquet").write_bytes(b"not parquet")
+    fix = "Fix: give each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role'"
+    [problem] = _config_problems(str(tmp_path / "rows.parquet"))
+    assert problem.startswith(f"- data.train_path: {tmp_path / 'rows.parquet'} row 1: data.input_key='prompt' is "
+                              f"None; not text or a non-empty list of chat messages. {fix}"), problem
+    [problem] = _config_problems(str(tmp_path / "saved"))
+    assert problem.startswith(f"- data.train_path: {tmp_path / 'saved'} row 0: data.input_key='prompt' is [{{'role': "
+                              f"'user', 'content': 5}}]; messages[0].content must be a string or a list of parts. "
+                              f"{fix}"), problem
+    [problem] = _config_problems(str(tmp_path / "corrupt.parquet"))
+    assert problem.startswith(f"- data.train_path: {tmp_path / 'corrupt.parquet'} is not a readable parquet file: "
+                              "Parquet magic bytes not found in footer"), problem
