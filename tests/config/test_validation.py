@@ -8,7 +8,7 @@ import pytest
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
 from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
-from molt_hydra.config.schema import ConfigError
+from molt_hydra.config.schema import LR_WHY, MAX_LR, ConfigError
 from molt_hydra.runtime.validate import validate
 
 
@@ -238,7 +238,12 @@ POST_INIT = [
      "dual clip is a PPO-only bound, but algorithm.policy_loss=gspo"),
     ("cispo_ceiling", ["algorithm.policy_loss=cispo", "algorithm.clip_eps_high=0.2"], "algorithm.clip_eps_high",
      "cispo reads it as an absolute ratio ceiling and needs >= 1.0, got 0.2"),
-    ("optimizer_lr", ["train.optimizer.lr=0"], "train.optimizer.lr", "must be > 0, got 0.0"),
+    ("optimizer_lr", ["train.optimizer.lr=0"], "train.optimizer.lr", f"must be in (0, {MAX_LR}] ({LR_WHY}), got 0.0"),
+    # before: 1e10 (a typo of 1e-10) was accepted and trained; the ceiling is schema.MAX_LR, the reason LR_WHY
+    ("optimizer_lr_ceiling", ["train.optimizer.lr=1e10"], "train.optimizer.lr",
+     f"must be in (0, {MAX_LR}] ({LR_WHY}), got 10000000000.0"),
+    ("muon_lr_ceiling", ["train.optimizer.name=muon", "train.optimizer.muon_lr=1.5"], "train.optimizer.muon_lr",
+     f"must be in (0, {MAX_LR}] ({LR_WHY}), got 1.5"),
     ("optimizer_betas", ["train.optimizer.betas=[0.9]"], "train.optimizer.betas", "need two values, got [0.9]"),
     ("optimizer_warmup", ["train.optimizer.warmup_ratio=1.0"], "train.optimizer.warmup_ratio",
      "must be in [0, 1), got 1.0"),
@@ -266,7 +271,8 @@ def test_post_init_failures_of_several_groups_are_reported_together():
 
 
 def test_critic_optimizer_rule_names_the_critic_key():
-    assert_fires(["train.critic.optimizer.lr=0"], "train.critic.optimizer.lr", "must be > 0, got 0.0")
+    assert_fires(["train.critic.optimizer.lr=0"], "train.critic.optimizer.lr", f"must be in (0, {MAX_LR}]")
+    assert_fires(["train.critic.optimizer.lr=2"], "train.critic.optimizer.lr", f"({LR_WHY}), got 2.0")
 
 
 # ------------------------------------------------------------------------------- all at once; nothing starts
