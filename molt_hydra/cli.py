@@ -164,6 +164,7 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
                      if o.is_sweep_override()]
     problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
+    problems += [line for o, text in pairs for line in _empty(o, text)]
     if multirun:
         problems += oversized_sweep(pairs) + [
             f"- {text}: a sweep over dry_run would start some points and only plan the others. Fix: add dry_run=true "
@@ -284,6 +285,26 @@ def _deleted(key: str, text: str) -> str:
         return _not_a_key(key, text)
     return (f"- {text}: deletes {key}, which would then take its schema default unseen. Fix: set it instead "
             f"({key}=VALUE, or null where the schema allows it); `molt-run --cfg job` prints its current value")
+
+
+def _empty(o, text: str) -> list[str]:
+    """`group=[]` chooses no option of a config group: its keys took the schema's defaults unseen (`rollout=[]`, as
+    `~rollout`), a recipe was dropped (`+recipe=[]`), or Hydra failed with a traceback (`hydra/launcher=[]`).
+    `key={}` merges an empty mapping into a group or section, which changes nothing: it neither clears nor resets it."""
+    key, value = o.key_or_group, o.value()
+    if o.is_delete() or o.is_sweep_override() or not isinstance(value, (list, dict)) or value:
+        return []
+    group = "/" in key or _is_group(key) and key != "hydra"
+    if isinstance(value, list) and group:
+        return [f"- {text}: chooses no option of the config group {key}, so none of its settings would be composed "
+                f"(its keys left at the schema's defaults, or unset). Fix: choose one ({o.get_key_element()}=NAME; "
+                f"`molt-run {'--hydra-help' if key.startswith('hydra') else '--help'}` lists them), or drop {text}"]
+    if isinstance(value, dict) and (group or key == "agent.runner" or any(
+            name.startswith(f"{key}.") for name in declared_bounds(RunConfig))):
+        return [f"- {text}: an empty mapping, which Hydra merges into {key}: that changes nothing (it neither clears "
+                f"nor resets {key}). Fix: set the keys you mean to change ({key}.KEY=VALUE"
+                f"{f', or another option: {key}=NAME' if group else ''}), or leave {text} out"]
+    return []
 
 
 def _is_group(key: str) -> bool:

@@ -825,3 +825,25 @@ def test_a_list_or_mapping_inside_a_list_of_values_is_refused(override):
     (line,) = str(info.value).splitlines()  # (the group's own rule, failing on the item, is not reported too)
     assert line.startswith(f"- {key}: a list of single values, got ") and line.endswith(
         f"Fix: set {key} to {expected(RunConfig, key)}"), line
+
+
+@pytest.mark.parametrize("override,line", [
+    ("rollout={}", "- rollout={}: an empty mapping, which Hydra merges into rollout: that changes nothing"),
+    ("+train.optimizer={}", "- +train.optimizer={}: an empty mapping, which Hydra merges into train.optimizer: "),
+    ("agent.runner={}", "- agent.runner={}: an empty mapping, which Hydra merges into agent.runner: "),
+    ("rollout=[]", "- rollout=[]: chooses no option of the config group rollout, so none of its settings would be "
+                   "composed"),
+    ("+recipe=[]", "- +recipe=[]: chooses no option of the config group recipe"),
+    ("hydra/launcher=[]", "- hydra/launcher=[]: chooses no option of the config group hydra/launcher"),
+])
+def test_an_empty_mapping_or_choice_is_refused(override, line):
+    """Before: `rollout={}` (and `train.optimizer={}`) ran as if not given, though it reads as a reset; `rollout=[]`
+    dropped conf/rollout/cpu_tiny.yaml (the schema's bfloat16 engine in its place), `+recipe=[]` the recipe, without a
+    word; `hydra/launcher=[]` ended in a MissingMandatoryValue traceback."""
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(line) and " Fix: " in problems[0], problems
+
+
+def test_a_mapping_or_choice_that_sets_something_is_composed():
+    overrides = ["rollout=[cpu_tiny]", "rollout={batch_size:4}", "+agent.runner.kw={}", "rollout={}"]
+    assert [compose_checked([o])[1] != [] for o in overrides] == [False, False, False, True]  # (the last: empty)
