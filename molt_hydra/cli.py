@@ -560,6 +560,21 @@ def chdir_problems(first: DictConfig) -> list[str]:
             "output_dir either way)"] if first.hydra.job.chdir else []
 
 
+# what an empty hydra directory key makes of the run's files: Hydra joins '' into the current directory, without a word
+EMPTY_DIRS = {"hydra.run.dir": "the run would write its .hydra/, log and checkpoints straight into {cwd}",
+              "hydra.sweep.dir": "the points' directories would be made straight in {cwd}",
+              "hydra.sweep.subdir": "every point would write into the sweep directory itself, over the others' files"}
+
+
+def empty_dirs(first: DictConfig, multirun: bool) -> list[str]:
+    """hydra.run.dir (a multirun: hydra.sweep.dir and .subdir) given as '' or blanks, which names no directory."""
+    keys = ("hydra.sweep.dir", "hydra.sweep.subdir") if multirun else ("hydra.run.dir",)
+    values = {key: OmegaConf.select(first, key, throw_on_resolution_failure=False) for key in keys}  # (subdir: job.num)
+    return [f"- {key}: is {value!r}, which names no directory: {EMPTY_DIRS[key].format(cwd=os.getcwd())}. Fix: give "
+            f"it a directory, or leave {key} out (molt's default: `molt-run --cfg hydra` prints it)"
+            for key, value in values.items() if value is not None and not str(value).strip()]
+
+
 # Command-line keys a job has no use for: job -> {key or group: why it changes nothing there}. The longest entry a
 # key falls under decides; None marks a key the job reads inside a group it ignores. (The composed defaults and the
 # recipes set some of these keys, so the rule reads the command line, not a change from the schema: `+recipe=NAME
@@ -746,7 +761,8 @@ def _command_line_problems(args) -> list[str]:
         overrides, multirun=args.multirun, config_dir=args.config_dir, hydra_config=True)
     if first is None:  # (ends here even under --cfg: Hydra could not compose it)
         _exit_config_error("\n".join(problems))
-    if problems := launcher_problems(first, overrides, args.multirun) + chdir_problems(first):
+    if problems := (launcher_problems(first, overrides, args.multirun) + chdir_problems(first)
+                    + empty_dirs(first, args.multirun)):
         return problems
     if args.multirun:
         problems, points = sweep_checked(first, overrides, args.config_dir)

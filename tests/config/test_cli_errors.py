@@ -847,3 +847,18 @@ def test_an_empty_mapping_or_choice_is_refused(override, line):
 def test_a_mapping_or_choice_that_sets_something_is_composed():
     overrides = ["rollout=[cpu_tiny]", "rollout={batch_size:4}", "+agent.runner.kw={}", "rollout={}"]
     assert [compose_checked([o])[1] != [] for o in overrides] == [False, False, False, True]  # (the last: empty)
+
+
+def test_an_empty_run_or_sweep_directory_is_refused(monkeypatch, tmp_path, capsys):
+    """Before: `hydra.run.dir=` planned (and ran) into the current directory itself: .hydra/, the log, checkpoints/;
+    `-m hydra.sweep.subdir=` had every point write into one directory."""
+    assert _main_in_process(["hydra.run.dir=", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- hydra.run.dir: is '', which names no directory: the run would write its .hydra/, log and "
+        f"checkpoints straight into {tmp_path}. Fix: give it a directory, or leave hydra.run.dir out (molt's default: "
+        "`molt-run --cfg hydra` prints it)\n")
+    argv = ["-m", "seed=1,2", "hydra.sweep.subdir=' '", "dry_run=true"]
+    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith("Config error(s):\n- hydra.sweep.subdir: is ' ', which names no "
+                                              "directory: every point would write into the sweep directory itself")
+    assert list(tmp_path.iterdir()) == []
