@@ -561,6 +561,15 @@ def chdir_problems(first: DictConfig) -> list[str]:
             "output_dir either way)"] if first.hydra.job.chdir else []
 
 
+def mode_problems(first: DictConfig, multirun: bool) -> list[str]:
+    """hydra.mode=MULTIRUN (on the command line or in a recipe) without -m: Hydra ran a multirun that molt-run had
+    checked as one run, its sweep points unchecked (a dry run printed one plan, none of theirs)."""
+    mode = OmegaConf.select(first, "hydra.mode")
+    return ["- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, not the "
+            "sweep's points. Fix: add -m (--multirun) and leave hydra.mode out"] if not multirun and getattr(
+        mode, "name", mode) == "MULTIRUN" else []
+
+
 # what an empty hydra directory key makes of the run's files: Hydra joins '' into the current directory, without a word
 EMPTY_DIRS = {"hydra.run.dir": "the run would write its .hydra/, log and checkpoints straight into {cwd}",
               "hydra.sweep.dir": "the points' directories would be made straight in {cwd}",
@@ -763,7 +772,7 @@ def _command_line_problems(args) -> list[str]:
     if first is None:  # (ends here even under --cfg: Hydra could not compose it)
         _exit_config_error("\n".join(problems))
     if problems := (launcher_problems(first, overrides, args.multirun) + chdir_problems(first)
-                    + empty_dirs(first, args.multirun)):
+                    + mode_problems(first, args.multirun) + empty_dirs(first, args.multirun)):
         return problems
     if args.multirun:
         problems, points = sweep_checked(first, overrides, args.config_dir)

@@ -878,3 +878,14 @@ def test_a_dry_multirun_is_planned_here_whatever_the_launcher(launcher, monkeypa
     err = capsys.readouterr().err
     assert f"sweep point #1 of 2 ({launcher} seed=-1 dry_run=True):\n- seed: must be in " in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_mode_multirun_without_m_is_refused(monkeypatch, tmp_path, capsys):
+    """Before: `molt-run hydra.mode=MULTIRUN ...` was checked (and dry-run planned) as one run, then Hydra ran it as a
+    multirun, its launcher's and sweep's points unchecked."""
+    argv = ["hydra.mode=MULTIRUN", "hydra/launcher=submitit_local", "dry_run=true"]
+    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, "
+        "not the sweep's points. Fix: add -m (--multirun) and leave hydra.mode out\n")
+    assert _main_in_process(["-m", "hydra.mode=MULTIRUN", "seed=1,2", "dry_run=true"], monkeypatch, tmp_path) == 0
