@@ -80,6 +80,11 @@ CROSS_GROUP = [
     ("optimizer_offload_is_adamw_only", ["cluster=local_gpus", "cluster.memory_gb_per_device=139",
                                          "parallelism.offload=optimizer", "train.optimizer.name=muon"],
      "train.optimizer.name", "muon: parallelism.offload=optimizer steps AdamW on the host"),
+    # before: accepted; decoupled decay multiplies each weight by 1 - lr x wd per step (conf/config.yaml: lr 2e-3)
+    ("weight_decay_past_one_over_lr", ["train.optimizer.weight_decay=1000"], "train.optimizer.weight_decay",
+     "each step multiplies every weight by 1 - lr x weight_decay = 1 - 0.002 x 1000 = -1, which zeroes them"),
+    ("muon_weight_decay_past_one_over_muon_lr", ["train.optimizer.name=muon", "train.optimizer.muon_weight_decay=50"],
+     "train.optimizer.muon_weight_decay", "1 - muon_lr x muon_weight_decay = 1 - 0.02 x 50 = 0, which zeroes them"),
     ("muon_settings_need_muon", ["train.optimizer.muon_lr=0.05"], "train.optimizer.muon_lr",
      "it sets Muon, but train.optimizer.name=adamw, so it changes nothing"),
     ("critic_muon_settings_need_muon", ["train.critic.optimizer.muon_nesterov=false"],
