@@ -437,7 +437,8 @@ class OptimizerConfig:
     "AdamW learning rate."
     betas: list[float] = ranged(factory=lambda: [0.9, 0.95], ge=0, lt=1)
     "AdamW betas."
-    eps: float = ranged(1e-8, gt=0)
+    eps: float = ranged(1e-8, gt=0, le=1, why="it is added to the root of the squared gradients' average, which is "
+                        "far below 1: above 1 it outweighs it and every step shrinks to nearly nothing")
     "AdamW epsilon."
     weight_decay: float = ranged(0.0, ge=0)
     "AdamW weight decay."

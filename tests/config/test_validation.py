@@ -247,6 +247,9 @@ POST_INIT = [
     # before: 1e10 (a typo of 1e-10) was accepted and trained; the ceiling is schema.MAX_LR, the reason LR_WHY
     ("optimizer_lr_ceiling", ["train.optimizer.lr=1e10"], "train.optimizer.lr",
      f"must be in (0, {MAX_LR}] ({LR_WHY}), got 10000000000.0"),
+    ("optimizer_eps_ceiling", ["train.optimizer.eps=1e10"], "train.optimizer.eps",  # before: accepted
+     "must be in (0, 1] (it is added to the root of the squared gradients' average, which is far below 1: above 1 it "
+     "outweighs it and every step shrinks to nearly nothing), got 10000000000.0"),
     ("muon_lr_ceiling", ["train.optimizer.name=muon", "train.optimizer.muon_lr=1.5"], "train.optimizer.muon_lr",
      f"must be in (0, {MAX_LR}] ({LR_WHY}), got 1.5"),
     ("optimizer_betas", ["train.optimizer.betas=[0.9]"], "train.optimizer.betas", "need two values, got [0.9]"),
