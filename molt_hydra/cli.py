@@ -164,6 +164,7 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
                      if o.is_sweep_override()]
     problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
+    problems += [line for o, text in pairs for line in _empty(o, text)]
     if multirun:
         problems += oversized_sweep(pairs) + [
             f"- {text}: a sweep over dry_run would start some points and only plan the others. Fix: add dry_run=true "
@@ -284,6 +285,26 @@ def _deleted(key: str, text: str) -> str:
         return _not_a_key(key, text)
     return (f"- {text}: deletes {key}, which would then take its schema default unseen. Fix: set it instead "
             f"({key}=VALUE, or null where the schema allows it); `molt-run --cfg job` prints its current value")
+
+
+def _empty(o, text: str) -> list[str]:
+    """`group=[]` chooses no option of a config group: its keys took the schema's defaults unseen (`rollout=[]`, as
+    `~rollout`), a recipe was dropped (`+recipe=[]`), or Hydra failed with a traceback (`hydra/launcher=[]`).
+    `key={}` merges an empty mapping into a group or section, which changes nothing: it neither clears nor resets it."""
+    key, value = o.key_or_group, o.value()
+    if o.is_delete() or o.is_sweep_override() or not isinstance(value, (list, dict)) or value:
+        return []
+    group = "/" in key or _is_group(key) and key != "hydra"
+    if isinstance(value, list) and group:
+        return [f"- {text}: chooses no option of the config group {key}, so none of its settings would be composed "
+                f"(its keys left at the schema's defaults, or unset). Fix: choose one ({o.get_key_element()}=NAME; "
+                f"`molt-run {'--hydra-help' if key.startswith('hydra') else '--help'}` lists them), or drop {text}"]
+    if isinstance(value, dict) and (group or key == "agent.runner" or any(
+            name.startswith(f"{key}.") for name in declared_bounds(RunConfig))):
+        return [f"- {text}: an empty mapping, which Hydra merges into {key}: that changes nothing (it neither clears "
+                f"nor resets {key}). Fix: set the keys you mean to change ({key}.KEY=VALUE"
+                f"{f', or another option: {key}=NAME' if group else ''}), or leave {text} out"]
+    return []
 
 
 def _is_group(key: str) -> bool:
@@ -433,9 +454,10 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     texts = [f"hydra.sweeper.params.{text}" for text in params]
     if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts):
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
-    if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
+    if not (basic and (first.hydra.launcher._target_.endswith(".BasicLauncher") or first.dry_run)):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
-        # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
+        # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages. A dry
+        # run is planned here whatever the launcher (it checks no machine): handed to submitit, it submitted jobs
         return [], []
     points = sweep_points(parsed)
     if not points:  # (Hydra would launch 0 jobs and exit 0)
@@ -505,7 +527,7 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
                 "multirun; without -m this run would start here, on this machine. Fix: add -m to submit it, or "
                 "sbatch launchers/molt.sbatch"]
     if submits and multirun:  # (submitit's own check of srun is a RuntimeError traceback once Hydra starts)
-        return [] if shutil.which("srun") else [
+        return [] if first.dry_run or shutil.which("srun") else [  # (a dry run submits nothing: sweep_checked)
             "- hydra/launcher: the cluster preset selects the Slurm launcher, which submits each point with sbatch, "
             "but this machine has no Slurm (srun is not on PATH). Fix: run molt-run -m on a Slurm login node, or "
             "choose a preset that runs here (cluster=local, cluster=local_gpus)"]
@@ -537,6 +559,30 @@ def chdir_problems(first: DictConfig) -> list[str]:
     return ["- hydra.job.chdir: true runs the job from its output directory, where the config's relative paths "
             "(checked from here) would name other files. Fix: leave hydra.job.chdir=false (the run writes under "
             "output_dir either way)"] if first.hydra.job.chdir else []
+
+
+def mode_problems(first: DictConfig, multirun: bool) -> list[str]:
+    """hydra.mode=MULTIRUN (on the command line or in a recipe) without -m: Hydra ran a multirun that molt-run had
+    checked as one run, its sweep points unchecked (a dry run printed one plan, none of theirs)."""
+    mode = OmegaConf.select(first, "hydra.mode")
+    return ["- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, not the "
+            "sweep's points. Fix: add -m (--multirun) and leave hydra.mode out"] if not multirun and getattr(
+        mode, "name", mode) == "MULTIRUN" else []
+
+
+# what an empty hydra directory key makes of the run's files: Hydra joins '' into the current directory, without a word
+EMPTY_DIRS = {"hydra.run.dir": "the run would write its .hydra/, log and checkpoints straight into {cwd}",
+              "hydra.sweep.dir": "the points' directories would be made straight in {cwd}",
+              "hydra.sweep.subdir": "every point would write into the sweep directory itself, over the others' files"}
+
+
+def empty_dirs(first: DictConfig, multirun: bool) -> list[str]:
+    """hydra.run.dir (a multirun: hydra.sweep.dir and .subdir) given as '' or blanks, which names no directory."""
+    keys = ("hydra.sweep.dir", "hydra.sweep.subdir") if multirun else ("hydra.run.dir",)
+    values = {key: OmegaConf.select(first, key, throw_on_resolution_failure=False) for key in keys}  # (subdir: job.num)
+    return [f"- {key}: is {value!r}, which names no directory: {EMPTY_DIRS[key].format(cwd=os.getcwd())}. Fix: give "
+            f"it a directory, or leave {key} out (molt's default: `molt-run --cfg hydra` prints it)"
+            for key, value in values.items() if value is not None and not str(value).strip()]
 
 
 # Command-line keys a job has no use for: job -> {key or group: why it changes nothing there}. The longest entry a
@@ -725,7 +771,8 @@ def _command_line_problems(args) -> list[str]:
         overrides, multirun=args.multirun, config_dir=args.config_dir, hydra_config=True)
     if first is None:  # (ends here even under --cfg: Hydra could not compose it)
         _exit_config_error("\n".join(problems))
-    if problems := launcher_problems(first, overrides, args.multirun) + chdir_problems(first):
+    if problems := (launcher_problems(first, overrides, args.multirun) + chdir_problems(first)
+                    + mode_problems(first, args.multirun) + empty_dirs(first, args.multirun)):
         return problems
     if args.multirun:
         problems, points = sweep_checked(first, overrides, args.config_dir)

@@ -21,7 +21,8 @@ INT64 = 2**63  # an integer's magnitude must stay below it: torch, Ray and vLLM 
 
 @dataclass(frozen=True)
 class Bounds:
-    """Closed (ge/le) or open (gt/lt) limits; `also` lists sentinel values allowed outside them (e.g. -1 = auto).
+    """Closed (ge/le) or open (gt/lt) limits; `also` lists sentinel values allowed outside them (e.g. -1 = auto);
+    `why` says why a limit is where it is, where that is not the field's definition (a plausibility ceiling).
     A value must be finite (inf / nan never hold), an integer a 64-bit one."""
 
     ge: float | None = None
@@ -29,6 +30,7 @@ class Bounds:
     le: float | None = None
     lt: float | None = None
     also: tuple = ()
+    why: str = ""
 
     def describe(self) -> str:
         low = f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
@@ -45,10 +47,11 @@ class Bounds:
 
 
 def ranged(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, ge: float | None = None,
-           gt: float | None = None, le: float | None = None, lt: float | None = None, also: tuple = ()) -> Any:
+           gt: float | None = None, le: float | None = None, lt: float | None = None, also: tuple = (),
+           why: str = "") -> Any:
     """A dataclass field whose value (or each element, for a list) must lie in the stated range; None always passes
     (an Optional field left unset). `ranged(1, ge=1)`; `ranged(-1, ge=1, also=(-1,))`; `ranged(factory=..., lt=1)`."""
-    return field(default=default, default_factory=factory, metadata={BOUNDS: Bounds(ge, gt, le, lt, tuple(also))})
+    return field(default=default, default_factory=factory, metadata={BOUNDS: Bounds(ge, gt, le, lt, tuple(also), why)})
 
 
 def declared_bounds(root: type) -> dict[str, tuple[Bounds | None, Any]]:
@@ -90,7 +93,8 @@ def out_of_range(cfg: Any, root: type) -> list[str]:
         if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not bounds.holds(v) for v in values):
             wide = any(isinstance(v, int) and abs(v) >= INT64 for v in values)
             lines.append(f"- {key}: {'each value ' if is_list else ''}must be {bounds.describe()}"
-                         f"{' and a 64-bit integer (below 2**63)' if wide else ''}, "
+                         f"{' and a 64-bit integer (below 2**63)' if wide else ''}"
+                         f"{f' ({bounds.why})' if bounds.why else ''}, "
                          f"got {values if is_list else value}. Fix: set {key} within that range "
                          f"(default {'null' if default is None else default})")
     return lines

@@ -33,6 +33,9 @@ def _require(ok: bool, key: str, reason: str, fix: str) -> None:
         raise ConfigError(f"- {key}: {reason} Fix: {fix}")
 
 
+# a learning rate's plausibility ceiling (AdamW's and Muon's alike): past it is a typo such as 1e10 for 1e-10
+MAX_LR, LR_WHY = 1.0, ("an optimizer step moves each weight by about the learning rate; above 1 the first step "
+                       "outweighs the model's own weights")
 MAX_TIMEOUT_S = 1e7  # ~115 days: past it, timedelta / thread timeouts overflow at run time instead of failing here
 
 
@@ -430,15 +433,16 @@ class DataConfig:
 class OptimizerConfig:
     name: OptimizerName = OptimizerName["adamw"]
     "adamw, or muon: Muon on 2-D (and grouped expert) weights, AdamW on the rest (parallel/muon.py)."
-    lr: float = ranged(1e-6, gt=0)
+    lr: float = ranged(1e-6, gt=0, le=MAX_LR, why=LR_WHY)
     "AdamW learning rate."
     betas: list[float] = ranged(factory=lambda: [0.9, 0.95], ge=0, lt=1)
     "AdamW betas."
-    eps: float = ranged(1e-8, gt=0)
+    eps: float = ranged(1e-8, gt=0, le=1, why="it is added to the root of the squared gradients' average, which is "
+                        "far below 1: above 1 it outweighs it and every step shrinks to nearly nothing")
     "AdamW epsilon."
     weight_decay: float = ranged(0.0, ge=0)
     "AdamW weight decay."
-    muon_lr: float = ranged(0.02, gt=0)
+    muon_lr: float = ranged(0.02, gt=0, le=MAX_LR, why=LR_WHY)
     "Learning rate of the Muon matrix group."
     muon_momentum: float = ranged(0.95, ge=0, lt=1)
     "Muon momentum."

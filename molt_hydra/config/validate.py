@@ -294,6 +294,13 @@ def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
             *((muon or not changed(cfg, f"{key}.{name}"), f"{key}.{name}",
                f"it sets Muon, but {key}.name=adamw, so it changes nothing.", f"set {key}.name=muon, or unset "
                f"{key}.{name}") for name in MUON_FIELDS),
+            # decoupled decay multiplies each weight by 1 - lr x weight_decay every step (parallel/optim.py, muon.py)
+            *((lr * wd < 1, f"{key}.{name}", f"each step multiplies every weight by 1 - {lr_key} x {name} = "
+               f"1 - {lr:g} x {wd:g} = {1 - lr * wd:g}, which zeroes them (or flips their sign).",
+               f"set {key}.{name} below 1 / {lr_key} = {1 / lr:g} (0.0-0.1 is usual)")
+              for lr_key, lr, name, wd in (("lr", o.lr, "weight_decay", o.weight_decay), ("muon_lr", o.muon_lr,
+                  "muon_weight_decay", o.weight_decay if o.muon_weight_decay is None else o.muon_weight_decay))
+              if name == "weight_decay" or muon),
             (not (muon and cfg.model.master_weights.value == "optimizer"), f"{key}.name",
              "muon: Muon steps the parameters themselves; the fp32 masters of model.master_weights=optimizer live in "
              "AdamW only.", "set model.master_weights=fsdp, or the optimizer to adamw"),

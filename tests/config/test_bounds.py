@@ -79,7 +79,7 @@ OUT_OF_RANGE = [
     ("algorithm.value_clip=-0.2", "algorithm.value_clip", "must be >= 0, got -0.2"),
     ("train.optimizer.betas=[0.9,1.0]", "train.optimizer.betas", "each value must be in [0, 1), got [0.9, 1.0]"),
     ("train.critic.optimizer.betas=[-0.1,0.9]", "train.critic.optimizer.betas", "each value must be in [0, 1)"),
-    ("train.optimizer.eps=0", "train.optimizer.eps", "must be > 0, got 0.0"),
+    ("train.optimizer.eps=0", "train.optimizer.eps", "must be in (0, 1] ("),
     ("train.optimizer.weight_decay=-0.01", "train.optimizer.weight_decay", "must be >= 0, got -0.01"),
     ("seed=-1", "seed", "must be in [0, 4294967296), got -1"),
 ]

@@ -825,3 +825,67 @@ def test_a_list_or_mapping_inside_a_list_of_values_is_refused(override):
     (line,) = str(info.value).splitlines()  # (the group's own rule, failing on the item, is not reported too)
     assert line.startswith(f"- {key}: a list of single values, got ") and line.endswith(
         f"Fix: set {key} to {expected(RunConfig, key)}"), line
+
+
+@pytest.mark.parametrize("override,line", [
+    ("rollout={}", "- rollout={}: an empty mapping, which Hydra merges into rollout: that changes nothing"),
+    ("+train.optimizer={}", "- +train.optimizer={}: an empty mapping, which Hydra merges into train.optimizer: "),
+    ("agent.runner={}", "- agent.runner={}: an empty mapping, which Hydra merges into agent.runner: "),
+    ("rollout=[]", "- rollout=[]: chooses no option of the config group rollout, so none of its settings would be "
+                   "composed"),
+    ("+recipe=[]", "- +recipe=[]: chooses no option of the config group recipe"),
+    ("hydra/launcher=[]", "- hydra/launcher=[]: chooses no option of the config group hydra/launcher"),
+])
+def test_an_empty_mapping_or_choice_is_refused(override, line):
+    """Before: `rollout={}` (and `train.optimizer={}`) ran as if not given, though it reads as a reset; `rollout=[]`
+    dropped conf/rollout/cpu_tiny.yaml (the schema's bfloat16 engine in its place), `+recipe=[]` the recipe, without a
+    word; `hydra/launcher=[]` ended in a MissingMandatoryValue traceback."""
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(line) and " Fix: " in problems[0], problems
+
+
+def test_a_mapping_or_choice_that_sets_something_is_composed():
+    overrides = ["rollout=[cpu_tiny]", "rollout={batch_size:4}", "+agent.runner.kw={}", "rollout={}"]
+    assert [compose_checked([o])[1] != [] for o in overrides] == [False, False, False, True]  # (the last: empty)
+
+
+def test_an_empty_run_or_sweep_directory_is_refused(monkeypatch, tmp_path, capsys):
+    """Before: `hydra.run.dir=` planned (and ran) into the current directory itself: .hydra/, the log, checkpoints/;
+    `-m hydra.sweep.subdir=` had every point write into one directory."""
+    assert _main_in_process(["hydra.run.dir=", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- hydra.run.dir: is '', which names no directory: the run would write its .hydra/, log and "
+        f"checkpoints straight into {tmp_path}. Fix: give it a directory, or leave hydra.run.dir out (molt's default: "
+        "`molt-run --cfg hydra` prints it)\n")
+    argv = ["-m", "seed=1,2", "hydra.sweep.subdir=' '", "dry_run=true"]
+    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith("Config error(s):\n- hydra.sweep.subdir: is ' ', which names no "
+                                              "directory: every point would write into the sweep directory itself")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("launcher", ["hydra/launcher=submitit_local", "cluster=slurm"])
+def test_a_dry_multirun_is_planned_here_whatever_the_launcher(launcher, monkeypatch, tmp_path, capsys):
+    """Before: `-m hydra/launcher=submitit_local ... dry_run=true` handed its points to submitit, which started a job
+    for each, unchecked here; with cluster=slurm a dry run was refused for want of srun, though it submits nothing."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no Slurm here
+    assert _main_in_process(["-m", launcher, "seed=1,2", "dry_run=true"], monkeypatch, tmp_path) == 0
+    out = capsys.readouterr().out
+    assert out.count(PLAN_HEADER) == 2 and "Dry run: nothing started, nothing written (2 sweep points planned)." in out
+    assert _main_in_process(["-m", launcher, "seed=1,-1", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert f"sweep point #1 of 2 ({launcher} seed=-1 dry_run=True):\n- seed: must be in " in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_mode_multirun_without_m_is_refused(monkeypatch, tmp_path, capsys):
+    """Before: `molt-run hydra.mode=MULTIRUN ...` was checked (and dry-run planned) as one run, then Hydra ran it as a
+    multirun, its launcher's and sweep's points unchecked."""
+    argv = ["hydra.mode=MULTIRUN", "hydra/launcher=submitit_local", "dry_run=true"]
+    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, "
+        "not the sweep's points. Fix: add -m (--multirun) and leave hydra.mode out\n")
+    assert _main_in_process(["-m", "hydra.mode=MULTIRUN", "seed=1,2", "dry_run=true"], monkeypatch, tmp_path) == 0

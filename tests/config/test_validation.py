@@ -8,7 +8,7 @@ import pytest
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
 from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
-from molt_hydra.config.schema import ConfigError
+from molt_hydra.config.schema import LR_WHY, MAX_LR, ConfigError
 from molt_hydra.runtime.validate import validate
 
 
@@ -80,6 +80,11 @@ CROSS_GROUP = [
     ("optimizer_offload_is_adamw_only", ["cluster=local_gpus", "cluster.memory_gb_per_device=139",
                                          "parallelism.offload=optimizer", "train.optimizer.name=muon"],
      "train.optimizer.name", "muon: parallelism.offload=optimizer steps AdamW on the host"),
+    # before: accepted; decoupled decay multiplies each weight by 1 - lr x wd per step (conf/config.yaml: lr 2e-3)
+    ("weight_decay_past_one_over_lr", ["train.optimizer.weight_decay=1000"], "train.optimizer.weight_decay",
+     "each step multiplies every weight by 1 - lr x weight_decay = 1 - 0.002 x 1000 = -1, which zeroes them"),
+    ("muon_weight_decay_past_one_over_muon_lr", ["train.optimizer.name=muon", "train.optimizer.muon_weight_decay=50"],
+     "train.optimizer.muon_weight_decay", "1 - muon_lr x muon_weight_decay = 1 - 0.02 x 50 = 0, which zeroes them"),
     ("muon_settings_need_muon", ["train.optimizer.muon_lr=0.05"], "train.optimizer.muon_lr",
      "it sets Muon, but train.optimizer.name=adamw, so it changes nothing"),
     ("critic_muon_settings_need_muon", ["train.critic.optimizer.muon_nesterov=false"],
@@ -238,7 +243,15 @@ POST_INIT = [
      "dual clip is a PPO-only bound, but algorithm.policy_loss=gspo"),
     ("cispo_ceiling", ["algorithm.policy_loss=cispo", "algorithm.clip_eps_high=0.2"], "algorithm.clip_eps_high",
      "cispo reads it as an absolute ratio ceiling and needs >= 1.0, got 0.2"),
-    ("optimizer_lr", ["train.optimizer.lr=0"], "train.optimizer.lr", "must be > 0, got 0.0"),
+    ("optimizer_lr", ["train.optimizer.lr=0"], "train.optimizer.lr", f"must be in (0, {MAX_LR}] ({LR_WHY}), got 0.0"),
+    # before: 1e10 (a typo of 1e-10) was accepted and trained; the ceiling is schema.MAX_LR, the reason LR_WHY
+    ("optimizer_lr_ceiling", ["train.optimizer.lr=1e10"], "train.optimizer.lr",
+     f"must be in (0, {MAX_LR}] ({LR_WHY}), got 10000000000.0"),
+    ("optimizer_eps_ceiling", ["train.optimizer.eps=1e10"], "train.optimizer.eps",  # before: accepted
+     "must be in (0, 1] (it is added to the root of the squared gradients' average, which is far below 1: above 1 it "
+     "outweighs it and every step shrinks to nearly nothing), got 10000000000.0"),
+    ("muon_lr_ceiling", ["train.optimizer.name=muon", "train.optimizer.muon_lr=1.5"], "train.optimizer.muon_lr",
+     f"must be in (0, {MAX_LR}] ({LR_WHY}), got 1.5"),
     ("optimizer_betas", ["train.optimizer.betas=[0.9]"], "train.optimizer.betas", "need two values, got [0.9]"),
     ("optimizer_warmup", ["train.optimizer.warmup_ratio=1.0"], "train.optimizer.warmup_ratio",
      "must be in [0, 1), got 1.0"),
@@ -266,7 +279,8 @@ def test_post_init_failures_of_several_groups_are_reported_together():
 
 
 def test_critic_optimizer_rule_names_the_critic_key():
-    assert_fires(["train.critic.optimizer.lr=0"], "train.critic.optimizer.lr", "must be > 0, got 0.0")
+    assert_fires(["train.critic.optimizer.lr=0"], "train.critic.optimizer.lr", f"must be in (0, {MAX_LR}]")
+    assert_fires(["train.critic.optimizer.lr=2"], "train.critic.optimizer.lr", f"({LR_WHY}), got 2.0")
 
 
 # ------------------------------------------------------------------------------- all at once; nothing starts
