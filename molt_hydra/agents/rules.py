@@ -1,19 +1,25 @@
 """Validation rules for `agent.runner`: its `_target_` names an Env, ChatAgent or Runner, and its kwargs bind to the
-constructors they reach (built once here, so their own checks run before anything starts). Run by
-runtime/validate.py beside config/validate.py's rules."""
+constructors they reach (built once here, so their own checks run before anything starts); and for what the agents
+are handed: each local dataset's prompts as the chat server takes them. Run by runtime/validate.py beside
+config/validate.py's rules."""
 
 from __future__ import annotations
 
 import difflib
 import inspect
 import re
+from pathlib import Path
 
 from molt_hydra.agents.base import Env, Runner
 from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.step_runner import StepEnvRunner
+from molt_hydra.agents.wire import openai_chat
+from molt_hydra.agents.wire.images import image_sources, load_image
+from molt_hydra.agents.wire.request import RequestError
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed
+from molt_hydra.data.prompts import FILE_TYPES, PROMPT_FIX, check_prompt_rows
 
 TARGET_FIX = "set agent.runner._target_ to pkg.module.Name or path/to/file.py:Name (an Env, ChatAgent or Runner)"
 
@@ -113,3 +119,54 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
             key, reason, fix = named.groups() if named else ("agent.runner", text, "fix the agent.runner.* kwargs")
             problems.check(False, key, f"{cls.__name__}(**agent.runner kwargs) raised {type(e).__name__}: {reason}",
                            fix)
+
+
+def check_prompts(cfg: RunConfig, problems: Problems) -> None:
+    """Each local RL dataset's rows as the run will load them (data/prompts.py), their prompts as the chat server
+    will take them: a message of another role or a number for content, an image part whose file is not there or
+    beyond data.max_images_per_prompt (was: a 400 for each rollout of the row, every epoch, once Ray had started).
+    Hub datasets are read at the run's start."""
+    if cfg.job.value == "sft":  # SFT rows: data/rules.py
+        return
+    d = cfg.data
+    for key, spec, split in (("data.train_path", d.train_path, d.split),
+                             ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
+        for part in (p.strip() for p in (spec or "").split(",") if _readable_local(p.strip())):
+            try:
+                for i, row in enumerate(check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
+                                                          tools_key=d.tools_key, image_key=d.image_key)):
+                    if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt)) is not None:
+                        raise ValueError(f"{part} row {i}: data.input_key={d.input_key!r} is {row['prompt']!r:.60}; "
+                                         f"{problem[0]}. Fix: {problem[1]}")
+            except (KeyError, OSError, ValueError) as e:
+                reason, _, fix = (e.args[0] if isinstance(e, KeyError) else str(e)).partition(" Fix: ")
+                problems.check(False, key, reason.rstrip(".") + ".", fix or f"point {key} at a readable dataset")
+
+
+def _readable_local(spec: str) -> bool:
+    """A local dataset data/rules.py lets through: a non-empty data file of a type the run reads, or a
+    `save_to_disk` directory."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.suffix in FILE_TYPES and path.stat().st_size > 0
+    return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
+
+
+def _prompt_problem(prompt, max_images: int) -> tuple[str, str] | None:
+    """(why, fix) where the chat server would refuse `prompt` as a request's messages (its own parser, its image
+    loader for each image part, the engines' image limit), or None."""
+    if isinstance(prompt, str):
+        return None
+    try:
+        messages = openai_chat.parse({"messages": prompt}).messages
+    except RequestError as e:
+        return e.message, PROMPT_FIX
+    if len(sources := image_sources(messages)) > max_images:
+        return (f"{len(sources)} image parts > data.max_images_per_prompt={max_images}, the engines' per-prompt "
+                "limit", "raise data.max_images_per_prompt (a vision-language model), or remove the image parts")
+    for at, source in enumerate(sources):
+        try:
+            load_image(source)
+        except RequestError as e:
+            return f"image {at}: {e.message}", "give each image_url part an image file's path or a base64 data: URI"
+    return None

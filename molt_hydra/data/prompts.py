@@ -185,11 +185,11 @@ def _one_value(text: str) -> bool:
     return True
 
 
-def check_prompt_rows(spec: str, split: str, max_images: int, **keys: str | None) -> None:
-    """load_prompts' checks of each row of a local dataset (`_renamed`; images are decoded at load): data/rules.py
-    runs them, so a dry run, and a run before Ray starts, finds a bad row (was: found only once Ray and the engines
-    had started)."""
-    _renamed(*_table(spec, split), spec, max_images, **keys)
+def check_prompt_rows(spec: str, split: str, **keys: str | None) -> list[dict]:
+    """A local dataset's rows as load_prompts renames and checks them (`_renamed`; images are decoded at load), for
+    validation (agents/rules.py check_prompts), so a dry run, and a run before Ray starts, finds a bad row (was:
+    found only once Ray and the engines had started)."""
+    return _renamed(*_table(spec, split), spec, **keys)
 
 
 def _table(spec: str, split: str) -> tuple:
@@ -244,7 +244,7 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     parts = []
     for s in specs:
         rows = builtin_rows(s) if s.startswith(BUILTIN) else _renamed(
-            *_table(s, split), s, max_images_per_prompt, input_key=input_key, label_key=label_key,
+            *_table(s, split), s, input_key=input_key, label_key=label_key,
             tools_key=tools_key, image_key=image_key)
         if not rows:
             raise ValueError(f"{s} has no rows")
@@ -292,7 +292,7 @@ COLUMN_FIX = {"input_key": "set data.input_key to the prompt column",
               "image_key": "set data.image_key to the image column, or null for text-only data"}
 
 
-def _renamed(dataset, columns: list[str], spec: str, max_images: int, **keys: str | None) -> list[dict]:
+def _renamed(dataset, columns: list[str], spec: str, **keys: str | None) -> list[dict]:
     """The dataset's rows in the runner's names. Each configured column must exist: a missing label, tools or image
     column would hand every rollout an empty label, no tools or no images (a math reward of 0 throughout, a VLM
     trained text-only) without a word."""
@@ -300,18 +300,24 @@ def _renamed(dataset, columns: list[str], spec: str, max_images: int, **keys: st
         if column is not None and column not in columns:
             raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(columns)} "
                            f"({spec}). Fix: {COLUMN_FIX[key]}")
-    return [_rename(row, f"{spec} row {i}", max_images, **keys) for i, row in enumerate(dataset)]
+    return [_rename(row, f"{spec} row {i}", **keys) for i, row in enumerate(dataset)]
 
 
-def _rename(row: dict, where: str, max_images: int, input_key: str, label_key: str | None, tools_key: str | None,
+PROMPT_FIX = ("give each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role' "
+              "(system, developer, user, assistant or tool) and a 'content' (a string or a list of parts)")
+
+
+def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_key: str | None,
             image_key: str | None) -> dict:
-    """Row `where` in the runner's names; a row whose prompt is neither text nor chat messages the chat server takes
-    (null: a missing value; a message without a role, of another role, with a number for content; an image part
-    whose file is not there) or whose label is null is an error naming the row. Before, a bad message failed each of
-    its rollouts (a 400 from the chat server, or the chat template), every epoch; a null label was graded as one."""
-    prompt = row[input_key]
-    if (problem := _prompt_problem(prompt, max_images)) is not None:
-        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; {problem[0]}. Fix: {problem[1]}")
+    """Row `where` in the runner's names; a row whose prompt is neither text nor a list of chat messages (null: a
+    missing value; a message without a role; no message) or whose label is null is an error naming the row (was, for
+    a bad message: each of its rollouts an agent_exception from the chat template, every epoch; a null label was
+    graded as one)."""
+    prompt = row[input_key]  # (agents/rules.py check_prompts: each message as the chat server will take it)
+    if not (isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
+        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; not text or a non-empty list of "
+                         f"chat messages. Fix: {PROMPT_FIX}")
     if label_key and row[label_key] is None:
         raise ValueError(f"{where}: data.label_key={label_key!r} is null (or missing from this row). Fix: give every "
                          "row its label, or set data.label_key=null for data without labels (the agent then gets '')")
@@ -323,34 +329,6 @@ def _rename(row: dict, where: str, max_images: int, input_key: str, label_key: s
     if image_key and row.get(image_key) is not None:
         out["images"] = row[image_key]
     return out
-
-
-def _prompt_problem(prompt, max_images: int) -> tuple[str, str] | None:
-    """(why, fix) where the chat server would refuse `prompt` as a request's messages (its own parser, its image
-    loader for each image part, the engines' image limit), or None."""
-    from molt_hydra.agents.wire import openai_chat
-    from molt_hydra.agents.wire.images import image_sources, load_image
-    from molt_hydra.agents.wire.request import RequestError
-
-    fix = ("give each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role' "
-           "(system, developer, user, assistant or tool) and a 'content' (a string or a list of parts)")
-    if isinstance(prompt, str):
-        return None
-    if not (isinstance(prompt, list) and prompt):
-        return "not text or a non-empty list of chat messages", fix
-    try:
-        messages = openai_chat.parse({"messages": prompt}).messages
-    except RequestError as e:
-        return e.message, fix
-    if len(sources := image_sources(messages)) > max_images:
-        return (f"{len(sources)} image parts > data.max_images_per_prompt={max_images}, the engines' per-prompt "
-                "limit", "raise data.max_images_per_prompt (a vision-language model), or remove the image parts")
-    for at, source in enumerate(sources):
-        try:
-            load_image(source)
-        except RequestError as e:
-            return f"image {at}: {e.message}", "give each image_url part an image file's path or a base64 data: URI"
-    return None
 
 
 def _tools(value, where: str, tools_key: str) -> list[dict]:

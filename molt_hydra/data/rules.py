@@ -8,8 +8,7 @@ from pathlib import Path
 from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
-from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, JSON_TYPES, SFT_TASKS, \
-    check_prompt_rows
+from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, JSON_TYPES, SFT_TASKS
 from molt_hydra.data.sft_dataset import check_sft_rows
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
@@ -21,15 +20,14 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     nothing."""
     d = cfg.data
     fix = f"give files, directories, hub dataset ids or one of {[BUILTIN + n for n in sorted(BUILTIN_TASKS)]}"
-    for key, spec, split in (("data.train_path", d.train_path, d.split),
-                             ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
+    for key, spec in (("data.train_path", d.train_path), ("eval.data_path", cfg.eval.data_path)):
         problems.check(spec is None or bool(spec.replace(",", "").strip()), key, f"{spec!r} names no dataset.",
                        fix + ", or null")
         parts = _specs(spec)
         for part in parts:
             if not part.startswith(BUILTIN):
                 check_location(problems, key, part, "file or directory", fix)
-                _check_local(cfg, problems, key, Path(part).expanduser(), split)
+                _check_local(cfg, problems, key, Path(part).expanduser())
                 continue
             problems.check(part[len(BUILTIN):] in BUILTIN_TASKS, key, f"{part!r} is not a builtin task.", fix)
         image = next((p for p in parts if p.startswith(BUILTIN) and p[len(BUILTIN):] in IMAGE_TASKS), None)
@@ -60,11 +58,11 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     _unread_keys(cfg, problems)
 
 
-def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path, split: str) -> None:
-    """A local dataset the run can read: a file of a type it reads, or a `save_to_disk` directory, whose rows pass the
-    loader's checks (JSON: each line or item an object; prompt rows: load_prompts' row checks; job=sft: its chat
-    rows'). Before, each failed once the run had started Ray and its engines: a malformed line or row, an unknown
-    suffix ('Couldn't find any data file at' a file that is there), a plain directory."""
+def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> None:
+    """A local dataset the run can read: a file of a type it reads, or a `save_to_disk` directory; job=sft: its chat
+    rows pass the loader's checks (RL prompt rows: agents/rules.py check_prompts, with the chat server's parser).
+    Before, each failed once the run had started Ray and its engines: a malformed line or row, an unknown suffix
+    ('Couldn't find any data file at' a file that is there), a plain directory."""
     readable = f"a data file ({', '.join(sorted(FILE_TYPES))}) or a datasets save_to_disk directory"
     if path.is_file() and path.suffix not in FILE_TYPES:
         problems.check(False, key, f"{str(path)!r} is a file of a type the run does not read (suffix "
@@ -73,14 +71,9 @@ def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path, split
             (path / name).is_file() for name in ("state.json", "dataset_dict.json")):
         problems.check(False, key, f"{str(path)!r} is a directory but no datasets save_to_disk output (no "
                        "state.json or dataset_dict.json).", f"point {key} at {readable}")
-    elif path.is_file() and path.stat().st_size or path.is_dir() and cfg.job.value != "sft":
-        d = cfg.data
-        try:  # (job=sft reads .jsonl / .json files alone: _sft_data)
-            if cfg.job.value == "sft" and path.suffix in JSON_TYPES:
-                check_sft_rows(str(path), d.input_key, d.output_key)
-            elif cfg.job.value != "sft":
-                check_prompt_rows(str(path), split, d.max_images_per_prompt, input_key=d.input_key,
-                                  label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key)
+    elif cfg.job.value == "sft" and path.suffix in JSON_TYPES and path.is_file() and path.stat().st_size:
+        try:  # (job=sft reads .jsonl / .json files alone: _sft_data; RL prompt rows: agents/rules.py check_prompts)
+            check_sft_rows(str(path), cfg.data.input_key, cfg.data.output_key)
         except (KeyError, OSError, ValueError) as e:
             reason, _, fix = (e.args[0] if isinstance(e, KeyError) else str(e)).partition(" Fix: ")
             problems.check(False, key, reason.rstrip(".") + ".", fix or f"point {key} at {readable}")

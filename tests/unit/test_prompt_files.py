@@ -36,24 +36,6 @@ FILES = {
                                "row 0: data.tools_key='tools' is 'not json'; a row's tools are a list"),
     "null_prompt.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": null, "label": "2"}\n',
                           "row 1: data.input_key='prompt' is None; "),
-    # Before: loaded as they were; each rollout of the row failed (a 400 from the chat server), every epoch
-    "unknown_role.jsonl": ('{"prompt": [{"role": "wizard", "content": "hi"}], "label": "1"}\n',
-                           "unknown_role.jsonl row 0: data.input_key='prompt' is [{'role': 'wizard', 'content': "
-                           "'hi'}]; "
-                           "messages[0] must be an object with role in ['assistant', 'developer', 'system', 'tool', "
-                           "'user']. Fix: "),
-    "number_content.jsonl": ('{"prompt": "a", "label": "1"}\n'
-                             '{"prompt": [{"role": "user", "content": 5}], "label": "1"}\n',
-                             "row 1: data.input_key='prompt' is [{'role': 'user', 'content': 5}]; messages[0].content "
-                             "must be a string or a list of parts. Fix: "),
-    "missing_image_part.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": '
-                                 '"image_url", "image_url": {"url": "file:///no/such.png"}}]}], "label": "1"}\n',
-                                 "row 0: data.input_key='prompt' is [{'role': 'user', 'content': [{'type': 'text', "
-                                 "'text': 'see'; image 0: cannot open image '/no/such.png': No such file or directory. "
-                                 "Fix: give each image_url part an image file's path or a base64 data: URI"),
-    "two_image_parts.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": '
-                              '"a.png"}}, {"type": "image_url", "image_url": {"url": "b.png"}}]}], "label": "1"}\n',
-                              "; 2 image parts > data.max_images_per_prompt=1, the engines' per-prompt limit. Fix: "),
     # Before: the row's label None, graded against as if it were one
     "null_label.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n',
                          "row 1: data.label_key='label' is null (or missing from this row). Fix: give every row its "
@@ -78,6 +60,38 @@ def test_an_unreadable_prompt_file_is_named_with_its_key_and_reason(tmp_path, na
                max_images_per_prompt=1)
     message = str(err.value)
     assert message.startswith(f"data.train_path={path}: ") and reason in message, message
+
+
+# Prompts the chat server would refuse, found at validation (agents/rules.py check_prompts). Before: loaded as they
+# were; each rollout of the row failed (a 400 from the chat server), every epoch
+SERVER_REFUSED = {
+    "unknown_role.jsonl": ('{"prompt": [{"role": "wizard", "content": "hi"}], "label": "1"}\n',
+                           "unknown_role.jsonl row 0: data.input_key='prompt' is [{'role': 'wizard', 'content': "
+                           "'hi'}]; "
+                           "messages[0] must be an object with role in ['assistant', 'developer', 'system', 'tool', "
+                           "'user']. Fix: "),
+    "number_content.jsonl": ('{"prompt": "a", "label": "1"}\n'
+                             '{"prompt": [{"role": "user", "content": 5}], "label": "1"}\n',
+                             "row 1: data.input_key='prompt' is [{'role': 'user', 'content': 5}]; messages[0].content "
+                             "must be a string or a list of parts. Fix: "),
+    "missing_image_part.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": '
+                                 '"image_url", "image_url": {"url": "file:///no/such.png"}}]}], "label": "1"}\n',
+                                 "row 0: data.input_key='prompt' is [{'role': 'user', 'content': [{'type': 'text', "
+                                 "'text': 'see'; image 0: cannot open image '/no/such.png': No such file or directory. "
+                                 "Fix: give each image_url part an image file's path or a base64 data: URI"),
+    "two_image_parts.jsonl": ('{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": '
+                              '"a.png"}}, {"type": "image_url", "image_url": {"url": "b.png"}}]}], "label": "1"}\n',
+                              "; 2 image parts > data.max_images_per_prompt=1, the engines' per-prompt limit. Fix: "),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SERVER_REFUSED))
+def test_a_prompt_the_chat_server_would_refuse_is_a_config_error_naming_the_row(tmp_path, name):
+    text, reason = SERVER_REFUSED[name]
+    path = tmp_path / name
+    path.write_text(text)
+    [problem] = _config_problems(str(path), max_images_per_prompt=1)
+    assert problem.startswith(f"- data.train_path: {path} row ") and reason in problem, problem
 
 
 def test_a_readable_file_loads(tmp_path):
@@ -169,14 +183,18 @@ def test_tools_as_json_text_are_decoded_per_row(tmp_path):
     assert [r["tools"] for r in load_prompts(str(path), tools_key="tools")] == [one, two]
 
 
-def _config_problems(spec: str) -> list[str]:
+def _config_problems(spec: str, max_images_per_prompt: int = 0) -> list[str]:
+    """The data rules' problems with data.train_path=spec: where it points and its rows (runtime/validate.py runs
+    both rules)."""
+    from molt_hydra.agents.rules import check_prompts
     from molt_hydra.config.schema import RunConfig
     from molt_hydra.config.validate import Problems
     from molt_hydra.data.rules import check_data
 
     cfg, problems = RunConfig(), Problems()
-    cfg.data.train_path = spec
+    cfg.data.train_path, cfg.data.max_images_per_prompt = spec, max_images_per_prompt
     check_data(cfg, problems)
+    check_prompts(cfg, problems)
     return problems.lines
 
 
