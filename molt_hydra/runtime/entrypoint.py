@@ -127,6 +127,9 @@ def _check_resume(cfg: RunConfig) -> Path | None:
     for line in skipped:
         print(f"Checkpoint passed over: {line}; resuming from {found or 'none'} instead" if found
               else f"Checkpoint not loadable: {line}", file=sys.stderr)
+    if found is None and not skipped and c.resume.value == "auto":  # (before: a fresh start without a word)
+        print(f"checkpoint.resume=auto: no checkpoint under checkpoint.dir={c.dir}, so the run starts from step 0 "
+              "(to go on from a run, set checkpoint.dir, or output_dir, to its)", file=sys.stderr)
     if found is None and (skipped or c.resume.value == "must"):
         what = "no loadable checkpoint" if skipped else "no checkpoint"
         print(f"\nRun failed: checkpoint.resume={c.resume.value}: {what} under checkpoint.dir={c.dir}. Fix: point "
@@ -140,8 +143,8 @@ def _check_resume(cfg: RunConfig) -> Path | None:
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
               f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
-    if cfg.job.value == "sft" and found is not None and not c.load_model_only:
-        _refuse_another_sft_batch_size(cfg, found)
+    if found is not None and not c.load_model_only:
+        (_refuse_another_sft_batch_size if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found)
     # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
     critic = Path(c.dir + "_critic") / found.name if found is not None else None
     if critic is not None and critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
@@ -152,6 +155,44 @@ def _check_resume(cfg: RunConfig) -> Path | None:
                   "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
             sys.exit(EXIT_FAILED)
     return found
+
+
+def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
+    """job=rl: the resume goes on as the saved run would have, or this says, before anything starts, which key changed
+    since the save breaks that. Before: a changed train.optimizer.lr was ignored (the optimizer's and scheduler's state
+    brought the saved one back), a changed batch size, LR schedule or advantage estimator went on from the saved step
+    without a word, a changed seed or data failed only once every role was up, and train.max_steps at or below the
+    saved step started every role, trained nothing and exported the saved step's weights as the shorter run's. Now a key that changes the math (run_record.CHANGES_THE_MATH) is
+    refused, naming both values and the fix; any other (a longer train.max_steps, logging, timeouts) goes on, named in
+    one line, with what a longer run does to a decaying LR schedule."""
+    from molt_hydra.parallel.checkpoint import saved_client_state
+    from molt_hydra.runtime.run_record import CHANGES_THE_MATH, config_changes
+
+    state = saved_client_state(found)
+    if (saved := state.get("run_record", {}).get("config")) is None:
+        print(f"Resuming {found}, saved before checkpoints recorded their config: keys changed since are not checked",
+              file=sys.stderr)
+        return
+    step, t, changed = state.get("rl_step", 0), cfg.train, config_changes(saved, config_as_dict(cfg))
+    math = {k for k in changed if any(k == m or m.endswith(".") and k.startswith(m) for m in CHANGES_THE_MATH)}
+    refused = [f"{k}={changed[k][1]} (saved with {changed[k][0]})" for k in sorted(math)]
+    if t.max_steps is not None and t.max_steps < step:  # (equal: a finished run, saved and exported again)
+        refused.append(f"train.max_steps={t.max_steps}, but it is at step {step} already (set it to {step} or more)")
+    if (episode := state["loop"]["generator"]["epoch"]) >= t.num_episodes:
+        refused.append(f"train.num_episodes={t.num_episodes}, but it is in episode {episode + 1} already: no prompt "
+                       f"is left (set it above {episode})")
+    if refused:
+        print(f"\nRun failed: {found} cannot be resumed as saved: " + "; ".join(refused) + ". Fix: set them back "
+              "(see its run_record.json), or start from its weights alone with checkpoint.load_model_only=true",
+              file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    if changed:
+        lines = [f"{k} {old} -> {new}" for k, (old, new) in changed.items()]
+        longer = "train.max_steps" in changed or "train.num_episodes" in changed and t.max_steps is None
+        decays = {o.scheduler for o in (t.optimizer, t.critic.optimizer)} - {"constant"}
+        stretched = (f"; the LR schedule ({', '.join(sorted(decays))}) now spans the new length, so the LR from step "
+                     f"{step} on differs from the saved run's") if longer and decays else ""
+        print(f"Resuming {found} with keys changed since its save: {', '.join(lines)}{stretched}", file=sys.stderr)
 
 
 def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path) -> None:

@@ -52,4 +52,34 @@ def write_run_record(cfg, directory: str | Path) -> dict:
     (directory / "run_record.json").write_text(json.dumps(record, indent=2))
     # Said at start-up too, so nobody believes in isolation the host does not give.
     print(f"python tool sandbox: {record['python_tool_sandbox']}", file=sys.stderr)
-    return record
+    return {**record, "config": config_as_dict(cfg)}  # (every checkpoint's copy: what a resume compares against)
+
+
+# Keys whose change between a checkpoint and its resume changes what the run learns from there on, so the resumed run
+# is not the one that was saved (a key by name, a group by its "name."); every other changed key goes on, named.
+CHANGES_THE_MATH = ("seed", "model.path", "model.ref_path", "model.critic_path", "model.param_dtype", "model.lora.",
+                    "model.aux_loss_coef", "model.freeze_visual_encoder", "model.freeze_moe_router",
+                    "algorithm.", "agent.runner", "agent.max_turns", "data.",
+                    "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_inflight_groups",
+                    "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
+                    "rollout.incomplete_groups", "train.batch_size", "train.epochs", "train.force_on_policy",
+                    "train.mode", "train.queue_depth", "train.max_staleness", "train.stale_samples",
+                    "train.partial_rollout", "train.optimizer.", "train.critic.", "train.rollout_replay_dir")
+UNREPORTED = ("checkpoint.resume",)  # a resume's own switch
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) and key != "runner" else
+                    {prefix + key: value})
+    return flat
+
+
+def config_changes(saved: dict, now: dict) -> dict[str, tuple]:
+    """{key: (saved value, this run's)} for every leaf key of two config_as_dict trees that differs (the agent's
+    runner as one value)."""
+    before, after = _flat(saved), _flat(now)
+    return {k: (before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k) and k not in UNREPORTED}
+

@@ -230,11 +230,12 @@ def test_the_run_resumes_the_checked_checkpoint_and_names_the_one_passed_over(sa
     cfg = value(job=value(value="rl"), model=value(master_weights=value(value="fsdp")), checkpoint=value(
         dir=str(root), resume=value(value="auto"), load_model_only=False))
     assert _check_resume(cfg) == root / "step_1"
-    partial, line = capsys.readouterr().err.strip().splitlines()
+    partial, line, unchecked = capsys.readouterr().err.strip().splitlines()
     assert partial == f"Checkpoint passed over: {root / '.tmp-step_3'}: a save that never finished (the next save " \
                       "removes it)"
     assert line.startswith(f"Checkpoint passed over: {root / 'step_2'}: rng_rank0.pt: CRC32 ")
     assert line.endswith(f"resuming from {root / 'step_1'} instead")
+    assert unchecked.startswith(f"Resuming {root / 'step_1'}, saved before checkpoints recorded their config")
     fresh, fresh_opt = _trained(1)
     assert load_checkpoint(root, fresh, fresh_opt, step="step_1") == {"at": 1}
     assert torch.equal(fresh.weight, saved[1])

@@ -1,0 +1,102 @@
+"""A resume under a config changed since the checkpoint's save (runtime/entrypoint.py `_refuse_changed_config`, which
+runs before Ray): a key that changes what the run learns from the saved step on is refused, naming the key, both
+values and the fix; a longer train.max_steps, logging, parallelism go on, named in one line (with what a longer run
+does to a decaying LR schedule). Before, every one of them went on without a word: a changed train.optimizer.lr was
+not even applied (the optimizer's param groups and the scheduler's base_lrs, both in the checkpoint, brought the saved
+LR back)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from molt_hydra.parallel.checkpoint import save_checkpoint
+from molt_hydra.runtime.entrypoint import EXIT_FAILED, _check_resume
+from molt_hydra.runtime.run_record import write_run_record
+from molt_hydra.runtime.validate import validate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+from _config_helpers import compose_config  # noqa: E402
+
+SAVED = ["train.max_steps=4", "train.num_episodes=2", "model.master_weights=fsdp", "train.optimizer.scheduler=cosine"]
+
+
+def _cfg(tmp_path, *overrides):
+    return validate(OmegaConf.to_object(compose_config(
+        [*SAVED, f"checkpoint.dir={tmp_path / 'ckpt'}", *overrides], output_dir=str(tmp_path / "out"))))
+
+
+def _trained():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A run's step-3 checkpoint (in its second episode), its client state as the RL controller saves it (the run record with the config)."""
+    model, opt = _trained()
+    record = write_run_record(_cfg(tmp_path), tmp_path / "out")
+    save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 1}}, "run_record": record})
+    return tmp_path / "ckpt" / "step_3"
+
+
+@pytest.mark.parametrize("change,named", [
+    ("train.optimizer.lr=1e-05", "train.optimizer.lr=1e-05 (saved with 0.002)"),
+    ("train.optimizer.warmup_ratio=0.5", "train.optimizer.warmup_ratio=0.5 (saved with 0.0)"),
+    ("rollout.batch_size=32", "rollout.batch_size=32 (saved with 8)"),
+    ("rollout.n_samples_per_prompt=16", "rollout.n_samples_per_prompt=16 (saved with 8)"),
+    ("seed=1", "seed=1 (saved with 42)"),
+    ("algorithm.estimator=rloo", "algorithm.estimator=rloo (saved with grpo)"),
+    ("model.path=tiny://qwen3_moe_tiny", "model.path=tiny://qwen3_moe_tiny (saved with tiny://qwen3_tiny)"),
+    ("train.max_steps=2", "train.max_steps=2, but it is at step 3 already (set it to 3 or more)"),
+    ("train.num_episodes=1", "train.num_episodes=1, but it is in episode 2 already: no prompt is left (set it "
+                             "above 1)"),
+], ids=lambda v: str(v).split("=")[0])
+def test_a_key_that_changes_the_math_is_refused_before_anything_starts(saved, tmp_path, capsys, change, named):
+    cfg = _cfg(tmp_path, "checkpoint.resume=auto", change)
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(cfg)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == EXIT_FAILED
+    assert last.startswith(f"Run failed: {saved} cannot be resumed as saved: ") and named in last, last
+    assert last.endswith("Fix: set them back (see its run_record.json), or start from its weights alone with "
+                         "checkpoint.load_model_only=true")
+
+
+def test_a_longer_run_and_other_logging_go_on_named_in_one_line(saved, tmp_path, capsys):
+    cfg = _cfg(tmp_path, "checkpoint.resume=must", "train.max_steps=8", "logger.tensorboard=true",
+               "train.timeouts.step_s=60")
+    assert _check_resume(cfg) == saved
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Resuming {saved} with keys changed since its save: logger.tensorboard False -> True, train.max_steps 4 -> 8,"
+        " train.timeouts.step_s 3600.0 -> 60.0; the LR schedule (cosine) now spans the new length, so the LR from "
+        "step 3 on differs from the saved run's")
+    # the saved config: nothing to say; a warm start (its weights alone, from step 0): whatever changed
+    for same in (_cfg(tmp_path, "checkpoint.resume=auto"),
+                 _cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true", "seed=1")):
+        assert _check_resume(same) == saved
+        assert "changed" not in capsys.readouterr().err
+
+
+def test_resume_auto_with_no_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
+    """The usual way to miss one: a new invocation's output_dir is a new timestamped directory (hydra.run.dir), and
+    the default checkpoint.dir is under it."""
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto")) is None
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"checkpoint.resume=auto: no checkpoint under checkpoint.dir={tmp_path / 'ckpt'}, so the run starts from step 0"
+        " (to go on from a run, set checkpoint.dir, or output_dir, to its)"]
+
+
+def test_a_checkpoint_without_its_config_is_resumed_saying_so(tmp_path, capsys):
+    model, opt = _trained()
+    path = save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={"master_weights": "fsdp", "rl_step": 3})
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "seed=1")) == path
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Resuming {path}, saved before checkpoints recorded their config: keys changed since are not checked")
+
