@@ -161,10 +161,11 @@ def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
     """job=rl: the resume goes on as the saved run would have, or this says, before anything starts, which key changed
     since the save breaks that. Before: a changed train.optimizer.lr was ignored (the optimizer's and scheduler's state
     brought the saved one back), a changed batch size, LR schedule or advantage estimator went on from the saved step
-    without a word, a changed seed or data failed only once every role was up, and train.max_steps at or below the
-    saved step started every role, trained nothing and exported the saved step's weights as the shorter run's. Now a key that changes the math (run_record.CHANGES_THE_MATH) is
-    refused, naming both values and the fix; any other (a longer train.max_steps, logging, timeouts) goes on, named in
-    one line, with what a longer run does to a decaying LR schedule."""
+    without a word, a changed seed or data failed only once every role was up, and train.max_steps below the saved
+    step started every role, trained nothing and exported the saved step's weights as the shorter run's. Now a key
+    that changes the math (run_record.CHANGES_THE_MATH) is refused, naming both values and the fix; any other (a
+    longer train.max_steps, logging, timeouts) goes on, named in one line, with what a longer run does to a decaying
+    LR schedule."""
     from molt_hydra.parallel.checkpoint import saved_client_state
     from molt_hydra.runtime.run_record import CHANGES_THE_MATH, config_changes
 
