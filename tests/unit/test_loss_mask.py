@@ -163,3 +163,22 @@ def test_a_bad_sft_row_is_a_config_error_before_anything_starts(tmp_path):
         f"- data.train_path: {path}: SFT row 1: data.input_key='input' holds {{'role': 'wizard', 'content': 'x'}}, not "
         "a chat message. Fix: make each message an object with a 'role' (one of system, user, assistant, tool) and its "
         "'content' (a string or a list of parts, each an object)"]
+
+
+def test_an_sft_row_error_on_a_trainer_rank_names_its_file(tmp_path, tiny_model):
+    """parallel/sft.py tokenizes the train and the eval rows on each rank; a bad row there (a run_sft call that
+    validation never saw) named no file. Before: "SFT row 1: ...", train and eval data told apart only by guess."""
+    from molt_hydra.parallel.sft import _samples
+
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text('{"input": "hi", "output": "a"}\n')
+    evals.write_text('{"input": "hi", "output": "a"}\n{"input": "hi", "output": 5}\n')
+    kw = dict(input_key="input", output_key="output", max_len=64, chat_template=None, train_on_last_turn_only=False,
+              image_key=None, max_images_per_prompt=0, max_samples=None, train_data=str(train), eval_data=str(evals))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(evals))}: SFT row 1: data.output_key='output' is 5;"):
+        _samples(tiny_model, kw)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(evals))}: SFT row 1: "):
+        _samples(tiny_model, {**kw, "train_data": str(evals), "eval_data": None})
+    with pytest.raises(ValueError, match="^the train rows: no SFT samples with supervised tokens among 1 rows"):
+        _samples(tiny_model, {**kw, "train_data": [{"input": "no reply"}], "output_key": None, "eval_data": None})
+
