@@ -102,10 +102,12 @@ def _check_row(row, index: int, input_key: str, output_key: str | None) -> None:
                                  "its 'content' (a string or a list of parts, each an object)")
 
 
-def check_sft_rows(path: str, input_key: str, output_key: str | None) -> None:
+def check_sft_rows(path: str, input_key: str, output_key: str | None) -> list:
     """`load_rows` and each row's check, naming the file: data/rules.py runs them, so a dry run finds a bad SFT file
-    or row (was: found by the trainer ranks, once the run had started)."""
-    _check_rows(load_rows(path), path, input_key, output_key)
+    or row (was: found by the trainer ranks, once the run had started). Returns the rows."""
+    rows = load_rows(path)
+    _check_rows(rows, path, input_key, output_key)
+    return rows
 
 
 def _check_rows(rows: list, source: str | None, input_key: str, output_key: str | None) -> None:
