@@ -19,7 +19,8 @@ from molt_hydra.agents.wire.images import image_sources, load_image
 from molt_hydra.agents.wire.request import RequestError
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed
-from molt_hydra.data.prompts import FILE_TYPES, PROMPT_FIX, check_prompt_rows
+from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, FILE_TYPES, PROMPT_FIX, builtin_size, check_prompt_rows,
+                                     combined)
 
 TARGET_FIX = "set agent.runner._target_ to pkg.module.Name or path/to/file.py:Name (an Env, ChatAgent or Runner)"
 
@@ -125,22 +126,48 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
     """Each local RL dataset's rows as the run will load them (data/prompts.py), their prompts as the chat server
     will take them: a message of another role or a number for content, an image part whose file is not there or
     beyond data.max_images_per_prompt (was: a 400 for each rollout of the row, every epoch, once Ray had started).
-    Hub datasets are read at the run's start."""
+    Hub datasets are read at the run's start. Then the count of the training rows against rollout.batch_size
+    (`_fills_a_batch`)."""
     if cfg.job.value == "sft":  # SFT rows: data/rules.py
         return
-    d = cfg.data
+    d, sizes = cfg.data, {}  # (key, dataset) -> its row count, of each readable local dataset
     for key, spec, split in (("data.train_path", d.train_path, d.split),
                              ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
         for part in (p.strip() for p in (spec or "").split(",") if _readable_local(p.strip())):
             try:
-                for i, row in enumerate(check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
-                                                          tools_key=d.tools_key, image_key=d.image_key)):
+                rows = check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
+                                         tools_key=d.tools_key, image_key=d.image_key)
+                for i, row in enumerate(rows):
                     if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt)) is not None:
                         raise ValueError(f"{part} row {i}: data.input_key={d.input_key!r} is {row['prompt']!r:.60}; "
                                          f"{problem[0]}. Fix: {problem[1]}")
+                sizes[key, part] = len(rows)
             except (KeyError, OSError, ValueError) as e:
                 reason, _, fix = (e.args[0] if isinstance(e, KeyError) else str(e)).partition(" Fix: ")
                 problems.check(False, key, reason.rstrip(".") + ".", fix or f"point {key} at a readable dataset")
+    _fills_a_batch(cfg, problems, sizes)
+
+
+def _fills_a_batch(cfg: RunConfig, problems: Problems, sizes: dict[tuple[str, str], int]) -> None:
+    """Training data of fewer rows, as the run loads them (data/prompts.py `combined`), than the rollout.batch_size
+    prompts each step takes: its steps would train on a partial batch, or on one prompt twice (the generator runs
+    on into the next episode). Was: 1 row and rollout.batch_size=8 trained one step on one group without a word.
+    Counted when every dataset's size is known here (builtin tasks, local datasets whose rows passed); a hub dataset
+    is read at the run's start. A data.max_samples below the batch: config/validate.py says so."""
+    d, b = cfg.data, cfg.rollout.batch_size
+    parts = [p.strip() for p in (d.train_path or "").split(",") if p.strip()]
+    if cfg.job.value != "rl" or d.max_samples < b or not parts:
+        return
+    known = {p: builtin_size(p) for p in parts if p.startswith(BUILTIN) and p[len(BUILTIN):] in BUILTIN_TASKS}
+    counts = [known.get(p, sizes.get(("data.train_path", p))) for p in parts]
+    probs = d.train_probs
+    if None in counts or probs is not None and (len(probs) != len(parts) or min(probs) <= 0):  # (reported elsewhere)
+        return
+    n = len(combined([range(c) for c in counts], d.max_samples, probs, cfg.seed))
+    problems.check(n >= b, "data.train_path", f"{d.train_path} has {n} row(s) to train on, fewer than the "
+                   f"rollout.batch_size={b} prompts each step takes: a step would train on a partial batch, or hold a "
+                   "prompt twice (over several train.num_episodes).", f"set rollout.batch_size <= {n} (raise "
+                   "rollout.n_samples_per_prompt to keep the samples per step), or give it more rows")
 
 
 def _readable_local(spec: str) -> bool:

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import random
+from functools import partial
 from pathlib import Path
 
 from molt_hydra.data.images import blank_like, to_pil_images
@@ -90,16 +91,17 @@ def _colors(n: int, seed: int, *, sft: bool = False, size: int = 56) -> list[dic
     return rows
 
 
+# name -> its rows' maker; the first argument is the row count (`builtin_size`: validation counts rows unmade)
 BUILTIN_TASKS = {
-    "toy": lambda: _toy(512, seed=0),
-    "toy_eval": lambda: _toy(32, seed=1),
-    "arithmetic": lambda: _arithmetic(2000, seed=0),
-    "arithmetic_eval": lambda: _arithmetic(100, seed=1),
-    "geo_triangles": lambda: _geo_triangles(256, seed=0),
-    "geo_triangles_eval": lambda: _geo_triangles(16, seed=1),
-    "colors": lambda: _colors(1024, seed=0),
-    "colors_eval": lambda: _colors(32, seed=1),
-    "colors_warm": lambda: _colors(256, seed=2, sft=True),
+    "toy": partial(_toy, 512, seed=0),
+    "toy_eval": partial(_toy, 32, seed=1),
+    "arithmetic": partial(_arithmetic, 2000, seed=0),
+    "arithmetic_eval": partial(_arithmetic, 100, seed=1),
+    "geo_triangles": partial(_geo_triangles, 256, seed=0),
+    "geo_triangles_eval": partial(_geo_triangles, 16, seed=1),
+    "colors": partial(_colors, 1024, seed=0),
+    "colors_eval": partial(_colors, 32, seed=1),
+    "colors_warm": partial(_colors, 256, seed=2, sft=True),
 }
 
 IMAGE_TASKS = ("geo_triangles", "geo_triangles_eval", "colors", "colors_eval", "colors_warm")  # rows with images
@@ -112,6 +114,11 @@ def builtin_rows(spec: str) -> list[dict]:
     if name not in BUILTIN_TASKS:
         raise ValueError(f"unknown builtin task {name!r}; known: {sorted(BUILTIN_TASKS)}")
     return BUILTIN_TASKS[name]()
+
+
+def builtin_size(spec: str) -> int:
+    """The row count of `builtin://NAME` (a known name), without making its rows."""
+    return BUILTIN_TASKS[spec[len(BUILTIN):]].args[0]
 
 
 def load_dataset(spec: str, split: str, config: str | None = None):
@@ -249,7 +256,15 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
         if not rows:
             raise ValueError(f"{s} has no rows")
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
-        parts.append(rows[:max_samples] if max_samples else rows)
+        parts.append(rows)
+    return combined(parts, max_samples, probs, seed)
+
+
+def combined(parts: list, max_samples: int | None, probs: list[float] | None, seed: int) -> list:
+    """The rows the run trains on, of each dataset's rows (`parts`, in data.train_path's order): each capped at
+    `max_samples`, concatenated, or interleaved by `probs`, the whole capped again. Also validation's count of them
+    (agents/rules.py check_prompts passes each dataset's row count as a range)."""
+    parts = [part[:max_samples] if max_samples else part for part in parts]
     if probs is None:
         out = [r for part in parts for r in part]
     else:  # interleave by probability until every dataset is exhausted once (datasets' "all_exhausted")

@@ -8,7 +8,8 @@ from pathlib import Path
 from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
-from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, JSON_TYPES, SFT_TASKS
+from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, JSON_TYPES, SFT_TASKS,
+                                     builtin_size)
 from molt_hydra.data.sft_dataset import check_sft_rows
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
@@ -73,10 +74,26 @@ def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> No
                        "state.json or dataset_dict.json).", f"point {key} at {readable}")
     elif cfg.job.value == "sft" and path.suffix in JSON_TYPES and path.is_file() and path.stat().st_size:
         try:  # (job=sft reads .jsonl / .json files alone: _sft_data; RL prompt rows: agents/rules.py check_prompts)
-            check_sft_rows(str(path), cfg.data.input_key, cfg.data.output_key)
+            rows = check_sft_rows(str(path), cfg.data.input_key, cfg.data.output_key)
         except (KeyError, OSError, ValueError) as e:
             reason, _, fix = (e.args[0] if isinstance(e, KeyError) else str(e)).partition(" Fix: ")
             problems.check(False, key, reason.rstrip(".") + ".", fix or f"point {key} at {readable}")
+            return
+        if key == "data.train_path":
+            _sft_fills_a_batch(cfg, problems, str(path), len(rows))
+
+
+def _sft_fills_a_batch(cfg: RunConfig, problems: Problems, source: str, count: int) -> None:
+    """job=sft trains steps of train.batch_size samples, one per row at most, and drops an epoch's partial batch
+    (parallel/sft.py): fewer rows (at most data.max_samples of them) train nothing. Was: the trainer ranks refused it
+    once the run had started ("train.batch_size=64 must divide over 2 ranks and be <= 1 samples")."""
+    n, bs = min(count, cfg.data.max_samples), cfg.train.batch_size
+    capped = n < count
+    problems.check(n >= bs, "data.max_samples" if capped else "data.train_path",
+                   f"{source} has {count} SFT row(s){f', {n} of them read (data.max_samples)' if capped else ''}, "
+                   f"fewer than the train.batch_size={bs} samples of one optimizer step: nothing would be trained.",
+                   f"set train.batch_size <= {n} (train.micro_batch_size with it), or "
+                   + (f"raise data.max_samples to >= {bs}" if capped else "give it more rows"))
 
 
 def _sft_data(cfg: RunConfig, problems: Problems) -> None:
@@ -88,6 +105,8 @@ def _sft_data(cfg: RunConfig, problems: Problems) -> None:
     tasks = [BUILTIN + n for n in SFT_TASKS]
     for key, spec in (("data.train_path", cfg.data.train_path), ("eval.data_path", cfg.eval.data_path)):
         parts = _specs(spec)
+        if parts and parts[0] in tasks and len(parts) == 1 and key == "data.train_path":
+            _sft_fills_a_batch(cfg, problems, parts[0], builtin_size(parts[0]))
         if not parts or len(parts) == 1 and (parts[0] in tasks or Path(parts[0]).suffix in (".jsonl", ".json")):
             continue
         prompts_only = len(parts) == 1 and parts[0].startswith(BUILTIN)

@@ -102,15 +102,21 @@ def _check_row(row, index: int, input_key: str, output_key: str | None) -> None:
                                  "its 'content' (a string or a list of parts, each an object)")
 
 
-def check_sft_rows(path: str, input_key: str, output_key: str | None) -> None:
+def check_sft_rows(path: str, input_key: str, output_key: str | None) -> list:
     """`load_rows` and each row's check, naming the file: data/rules.py runs them, so a dry run finds a bad SFT file
-    or row (was: found by the trainer ranks, once the run had started)."""
+    or row (was: found by the trainer ranks, once the run had started). Returns the rows."""
     rows = load_rows(path)
+    _check_rows(rows, path, input_key, output_key)
+    return rows
+
+
+def _check_rows(rows: list, source: str | None, input_key: str, output_key: str | None) -> None:
+    """Each row's check; an error names `source` (the file: train or eval data), where given."""
     try:
         for index, row in enumerate(rows):
             _check_row(row, index, input_key, output_key)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{source}: {e}" if source else str(e)) from None
 
 
 def _messages(row: dict, input_key: str, output_key: str | None) -> list[dict]:
@@ -139,26 +145,26 @@ def load_rows(data: str | list[dict]) -> list[dict]:
 def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", output_key: str | None = None,
                       max_len: int = 2048, chat_template: str | None = None, train_on_last_turn_only: bool = False,
                       max_samples: int | None = None, image_key: str | None = None, max_images_per_prompt: int = 0,
-                      images=None) -> list[dict]:
+                      images=None, source: str | None = None) -> list[dict]:
     """[{"input_ids", "loss_mask"}] per row with at least one assistant message and one supervised token.
     VLM rows (`image_key`): `<image>` markers in user strings become image parts, each placeholder is expanded and
     the processor outputs ride along (`images`: the model's `models.vlm.TrajectoryImages`); a row longer than
     max_len once expanded is skipped, as a cut would orphan image features; a row with an image that cannot be read or
     more than `max_images_per_prompt` images is dropped, logged with its row id and counted (`usable_image_rows`).
     Every row skipped (no reply, no supervised token, too long) or cut to max_len is counted and logged with its id
-    (was: skipped or cut without a word)."""
+    (was: skipped or cut without a word). `source`: the rows' file, named by each error and log line (was: a trainer
+    rank's "SFT row 3: ..." left train and eval data apart only by guess)."""
     markers = discover_reply_markers(tokenizer, chat_template)
     special = _special_ids(tokenizer)
-    dropped, rows = [], rows[:max_samples]
-    for index, row in enumerate(rows):
-        _check_row(row, index, input_key, output_key)
+    dropped, rows, named = [], rows[:max_samples], f"{source}: " if source else ""
+    _check_rows(rows, source, input_key, output_key)
     usable = rows
     if image_key:  # a row with an unreadable image, or too many, costs its row (logged, counted), never the run
         with_images = next((i for i, row in enumerate(rows) if row.get(image_key)), None)
         if with_images is not None and images is None:
-            raise ValueError(f"SFT row {with_images} has images but the model has no vision tower. Fix: use a VLM or "
-                             "set data.image_key=null")
-        usable = usable_image_rows(rows, "SFT", image_key, max_images_per_prompt, False, image_key, dropped)
+            raise ValueError(f"{named}SFT row {with_images} has images but the model has no vision tower. Fix: use a "
+                             "VLM or set data.image_key=null")
+        usable = usable_image_rows(rows, f"{named}SFT", image_key, max_images_per_prompt, False, image_key, dropped)
     out, notes, kept, gone = [], {}, iter(usable), {i for i, _ in dropped}  # notes: why -> row ids skipped or cut
     for index in (i for i in range(len(rows)) if i not in gone):
         sample, note = _sample(next(kept), tokenizer, markers, special, input_key=input_key, output_key=output_key,
@@ -170,9 +176,9 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
             out.append(sample)
     report = "; ".join(f"{len(ids)} {why} (row ids {ids[:20]})" for why, ids in notes.items())
     if report:
-        log.warning("SFT data: of %d rows, %s", len(rows), report)
+        log.warning("%sSFT data: of %d rows, %s", named, len(rows), report)
     if not out:
-        raise ValueError(f"no SFT samples with supervised tokens among {len(rows)} rows "
+        raise ValueError(f"{named}no SFT samples with supervised tokens among {len(rows)} rows "
                          f"(input_key={input_key!r}, output_key={output_key!r})" + (f": {report}" if report else "")
                          + (f"; {len(dropped)} dropped for their images, the first: {dropped[0][1]}"
                             if dropped else ""))

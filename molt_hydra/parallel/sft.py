@@ -71,9 +71,16 @@ def _samples(path: str, kw: dict) -> tuple[list, list | None]:
                    chat_template=kw["chat_template"], train_on_last_turn_only=kw["train_on_last_turn_only"],
                    image_key=kw["image_key"], max_images_per_prompt=kw["max_images_per_prompt"],
                    images=TrajectoryImages.for_model(path) if kw["image_key"] else None)
-    train = build_sft_samples(load_rows(kw["train_data"]), tok, max_samples=kw["max_samples"], **data_kw)
-    evals = build_sft_samples(load_rows(kw["eval_data"]), tok, **data_kw) if kw["eval_data"] is not None else None
+    train = build_sft_samples(load_rows(kw["train_data"]), tok, max_samples=kw["max_samples"],
+                              source=_source(kw["train_data"], "train"), **data_kw)
+    evals = build_sft_samples(load_rows(kw["eval_data"]), tok, source=_source(kw["eval_data"], "eval"),
+                              **data_kw) if kw["eval_data"] is not None else None
     return train, evals
+
+
+def _source(data, which: str) -> str:
+    """How errors name the data: its file (or builtin task), or which rows a caller handed over as a list."""
+    return str(data) if isinstance(data, (str, Path)) else f"the {which} rows"
 
 
 def _sft_rank(rank: int, world: int, port: int, kw: dict):
@@ -85,8 +92,13 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     path = resolve_path(kw["model_path"])
     train, evals = _samples(path, kw)
     bs = kw["batch_size"]
-    if bs % world or bs > len(train):
-        raise ValueError(f"train.batch_size={bs} must divide over {world} ranks and be <= {len(train)} samples")
+    if bs % world:
+        raise ValueError(f"train.batch_size={bs} does not divide over {world} ranks. Fix: set train.batch_size to a "
+                         f"multiple of {world}")
+    if bs > len(train):  # (validation counts the rows; rows skipped here, logged above, can leave fewer samples)
+        raise ValueError(f"{_source(kw['train_data'], 'train')}: {len(train)} SFT samples, fewer than the "
+                         f"train.batch_size={bs} of one optimizer step: nothing would be trained. Fix: set "
+                         f"train.batch_size <= {len(train)}, or give it more rows with a reply")
     steps_per_epoch = len(train) // bs  # trailing partial batch dropped, as Molt does
     total = math.ceil(kw["max_epochs"] * steps_per_epoch)
     worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,

@@ -172,7 +172,7 @@ def test_locations_that_cannot_exist_are_refused(override, key, fragment):
 
 def test_existing_local_paths_and_hub_ids_pass(tmp_path):
     data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "1+1", "label": "2"}\n')
+    data.write_text('{"prompt": "1+1", "label": "2"}\n' * 8)  # rollout.batch_size=8 prompts a step
     assert config_errors([f"data.train_path={data}", f"model.tokenizer_path={tmp_path}",
                           "model.critic_path=Qwen/Qwen3-4B", "algorithm=ppo_gae",  # a critic reads it
                           "parallelism.colocate_models=true"]) == []

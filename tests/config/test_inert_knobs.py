@@ -262,7 +262,7 @@ def chats(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("sft_chats")
     data = folder / "chats.jsonl"
     data.write_text("".join(f'{{"messages": [{{"role": "user", "content": "hi {i}"}}, {{"role": "assistant", '
-                            f'"content": "hello {i}"}}]}}\n' for i in range(32)))
+                            f'"content": "hello {i}"}}]}}\n' for i in range(64)))  # train.batch_size=64 a step
     return {"data": str(data), "dir": str(folder)}
 
 

@@ -135,8 +135,8 @@ def test_sft_resume_must_without_a_checkpoint_stops_before_training(tmp_path):
     """Before: job=sft passed resume=True to the trainer, which started from step 0 when there was nothing to load
     (exit 0), so checkpoint.resume=must was not honoured."""
     data = tmp_path / "chats.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1?"},
-                                             {"role": "assistant", "content": "2"}]}) + "\n")
+    data.write_text((json.dumps({"messages": [{"role": "user", "content": "1+1?"},
+                                              {"role": "assistant", "content": "2"}]}) + "\n") * 8)  # a batch's rows
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)  # there, but empty (a missing one is refused at validation)
     proc = subprocess.run([MOLT_RUN, "job=sft", f"data.train_path={data}", "data.input_key=messages",

@@ -89,11 +89,13 @@ def test_geo3k_prepared_file_is_what_the_geo3k_recipe_plans_from(tmp_path, capsy
     src = tmp_path / "geo3k_source.parquet"
     features = datasets.Features({"images": datasets.Sequence(datasets.Image()), "problem": datasets.Value("string"),
                                   "answer": datasets.Value("string")})
-    datasets.Dataset.from_dict({"images": [[Image.new("RGB", (40, 30), (9, 9, 9))]], "problem": ["<image>Find x."],
-                                "answer": ["5"]}, features=features).to_parquet(str(src))
+    n = 32  # the recipe's rollout.batch_size: the prompts of one step (fewer are refused)
+    datasets.Dataset.from_dict({"images": [[Image.new("RGB", (40, 30), (9, 9, 9))]] * n,
+                                "problem": ["<image>Find x."] * n, "answer": ["5"] * n},
+                               features=features).to_parquet(str(src))
     out = tmp_path / "data" / "geo3k_train.parquet"
     main(["geo3k", str(out), "--source", str(src)])
-    assert capsys.readouterr().out.strip() == f"geo3k: 1 rows -> {out}"
+    assert capsys.readouterr().out.strip() == f"geo3k: {n} rows -> {out}"
     assert sorted(datasets.load_dataset("parquet", data_files=str(out), split="train").column_names) == [
         "datasource", "images", "label", "prompt"]
     cfg = compose_config(["+recipe=qwen3_moe_geo3k", f"data.train_path={out}", "dry_run=true"],
@@ -102,9 +104,9 @@ def test_geo3k_prepared_file_is_what_the_geo3k_recipe_plans_from(tmp_path, capsy
     assert run_cfg.data.train_path == str(out) and run_cfg.data.image_key == "images"
     plan = make_plan(run_cfg)
     assert [r.name for r in plan.roles][:1] == ["rollout engine"] and plan.batch
-    (row,) = load_prompts(str(out), image_key=run_cfg.data.image_key,
-                          max_images_per_prompt=run_cfg.data.max_images_per_prompt)
-    assert row["label"] == "5" and row["images"][0].size == (40, 30)
+    row, *others = load_prompts(str(out), image_key=run_cfg.data.image_key,
+                                max_images_per_prompt=run_cfg.data.max_images_per_prompt)
+    assert len(others) == n - 1 and row["label"] == "5" and row["images"][0].size == (40, 30)
 
 
 @pytest.mark.parametrize("name,text,message", [

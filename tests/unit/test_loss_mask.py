@@ -3,6 +3,7 @@ for ChatML (the tiny model's template) and a Gemma-style template written here."
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -163,3 +164,78 @@ def test_a_bad_sft_row_is_a_config_error_before_anything_starts(tmp_path):
         f"- data.train_path: {path}: SFT row 1: data.input_key='input' holds {{'role': 'wizard', 'content': 'x'}}, not "
         "a chat message. Fix: make each message an object with a 'role' (one of system, user, assistant, tool) and its "
         "'content' (a string or a list of parts, each an object)"]
+
+
+def _sft_problems(spec: str, **fields) -> list[str]:
+    """data/rules.py check_data's problems for job=sft on `spec` (fields: train.* and data.* values by name)."""
+    from molt_hydra.config.schema import Job, RunConfig
+    from molt_hydra.config.validate import Problems
+    from molt_hydra.data.rules import check_data
+
+    cfg, problems = RunConfig(), Problems()
+    cfg.job, cfg.data.train_path, cfg.data.input_key, cfg.data.output_key = Job("sft"), spec, "input", "output"
+    for key, value in fields.items():
+        group, name = key.split("__")
+        setattr(getattr(cfg, group), name, value)
+    check_data(cfg, problems)
+    return problems.lines
+
+
+def test_sft_data_of_fewer_rows_than_a_batch_is_a_config_error_naming_the_file(tmp_path):
+    """One optimizer step takes train.batch_size samples, one per row at most (parallel/sft.py), so fewer rows train
+    nothing. Before: validation passed it; the trainer rank raised "train.batch_size=8 must divide over 1 ranks and
+    be <= 3 samples" once the run had started, naming neither the file nor a fix."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text('{"input": "hi", "output": "a"}\n' * 3)
+    assert _sft_problems(str(path), train__batch_size=8) == [
+        f"- data.train_path: {path} has 3 SFT row(s), fewer than the train.batch_size=8 samples of one optimizer "
+        "step: nothing would be trained. Fix: set train.batch_size <= 3 (train.micro_batch_size with it), or give it "
+        "more rows"]
+    assert _sft_problems(str(path), train__batch_size=3) == []
+    # data.max_samples reads the first rows only: then it is the key to change
+    assert _sft_problems(str(path), train__batch_size=3, data__max_samples=2) == [
+        f"- data.max_samples: {path} has 3 SFT row(s), 2 of them read (data.max_samples), fewer than the "
+        "train.batch_size=3 samples of one optimizer step: nothing would be trained. Fix: set train.batch_size <= 2 "
+        "(train.micro_batch_size with it), or raise data.max_samples to >= 3"]
+    # a builtin task by its size (colors_warm: 256 rows)
+    assert _sft_problems("builtin://colors_warm", train__batch_size=512, data__max_images_per_prompt=1,
+                         data__input_key="input", data__image_key="images") == [
+        "- data.train_path: builtin://colors_warm has 256 SFT row(s), fewer than the train.batch_size=512 samples of "
+        "one optimizer step: nothing would be trained. Fix: set train.batch_size <= 256 (train.micro_batch_size with "
+        "it), or give it more rows"]
+
+
+def test_an_sft_row_error_on_a_trainer_rank_names_its_file(tmp_path, tiny_model):
+    """parallel/sft.py tokenizes the train and the eval rows on each rank; a bad row there (a run_sft call that
+    validation never saw) named no file. Before: "SFT row 1: ...", train and eval data told apart only by guess."""
+    from molt_hydra.parallel.sft import _samples
+
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text('{"input": "hi", "output": "a"}\n')
+    evals.write_text('{"input": "hi", "output": "a"}\n{"input": "hi", "output": 5}\n')
+    kw = dict(input_key="input", output_key="output", max_len=64, chat_template=None, train_on_last_turn_only=False,
+              image_key=None, max_images_per_prompt=0, max_samples=None, train_data=str(train), eval_data=str(evals))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(evals))}: SFT row 1: data.output_key='output' is 5;"):
+        _samples(tiny_model, kw)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(evals))}: SFT row 1: "):
+        _samples(tiny_model, {**kw, "train_data": str(evals), "eval_data": None})
+    with pytest.raises(ValueError, match="^the train rows: no SFT samples with supervised tokens among 1 rows"):
+        _samples(tiny_model, {**kw, "train_data": [{"input": "no reply"}], "output_key": None, "eval_data": None})
+
+
+def test_too_few_sft_samples_on_a_trainer_rank_names_the_file_and_the_fix(tmp_path, tiny_model, monkeypatch):
+    """8 rows pass validation against train.batch_size=8, but 5 have no reply (skipped, logged): 3 samples. Before:
+    "train.batch_size=8 must divide over 1 ranks and be <= 3 samples", naming no file and no fix."""
+    from molt_hydra.parallel.sft import run_sft
+
+    path = tmp_path / "chats.jsonl"
+    reply, no_reply = ({"input": [{"role": "user", "content": "hi"}] + extra} for extra in (
+        [{"role": "assistant", "content": "a"}], []))
+    path.write_text("".join(json.dumps(row) + "\n" for row in [reply] * 3 + [no_reply] * 5))
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "29999")):  # this process: the one rank
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as err:
+        run_sft(tiny_model, str(path), str(tmp_path / "out"), batch_size=8)
+    assert str(err.value) == (f"{path}: 3 SFT samples, fewer than the train.batch_size=8 of one optimizer step: "
+                              "nothing would be trained. Fix: set train.batch_size <= 3, or give it more rows with a "
+                              "reply")

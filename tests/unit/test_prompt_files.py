@@ -183,9 +183,10 @@ def test_tools_as_json_text_are_decoded_per_row(tmp_path):
     assert [r["tools"] for r in load_prompts(str(path), tools_key="tools")] == [one, two]
 
 
-def _config_problems(spec: str, max_images_per_prompt: int = 0) -> list[str]:
+def _config_problems(spec: str, max_images_per_prompt: int = 0, batch_size: int = 1, **data) -> list[str]:
     """The data rules' problems with data.train_path=spec: where it points and its rows (runtime/validate.py runs
-    both rules)."""
+    both rules). rollout.batch_size=1 unless given: the files here are of a few rows, and their count against the
+    batch is tested on its own (test_training_data_of_fewer_rows_than_a_batch_...)."""
     from molt_hydra.agents.rules import check_prompts
     from molt_hydra.config.schema import RunConfig
     from molt_hydra.config.validate import Problems
@@ -193,6 +194,9 @@ def _config_problems(spec: str, max_images_per_prompt: int = 0) -> list[str]:
 
     cfg, problems = RunConfig(), Problems()
     cfg.data.train_path, cfg.data.max_images_per_prompt = spec, max_images_per_prompt
+    cfg.rollout.batch_size = batch_size
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
     check_data(cfg, problems)
     check_prompts(cfg, problems)
     return problems.lines
@@ -277,3 +281,38 @@ def test_a_bad_row_of_a_parquet_file_or_a_saved_dataset_is_a_config_error(tmp_pa
     [problem] = _config_problems(str(tmp_path / "corrupt.parquet"))
     assert problem.startswith(f"- data.train_path: {tmp_path / 'corrupt.parquet'} is not a readable parquet file: "
                               "Parquet magic bytes not found in footer"), problem
+
+
+def _too_few(spec: str, rows: int, batch_size: int) -> list[str]:
+    """The rule's line (agents/rules.py `_fills_a_batch`)."""
+    return [f"- data.train_path: {spec} has {rows} row(s) to train on, fewer than the rollout.batch_size={batch_size} "
+            "prompts each step takes: a step would train on a partial batch, or hold a prompt twice (over several "
+            f"train.num_episodes). Fix: set rollout.batch_size <= {rows} (raise rollout.n_samples_per_prompt to keep "
+            "the samples per step), or give it more rows"]
+
+
+def test_training_data_of_fewer_rows_than_a_batch_is_refused_with_its_count(tmp_path):
+    """Before: 1 row and rollout.batch_size=8 passed validation, and the run trained one step on one prompt group
+    without a word. The count is of the rows the run loads: several datasets together, a builtin task by its size."""
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"prompt": "a", "label": "1"}\n')
+    assert _config_problems(str(one), batch_size=8) == _too_few(str(one), 1, 8)
+    assert _config_problems(str(one), batch_size=1) == []
+    two = _two_files(tmp_path)  # 5 + 3 rows
+    assert _config_problems(two, batch_size=9) == _too_few(two, 5 + 3, 9)
+    assert _config_problems(two, batch_size=8) == []
+    assert _config_problems("builtin://toy_eval", batch_size=33) == _too_few("builtin://toy_eval", 32, 33)  # 32 rows
+    assert _config_problems("builtin://toy_eval", batch_size=32) == []
+
+
+def test_the_count_of_interleaved_data_is_the_count_the_run_loads(tmp_path):
+    """data.train_probs draws until every dataset is exhausted once: at least 5 + 3 rows, as many as load_prompts
+    returns with the run's seed. A data.max_samples below the batch is config/validate.py's rule alone."""
+    from molt_hydra.config.schema import RunConfig
+
+    two, probs = _two_files(tmp_path), [0.5, 0.5]
+    n = len(load_prompts(two, probs=probs, seed=RunConfig().seed))
+    assert n >= 5 + 3
+    assert _config_problems(two, batch_size=n + 1, train_probs=probs) == _too_few(two, n, n + 1)
+    assert _config_problems(two, batch_size=n, train_probs=probs) == []
+    assert _config_problems(two, batch_size=9, max_samples=4) == []
