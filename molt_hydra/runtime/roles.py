@@ -162,11 +162,22 @@ async def colocated_placement(cfg: RunConfig, fsdp_roles: int):
 
 
 def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
-    """Optimizer steps the LR schedule spans (Molt §4.6 max_steps)."""
+    """Optimizer steps the LR schedule spans: the loop's (runtime/controller.py train_step: one per train.batch_size
+    samples of a batch, at least one). The samples generator streams across episodes (rollout/generator.py), so the
+    run trains full batches, then one partial batch of what is left, stopping at train.max_steps if sooner. Was:
+    num_prompts // batch_size * num_episodes batches, which with num_prompts % batch_size != 0 ended the schedule
+    before the last steps (a linear schedule trained them at LR 0, a cosine one climbed back up)."""
     t, r = cfg.train, cfg.rollout
-    per_batch = 1 if t.force_on_policy else max(r.batch_size * r.n_samples_per_prompt // t.batch_size, 1)
-    batches = t.max_steps if t.max_steps is not None else num_prompts // r.batch_size * t.num_episodes
-    return max(batches * per_batch * t.epochs, 1)
+
+    def per_batch(groups: int) -> int:
+        return 1 if t.force_on_policy else max(groups * r.n_samples_per_prompt // t.batch_size, 1)
+
+    full, rest = divmod(num_prompts * t.num_episodes, r.batch_size)
+    if t.max_steps is not None and t.max_steps <= full:
+        steps = t.max_steps * per_batch(r.batch_size)
+    else:
+        steps = full * per_batch(r.batch_size) + (per_batch(rest) if rest else 0)
+    return max(steps * t.epochs, 1)
 
 
 def init_ray(cfg: RunConfig) -> None:

@@ -1,0 +1,49 @@
+"""The LR schedule spans the optimizer steps the RL loop takes (runtime/roles.py scheduler_steps): as many batches as
+the samples generator returns for the data (rollout/generator.py streams across episodes: full batches, then one
+partial one), one optimizer step per train.batch_size samples of each (at least one). Before: num_prompts //
+batch_size * num_episodes batches: 12 prompts in batches of 8 over 2 episodes trained 3 steps on a 2-step schedule
+(a linear schedule's third step at LR 0; a cosine one's LR rising again)."""
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_rollout_generator import SAMPLING, ScriptedRunner, rows  # noqa: E402
+
+from molt_hydra.config.schema import RunConfig  # noqa: E402
+from molt_hydra.rollout.generator import SamplesGenerator  # noqa: E402
+from molt_hydra.runtime.roles import scheduler_steps  # noqa: E402
+
+
+async def _loop_steps(prompts: int, batch: int, episodes: int, n: int, train_batch: int) -> int:
+    """Optimizer steps the loop takes: per generated batch, max(samples // train.batch_size, 1) (controller.py)."""
+    gen = SamplesGenerator(rows(prompts), ScriptedRunner(), batch_size=batch, n_samples_per_prompt=n,
+                           sampling=SAMPLING, num_epochs=episodes)
+    steps = 0
+    while True:
+        b = await gen.generate_batch()
+        steps += max(sum(len(g.trajectories) for g in b.groups) // train_batch, 1) if b.groups else 0
+        if b.exhausted:
+            await gen.close()
+            return steps
+
+
+@pytest.mark.parametrize("prompts,batch,episodes,n,train_batch", [
+    (12, 8, 1, 1, 8), (12, 8, 2, 1, 8), (20, 8, 3, 2, 8), (16, 8, 2, 4, 16), (9, 8, 1, 4, 8), (100, 64, 10, 1, 64)])
+def test_the_schedule_spans_the_steps_the_loop_takes(prompts, batch, episodes, n, train_batch):
+    cfg = RunConfig()
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt = batch, n
+    cfg.train.num_episodes, cfg.train.batch_size, cfg.train.epochs = episodes, train_batch, 1
+    assert scheduler_steps(cfg, prompts) == asyncio.run(_loop_steps(prompts, batch, episodes, n, train_batch))
+
+
+def test_max_steps_cuts_the_schedule_where_it_cuts_the_loop():
+    cfg = RunConfig()
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.train.batch_size, cfg.train.epochs = 8, 1, 8, 1
+    cfg.train.max_steps = 2
+    assert scheduler_steps(cfg, 100) == 2  # 12 full batches available, 2 trained
+    cfg.train.max_steps = 50
+    assert scheduler_steps(cfg, 100) == 13  # 100 prompts: 12 full batches and one of 4, then the data ends
