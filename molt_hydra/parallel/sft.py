@@ -83,6 +83,18 @@ def _source(data, which: str) -> str:
     return str(data) if isinstance(data, (str, Path)) else f"the {which} rows"
 
 
+def _checked_batch_size(kw: dict, world: int, samples: int) -> int:
+    bs = kw["batch_size"]
+    if bs % world:
+        raise ValueError(f"train.batch_size={bs} does not divide over {world} ranks. Fix: set train.batch_size to a "
+                         f"multiple of {world}")
+    if bs > samples:  # (validation counts the rows; rows skipped here, logged above, can leave fewer samples)
+        raise ValueError(f"{_source(kw['train_data'], 'train')}: {samples} SFT samples, fewer than the "
+                         f"train.batch_size={bs} of one optimizer step: nothing would be trained. Fix: set "
+                         f"train.batch_size <= {samples}, or give it more rows with a reply")
+    return bs
+
+
 def _sft_rank(rank: int, world: int, port: int, kw: dict):
     from molt_hydra.models.build import resolve_path
     from molt_hydra.parallel.objectives import SFTObjective
@@ -91,14 +103,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
 
     path = resolve_path(kw["model_path"])
     train, evals = _samples(path, kw)
-    bs = kw["batch_size"]
-    if bs % world:
-        raise ValueError(f"train.batch_size={bs} does not divide over {world} ranks. Fix: set train.batch_size to a "
-                         f"multiple of {world}")
-    if bs > len(train):  # (validation counts the rows; rows skipped here, logged above, can leave fewer samples)
-        raise ValueError(f"{_source(kw['train_data'], 'train')}: {len(train)} SFT samples, fewer than the "
-                         f"train.batch_size={bs} of one optimizer step: nothing would be trained. Fix: set "
-                         f"train.batch_size <= {len(train)}, or give it more rows with a reply")
+    bs = _checked_batch_size(kw, world, len(train))
     steps_per_epoch = len(train) // bs  # trailing partial batch dropped, as Molt does
     total = math.ceil(kw["max_epochs"] * steps_per_epoch)
     worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,
