@@ -96,6 +96,28 @@ async def watch_stopped(role_pids: dict[str, int], alone: dict[str, int] | None 
                                                f"{polls * STOPPED_POLL_S:g} s")
 
 
+async def beside(work, *watchers):
+    """`work`'s result, with `watchers` (coroutines that run until cancelled, or raise the run's failure) running
+    beside it: a watcher's failure ends `work` wherever it waits, and is raised; every task is cancelled and awaited
+    when this returns. A watcher that returns is simply done."""
+    work = asyncio.ensure_future(work)
+    background = {asyncio.ensure_future(w) for w in watchers}
+    every = [work, *background]
+    try:
+        while True:
+            done, _ = await asyncio.wait({work, *background}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            for task in done:
+                background.discard(task)
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+    finally:
+        for task in every:
+            task.cancel()
+        await asyncio.gather(*every, return_exceptions=True)
+
+
 def stall_report(run_dir: str | Path, role_pids: dict[str, int], reason: str, not_answering: list[str],
                  alone: dict[str, int] | None = None) -> list[str]:
     """A stall's last words: the reason, the roles not answering and those stopped by a signal, and the file of every
