@@ -674,3 +674,17 @@ def test_a_fault_while_the_roles_start_or_an_eval_job_scores_ends_it_naming_the_
             in lines, lines[-4:]
     if job == "rl":  # (job=eval trains nothing: no checkpoint of its own to name)
         assert lines[-1 if stop else -2] == "Last checkpoint: none (the run starts from step 0 again)", lines[-4:]
+
+
+@pytest.mark.slow  # ~1 min: tests/unit/test_watched_phases.py (the keeper beside the eval) in make test
+def test_a_killed_engine_core_during_an_eval_job_is_replaced_and_the_eval_ends(tmp_path):
+    """Before, no keeper ran during job=eval: the eval's requests waited for an engine that never came back."""
+    out = tmp_path / "run"
+    run = _eval_job(out)
+    run.wait_for(lambda: _started(run) and run.children("EngineCor"))
+    (pid,) = run.children("EngineCor")
+    os.kill(pid, signal.SIGKILL)
+    assert run.finish(timeout=240) == 0, run.err()[-3000:]  # (asserts that no process is left)
+    assert "rollout engine 0 restarted (1 of rollout.max_engine_restarts=3): its vLLM engine core died; " in run.err()
+    scores = json.loads(run.out_text()[run.out_text().index("{\n"):])
+    assert scores["eval_num_samples"] == 32 * 64

@@ -77,6 +77,25 @@ def test_a_stopped_engine_ends_an_eval_job_naming_it(monkeypatch, stopped_proces
     assert str(stall.value) == f"rollout engine 0 stalled: its process has made no progress for {3 * 0.05:g} s"
 
 
+def test_the_engine_keeper_runs_during_an_eval_job(monkeypatch):
+    """job=eval: a dead engine is replaced (the keeper), and its failure, past rollout.max_engine_restarts, ends the
+    eval (before: no keeper ran; the eval's requests waited for an engine that never came, step_s)."""
+    monkeypatch.setattr(ray_head, "dead_head_processes", lambda: {})
+    monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
+    versions = []
+
+    async def keeper_watch(weights_version):
+        versions.append(weights_version())
+        raise RunFailed("rollout engine 0", "died after 3 restart(s); rollout.max_engine_restarts=3 allows no more")
+
+    fake = value(calls=value(keeper=value(watch=keeper_watch)), role_pids={}, eval_rows=[{"prompt": "1+1?"}],
+                 generator=value(evaluate=_forever))
+    monkeypatch.setattr(entrypoint, "_controller", lambda cfg, r, opened, wandb_id: RLController(cfg, r, None))
+    with pytest.raises(RunFailed, match="^rollout engine 0: died after 3 restart"):
+        asyncio.run(asyncio.wait_for(entrypoint._eval_only(RunConfig(), fake, []), 20))
+    assert versions == [0]  # a new engine loads the scored checkpoint itself: no weights pushed to it
+
+
 def test_a_failed_watcher_ends_the_work_and_every_task_ends_with_it():
     """watchdog.beside: a watcher's failure is raised and the work cancelled wherever it waits; a watcher that
     returns is done, the work goes on; the work's result is returned, its watchers cancelled."""
