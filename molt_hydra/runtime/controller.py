@@ -363,7 +363,7 @@ class RLController:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
-        await self.calls.freeze_heaps()
+        await self.watched(self.calls.freeze_heaps())
         # at step 0, eval.at_start; on resume, the eval a preemption's save skipped (none else is due there)
         await self.watched(self.maybe_eval(force=self.step == 0 and self.cfg.eval.at_start))
         return await self.watched(self._steps(), self.produce())

@@ -30,8 +30,8 @@ from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within, stopped_head
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
-from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
-                                        kill, shutdown_ray, stall_report)
+from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, beside, describe,
+                                        descendants, kill, shutdown_ray, stall_report)
 
 
 def run(cfg: RunConfig) -> None:
@@ -424,8 +424,9 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
 
     calls, c, state = roles.calls, cfg.checkpoint, None
     notice.install(asyncio.get_running_loop(), asyncio.current_task())  # Slurm's notice: a save at the step's end
-    if found is not None:
-        client, found = await _load_verified(cfg, roles, found)
+    if found is not None:  # (minutes on GPU: watched as the start and the loop are)
+        client, found = await beside(_load_verified(cfg, roles, found),
+                                     *ray_head.watchers(roles.role_pids, cfg.cluster.nodes == 1))
         state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     ctl.log.sinks.rewind(state["step"] if state else 0)  # 0: an earlier attempt here that saved no checkpoint

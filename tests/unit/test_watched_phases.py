@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace as value
 
 import pytest
@@ -94,6 +95,16 @@ def test_the_engine_keeper_runs_during_an_eval_job(monkeypatch):
     with pytest.raises(RunFailed, match="^rollout engine 0: died after 3 restart"):
         asyncio.run(asyncio.wait_for(entrypoint._eval_only(RunConfig(), fake, []), 20))
     assert versions == [0]  # a new engine loads the scored checkpoint itself: no weights pushed to it
+
+
+def test_a_dead_gcs_ends_a_resumes_checkpoint_load_naming_it(monkeypatch):
+    """The trainer ranks loading the checkpoint a run resumes (minutes on GPU) are watched too."""
+    monkeypatch.setattr(ray_head, "dead_head_processes", lambda: {"raylet": -signal.SIGKILL})
+    monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
+    fake = value(calls=value(ranks=_forever), role_pids={}, critic=None, actor=object())
+    notice = value(install=lambda loop, task: None)
+    with pytest.raises(RunFailed, match="^Ray's raylet: the process died \\(killed by SIGKILL\\)"):
+        asyncio.run(asyncio.wait_for(entrypoint._train(RunConfig(), fake, [], Path("step_3"), notice), 20))
 
 
 def test_a_failed_watcher_ends_the_work_and_every_task_ends_with_it():
