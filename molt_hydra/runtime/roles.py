@@ -232,8 +232,8 @@ def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | 
         return engine_cls.options(num_cpus=0, **place).remote(**engine_args(cfg, model_path, capture_routing, i))
 
     engines = [new_engine(i) for i in range(r.num_engines)]
-    _note_pids(role_pids, [(f"rollout engine {i}", e) for i, e in enumerate(engines)])
-    return engines, asyncio.gather(*(e.start.remote() for e in engines)), new_engine
+    return engines, asyncio.gather(*(_noted(role_pids, f"rollout engine {i}", e, "start")
+                                     for i, e in enumerate(engines))), new_engine
 
 
 def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
@@ -351,13 +351,13 @@ def _role_pids(role_pids: dict[str, int], engines: list, groups: dict, runners: 
     return role_pids
 
 
-def _note_pids(role_pids: dict[str, int], named: list[tuple[str, object]]) -> None:
-    """Each named actor's pid into `role_pids` once its process is up (its constructor done), while its start goes
-    on: the start-up's watchers see an engine stopped by a signal while it loads the model. Asked before any other
-    call, so it is answered first."""
-    for name, handle in named:  # (a concurrent future: one never answered, its actor dead, is dropped silently)
-        handle.__ray_call__.remote(_pid).future().add_done_callback(
-            lambda f, name=name: f.cancelled() or f.exception() or role_pids.setdefault(name, f.result()))
+async def _noted(role_pids: dict[str, int], name: str, actor, start: str):
+    """`actor.<start>()`, once the actor's pid is in `role_pids` (its process is up, its constructor done): the
+    start-up's watchers then see an engine stopped by a signal while it loads the model. The pid is awaited before
+    the start is asked: an engine's start holds its actor's event loop in vLLM's (sync) engine-core handshake, which
+    a pid call sent beside it could wait behind, for good when the engine core is stopped."""
+    role_pids[name] = await actor.__ray_call__.remote(_pid)
+    return await getattr(actor, start).remote()
 
 
 def _pid(_actor) -> int:
@@ -417,8 +417,8 @@ async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pid
     engines, starting, new_engine = _start_engines(cfg, model_path, shared_gpus, share, role_pids)
     starting.add_done_callback(ready("engines"))
     runners = _start_runners(cfg, engines, tokenizer_path)
-    _note_pids(role_pids, [(f"agent runner {i}", x) for i, x in enumerate(runners)])
-    runners_ready = asyncio.gather(*(x.__ray_ready__.remote() for x in runners))
+    runners_ready = asyncio.gather(*(_noted(role_pids, f"agent runner {i}", x, "__ray_ready__")
+                                     for i, x in enumerate(runners)))
     runners_ready.add_done_callback(ready("agent runners"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)

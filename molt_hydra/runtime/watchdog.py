@@ -88,7 +88,8 @@ async def watch_stopped(role_pids: dict[str, int], alone: dict[str, int] | None 
     while True:
         await asyncio.sleep(STOPPED_POLL_S)
         now, previous = time.monotonic(), seen
-        held = await asyncio.to_thread(stopped, role_pids, alone) if now - last < 3 * STOPPED_POLL_S else []
+        # (a copy: the dict grows as roles start, and a restarted engine's pid replaces its old one, meanwhile)
+        held = await asyncio.to_thread(stopped, dict(role_pids), alone) if now - last < 3 * STOPPED_POLL_S else []
         last, seen = now, {who: previous.get(who, 0) + 1 for who in held}
         for (role, _), polls in seen.items():
             if polls >= STOPPED_POLLS:

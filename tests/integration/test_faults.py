@@ -640,13 +640,15 @@ def _eval_job(out: Path) -> Run:
 
 
 @pytest.mark.slow  # ~1-2 min each: tests/unit/test_watched_phases.py (the watchers beside the start) in make test
-@pytest.mark.parametrize("job", ["rl", "eval"])
-@pytest.mark.parametrize("fault", ["kill -9 of Ray's GCS", "SIGSTOP of an engine core"])
+@pytest.mark.parametrize("job, fault", [("rl", "SIGSTOP of an engine core"), ("eval", "SIGSTOP of an engine core"),
+                                        ("eval", "kill -9 of Ray's GCS")])
 def test_a_fault_while_the_roles_start_or_an_eval_job_scores_ends_it_naming_the_role(tmp_path, fault, job):
     """The run's watchers (a dead GCS or raylet, a stopped role) also run while the roles start (the engines load the
-    model) and while job=eval scores. Before: a kill -9 of the GCS ended the run 60 s later with Ray's C++ line, no
-    role named, Ray's processes left behind; a stopped engine core hung the start for startup_s (600 s), the eval for
-    step_s (3600 s)."""
+    model) and while job=eval scores. Before: a stopped engine core hung the start for startup_s (600 s), the eval for
+    step_s (3600 s); a kill -9 of the GCS went unseen by job=eval, which here ended before Ray's own exit of the
+    driver 60 s later (a longer eval: Ray's C++ line, no role named). (A kill -9 of the GCS while the engines load is
+    named by the start-up's first failing call here, old code too; tests/unit/test_watched_phases.py has a start
+    that waits longer.)"""
     out = tmp_path / "run"
     run = _eval_job(out) if job == "eval" else Run(out, *ENDLESS)
     run.wait_for((lambda: _started(run) and run.children("EngineCor")) if job == "eval"

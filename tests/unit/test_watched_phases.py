@@ -132,3 +132,15 @@ def test_a_failed_watcher_ends_the_work_and_every_task_ends_with_it():
         assert watcher.cancelled()
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_the_stopped_roles_are_read_from_a_copy_of_the_growing_pids(monkeypatch):
+    """watch_stopped reads the pids in a thread while the roles' start adds to the dict: it reads a copy (before, the
+    start's first added pid could fail the run: 'driver: RuntimeError: dictionary changed size during iteration')."""
+    seen = []
+    monkeypatch.setattr(watchdog, "STOPPED_POLL_S", 0.01)
+    monkeypatch.setattr(watchdog, "stopped", lambda pids, alone=None: seen.append(pids) or [])
+    pids = {"rollout engine 0": 1}
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(watchdog.watch_stopped(pids), 0.2))
+    assert seen and all(p == pids and p is not pids for p in seen)
