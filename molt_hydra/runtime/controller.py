@@ -38,10 +38,10 @@ from molt_hydra.algorithm.kl import KLController, approx_kl
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.rollout.generator import RolloutBatch
-from molt_hydra.runtime import ray_head, reaper
+from molt_hydra.runtime import ray_head
 from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
-from molt_hydra.runtime.watchdog import RunFailed, deadline, watch_stopped
+from molt_hydra.runtime.watchdog import RunFailed, beside, deadline
 
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
                  "weight_sync_wait", "weight_sync")
@@ -363,33 +363,17 @@ class RLController:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
-        await self.calls.freeze_heaps()
+        await self.watched(self.calls.freeze_heaps())
         # at step 0, eval.at_start; on resume, the eval a preemption's save skipped (none else is due there)
-        await self.maybe_eval(force=self.step == 0 and self.cfg.eval.at_start)
-        producer = asyncio.create_task(self.produce())
-        # the keeper replaces dead engines meanwhile; its failure (too many restarts) ends the run
-        watcher = asyncio.create_task(self.calls.keeper.watch(lambda: self.version + self.trainer_ahead))
-        head = asyncio.create_task(ray_head.watch())  # Ray's GCS and raylet: a death of either ends the run
-        # a role stopped by a signal (SIGSTOP); its pid is read in this node's /proc, so on one node only (Ray's GCS
-        # and raylet: where this process started them)
-        held = asyncio.create_task(watch_stopped(self.roles.role_pids if self.cfg.cluster.nodes == 1 else {},
-                                                 ray_head.pids()))
-        kept = asyncio.create_task(reaper.keep())  # what ends Ray's processes if this one is killed
-        steps = asyncio.create_task(self._steps())
-        background = {producer, watcher, head, held, kept}
-        try:  # a failure in the background ends the steps wherever they wait (a weight sync waiting for a batch)
-            while True:
-                done, _ = await asyncio.wait({steps, *background}, return_when=asyncio.FIRST_COMPLETED)
-                if steps in done:
-                    return steps.result()
-                for task in done:
-                    background.discard(task)
-                    if not task.cancelled() and task.exception() is not None:
-                        raise task.exception()
-        finally:
-            for task in (steps, *background):
-                task.cancel()
-            await asyncio.gather(steps, producer, watcher, head, held, kept, return_exceptions=True)
+        await self.watched(self.maybe_eval(force=self.step == 0 and self.cfg.eval.at_start))
+        return await self.watched(self._steps(), self.produce())
+
+    def watched(self, work, *more):
+        """`work` (and `more`: the producer) beside the run's watchers (watchdog.beside), whose failure ends it wherever
+        it waits (a weight sync waiting for a batch): the keeper, which replaces dead engines (its failure: too many
+        restarts), and those of ray_head.watchers (Ray's GCS and raylet, roles stopped by a signal, the reaper)."""
+        keeper = self.calls.keeper.watch(lambda: self.version + self.trainer_ahead)
+        return beside(work, *more, keeper, *ray_head.watchers(self.roles.role_pids, self.cfg.cluster.nodes == 1))
 
     async def _steps(self) -> dict:
         cfg, max_steps, keeper = self.cfg, self.cfg.train.max_steps, self.calls.keeper

@@ -30,8 +30,8 @@ from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within, stopped_head
 from molt_hydra.runtime.run_lock import run_lock
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
-from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, describe, descendants,
-                                        kill, shutdown_ray, stall_report)
+from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, beside, describe,
+                                        descendants, kill, shutdown_ray, stall_report)
 
 
 def run(cfg: RunConfig) -> None:
@@ -283,17 +283,18 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
     from molt_hydra.runtime.roles import build_roles
 
     roles, opened = None, []  # opened: the run's logs, closed before any process is ended
+    role_pids: dict[str, int] = {}  # filled as the roles start (a stall during their start names and dumps them)
     last_words: list[str] = []  # the failure message: printed after every teardown, so it is what the user sees last
     name_checkpoint = False  # an interruption or a stall: the checkpoint to resume from, named after the teardown
     try:
-        roles = await build_roles(cfg, record)
+        roles = await build_roles(cfg, record, role_pids)
         shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
         if cfg.job.value == "eval":
             return await _eval_only(cfg, roles, opened)
         return await _train(cfg, roles, opened, resume_from, notice)
     except RoleStalled as e:
         probe, name_checkpoint = roles is not None and e.role in ("rollout", "weight sync"), True
-        return _stalled(cfg, roles, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
+        return _stalled(cfg, role_pids, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
     except asyncio.CancelledError:
         print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
         name_checkpoint = True  # which one is named after the teardown: the last thing the user reads
@@ -303,7 +304,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         stalled = await roles.calls.probe_rollout() if isinstance(e, RunFailed) and e.drops and roles else []
         if stalled:
             name_checkpoint = True
-            return _stalled(cfg, roles, f"rollout stalled: {e.cause}", stalled, last_words)
+            return _stalled(cfg, role_pids, f"rollout stalled: {e.cause}", stalled, last_words)
         last_words += await _report_failure(cfg, roles, e)
         return EXIT_FAILED
     finally:
@@ -338,10 +339,11 @@ def _still_stopping() -> None:
     print("Already stopping every role; please wait.", file=sys.stderr, flush=True)
 
 
-def _stalled(cfg: RunConfig, roles, reason: str, not_answering: list[str], last_words: list[str]) -> int:
-    """A role stopped making progress: its name, every role's stacks in a file, exit 3."""
-    role_pids, head = (roles.role_pids, ray_head.pids()) if roles is not None else ({}, {})
-    last_words += stall_report(cfg.output_dir, role_pids, reason, not_answering, head)
+def _stalled(cfg: RunConfig, role_pids: dict[str, int], reason: str, not_answering: list[str],
+             last_words: list[str]) -> int:
+    """A role stopped making progress: its name, every role's stacks in a file, exit 3. `role_pids`: those of the
+    roles started so far (before: none while they started, so a stopped engine's pid and stacks went untold)."""
+    last_words += stall_report(cfg.output_dir, role_pids, reason, not_answering, ray_head.pids())
     return EXIT_STALLED
 
 
@@ -464,8 +466,9 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
 
     calls, c, state = roles.calls, cfg.checkpoint, None
     notice.install(asyncio.get_running_loop(), asyncio.current_task())  # Slurm's notice: a save at the step's end
-    if found is not None:
-        client, found = await _load_verified(cfg, roles, found)
+    if found is not None:  # (minutes on GPU: watched as the start and the loop are)
+        client, found = await beside(_load_verified(cfg, roles, found),
+                                     *ray_head.watchers(roles.role_pids, cfg.cluster.nodes == 1))
         state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     ctl.log.sinks.rewind(state["step"] if state else 0)  # 0: an earlier attempt here that saved no checkpoint
@@ -531,7 +534,7 @@ def _damage(error: BaseException) -> str | None:
 
 async def _eval_only(cfg: RunConfig, roles, opened: list) -> int:
     ctl = _controller(cfg, roles, opened, None)
-    await ctl.maybe_eval(force=True)
+    await ctl.watched(ctl.maybe_eval(force=True))  # (before, unwatched: a stopped engine hung it for eval's step_s)
     print(json.dumps(ctl.last_eval, indent=2))
     return 0
 

@@ -12,7 +12,8 @@ import signal
 import sys
 
 from molt_hydra.compat.ray import dead_head_processes, live_head_processes
-from molt_hydra.runtime.watchdog import RunFailed, stopped
+from molt_hydra.runtime import reaper
+from molt_hydra.runtime.watchdog import RunFailed, stopped, watch_stopped
 
 POLL_S = 1.0  # a Popen.poll per process: the run fails within a second, well before Ray's 60 s GCS timeout
 EXIT_S = 5.0  # a raylet's graceful end, once its workers died (~0.1 s quiet; loaded, 2 cores: seconds)
@@ -61,3 +62,13 @@ async def watch() -> None:
     while (failed := dead_head()) is None:
         await asyncio.sleep(POLL_S)
     raise failed
+
+
+def watchers(role_pids: dict[str, int], local: bool) -> list:
+    """The watchers that run beside every phase of a run with roles (watchdog.beside): the roles' start, the RL loop,
+    job=eval. A dead GCS or raylet (`watch`), a role or either of them stopped by a signal (watchdog.watch_stopped; a
+    role's pid is read in this node's /proc: `local`, one node only; `role_pids` is read at each poll, so a dict filled
+    as the roles start is watched as it fills), and the reaper's death (reaper.keep). Before, none ran while the roles
+    started nor during job=eval: a kill -9 of the GCS then ended the run 60 s later with Ray's C++ line, no role
+    named, Ray's processes left behind; a stopped engine hung it until train.timeouts.startup_s / step_s."""
+    return [watch(), watch_stopped(role_pids if local else {}, pids()), reaper.keep()]

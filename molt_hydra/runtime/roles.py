@@ -28,8 +28,8 @@ from molt_hydra.runtime.engine_keeper import EngineKeeper
 from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.preemption import NOTICE
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
-from molt_hydra.runtime import reaper
-from molt_hydra.runtime.watchdog import deadline
+from molt_hydra.runtime import ray_head, reaper
+from molt_hydra.runtime.watchdog import beside, deadline
 
 # Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
 # ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
@@ -218,7 +218,7 @@ def _start_ray(cfg: RunConfig) -> None:
     reaper.settled()
 
 
-def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | None):
+def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | None, role_pids: dict[str, int]):
     """Rollout engines first (their bundles are the largest); `new_engine(i)` also replaces a dead engine mid-run
     (runtime/engine_keeper.py). Returns (engines, their start, new_engine)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -243,7 +243,8 @@ def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | 
         return engine_cls.options(num_cpus=0, **place).remote(**engine_args(cfg, model_path, capture_routing, i))
 
     engines = [new_engine(i) for i in range(r.num_engines)]
-    return engines, asyncio.gather(*(e.start.remote() for e in engines)), new_engine
+    return engines, asyncio.gather(*(_noted(role_pids, f"rollout engine {i}", e, "start")
+                                     for i, e in enumerate(engines))), new_engine
 
 
 def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
@@ -351,13 +352,27 @@ def _policy_loss(cfg: RunConfig):
                       is_correction=ISCorrection(c.level.value, c.mode.value, c.low, c.high))
 
 
-def _role_pids(engines: list, groups: dict, runners: list) -> dict[str, int]:
-    """Each role process's pid, by role name (the run record's and the watchdog's view)."""
+def _role_pids(role_pids: dict[str, int], engines: list, groups: dict, runners: list) -> dict[str, int]:
+    """Each role process's pid, by role name (the run record's and the watchdog's view), into `role_pids`."""
     named = [(f"rollout engine {i}", e) for i, e in enumerate(engines)]
     named += [(f"{name} rank {i}", w) for name, g in groups.items() if g is not None for i, w in enumerate(g.workers)]
     named += [(f"agent runner {i}", r) for i, r in enumerate(runners)]
     pids = ray.get([h.__ray_call__.remote(lambda _: os.getpid()) for _, h in named], timeout=60)
-    return {name: pid for (name, _), pid in zip(named, pids)}
+    role_pids.update({name: pid for (name, _), pid in zip(named, pids)})
+    return role_pids
+
+
+async def _noted(role_pids: dict[str, int], name: str, actor, start: str):
+    """`actor.<start>()`, once the actor's pid is in `role_pids` (its process is up, its constructor done): the
+    start-up's watchers then see an engine stopped by a signal while it loads the model. The pid is awaited before
+    the start is asked: an engine's start holds its actor's event loop in vLLM's (sync) engine-core handshake, which
+    a pid call sent beside it could wait behind, for good when the engine core is stopped."""
+    role_pids[name] = await actor.__ray_call__.remote(_pid)
+    return await getattr(actor, start).remote()
+
+
+def _pid(_actor) -> int:
+    return os.getpid()
 
 
 def weight_transport(cfg: RunConfig) -> str:
@@ -377,10 +392,9 @@ def _abandon(*starts: asyncio.Future) -> None:
         start.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
-    from molt_hydra.models.build import resolve_path
-    from molt_hydra.weight_sync import setup_weight_sync
-
+async def build_roles(cfg: RunConfig, run_record: dict, role_pids: dict[str, int] | None = None) -> Roles:
+    """The run's roles, started beside the run's watchers (ray_head.watchers); `role_pids` is filled with each role's
+    pid as its process comes up (Roles.role_pids is that dict)."""
     # Ray starts (or is joined) while this process imports transformers' tokenizers (seconds on 2 cores): neither
     # waits. `up`: the start-up profile, seconds from Ray's start until each role is ready.
     importing = threading.Thread(target=importlib.import_module, args=("transformers.models.auto.tokenization_auto",),
@@ -390,7 +404,17 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     init_ray(cfg)
     up = {"ray": time.perf_counter() - t0}
     importing.join()
+    role_pids = {} if role_pids is None else role_pids  # the watchers read it as it fills
+    return await beside(_build(cfg, run_record, t0, up, role_pids),
+                        *ray_head.watchers(role_pids, cfg.cluster.nodes == 1))
+
+
+async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pids: dict[str, int]) -> Roles:
+    """build_roles once Ray is up, beside the run's watchers."""
     from transformers import AutoTokenizer
+
+    from molt_hydra.models.build import resolve_path
+    from molt_hydra.weight_sync import setup_weight_sync
 
     def ready(name: str):
         return lambda _: up.setdefault(name, time.perf_counter() - t0)
@@ -401,10 +425,11 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
     tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
     fsdp = fsdp_roles(cfg)
     shared_gpus, share = await colocated_placement(cfg, len(fsdp))
-    engines, starting, new_engine = _start_engines(cfg, model_path, shared_gpus, share)
+    engines, starting, new_engine = _start_engines(cfg, model_path, shared_gpus, share, role_pids)
     starting.add_done_callback(ready("engines"))
     runners = _start_runners(cfg, engines, tokenizer_path)
-    runners_ready = asyncio.gather(*(x.__ray_ready__.remote() for x in runners))
+    runners_ready = asyncio.gather(*(_noted(role_pids, f"agent runner {i}", x, "__ray_ready__")
+                                     for i, x in enumerate(runners)))
     runners_ready.add_done_callback(ready("agent runners"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -427,7 +452,7 @@ async def build_roles(cfg: RunConfig, run_record: dict) -> Roles:
         engines=engines, actor=actor, ref=ref, critic=critic, runners=runners,
         generator=_generator(cfg, prompts, runners), pad_token_id=tokenizer.pad_token_id or 0, tokenizer=tokenizer,
         run_record=run_record, transport=transport, eval_rows=eval_rows, policy_loss=_policy_loss(cfg),
-        role_pids=_role_pids(engines, {"actor": actor, "reference": ref, "critic": critic}, runners),
+        role_pids=_role_pids(role_pids, engines, {"actor": actor, "reference": ref, "critic": critic}, runners),
         new_engine=new_engine)
     roles.calls = RoleCalls(roles, t.timeouts, r.weight_sync, r.dtype.value, r.max_model_len)
     roles.calls.keeper = EngineKeeper(roles, max_restarts=r.max_engine_restarts, startup_s=t.timeouts.startup_s)

@@ -88,12 +88,35 @@ async def watch_stopped(role_pids: dict[str, int], alone: dict[str, int] | None 
     while True:
         await asyncio.sleep(STOPPED_POLL_S)
         now, previous = time.monotonic(), seen
-        held = await asyncio.to_thread(stopped, role_pids, alone) if now - last < 3 * STOPPED_POLL_S else []
+        # (a copy: the dict grows as roles start, and a restarted engine's pid replaces its old one, meanwhile)
+        held = await asyncio.to_thread(stopped, dict(role_pids), alone) if now - last < 3 * STOPPED_POLL_S else []
         last, seen = now, {who: previous.get(who, 0) + 1 for who in held}
         for (role, _), polls in seen.items():
             if polls >= STOPPED_POLLS:
                 raise RoleStalled(role, "", 0, f"{role} stalled: its process has made no progress for "
                                                f"{polls * STOPPED_POLL_S:g} s")
+
+
+async def beside(work, *watchers):
+    """`work`'s result, with `watchers` (coroutines that run until cancelled, or raise the run's failure) running
+    beside it: a watcher's failure ends `work` wherever it waits, and is raised; every task is cancelled and awaited
+    when this returns. A watcher that returns is simply done."""
+    work = asyncio.ensure_future(work)
+    background = {asyncio.ensure_future(w) for w in watchers}
+    every = [work, *background]
+    try:
+        while True:
+            done, _ = await asyncio.wait({work, *background}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            for task in done:
+                background.discard(task)
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+    finally:
+        for task in every:
+            task.cancel()
+        await asyncio.gather(*every, return_exceptions=True)
 
 
 def stall_report(run_dir: str | Path, role_pids: dict[str, int], reason: str, not_answering: list[str],

@@ -625,3 +625,68 @@ def test_a_stopped_gcs_or_raylet_ends_the_run_naming_it(tmp_path, process, path)
                                     "on without it (first seen as "), lines[-3:]
         assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
     assert "Traceback" not in run.err()
+
+
+def _started(run: Run) -> bool:
+    return "start-up, seconds from Ray's start until ready" in run.out_text()
+
+
+def _eval_job(out: Path) -> Run:
+    """job=eval long enough to be caught scoring (32 prompts x 64 samples of up to 64 tokens)."""
+    small = [o for o in SMALL if o.split(".")[0] not in ("train", "checkpoint") and "n_samples" not in o
+             and "max_new_tokens" not in o]
+    return Run(out, *small, "rollout.max_new_tokens=64", "job=eval", "eval.data_path=builtin://toy_eval",
+               "eval.n_samples_per_prompt=64", small=False)
+
+
+@pytest.mark.slow  # ~1-2 min each: tests/unit/test_watched_phases.py (the watchers beside the start) in make test
+@pytest.mark.parametrize("job, fault", [("rl", "SIGSTOP of an engine core"), ("eval", "SIGSTOP of an engine core"),
+                                        ("eval", "kill -9 of Ray's GCS")])
+def test_a_fault_while_the_roles_start_or_an_eval_job_scores_ends_it_naming_the_role(tmp_path, fault, job):
+    """The run's watchers (a dead GCS or raylet, a stopped role) also run while the roles start (the engines load the
+    model) and while job=eval scores. Before: a stopped engine core hung the start for startup_s (600 s), the eval for
+    step_s (3600 s); a kill -9 of the GCS went unseen by job=eval, which here ended before Ray's own exit of the
+    driver 60 s later (a longer eval: Ray's C++ line, no role named). (A kill -9 of the GCS while the engines load is
+    named by the start-up's first failing call here, old code too; tests/unit/test_watched_phases.py has a start
+    that waits longer.)"""
+    out = tmp_path / "run"
+    run = _eval_job(out) if job == "eval" else Run(out, *ENDLESS)
+    run.wait_for((lambda: _started(run) and run.children("EngineCor")) if job == "eval"
+                 else lambda: run.children("EngineCor"))
+    assert job == "eval" or not _started(run), "the roles started before the fault"
+    stop = fault.startswith("SIGSTOP")
+    (pid,) = run.children("EngineCor" if stop else "ray/gcs/gcs_server")
+    os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        code = run.finish(timeout=180)  # (asserts that no process is left)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert "Traceback" not in run.err() and time.monotonic() - t0 < 120, run.err()[-3000:]
+    if stop:
+        assert code == 3, run.err()[-3000:]
+        first = [line for line in lines if line.startswith("Run stopped: ")]
+        assert first and first[-1].startswith("Run stopped: rollout engine 0 stalled: its process has made no "
+                                              "progress for ") and f"rollout engine 0 (pid {pid})" in first[-1], lines
+    else:
+        assert code == EXIT_FAILED, run.err()[-3000:]
+        assert "Run failed: Ray's gcs_server: the process died (killed by SIGKILL); no role can go on without it." \
+            in lines, lines[-4:]
+    if job == "rl":  # (job=eval trains nothing: no checkpoint of its own to name)
+        assert lines[-1 if stop else -2] == "Last checkpoint: none (the run starts from step 0 again)", lines[-4:]
+
+
+@pytest.mark.slow  # ~1 min: tests/unit/test_watched_phases.py (the keeper beside the eval) in make test
+def test_a_killed_engine_core_during_an_eval_job_is_replaced_and_the_eval_ends(tmp_path):
+    """Before, no keeper ran during job=eval: the eval's requests waited for an engine that never came back."""
+    out = tmp_path / "run"
+    run = _eval_job(out)
+    run.wait_for(lambda: _started(run) and run.children("EngineCor"))
+    (pid,) = run.children("EngineCor")
+    os.kill(pid, signal.SIGKILL)
+    assert run.finish(timeout=240) == 0, run.err()[-3000:]  # (asserts that no process is left)
+    assert "rollout engine 0 restarted (1 of rollout.max_engine_restarts=3): its vLLM engine core died; " in run.err()
+    scores = json.loads(run.out_text()[run.out_text().index("{\n"):])
+    assert scores["eval_num_samples"] == 32 * 64

@@ -41,7 +41,7 @@ def test_a_stall_names_the_roles_whose_process_is_stopped(tmp_path):
         pids = {"rollout engine 0": engine.pid, "actor rank 0": rank.pid, "agent runner 0": runner.pid}
         assert stopped(pids) == [("rollout engine 0", core), ("actor rank 0", rank.pid)]
         last_words: list[str] = []
-        code = _stalled(value(output_dir=str(tmp_path)), value(role_pids=pids),
+        code = _stalled(value(output_dir=str(tmp_path)), pids,
                         "actor stalled: train_step did not finish within 30 s", [], last_words)
         assert code == EXIT_STALLED
         assert last_words[0] == "Run stopped: actor stalled: train_step did not finish within 30 s; stopped by a " \
