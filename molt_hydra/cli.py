@@ -454,10 +454,9 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     texts = [f"hydra.sweeper.params.{text}" for text in params]
     if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts):
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
-    if not (basic and (first.hydra.launcher._target_.endswith(".BasicLauncher") or first.dry_run)):
+    if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
-        # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages. A dry
-        # run is planned here whatever the launcher (it checks no machine): handed to submitit, it submitted jobs
+        # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
         return [], []
     points = sweep_points(parsed)
     if not points:  # (Hydra would launch 0 jobs and exit 0)
@@ -527,7 +526,7 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
                 "multirun; without -m this run would start here, on this machine. Fix: add -m to submit it, or "
                 "sbatch launchers/molt.sbatch"]
     if submits and multirun:  # (submitit's own check of srun is a RuntimeError traceback once Hydra starts)
-        return [] if first.dry_run or shutil.which("srun") else [  # (a dry run submits nothing: sweep_checked)
+        return [] if shutil.which("srun") else [
             "- hydra/launcher: the cluster preset selects the Slurm launcher, which submits each point with sbatch, "
             "but this machine has no Slurm (srun is not on PATH). Fix: run molt-run -m on a Slurm login node, or "
             "choose a preset that runs here (cluster=local, cluster=local_gpus)"]

@@ -864,22 +864,6 @@ def test_an_empty_run_or_sweep_directory_is_refused(monkeypatch, tmp_path, capsy
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("launcher", ["hydra/launcher=submitit_local", "cluster=slurm"])
-def test_a_dry_multirun_is_planned_here_whatever_the_launcher(launcher, monkeypatch, tmp_path, capsys):
-    """Before: `-m hydra/launcher=submitit_local ... dry_run=true` handed its points to submitit, which started a job
-    for each, unchecked here; with cluster=slurm a dry run was refused for want of srun, though it submits nothing."""
-    import shutil
-
-    monkeypatch.setattr(shutil, "which", lambda name: None)  # no Slurm here
-    assert _main_in_process(["-m", launcher, "seed=1,2", "dry_run=true"], monkeypatch, tmp_path) == 0
-    out = capsys.readouterr().out
-    assert out.count(PLAN_HEADER) == 2 and "Dry run: nothing started, nothing written (2 sweep points planned)." in out
-    assert _main_in_process(["-m", launcher, "seed=1,-1", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
-    err = capsys.readouterr().err
-    assert f"sweep point #1 of 2 ({launcher} seed=-1 dry_run=True):\n- seed: must be in " in err, err
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_hydra_mode_multirun_without_m_is_refused(monkeypatch, tmp_path, capsys):
     """Before: `molt-run hydra.mode=MULTIRUN ...` was checked (and dry-run planned) as one run, then Hydra ran it as a
     multirun, its launcher's and sweep's points unchecked."""
