@@ -85,6 +85,7 @@ class FakeEngine:
 
     def __init__(self, worker, log):
         self.worker, self.log, self.version = worker, log, 0
+        self.stamps = None  # (began, ended) the engine reports for a single pass; None: the wall clock's now
         # a vLLM worker runs one RPC at a time, in order: two gloo receives of one group at once would abort gloo
         self.worker_thread = ThreadPoolExecutor(1)
         for name in ("begin_weight_update", "finish_weight_update", "worker_call", "load_weights_bytes",
@@ -111,7 +112,7 @@ class FakeEngine:
                 answer = await run(self.worker_thread, self.worker.update_from_shared_params, *token_names_handles,
                                    check)
                 self.version = version
-                return [answer], 0.0, (time.time(), time.time())  # no vLLM calls of its own here
+                return [answer], 0.0, self.stamps or (time.time(), time.time())  # no vLLM calls of its own here
         return lambda *args: call(*args)
 
 
@@ -473,7 +474,7 @@ def test_single_pass_loads_from_the_ranks_own_parameters_mapped_once_and_never_s
     assert new_worker.opened == 4 and replacement.version == 4 and worker.opened == 8
 
 
-def test_colocated_sync_is_one_call_per_engine_from_the_driver_with_the_offer_taken_at_the_release():
+def test_colocated_sync_is_one_call_per_engine_from_the_driver_with_the_offer_taken_at_the_release(monkeypatch):
     """The driver (runtime/calls.py `RoleCalls`) drives the single pass: the call that releases the trainer's cached
     memory before a colocated push brings the rank's offer, so the push itself is one call per engine and none to the
     trainer; a push without that release (a warm start, a replaced engine) asks for the offer first; the handles reach
@@ -493,6 +494,11 @@ def test_colocated_sync_is_one_call_per_engine_from_the_driver_with_the_offer_ta
     roles = types.SimpleNamespace(transport="cuda_ipc", actor=types.SimpleNamespace(num_ranks=1, workers=[rank0]),
                                   ref=None, critic=None, engines=engines)
     calls = RoleCalls(roles, TimeoutsConfig(), WeightSyncConfig(), "bfloat16")
+    # the round trip's legs from stamps, not a race: the driver's clock reads 100 s at the call and at the answer;
+    # engine 0 began 0.25 s after the call and ended 0.5 s before the answer, engine 1 0.125 s and 0.75 s
+    from molt_hydra.weight_sync import shared_params
+    monkeypatch.setattr(shared_params, "time", types.SimpleNamespace(time=lambda: 100.0))
+    engines[0].stamps, engines[1].stamps = (100.25, 99.5), (100.125, 99.25)
 
     def assert_engines_hold_the_ranks_weights():
         for worker in workers:
@@ -509,8 +515,8 @@ def test_colocated_sync_is_one_call_per_engine_from_the_driver_with_the_offer_ta
         assert trainer_calls == ["_release_cuda_cache"]  # the offer came with the release: the push called no rank
         assert log == ["update_from_shared_params"] * 2 and [e.version for e in engines] == [1, 1]
         assert metrics["weight_sync/single_pass"] == 1.0 and metrics["weight_sync/tensors"] == 4
-        legs = metrics["weight_sync/to_engine_seconds"] + metrics["weight_sync/from_engine_seconds"]
-        assert 0 < legs < metrics["weight_sync/push_seconds"]  # the round trip's two legs, inside the call
+        # each leg is the slowest engine's
+        assert (metrics["weight_sync/to_engine_seconds"], metrics["weight_sync/from_engine_seconds"]) == (0.25, 0.75)
         assert [w.opened for w in workers] == [4, 4]  # the handles came with each engine's first call
         assert_engines_hold_the_ranks_weights()
 
