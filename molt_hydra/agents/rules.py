@@ -8,7 +8,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-from pathlib import Path
 
 from molt_hydra.agents.base import Env, Runner
 from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
@@ -19,8 +18,8 @@ from molt_hydra.agents.wire.images import image_sources, load_image
 from molt_hydra.agents.wire.request import RequestError
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed
-from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, FILE_TYPES, PROMPT_FIX, builtin_size, check_prompt_rows,
-                                     combined)
+from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, PROMPT_FIX, builtin_size, check_prompt_rows, combined
+from molt_hydra.data.rules import raised, readable_local
 
 TARGET_FIX = "set agent.runner._target_ to pkg.module.Name or path/to/file.py:Name (an Env, ChatAgent or Runner)"
 
@@ -133,7 +132,7 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
     d, sizes = cfg.data, {}  # (key, dataset) -> its row count, of each readable local dataset
     for key, spec, split in (("data.train_path", d.train_path, d.split),
                              ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
-        for part in (p.strip() for p in (spec or "").split(",") if _readable_local(p.strip())):
+        for part in (p.strip() for p in (spec or "").split(",") if readable_local(p.strip())):
             try:
                 rows = check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
                                          tools_key=d.tools_key, image_key=d.image_key)
@@ -143,8 +142,7 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
                                          f"{problem[0]}. Fix: {problem[1]}")
                 sizes[key, part] = len(rows)
             except (KeyError, OSError, ValueError) as e:
-                reason, _, fix = (e.args[0] if isinstance(e, KeyError) else str(e)).partition(" Fix: ")
-                problems.check(False, key, reason.rstrip(".") + ".", fix or f"point {key} at a readable dataset")
+                raised(problems, key, e, f"point {key} at a readable dataset")
     _fills_a_batch(cfg, problems, sizes)
 
 
@@ -168,15 +166,6 @@ def _fills_a_batch(cfg: RunConfig, problems: Problems, sizes: dict[tuple[str, st
                    f"rollout.batch_size={b} prompts each step takes: a step would train on a partial batch, or hold a "
                    "prompt twice (over several train.num_episodes).", f"set rollout.batch_size <= {n} (raise "
                    "rollout.n_samples_per_prompt to keep the samples per step), or give it more rows")
-
-
-def _readable_local(spec: str) -> bool:
-    """A local dataset data/rules.py lets through: a non-empty data file of a type the run reads, or a
-    `save_to_disk` directory."""
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return path.suffix in FILE_TYPES and path.stat().st_size > 0
-    return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
 
 
 def _prompt_problem(prompt, max_images: int) -> tuple[str, str] | None:

@@ -60,27 +60,41 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
 
 
 def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> None:
-    """A local dataset the run can read: a file of a type it reads, or a `save_to_disk` directory; job=sft: its chat
-    rows pass the loader's checks (RL prompt rows: agents/rules.py check_prompts, with the chat server's parser).
-    Before, each failed once the run had started Ray and its engines: a malformed line or row, an unknown suffix
-    ('Couldn't find any data file at' a file that is there), a plain directory."""
+    """A local dataset the run can read (`readable_local`); job=sft: its chat rows pass the loader's checks (RL prompt
+    rows: agents/rules.py check_prompts, with the chat server's parser). Before, each failed once the run had started
+    Ray and its engines: a malformed line or row, an unknown suffix ('Couldn't find any data file at' a file that is
+    there), a plain directory."""
     readable = f"a data file ({', '.join(sorted(FILE_TYPES))}) or a datasets save_to_disk directory"
-    if path.is_file() and path.suffix not in FILE_TYPES:
+    if readable_local(path):
+        if cfg.job.value == "sft" and path.suffix in JSON_TYPES and path.is_file():
+            try:  # (job=sft reads .jsonl / .json files alone: _sft_data; RL prompt rows: agents/rules.py check_prompts)
+                rows = check_sft_rows(str(path), cfg.data.input_key, cfg.data.output_key)
+            except (KeyError, OSError, ValueError) as e:
+                raised(problems, key, e, f"point {key} at {readable}")
+                return
+            if key == "data.train_path":
+                _sft_fills_a_batch(cfg, problems, str(path), len(rows))
+    elif path.is_file() and path.suffix not in FILE_TYPES:
         problems.check(False, key, f"{str(path)!r} is a file of a type the run does not read (suffix "
                        f"{path.suffix or 'none'!r}).", f"convert it to {readable}")
-    elif path.is_dir() and any(path.iterdir()) and not any(  # (an empty one: check_location says so)
-            (path / name).is_file() for name in ("state.json", "dataset_dict.json")):
+    elif path.is_dir() and any(path.iterdir()):  # (an empty file or directory: check_location says so)
         problems.check(False, key, f"{str(path)!r} is a directory but no datasets save_to_disk output (no "
                        "state.json or dataset_dict.json).", f"point {key} at {readable}")
-    elif cfg.job.value == "sft" and path.suffix in JSON_TYPES and path.is_file() and path.stat().st_size:
-        try:  # (job=sft reads .jsonl / .json files alone: _sft_data; RL prompt rows: agents/rules.py check_prompts)
-            rows = check_sft_rows(str(path), cfg.data.input_key, cfg.data.output_key)
-        except (KeyError, OSError, ValueError) as e:
-            reason, _, fix = (e.args[0] if isinstance(e, KeyError) else str(e)).partition(" Fix: ")
-            problems.check(False, key, reason.rstrip(".") + ".", fix or f"point {key} at {readable}")
-            return
-        if key == "data.train_path":
-            _sft_fills_a_batch(cfg, problems, str(path), len(rows))
+
+
+def readable_local(spec: str | Path) -> bool:
+    """A local dataset the run reads: a non-empty data file of a type it reads, or a `save_to_disk` directory (anything
+    else: check_location's or _check_local's problem; agents/rules.py reads the prompt rows of these)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.suffix in FILE_TYPES and path.stat().st_size > 0
+    return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
+
+
+def raised(problems: Problems, key: str, error: Exception, fix: str) -> None:
+    """A loader's error, "reason. Fix: fix" (a KeyError's: its argument), as key's problem (`fix` where it has none)."""
+    reason, _, given = (error.args[0] if isinstance(error, KeyError) else str(error)).partition(" Fix: ")
+    problems.check(False, key, reason.rstrip(".") + ".", given or fix)
 
 
 def _sft_fills_a_batch(cfg: RunConfig, problems: Problems, source: str, count: int) -> None:
