@@ -3,6 +3,7 @@ rows carry images the engine can take. Run by runtime/validate.py beside config/
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from molt_hydra.config.bounds import get
@@ -74,10 +75,10 @@ def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> No
                 return
             if key == "data.train_path":
                 _sft_fills_a_batch(cfg, problems, str(path), len(rows))
-    elif path.is_file() and path.suffix not in FILE_TYPES:
+    elif os.path.isfile(path) and path.suffix not in FILE_TYPES:
         problems.check(False, key, f"{str(path)!r} is a file of a type the run does not read (suffix "
                        f"{path.suffix or 'none'!r}).", f"convert it to {readable}")
-    elif path.is_dir() and any(path.iterdir()):  # (an empty file or directory: check_location says so)
+    elif os.path.isdir(path) and any(path.iterdir()):  # (an empty file or directory: check_location says so)
         problems.check(False, key, f"{str(path)!r} is a directory but no datasets save_to_disk output (no "
                        "state.json or dataset_dict.json).", f"point {key} at {readable}")
 
@@ -86,9 +87,10 @@ def readable_local(spec: str | Path) -> bool:
     """A local dataset the run reads: a non-empty data file of a type it reads, or a `save_to_disk` directory (anything
     else: check_location's or _check_local's problem; agents/rules.py reads the prompt rows of these)."""
     path = Path(spec).expanduser()
-    if path.is_file():
+    # (os.path's tests: False for a name too long to be a path, where Path's raise OSError; check_location says so)
+    if os.path.isfile(path):
         return path.suffix in FILE_TYPES and path.stat().st_size > 0
-    return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
+    return os.path.isdir(path) and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
 
 
 def raised(problems: Problems, key: str, error: Exception, fix: str) -> None:
@@ -162,4 +164,4 @@ def _one_dataset(spec: str) -> bool:
     """A `save_to_disk` directory of one Dataset, not of a DatasetDict (datasets.load_from_disk tells them apart by
     the same files): it loads whole, whatever the split."""
     path = Path(spec).expanduser()
-    return path.is_dir() and (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file()
+    return os.path.isdir(path) and (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file()

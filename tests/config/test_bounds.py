@@ -12,6 +12,7 @@ import pytest
 from test_validation import assert_fires, config_errors
 from molt_hydra.config.bounds import BOUNDS, Bounds, declared_bounds
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.data.prompts import BUILTIN_TASKS
 
 
 
@@ -156,6 +157,17 @@ def test_default_scheduler_is_a_transformers_one():
 def test_overlong_model_path_is_a_config_error_not_an_oserror():
     lines = config_errors(["model.path=" + "x" * 300])
     assert any(l.startswith("model.path: ") and "is not a usable path (File name too long)" in l for l in lines), lines
+
+
+@pytest.mark.parametrize("overrides", [["data.train_path=" + "x" * 300], ["eval.data_path=" + "x" * 300],
+                                       ["job=sft", "data.train_path=" + "x" * 300]])
+def test_overlong_data_path_is_a_config_error_not_an_oserror(overrides):
+    """Before: data/rules.py's and agents/rules.py's looks at the local dataset (Path.is_file / is_dir) raised
+    OSError: [Errno 36] File name too long, a traceback in place of validation's report."""
+    key = overrides[-1].split("=")[0]
+    lines = config_errors(overrides)
+    assert (f"{key}: {'x' * 60!r}... is not a usable path (File name too long). Fix: give files, directories, hub "
+            f"dataset ids or one of {['builtin://' + n for n in sorted(BUILTIN_TASKS)]}") in lines, lines
 
 
 @pytest.mark.parametrize("override,key,fragment", [
