@@ -17,6 +17,9 @@ from pathlib import Path
 from molt_hydra.logging import dashboard
 # imported where used: wandb, TensorBoard (heavy, optional)
 
+# the run's per-step dumps under output_dir: logger.dump_trajectories (logging/run_log.py), logger.dump_logprobs
+DUMPS = ("trajectories", "logprobs")
+
 
 class MetricSinks:
     def __init__(self, output_dir: str | Path, *, run_name: str, config: dict, wandb_mode: str = "auto",
@@ -59,9 +62,10 @@ class MetricSinks:
         keeps a single row; TensorBoard is told the same (a restart marker at step + 1: its readers drop the earlier
         points from there on). W&B history cannot be rewritten: in the W&B run resumed, the rows of those steps
         logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them.
-        At step 0 no earlier row is this run's to drop: the earlier attempt's files (metrics.jsonl, samples.jsonl and
-        its TensorBoard events) are moved aside whole, named, with a notice. Before: they were dropped, so a new run in
-        an output_dir an earlier run had logged to (a new checkpoint.dir: no checkpoint found) erased its metrics."""
+        At step 0 no earlier row is this run's to drop: the earlier attempt's files (metrics.jsonl, samples.jsonl, its
+        TensorBoard events and DUMPS) are moved aside whole, named, with a notice. Before: they were dropped (dumps
+        overwritten), so a new run in an output_dir an earlier run had logged to (a new checkpoint.dir: no checkpoint
+        found) erased its metrics."""
         self.jsonl.close()
         moved, stamp = [], None  # stamp: the name the earlier attempt's files are moved aside under (step 0)
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -91,6 +95,9 @@ class MetricSinks:
                 if past := sum(s > step for _, s in rows):
                     print(f"{path}: {past} row(s) past step {step} dropped (the interrupted run's; logged again)",
                           flush=True)
+        for name in DUMPS if stamp else ():  # (a run from step 0 would overwrite some of them: a mix of two runs)
+            if (self.dir / name).is_dir():
+                moved.append((self.dir / name).rename(self.dir / f"{name}.{stamp}"))
         if self.tb is not None:
             self.tb.close()
             run = Path(self.tb.log_dir)  # this writer's own events file is one; an earlier attempt's are the others

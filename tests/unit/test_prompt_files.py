@@ -349,7 +349,7 @@ def test_a_hub_dataset_of_fewer_rows_than_a_batch_ends_the_run_at_its_load(tmp_p
     (tmp_path / "rows.jsonl").write_text("".join(f'{{"prompt": "{p}", "label": "{i}"}}\n' for i, p in enumerate("abc")))
     cache = tmp_path / "cache"
     datasets.load_dataset("json", data_files=str(tmp_path / "rows.jsonl"), split="train", cache_dir=str(cache))
-    # renamed as datasets (5.x) caches the hub dataset org/tiny: <cache>/org___tiny/default/<version>/<hash>/tiny-*.arrow
+    # renamed as datasets (5.x) caches hub dataset org/tiny: <cache>/org___tiny/default/<version>/<hash>/tiny-*.arrow
     (cache / "json").rename(cache / "org___tiny")
     (config,) = (cache / "org___tiny").glob("default-*")
     config.rename(config.with_name("default"))
