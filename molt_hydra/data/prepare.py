@@ -28,6 +28,8 @@ _DAPO = re.compile(r"^Solve the following math problem step by step\..*?\n\n(?P<
 
 
 def _ask(problem: str) -> list[dict]:
+    if not problem.strip():  # (was: a prompt of the instruction alone)
+        raise ValueError("its problem is blank")
     return [{"role": "user", "content": f"{problem.strip()}\n\n{BOXED}"}]
 
 
@@ -39,28 +41,38 @@ def _column(row: dict, *names: str):
     raise KeyError(f"none of the columns {names} in {sorted(row)}")
 
 
+def _answer(value) -> str:
+    """A row's answer as its label; a null or blank one is an error (was: written as the label "None" or "", and every
+    rollout of the row graded against it)."""
+    if value is None or not str(value).strip():
+        raise ValueError(f"its answer is {value!r}, nothing to grade against")
+    return str(value)
+
+
 def dapo_math(row: dict) -> dict:
     prompt = _column(row, "prompt")
     text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
     match = _DAPO.match(text)
-    return {"prompt": _ask(match["problem"] if match else text), "label": str(row["reward_model"]["ground_truth"]),
+    return {"prompt": _ask(match["problem"] if match else text), "label": _answer(row["reward_model"]["ground_truth"]),
             "datasource": "dapo_math"}
 
 
 def gsm8k(row: dict) -> dict:
-    # the reference solution ends with "#### <number>"; thousands separators are not part of the number
-    return {"prompt": _ask(row["question"]), "label": row["answer"].split("####")[-1].strip().replace(",", ""),
-            "datasource": "gsm8k"}
+    # the reference solution ends with "#### <number>"; thousands separators are not part of the number. One without
+    # it has no answer to take (was: its whole solution text became the label)
+    parts = row["answer"].split("####")
+    number = parts[-1].strip().replace(",", "") if len(parts) > 1 else None
+    return {"prompt": _ask(row["question"]), "label": _answer(number), "datasource": "gsm8k"}
 
 
 def aime(row: dict) -> dict:
-    return {"prompt": _ask(_column(row, "problem", "Problem")), "label": str(_column(row, "answer", "Answer")),
+    return {"prompt": _ask(_column(row, "problem", "Problem")), "label": _answer(_column(row, "answer", "Answer")),
             "datasource": "aime_2024"}
 
 
 def geometry3k(row: dict) -> dict:
     # the problem text keeps its "<image>" marker: the geo3k agents put the figure there (recipes/agents/geo3k.py)
-    return {"prompt": _ask(row["problem"]), "label": str(row["answer"]), "datasource": "geometry3k",
+    return {"prompt": _ask(row["problem"]), "label": _answer(row["answer"]), "datasource": "geometry3k",
             "images": row["images"]}
 
 
@@ -121,7 +133,7 @@ def _converting(convert: Callable[[dict], dict], source: str) -> Callable[[dict,
     def run(row: dict, index: int) -> dict:
         try:
             return convert(row)
-        except (AttributeError, KeyError, TypeError) as e:
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             cells = {k: f"{v!r:.40}" for k, v in row.items() if k != "images"}
             raise ValueError(f"{source} row {index} cannot be converted ({type(e).__name__}: {e}); its cells: "
                              f"{cells}. Fix: correct or remove that row") from None

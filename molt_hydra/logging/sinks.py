@@ -11,10 +11,14 @@ import errno
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from molt_hydra.logging import dashboard
 # imported where used: wandb, TensorBoard (heavy, optional)
+
+# the run's per-step dumps under output_dir: logger.dump_trajectories (logging/run_log.py), logger.dump_logprobs
+DUMPS = ("trajectories", "logprobs")
 
 
 class MetricSinks:
@@ -57,11 +61,13 @@ class MetricSinks:
         drop the jsonl rows past it (the interrupted run logged them; this run logs those steps again), so every step
         keeps a single row; TensorBoard is told the same (a restart marker at step + 1: its readers drop the earlier
         points from there on). W&B history cannot be rewritten: in the W&B run resumed, the rows of those steps
-        logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them."""
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = self._tensorboard(Path(self.tb.log_dir).name, purge_step=step + 1)
+        logged again carry `<prefix>/replayed_after_resume` = 1, so charts can filter them.
+        At step 0 no earlier row is this run's to drop: the earlier attempt's files (metrics.jsonl, samples.jsonl, its
+        TensorBoard events and DUMPS) are moved aside whole, named, with a notice. Before: they were dropped (dumps
+        overwritten), so a new run in an output_dir an earlier run had logged to (a new checkpoint.dir: no checkpoint
+        found) erased its metrics."""
         self.jsonl.close()
+        moved, stamp = [], None  # stamp: the name the earlier attempt's files are moved aside under (step 0)
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.dir / name
             if path.exists():
@@ -71,15 +77,38 @@ class MetricSinks:
                         rows.append((line, int(json.loads(line)["step"])))
                     except (ValueError, KeyError, TypeError):  # cut short: killed mid-write (node failure, disk full)
                         torn += bool(line.strip())
+                if name == "metrics.jsonl" and self.resumes_wandb:
+                    self.replayed_to = max((s for _, s in rows), default=0)
+                if step == 0 and (rows or torn):
+                    if stamp is None:  # the earlier attempt's last write (UTC); -2, -3 .. where an earlier one took it
+                        stamp = first = time.strftime("earlier-%Y%m%dT%H%M%SZ", time.gmtime(path.stat().st_mtime))
+                        n = 1
+                        while any(self.dir.glob(f"*.{stamp}.jsonl")):
+                            n += 1
+                            stamp = f"{first}-{n}"
+                    moved.append(path.rename(path.with_name(f"{path.stem}.{stamp}{path.suffix}")))
+                    continue
                 if torn:
                     print(f"{path}: {torn} unreadable row(s) dropped on resume (a write the stop cut short)",
                           file=sys.stderr, flush=True)
-                if name == "metrics.jsonl" and self.resumes_wandb:
-                    self.replayed_to = max((s for _, s in rows), default=0)
                 path.write_text("".join(line + "\n" for line, s in rows if s <= step))
                 if past := sum(s > step for _, s in rows):
                     print(f"{path}: {past} row(s) past step {step} dropped (the interrupted run's; logged again)",
                           flush=True)
+        for name in DUMPS if stamp else ():  # (a run from step 0 would overwrite some of them: a mix of two runs)
+            if (self.dir / name).is_dir():
+                moved.append((self.dir / name).rename(self.dir / f"{name}.{stamp}"))
+        if self.tb is not None:
+            self.tb.close()
+            run = Path(self.tb.log_dir)  # this writer's own events file is one; an earlier attempt's are the others
+            if stamp and len(list(run.glob("events.out.tfevents.*"))) > 1:
+                moved.append(run.rename(run.with_name(f"{run.name}.{stamp}")))
+            self.tb = self._tensorboard(run.name, purge_step=step + 1)
+        if moved:
+            print(f"{self.dir}: an earlier attempt's metrics, with no checkpoint to go on from, moved aside to "
+                  f"{', '.join(p.name for p in moved)}; this run starts at step 0"
+                  + (" and goes on in the last W&B run here (steps logged again marked replayed_after_resume)"
+                     if self.resumes_wandb else ""), flush=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
 
     @property

@@ -265,7 +265,10 @@ def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
 
 
 def _load_rows(cfg: RunConfig, scoring: bool) -> tuple[list, list | None]:
-    """(training prompts, eval rows or None); an eval job without training data scores its eval rows."""
+    """(training prompts, eval rows or None); an eval job without training data scores its eval rows. Training rows
+    fewer than rollout.batch_size end the run, as validation's count of local data does (agents/rules.py
+    `_fills_a_batch`): a hub dataset is counted only here, once loaded (was: trained on a partial batch without a
+    word), and so are rows dropped at load for their images."""
     from molt_hydra.data.prompts import load_prompts
 
     d = cfg.data
@@ -276,6 +279,12 @@ def _load_rows(cfg: RunConfig, scoring: bool) -> tuple[list, list | None]:
     prompts = eval_rows if scoring and not d.train_path else _named(
         "data.train_path", load_prompts, d.train_path, split=d.split, max_samples=d.max_samples, probs=d.train_probs,
         seed=cfg.seed, **rows)
+    if cfg.job.value == "rl" and len(prompts) < (b := cfg.rollout.batch_size):
+        raise ValueError(f"data.train_path={d.train_path} has {len(prompts)} row(s) to train on as loaded, fewer "
+                         f"than the rollout.batch_size={b} prompts each step takes: a step would train on a partial "
+                         "batch, or hold a prompt twice (over several train.num_episodes). Fix: set rollout.batch_size "
+                         f"<= {len(prompts)} (raise rollout.n_samples_per_prompt to keep the samples per step), or "
+                         "give it more rows")
     return prompts, eval_rows
 
 

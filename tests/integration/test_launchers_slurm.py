@@ -285,13 +285,16 @@ def test_requeued_point_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
 def test_point_requeued_before_its_first_checkpoint_starts_over_with_one_row_per_step(slurm_cluster, tmp_path):
     """Needs the RL loop: the slurm preset's default saves only at the end, so a point requeued mid-run has no
     checkpoint and starts again at step 1 in the same directory: metrics.jsonl keeps one row per step (before: the
-    first attempt's steps, then 1, 2, ... again)."""
+    first attempt's steps, then 1, 2, ... again); the first attempt's rows are moved aside (before: dropped)."""
     max_steps = 10
     metrics, job, before = _interrupt_one_point(tmp_path, max_steps, ["scontrol", "requeue"])
     first, sweep = len(before), tmp_path / "sweep"
     assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == list(range(1, max_steps + 1))
     log = (sweep / ".submitit" / job / f"{job}_0_log.out").read_text()
-    assert "row(s) past step 0 dropped" in log and first >= 3
+    (aside,) = metrics.parent.glob("metrics.earlier-*.jsonl")  # the first attempt's rows, kept aside, named
+    kept = [json.loads(ln)["step"] for ln in aside.read_text().splitlines()]
+    assert kept == list(range(1, len(kept) + 1)) and len(kept) >= first >= 3
+    assert f"an earlier attempt's metrics, with no checkpoint to go on from, moved aside to {aside.name}" in log
 
 
 @pytest.mark.slow

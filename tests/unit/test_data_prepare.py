@@ -129,3 +129,27 @@ def test_a_source_prepare_cannot_read_is_one_line_naming_it(tmp_path, capsys, na
     assert done.value.code == 1
     last = capsys.readouterr().err.splitlines()[-1]  # (after datasets' progress bars)
     assert last.startswith(f"python -m molt_hydra.data.prepare: error: {source}{message}"), last
+
+
+@pytest.mark.parametrize("name,row,why", [
+    ("aime_2024", {"Problem": "p", "Answer": None}, "its answer is None"),
+    ("aime_2024", {"Problem": "p", "Answer": " "}, "its answer is ' '"),
+    ("aime_2024", {"Problem": " ", "Answer": "3"}, "its problem is blank"),
+    ("gsm8k", {"question": "q", "answer": "2 + 3 = 5"}, "its answer is None"),  # no "#### <number>"
+    ("gsm8k", {"question": "q", "answer": "2 + 3 = 5\n#### "}, "its answer is ''"),
+    ("dapo_math", {"prompt": [{"role": "user", "content": "p"}], "reward_model": {"ground_truth": None}},
+     "its answer is None"),
+])
+def test_a_row_without_an_answer_or_a_problem_is_named_not_written(tmp_path, capsys, name, row, why):
+    """Before: a null answer was written as the label "None", a blank one as "", gsm8k's solution without its
+    "#### <number>" line as the label whole, and a blank problem as a prompt of the \\boxed{} instruction alone: each
+    row then trained with rewards graded against no answer, without a word."""
+    source, out = tmp_path / "source.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps(row) + "\n")
+    with pytest.raises(SystemExit) as done:
+        main([name, str(out), "--source", str(source)])
+    assert done.value.code == 1 and not out.exists()
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"python -m molt_hydra.data.prepare: error: {source} row 0 cannot be converted "
+                           f"(ValueError: {why}"), last
+    assert last.endswith("Fix: correct or remove that row"), last

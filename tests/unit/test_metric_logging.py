@@ -135,8 +135,8 @@ def test_wandb_rows_survive_a_kill_two_seconds_later(tmp_path):
 
 def test_start_from_scratch_over_an_attempt_without_checkpoint(tmp_path, capsys):
     """A Slurm point requeued before its first checkpoint starts again at step 1 in the same directory (rewind(0)):
-    the earlier attempt's rows go (before: steps 1, 2 twice in metrics.jsonl), and its W&B run goes on (before: a
-    second W&B run of the same name in the sweep's group), the steps logged again marked."""
+    the earlier attempt's rows move aside (before: steps 1, 2 twice in metrics.jsonl), and its W&B run goes on
+    (before: a second W&B run of the same name in the sweep's group), the steps logged again marked."""
     sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
     first_id = sinks.wandb_id
     for step in (1, 2):
@@ -150,7 +150,10 @@ def test_start_from_scratch_over_an_attempt_without_checkpoint(tmp_path, capsys)
     again.close()
     assert [(r["step"], r["train/reward"]) for r in rows(tmp_path / "metrics.jsonl")] == [(1, 10.0), (2, 20.0),
                                                                                          (3, 30.0)]
-    assert f"{tmp_path / 'metrics.jsonl'}: 2 row(s) past step 0 dropped" in capsys.readouterr().out
+    (aside,) = tmp_path.glob("metrics.earlier-*.jsonl")  # the earlier attempt's rows, kept
+    assert [(r["step"], r["train/reward"]) for r in rows(aside)] == [(1, 1.0), (2, 2.0)]
+    assert f"moved aside to {aside.name}; this run starts at step 0 and goes on in the last W&B run" \
+        in capsys.readouterr().out
     marked = [(r["train/global_step"], r.get("train/replayed_after_resume"))
               for f in sorted(tmp_path.glob(f"wandb/offline-run-*-{first_id}*/run-{first_id}.wandb"))
               for r in history(f) if "train/reward" in r]
@@ -158,7 +161,7 @@ def test_start_from_scratch_over_an_attempt_without_checkpoint(tmp_path, capsys)
 
 
 def test_a_new_wandb_run_marks_nothing_replayed(tmp_path):
-    """W&B off in the attempt before (no W&B run to go on): its rows are dropped from metrics.jsonl, and the new W&B
+    """W&B off in the attempt before (no W&B run to go on): its rows move aside from metrics.jsonl, and the new W&B
     run's rows, the only ones it has, are not marked as logged again."""
     sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
     sinks.log({"reward": 1.0}, 1)
@@ -171,6 +174,57 @@ def test_a_new_wandb_run_marks_nothing_replayed(tmp_path):
     (wandb_file,) = tmp_path.glob(f"wandb/offline-run-*-{new_id}/run-{new_id}.wandb")
     assert [(r["train/global_step"], r.get("train/replayed_after_resume")) for r in history(wandb_file)
             if "train/reward" in r] == [(1, None)]
+
+
+def test_a_run_from_step_0_moves_an_earlier_runs_metrics_aside_named(tmp_path, capsys):
+    """A new run in an output_dir an earlier run logged to, with no checkpoint to go on from (a new, empty
+    checkpoint.dir; or a Slurm requeue before the first save), starts at step 0 (rewind(0)): the earlier run's rows,
+    samples, TensorBoard events and dumps are moved aside whole, named after their last write, and one line names
+    them. Before: its rows were dropped from metrics.jsonl and samples.jsonl, TensorBoard's restart marker at step 1
+    hid its points, and the new run overwrote its dumps of the same steps: the earlier run's metrics were gone."""
+    import calendar
+    import os
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars(run):
+        events = EventAccumulator(str(tmp_path / "tensorboard" / run))
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("train/reward")]
+
+    earlier = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled", tensorboard=True)
+    for step in (1, 2):
+        earlier.log({"reward": float(step)}, step)
+        earlier.log_samples([("p", "r", float(step))], step)
+    earlier.close()
+    last_write = calendar.timegm((2026, 12, 6, 12, 0, 0))  # the earlier run's last row: 2026-12-06 12:00:00 UTC
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        os.utime(tmp_path / name, (last_write, last_write))
+    (tmp_path / "trajectories").mkdir()  # logger.dump_trajectories' (a run from step 0 would overwrite its steps)
+    (tmp_path / "trajectories" / "step2.jsonl").write_text('{"reward": 2.0}\n')
+    fresh = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled", tensorboard=True)
+    fresh.rewind(0)
+    fresh.log({"reward": 10.0}, 1)
+    fresh.close()
+    aside = "earlier-20261206T120000Z"
+    assert [(r["step"], r["train/reward"]) for r in rows(tmp_path / f"metrics.{aside}.jsonl")] == [(1, 1.0), (2, 2.0)]
+    assert [(r["step"], r["reward"]) for r in rows(tmp_path / f"samples.{aside}.jsonl")] == [(1, 1.0), (2, 2.0)]
+    assert [(r["step"], r["train/reward"]) for r in rows(tmp_path / "metrics.jsonl")] == [(1, 10.0)]
+    assert not (tmp_path / "samples.jsonl").exists()
+    assert scalars(f"t.{aside}") == [(1, 1.0), (2, 2.0)] and scalars("t") == [(1, 10.0)]
+    assert (tmp_path / f"trajectories.{aside}" / "step2.jsonl").read_text() == '{"reward": 2.0}\n'
+    assert not (tmp_path / "trajectories").exists()
+    assert (f"{tmp_path}: an earlier attempt's metrics, with no checkpoint to go on from, moved aside to "
+            f"metrics.{aside}.jsonl, samples.{aside}.jsonl, trajectories.{aside}, t.{aside}; this run starts at "
+            "step 0\n"
+            ) in capsys.readouterr().out
+    os.utime(tmp_path / "metrics.jsonl", (last_write, last_write))  # another start over, its last write that second
+    again = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
+    again.rewind(0)
+    again.close()
+    assert [r["train/reward"] for r in rows(tmp_path / f"metrics.{aside}-2.jsonl")] == [10.0]
+    assert [r["train/reward"] for r in rows(tmp_path / f"metrics.{aside}.jsonl")] == [1.0, 2.0]
+    assert rows(tmp_path / "metrics.jsonl") == []
 
 
 def test_the_last_wandb_run_id_is_read_from_its_file_not_its_directory_name(tmp_path):

@@ -316,3 +316,69 @@ def test_the_count_of_interleaved_data_is_the_count_the_run_loads(tmp_path):
     assert _config_problems(two, batch_size=n + 1, train_probs=probs) == _too_few(two, n, n + 1)
     assert _config_problems(two, batch_size=n, train_probs=probs) == []
     assert _config_problems(two, batch_size=9, max_samples=4) == []
+
+
+def _run_config(spec: str, batch_size: int, **data):
+    from molt_hydra.config.schema import RunConfig
+
+    cfg = RunConfig()
+    cfg.data.train_path, cfg.rollout.batch_size = spec, batch_size
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    return cfg
+
+
+def _too_few_loaded(spec: str, rows: int, batch_size: int) -> str:
+    """runtime/roles.py `_load_rows`' error: validation's line (`_too_few`), counted as loaded."""
+    return (f"data.train_path={spec} has {rows} row(s) to train on as loaded, fewer than the rollout.batch_size="
+            f"{batch_size} prompts each step takes: a step would train on a partial batch, or hold a prompt twice "
+            f"(over several train.num_episodes). Fix: set rollout.batch_size <= {rows} (raise "
+            "rollout.n_samples_per_prompt to keep the samples per step), or give it more rows")
+
+
+def test_a_hub_dataset_of_fewer_rows_than_a_batch_ends_the_run_at_its_load(tmp_path, monkeypatch):
+    """Validation counts local data only (a hub dataset is not read before the run starts): a hub dataset's rows are
+    counted once loaded (runtime/roles.py `_load_rows`), with validation's message. Before: a hub dataset of 3 rows
+    and rollout.batch_size=8 trained without a word. The hub dataset is one datasets loaded before, read offline
+    from datasets' cache, as a run without the network reads it (tests never reach the hub)."""
+    import datasets
+
+    from molt_hydra.runtime.roles import _load_rows
+
+    assert datasets.config.HF_HUB_OFFLINE  # (conftest.py)
+    (tmp_path / "rows.jsonl").write_text("".join(f'{{"prompt": "{p}", "label": "{i}"}}\n' for i, p in enumerate("abc")))
+    cache = tmp_path / "cache"
+    datasets.load_dataset("json", data_files=str(tmp_path / "rows.jsonl"), split="train", cache_dir=str(cache))
+    # renamed as datasets (5.x) caches hub dataset org/tiny: <cache>/org___tiny/default/<version>/<hash>/tiny-*.arrow
+    (cache / "json").rename(cache / "org___tiny")
+    (config,) = (cache / "org___tiny").glob("default-*")
+    config.rename(config.with_name("default"))
+    (arrow,) = (cache / "org___tiny" / "default").glob("*/*/json-train.arrow")
+    arrow.rename(arrow.with_name("tiny-train.arrow"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    assert _config_problems("org/tiny", batch_size=8) == []  # validation cannot count it
+    with pytest.raises(ValueError) as err:
+        _load_rows(_run_config("org/tiny", 8), scoring=False)
+    assert str(err.value) == _too_few_loaded("org/tiny", 3, 8)
+    prompts, eval_rows = _load_rows(_run_config("org/tiny", 3), scoring=False)
+    assert [(r["prompt"], r["label"]) for r in prompts] == [("a", "0"), ("b", "1"), ("c", "2")] and eval_rows is None
+
+
+def test_rows_dropped_for_their_images_at_load_are_counted_against_the_batch(tmp_path):
+    """Validation counts a local file's rows before their images are decoded; a row whose image cannot be read is
+    dropped at load (one bad image costs one sample): 2 rows, 1 left, rollout.batch_size=2. Before: trained on a
+    partial batch without a word."""
+    from PIL import Image
+
+    from molt_hydra.runtime.roles import _load_rows
+
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "red.png")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "<image>" + p, "label": p, "images": [str(tmp_path / image)]}) + "\n"
+                            for p, image in (("a", "none.png"), ("b", "red.png"))))
+    data = dict(image_key="images", max_images_per_prompt=1)
+    assert _config_problems(str(path), batch_size=2, **data) == []
+    with pytest.raises(ValueError) as err:
+        _load_rows(_run_config(str(path), 2, **data), scoring=False)
+    assert str(err.value) == _too_few_loaded(str(path), 1, 2)
+
