@@ -21,6 +21,45 @@ from molt_hydra.logging import dashboard
 DUMPS = ("trajectories", "logprobs")
 
 
+def aside_stamp(paths: list[Path]) -> str | None:
+    """A start from step 0: the name an earlier attempt's files go aside under, `earlier-<UTC time of the first one's
+    last write>` (-2, -3 .. where an earlier start over took it); None: none of `paths` holds anything."""
+    for path in paths:
+        if path.exists() and path.stat().st_size:
+            stamp = first = time.strftime("earlier-%Y%m%dT%H%M%SZ", time.gmtime(path.stat().st_mtime))
+            n = 1
+            while any(path.parent.glob(f"*.{stamp}.jsonl")):
+                n += 1
+                stamp = f"{first}-{n}"
+            return stamp
+    return None
+
+
+def rewind_jsonl(path: Path, step: int, *, key: str = "step", aside: str | None = None) -> tuple[int, Path | None]:
+    """A jsonl of per-step rows (their step under `key`), on a resume from `step`: the rows past it are dropped (the
+    interrupted run logged them; this run logs those steps again), and so are torn ones, each with a line; at step 0
+    (`aside`: aside_stamp's name) the file, the earlier attempt's, is moved aside whole instead. Returns the highest
+    step it held (0: none) and where it was moved (None: it stayed). MetricSinks.rewind (RL) and job=sft use it."""
+    if not path.exists():
+        return 0, None
+    rows, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append((line, int(json.loads(line)[key])))
+        except (ValueError, KeyError, TypeError):  # cut short: killed mid-write (node failure, disk full)
+            torn += bool(line.strip())
+    last = max((s for _, s in rows), default=0)
+    if step == 0 and aside and (rows or torn):
+        return last, path.rename(path.with_name(f"{path.stem}.{aside}{path.suffix}"))
+    if torn:
+        print(f"{path}: {torn} unreadable row(s) dropped on resume (a write the stop cut short)", file=sys.stderr,
+              flush=True)
+    path.write_text("".join(line + "\n" for line, s in rows if s <= step))
+    if past := sum(s > step for _, s in rows):
+        print(f"{path}: {past} row(s) past step {step} dropped (the interrupted run's; logged again)", flush=True)
+    return last, None
+
+
 class MetricSinks:
     def __init__(self, output_dir: str | Path, *, run_name: str, config: dict, wandb_mode: str = "auto",
                  project: str = "molt_hydra", entity: str | None = None, group: str | None = None,
@@ -67,41 +106,21 @@ class MetricSinks:
         overwritten), so a new run in an output_dir an earlier run had logged to (a new checkpoint.dir: no checkpoint
         found) erased its metrics."""
         self.jsonl.close()
-        moved, stamp = [], None  # stamp: the name the earlier attempt's files are moved aside under (step 0)
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            path = self.dir / name
-            if path.exists():
-                rows, torn = [], 0
-                for line in path.read_text(errors="replace").splitlines():
-                    try:
-                        rows.append((line, int(json.loads(line)["step"])))
-                    except (ValueError, KeyError, TypeError):  # cut short: killed mid-write (node failure, disk full)
-                        torn += bool(line.strip())
-                if name == "metrics.jsonl" and self.resumes_wandb:
-                    self.replayed_to = max((s for _, s in rows), default=0)
-                if step == 0 and (rows or torn):
-                    if stamp is None:  # the earlier attempt's last write (UTC); -2, -3 .. where an earlier one took it
-                        stamp = first = time.strftime("earlier-%Y%m%dT%H%M%SZ", time.gmtime(path.stat().st_mtime))
-                        n = 1
-                        while any(self.dir.glob(f"*.{stamp}.jsonl")):
-                            n += 1
-                            stamp = f"{first}-{n}"
-                    moved.append(path.rename(path.with_name(f"{path.stem}.{stamp}{path.suffix}")))
-                    continue
-                if torn:
-                    print(f"{path}: {torn} unreadable row(s) dropped on resume (a write the stop cut short)",
-                          file=sys.stderr, flush=True)
-                path.write_text("".join(line + "\n" for line, s in rows if s <= step))
-                if past := sum(s > step for _, s in rows):
-                    print(f"{path}: {past} row(s) past step {step} dropped (the interrupted run's; logged again)",
-                          flush=True)
-        for name in DUMPS if stamp else ():  # (a run from step 0 would overwrite some of them: a mix of two runs)
+        paths = [self.dir / "metrics.jsonl", self.dir / "samples.jsonl"]
+        stamp = aside_stamp(paths) if step == 0 else None
+        moved = []
+        for path in paths:
+            last, aside = rewind_jsonl(path, step, aside=stamp)
+            if path.name == "metrics.jsonl" and self.resumes_wandb:
+                self.replayed_to = last
+            moved += [aside] if aside else []
+        for name in DUMPS if moved else ():  # (a run from step 0 would overwrite some of them: a mix of two runs)
             if (self.dir / name).is_dir():
                 moved.append((self.dir / name).rename(self.dir / f"{name}.{stamp}"))
         if self.tb is not None:
             self.tb.close()
             run = Path(self.tb.log_dir)  # this writer's own events file is one; an earlier attempt's are the others
-            if stamp and len(list(run.glob("events.out.tfevents.*"))) > 1:
+            if moved and len(list(run.glob("events.out.tfevents.*"))) > 1:
                 moved.append(run.rename(run.with_name(f"{run.name}.{stamp}")))
             self.tb = self._tensorboard(run.name, purge_step=step + 1)
         if moved:
