@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -95,6 +96,22 @@ def _checked_batch_size(kw: dict, world: int, samples: int) -> int:
     return bs
 
 
+def _rewind_metrics(path: Path, start: int, kept) -> None:
+    """sft_metrics.jsonl as the RL run's metrics.jsonl on a resume (logging/sinks.py rewind_jsonl): the interrupted
+    attempt's rows past `start` dropped, or at step 0 an earlier run's file moved aside, with a notice. Before, it
+    only appended: a resume logged those steps twice, a new run in the same output_dir went on after the earlier one.
+    kept: where run_sft's driver gets the count of rows left before this run's (it reads the spawned ranks' history
+    from the file); None under torchrun."""
+    from molt_hydra.logging.sinks import aside_stamp, rewind_jsonl
+
+    _, moved = rewind_jsonl(path, start, key="global_step", aside=aside_stamp([path]) if start == 0 else None)
+    if moved is not None:
+        print(f"{path.parent}: an earlier run's metrics moved aside to {moved.name}; this run starts at step 0",
+              flush=True)
+    if kept is not None:
+        kept.value = len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def _sft_rank(rank: int, world: int, port: int, kw: dict):
     from molt_hydra.models.build import resolve_path
     from molt_hydra.parallel.objectives import SFTObjective
@@ -113,6 +130,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     out = Path(kw["output_dir"])
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        _rewind_metrics(out / "sft_metrics.jsonl", start, kw.get("kept"))
     history, stop, stopping = [], kw["stop"], False
 
     def record(rec: dict) -> None:  # every rank keeps the history; rank 0 writes it
@@ -180,8 +198,7 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         return _sft_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), kw)
     from molt_hydra.parallel.launch import run_ranks
-    log = Path(output_dir) / "sft_metrics.jsonl"
-    start = len(log.read_text().splitlines()) if log.exists() else 0
+    kw["kept"] = kept = multiprocessing.get_context("spawn").Value("i", 0, lock=False)  # rank 0's (_rewind_metrics)
     run_ranks(_sft_rank, num_ranks, kw, timeout_s=max(kw["worker"].get("timeout_s", 600.0), 3600),
               ignore=ignore_signals)
-    return [json.loads(x) for x in log.read_text().splitlines()[start:]]
+    return [json.loads(x) for x in (Path(output_dir) / "sft_metrics.jsonl").read_text().splitlines()[kept.value:]]

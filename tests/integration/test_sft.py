@@ -30,7 +30,8 @@ COMMON = dict(input_key="input", output_key="output", batch_size=8, lr=3e-3, num
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft")
     train, evals = rows(16, 0), rows(8, 1)
-    full = run_sft("tiny://qwen3_tiny", train, str(d / "full"), eval_data=evals, max_epochs=3, eval_steps=2,
+    # (an earlier run in the output_dir the next two share: `first`, with no checkpoint, moves its metrics aside)
+    full = run_sft("tiny://qwen3_tiny", train, str(d / "part"), eval_data=evals, max_epochs=3, eval_steps=2,
                    export_hf=False, **COMMON)
     first = run_sft("tiny://qwen3_tiny", train, str(d / "part"), max_epochs=2, save_steps=3,  # 3, then the last: 4
                     ckpt_path=str(d / "ckpt"), export_hf=False, **COMMON)
@@ -54,5 +55,9 @@ def test_sft_resume_continues_where_it_stopped(runs):
     assert [r["global_step"] for r in rest] == [5, 6]  # resumed after the last step's checkpoint (4, not 3)
     for a, b in zip(full, first + rest):
         assert b["sft_loss"] == pytest.approx(a["sft_loss"], rel=1e-5)
+    # one row per step, this run's (the ranks' history is read from the file, after the rows an earlier run left)
+    assert [json.loads(line) for line in (d / "part" / "sft_metrics.jsonl").read_text().splitlines()] == first + rest
+    (aside,) = (d / "part").glob("sft_metrics.earlier-*.jsonl")
+    assert [json.loads(line) for line in aside.read_text().splitlines()] == full
     cfg = json.loads((d / "part" / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]

@@ -113,6 +113,51 @@ def test_a_damaged_shard_of_the_newest_checkpoint_is_passed_over_for_the_one_bef
     assert resolve_checkpoint(tmp_path / "ckpt", checksums=True) == newest  # saved again in its place
 
 
+def test_a_resume_drops_the_rows_the_interrupted_attempt_logged_past_its_checkpoint(straight, one_rank, tmp_path,
+                                                                                     capfd):
+    """The interrupted attempt logged steps 1-3 (and was killed writing the next row); its last checkpoint is step_2.
+    The resume logs step 3 again: its row replaces the attempt's, and the torn row goes, each with a line, as an RL
+    run's metrics.jsonl (logging/sinks.py). Before: sft_metrics.jsonl only appended: step 3 twice, after the torn
+    row glued to it."""
+    shutil.copytree(straight[0], tmp_path / "ckpt", ignore=shutil.ignore_patterns("step_3", "latest"))
+    logged = (straight[0].parent / "sft_metrics.jsonl").read_text().splitlines()
+    path = tmp_path / "sft_metrics.jsonl"
+    path.write_text("".join(line + "\n" for line in logged) + logged[-1][:20])
+    history = sft(one_rank, tmp_path, resume=True, **EVALS)
+    assert [r["global_step"] for r in history] == [3]
+    assert path.read_text().splitlines() == [*logged[:2], json.dumps(history[0])]
+    out, err = capfd.readouterr()
+    assert f"{path}: 1 row(s) past step 2 dropped (the interrupted run's; logged again)" in out
+    assert f"{path}: 1 unreadable row(s) dropped on resume (a write the stop cut short)" in err
+
+
+def test_a_run_from_step_0_moves_an_earlier_runs_metrics_aside(straight, one_rank, tmp_path, capfd):
+    """A run with no checkpoint to go on from (a new checkpoint.dir) in an output_dir an earlier run logged to starts
+    at step 0: the earlier sft_metrics.jsonl is moved aside whole, named after its last write, with a line, as an RL
+    run's metrics.jsonl. So is it for a start from a checkpoint's weights only (load_model_only: step 0 again).
+    Before: the new rows went on after the earlier run's (steps 1, 2, 3 twice)."""
+    import calendar
+
+    logged = (straight[0].parent / "sft_metrics.jsonl").read_text()
+    path = tmp_path / "sft_metrics.jsonl"
+    path.write_text(logged)
+    last_write = calendar.timegm((2026, 12, 6, 12, 0, 0))
+    os.utime(path, (last_write, last_write))
+    first = sft(one_rank, tmp_path, resume=True)
+    aside = tmp_path / "sft_metrics.earlier-20261206T120000Z.jsonl"
+    assert aside.read_text() == logged
+    assert [json.loads(line) for line in path.read_text().splitlines()] == first
+    assert [r["global_step"] for r in first] == [1, 2, 3]
+    assert (f"{tmp_path}: an earlier run's metrics moved aside to {aside.name}; this run starts at step 0\n"
+            in capfd.readouterr().out)
+    os.utime(path, (last_write, last_write))  # its last write that second too: the next name is taken
+    again = sft(one_rank, tmp_path, resume=True, load_model_only=True)  # step_3's weights, from step 0
+    second = tmp_path / "sft_metrics.earlier-20261206T120000Z-2.jsonl"
+    assert [json.loads(line) for line in second.read_text().splitlines()] == first
+    assert [json.loads(line) for line in path.read_text().splitlines()] == again
+    assert aside.read_text() == logged
+
+
 def _steps(out: Path) -> list[int]:
     path = out / "sft_metrics.jsonl"
     return [json.loads(line)["global_step"] for line in path.read_text().splitlines()] if path.exists() else []
