@@ -252,9 +252,8 @@ def test_router_retries_on_a_dead_engine_and_times_out_a_stuck_one(engines):
     with pytest.raises(TimeoutError, match="did not answer"):
         asyncio.run(stuck.generate(GenerationRequest("t", PROMPT, Sampling(max_tokens=4))))
     assert stuck.metrics()["rollout/router/timeouts"] == 1
-    for _ in range(100):  # the engine is told to drop it (an async actor runs calls in no set order: poll)
-        if ray.get(stuck_engine.aborted_keys.remote(), timeout=30):
-            break
+    deadline = time.monotonic() + 60  # the engine is told to drop it (an async actor runs calls in no set order: poll)
+    while not ray.get(stuck_engine.aborted_keys.remote(), timeout=30) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.get(stuck_engine.aborted_keys.remote(), timeout=30) == [0]
 
