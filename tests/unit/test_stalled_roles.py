@@ -101,7 +101,8 @@ def test_a_role_that_stays_stopped_ends_the_run_without_waiting_for_a_deadline(m
         asyncio.run(resumed_in_time())
 
         async def driver_stopped_too():  # polls 1 s apart (> 3 x the interval): each one starts the count again
-            monkeypatch.setattr(watchdog, "time", PollClock(1.0))  # (watchdog's own clock: asyncio's keeps the real one)
+            # (watchdog's own clock: asyncio's keeps the real one)
+            monkeypatch.setattr(watchdog, "time", PollClock(1.0))
             await asyncio.wait_for(watchdog.watch_stopped(pids), 12 * 0.05)
 
         os.kill(rank.pid, signal.SIGSTOP)
