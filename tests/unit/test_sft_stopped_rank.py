@@ -29,9 +29,9 @@ def _stop_rank_1(path: Path, pids: list[int], ended: threading.Event) -> None:
         time.sleep(0.05)
     pids.append(int((path / "rank1").read_text()))
     os.kill(pids[0], signal.SIGSTOP)
-    # stopped until the test ends (was: 15 s, the watcher's polls to fit in them however loaded the box, and a SIGCONT
-    # sent after the test to a pid by then another's); the old code's job then ends as if nothing happened, instead of
-    # waiting on it for an hour
+    # stopped until the test ends, or for 60 s: the old code's job then ends as if nothing happened, instead of waiting
+    # on it for an hour (was: 15 s for the watcher's polls however loaded the box, and a SIGCONT sent after the test
+    # to a pid by then maybe another's)
     if not ended.wait(60):
         with suppress(ProcessLookupError):
             os.kill(pids[0], signal.SIGCONT)
