@@ -88,17 +88,27 @@ def test_a_role_that_stays_stopped_ends_the_run_without_waiting_for_a_deadline(m
         assert str(stall.value) == f"actor rank 0 stalled: its process has made no progress for {4 * 0.05:g} s"
         assert clock.reads == 1 + 4  # at the 4th poll, not before
 
-        async def resumed_in_time():  # stopped for 2 polls of 4, resumed, stopped again: never 4 in a row
+        # stopped for 2 polls of 4, resumed for one, stopped for 2 again: never 4 in a row. The signals go after the
+        # polls they follow (was: 2.5 polls' time apart, which a late poll on a loaded box could miss)
+        after_poll, polls, real = {2: signal.SIGCONT, 3: signal.SIGSTOP, 5: signal.SIGCONT}, [], watchdog.stopped
+
+        def stopped_then_signalled(role_pids, alone=None):
+            polls.append(real(role_pids, alone))
+            if len(polls) in after_poll:
+                os.kill(rank.pid, after_poll[len(polls)])
+            return polls[-1]
+
+        async def resumed_in_time():
             watcher = asyncio.ensure_future(watchdog.watch_stopped(pids))
-            for sig in (signal.SIGCONT, signal.SIGSTOP, signal.SIGCONT):
-                await asyncio.sleep(2.5 * 0.05)
-                os.kill(rank.pid, sig)
-            await asyncio.sleep(3 * 0.05)
+            while len(polls) < 8 and not watcher.done():
+                await asyncio.sleep(0.01)
             assert not watcher.done()
             watcher.cancel()
 
         os.kill(rank.pid, signal.SIGSTOP)
+        monkeypatch.setattr(watchdog, "stopped", stopped_then_signalled)
         asyncio.run(resumed_in_time())
+        monkeypatch.setattr(watchdog, "stopped", real)
 
         async def driver_stopped_too():  # polls 1 s apart (> 3 x the interval): each one starts the count again
             # (watchdog's own clock: asyncio's keeps the real one)
