@@ -81,6 +81,8 @@ def test_a_role_that_stays_stopped_ends_the_run_without_waiting_for_a_deadline(m
     pids = {"actor rank 0": rank.pid, "agent runner 0": runner.pid}
     try:
         os.kill(rank.pid, signal.SIGSTOP)
+        while _state(rank.pid) != "T":  # (stopped once it runs again: later on a loaded box)
+            time.sleep(0.01)
         monkeypatch.setattr(watchdog, "time", clock := PollClock(0.05))
         with pytest.raises(RoleStalled) as stall:
             asyncio.run(asyncio.wait_for(watchdog.watch_stopped(pids), 60))
