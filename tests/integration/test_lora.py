@@ -112,7 +112,11 @@ def test_a_request_in_flight_across_a_sync_finishes_under_its_own_adapter(sides,
     request = GenerationRequest("in-flight", TOKENS[:8], Sampling(max_tokens=1500, temperature=1.0, seed=5,
                                                                   ignore_eos=True))
     running = engine.generate.remote(request)
-    time.sleep(1.0)  # the request reaches the engine first, even on a busy machine (its version says so below)
+    # the request reaches the engine (which binds its adapter) before the sync: waited for, was a fixed 1 s
+    deadline = time.monotonic() + 120
+    while not ray.get(engine.__ray_call__.remote(lambda e: e._engine().get_num_unfinished_requests()), timeout=60):
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.05)
     sync(flipped, 11)
     _, pending = ray.wait([running], timeout=0)
     assert pending, "the request finished before the sync: nothing was in flight"

@@ -192,10 +192,18 @@ def test_partial_rollout_tokens_carry_two_versions(engines, model_dir):
     v = sync.version
     long = Sampling(max_tokens=600, ignore_eos=True)
 
+    def sampling(engine) -> int:  # (in the engine actor) its requests past their prefill in vLLM's output processor
+        return sum(not state.is_prefilling for state in engine._engine().output_processor.request_states.values())
+
     async def scenario():
         requests = [asyncio.ensure_future(router.generate(GenerationRequest(f"p{i}", PROMPT, long)))
                     for i in range(4)]
-        await asyncio.sleep(0.6)
+        # each one has sampled tokens under the old version (vLLM's output processor has its first output) before
+        # the sync: waited for, was a fixed 0.6 s, too short on a loaded box
+        deadline = time.monotonic() + 120
+        while sum(await asyncio.gather(*(e.__ray_call__.remote(sampling) for e in engines))) < len(requests):
+            assert time.monotonic() < deadline and not any(r.done() for r in requests), "no sampled tokens seen"
+            await asyncio.sleep(0.05)
         assert not any(r.done() for r in requests), "generations finished before the sync started"
         await sync.sync(bucket_weights(weights, bucket_bytes=1 << 30))
         return [(await r)[0] for r in requests]
@@ -252,9 +260,8 @@ def test_router_retries_on_a_dead_engine_and_times_out_a_stuck_one(engines):
     with pytest.raises(TimeoutError, match="did not answer"):
         asyncio.run(stuck.generate(GenerationRequest("t", PROMPT, Sampling(max_tokens=4))))
     assert stuck.metrics()["rollout/router/timeouts"] == 1
-    for _ in range(100):  # the engine is told to drop it (an async actor runs calls in no set order: poll)
-        if ray.get(stuck_engine.aborted_keys.remote(), timeout=30):
-            break
+    deadline = time.monotonic() + 60  # the engine is told to drop it (an async actor runs calls in no set order: poll)
+    while not ray.get(stuck_engine.aborted_keys.remote(), timeout=30) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.get(stuck_engine.aborted_keys.remote(), timeout=30) == [0]
 

@@ -1,6 +1,5 @@
 import asyncio
 import math
-import time
 
 import numpy as np
 import pytest
@@ -166,9 +165,7 @@ def test_an_answer_sympy_cannot_evaluate_is_graded_0_by_its_deadline():
     is killed at the deadline, the answer graded 0.0 (math-verify's verdict for a timed-out comparison), and the next
     grade runs in a fresh worker."""
     assert grade_math(r"\boxed{4}", "4") == 1.0  # a worker started (its start is not the deadline's)
-    start = time.monotonic()
-    assert grade_math(r"\boxed{9^{9^{9^{9}}}}", "1", timeout_s=2) == 0.0
-    assert time.monotonic() - start < 10
+    assert grade_math(r"\boxed{9^{9^{9^{9}}}}", "1", timeout_s=2) == 0.0  # (graded, it would never return)
     assert grade_math(r"\boxed{\frac{6}{4}}", "1.5") == 1.0
     for worker in list(_WORKERS.idle):  # an idle worker that died (e.g. the OOM killer) is replaced, not written to
         worker.kill()

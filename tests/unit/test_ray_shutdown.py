@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 
 import ray
 
@@ -19,10 +18,9 @@ def test_a_shutdown_waiting_on_a_stopped_raylet_ends_once_its_processes_are_kill
     raylet.send_signal(signal.SIGSTOP)
     monkeypatch.setattr(ray, "shutdown", raylet.wait)  # returns once the raylet is gone
     monkeypatch.setattr(watchdog, "SHUTDOWN_S", 0.5)
-    t0 = time.monotonic()
     try:
         watchdog.shutdown_ray([raylet.pid])
-        assert time.monotonic() - t0 < 5 and raylet.poll() == -signal.SIGKILL
+        assert raylet.poll() == -signal.SIGKILL  # (unkilled, the shutdown would still wait: the raylet never ends)
     finally:
         raylet.kill()
         raylet.wait()

@@ -21,7 +21,16 @@ reaper.watch()
 # started after the watcher, never named to it (ray.init's raylet starts the agents); outlives its parent unless
 # something ends it
 agent = subprocess.Popen(["sleep", "300"], start_new_session=True)
-time.sleep(3 * reaper.POLL_S)
+
+
+def waits() -> int:  # the watcher's waits in select: one a poll (was: a fixed 3 polls' time, too short on a loaded box)
+    status = open(f"/proc/{reaper._watcher.pid}/status").read()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+begun = waits()
+while waits() < begun + 3:  # a whole listing begun after the agent started
+    time.sleep(reaper.POLL_S)
 print(agent.pid, flush=True)
 time.sleep(300)
 """

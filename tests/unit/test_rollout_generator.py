@@ -137,9 +137,8 @@ def test_surplus_finished_groups_go_into_the_state():
         gen = SamplesGenerator(rows(6), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING,
                                max_inflight_groups=6)
         gen._refill()
-        await asyncio.sleep(0.05)  # every group finishes; one is returned, the rest is surplus
+        await asyncio.wait(list(gen._inflight))  # every group finishes; one is returned, the rest is surplus
         batch = await gen.generate_batch()
-        await asyncio.sleep(0.05)
         await gen.generate_batch()
         return batch, gen.state_dict()
 
@@ -162,7 +161,8 @@ def test_a_save_mid_batch_keeps_the_counts_of_the_groups_already_filtered():
     async def half():
         gen = make(data)
         making = asyncio.ensure_future(gen.generate_batch())
-        await asyncio.sleep(0.05)  # groups 0, 1, 3 are done and filtered; 2 is in flight
+        while [index for _, index, _ in gen._inflight.values()] != [2]:  # groups 0, 1, 3 are done and filtered
+            await asyncio.sleep(0)
         state = gen.state_dict()
         making.cancel()
         await gen.close()

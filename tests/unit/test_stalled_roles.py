@@ -25,6 +25,19 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+class PollClock:
+    """watchdog's clock, `step` s on at each read: its polls look `step` apart however late a loaded box runs them (on
+    the real clock, polls 0.05 s apart whose pgrep calls took > 0.1 s looked like a stopped driver's, and the count
+    started again); `reads` counts the polls (one read before the first)."""
+
+    def __init__(self, step: float):
+        self.step, self.reads = step, 0
+
+    def monotonic(self) -> float:
+        self.reads += 1
+        return self.reads * self.step
+
+
 def test_a_stall_names_the_roles_whose_process_is_stopped(tmp_path):
     rank = subprocess.Popen(["sleep", "60"])
     engine = subprocess.Popen([sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '60'])"])
@@ -68,28 +81,40 @@ def test_a_role_that_stays_stopped_ends_the_run_without_waiting_for_a_deadline(m
     pids = {"actor rank 0": rank.pid, "agent runner 0": runner.pid}
     try:
         os.kill(rank.pid, signal.SIGSTOP)
-        start = time.monotonic()
+        while _state(rank.pid) != "T":  # (stopped once it runs again: later on a loaded box)
+            time.sleep(0.01)
+        monkeypatch.setattr(watchdog, "time", clock := PollClock(0.05))
         with pytest.raises(RoleStalled) as stall:
-            asyncio.run(asyncio.wait_for(watchdog.watch_stopped(pids), 10))
+            asyncio.run(asyncio.wait_for(watchdog.watch_stopped(pids), 60))
         assert stall.value.role == "actor rank 0"
         assert str(stall.value) == f"actor rank 0 stalled: its process has made no progress for {4 * 0.05:g} s"
-        assert time.monotonic() - start >= 4 * 0.05
+        assert clock.reads == 1 + 4  # at the 4th poll, not before
 
-        async def resumed_in_time():  # stopped for 2 polls of 4, resumed, stopped again: never 4 in a row
+        # stopped for 2 polls of 4, resumed for one, stopped for 2 again: never 4 in a row. The signals go after the
+        # polls they follow (was: 2.5 polls' time apart, which a late poll on a loaded box could miss)
+        after_poll, polls, real = {2: signal.SIGCONT, 3: signal.SIGSTOP, 5: signal.SIGCONT}, [], watchdog.stopped
+
+        def stopped_then_signalled(role_pids, alone=None):
+            polls.append(real(role_pids, alone))
+            if len(polls) in after_poll:
+                os.kill(rank.pid, after_poll[len(polls)])
+            return polls[-1]
+
+        async def resumed_in_time():
             watcher = asyncio.ensure_future(watchdog.watch_stopped(pids))
-            for sig in (signal.SIGCONT, signal.SIGSTOP, signal.SIGCONT):
-                await asyncio.sleep(2.5 * 0.05)
-                os.kill(rank.pid, sig)
-            await asyncio.sleep(3 * 0.05)
+            while len(polls) < 8 and not watcher.done():
+                await asyncio.sleep(0.01)
             assert not watcher.done()
             watcher.cancel()
 
         os.kill(rank.pid, signal.SIGSTOP)
+        monkeypatch.setattr(watchdog, "stopped", stopped_then_signalled)
         asyncio.run(resumed_in_time())
+        monkeypatch.setattr(watchdog, "stopped", real)
 
         async def driver_stopped_too():  # polls 1 s apart (> 3 x the interval): each one starts the count again
-            clock = iter(range(0, 1000))  # (watchdog's own clock: asyncio's keeps the real one)
-            monkeypatch.setattr(watchdog, "time", value(monotonic=lambda: float(next(clock))))
+            # (watchdog's own clock: asyncio's keeps the real one)
+            monkeypatch.setattr(watchdog, "time", PollClock(1.0))
             await asyncio.wait_for(watchdog.watch_stopped(pids), 12 * 0.05)
 
         os.kill(rank.pid, signal.SIGSTOP)
@@ -119,8 +144,9 @@ def test_a_stopped_gcs_or_raylet_ends_the_run_naming_it_not_its_childrens_roles(
             time.sleep(0.01)
         head = {"Ray's raylet": raylet.pid, "Ray's gcs_server": gcs.pid}
         assert stopped({}, head) == [("Ray's gcs_server", gcs.pid)]
+        monkeypatch.setattr(watchdog, "time", PollClock(0.05))
         with pytest.raises(RoleStalled) as stall:
-            asyncio.run(asyncio.wait_for(watchdog.watch_stopped({}, head), 10))
+            asyncio.run(asyncio.wait_for(watchdog.watch_stopped({}, head), 60))
         assert str(stall.value) == f"Ray's gcs_server stalled: its process has made no progress for {3 * 0.05:g} s"
     finally:
         for pid in descendants(raylet.pid):

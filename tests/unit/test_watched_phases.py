@@ -138,9 +138,19 @@ def test_the_stopped_roles_are_read_from_a_copy_of_the_growing_pids(monkeypatch)
     """watch_stopped reads the pids in a thread while the roles' start adds to the dict: it reads a copy (before, the
     start's first added pid could fail the run: 'driver: RuntimeError: dictionary changed size during iteration')."""
     seen = []
+
+    class Polled(Exception):
+        pass
+
+    def stopped(pids, alone=None):  # three polls, however slowly a loaded box starts their thread (was: those in 0.2 s)
+        seen.append(pids)
+        if len(seen) == 3:
+            raise Polled
+        return []
+
     monkeypatch.setattr(watchdog, "STOPPED_POLL_S", 0.01)
-    monkeypatch.setattr(watchdog, "stopped", lambda pids, alone=None: seen.append(pids) or [])
+    monkeypatch.setattr(watchdog, "stopped", stopped)
     pids = {"rollout engine 0": 1}
-    with pytest.raises(asyncio.TimeoutError):
-        asyncio.run(asyncio.wait_for(watchdog.watch_stopped(pids), 0.2))
-    assert seen and all(p == pids and p is not pids for p in seen)
+    with pytest.raises(Polled):
+        asyncio.run(asyncio.wait_for(watchdog.watch_stopped(pids), 60))
+    assert len(seen) == 3 and all(p == pids and p is not pids for p in seen)
