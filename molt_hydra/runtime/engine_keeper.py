@@ -73,7 +73,10 @@ class EngineKeeper:
         ray.kill(old)
         kill(self.processes.pop(index, []))  # an engine core whose actor was killed is left an orphan
         engine = roles.new_engine(index)
-        await deadline(engine.start.remote(), self.startup_s, role, "restart")
+        try:
+            await deadline(engine.start.remote(), self.startup_s, role, "restart")
+        except ray.exceptions.RayError as e:  # named by its index (before: 'rollout engine', whichever it was)
+            raise RunFailed(role, f"its restart failed: {describe(e).removeprefix('its start failed: ')}") from e
         if version:  # version 0: the model path's weights, which the new engine loaded itself
             await roles.calls.push_to(version, [engine])
         roles.engines[index] = engine

@@ -29,7 +29,7 @@ from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.preemption import NOTICE
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime import ray_head, reaper
-from molt_hydra.runtime.watchdog import beside, deadline
+from molt_hydra.runtime.watchdog import RunFailed, beside, deadline, describe
 
 # Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
 # ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
@@ -368,9 +368,15 @@ async def _noted(role_pids: dict[str, int], name: str, actor, start: str):
     """`actor.<start>()`, once the actor's pid is in `role_pids` (its process is up, its constructor done): the
     start-up's watchers then see an engine stopped by a signal while it loads the model. The pid is awaited before
     the start is asked: an engine's start holds its actor's event loop in vLLM's (sync) engine-core handshake, which
-    a pid call sent beside it could wait behind, for good when the engine core is stopped."""
-    role_pids[name] = await actor.__ray_call__.remote(_pid)
-    return await getattr(actor, start).remote()
+    a pid call sent beside it could wait behind, for good when the engine core is stopped. A failed start is the
+    RunFailed of `name` (before: of its class alone, 'rollout engine', whichever of several it was)."""
+    try:
+        role_pids[name] = await actor.__ray_call__.remote(_pid)
+        return await getattr(actor, start).remote()
+    except ray.exceptions.RayError as e:  # its constructor's or its start's exception (a task error), or its death
+        cause = describe(e)
+        raise RunFailed(name, f"its start failed: {cause}" if isinstance(e, ray.exceptions.RayTaskError) else cause) \
+            from e
 
 
 def _pid(_actor) -> int:

@@ -1,22 +1,45 @@
-"""A role's start, with real Ray actors: a trainer rank's pid is read from Ray's GCS while its constructor still runs
-(compat/ray.py `actor_pid`): the start's watchers then see a rank stopped while it builds its model
-(tests/unit/test_starting_rank_watched.py; a real run's: tests/integration/test_late_faults.py)."""
+"""A role's start, with real Ray actors. A rollout engine whose start (or restart) fails is named with its index and
+the cause (runtime/roles.py `_noted`, runtime/engine_keeper.py); before, the run read 'Run failed: rollout engine:
+ValueError: ...', whichever of several engines it was. And a trainer rank's pid is read from Ray's GCS while its
+constructor still runs (compat/ray.py `actor_pid`): the start's watchers then see a rank stopped while it builds its
+model (tests/unit/test_starting_rank_watched.py; a real run's: tests/integration/test_late_faults.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace as value
 
+import pytest
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_real_errors import local_ray  # noqa: E402,F401 (a fixture)
+from test_real_errors import local_ray, report  # noqa: E402,F401 (a fixture)
 
 from molt_hydra.compat.ray import actor_pid  # noqa: E402
+from molt_hydra.runtime.engine_keeper import EngineKeeper  # noqa: E402
+from molt_hydra.runtime.roles import _noted  # noqa: E402
+from molt_hydra.runtime.watchdog import RunFailed  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import a test module
+FULL = "rollout.kv_cache_gb=64 does not fit: 3.2 GB free"
+
+
+class VLLMEngine:
+    """Named as the real engine actor class (as Ray names it in its errors); its start raises, as vLLM's does when
+    the KV cache does not fit."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def start(self):
+        raise ValueError(FULL)
+
+    def shutdown(self):
+        pass
 
 
 class BuildingRank:
@@ -28,6 +51,25 @@ class BuildingRank:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def test_an_engine_whose_start_fails_is_named_by_its_index_and_cause(local_ray, tmp_path):
+    engine = ray.remote(VLLMEngine).remote()
+    role_pids: dict[str, int] = {}
+    with pytest.raises(RunFailed) as failed:
+        asyncio.run(_noted(role_pids, "rollout engine 1", engine, "start"))
+    assert list(role_pids) == ["rollout engine 1"]  # (its pid, asked first)
+    assert report(tmp_path, failed.value)[0] == f"Run failed: rollout engine 1: its start failed: ValueError: {FULL}."
+
+
+def test_an_engine_whose_restart_fails_is_named_by_its_index_and_cause(local_ray):
+    """The engine keeper's replacement of a dead engine 1 whose start raises."""
+    engines = [ray.remote(VLLMEngine).remote() for _ in range(2)]
+    roles = value(engines=engines, transport="object_store", new_engine=lambda i: ray.remote(VLLMEngine).remote())
+    keeper = EngineKeeper(roles, max_restarts=3, startup_s=60)
+    with pytest.raises(RunFailed) as failed:
+        asyncio.run(keeper.replace(1, 2))
+    assert str(failed.value) == f"rollout engine 1: its restart failed: ValueError: {FULL}"
 
 
 def test_a_ranks_pid_is_read_while_its_constructor_runs(local_ray, tmp_path):
