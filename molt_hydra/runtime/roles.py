@@ -459,8 +459,11 @@ async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pid
         prompts, eval_rows = _load_rows(cfg, scoring)
         if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
             await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-        actor, ref, critic = (None, None, None) if scoring else await _start_trainers(
-            cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)), shared_gpus, share, ready, role_pids)
+        # beside the engines' and runners' starts: one that fails ends the run at once (before: once the trainer ranks
+        # were up, minutes on GPU); shielded, as beside cancels its watchers when the ranks are up
+        actor, ref, critic = (None, None, None) if scoring else await beside(_start_trainers(
+            cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)), shared_gpus, share, ready, role_pids),
+            asyncio.shield(starting), asyncio.shield(runners_ready))
         await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
         await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
     except BaseException:
