@@ -14,7 +14,7 @@ from contextlib import suppress
 
 import ray
 
-from molt_hydra.runtime.watchdog import RunFailed, deadline, descendants, describe, kill
+from molt_hydra.runtime.watchdog import RunFailed, deadline, descendants, describe, kill, with_logged_error
 
 POLL_S = 2.0  # how often the driver asks every engine whether it is alive
 
@@ -76,7 +76,8 @@ class EngineKeeper:
         try:
             await deadline(engine.start.remote(), self.startup_s, role, "restart")
         except ray.exceptions.RayError as e:  # named by its index (before: 'rollout engine', whichever it was)
-            raise RunFailed(role, f"its restart failed: {describe(e).removeprefix('its start failed: ')}") from e
+            cause = f"its restart failed: {describe(e).removeprefix('its start failed: ')}"
+            raise RunFailed(role, await with_logged_error(engine, cause)) from e
         if version:  # version 0: the model path's weights, which the new engine loaded itself
             await roles.calls.push_to(version, [engine])
         roles.engines[index] = engine

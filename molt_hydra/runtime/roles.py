@@ -29,7 +29,7 @@ from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.preemption import NOTICE
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime import ray_head, reaper
-from molt_hydra.runtime.watchdog import RunFailed, beside, deadline, describe
+from molt_hydra.runtime.watchdog import RunFailed, beside, deadline, describe, with_logged_error
 
 # Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
 # ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
@@ -374,9 +374,9 @@ async def _noted(role_pids: dict[str, int], name: str, actor, start: str):
         role_pids[name] = await actor.__ray_call__.remote(_pid)
         return await getattr(actor, start).remote()
     except ray.exceptions.RayError as e:  # its constructor's or its start's exception (a task error), or its death
-        cause = describe(e)
-        raise RunFailed(name, f"its start failed: {cause}" if isinstance(e, ray.exceptions.RayTaskError) else cause) \
-            from e
+        if not isinstance(e, ray.exceptions.RayTaskError):
+            raise RunFailed(name, describe(e)) from e
+        raise RunFailed(name, await with_logged_error(actor, f"its start failed: {describe(e)}")) from e
 
 
 def _pid(_actor) -> int:

