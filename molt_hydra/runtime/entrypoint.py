@@ -484,7 +484,9 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     if ctl.stopped_for_notice:  # saved at the step's end (not the end of training): no final save or export
         notice.saved(ctl.saved_step)
         return 0
-    if c.save_steps != 0:  # 0: no resumable checkpoint at all
+    # 0: no resumable checkpoint at all. The loop's last step saved already (max_steps a multiple of save_steps): not
+    # again (before: the same step written twice, minutes on GPU, its directory replaced by its copy)
+    if c.save_steps != 0 and ctl.saved_step != ctl.step:
         await ctl.watched(ctl.save())
     export = (await ctl.watched(calls.ranks(roles.actor, "export_hf", c.export_dir, DTYPE_NAMES[
         cfg.model.param_dtype.value], merged=c.export_merged)))[0] if c.export_final else None

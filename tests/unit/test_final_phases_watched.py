@@ -66,3 +66,34 @@ def test_a_dead_gcs_in_a_phase_after_the_loop_ends_the_run_naming_it(monkeypatch
         _train(monkeypatch, phase, {})
     assert (failed.value.role, failed.value.cause) == (
         "Ray's gcs_server", "the process died (killed by SIGKILL); no role can go on without it")
+
+
+@pytest.mark.parametrize("saved_step, saves", [(3, []), (2, ["save_checkpoint"]), (None, ["save_checkpoint"])])
+def test_the_final_save_is_skipped_where_the_loop_saved_its_last_step(monkeypatch, saved_step, saves):
+    """checkpoint.save_steps=1, train.max_steps=3: the loop saved step 3; before, the final save wrote it again. A
+    loop that ran no step (a finished run resumed: saved_step None) or saved an earlier one still saves."""
+    monkeypatch.setattr(ray_head, "dead_head_processes", lambda: {})
+    monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
+    called = []
+
+    async def ranks(group, method, *args, **kw):
+        called.append(method)
+        return ["step_3"]
+
+    async def loop(self):
+        self.step, self.saved_step = 3, saved_step
+        return {}
+
+    monkeypatch.setattr(RLController, "run", loop)
+    log = value(sinks=value(rewind=lambda step: None, wandb_id=None), progress=value(summary=print))
+    monkeypatch.setattr(entrypoint, "_controller", lambda cfg, r, opened, wandb_id: RLController(cfg, r, log))
+    monkeypatch.setattr(entrypoint, "_summary", lambda cfg, roles, ctl, export: [])
+    monkeypatch.setattr(Path, "write_text", lambda self, text: len(text))  # (the checkpoint's run_record.json)
+    cfg = RunConfig()
+    cfg.checkpoint.save_steps, cfg.checkpoint.export_final = 1, False
+    calls = value(ranks=ranks, router_metrics=lambda: asyncio.sleep(0, {}), keeper=value(watch=_forever, metrics=dict))
+    roles = value(calls=calls, role_pids={}, actor=object(), critic=None, generator=value(state_dict=dict),
+                  run_record={})
+    notice = value(install=lambda loop, task: None, received=asyncio.Event())
+    assert asyncio.run(asyncio.wait_for(entrypoint._train(cfg, roles, [], None, notice), 10)) == 0
+    assert called == saves
