@@ -64,3 +64,12 @@ def live_head_processes() -> dict[str, int]:
 
     node = worker._global_node
     return {} if node is None else {kind: p.pid for kind, p in node.live_processes() if kind in HEAD}
+
+
+def actor_pid(actor) -> int | None:
+    """The pid of `actor`'s process as Ray's GCS records it once the process is leased, also while the actor's
+    constructor still runs (a call to the actor waits for its constructor); None before."""
+    written_for("reading an actor's pid from Ray's GCS", "ray", SUPPORTED)
+    from ray._private import state
+
+    return state.actors(actor._actor_id.hex()).get("Pid") or None

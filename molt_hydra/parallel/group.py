@@ -36,11 +36,13 @@ class TrainerGroup:
     `engines_busy`); False keeps each rank to its reserved CPUs, so every step runs on the same thread count.
     startup_timeout_s: how long placement and every rank's start (model build, rendezvous) may take.
     spec: what every rank is built from (parallel/trainer_spec.py); the group fills in each rank's place.
+    on_ranks: called with the rank actors once they are created, before their start is waited for (the run's watchers
+    then see a rank stopped by a signal while it builds its model, not only once every rank is up).
     After start: `rank_nodes` (each rank's node IP) and `rendezvous` (rank 0's "ip:port")."""
 
     def __init__(self, num_ranks: int, spec: TrainerSpec, *, num_gpus_per_rank: float = 0,
                  num_cpus_per_rank: float = 1, placement_group=None, startup_timeout_s: float = 600.0,
-                 worker_cls: type = TrainerWorker, borrow_idle_cpus: bool = True):
+                 worker_cls: type = TrainerWorker, borrow_idle_cpus: bool = True, on_ranks=None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -81,6 +83,8 @@ class TrainerGroup:
                                 cpu_threads=max(1, int(num_cpus_per_rank)) if self.on_cpu else None,
                                 node_ranks=self.rank_nodes.count(self.rank_nodes[i]) if self.borrows else None))
                 for i in range(num_ranks)]
+            if on_ranks is not None:
+                on_ranks(self.workers)
             self._wait_ranks_up(startup_timeout_s)
         except BaseException:
             self._release()

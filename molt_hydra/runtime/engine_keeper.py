@@ -14,7 +14,7 @@ from contextlib import suppress
 
 import ray
 
-from molt_hydra.runtime.watchdog import RunFailed, deadline, descendants, describe, kill
+from molt_hydra.runtime.watchdog import RunFailed, deadline, descendants, describe, kill, with_logged_error
 
 POLL_S = 2.0  # how often the driver asks every engine whether it is alive
 
@@ -73,7 +73,11 @@ class EngineKeeper:
         ray.kill(old)
         kill(self.processes.pop(index, []))  # an engine core whose actor was killed is left an orphan
         engine = roles.new_engine(index)
-        await deadline(engine.start.remote(), self.startup_s, role, "restart")
+        try:
+            await deadline(engine.start.remote(), self.startup_s, role, "restart")
+        except ray.exceptions.RayError as e:  # named by its index (before: 'rollout engine', whichever it was)
+            cause = f"its restart failed: {describe(e).removeprefix('its start failed: ')}"
+            raise RunFailed(role, await with_logged_error(engine, cause)) from e
         if version:  # version 0: the model path's weights, which the new engine loaded itself
             await roles.calls.push_to(version, [engine])
         roles.engines[index] = engine

@@ -475,17 +475,21 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     if state is not None:
         ctl.restore(state)
         print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
+    # The resume's push, the final save and the export run beside the run's watchers, as the loop does (before: only
+    # their calls' deadlines, trainer_call_s 1800 s, told a rank stopped there; a dead GCS, Ray's own exit 60 s later)
     if found is not None and (c.load_model_only or ctl.version > 0):  # warm start: version 0, the loaded weights
-        await calls.push_weights(ctl.version)
+        await ctl.watched(calls.push_weights(ctl.version))
     ctl.preempted = notice.received
     await ctl.run()
     if ctl.stopped_for_notice:  # saved at the step's end (not the end of training): no final save or export
         notice.saved(ctl.saved_step)
         return 0
-    if c.save_steps != 0:  # 0: no resumable checkpoint at all
-        await ctl.save()
-    export = (await calls.ranks(roles.actor, "export_hf", c.export_dir, DTYPE_NAMES[cfg.model.param_dtype.value],
-                                merged=c.export_merged))[0] if c.export_final else None
+    # 0: no resumable checkpoint at all. The loop's last step saved already (max_steps a multiple of save_steps): not
+    # again (before: the same step written twice, minutes on GPU, its directory replaced by its copy)
+    if c.save_steps != 0 and ctl.saved_step != ctl.step:
+        await ctl.watched(ctl.save())
+    export = (await ctl.watched(calls.ranks(roles.actor, "export_hf", c.export_dir, DTYPE_NAMES[
+        cfg.model.param_dtype.value], merged=c.export_merged)))[0] if c.export_final else None
     ctl.log.progress.summary(_summary(cfg, roles, ctl, export))
     return 0
 

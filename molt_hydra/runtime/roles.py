@@ -21,7 +21,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from molt_hydra.compat.ray import no_auto_init
+from molt_hydra.compat.ray import actor_pid, no_auto_init
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
@@ -29,7 +29,7 @@ from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.preemption import NOTICE
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime import ray_head, reaper
-from molt_hydra.runtime.watchdog import beside, deadline
+from molt_hydra.runtime.watchdog import RunFailed, beside, deadline, describe, with_logged_error
 
 # Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
 # ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
@@ -298,9 +298,10 @@ def _named(key: str, load, spec: str, **kw) -> list:
 
 
 async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...], total_steps: int, shared_gpus,
-                          share: float | None, ready) -> tuple:
+                          share: float | None, ready, role_pids: dict[str, int]) -> tuple:
     """The trainer ranks: actor, then reference / critic when the algorithm needs them (each group is built in a
-    thread: its constructor blocks until every rank is up). Returns (actor, ref, critic), absent ones None."""
+    thread: its constructor blocks until every rank is up; each rank's pid is in `role_pids` as soon as its process
+    is). Returns (actor, ref, critic), absent ones None."""
     from molt_hydra.models.build import resolve_path
     from molt_hydra.parallel.group import TrainerGroup
     from molt_hydra.parallel.trainer import TrainerWorker
@@ -313,11 +314,12 @@ async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...]
         """One role's group, built in a thread: its constructor blocks until every rank is up."""
         on_shared = shared_gpus if role == "actor" or p.colocate_models else None
         spec = trainer_spec(cfg, role, optimizer, path, total_steps, **extra)
+        ranks: list = []  # the group's rank actors, as its constructor (in the thread) creates them
         build = asyncio.to_thread(
             TrainerGroup, p.trainer_devices, spec, num_gpus_per_rank=gpu_share if on_shared is None else share,
             num_cpus_per_rank=1, worker_cls=worker_cls, placement_group=on_shared,
-            startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus)
-        return await deadline(build, t.timeouts.startup_s, name, "start")
+            startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus, on_ranks=ranks.extend)
+        return await deadline(beside(build, _note_ranks(role_pids, name, ranks)), t.timeouts.startup_s, name, "start")
 
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     actor = await start("actor", "actor", policy_cls, routing_replay=r.routing_replay)
@@ -375,13 +377,34 @@ async def _noted(role_pids: dict[str, int], name: str, actor, start: str):
     """`actor.<start>()`, once the actor's pid is in `role_pids` (its process is up, its constructor done): the
     start-up's watchers then see an engine stopped by a signal while it loads the model. The pid is awaited before
     the start is asked: an engine's start holds its actor's event loop in vLLM's (sync) engine-core handshake, which
-    a pid call sent beside it could wait behind, for good when the engine core is stopped."""
-    role_pids[name] = await actor.__ray_call__.remote(_pid)
-    return await getattr(actor, start).remote()
+    a pid call sent beside it could wait behind, for good when the engine core is stopped. A failed start is the
+    RunFailed of `name` (before: of its class alone, 'rollout engine', whichever of several it was)."""
+    try:
+        role_pids[name] = await actor.__ray_call__.remote(_pid)
+        return await getattr(actor, start).remote()
+    except ray.exceptions.RayError as e:  # its constructor's or its start's exception (a task error), or its death
+        if not isinstance(e, ray.exceptions.RayTaskError):
+            raise RunFailed(name, describe(e)) from e
+        raise RunFailed(name, await with_logged_error(actor, f"its start failed: {describe(e)}")) from e
 
 
 def _pid(_actor) -> int:
     return os.getpid()
+
+
+RANK_PID_POLL_S = 0.5  # a rank's process is leased ~at once; its model build takes seconds to minutes
+
+
+async def _note_ranks(role_pids: dict[str, int], name: str, ranks: list) -> None:
+    """Each of a trainer group's `ranks` (filled by its start, in a thread) into `role_pids` as `<name> rank <i>`, as
+    soon as Ray's GCS knows its process: a rank builds its model in its constructor, which a call asking its pid would
+    wait for. Before, its pid came once every rank was up: a rank stopped by a signal while it built its model held the
+    start for train.timeouts.startup_s (600 s), neither the rank nor the cause named."""
+    while not ranks or any(f"{name} rank {i}" not in role_pids for i in range(len(ranks))):
+        for i, rank in enumerate(list(ranks)):
+            if f"{name} rank {i}" not in role_pids and (pid := await asyncio.to_thread(actor_pid, rank)):
+                role_pids[f"{name} rank {i}"] = pid
+        await asyncio.sleep(RANK_PID_POLL_S)
 
 
 def weight_transport(cfg: RunConfig) -> str:
@@ -445,8 +468,11 @@ async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pid
         prompts, eval_rows = _load_rows(cfg, scoring)
         if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
             await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-        actor, ref, critic = (None, None, None) if scoring else await _start_trainers(
-            cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)), shared_gpus, share, ready)
+        # beside the engines' and runners' starts: one that fails ends the run at once (before: once the trainer ranks
+        # were up, minutes on GPU); shielded, as beside cancels its watchers when the ranks are up
+        actor, ref, critic = (None, None, None) if scoring else await beside(_start_trainers(
+            cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)), shared_gpus, share, ready, role_pids),
+            asyncio.shield(starting), asyncio.shield(runners_ready))
         await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
         await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
     except BaseException:

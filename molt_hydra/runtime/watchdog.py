@@ -36,7 +36,7 @@ def describe(error: BaseException) -> str:
         error = error.cause
     if isinstance(error, ray.exceptions.RayActorError) and error.actor_init_failed:
         # the actor's constructor raised: Ray keeps only its text; the exception is the traceback's last line
-        raised = [line for line in str(error).splitlines() if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", line)]
+        raised = [line for line in str(error).splitlines() if RAISED.match(line)]
         if raised:
             return f"its start failed: {raised[-1].strip()}"
     if isinstance(error, ray.exceptions.RayActorError):
@@ -45,6 +45,29 @@ def describe(error: BaseException) -> str:
         why = ", ".join(m.group(0) for m in found if m) or "no reason given"
         return f"the process died ({why}; killed, out of memory, or crashed)"
     return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+RAISED = re.compile(r"[A-Za-z_][\w.]*(Error|Exception)\b")  # the last line of a Python traceback
+
+
+async def with_logged_error(actor, cause: str) -> str:
+    """`cause`, with the last error in `actor`'s log when there is one: a failed start whose own exception is
+    vLLM's 'Engine core initialization failed. See root cause above' (the engine core's error, e.g. a KV cache that
+    does not fit, is only in the log its process shares with the actor: Ray's worker log)."""
+    with suppress(Exception):  # an actor that no longer answers: its cause alone
+        found = await asyncio.wait_for(actor.__ray_call__.remote(_logged_error), 10)
+        if found is not None and found[1] not in cause:
+            return f"{cause}; the last error in its log ({found[0]}): {found[1].rstrip('.')}"
+    return cause
+
+
+def _logged_error(_actor, tail_bytes: int = 65536) -> tuple[str, str] | None:
+    """In a role's process: (its stderr's file, the last exception line in that file's tail), None without one."""
+    path = os.readlink("/proc/self/fd/2")
+    with open(path, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
+        raised = [line.strip() for line in f.read().decode(errors="replace").splitlines() if RAISED.match(line)]
+    return (path, raised[-1]) if raised else None
 
 
 async def deadline(awaitable, seconds: float, role: str, what: str):

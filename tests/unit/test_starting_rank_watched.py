@@ -1,0 +1,84 @@
+"""A trainer rank's pid is in the run's role pids while the rank still builds its model (runtime/roles.py
+`_note_ranks`, read from Ray's GCS: a call to the rank waits for its constructor), so the start's watchers see a rank
+stopped by a signal there. Before, the ranks' pids came once every rank was up: a rank stopped while it built its
+model held the start for train.timeouts.startup_s (600 s), and its stall named neither the rank nor the cause. The
+trainer group stands in (its rank, a real stopped `sleep` process); the real one is
+tests/integration/test_late_faults.py's, and compat.actor_pid's is tests/integration/test_start_failures.py's.
+And the trainer ranks build beside the engines' and runners' starts: one that fails ends the start at once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from test_watched_phases import _forever, stopped_process  # noqa: F401 (a fixture)
+
+from molt_hydra.config.schema import RunConfig
+from molt_hydra.models import build
+from molt_hydra.parallel import group
+from molt_hydra.runtime import ray_head, roles, watchdog
+from molt_hydra.runtime.watchdog import RoleStalled, RunFailed
+
+
+def test_a_rank_stopped_while_it_builds_its_model_ends_the_start_naming_it(monkeypatch, stopped_process):
+    released = threading.Event()
+    rank = object()
+
+    class StartingGroup:
+        """Creates its rank, then waits for it to come up (it never does: stopped)."""
+
+        def __init__(self, num_ranks, spec, *, on_ranks=None, **kw):
+            if on_ranks is not None:
+                on_ranks([rank])
+            released.wait(20)
+
+    monkeypatch.setattr(group, "TrainerGroup", StartingGroup)
+    monkeypatch.setattr(roles, "trainer_spec", lambda *args, **kw: None)
+    monkeypatch.setattr(roles, "actor_pid", {rank: stopped_process}.get)
+    monkeypatch.setattr(roles, "RANK_PID_POLL_S", 0.01)
+    monkeypatch.setattr(ray_head, "dead_head_processes", lambda: {})
+    monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
+    role_pids: dict[str, int] = {}
+
+    async def start():
+        try:
+            return await watchdog.beside(
+                roles._start_trainers(RunConfig(), "tiny", ("actor",), 1, None, None, lambda name: print, role_pids),
+                *ray_head.watchers(role_pids, True))
+        finally:
+            released.set()  # (the group's thread ends)
+
+    with pytest.raises(RoleStalled) as stall:
+        asyncio.run(asyncio.wait_for(start(), 10))
+    assert str(stall.value) == "actor rank 0 stalled: its process has made no progress for 0.15 s"
+    assert role_pids == {"actor rank 0": stopped_process}
+
+
+@pytest.mark.parametrize("role", ["rollout engine 1", "agent runner 0"])
+def test_an_engine_or_runner_whose_start_fails_ends_the_start_while_the_ranks_build(monkeypatch, role):
+    """Before, the engines' and runners' starts were awaited once the trainer ranks were up (minutes on GPU): a
+    failed one was told only then. The ranks here never come up."""
+    import transformers
+
+    async def noted(role_pids, name, actor, start):
+        if name == role:
+            await asyncio.sleep(0.05)
+            raise RunFailed(role, "its start failed: ValueError: rollout.kv_cache_gb=64 does not fit")
+
+    monkeypatch.setattr(roles, "_noted", noted)
+    monkeypatch.setattr(build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(roles, "init_ray", lambda cfg: None)
+    monkeypatch.setattr(roles, "fsdp_roles", lambda cfg: ("actor",))
+    monkeypatch.setattr(roles, "colocated_placement", lambda cfg, n: asyncio.sleep(0, (None, None)))
+    monkeypatch.setattr(roles, "_start_engines", lambda cfg, path, gpus, share, pids: (
+        [], asyncio.gather(noted(pids, "rollout engine 1", None, "start")), None))
+    monkeypatch.setattr(roles, "_start_runners", lambda *args: [None])
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
+    monkeypatch.setattr(roles, "_load_rows", lambda cfg, scoring: ([{}] * 8, None))
+    monkeypatch.setattr(roles, "_start_trainers", _forever)
+    monkeypatch.setattr(ray_head, "dead_head_processes", lambda: {})
+    monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
+    with pytest.raises(RunFailed) as failed:
+        asyncio.run(asyncio.wait_for(roles.build_roles(RunConfig(), {}), 10))
+    assert str(failed.value) == f"{role}: its start failed: ValueError: rollout.kv_cache_gb=64 does not fit"
