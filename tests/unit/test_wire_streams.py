@@ -1677,3 +1677,27 @@ def test_a_stop_string_also_in_the_first_token_cuts_the_reply_where_the_engine_s
             await server.stop()
 
     assert asyncio.run(go()) == [("\nHello.", "stop")] * 2 + [("\nHello.", "stop_sequence", "\n")]
+
+
+def test_a_streamed_raw_completion_of_a_thinking_model_is_its_whole_text(tok):
+    """/v1/completions is raw text, never split into thinking and answer (its reply is the text as sampled): streamed
+    on a runner with agent.reasoning_parser set, all that came before `</think>` was held back as thinking, which a
+    completion has no channel for, so the client never got it (was: "\\n\\nThe answer is 4." of the text below)."""
+    from openai import AsyncOpenAI
+
+    text = "abc plan</think>\n\nThe answer is 4."
+
+    async def go():
+        server, session = await serving(tok, ScriptedEngine(tok, text), "qwen3")
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            plain = await oa.completions.create(model="policy", prompt="<think>\n")
+            chunks = [c async for c in await oa.completions.create(model="policy", prompt="Go: <think>\n", stream=True)]
+            return plain, chunks
+        finally:
+            await server.stop()
+
+    plain, chunks = asyncio.run(go())
+    pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert plain.choices[0].text == "".join(pieces) == text
+    assert pieces[0] != text  # token by token, from the first token on

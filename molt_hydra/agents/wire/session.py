@@ -323,7 +323,10 @@ class ChatSession:
                 continue
             parsed = len(text)
             cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
-            reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
+            if req.raw_prompt is not None:  # a raw completion is text as sampled, as `_choice` makes it (was: parsed
+                reasoning, content = None, text[: max(0, cut)]  # for thinking: all before `</think>` never streamed)
+            else:
+                reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
             emit("content", content)
         final = self._choice(join_deltas(deltas), req)  # parsed once (a parse failure is counted once)
