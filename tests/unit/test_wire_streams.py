@@ -1701,3 +1701,32 @@ def test_a_streamed_raw_completion_of_a_thinking_model_is_its_whole_text(tok):
     pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
     assert plain.choices[0].text == "".join(pieces) == text
     assert pieces[0] != text  # token by token, from the first token on
+
+
+def test_top_k_at_the_recipes_all_tokens_value_is_served(tok):
+    """rollout.top_k=-1 (the default: all tokens) sent back as the recipe's value, -1 or vLLM's other spelling 0 (an
+    agent forwarding ctx.sampling_params, a vLLM client's habit), was a 400 ("'top_k' must be an integer >= 1"), though
+    the sampling rule accepts the recipe's value; now served as all tokens, and a top_k that narrows it still refused."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI, BadRequestError
+
+    engine = RecordingEngine(tok, "Hello.")
+
+    async def go():
+        server, _ = await serving(tok, engine)  # Sampling's top_k: -1
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            for i, k in enumerate((-1, 0)):
+                await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"hi {i}"}],
+                                                 extra_body={"top_k": k})
+            await an.messages.create(model="policy", max_tokens=50, messages=USER, extra_body={"top_k": 0})
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER, extra_body={"top_k": 5})
+            return e.value
+        finally:
+            await server.stop()
+
+    refused = asyncio.run(go())
+    assert [r.sampling.top_k for r in engine.requests] == [-1, -1, -1]
+    assert refused.body["param"] == "top_k" and "'top_k'=5 differs from this rollout's rollout.top_k=-1" in refused.message

@@ -189,8 +189,7 @@ class ChatSession:
         o = req.overrides
         for key, recipe_key in RECIPE_SAMPLING.items():
             ours, theirs = getattr(self.sampling, key), o.get(key)
-            if theirs is not None and (key == "top_k" and ours <= 0
-                                       or not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6)):
+            if theirs is not None and not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6):
                 raise RequestError(400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: "
                                    f"training assumes the recipe's sampling, so a client may not change it; omit "
                                    f"'{key}' or send {ours}", key, "sampling_mismatch")
