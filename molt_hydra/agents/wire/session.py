@@ -89,6 +89,7 @@ class ChatSession:
         self.generate_calls = 0  # turns generated (agent.max_turns bounds them)
         self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
         self.closed = False
+        self.turns: set = set()  # the server's futures of the turns running on `loop` (`close` cancels them)
         self._sealed: list[Trajectory] = []
         self._branches: list[tuple[Trajectory, Choice]] = []  # one open segment per choice of the latest turn
         self._prev_messages: list[dict] = []
@@ -389,8 +390,12 @@ class ChatSession:
     # --- end of session ---
 
     def close(self) -> list[Trajectory]:
-        """Seal every open branch; the session's segments in the order they were opened."""
+        """Seal every open branch; the session's segments in the order they were opened. A turn still running (the
+        agent timed out, or returned without awaiting it) could reach no one: it is cancelled, which aborts its engine
+        request (was: it generated on to its token cap, taking the engines from the rollouts still running)."""
         self.closed = True
+        for turn in list(self.turns):
+            turn.cancel()
         segments = self._sealed + [traj for traj, _ in self._branches]
         for i, seg in enumerate(segments):
             seg.segment_index = i
