@@ -1701,8 +1701,9 @@ def test_a_streamed_raw_completion_of_a_thinking_model_is_its_whole_text(tok):
 
 def test_top_k_at_the_recipes_all_tokens_value_is_served(tok):
     """rollout.top_k=-1 (the default: all tokens) sent back as the recipe's value, -1 or vLLM's other spelling 0 (an
-    agent forwarding ctx.sampling_params, a vLLM client's habit), was a 400 ("'top_k' must be an integer >= 1"), though
-    the sampling rule accepts the recipe's value; now served as all tokens, and a top_k that narrows it still refused."""
+    agent forwarding ctx.sampling_params, a vLLM client's habit), was a 400 ("'top_k' must be an integer >= 1"),
+    though the sampling rule accepts the recipe's value; now served as all tokens, and a top_k that narrows it is still
+    refused."""
     from anthropic import AsyncAnthropic
     from openai import AsyncOpenAI, BadRequestError
 
@@ -1725,7 +1726,8 @@ def test_top_k_at_the_recipes_all_tokens_value_is_served(tok):
 
     refused = asyncio.run(go())
     assert [r.sampling.top_k for r in engine.requests] == [-1, -1, -1]
-    assert refused.body["param"] == "top_k" and "'top_k'=5 differs from this rollout's rollout.top_k=-1" in refused.message
+    assert refused.body["param"] == "top_k"
+    assert "'top_k'=5 differs from this rollout's rollout.top_k=-1" in refused.message
 
 
 class AbortRecordingEngine(ScriptedEngine):

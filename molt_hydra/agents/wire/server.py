@@ -157,8 +157,8 @@ class ChatServer:
             # the turn's task was cancelled on the agent's loop (was: a dropped connection, or a stream that never
             # ended): the client gets an error it can read
             raise RequestError(503, f"the turn of session {session.session_id} was cancelled on the agent's event "
-                               "loop before it finished (its rollout was cancelled, timed out or ended, or the runner is "
-                               "shutting down): it is not recorded", code="turn_cancelled") from None
+                               "loop before it finished (its rollout was cancelled, timed out or ended, or the runner "
+                               "is shutting down): it is not recorded", code="turn_cancelled") from None
 
     async def _accept(self, request: web.Request) -> tuple[ChatSession, object]:
         self._check_key(request)
