@@ -965,3 +965,31 @@ def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec,
     assert msg.model_extra["reasoning_content"] == texts[0] and not msg.content
     assert [(b.type, b.thinking) for b in log["an"].content] == [("thinking", texts[1])]
     assert log["an2"].usage.output_tokens == len(rec.calls[2][1][0].token_ids)
+
+
+def test_a_turn_running_when_its_session_closes_is_aborted_in_vllm(loop, engine, tokenizer):
+    """The rollout ends (its agent returned or timed out) while a turn streams: the reply could reach no one, and vLLM
+    sampled on to the turn's token cap (was: still 1 request running after the close); now it is aborted at once."""
+    from molt_hydra.agents.tool_parser import reply_parser
+    from molt_hydra.agents.wire.server import ChatServer
+    from molt_hydra.agents.wire.session import ChatSession
+
+    async def go():
+        server = ChatServer()
+        await server.start()
+        server.open_session(ChatSession("s", engine, tokenizer, Sampling(max_tokens=1000, ignore_eos=True), 1024,
+                                        reply_parser(tokenizer, "hermes")))
+        client = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key=server.api_key, max_retries=0)
+        try:
+            stream = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                          stream=True)
+            await anext(aiter(stream))  # the turn is sampling
+            running = engine._engine().get_num_unfinished_requests()
+            server.close_session("s")
+            await asyncio.sleep(0.2)
+            return running, engine._engine().get_num_unfinished_requests()
+        finally:
+            await client.close()
+            await server.stop()
+
+    assert run(loop, go()) == (1, 0)

@@ -892,11 +892,7 @@ def test_a_turn_still_generating_when_its_session_closes_leaves_the_handed_segme
                 r.close()  # the agent leaves the stream and returns: the rollout closes its session
             segments = server.close_session("s")
             handed = [(list(s.token_ids), list(s.action_ranges)) for s in segments]
-            for _ in range(100):  # the streamed turn runs to its end (the first one was not streamed)
-                if engine.finished:
-                    break
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)  # the streamed turn, cancelled by the close, would have ended by now
             return handed, [(s.token_ids, s.action_ranges) for s in segments]
         finally:
             await server.stop()
@@ -1679,3 +1675,127 @@ def test_a_stop_string_also_in_the_first_token_cuts_the_reply_where_the_engine_s
             await server.stop()
 
     assert asyncio.run(go()) == [("\nHello.", "stop")] * 2 + [("\nHello.", "stop_sequence", "\n")]
+
+
+def test_a_streamed_raw_completion_of_a_thinking_model_is_its_whole_text(tok):
+    """/v1/completions is raw text, never split into thinking and answer (its reply is the text as sampled): streamed
+    on a runner with agent.reasoning_parser set, all that came before `</think>` was held back as thinking, which a
+    completion has no channel for, so the client never got it (was: "\\n\\nThe answer is 4." of the text below)."""
+    from openai import AsyncOpenAI
+
+    text = "abc plan</think>\n\nThe answer is 4."
+
+    async def go():
+        server, session = await serving(tok, ScriptedEngine(tok, text), "qwen3")
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            plain = await oa.completions.create(model="policy", prompt="<think>\n")
+            chunks = [c async for c in await oa.completions.create(model="policy", prompt="Go: <think>\n", stream=True)]
+            return plain, chunks
+        finally:
+            await server.stop()
+
+    plain, chunks = asyncio.run(go())
+    pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert plain.choices[0].text == "".join(pieces) == text
+    assert pieces[0] != text  # token by token, from the first token on
+
+
+def test_top_k_at_the_recipes_all_tokens_value_is_served(tok):
+    """rollout.top_k=-1 (the default: all tokens) sent back as the recipe's value, -1 or vLLM's other spelling 0 (an
+    agent forwarding ctx.sampling_params, a vLLM client's habit), was a 400 ("'top_k' must be an integer >= 1"),
+    though the sampling rule accepts the recipe's value; now served as all tokens, and a top_k that narrows it is still
+    refused."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI, BadRequestError
+
+    engine = RecordingEngine(tok, "Hello.")
+
+    async def go():
+        server, _ = await serving(tok, engine)  # Sampling's top_k: -1
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            for i, k in enumerate((-1, 0)):
+                await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"hi {i}"}],
+                                                 extra_body={"top_k": k})
+            await an.messages.create(model="policy", max_tokens=50, messages=USER, extra_body={"top_k": 0})
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER, extra_body={"top_k": 5})
+            return e.value
+        finally:
+            await server.stop()
+
+    refused = asyncio.run(go())
+    assert [r.sampling.top_k for r in engine.requests] == [-1, -1, -1]
+    assert refused.body["param"] == "top_k"
+    assert "'top_k'=5 differs from this rollout's rollout.top_k=-1" in refused.message
+
+
+class AbortRecordingEngine(ScriptedEngine):
+    """Generates until cancelled (streamed: after a first token), and records each cancellation."""
+
+    def __init__(self, tok, text):
+        super().__init__(tok, text)
+        self.cancelled = []
+
+    async def generate(self, request):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.append("generate")
+            raise
+
+    async def generate_stream(self, request):
+        yield Generation(self.ids[:1], [-0.5], [0], None)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.append("stream")
+            raise
+
+
+def test_a_turn_running_when_its_rollout_times_out_is_aborted_in_the_engine(tok):
+    """An agent past agent.timeout_s mid-turn (plain or streamed) ends its rollout and closes its session; the turn
+    could reach no one, yet it generated on to its token cap (the engines' time taken from the rollouts still running).
+    Now closing the session cancels it, which aborts the engine request."""
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result
+    from molt_hydra.agents.base import AGENT_TIMEOUT
+
+    engine = AbortRecordingEngine(tok, "Hello.")
+
+    class Waits(ChatAgent):
+        def __init__(self, stream):
+            self.stream = stream
+
+        async def run(self, ctx):
+            oa = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            reply = await oa.chat.completions.create(model="policy", messages=ctx.messages, stream=self.stream)
+            if self.stream:
+                async for _ in reply:
+                    pass
+            return Result(reward=1.0)
+
+    reply_parser(tok, "hermes", None)  # built once per runner process (seconds), not in the rollout's 1 s
+
+    async def go():
+        seen = []
+        for stream in (False, True):
+            runner = ChatAgentRunner(Waits, agent_kwargs={"stream": stream})
+            try:
+                outcome = await runner.run_group([Episode("hi", Sampling(max_tokens=64), 2048)], engine, tok,
+                                                 timeout_s=1.0)
+                for _ in range(100):  # (before the server stops: stopping it cancels every turn anyway)
+                    if len(engine.cancelled) > stream:
+                        break
+                    await asyncio.sleep(0.02)
+                seen.append((dict(outcome.failures), list(engine.cancelled)))
+            finally:
+                await runner.close()
+        return seen
+
+    (plain, plain_cancelled), (streamed, streamed_cancelled) = asyncio.run(go())
+    assert plain == streamed == {AGENT_TIMEOUT: 1}
+    assert (plain_cancelled, streamed_cancelled) == (["generate"], ["generate", "stream"])

@@ -189,7 +189,9 @@ def sampling(body: dict, max_keys: tuple[str, ...], stop_key: str | None = None,
     overrides = {"max_tokens": next(iter(caps.values()), None),
                  "temperature": number(body, "temperature", 0.0, temperature_max),
                  "top_p": number(body, "top_p", 1e-9, 1.0), "seed": integer(body, "seed", MIN_SEED, MAX_SEED),
-                 "top_k": integer(body, "top_k", 1)}
+                 "top_k": integer(body, "top_k", -1)}
+    if overrides["top_k"] == 0:  # vLLM's other spelling of -1, "all tokens" (was: both a 400, though the recipe's)
+        overrides["top_k"] = -1
     stop = body.get(stop_key) if stop_key else None
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop

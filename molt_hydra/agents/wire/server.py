@@ -146,16 +146,19 @@ class ChatServer:
             ) from None
         # cancelling the wrapper (the server stopping) cancels the turn on the agent's loop too; a client that goes
         # away cancels nothing (aiohttp runs the handler on): the turn ends and is recorded for the client's retry
+        turn = asyncio.run_coroutine_threadsafe(coro, session.loop)
+        session.turns.add(turn)  # closing the session cancels it
+        turn.add_done_callback(session.turns.discard)
         try:
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))
+            return await asyncio.wrap_future(turn)
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # this request's own cancellation (the server stopping)
                 raise
             # the turn's task was cancelled on the agent's loop (was: a dropped connection, or a stream that never
             # ended): the client gets an error it can read
             raise RequestError(503, f"the turn of session {session.session_id} was cancelled on the agent's event "
-                               "loop before it finished (its rollout was cancelled or timed out, or the runner is "
-                               "shutting down): it is not recorded", code="turn_cancelled") from None
+                               "loop before it finished (its rollout was cancelled, timed out or ended, or the runner "
+                               "is shutting down): it is not recorded", code="turn_cancelled") from None
 
     async def _accept(self, request: web.Request) -> tuple[ChatSession, object]:
         self._check_key(request)

@@ -89,6 +89,7 @@ class ChatSession:
         self.generate_calls = 0  # turns generated (agent.max_turns bounds them)
         self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
         self.closed = False
+        self.turns: set = set()  # the server's futures of the turns running on `loop` (`close` cancels them)
         self._sealed: list[Trajectory] = []
         self._branches: list[tuple[Trajectory, Choice]] = []  # one open segment per choice of the latest turn
         self._prev_messages: list[dict] = []
@@ -189,8 +190,7 @@ class ChatSession:
         o = req.overrides
         for key, recipe_key in RECIPE_SAMPLING.items():
             ours, theirs = getattr(self.sampling, key), o.get(key)
-            if theirs is not None and (key == "top_k" and ours <= 0
-                                       or not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6)):
+            if theirs is not None and not math.isclose(theirs, ours, rel_tol=0, abs_tol=1e-6):
                 raise RequestError(400, f"'{key}'={theirs} differs from this rollout's {recipe_key}={ours}: "
                                    f"training assumes the recipe's sampling, so a client may not change it; omit "
                                    f"'{key}' or send {ours}", key, "sampling_mismatch")
@@ -323,7 +323,10 @@ class ChatSession:
                 continue
             parsed = len(text)
             cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
-            reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
+            if req.raw_prompt is not None:  # a raw completion is text as sampled, as `_choice` makes it (was: parsed
+                reasoning, content = None, text[: max(0, cut)]  # for thinking: all before `</think>` never streamed)
+            else:
+                reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
             emit("reasoning", reasoning)
             emit("content", content)
         final = self._choice(join_deltas(deltas), req)  # parsed once (a parse failure is counted once)
@@ -387,8 +390,12 @@ class ChatSession:
     # --- end of session ---
 
     def close(self) -> list[Trajectory]:
-        """Seal every open branch; the session's segments in the order they were opened."""
+        """Seal every open branch; the session's segments in the order they were opened. A turn still running (the
+        agent timed out, or returned without awaiting it) could reach no one: it is cancelled, which aborts its engine
+        request (was: it generated on to its token cap, taking the engines from the rollouts still running)."""
         self.closed = True
+        for turn in list(self.turns):
+            turn.cancel()
         segments = self._sealed + [traj for traj, _ in self._branches]
         for i, seg in enumerate(segments):
             seg.segment_index = i
