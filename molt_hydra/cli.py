@@ -290,19 +290,34 @@ def _deleted(key: str, text: str) -> str:
 def _empty(o, text: str) -> list[str]:
     """`group=[]` chooses no option of a config group: its keys took the schema's defaults unseen (`rollout=[]`, as
     `~rollout`), a recipe was dropped (`+recipe=[]`), or Hydra failed with a traceback (`hydra/launcher=[]`).
-    `key={}` merges an empty mapping into a group or section, which changes nothing: it neither clears nor resets it."""
+    `key={}` merges an empty mapping into a group or section, which changes nothing: it neither clears nor resets it;
+    Hydra's own node too (`hydra={}`, `hydra.run={}`: were let through without a word, as was `+hydra=[]`)."""
     key, value = o.key_or_group, o.value()
     if o.is_delete() or o.is_sweep_override() or not isinstance(value, (list, dict)) or value:
         return []
-    group = "/" in key or _is_group(key) and key != "hydra"
+    if key == "hydra":  # (conf/hydra holds Hydra's groups: hydra itself is a node, no group to choose an option of)
+        return [f"- {text}: an empty {'list' if isinstance(value, list) else 'mapping'} for Hydra's own config, which "
+                "changes nothing: hydra is no config group to choose an option of, and merging nothing into it "
+                "neither clears nor resets it. Fix: set the keys you mean to change (hydra.KEY=VALUE; `molt-run --cfg "
+                f"hydra` prints them), or leave {text} out"]
+    group, hydra_mapping = "/" in key or _is_group(key), False
+    if isinstance(value, dict) and key.startswith("hydra."):  # a mapping of Hydra's (run, job.env_set, ...), or a slot
+        from hydra.conf import HydraConf  # the chosen plugin or logging preset fills (launcher, job_logging: unset)
+
+        schema, path = OmegaConf.structured(HydraConf), key.removeprefix("hydra.")
+        try:
+            hydra_mapping = isinstance(OmegaConf.select(schema, path, throw_on_missing=False), DictConfig) or \
+                OmegaConf.is_missing(schema, path)
+        except OmegaConfBaseException:  # (a key below a plugin's slot, or none of Hydra's: composition reports it)
+            pass
     if isinstance(value, list) and group:
         return [f"- {text}: chooses no option of the config group {key}, so none of its settings would be composed "
                 f"(its keys left at the schema's defaults, or unset). Fix: choose one ({o.get_key_element()}=NAME; "
                 f"`molt-run {'--hydra-help' if key.startswith('hydra') else '--help'}` lists them), or drop {text}"]
-    if isinstance(value, dict) and (group or key == "agent.runner" or any(
+    if isinstance(value, dict) and (group or key == "agent.runner" or hydra_mapping or any(
             name.startswith(f"{key}.") for name in declared_bounds(RunConfig))):
         return [f"- {text}: an empty mapping, which Hydra merges into {key}: that changes nothing (it neither clears "
-                f"nor resets {key}). Fix: set the keys you mean to change ({key}.KEY=VALUE"
+                f"nor resets {key}). Fix: set the keys you mean to change ({key.replace('/', '.')}.KEY=VALUE"
                 f"{f', or another option: {key}=NAME' if group else ''}), or leave {text} out"]
     return []
 

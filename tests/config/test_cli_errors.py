@@ -835,18 +835,35 @@ def test_a_list_or_mapping_inside_a_list_of_values_is_refused(override):
                    "composed"),
     ("+recipe=[]", "- +recipe=[]: chooses no option of the config group recipe"),
     ("hydra/launcher=[]", "- hydra/launcher=[]: chooses no option of the config group hydra/launcher"),
+    ("hydra={}", "- hydra={}: an empty mapping for Hydra's own config, which changes nothing"),
+    ("+hydra=[]", "- +hydra=[]: an empty list for Hydra's own config, which changes nothing"),
+    ("hydra=[]", "- hydra=[]: an empty list for Hydra's own config, which changes nothing"),
+    ("hydra.run={}", "- hydra.run={}: an empty mapping, which Hydra merges into hydra.run: that changes nothing"),
+    ("hydra.job.env_set={}", "- hydra.job.env_set={}: an empty mapping, which Hydra merges into hydra.job.env_set: "),
+    ("hydra.launcher={}", "- hydra.launcher={}: an empty mapping, which Hydra merges into hydra.launcher: "),
 ])
 def test_an_empty_mapping_or_choice_is_refused(override, line):
     """Before: `rollout={}` (and `train.optimizer={}`) ran as if not given, though it reads as a reset; `rollout=[]`
     dropped conf/rollout/cpu_tiny.yaml (the schema's bfloat16 engine in its place), `+recipe=[]` the recipe, without a
-    word; `hydra/launcher=[]` ended in a MissingMandatoryValue traceback."""
+    word; `hydra/launcher=[]` ended in a MissingMandatoryValue traceback. `hydra={}` (and hydra.run={}, ...) ran as if
+    not given, `+hydra=[]` too; `hydra=[]` was told to write +hydra=[]."""
     cfg, problems = compose_checked([override])
     assert cfg is None and len(problems) == 1 and problems[0].startswith(line) and " Fix: " in problems[0], problems
 
 
 def test_a_mapping_or_choice_that_sets_something_is_composed():
-    overrides = ["rollout=[cpu_tiny]", "rollout={batch_size:4}", "+agent.runner.kw={}", "rollout={}"]
-    assert [compose_checked([o])[1] != [] for o in overrides] == [False, False, False, True]  # (the last: empty)
+    overrides = ["rollout=[cpu_tiny]", "rollout={batch_size:4}", "+agent.runner.kw={}", "hydra={job:{chdir:false}}",
+                 "hydra.job.name={}", "rollout={}"]
+    # (hydra.job.name={}: a string of Hydra's, which takes no mapping: composition names that, not "changes nothing")
+    results = [compose_checked([o])[1] for o in overrides]
+    assert [r != [] for r in results] == [False, False, False, False, True, True], results  # (the last: empty)
+    assert results[4][0].startswith("- hydra.job.name: Cannot convert 'dict' to string"), results[4]
+
+
+def test_an_empty_mapping_for_a_hydra_group_names_its_keys_with_dots():
+    """Before: `hydra/help={}` was told to set hydra/help.KEY=VALUE, which Hydra parses as no key of the config."""
+    (line,) = compose_checked(["hydra/help={}"])[1]
+    assert "Fix: set the keys you mean to change (hydra.help.KEY=VALUE, or another option: hydra/help=NAME)" in line
 
 
 def test_an_empty_run_or_sweep_directory_is_refused(monkeypatch, tmp_path, capsys):
