@@ -37,6 +37,7 @@ from omegaconf.nodes import BooleanNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_range
+from molt_hydra.config.handoff_rules import RUN_DIRS
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
@@ -445,8 +446,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
 
 
 ANNOUNCED_SWEEP = 20  # sweeps of more points than this say that their check is under way
-# the directories a run writes: one sweep point's each
-SWEEP_OWN_DIRS = ("output_dir", "checkpoint.dir", "checkpoint.export_dir", "train.rollout_dump_dir")
+SWEEP_OWN_DIRS = RUN_DIRS  # the directories a run writes: one sweep point's each
 
 
 def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | None) -> list[str]:
