@@ -33,7 +33,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
 from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.nodes import BooleanNode
+from omegaconf.nodes import BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_range
@@ -192,7 +192,7 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
             cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
-    problems = _not_a_bool(cfg, parsed) + _unresolved(cfg, pairs)
+    problems = _converted(cfg, pairs) + _unresolved(cfg, pairs)
     return (None, problems) if problems else (cfg, [])
 
 
@@ -369,21 +369,29 @@ def expand_globs(overrides: list[str], config_dir: str | None) -> tuple[list[str
     return (None, problems) if problems else (expanded, [])
 
 
-def _not_a_bool(cfg: DictConfig, parsed: list) -> list[str]:
-    """A true/false key given anything but true, false (or null): OmegaConf reads every non-zero number (2, -1) and
-    yes / on / y as true, and 0 / no / off / n as false, silently; `parallelism.colocate=2` meant something else."""
+def _converted(cfg: DictConfig, pairs: list) -> list[str]:
+    """A value OmegaConf converts to the key's type without a word, into something else than the user wrote.
+    A true/false key given anything but true, false (or null): OmegaConf reads every non-zero number (2, -1) and
+    yes / on / y as true, and 0 / no / off / n as false; `parallelism.colocate=2` meant something else.
+    A string key given what Hydra parses as a number or a bool: the run got its str(), `name=1.10` ran as name 1.1
+    (outputs/1.1/), `data.split=2024.10` looked for split 2024.1, `name=true` ran as True, `name=1e3` as 1000.0."""
     problems = []
-    for o in parsed:
+    for o, text in pairs:
         if o.is_sweep_override() or o.is_delete() or o.key_or_group.startswith("hydra."):
             continue  # (each sweep point is composed on its own: sweep_problems)
         node, value = cfg, o.value()
         for part in o.key_or_group.split("."):
             node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
+        key, written = o.key_or_group, text.split("=", 1)[-1].strip()
         if isinstance(node, BooleanNode) and not (value is None or isinstance(value, bool) or str(value).lower() in (
                 "true", "false") or "${" in str(value)):  # quoted (key='true'), an interpolation: as they read
-            key, read_as = o.key_or_group, str(node._value()).lower()
+            read_as = str(node._value()).lower()
             problems.append(f"- {key}: true or false, got {value!r} (which would be read as {read_as}). Fix: write "
                             f"{key}=true or {key}=false")
+        elif isinstance(node, StringNode) and isinstance(value, (bool, int, float)) and str(node._value()) != written:
+            problems.append(f"- {key}: a string, but Hydra reads {written} as the {type(value).__name__} {value!r}, so "
+                            f"the run would get {str(node._value())!r}. Fix: quote it, {key}='{written}' (inside the "
+                            f"shell's quotes: \"{key}='{written}'\")")
     return problems
 
 

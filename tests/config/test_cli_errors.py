@@ -890,3 +890,24 @@ def test_hydra_mode_multirun_without_m_is_refused(monkeypatch, tmp_path, capsys)
         "Config error(s):\n- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, "
         "not the sweep's points. Fix: add -m (--multirun) and leave hydra.mode out\n")
     assert _main_in_process(["-m", "hydra.mode=MULTIRUN", "seed=1,2", "dry_run=true"], monkeypatch, tmp_path) == 0
+
+
+@pytest.mark.parametrize("override,read_as,got", [
+    ("name=1.10", "float 1.1", "1.1"), ("data.split=2024.10", "float 2024.1", "2024.1"),
+    ("name=true", "bool True", "True"), ("logger.wandb.group=1e3", "float 1000.0", "1000.0"),
+    ("logger.wandb.run_name=1_000", "int 1000", "1000")])
+def test_a_string_key_given_a_number_that_reads_back_otherwise_is_refused(override, read_as, got):
+    """Before: OmegaConf stored str() of what Hydra parsed, without a word: `name=1.10` ran as outputs/1.1/,
+    `data.split=2024.10` looked for a split named 2024.1, `name=true` ran as True."""
+    key, written = override.split("=")
+    cfg, problems = compose_checked([override])
+    assert cfg is None and problems == [
+        f"- {key}: a string, but Hydra reads {written} as the {read_as}, so the run would get {got!r}. Fix: quote "
+        f"it, {key}='{written}' (inside the shell's quotes: \"{key}='{written}'\")"], problems
+
+
+@pytest.mark.parametrize("override,kept", [("name=42", "42"), ("name='1.10'", "1.10"), ("data.split=-0.0", "-0.0"),
+                                           ("name=True", "True"), ("logger.wandb.entity=null", None)])
+def test_a_string_key_given_a_number_that_reads_back_as_written_is_kept(override, kept):
+    cfg, problems = compose_checked([override])
+    assert problems == [] and OmegaConf.select(cfg, override.split("=")[0]) == kept
