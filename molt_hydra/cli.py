@@ -165,7 +165,7 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
                      if o.is_sweep_override()]
     problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
-    problems += [line for o, text in pairs for line in _empty(o, text)]
+    problems += [line for o, text in pairs for line in [*_empty(o, text), *_added_to_hydra(o, text)]]
     if multirun:
         problems += oversized_sweep(pairs) + [
             f"- {text}: a sweep over dry_run would start some points and only plan the others. Fix: add dry_run=true "
@@ -320,6 +320,29 @@ def _empty(o, text: str) -> list[str]:
         return [f"- {text}: an empty mapping, which Hydra merges into {key}: that changes nothing (it neither clears "
                 f"nor resets {key}). Fix: set the keys you mean to change ({key.replace('/', '.')}.KEY=VALUE"
                 f"{f', or another option: {key}=NAME' if group else ''}), or leave {text} out"]
+    return []
+
+
+def _added_to_hydra(o, text: str) -> list[str]:
+    """`+hydra.KEY=v` (or ++) of a key Hydra's own config lacks: Hydra took it into its node and read it nowhere
+    (`+hydra.run.dirr=x`, `+hydra.job.nmae=x`), without a word. Below a free-form node (job.env_set, callbacks, the
+    launcher's, sweeper's and logging presets' slots) every key is someone's to read."""
+    from hydra.conf import HydraConf
+
+    key = o.key_or_group
+    if not (o.is_add() or o.is_force_add()) or not key.startswith("hydra."):
+        return []
+    node, parts = OmegaConf.structured(HydraConf), key.split(".")[1:]
+    for number, part in enumerate(parts):
+        if not isinstance(node, DictConfig) or node._is_missing() or node._metadata.object_type in (None, dict):
+            return []
+        if part not in node.keys():
+            close = difflib.get_close_matches(part, list(node.keys()), n=1)
+            where = ".".join(["hydra", *parts[:number]])
+            hint = f"did you mean {where}.{close[0]}? " if close else ""
+            return [f"- {text}: adds {key}, a key Hydra's own config does not have, so Hydra would never read it. Fix: "
+                    f"{hint}`molt-run --cfg hydra` prints Hydra's keys (set one without +)"]
+        node = node._get_node(part)
     return []
 
 

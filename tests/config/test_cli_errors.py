@@ -911,3 +911,24 @@ def test_a_string_key_given_a_number_that_reads_back_otherwise_is_refused(overri
 def test_a_string_key_given_a_number_that_reads_back_as_written_is_kept(override, kept):
     cfg, problems = compose_checked([override])
     assert problems == [] and OmegaConf.select(cfg, override.split("=")[0]) == kept
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("+hydra.run.dirr=/tmp/x", "did you mean hydra.run.dir? "), ("++hydra.job.nmae=x", "did you mean hydra.job.name? "),
+    ("+hydra.foo=1", "")])
+def test_a_key_added_to_hydras_config_that_hydra_lacks_is_refused(override, hint):
+    """Before: + (or ++) put any key into Hydra's own node, where nothing reads it: `+hydra.run.dirr=/tmp/x` ran in
+    the default run directory without a word."""
+    cfg, problems = compose_checked([override], hydra_config=True)
+    key = override.lstrip("+").split("=", 1)[0]
+    assert cfg is None and problems == [
+        f"- {override}: adds {key}, a key Hydra's own config does not have, so Hydra would never read it. Fix: {hint}"
+        "`molt-run --cfg hydra` prints Hydra's keys (set one without +)"], problems
+
+
+@pytest.mark.parametrize("override", ["+hydra.job.env_set.MOLT_X=1", "+hydra.callbacks.mine._target_=a.B",
+                                      "++hydra.run.dir=/tmp/x"])
+def test_a_key_added_below_a_free_form_node_of_hydras_config_is_composed(override):
+    """hydra.job.env_set and hydra.callbacks take keys of the user's own naming; ++ of an existing key sets it."""
+    cfg, problems = compose_checked([override], hydra_config=True)
+    assert problems == [] and OmegaConf.select(cfg, override.lstrip("+").split("=", 1)[0]) == override.split("=")[1]
