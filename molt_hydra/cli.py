@@ -292,15 +292,20 @@ def _empty(o, text: str) -> list[str]:
     """`group=[]` chooses no option of a config group: its keys took the schema's defaults unseen (`rollout=[]`, as
     `~rollout`), a recipe was dropped (`+recipe=[]`), or Hydra failed with a traceback (`hydra/launcher=[]`).
     `key={}` merges an empty mapping into a group or section, which changes nothing: it neither clears nor resets it;
-    Hydra's own node too (`hydra={}`, `hydra.run={}`: were let through without a word, as was `+hydra=[]`)."""
+    Hydra's own node too (`hydra={}`, `hydra.run={}`: were let through without a word, as was `+hydra=[]`), which
+    takes nothing but a mapping of its keys (`hydra=x`)."""
     key, value = o.key_or_group, o.value()
-    if o.is_delete() or o.is_sweep_override() or not isinstance(value, (list, dict)) or value:
-        return []
-    if key == "hydra":  # (conf/hydra holds Hydra's groups: hydra itself is a node, no group to choose an option of)
+    if key == "hydra" and not o.is_delete() and not (isinstance(value, dict) and value):  # (hydra=x, hydra=null: was
+        # told to write +hydra=x, or to choose an option of the group hydra; conf/hydra holds Hydra's groups, hydra is
+        # a node of keys)
+        fix = f"Fix: set the keys you mean to change (hydra.KEY=VALUE; `molt-run --cfg hydra` prints them), or leave " \
+              f"{text} out"
         return [f"- {text}: an empty {'list' if isinstance(value, list) else 'mapping'} for Hydra's own config, which "
                 "changes nothing: hydra is no config group to choose an option of, and merging nothing into it "
-                "neither clears nor resets it. Fix: set the keys you mean to change (hydra.KEY=VALUE; `molt-run --cfg "
-                f"hydra` prints them), or leave {text} out"]
+                f"neither clears nor resets it. {fix}" if value in ([], {}) else f"- {text}: hydra is Hydra's own "
+                f"config, which takes its keys, not a value or an option of a config group. {fix}"]
+    if o.is_delete() or o.is_sweep_override() or not isinstance(value, (list, dict)) or value:
+        return []
     group, hydra_mapping = "/" in key or _is_group(key), False
     if isinstance(value, dict) and key.startswith("hydra."):  # a mapping of Hydra's (run, job.env_set, ...), or a slot
         from hydra.conf import HydraConf  # the chosen plugin or logging preset fills (launcher, job_logging: unset)

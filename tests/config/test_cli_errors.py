@@ -860,6 +860,16 @@ def test_a_mapping_or_choice_that_sets_something_is_composed():
     assert results[4][0].startswith("- hydra.job.name: Cannot convert 'dict' to string"), results[4]
 
 
+@pytest.mark.parametrize("override", ["hydra=x", "hydra=null", "hydra=[launcher]"])
+def test_a_value_for_hydras_own_config_is_refused_with_a_fix_that_works(override):
+    """Before: `hydra=x` was told to add it with +hydra=x (refused next as no option of the group hydra), `hydra=null`
+    to choose an option of the group hydra: neither fix exists (hydra is a node of keys)."""
+    assert compose_checked([override])[1] == [
+        f"- {override}: hydra is Hydra's own config, which takes its keys, not a value or an option of a config group. "
+        f"Fix: set the keys you mean to change (hydra.KEY=VALUE; `molt-run --cfg hydra` prints them), or leave "
+        f"{override} out"]
+
+
 def test_an_empty_mapping_for_a_hydra_group_names_its_keys_with_dots():
     """Before: `hydra/help={}` was told to set hydra/help.KEY=VALUE, which Hydra parses as no key of the config."""
     (line,) = compose_checked(["hydra/help={}"])[1]
