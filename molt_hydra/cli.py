@@ -33,10 +33,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
 from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.nodes import BooleanNode
+from omegaconf.nodes import BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_range
+from molt_hydra.config.handoff_rules import RUN_DIRS
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
 
@@ -164,7 +165,7 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
                      if o.is_sweep_override()]
     problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
-    problems += [line for o, text in pairs for line in _empty(o, text)]
+    problems += [line for o, text in pairs for line in [*_empty(o, text), *_added_to_hydra(o, text)]]
     if multirun:
         problems += oversized_sweep(pairs) + [
             f"- {text}: a sweep over dry_run would start some points and only plan the others. Fix: add dry_run=true "
@@ -191,7 +192,7 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
             cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
-    problems = _not_a_bool(cfg, parsed) + _unresolved(cfg, pairs)
+    problems = _converted(cfg, pairs) + _unresolved(cfg, pairs)
     return (None, problems) if problems else (cfg, [])
 
 
@@ -290,20 +291,63 @@ def _deleted(key: str, text: str) -> str:
 def _empty(o, text: str) -> list[str]:
     """`group=[]` chooses no option of a config group: its keys took the schema's defaults unseen (`rollout=[]`, as
     `~rollout`), a recipe was dropped (`+recipe=[]`), or Hydra failed with a traceback (`hydra/launcher=[]`).
-    `key={}` merges an empty mapping into a group or section, which changes nothing: it neither clears nor resets it."""
+    `key={}` merges an empty mapping into a group or section, which changes nothing: it neither clears nor resets it;
+    Hydra's own node too (`hydra={}`, `hydra.run={}`: were let through without a word, as was `+hydra=[]`), which
+    takes nothing but a mapping of its keys (`hydra=x`)."""
     key, value = o.key_or_group, o.value()
+    if key == "hydra" and not o.is_delete() and not (isinstance(value, dict) and value):  # (hydra=x, hydra=null: was
+        # told to write +hydra=x, or to choose an option of the group hydra; conf/hydra holds Hydra's groups, hydra is
+        # a node of keys)
+        fix = f"Fix: set the keys you mean to change (hydra.KEY=VALUE; `molt-run --cfg hydra` prints them), or leave " \
+              f"{text} out"
+        return [f"- {text}: an empty {'list' if isinstance(value, list) else 'mapping'} for Hydra's own config, which "
+                "changes nothing: hydra is no config group to choose an option of, and merging nothing into it "
+                f"neither clears nor resets it. {fix}" if value in ([], {}) else f"- {text}: hydra is Hydra's own "
+                f"config, which takes its keys, not a value or an option of a config group. {fix}"]
     if o.is_delete() or o.is_sweep_override() or not isinstance(value, (list, dict)) or value:
         return []
-    group = "/" in key or _is_group(key) and key != "hydra"
+    group, hydra_mapping = "/" in key or _is_group(key), False
+    if isinstance(value, dict) and key.startswith("hydra."):  # a mapping of Hydra's (run, job.env_set, ...), or a slot
+        from hydra.conf import HydraConf  # the chosen plugin or logging preset fills (launcher, job_logging: unset)
+
+        schema, path = OmegaConf.structured(HydraConf), key.removeprefix("hydra.")
+        try:
+            hydra_mapping = isinstance(OmegaConf.select(schema, path, throw_on_missing=False), DictConfig) or \
+                OmegaConf.is_missing(schema, path)
+        except OmegaConfBaseException:  # (a key below a plugin's slot, or none of Hydra's: composition reports it)
+            pass
     if isinstance(value, list) and group:
         return [f"- {text}: chooses no option of the config group {key}, so none of its settings would be composed "
                 f"(its keys left at the schema's defaults, or unset). Fix: choose one ({o.get_key_element()}=NAME; "
                 f"`molt-run {'--hydra-help' if key.startswith('hydra') else '--help'}` lists them), or drop {text}"]
-    if isinstance(value, dict) and (group or key == "agent.runner" or any(
+    if isinstance(value, dict) and (group or key == "agent.runner" or hydra_mapping or any(
             name.startswith(f"{key}.") for name in declared_bounds(RunConfig))):
         return [f"- {text}: an empty mapping, which Hydra merges into {key}: that changes nothing (it neither clears "
-                f"nor resets {key}). Fix: set the keys you mean to change ({key}.KEY=VALUE"
+                f"nor resets {key}). Fix: set the keys you mean to change ({key.replace('/', '.')}.KEY=VALUE"
                 f"{f', or another option: {key}=NAME' if group else ''}), or leave {text} out"]
+    return []
+
+
+def _added_to_hydra(o, text: str) -> list[str]:
+    """`+hydra.KEY=v` (or ++) of a key Hydra's own config lacks: Hydra took it into its node and read it nowhere
+    (`+hydra.run.dirr=x`, `+hydra.job.nmae=x`), without a word. Below a free-form node (job.env_set, callbacks, the
+    launcher's, sweeper's and logging presets' slots) every key is someone's to read."""
+    from hydra.conf import HydraConf
+
+    key = o.key_or_group
+    if not (o.is_add() or o.is_force_add()) or not key.startswith("hydra."):
+        return []
+    node, parts = OmegaConf.structured(HydraConf), key.split(".")[1:]
+    for number, part in enumerate(parts):
+        if not isinstance(node, DictConfig) or node._is_missing() or node._metadata.object_type in (None, dict):
+            return []
+        if part not in node.keys():
+            close = difflib.get_close_matches(part, list(node.keys()), n=1)
+            where = ".".join(["hydra", *parts[:number]])
+            hint = f"did you mean {where}.{close[0]}? " if close else ""
+            return [f"- {text}: adds {key}, a key Hydra's own config does not have, so Hydra would never read it. Fix: "
+                    f"{hint}`molt-run --cfg hydra` prints Hydra's keys (set one without +)"]
+        node = node._get_node(part)
     return []
 
 
@@ -353,21 +397,29 @@ def expand_globs(overrides: list[str], config_dir: str | None) -> tuple[list[str
     return (None, problems) if problems else (expanded, [])
 
 
-def _not_a_bool(cfg: DictConfig, parsed: list) -> list[str]:
-    """A true/false key given anything but true, false (or null): OmegaConf reads every non-zero number (2, -1) and
-    yes / on / y as true, and 0 / no / off / n as false, silently; `parallelism.colocate=2` meant something else."""
+def _converted(cfg: DictConfig, pairs: list) -> list[str]:
+    """A value OmegaConf converts to the key's type without a word, into something else than the user wrote.
+    A true/false key given anything but true, false (or null): OmegaConf reads every non-zero number (2, -1) and
+    yes / on / y as true, and 0 / no / off / n as false; `parallelism.colocate=2` meant something else.
+    A string key given what Hydra parses as a number or a bool: the run got its str(), `name=1.10` ran as name 1.1
+    (outputs/1.1/), `data.split=2024.10` looked for split 2024.1, `name=true` ran as True, `name=1e3` as 1000.0."""
     problems = []
-    for o in parsed:
+    for o, text in pairs:
         if o.is_sweep_override() or o.is_delete() or o.key_or_group.startswith("hydra."):
             continue  # (each sweep point is composed on its own: sweep_problems)
         node, value = cfg, o.value()
         for part in o.key_or_group.split("."):
             node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
+        key, written = o.key_or_group, text.split("=", 1)[-1].strip()
         if isinstance(node, BooleanNode) and not (value is None or isinstance(value, bool) or str(value).lower() in (
                 "true", "false") or "${" in str(value)):  # quoted (key='true'), an interpolation: as they read
-            key, read_as = o.key_or_group, str(node._value()).lower()
+            read_as = str(node._value()).lower()
             problems.append(f"- {key}: true or false, got {value!r} (which would be read as {read_as}). Fix: write "
                             f"{key}=true or {key}=false")
+        elif isinstance(node, StringNode) and isinstance(value, (bool, int, float)) and str(node._value()) != written:
+            problems.append(f"- {key}: a string, but Hydra reads {written} as the {type(value).__name__} {value!r}, so "
+                            f"the run would get {str(node._value())!r}. Fix: quote it, {key}='{written}' (inside the "
+                            f"shell's quotes: \"{key}='{written}'\")")
     return problems
 
 
@@ -430,8 +482,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
 
 
 ANNOUNCED_SWEEP = 20  # sweeps of more points than this say that their check is under way
-# the directories a run writes: one sweep point's each
-SWEEP_OWN_DIRS = ("output_dir", "checkpoint.dir", "checkpoint.export_dir", "train.rollout_dump_dir")
+SWEEP_OWN_DIRS = RUN_DIRS  # the directories a run writes: one sweep point's each
 
 
 def sweep_problems(first: DictConfig, overrides: list[str], config_dir: str | None) -> list[str]:

@@ -17,13 +17,17 @@ from typing import Any
 
 BOUNDS = "bounds"  # the dataclass field-metadata key
 INT64 = 2**63  # an integer's magnitude must stay below it: torch, Ray and vLLM take integers as C int64
+# a float's magnitude must stay within it: the trainer's and vLLM's tensors are float32 at most (bf16's range is the
+# same), where a larger value is inf and an inf coefficient or temperature makes the loss or the sampling NaN
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_WHY = " and within float32 (|x| <= 3.4e38): past it a value is inf in the trainer's and vLLM's float32 math"
 
 
 @dataclass(frozen=True)
 class Bounds:
     """Closed (ge/le) or open (gt/lt) limits; `also` lists sentinel values allowed outside them (e.g. -1 = auto);
     `why` says why a limit is where it is, where that is not the field's definition (a plausibility ceiling).
-    A value must be finite (inf / nan never hold), an integer a 64-bit one."""
+    A value must be finite (inf / nan never hold), an integer a 64-bit one, a float one float32 holds."""
 
     ge: float | None = None
     gt: float | None = None
@@ -41,9 +45,13 @@ class Bounds:
         return " or ".join([*map(str, self.also), text])
 
     def holds(self, v: float) -> bool:
-        return v in self.also or math.isfinite(v) and not (isinstance(v, int) and abs(v) >= INT64) and (
+        return v in self.also or math.isfinite(v) and not _too_wide(v) and (
             (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
             and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+
+
+def _too_wide(v: float) -> bool:
+    return abs(v) >= INT64 if isinstance(v, int) else abs(v) > FLOAT32_MAX
 
 
 def ranged(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, ge: float | None = None,
@@ -91,9 +99,16 @@ def out_of_range(cfg: Any, root: type) -> list[str]:
         is_list = isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"
         values = list(value) if is_list else [value]
         if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not bounds.holds(v) for v in values):
-            wide = any(isinstance(v, int) and abs(v) >= INT64 for v in values)
+            wide = any(isinstance(v, int) and _too_wide(v) for v in values)
+            huge = bounds.le is None and bounds.lt is None and any(  # (an upper limit below it says enough)
+                isinstance(v, float) and math.isfinite(v) and _too_wide(v) for v in values)
+            # ("must be >= 1e-05, got inf" read as if inf held: the limit it fails is named)
+            nonfinite = any(isinstance(v, float) and not math.isfinite(v) for v in values) and (
+                bounds.describe() != "a finite number")
             lines.append(f"- {key}: {'each value ' if is_list else ''}must be {bounds.describe()}"
                          f"{' and a 64-bit integer (below 2**63)' if wide else ''}"
+                         f"{' and finite' if nonfinite else ''}"
+                         f"{FLOAT32_WHY if huge else ''}"
                          f"{f' ({bounds.why})' if bounds.why else ''}, "
                          f"got {values if is_list else value}. Fix: set {key} within that range "
                          f"(default {'null' if default is None else default})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import os
 import typing
 from urllib.parse import urlsplit
 
@@ -17,6 +18,9 @@ from molt_hydra.config.bounds import declared_bounds, get
 from molt_hydra.config.schema import RunConfig
 
 NAME_MAX = 255  # the longest file name (bytes) of Linux's file systems (ext4, xfs, btrfs, tmpfs, NFS)
+PATH_MAX = 4096  # the longest path (bytes, with its terminating NUL) Linux's system calls take
+# the directories the run makes, parents first (checkpoint.dir and export_dir default to ones under output_dir)
+RUN_DIRS = ("output_dir", "checkpoint.dir", "checkpoint.export_dir", "train.rollout_dump_dir")
 # rollout knobs passed to vLLM's EngineArgs under the same name; the values it takes are read from its field types
 ENGINE_ARG_NAMES = ("attention_backend", "mm_encoder_attn_backend", "mamba_ssm_cache_dtype", "gdn_prefill_backend")
 
@@ -84,6 +88,21 @@ def name_rules(cfg, problems) -> None:
                    f"is {cfg.name!r}, but it names one directory of the run's path (outputs/<name>/<time>), which "
                    "a / or a name of . or .. would move elsewhere.",
                    "use a name without / (e.g. - or _ in its place); hydra.run.dir or output_dir choose the directory")
+    # a directory the run makes whose path the file system refuses: the plan's disk check (or the first write) failed
+    # with a traceback, OSError: File name too long; one under a path reported already is left out (one cause)
+    refused = []
+    for key in RUN_DIRS:
+        path = get(cfg, key)
+        if not path or any(path.startswith(parent) for parent in refused):
+            continue
+        long = next((part for part in path.split("/") if len(os.fsencode(part)) > NAME_MAX), None)
+        size = len(os.fsencode(os.path.abspath(path)))
+        problems.check(long is None and size < PATH_MAX, key, (
+            f"has a name of {len(os.fsencode(long))} bytes ({long[:40]!r}...), and a file system takes at most "
+            f"{NAME_MAX} bytes per name." if long else f"is {size} bytes long as an absolute path, and Linux takes "
+            f"paths below {PATH_MAX} bytes."), f"shorten {key}" + (" (hydra.run.dir sets it where the command line does "
+                                                                   "not)" if key == "output_dir" else ""))
+        refused += [path] if long or size >= PATH_MAX else []
     address = cfg.cluster.ray_address
     if address is not None and address.strip() and address not in ("auto", "local"):
         try:

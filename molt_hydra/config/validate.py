@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -352,7 +353,7 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
            "and it changes nothing.", f"unset {key}, or set train.mode=async") for key, bad in (
             ("train.max_staleness", t.max_staleness != 0),
             ("train.stale_samples", changed(cfg, "train.stale_samples")))),
-        (replay is None or Path(replay).is_dir(), "train.rollout_replay_dir",
+        (replay is None or os.path.isdir(replay), "train.rollout_replay_dir",  # (os.path's: False for an overlong name)
          f"{str(replay)[:80]!r} is not a directory of rollout_step{{N}}.pt files.",
          "point it at a train.rollout_dump_dir of an earlier run, or unset it"),
     ))

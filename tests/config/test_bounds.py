@@ -99,6 +99,30 @@ def test_non_finite_and_overflowing_values_are_refused(override, key):
     assert_fires([override], key, "must be ")
 
 
+@pytest.mark.parametrize("override,key,range_,default", [
+    ("algorithm.entropy_coef=1e39", "algorithm.entropy_coef", ">= 0", "0.0"),
+    ("rollout.temperature=1e39", "rollout.temperature", ">= 1e-05", "1.0"),
+    ("algorithm.kl.coef=1e39", "algorithm.kl.coef", ">= 0", "null"),
+    ("model.lora.alpha=1e39", "model.lora.alpha", "> 0", "null"),
+    ("algorithm.dynamic_filtering.high=-1e39", "algorithm.dynamic_filtering.high", "a finite number", "1.0")])
+def test_a_float_past_float32_is_refused(override, key, range_, default):
+    """Before: a finite Python float past 3.4e38 was accepted, then inf in the trainer's or vLLM's float32 tensors
+    (an inf entropy or KL coefficient, LoRA scale or temperature: a NaN loss or NaN sampling probabilities)."""
+    from _config_helpers import compose_config
+    from molt_hydra.config.bounds import out_of_range
+
+    assert out_of_range(compose_config([override]), RunConfig) == [
+        f"- {key}: must be {range_} and within float32 (|x| <= 3.4e38): past it a value is inf in the trainer's and "
+        f"vLLM's float32 math, got {float(override.split('=')[1])}. Fix: set {key} within that range (default "
+        f"{default})"]
+    assert out_of_range(compose_config([f"{key}=3.4e38"]), RunConfig) == []  # (float32's largest is 3.4028e38)
+
+
+def test_a_non_finite_value_names_the_limit_it_fails():
+    """Before: `must be >= 1e-05, got inf`, a range inf seems to be in."""
+    assert_fires(["rollout.temperature=inf"], "rollout.temperature", "must be >= 1e-05 and finite, got inf.")
+
+
 @pytest.mark.parametrize("override,key", [("rollout.num_runners=99999999999999999999", "rollout.num_runners"),
                                           ("cluster.cpus_per_node=9223372036854775808", "cluster.cpus_per_node"),
                                           ("rollout.top_k=-9223372036854775809", "rollout.top_k")])

@@ -835,18 +835,45 @@ def test_a_list_or_mapping_inside_a_list_of_values_is_refused(override):
                    "composed"),
     ("+recipe=[]", "- +recipe=[]: chooses no option of the config group recipe"),
     ("hydra/launcher=[]", "- hydra/launcher=[]: chooses no option of the config group hydra/launcher"),
+    ("hydra={}", "- hydra={}: an empty mapping for Hydra's own config, which changes nothing"),
+    ("+hydra=[]", "- +hydra=[]: an empty list for Hydra's own config, which changes nothing"),
+    ("hydra=[]", "- hydra=[]: an empty list for Hydra's own config, which changes nothing"),
+    ("hydra.run={}", "- hydra.run={}: an empty mapping, which Hydra merges into hydra.run: that changes nothing"),
+    ("hydra.job.env_set={}", "- hydra.job.env_set={}: an empty mapping, which Hydra merges into hydra.job.env_set: "),
+    ("hydra.launcher={}", "- hydra.launcher={}: an empty mapping, which Hydra merges into hydra.launcher: "),
 ])
 def test_an_empty_mapping_or_choice_is_refused(override, line):
     """Before: `rollout={}` (and `train.optimizer={}`) ran as if not given, though it reads as a reset; `rollout=[]`
     dropped conf/rollout/cpu_tiny.yaml (the schema's bfloat16 engine in its place), `+recipe=[]` the recipe, without a
-    word; `hydra/launcher=[]` ended in a MissingMandatoryValue traceback."""
+    word; `hydra/launcher=[]` ended in a MissingMandatoryValue traceback. `hydra={}` (and hydra.run={}, ...) ran as if
+    not given, `+hydra=[]` too; `hydra=[]` was told to write +hydra=[]."""
     cfg, problems = compose_checked([override])
     assert cfg is None and len(problems) == 1 and problems[0].startswith(line) and " Fix: " in problems[0], problems
 
 
 def test_a_mapping_or_choice_that_sets_something_is_composed():
-    overrides = ["rollout=[cpu_tiny]", "rollout={batch_size:4}", "+agent.runner.kw={}", "rollout={}"]
-    assert [compose_checked([o])[1] != [] for o in overrides] == [False, False, False, True]  # (the last: empty)
+    overrides = ["rollout=[cpu_tiny]", "rollout={batch_size:4}", "+agent.runner.kw={}", "hydra={job:{chdir:false}}",
+                 "hydra.job.name={}", "rollout={}"]
+    # (hydra.job.name={}: a string of Hydra's, which takes no mapping: composition names that, not "changes nothing")
+    results = [compose_checked([o])[1] for o in overrides]
+    assert [r != [] for r in results] == [False, False, False, False, True, True], results  # (the last: empty)
+    assert results[4][0].startswith("- hydra.job.name: Cannot convert 'dict' to string"), results[4]
+
+
+@pytest.mark.parametrize("override", ["hydra=x", "hydra=null", "hydra=[launcher]"])
+def test_a_value_for_hydras_own_config_is_refused_with_a_fix_that_works(override):
+    """Before: `hydra=x` was told to add it with +hydra=x (refused next as no option of the group hydra), `hydra=null`
+    to choose an option of the group hydra: neither fix exists (hydra is a node of keys)."""
+    assert compose_checked([override])[1] == [
+        f"- {override}: hydra is Hydra's own config, which takes its keys, not a value or an option of a config group. "
+        f"Fix: set the keys you mean to change (hydra.KEY=VALUE; `molt-run --cfg hydra` prints them), or leave "
+        f"{override} out"]
+
+
+def test_an_empty_mapping_for_a_hydra_group_names_its_keys_with_dots():
+    """Before: `hydra/help={}` was told to set hydra/help.KEY=VALUE, which Hydra parses as no key of the config."""
+    (line,) = compose_checked(["hydra/help={}"])[1]
+    assert "Fix: set the keys you mean to change (hydra.help.KEY=VALUE, or another option: hydra/help=NAME)" in line
 
 
 def test_an_empty_run_or_sweep_directory_is_refused(monkeypatch, tmp_path, capsys):
@@ -873,3 +900,45 @@ def test_hydra_mode_multirun_without_m_is_refused(monkeypatch, tmp_path, capsys)
         "Config error(s):\n- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, "
         "not the sweep's points. Fix: add -m (--multirun) and leave hydra.mode out\n")
     assert _main_in_process(["-m", "hydra.mode=MULTIRUN", "seed=1,2", "dry_run=true"], monkeypatch, tmp_path) == 0
+
+
+@pytest.mark.parametrize("override,read_as,got", [
+    ("name=1.10", "float 1.1", "1.1"), ("data.split=2024.10", "float 2024.1", "2024.1"),
+    ("name=true", "bool True", "True"), ("logger.wandb.group=1e3", "float 1000.0", "1000.0"),
+    ("logger.wandb.run_name=1_000", "int 1000", "1000")])
+def test_a_string_key_given_a_number_that_reads_back_otherwise_is_refused(override, read_as, got):
+    """Before: OmegaConf stored str() of what Hydra parsed, without a word: `name=1.10` ran as outputs/1.1/,
+    `data.split=2024.10` looked for a split named 2024.1, `name=true` ran as True."""
+    key, written = override.split("=")
+    cfg, problems = compose_checked([override])
+    assert cfg is None and problems == [
+        f"- {key}: a string, but Hydra reads {written} as the {read_as}, so the run would get {got!r}. Fix: quote "
+        f"it, {key}='{written}' (inside the shell's quotes: \"{key}='{written}'\")"], problems
+
+
+@pytest.mark.parametrize("override,kept", [("name=42", "42"), ("name='1.10'", "1.10"), ("data.split=-0.0", "-0.0"),
+                                           ("name=True", "True"), ("logger.wandb.entity=null", None)])
+def test_a_string_key_given_a_number_that_reads_back_as_written_is_kept(override, kept):
+    cfg, problems = compose_checked([override])
+    assert problems == [] and OmegaConf.select(cfg, override.split("=")[0]) == kept
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("+hydra.run.dirr=/tmp/x", "did you mean hydra.run.dir? "), ("++hydra.job.nmae=x", "did you mean hydra.job.name? "),
+    ("+hydra.foo=1", "")])
+def test_a_key_added_to_hydras_config_that_hydra_lacks_is_refused(override, hint):
+    """Before: + (or ++) put any key into Hydra's own node, where nothing reads it: `+hydra.run.dirr=/tmp/x` ran in
+    the default run directory without a word."""
+    cfg, problems = compose_checked([override], hydra_config=True)
+    key = override.lstrip("+").split("=", 1)[0]
+    assert cfg is None and problems == [
+        f"- {override}: adds {key}, a key Hydra's own config does not have, so Hydra would never read it. Fix: {hint}"
+        "`molt-run --cfg hydra` prints Hydra's keys (set one without +)"], problems
+
+
+@pytest.mark.parametrize("override", ["+hydra.job.env_set.MOLT_X=1", "+hydra.callbacks.mine._target_=a.B",
+                                      "++hydra.run.dir=/tmp/x"])
+def test_a_key_added_below_a_free_form_node_of_hydras_config_is_composed(override):
+    """hydra.job.env_set and hydra.callbacks take keys of the user's own naming; ++ of an existing key sets it."""
+    cfg, problems = compose_checked([override], hydra_config=True)
+    assert problems == [] and OmegaConf.select(cfg, override.lstrip("+").split("=", 1)[0]) == override.split("=")[1]

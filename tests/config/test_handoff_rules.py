@@ -191,3 +191,31 @@ def test_an_empty_key_without_a_default_is_not_told_to_fall_back_to_one():
     with pytest.raises(ConfigError) as info:
         validate(to_run_config(compose_config([], output_dir="")))
     assert "- output_dir: is '', which names nothing. Fix: set output_dir to a name" in str(info.value).splitlines()
+
+
+@pytest.mark.parametrize("key", ["output_dir", "checkpoint.dir", "checkpoint.export_dir", "train.rollout_dump_dir"])
+def test_a_run_directory_the_file_system_cannot_name_is_refused(key):
+    """Before: a directory of the run with a name past 255 bytes (or a path past 4096) passed validation, then the
+    plan's checkpoint disk check (a dry run's too) or the first write ended in `OSError: File name too long`."""
+    from molt_hydra.runtime.validate import validate
+
+    NAME_MAX, PATH_MAX = 255, 4096  # Linux's: bytes per name, and per path with its NUL
+
+    long, deep = "x" * (NAME_MAX + 1), "/tmp/" + "/".join(["y" * 200] * (PATH_MAX // 200 + 1))
+    for path, reason in ((f"/tmp/{long}/a", f"has a name of {NAME_MAX + 1} bytes ('{'x' * 40}'...), and a file "
+                          f"system takes at most {NAME_MAX} bytes per name."),
+                         (deep, f"is {len(deep)} bytes long as an absolute path, and Linux takes paths below "
+                          f"{PATH_MAX} bytes.")):
+        cfg = compose_config([] if key == "output_dir" else [f"{key}={path}"],
+                             **({"output_dir": path} if key == "output_dir" else {}))
+        with pytest.raises(ConfigError) as info:
+            validate(to_run_config(cfg))
+        # (output_dir's: one line, not one more for each directory under it)
+        assert str(info.value).splitlines() == [f"- {key}: {reason} Fix: shorten {key}" + (
+            " (hydra.run.dir sets it where the command line does not)" if key == "output_dir" else "")]
+
+
+def test_an_overlong_replay_directory_is_not_a_directory():
+    """Before: `Path.is_dir` raised `OSError: File name too long` from config/validate.py's train rule."""
+    assert_fires([f"train.rollout_replay_dir=/tmp/{'x' * 300}"], "train.rollout_replay_dir",
+                 "is not a directory of rollout_step{N}.pt files")
