@@ -19,7 +19,7 @@ def not_writable(path: str | Path) -> str | None:
     its nearest existing parent when the path does not exist yet. Permission bits are not enough: root ignores them,
     not a read-only mount or an immutable directory."""
     probe, missing = Path(path).absolute(), []
-    while not probe.exists():
+    while not os.path.exists(probe):  # (False for a name past the disk's limit, where Path.exists raises on 3.11)
         probe, missing = probe.parent, [probe.name, *missing]
     limit = os.pathconf(probe, "PC_NAME_MAX")  # each directory still to be made must be a name the disk takes
     if too_long := [name for name in missing if len(os.fsencode(name)) > limit]:

@@ -37,11 +37,12 @@ def test_an_unwritable_sink_directory_stops_the_run_before_anything_starts(tmp_p
 def test_an_output_dir_whose_name_the_disk_cannot_hold_stops_the_run_before_anything_starts(tmp_path, capsys):
     """Before: its nearest existing parent was probed (writable), and Hydra's mkdir failed later (OSError traceback)."""
     limit = __import__("os").pathconf(tmp_path, "PC_NAME_MAX")
-    out = tmp_path / "runs" / ("x" * (limit + 1)) / "run"
-    with pytest.raises(SystemExit) as e:
-        check_outputs(_cfg(out, wandb="disabled"))
-    assert e.value.code == EXIT_FAILED
-    err = capsys.readouterr().err
-    assert f"- output_dir={out}: not writable: the name 'xxxx" in err
-    assert f"is {limit + 1} bytes, over this disk's {limit}. Fix: point output_dir at a writable directory." in err
+    # below a directory still to be made, or right below one that exists (Path.exists raised there: ENAMETOOLONG)
+    for out in (tmp_path / "runs" / ("x" * (limit + 1)) / "run", tmp_path / ("x" * (limit + 1))):
+        with pytest.raises(SystemExit) as e:
+            check_outputs(_cfg(out, wandb="disabled"))
+        assert e.value.code == EXIT_FAILED
+        err = capsys.readouterr().err
+        assert f"- output_dir={out}: not writable: the name 'xxxx" in err
+        assert f"is {limit + 1} bytes, over this disk's {limit}. Fix: point output_dir at a writable directory." in err
     check_outputs(_cfg(tmp_path / "runs" / ("x" * limit) / "run", wandb="disabled"))  # at the limit: fine
