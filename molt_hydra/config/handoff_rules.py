@@ -100,8 +100,9 @@ def name_rules(cfg, problems) -> None:
         problems.check(long is None and size < PATH_MAX, key, (
             f"has a name of {len(os.fsencode(long))} bytes ({long[:40]!r}...), and a file system takes at most "
             f"{NAME_MAX} bytes per name." if long else f"is {size} bytes long as an absolute path, and Linux takes "
-            f"paths below {PATH_MAX} bytes."), f"shorten {key}" + (" (hydra.run.dir sets it where the command line does "
-                                                                   "not)" if key == "output_dir" else ""))
+            f"paths below {PATH_MAX} bytes."),
+            f"shorten {key}" + (" (hydra.run.dir sets it where the command line does not)" if key == "output_dir"
+                                else ""))
         refused += [path] if long or size >= PATH_MAX else []
     address = cfg.cluster.ray_address
     if address is not None and address.strip() and address not in ("auto", "local"):

@@ -276,7 +276,7 @@ class RolloutConfig:
 @dataclass
 class KLConfig:
     coef: Optional[float] = ranged(None, ge=0)
-    "KL coefficient; None = 0.01 where the KL reaches the gradient, else 0 (1.0 for on_policy_distill). > 0 builds the reference."
+    "KL coefficient; None: 0.01 where the KL reaches the gradient, else 0 (on_policy_distill: 1.0). > 0: a reference."
     estimator: KLEstimator = KLEstimator["k1"]
     "KL estimator: k1 (log ratio), k2 (squared/2), k3 (exp(-x)-1+x)."
     use_loss: bool = False
