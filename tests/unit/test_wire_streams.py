@@ -1799,3 +1799,27 @@ def test_a_turn_running_when_its_rollout_times_out_is_aborted_in_the_engine(tok)
     (plain, plain_cancelled), (streamed, streamed_cancelled) = asyncio.run(go())
     assert plain == streamed == {AGENT_TIMEOUT: 1}
     assert (plain_cancelled, streamed_cancelled) == (["generate"], ["generate", "stream"])
+
+
+def test_a_judge_client_on_the_responses_api_is_told_the_endpoint_served_and_the_fix(tok):
+    """A judge client calling `responses.create` (the Agents SDK's default model) got a bare 'Not Found' (was: no word
+    of the judge serving chat completions only); now the 404 names the endpoint served and the fix."""
+    from openai import AsyncOpenAI, NotFoundError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Yes."))
+        judge = AsyncOpenAI(base_url=server.session_url("s") + "/judge/v1", api_key="k", max_retries=0)
+        try:
+            with pytest.raises(NotFoundError) as e:
+                await judge.responses.create(model="policy", input="is 2 > 1?")
+            reply = await judge.chat.completions.create(model="policy", messages=USER)
+            return e.value, reply.choices[0].message.content
+        finally:
+            await judge.close()
+            await server.stop()
+
+    error, served = asyncio.run(go())
+    assert error.status_code == 404 and served == "Yes."
+    assert "/judge/v1/chat/completions" in error.message and "OpenAIChatCompletionsModel" in error.message
+    assert "POST /s/s/judge/v1/responses" in error.message
+
