@@ -128,15 +128,23 @@ class Router:
         return stranded
 
     async def generate_stream(self, request: GenerationRequest):
-        """One completion as the engine samples it (`VLLMEngine.generate_stream` deltas); no retry once started."""
+        """One completion as the engine samples it (`VLLMEngine.generate_stream` deltas); no retry once started.
+        A consumer that gives up (its turn cancelled, the stream closed, a timeout) cancels the actor's generator,
+        which aborts the request in vLLM (Ray does not: the engine sampled on to the token cap)."""
+        import ray
+
         self.counts["requests"] += 1
         index = self.pick(request.session_id)
         self.in_flight[index] += 1
+        stream, finished = self.engines[index].generate_stream.options(num_returns="streaming").remote(request), False
         try:
-            async for ref in self.engines[index].generate_stream.options(num_returns="streaming").remote(request):
+            async for ref in stream:
                 yield await asyncio.wait_for(ref, self.timeout_s)
+            finished = True
         finally:
             self.in_flight[index] -= 1
+            if not finished:
+                ray.cancel(stream)
 
     def metrics(self) -> dict[str, float]:
         return {f"rollout/router/{k}": float(v) for k, v in self.counts.items()}

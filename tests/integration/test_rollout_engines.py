@@ -313,3 +313,32 @@ def test_generator_over_engines_filters_groups_and_counts_drops(engines):
     assert m["rollout/dropped/agent_exception"] == 1
     assert m["rollout/dropped/total"] == 6
     assert m["dynamic_filtering_pass_rate"] == pytest.approx(40.0)
+
+
+def test_a_streamed_turn_cancelled_by_its_consumer_is_aborted_in_vllm(engines):
+    """A chat-server turn streamed over Ray whose session closes (its task cancelled): vLLM sampled on to the token cap
+    (was: still 1 request unfinished after the cancel); now the engine actor's generator is cancelled, so vLLM
+    aborts it."""
+    router = Router(engines, timeout_s=120)
+    request = GenerationRequest("cancelled-stream", PROMPT, Sampling(max_tokens=1000, ignore_eos=True))
+
+    async def unfinished():  # vLLM's requests still sampling, over both engines
+        counts = [e.__ray_call__.remote(lambda engine: engine._engine().get_num_unfinished_requests()) for e in engines]
+        return sum(await asyncio.gather(*counts))
+
+    async def go():
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in router.generate_stream(request):
+                first.set()
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.wait_for(first.wait(), 60)
+        running = await unfinished()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.5)
+        return running, await unfinished(), router.in_flight
+
+    assert asyncio.run(go()) == (1, 0, [0, 0])

@@ -1799,3 +1799,61 @@ def test_a_turn_running_when_its_rollout_times_out_is_aborted_in_the_engine(tok)
     (plain, plain_cancelled), (streamed, streamed_cancelled) = asyncio.run(go())
     assert plain == streamed == {AGENT_TIMEOUT: 1}
     assert (plain_cancelled, streamed_cancelled) == (["generate"], ["generate", "stream"])
+
+
+def test_a_judge_client_on_the_responses_api_is_told_the_endpoint_served_and_the_fix(tok):
+    """A judge client calling `responses.create` (the Agents SDK's default model) got a bare 'Not Found' (was: no word
+    of the judge serving chat completions only); now the 404 names the endpoint served and the fix."""
+    from openai import AsyncOpenAI, NotFoundError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Yes."))
+        judge = AsyncOpenAI(base_url=server.session_url("s") + "/judge/v1", api_key="k", max_retries=0)
+        try:
+            with pytest.raises(NotFoundError) as e:
+                await judge.responses.create(model="policy", input="is 2 > 1?")
+            reply = await judge.chat.completions.create(model="policy", messages=USER)
+            return e.value, reply.choices[0].message.content
+        finally:
+            await judge.close()
+            await server.stop()
+
+    error, served = asyncio.run(go())
+    assert error.status_code == 404 and served == "Yes."
+    assert "/judge/v1/chat/completions" in error.message and "OpenAIChatCompletionsModel" in error.message
+    assert "POST /s/s/judge/v1/responses" in error.message
+
+
+def test_text_before_a_tool_result_in_a_user_message_is_refused_as_anthropic_does(tok):
+    """Anthropic answers 400 when a user message has text before its tool_result blocks (they must come first); the
+    server moved the results ahead of the text (was: a 200 on a turn that was not the one sent). Results first is
+    served."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    use = {"type": "tool_use", "id": "t1", "name": "python", "input": {"code": "print(1)"}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "1"}
+    note = {"type": "text", "text": "here it is"}
+
+    def history(blocks):
+        return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [use]},
+                {"role": "user", "content": blocks}]
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Done."))
+        client = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:
+            with pytest.raises(BadRequestError) as e:
+                await client.messages.create(model="policy", max_tokens=20, messages=history([note, result]),
+                                             tools=[TOOL_A])
+            ok = await client.messages.create(model="policy", max_tokens=20, messages=history([result, note]),
+                                              tools=[TOOL_A])
+            return e.value, ok.content[0].text
+        finally:
+            await client.close()
+            await server.stop()
+
+    error, served = asyncio.run(go())
+    assert served == "Done." and error.status_code == 400
+    message = error.body["error"]["message"]
+    assert message.startswith("messages[2].content[1]: tool_result blocks must come first")
+    assert "messages[2].content[0] is a text block" in message and "after every tool_result" in message

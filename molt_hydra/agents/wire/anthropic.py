@@ -173,7 +173,8 @@ def _output_format(body: dict) -> tuple[dict | None, str]:
 
 
 def _message(m: Any, where: str) -> list[dict]:
-    """One Anthropic message → canonical messages: a user turn's tool_result blocks become tool messages first."""
+    """One Anthropic message → canonical messages: a user turn's tool_result blocks (first, as Anthropic requires)
+    become tool messages."""
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise bad(f"{where} must be an object with role 'user' or 'assistant'", where)
     content = m.get("content")
@@ -197,6 +198,11 @@ def _message(m: Any, where: str) -> list[dict]:
         elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
             continue  # an echoed reply's thinking: the segment holds its generated tokens already (as Responses)
         elif kind == "tool_result" and m["role"] == "user":
+            if parts:  # as Anthropic: a 400 (was: silently moved ahead of the text, not the turn that was sent)
+                first = next(i for i, x in enumerate(content) if x.get("type") in ("text", "image"))
+                raise bad(f"{at}: tool_result blocks must come first in a user message, but {where}.content[{first}] "
+                          f"is a {content[first]['type']} block before it; put the text and images after every "
+                          f"tool_result", at)
             result = _tool_result(b, at)
             out.append({"role": "tool", "content": result, "tool_call_id": str(b.get("tool_use_id", ""))})
         else:

@@ -247,6 +247,9 @@ async def _json_errors(request: web.Request, handler):
         error = RequestError(e.status, f"{e.reason}: {request.method} {request.path}", code=e.reason.lower())
         if e.status == 404 and not request.path.startswith("/s/"):
             error.message += " (the API routes live under /s/{session_id}: use ctx.base_url / ctx.session_url)"
+        elif e.status == 404 and "/judge/" in request.path:  # e.g. the Agents SDK's default Responses model
+            error.message += (f" (the judge serves only {JUDGE}, non-streamed: call client.chat.completions.create, "
+                              "or in the Agents SDK use OpenAIChatCompletionsModel)")
     except Exception as e:
         log.exception("%s failed", request.path)
         error = request_error(e)
