@@ -465,10 +465,13 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 
     calls, c, state = roles.calls, cfg.checkpoint, None
+
+    def head_watched(work):  # beside Ray's head and the roles' processes (no engine keeper: there is no loop)
+        return beside(work, *ray_head.watchers(roles.role_pids, cfg.cluster.nodes == 1))
+
     notice.install(asyncio.get_running_loop(), asyncio.current_task())  # Slurm's notice: a save at the step's end
     if found is not None:  # (minutes on GPU: watched as the start and the loop are)
-        client, found = await beside(_load_verified(cfg, roles, found),
-                                     *ray_head.watchers(roles.role_pids, cfg.cluster.nodes == 1))
+        client, found = await head_watched(_load_verified(cfg, roles, found))
         state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
     ctl = _controller(cfg, roles, opened, state["wandb_id"] if state else None)
     ctl.log.sinks.rewind(state["step"] if state else 0)  # 0: an earlier attempt here that saved no checkpoint
@@ -476,7 +479,9 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
         ctl.restore(state)
         print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
     # The resume's push, the final save and the export run beside the run's watchers, as the loop does (before: only
-    # their calls' deadlines, trainer_call_s 1800 s, told a rank stopped there; a dead GCS, Ray's own exit 60 s later)
+    # their calls' deadlines, trainer_call_s 1800 s, told a rank stopped there; a dead GCS, Ray's own exit 60 s later).
+    # After the loop, not beside the engine keeper: an engine lost then (the export's host memory) is no failure of a
+    # finished run, and no replacement should compete with the save for memory
     if found is not None and (c.load_model_only or ctl.version > 0):  # warm start: version 0, the loaded weights
         await ctl.watched(calls.push_weights(ctl.version))
     ctl.preempted = notice.received
@@ -487,8 +492,8 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     # 0: no resumable checkpoint at all. The loop's last step saved already (max_steps a multiple of save_steps): not
     # again (before: the same step written twice, minutes on GPU, its directory replaced by its copy)
     if c.save_steps != 0 and ctl.saved_step != ctl.step:
-        await ctl.watched(ctl.save())
-    export = (await ctl.watched(calls.ranks(roles.actor, "export_hf", c.export_dir, DTYPE_NAMES[
+        await head_watched(ctl.save())
+    export = (await head_watched(calls.ranks(roles.actor, "export_hf", c.export_dir, DTYPE_NAMES[
         cfg.model.param_dtype.value], merged=c.export_merged)))[0] if c.export_final else None
     ctl.log.progress.summary(_summary(cfg, roles, ctl, export))
     return 0

@@ -1,5 +1,6 @@
 """The phases of an RL run outside its loop run beside the run's watchers too (runtime/entrypoint.py `_train`, through
-RLController.watched): a resume's weight push, the final save and the final HF export. Before, each was awaited
+RLController.watched for the resume's push; ray_head.watchers, without the engine keeper, after the loop): a resume's
+weight push, the final save and the final HF export. Before, each was awaited
 alone: a trainer rank stopped by a signal there was told only when the call's deadline passed (trainer_call_s: 1800 s
 by default; the push: engine_call_s, 900 s), and a dead GCS not at all (Ray's own exit of the driver, 60 s later, no
 role named). The roles stand in here (a real stopped `sleep` process as the rank); a real run's is
@@ -97,3 +98,35 @@ def test_the_final_save_is_skipped_where_the_loop_saved_its_last_step(monkeypatc
     notice = value(install=lambda loop, task: None, received=asyncio.Event())
     assert asyncio.run(asyncio.wait_for(entrypoint._train(cfg, roles, [], None, notice), 10)) == 0
     assert called == saves
+
+
+def test_an_engine_lost_after_the_loop_does_not_fail_the_final_save_and_export(monkeypatch):
+    """The engines' keeper watches the loop only: an engine that dies once training is done (the OOM killer during the
+    export's gather to host memory) ended a finished run as failed, its final save and export lost, or started a
+    replacement competing with them for memory."""
+    monkeypatch.setattr(ray_head, "dead_head_processes", lambda: {})
+    monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
+    called = []
+
+    async def ranks(group, method, *args, **kw):
+        await asyncio.sleep(0.2)  # (the keeper's failure comes first, were it watching)
+        called.append(method)
+        return ["exported"]
+
+    async def engine_lost(version):
+        raise RunFailed("rollout engine 0", "its process died")
+
+    monkeypatch.setattr(RLController, "run", lambda self: asyncio.sleep(0, {}))
+    log = value(sinks=value(rewind=lambda step: None, wandb_id=None), progress=value(summary=print))
+    monkeypatch.setattr(entrypoint, "_controller", lambda cfg, r, opened, wandb_id: RLController(cfg, r, log))
+    monkeypatch.setattr(entrypoint, "_summary", lambda cfg, roles, ctl, export: [export])
+    monkeypatch.setattr(Path, "write_text", lambda self, text: len(text))  # (the checkpoint's run_record.json)
+    cfg = RunConfig()
+    cfg.checkpoint.save_steps, cfg.checkpoint.export_final = 1, True
+    calls = value(ranks=ranks, router_metrics=lambda: asyncio.sleep(0, {}), keeper=value(watch=engine_lost,
+                                                                                         metrics=dict))
+    roles = value(calls=calls, role_pids={}, actor=object(), critic=None, generator=value(state_dict=dict),
+                  run_record={})
+    notice = value(install=lambda loop, task: None, received=asyncio.Event())
+    assert asyncio.run(asyncio.wait_for(entrypoint._train(cfg, roles, [], None, notice), 10)) == 0
+    assert called == ["save_checkpoint", "export_hf"]
