@@ -1722,14 +1722,17 @@ def test_top_k_at_the_recipes_all_tokens_value_is_served(tok):
             await an.messages.create(model="policy", max_tokens=50, messages=USER, extra_body={"top_k": 0})
             with pytest.raises(BadRequestError) as e:
                 await oa.chat.completions.create(model="policy", messages=USER, extra_body={"top_k": 5})
-            return e.value
+            with pytest.raises(BadRequestError) as huge:  # past int64: a 400 (was: a 500, math.isclose's overflow)
+                await oa.chat.completions.create(model="policy", messages=USER, extra_body={"top_k": 10**400})
+            return e.value, huge.value
         finally:
             await server.stop()
 
-    refused = asyncio.run(go())
+    refused, huge = asyncio.run(go())
     assert [r.sampling.top_k for r in engine.requests] == [-1, -1, -1]
     assert refused.body["param"] == "top_k"
     assert "'top_k'=5 differs from this rollout's rollout.top_k=-1" in refused.message
+    assert huge.body["param"] == "top_k" and f"'top_k' must be an integer >= -1 and <= {2**63 - 1}" in huge.message
 
 
 class AbortRecordingEngine(ScriptedEngine):
@@ -1857,3 +1860,23 @@ def test_text_before_a_tool_result_in_a_user_message_is_refused_as_anthropic_doe
     message = error.body["error"]["message"]
     assert message.startswith("messages[2].content[1]: tool_result blocks must come first")
     assert "messages[2].content[0] is a text block" in message and "after every tool_result" in message
+
+
+def test_a_turn_begun_as_its_session_closes_is_cancelled_not_left_running(tok):
+    """The server adds a turn to its session's running turns after handing it to the agent's loop; a close on that loop
+    in between (the turn maybe already generating) took its snapshot without it, and the turn ran on to its token cap.
+    Now the server cancels a turn whose session it finds closed after the add: the client gets the 503."""
+    from molt_hydra.agents.wire.request import RequestError
+
+    async def go():
+        server, session = await serving(tok, ScriptedEngine(tok, "Hello."))
+        try:
+            session.closed = True  # (the close ran between the hand-over and the add)
+            with pytest.raises(RequestError) as e:
+                await asyncio.wait_for(server._on_agent_loop(session, asyncio.sleep(3600)), 10)
+            return e.value, session.turns
+        finally:
+            await server.stop()
+
+    refused, turns = asyncio.run(go())
+    assert (refused.status, refused.code, turns) == (503, "turn_cancelled", set())

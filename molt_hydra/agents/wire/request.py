@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-# int64, as OpenAI and vLLM's server take it; the engine seeds a torch.Generator (n choices add their index)
-MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# int64, as OpenAI and vLLM's server take a seed (the engine seeds a torch.Generator; n choices add their index) and
+# vLLM a top_k
+INT64_MAX = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), INT64_MAX
 
 
 class RequestError(Exception):
@@ -189,7 +191,7 @@ def sampling(body: dict, max_keys: tuple[str, ...], stop_key: str | None = None,
     overrides = {"max_tokens": next(iter(caps.values()), None),
                  "temperature": number(body, "temperature", 0.0, temperature_max),
                  "top_p": number(body, "top_p", 1e-9, 1.0), "seed": integer(body, "seed", MIN_SEED, MAX_SEED),
-                 "top_k": integer(body, "top_k", -1)}
+                 "top_k": integer(body, "top_k", -1, INT64_MAX)}
     if overrides["top_k"] == 0:  # vLLM's other spelling of -1, "all tokens" (was: both a 400, though the recipe's)
         overrides["top_k"] = -1
     stop = body.get(stop_key) if stop_key else None

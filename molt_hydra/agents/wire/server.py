@@ -149,6 +149,8 @@ class ChatServer:
         turn = asyncio.run_coroutine_threadsafe(coro, session.loop)
         session.turns.add(turn)  # closing the session cancels it
         turn.add_done_callback(session.turns.discard)
+        if session.closed:  # closed on the agent's loop before the add (its turn may have begun): cancelled here
+            turn.cancel()
         try:
             return await asyncio.wrap_future(turn)
         except asyncio.CancelledError:
