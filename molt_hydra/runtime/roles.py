@@ -402,7 +402,11 @@ async def _note_ranks(role_pids: dict[str, int], name: str, ranks: list) -> None
     start for train.timeouts.startup_s (600 s), neither the rank nor the cause named."""
     while not ranks or any(f"{name} rank {i}" not in role_pids for i in range(len(ranks))):
         for i, rank in enumerate(list(ranks)):
-            if f"{name} rank {i}" not in role_pids and (pid := await asyncio.to_thread(actor_pid, rank)):
+            try:
+                pid = None if f"{name} rank {i}" in role_pids else await asyncio.to_thread(actor_pid, rank)
+            except Exception:  # noqa: BLE001 -- a GCS call that failed: asked again at the next poll (a pid is for the
+                pid = None  # report alone, never the start's failure; a dead GCS is ray_head.watch's to tell)
+            if pid:
                 role_pids[f"{name} rank {i}"] = pid
         await asyncio.sleep(RANK_PID_POLL_S)
 

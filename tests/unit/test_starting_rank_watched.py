@@ -82,3 +82,21 @@ def test_an_engine_or_runner_whose_start_fails_ends_the_start_while_the_ranks_bu
     with pytest.raises(RunFailed) as failed:
         asyncio.run(asyncio.wait_for(roles.build_roles(RunConfig(), {}), 10))
     assert str(failed.value) == f"{role}: its start failed: ValueError: rollout.kv_cache_gb=64 does not fit"
+
+
+def test_a_failed_pid_lookup_is_asked_again_not_the_starts_failure(monkeypatch):
+    """A rank's pid is for the report alone: a GCS call that fails once (a busy GCS while ranks build for minutes)
+    ended the trainer group's start with it; now it is asked again at the next poll."""
+    answers = iter([RuntimeError("GCS RPC timed out"), None, 4242])
+
+    def lookup(rank):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(roles, "actor_pid", lookup)
+    monkeypatch.setattr(roles, "RANK_PID_POLL_S", 0.0)
+    pids = {}
+    asyncio.run(asyncio.wait_for(roles._note_ranks(pids, "actor", ["rank0"]), 10))
+    assert pids == {"actor rank 0": 4242}
