@@ -28,7 +28,7 @@ def aside_stamp(paths: list[Path]) -> str | None:
         if path.exists() and path.stat().st_size:
             stamp = first = time.strftime("earlier-%Y%m%dT%H%M%SZ", time.gmtime(path.stat().st_mtime))
             n = 1
-            while any(path.parent.glob(f"*.{stamp}.jsonl")):
+            while any(path.parent.glob(f"*.{stamp}*")):  # (a file or a dump directory of that name)
                 n += 1
                 stamp = f"{first}-{n}"
             return stamp
@@ -54,7 +54,9 @@ def rewind_jsonl(path: Path, step: int, *, key: str = "step", aside: str | None 
     if torn:
         print(f"{path}: {torn} unreadable row(s) dropped on resume (a write the stop cut short)", file=sys.stderr,
               flush=True)
-    path.write_text("".join(line + "\n" for line, s in rows if s <= step))
+    kept = path.with_name(path.name + ".rewound")  # replaced whole: a kill mid-write leaves the old file, not half
+    kept.write_text("".join(line + "\n" for line, s in rows if s <= step))
+    os.replace(kept, path)
     if past := sum(s > step for _, s in rows):
         print(f"{path}: {past} row(s) past step {step} dropped (the interrupted run's; logged again)", flush=True)
     return last, None

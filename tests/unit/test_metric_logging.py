@@ -235,12 +235,26 @@ def test_a_run_from_step_0_moves_an_earlier_runs_metrics_aside_named(tmp_path, c
             "step 0\n"
             ) in capsys.readouterr().out
     os.utime(tmp_path / "metrics.jsonl", (last_write, last_write))  # another start over, its last write that second
+    (tmp_path / "logprobs").mkdir()  # (its dumps: moved aside as the metrics, never over a name taken)
+    (tmp_path / "logprobs" / "step1.pt").write_bytes(b"1")
     again = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
     again.rewind(0)
     again.close()
     assert [r["train/reward"] for r in rows(tmp_path / f"metrics.{aside}-2.jsonl")] == [10.0]
     assert [r["train/reward"] for r in rows(tmp_path / f"metrics.{aside}.jsonl")] == [1.0, 2.0]
     assert rows(tmp_path / "metrics.jsonl") == []
+    assert (tmp_path / f"logprobs.{aside}-2" / "step1.pt").read_bytes() == b"1"
+    # a third, whose metrics are gone but whose dump directory holds the name its stamp would take (the collision
+    # was checked against .jsonl files alone: the dump's rename failed, OSError, Directory not empty)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    os.utime(tmp_path / "metrics.jsonl", (last_write, last_write))
+    (tmp_path / f"trajectories.{aside}-3").mkdir()
+    (tmp_path / f"trajectories.{aside}-3" / "x").write_text("x")
+    (tmp_path / "trajectories").mkdir()
+    third = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
+    third.rewind(0)
+    third.close()
+    assert (tmp_path / f"metrics.{aside}-4.jsonl").exists() and (tmp_path / f"trajectories.{aside}-4").is_dir()
 
 
 def test_the_last_wandb_run_id_is_read_from_its_file_not_its_directory_name(tmp_path):
