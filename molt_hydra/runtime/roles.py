@@ -364,11 +364,13 @@ def _policy_loss(cfg: RunConfig):
 
 
 def _role_pids(role_pids: dict[str, int], engines: list, groups: dict, runners: list) -> dict[str, int]:
-    """Each role process's pid, by role name (the run record's and the watchdog's view), into `role_pids`."""
+    """Each role process's pid, by role name (the run record's and the watchdog's view), into `role_pids`: those its
+    start did not note already (_noted: every engine and runner; _note_ranks: a rank its last poll missed)."""
     named = [(f"rollout engine {i}", e) for i, e in enumerate(engines)]
     named += [(f"{name} rank {i}", w) for name, g in groups.items() if g is not None for i, w in enumerate(g.workers)]
-    named += [(f"agent runner {i}", r) for i, r in enumerate(runners)]
-    pids = ray.get([h.__ray_call__.remote(lambda _: os.getpid()) for _, h in named], timeout=60)
+    named = [(name, h) for name, h in named + [(f"agent runner {i}", r) for i, r in enumerate(runners)]
+             if name not in role_pids]
+    pids = ray.get([h.__ray_call__.remote(_pid) for _, h in named], timeout=60)
     role_pids.update({name: pid for (name, _), pid in zip(named, pids)})
     return role_pids
 
