@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 import ray
@@ -29,7 +30,7 @@ from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.preemption import NOTICE
 from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
 from molt_hydra.runtime import ray_head, reaper
-from molt_hydra.runtime.watchdog import RunFailed, beside, deadline, describe, with_logged_error
+from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, beside, deadline, describe, with_logged_error
 
 # Ray starts its workers at nice +15 by default: every role (engines and the vLLM processes they spawn, trainer
 # ranks, runners) would lose the CPU to any process at the launcher's niceness, Ray's own daemons included. A Ray
@@ -243,8 +244,7 @@ def _start_engines(cfg: RunConfig, model_path: str, shared_gpus, share: float | 
         return engine_cls.options(num_cpus=0, **place).remote(**engine_args(cfg, model_path, capture_routing, i))
 
     engines = [new_engine(i) for i in range(r.num_engines)]
-    return engines, asyncio.gather(*(_noted(role_pids, f"rollout engine {i}", e, "start")
-                                     for i, e in enumerate(engines))), new_engine
+    return engines, _starts(role_pids, "rollout engine", engines, "start"), new_engine
 
 
 def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
@@ -394,6 +394,40 @@ def _pid(_actor) -> int:
     return os.getpid()
 
 
+def _starts(role_pids: dict[str, int], role: str, actors: list, start: str) -> dict[str, tuple]:
+    """`_noted` of each of `actors`, by role name `<role> <i>`: {name: (actor, its start's task)}."""
+    return {f"{role} {i}": (a, asyncio.ensure_future(_noted(role_pids, f"{role} {i}", a, start)))
+            for i, a in enumerate(actors)}
+
+
+async def _started(starts: dict[str, tuple], seconds: float, role_pids: dict[str, int]) -> list:
+    """The results of `starts` (_starts'), in order; the first failure is raised as soon as it comes. Past `seconds`,
+    RoleStalled naming each role still starting and where its start is (before: 'rollout engine stalled: start did
+    not finish within 600 s', whichever of several engines hung, and at which point of its start)."""
+    tasks = [task for _, task in starts.values()]
+    done, late = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION) if tasks else ((), ())
+    for task in (t for t in tasks if t in done and not t.cancelled() and t.exception() is not None):
+        raise task.exception()
+    if not late:
+        return [task.result() for task in tasks]
+    names = [name for name, (_, task) in starts.items() if task in late]
+    where = [f"{name}: {await _start_phase(name, starts[name][0], role_pids)}" for name in names]
+    raise RoleStalled(names[0], "start", seconds, f"{', '.join(names)} stalled: start did not finish within "
+                                                  f"{seconds:g} s ({'; '.join(where)})")
+
+
+async def _start_phase(name: str, actor, role_pids: dict[str, int]) -> str:
+    """Where a role's start is: its actor not placed, its constructor, or its start call (`_noted`'s order)."""
+    if name in role_pids:
+        return f"its process (pid {role_pids[name]}) is up, in its start (an engine: vLLM's model load, KV cache, " \
+            "engine core)"
+    pid = None
+    with suppress(Exception):  # the GCS not answering: told as not placed
+        pid = await asyncio.wait_for(asyncio.to_thread(actor_pid, actor), 10)
+    return f"its process (pid {pid}) is still in its constructor" if pid else \
+        "Ray has not placed its actor (no process yet: the CPUs / GPUs it asks for are not free)"
+
+
 RANK_PID_POLL_S = 0.5  # a rank's process is leased ~at once; its model build takes seconds to minutes
 
 
@@ -463,24 +497,25 @@ async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pid
     tokenizer_path = resolve_path(cfg.model.tokenizer_path or cfg.model.path)
     fsdp = fsdp_roles(cfg)
     shared_gpus, share = await colocated_placement(cfg, len(fsdp))
-    engines, starting, new_engine = _start_engines(cfg, model_path, shared_gpus, share, role_pids)
+    engines, engine_starts, new_engine = _start_engines(cfg, model_path, shared_gpus, share, role_pids)
+    starting = asyncio.gather(*(task for _, task in engine_starts.values()))
     starting.add_done_callback(ready("engines"))
     runners = _start_runners(cfg, engines, tokenizer_path)
-    runners_ready = asyncio.gather(*(_noted(role_pids, f"agent runner {i}", x, "__ray_ready__")
-                                     for i, x in enumerate(runners)))
+    runner_starts = _starts(role_pids, "agent runner", runners, "__ray_ready__")
+    runners_ready = asyncio.gather(*(task for _, task in runner_starts.values()))
     runners_ready.add_done_callback(ready("agent runners"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         prompts, eval_rows = _load_rows(cfg, scoring)
         if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
-            await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
+            await _started(engine_starts, t.timeouts.startup_s, role_pids)
         # beside the engines' and runners' starts: one that fails ends the run at once (before: once the trainer ranks
         # were up, minutes on GPU); shielded, as beside cancels its watchers when the ranks are up
         actor, ref, critic = (None, None, None) if scoring else await beside(_start_trainers(
             cfg, model_path, fsdp, scheduler_steps(cfg, len(prompts)), shared_gpus, share, ready, role_pids),
             asyncio.shield(starting), asyncio.shield(runners_ready))
-        await deadline(starting, t.timeouts.startup_s, "rollout engine", "start")
-        await deadline(runners_ready, t.timeouts.startup_s, "agent runner", "start")
+        await _started(engine_starts, t.timeouts.startup_s, role_pids)
+        await _started(runner_starts, t.timeouts.startup_s, role_pids)
     except BaseException:
         _abandon(starting, runners_ready)
         raise

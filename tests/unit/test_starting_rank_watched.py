@@ -72,7 +72,7 @@ def test_an_engine_or_runner_whose_start_fails_ends_the_start_while_the_ranks_bu
     monkeypatch.setattr(roles, "fsdp_roles", lambda cfg: ("actor",))
     monkeypatch.setattr(roles, "colocated_placement", lambda cfg, n: asyncio.sleep(0, (None, None)))
     monkeypatch.setattr(roles, "_start_engines", lambda cfg, path, gpus, share, pids: (
-        [], asyncio.gather(noted(pids, "rollout engine 1", None, "start")), None))
+        [], {"rollout engine 1": (None, asyncio.ensure_future(noted(pids, "rollout engine 1", None, "start")))}, None))
     monkeypatch.setattr(roles, "_start_runners", lambda *args: [None])
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
     monkeypatch.setattr(roles, "_load_rows", lambda cfg, scoring: ([{}] * 8, None))
@@ -100,3 +100,40 @@ def test_a_failed_pid_lookup_is_asked_again_not_the_starts_failure(monkeypatch):
     pids = {}
     asyncio.run(asyncio.wait_for(roles._note_ranks(pids, "actor", ["rank0"]), 10))
     assert pids == {"actor rank 0": 4242}
+
+
+def test_an_engine_that_hangs_at_start_is_named_with_its_phase(monkeypatch):
+    """Of three engines, 0 starts, 1 hangs in its start (its process up), 2 is never placed by Ray: the start-up's
+    stall names engines 1 and 2, each with where it is. Before: 'rollout engine stalled: start did not finish within
+    0.2 s', whichever engine it was."""
+    import transformers
+
+    async def noted(role_pids, name, actor, start):
+        if name in ("rollout engine 0", "rollout engine 1", "agent runner 0"):
+            role_pids[name] = 4320 + int(name[-1])
+        if name in ("rollout engine 1", "rollout engine 2"):
+            await asyncio.Event().wait()
+
+    cfg = RunConfig()
+    cfg.train.timeouts.startup_s = 0.2
+    monkeypatch.setattr(roles, "_noted", noted)
+    monkeypatch.setattr(roles, "actor_pid", lambda actor: None)  # engine 2: no process leased
+    monkeypatch.setattr(build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(roles, "init_ray", lambda cfg: None)
+    monkeypatch.setattr(roles, "fsdp_roles", lambda cfg: ("actor",))
+    monkeypatch.setattr(roles, "colocated_placement", lambda cfg, n: asyncio.sleep(0, (None, None)))
+    monkeypatch.setattr(roles, "_start_engines", lambda cfg, path, gpus, share, pids: (
+        ["e0", "e1", "e2"], roles._starts(pids, "rollout engine", ["e0", "e1", "e2"], "start"), None))
+    monkeypatch.setattr(roles, "_start_runners", lambda *args: ["r0"])
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
+    monkeypatch.setattr(roles, "_load_rows", lambda cfg, scoring: ([{}] * 8, None))
+    monkeypatch.setattr(roles, "_start_trainers", lambda *args: asyncio.sleep(0, (None, None, None)))
+    monkeypatch.setattr(ray_head, "dead_head_processes", lambda: {})
+    monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
+    with pytest.raises(RoleStalled) as stall:
+        asyncio.run(asyncio.wait_for(roles.build_roles(cfg, {}), 10))
+    assert stall.value.role == "rollout engine 1"
+    assert str(stall.value) == (
+        "rollout engine 1, rollout engine 2 stalled: start did not finish within 0.2 s (rollout engine 1: its process "
+        "(pid 4321) is up, in its start (an engine: vLLM's model load, KV cache, engine core); rollout engine 2: Ray "
+        "has not placed its actor (no process yet: the CPUs / GPUs it asks for are not free))")
