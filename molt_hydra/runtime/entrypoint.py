@@ -66,6 +66,8 @@ def _interrupt(signum, frame) -> None:
 def _run(cfg: RunConfig) -> None:
     record = write_run_record(cfg, cfg.output_dir)
     resume_from = _check_resume(cfg)
+    if resume_from is not None and _nothing_left(cfg, resume_from):
+        return
     if cfg.job.value == "sft":
         _run_sft(cfg, resume_from)
         return
@@ -194,6 +196,28 @@ def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
         stretched = (f"; the LR schedule ({', '.join(sorted(decays))}) now spans the new length, so the LR from step "
                      f"{step} on differs from the saved run's") if longer and decays else ""
         print(f"Resuming {found} with keys changed since its save: {', '.join(lines)}{stretched}", file=sys.stderr)
+
+
+def _nothing_left(cfg: RunConfig, found: Path) -> bool:
+    """A resumed RL run whose checkpoint is at train.max_steps already, and exported after that save where it exports
+    (checkpoint.export_final): one line saying so, and True (exit 0, no role started). Before: every role started,
+    nothing was trained, the same step was saved and exported again (minutes on GPU). An export missing or older than
+    the save (the run ended between the two: Slurm's notice at its last step, an export killed) still runs: its loop
+    trains nothing and re-saves nothing (_train), the export is written."""
+    from molt_hydra.parallel.checkpoint import saved_client_state
+
+    c, t = cfg.checkpoint, cfg.train
+    if cfg.job.value != "rl" or c.load_model_only or t.max_steps is None:
+        return False
+    step = saved_client_state(found).get("rl_step", 0)
+    export = Path(c.export_dir)
+    saved_at = max(p.stat().st_mtime for p in (found, found / "run_record.json") if p.exists())
+    if step < t.max_steps or c.export_final and not (export.is_dir() and export.stat().st_mtime >= saved_at):
+        return False
+    print(f"Nothing left to run: {found} is at step {step}, train.max_steps={t.max_steps}"
+          + (f", exported to {export}" if c.export_final else "") + "; nothing was trained, saved or exported. To "
+          "train further, raise train.max_steps.", flush=True)
+    return True
 
 
 def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path) -> None:
@@ -477,6 +501,8 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     ctl.log.sinks.rewind(state["step"] if state else 0)  # 0: an earlier attempt here that saved no checkpoint
     if state is not None:
         ctl.restore(state)
+        # `found` is this step's: a resume that trains no step (a run ended between its last save and its export)
+        ctl.saved_step, roles.last_checkpoint = ctl.step, str(found)  # saves it no second time
         print(f"Resumed from {found} at step {ctl.step} (policy version {ctl.version}).")
     # The resume's push, the final save and the export run beside the run's watchers, as the loop does (before: only
     # their calls' deadlines, trainer_call_s 1800 s, told a rank stopped there; a dead GCS, Ray's own exit 60 s later).

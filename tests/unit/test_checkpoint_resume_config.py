@@ -7,6 +7,7 @@ LR back)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -100,3 +101,47 @@ def test_a_checkpoint_without_its_config_is_resumed_saying_so(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"Resuming {path}, saved before checkpoints recorded their config: keys changed since are not checked")
 
+
+
+@pytest.fixture
+def finished(tmp_path):
+    """A finished run's last checkpoint, step 4 of train.max_steps=4 (its loop state as the RL controller saves it)."""
+    model, opt = _trained()
+    record = write_run_record(_cfg(tmp_path), tmp_path / "out")
+    return save_checkpoint(tmp_path / "ckpt", 4, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 4, "loop": {"generator": {"epoch": 1}}, "run_record": record})
+
+
+def _started_nothing(monkeypatch):
+    """entrypoint.run's starts past the resume check (the model's build, Ray) as a recorded failure."""
+    from molt_hydra.models import build
+    from molt_hydra.runtime import entrypoint
+
+    started = []
+    monkeypatch.setattr(build, "resolve_path", lambda path: started.append(path) or path)
+    monkeypatch.setattr(entrypoint, "ray_cluster", lambda *a: pytest.fail("Ray was started"))
+    return started, entrypoint
+
+
+def test_a_resume_with_no_step_left_says_so_and_starts_nothing(finished, tmp_path, capsys, monkeypatch):
+    """Before: every role started, nothing was trained, step 4 was saved and exported again. Where the run ended
+    between its last save and its export (Slurm's notice at its last step, the export killed: none, or an earlier
+    shorter run's), the resume still goes on, to export it."""
+    started, entrypoint = _started_nothing(monkeypatch)
+    export = tmp_path / "out" / "hf_final"
+    for _ in ("missing", "older"):
+        with pytest.raises(pytest.fail.Exception, match="Ray was started"):
+            entrypoint.run(_cfg(tmp_path, "checkpoint.resume=auto"))
+        assert started.pop() == "tiny://qwen3_tiny"
+        export.mkdir(exist_ok=True)
+        os.utime(export, (0, 0))
+    os.utime(export)  # its export, written after its last save
+    entrypoint.run(_cfg(tmp_path, "checkpoint.resume=auto"))
+    assert started == []
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"Nothing left to run: {finished} is at step 4, train.max_steps=4, exported to {export}; nothing was "
+        "trained, saved or exported. To train further, raise train.max_steps.")
+    entrypoint.run(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.export_final=false"))
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"Nothing left to run: {finished} is at step 4, train.max_steps=4; nothing was trained, saved or exported. "
+        "To train further, raise train.max_steps.")
