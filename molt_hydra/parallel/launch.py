@@ -24,7 +24,27 @@ def rendezvous_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port("")
 
 
-def _entry(rank, fn, world_size, port, threads, args):
+_STORE = None  # rank 0's TCPStore server, for its process's life
+
+
+def _store_port(rank: int, shared) -> int:
+    """The port of the ranks' TCPStore. Rank 0 binds port 0 (the OS picks a free one) and holds it: torch's tcp://
+    rendezvous store is multi-tenant, so rank 0's init_process_group reuses that server; the other ranks wait for the
+    port rank 0 shares. Before, the parent probed a free port and closed it, and rank 0 bound it seconds later: a
+    process that took it meanwhile (a parallel test, another run on the node) failed the start (EADDRINUSE), or its
+    store was joined by ranks 1.. of this one."""
+    global _STORE
+    if rank == 0:
+        import torch.distributed as dist
+
+        _STORE = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+        shared.value = _STORE.port
+    while not shared.value:  # (rank 0 failing before it: run_ranks ends every rank)
+        time.sleep(0.01)
+    return shared.value
+
+
+def _entry(rank, fn, world_size, shared_port, threads, args):
     import os
     import sys
     import threading
@@ -36,7 +56,7 @@ def _entry(rank, fn, world_size, port, threads, args):
     # multiprocessing one, a named semaphore that os._exit below left behind: the resource tracker then printed
     # "There appear to be N leaked semaphore objects" after the run's last line (every job=sft).
     tqdm.set_lock(threading.RLock())
-    fn(rank, world_size, port, *args)
+    fn(rank, world_size, _store_port(rank, shared_port), *args)
     # Done and its results written: leave without the interpreter's teardown, where a gloo rank's C++ threads were
     # seen destroyed still joinable ("terminate called without an active exception", SIGABRT) after a good run.
     sys.stdout.flush()
@@ -55,8 +75,9 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, threads_per_
 
     main = threading.current_thread() is threading.main_thread()  # (only it may set handlers)
     kept = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignore} if main else {}
+    port = mp.get_context("spawn").Value("i", 0, lock=False)  # set by rank 0 (_store_port)
     try:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), threads_per_rank, args),
+        ctx = mp.start_processes(_entry, args=(fn, world_size, port, threads_per_rank, args),
                                  nprocs=world_size, join=False, start_method="spawn")
     finally:
         for sig, handler in kept.items():
