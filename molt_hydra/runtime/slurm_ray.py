@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Iterator
 
 from molt_hydra.config.schema import ClusterConfig
-from molt_hydra.parallel.launch import free_port
 from molt_hydra.runtime.preemption import ignoring_the_notice
 
 START_TIMEOUT_S = 300.0
@@ -73,6 +72,17 @@ def _popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     # Own process group, so that stopping it can reach every process it started.
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _held_port(stack: ExitStack, host: str) -> int:
+    """A free port on `host`, held (bound, SO_REUSEPORT) until `stack` closes: a process binding it meanwhile is
+    refused, as is bind(0) handing it out, while Ray's gRPC server, which binds with SO_REUSEPORT too (same user),
+    takes it. Before, the port was probed and closed, and a process that took it before Ray bound it ended the head."""
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    held.bind((host, 0))
+    stack.callback(held.close)
+    return held.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -137,18 +147,21 @@ def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int) 
     # Ray >= 2.5x turns token auth on for a `ray start --head` unless told otherwise, while this driver fixed its
     # auth mode when it imported ray (disabled unless RAY_AUTH_MODE was set): head and workers follow the driver.
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "RAY_USAGE_STATS_ENABLED": "0"}
-    head_ip = node_ip(alloc.this_node)
-    # Free ports, not Ray's fixed defaults (6379, 10001, 52365): other jobs may share this node.
-    address = f"{head_ip}:{free_port(head_ip)}"
-    common = ["--num-cpus", str(cpus), "--disable-usage-stats", "--block"]
+    head_ip, temp_dir = node_ip(alloc.this_node), _temp_dir(alloc.job_id, alloc.this_node)
+    # Not Ray's fixed defaults (6379, 10001, 52365): other jobs may share this node. Ray picks free ports itself for
+    # the GCS (--port=0: the head writes its address into its temp dir) and the dashboard agents (0); it refuses 0 for
+    # its client server, whose port is held here until Ray binds it (_held_port). Before, each port was probed free,
+    # closed, and bound by Ray seconds later (a worker's dashboard agent's probed on the head's node, not its own).
+    with suppress(FileNotFoundError):  # a requeued job's (the same job id), from its earlier attempt
+        os.remove(Path(temp_dir) / "ray_current_cluster")
+    common = ["--num-cpus", str(cpus), "--disable-usage-stats", "--block", "--dashboard-agent-listen-port=0"]
     head_log = log_dir / f"head-{alloc.this_node}.log"
-    head = _popen([*ignoring_the_notice(RAY), "start", "--head", f"--node-ip-address={head_ip}",
-                   f"--port={address.rsplit(':', 1)[1]}", f"--ray-client-server-port={free_port(head_ip)}",
-                   f"--dashboard-agent-listen-port={free_port(head_ip)}", "--include-dashboard=false",
-                   f"--temp-dir={_temp_dir(alloc.job_id, alloc.this_node)}", *common], head_log, env)
+    head = _popen([*ignoring_the_notice(RAY), "start", "--head", f"--node-ip-address={head_ip}", "--port=0",
+                   f"--ray-client-server-port={_held_port(stack, head_ip)}", "--include-dashboard=false",
+                   f"--temp-dir={temp_dir}", *common], head_log, env)
     stack.callback(_stop, head)
     steps = {alloc.this_node: (head, head_log)}
-    _wait_head(address, head, head_log)
+    address = _wait_head(head_ip, temp_dir, head, head_log)
     for node in (n for n in alloc.nodes if n != alloc.this_node):
         log = log_dir / f"worker-{node}.log"
         # One srun step per other node (the job's own step runs only on this one). --overlap: the step may share
@@ -156,7 +169,6 @@ def _start_nodes(stack: ExitStack, alloc: Allocation, log_dir: Path, cpus: int) 
         proc = _popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
                        f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}", "--kill-on-bad-exit=1",
                        *ignoring_the_notice(RAY), "start", f"--address={address}", f"--node-ip-address={node_ip(node)}",
-                       f"--dashboard-agent-listen-port={free_port(head_ip)}",
                        f"--temp-dir={_temp_dir(alloc.job_id, node)}", *common], log, env)
         stack.callback(_stop, proc)
         steps[node] = (proc, log)
@@ -192,14 +204,15 @@ def ray_cluster(cluster: ClusterConfig, log_dir: str | Path) -> Iterator[str | N
     shutil.rmtree(_temp_dir(alloc.job_id, alloc.this_node), ignore_errors=True)
 
 
-def _wait_head(address: str, head: subprocess.Popen, log: Path) -> None:
-    host, port = address.rsplit(":", 1)
+def _wait_head(head_ip: str, temp_dir: str, head: subprocess.Popen, log: Path) -> str:
+    """The head's address once its GCS listens (its port: Ray's choice, in the address file the head writes)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        with suppress(OSError):  # not listening yet
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
+        with suppress(OSError, ValueError, IndexError):  # no file yet, or the GCS not listening yet
+            port = int(Path(temp_dir, "ray_current_cluster").read_text().strip().rsplit(":", 1)[1])
+            socket.create_connection((head_ip, port), timeout=1).close()
+            return f"{head_ip}:{port}"
         if head.poll() is not None or time.monotonic() > deadline:
-            raise RayClusterError(f"Ray head on {address} did not come up "
+            raise RayClusterError(f"Ray head on {head_ip} did not come up "
                                   f"({'exited' if head.poll() is not None else 'timeout'}); {log}:\n{_tail(log)}")
         time.sleep(0.2)
