@@ -85,8 +85,10 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, threads_per_
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish within {timeout_s:.0f}s")
+            if time.monotonic() > deadline:  # named: which ranks still run (before: none, whichever hung)
+                late = [str(i) for i, p in enumerate(ctx.processes) if p.is_alive()]
+                raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish within {timeout_s:.0f}s; "
+                                   f"still running: rank {', '.join(late)}")
     except BaseException:  # also Ctrl-C / SIGTERM (a KeyboardInterrupt): the ranks end with their caller
         for p in ctx.processes:
             p.kill()

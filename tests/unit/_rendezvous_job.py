@@ -1,5 +1,6 @@
 """A two-rank job for tests/unit/test_rank_rendezvous_port.py, in a module of its own: each spawned rank imports it."""
 
+import time
 from pathlib import Path
 
 import torch
@@ -14,3 +15,9 @@ def summed_ranks(rank: int, world: int, port: int, path: str) -> None:
     dist.all_reduce(total)
     Path(path, f"rank{rank}").write_text(f"{port} {total.item():g}")
     dist.destroy_process_group()
+
+
+def rank_1_hangs(rank: int, world: int, port: int, path: str) -> None:
+    Path(path, f"rank{rank}").write_text("started")
+    if rank == 1:
+        time.sleep(60)  # (a collective waiting on a peer that never comes)
