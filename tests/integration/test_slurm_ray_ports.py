@@ -37,10 +37,8 @@ def test_the_heads_ports_cannot_be_taken_before_ray_binds_them(tmp_path, monkeyp
         return port
 
     monkeypatch.setattr(slurm_ray, "free_port", taken_after_probe, raising=False)
-    held = []
-    real_held = getattr(slurm_ray, "_held_port", None)
-    if real_held is not None:
-        monkeypatch.setattr(slurm_ray, "_held_port", lambda stack, host: held.append(real_held(stack, host)) or held[-1])
+    held, hold = [], slurm_ray._held_port  # the client server's port, as _held_port chose it
+    monkeypatch.setattr(slurm_ray, "_held_port", lambda stack, host: held.append(hold(stack, host)) or held[-1])
     try:
         with ray_cluster(ClusterConfig(nodes=1, cpus_per_node=1), tmp_path) as address:
             assert address.startswith(f"{ip}:") and ray.cluster_resources()["CPU"] == 1
