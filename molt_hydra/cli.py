@@ -36,6 +36,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from molt_hydra.compat.hydra import written_scalars
 from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_range
 from molt_hydra.config.handoff_rules import RUN_DIRS
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
@@ -397,29 +398,41 @@ def expand_globs(overrides: list[str], config_dir: str | None) -> tuple[list[str
     return (None, problems) if problems else (expanded, [])
 
 
-def _converted(cfg: DictConfig, pairs: list) -> list[str]:
+def _converted(cfg: DictConfig, pairs: list, recipe: bool = False) -> list[str]:
     """A value OmegaConf converts to the key's type without a word, into something else than the user wrote.
     A true/false key given anything but true, false (or null): OmegaConf reads every non-zero number (2, -1) and
     yes / on / y as true, and 0 / no / off / n as false; `parallelism.colocate=2` meant something else.
-    A string key given what Hydra parses as a number or a bool: the run got its str(), `name=1.10` ran as name 1.1
-    (outputs/1.1/), `data.split=2024.10` looked for split 2024.1, `name=true` ran as True, `name=1e3` as 1000.0."""
-    problems = []
+    A string key (or list of strings) given what Hydra parses as a number or a bool: the run got its str(),
+    `name=1.10` ran as name 1.1 (outputs/1.1/), `data.split=2024.10` looked for split 2024.1, `name=true` ran as True,
+    `name=1e3` as 1000.0. A sweep's values too (`-m name=1.10,2.0`): the sweeper passes each point on as that str()
+    (name=1.1), which its point's check read back as written. `recipe`: the pairs are hydra.sweeper.params' (the
+    sweeper parses them as overrides), whose fix is written in the recipe's YAML."""
+    parser, problems = OverridesParser.create(), []
     for o, text in pairs:
-        if o.is_sweep_override() or o.is_delete() or o.key_or_group.startswith("hydra."):
-            continue  # (each sweep point is composed on its own: sweep_problems)
-        node, value = cfg, o.value()
-        for part in o.key_or_group.split("."):
+        if o.is_delete() or o.key_or_group.startswith("hydra."):
+            continue
+        node, value, key = cfg, o.value(), o.key_or_group
+        for part in key.split("."):
             node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
-        key, written = o.key_or_group, text.split("=", 1)[-1].strip()
-        if isinstance(node, BooleanNode) and not (value is None or isinstance(value, bool) or str(value).lower() in (
-                "true", "false") or "${" in str(value)):  # quoted (key='true'), an interpolation: as they read
+        if isinstance(node, BooleanNode) and not o.is_sweep_override() and not (  # (a sweep's: each point's own)
+                value is None or isinstance(value, bool) or str(value).lower() in ("true", "false")
+                or "${" in str(value)):  # quoted (key='true'), an interpolation: as they read
             read_as = str(node._value()).lower()
             problems.append(f"- {key}: true or false, got {value!r} (which would be read as {read_as}). Fix: write "
                             f"{key}=true or {key}=false")
-        elif isinstance(node, StringNode) and isinstance(value, (bool, int, float)) and str(node._value()) != written:
-            problems.append(f"- {key}: a string, but Hydra reads {written} as the {type(value).__name__} {value!r}, so "
-                            f"the run would get {str(node._value())!r}. Fix: quote it, {key}='{written}' (inside the "
-                            f"shell's quotes: \"{key}='{written}'\")")
+        if not (isinstance(node, StringNode) or isinstance(node, ListConfig) and node._metadata.element_type is str):
+            continue
+        misread, fixed = [], text  # (the written number, what Hydra reads), the override with each one quoted
+        for written, start, stop in reversed(written_scalars(text)):
+            if str(read := parser.parse_override(f"x={written}").value()) != written:
+                misread.insert(0, (written, read))
+                fixed = f"{fixed[:start]}'{written}'{fixed[stop + 1:]}"
+        fix = (f'in the recipe\'s hydra.sweeper.params, {key}: "{fixed.split("=", 1)[1]}" (the quotes inside YAML\'s '
+               "are Hydra's)" if recipe else f"{fixed} (inside the shell's quotes: \"{fixed}\")")
+        reads = " and ".join(f"{written} as the {type(read).__name__} {read!r}" for written, read in misread)
+        gets = " and ".join(repr(str(read)) for _, read in misread)
+        problems += [f"- {key}: a string, but Hydra reads {reads}, so the run would get {gets}. Fix: quote "
+                     f"{'it' if len(misread) == 1 else 'each'}, {fix}"] if misread else []
     return problems
 
 
@@ -503,7 +516,8 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()] if basic else []
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
     texts = [f"hydra.sweeper.params.{text}" for text in params]
-    if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts):
+    if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts) or \
+            _converted(first, list(zip(parsed, params)), recipe=True):  # (the command line's: compose_checked)
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
     if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own

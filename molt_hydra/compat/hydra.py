@@ -7,7 +7,8 @@ that `molt-run` checks the composed config (all errors in one message) before Hy
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
 overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
 plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`); and `hydra.core.plugins.Plugins.discover`, the
-launcher and sweeper classes Hydra can start (`plugin_classes`).
+launcher and sweeper classes Hydra can start (`plugin_classes`); and the override grammar's generated parser
+(`hydra.grammar.gen`), for the text of each number as the user wrote it (`written_scalars`).
 """
 
 from __future__ import annotations
@@ -57,3 +58,27 @@ def report_slurm_sweeps() -> None:
     from molt_hydra.compat.slurm_launcher import launch
 
     SlurmLauncher.launch = launch
+
+
+def written_scalars(override: str) -> list[tuple[str, int, int]]:
+    """Each unquoted number or true/false of `override`'s value, as written: (its text, first and last character).
+    Hydra's parser keeps the value it reads (1.10 -> 1.1) and its sweeper passes each point on as str() of that value,
+    so the text the user wrote is found in the parse tree alone (an element of one INT, FLOAT or BOOL token)."""
+    written_for("molt-run's check of written values", "hydra", SUPPORTED)
+    from hydra.grammar.gen.OverrideLexer import CommonTokenStream, InputStream, OverrideLexer
+    from hydra.grammar.gen.OverrideParser import OverrideParser
+
+    numbers, found = (OverrideLexer.INT, OverrideLexer.FLOAT, OverrideLexer.BOOL), []
+    parser = OverrideParser(CommonTokenStream(OverrideLexer(InputStream(override))))
+    parser.removeErrorListeners()  # (parsed by Hydra already: an override that fails reaches no check of this)
+    nodes = [parser.override()]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, OverrideParser.PrimitiveContext):
+            tokens = [c.symbol for c in node.getChildren() if c.symbol.type != OverrideLexer.WS]
+            if len(tokens) == 1 and tokens[0].type in numbers:
+                found.append((tokens[0].text, tokens[0].start, tokens[0].stop))
+        elif hasattr(node, "getChildren"):
+            nodes += list(node.getChildren())
+    return sorted(found, key=lambda t: t[1])
+

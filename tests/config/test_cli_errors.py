@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
-from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_problems,
-                            to_run_config, unread_on_command_line)
+from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_checked,
+                            sweep_problems, to_run_config, unread_on_command_line)
 from molt_hydra.config.schema import ConfigError, ISLevel
 
 CASES = {
@@ -921,6 +921,51 @@ def test_a_string_key_given_a_number_that_reads_back_otherwise_is_refused(overri
 def test_a_string_key_given_a_number_that_reads_back_as_written_is_kept(override, kept):
     cfg, problems = compose_checked([override])
     assert problems == [] and OmegaConf.select(cfg, override.split("=")[0]) == kept
+
+
+@pytest.mark.parametrize("override,reads,gets,fixed", [
+    ("name=1.10,2.0", "1.10 as the float 1.1", "'1.1'", "name='1.10',2.0"),
+    ("data.split=choice(x,2024.10,1e3)", "2024.10 as the float 2024.1 and 1e3 as the float 1000.0",
+     "'2024.1' and '1000.0'", "data.split=choice(x,'2024.10','1e3')"),
+    ("name=a,true", "true as the bool True", "'True'", "name=a,'true'"),
+    ("cluster.setup=[x],[1_000]", "1_000 as the int 1000", "'1000'", "cluster.setup=[x],['1_000']")])
+def test_a_sweep_of_a_string_key_over_numbers_that_read_back_otherwise_is_refused(override, reads, gets, fixed):
+    """Before: `-m name=1.10,2.0` ran its first point as name 1.1 (multirun/1.1/...): the sweeper passes each point on
+    as str() of what Hydra parsed, so the point's own check saw name=1.1, which reads back as written."""
+    key = override.split("=")[0]
+    cfg, problems = compose_checked([override, "dry_run=true"], multirun=True)
+    quote = "it" if " and " not in reads else "each"
+    assert cfg is None and problems == [
+        f"- {key}: a string, but Hydra reads {reads}, so the run would get {gets}. Fix: quote {quote}, {fixed} "
+        f"(inside the shell's quotes: \"{fixed}\")"], problems
+    assert compose_checked([fixed, "dry_run=true"], multirun=True)[1] == []  # the fix
+
+
+def _recipe(tmp_path, text: str) -> str:
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\n" + text)
+    return str(tmp_path / "recipe" / "mine.yaml")
+
+
+def test_a_recipes_sweeper_params_of_a_string_key_over_numbers_are_refused(tmp_path):
+    """Before: a recipe's hydra.sweeper.params `name: 1.10,abc` (a YAML string, which the sweeper parses as an
+    override) ran a point named 1.1."""
+    _recipe(tmp_path, "hydra:\n  sweeper:\n    params:\n      name: 1.10,abc\n")
+    first, problems = compose_checked(["+recipe=mine", "dry_run=true"], multirun=True, config_dir=str(tmp_path),
+                                      hydra_config=True)
+    assert problems == []
+    assert sweep_problems(first, ["+recipe=mine", "dry_run=true"], str(tmp_path)) == [
+        "- name: a string, but Hydra reads 1.10 as the float 1.1, so the run would get '1.1'. Fix: quote it, in the "
+        "recipe's hydra.sweeper.params, name: \"'1.10',abc\" (the quotes inside YAML's are Hydra's)"]
+
+
+def test_a_sweep_of_a_string_key_over_numbers_exits_2_through_molt_run(monkeypatch, tmp_path, capsys):
+    assert _main_in_process(["-m", "name=1.10,2.0", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith("Config error(s):\n- name: a string, but Hydra reads 1.10 as the float")
+    assert list(tmp_path.iterdir()) == []
+    first, problems = compose_checked(["name='1.10',2.0", "dry_run=true"], multirun=True, hydra_config=True)
+    problems, points = sweep_checked(first, ["name='1.10',2.0", "dry_run=true"], None)  # quoted: the text written
+    assert problems == [] and [result[0].name for _, result in points] == ["1.10", "2.0"]
 
 
 @pytest.mark.parametrize("override,hint", [
