@@ -36,11 +36,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from molt_hydra.compat.hydra import written_scalars
+from molt_hydra.compat.hydra import composed_files, written_scalars
 from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_range
 from molt_hydra.config.handoff_rules import RUN_DIRS
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
+from molt_hydra.config.yaml_text import yaml_text_problems
 
 
 
@@ -191,10 +192,28 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     try:
         with initialize_config_dir(config_dir=PRIMARY["path"], version_base="1.3"):
             cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
+            files = _files(cfg, parsed, overrides, search)
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
-    problems = _converted(cfg, pairs) + _unresolved(cfg, pairs)
+    problems = _converted(cfg, pairs) + yaml_text_problems(cfg, files, multirun) + _unresolved(cfg, pairs)
     return (None, problems) if problems else (cfg, [])
+
+
+# (primary config, the overrides that may choose config groups) -> compat/hydra.py `composed_files` of them
+_FILES: dict[tuple, list] = {}
+
+
+def _files(cfg: DictConfig, parsed: list, overrides: list[str], search: list[str]) -> list:
+    """The YAML configs composed into `cfg` (yaml_text_problems reads them), listed once per choice of config groups:
+    listing them costs half a composition, and the points of a sweep over values (seed=1,2) compose the same ones.
+    An override of a value (a key that is no mapping of `cfg`) chooses no config."""
+    chooses = [text for o, text in zip(parsed, overrides) if o.key_or_group.startswith("hydra") or isinstance(
+        found := OmegaConf.select(cfg, o.key_or_group, default=_ABSENT, throw_on_resolution_failure=False),
+        DictConfig) or found is _ABSENT]
+    key = (PRIMARY["path"], PRIMARY["name"], *search, *chooses)
+    if key not in _FILES:
+        _FILES[key] = composed_files(PRIMARY["name"], [*overrides, *search])
+    return _FILES[key]
 
 
 # the hydra node's keys molt-run reads before Hydra starts (the run and sweep directories are made from name)

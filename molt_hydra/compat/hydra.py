@@ -8,7 +8,9 @@ that `molt-run` checks the composed config (all errors in one message) before Hy
 overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
 plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`); and `hydra.core.plugins.Plugins.discover`, the
 launcher and sweeper classes Hydra can start (`plugin_classes`); and the override grammar's generated parser
-(`hydra.grammar.gen`), for the text of each number as the user wrote it (`written_scalars`).
+(`hydra.grammar.gen`), for the text of each number as the user wrote it (`written_scalars`); and
+`hydra._internal.defaults_list.create_defaults_list` with the config loader's
+`_parse_overrides_and_create_caching_repo`, for the configs a composition reads (`composed_files`).
 """
 
 from __future__ import annotations
@@ -82,3 +84,20 @@ def written_scalars(override: str) -> list[tuple[str, int, int]]:
             nodes += list(node.getChildren())
     return sorted(found, key=lambda t: t[1])
 
+
+def composed_files(config_name: str, overrides: list[str]) -> list[tuple[str, str, str]]:
+    """(package, config path, its source) of every config Hydra composes for `overrides`, in merge order: a source is
+    file:///DIR (the YAML is DIR/<config path>.yaml), pkg://... or structured:// (the ConfigStore). Hydra's defaults
+    list and the repository it composes from (the command line's hydra.searchpath in it) are its internals."""
+    written_for("molt-run's check of the configs' YAML", "hydra", SUPPORTED)
+    from hydra._internal.defaults_list import create_defaults_list
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    parsed, repo = loader._parse_overrides_and_create_caching_repo(config_name, overrides)
+    found = []
+    for default in create_defaults_list(repo=repo, config_name=config_name, overrides_list=parsed,
+                                        prepend_hydra=True, skip_missing=False).defaults:
+        if default.config_path and (result := repo.load_config(default.config_path)) is not None:
+            found.append((default.package or "", default.config_path, result.path))
+    return list(dict.fromkeys(found))

@@ -959,6 +959,50 @@ def test_a_recipes_sweeper_params_of_a_string_key_over_numbers_are_refused(tmp_p
         "recipe's hydra.sweeper.params, name: \"'1.10',abc\" (the quotes inside YAML's are Hydra's)"]
 
 
+def test_a_recipes_number_like_text_for_a_string_key_is_refused(tmp_path):
+    """Before: YAML read a recipe's `name: 1.10` as the float 1.1 (`0x10` as 16, `yes` as True, `1e3` as 1000.0) and
+    the run got str() of it, without a word."""
+    path = _recipe(tmp_path, "name: 1.10\ndata:\n  split: 0x10\ncluster:\n  setup: [x, yes]\nlogger:\n  wandb:\n"
+                             "    group: 1e3\n    project: '1.10'\n")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert cfg is None and problems == [
+        f"- name: a string, but {path} sets it to 1.10 (line 2), which YAML reads as the float 1.1, so the run would "
+        "get '1.1'. Fix: quote it there, name: '1.10'",
+        f"- data.split: a string, but {path} sets it to 0x10 (line 4), which YAML reads as the int 16, so the run "
+        "would get '16'. Fix: quote it there, split: '0x10'",
+        f"- cluster.setup[1]: a string, but {path} sets it to yes (line 6), which YAML reads as the bool True, so the "
+        "run would get 'True'. Fix: quote it there, - 'yes'",
+        f"- logger.wandb.group: a string, but {path} sets it to 1e3 (line 9), which YAML reads as the float 1000.0, "
+        "so the run would get '1000.0'. Fix: quote it there, group: '1e3'"], problems
+    # a value the command line replaces reaches no run
+    cfg, problems = compose_checked(["+recipe=mine", "name=a", "data.split=b", "cluster.setup=[c]",
+                                     "logger.wandb.group=d"], config_dir=str(tmp_path))
+    assert problems == [] and (cfg.name, cfg.logger.wandb.project) == ("a", "1.10")
+
+
+def test_a_recipes_number_that_yaml_reads_as_octal_or_base_60_is_refused(tmp_path):
+    """Before: YAML 1.1 read a recipe's `seed: 010` as octal 8 (the command line's seed=010 is 10) and
+    `train.max_steps: 1:30` as base 60, 90, without a word."""
+    path = _recipe(tmp_path, "seed: 010\ntrain:\n  max_steps: 1:30\n  batch_size: 0x40\nrollout:\n  temperature: 0.50\n")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert cfg is None and problems == [
+        f"- seed: {path} sets it to 010 (line 2), which YAML reads as 8 (octal, not 10). Fix: write the number meant "
+        "in decimal digits (without a leading 0 or a colon)",
+        f"- train.max_steps: {path} sets it to 1:30 (line 4), which YAML reads as 90 (base 60: each part after a colon "
+        "is sixtieths of the one before). Fix: write the number meant in decimal digits (without a leading 0 or a "
+        "colon)"], problems
+
+
+def test_a_recipes_sweeper_param_that_yaml_reads_as_a_number_is_refused_for_a_string_key(tmp_path):
+    """Before: `params: {name: 1.10}` swept name=1.1 (YAML's float, passed on as str()); a float key's number
+    (`train.optimizer.lr: 1e-3`, swept as 0.001) means what was written."""
+    path = _recipe(tmp_path, "hydra:\n  sweeper:\n    params:\n      name: 1.10\n      train.optimizer.lr: 1e-3\n")
+    assert compose_checked(["+recipe=mine"], multirun=True, config_dir=str(tmp_path))[1] == [
+        f"- hydra.sweeper.params.name: a string, but {path} sets it to 1.10 (line 5), which YAML reads as the float "
+        "1.1, so the run would get '1.1'. Fix: quote it there, name: \"'1.10'\" (the quotes inside YAML's are "
+        "Hydra's: the sweeper parses the value again)"]
+
+
 def test_a_sweep_of_a_string_key_over_numbers_exits_2_through_molt_run(monkeypatch, tmp_path, capsys):
     assert _main_in_process(["-m", "name=1.10,2.0", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
     assert capsys.readouterr().err.startswith("Config error(s):\n- name: a string, but Hydra reads 1.10 as the float")
