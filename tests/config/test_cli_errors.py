@@ -947,14 +947,15 @@ def _recipe(tmp_path, text: str) -> str:
     return str(tmp_path / "recipe" / "mine.yaml")
 
 
-def test_a_recipes_sweeper_params_of_a_string_key_over_numbers_are_refused(tmp_path):
+@pytest.mark.parametrize("cluster", ["local", "slurm"])  # (submitit's launcher runs the basic sweeper's points too)
+def test_a_recipes_sweeper_params_of_a_string_key_over_numbers_are_refused(tmp_path, cluster):
     """Before: a recipe's hydra.sweeper.params `name: 1.10,abc` (a YAML string, which the sweeper parses as an
     override) ran a point named 1.1."""
     _recipe(tmp_path, "hydra:\n  sweeper:\n    params:\n      name: 1.10,abc\n")
-    first, problems = compose_checked(["+recipe=mine", "dry_run=true"], multirun=True, config_dir=str(tmp_path),
-                                      hydra_config=True)
+    overrides = ["+recipe=mine", f"cluster={cluster}", "dry_run=true"]
+    first, problems = compose_checked(overrides, multirun=True, config_dir=str(tmp_path), hydra_config=True)
     assert problems == []
-    assert sweep_problems(first, ["+recipe=mine", "dry_run=true"], str(tmp_path)) == [
+    assert sweep_problems(first, overrides, str(tmp_path)) == [
         "- name: a string, but Hydra reads 1.10 as the float 1.1, so the run would get '1.1'. Fix: quote it, in the "
         "recipe's hydra.sweeper.params, name: \"'1.10',abc\" (the quotes inside YAML's are Hydra's)"]
 
