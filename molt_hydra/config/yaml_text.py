@@ -3,8 +3,9 @@
 in the string key, without a word: `name: 1.10` ran as name 1.1, `data.split: 0x10` looked for split 16, `name: yes`
 ran as True. Refused as the command line's number for a string key is (cli._converted): the key, the file and line,
 the value as YAML reads it and the fix, quoting it. So is a number of another key that YAML 1.1 reads otherwise than
-its decimal digits (`seed: 010` is octal 8, `max_steps: 1:30` base 60, 90). A value the composition replaced (a
-later config, the command line) is left alone: it reaches no run."""
+its decimal digits (`seed: 010` is octal 8, `max_steps: 1:30` base 60, 90), and a true/false key given anything but
+YAML's own true/false (`colocate: 2`, `colocate: y` were true, as the command line's `parallelism.colocate=2` is refused
+for). A value the composition replaced (a later config, the command line) is left alone: it reaches no run."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig, ListConfig
 from omegaconf._utils import get_yaml_loader
-from omegaconf.nodes import StringNode, ValueNode
+from omegaconf.nodes import BooleanNode, StringNode, ValueNode
 
 from molt_hydra.config.store import RECIPES_DIR
 
-NUMBER_TAGS = {f"tag:yaml.org,2002:{name}" for name in ("int", "float", "bool")}
+TAG = "tag:yaml.org,2002:"
+NUMBER_TAGS = {f"{TAG}{name}" for name in ("int", "float", "bool")}
 SWEPT = "hydra.sweeper.params."  # its values are overrides of the app's keys, which the sweeper parses again
 
 
@@ -34,22 +36,34 @@ def yaml_text_problems(cfg: DictConfig, files: list[tuple[str, str, str]], multi
                                       [p for p in package.split(".") if p]):
             key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
             swept = key.startswith(SWEPT)
-            if scalar.tag not in NUMBER_TAGS or key.startswith("hydra.") and not (swept and multirun):
+            if key.startswith("hydra.") and not (swept and multirun) or scalar.tag == f"{TAG}null":
                 continue
-            value = constructor.construct_object(scalar)
             node = _node(cfg, str(parts[3]).split(".") if swept else parts)  # (a param: the key it sweeps)
-            sets = f"{path} sets it to {scalar.value} (line {scalar.start_mark.line + 1}), which YAML reads as"
-            if isinstance(node, StringNode) and str(value) != scalar.value and (swept or node._value() == str(value)):
-                quoted = (f'{parts[-1]}: "\'{scalar.value}\'" (the quotes inside YAML\'s are Hydra\'s: the sweeper '
-                          "parses the value again)" if swept else f"- '{scalar.value}'"
-                          if isinstance(parts[-1], int) else f"{parts[-1]}: '{scalar.value}'")  # (a list's item)
-                problems.append(f"- {key}: a string, but {sets} the {type(value).__name__} {value!r}, so the run "
-                                f"would get {str(value)!r}. Fix: quote it there, {quoted}")
-            elif not swept and isinstance(node, ValueNode) and node._value() == value and (
-                    reading := _not_decimal(scalar.value, value)):
-                problems.append(f"- {key}: {sets} {value!r} ({reading}). Fix: write the number meant in decimal digits "
-                                "(without a leading 0 or a colon)")
+            where = f"{path} sets it to {scalar.value} (line {scalar.start_mark.line + 1})"
+            if line := _misread(key, parts[-1], scalar, constructor.construct_object(scalar), node, where, swept):
+                problems.append(line)
     return problems
+
+
+def _misread(key: str, leaf, scalar, value, node, where: str, swept: bool) -> str | None:
+    """The problem of one YAML scalar (`value` as YAML reads it) that reached `node` of the composed config, if any."""
+    if isinstance(node, StringNode) and scalar.tag in NUMBER_TAGS and str(value) != scalar.value and (
+            swept or node._value() == str(value)):
+        quoted = (f'{leaf}: "\'{scalar.value}\'" (the quotes inside YAML\'s are Hydra\'s: the sweeper parses the value '
+                  "again)" if swept else f"- '{scalar.value}'" if isinstance(leaf, int)  # (a list's item)
+                  else f"{leaf}: '{scalar.value}'")
+        return (f"- {key}: a string, but {where}, which YAML reads as the {type(value).__name__} {value!r}, so the run "
+                f"would get {str(value)!r}. Fix: quote it there, {quoted}")
+    if swept or not isinstance(node, ValueNode):  # (a swept bool or number: each point's own check)
+        return None
+    if isinstance(node, BooleanNode) and scalar.tag != f"{TAG}bool" and "${" not in scalar.value and \
+            node._value() == BooleanNode(value)._value():  # (2, 0, y, n, 'yes': as the command line's are refused)
+        return (f"- {key}: true or false, but {where}, which OmegaConf reads as {str(node._value()).lower()}. Fix: "
+                f"write {leaf}: true or {leaf}: false there")
+    if scalar.tag in NUMBER_TAGS and node._value() == value and (reading := _not_decimal(scalar.value, value)):
+        return (f"- {key}: {where}, which YAML reads as {value!r} ({reading}). Fix: write the number meant in decimal "
+                "digits (without a leading 0 or a colon)")
+    return None
 
 
 def _not_decimal(written: str, value) -> str | None:

@@ -994,6 +994,18 @@ def test_a_recipes_number_that_yaml_reads_as_octal_or_base_60_is_refused(tmp_pat
         "colon)"], problems
 
 
+def test_a_recipes_true_false_key_given_anything_but_true_or_false_is_refused(tmp_path):
+    """Before: a recipe's `colocate: 2` (or `enforce_eager: y`) ran as true, where the command line's
+    `parallelism.colocate=2` is refused; YAML's own yes/no/on/off are its true/false."""
+    path = _recipe(tmp_path, "parallelism:\n  colocate: 2\n  packing: on\nrollout:\n  enforce_eager: y\n")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert cfg is None and problems == [
+        f"- parallelism.colocate: true or false, but {path} sets it to 2 (line 3), which OmegaConf reads as true. Fix: "
+        "write colocate: true or colocate: false there",
+        f"- rollout.enforce_eager: true or false, but {path} sets it to y (line 6), which OmegaConf reads as true. Fix: "
+        "write enforce_eager: true or enforce_eager: false there"], problems
+
+
 def test_a_recipes_sweeper_param_that_yaml_reads_as_a_number_is_refused_for_a_string_key(tmp_path):
     """Before: `params: {name: 1.10}` swept name=1.1 (YAML's float, passed on as str()); a float key's number
     (`train.optimizer.lr: 1e-3`, swept as 0.001) means what was written."""
