@@ -36,6 +36,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from molt_hydra.compat import VersionError
 from molt_hydra.compat.hydra import composed_files, written_scalars
 from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_range
 from molt_hydra.config.handoff_rules import RUN_DIRS
@@ -193,6 +194,8 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
         with initialize_config_dir(config_dir=PRIMARY["path"], version_base="1.3"):
             cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
             files = _files(cfg, parsed, overrides, search)
+    except VersionError:  # (compat/hydra.py: another hydra-core, not the user's override)
+        raise
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
     problems = _converted(cfg, pairs) + yaml_text_problems(cfg, files, multirun) + _unresolved(cfg, pairs)
