@@ -466,6 +466,8 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
     override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
+    if line := _recipe_problem(text, overrides):
+        return line
     if "Cannot find primary config" in text:  # --config-name NAME
         return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
                 "that directory (without .yaml), or leave --config-name out (molt's config)")
@@ -514,6 +516,26 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares "
                 "for it (`molt-run --cfg job` prints every key)")
     return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
+
+
+def _recipe_problem(text: str, overrides: list[str]) -> str | None:
+    """A composition failure of a recipe's own YAML (a user's, --config-dir DIR/recipe/NAME.yaml), named as its
+    +recipe= override with the fix in the recipe: was a reason cut to "ConfigKeyError raised while composing config:"
+    and a fix about the schema's types (no `# @package _global_` line), or a fix naming the command line (a defaults
+    list that adds a group config.yaml chooses already)."""
+    recipe = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == "recipe"), None)
+    if recipe is None:
+        return None
+    if "Key 'recipe' not in" in text:  # (Hydra put its keys under recipe.*, the recipe group's own package)
+        return (f"- {recipe}: the recipe has no `# @package _global_` line, so Hydra reads its keys under recipe.*, "
+                "which is no key of the config. Fix: add the line `# @package _global_` to the comment lines it opens "
+                "with (before its first key), as every shipped recipe has")
+    group = re.search(r"Multiple values for (\S+)\. To override a value use 'override (\S+): (\S+)'", text)
+    if group and not any(o.startswith("+") and o.lstrip("+").split("=", 1)[0] == group[1] for o in overrides):
+        return (f"- {recipe}: its defaults list adds {group[1]} {group[3]}, which config.yaml chooses already (its "
+                f"default {group[1]}), so {group[1]} is chosen twice. Fix: write it `- override /{group[2]}: "
+                f"{group[3]}` in the recipe's defaults list")
+    return None
 
 
 ANNOUNCED_SWEEP = 20  # sweeps of more points than this say that their check is under way

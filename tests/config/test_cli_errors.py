@@ -1044,3 +1044,26 @@ def test_a_key_added_below_a_free_form_node_of_hydras_config_is_composed(overrid
     """hydra.job.env_set and hydra.callbacks take keys of the user's own naming; ++ of an existing key sets it."""
     cfg, problems = compose_checked([override], hydra_config=True)
     assert problems == [] and OmegaConf.select(cfg, override.lstrip("+").split("=", 1)[0]) == override.split("=")[1]
+
+
+def test_a_recipe_without_its_package_line_is_refused_with_that_fix(tmp_path):
+    """Before: a --config-dir recipe without `# @package _global_` (Hydra reads its keys under recipe.*) was told
+    "In 'recipe/mine': ConfigKeyError raised while composing config:", and to fix the schema's types."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# mine\nname: mine\n")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1] == [
+        "- +recipe=mine: the recipe has no `# @package _global_` line, so Hydra reads its keys under recipe.*, which "
+        "is no key of the config. Fix: add the line `# @package _global_` to the comment lines it opens with (before "
+        "its first key), as every shipped recipe has"]
+
+
+def test_a_recipes_defaults_list_choosing_a_chosen_group_without_override_names_the_recipe(tmp_path):
+    """Before: `- /model: qwen3_4b` in a recipe's defaults list was told to the command line: "choose one:
+    model=NAME, without +", which the command line has no + of."""
+    _recipe(tmp_path, "defaults:\n  - /model: qwen3_4b\nname: mine\n")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1] == [
+        "- +recipe=mine: its defaults list adds model qwen3_4b, which config.yaml chooses already (its default model), "
+        "so model is chosen twice. Fix: write it `- override /model: qwen3_4b` in the recipe's defaults list"]
+    (tmp_path / "recipe" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: qwen3_4b\nname: mine\n")  # the fix
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[0].model.path == "Qwen/Qwen3-4B"
