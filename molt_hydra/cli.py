@@ -36,10 +36,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from molt_hydra.compat import VersionError
+from molt_hydra.compat.hydra import composed_files, written_scalars
 from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_range
 from molt_hydra.config.handoff_rules import RUN_DIRS
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
+from molt_hydra.config.yaml_text import yaml_text_problems
 
 
 
@@ -190,10 +193,30 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     try:
         with initialize_config_dir(config_dir=PRIMARY["path"], version_base="1.3"):
             cfg = compose(PRIMARY["name"], overrides=[*overrides, *search], return_hydra_config=hydra_config)
+            files = _files(cfg, parsed, overrides, search)
+    except VersionError:  # (compat/hydra.py: another hydra-core, not the user's override)
+        raise
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
-    problems = _converted(cfg, pairs) + _unresolved(cfg, pairs)
+    problems = _converted(cfg, pairs) + yaml_text_problems(cfg, files, multirun) + _unresolved(cfg, pairs)
     return (None, problems) if problems else (cfg, [])
+
+
+# (primary config, the overrides that may choose config groups) -> compat/hydra.py `composed_files` of them
+_FILES: dict[tuple, list] = {}
+
+
+def _files(cfg: DictConfig, parsed: list, overrides: list[str], search: list[str]) -> list:
+    """The YAML configs composed into `cfg` (yaml_text_problems reads them), listed once per choice of config groups:
+    listing them costs half a composition, and the points of a sweep over values (seed=1,2) compose the same ones.
+    An override of a value (a key that is no mapping of `cfg`) chooses no config."""
+    chooses = [text for o, text in zip(parsed, overrides) if o.key_or_group.startswith("hydra") or isinstance(
+        found := OmegaConf.select(cfg, o.key_or_group, default=_ABSENT, throw_on_resolution_failure=False),
+        DictConfig) or found is _ABSENT]
+    key = (PRIMARY["path"], PRIMARY["name"], *search, *chooses)
+    if key not in _FILES:
+        _FILES[key] = composed_files(PRIMARY["name"], [*overrides, *search])
+    return _FILES[key]
 
 
 # the hydra node's keys molt-run reads before Hydra starts (the run and sweep directories are made from name)
@@ -397,29 +420,41 @@ def expand_globs(overrides: list[str], config_dir: str | None) -> tuple[list[str
     return (None, problems) if problems else (expanded, [])
 
 
-def _converted(cfg: DictConfig, pairs: list) -> list[str]:
+def _converted(cfg: DictConfig, pairs: list, recipe: bool = False) -> list[str]:
     """A value OmegaConf converts to the key's type without a word, into something else than the user wrote.
     A true/false key given anything but true, false (or null): OmegaConf reads every non-zero number (2, -1) and
     yes / on / y as true, and 0 / no / off / n as false; `parallelism.colocate=2` meant something else.
-    A string key given what Hydra parses as a number or a bool: the run got its str(), `name=1.10` ran as name 1.1
-    (outputs/1.1/), `data.split=2024.10` looked for split 2024.1, `name=true` ran as True, `name=1e3` as 1000.0."""
-    problems = []
+    A string key (or list of strings) given what Hydra parses as a number or a bool: the run got its str(),
+    `name=1.10` ran as name 1.1 (outputs/1.1/), `data.split=2024.10` looked for split 2024.1, `name=true` ran as True,
+    `name=1e3` as 1000.0. A sweep's values too (`-m name=1.10,2.0`): the sweeper passes each point on as that str()
+    (name=1.1), which its point's check read back as written. `recipe`: the pairs are hydra.sweeper.params' (the
+    sweeper parses them as overrides), whose fix is written in the recipe's YAML."""
+    parser, problems = OverridesParser.create(), []
     for o, text in pairs:
-        if o.is_sweep_override() or o.is_delete() or o.key_or_group.startswith("hydra."):
-            continue  # (each sweep point is composed on its own: sweep_problems)
-        node, value = cfg, o.value()
-        for part in o.key_or_group.split("."):
+        if o.is_delete() or o.key_or_group.startswith("hydra."):
+            continue
+        node, value, key = cfg, o.value(), o.key_or_group
+        for part in key.split("."):
             node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
-        key, written = o.key_or_group, text.split("=", 1)[-1].strip()
-        if isinstance(node, BooleanNode) and not (value is None or isinstance(value, bool) or str(value).lower() in (
-                "true", "false") or "${" in str(value)):  # quoted (key='true'), an interpolation: as they read
+        if isinstance(node, BooleanNode) and not o.is_sweep_override() and not (  # (a sweep's: each point's own)
+                value is None or isinstance(value, bool) or str(value).lower() in ("true", "false")
+                or "${" in str(value)):  # quoted (key='true'), an interpolation: as they read
             read_as = str(node._value()).lower()
             problems.append(f"- {key}: true or false, got {value!r} (which would be read as {read_as}). Fix: write "
                             f"{key}=true or {key}=false")
-        elif isinstance(node, StringNode) and isinstance(value, (bool, int, float)) and str(node._value()) != written:
-            problems.append(f"- {key}: a string, but Hydra reads {written} as the {type(value).__name__} {value!r}, so "
-                            f"the run would get {str(node._value())!r}. Fix: quote it, {key}='{written}' (inside the "
-                            f"shell's quotes: \"{key}='{written}'\")")
+        if not (isinstance(node, StringNode) or isinstance(node, ListConfig) and node._metadata.element_type is str):
+            continue
+        misread, fixed = [], text  # (the written number, what Hydra reads), the override with each one quoted
+        for written, start, stop in reversed(written_scalars(text)):
+            if str(read := parser.parse_override(f"x={written}").value()) != written:
+                misread.insert(0, (written, read))
+                fixed = f"{fixed[:start]}'{written}'{fixed[stop + 1:]}"
+        fix = (f'in the recipe\'s hydra.sweeper.params, {key}: "{fixed.split("=", 1)[1]}" (the quotes inside YAML\'s '
+               "are Hydra's)" if recipe else f"{fixed} (inside the shell's quotes: \"{fixed}\")")
+        reads = " and ".join(f"{written} as the {type(read).__name__} {read!r}" for written, read in misread)
+        gets = " and ".join(repr(str(read)) for _, read in misread)
+        problems += [f"- {key}: a string, but Hydra reads {reads}, so the run would get {gets}. Fix: quote "
+                     f"{'it' if len(misread) == 1 else 'each'}, {fix}"] if misread else []
     return problems
 
 
@@ -431,6 +466,8 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
     override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
+    if line := _recipe_problem(text, overrides):
+        return line
     if "Cannot find primary config" in text:  # --config-name NAME
         return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
                 "that directory (without .yaml), or leave --config-name out (molt's config)")
@@ -481,6 +518,26 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
 
 
+def _recipe_problem(text: str, overrides: list[str]) -> str | None:
+    """A composition failure of a recipe's own YAML (a user's, --config-dir DIR/recipe/NAME.yaml), named as its
+    +recipe= override with the fix in the recipe: was a reason cut to "ConfigKeyError raised while composing config:"
+    and a fix about the schema's types (no `# @package _global_` line), or a fix naming the command line (a defaults
+    list that adds a group config.yaml chooses already)."""
+    recipe = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == "recipe"), None)
+    if recipe is None:
+        return None
+    if "Key 'recipe' not in" in text:  # (Hydra put its keys under recipe.*, the recipe group's own package)
+        return (f"- {recipe}: the recipe has no `# @package _global_` line, so Hydra reads its keys under recipe.*, "
+                "which is no key of the config. Fix: add the line `# @package _global_` to the comment lines it opens "
+                "with (before its first key), as every shipped recipe has")
+    group = re.search(r"Multiple values for (\S+)\. To override a value use 'override (\S+): (\S+)'", text)
+    if group and not any(o.startswith("+") and o.lstrip("+").split("=", 1)[0] == group[1] for o in overrides):
+        return (f"- {recipe}: its defaults list adds {group[1]} {group[3]}, which config.yaml chooses already (its "
+                f"default {group[1]}), so {group[1]} is chosen twice. Fix: write it `- override /{group[2]}: "
+                f"{group[3]}` in the recipe's defaults list")
+    return None
+
+
 ANNOUNCED_SWEEP = 20  # sweeps of more points than this say that their check is under way
 SWEEP_OWN_DIRS = RUN_DIRS  # the directories a run writes: one sweep point's each
 
@@ -503,7 +560,8 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()] if basic else []
     parsed = OverridesParser.create().parse_overrides([*params, *overrides])
     texts = [f"hydra.sweeper.params.{text}" for text in params]
-    if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts):
+    if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts) or \
+            _converted(first, list(zip(parsed, params)), recipe=True):  # (the command line's: compose_checked)
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
     if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own

@@ -7,7 +7,10 @@ that `molt-run` checks the composed config (all errors in one message) before Hy
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
 overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
 plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`); and `hydra.core.plugins.Plugins.discover`, the
-launcher and sweeper classes Hydra can start (`plugin_classes`).
+launcher and sweeper classes Hydra can start (`plugin_classes`); and the override grammar's generated parser
+(`hydra.grammar.gen`), for the text of each number as the user wrote it (`written_scalars`); and
+`hydra._internal.defaults_list.create_defaults_list` with the config loader's
+`_parse_overrides_and_create_caching_repo`, for the configs a composition reads (`composed_files`).
 """
 
 from __future__ import annotations
@@ -57,3 +60,44 @@ def report_slurm_sweeps() -> None:
     from molt_hydra.compat.slurm_launcher import launch
 
     SlurmLauncher.launch = launch
+
+
+def written_scalars(override: str) -> list[tuple[str, int, int]]:
+    """Each unquoted number or true/false of `override`'s value, as written: (its text, first and last character).
+    Hydra's parser keeps the value it reads (1.10 -> 1.1) and its sweeper passes each point on as str() of that value,
+    so the text the user wrote is found in the parse tree alone (an element of one INT, FLOAT or BOOL token)."""
+    written_for("molt-run's check of written values", "hydra", SUPPORTED)
+    from hydra.grammar.gen.OverrideLexer import CommonTokenStream, InputStream, OverrideLexer
+    from hydra.grammar.gen.OverrideParser import OverrideParser
+
+    numbers, found = (OverrideLexer.INT, OverrideLexer.FLOAT, OverrideLexer.BOOL), []
+    parser = OverrideParser(CommonTokenStream(OverrideLexer(InputStream(override))))
+    parser.removeErrorListeners()  # (parsed by Hydra already: an override that fails reaches no check of this)
+    nodes = [parser.override()]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, OverrideParser.PrimitiveContext):
+            tokens = [c.symbol for c in node.getChildren() if c.symbol.type != OverrideLexer.WS]
+            if len(tokens) == 1 and tokens[0].type in numbers:
+                found.append((tokens[0].text, tokens[0].start, tokens[0].stop))
+        elif hasattr(node, "getChildren"):
+            nodes += list(node.getChildren())
+    return sorted(found, key=lambda t: t[1])
+
+
+def composed_files(config_name: str, overrides: list[str]) -> list[tuple[str, str, str]]:
+    """(package, config path, its source) of every config Hydra composes for `overrides`, in merge order: a source is
+    file:///DIR (the YAML is DIR/<config path>.yaml), pkg://... or structured:// (the ConfigStore). Hydra's defaults
+    list and the repository it composes from (the command line's hydra.searchpath in it) are its internals."""
+    written_for("molt-run's check of the configs' YAML", "hydra", SUPPORTED)
+    from hydra._internal.defaults_list import create_defaults_list
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    parsed, repo = loader._parse_overrides_and_create_caching_repo(config_name, overrides)
+    found = []
+    for default in create_defaults_list(repo=repo, config_name=config_name, overrides_list=parsed,
+                                        prepend_hydra=True, skip_missing=False).defaults:
+        if default.config_path and (result := repo.load_config(default.config_path)) is not None:
+            found.append((default.package or "", default.config_path, result.path))
+    return list(dict.fromkeys(found))

@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
-from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_problems,
-                            to_run_config, unread_on_command_line)
+from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_checked,
+                            sweep_problems, to_run_config, unread_on_command_line)
 from molt_hydra.config.schema import ConfigError, ISLevel
 
 CASES = {
@@ -923,6 +923,108 @@ def test_a_string_key_given_a_number_that_reads_back_as_written_is_kept(override
     assert problems == [] and OmegaConf.select(cfg, override.split("=")[0]) == kept
 
 
+@pytest.mark.parametrize("override,reads,gets,fixed", [
+    ("name=1.10,2.0", "1.10 as the float 1.1", "'1.1'", "name='1.10',2.0"),
+    ("data.split=choice(x,2024.10,1e3)", "2024.10 as the float 2024.1 and 1e3 as the float 1000.0",
+     "'2024.1' and '1000.0'", "data.split=choice(x,'2024.10','1e3')"),
+    ("name=a,true", "true as the bool True", "'True'", "name=a,'true'"),
+    ("cluster.setup=[x],[1_000]", "1_000 as the int 1000", "'1000'", "cluster.setup=[x],['1_000']")])
+def test_a_sweep_of_a_string_key_over_numbers_that_read_back_otherwise_is_refused(override, reads, gets, fixed):
+    """Before: `-m name=1.10,2.0` ran its first point as name 1.1 (multirun/1.1/...): the sweeper passes each point on
+    as str() of what Hydra parsed, so the point's own check saw name=1.1, which reads back as written."""
+    key = override.split("=")[0]
+    cfg, problems = compose_checked([override, "dry_run=true"], multirun=True)
+    quote = "it" if " and " not in reads else "each"
+    assert cfg is None and problems == [
+        f"- {key}: a string, but Hydra reads {reads}, so the run would get {gets}. Fix: quote {quote}, {fixed} "
+        f"(inside the shell's quotes: \"{fixed}\")"], problems
+    assert compose_checked([fixed, "dry_run=true"], multirun=True)[1] == []  # the fix
+
+
+def _recipe(tmp_path, text: str) -> str:
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\n" + text)
+    return str(tmp_path / "recipe" / "mine.yaml")
+
+
+@pytest.mark.parametrize("cluster", ["local", "slurm"])  # (submitit's launcher runs the basic sweeper's points too)
+def test_a_recipes_sweeper_params_of_a_string_key_over_numbers_are_refused(tmp_path, cluster):
+    """Before: a recipe's hydra.sweeper.params `name: 1.10,abc` (a YAML string, which the sweeper parses as an
+    override) ran a point named 1.1."""
+    _recipe(tmp_path, "hydra:\n  sweeper:\n    params:\n      name: 1.10,abc\n")
+    overrides = ["+recipe=mine", f"cluster={cluster}", "dry_run=true"]
+    first, problems = compose_checked(overrides, multirun=True, config_dir=str(tmp_path), hydra_config=True)
+    assert problems == []
+    assert sweep_problems(first, overrides, str(tmp_path)) == [
+        "- name: a string, but Hydra reads 1.10 as the float 1.1, so the run would get '1.1'. Fix: quote it, in the "
+        "recipe's hydra.sweeper.params, name: \"'1.10',abc\" (the quotes inside YAML's are Hydra's)"]
+
+
+def test_a_recipes_number_like_text_for_a_string_key_is_refused(tmp_path):
+    """Before: YAML read a recipe's `name: 1.10` as the float 1.1 (`0x10` as 16, `yes` as True, `1e3` as 1000.0) and
+    the run got str() of it, without a word."""
+    path = _recipe(tmp_path, "name: 1.10\ndata:\n  split: 0x10\ncluster:\n  setup: [x, yes]\nlogger:\n  wandb:\n"
+                             "    group: 1e3\n    project: '1.10'\n")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert cfg is None and problems == [
+        f"- name: a string, but {path} sets it to 1.10 (line 2), which YAML reads as the float 1.1, so the run would "
+        "get '1.1'. Fix: quote it there, name: '1.10'",
+        f"- data.split: a string, but {path} sets it to 0x10 (line 4), which YAML reads as the int 16, so the run "
+        "would get '16'. Fix: quote it there, split: '0x10'",
+        f"- cluster.setup[1]: a string, but {path} sets it to yes (line 6), which YAML reads as the bool True, so the "
+        "run would get 'True'. Fix: quote it there, - 'yes'",
+        f"- logger.wandb.group: a string, but {path} sets it to 1e3 (line 9), which YAML reads as the float 1000.0, "
+        "so the run would get '1000.0'. Fix: quote it there, group: '1e3'"], problems
+    # a value the command line replaces reaches no run
+    cfg, problems = compose_checked(["+recipe=mine", "name=a", "data.split=b", "cluster.setup=[c]",
+                                     "logger.wandb.group=d"], config_dir=str(tmp_path))
+    assert problems == [] and (cfg.name, cfg.logger.wandb.project) == ("a", "1.10")
+
+
+def test_a_recipes_number_that_yaml_reads_as_octal_or_base_60_is_refused(tmp_path):
+    """Before: YAML 1.1 read a recipe's `seed: 010` as octal 8 (the command line's seed=010 is 10) and
+    `train.max_steps: 1:30` as base 60, 90, without a word."""
+    path = _recipe(tmp_path, "seed: 010\ntrain:\n  max_steps: 1:30\n  batch_size: 0x40\nrollout:\n  temperature: 0.50\n")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert cfg is None and problems == [
+        f"- seed: {path} sets it to 010 (line 2), which YAML reads as 8 (octal, not 10). Fix: write the number meant "
+        "in decimal digits (without a leading 0 or a colon)",
+        f"- train.max_steps: {path} sets it to 1:30 (line 4), which YAML reads as 90 (base 60: each part after a colon "
+        "is sixtieths of the one before). Fix: write the number meant in decimal digits (without a leading 0 or a "
+        "colon)"], problems
+
+
+def test_a_recipes_true_false_key_given_anything_but_true_or_false_is_refused(tmp_path):
+    """Before: a recipe's `colocate: 2` (or `enforce_eager: y`) ran as true, where the command line's
+    `parallelism.colocate=2` is refused; YAML's own yes/no/on/off are its true/false."""
+    path = _recipe(tmp_path, "parallelism:\n  colocate: 2\n  packing: on\nrollout:\n  enforce_eager: y\n")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert cfg is None and problems == [
+        f"- parallelism.colocate: true or false, but {path} sets it to 2 (line 3), which OmegaConf reads as true. Fix: "
+        "write colocate: true or colocate: false there",
+        f"- rollout.enforce_eager: true or false, but {path} sets it to y (line 6), which OmegaConf reads as true. Fix: "
+        "write enforce_eager: true or enforce_eager: false there"], problems
+
+
+def test_a_recipes_sweeper_param_that_yaml_reads_as_a_number_is_refused_for_a_string_key(tmp_path):
+    """Before: `params: {name: 1.10}` swept name=1.1 (YAML's float, passed on as str()); a float key's number
+    (`train.optimizer.lr: 1e-3`, swept as 0.001) means what was written."""
+    path = _recipe(tmp_path, "hydra:\n  sweeper:\n    params:\n      name: 1.10\n      train.optimizer.lr: 1e-3\n")
+    assert compose_checked(["+recipe=mine"], multirun=True, config_dir=str(tmp_path))[1] == [
+        f"- hydra.sweeper.params.name: a string, but {path} sets it to 1.10 (line 5), which YAML reads as the float "
+        "1.1, so the run would get '1.1'. Fix: quote it there, name: \"'1.10'\" (the quotes inside YAML's are "
+        "Hydra's: the sweeper parses the value again)"]
+
+
+def test_a_sweep_of_a_string_key_over_numbers_exits_2_through_molt_run(monkeypatch, tmp_path, capsys):
+    assert _main_in_process(["-m", "name=1.10,2.0", "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.startswith("Config error(s):\n- name: a string, but Hydra reads 1.10 as the float")
+    assert list(tmp_path.iterdir()) == []
+    first, problems = compose_checked(["name='1.10',2.0", "dry_run=true"], multirun=True, hydra_config=True)
+    problems, points = sweep_checked(first, ["name='1.10',2.0", "dry_run=true"], None)  # quoted: the text written
+    assert problems == [] and [result[0].name for _, result in points] == ["1.10", "2.0"]
+
+
 @pytest.mark.parametrize("override,hint", [
     ("+hydra.run.dirr=/tmp/x", "did you mean hydra.run.dir? "), ("++hydra.job.nmae=x", "did you mean hydra.job.name? "),
     ("+hydra.foo=1", "")])
@@ -942,3 +1044,26 @@ def test_a_key_added_below_a_free_form_node_of_hydras_config_is_composed(overrid
     """hydra.job.env_set and hydra.callbacks take keys of the user's own naming; ++ of an existing key sets it."""
     cfg, problems = compose_checked([override], hydra_config=True)
     assert problems == [] and OmegaConf.select(cfg, override.lstrip("+").split("=", 1)[0]) == override.split("=")[1]
+
+
+def test_a_recipe_without_its_package_line_is_refused_with_that_fix(tmp_path):
+    """Before: a --config-dir recipe without `# @package _global_` (Hydra reads its keys under recipe.*) was told
+    "In 'recipe/mine': ConfigKeyError raised while composing config:", and to fix the schema's types."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# mine\nname: mine\n")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1] == [
+        "- +recipe=mine: the recipe has no `# @package _global_` line, so Hydra reads its keys under recipe.*, which "
+        "is no key of the config. Fix: add the line `# @package _global_` to the comment lines it opens with (before "
+        "its first key), as every shipped recipe has"]
+
+
+def test_a_recipes_defaults_list_choosing_a_chosen_group_without_override_names_the_recipe(tmp_path):
+    """Before: `- /model: qwen3_4b` in a recipe's defaults list was told to the command line: "choose one:
+    model=NAME, without +", which the command line has no + of."""
+    _recipe(tmp_path, "defaults:\n  - /model: qwen3_4b\nname: mine\n")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1] == [
+        "- +recipe=mine: its defaults list adds model qwen3_4b, which config.yaml chooses already (its default model), "
+        "so model is chosen twice. Fix: write it `- override /model: qwen3_4b` in the recipe's defaults list"]
+    (tmp_path / "recipe" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: qwen3_4b\nname: mine\n")  # the fix
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[0].model.path == "Qwen/Qwen3-4B"
