@@ -285,3 +285,40 @@ def test_tool_results_that_do_not_answer_the_calls_one_to_one_are_a_400(wire, re
     with pytest.raises(RequestError) as e:
         _tool_turn(wire, results)
     assert e.value.status == 400 and e.value.message.startswith(words) and e.value.param == "messages"
+
+
+# Qwen2.5's (and Llama 3.1's, Hermes') way with a call: its arguments written with `| tojson`, string or not
+TOJSON_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}{%- for tc in m.tool_calls or [] -%}"
+    '<tool_call>{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}</tool_call>'
+    "{%- endfor -%}<|im_end|>\n{% endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{% endif -%}")
+
+
+def test_tool_call_arguments_reach_the_template_as_an_object_as_vllm_hands_them(tiny_model):
+    """The wire carries arguments as a JSON string; vLLM's server parses it before the template (the Transformers
+    convention). Was: passed as the string, which a `| tojson` template rendered quoted and escaped."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.tool_parser import reply_parser
+    from molt_hydra.agents.wire.session import ChatSession
+    from molt_hydra.rollout.generation import Generation, Sampling
+
+    class Engine:  # records the prompt; answers [7, eos]
+        async def generate(self, request):
+            self.prompt_ids = request.prompt_ids
+            return [Generation([7, tok.eos_token_id], [-0.5, -0.25], [0, 0], "stop")]
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = TOJSON_TEMPLATE
+    engine = Engine()
+    session = ChatSession("s", engine, tok, Sampling(max_tokens=8), 512, reply_parser(tok))
+    calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": [1, "é"]}'}},
+             {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}}]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "a", "content": "1"}, {"role": "tool", "tool_call_id": "b", "content": "2"}]
+    asyncio.run(session.complete(openai_chat.parse({"messages": msgs})))
+    prompt = tok.decode(engine.prompt_ids, skip_special_tokens=False)
+    assert '<tool_call>{"name": "f", "arguments": {"x": [1, "é"]}}</tool_call>' in prompt
+    assert '<tool_call>{"name": "g", "arguments": "not json"}</tool_call>' in prompt  # not an object: as sent

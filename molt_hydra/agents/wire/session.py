@@ -103,7 +103,7 @@ class ChatSession:
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+            return self.tokenizer.apply_chat_template(_with_argument_objects(messages), tools=tools, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
         except Exception as e:  # jinja raises on messages the template rejects (e.g. role order)
             raise RequestError(400, f"chat template rejected the messages: {e}", "messages") from None
@@ -421,6 +421,21 @@ class _Detokenizer:
             self.text += window[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
         return self.text
+
+
+def _with_argument_objects(messages: list[dict]) -> list[dict]:
+    """The messages with each tool call's arguments as a JSON object, as vLLM's server hands them to the template
+    (the Transformers convention). Templates that write them with `| tojson` (Qwen2.5, Llama 3.1, Hermes) rendered
+    the wire's JSON string quoted and escaped, `"arguments": "{\\"x\\": 1}"`, a call the model never writes (was: the
+    prompt of a full render, count_tokens and the judge). Arguments that are not a JSON object stay as sent."""
+    def call(tc: dict) -> dict:
+        try:
+            args = json.loads(tc["function"]["arguments"])
+        except (json.JSONDecodeError, TypeError):
+            return tc
+        return dict(tc, function=dict(tc["function"], arguments=args)) if isinstance(args, dict) else tc
+
+    return [dict(m, tool_calls=[call(tc) for tc in m["tool_calls"]]) if m.get("tool_calls") else m for m in messages]
 
 
 def _echoes(message: dict, choice: Choice) -> bool:
