@@ -1880,3 +1880,32 @@ def test_a_turn_begun_as_its_session_closes_is_cancelled_not_left_running(tok):
 
     refused, turns = asyncio.run(go())
     assert (refused.status, refused.code, turns) == (503, "turn_cancelled", set())
+
+
+def test_a_turn_out_of_budget_has_every_choice_asked_for(tok):
+    """n > 1 once the session's length budget is spent: n empty `length` choices (was: one, so an agent reading
+    choices[1] failed with an IndexError), each with its (empty) log-probs when asked for, streamed or not."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        try:
+            server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello there."), tok, Sampling(max_tokens=64), 40,
+                                            reply_parser(tok, "hermes")))
+            client = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            first = await client.chat.completions.create(model="policy", messages=USER, n=2)
+            more = USER + [first.choices[0].message, {"role": "user", "content": "more " * 30}]
+            plain = await client.chat.completions.create(model="policy", messages=more, n=2, logprobs=True)
+            stream = await client.chat.completions.create(model="policy", messages=more, n=3, stream=True)
+            chunks = [c async for c in stream]
+            return plain, chunks
+        finally:
+            await server.stop()
+
+    plain, chunks = asyncio.run(go())
+    assert [(c.index, c.finish_reason, c.message.content, c.logprobs.content) for c in plain.choices] == [
+        (0, "length", "", []), (1, "length", "", [])]
+    assert plain.usage.completion_tokens == 0 and plain.usage.prompt_tokens > 40
+    ends = [(choice.index, choice.finish_reason) for c in chunks for choice in c.choices if choice.finish_reason]
+    assert ends == [(0, "length"), (1, "length"), (2, "length")]

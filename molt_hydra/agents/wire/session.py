@@ -257,7 +257,10 @@ class ChatSession:
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for traj, _ in self._branches:
                 traj.truncated = True
-            return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
+            # one empty choice per choice asked for (was: one, whatever `n`: an agent reading choices[1] failed)
+            return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None, None,
+                                     None if req.top_logprobs is None else []) for _ in range(req.n)],
+                             len(prompt_ids), 0)
         self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
