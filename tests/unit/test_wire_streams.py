@@ -1909,3 +1909,29 @@ def test_a_turn_out_of_budget_has_every_choice_asked_for(tok):
     assert plain.usage.completion_tokens == 0 and plain.usage.prompt_tokens > 40
     ends = [(choice.index, choice.finish_reason) for c in chunks for choice in c.choices if choice.finish_reason]
     assert ends == [(0, "length"), (1, "length"), (2, "length")]
+
+
+def test_tools_under_auto_without_a_tool_parser_are_refused_naming_it(tok):
+    """agent.tool_parser=null reads no call: tools under tool_choice auto (what an agent sends by default) were served,
+    the model's calls coming back as text, so the agent's tool loop silently never ran. Now a 400 naming the fix; a
+    forced call (structured output, no parser needed) and tool_choice none are still served."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        try:
+            server.open_session(ChatSession("s", ScriptedEngine(tok, CALL), tok, Sampling(max_tokens=64), 2048,
+                                            reply_parser(tok, None)))
+            client = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            with pytest.raises(BadRequestError) as e:
+                await client.chat.completions.create(model="policy", messages=USER, tools=[TOOL])
+            none = await client.chat.completions.create(model="policy", messages=USER, tools=[TOOL], tool_choice="none")
+            return e.value, none
+        finally:
+            await server.stop()
+
+    refused, none = asyncio.run(go())
+    assert refused.status_code == 400 and refused.body["param"] == "tools"
+    assert "cannot be served with agent.tool_parser=null" in refused.body["message"]
+    assert none.choices[0].message.content == CALL.strip() and none.choices[0].finish_reason == "stop"

@@ -222,6 +222,12 @@ class ChatSession:
         """Engine-side output controls of a request: choices (n, checked by `_check_n`), logprobs and structured
         output (response_format / forced tool / strict tools or a single call under tool_choice auto)."""
         structured = req.response_format
+        if req.tool_choice == "auto" and req.tools and self.parser.tool is None:  # (was: the calls came back as text)
+            raise RequestError(400, "'tools' under tool_choice \"auto\" cannot be served with agent.tool_parser=null: "
+                               "the calls the model writes are not read, so they would come back as text; set "
+                               "agent.tool_parser to the model family's vLLM parser (hermes, qwen3_coder, llama3_json, "
+                               "...), or send tool_choice \"required\" / a named tool (enforced without a parser) or "
+                               "\"none\"", "tools")
         calls = req.tool_choice == "auto" and bool(req.tools) and self.parser.tool is not None  # a call is parsed
         strict = bool(req.strict_tools) and req.tool_choice == "auto"  # (a forced call follows its schema anyway)
         # parallel_tool_calls false: held to one call as sampled, never cut to one after (the trajectory would train a
