@@ -72,7 +72,7 @@ def strict_calls(tools: list[dict], strict: list[str], envelope: tuple[str, ...]
              "stop_after_first": single}]}
     tag = {"type": "structural_tag", "format": calls}
     try:
-        return {"grammar": _tag_grammar(json.dumps(tag, sort_keys=True))}
+        return {"grammar": _tag_grammar(json.dumps(tag))}  # key order kept: the schema's is the output's (below)
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar refuses a schema: the client's mistake
         raise RequestError(400, f"'tools' strict schema cannot be enforced: {str(e).splitlines()[0][:300]}",
                            "tools") from None
@@ -84,6 +84,8 @@ def compact(structured: dict | None, param: str = "response_format") -> dict | N
         return structured
     schema = structured.get("json") or {"type": "object"}
     try:
-        return {"grammar": _grammar(json.dumps(schema, sort_keys=True))}
+        # the schema's key order kept: xgrammar has the properties written in it, as OpenAI and vLLM's server do (was:
+        # sorted, so {reasoning, answer} forced the answer before the reasoning meant to lead to it)
+        return {"grammar": _grammar(json.dumps(schema))}
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar refuses the schema: the client's mistake
         raise RequestError(400, f"'{param}' schema cannot be enforced: {str(e).splitlines()[0][:300]}", param) from None

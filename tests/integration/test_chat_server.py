@@ -262,6 +262,37 @@ def test_two_tool_results_in_one_turn_both_reach_the_model(loop, rec, tokenizer)
     assert tokenizer.decode(traj.token_ids, skip_special_tokens=False) + "\n" == rendered
 
 
+def test_parallel_tool_results_sent_as_they_finish_reach_the_model_in_call_order(loop, rec, tokenizer):
+    """An agent that answers parallel calls as its tools finish (the second first): the template renders results
+    without ids, so the model pairs them by position; the server puts them in call order, by id (was: the model read
+    9 as the result of print(2+3)). A result naming no call is a 400, as Anthropic's."""
+    async def script(client, ctx, log):
+        an = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": PARALLEL_PROMPT}]
+        first = await an.messages.create(model="policy", max_tokens=64, messages=msgs, tools=[ANTHROPIC_TOOL])
+        uses = [b for b in first.content if b.type == "tool_use"]
+        log["codes"] = [b.input["code"] for b in uses]
+        outs = {"print(2+3)": "5", "print(4+5)": "9"}
+        msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]})
+        results = [{"type": "tool_result", "tool_use_id": b.id, "content": outs[b.input["code"]]}
+                   for b in reversed(uses)]
+        with pytest.raises(AnthropicBadRequest) as e:
+            await an.messages.create(model="policy", max_tokens=64, tools=[ANTHROPIC_TOOL], messages=msgs + [
+                {"role": "user", "content": [dict(results[0], tool_use_id="toolu_nope"), results[1]]}])
+        log["unknown"] = e.value.body["error"]["message"]
+        log["second"] = await an.messages.create(model="policy", max_tokens=64, tools=[ANTHROPIC_TOOL],
+                                                 messages=msgs + [{"role": "user", "content": results}])
+
+    outcome, log = scripted(loop, rec, tokenizer, script)
+    assert log["codes"] == ["print(2+3)", "print(4+5)"]
+    assert log["unknown"].startswith("tool result(s) for id(s) ['toolu_nope'] answer none of the tool calls")
+    (traj,) = outcome.trajectories
+    assert len(rec.calls) == 2  # the refused request generated nothing
+    assert_token_exact(traj, rec.calls)
+    rendered = tokenizer.apply_chat_template(SCRIPTED[1], tools=[PYTHON_TOOL], tokenize=False)
+    assert tokenizer.decode(traj.token_ids, skip_special_tokens=False) + "\n" == rendered  # 5 first, then 9
+    assert log["second"].content[0].text == "The answers are 5 and 9."
+
 def test_env_and_chat_python_tool_agents_capture_the_same_tokens(loop, rec, tokenizer):
     """The reference python-tool agent in both styles, loaded from its file: same tokens, reward 1 from math-verify."""
     results = {}

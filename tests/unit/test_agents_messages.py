@@ -59,7 +59,9 @@ def test_anthropic_blocks_map_to_the_same_canonical_messages():
                                          {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                                       "data": png}}]},
             {"role": "assistant", "content": [{"type": "text", "text": "ok"},
-                                              {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
+                                              {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}},
+                                              {"type": "tool_use", "id": "t2", "name": "f", "input": {}},
+                                              {"type": "tool_use", "id": "t3", "name": "f", "input": {}}]},
             {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "2"}]},
                 {"type": "tool_result", "tool_use_id": "t2", "content": "3", "is_error": True},
@@ -75,7 +77,9 @@ def test_anthropic_blocks_map_to_the_same_canonical_messages():
         {"role": "user", "content": [{"type": "text", "text": "look "},
                                      {"type": "image", "source": f"data:image/png;base64,{png}"}]},
         {"role": "assistant", "content": "ok",
-         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                        {"id": "t2", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                        {"id": "t3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "2", "tool_call_id": "t1"},
         {"role": "tool", "content": "Error: 3", "tool_call_id": "t2"},  # is_error: the model sees it
         {"role": "tool", "content": [{"type": "text", "text": "Error: "}, {"type": "image", "source": "http://x/a.png"}],
@@ -238,3 +242,83 @@ def test_anthropic_consecutive_same_role_messages_are_one_turn_as_anthropic_merg
     one = anthropic.parse({"max_tokens": 5, "messages": [{"role": "user", "content": "a\n\nb"}]})
     assert anthropic.parse({"max_tokens": 5, "messages": [{"role": "user", "content": "a"},
                                                           {"role": "user", "content": "b"}]}) == one
+
+
+def _tool_turn(wire: str, results: list[tuple[str, str]], call_ids=("a", "b")) -> list[dict]:
+    """A request with two tool calls then `results` (id, output), in `wire`'s shape → its canonical messages."""
+    if wire == "openai":
+        calls = [{"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}} for c in call_ids]
+        msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                *({"role": "tool", "tool_call_id": c, "content": out} for c, out in results)]
+        return openai_chat.parse({"messages": msgs}).messages
+    if wire == "anthropic":
+        uses = [{"type": "tool_use", "id": c, "name": "f", "input": {}} for c in call_ids]
+        blocks = [{"type": "tool_result", "tool_use_id": c, "content": out} for c, out in results]
+        msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": uses},
+                {"role": "user", "content": blocks}]
+        return anthropic.parse({"max_tokens": 5, "messages": msgs}).messages
+    items = [{"role": "user", "content": "q"},
+             *({"type": "function_call", "call_id": c, "name": "f", "arguments": "{}"} for c in call_ids),
+             *({"type": "function_call_output", "call_id": c, "output": out} for c, out in results)]
+    return responses.parse({"input": items}).messages
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
+def test_tool_results_sent_out_of_call_order_render_in_call_order(wire):
+    """Templates render tool results without their ids: the model pairs them with the calls by position (was: results
+    sent in the order the tools finished showed the model call a's result under call b)."""
+    results = [m for m in _tool_turn(wire, [("b", "B out"), ("a", "A out")]) if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in results] == [("a", "A out"), ("b", "B out")]
+    # results whose calls share an id, or without ids, keep their order: position is all that pairs them
+    same = [m for m in _tool_turn(wire, [("c", "2nd"), ("c", "1st")], ("c", "c")) if m["role"] == "tool"]
+    assert [m["content"] for m in same] == ["2nd", "1st"]
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
+@pytest.mark.parametrize("results,words", [
+    ([("a", "1"), ("x", "2")], "tool result(s) for id(s) ['x'] answer none of the tool calls ['a', 'b']"),
+    ([("a", "1"), ("a", "2")], "call id(s) ['a'] are answered by more than one tool result"),
+    ([("b", "1")], "tool call id(s) ['a'] of an assistant message have no tool result after it"),
+])
+def test_tool_results_that_do_not_answer_the_calls_one_to_one_are_a_400(wire, results, words):
+    """As OpenAI and Anthropic refuse them (was: rendered, the model reading a result under the wrong call)."""
+    with pytest.raises(RequestError) as e:
+        _tool_turn(wire, results)
+    assert e.value.status == 400 and e.value.message.startswith(words) and e.value.param == "messages"
+
+
+# Qwen2.5's (and Llama 3.1's, Hermes') way with a call: its arguments written with `| tojson`, string or not
+TOJSON_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}{%- for tc in m.tool_calls or [] -%}"
+    '<tool_call>{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}</tool_call>'
+    "{%- endfor -%}<|im_end|>\n{% endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{% endif -%}")
+
+
+def test_tool_call_arguments_reach_the_template_as_an_object_as_vllm_hands_them(tiny_model):
+    """The wire carries arguments as a JSON string; vLLM's server parses it before the template (the Transformers
+    convention). Was: passed as the string, which a `| tojson` template rendered quoted and escaped."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.tool_parser import reply_parser
+    from molt_hydra.agents.wire.session import ChatSession
+    from molt_hydra.rollout.generation import Generation, Sampling
+
+    class Engine:  # records the prompt; answers [7, eos]
+        async def generate(self, request):
+            self.prompt_ids = request.prompt_ids
+            return [Generation([7, tok.eos_token_id], [-0.5, -0.25], [0, 0], "stop")]
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = TOJSON_TEMPLATE
+    engine = Engine()
+    session = ChatSession("s", engine, tok, Sampling(max_tokens=8), 512, reply_parser(tok))
+    calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": [1, "é"]}'}},
+             {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}}]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "a", "content": "1"}, {"role": "tool", "tool_call_id": "b", "content": "2"}]
+    asyncio.run(session.complete(openai_chat.parse({"messages": msgs})))
+    prompt = tok.decode(engine.prompt_ids, skip_special_tokens=False)
+    assert '<tool_call>{"name": "f", "arguments": {"x": [1, "é"]}}</tool_call>' in prompt
+    assert '<tool_call>{"name": "g", "arguments": "not json"}</tool_call>' in prompt  # not an object: as sent

@@ -113,3 +113,19 @@ def test_a_response_format_beside_tools_is_its_json_or_calls_and_for_an_unknown_
         strict_calls([TOOL], [], None, "qwen3_coder", output=output, output_param="text.format")
     assert (e.value.status, e.value.param) == (400, "text.format")
     assert "'text.format' beside 'tools' (the reply is its JSON or a call)" in e.value.message
+
+
+@pytest.mark.parametrize("build", [
+    lambda schema: compact({"json": schema}),  # response_format / output_config.format
+    lambda schema: compact({"json": forced_tool_schema([dict(TOOL, function=dict(TOOL["function"], parameters=schema))],
+                                                       {"type": "function", "function": {"name": "python"}}, None)}),
+    lambda schema: strict_calls([TOOL], [], CALL_ENVELOPES["hermes"], "hermes", output=schema),
+])
+def test_properties_are_written_in_the_schemas_order(build):
+    """As OpenAI's structured outputs and vLLM's server (was: the schema's keys sorted first, so a `reasoning` declared
+    before the `answer` it should lead to could only come after it)."""
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    structured = build(schema)
+    assert accepts(structured, '{"reasoning": "6*7", "answer": 42}')
+    assert not accepts(structured, '{"answer": 42, "reasoning": "6*7"}')

@@ -1880,3 +1880,58 @@ def test_a_turn_begun_as_its_session_closes_is_cancelled_not_left_running(tok):
 
     refused, turns = asyncio.run(go())
     assert (refused.status, refused.code, turns) == (503, "turn_cancelled", set())
+
+
+def test_a_turn_out_of_budget_has_every_choice_asked_for(tok):
+    """n > 1 once the session's length budget is spent: n empty `length` choices (was: one, so an agent reading
+    choices[1] failed with an IndexError), each with its (empty) log-probs when asked for, streamed or not."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        try:
+            server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello there."), tok, Sampling(max_tokens=64), 40,
+                                            reply_parser(tok, "hermes")))
+            client = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            first = await client.chat.completions.create(model="policy", messages=USER, n=2)
+            more = USER + [first.choices[0].message, {"role": "user", "content": "more " * 30}]
+            plain = await client.chat.completions.create(model="policy", messages=more, n=2, logprobs=True)
+            stream = await client.chat.completions.create(model="policy", messages=more, n=3, stream=True)
+            chunks = [c async for c in stream]
+            return plain, chunks
+        finally:
+            await server.stop()
+
+    plain, chunks = asyncio.run(go())
+    assert [(c.index, c.finish_reason, c.message.content, c.logprobs.content) for c in plain.choices] == [
+        (0, "length", "", []), (1, "length", "", [])]
+    assert plain.usage.completion_tokens == 0 and plain.usage.prompt_tokens > 40
+    ends = [(choice.index, choice.finish_reason) for c in chunks for choice in c.choices if choice.finish_reason]
+    assert ends == [(0, "length"), (1, "length"), (2, "length")]
+
+
+def test_tools_under_auto_without_a_tool_parser_are_refused_naming_it(tok):
+    """agent.tool_parser=null reads no call: tools under tool_choice auto (what an agent sends by default) were served,
+    the model's calls coming back as text, so the agent's tool loop silently never ran. Now a 400 naming the fix; a
+    forced call (structured output, no parser needed) and tool_choice none are still served."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        try:
+            server.open_session(ChatSession("s", ScriptedEngine(tok, CALL), tok, Sampling(max_tokens=64), 2048,
+                                            reply_parser(tok, None)))
+            client = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            with pytest.raises(BadRequestError) as e:
+                await client.chat.completions.create(model="policy", messages=USER, tools=[TOOL])
+            none = await client.chat.completions.create(model="policy", messages=USER, tools=[TOOL], tool_choice="none")
+            return e.value, none
+        finally:
+            await server.stop()
+
+    refused, none = asyncio.run(go())
+    assert refused.status_code == 400 and refused.body["param"] == "tools"
+    assert "cannot be served with agent.tool_parser=null" in refused.body["message"]
+    assert none.choices[0].message.content == CALL.strip() and none.choices[0].finish_reason == "stop"

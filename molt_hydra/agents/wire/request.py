@@ -48,6 +48,7 @@ class ChatRequest:
     image_params: list = field(default_factory=list)  # each image part's position in the request, in render order
 
     def __post_init__(self):
+        tool_results_in_call_order(self.messages)  # before the images are listed: the order they render in
         # the parsers mark each image part with where it is on the wire ("at"), for a 400 about the image to name
         # (was: param null); kept here, out of the messages the template renders and a later turn is compared with
         if not self.image_params:
@@ -120,6 +121,32 @@ def _encodable(s: str, at: tuple | None) -> None:
         raise bad(f"{where or 'the request body'} holds a lone UTF-16 surrogate ({s[e.start]!r} at character "
                   f"{e.start}): text must be valid Unicode; send a character outside the BMP as UTF-8 or as its "
                   "escaped surrogate pair (\\ud83d\\ude00)", where) from None
+
+
+def tool_results_in_call_order(messages: list[dict]) -> None:
+    """Each run of tool results right after an assistant's tool calls, put in the order of the calls they answer, by
+    id. Chat templates render a result without its id, so the model pairs results with calls by position (was: results
+    sent in the order the tools finished showed the model each under another call). Where the calls' ids tell them
+    apart and every result names one, a result naming no call, two for one call, or a call left unanswered is a 400,
+    as at OpenAI and Anthropic; results without ids keep their order (their position is all that pairs them)."""
+    for i, m in enumerate(messages):
+        ids = [tc["id"] for tc in m.get("tool_calls") or []]
+        end = i + 1
+        while end < len(messages) and messages[end]["role"] == "tool":
+            end += 1
+        answered = [r.get("tool_call_id") for r in messages[i + 1 : end]]
+        if not ids or not answered or not all(ids) or len(set(ids)) < len(ids) or not all(answered):
+            continue
+        unknown = [a for a in answered if a not in ids]
+        twice = sorted({a for a in answered if answered.count(a) > 1})
+        missing = [c for c in ids if c not in answered]
+        if unknown or twice or missing:
+            why = (f"tool result(s) for id(s) {unknown} answer none of the tool calls {ids} of the assistant message "
+                   "before them" if unknown else f"call id(s) {twice} are answered by more than one tool result"
+                   if twice else f"tool call id(s) {missing} of an assistant message have no tool result after it")
+            raise bad(f"{why}: send one tool result per call, right after the assistant message, each naming its "
+                      "call's id (tool_call_id / tool_use_id / call_id)", "messages")
+        messages[i + 1 : end] = sorted(messages[i + 1 : end], key=lambda r: ids.index(r["tool_call_id"]))
 
 
 def bad(message: str, param: str | None = None) -> RequestError:

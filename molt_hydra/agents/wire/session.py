@@ -103,7 +103,7 @@ class ChatSession:
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+            return self.tokenizer.apply_chat_template(_with_argument_objects(messages), tools=tools, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
         except Exception as e:  # jinja raises on messages the template rejects (e.g. role order)
             raise RequestError(400, f"chat template rejected the messages: {e}", "messages") from None
@@ -222,6 +222,12 @@ class ChatSession:
         """Engine-side output controls of a request: choices (n, checked by `_check_n`), logprobs and structured
         output (response_format / forced tool / strict tools or a single call under tool_choice auto)."""
         structured = req.response_format
+        if req.tool_choice == "auto" and req.tools and self.parser.tool is None:  # (was: the calls came back as text)
+            raise RequestError(400, "'tools' under tool_choice \"auto\" cannot be served with agent.tool_parser=null: "
+                               "the calls the model writes are not read, so they would come back as text; set "
+                               "agent.tool_parser to the model family's vLLM parser (hermes, qwen3_coder, llama3_json, "
+                               "...), or send tool_choice \"required\" / a named tool (enforced without a parser) or "
+                               "\"none\"", "tools")
         calls = req.tool_choice == "auto" and bool(req.tools) and self.parser.tool is not None  # a call is parsed
         strict = bool(req.strict_tools) and req.tool_choice == "auto"  # (a forced call follows its schema anyway)
         # parallel_tool_calls false: held to one call as sampled, never cut to one after (the trajectory would train a
@@ -257,7 +263,10 @@ class ChatSession:
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for traj, _ in self._branches:
                 traj.truncated = True
-            return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None)], len(prompt_ids), 0)
+            # one empty choice per choice asked for (was: one, whatever `n`: an agent reading choices[1] failed)
+            return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None, None,
+                                     None if req.top_logprobs is None else []) for _ in range(req.n)],
+                             len(prompt_ids), 0)
         self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
@@ -421,6 +430,21 @@ class _Detokenizer:
             self.text += window[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
         return self.text
+
+
+def _with_argument_objects(messages: list[dict]) -> list[dict]:
+    """The messages with each tool call's arguments as a JSON object, as vLLM's server hands them to the template
+    (the Transformers convention). Templates that write them with `| tojson` (Qwen2.5, Llama 3.1, Hermes) rendered
+    the wire's JSON string quoted and escaped, `"arguments": "{\\"x\\": 1}"`, a call the model never writes (was: the
+    prompt of a full render, count_tokens and the judge). Arguments that are not a JSON object stay as sent."""
+    def call(tc: dict) -> dict:
+        try:
+            args = json.loads(tc["function"]["arguments"])
+        except (json.JSONDecodeError, TypeError):
+            return tc
+        return dict(tc, function=dict(tc["function"], arguments=args)) if isinstance(args, dict) else tc
+
+    return [dict(m, tool_calls=[call(tc) for tc in m["tool_calls"]]) if m.get("tool_calls") else m for m in messages]
 
 
 def _echoes(message: dict, choice: Choice) -> bool:
