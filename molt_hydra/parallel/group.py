@@ -52,8 +52,9 @@ class TrainerGroup:
     `engines_busy`); False keeps each rank to its reserved CPUs, so every step runs on the same thread count.
     startup_timeout_s: how long placement and every rank's start (model build, rendezvous) may take.
     spec: what every rank is built from (parallel/trainer_spec.py); the group fills in each rank's place.
-    on_ranks: called with the rank actors once they are created, before their start is waited for (the run's watchers
-    then see a rank stopped by a signal while it builds its model, not only once every rank is up).
+    on_ranks: called with the group once its rank actors are created, before their start is waited for (the run's
+    watchers then see a rank stopped by a signal while it builds its model, not only once every rank is up; a start
+    past its deadline names the ranks not up, their nodes and the rendezvous).
     After start: `rank_nodes` (each rank's node IP) and `rendezvous` (rank 0's "ip:port")."""
 
     def __init__(self, num_ranks: int, spec: TrainerSpec, *, num_gpus_per_rank: float = 0,
@@ -88,7 +89,7 @@ class TrainerGroup:
                                 node_ranks=self.rank_nodes.count(self.rank_nodes[i]) if self.borrows else None))
                 for i in range(num_ranks)]
             if on_ranks is not None:
-                on_ranks(self.workers)
+                on_ranks(self)
             self._wait_ranks_up(startup_timeout_s)
             if len(set(self.rank_nodes)) > 1:  # a multi-node group says where it runs
                 print(f"trainer group {self.role!r}: {num_ranks} ranks on nodes {', '.join(self.rank_nodes)}; "
@@ -100,7 +101,8 @@ class TrainerGroup:
     @property
     def rendezvous(self) -> str:
         """Rank 0's "ip:port": its node, and the port its store got (none before rank 0 opened it)."""
-        return f"{self.rank_nodes[0]}:{self._shared.value or '(not open yet)'}"
+        port = self._shared.value
+        return f"{self.rank_nodes[0]}:{port}" if port else f"{self.rank_nodes[0]} (rank 0 has opened no store yet)"
 
     def _reserve(self, bundle: dict, timeout_s: float):
         import ray
