@@ -73,3 +73,18 @@ def actor_pid(actor) -> int | None:
     from ray._private import state
 
     return state.actors(actor._actor_id.hex()).get("Pid") or None
+
+
+def gcs_get(key: str) -> bytes | None:
+    """`key`'s value in Ray's GCS key-value store (any process of the cluster reads it), None if not set."""
+    written_for("Ray's GCS key-value store", "ray", SUPPORTED)
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_get(key)
+
+
+def gcs_put(key: str, value: str) -> None:
+    written_for("Ray's GCS key-value store", "ray", SUPPORTED)
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, value)

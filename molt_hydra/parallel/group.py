@@ -3,18 +3,18 @@ result back.
 
 Placement: every rank runs in its own bundle of a placement group: the caller's (rank i in bundle i), or the group's
 own (PACK: a node is filled before the next; ranks numbered node by node). The torch.distributed rendezvous (rank 0's
-TCPStore) is on rank 0's node: its address and a free port are taken by a task in rank 0's bundle, never on the
-driver's or the Ray head's node, which on a multi-node cluster may be another one (on the driver's own node they are
-taken here).
+TCPStore) is on rank 0's node, never the driver's or the Ray head's (on a multi-node cluster maybe other ones): rank 0
+opens it on a port the OS picks and shares that port with the other ranks through Ray's GCS.
 
 Ray is imported lazily so parallel/trainer.py stays importable where Ray is absent (the GPU device machine).
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import replace
 
-from molt_hydra.parallel.launch import rendezvous_address
+from molt_hydra.compat.ray import gcs_get, gcs_put
 from molt_hydra.parallel.trainer import TrainerWorker
 from molt_hydra.parallel.trainer_spec import TrainerSpec
 
@@ -28,6 +28,22 @@ class RankStartFailed(RuntimeError):
         self.role, self.error = role, error
 
 
+class _SharedPort:
+    """The port of the ranks' rendezvous store, as rank 0 opened it (parallel/launch.py store_port), under a key of
+    this group's own in Ray's GCS: the ranks read it from any node, while rank 0 is still in its constructor."""
+
+    def __init__(self):
+        self.key = f"molt_hydra/rendezvous/{uuid.uuid4().hex}"
+
+    @property
+    def value(self) -> int:
+        return int(gcs_get(self.key) or 0)
+
+    @value.setter
+    def value(self, port: int) -> None:
+        gcs_put(self.key, str(port))
+
+
 class TrainerGroup:
     """`num_ranks` TrainerWorker actors (one per GPU on GPU hosts, `num_cpus_per_rank` CPUs on CPU).
 
@@ -36,8 +52,9 @@ class TrainerGroup:
     `engines_busy`); False keeps each rank to its reserved CPUs, so every step runs on the same thread count.
     startup_timeout_s: how long placement and every rank's start (model build, rendezvous) may take.
     spec: what every rank is built from (parallel/trainer_spec.py); the group fills in each rank's place.
-    on_ranks: called with the rank actors once they are created, before their start is waited for (the run's watchers
-    then see a rank stopped by a signal while it builds its model, not only once every rank is up).
+    on_ranks: called with the group once its rank actors are created, before their start is waited for (the run's
+    watchers then see a rank stopped by a signal while it builds its model, not only once every rank is up; a start
+    past its deadline names the ranks not up, their nodes and the rendezvous).
     After start: `rank_nodes` (each rank's node IP) and `rendezvous` (rank 0's "ip:port")."""
 
     def __init__(self, num_ranks: int, spec: TrainerSpec, *, num_gpus_per_rank: float = 0,
@@ -57,21 +74,9 @@ class TrainerGroup:
             self.rank_nodes = [ip for _, ip in placed]
             where = [PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=b)
                      for b, _ in placed]
-            if self.rank_nodes[0] == ray.util.get_node_ip_address():
-                # rank 0 is on this node: no task, whose Ray worker would have to start for it (seconds of CPU at
-                # start-up, beside the engine's)
-                addr, port = rendezvous_address()
-            else:
-                probe = ray.remote(num_cpus=0)(rendezvous_address).options(scheduling_strategy=where[0]).remote()
-                try:
-                    addr, port = ray.get(probe, timeout=startup_timeout_s)
-                except ray.exceptions.GetTimeoutError:
-                    raise TimeoutError(f"trainer group {self.role!r}: no rendezvous address from rank 0's node "
-                                       f"{self.rank_nodes[0]} within {startup_timeout_s:.0f}s") from None
-            self.rendezvous = f"{addr}:{port}"
-            if len(set(self.rank_nodes)) > 1:  # a multi-node group says where it runs
-                print(f"trainer group {self.role!r}: {num_ranks} ranks on nodes {', '.join(self.rank_nodes)}; "
-                      f"rendezvous at rank 0's {self.rendezvous}", flush=True)
+            # rank 0 opens the rendezvous store itself, on a port the OS picks, and shares it through the GCS
+            # (_SharedPort); before, a port probed free and closed was bound by rank 0 later, and could be taken
+            self._shared, addr = _SharedPort(), self.rank_nodes[0]
             # CPU ranks: a second thread ("control") for `engines_busy` hints that arrive while a step runs (GPU
             # ranks keep Ray's plain actor: every call on the thread that set the CUDA device)
             self.on_cpu, self._hints = not num_gpus_per_rank, 0
@@ -79,16 +84,25 @@ class TrainerGroup:
             cls = ray.remote(concurrency_groups={"control": 1})(worker_cls) if self.on_cpu else ray.remote(worker_cls)
             self.workers = [
                 cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank, scheduling_strategy=where[i])
-                .remote(replace(spec, rank=i, world_size=num_ranks, master_addr=addr, master_port=port,
+                .remote(replace(spec, rank=i, world_size=num_ranks, master_addr=addr, shared_port=self._shared,
                                 cpu_threads=max(1, int(num_cpus_per_rank)) if self.on_cpu else None,
                                 node_ranks=self.rank_nodes.count(self.rank_nodes[i]) if self.borrows else None))
                 for i in range(num_ranks)]
             if on_ranks is not None:
-                on_ranks(self.workers)
+                on_ranks(self)
             self._wait_ranks_up(startup_timeout_s)
+            if len(set(self.rank_nodes)) > 1:  # a multi-node group says where it runs
+                print(f"trainer group {self.role!r}: {num_ranks} ranks on nodes {', '.join(self.rank_nodes)}; "
+                      f"rendezvous at rank 0's {self.rendezvous}", flush=True)
         except BaseException:
             self._release()
             raise
+
+    @property
+    def rendezvous(self) -> str:
+        """Rank 0's "ip:port": its node, and the port its store got (none before rank 0 opened it)."""
+        port = self._shared.value
+        return f"{self.rank_nodes[0]}:{port}" if port else f"{self.rank_nodes[0]} (rank 0 has opened no store yet)"
 
     def _reserve(self, bundle: dict, timeout_s: float):
         import ray

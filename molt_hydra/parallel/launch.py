@@ -12,35 +12,36 @@ import time
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, closed (tests' and benchmarks' one-rank workers); ranks that meet rendezvous on held_store's."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def rendezvous_address() -> tuple[str, int]:
-    """This node's IP as Ray knows it, and a port free on every interface (a TCPStore listens on all of them)."""
-    import ray
-
-    return ray.util.get_node_ip_address(), free_port("")
+_STORES: list = []  # the TCPStore servers this process opened as rank 0 (held_store), for its life
 
 
-_STORE = None  # rank 0's TCPStore server, for its process's life
+def held_store() -> int:
+    """A TCPStore server on a port the OS picks (0), held for this process's life: its port, which rank 0 hands to the
+    other members of its group. torch's tcp:// rendezvous store is multi-tenant, as is weight_sync's BroadcastGroup's:
+    rank 0's own join reuses this server. Before, a port was probed free and closed, and rank 0 bound it seconds
+    later: a process that took it meanwhile (a parallel test, another run on the node) failed the start (EADDRINUSE),
+    or had its own store joined by the other members."""
+    import torch.distributed as dist
+
+    # (the server listens on every interface; the host is where this process's own client connects)
+    _STORES.append(dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False))
+    return _STORES[-1].port
 
 
-def _store_port(rank: int, shared) -> int:
-    """The port of the ranks' TCPStore. Rank 0 binds port 0 (the OS picks a free one) and holds it: torch's tcp://
-    rendezvous store is multi-tenant, so rank 0's init_process_group reuses that server; the other ranks wait for the
-    port rank 0 shares. Before, the parent probed a free port and closed it, and rank 0 bound it seconds later: a
-    process that took it meanwhile (a parallel test, another run on the node) failed the start (EADDRINUSE), or its
-    store was joined by ranks 1.. of this one."""
-    global _STORE
+def store_port(rank: int, shared) -> int:
+    """The port of the ranks' TCPStore: rank 0 opens it (held_store) and sets `shared.value` to its port, which the
+    other ranks wait for. `shared`: run_ranks' shared memory, or a Ray trainer group's key in Ray's GCS
+    (parallel/group.py)."""
     if rank == 0:
-        import torch.distributed as dist
-
-        _STORE = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
-        shared.value = _STORE.port
-    while not shared.value:  # (rank 0 failing before it: run_ranks ends every rank)
-        time.sleep(0.01)
+        shared.value = held_store()
+    while not shared.value:  # (rank 0 failing before it: run_ranks, or the trainer group, ends every rank)
+        time.sleep(0.05)
     return shared.value
 
 
@@ -56,7 +57,7 @@ def _entry(rank, fn, world_size, shared_port, threads, args):
     # multiprocessing one, a named semaphore that os._exit below left behind: the resource tracker then printed
     # "There appear to be N leaked semaphore objects" after the run's last line (every job=sft).
     tqdm.set_lock(threading.RLock())
-    fn(rank, world_size, _store_port(rank, shared_port), *args)
+    fn(rank, world_size, store_port(rank, shared_port), *args)
     # Done and its results written: leave without the interpreter's teardown, where a gloo rank's C++ threads were
     # seen destroyed still joinable ("terminate called without an active exception", SIGABRT) after a good run.
     sys.stdout.flush()
@@ -75,7 +76,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, threads_per_
 
     main = threading.current_thread() is threading.main_thread()  # (only it may set handlers)
     kept = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignore} if main else {}
-    port = mp.get_context("spawn").Value("i", 0, lock=False)  # set by rank 0 (_store_port)
+    port = mp.get_context("spawn").Value("i", 0, lock=False)  # set by rank 0 (store_port)
     try:
         ctx = mp.start_processes(_entry, args=(fn, world_size, port, threads_per_rank, args),
                                  nprocs=world_size, join=False, start_method="spawn")

@@ -40,6 +40,7 @@ from molt_hydra.parallel.objectives import SFTObjective
 from molt_hydra.parallel.distributed import build_device_mesh, init_distributed
 from molt_hydra.parallel.fsdp import compile_block, shard_model, to_compute_dtype
 from molt_hydra.parallel.grad_debug import grad_norm_metrics
+from molt_hydra.parallel.launch import store_port
 from molt_hydra.parallel.optim import MasterWeightAdamW, build_optimizer, build_scheduler, fused_add_graphs
 from molt_hydra.parallel.perf import flops_per_token, mfu
 from molt_hydra.parallel.trainer_spec import TrainerSpec
@@ -71,8 +72,8 @@ class TrainerWorker:
         if spec.full_determinism:  # train.full_determinism, as Molt: transformers' seeds + deterministic kernels
             from transformers import enable_full_determinism
             enable_full_determinism(spec.seed)
-        self.device = init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
-                                       timeout_s=spec.timeout_s)
+        port = spec.master_port if spec.shared_port is None else store_port(spec.rank, spec.shared_port)
+        self.device = init_distributed(spec.rank, spec.world_size, spec.master_addr, port, timeout_s=spec.timeout_s)
         self._init_cpu_threads(spec)
         # None: bf16 on a GPU, fp32 on CPU (bf16 matmuls are slow there); an explicit dtype is honoured on both
         self.param_dtype = spec.param_dtype or ("bf16" if self.device.type == "cuda" else "fp32")

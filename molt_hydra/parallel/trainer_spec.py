@@ -16,6 +16,7 @@ class TrainerSpec:
     world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    shared_port: object = None  # a trainer group's: where rank 0 shares its store's port (launch.py store_port)
     timeout_s: float = 600.0
     cpu_threads: int | None = None
     node_ranks: int | None = None

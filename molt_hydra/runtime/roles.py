@@ -314,12 +314,20 @@ async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...]
         """One role's group, built in a thread: its constructor blocks until every rank is up."""
         on_shared = shared_gpus if role == "actor" or p.colocate_models else None
         spec = trainer_spec(cfg, role, optimizer, path, total_steps, **extra)
-        ranks: list = []  # the group's rank actors, as its constructor (in the thread) creates them
+        ranks, placed = [], []  # the group's rank actors, and the group, as its constructor (in the thread) makes them
         build = asyncio.to_thread(
             TrainerGroup, p.trainer_devices, spec, num_gpus_per_rank=gpu_share if on_shared is None else share,
             num_cpus_per_rank=1, worker_cls=worker_cls, placement_group=on_shared,
-            startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus, on_ranks=ranks.extend)
-        return await deadline(beside(build, _note_ranks(role_pids, name, ranks)), t.timeouts.startup_s, name, "start")
+            startup_timeout_s=t.timeouts.startup_s, borrow_idle_cpus=p.borrow_idle_cpus,
+            on_ranks=lambda group: (placed.append(group), ranks.extend(group.workers)))
+        limit = asyncio.timeout(t.timeouts.startup_s)
+        try:
+            async with limit:
+                return await beside(build, _note_ranks(role_pids, name, ranks))
+        except TimeoutError:
+            if not limit.expired():  # the group's own (its placement, or its ranks past its clock): its message
+                raise
+            raise await _ranks_stalled(name, placed, t.timeouts.startup_s, role_pids) from None
 
     policy_cls = type("PolicyWorker", (PolicyWorkerMixin, TrainerWorker), {})
     actor = await start("actor", "actor", policy_cls, routing_replay=r.routing_replay)
@@ -426,6 +434,40 @@ async def _start_phase(name: str, actor, role_pids: dict[str, int]) -> str:
         pid = await asyncio.wait_for(asyncio.to_thread(actor_pid, actor), 10)
     return f"its process (pid {pid}) is still in its constructor" if pid else \
         "Ray has not placed its actor (no process yet: the CPUs / GPUs it asks for are not free)"
+
+
+RANK_UP_S = 5.0  # a rank whose constructor is done answers __ray_ready__ at once
+
+
+async def _ranks_stalled(name: str, placed: list, seconds: float, role_pids: dict[str, int]) -> RoleStalled:
+    """A trainer group's start past `seconds`: RoleStalled naming each of its ranks not up, with its node and where its
+    start is (`placed`: the group, once it created its ranks). Before: 'actor stalled: start did not finish within
+    600 s', whichever rank hung (the group's own message, which names them, came later: its clock starts later)."""
+    async def up(rank) -> bool:
+        with suppress(Exception):  # no answer in time: still in its constructor (one that failed: the group says so)
+            await asyncio.wait_for(rank.__ray_ready__.remote(), RANK_UP_S)
+            return True
+        return False
+
+    if not placed:
+        return RoleStalled(name, "start", seconds, f"{name} stalled: start did not finish within {seconds:g} s (Ray "
+                                                   "has not placed its ranks: the CPUs / GPUs they ask for are not "
+                                                   "free)")
+    group = placed[0]
+    late = [i for i, ok in enumerate(await asyncio.gather(*map(up, group.workers))) if not ok]
+    if not late:  # every rank up, the group's constructor not back yet
+        return RoleStalled(name, "start", seconds)
+    rendezvous = await asyncio.to_thread(lambda: group.rendezvous)  # (read from Ray's GCS)
+
+    def where(i: int) -> str:
+        rank, node = f"{name} rank {i}", group.rank_nodes[i]
+        if rank not in role_pids:
+            return f"{rank}: Ray has not started its process on {node} yet"
+        return f"{rank}: its process (pid {role_pids[rank]}) on {node} is still in its constructor (its model " \
+            f"build, then the process group's rendezvous at rank 0's {rendezvous})"
+
+    return RoleStalled(f"{name} rank {late[0]}", "start", seconds, f"{', '.join(f'{name} rank {i}' for i in late)} "
+                       f"stalled: start did not finish within {seconds:g} s ({'; '.join(map(where, late))})")
 
 
 RANK_PID_POLL_S = 0.5  # a rank's process is leased ~at once; its model build takes seconds to minutes

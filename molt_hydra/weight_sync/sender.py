@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from molt_hydra.parallel.launch import rendezvous_address
+from molt_hydra.parallel.launch import held_store
 from molt_hydra.weight_sync.buckets import Bucket
 from molt_hydra.weight_sync.shared_memory import SharedMemoryTransport
 from molt_hydra.weight_sync.shared_params import SharedParamsPush, rank_shared_params
@@ -125,8 +125,12 @@ def resolve_transport(transport: str, *, lora: bool, device: str, colocate: bool
 
 
 def _rendezvous_address(_worker) -> tuple[str, int]:
-    """Run on the trainer's rank 0 (`__ray_call__`), which hosts the group's store."""
-    return rendezvous_address()
+    """Run on the trainer's rank 0 (`__ray_call__`): its node's IP and the port of the group's store, which it opens
+    now and holds (launch.held_store; its BroadcastGroup reuses it). Before, a port probed free and closed, which
+    another process could take before rank 0 bound it."""
+    import ray
+
+    return ray.util.get_node_ip_address(), held_store()
 
 
 def _join_as_sender(worker, host: str, port: int, world_size: int, timeout_s: float) -> None:

@@ -140,7 +140,8 @@ class BroadcastGroup:
                  timeout_s: float = 600.0):
         timeout = timedelta(seconds=timeout_s)
         self.device = torch.device(device)
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        # multi-tenant: rank 0 reuses the store it opened on a port of its choice (weight_sync/sender.py)
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 from test_watched_phases import _forever, stopped_process  # noqa: F401 (a fixture)
@@ -30,7 +31,7 @@ def test_a_rank_stopped_while_it_builds_its_model_ends_the_start_naming_it(monke
 
         def __init__(self, num_ranks, spec, *, on_ranks=None, **kw):
             if on_ranks is not None:
-                on_ranks([rank])
+                on_ranks(SimpleNamespace(workers=[rank]))
             released.wait(20)
 
     monkeypatch.setattr(group, "TrainerGroup", StartingGroup)
@@ -137,3 +138,62 @@ def test_an_engine_that_hangs_at_start_is_named_with_its_phase(monkeypatch):
         "rollout engine 1, rollout engine 2 stalled: start did not finish within 0.2 s (rollout engine 1: its process "
         "(pid 4321) is up, in its start (an engine: vLLM's model load, KV cache, engine core); rollout engine 2: Ray "
         "has not placed its actor (no process yet: the CPUs / GPUs it asks for are not free))")
+
+
+def test_a_trainer_rank_that_hangs_at_start_is_named_with_its_phase(monkeypatch):
+    """Of three actor ranks, 0 is up, 1 hangs in its constructor (its process up), 2 has no process yet: the start's
+    deadline names ranks 1 and 2, each with its node and where it is. Before: 'actor stalled: start did not finish
+    within 0.3 s', whichever rank hung (the group's own message, naming them, came later: its clock starts once they
+    are placed)."""
+    released = threading.Event()
+    ranks = [SimpleNamespace(__ray_ready__=SimpleNamespace(remote=ready))
+             for ready in (lambda: asyncio.sleep(0), lambda: asyncio.Event().wait(), lambda: asyncio.Event().wait())]
+
+    class StartingGroup:
+        def __init__(self, num_ranks, spec, *, on_ranks=None, **kw):
+            self.workers, self.rendezvous = ranks, "10.0.0.1:4100"
+            self.rank_nodes = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+            on_ranks(self)
+            released.wait(20)
+
+    cfg = RunConfig()
+    cfg.train.timeouts.startup_s = 0.3
+    monkeypatch.setattr(group, "TrainerGroup", StartingGroup)
+    monkeypatch.setattr(roles, "trainer_spec", lambda *args, **kw: None)
+    monkeypatch.setattr(roles, "actor_pid", lambda rank: {id(ranks[0]): 4320, id(ranks[1]): 4321}.get(id(rank)))
+    monkeypatch.setattr(roles, "RANK_PID_POLL_S", 0.01)
+    monkeypatch.setattr(roles, "RANK_UP_S", 0.1)
+    role_pids: dict[str, int] = {}
+
+    async def start():
+        try:
+            return await roles._start_trainers(cfg, "tiny", ("actor",), 1, None, None, lambda name: print, role_pids)
+        finally:
+            released.set()  # (the group's thread ends)
+
+    with pytest.raises(RoleStalled) as stall:
+        asyncio.run(asyncio.wait_for(start(), 10))
+    assert stall.value.role == "actor rank 1"
+    assert str(stall.value) == (
+        "actor rank 1, actor rank 2 stalled: start did not finish within 0.3 s (actor rank 1: its process (pid 4321) "
+        "on 10.0.0.2 is still in its constructor (its model build, then the process group's rendezvous at rank 0's "
+        "10.0.0.1:4100); actor rank 2: Ray has not started its process on 10.0.0.3 yet)")
+
+
+def test_the_trainer_groups_own_timeout_is_raised_as_it_is(monkeypatch):
+    """A TimeoutError of the group's own (before the start's deadline) keeps its message. Before, the deadline took
+    it for its own: 'actor stalled: start did not finish within 5 s'."""
+    own = "trainer group 'actor': Ray could not place 1 rank(s) of {'CPU': 1} within 0s; the cluster has {'CPU': 0}"
+
+    class PlacementTimedOut:
+        def __init__(self, num_ranks, spec, **kw):
+            raise TimeoutError(own)
+
+    cfg = RunConfig()
+    cfg.train.timeouts.startup_s = 5
+    monkeypatch.setattr(group, "TrainerGroup", PlacementTimedOut)
+    monkeypatch.setattr(roles, "trainer_spec", lambda *args, **kw: None)
+    with pytest.raises(TimeoutError) as timeout:
+        asyncio.run(asyncio.wait_for(
+            roles._start_trainers(cfg, "tiny", ("actor",), 1, None, None, lambda name: print, {}), 10))
+    assert str(timeout.value) == own
