@@ -327,3 +327,17 @@ def test_a_plugin_failing_on_import_is_a_config_error(tmp_path, monkeypatch, nam
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert_fires([f"algorithm.plugins=[{name}]"], "algorithm.plugins", f"cannot import {name!r} {reason}")
+
+
+def test_seed_plus_engine_index_stays_within_numpy_seeds():
+    """Engine i is seeded with seed + i, which vLLM hands np.random.seed (0 .. 2**32 - 1). Before: seed=2**32-1 (in
+    its declared range) with 2 engines passed validation, and engine 1 failed to start (ValueError from numpy)."""
+    import numpy as np
+
+    with pytest.raises(ValueError):
+        np.random.seed(2**32)
+    two = ["rollout.num_engines=2", "cluster.devices_per_node=3"]
+    assert config_errors([*two, f"seed={2**32 - 2}"]) == []
+    assert config_errors([*two, f"seed={2**32 - 1}"]) == [
+        f"seed: {2**32 - 1}: rollout engine i is seeded with seed + i, so engine 1 gets {2**32}, past 2**32 - 1, the "
+        f"largest seed vLLM's numpy seeding takes: that engine would fail to start. Fix: set seed <= {2**32 - 2}"]
