@@ -67,10 +67,15 @@ def engine_name_rules(cfg, problems) -> None:
 
 
 def name_rules(cfg, problems) -> None:
-    """A string knob set to empty (or blank) where its default is not empty names nothing: `data.input_key=`."""
+    """A string knob set to empty (or blank) where its default is not empty names nothing: `data.input_key=`; nor
+    does an empty entry of a list of names (`logger.debug_grad_norms_filter=['']` matched no parameter)."""
     reported = {line[2:].split(":", 1)[0] for line in problems.lines}
     for key, (_, default) in declared_bounds(RunConfig).items():
         value = get(cfg, key)
+        if isinstance(value, list) and key not in reported:
+            problems.check(not any(isinstance(v, str) and not v.strip() for v in value), key, f"{value!r} holds an "
+                           "empty entry, which names nothing.", f"drop the empty entries of {key}")
+            continue
         blank = isinstance(value, str) and not isinstance(value, enum.Enum) and not value.strip()
         if not blank or default == "" or key in reported:
             continue
