@@ -73,6 +73,11 @@ BAD = [
     ("blank_grad_norm_filter", ["logger.debug_grad_norms=true", "logger.debug_grad_norms_filter=['*q_proj*',' ']"],
      "logger.debug_grad_norms_filter", "['*q_proj*', ' '] holds an empty entry, which names nothing."),
     ("blank_setup_line", ["cluster.setup=['']"], "cluster.setup", "[''] holds an empty entry"),
+    # W&B's own project-name check (wandb.init's, once every role had started): before, accepted
+    ("wandb_project_with_entity", ["logger.wandb.project='team/proj'"], "logger.wandb.project",
+     "W&B refuses it: Invalid project name 'team/proj'"),
+    ("wandb_project_too_long", ["logger.wandb.project=" + "p" * 129], "logger.wandb.project",
+     "exceeded 128 characters"),
     ("ray_address_garbage", ["cluster.ray_address=not-an-address"], "cluster.ray_address",
      "'not-an-address' is not an address Ray can join"),
     ("ray_address_bad_port", ["cluster.ray_address=10.0.0.1:99999"], "cluster.ray_address",
@@ -118,6 +123,7 @@ GOOD = [
     ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv", "+agent.runner.exec_timeout_s=5"],
     ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")
     ["logger.debug_grad_norms=true", "logger.debug_grad_norms_filter=['*q_proj*']"],
+    ["logger.wandb.project=my-project_2", "logger.wandb.entity=team"],
     ["cluster.ray_address=10.0.0.1:6379"], ["cluster.ray_address=ray://head:10001"], ["cluster.ray_address=auto"],
     [MOE, "model.freeze_moe_router=true", "rollout.routing_replay=true", "model.gate_precision=bfloat16"],
     [MOE, "train.optimizer.name=muon", "train.optimizer.muon_experts_adamw=true"],
