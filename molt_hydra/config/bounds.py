@@ -21,13 +21,19 @@ INT64 = 2**63  # an integer's magnitude must stay below it: torch, Ray and vLLM 
 # same), where a larger value is inf and an inf coefficient or temperature makes the loss or the sampling NaN
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_WHY = " and within float32 (|x| <= 3.4e38): past it a value is inf in the trainer's and vLLM's float32 math"
+# ... and the other end: a non-zero value below float32's (and bf16's) smallest normal is 0 there or loses its digits;
+# an AdamW eps of 1e-300 became 0 (0 / 0: NaN weights), a max_grad_norm of 1e-300 zeroed every gradient
+FLOAT32_TINY = 1.1754943508222875e-38
+TINY_WHY = (" and, unless 0, at least 1.2e-38 in magnitude: below float32's smallest normal the trainer's and vLLM's "
+            "float32 math rounds a value to 0 or loses its digits")
 
 
 @dataclass(frozen=True)
 class Bounds:
     """Closed (ge/le) or open (gt/lt) limits; `also` lists sentinel values allowed outside them (e.g. -1 = auto);
     `why` says why a limit is where it is, where that is not the field's definition (a plausibility ceiling).
-    A value must be finite (inf / nan never hold), an integer a 64-bit one, a float one float32 holds."""
+    A value must be finite (inf / nan never hold), an integer a 64-bit one, a float one float32 holds (neither past
+    its largest nor, unless 0, below its smallest normal)."""
 
     ge: float | None = None
     gt: float | None = None
@@ -45,13 +51,20 @@ class Bounds:
         return " or ".join([*map(str, self.also), text])
 
     def holds(self, v: float) -> bool:
-        return v in self.also or math.isfinite(v) and not _too_wide(v) and (
-            (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
-            and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+        return v in self.also or math.isfinite(v) and not _too_wide(v) and self.within(v)
+
+    def within(self, v: float) -> bool:
+        """Inside the stated limits (the sentinels and the number format aside)."""
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
 
 
 def _too_wide(v: float) -> bool:
-    return abs(v) >= INT64 if isinstance(v, int) else abs(v) > FLOAT32_MAX
+    return abs(v) >= INT64 if isinstance(v, int) else abs(v) > FLOAT32_MAX or _too_small(v)
+
+
+def _too_small(v: float) -> bool:
+    return isinstance(v, float) and 0 < abs(v) < FLOAT32_TINY
 
 
 def ranged(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, ge: float | None = None,
@@ -101,7 +114,8 @@ def out_of_range(cfg: Any, root: type) -> list[str]:
         if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not bounds.holds(v) for v in values):
             wide = any(isinstance(v, int) and _too_wide(v) for v in values)
             huge = bounds.le is None and bounds.lt is None and any(  # (an upper limit below it says enough)
-                isinstance(v, float) and math.isfinite(v) and _too_wide(v) for v in values)
+                isinstance(v, float) and math.isfinite(v) and abs(v) > FLOAT32_MAX for v in values)
+            tiny = any(_too_small(v) and bounds.within(v) for v in values)  # (a limit it fails says enough)
             # ("must be >= 1e-05, got inf" read as if inf held: the limit it fails is named)
             nonfinite = any(isinstance(v, float) and not math.isfinite(v) for v in values) and (
                 bounds.describe() != "a finite number")
@@ -109,6 +123,7 @@ def out_of_range(cfg: Any, root: type) -> list[str]:
                          f"{' and a 64-bit integer (below 2**63)' if wide else ''}"
                          f"{' and finite' if nonfinite else ''}"
                          f"{FLOAT32_WHY if huge else ''}"
+                         f"{TINY_WHY if tiny else ''}"
                          f"{f' ({bounds.why})' if bounds.why else ''}, "
                          f"got {values if is_list else value}. Fix: set {key} within that range "
                          f"(default {'null' if default is None else default})")

@@ -1,5 +1,6 @@
-"""Rules on the names a run hands to other code later: names vLLM looks up when an engine starts, string knobs set
-to nothing, the Ray address. Each of these used to pass `dry_run=true` and fail (or do nothing) at run time.
+"""Rules on the names a run hands to other code later: names vLLM looks up when an engine starts, the W&B project,
+string knobs set to nothing, the Ray address. Each of these used to pass `dry_run=true` and fail (or do nothing) at
+run time.
 
 Run by runtime/validate.py after every other rule (`name_rules` skips keys reported already). Names are checked
 against the installed vLLM's own registries, imported only when the knob is set (importing vLLM costs seconds).
@@ -66,11 +67,34 @@ def engine_name_rules(cfg, problems) -> None:
                 ReasoningParserManager.list_registered(), "a vLLM reasoning parser")
 
 
+def wandb_name_rules(cfg, problems) -> None:
+    """The W&B project name, checked by W&B's own settings, as `wandb.init` checks it once the run's roles are up (was:
+    `logger.wandb.project=team/proj` failed there with a UsageError, after the engines and trainer had started)."""
+    w = cfg.logger.wandb
+    if w.mode.value == "disabled" or cfg.job.value == "sft" or not w.project.strip() or w.project == "molt_hydra":
+        return  # (no W&B run; a blank name is name_rules'; the default passes, and importing wandb costs ~0.5 s)
+    import wandb
+
+    try:
+        wandb.Settings(project=w.project)
+    except Exception as e:  # noqa: BLE001 -- wandb's UsageError (or pydantic's): its message says what is wrong
+        entity, _, name = w.project.partition("/")
+        problems.check(False, "logger.wandb.project", f"W&B refuses it: {str(e).splitlines()[0].rstrip('.')}.",
+                       f"set logger.wandb.entity={entity} logger.wandb.project={name} (W&B takes the entity apart)"
+                       if name and "/" not in name and w.entity is None else
+                       "give a name of at most 128 characters without / \\ # ? % :")
+
+
 def name_rules(cfg, problems) -> None:
-    """A string knob set to empty (or blank) where its default is not empty names nothing: `data.input_key=`."""
+    """A string knob set to empty (or blank) where its default is not empty names nothing: `data.input_key=`; nor
+    does an empty entry of a list of names (`logger.debug_grad_norms_filter=['']` matched no parameter)."""
     reported = {line[2:].split(":", 1)[0] for line in problems.lines}
     for key, (_, default) in declared_bounds(RunConfig).items():
         value = get(cfg, key)
+        if isinstance(value, list) and key not in reported:
+            problems.check(not any(isinstance(v, str) and not v.strip() for v in value), key, f"{value!r} holds an "
+                           "empty entry, which names nothing.", f"drop the empty entries of {key}")
+            continue
         blank = isinstance(value, str) and not isinstance(value, enum.Enum) and not value.strip()
         if not blank or default == "" or key in reported:
             continue

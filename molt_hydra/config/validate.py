@@ -200,6 +200,11 @@ def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
         cfg.parallelism.trainer_devices = max(total - used, 1)
     if cfg.model.master_weights.value == "auto":
         cfg.model.master_weights = type(cfg.model.master_weights)[auto_master_weights(cfg)]
+    # a file's template is handed on as its text: the tokenizer takes a literal template only (was: the path itself,
+    # rendered as the text of every conversation); a path that names no file is refused (logger_and_checkpoint_rules)
+    template = cfg.data.chat_template
+    if template and "{{" not in template and "{%" not in template and os.path.isfile(template):
+        cfg.data.chat_template = Path(template).read_text()
     return cfg
 
 
@@ -365,6 +370,11 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
     cpu, transport = cfg.cluster.device.value == "cpu", r.weight_sync.transport.value
     short_steps = bool(r.max_num_batched_tokens and r.max_num_batched_tokens < r.max_model_len)
     problems.table((
+        # engine i is seeded with seed + i (rollout/engine.py), which vLLM hands numpy's np.random.seed (< 2**32)
+        (cfg.job.value == "sft" or cfg.seed + r.num_engines - 1 < 2**32, "seed", f"{cfg.seed}: rollout engine i is "
+         f"seeded with seed + i, so engine {r.num_engines - 1} gets {cfg.seed + r.num_engines - 1}, past 2**32 - 1, the "
+         "largest seed vLLM's numpy seeding takes: that engine would fail to start.",
+         f"set seed <= {2**32 - r.num_engines}"),
         (not (r.routing_replay and t.partial_rollout), "rollout.routing_replay",
          "routing replay needs every token's experts from one policy; partial rollout mixes them.",
          "set train.partial_rollout=false or rollout.routing_replay=false"),
@@ -661,6 +671,11 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
         (cfg.job.value == "sft" or cfg.data.chat_template is None, "data.chat_template", "not available: RL agents "
          "render prompts with the tokenizer's own template; the override applies to SFT only.",
          "unset data.chat_template, or save the template into the tokenizer directory"),
+        (cfg.job.value != "sft" or not cfg.data.chat_template or "{{" in cfg.data.chat_template
+         or "{%" in cfg.data.chat_template,
+         "data.chat_template", f"{str(cfg.data.chat_template)[:80]!r} names no file and is no Jinja template (no {{{{ "
+         "or {%): the tokenizer would render every conversation as that text.",
+         "give the path of a template file, or the template itself"),
         *((cfg.job.value != job or not changed(cfg, key), key, f"job={job} ignores it: {reason}",
            f"unset {key} for job={job}") for job, ignored in (("sft", SFT_IGNORES), ("eval", EVAL_IGNORES))
           for key, reason in ignored.items()),

@@ -24,7 +24,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     for rule in (*RULES, check_estimator_knobs, check_lora):
         rule(cfg, problems, needs)
     for rule in (check_model, check_data, check_prompts, check_agent, handoff_rules.engine_name_rules,
-                 handoff_rules.name_rules):  # name_rules last: it skips keys reported already
+                 handoff_rules.wandb_name_rules, handoff_rules.name_rules):  # name_rules last: it skips keys reported
         rule(cfg, problems)
     problems.raise_if_any()
     return cfg

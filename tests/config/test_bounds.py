@@ -118,6 +118,28 @@ def test_a_float_past_float32_is_refused(override, key, range_, default):
     assert out_of_range(compose_config([f"{key}=3.4e38"]), RunConfig) == []  # (float32's largest is 3.4028e38)
 
 
+@pytest.mark.parametrize("override,key", [("train.optimizer.eps=1e-300", "train.optimizer.eps"),
+                                          ("train.optimizer.max_grad_norm=1e-300", "train.optimizer.max_grad_norm"),
+                                          ("train.optimizer.lr=1e-39", "train.optimizer.lr"),
+                                          ("algorithm.reward_clip=[-1e-300,1.0]", "algorithm.reward_clip")])
+def test_a_non_zero_float_below_float32_is_refused(override, key):
+    """Before: accepted, then 0 in float32: AdamW's eps=1e-300 divided 0 by 0 (NaN weights wherever a gradient was
+    0), max_grad_norm=1e-300 scaled every gradient to 0 (a run that learns nothing, without a word)."""
+    import torch
+
+    assert torch.tensor(1e-300).item() == 0.0  # (why: float32 has no such number)
+    assert_fires([override], key, "unless 0, at least 1.2e-38 in magnitude")
+
+
+@pytest.mark.parametrize("override", ["train.optimizer.max_grad_norm=0.0", "train.optimizer.weight_decay=-0.0",
+                                      "train.optimizer.lr=1.2e-38"])
+def test_zero_and_float32_normals_pass(override):
+    from _config_helpers import compose_config
+    from molt_hydra.config.bounds import out_of_range
+
+    assert out_of_range(compose_config([override]), RunConfig) == []
+
+
 def test_a_non_finite_value_names_the_limit_it_fails():
     """Before: `must be >= 1e-05, got inf`, a range inf seems to be in."""
     assert_fires(["rollout.temperature=inf"], "rollout.temperature", "must be >= 1e-05 and finite, got inf.")

@@ -68,6 +68,16 @@ BAD = [
     # ... and one directory: before, name=.. wrote the run to outputs/../<time>, outside outputs/
     *[(f"name_{label}", [f"name={value}"], "name", "which a / or a name of . or .. would move elsewhere")
       for label, value in (("slash", "a/b"), ("dotdot", ".."), ("climbs", "a/../../b"))],
+    # an empty entry of a list of names: before, accepted; an empty fnmatch pattern matches no parameter name, so the
+    # grad-norm debug logged no norm at all
+    ("blank_grad_norm_filter", ["logger.debug_grad_norms=true", "logger.debug_grad_norms_filter=['*q_proj*',' ']"],
+     "logger.debug_grad_norms_filter", "['*q_proj*', ' '] holds an empty entry, which names nothing."),
+    ("blank_setup_line", ["cluster.setup=['']"], "cluster.setup", "[''] holds an empty entry"),
+    # W&B's own project-name check (wandb.init's, once every role had started): before, accepted
+    ("wandb_project_with_entity", ["logger.wandb.project='team/proj'"], "logger.wandb.project",
+     "W&B refuses it: Invalid project name 'team/proj'"),
+    ("wandb_project_too_long", ["logger.wandb.project=" + "p" * 129], "logger.wandb.project",
+     "exceeded 128 characters"),
     ("ray_address_garbage", ["cluster.ray_address=not-an-address"], "cluster.ray_address",
      "'not-an-address' is not an address Ray can join"),
     ("ray_address_bad_port", ["cluster.ray_address=10.0.0.1:99999"], "cluster.ray_address",
@@ -112,6 +122,8 @@ GOOD = [
     ["agent=math", "+agent.runner.require_boxed=false"],
     ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv", "+agent.runner.exec_timeout_s=5"],
     ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")
+    ["logger.debug_grad_norms=true", "logger.debug_grad_norms_filter=['*q_proj*']"],
+    ["logger.wandb.project=my-project_2", "logger.wandb.entity=team"],
     ["cluster.ray_address=10.0.0.1:6379"], ["cluster.ray_address=ray://head:10001"], ["cluster.ray_address=auto"],
     [MOE, "model.freeze_moe_router=true", "rollout.routing_replay=true", "model.gate_precision=bfloat16"],
     [MOE, "train.optimizer.name=muon", "train.optimizer.muon_experts_adamw=true"],

@@ -327,3 +327,39 @@ def test_a_plugin_failing_on_import_is_a_config_error(tmp_path, monkeypatch, nam
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert_fires([f"algorithm.plugins=[{name}]"], "algorithm.plugins", f"cannot import {name!r} {reason}")
+
+
+def test_seed_plus_engine_index_stays_within_numpy_seeds():
+    """Engine i is seeded with seed + i, which vLLM hands np.random.seed (0 .. 2**32 - 1). Before: seed=2**32-1 (in
+    its declared range) with 2 engines passed validation, and engine 1 failed to start (ValueError from numpy)."""
+    import numpy as np
+
+    with pytest.raises(ValueError):
+        np.random.seed(2**32)
+    two = ["rollout.num_engines=2", "cluster.devices_per_node=3"]
+    assert config_errors([*two, f"seed={2**32 - 2}"]) == []
+    assert config_errors([*two, f"seed={2**32 - 1}"]) == [
+        f"seed: {2**32 - 1}: rollout engine i is seeded with seed + i, so engine 1 gets {2**32}, past 2**32 - 1, the "
+        f"largest seed vLLM's numpy seeding takes: that engine would fail to start. Fix: set seed <= {2**32 - 2}"]
+
+
+SFT = "+recipe=tiny_vlm_colors_warm"
+
+
+def test_a_chat_template_file_is_read_and_a_path_to_none_is_refused(tmp_path):
+    """data.chat_template is "a file path or a literal Jinja string", but the tokenizer takes a literal template only.
+    Before: a path reached it as the template itself (every conversation rendered as the path's text; the SFT ranks
+    then failed to find a reply), and a path to no file passed validation the same way."""
+    from molt_hydra.models.tiny_tokenizer import build_tokenizer
+
+    text = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (template := tmp_path / "chat.jinja").write_text(text)
+    hi = [{"role": "user", "content": "hi"}]
+    assert build_tokenizer().apply_chat_template(hi, tokenize=False, chat_template=str(template)) == str(template)
+    assert validate(to_run_config(compose_config([SFT, f"data.chat_template={template}"]))).data.chat_template == text
+    assert config_errors([SFT, f"data.chat_template={tmp_path / 'none.jinja'}"]) == [
+        f"data.chat_template: '{tmp_path / 'none.jinja'}' names no file and is no Jinja template (no {{{{ or {{%): the "
+        "tokenizer would render every conversation as that text. Fix: give the path of a template file, or the "
+        "template itself"]
+    assert config_errors([SFT, f"data.chat_template='{text}'"]) == []
