@@ -369,8 +369,8 @@ def test_sft_on_a_builtin_task_checks_its_rows_columns():
     """A local SFT file's rows are checked at validation; a builtin task's were not. Before: `+recipe=
     tiny_vlm_colors_warm data.input_key=prompt` passed (a dry run too), and the trainer ranks then refused the first
     row ("data.input_key='prompt' is missing") once the run had started."""
-    missing = ("data.{}_key='{}' is missing (keys ['images', 'input', 'output']); it must be a string or a list of chat "
-               "messages{}. Fix: set data.{}_key to that column, and give every row one")
+    missing = ("data.{}_key='{}' is missing (keys ['images', 'input', 'output']); it must be a string or a list of "
+               "chat messages{}. Fix: set data.{}_key to that column, and give every row one")
     assert config_errors([SFT, "data.input_key=prompt"]) == [
         "data.train_path: builtin://colors_warm: SFT row 0: " + missing.format("input", "prompt", "", "input")]
     assert config_errors([SFT, "data.output_key=reply", "eval.data_path=builtin://colors_warm"]) == [
