@@ -573,7 +573,7 @@ class EvalConfig:
     every_steps: int = ranged(-1, ge=1, also=(-1,))
     "Evaluate every N steps (-1 = never on a schedule)."
     at_start: bool = False
-    "Evaluate before the first step (fresh runs)."
+    "Evaluate before step 1 of a fresh run or a load_model_only warm start; a resume skips it, saying so."
     batch_size: Optional[int] = ranged(None, ge=1)
     "Eval prompt groups in flight at once; None = rollout.batch_size."
     n_samples_per_prompt: Optional[int] = ranged(None, ge=1)

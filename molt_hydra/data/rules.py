@@ -121,8 +121,15 @@ def _sft_data(cfg: RunConfig, problems: Problems) -> None:
     tasks = [BUILTIN + n for n in SFT_TASKS]
     for key, spec in (("data.train_path", cfg.data.train_path), ("eval.data_path", cfg.eval.data_path)):
         parts = _specs(spec)
-        if parts and parts[0] in tasks and len(parts) == 1 and key == "data.train_path":
-            _sft_fills_a_batch(cfg, problems, parts[0], builtin_size(parts[0]))
+        if parts and parts[0] in tasks and len(parts) == 1:
+            try:  # its rows' columns, as a local file's are (_check_local; colors_warm's 256 rows: ~25 ms). Was: any
+                # data.input_key / output_key passed, and the trainer ranks refused the first row once started
+                check_sft_rows(parts[0], cfg.data.input_key, cfg.data.output_key)
+            except ValueError as e:
+                raised(problems, key, e, f"set data.input_key / data.output_key to the columns of {parts[0]}")
+                continue
+            if key == "data.train_path":
+                _sft_fills_a_batch(cfg, problems, parts[0], builtin_size(parts[0]))
         if not parts or len(parts) == 1 and (parts[0] in tasks or Path(parts[0]).suffix in (".jsonl", ".json")):
             continue
         prompts_only = len(parts) == 1 and parts[0].startswith(BUILTIN)

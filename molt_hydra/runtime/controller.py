@@ -364,8 +364,14 @@ class RLController:
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
         await self.watched(self.calls.freeze_heaps())
+        e = self.cfg.eval
+        if e.at_start and self.step > 0:  # a resume goes on with the schedule it stopped in (was: skipped silently)
+            schedule = (f"the eval schedule goes on (every {e.every_steps} steps)" if e.every_steps > 0
+                        else "no other eval is scheduled (eval.every_steps=-1)")
+            print(f"eval.at_start: skipped, the run resumes at step {self.step}: the at-start eval is a fresh "
+                  f"run's (of the weights before step 1); {schedule}.", flush=True)
         # at step 0, eval.at_start; on resume, the eval a preemption's save skipped (none else is due there)
-        await self.watched(self.maybe_eval(force=self.step == 0 and self.cfg.eval.at_start))
+        await self.watched(self.maybe_eval(force=self.step == 0 and e.at_start))
         return await self.watched(self._steps(), self.produce())
 
     def watched(self, work, *more):

@@ -375,12 +375,20 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
     """One message (returned: the caller prints it last): the role, the cause, the drops and an example agent error
     (when nothing could be trained), the checkpoint to resume from. The traceback is written to
     <output_dir>/failure.txt, not to the terminal."""
+    import ray
+
     from molt_hydra.parallel.group import RankStartFailed
 
     if isinstance(error, RunFailed):
         role, cause, drops = error.role, error.cause, {k: v for k, v in error.drops.items() if v}
     elif isinstance(error, RankStartFailed):
         role, cause, drops = error.role, describe(error.error), {}
+    elif isinstance(error, TimeoutError) and not isinstance(error, ray.exceptions.RayError):
+        # one of the runtime's own deadlines (an OSError since Python 3.11, yet no I/O; was: "driver (I/O)"): its
+        # message names what ran late ("trainer group 'actor': rank(s) [1] ... not up after 600s")
+        subject, _, rest = str(error).partition(": ")
+        named = bool(rest) and re.fullmatch(r"[^:;()]{1,60}", subject) is not None
+        role, cause, drops = subject if named else "driver", f"TimeoutError: {rest if named else error}", {}
     else:
         role, cause, drops = _actor_role(error), describe(error), {}
     # every role's calls fail with Ray's GCS or raylet (a Ray compat/ray.py was not written for: refused at its start);
@@ -457,7 +465,8 @@ def _actor_role(error: BaseException) -> str:
     if found:
         name = found.group(1) or found.group(2)
         return ACTOR_ROLES.get(name, name)
-    return "driver (I/O)" if isinstance(error, OSError) else "driver"
+    # (a TimeoutError, an OSError since Python 3.11, is a deadline's, e.g. Ray's GetTimeoutError: no I/O)
+    return "driver (I/O)" if isinstance(error, OSError) and not isinstance(error, TimeoutError) else "driver"
 
 
 def _quiet_cancellations(loop, context: dict) -> None:

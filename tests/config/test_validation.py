@@ -363,3 +363,17 @@ def test_a_chat_template_file_is_read_and_a_path_to_none_is_refused(tmp_path):
         "tokenizer would render every conversation as that text. Fix: give the path of a template file, or the "
         "template itself"]
     assert config_errors([SFT, f"data.chat_template='{text}'"]) == []
+
+
+def test_sft_on_a_builtin_task_checks_its_rows_columns():
+    """A local SFT file's rows are checked at validation; a builtin task's were not. Before: `+recipe=
+    tiny_vlm_colors_warm data.input_key=prompt` passed (a dry run too), and the trainer ranks then refused the first
+    row ("data.input_key='prompt' is missing") once the run had started."""
+    missing = ("data.{}_key='{}' is missing (keys ['images', 'input', 'output']); it must be a string or a list of "
+               "chat messages{}. Fix: set data.{}_key to that column, and give every row one")
+    assert config_errors([SFT, "data.input_key=prompt"]) == [
+        "data.train_path: builtin://colors_warm: SFT row 0: " + missing.format("input", "prompt", "", "input")]
+    assert config_errors([SFT, "data.output_key=reply", "eval.data_path=builtin://colors_warm"]) == [
+        f"{key}: builtin://colors_warm: SFT row 0: " + missing.format("output", "reply", " (or one message)", "output")
+        for key in ("data.train_path", "eval.data_path")]
+    assert config_errors([SFT, "eval.data_path=builtin://colors_warm"]) == []

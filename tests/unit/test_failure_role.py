@@ -25,3 +25,25 @@ def test_an_actor_that_died_is_named_by_its_role(tmp_path):
     assert lines[0] == ("Run failed: rollout engine: the process died (Worker exit type: SYSTEM_ERROR, Worker exit "
                         "detail: Worker unexpectedly exits with a connection error code 2; killed, out of memory, or "
                         "crashed)."), lines
+
+
+def test_a_timeout_is_named_by_what_timed_out_not_as_driver_io(tmp_path):
+    """TimeoutError is an OSError since Python 3.11. Before: a trainer group's own start timeout (parallel/group.py)
+    read 'Run failed: driver (I/O): TimeoutError: trainer group ...', as if a file write had failed."""
+    from ray.exceptions import GetTimeoutError
+
+    assert issubclass(TimeoutError, OSError)
+    cfg = value(output_dir=str(tmp_path), job=value(value="eval"), checkpoint=value(dir=str(tmp_path / "ckpt")))
+    late = ("rank(s) [1] (on ['10.0.0.2']) not up after 600s (model build, then the torch.distributed rendezvous at "
+            "rank 0's 10.0.0.1:29500). Fix: check that the nodes reach each other on that address and port")
+    lines = asyncio.run(_report_failure(cfg, None, TimeoutError(f"trainer group 'actor': {late}")))
+    assert lines[0] == f"Run failed: trainer group 'actor': TimeoutError: {late}."
+    # a deadline whose message names no subject, and Ray's own get timeout: the driver's, still no I/O
+    lines = asyncio.run(_report_failure(cfg, None, TimeoutError("2 ranks of f did not finish within 5s; still running: "
+                                                                "rank 1")))
+    assert lines[0] == "Run failed: driver: TimeoutError: 2 ranks of f did not finish within 5s; still running: rank 1."
+    lines = asyncio.run(_report_failure(cfg, None, GetTimeoutError("Get timed out: some object(s) not ready")))
+    assert lines[0] == "Run failed: driver: GetTimeoutError: Get timed out: some object(s) not ready."
+    # real I/O keeps its label
+    lines = asyncio.run(_report_failure(cfg, None, FileNotFoundError(2, "No such file or directory", "/x/metrics")))
+    assert lines[0] == "Run failed: driver (I/O): FileNotFoundError: [Errno 2] No such file or directory: '/x/metrics'."
