@@ -9,6 +9,7 @@ for). A value the composition replaced (a later config, the command line) is lef
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -32,8 +33,7 @@ def yaml_text_problems(cfg: DictConfig, files: list[tuple[str, str, str]], multi
         if (path := _yaml_file(config_path, source)) is None:
             continue
         constructor = get_yaml_loader()("")
-        for parts, scalar in _scalars(yaml.compose(path.read_text(), Loader=get_yaml_loader()),
-                                      [p for p in package.split(".") if p]):
+        for parts, scalar in _scalars(_composed(path, path.stat().st_mtime_ns), [p for p in package.split(".") if p]):
             key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
             swept = key.startswith(SWEPT)
             if key.startswith("hydra.") and not (swept and multirun) or scalar.tag == f"{TAG}null":
@@ -57,7 +57,7 @@ def _misread(key: str, leaf, scalar, value, node, where: str, swept: bool) -> st
     if swept or not isinstance(node, ValueNode):  # (a swept bool or number: each point's own check)
         return None
     if isinstance(node, BooleanNode) and scalar.tag != f"{TAG}bool" and "${" not in scalar.value and \
-            node._value() == BooleanNode(value)._value():  # (2, 0, y, n, 'yes': as the command line's are refused)
+            scalar.value.lower() not in ("true", "false") and node._value() == BooleanNode(value)._value():  # (2, 0, y, n, 'yes': as the command line's are refused)
         return (f"- {key}: true or false, but {where}, which OmegaConf reads as {str(node._value()).lower()}. Fix: "
                 f"write {leaf}: true or {leaf}: false there")
     if scalar.tag in NUMBER_TAGS and node._value() == value and (reading := _not_decimal(scalar.value, value)):
@@ -73,6 +73,12 @@ def _not_decimal(written: str, value) -> str | None:
     if re.fullmatch(r"[-+]?[0-9]+", digits) and int(digits) != value:
         return f"octal, not {int(digits)}"
     return "base 60: each part after a colon is sixtieths of the one before" if ":" in written else None
+
+
+@functools.lru_cache(maxsize=256)
+def _composed(path: Path, _mtime_ns: int) -> yaml.Node:
+    """A YAML file's node tree, read once per version of the file (every point of a sweep composes the same files)."""
+    return yaml.compose(path.read_text(), Loader=get_yaml_loader())
 
 
 def _yaml_file(config_path: str, source: str) -> Path | None:

@@ -1006,6 +1006,14 @@ def test_a_recipes_true_false_key_given_anything_but_true_or_false_is_refused(tm
         "write enforce_eager: true or enforce_eager: false there"], problems
 
 
+def test_a_recipes_quoted_true_or_false_for_a_true_false_key_means_what_it_says(tmp_path):
+    """Quoted true / false (JSON-style or generated YAML) reads as that bool, as the command line's key='true' does: was
+    refused with the self-contradicting fix 'write colocate: true'."""
+    _recipe(tmp_path, "parallelism:\n  colocate: 'true'\nrollout:\n  enforce_eager: \"False\"\n")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert problems == [] and (cfg.parallelism.colocate, cfg.rollout.enforce_eager) == (True, False)
+
+
 def test_a_recipes_sweeper_param_that_yaml_reads_as_a_number_is_refused_for_a_string_key(tmp_path):
     """Before: `params: {name: 1.10}` swept name=1.1 (YAML's float, passed on as str()); a float key's number
     (`train.optimizer.lr: 1e-3`, swept as 0.001) means what was written."""
