@@ -40,9 +40,11 @@ def store_port(rank: int, shared) -> int:
     (parallel/group.py)."""
     if rank == 0:
         shared.value = held_store()
-    while not shared.value:  # (rank 0 failing before it: run_ranks, or the trainer group, ends every rank)
-        time.sleep(0.05)
-    return shared.value
+    pause = 0.05
+    while not (port := shared.value):  # (rank 0 failing before it: run_ranks, or the trainer group, ends every rank)
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)  # a Ray group's read is a GCS call: not 20 a second per rank for a model build
+    return port
 
 
 def _entry(rank, fn, world_size, shared_port, threads, args):
