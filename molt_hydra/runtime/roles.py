@@ -419,7 +419,8 @@ async def _started(starts: dict[str, tuple], seconds: float, role_pids: dict[str
     if not late:
         return [task.result() for task in tasks]
     names = [name for name, (_, task) in starts.items() if task in late]
-    where = [f"{name}: {await _start_phase(name, starts[name][0], role_pids)}" for name in names]
+    phases = await asyncio.gather(*(_start_phase(name, starts[name][0], role_pids) for name in names))  # at once
+    where = [f"{name}: {phase}" for name, phase in zip(names, phases)]
     raise RoleStalled(names[0], "start", seconds, f"{', '.join(names)} stalled: start did not finish within "
                                                   f"{seconds:g} s ({'; '.join(where)})")
 
@@ -457,7 +458,9 @@ async def _ranks_stalled(name: str, placed: list, seconds: float, role_pids: dic
     late = [i for i, ok in enumerate(await asyncio.gather(*map(up, group.workers))) if not ok]
     if not late:  # every rank up, the group's constructor not back yet
         return RoleStalled(name, "start", seconds)
-    rendezvous = await asyncio.to_thread(lambda: group.rendezvous)  # (read from Ray's GCS)
+    rendezvous = f"{group.rank_nodes[0]} (its port unread: Ray's GCS did not answer)"
+    with suppress(Exception):  # read from Ray's GCS, which may be why the ranks hang: never a stall of its own
+        rendezvous = await asyncio.wait_for(asyncio.to_thread(lambda: group.rendezvous), RANK_UP_S)
 
     def where(i: int) -> str:
         rank, node = f"{name} rank {i}", group.rank_nodes[i]
