@@ -404,7 +404,7 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         with suppress(OSError):
             cause += " (free: " + ", ".join(f"{key}={path} {shutil.disk_usage(path).free / 1e9:.3g} GB"
                                             for key, path in dirs if Path(path).exists()) + ")"
-    lines = [f"Run failed: {role}: {cause}."]
+    lines = [f"Run failed: {role}: {cause.rstrip('.')}."]  # (a cause's own full stop is not doubled)
     if drops:
         lines.append("  dropped samples by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
         examples = {}

@@ -47,3 +47,14 @@ def test_a_timeout_is_named_by_what_timed_out_not_as_driver_io(tmp_path):
     # real I/O keeps its label
     lines = asyncio.run(_report_failure(cfg, None, FileNotFoundError(2, "No such file or directory", "/x/metrics")))
     assert lines[0] == "Run failed: driver (I/O): FileNotFoundError: [Errno 2] No such file or directory: '/x/metrics'."
+
+
+def test_a_cause_that_ends_with_a_full_stop_is_not_given_another(tmp_path):
+    """Before: 'Run failed: actor: the loss is NaN..'."""
+    from molt_hydra.runtime.watchdog import RunFailed
+
+    cfg = value(output_dir=str(tmp_path), job=value(value="eval"), checkpoint=value(dir=str(tmp_path / "ckpt")))
+    assert asyncio.run(_report_failure(cfg, None, RunFailed("actor", "the loss is NaN.")))[0] == \
+        "Run failed: actor: the loss is NaN."
+    assert asyncio.run(_report_failure(cfg, None, RunFailed("actor", "the loss is NaN")))[0] == \
+        "Run failed: actor: the loss is NaN."
