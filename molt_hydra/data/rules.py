@@ -73,6 +73,7 @@ def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> No
             except (KeyError, OSError, ValueError) as e:
                 raised(problems, key, e, f"point {key} at {readable}")
                 return
+            _sft_images(cfg, problems, str(path), rows)
             if key == "data.train_path":
                 _sft_fills_a_batch(cfg, problems, str(path), len(rows))
     elif os.path.isfile(path) and path.suffix not in FILE_TYPES:
@@ -124,10 +125,11 @@ def _sft_data(cfg: RunConfig, problems: Problems) -> None:
         if parts and parts[0] in tasks and len(parts) == 1:
             try:  # its rows' columns, as a local file's are (_check_local; colors_warm's 256 rows: ~25 ms). Was: any
                 # data.input_key / output_key passed, and the trainer ranks refused the first row once started
-                check_sft_rows(parts[0], cfg.data.input_key, cfg.data.output_key)
+                rows = check_sft_rows(parts[0], cfg.data.input_key, cfg.data.output_key)
             except ValueError as e:
                 raised(problems, key, e, f"set data.input_key / data.output_key to the columns of {parts[0]}")
                 continue
+            _sft_images(cfg, problems, parts[0], rows)
             if key == "data.train_path":
                 _sft_fills_a_batch(cfg, problems, parts[0], builtin_size(parts[0]))
         if not parts or len(parts) == 1 and (parts[0] in tasks or Path(parts[0]).suffix in (".jsonl", ".json")):
@@ -137,6 +139,23 @@ def _sft_data(cfg: RunConfig, problems: Problems) -> None:
                        f"{spec!r}" + (": a builtin prompt task has no replies to train on." if prompts_only else "."),
                        f"point {key} at one .jsonl/.json file (a dataset converts with datasets' to_json), or "
                        "use job=rl for prompt data")
+
+
+def _sft_images(cfg: RunConfig, problems: Problems, source: str, rows: list) -> None:
+    """SFT rows' images are read from data.image_key alone (data/sft_dataset.py): a key no row has, or none on a
+    builtin image task's rows, trained every row on its text alone, a literal <image> left in the prompt, without a
+    word. (A file's rows without the column are text rows; a builtin task's images are its 'images' column.)"""
+    image_key, columns = cfg.data.image_key, sorted({k for row in rows if isinstance(row, dict) for k in row})
+    builtin_images = source.startswith(BUILTIN) and source[len(BUILTIN):] in IMAGE_TASKS
+    problems.check(image_key is None or image_key in columns, "data.image_key",
+                   f"{image_key!r} is a column of no row of {source} (its columns: {columns}), so no row's images "
+                   "would be read: each would train on its text alone.",
+                   "set data.image_key=images" if builtin_images else
+                   "set data.image_key to the rows' image column, or null for text-only data")
+    problems.check(not (image_key is None and builtin_images), "data.image_key",
+                   f"the rows of {source} carry images (column 'images'), but data.image_key=null reads none: "
+                   "each row would train on its text alone, a literal <image> in its prompt.",
+                   "set data.image_key=images (with a vision-language model.path)")
 
 
 def _specs(spec: str | None) -> list[str]:

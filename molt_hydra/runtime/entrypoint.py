@@ -71,15 +71,7 @@ def _run(cfg: RunConfig) -> None:
     if cfg.job.value == "sft":
         _run_sft(cfg, resume_from)
         return
-    from molt_hydra.models.build import resolve_path
-
-    # a tiny:// model is built here, once (tiny://idefics3_colors_warm: its warm start runs), before Ray takes the cores
-    try:
-        resolve_path(cfg.model.path)
-    except (RuntimeError, OSError) as e:
-        print(f"\nRun failed: model.path={cfg.model.path}: {e}", file=sys.stderr)
-        sys.exit(EXIT_FAILED)
-
+    _build_models(cfg)
     from molt_hydra.runtime.role_warnings import Shown
 
     shown = Shown(cfg.output_dir)  # before any Ray process starts: each inherits where its warnings go
@@ -104,6 +96,22 @@ def _run(cfg: RunConfig) -> None:
         os._exit(code)
     if code:  # SystemExit: a notebook or a Python caller keeps its process
         sys.exit(code)
+
+
+def _build_models(cfg: RunConfig) -> None:
+    """The run's models are built here, once (a tiny:// model; tiny://idefics3_colors_warm: its warm start runs; a
+    smollm2:// conversion), before Ray takes the cores; a failure names the model's key and exits 4. Was, for the
+    reference or critic model: built as their roles started, 'Run failed: driver (I/O): FileNotFoundError: ...'."""
+    from molt_hydra.models.build import resolve_path
+
+    for key, path in (("model.path", cfg.model.path), ("model.ref_path", cfg.model.ref_path),
+                      ("model.critic_path", cfg.model.critic_path)):
+        try:  # (ValueError: a smollm2:// name its converter does not know; validation leaves those to it)
+            if path is not None:
+                resolve_path(path)
+        except (RuntimeError, OSError, ValueError) as e:
+            print(f"\nRun failed: {key}={path}: {e}", file=sys.stderr)
+            sys.exit(EXIT_FAILED)
 
 
 def _check_resume(cfg: RunConfig) -> Path | None:
@@ -404,7 +412,7 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         with suppress(OSError):
             cause += " (free: " + ", ".join(f"{key}={path} {shutil.disk_usage(path).free / 1e9:.3g} GB"
                                             for key, path in dirs if Path(path).exists()) + ")"
-    lines = [f"Run failed: {role}: {cause}."]
+    lines = [f"Run failed: {role}: {cause.rstrip('.')}."]  # (a cause's own full stop is not doubled)
     if drops:
         lines.append("  dropped samples by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())))
         examples = {}

@@ -377,3 +377,26 @@ def test_sft_on_a_builtin_task_checks_its_rows_columns():
         f"{key}: builtin://colors_warm: SFT row 0: " + missing.format("output", "reply", " (or one message)", "output")
         for key in ("data.train_path", "eval.data_path")]
     assert config_errors([SFT, "eval.data_path=builtin://colors_warm"]) == []
+
+
+def test_sft_image_key_names_a_column_of_the_rows(tmp_path):
+    """SFT rows' images are read from data.image_key alone (data/sft_dataset.py). Before: a key no row has, or none on
+    builtin://colors_warm's image rows, passed validation, and every row trained on its text alone, a literal <image>
+    left in its prompt, without a word."""
+    assert config_errors([SFT, "data.image_key=image"]) == [
+        "data.image_key: 'image' is a column of no row of builtin://colors_warm (its columns: ['images', 'input', "
+        "'output']), so no row's images would be read: each would train on its text alone. Fix: set "
+        "data.image_key=images"]
+    assert config_errors([SFT, "data.image_key=null"]) == [
+        "data.image_key: the rows of builtin://colors_warm carry images (column 'images'), but data.image_key=null "
+        "reads none: each row would train on its text alone, a literal <image> in its prompt. Fix: set "
+        "data.image_key=images (with a vision-language model.path)"]
+    (path := tmp_path / "chats.jsonl").write_text('{"input": "<image>hi", "output": "a", "picture": ["x.png"]}\n'
+                                                  + '{"input": "hi", "output": "a"}\n' * 15)
+    assert config_errors([SFT, f"data.train_path={path}"]) == [  # (the recipe's data.image_key=images)
+        f"data.image_key: 'images' is a column of no row of {path} (its columns: ['input', 'output', 'picture']), "
+        "so no row's images would be read: each would train on its text alone. Fix: set data.image_key to the rows' "
+        "image column, or null for text-only data"]
+    # a column some rows have (the others: text rows), or null for a file's rows: they are read as given
+    assert config_errors([SFT, f"data.train_path={path}", "data.image_key=picture"]) == []
+    assert config_errors([SFT, f"data.train_path={path}", "data.image_key=null"]) == []

