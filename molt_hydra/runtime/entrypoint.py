@@ -319,11 +319,15 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
     last_words: list[str] = []  # the failure message: printed after every teardown, so it is what the user sees last
     name_checkpoint = False  # an interruption or a stall: the checkpoint to resume from, named after the teardown
     try:
-        roles = await build_roles(cfg, record, role_pids)
-        shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
-        if cfg.job.value == "eval":
-            return await _eval_only(cfg, roles, opened)
-        return await _train(cfg, roles, opened, resume_from, notice)
+        try:
+            roles = await build_roles(cfg, record, role_pids)
+            shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
+            if cfg.job.value == "eval":
+                return await _eval_only(cfg, roles, opened)
+            return await _train(cfg, roles, opened, resume_from, notice)
+        finally:  # another Ctrl-C / SIGTERM would cut the report (the stall's probe: up to 10 s) or the teardown
+            for sig in signals:  # short and leave processes behind; before, one during the report ended the run in
+                loop.add_signal_handler(sig, _still_stopping)  # a traceback, its failure untold
     except RoleStalled as e:
         probe, name_checkpoint = roles is not None and e.role in ("rollout", "weight sync"), True
         return _stalled(cfg, role_pids, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
@@ -340,8 +344,6 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         last_words += await _report_failure(cfg, roles, e)
         return EXIT_FAILED
     finally:
-        for sig in signals:  # another Ctrl-C / SIGTERM would cut the teardown short and leave processes behind
-            loop.add_signal_handler(sig, _still_stopping)
         for log in opened:
             try:
                 log.close()

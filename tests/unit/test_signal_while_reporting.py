@@ -1,0 +1,42 @@
+"""runtime/entrypoint.py `_main`: once the run has failed or stalled, its report awaits (the stall's probe of every
+engine and agent runner, up to 10 s when one is stuck; the wait for a raylet still ending). A Ctrl-C or SIGTERM
+then, as a user seeing the run hang would send, is the teardown's: 'Already stopping ...', and the failure is still
+the last thing printed. Before: the signal cancelled the report; the CancelledError escaped `_main` (its own except
+clause, a sibling, does not catch it) and the run ended in an asyncio traceback, its failure never told. The roles
+stand in (none start); the signal is real, sent to this process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from types import SimpleNamespace as value
+
+import pytest
+
+from molt_hydra.config.schema import RunConfig
+from molt_hydra.runtime import entrypoint, reaper, roles
+from molt_hydra.runtime.watchdog import EXIT_FAILED, RunFailed
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_failure_is_reported_keeps_the_failure_last(monkeypatch, capsys, sig):
+    async def failing_build(cfg, record, role_pids):
+        raise RunFailed("rollout", "every group failed")
+
+    async def slow_report(cfg, roles_, error):
+        os.kill(os.getpid(), sig)  # handled by the loop at the next await, as the user's Ctrl-C would be
+        await asyncio.sleep(0.2)
+        return [f"Run failed: {error.role}: {error.cause}."]
+
+    monkeypatch.setattr(roles, "build_roles", failing_build)
+    monkeypatch.setattr(entrypoint, "_report_failure", slow_report)
+    for name in ("descendants", "shutdown_ray", "kill"):  # (this process's children are pytest's, not a run's)
+        monkeypatch.setattr(entrypoint, name, lambda *a: [])
+    monkeypatch.setattr(reaper, "stop", lambda: None)
+    stand_in = value(stop=lambda: None, uninstall=lambda: None)
+    code = asyncio.run(entrypoint._main(RunConfig(), {}, None, stand_in, stand_in))
+    assert code == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "Already stopping every role; please wait.\n" in err, err
+    assert err.rstrip().splitlines()[-1] == "Run failed: rollout: every group failed.", err
