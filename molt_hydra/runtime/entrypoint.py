@@ -328,6 +328,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         finally:  # another Ctrl-C / SIGTERM would cut the report (the stall's probe: up to 10 s) or the teardown
             for sig in signals:  # short and leave processes behind; before, one during the report ended the run in
                 loop.add_signal_handler(sig, _still_stopping)  # a traceback, its failure untold
+            notice.over()  # (nor does Slurm's notice's cut)
     except RoleStalled as e:
         probe, name_checkpoint = roles is not None and e.role in ("rollout", "weight sync"), True
         return _stalled(cfg, role_pids, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)

@@ -37,7 +37,7 @@ class PreemptionNotice:
         self.saved_step: int | None = None
         self.stopped = False  # the training loop stopped on the notice (`saved`)
         self._previous = self._submitit = self._cut = self._loop = None
-        self._installed = False
+        self._installed = self._over = False
 
     def install(self, loop: asyncio.AbstractEventLoop | None = None, main_task: asyncio.Task | None = None,
                 also=None) -> None:
@@ -65,7 +65,14 @@ class PreemptionNotice:
         self.received.set()
         if also is not None:
             also()
-        self._cut = cut_later()
+        self._cut = None if self._over else cut_later()
+
+    def over(self) -> None:
+        """The run's body is over (its report and teardown follow): no step runs, nothing is to be cut short. Before,
+        a cut due then cancelled the report or the teardown (a traceback last, Ray's processes left to the reaper)."""
+        self._over = True
+        if self._cut is not None:
+            self._cut.cancel()
 
     def saved(self, step: int | None) -> None:
         """The loop stopped at a step's end (saved, unless checkpoint.save_steps=0): the teardown is not cut short."""
