@@ -150,7 +150,11 @@ def stall_report(run_dir: str | Path, role_pids: dict[str, int], reason: str, no
     held = stopped(role_pids, alone)
     reason += f"; stopped by a signal (SIGSTOP; SIGCONT resumes it): {', '.join(f'{r} (pid {p})' for r, p in held)}" \
         if held else ""
-    return [f"Run stopped: {reason}.", f"Stacks of every role: {dump_stacks(run_dir, role_pids, reason)}"]
+    try:
+        stacks = dump_stacks(run_dir, role_pids, reason)
+    except OSError as e:  # a full disk, a read-only output_dir: the stall is still told (was: a traceback, untold)
+        stacks = f"not written ({describe(e)})"
+    return [f"Run stopped: {reason}.", f"Stacks of every role: {stacks}"]
 
 
 def kill(pids: list[int]) -> None:

@@ -153,3 +153,14 @@ def test_a_stopped_gcs_or_raylet_ends_the_run_naming_it_not_its_childrens_roles(
             os.kill(pid, signal.SIGKILL)
         for p in (gcs, raylet):
             p.kill()
+
+
+def test_a_stall_on_a_full_disk_is_still_told_without_its_stacks(monkeypatch, tmp_path):
+    """The stacks' file cannot be written (the output_dir's filesystem full: /dev/full stands in as that file, its
+    writes fail with ENOSPC). Before: the OSError escaped the stall's report, the run ended in a traceback and the
+    stall was never named; now its lines say why there are no stacks."""
+    monkeypatch.setattr(watchdog.time, "strftime", lambda fmt: "now")
+    (tmp_path / "stacks-now.txt").symlink_to("/dev/full")
+    lines = watchdog.stall_report(tmp_path, {}, "actor stalled: train_step did not finish within 30 s", [])
+    assert lines == ["Run stopped: actor stalled: train_step did not finish within 30 s.",
+                     "Stacks of every role: not written (OSError: [Errno 28] No space left on device)"], lines
