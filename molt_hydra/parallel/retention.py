@@ -4,8 +4,11 @@ newest alone is over the budget, `over_budget` says so (the save itself is compl
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def dir_bytes(path: Path) -> int:
@@ -14,16 +17,18 @@ def dir_bytes(path: Path) -> int:
 
 def prune(tags: list[Path], keep: int, max_disk_gb: float | None) -> None:
     """`tags`: the loadable checkpoint directories, oldest first (the last is the one just saved)."""
-    if keep > 0:
-        for old in tags[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        tags = tags[-keep:]
-    if max_disk_gb is None:
-        return
-    sizes = [dir_bytes(t) for t in tags]
-    while len(tags) > 1 and sum(sizes) > max_disk_gb * 1e9:
-        shutil.rmtree(tags.pop(0), ignore_errors=True)
+    pruned = tags[:-keep] if keep > 0 else []
+    tags = tags[len(pruned):]
+    sizes = [dir_bytes(t) for t in tags] if max_disk_gb is not None else []
+    while sizes and len(tags) > 1 and sum(sizes) > max_disk_gb * 1e9:
+        pruned.append(tags.pop(0))
         sizes.pop(0)
+    for old in pruned:
+        try:
+            shutil.rmtree(old)
+        except OSError as e:  # (was ignored: the checkpoints outgrew max_num / max_disk_gb without a word)
+            logger.warning("checkpoint retention: %s could not be removed (%s): it stays on disk, beyond "
+                           "checkpoint.max_num / checkpoint.max_disk_gb; remove it by hand", old, e.strerror or e)
 
 
 def over_budget(newest: Path, max_disk_gb: float | None) -> str | None:

@@ -49,3 +49,24 @@ def test_newest_over_budget_is_kept_and_named(tmp_path):
     assert f"Fix: raise checkpoint.max_disk_gb above {size}" in str(err.value)
     assert _steps(tmp_path) == [2]  # the older one pruned, the new one complete and resumable
     assert resolve_checkpoint(tmp_path).name == "step_2"
+
+
+def test_a_checkpoint_that_cannot_be_pruned_is_named(tmp_path, caplog):
+    """checkpoint.max_num=1 and step_1 immutable (chattr +i: its files cannot be removed, as in a directory another
+    user owns). Before: the removal's error was ignored, the checkpoints outgrew max_num / max_disk_gb without a
+    word; now a warning (the terminal's, through role_warnings.py) names the directory and the cause."""
+    import subprocess
+
+    model = _model()
+    save_checkpoint(tmp_path, 1, model, keep=1)
+    if subprocess.run(["chattr", "+i", str(tmp_path / "step_1")], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here (needs root on a filesystem that supports it)")
+    try:
+        with caplog.at_level("WARNING", logger="molt_hydra"):
+            save_checkpoint(tmp_path, 2, model, keep=1)
+    finally:
+        subprocess.run(["chattr", "-i", str(tmp_path / "step_1")])
+    assert _steps(tmp_path) == [1, 2]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("molt_hydra")] == [
+        f"checkpoint retention: {tmp_path / 'step_1'} could not be removed (Operation not permitted): it stays on "
+        "disk, beyond checkpoint.max_num / checkpoint.max_disk_gb; remove it by hand"]
