@@ -307,8 +307,12 @@ def _run_to_end(coro) -> int:
 
 async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice) -> int:
     loop = asyncio.get_running_loop()
-    # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread).
-    signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread). So does
+    # SIGHUP (its terminal closed), unless ignored (nohup): before, it ended the driver and Ray's head processes at
+    # once (the default action), a save under way lost, the log's last line no word of it
+    main = threading.current_thread() is threading.main_thread()
+    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else ()
+    signals = (signal.SIGINT, signal.SIGTERM, *hangup) if main else ()
     for sig in signals:
         loop.add_signal_handler(sig, asyncio.current_task().cancel)
     loop.set_exception_handler(_quiet_cancellations)

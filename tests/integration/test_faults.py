@@ -37,12 +37,12 @@ def newest_step(ckpts: Path) -> int:
 class Run:
     """`molt-run` in the background; remembers every process it started, to prove none outlives it."""
 
-    def __init__(self, out: Path, *overrides: str, logs: Path | None = None, small: bool = True):
+    def __init__(self, out: Path, *overrides: str, logs: Path | None = None, small: bool = True, **popen):
         logs = logs or out.parent
         self.stdout, self.stderr = open(logs / f"{out.name}.out", "w+"), open(logs / f"{out.name}.err", "w+")
         cmd = only_last([MOLT_RUN, *(SMALL if small else []), f"hydra.run.dir={out}", *overrides])
         self.proc = subprocess.Popen(cmd, stdout=self.stdout, stderr=self.stderr, text=True,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1"}, **popen)
         # pid -> start time: the pids of a run's minutes of pgrep calls wrap around (pid_max 32768), and a pid seen
         # here may be another process's by the end (was: a set of pids, a reused one 'left behind')
         self.seen: dict[int, str] = {}
@@ -692,3 +692,25 @@ def test_a_killed_engine_core_during_an_eval_job_is_replaced_and_the_eval_ends(t
     assert "rollout engine 0 restarted (1 of rollout.max_engine_restarts=3): its vLLM engine core died; " in run.err()
     scores = json.loads(run.out_text()[run.out_text().index("{\n"):])
     assert scores["eval_num_samples"] == 32 * 64
+
+
+def _hangup_as_a_terminal_has_it():
+    os.setsid()  # its own process group, as a terminal's job (the killpg below reaches nothing else)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # (this test's runner may ignore it: nohup)
+
+
+@pytest.mark.slow  # ~1 min: tests/unit/test_hangup.py (Ray's processes ignore it, the driver takes it) in make test
+def test_sighup_to_the_runs_process_group_stops_it_and_every_role(tmp_path):
+    """The terminal closing: SIGHUP to the run's process group, the driver and Ray's GCS, raylet and agents. Before:
+    each died of it at once (exit -1), the roles with them, and the log (stderr redirected) ended without a word."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    run = Run(tmp_path / "run", *ENDLESS, "checkpoint.save_steps=1", preexec_fn=_hangup_as_a_terminal_has_it)
+    run.wait_for(lambda: newest_step(ckpts) >= 1)
+    os.killpg(run.proc.pid, signal.SIGHUP)
+    code = run.finish(timeout=180)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == 130, run.err()[-3000:]
+    assert "Interrupted: stopping every role; the last checkpoint is kept." in lines, lines[-5:]
+    assert lines[-1].startswith(f"Last checkpoint: {ckpts / 'step_'}") and \
+        lines[-1].endswith("; resume with checkpoint.resume=auto"), lines[-5:]
+    assert "Traceback" not in run.err(), run.err()[-3000:]
