@@ -555,6 +555,36 @@ def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
     assert response.output[1].arguments == '{"code": "print(1)"}'
 
 
+def test_text_between_thinking_and_a_tool_call_is_the_same_streamed_and_not_in_each_sdk(tok):
+    """Qwen3 writes `</think>\n\nSure. <tool_call>`: the text before the call is the same whether the turn is
+    streamed or not, in each API (was: "Sure." in a plain reply but "\n\nSure." in the Anthropic / Responses SDK's
+    final message of the stream, which stands as streamed; vLLM's parsers keep the leading newlines too)."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, THOUGHT_TEXT_CALL), "qwen3")
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        tools = [dict(TOOL["function"], type="function")]
+        try:  # each request says something else: a repeat would be a retry, answered with the cached reply
+            async with an.messages.stream(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A]) as s:
+                a_streamed = await s.get_final_message()
+            a_plain = await an.messages.create(model="policy", max_tokens=50, tools=[TOOL_A],
+                                               messages=[{"role": "user", "content": "again"}])
+            async with oa.responses.stream(model="policy", input="go", tools=tools) as s:
+                r_streamed = await s.get_final_response()
+            r_plain = await oa.responses.create(model="policy", input="go on", tools=tools)
+            return {"anthropic": [[b.text for b in m.content if b.type == "text"] for m in (a_streamed, a_plain)],
+                    "responses": [[r.output_text] for r in (r_streamed, r_plain)]}
+        finally:
+            await an.close(), await oa.close()
+            await server.stop()
+
+    for api, (streamed, plain) in asyncio.run(go()).items():
+        assert streamed == plain == ["\n\nSure."], api
+
+
 def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_openai_sdk(tok):
     """n > 1 and a client's retry (the cached turn) stream each choice whole at the end; the SDK's accumulator joins
     every delta's fields, so each choice is one assistant message with the generated text (was: choice 0's role
