@@ -585,6 +585,40 @@ def test_text_between_thinking_and_a_tool_call_is_the_same_streamed_and_not_in_e
         assert streamed == plain == ["\n\nSure."], api
 
 
+def test_a_streamed_responses_function_call_opens_empty_and_its_arguments_come_as_a_delta(tok):
+    """As OpenAI streams a call: output_item.added (arguments "", in progress), function_call_arguments.delta, .done,
+    output_item.done (was: no delta event, so a client joining the deltas had a call without arguments); the SDK's
+    accumulated response has each call's arguments once."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, CALL + "\n" + CALL))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        tools = [dict(TOOL["function"], type="function")]
+        try:
+            events = [e async for e in await oa.responses.create(model="policy", input="hi", tools=tools,
+                                                                  stream=True)]
+            async with oa.responses.stream(model="policy", input="again", tools=tools) as s:
+                final = await s.get_final_response()
+            return events, final
+        finally:
+            await oa.close()
+            await server.stop()
+
+    events, final = asyncio.run(go())
+    args = '{"code": "print(1)"}'
+    calls = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(c.type, c.arguments, c.status) for c in calls] == [("function_call", "", "in_progress")] * 2
+    for c in calls:
+        of_call = [e for e in events if getattr(e, "item_id", None) == c.id]
+        assert [e.type for e in of_call] == ["response.function_call_arguments.delta",
+                                             "response.function_call_arguments.done"]
+        assert (of_call[0].delta, of_call[1].arguments) == (args, args)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(c.id, c.arguments, c.status) for c in done] == [(c.id, args, "completed") for c in calls]
+    assert [(o.type, o.arguments) for o in final.output] == [("function_call", args)] * 2
+
+
 def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_openai_sdk(tok):
     """n > 1 and a client's retry (the cached turn) stream each choice whole at the end; the SDK's accumulator joins
     every delta's fields, so each choice is one assistant message with the generated text (was: choice 0's role

@@ -247,10 +247,15 @@ class ResponseStream(Stream):
         rest = [item for item in final["output"] if item["type"] not in {i["type"] for i in streamed}]
         final["output"] = streamed + rest
         for j, item in enumerate(rest, start=len(streamed)):
-            out.append(self.ev("response.output_item.added", output_index=j, item=item))
-            if item["type"] == "function_call":
-                out.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=j,
-                                   arguments=item["arguments"]))
+            if item["type"] != "function_call":
+                out.append(self.ev("response.output_item.added", output_index=j, item=item))
+            else:  # a call opens empty and one delta carries its arguments, as OpenAI's (was: no delta: a client
+                # joining the deltas, as the events are documented, had a call without arguments)
+                at = dict(item_id=item["id"], output_index=j)
+                out += [self.ev("response.output_item.added", output_index=j,
+                                item=dict(item, arguments="", status="in_progress")),
+                        self.ev("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+                        self.ev("response.function_call_arguments.done", **at, arguments=item["arguments"])]
             out.append(self.ev("response.output_item.done", output_index=j, item=item))
         done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return out + [self.ev(done, response=final)]
