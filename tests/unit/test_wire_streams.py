@@ -1891,6 +1891,33 @@ def test_a_judge_client_on_the_responses_api_is_told_the_endpoint_served_and_the
     assert "POST /s/s/judge/v1/responses" in error.message
 
 
+def test_a_stored_response_asked_for_by_id_is_a_404_saying_none_is_stored(tok):
+    """`store` is accepted and ignored: retrieving, deleting or listing the input of a response just returned, or
+    counting input tokens, is a 404 that says no response is stored and what to send (was: a bare 'Not Found')."""
+    from openai import AsyncOpenAI, NotFoundError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Yes."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            r = await oa.responses.create(model="policy", input="hi", store=True)
+            errors = []
+            for call in (lambda: oa.responses.retrieve(r.id), lambda: oa.responses.delete(r.id),
+                         lambda: oa.responses.input_items.list(r.id),
+                         lambda: oa.responses.input_tokens.count(model="policy", input="hi")):
+                with pytest.raises(NotFoundError) as e:
+                    await call()
+                errors.append(e.value)
+            return errors
+        finally:
+            await oa.close()
+            await server.stop()
+
+    for error in asyncio.run(go()):
+        assert error.status_code == 404 and "no response is stored here, 'store' is ignored" in error.message
+        assert "send the whole input to POST /v1/responses each turn" in error.message
+
+
 def test_text_before_a_tool_result_in_a_user_message_is_refused_as_anthropic_does(tok):
     """Anthropic answers 400 when a user message has text before its tool_result blocks (they must come first); the
     server moved the results ahead of the text (was: a 200 on a turn that was not the one sent). Results first is
