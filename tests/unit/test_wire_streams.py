@@ -5,6 +5,7 @@ tests/integration/test_chat_server.py)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 
@@ -617,6 +618,34 @@ def test_a_streamed_responses_function_call_opens_empty_and_its_arguments_come_a
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [(c.id, c.arguments, c.status) for c in done] == [(c.id, args, "completed") for c in calls]
     assert [(o.type, o.arguments) for o in final.output] == [("function_call", args)] * 2
+
+
+def test_a_retried_responses_stream_sends_the_cached_reply_as_the_same_events(tok):
+    """A client's retry of a streamed turn (the SDK's, after a dropped connection) gets the cached reply: its
+    reasoning and text come as the live stream sent them, in one delta each (was: their items added whole with no
+    reasoning_text / output_text deltas, so a client reading the deltas, as UIs and the Vercel AI SDK do, had no
+    text)."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nSure."), "qwen3")
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            return [[e async for e in await oa.responses.create(model="policy", input="hi", stream=True)]
+                    for _ in range(2)]
+        finally:
+            await oa.close()
+            await server.stop()
+
+    live, retry = asyncio.run(go())
+    for events in live, retry:
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "\nhmm\n"
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nSure."
+    kinds = [[k for k, _ in itertools.groupby(e.type for e in events)] for events in (live, retry)]
+    assert kinds[0] == kinds[1]  # the same events, a run of deltas as one
+    final = [events[-1].response.output for events in (live, retry)]
+    assert [[(i.type, i.id) for i in out] for out in final] == [
+        [(e.item.type, e.item.id) for e in events if e.type == "response.output_item.done"] for events in (live, retry)]
 
 
 def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_openai_sdk(tok):

@@ -236,11 +236,16 @@ class ResponseStream(Stream):
         return []
 
     def end(self, reply) -> list[bytes]:
-        out = self.close()
+        c, out = reply.choices[0], []
+        if not reply.streamed:  # a retry's cached reply: its reasoning and text as a stream sends them, one delta each
+            # (was: their items added whole, no output_text.delta: a client reading the deltas had no text)
+            for kind, text in (("reasoning", c.reasoning), ("content", c.content)):
+                out += self.delta(kind, text) if text else []
+        out += self.close()
         final = body(reply, self.req, self.model, self.id)
-        # the items streamed stand as sent, ids and text; the reply's others (tool calls, all of a cached reply)
-        # follow whole. Not by position: text streamed before a tool call may be blank, which the reply leaves out
-        streamed = self.items if reply.streamed else []
+        # the items streamed stand as sent, ids and text; the reply's others (tool calls, an empty message) follow
+        # whole. Not by position: text streamed before a tool call may be blank, which the reply leaves out
+        streamed = self.items
         for item in streamed:
             if item["type"] == "message":
                 item["content"][0]["logprobs"] = reply.choices[0].logprobs or []
