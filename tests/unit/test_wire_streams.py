@@ -648,6 +648,20 @@ def test_a_retried_responses_stream_sends_the_cached_reply_as_the_same_events(to
         [(e.item.type, e.item.id) for e in events if e.type == "response.output_item.done"] for events in (live, retry)]
 
 
+def test_a_streamed_responses_text_asked_for_log_probs_has_them_in_its_done_events(tok):
+    """output_text.done, content_part.done and output_item.done carry the text's log-probs, as response.completed
+    does (was: [] in every .done event, the engine's log-probs only in response.completed)."""
+    status, events = exchange(tok, "/v1/responses", {"input": "hi", "stream": True,
+                                                     "include": ["message.output_text.logprobs"]}, "Hello there.")
+    (completed,) = [d["response"] for k, d in events if k == "response.completed"]
+    expected = completed["output"][0]["content"][0]["logprobs"]
+    assert status == 200 and [e["logprob"] for e in expected] == [-0.5] * len(ScriptedEngine(tok, "Hello there.").ids)
+    done = {k: d for k, d in events if k.endswith(".done")}
+    assert done["response.output_text.done"]["logprobs"] == expected
+    assert done["response.content_part.done"]["part"]["logprobs"] == expected
+    assert done["response.output_item.done"]["item"]["content"][0]["logprobs"] == expected
+
+
 def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_openai_sdk(tok):
     """n > 1 and a client's retry (the cached turn) stream each choice whole at the end; the SDK's accumulator joins
     every delta's fields, so each choice is one assistant message with the generated text (was: choice 0's role

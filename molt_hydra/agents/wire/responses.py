@@ -189,6 +189,7 @@ class ResponseStream(Stream):
 
     ID_PREFIX = "resp_"
     seq, item_id, text = 0, None, ""  # events sent; the open item's id and text so far
+    logprobs: list = []  # of the text, known at the end (its item closes there: text is the last run)
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -224,9 +225,9 @@ class ResponseStream(Stream):
 
     def close(self) -> list[bytes]:
         if self.kind == "content":
-            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
             self.items.append(_message_item(self.item_id, [part]))
-            return [self.ev("response.output_text.done", **self.at(text=self.text, logprobs=[])),
+            return [self.ev("response.output_text.done", **self.at(text=self.text, logprobs=self.logprobs)),
                     self.ev("response.content_part.done", **self.at(part=part)),
                     self.ev("response.output_item.done", output_index=self.index, item=self.items[-1])]
         if self.kind == "reasoning":
@@ -237,6 +238,8 @@ class ResponseStream(Stream):
 
     def end(self, reply) -> list[bytes]:
         c, out = reply.choices[0], []
+        # in the text's .done events too, as in response.completed (was: [] there, the engine's log-probs only in it)
+        self.logprobs = c.logprobs or []
         if not reply.streamed:  # a retry's cached reply: its reasoning and text as a stream sends them, one delta each
             # (was: their items added whole, no output_text.delta: a client reading the deltas had no text)
             for kind, text in (("reasoning", c.reasoning), ("content", c.content)):
@@ -248,7 +251,7 @@ class ResponseStream(Stream):
         streamed = self.items
         for item in streamed:
             if item["type"] == "message":
-                item["content"][0]["logprobs"] = reply.choices[0].logprobs or []
+                item["content"][0]["logprobs"] = self.logprobs
         rest = [item for item in final["output"] if item["type"] not in {i["type"] for i in streamed}]
         final["output"] = streamed + rest
         for j, item in enumerate(rest, start=len(streamed)):
