@@ -238,6 +238,11 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "'stream_options' must be an object"),
     ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": "no"}}, 400,
      "stream_options.include_usage", "must be a boolean"),
+    # named as sent (was: "'tool_choice'='required' needs 'tools'", OpenAI's value, not the one sent)
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "any"}}, 400, None,
+     "'tool_choice' {type: 'any'} needs 'tools'"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "tool", "name": "f"}}, 400, None,
+     "'tool_choice' {type: 'tool'} needs 'tools'"),
 ]
 
 
