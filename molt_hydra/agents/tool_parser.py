@@ -125,7 +125,9 @@ class ReplyParser:
             if not isinstance(args, dict):
                 return self._unparsed(content, reasoning, f"arguments of {tc.function.name!r} are not a JSON object")
             calls.append(ToolCall(tc.function.name, args))
-        return ParsedReply((info.content or "").strip(), calls, reasoning)
+        # only the whitespace before the calls goes, as `streamable` streams it (was: strip(), and Qwen3's
+        # `</think>\n\nSure. <tool_call>` was "Sure." in a plain reply, "\n\nSure." streamed; vLLM keeps it too)
+        return ParsedReply((info.content or "").rstrip(), calls, reasoning)
 
     def parse_forced(self, text: str, tool_choice) -> ParsedReply:
         """The bare JSON a forced tool choice generated, after the thinking of a reasoning model (the engine's grammar

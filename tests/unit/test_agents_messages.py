@@ -287,6 +287,39 @@ def test_tool_results_that_do_not_answer_the_calls_one_to_one_are_a_400(wire, re
     assert e.value.status == 400 and e.value.message.startswith(words) and e.value.param == "messages"
 
 
+def _unpaired(wire: str, orphan: bool) -> None:
+    """A request in `wire`'s shape with a tool result after no call (`orphan`), or a call whose turn gets no result
+    before the user's next message."""
+    if wire == "openai":
+        call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        turn = [{"role": "tool", "tool_call_id": "a", "content": "1"}] if orphan else [
+            {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "go on"}]
+        openai_chat.parse({"messages": [{"role": "user", "content": "q"}, *turn]})
+    elif wire == "anthropic":
+        use = {"type": "tool_use", "id": "a", "name": "f", "input": {}}
+        turn = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": "1"}]}] \
+            if orphan else [{"role": "assistant", "content": [use]}, {"role": "user", "content": "go on"}]
+        anthropic.parse({"max_tokens": 5, "messages": [{"role": "user", "content": "q"}, *turn]})
+    else:  # what an agent sends that keeps only its new items (the call's turn was answered before)
+        turn = [{"type": "function_call_output", "call_id": "a", "output": "1"}] if orphan else [
+            {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"}]
+        responses.parse({"input": [{"role": "user", "content": "q"}, *turn]})
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
+def test_a_tool_result_after_no_call_and_a_call_with_no_result_are_a_400(wire):
+    """As OpenAI and Anthropic refuse them (was: served, the model reading a tool's output that answers no call, or a
+    call that never got its output)."""
+    with pytest.raises(RequestError) as e:
+        _unpaired(wire, orphan=True)
+    assert (e.value.status, e.value.param) == (400, "messages")
+    assert e.value.message.startswith("a tool result (for id 'a') follows no assistant message: send the call")
+    with pytest.raises(RequestError) as e:
+        _unpaired(wire, orphan=False)
+    assert (e.value.status, e.value.param) == (400, "messages")
+    assert e.value.message.startswith("tool call id(s) ['a'] of an assistant message have no tool result after it")
+
+
 # Qwen2.5's (and Llama 3.1's, Hermes') way with a call: its arguments written with `| tojson`, string or not
 TOJSON_TEMPLATE = (
     "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}{%- for tc in m.tool_calls or [] -%}"

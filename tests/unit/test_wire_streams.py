@@ -5,6 +5,7 @@ tests/integration/test_chat_server.py)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 
@@ -237,6 +238,11 @@ HOSTILE = [  # (path, raw body, status, param or None, words the message must co
      "'stream_options' must be an object"),
     ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": "no"}}, 400,
      "stream_options.include_usage", "must be a boolean"),
+    # named as sent (was: "'tool_choice'='required' needs 'tools'", OpenAI's value, not the one sent)
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "any"}}, 400, None,
+     "'tool_choice' {type: 'any'} needs 'tools'"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "tool", "name": "f"}}, 400, None,
+     "'tool_choice' {type: 'tool'} needs 'tools'"),
 ]
 
 
@@ -553,6 +559,112 @@ def test_a_tool_call_after_streamed_blank_text_reaches_each_streaming_sdk(tok):
     assert [i.type for i in added] == ["reasoning", "function_call"]
     assert [(i.type, i.id) for i in response.output] == [(i.type, i.id) for i in added]
     assert response.output[1].arguments == '{"code": "print(1)"}'
+
+
+def test_text_between_thinking_and_a_tool_call_is_the_same_streamed_and_not_in_each_sdk(tok):
+    """Qwen3 writes `</think>\n\nSure. <tool_call>`: the text before the call is the same whether the turn is
+    streamed or not, in each API (was: "Sure." in a plain reply but "\n\nSure." in the Anthropic / Responses SDK's
+    final message of the stream, which stands as streamed; vLLM's parsers keep the leading newlines too)."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, THOUGHT_TEXT_CALL), "qwen3")
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        tools = [dict(TOOL["function"], type="function")]
+        try:  # each request says something else: a repeat would be a retry, answered with the cached reply
+            async with an.messages.stream(model="policy", max_tokens=50, messages=USER, tools=[TOOL_A]) as s:
+                a_streamed = await s.get_final_message()
+            a_plain = await an.messages.create(model="policy", max_tokens=50, tools=[TOOL_A],
+                                               messages=[{"role": "user", "content": "again"}])
+            async with oa.responses.stream(model="policy", input="go", tools=tools) as s:
+                r_streamed = await s.get_final_response()
+            r_plain = await oa.responses.create(model="policy", input="go on", tools=tools)
+            return {"anthropic": [[b.text for b in m.content if b.type == "text"] for m in (a_streamed, a_plain)],
+                    "responses": [[r.output_text] for r in (r_streamed, r_plain)]}
+        finally:
+            await an.close(), await oa.close()
+            await server.stop()
+
+    for api, (streamed, plain) in asyncio.run(go()).items():
+        assert streamed == plain == ["\n\nSure."], api
+
+
+def test_a_streamed_responses_function_call_opens_empty_and_its_arguments_come_as_a_delta(tok):
+    """As OpenAI streams a call: output_item.added (arguments "", in progress), function_call_arguments.delta, .done,
+    output_item.done (was: no delta event, so a client joining the deltas had a call without arguments); the SDK's
+    accumulated response has each call's arguments once."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, CALL + "\n" + CALL))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        tools = [dict(TOOL["function"], type="function")]
+        try:
+            events = [e async for e in await oa.responses.create(model="policy", input="hi", tools=tools,
+                                                                  stream=True)]
+            async with oa.responses.stream(model="policy", input="again", tools=tools) as s:
+                final = await s.get_final_response()
+            return events, final
+        finally:
+            await oa.close()
+            await server.stop()
+
+    events, final = asyncio.run(go())
+    args = '{"code": "print(1)"}'
+    calls = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(c.type, c.arguments, c.status) for c in calls] == [("function_call", "", "in_progress")] * 2
+    for c in calls:
+        of_call = [e for e in events if getattr(e, "item_id", None) == c.id]
+        assert [e.type for e in of_call] == ["response.function_call_arguments.delta",
+                                             "response.function_call_arguments.done"]
+        assert (of_call[0].delta, of_call[1].arguments) == (args, args)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(c.id, c.arguments, c.status) for c in done] == [(c.id, args, "completed") for c in calls]
+    assert [(o.type, o.arguments) for o in final.output] == [("function_call", args)] * 2
+
+
+def test_a_retried_responses_stream_sends_the_cached_reply_as_the_same_events(tok):
+    """A client's retry of a streamed turn (the SDK's, after a dropped connection) gets the cached reply: its
+    reasoning and text come as the live stream sent them, in one delta each (was: their items added whole with no
+    reasoning_text / output_text deltas, so a client reading the deltas, as UIs and the Vercel AI SDK do, had no
+    text)."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nSure."), "qwen3")
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            return [[e async for e in await oa.responses.create(model="policy", input="hi", stream=True)]
+                    for _ in range(2)]
+        finally:
+            await oa.close()
+            await server.stop()
+
+    live, retry = asyncio.run(go())
+    for events in live, retry:
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "\nhmm\n"
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nSure."
+    kinds = [[k for k, _ in itertools.groupby(e.type for e in events)] for events in (live, retry)]
+    assert kinds[0] == kinds[1]  # the same events, a run of deltas as one
+    final = [events[-1].response.output for events in (live, retry)]
+    assert [[(i.type, i.id) for i in out] for out in final] == [
+        [(e.item.type, e.item.id) for e in events if e.type == "response.output_item.done"] for events in (live, retry)]
+
+
+def test_a_streamed_responses_text_asked_for_log_probs_has_them_in_its_done_events(tok):
+    """output_text.done, content_part.done and output_item.done carry the text's log-probs, as response.completed
+    does (was: [] in every .done event, the engine's log-probs only in response.completed)."""
+    status, events = exchange(tok, "/v1/responses", {"input": "hi", "stream": True,
+                                                     "include": ["message.output_text.logprobs"]}, "Hello there.")
+    (completed,) = [d["response"] for k, d in events if k == "response.completed"]
+    expected = completed["output"][0]["content"][0]["logprobs"]
+    assert status == 200 and [e["logprob"] for e in expected] == [-0.5] * len(ScriptedEngine(tok, "Hello there.").ids)
+    done = {k: d for k, d in events if k.endswith(".done")}
+    assert done["response.output_text.done"]["logprobs"] == expected
+    assert done["response.content_part.done"]["part"]["logprobs"] == expected
+    assert done["response.output_item.done"]["item"]["content"][0]["logprobs"] == expected
 
 
 def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_openai_sdk(tok):
@@ -1825,6 +1937,33 @@ def test_a_judge_client_on_the_responses_api_is_told_the_endpoint_served_and_the
     assert error.status_code == 404 and served == "Yes."
     assert "/judge/v1/chat/completions" in error.message and "OpenAIChatCompletionsModel" in error.message
     assert "POST /s/s/judge/v1/responses" in error.message
+
+
+def test_a_stored_response_asked_for_by_id_is_a_404_saying_none_is_stored(tok):
+    """`store` is accepted and ignored: retrieving, deleting or listing the input of a response just returned, or
+    counting input tokens, is a 404 that says no response is stored and what to send (was: a bare 'Not Found')."""
+    from openai import AsyncOpenAI, NotFoundError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Yes."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            r = await oa.responses.create(model="policy", input="hi", store=True)
+            errors = []
+            for call in (lambda: oa.responses.retrieve(r.id), lambda: oa.responses.delete(r.id),
+                         lambda: oa.responses.input_items.list(r.id),
+                         lambda: oa.responses.input_tokens.count(model="policy", input="hi")):
+                with pytest.raises(NotFoundError) as e:
+                    await call()
+                errors.append(e.value)
+            return errors
+        finally:
+            await oa.close()
+            await server.stop()
+
+    for error in asyncio.run(go()):
+        assert error.status_code == 404 and "no response is stored here, 'store' is ignored" in error.message
+        assert "send the whole input to POST /v1/responses each turn" in error.message
 
 
 def test_text_before_a_tool_result_in_a_user_message_is_refused_as_anthropic_does(tok):

@@ -120,6 +120,8 @@ def _tool_choice(v: Any, tools: list[dict] | None) -> tuple[str | dict, bool | N
         raise bad(f"tool_choice.{unknown[0]}: Extra inputs are not permitted (tool_choice type {kind!r} takes "
                   f"{sorted(keys)})", "tool_choice")
     disable = check.flag(v, "disable_parallel_tool_use", None)
+    if kind in ("any", "tool") and not tools:  # (was: "'tool_choice'='required' needs 'tools'", a value not sent)
+        raise bad(f"'tool_choice' {{type: {kind!r}}} needs 'tools': send the tools it may call", "tool_choice")
     return check.tool_choice(mapped, tools), (None if disable is None else not disable)
 
 

@@ -128,14 +128,20 @@ def tool_results_in_call_order(messages: list[dict]) -> None:
     id. Chat templates render a result without its id, so the model pairs results with calls by position (was: results
     sent in the order the tools finished showed the model each under another call). Where the calls' ids tell them
     apart and every result names one, a result naming no call, two for one call, or a call left unanswered is a 400,
-    as at OpenAI and Anthropic; results without ids keep their order (their position is all that pairs them)."""
+    as at OpenAI and Anthropic; results without ids keep their order (their position is all that pairs them).
+    A result after no assistant message, or calls with ids and no result before the next message, is a 400 too (was:
+    served, the model reading a result to no call, e.g. an agent's input of only its new function_call_output)."""
     for i, m in enumerate(messages):
+        # (after an assistant's text it is served: an agent without agent.tool_parser reads the calls from the text)
+        if m["role"] == "tool" and (messages[i - 1]["role"] if i else None) not in ("assistant", "tool"):
+            raise bad(f"a tool result (for id {m.get('tool_call_id')!r}) follows no assistant message: send the "
+                      "call (tool_calls / tool_use / function_call) right before its result", "messages")
         ids = [tc["id"] for tc in m.get("tool_calls") or []]
         end = i + 1
         while end < len(messages) and messages[end]["role"] == "tool":
             end += 1
         answered = [r.get("tool_call_id") for r in messages[i + 1 : end]]
-        if not ids or not answered or not all(ids) or len(set(ids)) < len(ids) or not all(answered):
+        if not ids or not all(ids) or len(set(ids)) < len(ids) or (answered and not all(answered)):
             continue
         unknown = [a for a in answered if a not in ids]
         twice = sorted({a for a in answered if answered.count(a) > 1})

@@ -189,6 +189,7 @@ class ResponseStream(Stream):
 
     ID_PREFIX = "resp_"
     seq, item_id, text = 0, None, ""  # events sent; the open item's id and text so far
+    logprobs: list = []  # of the text, known at the end (its item closes there: text is the last run)
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -224,9 +225,9 @@ class ResponseStream(Stream):
 
     def close(self) -> list[bytes]:
         if self.kind == "content":
-            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
             self.items.append(_message_item(self.item_id, [part]))
-            return [self.ev("response.output_text.done", **self.at(text=self.text, logprobs=[])),
+            return [self.ev("response.output_text.done", **self.at(text=self.text, logprobs=self.logprobs)),
                     self.ev("response.content_part.done", **self.at(part=part)),
                     self.ev("response.output_item.done", output_index=self.index, item=self.items[-1])]
         if self.kind == "reasoning":
@@ -236,21 +237,33 @@ class ResponseStream(Stream):
         return []
 
     def end(self, reply) -> list[bytes]:
-        out = self.close()
+        c, out = reply.choices[0], []
+        # in the text's .done events too, as in response.completed (was: [] there, the engine's log-probs only in it)
+        self.logprobs = c.logprobs or []
+        if not reply.streamed:  # a retry's cached reply: its reasoning and text as a stream sends them, one delta each
+            # (was: their items added whole, no output_text.delta: a client reading the deltas had no text)
+            for kind, text in (("reasoning", c.reasoning), ("content", c.content)):
+                out += self.delta(kind, text) if text else []
+        out += self.close()
         final = body(reply, self.req, self.model, self.id)
-        # the items streamed stand as sent, ids and text; the reply's others (tool calls, all of a cached reply)
-        # follow whole. Not by position: text streamed before a tool call may be blank, which the reply leaves out
-        streamed = self.items if reply.streamed else []
+        # the items streamed stand as sent, ids and text; the reply's others (tool calls, an empty message) follow
+        # whole. Not by position: text streamed before a tool call may be blank, which the reply leaves out
+        streamed = self.items
         for item in streamed:
             if item["type"] == "message":
-                item["content"][0]["logprobs"] = reply.choices[0].logprobs or []
+                item["content"][0]["logprobs"] = self.logprobs
         rest = [item for item in final["output"] if item["type"] not in {i["type"] for i in streamed}]
         final["output"] = streamed + rest
         for j, item in enumerate(rest, start=len(streamed)):
-            out.append(self.ev("response.output_item.added", output_index=j, item=item))
-            if item["type"] == "function_call":
-                out.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=j,
-                                   arguments=item["arguments"]))
+            if item["type"] != "function_call":
+                out.append(self.ev("response.output_item.added", output_index=j, item=item))
+            else:  # a call opens empty and one delta carries its arguments, as OpenAI's (was: no delta: a client
+                # joining the deltas, as the events are documented, had a call without arguments)
+                at = dict(item_id=item["id"], output_index=j)
+                out += [self.ev("response.output_item.added", output_index=j,
+                                item=dict(item, arguments="", status="in_progress")),
+                        self.ev("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+                        self.ev("response.function_call_arguments.done", **at, arguments=item["arguments"])]
             out.append(self.ev("response.output_item.done", output_index=j, item=item))
         done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return out + [self.ev(done, response=final)]

@@ -252,6 +252,10 @@ async def _json_errors(request: web.Request, handler):
         elif e.status == 404 and "/judge/" in request.path:  # e.g. the Agents SDK's default Responses model
             error.message += (f" (the judge serves only {JUDGE}, non-streamed: call client.chat.completions.create, "
                               "or in the Agents SDK use OpenAIChatCompletionsModel)")
+        elif e.status in (404, 405) and "/v1/responses/" in request.path:  # (was: a bare Not Found)
+            error.message += (" (no response is stored here, 'store' is ignored: one cannot be retrieved, deleted, "
+                              "listed or continued by id, and input tokens are counted in a turn's usage only; send "
+                              "the whole input to POST /v1/responses each turn)")
     except Exception as e:
         log.exception("%s failed", request.path)
         error = request_error(e)
