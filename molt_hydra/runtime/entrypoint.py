@@ -305,16 +305,29 @@ def _run_to_end(coro) -> int:
     return asyncio.run(coro)
 
 
-async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice) -> int:
-    loop = asyncio.get_running_loop()
-    # Ctrl-C / SIGTERM stop the run; only the main thread may take signals (not a notebook's run thread). So does
-    # SIGHUP (its terminal closed), unless ignored (nohup): before, it ended the driver and Ray's head processes at
-    # once (the default action), a save under way lost, the log's last line no word of it
+def _stop_signals(loop) -> tuple:
+    """Ctrl-C / SIGTERM stop the run (the main task cancelled); only the main thread may take signals (not a notebook's
+    run thread). So does SIGHUP (its terminal closed), unless ignored (nohup): before, it ended the driver and Ray's
+    head processes at once (the default action), a save under way lost, the log's last line no word of it."""
     main = threading.current_thread() is threading.main_thread()
     hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else ()
     signals = (signal.SIGINT, signal.SIGTERM, *hangup) if main else ()
     for sig in signals:
         loop.add_signal_handler(sig, asyncio.current_task().cancel)
+    return signals
+
+
+def _close_logs(opened: list) -> None:
+    for log in opened:
+        try:
+            log.close()
+        except Exception as e:  # noqa: BLE001 - the roles are still ended after it
+            print(f"closing the metric sinks: {describe(e)}", file=sys.stderr)
+
+
+async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice) -> int:
+    loop = asyncio.get_running_loop()
+    signals = _stop_signals(loop)
     loop.set_exception_handler(_quiet_cancellations)
     from molt_hydra.runtime.roles import build_roles
 
@@ -349,11 +362,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         last_words += await _report_failure(cfg, roles, e)
         return EXIT_FAILED
     finally:
-        for log in opened:
-            try:
-                log.close()
-            except Exception as e:  # noqa: BLE001 - the roles are still ended below
-                print(f"closing the metric sinks: {describe(e)}", file=sys.stderr)
+        _close_logs(opened)
         if roles is not None:
             try:
                 await asyncio.wait_for(roles.calls.shutdown(), 25)
