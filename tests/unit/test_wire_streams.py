@@ -2074,3 +2074,45 @@ def test_tools_under_auto_without_a_tool_parser_are_refused_naming_it(tok):
     assert refused.status_code == 400 and refused.body["param"] == "tools"
     assert "cannot be served with agent.tool_parser=null" in refused.body["message"]
     assert none.choices[0].message.content == CALL.strip() and none.choices[0].finish_reason == "stop"
+
+
+def test_an_assistant_refusal_in_the_history_reaches_the_template_as_its_text(tok):
+    """OpenAI's assistant message takes a refusal as its `refusal` field or a content part of type "refusal": the
+    part was a 400 'unsupported content part type', the field dropped (the model read an empty assistant turn). Both
+    now render as the turn's text, as vLLM renders a refusal part; a refusal beside content, or in a user's content,
+    is a 400 naming it."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    no = "I can't help with that."
+    histories = [[{"role": "assistant", "content": None, "refusal": no}],
+                 [{"role": "assistant", "content": [{"type": "refusal", "refusal": no}]}]]
+    refused = [[{"role": "assistant", "content": "Sure.", "refusal": no}],
+               [{"role": "user", "content": [{"type": "refusal", "refusal": no}]}]]
+
+    async def go():
+        engine = RecordingEngine(tok, "Hello.")
+        server, _ = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            for i, h in enumerate(histories):  # (another last message each: the same request twice is a retry)
+                await oa.chat.completions.create(model="policy",
+                                                 messages=USER + h + [{"role": "user", "content": f"ok {i}"}])
+            errors = []
+            for h in refused:
+                with pytest.raises(BadRequestError) as e:
+                    await oa.chat.completions.create(model="policy", messages=USER + h)
+                errors.append((e.value.body["param"], e.value.body["message"]))
+            return engine.requests, errors
+        finally:
+            await oa.close()
+            await server.stop()
+
+    requests, errors = asyncio.run(go())
+    said = USER + [{"role": "assistant", "content": no}]
+    expected = [tok.apply_chat_template(said + [{"role": "user", "content": last}], tokenize=False,
+                                        add_generation_prompt=True) for last in ("ok 0", "ok 1")]
+    assert [tok.decode(r.prompt_ids) for r in requests] == expected
+    assert errors[0] == ("messages[1].refusal", "messages[1] has both 'content' and 'refusal': an assistant turn is "
+                         "one or the other; send the refusal's text as the content, or only the refusal")
+    assert errors[1] == ("messages[1].content[0]",
+                         "messages[1].content[0]: unsupported content part type 'refusal' (text, image_url)")

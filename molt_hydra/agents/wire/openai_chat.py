@@ -3,6 +3,7 @@ and the OpenAI error shape that `/v1/completions` and `/v1/responses` share."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any
@@ -44,11 +45,14 @@ def _message(m: Any, where: str) -> dict:
         raise bad(f"{where}.function_call (legacy function calling) is not served: send the call as 'tool_calls' "
                   "and its result as a 'tool' message", f"{where}.function_call")
     content = "" if m.get("content") is None else m["content"]
+    if role == "assistant" and m.get("refusal") is not None:  # another model's refusal in the history (was: dropped,
+        content = _refusal(m["refusal"], content, where)  # the model saw an empty assistant turn)
     # as OpenAI (was: served, an empty turn rendered); an assistant's (a tool-call turn, echoed) and a tool's served
     if content == [] and role in ("system", "user"):
         raise bad(f"Invalid '{where}.content': empty array. Expected an array with minimum length 1, but got an "
                   "empty array instead.", f"{where}.content")
-    out: dict = {"role": role, "content": check.text_or_parts(content, f"{where}.content", _part)}
+    part = functools.partial(_part, assistant=role == "assistant")
+    out: dict = {"role": role, "content": check.text_or_parts(content, f"{where}.content", part)}
     if role == "assistant" and m.get("tool_calls"):
         if not isinstance(m["tool_calls"], list):
             raise bad(f"{where}.tool_calls must be a list", where)
@@ -62,17 +66,32 @@ def _message(m: Any, where: str) -> dict:
     return out
 
 
-def _part(p: Any, where: str) -> dict:
+def _refusal(refusal: Any, content: Any, where: str) -> str:
+    """An assistant message's `refusal`, its text as the turn's content (as vLLM renders a refusal part)."""
+    if not isinstance(refusal, str):
+        raise bad(f"{where}.refusal must be a string, got {refusal!r}", f"{where}.refusal")
+    if refusal and content not in ("", []):
+        raise bad(f"{where} has both 'content' and 'refusal': an assistant turn is one or the other; send the "
+                  "refusal's text as the content, or only the refusal", f"{where}.refusal")
+    return refusal or content
+
+
+def _part(p: Any, where: str, assistant: bool = False) -> dict:
     kind = p.get("type") if isinstance(p, dict) else None
     if kind in ("text", "input_text"):
         return check.text_part(p, where)
+    if kind == "refusal" and assistant:  # an assistant's refusal part: its text, as vLLM renders it (was: a 400)
+        if not isinstance(p.get("refusal"), str):
+            raise bad(f"{where}: refusal part needs a string 'refusal'", where)
+        return {"type": "text", "text": p["refusal"]}
     if kind == "image_url":
         url = p.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str):
             raise bad(f"{where}: image_url part needs image_url.url", where)
         return {"type": "image", "source": url, "at": where}
-    raise bad(f"{where}: unsupported content part type {kind!r} (text, image_url)", where)
+    raise bad(f"{where}: unsupported content part type {kind!r} (text, image_url{', refusal' if assistant else ''})",
+              where)
 
 
 def _tool_call(tc: Any, where: str) -> dict:
