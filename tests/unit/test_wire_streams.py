@@ -2116,3 +2116,28 @@ def test_an_assistant_refusal_in_the_history_reaches_the_template_as_its_text(to
                          "one or the other; send the refusal's text as the content, or only the refusal")
     assert errors[1] == ("messages[1].content[0]",
                          "messages[1].content[0]: unsupported content part type 'refusal' (text, image_url)")
+
+
+def test_chat_usage_counts_the_thinking_tokens_plain_and_streamed(tok):
+    """Chat usage had no completion_tokens_details, so the SDK read reasoning_tokens as absent (the Agents SDK and
+    LiteLLM count 0) while the Responses API reported them: now the tokens between <think> and </think>, as vLLM's
+    server with a reasoning parser reports them, in a plain reply and in a stream's usage chunk."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, THOUGHT_TEXT_CALL), "qwen3")
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            plain = await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL])
+            again = USER + [{"role": "user", "content": "2"}]  # (not the same request: a retry is answered whole)
+            stream = await oa.chat.completions.create(model="policy", messages=again, tools=[TOOL], stream=True,
+                                                      stream_options={"include_usage": True})
+            return plain.usage, [c.usage async for c in stream if c.usage][0]
+        finally:
+            await oa.close()
+            await server.stop()
+
+    thought = len(tok("\nhmm\n", add_special_tokens=False)["input_ids"])
+    for usage in asyncio.run(go()):
+        assert usage.completion_tokens == len(ScriptedEngine(tok, THOUGHT_TEXT_CALL).ids)
+        assert usage.completion_tokens_details.reasoning_tokens == thought > 0

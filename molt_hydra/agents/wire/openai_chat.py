@@ -133,8 +133,11 @@ def message(c) -> dict:
 
 
 def usage(reply) -> dict:
+    # the thinking's tokens, as OpenAI and vLLM's server (with a reasoning parser) report them (was: absent, read as 0
+    # by the Agents SDK and LiteLLM; the Responses API reported them)
     return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
-            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+            "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in reply.choices)}}
 
 
 def logprobs(c) -> dict | None:
