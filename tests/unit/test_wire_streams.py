@@ -2141,3 +2141,28 @@ def test_chat_usage_counts_the_thinking_tokens_plain_and_streamed(tok):
     for usage in asyncio.run(go()):
         assert usage.completion_tokens == len(ScriptedEngine(tok, THOUGHT_TEXT_CALL).ids)
         assert usage.completion_tokens_details.reasoning_tokens == thought > 0
+
+
+def test_log_prob_bytes_of_a_character_split_over_tokens_join_to_it(tok):
+    """OpenAI's logprobs `bytes` are each token's own UTF-8 bytes, so that a character written over several tokens can
+    be joined (its documented use); they were the bytes of each token decoded alone, U+FFFD's three bytes for each
+    part of an emoji. Now the token's own bytes, read from its byte-level piece; whole tokens are unchanged."""
+    from openai import AsyncOpenAI
+
+    text = "Hi 😀"
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, text))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            return await oa.chat.completions.create(model="policy", messages=USER, logprobs=True, top_logprobs=0)
+        finally:
+            await oa.close()
+            await server.stop()
+
+    entries = asyncio.run(go()).choices[0].logprobs.content
+    emoji = tok("😀", add_special_tokens=False)["input_ids"]
+    assert len(emoji) == 4  # the tiny tokenizer writes it as one token per byte
+    assert [e.bytes for e in entries[-1 - len(emoji):-1]] == [[b] for b in "😀".encode()]
+    assert bytes(b for e in entries[:-1] for b in e.bytes).decode() == text  # (the last entry is <|im_end|>)
+    assert entries[-1].bytes == list(b"<|im_end|>") and entries[0].bytes == list(entries[0].token.encode())

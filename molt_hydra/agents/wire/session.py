@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -390,7 +391,8 @@ class ChatSession:
         """The engine's logprob of every generated token (and its top alternatives), in OpenAI's shape."""
         def entry(tid: int, lp: float) -> dict:
             text = self.tokenizer.decode([tid], skip_special_tokens=False)
-            return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(text.encode())}
+            raw = token_bytes(self.tokenizer, tid, text)
+            return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(raw)}
 
         tops = gen.top_logprobs or [{}] * len(gen.token_ids)
         return [dict(entry(t, lp), top_logprobs=[entry(a, x) for a, x in sorted(top.items(), key=lambda kv: -kv[1])])
@@ -409,6 +411,28 @@ class ChatSession:
         for i, seg in enumerate(segments):
             seg.segment_index = i
         return segments
+
+
+# GPT-2's byte-level BPE alphabet (Qwen, Llama 3, ...): the character each byte is written as in a token's piece → the
+# byte. Printable Latin-1 bytes are themselves; the others are the characters from U+0100 on, in byte order.
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_OTHER = [b for b in range(256) if b not in _PRINTABLE]
+BYTE_LEVEL = {chr(c): b for b, c in zip(_PRINTABLE + _OTHER, _PRINTABLE + [256 + i for i in range(len(_OTHER))])}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens (Llama 2, Mistral, Gemma)
+
+
+def token_bytes(tokenizer, tid: int, text: str) -> bytes:
+    """A token's own UTF-8 bytes, which OpenAI's `bytes` carries so that a character split over tokens can be joined
+    (was: the bytes of its decoded text, U+FFFD's for each part of such a character). Read from the token's piece in
+    the byte-level or byte-fallback alphabet; the decoded text's where the piece is in neither (its text is whole)."""
+    piece = tokenizer.convert_ids_to_tokens(tid)
+    if isinstance(piece, str) and (byte := _BYTE_FALLBACK.fullmatch(piece)):
+        return bytes.fromhex(byte[1])
+    if isinstance(piece, str) and all(c in BYTE_LEVEL for c in piece):
+        raw = bytes(BYTE_LEVEL[c] for c in piece)
+        if raw.decode(errors="replace") == text:  # the piece is in the byte-level alphabet, not another one's text
+            return raw
+    return text.encode()
 
 
 class _Detokenizer:
