@@ -2166,3 +2166,33 @@ def test_log_prob_bytes_of_a_character_split_over_tokens_join_to_it(tok):
     assert [e.bytes for e in entries[-1 - len(emoji):-1]] == [[b] for b in "😀".encode()]
     assert bytes(b for e in entries[:-1] for b in e.bytes).decode() == text  # (the last entry is <|im_end|>)
     assert entries[-1].bytes == list(b"<|im_end|>") and entries[0].bytes == list(entries[0].token.encode())
+
+
+def test_a_stored_chat_completion_asked_for_is_a_404_saying_none_is_stored(tok):
+    """`store` is accepted and ignored in chat too: retrieving, listing, updating or deleting a chat completion just
+    returned, or listing its messages, got a bare 'Not Found' / 'Method Not Allowed' that did not say why; now the
+    error says nothing is stored and what to do instead, as for a stored response."""
+    from openai import APIStatusError, AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Yes."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            r = await oa.chat.completions.create(model="policy", messages=USER, store=True)
+            errors = []
+            for call in (lambda: oa.chat.completions.retrieve(r.id), lambda: oa.chat.completions.list(),
+                         lambda: oa.chat.completions.update(r.id, metadata={"k": "v"}),
+                         lambda: oa.chat.completions.delete(r.id), lambda: oa.chat.completions.messages.list(r.id)):
+                with pytest.raises(APIStatusError) as e:
+                    await call()
+                errors.append(e.value)
+            return errors
+        finally:
+            await oa.close()
+            await server.stop()
+
+    errors = asyncio.run(go())
+    assert [e.status_code for e in errors] == [404, 405, 404, 404, 404]
+    for error in errors:
+        assert "no chat completion is stored here, 'store' is ignored" in error.message, error.message
+        assert "send the whole conversation each turn" in error.message

@@ -256,6 +256,10 @@ async def _json_errors(request: web.Request, handler):
             error.message += (" (no response is stored here, 'store' is ignored: one cannot be retrieved, deleted, "
                               "listed or continued by id, and input tokens are counted in a turn's usage only; send "
                               "the whole input to POST /v1/responses each turn)")
+        elif e.status in (404, 405) and "/v1/chat/completions" in request.path and "/judge/" not in request.path:
+            error.message += (" (no chat completion is stored here, 'store' is ignored: one cannot be retrieved, "
+                              "listed, updated or deleted, nor its messages listed; keep the reply that POST "
+                              "/v1/chat/completions returned, and send the whole conversation each turn)")
     except Exception as e:
         log.exception("%s failed", request.path)
         error = request_error(e)
