@@ -2196,3 +2196,28 @@ def test_a_stored_chat_completion_asked_for_is_a_404_saying_none_is_stored(tok):
     for error in errors:
         assert "no chat completion is stored here, 'store' is ignored" in error.message, error.message
         assert "send the whole conversation each turn" in error.message
+
+
+def test_completion_text_offsets_after_a_character_split_over_tokens_point_into_the_text(tok):
+    """/v1/completions `text_offset` counted each token's decoded text, so each part of a character written over
+    several tokens counted as one U+FFFD and every later offset ran past the text (" there" at 7 in "Hi 😀 there"). Now
+    counted from the tokens' own bytes: the parts of the emoji all start where it does, and the text after it is
+    where each offset says."""
+    from openai import AsyncOpenAI
+
+    text = "Hi 😀 there"
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, text))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            return await oa.completions.create(model="policy", prompt="Say", logprobs=0)
+        finally:
+            await oa.close()
+            await server.stop()
+
+    choice = asyncio.run(go()).choices[0]
+    # H, i, " ", the emoji's four byte tokens, " ", th, er, e, then the end token (after the whole text)
+    assert choice.text == text and choice.logprobs.text_offset == [0, 1, 2, 3, 3, 3, 3, 4, 5, 7, 9, 10]
+    tokens = choice.logprobs.tokens
+    assert [text[o:o + len(t)] for o, t in zip(choice.logprobs.text_offset, tokens)][7:11] == tokens[7:11]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
+import codecs
 import time
 from typing import Any
 
@@ -36,7 +36,12 @@ def _logprobs(c) -> dict | None:
     entries = c.logprobs
     if entries is None:
         return None
-    offsets = list(itertools.accumulate((len(e["token"]) for e in entries), initial=0))[:-1]
+    # the characters of the text before each token, counted from the tokens' own bytes: a character split over tokens
+    # starts where its first part is (was: each part counted as one U+FFFD, and every later offset ran past the text)
+    decoder, offsets, at = codecs.getincrementaldecoder("utf-8")("replace"), [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(decoder.decode(bytes(e["bytes"])))
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
             "text_offset": offsets}
