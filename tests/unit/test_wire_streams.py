@@ -2221,3 +2221,31 @@ def test_completion_text_offsets_after_a_character_split_over_tokens_point_into_
     assert choice.text == text and choice.logprobs.text_offset == [0, 1, 2, 3, 3, 3, 3, 4, 5, 7, 9, 10]
     tokens = choice.logprobs.tokens
     assert [text[o:o + len(t)] for o, t in zip(choice.logprobs.text_offset, tokens)][7:11] == tokens[7:11]
+
+
+def test_chat_refuses_a_user_system_or_developer_message_without_content(tok):
+    """A user / system / developer message whose content is missing or null was served as an empty turn (e.g. a
+    framework that put the text under another key: the model answered an empty prompt); OpenAI answers a 400 naming
+    it, and so does the server now."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    cases = [[{"role": "user"}], [{"role": "system", "content": None}] + USER,
+             USER + [{"role": "assistant", "content": "Hi."}, {"role": "developer", "text": "be brief"}]]
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            refused = []
+            for messages in cases:
+                with pytest.raises(BadRequestError) as e:
+                    await oa.chat.completions.create(model="policy", messages=messages)
+                refused.append((e.value.status_code, e.value.body["param"], e.value.body["message"]))
+            return refused
+        finally:
+            await oa.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == [
+        (400, f"messages[{i}].content", f"'messages[{i}].content' is missing or null: a {role} message needs its "
+         "content, a string or a list of parts") for i, role in ((0, "user"), (0, "system"), (2, "developer"))]

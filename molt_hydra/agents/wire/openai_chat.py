@@ -44,6 +44,9 @@ def _message(m: Any, where: str) -> dict:
     if m.get("function_call") is not None:  # (was: dropped, the model saw an empty assistant turn)
         raise bad(f"{where}.function_call (legacy function calling) is not served: send the call as 'tool_calls' "
                   "and its result as a 'tool' message", f"{where}.function_call")
+    if m.get("content") is None and role in ("system", "user"):  # as OpenAI (was: served, an empty turn rendered)
+        raise bad(f"'{where}.content' is missing or null: a {m['role']} message needs its content, a string or a list "
+                  "of parts", f"{where}.content")
     content = "" if m.get("content") is None else m["content"]
     if role == "assistant" and m.get("refusal") is not None:  # another model's refusal in the history (was: dropped,
         content = _refusal(m["refusal"], content, where)  # the model saw an empty assistant turn)
