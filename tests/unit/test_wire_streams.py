@@ -2249,3 +2249,43 @@ def test_chat_refuses_a_user_system_or_developer_message_without_content(tok):
     assert asyncio.run(go()) == [
         (400, f"messages[{i}].content", f"'messages[{i}].content' is missing or null: a {role} message needs its "
          "content, a string or a list of parts") for i, role in ((0, "user"), (0, "system"), (2, "developer"))]
+
+
+def test_streamed_chat_log_probs_reach_the_agents_sdk_as_unstreamed_ones_do(tok):
+    """A streamed chat turn sent its log-probs on the finish chunk (delta {}); the Agents SDK's chat model reads them
+    on text deltas only, so a streamed run's output text had none (a plain run's had every token's). Now they come
+    with a text delta, "" where the text streamed live, as OpenAI sends them; the openai SDK's stream helper
+    accumulates the same list, and a stream without log-probs asked for sends no extra chunk."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello there."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            agent = Agent(name="a", model=OpenAIChatCompletionsModel(model="policy", openai_client=oa),
+                          model_settings=ModelSettings(top_logprobs=1))
+            run = Runner.run_streamed(agent, "hi", max_turns=1)
+            async for _ in run.stream_events():
+                pass
+            out = [run.raw_responses[0].output[0].content[0]]
+            async with oa.chat.completions.stream(model="policy", messages=[{"role": "user", "content": "3"}],
+                                                  logprobs=True) as s:
+                out.append(await s.get_final_completion())
+            plain = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": "4"}],
+                                                     stream=True)
+            out.append([chunk async for chunk in plain])
+            return out
+        finally:
+            await oa.close()
+            await server.stop()
+
+    part, helper, plain = asyncio.run(go())
+    every_token = [-0.5] * len(ScriptedEngine(tok, "Hello there.").ids)
+    assert part.text == "Hello there." and [lp.logprob for lp in part.logprobs] == every_token
+    assert [lp.logprob for lp in helper.choices[0].logprobs.content] == every_token
+    assert all(c.choices[0].logprobs is None for c in plain) and "".join(
+        c.choices[0].delta.content or "" for c in plain) == "Hello there."
+    assert [c.choices[0].delta.content for c in plain[1:]].count("") == 0  # the first chunk's alone (its role)

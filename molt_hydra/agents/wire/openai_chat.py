@@ -175,12 +175,15 @@ class ChatStream(Stream):
             # not streamed live (n > 1, a cached retry): the whole text now. Choice 0's role went in `start`: SDKs
             # concatenate every delta's fields, so a second one reads "assistantassistant"
             whole = {"content": c.content, "reasoning_content": c.reasoning, **({"role": "assistant"} if i else {})}
-            deltas = [] if reply.streamed else [whole]
+            # the log-probs come with a text delta ("" where the text streamed live), as OpenAI sends them: the Agents
+            # SDK reads them there only (was: on the finish chunk, and a streamed turn's were lost to it)
+            text = [] if reply.streamed and c.logprobs is None else [{"content": ""} if reply.streamed else whole]
+            out += [self.chunk([{"index": i, "delta": delta, "finish_reason": None, "logprobs": logprobs(c)}])
+                    for delta in text]
             if c.tool_calls:
-                deltas.append({"tool_calls": [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]})
-            out += [self.chunk([{"index": i, "delta": delta, "finish_reason": None}]) for delta in deltas]
-            out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason,
-                                    "logprobs": logprobs(c)}]))
+                calls = [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]
+                out.append(self.chunk([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}]))
+            out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason}]))
         if self.req.include_usage:
             out.append(self.chunk([], usage(reply)))
         return out + [b"data: [DONE]\n\n"]
