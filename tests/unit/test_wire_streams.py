@@ -2254,8 +2254,8 @@ def test_chat_refuses_a_user_system_or_developer_message_without_content(tok):
 def test_streamed_chat_log_probs_reach_the_agents_sdk_as_unstreamed_ones_do(tok):
     """A streamed chat turn sent its log-probs on the finish chunk (delta {}); the Agents SDK's chat model reads them
     on text deltas only, so a streamed run's output text had none (a plain run's had every token's). Now they come
-    with a text delta, "" where the text streamed live, as OpenAI sends them; the openai SDK's stream helper
-    accumulates the same list, and a stream without log-probs asked for sends no extra chunk."""
+    with a text delta of "" after a choice's text, as OpenAI sends them; the openai SDK's stream helper accumulates the
+    same list for every choice, and a stream without log-probs asked for sends no extra chunk."""
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
     from openai import AsyncOpenAI
 
@@ -2272,7 +2272,7 @@ def test_streamed_chat_log_probs_reach_the_agents_sdk_as_unstreamed_ones_do(tok)
                 pass
             out = [run.raw_responses[0].output[0].content[0]]
             async with oa.chat.completions.stream(model="policy", messages=[{"role": "user", "content": "3"}],
-                                                  logprobs=True) as s:
+                                                  logprobs=True, n=2) as s:
                 out.append(await s.get_final_completion())
             plain = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": "4"}],
                                                      stream=True)
@@ -2285,7 +2285,8 @@ def test_streamed_chat_log_probs_reach_the_agents_sdk_as_unstreamed_ones_do(tok)
     part, helper, plain = asyncio.run(go())
     every_token = [-0.5] * len(ScriptedEngine(tok, "Hello there.").ids)
     assert part.text == "Hello there." and [lp.logprob for lp in part.logprobs] == every_token
-    assert [lp.logprob for lp in helper.choices[0].logprobs.content] == every_token
+    # (n=2: choice 1 is sent whole at the end; its log-probs on its first chunk were taken twice by the accumulator)
+    assert [[lp.logprob for lp in c.logprobs.content] for c in helper.choices] == [every_token] * 2
     assert all(c.choices[0].logprobs is None for c in plain) and "".join(
         c.choices[0].delta.content or "" for c in plain) == "Hello there."
     assert [c.choices[0].delta.content for c in plain[1:]].count("") == 0  # the first chunk's alone (its role)

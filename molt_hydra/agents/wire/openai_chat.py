@@ -175,11 +175,14 @@ class ChatStream(Stream):
             # not streamed live (n > 1, a cached retry): the whole text now. Choice 0's role went in `start`: SDKs
             # concatenate every delta's fields, so a second one reads "assistantassistant"
             whole = {"content": c.content, "reasoning_content": c.reasoning, **({"role": "assistant"} if i else {})}
-            # the log-probs come with a text delta ("" where the text streamed live), as OpenAI sends them: the Agents
-            # SDK reads them there only (was: on the finish chunk, and a streamed turn's were lost to it)
-            text = [] if reply.streamed and c.logprobs is None else [{"content": ""} if reply.streamed else whole]
-            out += [self.chunk([{"index": i, "delta": delta, "finish_reason": None, "logprobs": logprobs(c)}])
-                    for delta in text]
+            if not reply.streamed:
+                out.append(self.chunk([{"index": i, "delta": whole, "finish_reason": None}]))
+            # the log-probs come with a text delta, as OpenAI sends them: the Agents SDK reads them there only (was: on
+            # the finish chunk, and a streamed turn's were lost to it). Not on a choice's first chunk: the openai SDK's
+            # accumulator takes that chunk's log-probs twice
+            if c.logprobs is not None:
+                out.append(self.chunk([{"index": i, "delta": {"content": ""}, "finish_reason": None,
+                                        "logprobs": logprobs(c)}]))
             if c.tool_calls:
                 calls = [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]
                 out.append(self.chunk([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}]))
