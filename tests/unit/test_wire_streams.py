@@ -2290,3 +2290,25 @@ def test_streamed_chat_log_probs_reach_the_agents_sdk_as_unstreamed_ones_do(tok)
     assert all(c.choices[0].logprobs is None for c in plain) and "".join(
         c.choices[0].delta.content or "" for c in plain) == "Hello there."
     assert [c.choices[0].delta.content for c in plain[1:]].count("") == 0  # the first chunk's alone (its role)
+
+
+def test_a_route_no_session_serves_is_a_404_naming_the_routes_served(tok):
+    """An agent's client used for something else the chat server does not serve (embeddings, audio) got a bare
+    'Not Found: POST /s/.../v1/embeddings'; now the 404 names the routes a session serves."""
+    from openai import AsyncOpenAI, NotFoundError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Yes."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            with pytest.raises(NotFoundError) as e:
+                await oa.embeddings.create(model="policy", input="hi")
+            return e.value
+        finally:
+            await oa.close()
+            await server.stop()
+
+    error = asyncio.run(go())
+    assert error.body["message"] == (
+        "Not Found: POST /s/s/v1/embeddings (a session serves POST /v1/chat/completions, /v1/completions, "
+        "/v1/responses, /v1/messages and /v1/messages/count_tokens, and GET /v1/models: the policy's chat turns only)")

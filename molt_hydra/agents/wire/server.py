@@ -260,6 +260,9 @@ async def _json_errors(request: web.Request, handler):
             error.message += (" (no chat completion is stored here, 'store' is ignored: one cannot be retrieved, "
                               "listed, updated or deleted, nor its messages listed; keep the reply that POST "
                               "/v1/chat/completions returned, and send the whole conversation each turn)")
+        elif e.status == 404:  # e.g. embeddings or audio through the agent's client (was: a bare Not Found)
+            error.message += (f" (a session serves POST {', '.join(WIRES)} and {COUNT_TOKENS}, and GET /v1/models: "
+                              "the policy's chat turns only)")
     except Exception as e:
         log.exception("%s failed", request.path)
         error = request_error(e)
