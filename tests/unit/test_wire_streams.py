@@ -2074,3 +2074,37 @@ def test_tools_under_auto_without_a_tool_parser_are_refused_naming_it(tok):
     assert refused.status_code == 400 and refused.body["param"] == "tools"
     assert "cannot be served with agent.tool_parser=null" in refused.body["message"]
     assert none.choices[0].message.content == CALL.strip() and none.choices[0].finish_reason == "stop"
+
+
+def test_an_anthropic_system_message_in_the_conversation_renders_where_it_was_sent(tok):
+    """The SDK's MessageParam includes a system message ({"role": "system", "content": text}), which LangChain sends at
+    its place in the conversation (a reminder an agent adds mid-run): it was a 400 refusing the role. Now it renders
+    there as the template renders a system message, in a turn and in count_tokens alike; a blank one is a 400."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    engine = RecordingEngine(tok, "Hello.")
+    reminder = {"role": "system", "content": [{"type": "text", "text": "Be brief.", "cache_control": {
+        "type": "ephemeral"}}]}
+    messages = [*USER, {"role": "assistant", "content": "Hi!"}, reminder, {"role": "user", "content": "go on"}]
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            reply = await an.messages.create(model="policy", max_tokens=50, system="sys", messages=messages)
+            counted = await an.messages.count_tokens(model="policy", system="sys", messages=messages)
+            with pytest.raises(BadRequestError) as blank:
+                await an.messages.create(model="policy", max_tokens=50, messages=[*USER, {"role": "system",
+                                                                                         "content": " "}])
+            return reply, counted, blank.value
+        finally:
+            await an.close()
+            await server.stop()
+
+    reply, counted, blank = asyncio.run(go())
+    (request,) = engine.requests
+    prompt = tok.decode(request.prompt_ids)
+    assert reply.content[0].text == "Hello." and counted.input_tokens == len(request.prompt_ids)
+    assert "Hi!<|im_end|>\n<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ngo on" in prompt
+    assert prompt.startswith("<|im_start|>system\nsys<|im_end|>")
+    assert blank.status_code == 400 and "messages[1]: a system message's content must be non-empty" in blank.message
