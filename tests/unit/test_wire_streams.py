@@ -2108,3 +2108,34 @@ def test_an_anthropic_system_message_in_the_conversation_renders_where_it_was_se
     assert "Hi!<|im_end|>\n<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ngo on" in prompt
     assert prompt.startswith("<|im_start|>system\nsys<|im_end|>")
     assert blank.status_code == 400 and "messages[1]: a system message's content must be non-empty" in blank.message
+
+
+def test_a_prompt_over_the_sessions_length_is_refused_in_the_words_clients_match_for_compaction(tok):
+    """A first prompt longer than the session's max_length was a 400 "prompt is N tokens (+0 images) but this session's
+    max_length is M": no agent recognised it as the context overflow it is (they match Anthropic's "prompt is too
+    long: N tokens > M maximum", or "context length"), so one that compacts its history on overflow failed instead.
+    Now it is Anthropic's message, the prompt counted as count_tokens counts it."""
+    import re
+
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=64), 20,
+                                        reply_parser(tok, "hermes", None)))
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            messages = [{"role": "user", "content": "word " * 30}]
+            counted = await an.messages.count_tokens(model="policy", messages=messages)
+            with pytest.raises(BadRequestError) as e:
+                await an.messages.create(model="policy", max_tokens=50, messages=messages)
+            return counted.input_tokens, e.value
+        finally:
+            await an.close()
+            await server.stop()
+
+    counted, error = asyncio.run(go())
+    found = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", error.body["error"]["message"])
+    assert found is not None, error.message
+    assert (int(found[1]), int(found[2]), "context length" in error.message) == (counted, 19, True)

@@ -258,8 +258,12 @@ class ChatSession:
         self.last_prompt_tokens = len(prompt_ids)  # also of a turn out of budget: its reply reports this prompt
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
-                raise RequestError(400, f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this "
-                                   f"session's max_length is {self.max_length}", "messages", "context_length_exceeded")
+                # Anthropic's words, which clients match to compact their history (was: "prompt is N tokens",
+                # matched by none: an agent that compacts on overflow failed instead)
+                raise RequestError(400, f"prompt is too long: {self.max_length - remaining} tokens > "
+                                   f"{self.max_length - 1} maximum (this session's max_length is {self.max_length}: "
+                                   f"the context length holds the prompt, {len(images)} images included, and at "
+                                   "least one generated token)", "messages", "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for traj, _ in self._branches:
                 traj.truncated = True
