@@ -2139,3 +2139,36 @@ def test_a_prompt_over_the_sessions_length_is_refused_in_the_words_clients_match
     found = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", error.body["error"]["message"])
     assert found is not None, error.message
     assert (int(found[1]), int(found[2]), "context length" in error.message) == (counted, 19, True)
+
+
+def test_a_stop_sequence_holds_back_only_the_tail_of_a_streamed_thought_not_its_marker(tok):
+    """A streamed turn held back the tail that might still become a client's stop sequence by cutting the text before
+    parsing it: through `<think>`, which a thinking model writes first, so `<th` went out as thinking and no later
+    thinking extended it: the client's thinking was "<think" (was: with stop_sequences / stop on Qwen3, every
+    streamed thought). Now the tail is held back from the parsed pieces: the deltas are the reply's."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    text = "<think>\nLet me think about it.\n</think>\n\nThe answer is 4.\nObservation:"
+
+    async def go():
+        server, _ = await serving(tok, StopStringEngine(tok, text, "Observation:"), "qwen3")
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            async with an.messages.stream(model="policy", max_tokens=100, messages=USER,
+                                          stop_sequences=["Observation:"]) as s:
+                deltas = [e.delta for e in [e async for e in s] if e.type == "content_block_delta"]
+            chunks = [c async for c in await oa.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "again"}], stop=["Observation:"], stream=True)]
+            return deltas, [c.choices[0].delta for c in chunks if c.choices]
+        finally:
+            await an.close(), await oa.close()
+            await server.stop()
+
+    deltas, chat = asyncio.run(go())
+    thought, answer = "\nLet me think about it.\n", "\n\nThe answer is 4.\n"
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == thought
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == answer
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chat) == thought
+    assert "".join(d.content or "" for d in chat) == answer

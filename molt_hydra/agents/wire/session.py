@@ -335,13 +335,18 @@ class ChatSession:
             if len(text) - parsed <= len(text) // PARSE_GROWTH:
                 continue
             parsed = len(text)
-            cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
+            found = min((text.find(s) for s in stops if s in text), default=None)
+            upto = text if found is None else text[:found]
             if req.raw_prompt is not None:  # a raw completion is text as sampled, as `_choice` makes it (was: parsed
-                reasoning, content = None, text[: max(0, cut)]  # for thinking: all before `</think>` never streamed)
+                reasoning, content = None, upto  # for thinking: all before `</think>` never streamed)
             else:
-                reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
-            emit("reasoning", reasoning)
-            emit("content", content)
+                reasoning, content = self.parser.streamable(upto, req.tools, req.tool_choice != "none")
+            # a tail that may still become a stop string is held back from the parsed pieces, content first (was: cut
+            # from the text before parsing, through a marker: `<think>` cut to `<thi` was sent as thinking, and no
+            # more thinking reached the client, the rest not extending it)
+            reasoning, content, held = reasoning or "", content or "", 0 if found is not None else hold
+            emit("reasoning", reasoning[: max(0, len(reasoning) - max(0, held - len(content)))])
+            emit("content", content[: max(0, len(content) - held)])
         final = self._choice(join_deltas(deltas), req)  # parsed once (a parse failure is counted once)
         emit("reasoning", final.reasoning)
         emit("content", final.content)
