@@ -2172,3 +2172,30 @@ def test_a_stop_sequence_holds_back_only_the_tail_of_a_streamed_thought_not_its_
     assert "".join(d.text for d in deltas if d.type == "text_delta") == answer
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in chat) == thought
     assert "".join(d.content or "" for d in chat) == answer
+
+
+def test_anthropic_count_tokens_of_a_continued_conversation_is_what_its_turn_then_uses(tok):
+    """count_tokens rendered the conversation whole, without the earlier turn's thinking (templates drop it), while
+    the turn continuing the conversation keeps the tokens it generated: counted 31, used 65 here, so an agent that
+    compacts its history by count_tokens ran into the session's length. Now it counts the prompt the turn takes."""
+    from anthropic import AsyncAnthropic
+
+    engine = TurnsEngine(tok, "<think>\nA long thought about the question here.\n</think>\n\nFirst.", "Done.")
+
+    async def go():
+        server, _ = await serving(tok, engine, "qwen3")
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            first = await an.messages.create(model="policy", max_tokens=100, messages=USER)
+            messages = [*USER, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in
+                                                                 first.content]}, {"role": "user", "content": "more"}]
+            counted = await an.messages.count_tokens(model="policy", messages=messages)
+            reply = await an.messages.create(model="policy", max_tokens=100, messages=messages)
+            return counted.input_tokens, reply.usage.input_tokens
+        finally:
+            await an.close()
+            await server.stop()
+
+    counted, used = asyncio.run(go())
+    assert counted == used == len(engine.requests[1].prompt_ids)
+    assert engine.requests[1].prompt_ids[: len(engine.requests[0].prompt_ids)] == engine.requests[0].prompt_ids

@@ -155,9 +155,11 @@ class ChatSession:
         return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
 
     async def count_tokens(self, req: ChatRequest) -> int:
-        """The prompt tokens of `req` rendered whole, as a turn's usage counts them; nothing generated or recorded.
-        On the agent's loop, as every use of the tokenizer (a fast tokenizer is not safe across threads)."""
-        return len(self._full_prompt(req)[0])
+        """The prompt tokens of `req` as a turn would take them, its usage counts them: the open segment extended
+        where `req` continues it (was: rendered whole, without the earlier turns' thinking a continued turn keeps:
+        fewer than the turn then used); nothing generated or recorded. On the agent's loop, as every use of the
+        tokenizer (a fast tokenizer is not safe across threads)."""
+        return len(self._prompt(req)[1])
 
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
