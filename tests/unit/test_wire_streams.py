@@ -2199,3 +2199,29 @@ def test_anthropic_count_tokens_of_a_continued_conversation_is_what_its_turn_the
     counted, used = asyncio.run(go())
     assert counted == used == len(engine.requests[1].prompt_ids)
     assert engine.requests[1].prompt_ids[: len(engine.requests[0].prompt_ids)] == engine.requests[0].prompt_ids
+
+
+def test_an_anthropic_route_not_served_is_a_404_in_anthropics_error_shape(tok):
+    """`client.messages.batches` (POST / GET /v1/messages/batches) got the 404 in OpenAI's shape, its type
+    "invalid_request_error": a client reading Anthropic's error type misread it. Now every /v1/messages route's error
+    is Anthropic's: not_found_error."""
+    from anthropic import AsyncAnthropic, NotFoundError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            errors = []
+            for call in (an.messages.batches.list, lambda: an.messages.batches.create(requests=[{
+                    "custom_id": "a", "params": {"model": "policy", "max_tokens": 5, "messages": USER}}])):
+                with pytest.raises(NotFoundError) as e:
+                    await call()
+                errors.append(e.value.body)
+            return errors
+        finally:
+            await an.close()
+            await server.stop()
+
+    for body in asyncio.run(go()):
+        assert (body["type"], body["error"]["type"]) == ("error", "not_found_error") and "/v1/messages/batches" in \
+            body["error"]["message"]

@@ -259,7 +259,9 @@ async def _json_errors(request: web.Request, handler):
     except Exception as e:
         log.exception("%s failed", request.path)
         error = request_error(e)
-    shape = anthropic.error if request.path.endswith(("/v1/messages", COUNT_TOKENS)) else openai_chat.error
+    # Anthropic's routes, served or not (was: a 404 under /v1/messages/, e.g. batches, in OpenAI's shape)
+    anthropic_route = request.path.endswith("/v1/messages") or "/v1/messages/" in request.path
+    shape = anthropic.error if anthropic_route else openai_chat.error
     return web.json_response(shape(error), status=error.status)
 
 
