@@ -2225,3 +2225,31 @@ def test_an_anthropic_route_not_served_is_a_404_in_anthropics_error_shape(tok):
     for body in asyncio.run(go()):
         assert (body["type"], body["error"]["type"]) == ("error", "not_found_error") and "/v1/messages/batches" in \
             body["error"]["message"]
+
+
+def test_a_client_given_the_other_apis_base_url_is_told_which_url_it_takes(tok):
+    """The Anthropic client given ctx.base_url (it adds /v1 itself: /v1/v1/messages) or the OpenAI client given
+    ctx.session_url (no /v1: /responses) got a bare "Not Found: POST /s/s/v1/v1/messages". Now the 404 says which
+    base_url each client takes."""
+    from anthropic import AsyncAnthropic
+    from anthropic import NotFoundError as AnthropicNotFound
+    from openai import AsyncOpenAI
+    from openai import NotFoundError as OpenAINotFound
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        an = AsyncAnthropic(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            with pytest.raises(AnthropicNotFound) as anthropic_error:
+                await an.messages.create(model="policy", max_tokens=5, messages=USER)
+            with pytest.raises(OpenAINotFound) as openai_error:
+                await oa.responses.create(model="policy", input="hi")
+            return anthropic_error.value, openai_error.value
+        finally:
+            await an.close(), await oa.close()
+            await server.stop()
+
+    for error in asyncio.run(go()):
+        assert "the OpenAI client takes base_url=ctx.base_url" in error.message
+        assert "the Anthropic client takes base_url=ctx.session_url, without /v1" in error.message
