@@ -2312,3 +2312,182 @@ def test_a_route_no_session_serves_is_a_404_naming_the_routes_served(tok):
     assert error.body["message"] == (
         "Not Found: POST /s/s/v1/embeddings (a session serves POST /v1/chat/completions, /v1/completions, "
         "/v1/responses, /v1/messages and /v1/messages/count_tokens, and GET /v1/models: the policy's chat turns only)")
+
+
+def test_an_anthropic_system_message_in_the_conversation_renders_where_it_was_sent(tok):
+    """The SDK's MessageParam includes a system message ({"role": "system", "content": text}), which LangChain sends at
+    its place in the conversation (a reminder an agent adds mid-run): it was a 400 refusing the role. Now it renders
+    there as the template renders a system message, in a turn and in count_tokens alike; a blank one is a 400."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    engine = RecordingEngine(tok, "Hello.")
+    reminder = {"role": "system", "content": [{"type": "text", "text": "Be brief.", "cache_control": {
+        "type": "ephemeral"}}]}
+    messages = [*USER, {"role": "assistant", "content": "Hi!"}, reminder, {"role": "user", "content": "go on"}]
+
+    async def go():
+        server, _ = await serving(tok, engine)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            reply = await an.messages.create(model="policy", max_tokens=50, system="sys", messages=messages)
+            counted = await an.messages.count_tokens(model="policy", system="sys", messages=messages)
+            with pytest.raises(BadRequestError) as blank:
+                await an.messages.create(model="policy", max_tokens=50, messages=[*USER, {"role": "system",
+                                                                                         "content": " "}])
+            return reply, counted, blank.value
+        finally:
+            await an.close()
+            await server.stop()
+
+    reply, counted, blank = asyncio.run(go())
+    (request,) = engine.requests
+    prompt = tok.decode(request.prompt_ids)
+    assert reply.content[0].text == "Hello." and counted.input_tokens == len(request.prompt_ids)
+    assert "Hi!<|im_end|>\n<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ngo on" in prompt
+    assert prompt.startswith("<|im_start|>system\nsys<|im_end|>")
+    assert blank.status_code == 400 and "messages[1]: a system message's content must be non-empty" in blank.message
+
+
+def test_a_prompt_over_the_sessions_length_is_refused_in_the_words_clients_match_for_compaction(tok):
+    """A first prompt longer than the session's max_length was a 400 "prompt is N tokens (+0 images) but this session's
+    max_length is M": no agent recognised it as the context overflow it is (they match Anthropic's "prompt is too
+    long: N tokens > M maximum", or "context length"), so one that compacts its history on overflow failed instead.
+    Now it is Anthropic's message, the prompt counted as count_tokens counts it."""
+    import re
+
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=64), 20,
+                                        reply_parser(tok, "hermes", None)))
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            messages = [{"role": "user", "content": "word " * 30}]
+            counted = await an.messages.count_tokens(model="policy", messages=messages)
+            with pytest.raises(BadRequestError) as e:
+                await an.messages.create(model="policy", max_tokens=50, messages=messages)
+            return counted.input_tokens, e.value
+        finally:
+            await an.close()
+            await server.stop()
+
+    counted, error = asyncio.run(go())
+    found = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", error.body["error"]["message"])
+    assert found is not None, error.message
+    assert (int(found[1]), int(found[2]), "context length" in error.message) == (counted, 19, True)
+
+
+def test_a_stop_sequence_holds_back_only_the_tail_of_a_streamed_thought_not_its_marker(tok):
+    """A streamed turn held back the tail that might still become a client's stop sequence by cutting the text before
+    parsing it: through `<think>`, which a thinking model writes first, so `<th` went out as thinking and no later
+    thinking extended it: the client's thinking was "<think" (was: with stop_sequences / stop on Qwen3, every
+    streamed thought). Now the tail is held back from the parsed pieces: the deltas are the reply's."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    text = "<think>\nLet me think about it.\n</think>\n\nThe answer is 4.\nObservation:"
+
+    async def go():
+        server, _ = await serving(tok, StopStringEngine(tok, text, "Observation:"), "qwen3")
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            async with an.messages.stream(model="policy", max_tokens=100, messages=USER,
+                                          stop_sequences=["Observation:"]) as s:
+                deltas = [e.delta for e in [e async for e in s] if e.type == "content_block_delta"]
+            chunks = [c async for c in await oa.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "again"}], stop=["Observation:"], stream=True)]
+            return deltas, [c.choices[0].delta for c in chunks if c.choices]
+        finally:
+            await an.close(), await oa.close()
+            await server.stop()
+
+    deltas, chat = asyncio.run(go())
+    thought, answer = "\nLet me think about it.\n", "\n\nThe answer is 4.\n"
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == thought
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == answer
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chat) == thought
+    assert "".join(d.content or "" for d in chat) == answer
+
+
+def test_anthropic_count_tokens_of_a_continued_conversation_is_what_its_turn_then_uses(tok):
+    """count_tokens rendered the conversation whole, without the earlier turn's thinking (templates drop it), while
+    the turn continuing the conversation keeps the tokens it generated: counted 31, used 65 here, so an agent that
+    compacts its history by count_tokens ran into the session's length. Now it counts the prompt the turn takes."""
+    from anthropic import AsyncAnthropic
+
+    engine = TurnsEngine(tok, "<think>\nA long thought about the question here.\n</think>\n\nFirst.", "Done.")
+
+    async def go():
+        server, _ = await serving(tok, engine, "qwen3")
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            first = await an.messages.create(model="policy", max_tokens=100, messages=USER)
+            messages = [*USER, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in
+                                                                 first.content]}, {"role": "user", "content": "more"}]
+            counted = await an.messages.count_tokens(model="policy", messages=messages)
+            reply = await an.messages.create(model="policy", max_tokens=100, messages=messages)
+            return counted.input_tokens, reply.usage.input_tokens
+        finally:
+            await an.close()
+            await server.stop()
+
+    counted, used = asyncio.run(go())
+    assert counted == used == len(engine.requests[1].prompt_ids)
+    assert engine.requests[1].prompt_ids[: len(engine.requests[0].prompt_ids)] == engine.requests[0].prompt_ids
+
+
+def test_an_anthropic_route_not_served_is_a_404_in_anthropics_error_shape(tok):
+    """`client.messages.batches` (POST / GET /v1/messages/batches) got the 404 in OpenAI's shape, its type
+    "invalid_request_error": a client reading Anthropic's error type misread it. Now every /v1/messages route's error
+    is Anthropic's: not_found_error."""
+    from anthropic import AsyncAnthropic, NotFoundError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the client closed in this loop, as above)
+            errors = []
+            for call in (an.messages.batches.list, lambda: an.messages.batches.create(requests=[{
+                    "custom_id": "a", "params": {"model": "policy", "max_tokens": 5, "messages": USER}}])):
+                with pytest.raises(NotFoundError) as e:
+                    await call()
+                errors.append(e.value.body)
+            return errors
+        finally:
+            await an.close()
+            await server.stop()
+
+    for body in asyncio.run(go()):
+        assert (body["type"], body["error"]["type"]) == ("error", "not_found_error") and "/v1/messages/batches" in \
+            body["error"]["message"]
+
+
+def test_a_client_given_the_other_apis_base_url_is_told_which_url_it_takes(tok):
+    """The Anthropic client given ctx.base_url (it adds /v1 itself: /v1/v1/messages) or the OpenAI client given
+    ctx.session_url (no /v1: /responses) got a bare "Not Found: POST /s/s/v1/v1/messages". Now the 404 says which
+    base_url each client takes."""
+    from anthropic import AsyncAnthropic
+    from anthropic import NotFoundError as AnthropicNotFound
+    from openai import AsyncOpenAI
+    from openai import NotFoundError as OpenAINotFound
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hello."))
+        an = AsyncAnthropic(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:  # (the clients closed in this loop, as above)
+            with pytest.raises(AnthropicNotFound) as anthropic_error:
+                await an.messages.create(model="policy", max_tokens=5, messages=USER)
+            with pytest.raises(OpenAINotFound) as openai_error:
+                await oa.responses.create(model="policy", input="hi")
+            return anthropic_error.value, openai_error.value
+        finally:
+            await an.close(), await oa.close()
+            await server.stop()
+
+    for error in asyncio.run(go()):
+        assert "the OpenAI client takes base_url=ctx.base_url" in error.message
+        assert "the Anthropic client takes base_url=ctx.session_url, without /v1" in error.message

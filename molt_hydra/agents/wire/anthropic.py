@@ -63,18 +63,18 @@ def parse(body: Any) -> ChatRequest:
                        response_format=fmt, format_param=fmt_param)
 
 
-def _system(system: Any) -> list[dict]:
-    """The system prompt (a string or text blocks) as the canonical messages it starts with."""
+def _system(system: Any, where: str = "system") -> list[dict]:
+    """The system prompt (a string or text blocks) at `where` as the canonical messages it starts with."""
     if system is None:
         return []
     if isinstance(system, list):
-        parts = [check.text_part(_cache_control(b, f"system[{i}]"), "system") for i, b in enumerate(system)]
+        parts = [check.text_part(_cache_control(b, f"{where}[{i}]"), where) for i, b in enumerate(system)]
         system = check.content(parts)
         if any(not p["text"] for p in parts) or system.isspace():  # as Anthropic (was: served, a blank prompt)
-            raise bad("system: text content blocks must be non-empty and contain non-whitespace text (leave the "
-                      "block out)", "system")
+            raise bad(f"{where}: text content blocks must be non-empty and contain non-whitespace text (leave the "
+                      "block out)", where)
     if not isinstance(system, str):
-        raise bad(f"'system' must be a string or a list of text blocks, got {system!r}", "system")
+        raise bad(f"'{where}' must be a string or a list of text blocks, got {system!r}", where)
     return [{"role": "system", "content": system}] if system else []
 
 
@@ -177,9 +177,15 @@ def _output_format(body: dict) -> tuple[dict | None, str]:
 def _message(m: Any, where: str) -> list[dict]:
     """One Anthropic message → canonical messages: a user turn's tool_result blocks (first, as Anthropic requires)
     become tool messages."""
-    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        raise bad(f"{where} must be an object with role 'user' or 'assistant'", where)
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+        raise bad(f"{where} must be an object with role 'user', 'assistant' or 'system'", where)
     content = m.get("content")
+    if m["role"] == "system":  # the SDK's SystemMessageParam, which LangChain sends where the agent put it: rendered
+        # there, as the template renders a system message (was: a 400 refusing the role)
+        system = _system(content, f"{where}.content")
+        if not system or system[0]["content"].isspace():
+            raise bad(f"{where}: a system message's content must be non-empty text", f"{where}.content")
+        return system
     if isinstance(content, str):
         return [{"role": m["role"], "content": content}]
     if not isinstance(content, list):

@@ -252,6 +252,10 @@ async def _json_errors(request: web.Request, handler):
         elif e.status == 404 and "/judge/" in request.path:  # e.g. the Agents SDK's default Responses model
             error.message += (f" (the judge serves only {JUDGE}, non-streamed: call client.chat.completions.create, "
                               "or in the Agents SDK use OpenAIChatCompletionsModel)")
+        elif e.status == 404 and re.match(r"/s/[^/]+/(v1/v1/|(?!v1/|judge/))", request.path):  # (was: bare)
+            error.message += (" (a client's base_url with /v1 twice or none: the OpenAI client takes "
+                              "base_url=ctx.base_url, which ends in /v1; the Anthropic client takes "
+                              "base_url=ctx.session_url, without /v1, which it adds itself)")
         elif e.status in (404, 405) and "/v1/responses/" in request.path:  # (was: a bare Not Found)
             error.message += (" (no response is stored here, 'store' is ignored: one cannot be retrieved, deleted, "
                               "listed or continued by id, and input tokens are counted in a turn's usage only; send "
@@ -266,7 +270,9 @@ async def _json_errors(request: web.Request, handler):
     except Exception as e:
         log.exception("%s failed", request.path)
         error = request_error(e)
-    shape = anthropic.error if request.path.endswith(("/v1/messages", COUNT_TOKENS)) else openai_chat.error
+    # Anthropic's routes, served or not (was: a 404 under /v1/messages/, e.g. batches, in OpenAI's shape)
+    anthropic_route = request.path.endswith("/v1/messages") or "/v1/messages/" in request.path
+    shape = anthropic.error if anthropic_route else openai_chat.error
     return web.json_response(shape(error), status=error.status)
 
 

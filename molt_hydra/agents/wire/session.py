@@ -156,9 +156,11 @@ class ChatSession:
         return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
 
     async def count_tokens(self, req: ChatRequest) -> int:
-        """The prompt tokens of `req` rendered whole, as a turn's usage counts them; nothing generated or recorded.
-        On the agent's loop, as every use of the tokenizer (a fast tokenizer is not safe across threads)."""
-        return len(self._full_prompt(req)[0])
+        """The prompt tokens of `req` as a turn would take them, its usage counts them: the open segment extended
+        where `req` continues it (was: rendered whole, without the earlier turns' thinking a continued turn keeps:
+        fewer than the turn then used); nothing generated or recorded. On the agent's loop, as every use of the
+        tokenizer (a fast tokenizer is not safe across threads)."""
+        return len(self._prompt(req)[1])
 
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
@@ -259,8 +261,12 @@ class ChatSession:
         self.last_prompt_tokens = len(prompt_ids)  # also of a turn out of budget: its reply reports this prompt
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
-                raise RequestError(400, f"prompt is {len(prompt_ids)} tokens (+{len(images)} images) but this "
-                                   f"session's max_length is {self.max_length}", "messages", "context_length_exceeded")
+                # Anthropic's words, which clients match to compact their history (was: "prompt is N tokens",
+                # matched by none: an agent that compacts on overflow failed instead)
+                raise RequestError(400, f"prompt is too long: {self.max_length - remaining} tokens > "
+                                   f"{self.max_length - 1} maximum (this session's max_length is {self.max_length}: "
+                                   f"the context length holds the prompt, {len(images)} images included, and at "
+                                   "least one generated token)", "messages", "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for traj, _ in self._branches:
                 traj.truncated = True
@@ -332,13 +338,18 @@ class ChatSession:
             if len(text) - parsed <= len(text) // PARSE_GROWTH:
                 continue
             parsed = len(text)
-            cut = min((text.find(s) for s in stops if s in text), default=len(text) - hold)
+            found = min((text.find(s) for s in stops if s in text), default=None)
+            upto = text if found is None else text[:found]
             if req.raw_prompt is not None:  # a raw completion is text as sampled, as `_choice` makes it (was: parsed
-                reasoning, content = None, text[: max(0, cut)]  # for thinking: all before `</think>` never streamed)
+                reasoning, content = None, upto  # for thinking: all before `</think>` never streamed)
             else:
-                reasoning, content = self.parser.streamable(text[: max(0, cut)], req.tools, req.tool_choice != "none")
-            emit("reasoning", reasoning)
-            emit("content", content)
+                reasoning, content = self.parser.streamable(upto, req.tools, req.tool_choice != "none")
+            # a tail that may still become a stop string is held back from the parsed pieces, content first (was: cut
+            # from the text before parsing, through a marker: `<think>` cut to `<thi` was sent as thinking, and no
+            # more thinking reached the client, the rest not extending it)
+            reasoning, content, held = reasoning or "", content or "", 0 if found is not None else hold
+            emit("reasoning", reasoning[: max(0, len(reasoning) - max(0, held - len(content)))])
+            emit("content", content[: max(0, len(content) - held)])
         final = self._choice(join_deltas(deltas), req)  # parsed once (a parse failure is counted once)
         emit("reasoning", final.reasoning)
         emit("content", final.content)
