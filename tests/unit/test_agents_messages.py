@@ -35,7 +35,7 @@ def test_openai_messages_and_sampling_fields():
         "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "user": "ignored",
     })
     assert req.messages == [
-        {"role": "system", "content": "be brief"},
+        {"role": "system", "content": "be \nbrief"},  # text parts one per line, as vLLM's server joins them
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "",
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
@@ -355,3 +355,15 @@ def test_tool_call_arguments_reach_the_template_as_an_object_as_vllm_hands_them(
     prompt = tok.decode(engine.prompt_ids, skip_special_tokens=False)
     assert '<tool_call>{"name": "f", "arguments": {"x": [1, "é"]}}</tool_call>' in prompt
     assert '<tool_call>{"name": "g", "arguments": "not json"}</tool_call>' in prompt  # not an object: as sent
+
+
+def test_text_blocks_of_one_message_are_one_per_line_as_vllms_server_joins_them():
+    """A message's text parts / blocks become one string joined by a newline (vLLM's renderer for string-content
+    templates: "\\n".join(texts)), in every wire: a client's separate blocks (a system reminder, then the user's text)
+    must not run into each other."""
+    blocks = [{"type": "text", "text": "<system-reminder>x</system-reminder>"}, {"type": "text", "text": "fix it"}]
+    expected = "<system-reminder>x</system-reminder>\nfix it"
+    ant = anthropic.parse({"max_tokens": 5, "system": blocks, "messages": [{"role": "user", "content": blocks}]})
+    assert ant.messages == [{"role": "system", "content": expected}, {"role": "user", "content": expected}]
+    chat = openai_chat.parse({"messages": [{"role": "user", "content": blocks}]})
+    assert chat.messages == [{"role": "user", "content": expected}]

@@ -231,10 +231,12 @@ def _append_merged(canon: list[dict], msg: dict) -> None:
     if prev is None or msg["role"] not in ("user", "assistant") or prev["role"] != msg["role"]:
         canon.append(msg)
         return
-    a, b = ([{"type": "text", "text": c}] if isinstance(c, str) else c for c in (prev["content"], msg["content"]))
-    gap = [{"type": "text", "text": "\n\n"}] if prev["content"] and msg["content"] else []
-    joined = [p for p in a + gap + b if p["type"] != "text" or p["text"]]
-    prev["content"] = check.content(joined)
+    if isinstance(prev["content"], str) and isinstance(msg["content"], str):  # text alone
+        prev["content"] = "\n\n".join(c for c in (prev["content"], msg["content"]) if c)
+    else:  # images too: parts, which the template renders one after the other
+        a, b = ([{"type": "text", "text": c}] if isinstance(c, str) else c for c in (prev["content"], msg["content"]))
+        gap = [{"type": "text", "text": "\n\n"}] if prev["content"] and msg["content"] else []
+        prev["content"] = check.content([p for p in a + gap + b if p["type"] != "text" or p["text"]])
     if msg.get("tool_calls"):
         prev["tool_calls"] = prev.get("tool_calls", []) + msg["tool_calls"]
 

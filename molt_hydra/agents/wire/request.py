@@ -192,9 +192,11 @@ def include_usage(body: dict) -> bool:
 
 
 def content(parts: list[dict]) -> str | list[dict]:
-    """Text-only part lists collapse to one string (templates concatenate text parts)."""
+    """Text-only part lists collapse to one string, the parts one per line, as vLLM's server renders them for a
+    template that takes string content (was: joined with nothing, so a block ran straight into the next: a
+    `<system-reminder>` block into the user's text)."""
     if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
+        return "\n".join(p["text"] for p in parts)
     return parts
 
 
