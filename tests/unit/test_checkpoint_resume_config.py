@@ -55,6 +55,8 @@ def saved(tmp_path):
     ("seed=1", "seed=1 (saved with 42)"),
     ("algorithm.estimator=rloo", "algorithm.estimator=rloo (saved with grpo)"),
     ("model.path=tiny://qwen3_moe_tiny", "model.path=tiny://qwen3_moe_tiny (saved with tiny://qwen3_tiny)"),
+    ("model.tokenizer_path=tiny://qwen3_moe_tiny", "model.tokenizer_path=tiny://qwen3_moe_tiny (saved with None)"),
+    ("agent.reasoning_parser=qwen3", "agent.reasoning_parser=qwen3 (saved with None)"),
     ("train.max_steps=2", "train.max_steps=2, but it is at step 3 already (set it to 3 or more)"),
     ("train.num_episodes=1", "train.num_episodes=1, but it is in episode 2 already: no prompt is left (set it "
                              "above 1)"),
@@ -68,6 +70,20 @@ def test_a_key_that_changes_the_math_is_refused_before_anything_starts(saved, tm
     assert last.startswith(f"Run failed: {saved} cannot be resumed as saved: ") and named in last, last
     assert last.endswith("Fix: set them back (see its run_record.json), or start from its weights alone with "
                          "checkpoint.load_model_only=true")
+
+
+def test_routing_replay_turned_on_since_a_moe_runs_save_is_refused(tmp_path, capsys):
+    """Before, it went on named as one more changed key: the trainer's forward then routes each token to the experts
+    its rollout used, not to its own router's choice, from the saved step on."""
+    moe = "model.path=tiny://qwen3_moe_tiny"
+    model, opt = _trained()
+    save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 0}},
+        "run_record": write_run_record(_cfg(tmp_path, moe), tmp_path / "out")})
+    with pytest.raises(SystemExit):
+        _check_resume(_cfg(tmp_path, moe, "checkpoint.resume=auto", "rollout.routing_replay=true"))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ": rollout.routing_replay=True (saved with False). Fix: set them back" in last, last
 
 
 def test_a_longer_run_and_other_logging_go_on_named_in_one_line(saved, tmp_path, capsys):
