@@ -29,7 +29,7 @@ class Runner:
 
 
 class Calls:
-    """The trainer ranks' engines hints, recorded; the idle one awaited in sync mode is answered once `answer` is set."""
+    """The trainer ranks' engines hints, recorded; the idle one a sync step awaits is answered once `answer` is set."""
 
     def __init__(self):
         self.answer, self.hints = asyncio.Event(), []
