@@ -154,6 +154,7 @@ def _check_resume(cfg: RunConfig) -> Path | None:
               f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     if found is not None and not c.load_model_only:
+        _refuse_another_jobs(cfg, found)
         (_refuse_another_sft_batch_size if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found)
     # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
     critic = Path(c.dir + "_critic") / found.name if found is not None else None
@@ -165,6 +166,23 @@ def _check_resume(cfg: RunConfig) -> Path | None:
                   "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
             sys.exit(EXIT_FAILED)
     return found
+
+
+def _refuse_another_jobs(cfg: RunConfig, found: Path) -> None:
+    """A run resumes its own job's checkpoints only (job=rl's hold its loop: its step, data position and queued batches;
+    job=sft's its consumed samples). Before: job=rl over a job=sft run's checkpoints (as in that run's output_dir, where
+    resume=never's refusal offers checkpoint.resume=auto) started every role, then failed 'KeyError: 'loop''; job=sft
+    over an RL run's went on at its optimizer's step count, its data position and LR schedule another run's."""
+    from molt_hydra.parallel.checkpoint import saved_client_state
+
+    state = saved_client_state(found)
+    saved = "rl" if "rl_step" in state or "loop" in state else "sft" if "consumed_samples" in state else None
+    if saved not in (None, cfg.job.value):
+        print(f"\nRun failed: checkpoint.resume={cfg.checkpoint.resume.value}: {found} is a job={saved} run's "
+              f"checkpoint; job={cfg.job.value} resumes only its own. Fix: start from its weights alone with "
+              f"checkpoint.load_model_only=true, or point checkpoint.dir at a job={cfg.job.value} run's checkpoints",
+              file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:

@@ -86,6 +86,34 @@ def test_routing_replay_turned_on_since_a_moe_runs_save_is_refused(tmp_path, cap
     assert ": rollout.routing_replay=True (saved with False). Fix: set them back" in last, last
 
 
+def test_an_rl_resume_of_an_sft_runs_checkpoint_is_refused_before_anything_starts(tmp_path, capsys):
+    """In the SFT run's output_dir, where checkpoint.resume=never's refusal offers checkpoint.resume=auto. Before:
+    every role started, loaded it, then the run failed with 'KeyError: 'loop''."""
+    model, opt = _trained()
+    path = save_checkpoint(tmp_path / "ckpt", 4, model, opt, client_state={
+        "global_step": 4, "master_weights": "fsdp", "consumed_samples": 64, "eval_skipped": False})
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(_cfg(tmp_path, "checkpoint.resume=auto"))
+    assert stop.value.code == EXIT_FAILED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Run failed: checkpoint.resume=auto: {path} is a job=sft run's checkpoint; job=rl resumes only its own. Fix: "
+        "start from its weights alone with checkpoint.load_model_only=true, or point checkpoint.dir at a job=rl run's "
+        "checkpoints")
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true")) == path
+
+
+def test_an_sft_resume_of_an_rl_runs_checkpoint_is_refused(saved, capsys):
+    """Before: job=sft went on at the RL run's optimizer step count, with its LR schedule and optimizer state."""
+    from types import SimpleNamespace as value
+
+    cfg = value(job=value(value="sft"), model=value(master_weights=value(value="fsdp")), train=value(batch_size=8),
+                checkpoint=value(dir=str(saved.parent), resume=value(value="must"), load_model_only=False))
+    with pytest.raises(SystemExit):
+        _check_resume(cfg)
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"Run failed: checkpoint.resume=must: {saved} is a job=rl run's checkpoint; job=sft resumes only its own.")
+
+
 def test_a_longer_run_and_other_logging_go_on_named_in_one_line(saved, tmp_path, capsys):
     cfg = _cfg(tmp_path, "checkpoint.resume=must", "train.max_steps=8", "logger.tensorboard=true",
                "train.timeouts.step_s=60")
