@@ -480,7 +480,9 @@ def _with_details(cfg: RunConfig, lines: list[str], error: BaseException) -> lis
 
 
 def _resume_hint(cfg: RunConfig) -> list[str]:
-    """The checkpoint a resume would start from (an eval job trains nothing: none of its own)."""
+    """The checkpoint a resume would start from (an eval job trains nothing: none of its own), and how: in this run's
+    directory. Before, only 'checkpoint.resume=auto': the command run again took a new timestamped hydra.run.dir (the
+    default), whose checkpoint.dir is empty, and started from step 0."""
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
 
     if cfg.job.value == "eval":
@@ -488,7 +490,8 @@ def _resume_hint(cfg: RunConfig) -> list[str]:
     last = None
     with suppress(OSError):
         last = resolve_checkpoint(cfg.checkpoint.dir, checksums=True)  # as the resume will choose (small files)
-    return [f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
+    return [f"Last checkpoint: {last}; resume with checkpoint.resume=auto hydra.run.dir={cfg.output_dir}"
+            if last is not None
             else "Last checkpoint: none (the run starts from step 0 again)"]
 
 
