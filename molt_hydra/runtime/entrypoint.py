@@ -453,8 +453,10 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         with suppress(Exception):  # the summary is shown without examples
             examples = await roles.calls.example_errors() if roles is not None else {}
         for reason, example in sorted(examples.items()):
-            if reason in drops:
-                lines.append(f"  example error ({reason}): {example}")
+            if reason in drops:  # one line, cut short: agent code's message can be pages (an HTTP error's body)
+                shown = " ".join(example.split())
+                cut = f"... ({len(shown)} characters)" if len(shown) > 300 else ""
+                lines.append(f"  example error ({reason}): {shown[:300] if cut else shown}{cut}")
     return _with_details(cfg, lines + _resume_hint(cfg), error)
 
 
