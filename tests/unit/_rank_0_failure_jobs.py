@@ -1,7 +1,8 @@
-"""A two-rank weight push for tests/unit/test_weight_push_failure.py, in a module of its own: each spawned rank
-imports it. Rank 0's push to the engines fails at the second bucket (as it does when an engine's vLLM core dies
-mid-sync); each rank writes how its push_from_rank ended to `<path>/rank<r>`."""
+"""Two-rank jobs for tests/unit/test_rank_0_failures.py, in a module of its own: each spawned rank imports it. Rank 0
+fails where it alone acts (a weight push to the engines, an export's write); each rank writes how its call ended to
+`<path>/rank<r>`."""
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,4 +46,25 @@ def push_fails_on_rank_0(rank: int, world: int, port: int, path: str) -> None:
         ended = f"{type(e).__name__}: {e}".splitlines()[0]
     Path(path, f"rank{rank}").write_text(ended)
     dist.barrier()  # both ranks still meet: their collectives stayed in step
+    dist.destroy_process_group()
+
+
+def export_fails_on_rank_0(rank: int, world: int, port: int, path: str) -> None:
+    """export_hf of a 2-rank FSDP model into a directory whose parent is a file: rank 0's write fails."""
+    from molt_hydra.parallel.checkpoint import export_hf
+
+    init_distributed(rank, world, "127.0.0.1", port, timeout_s=20)
+    model = torch.nn.Linear(8, 8)
+    model.config = SimpleNamespace(tie_word_embeddings=False)
+    fully_shard(model)
+    Path(path, "in_the_way").touch()
+    try:
+        ended = f"returned {export_hf(Path(path, 'in_the_way', 'hf'), model)}"
+    except Exception as e:  # noqa: BLE001 - what the test reads
+        ended = f"{type(e).__name__}: {e}".splitlines()[0]
+    Path(path, f"rank{rank}").write_text(ended)
+    for _ in range(600):  # as a trainer rank (an actor) lives on after its call failed: its connections stay open
+        if all(Path(path, f"rank{r}").exists() for r in range(world)):
+            break
+        time.sleep(0.1)
     dist.destroy_process_group()
