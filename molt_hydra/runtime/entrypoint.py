@@ -195,7 +195,7 @@ def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
     longer train.max_steps, logging, timeouts) goes on, named in one line, with what a longer run does to a decaying
     LR schedule."""
     from molt_hydra.parallel.checkpoint import saved_client_state
-    from molt_hydra.runtime.run_record import CHANGES_THE_MATH, config_changes
+    from molt_hydra.runtime.run_record import ABSENT, CHANGES_THE_MATH, config_changes
 
     state = saved_client_state(found)
     if (saved := state.get("run_record", {}).get("config")) is None:
@@ -203,7 +203,9 @@ def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
               file=sys.stderr)
         return
     step, t, changed = state.get("rl_step", 0), cfg.train, config_changes(saved, config_as_dict(cfg))
-    math = {k for k in changed if any(k == m or m.endswith(".") and k.startswith(m) for m in CHANGES_THE_MATH)}
+    # (a key molt_hydra added or removed since the save is named, not refused: no value of it can be set back)
+    math = {k for k in changed if any(k == m or m.endswith(".") and k.startswith(m) for m in CHANGES_THE_MATH)
+            and ABSENT not in changed[k]}
     refused = [f"{k}={changed[k][1]} (saved with {changed[k][0]})" for k in sorted(math)]
     if t.max_steps is not None and t.max_steps < step:  # (equal: a finished run, saved and exported again)
         refused.append(f"train.max_steps={t.max_steps}, but it is at step {step} already (set it to {step} or more)")

@@ -79,10 +79,17 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+class _Absent(str):
+    """The value of a key one of two configs has not: one added to molt_hydra since the save, or removed."""
+
+
+ABSENT = _Absent("(no such key)")
+
+
 def config_changes(saved: dict, now: dict) -> dict[str, tuple]:
     """{key: (saved value, this run's)} for every leaf key of two config_as_dict trees that differs (the agent's
-    runner as one value)."""
+    runner as one value); a key only one of them has: ABSENT on the other side."""
     before, after = _flat(saved), _flat(now)
-    return {k: (before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
-            if before.get(k) != after.get(k) and k not in UNREPORTED}
+    return {k: (before.get(k, ABSENT), after.get(k, ABSENT)) for k in sorted(before.keys() | after.keys())
+            if before.get(k, ABSENT) != after.get(k, ABSENT) and k not in UNREPORTED}
 

@@ -129,6 +129,22 @@ def test_a_longer_run_and_other_logging_go_on_named_in_one_line(saved, tmp_path,
         assert "changed" not in capsys.readouterr().err
 
 
+def test_keys_molt_hydra_added_or_removed_since_the_save_go_on_named(tmp_path, capsys):
+    """A checkpoint saved by an earlier molt_hydra, resumed by one whose schema has a key more (here algorithm.gamma)
+    and one less. Before: refused as 'algorithm.gamma=1.0 (saved with None)', whose fix, setting it back, no value
+    can follow: no checkpoint of an earlier version could be resumed once a key of the math was added."""
+    model, opt = _trained()
+    record = write_run_record(_cfg(tmp_path), tmp_path / "out")
+    del record["config"]["algorithm"]["gamma"]
+    record["config"]["train"]["retired_knob"] = 3
+    path = save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 1}}, "run_record": record})
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto")) == path
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Resuming {path} with keys changed since its save: algorithm.gamma (no such key) -> 1.0, "
+        "train.retired_knob 3 -> (no such key)")
+
+
 def test_resume_auto_with_no_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
     """The usual way to miss one: a new invocation's output_dir is a new timestamped directory (hydra.run.dir), and
     the default checkpoint.dir is under it."""
