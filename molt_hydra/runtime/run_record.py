@@ -79,11 +79,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-class _Absent(str):
-    """The value of a key one of two configs has not: one added to molt_hydra since the save, or removed."""
-
-
-ABSENT = _Absent("(no such key)")
+ABSENT = "(no such key)"  # the value of a key one of two configs has not: added to molt_hydra since the save, or gone
 
 
 def config_changes(saved: dict, now: dict) -> dict[str, tuple]:
