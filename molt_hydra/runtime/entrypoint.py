@@ -348,6 +348,8 @@ def _close_logs(opened: list) -> None:
 async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice) -> int:
     loop = asyncio.get_running_loop()
     signals = _stop_signals(loop)
+    # Slurm's notice (a save at the step's end) also while the roles start: before, there, its default action ended
+    notice.install(loop, asyncio.current_task())  # the driver without a word (the engines' load: minutes on GPU)
     loop.set_exception_handler(_quiet_cancellations)
     from molt_hydra.runtime.roles import build_roles
 
@@ -551,7 +553,6 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     def head_watched(work):  # beside Ray's head and the roles' processes (no engine keeper: there is no loop)
         return beside(work, *ray_head.watchers(roles.role_pids, cfg.cluster.nodes == 1))
 
-    notice.install(asyncio.get_running_loop(), asyncio.current_task())  # Slurm's notice: a save at the step's end
     if found is not None:  # (minutes on GPU: watched as the start and the loop are)
         client, found = await head_watched(_load_verified(cfg, roles, found))
         state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
