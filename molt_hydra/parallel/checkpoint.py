@@ -53,11 +53,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def is_loadable(path: Path) -> bool:
     return (path / "extra_state.pt").is_file() and (path / "dcp" / ".metadata").is_file()
 
@@ -373,9 +368,13 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
     if to_hf is not None and adapter is None:
         sd = dict(pair for name, t in sd.items() for pair in to_hf(name, t))
     out = Path(out_dir)
-    if _rank() == 0 and adapter is not None:  # through a temp dir beside `out`, the merged model under merged/
-        tmp = out.with_name(f".tmp-{out.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
+    tmp = out.with_name(f".tmp-{out.name}")
+
+    def write():  # rank 0
+        if adapter is None:
+            _write_hf(out, sd, model.config, dtype, tokenizer_path)
+            return
+        shutil.rmtree(tmp, ignore_errors=True)  # through a temp dir beside `out`, the merged model under merged/
         tensors = {lora.peft_name(n): t.to(dtype) for n, t in sd.items() if lora.is_adapter_param(n)}
         lora.save_adapter(tmp, tensors, adapter, tokenizer_path)
         _save_tokenizer(tokenizer_path, tmp)
@@ -386,9 +385,10 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
             _write_hf(tmp / "merged", lora.merged_state(sd, adapter["alpha"] / adapter["rank"]), config, dtype,
                       tokenizer_path)
         _replace_dir(tmp, out)
-    elif _rank() == 0:
-        _write_hf(out, sd, model.config, dtype, tokenizer_path)
-    _barrier()
+
+    # every rank raises rank 0's write error (a full disk...); before, the others waited for it in a barrier until
+    # the collective timeout (30 min by default), and the run with them
+    _on_every_rank(tmp, write, rank0_only=True)
     return out if _rank() == 0 else None
 
 

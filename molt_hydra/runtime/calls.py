@@ -39,7 +39,8 @@ class RoleCalls:
                     else [args] * group.num_ranks)
         refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
         named = "checkpoint writer ({} rank {})" if method in WRITERS else "{} rank {}"
-        return await _every(refs, self.timeouts.trainer_call_s, role, method, lambda rank, _: named.format(role, rank))
+        return await _every(refs, self.timeouts.trainer_call_s, role, method, lambda rank, _: named.format(role, rank),
+                            peers_s=PEERS_S)
 
     async def engines_busy(self, busy: bool, wait: bool) -> None:
         """Every CPU trainer rank learns whether the rollout engines generate (parallel/group.py): while they do not
@@ -261,10 +262,30 @@ def _trainer_groups(roles) -> list:
     return [g for g in (roles.actor, roles.ref, roles.critic) if g is not None]
 
 
-async def _every(calls: list, seconds: float, role: str, what: str, who=None) -> list:
+PEERS_S = 10.0  # a trainer call failed on a rank: how long the others get to end (see `_every`)
+
+
+async def _every(calls: list, seconds: float, role: str, what: str, who=None, peers_s: float | None = None) -> list:
     """Every call's result, in order, under one deadline; the first failure (the first process that died, if any)
-    ends the run, naming `who(index, error)` (default: `role index`)."""
-    results = await deadline(asyncio.gather(*calls, return_exceptions=True), seconds, role, what)
+    ends the run, naming `who(index, error)` (default: `role index`). `peers_s` (trainer ranks' calls): once one
+    failed, the others get that long, not the deadline: they may wait on it in a collective until its timeout (an
+    out-of-memory on one rank; before: the run waited trainer_call_s, 30 min, then told it as a stall); the death of
+    a rank still comes first (its peers' errors follow from it). None: every call ends or the deadline passes (a
+    push retried after a failure must not start while a rank is still in the failed one)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    if not tasks:
+        return []
+    try:
+        done, pending = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.ALL_COMPLETED
+                                           if peers_s is None else asyncio.FIRST_EXCEPTION)
+        if pending and peers_s is not None and any(not t.cancelled() and t.exception() for t in done):
+            await asyncio.wait(pending, timeout=peers_s)
+        elif pending:
+            raise RoleStalled(role, what, seconds)
+    finally:
+        for task in tasks:
+            task.cancel()  # (those still running; the run's teardown ends their processes)
+    results = [t.exception() or t.result() if t.done() and not t.cancelled() else None for t in tasks]
     failed = [(i, result) for i, result in enumerate(results) if isinstance(result, Exception)]
     if failed:  # a process that died is the cause; the others' errors follow from it (gloo: 'closed by peer')
         i, error = min(failed, key=lambda f: not isinstance(f[1], ray.exceptions.RayActorError))

@@ -84,6 +84,7 @@ class RLController:
         self.best: tuple[str, float] | None = None
         self.next_eval: int | None = None
         self.exhausted = False
+        self.held: tuple | None = None  # a batch out of the generator, not yet queued (see `produce`)
         self.untrainable: Counter = Counter()  # drop reasons over the current run of steps with nothing to train
         self.untrainable_steps = 0
         self.trainer_ahead = False  # a train step ran since the last weight sync: the trainer holds version + 1
@@ -114,20 +115,25 @@ class RLController:
             if self.cfg.train.rollout_replay_dir:  # batch j read back, not generated; a missing file ends the data
                 path = Path(self.cfg.train.rollout_replay_dir) / f"rollout_step{j}.pt"
                 batch = torch.load(path, weights_only=False) if path.exists() else RolloutBatch([], {}, exhausted=True)
-            else:  # CPU trainer ranks train on every core of their node only while the engines are idle: the
-                # hints are sent, not awaited (round trips on the rollout's critical path), except the one a sync
-                # step's training must see first (its thread count changes float reductions)
+            else:
                 await self.calls.engines_busy(True, wait=False)
                 batch = await self.roles.generator.generate_batch()
-                await self.calls.engines_busy(False, wait=self.depth == 0)
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
+            timing = {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": t1 - t0}
+            # Held (a save meanwhile keeps it as queued) while the hint below is answered: before, a save then had
+            # the generator past its prompts and no batch of them, and the resumed run skipped them.
+            self.held = (batch, timing) if batch.groups else None
+            if not self.cfg.train.rollout_replay_dir:  # CPU trainer ranks train on every core of their node only
+                # while the engines are idle: the hints are sent, not awaited (round trips on the rollout's critical
+                # path), except the one a sync step's training must see first (its thread count changes float sums)
+                await self.calls.engines_busy(False, wait=self.depth == 0)
             if self.cfg.train.rollout_dump_dir and batch.groups:  # Molt's rollout dump: for replay or study
                 path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(batch, path)
-            timing = {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": t1 - t0}
-            if batch.groups:
-                await self.queue.put((batch, timing))
+            if self.held is not None:
+                held, self.held = self.held, None
+                await self.queue.put(held)
             async with self.batch_made:  # wakes a weight sync waiting for this batch (or for the end of the data)
                 self.batches_made += bool(batch.groups)
                 self.exhausted = batch.exhausted or not batch.groups
@@ -321,6 +327,7 @@ class RLController:
 
     def client_state(self) -> dict:
         queued = [item for item in self.queue._queue if item[0] is not None]  # trained first after a resume
+        queued += [self.held] if self.held is not None else []  # (queued after them)
         return {"step": self.step, "version": self.version, "generator": self.roles.generator.state_dict(),
                 "queued": queued, "batches_made": self.step + len(queued), "best": self.best,
                 "next_eval": self.next_eval, "kl_coef": self.kl_ctl.value, "wandb_id": self.log.sinks.wandb_id,
@@ -372,6 +379,8 @@ class RLController:
                   f"run's (of the weights before step 1); {schedule}.", flush=True)
         # at step 0, eval.at_start; on resume, the eval a preemption's save skipped (none else is due there)
         await self.watched(self.maybe_eval(force=self.step == 0 and e.at_start))
+        if self.depth == 0 and not self.queue.empty():  # sync mode, a batch saved queued: it trains first, as it
+            await self.watched(self.calls.engines_busy(False, wait=True))  # would have, with the engines idle
         return await self.watched(self._steps(), self.produce())
 
     def watched(self, work, *more):

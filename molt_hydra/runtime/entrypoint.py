@@ -154,6 +154,7 @@ def _check_resume(cfg: RunConfig) -> Path | None:
               f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     if found is not None and not c.load_model_only:
+        _refuse_another_jobs(cfg, found)
         (_refuse_another_sft_batch_size if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found)
     # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
     critic = Path(c.dir + "_critic") / found.name if found is not None else None
@@ -167,6 +168,23 @@ def _check_resume(cfg: RunConfig) -> Path | None:
     return found
 
 
+def _refuse_another_jobs(cfg: RunConfig, found: Path) -> None:
+    """A run resumes its own job's checkpoints only (job=rl's hold its loop: its step, data position and queued batches;
+    job=sft's its consumed samples). Before: job=rl over a job=sft run's checkpoints (as in that run's output_dir, where
+    resume=never's refusal offers checkpoint.resume=auto) started every role, then failed 'KeyError: 'loop''; job=sft
+    over an RL run's went on at its optimizer's step count, its data position and LR schedule another run's."""
+    from molt_hydra.parallel.checkpoint import saved_client_state
+
+    state = saved_client_state(found)
+    saved = "rl" if "rl_step" in state or "loop" in state else "sft" if "consumed_samples" in state else None
+    if saved not in (None, cfg.job.value):
+        print(f"\nRun failed: checkpoint.resume={cfg.checkpoint.resume.value}: {found} is a job={saved} run's "
+              f"checkpoint; job={cfg.job.value} resumes only its own. Fix: start from its weights alone with "
+              f"checkpoint.load_model_only=true, or point checkpoint.dir at a job={cfg.job.value} run's checkpoints",
+              file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+
+
 def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
     """job=rl: the resume goes on as the saved run would have, or this says, before anything starts, which key changed
     since the save breaks that. Before: a changed train.optimizer.lr was ignored (the optimizer's and scheduler's state
@@ -177,7 +195,7 @@ def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
     longer train.max_steps, logging, timeouts) goes on, named in one line, with what a longer run does to a decaying
     LR schedule."""
     from molt_hydra.parallel.checkpoint import saved_client_state
-    from molt_hydra.runtime.run_record import CHANGES_THE_MATH, config_changes
+    from molt_hydra.runtime.run_record import ABSENT, CHANGES_THE_MATH, config_changes
 
     state = saved_client_state(found)
     if (saved := state.get("run_record", {}).get("config")) is None:
@@ -185,7 +203,9 @@ def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
               file=sys.stderr)
         return
     step, t, changed = state.get("rl_step", 0), cfg.train, config_changes(saved, config_as_dict(cfg))
-    math = {k for k in changed if any(k == m or m.endswith(".") and k.startswith(m) for m in CHANGES_THE_MATH)}
+    # (a key molt_hydra added or removed since the save is named, not refused: no value of it can be set back)
+    math = {k for k in changed if any(k == m or m.endswith(".") and k.startswith(m) for m in CHANGES_THE_MATH)
+            and ABSENT not in changed[k]}
     refused = [f"{k}={changed[k][1]} (saved with {changed[k][0]})" for k in sorted(math)]
     if t.max_steps is not None and t.max_steps < step:  # (equal: a finished run, saved and exported again)
         refused.append(f"train.max_steps={t.max_steps}, but it is at step {step} already (set it to {step} or more)")
@@ -328,6 +348,8 @@ def _close_logs(opened: list) -> None:
 async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice) -> int:
     loop = asyncio.get_running_loop()
     signals = _stop_signals(loop)
+    # Slurm's notice (a save at the step's end) also while the roles start: before, there, its default action ended
+    notice.install(loop, asyncio.current_task())  # the driver without a word (the engines' load: minutes on GPU)
     loop.set_exception_handler(_quiet_cancellations)
     from molt_hydra.runtime.roles import build_roles
 
@@ -435,8 +457,10 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         with suppress(Exception):  # the summary is shown without examples
             examples = await roles.calls.example_errors() if roles is not None else {}
         for reason, example in sorted(examples.items()):
-            if reason in drops:
-                lines.append(f"  example error ({reason}): {example}")
+            if reason in drops:  # one line, cut short: agent code's message can be pages (an HTTP error's body)
+                shown = " ".join(example.split())
+                cut = f"... ({len(shown)} characters)" if len(shown) > 300 else ""
+                lines.append(f"  example error ({reason}): {shown[:300] if cut else shown}{cut}")
     return _with_details(cfg, lines + _resume_hint(cfg), error)
 
 
@@ -462,7 +486,9 @@ def _with_details(cfg: RunConfig, lines: list[str], error: BaseException) -> lis
 
 
 def _resume_hint(cfg: RunConfig) -> list[str]:
-    """The checkpoint a resume would start from (an eval job trains nothing: none of its own)."""
+    """The checkpoint a resume would start from (an eval job trains nothing: none of its own), and how: in this run's
+    directory. Before, only 'checkpoint.resume=auto': the command run again took a new timestamped hydra.run.dir (the
+    default), whose checkpoint.dir is empty, and started from step 0."""
     from molt_hydra.parallel.checkpoint import resolve_checkpoint
 
     if cfg.job.value == "eval":
@@ -470,7 +496,8 @@ def _resume_hint(cfg: RunConfig) -> list[str]:
     last = None
     with suppress(OSError):
         last = resolve_checkpoint(cfg.checkpoint.dir, checksums=True)  # as the resume will choose (small files)
-    return [f"Last checkpoint: {last}; resume with checkpoint.resume=auto" if last is not None
+    return [f"Last checkpoint: {last}; resume with checkpoint.resume=auto hydra.run.dir={cfg.output_dir}"
+            if last is not None
             else "Last checkpoint: none (the run starts from step 0 again)"]
 
 
@@ -526,7 +553,6 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     def head_watched(work):  # beside Ray's head and the roles' processes (no engine keeper: there is no loop)
         return beside(work, *ray_head.watchers(roles.role_pids, cfg.cluster.nodes == 1))
 
-    notice.install(asyncio.get_running_loop(), asyncio.current_task())  # Slurm's notice: a save at the step's end
     if found is not None:  # (minutes on GPU: watched as the start and the loop are)
         client, found = await head_watched(_load_verified(cfg, roles, found))
         state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh

@@ -68,7 +68,10 @@ class Shown:
             if not line.endswith(b"\n"):  # a line still being written: read it whole next time
                 break
             self.read += len(line)
-            w = json.loads(line)
+            try:
+                w = json.loads(line)
+            except ValueError:  # a line torn by a process killed mid-write, or by a full disk, then another after it:
+                continue  # skipped (before: this thread died in a traceback, and the run's end too, its message lost)
             self.seen[w["kind"]] = self.seen.get(w["kind"], 0) + 1
             if self.seen[w["kind"]] == 1:
                 by_pid = {pid: role for role, pid in (self.role_pids or {}).items()}

@@ -59,7 +59,10 @@ def write_run_record(cfg, directory: str | Path) -> dict:
 # is not the one that was saved (a key by name, a group by its "name."); every other changed key goes on, named.
 CHANGES_THE_MATH = ("seed", "model.path", "model.ref_path", "model.critic_path", "model.param_dtype", "model.lora.",
                     "model.aux_loss_coef", "model.freeze_visual_encoder", "model.freeze_moe_router",
+                    "model.tokenizer_path",  # other token ids for the same text (the saved batches hold the old ones)
                     "algorithm.", "agent.runner", "agent.max_turns", "data.",
+                    "agent.tool_parser", "agent.reasoning_parser",  # what a chat agent reads of each reply
+                    "rollout.routing_replay",  # which experts the trainer's forward routes each token to
                     "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_inflight_groups",
                     "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
                     "rollout.incomplete_groups", "train.batch_size", "train.epochs", "train.force_on_policy",
@@ -76,10 +79,13 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+ABSENT = "(no such key)"  # the value of a key one of two configs has not: added to molt_hydra since the save, or gone
+
+
 def config_changes(saved: dict, now: dict) -> dict[str, tuple]:
     """{key: (saved value, this run's)} for every leaf key of two config_as_dict trees that differs (the agent's
-    runner as one value)."""
+    runner as one value); a key only one of them has: ABSENT on the other side."""
     before, after = _flat(saved), _flat(now)
-    return {k: (before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
-            if before.get(k) != after.get(k) and k not in UNREPORTED}
+    return {k: (before.get(k, ABSENT), after.get(k, ABSENT)) for k in sorted(before.keys() | after.keys())
+            if before.get(k, ABSENT) != after.get(k, ABSENT) and k not in UNREPORTED}
 

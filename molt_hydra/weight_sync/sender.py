@@ -190,4 +190,9 @@ def push_from_rank(worker, engines: list, transport: str, version: int, *, bucke
             pass
         return {}
     sync = WeightSync(engines, carrier, check_coverage=check_coverage, timeout_s=timeout_s, version=version - 1)
-    return asyncio.run(sync.sync(buckets, version))
+    try:
+        return asyncio.run(sync.sync(buckets, version))
+    except Exception:  # a push that failed (an engine died mid-sync): the other ranks gather every bucket, each a
+        for _ in buckets:  # collective; before, they waited on this rank until the collective timeout (the run
+            pass  # stalled, its engine not replaced)
+        raise

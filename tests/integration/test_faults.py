@@ -712,5 +712,5 @@ def test_sighup_to_the_runs_process_group_stops_it_and_every_role(tmp_path):
     assert code == 130, run.err()[-3000:]
     assert "Interrupted: stopping every role; the last checkpoint is kept." in lines, lines[-5:]
     assert lines[-1].startswith(f"Last checkpoint: {ckpts / 'step_'}") and \
-        lines[-1].endswith("; resume with checkpoint.resume=auto"), lines[-5:]
+        lines[-1].endswith(f"; resume with checkpoint.resume=auto hydra.run.dir={tmp_path / 'run'}"), lines[-5:]
     assert "Traceback" not in run.err(), run.err()[-3000:]

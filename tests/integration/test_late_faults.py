@@ -82,7 +82,7 @@ def test_a_rank_stopped_after_the_last_step_ends_the_final_save_naming_it(tmp_pa
     # the final save, if the stop came after it (in the export), else none (checkpoint.save_steps=-1: no other save)
     assert lines[-1] in ("Last checkpoint: none (the run starts from step 0 again)",
                          f"Last checkpoint: {out / 'checkpoints' / f'step_{steps}'}; resume with "
-                         "checkpoint.resume=auto"), lines[-3:]
+                         f"checkpoint.resume=auto hydra.run.dir={out}"), lines[-3:]
 
 
 @pytest.mark.slow  # ~40 s: tests/integration/test_start_failures.py (an engine's start failing so) in make test

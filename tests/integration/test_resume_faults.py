@@ -46,7 +46,8 @@ def test_sigterm_twice_stops_every_role_and_keeps_the_checkpoints(interrupted):
     assert code == EXIT_INTERRUPTED, err[-3000:]
     assert "Interrupted: stopping every role; the last checkpoint is kept." in err
     newest = resolve_checkpoint(out / "checkpoints")  # named last, after the teardown (before: not named at all)
-    assert err.strip().splitlines()[-1] == f"Last checkpoint: {newest}; resume with checkpoint.resume=auto", err[-500:]
+    assert err.strip().splitlines()[-1] == (f"Last checkpoint: {newest}; resume with checkpoint.resume=auto "
+                                            f"hydra.run.dir={out}"), err[-500:]
     assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
     skipped = []
     assert resolve_checkpoint(out / "checkpoints", skipped) is not None and skipped == []
@@ -167,7 +168,8 @@ def test_a_crash_between_the_critics_save_and_the_actors_resumes_the_step_before
     lines = [line for line in crashed.stderr.splitlines() if line.strip()]
     assert crashed.returncode == EXIT_FAILED, crashed.stderr[-3000:]
     assert lines[-3].startswith("Run failed: checkpoint writer (critic rank 0): save_checkpoint failed: "), lines[-3:]
-    assert lines[-2] == f"Last checkpoint: {ckpts / 'step_1'}; resume with checkpoint.resume=auto", lines[-3:]
+    assert lines[-2] == (f"Last checkpoint: {ckpts / 'step_1'}; resume with checkpoint.resume=auto "
+                         f"hydra.run.dir={out}"), lines[-3:]
     critic_step_2.unlink()
     resumed = subprocess.run(only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", "train.max_steps=3", *gae,
                                         "checkpoint.resume=auto"]), capture_output=True, text=True, timeout=600,

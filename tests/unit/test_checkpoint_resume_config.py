@@ -55,6 +55,8 @@ def saved(tmp_path):
     ("seed=1", "seed=1 (saved with 42)"),
     ("algorithm.estimator=rloo", "algorithm.estimator=rloo (saved with grpo)"),
     ("model.path=tiny://qwen3_moe_tiny", "model.path=tiny://qwen3_moe_tiny (saved with tiny://qwen3_tiny)"),
+    ("model.tokenizer_path=tiny://qwen3_moe_tiny", "model.tokenizer_path=tiny://qwen3_moe_tiny (saved with None)"),
+    ("agent.reasoning_parser=qwen3", "agent.reasoning_parser=qwen3 (saved with None)"),
     ("train.max_steps=2", "train.max_steps=2, but it is at step 3 already (set it to 3 or more)"),
     ("train.num_episodes=1", "train.num_episodes=1, but it is in episode 2 already: no prompt is left (set it "
                              "above 1)"),
@@ -70,6 +72,48 @@ def test_a_key_that_changes_the_math_is_refused_before_anything_starts(saved, tm
                          "checkpoint.load_model_only=true")
 
 
+def test_routing_replay_turned_on_since_a_moe_runs_save_is_refused(tmp_path, capsys):
+    """Before, it went on named as one more changed key: the trainer's forward then routes each token to the experts
+    its rollout used, not to its own router's choice, from the saved step on."""
+    moe = "model.path=tiny://qwen3_moe_tiny"
+    model, opt = _trained()
+    save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 0}},
+        "run_record": write_run_record(_cfg(tmp_path, moe), tmp_path / "out")})
+    with pytest.raises(SystemExit):
+        _check_resume(_cfg(tmp_path, moe, "checkpoint.resume=auto", "rollout.routing_replay=true"))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ": rollout.routing_replay=True (saved with False). Fix: set them back" in last, last
+
+
+def test_an_rl_resume_of_an_sft_runs_checkpoint_is_refused_before_anything_starts(tmp_path, capsys):
+    """In the SFT run's output_dir, where checkpoint.resume=never's refusal offers checkpoint.resume=auto. Before:
+    every role started, loaded it, then the run failed with 'KeyError: 'loop''."""
+    model, opt = _trained()
+    path = save_checkpoint(tmp_path / "ckpt", 4, model, opt, client_state={
+        "global_step": 4, "master_weights": "fsdp", "consumed_samples": 64, "eval_skipped": False})
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(_cfg(tmp_path, "checkpoint.resume=auto"))
+    assert stop.value.code == EXIT_FAILED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Run failed: checkpoint.resume=auto: {path} is a job=sft run's checkpoint; job=rl resumes only its own. Fix: "
+        "start from its weights alone with checkpoint.load_model_only=true, or point checkpoint.dir at a job=rl run's "
+        "checkpoints")
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true")) == path
+
+
+def test_an_sft_resume_of_an_rl_runs_checkpoint_is_refused(saved, capsys):
+    """Before: job=sft went on at the RL run's optimizer step count, with its LR schedule and optimizer state."""
+    from types import SimpleNamespace as value
+
+    cfg = value(job=value(value="sft"), model=value(master_weights=value(value="fsdp")), train=value(batch_size=8),
+                checkpoint=value(dir=str(saved.parent), resume=value(value="must"), load_model_only=False))
+    with pytest.raises(SystemExit):
+        _check_resume(cfg)
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"Run failed: checkpoint.resume=must: {saved} is a job=rl run's checkpoint; job=sft resumes only its own.")
+
+
 def test_a_longer_run_and_other_logging_go_on_named_in_one_line(saved, tmp_path, capsys):
     cfg = _cfg(tmp_path, "checkpoint.resume=must", "train.max_steps=8", "logger.tensorboard=true",
                "train.timeouts.step_s=60")
@@ -83,6 +127,22 @@ def test_a_longer_run_and_other_logging_go_on_named_in_one_line(saved, tmp_path,
                  _cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true", "seed=1")):
         assert _check_resume(same) == saved
         assert "changed" not in capsys.readouterr().err
+
+
+def test_keys_molt_hydra_added_or_removed_since_the_save_go_on_named(tmp_path, capsys):
+    """A checkpoint saved by an earlier molt_hydra, resumed by one whose schema has a key more (here algorithm.gamma)
+    and one less. Before: refused as 'algorithm.gamma=1.0 (saved with None)', whose fix, setting it back, no value
+    can follow: no checkpoint of an earlier version could be resumed once a key of the math was added."""
+    model, opt = _trained()
+    record = write_run_record(_cfg(tmp_path), tmp_path / "out")
+    del record["config"]["algorithm"]["gamma"]
+    record["config"]["train"]["retired_knob"] = 3
+    path = save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 1}}, "run_record": record})
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto")) == path
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Resuming {path} with keys changed since its save: algorithm.gamma (no such key) -> 1.0, "
+        "train.retired_knob 3 -> (no such key)")
 
 
 def test_resume_auto_with_no_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):

@@ -140,5 +140,7 @@ def test_the_resume_hint_names_the_checkpoint_the_resume_would_take(tmp_path):
     data[at] ^= 0xFF
     rng.write_bytes(bytes(data))
     value = SimpleNamespace
-    cfg = value(job=value(value="rl"), checkpoint=value(dir=str(tmp_path)))
-    assert _resume_hint(cfg) == [f"Last checkpoint: {tmp_path / 'step_1'}; resume with checkpoint.resume=auto"]
+    cfg = value(job=value(value="rl"), checkpoint=value(dir=str(tmp_path)), output_dir="outputs/default/now")
+    # the run's directory too: the command run again without it takes a new timestamped one, with no checkpoint
+    assert _resume_hint(cfg) == [f"Last checkpoint: {tmp_path / 'step_1'}; resume with checkpoint.resume=auto "
+                                 "hydra.run.dir=outputs/default/now"]

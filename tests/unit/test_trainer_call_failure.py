@@ -1,0 +1,59 @@
+"""A trainer call that fails on one rank while the others wait on it in a collective (runtime/calls.py `_every`): an
+out-of-memory on one rank mid-step leaves its peers in their next all-gather until the collective timeout
+(train.timeouts.collective_s, 30 min). Before, the driver waited for every rank until train.timeouts.trainer_call_s
+(30 min), then ended the run as 'actor stalled: train_step did not finish', the out-of-memory untold. Now the other
+ranks get PEERS_S once one failed, and the failure is named; a rank that died is still named over its peers' errors,
+which follow from its death."""
+
+import asyncio
+from types import SimpleNamespace
+
+from ray.core.generated.common_pb2 import ActorDiedErrorContext
+from ray.exceptions import ActorDiedError
+
+from molt_hydra.runtime import calls
+from molt_hydra.runtime.watchdog import RunFailed
+
+
+async def _raises(error: Exception, after_s: float = 0.0):
+    await asyncio.sleep(after_s)
+    raise error
+
+
+async def _never():
+    await asyncio.Event().wait()
+
+
+def _rank(call):
+    """A trainer rank whose train_step is `call()` (a coroutine, as a Ray ObjectRef is awaited)."""
+    return SimpleNamespace(train_step=SimpleNamespace(remote=lambda *a, **kw: call()))
+
+
+def _failure(*per_rank, monkeypatch, peers_s: float) -> tuple[RunFailed, float]:
+    """The failure of the actor's train_step on ranks doing `per_rank`, under a 5 s trainer-call deadline."""
+    monkeypatch.setattr(calls, "PEERS_S", peers_s, raising=False)
+    group = SimpleNamespace(workers=[_rank(call) for call in per_rank], num_ranks=len(per_rank))
+    role_calls = calls.RoleCalls(SimpleNamespace(), SimpleNamespace(trainer_call_s=5.0), None, "float32")
+
+    async def run():
+        start = asyncio.get_running_loop().time()
+        try:
+            await role_calls.ranks(group, "train_step")
+        except RunFailed as e:
+            return e, asyncio.get_running_loop().time() - start
+        raise AssertionError("no failure")
+    return asyncio.run(run())
+
+
+def test_a_rank_that_failed_is_named_while_its_peer_waits_on_it_and_a_death_still_comes_first(monkeypatch):
+    error, took = _failure(_never, lambda: _raises(MemoryError("out of memory")), monkeypatch=monkeypatch,
+                           peers_s=0.5)
+    assert (error.role, error.cause) == ("actor rank 1", "train_step failed: MemoryError: out of memory")
+    assert took < 4  # the grace, not the deadline
+    # the grace's purpose: a rank that died is named over the peer whose error (from its death) came first
+    died = ActorDiedError(ActorDiedErrorContext(class_name="PolicyWorker", actor_id=bytes(16), pid=1,
+                                                error_message="Worker exit type: SYSTEM_ERROR Worker exit detail: "
+                                                              "killed."))
+    error, _ = _failure(lambda: _raises(RuntimeError("Connection closed by peer")), lambda: _raises(died, after_s=0.2),
+                        monkeypatch=monkeypatch, peers_s=3.0)
+    assert error.role == "actor rank 1" and error.cause.startswith("train_step failed: the process died")
