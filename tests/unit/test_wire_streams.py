@@ -2132,15 +2132,19 @@ def test_chat_usage_counts_the_thinking_tokens_plain_and_streamed(tok):
             again = USER + [{"role": "user", "content": "2"}]  # (not the same request: a retry is answered whole)
             stream = await oa.chat.completions.create(model="policy", messages=again, tools=[TOOL], stream=True,
                                                       stream_options={"include_usage": True})
-            return plain.usage, [c.usage async for c in stream if c.usage][0]
+            raw = await oa.completions.create(model="policy", prompt="raw text")  # (text as sampled: no thinking)
+            return (plain.usage, [c.usage async for c in stream if c.usage][0]), raw.usage
         finally:
             await oa.close()
             await server.stop()
 
     thought = len(tok("\nhmm\n", add_special_tokens=False)["input_ids"])
-    for usage in asyncio.run(go()):
+    chat, raw = asyncio.run(go())
+    for usage in chat:
         assert usage.completion_tokens == len(ScriptedEngine(tok, THOUGHT_TEXT_CALL).ids)
         assert usage.completion_tokens_details.reasoning_tokens == thought > 0
+    assert (raw.completion_tokens, raw.completion_tokens_details) == (len(ScriptedEngine(tok, THOUGHT_TEXT_CALL).ids),
+                                                                      None)  # as vLLM's and OpenAI's completions
 
 
 def test_log_prob_bytes_of_a_character_split_over_tokens_join_to_it(tok):
@@ -2166,6 +2170,29 @@ def test_log_prob_bytes_of_a_character_split_over_tokens_join_to_it(tok):
     assert [e.bytes for e in entries[-1 - len(emoji):-1]] == [[b] for b in "😀".encode()]
     assert bytes(b for e in entries[:-1] for b in e.bytes).decode() == text  # (the last entry is <|im_end|>)
     assert entries[-1].bytes == list(b"<|im_end|>") and entries[0].bytes == list(entries[0].token.encode())
+
+
+def test_log_prob_bytes_of_a_sentencepiece_tokenizer_keep_the_spaces_its_decoder_strips():
+    """A SentencePiece (metaspace) tokenizer's decoder as Llama 2's / Mistral's: '▁' -> ' ', byte fallback, then the
+    text's first space stripped, so a token decoded alone loses its space ('▁Hi' -> 'Hi', '▁' -> ''), and bytes read
+    from that text joined to 'Hithere'. The bytes are the piece's: joined, the text with the space its decoder strips
+    at the start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from molt_hydra.agents.wire.session import token_bytes
+
+    vocab = {"<unk>": 0, "▁Hi": 1, "▁": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    sp = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>")
+    text = "Hi there 😀"
+    ids = [1, 2, *(3 + b for b in b"there"), 2, *(3 + b for b in "😀".encode())]  # '▁Hi', '▁', byte tokens
+    assert tok.decode(ids) == text and tok.decode([1]) == "Hi"  # (the decoder as described)
+    joined = b"".join(token_bytes(tok, i, tok.decode([i])) for i in ids)
+    assert joined == (" " + text).encode()
 
 
 def test_a_stored_chat_completion_asked_for_is_a_404_saying_none_is_stored(tok):
@@ -2357,14 +2384,25 @@ def test_a_prompt_over_the_sessions_length_is_refused_in_the_words_clients_match
 
     from anthropic import AsyncAnthropic, BadRequestError
 
-    async def go():
+    import base64
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(png, format="PNG")
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png.getvalue()).decode()}}
+
+    async def go(per_image: int):
         server = ChatServer(api_key="k")
         await server.start()
         server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=64), 20,
-                                        reply_parser(tok, "hermes", None)))
+                                        reply_parser(tok, "hermes", None), image_tokens_per_image=per_image))
         an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
         try:  # (the client closed in this loop, as above)
-            messages = [{"role": "user", "content": "word " * 30}]
+            words = {"type": "text", "text": "word " * 30}
+            messages = [{"role": "user", "content": [image, words] if per_image else [words]}]
             counted = await an.messages.count_tokens(model="policy", messages=messages)
             with pytest.raises(BadRequestError) as e:
                 await an.messages.create(model="policy", max_tokens=50, messages=messages)
@@ -2373,10 +2411,11 @@ def test_a_prompt_over_the_sessions_length_is_refused_in_the_words_clients_match
             await an.close()
             await server.stop()
 
-    counted, error = asyncio.run(go())
-    found = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", error.body["error"]["message"])
-    assert found is not None, error.message
-    assert (int(found[1]), int(found[2]), "context length" in error.message) == (counted, 19, True)
+    for per_image in (0, 3):  # an image: one token in the count, its tokens taken off the maximum
+        counted, error = asyncio.run(go(per_image))
+        found = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", error.body["error"]["message"])
+        assert found is not None, error.message
+        assert (int(found[1]), int(found[2]), "context length" in error.message) == (counted, 19 - per_image, True)
 
 
 def test_a_stop_sequence_holds_back_only_the_tail_of_a_streamed_thought_not_its_marker(tok):

@@ -48,8 +48,14 @@ def _message(m: Any, where: str) -> dict:
         raise bad(f"'{where}.content' is missing or null: a {m['role']} message needs its content, a string or a list "
                   "of parts", f"{where}.content")
     content = "" if m.get("content") is None else m["content"]
-    if role == "assistant" and m.get("refusal") is not None:  # another model's refusal in the history (was: dropped,
-        content = _refusal(m["refusal"], content, where)  # the model saw an empty assistant turn)
+    if role == "assistant" and m.get("refusal") is not None:  # another model's refusal in the history, its text as
+        refusal = m["refusal"]  # the turn's content, as vLLM renders a refusal part (was: dropped, an empty turn)
+        if not isinstance(refusal, str):
+            raise bad(f"{where}.refusal must be a string, got {refusal!r}", f"{where}.refusal")
+        if refusal and content not in ("", []):
+            raise bad(f"{where} has both 'content' and 'refusal': an assistant turn is one or the other; send the "
+                      "refusal's text as the content, or only the refusal", f"{where}.refusal")
+        content = refusal or content
     # as OpenAI (was: served, an empty turn rendered); an assistant's (a tool-call turn, echoed) and a tool's served
     if content == [] and role in ("system", "user"):
         raise bad(f"Invalid '{where}.content': empty array. Expected an array with minimum length 1, but got an "
@@ -67,16 +73,6 @@ def _message(m: Any, where: str) -> dict:
             raise bad(f"{where}.name must be a string, got {m['name']!r}", f"{where}.name")
         out["name"] = m["name"]
     return out
-
-
-def _refusal(refusal: Any, content: Any, where: str) -> str:
-    """An assistant message's `refusal`, its text as the turn's content (as vLLM renders a refusal part)."""
-    if not isinstance(refusal, str):
-        raise bad(f"{where}.refusal must be a string, got {refusal!r}", f"{where}.refusal")
-    if refusal and content not in ("", []):
-        raise bad(f"{where} has both 'content' and 'refusal': an assistant turn is one or the other; send the "
-                  "refusal's text as the content, or only the refusal", f"{where}.refusal")
-    return refusal or content
 
 
 def _part(p: Any, where: str, assistant: bool = False) -> dict:
@@ -136,10 +132,15 @@ def message(c) -> dict:
 
 
 def usage(reply) -> dict:
+    """A turn's token counts (/v1/completions: a raw completion is text as sampled, no thinking told apart)."""
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+
+
+def chat_usage(reply) -> dict:
     # the thinking's tokens, as OpenAI and vLLM's server (with a reasoning parser) report them (was: absent, read as 0
     # by the Agents SDK and LiteLLM; the Responses API reported them)
-    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
-            "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    return {**usage(reply),
             "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in reply.choices)}}
 
 
@@ -151,7 +152,7 @@ def body(reply, req: ChatRequest, model: str) -> dict:
     return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "message": message(c), "finish_reason": c.finish_reason, "logprobs": logprobs(c)}
                         for i, c in enumerate(reply.choices)],
-            "usage": usage(reply)}
+            "usage": chat_usage(reply)}
 
 
 class ChatStream(Stream):
@@ -188,7 +189,7 @@ class ChatStream(Stream):
                 out.append(self.chunk([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}]))
             out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason}]))
         if self.req.include_usage:
-            out.append(self.chunk([], usage(reply)))
+            out.append(self.chunk([], chat_usage(reply)))
         return out + [b"data: [DONE]\n\n"]
 
     def error(self, e: RequestError) -> list[bytes]:

@@ -262,11 +262,13 @@ class ChatSession:
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
                 # Anthropic's words, which clients match to compact their history (was: "prompt is N tokens",
-                # matched by none: an agent that compacts on overflow failed instead)
-                raise RequestError(400, f"prompt is too long: {self.max_length - remaining} tokens > "
-                                   f"{self.max_length - 1} maximum (this session's max_length is {self.max_length}: "
-                                   f"the context length holds the prompt, {len(images)} images included, and at "
-                                   "least one generated token)", "messages", "context_length_exceeded")
+                # matched by none: an agent that compacts on overflow failed instead). N as count_tokens counts the
+                # prompt (an image one token); the images' own tokens are taken off the maximum
+                held = self.image_tokens_per_image * len(images)
+                raise RequestError(400, f"prompt is too long: {len(prompt_ids)} tokens > {self.max_length - 1 - held} "
+                                   f"maximum (the context length, this session's max_length {self.max_length}, "
+                                   f"holds the prompt{f', {held} tokens for its {len(images)} images' if held else ''}"
+                                   " and at least one generated token)", "messages", "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for traj, _ in self._branches:
                 traj.truncated = True
@@ -347,7 +349,8 @@ class ChatSession:
             # a tail that may still become a stop string is held back from the parsed pieces, content first (was: cut
             # from the text before parsing, through a marker: `<think>` cut to `<thi` was sent as thinking, and no
             # more thinking reached the client, the rest not extending it)
-            reasoning, content, held = reasoning or "", content or "", 0 if found is not None else hold
+            reasoning, content = reasoning or "", content or ""
+            held = 0 if found is not None else hold  # (a stop found: the text before it is final)
             emit("reasoning", reasoning[: max(0, len(reasoning) - max(0, held - len(content)))])
             emit("content", content[: max(0, len(content) - held)])
         final = self._choice(join_deltas(deltas), req)  # parsed once (a parse failure is counted once)
@@ -435,14 +438,19 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tok
 def token_bytes(tokenizer, tid: int, text: str) -> bytes:
     """A token's own UTF-8 bytes, which OpenAI's `bytes` carries so that a character split over tokens can be joined
     (was: the bytes of its decoded text, U+FFFD's for each part of such a character). Read from the token's piece in
-    the byte-level or byte-fallback alphabet; the decoded text's where the piece is in neither (its text is whole)."""
+    the byte-level or byte-fallback alphabet, or SentencePiece's metaspace ("▁": a space, which a Llama 2 / Mistral
+    decoder strips from a token decoded alone, so the words ran together); else the decoded text's (it is whole)."""
     piece = tokenizer.convert_ids_to_tokens(tid)
-    if isinstance(piece, str) and (byte := _BYTE_FALLBACK.fullmatch(piece)):
+    if not isinstance(piece, str):
+        return text.encode()
+    if byte := _BYTE_FALLBACK.fullmatch(piece):
         return bytes.fromhex(byte[1])
-    if isinstance(piece, str) and all(c in BYTE_LEVEL for c in piece):
+    if all(c in BYTE_LEVEL for c in piece):
         raw = bytes(BYTE_LEVEL[c] for c in piece)
         if raw.decode(errors="replace") == text:  # the piece is in the byte-level alphabet, not another one's text
             return raw
+    if "▁" in piece and piece.replace("▁", " ").strip() == text.strip():
+        return piece.replace("▁", " ").encode()
     return text.encode()
 
 
