@@ -379,8 +379,10 @@ class RLController:
                   f"run's (of the weights before step 1); {schedule}.", flush=True)
         # at step 0, eval.at_start; on resume, the eval a preemption's save skipped (none else is due there)
         await self.watched(self.maybe_eval(force=self.step == 0 and e.at_start))
-        if self.depth == 0 and not self.queue.empty():  # sync mode, a batch saved queued: it trains first, as it
-            await self.watched(self.calls.engines_busy(False, wait=True))  # would have, with the engines idle
+        # sync mode, a batch saved queued: it trains first, as it would have, with the engines idle (a replay run
+        # sends no hints: its ranks keep their threads)
+        if self.depth == 0 and not self.queue.empty() and not self.cfg.train.rollout_replay_dir:
+            await self.watched(self.calls.engines_busy(False, wait=True))
         return await self.watched(self._steps(), self.produce())
 
     def watched(self, work, *more):

@@ -63,7 +63,7 @@ class EngineKeeper:
                                   f"{self.max_restarts} allows no more")
         if self.roles.transport == "nccl":  # the broadcast group is opened once, with every engine, at start
             raise RunFailed(role, "died; a replacement cannot join the NCCL weight-broadcast group opened at start "
-                                  "(resume from the last checkpoint with checkpoint.resume=auto)")
+                                  "(resume from the last checkpoint, as the run's last line says)")
         self.restarts += 1
         roles, old = self.roles, self.roles.engines[index]
         # an actor that outlived its engine core: let vLLM clean up what is left of it (already dead or not

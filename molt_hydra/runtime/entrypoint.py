@@ -76,7 +76,7 @@ def _run(cfg: RunConfig) -> None:
 
     shown = Shown(cfg.output_dir)  # before any Ray process starts: each inherits where its warnings go
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
-    notice = PreemptionNotice()
+    notice = PreemptionNotice(cfg.output_dir)
     try:
         # Ray's auto-init, which the run turns off (compat/ray.py), is back for this process's later Ray calls
         with auto_init_restored(), ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
@@ -291,7 +291,7 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
     end) and handed over all the same."""
     from molt_hydra.runtime.sft_job import run_sft_job
 
-    notice = PreemptionNotice()
+    notice = PreemptionNotice(cfg.output_dir)
     try:
         run_sft_job(cfg, resume_from, notice)
     except KeyboardInterrupt:

@@ -32,7 +32,8 @@ class PreemptionNotice:
     """`received`: set when the notice came (the controller saves and stops at the end of its step); `handover()`
     after the run's teardown: submitit's requeue, or an exit naming the saved checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: str | None = None) -> None:
+        self.run_dir = run_dir  # named in the resume line (the default hydra.run.dir is new per command)
         self.received = asyncio.Event()
         self.saved_step: int | None = None
         self.stopped = False  # the training loop stopped on the notice (`saved`)
@@ -101,8 +102,9 @@ class PreemptionNotice:
             print(f"{NOTICE.name}: {where}; requeueing the point (it resumes with checkpoint.resume=auto).",
                   file=sys.stderr, flush=True)
             self._submitit(NOTICE, None)  # requeues and exits
+        in_dir = f" hydra.run.dir={self.run_dir}" if self.run_dir else ""
         print(f"\nRun stopped on {NOTICE.name} (a time limit or a preemption): {where}; resume with "
-              "checkpoint.resume=auto.", file=sys.stderr, flush=True)
+              f"checkpoint.resume=auto{in_dir}.", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
 
 

@@ -38,7 +38,8 @@ def test_the_notice_saves_the_step_under_way_and_a_resume_goes_on_from_it(tmp_pa
     saved = _steps(out)[-1]  # the step under way when the notice came, saved at its end
     assert saved >= 2
     assert err.rstrip().splitlines()[-1] == (f"Run stopped on SIGUSR2 (a time limit or a preemption): checkpoint "
-                                             f"saved at step {saved}; resume with checkpoint.resume=auto.")
+                                             f"saved at step {saved}; resume with checkpoint.resume=auto "
+                                             f"hydra.run.dir={out}.")
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_{saved}"]
     assert not (out / "hf_final").exists()  # not the end of training: no final export
 

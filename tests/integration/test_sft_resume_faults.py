@@ -187,7 +187,8 @@ def test_molt_run_sft_saves_the_step_under_way_on_the_notice_and_resumes_from_it
     saved = _steps(out)[-1]
     assert 2 <= saved < 100, saved
     assert err.rstrip().splitlines()[-1] == (f"Run stopped on SIGUSR2 (a time limit or a preemption): checkpoint "
-                                             f"saved at step {saved}; resume with checkpoint.resume=auto."), err[-2000:]
+                                             f"saved at step {saved}; resume with checkpoint.resume=auto "
+                                             f"hydra.run.dir={out}."), err[-2000:]
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_{saved}"]
     assert not list(out.rglob("model.safetensors"))  # not the end of training: no export
 

@@ -102,11 +102,11 @@ def test_handover_calls_submitits_requeue_else_exits_130(capsys, usr2_handler):
     assert e.value.code == -1 and calls == [signal.SIGUSR2]
     assert "checkpoint saved at step 7; requeueing" in capsys.readouterr().err
 
-    plain = PreemptionNotice()  # no submitit (a plain sbatch script): stop, naming the step to resume from
-    with pytest.raises(SystemExit) as e:
+    plain = PreemptionNotice("/runs/a")  # no submitit (a plain sbatch script): stop, naming the step to resume from
+    with pytest.raises(SystemExit) as e:  # and the run's directory (the default hydra.run.dir is new per command)
         plain.handover()
     assert e.value.code == EXIT_INTERRUPTED
-    assert "no checkpoint saved; resume with checkpoint.resume=auto" in capsys.readouterr().err
+    assert "no checkpoint saved; resume with checkpoint.resume=auto hydra.run.dir=/runs/a." in capsys.readouterr().err
 
 
 def test_without_an_event_loop_the_notice_tells_the_ranks_and_its_cut_is_a_keyboard_interrupt(monkeypatch,
@@ -183,5 +183,5 @@ def test_job_sft_hands_over_once_its_ranks_stopped_on_the_notice(tmp_path, monke
     assert e.value.code == EXIT_INTERRUPTED
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "Run stopped on SIGUSR2 (a time limit or a preemption): checkpoint saved at step 3; resume with "
-        "checkpoint.resume=auto.")
+        f"checkpoint.resume=auto hydra.run.dir={tmp_path}.")
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the run's handler is gone with it
