@@ -896,13 +896,22 @@ def _command_line_problems(args) -> list[str]:
         run_dir = Path(os.path.abspath(first.hydra.run.dir))
         if args.resolve and not any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides):
             # under --cfg Hydra sets no hydra.runtime.output_dir, so --resolve failed on output_dir with a traceback
-            sys.argv.append(f"output_dir={quoted(str(run_dir))}")
+            add_override(f"output_dir={quoted(str(run_dir))}", overrides)
         as_dry = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "dry_run"]  # (given once: repeated_keys)
         return point_problems([*as_dry, "dry_run=true"], run_dir, args.config_dir)[0]
     return _check_run(first, overrides, args.config_dir)  # before Hydra makes its run directory
 
 
 _ABSENT = object()
+
+
+def add_override(text: str, overrides: list[str]) -> None:
+    """`text` added to the command line Hydra parses next (sys.argv), right after the user's `overrides`: argparse
+    reads them as one run of words, so after a trailing flag (`--cfg job seed=1 --resolve`, `+recipe=x --config-dir
+    DIR`) the added override was "unrecognized arguments: hydra.run.dir=...", exit 2, once the config had passed."""
+    argv, n = sys.argv, len(overrides)
+    ends = [i + n for i in range(len(argv) - n, 0, -1) if n and argv[i:i + n] == overrides]
+    argv.insert(ends[0] if ends else len(argv), text)
 
 
 def _dry_sweep(points: list) -> None:
@@ -933,7 +942,7 @@ def _check_run(first: DictConfig, overrides: list[str], config_dir: str | None) 
         print(plan.render())
         print(f"Dry run: nothing started, nothing written (the run would write to {run_cfg.output_dir}).")
         sys.exit(0)
-    sys.argv.append(f"hydra.run.dir={quoted(str(run_dir))}")
+    add_override(f"hydra.run.dir={quoted(str(run_dir))}", overrides)
     _CHECKED[run_cfg.output_dir] = result
     return []
 

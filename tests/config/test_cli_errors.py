@@ -1075,3 +1075,19 @@ def test_a_recipes_defaults_list_choosing_a_chosen_group_without_override_names_
     (tmp_path / "recipe" / "mine.yaml").write_text(
         "# @package _global_\ndefaults:\n  - override /model: qwen3_4b\nname: mine\n")  # the fix
     assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[0].model.path == "Qwen/Qwen3-4B"
+
+
+def test_an_override_molt_run_adds_goes_after_the_users_own(monkeypatch, tmp_path, capsys):
+    """molt-run hands Hydra the checked run directory (or --cfg --resolve's output_dir) as one more override. Before:
+    appended after a flag that follows the overrides (`--cfg job seed=7 --resolve`, `seed=7 --config-dir DIR`), which
+    argparse reads as a second run of words: "unrecognized arguments: hydra.run.dir=...", exit 2, once the config had
+    passed every check."""
+    import molt_hydra.cli as cli
+
+    assert _main_in_process(["--cfg", "job", "seed=7", "--resolve"], monkeypatch, tmp_path) is None
+    out = capsys.readouterr().out
+    assert "seed: 7\n" in out and f"output_dir: {tmp_path}/outputs/default/" in out
+    ran = []  # the run itself: what Hydra hands the task function
+    monkeypatch.setattr(cli, "_main", lambda cfg: ran.append((cfg.seed, cli._CHECKED.pop(str(cfg.output_dir)))))
+    assert _main_in_process(["seed=7", "--config-dir", str(tmp_path)], monkeypatch, tmp_path) is None
+    assert [(seed, run_cfg.seed) for seed, (run_cfg, _) in ran] == [(7, 7)]  # the checked config, in the directory
