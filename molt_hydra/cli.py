@@ -856,6 +856,8 @@ def _check_then_run() -> None:
                            "Fix: point it at the directory that holds recipe/NAME.yaml")
     if primary := primary_problems(args.config_path, args.config_name):
         _exit_config_error("\n".join(primary))
+    if args.shell_completion and (completion := completion_problems(args.overrides)):
+        _exit_config_error(completion)
     if not (args.help or args.hydra_help or args.info or args.shell_completion):
         problems = _command_line_problems(args)
         if problems and not args.cfg:
@@ -868,6 +870,21 @@ def _check_then_run() -> None:
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
     if problems:  # --cfg: the config is printed, then why a run of it would be refused
         _exit_config_error("\n".join(problems))
+
+
+def completion_problems(overrides: list[str]) -> str | None:
+    """`--shell-completion` takes one subcommand, install=SHELL, uninstall=SHELL or query=SHELL (query is the installed
+    completion's own call, with the line typed so far in COMP_LINE): anything else (none, two, a config override, an
+    unknown shell, query by hand) was Hydra's ValueError or KeyError traceback."""
+    from molt_hydra.compat.hydra import completion_shells
+
+    shells, words = completion_shells(), [o.split("=", 1) for o in overrides]
+    if len(words) == 1 and len(words[0]) == 2 and words[0][0] in ("install", "uninstall", "query") and \
+            words[0][1] in shells and (words[0][0] != "query" or "COMP_LINE" in os.environ):
+        return None
+    return (f"- --shell-completion {' '.join(overrides)}".rstrip() + ": takes one subcommand, install=SHELL or "
+            f"uninstall=SHELL (SHELL one of {shells}); query=SHELL is the installed completion's own call. Fix: "
+            'eval "$(molt-run --shell-completion install=bash)" in your shell (its rc file to keep it)')
 
 
 def _command_line_problems(args) -> list[str]:

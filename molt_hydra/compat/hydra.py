@@ -7,7 +7,8 @@ that `molt-run` checks the composed config (all errors in one message) before Hy
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
 overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
 plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`); and `hydra.core.plugins.Plugins.discover`, the
-launcher and sweeper classes Hydra can start (`plugin_classes`); and the override grammar's generated parser
+launcher and sweeper classes Hydra can start (`plugin_classes`) and its shell-completion plugins
+(`completion_shells`); and the override grammar's generated parser
 (`hydra.grammar.gen`), for the text of each number as the user wrote it (`written_scalars`); and
 `hydra._internal.defaults_list.create_defaults_list` with the config loader's
 `_parse_overrides_and_create_caching_repo`, for the configs a composition reads (`composed_files`).
@@ -39,6 +40,15 @@ def plugin_classes(kind: str) -> list[str]:
 
     found = Plugins.instance().discover({"launcher": Launcher, "sweeper": Sweeper}[kind])
     return sorted(f"{c.__module__}.{c.__name__}" for c in found)
+
+
+def completion_shells() -> list[str]:
+    """The shells `--shell-completion install=SHELL` serves: Hydra's discovered completion plugins."""
+    written_for("molt-run's shell-completion check", "hydra", SUPPORTED)
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.completion_plugin import CompletionPlugin
+
+    return sorted(c.provides() for c in Plugins.instance().discover(CompletionPlugin))
 
 
 def sweep_points(overrides: list) -> list[list[str]]:

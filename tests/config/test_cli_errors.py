@@ -1091,3 +1091,23 @@ def test_an_override_molt_run_adds_goes_after_the_users_own(monkeypatch, tmp_pat
     monkeypatch.setattr(cli, "_main", lambda cfg: ran.append((cfg.seed, cli._CHECKED.pop(str(cfg.output_dir)))))
     assert _main_in_process(["seed=7", "--config-dir", str(tmp_path)], monkeypatch, tmp_path) is None
     assert [(seed, run_cfg.seed) for seed, (run_cfg, _) in ran] == [(7, 7)]  # the checked config, in the directory
+
+
+@pytest.mark.parametrize("words", [[], ["seed=1"], ["install=bash", "uninstall=bash"], ["install=tcsh"],
+                                   ["query=bash"]])
+def test_shell_completion_without_one_subcommand_is_one_line(words, monkeypatch, tmp_path, capsys):
+    """Before: Hydra's "ValueError: Expecting one subcommand from ['install', 'uninstall', 'query'] to be set" (none,
+    two, a config override), "No completion plugin for 'tcsh'" or KeyError: 'COMP_LINE' (query by hand), each as a
+    traceback."""
+    monkeypatch.delenv("COMP_LINE", raising=False)
+    assert _main_in_process(["--shell-completion", *words], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        f"Config error(s):\n- --shell-completion{''.join(' ' + w for w in words)}: takes one subcommand, "
+        "install=SHELL or uninstall=SHELL (SHELL one of ['bash', 'fish', 'zsh']); query=SHELL is the installed "
+        "completion's own call. Fix: eval \"$(molt-run --shell-completion install=bash)\" in your shell (its rc file "
+        "to keep it)\n")
+    assert _main_in_process(["--shell-completion", "install=bash"], monkeypatch, tmp_path) is None
+    assert "complete -o nospace -o default -F hydra_bash_completion" in capsys.readouterr().out
+    monkeypatch.setenv("COMP_LINE", "molt-run se")  # the installed completion's own call, as the user types
+    assert _main_in_process(["--shell-completion", "query=bash"], monkeypatch, tmp_path) is None
+    assert capsys.readouterr().out.split() == ["seed="]
