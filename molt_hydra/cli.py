@@ -17,6 +17,7 @@ its plan (every point's, for a multirun) and writes nothing. `molt-run --help` i
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 import os
@@ -69,7 +70,8 @@ def _fix(key: str, message: str) -> str:
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed config from the composed tree; declared ranges, MISSING values and `__post_init__` rules fail here, all
     at once: on failure every group is converted on its own, so the message lists one problem per broken group."""
-    nested = _nested_items(cfg)  # (a group holding one fails its own rules with a TypeError: that line is left out)
+    cfg, nested = _lists_resolved(cfg)
+    nested += _nested_items(cfg)  # (a group holding one fails its own rules with a TypeError: that line is left out)
     problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)] + nested
     try:
         run_cfg = _convert(cfg)
@@ -103,19 +105,43 @@ def _added_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
     return added
 
 
-def _nested_items(cfg: DictConfig, prefix: str = "") -> list[str]:
-    """A list or mapping inside a list of numbers or strings: OmegaConf checks a typed list's scalar items only, so
-    `train.optimizer.betas=[0.9,[1]]` and `cluster.setup=[[a]]` reached the run (or a TypeError far from the key)."""
-    problems = []
+def _typed_lists(cfg: DictConfig, prefix: str = ""):
+    """(key, node) of each list of numbers, strings or bools in `cfg` (not Hydra's own, not the agent's kwargs)."""
     for name in cfg:
         key, node = f"{prefix}{name}", cfg._get_node(name)
         if isinstance(node, DictConfig) and key not in ("hydra", "agent.runner"):
-            problems += _nested_items(node, f"{key}.")
-        elif isinstance(node, ListConfig) and node._metadata.element_type in (int, float, str, bool) and any(
-                isinstance(node._get_node(i), (DictConfig, ListConfig)) for i in range(len(node))):
-            problems.append(f"- {key}: a list of single values, got {OmegaConf.to_container(node)}. Fix: set {key} to "
-                            f"{expected(RunConfig, key)}")
-    return problems
+            yield from _typed_lists(node, f"{key}.")
+        elif isinstance(node, ListConfig) and node._metadata.element_type in (int, float, str, bool):
+            yield key, node
+
+
+def _nested_items(cfg: DictConfig) -> list[str]:
+    """A list or mapping inside a list of numbers or strings: OmegaConf checks a typed list's scalar items only, so
+    `train.optimizer.betas=[0.9,[1]]` and `cluster.setup=[[a]]` reached the run (or a TypeError far from the key)."""
+    return [f"- {key}: a list of single values, got {OmegaConf.to_container(node)}. Fix: set {key} to "
+            f"{expected(RunConfig, key)}" for key, node in _typed_lists(cfg) if not node._is_interpolation() and any(
+                isinstance(node._get_node(i), (DictConfig, ListConfig)) for i in range(len(node)))]
+
+
+def _lists_resolved(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
+    """`cfg`, each typed list given by an interpolation set to what it resolves to (in a copy), and the problems of
+    those that are no such list: OmegaConf converts and checks a list written out, not one an interpolation resolves
+    to, so `train.optimizer.betas=${oc.decode:'[a,b]'}` ran with ['a', 'b'], `cluster.setup=${oc.env:SETUP}` with
+    a string for a list."""
+    keys, problems = [key for key, node in _typed_lists(cfg) if node._is_interpolation()], []
+    cfg = copy.deepcopy(cfg) if keys else cfg
+    for key in keys:
+        try:
+            value = OmegaConf.select(cfg, key)
+        except OmegaConfBaseException:  # (one that cannot resolve: the conversion names it)
+            continue
+        parent, _, name = key.rpartition(".")
+        try:
+            (OmegaConf.select(cfg, parent) if parent else cfg)[name] = value
+        except OmegaConfBaseException as e:
+            problems.append(f"- {getattr(e, 'full_key', None) or key}: {str(e).splitlines()[0]} (its interpolation "
+                            f"resolves to {value!r}). Fix: set {key} to {expected(RunConfig, key)}")
+    return cfg, problems
 
 
 def _not_a_key(key: str, how: str) -> str:

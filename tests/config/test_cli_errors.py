@@ -828,6 +828,33 @@ def test_a_list_or_mapping_inside_a_list_of_values_is_refused(override):
 
 
 @pytest.mark.parametrize("override,line", [
+    ("train.optimizer.betas=${oc.decode:'[a,b]'}", "- train.optimizer.betas[0]: Value 'a' of type 'str' could not be "
+     "converted to Float (its interpolation resolves to ['a', 'b'])"),
+    ("train.optimizer.betas=${oc.decode:'[0.9,[1]]'}", "- train.optimizer.betas[1]: Value '[1]' of type 'list' could "
+     "not be converted to Float (its interpolation resolves to [0.9, [1]])"),
+    ("cluster.setup=${oc.decode:'[[a]]'}", "- cluster.setup[0]: Cannot convert 'list' to string: '['a']' (its "
+     "interpolation resolves to [['a']])"),
+    ("cluster.setup=${oc.decode:'5'}", "- cluster.setup: Invalid value assigned: int is not a ListConfig, list or "
+     "tuple. (its interpolation resolves to 5)"),
+    ("algorithm.reward_clip=${oc.decode:'[[1],2]'}", "- algorithm.reward_clip[0]: Value '[1]' of type 'list' could "
+     "not be converted to Float (its interpolation resolves to [[1], 2])"),
+])
+def test_a_list_an_interpolation_resolves_to_is_checked_as_one_written_out(override, line):
+    """Before: OmegaConf converts and checks a typed list written out, not the value an interpolation resolves to:
+    each of these reached the run as resolved (betas ['a', 'b'], cluster.setup the int 5)."""
+    from molt_hydra.config.bounds import expected
+    from molt_hydra.config.schema import RunConfig
+
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config([override]))
+    assert str(info.value) == f"{line}. Fix: set {key} to {expected(RunConfig, key)}"
+    resolved = to_run_config(compose_config(["train.optimizer.betas=${oc.decode:'[0.5,0.6]'}",
+                                             "cluster.setup=${oc.decode:'[1,b]'}"]))
+    assert (resolved.train.optimizer.betas, resolved.cluster.setup) == ([0.5, 0.6], ["1", "b"])  # as written out
+
+
+@pytest.mark.parametrize("override,line", [
     ("rollout={}", "- rollout={}: an empty mapping, which Hydra merges into rollout: that changes nothing"),
     ("+train.optimizer={}", "- +train.optimizer={}: an empty mapping, which Hydra merges into train.optimizer: "),
     ("agent.runner={}", "- agent.runner={}: an empty mapping, which Hydra merges into agent.runner: "),
