@@ -194,7 +194,8 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
                      if o.is_sweep_override()]
     problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
-    problems += [line for o, text in pairs for line in [*_empty(o, text), *_added_to_hydra(o, text)]]
+    problems += [line for o, text in pairs for line in [*_empty(o, text), *_added_to_hydra(o, text),
+                                                        *_search_path_problems(o, text)]]
     if multirun:
         problems += oversized_sweep(pairs) + [
             f"- {text}: a sweep over dry_run would start some points and only plan the others. Fix: add dry_run=true "
@@ -398,6 +399,22 @@ def _added_to_hydra(o, text: str) -> list[str]:
                     f"{hint}`molt-run --cfg hydra` prints Hydra's keys (set one without +)"]
         node = node._get_node(part)
     return []
+
+
+def _search_path_problems(o, text: str) -> list[str]:
+    """`hydra.searchpath=[...]`: each entry a place Hydra finds configs (recipes) in. An entry that names none was
+    skipped without a word, as `--config-dir DIR` of no directory was; a value that is no list, or a scheme Hydra
+    lacks, was refused with a fix about the schema's types (and naming "the command line", for the scheme)."""
+    from molt_hydra.compat.hydra import search_path_problem
+
+    if o.key_or_group != "hydra.searchpath" or o.is_delete() or o.is_sweep_override():
+        return []
+    fix = ("Fix: give the directory that holds recipe/NAME.yaml, \"hydra.searchpath=['file:///ABSOLUTE/DIR']\" (or "
+           "pkg://PACKAGE), or use --config-dir DIR")
+    if not isinstance(value := o.value(), list) or not all(isinstance(path, str) for path in value):
+        return [f"- {text}: hydra.searchpath is a list of places to find configs in, got {value!r}. {fix}"]
+    return [f"- {text}: Hydra would search {path} for configs, but it {why}, so none would be found there. {fix}"
+            for path in value if (why := search_path_problem(path))]
 
 
 def _is_group(key: str) -> bool:

@@ -8,7 +8,8 @@ that `molt-run` checks the composed config (all errors in one message) before Hy
 overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
 plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`); and `hydra.core.plugins.Plugins.discover`, the
 launcher and sweeper classes Hydra can start (`plugin_classes`) and its shell-completion plugins
-(`completion_shells`); and the override grammar's generated parser
+(`completion_shells`); and its config sources (`_internal.sources_registry`), for hydra.searchpath's entries
+(`search_path_problem`); and the override grammar's generated parser
 (`hydra.grammar.gen`), for the text of each number as the user wrote it (`written_scalars`); and
 `hydra._internal.defaults_list.create_defaults_list` with the config loader's
 `_parse_overrides_and_create_caching_repo`, for the configs a composition reads (`composed_files`).
@@ -49,6 +50,24 @@ def completion_shells() -> list[str]:
     from hydra.plugins.completion_plugin import CompletionPlugin
 
     return sorted(c.provides() for c in Plugins.instance().discover(CompletionPlugin))
+
+
+def search_path_problem(path: str) -> str | None:
+    """Why Hydra would find no config at the hydra.searchpath entry `path` (None if it can): a scheme no config source
+    reads, a file:// (or bare) path that is no directory, a pkg:// that is no package. Hydra skips such an entry
+    without a word (and a scheme it lacks is a ValueError naming no override)."""
+    written_for("molt-run's hydra.searchpath check", "hydra", SUPPORTED)
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.sources_registry import SourcesRegistry
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # (registers the config sources)
+    scheme, known = ConfigRepository._get_scheme(path), SourcesRegistry.instance().types
+    if scheme not in known:
+        return f"has a scheme no config source of Hydra's reads (they read {', '.join(f'{k}://' for k in sorted(known))})"
+    if known[scheme]("hydra.searchpath", path).available():
+        return None
+    return "names no directory" if scheme == "file" else "names no source of configs (a Python package, for pkg://)"
 
 
 def sweep_points(overrides: list) -> list[list[str]]:

@@ -1138,3 +1138,27 @@ def test_shell_completion_without_one_subcommand_is_one_line(words, monkeypatch,
     monkeypatch.setenv("COMP_LINE", "molt-run se")  # the installed completion's own call, as the user types
     assert _main_in_process(["--shell-completion", "query=bash"], monkeypatch, tmp_path) is None
     assert capsys.readouterr().out.split() == ["seed="]
+
+
+FIX_SEARCHPATH = ("Fix: give the directory that holds recipe/NAME.yaml, \"hydra.searchpath=['file:///ABSOLUTE/DIR']\" "
+                  "(or pkg://PACKAGE), or use --config-dir DIR")
+
+
+@pytest.mark.parametrize("override,reason", [
+    ("hydra.searchpath=[file:///nonexistent/molt]", "Hydra would search file:///nonexistent/molt for configs, but it "
+     "names no directory, so none would be found there."),
+    ("hydra.searchpath=[pkg://no_such_package.conf]", "Hydra would search pkg://no_such_package.conf for configs, but "
+     "it names no source of configs (a Python package, for pkg://), so none would be found there."),
+    ("hydra.searchpath=[xyz://a]", "Hydra would search xyz://a for configs, but it has a scheme no config source of "
+     "Hydra's reads (they read file://, pkg://, structured://), so none would be found there."),
+    ("hydra.searchpath=file:///tmp", "hydra.searchpath is a list of places to find configs in, got 'file:///tmp'."),
+])
+def test_a_search_path_entry_that_finds_no_config_is_refused(override, reason, tmp_path):
+    """Before: an entry naming no directory or package was skipped without a word (its recipes then 'no such option'),
+    as `--config-dir DIR` of no directory is refused for; a scheme Hydra lacks or a value that is no list named "the
+    command line" (or the override) with a fix about the schema's types."""
+    assert compose_checked([override]) == (None, [f"- {override}: {reason} {FIX_SEARCHPATH}"])
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\nname: mine\n")
+    cfg, problems = compose_checked([f"hydra.searchpath=[file://{tmp_path}]", "+recipe=mine"])
+    assert problems == [] and cfg.name == "mine"
