@@ -712,13 +712,26 @@ def chdir_problems(first: DictConfig) -> list[str]:
             "output_dir either way)"] if first.hydra.job.chdir else []
 
 
-def mode_problems(first: DictConfig, multirun: bool) -> list[str]:
-    """hydra.mode=MULTIRUN (on the command line or in a recipe) without -m: Hydra ran a multirun that molt-run had
-    checked as one run, its sweep points unchecked (a dry run printed one plan, none of theirs)."""
-    mode = OmegaConf.select(first, "hydra.mode")
-    return ["- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, not the "
-            "sweep's points. Fix: add -m (--multirun) and leave hydra.mode out"] if not multirun and getattr(
+def mode_problems(first: DictConfig, multirun: bool, overrides: list[str]) -> list[str]:
+    """A multirun's settings without -m. hydra.mode=MULTIRUN (on the command line or in a recipe): Hydra ran a
+    multirun that molt-run had checked as one run, its sweep points unchecked (a dry run printed one plan, none of
+    theirs). hydra.sweeper.params (a sweep recipe's, `+recipe=sweep_estimators_is`): Hydra ran one config, none of the
+    sweep's points, each swept key at its composed value, without a word; the command line may set them all (one
+    point, chosen)."""
+    if multirun:
+        return []
+    mode, params = OmegaConf.select(first, "hydra.mode"), OmegaConf.select(first, "hydra.sweeper.params") or {}
+    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    unset = [f"{key}={value}" for key, value in params.items() if key not in given]
+    problems = ["- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, not the "
+                "sweep's points. Fix: add -m (--multirun) and leave hydra.mode out"] if getattr(
         mode, "name", mode) == "MULTIRUN" else []
+    if unset:
+        problems.append(f"- hydra.sweeper.params: sweeps {' '.join(unset)}, but without -m Hydra runs one config, none "
+                        "of the sweep's points (each of those keys at its composed value). Fix: add -m (--multirun) to "
+                        f"run the sweep, or set {' '.join(item.split('=')[0] + '=VALUE' for item in unset)} to run one "
+                        "of its points")
+    return problems
 
 
 # what an empty hydra directory key makes of the run's files: Hydra joins '' into the current directory, without a word
@@ -940,7 +953,7 @@ def _command_line_problems(args) -> list[str]:
     if first is None:  # (ends here even under --cfg: Hydra could not compose it)
         _exit_config_error("\n".join(problems))
     if problems := (launcher_problems(first, overrides, args.multirun) + chdir_problems(first)
-                    + mode_problems(first, args.multirun) + empty_dirs(first, args.multirun)):
+                    + mode_problems(first, args.multirun, overrides) + empty_dirs(first, args.multirun)):
         return problems
     if args.multirun:
         problems, points = sweep_checked(first, overrides, args.config_dir)

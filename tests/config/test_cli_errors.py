@@ -1162,3 +1162,21 @@ def test_a_search_path_entry_that_finds_no_config_is_refused(override, reason, t
     (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\nname: mine\n")
     cfg, problems = compose_checked([f"hydra.searchpath=[file://{tmp_path}]", "+recipe=mine"])
     assert problems == [] and cfg.name == "mine"
+
+
+def test_a_sweep_recipe_without_multirun_is_refused_unless_its_point_is_chosen(monkeypatch, tmp_path, capsys):
+    """Before: `molt-run +recipe=sweep_estimators_is` (no -m) ran one config, none of the sweep's 6 points: the
+    recipe's hydra.sweeper.params were read by no one, without a word."""
+    recipe = ["+recipe=sweep_estimators_is", "dry_run=true"]
+    assert _main_in_process(recipe, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- hydra.sweeper.params: sweeps algorithm.estimator=grpo,dr_grpo,rloo "
+        "algorithm.is_correction.level=token,geo, but without -m Hydra runs one config, none of the sweep's points "
+        "(each of those keys at its composed value). Fix: add -m (--multirun) to run the sweep, or set "
+        "algorithm.estimator=VALUE algorithm.is_correction.level=VALUE to run one of its points\n")
+    assert _main_in_process([*recipe, "algorithm.estimator=rloo"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert "- hydra.sweeper.params: sweeps algorithm.is_correction.level=token,geo, but" in capsys.readouterr().err
+    point = [*recipe, "algorithm.estimator=rloo", "algorithm.is_correction.level=geo"]  # one point, chosen
+    assert _main_in_process(point, monkeypatch, tmp_path) == 0
+    assert _main_in_process(["-m", *recipe], monkeypatch, tmp_path) == 0
+    assert "(6 sweep points planned)" in capsys.readouterr().out
