@@ -145,10 +145,31 @@ def _lists_resolved(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
 
 
 def _not_a_key(key: str, how: str) -> str:
+    if key.startswith("hydra."):
+        return _not_a_hydra_key(key, how)
     close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     return (f"- {key}: not a key of the config ({how}). Fix: {hint}`molt-run --cfg job` prints every key; "
             "agent.runner kwargs are added with +agent.runner.NAME=value")
+
+
+def _not_a_hydra_key(key: str, how: str) -> str:
+    """A key Hydra's own config lacks, set without +: was told of `molt-run --cfg job` and agent.runner's kwargs.
+    Below a mapping of Hydra's that takes any name (hydra.job.env_set), the key is added with +."""
+    from hydra.conf import HydraConf
+
+    parent, _, name = key.removeprefix("hydra.").rpartition(".")
+    try:
+        node = OmegaConf.select(OmegaConf.structured(HydraConf), parent) if parent else OmegaConf.structured(HydraConf)
+    except OmegaConfBaseException:  # (below a value, or a plugin's slot: the schema has no node there)
+        node = None
+    where = ".".join(["hydra", parent] if parent else ["hydra"])
+    if isinstance(node, DictConfig) and not node._is_missing() and node._metadata.object_type in (None, dict):
+        fix = f"{where} takes names of your own, each added with +: +{key}=VALUE"
+    else:
+        close = difflib.get_close_matches(name, list(node.keys()), n=1) if isinstance(node, DictConfig) else []
+        fix = (f"did you mean {where}.{close[0]}? " if close else "") + "`molt-run --cfg hydra` prints Hydra's keys"
+    return f"- {key}: not a key of Hydra's own config ({how}). Fix: {fix}"
 
 
 # The primary config Hydra will compose, as --config-path / --config-name choose it (`primary_problems`): the

@@ -1180,3 +1180,18 @@ def test_a_sweep_recipe_without_multirun_is_refused_unless_its_point_is_chosen(m
     assert _main_in_process(point, monkeypatch, tmp_path) == 0
     assert _main_in_process(["-m", *recipe], monkeypatch, tmp_path) == 0
     assert "(6 sweep points planned)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("hydra.job.env_set.FOO=bar", "hydra.job.env_set takes names of your own, each added with +: "
+                                  "+hydra.job.env_set.FOO=VALUE"),
+    ("hydra.run.dirr=x", "did you mean hydra.run.dir? `molt-run --cfg hydra` prints Hydra's keys"),
+    ("hydra.nope=1", "`molt-run --cfg hydra` prints Hydra's keys"),
+])
+def test_a_key_hydras_config_lacks_gets_a_fix_for_hydras_config(override, fix):
+    """Before: "not a key of the config ... Fix: `molt-run --cfg job` prints every key; agent.runner kwargs are added
+    with +agent.runner.NAME=value": neither lists Hydra's keys, and an environment variable for the job needs a +."""
+    key = override.split("=", 1)[0]
+    assert compose_checked([override]) == (None, [f"- {key}: not a key of Hydra's own config ({override}). Fix: {fix}"])
+    cfg, problems = compose_checked(["+hydra.job.env_set.FOO=bar"], hydra_config=True)  # the fix given for env_set
+    assert problems == [] and cfg.hydra.job.env_set.FOO == "bar"
