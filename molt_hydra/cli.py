@@ -919,7 +919,9 @@ def _check_then_run() -> None:
     from molt_hydra.compat.hydra import get_args_parser, report_slurm_sweeps
 
     register()
-    args, problems = get_args_parser().parse_args(), []
+    parser, problems = get_args_parser(), []
+    parser.error = _argument_error
+    args = parser.parse_args()
     modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
                                    ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
     if len(modes) > 1:  # (Hydra's own refusal is a ValueError traceback)
@@ -947,6 +949,20 @@ def _check_then_run() -> None:
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
     if problems:  # --cfg: the config is printed, then why a run of it would be refused
         _exit_config_error("\n".join(problems))
+
+
+def _argument_error(message: str) -> None:
+    """argparse's refusal of the command line, which printed its usage, then the reason, and no fix. The overrides are
+    one run of words to argparse: more after a flag (`dry_run=true --config-dir DIR +recipe=x`) are 'unrecognized'."""
+    words = message.removeprefix("unrecognized arguments: ").split() if message.startswith("unrecognized") else []
+    if words and all("=" in word and not word.startswith("-") for word in words):
+        _exit_config_error(f"- {' '.join(words)}: overrides after a flag that follows other overrides, which Hydra "
+                           "does not read (it takes one run of them). Fix: give all the overrides together, before or "
+                           "after the flags (molt-run --config-dir DIR dry_run=true +recipe=NAME)")
+    flag, reason = message.removeprefix("argument ").split(": ", 1) if message.startswith("argument ") else (
+        " ".join(words) or "molt-run", message)
+    _exit_config_error(f"- {flag}: {reason}. Fix: `molt-run --hydra-help` lists the flags and what each takes; an "
+                       "override is key=value")
 
 
 def completion_problems(overrides: list[str]) -> str | None:

@@ -1195,3 +1195,20 @@ def test_a_key_hydras_config_lacks_gets_a_fix_for_hydras_config(override, fix):
     assert compose_checked([override]) == (None, [f"- {key}: not a key of Hydra's own config ({override}). Fix: {fix}"])
     cfg, problems = compose_checked(["+hydra.job.env_set.FOO=bar"], hydra_config=True)  # the fix given for env_set
     assert problems == [] and cfg.hydra.job.env_set.FOO == "bar"
+
+
+FLAGS_FIX = "Fix: `molt-run --hydra-help` lists the flags and what each takes; an override is key=value"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["dry_run=true", "--config-dir", ".", "+recipe=tiny_cpu"], "- +recipe=tiny_cpu: overrides after a flag that "
+     "follows other overrides, which Hydra does not read (it takes one run of them). Fix: give all the overrides "
+     "together, before or after the flags (molt-run --config-dir DIR dry_run=true +recipe=NAME)"),
+    (["--nope", "dry_run=true"], f"- --nope: unrecognized arguments: --nope. {FLAGS_FIX}"),
+    (["--cfg", "jobs"], "- --cfg/-c: invalid choice: 'jobs' (choose from 'job', 'hydra', 'all'). " + FLAGS_FIX),
+])
+def test_a_command_line_argparse_refuses_is_one_line_with_a_fix(argv, line, monkeypatch, tmp_path, capsys):
+    """Before: argparse's usage (7 lines), then 'molt-run: error: unrecognized arguments: +recipe=tiny_cpu', no fix;
+    the overrides split by a flag are a plausible mistake, the fix is to keep them together."""
+    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == f"Config error(s):\n{line}\n"
