@@ -28,11 +28,12 @@ import sys
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
-from hydra.errors import HydraException, OverrideParseException
+from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -523,15 +524,20 @@ def _converted(cfg: DictConfig, pairs: list, recipe: bool = False) -> list[str]:
 
 
 def _composition_problem(e: Exception, overrides: list[str]) -> str:
-    chain = [e]
-    while chain[-1].__cause__ is not None and len(chain) < 5:
-        chain.append(chain[-1].__cause__)
+    chain = [e]  # (Hydra raises a config's own failure inside `except`, without `from`: its cause is the context)
+    while (cause := chain[-1].__cause__ or (chain[-1].__context__ if isinstance(
+            chain[-1], ConfigCompositionException) else None)) is not None and len(chain) < 5:
+        chain.append(cause)
     text = "\n".join(str(c) for c in chain)
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
     override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
     if line := _recipe_problem(text, overrides):
         return line
+    if bad := next((c for c in chain if isinstance(c, yaml.MarkedYAMLError) and c.problem_mark), None):
+        mark = bad.problem_mark  # (was: "while parsing a flow sequence", neither file nor line, a fix about types)
+        return (f"- {override}: {mark.name} is no valid YAML at line {mark.line + 1}, column {mark.column + 1}: "
+                f"{bad.problem}{f' ({bad.context})' if bad.context else ''}. Fix: correct the YAML there")
     if "Cannot find primary config" in text:  # --config-name NAME
         return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
                 "that directory (without .yaml), or leave --config-name out (molt's config)")
@@ -550,6 +556,11 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
                 f"lacks it (+recipe=NAME), else without (model=NAME). Fix: {fix}")
     if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
         options = re.findall(r"^\t(\S+)$", text, re.M)
+        group = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+        if group and not any(o.lstrip("+~").split("=", 1)[0] == group[1] for o in overrides) and (recipe := next(
+                (o for o in overrides if o.lstrip("+").startswith("recipe=")), None)):
+            return (f"- {recipe}: its defaults list chooses {group[2]} for {group[1]}, which has no such option. Fix: "
+                    f"choose one of {options} there")  # (was: "- the command line: no such option")
         return f"- {override}: no such option of that config group. Fix: use one of {options}"
     if "Could not delete" in text:  # `~agent.runner.NAME` of a kwarg the agent is not given
         override = next((o for o in overrides if o.startswith("~") and f"'{o[1:].split('=', 1)[0]}'" in text), override)

@@ -1212,3 +1212,42 @@ def test_a_command_line_argparse_refuses_is_one_line_with_a_fix(argv, line, monk
     the overrides split by a flag are a plausible mistake, the fix is to keep them together."""
     assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
     assert capsys.readouterr().err == f"Config error(s):\n{line}\n"
+
+
+@pytest.mark.parametrize("body,line", [
+    ("train:\n  max_stepz: 5\n", "- train.max_stepz: not a key of the config (+recipe=mine). Fix: did you mean "
+     "train.max_steps or "),
+    ("seed: abc\n", "- seed: Value 'abc' of type 'str' could not be converted to Integer (+recipe=mine). Fix: set seed "
+     "to an integer in [0, 4294967296) (default 42)"),
+])
+def test_a_user_recipes_unknown_key_or_wrong_type_names_the_key(body, line, tmp_path):
+    """Before: "- +recipe=mine: In 'recipe/mine': ConfigKeyError raised while composing config:. Fix: give each key a
+    value of the type molt_hydra/config/schema.py declares for it": neither the key nor the value (Hydra raises the
+    recipe's failure inside `except`, so its cause is the exception's context, not its __cause__)."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text(f"# @package _global_\n{body}")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(line), problems
+
+
+@pytest.mark.parametrize("body,reason", [
+    ("name: [oops\n", "is no valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>' (while "
+                      "parsing a flow sequence). Fix: correct the YAML there"),
+    ("seed: 1\nseed: 2\n", "is no valid YAML at line 3, column 1: found duplicate key seed (while constructing a "
+                           "mapping). Fix: correct the YAML there"),
+])
+def test_a_user_recipe_that_is_no_yaml_names_its_file_and_line(body, reason, tmp_path):
+    """Before: "- +recipe=mine: while parsing a flow sequence. Fix: give each key a value of the type
+    molt_hydra/config/schema.py declares for it": neither the file, the line, nor what is wrong there."""
+    (tmp_path / "recipe").mkdir()
+    (path := tmp_path / "recipe" / "mine.yaml").write_text(f"# @package _global_\n{body}")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path)) == (None, [f"- +recipe=mine: {path} {reason}"])
+
+
+def test_a_user_recipes_defaults_choosing_no_option_names_the_recipe(tmp_path):
+    """Before: "- the command line: no such option of that config group", for a command line that chose none."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: nope\n")
+    (line,) = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1]
+    assert line.startswith("- +recipe=mine: its defaults list chooses nope for model, which has no such option. Fix: "
+                           "choose one of ['idefics3_colors_warm', ") and line.endswith("] there"), line
