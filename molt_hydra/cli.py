@@ -273,10 +273,16 @@ HYDRA_READ = ("hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir")
 
 
 def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
-    """The command line's keys, then HYDRA_READ, that cannot resolve: `name=${name}`, `name=${oc.env:UNSET}` or
-    `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory."""
-    problems, texts = [], {o.key_or_group: text for o, text in pairs if not o.is_delete()}
-    for key in [*(k for k in texts if "/" not in k and not k.startswith("hydra.")), *HYDRA_READ]:
+    """The command line's keys, then the config's keys HYDRA_READ interpolate (a recipe's `name: ${nope}`: was told as
+    hydra.run.dir, with a fix for Hydra's config), then HYDRA_READ, that cannot resolve: `name=${name}`,
+    `name=${oc.env:UNSET}` or `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory."""
+    problems, texts, read = [], {o.key_or_group: text for o, text in pairs if not o.is_delete()}, []
+    for parent, _, name in (key.rpartition(".") for key in HYDRA_READ):
+        node = OmegaConf.select(cfg, parent, default=None, throw_on_resolution_failure=False)
+        raw = node._get_node(name)._value() if isinstance(node, DictConfig) and node._get_node(name) else None
+        read += re.findall(r"\$\{([A-Za-z_][\w.]*)\}", raw) if isinstance(raw, str) else []
+    for key in dict.fromkeys([*(k for k in texts if "/" not in k and not k.startswith("hydra.")),
+                              *(k for k in read if not k.startswith("hydra.")), *HYDRA_READ]):
         try:
             OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
         except OmegaConfBaseException as e:

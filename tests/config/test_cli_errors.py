@@ -1251,3 +1251,12 @@ def test_a_user_recipes_defaults_choosing_no_option_names_the_recipe(tmp_path):
     (line,) = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1]
     assert line.startswith("- +recipe=mine: its defaults list chooses nope for model, which has no such option. Fix: "
                            "choose one of ['idefics3_colors_warm', ") and line.endswith("] there"), line
+
+
+def test_a_recipe_key_the_run_directory_reads_that_cannot_resolve_is_named(tmp_path):
+    """Before: a recipe's `name: ${nope}` was told as "- hydra.run.dir: Interpolation key 'nope' not found (its
+    value). Fix: set hydra.run.dir as Hydra's own config takes it": the run directory interpolates name."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\nname: ${nope}\n")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path), hydra_config=True) == (None, [
+        "- name: Interpolation key 'nope' not found (its value). Fix: set name to a string (default 'default')"])
