@@ -644,6 +644,8 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts) or \
             _converted(first, list(zip(parsed, params)), recipe=True):  # (the command line's: compose_checked)
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
+    if basic and (shared := shared_subdir(first, len(sweep_points(parsed)))):
+        return shared, []
     if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
         # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
@@ -669,6 +671,19 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems, results
+
+
+def shared_subdir(first: DictConfig, points: int) -> list[str]:
+    """hydra.sweep.subdir, each point's directory under the sweep's, given as one name for all (`hydra.sweep.subdir=x`):
+    every point ran in the same directory, resuming from or overwriting the one before, without a word (the check of
+    each point's own directories stands in a directory per point, as Hydra makes them from the default subdir)."""
+    raw = first.hydra.sweep._get_node("subdir")._value()
+    if points < 2 or not isinstance(raw, str) or "${" in raw or not raw.strip():  # (blank: empty_dirs)
+        return []
+    return [f"- hydra.sweep.subdir: is {raw!r} for every point, so the {points} points would all run in "
+            f"{os.path.join(os.path.abspath(first.hydra.sweep.dir), raw)}, each resuming from or overwriting the one "
+            "before. Fix: make it differ per point, e.g. hydra.sweep.subdir='${hydra.job.num}', or leave it out "
+            "(molt's default: ${hydra.job.num}_${hydra.job.override_dirname})"]
 
 
 def _repeated_points(points: list[list[str]]) -> list[str]:

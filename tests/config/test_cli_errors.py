@@ -1260,3 +1260,17 @@ def test_a_recipe_key_the_run_directory_reads_that_cannot_resolve_is_named(tmp_p
     (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\nname: ${nope}\n")
     assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path), hydra_config=True) == (None, [
         "- name: Interpolation key 'nope' not found (its value). Fix: set name to a string (default 'default')"])
+
+
+def test_one_sweep_subdir_for_every_point_is_refused(tmp_path):
+    """Before: `-m hydra.sweep.subdir=x seed=1,2` ran both points in <sweep dir>/x, the second resuming from or
+    overwriting the first, without a word (each point's check stood in a directory of its own)."""
+    overrides = ["hydra.sweep.subdir=x", f"hydra.sweep.dir={tmp_path}", "seed=1,2"]
+    first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert sweep_problems(first, overrides, None) == [
+        f"- hydra.sweep.subdir: is 'x' for every point, so the 2 points would all run in {tmp_path}/x, each resuming "
+        "from or overwriting the one before. Fix: make it differ per point, e.g. hydra.sweep.subdir='${hydra.job.num}', "
+        "or leave it out (molt's default: ${hydra.job.num}_${hydra.job.override_dirname})"]
+    for ok in (["hydra.sweep.subdir=x", "seed=1"], ["hydra.sweep.subdir=${seed}", "seed=1,2"]):  # one point; per point
+        first, _ = compose_checked([*ok, "dry_run=true"], multirun=True, hydra_config=True)
+        assert sweep_problems(first, [*ok, "dry_run=true"], None) == [], ok
