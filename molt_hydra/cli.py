@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import logging
 import math
 import os
 import re
@@ -787,6 +788,24 @@ def mode_problems(first: DictConfig, multirun: bool, overrides: list[str]) -> li
     return problems
 
 
+def logging_problems(first: DictConfig) -> list[str]:
+    """A level of Hydra's logging presets (hydra.job_logging.root.level, ...loggers.NAME.level, ...handlers.NAME.level)
+    that logging does not know: Hydra's logging setup failed with a ValueError traceback ('Unable to configure root
+    logger'), after molt-run's checks, as the run started."""
+    names, problems = logging.getLevelNamesMapping(), []
+    for tree in ("hydra.job_logging", "hydra.hydra_logging"):
+        node = OmegaConf.select(first, tree, default=None, throw_on_resolution_failure=False)
+        todo = [(tree, OmegaConf.to_container(node))] if isinstance(node, DictConfig) else []
+        while todo:
+            key, value = todo.pop()
+            if isinstance(value, dict):
+                todo += [(f"{key}.{name}", item) for name, item in value.items()]
+            elif key.endswith(".level") and not isinstance(value, int) and str(value) not in names:
+                problems.append(f"- {key}: {value!r} is no logging level, so Hydra's logging setup would fail as the "
+                                f"run starts. Fix: set it to one of {', '.join(names)}")
+    return sorted(problems)
+
+
 # what an empty hydra directory key makes of the run's files: Hydra joins '' into the current directory, without a word
 EMPTY_DIRS = {"hydra.run.dir": "the run would write its .hydra/, log and checkpoints straight into {cwd}",
               "hydra.sweep.dir": "the points' directories would be made straight in {cwd}",
@@ -1022,7 +1041,8 @@ def _command_line_problems(args) -> list[str]:
     if first is None:  # (ends here even under --cfg: Hydra could not compose it)
         _exit_config_error("\n".join(problems))
     if problems := (launcher_problems(first, overrides, args.multirun) + chdir_problems(first)
-                    + mode_problems(first, args.multirun, overrides) + empty_dirs(first, args.multirun)):
+                    + mode_problems(first, args.multirun, overrides) + empty_dirs(first, args.multirun)
+                    + logging_problems(first)):
         return problems
     if args.multirun:
         problems, points = sweep_checked(first, overrides, args.config_dir)
@@ -1074,8 +1094,11 @@ def _check_run(first: DictConfig, overrides: list[str], config_dir: str | None) 
     from molt_hydra.runtime.writable import fail_unless_writable
 
     run_dir = Path(os.path.abspath(first.hydra.run.dir))  # as Hydra makes hydra.runtime.output_dir
-    if not first.dry_run:
-        fail_unless_writable({"hydra.run.dir": run_dir})  # named as the key that sets it (as OutputWritable does)
+    if not first.dry_run:  # named as the key that sets it (as OutputWritable does); .hydra/ goes to output_subdir,
+        # which may lie outside the run directory (hydra.output_subdir=/abs: was a FileExistsError traceback)
+        sub = Path(os.path.normpath(run_dir / (first.hydra.output_subdir or "")))
+        fail_unless_writable({"hydra.run.dir": run_dir, **({} if sub.is_relative_to(run_dir) else {
+            "hydra.output_subdir": sub})})
     problems, result = point_problems(overrides, run_dir, config_dir)
     if problems:
         return problems

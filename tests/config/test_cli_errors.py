@@ -1274,3 +1274,29 @@ def test_one_sweep_subdir_for_every_point_is_refused(tmp_path):
     for ok in (["hydra.sweep.subdir=x", "seed=1"], ["hydra.sweep.subdir=${seed}", "seed=1,2"]):  # one point; per point
         first, _ = compose_checked([*ok, "dry_run=true"], multirun=True, hydra_config=True)
         assert sweep_problems(first, [*ok, "dry_run=true"], None) == [], ok
+
+
+@pytest.mark.parametrize("override,key", [("hydra.job_logging.root.level=NOPE", "hydra.job_logging.root.level"),
+                                          ("hydra.hydra_logging.root.level=debugg", "hydra.hydra_logging.root.level")])
+def test_a_logging_level_logging_does_not_know_is_refused(override, key, monkeypatch, tmp_path, capsys):
+    """Before: the run passed every check (a dry run planned), then Hydra's logging setup failed: 'ValueError: Unable
+    to configure root logger', a traceback."""
+    assert _main_in_process([override, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        f"Config error(s):\n- {key}: {override.split('=')[1]!r} is no logging level, so Hydra's logging setup would "
+        "fail as the run starts. Fix: set it to one of CRITICAL, FATAL, ERROR, WARN, WARNING, INFO, DEBUG, NOTSET\n")
+    assert _main_in_process([f"{key}=DEBUG", "dry_run=true"], monkeypatch, tmp_path) == 0
+
+
+def test_an_output_subdir_outside_the_run_directory_is_checked_before_the_run(monkeypatch, tmp_path, capsys):
+    """Before: `hydra.output_subdir=/etc/passwd` (a file) passed every check; Hydra then failed making .hydra/ there,
+    'FileExistsError: [Errno 17] File exists', a traceback."""
+    import molt_hydra.cli as cli
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    (afile := tmp_path / "afile").write_text("")
+    monkeypatch.setattr(cli, "_main", lambda cfg: pytest.fail("the run started"))
+    assert _main_in_process([f"hydra.output_subdir={afile}"], monkeypatch, tmp_path) == EXIT_FAILED
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"- hydra.output_subdir={afile}: not writable: Not a directory ({afile}). Fix: point hydra.output_subdir at a "
+        "writable directory.")
