@@ -218,7 +218,7 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
     problems += [line for o, text in pairs for line in [*_empty(o, text), *_added_to_hydra(o, text),
-                                                        *_search_path_problems(o, text)]]
+                                                        *_search_path_problems(o, text), *_set_by_hydra(o, text)]]
     if multirun:
         problems += oversized_sweep(pairs) + [
             f"- {text}: a sweep over dry_run would start some points and only plan the others. Fix: add dry_run=true "
@@ -444,6 +444,25 @@ def _search_path_problems(o, text: str) -> list[str]:
         return [f"- {text}: hydra.searchpath is a list of places to find configs in, got {value!r}. {fix}"]
     return [f"- {text}: Hydra would search {path} for configs, but it {why}, so none would be found there. {fix}"
             for path in value if (why := search_path_problem(path))]
+
+
+# Hydra's own keys Hydra sets itself as a run starts, over any value given: key -> what chooses it instead
+SET_BY_HYDRA = {"hydra.runtime": "hydra.run.dir (a multirun: hydra.sweep.dir) chooses the run's directory",
+                "hydra.job.override_dirname": "hydra.job.config.override_dirname (kv_sep, item_sep, exclude_keys) "
+                                              "shapes it",
+                "hydra.job.config_name": "--config-name chooses the primary config",
+                "hydra.overrides": "Hydra records the command line's overrides there"}
+
+
+def _set_by_hydra(o, text: str) -> list[str]:
+    """A key of SET_BY_HYDRA given on the command line: Hydra overwrote it without a word (hydra.runtime.output_dir=DIR
+    ran in outputs/...), or recorded a command line that was not run (hydra.overrides.task=[...] in overrides.yaml)."""
+    key = o.key_or_group
+    entry = next((name for name in SET_BY_HYDRA if key == name or key.startswith(f"{name}.")), None)
+    if entry is None or o.is_delete():
+        return []
+    return [f"- {text}: Hydra sets {entry} itself as the run starts, so the value given would change nothing (or "
+            f"record what did not run). Fix: leave it out; {SET_BY_HYDRA[entry]}"]
 
 
 def _is_group(key: str) -> bool:

@@ -1300,3 +1300,18 @@ def test_an_output_subdir_outside_the_run_directory_is_checked_before_the_run(mo
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"- hydra.output_subdir={afile}: not writable: Not a directory ({afile}). Fix: point hydra.output_subdir at a "
         "writable directory.")
+
+
+@pytest.mark.parametrize("override,entry,fix", [
+    ("hydra.runtime.output_dir=/tmp/x", "hydra.runtime", "hydra.run.dir (a multirun: hydra.sweep.dir) chooses the "
+                                                         "run's directory"),
+    ("hydra.job.override_dirname=x", "hydra.job.override_dirname", "hydra.job.config.override_dirname (kv_sep, "
+                                                                   "item_sep, exclude_keys) shapes it"),
+    ("hydra.overrides.task=['seed=1']", "hydra.overrides", "Hydra records the command line's overrides there"),
+])
+def test_a_key_hydra_sets_itself_is_refused_on_the_command_line(override, entry, fix):
+    """Before: Hydra overwrote each without a word (hydra.runtime.output_dir=/tmp/x ran in outputs/default/<time>), or
+    recorded in .hydra/overrides.yaml a command line that was not run."""
+    assert compose_checked([override]) == (None, [
+        f"- {override}: Hydra sets {entry} itself as the run starts, so the value given would change nothing (or "
+        f"record what did not run). Fix: leave it out; {fix}"])
