@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 import logging
 import math
 import os
@@ -764,7 +765,11 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
 
 def plugin_problems(first: DictConfig) -> list[str]:
     """hydra.launcher and hydra.sweeper name a plugin class Hydra can start for a multirun: `hydra.launcher=null` ended
-    in an AttributeError traceback here, `hydra.sweeper._target_=x` in Hydra's RuntimeError once the multirun began."""
+    in an AttributeError traceback here, `hydra.sweeper._target_=x` in Hydra's RuntimeError once the multirun began.
+    Hydra's callbacks name a class it can import; each of these takes the keys given (`+hydra.launcher.timeout_min=60`
+    for the basic launcher, a callback's unknown class: Hydra's instantiate error, exit 1, once Hydra had started)."""
+    from hydra.utils import get_class
+
     from molt_hydra.compat.hydra import plugin_classes
 
     problems = []
@@ -774,7 +779,31 @@ def plugin_problems(first: DictConfig) -> list[str]:
         if target not in (known := plugin_classes(name)):
             problems.append(f"- hydra.{name}: {target!r} is no {name} Hydra can start (its plugins: {known}). Fix: "
                             f"choose one with hydra/{name}=NAME (`molt-run --hydra-help` lists them), or leave it out")
+        else:
+            problems += _refused_keys(f"hydra.{name}", node, get_class(target), f"choose another {name} with "
+                                      f"hydra/{name}=NAME (`molt-run --hydra-help` lists them)")
+    for name, node in (OmegaConf.select(first, "hydra.callbacks") or {}).items():
+        if node is None:  # (Hydra starts none)
+            continue
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        try:
+            problems += _refused_keys(f"hydra.callbacks.{name}", node, get_class(target), "")
+        except Exception as e:  # noqa: BLE001 -- whatever importing the user's class raises
+            problems.append(f"- hydra.callbacks.{name}._target_: Hydra cannot import {target!r} "
+                            f"({str(e).splitlines()[0]}). Fix: name a hydra.experimental.callback.Callback class as "
+                            f"pkg.module.Name, or drop hydra.callbacks.{name}")
     return problems
+
+
+def _refused_keys(key: str, node: DictConfig, cls: type, fix: str) -> list[str]:
+    """The keys of `node` (besides _target_ and Hydra's other _keys_) that `cls` takes no argument for."""
+    parameters = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    takes = [name for name in parameters if name not in ("self", "args")]
+    return [f"- {key}.{name}: {cls.__name__} takes no such argument (it takes {takes}), so Hydra could not start it. "
+            f"Fix: drop {key}.{name}{'; or ' + fix if fix else ''}" for name in node
+            if not str(name).startswith("_") and name not in parameters]
 
 
 def chdir_problems(first: DictConfig) -> list[str]:

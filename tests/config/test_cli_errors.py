@@ -1315,3 +1315,20 @@ def test_a_key_hydra_sets_itself_is_refused_on_the_command_line(override, entry,
     assert compose_checked([override]) == (None, [
         f"- {override}: Hydra sets {entry} itself as the run starts, so the value given would change nothing (or "
         f"record what did not run). Fix: leave it out; {fix}"])
+
+
+@pytest.mark.parametrize("overrides,multirun,line", [
+    (["+hydra.launcher.timeout_min=60", "seed=1,2"], True, "- hydra.launcher.timeout_min: BasicLauncher takes no such "
+     "argument (it takes []), so Hydra could not start it. Fix: drop hydra.launcher.timeout_min; or choose another "
+     "launcher with hydra/launcher=NAME (`molt-run --hydra-help` lists them)"),
+    (["+hydra.callbacks.mine._target_=no_such_module.Callback"], False, "- hydra.callbacks.mine._target_: Hydra cannot "
+     "import 'no_such_module.Callback' (Error loading 'no_such_module.Callback':). Fix: name a "
+     "hydra.experimental.callback.Callback class as pkg.module.Name, or drop hydra.callbacks.mine"),
+    (["+hydra.callbacks.output_writable.dirs=[a]"], False, "- hydra.callbacks.output_writable.dirs: OutputWritable "
+     "takes no such argument (it takes []), so Hydra could not start it. Fix: drop hydra.callbacks.output_writable.dirs"),
+])
+def test_a_hydra_plugin_or_callback_hydra_cannot_start_is_refused(overrides, multirun, line):
+    """Before: each passed molt-run's checks; Hydra's instantiate then failed ("Error in call to target ...
+    BasicLauncher: TypeError(... unexpected keyword argument 'timeout_min')", "Error locating target"), exit 1, no fix."""
+    first, problems = compose_checked(overrides, multirun=multirun, hydra_config=True)
+    assert problems == [] and launcher_problems(first, overrides, multirun) == [line]
