@@ -770,7 +770,7 @@ def plugin_problems(first: DictConfig) -> list[str]:
     for the basic launcher, a callback's unknown class: Hydra's instantiate error, exit 1, once Hydra had started)."""
     from hydra.utils import get_class
 
-    from molt_hydra.compat.hydra import plugin_classes
+    from molt_hydra.compat.hydra import plugin_classes, submitit_refused
 
     problems = []
     for name in ("launcher", "sweeper"):
@@ -782,6 +782,10 @@ def plugin_problems(first: DictConfig) -> list[str]:
         else:
             problems += _refused_keys(f"hydra.{name}", node, get_class(target), f"choose another {name} with "
                                       f"hydra/{name}=NAME (`molt-run --hydra-help` lists them)")
+        if name == "launcher" and target in known and (refused := submitit_refused(target, list(node))):
+            problems += [f"- hydra.launcher.{key}: submitit's launcher takes no such parameter (it takes "
+                         f"{refused[1]}), so the multirun would fail as it submits. Fix: drop hydra.launcher.{key}, "
+                         "or name one it takes" for key in refused[0]]
     for name, node in (OmegaConf.select(first, "hydra.callbacks") or {}).items():
         if node is None:  # (Hydra starts none)
             continue

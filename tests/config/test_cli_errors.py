@@ -1332,3 +1332,20 @@ def test_a_hydra_plugin_or_callback_hydra_cannot_start_is_refused(overrides, mul
     BasicLauncher: TypeError(... unexpected keyword argument 'timeout_min')", "Error locating target"), exit 1, no fix."""
     first, problems = compose_checked(overrides, multirun=multirun, hydra_config=True)
     assert problems == [] and launcher_problems(first, overrides, multirun) == [line]
+
+
+def test_a_key_submitits_executor_does_not_take_is_refused_before_the_multirun():
+    """Before: `-m hydra/launcher=submitit_local +hydra.launcher.foo=1` passed every check; submitit then refused it
+    as the sweep was submitted: "NameError: Unknown argument 'foo' for executor 'local'", a traceback. Every launcher
+    preset molt ships passes as it is."""
+    from molt_hydra.cli import plugin_problems
+
+    for launcher in ("basic", "submitit_local", "submitit_slurm", "molt_slurm", "molt_slurm_gpu"):
+        first, problems = compose_checked([f"hydra/launcher={launcher}", "seed=1,2"], multirun=True, hydra_config=True)
+        assert problems == [] and plugin_problems(first) == [], launcher
+    first, _ = compose_checked(["hydra/launcher=submitit_local", "+hydra.launcher.foo=1"], hydra_config=True)
+    assert plugin_problems(first) == [
+        "- hydra.launcher.foo: submitit's launcher takes no such parameter (it takes ['cpus_per_task', 'gpus_per_node', "
+        "'max_num_timeout', 'mem_gb', 'name', 'nodes', 'setup', 'stderr_to_stdout', 'submitit_folder', "
+        "'tasks_per_node', 'timeout_min']), so the multirun would fail as it submits. Fix: drop hydra.launcher.foo, or "
+        "name one it takes"]
