@@ -84,7 +84,8 @@ def search_path_problem(path: str) -> str | None:
     Plugins.instance()  # (registers the config sources)
     scheme, known = ConfigRepository._get_scheme(path), SourcesRegistry.instance().types
     if scheme not in known:
-        return f"has a scheme no config source of Hydra's reads (they read {', '.join(f'{k}://' for k in sorted(known))})"
+        schemes = ", ".join(f"{name}://" for name in sorted(known))
+        return f"has a scheme no config source of Hydra's reads (they read {schemes})"
     if known[scheme]("hydra.searchpath", path).available():
         return None
     return "names no directory" if scheme == "file" else "names no source of configs (a Python package, for pkg://)"

@@ -1269,8 +1269,9 @@ def test_one_sweep_subdir_for_every_point_is_refused(tmp_path):
     first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
     assert sweep_problems(first, overrides, None) == [
         f"- hydra.sweep.subdir: is 'x' for every point, so the 2 points would all run in {tmp_path}/x, each resuming "
-        "from or overwriting the one before. Fix: make it differ per point, e.g. hydra.sweep.subdir='${hydra.job.num}', "
-        "or leave it out (molt's default: ${hydra.job.num}_${hydra.job.override_dirname})"]
+        "from or overwriting the one before. Fix: make it differ per point, e.g. "
+        "hydra.sweep.subdir='${hydra.job.num}', or leave it out (molt's default: "
+        "${hydra.job.num}_${hydra.job.override_dirname})"]
     for ok in (["hydra.sweep.subdir=x", "seed=1"], ["hydra.sweep.subdir=${seed}", "seed=1,2"]):  # one point; per point
         first, _ = compose_checked([*ok, "dry_run=true"], multirun=True, hydra_config=True)
         assert sweep_problems(first, [*ok, "dry_run=true"], None) == [], ok
@@ -1325,11 +1326,13 @@ def test_a_key_hydra_sets_itself_is_refused_on_the_command_line(override, entry,
      "import 'no_such_module.Callback' (Error loading 'no_such_module.Callback':). Fix: name a "
      "hydra.experimental.callback.Callback class as pkg.module.Name, or drop hydra.callbacks.mine"),
     (["+hydra.callbacks.output_writable.dirs=[a]"], False, "- hydra.callbacks.output_writable.dirs: OutputWritable "
-     "takes no such argument (it takes []), so Hydra could not start it. Fix: drop hydra.callbacks.output_writable.dirs"),
+     "takes no such argument (it takes []), so Hydra could not start it. Fix: drop "
+     "hydra.callbacks.output_writable.dirs"),
 ])
 def test_a_hydra_plugin_or_callback_hydra_cannot_start_is_refused(overrides, multirun, line):
     """Before: each passed molt-run's checks; Hydra's instantiate then failed ("Error in call to target ...
-    BasicLauncher: TypeError(... unexpected keyword argument 'timeout_min')", "Error locating target"), exit 1, no fix."""
+    BasicLauncher: TypeError(... unexpected keyword argument 'timeout_min')", "Error locating target"), exit 1, no
+    fix."""
     first, problems = compose_checked(overrides, multirun=multirun, hydra_config=True)
     assert problems == [] and launcher_problems(first, overrides, multirun) == [line]
 
@@ -1345,7 +1348,7 @@ def test_a_key_submitits_executor_does_not_take_is_refused_before_the_multirun()
         assert problems == [] and plugin_problems(first) == [], launcher
     first, _ = compose_checked(["hydra/launcher=submitit_local", "+hydra.launcher.foo=1"], hydra_config=True)
     assert plugin_problems(first) == [
-        "- hydra.launcher.foo: submitit's launcher takes no such parameter (it takes ['cpus_per_task', 'gpus_per_node', "
-        "'max_num_timeout', 'mem_gb', 'name', 'nodes', 'setup', 'stderr_to_stdout', 'submitit_folder', "
-        "'tasks_per_node', 'timeout_min']), so the multirun would fail as it submits. Fix: drop hydra.launcher.foo, or "
-        "name one it takes"]
+        "- hydra.launcher.foo: submitit's launcher takes no such parameter (it takes ['cpus_per_task', "
+        "'gpus_per_node', 'max_num_timeout', 'mem_gb', 'name', 'nodes', 'setup', 'stderr_to_stdout', "
+        "'submitit_folder', 'tasks_per_node', 'timeout_min']), so the multirun would fail as it submits. Fix: drop "
+        "hydra.launcher.foo, or name one it takes"]
