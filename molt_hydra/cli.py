@@ -559,12 +559,8 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
     override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
-    if line := _recipe_problem(text, overrides):
+    if line := _recipe_problem(chain, overrides):
         return line
-    if bad := next((c for c in chain if isinstance(c, yaml.MarkedYAMLError) and c.problem_mark), None):
-        mark = bad.problem_mark  # (was: "while parsing a flow sequence", neither file nor line, a fix about types)
-        return (f"- {override}: {mark.name} is no valid YAML at line {mark.line + 1}, column {mark.column + 1}: "
-                f"{bad.problem}{f' ({bad.context})' if bad.context else ''}. Fix: correct the YAML there")
     if "Cannot find primary config" in text:  # --config-name NAME
         return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
                 "that directory (without .yaml), or leave --config-name out (molt's config)")
@@ -582,13 +578,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         return (f"- {override}: ++ force-adds a key; a config group is chosen with one + where the defaults list "
                 f"lacks it (+recipe=NAME), else without (model=NAME). Fix: {fix}")
     if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
-        options = re.findall(r"^\t(\S+)$", text, re.M)
-        group = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
-        if group and not any(o.lstrip("+~").split("=", 1)[0] == group[1] for o in overrides) and (recipe := next(
-                (o for o in overrides if o.lstrip("+").startswith("recipe=")), None)):
-            return (f"- {recipe}: its defaults list chooses {group[2]} for {group[1]}, which has no such option. Fix: "
-                    f"choose one of {options} there")  # (was: "- the command line: no such option")
-        return f"- {override}: no such option of that config group. Fix: use one of {options}"
+        return f"- {override}: no such option of that config group. Fix: use one of {_options(text)}"
     if "Could not delete" in text:  # `~agent.runner.NAME` of a kwarg the agent is not given
         override = next((o for o in overrides if o.startswith("~") and f"'{o[1:].split('=', 1)[0]}'" in text), override)
         return f"- {override}: {str(chain[-1]).splitlines()[0]} Fix: drop {override}; `molt-run --cfg job` prints " \
@@ -620,14 +610,31 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
 
 
-def _recipe_problem(text: str, overrides: list[str]) -> str | None:
+def _options(text: str) -> list[str]:
+    """The options Hydra lists in its 'Could not find GROUP/NAME' (a tab before each)."""
+    return re.findall(r"^\t(\S+)$", text, re.M)
+
+
+def _recipe_problem(chain: list[Exception], overrides: list[str]) -> str | None:
     """A composition failure of a recipe's own YAML (a user's, --config-dir DIR/recipe/NAME.yaml), named as its
     +recipe= override with the fix in the recipe: was a reason cut to "ConfigKeyError raised while composing config:"
-    and a fix about the schema's types (no `# @package _global_` line), or a fix naming the command line (a defaults
-    list that adds a group config.yaml chooses already)."""
-    recipe = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == "recipe"), None)
+    and a fix about the schema's types (no `# @package _global_` line; YAML that does not parse: "while parsing a flow
+    sequence", neither file nor line), or a fix naming the command line (a defaults list that adds a group config.yaml
+    chooses already, or chooses an option of a group that does not exist)."""
+    recipe, text = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == "recipe"), None), "\n".join(
+        str(c) for c in chain)
     if recipe is None:
         return None
+    if bad := next((c for c in chain if isinstance(c, yaml.MarkedYAMLError) and c.problem_mark), None):
+        mark = bad.problem_mark
+        return (f"- {recipe}: {mark.name} is no valid YAML at line {mark.line + 1}, column {mark.column + 1}: "
+                f"{bad.problem}{f' ({bad.context})' if bad.context else ''}. Fix: correct the YAML there")
+    group = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if group and not any(o.lstrip("+~").split("=", 1)[0] == group[1] for o in overrides):
+        return (f"- {recipe}: its defaults list chooses {group[2]} for {group[1]}, which has no such option. Fix: "
+                f"choose one of {_options(text)} there" if _options(text) else f"- {recipe}: its defaults list "
+                f"chooses from {group[1]}, which is no config group (a group without a leading / is read inside the "
+                "recipe's own, recipe/). Fix: name molt's group with a leading / (- override /model: NAME)")
     if "Key 'recipe' not in" in text:  # (Hydra put its keys under recipe.*, the recipe group's own package)
         return (f"- {recipe}: the recipe has no `# @package _global_` line, so Hydra reads its keys under recipe.*, "
                 "which is no key of the config. Fix: add the line `# @package _global_` to the comment lines it opens "

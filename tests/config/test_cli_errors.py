@@ -1251,6 +1251,11 @@ def test_a_user_recipes_defaults_choosing_no_option_names_the_recipe(tmp_path):
     (line,) = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1]
     assert line.startswith("- +recipe=mine: its defaults list chooses nope for model, which has no such option. Fix: "
                            "choose one of ['idefics3_colors_warm', ") and line.endswith("] there"), line
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - model: qwen3_4b\n")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1] == [
+        "- +recipe=mine: its defaults list chooses from recipe/model, which is no config group (a group without a "
+        "leading / is read inside the recipe's own, recipe/). Fix: name molt's group with a leading / (- override "
+        "/model: NAME)"]
 
 
 def test_a_recipe_key_the_run_directory_reads_that_cannot_resolve_is_named(tmp_path):
