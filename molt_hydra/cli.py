@@ -1104,6 +1104,10 @@ def _command_line_problems(args) -> list[str]:
                     + logging_problems(first)):
         return problems
     if args.multirun:
+        if not first.dry_run:  # one line naming the key, before each point's directories fail on it (4 lines each)
+            from molt_hydra.runtime.writable import fail_unless_writable
+
+            fail_unless_writable({"hydra.sweep.dir": Path(os.path.abspath(first.hydra.sweep.dir))})
         problems, points = sweep_checked(first, overrides, args.config_dir)
         if points and not problems and all(result[0].dry_run for _, result in points):
             _dry_sweep(points)

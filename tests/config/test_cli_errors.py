@@ -1357,3 +1357,17 @@ def test_a_key_submitits_executor_does_not_take_is_refused_before_the_multirun()
         "'gpus_per_node', 'max_num_timeout', 'mem_gb', 'name', 'nodes', 'setup', 'stderr_to_stdout', "
         "'submitit_folder', 'tasks_per_node', 'timeout_min']), so the multirun would fail as it submits. Fix: drop "
         "hydra.launcher.foo, or name one it takes"]
+
+
+def test_an_unwritable_sweep_directory_is_one_line_naming_it(monkeypatch, tmp_path, capsys):
+    """Before: `-m hydra.sweep.dir=FILE seed=1,2` was told as each point's own directories (output_dir,
+    checkpoint.dir, checkpoint.export_dir, output_dir/wandb), each with a fix naming those keys, not the one given."""
+    import molt_hydra.cli as cli
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    (afile := tmp_path / "afile").write_text("")
+    monkeypatch.setattr(cli, "_main", lambda cfg: pytest.fail("the sweep started"))
+    assert _main_in_process(["-m", f"hydra.sweep.dir={afile}", "seed=1,2"], monkeypatch, tmp_path) == EXIT_FAILED
+    assert capsys.readouterr().err == (
+        f"Run not started: output directory not writable.\n- hydra.sweep.dir={afile}: not writable: Not a directory "
+        f"({afile}). Fix: point hydra.sweep.dir at a writable directory.\n")
