@@ -1036,6 +1036,12 @@ def _check_then_run() -> None:
                                    ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
     if len(modes) > 1:  # (Hydra's own refusal is a ValueError traceback)
         _exit_config_error(f"- {' '.join(modes)}: Hydra takes one of these at a time. Fix: keep one of {modes}")
+    if args.cfg is None and not args.help and (args.resolve or args.package is not None):  # (Hydra's: --resolve a
+        # ValueError traceback once the run had passed its checks, a dry run none; --package ignored without a word)
+        flag = "--resolve" if args.resolve else f"--package {args.package}"
+        _exit_config_error(f"- {flag}: shapes what --cfg prints, and this command line has no --cfg, so nothing "
+                           f"would take it. Fix: add --cfg job (or --cfg hydra, --cfg all) to print the config, or "
+                           f"drop {flag}")
     if args.experimental_rerun is not None:  # (Hydra's: a ValueError traceback for a missing file, else no check)
         _exit_config_error(f"- --experimental-rerun {args.experimental_rerun}: Hydra reruns a config.pickle, which "
                            "molt-run neither writes nor checks before it starts. Fix: run molt-run again with the "

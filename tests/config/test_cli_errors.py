@@ -1371,3 +1371,18 @@ def test_an_unwritable_sweep_directory_is_one_line_naming_it(monkeypatch, tmp_pa
     assert capsys.readouterr().err == (
         f"Run not started: output directory not writable.\n- hydra.sweep.dir={afile}: not writable: Not a directory "
         f"({afile}). Fix: point hydra.sweep.dir at a writable directory.\n")
+
+
+@pytest.mark.parametrize("argv,flag", [(["--resolve"], "--resolve"), (["--package", "train", "dry_run=true"],
+                                                                       "--package train")])
+def test_a_cfg_flag_without_cfg_is_refused(argv, flag, monkeypatch, tmp_path, capsys):
+    """Before: `molt-run --resolve` passed every check, then Hydra's "ValueError: The --resolve flag can only be used
+    in conjunction with --cfg or --help", a traceback (a dry run: planned, the flag unread); --package without --cfg
+    was ignored without a word."""
+    import molt_hydra.cli as cli
+
+    monkeypatch.setattr(cli, "_main", lambda cfg: pytest.fail("the run started"))
+    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        f"Config error(s):\n- {flag}: shapes what --cfg prints, and this command line has no --cfg, so nothing would "
+        f"take it. Fix: add --cfg job (or --cfg hydra, --cfg all) to print the config, or drop {flag}\n")
