@@ -21,6 +21,7 @@ import copy
 import difflib
 import inspect
 import logging
+import logging.config
 import math
 import os
 import re
@@ -848,13 +849,18 @@ def mode_problems(first: DictConfig, multirun: bool, overrides: list[str]) -> li
 
 
 def logging_problems(first: DictConfig) -> list[str]:
-    """A level of Hydra's logging presets (hydra.job_logging.root.level, ...loggers.NAME.level, ...handlers.NAME.level)
-    that logging does not know: Hydra's logging setup failed with a ValueError traceback ('Unable to configure root
-    logger'), after molt-run's checks, as the run started."""
+    """Hydra's logging presets (hydra.job_logging, hydra.hydra_logging) as logging.config.dictConfig will read them:
+    a level it does not know, a version but 1, a handler class it cannot import, a handler or formatter named but not
+    defined, and a hydra.job.name holding a / (the log file's name: a directory that is never made) failed Hydra's
+    logging setup with a traceback ('Unable to configure root logger'), after molt-run's checks, as the run started."""
     names, problems = logging.getLevelNamesMapping(), []
     for tree in ("hydra.job_logging", "hydra.hydra_logging"):
         node = OmegaConf.select(first, tree, default=None, throw_on_resolution_failure=False)
-        todo = [(tree, OmegaConf.to_container(node))] if isinstance(node, DictConfig) else []
+        conf = OmegaConf.to_container(node) if isinstance(node, DictConfig) else {}
+        todo, defined = [(tree, conf)], {part: set(conf.get(part) or {}) for part in ("handlers", "formatters")}
+        if conf and conf.get("version") != 1:
+            problems.append(f"- {tree}.version: is {conf.get('version')!r}, and logging's dict config has version 1 "
+                            "only. Fix: set it to 1")
         while todo:
             key, value = todo.pop()
             if isinstance(value, dict):
@@ -862,6 +868,21 @@ def logging_problems(first: DictConfig) -> list[str]:
             elif key.endswith(".level") and not isinstance(value, int) and str(value) not in names:
                 problems.append(f"- {key}: {value!r} is no logging level, so Hydra's logging setup would fail as the "
                                 f"run starts. Fix: set it to one of {', '.join(names)}")
+            elif (part := key.rsplit(".", 1)[-1]) in ("handlers", "formatter") and (missing := [
+                    name for name in (value if isinstance(value, list) else [value]) if name not in defined[
+                        "handlers" if part == "handlers" else "formatters"]]):
+                problems.append(f"- {key}: names {missing}, which {tree} does not define (it defines "
+                                f"{sorted(defined['handlers' if part == 'handlers' else 'formatters'])}). Fix: name "
+                                "one it defines, or define it there")
+            elif key.endswith(".class") and key.startswith(f"{tree}.handlers."):
+                try:
+                    logging.config.BaseConfigurator({}).resolve(str(value))
+                except ValueError as e:
+                    problems.append(f"- {key}: {str(e).splitlines()[0]}. Fix: name a logging.Handler class as "
+                                    "pkg.module.Name (logging.StreamHandler, logging.FileHandler)")
+    if "/" in str(OmegaConf.select(first, "hydra.job.name", default="")):
+        problems.append(f"- hydra.job.name: is {first.hydra.job.name!r}, which names the job's log file, and a / in it "
+                        "a directory no one makes. Fix: a name without /")
     return sorted(problems)
 
 

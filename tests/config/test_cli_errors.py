@@ -1282,16 +1282,32 @@ def test_one_sweep_subdir_for_every_point_is_refused(tmp_path):
         assert sweep_problems(first, [*ok, "dry_run=true"], None) == [], ok
 
 
-@pytest.mark.parametrize("override,key", [("hydra.job_logging.root.level=NOPE", "hydra.job_logging.root.level"),
-                                          ("hydra.hydra_logging.root.level=debugg", "hydra.hydra_logging.root.level")])
-def test_a_logging_level_logging_does_not_know_is_refused(override, key, monkeypatch, tmp_path, capsys):
-    """Before: the run passed every check (a dry run planned), then Hydra's logging setup failed: 'ValueError: Unable
-    to configure root logger', a traceback."""
+LEVELS = "CRITICAL, FATAL, ERROR, WARN, WARNING, INFO, DEBUG, NOTSET"
+
+
+@pytest.mark.parametrize("override,line", [
+    ("hydra.job_logging.root.level=NOPE", "- hydra.job_logging.root.level: 'NOPE' is no logging level, so Hydra's "
+     f"logging setup would fail as the run starts. Fix: set it to one of {LEVELS}"),
+    ("hydra.hydra_logging.root.level=debugg", "- hydra.hydra_logging.root.level: 'debugg' is no logging level, so "
+     f"Hydra's logging setup would fail as the run starts. Fix: set it to one of {LEVELS}"),
+    ("hydra.job_logging.root.handlers=[consol]", "- hydra.job_logging.root.handlers: names ['consol'], which "
+     "hydra.job_logging does not define (it defines ['console', 'file']). Fix: name one it defines, or define it "
+     "there"),
+    ("hydra.job_logging.handlers.console.class=logging.StreamHandlr", "- hydra.job_logging.handlers.console.class: "
+     "Cannot resolve 'logging.StreamHandlr': No module named 'logging.StreamHandlr'. Fix: name a "
+     "logging.Handler class as pkg.module.Name (logging.StreamHandler, logging.FileHandler)"),
+    ("hydra.job_logging.version=2", "- hydra.job_logging.version: is 2, and logging's dict config has version 1 only. "
+     "Fix: set it to 1"),
+    ("hydra.job.name=a/b", "- hydra.job.name: is 'a/b', which names the job's log file, and a / in it a directory no "
+     "one makes. Fix: a name without /"),
+])
+def test_a_logging_setup_logging_cannot_make_is_refused(override, line, monkeypatch, tmp_path, capsys):
+    """Before: the run passed every check (a dry run planned), then Hydra's logging setup failed with a traceback:
+    'ValueError: Unable to configure root logger' (handler ..., formatter ...), or FileNotFoundError for the log file
+    of a job name holding a /."""
     assert _main_in_process([override, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
-    assert capsys.readouterr().err == (
-        f"Config error(s):\n- {key}: {override.split('=')[1]!r} is no logging level, so Hydra's logging setup would "
-        "fail as the run starts. Fix: set it to one of CRITICAL, FATAL, ERROR, WARN, WARNING, INFO, DEBUG, NOTSET\n")
-    assert _main_in_process([f"{key}=DEBUG", "dry_run=true"], monkeypatch, tmp_path) == 0
+    assert capsys.readouterr().err == f"Config error(s):\n{line}\n"
+    assert _main_in_process(["hydra.job_logging.root.level=DEBUG", "dry_run=true"], monkeypatch, tmp_path) == 0
 
 
 def test_an_output_subdir_outside_the_run_directory_is_checked_before_the_run(monkeypatch, tmp_path, capsys):
