@@ -562,6 +562,9 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
     if line := _recipe_problem(chain, overrides):
         return line
+    if type(e) is KeyError and e.args and str(e.args[0]) not in os.environ:  # (Hydra's copy of env_copy's variables)
+        return (f"- hydra.job.env_copy: names {e.args[0]}, an environment variable that is not set here, which Hydra "
+                f"copies into the job's environment. Fix: set it (export {e.args[0]}=...), or leave it out of the list")
     if "Cannot find primary config" in text:  # --config-name NAME
         return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
                 "that directory (without .yaml), or leave --config-name out (molt's config)")

@@ -1402,3 +1402,15 @@ def test_a_cfg_flag_without_cfg_is_refused(argv, flag, monkeypatch, tmp_path, ca
     assert capsys.readouterr().err == (
         f"Config error(s):\n- {flag}: shapes what --cfg prints, and this command line has no --cfg, so nothing would "
         f"take it. Fix: add --cfg job (or --cfg hydra, --cfg all) to print the config, or drop {flag}\n")
+
+
+def test_an_env_copy_variable_that_is_not_set_is_named(monkeypatch):
+    """Before: "- the command line: 'MOLT_UNSET_VAR'. Fix: give each key a value of the type
+    molt_hydra/config/schema.py declares for it": Hydra copies each hydra.job.env_copy variable with os.environ[NAME],
+    a bare KeyError."""
+    monkeypatch.delenv("MOLT_UNSET_VAR", raising=False)
+    assert compose_checked(["hydra.job.env_copy=[MOLT_UNSET_VAR]"]) == (None, [
+        "- hydra.job.env_copy: names MOLT_UNSET_VAR, an environment variable that is not set here, which Hydra copies "
+        "into the job's environment. Fix: set it (export MOLT_UNSET_VAR=...), or leave it out of the list"])
+    monkeypatch.setenv("MOLT_UNSET_VAR", "1")
+    assert compose_checked(["hydra.job.env_copy=[MOLT_UNSET_VAR]"])[1] == []
