@@ -629,6 +629,10 @@ def _recipe_problem(chain: list[Exception], overrides: list[str]) -> str | None:
         str(c) for c in chain)
     if recipe is None:
         return None
+    if isinstance(chain[0], (RecursionError, UnicodeDecodeError)):  # (was: "- the command line: maximum recursion")
+        return (f"- {recipe}: its defaults list includes itself (or a config that includes it), which Hydra follows "
+                "without end. Fix: drop that entry from the defaults lists" if isinstance(chain[0], RecursionError)
+                else f"- {recipe}: a config it composes is not UTF-8 text ({chain[0]}). Fix: save it as UTF-8")
     if bad := next((c for c in chain if isinstance(c, yaml.MarkedYAMLError) and c.problem_mark), None):
         mark = bad.problem_mark
         return (f"- {recipe}: {mark.name} is no valid YAML at line {mark.line + 1}, column {mark.column + 1}: "

@@ -1414,3 +1414,17 @@ def test_an_env_copy_variable_that_is_not_set_is_named(monkeypatch):
         "into the job's environment. Fix: set it (export MOLT_UNSET_VAR=...), or leave it out of the list"])
     monkeypatch.setenv("MOLT_UNSET_VAR", "1")
     assert compose_checked(["hydra.job.env_copy=[MOLT_UNSET_VAR]"])[1] == []
+
+
+@pytest.mark.parametrize("content,line", [
+    (b"# @package _global_\ndefaults:\n  - /recipe: mine\n", "- +recipe=mine: its defaults list includes itself (or "
+     "a config that includes it), which Hydra follows without end. Fix: drop that entry from the defaults lists"),
+    (b"\xff\xfe name: x\n", "- +recipe=mine: a config it composes is not UTF-8 text ('utf-8' codec can't decode byte "
+     "0xff in position 0: invalid start byte). Fix: save it as UTF-8"),
+])
+def test_a_user_recipe_hydra_cannot_read_is_named(content, line, tmp_path):
+    """Before: "- the command line: maximum recursion depth exceeded in comparison" (a recipe including itself) and
+    "- the command line: 'utf-8' codec can't decode byte ...", each with a fix about the schema's types."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_bytes(content)
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path)) == (None, [line])
