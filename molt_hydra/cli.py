@@ -797,7 +797,8 @@ def plugin_problems(first: DictConfig) -> list[str]:
         else:
             problems += _refused_keys(f"hydra.{name}", node, get_class(target), f"choose another {name} with "
                                       f"hydra/{name}=NAME (`molt-run --hydra-help` lists them)")
-        if name == "launcher" and target in known and (refused := submitit_refused(target, list(node))):
+        if name == "launcher" and target in known and target.startswith("hydra_plugins.hydra_submitit_launcher.") \
+                and (refused := submitit_refused(target, list(node))):
             problems += [f"- hydra.launcher.{key}: submitit's launcher takes no such parameter (it takes "
                          f"{refused[1]}), so the multirun would fail as it submits. Fix: drop hydra.launcher.{key}, "
                          "or name one it takes" for key in refused[0]]
