@@ -894,6 +894,22 @@ def logging_problems(first: DictConfig) -> list[str]:
     return sorted(problems)
 
 
+LOG_FIX = "name a file in a writable directory (or leave it out: the log goes to the run's directory)"
+
+
+def log_dirs(first: DictConfig) -> dict[str, Path]:
+    """{hydra.*_logging.handlers.NAME.filename: its directory} of each log file named outright (no ${...}, which puts
+    it under the run's directory): logging opens it as Hydra starts the job, where one that cannot be made was a
+    FileNotFoundError / NotADirectoryError traceback, after molt-run's checks."""
+    found = {}
+    for tree in ("hydra.job_logging", "hydra.hydra_logging"):
+        node = OmegaConf.select(first, f"{tree}.handlers", default=None, throw_on_resolution_failure=False)
+        for name, handler in (OmegaConf.to_container(node) if isinstance(node, DictConfig) else {}).items():
+            if isinstance(file := (handler or {}).get("filename"), str) and "${" not in file:
+                found[f"{tree}.handlers.{name}.filename"] = Path(os.path.abspath(file)).parent
+    return found
+
+
 # what an empty hydra directory key makes of the run's files: Hydra joins '' into the current directory, without a word
 EMPTY_DIRS = {"hydra.run.dir": "the run would write its .hydra/, log and checkpoints straight into {cwd}",
               "hydra.sweep.dir": "the points' directories would be made straight in {cwd}",
@@ -1142,7 +1158,8 @@ def _command_line_problems(args) -> list[str]:
         if not first.dry_run:  # one line naming the key, before each point's directories fail on it (4 lines each)
             from molt_hydra.runtime.writable import fail_unless_writable
 
-            fail_unless_writable({"hydra.sweep.dir": Path(os.path.abspath(first.hydra.sweep.dir))})
+            fail_unless_writable({"hydra.sweep.dir": Path(os.path.abspath(first.hydra.sweep.dir)), **log_dirs(first)},
+                                 dict.fromkeys(log_dirs(first), LOG_FIX))
         problems, points = sweep_checked(first, overrides, args.config_dir)
         if points and not problems and all(result[0].dry_run for _, result in points):
             _dry_sweep(points)
@@ -1196,7 +1213,7 @@ def _check_run(first: DictConfig, overrides: list[str], config_dir: str | None) 
         # which may lie outside the run directory (hydra.output_subdir=/abs: was a FileExistsError traceback)
         sub = Path(os.path.normpath(run_dir / (first.hydra.output_subdir or "")))
         fail_unless_writable({"hydra.run.dir": run_dir, **({} if sub.is_relative_to(run_dir) else {
-            "hydra.output_subdir": sub})})
+            "hydra.output_subdir": sub}), **log_dirs(first)}, dict.fromkeys(log_dirs(first), LOG_FIX))
     problems, result = point_problems(overrides, run_dir, config_dir)
     if problems:
         return problems

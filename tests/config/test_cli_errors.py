@@ -1428,3 +1428,18 @@ def test_a_user_recipe_hydra_cannot_read_is_named(content, line, tmp_path):
     (tmp_path / "recipe").mkdir()
     (tmp_path / "recipe" / "mine.yaml").write_bytes(content)
     assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path)) == (None, [line])
+
+
+def test_a_log_file_in_a_directory_that_cannot_be_made_is_checked_before_the_run(monkeypatch, tmp_path, capsys):
+    """Before: `hydra.job_logging.handlers.file.filename=FILE/x.log` passed every check; logging then failed to open
+    it as Hydra started the job: 'NotADirectoryError', a traceback."""
+    import molt_hydra.cli as cli
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    (afile := tmp_path / "afile").write_text("")
+    monkeypatch.setattr(cli, "_main", lambda cfg: pytest.fail("the run started"))
+    override = f"hydra.job_logging.handlers.file.filename={afile}/x.log"
+    assert _main_in_process([override], monkeypatch, tmp_path) == EXIT_FAILED
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"- hydra.job_logging.handlers.file.filename={afile}: not writable: Not a directory ({afile}). Fix: name a "
+        "file in a writable directory (or leave it out: the log goes to the run's directory).")
