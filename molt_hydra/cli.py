@@ -17,7 +17,11 @@ its plan (every point's, for a multirun) and writes nothing. `molt-run --help` i
 
 from __future__ import annotations
 
+import copy
 import difflib
+import inspect
+import logging
+import logging.config
 import math
 import os
 import re
@@ -27,11 +31,12 @@ import sys
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
-from hydra.errors import HydraException, OverrideParseException
+from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -69,7 +74,8 @@ def _fix(key: str, message: str) -> str:
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed config from the composed tree; declared ranges, MISSING values and `__post_init__` rules fail here, all
     at once: on failure every group is converted on its own, so the message lists one problem per broken group."""
-    nested = _nested_items(cfg)  # (a group holding one fails its own rules with a TypeError: that line is left out)
+    cfg, nested = _lists_resolved(cfg)
+    nested += _nested_items(cfg)  # (a group holding one fails its own rules with a TypeError: that line is left out)
     problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)] + nested
     try:
         run_cfg = _convert(cfg)
@@ -103,26 +109,71 @@ def _added_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
     return added
 
 
-def _nested_items(cfg: DictConfig, prefix: str = "") -> list[str]:
-    """A list or mapping inside a list of numbers or strings: OmegaConf checks a typed list's scalar items only, so
-    `train.optimizer.betas=[0.9,[1]]` and `cluster.setup=[[a]]` reached the run (or a TypeError far from the key)."""
-    problems = []
+def _typed_lists(cfg: DictConfig, prefix: str = ""):
+    """(key, node) of each list of numbers, strings or bools in `cfg` (not Hydra's own, not the agent's kwargs)."""
     for name in cfg:
         key, node = f"{prefix}{name}", cfg._get_node(name)
         if isinstance(node, DictConfig) and key not in ("hydra", "agent.runner"):
-            problems += _nested_items(node, f"{key}.")
-        elif isinstance(node, ListConfig) and node._metadata.element_type in (int, float, str, bool) and any(
-                isinstance(node._get_node(i), (DictConfig, ListConfig)) for i in range(len(node))):
-            problems.append(f"- {key}: a list of single values, got {OmegaConf.to_container(node)}. Fix: set {key} to "
-                            f"{expected(RunConfig, key)}")
-    return problems
+            yield from _typed_lists(node, f"{key}.")
+        elif isinstance(node, ListConfig) and node._metadata.element_type in (int, float, str, bool):
+            yield key, node
+
+
+def _nested_items(cfg: DictConfig) -> list[str]:
+    """A list or mapping inside a list of numbers or strings: OmegaConf checks a typed list's scalar items only, so
+    `train.optimizer.betas=[0.9,[1]]` and `cluster.setup=[[a]]` reached the run (or a TypeError far from the key)."""
+    return [f"- {key}: a list of single values, got {OmegaConf.to_container(node)}. Fix: set {key} to "
+            f"{expected(RunConfig, key)}" for key, node in _typed_lists(cfg) if not node._is_interpolation() and any(
+                isinstance(node._get_node(i), (DictConfig, ListConfig)) for i in range(len(node)))]
+
+
+def _lists_resolved(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
+    """`cfg`, each typed list given by an interpolation set to what it resolves to (in a copy), and the problems of
+    those that are no such list: OmegaConf converts and checks a list written out, not one an interpolation resolves
+    to, so `train.optimizer.betas=${oc.decode:'[a,b]'}` ran with ['a', 'b'], `cluster.setup=${oc.env:SETUP}` with
+    a string for a list."""
+    keys, problems = [key for key, node in _typed_lists(cfg) if node._is_interpolation()], []
+    cfg = copy.deepcopy(cfg) if keys else cfg
+    for key in keys:
+        try:
+            value = OmegaConf.select(cfg, key)
+        except OmegaConfBaseException:  # (one that cannot resolve: the conversion names it)
+            continue
+        parent, _, name = key.rpartition(".")
+        try:
+            (OmegaConf.select(cfg, parent) if parent else cfg)[name] = value
+        except OmegaConfBaseException as e:
+            problems.append(f"- {getattr(e, 'full_key', None) or key}: {str(e).splitlines()[0]} (its interpolation "
+                            f"resolves to {value!r}). Fix: set {key} to {expected(RunConfig, key)}")
+    return cfg, problems
 
 
 def _not_a_key(key: str, how: str) -> str:
+    if key.startswith("hydra."):
+        return _not_a_hydra_key(key, how)
     close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     return (f"- {key}: not a key of the config ({how}). Fix: {hint}`molt-run --cfg job` prints every key; "
             "agent.runner kwargs are added with +agent.runner.NAME=value")
+
+
+def _not_a_hydra_key(key: str, how: str) -> str:
+    """A key Hydra's own config lacks, set without +: was told of `molt-run --cfg job` and agent.runner's kwargs.
+    Below a mapping of Hydra's that takes any name (hydra.job.env_set), the key is added with +."""
+    from hydra.conf import HydraConf
+
+    parent, _, name = key.removeprefix("hydra.").rpartition(".")
+    try:
+        node = OmegaConf.select(OmegaConf.structured(HydraConf), parent) if parent else OmegaConf.structured(HydraConf)
+    except OmegaConfBaseException:  # (below a value, or a plugin's slot: the schema has no node there)
+        node = None
+    where = ".".join(["hydra", parent] if parent else ["hydra"])
+    if isinstance(node, DictConfig) and not node._is_missing() and node._metadata.object_type in (None, dict):
+        fix = f"{where} takes names of your own, each added with +: +{key}=VALUE"
+    else:
+        close = difflib.get_close_matches(name, list(node.keys()), n=1) if isinstance(node, DictConfig) else []
+        fix = (f"did you mean {where}.{close[0]}? " if close else "") + "`molt-run --cfg hydra` prints Hydra's keys"
+    return f"- {key}: not a key of Hydra's own config ({how}). Fix: {fix}"
 
 
 # The primary config Hydra will compose, as --config-path / --config-name choose it (`primary_problems`): the
@@ -168,7 +219,8 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
                      if o.is_sweep_override()]
     problems += [_deleted(o.key_or_group, text) for o, text in pairs
                  if o.is_delete() and not o.key_or_group.startswith(("hydra", "agent.runner."))]
-    problems += [line for o, text in pairs for line in [*_empty(o, text), *_added_to_hydra(o, text)]]
+    problems += [line for o, text in pairs for line in [*_empty(o, text), *_added_to_hydra(o, text),
+                                                        *_search_path_problems(o, text), *_set_by_hydra(o, text)]]
     if multirun:
         problems += oversized_sweep(pairs) + [
             f"- {text}: a sweep over dry_run would start some points and only plan the others. Fix: add dry_run=true "
@@ -224,10 +276,16 @@ HYDRA_READ = ("hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir")
 
 
 def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
-    """The command line's keys, then HYDRA_READ, that cannot resolve: `name=${name}`, `name=${oc.env:UNSET}` or
-    `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory."""
-    problems, texts = [], {o.key_or_group: text for o, text in pairs if not o.is_delete()}
-    for key in [*(k for k in texts if "/" not in k and not k.startswith("hydra.")), *HYDRA_READ]:
+    """The command line's keys, then the config's keys HYDRA_READ interpolate (a recipe's `name: ${nope}`: was told as
+    hydra.run.dir, with a fix for Hydra's config), then HYDRA_READ, that cannot resolve: `name=${name}`,
+    `name=${oc.env:UNSET}` or `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory."""
+    problems, texts, read = [], {o.key_or_group: text for o, text in pairs if not o.is_delete()}, []
+    for parent, _, name in (key.rpartition(".") for key in HYDRA_READ):
+        node = OmegaConf.select(cfg, parent, default=None, throw_on_resolution_failure=False)
+        raw = node._get_node(name)._value() if isinstance(node, DictConfig) and node._get_node(name) else None
+        read += re.findall(r"\$\{([A-Za-z_][\w.]*)\}", raw) if isinstance(raw, str) else []
+    for key in dict.fromkeys([*(k for k in texts if "/" not in k and not k.startswith("hydra.")),
+                              *(k for k in read if not k.startswith("hydra.")), *HYDRA_READ]):
         try:
             OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
         except OmegaConfBaseException as e:
@@ -374,6 +432,41 @@ def _added_to_hydra(o, text: str) -> list[str]:
     return []
 
 
+def _search_path_problems(o, text: str) -> list[str]:
+    """`hydra.searchpath=[...]`: each entry a place Hydra finds configs (recipes) in. An entry that names none was
+    skipped without a word, as `--config-dir DIR` of no directory was; a value that is no list, or a scheme Hydra
+    lacks, was refused with a fix about the schema's types (and naming "the command line", for the scheme)."""
+    from molt_hydra.compat.hydra import search_path_problem
+
+    if o.key_or_group != "hydra.searchpath" or o.is_delete() or o.is_sweep_override():
+        return []
+    fix = ("Fix: give the directory that holds recipe/NAME.yaml, \"hydra.searchpath=['file:///ABSOLUTE/DIR']\" (or "
+           "pkg://PACKAGE), or use --config-dir DIR")
+    if not isinstance(value := o.value(), list) or not all(isinstance(path, str) for path in value):
+        return [f"- {text}: hydra.searchpath is a list of places to find configs in, got {value!r}. {fix}"]
+    return [f"- {text}: Hydra would search {path} for configs, but it {why}, so none would be found there. {fix}"
+            for path in value if (why := search_path_problem(path))]
+
+
+# Hydra's own keys Hydra sets itself as a run starts, over any value given: key -> what chooses it instead
+SET_BY_HYDRA = {"hydra.runtime": "hydra.run.dir (a multirun: hydra.sweep.dir) chooses the run's directory",
+                "hydra.job.override_dirname": "hydra.job.config.override_dirname (kv_sep, item_sep, exclude_keys) "
+                                              "shapes it",
+                "hydra.job.config_name": "--config-name chooses the primary config",
+                "hydra.overrides": "Hydra records the command line's overrides there"}
+
+
+def _set_by_hydra(o, text: str) -> list[str]:
+    """A key of SET_BY_HYDRA given on the command line: Hydra overwrote it without a word (hydra.runtime.output_dir=DIR
+    ran in outputs/...), or recorded a command line that was not run (hydra.overrides.task=[...] in overrides.yaml)."""
+    key = o.key_or_group
+    entry = next((name for name in SET_BY_HYDRA if key == name or key.startswith(f"{name}.")), None)
+    if entry is None or o.is_delete():
+        return []
+    return [f"- {text}: Hydra sets {entry} itself as the run starts, so the value given would change nothing (or "
+            f"record what did not run). Fix: leave it out; {SET_BY_HYDRA[entry]}"]
+
+
 def _is_group(key: str) -> bool:
     return key == "recipe" or (CONF_DIR / key).is_dir()
 
@@ -459,15 +552,19 @@ def _converted(cfg: DictConfig, pairs: list, recipe: bool = False) -> list[str]:
 
 
 def _composition_problem(e: Exception, overrides: list[str]) -> str:
-    chain = [e]
-    while chain[-1].__cause__ is not None and len(chain) < 5:
-        chain.append(chain[-1].__cause__)
+    chain = [e]  # (Hydra raises a config's own failure inside `except`, without `from`: its cause is the context)
+    while (cause := chain[-1].__cause__ or (chain[-1].__context__ if isinstance(
+            chain[-1], ConfigCompositionException) else None)) is not None and len(chain) < 5:
+        chain.append(cause)
     text = "\n".join(str(c) for c in chain)
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
     override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
-    if line := _recipe_problem(text, overrides):
+    if line := _recipe_problem(chain, overrides):
         return line
+    if type(e) is KeyError and e.args and str(e.args[0]) not in os.environ:  # (Hydra's copy of env_copy's variables)
+        return (f"- hydra.job.env_copy: names {e.args[0]}, an environment variable that is not set here, which Hydra "
+                f"copies into the job's environment. Fix: set it (export {e.args[0]}=...), or leave it out of the list")
     if "Cannot find primary config" in text:  # --config-name NAME
         return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
                 "that directory (without .yaml), or leave --config-name out (molt's config)")
@@ -485,8 +582,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         return (f"- {override}: ++ force-adds a key; a config group is chosen with one + where the defaults list "
                 f"lacks it (+recipe=NAME), else without (model=NAME). Fix: {fix}")
     if "Could not find" in text:  # a config group option that does not exist: `model=nope`, `+recipe=nope`
-        options = re.findall(r"^\t(\S+)$", text, re.M)
-        return f"- {override}: no such option of that config group. Fix: use one of {options}"
+        return f"- {override}: no such option of that config group. Fix: use one of {_options(text)}"
     if "Could not delete" in text:  # `~agent.runner.NAME` of a kwarg the agent is not given
         override = next((o for o in overrides if o.startswith("~") and f"'{o[1:].split('=', 1)[0]}'" in text), override)
         return f"- {override}: {str(chain[-1]).splitlines()[0]} Fix: drop {override}; `molt-run --cfg job` prints " \
@@ -518,14 +614,35 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
 
 
-def _recipe_problem(text: str, overrides: list[str]) -> str | None:
+def _options(text: str) -> list[str]:
+    """The options Hydra lists in its 'Could not find GROUP/NAME' (a tab before each)."""
+    return re.findall(r"^\t(\S+)$", text, re.M)
+
+
+def _recipe_problem(chain: list[Exception], overrides: list[str]) -> str | None:
     """A composition failure of a recipe's own YAML (a user's, --config-dir DIR/recipe/NAME.yaml), named as its
     +recipe= override with the fix in the recipe: was a reason cut to "ConfigKeyError raised while composing config:"
-    and a fix about the schema's types (no `# @package _global_` line), or a fix naming the command line (a defaults
-    list that adds a group config.yaml chooses already)."""
-    recipe = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == "recipe"), None)
+    and a fix about the schema's types (no `# @package _global_` line; YAML that does not parse: "while parsing a flow
+    sequence", neither file nor line), or a fix naming the command line (a defaults list that adds a group config.yaml
+    chooses already, or chooses an option of a group that does not exist)."""
+    recipe, text = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == "recipe"), None), "\n".join(
+        str(c) for c in chain)
     if recipe is None:
         return None
+    if isinstance(chain[0], (RecursionError, UnicodeDecodeError)):  # (was: "- the command line: maximum recursion")
+        return (f"- {recipe}: its defaults list includes itself (or a config that includes it), which Hydra follows "
+                "without end. Fix: drop that entry from the defaults lists" if isinstance(chain[0], RecursionError)
+                else f"- {recipe}: a config it composes is not UTF-8 text ({chain[0]}). Fix: save it as UTF-8")
+    if bad := next((c for c in chain if isinstance(c, yaml.MarkedYAMLError) and c.problem_mark), None):
+        mark = bad.problem_mark
+        return (f"- {recipe}: {mark.name} is no valid YAML at line {mark.line + 1}, column {mark.column + 1}: "
+                f"{bad.problem}{f' ({bad.context})' if bad.context else ''}. Fix: correct the YAML there")
+    group = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if group and not any(o.lstrip("+~").split("=", 1)[0] == group[1] for o in overrides):
+        return (f"- {recipe}: its defaults list chooses {group[2]} for {group[1]}, which has no such option. Fix: "
+                f"choose one of {_options(text)} there" if _options(text) else f"- {recipe}: its defaults list "
+                f"chooses from {group[1]}, which is no config group (a group without a leading / is read inside the "
+                "recipe's own, recipe/). Fix: name molt's group with a leading / (- override /model: NAME)")
     if "Key 'recipe' not in" in text:  # (Hydra put its keys under recipe.*, the recipe group's own package)
         return (f"- {recipe}: the recipe has no `# @package _global_` line, so Hydra reads its keys under recipe.*, "
                 "which is no key of the config. Fix: add the line `# @package _global_` to the comment lines it opens "
@@ -563,6 +680,8 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts) or \
             _converted(first, list(zip(parsed, params)), recipe=True):  # (the command line's: compose_checked)
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
+    if basic and (shared := shared_subdir(first, len(sweep_points(parsed)))):
+        return shared, []
     if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
         # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
         # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
@@ -588,6 +707,19 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems, results
+
+
+def shared_subdir(first: DictConfig, points: int) -> list[str]:
+    """hydra.sweep.subdir, each point's directory under the sweep's, given as one name for all (`hydra.sweep.subdir=x`):
+    every point ran in the same directory, resuming from or overwriting the one before, without a word (the check of
+    each point's own directories stands in a directory per point, as Hydra makes them from the default subdir)."""
+    raw = first.hydra.sweep._get_node("subdir")._value()
+    if points < 2 or not isinstance(raw, str) or "${" in raw or not raw.strip():  # (blank: empty_dirs)
+        return []
+    return [f"- hydra.sweep.subdir: is {raw!r} for every point, so the {points} points would all run in "
+            f"{os.path.join(os.path.abspath(first.hydra.sweep.dir), raw)}, each resuming from or overwriting the one "
+            "before. Fix: make it differ per point, e.g. hydra.sweep.subdir='${hydra.job.num}', or leave it out "
+            "(molt's default: ${hydra.job.num}_${hydra.job.override_dirname})"]
 
 
 def _repeated_points(points: list[list[str]]) -> list[str]:
@@ -648,8 +780,12 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
 
 def plugin_problems(first: DictConfig) -> list[str]:
     """hydra.launcher and hydra.sweeper name a plugin class Hydra can start for a multirun: `hydra.launcher=null` ended
-    in an AttributeError traceback here, `hydra.sweeper._target_=x` in Hydra's RuntimeError once the multirun began."""
-    from molt_hydra.compat.hydra import plugin_classes
+    in an AttributeError traceback here, `hydra.sweeper._target_=x` in Hydra's RuntimeError once the multirun began.
+    Hydra's callbacks name a class it can import; each of these takes the keys given (`+hydra.launcher.timeout_min=60`
+    for the basic launcher, a callback's unknown class: Hydra's instantiate error, exit 1, once Hydra had started)."""
+    from hydra.utils import get_class
+
+    from molt_hydra.compat.hydra import plugin_classes, submitit_refused
 
     problems = []
     for name in ("launcher", "sweeper"):
@@ -658,7 +794,36 @@ def plugin_problems(first: DictConfig) -> list[str]:
         if target not in (known := plugin_classes(name)):
             problems.append(f"- hydra.{name}: {target!r} is no {name} Hydra can start (its plugins: {known}). Fix: "
                             f"choose one with hydra/{name}=NAME (`molt-run --hydra-help` lists them), or leave it out")
+        else:
+            problems += _refused_keys(f"hydra.{name}", node, get_class(target), f"choose another {name} with "
+                                      f"hydra/{name}=NAME (`molt-run --hydra-help` lists them)")
+        if name == "launcher" and target in known and target.startswith("hydra_plugins.hydra_submitit_launcher.") \
+                and (refused := submitit_refused(target, list(node))):
+            problems += [f"- hydra.launcher.{key}: submitit's launcher takes no such parameter (it takes "
+                         f"{refused[1]}), so the multirun would fail as it submits. Fix: drop hydra.launcher.{key}, "
+                         "or name one it takes" for key in refused[0]]
+    for name, node in (OmegaConf.select(first, "hydra.callbacks") or {}).items():
+        if node is None:  # (Hydra starts none)
+            continue
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        try:
+            problems += _refused_keys(f"hydra.callbacks.{name}", node, get_class(target), "")
+        except Exception as e:  # noqa: BLE001 -- whatever importing the user's class raises
+            problems.append(f"- hydra.callbacks.{name}._target_: Hydra cannot import {target!r} "
+                            f"({str(e).splitlines()[0]}). Fix: name a hydra.experimental.callback.Callback class as "
+                            f"pkg.module.Name, or drop hydra.callbacks.{name}")
     return problems
+
+
+def _refused_keys(key: str, node: DictConfig, cls: type, fix: str) -> list[str]:
+    """The keys of `node` (besides _target_ and Hydra's other _keys_) that `cls` takes no argument for."""
+    parameters = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    takes = [name for name in parameters if name not in ("self", "args")]
+    return [f"- {key}.{name}: {cls.__name__} takes no such argument (it takes {takes}), so Hydra could not start it. "
+            f"Fix: drop {key}.{name}{'; or ' + fix if fix else ''}" for name in node
+            if not str(name).startswith("_") and name not in parameters]
 
 
 def chdir_problems(first: DictConfig) -> list[str]:
@@ -669,13 +834,80 @@ def chdir_problems(first: DictConfig) -> list[str]:
             "output_dir either way)"] if first.hydra.job.chdir else []
 
 
-def mode_problems(first: DictConfig, multirun: bool) -> list[str]:
-    """hydra.mode=MULTIRUN (on the command line or in a recipe) without -m: Hydra ran a multirun that molt-run had
-    checked as one run, its sweep points unchecked (a dry run printed one plan, none of theirs)."""
-    mode = OmegaConf.select(first, "hydra.mode")
-    return ["- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, not the "
-            "sweep's points. Fix: add -m (--multirun) and leave hydra.mode out"] if not multirun and getattr(
+def mode_problems(first: DictConfig, multirun: bool, overrides: list[str]) -> list[str]:
+    """A multirun's settings without -m. hydra.mode=MULTIRUN (on the command line or in a recipe): Hydra ran a
+    multirun that molt-run had checked as one run, its sweep points unchecked (a dry run printed one plan, none of
+    theirs). hydra.sweeper.params (a sweep recipe's, `+recipe=sweep_estimators_is`): Hydra ran one config, none of the
+    sweep's points, each swept key at its composed value, without a word; the command line may set them all (one
+    point, chosen)."""
+    if multirun:
+        return []
+    mode, params = OmegaConf.select(first, "hydra.mode"), OmegaConf.select(first, "hydra.sweeper.params") or {}
+    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    unset = [f"{key}={value}" for key, value in params.items() if key not in given]
+    problems = ["- hydra.mode: MULTIRUN makes Hydra run a multirun, but without -m molt-run checks one run, not the "
+                "sweep's points. Fix: add -m (--multirun) and leave hydra.mode out"] if getattr(
         mode, "name", mode) == "MULTIRUN" else []
+    if unset:
+        problems.append(f"- hydra.sweeper.params: sweeps {' '.join(unset)}, but without -m Hydra runs one config, none "
+                        "of the sweep's points (each of those keys at its composed value). Fix: add -m (--multirun) to "
+                        f"run the sweep, or set {' '.join(item.split('=')[0] + '=VALUE' for item in unset)} to run one "
+                        "of its points")
+    return problems
+
+
+def logging_problems(first: DictConfig) -> list[str]:
+    """Hydra's logging presets (hydra.job_logging, hydra.hydra_logging) as logging.config.dictConfig will read them:
+    a level it does not know, a version but 1, a handler class it cannot import, a handler or formatter named but not
+    defined, and a hydra.job.name holding a / (the log file's name: a directory that is never made) failed Hydra's
+    logging setup with a traceback ('Unable to configure root logger'), after molt-run's checks, as the run started."""
+    names, problems = logging.getLevelNamesMapping(), []
+    for tree in ("hydra.job_logging", "hydra.hydra_logging"):
+        node = OmegaConf.select(first, tree, default=None, throw_on_resolution_failure=False)
+        conf = OmegaConf.to_container(node) if isinstance(node, DictConfig) else {}
+        todo, defined = [(tree, conf)], {part: set(conf.get(part) or {}) for part in ("handlers", "formatters")}
+        if conf and conf.get("version") != 1:
+            problems.append(f"- {tree}.version: is {conf.get('version')!r}, and logging's dict config has version 1 "
+                            "only. Fix: set it to 1")
+        while todo:
+            key, value = todo.pop()
+            if isinstance(value, dict):
+                todo += [(f"{key}.{name}", item) for name, item in value.items()]
+            elif key.endswith(".level") and not isinstance(value, int) and str(value) not in names:
+                problems.append(f"- {key}: {value!r} is no logging level, so Hydra's logging setup would fail as the "
+                                f"run starts. Fix: set it to one of {', '.join(names)}")
+            elif (part := key.rsplit(".", 1)[-1]) in ("handlers", "formatter") and (missing := [
+                    name for name in (value if isinstance(value, list) else [value]) if name not in defined[
+                        "handlers" if part == "handlers" else "formatters"]]):
+                problems.append(f"- {key}: names {missing}, which {tree} does not define (it defines "
+                                f"{sorted(defined['handlers' if part == 'handlers' else 'formatters'])}). Fix: name "
+                                "one it defines, or define it there")
+            elif key.endswith(".class") and key.startswith(f"{tree}.handlers."):
+                try:
+                    logging.config.BaseConfigurator({}).resolve(str(value))
+                except ValueError as e:
+                    problems.append(f"- {key}: {str(e).splitlines()[0]}. Fix: name a logging.Handler class as "
+                                    "pkg.module.Name (logging.StreamHandler, logging.FileHandler)")
+    if "/" in str(OmegaConf.select(first, "hydra.job.name", default="")):
+        problems.append(f"- hydra.job.name: is {first.hydra.job.name!r}, which names the job's log file, and a / in it "
+                        "a directory no one makes. Fix: a name without /")
+    return sorted(problems)
+
+
+LOG_FIX = "name a file in a writable directory (or leave it out: the log goes to the run's directory)"
+
+
+def log_dirs(first: DictConfig) -> dict[str, Path]:
+    """{hydra.*_logging.handlers.NAME.filename: its directory} of each log file named outright (no ${...}, which puts
+    it under the run's directory): logging opens it as Hydra starts the job, where one that cannot be made was a
+    FileNotFoundError / NotADirectoryError traceback, after molt-run's checks."""
+    found = {}
+    for tree in ("hydra.job_logging", "hydra.hydra_logging"):
+        node = OmegaConf.select(first, f"{tree}.handlers", default=None, throw_on_resolution_failure=False)
+        for name, handler in (OmegaConf.to_container(node) if isinstance(node, DictConfig) else {}).items():
+            if isinstance(file := (handler or {}).get("filename"), str) and "${" not in file:
+                found[f"{tree}.handlers.{name}.filename"] = Path(os.path.abspath(file)).parent
+    return found
 
 
 # what an empty hydra directory key makes of the run's files: Hydra joins '' into the current directory, without a word
@@ -842,11 +1074,19 @@ def _check_then_run() -> None:
     from molt_hydra.compat.hydra import get_args_parser, report_slurm_sweeps
 
     register()
-    args, problems = get_args_parser().parse_args(), []
+    parser, problems = get_args_parser(), []
+    parser.error = _argument_error
+    args = parser.parse_args()
     modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
                                    ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
     if len(modes) > 1:  # (Hydra's own refusal is a ValueError traceback)
         _exit_config_error(f"- {' '.join(modes)}: Hydra takes one of these at a time. Fix: keep one of {modes}")
+    if args.cfg is None and not args.help and (args.resolve or args.package is not None):  # (Hydra's: --resolve a
+        # ValueError traceback once the run had passed its checks, a dry run none; --package ignored without a word)
+        flag = "--resolve" if args.resolve else f"--package {args.package}"
+        _exit_config_error(f"- {flag}: shapes what --cfg prints, and this command line has no --cfg, so nothing "
+                           f"would take it. Fix: add --cfg job (or --cfg hydra, --cfg all) to print the config, or "
+                           f"drop {flag}")
     if args.experimental_rerun is not None:  # (Hydra's: a ValueError traceback for a missing file, else no check)
         _exit_config_error(f"- --experimental-rerun {args.experimental_rerun}: Hydra reruns a config.pickle, which "
                            "molt-run neither writes nor checks before it starts. Fix: run molt-run again with the "
@@ -856,6 +1096,8 @@ def _check_then_run() -> None:
                            "Fix: point it at the directory that holds recipe/NAME.yaml")
     if primary := primary_problems(args.config_path, args.config_name):
         _exit_config_error("\n".join(primary))
+    if args.shell_completion and (completion := completion_problems(args.overrides)):
+        _exit_config_error(completion)
     if not (args.help or args.hydra_help or args.info or args.shell_completion):
         problems = _command_line_problems(args)
         if problems and not args.cfg:
@@ -870,6 +1112,35 @@ def _check_then_run() -> None:
         _exit_config_error("\n".join(problems))
 
 
+def _argument_error(message: str) -> None:
+    """argparse's refusal of the command line, which printed its usage, then the reason, and no fix. The overrides are
+    one run of words to argparse: more after a flag (`dry_run=true --config-dir DIR +recipe=x`) are 'unrecognized'."""
+    words = message.removeprefix("unrecognized arguments: ").split() if message.startswith("unrecognized") else []
+    if words and all("=" in word and not word.startswith("-") for word in words):
+        _exit_config_error(f"- {' '.join(words)}: overrides after a flag that follows other overrides, which Hydra "
+                           "does not read (it takes one run of them). Fix: give all the overrides together, before or "
+                           "after the flags (molt-run --config-dir DIR dry_run=true +recipe=NAME)")
+    flag, reason = message.removeprefix("argument ").split(": ", 1) if message.startswith("argument ") else (
+        " ".join(words) or "molt-run", message)
+    _exit_config_error(f"- {flag}: {reason}. Fix: `molt-run --hydra-help` lists the flags and what each takes; an "
+                       "override is key=value")
+
+
+def completion_problems(overrides: list[str]) -> str | None:
+    """`--shell-completion` takes one subcommand, install=SHELL, uninstall=SHELL or query=SHELL (query is the installed
+    completion's own call, with the line typed so far in COMP_LINE): anything else (none, two, a config override, an
+    unknown shell, query by hand) was Hydra's ValueError or KeyError traceback."""
+    from molt_hydra.compat.hydra import completion_shells
+
+    shells, words = completion_shells(), [o.split("=", 1) for o in overrides]
+    if len(words) == 1 and len(words[0]) == 2 and words[0][0] in ("install", "uninstall", "query") and \
+            words[0][1] in shells and (words[0][0] != "query" or "COMP_LINE" in os.environ):
+        return None
+    return (f"- --shell-completion {' '.join(overrides)}".rstrip() + ": takes one subcommand, install=SHELL or "
+            f"uninstall=SHELL (SHELL one of {shells}); query=SHELL is the installed completion's own call. Fix: "
+            'eval "$(molt-run --shell-completion install=bash)" in your shell (its rc file to keep it)')
+
+
 def _command_line_problems(args) -> list[str]:
     """The command line checked before Hydra starts: overrides (a composition failure ends the process here), launcher,
     then every sweep point or the run (`--cfg`: the config as a dry run checks it, neither this machine nor the
@@ -880,9 +1151,15 @@ def _command_line_problems(args) -> list[str]:
     if first is None:  # (ends here even under --cfg: Hydra could not compose it)
         _exit_config_error("\n".join(problems))
     if problems := (launcher_problems(first, overrides, args.multirun) + chdir_problems(first)
-                    + mode_problems(first, args.multirun) + empty_dirs(first, args.multirun)):
+                    + mode_problems(first, args.multirun, overrides) + empty_dirs(first, args.multirun)
+                    + logging_problems(first)):
         return problems
     if args.multirun:
+        if not first.dry_run:  # one line naming the key, before each point's directories fail on it (4 lines each)
+            from molt_hydra.runtime.writable import fail_unless_writable
+
+            fail_unless_writable({"hydra.sweep.dir": Path(os.path.abspath(first.hydra.sweep.dir)), **log_dirs(first)},
+                                 dict.fromkeys(log_dirs(first), LOG_FIX))
         problems, points = sweep_checked(first, overrides, args.config_dir)
         if points and not problems and all(result[0].dry_run for _, result in points):
             _dry_sweep(points)
@@ -896,13 +1173,22 @@ def _command_line_problems(args) -> list[str]:
         run_dir = Path(os.path.abspath(first.hydra.run.dir))
         if args.resolve and not any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides):
             # under --cfg Hydra sets no hydra.runtime.output_dir, so --resolve failed on output_dir with a traceback
-            sys.argv.append(f"output_dir={quoted(str(run_dir))}")
+            add_override(f"output_dir={quoted(str(run_dir))}", overrides)
         as_dry = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "dry_run"]  # (given once: repeated_keys)
         return point_problems([*as_dry, "dry_run=true"], run_dir, args.config_dir)[0]
     return _check_run(first, overrides, args.config_dir)  # before Hydra makes its run directory
 
 
 _ABSENT = object()
+
+
+def add_override(text: str, overrides: list[str]) -> None:
+    """`text` added to the command line Hydra parses next (sys.argv), right after the user's `overrides`: argparse
+    reads them as one run of words, so after a trailing flag (`--cfg job seed=1 --resolve`, `+recipe=x --config-dir
+    DIR`) the added override was "unrecognized arguments: hydra.run.dir=...", exit 2, once the config had passed."""
+    argv, n = sys.argv, len(overrides)
+    ends = [i + n for i in range(len(argv) - n, 0, -1) if n and argv[i:i + n] == overrides]
+    argv.insert(ends[0] if ends else len(argv), text)
 
 
 def _dry_sweep(points: list) -> None:
@@ -923,8 +1209,11 @@ def _check_run(first: DictConfig, overrides: list[str], config_dir: str | None) 
     from molt_hydra.runtime.writable import fail_unless_writable
 
     run_dir = Path(os.path.abspath(first.hydra.run.dir))  # as Hydra makes hydra.runtime.output_dir
-    if not first.dry_run:
-        fail_unless_writable({"hydra.run.dir": run_dir})  # named as the key that sets it (as OutputWritable does)
+    if not first.dry_run:  # named as the key that sets it (as OutputWritable does); .hydra/ goes to output_subdir,
+        # which may lie outside the run directory (hydra.output_subdir=/abs: was a FileExistsError traceback)
+        sub = Path(os.path.normpath(run_dir / (first.hydra.output_subdir or "")))
+        fail_unless_writable({"hydra.run.dir": run_dir, **({} if sub.is_relative_to(run_dir) else {
+            "hydra.output_subdir": sub}), **log_dirs(first)}, dict.fromkeys(log_dirs(first), LOG_FIX))
     problems, result = point_problems(overrides, run_dir, config_dir)
     if problems:
         return problems
@@ -933,7 +1222,7 @@ def _check_run(first: DictConfig, overrides: list[str], config_dir: str | None) 
         print(plan.render())
         print(f"Dry run: nothing started, nothing written (the run would write to {run_cfg.output_dir}).")
         sys.exit(0)
-    sys.argv.append(f"hydra.run.dir={quoted(str(run_dir))}")
+    add_override(f"hydra.run.dir={quoted(str(run_dir))}", overrides)
     _CHECKED[run_cfg.output_dir] = result
     return []
 

@@ -7,7 +7,10 @@ that `molt-run` checks the composed config (all errors in one message) before Hy
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
 overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
 plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`); and `hydra.core.plugins.Plugins.discover`, the
-launcher and sweeper classes Hydra can start (`plugin_classes`); and the override grammar's generated parser
+launcher and sweeper classes Hydra can start (`plugin_classes`) and its shell-completion plugins
+(`completion_shells`); and the submitit launcher's mapping of its keys onto submitit's executor
+(`submitit_refused`); and its config sources (`_internal.sources_registry`), for hydra.searchpath's entries
+(`search_path_problem`); and the override grammar's generated parser
 (`hydra.grammar.gen`), for the text of each number as the user wrote it (`written_scalars`); and
 `hydra._internal.defaults_list.create_defaults_list` with the config loader's
 `_parse_overrides_and_create_caching_repo`, for the configs a composition reads (`composed_files`).
@@ -39,6 +42,53 @@ def plugin_classes(kind: str) -> list[str]:
 
     found = Plugins.instance().discover({"launcher": Launcher, "sweeper": Sweeper}[kind])
     return sorted(f"{c.__module__}.{c.__name__}" for c in found)
+
+
+def submitit_refused(target: str, keys: list[str]) -> tuple[list[str], list[str]] | None:
+    """For a submitit launcher class `target` (hydra.launcher._target_): (the keys of hydra.launcher its executor
+    refuses, the keys it takes), as its launch maps them onto submitit's parameters (a key of BaseQueueConf as is,
+    another prefixed with the executor's name); None for another launcher. A refused one was submitit's NameError
+    traceback once the multirun had started."""
+    written_for("molt-run's submitit launcher check", "hydra", {"hydra-submitit-launcher": ("1.2",)})
+    from hydra.utils import get_class
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+    from omegaconf import OmegaConf
+    from submitit.core.plugins import get_executors
+
+    if not issubclass(launcher := get_class(target), BaseSubmititLauncher):
+        return None
+    takes = sorted({*OmegaConf.structured(BaseQueueConf).keys(), "max_num_timeout",
+                    *get_executors()[launcher._EXECUTOR]._valid_parameters()})
+    return [key for key in keys if not key.startswith("_") and key not in takes], takes
+
+
+def completion_shells() -> list[str]:
+    """The shells `--shell-completion install=SHELL` serves: Hydra's discovered completion plugins."""
+    written_for("molt-run's shell-completion check", "hydra", SUPPORTED)
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.completion_plugin import CompletionPlugin
+
+    return sorted(c.provides() for c in Plugins.instance().discover(CompletionPlugin))
+
+
+def search_path_problem(path: str) -> str | None:
+    """Why Hydra would find no config at the hydra.searchpath entry `path` (None if it can): a scheme no config source
+    reads, a file:// (or bare) path that is no directory, a pkg:// that is no package. Hydra skips such an entry
+    without a word (and a scheme it lacks is a ValueError naming no override)."""
+    written_for("molt-run's hydra.searchpath check", "hydra", SUPPORTED)
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.sources_registry import SourcesRegistry
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # (registers the config sources)
+    scheme, known = ConfigRepository._get_scheme(path), SourcesRegistry.instance().types
+    if scheme not in known:
+        schemes = ", ".join(f"{name}://" for name in sorted(known))
+        return f"has a scheme no config source of Hydra's reads (they read {schemes})"
+    if known[scheme]("hydra.searchpath", path).available():
+        return None
+    return "names no directory" if scheme == "file" else "names no source of configs (a Python package, for pkg://)"
 
 
 def sweep_points(overrides: list) -> list[list[str]]:

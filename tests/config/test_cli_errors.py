@@ -828,6 +828,33 @@ def test_a_list_or_mapping_inside_a_list_of_values_is_refused(override):
 
 
 @pytest.mark.parametrize("override,line", [
+    ("train.optimizer.betas=${oc.decode:'[a,b]'}", "- train.optimizer.betas[0]: Value 'a' of type 'str' could not be "
+     "converted to Float (its interpolation resolves to ['a', 'b'])"),
+    ("train.optimizer.betas=${oc.decode:'[0.9,[1]]'}", "- train.optimizer.betas[1]: Value '[1]' of type 'list' could "
+     "not be converted to Float (its interpolation resolves to [0.9, [1]])"),
+    ("cluster.setup=${oc.decode:'[[a]]'}", "- cluster.setup[0]: Cannot convert 'list' to string: '['a']' (its "
+     "interpolation resolves to [['a']])"),
+    ("cluster.setup=${oc.decode:'5'}", "- cluster.setup: Invalid value assigned: int is not a ListConfig, list or "
+     "tuple. (its interpolation resolves to 5)"),
+    ("algorithm.reward_clip=${oc.decode:'[[1],2]'}", "- algorithm.reward_clip[0]: Value '[1]' of type 'list' could "
+     "not be converted to Float (its interpolation resolves to [[1], 2])"),
+])
+def test_a_list_an_interpolation_resolves_to_is_checked_as_one_written_out(override, line):
+    """Before: OmegaConf converts and checks a typed list written out, not the value an interpolation resolves to:
+    each of these reached the run as resolved (betas ['a', 'b'], cluster.setup the int 5)."""
+    from molt_hydra.config.bounds import expected
+    from molt_hydra.config.schema import RunConfig
+
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigError) as info:
+        to_run_config(compose_config([override]))
+    assert str(info.value) == f"{line}. Fix: set {key} to {expected(RunConfig, key)}"
+    resolved = to_run_config(compose_config(["train.optimizer.betas=${oc.decode:'[0.5,0.6]'}",
+                                             "cluster.setup=${oc.decode:'[1,b]'}"]))
+    assert (resolved.train.optimizer.betas, resolved.cluster.setup) == ([0.5, 0.6], ["1", "b"])  # as written out
+
+
+@pytest.mark.parametrize("override,line", [
     ("rollout={}", "- rollout={}: an empty mapping, which Hydra merges into rollout: that changes nothing"),
     ("+train.optimizer={}", "- +train.optimizer={}: an empty mapping, which Hydra merges into train.optimizer: "),
     ("agent.runner={}", "- agent.runner={}: an empty mapping, which Hydra merges into agent.runner: "),
@@ -1075,3 +1102,344 @@ def test_a_recipes_defaults_list_choosing_a_chosen_group_without_override_names_
     (tmp_path / "recipe" / "mine.yaml").write_text(
         "# @package _global_\ndefaults:\n  - override /model: qwen3_4b\nname: mine\n")  # the fix
     assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[0].model.path == "Qwen/Qwen3-4B"
+
+
+def test_an_override_molt_run_adds_goes_after_the_users_own(monkeypatch, tmp_path, capsys):
+    """molt-run hands Hydra the checked run directory (or --cfg --resolve's output_dir) as one more override. Before:
+    appended after a flag that follows the overrides (`--cfg job seed=7 --resolve`, `seed=7 --config-dir DIR`), which
+    argparse reads as a second run of words: "unrecognized arguments: hydra.run.dir=...", exit 2, once the config had
+    passed every check."""
+    import molt_hydra.cli as cli
+
+    assert _main_in_process(["--cfg", "job", "seed=7", "--resolve"], monkeypatch, tmp_path) is None
+    out = capsys.readouterr().out
+    assert "seed: 7\n" in out and f"output_dir: {tmp_path}/outputs/default/" in out
+    ran = []  # the run itself: what Hydra hands the task function
+    monkeypatch.setattr(cli, "_main", lambda cfg: ran.append((cfg.seed, cli._CHECKED.pop(str(cfg.output_dir)))))
+    assert _main_in_process(["seed=7", "--config-dir", str(tmp_path)], monkeypatch, tmp_path) is None
+    assert [(seed, run_cfg.seed) for seed, (run_cfg, _) in ran] == [(7, 7)]  # the checked config, in the directory
+
+
+@pytest.mark.parametrize("words", [[], ["seed=1"], ["install=bash", "uninstall=bash"], ["install=tcsh"],
+                                   ["query=bash"]])
+def test_shell_completion_without_one_subcommand_is_one_line(words, monkeypatch, tmp_path, capsys):
+    """Before: Hydra's "ValueError: Expecting one subcommand from ['install', 'uninstall', 'query'] to be set" (none,
+    two, a config override), "No completion plugin for 'tcsh'" or KeyError: 'COMP_LINE' (query by hand), each as a
+    traceback."""
+    monkeypatch.delenv("COMP_LINE", raising=False)
+    assert _main_in_process(["--shell-completion", *words], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        f"Config error(s):\n- --shell-completion{''.join(' ' + w for w in words)}: takes one subcommand, "
+        "install=SHELL or uninstall=SHELL (SHELL one of ['bash', 'fish', 'zsh']); query=SHELL is the installed "
+        "completion's own call. Fix: eval \"$(molt-run --shell-completion install=bash)\" in your shell (its rc file "
+        "to keep it)\n")
+    assert _main_in_process(["--shell-completion", "install=bash"], monkeypatch, tmp_path) is None
+    assert "complete -o nospace -o default -F hydra_bash_completion" in capsys.readouterr().out
+    monkeypatch.setenv("COMP_LINE", "molt-run se")  # the installed completion's own call, as the user types
+    assert _main_in_process(["--shell-completion", "query=bash"], monkeypatch, tmp_path) is None
+    assert capsys.readouterr().out.split() == ["seed="]
+
+
+FIX_SEARCHPATH = ("Fix: give the directory that holds recipe/NAME.yaml, \"hydra.searchpath=['file:///ABSOLUTE/DIR']\" "
+                  "(or pkg://PACKAGE), or use --config-dir DIR")
+
+
+@pytest.mark.parametrize("override,reason", [
+    ("hydra.searchpath=[file:///nonexistent/molt]", "Hydra would search file:///nonexistent/molt for configs, but it "
+     "names no directory, so none would be found there."),
+    ("hydra.searchpath=[pkg://no_such_package.conf]", "Hydra would search pkg://no_such_package.conf for configs, but "
+     "it names no source of configs (a Python package, for pkg://), so none would be found there."),
+    ("hydra.searchpath=[xyz://a]", "Hydra would search xyz://a for configs, but it has a scheme no config source of "
+     "Hydra's reads (they read file://, pkg://, structured://), so none would be found there."),
+    ("hydra.searchpath=file:///tmp", "hydra.searchpath is a list of places to find configs in, got 'file:///tmp'."),
+])
+def test_a_search_path_entry_that_finds_no_config_is_refused(override, reason, tmp_path):
+    """Before: an entry naming no directory or package was skipped without a word (its recipes then 'no such option'),
+    as `--config-dir DIR` of no directory is refused for; a scheme Hydra lacks or a value that is no list named "the
+    command line" (or the override) with a fix about the schema's types."""
+    assert compose_checked([override]) == (None, [f"- {override}: {reason} {FIX_SEARCHPATH}"])
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\nname: mine\n")
+    cfg, problems = compose_checked([f"hydra.searchpath=[file://{tmp_path}]", "+recipe=mine"])
+    assert problems == [] and cfg.name == "mine"
+
+
+def test_a_sweep_recipe_without_multirun_is_refused_unless_its_point_is_chosen(monkeypatch, tmp_path, capsys):
+    """Before: `molt-run +recipe=sweep_estimators_is` (no -m) ran one config, none of the sweep's 6 points: the
+    recipe's hydra.sweeper.params were read by no one, without a word."""
+    recipe = ["+recipe=sweep_estimators_is", "dry_run=true"]
+    assert _main_in_process(recipe, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        "Config error(s):\n- hydra.sweeper.params: sweeps algorithm.estimator=grpo,dr_grpo,rloo "
+        "algorithm.is_correction.level=token,geo, but without -m Hydra runs one config, none of the sweep's points "
+        "(each of those keys at its composed value). Fix: add -m (--multirun) to run the sweep, or set "
+        "algorithm.estimator=VALUE algorithm.is_correction.level=VALUE to run one of its points\n")
+    assert _main_in_process([*recipe, "algorithm.estimator=rloo"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert "- hydra.sweeper.params: sweeps algorithm.is_correction.level=token,geo, but" in capsys.readouterr().err
+    point = [*recipe, "algorithm.estimator=rloo", "algorithm.is_correction.level=geo"]  # one point, chosen
+    assert _main_in_process(point, monkeypatch, tmp_path) == 0
+    assert _main_in_process(["-m", *recipe], monkeypatch, tmp_path) == 0
+    assert "(6 sweep points planned)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("hydra.job.env_set.FOO=bar", "hydra.job.env_set takes names of your own, each added with +: "
+                                  "+hydra.job.env_set.FOO=VALUE"),
+    ("hydra.run.dirr=x", "did you mean hydra.run.dir? `molt-run --cfg hydra` prints Hydra's keys"),
+    ("hydra.nope=1", "`molt-run --cfg hydra` prints Hydra's keys"),
+])
+def test_a_key_hydras_config_lacks_gets_a_fix_for_hydras_config(override, fix):
+    """Before: "not a key of the config ... Fix: `molt-run --cfg job` prints every key; agent.runner kwargs are added
+    with +agent.runner.NAME=value": neither lists Hydra's keys, and an environment variable for the job needs a +."""
+    key = override.split("=", 1)[0]
+    assert compose_checked([override]) == (None, [f"- {key}: not a key of Hydra's own config ({override}). Fix: {fix}"])
+    cfg, problems = compose_checked(["+hydra.job.env_set.FOO=bar"], hydra_config=True)  # the fix given for env_set
+    assert problems == [] and cfg.hydra.job.env_set.FOO == "bar"
+
+
+FLAGS_FIX = "Fix: `molt-run --hydra-help` lists the flags and what each takes; an override is key=value"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["dry_run=true", "--config-dir", ".", "+recipe=tiny_cpu"], "- +recipe=tiny_cpu: overrides after a flag that "
+     "follows other overrides, which Hydra does not read (it takes one run of them). Fix: give all the overrides "
+     "together, before or after the flags (molt-run --config-dir DIR dry_run=true +recipe=NAME)"),
+    (["--nope", "dry_run=true"], f"- --nope: unrecognized arguments: --nope. {FLAGS_FIX}"),
+    (["--cfg", "jobs"], "- --cfg/-c: invalid choice: 'jobs' (choose from 'job', 'hydra', 'all'). " + FLAGS_FIX),
+])
+def test_a_command_line_argparse_refuses_is_one_line_with_a_fix(argv, line, monkeypatch, tmp_path, capsys):
+    """Before: argparse's usage (7 lines), then 'molt-run: error: unrecognized arguments: +recipe=tiny_cpu', no fix;
+    the overrides split by a flag are a plausible mistake, the fix is to keep them together."""
+    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == f"Config error(s):\n{line}\n"
+
+
+@pytest.mark.parametrize("body,line", [
+    ("train:\n  max_stepz: 5\n", "- train.max_stepz: not a key of the config (+recipe=mine). Fix: did you mean "
+     "train.max_steps or "),
+    ("seed: abc\n", "- seed: Value 'abc' of type 'str' could not be converted to Integer (+recipe=mine). Fix: set seed "
+     "to an integer in [0, 4294967296) (default 42)"),
+])
+def test_a_user_recipes_unknown_key_or_wrong_type_names_the_key(body, line, tmp_path):
+    """Before: "- +recipe=mine: In 'recipe/mine': ConfigKeyError raised while composing config:. Fix: give each key a
+    value of the type molt_hydra/config/schema.py declares for it": neither the key nor the value (Hydra raises the
+    recipe's failure inside `except`, so its cause is the exception's context, not its __cause__)."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text(f"# @package _global_\n{body}")
+    cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
+    assert cfg is None and len(problems) == 1 and problems[0].startswith(line), problems
+
+
+@pytest.mark.parametrize("body,reason", [
+    ("name: [oops\n", "is no valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>' (while "
+                      "parsing a flow sequence). Fix: correct the YAML there"),
+    ("seed: 1\nseed: 2\n", "is no valid YAML at line 3, column 1: found duplicate key seed (while constructing a "
+                           "mapping). Fix: correct the YAML there"),
+])
+def test_a_user_recipe_that_is_no_yaml_names_its_file_and_line(body, reason, tmp_path):
+    """Before: "- +recipe=mine: while parsing a flow sequence. Fix: give each key a value of the type
+    molt_hydra/config/schema.py declares for it": neither the file, the line, nor what is wrong there."""
+    (tmp_path / "recipe").mkdir()
+    (path := tmp_path / "recipe" / "mine.yaml").write_text(f"# @package _global_\n{body}")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path)) == (None, [f"- +recipe=mine: {path} {reason}"])
+
+
+def test_a_user_recipes_defaults_choosing_no_option_names_the_recipe(tmp_path):
+    """Before: "- the command line: no such option of that config group", for a command line that chose none."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: nope\n")
+    (line,) = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1]
+    assert line.startswith("- +recipe=mine: its defaults list chooses nope for model, which has no such option. Fix: "
+                           "choose one of ['idefics3_colors_warm', ") and line.endswith("] there"), line
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - model: qwen3_4b\n")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path))[1] == [
+        "- +recipe=mine: its defaults list chooses from recipe/model, which is no config group (a group without a "
+        "leading / is read inside the recipe's own, recipe/). Fix: name molt's group with a leading / (- override "
+        "/model: NAME)"]
+
+
+def test_a_recipe_key_the_run_directory_reads_that_cannot_resolve_is_named(tmp_path):
+    """Before: a recipe's `name: ${nope}` was told as "- hydra.run.dir: Interpolation key 'nope' not found (its
+    value). Fix: set hydra.run.dir as Hydra's own config takes it": the run directory interpolates name."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\nname: ${nope}\n")
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path), hydra_config=True) == (None, [
+        "- name: Interpolation key 'nope' not found (its value). Fix: set name to a string (default 'default')"])
+
+
+def test_one_sweep_subdir_for_every_point_is_refused(tmp_path):
+    """Before: `-m hydra.sweep.subdir=x seed=1,2` ran both points in <sweep dir>/x, the second resuming from or
+    overwriting the first, without a word (each point's check stood in a directory of its own)."""
+    overrides = ["hydra.sweep.subdir=x", f"hydra.sweep.dir={tmp_path}", "seed=1,2"]
+    first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert sweep_problems(first, overrides, None) == [
+        f"- hydra.sweep.subdir: is 'x' for every point, so the 2 points would all run in {tmp_path}/x, each resuming "
+        "from or overwriting the one before. Fix: make it differ per point, e.g. "
+        "hydra.sweep.subdir='${hydra.job.num}', or leave it out (molt's default: "
+        "${hydra.job.num}_${hydra.job.override_dirname})"]
+    for ok in (["hydra.sweep.subdir=x", "seed=1"], ["hydra.sweep.subdir=${seed}", "seed=1,2"]):  # one point; per point
+        first, _ = compose_checked([*ok, "dry_run=true"], multirun=True, hydra_config=True)
+        assert sweep_problems(first, [*ok, "dry_run=true"], None) == [], ok
+
+
+LEVELS = "CRITICAL, FATAL, ERROR, WARN, WARNING, INFO, DEBUG, NOTSET"
+
+
+@pytest.mark.parametrize("override,line", [
+    ("hydra.job_logging.root.level=NOPE", "- hydra.job_logging.root.level: 'NOPE' is no logging level, so Hydra's "
+     f"logging setup would fail as the run starts. Fix: set it to one of {LEVELS}"),
+    ("hydra.hydra_logging.root.level=debugg", "- hydra.hydra_logging.root.level: 'debugg' is no logging level, so "
+     f"Hydra's logging setup would fail as the run starts. Fix: set it to one of {LEVELS}"),
+    ("hydra.job_logging.root.handlers=[consol]", "- hydra.job_logging.root.handlers: names ['consol'], which "
+     "hydra.job_logging does not define (it defines ['console', 'file']). Fix: name one it defines, or define it "
+     "there"),
+    ("hydra.job_logging.handlers.console.class=logging.StreamHandlr", "- hydra.job_logging.handlers.console.class: "
+     "Cannot resolve 'logging.StreamHandlr': No module named 'logging.StreamHandlr'. Fix: name a "
+     "logging.Handler class as pkg.module.Name (logging.StreamHandler, logging.FileHandler)"),
+    ("hydra.job_logging.version=2", "- hydra.job_logging.version: is 2, and logging's dict config has version 1 only. "
+     "Fix: set it to 1"),
+    ("hydra.job.name=a/b", "- hydra.job.name: is 'a/b', which names the job's log file, and a / in it a directory no "
+     "one makes. Fix: a name without /"),
+])
+def test_a_logging_setup_logging_cannot_make_is_refused(override, line, monkeypatch, tmp_path, capsys):
+    """Before: the run passed every check (a dry run planned), then Hydra's logging setup failed with a traceback:
+    'ValueError: Unable to configure root logger' (handler ..., formatter ...), or FileNotFoundError for the log file
+    of a job name holding a /."""
+    assert _main_in_process([override, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == f"Config error(s):\n{line}\n"
+    assert _main_in_process(["hydra.job_logging.root.level=DEBUG", "dry_run=true"], monkeypatch, tmp_path) == 0
+
+
+def test_an_output_subdir_outside_the_run_directory_is_checked_before_the_run(monkeypatch, tmp_path, capsys):
+    """Before: `hydra.output_subdir=/etc/passwd` (a file) passed every check; Hydra then failed making .hydra/ there,
+    'FileExistsError: [Errno 17] File exists', a traceback."""
+    import molt_hydra.cli as cli
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    (afile := tmp_path / "afile").write_text("")
+    monkeypatch.setattr(cli, "_main", lambda cfg: pytest.fail("the run started"))
+    assert _main_in_process([f"hydra.output_subdir={afile}"], monkeypatch, tmp_path) == EXIT_FAILED
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"- hydra.output_subdir={afile}: not writable: Not a directory ({afile}). Fix: point hydra.output_subdir at a "
+        "writable directory.")
+
+
+@pytest.mark.parametrize("override,entry,fix", [
+    ("hydra.runtime.output_dir=/tmp/x", "hydra.runtime", "hydra.run.dir (a multirun: hydra.sweep.dir) chooses the "
+                                                         "run's directory"),
+    ("hydra.job.override_dirname=x", "hydra.job.override_dirname", "hydra.job.config.override_dirname (kv_sep, "
+                                                                   "item_sep, exclude_keys) shapes it"),
+    ("hydra.overrides.task=['seed=1']", "hydra.overrides", "Hydra records the command line's overrides there"),
+])
+def test_a_key_hydra_sets_itself_is_refused_on_the_command_line(override, entry, fix):
+    """Before: Hydra overwrote each without a word (hydra.runtime.output_dir=/tmp/x ran in outputs/default/<time>), or
+    recorded in .hydra/overrides.yaml a command line that was not run."""
+    assert compose_checked([override]) == (None, [
+        f"- {override}: Hydra sets {entry} itself as the run starts, so the value given would change nothing (or "
+        f"record what did not run). Fix: leave it out; {fix}"])
+
+
+@pytest.mark.parametrize("overrides,multirun,line", [
+    (["+hydra.launcher.timeout_min=60", "seed=1,2"], True, "- hydra.launcher.timeout_min: BasicLauncher takes no such "
+     "argument (it takes []), so Hydra could not start it. Fix: drop hydra.launcher.timeout_min; or choose another "
+     "launcher with hydra/launcher=NAME (`molt-run --hydra-help` lists them)"),
+    (["+hydra.callbacks.mine._target_=no_such_module.Callback"], False, "- hydra.callbacks.mine._target_: Hydra cannot "
+     "import 'no_such_module.Callback' (Error loading 'no_such_module.Callback':). Fix: name a "
+     "hydra.experimental.callback.Callback class as pkg.module.Name, or drop hydra.callbacks.mine"),
+    (["+hydra.callbacks.output_writable.dirs=[a]"], False, "- hydra.callbacks.output_writable.dirs: OutputWritable "
+     "takes no such argument (it takes []), so Hydra could not start it. Fix: drop "
+     "hydra.callbacks.output_writable.dirs"),
+])
+def test_a_hydra_plugin_or_callback_hydra_cannot_start_is_refused(overrides, multirun, line):
+    """Before: each passed molt-run's checks; Hydra's instantiate then failed ("Error in call to target ...
+    BasicLauncher: TypeError(... unexpected keyword argument 'timeout_min')", "Error locating target"), exit 1, no
+    fix."""
+    first, problems = compose_checked(overrides, multirun=multirun, hydra_config=True)
+    assert problems == [] and launcher_problems(first, overrides, multirun) == [line]
+
+
+def test_a_key_submitits_executor_does_not_take_is_refused_before_the_multirun():
+    """Before: `-m hydra/launcher=submitit_local +hydra.launcher.foo=1` passed every check; submitit then refused it
+    as the sweep was submitted: "NameError: Unknown argument 'foo' for executor 'local'", a traceback. Every launcher
+    preset molt ships passes as it is."""
+    from molt_hydra.cli import plugin_problems
+
+    for launcher in ("basic", "submitit_local", "submitit_slurm", "molt_slurm", "molt_slurm_gpu"):
+        first, problems = compose_checked([f"hydra/launcher={launcher}", "seed=1,2"], multirun=True, hydra_config=True)
+        assert problems == [] and plugin_problems(first) == [], launcher
+    first, _ = compose_checked(["hydra/launcher=submitit_local", "+hydra.launcher.foo=1"], hydra_config=True)
+    assert plugin_problems(first) == [
+        "- hydra.launcher.foo: submitit's launcher takes no such parameter (it takes ['cpus_per_task', "
+        "'gpus_per_node', 'max_num_timeout', 'mem_gb', 'name', 'nodes', 'setup', 'stderr_to_stdout', "
+        "'submitit_folder', 'tasks_per_node', 'timeout_min']), so the multirun would fail as it submits. Fix: drop "
+        "hydra.launcher.foo, or name one it takes"]
+
+
+def test_an_unwritable_sweep_directory_is_one_line_naming_it(monkeypatch, tmp_path, capsys):
+    """Before: `-m hydra.sweep.dir=FILE seed=1,2` was told as each point's own directories (output_dir,
+    checkpoint.dir, checkpoint.export_dir, output_dir/wandb), each with a fix naming those keys, not the one given."""
+    import molt_hydra.cli as cli
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    (afile := tmp_path / "afile").write_text("")
+    monkeypatch.setattr(cli, "_main", lambda cfg: pytest.fail("the sweep started"))
+    assert _main_in_process(["-m", f"hydra.sweep.dir={afile}", "seed=1,2"], monkeypatch, tmp_path) == EXIT_FAILED
+    assert capsys.readouterr().err == (
+        f"Run not started: output directory not writable.\n- hydra.sweep.dir={afile}: not writable: Not a directory "
+        f"({afile}). Fix: point hydra.sweep.dir at a writable directory.\n")
+
+
+@pytest.mark.parametrize("argv,flag", [(["--resolve"], "--resolve"), (["--package", "train", "dry_run=true"],
+                                                                       "--package train")])
+def test_a_cfg_flag_without_cfg_is_refused(argv, flag, monkeypatch, tmp_path, capsys):
+    """Before: `molt-run --resolve` passed every check, then Hydra's "ValueError: The --resolve flag can only be used
+    in conjunction with --cfg or --help", a traceback (a dry run: planned, the flag unread); --package without --cfg
+    was ignored without a word."""
+    import molt_hydra.cli as cli
+
+    monkeypatch.setattr(cli, "_main", lambda cfg: pytest.fail("the run started"))
+    assert _main_in_process(argv, monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == (
+        f"Config error(s):\n- {flag}: shapes what --cfg prints, and this command line has no --cfg, so nothing would "
+        f"take it. Fix: add --cfg job (or --cfg hydra, --cfg all) to print the config, or drop {flag}\n")
+
+
+def test_an_env_copy_variable_that_is_not_set_is_named(monkeypatch):
+    """Before: "- the command line: 'MOLT_UNSET_VAR'. Fix: give each key a value of the type
+    molt_hydra/config/schema.py declares for it": Hydra copies each hydra.job.env_copy variable with os.environ[NAME],
+    a bare KeyError."""
+    monkeypatch.delenv("MOLT_UNSET_VAR", raising=False)
+    assert compose_checked(["hydra.job.env_copy=[MOLT_UNSET_VAR]"]) == (None, [
+        "- hydra.job.env_copy: names MOLT_UNSET_VAR, an environment variable that is not set here, which Hydra copies "
+        "into the job's environment. Fix: set it (export MOLT_UNSET_VAR=...), or leave it out of the list"])
+    monkeypatch.setenv("MOLT_UNSET_VAR", "1")
+    assert compose_checked(["hydra.job.env_copy=[MOLT_UNSET_VAR]"])[1] == []
+
+
+@pytest.mark.parametrize("content,line", [
+    (b"# @package _global_\ndefaults:\n  - /recipe: mine\n", "- +recipe=mine: its defaults list includes itself (or "
+     "a config that includes it), which Hydra follows without end. Fix: drop that entry from the defaults lists"),
+    (b"\xff\xfe name: x\n", "- +recipe=mine: a config it composes is not UTF-8 text ('utf-8' codec can't decode byte "
+     "0xff in position 0: invalid start byte). Fix: save it as UTF-8"),
+])
+def test_a_user_recipe_hydra_cannot_read_is_named(content, line, tmp_path):
+    """Before: "- the command line: maximum recursion depth exceeded in comparison" (a recipe including itself) and
+    "- the command line: 'utf-8' codec can't decode byte ...", each with a fix about the schema's types."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_bytes(content)
+    assert compose_checked(["+recipe=mine"], config_dir=str(tmp_path)) == (None, [line])
+
+
+def test_a_log_file_in_a_directory_that_cannot_be_made_is_checked_before_the_run(monkeypatch, tmp_path, capsys):
+    """Before: `hydra.job_logging.handlers.file.filename=FILE/x.log` passed every check; logging then failed to open
+    it as Hydra started the job: 'NotADirectoryError', a traceback."""
+    import molt_hydra.cli as cli
+    from molt_hydra.runtime.watchdog import EXIT_FAILED
+
+    (afile := tmp_path / "afile").write_text("")
+    monkeypatch.setattr(cli, "_main", lambda cfg: pytest.fail("the run started"))
+    override = f"hydra.job_logging.handlers.file.filename={afile}/x.log"
+    assert _main_in_process([override], monkeypatch, tmp_path) == EXIT_FAILED
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"- hydra.job_logging.handlers.file.filename={afile}: not writable: Not a directory ({afile}). Fix: name a "
+        "file in a writable directory (or leave it out: the log goes to the run's directory).")
