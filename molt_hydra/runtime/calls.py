@@ -262,7 +262,9 @@ def _trainer_groups(roles) -> list:
     return [g for g in (roles.actor, roles.ref, roles.critic) if g is not None]
 
 
-PEERS_S = 10.0  # a trainer call failed on a rank: how long the others get to end (see `_every`)
+# a trainer call failed on a rank: how long the others get to end (see `_every`); above Ray's node health check
+# (~15-30 s), so on a node's death the dead ranks' error comes in before the survivors' ('closed by peer') are told
+PEERS_S = 60.0
 
 
 async def _every(calls: list, seconds: float, role: str, what: str, who=None, peers_s: float | None = None) -> list:
@@ -278,8 +280,10 @@ async def _every(calls: list, seconds: float, role: str, what: str, who=None, pe
     try:
         done, pending = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.ALL_COMPLETED
                                            if peers_s is None else asyncio.FIRST_EXCEPTION)
-        if pending and peers_s is not None and any(not t.cancelled() and t.exception() for t in done):
-            await asyncio.wait(pending, timeout=peers_s)
+        errors = [t.exception() for t in done if not t.cancelled() and t.exception()]
+        if pending and peers_s is not None and errors:  # (a dead rank's error: the cause is known, no grace)
+            if not any(isinstance(e, ray.exceptions.RayActorError) for e in errors):
+                await asyncio.wait(pending, timeout=peers_s)
         elif pending:
             raise RoleStalled(role, what, seconds)
     finally:

@@ -57,3 +57,14 @@ def test_a_rank_that_failed_is_named_while_its_peer_waits_on_it_and_a_death_stil
     error, _ = _failure(lambda: _raises(RuntimeError("Connection closed by peer")), lambda: _raises(died, after_s=0.2),
                         monkeypatch=monkeypatch, peers_s=3.0)
     assert error.role == "actor rank 1" and error.cause.startswith("train_step failed: the process died")
+
+
+def test_a_rank_that_died_first_ends_the_call_at_once_without_the_grace(monkeypatch):
+    """The grace waits for a death to be told; once a rank's death is in, the cause is known: no wait for its peers
+    (stuck in a collective with it)."""
+    died = ActorDiedError(ActorDiedErrorContext(class_name="PolicyWorker", actor_id=bytes(16), pid=1,
+                                                error_message="Worker exit type: SYSTEM_ERROR Worker exit detail: "
+                                                              "killed."))
+    error, took = _failure(lambda: _raises(died), _never, monkeypatch=monkeypatch, peers_s=3.0)
+    assert error.role == "actor rank 0" and error.cause.startswith("train_step failed: the process died")
+    assert took < 1.5  # not the 3 s grace
