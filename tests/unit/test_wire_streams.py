@@ -5,6 +5,7 @@ tests/integration/test_chat_server.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -2530,3 +2531,42 @@ def test_a_client_given_the_other_apis_base_url_is_told_which_url_it_takes(tok):
     for error in asyncio.run(go()):
         assert "the OpenAI client takes base_url=ctx.base_url" in error.message
         assert "the Anthropic client takes base_url=ctx.session_url, without /v1" in error.message
+
+
+class CutEngine(ScriptedEngine):
+    """Generates `text` and stops there, at its token cap (no end token): finish reason "length"."""
+
+    def __init__(self, tok, text):
+        super().__init__(tok, text)
+        self.ids = self.ids[:-1]
+
+    async def generate(self, request):
+        return [dataclasses.replace(g, finish_reason="length") for g in await super().generate(request)]
+
+    async def generate_stream(self, request):
+        async for g in super().generate_stream(request):
+            yield g if g.finish_reason is None else dataclasses.replace(g, finish_reason="length")
+
+
+def test_a_responses_message_cut_at_the_cap_is_incomplete(tok):
+    """A response cut at max_output_tokens is "incomplete"; its message item said "completed" (OpenAI's says
+    "incomplete"), in the body and in the streamed item's done event and response.incomplete."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, CutEngine(tok, "Hello th"))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            whole = await oa.responses.create(model="policy", input="hi")
+            events = [e async for e in await oa.responses.create(model="policy", input="again", stream=True)]
+            return whole, events
+        finally:
+            await oa.close()
+            await server.stop()
+
+    whole, events = asyncio.run(go())
+    assert (whole.status, [(i.type, i.status) for i in whole.output]) == ("incomplete", [("message", "incomplete")])
+    assert whole.output[0].content[0].text == "Hello th"
+    (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (done.status, events[-1].type, events[-1].response.output[0].status) == (
+        "incomplete", "response.incomplete", "incomplete")
