@@ -136,8 +136,9 @@ class ReplyParser:
         thought = self.parse(text, None, parse_tools=False)
         try:
             obj = json.loads(thought.content)
-        except json.JSONDecodeError:
-            return thought  # cut by max_tokens: the agent sees the partial JSON
+        except json.JSONDecodeError:  # cut by max_tokens (or a stop string): no call, no text, as vLLM's "required"
+            # (was: the partial JSON as the reply's text, which an agent took as its final answer)
+            return ParsedReply("", [], thought.reasoning)
         if isinstance(tool_choice, dict):
             calls = [ToolCall(tool_choice["function"]["name"], obj)] if isinstance(obj, dict) else []
         else:

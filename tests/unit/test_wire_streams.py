@@ -1686,7 +1686,7 @@ def test_extra_keys_in_an_openai_tool_choice_are_refused_naming_them(tok):
          "inputs are not permitted (tool_choice.function takes ['name'])"),
         ("tool_choice.strict", "tool_choice.strict: Extra inputs are not permitted (tool_choice takes ['name', "
          "'type'])")]
-    assert served[0].choices[0].finish_reason == "tool_calls" and served[1].output[0].name == "python"
+    assert served[0].choices[0].finish_reason == "stop" and served[1].output[0].name == "python"  # (named: "stop")
 
 
 def test_an_openai_reasoning_effort_is_served_where_the_model_does_it_and_refused_naming_it_elsewhere(tok):
@@ -2546,6 +2546,70 @@ class CutEngine(ScriptedEngine):
     async def generate_stream(self, request):
         async for g in super().generate_stream(request):
             yield g if g.finish_reason is None else dataclasses.replace(g, finish_reason="length")
+
+
+def test_a_forced_tool_call_cut_at_the_cap_is_no_call_and_no_text(tok):
+    """A forced call (tool_choice "required" or named) cut by max_tokens came back as its partial JSON in the text
+    (finish "length"), which an agent took as its final answer. Now, as vLLM's server does for "required": no call, an
+    empty text, finish "length"; streamed alike."""
+    from openai import AsyncOpenAI
+
+    named = {"type": "function", "function": {"name": "python"}}
+
+    async def go():
+        out = []
+        for text, choice in (('{"code": "pri', named), ('[{"name": "python", "parameters": {"co', "required")):
+            server, _ = await serving(tok, CutEngine(tok, text))
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            try:
+                whole = await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL],
+                                                         tool_choice=choice)
+                chunks = [c async for c in await oa.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "again"}], tools=[TOOL], tool_choice=choice,
+                    stream=True)]
+                out.append((whole.choices[0], chunks))
+            finally:
+                await oa.close()
+                await server.stop()
+        return out
+
+    for whole, chunks in asyncio.run(go()):
+        assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == ("", None, "length")
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == "" and not any(d.tool_calls for d in deltas)
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_named_tool_choice_ends_stop_and_required_ends_tool_calls(tok):
+    """OpenAI's and vLLM's finish_reason of a call under a named tool_choice is "stop" ("tool_calls" under "auto" or
+    "required"); it was "tool_calls". Streamed alike."""
+    from openai import AsyncOpenAI
+
+    named = {"type": "function", "function": {"name": "python"}}
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, '{"code": "print(1)"}'))
+        coder = ChatSession("c", ScriptedEngine(tok, '[{"name": "python", "parameters": {"code": "print(1)"}}]'), tok,
+                            Sampling(max_tokens=64), 2048, reply_parser(tok, "hermes", None))
+        server.open_session(coder)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        oc = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
+        try:
+            reasons = []
+            for client, choice in ((oa, named), (oc, "required")):
+                whole = await client.chat.completions.create(model="policy", messages=USER, tools=[TOOL],
+                                                             tool_choice=choice)
+                chunks = [c async for c in await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "again"}], tools=[TOOL], tool_choice=choice,
+                    stream=True)]
+                assert whole.choices[0].message.tool_calls[0].function.arguments == '{"code": "print(1)"}'
+                reasons.append((whole.choices[0].finish_reason, chunks[-1].choices[0].finish_reason))
+            return reasons
+        finally:
+            await oa.close(), await oc.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == [("stop", "stop"), ("tool_calls", "tool_calls")]
 
 
 def test_a_responses_message_cut_at_the_cap_is_incomplete(tok):

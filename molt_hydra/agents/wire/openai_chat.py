@@ -144,13 +144,20 @@ def chat_usage(reply) -> dict:
             "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in reply.choices)}}
 
 
+def finish_reason(c, req: ChatRequest) -> str:
+    """A named tool_choice's call ends "stop", as OpenAI's and vLLM's (was: "tool_calls", which they give for a call
+    under "auto" / "required" only)."""
+    return "stop" if c.finish_reason == "tool_calls" and isinstance(req.tool_choice, dict) else c.finish_reason
+
+
 def logprobs(c) -> dict | None:
     return None if c.logprobs is None else {"content": c.logprobs}
 
 
 def body(reply, req: ChatRequest, model: str) -> dict:
     return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": message(c), "finish_reason": c.finish_reason, "logprobs": logprobs(c)}
+            "choices": [{"index": i, "message": message(c), "finish_reason": finish_reason(c, req),
+                         "logprobs": logprobs(c)}
                         for i, c in enumerate(reply.choices)],
             "usage": chat_usage(reply)}
 
@@ -187,7 +194,7 @@ class ChatStream(Stream):
             if c.tool_calls:
                 calls = [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]
                 out.append(self.chunk([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}]))
-            out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason}]))
+            out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": finish_reason(c, self.req)}]))
         if self.req.include_usage:
             out.append(self.chunk([], chat_usage(reply)))
         return out + [b"data: [DONE]\n\n"]
