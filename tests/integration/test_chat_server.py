@@ -976,7 +976,7 @@ def test_agent_frameworks_run_the_tool_loop_token_exact(loop, engine, tokenizer,
 
 def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec, tokenizer):
     """deepseek_r1's parser reads a reply with no `</think>` yet as all reasoning: the tiny model's cut-off reply is
-    then thinking, returned as `reasoning_content` / a thinking block instead of text."""
+    then thinking, returned as `reasoning` / a thinking block instead of text."""
     async def script(client, ctx, log):
         msgs = [{"role": "user", "content": "hello there"}]
         log["oa"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6)
@@ -994,7 +994,7 @@ def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec,
     texts = [tokenizer.decode([t for t in g.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=False)
              for _, (g,) in rec.calls]
     msg = log["oa"].choices[0].message
-    assert msg.model_extra["reasoning_content"] == texts[0] and not msg.content
+    assert msg.model_extra["reasoning"] == texts[0] and not msg.content
     assert [(b.type, b.thinking) for b in log["an"].content] == [("thinking", texts[1])]
     assert log["an2"].usage.output_tokens == len(rec.calls[2][1][0].token_ids)
 

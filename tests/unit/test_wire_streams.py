@@ -78,7 +78,7 @@ def test_openai_chat_streams_text_then_the_whole_tool_call(tok):
     assert status == 200 and events[-1] == (None, "[DONE]")
     deltas = [e[1]["choices"][0]["delta"] for e in events[:-2]]
     assert deltas[0] == {"role": "assistant", "content": ""}
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nhmm\n"
+    assert "".join(d.get("reasoning", "") for d in deltas) == "\nhmm\n"
     assert "".join(d.get("content", "") for d in deltas).strip() == "Sure."
     (call,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert call[0]["function"] == {"name": "python", "arguments": '{"code": "print(1)"}'} and call[0]["index"] == 0
@@ -803,7 +803,7 @@ def test_a_long_stream_decodes_and_parses_each_token_a_bounded_number_of_times(t
                     headers={"Authorization": "Bearer k"}) as r:
                 raw = await r.text()
             deltas = [c["delta"] for f in raw.strip().split("\n\n")[:-1] for c in json.loads(f[6:])["choices"]]
-            return ["".join(d.get(key) or "" for d in deltas) for key in ("reasoning_content", "content")]
+            return ["".join(d.get(key) or "" for d in deltas) for key in ("reasoning", "content")]
         finally:
             await server.stop()
 
@@ -2448,7 +2448,7 @@ def test_a_stop_sequence_holds_back_only_the_tail_of_a_streamed_thought_not_its_
     thought, answer = "\nLet me think about it.\n", "\n\nThe answer is 4.\n"
     assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == thought
     assert "".join(d.text for d in deltas if d.type == "text_delta") == answer
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chat) == thought
+    assert "".join(getattr(d, "reasoning", None) or "" for d in chat) == thought
     assert "".join(d.content or "" for d in chat) == answer
 
 
@@ -2610,6 +2610,65 @@ def test_a_named_tool_choice_ends_stop_and_required_ends_tool_calls(tok):
             await server.stop()
 
     assert asyncio.run(go()) == [("stop", "stop"), ("tool_calls", "tool_calls")]
+
+
+def test_thinking_is_sent_as_reasoning_as_vllm_sends_it(tok):
+    """vLLM 0.32's server sends the thinking as `reasoning`; it was sent as `reasoning_content` (its older name), which
+    clients written against vLLM's server do not read. Only `reasoning`, in the message and in each streamed delta: the
+    OpenAI Agents SDK's stream handler shows a thought once for each field that carries it."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHi."), "qwen3")
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            whole = await oa.chat.completions.create(model="policy", messages=USER)
+            chunks = [c async for c in await oa.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "again"}], stream=True)]
+            return whole.choices[0].message, [c.choices[0].delta for c in chunks if c.choices]
+        finally:
+            await oa.close()
+            await server.stop()
+
+    message, deltas = asyncio.run(go())
+    assert message.model_extra == {"reasoning": "\nhmm\n"}
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == "\nhmm\n"
+    assert not any("reasoning_content" in (d.model_extra or {}) for d in deltas)
+    assert "".join(d.content or "" for d in deltas).strip() == "Hi."
+
+
+def test_an_echoed_assistant_thinking_reaches_the_chat_template(tiny_model):
+    """An assistant message's `reasoning` (or `reasoning_content`) was dropped from the prompt; vLLM's server hands it
+    to the chat template as both (Qwen3's renders it in the turns after the last user message). A non-string is a 400
+    naming it."""
+    from openai import AsyncOpenAI, BadRequestError
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(tiny_model)  # (the module's tokenizer keeps its template)
+    own.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>"
+                         "{{ m.reasoning_content }}|{{ m.reasoning }}</think>{% endif %}{{ m.content }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    engine = RecordingEngine(own, "ok")
+
+    async def go():
+        server, _ = await serving(own, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            for key in ("reasoning", "reasoning_content"):
+                await oa.chat.completions.create(model="policy", messages=USER + [
+                    {"role": "assistant", "content": "Hi.", key: f"by {key}"}, {"role": "user", "content": "go"}])
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER + [
+                    {"role": "assistant", "content": "Hi.", "reasoning": 1}, {"role": "user", "content": "go"}])
+            return e.value.body["param"]
+        finally:
+            await oa.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == "messages[1].reasoning"
+    prompts = [own.decode(r.prompt_ids) for r in engine.requests]
+    assert [p.count(f"<think>by {key}|by {key}</think>Hi.") for p, key in
+            zip(prompts, ("reasoning", "reasoning_content"))] == [1, 1]
 
 
 def test_a_responses_message_cut_at_the_cap_is_incomplete(tok):

@@ -66,6 +66,13 @@ def _message(m: Any, where: str) -> dict:
         if not isinstance(m["tool_calls"], list):
             raise bad(f"{where}.tool_calls must be a list", where)
         out["tool_calls"] = [_tool_call(tc, f"{where}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])]
+    # an echoed thinking (`reasoning`, or its older name `reasoning_content`) goes to the template under both names, as
+    # vLLM hands it (was: dropped; Qwen3's template renders it in the assistant turns after the last user message)
+    key = "reasoning" if m.get("reasoning") is not None else "reasoning_content"
+    if role == "assistant" and m.get(key) is not None:
+        if not isinstance(m[key], str):
+            raise bad(f"{where}.{key} must be a string, got {m[key]!r}", f"{where}.{key}")
+        out["reasoning"] = out["reasoning_content"] = m[key]
     if role == "tool" and m.get("tool_call_id") is not None:
         out["tool_call_id"] = str(m["tool_call_id"])
     if m.get("name") is not None:  # a participant's name: rendered where the chat template renders one
@@ -122,8 +129,9 @@ def _tools(tools: Any) -> list[dict] | None:
 
 def message(c) -> dict:
     msg: dict = {"role": "assistant", "content": c.content if c.content or not c.tool_calls else None}
-    if c.reasoning is not None:
-        msg["reasoning_content"] = c.reasoning
+    # vLLM 0.32's field (was: `reasoning_content`, its older name). Not both: the Agents SDK's stream shows a thought
+    if c.reasoning is not None:  # once for each field that carries it
+        msg["reasoning"] = c.reasoning
     if c.tool_calls:
         msg["tool_calls"] = [
             {"id": cid, "type": "function", "function": {"name": tc.name, "arguments": json.dumps(tc.arguments)}}
@@ -174,7 +182,7 @@ class ChatStream(Stream):
         return [self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])]
 
     def piece(self, text: str) -> list[bytes]:
-        key = "content" if self.kind == "content" else "reasoning_content"
+        key = "content" if self.kind == "content" else "reasoning"
         return [self.chunk([{"index": 0, "delta": {key: text}, "finish_reason": None}])]
 
     def end(self, reply) -> list[bytes]:
@@ -182,7 +190,7 @@ class ChatStream(Stream):
         for i, c in enumerate(reply.choices):
             # not streamed live (n > 1, a cached retry): the whole text now. Choice 0's role went in `start`: SDKs
             # concatenate every delta's fields, so a second one reads "assistantassistant"
-            whole = {"content": c.content, "reasoning_content": c.reasoning, **({"role": "assistant"} if i else {})}
+            whole = {"content": c.content, "reasoning": c.reasoning, **({"role": "assistant"} if i else {})}
             if not reply.streamed:
                 out.append(self.chunk([{"index": i, "delta": whole, "finish_reason": None}]))
             # the log-probs come with a text delta, as OpenAI sends them: the Agents SDK reads them there only (was: on
