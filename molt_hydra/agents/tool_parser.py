@@ -1,7 +1,7 @@
 """Tool calls and reasoning in generated text, parsed by vLLM's own parsers (`vllm.tool_parsers`, `vllm.reasoning`),
 chosen per model family by `agent.tool_parser` (hermes, qwen3_coder, llama3_json, mistral, ...) and
 `agent.reasoning_parser` (qwen3, deepseek_r1, ...). The chat server returns them as structured `tool_calls` /
-`tool_use` blocks and `reasoning_content` / thinking blocks; the generated token ids are kept as they are.
+`tool_use` blocks and `reasoning` / thinking blocks; the generated token ids are kept as they are.
 
 A call whose arguments are not a JSON object stays in the text content, so the agent sees what the model wrote.
 `tool_choice` "required" / a named tool is enforced with vLLM's structured output (the JSON schema vLLM's own
@@ -136,8 +136,9 @@ class ReplyParser:
         thought = self.parse(text, None, parse_tools=False)
         try:
             obj = json.loads(thought.content)
-        except json.JSONDecodeError:
-            return thought  # cut by max_tokens: the agent sees the partial JSON
+        except json.JSONDecodeError:  # cut by max_tokens (or a stop string): no call, no text, as vLLM's "required"
+            # (was: the partial JSON as the reply's text, which an agent took as its final answer)
+            return ParsedReply("", [], thought.reasoning)
         if isinstance(tool_choice, dict):
             calls = [ToolCall(tool_choice["function"]["name"], obj)] if isinstance(obj, dict) else []
         else:

@@ -635,8 +635,9 @@ def test_tool_choice_none_required_named_and_parallel_false(loop, rec, tokenizer
     assert none.message.tool_calls is None and none.finish_reason == "stop"
     assert none.message.content.startswith("<tool_call>")  # what the model wrote, not parsed into a call
     assert log["auto"].choices[0].message.tool_calls[0].function.name == "python"
-    for key in ("required", "named"):  # "hello there" alone makes the model chat; structured output forces a call
-        assert log[key].choices[0].finish_reason == "tool_calls", log[key].choices[0]
+    # "hello there" alone makes the model chat; structured output forces a call (a named one ends "stop", as OpenAI's)
+    for key, finish in (("required", "tool_calls"), ("named", "stop")):
+        assert log[key].choices[0].finish_reason == finish, log[key].choices[0]
         call = log[key].choices[0].message.tool_calls[0]
         assert call.function.name == "python" and isinstance(json.loads(call.function.arguments), dict)
     # vLLM's schema for "required" / the named tool, as a compact-JSON grammar (no free whitespace to spin on)
@@ -975,7 +976,7 @@ def test_agent_frameworks_run_the_tool_loop_token_exact(loop, engine, tokenizer,
 
 def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec, tokenizer):
     """deepseek_r1's parser reads a reply with no `</think>` yet as all reasoning: the tiny model's cut-off reply is
-    then thinking, returned as `reasoning_content` / a thinking block instead of text."""
+    then thinking, returned as `reasoning` / a thinking block instead of text."""
     async def script(client, ctx, log):
         msgs = [{"role": "user", "content": "hello there"}]
         log["oa"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6)
@@ -993,7 +994,7 @@ def test_reasoning_is_surfaced_by_vllms_reasoning_parser_in_both_apis(loop, rec,
     texts = [tokenizer.decode([t for t in g.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=False)
              for _, (g,) in rec.calls]
     msg = log["oa"].choices[0].message
-    assert msg.model_extra["reasoning_content"] == texts[0] and not msg.content
+    assert msg.model_extra["reasoning"] == texts[0] and not msg.content
     assert [(b.type, b.thinking) for b in log["an"].content] == [("thinking", texts[1])]
     assert log["an2"].usage.output_tokens == len(rec.calls[2][1][0].token_ids)
 

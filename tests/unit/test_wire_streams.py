@@ -5,6 +5,7 @@ tests/integration/test_chat_server.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -77,7 +78,7 @@ def test_openai_chat_streams_text_then_the_whole_tool_call(tok):
     assert status == 200 and events[-1] == (None, "[DONE]")
     deltas = [e[1]["choices"][0]["delta"] for e in events[:-2]]
     assert deltas[0] == {"role": "assistant", "content": ""}
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nhmm\n"
+    assert "".join(d.get("reasoning", "") for d in deltas) == "\nhmm\n"
     assert "".join(d.get("content", "") for d in deltas).strip() == "Sure."
     (call,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert call[0]["function"] == {"name": "python", "arguments": '{"code": "print(1)"}'} and call[0]["index"] == 0
@@ -802,7 +803,7 @@ def test_a_long_stream_decodes_and_parses_each_token_a_bounded_number_of_times(t
                     headers={"Authorization": "Bearer k"}) as r:
                 raw = await r.text()
             deltas = [c["delta"] for f in raw.strip().split("\n\n")[:-1] for c in json.loads(f[6:])["choices"]]
-            return ["".join(d.get(key) or "" for d in deltas) for key in ("reasoning_content", "content")]
+            return ["".join(d.get(key) or "" for d in deltas) for key in ("reasoning", "content")]
         finally:
             await server.stop()
 
@@ -1685,7 +1686,7 @@ def test_extra_keys_in_an_openai_tool_choice_are_refused_naming_them(tok):
          "inputs are not permitted (tool_choice.function takes ['name'])"),
         ("tool_choice.strict", "tool_choice.strict: Extra inputs are not permitted (tool_choice takes ['name', "
          "'type'])")]
-    assert served[0].choices[0].finish_reason == "tool_calls" and served[1].output[0].name == "python"
+    assert served[0].choices[0].finish_reason == "stop" and served[1].output[0].name == "python"  # (named: "stop")
 
 
 def test_an_openai_reasoning_effort_is_served_where_the_model_does_it_and_refused_naming_it_elsewhere(tok):
@@ -2447,7 +2448,7 @@ def test_a_stop_sequence_holds_back_only_the_tail_of_a_streamed_thought_not_its_
     thought, answer = "\nLet me think about it.\n", "\n\nThe answer is 4.\n"
     assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == thought
     assert "".join(d.text for d in deltas if d.type == "text_delta") == answer
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chat) == thought
+    assert "".join(getattr(d, "reasoning", None) or "" for d in chat) == thought
     assert "".join(d.content or "" for d in chat) == answer
 
 
@@ -2530,3 +2531,165 @@ def test_a_client_given_the_other_apis_base_url_is_told_which_url_it_takes(tok):
     for error in asyncio.run(go()):
         assert "the OpenAI client takes base_url=ctx.base_url" in error.message
         assert "the Anthropic client takes base_url=ctx.session_url, without /v1" in error.message
+
+
+class CutEngine(ScriptedEngine):
+    """Generates `text` and stops there, at its token cap (no end token): finish reason "length"."""
+
+    def __init__(self, tok, text):
+        super().__init__(tok, text)
+        self.ids = self.ids[:-1]
+
+    async def generate(self, request):
+        return [dataclasses.replace(g, finish_reason="length") for g in await super().generate(request)]
+
+    async def generate_stream(self, request):
+        async for g in super().generate_stream(request):
+            yield g if g.finish_reason is None else dataclasses.replace(g, finish_reason="length")
+
+
+def test_a_forced_tool_call_cut_at_the_cap_is_no_call_and_no_text(tok):
+    """A forced call (tool_choice "required" or named) cut by max_tokens came back as its partial JSON in the text
+    (finish "length"), which an agent took as its final answer. Now, as vLLM's server does for "required": no call, an
+    empty text, finish "length"; streamed alike."""
+    from openai import AsyncOpenAI
+
+    named = {"type": "function", "function": {"name": "python"}}
+
+    async def go():
+        out = []
+        for text, choice in (('{"code": "pri', named), ('[{"name": "python", "parameters": {"co', "required")):
+            server, _ = await serving(tok, CutEngine(tok, text))
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            try:
+                whole = await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL],
+                                                         tool_choice=choice)
+                chunks = [c async for c in await oa.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "again"}], tools=[TOOL], tool_choice=choice,
+                    stream=True)]
+                out.append((whole.choices[0], chunks))
+            finally:
+                await oa.close()
+                await server.stop()
+        return out
+
+    for whole, chunks in asyncio.run(go()):
+        assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == ("", None, "length")
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == "" and not any(d.tool_calls for d in deltas)
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_named_tool_choice_ends_stop_and_required_ends_tool_calls(tok):
+    """OpenAI's and vLLM's finish_reason of a call under a named tool_choice is "stop" ("tool_calls" under "auto" or
+    "required"); it was "tool_calls". Streamed alike."""
+    from openai import AsyncOpenAI
+
+    named = {"type": "function", "function": {"name": "python"}}
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, '{"code": "print(1)"}'))
+        coder = ChatSession("c", ScriptedEngine(tok, '[{"name": "python", "parameters": {"code": "print(1)"}}]'), tok,
+                            Sampling(max_tokens=64), 2048, reply_parser(tok, "hermes", None))
+        server.open_session(coder)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        oc = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
+        try:
+            reasons = []
+            for client, choice in ((oa, named), (oc, "required")):
+                whole = await client.chat.completions.create(model="policy", messages=USER, tools=[TOOL],
+                                                             tool_choice=choice)
+                chunks = [c async for c in await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "again"}], tools=[TOOL], tool_choice=choice,
+                    stream=True)]
+                assert whole.choices[0].message.tool_calls[0].function.arguments == '{"code": "print(1)"}'
+                reasons.append((whole.choices[0].finish_reason, chunks[-1].choices[0].finish_reason))
+            return reasons
+        finally:
+            await oa.close(), await oc.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == [("stop", "stop"), ("tool_calls", "tool_calls")]
+
+
+def test_thinking_is_sent_as_reasoning_as_vllm_sends_it(tok):
+    """vLLM 0.32's server sends the thinking as `reasoning`; it was sent as `reasoning_content` (its older name), which
+    clients written against vLLM's server do not read. Only `reasoning`, in the message and in each streamed delta: the
+    OpenAI Agents SDK's stream handler shows a thought once for each field that carries it."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nHi."), "qwen3")
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            whole = await oa.chat.completions.create(model="policy", messages=USER)
+            chunks = [c async for c in await oa.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "again"}], stream=True)]
+            return whole.choices[0].message, [c.choices[0].delta for c in chunks if c.choices]
+        finally:
+            await oa.close()
+            await server.stop()
+
+    message, deltas = asyncio.run(go())
+    assert message.model_extra == {"reasoning": "\nhmm\n"}
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == "\nhmm\n"
+    assert not any("reasoning_content" in (d.model_extra or {}) for d in deltas)
+    assert "".join(d.content or "" for d in deltas).strip() == "Hi."
+
+
+def test_an_echoed_assistant_thinking_reaches_the_chat_template(tiny_model):
+    """An assistant message's `reasoning` (or `reasoning_content`) was dropped from the prompt; vLLM's server hands it
+    to the chat template as both (Qwen3's renders it in the turns after the last user message). A non-string is a 400
+    naming it."""
+    from openai import AsyncOpenAI, BadRequestError
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(tiny_model)  # (the module's tokenizer keeps its template)
+    own.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>"
+                         "{{ m.reasoning_content }}|{{ m.reasoning }}</think>{% endif %}{{ m.content }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    engine = RecordingEngine(own, "ok")
+
+    async def go():
+        server, _ = await serving(own, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            for key in ("reasoning", "reasoning_content"):
+                await oa.chat.completions.create(model="policy", messages=USER + [
+                    {"role": "assistant", "content": "Hi.", key: f"by {key}"}, {"role": "user", "content": "go"}])
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER + [
+                    {"role": "assistant", "content": "Hi.", "reasoning": 1}, {"role": "user", "content": "go"}])
+            return e.value.body["param"]
+        finally:
+            await oa.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == "messages[1].reasoning"
+    prompts = [own.decode(r.prompt_ids) for r in engine.requests]
+    assert [p.count(f"<think>by {key}|by {key}</think>Hi.") for p, key in
+            zip(prompts, ("reasoning", "reasoning_content"))] == [1, 1]
+
+
+def test_a_responses_message_cut_at_the_cap_is_incomplete(tok):
+    """A response cut at max_output_tokens is "incomplete"; its message item said "completed" (OpenAI's says
+    "incomplete"), in the body and in the streamed item's done event and response.incomplete."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, CutEngine(tok, "Hello th"))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            whole = await oa.responses.create(model="policy", input="hi")
+            events = [e async for e in await oa.responses.create(model="policy", input="again", stream=True)]
+            return whole, events
+        finally:
+            await oa.close()
+            await server.stop()
+
+    whole, events = asyncio.run(go())
+    assert (whole.status, [(i.type, i.status) for i in whole.output]) == ("incomplete", [("message", "incomplete")])
+    assert whole.output[0].content[0].text == "Hello th"
+    (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (done.status, events[-1].type, events[-1].response.output[0].status) == (
+        "incomplete", "response.incomplete", "incomplete")

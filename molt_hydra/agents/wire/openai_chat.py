@@ -66,6 +66,13 @@ def _message(m: Any, where: str) -> dict:
         if not isinstance(m["tool_calls"], list):
             raise bad(f"{where}.tool_calls must be a list", where)
         out["tool_calls"] = [_tool_call(tc, f"{where}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])]
+    # an echoed thinking (`reasoning`, or its older name `reasoning_content`) goes to the template under both names, as
+    # vLLM hands it (was: dropped; Qwen3's template renders it in the assistant turns after the last user message)
+    key = "reasoning" if m.get("reasoning") is not None else "reasoning_content"
+    if role == "assistant" and m.get(key) is not None:
+        if not isinstance(m[key], str):
+            raise bad(f"{where}.{key} must be a string, got {m[key]!r}", f"{where}.{key}")
+        out["reasoning"] = out["reasoning_content"] = m[key]
     if role == "tool" and m.get("tool_call_id") is not None:
         out["tool_call_id"] = str(m["tool_call_id"])
     if m.get("name") is not None:  # a participant's name: rendered where the chat template renders one
@@ -122,8 +129,9 @@ def _tools(tools: Any) -> list[dict] | None:
 
 def message(c) -> dict:
     msg: dict = {"role": "assistant", "content": c.content if c.content or not c.tool_calls else None}
-    if c.reasoning is not None:
-        msg["reasoning_content"] = c.reasoning
+    # vLLM 0.32's field (was: `reasoning_content`, its older name). Not both: the Agents SDK's stream shows a thought
+    if c.reasoning is not None:  # once for each field that carries it
+        msg["reasoning"] = c.reasoning
     if c.tool_calls:
         msg["tool_calls"] = [
             {"id": cid, "type": "function", "function": {"name": tc.name, "arguments": json.dumps(tc.arguments)}}
@@ -144,13 +152,20 @@ def chat_usage(reply) -> dict:
             "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in reply.choices)}}
 
 
+def finish_reason(c, req: ChatRequest) -> str:
+    """A named tool_choice's call ends "stop", as OpenAI's and vLLM's (was: "tool_calls", which they give for a call
+    under "auto" / "required" only)."""
+    return "stop" if c.finish_reason == "tool_calls" and isinstance(req.tool_choice, dict) else c.finish_reason
+
+
 def logprobs(c) -> dict | None:
     return None if c.logprobs is None else {"content": c.logprobs}
 
 
 def body(reply, req: ChatRequest, model: str) -> dict:
     return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": message(c), "finish_reason": c.finish_reason, "logprobs": logprobs(c)}
+            "choices": [{"index": i, "message": message(c), "finish_reason": finish_reason(c, req),
+                         "logprobs": logprobs(c)}
                         for i, c in enumerate(reply.choices)],
             "usage": chat_usage(reply)}
 
@@ -167,7 +182,7 @@ class ChatStream(Stream):
         return [self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])]
 
     def piece(self, text: str) -> list[bytes]:
-        key = "content" if self.kind == "content" else "reasoning_content"
+        key = "content" if self.kind == "content" else "reasoning"
         return [self.chunk([{"index": 0, "delta": {key: text}, "finish_reason": None}])]
 
     def end(self, reply) -> list[bytes]:
@@ -175,7 +190,7 @@ class ChatStream(Stream):
         for i, c in enumerate(reply.choices):
             # not streamed live (n > 1, a cached retry): the whole text now. Choice 0's role went in `start`: SDKs
             # concatenate every delta's fields, so a second one reads "assistantassistant"
-            whole = {"content": c.content, "reasoning_content": c.reasoning, **({"role": "assistant"} if i else {})}
+            whole = {"content": c.content, "reasoning": c.reasoning, **({"role": "assistant"} if i else {})}
             if not reply.streamed:
                 out.append(self.chunk([{"index": i, "delta": whole, "finish_reason": None}]))
             # the log-probs come with a text delta, as OpenAI sends them: the Agents SDK reads them there only (was: on
@@ -187,7 +202,7 @@ class ChatStream(Stream):
             if c.tool_calls:
                 calls = [dict(tc, index=j) for j, tc in enumerate(message(c)["tool_calls"])]
                 out.append(self.chunk([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}]))
-            out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason}]))
+            out.append(self.chunk([{"index": i, "delta": {}, "finish_reason": finish_reason(c, self.req)}]))
         if self.req.include_usage:
             out.append(self.chunk([], chat_usage(reply)))
         return out + [b"data: [DONE]\n\n"]

@@ -3,7 +3,8 @@ structured output → one canonical `ChatRequest`, or a 4xx `RequestError` that 
 
 Canonical messages are what the chat template renders and what the session compares turn to turn:
 `{"role": system|user|assistant|tool, "content": str | [{"type": "text", "text"} | {"type": "image", "source"}],
-"tool_calls"?: [{"id", "type": "function", "function": {"name", "arguments": str}}], "tool_call_id"?}`.
+"tool_calls"?: [{"id", "type": "function", "function": {"name", "arguments": str}}], "tool_call_id"?,
+"reasoning"?, "reasoning_content"?}` (an assistant's echoed thinking, under both names as vLLM hands a template it).
 Text-only part lists collapse to a string, so echoing a message in either shape compares equal.
 """
 

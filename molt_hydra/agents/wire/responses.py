@@ -156,23 +156,27 @@ def _message_item(item_id: str, parts: list[dict], status: str = "completed") ->
 
 
 def body(reply, req: ChatRequest, model: str, rid: str | None = None) -> dict:
-    c = reply.choices[0]
+    c, status = reply.choices[0], _status(reply.choices[0])
     output = [_reasoning_item(new_id("rs_"), c.reasoning)] if c.reasoning else []
-    if c.content or not c.tool_calls:
+    if c.content or not c.tool_calls:  # a message cut at the cap is "incomplete", as OpenAI's (was: "completed")
         output.append(_message_item(new_id("msg_"), [{"type": "output_text", "text": c.content, "annotations": [],
-                                                      "logprobs": c.logprobs or []}]))
+                                                      "logprobs": c.logprobs or []}], status))
     output += [{"type": "function_call", "id": f"fc_{cid.removeprefix('call_')}", "call_id": cid, "name": tc.name,
                 "arguments": json.dumps(tc.arguments), "status": "completed"}
                for cid, tc in zip(c.tool_call_ids, c.tool_calls)]
-    incomplete = c.finish_reason == "length"
     usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
              "total_tokens": reply.prompt_tokens + reply.completion_tokens,
              "input_tokens_details": {"cached_tokens": 0},
              "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens}}
     return {"id": rid or new_id("resp_"), "object": "response", "created_at": int(time.time()),
-            "status": "incomplete" if incomplete else "completed", "error": None, "model": model, "output": output,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "usage": usage,
+            "status": status, "error": None, "model": model, "output": output,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None, "usage": usage,
             **_settings(req)}
+
+
+def _status(c) -> str:
+    """Of a reply's message item, and the response's: a turn cut at its token cap is "incomplete"."""
+    return "incomplete" if c.finish_reason == "length" else "completed"
 
 
 def _settings(req: ChatRequest) -> dict:
@@ -189,6 +193,7 @@ class ResponseStream(Stream):
 
     ID_PREFIX = "resp_"
     seq, item_id, text = 0, None, ""  # events sent; the open item's id and text so far
+    status = "completed"  # of the message item, known at the end (its item closes there: text is the last run)
     logprobs: list = []  # of the text, known at the end (its item closes there: text is the last run)
 
     def __init__(self, *args):
@@ -226,7 +231,7 @@ class ResponseStream(Stream):
     def close(self) -> list[bytes]:
         if self.kind == "content":
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
-            self.items.append(_message_item(self.item_id, [part]))
+            self.items.append(_message_item(self.item_id, [part], self.status))
             return [self.ev("response.output_text.done", **self.at(text=self.text, logprobs=self.logprobs)),
                     self.ev("response.content_part.done", **self.at(part=part)),
                     self.ev("response.output_item.done", output_index=self.index, item=self.items[-1])]
@@ -239,7 +244,7 @@ class ResponseStream(Stream):
     def end(self, reply) -> list[bytes]:
         c, out = reply.choices[0], []
         # in the text's .done events too, as in response.completed (was: [] there, the engine's log-probs only in it)
-        self.logprobs = c.logprobs or []
+        self.logprobs, self.status = c.logprobs or [], _status(c)
         if not reply.streamed:  # a retry's cached reply: its reasoning and text as a stream sends them, one delta each
             # (was: their items added whole, no output_text.delta: a client reading the deltas had no text)
             for kind, text in (("reasoning", c.reasoning), ("content", c.content)):
