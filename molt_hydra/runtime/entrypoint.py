@@ -38,23 +38,29 @@ def run(cfg: RunConfig) -> None:
     # the checkpoint directory only where this run writes checkpoints (eval and save_steps=0 write none: no directory)
     writes = cfg.job.value != "eval" and cfg.checkpoint.save_steps != 0
     locked = {"output_dir": cfg.output_dir, **({"checkpoint.dir": cfg.checkpoint.dir} if writes else {})}
-    with run_lock(locked), _stoppable():  # one run per directory, from its first write to its end
-        _run(cfg)
+    notice = PreemptionNotice(cfg.output_dir)
+    with run_lock(locked), _stoppable(notice):  # one run per directory, from its first write to its end
+        _run(cfg, notice)
 
 
 @contextmanager
-def _stoppable():
+def _stoppable(notice: PreemptionNotice):
     """Ctrl-C or SIGTERM where the run's event loop does not take them (the resume check and the model's build before
     it, seconds of imports; job=sft): exit 130 with one line. Before, Ctrl-C there printed a KeyboardInterrupt
-    traceback and SIGTERM ended the process without a word."""
+    traceback and SIGTERM ended the process without a word. So does Slurm's notice (nothing to save yet), through
+    its handover (submitit's requeue, or exit 130); before, its default action ended the driver without a word."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    notice.install(at_once=True)  # (the run's body takes it over: `_main`, job=sft's run_sft_job)
     try:
         yield
     except KeyboardInterrupt:
+        if notice.received.is_set():
+            notice.handover()
         print("\nInterrupted: the run stopped; the last checkpoint is kept.", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     finally:
+        notice.uninstall()
         if main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
@@ -63,24 +69,23 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _run(cfg: RunConfig) -> None:
+def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
     record = write_run_record(cfg, cfg.output_dir)
     resume_from = _check_resume(cfg)
     if resume_from is not None and _nothing_left(cfg, resume_from):
         return
     if cfg.job.value == "sft":
-        _run_sft(cfg, resume_from)
+        _run_sft(cfg, resume_from, notice)
         return
     _build_models(cfg)
     from molt_hydra.runtime.role_warnings import Shown
 
     shown = Shown(cfg.output_dir)  # before any Ray process starts: each inherits where its warnings go
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
-    notice = PreemptionNotice(cfg.output_dir)
     try:
         # Ray's auto-init, which the run turns off (compat/ray.py), is back for this process's later Ray calls
         with auto_init_restored(), ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
-            code = _run_to_end(_main(cfg, record, resume_from, shown, notice))
+            code = _run_to_end(_main(cfg, record, resume_from, shown, notice), notice)
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
         code = EXIT_FAILED
@@ -284,14 +289,13 @@ def _refuse_earlier_checkpoints(cfg: RunConfig) -> None:
             sys.exit(EXIT_FAILED)
 
 
-def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
+def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice) -> None:
     """job=sft on its torch.multiprocessing ranks; a failure is one message naming the rank, printed last (before: a
     rank's traceback through Hydra's report). Slurm's notice: the ranks save the step under way, then the notice's
     handover (requeue, or exit 130), as an RL run's; a step past the grace is cut short (a KeyboardInterrupt: the ranks
     end) and handed over all the same."""
     from molt_hydra.runtime.sft_job import run_sft_job
 
-    notice = PreemptionNotice(cfg.output_dir)
     try:
         run_sft_job(cfg, resume_from, notice)
     except KeyboardInterrupt:
@@ -313,13 +317,14 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
         notice.handover()
 
 
-def _run_to_end(coro) -> int:
+def _run_to_end(coro, notice: PreemptionNotice) -> int:
     """asyncio.run, also where an event loop already runs in this thread (a notebook): the run then gets its own."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # the usual case: no loop here (the run starts outside the except block, so its own
         pass  # errors carry no unrelated context)
-    else:
+    else:  # (its thread takes no signal: the notice's at-once stop would interrupt this one, not the run)
+        notice.uninstall()
         with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
             return pool.submit(asyncio.run, coro).result()
     return asyncio.run(coro)

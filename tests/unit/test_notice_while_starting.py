@@ -48,3 +48,49 @@ def test_the_notice_while_the_roles_start_cuts_the_start_short_and_stops_the_run
         notice.handover()
     assert stop.value.code == EXIT_INTERRUPTED
     assert "Run stopped on SIGUSR2 (a time limit or a preemption): no checkpoint saved" in capsys.readouterr().err
+
+
+def _config(tmp_path):
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    return OmegaConf.to_object(compose_config([f"checkpoint.dir={tmp_path / 'ckpt'}"], output_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("handler", ["default", "submitit"])
+def test_the_notice_before_the_roles_start_stops_the_run_at_once_through_its_handover(handler, monkeypatch, tmp_path,
+                                                                                     capsys, default_action):
+    """The notice while the models are built (entrypoint._build_models; the resume check and Ray forming over the
+    nodes are in the same stretch): nothing to save yet, so the run stops at once, Ray never started, and hands over:
+    exit 130 naming the run's directory, or submitit's requeue. Before, the default action ended the driver without a
+    word (exit -12), and submitit's handler was never reached."""
+    import molt_hydra.models.build as build
+
+    requeued = []
+
+    def checkpoint_and_try_requeue(signum, frame):  # submitit's handler's name (preemption.py hands over to it)
+        requeued.append(signum)
+        raise SystemExit(-1)
+
+    if handler == "submitit":
+        signal.signal(signal.SIGUSR2, checkpoint_and_try_requeue)
+    monkeypatch.setattr(build, "resolve_path", lambda path: os.kill(os.getpid(), signal.SIGUSR2) or path)
+    monkeypatch.setattr(entrypoint, "ray_cluster", lambda *a: pytest.fail("Ray was started"))
+    before = signal.getsignal(signal.SIGUSR2)
+    with pytest.raises(SystemExit) as stop:
+        entrypoint.run(_config(tmp_path))
+    err = capsys.readouterr().err
+    assert "SIGUSR2: Slurm's notice of a time limit or a preemption: the run has not started, nothing to save: it " \
+           f"stops now, then {'is requeued' if requeued else 'stops'}." in err
+    if handler == "submitit":
+        assert (stop.value.code, requeued, default_action) == (-1, [signal.SIGUSR2], [])
+    else:
+        assert (stop.value.code, default_action) == (EXIT_INTERRUPTED, [])
+        assert err.strip().splitlines()[-1] == ("Run stopped on SIGUSR2 (a time limit or a preemption): no checkpoint "
+                                                f"saved; resume with checkpoint.resume=auto hydra.run.dir={tmp_path}.")
+    assert signal.getsignal(signal.SIGUSR2) is before  # the handler from before the run is back
