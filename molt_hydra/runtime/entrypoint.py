@@ -558,6 +558,9 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     def head_watched(work):  # beside Ray's head and the roles' processes (no engine keeper: there is no loop)
         return beside(work, *ray_head.watchers(roles.role_pids, cfg.cluster.nodes == 1))
 
+    if notice.received.is_set():  # Slurm's notice while the roles started: no step begun, nothing new to save. Before,
+        notice.saved(None)  # the resume's load, the at-start eval, its push and a whole step ran first (cut at the grace)
+        return 0
     if found is not None:  # (minutes on GPU: watched as the start and the loop are)
         client, found = await head_watched(_load_verified(cfg, roles, found))
         state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
@@ -572,9 +575,9 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     # their calls' deadlines, trainer_call_s 1800 s, told a rank stopped there; a dead GCS, Ray's own exit 60 s later).
     # After the loop, not beside the engine keeper: an engine lost then (the export's host memory) is no failure of a
     # finished run, and no replacement should compete with the save for memory
-    if found is not None and (c.load_model_only or ctl.version > 0):  # warm start: version 0, the loaded weights
-        await ctl.watched(calls.push_weights(ctl.version))
-    ctl.preempted = notice.received
+    ctl.preempted = notice.received  # (one during the load: no push, the loop stops before its first step)
+    if found is not None and (c.load_model_only or ctl.version > 0) and not notice.received.is_set():
+        await ctl.watched(calls.push_weights(ctl.version))  # (a warm start: version 0, the loaded weights)
     await ctl.run()
     if ctl.stopped_for_notice:  # saved at the step's end (not the end of training): no final save or export
         notice.saved(ctl.saved_step)
