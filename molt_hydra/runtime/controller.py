@@ -292,7 +292,7 @@ class RLController:
         released = time.perf_counter()
         pushed = await self.calls.push_weights(version)
         synced = time.perf_counter()
-        phases = await self.calls.engine_phase_metrics()
+        phases = await self.calls.engine_phase_metrics(version)
         wake = sum(v for k, v in phases.items() if k.startswith("engine/wake_"))
         return {**pushed, **phases, **resident, "timing/trainer_release": released - start,
                 "timing/weight_sync": synced - released, "timing/engine_wake": wake}

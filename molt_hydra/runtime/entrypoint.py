@@ -558,9 +558,9 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     def head_watched(work):  # beside Ray's head and the roles' processes (no engine keeper: there is no loop)
         return beside(work, *ray_head.watchers(roles.role_pids, cfg.cluster.nodes == 1))
 
-    if notice.received.is_set():  # Slurm's notice while the roles started: no step begun, nothing new to save. Before,
-        notice.saved(None)  # the resume's load, the at-start eval, its push and a whole step ran first (cut at the grace)
-        return 0
+    if notice.received.is_set():  # Slurm's notice while the roles started: no step begun, nothing new to save.
+        notice.saved(None)  # Before, the resume's load and push, the at-start eval and a whole step ran first
+        return 0  # (often cut short at the grace)
     if found is not None:  # (minutes on GPU: watched as the start and the loop are)
         client, found = await head_watched(_load_verified(cfg, roles, found))
         state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
