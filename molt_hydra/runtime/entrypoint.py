@@ -77,6 +77,7 @@ def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
     if cfg.job.value == "sft":
         _run_sft(cfg, resume_from, notice)
         return
+    rows = _resumed_rows(cfg, resume_from)
     _build_models(cfg)
     from molt_hydra.runtime.role_warnings import Shown
 
@@ -85,7 +86,7 @@ def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
     try:
         # Ray's auto-init, which the run turns off (compat/ray.py), is back for this process's later Ray calls
         with auto_init_restored(), ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
-            code = _run_to_end(_main(cfg, record, resume_from, shown, notice), notice)
+            code = _run_to_end(_main(cfg, record, resume_from, shown, notice, rows), notice)
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
         code = EXIT_FAILED
@@ -253,6 +254,32 @@ def _nothing_left(cfg: RunConfig, found: Path) -> bool:
     return True
 
 
+def _resumed_rows(cfg: RunConfig, found: Path | None) -> tuple[list, list | None] | None:
+    """job=rl resuming its loop: its rows, loaded now, before Ray (build_roles takes them), and refused, naming both
+    and the fix, where they are not those the checkpoint was trained on (a prompt file changed since its save, at the
+    same path). Before, that was found once every role had started (minutes on GPU). None: the roles load them."""
+    from molt_hydra.parallel.checkpoint import saved_client_state
+    from molt_hydra.rollout.generator import prompts_fingerprint
+    from molt_hydra.runtime.roles import _load_rows
+
+    if found is None or cfg.job.value != "rl" or cfg.checkpoint.load_model_only:
+        return None
+    saved = saved_client_state(found).get("loop", {}).get("generator", {}).get("prompts")
+    if saved is None:  # (a checkpoint older than the fingerprint)
+        return None
+    try:
+        rows = _load_rows(cfg, scoring=False)
+    except Exception:  # noqa: BLE001 - the roles' load says what is wrong (as on a fresh run)
+        return None
+    if (now := prompts_fingerprint(rows[0])) != saved:
+        print(f"\nRun failed: data.train_path={cfg.data.train_path}: {found} was trained on other prompts ({saved}) "
+              f"than this run's ({now}); its place in them cannot be resumed. Fix: resume with the data it was "
+              "trained on, or start on this data from its weights with checkpoint.load_model_only=true",
+              file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    return rows
+
+
 def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path) -> None:
     """job=sft resumes at sample global_step x train.batch_size of the epoch's order: under another batch size than
     the checkpoint's it skipped or repeated samples without a word (and stretched the LR schedule). Refused, naming
@@ -350,7 +377,9 @@ def _close_logs(opened: list) -> None:
             print(f"closing the metric sinks: {describe(e)}", file=sys.stderr)
 
 
-async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice) -> int:
+async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice,
+                rows: tuple | None = None) -> int:
+    """`rows`: `_resumed_rows`' (None: the roles load them)."""
     loop = asyncio.get_running_loop()
     signals = _stop_signals(loop)
     # Slurm's notice (a save at the step's end) also while the roles start: before, there, its default action ended
@@ -364,7 +393,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
     name_checkpoint = False  # an interruption or a stall: the checkpoint to resume from, named after the teardown
     try:
         try:
-            roles = await build_roles(cfg, record, role_pids)
+            roles = await build_roles(cfg, record, role_pids, rows)
             shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
             if cfg.job.value == "eval":
                 return await _eval_only(cfg, roles, opened)

@@ -28,7 +28,7 @@ def test_the_notice_while_the_roles_start_cuts_the_start_short_and_stops_the_run
                                                                                 default_action):
     from molt_hydra.runtime import roles
 
-    async def build_roles(cfg, record, role_pids):  # the notice comes while the engines load
+    async def build_roles(cfg, record, role_pids, rows):  # the notice comes while the engines load
         os.kill(os.getpid(), signal.SIGUSR2)
         await asyncio.sleep(3)
         raise AssertionError("the start was not cut short")
