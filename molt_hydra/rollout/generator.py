@@ -86,6 +86,16 @@ class RolloutBatch:
     exhausted: bool  # no prompt left, nothing in flight or buffered
 
 
+def prompts_fingerprint(prompts: list[dict]) -> str:
+    """The prompts' count and a digest of their prompt and label, told apart by a resume: indices into other data pick
+    other prompts (or none: an IndexError) from then on. Images are not hashed (their PIL objects' repr is not their
+    content). Also the resume check's, before any role starts (runtime/entrypoint.py)."""
+    digest = hashlib.sha256()
+    for row in prompts:
+        digest.update(repr((row.get("prompt"), row.get("label"))).encode())
+    return f"{len(prompts)} rows, sha256 {digest.hexdigest()[:16]}"
+
+
 @dataclass(eq=False)
 class SamplesGenerator:
     """`carry_over`: keep `max_inflight_groups` running at all times, so groups of the next batch start while this one
@@ -247,14 +257,8 @@ class SamplesGenerator:
                 "counts": (dict(self._dropped), dict(self._groups), self._failed_in_a_row)}
 
     def fingerprint(self) -> str:
-        """The prompts' count and a digest of their prompt and label, told apart by a resume: indices into other data
-        pick other prompts (or none: an IndexError) from then on. Images are not hashed (their PIL objects' repr
-        is not their content)."""
         if self._fingerprint is None:
-            digest = hashlib.sha256()
-            for row in self.prompts:
-                digest.update(repr((row.get("prompt"), row.get("label"))).encode())
-            self._fingerprint = f"{len(self.prompts)} rows, sha256 {digest.hexdigest()[:16]}"
+            self._fingerprint = prompts_fingerprint(self.prompts)
         return self._fingerprint
 
     def load_state_dict(self, state: dict) -> None:

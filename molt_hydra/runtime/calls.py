@@ -84,16 +84,23 @@ class RoleCalls:
     async def push_weights(self, version: int) -> dict:
         """The trainer's weights to every engine, stamped `version`. An engine found dead when a push fails is
         replaced first (it gets its weights from the retried push)."""
+        return await self._replacing_dead(lambda: self.push_to(version, self.roles.engines), None)
+
+    async def _replacing_dead(self, work, version: int | None):
+        """`work()`, a call on every engine; where it fails and an engine is found dead, that engine is replaced (given
+        `version`'s weights; None: the retried work gives them) and `work()` runs again. Under the engines lock: a
+        push and a replacement never overlap. Before, only the push replaced: an engine core dying during a colocated
+        step's sleep, or after a push (its sleep metrics, the sync probe), ended the run."""
         async with self.engines_lock:
             try:
-                return await self.push_to(version, self.roles.engines)
-            except RunFailed:
+                return await work()
+            except (RunFailed, ray.exceptions.RayError):
                 dead = await self.keeper.dead_engines() if self.keeper is not None else []
                 if not dead:
                     raise
             for index in dead:
-                await self.keeper.replace(index, None)
-            return await self.push_to(version, self.roles.engines)
+                await self.keeper.replace(index, version)
+            return await work()
 
     async def push_to(self, version: int, engines: list) -> dict:
         """`version` onto `engines`. The single pass (one trainer rank whose parameters the engines read by CUDA IPC)
@@ -160,8 +167,8 @@ class RoleCalls:
 
     async def sleep_engines(self) -> None:
         """Every engine sleeps (GPU: its weights' and KV cache's memory released; CPU: paused) before the trainer
-        steps; the next weight push wakes it (rollout/engine.py)."""
-        await self._on_engines("sleep", "sleep")
+        steps; the next weight push wakes it (rollout/engine.py). A replaced engine is put to sleep with the others."""
+        await self._replacing_dead(lambda: self._on_engines("sleep", "sleep"), None)
 
     async def release_trainer_memory(self) -> dict[str, float]:
         """Every trainer rank hands the memory its allocator cached (activations, grads) back to the GPU, so the
@@ -178,9 +185,11 @@ class RoleCalls:
             self.offer = (answers[ranks.index(offering)][1],)
         return {"memory/trainer_resident_gib": max((kept for kept, _ in answers), default=0.0)}
 
-    async def engine_phase_metrics(self) -> dict[str, float]:
-        """The engines' last sleep and wake: seconds (mean over engines) and GiB freed (sum)."""
-        per_engine = await self._on_engines("sleep_metrics", "read sleep metrics")
+    async def engine_phase_metrics(self, version: int) -> dict[str, float]:
+        """The engines' last sleep and wake: seconds (mean over engines) and GiB freed (sum). `version`: the one just
+        pushed (an engine replaced here gets it)."""
+        per_engine = await self._replacing_dead(lambda: self._on_engines("sleep_metrics", "read sleep metrics"),
+                                                version)
         keys = sorted({k for m in per_engine for k in m})
         return {k: (sum if k.endswith("gib") else fmean)([m.get(k, 0.0) for m in per_engine]) for k in keys}
 
@@ -206,10 +215,14 @@ class RoleCalls:
         from molt_hydra.weight_sync.probe import comparable_groups, differing_groups, logprob_gap, verdict
 
         tokens, sums, logprobs = trainer_view
-        engines = self.roles.engines
-        seen = await deadline(asyncio.gather(*(e.weight_checksums.remote() for e in engines),
-                                             *(e.score.remote(tokens) for e in engines)),
-                              self.timeouts.engine_call_s, "rollout engine", "sync probe")
+
+        async def probe():  # (an engine replaced here is given `version`, then probed as the others)
+            engines = self.roles.engines
+            return engines, await deadline(asyncio.gather(*(e.weight_checksums.remote() for e in engines),
+                                                          *(e.score.remote(tokens) for e in engines)),
+                                           self.timeouts.engine_call_s, "rollout engine", "sync probe")
+
+        engines, seen = await self._replacing_dead(probe, version)
         gaps, compared = [], []
         for i, (engine_sums, engine_logprobs) in enumerate(zip(seen[:len(engines)], seen[len(engines):])):
             gaps.append(logprob_gap(logprobs, engine_logprobs))

@@ -292,7 +292,7 @@ class RLController:
         released = time.perf_counter()
         pushed = await self.calls.push_weights(version)
         synced = time.perf_counter()
-        phases = await self.calls.engine_phase_metrics()
+        phases = await self.calls.engine_phase_metrics(version)
         wake = sum(v for k, v in phases.items() if k.startswith("engine/wake_"))
         return {**pushed, **phases, **resident, "timing/trainer_release": released - start,
                 "timing/weight_sync": synced - released, "timing/engine_wake": wake}
@@ -370,6 +370,9 @@ class RLController:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> dict:
+        if self.preempted.is_set():  # Slurm's notice before the first step (the resume's load, its push): nothing new
+            self.stopped_for_notice = True  # to save; before, the at-start eval and a whole step ran first
+            return {}
         await self.watched(self.calls.freeze_heaps())
         e = self.cfg.eval
         if e.at_start and self.step > 0:  # a resume goes on with the schedule it stopped in (was: skipped silently)

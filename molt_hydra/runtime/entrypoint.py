@@ -38,23 +38,29 @@ def run(cfg: RunConfig) -> None:
     # the checkpoint directory only where this run writes checkpoints (eval and save_steps=0 write none: no directory)
     writes = cfg.job.value != "eval" and cfg.checkpoint.save_steps != 0
     locked = {"output_dir": cfg.output_dir, **({"checkpoint.dir": cfg.checkpoint.dir} if writes else {})}
-    with run_lock(locked), _stoppable():  # one run per directory, from its first write to its end
-        _run(cfg)
+    notice = PreemptionNotice(cfg.output_dir)
+    with run_lock(locked), _stoppable(notice):  # one run per directory, from its first write to its end
+        _run(cfg, notice)
 
 
 @contextmanager
-def _stoppable():
+def _stoppable(notice: PreemptionNotice):
     """Ctrl-C or SIGTERM where the run's event loop does not take them (the resume check and the model's build before
     it, seconds of imports; job=sft): exit 130 with one line. Before, Ctrl-C there printed a KeyboardInterrupt
-    traceback and SIGTERM ended the process without a word."""
+    traceback and SIGTERM ended the process without a word. So does Slurm's notice (nothing to save yet), through
+    its handover (submitit's requeue, or exit 130); before, its default action ended the driver without a word."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    notice.install(at_once=True)  # (the run's body takes it over: `_main`, job=sft's run_sft_job)
     try:
         yield
     except KeyboardInterrupt:
+        if notice.received.is_set():
+            notice.handover()
         print("\nInterrupted: the run stopped; the last checkpoint is kept.", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     finally:
+        notice.uninstall()
         if main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
@@ -63,24 +69,24 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _run(cfg: RunConfig) -> None:
+def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
     record = write_run_record(cfg, cfg.output_dir)
     resume_from = _check_resume(cfg)
     if resume_from is not None and _nothing_left(cfg, resume_from):
         return
     if cfg.job.value == "sft":
-        _run_sft(cfg, resume_from)
+        _run_sft(cfg, resume_from, notice)
         return
+    rows = _resumed_rows(cfg, resume_from)
     _build_models(cfg)
     from molt_hydra.runtime.role_warnings import Shown
 
     shown = Shown(cfg.output_dir)  # before any Ray process starts: each inherits where its warnings go
     # Inside a Slurm allocation this forms Ray over every node first; elsewhere it starts nothing.
-    notice = PreemptionNotice(cfg.output_dir)
     try:
         # Ray's auto-init, which the run turns off (compat/ray.py), is back for this process's later Ray calls
         with auto_init_restored(), ray_cluster(cfg.cluster, Path(cfg.output_dir) / "ray"):
-            code = _run_to_end(_main(cfg, record, resume_from, shown, notice))
+            code = _run_to_end(_main(cfg, record, resume_from, shown, notice, rows), notice)
     except RayClusterError as e:  # the nodes never formed one cluster: nothing else started
         print(f"\nRun failed: Ray cluster: {e}", file=sys.stderr)
         code = EXIT_FAILED
@@ -248,6 +254,32 @@ def _nothing_left(cfg: RunConfig, found: Path) -> bool:
     return True
 
 
+def _resumed_rows(cfg: RunConfig, found: Path | None) -> tuple[list, list | None] | None:
+    """job=rl resuming its loop: its rows, loaded now, before Ray (build_roles takes them), and refused, naming both
+    and the fix, where they are not those the checkpoint was trained on (a prompt file changed since its save, at the
+    same path). Before, that was found once every role had started (minutes on GPU). None: the roles load them."""
+    from molt_hydra.parallel.checkpoint import saved_client_state
+    from molt_hydra.rollout.generator import prompts_fingerprint
+    from molt_hydra.runtime.roles import _load_rows
+
+    if found is None or cfg.job.value != "rl" or cfg.checkpoint.load_model_only:
+        return None
+    saved = saved_client_state(found).get("loop", {}).get("generator", {}).get("prompts")
+    if saved is None:  # (a checkpoint older than the fingerprint)
+        return None
+    try:
+        rows = _load_rows(cfg, scoring=False)
+    except Exception:  # noqa: BLE001 - the roles' load says what is wrong (as on a fresh run)
+        return None
+    if (now := prompts_fingerprint(rows[0])) != saved:
+        print(f"\nRun failed: data.train_path={cfg.data.train_path}: {found} was trained on other prompts ({saved}) "
+              f"than this run's ({now}); its place in them cannot be resumed. Fix: resume with the data it was "
+              "trained on, or start on this data from its weights with checkpoint.load_model_only=true",
+              file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    return rows
+
+
 def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path) -> None:
     """job=sft resumes at sample global_step x train.batch_size of the epoch's order: under another batch size than
     the checkpoint's it skipped or repeated samples without a word (and stretched the LR schedule). Refused, naming
@@ -284,14 +316,13 @@ def _refuse_earlier_checkpoints(cfg: RunConfig) -> None:
             sys.exit(EXIT_FAILED)
 
 
-def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
+def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice) -> None:
     """job=sft on its torch.multiprocessing ranks; a failure is one message naming the rank, printed last (before: a
     rank's traceback through Hydra's report). Slurm's notice: the ranks save the step under way, then the notice's
     handover (requeue, or exit 130), as an RL run's; a step past the grace is cut short (a KeyboardInterrupt: the ranks
     end) and handed over all the same."""
     from molt_hydra.runtime.sft_job import run_sft_job
 
-    notice = PreemptionNotice(cfg.output_dir)
     try:
         run_sft_job(cfg, resume_from, notice)
     except KeyboardInterrupt:
@@ -313,13 +344,14 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None) -> None:
         notice.handover()
 
 
-def _run_to_end(coro) -> int:
+def _run_to_end(coro, notice: PreemptionNotice) -> int:
     """asyncio.run, also where an event loop already runs in this thread (a notebook): the run then gets its own."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # the usual case: no loop here (the run starts outside the except block, so its own
         pass  # errors carry no unrelated context)
-    else:
+    else:  # (its thread takes no signal: the notice's at-once stop would interrupt this one, not the run)
+        notice.uninstall()
         with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
             return pool.submit(asyncio.run, coro).result()
     return asyncio.run(coro)
@@ -345,7 +377,9 @@ def _close_logs(opened: list) -> None:
             print(f"closing the metric sinks: {describe(e)}", file=sys.stderr)
 
 
-async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice) -> int:
+async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, notice: PreemptionNotice,
+                rows: tuple | None = None) -> int:
+    """`rows`: `_resumed_rows`' (None: the roles load them)."""
     loop = asyncio.get_running_loop()
     signals = _stop_signals(loop)
     # Slurm's notice (a save at the step's end) also while the roles start: before, there, its default action ended
@@ -359,7 +393,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
     name_checkpoint = False  # an interruption or a stall: the checkpoint to resume from, named after the teardown
     try:
         try:
-            roles = await build_roles(cfg, record, role_pids)
+            roles = await build_roles(cfg, record, role_pids, rows)
             shown.role_pids = roles.role_pids  # (the same dict: a restarted engine's new pid is in it)
             if cfg.job.value == "eval":
                 return await _eval_only(cfg, roles, opened)
@@ -553,6 +587,9 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     def head_watched(work):  # beside Ray's head and the roles' processes (no engine keeper: there is no loop)
         return beside(work, *ray_head.watchers(roles.role_pids, cfg.cluster.nodes == 1))
 
+    if notice.received.is_set():  # Slurm's notice while the roles started: no step begun, nothing new to save.
+        notice.saved(None)  # Before, the resume's load and push, the at-start eval and a whole step ran first
+        return 0  # (often cut short at the grace)
     if found is not None:  # (minutes on GPU: watched as the start and the loop are)
         client, found = await head_watched(_load_verified(cfg, roles, found))
         state = None if c.load_model_only else client["loop"]  # a warm start: the loop, optimizer and data start fresh
@@ -567,9 +604,9 @@ async def _train(cfg: RunConfig, roles, opened: list, found: Path | None, notice
     # their calls' deadlines, trainer_call_s 1800 s, told a rank stopped there; a dead GCS, Ray's own exit 60 s later).
     # After the loop, not beside the engine keeper: an engine lost then (the export's host memory) is no failure of a
     # finished run, and no replacement should compete with the save for memory
-    if found is not None and (c.load_model_only or ctl.version > 0):  # warm start: version 0, the loaded weights
-        await ctl.watched(calls.push_weights(ctl.version))
-    ctl.preempted = notice.received
+    ctl.preempted = notice.received  # (one during the load: no push, the loop stops before its first step)
+    if found is not None and (c.load_model_only or ctl.version > 0) and not notice.received.is_set():
+        await ctl.watched(calls.push_weights(ctl.version))  # (a warm start: version 0, the loaded weights)
     await ctl.run()
     if ctl.stopped_for_notice:  # saved at the step's end (not the end of training): no final save or export
         notice.saved(ctl.saved_step)

@@ -38,31 +38,38 @@ class PreemptionNotice:
         self.saved_step: int | None = None
         self.stopped = False  # the training loop stopped on the notice (`saved`)
         self._previous = self._submitit = self._cut = self._loop = None
-        self._installed = self._over = False
+        self._installed = self._over = self._at_once = False
 
     def install(self, loop: asyncio.AbstractEventLoop | None = None, main_task: asyncio.Task | None = None,
-                also=None) -> None:
+                also=None, at_once: bool = False) -> None:
         """Through the run's event loop (RL): a step past the grace is cut by cancelling `main_task`. Without one
         (job=sft): a plain handler, the cut a KeyboardInterrupt in the main thread (as Ctrl-C's). `also()`: called
-        as the notice comes (job=sft: sets the flag its ranks read at each step's end)."""
+        as the notice comes (job=sft: sets the flag its ranks read at each step's end). `at_once`: before the run's
+        body (the resume check, the models' build, Ray forming over the nodes): nothing to save yet, the
+        KeyboardInterrupt comes at once (the caller hands over). A later install takes over from it; uninstall()
+        restores the handler from before the first."""
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread takes signals (a notebook's run thread)
-        self._previous, self._loop, self._installed = signal.getsignal(NOTICE), loop, True
-        # submitit's handler (submitit/core/job_environment.py, SignalHandler): a bound method; anything else
-        # (the default action: terminate) is not handed over to
-        named = getattr(self._previous, "__name__", "")
-        self._submitit = self._previous if named == "checkpoint_and_try_requeue" else None
+        if not self._installed:  # (installed already: at_once, before the run's body; the handler before it is kept)
+            self._previous, self._installed = signal.getsignal(NOTICE), True
+            # submitit's handler (submitit/core/job_environment.py, SignalHandler): a bound method; anything else
+            # (the default action: terminate) is not handed over to
+            named = getattr(self._previous, "__name__", "")
+            self._submitit = self._previous if named == "checkpoint_and_try_requeue" else None
+        self._loop, self._at_once = loop, at_once
         if loop is not None:
             loop.add_signal_handler(NOTICE, self._notice, lambda: loop.call_later(GRACE_S, main_task.cancel), also)
         else:
-            signal.signal(NOTICE, lambda signum, frame: self._notice(_interrupt_main_later, also))
+            cut = _interrupt_main_now if at_once else _interrupt_main_later
+            signal.signal(NOTICE, lambda signum, frame: self._notice(cut, also))
 
     def _notice(self, cut_later, also) -> None:
         if self.received.is_set():
             return
-        print(f"\n{NOTICE.name}: Slurm's notice of a time limit or a preemption: the run saves a checkpoint at the "
-              f"end of this step (cut short after {GRACE_S:.0f} s), then {'is requeued' if self._submitit else 'stops'}.",
-              file=sys.stderr, flush=True)
+        what = ("the run has not started, nothing to save: it stops now" if self._at_once else
+                f"the run saves a checkpoint at the end of this step (cut short after {GRACE_S:.0f} s)")
+        print(f"\n{NOTICE.name}: Slurm's notice of a time limit or a preemption: {what}, then "
+              f"{'is requeued' if self._submitit else 'stops'}.", file=sys.stderr, flush=True)
         self.received.set()
         if also is not None:
             also()
@@ -106,6 +113,10 @@ class PreemptionNotice:
         print(f"\nRun stopped on {NOTICE.name} (a time limit or a preemption): {where}; resume with "
               f"checkpoint.resume=auto{in_dir}.", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _interrupt_main_now() -> None:
+    raise KeyboardInterrupt  # (in the main thread: the handler runs there)
 
 
 def _interrupt_main_later() -> threading.Timer:

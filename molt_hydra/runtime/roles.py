@@ -511,9 +511,11 @@ def _abandon(*starts: asyncio.Future) -> None:
         start.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-async def build_roles(cfg: RunConfig, run_record: dict, role_pids: dict[str, int] | None = None) -> Roles:
+async def build_roles(cfg: RunConfig, run_record: dict, role_pids: dict[str, int] | None = None,
+                      rows: tuple[list, list | None] | None = None) -> Roles:
     """The run's roles, started beside the run's watchers (ray_head.watchers); `role_pids` is filled with each role's
-    pid as its process comes up (Roles.role_pids is that dict)."""
+    pid as its process comes up (Roles.role_pids is that dict). `rows`: `_load_rows`' (a resume's, loaded and
+    checked before Ray); None: loaded here, beside the engines' start."""
     # Ray starts (or is joined) while this process imports transformers' tokenizers (seconds on 2 cores): neither
     # waits. `up`: the start-up profile, seconds from Ray's start until each role is ready.
     importing = threading.Thread(target=importlib.import_module, args=("transformers.models.auto.tokenization_auto",),
@@ -524,11 +526,12 @@ async def build_roles(cfg: RunConfig, run_record: dict, role_pids: dict[str, int
     up = {"ray": time.perf_counter() - t0}
     importing.join()
     role_pids = {} if role_pids is None else role_pids  # the watchers read it as it fills
-    return await beside(_build(cfg, run_record, t0, up, role_pids),
+    return await beside(_build(cfg, run_record, t0, up, role_pids, rows),
                         *ray_head.watchers(role_pids, cfg.cluster.nodes == 1))
 
 
-async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pids: dict[str, int]) -> Roles:
+async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pids: dict[str, int],
+                 rows: tuple[list, list | None] | None) -> Roles:
     """build_roles once Ray is up, beside the run's watchers."""
     from transformers import AutoTokenizer
 
@@ -553,7 +556,7 @@ async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pid
     runners_ready.add_done_callback(ready("agent runners"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        prompts, eval_rows = _load_rows(cfg, scoring)
+        prompts, eval_rows = rows or _load_rows(cfg, scoring)
         if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
             await _started(engine_starts, t.timeouts.startup_s, role_pids)
         # beside the engines' and runners' starts: one that fails ends the run at once (before: once the trainer ranks

@@ -205,3 +205,56 @@ def test_a_resume_with_no_step_left_says_so_and_starts_nothing(finished, tmp_pat
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         f"Nothing left to run: {finished} is at step 4, train.max_steps=4; nothing was trained, saved or exported. "
         "To train further, raise train.max_steps.")
+
+
+def _prompt_file(path: Path, labels: list[str]) -> Path:
+    path.write_text("".join(f'{{"prompt": "what is {i} + 1?", "label": "{label}"}}\n'
+                            for i, label in enumerate(labels)))
+    return path
+
+
+@pytest.mark.parametrize("changed", [True, False])
+def test_a_prompt_file_changed_since_the_save_is_refused_before_ray(changed, tmp_path, capsys, monkeypatch):
+    """The same data.train_path, its contents changed since the save (one label fixed): the loop's place in the
+    prompts cannot be resumed. Refused, naming both and the fix, before Ray or any role starts (before: once every
+    role had started, minutes on GPU, SamplesGenerator.load_state_dict's ValueError). Unchanged, the rows loaded for
+    the check are the roles' (no second load)."""
+    from molt_hydra.rollout.generator import prompts_fingerprint
+    from molt_hydra.runtime import entrypoint
+    from molt_hydra.runtime.roles import _load_rows
+
+    labels = [str(i + 1) for i in range(8)]
+    cfg = _cfg(tmp_path, f"data.train_path={_prompt_file(tmp_path / 'prompts.jsonl', labels)}")
+    saved = prompts_fingerprint(_load_rows(cfg, scoring=False)[0])
+    model, opt = _trained()
+    save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 0, "prompts": saved}},
+        "run_record": write_run_record(cfg, tmp_path / "out")})
+    if changed:
+        _prompt_file(tmp_path / "prompts.jsonl", ["9", *labels[1:]])
+    started = []
+
+    async def main(cfg, record, resume_from, shown, notice, rows=None):
+        started.append(rows)
+        return 0
+
+    from contextlib import nullcontext
+
+    from molt_hydra.models import build
+
+    monkeypatch.setattr(build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(entrypoint, "ray_cluster", lambda *a: nullcontext())
+    monkeypatch.setattr(entrypoint, "_main", main)
+    cfg.checkpoint.resume = type(cfg.checkpoint.resume)("auto")
+    if not changed:
+        entrypoint.run(cfg)
+        assert [rows[0] for rows in started] == [_load_rows(cfg, scoring=False)[0]]
+        return
+    with pytest.raises(SystemExit) as e:
+        entrypoint.run(cfg)
+    now = prompts_fingerprint(_load_rows(cfg, scoring=False)[0])
+    assert (e.value.code, started, now != saved) == (EXIT_FAILED, [], True)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Run failed: data.train_path={tmp_path / 'prompts.jsonl'}: {tmp_path / 'ckpt' / 'step_3'} was trained on "
+        f"other prompts ({saved}) than this run's ({now}); its place in them cannot be resumed. Fix: resume with the "
+        "data it was trained on, or start on this data from its weights with checkpoint.load_model_only=true")

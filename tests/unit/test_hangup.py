@@ -49,7 +49,7 @@ def test_rays_processes_start_ignoring_sighup_and_the_driver_keeps_its_handler(m
 
 def _run_main(monkeypatch, tmp_path) -> int:
     """_main, its roles' start sent SIGHUP (to this process), then failing 0.3 s later unless interrupted."""
-    async def starting(cfg, record, role_pids):
+    async def starting(cfg, record, role_pids, rows):
         os.kill(os.getpid(), signal.SIGHUP)
         await asyncio.sleep(0.3)
         raise RunFailed("rollout", "the start went on")

@@ -14,6 +14,7 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
 from _config_helpers import compose_config  # noqa: E402
 from molt_hydra.runtime import entrypoint  # noqa: E402
+from molt_hydra.runtime.preemption import PreemptionNotice  # noqa: E402
 from molt_hydra.runtime.watchdog import EXIT_FAILED  # noqa: E402
 
 RANK_TRACEBACK = ("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
@@ -37,7 +38,7 @@ def test_a_failed_sft_rank_is_one_message_naming_it(error, last, tmp_path, monke
     cfg = OmegaConf.to_object(compose_config(["+recipe=tiny_vlm_colors_warm", f"checkpoint.dir={tmp_path / 'ckpt'}"],
                                              output_dir=str(tmp_path)))
     with pytest.raises(SystemExit) as e:
-        entrypoint._run_sft(cfg, None)
+        entrypoint._run_sft(cfg, None, PreemptionNotice(cfg.output_dir))
     assert e.value.code == EXIT_FAILED
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0] == last and "Traceback" not in "\n".join(lines)

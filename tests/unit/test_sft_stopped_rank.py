@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _config_helpers import compose_config  # noqa: E402
 from _sft_waiting_rank import waiting_rank  # noqa: E402
 from molt_hydra.runtime import entrypoint, watchdog  # noqa: E402
+from molt_hydra.runtime.preemption import PreemptionNotice  # noqa: E402
 from molt_hydra.runtime.watchdog import EXIT_STALLED  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def test_a_stopped_sft_rank_ends_the_run_naming_it(tmp_path, monkeypatch, capsys
     threading.Thread(target=_stop_rank_1, args=(tmp_path, pids, ended), daemon=True).start()
     try:
         with pytest.raises(SystemExit) as e:
-            entrypoint._run_sft(cfg, None)
+            entrypoint._run_sft(cfg, None, PreemptionNotice(cfg.output_dir))
     finally:
         ended.set()
         for pid in pids:  # (never left stopped)

@@ -22,7 +22,7 @@ from molt_hydra.runtime.watchdog import EXIT_FAILED, RunFailed
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_failure_is_reported_keeps_the_failure_last(monkeypatch, capsys, sig):
-    async def failing_build(cfg, record, role_pids):
+    async def failing_build(cfg, record, role_pids, rows):
         raise RunFailed("rollout", "every group failed")
 
     async def slow_report(cfg, roles_, error):
@@ -51,7 +51,7 @@ def test_slurms_notice_cuts_no_report_or_teardown_short(monkeypatch, capsys):
 
     monkeypatch.setattr(preemption, "GRACE_S", 0.05)
 
-    async def failing_build(cfg, record, role_pids):  # (_main has installed the notice's handler)
+    async def failing_build(cfg, record, role_pids, rows):  # (_main has installed the notice's handler)
         os.kill(os.getpid(), preemption.NOTICE)
         await asyncio.sleep(0.01)  # the notice is taken: its cut is due in GRACE_S
         raise RunFailed("rollout", "every group failed")

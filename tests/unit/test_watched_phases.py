@@ -102,7 +102,7 @@ def test_a_dead_gcs_ends_a_resumes_checkpoint_load_naming_it(monkeypatch):
     monkeypatch.setattr(ray_head, "dead_head_processes", lambda: {"raylet": -signal.SIGKILL})
     monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
     fake = value(calls=value(ranks=_forever), role_pids={}, critic=None, actor=object())
-    notice = value(install=lambda loop, task: None)
+    notice = value(install=lambda loop, task: None, received=asyncio.Event())
     with pytest.raises(RunFailed, match="^Ray's raylet: the process died \\(killed by SIGKILL\\)"):
         asyncio.run(asyncio.wait_for(entrypoint._train(RunConfig(), fake, [], Path("step_3"), notice), 20))
 
