@@ -556,7 +556,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     while (cause := chain[-1].__cause__ or (chain[-1].__context__ if isinstance(
             chain[-1], ConfigCompositionException) else None)) is not None and len(chain) < 5:
         chain.append(cause)
-    text = "\n".join(str(c) for c in chain)
+    text, reason = "\n".join(str(c) for c in chain), str(chain[-1]).splitlines()[0]
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
     override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
@@ -585,8 +585,7 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         return f"- {override}: no such option of that config group. Fix: use one of {_options(text)}"
     if "Could not delete" in text:  # `~agent.runner.NAME` of a kwarg the agent is not given
         override = next((o for o in overrides if o.startswith("~") and f"'{o[1:].split('=', 1)[0]}'" in text), override)
-        return f"- {override}: {str(chain[-1]).splitlines()[0]} Fix: drop {override}; `molt-run --cfg job` prints " \
-               "every key"
+        return f"- {override}: {reason} Fix: drop {override}; `molt-run --cfg job` prints every key"
     if sweeper := next((o for o in overrides if o.lstrip("+~").startswith("hydra.sweeper.params")), None):
         return (f"- {sweeper}: hydra.sweeper.params cannot be set on the command line (Hydra leaves it unset there, "
                 "and OmegaConf merges nothing into an unset dict). Fix: sweep the key itself, -m KEY=a,b, or set "
@@ -595,7 +594,6 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         return _not_a_key(key, override)
     if key and (given := override.lstrip("+~").split("=", 1)[0]).startswith(f"{key}."):  # `rollout.batch_size.x=4`
         return _not_a_key(given, override)  # (was: rollout.batch_size could not be converted from a dict)
-    reason = str(chain[-1]).splitlines()[0]
     if group := re.search(r"Could not append to config\. An item is already at '([^']+)'", text):  # `+seed=1`
         return (f"- {override}: {group[1]} is a key of the config already; + adds a key it lacks. Fix: drop the +: "
                 f"{override.lstrip('+')}")
