@@ -562,7 +562,8 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
     if line := _recipe_problem(chain, overrides):
         return line
-    if type(e) is KeyError and e.args and str(e.args[0]) not in os.environ:  # (Hydra's copy of env_copy's variables)
+    if type(e) is KeyError and e.args and str(e.args[0]) not in os.environ and any(  # (Hydra's copy of env_copy's
+            "env_copy" in o for o in overrides):  # variables; a recipe's env_copy: told as a bare KeyError below)
         return (f"- hydra.job.env_copy: names {e.args[0]}, an environment variable that is not set here, which Hydra "
                 f"copies into the job's environment. Fix: set it (export {e.args[0]}=...), or leave it out of the list")
     if "Cannot find primary config" in text:  # --config-name NAME
@@ -837,7 +838,7 @@ def mode_problems(first: DictConfig, multirun: bool, overrides: list[str]) -> li
     multirun that molt-run had checked as one run, its sweep points unchecked (a dry run printed one plan, none of
     theirs). hydra.sweeper.params (a sweep recipe's, `+recipe=sweep_estimators_is`): Hydra ran one config, none of the
     sweep's points, each swept key at its composed value, without a word; the command line may set them all (one
-    point, chosen)."""
+    point, chosen). `multirun` is also true under --cfg, which prints the config (a sweep recipe's too), runs none."""
     if multirun:
         return []
     mode, params = OmegaConf.select(first, "hydra.mode"), OmegaConf.select(first, "hydra.sweeper.params") or {}
@@ -869,6 +870,11 @@ def logging_problems(first: DictConfig) -> list[str]:
                             "only. Fix: set it to 1")
         while todo:
             key, value = todo.pop()
+            if isinstance(value, str) and "${" in value:  # resolved, as Hydra reads it (${oc.env:LOGLEVEL,INFO}); one
+                try:  # that cannot resolve here (${hydra.runtime...}, set as the run starts) is left to Hydra
+                    value = OmegaConf.select(first, key, throw_on_resolution_failure=True)
+                except OmegaConfBaseException:
+                    continue
             if isinstance(value, dict):
                 todo += [(f"{key}.{name}", item) for name, item in value.items()]
             elif key.endswith(".level") and not isinstance(value, int) and str(value) not in names:
@@ -1149,7 +1155,8 @@ def _command_line_problems(args) -> list[str]:
     if first is None:  # (ends here even under --cfg: Hydra could not compose it)
         _exit_config_error("\n".join(problems))
     if problems := (launcher_problems(first, overrides, args.multirun) + chdir_problems(first)
-                    + mode_problems(first, args.multirun, overrides) + empty_dirs(first, args.multirun)
+                    + mode_problems(first, args.multirun or bool(args.cfg), overrides)
+                    + empty_dirs(first, args.multirun)
                     + logging_problems(first)):
         return problems
     if args.multirun:

@@ -94,9 +94,10 @@ class PreemptionNotice:
         if not self._installed:
             return
         self._installed = False
-        if self._loop is not None and not self._loop.remove_signal_handler(NOTICE):
-            return
-        # asyncio would leave the default action (terminate); None: a handler not set from Python
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_signal_handler(NOTICE)
+        # asyncio would leave the default action (terminate), as would a closed loop (its close resets the signal:
+        # the handler before the run would be lost); None: a handler not set from Python
         signal.signal(NOTICE, signal.SIG_DFL if self._previous is None else self._previous)
 
     def handover(self) -> None:

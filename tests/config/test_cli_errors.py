@@ -1180,6 +1180,9 @@ def test_a_sweep_recipe_without_multirun_is_refused_unless_its_point_is_chosen(m
     assert _main_in_process(point, monkeypatch, tmp_path) == 0
     assert _main_in_process(["-m", *recipe], monkeypatch, tmp_path) == 0
     assert "(6 sweep points planned)" in capsys.readouterr().out
+    # --cfg prints the config and runs none (it cannot be given with -m): a sweep recipe's printed too, exit 0
+    assert _main_in_process(["--cfg", "job", "+recipe=sweep_estimators_is"], monkeypatch, tmp_path) is None
+    assert "estimator: grpo" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("override,fix", [
@@ -1308,6 +1311,10 @@ def test_a_logging_setup_logging_cannot_make_is_refused(override, line, monkeypa
     assert _main_in_process([override, "dry_run=true"], monkeypatch, tmp_path) == EXIT_CONFIG_ERROR
     assert capsys.readouterr().err == f"Config error(s):\n{line}\n"
     assert _main_in_process(["hydra.job_logging.root.level=DEBUG", "dry_run=true"], monkeypatch, tmp_path) == 0
+    # a level given by an interpolation is checked as Hydra reads it, resolved
+    monkeypatch.setenv("MOLT_TEST_LOGLEVEL", "WARNING")
+    assert _main_in_process(["hydra.job_logging.root.level=${oc.env:MOLT_TEST_LOGLEVEL}", "dry_run=true"],
+                            monkeypatch, tmp_path) == 0
 
 
 def test_an_output_subdir_outside_the_run_directory_is_checked_before_the_run(monkeypatch, tmp_path, capsys):

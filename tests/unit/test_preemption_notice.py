@@ -185,3 +185,25 @@ def test_job_sft_hands_over_once_its_ranks_stopped_on_the_notice(tmp_path, monke
         "Run stopped on SIGUSR2 (a time limit or a preemption): checkpoint saved at step 3; resume with "
         f"checkpoint.resume=auto hydra.run.dir={tmp_path}.")
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the run's handler is gone with it
+
+
+def test_the_handler_from_before_the_run_comes_back_when_the_runs_loop_closed_first():
+    """installed at once (before the run's body), taken over by the run's loop, whose teardown failed before its own
+    uninstall: asyncio.run closed the loop, which reset SIGUSR2 to the default. The run's last uninstall then found no
+    loop handler to remove and returned, the handler from before the run (submitit's) lost. Now it is put back."""
+    def before(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGUSR2, before)
+    try:
+        notice = PreemptionNotice()
+        notice.install(at_once=True)
+
+        async def body():
+            notice.install(asyncio.get_running_loop(), asyncio.current_task())  # (no uninstall: a failed teardown)
+
+        asyncio.run(body())
+        notice.uninstall()
+        assert signal.getsignal(signal.SIGUSR2) is before
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
