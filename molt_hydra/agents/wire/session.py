@@ -266,7 +266,7 @@ class ChatSession:
                 # prompt (an image one token); the images' own tokens are taken off the maximum
                 held = self.image_tokens_per_image * len(images)
                 raise RequestError(400, f"prompt is too long: {len(prompt_ids)} tokens > {self.max_length - 1 - held} "
-                                   f"maximum (the context length, this session's max_length {self.max_length}, "
+                                   f"maximum (this session's max_length is {self.max_length}: the context length "
                                    f"holds the prompt{f', {held} tokens for its {len(images)} images' if held else ''}"
                                    " and at least one generated token)", "messages", "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
