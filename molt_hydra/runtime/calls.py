@@ -186,12 +186,13 @@ class RoleCalls:
         return {"memory/trainer_resident_gib": max((kept for kept, _ in answers), default=0.0)}
 
     async def engine_phase_metrics(self, version: int) -> dict[str, float]:
-        """The engines' last sleep and wake: seconds (mean over engines) and GiB freed (sum). `version`: the one just
-        pushed (an engine replaced here gets it)."""
+        """The engines' last sleep and wake: seconds (mean over the engines that report them) and GiB freed (sum).
+        `version`: the one just pushed (an engine replaced here gets it). An engine started since the sleep (replaced)
+        reports none: before, it counted as a 0 s sleep, which halved the step's mean with two engines."""
         per_engine = await self._replacing_dead(lambda: self._on_engines("sleep_metrics", "read sleep metrics"),
                                                 version)
         keys = sorted({k for m in per_engine for k in m})
-        return {k: (sum if k.endswith("gib") else fmean)([m.get(k, 0.0) for m in per_engine]) for k in keys}
+        return {k: (sum if k.endswith("gib") else fmean)([m[k] for m in per_engine if k in m]) for k in keys}
 
     async def _on_engines(self, method: str, what: str) -> list:
         return await _every([getattr(e, method).remote() for e in self.roles.engines], self.timeouts.engine_call_s,

@@ -67,3 +67,14 @@ def test_an_engine_dead_in_a_phase_is_replaced_and_the_phase_goes_on(phase):
     assert asyncio.run(call(calls)) == returned
     assert calls.keeper.replaced == [(1, version)]
     assert roles.engines[1] is not old and roles.engines[1].calls == old.calls  # the new one had the phase's calls
+
+
+def test_an_engine_started_since_the_sleep_leaves_the_steps_sleep_figures_alone():
+    """The step's sleep seconds are the mean over the engines that slept, its GiB freed their sum: a replacement
+    (started after the sleep) reports nothing and must not count as a 0 s sleep."""
+    slept, fresh = Engine(), Engine()
+    slept.sleep_metrics = value(remote=lambda: asyncio.sleep(0, {"engine/sleep_s": 0.25, "engine/freed_gib": 3.0}))
+    fresh.sleep_metrics = value(remote=lambda: asyncio.sleep(0, {}))
+    calls = RoleCalls(value(engines=[slept, fresh]), TimeoutsConfig(), WeightSyncConfig(), "bfloat16")
+    calls.keeper = Keeper(calls.roles)
+    assert asyncio.run(calls.engine_phase_metrics(4)) == {"engine/freed_gib": 3.0, "engine/sleep_s": 0.25}
