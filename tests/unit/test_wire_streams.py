@@ -297,7 +297,7 @@ def test_an_undecodable_api_key_is_a_401_and_an_unrouted_path_names_the_session_
 
 def test_anthropic_thinking_blocks_echoed_back_extend_the_turn(tok):
     """The Anthropic tool loop with thinking echoes `response.content` (thinking block included), as the Anthropic
-    docs require; the server drops the thinking (templates drop earlier turns' reasoning) and extends the segment."""
+    docs require; the server hands the thinking to the template and extends the segment."""
     from anthropic import AsyncAnthropic
 
     async def go():
@@ -2693,3 +2693,70 @@ def test_a_responses_message_cut_at_the_cap_is_incomplete(tok):
     (done,) = [e.item for e in events if e.type == "response.output_item.done"]
     assert (done.status, events[-1].type, events[-1].response.output[0].status) == (
         "incomplete", "response.incomplete", "incomplete")
+
+
+def test_echoed_thinking_reaches_the_chat_template_from_responses_and_anthropic_as_from_chat(tiny_model):
+    """A Responses `reasoning` input item and an Anthropic `thinking` block in an assistant turn were dropped, while
+    chat's echoed `reasoning` reaches the template (as vLLM hands it): now all three hand it over, under both names,
+    the reply's text and calls joining the reasoning item's assistant turn. Thinking that cannot be read (another
+    server's encrypted reasoning, Anthropic's redacted_thinking) is a 400 naming it, not silently left out."""
+    from anthropic import AsyncAnthropic
+    from anthropic import BadRequestError as AnthropicBadRequest
+    from openai import AsyncOpenAI, BadRequestError
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(tiny_model)  # (the module's tokenizer keeps its template)
+    own.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>"
+                         "{{ m.reasoning_content }}|{{ m.reasoning }}</think>{% endif %}{{ m.content }}"
+                         "{% for tc in m.tool_calls or [] %}[{{ tc.function.name }}]{% endfor %}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    engine = RecordingEngine(own, "ok")
+    tools = [dict(TOOL["function"], type="function")]
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "r1"}]}
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "python", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "1"}
+
+    async def go():
+        server, _ = await serving(own, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:
+            await oa.responses.create(model="policy", input=[{"role": "user", "content": "hi"}, thought, said,
+                                                             {"role": "user", "content": "go"}])
+            await oa.responses.create(model="policy", tools=tools, input=[
+                {"role": "user", "content": "hi"}, dict(thought, content=[{"type": "reasoning_text", "text": "r2"}]),
+                said, call, result])
+            await an.messages.create(model="policy", max_tokens=20, tools=[TOOL_A], messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "a1", "signature": ""},
+                                                  {"type": "text", "text": "Hi."},
+                                                  {"type": "tool_use", "id": "t1", "name": "python", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}]}])
+            errors = []
+            with pytest.raises(BadRequestError) as e:
+                await oa.responses.create(model="policy", input=[
+                    {"role": "user", "content": "hi"}, {"type": "reasoning", "id": "rs_2", "summary": [],
+                                                        "encrypted_content": "gAAA"}, said,
+                    {"role": "user", "content": "go"}])
+            errors.append(e.value.body["param"])
+            with pytest.raises(AnthropicBadRequest) as e:
+                await an.messages.create(model="policy", max_tokens=20, messages=[
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"},
+                                                      {"type": "text", "text": "Hi."}]},
+                    {"role": "user", "content": "go"}])
+            errors.append(e.value.message)
+            return errors
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    errors = asyncio.run(go())
+    prompts = [own.decode(r.prompt_ids) for r in engine.requests]
+    assert len(prompts) == 3
+    assert "<|im_start|>assistant\n<think>r1|r1</think>Hi.<|im_end|>\n<|im_start|>user\ngo" in prompts[0]
+    assert "<|im_start|>assistant\n<think>r2|r2</think>Hi.[python]<|im_end|>\n<|im_start|>tool\n1" in prompts[1]
+    assert "<|im_start|>assistant\n<think>a1|a1</think>Hi.[python]<|im_end|>\n<|im_start|>tool\n1" in prompts[2]
+    assert errors[0] == "input[1].encrypted_content"
+    assert "messages[1].content[0]: a redacted_thinking block" in errors[1]
