@@ -2412,11 +2412,11 @@ def test_a_prompt_over_the_sessions_length_is_refused_in_the_words_clients_match
             await an.close()
             await server.stop()
 
-    for per_image in (0, 3):  # an image: one token in the count, its tokens taken off the maximum
+    for per_image in (0, 3):  # an image counted with its tokens, as the maximum holds them
         counted, error = asyncio.run(go(per_image))
         found = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", error.body["error"]["message"])
         assert found is not None, error.message
-        assert (int(found[1]), int(found[2]), "context length" in error.message) == (counted, 19 - per_image, True)
+        assert (int(found[1]), int(found[2]), "context length" in error.message) == (counted, 19, True)
 
 
 def test_a_stop_sequence_holds_back_only_the_tail_of_a_streamed_thought_not_its_marker(tok):
@@ -2760,3 +2760,56 @@ def test_echoed_thinking_reaches_the_chat_template_from_responses_and_anthropic_
     assert "<|im_start|>assistant\n<think>a1|a1</think>Hi.[python]<|im_end|>\n<|im_start|>tool\n1" in prompts[2]
     assert errors[0] == "input[1].encrypted_content"
     assert "messages[1].content[0]: a redacted_thinking block" in errors[1]
+
+
+def test_an_images_tokens_are_counted_in_count_tokens_and_every_apis_usage(tok):
+    """An image counted as one token (its placeholder) in count_tokens and in usage (prompt_tokens / input_tokens),
+    while the engine expands it to its tokens and the length budget holds them: an agent keeping its prompt under
+    the length by these counts overflowed. Now each image counts its tokens, in the count and in every API's usage."""
+    import base64
+    import io
+
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(png, format="PNG")
+    data = base64.b64encode(png.getvalue()).decode()
+    per_image = 7
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        for sid in ("a", "b", "c", "d"):
+            server.open_session(ChatSession(sid, ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=16), 2048,
+                                            reply_parser(tok, "hermes", None), image_tokens_per_image=per_image))
+        an = AsyncAnthropic(base_url=server.session_url("a"), api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("b") + "/v1", api_key="k", max_retries=0)
+        ob = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
+        ac = AsyncAnthropic(base_url=server.session_url("d"), api_key="k", max_retries=0)
+        try:
+            blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                      {"type": "text", "text": "hi"}]
+            counted = await an.messages.count_tokens(model="policy", messages=[{"role": "user", "content": blocks}])
+            message = await an.messages.create(model="policy", max_tokens=16,
+                                               messages=[{"role": "user", "content": blocks}])
+            async with ac.messages.stream(model="policy", max_tokens=16,
+                                          messages=[{"role": "user", "content": blocks}]) as s:
+                start = [e async for e in s][0].message.usage.input_tokens
+            chat = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                {"type": "text", "text": "hi"}]}])
+            response = await ob.responses.create(model="policy", input=[{"role": "user", "content": [
+                {"type": "input_image", "image_url": f"data:image/png;base64,{data}"},
+                {"type": "input_text", "text": "hi"}]}])
+            return (counted.input_tokens, message.usage.input_tokens, start, chat.usage.prompt_tokens,
+                    response.usage.input_tokens)
+        finally:
+            await an.close(), await oa.close(), await ob.close(), await ac.close()
+            await server.stop()
+
+    image_turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    rendered = tok.apply_chat_template(image_turn, tokenize=False, add_generation_prompt=True)
+    expected = len(tok(rendered, add_special_tokens=False).input_ids) + per_image
+    assert asyncio.run(go()) == (expected,) * 5

@@ -140,7 +140,8 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
 def _thought_alone(canon: list[dict]) -> bool:
     """Is the last message an assistant's reasoning item alone, which the reply's text and calls after it join?"""
     last = canon[-1] if canon else {}
-    return last.get("role") == "assistant" and "reasoning" in last and last["content"] == "" and "tool_calls" not in last
+    return (last.get("role") == "assistant" and "reasoning" in last and last["content"] == ""
+            and "tool_calls" not in last)
 
 
 def _reasoning_item_in(item: dict, where: str, canon: list[dict]) -> None:
