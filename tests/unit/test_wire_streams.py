@@ -2813,3 +2813,25 @@ def test_an_images_tokens_are_counted_in_count_tokens_and_every_apis_usage(tok):
     rendered = tok.apply_chat_template(image_turn, tokenize=False, add_generation_prompt=True)
     expected = len(tok(rendered, add_special_tokens=False).input_ids) + per_image
     assert asyncio.run(go()) == (expected,) * 5
+
+
+def test_chat_verbosity_is_served_at_medium_as_responses_text_verbosity_is(tok):
+    """Chat's `verbosity` (the OpenAI Agents SDK sends it from ModelSettings.verbosity) was a 400 'unsupported field'
+    even at "medium", which Responses serves as `text.verbosity`; now chat serves "medium" too and refuses another
+    value naming the field and the value it takes."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hi."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            served = await oa.chat.completions.create(model="policy", messages=USER, verbosity="medium")
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER, verbosity="low")
+            return served.choices[0].message.content, e.value.body
+        finally:
+            await oa.close()
+            await server.stop()
+
+    content, error = asyncio.run(go())
+    assert content == "Hi." and error["param"] == "verbosity" and "send 'medium'" in error["message"]
