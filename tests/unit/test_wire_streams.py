@@ -2835,3 +2835,52 @@ def test_chat_verbosity_is_served_at_medium_as_responses_text_verbosity_is(tok):
 
     content, error = asyncio.run(go())
     assert content == "Hi." and error["param"] == "verbosity" and "send 'medium'" in error["message"]
+
+
+def test_a_thinking_tool_loop_is_one_segment_on_a_qwen3_style_template_from_responses_and_anthropic(tiny_model):
+    """Qwen3's template renders `<think>...</think>` in the assistant turns after the last user message, an empty one
+    for a last assistant turn without thinking. With the echoed thinking dropped, the echoed reply rendered as the
+    last turn (`<think>\\n\\n</think>`) was no prefix of the next request's render (no thinking at all), so every turn
+    of a Responses or Anthropic tool loop began a new segment (as chat's does when its `reasoning` is not echoed),
+    its prompt re-rendered without the thoughts the model had generated. Now the echoed thinking renders in both."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(tiny_model)
+    own.chat_template = (
+        "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last = "
+        "loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}<|im_start|>"
+        "{{ 'user' if m.role == 'tool' else m.role }}\n{%- if m.role == 'assistant' and loop.index0 > ns.last and "
+        "(loop.last or m.reasoning_content) %}<think>\n{{ (m.reasoning_content or '').strip('\n') }}\n</think>\n\n"
+        "{%- endif %}{{ m.content }}{%- for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}</tool_call>"
+        "{%- endfor %}<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        sessions = {sid: ChatSession(sid, ScriptedEngine(own, THOUGHT_TEXT_CALL), own, Sampling(max_tokens=64), 2048,
+                                     reply_parser(own, "hermes", "qwen3")) for sid in ("r", "a")}
+        for session in sessions.values():
+            server.open_session(session)
+        oa = AsyncOpenAI(base_url=server.session_url("r") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("a"), api_key="k", max_retries=0)
+        try:
+            items = [{"role": "user", "content": "hi"}]
+            messages = [{"role": "user", "content": "hi"}]
+            for _ in range(3):
+                r = await oa.responses.create(model="policy", input=items, tools=[dict(TOOL["function"],
+                                                                                      type="function")])
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                items += [{"type": "function_call_output", "call_id": o.call_id, "output": "1"}
+                          for o in r.output if o.type == "function_call"]
+                m = await an.messages.create(model="policy", max_tokens=64, messages=messages, tools=[TOOL_A])
+                messages += [{"role": "assistant", "content": m.content}, {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": b.id, "content": "1"} for b in m.content
+                    if b.type == "tool_use"]}]
+            return {sid: [len(seg.action_ranges) for seg in s.close()] for sid, s in sessions.items()}
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == {"r": [3], "a": [3]}
