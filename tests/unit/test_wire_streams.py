@@ -2841,8 +2841,10 @@ def test_a_thinking_tool_loop_is_one_segment_on_a_qwen3_style_template_from_resp
     """Qwen3's template renders `<think>...</think>` in the assistant turns after the last user message, an empty one
     for a last assistant turn without thinking. With the echoed thinking dropped, the echoed reply rendered as the
     last turn (`<think>\\n\\n</think>`) was no prefix of the next request's render (no thinking at all), so every turn
-    of a Responses or Anthropic tool loop began a new segment (as chat's does when its `reasoning` is not echoed),
-    its prompt re-rendered without the thoughts the model had generated. Now the echoed thinking renders in both."""
+    of a Responses or Anthropic tool loop began a new segment, its prompt re-rendered without the thoughts the model
+    had generated; and so did chat's where the client does not echo the reply's `reasoning` (LangChain's ChatOpenAI).
+    Now the echoed thinking renders in both, and a reply echoed without it renders with the thinking it was
+    generated with (the segment holds those tokens)."""
     from anthropic import AsyncAnthropic
     from openai import AsyncOpenAI
     from transformers import AutoTokenizer
@@ -2860,14 +2862,15 @@ def test_a_thinking_tool_loop_is_one_segment_on_a_qwen3_style_template_from_resp
         server = ChatServer(api_key="k")
         await server.start()
         sessions = {sid: ChatSession(sid, ScriptedEngine(own, THOUGHT_TEXT_CALL), own, Sampling(max_tokens=64), 2048,
-                                     reply_parser(own, "hermes", "qwen3")) for sid in ("r", "a")}
+                                     reply_parser(own, "hermes", "qwen3")) for sid in ("r", "a", "c")}
         for session in sessions.values():
             server.open_session(session)
         oa = AsyncOpenAI(base_url=server.session_url("r") + "/v1", api_key="k", max_retries=0)
         an = AsyncAnthropic(base_url=server.session_url("a"), api_key="k", max_retries=0)
+        oc = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
         try:
             items = [{"role": "user", "content": "hi"}]
-            messages = [{"role": "user", "content": "hi"}]
+            messages, chat = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "hi"}]
             for _ in range(3):
                 r = await oa.responses.create(model="policy", input=items, tools=[dict(TOOL["function"],
                                                                                       type="function")])
@@ -2878,9 +2881,13 @@ def test_a_thinking_tool_loop_is_one_segment_on_a_qwen3_style_template_from_resp
                 messages += [{"role": "assistant", "content": m.content}, {"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": b.id, "content": "1"} for b in m.content
                     if b.type == "tool_use"]}]
+                # chat, the reply echoed without its `reasoning`, as LangChain's ChatOpenAI sends it back
+                c = (await oc.chat.completions.create(model="policy", messages=chat, tools=[TOOL])).choices[0].message
+                chat += [c.model_dump(exclude_none=True, exclude={"reasoning"})]
+                chat += [{"role": "tool", "tool_call_id": tc.id, "content": "1"} for tc in c.tool_calls]
             return {sid: [len(seg.action_ranges) for seg in s.close()] for sid, s in sessions.items()}
         finally:
-            await oa.close(), await an.close()
+            await oa.close(), await an.close(), await oc.close()
             await server.stop()
 
-    assert asyncio.run(go()) == {"r": [3], "a": [3]}
+    assert asyncio.run(go()) == {"r": [3], "a": [3], "c": [3]}

@@ -374,8 +374,13 @@ class ChatSession:
         traj, choice = next(((t, c) for t, c in self._branches if _echoes(req.messages[k], c)), (None, None))
         if traj is None:
             return None
-        head = self._render(req.messages[: k + 1], req.tools, False)
-        full = self._render(req.messages, req.tools, True)
+        messages, echoed = list(req.messages), req.messages[k]
+        if choice.reasoning and echoed.get("reasoning") is None:  # the reply as generated, its thinking too, where the
+            # client does not echo it (LangChain): a template that shows the last turn's thinking (Qwen3's, after the
+            # last user message) renders it in both (was: no prefix, a new segment at each turn of a tool loop)
+            messages[k] = dict(echoed, reasoning=choice.reasoning, reasoning_content=choice.reasoning)
+        head = self._render(messages[: k + 1], req.tools, False)
+        full = self._render(messages, req.tools, True)
         if not full.startswith(head):
             return None
         # Every message after the echoed reply is in this delta (Molt rendered only the last one).
