@@ -2727,6 +2727,9 @@ def test_echoed_thinking_reaches_the_chat_template_from_responses_and_anthropic_
             await oa.responses.create(model="policy", tools=tools, input=[
                 {"role": "user", "content": "hi"}, dict(thought, content=[{"type": "reasoning_text", "text": "r2"}]),
                 said, call, result])
+            await oa.responses.create(model="policy", tools=tools, input=[  # the reasoning after the reply's text
+                {"role": "user", "content": "hi"}, said,
+                dict(thought, content=[{"type": "reasoning_text", "text": "r3"}]), call, result])
             await an.messages.create(model="policy", max_tokens=20, tools=[TOOL_A], messages=[
                 {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "a1", "signature": ""},
@@ -2754,10 +2757,10 @@ def test_echoed_thinking_reaches_the_chat_template_from_responses_and_anthropic_
 
     errors = asyncio.run(go())
     prompts = [own.decode(r.prompt_ids) for r in engine.requests]
-    assert len(prompts) == 3
+    assert len(prompts) == 4
     assert "<|im_start|>assistant\n<think>r1|r1</think>Hi.<|im_end|>\n<|im_start|>user\ngo" in prompts[0]
-    assert "<|im_start|>assistant\n<think>r2|r2</think>Hi.[python]<|im_end|>\n<|im_start|>tool\n1" in prompts[1]
-    assert "<|im_start|>assistant\n<think>a1|a1</think>Hi.[python]<|im_end|>\n<|im_start|>tool\n1" in prompts[2]
+    for thought, prompt in zip(("r2", "r3", "a1"), prompts[1:]):
+        assert f"assistant\n<think>{thought}|{thought}</think>Hi.[python]<|im_end|>\n<|im_start|>tool\n1" in prompt
     assert errors[0] == "input[1].encrypted_content"
     assert "messages[1].content[0]: a redacted_thinking block" in errors[1]
 

@@ -156,12 +156,15 @@ def _reasoning_item_in(item: dict, where: str, canon: list[dict]) -> None:
                   "reasoning item's text as content [{type: reasoning_text, text}], or leave the item out",
                   f"{where}.encrypted_content")
     text = "\n".join(p["text"] for p in parts)
+    last = canon[-1] if canon else {}
     if not text:
         return  # no thinking to render (a reasoning item with an empty summary)
-    if _thought_alone(canon):  # a second reasoning item before the reply's text: one thinking
-        text = f"{canon[-1]['reasoning']}\n{text}"
-        canon.pop()
-    canon.append({"role": "assistant", "content": "", "reasoning": text, "reasoning_content": text})
+    if last.get("role") == "assistant" and last.get("reasoning") is None:  # after its reply's text or call (as vLLM)
+        last["reasoning"] = last["reasoning_content"] = text
+    elif _thought_alone(canon):  # a second reasoning item before the reply's text: one thinking
+        last["reasoning"] = last["reasoning_content"] = f"{last['reasoning']}\n{text}"
+    else:
+        canon.append({"role": "assistant", "content": "", "reasoning": text, "reasoning_content": text})
 
 
 def _part(p: Any, at: str) -> dict:

@@ -274,7 +274,7 @@ class ChatSession:
                 held = self.image_tokens_per_image * len(images)
                 raise RequestError(400, f"prompt is too long: {prompt_tokens} tokens > {self.max_length - 1} maximum "
                                    f"(this session's max_length is {self.max_length}: the context length holds the "
-                                   f"prompt{f', {held} tokens of it its {len(images)} images,' if held else ''}"
+                                   f"prompt{f' (its {len(images)} images {held} tokens of it)' if held else ''}"
                                    " and at least one generated token)", "messages", "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for traj, _ in self._branches:
