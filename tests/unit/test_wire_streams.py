@@ -297,7 +297,7 @@ def test_an_undecodable_api_key_is_a_401_and_an_unrouted_path_names_the_session_
 
 def test_anthropic_thinking_blocks_echoed_back_extend_the_turn(tok):
     """The Anthropic tool loop with thinking echoes `response.content` (thinking block included), as the Anthropic
-    docs require; the server drops the thinking (templates drop earlier turns' reasoning) and extends the segment."""
+    docs require; the server hands the thinking to the template and extends the segment."""
     from anthropic import AsyncAnthropic
 
     async def go():
@@ -2412,11 +2412,11 @@ def test_a_prompt_over_the_sessions_length_is_refused_in_the_words_clients_match
             await an.close()
             await server.stop()
 
-    for per_image in (0, 3):  # an image: one token in the count, its tokens taken off the maximum
+    for per_image in (0, 3):  # an image counted with its tokens, as the maximum holds them
         counted, error = asyncio.run(go(per_image))
         found = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", error.body["error"]["message"])
         assert found is not None, error.message
-        assert (int(found[1]), int(found[2]), "context length" in error.message) == (counted, 19 - per_image, True)
+        assert (int(found[1]), int(found[2]), "context length" in error.message) == (counted, 19, True)
 
 
 def test_a_stop_sequence_holds_back_only_the_tail_of_a_streamed_thought_not_its_marker(tok):
@@ -2693,3 +2693,204 @@ def test_a_responses_message_cut_at_the_cap_is_incomplete(tok):
     (done,) = [e.item for e in events if e.type == "response.output_item.done"]
     assert (done.status, events[-1].type, events[-1].response.output[0].status) == (
         "incomplete", "response.incomplete", "incomplete")
+
+
+def test_echoed_thinking_reaches_the_chat_template_from_responses_and_anthropic_as_from_chat(tiny_model):
+    """A Responses `reasoning` input item and an Anthropic `thinking` block in an assistant turn were dropped, while
+    chat's echoed `reasoning` reaches the template (as vLLM hands it): now all three hand it over, under both names,
+    the reply's text and calls joining the reasoning item's assistant turn. Thinking that cannot be read (another
+    server's encrypted reasoning, Anthropic's redacted_thinking) is a 400 naming it, not silently left out."""
+    from anthropic import AsyncAnthropic
+    from anthropic import BadRequestError as AnthropicBadRequest
+    from openai import AsyncOpenAI, BadRequestError
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(tiny_model)  # (the module's tokenizer keeps its template)
+    own.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>"
+                         "{{ m.reasoning_content }}|{{ m.reasoning }}</think>{% endif %}{{ m.content }}"
+                         "{% for tc in m.tool_calls or [] %}[{{ tc.function.name }}]{% endfor %}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    engine = RecordingEngine(own, "ok")
+    tools = [dict(TOOL["function"], type="function")]
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "r1"}]}
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "python", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "1"}
+
+    async def go():
+        server, _ = await serving(own, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:
+            await oa.responses.create(model="policy", input=[{"role": "user", "content": "hi"}, thought, said,
+                                                             {"role": "user", "content": "go"}])
+            await oa.responses.create(model="policy", tools=tools, input=[
+                {"role": "user", "content": "hi"}, dict(thought, content=[{"type": "reasoning_text", "text": "r2"}]),
+                said, call, result])
+            await oa.responses.create(model="policy", tools=tools, input=[  # the reasoning after the reply's text
+                {"role": "user", "content": "hi"}, said,
+                dict(thought, content=[{"type": "reasoning_text", "text": "r3"}]), call, result])
+            await an.messages.create(model="policy", max_tokens=20, tools=[TOOL_A], messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "a1", "signature": ""},
+                                                  {"type": "text", "text": "Hi."},
+                                                  {"type": "tool_use", "id": "t1", "name": "python", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}]}])
+            errors = []
+            with pytest.raises(BadRequestError) as e:
+                await oa.responses.create(model="policy", input=[
+                    {"role": "user", "content": "hi"}, {"type": "reasoning", "id": "rs_2", "summary": [],
+                                                        "encrypted_content": "gAAA"}, said,
+                    {"role": "user", "content": "go"}])
+            errors.append(e.value.body["param"])
+            with pytest.raises(AnthropicBadRequest) as e:
+                await an.messages.create(model="policy", max_tokens=20, messages=[
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"},
+                                                      {"type": "text", "text": "Hi."}]},
+                    {"role": "user", "content": "go"}])
+            errors.append(e.value.message)
+            return errors
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    errors = asyncio.run(go())
+    prompts = [own.decode(r.prompt_ids) for r in engine.requests]
+    assert len(prompts) == 4
+    assert "<|im_start|>assistant\n<think>r1|r1</think>Hi.<|im_end|>\n<|im_start|>user\ngo" in prompts[0]
+    for thought, prompt in zip(("r2", "r3", "a1"), prompts[1:]):
+        assert f"assistant\n<think>{thought}|{thought}</think>Hi.[python]<|im_end|>\n<|im_start|>tool\n1" in prompt
+    assert errors[0] == "input[1].encrypted_content"
+    assert "messages[1].content[0]: a redacted_thinking block" in errors[1]
+
+
+def test_an_images_tokens_are_counted_in_count_tokens_and_every_apis_usage(tok):
+    """An image counted as one token (its placeholder) in count_tokens and in usage (prompt_tokens / input_tokens),
+    while the engine expands it to its tokens and the length budget holds them: an agent keeping its prompt under
+    the length by these counts overflowed. Now each image counts its tokens, in the count and in every API's usage."""
+    import base64
+    import io
+
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(png, format="PNG")
+    data = base64.b64encode(png.getvalue()).decode()
+    per_image = 7
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        for sid in ("a", "b", "c", "d"):
+            server.open_session(ChatSession(sid, ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=16), 2048,
+                                            reply_parser(tok, "hermes", None), image_tokens_per_image=per_image))
+        an = AsyncAnthropic(base_url=server.session_url("a"), api_key="k", max_retries=0)
+        oa = AsyncOpenAI(base_url=server.session_url("b") + "/v1", api_key="k", max_retries=0)
+        ob = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
+        ac = AsyncAnthropic(base_url=server.session_url("d"), api_key="k", max_retries=0)
+        try:
+            blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                      {"type": "text", "text": "hi"}]
+            counted = await an.messages.count_tokens(model="policy", messages=[{"role": "user", "content": blocks}])
+            message = await an.messages.create(model="policy", max_tokens=16,
+                                               messages=[{"role": "user", "content": blocks}])
+            async with ac.messages.stream(model="policy", max_tokens=16,
+                                          messages=[{"role": "user", "content": blocks}]) as s:
+                start = [e async for e in s][0].message.usage.input_tokens
+            chat = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                {"type": "text", "text": "hi"}]}])
+            response = await ob.responses.create(model="policy", input=[{"role": "user", "content": [
+                {"type": "input_image", "image_url": f"data:image/png;base64,{data}"},
+                {"type": "input_text", "text": "hi"}]}])
+            return (counted.input_tokens, message.usage.input_tokens, start, chat.usage.prompt_tokens,
+                    response.usage.input_tokens)
+        finally:
+            await an.close(), await oa.close(), await ob.close(), await ac.close()
+            await server.stop()
+
+    image_turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    rendered = tok.apply_chat_template(image_turn, tokenize=False, add_generation_prompt=True)
+    expected = len(tok(rendered, add_special_tokens=False).input_ids) + per_image
+    assert asyncio.run(go()) == (expected,) * 5
+
+
+def test_chat_verbosity_is_served_at_medium_as_responses_text_verbosity_is(tok):
+    """Chat's `verbosity` (the OpenAI Agents SDK sends it from ModelSettings.verbosity) was a 400 'unsupported field'
+    even at "medium", which Responses serves as `text.verbosity`; now chat serves "medium" too and refuses another
+    value naming the field and the value it takes."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hi."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            served = await oa.chat.completions.create(model="policy", messages=USER, verbosity="medium")
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER, verbosity="low")
+            return served.choices[0].message.content, e.value.body
+        finally:
+            await oa.close()
+            await server.stop()
+
+    content, error = asyncio.run(go())
+    assert content == "Hi." and error["param"] == "verbosity" and "send 'medium'" in error["message"]
+
+
+def test_a_thinking_tool_loop_is_one_segment_on_a_qwen3_style_template_from_responses_and_anthropic(tiny_model):
+    """Qwen3's template renders `<think>...</think>` in the assistant turns after the last user message, an empty one
+    for a last assistant turn without thinking. With the echoed thinking dropped, the echoed reply rendered as the
+    last turn (`<think>\\n\\n</think>`) was no prefix of the next request's render (no thinking at all), so every turn
+    of a Responses or Anthropic tool loop began a new segment, its prompt re-rendered without the thoughts the model
+    had generated; and so did chat's where the client does not echo the reply's `reasoning` (LangChain's ChatOpenAI).
+    Now the echoed thinking renders in both, and a reply echoed without it renders with the thinking it was
+    generated with (the segment holds those tokens)."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(tiny_model)
+    own.chat_template = (
+        "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last = "
+        "loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}<|im_start|>"
+        "{{ 'user' if m.role == 'tool' else m.role }}\n{%- if m.role == 'assistant' and loop.index0 > ns.last and "
+        "(loop.last or m.reasoning_content) %}<think>\n{{ (m.reasoning_content or '').strip('\n') }}\n</think>\n\n"
+        "{%- endif %}{{ m.content }}{%- for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}</tool_call>"
+        "{%- endfor %}<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        sessions = {sid: ChatSession(sid, ScriptedEngine(own, THOUGHT_TEXT_CALL), own, Sampling(max_tokens=64), 2048,
+                                     reply_parser(own, "hermes", "qwen3")) for sid in ("r", "a", "c")}
+        for session in sessions.values():
+            server.open_session(session)
+        oa = AsyncOpenAI(base_url=server.session_url("r") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("a"), api_key="k", max_retries=0)
+        oc = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
+        try:
+            items = [{"role": "user", "content": "hi"}]
+            messages, chat = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "hi"}]
+            for _ in range(3):
+                r = await oa.responses.create(model="policy", input=items, tools=[dict(TOOL["function"],
+                                                                                      type="function")])
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                items += [{"type": "function_call_output", "call_id": o.call_id, "output": "1"}
+                          for o in r.output if o.type == "function_call"]
+                m = await an.messages.create(model="policy", max_tokens=64, messages=messages, tools=[TOOL_A])
+                messages += [{"role": "assistant", "content": m.content}, {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": b.id, "content": "1"} for b in m.content
+                    if b.type == "tool_use"]}]
+                # chat, the reply echoed without its `reasoning`, as LangChain's ChatOpenAI sends it back
+                c = (await oc.chat.completions.create(model="policy", messages=chat, tools=[TOOL])).choices[0].message
+                chat += [c.model_dump(exclude_none=True, exclude={"reasoning"})]
+                chat += [{"role": "tool", "tool_call_id": tc.id, "content": "1"} for tc in c.tool_calls]
+            return {sid: [len(seg.action_ranges) for seg in s.close()] for sid, s in sessions.items()}
+        finally:
+            await oa.close(), await an.close(), await oc.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == {"r": [3], "a": [3], "c": [3]}

@@ -190,7 +190,7 @@ def _message(m: Any, where: str) -> list[dict]:
         return [{"role": m["role"], "content": content}]
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of blocks", where)
-    parts, tool_calls, out = [], [], []  # out: the tool results first, as tool messages
+    parts, tool_calls, thoughts, out = [], [], [], []  # out: the tool results first, as tool messages
     for j, b in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = _cache_control(b, at).get("type") if isinstance(b, dict) else None
@@ -204,7 +204,7 @@ def _message(m: Any, where: str) -> list[dict]:
             tool_calls.append({"id": str(b.get("id", "")), "type": "function",
                                "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
         elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-            continue  # an echoed reply's thinking: the segment holds its generated tokens already (as Responses)
+            thoughts.append(_thought(b, at))
         elif kind == "tool_result" and m["role"] == "user":
             if parts:  # as Anthropic: a 400 (was: silently moved ahead of the text, not the turn that was sent)
                 first = next(i for i, x in enumerate(content) if x.get("type") in ("text", "image"))
@@ -215,12 +215,26 @@ def _message(m: Any, where: str) -> list[dict]:
             out.append({"role": "tool", "content": result, "tool_call_id": str(b.get("tool_use_id", ""))})
         else:
             raise bad(f"{at}: unsupported block type {kind!r} in a {m['role']} message", at)
-    if parts or tool_calls or not out:
+    if parts or tool_calls or thoughts or not out:
         msg: dict = {"role": m["role"], "content": check.content(parts)}
         if tool_calls:
             msg["tool_calls"] = tool_calls
+        if thoughts:  # under both names, as chat's echoed `reasoning` (was: dropped)
+            msg["reasoning"] = msg["reasoning_content"] = "\n".join(thoughts)
         out.append(msg)
     return out
+
+
+def _thought(b: dict, where: str) -> str:
+    """An echoed thinking block's text, which reaches the chat template as chat's echoed `reasoning` does (Qwen3's
+    renders it in the turns after the last user message). A redacted_thinking block is thinking Anthropic encrypted,
+    which nothing here can read (this server never sends one): a 400, not a thought silently left out."""
+    if b["type"] == "redacted_thinking":
+        raise bad(f"{where}: a redacted_thinking block is thinking encrypted by Anthropic, which this server cannot "
+                  "read; leave the block out (or send its thinking as a thinking block)", where)
+    if not isinstance(b.get("thinking"), str):
+        raise bad(f"{where}: a thinking block needs a string 'thinking'", where)
+    return b["thinking"]
 
 
 def _append_merged(canon: list[dict], msg: dict) -> None:
@@ -239,6 +253,9 @@ def _append_merged(canon: list[dict], msg: dict) -> None:
         prev["content"] = check.content([p for p in a + gap + b if p["type"] != "text" or p["text"]])
     if msg.get("tool_calls"):
         prev["tool_calls"] = prev.get("tool_calls", []) + msg["tool_calls"]
+    if msg.get("reasoning"):
+        thought = "\n".join(filter(None, (prev.get("reasoning"), msg["reasoning"])))
+        prev["reasoning"] = prev["reasoning_content"] = thought
 
 
 def _tool_result(b: dict, where: str) -> str | list[dict]:

@@ -73,7 +73,8 @@ IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier", "safety_
 # Fields accepted only at the value that changes nothing (sampling shapers training does not assume).
 NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "include": ([],),
                   "modalities": (["text"],), "truncation": ("disabled",), "best_of": (1,), "echo": (False,),
-                  "min_p": (0, 0.0), "repetition_penalty": (1, 1.0)}  # (vLLM's extensions, sent for Qwen models)
+                  "min_p": (0, 0.0), "repetition_penalty": (1, 1.0),  # (vLLM's extensions, sent for Qwen models)
+                  "verbosity": ("medium",)}  # chat's, as Responses' text.verbosity: the model is not trained to it
 
 
 def fields(body: Any, honoured: set[str], api: str) -> None:

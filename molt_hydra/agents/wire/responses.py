@@ -16,8 +16,8 @@ FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", 
           "text", "parallel_tool_calls", "top_logprobs", "include", "reasoning"}
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for log-probs (the Agents SDK sends it)
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}  # of a function tool
-# `include` entries that change nothing here: reasoning is never encrypted, and echoed reasoning items are dropped
-# (the segment holds the generated tokens), so a stateless client loses nothing without `encrypted_content`
+# `include` entries that change nothing here: reasoning is never encrypted (a reply's reasoning item carries its text,
+# which an echoed item hands back), so a stateless client loses nothing without `encrypted_content`
 INCLUDE_IGNORED = {"reasoning.encrypted_content"}
 
 
@@ -114,7 +114,10 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
             raise bad(f"{where}.content: a user message's content must be a non-empty string or list of parts",
                       f"{where}.content")
         content = check.text_or_parts(item.get("content", ""), f"{where}.content", _part)
-        canon.append({"role": ROLES[item["role"]], "content": content})
+        if ROLES[item["role"]] == "assistant" and _thought_alone(canon):  # the reply's text after its reasoning item
+            canon[-1]["content"] = content
+        else:
+            canon.append({"role": ROLES[item["role"]], "content": content})
     elif kind == "function_call":
         if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
             raise bad(f"{where}: function_call needs a string name and arguments", where)
@@ -127,9 +130,41 @@ def _item(item: Any, where: str, canon: list[dict]) -> None:
     elif kind == "function_call_output":
         out = check.text_or_parts(item.get("output", ""), f"{where}.output", _part)
         canon.append({"role": "tool", "content": out, "tool_call_id": str(item.get("call_id", ""))})
-    elif kind != "reasoning":  # an echoed reasoning item: templates drop earlier turns' reasoning, it renders nowhere
+    elif kind == "reasoning":  # an echoed thinking: to the template, as chat's `reasoning` (was: dropped)
+        _reasoning_item_in(item, where, canon)
+    else:
         raise bad(f"{where}: unsupported input item type {kind!r} (message, function_call, function_call_output, "
                   "reasoning)", where)
+
+
+def _thought_alone(canon: list[dict]) -> bool:
+    """Is the last message an assistant's reasoning item alone, which the reply's text and calls after it join?"""
+    last = canon[-1] if canon else {}
+    return (last.get("role") == "assistant" and "reasoning" in last and last["content"] == ""
+            and "tool_calls" not in last)
+
+
+def _reasoning_item_in(item: dict, where: str, canon: list[dict]) -> None:
+    """A reasoning item opens the assistant message its reply's text and calls join, its thinking under both names,
+    as chat's echoed `reasoning` and vLLM's server hand it to the template (Qwen3's renders it after the last user
+    message): its `content` text, else its summary's. Thinking encrypted by another server cannot be read: a 400."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise bad(f"{where}: a reasoning item's content / summary must be a list of {{type, text}} parts", where)
+    if not parts and item.get("encrypted_content"):
+        raise bad(f"{where}.encrypted_content: thinking encrypted by another server cannot be read here; send the "
+                  "reasoning item's text as content [{type: reasoning_text, text}], or leave the item out",
+                  f"{where}.encrypted_content")
+    text = "\n".join(p["text"] for p in parts)
+    last = canon[-1] if canon else {}
+    if not text:
+        return  # no thinking to render (a reasoning item with an empty summary)
+    if last.get("role") == "assistant" and last.get("reasoning") is None:  # after its reply's text or call (as vLLM)
+        last["reasoning"] = last["reasoning_content"] = text
+    elif _thought_alone(canon):  # a second reasoning item before the reply's text: one thinking
+        last["reasoning"] = last["reasoning_content"] = f"{last['reasoning']}\n{text}"
+    else:
+        canon.append({"role": "assistant", "content": "", "reasoning": text, "reasoning_content": text})
 
 
 def _part(p: Any, at: str) -> dict:

@@ -142,10 +142,10 @@ class ChatSession:
         self._check_n(req)  # the cheap 400s before images are loaded and the prompt rendered
         self._check_thinking(req)  # (was: reasoning_effort unchecked here)
         prompt_ids, images = self._full_prompt(req)
-        o = req.overrides
-        remaining = self.max_length - len(prompt_ids)
+        o, prompt_tokens = req.overrides, self._prompt_tokens(prompt_ids, images)
+        remaining = self.max_length - prompt_tokens  # (was: its images' tokens not counted)
         if remaining <= 0:
-            raise RequestError(400, f"judge prompt is {len(prompt_ids)} tokens; max_length is {self.max_length}",
+            raise RequestError(400, f"judge prompt is {prompt_tokens} tokens; max_length is {self.max_length}",
                                "messages", "context_length_exceeded")
         sampling = dataclasses.replace(
             self.sampling, max_tokens=min(o.get("max_tokens", self.sampling.max_tokens), remaining),
@@ -153,14 +153,20 @@ class ChatSession:
             **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o}, **self._decoding(req))
         gens = await self.generator.generate(
             GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling, images))
-        return TurnReply([self._choice(g, req) for g in gens], len(prompt_ids), sum(len(g.token_ids) for g in gens))
+        return TurnReply([self._choice(g, req) for g in gens], prompt_tokens, sum(len(g.token_ids) for g in gens))
 
     async def count_tokens(self, req: ChatRequest) -> int:
         """The prompt tokens of `req` as a turn would take them, its usage counts them: the open segment extended
         where `req` continues it (was: rendered whole, without the earlier turns' thinking a continued turn keeps:
         fewer than the turn then used); nothing generated or recorded. On the agent's loop, as every use of the
         tokenizer (a fast tokenizer is not safe across threads)."""
-        return len(self._prompt(req)[1])
+        _, prompt_ids, images = self._prompt(req)
+        return self._prompt_tokens(prompt_ids, images)
+
+    def _prompt_tokens(self, prompt_ids: list[int], images: list) -> int:
+        """A prompt's tokens as the engine takes them, as usage and count_tokens report them: each image's
+        placeholder expanded to its tokens (was: counted as one token, while the length budget took its tokens)."""
+        return len(prompt_ids) + self.image_tokens_per_image * len(images)
 
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
@@ -255,19 +261,20 @@ class ChatSession:
     async def _generate_turn(self, req: ChatRequest, on_delta: DeltaSink | None) -> TurnReply:
         self._check_n(req)
         extension, prompt_ids, images = self._prompt(req)
-        remaining = self.max_length - len(prompt_ids) - self.image_tokens_per_image * len(images)
+        prompt_tokens = self._prompt_tokens(prompt_ids, images)
+        remaining = self.max_length - prompt_tokens
         sampling = self._turn_sampling(req, remaining)
         out_of_turns = self.max_turns is not None and self.generate_calls >= self.max_turns
-        self.last_prompt_tokens = len(prompt_ids)  # also of a turn out of budget: its reply reports this prompt
+        self.last_prompt_tokens = prompt_tokens  # also of a turn out of budget: its reply reports this prompt
         if remaining <= 0 or out_of_turns:
             if extension is None and not out_of_turns:
                 # Anthropic's words, which clients match to compact their history (was: "prompt is N tokens",
                 # matched by none: an agent that compacts on overflow failed instead). N as count_tokens counts the
-                # prompt (an image one token); the images' own tokens are taken off the maximum
+                # prompt, its images' tokens included
                 held = self.image_tokens_per_image * len(images)
-                raise RequestError(400, f"prompt is too long: {len(prompt_ids)} tokens > {self.max_length - 1 - held} "
-                                   f"maximum (this session's max_length is {self.max_length}: the context length "
-                                   f"holds the prompt{f', {held} tokens for its {len(images)} images' if held else ''}"
+                raise RequestError(400, f"prompt is too long: {prompt_tokens} tokens > {self.max_length - 1} maximum "
+                                   f"(this session's max_length is {self.max_length}: the context length holds the "
+                                   f"prompt{f' (its {len(images)} images {held} tokens of it)' if held else ''}"
                                    " and at least one generated token)", "messages", "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for traj, _ in self._branches:
@@ -275,7 +282,7 @@ class ChatSession:
             # one empty choice per choice asked for (was: one, whatever `n`: an agent reading choices[1] failed)
             return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None, None,
                                      None if req.top_logprobs is None else []) for _ in range(req.n)],
-                             len(prompt_ids), 0)
+                             prompt_tokens, 0)
         self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
@@ -288,7 +295,7 @@ class ChatSession:
                                "not recorded", code="session_closed")
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
         self._commit(req, extension, prompt_ids, images, choices)
-        return TurnReply(choices, len(prompt_ids), sum(len(c.gen.token_ids) for c in choices), streamed=streamed)
+        return TurnReply(choices, prompt_tokens, sum(len(c.gen.token_ids) for c in choices), streamed=streamed)
 
     def _prompt(self, req: ChatRequest):
         """(extension or None, prompt ids, images) of a turn: a raw prompt, the open branch extended, or a full
@@ -367,8 +374,13 @@ class ChatSession:
         traj, choice = next(((t, c) for t, c in self._branches if _echoes(req.messages[k], c)), (None, None))
         if traj is None:
             return None
-        head = self._render(req.messages[: k + 1], req.tools, False)
-        full = self._render(req.messages, req.tools, True)
+        messages, echoed = list(req.messages), req.messages[k]
+        if choice.reasoning and echoed.get("reasoning") is None:  # the reply as generated, its thinking too, where the
+            # client does not echo it (LangChain): a template that shows the last turn's thinking (Qwen3's, after the
+            # last user message) renders it in both (was: no prefix, a new segment at each turn of a tool loop)
+            messages[k] = dict(echoed, reasoning=choice.reasoning, reasoning_content=choice.reasoning)
+        head = self._render(messages[: k + 1], req.tools, False)
+        full = self._render(messages, req.tools, True)
         if not full.startswith(head):
             return None
         # Every message after the echoed reply is in this delta (Molt rendered only the last one).
