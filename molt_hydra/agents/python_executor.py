@@ -44,15 +44,16 @@ SCRATCH = "/tmp"  # where the scratch tmpfs is mounted inside bwrap (and the wor
 # Runs in the child before the user code; audit hooks cannot be removed once added.
 _BOOTSTRAP = """
 import resource, sys
-if {nproc} is not None:  # set here, inside the namespaces: see _process_limit
-    resource.setrlimit(resource.RLIMIT_NPROC, ({nproc}, {nproc}))
+_nproc = {nproc}  # (a literal `32 is not None` would print a SyntaxWarning into every call's stderr)
+if _nproc is not None:  # set here, inside the namespaces: see _process_limit
+    resource.setrlimit(resource.RLIMIT_NPROC, (_nproc, _nproc))
 def _no_network(event, args):
     if event.startswith("socket."):
         raise PermissionError("network access is disabled in this sandbox")
 if {block}:
     sys.addaudithook(_no_network)
 del _no_network
-_code = sys.stdin.read()
+_code = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")  # the code as the agent's str holds it
 sys.stdin = open("/dev/null")
 exec(compile(_code, "<code>", "exec"), {{"__name__": "__main__"}})
 """
@@ -269,7 +270,7 @@ def _process_limit(sandbox: str, max_processes: int) -> int | None:
 
 
 async def _communicate(proc, code: str, limits: SandboxLimits, sandbox: str) -> ExecutionResult:
-    proc.stdin.write(code.encode())
+    proc.stdin.write(code.encode("utf-8", "surrogatepass"))  # a lone surrogate (a tool call's JSON "\ud800") too
     proc.stdin.close()
     truncated = False
 

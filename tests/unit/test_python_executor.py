@@ -52,6 +52,23 @@ def test_output_and_errors():
     assert r.exit_code == 1 and "KeyError: 'k'" in r.as_observation()
 
 
+@pytest.mark.parametrize("sandbox", ["auto", "rlimits"])
+def test_stderr_holds_the_codes_own_output_only(sandbox):
+    """Before: every call's stderr began with the sandbox bootstrap's own `<string>:3: SyntaxWarning: "is not" with a
+    literal`, so every failed call's observation showed the model a warning about code it never wrote."""
+    r = run(run_python("import sys\nsys.exit('boom')", sandbox=sandbox))
+    assert (r.stderr, r.exit_code, r.as_observation()) == ("boom\n", 1, "boom")
+
+
+def test_code_holding_a_lone_surrogate_fails_in_the_sandbox_as_python_would():
+    """A tool call's JSON may decode to a lone surrogate ("\\ud800"). Before: run_python raised UnicodeEncodeError
+    itself, so the agent's whole rollout failed; now the code reaches Python, whose compile refuses it, and the
+    model sees that error."""
+    r = run(run_python("s = '\ud800'"))
+    assert r.exit_code == 1 and r.stderr.strip().endswith(
+        "UnicodeEncodeError: 'utf-8' codec can't encode character '\\ud800' in position 5: surrogates not allowed")
+
+
 def test_math_and_numpy_run_and_output_is_captured():
     pytest.importorskip("numpy")
     code = "import math, numpy as np\nprint(math.comb(10, 3))\nprint(int(np.arange(1, 101).sum()))"
