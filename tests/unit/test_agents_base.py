@@ -158,6 +158,16 @@ def test_math_grading():
             grade_math(response, label)
 
 
+def test_a_box_written_with_a_space_is_graded_as_a_box():
+    """LaTeX takes `\\boxed {5}`, and math-verify and the MATH benchmark's grader read `$\\boxed 5$`. Before: neither
+    was found (last_boxed None), so a right answer in either form was graded 0.0, as if unboxed."""
+    assert grade_math(r"The answer is \boxed {\frac{1}{2}}.", "0.5") == 1.0
+    assert grade_math(r"The answer is $\boxed 5$.", "5") == 1.0 and grade_math(r"so \fbox 7", "7") == 1.0
+    assert last_boxed("\\boxed\n{12}") == "12" and last_boxed("\\boxed 42\nthat is all") == "42"
+    # a word that only starts with boxed, or a bare mention of the box, is not one
+    assert last_boxed(r"\boxedsymbol{3}") is None and last_boxed(r"\boxed{5}. It goes in \boxed.") == "5"
+
+
 @pytest.mark.timeout(60)  # before: never returned
 def test_an_answer_sympy_cannot_evaluate_is_graded_0_by_its_deadline():
     """\\boxed{9^{9^{9^{9}}}} is one big-integer power that holds the GIL until done (never): graded in-process it froze
