@@ -52,7 +52,7 @@ def _kwarg_problems(problems: Problems, cls, kwargs: dict) -> None:
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for name in sorted(set(kwargs) - set(named)):
-            near = difflib.get_close_matches(name, named, n=1)
+            near = difflib.get_close_matches(name, [*named, "_target_"], n=1)  # +agent.runner.target: _target_
             problems.check(False, f"agent.runner.{name}", f"{cls.__name__}({', '.join(named)}) takes no argument "
                            f"{name!r}" + (f" (did you mean {near[0]!r}?)." if near else "."),
                            f"remove +agent.runner.{name}" + (f" or spell it agent.runner.{near[0]}" if near else ""))

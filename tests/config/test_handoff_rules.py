@@ -46,6 +46,9 @@ BAD = [
      "ToyEnv() takes no argument 'bogus_kwarg'"),
     ("env_kwarg_misspelled", ["agent=math", "+agent.runner.require_boxd=false"], "agent.runner.require_boxd",
      "MathEnv(require_boxed) takes no argument 'require_boxd' (did you mean 'require_boxed'?)"),
+    # before: "takes no argument 'target'. Fix: remove +agent.runner.target", never naming _target_
+    ("runner_target_misspelled", ["+agent.runner.target=${molt:recipes}/agents/math.py:MathEnv"],
+     "agent.runner.target", "ToyEnv() takes no argument 'target' (did you mean '_target_'?)"),
     ("runner_wrapped_env_kwarg", ["agent.runner._target_=${molt:recipes}/agents/toy.py",
                                   "+agent.runner.bogus_kwarg=1"], "agent.runner.bogus_kwarg",
      "ToyEnv() takes no argument 'bogus_kwarg'"),

@@ -1,5 +1,6 @@
 import asyncio
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,6 +188,17 @@ def test_toy_reward_is_the_digit_fraction():
     digit_fraction = resolve_target("recipes/agents/toy.py:digit_fraction")
     assert digit_fraction("12ab") == 0.5 and digit_fraction("") == 0.0 and digit_fraction("007") == 1.0
     assert digit_fraction("1<|im_end|>") == 1 / 11
+
+
+def test_a_misspelled_target_name_is_named_in_its_file_with_the_nearest_name():
+    """Before: 'molt_agent_toy_e3bcf20b has no attribute 'ToyEvn'' (the loader's internal module name, no hint)."""
+    toy = Path("recipes/agents/toy.py").resolve()
+    with pytest.raises(ValueError) as err:
+        resolve_target("recipes/agents/toy.py:ToyEvn")
+    assert str(err.value) == (f"agent target 'recipes/agents/toy.py:ToyEvn': agent file {toy} has no attribute "
+                              "'ToyEvn' (did you mean 'ToyEnv'?)")
+    with pytest.raises(ValueError, match=r"molt_hydra.recipes.agents.toy has no attribute 'ToyEvn' \(did you mean "):
+        resolve_target("molt_hydra.recipes.agents.toy.ToyEvn")
 
 
 def test_load_runner_forms(tmp_path):
