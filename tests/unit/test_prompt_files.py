@@ -27,6 +27,9 @@ FILES = {
     "list_item.json": ('[{"prompt": "a", "label": "1"}, 5]', ": item 2 is 5, not a JSON object. Fix: "),
     "not_utf8.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "caf\udce9", "label": "1"}\n',
                        ": line 2 is not UTF-8 (invalid continuation byte). Fix: save the file as UTF-8"),
+    # Before: "'utf-8' codec can't decode byte 0xe9 in position 21: invalid continuation byte", naming no line
+    "not_utf8.csv": ("prompt,label\na,1\ncaf\udce9,2\n",
+                     ": line 3 is not UTF-8 (invalid continuation byte). Fix: save the file as UTF-8"),
     "no_rows.json": ("[]\n", "has no rows (it is empty or blank). Fix: "),
     "no_column.jsonl": ('{"text": "a"}\n', "data.input_key='prompt' is not a column; columns: ['text']"),
     "roleless_message.jsonl": ('{"prompt": [{"content": "hi"}], "label": "1"}\n',
