@@ -126,6 +126,21 @@ def test_a_result_field_of_the_wrong_type_is_an_error_naming_it(field, value, sa
     assert said in str(err.value)
 
 
+def test_an_info_value_that_cannot_leave_the_runner_process_fails_its_rollout_naming_the_key():
+    """Result.info travels to the driver as Ray pickles it. Before: a lock (or client, generator) there failed the
+    runner actor's reply that carried it, so every group in flight on that runner was lost as agent_exception, and no
+    message named the value. What Ray's pickler ships (a lambda, a string, a tensor) passes."""
+    import threading
+
+    info = {"digits": 0.5, "pred": "42", "fn": lambda x: x, "t": torch.ones(2)}
+    assert reward_and_score(Result(reward=1.0, info=info), "GraderEnv.step") == (1.0, 1.0)
+    with pytest.raises(TypeError) as err:
+        reward_and_score(Result(reward=1.0, info={"digits": 0.5, "guard": threading.Lock()}), "GraderEnv.step")
+    assert str(err.value) == ("Result.info['guard'] of GraderEnv.step is lock, which cannot be sent from the agent "
+                              "runner to the trainer (TypeError: cannot pickle '_thread.lock' object); keep numbers "
+                              "(logged as metrics) and plain data in info")
+
+
 @pytest.mark.parametrize("value", [True, False, np.bool_(True), torch.tensor(False), 1, 0])
 def test_a_bool_of_any_kind_ends_an_episode(value):
     assert reward_and_score(Result(reward=0.5, terminated=value, truncated=value), "Env.step") == (0.5, 0.5)
