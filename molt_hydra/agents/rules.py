@@ -74,20 +74,33 @@ def _chat_settings_read(cfg: RunConfig, problems: Problems, cls: type) -> None:
                        "ChatAgent), and nothing else reads it.", f"unset {key} (it configures ChatAgent agents)")
 
 
-# The method each kind of agent class implements, which its runner awaits.
-AWAITED = ((Env, "step"), (ChatAgent, "run"), (Runner, "execute"))
+# The methods each kind of agent class implements, the arguments its runner passes, and whether it awaits them.
+CALLED = ((Env, "step", "state", True), (Env, "reset", "state", False), (ChatAgent, "run", "ctx", True),
+          (Runner, "execute", "episode, generator, tokenizer", True))
 
 
-def _awaited_methods_async(problems: Problems, cls: type) -> None:
+def _runner_calls_fit(problems: Problems, cls: type) -> None:
     """A plain `def step` / `run` / `execute` fails every rollout ("object Result can't be used in 'await'
-    expression"): refused here, naming the method and the fix."""
-    for base, name in AWAITED:
+    expression"), and so does one whose parameters do not take the runner's arguments (`async def step(self)`:
+    "takes 1 positional argument but 2 were given"): refused here, naming the method and the fix."""
+    for base, name, args, awaited in CALLED:
         method = getattr(cls, name, None) if issubclass(cls, base) else None
-        if method is not None and not inspect.iscoroutinefunction(method):
+        if method is None:
+            continue
+        if awaited and not inspect.iscoroutinefunction(method):
             problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a plain function, but the "
                            f"runner awaits it (the {base.__name__} contract: `async def {name}`).",
                            f"declare it `async def {name}(...)` (blocking work inside it: "
                            "`await asyncio.to_thread(fn, ...)`)")
+        bound = isinstance(inspect.getattr_static(cls, name), (staticmethod, classmethod))  # no self to pass
+        try:
+            inspect.signature(method).bind(*([] if bound else [None]), *args.split(", "))
+        except TypeError as e:
+            problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name}{inspect.signature(method)} "
+                           f"cannot take the runner's call {name}({args}): {e}.",
+                           f"declare it `{'async def' if awaited else 'def'} {name}(self, {args})`")
+        except ValueError:  # a builtin without a signature: nothing to bind against
+            pass
 
 
 def check_agent(cfg: RunConfig, problems: Problems) -> None:
@@ -103,13 +116,13 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
     _kwarg_problems(problems, cls, spec)
     if len(problems.lines) > before:
         return
-    _awaited_methods_async(problems, cls)
+    _runner_calls_fit(problems, cls)
     if issubclass(cls, (StepEnvRunner, ChatAgentRunner)):
         runner = cls(**spec)  # both only store their arguments
         cls, spec = (runner.env_cls, runner.env_kwargs) if isinstance(runner, StepEnvRunner) else (
             runner.agent_cls, runner.agent_kwargs)
         _kwarg_problems(problems, cls, spec)
-        _awaited_methods_async(problems, cls)
+        _runner_calls_fit(problems, cls)
     if len(problems.lines) == before and issubclass(cls, (Env, ChatAgent)) and not issubclass(cls, Runner):
         try:
             cls(**spec)

@@ -46,9 +46,6 @@ BAD = [
      "ToyEnv() takes no argument 'bogus_kwarg'"),
     ("env_kwarg_misspelled", ["agent=math", "+agent.runner.require_boxd=false"], "agent.runner.require_boxd",
      "MathEnv(require_boxed) takes no argument 'require_boxd' (did you mean 'require_boxed'?)"),
-    # before: "takes no argument 'target'. Fix: remove +agent.runner.target", never naming _target_
-    ("runner_target_misspelled", ["+agent.runner.target=${molt:recipes}/agents/math.py:MathEnv"],
-     "agent.runner.target", "ToyEnv() takes no argument 'target' (did you mean '_target_'?)"),
     ("runner_wrapped_env_kwarg", ["agent.runner._target_=${molt:recipes}/agents/toy.py",
                                   "+agent.runner.bogus_kwarg=1"], "agent.runner.bogus_kwarg",
      "ToyEnv() takes no argument 'bogus_kwarg'"),
@@ -65,6 +62,14 @@ BAD = [
     *[(f"sync_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
        f"{cls}.{name} is a plain function, but the runner awaits it")
       for cls, name in (("SyncStepEnv", "step"), ("SyncRunAgent", "run"), ("SyncExecuteRunner", "execute"))],
+    # before: "takes no argument 'target'. Fix: remove +agent.runner.target", never naming _target_
+    ("runner_target_misspelled", ["+agent.runner.target=${molt:recipes}/agents/math.py:MathEnv"],
+     "agent.runner.target", "ToyEnv() takes no argument 'target' (did you mean '_target_'?)"),
+    # an agent method that cannot take the runner's arguments (before: every rollout failed "takes 1 positional
+    # argument but 2 were given")
+    *[(f"arity_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
+       f"{cls}.{name}(self) cannot take the runner's call {name}({arg}): too many positional arguments")
+      for cls, name, arg in (("NoStateStepEnv", "step", "state"), ("NoCtxRunAgent", "run", "ctx"))],
     # a name longer than a file name may be (255 bytes: 128 two-byte letters are 256): before, Hydra failed to make
     # outputs/<name>/<time> with an OSError traceback, after every check had passed
     ("name_too_long", ["name='" + "é" * 128 + "'"], "name", "is 256 bytes long, but it names the run's directory"),
