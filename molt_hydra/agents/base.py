@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import math
 import numbers
@@ -51,6 +52,7 @@ def scalar(value: Any, what: str) -> float:
     element). Anything else (None, a string, a dict, an empty sequence) is an error naming `what` and the value."""
     if value is None:
         raise ValueError(f"{what} is None; return a number")
+    _not_awaited(value, f"{what} is")
     if hasattr(value, "flatten") and not isinstance(value, (str, bytes)):  # torch / numpy, 0-d included
         value = value.flatten()
     if hasattr(value, "flatten") or isinstance(value, (list, tuple)):
@@ -64,6 +66,17 @@ def scalar(value: Any, what: str) -> float:
         raise TypeError(f"{what} is {type(value).__name__} {shown}; return a number (a float, a bool, a numpy "
                         "scalar, a one-element tensor or list)")
     return float(value)
+
+
+def _not_awaited(value: Any, said: str) -> None:
+    """An async function's result that was never awaited (`reward=grade(...)` with an `async def grade`): an error
+    saying so (was: "is coroutine <coroutine object grade ...>; return a number", and Python's "never awaited")."""
+    if inspect.isawaitable(value):
+        if inspect.iscoroutine(value):
+            value.close()  # it will never run: no "coroutine ... was never awaited" warning on top
+        name = getattr(value, "__qualname__", "")
+        raise TypeError(f"{said} {type(value).__name__}{f' {name}' if name else ''}, an async function's result that "
+                        "was not awaited; `await` it")
 
 
 # What the runners read from the other `Result` fields (a truthy string "no" would end an episode, info=None or an
@@ -81,6 +94,7 @@ def reward_and_score(result: Any, returned_by: str) -> tuple[float, float]:
     """A `Result`'s reward and score (the score defaults to the reward) as floats; anything else, or another field
     of a type the runners cannot read, is an error naming the field."""
     if not isinstance(result, Result):
+        _not_awaited(result, f"{returned_by} returned")
         raise TypeError(f"{returned_by} must return Result, got {type(result).__name__}")
     for name, (ok, must) in RESULT_FIELDS.items():
         value = getattr(result, name)

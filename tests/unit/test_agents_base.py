@@ -126,6 +126,24 @@ def test_a_result_field_of_the_wrong_type_is_an_error_naming_it(field, value, sa
     assert said in str(err.value)
 
 
+def test_an_async_functions_result_not_awaited_is_named_as_such():
+    """`reward=grade(...)` with an `async def grade`, or a step returning its result unawaited. Before: "is coroutine
+    <coroutine object ...>; return a number" (or "must return Result, got coroutine"), and Python's "coroutine was
+    never awaited" warning on top; now the message says to await it, and the coroutine is closed (no warning)."""
+    async def grade():
+        return 1.0
+
+    for make, said in ((lambda c: Result(reward=c), "Result.reward of GraderEnv.step is coroutine"),
+                       (lambda c: Result(reward=1.0, score=c), "Result.score of GraderEnv.step is coroutine"),
+                       (lambda c: c, "GraderEnv.step returned coroutine")):
+        coroutine = grade()
+        with pytest.raises(TypeError) as err:
+            reward_and_score(make(coroutine), "GraderEnv.step")
+        assert str(err.value) == (f"{said} test_an_async_functions_result_not_awaited_is_named_as_such.<locals>.grade,"
+                                  " an async function's result that was not awaited; `await` it")
+        assert coroutine.cr_frame is None  # closed
+
+
 def test_an_info_value_that_cannot_leave_the_runner_process_fails_its_rollout_naming_the_key():
     """Result.info travels to the driver as Ray pickles it. Before: a lock (or client, generator) there failed the
     runner actor's reply that carried it, so every group in flight on that runner was lost as agent_exception, and no
