@@ -82,6 +82,28 @@ def test_infinite_loop_is_killed_at_the_wall_clock_limit():
     assert "TimeoutError" in r.as_observation()
 
 
+@pytest.mark.timeout(40)  # before: the call returned when the escaped process did, 60 s on
+def test_a_process_that_left_the_group_holding_the_pipes_cannot_hold_the_call_past_its_limit():
+    """In the rlimits fallback a process may leave the call's process group (setsid) and outlive it with stdout open.
+    Before: the call read until that process ended, ignoring timeout_s; now it returns timed out, with what was read,
+    once the killed group's output has had KILL_GRACE_S. (Under bwrap, killing the sandbox ends every process.)"""
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    print(os.getpid(), flush=True)\n"
+            "    time.sleep(60)\nelse:\n    time.sleep(0.5)\n    print('parent', flush=True)")
+
+    async def call_then_end_the_escaped_process():
+        start = time.monotonic()
+        r = await run_python(code, timeout_s=1, sandbox="rlimits")
+        took = time.monotonic() - start
+        os.kill(int(r.stdout.split()[0]), 9)
+        await asyncio.sleep(0.5)  # its pipes close on this loop (no transport left open when it ends)
+        return r, took
+
+    r, took = run(call_then_end_the_escaped_process())
+    escaped, parent = r.stdout.split()
+    assert r.timed_out and r.exit_code is None and parent == "parent"
+    assert 1 <= took < 1 + python_executor.KILL_GRACE_S + 3, took
+
+
 def test_allocating_4gb_fails_under_the_memory_limit():
     r = run(run_python("x = bytearray(4 * 2**30)\nprint('allocated')", memory_mb=512))
     assert r.exit_code == 1 and "MemoryError" in r.stderr and "allocated" not in r.stdout
