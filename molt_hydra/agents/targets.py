@@ -68,9 +68,14 @@ def _import_file(path: Path):
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    # its own directory first while it runs, as `python path/to/agent.py` has it: an agent file's top-level imports
+    # of the modules beside it work (was: "No module named 'helpers'" for a helpers.py next to the agent)
+    sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[module_name]
         raise
+    finally:
+        sys.path.remove(str(path.parent))  # (its first entry of that directory: an earlier one stays where it was)
     return module

@@ -234,6 +234,20 @@ def test_a_misspelled_target_name_is_named_in_its_file_with_the_nearest_name():
         resolve_target("molt_hydra.recipes.agents.toy.ToyEvn")
 
 
+def test_an_agent_file_imports_the_module_beside_it(tmp_path):
+    """As `python agent.py` would (its directory first on the path while it runs). Before: "No module named
+    'sibling_grading'", a config error for any agent split over two files. The path is left as it was."""
+    import sys
+
+    (tmp_path / "sibling_grading.py").write_text("def grade(text):\n    return 0.25\n")
+    (tmp_path / "agent.py").write_text(
+        "from sibling_grading import grade\nfrom molt_hydra.agents import Env, Result\n"
+        "class MyEnv(Env):\n    async def step(self, state):\n        return Result(reward=grade(''))\n")
+    path_before = list(sys.path)
+    env = load_runner(f"{tmp_path / 'agent.py'}:MyEnv").env_cls()
+    assert asyncio.run(env.step({})).reward == 0.25 and sys.path == path_before
+
+
 def test_load_runner_forms(tmp_path):
     assert isinstance(load_runner({"_target_": "recipes/agents/toy.py:ToyEnv"}), StepEnvRunner)
     runner = load_runner({"_target_": "recipes/agents/python_tool_chat.py", "max_turns": 2})
