@@ -345,10 +345,12 @@ def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
         raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; not text or a non-empty list of "
                          f"chat messages. Fix: {PROMPT_FIX}")
-    if label_key and row[label_key] is None:
-        raise ValueError(f"{where}: data.label_key={label_key!r} is null (or missing from this row). Fix: give every "
-                         "row its label, or set data.label_key=null for data without labels (the agent then gets '')")
-    out = {"prompt": row[input_key], "label": row[label_key] if label_key else "",
+    label = row[label_key] if label_key else ""
+    if label is None or isinstance(label, float) and math.isnan(label):  # NaN: pandas' missing value, JSON's NaN
+        raise ValueError(f"{where}: data.label_key={label_key!r} is {'null' if label is None else 'NaN'} (or missing "
+                         "from this row). Fix: give every row its label, or set data.label_key=null for data without "
+                         "labels (the agent then gets '')")
+    out = {"prompt": row[input_key], "label": label,
            # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
            "datasource": str(row.get("datasource") or "default")}
     if tools_key and row.get(tools_key) is not None:  # optional columns: absent when unset or null

@@ -43,6 +43,10 @@ FILES = {
     "null_label.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n',
                          "row 1: data.label_key='label' is null (or missing from this row). Fix: give every row its "
                          "label, or set data.label_key=null"),
+    # Before: a NaN label (JSON's NaN, pandas' missing value in a float column) was graded against as "nan"
+    "nan_label.jsonl": ('{"prompt": "a", "label": 1.5}\n{"prompt": "b", "label": NaN}\n',
+                        "row 1: data.label_key='label' is NaN (or missing from this row). Fix: give every row its "
+                        "label, or set data.label_key=null"),
     # Before: pandas took the first cell for the row's index: prompt "1", label "extra"
     "extra_cell.csv": ("prompt,label\na,1,extra\n", ": line 2 has 3 cells, the header names 2 (['prompt', 'label'])"),
     "twice_named.csv": ("prompt,prompt\na,b\n", ": the header names a column twice (['prompt', 'prompt']). Fix: "),
