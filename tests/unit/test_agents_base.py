@@ -397,6 +397,31 @@ def test_a_groups_shared_prompt_is_rendered_and_tokenized_once(tiny_model):
         assert traj.token_ids == expected + [7]
 
 
+def test_an_empty_text_prompt_fails_its_rollout_naming_the_env_and_the_fix(tiny_model):
+    """An empty prompt row with data.apply_chat_template=false (or a reset observation of ''): no token to generate
+    from. Before: the engine's "session ...: empty prompt_ids", naming neither the row nor the env."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    class Engine:  # (the real engine refuses empty prompt ids: rollout/engine.py)
+        async def generate(self, request):
+            assert request.prompt_ids, "empty prompt_ids"
+            return [Generation([7], [-0.5], [0], "stop")]
+
+    class OneTurn(Env):
+        async def step(self, state):
+            return Result(reward=1.0)
+
+    eps = [Episode(prompt=p, sampling=Sampling(max_tokens=4), max_length=64) for p in ("", "hi")]
+    outcome = asyncio.run(StepEnvRunner(OneTurn).run_group(eps, Engine(), AutoTokenizer.from_pretrained(tiny_model)))
+    assert len(outcome.trajectories) == 1 and dict(outcome.failures) == {"agent_exception": 1}
+    assert outcome.errors["agent_exception"] == (
+        "ValueError: the first prompt of OneTurn is empty text (the row's prompt, or what reset returned as "
+        "'observation'): nothing to generate from. Fix: give the row a prompt, or set data.apply_chat_template=true "
+        "to render it as a user message")
+
+
 def test_an_env_asking_for_no_tokens_fails_its_rollout_instead_of_a_silent_truncation(tiny_model):
     """Before: `sampling_params={"max_tokens": 0}` ended the episode as truncated after one turn, reward kept."""
     from transformers import AutoTokenizer
