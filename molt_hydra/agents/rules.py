@@ -118,20 +118,29 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
         return
     _runner_calls_fit(problems, cls)
     if issubclass(cls, (StepEnvRunner, ChatAgentRunner)):
-        runner = cls(**spec)  # both only store their arguments
+        # both only store their arguments (and resolve the env / agent they name); a subclass may do more
+        if (runner := _built(problems, cls, spec)) is None:
+            return
         cls, spec = (runner.env_cls, runner.env_kwargs) if isinstance(runner, StepEnvRunner) else (
             runner.agent_cls, runner.agent_kwargs)
         _kwarg_problems(problems, cls, spec)
         _runner_calls_fit(problems, cls)
     if len(problems.lines) == before and issubclass(cls, (Env, ChatAgent)) and not issubclass(cls, Runner):
-        try:
-            cls(**spec)
-        except Exception as e:  # noqa: BLE001 -- whatever the agent's constructor refuses is a config error
-            text = str(e).splitlines()[0][:300] if str(e) else ""
-            named = re.match(r"(agent\.runner\.\w+): (.*) Fix: (.*)", text)  # already "key: reason Fix: fix"
-            key, reason, fix = named.groups() if named else ("agent.runner", text, "fix the agent.runner.* kwargs")
-            problems.check(False, key, f"{cls.__name__}(**agent.runner kwargs) raised {type(e).__name__}: {reason}",
-                           fix)
+        _built(problems, cls, spec)
+
+
+def _built(problems: Problems, cls: type, spec: dict):
+    """`cls(**spec)`, or None where its constructor raises (user code: whatever it refuses is a config error, named;
+    was, for a StepEnvRunner / ChatAgentRunner subclass, a traceback out of validation)."""
+    try:
+        return cls(**spec)
+    except Exception as e:  # noqa: BLE001
+        text = str(e).splitlines()[0][:300] if str(e) else ""
+        named = re.match(r"(agent\.runner\.\w+): (.*) Fix: (.*)", text)  # already "key: reason Fix: fix"
+        key, reason, fix = named.groups() if named else ("agent.runner", text, "fix the agent.runner.* kwargs")
+        problems.check(False, key, f"{cls.__name__}(**agent.runner kwargs) raised {type(e).__name__}: "
+                       f"{reason.rstrip('.')}.", fix)
+        return None
 
 
 def check_prompts(cfg: RunConfig, problems: Problems) -> None:

@@ -103,3 +103,11 @@ class NoCtxRunAgent(ChatAgent):
 
     async def run(self):  # noqa: D102
         return Result(reward=1.0)
+
+
+class RefusingRunner(StepEnvRunner):
+    """A runner whose own constructor refuses (a grader it cannot reach): a config error at validation."""
+
+    def __init__(self):
+        super().__init__(ToyEnv)
+        raise ValueError("the grader is unreachable")
