@@ -33,6 +33,11 @@ def _target(problems: Problems, runner) -> type | None:
         return None
     try:
         obj = resolve_target(target)
+    except SystemExit as e:  # a script's top-level sys.exit() / argparse (was: the CLI ended with its code and text)
+        problems.check(False, "agent.runner._target_", f"importing {target!r} called sys.exit({e.code!r}): the file "
+                       "runs code meant for a script when imported.", "put that code (argparse, sys.exit) under "
+                       "`if __name__ == '__main__':`, and pass settings as agent.runner.* kwargs")
+        return None
     except Exception as e:  # noqa: BLE001 -- any failure to import user code is a config error here
         problems.check(False, "agent.runner._target_", f"cannot import {target!r} ({type(e).__name__}: "
                        f"{str(e).splitlines()[0][:200] if str(e) else ''}).", TARGET_FIX)

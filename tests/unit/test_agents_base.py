@@ -248,6 +248,25 @@ def test_an_agent_file_imports_the_module_beside_it(tmp_path):
     assert asyncio.run(env.step({})).reward == 0.25 and sys.path == path_before
 
 
+@pytest.mark.parametrize("top_level, code", [
+    ("import sys\nsys.exit('no grader')\n", "'no grader'"),
+    ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--url', required=True)\np.parse_args([])\n",
+     "2")], ids=["sys.exit", "argparse"])
+def test_an_agent_file_that_exits_when_imported_is_a_config_error_naming_the_target(tmp_path, top_level, code):
+    """A script's top-level code in an agent file. Before: its SystemExit left validation and ended molt-run with the
+    file's own message or argparse's usage (which reads as molt-run's), no key named."""
+    from molt_hydra.agents.rules import _target
+    from molt_hydra.config.validate import Problems
+
+    (tmp_path / "script_agent.py").write_text(top_level)
+    problems, target = Problems(), f"{tmp_path / 'script_agent.py'}:MyEnv"
+    assert _target(problems, {"_target_": target}) is None
+    assert problems.lines == [
+        f"- agent.runner._target_: importing {target!r} called sys.exit({code}): the file runs code meant for a "
+        "script when imported. Fix: put that code (argparse, sys.exit) under `if __name__ == '__main__':`, and pass "
+        "settings as agent.runner.* kwargs"]
+
+
 def test_load_runner_forms(tmp_path):
     assert isinstance(load_runner({"_target_": "recipes/agents/toy.py:ToyEnv"}), StepEnvRunner)
     runner = load_runner({"_target_": "recipes/agents/python_tool_chat.py", "max_turns": 2})
