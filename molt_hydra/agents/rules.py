@@ -164,8 +164,10 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
                 rows = check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
                                          tools_key=d.tools_key, image_key=d.image_key)
                 for i, row in enumerate(rows):
-                    if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt)) is not None:
-                        raise ValueError(f"{part} row {i}: data.input_key={d.input_key!r} is {row['prompt']!r:.60}; "
+                    if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt, row.get("tools"))):
+                        column, value = ("tools_key", row["tools"]) if problem[0].startswith("tools") else (
+                            "input_key", row["prompt"])
+                        raise ValueError(f"{part} row {i}: data.{column}={getattr(d, column)!r} is {value!r:.60}; "
                                          f"{problem[0]}. Fix: {problem[1]}")
                 sizes[key, part] = len(rows)
             except (KeyError, OSError, ValueError) as e:
@@ -195,15 +197,21 @@ def _fills_a_batch(cfg: RunConfig, problems: Problems, sizes: dict[tuple[str, st
                    "rollout.n_samples_per_prompt to keep the samples per step), or give it more rows")
 
 
-def _prompt_problem(prompt, max_images: int) -> tuple[str, str] | None:
-    """(why, fix) where the chat server would refuse `prompt` as a request's messages (its own parser, its image
-    loader for each image part, the engines' image limit), or None."""
-    if isinstance(prompt, str):
+TOOLS_FIX = ("give each row's tools as OpenAI chat function tools, [{'type': 'function', 'function': {'name': ..., "
+             "'parameters': {...}}}, ...], each name once")
+
+
+def _prompt_problem(prompt, max_images: int, tools: list | None = None) -> tuple[str, str] | None:
+    """(why, fix) where the chat server would refuse `prompt` as a request's messages, with the row's `tools` (its own
+    parser, its image loader for each image part, the engines' image limit), or None. (Was: a row's tools in another
+    shape, e.g. the Responses API's flat one, or two of one name, passed; a chat agent's every request was a 400.)"""
+    if isinstance(prompt, str) and tools is None:
         return None
+    body = {"messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt}
     try:
-        messages = openai_chat.parse({"messages": prompt}).messages
+        messages = openai_chat.parse({**body, **({"tools": tools} if tools is not None else {})}).messages
     except RequestError as e:
-        return e.message, PROMPT_FIX
+        return e.message, TOOLS_FIX if e.message.startswith("tools") else PROMPT_FIX
     if len(sources := image_sources(messages)) > max_images:
         return (f"{len(sources)} image parts > data.max_images_per_prompt={max_images}, the engines' per-prompt "
                 "limit", "raise data.max_images_per_prompt (a vision-language model), or remove the image parts")

@@ -92,6 +92,32 @@ SERVER_REFUSED = {
 }
 
 
+# A row's tools as the chat server takes a request's (before: passed; a chat agent sending ctx.tools got a 400 for
+# each rollout of the row, every epoch)
+TOOLS_REFUSED = {
+    "flat_tool.jsonl": ('{"prompt": "a", "label": "1", "tools": [{"type": "function", "name": "calc"}]}\n',
+                        "data.tools_key='tools' is [{'type': 'function', 'name': 'calc'}]; tools[0] must be "
+                        "{'type': 'function', 'function': {'name': ...}}. Fix: give each row's tools as OpenAI chat "
+                        "function tools"),
+    "same_name_twice.jsonl": ('{"prompt": [{"role": "user", "content": "a"}], "label": "1", "tools": [{"type": '
+                              '"function", "function": {"name": "calc"}}, {"type": "function", "function": {"name": '
+                              '"calc"}}]}\n', "; tools[0] and tools[1] are both named 'calc': tool names must be "
+                              "unique. Fix: give each row's tools"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOOLS_REFUSED))
+def test_tools_the_chat_server_would_refuse_are_a_config_error_naming_the_row(tmp_path, name):
+    text, reason = TOOLS_REFUSED[name]
+    path = tmp_path / name
+    path.write_text(text)
+    [problem] = _config_problems(str(path), tools_key="tools")
+    assert problem.startswith(f"- data.train_path: {path} row 0: data.tools_key='tools' is ") and reason in problem, \
+        problem
+    path.write_text('{"prompt": "a", "label": "1", "tools": [{"type": "function", "function": {"name": "calc"}}]}\n')
+    assert _config_problems(str(path), tools_key="tools") == []
+
+
 @pytest.mark.parametrize("name", sorted(SERVER_REFUSED))
 def test_a_prompt_the_chat_server_would_refuse_is_a_config_error_naming_the_row(tmp_path, name):
     text, reason = SERVER_REFUSED[name]
