@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import math
 import numbers
@@ -51,6 +52,7 @@ def scalar(value: Any, what: str) -> float:
     element). Anything else (None, a string, a dict, an empty sequence) is an error naming `what` and the value."""
     if value is None:
         raise ValueError(f"{what} is None; return a number")
+    _not_awaited(value, f"{what} is")
     if hasattr(value, "flatten") and not isinstance(value, (str, bytes)):  # torch / numpy, 0-d included
         value = value.flatten()
     if hasattr(value, "flatten") or isinstance(value, (list, tuple)):
@@ -64,6 +66,17 @@ def scalar(value: Any, what: str) -> float:
         raise TypeError(f"{what} is {type(value).__name__} {shown}; return a number (a float, a bool, a numpy "
                         "scalar, a one-element tensor or list)")
     return float(value)
+
+
+def _not_awaited(value: Any, said: str) -> None:
+    """An async function's result that was never awaited (`reward=grade(...)` with an `async def grade`): an error
+    saying so (was: "is coroutine <coroutine object grade ...>; return a number", and Python's "never awaited")."""
+    if inspect.isawaitable(value):
+        if inspect.iscoroutine(value):
+            value.close()  # it will never run: no "coroutine ... was never awaited" warning on top
+        name = getattr(value, "__qualname__", "")
+        raise TypeError(f"{said} {type(value).__name__}{f' {name}' if name else ''}, an async function's result that "
+                        "was not awaited; `await` it")
 
 
 # What the runners read from the other `Result` fields (a truthy string "no" would end an episode, info=None or an
@@ -81,14 +94,35 @@ def reward_and_score(result: Any, returned_by: str) -> tuple[float, float]:
     """A `Result`'s reward and score (the score defaults to the reward) as floats; anything else, or another field
     of a type the runners cannot read, is an error naming the field."""
     if not isinstance(result, Result):
+        _not_awaited(result, f"{returned_by} returned")
         raise TypeError(f"{returned_by} must return Result, got {type(result).__name__}")
     for name, (ok, must) in RESULT_FIELDS.items():
         value = getattr(result, name)
         if not _safe(ok, value):
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             raise TypeError(f"Result.{name} of {returned_by} is {type(value).__name__} {shown}; it must be {must}")
+    _shippable(result.info, returned_by)
     reward = scalar(result.reward, f"Result.reward of {returned_by}")
     return reward, reward if result.score is None else scalar(result.score, f"Result.score of {returned_by}")
+
+
+def _shippable(info: dict, returned_by: str) -> None:
+    """`info` travels with the trajectory from the runner process to the driver, as Ray pickles it. A value it cannot
+    pickle (a lock, a client, a generator) failed the runner's reply, so every group in flight on that runner was lost
+    as agent_exception, with no message naming the value: an error naming the key instead."""
+    from ray import cloudpickle  # (deferred: heavy)
+
+    try:
+        cloudpickle.dumps(info)
+    except Exception:  # noqa: BLE001 -- whatever pickling raises: find the value and name it
+        for key, value in info.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception as e:  # noqa: BLE001
+                raise TypeError(f"Result.info[{key!r}] of {returned_by} is {type(value).__name__}, which cannot be "
+                                f"sent from the agent runner to the trainer ({type(e).__name__}: {e}); keep numbers "
+                                "(logged as metrics) and plain data in info") from None
+        raise
 
 
 def _int(v) -> bool:

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import threading
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\{")
+# `\boxed{5}`, `\boxed {5}` (LaTeX takes a space before the brace) and `\boxed 5` (the argument up to `$` or line end)
+_BOXED = re.compile(r"\\(?:boxed|fbox)(?:\s*(?=\{)|[ \t]+(?=[^\s${}]))")
 GRADE_TIMEOUT_S = 10.0  # math-verify's own defaults: 5 s to parse, 5 s to verify
 START_TIMEOUT_S = 120.0  # a worker's import of math-verify / sympy (seconds on a loaded machine)
 MAX_WORKERS = min(8, os.cpu_count() or 1)
@@ -40,15 +41,18 @@ for line in sys.stdin:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` or `\\fbox{...}` (balanced braces), or None."""
+    """Content of the last `\\boxed{...}` or `\\fbox{...}` (balanced braces), or None. Also `\\boxed {5}` and, as
+    math-verify and the MATH benchmark's grader read it, `$\\boxed 5$` (was: both graded 0.0, as if unboxed)."""
     starts = [m.end() for m in _BOXED.finditer(text)]
     if not starts:
         return None
-    depth, i = 1, starts[-1]
+    if not text.startswith("{", starts[-1]):
+        return re.split(r"[$\n]", text[starts[-1]:], maxsplit=1)[0].strip()
+    depth, i = 1, starts[-1] + 1
     while i < len(text) and depth:
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         i += 1
-    return text[starts[-1] : i - 1] if depth == 0 else None
+    return text[starts[-1] + 1 : i - 1] if depth == 0 else None
 
 
 def grade_math(response: str, label, require_boxed: bool = True, timeout_s: float = GRADE_TIMEOUT_S) -> float:

@@ -40,19 +40,21 @@ from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
 SCRATCH = "/tmp"  # where the scratch tmpfs is mounted inside bwrap (and the working directory)
+KILL_GRACE_S = 5.0  # after the wall-clock limit, the killed group's last output is read this long at most
 
 # Runs in the child before the user code; audit hooks cannot be removed once added.
 _BOOTSTRAP = """
 import resource, sys
-if {nproc} is not None:  # set here, inside the namespaces: see _process_limit
-    resource.setrlimit(resource.RLIMIT_NPROC, ({nproc}, {nproc}))
+_nproc = {nproc}  # (a literal `32 is not None` would print a SyntaxWarning into every call's stderr)
+if _nproc is not None:  # set here, inside the namespaces: see _process_limit
+    resource.setrlimit(resource.RLIMIT_NPROC, (_nproc, _nproc))
 def _no_network(event, args):
     if event.startswith("socket."):
         raise PermissionError("network access is disabled in this sandbox")
 if {block}:
     sys.addaudithook(_no_network)
 del _no_network
-_code = sys.stdin.read()
+_code = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")  # the code as the agent's str holds it
 sys.stdin = open("/dev/null")
 exec(compile(_code, "<code>", "exec"), {{"__name__": "__main__"}})
 """
@@ -269,27 +271,28 @@ def _process_limit(sandbox: str, max_processes: int) -> int | None:
 
 
 async def _communicate(proc, code: str, limits: SandboxLimits, sandbox: str) -> ExecutionResult:
-    proc.stdin.write(code.encode())
+    proc.stdin.write(code.encode("utf-8", "surrogatepass"))  # a lone surrogate (a tool call's JSON "\ud800") too
     proc.stdin.close()
-    truncated = False
+    truncated, out, err = False, bytearray(), bytearray()
 
-    async def read_capped(stream: asyncio.StreamReader) -> bytes:
+    async def read_capped(stream: asyncio.StreamReader, kept: bytearray) -> None:
         nonlocal truncated
-        kept = bytearray()
         while chunk := await stream.read(65536):  # keep draining so the child never blocks on a full pipe
             room = limits.max_output_bytes - len(kept)
             truncated |= len(chunk) > room
             kept += chunk[:room]
-        return bytes(kept)
 
-    readers = asyncio.gather(read_capped(proc.stdout), read_capped(proc.stderr), proc.wait())
+    readers = asyncio.gather(read_capped(proc.stdout, out), read_capped(proc.stderr, err), proc.wait())
     timed_out = False
     try:
-        out, err, _ = await asyncio.wait_for(asyncio.shield(readers), limits.timeout_s)
+        await asyncio.wait_for(asyncio.shield(readers), limits.timeout_s)
     except TimeoutError:
         timed_out = True
         _kill_group(proc.pid)
-        out, err, _ = await readers
+        # the group's end closes the pipes, unless a process that left it holds them (setsid; only the rlimits
+        # fallback lets one outlive the call): then what was read so far (was: the call waited for that process)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(readers, KILL_GRACE_S)
     except BaseException:  # cancelled by the agent's own timeout: never leave the child running
         _kill_group(proc.pid)
         raise

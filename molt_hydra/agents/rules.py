@@ -33,6 +33,11 @@ def _target(problems: Problems, runner) -> type | None:
         return None
     try:
         obj = resolve_target(target)
+    except SystemExit as e:  # a script's top-level sys.exit() / argparse (was: the CLI ended with its code and text)
+        problems.check(False, "agent.runner._target_", f"importing {target!r} called sys.exit({e.code!r}): the file "
+                       "runs code meant for a script when imported.", "put that code (argparse, sys.exit) under "
+                       "`if __name__ == '__main__':`, and pass settings as agent.runner.* kwargs")
+        return None
     except Exception as e:  # noqa: BLE001 -- any failure to import user code is a config error here
         problems.check(False, "agent.runner._target_", f"cannot import {target!r} ({type(e).__name__}: "
                        f"{str(e).splitlines()[0][:200] if str(e) else ''}).", TARGET_FIX)
@@ -52,7 +57,7 @@ def _kwarg_problems(problems: Problems, cls, kwargs: dict) -> None:
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for name in sorted(set(kwargs) - set(named)):
-            near = difflib.get_close_matches(name, named, n=1)
+            near = difflib.get_close_matches(name, [*named, "_target_"], n=1)  # +agent.runner.target: _target_
             problems.check(False, f"agent.runner.{name}", f"{cls.__name__}({', '.join(named)}) takes no argument "
                            f"{name!r}" + (f" (did you mean {near[0]!r}?)." if near else "."),
                            f"remove +agent.runner.{name}" + (f" or spell it agent.runner.{near[0]}" if near else ""))
@@ -74,20 +79,33 @@ def _chat_settings_read(cfg: RunConfig, problems: Problems, cls: type) -> None:
                        "ChatAgent), and nothing else reads it.", f"unset {key} (it configures ChatAgent agents)")
 
 
-# The method each kind of agent class implements, which its runner awaits.
-AWAITED = ((Env, "step"), (ChatAgent, "run"), (Runner, "execute"))
+# The methods each kind of agent class implements, the arguments its runner passes, and whether it awaits them.
+CALLED = ((Env, "step", "state", True), (Env, "reset", "state", False), (ChatAgent, "run", "ctx", True),
+          (Runner, "execute", "episode, generator, tokenizer", True))
 
 
-def _awaited_methods_async(problems: Problems, cls: type) -> None:
+def _runner_calls_fit(problems: Problems, cls: type) -> None:
     """A plain `def step` / `run` / `execute` fails every rollout ("object Result can't be used in 'await'
-    expression"): refused here, naming the method and the fix."""
-    for base, name in AWAITED:
+    expression"), and so does one whose parameters do not take the runner's arguments (`async def step(self)`:
+    "takes 1 positional argument but 2 were given"): refused here, naming the method and the fix."""
+    for base, name, args, awaited in CALLED:
         method = getattr(cls, name, None) if issubclass(cls, base) else None
-        if method is not None and not inspect.iscoroutinefunction(method):
+        if method is None:
+            continue
+        if awaited and not inspect.iscoroutinefunction(method):
             problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a plain function, but the "
                            f"runner awaits it (the {base.__name__} contract: `async def {name}`).",
                            f"declare it `async def {name}(...)` (blocking work inside it: "
                            "`await asyncio.to_thread(fn, ...)`)")
+        bound = isinstance(inspect.getattr_static(cls, name), (staticmethod, classmethod))  # no self to pass
+        try:
+            inspect.signature(method).bind(*([] if bound else [None]), *args.split(", "))
+        except TypeError as e:
+            problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name}{inspect.signature(method)} "
+                           f"cannot take the runner's call {name}({args}): {e}.",
+                           f"declare it `{'async def' if awaited else 'def'} {name}(self, {args})`")
+        except ValueError:  # a builtin without a signature: nothing to bind against
+            pass
 
 
 def check_agent(cfg: RunConfig, problems: Problems) -> None:
@@ -103,22 +121,31 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
     _kwarg_problems(problems, cls, spec)
     if len(problems.lines) > before:
         return
-    _awaited_methods_async(problems, cls)
+    _runner_calls_fit(problems, cls)
     if issubclass(cls, (StepEnvRunner, ChatAgentRunner)):
-        runner = cls(**spec)  # both only store their arguments
+        # both only store their arguments (and resolve the env / agent they name); a subclass may do more
+        if (runner := _built(problems, cls, spec)) is None:
+            return
         cls, spec = (runner.env_cls, runner.env_kwargs) if isinstance(runner, StepEnvRunner) else (
             runner.agent_cls, runner.agent_kwargs)
         _kwarg_problems(problems, cls, spec)
-        _awaited_methods_async(problems, cls)
+        _runner_calls_fit(problems, cls)
     if len(problems.lines) == before and issubclass(cls, (Env, ChatAgent)) and not issubclass(cls, Runner):
-        try:
-            cls(**spec)
-        except Exception as e:  # noqa: BLE001 -- whatever the agent's constructor refuses is a config error
-            text = str(e).splitlines()[0][:300] if str(e) else ""
-            named = re.match(r"(agent\.runner\.\w+): (.*) Fix: (.*)", text)  # already "key: reason Fix: fix"
-            key, reason, fix = named.groups() if named else ("agent.runner", text, "fix the agent.runner.* kwargs")
-            problems.check(False, key, f"{cls.__name__}(**agent.runner kwargs) raised {type(e).__name__}: {reason}",
-                           fix)
+        _built(problems, cls, spec)
+
+
+def _built(problems: Problems, cls: type, spec: dict):
+    """`cls(**spec)`, or None where its constructor raises (user code: whatever it refuses is a config error, named;
+    was, for a StepEnvRunner / ChatAgentRunner subclass, a traceback out of validation)."""
+    try:
+        return cls(**spec)
+    except Exception as e:  # noqa: BLE001
+        text = str(e).splitlines()[0][:300] if str(e) else ""
+        named = re.match(r"(agent\.runner\.\w+): (.*) Fix: (.*)", text)  # already "key: reason Fix: fix"
+        key, reason, fix = named.groups() if named else ("agent.runner", text, "fix the agent.runner.* kwargs")
+        problems.check(False, key, f"{cls.__name__}(**agent.runner kwargs) raised {type(e).__name__}: "
+                       f"{reason.rstrip('.')}.", fix)
+        return None
 
 
 def check_prompts(cfg: RunConfig, problems: Problems) -> None:
@@ -137,8 +164,10 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
                 rows = check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
                                          tools_key=d.tools_key, image_key=d.image_key)
                 for i, row in enumerate(rows):
-                    if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt)) is not None:
-                        raise ValueError(f"{part} row {i}: data.input_key={d.input_key!r} is {row['prompt']!r:.60}; "
+                    if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt, row.get("tools"))):
+                        column, value = ("tools_key", row["tools"]) if problem[0].startswith("tools") else (
+                            "input_key", row["prompt"])
+                        raise ValueError(f"{part} row {i}: data.{column}={getattr(d, column)!r} is {value!r:.60}; "
                                          f"{problem[0]}. Fix: {problem[1]}")
                 sizes[key, part] = len(rows)
             except (KeyError, OSError, ValueError) as e:
@@ -168,15 +197,21 @@ def _fills_a_batch(cfg: RunConfig, problems: Problems, sizes: dict[tuple[str, st
                    "rollout.n_samples_per_prompt to keep the samples per step), or give it more rows")
 
 
-def _prompt_problem(prompt, max_images: int) -> tuple[str, str] | None:
-    """(why, fix) where the chat server would refuse `prompt` as a request's messages (its own parser, its image
-    loader for each image part, the engines' image limit), or None."""
-    if isinstance(prompt, str):
+TOOLS_FIX = ("give each row's tools as OpenAI chat function tools, [{'type': 'function', 'function': {'name': ..., "
+             "'parameters': {...}}}, ...], each name once")
+
+
+def _prompt_problem(prompt, max_images: int, tools: list | None = None) -> tuple[str, str] | None:
+    """(why, fix) where the chat server would refuse `prompt` as a request's messages, with the row's `tools` (its own
+    parser, its image loader for each image part, the engines' image limit), or None. (Was: a row's tools in another
+    shape, e.g. the Responses API's flat one, or two of one name, passed; a chat agent's every request was a 400.)"""
+    if isinstance(prompt, str) and tools is None:
         return None
+    body = {"messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt}
     try:
-        messages = openai_chat.parse({"messages": prompt}).messages
+        messages = openai_chat.parse({**body, **({"tools": tools} if tools is not None else {})}).messages
     except RequestError as e:
-        return e.message, PROMPT_FIX
+        return e.message, TOOLS_FIX if e.message.startswith("tools") else PROMPT_FIX
     if len(sources := image_sources(messages)) > max_images:
         return (f"{len(sources)} image parts > data.max_images_per_prompt={max_images}, the engines' per-prompt "
                 "limit", "raise data.max_images_per_prompt (a vision-language model), or remove the image parts")

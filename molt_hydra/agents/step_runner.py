@@ -103,6 +103,10 @@ class StepEnvRunner(Runner):
             raise TypeError(f"{self.env_cls.__name__}.reset must return a dict with 'observation' (the prompt text "
                             f"or chat messages), got {got}; return the state it was given, changed")
         prompt, ids = self._prompt_ids(state["observation"], state.get("tools", episode.tools), tokenizer)
+        if not ids:  # (was: the engine's "session ...: empty prompt_ids", naming neither the row nor the env)
+            raise ValueError(f"the first prompt of {self.env_cls.__name__} is empty text (the row's prompt, or what "
+                             "reset returned as 'observation'): nothing to generate from. Fix: give the row a prompt, "
+                             "or set data.apply_chat_template=true to render it as a user message")
         max_initial = max(1, episode.max_length - episode.sampling.max_tokens - self._image_tokens(episode.images))
         if len(ids) > max_initial:
             if episode.images:  # cutting could split an image's placeholder tokens

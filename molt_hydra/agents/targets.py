@@ -4,6 +4,7 @@ or `path/to/agent.py:Name`, resolved to the object they name."""
 from __future__ import annotations
 
 import ast
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -24,7 +25,10 @@ def resolve_target(target: str) -> Any:
             raise ValueError(f"agent target {target!r}: expected 'pkg.module.Name' or 'file.py[:Name]'")
         module = importlib.import_module(module_name)
     if not hasattr(module, name):
-        raise ValueError(f"agent target {target!r}: {module.__name__} has no attribute {name!r}")
+        where = f"agent file {module.__file__}" if path.endswith(".py") else module.__name__  # (not its module name)
+        near = difflib.get_close_matches(name, [n for n in vars(module) if not n.startswith("_")], n=1)
+        raise ValueError(f"agent target {target!r}: {where} has no attribute {name!r}"
+                         + (f" (did you mean {near[0]!r}?)" if near else ""))
     return getattr(module, name)
 
 
@@ -64,9 +68,14 @@ def _import_file(path: Path):
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    # its own directory first while it runs, as `python path/to/agent.py` has it: an agent file's top-level imports
+    # of the modules beside it work (was: "No module named 'helpers'" for a helpers.py next to the agent)
+    sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[module_name]
         raise
+    finally:
+        sys.path.remove(str(path.parent))  # (its first entry of that directory: an earlier one stays where it was)
     return module

@@ -38,7 +38,9 @@ def _decode(item, where: str):
         if 0 in item.size:
             raise ValueError(f"an image of size {item.size} has no pixels")
         return item.convert("RGB")  # decodes the whole file: a truncated one fails here
-    except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError (empty or non-image file) is an OSError
+    # PIL's UnidentifiedImageError (empty or non-image file) is an OSError; a header claiming more pixels than PIL
+    # decodes (a damaged GIF or BMP, a huge image) raises DecompressionBombError, an Exception of its own
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"{where}: unusable image: {e}") from e
 
 

@@ -106,6 +106,8 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
         raise ValueError(f"output {out}: write .jsonl, .json or .parquet")
     if p.convert is geometry3k and suffix != ".parquet":
         raise ValueError(f"output {out}: {name} has images; write .parquet")
+    if limit is not None and limit < 1:  # (was: an empty file written, exit 0, which every run then refuses)
+        raise ValueError(f"--limit {limit} keeps no row; give a count >= 1, or leave --limit out for every row")
     ds = load_dataset(source or p.hub, split or "train", p.config)  # every default hub dataset's training split
     for names in p.columns:  # (was: a bare KeyError from the first row's conversion)
         if not set(names) & set(ds.column_names):

@@ -156,11 +156,7 @@ def check_json_rows(path: Path) -> list[dict]:
     bad line 7 'row 6', and a file of blank lines 'Instruction "train" corresponds to no data!'. A UTF-8 BOM is read
     over, as datasets does. Also data/rules.py's check, so a dry run finds these before anything starts. Returns the
     rows (objects)."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = path.read_bytes()[:e.start].count(b"\n") + 1
-        raise ValueError(f"{path}: line {line} is not UTF-8 ({e.reason}). Fix: save the file as UTF-8") from None
+    text = _utf8_text(path)
     whole = path.suffix == ".json" and _one_value(text)  # datasets also reads JSON Lines in a .json
     # split at "\n" alone: splitlines also splits at a U+2028 inside a JSON string, which JSON leaves unescaped
     lines = [(1, text)] if whole else [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
@@ -180,6 +176,16 @@ def check_json_rows(path: Path) -> list[dict]:
     if not out:
         raise ValueError(f"{path} has no rows (it is empty or blank). Fix: write one JSON object per line")
     return out
+
+
+def _utf8_text(path: Path) -> str:
+    """A data file's text (a UTF-8 BOM read over, as datasets does); a byte that is not UTF-8 is an error naming its
+    line."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8 ({e.reason}). Fix: save the file as UTF-8") from None
 
 
 def _one_value(text: str) -> bool:
@@ -218,15 +224,21 @@ def _text_columns(path: Path):
 
     import datasets
 
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        rows = csv.reader(f)
-        header = next(rows, [])
-        if len(set(header)) < len(header):
-            raise ValueError(f"{path}: the header names a column twice ({header}). Fix: give each column its own name")
-        for row in rows:
-            if len(row) > len(header):
-                raise ValueError(f"{path}: line {rows.line_num} has {len(row)} cells, the header names "
-                                 f"{len(header)} ({header}). Fix: quote cells that hold a comma, or name every column")
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            rows = csv.reader(f)
+            header = next(rows, [])
+            if len(set(header)) < len(header):
+                raise ValueError(f"{path}: the header names a column twice ({header}). Fix: give each column its "
+                                 "own name")
+            for row in rows:
+                if len(row) > len(header):
+                    raise ValueError(f"{path}: line {rows.line_num} has {len(row)} cells, the header names "
+                                     f"{len(header)} ({header}). Fix: quote cells that hold a comma, or name every "
+                                     "column")
+    except UnicodeDecodeError:  # (was: the codec's words, naming neither the file nor the line)
+        _utf8_text(path)  # raises, naming the line (this stream's error counts bytes from its chunk, not the file)
+        raise
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 
@@ -333,10 +345,12 @@ def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
         raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; not text or a non-empty list of "
                          f"chat messages. Fix: {PROMPT_FIX}")
-    if label_key and row[label_key] is None:
-        raise ValueError(f"{where}: data.label_key={label_key!r} is null (or missing from this row). Fix: give every "
-                         "row its label, or set data.label_key=null for data without labels (the agent then gets '')")
-    out = {"prompt": row[input_key], "label": row[label_key] if label_key else "",
+    label = row[label_key] if label_key else ""
+    if label is None or isinstance(label, float) and math.isnan(label):  # NaN: pandas' missing value, JSON's NaN
+        raise ValueError(f"{where}: data.label_key={label_key!r} is {'null' if label is None else 'NaN'} (or missing "
+                         "from this row). Fix: give every row its label, or set data.label_key=null for data without "
+                         "labels (the agent then gets '')")
+    out = {"prompt": row[input_key], "label": label,
            # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
            "datasource": str(row.get("datasource") or "default")}
     if tools_key and row.get(tools_key) is not None:  # optional columns: absent when unset or null

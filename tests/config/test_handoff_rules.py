@@ -62,6 +62,20 @@ BAD = [
     *[(f"sync_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
        f"{cls}.{name} is a plain function, but the runner awaits it")
       for cls, name in (("SyncStepEnv", "step"), ("SyncRunAgent", "run"), ("SyncExecuteRunner", "execute"))],
+    # before: "takes no argument 'target'. Fix: remove +agent.runner.target", never naming _target_
+    ("runner_target_misspelled", ["+agent.runner.target=${molt:recipes}/agents/math.py:MathEnv"],
+     "agent.runner.target", "ToyEnv() takes no argument 'target' (did you mean '_target_'?)"),
+    # an agent method that cannot take the runner's arguments (before: every rollout failed "takes 1 positional
+    # argument but 2 were given")
+    *[(f"arity_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
+       f"{cls}.{name}(self) cannot take the runner's call {name}({arg}): too many positional arguments")
+      for cls, name, arg in (("NoStateStepEnv", "step", "state"), ("NoCtxRunAgent", "run", "ctx"))],
+    # a StepEnvRunner / ChatAgentRunner (subclass) that refuses its arguments (before: a traceback out of validation)
+    ("runner_constructor_refuses", [f"agent.runner._target_={FAULTS}:RefusingRunner"], "agent.runner",
+     "RefusingRunner(**agent.runner kwargs) raised ValueError: the grader is unreachable."),
+    ("runner_env_file_missing", ["agent.runner._target_=molt_hydra.agents.step_runner.StepEnvRunner",
+                                 "+agent.runner.env=no/such/agent.py:MyEnv"], "agent.runner",
+     "StepEnvRunner(**agent.runner kwargs) raised FileNotFoundError: agent file "),
     # a name longer than a file name may be (255 bytes: 128 two-byte letters are 256): before, Hydra failed to make
     # outputs/<name>/<time> with an OSError traceback, after every check had passed
     ("name_too_long", ["name='" + "é" * 128 + "'"], "name", "is 256 bytes long, but it names the run's directory"),

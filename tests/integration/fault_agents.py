@@ -89,3 +89,25 @@ class SyncExecuteRunner(StepEnvRunner):
 
     def execute(self, episode, generator, tokenizer):  # noqa: D102
         return []
+
+
+class NoStateStepEnv(ToyEnv):
+    """An `async def step(self)` without the state the runner passes: refused at validation likewise."""
+
+    async def step(self):  # noqa: D102 -- the state parameter left out, on purpose
+        return Result(reward=1.0)
+
+
+class NoCtxRunAgent(ChatAgent):
+    """A ChatAgent whose `run` takes no ctx: refused at validation likewise."""
+
+    async def run(self):  # noqa: D102
+        return Result(reward=1.0)
+
+
+class RefusingRunner(StepEnvRunner):
+    """A runner whose own constructor refuses (a grader it cannot reach): a config error at validation."""
+
+    def __init__(self):
+        super().__init__(ToyEnv)
+        raise ValueError("the grader is unreachable")

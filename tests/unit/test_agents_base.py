@@ -1,5 +1,6 @@
 import asyncio
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,6 +126,39 @@ def test_a_result_field_of_the_wrong_type_is_an_error_naming_it(field, value, sa
     assert said in str(err.value)
 
 
+def test_an_async_functions_result_not_awaited_is_named_as_such():
+    """`reward=grade(...)` with an `async def grade`, or a step returning its result unawaited. Before: "is coroutine
+    <coroutine object ...>; return a number" (or "must return Result, got coroutine"), and Python's "coroutine was
+    never awaited" warning on top; now the message says to await it, and the coroutine is closed (no warning)."""
+    async def grade():
+        return 1.0
+
+    for make, said in ((lambda c: Result(reward=c), "Result.reward of GraderEnv.step is coroutine"),
+                       (lambda c: Result(reward=1.0, score=c), "Result.score of GraderEnv.step is coroutine"),
+                       (lambda c: c, "GraderEnv.step returned coroutine")):
+        coroutine = grade()
+        with pytest.raises(TypeError) as err:
+            reward_and_score(make(coroutine), "GraderEnv.step")
+        assert str(err.value) == (f"{said} test_an_async_functions_result_not_awaited_is_named_as_such.<locals>.grade,"
+                                  " an async function's result that was not awaited; `await` it")
+        assert coroutine.cr_frame is None  # closed
+
+
+def test_an_info_value_that_cannot_leave_the_runner_process_fails_its_rollout_naming_the_key():
+    """Result.info travels to the driver as Ray pickles it. Before: a lock (or client, generator) there failed the
+    runner actor's reply that carried it, so every group in flight on that runner was lost as agent_exception, and no
+    message named the value. What Ray's pickler ships (a lambda, a string, a tensor) passes."""
+    import threading
+
+    info = {"digits": 0.5, "pred": "42", "fn": lambda x: x, "t": torch.ones(2)}
+    assert reward_and_score(Result(reward=1.0, info=info), "GraderEnv.step") == (1.0, 1.0)
+    with pytest.raises(TypeError) as err:
+        reward_and_score(Result(reward=1.0, info={"digits": 0.5, "guard": threading.Lock()}), "GraderEnv.step")
+    assert str(err.value) == ("Result.info['guard'] of GraderEnv.step is lock, which cannot be sent from the agent "
+                              "runner to the trainer (TypeError: cannot pickle '_thread.lock' object); keep numbers "
+                              "(logged as metrics) and plain data in info")
+
+
 @pytest.mark.parametrize("value", [True, False, np.bool_(True), torch.tensor(False), 1, 0])
 def test_a_bool_of_any_kind_ends_an_episode(value):
     assert reward_and_score(Result(reward=0.5, terminated=value, truncated=value), "Env.step") == (0.5, 0.5)
@@ -158,6 +192,16 @@ def test_math_grading():
             grade_math(response, label)
 
 
+def test_a_box_written_with_a_space_is_graded_as_a_box():
+    """LaTeX takes `\\boxed {5}`, and math-verify and the MATH benchmark's grader read `$\\boxed 5$`. Before: neither
+    was found (last_boxed None), so a right answer in either form was graded 0.0, as if unboxed."""
+    assert grade_math(r"The answer is \boxed {\frac{1}{2}}.", "0.5") == 1.0
+    assert grade_math(r"The answer is $\boxed 5$.", "5") == 1.0 and grade_math(r"so \fbox 7", "7") == 1.0
+    assert last_boxed("\\boxed\n{12}") == "12" and last_boxed("\\boxed 42\nthat is all") == "42"
+    # a word that only starts with boxed, or a bare mention of the box, is not one
+    assert last_boxed(r"\boxedsymbol{3}") is None and last_boxed(r"\boxed{5}. It goes in \boxed.") == "5"
+
+
 @pytest.mark.timeout(60)  # before: never returned
 def test_an_answer_sympy_cannot_evaluate_is_graded_0_by_its_deadline():
     """\\boxed{9^{9^{9^{9}}}} is one big-integer power that holds the GIL until done (never): graded in-process it froze
@@ -177,6 +221,50 @@ def test_toy_reward_is_the_digit_fraction():
     digit_fraction = resolve_target("recipes/agents/toy.py:digit_fraction")
     assert digit_fraction("12ab") == 0.5 and digit_fraction("") == 0.0 and digit_fraction("007") == 1.0
     assert digit_fraction("1<|im_end|>") == 1 / 11
+
+
+def test_a_misspelled_target_name_is_named_in_its_file_with_the_nearest_name():
+    """Before: 'molt_agent_toy_e3bcf20b has no attribute 'ToyEvn'' (the loader's internal module name, no hint)."""
+    toy = Path("recipes/agents/toy.py").resolve()
+    with pytest.raises(ValueError) as err:
+        resolve_target("recipes/agents/toy.py:ToyEvn")
+    assert str(err.value) == (f"agent target 'recipes/agents/toy.py:ToyEvn': agent file {toy} has no attribute "
+                              "'ToyEvn' (did you mean 'ToyEnv'?)")
+    with pytest.raises(ValueError, match=r"molt_hydra.recipes.agents.toy has no attribute 'ToyEvn' \(did you mean "):
+        resolve_target("molt_hydra.recipes.agents.toy.ToyEvn")
+
+
+def test_an_agent_file_imports_the_module_beside_it(tmp_path):
+    """As `python agent.py` would (its directory first on the path while it runs). Before: "No module named
+    'sibling_grading'", a config error for any agent split over two files. The path is left as it was."""
+    import sys
+
+    (tmp_path / "sibling_grading.py").write_text("def grade(text):\n    return 0.25\n")
+    (tmp_path / "agent.py").write_text(
+        "from sibling_grading import grade\nfrom molt_hydra.agents import Env, Result\n"
+        "class MyEnv(Env):\n    async def step(self, state):\n        return Result(reward=grade(''))\n")
+    path_before = list(sys.path)
+    env = load_runner(f"{tmp_path / 'agent.py'}:MyEnv").env_cls()
+    assert asyncio.run(env.step({})).reward == 0.25 and sys.path == path_before
+
+
+@pytest.mark.parametrize("top_level, code", [
+    ("import sys\nsys.exit('no grader')\n", "'no grader'"),
+    ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--url', required=True)\np.parse_args([])\n",
+     "2")], ids=["sys.exit", "argparse"])
+def test_an_agent_file_that_exits_when_imported_is_a_config_error_naming_the_target(tmp_path, top_level, code):
+    """A script's top-level code in an agent file. Before: its SystemExit left validation and ended molt-run with the
+    file's own message or argparse's usage (which reads as molt-run's), no key named."""
+    from molt_hydra.agents.rules import _target
+    from molt_hydra.config.validate import Problems
+
+    (tmp_path / "script_agent.py").write_text(top_level)
+    problems, target = Problems(), f"{tmp_path / 'script_agent.py'}:MyEnv"
+    assert _target(problems, {"_target_": target}) is None
+    assert problems.lines == [
+        f"- agent.runner._target_: importing {target!r} called sys.exit({code}): the file runs code meant for a "
+        "script when imported. Fix: put that code (argparse, sys.exit) under `if __name__ == '__main__':`, and pass "
+        "settings as agent.runner.* kwargs"]
 
 
 def test_load_runner_forms(tmp_path):
@@ -326,6 +414,31 @@ def test_a_groups_shared_prompt_is_rendered_and_tokenized_once(tiny_model):
         expected = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
                        add_special_tokens=False)["input_ids"]
         assert traj.token_ids == expected + [7]
+
+
+def test_an_empty_text_prompt_fails_its_rollout_naming_the_env_and_the_fix(tiny_model):
+    """An empty prompt row with data.apply_chat_template=false (or a reset observation of ''): no token to generate
+    from. Before: the engine's "session ...: empty prompt_ids", naming neither the row nor the env."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    class Engine:  # (the real engine refuses empty prompt ids: rollout/engine.py)
+        async def generate(self, request):
+            assert request.prompt_ids, "empty prompt_ids"
+            return [Generation([7], [-0.5], [0], "stop")]
+
+    class OneTurn(Env):
+        async def step(self, state):
+            return Result(reward=1.0)
+
+    eps = [Episode(prompt=p, sampling=Sampling(max_tokens=4), max_length=64) for p in ("", "hi")]
+    outcome = asyncio.run(StepEnvRunner(OneTurn).run_group(eps, Engine(), AutoTokenizer.from_pretrained(tiny_model)))
+    assert len(outcome.trajectories) == 1 and dict(outcome.failures) == {"agent_exception": 1}
+    assert outcome.errors["agent_exception"] == (
+        "ValueError: the first prompt of OneTurn is empty text (the row's prompt, or what reset returned as "
+        "'observation'): nothing to generate from. Fix: give the row a prompt, or set data.apply_chat_template=true "
+        "to render it as a user message")
 
 
 def test_an_env_asking_for_no_tokens_fails_its_rollout_instead_of_a_silent_truncation(tiny_model):

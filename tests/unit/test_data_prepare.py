@@ -153,3 +153,16 @@ def test_a_row_without_an_answer_or_a_problem_is_named_not_written(tmp_path, cap
     assert last.startswith(f"python -m molt_hydra.data.prepare: error: {source} row 0 cannot be converted "
                            f"(ValueError: {why}"), last
     assert last.endswith("Fix: correct or remove that row"), last
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_a_limit_that_keeps_no_row_is_refused_before_anything_is_written(tmp_path, capsys, limit):
+    """Before: an empty output file and "aime_2024: 0 rows", exit 0; each run reading it then failed: "has no rows"."""
+    source, out = tmp_path / "source.jsonl", tmp_path / "out.jsonl"
+    source.write_text('{"problem": "1+1", "answer": "2"}\n')
+    with pytest.raises(SystemExit) as done:
+        main(["aime_2024", str(out), "--source", str(source), "--limit", limit])
+    assert done.value.code == 1 and not out.exists()
+    assert capsys.readouterr().err.splitlines()[-1] == (f"python -m molt_hydra.data.prepare: error: --limit {limit} "
+                                                        "keeps no row; give a count >= 1, or leave --limit out for "
+                                                        "every row")

@@ -27,6 +27,9 @@ FILES = {
     "list_item.json": ('[{"prompt": "a", "label": "1"}, 5]', ": item 2 is 5, not a JSON object. Fix: "),
     "not_utf8.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "caf\udce9", "label": "1"}\n',
                        ": line 2 is not UTF-8 (invalid continuation byte). Fix: save the file as UTF-8"),
+    # Before: "'utf-8' codec can't decode byte 0xe9 in position 21: invalid continuation byte", naming no line
+    "not_utf8.csv": ("prompt,label\na,1\ncaf\udce9,2\n",
+                     ": line 3 is not UTF-8 (invalid continuation byte). Fix: save the file as UTF-8"),
     "no_rows.json": ("[]\n", "has no rows (it is empty or blank). Fix: "),
     "no_column.jsonl": ('{"text": "a"}\n', "data.input_key='prompt' is not a column; columns: ['text']"),
     "roleless_message.jsonl": ('{"prompt": [{"content": "hi"}], "label": "1"}\n',
@@ -40,6 +43,10 @@ FILES = {
     "null_label.jsonl": ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n',
                          "row 1: data.label_key='label' is null (or missing from this row). Fix: give every row its "
                          "label, or set data.label_key=null"),
+    # Before: a NaN label (JSON's NaN, pandas' missing value in a float column) was graded against as "nan"
+    "nan_label.jsonl": ('{"prompt": "a", "label": 1.5}\n{"prompt": "b", "label": NaN}\n',
+                        "row 1: data.label_key='label' is NaN (or missing from this row). Fix: give every row its "
+                        "label, or set data.label_key=null"),
     # Before: pandas took the first cell for the row's index: prompt "1", label "extra"
     "extra_cell.csv": ("prompt,label\na,1,extra\n", ": line 2 has 3 cells, the header names 2 (['prompt', 'label'])"),
     "twice_named.csv": ("prompt,prompt\na,b\n", ": the header names a column twice (['prompt', 'prompt']). Fix: "),
@@ -83,6 +90,32 @@ SERVER_REFUSED = {
                               '"a.png"}}, {"type": "image_url", "image_url": {"url": "b.png"}}]}], "label": "1"}\n',
                               "; 2 image parts > data.max_images_per_prompt=1, the engines' per-prompt limit. Fix: "),
 }
+
+
+# A row's tools as the chat server takes a request's (before: passed; a chat agent sending ctx.tools got a 400 for
+# each rollout of the row, every epoch)
+TOOLS_REFUSED = {
+    "flat_tool.jsonl": ('{"prompt": "a", "label": "1", "tools": [{"type": "function", "name": "calc"}]}\n',
+                        "data.tools_key='tools' is [{'type': 'function', 'name': 'calc'}]; tools[0] must be "
+                        "{'type': 'function', 'function': {'name': ...}}. Fix: give each row's tools as OpenAI chat "
+                        "function tools"),
+    "same_name_twice.jsonl": ('{"prompt": [{"role": "user", "content": "a"}], "label": "1", "tools": [{"type": '
+                              '"function", "function": {"name": "calc"}}, {"type": "function", "function": {"name": '
+                              '"calc"}}]}\n', "; tools[0] and tools[1] are both named 'calc': tool names must be "
+                              "unique. Fix: give each row's tools"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOOLS_REFUSED))
+def test_tools_the_chat_server_would_refuse_are_a_config_error_naming_the_row(tmp_path, name):
+    text, reason = TOOLS_REFUSED[name]
+    path = tmp_path / name
+    path.write_text(text)
+    [problem] = _config_problems(str(path), tools_key="tools")
+    assert problem.startswith(f"- data.train_path: {path} row 0: data.tools_key='tools' is ") and reason in problem, \
+        problem
+    path.write_text('{"prompt": "a", "label": "1", "tools": [{"type": "function", "function": {"name": "calc"}}]}\n')
+    assert _config_problems(str(path), tools_key="tools") == []
 
 
 @pytest.mark.parametrize("name", sorted(SERVER_REFUSED))

@@ -52,6 +52,23 @@ def test_output_and_errors():
     assert r.exit_code == 1 and "KeyError: 'k'" in r.as_observation()
 
 
+@pytest.mark.parametrize("sandbox", ["auto", "rlimits"])
+def test_stderr_holds_the_codes_own_output_only(sandbox):
+    """Before: every call's stderr began with the sandbox bootstrap's own `<string>:3: SyntaxWarning: "is not" with a
+    literal`, so every failed call's observation showed the model a warning about code it never wrote."""
+    r = run(run_python("import sys\nsys.exit('boom')", sandbox=sandbox))
+    assert (r.stderr, r.exit_code, r.as_observation()) == ("boom\n", 1, "boom")
+
+
+def test_code_holding_a_lone_surrogate_fails_in_the_sandbox_as_python_would():
+    """A tool call's JSON may decode to a lone surrogate ("\\ud800"). Before: run_python raised UnicodeEncodeError
+    itself, so the agent's whole rollout failed; now the code reaches Python, whose compile refuses it, and the
+    model sees that error."""
+    r = run(run_python("s = '\ud800'"))
+    assert r.exit_code == 1 and r.stderr.strip().endswith(
+        "UnicodeEncodeError: 'utf-8' codec can't encode character '\\ud800' in position 5: surrogates not allowed")
+
+
 def test_math_and_numpy_run_and_output_is_captured():
     pytest.importorskip("numpy")
     code = "import math, numpy as np\nprint(math.comb(10, 3))\nprint(int(np.arange(1, 101).sum()))"
@@ -63,6 +80,28 @@ def test_infinite_loop_is_killed_at_the_wall_clock_limit():
     r = run(run_python("while True:\n    pass", timeout_s=1.0))
     assert r.timed_out and r.exit_code is None and not r.ok  # (timed_out: the call's own 1 s limit fired)
     assert "TimeoutError" in r.as_observation()
+
+
+@pytest.mark.timeout(40)  # before: the call returned when the escaped process did, 60 s on
+def test_a_process_that_left_the_group_holding_the_pipes_cannot_hold_the_call_past_its_limit():
+    """In the rlimits fallback a process may leave the call's process group (setsid) and outlive it with stdout open.
+    Before: the call read until that process ended, ignoring timeout_s; now it returns timed out, with what was read,
+    once the killed group's output has had KILL_GRACE_S. (Under bwrap, killing the sandbox ends every process.)"""
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    print(os.getpid(), flush=True)\n"
+            "    time.sleep(60)\nelse:\n    time.sleep(0.5)\n    print('parent', flush=True)")
+
+    async def call_then_end_the_escaped_process():
+        start = time.monotonic()
+        r = await run_python(code, timeout_s=1, sandbox="rlimits")
+        took = time.monotonic() - start
+        os.kill(int(r.stdout.split()[0]), 9)
+        await asyncio.sleep(0.5)  # its pipes close on this loop (no transport left open when it ends)
+        return r, took
+
+    r, took = run(call_then_end_the_escaped_process())
+    escaped, parent = r.stdout.split()
+    assert r.timed_out and r.exit_code is None and parent == "parent"
+    assert 1 <= took < 1 + python_executor.KILL_GRACE_S + 3, took
 
 
 def test_allocating_4gb_fails_under_the_memory_limit():

@@ -89,3 +89,17 @@ def test_blank_images_keep_size_and_label_and_drop_content():
     for r in real:
         px = r["images"][0].getpixel((28, 28))
         assert min(COLORS, key=lambda c: sum((a - b) ** 2 for a, b in zip(COLORS[c], px)))[0].upper() == r["label"]
+
+
+def test_an_image_claiming_more_pixels_than_pil_decodes_drops_its_row(tmp_path, caplog):
+    """A 20000x20000 image (or a damaged GIF / BMP header that claims one): PIL's DecompressionBombError is no OSError
+    or ValueError. Before: it escaped prompt loading, the run's traceback; now its row is dropped like any other."""
+    huge = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(huge, format="PNG")  # 400M pixels, > 2 * Image.MAX_IMAGE_PIXELS
+    path = _write_rows(tmp_path, [[{"bytes": huge.getvalue(), "path": None}],
+                                  [{"bytes": _png((1, 2, 3)), "path": None}]])
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        rows = load_prompts(path, image_key="images", max_images_per_prompt=1)
+    assert [r["label"] for r in rows] == ["1"] and rows[0]["images"][0].getpixel((0, 0)) == (1, 2, 3)
+    assert (f"{path} row 0 (images): unusable image: Image size (400000000 pixels) exceeds limit of "
+            f"{2 * Image.MAX_IMAGE_PIXELS} pixels") in caplog.text
