@@ -129,13 +129,15 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     where there are checkpoints or resume=must asks for one, ends the run naming the directory and the fix; so does
     a checkpoint saved under the other model.master_weights (a warm start aside), and resume=never over an earlier
     run's checkpoints."""
-    from molt_hydra.parallel.checkpoint import (problem, resolve_checkpoint, saved_client_state,
+    from molt_hydra.parallel.checkpoint import (problem, recover, resolve_checkpoint, saved_client_state,
                                                 saved_master_weights)
     from molt_hydra.runtime.plan import fsdp_roles
 
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval":  # (eval loads checkpoint.path)
         return None, None
+    for root in (c.dir, c.dir + "_critic"):  # a checkpoint (or `best`) a crash left aside as it was replaced is put
+        recover(root)  # back first (the export's is by the next export: a resume exports a missing one again)
     if c.resume.value == "never":
         _refuse_earlier_checkpoints(cfg)
         return None, None
