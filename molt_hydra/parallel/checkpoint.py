@@ -5,8 +5,9 @@ rng_rank<r>.pt, crc32.json}, <root>/latest (text: the last tag, for people and t
 complete step, whatever the tag says). A save is written to <root>/.tmp-step_<N> and renamed
 only when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable (the next save removes
 the half-written directory); a step saved again (its first save damaged) replaces it through .old-step_<N>
-(`_replace_dir`), which `recover` puts back after a crash in between. Neither DCP nor torch.load checks checksums: crc32.json, written last, holds every file's
-CRC32, which a resume checks (a shard's bytes overwritten at its full length loaded as garbage weights, silently).
+(`_replace_dir`), which `recover` puts back after a crash in between. Neither DCP nor torch.load checks
+checksums: crc32.json, written last, holds every file's CRC32, which a resume checks (a shard's bytes overwritten
+at its full length loaded as garbage weights, silently).
 Retention (newest `keep` tags, a disk budget) is parallel/retention.py. Assumes every rank sees the same filesystem
 (one host, or a shared mount).
 """
