@@ -121,14 +121,13 @@ def _build_models(cfg: RunConfig) -> None:
 
 
 def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
-    """checkpoint.resume, before anything starts: returns the checkpoint every role resumes, and its client state
-    (None for a warm start), read here once (it can hold queued batches: before, each check read it again, 4 to 5
-    torch.loads of it before Ray started). One passed over (a file
-    missing, truncated, unreadable or changed since its save: the small files' CRC32s are checked here, the shards'
-    as the roles load them, see _load_verified; a `latest` naming a missing one) is one line each; none loadable,
-    where there are checkpoints or resume=must asks for one, ends the run naming the directory and the fix; so does
-    a checkpoint saved under the other model.master_weights (a warm start aside), and resume=never over an earlier
-    run's checkpoints."""
+    """checkpoint.resume, before anything starts: returns the checkpoint every role resumes and its client state (None
+    for a warm start), read once here (it holds the queued batches; before, each check read it again). One passed
+    over (a file missing, truncated, unreadable or changed since its save: the small files' CRC32s are checked here,
+    the shards' as the roles load them, see _load_verified; a `latest` naming a missing one) is one line each; none
+    loadable, where there are checkpoints or resume=must asks for one, ends the run naming the directory and the
+    fix; so does a checkpoint saved under the other model.master_weights (a warm start aside), and resume=never (or
+    a warm start) over an earlier run's checkpoints."""
     from molt_hydra.parallel.checkpoint import (problem, recover, resolve_checkpoint, saved_client_state,
                                                 saved_master_weights)
     from molt_hydra.runtime.plan import fsdp_roles
@@ -169,6 +168,8 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     if state is not None:
         _refuse_another_jobs(cfg, found, state)
         (_refuse_another_sft_batch_size if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found, state)
+    elif found is not None:
+        _refuse_a_warm_start_among_its_steps(cfg, found)
     # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
     critic = Path(c.dir + "_critic") / found.name if found is not None else None
     if critic is not None and critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
@@ -309,6 +310,33 @@ def _refuse_earlier_checkpoints(cfg: RunConfig) -> None:
                   "as the oldest. Fix: checkpoint.resume=auto to go on from them, another checkpoint.dir (or "
                   "output_dir), or move them aside.", file=sys.stderr)
             sys.exit(EXIT_FAILED)
+
+
+def _refuse_a_warm_start_among_its_steps(cfg: RunConfig, found: Path) -> None:
+    """A warm start (checkpoint.load_model_only) counts its steps from 0 again, and saves them into checkpoint.dir,
+    the run's it starts from: refused before anything starts where a step there is past 0. Before: its step_<N>
+    replaced that run's, retention (the newest steps kept) removed its own as soon as saved (a directory the driver
+    then wrote run_record.json into: 'Run failed: driver (I/O): FileNotFoundError'), and a resume took that run's
+    newest step. A copy of the checkpoint as step_0 of a directory of its own starts one cleanly."""
+    from molt_hydra.parallel.checkpoint import TAG
+    from molt_hydra.runtime.plan import fsdp_roles
+
+    c, critic = cfg.checkpoint, Path(cfg.checkpoint.dir + "_critic")
+    if c.save_steps == 0:
+        return
+    roots = [Path(c.dir), *([critic] if critic.is_dir() and "critic" in fsdp_roles(cfg) else [])]
+    steps = [int(m.group(1)) for root in roots for p in root.glob("step_*") if (m := TAG.match(p.name))]
+    if max(steps, default=0) == 0:
+        return
+    copies = " and ".join(f"cp -r {root / found.name} NEW{root.name.removeprefix(Path(c.dir).name)}/step_0"
+                          for root in roots)
+    print(f"\nRun failed: checkpoint.load_model_only=true: this run starts from {found}'s weights at step 0, and would "
+          f"save its checkpoints into checkpoint.dir={c.dir}, among that run's (step_{max(steps)} the newest): "
+          "retention would remove this run's as the oldest, a step of the same number would replace that run's, and "
+          f"a resume would take that run's newest. Fix: copy it as step_0 of a directory of its own ({copies}) and "
+          "set checkpoint.dir=NEW, or save none with checkpoint.save_steps=0; to go on with that run itself, "
+          "checkpoint.load_model_only=false", file=sys.stderr)
+    sys.exit(EXIT_FAILED)
 
 
 def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice) -> None:

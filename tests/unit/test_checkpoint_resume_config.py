@@ -99,7 +99,8 @@ def test_an_rl_resume_of_an_sft_runs_checkpoint_is_refused_before_anything_start
         f"Run failed: checkpoint.resume=auto: {path} is a job=sft run's checkpoint; job=rl resumes only its own. Fix: "
         "start from its weights alone with checkpoint.load_model_only=true, or point checkpoint.dir at a job=rl run's "
         "checkpoints")
-    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true"))[0] == path
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true",
+                              "checkpoint.save_steps=0"))[0] == path
 
 
 def test_an_sft_resume_of_an_rl_runs_checkpoint_is_refused(saved, capsys):
@@ -124,7 +125,8 @@ def test_a_longer_run_and_other_logging_go_on_named_in_one_line(saved, tmp_path,
         "step 3 on differs from the saved run's")
     # the saved config: nothing to say; a warm start (its weights alone, from step 0): whatever changed
     for same in (_cfg(tmp_path, "checkpoint.resume=auto"),
-                 _cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true", "seed=1")):
+                 _cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true", "seed=1",
+                      "checkpoint.save_steps=0")):
         assert _check_resume(same)[0] == saved
         assert "changed" not in capsys.readouterr().err
 
@@ -303,3 +305,33 @@ def test_the_checks_before_ray_read_the_client_state_once(tmp_path, monkeypatch)
     entrypoint.run(cfg)
     assert started == [(tmp_path / "ckpt" / "step_3", True)]  # every check ran, and passed
     assert loads.count(str(tmp_path / "ckpt" / "step_3" / "extra_state.pt")) == 2, loads
+
+
+def test_a_warm_start_that_would_save_among_the_runs_steps_it_starts_from_is_refused(saved, tmp_path, capsys):
+    """A warm start (checkpoint.load_model_only) counts its steps from 0 again and saves into checkpoint.dir, the
+    run's it starts from. Before: it went on; its step_1 replaced that run's, and with that run's newest 3 steps
+    there (checkpoint.max_num=3, what retention leaves) retention removed it as soon as it was saved (the driver then
+    failed writing its run_record.json into it), and a resume took that run's newest step. Now it is refused before
+    anything starts, naming the fix; a copy of the checkpoint as step_0 of a directory of its own goes on, and its
+    steps are then this run's."""
+    warm = ("checkpoint.resume=auto", "checkpoint.load_model_only=true")
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(_cfg(tmp_path, *warm))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == EXIT_FAILED
+    assert last.startswith(f"Run failed: checkpoint.load_model_only=true: this run starts from {saved}'s weights at "
+                           f"step 0, and would save its checkpoints into checkpoint.dir={saved.parent}, among that "
+                           "run's (step_3 the newest): "), last
+    assert last.endswith(f"Fix: copy it as step_0 of a directory of its own (cp -r {saved} NEW/step_0) and set "
+                         "checkpoint.dir=NEW, or save none with checkpoint.save_steps=0; to go on with that run "
+                         "itself, checkpoint.load_model_only=false")
+    import shutil
+
+    own = tmp_path / "own"
+    shutil.copytree(saved, own / "step_0")
+    cfg = _cfg(tmp_path, *warm, f"checkpoint.dir={own}")
+    assert _check_resume(cfg) == (own / "step_0", None)
+    model, opt = _trained()
+    for step in (1, 2, 3):  # this run's saves (max_num=3): the copy goes first, its own stay
+        save_checkpoint(own, step, model, opt, client_state={"rl_step": step}, keep=3)
+    assert sorted(p.name for p in own.glob("step_*")) == ["step_1", "step_2", "step_3"]
