@@ -157,8 +157,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
 def _prepare(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     recover(root)  # (before retention counts the steps, and before the .tmp- copies go)
-    for leftover in root.glob(".tmp-step_*"):  # crashed saves (the run lock keeps other writers out)
-        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in [*root.glob(".tmp-step_*"), *root.glob(".pruned-step_*")]:  # crashed saves and prunes (the
+        shutil.rmtree(leftover, ignore_errors=True)  # run lock keeps other writers out)
     tmp.mkdir()
 
 

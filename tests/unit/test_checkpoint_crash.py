@@ -96,3 +96,35 @@ def test_best_left_aside_by_a_kill_is_put_back_by_the_resume_check(tmp_path):
         dir=str(root), resume=value(value="auto"), load_model_only=False))
     assert _check_resume(cfg)[0] == root / "step_2"
     assert (root / "best" / "best.json").read_text() == '{"step": 1}' and not (root / ".old-best").exists()
+
+
+PRUNE = r"""
+import os, sys, torch
+from molt_hydra.parallel import retention
+
+real_rmtree = retention.shutil.rmtree
+
+def killed_midway(path, *args, **kwargs):  # step_1's small files gone, its shards not yet
+    if "step_1" not in str(path):
+        return real_rmtree(path, *args, **kwargs)
+    for name in ("extra_state.pt", "crc32.json"):
+        os.unlink(os.path.join(path, name))
+    os._exit(9)
+
+retention.shutil.rmtree = killed_midway
+from molt_hydra.parallel.checkpoint import save_checkpoint
+save_checkpoint(sys.argv[1], 2, torch.nn.Linear(64, 64), keep=1)
+"""
+
+
+def test_a_kill_while_retention_removes_a_step_leaves_nothing_the_next_save_keeps(tmp_path):
+    """checkpoint.max_num=1: saving step_2 prunes step_1, and the process is killed while step_1's files are
+    removed. Before: step_1 stayed with its shards and without extra_state.pt, no longer a checkpoint, so retention
+    never counted or removed it again (a checkpoint's size on disk for good, beyond max_num / max_disk_gb). Now the
+    next save removes what is left of it."""
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 1, torch.nn.Linear(64, 64), keep=1)
+    child = subprocess.run([sys.executable, "-c", PRUNE, str(root)], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 9, child.stderr[-2000:]
+    save_checkpoint(root, 3, torch.nn.Linear(64, 64), keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3"]
