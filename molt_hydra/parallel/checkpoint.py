@@ -90,7 +90,7 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     renames, under .old-<name>, which `recover` puts back. Before: `final` was removed first; a crash before the
     rename lost it (a checkpoint, `best`, the export), its new copy left in a .tmp- directory no resume considers."""
     _settle(final)
-    if final.exists():
+    if final.is_dir():  # (a file in its place fails the rename below, naming it)
         os.replace(final, _old(final))
     os.replace(tmp, final)
     shutil.rmtree(_old(final), ignore_errors=True)
