@@ -128,3 +128,17 @@ def test_a_kill_while_retention_removes_a_step_leaves_nothing_the_next_save_keep
     assert child.returncode == 9, child.stderr[-2000:]
     save_checkpoint(root, 3, torch.nn.Linear(64, 64), keep=1)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3"]
+
+
+def test_a_file_in_the_steps_place_fails_the_save_naming_it(tmp_path):
+    """Only a directory is renamed aside (tests/integration/test_resume_faults.py puts a file where the critic's step
+    goes to fail its save): the save fails naming the file, which stays as it was."""
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 1, _model(0))
+    (root / "step_2").write_text("in the way")
+    with pytest.raises(RuntimeError) as err:
+        save_checkpoint(root, 2, _model(1))
+    assert str(err.value) == (f"writing {root / '.tmp-step_2'} failed on rank 0: NotADirectoryError: [Errno 20] Not a "
+                              f"directory: '{root / '.tmp-step_2'}' -> '{root / 'step_2'}'")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1", "step_2"]
+    assert (root / "step_2").read_text() == "in the way"
