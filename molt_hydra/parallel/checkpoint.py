@@ -4,8 +4,10 @@ Layout: <root>/step_<N>/{dcp/ (model + optimizer, sharded), extra_state.pt (sche
 rng_rank<r>.pt, crc32.json}, <root>/latest (text: the last tag, for people and tools; a resume takes the newest
 complete step, whatever the tag says). A save is written to <root>/.tmp-step_<N> and renamed
 only when complete, so a crash mid-save leaves the previous checkpoint, and `latest`, loadable (the next save removes
-the half-written directory). Neither DCP nor torch.load checks checksums: crc32.json, written last, holds every file's
-CRC32, which a resume checks (a shard's bytes overwritten at its full length loaded as garbage weights, silently).
+the half-written directory); a step saved again (its first save damaged) replaces it through .old-step_<N>
+(`_replace_dir`), which `recover` puts back after a crash in between. Neither DCP nor torch.load checks
+checksums: crc32.json, written last, holds every file's CRC32, which a resume checks (a shard's bytes overwritten
+at its full length loaded as garbage weights, silently).
 Retention (newest `keep` tags, a disk budget) is parallel/retention.py. Assumes every rank sees the same filesystem
 (one host, or a shared mount).
 """
@@ -83,10 +85,37 @@ def _save_small(obj, path: Path) -> None:
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
-    """A finished directory takes `final`'s place in one rename (what was there is removed first)."""
-    if final.exists():
-        shutil.rmtree(final)
+    """A finished directory takes `final`'s place: what was there is renamed aside (.old-<name>), `tmp` renamed in,
+    and the old one removed last, so a crash at any point leaves a whole copy under `final`, or, between the two
+    renames, under .old-<name>, which `recover` puts back. Before: `final` was removed first; a crash before the
+    rename lost it (a checkpoint, `best`, the export), its new copy left in a .tmp- directory no resume considers."""
+    _settle(final)
+    if final.is_dir():  # (a file in its place fails the rename below, naming it)
+        os.replace(final, _old(final))
     os.replace(tmp, final)
+    shutil.rmtree(_old(final), ignore_errors=True)
+
+
+def _old(final: Path) -> Path:
+    return final.with_name(f".old-{final.name}")
+
+
+def _settle(final: Path) -> None:
+    """What a crash in `_replace_dir` left of `final`: its .old-<name> is put back where `final` is missing (a crash
+    between the two renames), else removed (a crash as it was removed)."""
+    if not _old(final).exists():
+        return
+    if final.exists():
+        shutil.rmtree(_old(final))
+    else:
+        os.replace(_old(final), final)
+
+
+def recover(root: str | os.PathLike) -> None:
+    """Rank 0, or the driver before any role starts: every directory under `root` a crash in `_replace_dir` left
+    aside (a checkpoint, `best`) is put back, or removed where its replacement is in place."""
+    for old in Path(root).glob(".old-*"):
+        _settle(old.with_name(old.name.removeprefix(".old-")))
 
 
 def _tags(root: Path) -> list[tuple[int, Path]]:
@@ -127,8 +156,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
 
 def _prepare(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    for leftover in root.glob(".tmp-step_*"):  # crashed saves (the run lock keeps other writers out)
-        shutil.rmtree(leftover, ignore_errors=True)
+    recover(root)  # (before retention counts the steps, and before the .tmp- copies go)
+    for leftover in [*root.glob(".tmp-step_*"), *root.glob(".pruned-step_*")]:  # crashed saves and prunes (the
+        shutil.rmtree(leftover, ignore_errors=True)  # run lock keeps other writers out)
     tmp.mkdir()
 
 

@@ -5,6 +5,7 @@ newest alone is over the budget, `over_budget` says so (the save itself is compl
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -24,11 +25,16 @@ def prune(tags: list[Path], keep: int, max_disk_gb: float | None) -> None:
         pruned.append(tags.pop(0))
         sizes.pop(0)
     for old in pruned:
+        # renamed first: a kill as it is removed leaves a .pruned- directory, which the next save removes (before: a
+        # step_<N> with part of its files, no longer a checkpoint, so never pruned again, its shards on disk for good)
+        trash = old.with_name(f".pruned-{old.name}")
         try:
-            shutil.rmtree(old)
+            os.replace(old, trash)
+            shutil.rmtree(trash)
         except OSError as e:  # (was ignored: the checkpoints outgrew max_num / max_disk_gb without a word)
             logger.warning("checkpoint retention: %s could not be removed (%s): it stays on disk, beyond "
-                           "checkpoint.max_num / checkpoint.max_disk_gb; remove it by hand", old, e.strerror or e)
+                           "checkpoint.max_num / checkpoint.max_disk_gb; remove it by hand",
+                           trash if trash.exists() else old, e.strerror or e)
 
 
 def over_budget(newest: Path, max_disk_gb: float | None) -> str | None:

@@ -96,6 +96,16 @@ def prompts_fingerprint(prompts: list[dict]) -> str:
     return f"{len(prompts)} rows, sha256 {digest.hexdigest()[:16]}"
 
 
+def refuse_other_prompts(saved: str | None, now: str, checkpoint: str = "the checkpoint") -> None:
+    """ValueError naming both fingerprints and the fix where `checkpoint` was trained on other prompts (`saved`, its
+    fingerprint; None: a checkpoint older than the record) than this run's (`now`). Raised by `load_state_dict`, and
+    by the resume check before any role starts (runtime/entrypoint.py `_resumed_rows`)."""
+    if saved is not None and saved != now:
+        raise ValueError(f"{checkpoint} was trained on other prompts ({saved}) than this run's ({now}); its place in "
+                         "them cannot be resumed. Fix: resume with the data it was trained on, or start on this data "
+                         "from its weights with checkpoint.load_model_only=true")
+
+
 @dataclass(eq=False)
 class SamplesGenerator:
     """`carry_over`: keep `max_inflight_groups` running at all times, so groups of the next batch start while this one
@@ -266,11 +276,7 @@ class SamplesGenerator:
             raise RuntimeError("load_state_dict on a generator with groups in flight")
         if state["seed"] != self.seed:
             raise ValueError(f"checkpoint prompt order was seeded with {state['seed']}, this run uses {self.seed}")
-        if state.get("prompts", self.fingerprint()) != self.fingerprint():  # (a checkpoint older than the record)
-            raise ValueError(f"the checkpoint was trained on other prompts ({state['prompts']}) than this run's "
-                             f"({self.fingerprint()}); its place in them cannot be resumed. Fix: resume with the data "
-                             "it was trained on, or start on this data from its weights with "
-                             "checkpoint.load_model_only=true")
+        refuse_other_prompts(state.get("prompts"), self.fingerprint())
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = prompt_order(len(self.prompts), self.seed, self.epoch)
         self._pending = [tuple(p) for p in state["pending"]]

@@ -71,13 +71,13 @@ def _interrupt(signum, frame) -> None:
 
 def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
     record = write_run_record(cfg, cfg.output_dir)
-    resume_from = _check_resume(cfg)
-    if resume_from is not None and _nothing_left(cfg, resume_from):
+    resume_from, saved = _check_resume(cfg)
+    if saved is not None and _nothing_left(cfg, resume_from, saved):
         return
     if cfg.job.value == "sft":
         _run_sft(cfg, resume_from, notice)
         return
-    rows = _resumed_rows(cfg, resume_from)
+    rows = _resumed_rows(cfg, resume_from, saved)
     _build_models(cfg)
     from molt_hydra.runtime.role_warnings import Shown
 
@@ -120,22 +120,26 @@ def _build_models(cfg: RunConfig) -> None:
             sys.exit(EXIT_FAILED)
 
 
-def _check_resume(cfg: RunConfig) -> Path | None:
-    """checkpoint.resume, before anything starts: returns the checkpoint every role resumes. One passed over (a file
-    missing, truncated, unreadable or changed since its save: the small files' CRC32s are checked here, the shards'
-    as the roles load them, see _load_verified; a `latest` naming a missing one) is one line each; none loadable,
-    where there are checkpoints or resume=must asks for one, ends the run naming the directory and the fix; so does
-    a checkpoint saved under the other model.master_weights (a warm start aside), and resume=never over an earlier
-    run's checkpoints."""
-    from molt_hydra.parallel.checkpoint import problem, resolve_checkpoint, saved_master_weights
+def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
+    """checkpoint.resume, before anything starts: returns the checkpoint every role resumes and its client state (None
+    for a warm start), read once here (it holds the queued batches; before, each check read it again). One passed
+    over (a file missing, truncated, unreadable or changed since its save: the small files' CRC32s are checked here,
+    the shards' as the roles load them, see _load_verified; a `latest` naming a missing one) is one line each; none
+    loadable, where there are checkpoints or resume=must asks for one, ends the run naming the directory and the
+    fix; so does a checkpoint saved under the other model.master_weights (a warm start aside), and resume=never (or
+    a warm start) over an earlier run's checkpoints."""
+    from molt_hydra.parallel.checkpoint import (problem, recover, resolve_checkpoint, saved_client_state,
+                                                saved_master_weights)
     from molt_hydra.runtime.plan import fsdp_roles
 
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval":  # (eval loads checkpoint.path)
-        return None
+        return None, None
+    for root in (c.dir, c.dir + "_critic"):  # a checkpoint (or `best`) a crash left aside as it was replaced is put
+        recover(root)  # back first (the export's is by the next export: a resume exports a missing one again)
     if c.resume.value == "never":
         _refuse_earlier_checkpoints(cfg)
-        return None
+        return None, None
     found = resolve_checkpoint(c.dir, skipped, checksums=True)
     for partial in sorted(Path(c.dir).glob(".tmp-step_*")):  # a run stopped mid-save: never a candidate
         print(f"Checkpoint passed over: {partial}: a save that never finished (the next save removes it)",
@@ -153,15 +157,19 @@ def _check_resume(cfg: RunConfig) -> Path | None:
               + (" after moving the damaged ones aside." if skipped else "."), file=sys.stderr)
         sys.exit(EXIT_FAILED)
     # the two modes' optimizer states differ in kind: a resume across them is refused now, not once every role is up
-    mode = cfg.model.master_weights.value
-    if found is not None and not c.load_model_only and (saved := saved_master_weights(found)) != mode:
+    mode, state = cfg.model.master_weights.value, None
+    if found is not None and not c.load_model_only:
+        state = saved_client_state(found)
+    if state is not None and (saved := saved_master_weights(found, state)) != mode:
         print(f"\nRun failed: model.master_weights: {found} was saved with model.master_weights={saved}, this run "
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
               f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
-    if found is not None and not c.load_model_only:
-        _refuse_another_jobs(cfg, found)
-        (_refuse_another_sft_batch_size if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found)
+    if state is not None:
+        _refuse_another_jobs(cfg, found, state)
+        (_refuse_another_sft_batch_size if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found, state)
+    elif found is not None:
+        _refuse_a_warm_start_among_its_steps(cfg, found)
     # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
     critic = Path(c.dir + "_critic") / found.name if found is not None else None
     if critic is not None and critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
@@ -171,17 +179,14 @@ def _check_resume(cfg: RunConfig) -> Path | None:
                   f"{found.name}. Fix: move {found.name} (and any later step) out of checkpoint.dir={c.dir}, the one "
                   "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
             sys.exit(EXIT_FAILED)
-    return found
+    return found, state
 
 
-def _refuse_another_jobs(cfg: RunConfig, found: Path) -> None:
+def _refuse_another_jobs(cfg: RunConfig, found: Path, state: dict) -> None:
     """A run resumes its own job's checkpoints only (job=rl's hold its loop: its step, data position and queued batches;
     job=sft's its consumed samples). Before: job=rl over a job=sft run's checkpoints (as in that run's output_dir, where
     resume=never's refusal offers checkpoint.resume=auto) started every role, then failed 'KeyError: 'loop''; job=sft
     over an RL run's went on at its optimizer's step count, its data position and LR schedule another run's."""
-    from molt_hydra.parallel.checkpoint import saved_client_state
-
-    state = saved_client_state(found)
     saved = "rl" if "rl_step" in state or "loop" in state else "sft" if "consumed_samples" in state else None
     if saved not in (None, cfg.job.value):
         print(f"\nRun failed: checkpoint.resume={cfg.checkpoint.resume.value}: {found} is a job={saved} run's "
@@ -191,7 +196,7 @@ def _refuse_another_jobs(cfg: RunConfig, found: Path) -> None:
         sys.exit(EXIT_FAILED)
 
 
-def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
+def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
     """job=rl: the resume goes on as the saved run would have, or this says, before anything starts, which key changed
     since the save breaks that. Before: a changed train.optimizer.lr was ignored (the optimizer's and scheduler's state
     brought the saved one back), a changed batch size, LR schedule or advantage estimator went on from the saved step
@@ -200,10 +205,8 @@ def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
     that changes the math (run_record.CHANGES_THE_MATH) is refused, naming both values and the fix; any other (a
     longer train.max_steps, logging, timeouts) goes on, named in one line, with what a longer run does to a decaying
     LR schedule."""
-    from molt_hydra.parallel.checkpoint import saved_client_state
     from molt_hydra.runtime.run_record import ABSENT, CHANGES_THE_MATH, config_changes
 
-    state = saved_client_state(found)
     if (saved := state.get("run_record", {}).get("config")) is None:
         print(f"Resuming {found}, saved before checkpoints recorded their config: keys changed since are not checked",
               file=sys.stderr)
@@ -232,18 +235,16 @@ def _refuse_changed_config(cfg: RunConfig, found: Path) -> None:
         print(f"Resuming {found} with keys changed since its save: {', '.join(lines)}{stretched}", file=sys.stderr)
 
 
-def _nothing_left(cfg: RunConfig, found: Path) -> bool:
+def _nothing_left(cfg: RunConfig, found: Path, state: dict) -> bool:
     """A resumed RL run whose checkpoint is at train.max_steps already, and exported after that save where it exports
     (checkpoint.export_final): one line saying so, and True (exit 0, no role started). Before: every role started,
     nothing was trained, the same step was saved and exported again (minutes on GPU). An export missing or older than
     the save (the run ended between the two: Slurm's notice at its last step, an export killed) still runs: its loop
     trains nothing and re-saves nothing (_train), the export is written."""
-    from molt_hydra.parallel.checkpoint import saved_client_state
-
     c, t = cfg.checkpoint, cfg.train
-    if cfg.job.value != "rl" or c.load_model_only or t.max_steps is None:
+    if cfg.job.value != "rl" or t.max_steps is None:
         return False
-    step = saved_client_state(found).get("rl_step", 0)
+    step = state.get("rl_step", 0)
     export = Path(c.export_dir)
     saved_at = max(p.stat().st_mtime for p in (found, found / "run_record.json") if p.exists())
     if step < t.max_steps or c.export_final and not (export.is_dir() and export.stat().st_mtime >= saved_at):
@@ -254,39 +255,34 @@ def _nothing_left(cfg: RunConfig, found: Path) -> bool:
     return True
 
 
-def _resumed_rows(cfg: RunConfig, found: Path | None) -> tuple[list, list | None] | None:
+def _resumed_rows(cfg: RunConfig, found: Path | None, state: dict | None) -> tuple[list, list | None] | None:
     """job=rl resuming its loop: its rows, loaded now, before Ray (build_roles takes them), and refused, naming both
     and the fix, where they are not those the checkpoint was trained on (a prompt file changed since its save, at the
     same path). Before, that was found once every role had started (minutes on GPU). None: the roles load them."""
-    from molt_hydra.parallel.checkpoint import saved_client_state
-    from molt_hydra.rollout.generator import prompts_fingerprint
+    from molt_hydra.rollout.generator import prompts_fingerprint, refuse_other_prompts
     from molt_hydra.runtime.roles import _load_rows
 
-    if found is None or cfg.job.value != "rl" or cfg.checkpoint.load_model_only:
+    if state is None or cfg.job.value != "rl":  # (nothing resumed, or a warm start)
         return None
-    saved = saved_client_state(found).get("loop", {}).get("generator", {}).get("prompts")
+    saved = state.get("loop", {}).get("generator", {}).get("prompts")
     if saved is None:  # (a checkpoint older than the fingerprint)
         return None
     try:
         rows = _load_rows(cfg, scoring=False)
     except Exception:  # noqa: BLE001 - the roles' load says what is wrong (as on a fresh run)
         return None
-    if (now := prompts_fingerprint(rows[0])) != saved:
-        print(f"\nRun failed: data.train_path={cfg.data.train_path}: {found} was trained on other prompts ({saved}) "
-              f"than this run's ({now}); its place in them cannot be resumed. Fix: resume with the data it was "
-              "trained on, or start on this data from its weights with checkpoint.load_model_only=true",
-              file=sys.stderr)
+    try:
+        refuse_other_prompts(saved, prompts_fingerprint(rows[0]), str(found))
+    except ValueError as e:
+        print(f"\nRun failed: data.train_path={cfg.data.train_path}: {e}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     return rows
 
 
-def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path) -> None:
+def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path, state: dict) -> None:
     """job=sft resumes at sample global_step x train.batch_size of the epoch's order: under another batch size than
     the checkpoint's it skipped or repeated samples without a word (and stretched the LR schedule). Refused, naming
     both sizes and the fix."""
-    from molt_hydra.parallel.checkpoint import saved_client_state
-
-    state = saved_client_state(found)
     steps, consumed, size = state.get("global_step", 0), state.get("consumed_samples"), cfg.train.batch_size
     if steps and consumed is not None and consumed != steps * size:
         print(f"\nRun failed: train.batch_size: {found} was saved after {steps} steps of {consumed // steps} samples "
@@ -314,6 +310,33 @@ def _refuse_earlier_checkpoints(cfg: RunConfig) -> None:
                   "as the oldest. Fix: checkpoint.resume=auto to go on from them, another checkpoint.dir (or "
                   "output_dir), or move them aside.", file=sys.stderr)
             sys.exit(EXIT_FAILED)
+
+
+def _refuse_a_warm_start_among_its_steps(cfg: RunConfig, found: Path) -> None:
+    """A warm start (checkpoint.load_model_only) counts its steps from 0 again, and saves them into checkpoint.dir,
+    the run's it starts from: refused before anything starts where a step there is past 0. Before: its step_<N>
+    replaced that run's, retention (the newest steps kept) removed its own as soon as saved (a directory the driver
+    then wrote run_record.json into: 'Run failed: driver (I/O): FileNotFoundError'), and a resume took that run's
+    newest step. A copy of the checkpoint as step_0 of a directory of its own starts one cleanly."""
+    from molt_hydra.parallel.checkpoint import TAG
+    from molt_hydra.runtime.plan import fsdp_roles
+
+    c, critic = cfg.checkpoint, Path(cfg.checkpoint.dir + "_critic")
+    if c.save_steps == 0:
+        return
+    roots = [Path(c.dir), *([critic] if critic.is_dir() and "critic" in fsdp_roles(cfg) else [])]
+    steps = [int(m.group(1)) for root in roots for p in root.glob("step_*") if (m := TAG.match(p.name))]
+    if max(steps, default=0) == 0:
+        return
+    copies = " and ".join(f"cp -r {root / found.name} NEW{root.name.removeprefix(Path(c.dir).name)}/step_0"
+                          for root in roots)
+    print(f"\nRun failed: checkpoint.load_model_only=true: this run starts from {found}'s weights at step 0, and would "
+          f"save its checkpoints into checkpoint.dir={c.dir}, among that run's (step_{max(steps)} the newest): "
+          "retention would remove this run's as the oldest, a step of the same number would replace that run's, and "
+          f"a resume would take that run's newest. Fix: copy it as step_0 of a directory of its own ({copies}) and "
+          "set checkpoint.dir=NEW, or save none with checkpoint.save_steps=0; to go on with that run itself, "
+          "checkpoint.load_model_only=false", file=sys.stderr)
+    sys.exit(EXIT_FAILED)
 
 
 def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice) -> None:

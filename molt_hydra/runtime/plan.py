@@ -220,6 +220,11 @@ def _checkpoint_disk(cfg: RunConfig, plan: Plan, shape: ModelShape) -> None:
     elif kept * one > free:
         line += " -- DOES NOT FIT: lower checkpoint.max_num or set checkpoint.max_disk_gb"
     plan.assumptions.append(line)
+    if c.max_disk_gb is not None and one / (1 + critic) > c.max_disk_gb:  # (a budget per root: actor's, critic's)
+        raise ConfigError(f"- checkpoint.max_disk_gb: one resumable checkpoint of this run is ~{one / (1 + critic):.3g}"
+                          f" GB ({weights} + 8 bytes per parameter), over the budget of {c.max_disk_gb} GB: its first "
+                          f"save would fail the run, after its steps. Fix: raise checkpoint.max_disk_gb above "
+                          f"{one / (1 + critic):.3g}, or unset it")
     if one > free and not cfg.dry_run:  # a dry run may plan for another machine's disk: it shows, a run refuses
         raise ConfigError(f"- checkpoint.dir: one resumable checkpoint of this run is ~{one:.3g} GB ({weights} + 8 "
                           f"bytes per parameter: weights and AdamW state, {shape.params / 1e9:.3g} B parameters"

@@ -48,10 +48,13 @@ def check_outputs(cfg) -> None:
     directories under output_dir (an RL or eval run's: job=sft writes neither), which were first written after the
     engines had started."""
     dirs, fixes = {"output_dir": cfg.output_dir}, {}
-    if cfg.job.value != "eval":
-        dirs["checkpoint.dir"] = cfg.checkpoint.dir
-        if cfg.checkpoint.export_final:
-            dirs["checkpoint.export_dir"] = cfg.checkpoint.export_dir
+    c, job = cfg.checkpoint, cfg.job.value
+    # where the run writes: its checkpoints, or `best` (an RL run's eval). Before, also a read-only one it only
+    # resumes from (a warm start, checkpoint.save_steps=0): refused as not writable
+    if job != "eval" and (c.save_steps != 0 or job == "rl" and cfg.eval.data_path and c.best_metric_key != "none"):
+        dirs["checkpoint.dir"] = c.dir
+    if job != "eval" and c.export_final:
+        dirs["checkpoint.export_dir"] = c.export_dir
     if cfg.train.rollout_dump_dir:  # (was: the first dump failed the run, after every role had started)
         dirs["train.rollout_dump_dir"] = cfg.train.rollout_dump_dir
     sinks = (("logger.wandb.mode", "wandb", cfg.logger.wandb.mode.value != "disabled", "disabled"),

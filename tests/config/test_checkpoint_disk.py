@@ -58,3 +58,18 @@ def test_checkpoint_knobs_are_refused_when_no_checkpoint_is_written(key, value):
     with pytest.raises(ConfigError) as e:
         validate(to_run_config(compose_config(["checkpoint.save_steps=0", f"{key}={value}"])))
     assert f"- {key}: it shapes the resumable checkpoints, but checkpoint.save_steps=0 writes none." in str(e.value)
+
+
+def test_a_disk_budget_below_one_checkpoint_is_refused_before_the_run_starts(tmp_path):
+    """Before: the run trained its steps, then its first save failed it ('the newest checkpoint ... alone takes
+    0.00433 GB, over the budget'). The budget is per checkpoint root, so a critic's root is sized alone."""
+    cfg = validate(to_run_config(compose_config([])))
+    one = 12 * model_shape(cfg.model.path).params / 1e9
+    with pytest.raises(ConfigError) as e:
+        plan_of(f"checkpoint.dir={tmp_path}/ck", f"checkpoint.max_disk_gb={one / 2}")
+    assert str(e.value) == (f"- checkpoint.max_disk_gb: one resumable checkpoint of this run is ~{one:.3g} GB (4 + 8 "
+                            f"bytes per parameter), over the budget of {one / 2} GB: its first save would fail the "
+                            f"run, after its steps. Fix: raise checkpoint.max_disk_gb above {one:.3g}, or unset it")
+    plan_of(f"checkpoint.dir={tmp_path}/ck", f"checkpoint.max_disk_gb={one * 1.5}")  # one fits
+    plan_of(f"checkpoint.dir={tmp_path}/ck", f"checkpoint.max_disk_gb={one * 1.5}", "algorithm.estimator=gae",
+            "parallelism.colocate_models=true")  # the actor's and the critic's each fit their own root's budget

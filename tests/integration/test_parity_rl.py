@@ -67,7 +67,9 @@ def test_disk_budget_and_warm_start(runs, tmp_path):
     ckpt = runs / "a" / "checkpoints"
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_1", "step_2"]  # max_num 3: both fit the budget
     warm = tmp_path / "warm"
-    shutil.copytree(ckpt, tmp_path / "from")
+    # its step_2 as step_0 of a directory of its own: the warm start's steps then follow it (among run a's steps,
+    # the warm start is refused: its own would mix with them)
+    shutil.copytree(ckpt / "step_2", tmp_path / "from" / "step_0")
     molt_run(warm, "train.max_steps=1", "seed=3", f"checkpoint.dir={tmp_path / 'from'}", "checkpoint.resume=must",
              "checkpoint.load_model_only=true", "checkpoint.max_disk_gb=0.1")
     m = metrics(warm)

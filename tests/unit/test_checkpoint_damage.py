@@ -199,7 +199,7 @@ def test_a_resume_reads_each_shard_once(tmp_path):
     cfg = value(job=value(value="rl"), model=value(master_weights=value(value="fsdp")), checkpoint=value(
         dir=str(tmp_path), resume=value(value="auto"), load_model_only=False))
     before = _bytes_read()
-    found = _check_resume(cfg)
+    found, _ = _check_resume(cfg)
     load_checkpoint(tmp_path, fresh, fresh_opt, step=found.name)
     read = _bytes_read() - before
     assert shards <= read < 1.25 * shards, (read, shards)  # (the small files: a few KB)
@@ -229,7 +229,7 @@ def test_the_run_resumes_the_checked_checkpoint_and_names_the_one_passed_over(sa
     shutil.copytree(root / "step_1", root / ".tmp-step_3")  # a run stopped while it saved step 3
     cfg = value(job=value(value="rl"), model=value(master_weights=value(value="fsdp")), checkpoint=value(
         dir=str(root), resume=value(value="auto"), load_model_only=False))
-    assert _check_resume(cfg) == root / "step_1"
+    assert _check_resume(cfg)[0] == root / "step_1"
     partial, line, unchecked = capsys.readouterr().err.strip().splitlines()
     assert partial == f"Checkpoint passed over: {root / '.tmp-step_3'}: a save that never finished (the next save " \
                       "removes it)"
@@ -302,4 +302,4 @@ def test_resume_never_over_an_earlier_runs_checkpoints_stops_before_anything_sta
                            "(step_2 the newest)") and "Fix: checkpoint.resume=auto" in last, last
     for fine in (value(dir=str(root), resume=value(value="never"), save_steps=0),  # saves nothing there
                  value(dir=str(tmp_path / "empty"), resume=value(value="never"), save_steps=1)):
-        assert _check_resume(value(job=value(value="rl"), checkpoint=fine)) is None
+        assert _check_resume(value(job=value(value="rl"), checkpoint=fine))[0] is None

@@ -99,7 +99,8 @@ def test_an_rl_resume_of_an_sft_runs_checkpoint_is_refused_before_anything_start
         f"Run failed: checkpoint.resume=auto: {path} is a job=sft run's checkpoint; job=rl resumes only its own. Fix: "
         "start from its weights alone with checkpoint.load_model_only=true, or point checkpoint.dir at a job=rl run's "
         "checkpoints")
-    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true")) == path
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true",
+                              "checkpoint.save_steps=0"))[0] == path
 
 
 def test_an_sft_resume_of_an_rl_runs_checkpoint_is_refused(saved, capsys):
@@ -117,15 +118,16 @@ def test_an_sft_resume_of_an_rl_runs_checkpoint_is_refused(saved, capsys):
 def test_a_longer_run_and_other_logging_go_on_named_in_one_line(saved, tmp_path, capsys):
     cfg = _cfg(tmp_path, "checkpoint.resume=must", "train.max_steps=8", "logger.tensorboard=true",
                "train.timeouts.step_s=60")
-    assert _check_resume(cfg) == saved
+    assert _check_resume(cfg)[0] == saved
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"Resuming {saved} with keys changed since its save: logger.tensorboard False -> True, train.max_steps 4 -> 8,"
         " train.timeouts.step_s 3600.0 -> 60.0; the LR schedule (cosine) now spans the new length, so the LR from "
         "step 3 on differs from the saved run's")
     # the saved config: nothing to say; a warm start (its weights alone, from step 0): whatever changed
     for same in (_cfg(tmp_path, "checkpoint.resume=auto"),
-                 _cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true", "seed=1")):
-        assert _check_resume(same) == saved
+                 _cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true", "seed=1",
+                      "checkpoint.save_steps=0")):
+        assert _check_resume(same)[0] == saved
         assert "changed" not in capsys.readouterr().err
 
 
@@ -139,7 +141,7 @@ def test_keys_molt_hydra_added_or_removed_since_the_save_go_on_named(tmp_path, c
     record["config"]["train"]["retired_knob"] = 3
     path = save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
         "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 1}}, "run_record": record})
-    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto")) == path
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto"))[0] == path
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"Resuming {path} with keys changed since its save: algorithm.gamma (no such key) -> 1.0, "
         "train.retired_knob 3 -> (no such key)")
@@ -148,7 +150,7 @@ def test_keys_molt_hydra_added_or_removed_since_the_save_go_on_named(tmp_path, c
 def test_resume_auto_with_no_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
     """The usual way to miss one: a new invocation's output_dir is a new timestamped directory (hydra.run.dir), and
     the default checkpoint.dir is under it."""
-    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto")) is None
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto"))[0] is None
     assert capsys.readouterr().err.strip().splitlines() == [
         f"checkpoint.resume=auto: no checkpoint under checkpoint.dir={tmp_path / 'ckpt'}, so the run starts from step 0"
         " (to go on from a run, set checkpoint.dir, or output_dir, to its)"]
@@ -157,7 +159,7 @@ def test_resume_auto_with_no_checkpoint_says_it_starts_from_step_0(tmp_path, cap
 def test_a_checkpoint_without_its_config_is_resumed_saying_so(tmp_path, capsys):
     model, opt = _trained()
     path = save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={"master_weights": "fsdp", "rl_step": 3})
-    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "seed=1")) == path
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "seed=1"))[0] == path
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"Resuming {path}, saved before checkpoints recorded their config: keys changed since are not checked")
 
@@ -219,7 +221,7 @@ def test_a_prompt_file_changed_since_the_save_is_refused_before_ray(changed, tmp
     prompts cannot be resumed. Refused, naming both and the fix, before Ray or any role starts (before: once every
     role had started, minutes on GPU, SamplesGenerator.load_state_dict's ValueError). Unchanged, the rows loaded for
     the check are the roles' (no second load)."""
-    from molt_hydra.rollout.generator import prompts_fingerprint
+    from molt_hydra.rollout.generator import prompts_fingerprint, refuse_other_prompts
     from molt_hydra.runtime import entrypoint
     from molt_hydra.runtime.roles import _load_rows
 
@@ -254,7 +256,82 @@ def test_a_prompt_file_changed_since_the_save_is_refused_before_ray(changed, tmp
         entrypoint.run(cfg)
     now = prompts_fingerprint(_load_rows(cfg, scoring=False)[0])
     assert (e.value.code, started, now != saved) == (EXIT_FAILED, [], True)
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (
         f"Run failed: data.train_path={tmp_path / 'prompts.jsonl'}: {tmp_path / 'ckpt' / 'step_3'} was trained on "
         f"other prompts ({saved}) than this run's ({now}); its place in them cannot be resumed. Fix: resume with the "
         "data it was trained on, or start on this data from its weights with checkpoint.load_model_only=true")
+    # the generator's own refusal (a role's load) is the same text, from one place
+    with pytest.raises(ValueError) as refused:
+        refuse_other_prompts(saved, now, str(tmp_path / "ckpt" / "step_3"))
+    assert last == f"Run failed: data.train_path={tmp_path / 'prompts.jsonl'}: {refused.value}"
+
+
+def test_the_checks_before_ray_read_the_client_state_once(tmp_path, monkeypatch):
+    """extra_state.pt holds the loop's queued batches (here 4 MB of them). Before: the resume checks before Ray
+    (master weights, job, changed config, nothing left, the prompts) each torch.loaded it again, 6 loads in all; now
+    the integrity check loads it (resolve_checkpoint) and the client state is read once, for every check."""
+    from contextlib import nullcontext
+
+    from molt_hydra.models import build
+    from molt_hydra.parallel import checkpoint
+    from molt_hydra.rollout.generator import prompts_fingerprint
+    from molt_hydra.runtime import entrypoint
+    from molt_hydra.runtime.roles import _load_rows
+
+    cfg = _cfg(tmp_path, f"data.train_path={_prompt_file(tmp_path / 'prompts.jsonl', ['1'] * 8)}")
+    model, opt = _trained()
+    save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "run_record": write_run_record(cfg, tmp_path / "out"),
+        "loop": {"generator": {"epoch": 0, "prompts": prompts_fingerprint(_load_rows(cfg, scoring=False)[0])},
+                 "queued": [torch.zeros(1 << 20)]}})
+    loads, real_load = [], torch.load
+
+    def counted(f, *args, **kwargs):
+        loads.append(str(f))
+        return real_load(f, *args, **kwargs)
+
+    started = []
+
+    async def main(cfg, record, resume_from, shown, notice, rows=None):
+        started.append((resume_from, rows is not None))
+        return 0
+
+    monkeypatch.setattr(checkpoint.torch, "load", counted)
+    monkeypatch.setattr(build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(entrypoint, "ray_cluster", lambda *a: nullcontext())
+    monkeypatch.setattr(entrypoint, "_main", main)
+    cfg.checkpoint.resume = type(cfg.checkpoint.resume)("auto")
+    entrypoint.run(cfg)
+    assert started == [(tmp_path / "ckpt" / "step_3", True)]  # every check ran, and passed
+    assert loads.count(str(tmp_path / "ckpt" / "step_3" / "extra_state.pt")) == 2, loads
+
+
+def test_a_warm_start_that_would_save_among_the_runs_steps_it_starts_from_is_refused(saved, tmp_path, capsys):
+    """A warm start (checkpoint.load_model_only) counts its steps from 0 again and saves into checkpoint.dir, the
+    run's it starts from. Before: it went on; its step_1 replaced that run's, and with that run's newest 3 steps
+    there (checkpoint.max_num=3, what retention leaves) retention removed it as soon as it was saved (the driver then
+    failed writing its run_record.json into it), and a resume took that run's newest step. Now it is refused before
+    anything starts, naming the fix; a copy of the checkpoint as step_0 of a directory of its own goes on, and its
+    steps are then this run's."""
+    warm = ("checkpoint.resume=auto", "checkpoint.load_model_only=true")
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(_cfg(tmp_path, *warm))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == EXIT_FAILED
+    assert last.startswith(f"Run failed: checkpoint.load_model_only=true: this run starts from {saved}'s weights at "
+                           f"step 0, and would save its checkpoints into checkpoint.dir={saved.parent}, among that "
+                           "run's (step_3 the newest): "), last
+    assert last.endswith(f"Fix: copy it as step_0 of a directory of its own (cp -r {saved} NEW/step_0) and set "
+                         "checkpoint.dir=NEW, or save none with checkpoint.save_steps=0; to go on with that run "
+                         "itself, checkpoint.load_model_only=false")
+    import shutil
+
+    own = tmp_path / "own"
+    shutil.copytree(saved, own / "step_0")
+    cfg = _cfg(tmp_path, *warm, f"checkpoint.dir={own}")
+    assert _check_resume(cfg) == (own / "step_0", None)
+    model, opt = _trained()
+    for step in (1, 2, 3):  # this run's saves (max_num=3): the copy goes first, its own stay
+        save_checkpoint(own, step, model, opt, client_state={"rl_step": step}, keep=3)
+    assert sorted(p.name for p in own.glob("step_*")) == ["step_1", "step_2", "step_3"]

@@ -13,10 +13,11 @@ from molt_hydra.runtime.watchdog import EXIT_FAILED
 from molt_hydra.runtime.writable import check_outputs
 
 
-def _cfg(out, job="rl", wandb="offline", tensorboard=False):
+def _cfg(out, job="rl", wandb="offline", tensorboard=False, save_steps=-1, eval_data=None, checkpoints=None):
     return value(output_dir=str(out), job=value(value=job), logger=value(
         wandb=value(mode=value(value=wandb)), tensorboard=tensorboard), checkpoint=value(
-        dir=str(out / "checkpoints"), export_final=False), train=value(rollout_dump_dir=None))
+        dir=str(checkpoints or out / "checkpoints"), export_final=False, save_steps=save_steps, best_metric_key=""),
+        train=value(rollout_dump_dir=None), eval=value(data_path=eval_data))
 
 
 @pytest.mark.parametrize("name, key, off, kw", [
@@ -46,3 +47,18 @@ def test_an_output_dir_whose_name_the_disk_cannot_hold_stops_the_run_before_anyt
         assert f"- output_dir={out}: not writable: the name 'xxxx" in err
         assert f"is {limit + 1} bytes, over this disk's {limit}. Fix: point output_dir at a writable directory." in err
     check_outputs(_cfg(tmp_path / "runs" / ("x" * limit) / "run", wandb="disabled"))  # at the limit: fine
+
+
+def test_a_checkpoint_dir_the_run_only_reads_may_be_read_only(tmp_path, capsys):
+    """checkpoint.save_steps=0 resuming (a warm start) from a checkpoint.dir it cannot write (a file stands for it:
+    root ignores permission bits): the run writes nothing there, so it goes on. Before: 'Run not started: output
+    directory not writable. - checkpoint.dir=...: not writable'. Where it saves, or exports `best` there (an RL
+    run's eval), the directory is checked as before."""
+    checkpoints = tmp_path / "read_only"
+    checkpoints.write_text("")
+    check_outputs(_cfg(tmp_path, wandb="disabled", save_steps=0, checkpoints=checkpoints))
+    for kw in ({"save_steps": -1}, {"save_steps": 0, "eval_data": "builtin://gsm8k_mini"}):
+        with pytest.raises(SystemExit):
+            check_outputs(_cfg(tmp_path, wandb="disabled", checkpoints=checkpoints, **kw))
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+            f"- checkpoint.dir={checkpoints}: not writable: Not a directory")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from molt_hydra.rollout.generation import Sampling
-from molt_hydra.rollout.generator import DROP_REASONS, SamplesGenerator, prompt_order
+from molt_hydra.rollout.generator import DROP_REASONS, SamplesGenerator, prompt_order, refuse_other_prompts
 
 SAMPLING = Sampling(max_tokens=4)
 
@@ -124,6 +124,9 @@ def test_a_resume_on_other_prompts_is_refused_naming_both(other):
         resumed.load_state_dict(state)
     assert str(e.value).startswith(f"the checkpoint was trained on other prompts ({gen.fingerprint()}) than this "
                                    f"run's ({resumed.fingerprint()}); ")
+    with pytest.raises(ValueError) as same_text:  # the resume check's refusal before Ray (runtime/entrypoint.py)
+        refuse_other_prompts(gen.fingerprint(), resumed.fingerprint())
+    assert str(same_text.value) == str(e.value)
     assert resumed.fingerprint() != gen.fingerprint()
     same = SamplesGenerator([dict(r) for r in data], ScriptedRunner(), batch_size=2, n_samples_per_prompt=1,
                             sampling=SAMPLING)
