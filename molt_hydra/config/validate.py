@@ -557,10 +557,16 @@ def model_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
 
 
 def parallelism_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """Packing, shared prompt rows, offload, deferred grad sync, borrowed CPUs."""
+    """Packing, shared prompt rows, offload, deferred grad sync, borrowed CPUs, shared role placement."""
     p, d, m, r = cfg.parallelism, cfg.data, cfg.model, cfg.rollout
     attn = m.attn_implementation.value
     problems.table((
+        # (job=sft and job=eval: SFT_IGNORES and the command line's JOB_IGNORES)
+        (not (p.colocate_models and cfg.job.value == "rl" and trainer_roles(cfg, needs) == ("actor",)),
+         "parallelism.colocate_models", f"the run trains the actor alone (estimator {cfg.algorithm.estimator} needs "
+         f"no critic or teacher, and algorithm.kl.coef={cfg.algorithm.kl.coef} builds no reference), so no other "
+         "role shares its placement and it changes nothing.", "unset parallelism.colocate_models (it places a "
+         "reference or critic on the actor's devices)"),
         (not (d.image_key and d.max_images_per_prompt == 0), "data.max_images_per_prompt",
          f"data.image_key={d.image_key!r} loads images, but 0 images per prompt reach the engine.",
          "set data.max_images_per_prompt to the most images a row has, or data.image_key=null"),

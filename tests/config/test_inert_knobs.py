@@ -152,6 +152,13 @@ CASES = [
     ("one_dataset_probs", ["data.train_probs=[1.0]"], "data.train_probs",
      "one dataset (builtin://toy) is drawn with probability 1"),
     # before, accepted: a VLM recipe on text data blanked no image (its rows have none)
+    # before, accepted: with the actor the only trainer role, there is no reference or critic to share its devices
+    ("colocate_models_actor_alone", ["parallelism.colocate_models=true"], "parallelism.colocate_models",
+     "the run trains the actor alone (estimator grpo needs no critic or teacher, and algorithm.kl.coef=0.0 builds no "
+     "reference)"),
+    ("colocate_models_of_a_recipe", ["+recipe=on_policy_distill", "algorithm=rloo", "rollout.n_samples_per_prompt=4",
+                                     "model.ref_path=null"], "parallelism.colocate_models",
+     "estimator rloo needs no critic or teacher"),
     ("blank_text_data", ["+recipe=tiny_vlm_colors_cpu", "data.train_path=builtin://toy",
                          "eval.data_path=builtin://toy_eval", "data.blank_images=true"], "data.blank_images",
      "no dataset of the run has prompt images (builtin://toy_eval, builtin://toy"),
