@@ -977,7 +977,8 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
     a recipe) or a multirun point (runtime/sweep.py) sets them too, where they are left alone.
     train.optimizer.lr under LoRA with Muon: every adapter matrix steps at muon_lr, no AdamW group is left
     (models/rules.py `_lora_muon` refuses the other AdamW knobs). logger.wandb.group with W&B disabled: no run to
-    group (config/validate.py refuses W&B's other names)."""
+    group (config/validate.py refuses W&B's other names). train.micro_batch_size under train.dynamic_batch: the trainer
+    takes train.max_tokens_per_micro_batch as its budget then (runtime/trainer_options.py); conf/config.yaml sets it."""
     from molt_hydra.models.rules import LORA_MUON_INERT
 
     given, o = {text.lstrip("+~").split("=", 1)[0] for text in overrides}, first.train.optimizer
@@ -988,7 +989,11 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
          "train.optimizer.muon_lr (the adapter's step size), or train.optimizer.name=adamw"),
         ("logger.wandb.group", wandb_mode == "disabled" and job != "sft", "it groups the W&B run, but logger.wandb.mode=disabled "
          "starts none, so it changes nothing.", "unset logger.wandb.group, or set logger.wandb.mode=offline (or "
-         "auto/online)")) if unread and key in given]
+         "auto/online)"),
+        ("train.micro_batch_size", first.train.dynamic_batch and job != "eval", "it budgets a micro-batch as "
+         "micro_batch_size x data.max_len tokens, but train.dynamic_batch=true budgets it by "
+         "train.max_tokens_per_micro_batch, so it changes nothing.", "drop train.micro_batch_size and set "
+         "train.max_tokens_per_micro_batch, or set train.dynamic_batch=false")) if unread and key in given]
 
 
 def _exit_config_error(text: str) -> None:

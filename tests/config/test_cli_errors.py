@@ -285,6 +285,18 @@ def test_a_wandb_group_with_wandb_disabled_is_refused_on_its_command_line():
     assert unread_on_command_line(compose_config(["logger.wandb.group=g"]), ["logger.wandb.group=g"]) == []
 
 
+def test_a_micro_batch_size_under_dynamic_batching_is_refused_on_its_command_line():
+    """Before: accepted and changed nothing: under train.dynamic_batch the trainer's budget is
+    train.max_tokens_per_micro_batch alone (runtime/trainer_options.py). conf/config.yaml's own value is left."""
+    overrides = ["train.dynamic_batch=true", "train.micro_batch_size=4"]
+    assert unread_on_command_line(compose_config(overrides), overrides) == [
+        "- train.micro_batch_size: it budgets a micro-batch as micro_batch_size x data.max_len tokens, but "
+        "train.dynamic_batch=true budgets it by train.max_tokens_per_micro_batch, so it changes nothing. Fix: drop "
+        "train.micro_batch_size and set train.max_tokens_per_micro_batch, or set train.dynamic_batch=false"]
+    for ok in (["train.dynamic_batch=true"], ["train.micro_batch_size=4"]):
+        assert unread_on_command_line(compose_config(ok), ok) == []
+
+
 def test_a_key_is_refused_once_with_one_reason():
     overrides = ["job=eval", "train.epochs=2", "train.epochs=3", "rollout.weight_sync.probe_every=2"]
     lines = job_ignored(compose_config(overrides), overrides)
