@@ -766,17 +766,24 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
     engines = 0 if job == "sft" else rollout_devices(cfg)
     wanted = max(fsdp, engines) if p.colocate else fsdp + engines
     wants_eval = cfg.eval.every_steps > 0 or cfg.eval.at_start or job == "eval"
+    # where dp comes from, named: was told as a bare number after cluster.devices_per_node=8 (derive(): -1 takes every
+    # device the engines leave), whose key no line named
+    used = 0 if p.colocate else engines
+    ranks = f"parallelism.trainer_devices={p.trainer_devices}" + (
+        f" = cluster.nodes x cluster.devices_per_node = {total}" + (f" less {used} for rollout" if used else "")
+        if p.trainer_devices == max(total - used, 1) else "") + (f" / tp x cp {p.tp * p.cp}" if p.tp * p.cp > 1 else "")
     problems.table((
         (not rl or samples >= dp, "rollout.batch_size", f"{r.batch_size} groups x {r.n_samples_per_prompt} samples = "
-         f"{samples} < {dp} data-parallel ranks; some ranks would get no sample.",
-         f"raise rollout.batch_size to >= {-(-dp // r.n_samples_per_prompt)}"),
+         f"{samples} < {dp} data-parallel ranks ({ranks}); some ranks would get no sample.",
+         f"raise rollout.batch_size to >= {-(-dp // r.n_samples_per_prompt)}, or lower parallelism.trainer_devices"),
         (not rl or t.force_on_policy or samples % t.batch_size == 0, "train.batch_size",
          f"a rollout step yields {samples} samples, not a multiple of train.batch_size={t.batch_size}; the remainder "
          "would be dropped every step.", "make rollout.batch_size x rollout.n_samples_per_prompt a multiple of "
          f"train.batch_size (e.g. train.batch_size={samples})"),
         (job == "eval" or t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size",  # (eval: no trainer)
-         f"must be a multiple of micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size}.",
-         f"set train.batch_size to a multiple of {per_step}"),
+         f"must be a multiple of micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size} "
+         f"(dp: {ranks}).", f"set train.batch_size to a multiple of {per_step}, or change the ranks "
+         "(parallelism.trainer_devices)"),
         # SFT splits each batch over its ranks evenly (parallel/sft.py); dynamic batching leaves the rule above out
         (not (job == "sft" and t.dynamic_batch) or t.batch_size % p.trainer_devices == 0, "train.batch_size",
          f"job=sft splits each batch of {t.batch_size} samples evenly over its {p.trainer_devices} ranks "

@@ -161,6 +161,14 @@ CROSS_GROUP = [
     # 64 samples per step; micro 48 x dp 1 = 48 does not divide train.batch_size=64.
     ("batch_multiple_of_micro_x_dp", ["train.micro_batch_size=48"], "train.batch_size",
      "must be a multiple of micro_batch_size x dp = 48 x 1 = 48, got 64"),
+    # the ranks come from the cluster's size (parallelism.trainer_devices=-1: every device the 1 engine leaves); before,
+    # the line named neither, so `cluster.devices_per_node=8` was refused without its key
+    ("batch_ranks_of_the_cluster", ["cluster.devices_per_node=8"], "train.batch_size",
+     "= 16 x 7 = 112, got 64 (dp: parallelism.trainer_devices=7 = cluster.nodes x cluster.devices_per_node = 8 less 1 "
+     "for rollout)"),
+    ("sample_ranks_of_the_cluster", ["cluster.nodes=100"], "rollout.batch_size",
+     "64 < 199 data-parallel ranks (parallelism.trainer_devices=199 = cluster.nodes x cluster.devices_per_node = 200 "
+     "less 1 for rollout)"),
     ("new_tokens_leave_room", ["rollout.max_new_tokens=256", "data.max_len=256"], "rollout.max_new_tokens",
      "256 leaves no room for the prompt within data.max_len=256"),
     ("train_data_required", ["data.train_path=null"], "data.train_path", "job=rl needs training data"),
