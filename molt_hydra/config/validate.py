@@ -52,6 +52,9 @@ SFT_IGNORES: dict[str, str] = {
         "startup_s", "engine_call_s", "trainer_call_s", "step_s")},
     **{f"parallelism.{name}": "SFT trains one model, with no engine or other role beside it." for name in (
         "colocate", "colocate_models", "borrow_idle_cpus")},
+    # (parallel/sft.py builds each rank's TrainerSpec without them: every rank a data-parallel FSDP rank)
+    **{f"parallelism.{name}": "SFT shards its model with FSDP over its ranks only, with no tensor-, context- or "
+       "expert-parallel mesh." for name in ("tp", "cp", "ep")},
     "checkpoint.save_hf": "SFT checkpoints are resumable ones only; its HF export is the final one.",
     "checkpoint.best_metric_key": "SFT keeps the newest checkpoints (checkpoint.max_num), never a best one.",
     "eval.at_start": "SFT evaluates every eval.every_steps steps (or at each epoch's end) and at the last step.",
@@ -500,6 +503,10 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
          "trainer loss.", "set model.aux_loss_coef=0, or model.backend=hf"),
         (p.offload.value == "none", "parallelism.offload", "CPU offload is not wired to AutoModel's FSDP2.",
          "set parallelism.offload=none, or model.backend=hf"),
+        # AutoModel applies it in its tensor-parallel plan, which tp=1 does not apply (models/automodel.py)
+        (p.tp > 1 or not p.sequence_parallel, "parallelism.sequence_parallel", "it splits activations along the "
+         "sequence inside the tensor-parallel region, and parallelism.tp=1 has none, so it changes nothing.",
+         "set parallelism.tp > 1, or unset parallelism.sequence_parallel"),
         (experts == "auto", "model.moe_experts_impl", f"{experts!r} selects the HF backend's MoE experts; AutoModel's "
          "are model.experts_backend's (torch_mm: grouped GEMM).", "unset model.moe_experts_impl, or model.backend=hf"),
         *((get(cfg, key) in values, key, f"AutoModel's {what} are {[v for v in values if v]}, got "
@@ -523,9 +530,9 @@ def hf_path_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
            "trains on the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
            f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
           for key in AUTOMODEL_CHOICES),
-        *((getattr(p, name) == 1, f"parallelism.{name}", f"{name}={getattr(p, name)} needs NeMo AutoModel's meshes "
-           f"on GPU; {built} shards with FSDP only.", f"set parallelism.{name}=1, or {other}")
-          for name in ("tp", "cp", "ep")),
+        *((getattr(p, name) == 1 or cfg.job.value == "sft", f"parallelism.{name}", f"{name}={getattr(p, name)} needs "
+           f"NeMo AutoModel's meshes on GPU; {built} shards with FSDP only.", f"set parallelism.{name}=1, or {other}")
+          for name in ("tp", "cp", "ep")),  # (job=sft builds none of these meshes: SFT_IGNORES)
         (m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing", "not available: selective "
          f"(per-op) checkpointing needs NeMo AutoModel; {built} checkpoints whole blocks or nothing.",
          f"set model.gradient_checkpointing=full, or {other}"),
