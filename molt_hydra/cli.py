@@ -278,7 +278,8 @@ HYDRA_READ = ("hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir")
 def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
     """The command line's keys, then the config's keys HYDRA_READ interpolate (a recipe's `name: ${nope}`: was told as
     hydra.run.dir, with a fix for Hydra's config), then HYDRA_READ, that cannot resolve: `name=${name}`,
-    `name=${oc.env:UNSET}` or `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory."""
+    `name=${oc.env:UNSET}` or `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory; so
+    did a value left ??? (`job=???`, `hydra.run.dir=???`: MissingMandatoryValue where molt-run first read it)."""
     problems, texts, read = [], {o.key_or_group: text for o, text in pairs if not o.is_delete()}, []
     for parent, _, name in (key.rpartition(".") for key in HYDRA_READ):
         node = OmegaConf.select(cfg, parent, default=None, throw_on_resolution_failure=False)
@@ -287,7 +288,7 @@ def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
     for key in dict.fromkeys([*(k for k in texts if "/" not in k and not k.startswith("hydra.")),
                               *(k for k in read if not k.startswith("hydra.")), *HYDRA_READ]):
         try:
-            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+            OmegaConf.select(cfg, key, throw_on_resolution_failure=True, throw_on_missing=True)
         except OmegaConfBaseException as e:
             reason = str(e).splitlines()[0]
             problems.append(f"- {key}: {reason} ({texts.get(key, 'its value')}). Fix: {_fix(key, reason)}")

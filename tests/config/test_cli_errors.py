@@ -117,6 +117,18 @@ def test_override_check_finds_user_recipes_in_config_dir(tmp_path):
     assert cfg is None and problems[0].startswith("- +recipe=mine: no such option"), problems
 
 
+@pytest.mark.parametrize("override,line", [
+    ("job=???", "- job: Missing mandatory value: job (job=???). Fix: set job to one of [rl, sft, eval] (default rl)"),
+    ("logger.wandb.mode=???", "- logger.wandb.mode: Missing mandatory value: logger.wandb.mode "
+     "(logger.wandb.mode=???). Fix: set logger.wandb.mode to one of [auto, online, offline, disabled] (default auto)"),
+    ("hydra.run.dir=???", "- hydra.run.dir: Missing mandatory value: hydra.run.dir (hydra.run.dir=???). Fix: set "
+     "hydra.run.dir as Hydra's own config takes it (`molt-run --cfg hydra` prints it), or leave it out")])
+def test_a_missing_value_on_the_command_line_is_one_line(override, line):
+    """Before: a MissingMandatoryValue traceback, where molt-run read the key before the typed conversion (job and
+    logger.wandb.mode to refuse what a job ignores, hydra.run.dir to make the run's directory)."""
+    assert compose_checked([override], hydra_config=True) == (None, [line])
+
+
 def test_comma_value_outside_a_multirun_says_quote_or_sweep():
     from molt_hydra.cli import compose_checked
 
