@@ -814,8 +814,11 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
         (wanted <= total, "parallelism.trainer_devices",
          f"the run needs {wanted} devices ({engines} rollout, {fsdp} trainer roles"
          f"{', colocated' if p.colocate else ''}) but cluster has {cfg.cluster.nodes} x "
-         f"{cfg.cluster.devices_per_node} = {total}.", "lower rollout.num_engines / parallelism.trainer_devices, set "
-         "parallelism.colocate_models=true, or pick a bigger cluster=..."),
+         f"{cfg.cluster.devices_per_node} = {total}.", "lower rollout.num_engines / parallelism.trainer_devices, "
+         + "".join(f"set {fix}, " for fix, ok in (  # (only what would take devices off: was colocate_models always)
+             ("parallelism.colocate_models=true", extra_roles and not p.colocate_models),
+             ("parallelism.colocate=true train.mode=sync", rl and cfg.cluster.device.value == "cuda" and not p.colocate))
+                  if ok) + "or pick a bigger cluster=..."),
     ))
 
 

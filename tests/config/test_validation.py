@@ -182,6 +182,22 @@ CROSS_GROUP = [
 ]
 
 
+@pytest.mark.parametrize("overrides,fix", [
+    # the actor alone: colocate_models takes no device off (and is refused there); one GPU: engines on its trainer's
+    (["cluster=one_gpu"], "Fix: lower rollout.num_engines / parallelism.trainer_devices, set parallelism.colocate=true "
+     "train.mode=sync, or pick a bigger cluster=..."),
+    (["rollout.num_engines=2"], "Fix: lower rollout.num_engines / parallelism.trainer_devices, or pick a bigger "
+     "cluster=..."),
+    (["algorithm=reinforce"], "Fix: lower rollout.num_engines / parallelism.trainer_devices, set "
+     "parallelism.colocate_models=true, or pick a bigger cluster=..."),
+])
+def test_the_resource_fit_suggests_only_what_takes_devices_off(overrides, fix):
+    """Before: every run that did not fit was told to set parallelism.colocate_models=true, which frees nothing for
+    the actor alone (and is refused there), and never parallelism.colocate, what a one-GPU cluster needs."""
+    line = next(l for l in config_errors(overrides) if l.startswith("parallelism.trainer_devices: the run needs"))
+    assert line.endswith(fix), line
+
+
 @pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CROSS_GROUP], ids=[c[0] for c in CROSS_GROUP])
 def test_cross_group_rule_fires(overrides, key, fragment):
     assert_fires(overrides, key, fragment)
