@@ -944,6 +944,7 @@ JOB_IGNORES: dict[str, dict[str, str | None]] = {
     "eval": {
         "train": _NO_TRAINER, "parallelism": _NO_TRAINER,
         **{f"train.timeouts.{name}": None for name in ("startup_s", "engine_call_s", "step_s")},
+        "train.full_determinism": None,  # GPU engines run batch-invariant (config/validate.py refuses it on CPU)
         **{f"model.{name}": _NO_TRAINER for name in (
             "ref_path", "critic_path", "backend", "param_dtype", "master_weights", "attn_implementation",
             "gradient_checkpointing", "compile_blocks", "aux_loss_coef", "freeze_visual_encoder", "freeze_moe_router",

