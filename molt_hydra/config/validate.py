@@ -766,17 +766,13 @@ def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) ->
 
 
 def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """What each job needs (data, eval data), batch arithmetic (steps 16, 17, 21) and the resource fit (step 18):
-    placement would deadlock otherwise."""
+    """What each job needs (data, eval data) and the batch arithmetic (steps 16, 17, 21)."""
     p, r, t = cfg.parallelism, cfg.rollout, cfg.train
     rl, job = cfg.job.value == "rl", cfg.job.value
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples, per_step = r.batch_size * r.n_samples_per_prompt, t.micro_batch_size * dp
     total = cfg.cluster.nodes * cfg.cluster.devices_per_node
-    extra_roles = int(rl) * (len(trainer_roles(cfg, needs)) - 1)
-    fsdp = 0 if job == "eval" else p.trainer_devices if p.colocate_models else p.trainer_devices * (1 + extra_roles)
     engines = 0 if job == "sft" else rollout_devices(cfg)
-    wanted = max(fsdp, engines) if p.colocate else fsdp + engines
     wants_eval = cfg.eval.every_steps > 0 or cfg.eval.at_start or job == "eval"
     # where dp comes from, named: was told as a bare number after cluster.devices_per_node=8 (derive(): -1 takes every
     # device the engines leave), whose key no line named
@@ -816,18 +812,32 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
         (not wants_eval or cfg.eval.data_path is not None, "eval.data_path",
          "evaluation is scheduled (eval.every_steps / eval.at_start / job=eval) but has no data.",
          "set eval.data_path, or eval.every_steps=-1 eval.at_start=false"),
-        (wanted <= total, "parallelism.trainer_devices",
-         f"the run needs {wanted} devices ({engines} rollout, {fsdp} trainer roles"
-         f"{', colocated' if p.colocate else ''}) but cluster has {cfg.cluster.nodes} x "
-         f"{cfg.cluster.devices_per_node} = {total}.", "lower rollout.num_engines / parallelism.trainer_devices, "
-         + "".join(f"set {fix}, " for fix, ok in (  # (only what would take devices off: was colocate_models always)
-             ("parallelism.colocate_models=true", extra_roles and not p.colocate_models),
-             ("parallelism.colocate=true train.mode=sync", rl and cfg.cluster.device.value == "cuda" and not p.colocate))
-                  if ok) + "or pick a bigger cluster=..."),
     ))
+
+
+def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """The resource fit (step 18): every role's devices within the cluster's, or placement would deadlock."""
+    p, r, rl, job = cfg.parallelism, cfg.rollout, cfg.job.value == "rl", cfg.job.value
+    total = cfg.cluster.nodes * cfg.cluster.devices_per_node
+    extra_roles = int(rl) * (len(trainer_roles(cfg, needs)) - 1)
+    fsdp = 0 if job == "eval" else p.trainer_devices if p.colocate_models else p.trainer_devices * (1 + extra_roles)
+    engines = 0 if job == "sft" else rollout_devices(cfg)
+    wanted = max(fsdp, engines) if p.colocate else fsdp + engines
+    sizes = {key: getattr(r, key) for key in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")}
+    per_engine = "" if not engines or set(sizes.values()) == {1} else (  # (the engine's own keys, named)
+        f"; an engine takes {' x '.join(f'rollout.{k}={v}' for k, v in sizes.items() if v > 1)} devices")
+    problems.check(
+        wanted <= total, "parallelism.trainer_devices", f"the run needs {wanted} devices ({engines} rollout, {fsdp} "
+        f"trainer roles{', colocated' if p.colocate else ''}) but cluster has {cfg.cluster.nodes} x "
+        f"{cfg.cluster.devices_per_node} = {total}{per_engine}.", "lower rollout.num_engines / parallelism.trainer_devices"
+        f"{' / the engine sizes' if per_engine else ''}, "
+        + "".join(f"set {fix}, " for fix, ok in (  # (only what would take devices off: was colocate_models always)
+            ("parallelism.colocate_models=true", extra_roles and not p.colocate_models),
+            ("parallelism.colocate=true train.mode=sync", rl and cfg.cluster.device.value == "cuda" and not p.colocate))
+                 if ok) + "or pick a bigger cluster=...")
 
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
 RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, engine_size_rules, backend_rules, hf_path_rules,
          model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, schedule_rules,
-         job_rules)
+         job_rules, placement_rules)

@@ -179,6 +179,10 @@ CROSS_GROUP = [
     # reinforce reads per-token KL -> kl.coef derives to 0.01 -> a reference beside the 1 trainer rank -> 2 + 1 engine.
     ("resource_fit_counts_reference", ["algorithm=reinforce"], "parallelism.trainer_devices",
      "the run needs 3 devices (1 rollout, 2 trainer roles) but cluster has 1 x 2 = 2"),
+    # 4 engines x DP 2 = 8 rollout devices + 1 trainer on 8 GPUs; before, the engine's own key was not named
+    ("resource_fit_names_the_engine_size", ["+recipe=qwen3_4b_math", "rollout.data_parallel_size=2"],
+     "parallelism.trainer_devices", "the run needs 9 devices (8 rollout, 1 trainer roles) but cluster has 1 x 8 = 8; "
+     "an engine takes rollout.data_parallel_size=2 devices"),
 ]
 
 
