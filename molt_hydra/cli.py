@@ -278,7 +278,8 @@ HYDRA_READ = ("hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir")
 def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
     """The command line's keys, then the config's keys HYDRA_READ interpolate (a recipe's `name: ${nope}`: was told as
     hydra.run.dir, with a fix for Hydra's config), then HYDRA_READ, that cannot resolve: `name=${name}`,
-    `name=${oc.env:UNSET}` or `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory."""
+    `name=${oc.env:UNSET}` or `hydra.run.dir=${nope}` ended in a traceback where molt-run read the run directory; so
+    did a value left ??? (`job=???`, `hydra.run.dir=???`: MissingMandatoryValue where molt-run first read it)."""
     problems, texts, read = [], {o.key_or_group: text for o, text in pairs if not o.is_delete()}, []
     for parent, _, name in (key.rpartition(".") for key in HYDRA_READ):
         node = OmegaConf.select(cfg, parent, default=None, throw_on_resolution_failure=False)
@@ -287,7 +288,7 @@ def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
     for key in dict.fromkeys([*(k for k in texts if "/" not in k and not k.startswith("hydra.")),
                               *(k for k in read if not k.startswith("hydra.")), *HYDRA_READ]):
         try:
-            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+            OmegaConf.select(cfg, key, throw_on_resolution_failure=True, throw_on_missing=True)
         except OmegaConfBaseException as e:
             reason = str(e).splitlines()[0]
             problems.append(f"- {key}: {reason} ({texts.get(key, 'its value')}). Fix: {_fix(key, reason)}")
@@ -943,6 +944,7 @@ JOB_IGNORES: dict[str, dict[str, str | None]] = {
     "eval": {
         "train": _NO_TRAINER, "parallelism": _NO_TRAINER,
         **{f"train.timeouts.{name}": None for name in ("startup_s", "engine_call_s", "step_s")},
+        "train.full_determinism": None,  # GPU engines run batch-invariant (config/validate.py refuses it on CPU)
         **{f"model.{name}": _NO_TRAINER for name in (
             "ref_path", "critic_path", "backend", "param_dtype", "master_weights", "attn_implementation",
             "gradient_checkpointing", "compile_blocks", "aux_loss_coef", "freeze_visual_encoder", "freeze_moe_router",
@@ -977,7 +979,8 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
     a recipe) or a multirun point (runtime/sweep.py) sets them too, where they are left alone.
     train.optimizer.lr under LoRA with Muon: every adapter matrix steps at muon_lr, no AdamW group is left
     (models/rules.py `_lora_muon` refuses the other AdamW knobs). logger.wandb.group with W&B disabled: no run to
-    group (config/validate.py refuses W&B's other names)."""
+    group (config/validate.py refuses W&B's other names). train.micro_batch_size under train.dynamic_batch: the trainer
+    takes train.max_tokens_per_micro_batch as its budget then (runtime/trainer_options.py); conf/config.yaml sets it."""
     from molt_hydra.models.rules import LORA_MUON_INERT
 
     given, o = {text.lstrip("+~").split("=", 1)[0] for text in overrides}, first.train.optimizer
@@ -988,7 +991,11 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
          "train.optimizer.muon_lr (the adapter's step size), or train.optimizer.name=adamw"),
         ("logger.wandb.group", wandb_mode == "disabled" and job != "sft", "it groups the W&B run, but logger.wandb.mode=disabled "
          "starts none, so it changes nothing.", "unset logger.wandb.group, or set logger.wandb.mode=offline (or "
-         "auto/online)")) if unread and key in given]
+         "auto/online)"),
+        ("train.micro_batch_size", first.train.dynamic_batch and job != "eval", "it budgets a micro-batch as "
+         "micro_batch_size x data.max_len tokens, but train.dynamic_batch=true budgets it by "
+         "train.max_tokens_per_micro_batch, so it changes nothing.", "drop train.micro_batch_size and set "
+         "train.max_tokens_per_micro_batch, or set train.dynamic_batch=false")) if unread and key in given]
 
 
 def _exit_config_error(text: str) -> None:

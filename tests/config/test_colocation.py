@@ -57,6 +57,9 @@ QWEN3_4B_PARAMS = model_shape("Qwen/Qwen3-4B").params
      "above the 80 GiB of a device"),
     (["+recipe=qwen3_4b_math", "rollout.gpu_memory_utilization=0.05"], "rollout.gpu_memory_utilization",
      "0.05 of the 80 GiB device is 4 GiB, not enough for the engine's"),
+    # the device's size is a key too (before: not named, for cluster.memory_gb_per_device=0.1 given by mistake)
+    (["+recipe=qwen3_4b_math", "cluster.memory_gb_per_device=0.1"], "rollout.gpu_memory_utilization",
+     "(vLLM would not start it; the device's size: cluster.memory_gb_per_device=0.1)"),
     (["+recipe=qwen3_4b_math", "rollout.gpu_memory_utilization=0.1"], "rollout.gpu_memory_utilization",
      "fewer than one sequence of rollout.max_model_len=8192"),
     (["+recipe=qwen3_4b_math", "rollout.gpu_memory_utilization=0.0945"], "rollout.gpu_memory_utilization",

@@ -86,14 +86,15 @@ def on_edge(leaf: Leaf, rng: random.Random) -> str:
 
 
 def bad_type(leaf: Leaf, rng: random.Random) -> str | None:
+    """A value of another type, or ??? (a value left missing: was a traceback for a key molt-run reads early)."""
     if leaf.kind is int:
-        return rng.choice(["1.5", "abc", "[1]"])
+        return rng.choice(["1.5", "abc", "[1]", "???"])
     if leaf.kind is float:
-        return rng.choice(["abc", "'1,5'", "{a: 1}"])
+        return rng.choice(["abc", "'1,5'", "{a: 1}", "???"])
     if leaf.kind is bool:
-        return rng.choice(["maybe", "yes_please"])
+        return rng.choice(["maybe", "yes_please", "???"])
     if isinstance(leaf.kind, type) and issubclass(leaf.kind, Enum):
-        return rng.choice(["not_a_choice", "1"])
+        return rng.choice(["not_a_choice", "1", "???"])
     return None
 
 

@@ -12,6 +12,9 @@ from molt_hydra.models.tiny import TINY_SHAPE
 from test_validation import assert_fires, config_errors
 
 POSITIONS = TINY_SHAPE["max_position_embeddings"]
+# NeMo AutoModel on 4 of 8 GPUs (its rules are told on any machine: a dry run plans a GPU run anywhere)
+AUTOMODEL_4 = ["cluster=local_gpus", "model.backend=automodel", "parallelism.trainer_devices=4",
+               "cluster.devices_per_node=8"]
 
 CASES = [
     # estimator knobs: grpo (the default) reads no discount, no GAE lambda, no whitening switch
@@ -152,6 +155,20 @@ CASES = [
     ("one_dataset_probs", ["data.train_probs=[1.0]"], "data.train_probs",
      "one dataset (builtin://toy) is drawn with probability 1"),
     # before, accepted: a VLM recipe on text data blanked no image (its rows have none)
+    # before, accepted: with the actor the only trainer role, there is no reference or critic to share its devices
+    ("colocate_models_actor_alone", ["parallelism.colocate_models=true"], "parallelism.colocate_models",
+     "the run trains the actor alone (estimator grpo needs no critic or teacher, and algorithm.kl.coef=0.0 builds no "
+     "reference)"),
+    ("colocate_models_of_a_recipe", ["+recipe=on_policy_distill", "algorithm=rloo", "rollout.n_samples_per_prompt=4",
+                                     "model.ref_path=null"], "parallelism.colocate_models",
+     "estimator rloo needs no critic or teacher"),
+    # before, accepted: parallel/sft.py builds no TP / CP / EP mesh (every rank a data-parallel FSDP rank), and
+    # AutoModel applies sequence parallelism inside its tensor-parallel plan only
+    *[(f"sft_automodel_{name}", ["+recipe=qwen3_4b_sft", "model.backend=automodel", f"parallelism.{name}=2"],
+       f"parallelism.{name}", "job=sft ignores it: SFT shards its model with FSDP over its ranks only")
+      for name in ("tp", "cp", "ep")],
+    ("sequence_parallel_without_tp", [*AUTOMODEL_4, "parallelism.sequence_parallel=true"],
+     "parallelism.sequence_parallel", "inside the tensor-parallel region, and parallelism.tp=1 has none"),
     ("blank_text_data", ["+recipe=tiny_vlm_colors_cpu", "data.train_path=builtin://toy",
                          "eval.data_path=builtin://toy_eval", "data.blank_images=true"], "data.blank_images",
      "no dataset of the run has prompt images (builtin://toy_eval, builtin://toy"),
@@ -197,7 +214,9 @@ ACCEPTED = [
     ["logger.wandb.mode=disabled", "logger.tensorboard=true", "logger.wandb.run_name=z"],  # names the TB run too
     ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
     ["agent=tiny_geo", "agent.tool_parser=qwen3_coder", "agent.max_choices=4"],  # a ChatAgent: its chat server's
-    ["model.lora.rank=8", "parallelism.share_prompts=true"],  # the default targets leave the lm_head plain
+    ["model.lora.rank=8", "parallelism.share_prompts=true"],
+    [*AUTOMODEL_4, "parallelism.tp=2", "parallelism.sequence_parallel=true"],
+    ["+recipe=qwen3_4b_sft", "model.backend=automodel"],  # the default targets leave the lm_head plain
     # prompt images in one dataset of the two (the eval's here) are blanked
     ["+recipe=tiny_vlm_colors_cpu", "data.train_path=builtin://toy", "data.blank_images=true"],
 ]

@@ -161,6 +161,14 @@ CROSS_GROUP = [
     # 64 samples per step; micro 48 x dp 1 = 48 does not divide train.batch_size=64.
     ("batch_multiple_of_micro_x_dp", ["train.micro_batch_size=48"], "train.batch_size",
      "must be a multiple of micro_batch_size x dp = 48 x 1 = 48, got 64"),
+    # the ranks come from the cluster's size (parallelism.trainer_devices=-1: every device the 1 engine leaves); before,
+    # the line named neither, so `cluster.devices_per_node=8` was refused without its key
+    ("batch_ranks_of_the_cluster", ["cluster.devices_per_node=8"], "train.batch_size",
+     "= 16 x 7 = 112, got 64 (dp: parallelism.trainer_devices=7 = cluster.nodes x cluster.devices_per_node = 8 less 1 "
+     "for rollout)"),
+    ("sample_ranks_of_the_cluster", ["cluster.nodes=100"], "rollout.batch_size",
+     "64 < 199 data-parallel ranks (parallelism.trainer_devices=199 = cluster.nodes x cluster.devices_per_node = 200 "
+     "less 1 for rollout)"),
     ("new_tokens_leave_room", ["rollout.max_new_tokens=256", "data.max_len=256"], "rollout.max_new_tokens",
      "256 leaves no room for the prompt within data.max_len=256"),
     ("train_data_required", ["data.train_path=null"], "data.train_path", "job=rl needs training data"),
@@ -171,7 +179,27 @@ CROSS_GROUP = [
     # reinforce reads per-token KL -> kl.coef derives to 0.01 -> a reference beside the 1 trainer rank -> 2 + 1 engine.
     ("resource_fit_counts_reference", ["algorithm=reinforce"], "parallelism.trainer_devices",
      "the run needs 3 devices (1 rollout, 2 trainer roles) but cluster has 1 x 2 = 2"),
+    # 4 engines x DP 2 = 8 rollout devices + 1 trainer on 8 GPUs; before, the engine's own key was not named
+    ("resource_fit_names_the_engine_size", ["+recipe=qwen3_4b_math", "rollout.data_parallel_size=2"],
+     "parallelism.trainer_devices", "the run needs 9 devices (8 rollout, 1 trainer roles) but cluster has 1 x 8 = 8; "
+     "an engine takes rollout.data_parallel_size=2 devices"),
 ]
+
+
+@pytest.mark.parametrize("overrides,fix", [
+    # the actor alone: colocate_models takes no device off (and is refused there); one GPU: engines on its trainer's
+    (["cluster=one_gpu"], "Fix: lower rollout.num_engines / parallelism.trainer_devices, set parallelism.colocate=true "
+     "train.mode=sync, or pick a bigger cluster=..."),
+    (["rollout.num_engines=2"], "Fix: lower rollout.num_engines / parallelism.trainer_devices, or pick a bigger "
+     "cluster=..."),
+    (["algorithm=reinforce"], "Fix: lower rollout.num_engines / parallelism.trainer_devices, set "
+     "parallelism.colocate_models=true, or pick a bigger cluster=..."),
+])
+def test_the_resource_fit_suggests_only_what_takes_devices_off(overrides, fix):
+    """Before: every run that did not fit was told to set parallelism.colocate_models=true, which frees nothing for
+    the actor alone (and is refused there), and never parallelism.colocate, what a one-GPU cluster needs."""
+    line = next(l for l in config_errors(overrides) if l.startswith("parallelism.trainer_devices: the run needs"))
+    assert line.endswith(fix), line
 
 
 @pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CROSS_GROUP], ids=[c[0] for c in CROSS_GROUP])
