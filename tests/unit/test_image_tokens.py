@@ -189,3 +189,38 @@ def test_chat_usage_count_tokens_and_the_overflow_400_count_each_image_by_its_to
     assert (counted, used) == (expected, expected)
     assert re.match(rf"prompt is too long: {expected} tokens > 999 maximum .*\(its 2 images {added} tokens of it\)",
                     error), error
+
+
+def test_an_image_the_processor_refuses_is_a_400_naming_its_part(stock_qwen):
+    """Qwen-VL's processor takes no image with an aspect ratio over 200 (smart_resize): a 600x2 image in a chat
+    request is a 400 naming the image part, its size and the fix, and the session serves the next request (was: a
+    500 "generation failed: ValueError ..." from the engine)."""
+    from anthropic import AsyncAnthropic, BadRequestError
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stock_qwen)
+    images = vlm.TrajectoryImages.for_model(stock_qwen)
+    text = {"type": "text", "text": "hi"}
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", StandIn(tok, "Hello."), tok, Sampling(max_tokens=16), 4096,
+                                        reply_parser(tok, "hermes", None), image_tokens_per_image=images.added_tokens))
+        client = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:
+            with pytest.raises(BadRequestError) as e:
+                await client.messages.create(model="policy", max_tokens=16, messages=[
+                    {"role": "user", "content": [text, _png((600, 2))]}])
+            ok = await client.messages.create(model="policy", max_tokens=16, messages=[
+                {"role": "user", "content": [text, _png((600, 3))]}])  # an aspect ratio of 200 is taken
+            return e.value, ok.content[0].text
+        finally:
+            await client.close()
+            await server.stop()
+
+    error, reply = asyncio.run(go())
+    assert error.body["error"]["message"].startswith(
+        "messages[0].content[1]: the model's image processor cannot take this 600x2 image (absolute aspect ratio "
+        "must be smaller than 200, got 300.0); crop or pad it"), error.body
+    assert reply == "Hello."

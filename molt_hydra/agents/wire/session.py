@@ -182,7 +182,14 @@ class ChatSession:
                                     "data.max_images_per_prompt=0); remove the image parts, or train a vision model "
                                     "with data.max_images_per_prompt > 0", "messages")
         where = req.image_params[len(req.image_params) - len(sources):]  # the request's last, in render order
-        images = (earlier or []) + [load_image(s, at) for s, at in zip(sources, where, strict=True)]
+        images = list(earlier or [])
+        for source, at in zip(sources, where, strict=True):
+            images.append(load_image(source, at))
+            try:  # counted now: the model's processor refuses some sizes (Qwen-VL: an aspect ratio over 200)
+                image_tokens(self.image_tokens_per_image, images[-1:])
+            except ValueError as e:
+                raise RequestError(400, f"{at or 'an image'}: the model's image processor cannot take this "
+                                   f"{images[-1].width}x{images[-1].height} image ({e}); crop or pad it", at) from None
         if self.max_images is not None and len(images) > self.max_images:
             raise RequestError(400, f"the conversation has {len(images)} images > data.max_images_per_prompt="
                                     f"{self.max_images}, the engines' per-prompt image limit (every turn's prompt "
