@@ -17,6 +17,7 @@ import numbers
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,6 +192,13 @@ def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None
     stops = {k: (override[k],) if isinstance(override[k], str) else tuple(map(plain, override[k]))
              for k in ("stop", "stop_token_ids") if k in override}
     return dataclasses.replace(sampling, **{**{k: plain(v) for k, v in override.items()}, **stops})
+
+
+def image_tokens(per_image: int | Callable[[Any], int], images: list) -> int:
+    """The tokens `images` add to a prompt beyond their placeholders (among its ids already), as the engine expands
+    them: a runner's `image_tokens_per_image`, a count for every image (the user's) or a function of the image (the
+    model's processor count, `TrajectoryImages.added_tokens`, which the runner process sets when it is 0)."""
+    return sum(per_image(im) for im in images) if callable(per_image) else per_image * len(images)
 
 
 @dataclass

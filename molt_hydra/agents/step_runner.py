@@ -16,7 +16,8 @@ import itertools
 import json
 import logging
 
-from molt_hydra.agents.base import Env, Episode, Result, Runner, Trajectory, apply_sampling_override, reward_and_score
+from molt_hydra.agents.base import (Env, Episode, Result, Runner, Trajectory, apply_sampling_override, image_tokens,
+                                    reward_and_score)
 from molt_hydra.agents.targets import subclass
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
@@ -28,7 +29,8 @@ class StepEnvRunner(Runner):
     def __init__(self, env: type[Env] | str, env_kwargs: dict | None = None, image_tokens_per_image: int = 0):
         """`env`: an Env subclass or its import target (see `targets.resolve_target`); a fresh instance per episode
         is built with `env_kwargs`. `image_tokens_per_image`: tokens the engine adds per image when it expands the
-        placeholder (0 for text models), reserved from the length budget."""
+        placeholder, reserved from the length budget: a count, or a function of the image (0: the model's count,
+        set by the runner process; see `base.image_tokens`)."""
         self.env_cls = subclass(env, Env, "StepEnvRunner needs an Env subclass")
         self.env_kwargs = dict(env_kwargs or {})
         self.image_tokens_per_image = image_tokens_per_image
@@ -85,7 +87,7 @@ class StepEnvRunner(Runner):
         return [traj]
 
     def _image_tokens(self, images: list) -> int:
-        return self.image_tokens_per_image * len(images)
+        return image_tokens(self.image_tokens_per_image, images)
 
     async def _first_prompt(self, env: Env, episode: Episode, label, tokenizer) -> tuple[Trajectory, str]:
         """The env's reset observation as the trajectory's first feedback (left-truncated to leave room for one

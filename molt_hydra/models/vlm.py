@@ -109,9 +109,9 @@ class TrajectoryImages:
     """Turns a trajectory's images into the trainer's inputs: the trajectory keeps one placeholder per image (what
     the chat template renders and the engine is sent); here each is replaced as the engine replaces it, the
     per-token arrays grow with context-only entries, and the processor outputs ride along. Subclasses: one per
-    model family (`for_model` picks), each with `max_tokens_per_image` (the most tokens one image takes in the
-    engine's prompt) and `process(images)` -> (processor outputs as a sample stores them, the ids replacing each
-    image's placeholder)."""
+    model family (`for_model` picks), each with `span_length(height, width)` (the tokens an image of that size takes
+    in the engine's prompt, as the processor computes it without the pixels) and `process(images)` -> (processor
+    outputs as a sample stores them, the ids replacing each image's placeholder)."""
 
     placeholder_id: int
 
@@ -129,6 +129,17 @@ class TrajectoryImages:
             return Idefics3Images(AutoProcessor.from_pretrained(model_dir, backend="pil"))
         return QwenVLImages(AutoImageProcessor.from_pretrained(model_dir, backend="pil"), config.image_token_id,
                             config.vision_config.spatial_merge_size)
+
+    def added_tokens(self, image) -> int:
+        """The tokens the engine's expansion of `image`'s placeholder adds to a prompt: its span less the placeholder
+        (already among the prompt's ids). What the agent runners reserve from the length budget and count as the
+        prompt's (was: the most any image can take, 16,384 for a stock Qwen2.5-VL processor, whatever the image)."""
+        from PIL import Image
+        from transformers.image_utils import get_image_size, to_numpy_array
+
+        # (height, width); transformers' get_image_size answers (width, height) for a PIL image
+        height, width = image.size[::-1] if isinstance(image, Image.Image) else get_image_size(to_numpy_array(image))
+        return self.span_length(height, width) - 1
 
     def finish(self, ids: list[int], mm: dict) -> dict:
         """Per-token processor outputs of the expanded ids (Qwen's `mm_token_type_ids`)."""
@@ -165,14 +176,16 @@ class Idefics3Images(TrajectoryImages):
 
     def __init__(self, processor):
         self.processor, self.placeholder_id = processor, processor.image_token_id
+        self._lengths: dict[tuple[int, int], int] = {}  # (tile rows, tile columns) -> span length
 
-    @property
-    def max_tokens_per_image(self) -> int:
-        ip = self.processor.image_processor
-        # with splitting: tiles of max_image_size over the longest edge, plus the global image
-        edge_tiles = -(-ip.size["longest_edge"] // ip.max_image_size["longest_edge"])
-        tiles = edge_tiles**2 + 1 if ip.do_image_splitting else 1
-        return tiles * (self.processor.image_seq_len + 3) + 2  # + fake/row-col tags per tile, newlines
+    def span_length(self, height: int, width: int) -> int:
+        # the processor's splitting rule gives the tile grid; the span is its replacement string, tokenized as
+        # `process` tokenizes it (so a tokenizer without e.g. `<row_1_col_1>` as one token counts right too)
+        _, rows, cols = self.processor.image_processor.get_number_of_image_patches(height, width)
+        if (rows, cols) not in self._lengths:
+            text = self.processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
+            self._lengths[rows, cols] = len(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._lengths[rows, cols]
 
     def process(self, images: list):
         out = self.processor.image_processor(images=[list(images)], return_tensors="pt", return_row_col_info=True)
@@ -189,10 +202,9 @@ class QwenVLImages(TrajectoryImages):
     def __init__(self, image_processor, image_token_id: int, merge_size: int):
         self.image_processor, self.placeholder_id, self.merge_size = image_processor, image_token_id, merge_size
 
-    @property
-    def max_tokens_per_image(self) -> int:
-        ip = self.image_processor
-        return ip.size["longest_edge"] // (ip.patch_size * self.merge_size) ** 2
+    def span_length(self, height: int, width: int) -> int:
+        # patches after the processor's smart_resize (min / max pixels), one pad per merge x merge of them
+        return self.image_processor.get_number_of_image_patches(height, width) // self.merge_size**2
 
     def process(self, images: list):
         out = self.image_processor(images=list(images), return_tensors="pt")

@@ -48,9 +48,10 @@ class AgentRunnerActor(BatchedCallee):
         if text_only and getattr(self.runner, "accepts_images", False):
             self.runner.accepts_images = False  # image parts / Result.images for a text-only model are refused
         if images is not None and getattr(self.runner, "image_tokens_per_image", None) == 0:
-            # each image takes engine tokens beyond its placeholder: reserve the most one can take, so a rollout
-            # stays within max_len once expanded (else algorithm/experience.py drops it as image_truncated)
-            self.runner.image_tokens_per_image = images.max_tokens_per_image
+            # each image takes engine tokens beyond its placeholder, as many as the processor gives its size: the
+            # length budget, usage and the overflow 400 count them, so a rollout stays within max_len once expanded
+            # (else algorithm/experience.py drops it as image_truncated)
+            self.runner.image_tokens_per_image = images.added_tokens
         self.router = Router(engines, timeout_s=engine_timeout_s)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.max_len, self.timeout_s, self.seed, self.max_turns = max_len, timeout_s, seed, max_turns

@@ -144,7 +144,7 @@ def test_env_image_turns_are_token_exact_and_trainer_logprobs_equal_the_engine(l
     rec = Recorder(engine)
     ep = Episode(prompt=[{"role": "user", "content": "<image>Find x."}], label="60", images=[figure((84, 56), "red")],
                  sampling=SAMPLING, max_length=512)
-    runner = StepEnvRunner(Env, image_tokens_per_image=images.max_tokens_per_image)
+    runner = StepEnvRunner(Env, image_tokens_per_image=images.added_tokens)
     (traj,) = run(loop, runner.run_group([ep], rec, tokenizer)).trajectories
     assert [len(r.images) for r, _ in rec.calls] == [1, 2]
     exp = assert_engine_exact(loop, engine, traj, rec.calls, images, trainer)
@@ -202,7 +202,7 @@ class ImageChat(ChatAgent):
 def test_sdk_images_reach_the_engine_and_the_trajectory_token_exact(loop, engine, tokenizer, images, trainer, wire):
     rec, log = Recorder(engine), {}
     runner = ChatAgentRunner(ImageChat, agent_kwargs={"wire": wire, "log": log},
-                             image_tokens_per_image=images.max_tokens_per_image, max_images=MAX_IMAGES)
+                             image_tokens_per_image=images.added_tokens, max_images=MAX_IMAGES)
     ep = Episode(prompt="Find x.", sampling=SAMPLING, max_length=512)
     try:
         outcome = run(loop, runner.run_group([ep], rec, tokenizer, timeout_s=120))

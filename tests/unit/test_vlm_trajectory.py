@@ -154,20 +154,22 @@ def test_vlm_trajectory_and_model_survive_checkpoint_resume_and_export(tmp_path,
     torch.testing.assert_close(hf, before, atol=1e-5, rtol=0)
 
 
-def test_agent_runner_reserves_the_largest_image_budget_for_a_vlm(tiny_model):
+def test_agent_runner_budgets_each_image_by_its_own_tokens_for_a_vlm(tiny_model):
     from molt_hydra.runtime.agent_runner import AgentRunnerActor
 
     spec = {"_target_": "recipes/agents/geo3k.py:EnvAgentRunner"}
     kw = dict(max_len=512, timeout_s=10, engine_timeout_s=10, seed=0, max_turns=2)
     vlm_runner = AgentRunnerActor(spec, [object()], tokenizer_path=resolve_path("tiny://qwen25_vl_tiny"), **kw)
-    # 112x112 px at most -> 8x8 patches of 14 px -> 2x2 merge -> 16 tokens
-    assert vlm_runner.runner.image_tokens_per_image == 16
+    # 56x56 px -> 4x4 patches of 14 px -> 2x2 merge -> 4 tokens; 84x56 -> 6; 112x112 (the most pixels) -> 16; each
+    # beyond its placeholder (in the prompt already)
+    per_image = vlm_runner.runner.image_tokens_per_image
+    assert [per_image(_figure(s, "red")) for s in [(56, 56), (84, 56), (112, 112)]] == [4 - 1, 6 - 1, 16 - 1]
     assert AgentRunnerActor(spec, [object()], tokenizer_path=tiny_model, **kw).runner.image_tokens_per_image == 0
 
 
 def test_chat_runner_takes_images_only_for_a_vlm_and_reserves_the_idefics3_span(tiny_model):
     """A ChatAgent runner on a text-only model answers image parts with a 400 (accepts_images off), whatever
-    data.max_images_per_prompt says; on Idefics3 it reserves at least one image span per image."""
+    data.max_images_per_prompt says; on Idefics3 it counts each image's span."""
     from transformers import AutoConfig
 
     from molt_hydra.runtime.agent_runner import AgentRunnerActor
@@ -182,7 +184,7 @@ def test_chat_runner_takes_images_only_for_a_vlm_and_reserves_the_idefics3_span(
     c = AutoConfig.from_pretrained(model_dir)
     span = (c.vision_config.image_size // c.vision_config.patch_size) ** 2 // c.scale_factor**2 + 3  # + fake x2, tag
     assert idefics3.accepts_images and idefics3.max_images == 1
-    assert idefics3.image_tokens_per_image >= span - 1  # the placeholder itself is already in the prompt
+    assert idefics3.image_tokens_per_image(_figure((84, 56), "red")) == span - 1  # the placeholder: in the prompt
 
 
 def test_policy_step_on_a_vlm_experience_raises_the_advantaged_tokens():

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from molt_hydra.agents.base import Trajectory
+from molt_hydra.agents.base import Trajectory, image_tokens
 from molt_hydra.agents.json_grammar import compact, strict_calls
 from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall
 from molt_hydra.agents.wire.images import image_sources, load_image
@@ -77,7 +77,7 @@ class ChatSession:
     max_length: int
     parser: ReplyParser
     label: Any = None
-    image_tokens_per_image: int = 0
+    image_tokens_per_image: int | Callable[[Any], int] = 0  # per image beyond its placeholder (base.image_tokens)
     max_turns: int | None = None
     max_choices: int = 8
     accepts_images: bool = True
@@ -166,7 +166,7 @@ class ChatSession:
     def _prompt_tokens(self, prompt_ids: list[int], images: list) -> int:
         """A prompt's tokens as the engine takes them, as usage and count_tokens report them: each image's
         placeholder expanded to its tokens (was: counted as one token, while the length budget took its tokens)."""
-        return len(prompt_ids) + self.image_tokens_per_image * len(images)
+        return len(prompt_ids) + image_tokens(self.image_tokens_per_image, images)
 
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
@@ -182,7 +182,14 @@ class ChatSession:
                                     "data.max_images_per_prompt=0); remove the image parts, or train a vision model "
                                     "with data.max_images_per_prompt > 0", "messages")
         where = req.image_params[len(req.image_params) - len(sources):]  # the request's last, in render order
-        images = (earlier or []) + [load_image(s, at) for s, at in zip(sources, where, strict=True)]
+        images = list(earlier or [])
+        for source, at in zip(sources, where, strict=True):
+            images.append(load_image(source, at))
+            try:  # counted now: the model's processor refuses some sizes (Qwen-VL: an aspect ratio over 200)
+                image_tokens(self.image_tokens_per_image, images[-1:])
+            except ValueError as e:
+                raise RequestError(400, f"{at or 'an image'}: the model's image processor cannot take this "
+                                   f"{images[-1].width}x{images[-1].height} image ({e}); crop or pad it", at) from None
         if self.max_images is not None and len(images) > self.max_images:
             raise RequestError(400, f"the conversation has {len(images)} images > data.max_images_per_prompt="
                                     f"{self.max_images}, the engines' per-prompt image limit (every turn's prompt "
@@ -271,7 +278,7 @@ class ChatSession:
                 # Anthropic's words, which clients match to compact their history (was: "prompt is N tokens",
                 # matched by none: an agent that compacts on overflow failed instead). N as count_tokens counts the
                 # prompt, its images' tokens included
-                held = self.image_tokens_per_image * len(images)
+                held = image_tokens(self.image_tokens_per_image, images)
                 raise RequestError(400, f"prompt is too long: {prompt_tokens} tokens > {self.max_length - 1} maximum "
                                    f"(this session's max_length is {self.max_length}: the context length holds the "
                                    f"prompt{f' (its {len(images)} images {held} tokens of it)' if held else ''}"
