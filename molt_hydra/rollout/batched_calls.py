@@ -8,6 +8,8 @@ is outstanding and hands back every result that finished meanwhile, so a result 
 Caller: `BatchedCalls(actor, method)`, then `await calls.call(*args)`. A call whose caller gives up (a timeout, a
 cancelled rollout) is aborted in the actor; if the actor dies, every call waiting on it fails with that error.
 Callee: the actor's class derives from `BatchedCallee` and names the methods it serves this way in `BATCHED`.
+Each result travels pickled on its own, so one that cannot be sent (a lock in a custom Runner's Trajectory) fails
+its own call with an error naming it, not the reply that carries every other finished call of that caller.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import asyncio
 import collections
 import functools
 import itertools
-import pickle
 import uuid
 
 
@@ -67,13 +68,20 @@ class BatchedCalls:
             self._fail(keys, submitted.exception())
 
     async def _collect(self) -> None:
+        from ray import cloudpickle  # (deferred: heavy; the agent API imports this module)
+
         try:
             while self._waiting:
-                for key, result in await self.actor.collect.remote(self.client):
+                for key, packed in await self.actor.collect.remote(self.client):
                     future = self._waiting.pop(key, None)
                     if future is None or future.done():  # aborted, or its caller gave up
                         continue
-                    if isinstance(result, BaseException):
+                    try:
+                        failed, result = cloudpickle.loads(packed)
+                    except Exception as e:  # noqa: BLE001 - e.g. its class is not importable here: this call fails
+                        failed, result = True, RuntimeError(f"{self.method}'s result cannot be read here "
+                                                            f"({type(e).__name__}: {e})")
+                    if failed:
                         future.set_exception(result)
                     else:
                         future.set_result(result)
@@ -91,7 +99,7 @@ class BatchedCalls:
 
 class BatchedCallee:
     """The actor side: `submit` starts each call as a task of the actor's event loop, `collect` hands back finished
-    ones (the result, the call's exception, or None for one aborted)."""
+    ones (pickled: (False, the result) or (True, the call's exception); None for one aborted)."""
 
     BATCHED: tuple[str, ...] = ()  # the async methods callers may reach through `submit`
 
@@ -105,7 +113,7 @@ class BatchedCallee:
         fn, running = getattr(self, method), self._batched["running"]
         for key, args in batch:
             task = running[(client, key)] = asyncio.ensure_future(fn(*args))
-            task.add_done_callback(functools.partial(self._settled, client, key))
+            task.add_done_callback(functools.partial(self._settled, client, key, method))
 
     async def collect(self, client: str) -> list[tuple[int, object]]:
         """Every (key, result) of `client` finished since its last call, waiting until there is one."""
@@ -121,16 +129,18 @@ class BatchedCallee:
             if task is not None:
                 task.cancel()
 
-    def _settled(self, client: str, key: int, task: asyncio.Task) -> None:
+    def _settled(self, client: str, key: int, method: str, task: asyncio.Task) -> None:
+        from ray import cloudpickle
+
         del self._batched["running"][(client, key)]
-        if task.cancelled():
-            result = None
-        elif (error := task.exception()) is not None:  # the caller decides what a failure means
+        packed = None
+        if not task.cancelled():
+            error = task.exception()  # the caller decides what a failure means
             try:
-                pickle.dumps(error)
-                result = error
-            except Exception:  # noqa: BLE001 - an exception Ray could not ship: its text instead
-                result = RuntimeError(f"{type(error).__name__}: {error}")
-        else:
-            result = task.result()
-        self._batched["finished"][client].put_nowait((key, result))
+                packed = cloudpickle.dumps((error is not None, task.result() if error is None else error))
+            except Exception as e:  # noqa: BLE001 - what Ray could not ship either: its text instead
+                said = (f"{type(error).__name__}: {error}" if error is not None else
+                        f"{type(self).__name__}.{method} returned a {type(task.result()).__name__} that cannot be "
+                        f"sent to its caller ({type(e).__name__}: {e}); return plain data")
+                packed = cloudpickle.dumps((True, RuntimeError(said)))
+        self._batched["finished"][client].put_nowait((key, packed))

@@ -3,6 +3,7 @@ result back as soon as it is done, aborts reach the actor, the actor's death fai
 
 import asyncio
 import sys
+import threading
 import time
 
 import pytest
@@ -34,6 +35,8 @@ class Sleeper(BatchedCallee):
             raise
         if tag == "boom":
             raise KeyError(tag)
+        if tag == "lock":  # a result Ray cannot pickle (a custom Runner's Trajectory holding a client, say)
+            return {"held": threading.Lock()}
         return tag
 
     async def seen(self):
@@ -101,3 +104,19 @@ def test_the_actors_death_fails_every_waiting_call_and_unserved_methods_are_refu
     other = ray.remote(Sleeper).remote()
     with pytest.raises(ValueError, match="not served in batches"):
         asyncio.run(BatchedCalls(other, "seen").call())
+
+
+def test_a_result_that_cannot_be_sent_fails_only_its_own_call(cluster):
+    """(was: the collect reply carrying it could not be pickled, so every call of that caller waiting meanwhile
+    failed with Ray's serialization error: every prompt group in flight on that agent runner lost)"""
+    actor = ray.remote(Sleeper).remote()
+    calls = BatchedCalls(actor, "nap")
+
+    async def scenario():
+        others = [asyncio.ensure_future(calls.call(2.0, f"w{i}")) for i in range(3)]  # waiting when it fails
+        with pytest.raises(RuntimeError, match=r"Sleeper\.nap returned a dict that cannot be sent to its caller "
+                                               r"\(TypeError: cannot pickle '_thread.lock' object\)"):
+            await calls.call(0.0, "lock")
+        return await asyncio.gather(*others)
+
+    assert asyncio.run(scenario()) == ["w0", "w1", "w2"]
