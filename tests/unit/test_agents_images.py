@@ -7,6 +7,7 @@ Idefics3) are tests/integration/test_vlm_engine.py.
 
 import asyncio
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -125,7 +126,10 @@ def test_result_images_for_a_text_only_model_fail_the_rollout_naming_the_agent(t
 @pytest.mark.parametrize("fields,named", [
     ({"observation": "try again"}, "Result.observation, which steer an Env's next turn"),
     ({"sampling_params": {"temperature": 0.1}}, "Result.sampling_params, which steer"),
-    ({"terminated": False}, "Result.terminated=False; a ChatAgent's episode ends when run returns")])
+    ({"terminated": False}, "Result.terminated=False; a ChatAgent's episode ends when run returns"),
+    # (was: accepted as the bool check takes them, then passed `is False` unseen)
+    ({"terminated": np.False_}, "Result.terminated=False; a ChatAgent's episode ends when run returns"),
+    ({"terminated": 0}, "Result.terminated=False; a ChatAgent's episode ends when run returns")])
 def test_step_runner_fields_from_a_chat_agent_fail_the_rollout_naming_them(tiny_model, fields, named):
     """Before: a ChatAgent's Result.observation, sampling_params and terminated=False were dropped without a word (they
     steer an Env's next turn; a ChatAgent's turns are its own requests)."""
