@@ -139,7 +139,7 @@ def _refuse_step_fields(result, returned_by: str) -> None:
         raise ValueError(f"{returned_by} returned {' and '.join(step_fields)}, which steer an Env's next turn; a "
                          "ChatAgent's turns are its own requests to ctx.base_url (sampling goes in each request): leave "
                          "them unset")
-    if not result.terminated and not result.truncated:  # (was `is False`: numpy's False_ or a 0 passed unseen)
+    if not result.terminated and not result.truncated:  # (was `is False`: numpy's False_ or 0 passed unseen)
         raise ValueError(f"{returned_by} returned Result.terminated=False; a ChatAgent's episode ends when run "
                          "returns: set Result.truncated=True if it was cut off")
 

@@ -37,9 +37,11 @@ class RunFailed(RuntimeError):
     """A failure the run cannot survive (a role died, an I/O error, nothing left to train on): the run ends with one
     message naming the role and the cause (runtime/watchdog.py re-exports it)."""
 
-    def __init__(self, role: str, cause: str, drops: dict[str, int] | None = None):
+    def __init__(self, role: str, cause: str, drops: dict[str, int] | None = None,
+                 examples: dict[str, str] | None = None):
         super().__init__(f"{role}: {cause}")
         self.role, self.cause, self.drops = role, cause, drops or {}
+        self.examples = examples or {}  # an error message per drop reason, of failures the runners never saw
 
 
 def usable(results: list[tuple[Any, str | None]], dropped: Counter) -> list:
@@ -152,6 +154,7 @@ class SamplesGenerator:
         self._dropped: Counter = Counter()  # rollouts dropped, by reason (since the last batch)
         self._groups: Counter = Counter()  # groups seen / kept / all pass / all fail, scores (`_filter`)
         self._failed_in_a_row = 0  # groups in a row without one usable rollout: a batch's worth ends the run
+        self._errors: dict[str, str] = {}  # an example per reason of the groups that failed here (`_group`)
         self._fingerprint: str | None = None  # `fingerprint`, made at the first save
 
     # --- dispatch ---
@@ -171,14 +174,21 @@ class SamplesGenerator:
         sampling = self.sampling
         if self.group_seed is not None:
             sampling = dataclasses.replace(sampling, seed=self.group_seed(epoch, index))
-        n = self.n_samples_per_prompt
+        return await self._group(self.prompts[index], self.n_samples_per_prompt, sampling, self.group_timeout_s)
+
+    async def _group(self, row: dict, n: int, sampling: Sampling, timeout_s: float | None) -> list:
+        """The runner's results for one group; a failure of the whole group counts each rollout by reason, its message
+        kept for the run's failure summary (was: counted only, so a run that ended 'every rollout failed' on it
+        could show no cause)."""
         try:
-            return await asyncio.wait_for(self.runner.run_group(self.prompts[index], n, sampling), self.group_timeout_s)
+            return await asyncio.wait_for(self.runner.run_group(row, n, sampling), timeout_s)
         except asyncio.TimeoutError:
+            self._errors.setdefault("agent_timeout", f"a prompt group ran past {timeout_s}s")
             return [(None, "agent_timeout")] * n
         except RunFailed:  # the runner itself is gone: no later group can run either
             raise
-        except Exception:  # the runner's own failure: every rollout of the group is lost, counted
+        except Exception as e:  # the runner's own failure (a result it could not send back): the group is lost
+            self._errors.setdefault("agent_exception", f"{type(e).__name__}: {e}")
             return [(None, "agent_exception")] * n
 
     def _refill(self) -> None:
@@ -202,7 +212,7 @@ class SamplesGenerator:
         if failed >= self.batch_size:
             raise RunFailed("agent runner", f"every rollout of the last {failed} prompt groups "
                             f"({failed * self.n_samples_per_prompt} rollouts) failed; nothing can be trained",
-                            drops=dict(dropped))
+                            drops=dict(dropped), examples=dict(self._errors))
         # A chat rollout may return several segments; the group's score counts each rollout once.
         per_rollout = {getattr(t, "rollout_id", None) or id(t): t for t in kept}
         scores = [float(t.reward if getattr(t, "score", None) is None else t.score) for t in per_rollout.values()]
@@ -302,7 +312,7 @@ class SamplesGenerator:
 
         async def one(row):
             async with semaphore:
-                return row.get("datasource", "default"), await self.runner.run_group(row, n_samples, sampling)
+                return row.get("datasource", "default"), await self._group(row, n_samples, sampling, None)
 
         per_ds: dict[str, list[list]] = {}
         dropped: Counter = Counter()
@@ -310,7 +320,7 @@ class SamplesGenerator:
             per_ds.setdefault(ds, []).append(usable(results, dropped))
         if not any(g for groups in per_ds.values() for g in groups):  # (was: exit 0 with a pass@1 of 0.0)
             raise RunFailed("agent runner", f"every eval rollout ({len(rows)} prompts x {n_samples}) failed; the "
-                            "eval has no score", drops=dict(dropped))
+                            "eval has no score", drops=dict(dropped), examples=dict(self._errors))
         metrics = {f"eval_dropped_{reason}": float(n) for reason, n in sorted(dropped.items())}
         for ds, groups in per_ds.items():
             rewards = [[float(t.reward) for t in g] for g in groups if g]

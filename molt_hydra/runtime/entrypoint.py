@@ -513,7 +513,9 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
         examples = {}
         with suppress(Exception):  # the summary is shown without examples
             examples = await roles.calls.example_errors() if roles is not None else {}
-        for reason, example in sorted(examples.items()):
+        # the runners' examples, then those of whole groups lost on the driver's side (a runner's reply that failed)
+        driver = [(r, e) for r, e in getattr(error, "examples", {}).items() if examples.get(r) != e]
+        for reason, example in sorted([*examples.items(), *driver]):
             if reason in drops:  # one line, cut short: agent code's message can be pages (an HTTP error's body)
                 shown = " ".join(example.split())
                 cut = f"... ({len(shown)} characters)" if len(shown) > 300 else ""

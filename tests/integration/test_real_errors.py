@@ -134,3 +134,16 @@ def test_a_rank_that_died_is_named_over_the_peer_its_death_failed(local_ray):
         asyncio.run(_every([survivor.step.remote(True), dead.step.remote(False)], 60, "actor", "train_step"))
     assert e.value.role == "actor 1"
     assert e.value.cause.startswith("train_step failed: the process died ("), e.value.cause
+
+
+def test_a_group_lost_on_the_drivers_side_has_its_error_in_the_summary(tmp_path):
+    """A group whose runner reply failed (rollout/generator.py `_group`) never reaches the runners' example errors.
+    Before: the summary listed 'agent_exception 4' and no example error at all."""
+    from molt_hydra.rollout.generator import RunFailed
+
+    cause = "RuntimeError: AgentRunnerActor.run_group returned a list that cannot be sent to its caller"
+    lines = report(tmp_path, RunFailed("agent runner", "every rollout failed", drops={"agent_exception": 4},
+                                       examples={"agent_exception": cause, "agent_timeout": "not dropped here"}))
+    assert lines[:3] == ["Run failed: agent runner: every rollout failed.",
+                         "  dropped samples by reason: agent_exception 4",
+                         f"  example error (agent_exception): {cause}"]

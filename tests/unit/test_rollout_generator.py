@@ -309,3 +309,30 @@ def test_a_usable_group_resets_the_failure_count():
     gen = SamplesGenerator(rows, ScriptedRunner(), batch_size=3, n_samples_per_prompt=2, sampling=SAMPLING,
                            max_inflight_groups=1)
     assert sorted(asyncio.run(drain(gen))) == sorted(r["id"] for r in rows if r["script"] == [1.0] * 2)
+
+
+def test_a_whole_groups_failure_reaches_the_failure_summary_with_its_message():
+    """The runner's own failure (here "runner crashed"; in a run, a result the runner process could not send back)
+    loses the whole group on the driver, where the runners' example errors never see it. Before: counted as
+    agent_exception with no message anywhere, so a run ending 'every rollout failed' on it showed no cause."""
+    from molt_hydra.rollout.generator import RunFailed
+
+    gen = SamplesGenerator([{"id": i, "script": ["boom"] * 2} for i in range(2)], ScriptedRunner(), batch_size=2,
+                           n_samples_per_prompt=2, sampling=SAMPLING)
+    with pytest.raises(RunFailed) as err:
+        asyncio.run(drain(gen))
+    assert {k: v for k, v in err.value.drops.items() if v} == {"agent_exception": 4}
+    assert err.value.examples == {"agent_exception": "RuntimeError: runner crashed"}
+
+
+def test_an_eval_groups_failure_is_counted_with_its_message_not_raised():
+    """Before: a runner failure in eval escaped evaluate() as the raw error (in training the same failure is one
+    group's agent_exception); now counted the same way, and named when nothing could be scored."""
+    from molt_hydra.rollout.generator import RunFailed
+
+    gen = SamplesGenerator(rows(1), ScriptedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING)
+    m = asyncio.run(gen.evaluate([{"id": 0, "script": ["boom"] * 2}, {"id": 1, "script": [1.0, 0.0]}], 2, SAMPLING))
+    assert m["eval_dropped_agent_exception"] == 2 and m["eval_default_pass1"] == 0.5
+    with pytest.raises(RunFailed) as err:
+        asyncio.run(gen.evaluate([{"id": 0, "script": ["boom"] * 2}], 2, SAMPLING))
+    assert err.value.examples == {"agent_exception": "RuntimeError: runner crashed"}
