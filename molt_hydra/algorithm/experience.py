@@ -12,6 +12,7 @@ an action. Nothing is re-tokenized: token_ids are exactly what the engine saw an
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections import Counter
 from dataclasses import dataclass, field
@@ -205,12 +206,20 @@ def stack_padded(values: Sequence[torch.Tensor], shape) -> torch.Tensor:
 
 def experience_metrics(experiences: Sequence[Experience], returns: torch.Tensor, mask: torch.Tensor) -> dict:
     """The step's means over its trained samples: each numeric `info` key (over the samples that have it), the
-    reward, the score and the return (a token mean over the action tokens)."""
+    reward, the score and the return (a token mean over the action tokens). A NaN / inf `info` value is left out of
+    its key's mean and counted as `<key>_nonfinite` (was: the key's metric was NaN for the step), as a NaN reward is
+    left out of training and counted (rollout/dropped/nonfinite_reward)."""
     def mean(values: list) -> float:
         return sum(values) / len(values)
 
-    keys = sorted({k for e in experiences for k in e.info})
-    metrics = {k: mean([e.info[k] for e in experiences if k in e.info]) for k in keys}
+    metrics = {}
+    for k in sorted({k for e in experiences for k in e.info}):
+        values = [e.info[k] for e in experiences if k in e.info]
+        finite = [v for v in values if math.isfinite(v)]
+        if finite:
+            metrics[k] = mean(finite)
+        if len(finite) < len(values):
+            metrics[f"{k}_nonfinite"] = float(len(values) - len(finite))
     metrics["reward"] = mean([e.reward for e in experiences])
     metrics["score"] = mean([e.score for e in experiences])
     metrics["return"] = float(masked_mean(returns, mask))  # (a plugin's returns may be NaN off the mask)

@@ -109,6 +109,18 @@ def test_trainer_rows_carry_routing_and_stack_padded_inverts_them():
     assert out.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
 
 
+def test_nonfinite_info_values_are_left_out_of_their_mean_and_counted():
+    """Before: one rollout's info {"acc": nan} made the step's acc metric NaN (and inf made it inf)."""
+    nan, inf = float("nan"), float("inf")
+    exps = [to_experience(traj(generated=(5,), info=info), 16)[0]
+            for info in ({"acc": 1.0, "f1": nan}, {"acc": nan, "f1": inf}, {"acc": 0.5, "f1": np.float32("nan")})]
+    batch = collate(exps)
+    m = experience_metrics(exps, torch.ones(batch.action_mask.shape), batch.action_mask)
+    assert m["acc"] == (1.0 + 0.5) / 2 and m["acc_nonfinite"] == 1.0
+    assert "f1" not in m and m["f1_nonfinite"] == 3.0  # no finite value: no mean, only the count
+    assert "turns_nonfinite" not in m and not any(k.startswith("response_length_") for k in m)
+
+
 def test_experience_metrics_are_sample_and_token_means():
     a, _ = to_experience(traj(generated=(5, 6), info={"turns": 1}), 16)
     b, _ = to_experience(traj(generated=(7,), info={"turns": 3}), 16)
