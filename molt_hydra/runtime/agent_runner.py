@@ -4,6 +4,10 @@ training rows (algorithm/experience.py).
 
 One `AgentRunnerActor` per `rollout.num_runners`, each a Ray actor with its own event loop (and, for chat agents,
 its own loopback chat server). The samples generator in the driver reaches them through `RemoteGroupRunner`.
+
+What agent code prints or logs (an Env's, a ChatAgent's, a reward function's; and each failed rollout's traceback)
+goes where Ray sends the runner process's stdout / stderr: its session log files, kept off the terminal
+(log_to_driver=False). `link_output` names them in output_dir, so they are found (was: only in /tmp/ray/session_*).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import os
+import socket
 import threading
 import uuid
 from pathlib import Path
@@ -113,6 +119,10 @@ class AgentRunnerActor(BatchedCallee):
     def example_errors(self) -> dict[str, str]:
         return self.errors
 
+    def output_files(self) -> tuple[str, list[str]]:
+        """(this node's name, the files Ray writes this process's stdout and stderr to)."""
+        return socket.gethostname(), [os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)]
+
     def replace_engine(self, index: int, engine) -> int:
         return self.router.replace_engine(index, engine)
 
@@ -121,6 +131,29 @@ class AgentRunnerActor(BatchedCallee):
             await self._on_agent_loop(self.runner.close(), 10)
         finally:
             self.agent_loop.call_soon_threadsafe(self.agent_loop.stop)
+
+
+OUTPUT = "agent_runner_{}.{}"  # in output_dir: a link to Ray's file of runner i's stdout ("out") / stderr ("err")
+
+
+async def link_output(runners: list, output_dir: str) -> str:
+    """Links in `output_dir` to the runners' stdout / stderr files (replacing a resumed run's); a line naming them
+    for the console (a runner on another node: its node and files)."""
+    here, found, elsewhere = socket.gethostname(), [], []
+    for i, (node, files) in enumerate(await asyncio.gather(*(r.output_files.remote() for r in runners))):
+        if node != here or not all(os.path.exists(f) for f in files):  # not on this node: named where it is
+            elsewhere.append(f"runner {i} on {node}: {', '.join(files)}")
+            continue
+        try:
+            for file, kind in zip(files, ("out", "err")):
+                link = Path(output_dir) / OUTPUT.format(i, kind)
+                link.unlink(missing_ok=True)
+                link.symlink_to(file)
+            found.append(i)
+        except OSError:  # (a file system without links)
+            elsewhere.append(f"runner {i}: {', '.join(files)}")
+    named = [str(Path(output_dir) / OUTPUT.format("*" if len(found) > 1 else found[0], "{out,err}"))] if found else []
+    return "agent code's print / logging output: " + "; ".join(named + elsewhere)
 
 
 class RemoteGroupRunner:

@@ -25,6 +25,7 @@ from molt_hydra.compat import VersionError
 from molt_hydra.compat.ray import auto_init_restored
 from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
 from molt_hydra.runtime import ray_head, reaper
+from molt_hydra.runtime.agent_runner import OUTPUT
 from molt_hydra.runtime.preemption import PreemptionNotice
 from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within, stopped_head
 from molt_hydra.runtime.run_lock import run_lock
@@ -520,6 +521,9 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
                 shown = " ".join(example.split())
                 cut = f"... ({len(shown)} characters)" if len(shown) > 300 else ""
                 lines.append(f"  example error ({reason}): {shown[:300] if cut else shown}{cut}")
+        if any(Path(cfg.output_dir).glob(OUTPUT.format("*", "err"))):  # the tracebacks, and what agent code printed
+            lines.append(f"  agent code's output (print, logging, each failure's traceback): "
+                         f"{Path(cfg.output_dir) / OUTPUT.format('*', '{out,err}')}")
     return _with_details(cfg, lines + _resume_hint(cfg), error)
 
 

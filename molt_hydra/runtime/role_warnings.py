@@ -33,10 +33,17 @@ class _ToFile(logging.Handler):
 
 
 def attach() -> None:
-    """In a process the run started: molt_hydra's warnings also go to the run's file."""
+    """In a process the run started: molt_hydra's warnings also go to the run's file. And to the process's stderr (in
+    Ray's session files, linked in output_dir for agent runners: runtime/agent_runner.py `link_output`), as Python's
+    last-resort handler wrote them before this one shadowed it: was, each failed rollout's traceback (and every
+    warning past its first in the terminal) was written nowhere."""
     path, logger = os.environ.get(ENV), logging.getLogger("molt_hydra")
     if path and not any(isinstance(h, _ToFile) for h in logger.handlers):
         logger.addHandler(_ToFile(path))
+        to_stderr = logging.StreamHandler()  # sys.stderr
+        to_stderr.setLevel(logging.WARNING)
+        to_stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(to_stderr)
 
 
 class Shown:

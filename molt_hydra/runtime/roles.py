@@ -536,6 +536,7 @@ async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pid
     from transformers import AutoTokenizer
 
     from molt_hydra.models.build import resolve_path
+    from molt_hydra.runtime.agent_runner import link_output
     from molt_hydra.weight_sync import setup_weight_sync
 
     def ready(name: str):
@@ -571,6 +572,7 @@ async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pid
         raise
     print("start-up, seconds from Ray's start until ready: "
           + ", ".join(f"{name} {s:.1f}" for name, s in sorted(up.items(), key=lambda kv: kv[1])), flush=True)
+    print(await link_output(runners, cfg.output_dir), flush=True)
     transport = weight_transport(cfg)
     await setup_weight_sync(transport, actor, engines, workers_per_engine=r.tensor_parallel_size
                             * r.data_parallel_size * r.pipeline_parallel_size, timeout_s=t.timeouts.startup_s)

@@ -7,6 +7,7 @@ whose cause holds it (images to a text-only model gave `500 "EngineGenerateError
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from types import SimpleNamespace
@@ -147,3 +148,40 @@ def test_a_group_lost_on_the_drivers_side_has_its_error_in_the_summary(tmp_path)
     assert lines[:3] == ["Run failed: agent runner: every rollout failed.",
                          "  dropped samples by reason: agent_exception 4",
                          f"  example error (agent_exception): {cause}"]
+
+
+def test_agent_codes_print_and_logging_are_linked_in_output_dir_and_named(local_ray, tmp_path):
+    """Before: what an Env / ChatAgent / reward function printed or logged went only to Ray's session files under
+    /tmp/ray (log_to_driver=False), named nowhere: a researcher debugging a reward with print() saw nothing."""
+    from molt_hydra.rollout.generator import RunFailed
+    from molt_hydra.runtime import agent_runner
+
+    class Runner(agent_runner.AgentRunnerActor):  # the real actor's output_files; a stand-in for its constructor
+        def __init__(self):  # (a tokenizer and engines: not needed to say where the process's output goes)
+            pass
+
+        def agent_code(self, i):
+            print(f"reward of rollout {i}: 0.5")  # as a user's reward function would
+            logging.getLogger("my_env").warning("env %d: bad answer", i)
+            try:  # as agents/base.py logs a failed rollout (before: its traceback went nowhere, the run's warnings
+                raise ValueError(f"grader {i} is down")  # handler shadowing Python's last-resort one)
+            except ValueError:
+                logging.getLogger("molt_hydra.agents.base").exception("rollout r%d: agent raised", i)
+
+    from molt_hydra.runtime.role_warnings import ENV
+
+    # as a run's processes start: told where the run's warnings go (runtime/role_warnings.py)
+    env = {"env_vars": {ENV: str(tmp_path / "role_warnings.jsonl")}}
+    runners = [ray.remote(Runner).options(num_cpus=0, runtime_env=env).remote() for _ in range(2)]
+    ray.get([r.agent_code.remote(i) for i, r in enumerate(runners)])
+    line = asyncio.run(agent_runner.link_output(runners, str(tmp_path)))
+    assert line == f"agent code's print / logging output: {tmp_path}/agent_runner_*.{{out,err}}"
+    for i in range(2):
+        assert f"reward of rollout {i}: 0.5\n" in (tmp_path / f"agent_runner_{i}.out").read_text()
+        err = (tmp_path / f"agent_runner_{i}.err").read_text()
+        assert f"env {i}: bad answer\n" in err
+        assert f"ERROR molt_hydra.agents.base: rollout r{i}: agent raised\nTraceback" in err
+        assert f"ValueError: grader {i} is down\n" in err
+    lines = report(tmp_path, RunFailed("agent runner", "every rollout failed", drops={"agent_exception": 4}))
+    assert lines[2] == (f"  agent code's output (print, logging, each failure's traceback): "
+                        f"{tmp_path}/agent_runner_*.{{out,err}}"), lines
