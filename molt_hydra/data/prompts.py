@@ -253,10 +253,10 @@ def _reason(error: BaseException) -> str:
 def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", label_key: str | None = "label",
                  tools_key: str | None = None, image_key: str | None = None, max_samples: int | None = None,
                  probs: list[float] | None = None, seed: int = 0, max_images_per_prompt: int = 0,
-                 blank_images: bool = False) -> list[dict]:
+                 blank_images: bool = False, image_fits=None) -> list[dict]:
     """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`. Images of
-    `image_key` become PIL images, at most `max_images_per_prompt` per row (`usable_image_rows`); `blank_images`
-    replaces each by a grey one of its size."""
+    `image_key` become PIL images, at most `max_images_per_prompt` per row, each one `image_fits` takes
+    (`usable_image_rows`); `blank_images` replaces each by a grey one of its size."""
     specs = [s.strip() for s in spec.split(",") if s.strip()]  # `probs`: one per spec (DataConfig checks it)
     if not all(p > 0 for p in probs or ()):  # never drawn, its rows would never be exhausted: the loop below hangs
         raise ValueError(f"data.train_probs={list(probs)}: every dataset needs a probability > 0")
@@ -267,7 +267,8 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
             tools_key=tools_key, image_key=image_key)
         if not rows:
             raise ValueError(f"{s} has no rows")
-        rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images)
+        rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images,
+                                 fits=image_fits)
         parts.append(rows)
     return combined(parts, max_samples, probs, seed)
 
@@ -289,15 +290,24 @@ def combined(parts: list, max_samples: int | None, probs: list[float] | None, se
 
 
 def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: int, blank: bool,
-                      column: str = "images", dropped: list | None = None) -> list[dict]:
-    """Rows whose images (`column`, the data's `image_key`) all decode (as RGB PIL images) within `max_images`; every
-    other row is dropped, counted and logged with its row id (and, given `dropped`, appended to it as (row id, why)),
-    so one bad image costs one sample, never the run. All rows dropped is an error."""
+                      column: str = "images", dropped: list | None = None, fits=None) -> list[dict]:
+    """Rows whose images (`column`, the data's `image_key`) all decode (as RGB PIL images) within `max_images`, and
+    that `fits(image)` (the model's processor's count of its tokens: a ValueError for an image it refuses, e.g.
+    Qwen-VL's aspect ratio over 200) takes; every other row is dropped, counted and logged with its row id (and,
+    given `dropped`, appended to it as (row id, why)), so one bad image costs one sample, never the run (was, for the
+    processor's refusal: each of the row's rollouts failed as agent_exception, every epoch). All rows dropped is an
+    error."""
     kept, dropped = [], [] if dropped is None else dropped
     for i, r in enumerate(rows):
         if r.get(column) is not None:
+            where = f"{spec} row {i} ({image_key})"
             try:
-                decoded = to_pil_images(r[column], max_images, f"{spec} row {i} ({image_key})")
+                decoded = to_pil_images(r[column], max_images, where)
+                for k, im in enumerate(decoded if fits is not None else ()):
+                    try:
+                        fits(im)
+                    except ValueError as e:
+                        raise ValueError(f"{where} image {k}: the model's processor refuses it ({e})") from e
             except ValueError as e:
                 log.warning("data: dropped %s", e)
                 dropped.append((i, str(e)))

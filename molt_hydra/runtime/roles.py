@@ -272,10 +272,16 @@ def _load_rows(cfg: RunConfig, scoring: bool) -> tuple[list, list | None]:
     `_fills_a_batch`): a hub dataset is counted only here, once loaded (was: trained on a partial batch without a
     word), and so are rows dropped at load for their images."""
     from molt_hydra.data.prompts import load_prompts
+    from molt_hydra.models.build import resolve_path
+    from molt_hydra.models.vlm import TrajectoryImages
 
     d = cfg.data
+    # the agent runners' processor (agent_runner.py): an image it refuses drops its row here, named
+    images = TrajectoryImages.for_model(resolve_path(cfg.model.tokenizer_path or cfg.model.path)) \
+        if d.image_key and d.max_images_per_prompt else None
     rows = dict(input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key,
-                max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images)
+                max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images,
+                image_fits=images and images.added_tokens)
     eval_rows = _named("eval.data_path", load_prompts, cfg.eval.data_path, split=cfg.eval.split, **rows) \
         if cfg.eval.data_path else None
     prompts = eval_rows if scoring and not d.train_path else _named(

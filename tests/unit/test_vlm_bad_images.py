@@ -103,3 +103,26 @@ def test_an_image_claiming_more_pixels_than_pil_decodes_drops_its_row(tmp_path, 
     assert [r["label"] for r in rows] == ["1"] and rows[0]["images"][0].getpixel((0, 0)) == (1, 2, 3)
     assert (f"{path} row 0 (images): unusable image: Image size (400000000 pixels) exceeds limit of "
             f"{2 * Image.MAX_IMAGE_PIXELS} pixels") in caplog.text
+
+
+def test_an_image_the_models_processor_refuses_drops_its_row_at_load(tmp_path, caplog):
+    """Qwen-VL's processor refuses an image whose aspect ratio is over 200. Before: the row was loaded, and each of
+    its rollouts failed as agent_exception ('absolute aspect ratio must be smaller than 200'), every epoch; now the
+    run's loader (runtime/roles.py `_load_rows`, with the agent runners' processor) drops it, named."""
+    from types import SimpleNamespace as ns
+
+    from molt_hydra.runtime.roles import _load_rows
+
+    sizes = [(8, 6), (402, 2), (6, 8), (2, 400)]  # (width, height): ratios 1.33, 201 (refused), 1.33, 200 (taken)
+    path = _write_rows(tmp_path, [[{"bytes": _png((10, 20, 30), size), "path": None}] for size in sizes])
+    data = ns(input_key="prompt", label_key="label", tools_key=None, image_key="images", max_images_per_prompt=1,
+              blank_images=False, train_path=path, split="train", max_samples=None, train_probs=None)
+    cfg = ns(data=data, model=ns(path="tiny://qwen25_vl_tiny", tokenizer_path=None), eval=ns(data_path=None),
+             job=ns(value="rl"), rollout=ns(batch_size=1), seed=0)
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        prompts, _ = _load_rows(cfg, scoring=False)
+    assert [r["label"] for r in prompts] == ["0", "2", "3"]
+    assert (f"{path} row 1 (images) image 0: the model's processor refuses it (absolute aspect ratio must be smaller "
+            "than 200, got 201.0)") in caplog.text
+    cfg.data.max_images_per_prompt, cfg.data.image_key = 0, None  # a text-only run: no processor, nothing screened
+    assert len(_load_rows(cfg, scoring=False)[0]) == 4
