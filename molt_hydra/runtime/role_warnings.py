@@ -43,6 +43,7 @@ def attach() -> None:
         to_stderr = logging.StreamHandler()  # sys.stderr
         to_stderr.setLevel(logging.WARNING)
         to_stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        to_stderr.addFilter(lambda record: not logging.getLogger().handlers)  # root's own handler writes it already
         logger.addHandler(to_stderr)
 
 
