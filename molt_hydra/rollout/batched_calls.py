@@ -116,7 +116,7 @@ class BatchedCallee:
             task.add_done_callback(functools.partial(self._settled, client, key, method))
 
     async def collect(self, client: str) -> list[tuple[int, object]]:
-        """Every (key, result) of `client` finished since its last call, waiting until there is one."""
+        """Every (key, packed result) of `client` finished since its last call, waiting until there is one."""
         inbox = self._batched["finished"][client]
         done = [await inbox.get()]
         while not inbox.empty():
