@@ -155,10 +155,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
 
 
 def _prepare(root: Path, tmp: Path) -> None:
+    """What a killed save, prune or export left (the run lock keeps other writers out): a step's and an HF snapshot's
+    (retention.SNAPSHOTS) .tmp- and .pruned- copies, `best`'s .tmp- one, are removed (before: an export's stayed until
+    the same name was exported again, a snapshot's for good), and what `_replace_dir` left aside put back."""
     root.mkdir(parents=True, exist_ok=True)
-    recover(root)  # (before retention counts the steps, and before the .tmp- copies go)
-    for leftover in [*root.glob(".tmp-step_*"), *root.glob(".pruned-step_*")]:  # crashed saves and prunes (the
-        shutil.rmtree(leftover, ignore_errors=True)  # run lock keeps other writers out)
+    for where in (root, root / retention.SNAPSHOTS):
+        recover(where)  # (before retention counts the steps, and before the .tmp- copies go)
+        for leftover in [*where.glob(".tmp-step_*"), *where.glob(".pruned-step_*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
+    shutil.rmtree(root / ".tmp-best", ignore_errors=True)
     tmp.mkdir()
 
 
