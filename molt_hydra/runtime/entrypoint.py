@@ -152,14 +152,14 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
               "(to go on from a run, set checkpoint.dir, or output_dir, to its)", file=sys.stderr)
     if found is None and (skipped or c.resume.value == "must"):
         what = "no loadable checkpoint" if skipped else "no checkpoint"
+        damaged = any(not line.endswith(": missing") for line in skipped)  # (not a `latest` naming a removed step)
         print(f"\nRun failed: checkpoint.resume={c.resume.value}: {what} under checkpoint.dir={c.dir}. Fix: point "
               "checkpoint.dir at a run's checkpoints, or start from step 0 with checkpoint.resume=never"
-              + (" after moving the damaged ones aside." if skipped else "."), file=sys.stderr)
+              + (" after moving the damaged ones aside." if damaged else "."), file=sys.stderr)
         sys.exit(EXIT_FAILED)
     # the two modes' optimizer states differ in kind: a resume across them is refused now, not once every role is up
-    mode, state = cfg.model.master_weights.value, None
-    if found is not None and not c.load_model_only:
-        state = saved_client_state(found)
+    mode = cfg.model.master_weights.value
+    state = saved_client_state(found) if found is not None and not c.load_model_only else None
     if state is not None and (saved := saved_master_weights(found, state)) != mode:
         print(f"\nRun failed: model.master_weights: {found} was saved with model.master_weights={saved}, this run "
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
