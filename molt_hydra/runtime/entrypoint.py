@@ -32,14 +32,12 @@ from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, beside, describe,
                                         descendants, kill, shutdown_ray, stall_report)
+from molt_hydra.runtime.writable import run_dirs
 
 
 def run(cfg: RunConfig) -> None:
-    # the checkpoint directory only where this run writes checkpoints (eval and save_steps=0 write none: no directory)
-    writes = cfg.job.value != "eval" and cfg.checkpoint.save_steps != 0
-    locked = {"output_dir": cfg.output_dir, **({"checkpoint.dir": cfg.checkpoint.dir} if writes else {})}
     notice = PreemptionNotice(cfg.output_dir)
-    with run_lock(locked), _stoppable(notice):  # one run per directory, from its first write to its end
+    with run_lock(run_dirs(cfg)), _stoppable(notice):  # one run per directory, from its first write to its end
         _run(cfg, notice)
 
 
