@@ -333,3 +333,18 @@ def test_no_loadable_checkpoint_names_the_fix_for_what_is_there(saved, tmp_path,
         never = value(dir=str(root), resume=value(value="never"), save_steps=1)
         assert f"Checkpoint not loadable: {root / 'step_2'}: missing" in lines
         assert _check_resume(value(job=value(value="rl"), checkpoint=never))[0] is None
+
+
+def test_a_role_resuming_its_step_reads_the_extra_state_once(tmp_path):
+    """A trainer rank's load of the step it is told (runtime/entrypoint.py passes `step`) checks it, then loads it:
+    extra_state.pt, which holds the loop's queued batches (here 8 MB), is read once. Before, twice per rank."""
+    model, opt = _trained(0)
+    save_checkpoint(tmp_path, 1, model, opt, client_state={"queued": torch.randn(2_000_000)})
+    size = (tmp_path / "step_1" / "extra_state.pt").stat().st_size
+    fresh, fresh_opt = _trained(1)
+    before = _bytes_read()
+    state = load_checkpoint(tmp_path, fresh, fresh_opt, step="step_1")
+    read = _bytes_read() - before
+    assert size <= read < 1.5 * size, (read, size)  # (the other files: a few KB)
+    assert torch.equal(state["queued"], torch.load(tmp_path / "step_1" / "extra_state.pt")["client_state"]["queued"])
+    assert torch.equal(fresh.weight, model.weight)
