@@ -543,7 +543,7 @@ class CheckpointConfig:
     save_steps: int = ranged(-1, ge=0, also=(-1,))
     "Save a resumable checkpoint every N steps (-1 = only at the end; 0 = never, e.g. a throughput run)."
     save_hf: bool = False
-    "Also export an HF snapshot with each resumable save."
+    "Also export an HF snapshot (<checkpoint.dir>/hf/step_N) with each resumable save; pruned with its checkpoint, counted in max_disk_gb from the next save."
     export_final: bool = True
     "Export the final consolidated HF model (safetensors + tokenizer + config)."
     export_dir: str = "${output_dir}/hf_final"

@@ -155,10 +155,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
 
 
 def _prepare(root: Path, tmp: Path) -> None:
+    """What a killed save, prune or export left (the run lock keeps other writers out): a step's and an HF snapshot's
+    (retention.SNAPSHOTS) .tmp- and .pruned- copies, `best`'s .tmp- one, are removed (before: an export's stayed until
+    the same name was exported again, a snapshot's for good), and what `_replace_dir` left aside put back."""
     root.mkdir(parents=True, exist_ok=True)
-    recover(root)  # (before retention counts the steps, and before the .tmp- copies go)
-    for leftover in [*root.glob(".tmp-step_*"), *root.glob(".pruned-step_*")]:  # crashed saves and prunes (the
-        shutil.rmtree(leftover, ignore_errors=True)  # run lock keeps other writers out)
+    for where in (root, root / retention.SNAPSHOTS):
+        recover(where)  # (before retention counts the steps, and before the .tmp- copies go)
+        for leftover in [*where.glob(".tmp-step_*"), *where.glob(".pruned-step_*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
+    shutil.rmtree(root / ".tmp-best", ignore_errors=True)
     tmp.mkdir()
 
 
@@ -225,6 +230,12 @@ def problem(path: Path, checksums: bool = False) -> str | None:
     `checksums` (the run's check before it starts), every small file's CRC32 is the one recorded at save (a
     checkpoint saved before 2026-12-05 recorded none); the shards' are checked by the load, as it reads them
     (parallel/crc_reader.py: the shards are read once)."""
+    return _checked(path, checksums)[0]
+
+
+def _checked(path: Path, checksums: bool = False) -> tuple[str | None, dict | None]:
+    """`problem`'s answer, and the extra state it read (None where it is not loadable): the load reads that file, which
+    holds the loop's queued batches, once."""
     what = "extra_state.pt"
     try:
         extra = torch.load(path / what, weights_only=False)
@@ -240,17 +251,17 @@ def problem(path: Path, checksums: bool = False) -> str | None:
             torch.load(path / what, weights_only=False)
     except Exception as e:  # noqa: BLE001 - whatever the reason, this checkpoint cannot be resumed
         cause = e.strerror if isinstance(e, OSError) and e.strerror else f"{e}".split(". ")[0] or type(e).__name__
-        return f"{what}: {cause}"
+        return f"{what}: {cause}", None
     if not (checksums and extra.get("crc32")):
-        return None
+        return None, extra
     try:
         crcs = json.loads((path / CRCS).read_text())
     except (OSError, ValueError) as e:
-        return f"{CRCS}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+        return f"{CRCS}: {e.strerror if isinstance(e, OSError) and e.strerror else e}", None
     for name in sorted(n for n in crcs if not _is_shard(n)):  # the shards' are checked as the load reads them
         if (crc := _crc32(path / name)) != crcs[name]:
-            return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)"
-    return None
+            return f"{name}: CRC32 {crc:08x}, saved as {crcs[name]:08x} (its bytes changed since the save)", None
+    return None, extra
 
 
 def _is_shard(name: str) -> bool:
@@ -329,12 +340,14 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
     path = resolve_checkpoint(root) if step is None else Path(root) / step
     if path is None:
         return None
-    if step is not None and (why := "missing" if not path.is_dir() else problem(path)) is not None:
+    why, extra = (("missing", None) if not path.is_dir() else _checked(path)) if step is not None else (None, None)
+    if why is not None:
         raise ValueError(f"{path}: {why}; every role resumes {step}, the actor's newest loadable checkpoint. Fix: "
                          f"move {step} and any later step out of the actor's checkpoint.dir (the one before it is "
                          "then resumed), or resume with checkpoint.resume=never")
     optimizer = None if model_only else optimizer
-    extra = None if model_only else torch.load(path / "extra_state.pt", weights_only=False)
+    if extra is None and not model_only:  # (read by the check above where it ran)
+        extra = torch.load(path / "extra_state.pt", weights_only=False)
     if (optimizer is not None and master_weights is not None
             and (saved := saved_master_weights(path, extra["client_state"])) != master_weights):
         raise ValueError(f"model.master_weights: {path} was saved with model.master_weights={saved}, this run has "

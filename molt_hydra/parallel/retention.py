@@ -1,30 +1,40 @@
 """Which resumable checkpoints stay on disk: the newest `keep` (checkpoint.max_num), then, under a disk budget
 (checkpoint.max_disk_gb, Molt's --ckpt.max_mem), the oldest pruned until the rest fits; never the newest one. When the
-newest alone is over the budget, `over_budget` says so (the save itself is complete and kept)."""
+newest alone is over the budget, `over_budget` says so (the save itself is complete and kept). A step's HF snapshot
+(checkpoint.save_hf: <root>/hf/step_<N>, exported after its save) counts with it once there and goes with it, as does
+any snapshot older than the oldest checkpoint kept (before: none was ever removed, the disk grew with every save)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+SNAPSHOTS = "hf"  # <root>/hf/step_<N>: checkpoint.save_hf's exports (runtime/controller.py)
 
 
 def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # (0 for a missing one)
+
+
+def _step(path: Path) -> float:
+    return int(m.group(1)) if (m := re.fullmatch(r"step_(\d+)", path.name)) else float("inf")
 
 
 def prune(tags: list[Path], keep: int, max_disk_gb: float | None) -> None:
     """`tags`: the loadable checkpoint directories, oldest first (the last is the one just saved)."""
     pruned = tags[:-keep] if keep > 0 else []
     tags = tags[len(pruned):]
-    sizes = [dir_bytes(t) for t in tags] if max_disk_gb is not None else []
+    snapshots = tags[-1].parent / SNAPSHOTS
+    sizes = [dir_bytes(t) + dir_bytes(snapshots / t.name) for t in tags] if max_disk_gb is not None else []
     while sizes and len(tags) > 1 and sum(sizes) > max_disk_gb * 1e9:
         pruned.append(tags.pop(0))
         sizes.pop(0)
-    for old in pruned:
+    oldest = _step(tags[0])
+    for old in [*pruned, *(s for s in snapshots.glob("step_*") if _step(s) < oldest)]:
         # renamed first: a kill as it is removed leaves a .pruned- directory, which the next save removes (before: a
         # step_<N> with part of its files, no longer a checkpoint, so never pruned again, its shards on disk for good)
         trash = old.with_name(f".pruned-{old.name}")

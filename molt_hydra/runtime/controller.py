@@ -37,6 +37,7 @@ from molt_hydra.algorithm.experience import collate, experience_metrics, select_
 from molt_hydra.algorithm.kl import KLController, approx_kl
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
+from molt_hydra.parallel.retention import SNAPSHOTS
 from molt_hydra.rollout.generator import RolloutBatch
 from molt_hydra.runtime import ray_head
 from molt_hydra.runtime.agent_runner import request_seed
@@ -352,8 +353,9 @@ class RLController:
                                             max_disk_gb=ckpt.max_disk_gb, tag=self.step)
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans
         if ckpt.save_hf:
-            await self.calls.ranks(self.roles.actor, "export_hf", str(Path(ckpt.dir) / "hf" / f"step_{self.step}"),
-                                   DTYPE_NAMES[self.cfg.model.param_dtype.value])
+            snapshot = Path(ckpt.dir) / SNAPSHOTS / f"step_{self.step}"  # (pruned with its step: retention.py)
+            await self.calls.ranks(self.roles.actor, "export_hf", str(snapshot), DTYPE_NAMES[
+                self.cfg.model.param_dtype.value])
         self.roles.last_checkpoint, self.saved_step = path, self.step
 
     def restore(self, state: dict) -> None:

@@ -33,14 +33,12 @@ from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, beside, describe,
                                         descendants, kill, shutdown_ray, stall_report)
+from molt_hydra.runtime.writable import run_dirs
 
 
 def run(cfg: RunConfig) -> None:
-    # the checkpoint directory only where this run writes checkpoints (eval and save_steps=0 write none: no directory)
-    writes = cfg.job.value != "eval" and cfg.checkpoint.save_steps != 0
-    locked = {"output_dir": cfg.output_dir, **({"checkpoint.dir": cfg.checkpoint.dir} if writes else {})}
     notice = PreemptionNotice(cfg.output_dir)
-    with run_lock(locked), _stoppable(notice):  # one run per directory, from its first write to its end
+    with run_lock(run_dirs(cfg)), _stoppable(notice):  # one run per directory, from its first write to its end
         _run(cfg, notice)
 
 
@@ -153,14 +151,14 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
               "(to go on from a run, set checkpoint.dir, or output_dir, to its)", file=sys.stderr)
     if found is None and (skipped or c.resume.value == "must"):
         what = "no loadable checkpoint" if skipped else "no checkpoint"
+        damaged = any(not line.endswith(": missing") for line in skipped)  # (not a `latest` naming a removed step)
         print(f"\nRun failed: checkpoint.resume={c.resume.value}: {what} under checkpoint.dir={c.dir}. Fix: point "
               "checkpoint.dir at a run's checkpoints, or start from step 0 with checkpoint.resume=never"
-              + (" after moving the damaged ones aside." if skipped else "."), file=sys.stderr)
+              + (" after moving the damaged ones aside." if damaged else "."), file=sys.stderr)
         sys.exit(EXIT_FAILED)
     # the two modes' optimizer states differ in kind: a resume across them is refused now, not once every role is up
-    mode, state = cfg.model.master_weights.value, None
-    if found is not None and not c.load_model_only:
-        state = saved_client_state(found)
+    mode = cfg.model.master_weights.value
+    state = saved_client_state(found) if found is not None and not c.load_model_only else None
     if state is not None and (saved := saved_master_weights(found, state)) != mode:
         print(f"\nRun failed: model.master_weights: {found} was saved with model.master_weights={saved}, this run "
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="

@@ -40,7 +40,13 @@ RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 class PolicyWorkerMixin:
     """Trainer-rank side of the sync probe (weight_sync/probe.py); the push itself runs on every rank as
-    `weight_sync.push_from_rank` (runtime/calls.py)."""
+    `weight_sync.push_from_rank` (runtime/calls.py). A resume's client state goes back to the driver from rank 0."""
+
+    def load_checkpoint(self, *args, **kw) -> dict | None:
+        """Rank 0's client state, the one the driver reads (None from the others): it holds the loop's queued
+        batches, MBs that every rank sent back through Ray before."""
+        state = super().load_checkpoint(*args, **kw)
+        return state if self.rank == 0 else None
 
     def sync_probe_sums(self, dtype: str) -> dict[str, list[float]]:
         """The sync probe's per-layer-group sums of this trainer's weights cast to the engines' `dtype`, over every

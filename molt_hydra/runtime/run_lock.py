@@ -1,9 +1,11 @@
-"""One run per directory: a run holds an exclusive lock on its output and checkpoint directories from before its first
-write to its end. A second run started on either while the first runs (the same hydra.run.dir twice, two runs sharing
-a checkpoint.dir) fails before it writes anything, naming the directory, the run holding it and the fix; unlocked,
-the two had written each other's checkpoints (one saved the other's half-written step, the other's save failed with
-a FileNotFoundError) and interleaved their metrics. The lock is the kernel's (flock): it goes with the process that
-holds it, also when that one is killed, so a crashed run never blocks its resume."""
+"""One run per directory: a run holds an exclusive lock on each directory it writes (runtime/writable.py `run_dirs`: its
+output, checkpoint and export directories, train.rollout_dump_dir) from before its first write to its end. A second
+run started on one of them while the first runs (the same hydra.run.dir twice, two runs sharing a checkpoint.dir or a
+checkpoint.export_dir) fails before it writes anything, naming the directory, the run holding it and the fix;
+unlocked, the two had written each other's checkpoints (one saved the other's half-written step, the other's save
+failed with a FileNotFoundError), exports (one removed the other's half-written .tmp- copy) and metrics. The lock is
+the kernel's (flock): it goes with the process that holds it, also when that one is killed, so a crashed run never
+blocks its resume."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from pathlib import Path
 from molt_hydra.runtime.watchdog import EXIT_FAILED
 
 LOCK_NAME = ".molt-run.lock"
+# replaced whole at each export (parallel/checkpoint.py `_replace_dir`): a lock inside would go with the old copy, and
+# the directory, made at the start, would read as exported (entrypoint._nothing_left): its lock is in its parent
+BESIDE = ("checkpoint.export_dir",)
 
 
 @contextmanager
@@ -26,11 +31,12 @@ def run_lock(dirs: dict[str, str]):
     try:
         for key, path in dirs.items():
             directory = Path(path).resolve()
-            if directory in seen:  # checkpoint.dir = output_dir: one lock (a second flock would block on the first)
+            lock = directory.parent / f".{directory.name}{LOCK_NAME}" if key in BESIDE else directory / LOCK_NAME
+            if lock in seen:  # checkpoint.dir = output_dir: one lock (a second flock would block on the first)
                 continue
-            seen.add(directory)
-            directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            seen.add(lock)
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
             held.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -43,11 +43,10 @@ def fail_unless_writable(dirs: dict[str, str | Path], fixes: dict[str, str] | No
         sys.exit(EXIT_FAILED)
 
 
-def check_outputs(cfg) -> None:
-    """The run's own output, checkpoint and export directories (the resolved RunConfig), and the metric sinks' own
-    directories under output_dir (an RL or eval run's: job=sft writes neither), which were first written after the
-    engines had started."""
-    dirs, fixes = {"output_dir": cfg.output_dir}, {}
+def run_dirs(cfg) -> dict[str, str]:
+    """The directories the run writes, by the key that sets them (the resolved RunConfig): checked writable before it
+    starts (`check_outputs`), and locked while it runs (runtime/run_lock.py)."""
+    dirs = {"output_dir": cfg.output_dir}
     c, job = cfg.checkpoint, cfg.job.value
     # where the run writes: its checkpoints, or `best` (an RL run's eval). Before, also a read-only one it only
     # resumes from (a warm start, checkpoint.save_steps=0): refused as not writable
@@ -57,6 +56,13 @@ def check_outputs(cfg) -> None:
         dirs["checkpoint.export_dir"] = c.export_dir
     if cfg.train.rollout_dump_dir:  # (was: the first dump failed the run, after every role had started)
         dirs["train.rollout_dump_dir"] = cfg.train.rollout_dump_dir
+    return dirs
+
+
+def check_outputs(cfg) -> None:
+    """The run's own directories (`run_dirs`), and the metric sinks' own directories under output_dir (an RL or eval
+    run's: job=sft writes neither), which were first written after the engines had started."""
+    dirs, fixes = run_dirs(cfg), {}
     sinks = (("logger.wandb.mode", "wandb", cfg.logger.wandb.mode.value != "disabled", "disabled"),
              ("logger.tensorboard", "tensorboard", cfg.logger.tensorboard, "false"))
     for key, name, used, off in sinks:

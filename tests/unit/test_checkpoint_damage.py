@@ -303,3 +303,48 @@ def test_resume_never_over_an_earlier_runs_checkpoints_stops_before_anything_sta
     for fine in (value(dir=str(root), resume=value(value="never"), save_steps=0),  # saves nothing there
                  value(dir=str(tmp_path / "empty"), resume=value(value="never"), save_steps=1)):
         assert _check_resume(value(job=value(value="rl"), checkpoint=fine))[0] is None
+
+
+@pytest.mark.parametrize("left", ["latest_only", "damaged_step"])
+def test_no_loadable_checkpoint_names_the_fix_for_what_is_there(saved, tmp_path, capsys, left):
+    """checkpoint.resume=auto with nothing loadable: a damaged step is to be moved aside before resume=never (which
+    refuses to save among an earlier run's steps); a `latest` tag alone (its steps removed by hand) has nothing to
+    move, and resume=never starts over it. Before, both said 'after moving the damaged ones aside'."""
+    from types import SimpleNamespace as value
+
+    from molt_hydra.runtime.entrypoint import EXIT_FAILED, _check_resume
+
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    for step in (1, 2):
+        if left == "latest_only":
+            shutil.rmtree(root / f"step_{step}")
+        else:
+            (root / f"step_{step}" / "extra_state.pt").unlink()
+    cfg = value(job=value(value="rl"), checkpoint=value(dir=str(root), resume=value(value="auto"), save_steps=1))
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(cfg)
+    lines = capsys.readouterr().err.strip().splitlines()
+    fix = "Fix: point checkpoint.dir at a run's checkpoints, or start from step 0 with checkpoint.resume=never"
+    assert stop.value.code == EXIT_FAILED
+    assert lines[-1] == (f"Run failed: checkpoint.resume=auto: no loadable checkpoint under checkpoint.dir={root}. "
+                         + fix + (" after moving the damaged ones aside." if left == "damaged_step" else "."))
+    if left == "latest_only":  # what that fix does: resume=never goes on (no earlier step to mix with)
+        never = value(dir=str(root), resume=value(value="never"), save_steps=1)
+        assert f"Checkpoint not loadable: {root / 'step_2'}: missing" in lines
+        assert _check_resume(value(job=value(value="rl"), checkpoint=never))[0] is None
+
+
+def test_a_role_resuming_its_step_reads_the_extra_state_once(tmp_path):
+    """A trainer rank's load of the step it is told (runtime/entrypoint.py passes `step`) checks it, then loads it:
+    extra_state.pt, which holds the loop's queued batches (here 8 MB), is read once. Before, twice per rank."""
+    model, opt = _trained(0)
+    save_checkpoint(tmp_path, 1, model, opt, client_state={"queued": torch.randn(2_000_000)})
+    size = (tmp_path / "step_1" / "extra_state.pt").stat().st_size
+    fresh, fresh_opt = _trained(1)
+    before = _bytes_read()
+    state = load_checkpoint(tmp_path, fresh, fresh_opt, step="step_1")
+    read = _bytes_read() - before
+    assert size <= read < 1.5 * size, (read, size)  # (the other files: a few KB)
+    assert torch.equal(state["queued"], torch.load(tmp_path / "step_1" / "extra_state.pt")["client_state"]["queued"])
+    assert torch.equal(fresh.weight, model.weight)

@@ -4,6 +4,7 @@ half-written save), the other exited 0 with checkpoints the two had written over
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,8 @@ from molt_hydra.runtime.watchdog import EXIT_FAILED
 MOLT_RUN = Path(sys.executable).with_name("molt-run")
 HOLD = ("import sys, time\nfrom molt_hydra.runtime.run_lock import run_lock\n"
         "with run_lock({'output_dir': sys.argv[1]}):\n    print('held', flush=True)\n    time.sleep(600)")
+SECOND = ("import json, sys\nfrom molt_hydra.runtime.run_lock import run_lock\n"  # another run: its directories
+          "with run_lock(json.loads(sys.argv[1])):\n    print('held')")
 
 
 def _holder(path: Path) -> subprocess.Popen:
@@ -68,3 +71,38 @@ def test_molt_run_on_a_directory_in_use_stops_before_writing_anything(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(f"Run not started: output_dir={out} is in use by another "
                                                            f"run (pid {holder.pid} on ")
     assert not (out / "run_record.json").exists() and not (out / "ray").exists()
+
+
+def _locked_dirs(out: Path, *overrides: str) -> dict[str, str]:
+    """What `molt-run` locks for this config (runtime/entrypoint.py run: the validated config's run_dirs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from _config_helpers import compose_config
+
+    from omegaconf import OmegaConf
+
+    from molt_hydra.runtime.validate import validate
+    from molt_hydra.runtime.writable import run_dirs
+
+    return run_dirs(validate(OmegaConf.to_object(compose_config(list(overrides), output_dir=str(out)))))
+
+
+def test_two_runs_exporting_to_one_directory_are_refused_and_the_export_keeps_its_lock(tmp_path, capsys):
+    """Two runs of their own output_dir with one checkpoint.export_dir: their exports removed each other's .tmp-
+    copy and replaced each other's export. Before, only output_dir and checkpoint.dir were locked: the second ran.
+    The lock is beside the export (in its parent), which it neither makes nor loses when an export replaces it."""
+    from molt_hydra.parallel.checkpoint import _replace_dir
+
+    export = tmp_path / "shared" / "final"
+    first = _locked_dirs(tmp_path / "a", f"checkpoint.export_dir={export}")
+    with run_lock(first):
+        assert not export.exists()  # (a resume reads an export made after its checkpoint as done: none made here)
+        (tmp_path / "shared" / ".tmp-final").mkdir()
+        _replace_dir(tmp_path / "shared" / ".tmp-final", export)  # the first run's export
+        second = _locked_dirs(tmp_path / "b", f"checkpoint.export_dir={export}")
+        proc = subprocess.run([sys.executable, "-c", SECOND, json.dumps(second)], capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode == EXIT_FAILED and "held" not in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"Run not started: checkpoint.export_dir={export} is in use by another run (pid {os.getpid()} on "
+        f"{os.uname().nodename}). Fix: wait for that run to end, or point checkpoint.export_dir at another directory.")
+    assert sorted(p.name for p in export.iterdir()) == []  # nothing of the lock's inside the export
