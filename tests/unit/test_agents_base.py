@@ -200,6 +200,8 @@ def test_a_box_written_with_a_space_is_graded_as_a_box():
     assert last_boxed("\\boxed\n{12}") == "12" and last_boxed("\\boxed 42\nthat is all") == "42"
     # a word that only starts with boxed, or a bare mention of the box, is not one
     assert last_boxed(r"\boxedsymbol{3}") is None and last_boxed(r"\boxed{5}. It goes in \boxed.") == "5"
+    # a prose mention after a braced box is no answer (the braced one is)
+    assert last_boxed(r"The answer is \boxed{42}. (I wrote it in \boxed as asked.)") == "42"
 
 
 @pytest.mark.timeout(60)  # before: never returned
