@@ -134,9 +134,7 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     loadable, where there are checkpoints or resume=must asks for one, ends the run naming the directory and the
     fix; so does a checkpoint saved under the other model.master_weights (a warm start aside), and resume=never (or
     a warm start) over an earlier run's checkpoints."""
-    from molt_hydra.parallel.checkpoint import (problem, recover, resolve_checkpoint, saved_client_state,
-                                                saved_master_weights)
-    from molt_hydra.runtime.plan import fsdp_roles
+    from molt_hydra.parallel.checkpoint import recover, resolve_checkpoint, saved_client_state, saved_master_weights
 
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval":  # (eval loads checkpoint.path)
@@ -181,16 +179,24 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
         _refuse_a_warm_start_among_its_steps(cfg, found)
     if own:  # (after the checks, which compare the command's config with the one the step recorded)
         c.load_model_only = False
-    # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
-    critic = Path(c.dir + "_critic") / found.name if found is not None else None
-    if critic is not None and critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
+    if found is not None:
+        _check_critic(cfg, found)
+    return found, state
+
+
+def _check_critic(cfg: RunConfig, found: Path) -> None:
+    """The critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)."""
+    from molt_hydra.parallel.checkpoint import problem
+    from molt_hydra.runtime.plan import fsdp_roles
+
+    c, critic = cfg.checkpoint, Path(cfg.checkpoint.dir + "_critic") / found.name
+    if critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
         why = "missing" if not critic.is_dir() else problem(critic, checksums=True)
         if why is not None:
             print(f"\nRun failed: checkpoint.resume={c.resume.value}: {critic}: {why}; the critic resumes the actor's "
                   f"{found.name}. Fix: move {found.name} (and any later step) out of checkpoint.dir={c.dir}, the one "
                   "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
             sys.exit(EXIT_FAILED)
-    return found, state
 
 
 def _refuse_another_jobs(cfg: RunConfig, found: Path, state: dict) -> None:
