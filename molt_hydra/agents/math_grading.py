@@ -42,17 +42,17 @@ for line in sys.stdin:
 
 def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` or `\\fbox{...}` (balanced braces), or None. Also `\\boxed {5}` and, as
-    math-verify and the MATH benchmark's grader read it, `$\\boxed 5$` (was: both graded 0.0, as if unboxed)."""
+    math-verify and the MATH benchmark's grader read it, `$\\boxed 5$` (was: both graded 0.0, as if unboxed), where
+    the text has no braced box (a prose mention after one, "as \\boxed above", is no answer)."""
     starts = [m.end() for m in _BOXED.finditer(text)]
-    if not starts:
-        return None
-    if not text.startswith("{", starts[-1]):
-        return re.split(r"[$\n]", text[starts[-1]:], maxsplit=1)[0].strip()
-    depth, i = 1, starts[-1] + 1
+    braced = [s for s in starts if text.startswith("{", s)]
+    if not braced:
+        return re.split(r"[$\n]", text[starts[-1]:], maxsplit=1)[0].strip() if starts else None
+    depth, i = 1, braced[-1] + 1
     while i < len(text) and depth:
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         i += 1
-    return text[starts[-1] + 1 : i - 1] if depth == 0 else None
+    return text[braced[-1] + 1 : i - 1] if depth == 0 else None
 
 
 def grade_math(response: str, label, require_boxed: bool = True, timeout_s: float = GRADE_TIMEOUT_S) -> float:

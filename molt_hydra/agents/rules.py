@@ -139,6 +139,11 @@ def _built(problems: Problems, cls: type, spec: dict):
     was, for a StepEnvRunner / ChatAgentRunner subclass, a traceback out of validation)."""
     try:
         return cls(**spec)
+    except SystemExit as e:  # an env / agent file it imports exits (a script's argparse): as `_target`
+        problems.check(False, "agent.runner._target_", f"building {cls.__name__} called sys.exit({e.code!r}): a file it "
+                       "imports runs code meant for a script.", "put that code (argparse, sys.exit) under "
+                       "`if __name__ == '__main__':`, and pass settings as agent.runner.* kwargs")
+        return None
     except Exception as e:  # noqa: BLE001
         text = str(e).splitlines()[0][:300] if str(e) else ""
         named = re.match(r"(agent\.runner\.\w+): (.*) Fix: (.*)", text)  # already "key: reason Fix: fix"
@@ -157,6 +162,7 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
     if cfg.job.value == "sft":  # SFT rows: data/rules.py
         return
     d, sizes = cfg.data, {}  # (key, dataset) -> its row count, of each readable local dataset
+    chat = _chat_agent(cfg.agent.runner)  # (an Env's tools go to the chat template as they are: any shape renders)
     for key, spec, split in (("data.train_path", d.train_path, d.split),
                              ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
         for part in (p.strip() for p in (spec or "").split(",") if readable_local(p.strip())):
@@ -164,7 +170,8 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
                 rows = check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
                                          tools_key=d.tools_key, image_key=d.image_key)
                 for i, row in enumerate(rows):
-                    if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt, row.get("tools"))):
+                    tools = row.get("tools") if chat else None
+                    if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt, tools)):
                         column, value = ("tools_key", row["tools"]) if problem[0].startswith("tools") else (
                             "input_key", row["prompt"])
                         raise ValueError(f"{part} row {i}: data.{column}={getattr(d, column)!r} is {value!r:.60}; "
@@ -173,6 +180,16 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
             except (KeyError, OSError, ValueError) as e:
                 raised(problems, key, e, f"point {key} at a readable dataset")
     _fills_a_batch(cfg, problems, sizes)
+
+
+def _chat_agent(runner) -> bool:
+    """Whether `agent.runner` is a chat agent, whose rows' tools reach the chat server (its own parser refuses other
+    shapes); an Env's reach the tokenizer's chat template as they are."""
+    try:
+        cls = resolve_target(runner.get("_target_"))
+    except BaseException:  # noqa: BLE001 -- check_agent names what is wrong with the target
+        return False
+    return isinstance(cls, type) and issubclass(cls, (ChatAgent, ChatAgentRunner))
 
 
 def _fills_a_batch(cfg: RunConfig, problems: Problems, sizes: dict[tuple[str, str], int]) -> None:

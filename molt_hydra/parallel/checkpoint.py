@@ -352,7 +352,8 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
             and (saved := saved_master_weights(path, extra["client_state"])) != master_weights):
         raise ValueError(f"model.master_weights: {path} was saved with model.master_weights={saved}, this run has "
                          f"{master_weights}; its optimizer state cannot be resumed across the two. Fix: set "
-                         f"model.master_weights={saved} (or checkpoint.load_model_only=true: the weights alone)")
+                         f"model.master_weights={saved} (or its weights alone: copy it as step_0 of a new "
+                         "checkpoint.dir and set checkpoint.load_model_only=true)")
     state = {"model": into} if into is not None else _dcp_state(model, optimizer)
     try:
         # without an optimizer: the model's entries only; each shard's CRC32 is checked as it is read

@@ -105,7 +105,8 @@ def refuse_other_prompts(saved: str | None, now: str, checkpoint: str = "the che
     if saved is not None and saved != now:
         raise ValueError(f"{checkpoint} was trained on other prompts ({saved}) than this run's ({now}); its place in "
                          "them cannot be resumed. Fix: resume with the data it was trained on, or start on this data "
-                         "from its weights with checkpoint.load_model_only=true")
+                         "from its weights alone: copy it as step_0 of a new checkpoint.dir and set "
+                         "checkpoint.load_model_only=true")
 
 
 @dataclass(eq=False)

@@ -119,6 +119,12 @@ def _build_models(cfg: RunConfig) -> None:
             sys.exit(EXIT_FAILED)
 
 
+# the fix that starts a run from a checkpoint's weights alone: a warm start saves its own steps from 1, so not among
+# that run's (`_refuse_a_warm_start_among_its_steps`)
+WARM_START = ("start from its weights alone: copy it as step_0 of a new checkpoint.dir and set "
+              "checkpoint.load_model_only=true")
+
+
 def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     """checkpoint.resume, before anything starts: returns the checkpoint every role resumes and its client state (None
     for a warm start), read once here (it holds the queued batches; before, each check read it again). One passed
@@ -127,15 +133,14 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     loadable, where there are checkpoints or resume=must asks for one, ends the run naming the directory and the
     fix; so does a checkpoint saved under the other model.master_weights (a warm start aside), and resume=never (or
     a warm start) over an earlier run's checkpoints."""
-    from molt_hydra.parallel.checkpoint import (problem, recover, resolve_checkpoint, saved_client_state,
-                                                saved_master_weights)
-    from molt_hydra.runtime.plan import fsdp_roles
+    from molt_hydra.parallel.checkpoint import recover, resolve_checkpoint, saved_client_state, saved_master_weights
 
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval":  # (eval loads checkpoint.path)
         return None, None
-    for root in (c.dir, c.dir + "_critic"):  # a checkpoint (or `best`) a crash left aside as it was replaced is put
-        recover(root)  # back first (the export's is by the next export: a resume exports a missing one again)
+    for root in (c.dir, c.dir + "_critic") if "checkpoint.dir" in run_dirs(cfg) else ():  # (a directory it only
+        recover(root)  # reads is left as it is) what a crash left aside as it replaced a checkpoint (or `best`) goes
+        # back first (the export's is by the next export: a resume exports a missing one again)
     if c.resume.value == "never":
         _refuse_earlier_checkpoints(cfg)
         return None, None
@@ -157,28 +162,42 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
               + (" after moving the damaged ones aside." if damaged else "."), file=sys.stderr)
         sys.exit(EXIT_FAILED)
     # the two modes' optimizer states differ in kind: a resume across them is refused now, not once every role is up
-    mode = cfg.model.master_weights.value
-    state = saved_client_state(found) if found is not None and not c.load_model_only else None
+    mode, state, own = cfg.model.master_weights.value, None, False
+    if found is not None:
+        state = saved_client_state(found)
+        own = c.load_model_only and _own_warm_start_steps(cfg, found, state)
+        if c.load_model_only and not own:
+            state = None  # a warm start: its weights alone
     if state is not None and (saved := saved_master_weights(found, state)) != mode:
         print(f"\nRun failed: model.master_weights: {found} was saved with model.master_weights={saved}, this run "
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
-              f"{saved}, or checkpoint.load_model_only=true (the weights alone)", file=sys.stderr)
+              f"{saved}, or {WARM_START}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     if state is not None:
         _refuse_another_jobs(cfg, found, state)
         (_refuse_another_sft_batch_size if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found, state)
     elif found is not None:
         _refuse_a_warm_start_among_its_steps(cfg, found)
-    # the critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)
-    critic = Path(c.dir + "_critic") / found.name if found is not None else None
-    if critic is not None and critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
+    if own:  # (after the checks, which compare the command's config with the one the step recorded)
+        c.load_model_only = False
+    if found is not None:
+        _check_critic(cfg, found)
+    return found, state
+
+
+def _check_critic(cfg: RunConfig, found: Path) -> None:
+    """The critic resumes the actor's step: its files are checked here too (its rank's own check is the cheap one)."""
+    from molt_hydra.parallel.checkpoint import problem
+    from molt_hydra.runtime.plan import fsdp_roles
+
+    c, critic = cfg.checkpoint, Path(cfg.checkpoint.dir + "_critic") / found.name
+    if critic.parent.is_dir() and "critic" in fsdp_roles(cfg):
         why = "missing" if not critic.is_dir() else problem(critic, checksums=True)
         if why is not None:
             print(f"\nRun failed: checkpoint.resume={c.resume.value}: {critic}: {why}; the critic resumes the actor's "
                   f"{found.name}. Fix: move {found.name} (and any later step) out of checkpoint.dir={c.dir}, the one "
                   "before it is then resumed, or start from step 0 with checkpoint.resume=never", file=sys.stderr)
             sys.exit(EXIT_FAILED)
-    return found, state
 
 
 def _refuse_another_jobs(cfg: RunConfig, found: Path, state: dict) -> None:
@@ -189,8 +208,7 @@ def _refuse_another_jobs(cfg: RunConfig, found: Path, state: dict) -> None:
     saved = "rl" if "rl_step" in state or "loop" in state else "sft" if "consumed_samples" in state else None
     if saved not in (None, cfg.job.value):
         print(f"\nRun failed: checkpoint.resume={cfg.checkpoint.resume.value}: {found} is a job={saved} run's "
-              f"checkpoint; job={cfg.job.value} resumes only its own. Fix: start from its weights alone with "
-              f"checkpoint.load_model_only=true, or point checkpoint.dir at a job={cfg.job.value} run's checkpoints",
+              f"checkpoint; job={cfg.job.value} resumes only its own. Fix: {WARM_START}, or point checkpoint.dir at a job={cfg.job.value} run's checkpoints",
               file=sys.stderr)
         sys.exit(EXIT_FAILED)
 
@@ -222,7 +240,7 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
                        f"is left (set it above {episode})")
     if refused:
         print(f"\nRun failed: {found} cannot be resumed as saved: " + "; ".join(refused) + ". Fix: set them back "
-              "(see its run_record.json), or start from its weights alone with checkpoint.load_model_only=true",
+              f"(see its run_record.json), or {WARM_START}",
               file=sys.stderr)
         sys.exit(EXIT_FAILED)
     if changed:
@@ -286,8 +304,7 @@ def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path, state: dict) -> 
     if steps and consumed is not None and consumed != steps * size:
         print(f"\nRun failed: train.batch_size: {found} was saved after {steps} steps of {consumed // steps} samples "
               f"({consumed} consumed); train.batch_size={size} would resume at sample {steps * size}, skipping or "
-              f"repeating data. Fix: set train.batch_size={consumed // steps}, or checkpoint.load_model_only=true "
-              "(its weights alone, from step 0)", file=sys.stderr)
+              f"repeating data. Fix: set train.batch_size={consumed // steps}, or {WARM_START}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
 
 
@@ -309,6 +326,21 @@ def _refuse_earlier_checkpoints(cfg: RunConfig) -> None:
                   "as the oldest. Fix: checkpoint.resume=auto to go on from them, another checkpoint.dir (or "
                   "output_dir), or move them aside.", file=sys.stderr)
             sys.exit(EXIT_FAILED)
+
+
+def _own_warm_start_steps(cfg: RunConfig, found: Path, state: dict) -> bool:
+    """A warm start (checkpoint.load_model_only) whose checkpoint.dir newest step is one this warm start saved itself,
+    restarted (Slurm's requeue, the same command again): it resumes that step whole, saying so, as any run resumes its
+    own (`_check_resume` sets cfg's checkpoint.load_model_only false for the roles; the run's record keeps the
+    command's). Told by the step's record of its run's config (job=rl). Before: refused as another run's steps (since
+    ccf0991), and before that, trained again from step 0 over its own steps."""
+    saved = state.get("run_record", {}).get("config", {}).get("checkpoint", {})
+    same_dir = Path(saved.get("dir", "")).resolve() == Path(cfg.checkpoint.dir).resolve()
+    if cfg.job.value != "rl" or not (saved.get("load_model_only") and same_dir):
+        return False
+    print(f"checkpoint.load_model_only=true: {found} was saved by this warm start itself (started from its weights "
+          f"in checkpoint.dir={cfg.checkpoint.dir}): resuming it whole, as a restart", file=sys.stderr)
+    return True
 
 
 def _refuse_a_warm_start_among_its_steps(cfg: RunConfig, found: Path) -> None:

@@ -200,6 +200,8 @@ def test_a_box_written_with_a_space_is_graded_as_a_box():
     assert last_boxed("\\boxed\n{12}") == "12" and last_boxed("\\boxed 42\nthat is all") == "42"
     # a word that only starts with boxed, or a bare mention of the box, is not one
     assert last_boxed(r"\boxedsymbol{3}") is None and last_boxed(r"\boxed{5}. It goes in \boxed.") == "5"
+    # a prose mention after a braced box is no answer (the braced one is)
+    assert last_boxed(r"The answer is \boxed{42}. (I wrote it in \boxed as asked.)") == "42"
 
 
 @pytest.mark.timeout(60)  # before: never returned
@@ -265,6 +267,24 @@ def test_an_agent_file_that_exits_when_imported_is_a_config_error_naming_the_tar
         f"- agent.runner._target_: importing {target!r} called sys.exit({code}): the file runs code meant for a "
         "script when imported. Fix: put that code (argparse, sys.exit) under `if __name__ == '__main__':`, and pass "
         "settings as agent.runner.* kwargs"]
+
+
+def test_an_env_file_a_runner_imports_that_exits_is_a_config_error_naming_the_target(tmp_path):
+    """The same through a StepEnvRunner that imports its `env=` file as it is built (agents/rules.py `_built`). Before:
+    molt-run ended without a word (exit 2, the file's own code)."""
+    from molt_hydra.agents.rules import check_agent
+    from molt_hydra.config.schema import RunConfig
+    from molt_hydra.config.validate import Problems
+
+    (tmp_path / "exit_env.py").write_text("import sys\nsys.exit(2)\n")
+    cfg, problems = RunConfig(), Problems()
+    cfg.agent.runner = {"_target_": "molt_hydra.agents.step_runner.StepEnvRunner",
+                        "env": f"{tmp_path / 'exit_env.py'}:E"}
+    check_agent(cfg, problems)
+    assert problems.lines == [
+        "- agent.runner._target_: building StepEnvRunner called sys.exit(2): a file it imports runs code meant for a "
+        "script. Fix: put that code (argparse, sys.exit) under `if __name__ == '__main__':`, and pass settings as "
+        "agent.runner.* kwargs"]
 
 
 def test_load_runner_forms(tmp_path):

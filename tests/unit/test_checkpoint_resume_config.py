@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from molt_hydra.parallel.checkpoint import save_checkpoint
-from molt_hydra.runtime.entrypoint import EXIT_FAILED, _check_resume
+from molt_hydra.runtime.entrypoint import EXIT_FAILED, WARM_START, _check_resume
 from molt_hydra.runtime.run_record import write_run_record
 from molt_hydra.runtime.validate import validate
 
@@ -68,8 +68,7 @@ def test_a_key_that_changes_the_math_is_refused_before_anything_starts(saved, tm
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == EXIT_FAILED
     assert last.startswith(f"Run failed: {saved} cannot be resumed as saved: ") and named in last, last
-    assert last.endswith("Fix: set them back (see its run_record.json), or start from its weights alone with "
-                         "checkpoint.load_model_only=true")
+    assert last.endswith(f"Fix: set them back (see its run_record.json), or {WARM_START}")
 
 
 def test_routing_replay_turned_on_since_a_moe_runs_save_is_refused(tmp_path, capsys):
@@ -97,8 +96,7 @@ def test_an_rl_resume_of_an_sft_runs_checkpoint_is_refused_before_anything_start
     assert stop.value.code == EXIT_FAILED
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"Run failed: checkpoint.resume=auto: {path} is a job=sft run's checkpoint; job=rl resumes only its own. Fix: "
-        "start from its weights alone with checkpoint.load_model_only=true, or point checkpoint.dir at a job=rl run's "
-        "checkpoints")
+        f"{WARM_START}, or point checkpoint.dir at a job=rl run's checkpoints")
     assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true",
                               "checkpoint.save_steps=0"))[0] == path
 
@@ -260,7 +258,8 @@ def test_a_prompt_file_changed_since_the_save_is_refused_before_ray(changed, tmp
     assert last == (
         f"Run failed: data.train_path={tmp_path / 'prompts.jsonl'}: {tmp_path / 'ckpt' / 'step_3'} was trained on "
         f"other prompts ({saved}) than this run's ({now}); its place in them cannot be resumed. Fix: resume with the "
-        "data it was trained on, or start on this data from its weights with checkpoint.load_model_only=true")
+        "data it was trained on, or start on this data from its weights alone: copy it as step_0 of a new "
+        "checkpoint.dir and set checkpoint.load_model_only=true")
     # the generator's own refusal (a role's load) is the same text, from one place
     with pytest.raises(ValueError) as refused:
         refuse_other_prompts(saved, now, str(tmp_path / "ckpt" / "step_3"))
@@ -335,3 +334,26 @@ def test_a_warm_start_that_would_save_among_the_runs_steps_it_starts_from_is_ref
     for step in (1, 2, 3):  # this run's saves (max_num=3): the copy goes first, its own stay
         save_checkpoint(own, step, model, opt, client_state={"rl_step": step}, keep=3)
     assert sorted(p.name for p in own.glob("step_*")) == ["step_1", "step_2", "step_3"]
+
+
+def test_a_warm_start_restarted_over_its_own_steps_resumes_them_whole(saved, tmp_path, capsys):
+    """The same command again (Slurm's requeue) after the warm start saved steps of its own: its newest step is
+    resumed whole (loop, optimizer, data position), said in one line. Before: refused as another run's steps (and
+    before that, trained again from step 0 over them). Told by the step's record of its run's config; a step another
+    run saved there stays refused (the test above)."""
+    import shutil
+
+    own, warm = tmp_path / "own", ("checkpoint.resume=auto", "checkpoint.load_model_only=true")
+    shutil.copytree(saved, own / "step_0")
+    cfg = _cfg(tmp_path, *warm, f"checkpoint.dir={own}")
+    model, opt = _trained()
+    save_checkpoint(own, 2, model, opt, client_state={  # as the warm start's controller saves it
+        "master_weights": "fsdp", "rl_step": 2, "loop": {"generator": {"epoch": 0}},
+        "run_record": write_run_record(cfg, tmp_path / "warm_out")})
+    capsys.readouterr()
+    again = _cfg(tmp_path, *warm, f"checkpoint.dir={own}")
+    found, state = _check_resume(again)
+    assert (found, state["rl_step"], again.checkpoint.load_model_only) == (own / "step_2", 2, False)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"checkpoint.load_model_only=true: {own / 'step_2'} was saved by this warm start itself (started from its "
+        f"weights in checkpoint.dir={own}): resuming it whole, as a restart")

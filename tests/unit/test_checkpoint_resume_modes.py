@@ -121,7 +121,8 @@ def test_an_sft_resume_under_another_batch_size_is_refused(tmp_path, capsys, bat
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == EXIT_FAILED and last.startswith("Run failed: train.batch_size: ")
     assert "after 3 steps of 8 samples (24 consumed); train.batch_size=4 would resume at sample 12" in last
-    assert "Fix: set train.batch_size=8, or checkpoint.load_model_only=true" in last
+    assert "Fix: set train.batch_size=8, or start from its weights alone: copy it as step_0 of a new checkpoint.dir " \
+           "and set checkpoint.load_model_only=true" in last
 
 
 def test_the_resume_hint_names_the_checkpoint_the_resume_would_take(tmp_path):

@@ -111,11 +111,16 @@ def test_tools_the_chat_server_would_refuse_are_a_config_error_naming_the_row(tm
     text, reason = TOOLS_REFUSED[name]
     path = tmp_path / name
     path.write_text(text)
-    [problem] = _config_problems(str(path), tools_key="tools")
+    [problem] = _config_problems(str(path), tools_key="tools", runner=CHAT_AGENT)
     assert problem.startswith(f"- data.train_path: {path} row 0: data.tools_key='tools' is ") and reason in problem, \
         problem
+    # an Env's tools reach the tokenizer's chat template as they are, where any shape renders: not refused
+    assert _config_problems(str(path), tools_key="tools", runner={"_target_": "recipes/agents/toy.py:ToyEnv"}) == []
     path.write_text('{"prompt": "a", "label": "1", "tools": [{"type": "function", "function": {"name": "calc"}}]}\n')
-    assert _config_problems(str(path), tools_key="tools") == []
+    assert _config_problems(str(path), tools_key="tools", runner=CHAT_AGENT) == []
+
+
+CHAT_AGENT = {"_target_": "recipes/agents/python_tool_chat.py"}  # its requests go through the chat server
 
 
 @pytest.mark.parametrize("name", sorted(SERVER_REFUSED))
@@ -216,7 +221,8 @@ def test_tools_as_json_text_are_decoded_per_row(tmp_path):
     assert [r["tools"] for r in load_prompts(str(path), tools_key="tools")] == [one, two]
 
 
-def _config_problems(spec: str, max_images_per_prompt: int = 0, batch_size: int = 1, **data) -> list[str]:
+def _config_problems(spec: str, max_images_per_prompt: int = 0, batch_size: int = 1, runner: dict | None = None,
+                     **data) -> list[str]:
     """The data rules' problems with data.train_path=spec: where it points and its rows (runtime/validate.py runs
     both rules). rollout.batch_size=1 unless given: the files here are of a few rows, and their count against the
     batch is tested on its own (test_training_data_of_fewer_rows_than_a_batch_...)."""
@@ -228,6 +234,8 @@ def _config_problems(spec: str, max_images_per_prompt: int = 0, batch_size: int 
     cfg, problems = RunConfig(), Problems()
     cfg.data.train_path, cfg.data.max_images_per_prompt = spec, max_images_per_prompt
     cfg.rollout.batch_size = batch_size
+    if runner is not None:
+        cfg.agent.runner = runner
     for key, value in data.items():
         setattr(cfg.data, key, value)
     check_data(cfg, problems)
