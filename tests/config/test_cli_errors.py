@@ -512,6 +512,39 @@ def test_job_eval_places_its_engines_as_no_trainer_shares_them():
     assert engine_args(run_cfg, "m", False, 0)["sleep_level"] is None
 
 
+GEO_EVAL = ["+recipe=qwen3_moe_geo3k", "job=eval", "eval.data_path=builtin://geo_triangles_eval", "dry_run=true"]
+
+
+@pytest.mark.parametrize("override", ["data.input_key=xyz", "data.label_key=xyz", "data.tools_key=xyz",
+                                      "data.image_key=xyz"])
+def test_job_eval_judges_the_data_keys_against_its_eval_data(override, tmp_path):
+    """Before: `+recipe=qwen3_moe_geo3k job=eval data.input_key=xyz` over builtin eval data was taken: the column keys
+    were judged against the recipe's data.train_path (a parquet file), which job=eval never reads. Over a file of
+    eval rows they are read (agents/rules.py check_prompts refuses a column it lacks, naming eval.data_path)."""
+    key, overrides = override.split("=", 1)[0], [*GEO_EVAL, override]
+    assert unread_on_command_line(compose_config(overrides), overrides) == [
+        f"- {key}: job=eval reads eval.data_path=builtin://geo_triangles_eval only, builtin:// tasks that generate "
+        f"their own rows: no column is read, so it changes nothing. Fix: unset {key}, or point eval.data_path at a "
+        "dataset that has that column"]
+    assert unread_on_command_line(compose_config(GEO_EVAL), GEO_EVAL) == []  # the recipe's own image_key: left alone
+    (rows := tmp_path / "eval.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
+    on_file = [*overrides[:2], f"eval.data_path={rows}", override]
+    assert unread_on_command_line(compose_config(on_file), on_file) == []
+    assert_fires(on_file, "eval.data_path", f"{key}='xyz' is not a column")
+
+
+def test_job_eval_sets_the_recipes_training_data_aside():
+    """Before: `+recipe=qwen3_moe_geo3k job=eval` kept the recipe's data.train_path, and the eval job loaded it at its
+    start (runtime/roles.py _load_rows): a training file that is not there failed the evaluation, which reads none."""
+    from molt_hydra.cli import checked
+    from molt_hydra.runtime.roles import _load_rows
+
+    run_cfg, _ = checked(compose_config(GEO_EVAL))
+    assert run_cfg.data.train_path is None and run_cfg.data.max_samples == 100_000_000  # the schema's
+    prompts, eval_rows = _load_rows(run_cfg, scoring=True)
+    assert prompts is eval_rows and len(eval_rows) > 0
+
+
 def _main_in_process(argv: list[str], monkeypatch, tmp_path):
     """`molt-run ARGV` in this process, in tmp_path: (its exit code, or None)."""
     import sys
