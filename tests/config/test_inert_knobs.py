@@ -313,6 +313,17 @@ def test_a_knob_eval_ignores_is_refused(override, key, fragment):
     assert_fires(["job=eval", "eval.data_path=builtin://toy_eval", override], key, fragment)
 
 
+def test_device_memory_under_job_eval_on_cpu_is_refused():
+    """Before: `job=eval cluster.memory_gb_per_device=3` on CPU was taken: the plan reads it for a GPU engine's KV
+    cache and a trainer's fit only. A GPU eval sizes its engines' KV cache from it; an RL run on CPU checks the
+    trainer's fit against it."""
+    eval_cpu = ["job=eval", "eval.data_path=builtin://toy_eval"]
+    assert_fires([*eval_cpu, "cluster.memory_gb_per_device=3"], "cluster.memory_gb_per_device",
+                 "job=eval on CPU starts no trainer whose fit it checks")
+    assert config_errors(["cluster.memory_gb_per_device=300"]) == []
+    assert config_errors([*eval_cpu, "cluster=local_gpus", "cluster.memory_gb_per_device=141"]) == []
+
+
 def test_a_training_recipe_still_scores_with_job_eval():
     """Its training knobs are the recipe's, not the user's: `+recipe=NAME job=eval` evaluates that recipe's model."""
     assert config_errors(["+recipe=smollm2_arith", "job=eval"]) == []
