@@ -953,6 +953,9 @@ JOB_IGNORES: dict[str, dict[str, str | None]] = {
         "checkpoint": "saves no checkpoint (it scores checkpoint.path, else model.path)", "checkpoint.path": None,
         **{f"data.{name}": "scores the rows of eval.data_path only" for name in (
             "train_path", "train_probs", "split", "max_samples")},
+        **{f"data.{name}": "samples its replies from the engines (no SFT target)" for name in (
+            "output_key", "train_on_last_turn_only")},
+        "data.chat_template": "renders prompts with the tokenizer's own chat template (the override is SFT's)",
         **{f"eval.{name}": "evaluates once, when its engines are up" for name in ("every_steps", "at_start")},
         "rollout.n_samples_per_prompt": "samples eval.n_samples_per_prompt per prompt (null = 1)",
         "rollout.top_k": "samples without top-k (as every evaluation does)",
@@ -1013,13 +1016,14 @@ def _exit_config_error(text: str) -> None:
 
 
 # job=eval scores the model with the engines alone: a recipe's training-only choices (its algorithm, the teacher or
-# critic that algorithm starts, its trainer placement, its training data) are read by no part of it. Set aside (schema
-# defaults) so that `+recipe=NAME job=eval` scores any recipe's model; the command line's own are refused
-# (JOB_IGNORES). A GPU recipe's parallelism.colocate would otherwise give the one engine half its GPU and sleep mode,
+# critic that algorithm starts, its trainer placement, its training data, an SFT recipe's targets) are read by no part
+# of it. Set aside (schema defaults) so that `+recipe=NAME job=eval` scores any recipe's model; the command line's own
+# are refused (JOB_IGNORES). A GPU recipe's parallelism.colocate would otherwise give the one engine half its GPU and sleep mode,
 # beside no trainer; its data.train_path had the data keys judged against rows eval never reads (data.input_key=xyz
 # passed over builtin eval data) and was loaded at the start.
 EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path", "parallelism",
-                   *(f"data.{name}" for name in ("train_path", "train_probs", "split", "max_samples")))
+                   *(f"data.{name}" for name in ("train_path", "train_probs", "split", "max_samples", "output_key",
+                                                 "train_on_last_turn_only", "chat_template")))
 
 
 def _set_aside(cfg: DictConfig) -> DictConfig:

@@ -545,6 +545,20 @@ def test_job_eval_sets_the_recipes_training_data_aside():
     assert prompts is eval_rows and len(eval_rows) > 0
 
 
+def test_job_eval_scores_an_sft_recipes_model():
+    """Before: `+recipe=tiny_vlm_colors_warm job=eval` was refused for data.output_key, the SFT recipe's target column,
+    which an evaluation (its replies sampled from the engines) never reads. On the command line it is still refused."""
+    from molt_hydra.cli import checked
+
+    overrides = ["+recipe=tiny_vlm_colors_warm", "job=eval", "eval.data_path=builtin://colors_eval", "dry_run=true"]
+    run_cfg, _ = checked(compose_config(overrides))
+    assert run_cfg.data.output_key is None and run_cfg.data.image_key == "images"  # the schema's; the recipe's
+    for override in ("data.output_key=output", "data.train_on_last_turn_only=true", "data.chat_template=t.jinja"):
+        key = override.split("=", 1)[0]
+        assert [line.split(":")[0] for line in job_ignored(compose_config([*overrides, override]),
+                                                           [*overrides, override])] == [f"- {key}"]
+
+
 def _main_in_process(argv: list[str], monkeypatch, tmp_path):
     """`molt-run ARGV` in this process, in tmp_path: (its exit code, or None)."""
     import sys
