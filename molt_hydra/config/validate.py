@@ -430,7 +430,10 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
 
 
 def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """The engine's lengths, KV cache and blocks: values vLLM would refuse at start, or round."""
+    """The engine's lengths, KV cache and blocks: values vLLM would refuse at start, or round. job=sft starts no engine
+    (and refuses rollout.* on its command line: cli.py JOB_IGNORES), so none of them bounds it."""
+    if cfg.job.value == "sft":
+        return
     r, d, e = cfg.rollout, cfg.data, cfg.eval
     cpu = cfg.cluster.device.value == "cpu"
     problems.table((

@@ -302,6 +302,14 @@ def test_sft_with_what_it_reads_validates(chats, overrides):
     assert config_errors(_sft(chats, overrides)) == []
 
 
+def test_sft_data_max_len_is_not_bounded_by_the_rollout_engine(chats):
+    """Before: `job=sft data.max_len=8` was refused on rollout.max_new_tokens (8, conf/rollout/cpu_tiny.yaml) leaving
+    "no room for the prompt", with the fix "lower rollout.max_new_tokens", which job=sft refuses in turn: it starts no
+    engine. Under job=rl the same config is refused, as an engine generates there."""
+    assert config_errors(_sft(chats, ["data.max_len=8"])) == []
+    assert_fires(["data.max_len=8"], "rollout.max_new_tokens", "leaves no room for the prompt")
+
+
 # job=eval: one forced evaluation, no trainer; knobs of the per-step log, gradients and checkpoints change nothing
 @pytest.mark.parametrize("override,key,fragment", [
     ("logger.every_steps=5", "logger.every_steps", "an eval job logs its one evaluation only"),
