@@ -835,11 +835,11 @@ def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
     sizes = {key: getattr(r, key) for key in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")}
     per_engine = "" if not engines or set(sizes.values()) == {1} else (  # (the engine's own keys, named)
         f"; an engine takes {' x '.join(f'rollout.{k}={v}' for k, v in sizes.items() if v > 1)} devices")
-    problems.check(
-        wanted <= total, "parallelism.trainer_devices", f"the run needs {wanted} devices ({engines} rollout, {fsdp} "
-        f"trainer roles{', colocated' if p.colocate else ''}) but cluster has {cfg.cluster.nodes} x "
-        f"{cfg.cluster.devices_per_node} = {total}{per_engine}.", "lower rollout.num_engines / parallelism.trainer_devices"
-        f"{' / the engine sizes' if per_engine else ''}, "
+    problems.check(  # (job=eval starts engines alone, and refuses parallelism.* on its command line: cli.py)
+        wanted <= total, "parallelism.trainer_devices" if fsdp else "rollout.num_engines", f"the run needs {wanted} "
+        f"devices ({engines} rollout, {fsdp} trainer roles{', colocated' if p.colocate else ''}) but cluster has "
+        f"{cfg.cluster.nodes} x {cfg.cluster.devices_per_node} = {total}{per_engine}.", "lower rollout.num_engines"
+        f"{' / parallelism.trainer_devices' if fsdp else ''}{' / the engine sizes' if per_engine else ''}, "
         + "".join(f"set {fix}, " for fix, ok in (  # (only what would take devices off: was colocate_models always)
             ("parallelism.colocate_models=true", extra_roles and not p.colocate_models),
             ("parallelism.colocate=true train.mode=sync", rl and cfg.cluster.device.value == "cuda" and not p.colocate))
