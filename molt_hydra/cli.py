@@ -985,7 +985,8 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
     group (config/validate.py refuses W&B's other names). train.micro_batch_size under train.dynamic_batch: the trainer
     takes train.max_tokens_per_micro_batch as its budget then (runtime/trainer_options.py); conf/config.yaml sets it.
     data.input_key (and the other columns) under job=eval over builtin:// eval data: no column is read (a recipe's
-    name its training data's columns; data/rules.py refuses them where the run's own data is builtin)."""
+    keys name its training data's columns; data/rules.py refuses them where the run's own data is builtin).
+    rollout.temperature (batch_size, top_p, max_new_tokens) under job=eval where eval.temperature is set."""
     from molt_hydra.data.prompts import BUILTIN
     from molt_hydra.data.rules import COLUMN_KEYS
     from molt_hydra.models.rules import LORA_MUON_INERT
@@ -998,6 +999,11 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
         *((key, builtin_eval, f"job=eval reads eval.data_path={first.eval.data_path} only, builtin:// tasks that "
            "generate their own rows: no column is read, so it changes nothing.", f"unset {key}, or point "
            "eval.data_path at a dataset that has that column") for key in COLUMN_KEYS),
+        # eval.* left null samples with the rollout's value (config/validate.py derive); job=eval samples nothing else
+        *((f"rollout.{name}", job == "eval" and first.eval[name] is not None, f"job=eval samples with "
+           f"eval.{name}={first.eval[name]}, and rollout.{name} only stands in for an eval.{name} left null, so it "
+           "changes nothing.", f"unset rollout.{name} (eval.{name} sets the evaluation's)")
+          for name in ("batch_size", "temperature", "top_p", "max_new_tokens")),
         ("train.optimizer.lr", first.model.lora.rank is not None and getattr(o.name, "value", o.name) == "muon",
          f"model.lora.rank={first.model.lora.rank}: {LORA_MUON_INERT}", "drop train.optimizer.lr and set "
          "train.optimizer.muon_lr (the adapter's step size), or train.optimizer.name=adamw"),

@@ -545,6 +545,22 @@ def test_job_eval_sets_the_recipes_training_data_aside():
     assert prompts is eval_rows and len(eval_rows) > 0
 
 
+@pytest.mark.parametrize("name,value", [("batch_size", "3"), ("temperature", "0.5"), ("top_p", "0.9"),
+                                        ("max_new_tokens", "6")])
+def test_job_eval_refuses_the_rollout_sampling_its_eval_keys_replace(name, value):
+    """Before: `job=eval eval.temperature=0.7 rollout.temperature=0.5` was taken: the evaluation samples with eval.*,
+    and rollout.* only fills an eval.* left null (config/validate.py derive). Without eval.*, rollout.* is read."""
+    base = ["job=eval", "eval.data_path=builtin://toy_eval", f"rollout.{name}={value}"]
+    eval_value = {"batch_size": "4", "temperature": "0.7", "top_p": "0.5", "max_new_tokens": "4"}[name]
+    overrides = [*base, f"eval.{name}={eval_value}"]
+    assert unread_on_command_line(compose_config(overrides), overrides) == [
+        f"- rollout.{name}: job=eval samples with eval.{name}={eval_value}, and rollout.{name} only stands in for an "
+        f"eval.{name} left null, so it changes nothing. Fix: unset rollout.{name} (eval.{name} sets the evaluation's)"]
+    assert unread_on_command_line(compose_config(base), base) == []
+    rl = [f"rollout.{name}={value}", "eval.data_path=builtin://toy_eval", f"eval.{name}={eval_value}"]
+    assert unread_on_command_line(compose_config(rl), rl) == []  # job=rl's rollouts sample with it
+
+
 def test_job_eval_scores_an_sft_recipes_model():
     """Before: `+recipe=tiny_vlm_colors_warm job=eval` was refused for data.output_key, the SFT recipe's target column,
     which an evaluation (its replies sampled from the engines) never reads. On the command line it is still refused."""
