@@ -953,6 +953,9 @@ JOB_IGNORES: dict[str, dict[str, str | None]] = {
         "checkpoint": "saves no checkpoint (it scores checkpoint.path, else model.path)", "checkpoint.path": None,
         **{f"data.{name}": "scores the rows of eval.data_path only" for name in (
             "train_path", "train_probs", "split", "max_samples")},
+        **{f"data.{name}": "samples its replies from the engines (no SFT target)" for name in (
+            "output_key", "train_on_last_turn_only")},
+        "data.chat_template": "renders prompts with the tokenizer's own chat template (the override is SFT's)",
         **{f"eval.{name}": "evaluates once, when its engines are up" for name in ("every_steps", "at_start")},
         "rollout.n_samples_per_prompt": "samples eval.n_samples_per_prompt per prompt (null = 1)",
         "rollout.top_k": "samples without top-k (as every evaluation does)",
@@ -980,12 +983,27 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
     train.optimizer.lr under LoRA with Muon: every adapter matrix steps at muon_lr, no AdamW group is left
     (models/rules.py `_lora_muon` refuses the other AdamW knobs). logger.wandb.group with W&B disabled: no run to
     group (config/validate.py refuses W&B's other names). train.micro_batch_size under train.dynamic_batch: the trainer
-    takes train.max_tokens_per_micro_batch as its budget then (runtime/trainer_options.py); conf/config.yaml sets it."""
+    takes train.max_tokens_per_micro_batch as its budget then (runtime/trainer_options.py); conf/config.yaml sets it.
+    data.input_key (and the other columns) under job=eval over builtin:// eval data: no column is read (a recipe's
+    keys name its training data's columns; data/rules.py refuses them where the run's own data is builtin).
+    rollout.temperature (batch_size, top_p, max_new_tokens) under job=eval where eval.temperature is set."""
+    from molt_hydra.data.prompts import BUILTIN
+    from molt_hydra.data.rules import COLUMN_KEYS
     from molt_hydra.models.rules import LORA_MUON_INERT
 
     given, o = {text.lstrip("+~").split("=", 1)[0] for text in overrides}, first.train.optimizer
     wandb_mode, job = (getattr(v, "value", v) for v in (first.logger.wandb.mode, first.job))  # (job=sft: JOB_IGNORES)
+    specs = [part.strip() for part in (first.eval.data_path or "").split(",")]
+    builtin_eval = job == "eval" and bool(specs) and all(s.startswith(BUILTIN) for s in specs)
     return [f"- {key}: {reason} Fix: {fix}" for key, unread, reason, fix in (
+        *((key, builtin_eval, f"job=eval reads eval.data_path={first.eval.data_path} only, builtin:// tasks that "
+           "generate their own rows: no column is read, so it changes nothing.", f"unset {key}, or point "
+           "eval.data_path at a dataset that has that column") for key in COLUMN_KEYS),
+        # eval.* left null samples with the rollout's value (config/validate.py derive); job=eval samples nothing else
+        *((f"rollout.{name}", job == "eval" and first.eval[name] is not None, f"job=eval samples with "
+           f"eval.{name}={first.eval[name]}, and rollout.{name} only stands in for an eval.{name} left null, so it "
+           "changes nothing.", f"unset rollout.{name} (eval.{name} sets the evaluation's)")
+          for name in ("batch_size", "temperature", "top_p", "max_new_tokens")),
         ("train.optimizer.lr", first.model.lora.rank is not None and getattr(o.name, "value", o.name) == "muon",
          f"model.lora.rank={first.model.lora.rank}: {LORA_MUON_INERT}", "drop train.optimizer.lr and set "
          "train.optimizer.muon_lr (the adapter's step size), or train.optimizer.name=adamw"),
@@ -1004,10 +1022,14 @@ def _exit_config_error(text: str) -> None:
 
 
 # job=eval scores the model with the engines alone: a recipe's training-only choices (its algorithm, the teacher or
-# critic that algorithm starts, its trainer placement) are read by no part of it. Set aside (schema defaults) so that
-# `+recipe=NAME job=eval` scores any recipe's model; the command line's own are refused (JOB_IGNORES). A GPU recipe's
-# parallelism.colocate would otherwise give the one engine half its GPU and sleep mode, beside no trainer.
-EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path", "parallelism")
+# critic that algorithm starts, its trainer placement, its training data, an SFT recipe's targets) are read by no part
+# of it. Set aside (schema defaults) so that `+recipe=NAME job=eval` scores any recipe's model; the command line's own
+# are refused (JOB_IGNORES). A GPU recipe's parallelism.colocate would otherwise give the one engine half its GPU and sleep mode,
+# beside no trainer; its data.train_path had the data keys judged against rows eval never reads (data.input_key=xyz
+# passed over builtin eval data) and was loaded at the start.
+EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path", "parallelism",
+                   *(f"data.{name}" for name in ("train_path", "train_probs", "split", "max_samples", "output_key",
+                                                 "train_on_last_turn_only", "chat_template")))
 
 
 def _set_aside(cfg: DictConfig) -> DictConfig:

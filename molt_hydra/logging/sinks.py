@@ -1,4 +1,4 @@
-"""Where metrics go: a jsonl file always, W&B (offline unless an API key is set) and TensorBoard when configured.
+"""Where metrics go: a jsonl file always, W&B (offline unless W&B finds credentials) and TensorBoard when configured.
 
 Train metrics are logged as `train/<name>` against `train/global_step`, eval as `eval/<name>` (Molt's names). The W&B
 run id goes into every checkpoint so a resumed run continues the same W&B run (a run that starts over in the same
@@ -73,8 +73,10 @@ class MetricSinks:
         self.wandb_run = None
         self.replayed_to = 0  # after a resume: steps <= this were logged to W&B by the interrupted run (see rewind)
         self.resumes_wandb = False  # the W&B run goes on from an earlier one (rows logged again are marked)
-        if wandb_mode == "auto":
-            wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        if wandb_mode == "auto":  # online where W&B finds credentials (WANDB_API_KEY, `wandb login`), as wandb.init
+            from molt_hydra.compat.wandb import api_key
+
+            wandb_mode = "online" if api_key()[0] else "offline"
         self.wandb_mode = wandb_mode
         if wandb_mode != "disabled":
             import wandb

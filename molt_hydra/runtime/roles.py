@@ -273,7 +273,7 @@ def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
 
 
 def _load_rows(cfg: RunConfig, scoring: bool) -> tuple[list, list | None]:
-    """(training prompts, eval rows or None); an eval job without training data scores its eval rows. Training rows
+    """(training prompts, eval rows or None); an eval job scores its eval rows (it has no training data). Training rows
     fewer than rollout.batch_size end the run, as validation's count of local data does (agents/rules.py
     `_fills_a_batch`): a hub dataset is counted only here, once loaded (was: trained on a partial batch without a
     word), and so are rows dropped at load for their images."""
@@ -290,7 +290,7 @@ def _load_rows(cfg: RunConfig, scoring: bool) -> tuple[list, list | None]:
                 image_fits=images and images.added_tokens)
     eval_rows = _named("eval.data_path", load_prompts, cfg.eval.data_path, split=cfg.eval.split, **rows) \
         if cfg.eval.data_path else None
-    prompts = eval_rows if scoring and not d.train_path else _named(
+    prompts = eval_rows if scoring else _named(
         "data.train_path", load_prompts, d.train_path, split=d.split, max_samples=d.max_samples, probs=d.train_probs,
         seed=cfg.seed, **rows)
     if cfg.job.value == "rl" and len(prompts) < (b := cfg.rollout.batch_size):

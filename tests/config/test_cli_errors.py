@@ -512,6 +512,69 @@ def test_job_eval_places_its_engines_as_no_trainer_shares_them():
     assert engine_args(run_cfg, "m", False, 0)["sleep_level"] is None
 
 
+GEO_EVAL = ["+recipe=qwen3_moe_geo3k", "job=eval", "eval.data_path=builtin://geo_triangles_eval", "dry_run=true"]
+
+
+@pytest.mark.parametrize("override", ["data.input_key=xyz", "data.label_key=xyz", "data.tools_key=xyz",
+                                      "data.image_key=xyz"])
+def test_job_eval_judges_the_data_keys_against_its_eval_data(override, tmp_path):
+    """Before: `+recipe=qwen3_moe_geo3k job=eval data.input_key=xyz` over builtin eval data was taken: the column keys
+    were judged against the recipe's data.train_path (a parquet file), which job=eval never reads. Over a file of
+    eval rows they are read (agents/rules.py check_prompts refuses a column it lacks, naming eval.data_path)."""
+    key, overrides = override.split("=", 1)[0], [*GEO_EVAL, override]
+    assert unread_on_command_line(compose_config(overrides), overrides) == [
+        f"- {key}: job=eval reads eval.data_path=builtin://geo_triangles_eval only, builtin:// tasks that generate "
+        f"their own rows: no column is read, so it changes nothing. Fix: unset {key}, or point eval.data_path at a "
+        "dataset that has that column"]
+    assert unread_on_command_line(compose_config(GEO_EVAL), GEO_EVAL) == []  # the recipe's own image_key: left alone
+    (rows := tmp_path / "eval.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
+    on_file = [*overrides[:2], f"eval.data_path={rows}", override]
+    assert unread_on_command_line(compose_config(on_file), on_file) == []
+    assert_fires(on_file, "eval.data_path", f"{key}='xyz' is not a column")
+
+
+def test_job_eval_sets_the_recipes_training_data_aside():
+    """Before: `+recipe=qwen3_moe_geo3k job=eval` kept the recipe's data.train_path, and the eval job loaded it at its
+    start (runtime/roles.py _load_rows): a training file that is not there failed the evaluation, which reads none."""
+    from molt_hydra.cli import checked
+    from molt_hydra.runtime.roles import _load_rows
+
+    run_cfg, _ = checked(compose_config(GEO_EVAL))
+    assert run_cfg.data.train_path is None and run_cfg.data.max_samples == 100_000_000  # the schema's
+    prompts, eval_rows = _load_rows(run_cfg, scoring=True)
+    assert prompts is eval_rows and len(eval_rows) > 0
+
+
+@pytest.mark.parametrize("name,value", [("batch_size", "3"), ("temperature", "0.5"), ("top_p", "0.9"),
+                                        ("max_new_tokens", "6")])
+def test_job_eval_refuses_the_rollout_sampling_its_eval_keys_replace(name, value):
+    """Before: `job=eval eval.temperature=0.7 rollout.temperature=0.5` was taken: the evaluation samples with eval.*,
+    and rollout.* only fills an eval.* left null (config/validate.py derive). Without eval.*, rollout.* is read."""
+    base = ["job=eval", "eval.data_path=builtin://toy_eval", f"rollout.{name}={value}"]
+    eval_value = {"batch_size": "4", "temperature": "0.7", "top_p": "0.5", "max_new_tokens": "4"}[name]
+    overrides = [*base, f"eval.{name}={eval_value}"]
+    assert unread_on_command_line(compose_config(overrides), overrides) == [
+        f"- rollout.{name}: job=eval samples with eval.{name}={eval_value}, and rollout.{name} only stands in for an "
+        f"eval.{name} left null, so it changes nothing. Fix: unset rollout.{name} (eval.{name} sets the evaluation's)"]
+    assert unread_on_command_line(compose_config(base), base) == []
+    rl = [f"rollout.{name}={value}", "eval.data_path=builtin://toy_eval", f"eval.{name}={eval_value}"]
+    assert unread_on_command_line(compose_config(rl), rl) == []  # job=rl's rollouts sample with it
+
+
+def test_job_eval_scores_an_sft_recipes_model():
+    """Before: `+recipe=tiny_vlm_colors_warm job=eval` was refused for data.output_key, the SFT recipe's target column,
+    which an evaluation (its replies sampled from the engines) never reads. On the command line it is still refused."""
+    from molt_hydra.cli import checked
+
+    overrides = ["+recipe=tiny_vlm_colors_warm", "job=eval", "eval.data_path=builtin://colors_eval", "dry_run=true"]
+    run_cfg, _ = checked(compose_config(overrides))
+    assert run_cfg.data.output_key is None and run_cfg.data.image_key == "images"  # the schema's; the recipe's
+    for override in ("data.output_key=output", "data.train_on_last_turn_only=true", "data.chat_template=t.jinja"):
+        key = override.split("=", 1)[0]
+        assert [line.split(":")[0] for line in job_ignored(compose_config([*overrides, override]),
+                                                           [*overrides, override])] == [f"- {key}"]
+
+
 def _main_in_process(argv: list[str], monkeypatch, tmp_path):
     """`molt-run ARGV` in this process, in tmp_path: (its exit code, or None)."""
     import sys

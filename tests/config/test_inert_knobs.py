@@ -302,6 +302,14 @@ def test_sft_with_what_it_reads_validates(chats, overrides):
     assert config_errors(_sft(chats, overrides)) == []
 
 
+def test_sft_data_max_len_is_not_bounded_by_the_rollout_engine(chats):
+    """Before: `job=sft data.max_len=8` was refused on rollout.max_new_tokens (8, conf/rollout/cpu_tiny.yaml) leaving
+    "no room for the prompt", with the fix "lower rollout.max_new_tokens", which job=sft refuses in turn: it starts no
+    engine. Under job=rl the same config is refused, as an engine generates there."""
+    assert config_errors(_sft(chats, ["data.max_len=8"])) == []
+    assert_fires(["data.max_len=8"], "rollout.max_new_tokens", "leaves no room for the prompt")
+
+
 # job=eval: one forced evaluation, no trainer; knobs of the per-step log, gradients and checkpoints change nothing
 @pytest.mark.parametrize("override,key,fragment", [
     ("logger.every_steps=5", "logger.every_steps", "an eval job logs its one evaluation only"),
@@ -311,6 +319,17 @@ def test_sft_with_what_it_reads_validates(chats, overrides):
 ])
 def test_a_knob_eval_ignores_is_refused(override, key, fragment):
     assert_fires(["job=eval", "eval.data_path=builtin://toy_eval", override], key, fragment)
+
+
+def test_device_memory_under_job_eval_on_cpu_is_refused():
+    """Before: `job=eval cluster.memory_gb_per_device=3` on CPU was taken: the plan reads it for a GPU engine's KV
+    cache and a trainer's fit only. A GPU eval sizes its engines' KV cache from it; an RL run on CPU checks the
+    trainer's fit against it."""
+    eval_cpu = ["job=eval", "eval.data_path=builtin://toy_eval"]
+    assert_fires([*eval_cpu, "cluster.memory_gb_per_device=3"], "cluster.memory_gb_per_device",
+                 "job=eval on CPU starts no trainer whose fit it checks")
+    assert config_errors(["cluster.memory_gb_per_device=300"]) == []
+    assert config_errors([*eval_cpu, "cluster=local_gpus", "cluster.memory_gb_per_device=141"]) == []
 
 
 def test_a_training_recipe_still_scores_with_job_eval():

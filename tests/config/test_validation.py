@@ -183,6 +183,10 @@ CROSS_GROUP = [
     ("resource_fit_names_the_engine_size", ["+recipe=qwen3_4b_math", "rollout.data_parallel_size=2"],
      "parallelism.trainer_devices", "the run needs 9 devices (8 rollout, 1 trainer roles) but cluster has 1 x 8 = 8; "
      "an engine takes rollout.data_parallel_size=2 devices"),
+    # job=eval starts engines alone; before, the line named parallelism.trainer_devices, which job=eval refuses
+    ("resource_fit_of_job_eval", ["job=eval", "eval.data_path=builtin://toy_eval", "rollout.num_engines=5"],
+     "rollout.num_engines", "the run needs 5 devices (5 rollout, 0 trainer roles) but cluster has 1 x 2 = 2. Fix: "
+     "lower rollout.num_engines, or pick a bigger cluster=..."),
 ]
 
 

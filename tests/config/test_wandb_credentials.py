@@ -63,6 +63,40 @@ def test_a_key_wandb_refuses_is_named(no_credentials, monkeypatch, mode):
     assert_fires([f"logger.wandb.mode={mode}"], "logger.wandb.mode", "API key must have 40+ characters, has 3")
 
 
+class _InitCalled(Exception):
+    """Raised by the stand-in for wandb.init: an online W&B run cannot start here (no network)."""
+
+
+def _auto_mode_starts(monkeypatch, tmp_path) -> str:
+    """The mode MetricSinks hands wandb.init under logger.wandb.mode=auto, wandb.init stood in for (it records it)."""
+    import wandb
+
+    from molt_hydra.logging.sinks import MetricSinks
+
+    def init_stand_in(**kw):
+        raise _InitCalled(kw["mode"])
+
+    monkeypatch.setattr(wandb, "init", init_stand_in)
+    with pytest.raises(_InitCalled) as called:
+        MetricSinks(tmp_path / "run", run_name="r", config={}, wandb_mode="auto")
+    return called.value.args[0]
+
+
+def test_auto_is_online_after_wandb_login(no_credentials, monkeypatch):
+    """Before: `wandb login` (its .netrc entry) without WANDB_API_KEY left logger.wandb.mode=auto offline, though the
+    docs say online with `wandb login`; a key W&B refuses there passed validation."""
+    monkeypatch.setenv("NETRC", netrc_with(no_credentials / "netrc", KEY))
+    assert _auto_mode_starts(monkeypatch, no_credentials) == "online"
+    assert config_errors(["logger.wandb.mode=auto"]) == []
+    monkeypatch.setenv("NETRC", netrc_with(no_credentials / "netrc", "abc"))
+    assert_fires(["logger.wandb.mode=auto"], "logger.wandb.mode", "auto, online as W&B finds credentials, but W&B "
+                 "refuses the credentials it finds")
+
+
+def test_auto_is_offline_without_credentials(no_credentials, monkeypatch):
+    assert _auto_mode_starts(monkeypatch, no_credentials) == "offline"
+
+
 def test_cli_refuses_online_without_credentials(tmp_path):
     """The real `molt-run`, in an environment without any W&B credentials: exit 2, the key named, no plan."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "HYDRA_FULL_ERROR"}
