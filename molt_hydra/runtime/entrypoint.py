@@ -138,10 +138,11 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval":  # (eval loads checkpoint.path)
         return None, None
-    # what a crash left aside as it replaced a checkpoint (or `best`) is put back first, where this run writes (one
-    # it only reads is left as it is; the export's is by the next export: a resume exports a missing one again)
-    for root in (c.dir, c.dir + "_critic") if "checkpoint.dir" in run_dirs(cfg) else ():
-        recover(root)
+    # what a crash left aside as it replaced a checkpoint (or `best`) is put back first (the export's is by the next
+    # export: a resume exports a missing one again); in a directory this run cannot write, it is left as it is
+    for root in (c.dir, c.dir + "_critic"):
+        with suppress(OSError):
+            recover(root)
     if c.resume.value == "never":
         _refuse_earlier_checkpoints(cfg)
         return None, None

@@ -98,6 +98,25 @@ def test_best_left_aside_by_a_kill_is_put_back_by_the_resume_check(tmp_path):
     assert (root / "best" / "best.json").read_text() == '{"step": 1}' and not (root / ".old-best").exists()
 
 
+def test_a_leftover_the_resume_check_cannot_put_back_is_left_as_it_is(tmp_path, monkeypatch):
+    """A checkpoint.dir this run only reads (mounted read-only, a warm start's source) holding a crash's leftover:
+    the resume check goes on without it (was: a PermissionError traceback before anything started)."""
+    from molt_hydra.parallel import checkpoint
+    from molt_hydra.runtime.entrypoint import _check_resume
+
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 2, _model(1), client_state={"master_weights": "fsdp"})
+    (root / ".old-best").mkdir()
+
+    def read_only(path):
+        raise PermissionError(13, "Read-only file system", str(path))
+
+    monkeypatch.setattr(checkpoint, "recover", read_only)
+    cfg = value(job=value(value="rl"), model=value(master_weights=value(value="fsdp")), checkpoint=value(
+        dir=str(root), resume=value(value="auto"), load_model_only=False))
+    assert _check_resume(cfg)[0] == root / "step_2" and (root / ".old-best").is_dir()
+
+
 PRUNE = r"""
 import os, sys, torch
 from molt_hydra.parallel import retention
