@@ -1024,9 +1024,9 @@ def _exit_config_error(text: str) -> None:
 # job=eval scores the model with the engines alone: a recipe's training-only choices (its algorithm, the teacher or
 # critic that algorithm starts, its trainer placement, its training data, an SFT recipe's targets) are read by no part
 # of it. Set aside (schema defaults) so that `+recipe=NAME job=eval` scores any recipe's model; the command line's own
-# are refused (JOB_IGNORES). A GPU recipe's parallelism.colocate would otherwise give the one engine half its GPU and sleep mode,
-# beside no trainer; its data.train_path had the data keys judged against rows eval never reads (data.input_key=xyz
-# passed over builtin eval data) and was loaded at the start.
+# are refused (JOB_IGNORES). A GPU recipe's parallelism.colocate would otherwise give the one engine half its GPU and
+# sleep mode, beside no trainer; its data.train_path had the data keys judged against rows eval never reads
+# (data.input_key=xyz passed over builtin eval data) and was loaded at the start.
 EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path", "parallelism",
                    *(f"data.{name}" for name in ("train_path", "train_probs", "split", "max_samples", "output_key",
                                                  "train_on_last_turn_only", "chat_template")))

@@ -140,8 +140,8 @@ def _built(problems: Problems, cls: type, spec: dict):
     try:
         return cls(**spec)
     except SystemExit as e:  # an env / agent file it imports exits (a script's argparse): as `_target`
-        problems.check(False, "agent.runner._target_", f"building {cls.__name__} called sys.exit({e.code!r}): a file it "
-                       "imports runs code meant for a script.", "put that code (argparse, sys.exit) under "
+        problems.check(False, "agent.runner._target_", f"building {cls.__name__} called sys.exit({e.code!r}): a file "
+                       "it imports runs code meant for a script.", "put that code (argparse, sys.exit) under "
                        "`if __name__ == '__main__':`, and pass settings as agent.runner.* kwargs")
         return None
     except Exception as e:  # noqa: BLE001

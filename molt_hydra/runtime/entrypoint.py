@@ -210,7 +210,8 @@ def _refuse_another_jobs(cfg: RunConfig, found: Path, state: dict) -> None:
     saved = "rl" if "rl_step" in state or "loop" in state else "sft" if "consumed_samples" in state else None
     if saved not in (None, cfg.job.value):
         print(f"\nRun failed: checkpoint.resume={cfg.checkpoint.resume.value}: {found} is a job={saved} run's "
-              f"checkpoint; job={cfg.job.value} resumes only its own. Fix: {WARM_START}, or point checkpoint.dir at a job={cfg.job.value} run's checkpoints",
+              f"checkpoint; job={cfg.job.value} resumes only its own. Fix: {WARM_START}, or point checkpoint.dir at a "
+              f"job={cfg.job.value} run's checkpoints",
               file=sys.stderr)
         sys.exit(EXIT_FAILED)
 

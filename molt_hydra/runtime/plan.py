@@ -291,9 +291,9 @@ def _engine_memory(cfg: RunConfig, plan: Plan, shape: ModelShape, engine_weights
             raise ConfigError(f"- rollout.gpu_memory_utilization: {r.gpu_memory_utilization} of the {mem:g} GiB "
                               f"device is {r.gpu_memory_utilization * mem:.3g} GiB, not enough for the engine's "
                               f"{engine_weights:.3g} GiB of weights (vLLM would not start it; the device's size: "
-                              f"cluster.memory_gb_per_device={mem:g}). Fix: raise rollout.gpu_memory_utilization (default 0.9), or "
-                              "rollout.tensor_parallel_size to split the weights, or cluster.memory_gb_per_device if "
-                              "the devices have more")
+                              f"cluster.memory_gb_per_device={mem:g}). Fix: raise rollout.gpu_memory_utilization "
+                              "(default 0.9), or rollout.tensor_parallel_size to split the weights, or "
+                              "cluster.memory_gb_per_device if the devices have more")
         kv_source = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of {mem} GiB minus weights" if mem
                      else f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of the device (size unknown: "
                      f"set cluster.memory_gb_per_device)")
