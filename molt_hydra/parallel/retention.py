@@ -2,7 +2,8 @@
 (checkpoint.max_disk_gb, Molt's --ckpt.max_mem), the oldest pruned until the rest fits; never the newest one. When the
 newest alone is over the budget, `over_budget` says so (the save itself is complete and kept). A step's HF snapshot
 (checkpoint.save_hf: <root>/hf/step_<N>, exported after its save) counts with it once there and goes with it, as does
-any snapshot older than the oldest checkpoint kept (before: none was ever removed, the disk grew with every save)."""
+(under max_num or max_disk_gb) any snapshot older than the oldest checkpoint kept (before: none was ever removed, the
+disk grew with every save)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ def _step(path: Path) -> float:
 
 
 def prune(tags: list[Path], keep: int, max_disk_gb: float | None) -> None:
-    """`tags`: the loadable checkpoint directories, oldest first (the last is the one just saved)."""
+    """`tags`: the loadable checkpoint directories, oldest first (the last is the one just saved). Keeping all
+    (keep <= 0, no budget) removes nothing: not even a snapshot whose checkpoint the user moved away."""
+    if keep <= 0 and max_disk_gb is None:
+        return
     pruned = tags[:-keep] if keep > 0 else []
     tags = tags[len(pruned):]
     snapshots = tags[-1].parent / SNAPSHOTS

@@ -39,6 +39,16 @@ def test_snapshots_go_with_their_checkpoints_under_max_num(tmp_path, model):
     assert _names(tmp_path / "hf") == ["step_3", "step_4"]  # (before: step_1 to step_4)
 
 
+def test_keeping_every_checkpoint_keeps_every_snapshot(tmp_path, model):
+    """checkpoint.max_num <= 0 and no max_disk_gb: nothing is pruned, a snapshot whose checkpoint the user moved
+    away (archived) included. Before: every snapshot older than the oldest checkpoint left was removed."""
+    for step in (1, 2):
+        _save(tmp_path, step, model)
+    (tmp_path / "step_1").rename(tmp_path.parent / f"{tmp_path.name}_archived_step_1")
+    _save(tmp_path, 3, model)
+    assert _names(tmp_path / "hf") == ["step_1", "step_2", "step_3"]
+
+
 def test_snapshots_count_in_the_disk_budget(tmp_path, model):
     _save(tmp_path, 1, model)
     one, snapshot = dir_bytes(tmp_path / "step_1"), dir_bytes(tmp_path / "hf" / "step_1")
