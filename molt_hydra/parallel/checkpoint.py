@@ -411,7 +411,7 @@ def export_hf(out_dir: str | os.PathLike, model, *, tokenizer_path: str | None =
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if to_hf is not None and adapter is None:
         sd = dict(pair for name, t in sd.items() for pair in to_hf(name, t))
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # a link (to another disk): its target is replaced, the link stays
     tmp = out.with_name(f".tmp-{out.name}")
 
     def write():  # rank 0

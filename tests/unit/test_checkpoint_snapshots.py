@@ -73,3 +73,18 @@ def test_what_killed_exports_left_is_removed_by_the_next_save(tmp_path, model):
     assert _names(tmp_path) == ["hf", "latest", "step_1", "step_2"]
     assert _names(tmp_path / "hf") == ["step_1"]
     assert (tmp_path / "hf" / "step_1" / "config.json").is_file()
+
+
+def test_an_export_dir_that_is_a_link_is_exported_into_its_target(tmp_path, model):
+    """checkpoint.export_dir as a link to another disk: each export replaces the target's contents and the link stays.
+    Before: the first put a directory in the link's place (on the link's disk), the second failed ('Cannot call rmtree
+    on a symbolic link')."""
+    (tmp_path / "big").mkdir()
+    (tmp_path / "out").mkdir()
+    link = tmp_path / "out" / "hf_final"
+    link.symlink_to(tmp_path / "big" / "final", target_is_directory=True)
+    for _ in range(2):
+        export_hf(link, model, dtype=torch.float32)
+    assert link.is_symlink()
+    assert (tmp_path / "big" / "final" / "config.json").is_file()
+    assert _names(tmp_path / "out") == ["hf_final"]
