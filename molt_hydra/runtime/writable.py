@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from molt_hydra.runtime.run_lock import BESIDE
 from molt_hydra.runtime.watchdog import EXIT_FAILED
 
 
@@ -63,6 +64,10 @@ def check_outputs(cfg) -> None:
     """The run's own directories (`run_dirs`), and the metric sinks' own directories under output_dir (an RL or eval
     run's: job=sft writes neither), which were first written after the engines had started."""
     dirs, fixes = run_dirs(cfg), {}
+    for key in BESIDE:  # replaced whole: its copies and its lock go in its parent (was: a PermissionError traceback)
+        if key in dirs:
+            label = f"the directory holding {key}"
+            dirs[label], fixes[label] = Path(dirs[key]).resolve().parent, f"point {key} into a writable directory"
     sinks = (("logger.wandb.mode", "wandb", cfg.logger.wandb.mode.value != "disabled", "disabled"),
              ("logger.tensorboard", "tensorboard", cfg.logger.tensorboard, "false"))
     for key, name, used, off in sinks:

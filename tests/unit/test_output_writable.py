@@ -5,6 +5,7 @@ plain file in the directory's place stands for any unwritable one (root ignores 
 
 from __future__ import annotations
 
+import subprocess
 from types import SimpleNamespace as value
 
 import pytest
@@ -13,10 +14,12 @@ from molt_hydra.runtime.watchdog import EXIT_FAILED
 from molt_hydra.runtime.writable import check_outputs
 
 
-def _cfg(out, job="rl", wandb="offline", tensorboard=False, save_steps=-1, eval_data=None, checkpoints=None):
+def _cfg(out, job="rl", wandb="offline", tensorboard=False, save_steps=-1, eval_data=None, checkpoints=None,
+         export_dir=None):
     return value(output_dir=str(out), job=value(value=job), logger=value(
         wandb=value(mode=value(value=wandb)), tensorboard=tensorboard), checkpoint=value(
-        dir=str(checkpoints or out / "checkpoints"), export_final=False, save_steps=save_steps, best_metric_key=""),
+        dir=str(checkpoints or out / "checkpoints"), export_final=export_dir is not None, export_dir=export_dir,
+        save_steps=save_steps, best_metric_key=""),
         train=value(rollout_dump_dir=None), eval=value(data_path=eval_data))
 
 
@@ -62,3 +65,23 @@ def test_a_checkpoint_dir_the_run_only_reads_may_be_read_only(tmp_path, capsys):
             check_outputs(_cfg(tmp_path, wandb="disabled", checkpoints=checkpoints, **kw))
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
             f"- checkpoint.dir={checkpoints}: not writable: Not a directory")
+
+
+def test_an_export_dir_in_a_directory_the_run_cannot_write_stops_the_run_before_anything_starts(tmp_path, capsys):
+    """The export replaces checkpoint.export_dir whole, through copies beside it, and its run lock is beside it too:
+    the directory holding it must take new files, even where export_dir itself does. Before: check_outputs passed,
+    then the run lock's open raised a PermissionError traceback (and, before the lock, the final export failed after
+    training)."""
+    shared = tmp_path / "shared"
+    (shared / "mine").mkdir(parents=True)
+    if subprocess.run(["chattr", "+i", str(shared)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here (needs root on a filesystem that supports it)")
+    try:
+        with pytest.raises(SystemExit) as stop:
+            check_outputs(_cfg(tmp_path / "out", wandb="disabled", export_dir=str(shared / "mine")))
+    finally:
+        subprocess.run(["chattr", "-i", str(shared)])
+    assert stop.value.code == EXIT_FAILED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"- the directory holding checkpoint.export_dir={shared}: not writable: Operation not permitted ({shared}). "
+        "Fix: point checkpoint.export_dir into a writable directory.")
