@@ -356,19 +356,20 @@ def _refuse_a_warm_start_among_its_steps(cfg: RunConfig, found: Path) -> None:
     from molt_hydra.runtime.plan import fsdp_roles
 
     c, critic = cfg.checkpoint, Path(cfg.checkpoint.dir + "_critic")
-    if c.save_steps == 0:
+    if "checkpoint.dir" not in run_dirs(cfg):  # (was: save_steps=0 alone, while eval's `best` replaced that run's)
         return
     roots = [Path(c.dir), *([critic] if critic.is_dir() and "critic" in fsdp_roles(cfg) else [])]
     steps = [int(m.group(1)) for root in roots for p in root.glob("step_*") if (m := TAG.match(p.name))]
     if max(steps, default=0) == 0:
         return
+    best = " checkpoint.best_metric_key=none" if cfg.job.value == "rl" and cfg.eval.data_path else ""  # eval's best
     copies = " and ".join(f"cp -r {root / found.name} NEW{root.name.removeprefix(Path(c.dir).name)}/step_0"
                           for root in roots)
     print(f"\nRun failed: checkpoint.load_model_only=true: this run starts from {found}'s weights at step 0, and would "
           f"save its checkpoints into checkpoint.dir={c.dir}, among that run's (step_{max(steps)} the newest): "
           "retention would remove this run's as the oldest, a step of the same number would replace that run's, and "
           f"a resume would take that run's newest. Fix: copy it as step_0 of a directory of its own ({copies}) and "
-          "set checkpoint.dir=NEW, or save none with checkpoint.save_steps=0; to go on with that run itself, "
+          f"set checkpoint.dir=NEW, or save none with checkpoint.save_steps=0{best}; to go on with that run itself, "
           "checkpoint.load_model_only=false", file=sys.stderr)
     sys.exit(EXIT_FAILED)
 

@@ -324,6 +324,14 @@ def test_a_warm_start_that_would_save_among_the_runs_steps_it_starts_from_is_ref
     assert last.endswith(f"Fix: copy it as step_0 of a directory of its own (cp -r {saved} NEW/step_0) and set "
                          "checkpoint.dir=NEW, or save none with checkpoint.save_steps=0; to go on with that run "
                          "itself, checkpoint.load_model_only=false")
+    # saving no step but exporting eval's `best` there (it replaced that run's): refused too, the fix saying so
+    with pytest.raises(SystemExit):
+        _check_resume(_cfg(tmp_path, *warm, "checkpoint.save_steps=0", "eval.data_path=builtin://toy_eval",
+                                  "eval.every_steps=1"))
+    assert capsys.readouterr().err.strip().endswith(
+        "or save none with checkpoint.save_steps=0 checkpoint.best_metric_key=none; to go on with that run itself, "
+        "checkpoint.load_model_only=false")
+    assert _check_resume(_cfg(tmp_path, *warm, "checkpoint.save_steps=0")) == (saved, None)  # writes nothing there
     import shutil
 
     own = tmp_path / "own"
