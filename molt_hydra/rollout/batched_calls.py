@@ -76,6 +76,9 @@ class BatchedCalls:
                     future = self._waiting.pop(key, None)
                     if future is None or future.done():  # aborted, or its caller gave up
                         continue
+                    if packed is None:  # cancelled there, not by this caller (its abort is done above)
+                        future.set_exception(RuntimeError(f"{self.method} was cancelled inside the actor"))
+                        continue
                     try:
                         failed, result = cloudpickle.loads(packed)
                     except Exception as e:  # noqa: BLE001 - e.g. its class is not importable here: this call fails

@@ -35,6 +35,8 @@ class Sleeper(BatchedCallee):
             raise
         if tag == "boom":
             raise KeyError(tag)
+        if tag == "cancel":  # cancelled by the callee's own code (a task it waits on, cancelled)
+            raise asyncio.CancelledError
         if tag == "lock":  # a result Ray cannot pickle (a custom Runner's Trajectory holding a client, say)
             return {"held": threading.Lock()}
         return tag
@@ -120,3 +122,10 @@ def test_a_result_that_cannot_be_sent_fails_only_its_own_call(cluster):
         return await asyncio.gather(*others)
 
     assert asyncio.run(scenario()) == ["w0", "w1", "w2"]
+
+
+def test_a_call_cancelled_inside_the_actor_fails_with_that_reason(cluster):
+    """(was: "nap's result cannot be read here (TypeError: a bytes-like object is required, not 'NoneType')")"""
+    calls = BatchedCalls(ray.remote(Sleeper).remote(), "nap")
+    with pytest.raises(RuntimeError, match="^nap was cancelled inside the actor$"):
+        asyncio.run(calls.call(0.0, "cancel"))
