@@ -838,8 +838,9 @@ def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
     problems.check(  # (job=eval starts engines alone, and refuses parallelism.* on its command line: cli.py)
         wanted <= total, "parallelism.trainer_devices" if fsdp else "rollout.num_engines", f"the run needs {wanted} "
         f"devices ({engines} rollout, {fsdp} trainer roles{', colocated' if p.colocate else ''}) but cluster has "
-        f"{cfg.cluster.nodes} x {cfg.cluster.devices_per_node} = {total}{per_engine}.", "lower rollout.num_engines"
-        f"{' / parallelism.trainer_devices' if fsdp else ''}{' / the engine sizes' if per_engine else ''}, "
+        f"{cfg.cluster.nodes} x {cfg.cluster.devices_per_node} = {total}{per_engine}.", "lower "  # (what takes devices)
+        + " / ".join(k for k, n in (("rollout.num_engines", engines), ("parallelism.trainer_devices", fsdp)) if n)
+        + f"{' / the engine sizes' if per_engine else ''}, "
         + "".join(f"set {fix}, " for fix, ok in (  # (only what would take devices off: was colocate_models always)
             ("parallelism.colocate_models=true", extra_roles and not p.colocate_models),
             ("parallelism.colocate=true train.mode=sync", rl and cfg.cluster.device.value == "cuda" and not p.colocate))

@@ -198,6 +198,9 @@ CROSS_GROUP = [
      "cluster=..."),
     (["algorithm=reinforce"], "Fix: lower rollout.num_engines / parallelism.trainer_devices, set "
      "parallelism.colocate_models=true, or pick a bigger cluster=..."),
+    # job=sft starts no engine (and refuses rollout.* on its command line): was told to lower rollout.num_engines too
+    (["+recipe=tiny_vlm_colors_warm", "parallelism.trainer_devices=4"],
+     "Fix: lower parallelism.trainer_devices, or pick a bigger cluster=..."),
 ])
 def test_the_resource_fit_suggests_only_what_takes_devices_off(overrides, fix):
     """Before: every run that did not fit was told to set parallelism.colocate_models=true, which frees nothing for
