@@ -92,6 +92,11 @@ def _runner_calls_fit(problems: Problems, cls: type) -> None:
         method = getattr(cls, name, None) if issubclass(cls, base) else None
         if method is None:
             continue
+        if not callable(method):  # (a property, a value: was a TypeError traceback out of validation)
+            problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a {type(method).__name__}, "
+                           f"not a method, but the runner calls it (the {base.__name__} contract).",
+                           f"declare it `{'async def' if awaited else 'def'} {name}(self, {args})`")
+            continue
         if awaited and not inspect.iscoroutinefunction(method):
             problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a plain function, but the "
                            f"runner awaits it (the {base.__name__} contract: `async def {name}`).",

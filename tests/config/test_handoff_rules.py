@@ -70,6 +70,9 @@ BAD = [
     *[(f"arity_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
        f"{cls}.{name}(self) cannot take the runner's call {name}({arg}): too many positional arguments")
       for cls, name, arg in (("NoStateStepEnv", "step", "state"), ("NoCtxRunAgent", "run", "ctx"))],
+    # (before: a TypeError traceback out of validation)
+    ("property_step", [f"agent.runner._target_={FAULTS}:PropertyStepEnv"], "agent.runner._target_",
+     "PropertyStepEnv.step is a property, not a method, but the runner calls it (the Env contract)."),
     # a StepEnvRunner / ChatAgentRunner (subclass) that refuses its arguments (before: a traceback out of validation)
     ("runner_constructor_refuses", [f"agent.runner._target_={FAULTS}:RefusingRunner"], "agent.runner",
      "RefusingRunner(**agent.runner kwargs) raised ValueError: the grader is unreachable."),

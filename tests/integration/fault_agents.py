@@ -98,6 +98,12 @@ class NoStateStepEnv(ToyEnv):
         return Result(reward=1.0)
 
 
+class PropertyStepEnv(ToyEnv):
+    """A `step` that is a property, not a method: refused at validation likewise."""
+
+    step = property(lambda self: None)
+
+
 class NoCtxRunAgent(ChatAgent):
     """A ChatAgent whose `run` takes no ctx: refused at validation likewise."""
 
