@@ -2894,3 +2894,34 @@ def test_a_thinking_tool_loop_is_one_segment_on_a_qwen3_style_template_from_resp
             await server.stop()
 
     assert asyncio.run(go()) == {"r": [3], "a": [3], "c": [3]}
+
+
+def test_an_assistant_prefix_to_continue_is_refused_naming_it(tok):
+    """DeepSeek's and Mistral's prefix completion, `{"role": "assistant", "content": ..., "prefix": true}` last (LiteLLM
+    passes it on), asks for the reply to continue that text. It was ignored: the prefill rendered as a closed turn and
+    the reply was a new one after it. Now a 400 naming the key, as Anthropic's prefill is; `prefix: false` is served."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    prefill = {"role": "assistant", "content": "The answer is", "prefix": True}
+
+    async def go():
+        engine = RecordingEngine(tok, "Hello.")
+        server, _ = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER + [prefill])
+            refused = len(engine.requests)
+            await oa.chat.completions.create(model="policy", messages=USER + [dict(prefill, prefix=False)])
+            return e.value.body, refused, engine.requests
+        finally:
+            await oa.close()
+            await server.stop()
+
+    error, refused, requests = asyncio.run(go())
+    assert error["param"] == "messages[1].prefix" and error["message"].startswith(
+        "messages[1].prefix=True (a prefill for the reply to continue) is not served")
+    assert refused == 0  # nothing was generated for the refused request
+    said = USER + [{"role": "assistant", "content": "The answer is"}]
+    assert [tok.decode(r.prompt_ids) for r in requests] == [
+        tok.apply_chat_template(said, tokenize=False, add_generation_prompt=True)]
