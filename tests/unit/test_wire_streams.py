@@ -2925,3 +2925,38 @@ def test_an_assistant_prefix_to_continue_is_refused_naming_it(tok):
     said = USER + [{"role": "assistant", "content": "The answer is"}]
     assert [tok.decode(r.prompt_ids) for r in requests] == [
         tok.apply_chat_template(said, tokenize=False, add_generation_prompt=True)]
+
+
+def test_a_400_about_the_conversation_names_each_apis_own_field(tok):
+    """A 400 about the conversation as a whole (over the session's length, a tool result after no call) named `messages` on every route, a field the Responses API and /v1/completions do not have.
+    Each names its own now, as OpenAI does: Responses `input`, completions `prompt`; chat keeps `messages`."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    long = "word " * 40
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=8), 20,
+                                        reply_parser(tok, "hermes", None)))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        calls = [
+            oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": long}]),
+            oa.responses.create(model="policy", input=long),
+            oa.completions.create(model="policy", prompt=long),
+            oa.responses.create(model="policy", input=[
+                {"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c", "output": "1"}]),
+        ]
+        try:
+            found = []
+            for call in calls:
+                with pytest.raises(BadRequestError) as e:
+                    await call
+                found.append((e.value.body["param"], e.value.body["code"]))
+            return found
+        finally:
+            await oa.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == [("messages", "context_length_exceeded"), ("input", "context_length_exceeded"),
+                                 ("prompt", "context_length_exceeded"), ("input", "invalid_request_error")]
