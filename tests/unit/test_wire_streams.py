@@ -2960,3 +2960,51 @@ def test_a_400_about_the_conversation_names_each_apis_own_field(tok):
 
     assert asyncio.run(go()) == [("messages", "context_length_exceeded"), ("input", "context_length_exceeded"),
                                  ("prompt", "context_length_exceeded"), ("input", "invalid_request_error")]
+
+
+def test_a_thinking_the_client_changed_reaches_the_model_as_sent(tok):
+    """A reply echoed back with its thinking changed (chat `reasoning`, an Anthropic thinking block) was taken as the
+    reply itself: the segment was extended and the model read the thinking it had generated, never the client's.
+    Now such a turn renders as sent (a new segment); the reply echoed with its thinking unchanged still extends."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    edited = "EDITED thought"
+
+    async def go(edit: bool):
+        engine = RecordingEngine(tok, "<think>\nhm\n</think>\n\n" + CALL)
+        server = ChatServer(api_key="k")
+        await server.start()
+        sessions = {sid: ChatSession(sid, engine, tok, Sampling(max_tokens=64), 2048,
+                                     reply_parser(tok, "hermes", "qwen3")) for sid in ("c", "a")}
+        for session in sessions.values():
+            server.open_session(session)
+        oa = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("a"), api_key="k", max_retries=0)
+        try:
+            m = (await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL])).choices[0].message
+            echo = m.model_dump(exclude_none=True) | ({"reasoning": edited} if edit else {})
+            chat = USER + [echo, {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "1"}]
+            await oa.chat.completions.create(model="policy", messages=chat, tools=[TOOL])
+            a = await an.messages.create(model="policy", max_tokens=64, messages=USER, tools=[TOOL_A])
+            blocks = [b.model_dump(exclude_none=True) for b in a.content]
+            blocks = [dict(b, thinking=edited) if edit and b["type"] == "thinking" else b for b in blocks]
+            (use,) = [b for b in blocks if b["type"] == "tool_use"]
+            await an.messages.create(model="policy", max_tokens=64, tools=[TOOL_A], messages=USER + [
+                {"role": "assistant", "content": blocks},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "1"}]}])
+            return engine.requests, {sid: len(s.close()) for sid, s in sessions.items()}
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    call = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(1)"}}}
+    requests, segments = asyncio.run(go(edit=True))
+    assert segments == {"c": 2, "a": 2}
+    for request, tools in zip((requests[1], requests[3]), ([TOOL], [{"type": "function", "function": {
+            "name": "python", "description": "", "parameters": {"type": "object"}}}])):
+        sent = USER + [{"role": "assistant", "content": "", "reasoning_content": edited, "tool_calls": [call]},
+                       {"role": "tool", "content": "1"}]
+        assert tok.decode(request.prompt_ids) == tok.apply_chat_template(sent, tools=tools, tokenize=False,
+                                                                         add_generation_prompt=True)
+    assert asyncio.run(go(edit=False))[1] == {"c": 1, "a": 1}

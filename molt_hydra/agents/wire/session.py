@@ -510,9 +510,13 @@ def _with_argument_objects(messages: list[dict]) -> list[dict]:
 
 
 def _echoes(message: dict, choice: Choice) -> bool:
-    """Is `message` the assistant reply we returned for `choice` (content and tool calls, ids ignored)?"""
-    content = message.get("content") or ""
+    """Is `message` the assistant reply we returned for `choice` (content, tool calls and an echoed thinking; ids
+    ignored)? A thinking the client changed is not (was: the segment extended, and the model read the thinking it had
+    generated, never the client's); one not echoed is (LangChain sends none back: `_extension`)."""
+    content, thought = message.get("content") or "", message.get("reasoning")
     if message.get("role") != "assistant" or not isinstance(content, str) or content.strip() != choice.content.strip():
+        return False
+    if thought is not None and thought.strip() != (choice.reasoning or "").strip():
         return False
     try:
         calls = [(tc["function"]["name"], json.loads(tc["function"]["arguments"]))
