@@ -3008,3 +3008,17 @@ def test_a_thinking_the_client_changed_reaches_the_model_as_sent(tok):
         assert tok.decode(request.prompt_ids) == tok.apply_chat_template(sent, tools=tools, tokenize=False,
                                                                          add_generation_prompt=True)
     assert asyncio.run(go(edit=False))[1] == {"c": 1, "a": 1}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "abc"})])
+def test_vllms_usage_on_every_chunk_is_refused_naming_it(tok, path, body):
+    """vLLM's `stream_options.continuous_usage_stats: true` asks for the usage on every chunk; it was ignored (the
+    usage came once, at the end, or never). Now a 400 naming it; `false` is served, its usage chunk last."""
+    status, error = exchange(tok, path, dict(body, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    assert status == 400 and error["error"]["param"] == "stream_options.continuous_usage_stats"
+    status, events = exchange(tok, path, dict(body, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": False}))
+    assert status == 200 and events[-1] == (None, "[DONE]")
+    assert [i for i, (_, d) in enumerate(events[:-1]) if "usage" in d] == [len(events) - 2]
