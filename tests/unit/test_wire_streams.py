@@ -3022,3 +3022,36 @@ def test_vllms_usage_on_every_chunk_is_refused_naming_it(tok, path, body):
         "include_usage": True, "continuous_usage_stats": False}))
     assert status == 200 and events[-1] == (None, "[DONE]")
     assert [i for i, (_, d) in enumerate(events[:-1]) if "usage" in d] == [len(events) - 2]
+
+
+def test_a_retried_anthropic_stream_reports_its_own_prompt_in_message_start(tok):
+    """A turn retried (served from the cache) after a request of the session was refused as too long streamed the
+    refused request's input_tokens in message_start: the refusal had counted its prompt there. Now the retry reports
+    the cached turn's own prompt, as its message_delta and its plain reply do."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=8), 40,
+                                        reply_parser(tok, "hermes")))
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+
+        async def starts():
+            async with an.messages.stream(model="policy", max_tokens=5, messages=USER) as s:
+                events = [e async for e in s]
+            return events[0].message.usage.input_tokens, (await s.get_final_message()).usage.input_tokens
+
+        try:
+            live = await starts()
+            with pytest.raises(BadRequestError):
+                await an.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "w " * 60}])
+            return live, await starts()
+        finally:
+            await an.close()
+            await server.stop()
+
+    live, retried = asyncio.run(go())
+    prompt = len(tok(tok.apply_chat_template(USER, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"])
+    assert live == retried == (prompt, prompt)

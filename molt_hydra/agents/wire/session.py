@@ -131,6 +131,8 @@ class ChatSession:
                 raise RequestError(404, f"session {self.session_id} is closed", code="session_closed")
             key = req.key()
             if key == self._last_key and self._last_reply is not None:
+                # its prompt, which a streamed Anthropic reply reports up front (was: that of a request refused since)
+                self.last_prompt_tokens = self._last_reply.prompt_tokens
                 return dataclasses.replace(self._last_reply, streamed=False)
             self._last_key, self._last_reply = key, await self._generate_turn(req, on_delta)
             return self._last_reply
