@@ -274,6 +274,9 @@ def test_tool_results_sent_out_of_call_order_render_in_call_order(wire):
     assert [m["content"] for m in same] == ["2nd", "1st"]
 
 
+CONVERSATION = {"openai": "messages", "anthropic": "messages", "responses": "input"}  # the field a 400 names
+
+
 @pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
 @pytest.mark.parametrize("results,words", [
     ([("a", "1"), ("x", "2")], "tool result(s) for id(s) ['x'] answer none of the tool calls ['a', 'b']"),
@@ -284,7 +287,7 @@ def test_tool_results_that_do_not_answer_the_calls_one_to_one_are_a_400(wire, re
     """As OpenAI and Anthropic refuse them (was: rendered, the model reading a result under the wrong call)."""
     with pytest.raises(RequestError) as e:
         _tool_turn(wire, results)
-    assert e.value.status == 400 and e.value.message.startswith(words) and e.value.param == "messages"
+    assert e.value.status == 400 and e.value.message.startswith(words) and e.value.param == CONVERSATION[wire]
 
 
 def _unpaired(wire: str, orphan: bool) -> None:
@@ -312,11 +315,11 @@ def test_a_tool_result_after_no_call_and_a_call_with_no_result_are_a_400(wire):
     call that never got its output)."""
     with pytest.raises(RequestError) as e:
         _unpaired(wire, orphan=True)
-    assert (e.value.status, e.value.param) == (400, "messages")
+    assert (e.value.status, e.value.param) == (400, CONVERSATION[wire])
     assert e.value.message.startswith("a tool result (for id 'a') follows no assistant message: send the call")
     with pytest.raises(RequestError) as e:
         _unpaired(wire, orphan=False)
-    assert (e.value.status, e.value.param) == (400, "messages")
+    assert (e.value.status, e.value.param) == (400, CONVERSATION[wire])
     assert e.value.message.startswith("tool call id(s) ['a'] of an assistant message have no tool result after it")
 
 

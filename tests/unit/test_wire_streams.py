@@ -2894,3 +2894,164 @@ def test_a_thinking_tool_loop_is_one_segment_on_a_qwen3_style_template_from_resp
             await server.stop()
 
     assert asyncio.run(go()) == {"r": [3], "a": [3], "c": [3]}
+
+
+def test_an_assistant_prefix_to_continue_is_refused_naming_it(tok):
+    """DeepSeek's and Mistral's prefix completion, `{"role": "assistant", "content": ..., "prefix": true}` last (LiteLLM
+    passes it on), asks for the reply to continue that text. It was ignored: the prefill rendered as a closed turn and
+    the reply was a new one after it. Now a 400 naming the key, as Anthropic's prefill is; `prefix: false` is served."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    prefill = {"role": "assistant", "content": "The answer is", "prefix": True}
+
+    async def go():
+        engine = RecordingEngine(tok, "Hello.")
+        server, _ = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            with pytest.raises(BadRequestError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER + [prefill])
+            refused = len(engine.requests)
+            await oa.chat.completions.create(model="policy", messages=USER + [dict(prefill, prefix=False)])
+            return e.value.body, refused, engine.requests
+        finally:
+            await oa.close()
+            await server.stop()
+
+    error, refused, requests = asyncio.run(go())
+    assert error["param"] == "messages[1].prefix" and error["message"].startswith(
+        "messages[1].prefix=True (a prefill for the reply to continue) is not served")
+    assert refused == 0  # nothing was generated for the refused request
+    said = USER + [{"role": "assistant", "content": "The answer is"}]
+    assert [tok.decode(r.prompt_ids) for r in requests] == [
+        tok.apply_chat_template(said, tokenize=False, add_generation_prompt=True)]
+
+
+def test_a_400_about_the_conversation_names_each_apis_own_field(tok):
+    """A 400 about the conversation as a whole (over the session's length, a tool result after no call) named `messages` on every route, a field the Responses API and /v1/completions do not have.
+    Each names its own now, as OpenAI does: Responses `input`, completions `prompt`; chat keeps `messages`."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    long = "word " * 40
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=8), 20,
+                                        reply_parser(tok, "hermes", None)))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        calls = [
+            oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": long}]),
+            oa.responses.create(model="policy", input=long),
+            oa.completions.create(model="policy", prompt=long),
+            oa.responses.create(model="policy", input=[
+                {"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c", "output": "1"}]),
+        ]
+        try:
+            found = []
+            for call in calls:
+                with pytest.raises(BadRequestError) as e:
+                    await call
+                found.append((e.value.body["param"], e.value.body["code"]))
+            return found
+        finally:
+            await oa.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == [("messages", "context_length_exceeded"), ("input", "context_length_exceeded"),
+                                 ("prompt", "context_length_exceeded"), ("input", "invalid_request_error")]
+
+
+def test_a_thinking_the_client_changed_reaches_the_model_as_sent(tok):
+    """A reply echoed back with its thinking changed (chat `reasoning`, an Anthropic thinking block) was taken as the
+    reply itself: the segment was extended and the model read the thinking it had generated, never the client's.
+    Now such a turn renders as sent (a new segment); the reply echoed with its thinking unchanged still extends."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    edited = "EDITED thought"
+
+    async def go(edit: bool):
+        engine = RecordingEngine(tok, "<think>\nhm\n</think>\n\n" + CALL)
+        server = ChatServer(api_key="k")
+        await server.start()
+        sessions = {sid: ChatSession(sid, engine, tok, Sampling(max_tokens=64), 2048,
+                                     reply_parser(tok, "hermes", "qwen3")) for sid in ("c", "a")}
+        for session in sessions.values():
+            server.open_session(session)
+        oa = AsyncOpenAI(base_url=server.session_url("c") + "/v1", api_key="k", max_retries=0)
+        an = AsyncAnthropic(base_url=server.session_url("a"), api_key="k", max_retries=0)
+        try:
+            m = (await oa.chat.completions.create(model="policy", messages=USER, tools=[TOOL])).choices[0].message
+            echo = m.model_dump(exclude_none=True) | ({"reasoning": edited} if edit else {})
+            chat = USER + [echo, {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "1"}]
+            await oa.chat.completions.create(model="policy", messages=chat, tools=[TOOL])
+            a = await an.messages.create(model="policy", max_tokens=64, messages=USER, tools=[TOOL_A])
+            blocks = [b.model_dump(exclude_none=True) for b in a.content]
+            blocks = [dict(b, thinking=edited) if edit and b["type"] == "thinking" else b for b in blocks]
+            (use,) = [b for b in blocks if b["type"] == "tool_use"]
+            await an.messages.create(model="policy", max_tokens=64, tools=[TOOL_A], messages=USER + [
+                {"role": "assistant", "content": blocks},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "1"}]}])
+            return engine.requests, {sid: len(s.close()) for sid, s in sessions.items()}
+        finally:
+            await oa.close(), await an.close()
+            await server.stop()
+
+    call = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(1)"}}}
+    requests, segments = asyncio.run(go(edit=True))
+    assert segments == {"c": 2, "a": 2}
+    for request, tools in zip((requests[1], requests[3]), ([TOOL], [{"type": "function", "function": {
+            "name": "python", "description": "", "parameters": {"type": "object"}}}])):
+        sent = USER + [{"role": "assistant", "content": "", "reasoning_content": edited, "tool_calls": [call]},
+                       {"role": "tool", "content": "1"}]
+        assert tok.decode(request.prompt_ids) == tok.apply_chat_template(sent, tools=tools, tokenize=False,
+                                                                         add_generation_prompt=True)
+    assert asyncio.run(go(edit=False))[1] == {"c": 1, "a": 1}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "abc"})])
+def test_vllms_usage_on_every_chunk_is_refused_naming_it(tok, path, body):
+    """vLLM's `stream_options.continuous_usage_stats: true` asks for the usage on every chunk; it was ignored (the
+    usage came once, at the end, or never). Now a 400 naming it; `false` is served, its usage chunk last."""
+    status, error = exchange(tok, path, dict(body, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    assert status == 400 and error["error"]["param"] == "stream_options.continuous_usage_stats"
+    status, events = exchange(tok, path, dict(body, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": False}))
+    assert status == 200 and events[-1] == (None, "[DONE]")
+    assert [i for i, (_, d) in enumerate(events[:-1]) if "usage" in d] == [len(events) - 2]
+
+
+def test_a_retried_anthropic_stream_reports_its_own_prompt_in_message_start(tok):
+    """A turn retried (served from the cache) after a request of the session was refused as too long streamed the
+    refused request's input_tokens in message_start: the refusal had counted its prompt there. Now the retry reports
+    the cached turn's own prompt, as its message_delta and its plain reply do."""
+    from anthropic import AsyncAnthropic, BadRequestError
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=8), 40,
+                                        reply_parser(tok, "hermes")))
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+
+        async def starts():
+            async with an.messages.stream(model="policy", max_tokens=5, messages=USER) as s:
+                events = [e async for e in s]
+            return events[0].message.usage.input_tokens, (await s.get_final_message()).usage.input_tokens
+
+        try:
+            live = await starts()
+            with pytest.raises(BadRequestError):
+                await an.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "w " * 60}])
+            return live, await starts()
+        finally:
+            await an.close()
+            await server.stop()
+
+    live, retried = asyncio.run(go())
+    prompt = len(tok(tok.apply_chat_template(USER, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"])
+    assert live == retried == (prompt, prompt)

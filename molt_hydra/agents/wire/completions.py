@@ -27,7 +27,7 @@ def parse(body: Any) -> ChatRequest:
     overrides = check.sampling(body, ("max_tokens",), "stop")
     top = check.integer(body, "logprobs", 0, 5)
     return ChatRequest(messages=[], overrides=overrides, n=check.integer(body, "n", 1) or 1, top_logprobs=top,
-                       stream=check.flag(body, "stream"), raw_prompt=prompt,
+                       stream=check.flag(body, "stream"), raw_prompt=prompt, prompt_param="prompt",
                        include_usage=check.include_usage(body))
 
 

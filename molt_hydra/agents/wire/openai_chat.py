@@ -44,6 +44,11 @@ def _message(m: Any, where: str) -> dict:
     if m.get("function_call") is not None:  # (was: dropped, the model saw an empty assistant turn)
         raise bad(f"{where}.function_call (legacy function calling) is not served: send the call as 'tool_calls' "
                   "and its result as a 'tool' message", f"{where}.function_call")
+    if m.get("prefix") not in (None, False):  # DeepSeek / Mistral prefix completion, which LiteLLM passes on (was:
+        # ignored, and the reply a new turn after the message instead of its continuation)
+        raise bad(f"{where}.prefix={m['prefix']!r} (a prefill for the reply to continue) is not served: the reply is "
+                  "always a new assistant turn after the messages sent, as Anthropic's prefill is refused here; leave "
+                  "'prefix' out (the message then stays as history) or drop the message", f"{where}.prefix")
     if m.get("content") is None and role in ("system", "user"):  # as OpenAI (was: served, an empty turn rendered)
         raise bad(f"'{where}.content' is missing or null: a {m['role']} message needs its content, a string or a list "
                   "of parts", f"{where}.content")

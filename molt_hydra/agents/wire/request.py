@@ -47,9 +47,11 @@ class ChatRequest:
     thinking_budget: int | None = None  # Anthropic thinking.budget_tokens
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
     image_params: list = field(default_factory=list)  # each image part's position in the request, in render order
+    prompt_param: str = "messages"  # the field of the conversation (Responses: input; completions: prompt), for errors
 
     def __post_init__(self):
-        tool_results_in_call_order(self.messages)  # before the images are listed: the order they render in
+        # before the images are listed: the order they render in
+        tool_results_in_call_order(self.messages, self.prompt_param)
         # the parsers mark each image part with where it is on the wire ("at"), for a 400 about the image to name
         # (was: param null); kept here, out of the messages the template renders and a later turn is compared with
         if not self.image_params:
@@ -125,7 +127,7 @@ def _encodable(s: str, at: tuple | None) -> None:
                   "escaped surrogate pair (\\ud83d\\ude00)", where) from None
 
 
-def tool_results_in_call_order(messages: list[dict]) -> None:
+def tool_results_in_call_order(messages: list[dict], param: str = "messages") -> None:
     """Each run of tool results right after an assistant's tool calls, put in the order of the calls they answer, by
     id. Chat templates render a result without its id, so the model pairs results with calls by position (was: results
     sent in the order the tools finished showed the model each under another call). Where the calls' ids tell them
@@ -137,7 +139,7 @@ def tool_results_in_call_order(messages: list[dict]) -> None:
         # (after an assistant's text it is served: an agent without agent.tool_parser reads the calls from the text)
         if m["role"] == "tool" and (messages[i - 1]["role"] if i else None) not in ("assistant", "tool"):
             raise bad(f"a tool result (for id {m.get('tool_call_id')!r}) follows no assistant message: send the "
-                      "call (tool_calls / tool_use / function_call) right before its result", "messages")
+                      "call (tool_calls / tool_use / function_call) right before its result", param)
         ids = [tc["id"] for tc in m.get("tool_calls") or []]
         end = i + 1
         while end < len(messages) and messages[end]["role"] == "tool":
@@ -153,7 +155,7 @@ def tool_results_in_call_order(messages: list[dict]) -> None:
                    "before them" if unknown else f"call id(s) {twice} are answered by more than one tool result"
                    if twice else f"tool call id(s) {missing} of an assistant message have no tool result after it")
             raise bad(f"{why}: send one tool result per call, right after the assistant message, each naming its "
-                      "call's id (tool_call_id / tool_use_id / call_id)", "messages")
+                      "call's id (tool_call_id / tool_use_id / call_id)", param)
         messages[i + 1 : end] = sorted(messages[i + 1 : end], key=lambda r: ids.index(r["tool_call_id"]))
 
 
@@ -188,6 +190,9 @@ def include_usage(body: dict) -> bool:
     if options is not None and not isinstance(options, dict):
         raise bad(f"'stream_options' must be an object, got {options!r}", "stream_options")
     v = (options or {}).get("include_usage")
+    if (options or {}).get("continuous_usage_stats") not in (None, False):  # vLLM's (was: ignored)
+        raise bad("'stream_options.continuous_usage_stats' (usage on every chunk, vLLM's) is not served: the usage comes "
+                  "once, in a last chunk, with include_usage; omit it", "stream_options.continuous_usage_stats")
     if v is not None and not isinstance(v, bool):
         raise bad(f"'stream_options.include_usage' must be a boolean, got {v!r}", "stream_options.include_usage")
     return bool(v)

@@ -71,7 +71,7 @@ def parse(body: Any) -> ChatRequest:
         parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
         top_logprobs=_top_logprobs(body),
         response_format=check.response_format(text.get("format"), "text.format"), format_param="text.format",
-        thinking=_reasoning(body.get("reasoning")), thinking_param="reasoning.effort")
+        thinking=_reasoning(body.get("reasoning")), thinking_param="reasoning.effort", prompt_param="input")
 
 
 def _reasoning(v: Any) -> bool | None:

@@ -102,12 +102,12 @@ class ChatSession:
 
     # --- rendering ---
 
-    def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], tools, generation_prompt: bool, param: str = "messages") -> str:
         try:
             return self.tokenizer.apply_chat_template(_with_argument_objects(messages), tools=tools, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
         except Exception as e:  # jinja raises on messages the template rejects (e.g. role order)
-            raise RequestError(400, f"chat template rejected the messages: {e}", "messages") from None
+            raise RequestError(400, f"chat template rejected the messages: {e}", param) from None
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -131,6 +131,8 @@ class ChatSession:
                 raise RequestError(404, f"session {self.session_id} is closed", code="session_closed")
             key = req.key()
             if key == self._last_key and self._last_reply is not None:
+                # its prompt, which a streamed Anthropic reply reports up front (was: that of a request refused since)
+                self.last_prompt_tokens = self._last_reply.prompt_tokens
                 return dataclasses.replace(self._last_reply, streamed=False)
             self._last_key, self._last_reply = key, await self._generate_turn(req, on_delta)
             return self._last_reply
@@ -171,7 +173,7 @@ class ChatSession:
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
         images = self._load_images(req)
-        return self._tokenize(self._render(req.messages, req.tools, True)), images
+        return self._tokenize(self._render(req.messages, req.tools, True, req.prompt_param)), images
 
     def _load_images(self, req: ChatRequest, start: int = 0, earlier: list | None = None) -> list:
         """The images of a prompt: `earlier` ones (of the segment it extends) + those in `req.messages[start:]`,
@@ -180,7 +182,7 @@ class ChatSession:
         if sources and not self.accepts_images:
             raise RequestError(400, f"model {self.model_label!r} takes no images: it is text-only (or "
                                     "data.max_images_per_prompt=0); remove the image parts, or train a vision model "
-                                    "with data.max_images_per_prompt > 0", "messages")
+                                    "with data.max_images_per_prompt > 0", req.prompt_param)
         where = req.image_params[len(req.image_params) - len(sources):]  # the request's last, in render order
         images = list(earlier or [])
         for source, at in zip(sources, where, strict=True):
@@ -194,7 +196,7 @@ class ChatSession:
             raise RequestError(400, f"the conversation has {len(images)} images > data.max_images_per_prompt="
                                     f"{self.max_images}, the engines' per-prompt image limit (every turn's prompt "
                                     "carries all earlier images): send fewer images, or raise "
-                                    "data.max_images_per_prompt", "messages")
+                                    "data.max_images_per_prompt", req.prompt_param)
         return images
 
     def _turn_sampling(self, req: ChatRequest, remaining: int) -> Sampling:
@@ -282,7 +284,7 @@ class ChatSession:
                 raise RequestError(400, f"prompt is too long: {prompt_tokens} tokens > {self.max_length - 1} maximum "
                                    f"(this session's max_length is {self.max_length}: the context length holds the "
                                    f"prompt{f' (its {len(images)} images {held} tokens of it)' if held else ''}"
-                                   " and at least one generated token)", "messages", "context_length_exceeded")
+                                   " and at least one generated token)", req.prompt_param, "context_length_exceeded")
             # Budget spent mid-conversation: keep what was trained on, tell the agent the turn hit the length.
             for traj, _ in self._branches:
                 traj.truncated = True
@@ -386,8 +388,8 @@ class ChatSession:
             # client does not echo it (LangChain): a template that shows the last turn's thinking (Qwen3's, after the
             # last user message) renders it in both (was: no prefix, a new segment at each turn of a tool loop)
             messages[k] = dict(echoed, reasoning=choice.reasoning, reasoning_content=choice.reasoning)
-        head = self._render(messages[: k + 1], req.tools, False)
-        full = self._render(messages, req.tools, True)
+        head = self._render(messages[: k + 1], req.tools, False, req.prompt_param)
+        full = self._render(messages, req.tools, True, req.prompt_param)
         if not full.startswith(head):
             return None
         # Every message after the echoed reply is in this delta (Molt rendered only the last one).
@@ -510,9 +512,13 @@ def _with_argument_objects(messages: list[dict]) -> list[dict]:
 
 
 def _echoes(message: dict, choice: Choice) -> bool:
-    """Is `message` the assistant reply we returned for `choice` (content and tool calls, ids ignored)?"""
-    content = message.get("content") or ""
+    """Is `message` the assistant reply we returned for `choice` (content, tool calls and an echoed thinking; ids
+    ignored)? A thinking the client changed is not (was: the segment extended, and the model read the thinking it had
+    generated, never the client's); one not echoed is (LangChain sends none back: `_extension`)."""
+    content, thought = message.get("content") or "", message.get("reasoning")
     if message.get("role") != "assistant" or not isinstance(content, str) or content.strip() != choice.content.strip():
+        return False
+    if thought is not None and thought.strip() != (choice.reasoning or "").strip():
         return False
     try:
         calls = [(tc["function"]["name"], json.loads(tc["function"]["arguments"]))
