@@ -102,15 +102,15 @@ def reward_and_score(result: Any, returned_by: str) -> tuple[float, float]:
         if not _safe(ok, value):
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             raise TypeError(f"Result.{name} of {returned_by} is {type(value).__name__} {shown}; it must be {must}")
-    _shippable(result.info, returned_by)
     reward = scalar(result.reward, f"Result.reward of {returned_by}")
     return reward, reward if result.score is None else scalar(result.score, f"Result.score of {returned_by}")
 
 
-def _shippable(info: dict, returned_by: str) -> None:
+def shippable(info: dict, returned_by: str) -> None:
     """`info` travels with the trajectory from the runner process to the driver, as Ray pickles it. A value it cannot
-    pickle (a lock, a client, a generator) failed the runner's reply, so every group in flight on that runner was lost
-    as agent_exception, with no message naming the value: an error naming the key instead."""
+    pickle (a lock, a client, a generator) failed its whole group's reply (rollout/batched_calls.py) with no message
+    naming the value: an error naming the key instead, failing this rollout alone. Checked once per finished
+    trajectory, on the info it keeps (was: every step-runner turn, a pickle of a growing info each turn)."""
     from ray import cloudpickle  # (deferred: heavy)
 
     try:

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score
+from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score, shippable
 from molt_hydra.agents.targets import subclass
 from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
@@ -113,6 +113,7 @@ class ChatAgentRunner(Runner):
         finally:
             segments = server.close_session(sid)
         reward, score = reward_and_score(result, f"{self.agent_cls.__name__}.run")
+        shippable(result.info, f"{self.agent_cls.__name__}.run")
         _refuse_step_fields(result, f"{self.agent_cls.__name__}.run")
         if result.images and not session.accepts_images:  # they would replace the trajectory's (none) for training
             raise ValueError(f"{self.agent_cls.__name__}.run returned {len(result.images)} Result.images, but the "

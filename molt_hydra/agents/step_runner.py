@@ -17,7 +17,7 @@ import json
 import logging
 
 from molt_hydra.agents.base import (Env, Episode, Result, Runner, Trajectory, apply_sampling_override, image_tokens,
-                                    reward_and_score)
+                                    reward_and_score, shippable)
 from molt_hydra.agents.targets import subclass
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
@@ -84,6 +84,7 @@ class StepEnvRunner(Runner):
             if result.terminated or traj.truncated or not self._feedback(traj, result, images, episode, tokenizer):
                 break
             observation_text += result.observation
+        shippable(traj.info, f"{self.env_cls.__name__}.step")  # the last turn's: the one the trajectory keeps
         return [traj]
 
     def _image_tokens(self, images: list) -> int:
