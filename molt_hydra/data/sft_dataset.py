@@ -150,7 +150,8 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     VLM rows (`image_key`): `<image>` markers in user strings become image parts, each placeholder is expanded and
     the processor outputs ride along (`images`: the model's `models.vlm.TrajectoryImages`); a row longer than
     max_len once expanded is skipped, as a cut would orphan image features; a row with an image that cannot be read or
-    more than `max_images_per_prompt` images is dropped, logged with its row id and counted (`usable_image_rows`).
+    that the model's processor refuses, or more than `max_images_per_prompt` images, is dropped, logged with its row
+    id and counted (`usable_image_rows`).
     Every row skipped (no reply, no supervised token, too long) or cut to max_len is counted and logged with its id
     (was: skipped or cut without a word). `source`: the rows' file, named by each error and log line (was: a trainer
     rank's "SFT row 3: ..." left train and eval data apart only by guess)."""
@@ -164,7 +165,10 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
         if with_images is not None and images is None:
             raise ValueError(f"{named}SFT row {with_images} has images but the model has no vision tower. Fix: use a "
                              "VLM or set data.image_key=null")
-        usable = usable_image_rows(rows, f"{named}SFT", image_key, max_images_per_prompt, False, image_key, dropped)
+        # `fits`: an image the processor refuses (Qwen-VL: aspect ratio > 200) drops its row, named, as in RL
+        # prompt loading (was: the processor's ValueError out of a trainer rank, naming no row)
+        usable = usable_image_rows(rows, f"{named}SFT", image_key, max_images_per_prompt, False, image_key, dropped,
+                                   fits=images and images.added_tokens)
     out, notes, kept, gone = [], {}, iter(usable), {i for i, _ in dropped}  # notes: why -> row ids skipped or cut
     for index in (i for i in range(len(rows)) if i not in gone):
         sample, note = _sample(next(kept), tokenizer, markers, special, input_key=input_key, output_key=output_key,
