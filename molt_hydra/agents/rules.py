@@ -114,6 +114,8 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
     if cfg.job.value == "sft":  # SFT runs no agent
         return
     cls = _target(problems, cfg.agent.runner)
+    # resolved once, here (was twice: an agent file whose import fails ran its top-level code twice)
+    check_prompts(cfg, problems, chat=isinstance(cls, type) and issubclass(cls, (ChatAgent, ChatAgentRunner)))
     if cls is None:
         return
     _chat_settings_read(cfg, problems, cls)
@@ -153,16 +155,14 @@ def _built(problems: Problems, cls: type, spec: dict):
         return None
 
 
-def check_prompts(cfg: RunConfig, problems: Problems) -> None:
+def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> None:
     """Each local RL dataset's rows as the run will load them (data/prompts.py), their prompts as the chat server
     will take them: a message of another role or a number for content, an image part whose file is not there or
-    beyond data.max_images_per_prompt (was: a 400 for each rollout of the row, every epoch, once Ray had started).
-    Hub datasets are read at the run's start. Then the count of the training rows against rollout.batch_size
-    (`_fills_a_batch`)."""
-    if cfg.job.value == "sft":  # SFT rows: data/rules.py
-        return
+    beyond data.max_images_per_prompt (was: a 400 for each rollout of the row, every epoch, once Ray had started),
+    and for a `chat` agent their tools too (its server's parser refuses other shapes; an Env's tools reach the chat
+    template as they are, where any shape renders). Hub datasets are read at the run's start. Then the count of the
+    training rows against rollout.batch_size (`_fills_a_batch`). Run by `check_agent`, which knows the agent."""
     d, sizes = cfg.data, {}  # (key, dataset) -> its row count, of each readable local dataset
-    chat = _chat_agent(cfg.agent.runner)  # (an Env's tools go to the chat template as they are: any shape renders)
     for key, spec, split in (("data.train_path", d.train_path, d.split),
                              ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
         for part in (p.strip() for p in (spec or "").split(",") if readable_local(p.strip())):
@@ -180,16 +180,6 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
             except (KeyError, OSError, ValueError) as e:
                 raised(problems, key, e, f"point {key} at a readable dataset")
     _fills_a_batch(cfg, problems, sizes)
-
-
-def _chat_agent(runner) -> bool:
-    """Whether `agent.runner` is a chat agent, whose rows' tools reach the chat server (its own parser refuses other
-    shapes); an Env's reach the tokenizer's chat template as they are."""
-    try:
-        cls = resolve_target(runner.get("_target_"))
-    except BaseException:  # noqa: BLE001 -- check_agent names what is wrong with the target
-        return False
-    return isinstance(cls, type) and issubclass(cls, (ChatAgent, ChatAgentRunner))
 
 
 def _fills_a_batch(cfg: RunConfig, problems: Problems, sizes: dict[tuple[str, str], int]) -> None:

@@ -226,7 +226,7 @@ def _config_problems(spec: str, max_images_per_prompt: int = 0, batch_size: int 
     """The data rules' problems with data.train_path=spec: where it points and its rows (runtime/validate.py runs
     both rules). rollout.batch_size=1 unless given: the files here are of a few rows, and their count against the
     batch is tested on its own (test_training_data_of_fewer_rows_than_a_batch_...)."""
-    from molt_hydra.agents.rules import check_prompts
+    from molt_hydra.agents.rules import check_agent
     from molt_hydra.config.schema import RunConfig
     from molt_hydra.config.validate import Problems
     from molt_hydra.data.rules import check_data
@@ -234,12 +234,11 @@ def _config_problems(spec: str, max_images_per_prompt: int = 0, batch_size: int 
     cfg, problems = RunConfig(), Problems()
     cfg.data.train_path, cfg.data.max_images_per_prompt = spec, max_images_per_prompt
     cfg.rollout.batch_size = batch_size
-    if runner is not None:
-        cfg.agent.runner = runner
+    cfg.agent.runner = runner or {"_target_": "recipes/agents/toy.py:ToyEnv"}  # an Env unless given
     for key, value in data.items():
         setattr(cfg.data, key, value)
     check_data(cfg, problems)
-    check_prompts(cfg, problems)
+    check_agent(cfg, problems)  # (it checks the rows, as a chat agent's server or an Env takes them)
     return problems.lines
 
 
