@@ -87,12 +87,19 @@ CALLED = ((Env, "step", "state", True), (Env, "reset", "state", False), (ChatAge
 def _runner_calls_fit(problems: Problems, cls: type) -> None:
     """A plain `def step` / `run` / `execute` fails every rollout ("object Result can't be used in 'await'
     expression"), and so does one whose parameters do not take the runner's arguments (`async def step(self)`:
-    "takes 1 positional argument but 2 were given"): refused here, naming the method and the fix."""
+    "takes 1 positional argument but 2 were given"), or one that yields its Result: refused here, naming the method
+    and the fix. A plain decorator's wrapper (functools.wraps) of an `async def` returns its coroutine: taken (was:
+    refused as "a plain function", telling the author to write the `async def` they had written)."""
     for base, name, args, awaited in CALLED:
         method = getattr(cls, name, None) if issubclass(cls, base) else None
         if method is None:
             continue
-        if awaited and not inspect.iscoroutinefunction(method):
+        inner = inspect.unwrap(method)
+        if awaited and (inspect.isasyncgenfunction(inner) or inspect.isgeneratorfunction(inner)):
+            problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} yields (a generator), but the "
+                           f"runner awaits one {'Result' if base is not Runner else 'list of Trajectory'} from it.",
+                           f"`return` it from `async def {name}(...)` instead of yielding")
+        elif awaited and not inspect.iscoroutinefunction(inner):
             problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a plain function, but the "
                            f"runner awaits it (the {base.__name__} contract: `async def {name}`).",
                            f"declare it `async def {name}(...)` (blocking work inside it: "
