@@ -143,3 +143,24 @@ def test_vlm_sft_drops_a_row_whose_image_the_processor_refuses_naming_it(tmp_pat
     assert ("train.jsonl: SFT row 1 (images) image 0: the model's processor refuses it (absolute aspect ratio must be "
             "smaller than 200, got 201.0)") in caplog.text
     assert "dropped 1 of 4 rows of train.jsonl: SFT with unusable images (row ids [1])" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["qwen25_vl_tiny", "idefics3_tiny"])
+def test_an_sft_row_whose_images_and_image_places_differ_is_named(tmp_path, name):
+    """A row's images go where its user text has `<image>` (or an image part). Before: 'fewer image placeholders in
+    the trajectory than its 2 images' out of every trainer rank, naming no row."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_path(f"tiny://{name}")
+    tok, images = AutoTokenizer.from_pretrained(model_dir), vlm.TrajectoryImages.for_model(model_dir)
+    (good,) = _rows(tmp_path, 1)
+    kw = dict(output_key="output", image_key="images", max_images_per_prompt=2, images=images, source="chats.jsonl")
+    for row, count, places in ((dict(good, images=good["images"] * 2), 2, 1), (dict(good, input="Angle x?"), 1, 0),
+                               (dict(good, input="<image><image>Angle x?"), 1, 2)):
+        with pytest.raises(ValueError) as err:
+            build_sft_samples([good, row], tok, **kw)
+        assert str(err.value) == (f"chats.jsonl: SFT row 1: it has {count} image(s) in data.image_key='images' but "
+                                  f"{places} place(s) for one in its messages. Fix: write one <image> in the user text "
+                                  "where each image goes (or a {'type': 'image'} content part)")
+    two = dict(good, input="<image>and<image>Angle x?", images=good["images"] * 2)
+    assert len(build_sft_samples([good, two], tok, **kw)) == 2
