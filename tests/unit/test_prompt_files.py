@@ -202,6 +202,27 @@ def test_a_split_the_saved_datasetdict_lacks_is_named_with_its_splits(tmp_path):
         _named("data.train_path", load_prompts, str(tmp_path / "dict"), split="test")
 
 
+def test_a_saved_datasetdict_with_an_empty_split_loads_its_other_splits(tmp_path):
+    """Before: datasets' load_from_disk of the whole DatasetDict raised IndexError ('list index out of range') when
+    any split was empty, whichever one was asked for: a traceback out of validation (and of the run's load). An empty
+    split, or an empty saved Dataset, asked for is named as having no rows."""
+    import datasets
+
+    rows, empty = datasets.Dataset.from_list([{"prompt": "a", "label": "1"}]), datasets.Dataset.from_list([])
+    datasets.DatasetDict({"train": rows, "test": empty}).save_to_disk(str(tmp_path / "dict"))
+    empty.save_to_disk(str(tmp_path / "none"))
+    assert load_prompts(str(tmp_path / "dict")) == [{"prompt": "a", "label": "1", "datasource": "default"}]
+    assert _config_problems(str(tmp_path / "dict")) == []
+    no_rows = "has no rows (an empty Dataset was saved there). Fix: save the rows again (a filter kept none?), or " \
+              "point the key at a dataset with rows"
+    with pytest.raises(ValueError) as err:
+        load_prompts(str(tmp_path / "dict"), split="test")
+    assert str(err.value) == f"{tmp_path / 'dict' / 'test'} {no_rows}"
+    assert _config_problems(str(tmp_path / "none")) == [f"- data.train_path: {tmp_path / 'none'} {no_rows}"]
+    with pytest.raises(ValueError, match=r"has no split 'dev'; its splits: \['test', 'train'\]. Fix: set data.split"):
+        load_prompts(str(tmp_path / "dict"), split="dev")
+
+
 def test_a_null_datasource_is_the_default_one(tmp_path):
     """Before: a row with "datasource": null was scored under the eval metrics eval_None_*."""
     path = tmp_path / "rows.jsonl"
@@ -269,6 +290,19 @@ def test_csv_cells_are_read_as_written(tmp_path):
     path = tmp_path / "rows.csv"
     path.write_bytes(b'\xef\xbb\xbfprompt,label\n42,2\n"a, b",007\nc,1.50\n')
     assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("42", "2"), ("a, b", "007"), ("c", "1.50")]
+
+
+def test_a_csv_file_read_as_pandas_reads_it_blank_lines_skipped_and_one_without_rows_named(tmp_path):
+    """Before: a blank first line was read as a header of no column, and every row refused ('line 2 has 2 cells, the
+    header names 0 ([])'), where pandas skips it; a header alone, or blank lines alone, was datasets' 'Instruction
+    "train" corresponds to no data!' / 'No columns to parse from file'."""
+    path = tmp_path / "rows.csv"
+    path.write_text("\nprompt,label\na,1\n\nb,2\n")
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("a", "1"), ("b", "2")]
+    fix = "Fix: write a header line of the column names, then one line per row"
+    for text, why in (("prompt,label\n", "has no rows below its header."), ("\n\n", "has no rows (it is blank).")):
+        path.write_text(text)
+        assert _config_problems(str(path)) == [f"- data.train_path: {path} {why} {fix}"]
 
 
 def test_a_path_under_home_written_with_a_tilde_loads(tmp_path, monkeypatch):
