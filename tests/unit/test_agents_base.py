@@ -653,3 +653,6 @@ def test_a_relative_agent_file_reaches_the_runners_as_an_absolute_path(tmp_path,
     assert absolute_target("agents/my_env.py") == f"{tmp_path}/agents/my_env.py"
     assert absolute_target("/abs/agent.py:X") == "/abs/agent.py:X"
     assert absolute_target("pkg.module.Name") == "pkg.module.Name"
+    # under home, as validation imports it (before: '<cwd>/~/agents/a.py:X', a file the runners could not find)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert absolute_target("~/agents/a.py:X") == f"{tmp_path}/home/agents/a.py:X"
