@@ -44,7 +44,7 @@ class Result:
     truncated: bool = False  # cut off externally
     info: dict = field(default_factory=dict)  # numeric scalars become logged metrics
     score: Any = None  # dynamic-filter / dashboard score; defaults to reward
-    images: list | None = None  # step: next-turn images; chat: replaces the trajectory images
+    images: list | None = None  # step: next-turn images; chat: replaces the trajectory images (PIL, paths, bytes)
     sampling_params: Sampling | dict | None = None  # step: override sampling for the following turns
 
 

@@ -20,6 +20,7 @@ from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
 from molt_hydra.agents.wire.server import MODEL_NAME, ChatServer
 from molt_hydra.agents.wire.session import ChatSession
+from molt_hydra.data.images import to_pil_images
 from molt_hydra.rollout.generation import Sampling, TokenGenerator
 
 
@@ -118,11 +119,13 @@ class ChatAgentRunner(Runner):
         if result.images and not session.accepts_images:  # they would replace the trajectory's (none) for training
             raise ValueError(f"{self.agent_cls.__name__}.run returned {len(result.images)} Result.images, but the "
                              "model is text-only; return images only with a vision model (leave Result.images None)")
+        images = None if result.images is None else to_pil_images(  # decoded as a row's (a path, bytes: RGB)
+            result.images, len(result.images), f"Result.images of {self.agent_cls.__name__}.run")
         for seg in segments:  # the rollout counts once per group; every segment trains on its own tokens
             seg.reward, seg.score, seg.info = reward, score, dict(result.info)
             seg.truncated |= bool(result.truncated)  # the agent cut the episode off (its truncated_rate counts it)
-            if result.images is not None:
-                seg.images = list(result.images)
+            if images is not None:
+                seg.images = list(images)
         return segments
 
     async def close(self) -> None:
