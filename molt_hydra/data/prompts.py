@@ -156,8 +156,8 @@ def _saved(path: Path, split: str):
                              "eval.data_path: eval.split) to one of them")
         path = path / split
     if (state := path / "state.json").is_file() and not json.loads(state.read_text()).get("_data_files"):
-        raise ValueError(f"{path} has no rows (an empty Dataset was saved there). Fix: save the rows again (a filter kept "
-                         "none?), or point the key at a dataset with rows")
+        raise ValueError(f"{path} has no rows (an empty Dataset was saved there). Fix: save the rows again (a filter "
+                         "kept none?), or point the key at a dataset with rows")
     return datasets.load_from_disk(str(path))
 
 

@@ -65,7 +65,8 @@ BAD = [
     # one that yields its Result (before: "is a plain function ... declare it `async def`", which it was)
     *[(f"yields_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
        f"{cls}.{name} yields (a generator), but the runner awaits one Result from it. Fix: `return` it from `async def "
-       f"{name}(...)` instead of yielding") for cls, name in (("YieldingStepEnv", "step"), ("YieldingRunAgent", "run"))],
+       f"{name}(...)` instead of yielding")
+      for cls, name in (("YieldingStepEnv", "step"), ("YieldingRunAgent", "run"))],
     # before: "takes no argument 'target'. Fix: remove +agent.runner.target", never naming _target_
     ("runner_target_misspelled", ["+agent.runner.target=${molt:recipes}/agents/math.py:MathEnv"],
      "agent.runner.target", "ToyEnv() takes no argument 'target' (did you mean '_target_'?)"),

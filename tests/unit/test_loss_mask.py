@@ -153,7 +153,8 @@ ALTERNATING = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 
 
 @pytest.mark.parametrize("template,row,error", [
     (ALTERNATING, {"input": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
-                   "output": "a"}, "TemplateError: Conversation roles must alternate user/assistant/user/assistant/..."),
+                   "output": "a"},
+     "TemplateError: Conversation roles must alternate user/assistant/user/assistant/..."),
     # text joined to a list of parts: the template's own TypeError
     ("{% for m in messages %}{{ '<|' + m.role + '|>' + m.content }}{% endfor %}{% if add_generation_prompt %}"
      "<|assistant|>{% endif %}", {"input": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
