@@ -163,21 +163,31 @@ def text_only_model(model_dir: str) -> bool:
 
 
 def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:
-    """Dataset row → OpenAI wire messages; each literal `<image>` in a user string becomes the next image (Molt)."""
+    """Dataset row → OpenAI wire messages; each literal `<image>` in a user string becomes the next image (Molt), and so
+    does each bare `{"type": "image"}` part of a user message (the processors' and TRL's form, which job=sft and an
+    Env's chat template take; was: a 400 for every rollout, or refused at validation)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else copy.deepcopy(prompt)
     pending = list(images)
+
+    def image() -> dict:  # the next image, or (more places than images) the marker literally
+        return ({"type": "image_url", "image_url": {"url": image_data_uri(pending.pop(0))}} if pending
+                else {"type": "text", "text": "<image>"})
+
     for m in messages:
-        if m.get("role") != "user" or not isinstance(m.get("content"), str) or "<image>" not in m["content"]:
-            continue
-        parts: list[dict] = []
-        for i, chunk in enumerate(m["content"].split("<image>")):
-            if i:  # a marker stood here: the next image, or (more markers than images) the marker literally
-                parts.append({"type": "image_url", "image_url": {"url": image_data_uri(pending.pop(0))}} if pending
-                             else {"type": "text", "text": "<image>"})
-            if chunk:
-                parts.append({"type": "text", "text": chunk})
-        m["content"] = parts
+        content = m.get("content") if m.get("role") == "user" else None
+        if isinstance(content, list):
+            m["content"] = [image() if row_image_part(part) else part for part in content]
+        elif isinstance(content, str) and "<image>" in content:
+            m["content"] = [part for i, chunk in enumerate(content.split("<image>")) for part in (
+                [image()] if i else []) + ([{"type": "text", "text": chunk}] if chunk else [])]
     return messages
+
+
+def row_image_part(part) -> bool:
+    """A content part that stands for the row's next image: `{"type": "image"}` naming no image of its own (other keys
+    null, as a parquet / datasets column of parts holds them)."""
+    return isinstance(part, dict) and part.get("type") == "image" and all(
+        value is None for key, value in part.items() if key != "type")
 
 
 def last_user_text(messages: list[dict]) -> str:

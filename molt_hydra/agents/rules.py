@@ -10,7 +10,7 @@ import inspect
 import re
 
 from molt_hydra.agents.base import Env, Runner
-from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
+from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner, row_image_part
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.agents.wire import openai_chat
@@ -221,7 +221,10 @@ def _prompt_problem(prompt, max_images: int, tools: list | None = None) -> tuple
     shape, e.g. the Responses API's flat one, or two of one name, passed; a chat agent's every request was a 400.)"""
     if isinstance(prompt, str) and tools is None:
         return None
-    body = {"messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt}
+    # a bare {"type": "image"} part is the row's next image, as an `<image>` marker is (prompt_messages)
+    body = {"messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
+        dict(m, content=[{"type": "text", "text": "<image>"} if row_image_part(p) else p for p in m["content"]])
+        if m.get("role") == "user" and isinstance(m.get("content"), list) else m for m in prompt]}
     try:
         messages = openai_chat.parse({**body, **({"tools": tools} if tools is not None else {})}).messages
     except RequestError as e:

@@ -123,6 +123,17 @@ def test_tools_the_chat_server_would_refuse_are_a_config_error_naming_the_row(tm
 CHAT_AGENT = {"_target_": "recipes/agents/python_tool_chat.py"}  # its requests go through the chat server
 
 
+def test_prompt_image_parts_pass_validation_as_image_markers_do(tmp_path):
+    """Before: a row's bare {"type": "image"} parts (the form job=sft takes) were refused for any agent, 'unsupported
+    content part type 'image' (text, image_url)', though an Env's chat template renders them and a chat agent's
+    messages now carry the row's image there (chat_agent.prompt_messages)."""
+    path = tmp_path / "rows.jsonl"
+    prompt = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "colour?"}]}]
+    path.write_text(json.dumps({"prompt": prompt, "label": "R"}) + "\n")
+    assert _config_problems(str(path), max_images_per_prompt=1) == []
+    assert _config_problems(str(path), max_images_per_prompt=1, runner=CHAT_AGENT) == []
+
+
 @pytest.mark.parametrize("name", sorted(SERVER_REFUSED))
 def test_a_prompt_the_chat_server_would_refuse_is_a_config_error_naming_the_row(tmp_path, name):
     text, reason = SERVER_REFUSED[name]
