@@ -356,7 +356,32 @@ def _renamed(dataset, columns: list[str], spec: str, **keys: str | None) -> list
         if column is not None and column not in columns:
             raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(columns)} "
                            f"({spec}). Fix: {COLUMN_FIX[key]}")
-    return [_rename(row, f"{spec} row {i}", **keys) for i, row in enumerate(dataset)]
+    rows = [_rename(row, f"{spec} row {i}", **keys) for i, row in enumerate(dataset)]
+    unread = next((c for c in IMAGE_COLUMNS if c in columns), None) if keys.get("image_key", "") is None else None
+    if unread and (at := next((i for i, r in enumerate(rows) if places_image(r["prompt"])), None)) is not None:
+        raise ValueError(unread_images(f"{spec} row {at}", unread))
+    return rows
+
+
+IMAGE_COLUMNS = ("images", "image")  # the columns a VLM dataset keeps its images in (datasets' and TRL's names)
+
+
+def places_image(prompt) -> bool:
+    """Whether a prompt (text or chat messages) places an image: an `<image>` marker, or an `{"type": "image"}` part."""
+    if isinstance(prompt, str):
+        return "<image>" in prompt
+    contents = [m.get("content") for m in prompt if isinstance(m, dict)] if isinstance(prompt, list) else []
+    return any(places_image(c) if isinstance(c, str) else isinstance(c, list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in c) for c in contents)
+
+
+def unread_images(where: str, column: str) -> str:
+    """Rows whose prompts place images from a column data.image_key=null does not read (was: each trained on without
+    its image, the literal `<image>` in its text, and without a word)."""
+    return (f"{where}: its prompt places an image (<image>, or an image part) and the data has an image column "
+            f"{column!r}, but data.image_key=null reads no image: the model would get the prompt without it. Fix: set "
+            f"data.image_key={column} (with a vision-language model.path and data.max_images_per_prompt >= 1), or "
+            "take the image places out of the prompts")
 
 
 PROMPT_FIX = ("give each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role' "

@@ -134,6 +134,30 @@ def test_prompt_image_parts_pass_validation_as_image_markers_do(tmp_path):
     assert _config_problems(str(path), max_images_per_prompt=1, runner=CHAT_AGENT) == []
 
 
+def test_prompts_placing_images_of_a_column_data_image_key_does_not_read_are_refused(tmp_path):
+    """A VLM dataset (an 'images' column, <image> markers or image parts in its prompts) with data.image_key=null (the
+    default). Before: every prompt reached the model without its image, the literal <image> in its text, without a
+    word; job=sft trained on it so too. Prompts that place no image, or data without an image column, pass."""
+    from test_loss_mask import _sft_problems
+
+    rows, sft = tmp_path / "rows.jsonl", tmp_path / "chats.jsonl"
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}]
+    why = ("its prompt places an image (<image>, or an image part) and the data has an image column 'images', but "
+           "data.image_key=null reads no image: the model would get the prompt without it. Fix: set "
+           "data.image_key=images (with a vision-language model.path and data.max_images_per_prompt >= 1), or take "
+           "the image places out of the prompts")
+    for prompt in ("<image>Find x.", parts):
+        rows.write_text(json.dumps({"prompt": "plain", "label": "1", "images": None}) + "\n"
+                        + json.dumps({"prompt": prompt, "label": "3", "images": ["a.png"]}) + "\n")
+        assert _config_problems(str(rows)) == [f"- data.train_path: {rows} row 1: {why}"]
+        sft.write_text(json.dumps({"input": prompt, "output": "3", "images": ["a.png"]}) + "\n")
+        assert _sft_problems(str(sft), train__batch_size=1) == [f"- data.image_key: {sft}: SFT row 0: {why}"]
+    rows.write_text(json.dumps({"prompt": "Find x.", "label": "3", "images": ["a.png"]}) + "\n")
+    assert _config_problems(str(rows)) == []
+    rows.write_text(json.dumps({"prompt": "<image>Find x.", "label": "3"}) + "\n")
+    assert _config_problems(str(rows)) == []
+
+
 @pytest.mark.parametrize("name", sorted(SERVER_REFUSED))
 def test_a_prompt_the_chat_server_would_refuse_is_a_config_error_naming_the_row(tmp_path, name):
     text, reason = SERVER_REFUSED[name]
