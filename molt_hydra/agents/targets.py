@@ -79,4 +79,8 @@ def _import_file(path: Path):
         raise
     finally:
         sys.path.remove(str(path.parent))  # (its first entry of that directory: an earlier one stays where it was)
+    if str(path.parent) not in sys.path:  # after every installed package: a later import inside its functions finds
+        # the modules beside it too, as under `python agent.py` (was: "No module named 'helpers'", every rollout),
+        # while a `datasets.py` beside it shadows nothing the runner imports
+        sys.path.append(str(path.parent))
     return module

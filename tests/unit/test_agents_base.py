@@ -276,18 +276,26 @@ def test_a_misspelled_target_name_is_named_in_its_file_with_the_nearest_name():
         resolve_target("molt_hydra.recipes.agents.toy.ToyEvn")
 
 
-def test_an_agent_file_imports_the_module_beside_it(tmp_path):
+def test_an_agent_file_imports_the_module_beside_it(tmp_path, monkeypatch):
     """As `python agent.py` would (its directory first on the path while it runs). Before: "No module named
-    'sibling_grading'", a config error for any agent split over two files. The path is left as it was."""
+    'sibling_grading'", a config error for any agent split over two files. An import inside a function, at a step,
+    finds them too (before: "No module named 'lazy_grading'", every rollout): the directory stays on the path after
+    every other entry, so a module beside it shadows nothing installed."""
     import sys
 
     (tmp_path / "sibling_grading.py").write_text("def grade(text):\n    return 0.25\n")
+    (tmp_path / "lazy_grading.py").write_text("def grade(text):\n    return 0.5\n")
     (tmp_path / "agent.py").write_text(
         "from sibling_grading import grade\nfrom molt_hydra.agents import Env, Result\n"
-        "class MyEnv(Env):\n    async def step(self, state):\n        return Result(reward=grade(''))\n")
+        "class MyEnv(Env):\n    async def step(self, state):\n        return Result(reward=grade(''))\n"
+        "class LazyEnv(Env):\n    async def step(self, state):\n        from lazy_grading import grade as g\n"
+        "        return Result(reward=g(''))\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the test's own copy: put back after it)
     path_before = list(sys.path)
     env = load_runner(f"{tmp_path / 'agent.py'}:MyEnv").env_cls()
-    assert asyncio.run(env.step({})).reward == 0.25 and sys.path == path_before
+    assert asyncio.run(env.step({})).reward == 0.25 and sys.path == path_before + [str(tmp_path)]
+    assert asyncio.run(load_runner(f"{tmp_path / 'agent.py'}:LazyEnv").env_cls().step({})).reward == 0.5
+    assert sys.path == path_before + [str(tmp_path)]
 
 
 @pytest.mark.parametrize("top_level, code", [
