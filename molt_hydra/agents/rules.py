@@ -73,6 +73,13 @@ def _chat_settings_read(cfg: RunConfig, problems: Problems, cls: type) -> None:
     structured sampling waits for the end of the thinking too.)"""
     runner = StepEnvRunner if issubclass(cls, Env) else ChatAgentRunner if issubclass(cls, ChatAgent) else cls
     if hasattr(runner, "configure_chat"):
+        # and the reverse: a chat agent's prompt always reaches its server as messages (a string as the user's one
+        # message), rendered there with the chat template (was: data.apply_chat_template=false taken, changing nothing)
+        problems.check(not (runner.execute is ChatAgentRunner.execute and changed(cfg, "data.apply_chat_template")),
+                       "data.apply_chat_template", f"the agent {cls.__name__} is a ChatAgent: each prompt reaches its "
+                       "chat server as chat messages (a string as the user's one message), which the server renders "
+                       "with the chat template whatever this says.", "unset data.apply_chat_template (false sends an "
+                       "Env's string prompts to the model as raw text)")
         return
     for key in ("agent.tool_parser", "agent.max_choices"):
         problems.check(not changed(cfg, key), key, f"the agent {cls.__name__} talks to no chat server (not a "
