@@ -585,6 +585,47 @@ def test_an_env_editing_its_prompt_or_label_in_place_leaves_its_groups_other_rol
     assert chat == [{"role": "user", "content": "2+2?"}] and label == ["4"]
 
 
+def test_a_chat_agent_drawing_on_its_images_leaves_the_rows_image_alone(tiny_model):
+    """Before: ctx.images were the row's own images (decoded once at load): a box an agent drew on one was in every
+    later rollout's prompt image of that row, every epoch."""
+    from openai import AsyncOpenAI
+    from PIL import Image, ImageDraw
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.chat_agent import ChatAgent
+    from molt_hydra.agents.wire.images import load_image
+    from molt_hydra.models.build import resolve_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_path("tiny://qwen25_vl_tiny"))  # (a VLM's: image parts are taken)
+    seen = []
+
+    class Engine:
+        async def generate(self, request):
+            return [Generation([7, tok.eos_token_id], [-0.5, -0.5], [0, 0], "stop")]
+
+    class Drawing(ChatAgent):
+        async def run(self, ctx):
+            seen.append(load_image(ctx.messages[0]["content"][0]["image_url"]["url"]).getpixel((1, 1)))
+            ImageDraw.Draw(ctx.images[0]).rectangle([0, 0, 3, 3], fill=(0, 0, 0))
+            async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=1.0)
+
+    row_image, runner = Image.new("RGB", (28, 28), (255, 0, 0)), ChatAgentRunner(Drawing)
+
+    async def two_rollouts():
+        try:
+            for _ in range(2):
+                ep = Episode(prompt="<image>colour?", images=[row_image], sampling=Sampling(max_tokens=4),
+                             max_length=512)
+                assert (await runner.run_group([ep], Engine(), tok)).trajectories
+        finally:
+            await runner.close()
+
+    asyncio.run(two_rollouts())
+    assert seen == [(255, 0, 0)] * 2 and row_image.getpixel((1, 1)) == (255, 0, 0)
+
+
 def test_a_chat_agent_editing_its_label_leaves_its_groups_other_rollouts_alone(tiny_model):
     """Before: ctx.label was the group's shared label: one rollout's edit was the next one's label."""
     from openai import AsyncOpenAI
