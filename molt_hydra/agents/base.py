@@ -66,7 +66,11 @@ def scalar(value: Any, what: str) -> float:
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
         raise TypeError(f"{what} is {type(value).__name__} {shown}; return a number (a float, a bool, a numpy "
                         "scalar, a one-element tensor or list)")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past a float's range (was: "int too large to convert to float", naming nothing)
+        raise ValueError(f"{what} is {type(value).__name__} beyond a float's range (its magnitude over 1.8e308); "
+                         "return a number within it") from None
 
 
 def _not_awaited(value: Any, said: str) -> None:

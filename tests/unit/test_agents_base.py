@@ -100,7 +100,9 @@ def test_a_reward_of_any_numeric_kind_is_honoured(value, expected):
     ("0.5", "Result.reward of GraderEnv.step is str '0.5'; return a number"),
     (b"1", "is bytes b'1'"), ({"reward": 1.0}, "is dict {'reward': 1.0}"), ([[0.5]], "is list [0.5]"),
     (1 + 2j, "is complex (1+2j)"), (None, "Result.reward of GraderEnv.step is None"),
-    ([], "is an empty list"), (torch.tensor([]), "is an empty Tensor"), (np.array([]), "is an empty ndarray")],
+    ([], "is an empty list"), (torch.tensor([]), "is an empty Tensor"), (np.array([]), "is an empty ndarray"),
+    (10**400, "Result.reward of GraderEnv.step is int beyond a float's range (its magnitude over 1.8e308); return "
+              "a number within it"), (-(10**5000), "is int beyond a float's range")],
     ids=lambda v: type(v).__name__)
 def test_a_reward_that_is_no_number_is_an_error_naming_the_agent_and_the_value(value, said):
     """Before: a string reward was float()-ed silently ('0.5' -> 0.5), a dict or nested list raised float()'s
