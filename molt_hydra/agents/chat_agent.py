@@ -109,8 +109,9 @@ class ChatAgentRunner(Runner):
             # the agent's own label and images: an edit in place (a box drawn on an image) would otherwise reach the
             # row's later rollouts, every epoch (the images: the row's, decoded once at load)
             label=copy.deepcopy(episode.label), images=[copy.copy(im) for im in episode.images],
-            base_url=url + "/v1", session_url=url, api_key=server.api_key, model_name=MODEL_NAME, session_id=sid, sampling_params=episode.sampling,
-            max_length=episode.max_length, max_turns=episode.max_turns, judge_url=url + "/judge/v1")
+            base_url=url + "/v1", session_url=url, api_key=server.api_key, model_name=MODEL_NAME, session_id=sid,
+            sampling_params=episode.sampling, max_length=episode.max_length, max_turns=episode.max_turns,
+            judge_url=url + "/judge/v1")
         try:
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)
         finally:
