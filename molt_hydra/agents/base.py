@@ -44,7 +44,7 @@ class Result:
     truncated: bool = False  # cut off externally
     info: dict = field(default_factory=dict)  # numeric scalars become logged metrics
     score: Any = None  # dynamic-filter / dashboard score; defaults to reward
-    images: list | None = None  # step: next-turn images; chat: replaces the trajectory images
+    images: list | None = None  # step: next-turn images; chat: replaces the trajectory images (PIL, paths, bytes)
     sampling_params: Sampling | dict | None = None  # step: override sampling for the following turns
 
 
@@ -66,7 +66,11 @@ def scalar(value: Any, what: str) -> float:
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
         raise TypeError(f"{what} is {type(value).__name__} {shown}; return a number (a float, a bool, a numpy "
                         "scalar, a one-element tensor or list)")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past a float's range (was: "int too large to convert to float", naming nothing)
+        raise ValueError(f"{what} is {type(value).__name__} beyond a float's range (its magnitude over 1.8e308); "
+                         "return a number within it") from None
 
 
 def _not_awaited(value: Any, said: str) -> None:
@@ -102,15 +106,15 @@ def reward_and_score(result: Any, returned_by: str) -> tuple[float, float]:
         if not _safe(ok, value):
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             raise TypeError(f"Result.{name} of {returned_by} is {type(value).__name__} {shown}; it must be {must}")
-    _shippable(result.info, returned_by)
     reward = scalar(result.reward, f"Result.reward of {returned_by}")
     return reward, reward if result.score is None else scalar(result.score, f"Result.score of {returned_by}")
 
 
-def _shippable(info: dict, returned_by: str) -> None:
+def shippable(info: dict, returned_by: str) -> None:
     """`info` travels with the trajectory from the runner process to the driver, as Ray pickles it. A value it cannot
-    pickle (a lock, a client, a generator) failed the runner's reply, so every group in flight on that runner was lost
-    as agent_exception, with no message naming the value: an error naming the key instead."""
+    pickle (a lock, a client, a generator) failed its whole group's reply (rollout/batched_calls.py) with no message
+    naming the value: an error naming the key instead, failing this rollout alone. Checked once per finished
+    trajectory, on the info it keeps (was: every step-runner turn, a pickle of a growing info each turn)."""
     from ray import cloudpickle  # (deferred: heavy)
 
     try:

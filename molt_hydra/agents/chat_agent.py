@@ -14,12 +14,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score
+from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score, shippable
 from molt_hydra.agents.targets import subclass
 from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
 from molt_hydra.agents.wire.server import MODEL_NAME, ChatServer
 from molt_hydra.agents.wire.session import ChatSession
+from molt_hydra.data.images import to_pil_images
 from molt_hydra.rollout.generation import Sampling, TokenGenerator
 
 
@@ -105,23 +106,29 @@ class ChatAgentRunner(Runner):
         url = server.session_url(sid)
         ctx = AgentContext(
             messages=messages, tools=copy.deepcopy(episode.tools), prompt=last_user_text(messages),
-            label=copy.deepcopy(episode.label), images=list(episode.images), base_url=url + "/v1", session_url=url,
-            api_key=server.api_key, model_name=MODEL_NAME, session_id=sid, sampling_params=episode.sampling,
-            max_length=episode.max_length, max_turns=episode.max_turns, judge_url=url + "/judge/v1")
+            # the agent's own label and images: an edit in place (a box drawn on an image) would otherwise reach the
+            # row's later rollouts, every epoch (the images: the row's, decoded once at load)
+            label=copy.deepcopy(episode.label), images=[copy.copy(im) for im in episode.images],
+            base_url=url + "/v1", session_url=url, api_key=server.api_key, model_name=MODEL_NAME, session_id=sid,
+            sampling_params=episode.sampling, max_length=episode.max_length, max_turns=episode.max_turns,
+            judge_url=url + "/judge/v1")
         try:
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)
         finally:
             segments = server.close_session(sid)
         reward, score = reward_and_score(result, f"{self.agent_cls.__name__}.run")
+        shippable(result.info, f"{self.agent_cls.__name__}.run")
         _refuse_step_fields(result, f"{self.agent_cls.__name__}.run")
         if result.images and not session.accepts_images:  # they would replace the trajectory's (none) for training
             raise ValueError(f"{self.agent_cls.__name__}.run returned {len(result.images)} Result.images, but the "
                              "model is text-only; return images only with a vision model (leave Result.images None)")
+        images = None if result.images is None else to_pil_images(  # decoded as a row's (a path, bytes: RGB)
+            result.images, len(result.images), f"Result.images of {self.agent_cls.__name__}.run")
         for seg in segments:  # the rollout counts once per group; every segment trains on its own tokens
             seg.reward, seg.score, seg.info = reward, score, dict(result.info)
             seg.truncated |= bool(result.truncated)  # the agent cut the episode off (its truncated_rate counts it)
-            if result.images is not None:
-                seg.images = list(result.images)
+            if images is not None:
+                seg.images = list(images)
         return segments
 
     async def close(self) -> None:
@@ -159,21 +166,31 @@ def text_only_model(model_dir: str) -> bool:
 
 
 def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:
-    """Dataset row → OpenAI wire messages; each literal `<image>` in a user string becomes the next image (Molt)."""
+    """Dataset row → OpenAI wire messages; each literal `<image>` in a user string becomes the next image (Molt), and so
+    does each bare `{"type": "image"}` part of a user message (the processors' and TRL's form, which job=sft and an
+    Env's chat template take; was: a 400 for every rollout, or refused at validation)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else copy.deepcopy(prompt)
     pending = list(images)
+
+    def image() -> dict:  # the next image, or (more places than images) the marker literally
+        return ({"type": "image_url", "image_url": {"url": image_data_uri(pending.pop(0))}} if pending
+                else {"type": "text", "text": "<image>"})
+
     for m in messages:
-        if m.get("role") != "user" or not isinstance(m.get("content"), str) or "<image>" not in m["content"]:
-            continue
-        parts: list[dict] = []
-        for i, chunk in enumerate(m["content"].split("<image>")):
-            if i:  # a marker stood here: the next image, or (more markers than images) the marker literally
-                parts.append({"type": "image_url", "image_url": {"url": image_data_uri(pending.pop(0))}} if pending
-                             else {"type": "text", "text": "<image>"})
-            if chunk:
-                parts.append({"type": "text", "text": chunk})
-        m["content"] = parts
+        content = m.get("content") if m.get("role") == "user" else None
+        if isinstance(content, list):
+            m["content"] = [image() if row_image_part(part) else part for part in content]
+        elif isinstance(content, str) and "<image>" in content:
+            m["content"] = [part for i, chunk in enumerate(content.split("<image>")) for part in (
+                [image()] if i else []) + ([{"type": "text", "text": chunk}] if chunk else [])]
     return messages
+
+
+def row_image_part(part) -> bool:
+    """A content part that stands for the row's next image: `{"type": "image"}` naming no image of its own (other keys
+    null, as a parquet / datasets column of parts holds them)."""
+    return isinstance(part, dict) and part.get("type") == "image" and all(
+        value is None for key, value in part.items() if key != "type")
 
 
 def last_user_text(messages: list[dict]) -> str:

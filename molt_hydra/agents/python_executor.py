@@ -219,6 +219,11 @@ async def run_python(code: str, *, allow_network: bool = False, sandbox: str = "
     limits = SandboxLimits(**limits)
     if sandbox not in ("auto", "bwrap", "rlimits"):
         raise ValueError(f"sandbox: must be auto, bwrap or rlimits, got {sandbox!r}")
+    if not isinstance(code, str):  # a tool call's arguments {"code": 5}: the model sees the error, as Python's own
+        # (was: an AttributeError out of the agent, after the sandbox had started: its process waited on stdin for
+        # the rest of the run, one more for every such call)
+        return ExecutionResult("", f"TypeError: the code is {type(code).__name__} {code!r:.60}, not a string of "
+                               "Python source\n", 1, False, False)
     if sandbox == "auto":
         sandbox = "bwrap" if _bwrap_problem() is None else "rlimits"
     elif sandbox == "bwrap" and _bwrap_problem() is not None:

@@ -10,7 +10,7 @@ import inspect
 import re
 
 from molt_hydra.agents.base import Env, Runner
-from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
+from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner, row_image_part
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.agents.wire import openai_chat
@@ -73,6 +73,13 @@ def _chat_settings_read(cfg: RunConfig, problems: Problems, cls: type) -> None:
     structured sampling waits for the end of the thinking too.)"""
     runner = StepEnvRunner if issubclass(cls, Env) else ChatAgentRunner if issubclass(cls, ChatAgent) else cls
     if hasattr(runner, "configure_chat"):
+        # and the reverse: a chat agent's prompt always reaches its server as messages (a string as the user's one
+        # message), rendered there with the chat template (was: data.apply_chat_template=false taken, changing nothing)
+        problems.check(not (runner.execute is ChatAgentRunner.execute and changed(cfg, "data.apply_chat_template")),
+                       "data.apply_chat_template", f"the agent {cls.__name__} is a ChatAgent: each prompt reaches its "
+                       "chat server as chat messages (a string as the user's one message), which the server renders "
+                       "with the chat template whatever this says.", "unset data.apply_chat_template (false sends an "
+                       "Env's string prompts to the model as raw text)")
         return
     for key in ("agent.tool_parser", "agent.max_choices"):
         problems.check(not changed(cfg, key), key, f"the agent {cls.__name__} talks to no chat server (not a "
@@ -87,7 +94,9 @@ CALLED = ((Env, "step", "state", True), (Env, "reset", "state", False), (ChatAge
 def _runner_calls_fit(problems: Problems, cls: type) -> None:
     """A plain `def step` / `run` / `execute` fails every rollout ("object Result can't be used in 'await'
     expression"), and so does one whose parameters do not take the runner's arguments (`async def step(self)`:
-    "takes 1 positional argument but 2 were given"): refused here, naming the method and the fix."""
+    "takes 1 positional argument but 2 were given"), or one that yields its Result: refused here, naming the method
+    and the fix. A plain decorator's wrapper (functools.wraps) of an `async def` returns its coroutine: taken (was:
+    refused as "a plain function", telling the author to write the `async def` they had written)."""
     for base, name, args, awaited in CALLED:
         method = getattr(cls, name, None) if issubclass(cls, base) else None
         if method is None:
@@ -97,7 +106,12 @@ def _runner_calls_fit(problems: Problems, cls: type) -> None:
                            f"not a method, but the runner calls it (the {base.__name__} contract).",
                            f"declare it `{'async def' if awaited else 'def'} {name}(self, {args})`")
             continue
-        if awaited and not inspect.iscoroutinefunction(method):
+        inner = inspect.unwrap(method)
+        if awaited and (inspect.isasyncgenfunction(inner) or inspect.isgeneratorfunction(inner)):
+            problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} yields (a generator), but the "
+                           f"runner awaits one {'Result' if base is not Runner else 'list of Trajectory'} from it.",
+                           f"`return` it from `async def {name}(...)` instead of yielding")
+        elif awaited and not inspect.iscoroutinefunction(inner):
             problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a plain function, but the "
                            f"runner awaits it (the {base.__name__} contract: `async def {name}`).",
                            f"declare it `async def {name}(...)` (blocking work inside it: "
@@ -119,6 +133,8 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
     if cfg.job.value == "sft":  # SFT runs no agent
         return
     cls = _target(problems, cfg.agent.runner)
+    # resolved once, here (was twice: an agent file whose import fails ran its top-level code twice)
+    check_prompts(cfg, problems, chat=isinstance(cls, type) and issubclass(cls, (ChatAgent, ChatAgentRunner)))
     if cls is None:
         return
     _chat_settings_read(cfg, problems, cls)
@@ -158,16 +174,14 @@ def _built(problems: Problems, cls: type, spec: dict):
         return None
 
 
-def check_prompts(cfg: RunConfig, problems: Problems) -> None:
+def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> None:
     """Each local RL dataset's rows as the run will load them (data/prompts.py), their prompts as the chat server
     will take them: a message of another role or a number for content, an image part whose file is not there or
-    beyond data.max_images_per_prompt (was: a 400 for each rollout of the row, every epoch, once Ray had started).
-    Hub datasets are read at the run's start. Then the count of the training rows against rollout.batch_size
-    (`_fills_a_batch`)."""
-    if cfg.job.value == "sft":  # SFT rows: data/rules.py
-        return
+    beyond data.max_images_per_prompt (was: a 400 for each rollout of the row, every epoch, once Ray had started),
+    and for a `chat` agent their tools too (its server's parser refuses other shapes; an Env's tools reach the chat
+    template as they are, where any shape renders). Hub datasets are read at the run's start. Then the count of the
+    training rows against rollout.batch_size (`_fills_a_batch`). Run by `check_agent`, which knows the agent."""
     d, sizes = cfg.data, {}  # (key, dataset) -> its row count, of each readable local dataset
-    chat = _chat_agent(cfg.agent.runner)  # (an Env's tools go to the chat template as they are: any shape renders)
     for key, spec, split in (("data.train_path", d.train_path, d.split),
                              ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
         for part in (p.strip() for p in (spec or "").split(",") if readable_local(p.strip())):
@@ -185,16 +199,6 @@ def check_prompts(cfg: RunConfig, problems: Problems) -> None:
             except (KeyError, OSError, ValueError) as e:
                 raised(problems, key, e, f"point {key} at a readable dataset")
     _fills_a_batch(cfg, problems, sizes)
-
-
-def _chat_agent(runner) -> bool:
-    """Whether `agent.runner` is a chat agent, whose rows' tools reach the chat server (its own parser refuses other
-    shapes); an Env's reach the tokenizer's chat template as they are."""
-    try:
-        cls = resolve_target(runner.get("_target_"))
-    except BaseException:  # noqa: BLE001 -- check_agent names what is wrong with the target
-        return False
-    return isinstance(cls, type) and issubclass(cls, (ChatAgent, ChatAgentRunner))
 
 
 def _fills_a_batch(cfg: RunConfig, problems: Problems, sizes: dict[tuple[str, str], int]) -> None:
@@ -229,7 +233,10 @@ def _prompt_problem(prompt, max_images: int, tools: list | None = None) -> tuple
     shape, e.g. the Responses API's flat one, or two of one name, passed; a chat agent's every request was a 400.)"""
     if isinstance(prompt, str) and tools is None:
         return None
-    body = {"messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt}
+    # a bare {"type": "image"} part is the row's next image, as an `<image>` marker is (prompt_messages)
+    body = {"messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
+        dict(m, content=[{"type": "text", "text": "<image>"} if row_image_part(p) else p for p in m["content"]])
+        if m.get("role") == "user" and isinstance(m.get("content"), list) else m for m in prompt]}
     try:
         messages = openai_chat.parse({**body, **({"tools": tools} if tools is not None else {})}).messages
     except RequestError as e:

@@ -17,8 +17,9 @@ import json
 import logging
 
 from molt_hydra.agents.base import (Env, Episode, Result, Runner, Trajectory, apply_sampling_override, image_tokens,
-                                    reward_and_score)
+                                    reward_and_score, shippable)
 from molt_hydra.agents.targets import subclass
+from molt_hydra.data.images import to_pil_images
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class StepEnvRunner(Runner):
             if result.terminated or traj.truncated or not self._feedback(traj, result, images, episode, tokenizer):
                 break
             observation_text += result.observation
+        shippable(traj.info, f"{self.env_cls.__name__}.step")  # the last turn's: the one the trajectory keeps
         return [traj]
 
     def _image_tokens(self, images: list) -> int:
@@ -133,6 +135,9 @@ class StepEnvRunner(Runner):
         if new_images and not self.accepts_images:  # the engine cannot see them; training would carry them
             raise ValueError(f"{self.env_cls.__name__}.step returned {len(new_images)} Result.images, but the model "
                              "is text-only; return images only with a vision model (leave Result.images None)")
+        # decoded as a row's images are (a path, bytes, a datasets Image struct; RGB): was, for a path, the
+        # processor's "Invalid image type: <class 'str'>", naming neither the env nor the field
+        new_images = to_pil_images(new_images, len(new_images), f"Result.images of {self.env_cls.__name__}.step")
         room = episode.max_length - len(traj.token_ids) - self._image_tokens(images + new_images)
         if len(feedback) >= room:  # not even one token left to generate after it
             traj.append_feedback(feedback[: max(0, room)] if not new_images else [])

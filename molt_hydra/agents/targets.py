@@ -33,10 +33,11 @@ def resolve_target(target: str) -> Any:
 
 
 def absolute_target(target: str) -> str:
-    """A file target with its path made absolute here (the driver's working directory, where validation found it):
-    the agent runners import it in Ray workers, whose working directory is another on a remote cluster."""
+    """A file target with its path made absolute here (the driver's working directory, where validation found it; a
+    `~` expanded, as validation's import expands it, was: `/cwd/~/agent.py`, not there): the agent runners import it
+    in Ray workers, whose working directory is another on a remote cluster."""
     path, sep, name = target.partition(":") if ".py" in target else (target, "", "")
-    return f"{Path(path).absolute()}{sep}{name}" if path.endswith(".py") else target
+    return f"{Path(path).expanduser().absolute()}{sep}{name}" if path.endswith(".py") else target
 
 
 def subclass(obj: type | str, base: type, need: str) -> type:
@@ -78,4 +79,8 @@ def _import_file(path: Path):
         raise
     finally:
         sys.path.remove(str(path.parent))  # (its first entry of that directory: an earlier one stays where it was)
+    if str(path.parent) not in sys.path:  # after every installed package: a later import inside its functions finds
+        # the modules beside it too, as under `python agent.py` (was: "No module named 'helpers'", every rollout),
+        # while a `datasets.py` beside it shadows nothing the runner imports
+        sys.path.append(str(path.parent))
     return module

@@ -139,12 +139,26 @@ def load_dataset(spec: str, split: str, config: str | None = None):
         except Exception as e:  # an empty file (a bare StopIteration), malformed rows (DatasetGenerationError)
             raise ValueError(f"{path} is not a readable {path.suffix[1:]} file: {_reason(e)}") from None
     if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict) and split not in loaded:  # (was: a KeyError read as "...: test")
-            raise ValueError(f"{path} has no split {split!r}; its splits: {sorted(loaded)}. Fix: set data.split (for "
-                             "eval.data_path: eval.split) to one of them")
-        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return _saved(path, split)
     return datasets.load_dataset(spec, config, split=split)
+
+
+def _saved(path: Path, split: str):
+    """A `save_to_disk` directory as one split. A DatasetDict's split is loaded alone, from its own directory: datasets'
+    load_from_disk of the whole dict raised IndexError ('list index out of range', a traceback out of validation) when
+    any of its splits was empty, whichever one was asked for; an empty Dataset is refused as having no rows."""
+    import datasets
+
+    if (listed := path / "dataset_dict.json").is_file():
+        splits = json.loads(listed.read_text())["splits"]
+        if split not in splits:  # (was: a KeyError read as "...: test")
+            raise ValueError(f"{path} has no split {split!r}; its splits: {sorted(splits)}. Fix: set data.split (for "
+                             "eval.data_path: eval.split) to one of them")
+        path = path / split
+    if (state := path / "state.json").is_file() and not json.loads(state.read_text()).get("_data_files"):
+        raise ValueError(f"{path} has no rows (an empty Dataset was saved there). Fix: save the rows again (a filter "
+                         "kept none?), or point the key at a dataset with rows")
+    return datasets.load_from_disk(str(path))
 
 
 JSON_TYPES = (".json", ".jsonl")
@@ -227,15 +241,20 @@ def _text_columns(path: Path):
     try:
         with path.open(newline="", encoding="utf-8-sig") as f:
             rows = csv.reader(f)
-            header = next(rows, [])
+            header = next((row for row in rows if row), [])  # pandas skips blank lines (was: a blank first line
+            # read as a header of no column, and every row refused as having more cells than it names)
             if len(set(header)) < len(header):
                 raise ValueError(f"{path}: the header names a column twice ({header}). Fix: give each column its "
                                  "own name")
-            for row in rows:
+            count = 0
+            for count, row in enumerate((row for row in rows if row), 1):
                 if len(row) > len(header):
                     raise ValueError(f"{path}: line {rows.line_num} has {len(row)} cells, the header names "
                                      f"{len(header)} ({header}). Fix: quote cells that hold a comma, or name every "
                                      "column")
+            if not count:  # (was: datasets' 'Instruction "train" corresponds to no data!' / 'No columns to parse')
+                raise ValueError(f"{path} has no rows{' below its header' if header else ' (it is blank)'}. Fix: "
+                                 "write a header line of the column names, then one line per row")
     except UnicodeDecodeError:  # (was: the codec's words, naming neither the file nor the line)
         _utf8_text(path)  # raises, naming the line (this stream's error counts bytes from its chunk, not the file)
         raise
@@ -337,7 +356,32 @@ def _renamed(dataset, columns: list[str], spec: str, **keys: str | None) -> list
         if column is not None and column not in columns:
             raise KeyError(f"data.{key}={column!r} is not a column; columns: {sorted(columns)} "
                            f"({spec}). Fix: {COLUMN_FIX[key]}")
-    return [_rename(row, f"{spec} row {i}", **keys) for i, row in enumerate(dataset)]
+    rows = [_rename(row, f"{spec} row {i}", **keys) for i, row in enumerate(dataset)]
+    unread = next((c for c in IMAGE_COLUMNS if c in columns), None) if keys.get("image_key", "") is None else None
+    if unread and (at := next((i for i, r in enumerate(rows) if places_image(r["prompt"])), None)) is not None:
+        raise ValueError(unread_images(f"{spec} row {at}", unread))
+    return rows
+
+
+IMAGE_COLUMNS = ("images", "image")  # the columns a VLM dataset keeps its images in (datasets' and TRL's names)
+
+
+def places_image(prompt) -> bool:
+    """Whether a prompt (text or chat messages) places an image: an `<image>` marker, or an `{"type": "image"}` part."""
+    if isinstance(prompt, str):
+        return "<image>" in prompt
+    contents = [m.get("content") for m in prompt if isinstance(m, dict)] if isinstance(prompt, list) else []
+    return any(places_image(c) if isinstance(c, str) else isinstance(c, list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in c) for c in contents)
+
+
+def unread_images(where: str, column: str) -> str:
+    """Rows whose prompts place images from a column data.image_key=null does not read (was: each trained on without
+    its image, the literal `<image>` in its text, and without a word)."""
+    return (f"{where}: its prompt places an image (<image>, or an image part) and the data has an image column "
+            f"{column!r}, but data.image_key=null reads no image: the model would get the prompt without it. Fix: set "
+            f"data.image_key={column} (with a vision-language model.path and data.max_images_per_prompt >= 1), or "
+            "take the image places out of the prompts")
 
 
 PROMPT_FIX = ("give each row its prompt as text or as a non-empty list of chat messages, each an object with a 'role' "

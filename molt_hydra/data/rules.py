@@ -9,8 +9,8 @@ from pathlib import Path
 from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
-from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_TASKS, JSON_TYPES, SFT_TASKS,
-                                     builtin_size)
+from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_COLUMNS, IMAGE_TASKS, JSON_TYPES,
+                                     SFT_TASKS, builtin_size, places_image, unread_images)
 from molt_hydra.data.sft_dataset import check_sft_rows
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
@@ -152,6 +152,11 @@ def _sft_images(cfg: RunConfig, problems: Problems, source: str, rows: list) -> 
                    "would be read: each would train on its text alone.",
                    "set data.image_key=images" if builtin_images else
                    "set data.image_key to the rows' image column, or null for text-only data")
+    unread = next((c for c in IMAGE_COLUMNS if c in columns), None) if image_key is None else None
+    at = next((i for i, r in enumerate(rows) if isinstance(r, dict) and places_image(r.get(cfg.data.input_key))),
+              None) if unread and not builtin_images else None
+    if at is not None:
+        raised(problems, "data.image_key", ValueError(unread_images(f"{source}: SFT row {at}", unread)), "")
     problems.check(not (image_key is None and builtin_images), "data.image_key",
                    f"the rows of {source} carry images (column 'images'), but data.image_key=null reads none: "
                    "each row would train on its text alone, a literal <image> in its prompt.",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 
 from molt_hydra.data.prompts import BUILTIN, JSON_TYPES, builtin_rows, check_json_rows, usable_image_rows
 from molt_hydra.models.vlm import NOT_GENERATED, image_parts
@@ -150,7 +151,8 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
     VLM rows (`image_key`): `<image>` markers in user strings become image parts, each placeholder is expanded and
     the processor outputs ride along (`images`: the model's `models.vlm.TrajectoryImages`); a row longer than
     max_len once expanded is skipped, as a cut would orphan image features; a row with an image that cannot be read or
-    more than `max_images_per_prompt` images is dropped, logged with its row id and counted (`usable_image_rows`).
+    that the model's processor refuses, or more than `max_images_per_prompt` images, is dropped, logged with its row
+    id and counted (`usable_image_rows`).
     Every row skipped (no reply, no supervised token, too long) or cut to max_len is counted and logged with its id
     (was: skipped or cut without a word). `source`: the rows' file, named by each error and log line (was: a trainer
     rank's "SFT row 3: ..." left train and eval data apart only by guess)."""
@@ -164,12 +166,18 @@ def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", 
         if with_images is not None and images is None:
             raise ValueError(f"{named}SFT row {with_images} has images but the model has no vision tower. Fix: use a "
                              "VLM or set data.image_key=null")
-        usable = usable_image_rows(rows, f"{named}SFT", image_key, max_images_per_prompt, False, image_key, dropped)
+        # `fits`: an image the processor refuses (Qwen-VL: aspect ratio > 200) drops its row, named, as in RL
+        # prompt loading (was: the processor's ValueError out of a trainer rank, naming no row)
+        usable = usable_image_rows(rows, f"{named}SFT", image_key, max_images_per_prompt, False, image_key, dropped,
+                                   fits=images and images.added_tokens)
     out, notes, kept, gone = [], {}, iter(usable), {i for i, _ in dropped}  # notes: why -> row ids skipped or cut
     for index in (i for i in range(len(rows)) if i not in gone):
-        sample, note = _sample(next(kept), tokenizer, markers, special, input_key=input_key, output_key=output_key,
-                               max_len=max_len, chat_template=chat_template, last_only=train_on_last_turn_only,
-                               image_key=image_key, images=images)
+        try:
+            sample, note = _sample(next(kept), tokenizer, markers, special, input_key=input_key,
+                                   output_key=output_key, max_len=max_len, chat_template=chat_template,
+                                   last_only=train_on_last_turn_only, image_key=image_key, images=images)
+        except ValueError as e:
+            raise ValueError(f"{named}SFT row {index}: {e}") from None
         if note:
             notes.setdefault(note, []).append(index)
         if sample is not None:
@@ -195,11 +203,23 @@ def _sample(row: dict, tokenizer, markers: ReplyMarkers, special: set[int], *, i
     row_images = (row.get(image_key) or []) if image_key else []
     if row_images:
         msgs = image_parts(msgs)
-    ids = tokenizer(_render(tokenizer, msgs, chat_template, False), add_special_tokens=False)["input_ids"]
+    try:
+        text = _render(tokenizer, msgs, chat_template, False)
+    except (TemplateError, TypeError) as e:  # its raise_exception (Gemma's "System role not supported"), or content
+        # it cannot join (was: the template's traceback out of every trainer rank, naming no row)
+        raise ValueError(f"the chat template refuses its messages ({type(e).__name__}: {e}). Fix: give the row the "
+                         "roles and order the template takes, or set data.chat_template to one that renders them") \
+            from None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     cut = f"cut to data.max_len={max_len} tokens" if len(ids) > max_len and not row_images else None
     ids = ids if row_images else ids[:max_len]  # an image row is skipped when too long, never cut (see above)
     mask = reply_loss_mask(ids, markers, special, last_only)
     multimodal = {}
+    if row_images and (places := ids.count(images.placeholder_id)) != len(row_images):
+        # (was: "fewer image placeholders in the trajectory than its 2 images", naming no row)
+        raise ValueError(f"it has {len(row_images)} image(s) in data.image_key={image_key!r} but {places} place(s) for "
+                         "one in its messages. Fix: write one <image> in the user text where each image goes (or a "
+                         "{'type': 'image'} content part)")
     if row_images:  # the mask rides through the expansion as per-token values; image tokens get 0 (context only)
         ids, mask, _, _, multimodal = images.expand(ids, mask, [NOT_GENERATED] * len(ids), [], row_images)
         if len(ids) > max_len:

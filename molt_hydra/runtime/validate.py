@@ -7,7 +7,7 @@ beside what they check. Each rule names the full key, the reason and the fix; no
 
 from __future__ import annotations
 
-from molt_hydra.agents.rules import check_agent, check_prompts
+from molt_hydra.agents.rules import check_agent
 from molt_hydra.algorithm.rules import check_estimator_knobs, estimator_needs
 from molt_hydra.config import handoff_rules
 from molt_hydra.config.schema import RunConfig
@@ -24,7 +24,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     derive(cfg, needs)
     for rule in (*RULES, check_estimator_knobs, check_lora):
         rule(cfg, problems, needs)
-    for rule in (check_model, check_data, check_prompts, check_agent, check_logger, handoff_rules.engine_name_rules,
+    for rule in (check_model, check_data, check_agent, check_logger, handoff_rules.engine_name_rules,
                  handoff_rules.wandb_name_rules, handoff_rules.name_rules):  # name_rules last: it skips keys reported
         rule(cfg, problems)
     problems.raise_if_any()

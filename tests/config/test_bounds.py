@@ -258,6 +258,20 @@ def test_agent_target_that_cannot_be_imported_is_refused():
     assert_fires(["agent.runner._target_=/no/such/agent.py:Env"], "agent.runner._target_", "FileNotFoundError")
 
 
+def test_an_agent_file_whose_import_fails_runs_once_in_validation(tmp_path):
+    """Validation resolves agent.runner._target_ once. Before: twice (the prompt rows' rule asked whether it is a chat
+    agent, then the agent's rule), and a file whose import fails is not kept by Python: its top-level code (prints, a
+    slow import, a server it starts) ran twice."""
+    runs = tmp_path / "runs.txt"
+    agent = tmp_path / "agent.py"
+    agent.write_text(f"open({str(runs)!r}, 'a').write('ran\\n')\nimport no_such_module_for_molt\n")
+    lines = [line for line in config_errors([f"agent.runner._target_={agent}:MyEnv"]) if "agent.runner" in line]
+    assert lines == [f"agent.runner._target_: cannot import '{agent}:MyEnv' (ModuleNotFoundError: No module named "
+                     "'no_such_module_for_molt'). Fix: set agent.runner._target_ to pkg.module.Name or "
+                     "path/to/file.py:Name (an Env, ChatAgent or Runner)"]
+    assert runs.read_text() == "ran\n"
+
+
 # ---------------------------------------------------------------------------------------- refused knobs
 @pytest.mark.parametrize("override,key", [
     ("parallelism.pp=2", "parallelism.pp"),

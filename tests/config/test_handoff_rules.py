@@ -62,6 +62,11 @@ BAD = [
     *[(f"sync_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
        f"{cls}.{name} is a plain function, but the runner awaits it")
       for cls, name in (("SyncStepEnv", "step"), ("SyncRunAgent", "run"), ("SyncExecuteRunner", "execute"))],
+    # one that yields its Result (before: "is a plain function ... declare it `async def`", which it was)
+    *[(f"yields_{name}", [f"agent.runner._target_={FAULTS}:{cls}"], "agent.runner._target_",
+       f"{cls}.{name} yields (a generator), but the runner awaits one Result from it. Fix: `return` it from `async def "
+       f"{name}(...)` instead of yielding")
+      for cls, name in (("YieldingStepEnv", "step"), ("YieldingRunAgent", "run"))],
     # before: "takes no argument 'target'. Fix: remove +agent.runner.target", never naming _target_
     ("runner_target_misspelled", ["+agent.runner.target=${molt:recipes}/agents/math.py:MathEnv"],
      "agent.runner.target", "ToyEnv() takes no argument 'target' (did you mean '_target_'?)"),
@@ -138,6 +143,8 @@ GOOD = [
      "agent.reasoning_parser=qwen3"],  # a chat agent (an Env reads no parser)
     ["agent=math", "+agent.runner.require_boxed=false"],
     ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv", "+agent.runner.exec_timeout_s=5"],
+    # an `async def step` under a plain (functools.wraps) decorator: before, refused as "a plain function"
+    [f"agent.runner._target_={FAULTS}:DecoratedStepEnv"],
     ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")
     ["logger.debug_grad_norms=true", "logger.debug_grad_norms_filter=['*q_proj*']"],
     ["logger.wandb.project=my-project_2", "logger.wandb.entity=team"],

@@ -172,6 +172,9 @@ CASES = [
     ("blank_text_data", ["+recipe=tiny_vlm_colors_cpu", "data.train_path=builtin://toy",
                          "eval.data_path=builtin://toy_eval", "data.blank_images=true"], "data.blank_images",
      "no dataset of the run has prompt images (builtin://toy_eval, builtin://toy"),
+    # before, accepted: a ChatAgent's prompt reaches its chat server as messages, rendered there with the template
+    ("raw_prompts_chat_agent", ["agent=tiny_geo", "data.apply_chat_template=false"], "data.apply_chat_template",
+     "the agent TinyGeoAgent is a ChatAgent: each prompt reaches its chat server as chat messages"),
 ]
 
 
@@ -214,6 +217,7 @@ ACCEPTED = [
     ["logger.wandb.mode=disabled", "logger.tensorboard=true", "logger.wandb.run_name=z"],  # names the TB run too
     ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
     ["agent=tiny_geo", "agent.tool_parser=qwen3_coder", "agent.max_choices=4"],  # a ChatAgent: its chat server's
+    ["data.apply_chat_template=false"],  # an Env's string prompts: sent as raw text
     ["model.lora.rank=8", "parallelism.share_prompts=true"],
     [*AUTOMODEL_4, "parallelism.tp=2", "parallelism.sequence_parallel=true"],
     ["+recipe=qwen3_4b_sft", "model.backend=automodel"],  # the default targets leave the lm_head plain

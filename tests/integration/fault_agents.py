@@ -1,6 +1,7 @@
 """Agents that misbehave on purpose, for tests/integration/test_faults.py: the toy task of the default run with one
 fault each (loaded by path: `agent.runner._target_=<this file>:Name`)."""
 
+import functools
 import itertools
 import math
 import os
@@ -89,6 +90,40 @@ class SyncExecuteRunner(StepEnvRunner):
 
     def execute(self, episode, generator, tokenizer):  # noqa: D102
         return []
+
+
+def _timed(fn):
+    """A plain decorator, as users write them: its wrapper is a `def` returning the `async def`'s coroutine."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            wrapper.seconds = time.perf_counter() - start
+
+    return wrapper
+
+
+class DecoratedStepEnv(ToyEnv):
+    """An `async def step` under a plain decorator: the runner awaits the coroutine the wrapper returns (taken)."""
+
+    step = _timed(ToyEnv.step)
+
+
+class YieldingStepEnv(ToyEnv):
+    """An `async def step` that yields its Result (an async generator): refused at validation."""
+
+    async def step(self, state):  # noqa: D102 -- yields, on purpose
+        yield Result(reward=1.0)
+
+
+class YieldingRunAgent(ChatAgent):
+    """A ChatAgent whose `run` yields its Result (a generator): refused likewise."""
+
+    def run(self, ctx):  # noqa: D102
+        yield Result(reward=1.0)
 
 
 class NoStateStepEnv(ToyEnv):

@@ -100,7 +100,9 @@ def test_a_reward_of_any_numeric_kind_is_honoured(value, expected):
     ("0.5", "Result.reward of GraderEnv.step is str '0.5'; return a number"),
     (b"1", "is bytes b'1'"), ({"reward": 1.0}, "is dict {'reward': 1.0}"), ([[0.5]], "is list [0.5]"),
     (1 + 2j, "is complex (1+2j)"), (None, "Result.reward of GraderEnv.step is None"),
-    ([], "is an empty list"), (torch.tensor([]), "is an empty Tensor"), (np.array([]), "is an empty ndarray")],
+    ([], "is an empty list"), (torch.tensor([]), "is an empty Tensor"), (np.array([]), "is an empty ndarray"),
+    (10**400, "Result.reward of GraderEnv.step is int beyond a float's range (its magnitude over 1.8e308); return "
+              "a number within it"), (-(10**5000), "is int beyond a float's range")],
     ids=lambda v: type(v).__name__)
 def test_a_reward_that_is_no_number_is_an_error_naming_the_agent_and_the_value(value, said):
     """Before: a string reward was float()-ed silently ('0.5' -> 0.5), a dict or nested list raised float()'s
@@ -146,17 +148,57 @@ def test_an_async_functions_result_not_awaited_is_named_as_such():
 
 def test_an_info_value_that_cannot_leave_the_runner_process_fails_its_rollout_naming_the_key():
     """Result.info travels to the driver as Ray pickles it. Before: a lock (or client, generator) there failed the
-    runner actor's reply that carried it, so every group in flight on that runner was lost as agent_exception, and no
-    message named the value. What Ray's pickler ships (a lambda, a string, a tensor) passes."""
+    reply that carried it, losing its whole group with no message naming the value. What Ray's pickler ships (a
+    lambda, a string, a tensor) passes."""
     import threading
 
-    info = {"digits": 0.5, "pred": "42", "fn": lambda x: x, "t": torch.ones(2)}
-    assert reward_and_score(Result(reward=1.0, info=info), "GraderEnv.step") == (1.0, 1.0)
+    from molt_hydra.agents.base import shippable
+
+    shippable({"digits": 0.5, "pred": "42", "fn": lambda x: x, "t": torch.ones(2)}, "GraderEnv.step")
     with pytest.raises(TypeError) as err:
-        reward_and_score(Result(reward=1.0, info={"digits": 0.5, "guard": threading.Lock()}), "GraderEnv.step")
+        shippable({"digits": 0.5, "guard": threading.Lock()}, "GraderEnv.step")
     assert str(err.value) == ("Result.info['guard'] of GraderEnv.step is lock, which cannot be sent from the agent "
                               "runner to the trainer (TypeError: cannot pickle '_thread.lock' object); keep numbers "
                               "(logged as metrics) and plain data in info")
+
+
+def test_info_is_checked_for_shipping_once_per_trajectory_not_every_turn(tiny_model, monkeypatch):
+    """The step runner keeps the last turn's info, so that one alone is pickled to check it (was: every turn's, a
+    pickle per turn of an info that often grows with the episode: 13% of the runner loop's time at 32 turns, 22% at
+    128 in a stand-in-engine bench). An earlier turn's info, which nothing ships, no longer fails the rollout; the
+    kept one still does, naming its key."""
+    import threading
+
+    from ray import cloudpickle
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    class Echo:  # stand-in for the engine: one token a turn
+        async def generate(self, request):
+            return [Generation([7], [-0.5], [0], "stop")]
+
+    class FiveTurns(Env):
+        def __init__(self, lock_last: bool = False):
+            self.lock_last = lock_last
+
+        async def step(self, state):
+            last = state["turn"] == 4
+            held = threading.Lock() if last == self.lock_last else 0  # unpicklable on turns 0-3, or on the last
+            return Result(reward=1.0, observation=" more", terminated=last, info={"turn": state["turn"], "h": held})
+
+    pickled = []
+    dumps = cloudpickle.dumps
+    monkeypatch.setattr(cloudpickle, "dumps", lambda obj, *a, **k: pickled.append(obj) or dumps(obj, *a, **k))
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ep = Episode(prompt="hi", sampling=Sampling(max_tokens=1), max_length=64)
+    outcome = asyncio.run(StepEnvRunner(FiveTurns).run_group([ep], Echo(), tok))
+    (traj,) = outcome.trajectories
+    assert (traj.reward, traj.info, pickled) == (5.0, {"turn": 4, "h": 0}, [{"turn": 4, "h": 0}])
+    ep = Episode(prompt="hi", sampling=Sampling(max_tokens=1), max_length=64)
+    outcome = asyncio.run(StepEnvRunner(FiveTurns, {"lock_last": True}).run_group([ep], Echo(), tok))
+    assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
+    assert outcome.errors["agent_exception"].startswith("TypeError: Result.info['h'] of FiveTurns.step is lock, ")
 
 
 @pytest.mark.parametrize("value", [True, False, np.bool_(True), torch.tensor(False), 1, 0])
@@ -236,18 +278,26 @@ def test_a_misspelled_target_name_is_named_in_its_file_with_the_nearest_name():
         resolve_target("molt_hydra.recipes.agents.toy.ToyEvn")
 
 
-def test_an_agent_file_imports_the_module_beside_it(tmp_path):
+def test_an_agent_file_imports_the_module_beside_it(tmp_path, monkeypatch):
     """As `python agent.py` would (its directory first on the path while it runs). Before: "No module named
-    'sibling_grading'", a config error for any agent split over two files. The path is left as it was."""
+    'sibling_grading'", a config error for any agent split over two files. An import inside a function, at a step,
+    finds them too (before: "No module named 'lazy_grading'", every rollout): the directory stays on the path after
+    every other entry, so a module beside it shadows nothing installed."""
     import sys
 
     (tmp_path / "sibling_grading.py").write_text("def grade(text):\n    return 0.25\n")
+    (tmp_path / "lazy_grading.py").write_text("def grade(text):\n    return 0.5\n")
     (tmp_path / "agent.py").write_text(
         "from sibling_grading import grade\nfrom molt_hydra.agents import Env, Result\n"
-        "class MyEnv(Env):\n    async def step(self, state):\n        return Result(reward=grade(''))\n")
+        "class MyEnv(Env):\n    async def step(self, state):\n        return Result(reward=grade(''))\n"
+        "class LazyEnv(Env):\n    async def step(self, state):\n        from lazy_grading import grade as g\n"
+        "        return Result(reward=g(''))\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the test's own copy: put back after it)
     path_before = list(sys.path)
     env = load_runner(f"{tmp_path / 'agent.py'}:MyEnv").env_cls()
-    assert asyncio.run(env.step({})).reward == 0.25 and sys.path == path_before
+    assert asyncio.run(env.step({})).reward == 0.25 and sys.path == path_before + [str(tmp_path)]
+    assert asyncio.run(load_runner(f"{tmp_path / 'agent.py'}:LazyEnv").env_cls().step({})).reward == 0.5
+    assert sys.path == path_before + [str(tmp_path)]
 
 
 @pytest.mark.parametrize("top_level, code", [
@@ -537,6 +587,47 @@ def test_an_env_editing_its_prompt_or_label_in_place_leaves_its_groups_other_rol
     assert chat == [{"role": "user", "content": "2+2?"}] and label == ["4"]
 
 
+def test_a_chat_agent_drawing_on_its_images_leaves_the_rows_image_alone(tiny_model):
+    """Before: ctx.images were the row's own images (decoded once at load): a box an agent drew on one was in every
+    later rollout's prompt image of that row, every epoch."""
+    from openai import AsyncOpenAI
+    from PIL import Image, ImageDraw
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.chat_agent import ChatAgent
+    from molt_hydra.agents.wire.images import load_image
+    from molt_hydra.models.build import resolve_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_path("tiny://qwen25_vl_tiny"))  # (a VLM's: image parts are taken)
+    seen = []
+
+    class Engine:
+        async def generate(self, request):
+            return [Generation([7, tok.eos_token_id], [-0.5, -0.5], [0, 0], "stop")]
+
+    class Drawing(ChatAgent):
+        async def run(self, ctx):
+            seen.append(load_image(ctx.messages[0]["content"][0]["image_url"]["url"]).getpixel((1, 1)))
+            ImageDraw.Draw(ctx.images[0]).rectangle([0, 0, 3, 3], fill=(0, 0, 0))
+            async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=1.0)
+
+    row_image, runner = Image.new("RGB", (28, 28), (255, 0, 0)), ChatAgentRunner(Drawing)
+
+    async def two_rollouts():
+        try:
+            for _ in range(2):
+                ep = Episode(prompt="<image>colour?", images=[row_image], sampling=Sampling(max_tokens=4),
+                             max_length=512)
+                assert (await runner.run_group([ep], Engine(), tok)).trajectories
+        finally:
+            await runner.close()
+
+    asyncio.run(two_rollouts())
+    assert seen == [(255, 0, 0)] * 2 and row_image.getpixel((1, 1)) == (255, 0, 0)
+
+
 def test_a_chat_agent_editing_its_label_leaves_its_groups_other_rollouts_alone(tiny_model):
     """Before: ctx.label was the group's shared label: one rollout's edit was the next one's label."""
     from openai import AsyncOpenAI
@@ -613,3 +704,6 @@ def test_a_relative_agent_file_reaches_the_runners_as_an_absolute_path(tmp_path,
     assert absolute_target("agents/my_env.py") == f"{tmp_path}/agents/my_env.py"
     assert absolute_target("/abs/agent.py:X") == "/abs/agent.py:X"
     assert absolute_target("pkg.module.Name") == "pkg.module.Name"
+    # under home, as validation imports it (before: '<cwd>/~/agents/a.py:X', a file the runners could not find)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert absolute_target("~/agents/a.py:X") == f"{tmp_path}/home/agents/a.py:X"

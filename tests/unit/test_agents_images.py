@@ -201,3 +201,50 @@ def test_chat_bad_images_are_the_clients_400_and_other_modes_convert(tiny_model)
     (request,) = engine.requests
     assert [(i.mode, i.getpixel((0, 0))) for i in request.images] == [("RGB", (200, 200, 200)),
                                                                        ("RGB", (100, 100, 100))]
+
+
+def test_result_images_given_as_paths_or_bytes_are_decoded_as_row_images_are(tiny_model, tmp_path):
+    """Result.images take what a dataset's image column takes (a PIL image, a path, bytes, a datasets Image struct),
+    decoded to RGB. Before: a path or bytes went on as they were: the processor's 'Invalid image type: <class
+    'str'>' (or the engine's error) for each rollout, naming neither the agent nor the field. Something that is no
+    image is named."""
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents.chat_agent import ChatAgent, ChatAgentRunner
+    from molt_hydra.models.build import resolve_path
+
+    img("blue").convert("P").save(tmp_path / "blue.png")
+    given = [str(tmp_path / "blue.png"), (tmp_path / "blue.png").read_bytes(), {"bytes": None, "path":
+                                                                                  str(tmp_path / "blue.png")}]
+
+    class Env(resolve_target("recipes/agents/toy.py:ToyEnv")):
+        async def step(self, state):
+            if state["turn"] == 0:
+                return Result(reward=0.0, observation="<|image|>" * 3, terminated=False, images=self.images)
+            return Result(reward=1.0)
+
+    class Agent(ChatAgent):
+        async def run(self, ctx):
+            async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=1.0, images=Env.images)
+
+    async def both(step_tok, chat_tok):
+        chat = ChatAgentRunner(Agent)
+        ep = Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=128)
+        try:
+            return [await StepEnvRunner(Env, image_tokens_per_image=10).run_group([ep], VLMStandIn(7), step_tok),
+                    await chat.run_group([ep], VLMStandIn(chat_tok.eos_token_id), chat_tok)]
+        finally:
+            await chat.close()
+
+    toks = tokenizer(tiny_model), tokenizer(resolve_path("tiny://qwen25_vl_tiny"))  # (a chat agent's: a VLM's)
+    Env.images = given
+    for outcome in asyncio.run(both(*toks)):
+        (traj,) = outcome.trajectories
+        assert [(im.mode, im.getpixel((0, 0))) for im in traj.images] == [("RGB", (0, 0, 255))] * 3
+    Env.images = [str(tmp_path / "blue.png"), 42]
+    for outcome, agent in zip(asyncio.run(both(*toks)), ("Env.step", "Agent.run")):
+        assert outcome.trajectories == [] and outcome.errors == {"agent_exception": (
+            f"ValueError: Result.images of {agent}: unusable image: an image must be a PIL image, bytes, a path or an "
+            "Image struct, got int")}

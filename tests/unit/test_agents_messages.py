@@ -138,6 +138,22 @@ def test_prompt_image_markers_become_data_uri_parts_in_order():
     assert prompt_messages("plain", []) == [{"role": "user", "content": "plain"}]
 
 
+def test_prompt_image_parts_become_data_uri_parts_in_order():
+    """A bare {"type": "image"} part (the processors' and TRL's form; other keys null as a parquet column of parts
+    holds them) is the row's next image, as an <image> marker is. Before: sent on as it was, a 400 ('unsupported
+    content part type') for each rollout; and refused at validation for an Env too, whose chat template renders it."""
+    a, b = red(), Image.new("RGB", (4, 4), (0, 0, 255))
+    row = [{"role": "system", "content": [{"type": "image", "text": None}]},  # (a system message's: left alone)
+           {"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "and", "image": None},
+                                        {"type": "image"}, {"type": "image", "image": "own.png"}, {"type": "image"}]}]
+    parts = prompt_messages(row, [a, b])[1]["content"]
+    assert [p["type"] for p in parts] == ["image_url", "text", "image_url", "image", "text"]
+    assert parts[1] == {"type": "text", "text": "and", "image": None} and parts[3] == row[1]["content"][3]
+    assert parts[4] == {"type": "text", "text": "<image>"}  # more places than images: the marker literally
+    assert [load_image(parts[i]["image_url"]["url"]).getpixel((0, 0)) for i in (0, 2)] == [(255, 0, 0), (0, 0, 255)]
+    assert row[1]["content"][0] == {"type": "image", "text": None}  # the row itself unchanged
+
+
 def test_responses_items_become_the_chat_messages_a_chat_request_would_send():
     tool = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}
     req = responses.parse({

@@ -144,6 +144,33 @@ def test_rows_skipped_or_cut_are_counted_and_logged_with_their_ids(tok, caplog):
                                "tokens (row ids [3])"]
 
 
+# Gemma's and Mistral's templates refuse roles they do not take, with raise_exception (jinja2's TemplateError)
+ALTERNATING = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception("
+               "'Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}<start_of_turn>"
+               "{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>"
+               "assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template,row,error", [
+    (ALTERNATING, {"input": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                   "output": "a"},
+     "TemplateError: Conversation roles must alternate user/assistant/user/assistant/..."),
+    # text joined to a list of parts: the template's own TypeError
+    ("{% for m in messages %}{{ '<|' + m.role + '|>' + m.content }}{% endfor %}{% if add_generation_prompt %}"
+     "<|assistant|>{% endif %}", {"input": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                  "output": "a"}, "TypeError: "),
+])
+def test_a_row_the_chat_template_refuses_is_named_with_the_fix(tok, template, row, error):
+    """Before: jinja2's TemplateError (or the template's TypeError) out of every trainer rank, naming no row."""
+    good = {"input": "hi", "output": "hello"}
+    assert len(build_sft_samples([good], tok, output_key="output", chat_template=template)) == 1
+    with pytest.raises(ValueError) as err:
+        build_sft_samples([good, row], tok, output_key="output", chat_template=template, source="chats.jsonl")
+    assert str(err.value).startswith(f"chats.jsonl: SFT row 1: the chat template refuses its messages ({error}")
+    assert str(err.value).endswith("). Fix: give the row the roles and order the template takes, or set "
+                                   "data.chat_template to one that renders them")
+
+
 def test_template_without_generation_prompt_is_refused(tok):
     with pytest.raises(ValueError, match="add_generation_prompt"):
         discover_reply_markers(tok, "{% for m in messages %}{{ m.content }}{% endfor %}")

@@ -123,6 +123,41 @@ def test_tools_the_chat_server_would_refuse_are_a_config_error_naming_the_row(tm
 CHAT_AGENT = {"_target_": "recipes/agents/python_tool_chat.py"}  # its requests go through the chat server
 
 
+def test_prompt_image_parts_pass_validation_as_image_markers_do(tmp_path):
+    """Before: a row's bare {"type": "image"} parts (the form job=sft takes) were refused for any agent, 'unsupported
+    content part type 'image' (text, image_url)', though an Env's chat template renders them and a chat agent's
+    messages now carry the row's image there (chat_agent.prompt_messages)."""
+    path = tmp_path / "rows.jsonl"
+    prompt = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "colour?"}]}]
+    path.write_text(json.dumps({"prompt": prompt, "label": "R"}) + "\n")
+    assert _config_problems(str(path), max_images_per_prompt=1) == []
+    assert _config_problems(str(path), max_images_per_prompt=1, runner=CHAT_AGENT) == []
+
+
+def test_prompts_placing_images_of_a_column_data_image_key_does_not_read_are_refused(tmp_path):
+    """A VLM dataset (an 'images' column, <image> markers or image parts in its prompts) with data.image_key=null (the
+    default). Before: every prompt reached the model without its image, the literal <image> in its text, without a
+    word; job=sft trained on it so too. Prompts that place no image, or data without an image column, pass."""
+    from test_loss_mask import _sft_problems
+
+    rows, sft = tmp_path / "rows.jsonl", tmp_path / "chats.jsonl"
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}]
+    why = ("its prompt places an image (<image>, or an image part) and the data has an image column 'images', but "
+           "data.image_key=null reads no image: the model would get the prompt without it. Fix: set "
+           "data.image_key=images (with a vision-language model.path and data.max_images_per_prompt >= 1), or take "
+           "the image places out of the prompts")
+    for prompt in ("<image>Find x.", parts):
+        rows.write_text(json.dumps({"prompt": "plain", "label": "1", "images": None}) + "\n"
+                        + json.dumps({"prompt": prompt, "label": "3", "images": ["a.png"]}) + "\n")
+        assert _config_problems(str(rows)) == [f"- data.train_path: {rows} row 1: {why}"]
+        sft.write_text(json.dumps({"input": prompt, "output": "3", "images": ["a.png"]}) + "\n")
+        assert _sft_problems(str(sft), train__batch_size=1) == [f"- data.image_key: {sft}: SFT row 0: {why}"]
+    rows.write_text(json.dumps({"prompt": "Find x.", "label": "3", "images": ["a.png"]}) + "\n")
+    assert _config_problems(str(rows)) == []
+    rows.write_text(json.dumps({"prompt": "<image>Find x.", "label": "3"}) + "\n")
+    assert _config_problems(str(rows)) == []
+
+
 @pytest.mark.parametrize("name", sorted(SERVER_REFUSED))
 def test_a_prompt_the_chat_server_would_refuse_is_a_config_error_naming_the_row(tmp_path, name):
     text, reason = SERVER_REFUSED[name]
@@ -202,6 +237,27 @@ def test_a_split_the_saved_datasetdict_lacks_is_named_with_its_splits(tmp_path):
         _named("data.train_path", load_prompts, str(tmp_path / "dict"), split="test")
 
 
+def test_a_saved_datasetdict_with_an_empty_split_loads_its_other_splits(tmp_path):
+    """Before: datasets' load_from_disk of the whole DatasetDict raised IndexError ('list index out of range') when
+    any split was empty, whichever one was asked for: a traceback out of validation (and of the run's load). An empty
+    split, or an empty saved Dataset, asked for is named as having no rows."""
+    import datasets
+
+    rows, empty = datasets.Dataset.from_list([{"prompt": "a", "label": "1"}]), datasets.Dataset.from_list([])
+    datasets.DatasetDict({"train": rows, "test": empty}).save_to_disk(str(tmp_path / "dict"))
+    empty.save_to_disk(str(tmp_path / "none"))
+    assert load_prompts(str(tmp_path / "dict")) == [{"prompt": "a", "label": "1", "datasource": "default"}]
+    assert _config_problems(str(tmp_path / "dict")) == []
+    no_rows = "has no rows (an empty Dataset was saved there). Fix: save the rows again (a filter kept none?), or " \
+              "point the key at a dataset with rows"
+    with pytest.raises(ValueError) as err:
+        load_prompts(str(tmp_path / "dict"), split="test")
+    assert str(err.value) == f"{tmp_path / 'dict' / 'test'} {no_rows}"
+    assert _config_problems(str(tmp_path / "none")) == [f"- data.train_path: {tmp_path / 'none'} {no_rows}"]
+    with pytest.raises(ValueError, match=r"has no split 'dev'; its splits: \['test', 'train'\]. Fix: set data.split"):
+        load_prompts(str(tmp_path / "dict"), split="dev")
+
+
 def test_a_null_datasource_is_the_default_one(tmp_path):
     """Before: a row with "datasource": null was scored under the eval metrics eval_None_*."""
     path = tmp_path / "rows.jsonl"
@@ -226,7 +282,7 @@ def _config_problems(spec: str, max_images_per_prompt: int = 0, batch_size: int 
     """The data rules' problems with data.train_path=spec: where it points and its rows (runtime/validate.py runs
     both rules). rollout.batch_size=1 unless given: the files here are of a few rows, and their count against the
     batch is tested on its own (test_training_data_of_fewer_rows_than_a_batch_...)."""
-    from molt_hydra.agents.rules import check_prompts
+    from molt_hydra.agents.rules import check_agent
     from molt_hydra.config.schema import RunConfig
     from molt_hydra.config.validate import Problems
     from molt_hydra.data.rules import check_data
@@ -234,12 +290,11 @@ def _config_problems(spec: str, max_images_per_prompt: int = 0, batch_size: int 
     cfg, problems = RunConfig(), Problems()
     cfg.data.train_path, cfg.data.max_images_per_prompt = spec, max_images_per_prompt
     cfg.rollout.batch_size = batch_size
-    if runner is not None:
-        cfg.agent.runner = runner
+    cfg.agent.runner = runner or {"_target_": "recipes/agents/toy.py:ToyEnv"}  # an Env unless given
     for key, value in data.items():
         setattr(cfg.data, key, value)
     check_data(cfg, problems)
-    check_prompts(cfg, problems)
+    check_agent(cfg, problems)  # (it checks the rows, as a chat agent's server or an Env takes them)
     return problems.lines
 
 
@@ -270,6 +325,19 @@ def test_csv_cells_are_read_as_written(tmp_path):
     path = tmp_path / "rows.csv"
     path.write_bytes(b'\xef\xbb\xbfprompt,label\n42,2\n"a, b",007\nc,1.50\n')
     assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("42", "2"), ("a, b", "007"), ("c", "1.50")]
+
+
+def test_a_csv_file_read_as_pandas_reads_it_blank_lines_skipped_and_one_without_rows_named(tmp_path):
+    """Before: a blank first line was read as a header of no column, and every row refused ('line 2 has 2 cells, the
+    header names 0 ([])'), where pandas skips it; a header alone, or blank lines alone, was datasets' 'Instruction
+    "train" corresponds to no data!' / 'No columns to parse from file'."""
+    path = tmp_path / "rows.csv"
+    path.write_text("\nprompt,label\na,1\n\nb,2\n")
+    assert [(r["prompt"], r["label"]) for r in load_prompts(str(path))] == [("a", "1"), ("b", "2")]
+    fix = "Fix: write a header line of the column names, then one line per row"
+    for text, why in (("prompt,label\n", "has no rows below its header."), ("\n\n", "has no rows (it is blank).")):
+        path.write_text(text)
+        assert _config_problems(str(path)) == [f"- data.train_path: {path} {why} {fix}"]
 
 
 def test_a_path_under_home_written_with_a_tilde_loads(tmp_path, monkeypatch):

@@ -69,6 +69,20 @@ def test_code_holding_a_lone_surrogate_fails_in_the_sandbox_as_python_would():
         "UnicodeEncodeError: 'utf-8' codec can't encode character '\\ud800' in position 5: surrogates not allowed")
 
 
+@pytest.mark.parametrize("code", [5, None, b"print(1)", ["print(1)"]])
+def test_code_that_is_no_string_is_the_calls_error_and_starts_no_process(code, monkeypatch):
+    """A tool call's arguments may be {"code": 5}. Before: run_python started the sandbox, then raised AttributeError
+    ('int' object has no attribute 'encode') out of the agent, failing its rollout; the started process waited on its
+    stdin for the rest of the run, one more for each such call. Now the model sees the error, as it sees Python's."""
+    async def no_process(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", no_process)
+    r = run(run_python(code))
+    assert (r.stdout, r.exit_code, r.ok, r.timed_out) == ("", 1, False, False)
+    assert r.as_observation() == f"TypeError: the code is {type(code).__name__} {code!r}, not a string of Python source"
+
+
 def test_math_and_numpy_run_and_output_is_captured():
     pytest.importorskip("numpy")
     code = "import math, numpy as np\nprint(math.comb(10, 3))\nprint(int(np.arange(1, 101).sum()))"

@@ -124,5 +124,9 @@ def test_an_image_the_models_processor_refuses_drops_its_row_at_load(tmp_path, c
     assert [r["label"] for r in prompts] == ["0", "2", "3"]
     assert (f"{path} row 1 (images) image 0: the model's processor refuses it (absolute aspect ratio must be smaller "
             "than 200, got 201.0)") in caplog.text
-    cfg.data.max_images_per_prompt, cfg.data.image_key = 0, None  # a text-only run: no processor, nothing screened
-    assert len(_load_rows(cfg, scoring=False)[0]) == 4
+    # a text-only run reads no image, so nothing is screened; its prompts' <image> would reach the model without one
+    # (before: taken without a word): refused, naming data.image_key (tests/unit/test_prompt_files.py)
+    cfg.data.max_images_per_prompt, cfg.data.image_key = 0, None
+    with pytest.raises(ValueError, match=f"{path} row 0: its prompt places an image .* data.image_key=null reads no "
+                                         "image"):
+        _load_rows(cfg, scoring=False)

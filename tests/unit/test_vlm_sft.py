@@ -120,3 +120,47 @@ def test_vlm_sft_drops_rows_with_unusable_images_and_logs_their_ids(tmp_path, ca
                                          "unusable image: image file is truncated"):
         build_sft_samples(rows[1:5], tok, output_key="output", image_key="images", max_images_per_prompt=1,
                           images=images)
+
+
+def test_vlm_sft_drops_a_row_whose_image_the_processor_refuses_naming_it(tmp_path, caplog):
+    """Qwen-VL's processor refuses an image whose aspect ratio is over 200. Before: job=sft decoded the row, then the
+    processor's 'absolute aspect ratio must be smaller than 200' ValueError came out of build_sft_samples on every
+    trainer rank, naming no row; now the row is dropped, named, as RL prompt loading drops it."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    tok, images = AutoTokenizer.from_pretrained(model_dir), vlm.TrajectoryImages.for_model(model_dir)
+    sizes = [(8, 6), (402, 2), (6, 8), (2, 400)]  # (width, height): ratios 1.33, 201 (refused), 1.33, 200 (taken)
+    rows = [{"input": "<image>What colour?", "output": f"colour {i}", "images": [Image.new("RGB", size, (9, 9, 9))]}
+            for i, size in enumerate(sizes)]
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        samples = build_sft_samples(rows, tok, output_key="output", image_key="images", max_images_per_prompt=1,
+                                    images=images, source="train.jsonl")
+    kept = [tok.decode(s["input_ids"][s["loss_mask"].bool()]) for s in samples]
+    assert kept == ["colour 0<|im_end|>", "colour 2<|im_end|>", "colour 3<|im_end|>"]
+    assert ("train.jsonl: SFT row 1 (images) image 0: the model's processor refuses it (absolute aspect ratio must be "
+            "smaller than 200, got 201.0)") in caplog.text
+    assert "dropped 1 of 4 rows of train.jsonl: SFT with unusable images (row ids [1])" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["qwen25_vl_tiny", "idefics3_tiny"])
+def test_an_sft_row_whose_images_and_image_places_differ_is_named(tmp_path, name):
+    """A row's images go where its user text has `<image>` (or an image part). Before: 'fewer image placeholders in
+    the trajectory than its 2 images' out of every trainer rank, naming no row."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_path(f"tiny://{name}")
+    tok, images = AutoTokenizer.from_pretrained(model_dir), vlm.TrajectoryImages.for_model(model_dir)
+    (good,) = _rows(tmp_path, 1)
+    kw = dict(output_key="output", image_key="images", max_images_per_prompt=2, images=images, source="chats.jsonl")
+    for row, count, places in ((dict(good, images=good["images"] * 2), 2, 1), (dict(good, input="Angle x?"), 1, 0),
+                               (dict(good, input="<image><image>Angle x?"), 1, 2)):
+        with pytest.raises(ValueError) as err:
+            build_sft_samples([good, row], tok, **kw)
+        assert str(err.value) == (f"chats.jsonl: SFT row 1: it has {count} image(s) in data.image_key='images' but "
+                                  f"{places} place(s) for one in its messages. Fix: write one <image> in the user text "
+                                  "where each image goes (or a {'type': 'image'} content part)")
+    two = dict(good, input="<image>and<image>Angle x?", images=good["images"] * 2)
+    assert len(build_sft_samples([good, two], tok, **kw)) == 2
