@@ -144,8 +144,8 @@ def _refuse_step_fields(result, returned_by: str) -> None:
                    if getattr(result, name) != unset]
     if step_fields:
         raise ValueError(f"{returned_by} returned {' and '.join(step_fields)}, which steer an Env's next turn; a "
-                         "ChatAgent's turns are its own requests to ctx.base_url (sampling goes in each request): leave "
-                         "them unset")
+                         "ChatAgent's turns are its own requests to ctx.base_url (sampling goes in each request): "
+                         "leave them unset")
     if not result.terminated and not result.truncated:  # (was `is False`: numpy's False_ or 0 passed unseen)
         raise ValueError(f"{returned_by} returned Result.terminated=False; a ChatAgent's episode ends when run "
                          "returns: set Result.truncated=True if it was cut off")
@@ -166,8 +166,8 @@ def text_only_model(model_dir: str) -> bool:
 
 
 def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:
-    """Dataset row → OpenAI wire messages; each literal `<image>` in a user string becomes the next image (Molt), and so
-    does each bare `{"type": "image"}` part of a user message (the processors' and TRL's form, which job=sft and an
+    """Dataset row → OpenAI wire messages; each literal `<image>` in a user string becomes the next image (Molt), and
+    so does each bare `{"type": "image"}` part of a user message (the processors' and TRL's form, which job=sft and an
     Env's chat template take; was: a 400 for every rollout, or refused at validation)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else copy.deepcopy(prompt)
     pending = list(images)
