@@ -28,7 +28,7 @@ from molt_hydra.runtime import ray_head, reaper
 from molt_hydra.runtime.agent_runner import OUTPUT
 from molt_hydra.runtime.preemption import PreemptionNotice
 from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within, stopped_head
-from molt_hydra.runtime.run_lock import run_lock
+from molt_hydra.runtime.run_lock import run_lock, unless_another_run
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, beside, describe,
@@ -138,10 +138,10 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval":  # (eval loads checkpoint.path)
         return None, None
-    # what a crash left aside as it replaced a checkpoint (or `best`) is put back first (the export's is by the next
-    # export: a resume exports a missing one again); in a directory this run cannot write, it is left as it is
-    for root in (c.dir, c.dir + "_critic"):
-        with suppress(OSError):
+    # a crash's leftover of a checkpoint or `best` is put back first (the export's by the next export), unless this run
+    # cannot write there or another run writes there (the critic's dir is locked with the actor's)
+    with suppress(OSError), unless_another_run(c.dir) as free:
+        for root in (c.dir, c.dir + "_critic") if free else ():
             recover(root)
     if c.resume.value == "never":
         _refuse_earlier_checkpoints(cfg)
