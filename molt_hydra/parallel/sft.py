@@ -161,7 +161,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
         every = kw["save_steps"]  # N: every N steps and the last (as an RL run); -1: at the end only; 0: never
         if kw["ckpt_path"] and ((every > 0 and (step + 1) % every == 0) or (every != 0 and (last or stopping))):
             worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs,
-                                                     "eval_skipped": due and stopping},
+                                                     "eval_skipped": due and stopping, "run_record": kw["run_record"]},
                                    keep=kw["keep"], max_disk_gb=kw["max_disk_gb"])
         record(rec)
         if stopping:  # the step is saved (unless save_steps=0); no final export: the requeued run goes on
@@ -183,7 +183,7 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
             resume: bool = False, export_hf: bool = True, num_ranks: int = 1, seed: int = 42,
             image_key: str | None = None, max_images_per_prompt: int = 0, max_disk_gb: float | None = None,
             load_model_only: bool = False, resume_step: str | None = None, stop=None, ignore_signals=(),
-            **trainer) -> list[dict]:
+            run_record: dict | None = None, **trainer) -> list[dict]:
     """Train, evaluate, checkpoint and export; returns the per-step metric records (also in
     <output_dir>/sft_metrics.jsonl): sft_loss, lr, grad_norm, tokens_per_sec, and `eval sft_loss` where evaluated.
     trainer: TrainerSpec fields (parallel/trainer_spec.py: lr, param_dtype, max_tokens_per_micro_batch, the backend's
@@ -192,7 +192,9 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
     resume_step: the step_<N> under ckpt_path to resume (the run's checked choice), else the newest loadable.
     stop: a multiprocessing Value("i", lock=False) shared with the caller (runtime/sft_job.py), who sets STOP on
     Slurm's notice: the ranks save at the end of the step under way (save_steps=0 aside) and return without the final
-    export, leaving STOPPED. ignore_signals: signals the local ranks ignore (that notice: the caller acts on it)."""
+    export, leaving STOPPED. ignore_signals: signals the local ranks ignore (that notice: the caller acts on it).
+    run_record: the run's record (runtime/run_record.py), in every checkpoint's client state, as an RL run's: a warm
+    start restarted over its own steps (Slurm's requeue) is told by it (runtime/entrypoint.py _own_warm_start_steps)."""
     kw = {k: v for k, v in locals().items() if k != "trainer"}  # every argument above, as the ranks read them
     kw["worker"] = {**SFT_DEFAULTS, "seed": seed, **trainer}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank

@@ -26,6 +26,7 @@ class RoleCalls:
         self.max_model_len = max_model_len
         self.engines_lock = asyncio.Lock()  # a weight push and an engine replacement never overlap
         self.keeper = None  # runtime/engine_keeper.py, when dead engines are replaced
+        self.pushed = False  # the engines hold pushed weights (a warm start's at version 0 too), not the model path's
         self.shared_push = None  # weight_sync/shared_params.py: the single pass, driven from here (one trainer rank)
         self.offer: tuple | None = None  # (the trainer's offer,) taken with the release just before a push
         self.failed_hint: BaseException | None = None  # an unawaited engines_busy hint's error, raised by the next
@@ -84,7 +85,9 @@ class RoleCalls:
     async def push_weights(self, version: int) -> dict:
         """The trainer's weights to every engine, stamped `version`. An engine found dead when a push fails is
         replaced first (it gets its weights from the retried push)."""
-        return await self._replacing_dead(lambda: self.push_to(version, self.roles.engines), None)
+        result = await self._replacing_dead(lambda: self.push_to(version, self.roles.engines), None)
+        self.pushed = True
+        return result
 
     async def _replacing_dead(self, work, version: int | None):
         """`work()`, a call on every engine; where it fails and an engine is found dead, that engine is replaced (given

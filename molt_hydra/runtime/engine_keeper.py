@@ -78,7 +78,10 @@ class EngineKeeper:
         except ray.exceptions.RayError as e:  # named by its index (before: 'rollout engine', whichever it was)
             cause = f"its restart failed: {describe(e).removeprefix('its start failed: ')}"
             raise RunFailed(role, await with_logged_error(engine, cause)) from e
-        if version:  # version 0: the model path's weights, which the new engine loaded itself
+        # version 0 before any push: the model path's weights, which the new engine loaded itself. A warm start's
+        # version 0 is its checkpoint's, pushed at its start (before: a replacement before the first sync served the
+        # model path's weights as version 0, and the steps trained on them were off-policy without a word)
+        if version or version == 0 and roles.calls.pushed:
             await roles.calls.push_to(version, [engine])
         roles.engines[index] = engine
         stranded = sum(n or 0 for n in await deadline(asyncio.gather(

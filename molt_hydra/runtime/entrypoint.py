@@ -28,7 +28,7 @@ from molt_hydra.runtime import ray_head, reaper
 from molt_hydra.runtime.agent_runner import OUTPUT
 from molt_hydra.runtime.preemption import PreemptionNotice
 from molt_hydra.runtime.ray_head import EXIT_S, dead_head_within, stopped_head
-from molt_hydra.runtime.run_lock import run_lock
+from molt_hydra.runtime.run_lock import run_lock, unless_another_run
 from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, beside, describe,
@@ -74,7 +74,7 @@ def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
     if saved is not None and _nothing_left(cfg, resume_from, saved):
         return
     if cfg.job.value == "sft":
-        _run_sft(cfg, resume_from, notice)
+        _run_sft(cfg, resume_from, notice, record)
         return
     rows = _resumed_rows(cfg, resume_from, saved)
     _build_models(cfg)
@@ -138,10 +138,10 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     c, skipped = cfg.checkpoint, []
     if cfg.job.value == "eval":  # (eval loads checkpoint.path)
         return None, None
-    # what a crash left aside as it replaced a checkpoint (or `best`) is put back first (the export's is by the next
-    # export: a resume exports a missing one again); in a directory this run cannot write, it is left as it is
-    for root in (c.dir, c.dir + "_critic"):
-        with suppress(OSError):
+    # a crash's leftover of a checkpoint or `best` is put back first (the export's by the next export), unless this run
+    # cannot write there or another run writes there (the critic's dir is locked with the actor's)
+    with suppress(OSError), unless_another_run(c.dir) as free:
+        for root in (c.dir, c.dir + "_critic") if free else ():
             recover(root)
     if c.resume.value == "never":
         _refuse_earlier_checkpoints(cfg)
@@ -335,11 +335,12 @@ def _own_warm_start_steps(cfg: RunConfig, found: Path, state: dict) -> bool:
     """A warm start (checkpoint.load_model_only) whose checkpoint.dir newest step is one this warm start saved itself,
     restarted (Slurm's requeue, the same command again): it resumes that step whole, saying so, as any run resumes its
     own (`_check_resume` sets cfg's checkpoint.load_model_only false for the roles; the run's record keeps the
-    command's). Told by the step's record of its run's config (job=rl). Before: refused as another run's steps (since
-    ccf0991), and before that, trained again from step 0 over its own steps."""
-    saved = state.get("run_record", {}).get("config", {}).get("checkpoint", {})
+    command's). Told by the step's record of its run's config (job=rl; job=sft since its checkpoints hold one: before,
+    an SFT warm start requeued by Slurm was refused as another run's steps). Before: refused as another run's steps
+    (since ccf0991), and before that, trained again from step 0 over its own steps."""
+    saved = (state.get("run_record") or {}).get("config", {}).get("checkpoint", {})
     same_dir = Path(saved.get("dir", "")).resolve() == Path(cfg.checkpoint.dir).resolve()
-    if cfg.job.value != "rl" or not (saved.get("load_model_only") and same_dir):
+    if not (saved.get("load_model_only") and same_dir):
         return False
     print(f"checkpoint.load_model_only=true: {found} was saved by this warm start itself (started from its weights "
           f"in checkpoint.dir={cfg.checkpoint.dir}): resuming it whole, as a restart", file=sys.stderr)
@@ -374,7 +375,7 @@ def _refuse_a_warm_start_among_its_steps(cfg: RunConfig, found: Path) -> None:
     sys.exit(EXIT_FAILED)
 
 
-def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice) -> None:
+def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice, record: dict) -> None:
     """job=sft on its torch.multiprocessing ranks; a failure is one message naming the rank, printed last (before: a
     rank's traceback through Hydra's report). Slurm's notice: the ranks save the step under way, then the notice's
     handover (requeue, or exit 130), as an RL run's; a step past the grace is cut short (a KeyboardInterrupt: the ranks
@@ -382,7 +383,7 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice)
     from molt_hydra.runtime.sft_job import run_sft_job
 
     try:
-        run_sft_job(cfg, resume_from, notice)
+        run_sft_job(cfg, resume_from, notice, record)
     except KeyboardInterrupt:
         if not notice.received.is_set():
             raise  # Ctrl-C / SIGTERM: _stoppable's exit 130

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,8 +47,33 @@ def run_lock(dirs: dict[str, str]):
                       f"to end, or point {key} at another directory.", file=sys.stderr)
                 sys.exit(EXIT_FAILED)
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+            os.pwrite(fd, _holder().encode(), 0)
         yield
     finally:
         for fd in held:
             os.close(fd)  # releases its lock
+
+
+def _holder() -> str:
+    return f"pid {os.getpid()} on {os.uname().nodename}"
+
+
+@contextmanager
+def unless_another_run(directory: str | os.PathLike) -> Iterator[bool]:
+    """Whether no other run writes `directory` (its lock is free, and held for the `with` block so none starts, or
+    held by this process's `run_lock`): what a crash left there may be put back then. Another run may be between
+    the two renames of a save (parallel/checkpoint.py `_replace_dir`): its step put back under it fails its save."""
+    try:
+        fd = os.open(Path(directory) / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:  # no run ever wrote it
+        yield True
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        free = True
+    except BlockingIOError:  # (a lock of this process's is refused too: another open file)
+        free = os.pread(fd, 200, 0).decode(errors="replace").strip() == _holder()
+    try:
+        yield free
+    finally:
+        os.close(fd)

@@ -15,11 +15,11 @@ from molt_hydra.runtime.trainer_options import trainer_options
 from molt_hydra.runtime.watchdog import RoleStalled, descendants, kill, stall_report, watch_stopped
 
 
-def run_sft_job(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice) -> list[dict]:
+def run_sft_job(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice, record: dict) -> list[dict]:
     """`resume_from`: the checkpoint the run's resume check chose (every rank loads that one). `notice`: Slurm's
     (runtime/preemption.py), taken here while the ranks train: they save at the end of the step under way and stop,
     and `notice.saved` names the step (the caller hands over: requeue or exit 130). Before, job=sft took no notice:
-    submitit requeued it at once, without a save."""
+    submitit requeued it at once, without a save. `record`: the run's record, saved in every checkpoint."""
     import multiprocessing
 
     from molt_hydra.models.build import resolve_path
@@ -39,7 +39,7 @@ def run_sft_job(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNoti
                 num_ranks=cfg.parallelism.trainer_devices, seed=cfg.seed, image_key=d.image_key,
                 max_images_per_prompt=d.max_images_per_prompt, max_disk_gb=c.max_disk_gb,
                 load_model_only=c.load_model_only, resume_step=resume_from.name if resume_from is not None else None,
-                stop=stop, ignore_signals=(NOTICE,), **trainer_options(cfg, t.optimizer))
+                stop=stop, ignore_signals=(NOTICE,), run_record=record, **trainer_options(cfg, t.optimizer))
     finally:
         notice.uninstall()
     if stop.value == STOPPED:  # (the last record is the step they stopped at)

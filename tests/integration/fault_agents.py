@@ -152,3 +152,19 @@ class RefusingRunner(StepEnvRunner):
     def __init__(self):
         super().__init__(ToyEnv)
         raise ValueError("the grader is unreachable")
+
+
+class PausingEnv(ToyEnv):
+    """The run's first rollout (whichever runner process claims `marker` first) holds its runner for `seconds` before
+    anything is generated (a blocking `reset`): the engines have their first weights, no token is generated yet."""
+
+    def __init__(self, marker: str, seconds: float):
+        self.marker, self.seconds = marker, seconds
+
+    def reset(self, state):
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            time.sleep(self.seconds)
+        except FileExistsError:
+            pass
+        return state

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -247,6 +248,34 @@ def test_killed_engine_actor_is_replaced_with_the_current_weights(tmp_path):
         assert engine_versions(tmp_path / "run", step) == {step - 1}, step
         assert abs(m[step]["train/vllm_kl"]) < 1e-4  # the replacement holds the trainer's weights, not the start's
     assert "Traceback" not in run.err()
+
+
+@pytest.mark.slow  # ~2 min: two runs, one engine restart
+def test_an_engine_replaced_before_a_warm_starts_first_sync_gets_the_checkpoints_weights(tmp_path):
+    """A warm start (checkpoint.load_model_only) gives the engines its checkpoint's weights as version 0. kill -9 of
+    the engine before the first sync (the first rollout holds its runner before anything is generated): the
+    replacement gets those weights too, and the steps before the first sync train on-policy. Before: it got none (a
+    version 0 was taken for the model path's weights, which a new engine loads itself), and step 1 trained on an
+    untrained model's tokens (|vllm_kl| ~0.26 here, ~1e-8 after the first sync) without a word."""
+    source = tmp_path / "source"
+    assert Run(source, "train.max_steps=3", "train.optimizer.lr=1e-2").finish() == 0
+    own = tmp_path / "own"
+    shutil.copytree(source / "checkpoints" / "step_3", own / "step_0")  # a warm start's own directory
+    marker = tmp_path / "waiting"
+    run = Run(tmp_path / "run", "train.max_steps=3", "train.mode=sync", f"checkpoint.dir={own}",
+              "checkpoint.load_model_only=true", "checkpoint.resume=auto", "checkpoint.save_steps=0",
+              f"agent.runner._target_={AGENTS}:PausingEnv", f"+agent.runner.marker={marker}",
+              "+agent.runner.seconds=5")
+    run.wait_for(marker.exists)  # after the warm start's push (version 0), before step 1 generates
+    (engine,) = run.children("VLLMEngine")
+    os.kill(engine, signal.SIGKILL)
+    code = run.finish()
+    assert code == 0, run.err()[-3000:]
+    m = metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2, 3] and m[3]["train/engine/restarts"] == 1
+    assert "rollout engine 0 restarted (1 of rollout.max_engine_restarts=3): its actor died (" in run.err()
+    for step in (1, 2, 3):
+        assert abs(m[step]["train/vllm_kl"]) < 1e-4, (step, m[step]["train/vllm_kl"])
 
 
 def cpu_busy(pid: int, window_s: float = 0.05) -> bool:

@@ -175,15 +175,7 @@ def test_molt_run_sft_saves_the_step_under_way_on_the_notice_and_resumes_from_it
     args = [MOLT_RUN, "job=sft", f"data.train_path={data}", "data.input_key=messages", "train.batch_size=4",
             "train.micro_batch_size=2", f"hydra.run.dir={out}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    deadline = time.monotonic() + 240
-    while len(_steps(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None and len(_steps(out)) >= 2, "the run ended or did not train in 240 s"
-    os.killpg(proc.pid, signal.SIGUSR2)
-    _, err = proc.communicate(timeout=180)
-    assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
+    err = _stopped_on_notice(args, out, env)
     saved = _steps(out)[-1]
     assert 2 <= saved < 100, saved
     assert err.rstrip().splitlines()[-1] == (f"Run stopped on SIGUSR2 (a time limit or a preemption): checkpoint "
@@ -195,4 +187,46 @@ def test_molt_run_sft_saves_the_step_under_way_on_the_notice_and_resumes_from_it
     resumed = subprocess.run([*args, "checkpoint.resume=auto"], capture_output=True, text=True, env=env, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(out) == list(range(1, 101))  # from the saved step on to the end (100 steps), exported there
+    assert list(out.rglob("model.safetensors"))
+
+
+def _stopped_on_notice(args: list[str], out: Path, env: dict) -> str:
+    """`molt-run args`, sent Slurm's notice once it trained 2 steps; returns its stderr, once it exited 130."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while len(_steps(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None and len(_steps(out)) >= 2, "the run ended or did not train in 240 s"
+    os.killpg(proc.pid, signal.SIGUSR2)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
+    return err
+
+
+@pytest.mark.slow  # ~1.5 min: two molt-run jobs
+def test_a_warm_start_requeued_on_the_notice_resumes_its_own_step_whole(straight, tmp_path):
+    """An SFT warm start (checkpoint.load_model_only=true from a copy as step_0 of its own checkpoint.dir, as the fix
+    of a warm start among another run's steps says) stopped by Slurm's notice, then requeued: the same command again
+    resumes the step it saved, whole, and trains on to the end. Before: SFT's checkpoints held no run record, so the
+    requeued job was refused as a warm start among another run's steps (exit 4) and a preempted SFT job never
+    finished."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [r["input"][0], {"role": "assistant", "content": r["output"]}]})
+                            + "\n" for r in rows(400)))
+    out, own = tmp_path / "run", tmp_path / "own"
+    shutil.copytree(straight[0] / "step_3", own / "step_0")  # another run's weights (tiny://qwen3_tiny, as here)
+    args = [MOLT_RUN, "job=sft", f"data.train_path={data}", "data.input_key=messages", "train.batch_size=4",
+            "train.micro_batch_size=2", f"hydra.run.dir={out}", f"checkpoint.dir={own}",
+            "checkpoint.load_model_only=true", "checkpoint.resume=auto"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    _stopped_on_notice(args, out, env)
+    saved = _steps(out)[-1]
+    assert sorted(p.name for p in own.glob("step_*")) == ["step_0", f"step_{saved}"]
+
+    requeued = subprocess.run(args, capture_output=True, text=True, env=env, timeout=400)  # the same command
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert (f"checkpoint.load_model_only=true: {own / f'step_{saved}'} was saved by this warm start itself (started "
+            f"from its weights in checkpoint.dir={own}): resuming it whole, as a restart") in requeued.stderr
+    assert _steps(out) == list(range(1, 101))  # from the saved step on to the end (100 steps), not from 0 again
     assert list(out.rglob("model.safetensors"))

@@ -98,6 +98,49 @@ def test_best_left_aside_by_a_kill_is_put_back_by_the_resume_check(tmp_path):
     assert (root / "best" / "best.json").read_text() == '{"step": 1}' and not (root / ".old-best").exists()
 
 
+HOLDER = r"""
+import sys
+from molt_hydra.runtime.run_lock import run_lock
+with run_lock({"checkpoint.dir": sys.argv[1]}):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_a_leftover_of_a_directory_another_run_writes_is_left_to_that_run(tmp_path):
+    """A run that only reads a checkpoint.dir (checkpoint.save_steps=0: it takes no lock there) while another run,
+    holding that directory's lock, is between the two renames of replacing `best`: the reader's resume check leaves
+    the old copy aside, and the writer's rename in goes through. Before: the check put the old copy back under the
+    writer, whose rename then failed (OSError: Directory not empty), ending that run. Once the writer is gone, its
+    leftover is put back as before, and a run holding the lock itself (it writes there) puts it back too."""
+    from molt_hydra.runtime.entrypoint import _check_resume
+    from molt_hydra.runtime.run_lock import run_lock
+
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 2, _model(1), client_state={"master_weights": "fsdp"})
+    (root / ".old-best").mkdir()  # the writer's swap, between its two renames
+    (root / ".tmp-best").mkdir()
+    cfg = value(job=value(value="rl"), model=value(master_weights=value(value="fsdp")), checkpoint=value(
+        dir=str(root), resume=value(value="auto"), load_model_only=False))
+    writer = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "held"
+        assert _check_resume(cfg)[0] == root / "step_2"
+        assert sorted(p.name for p in root.iterdir() if "best" in p.name) == [".old-best", ".tmp-best"]
+    finally:
+        writer.communicate("", timeout=60)
+    (root / ".tmp-best").rename(root / "best")  # the writer's rename in: its own `best` is not in the way
+    (root / ".old-best").rmdir()  # (and its removal of the old one)
+    (root / "best").rename(root / ".old-best")  # a writer that died between the renames, its lock gone with it
+    _check_resume(cfg)
+    assert (root / "best").is_dir() and not (root / ".old-best").exists()
+    (root / "best").rename(root / ".old-best")
+    with run_lock({"checkpoint.dir": str(root)}):  # this run's own lock (a run writing there)
+        _check_resume(cfg)
+    assert (root / "best").is_dir() and not (root / ".old-best").exists()
+
+
 def test_a_leftover_the_resume_check_cannot_put_back_is_left_as_it_is(tmp_path, monkeypatch):
     """A checkpoint.dir this run only reads (mounted read-only, a warm start's source) holding a crash's leftover:
     the resume check goes on without it (was: a PermissionError traceback before anything started)."""

@@ -179,7 +179,7 @@ def test_job_sft_hands_over_once_its_ranks_stopped_on_the_notice(tmp_path, monke
     cfg = OmegaConf.to_object(compose_config(["job=sft", "data.train_path=chats.jsonl", "data.input_key=messages",
                                               f"checkpoint.dir={tmp_path / 'ckpt'}"], output_dir=str(tmp_path)))
     with pytest.raises(SystemExit) as e:
-        entrypoint._run_sft(cfg, None, PreemptionNotice(cfg.output_dir))
+        entrypoint._run_sft(cfg, None, PreemptionNotice(cfg.output_dir), {})
     assert e.value.code == EXIT_INTERRUPTED
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "Run stopped on SIGUSR2 (a time limit or a preemption): checkpoint saved at step 3; resume with "

@@ -31,14 +31,14 @@ RANK_TRACEBACK = ("\n\n-- Process 1 terminated with the following error:\nTraceb
 def test_a_failed_sft_rank_is_one_message_naming_it(error, last, tmp_path, monkeypatch, capsys):
     import molt_hydra.runtime.sft_job as sft_job
 
-    def fails(cfg, resume_from, notice):
+    def fails(cfg, resume_from, notice, record):
         raise error
 
     monkeypatch.setattr(sft_job, "run_sft_job", fails)
     cfg = OmegaConf.to_object(compose_config(["+recipe=tiny_vlm_colors_warm", f"checkpoint.dir={tmp_path / 'ckpt'}"],
                                              output_dir=str(tmp_path)))
     with pytest.raises(SystemExit) as e:
-        entrypoint._run_sft(cfg, None, PreemptionNotice(cfg.output_dir))
+        entrypoint._run_sft(cfg, None, PreemptionNotice(cfg.output_dir), {})
     assert e.value.code == EXIT_FAILED
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0] == last and "Traceback" not in "\n".join(lines)

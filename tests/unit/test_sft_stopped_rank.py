@@ -51,7 +51,7 @@ def test_a_stopped_sft_rank_ends_the_run_naming_it(tmp_path, monkeypatch, capsys
     threading.Thread(target=_stop_rank_1, args=(tmp_path, pids, ended), daemon=True).start()
     try:
         with pytest.raises(SystemExit) as e:
-            entrypoint._run_sft(cfg, None, PreemptionNotice(cfg.output_dir))
+            entrypoint._run_sft(cfg, None, PreemptionNotice(cfg.output_dir), {})
     finally:
         ended.set()
         for pid in pids:  # (never left stopped)
