@@ -120,3 +120,22 @@ def test_rollout_dump_then_replay(tmp_path):
     replayed = _drain(_controller([f"train.rollout_replay_dir={dump}"], NoGeneration()))
     assert [b.groups[0].prompt_index for b in replayed] == [b.groups[0].prompt_index for b in made] == [1, 2, 3]
     assert [b.metrics for b in replayed] == [b.metrics for b in made]
+
+
+# ------------------------------------------------------------------ model.aux_loss_coef under job=sft
+def test_sft_trains_with_the_moe_load_balancing_loss(tmp_path):
+    """Before: `job=sft model=qwen3_moe_tiny model.aux_loss_coef=0.01` validated, but runtime/sft_job.py hands run_sft
+    `trainer_options` only, which left the coefficient out (job=rl's trainer_spec added it itself): every SFT rank's
+    TrainerSpec kept 0.0 and the trainer added no load-balancing loss. run_sft builds each rank's spec from them."""
+    from _config_helpers import compose_config
+    from molt_hydra.cli import checked
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
+    from molt_hydra.runtime.trainer_options import trainer_options
+
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("".join(f'{{"messages": [{{"role": "user", "content": "hi {i}"}}, {{"role": "assistant", '
+                            f'"content": "hello {i}"}}]}}\n' for i in range(64)))
+    cfg, _ = checked(compose_config(["job=sft", "model=qwen3_moe_tiny", "model.aux_loss_coef=0.01", "dry_run=true",
+                                     f"data.train_path={rows}", "data.input_key=messages"]))
+    spec = TrainerSpec("tiny://qwen3_moe_tiny", **trainer_options(cfg, cfg.train.optimizer))
+    assert spec.aux_loss_coef == 0.01
