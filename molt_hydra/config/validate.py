@@ -796,7 +796,7 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
         (not rl or t.force_on_policy or samples % t.batch_size == 0, "train.batch_size",
          f"a rollout step yields {samples} samples, not a multiple of train.batch_size={t.batch_size}; the remainder "
          "would be dropped every step.", "make rollout.batch_size x rollout.n_samples_per_prompt a multiple of "
-         f"train.batch_size (e.g. train.batch_size={samples})"),
+         f"train.batch_size (e.g. {_whole_steps(samples, t, r.n_samples_per_prompt, per_step)})"),
         (job == "eval" or t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size",  # (eval: no trainer)
          f"must be a multiple of micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size} "
          f"(dp: {ranks}).", f"set train.batch_size to a multiple of {per_step}, or change the ranks "
@@ -822,6 +822,16 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
          "evaluation is scheduled (eval.every_steps / eval.at_start / job=eval) but has no data.",
          "set eval.data_path, or eval.every_steps=-1 eval.at_start=false"),
     ))
+
+
+def _whole_steps(samples: int, t, n: int, per_step: int) -> str:
+    """An override that makes a rollout step's samples a whole number of train.batch_size batches: the largest batch
+    dividing them that micro-batches still split evenly (micro_batch_size x dp = `per_step`; any under dynamic
+    batching), else the fewest prompt groups whose samples fill whole batches. Was always train.batch_size=<samples>,
+    which the micro-batch rule refused in turn (`rollout.n_samples_per_prompt=3`: train.batch_size=24, not a multiple
+    of 16)."""
+    fits = [b for b in range(samples, 0, -1) if samples % b == 0 and (t.dynamic_batch or b % per_step == 0)]
+    return f"train.batch_size={fits[0]}" if fits else f"rollout.batch_size={t.batch_size // math.gcd(t.batch_size, n)}"
 
 
 def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:

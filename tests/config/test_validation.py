@@ -432,3 +432,21 @@ def test_sft_image_key_names_a_column_of_the_rows(tmp_path):
     # a column some rows have (the others: text rows), or null for a file's rows: they are read as given
     assert config_errors([SFT, f"data.train_path={path}", "data.image_key=picture"]) == []
     assert config_errors([SFT, f"data.train_path={path}", "data.image_key=null"]) == []
+
+
+@pytest.mark.parametrize("overrides", [["rollout.n_samples_per_prompt=3"], ["rollout.n_samples_per_prompt=3",
+                                                                           "rollout.batch_size=16"],
+                                       ["rollout.batch_size=5", "train.batch_size=16"],
+                                       ["rollout.n_samples_per_prompt=3", "train.dynamic_batch=true",
+                                        "train.max_tokens_per_micro_batch=4096"]])
+def test_the_whole_batches_fix_validates_as_given(overrides):
+    """Before: a rollout step of 24 samples (8 groups x 3) against train.batch_size=64 was told "e.g.
+    train.batch_size=24", which the micro-batch rule refused in turn (not a multiple of micro_batch_size x dp = 16).
+    The example given is taken as it is and the config then validates."""
+    import re
+
+    (line,) = [line for line in config_errors(overrides) if line.startswith("train.batch_size: a rollout step")]
+    fix = re.search(r"\(e\.g\. (\S+)=(\d+)\)$", line)
+    assert fix, line
+    fixed = [o for o in overrides if not o.startswith(fix[1] + "=")] + [f"{fix[1]}={fix[2]}"]
+    assert config_errors(fixed) == [], (line, fixed)
