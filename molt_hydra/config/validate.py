@@ -550,9 +550,11 @@ def hf_path_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing", "not available: selective "
          f"(per-op) checkpointing needs NeMo AutoModel; {built} checkpoints whole blocks or nothing.",
          f"set model.gradient_checkpointing=full, or {other}"),
-        (not hf_actor or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
-         "not available: sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
-         "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),
+        # each named as itself (moe_reshard_after_forward=true alone was told as parallelism.sequence_parallel)
+        *((not hf_actor or not getattr(p, name), f"parallelism.{name}", f"not available: {what} needs NeMo AutoModel's "
+           f"{mesh}-parallel mesh; {built} shards with FSDP only.", f"set parallelism.{name}=false, or {other}")
+          for name, what, mesh in (("sequence_parallel", "sequence parallelism", "tensor"),
+                                   ("moe_reshard_after_forward", "MoE resharding", "expert"))),
     ))
 
 

