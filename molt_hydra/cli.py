@@ -940,6 +940,7 @@ _NO_TRAINER = "starts no trainer (it scores the model with the rollout engines o
 JOB_IGNORES: dict[str, dict[str, str | None]] = {
     "sft": {"rollout": _NO_ENGINE, "agent": _NO_ENGINE,
             "train.max_steps": "trains train.epochs over its data (set those instead)",
+            "train.max_staleness": "generates no rollouts (no sample is ever stale)",
             # (a multirun point sets this one itself)
             "logger.wandb.group": "writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B run)",
             "algorithm": "computes no advantage and no RL loss (its loss is the replies' cross-entropy)",
