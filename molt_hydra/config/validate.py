@@ -777,6 +777,9 @@ def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) ->
          f"{max(log.dump_logprobs_steps, default=0)} {past}: that step is never dumped.", f"list steps <= {last}"),
         (freeze < last, "train.critic.actor_freezing_steps", f"{freeze} is not below train.max_steps={last}: the actor "
          "would never be updated (only the critic trains).", f"set it below {last}"),
+        (cfg.checkpoint.save_steps <= last, "checkpoint.save_steps", f"{cfg.checkpoint.save_steps} {past}: no periodic "
+         "checkpoint would be saved, only the one at the run's end, as checkpoint.save_steps=-1 saves.",
+         f"set checkpoint.save_steps <= {last} (every N steps), or -1 (at the end only)"),
     ))
 
 

@@ -100,6 +100,9 @@ CASES = [
      "31 is past train.max_steps=30: no step's metrics would be logged"),
     ("sample_table_past_the_run", ["logger.sample_table_every=31"], "logger.sample_table_every",
      "31 is past train.max_steps=30: no sample table"),
+    # (saves at the end only, as save_steps=-1 does)
+    ("save_period_past_the_run", ["checkpoint.save_steps=31"], "checkpoint.save_steps",
+     "31 is past train.max_steps=30: no periodic checkpoint would be saved"),
     ("logprob_dump_past_the_run", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[2,31]"],
      "logger.dump_logprobs_steps", "31 is past train.max_steps=30: that step is never dumped"),
     ("actor_frozen_all_run", ["algorithm=ppo_gae", "parallelism.colocate_models=true",
