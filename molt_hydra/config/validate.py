@@ -792,6 +792,7 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
     total = cfg.cluster.nodes * cfg.cluster.devices_per_node
     engines = 0 if job == "sft" else rollout_devices(cfg)
     wants_eval = cfg.eval.every_steps > 0 or cfg.eval.at_start or job == "eval"
+    inflight = max(r.max_inflight_groups if rl else 0, cfg.eval.batch_size)  # prompt groups at once
     # where dp comes from, named: was told as a bare number after cluster.devices_per_node=8 (derive(): -1 takes every
     # device the engines leave), whose key no line named
     used = 0 if p.colocate else engines
@@ -799,6 +800,13 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
         f" = cluster.nodes x cluster.devices_per_node = {total}" + (f" less {used} for rollout" if used else "")
         if p.trainer_devices == max(total - used, 1) else "") + (f" / tp x cp {p.tp * p.cp}" if p.tp * p.cp > 1 else "")
     problems.table((
+        # groups go round-robin to the runners, each holding many at once (runtime/agent_runner.py): past the groups
+        # in flight the extra runners are never busy with the others, each a process started for nothing (a huge
+        # count was taken, and its Ray actors started one by one before the first step)
+        (job == "sft" or r.num_runners <= inflight, "rollout.num_runners", f"{r.num_runners} agent runners, "
+         f"but at most {inflight} prompt groups are in flight at once (rollout.max_inflight_groups; eval.batch_size "
+         "while evaluating), so the runners past those would never be busy together with the others.",
+         f"set rollout.num_runners <= {inflight}, or let more groups run at once"),
         (not rl or samples >= dp, "rollout.batch_size", f"{r.batch_size} groups x {r.n_samples_per_prompt} samples = "
          f"{samples} < {dp} data-parallel ranks ({ranks}); some ranks would get no sample.",
          f"raise rollout.batch_size to >= {-(-dp // r.n_samples_per_prompt)}, or lower parallelism.trainer_devices"),
