@@ -292,6 +292,9 @@ def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
             OmegaConf.select(cfg, key, throw_on_resolution_failure=True, throw_on_missing=True)
         except OmegaConfBaseException as e:
             reason = str(e).splitlines()[0]
+            if "HydraConfig was not set" in reason and key not in (*HYDRA_READ, *read) and "${hydra:" not in texts.get(
+                    key, "${hydra:"):  # (`checkpoint.dir=${output_dir}/ckpt`, as its default: resolved where
+                continue  # point_problems pins output_dir; was refused, told to write the path out)
             problems.append(f"- {key}: {reason} ({texts.get(key, 'its value')}). Fix: {_fix(key, reason)}")
         if problems:  # (the directories are made from the keys before them: one cause, one line)
             break

@@ -1605,3 +1605,17 @@ def test_a_log_file_in_a_directory_that_cannot_be_made_is_checked_before_the_run
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"- hydra.job_logging.handlers.file.filename={afile}: not writable: Not a directory ({afile}). Fix: name a "
         "file in a writable directory (or leave it out: the log goes to the run's directory).")
+
+
+def test_a_path_under_output_dir_on_the_command_line_is_taken(tmp_path):
+    """Before: `checkpoint.dir=${output_dir}/ckpt` (the form of its own default, ${output_dir}/checkpoints) was refused
+    before Hydra started, as an interpolation of ${hydra:...}, with the fix "write the value itself". It resolves
+    where the run's output_dir stands in; one that names ${hydra:...} itself is still refused."""
+    from molt_hydra.cli import point_problems
+
+    override = "checkpoint.dir=${output_dir}/ckpt"
+    assert compose_checked([override, "dry_run=true"], hydra_config=True)[1] == []
+    errors, result = point_problems([override, "dry_run=true"], tmp_path, None)
+    assert errors == [] and result[0].checkpoint.dir == str(tmp_path / "ckpt"), errors
+    cfg, problems = compose_checked(["checkpoint.dir=${hydra:runtime.output_dir}/x"], hydra_config=True)
+    assert cfg is None and [line.split(":")[0] for line in problems] == ["- checkpoint.dir"], problems
