@@ -509,7 +509,8 @@ def sft_chats(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("recipe,aside", [
-    ("on_policy_distill", {"algorithm.estimator": "grpo", "model.ref_path": None, "parallelism.colocate_models": False}),
+    ("on_policy_distill", {"algorithm.estimator": "grpo", "model.ref_path": None,
+                           "parallelism.colocate_models": False}),
     ("qwen3_toy_gpu", {"train.mode": "async", "parallelism.colocate": False})])
 def test_job_sft_fine_tunes_an_rl_recipes_model(recipe, aside, sft_chats, tmp_path):
     """Before: `+recipe=on_policy_distill job=sft data.train_path=CHATS` was refused for algorithm.estimator,
