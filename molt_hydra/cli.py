@@ -47,6 +47,7 @@ from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_rang
 from molt_hydra.config.handoff_rules import RUN_DIRS
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
+from molt_hydra.config.validate import SFT_IGNORES
 from molt_hydra.config.yaml_text import yaml_text_problems
 
 
@@ -291,6 +292,9 @@ def _unresolved(cfg: DictConfig, pairs: list) -> list[str]:
             OmegaConf.select(cfg, key, throw_on_resolution_failure=True, throw_on_missing=True)
         except OmegaConfBaseException as e:
             reason = str(e).splitlines()[0]
+            if "HydraConfig was not set" in reason and key not in (*HYDRA_READ, *read) and "${hydra:" not in texts.get(
+                    key, "${hydra:"):  # (`checkpoint.dir=${output_dir}/ckpt`, as its default: resolved where
+                continue  # point_problems pins output_dir; was refused, told to write the path out)
             problems.append(f"- {key}: {reason} ({texts.get(key, 'its value')}). Fix: {_fix(key, reason)}")
         if problems:  # (the directories are made from the keys before them: one cause, one line)
             break
@@ -939,8 +943,15 @@ _NO_TRAINER = "starts no trainer (it scores the model with the rollout engines o
 JOB_IGNORES: dict[str, dict[str, str | None]] = {
     "sft": {"rollout": _NO_ENGINE, "agent": _NO_ENGINE,
             "train.max_steps": "trains train.epochs over its data (set those instead)",
-            # (config/validate.py SFT_IGNORES has W&B's other keys; a multirun point sets this one itself)
-            "logger.wandb.group": "writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B run)"},
+            "train.max_staleness": "generates no rollouts (no sample is ever stale)",
+            # (a multirun point sets this one itself)
+            "logger.wandb.group": "writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B run)",
+            "algorithm": "computes no advantage and no RL loss (its loss is the replies' cross-entropy)",
+            **{f"model.{name}": "trains one model, with no reference, teacher or critic beside it" for name in (
+                "ref_path", "critic_path")},
+            **{f"eval.{name}": "scores its eval data by the loss on its replies, sampling nothing" for name in (
+                "batch_size", "n_samples_per_prompt", "temperature", "top_p", "max_new_tokens")},
+            **{key: f"ignores it ({reason.rstrip('.')})" for key, reason in SFT_IGNORES.items()}},
     "eval": {
         "train": _NO_TRAINER, "parallelism": _NO_TRAINER,
         **{f"train.timeouts.{name}": None for name in ("startup_s", "engine_call_s", "step_s")},
@@ -1021,22 +1032,30 @@ def _exit_config_error(text: str) -> None:
     sys.exit(EXIT_CONFIG_ERROR)
 
 
-# job=eval scores the model with the engines alone: a recipe's training-only choices (its algorithm, the teacher or
-# critic that algorithm starts, its trainer placement, its training data, an SFT recipe's targets) are read by no part
-# of it. Set aside (schema defaults) so that `+recipe=NAME job=eval` scores any recipe's model; the command line's own
-# are refused (JOB_IGNORES). A GPU recipe's parallelism.colocate would otherwise give the one engine half its GPU and
-# sleep mode, beside no trainer; its data.train_path had the data keys judged against rows eval never reads
-# (data.input_key=xyz passed over builtin eval data) and was loaded at the start.
-EVAL_SETS_ASIDE = ("algorithm", "model.ref_path", "model.critic_path", "parallelism",
-                   *(f"data.{name}" for name in ("train_path", "train_probs", "split", "max_samples", "output_key",
-                                                 "train_on_last_turn_only", "chat_template")))
+# A recipe is a starting point: the keys it sets that the chosen job has no use for are set aside (schema defaults),
+# so that `+recipe=NAME job=eval` scores any recipe's model and `+recipe=NAME job=sft data.train_path=...` fine-tunes
+# it; the command line's own are refused (JOB_IGNORES covers each key set aside here). job=eval scores the model with
+# the engines alone: a recipe's training-only choices (its algorithm, the teacher or critic that algorithm starts, its
+# trainer placement, its training data, an SFT recipe's targets) are read by no part of it. A GPU recipe's
+# parallelism.colocate would otherwise give the one engine half its GPU and sleep mode, beside no trainer; its
+# data.train_path had the data keys judged against rows eval never reads (data.input_key=xyz passed over builtin eval
+# data) and was loaded at the start. job=sft trains one model on its data's replies: an RL recipe's algorithm, its
+# teacher, its rollout-loop and placement knobs and its eval sampling were refused one by one (SFT_IGNORES), so that
+# switching an RL recipe to job=sft meant deleting them by hand, while job=eval took the same recipe.
+JOB_SETS_ASIDE = {
+    "eval": ("algorithm", "model.ref_path", "model.critic_path", "parallelism",
+             *(f"data.{name}" for name in ("train_path", "train_probs", "split", "max_samples", "output_key",
+                                           "train_on_last_turn_only", "chat_template"))),
+    "sft": tuple(key for key, reason in JOB_IGNORES["sft"].items() if reason is not None and key not in (
+        "rollout", "agent", "train.max_steps", "logger.wandb.group")),  # (read by no rule under job=sft)
+}
 
 
 def _set_aside(cfg: DictConfig) -> DictConfig:
-    if getattr(cfg.job, "value", cfg.job) != "eval":
+    if (job := getattr(cfg.job, "value", cfg.job)) not in JOB_SETS_ASIDE:
         return cfg
     cfg, defaults = cfg.copy(), OmegaConf.structured(RunConfig)
-    for key in EVAL_SETS_ASIDE:
+    for key in JOB_SETS_ASIDE[job]:
         OmegaConf.update(cfg, key, OmegaConf.select(defaults, key), merge=False)
     return cfg
 

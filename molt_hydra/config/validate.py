@@ -350,6 +350,10 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
          "train.max_staleness", f"batches are generated exactly train.queue_depth={t.queue_depth} versions ahead, "
          f"so every sample would be {t.queue_depth} versions old and dropped by max_staleness={t.max_staleness}.",
          f"set train.max_staleness={t.queue_depth} (or leave it null), or unset it with train.stale_samples=keep"),
+        # (SFT_IGNORES compares with the schema's null, which derive() has filled in: compared with what it filled)
+        (cfg.job.value != "sft" or sync or t.max_staleness == t.queue_depth + int(t.partial_rollout),
+         "train.max_staleness", "job=sft ignores it: SFT generates no rollouts, so no sample is ever stale.",
+         "unset train.max_staleness for job=sft"),
         (not (sync and t.queue_depth > 1), "train.queue_depth",
          "sync mode generates one batch at a time; queue_depth applies to train.mode=async.",
          "set train.queue_depth=1 or train.mode=async"),
@@ -550,9 +554,11 @@ def hf_path_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
         (m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing", "not available: selective "
          f"(per-op) checkpointing needs NeMo AutoModel; {built} checkpoints whole blocks or nothing.",
          f"set model.gradient_checkpointing=full, or {other}"),
-        (not hf_actor or not (p.sequence_parallel or p.moe_reshard_after_forward), "parallelism.sequence_parallel",
-         "not available: sequence parallelism / MoE resharding need tensor / expert parallel meshes (NeMo AutoModel).",
-         "set parallelism.sequence_parallel=false parallelism.moe_reshard_after_forward=false"),
+        # each named as itself (moe_reshard_after_forward=true alone was told as parallelism.sequence_parallel)
+        *((not hf_actor or not getattr(p, name), f"parallelism.{name}", f"not available: {what} needs NeMo AutoModel's "
+           f"{mesh}-parallel mesh; {built} shards with FSDP only.", f"set parallelism.{name}=false, or {other}")
+          for name, what, mesh in (("sequence_parallel", "sequence parallelism", "tensor"),
+                                   ("moe_reshard_after_forward", "MoE resharding", "expert"))),
     ))
 
 
@@ -771,6 +777,9 @@ def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) ->
          f"{max(log.dump_logprobs_steps, default=0)} {past}: that step is never dumped.", f"list steps <= {last}"),
         (freeze < last, "train.critic.actor_freezing_steps", f"{freeze} is not below train.max_steps={last}: the actor "
          "would never be updated (only the critic trains).", f"set it below {last}"),
+        (cfg.checkpoint.save_steps <= last, "checkpoint.save_steps", f"{cfg.checkpoint.save_steps} {past}: no periodic "
+         "checkpoint would be saved, only the one at the run's end, as checkpoint.save_steps=-1 saves.",
+         f"set checkpoint.save_steps <= {last} (every N steps), or -1 (at the end only)"),
     ))
 
 
@@ -783,6 +792,7 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
     total = cfg.cluster.nodes * cfg.cluster.devices_per_node
     engines = 0 if job == "sft" else rollout_devices(cfg)
     wants_eval = cfg.eval.every_steps > 0 or cfg.eval.at_start or job == "eval"
+    inflight = max(r.max_inflight_groups if rl else 0, cfg.eval.batch_size)  # prompt groups at once
     # where dp comes from, named: was told as a bare number after cluster.devices_per_node=8 (derive(): -1 takes every
     # device the engines leave), whose key no line named
     used = 0 if p.colocate else engines
@@ -790,13 +800,20 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
         f" = cluster.nodes x cluster.devices_per_node = {total}" + (f" less {used} for rollout" if used else "")
         if p.trainer_devices == max(total - used, 1) else "") + (f" / tp x cp {p.tp * p.cp}" if p.tp * p.cp > 1 else "")
     problems.table((
+        # groups go round-robin to the runners, each holding many at once (runtime/agent_runner.py): past the groups
+        # in flight the extra runners are never busy with the others, each a process started for nothing (a huge
+        # count was taken, and its Ray actors started one by one before the first step)
+        (job == "sft" or r.num_runners <= inflight, "rollout.num_runners", f"{r.num_runners} agent runners, "
+         f"but at most {inflight} prompt groups are in flight at once (rollout.max_inflight_groups; eval.batch_size "
+         "while evaluating), so the runners past those would never be busy together with the others.",
+         f"set rollout.num_runners <= {inflight}, or let more groups run at once"),
         (not rl or samples >= dp, "rollout.batch_size", f"{r.batch_size} groups x {r.n_samples_per_prompt} samples = "
          f"{samples} < {dp} data-parallel ranks ({ranks}); some ranks would get no sample.",
          f"raise rollout.batch_size to >= {-(-dp // r.n_samples_per_prompt)}, or lower parallelism.trainer_devices"),
         (not rl or t.force_on_policy or samples % t.batch_size == 0, "train.batch_size",
          f"a rollout step yields {samples} samples, not a multiple of train.batch_size={t.batch_size}; the remainder "
          "would be dropped every step.", "make rollout.batch_size x rollout.n_samples_per_prompt a multiple of "
-         f"train.batch_size (e.g. train.batch_size={samples})"),
+         f"train.batch_size (e.g. {_whole_steps(samples, t, r.n_samples_per_prompt, per_step)})"),
         (job == "eval" or t.dynamic_batch or t.batch_size % per_step == 0, "train.batch_size",  # (eval: no trainer)
          f"must be a multiple of micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}, got {t.batch_size} "
          f"(dp: {ranks}).", f"set train.batch_size to a multiple of {per_step}, or change the ranks "
@@ -822,6 +839,16 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
          "evaluation is scheduled (eval.every_steps / eval.at_start / job=eval) but has no data.",
          "set eval.data_path, or eval.every_steps=-1 eval.at_start=false"),
     ))
+
+
+def _whole_steps(samples: int, t, n: int, per_step: int) -> str:
+    """An override that makes a rollout step's samples a whole number of train.batch_size batches: the largest batch
+    dividing them that micro-batches still split evenly (micro_batch_size x dp = `per_step`; any under dynamic
+    batching), else the fewest prompt groups whose samples fill whole batches. Was always train.batch_size=<samples>,
+    which the micro-batch rule refused in turn (`rollout.n_samples_per_prompt=3`: train.batch_size=24, not a multiple
+    of 16)."""
+    fits = [b for b in range(samples, 0, -1) if samples % b == 0 and (t.dynamic_batch or b % per_step == 0)]
+    return f"train.batch_size={fits[0]}" if fits else f"rollout.batch_size={t.batch_size // math.gcd(t.batch_size, n)}"
 
 
 def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:

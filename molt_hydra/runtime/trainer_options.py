@@ -14,7 +14,8 @@ DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # mode
 def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
     """TrainerSpec fields for a role stepped by the optimizer block `o`, shared by the RL roles and the SFT job: the
     optimizer (Muon's settings, or None for AdamW; muon_weight_decay None -> weight_decay, as Molt), precision,
-    offload, micro-batch budget, the model backend's options and the issue-39 knobs."""
+    offload, micro-batch budget, the model backend's options (an MoE's load-balancing loss too: job=sft took
+    model.aux_loss_coef and trained without it) and the issue-39 knobs."""
     log, p, t, m, lo = cfg.logger, cfg.parallelism, cfg.train, cfg.model, cfg.model.lora
     grads = (tuple(log.debug_grad_norms_filter), log.debug_grad_norms_topk) if log.debug_grad_norms else None
     muon = dict(lr=o.muon_lr, momentum=o.muon_momentum, nesterov=o.muon_nesterov, experts_adamw=o.muon_experts_adamw,
@@ -32,7 +33,7 @@ def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
         lr_warmup_ratio=o.warmup_ratio, min_lr_ratio=o.min_lr_ratio, max_norm=o.max_grad_norm,
         # the model backend's
         backend=m.backend.value, lora=lora, packing=p.packing, share_prompts=p.share_prompts,
-        compile_blocks=m.compile_blocks, master_weights=m.master_weights.value,
+        compile_blocks=m.compile_blocks, master_weights=m.master_weights.value, aux_loss_coef=m.aux_loss_coef,
         gradient_checkpointing=m.gradient_checkpointing.value, gate_precision=m.gate_precision,
         moe_experts_impl=m.moe_experts_impl.value, freeze_moe_router=m.freeze_moe_router,
         freeze_visual_encoder=m.freeze_visual_encoder,
@@ -49,7 +50,7 @@ def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str,
     p = cfg.parallelism
     return TrainerSpec(
         model_path=model_path, role=role, seed=cfg.seed, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp,
-        ep_size=p.ep, cp_size=p.cp, aux_loss_coef=cfg.model.aux_loss_coef, temperature=cfg.rollout.temperature,
+        ep_size=p.ep, cp_size=p.cp, temperature=cfg.rollout.temperature,
         total_steps=total_steps, **trainer_options(cfg, o), **role_fields)
 
 

@@ -500,6 +500,63 @@ def test_a_recipes_model_is_scored_by_job_eval():
                                                        [*overrides, "model.ref_path=x"])] == ["- model.ref_path"]
 
 
+@pytest.fixture(scope="module")
+def sft_chats(tmp_path_factory) -> str:
+    rows = tmp_path_factory.mktemp("sft_chats") / "chats.jsonl"
+    rows.write_text("".join(f'{{"messages": [{{"role": "user", "content": "hi {i}"}}, {{"role": "assistant", '
+                            f'"content": "hello {i}"}}]}}\n' for i in range(64)))
+    return str(rows)
+
+
+@pytest.mark.parametrize("recipe,aside", [
+    ("on_policy_distill", {"algorithm.estimator": "grpo", "model.ref_path": None,
+                           "parallelism.colocate_models": False}),
+    ("qwen3_toy_gpu", {"train.mode": "async", "parallelism.colocate": False})])
+def test_job_sft_fine_tunes_an_rl_recipes_model(recipe, aside, sft_chats, tmp_path):
+    """Before: `+recipe=on_policy_distill job=sft data.train_path=CHATS` was refused for algorithm.estimator,
+    model.ref_path and parallelism.colocate_models, none of which the user gave and none of which SFT reads (and a GPU
+    recipe for train.mode and parallelism.colocate), while `job=eval` set the same recipe's training-only keys aside:
+    switching an RL recipe to SFT meant deleting its RL keys by hand. They are set aside as for job=eval; given on the
+    command line they are still refused (test_a_key_set_aside_is_refused_on_the_command_line)."""
+    from molt_hydra.cli import point_problems
+    from molt_hydra.config.bounds import get
+
+    overrides = [f"+recipe={recipe}", "job=sft", f"data.train_path={sft_chats}", "data.input_key=messages",
+                 "dry_run=true"]
+    errors, result = point_problems(overrides, tmp_path, None)
+    assert errors == [], errors
+    for key, value in aside.items():  # the schema's defaults, not the recipe's
+        assert getattr(get(result[0], key), "value", get(result[0], key)) == value, key
+    rl = to_run_config(compose_config([f"+recipe={recipe}"]))
+    assert any(getattr(get(rl, key), "value", get(rl, key)) != value for key, value in aside.items())  # the recipe's
+
+
+@pytest.mark.parametrize("override", ["parallelism.colocate=true", "algorithm.clip_eps_high=0.3", "algorithm=rloo",
+                                      "model.ref_path=tiny://qwen3_tiny", "eval.temperature=0.5",
+                                      "train.queue_depth=3", "logger.wandb.project=p", "checkpoint.save_hf=true"])
+def test_a_key_set_aside_is_refused_on_the_command_line(override, sft_chats, tmp_path):
+    """job=sft sets a recipe's RL keys aside; the user's own, on the command line, are refused (not set aside too)."""
+    from molt_hydra.cli import point_problems
+
+    key = override.split("=", 1)[0]
+    overrides = ["+recipe=tiny_cpu", "job=sft", f"data.train_path={sft_chats}", "data.input_key=messages",
+                 "dry_run=true", override]
+    errors, _ = point_problems(overrides, tmp_path, None)
+    assert [line.split(":")[0] for line in errors] == [f"- {key}"], errors
+    assert errors[0].endswith(f"so it changes nothing. Fix: unset {key} for job=sft"), errors
+
+
+@pytest.mark.parametrize("job", ["eval", "sft"])
+def test_every_key_a_job_sets_aside_is_refused_on_its_command_line(job):
+    """What `_set_aside` resets to the schema's default is read by no rule, so the command line's value of it would
+    change nothing without a word: JOB_IGNORES must refuse each one."""
+    from molt_hydra.cli import JOB_SETS_ASIDE
+
+    first = compose_config([f"job={job}"])
+    for key in JOB_SETS_ASIDE[job]:
+        assert [line.split(":")[0] for line in job_ignored(first, [f"{key}=x"])] == [f"- {key}"], key
+
+
 def test_job_eval_places_its_engines_as_no_trainer_shares_them():
     """Before: `+recipe=qwen3_toy_gpu job=eval` (a colocated GPU recipe) started its one engine on half a GPU in
     sleep mode, though JOB_IGNORES says eval reads no `parallelism` and no trainer shares the GPU."""
@@ -1549,3 +1606,17 @@ def test_a_log_file_in_a_directory_that_cannot_be_made_is_checked_before_the_run
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"- hydra.job_logging.handlers.file.filename={afile}: not writable: Not a directory ({afile}). Fix: name a "
         "file in a writable directory (or leave it out: the log goes to the run's directory).")
+
+
+def test_a_path_under_output_dir_on_the_command_line_is_taken(tmp_path):
+    """Before: `checkpoint.dir=${output_dir}/ckpt` (the form of its own default, ${output_dir}/checkpoints) was refused
+    before Hydra started, as an interpolation of ${hydra:...}, with the fix "write the value itself". It resolves
+    where the run's output_dir stands in; one that names ${hydra:...} itself is still refused."""
+    from molt_hydra.cli import point_problems
+
+    override = "checkpoint.dir=${output_dir}/ckpt"
+    assert compose_checked([override, "dry_run=true"], hydra_config=True)[1] == []
+    errors, result = point_problems([override, "dry_run=true"], tmp_path, None)
+    assert errors == [] and result[0].checkpoint.dir == str(tmp_path / "ckpt"), errors
+    cfg, problems = compose_checked(["checkpoint.dir=${hydra:runtime.output_dir}/x"], hydra_config=True)
+    assert cfg is None and [line.split(":")[0] for line in problems] == ["- checkpoint.dir"], problems

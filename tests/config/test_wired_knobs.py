@@ -120,3 +120,31 @@ def test_rollout_dump_then_replay(tmp_path):
     replayed = _drain(_controller([f"train.rollout_replay_dir={dump}"], NoGeneration()))
     assert [b.groups[0].prompt_index for b in replayed] == [b.groups[0].prompt_index for b in made] == [1, 2, 3]
     assert [b.metrics for b in replayed] == [b.metrics for b in made]
+
+
+# ------------------------------------------------------------------ model.aux_loss_coef under job=sft
+def test_sft_trains_with_the_moe_load_balancing_loss(tmp_path):
+    """Before: `job=sft model=qwen3_moe_tiny model.aux_loss_coef=1` validated, but runtime/sft_job.py hands run_sft
+    `trainer_options` only, which left the coefficient out (job=rl's trainer_spec added it itself): every SFT rank's
+    TrainerSpec kept 0.0, the trainer added no load-balancing loss, and the run trained as with 0. Here run_sft, on one
+    gloo rank, takes what sft_job hands it: the first step's loss (before any update) is the same, the next differ."""
+    from _config_helpers import compose_config
+    from molt_hydra.cli import checked
+    from molt_hydra.parallel.sft import run_sft
+    from molt_hydra.runtime.trainer_options import trainer_options
+
+    import json
+
+    rows = [{"input": [{"role": "user", "content": f"What is {i}+1?"}], "output": f"{i + 1}"} for i in range(8)]
+    (data := tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 8))
+    losses = []
+    for coef in (0, 1):
+        cfg, _ = checked(compose_config(["job=sft", "model=qwen3_moe_tiny", f"model.aux_loss_coef={coef}",
+                                         f"data.train_path={data}", "data.input_key=input", "data.output_key=output",
+                                         "dry_run=true"]))
+        history = run_sft(cfg.model.path, rows, str(tmp_path / str(coef)), input_key="input", output_key="output",
+                          batch_size=4, max_len=64, max_epochs=2, export_hf=False,
+                          **{**trainer_options(cfg, cfg.train.optimizer), "lr": 3e-3, "timeout_s": 120})
+        losses.append([r["sft_loss"] for r in history])
+    assert len(losses[0]) == 4 and losses[0][0] == losses[1][0], losses
+    assert all(a != b for a, b in zip(losses[0][1:], losses[1][1:])), losses
