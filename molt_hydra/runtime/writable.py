@@ -16,9 +16,9 @@ from molt_hydra.runtime.watchdog import EXIT_FAILED
 
 
 def not_writable(path: str | Path) -> str | None:
-    """Why `path` cannot hold new files (None when it can): a probe directory is made and removed in the path, or in
-    its nearest existing parent when the path does not exist yet. Permission bits are not enough: root ignores them,
-    not a read-only mount or an immutable directory."""
+    """Why `path` cannot hold new files (None when it can): a probe directory, holding a byte, is made and removed in
+    the path, or in its nearest existing parent when the path does not exist yet. Permission bits are not enough: root
+    ignores them, not a read-only mount or an immutable directory; nor is a directory alone (a full disk makes one)."""
     probe, missing = Path(path).absolute(), []
     while not os.path.exists(probe):  # (False for a name past the disk's limit, where Path.exists raises on 3.11)
         probe, missing = probe.parent, [probe.name, *missing]
@@ -26,7 +26,8 @@ def not_writable(path: str | Path) -> str | None:
     if too_long := [name for name in missing if len(os.fsencode(name)) > limit]:
         return f"the name {too_long[0][:40]!r}... is {len(os.fsencode(too_long[0]))} bytes, over this disk's {limit}"
     try:
-        with tempfile.TemporaryDirectory(dir=probe, prefix=".molt-write-probe-"):
+        with tempfile.TemporaryDirectory(dir=probe, prefix=".molt-write-probe-") as made:
+            Path(made, "byte").write_bytes(b"\0")
             return None
     except OSError as e:
         return f"{e.strerror or e} ({probe})"

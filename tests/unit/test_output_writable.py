@@ -85,3 +85,24 @@ def test_an_export_dir_in_a_directory_the_run_cannot_write_stops_the_run_before_
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"- the directory holding checkpoint.export_dir={shared}: not writable: Operation not permitted ({shared}). "
         "Fix: point checkpoint.export_dir into a writable directory.")
+
+
+def test_an_output_dir_on_a_full_disk_stops_the_run_before_anything_starts(tmp_path, capsys):
+    """A full disk still makes directories (tmpfs, ext4 with inodes left): the probe writes a byte too. Before: it
+    passed, and a resume onto the full output_dir started every role before failing on the first metrics write."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (disk / "out").mkdir()
+        with open(disk / "fill", "wb", buffering=0) as f:  # until the disk is full
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * 4096)
+        with pytest.raises(SystemExit) as stop:
+            check_outputs(_cfg(disk / "out", wandb="disabled"))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+    assert stop.value.code == EXIT_FAILED
+    assert f"- output_dir={disk / 'out'}: not writable: No space left on device" in capsys.readouterr().err
