@@ -701,6 +701,30 @@ def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_open
             ("assistant", "Hello there.")] * len(final.choices)
 
 
+def test_repeated_first_attempts_take_seeds_past_the_earlier_samples_choices_and_a_client_seed_as_sent(tok):
+    """A run gives every turn of a rollout the same seed, so an SDK's repeated first attempt sampled with it would be
+    the same tokens again: each repeat takes the seeds after those the earlier samples' n choices took (the engine
+    seeds choice i with seed + i); a seed the client sends is its own, honoured as sent."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        engine = RecordingEngine(tok, "Hello.")
+        server.open_session(ChatSession("s", engine, tok, Sampling(max_tokens=8, seed=100), 2048,
+                                        reply_parser(tok, "hermes")))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            for kw in [{"n": 2}] * 3 + [{}] * 2 + [{"seed": 7}] * 2:
+                await oa.chat.completions.create(model="policy", messages=USER, **kw)
+            return [(r.sampling.seed, r.sampling.n) for r in engine.requests]
+        finally:
+            await oa.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == [(100, 2), (102, 2), (104, 2), (100, 1), (101, 1), (7, 1), (7, 1)]
+
+
 class MaskedAlternativesEngine(ScriptedEngine):
     """Log-probs as the engine's processed distribution gives them under top_k / top_p: alternatives it rules out
     come back as -inf."""
