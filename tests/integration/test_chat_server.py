@@ -11,6 +11,7 @@ import asyncio
 import json
 
 import aiohttp
+import httpx2
 import pytest
 from anthropic import AsyncAnthropic, AuthenticationError as AnthropicAuthError, BadRequestError as AnthropicBadRequest
 from openai import AsyncOpenAI, AuthenticationError, BadRequestError
@@ -399,18 +400,105 @@ def scripted(loop, rec, tokenizer, script, **kw):
     return outcome, log
 
 
-def test_retry_returns_the_cached_reply_without_generating(loop, rec, tokenizer):
+class DropsAResponse(httpx2.AsyncHTTPTransport):
+    """The SDK's real transport, keeping each request's x-stainless-retry-count header; the response to request
+    number `drop` is read whole, then lost as a dropped connection loses it (the server finished the turn), so the
+    SDK retries on its own. A test's way to make a real SDK retry, not a stand-in for the server."""
+
+    def __init__(self, drop: int):
+        super().__init__()
+        self.drop, self.attempts, self.dropped = drop, [], None
+
+    async def handle_async_request(self, request):
+        self.attempts.append(request.headers.get("x-stainless-retry-count"))
+        response = await super().handle_async_request(request)
+        if len(self.attempts) - 1 == self.drop:
+            self.dropped = json.loads(await response.aread())
+            await response.aclose()
+            raise httpx2.ReadError("connection dropped after the reply (test transport)", request=request)
+        return response
+
+
+SAMPLED = Sampling(max_tokens=12, temperature=1.0, seed=1234)  # as a run samples: the rollout's seed on every turn
+
+
+def test_an_sdk_retry_gets_its_turns_reply_and_an_identical_first_attempt_is_sampled(loop, rec, tokenizer):
+    """Two identical SDK calls are two samples (was: the second answered from the first's cache); the second's reply
+    is lost on the way back, and the SDK's own retry (x-stainless-retry-count: 1) gets that reply, not a third
+    sample."""
+    transport = DropsAResponse(drop=1)
+
     async def script(client, ctx, log):
         msgs = [{"role": "user", "content": "hello"}]
-        log["a"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
-        log["b"] = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
+        async with httpx2.AsyncClient(transport=transport) as http:
+            sdk = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=1, http_client=http)
+            log["a"] = await sdk.chat.completions.create(model="policy", messages=msgs)
+            log["b"] = await sdk.chat.completions.create(model="policy", messages=msgs)
 
-    outcome, log = scripted(loop, rec, tokenizer, script)
-    assert len(rec.calls) == 1
-    assert log["a"].choices[0].message.content == log["b"].choices[0].message.content
-    assert log["a"].usage == log["b"].usage
-    (traj,) = outcome.trajectories
-    assert len(traj.action_ranges) == 1
+    outcome, log = scripted(loop, rec, tokenizer, script, sampling=SAMPLED)
+    assert transport.attempts == ["0", "0", "1"]  # as the SDK sent them
+    assert len(rec.calls) == 2
+    assert log["b"].choices[0].message.content == transport.dropped["choices"][0]["message"]["content"]
+    assert log["b"].usage.completion_tokens == transport.dropped["usage"]["completion_tokens"] == len(
+        rec.calls[1][1][0].token_ids)
+    assert [seg.segment_index for seg in outcome.trajectories] == [0, 1]  # one segment per sample
+    for seg, call in zip(outcome.trajectories, rec.calls, strict=True):
+        assert_token_exact(seg, [call])
+
+
+def test_identical_sdk_first_attempts_are_each_sampled_token_exact(loop, rec, tokenizer):
+    """k identical calls (sequential, streamed, gathered; both SDKs) are k samples, each its own segment, each with
+    seeds of its own (was: one generation, its reply returned k times)."""
+    async def script(client, ctx, log):
+        msgs = [{"role": "user", "content": "hello"}]
+        log["openai"] = [await client.chat.completions.create(model="policy", messages=msgs) for _ in range(2)]
+        stream = await client.chat.completions.create(model="policy", messages=msgs, stream=True,
+                                                      stream_options={"include_usage": True})
+        log["openai"].append([c async for c in stream][-1])
+        log["openai"] += await asyncio.gather(*[client.chat.completions.create(model="policy", messages=msgs)
+                                                for _ in range(3)])
+        an = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+        log["anthropic"] = [await an.messages.create(model="policy", max_tokens=12, messages=msgs) for _ in range(2)]
+
+    outcome, log = scripted(loop, rec, tokenizer, script, sampling=SAMPLED)
+    assert len(rec.calls) == len(outcome.trajectories) == 8
+    for seg, call in zip(outcome.trajectories, rec.calls, strict=True):
+        assert_token_exact(seg, [call])
+    # each reply is its own sample's (a gathered call's reply may be any of the three generated while it waited)
+    generated = [len(gen.token_ids) for _, (gen,) in rec.calls]
+    got = [r.usage.completion_tokens for r in log["openai"]] + [r.usage.output_tokens for r in log["anthropic"]]
+    assert got[:3] == generated[:3] and sorted(got[3:6]) == sorted(generated[3:6]) and got[6:] == generated[6:]
+    # the rollout's seed, then past it: the openai samples (one prompt) seeds 1234..1239, anthropic's (its own
+    # request) 1234, 1235
+    assert [req.sampling.seed for req, _ in rec.calls] == [*range(1234, 1240), 1234, 1235]
+    assert len({tuple(gen.token_ids) for _, (gen,) in rec.calls[:6]}) > 1  # not one sample repeated
+
+
+def test_a_raw_client_repeat_is_a_retry_unless_it_says_it_is_a_first_attempt(loop, rec, tokenizer):
+    """Without x-stainless-retry-count (raw aiohttp / httpx / requests) a repeat of the last request is taken for
+    a retry and answered from the cache, as before; with "0" it is a first attempt, sampled; a bad value is a 400."""
+    async def script(client, ctx, log):
+        auth = {"Authorization": f"Bearer {ctx.api_key}"}
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hello"}]}
+        log["replies"] = []
+        async with aiohttp.ClientSession() as http:
+            for attempt in (None, None, "0", "2", "x1", "-1"):
+                headers = dict(auth, **({} if attempt is None else {"x-stainless-retry-count": attempt}))
+                async with http.post(ctx.base_url + "/chat/completions", json=body, headers=headers) as r:
+                    log["replies"].append((r.status, await r.json()))
+
+    outcome, log = scripted(loop, rec, tokenizer, script, sampling=SAMPLED)
+    (s1, r1), (s2, r2), (s3, r3), (s4, r4), *bad = log["replies"]
+    assert (s1, s2, s3, s4) == (200,) * 4
+    assert len(rec.calls) == 2  # the first request, and the one that said it is a first attempt
+    assert r2["choices"] == r1["choices"] and r4["choices"] == r3["choices"]  # the retries: the cached replies
+    assert r3["usage"]["completion_tokens"] == len(rec.calls[1][1][0].token_ids)
+    for status, err in bad:
+        assert status == 400 and err["error"]["param"] == "x-stainless-retry-count", err
+        assert "must be a non-negative integer" in err["error"]["message"]
+    assert len(outcome.trajectories) == 2
+    for seg, call in zip(outcome.trajectories, rec.calls, strict=True):
+        assert_token_exact(seg, [call])
 
 
 def test_compaction_seals_the_segment_and_opens_a_new_one(loop, rec, tokenizer):
@@ -553,7 +641,8 @@ def test_each_malformed_request_gets_its_4xx_and_the_server_keeps_serving(loop, 
     for (wire, _, _, status, words), (got, message, finish) in zip(BAD_REQUESTS, log["results"]):
         assert (got, words in message) == (status, True), (wire, message)
         assert finish in ("stop", "length")
-    assert len(rec.calls) == 1  # the valid request generated once; every later identical one was a cached retry
+    # no malformed request reached the engine; each valid one, an SDK's first attempt, was sampled
+    assert len(rec.calls) == len(BAD_REQUESTS)
 
 
 # --- failures are counted, never fatal ---
@@ -732,9 +821,12 @@ def test_unknown_and_behaviour_changing_fields_get_a_400_naming_them(loop, rec, 
     assert "agent.reasoning_parser=None" in log["thinking"]
     assert "unsupported field 'mcp_servers'" in log["mcp"]
     assert log["ok"].choices[0].finish_reason in ("stop", "length")
-    # the cache_control-marked request is the very same turn as the plain one (the session's retry cache answers it
-    # without generating): cache_control changed nothing of what the model sees or samples
-    (_, _), (plain_req, (plain_gen,)) = rec.calls
+    # the cache_control-marked request (an SDK first attempt: sampled again) reached the engine as the plain one did:
+    # cache_control changed nothing of what the model sees or samples
+    (_, _), (plain_req, (plain_gen,)), (cached_req, (cached_gen,)) = rec.calls
+    assert (cached_req.prompt_ids, cached_req.images) == (plain_req.prompt_ids, plain_req.images)
+    assert cached_req.sampling == plain_req.sampling
+    assert cached_gen.token_ids == plain_gen.token_ids  # greedy
     assert log["an_cached"].content == log["an_plain"].content
     assert log["an_cached"].usage.input_tokens == len(plain_req.prompt_ids)
     assert log["bad_cache"].startswith("cache_control must be {'type': 'ephemeral'}"), log["bad_cache"]

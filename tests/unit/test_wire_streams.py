@@ -23,6 +23,9 @@ TOOL = {"type": "function", "function": {"name": "python", "parameters": {
 CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
 THOUGHT_TEXT_CALL = "<think>\nhmm\n</think>\n\nSure. " + CALL
 USER = [{"role": "user", "content": "hi"}]
+# what the openai / anthropic SDKs send on their first retry of a request (their first attempt sends "0"): a repeat
+# of the session's last request with it is answered from the cache
+SDK_RETRY = {"x-stainless-retry-count": "1"}
 
 
 class ScriptedEngine:
@@ -634,16 +637,18 @@ def test_a_retried_responses_stream_sends_the_cached_reply_as_the_same_events(to
     from openai import AsyncOpenAI
 
     async def go():
-        server, _ = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nSure."), "qwen3")
+        server, session = await serving(tok, ScriptedEngine(tok, "<think>\nhmm\n</think>\n\nSure."), "qwen3")
         oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
         try:
-            return [[e async for e in await oa.responses.create(model="policy", input="hi", stream=True)]
-                    for _ in range(2)]
+            return [[e async for e in await oa.responses.create(model="policy", input="hi", stream=True,
+                                                                 extra_headers=headers)]
+                    for headers in (None, SDK_RETRY)], session.generate_calls
         finally:
             await oa.close()
             await server.stop()
 
-    live, retry = asyncio.run(go())
+    (live, retry), generated = asyncio.run(go())
+    assert generated == 1  # the retry was answered from the cache
     for events in live, retry:
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "\nhmm\n"
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nSure."
@@ -675,21 +680,49 @@ def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_open
     from openai import AsyncOpenAI
 
     async def go():
-        server, _ = await serving(tok, ScriptedEngine(tok, "Hello there."))
+        server, session = await serving(tok, ScriptedEngine(tok, "Hello there."))
         try:
             oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
             finals = []
-            for n in (2, 1, 1):  # the n=1 request twice: the second is a retry, served from the cache
+            # the n=1 request twice, the second as the SDK's retry: served from the cache
+            for n, headers in ((2, None), (1, None), (1, SDK_RETRY)):
                 messages = USER if n == 2 else [{"role": "user", "content": "again"}]
-                async with oa.chat.completions.stream(model="policy", messages=messages, n=n) as s:
+                async with oa.chat.completions.stream(model="policy", messages=messages, n=n,
+                                                      extra_headers=headers) as s:
                     finals.append(await s.get_final_completion())
-            return finals
+            return finals, session.generate_calls
         finally:
             await server.stop()
 
-    for final in asyncio.run(go()):
+    finals, generated = asyncio.run(go())
+    assert generated == 2
+    for final in finals:
         assert [(c.message.role, c.message.content) for c in final.choices] == [
             ("assistant", "Hello there.")] * len(final.choices)
+
+
+def test_repeated_first_attempts_take_seeds_past_the_earlier_samples_choices_and_a_client_seed_as_sent(tok):
+    """A run gives every turn of a rollout the same seed, so an SDK's repeated first attempt sampled with it would be
+    the same tokens again: each repeat takes the seeds after those the earlier samples' n choices took (the engine
+    seeds choice i with seed + i); a seed the client sends is its own, honoured as sent."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server = ChatServer(api_key="k")
+        await server.start()
+        engine = RecordingEngine(tok, "Hello.")
+        server.open_session(ChatSession("s", engine, tok, Sampling(max_tokens=8, seed=100), 2048,
+                                        reply_parser(tok, "hermes")))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            for kw in [{"n": 2}] * 3 + [{}] * 2 + [{"seed": 7}] * 2:
+                await oa.chat.completions.create(model="policy", messages=USER, **kw)
+            return [(r.sampling.seed, r.sampling.n) for r in engine.requests]
+        finally:
+            await oa.close()
+            await server.stop()
+
+    assert asyncio.run(go()) == [(100, 2), (102, 2), (104, 2), (100, 1), (101, 1), (7, 1), (7, 1)]
 
 
 class MaskedAlternativesEngine(ScriptedEngine):
@@ -3033,12 +3066,13 @@ def test_a_retried_anthropic_stream_reports_its_own_prompt_in_message_start(tok)
     async def go():
         server = ChatServer(api_key="k")
         await server.start()
-        server.open_session(ChatSession("s", ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=8), 40,
-                                        reply_parser(tok, "hermes")))
+        session = ChatSession("s", ScriptedEngine(tok, "Hello."), tok, Sampling(max_tokens=8), 40,
+                              reply_parser(tok, "hermes"))
+        server.open_session(session)
         an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
 
-        async def starts():
-            async with an.messages.stream(model="policy", max_tokens=5, messages=USER) as s:
+        async def starts(headers=None):
+            async with an.messages.stream(model="policy", max_tokens=5, messages=USER, extra_headers=headers) as s:
                 events = [e async for e in s]
             return events[0].message.usage.input_tokens, (await s.get_final_message()).usage.input_tokens
 
@@ -3046,12 +3080,13 @@ def test_a_retried_anthropic_stream_reports_its_own_prompt_in_message_start(tok)
             live = await starts()
             with pytest.raises(BadRequestError):
                 await an.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "w " * 60}])
-            return live, await starts()
+            return live, await starts(SDK_RETRY), session.generate_calls
         finally:
             await an.close()
             await server.stop()
 
-    live, retried = asyncio.run(go())
+    live, retried, generated = asyncio.run(go())
+    assert generated == 1  # the retry was served from the cache
     prompt = len(tok(tok.apply_chat_template(USER, tokenize=False, add_generation_prompt=True),
                      add_special_tokens=False)["input_ids"])
     assert live == retried == (prompt, prompt)

@@ -48,6 +48,7 @@ class ChatRequest:
     raw_prompt: str | None = None  # /v1/completions: the prompt fed verbatim, no chat template
     image_params: list = field(default_factory=list)  # each image part's position in the request, in render order
     prompt_param: str = "messages"  # the field of the conversation (Responses: input; completions: prompt), for errors
+    first_attempt: bool = False  # the client's SDK says so (x-stainless-retry-count: 0): a repeat is a new sample
 
     def __post_init__(self):
         # before the images are listed: the order they render in
@@ -59,8 +60,10 @@ class ChatRequest:
                                  for p in m["content"] if p["type"] == "image"]
 
     def key(self) -> str:
-        """What makes two requests the same turn (a client retry): all but how the reply is delivered."""
-        return json.dumps(dict(dataclasses.asdict(self), stream=None, include_usage=None), sort_keys=True, default=str)
+        """What makes two requests the same turn (a client retry): all but how the reply is delivered and which
+        attempt the client says it is."""
+        return json.dumps(dict(dataclasses.asdict(self), stream=None, include_usage=None, first_attempt=None),
+                          sort_keys=True, default=str)
 
     @property
     def forced_tool(self) -> bool:

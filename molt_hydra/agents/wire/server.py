@@ -6,6 +6,8 @@ answered with an error naming the fix instead of deadlocking. Every route but `/
 (`Authorization: Bearer KEY`, scheme case-insensitive, or `x-api-key: KEY`), else 401. Session routes live under
 `/s/{session_id}`: the OpenAI SDK takes `base_url=.../s/{sid}/v1`, the Anthropic SDK `base_url=.../s/{sid}`, a judge
 client `base_url=.../s/{sid}/judge/v1`; `/v1/messages/count_tokens` counts a prompt's tokens (Anthropic's SDK).
+A request repeating the session's last one is a client's retry (the cached reply) unless its
+`x-stainless-retry-count` header, which the SDKs send, says 0: a first attempt, sampled again (session.py).
 Every error, 404 / 405 / 413 included, is in the API's own JSON error shape. Streaming is true token streaming:
 text reaches the client as the engine samples it; tool calls are sent whole once the generation ends.
 """
@@ -40,6 +42,7 @@ WIRES = {
 }
 JUDGE = "/judge/v1/chat/completions"  # OpenAI chat, unrecorded: `ChatSession.judge`
 COUNT_TOKENS = "/v1/messages/count_tokens"  # Anthropic's `messages.count_tokens`
+ATTEMPT_HEADER = "x-stainless-retry-count"  # the openai / anthropic SDKs': 0, then 1, 2... on their own retries
 HOST = "127.0.0.1"
 MODEL_NAME = "policy"  # what /v1/models lists; replies name it as their model
 
@@ -116,6 +119,15 @@ class ChatServer:
         judge = request.path.endswith(JUDGE)
         session, body = await self._accept(request)
         req = parse(body)
+        # the openai / anthropic SDKs' attempt count: "0" is a first attempt, never a retry even where it repeats the
+        # session's last request (k samples of one prompt); absent (a raw HTTP client), a repeat is taken for a retry
+        attempt = request.headers.get(ATTEMPT_HEADER)
+        if attempt is not None and not re.fullmatch(r"[0-9]+", attempt.strip()):
+            raise RequestError(400, f"header {ATTEMPT_HEADER}={attempt!r} must be a non-negative integer: 0 on a "
+                               "first attempt (a repeated request is then sampled again), the retry's number on a "
+                               "client's retry (answered with the reply already generated); or omit it",
+                               ATTEMPT_HEADER)
+        req.first_attempt = attempt is not None and int(attempt) == 0
         if req.stream and not judge:
             return await self._sse(request, session, stream(req, MODEL_NAME, session))
         reply = await self._on_agent_loop(session, session.judge(req) if judge else session.complete(req))

@@ -8,8 +8,13 @@ re-tokenized. Molt rendered only the last new message, so the first of two tool 
 
 Anything else (first turn, the agent rewrote or compacted its history, a template that re-renders earlier turns)
 seals the open segment and starts a new one from the full render. A request identical to the previous one is a
-client retry: the cached reply comes back without generating. With `n > 1` each choice is a branch; the branch
-whose reply the agent echoes is extended, the others are sealed as their own segments.
+client retry: the cached reply comes back without generating, unless the client's SDK marked it a first attempt
+(`x-stainless-retry-count: 0`, which the openai and anthropic SDKs send, and "1", "2"... on their own retries): then
+the agent asks for another sample of the same prompt (self-consistency, a batch of identical calls), which is
+generated in a new segment, as any request that does not extend the open one, with seeds of its own (the rollout's
+seed, which every turn takes, would sample the same tokens again; a client's seed is honoured as sent). With
+`n > 1` each choice is a branch; the branch whose reply the agent echoes is extended, the others are sealed as their
+own segments.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class ChatSession:
         self._prev_tools: list[dict] | None = None
         self._last_key: str | None = None
         self._last_reply: TurnReply | None = None
+        self._samples = 0  # earlier samples of the request now generating (the same request sent as a first attempt)
         self._turn_end = self._assistant_turn_end()
         self._end_ids = {self.tokenizer.eos_token_id, *self.sampling.stop_token_ids}
 
@@ -130,10 +136,13 @@ class ChatSession:
             if self.closed:
                 raise RequestError(404, f"session {self.session_id} is closed", code="session_closed")
             key = req.key()
-            if key == self._last_key and self._last_reply is not None:
+            repeat = key == self._last_key and self._last_reply is not None
+            # (was: every repeat taken for a retry, so k identical first attempts got one sample k times)
+            if repeat and not req.first_attempt:
                 # its prompt, which a streamed Anthropic reply reports up front (was: that of a request refused since)
                 self.last_prompt_tokens = self._last_reply.prompt_tokens
                 return dataclasses.replace(self._last_reply, streamed=False)
+            self._samples = self._samples + 1 if repeat else 0
             self._last_key, self._last_reply = key, await self._generate_turn(req, on_delta)
             return self._last_reply
 
@@ -220,10 +229,15 @@ class ChatSession:
                                "'max_tokens' and the session's remaining length), and a thought is never cut short "
                                "here: the model thinks as long as it samples to. Send budget_tokens >= the cap (with "
                                "'max_tokens' above it), or omit 'thinking'", "thinking.budget_tokens")
+        seed = o.get("seed", self.sampling.seed)
+        if "seed" not in o and seed is not None:  # the rollout's seed, the same each turn: another sample of the
+            # request just sampled takes seeds past those its earlier samples' choices took (seed + choice index)
+            # (was: the same seed, so the same prompt sampled the same tokens again)
+            seed = (seed + self._samples * req.n) % 2**63
         return dataclasses.replace(
             self.sampling, max_tokens=max_tokens, min_tokens=min(self.sampling.min_tokens, max_tokens),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
-            seed=o.get("seed", self.sampling.seed), **self._decoding(req))
+            seed=seed, **self._decoding(req))
 
     def _check_thinking(self, req: ChatRequest) -> None:
         if req.thinking is not None and req.thinking != (self.parser.reasoning is not None):
