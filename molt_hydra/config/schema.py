@@ -536,6 +536,11 @@ class TrainConfig:
                  f"needs train.epochs=1, got {self.epochs}.", "set train.epochs=1 or train.force_on_policy=false")
 
 
+# The fix that starts a run from a checkpoint's weights alone (a warm start saves its own steps from 1, so not among
+# that run's): one text wherever a checkpoint cannot be resumed whole.
+WEIGHTS_ALONE = "copy it as step_0 of a new checkpoint.dir and set checkpoint.load_model_only=true"
+
+
 @dataclass
 class CheckpointConfig:
     dir: str = "${output_dir}/checkpoints"

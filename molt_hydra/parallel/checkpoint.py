@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from molt_hydra.config.schema import WEIGHTS_ALONE
 from molt_hydra.models import lora
 from molt_hydra.parallel import retention
 from molt_hydra.parallel.crc_reader import ChecksumMismatch, SummingReader
@@ -352,8 +353,7 @@ def load_checkpoint(root: str | os.PathLike, model, optimizer=None, scheduler=No
             and (saved := saved_master_weights(path, extra["client_state"])) != master_weights):
         raise ValueError(f"model.master_weights: {path} was saved with model.master_weights={saved}, this run has "
                          f"{master_weights}; its optimizer state cannot be resumed across the two. Fix: set "
-                         f"model.master_weights={saved} (or its weights alone: copy it as step_0 of a new "
-                         "checkpoint.dir and set checkpoint.load_model_only=true)")
+                         f"model.master_weights={saved} (or its weights alone: {WEIGHTS_ALONE})")
     state = {"model": into} if into is not None else _dcp_state(model, optimizer)
     try:
         # without an optimizer: the model's entries only; each shard's CRC32 is checked as it is read

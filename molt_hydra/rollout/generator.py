@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
+from molt_hydra.config.schema import WEIGHTS_ALONE
 from molt_hydra.rollout.generation import Sampling
 
 # Molt's seven reasons, then the agent-side failures molt_hydra counts too (Molt prints and forgets them).
@@ -105,8 +106,7 @@ def refuse_other_prompts(saved: str | None, now: str, checkpoint: str = "the che
     if saved is not None and saved != now:
         raise ValueError(f"{checkpoint} was trained on other prompts ({saved}) than this run's ({now}); its place in "
                          "them cannot be resumed. Fix: resume with the data it was trained on, or start on this data "
-                         "from its weights alone: copy it as step_0 of a new checkpoint.dir and set "
-                         "checkpoint.load_model_only=true")
+                         f"from its weights alone: {WEIGHTS_ALONE}")
 
 
 @dataclass(eq=False)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from molt_hydra.compat import VersionError
 from molt_hydra.compat.ray import auto_init_restored
-from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
+from molt_hydra.config.schema import EXIT_INTERRUPTED, WEIGHTS_ALONE, RunConfig
 from molt_hydra.runtime import ray_head, reaper
 from molt_hydra.runtime.agent_runner import OUTPUT
 from molt_hydra.runtime.preemption import PreemptionNotice
@@ -33,7 +33,7 @@ from molt_hydra.runtime.run_record import config_as_dict, write_run_record
 from molt_hydra.runtime.slurm_ray import RayClusterError, ray_cluster
 from molt_hydra.runtime.watchdog import (EXIT_FAILED, EXIT_STALLED, RoleStalled, RunFailed, beside, describe,
                                         descendants, kill, shutdown_ray, stall_report)
-from molt_hydra.runtime.writable import run_dirs
+from molt_hydra.runtime.writable import run_dirs, writes_checkpoint_dir
 
 
 def run(cfg: RunConfig) -> None:
@@ -119,10 +119,7 @@ def _build_models(cfg: RunConfig) -> None:
             sys.exit(EXIT_FAILED)
 
 
-# the fix that starts a run from a checkpoint's weights alone: a warm start saves its own steps from 1, so not among
-# that run's (`_refuse_a_warm_start_among_its_steps`)
-WARM_START = ("start from its weights alone: copy it as step_0 of a new checkpoint.dir and set "
-              "checkpoint.load_model_only=true")
+WARM_START = f"start from its weights alone: {WEIGHTS_ALONE}"  # (`_refuse_a_warm_start_among_its_steps`)
 
 
 def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
@@ -357,7 +354,7 @@ def _refuse_a_warm_start_among_its_steps(cfg: RunConfig, found: Path) -> None:
     from molt_hydra.runtime.plan import fsdp_roles
 
     c, critic = cfg.checkpoint, Path(cfg.checkpoint.dir + "_critic")
-    if "checkpoint.dir" not in run_dirs(cfg):  # (was: save_steps=0 alone, while eval's `best` replaced that run's)
+    if not writes_checkpoint_dir(cfg):  # (was: save_steps=0 alone, while eval's `best` replaced that run's)
         return
     roots = [Path(c.dir), *([critic] if critic.is_dir() and "critic" in fsdp_roles(cfg) else [])]
     steps = [int(m.group(1)) for root in roots for p in root.glob("step_*") if (m := TAG.match(p.name))]

@@ -50,15 +50,21 @@ def run_dirs(cfg) -> dict[str, str]:
     starts (`check_outputs`), and locked while it runs (runtime/run_lock.py)."""
     dirs = {"output_dir": cfg.output_dir}
     c, job = cfg.checkpoint, cfg.job.value
-    # where the run writes: its checkpoints, or `best` (an RL run's eval). Before, also a read-only one it only
-    # resumes from (a warm start, checkpoint.save_steps=0): refused as not writable
-    if job != "eval" and (c.save_steps != 0 or job == "rl" and cfg.eval.data_path and c.best_metric_key != "none"):
+    if writes_checkpoint_dir(cfg):
         dirs["checkpoint.dir"] = c.dir
     if job != "eval" and c.export_final:
         dirs["checkpoint.export_dir"] = c.export_dir
     if cfg.train.rollout_dump_dir:  # (was: the first dump failed the run, after every role had started)
         dirs["train.rollout_dump_dir"] = cfg.train.rollout_dump_dir
     return dirs
+
+
+def writes_checkpoint_dir(cfg) -> bool:
+    """Whether the run writes checkpoint.dir: its checkpoints, or `best` (an RL run's eval). Not where it only resumes
+    from there (a warm start, checkpoint.save_steps=0: was refused as not writable)."""
+    c, job = cfg.checkpoint, cfg.job.value
+    return job != "eval" and (c.save_steps != 0 or job == "rl" and bool(cfg.eval.data_path)
+                              and c.best_metric_key != "none")
 
 
 def check_outputs(cfg) -> None:

@@ -69,7 +69,7 @@ def test_the_run_refuses_a_resume_across_modes_before_anything_starts(tmp_path, 
     save_checkpoint(tmp_path, 1, model, opt, client_state={"master_weights": "fsdp"})
     value = SimpleNamespace
     cfg = value(job=value(value="rl"), model=value(master_weights=value(value="optimizer")), checkpoint=value(
-        dir=str(tmp_path), resume=value(value="auto"), load_model_only=warm, save_steps=0))
+        dir=str(tmp_path), resume=value(value="auto"), load_model_only=warm, save_steps=0), eval=value(data_path=None))
     if warm:
         _check_resume(cfg)
         return
