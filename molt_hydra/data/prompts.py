@@ -139,10 +139,32 @@ def load_dataset(spec: str, split: str, config: str | None = None):
         except FileNotFoundError:
             raise
         except Exception as e:  # an empty file (a bare StopIteration), malformed rows (DatasetGenerationError)
+            if _no_rows(path):  # (was: datasets' 'Instruction "train" corresponds to no data!' or, for a parquet
+                # file of no row group, 'BatchSize must be greater than 0, got 0')
+                raise ValueError(f"{path} has no rows (its columns alone). Fix: write the rows again (a filter kept "
+                                 "none?), or point the key at a dataset with rows") from None
             raise ValueError(f"{path} is not a readable {path.suffix[1:]} file: {_reason(e)}") from None
     if path.is_dir():
         return _saved(path, split)
     return datasets.load_dataset(spec, config, split=split)
+
+
+def _no_rows(path: Path) -> bool:
+    """Whether a parquet or arrow file that datasets could not read is one of no rows (its columns alone)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_metadata(path).num_rows == 0
+        with pa.memory_map(str(path)) as source:  # an arrow stream (datasets' form), or an arrow file
+            try:
+                return pa.ipc.open_stream(source).read_all().num_rows == 0
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return pa.ipc.open_file(source).read_all().num_rows == 0
+    except (OSError, pa.ArrowException):  # (not parquet / arrow at all: datasets' reason stands)
+        return False
 
 
 def _saved(path: Path, split: str):

@@ -543,3 +543,30 @@ def test_rows_the_chat_template_refuses_are_dropped_at_load_naming_them(tmp_path
         _load_rows(cfg, scoring=False)
     assert str(err.value) == (f"data.train_path={path}: every row of {path} was dropped: the chat template refuses "
                               f"their messages; row 0: TemplateError: System role not supported. {TEMPLATE_FIX}")
+
+
+@pytest.mark.parametrize("name", ["datasets.parquet", "no_row_group.parquet", "stream.arrow", "file.arrow"])
+def test_a_parquet_or_arrow_file_of_no_rows_is_named_as_the_other_empty_inputs_are(tmp_path, name):
+    """A file of its columns alone, as datasets writes one (to_parquet of a filter that kept none) or pyarrow does.
+    Before: 'is not a readable parquet file: Instruction "train" corresponds to no data!' (datasets' words; for a
+    parquet file of no row group 'BatchSize must be greater than 0, got 0'), at validation and at the run's load."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / name
+    table = pa.table({"prompt": pa.array([], pa.string()), "label": pa.array([], pa.string())})
+    if name == "datasets.parquet":
+        datasets.Dataset.from_dict({"prompt": [], "label": []}).to_parquet(str(path))
+    elif name.endswith(".parquet"):
+        pq.write_table(table, path)
+    else:
+        with pa.OSFile(str(path), "wb") as f, (pa.ipc.new_stream if name == "stream.arrow" else pa.ipc.new_file)(
+                f, table.schema) as writer:
+            writer.write_table(table)
+    reason = (f"{path} has no rows (its columns alone). Fix: write the rows again (a filter kept none?), or point "
+              "the key at a dataset with rows")
+    assert _config_problems(str(path)) == [f"- data.train_path: {reason}"]
+    with pytest.raises(ValueError) as err:
+        _named("data.train_path", load_prompts, str(path))
+    assert str(err.value) == f"data.train_path={path}: {reason}"
