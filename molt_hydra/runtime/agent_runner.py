@@ -50,7 +50,7 @@ class AgentRunnerActor(BatchedCallee):
         if chat_options and hasattr(self.runner, "configure_chat"):  # agent.tool_parser, max_choices, ...
             self.runner.configure_chat(**chat_options)
         elif chat_options and isinstance(self.runner, StepEnvRunner):  # the engines' image limit, as a chat runner's
-            self.runner.max_images = chat_options.get("max_images")
+            self.runner.max_images = chat_options.get("max_images") or 0  # (None: data.max_images_per_prompt=0)
         self.apply_chat_template = apply_chat_template
         images = TrajectoryImages.for_model(tokenizer_path)
         text_only = images is None and (Path(tokenizer_path) / "config.json").is_file()

@@ -288,6 +288,12 @@ def test_an_env_returning_more_images_than_the_engines_take_fails_its_rollout_na
         assert dict(outcome.failures) == failures
         assert [len(r.images) for r in engine.requests] == [1] if failures else [1, 3]
     assert [im.getpixel((0, 0)) for im in outcome.trajectories[0].images] == [(0, 128, 0), (255, 0, 0), (0, 0, 255)]
+    # data.max_images_per_prompt=0 (roles.py passes no limit and no images to a chat runner): none for an Env either
+    # (was: its images sent to the engine, the samples dropped later as images_for_text_model)
+    actor = AgentRunnerActor({"_target_": f"{tmp_path / 'env.py'}:TwoImages"}, [object()], tokenizer_path=model_dir,
+                             max_len=512, timeout_s=10, engine_timeout_s=10, seed=0, max_turns=2,
+                             chat_options={"accepts_images": False, "max_images": None})
+    assert actor.runner.max_images == 0
     actor.runner.max_images = 2
     error = asyncio.run(actor.runner.run_group([ep], VLMStandIn(tok.eos_token_id), tok)).errors["agent_exception"]
     assert error == ("ValueError: TwoImages.step returned 2 Result.images: 3 images in the episode > "
