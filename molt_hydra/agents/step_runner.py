@@ -36,6 +36,7 @@ class StepEnvRunner(Runner):
         self.env_kwargs = dict(env_kwargs or {})
         self.image_tokens_per_image = image_tokens_per_image
         self.accepts_images = True  # False for a text-only model (the runner process sets it)
+        self.max_images: int | None = None  # the engines' per-prompt limit, data.max_images_per_prompt (likewise)
         self._prompts: dict = {}  # (tokenizer, prompt) -> (text, token ids): see `_prompt_ids`
 
     def _prompt_ids(self, prompt, tools, tokenizer) -> tuple[str, list[int]]:
@@ -138,6 +139,12 @@ class StepEnvRunner(Runner):
         # decoded as a row's images are (a path, bytes, a datasets Image struct; RGB): was, for a path, the
         # processor's "Invalid image type: <class 'str'>", naming neither the env nor the field
         new_images = to_pil_images(new_images, len(new_images), f"Result.images of {self.env_cls.__name__}.step")
+        if self.max_images is not None and len(images) + len(new_images) > self.max_images:
+            # (was: vLLM's own error out of the engine, naming neither the env nor the key), as the chat server's
+            raise ValueError(f"{self.env_cls.__name__}.step returned {len(new_images)} Result.images: "
+                             f"{len(images) + len(new_images)} images in the episode > data.max_images_per_prompt="
+                             f"{self.max_images}, the engines' per-prompt image limit (every turn's prompt carries all "
+                             "earlier images). Fix: return fewer images, or raise data.max_images_per_prompt")
         room = episode.max_length - len(traj.token_ids) - self._image_tokens(images + new_images)
         if len(feedback) >= room:  # not even one token left to generate after it
             traj.append_feedback(feedback[: max(0, room)] if not new_images else [])

@@ -13,6 +13,8 @@ import random
 from functools import partial
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 from molt_hydra.data.images import blank_like, to_pil_images
 # imported where used: PIL and datasets (heavy; builtin tasks need neither)
 
@@ -137,10 +139,32 @@ def load_dataset(spec: str, split: str, config: str | None = None):
         except FileNotFoundError:
             raise
         except Exception as e:  # an empty file (a bare StopIteration), malformed rows (DatasetGenerationError)
+            if _no_rows(path):  # (was: datasets' 'Instruction "train" corresponds to no data!' or, for a parquet
+                # file of no row group, 'BatchSize must be greater than 0, got 0')
+                raise ValueError(f"{path} has no rows (its columns alone). Fix: write the rows again (a filter kept "
+                                 "none?), or point the key at a dataset with rows") from None
             raise ValueError(f"{path} is not a readable {path.suffix[1:]} file: {_reason(e)}") from None
     if path.is_dir():
         return _saved(path, split)
     return datasets.load_dataset(spec, config, split=split)
+
+
+def _no_rows(path: Path) -> bool:
+    """Whether a parquet or arrow file that datasets could not read is one of no rows (its columns alone)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_metadata(path).num_rows == 0
+        with pa.memory_map(str(path)) as source:  # an arrow stream (datasets' form), or an arrow file
+            try:
+                return pa.ipc.open_stream(source).read_all().num_rows == 0
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return pa.ipc.open_file(source).read_all().num_rows == 0
+    except (OSError, pa.ArrowException):  # (not parquet / arrow at all: datasets' reason stands)
+        return False
 
 
 def _saved(path: Path, split: str):
@@ -272,10 +296,11 @@ def _reason(error: BaseException) -> str:
 def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", label_key: str | None = "label",
                  tools_key: str | None = None, image_key: str | None = None, max_samples: int | None = None,
                  probs: list[float] | None = None, seed: int = 0, max_images_per_prompt: int = 0,
-                 blank_images: bool = False, image_fits=None) -> list[dict]:
-    """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`. Images of
-    `image_key` become PIL images, at most `max_images_per_prompt` per row, each one `image_fits` takes
-    (`usable_image_rows`); `blank_images` replaces each by a grey one of its size."""
+                 blank_images: bool = False, image_fits=None, template_fits=None) -> list[dict]:
+    """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`. Each row's prompt
+    is one `template_fits(prompt, tools)` renders (`usable_template_rows`). Images of `image_key` become PIL images, at
+    most `max_images_per_prompt` per row, each one `image_fits` takes (`usable_image_rows`); `blank_images` replaces
+    each by a grey one of its size."""
     specs = [s.strip() for s in spec.split(",") if s.strip()]  # `probs`: one per spec (DataConfig checks it)
     if not all(p > 0 for p in probs or ()):  # never drawn, its rows would never be exhausted: the loop below hangs
         raise ValueError(f"data.train_probs={list(probs)}: every dataset needs a probability > 0")
@@ -286,6 +311,7 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
             tools_key=tools_key, image_key=image_key)
         if not rows:
             raise ValueError(f"{s} has no rows")
+        rows = usable_template_rows(rows, s, template_fits) if template_fits is not None else rows
         rows = usable_image_rows(rows, s, image_key or "images", max_images_per_prompt, blank_images,
                                  fits=image_fits)
         parts.append(rows)
@@ -339,6 +365,62 @@ def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: i
     if rows and not kept:
         raise ValueError(f"every row of {spec} was dropped for its images; the first: {dropped[0][1]}")
     return kept
+
+
+TEMPLATE_FIX = ("give the rows the roles and order the chat template takes (e.g. a system message folded into the "
+                "first user message), or use a model whose template renders them")
+
+
+def usable_template_rows(rows: list[dict], spec: str, fits) -> list[dict]:
+    """Rows whose prompt (with its tools) `fits(prompt, tools)` renders: the model's chat template, as the agent
+    runners render it. A row it refuses (jinja's TemplateError from its raise_exception: Gemma's 'System role not
+    supported', Mistral's role order; a TypeError: content it cannot join) is dropped, counted and logged with its row
+    id, as one with an unusable image is (was: each of the row's rollouts failed with jinja's error naming no row, every
+    epoch). One row per shape (`_shape`: what templates decide on, short of the text) is rendered, then each row of a
+    refused shape: 100k two-message rows took 0.2 s so, 1.9 s rendered in full (the tiny model's template; their load:
+    1.5 s), and a real template is longer. A refusal that the text alone decides, in a shape taken, is left to the
+    rollout. All rows dropped is an error."""
+    refused, verdicts = {}, {}  # refused: reason -> row ids; verdicts: shape -> its first row's refusal, or None
+
+    def refusal(row: dict) -> str | None:
+        try:
+            fits(row["prompt"], row.get("tools"))
+        except (TemplateError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    for i, row in enumerate(rows):
+        shape = _shape(row)
+        if shape not in verdicts:
+            verdicts[shape] = why = refusal(row)
+        else:
+            why = verdicts[shape] and refusal(row)  # an accepted shape's rows pass; a refused one's each rendered
+        if why is not None:
+            refused.setdefault(why, []).append(i)
+    gone = {i for ids in refused.values() for i in ids}
+    for why, ids in refused.items():
+        log.warning("data: dropped %d of %d rows of %s: the chat template refuses their messages (%s) (row ids %s). "
+                    "Fix: %s", len(ids), len(rows), spec, why, ids[:20], TEMPLATE_FIX)
+    if rows and len(gone) == len(rows):
+        why, ids = next(iter(refused.items()))
+        raise ValueError(f"every row of {spec} was dropped: the chat template refuses their messages; row {ids[0]}: "
+                         f"{why}. Fix: {TEMPLATE_FIX}")
+    return [row for i, row in enumerate(rows) if i not in gone] if gone else rows
+
+
+def _shape(row: dict) -> tuple:
+    """What a chat template decides on, short of the text: each message's role, the keys it sets and its content's
+    kind (text, or the types of its parts), and the row's tools."""
+    def kind(content):
+        if isinstance(content, list):
+            return tuple(p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content)
+        return type(content).__name__
+
+    prompt, tools = row["prompt"], row.get("tools")
+    messages = "text" if isinstance(prompt, str) else tuple(
+        (m.get("role"), tuple(sorted(k for k, v in m.items() if v is not None)), kind(m.get("content")))
+        for m in prompt)
+    return messages, None if tools is None else json.dumps(tools, sort_keys=True, default=str)
 
 
 COLUMN_FIX = {"input_key": "set data.input_key to the prompt column",

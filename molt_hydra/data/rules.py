@@ -25,7 +25,12 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     for key, spec in (("data.train_path", d.train_path), ("eval.data_path", cfg.eval.data_path)):
         problems.check(spec is None or bool(spec.replace(",", "").strip()), key, f"{spec!r} names no dataset.",
                        fix + ", or null")
-        parts = _specs(spec)
+        parts, entries = _specs(spec), (spec or "").split(",")
+        empty = [i for i, entry in enumerate(entries, 1) if not entry.strip()]
+        # (was: skipped without a word, e.g. a dataset's name lost between two commas)
+        problems.check(not parts or not empty, key, f"{spec!r} has an empty entry at position{'s' * (len(empty) > 1)} "
+                       f"{', '.join(map(str, empty))} of its {len(entries)} comma-separated entries.",
+                       "name one dataset between each two commas, or remove the extra comma")
         for part in parts:
             if not part.startswith(BUILTIN):
                 check_location(problems, key, part, "file or directory", fix)

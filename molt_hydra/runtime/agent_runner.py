@@ -41,6 +41,7 @@ class AgentRunnerActor(BatchedCallee):
         from transformers import AutoTokenizer
 
         from molt_hydra.agents.loading import load_runner
+        from molt_hydra.agents.step_runner import StepEnvRunner
         from molt_hydra.rollout.router import Router
 
         from molt_hydra.models.vlm import TrajectoryImages
@@ -48,6 +49,8 @@ class AgentRunnerActor(BatchedCallee):
         self.runner = load_runner(dict(runner_spec))
         if chat_options and hasattr(self.runner, "configure_chat"):  # agent.tool_parser, max_choices, ...
             self.runner.configure_chat(**chat_options)
+        elif chat_options and isinstance(self.runner, StepEnvRunner):  # the engines' image limit, as a chat runner's
+            self.runner.max_images = chat_options.get("max_images") or 0  # (None: data.max_images_per_prompt=0)
         self.apply_chat_template = apply_chat_template
         images = TrajectoryImages.for_model(tokenizer_path)
         text_only = images is None and (Path(tokenizer_path) / "config.json").is_file()

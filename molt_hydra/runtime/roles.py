@@ -272,22 +272,33 @@ def _start_runners(cfg: RunConfig, engines: list, tokenizer_path: str) -> list:
         for _ in range(cfg.rollout.num_runners)]
 
 
-def _load_rows(cfg: RunConfig, scoring: bool) -> tuple[list, list | None]:
+def _load_rows(cfg: RunConfig, scoring: bool, tokenizer=None) -> tuple[list, list | None]:
     """(training prompts, eval rows or None); an eval job scores its eval rows (it has no training data). Training rows
     fewer than rollout.batch_size end the run, as validation's count of local data does (agents/rules.py
     `_fills_a_batch`): a hub dataset is counted only here, once loaded (was: trained on a partial batch without a
-    word), and so are rows dropped at load for their images."""
+    word), and so are rows dropped at load for their images or their chat template. `tokenizer`: the run's (loaded
+    here when None)."""
+    from transformers import AutoTokenizer
+
     from molt_hydra.data.prompts import load_prompts
     from molt_hydra.models.build import resolve_path
     from molt_hydra.models.vlm import TrajectoryImages
 
-    d = cfg.data
+    d, path = cfg.data, resolve_path(cfg.model.tokenizer_path or cfg.model.path)
     # the agent runners' processor (agent_runner.py): an image it refuses drops its row here, named
-    images = TrajectoryImages.for_model(resolve_path(cfg.model.tokenizer_path or cfg.model.path)) \
-        if d.image_key and d.max_images_per_prompt else None
+    images = TrajectoryImages.for_model(path) if d.image_key and d.max_images_per_prompt else None
+    tokenizer = AutoTokenizer.from_pretrained(path) if tokenizer is None else tokenizer
+
+    def template_fits(prompt, tools) -> None:  # the first prompt as the agent runners render it (step_runner.py)
+        if isinstance(prompt, str) and not d.apply_chat_template:
+            return  # sent as raw text
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
     rows = dict(input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key, image_key=d.image_key,
                 max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images,
-                image_fits=images and images.added_tokens)
+                image_fits=images and images.added_tokens,
+                template_fits=template_fits if tokenizer.chat_template else None)  # (none: the runners' error)
     eval_rows = _named("eval.data_path", load_prompts, cfg.eval.data_path, split=cfg.eval.split, **rows) \
         if cfg.eval.data_path else None
     prompts = eval_rows if scoring else _named(
@@ -569,7 +580,7 @@ async def _build(cfg: RunConfig, run_record: dict, t0: float, up: dict, role_pid
     runners_ready.add_done_callback(ready("agent runners"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        prompts, eval_rows = rows or _load_rows(cfg, scoring)
+        prompts, eval_rows = rows or _load_rows(cfg, scoring, tokenizer)
         if shared_gpus is not None:  # vLLM sizes its memory from what is free when it starts: before the trainer's
             await _started(engine_starts, t.timeouts.startup_s, role_pids)
         # beside the engines' and runners' starts: one that fails ends the run at once (before: once the trainer ranks

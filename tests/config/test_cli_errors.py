@@ -593,12 +593,17 @@ def test_job_eval_judges_the_data_keys_against_its_eval_data(override, tmp_path)
 def test_job_eval_sets_the_recipes_training_data_aside():
     """Before: `+recipe=qwen3_moe_geo3k job=eval` kept the recipe's data.train_path, and the eval job loaded it at its
     start (runtime/roles.py _load_rows): a training file that is not there failed the evaluation, which reads none."""
+    from transformers import AutoTokenizer
+
     from molt_hydra.cli import checked
+    from molt_hydra.models.build import resolve_path
     from molt_hydra.runtime.roles import _load_rows
 
     run_cfg, _ = checked(compose_config(GEO_EVAL))
     assert run_cfg.data.train_path is None and run_cfg.data.max_samples == 100_000_000  # the schema's
-    prompts, eval_rows = _load_rows(run_cfg, scoring=True)
+    # the run's tokenizer screens the rows' chat messages (the recipe's hub model is not reachable here: a stand-in)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_path("tiny://qwen25_vl_tiny"))
+    prompts, eval_rows = _load_rows(run_cfg, scoring=True, tokenizer=tokenizer)
     assert prompts is eval_rows and len(eval_rows) > 0
 
 

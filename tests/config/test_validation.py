@@ -9,6 +9,7 @@ import pytest
 from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
 from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
 from molt_hydra.config.schema import LR_WHY, MAX_LR, ConfigError
+from molt_hydra.data.prompts import BUILTIN_TASKS
 from molt_hydra.runtime.validate import validate
 
 
@@ -456,3 +457,19 @@ def test_the_whole_batches_fix_validates_as_given(overrides):
     assert fix, line
     fixed = [o for o in overrides if not o.startswith(fix[1] + "=")] + [f"{fix[1]}={fix[2]}"]
     assert config_errors(fixed) == [], (line, fixed)
+
+
+@pytest.mark.parametrize("key", ["data.train_path", "eval.data_path"])
+def test_an_empty_entry_of_a_comma_list_of_datasets_is_refused_naming_its_position(key):
+    """Before: 'builtin://toy,,builtin://toy' trained on two datasets without a word (a name lost between the commas,
+    or a stray trailing comma); a list of no name at all is 'names no dataset', said once."""
+    fix = "Fix: name one dataset between each two commas, or remove the extra comma"
+    scheduled = ["eval.every_steps=1"] if key == "eval.data_path" else []  # (an eval never run is refused too)
+    for spec, where in (("builtin://toy,,builtin://toy", "position 2 of its 3"),
+                        ("builtin://toy, ,builtin://toy_eval,", "positions 2, 4 of its 4")):
+        assert config_errors([f"{key}='{spec}'", *scheduled]) == [
+            f"{key}: {spec!r} has an empty entry at {where} comma-separated entries. {fix}"]
+    assert config_errors([f"{key}=','", *scheduled]) == [
+        f"{key}: ',' names no dataset. Fix: give files, directories, hub dataset ids or one of "
+        f"{['builtin://' + n for n in sorted(BUILTIN_TASKS)]}, or null"]
+    assert config_errors([f"{key}='builtin://toy,builtin://toy_eval'", *scheduled]) == []

@@ -248,3 +248,54 @@ def test_result_images_given_as_paths_or_bytes_are_decoded_as_row_images_are(tin
         assert outcome.trajectories == [] and outcome.errors == {"agent_exception": (
             f"ValueError: Result.images of {agent}: unusable image: an image must be a PIL image, bytes, a path or an "
             "Image struct, got int")}
+
+
+ENV_OF_TWO_IMAGES = '''
+from PIL import Image
+
+from molt_hydra.agents import Env, Result
+
+
+class TwoImages(Env):
+    async def step(self, state):
+        if state["turn"] == 0:
+            return Result(reward=0.0, observation="look", terminated=False,
+                          images=[Image.new("RGB", (56, 56), c) for c in ("red", "blue")])
+        return Result(reward=1.0)
+'''
+
+
+def test_an_env_returning_more_images_than_the_engines_take_fails_its_rollout_naming_the_limit(tmp_path):
+    """data.max_images_per_prompt reaches the step runner as it reaches a chat runner (the runner process's
+    chat_options): the row's image + the 2 of TwoImages.step are 3, over a limit of 2. Before: the engine request
+    carried all 3, and vLLM refused each such rollout in its own words, naming neither the Env nor the key."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.models.build import resolve_path
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    (tmp_path / "env.py").write_text(ENV_OF_TWO_IMAGES)
+    model_dir = resolve_path("tiny://qwen25_vl_tiny")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ep = Episode(prompt=[{"role": "user", "content": "<image>Find x."}], images=[img("green")],
+                 sampling=Sampling(max_tokens=4), max_length=512)
+    for limit, failures in ((2, {"agent_exception": 1}), (3, {})):
+        actor = AgentRunnerActor({"_target_": f"{tmp_path / 'env.py'}:TwoImages"}, [object()], tokenizer_path=model_dir,
+                                 max_len=512, timeout_s=10, engine_timeout_s=10, seed=0, max_turns=2,
+                                 chat_options={"accepts_images": True, "max_images": limit})
+        engine = VLMStandIn(tok.eos_token_id)
+        outcome = asyncio.run(actor.runner.run_group([ep], engine, tok))
+        assert dict(outcome.failures) == failures
+        assert [len(r.images) for r in engine.requests] == [1] if failures else [1, 3]
+    assert [im.getpixel((0, 0)) for im in outcome.trajectories[0].images] == [(0, 128, 0), (255, 0, 0), (0, 0, 255)]
+    # data.max_images_per_prompt=0 (roles.py passes no limit and no images to a chat runner): none for an Env either
+    # (was: its images sent to the engine, the samples dropped later as images_for_text_model)
+    actor = AgentRunnerActor({"_target_": f"{tmp_path / 'env.py'}:TwoImages"}, [object()], tokenizer_path=model_dir,
+                             max_len=512, timeout_s=10, engine_timeout_s=10, seed=0, max_turns=2,
+                             chat_options={"accepts_images": False, "max_images": None})
+    assert actor.runner.max_images == 0
+    actor.runner.max_images = 2
+    error = asyncio.run(actor.runner.run_group([ep], VLMStandIn(tok.eos_token_id), tok)).errors["agent_exception"]
+    assert error == ("ValueError: TwoImages.step returned 2 Result.images: 3 images in the episode > "
+                     "data.max_images_per_prompt=2, the engines' per-prompt image limit (every turn's prompt carries "
+                     "all earlier images). Fix: return fewer images, or raise data.max_images_per_prompt")

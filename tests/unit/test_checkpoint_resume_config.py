@@ -240,9 +240,7 @@ def test_a_prompt_file_changed_since_the_save_is_refused_before_ray(changed, tmp
 
     from contextlib import nullcontext
 
-    from molt_hydra.models import build
-
-    monkeypatch.setattr(build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(entrypoint, "_build_models", lambda cfg: None)  # (the tokenizer _load_rows reads: built)
     monkeypatch.setattr(entrypoint, "ray_cluster", lambda *a: nullcontext())
     monkeypatch.setattr(entrypoint, "_main", main)
     cfg.checkpoint.resume = type(cfg.checkpoint.resume)("auto")
@@ -272,7 +270,6 @@ def test_the_checks_before_ray_read_the_client_state_once(tmp_path, monkeypatch)
     the integrity check loads it (resolve_checkpoint) and the client state is read once, for every check."""
     from contextlib import nullcontext
 
-    from molt_hydra.models import build
     from molt_hydra.parallel import checkpoint
     from molt_hydra.rollout.generator import prompts_fingerprint
     from molt_hydra.runtime import entrypoint
@@ -297,7 +294,7 @@ def test_the_checks_before_ray_read_the_client_state_once(tmp_path, monkeypatch)
         return 0
 
     monkeypatch.setattr(checkpoint.torch, "load", counted)
-    monkeypatch.setattr(build, "resolve_path", lambda path: path)
+    monkeypatch.setattr(entrypoint, "_build_models", lambda cfg: None)  # (the tokenizer _load_rows reads: built)
     monkeypatch.setattr(entrypoint, "ray_cluster", lambda *a: nullcontext())
     monkeypatch.setattr(entrypoint, "_main", main)
     cfg.checkpoint.resume = type(cfg.checkpoint.resume)("auto")

@@ -431,7 +431,7 @@ def _run_config(spec: str, batch_size: int, **data):
     from molt_hydra.config.schema import RunConfig
 
     cfg = RunConfig()
-    cfg.data.train_path, cfg.rollout.batch_size = spec, batch_size
+    cfg.data.train_path, cfg.rollout.batch_size, cfg.model.path = spec, batch_size, "tiny://qwen3_tiny"
     for key, value in data.items():
         setattr(cfg.data, key, value)
     return cfg
@@ -491,3 +491,82 @@ def test_rows_dropped_for_their_images_at_load_are_counted_against_the_batch(tmp
         _load_rows(_run_config(str(path), 2, **data), scoring=False)
     assert str(err.value) == _too_few_loaded(str(path), 1, 2)
 
+
+
+# Gemma's template refuses a system message and roles out of order with raise_exception (jinja2's TemplateError); the
+# "!" clause refuses a row for its text alone
+REFUSING = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+            "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception("
+            "'Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if '!' in "
+            "m['content'] %}{{ raise_exception('no shouting') }}{% endif %}<start_of_turn>{{ m['role'] }}\n"
+            "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+            "{% endif %}")
+TEMPLATE_FIX = ("Fix: give the rows the roles and order the chat template takes (e.g. a system message folded into "
+                "the first user message), or use a model whose template renders them")
+
+
+def test_rows_the_chat_template_refuses_are_dropped_at_load_naming_them(tmp_path, tiny_model, caplog):
+    """A row the model's chat template refuses is dropped at load, counted and logged with its row id and the fix, as
+    one with an unusable image is; all refused is an error naming the first. A row refused for its text alone is
+    found where its shape (roles, content kinds) was refused first: 'a!' drops, 'g' of its shape is kept. Before:
+    every row loaded, and each rollout of a refused one failed with jinja's TemplateError naming no row, every epoch."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from molt_hydra.runtime.roles import _load_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = REFUSING
+    tok.save_pretrained(tmp_path / "tok")
+    user, system = {"role": "user", "content": "hi"}, {"role": "system", "content": "be brief"}
+    prompts = {"a!": [{"role": "user", "content": "a!"}], "b": [system, user], "c": "c", "d": [system, user],
+               "e": [user, user], "f": [user, {"role": "assistant", "content": "x"}, user], "g": [user]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "label": label}) + "\n" for label, p in prompts.items()))
+    cfg = _run_config(str(path), 3)
+    cfg.model.tokenizer_path = str(tmp_path / "tok")
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        rows, _ = _load_rows(cfg, scoring=False)
+    assert [r["label"] for r in rows] == ["c", "f", "g"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data: dropped {n} of 7 rows of {path}: the chat template refuses their messages (TemplateError: {why}) "
+        f"(row ids {ids}). {TEMPLATE_FIX}" for n, why, ids in (
+            (1, "no shouting", [0]), (2, "System role not supported", [1, 3]),
+            (1, "Conversation roles must alternate user/assistant/user/assistant/...", [4]))]
+    cfg.rollout.batch_size = 4  # counted against the batch as loaded
+    with pytest.raises(ValueError, match=r"has 3 row\(s\) to train on as loaded, fewer than the rollout.batch_size=4"):
+        _load_rows(cfg, scoring=False)
+    path.write_text("".join(json.dumps({"prompt": p, "label": str(i)}) + "\n" for i, p in enumerate(
+        [[system, user]] * 2)))
+    with pytest.raises(ValueError) as err:
+        _load_rows(cfg, scoring=False)
+    assert str(err.value) == (f"data.train_path={path}: every row of {path} was dropped: the chat template refuses "
+                              f"their messages; row 0: TemplateError: System role not supported. {TEMPLATE_FIX}")
+
+
+@pytest.mark.parametrize("name", ["datasets.parquet", "no_row_group.parquet", "stream.arrow", "file.arrow"])
+def test_a_parquet_or_arrow_file_of_no_rows_is_named_as_the_other_empty_inputs_are(tmp_path, name):
+    """A file of its columns alone, as datasets writes one (to_parquet of a filter that kept none) or pyarrow does.
+    Before: 'is not a readable parquet file: Instruction "train" corresponds to no data!' (datasets' words; for a
+    parquet file of no row group 'BatchSize must be greater than 0, got 0'), at validation and at the run's load."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / name
+    table = pa.table({"prompt": pa.array([], pa.string()), "label": pa.array([], pa.string())})
+    if name == "datasets.parquet":
+        datasets.Dataset.from_dict({"prompt": [], "label": []}).to_parquet(str(path))
+    elif name.endswith(".parquet"):
+        pq.write_table(table, path)
+    else:
+        with pa.OSFile(str(path), "wb") as f, (pa.ipc.new_stream if name == "stream.arrow" else pa.ipc.new_file)(
+                f, table.schema) as writer:
+            writer.write_table(table)
+    reason = (f"{path} has no rows (its columns alone). Fix: write the rows again (a filter kept none?), or point "
+              "the key at a dataset with rows")
+    assert _config_problems(str(path)) == [f"- data.train_path: {reason}"]
+    with pytest.raises(ValueError) as err:
+        _named("data.train_path", load_prompts, str(path))
+    assert str(err.value) == f"data.train_path={path}: {reason}"
