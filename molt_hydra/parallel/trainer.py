@@ -332,15 +332,15 @@ class TrainerWorker:
     @torch.no_grad()
     def compute_logprobs(self, samples: list[dict], with_entropy: bool = False, mask_key: str | None = None) -> list:
         """Per-sample token-aligned log-probs at the temperature (critic: values), fp32 on CPU; collective over DP.
-        `mask_key`: only the tokens where the samples' mask of that name is set are needed (0 elsewhere). LoRA
-        dropout is off here: these are the policy's log-probs, which the engine samples from without dropout."""
-        if not (self.lora and self.lora["dropout"] > 0):
-            return self._compute_logprobs(samples, with_entropy, mask_key)
+        `mask_key`: only the tokens where the samples' mask of that name is set are needed (0 elsewhere). Dropout
+        (LoRA's, and the checkpoint's own, e.g. a config.json attention_dropout) is off here: these are the policy's
+        log-probs (critic: its values), which the engine samples from without dropout; the model's mode is restored."""
+        training = self.model.training
         self.model.eval()
         try:
             return self._compute_logprobs(samples, with_entropy, mask_key)
         finally:
-            self.model.train()
+            self.model.train(training)
 
     def _compute_logprobs(self, samples: list[dict], with_entropy: bool, mask_key: str | None) -> list:
         if not samples:

@@ -36,6 +36,7 @@ from molt_hydra.algorithm.drift import drift_metrics
 from molt_hydra.algorithm.experience import collate, experience_metrics, select_trainable, stack_padded, trainer_rows
 from molt_hydra.algorithm.kl import KLController, approx_kl
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.models.rules import model_fields
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.parallel.retention import SNAPSHOTS
 from molt_hydra.rollout.generator import RolloutBatch
@@ -98,6 +99,10 @@ class RLController:
         self.saved_step: int | None = None
         self.stopped_for_notice = False  # the loop ended on the notice, before its last step
         self.kl_ctl = KLController(cfg.algorithm.kl.coef, cfg.algorithm.kl.target, cfg.algorithm.kl.horizon)
+        # the checkpoint's own dropout (config.json, a VLM's sub-configs too): its training forward drops out
+        configs = [fields := model_fields(cfg.model.path) or {}, *(c for c in fields.values() if isinstance(c, dict))]
+        self.checkpoint_dropout = any(("dropout" in k or "pdrop" in k) and "classifier" not in k and
+                                      isinstance(v, (int, float)) and v > 0 for c in configs for k, v in c.items())
         self.trajectory_images = None  # VLM: expands each trajectory's images into the trainer's inputs
         if cfg.data.max_images_per_prompt:
             from molt_hydra.models.build import resolve_path
@@ -240,12 +245,13 @@ class RLController:
     def old_logprobs_from_training(self, optimizer_steps: int, actor_frozen: bool) -> bool:
         """Whether the actor's training forward also gives the old log-probs (no separate no-grad pass): exact when
         the batch gets exactly one optimizer step (one window, one epoch), since the old log-probs are the trainer's
-        at the parameters it is about to step from; not under LoRA dropout (the training forward is not the policy
-        that sampled), nor when the KL to the reference is a reward penalty (the
+        at the parameters it is about to step from; not under dropout, LoRA's or the checkpoint's own (the training
+        forward is not the policy that sampled), nor when the KL to the reference is a reward penalty (the
         advantages need the old log-probs before training) or the actor is frozen (nothing trains; drift metrics
         still need them)."""
         kl_in_reward = self.roles.ref is not None and not self.cfg.algorithm.kl.use_loss
-        dropout = bool(self.cfg.model.lora.rank and self.cfg.model.lora.dropout)  # the training forward drops out
+        # the training forward drops out: LoRA's, or the checkpoint's own (the IS weights and drift would see it)
+        dropout = bool(self.cfg.model.lora.rank and self.cfg.model.lora.dropout) or self.checkpoint_dropout
         return (optimizer_steps == 1 and self.cfg.train.epochs == 1 and not actor_frozen and not kl_in_reward
                 and not dropout)
 

@@ -100,6 +100,26 @@ def logprobs_and_roles(rank, world_size, port, out):
     actor.shutdown()
 
 
+def checkpoint_dropout(rank, world_size, port, out):
+    """A checkpoint whose config.json sets attention_dropout = 0.3 (config_overrides stands in for that file): the
+    actor's, the reference's and the critic's recomputes twice, the same actor's with its dropout set to 0, and each
+    model's train/eval mode after its recompute."""
+    samples = make_samples(3)
+    res = {}
+    for role in ("actor", "ref", "critic"):
+        w = worker(rank, world_size, port, role=role, config_overrides={"attention_dropout": 0.3})
+        res[role] = [w.compute_logprobs(samples) for _ in range(2)]
+        res[f"{role}_training"] = w.model.training
+        if role == "actor":
+            for module in w.model.modules():  # the same weights, the dropout removed
+                if hasattr(module, "attention_dropout"):
+                    module.attention_dropout = 0.0
+            res["actor_plain"] = w.compute_logprobs(samples)
+        w.shutdown()
+    if rank == 0:
+        torch.save(res, out)
+
+
 def ckpt_uninterrupted(rank, world_size, port, root, out, export_dir):
     w = worker(rank, world_size, port)
     samples = with_old_logprobs(w, make_samples(8, seed=3))  # all 8 on every rank; each trains its stride

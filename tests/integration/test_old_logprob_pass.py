@@ -5,6 +5,7 @@ steps per batch the separate pass still runs. Real FSDP2 trainer rank over gloo,
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,6 +93,21 @@ def test_when_the_training_forward_gives_the_old_logprobs(extra, steps, frozen, 
     from molt_hydra.runtime.controller import RLController
     ctl = RLController(run_config(extra), SimpleNamespace(calls=None, ref=None), log=None)
     assert ctl.old_logprobs_from_training(steps, frozen) is one_pass
+
+
+@pytest.mark.parametrize("fields, one_pass", [
+    ({"attention_dropout": 0.1}, False), ({"vision_config": {"attention_dropout": 0.1}}, False),
+    ({"resid_pdrop": 0.1}, False),
+    ({"attention_dropout": 0.0, "classifier_dropout": 0.1}, True),  # a head the causal LM never uses
+], ids=str)
+def test_a_checkpoints_own_dropout_needs_the_pass(tmp_path, fields, one_pass):
+    """Its training forward drops out (the recompute does not: parallel/trainer.py compute_logprobs), so its log-probs
+    are not the sampling policy's: as the IS numerator they would weigh (mask mode: drop) tokens by dropout noise.
+    Before: only LoRA dropout kept the pass."""
+    from molt_hydra.runtime.controller import RLController
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", **fields}))
+    ctl = RLController(run_config([f"model.path={tmp_path}"]), SimpleNamespace(calls=None, ref=None), log=None)
+    assert ctl.old_logprobs_from_training(1, False) is one_pass
 
 
 @pytest.mark.parametrize("use_loss, one_pass", [(False, False), (True, True)])

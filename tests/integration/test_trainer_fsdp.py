@@ -110,6 +110,22 @@ def test_critic_value_loss_decreases(role_results):
     assert "critic_grad_norm" in role_results["critic"][0] and "value_clip_frac" not in role_results["critic"][0]
 
 
+def test_a_checkpoints_own_dropout_stays_out_of_the_recomputes(tmp_path):
+    """The engine samples without dropout, so the old log-probs (the PPO anchor and the IS numerator), the
+    reference's and the critic's values are the model's without it. Before: only LoRA dropout was turned off there;
+    a checkpoint's attention_dropout = 0.3 made two recomputes at the same weights differ by up to 0.3 nats."""
+    run_ranks(jobs.checkpoint_dropout, 1, tmp_path / "d.pt", timeout_s=300)
+    res = torch.load(tmp_path / "d.pt", weights_only=False)
+    for role in ("actor", "ref", "critic"):
+        first, second = res[role]
+        for a, b in zip(first, second):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for a, b in zip(res["actor"][0], res["actor_plain"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    # training keeps the mode each role was built in (the reference never trains)
+    assert (res["actor_training"], res["ref_training"], res["critic_training"]) == (True, False, True)
+
+
 @pytest.fixture(scope="module")
 def ckpt_results(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
