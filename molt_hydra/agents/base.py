@@ -146,6 +146,9 @@ def _strings(v) -> bool:
 # request with vLLM's message, or max_tokens <= 0 would end the episode as silently "truncated"). `n` and
 # `top_logprobs` stay as the runner sets them: the step runner samples one completion per turn and hands no
 # alternatives to `Env.step`, so another value would change nothing.
+# Sampling values the recipe fixes for training (the trainer recomputes log-probs at them): neither an Env
+# (`Result.sampling_params`) nor a chat client (agents/wire/session.py) may change them.
+RECIPE_SAMPLING = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k"}
 OVERRIDE_RULES = {
     "max_tokens": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "min_tokens": (lambda v: _int(v) and v >= 0, "an int >= 0"),
@@ -171,7 +174,8 @@ def _safe(ok, value) -> bool:
 
 def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None) -> Sampling:
     """`sampling` with an Env's `Result.sampling_params` applied (a Sampling replaces it whole); a key or value the
-    engine could not honour is an error naming it and what it may be."""
+    engine could not honour, or a recipe-fixed value changed (RECIPE_SAMPLING), is an error naming it and what it may
+    be."""
     if override is None:
         return sampling
     if isinstance(override, Sampling):
@@ -188,6 +192,11 @@ def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None
                                  "completion per turn and hands no alternatives to Env.step; leave it out")
         elif not OVERRIDE_RULES[key][0](value):
             raise ValueError(f"Result.sampling_params[{key!r}] is {value!r}; it must be {OVERRIDE_RULES[key][1]}")
+        elif key in RECIPE_SAMPLING and not math.isclose(value, ours := getattr(sampling, key), abs_tol=1e-6):
+            # (was: applied, so the turn was sampled at one value and trained at the recipe's: off-policy unseen)
+            raise ValueError(f"Result.sampling_params[{key!r}]={value!r} differs from this rollout's "
+                             f"{RECIPE_SAMPLING[key]}={ours}: the trainer recomputes log-probs at the recipe's "
+                             "sampling, so an Env may not change it; leave it out")
     # numpy scalars as Python numbers (was: a numpy int seed passed, then overflowed the engine's seed + choice index
     # mod 2**63, and numpy ints in stop_token_ids reached vLLM's request)
     def plain(v):

@@ -91,7 +91,9 @@ class ThenExact(Env):
     observation = " again" * 10
 
     async def step(self, state):
-        return Result(reward=0.0, observation=self.observation, terminated=False, sampling_params=EXACT)
+        return Result(reward=0.0, observation=self.observation, terminated=False, sampling_params={  # (at the
+            # recipe's temperature: an Env may not change it) exact-length turns
+            "max_tokens": EXACT.max_tokens, "ignore_eos": True, "stop_token_ids": ()})
 
 
 class LongFeedback(Forever):

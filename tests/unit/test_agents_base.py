@@ -68,19 +68,33 @@ def test_a_sampling_override_the_engine_cannot_honour_is_an_error_naming_the_key
     assert said in str(err.value) and "sampling_params" in str(err.value)
 
 
+@pytest.mark.parametrize("override, key, recipe", [
+    ({"temperature": 0}, "temperature", "rollout.temperature=0.7"), ({"top_p": 0.9}, "top_p", "rollout.top_p=1.0"),
+    ({"top_k": 20}, "top_k", "rollout.top_k=-1"), (Sampling(max_tokens=4), "temperature", "rollout.temperature=0.7")])
+def test_an_env_changing_the_recipes_sampling_is_an_error_naming_the_key(override, key, recipe):
+    """The trainer recomputes every turn's log-probs at the recipe's temperature / top_p / top_k, so a turn sampled
+    at others is trained off-policy (the chat server refuses the same change with a 400). Before: applied, without a
+    word (a whole Sampling of defaults too: the turn sampled at temperature 1.0)."""
+    with pytest.raises(ValueError) as err:
+        apply_sampling_override(Sampling(max_tokens=8, temperature=0.7), override)
+    assert str(err.value).startswith(f"Result.sampling_params[{key!r}]=")
+    assert f"differs from this rollout's {recipe}: the trainer recomputes" in str(err.value)
+
+
 def test_a_sampling_override_of_good_values_is_applied():
+    s = Sampling(max_tokens=8, seed=3, temperature=0.5)
+    assert apply_sampling_override(s, {"stop": "</answer>", "stop_token_ids": [2], "temperature": 0.5, "n": 1}) == \
+        Sampling(max_tokens=8, seed=3, stop=("</answer>",), stop_token_ids=(2,), temperature=0.5)
     s = Sampling(max_tokens=8, seed=3)
-    assert apply_sampling_override(s, {"stop": "</answer>", "stop_token_ids": [2], "temperature": 0, "n": 1}) == \
-        Sampling(max_tokens=8, seed=3, stop=("</answer>",), stop_token_ids=(2,), temperature=0)
     assert apply_sampling_override(s, Sampling(max_tokens=4)) == Sampling(max_tokens=4)
     # numpy numbers (an Env drawing a seed with numpy) as Python's: a numpy int seed passed, then overflowed the
     # engine's seed + choice index mod 2**63 (OverflowError in the engine, naming nothing)
     from molt_hydra.rollout.engine import VLLMEngine
 
     got = apply_sampling_override(s, {"seed": np.int64(2**63 - 1), "max_tokens": np.int32(4),
-                                      "temperature": np.float32(0.5), "stop_token_ids": [np.int64(2)]})
+                                      "temperature": np.float32(1.0), "stop_token_ids": [np.int64(2)]})
     assert [type(v) for v in (got.seed, got.max_tokens, got.temperature, *got.stop_token_ids)] == [int, int, float, int]
-    assert (got.seed, got.max_tokens, got.temperature, got.stop_token_ids) == (2**63 - 1, 4, 0.5, (2,))
+    assert (got.seed, got.max_tokens, got.temperature, got.stop_token_ids) == (2**63 - 1, 4, 1.0, (2,))
     assert VLLMEngine._sampling_params(got, 1, False).seed == 0  # (2**63 - 1 + 1) mod 2**63
     # a negative seed, as the chat server takes one (was: "None or an int >= 0")
     assert apply_sampling_override(s, {"seed": -5}).seed == -5

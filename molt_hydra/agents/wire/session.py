@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from molt_hydra.agents.base import Trajectory, image_tokens
+from molt_hydra.agents.base import RECIPE_SAMPLING, Trajectory, image_tokens
 from molt_hydra.agents.json_grammar import compact, strict_calls
 from molt_hydra.agents.tool_parser import ParsedReply, ReplyParser, ToolCall
 from molt_hydra.agents.wire.images import image_sources, load_image
@@ -45,8 +45,6 @@ DeltaSink = Callable[[str, str], None]
 # writes `-Infinity`, which other JSON parsers refuse): reported as vLLM's server and OpenAI report it.
 LOGPROB_FLOOR = -9999.0
 PARSE_GROWTH = 64  # a streamed text is parsed again once it grew by 1/PARSE_GROWTH of its length (`_stream`)
-# Sampling values the recipe fixes for training (the recompute assumes them): a client may not change them.
-RECIPE_SAMPLING = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k"}
 
 
 @dataclass
