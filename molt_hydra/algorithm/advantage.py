@@ -104,6 +104,21 @@ def group_rollouts(num_samples: int, group_ids: Sequence[Hashable] | None = None
     return first_sample, list(groups.values()), torch.tensor(sample_to_rollout, dtype=torch.long)
 
 
+def group_reward_std(rewards: torch.Tensor, group_ids: Sequence[Hashable], rollout_ids: Sequence[Hashable],
+                     reward_clip: Sequence[float] | None) -> float:
+    """Molt's `group_reward_std`: each group's unbiased std of its rollouts' clipped rewards (0 for a group of one),
+    as each of its samples' value, averaged over the samples: how much a group's rewards tell its rollouts apart."""
+    first_sample, groups, sample_to_rollout = group_rollouts(len(rewards), group_ids, rollout_ids)
+    rollout_rewards = rewards.double()[first_sample]
+    if reward_clip is not None:
+        rollout_rewards = rollout_rewards.clamp(reward_clip[0], reward_clip[1])
+    stds = torch.zeros(len(first_sample), dtype=torch.float64)
+    for rows in groups:
+        if len(rows) > 1:
+            stds[rows] = rollout_rewards[rows].std()
+    return float(stds[sample_to_rollout].mean())
+
+
 def compute_advantages(estimator: str, rewards: torch.Tensor, action_mask: torch.Tensor, *,
                        group_ids: Sequence[Hashable] | None = None, rollout_ids: Sequence[Hashable] | None = None,
                        kl: torch.Tensor | None = None, values: torch.Tensor | None = None, kl_coef: float = 0.0,

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from molt_hydra.algorithm.aggregation import masked_mean
 
 
 @dataclass
@@ -206,9 +205,9 @@ def stack_padded(values: Sequence[torch.Tensor], shape) -> torch.Tensor:
 
 def experience_metrics(experiences: Sequence[Experience], returns: torch.Tensor, mask: torch.Tensor) -> dict:
     """The step's means over its trained samples: each numeric `info` key (over the samples that have it), the
-    reward, the score and the return (a token mean over the action tokens). A NaN / inf `info` value is left out of
-    its key's mean and counted as `<key>_nonfinite` (was: the key's metric was NaN for the step), as a NaN reward is
-    left out of training and counted (rollout/dropped/nonfinite_reward)."""
+    reward, the score and the return (each sample's mean over its action tokens). A NaN / inf `info` value is left
+    out of its key's mean and counted as `<key>_nonfinite` (was: the key's metric was NaN for the step), as a NaN
+    reward is left out of training and counted (rollout/dropped/nonfinite_reward)."""
     def mean(values: list) -> float:
         return sum(values) / len(values)
 
@@ -222,7 +221,10 @@ def experience_metrics(experiences: Sequence[Experience], returns: torch.Tensor,
             metrics[f"{k}_nonfinite"] = float(len(values) - len(finite))
     metrics["reward"] = mean([e.reward for e in experiences])
     metrics["score"] = mean([e.score for e in experiences])
-    metrics["return"] = float(masked_mean(returns, mask))  # (a plugin's returns may be NaN off the mask)
+    # each sample's mean over its action tokens, then over the samples, as Molt's (was: one token mean over the batch,
+    # which weighs long samples more); a plugin's returns may be NaN off the mask
+    if per_sample := [float(r[m].mean()) for r, m in zip(returns, mask.bool()) if m.any()]:
+        metrics["return"] = mean(per_sample)
     return metrics
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from molt_hydra.algorithm.advantage import compute_advantages
+from molt_hydra.algorithm.advantage import compute_advantages, get_advantage_estimator, group_reward_std
 from molt_hydra.algorithm.drift import drift_metrics
 from molt_hydra.algorithm.experience import collate, experience_metrics, select_trainable, stack_padded, trainer_rows
 from molt_hydra.algorithm.kl import KLController, approx_kl
@@ -164,6 +164,9 @@ class RLController:
         old_logp, ref_logp, values = await self._forward_passes(trainer_rows(b, exps), b.action_mask.shape, one_pass)
         advantages, returns = self._advantages(b, old_logp, ref_logp, values, metrics)
         metrics.update(experience_metrics(exps, returns, b.action_mask))
+        a = cfg.algorithm  # Molt's, where its estimator groups (a groupless one's groups are its rollouts: always 0)
+        if cfg.rollout.n_samples_per_prompt > 1 and "groups" in get_advantage_estimator(a.estimator).needs:
+            metrics["group_reward_std"] = group_reward_std(b.rewards, b.group_ids, b.rollout_ids, a.reward_clip)
         timing["timing/make_experience"] = time.perf_counter() - t0
 
         rows = trainer_rows(b, exps, advantages=advantages, rollout_logprobs=b.rollout_log_probs, values=values,

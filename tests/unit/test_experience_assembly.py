@@ -129,5 +129,18 @@ def test_experience_metrics_are_sample_and_token_means():
     returns = torch.tensor([[9.0, 9.0, 1.0, 2.0], [9.0, float("nan"), 6.0, 9.0]])  # off-mask values must not count
     m = experience_metrics([a, b], returns, batch.action_mask)
     assert m["turns"] == 2.0 and m["reward"] == 0.0 and m["score"] == 0.5
-    assert m["return"] == pytest.approx((1 + 2 + 6) / 3)
+    assert m["return"] == pytest.approx(((1 + 2) / 2 + 6) / 2)  # each sample's token mean, then over samples (Molt)
     assert m["response_length"] == 1.5 and m["total_length"] == 3.5
+
+
+def test_group_reward_std_is_each_groups_unbiased_std_of_its_rollouts_clipped_rewards_over_the_samples():
+    """Molt's group_reward_std (inventory 2.6 step 7): per group, the unbiased std of its rollouts' rewards after the
+    reward clip (a rollout's segments count once), 0 for a group of one, broadcast to the samples and averaged."""
+    from molt_hydra.algorithm.advantage import group_reward_std
+
+    # group g: rollouts r0 (two segments, reward 1), r1 (reward 30, clipped to 10), r2 (reward 4); group h: one rollout
+    rewards = torch.tensor([1.0, 1.0, 30.0, 4.0, 7.0])
+    got = group_reward_std(rewards, ["g", "g", "g", "g", "h"], ["r0", "r0", "r1", "r2", "r3"], (-10.0, 10.0))
+    mean = (1 + 10 + 4) / 3
+    std_g = (((1 - mean) ** 2 + (10 - mean) ** 2 + (4 - mean) ** 2) / 2) ** 0.5
+    assert got == pytest.approx((4 * std_g + 0.0) / 5)
