@@ -224,9 +224,12 @@ class RLController:
         """Advantages and returns [B, L]; the KL to the reference joins the reward unless it is a loss term."""
         a = self.cfg.algorithm
         kl = None
-        if ref_logp is not None and not a.kl.use_loss:
-            kl = approx_kl(old_logp, ref_logp, a.kl.estimator.value) * b.action_mask
-            metrics["kl"] = float((kl.sum(-1) / b.action_mask.sum(-1).clamp(min=1)).mean())
+        if ref_logp is not None and not a.kl.use_loss:  # each sample's mean over its action tokens, over the samples
+            mask = b.action_mask.bool()
+            kl = approx_kl(old_logp, ref_logp, a.kl.estimator.value) * mask
+            for key, per_token in (("kl", kl), ("logprobs_diff", old_logp - ref_logp)):  # (the latter: Molt's too)
+                per_token = torch.where(mask, per_token, 0.0)
+                metrics[key] = float((per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean())
         return compute_advantages(
             a.estimator, b.rewards, b.action_mask, group_ids=b.group_ids, rollout_ids=b.rollout_ids, kl=kl,
             values=values, kl_coef=self.kl_ctl.value, gamma=a.gamma, lam=a.lam, whiten=a.whiten,
