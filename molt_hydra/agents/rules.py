@@ -106,12 +106,14 @@ def _runner_calls_fit(problems: Problems, cls: type) -> None:
                            f"not a method, but the runner calls it (the {base.__name__} contract).",
                            f"declare it `{'async def' if awaited else 'def'} {name}(self, {args})`")
             continue
-        inner = inspect.unwrap(method)
-        if awaited and (inspect.isasyncgenfunction(inner) or inspect.isgeneratorfunction(inner)):
+        # a decorator's wrapper is judged with what it wraps: an async wrapper of a plain `def` (asyncio.to_thread)
+        # is awaitable, and so is a plain wrapper (functools.wraps) of an `async def`
+        inner, coroutine = inspect.unwrap(method), inspect.iscoroutinefunction(method)
+        if awaited and not coroutine and (inspect.isasyncgenfunction(inner) or inspect.isgeneratorfunction(inner)):
             problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} yields (a generator), but the "
                            f"runner awaits one {'Result' if base is not Runner else 'list of Trajectory'} from it.",
                            f"`return` it from `async def {name}(...)` instead of yielding")
-        elif awaited and not inspect.iscoroutinefunction(inner):
+        elif awaited and not (coroutine or inspect.iscoroutinefunction(inner)):
             problems.check(False, "agent.runner._target_", f"{cls.__name__}.{name} is a plain function, but the "
                            f"runner awaits it (the {base.__name__} contract: `async def {name}`).",
                            f"declare it `async def {name}(...)` (blocking work inside it: "

@@ -792,7 +792,10 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
     total = cfg.cluster.nodes * cfg.cluster.devices_per_node
     engines = 0 if job == "sft" else rollout_devices(cfg)
     wants_eval = cfg.eval.every_steps > 0 or cfg.eval.at_start or job == "eval"
-    inflight = max(r.max_inflight_groups if rl else 0, cfg.eval.batch_size)  # prompt groups at once
+    # prompt groups at once: an async run's eval runs beside the groups its producer keeps in flight
+    overlap = rl and t.mode.value == "async" and (cfg.eval.every_steps > 0 or cfg.eval.at_start)
+    inflight = (r.max_inflight_groups + cfg.eval.batch_size if overlap else
+                max(r.max_inflight_groups if rl else 0, cfg.eval.batch_size))
     # where dp comes from, named: was told as a bare number after cluster.devices_per_node=8 (derive(): -1 takes every
     # device the engines leave), whose key no line named
     used = 0 if p.colocate else engines
@@ -837,7 +840,8 @@ def job_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None
          "set data.train_path=<file, dir or builtin://NAME>"),
         (not wants_eval or cfg.eval.data_path is not None, "eval.data_path",
          "evaluation is scheduled (eval.every_steps / eval.at_start / job=eval) but has no data.",
-         "set eval.data_path, or eval.every_steps=-1 eval.at_start=false"),
+         "set eval.data_path" + (job != "eval") * (", or eval.every_steps=-1" + cfg.eval.at_start * (  # (what is set:
+             " eval.at_start=false"))),  # job=sft refuses eval.at_start on its command line, and sets it aside)
     ))
 
 

@@ -182,7 +182,11 @@ def _saved(path: Path, split: str):
     if (state := path / "state.json").is_file() and not json.loads(state.read_text()).get("_data_files"):
         raise ValueError(f"{path} has no rows (an empty Dataset was saved there). Fix: save the rows again (a filter "
                          "kept none?), or point the key at a dataset with rows")
-    return datasets.load_from_disk(str(path))
+    loaded = datasets.load_from_disk(str(path))
+    if not len(loaded):  # (a filter that kept none saves one arrow file of no rows)
+        raise ValueError(f"{path} has no rows (an empty Dataset was saved there). Fix: save the rows again (a filter "
+                         "kept none?), or point the key at a dataset with rows")
+    return loaded
 
 
 JSON_TYPES = (".json", ".jsonl")

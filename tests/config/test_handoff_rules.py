@@ -145,6 +145,7 @@ GOOD = [
     ["agent.runner._target_=${molt:recipes}/agents/python_tool_env.py:PythonToolEnv", "+agent.runner.exec_timeout_s=5"],
     # an `async def step` under a plain (functools.wraps) decorator: before, refused as "a plain function"
     [f"agent.runner._target_={FAULTS}:DecoratedStepEnv"],
+    [f"agent.runner._target_={FAULTS}:ThreadedStepEnv"],
     ["checkpoint.best_metric_key="],  # '' is its documented default ("first key ending in _pass1")
     ["logger.debug_grad_norms=true", "logger.debug_grad_norms_filter=['*q_proj*']"],
     ["logger.wandb.project=my-project_2", "logger.wandb.entity=team"],

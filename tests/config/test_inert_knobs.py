@@ -219,6 +219,8 @@ ACCEPTED = [
     ["train.stale_samples=keep"],  # (max_staleness with keep: refused above, it drops nothing)
     ["rollout.num_runners=8"],  # one runner per group in flight (rollout.batch_size=8)
     ["rollout.max_inflight_groups=16", "rollout.num_runners=16"],
+    # an async run's eval runs beside the 8 groups in flight: 8 + eval.batch_size 4 at once (was: refused past 8)
+    ["eval.data_path=builtin://toy_eval", "eval.every_steps=5", "eval.batch_size=4", "rollout.num_runners=12"],
     ["logger.every_steps=30", "logger.sample_table_every=30", "logger.dump_logprobs=true",
      "logger.dump_logprobs_steps=[30]"],  # the last step: logged, tabled, dumped
     ["train.max_steps=2"],  # the default sample_table_every=10 is past it: the default is not refused

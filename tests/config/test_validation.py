@@ -473,3 +473,16 @@ def test_an_empty_entry_of_a_comma_list_of_datasets_is_refused_naming_its_positi
         f"{key}: ',' names no dataset. Fix: give files, directories, hub dataset ids or one of "
         f"{['builtin://' + n for n in sorted(BUILTIN_TASKS)]}, or null"]
     assert config_errors([f"{key}='builtin://toy,builtin://toy_eval'", *scheduled]) == []
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    (["eval.every_steps=5"], "set eval.data_path, or eval.every_steps=-1"),
+    (["eval.at_start=true"], "set eval.data_path, or eval.every_steps=-1 eval.at_start=false"),
+    # job=sft refuses eval.at_start on its command line (its recipe's is set aside): was named in the fix all the same
+    (["job=sft", "data.train_path=builtin://colors_warm", "eval.every_steps=5"],
+     "set eval.data_path, or eval.every_steps=-1"),
+    (["job=eval"], "set eval.data_path"),
+])
+def test_the_eval_data_fix_names_only_what_is_set(overrides, fix):
+    line = next(l for l in config_errors(overrides) if l.startswith("eval.data_path: evaluation is scheduled"))
+    assert line.endswith(f"Fix: {fix}"), line

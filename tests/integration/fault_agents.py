@@ -1,6 +1,7 @@
 """Agents that misbehave on purpose, for tests/integration/test_faults.py: the toy task of the default run with one
 fault each (loaded by path: `agent.runner._target_=<this file>:Name`)."""
 
+import asyncio
 import functools
 import itertools
 import math
@@ -110,6 +111,25 @@ class DecoratedStepEnv(ToyEnv):
     """An `async def step` under a plain decorator: the runner awaits the coroutine the wrapper returns (taken)."""
 
     step = _timed(ToyEnv.step)
+
+
+def _in_thread(fn):
+    """An async decorator running a plain `def` in a thread (what the refusal of a plain `def` suggests)."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    return wrapper
+
+
+class ThreadedStepEnv(ToyEnv):
+    """A plain `def step` under an async decorator: awaitable, taken (was: refused as a plain function, its wrapper
+    unwrapped to the `def`)."""
+
+    @_in_thread
+    def step(self, state):  # noqa: D102
+        return Result(reward=1.0)
 
 
 class YieldingStepEnv(ToyEnv):

@@ -256,6 +256,10 @@ def test_a_saved_datasetdict_with_an_empty_split_loads_its_other_splits(tmp_path
     assert _config_problems(str(tmp_path / "none")) == [f"- data.train_path: {tmp_path / 'none'} {no_rows}"]
     with pytest.raises(ValueError, match=r"has no split 'dev'; its splits: \['test', 'train'\]. Fix: set data.split"):
         load_prompts(str(tmp_path / "dict"), split="dev")
+    # what a filter that kept none saves: one arrow file of no rows (was: taken, then told "set rollout.batch_size
+    # <= 0" as train data, or loaded only as the run started as eval data)
+    rows.filter(lambda row: False).save_to_disk(str(tmp_path / "filtered"))
+    assert _config_problems(str(tmp_path / "filtered")) == [f"- data.train_path: {tmp_path / 'filtered'} {no_rows}"]
 
 
 def test_a_null_datasource_is_the_default_one(tmp_path):
