@@ -350,10 +350,6 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
          "train.max_staleness", f"batches are generated exactly train.queue_depth={t.queue_depth} versions ahead, "
          f"so every sample would be {t.queue_depth} versions old and dropped by max_staleness={t.max_staleness}.",
          f"set train.max_staleness={t.queue_depth} (or leave it null), or unset it with train.stale_samples=keep"),
-        # (SFT_IGNORES compares with the schema's null, which derive() has filled in: compared with what it filled)
-        (cfg.job.value != "sft" or sync or t.max_staleness == t.queue_depth + int(t.partial_rollout),
-         "train.max_staleness", "job=sft ignores it: SFT generates no rollouts, so no sample is ever stale.",
-         "unset train.max_staleness for job=sft"),
         (not (sync and t.queue_depth > 1), "train.queue_depth",
          "sync mode generates one batch at a time; queue_depth applies to train.mode=async.",
          "set train.queue_depth=1 or train.mode=async"),

@@ -259,7 +259,6 @@ def test_an_rl_knob_outside_job_rl_is_refused_naming_the_job(job, key):
 SFT_CASES = [
     ("rl_train_knob", ["train.num_episodes=3"], "train.num_episodes", "SFT generates no rollouts"),
     ("queue_depth", ["train.queue_depth=2"], "train.queue_depth", "SFT generates no rollouts"),
-    ("max_staleness", ["train.max_staleness=2"], "train.max_staleness", "SFT generates no rollouts"),
     ("step_timeout", ["train.timeouts.step_s=5"], "train.timeouts.step_s", "train.timeouts.collective_s only"),
     ("colocate", ["parallelism.colocate=true"], "parallelism.colocate", "no engine or other role"),
     ("tokenizer_path", ["model.tokenizer_path=tiny://qwen3_tiny"], "model.tokenizer_path",
