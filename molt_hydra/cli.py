@@ -674,7 +674,7 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     before it had run. The points are the basic sweeper's own (the config's hydra.sweeper.params, then the command
     line's sweeps, their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra
     node. Returns (each failing point's problems under a line naming the point, [(point, `checked`'s result)] of
-    every point)."""
+    every point run here; none for submitit's, which run elsewhere)."""
     from molt_hydra.compat.hydra import sweep_points
 
     basic = first.hydra.sweeper._target_.endswith(".BasicSweeper")
@@ -686,10 +686,11 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
     if basic and (shared := shared_subdir(first, len(sweep_points(parsed)))):
         return shared, []
-    if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
-        # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
-        # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
+    if not basic:  # another sweeper (optuna, ...) makes its points as it goes
         return [], []
+    # submitit's points run elsewhere (a login node may lack their GPUs): each is checked as its dry run (config, plan,
+    # the points' own directories), and again where it runs. Before, a bad point was submitted and failed in its job.
+    submits = not first.hydra.launcher._target_.endswith(".BasicLauncher")
     points = sweep_points(parsed)
     if not points:  # (Hydra would launch 0 jobs and exit 0)
         return [f"- {' '.join(overrides)}: the sweep has no point, so the multirun would run nothing. Fix: give each "
@@ -700,8 +701,10 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     problems, owners, results = _repeated_points(points), {}, []
     sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
-        errors, result = point_problems(point, sweep_dir / str(number), config_dir)
-        results.append((point, result))
+        as_run = [*(o for o in point if o.lstrip("+~").split("=", 1)[0] != "dry_run"), "dry_run=true"] if submits \
+            else point  # (dry_run is given once: repeated_keys)
+        errors, result = point_problems(as_run, sweep_dir / str(number), config_dir)
+        results += [] if submits else [(point, result)]  # (submitted, a dry sweep plans in its jobs too)
         for key in SWEEP_OWN_DIRS if result is not None else ():
             if (path := get(result[0], key)) and (owner := owners.setdefault((key, os.path.abspath(path)), number)) \
                     != number:

@@ -882,6 +882,29 @@ def test_a_slurm_sweep_where_there_is_no_slurm_is_refused(monkeypatch):
     assert problems == [] and len(found) == 1 and found[0].startswith("- hydra/launcher: ") and "srun" in found[0]
 
 
+def test_a_slurm_sweeps_points_are_each_checked_before_anything_is_submitted(tmp_path):
+    """Before: submitit's points were checked only in their own jobs, so `-m cluster=slurm
+    algorithm.estimator=grpo,nosuch` submitted both and the second failed in Slurm; two points given one
+    checkpoint.dir were both submitted, each resuming from or overwriting the other's files. Now each point is checked
+    as its dry run (config, plan, its directories) before the array is submitted."""
+    overrides = ["+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo,nosuch"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == [] and first.hydra.launcher._target_.endswith(".SlurmLauncher")
+    lines = sweep_problems(first, overrides, None)
+    assert lines[0] == "sweep point #1 of 2 (+recipe=tiny_cpu cluster=slurm algorithm.estimator=nosuch):", lines
+    assert lines[1].startswith("- algorithm.estimator: 'nosuch' is not a registered estimator. Fix: ") and len(lines) == 2
+    shared = ["+recipe=tiny_cpu", "cluster=slurm", "seed=1,2", f"checkpoint.dir={tmp_path / 'ck'}"]
+    first, _ = compose_checked(shared, multirun=True, hydra_config=True)
+    assert sweep_problems(first, shared, None) == [
+        f"sweep point #1 of 2 (+recipe=tiny_cpu cluster=slurm seed=2 checkpoint.dir={tmp_path / 'ck'}):",
+        f"- checkpoint.dir: {tmp_path / 'ck'} is sweep point #0's too, so this point would resume from, overwrite or "
+        "be locked out of that point's files. Fix: leave checkpoint.dir at its default (under the point's output_dir), "
+        "or sweep it with the points"]
+    fine = ["+recipe=tiny_cpu", "cluster=slurm", "dry_run=true", "algorithm.estimator=grpo,rloo"]
+    first, _ = compose_checked(fine, multirun=True, hydra_config=True)
+    assert sweep_checked(first, fine, None) == ([], [])  # (a dry sweep's plans are printed in its jobs, not here)
+
+
 @pytest.mark.parametrize("override,key", [
     ("hydra.launcher=null", "hydra.launcher"),
     ("hydra.sweeper=null", "hydra.sweeper"),

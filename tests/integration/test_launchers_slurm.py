@@ -82,24 +82,53 @@ def test_request_slurm_refuses_is_a_config_error(slurm_cluster, tmp_path):
     assert "Fix:" in error and "\ndebug* up 2 " in error  # the partition: 2 nodes
 
 
-def test_failed_point_is_named_and_the_others_run(slurm_cluster, tmp_path):
-    """The middle point of three fails in its job (a config error only its job sees: the front composes a Slurm sweep
-    at its first point). Every point is waited for; the failed one is named with its overrides, job, state and the
-    end of its log; the sweep ends with exit 4. Before: a traceback for the failed job, the last one not waited for."""
+def test_a_bad_point_refuses_the_sweep_before_anything_is_submitted(slurm_cluster, tmp_path):
+    """The middle point of three is a config error: the whole sweep is refused naming the point and the key, and
+    nothing is submitted (no sweep directory, no Slurm job). Before: all three were submitted and the middle one
+    failed in its job, checked only there."""
     sweep = tmp_path / "sweep"
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
     r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true", "algorithm.estimator=grpo,nosuch,rloo",
                f"hydra.sweep.dir={sweep}"], tmp_path)
-    assert r.returncode == 4, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr
-    array = _array_id(sweep)
-    assert f"sweep point #1 (+recipe=tiny_cpu cluster=slurm dry_run=True algorithm.estimator=nosuch): Slurm job " \
-           f"{array}_1 FAILED" in r.stderr
-    assert "'nosuch' is not a registered estimator" in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(f"Run failed: sweep {sweep}: 1 of 3 point(s) failed")
-    assert "sweep point #0" not in r.stderr and "sweep point #2" not in r.stderr
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.splitlines()[:2] == ["Config error(s):", "sweep point #1 of 3 (+recipe=tiny_cpu cluster=slurm "
+                                         f"dry_run=True algorithm.estimator=nosuch hydra.sweep.dir={sweep}):"]
+    assert r.stderr.splitlines()[2].startswith("- algorithm.estimator: 'nosuch' is not a registered estimator")
+    assert not sweep.exists() and "Traceback" not in r.stderr
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout == before
+
+
+def test_failed_point_is_named_and_the_others_run(slurm_cluster, tmp_path):
+    """The middle point of three ends in Slurm without a result (cancelled while held; a node failure or an OOM kill
+    ends the same way). Every point is waited for; the failed one is named with its overrides, job, state and log;
+    the sweep ends with exit 4. Before: a traceback for the failed job, the last one not waited for."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true",
+                             "algorithm.estimator=grpo,dr_grpo,rloo", "+hydra.launcher.additional_parameters.hold=true",
+                             f"hydra.sweep.dir={sweep}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (sweep / ".submitit").is_dir() or not any(p.name.isdigit() for p in (sweep / ".submitit").iterdir()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        array = _array_id(sweep)
+        subprocess.run(["scancel", f"{array}_1"], check=True)
+        subprocess.run(["scontrol", "release", array], check=True)
+    except BaseException:
+        proc.kill()
+        subprocess.run(["scancel", *(p.name for p in (sweep / ".submitit").glob("*") if p.name.isdigit())])
+        raise
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 4, err[-3000:]
+    assert "Traceback" not in err
+    assert f"sweep point #1 (+recipe=tiny_cpu cluster=slurm dry_run=True algorithm.estimator=dr_grpo " \
+           f"+hydra.launcher.additional_parameters.hold=True): Slurm job {array}_1 CANCELLED" in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"Run failed: sweep {sweep}: 1 of 3 point(s) failed")
+    assert "sweep point #0" not in err and "sweep point #2" not in err
     rows = sacct(array, until=lambda rows: len(rows) == 3)
     assert {jid: recs[-1]["State"] for jid, recs in rows.items()} == {
-        f"{array}_0": "COMPLETED", f"{array}_1": "FAILED", f"{array}_2": "COMPLETED"}
+        f"{array}_0": "COMPLETED", f"{array}_1": "CANCELLED by 0", f"{array}_2": "COMPLETED"}
 
 
 def test_interrupting_the_waiting_front_names_the_points_still_running(slurm_cluster, tmp_path):
