@@ -684,7 +684,8 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts) or \
             _converted(first, list(zip(parsed, params)), recipe=True):  # (the command line's: compose_checked)
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
-    if basic and (shared := shared_subdir(first, len(sweep_points(parsed)))):
+    if basic and (shared := shared_subdir(first, len(sweep_points(parsed))) or launcher_swept(
+            parsed, [*texts, *overrides], overrides, config_dir)):
         return shared, []
     if not basic:  # another sweeper (optuna, ...) makes its points as it goes
         return [], []
@@ -714,6 +715,56 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems, results
+
+
+def launcher_swept(parsed: list, texts: list[str], overrides: list[str], config_dir: str | None) -> list[str]:
+    """A sweep over what hydra.launcher reads: a config group that chooses it (cluster=slurm,local, hydra/launcher=...)
+    or a key it interpolates (cluster.nodes, cpus_per_node, time_min, partition, ...). Hydra starts one launcher for
+    the whole multirun, composed from the command line without its sweeps, so each point got that one's launcher and
+    Slurm request without a word: `-m cluster=slurm,local` ran both points here; `-m cluster=slurm
+    cluster.time_min=60,240` gave both 60 minutes; `cluster.nodes=1,2` gave both one node (the second failed in it)."""
+    fixed = [t for o, t in zip(parsed[len(parsed) - len(overrides):], overrides) if not o.is_sweep_override()]
+    base, _ = compose_checked(fixed, config_dir=config_dir, hydra_config=True)
+    if base is None:  # (its problems are the first point's too)
+        return []
+    ours, problems = _launcher_view(base), []
+    reads = {key for raw in _launcher_view(base, resolve=False).values() if isinstance(raw, str)
+             for key in re.findall(r"\$\{([A-Za-z_][\w.]*)\}", raw) if not key.startswith("hydra.")}
+    for o, text in zip(parsed, texts):
+        key = o.key_or_group
+        if not o.is_sweep_override() or not ("/" in key or _is_group(key) or key in reads or key.startswith(
+                "hydra.launcher")):
+            continue
+        for value in o.sweep_string_iterator():
+            point, _ = compose_checked([*fixed, f"{o.get_key_element()}={value}"],
+                                       config_dir=config_dir, hydra_config=True)
+            theirs = _launcher_view(point) if point is not None else ours
+            if differ := [k for k in dict.fromkeys([*ours, *theirs]) if ours.get(k) != theirs.get(k)]:
+                got = (f"the launcher {theirs.get('_target_')} instead of {ours.get('_target_')}" if "_target_" in
+                       differ else ", ".join(f"hydra.launcher.{k}={theirs.get(k)!r} instead of {ours.get(k)!r}"
+                                             for k in differ))
+                problems.append(f"- {text}: sets what the launcher reads ({key}={value} asks for {got}), but Hydra "
+                                "starts one launcher for the whole multirun, composed without its sweeps, so every "
+                                f"point would get the latter. Fix: run one multirun per value of {key} "
+                                f"(molt-run -m ... {o.get_key_element()}=VALUE)")
+                break
+    return problems
+
+
+def _launcher_view(cfg: DictConfig, resolve: bool = True) -> dict:
+    """{key: value} of each of hydra.launcher's keys (but `name`, the Slurm job's: cosmetic), a value that interpolates
+    the config resolved (`resolve`); one of Hydra's own (${hydra.sweep.dir}, ${now:...}) is left as written."""
+    todo, view = list(OmegaConf.to_container(cfg.hydra.launcher, resolve=False).items()), {}
+    while todo:
+        key, value = todo.pop()
+        if isinstance(value, dict):
+            todo += [(f"{key}.{name}", item) for name, item in value.items()]
+        elif key != "name":
+            view[key] = value
+            if resolve and isinstance(value, str) and "${" in value and not re.search(r"\$\{(hydra[.:]|now:)", value):
+                found = OmegaConf.select(cfg.hydra.launcher, key, throw_on_resolution_failure=False)
+                view[key] = OmegaConf.to_container(found) if isinstance(found, (DictConfig, ListConfig)) else found
+    return view
 
 
 def shared_subdir(first: DictConfig, points: int) -> list[str]:

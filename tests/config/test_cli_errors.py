@@ -905,6 +905,35 @@ def test_a_slurm_sweeps_points_are_each_checked_before_anything_is_submitted(tmp
     assert sweep_checked(first, fine, None) == ([], [])  # (a dry sweep's plans are printed in its jobs, not here)
 
 
+@pytest.mark.parametrize("overrides,swept,asks", [
+    # the first point's launcher is Slurm's, the one Hydra starts (from the command line without sweeps) the basic one
+    (["cluster=local,slurm"], "cluster=local,slurm", "cluster=slurm asks for the launcher hydra_plugins."
+     "hydra_submitit_launcher.submitit_launcher.SlurmLauncher instead of hydra._internal.core_plugins.basic_launcher."
+     "BasicLauncher"),
+    (["cluster=slurm", "cluster.time_min=60,240"], "cluster.time_min=60,240",
+     "cluster.time_min=240 asks for hydra.launcher.timeout_min=240 instead of 60"),
+    (["cluster=slurm", "cluster.nodes=1,2"], "cluster.nodes=1,2",
+     "cluster.nodes=2 asks for hydra.launcher.additional_parameters.nodes=2 instead of 1"),
+    (["cluster=slurm", "cluster.partition=a,b"], "cluster.partition=a,b",
+     "cluster.partition=a asks for hydra.launcher.partition='a' instead of None"),
+])
+def test_a_sweep_over_what_the_launcher_reads_is_refused(overrides, swept, asks):
+    """Hydra starts one launcher for a multirun, composed from the command line without its sweeps. Before:
+    `-m cluster=local,slurm` ran the Slurm point here (Hydra's "Launching 2 jobs locally"); `-m cluster=slurm
+    cluster.time_min=60,240` submitted both points with --time=60, `cluster.nodes=1,2` both with one node."""
+    overrides = ["+recipe=tiny_cpu", *overrides, "dry_run=true"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    key = swept.split("=")[0]
+    assert problems == [] and sweep_problems(first, overrides, None) == [
+        f"- {swept}: sets what the launcher reads ({asks}), but Hydra starts one launcher for the whole multirun, "
+        f"composed without its sweeps, so every point would get the latter. Fix: run one multirun per value of {key} "
+        f"(molt-run -m ... {key}=VALUE)"]
+    for same in (["cluster=slurm", "seed=1,2"], ["cluster=slurm", "name=a,b"], ["cluster=local", "cluster.nodes=1,2"]):
+        ok = ["+recipe=tiny_cpu", *same, "dry_run=true"]  # (name: the Slurm job's; the basic launcher reads no cluster.*)
+        assert not any(line.startswith(f"- {same[1]}") for line in sweep_problems(
+            compose_checked(ok, multirun=True, hydra_config=True)[0], ok, None)), same
+
+
 @pytest.mark.parametrize("override,key", [
     ("hydra.launcher=null", "hydra.launcher"),
     ("hydra.sweeper=null", "hydra.sweeper"),
