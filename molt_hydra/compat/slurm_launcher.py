@@ -125,10 +125,13 @@ def _refusal(launcher, sbatch_error: str) -> str:
     cluster = launcher.config.cluster
     keys = [k for k in REQUEST_KEYS if cluster.get(k) is not None
             and (k != "devices_per_node" or launcher.params.get("gpus_per_node"))]  # GPUs: the _gpu preset only
-    asked = ", ".join(f"cluster.{k}={cluster[k]}" for k in keys)
+    # the command line's own hydra.launcher.* keys (mem_gb, partition, additional_parameters...) ask for resources too
+    given = [o.lstrip("+") for o in launcher.config.hydra.overrides.hydra if o.lstrip("+").startswith("hydra.launcher.")]
+    asked = ", ".join([*(f"cluster.{k}={cluster[k]}" for k in keys), *given])
+    also = f"; or change or drop {', '.join(o.split('=', 1)[0] for o in given)}" if given else ""
     return (f"- cluster: Slurm refused the sweep's job ({sbatch_error.splitlines()[-1]}); asked for {asked}. "
             f"Fix: ask for what a partition has (cluster.nodes, cluster.cpus_per_node, cluster.devices_per_node "
-            f"within its nodes; an existing cluster.partition/account/qos/constraint). Partitions:\n{_sinfo()}")
+            f"within its nodes; an existing cluster.partition/account/qos/constraint){also}. Partitions:\n{_sinfo()}")
 
 
 def _queued(jobs: list) -> dict[str, str] | None:

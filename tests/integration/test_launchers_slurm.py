@@ -71,15 +71,15 @@ def test_sweep_points_run_as_slurm_jobs(slurm_cluster, tmp_path):
 
 
 def test_request_slurm_refuses_is_a_config_error(slurm_cluster, tmp_path):
-    """More nodes than the partition has: sbatch refuses at once (local_slurm.sh: EnforcePartLimits=ALL); the sweep
-    says so as a config error with the keys asked for and the partitions there are. Before: submitit's traceback."""
-    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "cluster.nodes=3", "dry_run=true",
+    """More CPUs than a node has: sbatch refuses at once (local_slurm.sh: EnforcePartLimits=ALL); the sweep says so
+    as a config error with the keys asked for and the partitions there are. Before: submitit's traceback."""
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "cluster.cpus_per_node=8", "dry_run=true",
                f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     error = r.stderr[r.stderr.index("Config error(s):"):]
-    assert "Slurm refused the sweep's job" in error and "cluster.nodes=3, cluster.cpus_per_node=2" in error
-    assert "Fix:" in error and "\ndebug* up 2 " in error  # the partition: 2 nodes
+    assert "Slurm refused the sweep's job" in error and "cluster.nodes=1, cluster.cpus_per_node=8" in error
+    assert "Fix:" in error and "\ndebug* up 2 2 " in error  # the partition: 2 nodes of 2 CPUs
 
 
 def test_a_bad_point_refuses_the_sweep_before_anything_is_submitted(slurm_cluster, tmp_path):
@@ -96,6 +96,19 @@ def test_a_bad_point_refuses_the_sweep_before_anything_is_submitted(slurm_cluste
     assert r.stderr.splitlines()[2].startswith("- algorithm.estimator: 'nosuch' is not a registered estimator")
     assert not sweep.exists() and "Traceback" not in r.stderr
     assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout == before
+
+
+def test_a_refusal_caused_by_a_launcher_key_names_it(slurm_cluster, tmp_path):
+    """More memory than a node has, asked for through hydra.launcher.mem_gb: the refusal names that key and its fix.
+    Before: it listed the cluster.* keys only (cluster.nodes=1, cluster.cpus_per_node=2, cluster.time_min=60), none
+    of which was the cause."""
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "seed=1,2", "dry_run=true", "hydra.launcher.mem_gb=100000",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    error = r.stderr[r.stderr.index("Config error(s):"):]
+    assert "(sbatch: error: Batch job submission failed: Requested node configuration is not available); asked for " \
+           "cluster.nodes=1, cluster.cpus_per_node=2, cluster.time_min=60, hydra.launcher.mem_gb=100000. Fix: " in error
+    assert "; or change or drop hydra.launcher.mem_gb. Partitions:\n" in error and "Traceback" not in r.stderr
 
 
 def test_failed_point_is_named_and_the_others_run(slurm_cluster, tmp_path):
