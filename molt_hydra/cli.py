@@ -825,7 +825,7 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
                 "multirun; without -m this run would start here, on this machine. Fix: add -m to submit it, or "
                 "sbatch launchers/molt.sbatch"]
     if submits and multirun:  # (submitit's own check of srun is a RuntimeError traceback once Hydra starts)
-        return [] if shutil.which("srun") else [
+        return notice_problems(first) if shutil.which("srun") else [
             "- hydra/launcher: the cluster preset selects the Slurm launcher, which submits each point with sbatch, "
             "but this machine has no Slurm (srun is not on PATH). Fix: run molt-run -m on a Slurm login node, or "
             "choose a preset that runs here (cluster=local, cluster=local_gpus)"]
@@ -834,6 +834,28 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
     return [f"- {key}: a Slurm resource of the submitit launcher, but {why}, so it changes nothing. Fix: unset it; "
             "submit with -m and a Slurm cluster preset (cluster=slurm), or give it to sbatch (-p, -A, -q, -C, -t)"
             for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
+
+
+def notice_problems(first: DictConfig) -> list[str]:
+    """Slurm's notice (USR2, hydra.launcher.signal_delay_s before the time limit), as a Slurm point takes it
+    (runtime/preemption.py): the step under way ends (cut short GRACE_S after the notice), a checkpoint is saved, the
+    point is requeued. A delay of GRACE_S or less let Slurm's kill come first: the point ended TIMEOUT, not requeued.
+    A time limit no longer than the delay had the notice sent as the job started (~20 s in): the point was requeued
+    before its first step, again each time, until submitit's max_num_timeout ran out."""
+    from molt_hydra.runtime.preemption import GRACE_S
+
+    delay, limit = (OmegaConf.select(first, f"hydra.launcher.{key}") for key in ("signal_delay_s", "timeout_min"))
+    if not isinstance(delay, int) or not isinstance(limit, int):
+        return []
+    if limit * 60 <= delay:
+        return [f"- cluster.time_min: {limit} min, but Slurm's notice comes hydra.launcher.signal_delay_s={delay} s "
+                "before the time limit, so as the job starts: each point would be requeued before its first step. Fix: "
+                f"a cluster.time_min well above {delay / 60:g} min (a step and a save must fit between), or a smaller "
+                "hydra.launcher.signal_delay_s"]
+    return [] if delay > GRACE_S else [
+        f"- hydra.launcher.signal_delay_s: {delay} s, but a point given Slurm's notice is cut short only {GRACE_S:g} s "
+        "after it (the step under way ends, a checkpoint is saved), so Slurm's kill would come first and the point "
+        f"would end without being requeued. Fix: set it above {GRACE_S:g} plus a save (the preset's 120)"]
 
 
 def plugin_problems(first: DictConfig) -> list[str]:

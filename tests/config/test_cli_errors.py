@@ -934,6 +934,31 @@ def test_a_sweep_over_what_the_launcher_reads_is_refused(overrides, swept, asks)
             compose_checked(ok, multirun=True, hydra_config=True)[0], ok, None)), same
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    (["cluster.time_min=2"], "- cluster.time_min: 2 min, but Slurm's notice comes hydra.launcher.signal_delay_s=120 s "
+     "before the time limit, so as the job starts: each point would be requeued before its first step. Fix: a "
+     "cluster.time_min well above 2 min (a step and a save must fit between), or a smaller "
+     "hydra.launcher.signal_delay_s"),
+    (["hydra.launcher.signal_delay_s=30"], "- hydra.launcher.signal_delay_s: 30 s, but a point given Slurm's notice is "
+     "cut short only 60 s after it (the step under way ends, a checkpoint is saved), so Slurm's kill would come first "
+     "and the point would end without being requeued. Fix: set it above 60 plus a save (the preset's 120)"),
+    (["cluster.time_min=3"], None),
+])
+def test_a_slurm_notice_that_cannot_requeue_the_point_is_refused(overrides, expected, monkeypatch):
+    """Before: cluster.time_min=2 (120 s) with the preset's 120 s notice had Slurm send USR2 ~20 s into the job, so
+    the point was requeued before its first step, over and over; signal_delay_s=30 let Slurm kill the point before
+    the run's cut (GRACE_S=60 after the notice) handed it to submitit's requeue."""
+    import shutil
+
+    from molt_hydra.runtime.preemption import GRACE_S
+
+    assert GRACE_S == 60
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    overrides = ["cluster=slurm", "seed=1,2", *overrides]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == [] and launcher_problems(first, overrides, True) == ([expected] if expected else [])
+
+
 @pytest.mark.parametrize("override,key", [
     ("hydra.launcher=null", "hydra.launcher"),
     ("hydra.sweeper=null", "hydra.sweeper"),
