@@ -98,9 +98,9 @@ def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobRetu
     results, failed = [], []
     for i, (point, job) in enumerate(zip(points, jobs)):
         try:
-            if not job.done():
-                raise UncompletedJobError("Slurm dropped it without a result (no longer queued, no accounting record): an "
-                                   "array task cancelled before it started")
+            if not job.done(force_check=True):  # (submitit's own sacct look may be minutes old: one now)
+                raise UncompletedJobError("Slurm dropped it without a result (no longer queued, no accounting "
+                                          "record): an array task cancelled before it started")
             ret = job.results()[0]
             ret.return_value  # noqa: B018 - raises what the task raised (Hydra's run_job caught it)
             results.append(ret)
@@ -126,7 +126,8 @@ def _refusal(launcher, sbatch_error: str) -> str:
     keys = [k for k in REQUEST_KEYS if cluster.get(k) is not None
             and (k != "devices_per_node" or launcher.params.get("gpus_per_node"))]  # GPUs: the _gpu preset only
     # the command line's own hydra.launcher.* keys (mem_gb, partition, additional_parameters...) ask for resources too
-    given = [o.lstrip("+") for o in launcher.config.hydra.overrides.hydra if o.lstrip("+").startswith("hydra.launcher.")]
+    given = [o.lstrip("+") for o in launcher.config.hydra.overrides.hydra
+             if o.lstrip("+").startswith("hydra.launcher.")]
     asked = ", ".join([*(f"cluster.{k}={cluster[k]}" for k in keys), *given])
     also = f"; or change or drop {', '.join(o.split('=', 1)[0] for o in given)}" if given else ""
     return (f"- cluster: Slurm refused the sweep's job ({sbatch_error.splitlines()[-1]}); asked for {asked}. "

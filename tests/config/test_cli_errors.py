@@ -892,7 +892,7 @@ def test_a_slurm_sweeps_points_are_each_checked_before_anything_is_submitted(tmp
     assert problems == [] and first.hydra.launcher._target_.endswith(".SlurmLauncher")
     lines = sweep_problems(first, overrides, None)
     assert lines[0] == "sweep point #1 of 2 (+recipe=tiny_cpu cluster=slurm algorithm.estimator=nosuch):", lines
-    assert lines[1].startswith("- algorithm.estimator: 'nosuch' is not a registered estimator. Fix: ") and len(lines) == 2
+    assert len(lines) == 2 and lines[1].startswith("- algorithm.estimator: 'nosuch' is not a registered estimator. ")
     shared = ["+recipe=tiny_cpu", "cluster=slurm", "seed=1,2", f"checkpoint.dir={tmp_path / 'ck'}"]
     first, _ = compose_checked(shared, multirun=True, hydra_config=True)
     assert sweep_problems(first, shared, None) == [
@@ -929,7 +929,8 @@ def test_a_sweep_over_what_the_launcher_reads_is_refused(overrides, swept, asks)
         f"composed without its sweeps, so every point would get the latter. Fix: run one multirun per value of {key} "
         f"(molt-run -m ... {key}=VALUE)"]
     for same in (["cluster=slurm", "seed=1,2"], ["cluster=slurm", "name=a,b"], ["cluster=local", "cluster.nodes=1,2"]):
-        ok = ["+recipe=tiny_cpu", *same, "dry_run=true"]  # (name: the Slurm job's; the basic launcher reads no cluster.*)
+        # (name: the Slurm job's own; the basic launcher reads no cluster.*)
+        ok = ["+recipe=tiny_cpu", *same, "dry_run=true"]
         assert not any(line.startswith(f"- {same[1]}") for line in sweep_problems(
             compose_checked(ok, multirun=True, hydra_config=True)[0], ok, None)), same
 
