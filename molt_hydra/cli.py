@@ -674,7 +674,7 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     before it had run. The points are the basic sweeper's own (the config's hydra.sweeper.params, then the command
     line's sweeps, their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra
     node. Returns (each failing point's problems under a line naming the point, [(point, `checked`'s result)] of
-    every point)."""
+    every point run here; none for submitit's, which run elsewhere)."""
     from molt_hydra.compat.hydra import sweep_points
 
     basic = first.hydra.sweeper._target_.endswith(".BasicSweeper")
@@ -684,12 +684,14 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if problems := oversized_sweep(list(zip(parsed, [*texts, *overrides]))) or unlisted_sweeps(parsed, texts) or \
             _converted(first, list(zip(parsed, params)), recipe=True):  # (the command line's: compose_checked)
         return problems, []  # (the Slurm launcher's points are the basic sweeper's too)
-    if basic and (shared := shared_subdir(first, len(sweep_points(parsed)))):
+    if basic and (shared := shared_subdir(first, len(sweep_points(parsed))) or launcher_swept(
+            parsed, [*texts, *overrides], overrides, config_dir)):
         return shared, []
-    if not (basic and first.hydra.launcher._target_.endswith(".BasicLauncher")):
-        # another sweeper (optuna, ...) makes its points as it goes; submitit runs each point as a job of its own
-        # (one refused point ends alone), validated where it runs: a login node may lack the GPUs or packages
+    if not basic:  # another sweeper (optuna, ...) makes its points as it goes
         return [], []
+    # submitit's points run elsewhere (a login node may lack their GPUs): each is checked as its dry run (config, plan,
+    # the points' own directories), and again where it runs. Before, a bad point was submitted and failed in its job.
+    submits = not first.hydra.launcher._target_.endswith(".BasicLauncher")
     points = sweep_points(parsed)
     if not points:  # (Hydra would launch 0 jobs and exit 0)
         return [f"- {' '.join(overrides)}: the sweep has no point, so the multirun would run nothing. Fix: give each "
@@ -700,8 +702,10 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     problems, owners, results = _repeated_points(points), {}, []
     sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
-        errors, result = point_problems(point, sweep_dir / str(number), config_dir)
-        results.append((point, result))
+        as_run = [*(o for o in point if o.lstrip("+~").split("=", 1)[0] != "dry_run"), "dry_run=true"] if submits \
+            else point  # (dry_run is given once: repeated_keys)
+        errors, result = point_problems(as_run, sweep_dir / str(number), config_dir)
+        results += [] if submits else [(point, result)]  # (submitted, a dry sweep plans in its jobs too)
         for key in SWEEP_OWN_DIRS if result is not None else ():
             if (path := get(result[0], key)) and (owner := owners.setdefault((key, os.path.abspath(path)), number)) \
                     != number:
@@ -711,6 +715,56 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems, results
+
+
+def launcher_swept(parsed: list, texts: list[str], overrides: list[str], config_dir: str | None) -> list[str]:
+    """A sweep over what hydra.launcher reads: a config group that chooses it (cluster=slurm,local, hydra/launcher=...)
+    or a key it interpolates (cluster.nodes, cpus_per_node, time_min, partition, ...). Hydra starts one launcher for
+    the whole multirun, composed from the command line without its sweeps, so each point got that one's launcher and
+    Slurm request without a word: `-m cluster=slurm,local` ran both points here; `-m cluster=slurm
+    cluster.time_min=60,240` gave both 60 minutes; `cluster.nodes=1,2` gave both one node (the second failed in it)."""
+    fixed = [t for o, t in zip(parsed[len(parsed) - len(overrides):], overrides) if not o.is_sweep_override()]
+    base, _ = compose_checked(fixed, config_dir=config_dir, hydra_config=True)
+    if base is None:  # (its problems are the first point's too)
+        return []
+    ours, problems = _launcher_view(base), []
+    reads = {key for raw in _launcher_view(base, resolve=False).values() if isinstance(raw, str)
+             for key in re.findall(r"\$\{([A-Za-z_][\w.]*)\}", raw) if not key.startswith("hydra.")}
+    for o, text in zip(parsed, texts):
+        key = o.key_or_group
+        if not o.is_sweep_override() or not ("/" in key or _is_group(key) or key in reads or key.startswith(
+                "hydra.launcher")):
+            continue
+        for value in o.sweep_string_iterator():
+            point, _ = compose_checked([*fixed, f"{o.get_key_element()}={value}"],
+                                       config_dir=config_dir, hydra_config=True)
+            theirs = _launcher_view(point) if point is not None else ours
+            if differ := [k for k in dict.fromkeys([*ours, *theirs]) if ours.get(k) != theirs.get(k)]:
+                got = (f"the launcher {theirs.get('_target_')} instead of {ours.get('_target_')}" if "_target_" in
+                       differ else ", ".join(f"hydra.launcher.{k}={theirs.get(k)!r} instead of {ours.get(k)!r}"
+                                             for k in differ))
+                problems.append(f"- {text}: sets what the launcher reads ({key}={value} asks for {got}), but Hydra "
+                                "starts one launcher for the whole multirun, composed without its sweeps, so every "
+                                f"point would get the latter. Fix: run one multirun per value of {key} "
+                                f"(molt-run -m ... {o.get_key_element()}=VALUE)")
+                break
+    return problems
+
+
+def _launcher_view(cfg: DictConfig, resolve: bool = True) -> dict:
+    """{key: value} of each of hydra.launcher's keys (but `name`, the Slurm job's: cosmetic), a value that interpolates
+    the config resolved (`resolve`); one of Hydra's own (${hydra.sweep.dir}, ${now:...}) is left as written."""
+    todo, view = list(OmegaConf.to_container(cfg.hydra.launcher, resolve=False).items()), {}
+    while todo:
+        key, value = todo.pop()
+        if isinstance(value, dict):
+            todo += [(f"{key}.{name}", item) for name, item in value.items()]
+        elif key != "name":
+            view[key] = value
+            if resolve and isinstance(value, str) and "${" in value and not re.search(r"\$\{(hydra[.:]|now:)", value):
+                found = OmegaConf.select(cfg.hydra.launcher, key, throw_on_resolution_failure=False)
+                view[key] = OmegaConf.to_container(found) if isinstance(found, (DictConfig, ListConfig)) else found
+    return view
 
 
 def shared_subdir(first: DictConfig, points: int) -> list[str]:
@@ -771,7 +825,7 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
                 "multirun; without -m this run would start here, on this machine. Fix: add -m to submit it, or "
                 "sbatch launchers/molt.sbatch"]
     if submits and multirun:  # (submitit's own check of srun is a RuntimeError traceback once Hydra starts)
-        return [] if shutil.which("srun") else [
+        return notice_problems(first) if shutil.which("srun") else [
             "- hydra/launcher: the cluster preset selects the Slurm launcher, which submits each point with sbatch, "
             "but this machine has no Slurm (srun is not on PATH). Fix: run molt-run -m on a Slurm login node, or "
             "choose a preset that runs here (cluster=local, cluster=local_gpus)"]
@@ -780,6 +834,28 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
     return [f"- {key}: a Slurm resource of the submitit launcher, but {why}, so it changes nothing. Fix: unset it; "
             "submit with -m and a Slurm cluster preset (cluster=slurm), or give it to sbatch (-p, -A, -q, -C, -t)"
             for key in dict.fromkeys(o.lstrip("+~").split("=", 1)[0] for o in overrides) if key in keys]
+
+
+def notice_problems(first: DictConfig) -> list[str]:
+    """Slurm's notice (USR2, hydra.launcher.signal_delay_s before the time limit), as a Slurm point takes it
+    (runtime/preemption.py): the step under way ends (cut short GRACE_S after the notice), a checkpoint is saved, the
+    point is requeued. A delay of GRACE_S or less let Slurm's kill come first: the point ended TIMEOUT, not requeued.
+    A time limit no longer than the delay had the notice sent as the job started (~20 s in): the point was requeued
+    before its first step, again each time, until submitit's max_num_timeout ran out."""
+    from molt_hydra.runtime.preemption import GRACE_S
+
+    delay, limit = (OmegaConf.select(first, f"hydra.launcher.{key}") for key in ("signal_delay_s", "timeout_min"))
+    if not isinstance(delay, int) or not isinstance(limit, int):
+        return []
+    if limit * 60 <= delay:
+        return [f"- cluster.time_min: {limit} min, but Slurm's notice comes hydra.launcher.signal_delay_s={delay} s "
+                "before the time limit, so as the job starts: each point would be requeued before its first step. Fix: "
+                f"a cluster.time_min well above {delay / 60:g} min (a step and a save must fit between), or a smaller "
+                "hydra.launcher.signal_delay_s"]
+    return [] if delay > GRACE_S else [
+        f"- hydra.launcher.signal_delay_s: {delay} s, but a point given Slurm's notice is cut short only {GRACE_S:g} s "
+        "after it (the step under way ends, a checkpoint is saved), so Slurm's kill would come first and the point "
+        f"would end without being requeued. Fix: set it above {GRACE_S:g} plus a save (the preset's 120)"]
 
 
 def plugin_problems(first: DictConfig) -> list[str]:

@@ -23,6 +23,10 @@ from omegaconf import OmegaConf
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_INTERRUPTED
 
 POLL_S = 5.0
+# polls in a row that a point, unfinished to submitit, is absent from squeue before it counts as gone: an array task
+# cancelled while pending (held, or behind array_parallelism) leaves squeue at once and never reaches sacct, so
+# submitit's state for it stays UNKNOWN, and molt-run -m waited for ever
+GONE_POLLS = 3
 # squeue reasons of a pending job that Slurm does not clear by itself (a site without EnforcePartLimits=ALL accepts
 # such a request at submission, then keeps it pending for ever)
 NEVER_STARTS = {"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
@@ -72,13 +76,19 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
 
 def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobReturn], list[str]]:
     """Every point's result, also after a failed one; a failed, cancelled or timed-out point as its report line.
-    A point pending for a reason Slurm will not clear by itself is named meanwhile (once per reason)."""
+    A point pending for a reason Slurm will not clear by itself is named meanwhile (once per reason); one absent from
+    squeue GONE_POLLS polls in a row, unfinished to submitit, has been dropped by Slurm and fails."""
+    from submitit.core.utils import UncompletedJobError
+
     told: set[tuple[str, str]] = set()
-    while not all(job.done() for job in jobs):
-        stuck = _never_starts(jobs)
+    absent = dict.fromkeys((job.job_id for job in jobs), 0)
+    while not all(job.done() or absent[job.job_id] >= GONE_POLLS for job in jobs):
+        queued = _queued(jobs)
         for number, job in enumerate(jobs, start=first):
-            why = stuck.get(job.job_id)
-            if why and (job.job_id, why) not in told:
+            if queued is not None:  # (squeue failed: slurmctld busy; look again next time)
+                absent[job.job_id] = 0 if job.job_id in queued or job.done() else absent[job.job_id] + 1
+            why = queued.get(job.job_id) if queued else None
+            if why in NEVER_STARTS and (job.job_id, why) not in told:
                 told.add((job.job_id, why))
                 print(f"sweep point #{number}: Slurm job {job.job_id} is pending with reason {why}: as its "
                       f"partition's limits stand, Slurm will not start it. Fix: `scancel {job.job_id}` and ask for "
@@ -88,6 +98,9 @@ def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobRetu
     results, failed = [], []
     for i, (point, job) in enumerate(zip(points, jobs)):
         try:
+            if not job.done(force_check=True):  # (submitit's own sacct look may be minutes old: one now)
+                raise UncompletedJobError("Slurm dropped it without a result (no longer queued, no accounting "
+                                          "record): an array task cancelled before it started")
             ret = job.results()[0]
             ret.return_value  # noqa: B018 - raises what the task raised (Hydra's run_job caught it)
             results.append(ret)
@@ -112,21 +125,29 @@ def _refusal(launcher, sbatch_error: str) -> str:
     cluster = launcher.config.cluster
     keys = [k for k in REQUEST_KEYS if cluster.get(k) is not None
             and (k != "devices_per_node" or launcher.params.get("gpus_per_node"))]  # GPUs: the _gpu preset only
-    asked = ", ".join(f"cluster.{k}={cluster[k]}" for k in keys)
+    # the command line's own hydra.launcher.* keys (mem_gb, partition, additional_parameters...) ask for resources too
+    given = [o.lstrip("+") for o in launcher.config.hydra.overrides.hydra
+             if o.lstrip("+").startswith("hydra.launcher.")]
+    asked = ", ".join([*(f"cluster.{k}={cluster[k]}" for k in keys), *given])
+    also = f"; or change or drop {', '.join(o.split('=', 1)[0] for o in given)}" if given else ""
     return (f"- cluster: Slurm refused the sweep's job ({sbatch_error.splitlines()[-1]}); asked for {asked}. "
             f"Fix: ask for what a partition has (cluster.nodes, cluster.cpus_per_node, cluster.devices_per_node "
-            f"within its nodes; an existing cluster.partition/account/qos/constraint). Partitions:\n{_sinfo()}")
+            f"within its nodes; an existing cluster.partition/account/qos/constraint){also}. Partitions:\n{_sinfo()}")
 
 
-def _never_starts(jobs: list) -> dict[str, str]:
-    """{job id: reason} of the jobs pending for a reason that only a change of the request or the cluster clears."""
+def _queued(jobs: list) -> dict[str, str] | None:
+    """{job id: its pending reason, or None} of the sweep's jobs squeue lists (any state; pending array tasks one by
+    one), or None when squeue could not answer."""
+    arrays = ",".join(dict.fromkeys(j.job_id.split("_")[0] for j in jobs))
     try:
-        out = subprocess.run(["squeue", "-h", "-r", "-t", "PD", "-o", "%i|%r", "-j", ",".join(j.job_id for j in jobs)],
-                             capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired):  # slurmctld busy or restarting: look again next time
-        return {}
-    pending = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
-    return {job: why for job, why in pending.items() if why in NEVER_STARTS}
+        out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i|%T|%r", "-j", arrays],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):  # slurmctld busy or restarting
+        return None
+    if out.returncode and "Invalid job id" not in out.stderr:  # (an id Slurm has purged: none of them is queued)
+        return None
+    rows = [line.split("|", 2) for line in out.stdout.splitlines() if line.count("|") == 2]
+    return {job: why if state == "PENDING" else None for job, state, why in rows}
 
 
 def _sinfo() -> str:
@@ -146,5 +167,6 @@ def _failure(number: int, point: list[str], job: Any, error: Exception) -> str:
     tail = [ln for ln in (log or str(error)).splitlines() if ln.strip()][-8:]
     if type(error).__module__.split(".")[0] != "submitit":  # the task's own exception: its log may not show it
         tail.append(repr(error)[:1000])
+    where = f"log {job.paths.stderr}" if job.paths.stderr.exists() else "no log (it never started)"
     return (f"sweep point #{number} ({' '.join(filter_overrides(point))}): Slurm job {job.job_id} {job.state}; "
-            f"log {job.paths.stderr}:\n" + "\n".join(f"    {ln}" for ln in tail))
+            f"{where}:\n" + "\n".join(f"    {ln}" for ln in tail))

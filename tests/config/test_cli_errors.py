@@ -887,6 +887,84 @@ def test_a_slurm_sweep_where_there_is_no_slurm_is_refused(monkeypatch):
     assert problems == [] and len(found) == 1 and found[0].startswith("- hydra/launcher: ") and "srun" in found[0]
 
 
+def test_a_slurm_sweeps_points_are_each_checked_before_anything_is_submitted(tmp_path):
+    """Before: submitit's points were checked only in their own jobs, so `-m cluster=slurm
+    algorithm.estimator=grpo,nosuch` submitted both and the second failed in Slurm; two points given one
+    checkpoint.dir were both submitted, each resuming from or overwriting the other's files. Now each point is checked
+    as its dry run (config, plan, its directories) before the array is submitted."""
+    overrides = ["+recipe=tiny_cpu", "cluster=slurm", "algorithm.estimator=grpo,nosuch"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == [] and first.hydra.launcher._target_.endswith(".SlurmLauncher")
+    lines = sweep_problems(first, overrides, None)
+    assert lines[0] == "sweep point #1 of 2 (+recipe=tiny_cpu cluster=slurm algorithm.estimator=nosuch):", lines
+    assert len(lines) == 2 and lines[1].startswith("- algorithm.estimator: 'nosuch' is not a registered estimator. ")
+    shared = ["+recipe=tiny_cpu", "cluster=slurm", "seed=1,2", f"checkpoint.dir={tmp_path / 'ck'}"]
+    first, _ = compose_checked(shared, multirun=True, hydra_config=True)
+    assert sweep_problems(first, shared, None) == [
+        f"sweep point #1 of 2 (+recipe=tiny_cpu cluster=slurm seed=2 checkpoint.dir={tmp_path / 'ck'}):",
+        f"- checkpoint.dir: {tmp_path / 'ck'} is sweep point #0's too, so this point would resume from, overwrite or "
+        "be locked out of that point's files. Fix: leave checkpoint.dir at its default (under the point's output_dir), "
+        "or sweep it with the points"]
+    fine = ["+recipe=tiny_cpu", "cluster=slurm", "dry_run=true", "algorithm.estimator=grpo,rloo"]
+    first, _ = compose_checked(fine, multirun=True, hydra_config=True)
+    assert sweep_checked(first, fine, None) == ([], [])  # (a dry sweep's plans are printed in its jobs, not here)
+
+
+@pytest.mark.parametrize("overrides,swept,asks", [
+    # the first point's launcher is Slurm's, the one Hydra starts (from the command line without sweeps) the basic one
+    (["cluster=local,slurm"], "cluster=local,slurm", "cluster=slurm asks for the launcher hydra_plugins."
+     "hydra_submitit_launcher.submitit_launcher.SlurmLauncher instead of hydra._internal.core_plugins.basic_launcher."
+     "BasicLauncher"),
+    (["cluster=slurm", "cluster.time_min=60,240"], "cluster.time_min=60,240",
+     "cluster.time_min=240 asks for hydra.launcher.timeout_min=240 instead of 60"),
+    (["cluster=slurm", "cluster.nodes=1,2"], "cluster.nodes=1,2",
+     "cluster.nodes=2 asks for hydra.launcher.additional_parameters.nodes=2 instead of 1"),
+    (["cluster=slurm", "cluster.partition=a,b"], "cluster.partition=a,b",
+     "cluster.partition=a asks for hydra.launcher.partition='a' instead of None"),
+])
+def test_a_sweep_over_what_the_launcher_reads_is_refused(overrides, swept, asks):
+    """Hydra starts one launcher for a multirun, composed from the command line without its sweeps. Before:
+    `-m cluster=local,slurm` ran the Slurm point here (Hydra's "Launching 2 jobs locally"); `-m cluster=slurm
+    cluster.time_min=60,240` submitted both points with --time=60, `cluster.nodes=1,2` both with one node."""
+    overrides = ["+recipe=tiny_cpu", *overrides, "dry_run=true"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    key = swept.split("=")[0]
+    assert problems == [] and sweep_problems(first, overrides, None) == [
+        f"- {swept}: sets what the launcher reads ({asks}), but Hydra starts one launcher for the whole multirun, "
+        f"composed without its sweeps, so every point would get the latter. Fix: run one multirun per value of {key} "
+        f"(molt-run -m ... {key}=VALUE)"]
+    for same in (["cluster=slurm", "seed=1,2"], ["cluster=slurm", "name=a,b"], ["cluster=local", "cluster.nodes=1,2"]):
+        # (name: the Slurm job's own; the basic launcher reads no cluster.*)
+        ok = ["+recipe=tiny_cpu", *same, "dry_run=true"]
+        assert not any(line.startswith(f"- {same[1]}") for line in sweep_problems(
+            compose_checked(ok, multirun=True, hydra_config=True)[0], ok, None)), same
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["cluster.time_min=2"], "- cluster.time_min: 2 min, but Slurm's notice comes hydra.launcher.signal_delay_s=120 s "
+     "before the time limit, so as the job starts: each point would be requeued before its first step. Fix: a "
+     "cluster.time_min well above 2 min (a step and a save must fit between), or a smaller "
+     "hydra.launcher.signal_delay_s"),
+    (["hydra.launcher.signal_delay_s=30"], "- hydra.launcher.signal_delay_s: 30 s, but a point given Slurm's notice is "
+     "cut short only 60 s after it (the step under way ends, a checkpoint is saved), so Slurm's kill would come first "
+     "and the point would end without being requeued. Fix: set it above 60 plus a save (the preset's 120)"),
+    (["cluster.time_min=3"], None),
+])
+def test_a_slurm_notice_that_cannot_requeue_the_point_is_refused(overrides, expected, monkeypatch):
+    """Before: cluster.time_min=2 (120 s) with the preset's 120 s notice had Slurm send USR2 ~20 s into the job, so
+    the point was requeued before its first step, over and over; signal_delay_s=30 let Slurm kill the point before
+    the run's cut (GRACE_S=60 after the notice) handed it to submitit's requeue."""
+    import shutil
+
+    from molt_hydra.runtime.preemption import GRACE_S
+
+    assert GRACE_S == 60
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    overrides = ["cluster=slurm", "seed=1,2", *overrides]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == [] and launcher_problems(first, overrides, True) == ([expected] if expected else [])
+
+
 @pytest.mark.parametrize("override,key", [
     ("hydra.launcher=null", "hydra.launcher"),
     ("hydra.sweeper=null", "hydra.sweeper"),

@@ -71,35 +71,83 @@ def test_sweep_points_run_as_slurm_jobs(slurm_cluster, tmp_path):
 
 
 def test_request_slurm_refuses_is_a_config_error(slurm_cluster, tmp_path):
-    """More nodes than the partition has: sbatch refuses at once (local_slurm.sh: EnforcePartLimits=ALL); the sweep
-    says so as a config error with the keys asked for and the partitions there are. Before: submitit's traceback."""
-    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "cluster.nodes=3", "dry_run=true",
+    """More CPUs than a node has: sbatch refuses at once (local_slurm.sh: EnforcePartLimits=ALL); the sweep says so
+    as a config error with the keys asked for and the partitions there are. Before: submitit's traceback."""
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "cluster.cpus_per_node=8", "dry_run=true",
                f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     error = r.stderr[r.stderr.index("Config error(s):"):]
-    assert "Slurm refused the sweep's job" in error and "cluster.nodes=3, cluster.cpus_per_node=2" in error
-    assert "Fix:" in error and "\ndebug* up 2 " in error  # the partition: 2 nodes
+    assert "Slurm refused the sweep's job" in error and "cluster.nodes=1, cluster.cpus_per_node=8" in error
+    assert "Fix:" in error and "\ndebug* up 2 2 " in error  # the partition: 2 nodes of 2 CPUs
+
+
+def test_a_bad_point_refuses_the_sweep_before_anything_is_submitted(slurm_cluster, tmp_path):
+    """The middle point of three is a config error: the whole sweep is refused naming the point and the key, and
+    nothing is submitted (no sweep directory, no Slurm job). Before: all three were submitted and the middle one
+    failed in its job, checked only there."""
+    sweep = tmp_path / "sweep"
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true", "algorithm.estimator=grpo,nosuch,rloo",
+               f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.splitlines()[:2] == ["Config error(s):", "sweep point #1 of 3 (+recipe=tiny_cpu cluster=slurm "
+                                         f"dry_run=True algorithm.estimator=nosuch hydra.sweep.dir={sweep}):"]
+    assert r.stderr.splitlines()[2].startswith("- algorithm.estimator: 'nosuch' is not a registered estimator")
+    assert not sweep.exists() and "Traceback" not in r.stderr
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout == before
+
+
+def test_a_refusal_caused_by_a_launcher_key_names_it(slurm_cluster, tmp_path):
+    """More memory than a node has, asked for through hydra.launcher.mem_gb: the refusal names that key and its fix.
+    Before: it listed the cluster.* keys only (cluster.nodes=1, cluster.cpus_per_node=2, cluster.time_min=60), none
+    of which was the cause."""
+    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "seed=1,2", "dry_run=true", "hydra.launcher.mem_gb=100000",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    error = r.stderr[r.stderr.index("Config error(s):"):]
+    assert "(sbatch: error: Batch job submission failed: Requested node configuration is not available); asked for " \
+           "cluster.nodes=1, cluster.cpus_per_node=2, cluster.time_min=60, hydra.launcher.mem_gb=100000. Fix: " in error
+    assert "; or change or drop hydra.launcher.mem_gb. Partitions:\n" in error and "Traceback" not in r.stderr
 
 
 def test_failed_point_is_named_and_the_others_run(slurm_cluster, tmp_path):
-    """The middle point of three fails in its job (a config error only its job sees: the front composes a Slurm sweep
-    at its first point). Every point is waited for; the failed one is named with its overrides, job, state and the
-    end of its log; the sweep ends with exit 4. Before: a traceback for the failed job, the last one not waited for."""
+    """The middle point of three is cancelled while pending (held here; behind array_parallelism alike): it leaves
+    squeue at once and never reaches sacct. Every point is waited for; the dropped one is named with its overrides,
+    job and why; the sweep ends with exit 4. Before: submitit's state for it stayed UNKNOWN, and molt-run -m waited
+    for ever."""
     sweep = tmp_path / "sweep"
-    r = _molt(["-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true", "algorithm.estimator=grpo,nosuch,rloo",
-               f"hydra.sweep.dir={sweep}"], tmp_path)
-    assert r.returncode == 4, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr
-    array = _array_id(sweep)
-    assert f"sweep point #1 (+recipe=tiny_cpu cluster=slurm dry_run=True algorithm.estimator=nosuch): Slurm job " \
-           f"{array}_1 FAILED" in r.stderr
-    assert "'nosuch' is not a registered estimator" in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(f"Run failed: sweep {sweep}: 1 of 3 point(s) failed")
-    assert "sweep point #0" not in r.stderr and "sweep point #2" not in r.stderr
+    proc = subprocess.Popen([MOLT_RUN, "-m", "+recipe=tiny_cpu", "cluster=slurm", "dry_run=true",
+                             "algorithm.estimator=grpo,dr_grpo,rloo", "+hydra.launcher.additional_parameters.hold=true",
+                             f"hydra.sweep.dir={sweep}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (sweep / ".submitit").is_dir() or not any(p.name.isdigit() for p in (sweep / ".submitit").iterdir()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        array = _array_id(sweep)
+        subprocess.run(["scancel", f"{array}_1"], check=True)
+        subprocess.run(["scontrol", "release", array], check=True)
+    except BaseException:
+        proc.kill()
+        subprocess.run(["scancel", *(p.name for p in (sweep / ".submitit").glob("*") if p.name.isdigit())])
+        raise
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 4, err[-3000:]
+    assert "Traceback" not in err
+    assert f"sweep point #1 (+recipe=tiny_cpu cluster=slurm dry_run=True algorithm.estimator=dr_grpo): Slurm job " \
+           f"{array}_1 UNKNOWN; no log (it never started):\n" in err, err[-3000:]
+    assert "    Slurm dropped it without a result (no longer queued, no accounting record): an array task cancelled " \
+           "before it started" in err
+    assert err.strip().splitlines()[-1].startswith(f"Run failed: sweep {sweep}: 1 of 3 point(s) failed")
+    assert "sweep point #0" not in err and "sweep point #2" not in err
     rows = sacct(array, until=lambda rows: len(rows) == 3)
-    assert {jid: recs[-1]["State"] for jid, recs in rows.items()} == {
-        f"{array}_0": "COMPLETED", f"{array}_1": "FAILED", f"{array}_2": "COMPLETED"}
+    assert {jid: recs[-1]["State"] for jid, recs in rows.items()} == {f"{array}_0": "COMPLETED",
+                                                                       f"{array}_2": "COMPLETED"}
 
 
 def test_interrupting_the_waiting_front_names_the_points_still_running(slurm_cluster, tmp_path):
