@@ -113,7 +113,7 @@ class ChatAgentRunner(Runner):
             sampling_params=episode.sampling, max_length=episode.max_length, max_turns=episode.max_turns,
             judge_url=url + "/judge/v1")
         try:
-            result = await self.agent_cls(**copy.deepcopy(self.agent_kwargs)).run(ctx)  # (as the Env's kwargs)
+            result = await self.agent_cls(**self.agent_kwargs).run(ctx)
         finally:
             segments = server.close_session(sid)
         reward, score = reward_and_score(result, f"{self.agent_cls.__name__}.run")

@@ -59,7 +59,7 @@ class StepEnvRunner(Runner):
         return found[0], list(found[1])
 
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
-        env = self.env_cls(**copy.deepcopy(self.env_kwargs))  # its own: one appending to a list kwarg leaks no more
+        env = self.env_cls(**self.env_kwargs)
         label = copy.deepcopy(episode.label)  # the env's own: the group's rollouts share the row's
         traj, observation_text = await self._first_prompt(env, episode, label, tokenizer)
         images, sampling = list(episode.images), episode.sampling

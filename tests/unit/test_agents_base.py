@@ -601,32 +601,6 @@ def test_an_env_editing_its_prompt_or_label_in_place_leaves_its_groups_other_rol
     assert chat == [{"role": "user", "content": "2+2?"}] and label == ["4"]
 
 
-def test_an_env_editing_its_kwargs_in_place_leaves_the_next_rollouts_alone(tiny_model):
-    """Each rollout's Env gets its own copy of agent.runner's kwargs (was: the runner's, shared: an Env appending
-    to a list kwarg, a per-episode history say, handed it on to every later rollout of the run)."""
-    from transformers import AutoTokenizer
-
-    from molt_hydra.agents.base import Env
-
-    class Echo:
-        async def generate(self, request):
-            return [Generation([7], [-0.5], [0], "stop")]
-
-    class Remembers(Env):
-        def __init__(self, history: list):
-            self.history = history
-
-        async def step(self, state):
-            self.history.append(state["turn"])
-            return Result(reward=float(len(self.history)))
-
-    kwargs = {"history": []}
-    eps = [Episode(prompt="hi", sampling=Sampling(max_tokens=1), max_length=64) for _ in range(3)]
-    outcome = asyncio.run(StepEnvRunner(Remembers, kwargs).run_group(eps, Echo(), AutoTokenizer.from_pretrained(
-        tiny_model)))
-    assert [t.reward for t in outcome.trajectories] == [1.0] * 3 and kwargs == {"history": []}
-
-
 def test_a_chat_agent_drawing_on_its_images_leaves_the_rows_image_alone(tiny_model):
     """Before: ctx.images were the row's own images (decoded once at load): a box an agent drew on one was in every
     later rollout's prompt image of that row, every epoch."""
