@@ -194,8 +194,8 @@ def include_usage(body: dict) -> bool:
         raise bad(f"'stream_options' must be an object, got {options!r}", "stream_options")
     v = (options or {}).get("include_usage")
     if (options or {}).get("continuous_usage_stats") not in (None, False):  # vLLM's (was: ignored)
-        raise bad("'stream_options.continuous_usage_stats' (usage on every chunk, vLLM's) is not served: the usage comes "
-                  "once, in a last chunk, with include_usage; omit it", "stream_options.continuous_usage_stats")
+        raise bad("'stream_options.continuous_usage_stats' (usage on every chunk, vLLM's) is not served: the usage "
+                  "comes once, in a last chunk, with include_usage; omit it", "stream_options.continuous_usage_stats")
     if v is not None and not isinstance(v, bool):
         raise bad(f"'stream_options.include_usage' must be a boolean, got {v!r}", "stream_options.include_usage")
     return bool(v)
