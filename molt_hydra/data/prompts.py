@@ -179,11 +179,11 @@ def _saved(path: Path, split: str):
             raise ValueError(f"{path} has no split {split!r}; its splits: {sorted(splits)}. Fix: set data.split (for "
                              "eval.data_path: eval.split) to one of them")
         path = path / split
-    if (state := path / "state.json").is_file() and not json.loads(state.read_text()).get("_data_files"):
-        raise ValueError(f"{path} has no rows (an empty Dataset was saved there). Fix: save the rows again (a filter "
-                         "kept none?), or point the key at a dataset with rows")
-    loaded = datasets.load_from_disk(str(path))
-    if not len(loaded):  # (a filter that kept none saves one arrow file of no rows)
+    # An empty split saves no data file (load_from_disk itself fails there); a filter that kept none saves one of no rows
+    state = path / "state.json"
+    no_files = state.is_file() and not json.loads(state.read_text()).get("_data_files")
+    loaded = None if no_files else datasets.load_from_disk(str(path))
+    if loaded is None or not len(loaded):
         raise ValueError(f"{path} has no rows (an empty Dataset was saved there). Fix: save the rows again (a filter "
                          "kept none?), or point the key at a dataset with rows")
     return loaded
