@@ -261,6 +261,10 @@ class Trajectory:
             self.routed_experts.extend([None] * len(token_ids))
 
     def append_action(self, gen: Generation) -> None:
+        if gen.finish_reason not in ("stop", "length"):  # (was: a cut-short generation trained as a finished action)
+            raise RuntimeError(f"the engine ended a generation with finish reason {gen.finish_reason!r} after "
+                               f"{len(gen.token_ids)} tokens (vLLM aborted or failed the request: the engine stopping "
+                               "or an engine error): a cut-short action is not trained on, the rollout is dropped")
         start = len(self.token_ids)
         self.token_ids.extend(gen.token_ids)
         self.logprobs.extend(gen.logprobs)

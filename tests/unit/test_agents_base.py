@@ -28,6 +28,26 @@ def test_trajectory_keeps_tokens_logprobs_versions_aligned():
     assert t.finish_reasons == ["stop", "length"]
 
 
+def test_an_aborted_generation_fails_its_rollout_naming_the_abort_never_trained_as_an_action(tiny_model):
+    """Before: a generation vLLM ended with finish reason "abort" was appended as a finished action and trained on."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    class Aborting:
+        async def generate(self, request):
+            return [Generation([7, 8], [-0.5, -0.5], [0, 0], "abort")]
+
+    class Once(Env):
+        async def step(self, state):
+            return Result(reward=1.0, terminated=True)
+
+    eps = [Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=64) for _ in range(2)]
+    outcome = asyncio.run(StepEnvRunner(Once).run_group(eps, Aborting(), AutoTokenizer.from_pretrained(tiny_model)))
+    assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 2}
+    assert "finish reason 'abort' after 2 tokens" in outcome.errors["agent_exception"]
+
+
 def test_routed_experts_laid_per_token_first_writer_wins():
     t = Trajectory()
     t.append_feedback([1, 2])
