@@ -346,7 +346,8 @@ def test_a_mid_stream_failure_reaches_each_sdk_with_the_engines_message(tok):
             async with aiohttp.ClientSession() as http, http.post(
                     server.session_url("s") + "/v1/responses", json={"input": "hi", "stream": True},
                     headers={"Authorization": "Bearer k"}) as r:
-                errors["responses"] = json.loads((await r.text()).strip().split("\n\n")[-1].split("data: ", 1)[1])
+                # the error event, then response.failed (test_a_failed_responses_stream_ends_with_response_failed_...)
+                errors["responses"] = json.loads((await r.text()).strip().split("\n\n")[-2].split("data: ", 1)[1])
             return errors
         finally:
             await server.stop()
@@ -357,6 +358,34 @@ def test_a_mid_stream_failure_reaches_each_sdk_with_the_engines_message(tok):
         "type": "api_error", "message": "generation failed: RuntimeError: engine died"}}
     assert errors["responses"]["type"] == "error"
     assert errors["responses"]["message"] == "generation failed: RuntimeError: engine died"
+
+
+def test_a_failed_responses_stream_ends_with_response_failed_naming_the_cause(tok):
+    """A Responses stream that fails mid-way ends as the protocol ends a failed response: `response.failed`, the
+    response created at the start (same id) with status "failed", its error the engine's message and the text
+    streamed so far (was: an `error` event alone, after which the openai SDK's stream helper and a client reading
+    the response lifecycle were left without the response's end)."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, FailingEngine(tok, "Hello there."))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            async with oa.responses.stream(model="policy", input="hi") as s:
+                return [e async for e in s]
+        finally:
+            await server.stop()
+
+    events = asyncio.run(go())
+    first_piece = tok.decode(FailingEngine(tok, "Hello there.").ids[:1])
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].message == "generation failed: RuntimeError: engine died"
+    failed = events[-1].response
+    assert (failed.id, failed.status) == (events[0].response.id, "failed")
+    assert (failed.error.code, failed.error.message) == ("server_error", events[-2].message)
+    (item,) = failed.output  # the message item open when it failed, cut short
+    assert (item.type, item.status, item.content[0].text) == ("message", "incomplete", first_piece)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 class StuckEngine(ScriptedEngine):
