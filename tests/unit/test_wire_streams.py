@@ -388,6 +388,55 @@ def test_a_failed_responses_stream_ends_with_response_failed_naming_the_cause(to
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+class AbortingEngine(ScriptedEngine):
+    """Samples three tokens, then vLLM ends the request with finish reason "abort" (aborted inside the engine)."""
+
+    async def generate(self, request):
+        return [Generation(self.ids[:3], [-0.5] * 3, [0] * 3, "abort") for _ in range(request.sampling.n)]
+
+    async def generate_stream(self, request):
+        for i, t in enumerate(self.ids[:3]):
+            yield Generation([t], [-0.5], [0], "abort" if i == 2 else None)
+
+
+def test_an_aborted_generation_is_an_error_naming_the_abort_never_a_normal_stop(tok):
+    """A generation vLLM ended with finish reason "abort" is cut short: each API answers a 503 naming it, plain or
+    streamed, and the turn is not recorded (was: finish_reason "stop" / stop_reason "end_turn", the cut text served
+    as a finished reply and trained as one)."""
+    from anthropic import APIStatusError as AnthropicStatusError, AsyncAnthropic
+    from openai import APIError, APIStatusError, AsyncOpenAI
+
+    async def go():
+        server, session = await serving(tok, AbortingEngine(tok, "Hello there, how are you today?"))
+        errors = []
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            with pytest.raises(APIStatusError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER)
+            errors.append((e.value.status_code, e.value.message))
+            with pytest.raises(AnthropicStatusError) as e:
+                await an.messages.create(model="policy", max_tokens=20, messages=USER)
+            errors.append((e.value.status_code, e.value.body["error"]["message"]))
+            with pytest.raises(APIError) as e:
+                async for _ in await oa.chat.completions.create(model="policy", messages=USER, stream=True):
+                    pass
+            errors.append((None, e.value.message))
+            with pytest.raises(APIStatusError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER, extra_headers={
+                    "x-stainless-retry-count": "0"}, n=2)
+            errors.append((e.value.status_code, e.value.message))
+            return errors, session.close()
+        finally:
+            await server.stop()
+
+    errors, segments = asyncio.run(go())
+    assert [status for status, _ in errors] == [503, 503, None, 503]
+    for _, message in errors:
+        assert "finish reason 'abort'" in message and "after 3 tokens" in message, message
+    assert segments == []  # no aborted turn was recorded
+
+
 class StuckEngine(ScriptedEngine):
     """Streams the first token, then generates until cancelled."""
 
