@@ -346,7 +346,8 @@ def test_a_mid_stream_failure_reaches_each_sdk_with_the_engines_message(tok):
             async with aiohttp.ClientSession() as http, http.post(
                     server.session_url("s") + "/v1/responses", json={"input": "hi", "stream": True},
                     headers={"Authorization": "Bearer k"}) as r:
-                errors["responses"] = json.loads((await r.text()).strip().split("\n\n")[-1].split("data: ", 1)[1])
+                # the error event, then response.failed (test_a_failed_responses_stream_ends_with_response_failed_...)
+                errors["responses"] = json.loads((await r.text()).strip().split("\n\n")[-2].split("data: ", 1)[1])
             return errors
         finally:
             await server.stop()
@@ -357,6 +358,83 @@ def test_a_mid_stream_failure_reaches_each_sdk_with_the_engines_message(tok):
         "type": "api_error", "message": "generation failed: RuntimeError: engine died"}}
     assert errors["responses"]["type"] == "error"
     assert errors["responses"]["message"] == "generation failed: RuntimeError: engine died"
+
+
+def test_a_failed_responses_stream_ends_with_response_failed_naming_the_cause(tok):
+    """A Responses stream that fails mid-way ends as the protocol ends a failed response: `response.failed`, the
+    response created at the start (same id) with status "failed", its error the engine's message and the text
+    streamed so far (was: an `error` event alone, after which the openai SDK's stream helper and a client reading
+    the response lifecycle were left without the response's end)."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        server, _ = await serving(tok, FailingEngine(tok, "Hello there."))
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            async with oa.responses.stream(model="policy", input="hi") as s:
+                return [e async for e in s]
+        finally:
+            await server.stop()
+
+    events = asyncio.run(go())
+    first_piece = tok.decode(FailingEngine(tok, "Hello there.").ids[:1])
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].message == "generation failed: RuntimeError: engine died"
+    failed = events[-1].response
+    assert (failed.id, failed.status) == (events[0].response.id, "failed")
+    assert (failed.error.code, failed.error.message) == ("server_error", events[-2].message)
+    (item,) = failed.output  # the message item open when it failed, cut short
+    assert (item.type, item.status, item.content[0].text) == ("message", "incomplete", first_piece)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+class AbortingEngine(ScriptedEngine):
+    """Samples three tokens, then vLLM ends the request with finish reason "abort" (aborted inside the engine)."""
+
+    async def generate(self, request):
+        return [Generation(self.ids[:3], [-0.5] * 3, [0] * 3, "abort") for _ in range(request.sampling.n)]
+
+    async def generate_stream(self, request):
+        for i, t in enumerate(self.ids[:3]):
+            yield Generation([t], [-0.5], [0], "abort" if i == 2 else None)
+
+
+def test_an_aborted_generation_is_an_error_naming_the_abort_never_a_normal_stop(tok):
+    """A generation vLLM ended with finish reason "abort" is cut short: each API answers a 503 naming it, plain or
+    streamed, and the turn is not recorded (was: finish_reason "stop" / stop_reason "end_turn", the cut text served
+    as a finished reply and trained as one)."""
+    from anthropic import APIStatusError as AnthropicStatusError, AsyncAnthropic
+    from openai import APIError, APIStatusError, AsyncOpenAI
+
+    async def go():
+        server, session = await serving(tok, AbortingEngine(tok, "Hello there, how are you today?"))
+        errors = []
+        try:
+            oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+            an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+            with pytest.raises(APIStatusError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER)
+            errors.append((e.value.status_code, e.value.message))
+            with pytest.raises(AnthropicStatusError) as e:
+                await an.messages.create(model="policy", max_tokens=20, messages=USER)
+            errors.append((e.value.status_code, e.value.body["error"]["message"]))
+            with pytest.raises(APIError) as e:
+                async for _ in await oa.chat.completions.create(model="policy", messages=USER, stream=True):
+                    pass
+            errors.append((None, e.value.message))
+            with pytest.raises(APIStatusError) as e:
+                await oa.chat.completions.create(model="policy", messages=USER, extra_headers={
+                    "x-stainless-retry-count": "0"}, n=2)
+            errors.append((e.value.status_code, e.value.message))
+            return errors, session.close()
+        finally:
+            await server.stop()
+
+    errors, segments = asyncio.run(go())
+    assert [status for status, _ in errors] == [503, 503, None, 503]
+    for _, message in errors:
+        assert "finish reason 'abort'" in message and "after 3 tokens" in message, message
+    assert segments == []  # no aborted turn was recorded
 
 
 class StuckEngine(ScriptedEngine):

@@ -242,10 +242,14 @@ class ResponseStream(Stream):
     def at(self, **data) -> dict:  # where the open item's text goes
         return dict(item_id=self.item_id, output_index=self.index, content_index=0, **data)
 
+    def shell(self, **data) -> dict:
+        """The response object of the lifecycle events (created, in_progress, failed): one id throughout."""
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": "in_progress",
+                "model": self.model, "output": [], "error": None, "incomplete_details": None, **_settings(self.req),
+                **data}
+
     def start(self) -> list[bytes]:
-        shell = {"id": self.id, "object": "response", "created_at": self.created, "status": "in_progress",
-                 "model": self.model, "output": [], "error": None, "incomplete_details": None, **_settings(self.req)}
-        return [self.ev("response.created", response=shell), self.ev("response.in_progress", response=shell)]
+        return [self.ev(kind, response=self.shell()) for kind in ("response.created", "response.in_progress")]
 
     def open(self) -> list[bytes]:
         self.item_id, self.text = new_id("msg_" if self.kind == "content" else "rs_"), ""
@@ -309,4 +313,14 @@ class ResponseStream(Stream):
         return out + [self.ev(done, response=final)]
 
     def error(self, e: RequestError) -> list[bytes]:
-        return [self.ev("error", code=e.code, message=e.message, param=e.param)]
+        """The `error` event, then `response.failed`, which ends a failed response in the Responses protocol (was: the
+        error alone, the response never ended): its items as streamed, the open one cut short ("incomplete")."""
+        output = list(self.items)
+        if self.kind == "content":
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            output.append(_message_item(self.item_id, [part], "incomplete"))
+        elif self.kind == "reasoning":
+            output.append(dict(_reasoning_item(self.item_id, self.text), status="incomplete"))
+        error = {"code": "server_error" if e.status >= 500 else e.code, "message": e.message}
+        return [self.ev("error", code=e.code, message=e.message, param=e.param),
+                self.ev("response.failed", response=self.shell(status="failed", output=output, error=error))]

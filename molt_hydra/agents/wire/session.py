@@ -409,6 +409,13 @@ class ChatSession:
         return traj, self._tokenize(delta)
 
     def _choice(self, gen: Generation, req: ChatRequest) -> Choice:
+        if gen.finish_reason not in ("stop", "length"):  # vLLM's abort / error: cut short, never a finished turn
+            # (was: served as finish_reason "stop" / stop_reason "end_turn", and recorded as a finished turn)
+            raise RequestError(503, f"the engine ended this turn's generation with finish reason {gen.finish_reason!r}"
+                               f" after {len(gen.token_ids)} tokens (vLLM aborted or failed the request: the engine "
+                               "stopping, the request cancelled inside it, or an engine error on it): a cut-short "
+                               "reply is neither served nor recorded; send the request again",
+                               code="generation_aborted")
         ids = gen.token_ids
         if gen.finish_reason == "stop" and ids and ids[-1] in self._end_ids | {gen.stop_reason}:
             ids = ids[:-1]
