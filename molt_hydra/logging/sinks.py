@@ -35,22 +35,21 @@ def aside_stamp(paths: list[Path]) -> str | None:
     return None
 
 
-def rewind_jsonl(path: Path, step: int, *, key: str = "step", aside: str | None = None) -> tuple[int, Path | None]:
+def rewind_jsonl(path: Path, step: int, *, key: str = "step", aside: str | None = None) -> Path | None:
     """A jsonl of per-step rows (their step under `key`), on a resume from `step`: the rows past it are dropped (the
     interrupted run logged them; this run logs those steps again), and so are torn ones, each with a line; at step 0
-    (`aside`: aside_stamp's name) the file, the earlier attempt's, is moved aside whole instead. Returns the highest
-    step it held (0: none) and where it was moved (None: it stayed). MetricSinks.rewind (RL) and job=sft use it."""
+    (`aside`: aside_stamp's name) the file, the earlier attempt's, is moved aside whole instead. Returns where it was
+    moved (None: it stayed). MetricSinks.rewind (RL) and job=sft use it."""
     if not path.exists():
-        return 0, None
+        return None
     rows, torn = [], 0
     for line in path.read_text(errors="replace").splitlines():
         try:
             rows.append((line, int(json.loads(line)[key])))
         except (ValueError, KeyError, TypeError):  # cut short: killed mid-write (node failure, disk full)
             torn += bool(line.strip())
-    last = max((s for _, s in rows), default=0)
     if step == 0 and aside and (rows or torn):
-        return last, path.rename(path.with_name(f"{path.stem}.{aside}{path.suffix}"))
+        return path.rename(path.with_name(f"{path.stem}.{aside}{path.suffix}"))
     if torn:
         print(f"{path}: {torn} unreadable row(s) dropped on resume (a write the stop cut short)", file=sys.stderr,
               flush=True)
@@ -59,7 +58,7 @@ def rewind_jsonl(path: Path, step: int, *, key: str = "step", aside: str | None 
     os.replace(kept, path)
     if past := sum(s > step for _, s in rows):
         print(f"{path}: {past} row(s) past step {step} dropped (the interrupted run's; logged again)", flush=True)
-    return last, None
+    return None
 
 
 class MetricSinks:
@@ -71,7 +70,8 @@ class MetricSinks:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.wandb_run = None
-        self.replayed_to = 0  # after a resume: steps <= this were logged to W&B by the interrupted run (see rewind)
+        # after a resume, by kind (train, eval): steps <= this were logged to W&B by the interrupted run (see rewind)
+        self.replayed_to: dict[str, int] = {}
         self.resumes_wandb = False  # the W&B run goes on from an earlier one (rows logged again are marked)
         if wandb_mode == "auto":  # online where W&B finds credentials (WANDB_API_KEY, `wandb login`), as wandb.init
             from molt_hydra.compat.wandb import api_key
@@ -113,11 +113,12 @@ class MetricSinks:
         paths = [self.dir / "metrics.jsonl", self.dir / "samples.jsonl"]
         stamp = aside_stamp(paths) if step == 0 else None
         moved = []
+        if self.resumes_wandb:  # by kind: an eval a Slurm notice's save skipped is logged first at the resumed step
+            for row in dashboard.read_metrics(paths[0]):
+                kind = row.get("kind", "train")
+                self.replayed_to[kind] = max(self.replayed_to.get(kind, 0), int(row["step"]))
         for path in paths:
-            last, aside = rewind_jsonl(path, step, aside=stamp)
-            if path.name == "metrics.jsonl" and self.resumes_wandb:
-                self.replayed_to = last
-            moved += [aside] if aside else []
+            moved += [aside] if (aside := rewind_jsonl(path, step, aside=stamp)) else []
         for name in DUMPS if moved else ():  # (a run from step 0 would overwrite some of them: a mix of two runs)
             if (self.dir / name).is_dir():
                 moved.append((self.dir / name).rename(self.dir / f"{name}.{stamp}"))
@@ -144,7 +145,7 @@ class MetricSinks:
         clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if dashboard.is_number(v)}
         self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
         if self.wandb_run is not None:
-            replayed = {f"{prefix}/replayed_after_resume": 1.0} if step <= self.replayed_to else {}
+            replayed = {f"{prefix}/replayed_after_resume": 1.0} if step <= self.replayed_to.get(prefix, -1) else {}
             self.wandb_run.log({**clean, **replayed, f"{prefix}/global_step": step})
         if self.tb is not None:
             for k, v in clean.items():

@@ -104,7 +104,7 @@ def _rewind_metrics(path: Path, start: int, kept) -> None:
     from the file); None under torchrun."""
     from molt_hydra.logging.sinks import aside_stamp, rewind_jsonl
 
-    _, moved = rewind_jsonl(path, start, key="global_step", aside=aside_stamp([path]) if start == 0 else None)
+    moved = rewind_jsonl(path, start, key="global_step", aside=aside_stamp([path]) if start == 0 else None)
     if moved is not None:
         print(f"{path.parent}: an earlier run's metrics moved aside to {moved.name}; this run starts at step 0",
               flush=True)

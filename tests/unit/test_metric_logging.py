@@ -297,3 +297,32 @@ def test_a_row_logged_after_a_sinks_directory_vanished_stops_the_run_naming_it(t
         assert err.value.filename == str(named) and "removed or replaced while the run" in str(err.value), gone
         with contextlib.suppress(OSError):  # (TensorBoard's close: its file is gone)
             sinks.close()
+
+
+def test_an_eval_logged_first_after_a_resume_is_not_marked_replayed(tmp_path):
+    """A Slurm notice at step 2 saves before that step's eval (the eval runs first thing on resume, at step 2): the
+    resumed run's eval row at step 2 is the only one, so it is not marked logged again; its train step 3 is not
+    either, and an eval the interrupted run did log (step 0) would be. Before: the mark went by the last step of any
+    kind (2, a train row), so the eval at step 2, never logged before, carried eval/replayed_after_resume = 1 and a
+    chart filtering the marked rows lost it; and every fresh run's at-start eval (step 0) was marked."""
+    sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline")
+    run_id = sinks.wandb_id
+    sinks.log({"eval_toy_pass1": 0.1}, 0, prefix="eval")  # eval.at_start
+    for step in (1, 2):
+        sinks.log({"reward": float(step)}, step)
+    sinks.close()  # the notice: saved at step 2, its eval skipped
+    resumed = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="offline", resume_wandb_id=run_id)
+    resumed.rewind(2)
+    resumed.log({"eval_toy_pass1": 0.5}, 2, prefix="eval")
+    resumed.log({"eval_toy_pass1": 0.7}, 0, prefix="eval")  # (an eval row of a step the interrupted run logged)
+    resumed.log({"reward": 3.0}, 3)
+    resumed.close()
+    first, resumed_file = sorted(tmp_path.glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb"))
+
+    def logged(wandb_file):
+        return [(r.get("eval/global_step", r.get("train/global_step")), r.get("eval/replayed_after_resume"),
+                 r.get("train/replayed_after_resume")) for r in history(wandb_file)
+                if "eval/eval_toy_pass1" in r or "train/reward" in r]
+    # (before: a fresh run's at-start eval, step 0, was marked too: 0 <= the 0 of "no step logged before")
+    assert logged(first) == [(0, None, None), (1, None, None), (2, None, None)]
+    assert logged(resumed_file) == [(2, None, None), (0, 1.0, None), (3, None, None)]
