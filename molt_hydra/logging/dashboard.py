@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import re
 from pathlib import Path
 # imported where used: wandb and wandb_workspaces (heavy, optional)
@@ -23,7 +22,9 @@ from pathlib import Path
 SPEC_FILE = "dashboard.json"
 TRAIN_X, EVAL_X = "train/global_step", "eval/global_step"
 # (metric, best-by) columns of the runs table; MetricSinks writes `best/<metric>` into the W&B summary at the end.
-TABLE_METRICS = (("train/reward", "max"), ("train/vllm_kl", "min"))
+# vllm_kl is the signed k1 estimate: its least drift is the value nearest 0 (absmin), not the most negative one.
+TABLE_METRICS = (("train/reward", "max"), ("train/vllm_kl", "absmin"))
+BEST_BY = {"max": lambda v: -v, "min": lambda v: v, "absmin": abs}
 
 # (section, `when` pattern or None, [(panel title, [metric patterns])])
 SECTIONS: list[tuple[str, str | None, list[tuple[str, list[str]]]]] = [
@@ -116,11 +117,12 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
 
 
 def final_and_best(rows: list[dict], key: str, mode: str) -> tuple[float | None, float | None, int | None]:
-    """Value at the last step, best value (max or min), and the step of the best (first one on ties)."""
+    """Value at the last step, best value (BEST_BY[mode]: max, min, or absmin, nearest 0, signed), and the step of the
+    best (first one on ties)."""
     s = series(rows, key)
     if not s:
         return None, None, None
-    best_step, best = (max if mode == "max" else min)(s, key=operator.itemgetter(1))  # the first of equal values
+    best_step, best = min(s, key=lambda point: BEST_BY[mode](point[1]))  # the first of equal values
     return s[-1][1], best, best_step
 
 

@@ -4,7 +4,7 @@ dashboard, `molt_hydra/logging/dashboard.py`) as one PNG per section on one HTML
 `--wandb` also saves the dashboard to W&B (or writes `DIR/dashboard.json` while not logged in).
 
     molt-report multirun/sweep_estimators_is/2026-11-29_19-36-30
-    molt-report SWEEP --metric train/reward --metric train/vllm_kl:min --png reward.png
+    molt-report SWEEP --metric train/reward --metric train/vllm_kl:absmin --png reward.png
     molt-report outputs/default/2026-11-29_19-36-30 --wandb
 
 A run directory (one with `metrics.jsonl`) is a sweep of one point. A point is a subdirectory with
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import yaml
 
-from molt_hydra.logging.dashboard import final_and_best, read_metrics, series  # noqa: F401 (re-exported)
+from molt_hydra.logging.dashboard import BEST_BY, final_and_best, read_metrics, series  # noqa: F401 (re-exported)
 
-DEFAULT_METRICS = ("train/reward", "train/vllm_kl:min")
+DEFAULT_METRICS = ("train/reward", "train/vllm_kl:absmin")
 
 
 @dataclass
@@ -128,7 +128,7 @@ def varying_overrides(points: list[Point]) -> dict[int, list[str]]:
 
 def _parse_metric(spec: str) -> tuple[str, str]:
     key, _, mode = spec.rpartition(":")
-    return (key, mode) if key and mode in ("max", "min") else (spec, "max")
+    return (key, mode) if key and mode in BEST_BY else (spec, "max")
 
 
 def table(points: list[Point], metrics: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:
@@ -244,8 +244,9 @@ def plot_sections(points: list[Point], spec: dict, out_dir: Path, metrics: list[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="molt-report", description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep_dir", type=Path, help="a multirun directory (multirun/<name>/<time>) or a run directory")
-    ap.add_argument("--metric", action="append", metavar="KEY[:max|min]",
-                    help=f"metric columns, best by max (default) or min; the first one is plotted "
+    ap.add_argument("--metric", action="append", metavar="KEY[:max|min|absmin]",
+                    help=f"metric columns, best by max (default), min or absmin (nearest 0, e.g. the signed "
+                         f"train/vllm_kl); the first one is plotted "
                          f"(default: {' '.join(DEFAULT_METRICS)})")
     ap.add_argument("--png", type=Path, help="plot path (default: SWEEP/report_<metric>.png)")
     ap.add_argument("--wandb", action="store_true",

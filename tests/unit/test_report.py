@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 from submitit.helpers import DelayedSubmission
 
+from molt_hydra.logging.dashboard import TABLE_METRICS
 from molt_hydra.runtime import report
 
 
@@ -98,3 +99,17 @@ def test_cli_prints_rows_and_writes_png(tmp_path, capsys):
 def test_cli_errors_on_an_empty_dir(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
     assert "no sweep points" in capsys.readouterr().err
+
+
+def test_the_best_vllm_kl_is_the_one_closest_to_zero():
+    """vllm_kl is the k1 estimate (mean of rollout - train log-probs): signed, its sign is sampling noise, and the
+    least drift is the value nearest 0. The runs table's best (and the W&B summary's best/train/vllm_kl, and
+    molt-report's default column) goes by |value|, shown with its sign. Before: by min, the most negative value, here
+    -0.05 at step 2, the step of the largest drift."""
+    rows = [{"step": 1, "train/vllm_kl": 0.02}, {"step": 2, "train/vllm_kl": -0.05},
+            {"step": 3, "train/vllm_kl": -0.001}, {"step": 4, "train/vllm_kl": 0.003}]
+    closest = min((r for r in rows), key=lambda r: abs(r["train/vllm_kl"]))  # from the definition: least |drift|
+    assert report.final_and_best(rows, "train/vllm_kl", "absmin") == (0.003, closest["train/vllm_kl"], closest["step"])
+    assert dict(TABLE_METRICS)["train/vllm_kl"] == "absmin"  # the W&B summary's best/train/vllm_kl
+    assert "train/vllm_kl:absmin" in report.DEFAULT_METRICS
+    assert report._parse_metric("train/vllm_kl:absmin") == ("train/vllm_kl", "absmin")
