@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import sys
 import time
@@ -73,6 +74,7 @@ class MetricSinks:
         # after a resume, by kind (train, eval): steps <= this were logged to W&B by the interrupted run (see rewind)
         self.replayed_to: dict[str, int] = {}
         self.resumes_wandb = False  # the W&B run goes on from an earlier one (rows logged again are marked)
+        self.nonfinite: set[str] = set()  # metrics whose last value was NaN / inf (named once per such streak)
         if wandb_mode == "auto":  # online where W&B finds credentials (WANDB_API_KEY, `wandb login`), as wandb.init
             from molt_hydra.compat.wandb import api_key
 
@@ -141,8 +143,13 @@ class MetricSinks:
 
     def log(self, metrics: dict[str, float], step: int, prefix: str = "train") -> None:
         self._check_in_place()
-        # Non-finite values are kept (NaN in the jsonl, as W&B shows them): a metric that goes NaN must be seen.
+        # Non-finite values are kept (NaN in the jsonl, as W&B shows them): a metric that goes NaN must be seen, so
+        # the console names it where it turns non-finite (W&B's charts leave the point out without a word).
         clean = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if dashboard.is_number(v)}
+        for k, v in clean.items():
+            if not math.isfinite(v) and k not in self.nonfinite:
+                print(f"step {step}: non-finite metric {k} = {v} (logged as is)", file=sys.stderr, flush=True)
+            (self.nonfinite.discard if math.isfinite(v) else self.nonfinite.add)(k)
         self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
         if self.wandb_run is not None:
             replayed = {f"{prefix}/replayed_after_resume": 1.0} if step <= self.replayed_to.get(prefix, -1) else {}

@@ -27,6 +27,23 @@ def test_non_finite_values_are_logged_not_dropped(tmp_path):
     assert "train/flag" not in row and "train/name" not in row  # only numbers are metrics
 
 
+def test_a_metric_going_non_finite_is_named_on_the_console_once(tmp_path, capsys):
+    """A NaN / inf reaches W&B and the jsonl as logged, and the console names the metric and the step where it turned
+    non-finite (once while it stays so; again after it recovered). Before: only reward, vllm_kl and policy_loss showed
+    it (the progress line); e.g. a NaN actor_grad_norm went to W&B without a word."""
+    sinks = MetricSinks(tmp_path, run_name="t", config={}, wandb_mode="disabled")
+    for step, grad in enumerate([1.0, float("nan"), float("nan"), 2.0, float("inf")], start=1):
+        sinks.log({"actor_grad_norm": grad, "reward": 0.5}, step)
+    sinks.log({"eval_x_pass1": float("nan")}, 5, prefix="eval")
+    sinks.close()
+    assert [math.isfinite(r["train/actor_grad_norm"]) for r in rows(tmp_path / "metrics.jsonl")[:5]] == [
+        True, False, False, True, False]
+    lines = [line for line in capsys.readouterr().err.splitlines() if "non-finite" in line]
+    assert lines == ["step 2: non-finite metric train/actor_grad_norm = nan (logged as is)",
+                     "step 5: non-finite metric train/actor_grad_norm = inf (logged as is)",
+                     "step 5: non-finite metric eval/eval_x_pass1 = nan (logged as is)"]
+
+
 def test_progress_line_survives_a_nan_reward(capsys):
     progress = Progress(total_steps=2)
     progress.step(1, {"reward": float("nan"), "timing/step_total": 1.0})
