@@ -105,9 +105,9 @@ def group_rollouts(num_samples: int, group_ids: Sequence[Hashable] | None = None
 
 
 def group_reward_std(rewards: torch.Tensor, group_ids: Sequence[Hashable], rollout_ids: Sequence[Hashable],
-                     reward_clip: Sequence[float] | None) -> float:
-    """Molt's `group_reward_std`: each group's unbiased std of its rollouts' clipped rewards (0 for a group of one),
-    as each of its samples' value, averaged over the samples: how much a group's rewards tell its rollouts apart."""
+                     reward_clip: Sequence[float] | None) -> torch.Tensor:
+    """Each sample's group's unbiased std of its rollouts' clipped rewards (0 for a group of one) [S] float64: how much
+    a group's rewards tell its rollouts apart. Molt's `group_reward_std` metric is their mean over the samples."""
     first_sample, groups, sample_to_rollout = group_rollouts(len(rewards), group_ids, rollout_ids)
     rollout_rewards = rewards.double()[first_sample]
     if reward_clip is not None:
@@ -116,7 +116,7 @@ def group_reward_std(rewards: torch.Tensor, group_ids: Sequence[Hashable], rollo
     for rows in groups:
         if len(rows) > 1:
             stds[rows] = rollout_rewards[rows].std()
-    return float(stds[sample_to_rollout].mean())
+    return stds[sample_to_rollout]
 
 
 def compute_advantages(estimator: str, rewards: torch.Tensor, action_mask: torch.Tensor, *,

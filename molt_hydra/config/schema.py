@@ -622,7 +622,7 @@ class LoggerConfig:
     dump_trajectories: bool = False
     "Write every trained trajectory to <output_dir>/trajectories/step{N}.jsonl."
     debug_rollout: bool = False
-    "Log per-sample reward/return/group std/decoded text each step (Molt env MOLT_DEBUG_ROLLOUT)."
+    "Print each trained sample's reward, return, group reward std and response every step (MOLT_DEBUG_ROLLOUT)."
     dump_logprobs: bool = False
     "Write per-token engine vs trainer log-probs to <output_dir>/logprobs/step{N}.tsv (docs/logprob_dump.md)."
     dump_logprobs_steps: list[int] = ranged(factory=lambda: [1], ge=1)

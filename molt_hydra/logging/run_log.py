@@ -26,13 +26,22 @@ class RunLog:
         rows = [t for g in batch.groups for t in g.trajectories]
         if log.sample_table_every and step % log.sample_table_every == 0 and rows:
             self.sinks.log_samples([self._sample_row(t) for t in rows[:8]], step)
-        if log.dump_trajectories or log.debug_rollout:
+        if log.dump_trajectories:
             out = self.dir / "trajectories"
             out.mkdir(exist_ok=True)
             with open(out / f"step{step}.jsonl", "w") as f:
                 for t in rows:
                     row = dict(zip(("prompt", "response", "reward"), self._sample_row(t)))
                     f.write(json.dumps({**row, **{name: getattr(t, name) for name in TRAJECTORY_FIELDS}}) + "\n")
+
+    def samples(self, step: int, exps: list, returns, mask, group_stds) -> None:
+        """logger.debug_rollout (Molt's MOLT_DEBUG_ROLLOUT): one console line per trained sample: its reward, its
+        return (mean over its action tokens), its group's reward std and its decoded response (every turn's)."""
+        for e, ret, m, std in zip(exps, returns, mask.bool(), group_stds.tolist()):
+            mean_return = ret[m].mean().item() if m.any() else float("nan")
+            text = self.tokenizer.decode(e.token_ids[e.action_mask].tolist())
+            print(f"debug_rollout step {step} sample {e.rollout_id} group {e.group_id}: reward {e.reward:.4f} return "
+                  f"{mean_return:.4f} group_reward_std {std:.4f} | {text!r}", flush=True)
 
     def eval(self, step: int, metrics: dict) -> None:
         self.sinks.log(metrics, step, prefix="eval")

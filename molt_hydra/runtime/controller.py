@@ -163,10 +163,7 @@ class RLController:
         one_pass = self.old_logprobs_from_training(steps, frozen)
         old_logp, ref_logp, values = await self._forward_passes(trainer_rows(b, exps), b.action_mask.shape, one_pass)
         advantages, returns = self._advantages(b, old_logp, ref_logp, values, metrics)
-        metrics.update(experience_metrics(exps, returns, b.action_mask))
-        a = cfg.algorithm  # Molt's, where its estimator groups (a groupless one's groups are its rollouts: always 0)
-        if cfg.rollout.n_samples_per_prompt > 1 and "groups" in get_advantage_estimator(a.estimator).needs:
-            metrics["group_reward_std"] = group_reward_std(b.rewards, b.group_ids, b.rollout_ids, a.reward_clip)
+        self._sample_metrics(b, exps, returns, metrics)
         timing["timing/make_experience"] = time.perf_counter() - t0
 
         rows = trainer_rows(b, exps, advantages=advantages, rollout_logprobs=b.rollout_log_probs, values=values,
@@ -198,6 +195,18 @@ class RLController:
         metrics["_frozen"] = frozen
         return {**metrics, **timing, "perf/rollout_tokens_per_sec":
                 sum(e.action_mask.sum().item() for e in exps) / max(gen_timing.get("timing/generation", 0.0), 1e-9)}
+
+    def _sample_metrics(self, b, exps: list, returns, metrics: dict[str, float]) -> None:
+        """The step's means over its trained samples, the group reward std and, with logger.debug_rollout, each
+        sample's line (RunLog.samples)."""
+        metrics.update(experience_metrics(exps, returns, b.action_mask))
+        a = self.cfg.algorithm
+        stds = group_reward_std(b.rewards, b.group_ids, b.rollout_ids, a.reward_clip)
+        # Molt's, where its estimator groups (a groupless one's groups are its rollouts: always 0)
+        if self.cfg.rollout.n_samples_per_prompt > 1 and "groups" in get_advantage_estimator(a.estimator).needs:
+            metrics["group_reward_std"] = float(stds.mean())
+        if self.cfg.logger.debug_rollout:
+            self.log.samples(self.step + 1, exps, returns, b.action_mask, stds)
 
     def _trainable(self, groups, metrics: dict[str, float]) -> list:
         """The batch's trainable experiences; the drops are counted into `metrics` and into the progress check."""
