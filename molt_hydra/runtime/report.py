@@ -18,6 +18,7 @@ when the last step reached train.max_steps).
 from __future__ import annotations
 
 import argparse
+import difflib
 import pickle
 import re
 import shutil
@@ -128,7 +129,19 @@ def varying_overrides(points: list[Point]) -> dict[int, list[str]]:
 
 def _parse_metric(spec: str) -> tuple[str, str]:
     key, _, mode = spec.rpartition(":")
-    return (key, mode) if key and mode in BEST_BY else (spec, "max")
+    if key and mode not in BEST_BY:  # (no metric name holds a colon: a mistyped mode, not a key)
+        raise ValueError(f"--metric {spec}: {mode!r} is not one of {', '.join(BEST_BY)} (how the best value is chosen)")
+    return (key, mode) if key else (spec, "max")
+
+
+def _name_unlogged(points: list[Point], metrics: list[tuple[str, str]]) -> None:
+    """A metric no point logged (mistyped, or the points have not logged yet) is named, with the nearest logged."""
+    logged = sorted({k for p in points for row in p.rows for k in row if k not in ("step", "kind")})
+    for key in dict.fromkeys(key for key, _ in metrics):
+        if key not in logged:
+            near = ", ".join(difflib.get_close_matches(key, logged, n=3)) or "none"
+            print(f"molt-report: no point logged {key} (its columns are empty); the nearest logged: {near}",
+                  file=sys.stderr)
 
 
 def table(points: list[Point], metrics: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:
@@ -252,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wandb", action="store_true",
                     help="save the W&B dashboard of the run / sweep (or write DIR/dashboard.json when not logged in)")
     args = ap.parse_args(argv)
-    metrics = [_parse_metric(m) for m in (args.metric or DEFAULT_METRICS)]
+    try:
+        metrics = [_parse_metric(m) for m in (args.metric or DEFAULT_METRICS)]
+    except ValueError as e:
+        print(f"molt-report: {e}", file=sys.stderr)
+        return 2
     if not args.sweep_dir.is_dir():
         print(f"molt-report: {args.sweep_dir} is not a directory", file=sys.stderr)
         return 2
@@ -261,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"molt-report: no sweep points under {args.sweep_dir} "
               "(no metrics.jsonl, */.hydra/overrides.yaml or .submitit/)", file=sys.stderr)
         return 2
+    _name_unlogged(points, metrics)
     print(render(*table(points, metrics)))
     key = metrics[0][0]
     png = args.png or args.sweep_dir / f"report_{key.replace('/', '_')}.png"

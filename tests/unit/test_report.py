@@ -113,3 +113,18 @@ def test_the_best_vllm_kl_is_the_one_closest_to_zero():
     assert dict(TABLE_METRICS)["train/vllm_kl"] == "absmin"  # the W&B summary's best/train/vllm_kl
     assert "train/vllm_kl:absmin" in report.DEFAULT_METRICS
     assert report._parse_metric("train/vllm_kl:absmin") == ("train/vllm_kl", "absmin")
+
+
+def test_a_mistyped_metric_is_named_not_an_empty_column(tmp_path, capsys):
+    """`--metric KEY:MODE` with a mode that is none of max / min / absmin is refused naming them; a key no point logged
+    is named with the logged keys nearest it (its columns stay empty: a pending point has logged nothing yet). Before:
+    `train/vllm_kl:mn` was taken as the key "train/vllm_kl:mn" and `train/rewrd` as itself, each an empty column and an
+    empty plot, without a word."""
+    sweep = _sweep(tmp_path)
+    assert report.main([str(sweep), "--metric", "train/vllm_kl:mn"]) == 2
+    assert ("molt-report: --metric train/vllm_kl:mn: 'mn' is not one of max, min, absmin (how the best value is "
+            "chosen)") in capsys.readouterr().err
+    assert not list(sweep.glob("report_*.png"))
+    assert report.main([str(sweep), "--metric", "train/rewrd"]) == 0
+    assert ("molt-report: no point logged train/rewrd (its columns are empty); the nearest logged: train/reward"
+            in capsys.readouterr().err)
