@@ -374,6 +374,12 @@ class RLController:
         for key in ("step", "version", "batches_made", "best", "next_eval"):
             setattr(self, key, state[key])
         self.roles.generator.load_state_dict(state["generator"])
+        # (rollout/generator.py) a partial rollout's groups in flight at the save, vLLM requests, were not saved
+        if self.cfg.train.partial_rollout and (pending := len(state["generator"]["pending"])):
+            print(f"Resuming under train.partial_rollout: the {pending} prompt groups in flight at the save start over "
+                  f"under the resumed weights (policy version {self.version}), where the uninterrupted run finished "
+                  "them from the tokens they had, some of older versions, so the steps that train them can differ "
+                  "from that run's (a resume is exact with train.partial_rollout=false)", flush=True)
         for item in state["queued"]:
             self.queue.put_nowait(item)
         self.kl_ctl.value = state["kl_coef"]
