@@ -373,6 +373,11 @@ class RLController:
     def restore(self, state: dict) -> None:
         for key in ("step", "version", "batches_made", "best", "next_eval"):
             setattr(self, key, state[key])
+        # the schedule is this run's eval.every_steps (a resume may change it), from the step on. Due at once: the eval
+        # the save skipped (Slurm's notice saves before it), or this step's where the saved run had evaluated none yet
+        if (every := self.cfg.eval.every_steps) > 0:
+            due = self.step % every == 0 if self.next_eval is None else self.next_eval <= self.step
+            self.next_eval = self.step if due else (self.step // every + 1) * every
         self.roles.generator.load_state_dict(state["generator"])
         # (rollout/generator.py) a partial rollout's groups in flight at the save, vLLM requests, were not saved
         if self.cfg.train.partial_rollout and (pending := len(state["generator"]["pending"])):
