@@ -329,7 +329,8 @@ class RLController:
         m["timing/eval"] = time.perf_counter() - t0
         self.log.eval(self.step, m)
         key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
-        if key in m and key != "none" and (self.best is None or m[key] > self.best[1]):
+        # (a saved best of another key, checkpoint.best_metric_key changed on a resume, is not this key's to beat)
+        if key in m and key != "none" and (self.best is None or self.best[0] != key or m[key] > self.best[1]):
             self.best = (key, m[key])
             if self.roles.actor is not None:  # the best policy so far, an HF snapshot (job=eval has nothing to save)
                 best = Path(self.cfg.checkpoint.dir) / "best"
