@@ -338,7 +338,8 @@ class RLController:
         m["timing/eval"] = time.perf_counter() - t0
         self.log.eval(self.step, m)
         key = self.cfg.checkpoint.best_metric_key or next((k for k in sorted(m) if k.endswith("_pass1")), "")
-        if key in m and key != "none" and (self.best is None or m[key] > self.best[1]):
+        # (a saved best of another key, checkpoint.best_metric_key changed on a resume, is not this key's to beat)
+        if key in m and key != "none" and (self.best is None or self.best[0] != key or m[key] > self.best[1]):
             self.best = (key, m[key])
             if self.roles.actor is not None:  # the best policy so far, an HF snapshot (job=eval has nothing to save)
                 best = Path(self.cfg.checkpoint.dir) / "best"
@@ -382,7 +383,18 @@ class RLController:
     def restore(self, state: dict) -> None:
         for key in ("step", "version", "batches_made", "best", "next_eval"):
             setattr(self, key, state[key])
+        # the schedule is this run's eval.every_steps (a resume may change it), from the step on. Due at once: the eval
+        # the save skipped (Slurm's notice saves before it), or this step's where the saved run had evaluated none yet
+        if (every := self.cfg.eval.every_steps) > 0:
+            due = self.step % every == 0 if self.next_eval is None else self.next_eval <= self.step
+            self.next_eval = self.step if due else (self.step // every + 1) * every
         self.roles.generator.load_state_dict(state["generator"])
+        # (rollout/generator.py) a partial rollout's groups in flight at the save, vLLM requests, were not saved
+        if self.cfg.train.partial_rollout and (pending := len(state["generator"]["pending"])):
+            print(f"Resuming under train.partial_rollout: the {pending} prompt groups in flight at the save start over "
+                  f"under the resumed weights (policy version {self.version}), where the uninterrupted run finished "
+                  "them from the tokens they had, some of older versions, so the steps that train them can differ "
+                  "from that run's (a resume is exact with train.partial_rollout=false)", flush=True)
         for item in state["queued"]:
             self.queue.put_nowait(item)
         self.kl_ctl.value = state["kl_coef"]
