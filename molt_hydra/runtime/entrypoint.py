@@ -49,7 +49,10 @@ def _stoppable(notice: PreemptionNotice):
     traceback and SIGTERM ended the process without a word. So does Slurm's notice (nothing to save yet), through
     its handover (submitit's requeue, or exit 130); before, its default action ended the driver without a word."""
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    # SIGHUP (the terminal closed) too, unless ignored (nohup): before, its default action ended the driver there
+    # without a word (exit -1)
+    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else ()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, *hangup)} if main else {}
     notice.install(at_once=True)  # (the run's body takes it over: `_main`, job=sft's run_sft_job)
     try:
         yield
@@ -60,8 +63,8 @@ def _stoppable(notice: PreemptionNotice):
         sys.exit(EXIT_INTERRUPTED)
     finally:
         notice.uninstall()
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _interrupt(signum, frame) -> None:
@@ -418,7 +421,7 @@ def _stop_signals(loop) -> tuple:
     run thread). So does SIGHUP (its terminal closed), unless ignored (nohup): before, it ended the driver and Ray's
     head processes at once (the default action), a save under way lost, the log's last line no word of it."""
     main = threading.current_thread() is threading.main_thread()
-    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else ()
+    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ()
     signals = (signal.SIGINT, signal.SIGTERM, *hangup) if main else ()
     for sig in signals:
         loop.add_signal_handler(sig, asyncio.current_task().cancel)

@@ -424,12 +424,12 @@ def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path)
     assert "Traceback" not in run.err()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_before_the_roles_start_stops_the_run_in_one_line(tmp_path, sig):
     """Sent as soon as the run record is written (the resume check and the model's build follow: seconds of imports,
     before the run's event loop takes the signals). Before: Ctrl-C printed a KeyboardInterrupt traceback (exit -2);
-    SIGTERM ended the process without a word (exit -15)."""
-    run = Run(tmp_path / "run", "train.max_steps=1")
+    SIGTERM ended the process without a word (exit -15), SIGHUP (the terminal closed) likewise (exit -1)."""
+    run = Run(tmp_path / "run", "train.max_steps=1", preexec_fn=_hangup_as_a_terminal_has_it)
     run.wait_for(lambda: (tmp_path / "run" / "run_record.json").exists(), timeout=120)
     os.kill(run.proc.pid, sig)
     code = run.finish(timeout=60)
