@@ -459,19 +459,21 @@ def test_a_signal_during_ray_init_stops_the_run_in_one_line_and_starts_no_second
     assert run.err().count("Started a local Ray instance") <= 1 and "Traceback" not in run.err(), run.err()[-3000:]
 
 
-def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path, sig):
     """job=sft trains in spawned rank processes. Before: SIGTERM killed the driver alone, without a word (exit -15),
     and its ranks trained on, orphaned; with the driver's interruption handled but the ranks not ended, the driver
-    waited for them to finish the job."""
+    waited for them to finish the job. SIGHUP did the same (exit -1) until it was taken as SIGTERM is."""
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1?"},
                                                      {"role": "assistant", "content": f"{i + 1}"}]}) + "\n"
                             for i in range(64)))
     out = tmp_path / "run"
     run = Run(out, "job=sft", f"data.train_path={data}", "data.input_key=messages", "train.batch_size=8",
-              "train.micro_batch_size=4", "train.epochs=200", "checkpoint.export_final=false", small=False)
+              "train.micro_batch_size=4", "train.epochs=200", "checkpoint.export_final=false", small=False,
+              preexec_fn=_hangup_as_a_terminal_has_it)
     run.wait_for(lambda: (out / "sft_metrics.jsonl").exists() and (out / "sft_metrics.jsonl").stat().st_size > 0)
-    os.kill(run.proc.pid, signal.SIGTERM)
+    os.kill(run.proc.pid, sig)
     code = run.finish(timeout=30)  # (asserts that no rank is left)
     assert code == 130, run.err()[-3000:]
     assert "Interrupted: the run stopped; the last checkpoint is kept." in run.err().splitlines()
