@@ -465,7 +465,8 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         probe, name_checkpoint = roles is not None and e.role in ("rollout", "weight sync"), True
         return _stalled(cfg, role_pids, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
     except asyncio.CancelledError:
-        print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
+        kept = "" if cfg.job.value == "eval" else "; the last checkpoint is kept"  # (an eval job saves none)
+        print(f"\nInterrupted: stopping every role{kept}.", file=sys.stderr)
         name_checkpoint = True  # which one is named after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file

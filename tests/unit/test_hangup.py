@@ -15,7 +15,7 @@ import pytest
 import ray
 from ray._private import auto_init_hook
 
-from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
+from molt_hydra.config.schema import EXIT_INTERRUPTED, Job, RunConfig
 from molt_hydra.runtime import entrypoint, reaper, roles
 from molt_hydra.runtime.preemption import PreemptionNotice
 from molt_hydra.runtime.watchdog import EXIT_FAILED, RunFailed
@@ -47,8 +47,9 @@ def test_rays_processes_start_ignoring_sighup_and_the_driver_keeps_its_handler(m
     assert signal.getsignal(signal.SIGHUP) is ours
 
 
-def _run_main(monkeypatch, tmp_path) -> int:
-    """_main, its roles' start sent SIGHUP (to this process), then failing 0.3 s later unless interrupted."""
+def _run_main(monkeypatch, tmp_path, job: str = "rl") -> int:
+    """_main of a `job`, its roles' start sent SIGHUP (to this process), then failing 0.3 s later unless
+    interrupted."""
     async def starting(cfg, record, role_pids, rows):
         os.kill(os.getpid(), signal.SIGHUP)
         await asyncio.sleep(0.3)
@@ -63,6 +64,7 @@ def _run_main(monkeypatch, tmp_path) -> int:
         monkeypatch.setattr(entrypoint, name, lambda *a: [])
     monkeypatch.setattr(reaper, "stop", lambda: None)
     cfg = RunConfig()
+    cfg.job = Job[job]
     cfg.checkpoint.dir = str(tmp_path / "checkpoints")
     return asyncio.run(entrypoint._main(cfg, {}, None, value(stop=lambda: None), PreemptionNotice()))
 
@@ -73,6 +75,12 @@ def test_sighup_stops_the_run_as_sigterm_does(monkeypatch, capsys, tmp_path, han
     assert "Interrupted: stopping every role; the last checkpoint is kept." in err, err
     assert err.rstrip().splitlines()[-1] == "Last checkpoint: none (the run starts from step 0 again)", err
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # (put back as it was)
+
+
+def test_an_interrupted_eval_job_claims_no_checkpoint(monkeypatch, capsys, tmp_path, hangup_default):
+    """job=eval saves no checkpoint. Before: 'Interrupted: stopping every role; the last checkpoint is kept.'"""
+    assert _run_main(monkeypatch, tmp_path, "eval") == EXIT_INTERRUPTED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "Interrupted: stopping every role."
 
 
 def test_under_nohup_sighup_stays_ignored(monkeypatch, capsys, tmp_path):
