@@ -441,14 +441,15 @@ def test_a_signal_before_the_roles_start_stops_the_run_in_one_line(tmp_path, sig
 
 @pytest.mark.slow  # ~40 s each: tests/unit/test_ray_compat.py (no Ray starts once the run's is shut down) and
 # tests/unit/test_ray_start_signals.py (a SIGTERM during ray.init) in make test
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_during_ray_init_stops_the_run_in_one_line_and_starts_no_second_ray(tmp_path, sig):
     """Ctrl-C's interruption lands after ray.init, while the actor's ranks start in a thread. Before: that thread's
     next Ray call after the teardown's ray.shutdown started a second Ray instance ('Started a local Ray instance'
     after the last words), whose DashboardAgent and RuntimeEnvAgent outlived the run, which ended ~20 s later. A
-    SIGTERM met Ray's own handler, installed while ray.init runs: exit 15, not a word."""
+    SIGTERM met Ray's own handler, installed while ray.init runs: exit 15, not a word. A SIGHUP was ignored by the
+    driver while ray.init ran (so that Ray's processes inherited its ignoring): lost, the run went on (exit 0)."""
     out = tmp_path / "run"
-    run = Run(out, "train.max_steps=3")
+    run = Run(out, "train.max_steps=3", preexec_fn=_hangup_as_a_terminal_has_it)
     run.wait_for(lambda: run.children("raylet"), timeout=120)
     os.kill(run.proc.pid, sig)
     code = run.finish(timeout=120)  # (asserts that no process is left)

@@ -17,7 +17,7 @@ from ray._private import auto_init_hook
 
 from molt_hydra.config.schema import EXIT_INTERRUPTED, Job, RunConfig
 from molt_hydra.runtime import entrypoint, reaper, roles
-from molt_hydra.runtime.preemption import PreemptionNotice
+from molt_hydra.runtime.preemption import NOTICE, PreemptionNotice
 from molt_hydra.runtime.watchdog import EXIT_FAILED, RunFailed
 
 
@@ -30,21 +30,41 @@ def hangup_default():
         signal.signal(signal.SIGHUP, before)
 
 
+def _ignored(pid: int) -> set[int]:
+    mask = int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("SigIgn:")).split()[1], 16)
+    return {sig for sig in range(1, 64) if mask >> (sig - 1) & 1}
+
+
 def test_rays_processes_start_ignoring_sighup_and_the_driver_keeps_its_handler(monkeypatch, hangup_default):
+    """A process started as ray.init starts its GCS and raylet (Ray's own start_ray_process) ignores SIGHUP and Slurm's
+    notice; the driver keeps its handlers all through ray.init. Before: the driver ignored both for the whole
+    ray.init, and a SIGHUP that came then was lost (the run went on to its end, exit 0)."""
+    from ray._private import services
+
     def ours(signum, frame):
         pass
 
-    inherited = []
+    during, started = [], []
+
+    def init(**_):  # (Ray's own ray.init is imitated: it starts its processes through start_ray_process)
+        during.append(signal.getsignal(signal.SIGHUP))
+        started.append(services.start_ray_process(["sleep", "30"], "test", fate_share=False))
+
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(auto_init_hook, "enable_auto_connect", auto_init_hook.enable_auto_connect)  # (init_ray's)
-    monkeypatch.setattr(ray, "init", lambda **_: inherited.append(signal.getsignal(signal.SIGHUP)))
+    monkeypatch.setattr(ray, "init", init)
     signal.signal(signal.SIGHUP, ours)
     try:
         roles.init_ray(RunConfig())
+        ignored = _ignored(started[0].process.pid)
     finally:
         reaper.stop()
-    assert inherited == [signal.SIG_IGN]  # what the processes ray.init starts inherit
-    assert signal.getsignal(signal.SIGHUP) is ours
+        for info in started:
+            info.process.kill()
+            info.process.wait()
+    assert during == [ours] and signal.getsignal(signal.SIGHUP) is ours
+    assert {signal.SIGHUP, NOTICE} <= ignored, ignored
+    assert signal.SIGHUP not in _ignored(os.getpid())
 
 
 def _run_main(monkeypatch, tmp_path, job: str = "rl") -> int:
