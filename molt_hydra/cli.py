@@ -1185,8 +1185,11 @@ def _main(cfg: DictConfig) -> None:
 
 def main() -> None:
     # Ctrl-C or SIGTERM while the config is composed, validated and planned (seconds of imports): one line, exit 130,
-    # no traceback; the run, once started, takes both itself (runtime/entrypoint.py)
+    # no traceback; the run, once started, takes both itself (runtime/entrypoint.py). So does SIGHUP (the terminal
+    # closed) unless ignored (nohup): before, its default action ended the process without a word (exit -1).
     signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, _interrupt)
     try:
         _check_then_run()
     except KeyboardInterrupt:

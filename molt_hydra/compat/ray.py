@@ -88,3 +88,33 @@ def gcs_put(key: str, value: str) -> None:
     from ray.experimental import internal_kv
 
     internal_kv._internal_kv_put(key, value)
+
+
+@contextmanager
+def started_ignoring(signals: tuple):
+    """The processes ray.init starts in the block (through `ray._private.services.ConsolePopen`: its GCS, raylet and
+    agents; the raylet's workers inherit it) start with `signals` ignored, while this process keeps its handlers.
+    Before, the driver itself ignored them for the whole ray.init (an ignored signal stays ignored across fork and
+    exec): a SIGHUP or Slurm's notice that came then was lost, and the run went on as if none had."""
+    written_for("starting Ray's processes with signals ignored", "ray", SUPPORTED)
+    from ray._private import services
+
+    popen = services.ConsolePopen
+
+    class Ignoring(popen):
+        def __init__(self, *args, preexec_fn=None, **kwargs):
+            def preexec():  # (in the child, between fork and exec)
+                import signal
+
+                for sig in signals:
+                    signal.signal(sig, signal.SIG_IGN)
+                if preexec_fn is not None:
+                    preexec_fn()
+
+            super().__init__(*args, preexec_fn=preexec, **kwargs)
+
+    services.ConsolePopen = Ignoring
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen

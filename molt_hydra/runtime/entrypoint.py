@@ -49,7 +49,10 @@ def _stoppable(notice: PreemptionNotice):
     traceback and SIGTERM ended the process without a word. So does Slurm's notice (nothing to save yet), through
     its handover (submitit's requeue, or exit 130); before, its default action ended the driver without a word."""
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    # SIGHUP (the terminal closed) too, unless ignored (nohup): before, its default action ended the driver there
+    # without a word (exit -1)
+    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else ()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, *hangup)} if main else {}
     notice.install(at_once=True)  # (the run's body takes it over: `_main`, job=sft's run_sft_job)
     try:
         yield
@@ -60,8 +63,8 @@ def _stoppable(notice: PreemptionNotice):
         sys.exit(EXIT_INTERRUPTED)
     finally:
         notice.uninstall()
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _interrupt(signum, frame) -> None:
@@ -418,7 +421,7 @@ def _stop_signals(loop) -> tuple:
     run thread). So does SIGHUP (its terminal closed), unless ignored (nohup): before, it ended the driver and Ray's
     head processes at once (the default action), a save under way lost, the log's last line no word of it."""
     main = threading.current_thread() is threading.main_thread()
-    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else ()
+    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ()
     signals = (signal.SIGINT, signal.SIGTERM, *hangup) if main else ()
     for sig in signals:
         loop.add_signal_handler(sig, asyncio.current_task().cancel)
@@ -462,7 +465,7 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         probe, name_checkpoint = roles is not None and e.role in ("rollout", "weight sync"), True
         return _stalled(cfg, role_pids, f"{e}", await roles.calls.probe_rollout() if probe else [], last_words)
     except asyncio.CancelledError:
-        print("\nInterrupted: stopping every role; the last checkpoint is kept.", file=sys.stderr)
+        print(f"\nInterrupted: stopping every role{'' if cfg.job.value == 'eval' else KEPT}.", file=sys.stderr)
         name_checkpoint = True  # which one is named after the teardown: the last thing the user reads
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every other failure: one message, the traceback in a file
@@ -493,6 +496,9 @@ async def _main(cfg: RunConfig, record: dict, resume_from: Path | None, shown, n
         for sig in signals:
             loop.remove_signal_handler(sig)
         notice.uninstall()
+
+
+KEPT = "; the last checkpoint is kept"  # (an eval job saves none: `_main`'s interruption says nothing of one)
 
 
 def _still_stopping() -> None:
@@ -553,10 +559,22 @@ async def _report_failure(cfg: RunConfig, roles, error: Exception) -> list[str]:
                 shown = " ".join(example.split())
                 cut = f"... ({len(shown)} characters)" if len(shown) > 300 else ""
                 lines.append(f"  example error ({reason}): {shown[:300] if cut else shown}{cut}")
-        if any(Path(cfg.output_dir).glob(OUTPUT.format("*", "err"))):  # the tracebacks, and what agent code printed
-            lines.append(f"  agent code's output (print, logging, each failure's traceback): "
-                         f"{Path(cfg.output_dir) / OUTPUT.format('*', '{out,err}')}")
+    lines += _agent_output(cfg, role, drops)
     return _with_details(cfg, lines + _resume_hint(cfg), error)
+
+
+def _agent_output(cfg: RunConfig, role: str, drops: dict) -> list[str]:
+    """Where agent code's output is: every runner's where rollouts failed (their tracebacks, what agent code printed);
+    a runner's own where it died, as agent code that crashed it (a segfault, os._exit) left its last words there and
+    the cause is Ray's "the process died" alone (was: not pointed to)."""
+    runner = re.fullmatch(r"agent runner ?(\d*)", role)
+    if not drops and runner is None:
+        return []
+    index, kinds, what = ("*", "{out,err}", "each failure's traceback") if drops else \
+        (runner[1] or "*", "err", "a crash's stack")
+    if not any(Path(cfg.output_dir).glob(OUTPUT.format(index, "err"))):
+        return []
+    return [f"  agent code's output (print, logging, {what}): {Path(cfg.output_dir) / OUTPUT.format(index, kinds)}"]
 
 
 def _node_lost(error: BaseException | None) -> bool:

@@ -22,7 +22,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from molt_hydra.compat.ray import actor_pid, no_auto_init
+from molt_hydra.compat.ray import actor_pid, no_auto_init, started_ignoring
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
@@ -191,17 +191,15 @@ def init_ray(cfg: RunConfig) -> None:
     """Ray on this node (or joined at cluster.ray_address), keeping the run's SIGTERM handler: ray.init replaces it
     with its own (sys.exit in Python, a stack dump and an abort in its C++ core), which skips the run's clean stop.
     The processes it starts (and all they start) ignore Slurm's notice and SIGHUP: only the driver acts on them
-    (preemption.py; entrypoint.py)."""
+    (preemption.py; entrypoint.py), also on one that comes during ray.init."""
     no_auto_init()  # after the teardown's ray.shutdown, a role's start still running in a thread starts no new Ray
     if ray.is_initialized():
         return
     main_thread = threading.current_thread() is threading.main_thread()
     kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, NOTICE, signal.SIGHUP)} if main_thread else {}
-    if main_thread:  # an ignored signal stays ignored across fork and exec; a SIGHUP (the terminal closed) reaches
-        for sig in (NOTICE, signal.SIGHUP):  # Ray's head processes too (the driver's process group): the driver's
-            signal.signal(sig, signal.SIG_IGN)  # teardown ends them (before: killed at once, the run's roles with them)
-    try:
-        _start_ray(cfg)
+    try:  # a SIGHUP (the terminal closed) reaches Ray's head processes too (the driver's process group): the driver's
+        with started_ignoring((NOTICE, signal.SIGHUP)):  # teardown ends them (before: killed at once, the roles too)
+            _start_ray(cfg)
     except SystemExit:  # a SIGTERM during ray.init met Ray's own handler (sys.exit): before, exit 15 without a word
         raise asyncio.CancelledError from None  # now the run stops as on a SIGTERM later: one line, exit 130
     finally:

@@ -211,10 +211,10 @@ def test_slurm_settings_where_nothing_submits_are_refused(overrides, multirun, i
     assert all(" Fix: " in line for line in found)
 
 
-@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm", "sighup"])
 def test_an_interrupt_while_the_config_is_checked_is_one_line(how, monkeypatch, capsys):
-    """Ctrl-C or SIGTERM during the seconds of composing, validating and planning: exit 130 and one line, no
-    traceback (SIGTERM used to end the process without a word)."""
+    """Ctrl-C, SIGTERM or SIGHUP (the terminal closed) during the seconds of composing, validating and planning: exit
+    130 and one line, no traceback (SIGTERM and SIGHUP used to end the process without a word)."""
     import os
     import signal
 
@@ -223,17 +223,38 @@ def test_an_interrupt_while_the_config_is_checked_is_one_line(how, monkeypatch, 
     def interrupted():
         if how == "ctrl_c":
             raise KeyboardInterrupt
-        os.kill(os.getpid(), signal.SIGTERM)
+        sig = signal.SIGTERM if how == "sigterm" else signal.SIGHUP
+        assert signal.getsignal(sig) is not signal.SIG_DFL  # (else its default action would end pytest itself)
+        os.kill(os.getpid(), sig)
 
     monkeypatch.setattr(cli, "_check_then_run", interrupted)
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a terminal's job has it (this test's runner may ignore it)
     try:
         with pytest.raises(SystemExit) as e:
             cli.main()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     assert e.value.code == cli.EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err.strip() == "Interrupted before the run started."
+
+
+def test_under_nohup_sighup_stays_ignored_while_the_config_is_checked(monkeypatch):
+    import signal
+
+    import molt_hydra.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_check_then_run", lambda: seen.append(signal.getsignal(signal.SIGHUP)))
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        cli.main()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert seen == [signal.SIG_IGN]
 
 
 def test_a_gpu_run_where_no_gpu_is_visible_is_refused_unless_ray_runs_elsewhere():

@@ -424,12 +424,12 @@ def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path)
     assert "Traceback" not in run.err()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_before_the_roles_start_stops_the_run_in_one_line(tmp_path, sig):
     """Sent as soon as the run record is written (the resume check and the model's build follow: seconds of imports,
     before the run's event loop takes the signals). Before: Ctrl-C printed a KeyboardInterrupt traceback (exit -2);
-    SIGTERM ended the process without a word (exit -15)."""
-    run = Run(tmp_path / "run", "train.max_steps=1")
+    SIGTERM ended the process without a word (exit -15), SIGHUP (the terminal closed) likewise (exit -1)."""
+    run = Run(tmp_path / "run", "train.max_steps=1", preexec_fn=_hangup_as_a_terminal_has_it)
     run.wait_for(lambda: (tmp_path / "run" / "run_record.json").exists(), timeout=120)
     os.kill(run.proc.pid, sig)
     code = run.finish(timeout=60)
@@ -441,14 +441,15 @@ def test_a_signal_before_the_roles_start_stops_the_run_in_one_line(tmp_path, sig
 
 @pytest.mark.slow  # ~40 s each: tests/unit/test_ray_compat.py (no Ray starts once the run's is shut down) and
 # tests/unit/test_ray_start_signals.py (a SIGTERM during ray.init) in make test
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_during_ray_init_stops_the_run_in_one_line_and_starts_no_second_ray(tmp_path, sig):
     """Ctrl-C's interruption lands after ray.init, while the actor's ranks start in a thread. Before: that thread's
     next Ray call after the teardown's ray.shutdown started a second Ray instance ('Started a local Ray instance'
     after the last words), whose DashboardAgent and RuntimeEnvAgent outlived the run, which ended ~20 s later. A
-    SIGTERM met Ray's own handler, installed while ray.init runs: exit 15, not a word."""
+    SIGTERM met Ray's own handler, installed while ray.init runs: exit 15, not a word. A SIGHUP was ignored by the
+    driver while ray.init ran (so that Ray's processes inherited its ignoring): lost, the run went on (exit 0)."""
     out = tmp_path / "run"
-    run = Run(out, "train.max_steps=3")
+    run = Run(out, "train.max_steps=3", preexec_fn=_hangup_as_a_terminal_has_it)
     run.wait_for(lambda: run.children("raylet"), timeout=120)
     os.kill(run.proc.pid, sig)
     code = run.finish(timeout=120)  # (asserts that no process is left)
@@ -459,19 +460,21 @@ def test_a_signal_during_ray_init_stops_the_run_in_one_line_and_starts_no_second
     assert run.err().count("Started a local Ray instance") <= 1 and "Traceback" not in run.err(), run.err()[-3000:]
 
 
-def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_stops_an_sft_run_and_its_ranks(tmp_path, sig):
     """job=sft trains in spawned rank processes. Before: SIGTERM killed the driver alone, without a word (exit -15),
     and its ranks trained on, orphaned; with the driver's interruption handled but the ranks not ended, the driver
-    waited for them to finish the job."""
+    waited for them to finish the job. SIGHUP did the same (exit -1) until it was taken as SIGTERM is."""
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1?"},
                                                      {"role": "assistant", "content": f"{i + 1}"}]}) + "\n"
                             for i in range(64)))
     out = tmp_path / "run"
     run = Run(out, "job=sft", f"data.train_path={data}", "data.input_key=messages", "train.batch_size=8",
-              "train.micro_batch_size=4", "train.epochs=200", "checkpoint.export_final=false", small=False)
+              "train.micro_batch_size=4", "train.epochs=200", "checkpoint.export_final=false", small=False,
+              preexec_fn=_hangup_as_a_terminal_has_it)
     run.wait_for(lambda: (out / "sft_metrics.jsonl").exists() and (out / "sft_metrics.jsonl").stat().st_size > 0)
-    os.kill(run.proc.pid, signal.SIGTERM)
+    os.kill(run.proc.pid, sig)
     code = run.finish(timeout=30)  # (asserts that no rank is left)
     assert code == 130, run.err()[-3000:]
     assert "Interrupted: the run stopped; the last checkpoint is kept." in run.err().splitlines()

@@ -106,3 +106,21 @@ def test_an_agents_error_of_many_lines_is_shown_as_one_line_cut_short(tmp_path):
     assert lines[1:4] == ["  dropped samples by reason: agent_exception 12, agent_timeout 4",
                           f"  example error (agent_exception): {one_line[:300]}... ({len(one_line)} characters)",
                           "  example error (agent_timeout): the rollout ran past agent.timeout_s=60"]
+
+
+@pytest.mark.parametrize("role, named", [("agent runner 1", "agent_runner_1.err"), ("agent runner", "agent_runner_*.err")])
+def test_an_agent_runner_that_died_points_at_its_output(tmp_path, role, named):
+    """Agent code that crashes its runner (a segfault in a C extension, os._exit) leaves its last words (Python's
+    'Fatal Python error: Segmentation fault' and the agent's stack) in the runner's stderr; the cause Ray reports is
+    'the process died' alone. Before: the failure did not point at that file."""
+    from molt_hydra.runtime.watchdog import RunFailed
+
+    for i in (0, 1):
+        (tmp_path / f"agent_runner_{i}.err").write_text("Fatal Python error: Segmentation fault\n")
+    cfg = value(output_dir=str(tmp_path), job=value(value="rl"), checkpoint=value(dir=str(tmp_path / "ckpt")))
+    lines = asyncio.run(_report_failure(cfg, None, RunFailed(role, "the process died")))
+    assert lines[:2] == [f"Run failed: {role}: the process died.",
+                         f"  agent code's output (print, logging, a crash's stack): {tmp_path / named}"], lines
+    # another role that died: no agent output named
+    lines = asyncio.run(_report_failure(cfg, None, RunFailed("rollout engine 0", "the process died")))
+    assert not any("agent code's output" in line for line in lines), lines

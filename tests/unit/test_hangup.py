@@ -15,9 +15,9 @@ import pytest
 import ray
 from ray._private import auto_init_hook
 
-from molt_hydra.config.schema import EXIT_INTERRUPTED, RunConfig
+from molt_hydra.config.schema import EXIT_INTERRUPTED, Job, RunConfig
 from molt_hydra.runtime import entrypoint, reaper, roles
-from molt_hydra.runtime.preemption import PreemptionNotice
+from molt_hydra.runtime.preemption import NOTICE, PreemptionNotice
 from molt_hydra.runtime.watchdog import EXIT_FAILED, RunFailed
 
 
@@ -30,25 +30,46 @@ def hangup_default():
         signal.signal(signal.SIGHUP, before)
 
 
+def _ignored(pid: int) -> set[int]:
+    mask = int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("SigIgn:")).split()[1], 16)
+    return {sig for sig in range(1, 64) if mask >> (sig - 1) & 1}
+
+
 def test_rays_processes_start_ignoring_sighup_and_the_driver_keeps_its_handler(monkeypatch, hangup_default):
+    """A process started as ray.init starts its GCS and raylet (Ray's own start_ray_process) ignores SIGHUP and Slurm's
+    notice; the driver keeps its handlers all through ray.init. Before: the driver ignored both for the whole
+    ray.init, and a SIGHUP that came then was lost (the run went on to its end, exit 0)."""
+    from ray._private import services
+
     def ours(signum, frame):
         pass
 
-    inherited = []
+    during, started = [], []
+
+    def init(**_):  # (Ray's own ray.init is imitated: it starts its processes through start_ray_process)
+        during.append(signal.getsignal(signal.SIGHUP))
+        started.append(services.start_ray_process(["sleep", "30"], "test", fate_share=False))
+
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(auto_init_hook, "enable_auto_connect", auto_init_hook.enable_auto_connect)  # (init_ray's)
-    monkeypatch.setattr(ray, "init", lambda **_: inherited.append(signal.getsignal(signal.SIGHUP)))
+    monkeypatch.setattr(ray, "init", init)
     signal.signal(signal.SIGHUP, ours)
     try:
         roles.init_ray(RunConfig())
+        ignored = _ignored(started[0].process.pid)
     finally:
         reaper.stop()
-    assert inherited == [signal.SIG_IGN]  # what the processes ray.init starts inherit
-    assert signal.getsignal(signal.SIGHUP) is ours
+        for info in started:
+            info.process.kill()
+            info.process.wait()
+    assert during == [ours] and signal.getsignal(signal.SIGHUP) is ours
+    assert {signal.SIGHUP, NOTICE} <= ignored, ignored
+    assert signal.SIGHUP not in _ignored(os.getpid())
 
 
-def _run_main(monkeypatch, tmp_path) -> int:
-    """_main, its roles' start sent SIGHUP (to this process), then failing 0.3 s later unless interrupted."""
+def _run_main(monkeypatch, tmp_path, job: str = "rl") -> int:
+    """_main of a `job`, its roles' start sent SIGHUP (to this process), then failing 0.3 s later unless
+    interrupted."""
     async def starting(cfg, record, role_pids, rows):
         os.kill(os.getpid(), signal.SIGHUP)
         await asyncio.sleep(0.3)
@@ -63,6 +84,7 @@ def _run_main(monkeypatch, tmp_path) -> int:
         monkeypatch.setattr(entrypoint, name, lambda *a: [])
     monkeypatch.setattr(reaper, "stop", lambda: None)
     cfg = RunConfig()
+    cfg.job = Job[job]
     cfg.checkpoint.dir = str(tmp_path / "checkpoints")
     return asyncio.run(entrypoint._main(cfg, {}, None, value(stop=lambda: None), PreemptionNotice()))
 
@@ -73,6 +95,12 @@ def test_sighup_stops_the_run_as_sigterm_does(monkeypatch, capsys, tmp_path, han
     assert "Interrupted: stopping every role; the last checkpoint is kept." in err, err
     assert err.rstrip().splitlines()[-1] == "Last checkpoint: none (the run starts from step 0 again)", err
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # (put back as it was)
+
+
+def test_an_interrupted_eval_job_claims_no_checkpoint(monkeypatch, capsys, tmp_path, hangup_default):
+    """job=eval saves no checkpoint. Before: 'Interrupted: stopping every role; the last checkpoint is kept.'"""
+    assert _run_main(monkeypatch, tmp_path, "eval") == EXIT_INTERRUPTED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "Interrupted: stopping every role."
 
 
 def test_under_nohup_sighup_stays_ignored(monkeypatch, capsys, tmp_path):
