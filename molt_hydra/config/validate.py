@@ -378,14 +378,18 @@ REPLAY_RECORD = "rollout_settings.json"
 REPLAYED = ("model.tokenizer_path", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens",
             "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_inflight_groups",
             "rollout.incomplete_groups", "algorithm.dynamic_filtering.enable", "algorithm.dynamic_filtering.low",
-            "algorithm.dynamic_filtering.high", "train.num_episodes")
+            "algorithm.dynamic_filtering.high", "train.num_episodes", "agent.runner", "agent.max_turns")
+# (the agent: compared only where the run evaluates nothing, for an evaluation runs it)
+AGENT_REPLAYED = ("agent.runner", "agent.max_turns")
 
 REPLAY_WHY = {"model.tokenizer_path": "the dump's token ids are of its tokenizer's vocabulary",
               "rollout.temperature": "the trainer would recompute the log-probs at this temperature, against tokens "
                                      "sampled (and rollout log-probs taken) at the dump's",
               **{key: "the batches are replayed as they were generated, but the LR schedule's length and the batch "
                  "checks would count this value" for key in (
-                  "rollout.batch_size", "rollout.n_samples_per_prompt", "train.num_episodes")}}
+                  "rollout.batch_size", "rollout.n_samples_per_prompt", "train.num_episodes")},
+              **{key: "the replayed batches keep the rewards the dump's agent gave them, and this run evaluates "
+                 "nothing (eval.data_path=null), so it changes nothing" for key in AGENT_REPLAYED}}
 
 
 def replay_settings(cfg: RunConfig) -> dict:
@@ -406,9 +410,10 @@ def replay_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> N
     replay = cfg.train.rollout_replay_dir
     if cfg.job.value != "rl" or replay is None or not os.path.isdir(replay):  # (not a directory: train_rules')
         return
-    record, now = Path(replay) / REPLAY_RECORD, replay_settings(cfg)
+    record, now = Path(replay) / REPLAY_RECORD, json.loads(json.dumps(replay_settings(cfg), default=str))  # (as read)
     try:
-        recorded = json.loads(record.read_text())
+        if not isinstance(recorded := json.loads(record.read_text()), dict):
+            raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
         problems.check(False, "train.rollout_replay_dir", f"{str(record)!r} cannot be read ({type(e).__name__}: a "
                        "dump from before dumps recorded what generated them?), so whether this run samples as its "
@@ -416,11 +421,18 @@ def replay_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> N
                        f"the values they were generated with, e.g. this run's: {json.dumps(now)}")
         return
     for key, value in now.items():
-        was = recorded.get(key, "(not recorded)")
-        why = REPLAY_WHY.get(key, "the batches are replayed as they were generated, so it changes nothing")
+        if key in AGENT_REPLAYED and cfg.eval.data_path is not None:
+            continue
+        if key not in recorded:  # (a record of an older molt_hydra)
+            problems.check(False, key, f"{record} does not record it, so whether this run's {value!r} is the "
+                           "dump's cannot be told.", f'add "{key}": <the value it was generated with> to that file')
+            continue
+        was, why = recorded[key], REPLAY_WHY.get(key, "the batches are replayed as generated, so it changes nothing")
+        back = f"give {key} the dump's {json.dumps(was)}" if isinstance(was, dict) else (
+            f"set {key}={was if isinstance(was, str) else json.dumps(was)}")  # (Hydra's null, true, 1.0)
         problems.check(was == value, key, f"{value!r}, but train.rollout_replay_dir={replay} was generated with "
-                       f"{was!r} ({REPLAY_RECORD}): {why}.", f"set {key}={was} (eval.* set the evaluation's own "
-                       "sampling), or unset train.rollout_replay_dir")
+                       f"{was!r} ({REPLAY_RECORD}): {why}.", f"{back} (eval.* set the evaluation's own sampling), or "
+                       "unset train.rollout_replay_dir")
 
 
 def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:

@@ -138,7 +138,7 @@ class RLController:
                 path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(batch, path)  # and what generated it, which a replay must match (config/validate.py)
-                (path.parent / REPLAY_RECORD).write_text(json.dumps(replay_settings(self.cfg), indent=1))
+                (path.parent / REPLAY_RECORD).write_text(json.dumps(replay_settings(self.cfg), indent=1, default=str))
             if self.held is not None:
                 held, self.held = self.held, None
                 await self.queue.put(held)

@@ -149,7 +149,7 @@ def test_a_dump_records_what_generated_it(tmp_path):
 
 @pytest.mark.parametrize("key,now", [
     ("rollout.temperature", 0.7), ("rollout.top_p", 0.9), ("model.tokenizer_path", "tiny://qwen3_moe_tiny"),
-    ("algorithm.dynamic_filtering.enable", True), ("rollout.n_samples_per_prompt", 16)])
+    ("algorithm.dynamic_filtering.enable", True), ("rollout.n_samples_per_prompt", 16), ("agent.max_turns", 2)])
 def test_a_replay_sampled_otherwise_than_its_dump_is_refused(tmp_path, key, now):
     """Before: validated; the replay recomputed log-probs at the new temperature (or against another tokenizer's ids)
     with tokens sampled at the dump's, and took generation knobs that changed nothing."""
@@ -158,6 +158,8 @@ def test_a_replay_sampled_otherwise_than_its_dump_is_refused(tmp_path, key, now)
     from molt_hydra.config.bounds import get
     from molt_hydra.runtime.validate import validate
 
+    import json
+
     dump = _dump(tmp_path)  # with the default config's value of `key`
     was = get(validate(to_run_config(compose_config([]))), key if key != "model.tokenizer_path" else "model.path")
     assert was != now  # the premise
@@ -165,7 +167,14 @@ def test_a_replay_sampled_otherwise_than_its_dump_is_refused(tmp_path, key, now)
              if line.startswith(f"{key}: ")]
     assert len(lines) == 1, lines
     assert f"{now!r}, but train.rollout_replay_dir={dump} was generated with {was!r} (rollout_settings.json)" in lines[0]
-    assert f"Fix: set {key}={was} " in lines[0]
+    assert f"Fix: set {key}={was if isinstance(was, str) else json.dumps(was)} " in lines[0]  # (Hydra's true, 1.0)
+
+
+def test_a_replay_that_evaluates_may_run_another_agent(tmp_path):
+    """The agent scores the evaluation, so it is compared with the dump's only where the run evaluates nothing."""
+    dump = _dump(tmp_path)
+    evaluating = ["eval.data_path=builtin://toy_eval", "eval.every_steps=1"]
+    assert config_errors([f"train.rollout_replay_dir={dump}", "agent.max_turns=2", *evaluating]) == []
 
 
 def test_a_replay_of_a_dump_without_its_record_is_refused(tmp_path):
