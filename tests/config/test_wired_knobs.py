@@ -122,7 +122,8 @@ def test_rollout_dump_then_replay(tmp_path):
 
     dump = tmp_path / "dump"
     made = _drain(_controller([f"train.rollout_dump_dir={dump}"], ScriptedBatches(3)))
-    assert sorted(p.name for p in dump.iterdir()) == ["rollout_settings.json", *(f"rollout_step{j}.pt" for j in range(3))]
+    assert sorted(p.name for p in dump.iterdir()) == ["rollout_settings.json",
+                                                      *(f"rollout_step{j}.pt" for j in range(3))]
     assert torch.load(dump / "rollout_step1.pt", weights_only=False).groups[0].trajectories == [{"reward": 2.0}]
 
     replayed = _drain(_controller([f"train.rollout_replay_dir={dump}"], NoGeneration()))
@@ -166,7 +167,8 @@ def test_a_replay_sampled_otherwise_than_its_dump_is_refused(tmp_path, key, now)
     lines = [line for line in config_errors([f"train.rollout_replay_dir={dump}", f"{key}={now}"])
              if line.startswith(f"{key}: ")]
     assert len(lines) == 1, lines
-    assert f"{now!r}, but train.rollout_replay_dir={dump} was generated with {was!r} (rollout_settings.json)" in lines[0]
+    assert (f"{now!r}, but train.rollout_replay_dir={dump} was generated with {was!r} (rollout_settings.json)"
+            in lines[0])
     assert f"Fix: set {key}={was if isinstance(was, str) else json.dumps(was)} " in lines[0]  # (Hydra's true, 1.0)
 
 
