@@ -221,7 +221,7 @@ def _template_needed(cfg: RunConfig, problems: Problems, templated: dict[str, st
     """Prompts the agent renders with the chat template (`check_prompts`' `templated`) on a tokenizer without one: every
     rollout failed at run time, each with transformers' "Cannot use chat template functions" (was: the rows'
     template check at load was skipped for such a tokenizer, leaving it to the runners). A hub tokenizer not
-    downloaded is told at the run's start."""
+    downloaded cannot be told here (models/rules.py has_chat_template: None), and is left to the runners still."""
     tokenizer = cfg.model.tokenizer_path or cfg.model.path
     templated = {k: v for k, v in templated.items() if cfg.job.value != "eval" or k == "eval.data_path"}
     if not templated or has_chat_template(tokenizer) is not False:

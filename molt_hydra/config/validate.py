@@ -378,9 +378,10 @@ REPLAY_RECORD = "rollout_settings.json"
 REPLAYED = ("model.tokenizer_path", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens",
             "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_inflight_groups",
             "rollout.incomplete_groups", "algorithm.dynamic_filtering.enable", "algorithm.dynamic_filtering.low",
-            "algorithm.dynamic_filtering.high", "train.num_episodes", "agent.runner", "agent.max_turns")
-# (the agent: compared only where the run evaluates nothing, for an evaluation runs it)
-AGENT_REPLAYED = ("agent.runner", "agent.max_turns")
+            "algorithm.dynamic_filtering.high", "train.num_episodes")
+# the agent and its runners: compared only where the run evaluates nothing, for an evaluation runs them
+AGENT_REPLAYED = ("agent.runner", "agent.max_turns", "agent.timeout_s", "agent.tool_parser", "agent.reasoning_parser",
+                  "agent.max_choices", "rollout.num_runners")
 
 REPLAY_WHY = {"model.tokenizer_path": "the dump's token ids are of its tokenizer's vocabulary",
               "rollout.temperature": "the trainer would recompute the log-probs at this temperature, against tokens "
@@ -388,8 +389,9 @@ REPLAY_WHY = {"model.tokenizer_path": "the dump's token ids are of its tokenizer
               **{key: "the batches are replayed as they were generated, but the LR schedule's length and the batch "
                  "checks would count this value" for key in (
                   "rollout.batch_size", "rollout.n_samples_per_prompt", "train.num_episodes")},
-              **{key: "the replayed batches keep the rewards the dump's agent gave them, and this run evaluates "
-                 "nothing (eval.data_path=null), so it changes nothing" for key in AGENT_REPLAYED}}
+              **{key: "the replayed batches are what the dump's agent made of them (their rewards too), and under "
+                 "replay the agent runs evaluations only, of which this run has none (eval.data_path=null), so it "
+                 "changes nothing" for key in AGENT_REPLAYED}}
 
 
 def replay_settings(cfg: RunConfig) -> dict:
@@ -399,7 +401,7 @@ def replay_settings(cfg: RunConfig) -> dict:
     if os.path.exists(os.path.expanduser(tokenizer)):  # (os.path's: False for an overlong name)
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
     return {"model.tokenizer_path": tokenizer, **{key: getattr(get(cfg, key), "value", get(cfg, key))
-                                                  for key in REPLAYED[1:]}}
+                                                  for key in (*REPLAYED[1:], *AGENT_REPLAYED)}}
 
 
 def replay_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:

@@ -150,7 +150,8 @@ def test_a_dump_records_what_generated_it(tmp_path):
 
 @pytest.mark.parametrize("key,now", [
     ("rollout.temperature", 0.7), ("rollout.top_p", 0.9), ("model.tokenizer_path", "tiny://qwen3_moe_tiny"),
-    ("algorithm.dynamic_filtering.enable", True), ("rollout.n_samples_per_prompt", 16), ("agent.max_turns", 2)])
+    ("algorithm.dynamic_filtering.enable", True), ("rollout.n_samples_per_prompt", 16), ("agent.max_turns", 2),
+    ("rollout.num_runners", 2)])
 def test_a_replay_sampled_otherwise_than_its_dump_is_refused(tmp_path, key, now):
     """Before: validated; the replay recomputed log-probs at the new temperature (or against another tokenizer's ids)
     with tokens sampled at the dump's, and took generation knobs that changed nothing."""
