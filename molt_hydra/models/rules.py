@@ -99,7 +99,8 @@ def has_chat_template(path: str) -> bool | None:
             from huggingface_hub import try_to_load_from_cache
             files = {name: try_to_load_from_cache(path, name) for name in files}
             files = {name: Path(f) for name, f in files.items() if isinstance(f, str)}
-        if any(files.get(name) and files[name].is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        if any(files.get(name) and files[name].is_file() for name in ("chat_template.jinja", "chat_template.json")) \
+                or local.is_dir() and (local / "additional_chat_templates").is_dir():  # (named ones: not refused)
             return True
         config = files.get("tokenizer_config.json")
         return bool(json.loads(config.read_text()).get("chat_template")) if config and config.is_file() else None
