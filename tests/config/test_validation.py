@@ -442,6 +442,22 @@ def test_prompts_for_a_chat_template_on_a_tokenizer_without_one_are_refused(tmp_
         "template" in lines[0] and "data.apply_chat_template=false" in lines[0]
 
 
+def test_a_chat_agents_text_prompts_need_a_chat_template_too(tmp_path, no_template_tokenizer):
+    """A chat agent's prompt reaches its chat server as messages (a string as the user's one message), rendered there
+    with the template: its text prompts are refused too, with no data.apply_chat_template fix (that knob is refused
+    for a chat agent)."""
+    from molt_hydra.config.store import RECIPES_DIR
+
+    (data := tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "label": str(i + 1)}) + "\n"
+                                                         for i in range(8)))
+    lines = config_errors([f"model.tokenizer_path={no_template_tokenizer}", f"data.train_path={data}",
+                           f"agent.runner._target_={RECIPES_DIR}/agents/chat_minimal.py:MinimalChatAgent"])
+    assert lines == [f"data.train_path: {data} row 0 (text) is rendered with the chat template by the chat agent, "
+                     f"but the tokenizer of model.tokenizer_path={no_template_tokenizer} has none: every rollout would "
+                     "fail. Fix: set model.tokenizer_path to a tokenizer with a chat template (or save one into its "
+                     "tokenizer_config.json)"]
+
+
 def test_text_prompts_sent_as_raw_text_need_no_chat_template(tmp_path, no_template_tokenizer):
     """The fix the refusal names is taken: an Env's text prompts with data.apply_chat_template=false reach the model
     as they are, rendered by no template."""
