@@ -382,6 +382,8 @@ REPLAYED = ("model.tokenizer_path", "rollout.temperature", "rollout.top_p", "rol
 # the agent and its runners: compared only where the run evaluates nothing, for an evaluation runs them
 AGENT_REPLAYED = ("agent.runner", "agent.max_turns", "agent.timeout_s", "agent.tool_parser", "agent.reasoning_parser",
                   "agent.max_choices", "rollout.num_runners")
+# the dump's schedule: how many versions its tokens lag the step that trains them (`_replay_staleness`), not compared
+SCHEDULE = ("train.mode", "train.queue_depth", "train.partial_rollout")
 
 REPLAY_WHY = {"model.tokenizer_path": "the dump's token ids are of its tokenizer's vocabulary",
               "rollout.temperature": "the trainer would recompute the log-probs at this temperature, against tokens "
@@ -401,7 +403,7 @@ def replay_settings(cfg: RunConfig) -> dict:
     if os.path.exists(os.path.expanduser(tokenizer)):  # (os.path's: False for an overlong name)
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
     return {"model.tokenizer_path": tokenizer, **{key: getattr(get(cfg, key), "value", get(cfg, key))
-                                                  for key in (*REPLAYED[1:], *AGENT_REPLAYED)}}
+                                                  for key in (*REPLAYED[1:], *AGENT_REPLAYED, *SCHEDULE)}}
 
 
 def replay_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
@@ -422,8 +424,9 @@ def replay_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> N
                        "batches were sampled cannot be told.", f"dump the batches again, or write that file with "
                        f"the values they were generated with, e.g. this run's: {json.dumps(now)}")
         return
+    _replay_staleness(cfg, problems, recorded)
     for key, value in now.items():
-        if key in AGENT_REPLAYED and cfg.eval.data_path is not None:
+        if key in SCHEDULE or key in AGENT_REPLAYED and cfg.eval.data_path is not None:
             continue
         if key not in recorded:  # (a record of an older molt_hydra)
             problems.check(False, key, f"{record} does not record it, so whether this run's {value!r} is the "
@@ -435,6 +438,25 @@ def replay_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> N
         problems.check(was == value, key, f"{value!r}, but train.rollout_replay_dir={replay} was generated with "
                        f"{was!r} ({REPLAY_RECORD}): {why}.", f"{back} (eval.* set the evaluation's own sampling), or "
                        "unset train.rollout_replay_dir")
+
+
+def _replay_staleness(cfg: RunConfig, problems: Problems, recorded: dict) -> None:
+    """A replay trains batch j at version j (a sync after every step), and the dump sampled it at version j - D
+    (runtime/controller.py: D = train.queue_depth in async mode, 0 in sync; partial rollout: one older still), so its
+    tokens are min(j, D) versions stale: past train.max_staleness, each is dropped as stale. Was: a sync replay of an
+    async dump trained its first batch, then dropped every sample until the run failed for nothing trainable."""
+    if not all(key in recorded for key in SCHEDULE):
+        return
+    lag = 0 if recorded["train.mode"] == "sync" else (
+        recorded["train.queue_depth"] + int(recorded["train.partial_rollout"]))
+    t, sync = cfg.train, cfg.train.mode.value == "sync"
+    problems.check(lag <= t.max_staleness or t.stale_samples.value == "keep", "train.mode" if sync else
+                   "train.max_staleness", f"train.rollout_replay_dir={t.rollout_replay_dir} was generated "
+                   f"{recorded['train.queue_depth']} version(s) ahead of training (train.mode=async"
+                   f"{', partial rollout' * bool(recorded['train.partial_rollout'])}), so its tokens are up to {lag} "
+                   f"versions older than the replay step that trains them, and train.max_staleness={t.max_staleness} "
+                   "would drop them as stale.", "set train.mode=async train.queue_depth=" + str(lag) if sync else
+                   f"set train.max_staleness={lag}, or train.stale_samples=keep")
 
 
 def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:

@@ -180,6 +180,29 @@ def test_a_replay_that_evaluates_may_run_another_agent(tmp_path):
     assert config_errors([f"train.rollout_replay_dir={dump}", "agent.max_turns=2", *evaluating]) == []
 
 
+def test_a_sync_replay_of_an_async_dump_is_refused_for_its_stale_tokens(tmp_path):
+    """An async dump (queue_depth D=1) sampled batch j at version j - 1; a replay trains it at version j (a sync after
+    every step). Before: a sync replay (train.max_staleness=0) validated, trained batch 0, then dropped every sample of
+    each later batch as stale (below, the trainer's own selection) until the run failed for nothing trainable."""
+    from molt_hydra.agents.base import Trajectory
+    from molt_hydra.algorithm.experience import select_trainable
+    from molt_hydra.rollout.generator import FinishedGroup
+
+    traj = Trajectory(token_ids=[1, 2, 3, 4], logprobs=[0.0, 0.0, -0.5, -0.5], versions=[-1, -1, 4, 4],
+                      action_ranges=[(2, 4)], rollout_id="g-0")  # batch 5 of the dump: sampled at version 5 - 1
+    kept, drops = select_trainable([FinishedGroup(5, 0, [traj])], 64, None, version=5, max_staleness=0,
+                                   drop_stale=True, dp_size=1)
+    assert (kept, dict(drops)) == ([], {"stale": 1})  # the premise: the sync replay's step 6 keeps nothing
+
+    dump = _dump(tmp_path, ["train.mode=async", "train.queue_depth=1"])  # (the schema's default)
+    assert config_errors([f"train.rollout_replay_dir={dump}", "train.mode=async", "train.queue_depth=1"]) == []
+    lines = config_errors([f"train.rollout_replay_dir={dump}", "train.mode=sync"])
+    assert lines == [f"train.mode: train.rollout_replay_dir={dump} was generated 1 version(s) ahead of training "
+                     "(train.mode=async), so its tokens are up to 1 versions older than the replay step that trains "
+                     "them, and train.max_staleness=0 would drop them as stale. Fix: set train.mode=async "
+                     "train.queue_depth=1"]
+
+
 def test_a_replay_of_a_dump_without_its_record_is_refused(tmp_path):
     (dump := tmp_path / "old").mkdir()
     (dump / "rollout_step0.pt").write_bytes(b"")  # (a dump made before dumps recorded their sampling)
