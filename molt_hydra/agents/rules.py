@@ -20,6 +20,7 @@ from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed
 from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, PROMPT_FIX, builtin_size, check_prompt_rows, combined
 from molt_hydra.data.rules import raised, readable_local
+from molt_hydra.models.rules import has_chat_template
 
 TARGET_FIX = "set agent.runner._target_ to pkg.module.Name or path/to/file.py:Name (an Env, ChatAgent or Runner)"
 
@@ -136,7 +137,10 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
         return
     cls = _target(problems, cfg.agent.runner)
     # resolved once, here (was twice: an agent file whose import fails ran its top-level code twice)
-    check_prompts(cfg, problems, chat=isinstance(cls, type) and issubclass(cls, (ChatAgent, ChatAgentRunner)))
+    chat = isinstance(cls, type) and issubclass(cls, (ChatAgent, ChatAgentRunner))
+    templated = check_prompts(cfg, problems, chat=chat)
+    if chat or isinstance(cls, type) and issubclass(cls, (Env, StepEnvRunner)):  # (a Runner of its own: its choice)
+        _template_needed(cfg, problems, templated, chat)
     if cls is None:
         return
     _chat_settings_read(cfg, problems, cls)
@@ -176,20 +180,29 @@ def _built(problems: Problems, cls: type, spec: dict):
         return None
 
 
-def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> None:
+def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> dict[str, str]:
     """Each local RL dataset's rows as the run will load them (data/prompts.py), their prompts as the chat server
     will take them: a message of another role or a number for content, an image part whose file is not there or
     beyond data.max_images_per_prompt (was: a 400 for each rollout of the row, every epoch, once Ray had started),
     and for a `chat` agent their tools too (its server's parser refuses other shapes; an Env's tools reach the chat
     template as they are, where any shape renders). Hub datasets are read at the run's start. Then the count of the
-    training rows against rollout.batch_size (`_fills_a_batch`). Run by `check_agent`, which knows the agent."""
-    d, sizes = cfg.data, {}  # (key, dataset) -> its row count, of each readable local dataset
+    training rows against rollout.batch_size (`_fills_a_batch`). Run by `check_agent`, which knows the agent.
+    Returns {data key: its first row the chat template renders} (a chat agent's any row; an Env's chat messages, or
+    text under data.apply_chat_template; a builtin task's rows are messages) for `_template_needed`."""
+    d, sizes, templated = cfg.data, {}, {}  # sizes: (key, dataset) -> its row count, of each readable local dataset
     for key, spec, split in (("data.train_path", d.train_path, d.split),
                              ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
+        for part in (p.strip() for p in (spec or "").split(",") if p.strip().startswith(BUILTIN)):
+            templated.setdefault(key, f"{part} (chat messages)")
         for part in (p.strip() for p in (spec or "").split(",") if readable_local(p.strip())):
             try:
                 rows = check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
                                          tools_key=d.tools_key, image_key=d.image_key)
+                at = next((i for i, row in enumerate(rows) if chat or d.apply_chat_template
+                           or not isinstance(row["prompt"], str)), None)
+                if at is not None:
+                    kind = "text" if isinstance(rows[at]["prompt"], str) else "chat messages"
+                    templated.setdefault(key, f"{part} row {at} ({kind})")
                 for i, row in enumerate(rows):
                     tools = row.get("tools") if chat else None
                     if (problem := _prompt_problem(row["prompt"], d.max_images_per_prompt, tools)):
@@ -201,6 +214,26 @@ def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> None:
             except (KeyError, OSError, ValueError) as e:
                 raised(problems, key, e, f"point {key} at a readable dataset")
     _fills_a_batch(cfg, problems, sizes)
+    return templated
+
+
+def _template_needed(cfg: RunConfig, problems: Problems, templated: dict[str, str], chat: bool) -> None:
+    """Prompts the agent renders with the chat template (`check_prompts`' `templated`) on a tokenizer without one: every
+    rollout failed at run time, each with transformers' "Cannot use chat template functions" (was: the rows'
+    template check at load was skipped for such a tokenizer, leaving it to the runners). A hub tokenizer not
+    downloaded cannot be told here (models/rules.py has_chat_template: None), and is left to the runners still."""
+    tokenizer = cfg.model.tokenizer_path or cfg.model.path
+    templated = {k: v for k, v in templated.items() if cfg.job.value != "eval" or k == "eval.data_path"}
+    if not templated or has_chat_template(tokenizer) is not False:
+        return
+    which = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    text = ("" if chat else ", or give the prompts as text with data.apply_chat_template=false (an Env's text "
+            "prompt then reaches the model as it is)")
+    for key, where in templated.items():
+        problems.check(False, key, f"{where} is rendered with the chat template{' by the chat agent' * chat}, but the "
+                       f"tokenizer of {which}={tokenizer} has none: every rollout would fail.",
+                       f"set model.tokenizer_path to a tokenizer with a chat template (or save one into its "
+                       f"tokenizer_config.json){text}")
 
 
 def _fills_a_batch(cfg: RunConfig, problems: Problems, sizes: dict[tuple[str, str], int]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -365,6 +366,97 @@ def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> No
          f"{str(replay)[:80]!r} is not a directory of rollout_step{{N}}.pt files.",
          "point it at a train.rollout_dump_dir of an earlier run, or unset it"),
     ))
+
+
+# What generated a rollout dump (train.rollout_dump_dir), written beside its batches (runtime/controller.py) and
+# compared by a replay of it, which trains on the batches as they are: any of these set otherwise would change nothing
+# (the rollout.* sampling keys; eval.* set the evaluation's own), or be false about the data the rules and the trainer
+# read (temperature: the log-prob recompute; top_p / top_k: IS correction's rule; batch size, group size, episodes:
+# the batch arithmetic and the LR schedule's length (runtime/roles.py scheduler_steps); the tokenizer: the vocabulary
+# of the token ids).
+REPLAY_RECORD = "rollout_settings.json"
+REPLAYED = ("model.tokenizer_path", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens",
+            "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_inflight_groups",
+            "rollout.incomplete_groups", "algorithm.dynamic_filtering.enable", "algorithm.dynamic_filtering.low",
+            "algorithm.dynamic_filtering.high", "train.num_episodes")
+# the agent and its runners: compared only where the run evaluates nothing, for an evaluation runs them
+AGENT_REPLAYED = ("agent.runner", "agent.max_turns", "agent.timeout_s", "agent.tool_parser", "agent.reasoning_parser",
+                  "agent.max_choices", "rollout.num_runners")
+# the dump's schedule: how many versions its tokens lag the step that trains them (`_replay_staleness`), not compared
+SCHEDULE = ("train.mode", "train.queue_depth", "train.partial_rollout")
+
+REPLAY_WHY = {"model.tokenizer_path": "the dump's token ids are of its tokenizer's vocabulary",
+              "rollout.temperature": "the trainer would recompute the log-probs at this temperature, against tokens "
+                                     "sampled (and rollout log-probs taken) at the dump's",
+              **{key: "the batches are replayed as they were generated, but the LR schedule's length and the batch "
+                 "checks would count this value" for key in (
+                  "rollout.batch_size", "rollout.n_samples_per_prompt", "train.num_episodes")},
+              **{key: "the replayed batches are what the dump's agent made of them (their rewards too), and under "
+                 "replay the agent runs evaluations only, of which this run has none (eval.data_path=null), so it "
+                 "changes nothing" for key in AGENT_REPLAYED}}
+
+
+def replay_settings(cfg: RunConfig) -> dict:
+    """REPLAYED's values of this run as its dump records them: the tokenizer it samples with (model.tokenizer_path,
+    else model.path; a local one as an absolute path), enums by their value."""
+    tokenizer = cfg.model.tokenizer_path or cfg.model.path
+    if os.path.exists(os.path.expanduser(tokenizer)):  # (os.path's: False for an overlong name)
+        tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
+    return {"model.tokenizer_path": tokenizer, **{key: getattr(get(cfg, key), "value", get(cfg, key))
+                                                  for key in (*REPLAYED[1:], *AGENT_REPLAYED, *SCHEDULE)}}
+
+
+def replay_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """A replay (train.rollout_replay_dir) against what its dump was generated with (REPLAYED): the value of each key
+    must be the recorded one. Was: none was recorded, so a replay at another rollout.temperature recomputed log-probs
+    there against tokens sampled at the old one, and the generation knobs (dynamic filtering, group size) were taken
+    and changed nothing."""
+    replay = cfg.train.rollout_replay_dir
+    if cfg.job.value != "rl" or replay is None or not os.path.isdir(replay):  # (not a directory: train_rules')
+        return
+    record, now = Path(replay) / REPLAY_RECORD, json.loads(json.dumps(replay_settings(cfg), default=str))  # (as read)
+    try:
+        if not isinstance(recorded := json.loads(record.read_text()), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        problems.check(False, "train.rollout_replay_dir", f"{str(record)!r} cannot be read ({type(e).__name__}: a "
+                       "dump from before dumps recorded what generated them?), so whether this run samples as its "
+                       "batches were sampled cannot be told.", f"dump the batches again, or write that file with "
+                       f"the values they were generated with, e.g. this run's: {json.dumps(now)}")
+        return
+    _replay_staleness(cfg, problems, recorded)
+    for key, value in now.items():
+        if key in SCHEDULE or key in AGENT_REPLAYED and cfg.eval.data_path is not None:
+            continue
+        if key not in recorded:  # (a record of an older molt_hydra)
+            problems.check(False, key, f"{record} does not record it, so whether this run's {value!r} is the "
+                           "dump's cannot be told.", f'add "{key}": <the value it was generated with> to that file')
+            continue
+        was, why = recorded[key], REPLAY_WHY.get(key, "the batches are replayed as generated, so it changes nothing")
+        back = f"give {key} the dump's {json.dumps(was)}" if isinstance(was, dict) else (
+            f"set {key}={was if isinstance(was, str) else json.dumps(was)}")  # (Hydra's null, true, 1.0)
+        problems.check(was == value, key, f"{value!r}, but train.rollout_replay_dir={replay} was generated with "
+                       f"{was!r} ({REPLAY_RECORD}): {why}.", f"{back} (eval.* set the evaluation's own sampling), or "
+                       "unset train.rollout_replay_dir")
+
+
+def _replay_staleness(cfg: RunConfig, problems: Problems, recorded: dict) -> None:
+    """A replay trains batch j at version j (a sync after every step), and the dump sampled it at version j - D
+    (runtime/controller.py: D = train.queue_depth in async mode, 0 in sync; partial rollout: one older still), so its
+    tokens are min(j, D) versions stale: past train.max_staleness, each is dropped as stale. Was: a sync replay of an
+    async dump trained its first batch, then dropped every sample until the run failed for nothing trainable."""
+    if not all(key in recorded for key in SCHEDULE):
+        return
+    lag = 0 if recorded["train.mode"] == "sync" else (
+        recorded["train.queue_depth"] + int(recorded["train.partial_rollout"]))
+    t, sync = cfg.train, cfg.train.mode.value == "sync"
+    problems.check(lag <= t.max_staleness or t.stale_samples.value == "keep", "train.mode" if sync else
+                   "train.max_staleness", f"train.rollout_replay_dir={t.rollout_replay_dir} was generated "
+                   f"{recorded['train.queue_depth']} version(s) ahead of training (train.mode=async"
+                   f"{', partial rollout' * bool(recorded['train.partial_rollout'])}), so its tokens are up to {lag} "
+                   f"versions older than the replay step that trains them, and train.max_staleness={t.max_staleness} "
+                   "would drop them as stale.", "set train.mode=async train.queue_depth=" + str(lag) if sync else
+                   f"set train.max_staleness={lag}, or train.stale_samples=keep")
 
 
 def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
@@ -875,6 +967,6 @@ def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
-RULES = (algorithm_rules, optimizer_rules, train_rules, rollout_rules, engine_size_rules, backend_rules, hf_path_rules,
-         model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules, schedule_rules,
-         job_rules, placement_rules)
+RULES = (algorithm_rules, optimizer_rules, train_rules, replay_rules, rollout_rules, engine_size_rules, backend_rules,
+         hf_path_rules, model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules,
+         schedule_rules, job_rules, placement_rules)

@@ -84,6 +84,30 @@ def context_length(fields: dict | None) -> int | None:
     return None
 
 
+def has_chat_template(path: str) -> bool | None:
+    """Whether the tokenizer at `path` (model.tokenizer_path, else model.path) carries a chat template, told from its
+    files as transformers reads them (tokenizer_config.json's "chat_template", chat_template.jinja / .json) without
+    loading it; the tiny models' tokenizers have one; None when it cannot be told here (a hub name not downloaded)."""
+    if path.startswith(tiny.TINY_SCHEME):
+        return True
+    if path.startswith(smollm2.SCHEME):
+        path = str(smollm2.CACHE / path[len(smollm2.SCHEME):])
+    try:
+        local = Path(path).expanduser()
+        files = {name: local / name for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")}
+        if not local.is_dir():  # a hub name: its files where the hub cache holds them
+            from huggingface_hub import try_to_load_from_cache
+            files = {name: try_to_load_from_cache(path, name) for name in files}
+            files = {name: Path(f) for name, f in files.items() if isinstance(f, str)}
+        if any(files.get(name) and files[name].is_file() for name in ("chat_template.jinja", "chat_template.json")) \
+                or local.is_dir() and (local / "additional_chat_templates").is_dir():  # (named ones: not refused)
+            return True
+        config = files.get("tokenizer_config.json")
+        return bool(json.loads(config.read_text()).get("chat_template")) if config and config.is_file() else None
+    except (OSError, ValueError, AttributeError):  # unreadable or malformed: the loader's error, at the run's start
+        return None
+
+
 def _model_location(problems: Problems, key: str, location: str | None) -> None:
     names = [*tiny.TINY_MODELS, *tiny_vlm.TINY_VLM_MODELS]
     fix = f"set {key} to an HF model directory, a hub id (org/name) or one of {[tiny.TINY_SCHEME + n for n in names]}"

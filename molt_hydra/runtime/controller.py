@@ -36,6 +36,7 @@ from molt_hydra.algorithm.drift import drift_metrics
 from molt_hydra.algorithm.experience import collate, experience_metrics, select_trainable, stack_padded, trainer_rows
 from molt_hydra.algorithm.kl import KLController, approx_kl
 from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.validate import REPLAY_RECORD, replay_settings
 from molt_hydra.models.rules import model_fields
 from molt_hydra.parallel.objectives import ActorObjective, CriticObjective
 from molt_hydra.parallel.retention import SNAPSHOTS
@@ -136,7 +137,8 @@ class RLController:
             if self.cfg.train.rollout_dump_dir and batch.groups:  # Molt's rollout dump: for replay or study
                 path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(batch, path)
+                torch.save(batch, path)  # and what generated it, which a replay must match (config/validate.py)
+                (path.parent / REPLAY_RECORD).write_text(json.dumps(replay_settings(self.cfg), indent=1, default=str))
             if self.held is not None:
                 held, self.held = self.held, None
                 await self.queue.put(held)

@@ -4,6 +4,8 @@ reason, taken from the rule's definition. All failures are reported at once; not
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
@@ -402,6 +404,67 @@ def test_a_chat_template_file_is_read_and_a_path_to_none_is_refused(tmp_path):
         "tokenizer would render every conversation as that text. Fix: give the path of a template file, or the "
         "template itself"]
     assert config_errors([SFT, f"data.chat_template='{text}'"]) == []
+
+
+@pytest.fixture(scope="module")
+def no_template_tokenizer(tmp_path_factory):
+    """The tiny model's tokenizer saved without its chat template (as many base models' are)."""
+    from molt_hydra.models.tiny_tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(path := tmp_path_factory.mktemp("tok"))
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(path).chat_template is None  # the premise: as the runners load it
+    return path
+
+
+@pytest.mark.parametrize("rows,extra,key", [
+    (None, [], "data.train_path"),  # builtin://toy: chat messages
+    ([{"prompt": [{"role": "user", "content": "1+1?"}], "label": "2"}], [], "data.train_path"),
+    ([{"prompt": "1+1?", "label": "2"}], [], "data.train_path"),  # text, rendered as a user message (the default)
+    (None, ["eval.data_path={data}", "data.train_path=builtin://toy", "eval.every_steps=1"], "eval.data_path"),
+], ids=["builtin", "messages", "text_templated", "eval_data"])
+def test_prompts_for_a_chat_template_on_a_tokenizer_without_one_are_refused(tmp_path, no_template_tokenizer, rows,
+                                                                           extra, key):
+    """Before: validated, then every rollout failed in the runners with transformers' 'Cannot use chat template
+    functions because tokenizer.chat_template is not set' (runtime/roles.py skipped the rows' template check at
+    load for such a tokenizer)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (rows or [{"prompt": [{"role": "user", "content": "x"}],
+                                                                     "label": "2"}]) * 8))
+    path = "builtin://toy" if rows is None and key == "data.train_path" else str(data)
+    overrides = [f"model.tokenizer_path={no_template_tokenizer}", f"data.train_path={path}",
+                 *(e.format(data=data) for e in extra)]
+    lines = [line for line in config_errors(overrides) if line.startswith(f"{key}: ")]
+    assert len(lines) == 1 and f"the tokenizer of model.tokenizer_path={no_template_tokenizer} has none" in lines[0]
+    assert "every rollout would fail" in lines[0] and "Fix: set model.tokenizer_path to a tokenizer with a chat " \
+        "template" in lines[0] and "data.apply_chat_template=false" in lines[0]
+
+
+def test_a_chat_agents_text_prompts_need_a_chat_template_too(tmp_path, no_template_tokenizer):
+    """A chat agent's prompt reaches its chat server as messages (a string as the user's one message), rendered there
+    with the template: its text prompts are refused too, with no data.apply_chat_template fix (that knob is refused
+    for a chat agent)."""
+    from molt_hydra.config.store import RECIPES_DIR
+
+    (data := tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "label": str(i + 1)}) + "\n"
+                                                         for i in range(8)))
+    lines = config_errors([f"model.tokenizer_path={no_template_tokenizer}", f"data.train_path={data}",
+                           f"agent.runner._target_={RECIPES_DIR}/agents/chat_minimal.py:MinimalChatAgent"])
+    assert lines == [f"data.train_path: {data} row 0 (text) is rendered with the chat template by the chat agent, "
+                     f"but the tokenizer of model.tokenizer_path={no_template_tokenizer} has none: every rollout would "
+                     "fail. Fix: set model.tokenizer_path to a tokenizer with a chat template (or save one into its "
+                     "tokenizer_config.json)"]
+
+
+def test_text_prompts_sent_as_raw_text_need_no_chat_template(tmp_path, no_template_tokenizer):
+    """The fix the refusal names is taken: an Env's text prompts with data.apply_chat_template=false reach the model
+    as they are, rendered by no template."""
+    (data := tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "label": str(i + 1)}) + "\n"
+                                                         for i in range(8)))
+    assert config_errors([f"model.tokenizer_path={no_template_tokenizer}", f"data.train_path={data}",
+                          "data.apply_chat_template=false"]) == []
 
 
 def test_sft_on_a_builtin_task_checks_its_rows_columns():

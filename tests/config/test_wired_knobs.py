@@ -6,10 +6,18 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import pytest
+
 from molt_hydra.rollout.generation import Sampling
 from molt_hydra.rollout.generator import SamplesGenerator
 
 SAMPLING = Sampling(max_tokens=4)
+
+
+def config_errors(overrides):
+    from test_validation import config_errors
+
+    return config_errors(overrides)
 
 
 @dataclass
@@ -114,12 +122,94 @@ def test_rollout_dump_then_replay(tmp_path):
 
     dump = tmp_path / "dump"
     made = _drain(_controller([f"train.rollout_dump_dir={dump}"], ScriptedBatches(3)))
-    assert sorted(p.name for p in dump.iterdir()) == [f"rollout_step{j}.pt" for j in range(3)]
+    assert sorted(p.name for p in dump.iterdir()) == ["rollout_settings.json",
+                                                      *(f"rollout_step{j}.pt" for j in range(3))]
     assert torch.load(dump / "rollout_step1.pt", weights_only=False).groups[0].trajectories == [{"reward": 2.0}]
 
     replayed = _drain(_controller([f"train.rollout_replay_dir={dump}"], NoGeneration()))
     assert [b.groups[0].prompt_index for b in replayed] == [b.groups[0].prompt_index for b in made] == [1, 2, 3]
     assert [b.metrics for b in replayed] == [b.metrics for b in made]
+
+
+def _dump(tmp_path, overrides=()) -> str:
+    dump = tmp_path / "dump"
+    _drain(_controller([f"train.rollout_dump_dir={dump}", *overrides], ScriptedBatches(2)))
+    return str(dump)
+
+
+def test_a_dump_records_what_generated_it(tmp_path):
+    """The dump's rollout_settings.json holds this run's sampling, as configured (was: nothing but the batches)."""
+    import json
+
+    dump = _dump(tmp_path, ["rollout.temperature=0.7", "rollout.top_k=5"])
+    record = json.loads((tmp_path / "dump" / "rollout_settings.json").read_text())
+    assert (record["rollout.temperature"], record["rollout.top_k"]) == (0.7, 5)
+    assert record["model.tokenizer_path"] == "tiny://qwen3_tiny"  # (conf/model/qwen3_tiny.yaml's path)
+    assert config_errors([f"train.rollout_replay_dir={dump}", "rollout.temperature=0.7", "rollout.top_k=5"]) == []
+
+
+@pytest.mark.parametrize("key,now", [
+    ("rollout.temperature", 0.7), ("rollout.top_p", 0.9), ("model.tokenizer_path", "tiny://qwen3_moe_tiny"),
+    ("algorithm.dynamic_filtering.enable", True), ("rollout.n_samples_per_prompt", 16), ("agent.max_turns", 2),
+    ("rollout.num_runners", 2)])
+def test_a_replay_sampled_otherwise_than_its_dump_is_refused(tmp_path, key, now):
+    """Before: validated; the replay recomputed log-probs at the new temperature (or against another tokenizer's ids)
+    with tokens sampled at the dump's, and took generation knobs that changed nothing."""
+    from _config_helpers import compose_config
+    from molt_hydra.cli import to_run_config
+    from molt_hydra.config.bounds import get
+    from molt_hydra.runtime.validate import validate
+
+    import json
+
+    dump = _dump(tmp_path)  # with the default config's value of `key`
+    was = get(validate(to_run_config(compose_config([]))), key if key != "model.tokenizer_path" else "model.path")
+    assert was != now  # the premise
+    lines = [line for line in config_errors([f"train.rollout_replay_dir={dump}", f"{key}={now}"])
+             if line.startswith(f"{key}: ")]
+    assert len(lines) == 1, lines
+    assert (f"{now!r}, but train.rollout_replay_dir={dump} was generated with {was!r} (rollout_settings.json)"
+            in lines[0])
+    assert f"Fix: set {key}={was if isinstance(was, str) else json.dumps(was)} " in lines[0]  # (Hydra's true, 1.0)
+
+
+def test_a_replay_that_evaluates_may_run_another_agent(tmp_path):
+    """The agent scores the evaluation, so it is compared with the dump's only where the run evaluates nothing."""
+    dump = _dump(tmp_path)
+    evaluating = ["eval.data_path=builtin://toy_eval", "eval.every_steps=1"]
+    assert config_errors([f"train.rollout_replay_dir={dump}", "agent.max_turns=2", *evaluating]) == []
+
+
+def test_a_sync_replay_of_an_async_dump_is_refused_for_its_stale_tokens(tmp_path):
+    """An async dump (queue_depth D=1) sampled batch j at version j - 1; a replay trains it at version j (a sync after
+    every step). Before: a sync replay (train.max_staleness=0) validated, trained batch 0, then dropped every sample of
+    each later batch as stale (below, the trainer's own selection) until the run failed for nothing trainable."""
+    from molt_hydra.agents.base import Trajectory
+    from molt_hydra.algorithm.experience import select_trainable
+    from molt_hydra.rollout.generator import FinishedGroup
+
+    traj = Trajectory(token_ids=[1, 2, 3, 4], logprobs=[0.0, 0.0, -0.5, -0.5], versions=[-1, -1, 4, 4],
+                      action_ranges=[(2, 4)], rollout_id="g-0")  # batch 5 of the dump: sampled at version 5 - 1
+    kept, drops = select_trainable([FinishedGroup(5, 0, [traj])], 64, None, version=5, max_staleness=0,
+                                   drop_stale=True, dp_size=1)
+    assert (kept, dict(drops)) == ([], {"stale": 1})  # the premise: the sync replay's step 6 keeps nothing
+
+    dump = _dump(tmp_path, ["train.mode=async", "train.queue_depth=1"])  # (the schema's default)
+    assert config_errors([f"train.rollout_replay_dir={dump}", "train.mode=async", "train.queue_depth=1"]) == []
+    lines = config_errors([f"train.rollout_replay_dir={dump}", "train.mode=sync"])
+    assert lines == [f"train.mode: train.rollout_replay_dir={dump} was generated 1 version(s) ahead of training "
+                     "(train.mode=async), so its tokens are up to 1 versions older than the replay step that trains "
+                     "them, and train.max_staleness=0 would drop them as stale. Fix: set train.mode=async "
+                     "train.queue_depth=1"]
+
+
+def test_a_replay_of_a_dump_without_its_record_is_refused(tmp_path):
+    (dump := tmp_path / "old").mkdir()
+    (dump / "rollout_step0.pt").write_bytes(b"")  # (a dump made before dumps recorded their sampling)
+    lines = config_errors([f"train.rollout_replay_dir={dump}"])
+    assert len(lines) == 1 and lines[0].startswith(f"train.rollout_replay_dir: '{dump}/rollout_settings.json' cannot "
+                                                   "be read (FileNotFoundError")
+    assert "Fix: dump the batches again, or write that file" in lines[0]
 
 
 # ------------------------------------------------------------------ model.aux_loss_coef under job=sft
