@@ -1292,6 +1292,10 @@ def _command_line_problems(args) -> list[str]:
         problems, points = sweep_checked(first, overrides, args.config_dir)
         if points and not problems and all(result[0].dry_run for _, result in points):
             _dry_sweep(points)
+        if not problems:  # a directory of this sweep's own (runtime/fresh_dir.py), which Hydra makes next
+            from molt_hydra.runtime.fresh_dir import own_dir
+
+            add_override(f"hydra.sweep.dir={quoted(str(own_dir(first.hydra.sweep)))}", overrides)
         return problems
     if args.cfg:
         if args.package not in (None, "", "_global_") and OmegaConf.select(first, args.package, default=_ABSENT) in (
@@ -1351,8 +1355,11 @@ def _check_run(first: DictConfig, overrides: list[str], config_dir: str | None) 
         print(plan.render())
         print(f"Dry run: nothing started, nothing written (the run would write to {run_cfg.output_dir}).")
         sys.exit(0)
-    add_override(f"hydra.run.dir={quoted(str(run_dir))}", overrides)
-    _CHECKED[run_cfg.output_dir] = result
+    from molt_hydra.runtime.fresh_dir import own_dir
+
+    if (mine := own_dir(first.hydra.run)) == run_dir:  # (taken: Hydra's compose checks the run in mine again)
+        _CHECKED[run_cfg.output_dir] = result
+    add_override(f"hydra.run.dir={quoted(str(mine))}", overrides)
     return []
 
 
