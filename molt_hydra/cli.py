@@ -1179,8 +1179,10 @@ def _main(cfg: DictConfig) -> None:
     if run_cfg.dry_run:
         return
     from molt_hydra.runtime.entrypoint import run
+    from molt_hydra.runtime.sweep import going_on_after_a_failure
 
-    run(run_cfg)
+    with going_on_after_a_failure():  # a local sweep's failed point: the others still run
+        run(run_cfg)
 
 
 def main() -> None:
@@ -1236,6 +1238,10 @@ def _check_then_run() -> None:
     if args.multirun:
         report_slurm_sweeps()  # a Slurm sweep's refusal and failed points, reported (compat/hydra.py)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
+    if args.multirun:
+        from molt_hydra.runtime.sweep import exit_if_points_failed
+
+        exit_if_points_failed()
     if problems:  # --cfg: the config is printed, then why a run of it would be refused
         _exit_config_error("\n".join(problems))
 

@@ -1,4 +1,5 @@
-"""Each `molt-run -m` gets a sweep directory of its own, and its points a W&B group of their own."""
+"""How `molt-run` starts runs and sweeps: each gets a directory of its own (and a sweep's points a W&B group of
+their own), and a local sweep's failed point leaves the others to run."""
 
 from __future__ import annotations
 
@@ -78,3 +79,34 @@ def test_two_runs_started_in_the_same_second_get_their_own_directories(monkeypat
     assert [(run.seed, run.output_dir) for run in runs] == [(1, str(made / "2026-12-07_06-40-00")),
                                                              (2, str(made / "2026-12-07_06-40-00_2"))]
     assert all((Path(run.output_dir) / ".hydra" / "config.yaml").exists() for run in runs)
+
+
+def test_a_failed_point_of_a_local_sweep_leaves_the_others_to_run(monkeypatch, tmp_path, capsys):
+    """Before: the first point that failed (the runtime's `Run failed: ...`, exit 4) ended `molt-run -m` with Hydra's
+    basic launcher: the points after it never ran, and no line named the point that failed. Points #0 and #2 fail in
+    the real runtime (resume=never over an earlier run's checkpoints: before Ray starts); #1 is recorded instead of
+    run (a stand-in for the RL loop, minutes here)."""
+    import molt_hydra.runtime.entrypoint as entrypoint
+    import molt_hydra.runtime.sweep as sweep_module
+
+    old_a, fresh, old_b = tmp_path / "old_a", tmp_path / "fresh", tmp_path / "old_b"
+    (old_a / "step_1").mkdir(parents=True)
+    (old_b / "step_2").mkdir(parents=True)
+    ran = []
+    monkeypatch.setattr(entrypoint, "run", lambda cfg, real=entrypoint.run: ran.append(cfg.checkpoint.dir)
+                        if cfg.checkpoint.dir == str(fresh) else real(cfg))
+    monkeypatch.setattr(sweep_module, "_LOCAL_POINTS", [], raising=False)  # (no stale points of another test)
+    handlers = logging.root.handlers[:]
+    try:
+        code = _main_in_process(["-m", f"checkpoint.dir={old_a},{fresh},{old_b}", f"hydra.sweep.dir={tmp_path / 's'}"],
+                                monkeypatch, tmp_path)
+    finally:
+        logging.root.handlers[:] = handlers
+    err = capsys.readouterr().err
+    assert code == 4 and ran == [str(fresh)], err[-3000:]
+    assert err.count("Run failed: checkpoint.resume=never") == 2
+    assert err.strip().splitlines()[-3:] == [
+        f"sweep point #0 (checkpoint.dir={old_a}): failed (exit 4)",
+        f"sweep point #2 (checkpoint.dir={old_b}): failed (exit 4)",
+        f"Run failed: sweep {tmp_path / 's'}: 2 of 3 point(s) failed (listed above); the others completed. Fix: see "
+        "each point's reason above (the `Run failed:` line before its own), then run those points again."]
