@@ -1201,7 +1201,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def _check_then_run() -> None:
-    from molt_hydra.compat.hydra import get_args_parser, report_slurm_sweeps
+    from molt_hydra.compat.hydra import get_args_parser, report_submitit_sweeps
 
     register()
     parser, problems = get_args_parser(), []
@@ -1236,7 +1236,7 @@ def _check_then_run() -> None:
                                                                   config_dir=args.config_dir)[1]):
         _exit_config_error("\n".join(failed))  # --help / --info compose the overrides too (before: a traceback)
     if args.multirun:
-        report_slurm_sweeps()  # a Slurm sweep's refusal and failed points, reported (compat/hydra.py)
+        report_submitit_sweeps()  # a submitit sweep's refusal and failed points, reported (compat/hydra.py)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
     if args.multirun:
         from molt_hydra.runtime.sweep import exit_if_points_failed
