@@ -837,13 +837,19 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
 
 
 def notice_problems(first: DictConfig) -> list[str]:
-    """Slurm's notice (USR2, hydra.launcher.signal_delay_s before the time limit), as a Slurm point takes it
+    """submitit's count of requeues, and Slurm's notice (USR2, hydra.launcher.signal_delay_s before the time limit), as a Slurm point takes it
     (runtime/preemption.py): the step under way ends (cut short GRACE_S after the notice), a checkpoint is saved, the
     point is requeued. A delay of GRACE_S or less let Slurm's kill come first: the point ended TIMEOUT, not requeued.
     A time limit no longer than the delay had the notice sent as the job started (~20 s in): the point was requeued
     before its first step, again each time, until submitit's max_num_timeout ran out."""
     from molt_hydra.runtime.preemption import GRACE_S
 
+    count = OmegaConf.select(first, "hydra.launcher.max_num_timeout")
+    if type(count) is not int or count < 0:  # (submitit's requeue: `count - timed_out` in the point's signal handler)
+        return [f"- hydra.launcher.max_num_timeout: {count!r}, but it is how many times submitit requeues a point that "
+                "reaches its time limit, an integer >= 0 (not a number: the point's first notice failed it with a "
+                "TypeError, not requeued; below 0: no point was requeued, even when preempted). Fix: set it to an "
+                "integer >= 0 (the preset's 3; 0: a point at its time limit is not requeued)"]
     delay, limit = (OmegaConf.select(first, f"hydra.launcher.{key}") for key in ("signal_delay_s", "timeout_min"))
     if not isinstance(delay, int) or not isinstance(limit, int):
         return []
