@@ -837,11 +837,11 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
 
 
 def notice_problems(first: DictConfig) -> list[str]:
-    """submitit's count of requeues, and Slurm's notice (USR2, hydra.launcher.signal_delay_s before the time limit), as a Slurm point takes it
-    (runtime/preemption.py): the step under way ends (cut short GRACE_S after the notice), a checkpoint is saved, the
-    point is requeued. A delay of GRACE_S or less let Slurm's kill come first: the point ended TIMEOUT, not requeued.
-    A time limit no longer than the delay had the notice sent as the job started (~20 s in): the point was requeued
-    before its first step, again each time, until submitit's max_num_timeout ran out."""
+    """submitit's count of requeues, and Slurm's notice (USR2, hydra.launcher.signal_delay_s before the time limit),
+    as a Slurm point takes it (runtime/preemption.py): the step under way ends (cut short GRACE_S after the notice), a
+    checkpoint is saved, the point is requeued. A delay of GRACE_S or less let Slurm's kill come first: the point
+    ended TIMEOUT, not requeued. A time limit no longer than the delay had the notice sent as the job started (~20 s
+    in): the point was requeued before its first step, again each time, until submitit's max_num_timeout ran out."""
     from molt_hydra.runtime.preemption import GRACE_S
 
     count = OmegaConf.select(first, "hydra.launcher.max_num_timeout")

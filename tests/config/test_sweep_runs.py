@@ -56,7 +56,8 @@ def test_a_sweep_directory_given_without_a_time_is_used_as_given(monkeypatch, tm
     runs = [_sweep(monkeypatch, tmp_path, f"hydra.sweep.dir={tmp_path / 'mine'}") for _ in range(2)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["0_seed=1", "1_seed=2", "multirun.yaml"]
-    assert [run.output_dir for run in runs[1]] == [str(tmp_path / "mine" / "0_seed=1"), str(tmp_path / "mine" / "1_seed=2")]
+    mine = tmp_path / "mine"
+    assert [run.output_dir for run in runs[1]] == [str(mine / "0_seed=1"), str(mine / "1_seed=2")]
     assert len({run.logger.wandb.group for points in runs for run in points}) == 1
 
 
