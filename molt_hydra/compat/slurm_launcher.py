@@ -6,8 +6,7 @@ Here a refused submission is a config error naming the cluster.* keys and what t
 point is waited for; the failed ones are then listed (number, overrides, Slurm job, state, the end of its log) and the
 sweep ends as failed (exit 4). conf/hydra/launcher/molt_slurm.yaml selects it. The plugin's LocalLauncher
 (hydra/launcher=submitit_local: each point a local process) takes it too: its own launch ended at the first failed
-point with submitit's UncompletedJobError traceback (exit 1), and the points still running were cancelled as it
-exited."""
+point with submitit's UncompletedJobError traceback (exit 1), the points after it unreported."""
 
 from __future__ import annotations
 
@@ -63,8 +62,11 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     try:
         results, failed = _wait(jobs, points, initial_job_idx, slurm)
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM here stops the waiting, not the points: say so, and how to reach them
-        if not slurm:  # (local processes: cancelled as molt-run exits)
-            print("\nInterrupted: the sweep's points stopped with molt-run.", file=sys.stderr, flush=True)
+        if not slurm:  # (local processes of molt-run's process group: a Ctrl-C reaches them, a SIGTERM does not)
+            pids = " ".join(job.job_id for job in jobs)
+            print(f"\nInterrupted: molt-run stopped waiting on the sweep's points, processes {pids} here (a Ctrl-C "
+                  f"reaches them too; to stop any still running: `kill {pids}`); `molt-report {sweep_dir}` shows how "
+                  "far each got.", file=sys.stderr, flush=True)
             sys.exit(EXIT_INTERRUPTED)
         array = jobs[0].job_id.split("_")[0]
         print(f"\nInterrupted: molt-run stopped waiting; the sweep's {len(jobs)} point(s) keep running in Slurm (job "
