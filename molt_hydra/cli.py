@@ -837,13 +837,19 @@ def launcher_problems(first: DictConfig, overrides: list[str], multirun: bool) -
 
 
 def notice_problems(first: DictConfig) -> list[str]:
-    """Slurm's notice (USR2, hydra.launcher.signal_delay_s before the time limit), as a Slurm point takes it
-    (runtime/preemption.py): the step under way ends (cut short GRACE_S after the notice), a checkpoint is saved, the
-    point is requeued. A delay of GRACE_S or less let Slurm's kill come first: the point ended TIMEOUT, not requeued.
-    A time limit no longer than the delay had the notice sent as the job started (~20 s in): the point was requeued
-    before its first step, again each time, until submitit's max_num_timeout ran out."""
+    """submitit's count of requeues, and Slurm's notice (USR2, hydra.launcher.signal_delay_s before the time limit),
+    as a Slurm point takes it (runtime/preemption.py): the step under way ends (cut short GRACE_S after the notice), a
+    checkpoint is saved, the point is requeued. A delay of GRACE_S or less let Slurm's kill come first: the point
+    ended TIMEOUT, not requeued. A time limit no longer than the delay had the notice sent as the job started (~20 s
+    in): the point was requeued before its first step, again each time, until submitit's max_num_timeout ran out."""
     from molt_hydra.runtime.preemption import GRACE_S
 
+    count = OmegaConf.select(first, "hydra.launcher.max_num_timeout")
+    if type(count) is not int or count < 0:  # (submitit's requeue: `count - timed_out` in the point's signal handler)
+        return [f"- hydra.launcher.max_num_timeout: {count!r}, but it is how many times submitit requeues a point that "
+                "reaches its time limit, an integer >= 0 (not a number: the point's first notice failed it with a "
+                "TypeError, not requeued; below 0: no point was requeued, even when preempted). Fix: set it to an "
+                "integer >= 0 (the preset's 3; 0: a point at its time limit is not requeued)"]
     delay, limit = (OmegaConf.select(first, f"hydra.launcher.{key}") for key in ("signal_delay_s", "timeout_min"))
     if not isinstance(delay, int) or not isinstance(limit, int):
         return []
@@ -1179,8 +1185,10 @@ def _main(cfg: DictConfig) -> None:
     if run_cfg.dry_run:
         return
     from molt_hydra.runtime.entrypoint import run
+    from molt_hydra.runtime.sweep import going_on_after_a_failure
 
-    run(run_cfg)
+    with going_on_after_a_failure():  # a local sweep's failed point: the others still run
+        run(run_cfg)
 
 
 def main() -> None:
@@ -1202,7 +1210,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def _check_then_run() -> None:
-    from molt_hydra.compat.hydra import get_args_parser, report_slurm_sweeps
+    from molt_hydra.compat.hydra import get_args_parser, report_submitit_sweeps
 
     register()
     parser, problems = get_args_parser(), []
@@ -1237,8 +1245,12 @@ def _check_then_run() -> None:
                                                                   config_dir=args.config_dir)[1]):
         _exit_config_error("\n".join(failed))  # --help / --info compose the overrides too (before: a traceback)
     if args.multirun:
-        report_slurm_sweeps()  # a Slurm sweep's refusal and failed points, reported (compat/hydra.py)
+        report_submitit_sweeps()  # a submitit sweep's refusal and failed points, reported (compat/hydra.py)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
+    if args.multirun:
+        from molt_hydra.runtime.sweep import exit_if_points_failed
+
+        exit_if_points_failed()
     if problems:  # --cfg: the config is printed, then why a run of it would be refused
         _exit_config_error("\n".join(problems))
 
@@ -1295,6 +1307,10 @@ def _command_line_problems(args) -> list[str]:
         problems, points = sweep_checked(first, overrides, args.config_dir)
         if points and not problems and all(result[0].dry_run for _, result in points):
             _dry_sweep(points)
+        if not problems:  # a directory of this sweep's own (runtime/fresh_dir.py), which Hydra makes next
+            from molt_hydra.runtime.fresh_dir import own_dir
+
+            add_override(f"hydra.sweep.dir={quoted(str(own_dir(first.hydra.sweep)))}", overrides)
         return problems
     if args.cfg:
         if args.package not in (None, "", "_global_") and OmegaConf.select(first, args.package, default=_ABSENT) in (
@@ -1354,8 +1370,11 @@ def _check_run(first: DictConfig, overrides: list[str], config_dir: str | None) 
         print(plan.render())
         print(f"Dry run: nothing started, nothing written (the run would write to {run_cfg.output_dir}).")
         sys.exit(0)
-    add_override(f"hydra.run.dir={quoted(str(run_dir))}", overrides)
-    _CHECKED[run_cfg.output_dir] = result
+    from molt_hydra.runtime.fresh_dir import own_dir
+
+    if (mine := own_dir(first.hydra.run)) == run_dir:  # (taken: Hydra's compose checks the run in mine again)
+        _CHECKED[run_cfg.output_dir] = result
+    add_override(f"hydra.run.dir={quoted(str(mine))}", overrides)
     return []
 
 

@@ -6,8 +6,9 @@ Reached into here: `hydra._internal.utils.get_args_parser`, the parser `hydra.ma
 that `molt-run` checks the composed config (all errors in one message) before Hydra starts; and
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
 overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
-plugin's `SlurmLauncher.launch`, replaced (`report_slurm_sweeps`); and `hydra.core.plugins.Plugins.discover`, the
-launcher and sweeper classes Hydra can start (`plugin_classes`) and its shell-completion plugins
+plugin's `SlurmLauncher.launch` and `LocalLauncher.launch`, replaced (`report_submitit_sweeps`); and
+`hydra.core.plugins.Plugins.discover`, the launcher and sweeper classes Hydra can start (`plugin_classes`) and its
+shell-completion plugins
 (`completion_shells`); and the submitit launcher's mapping of its keys onto submitit's executor
 (`submitit_refused`); and its config sources (`_internal.sources_registry`), for hydra.searchpath's entries
 (`search_path_problem`); and the override grammar's generated parser
@@ -100,16 +101,17 @@ def sweep_points(overrides: list) -> list[list[str]]:
     return [point for batch in BasicSweeper.split_arguments(overrides, None) for point in batch]
 
 
-def report_slurm_sweeps() -> None:
-    """hydra-submitit-launcher's SlurmLauncher.launch replaced by compat/slurm_launcher.py `launch`
-    (sbatch's refusal as a config error; every point waited for, the failed ones listed). A replaced method, not a
-    subclass: Hydra instantiates a launcher only from its `hydra_plugins` package. Called before Hydra starts."""
-    written_for("molt-run's Slurm sweeps", "hydra", {"hydra-submitit-launcher": ("1.2",)})
-    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+def report_submitit_sweeps() -> None:
+    """hydra-submitit-launcher's SlurmLauncher.launch and LocalLauncher.launch replaced by compat/slurm_launcher.py
+    `launch` (sbatch's refusal as a config error; every point waited for, the failed ones listed). A replaced method,
+    not a subclass: Hydra instantiates a launcher only from its `hydra_plugins` package. Called before Hydra starts."""
+    written_for("molt-run's submitit sweeps", "hydra", {"hydra-submitit-launcher": ("1.2",)})
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
     from molt_hydra.compat.slurm_launcher import launch
 
     SlurmLauncher.launch = launch
+    LocalLauncher.launch = launch
 
 
 def written_scalars(override: str) -> list[tuple[str, int, int]]:

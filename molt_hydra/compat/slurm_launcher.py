@@ -4,7 +4,9 @@ Slurm says no or a point fails. Its own `launch` let sbatch's refusal out as a s
 points in order, ending at the first failed one with its traceback: the points after it unreported (still running).
 Here a refused submission is a config error naming the cluster.* keys and what the partitions have (exit 2), and every
 point is waited for; the failed ones are then listed (number, overrides, Slurm job, state, the end of its log) and the
-sweep ends as failed (exit 4). conf/hydra/launcher/molt_slurm.yaml selects it."""
+sweep ends as failed (exit 4). conf/hydra/launcher/molt_slurm.yaml selects it. The plugin's LocalLauncher
+(hydra/launcher=submitit_local: each point a local process) takes it too: its own launch ended at the first failed
+point with submitit's UncompletedJobError traceback (exit 1), the points after it unreported."""
 
 from __future__ import annotations
 
@@ -40,12 +42,12 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     """SlurmLauncher.launch: submit every point as one job array, wait for all, report the failed ones."""
     from submitit.core.utils import FailedJobError
 
-    executor = _executor(launcher)
+    executor, slurm = _executor(launcher), launcher._EXECUTOR == "slurm"
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     if "mode" in launcher.config.hydra.sweep:
         sweep_dir.chmod(int(str(launcher.config.hydra.sweep.mode), 8))
-    submitit_launcher.log.info(f"Submitit 'slurm' sweep output dir : {sweep_dir}")
+    submitit_launcher.log.info(f"Submitit '{launcher._EXECUTOR}' sweep output dir : {sweep_dir}")
     points = [list(o) for o in job_overrides]
     params = [(o, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}", Singleton.get_state())
               for i, o in enumerate(points)]
@@ -56,10 +58,16 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
         sys.exit(EXIT_CONFIG_ERROR)
     for i, (point, job) in enumerate(zip(points, jobs)):
         submitit_launcher.log.info(f"\t#{initial_job_idx + i} : {' '.join(filter_overrides(point))} "
-                                   f"(Slurm job {job.job_id})")
+                                   f"({'Slurm job' if slurm else 'process'} {job.job_id})")
     try:
-        results, failed = _wait(jobs, points, initial_job_idx)
+        results, failed = _wait(jobs, points, initial_job_idx, slurm)
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM here stops the waiting, not the points: say so, and how to reach them
+        if not slurm:  # (local processes of molt-run's process group: a Ctrl-C reaches them, a SIGTERM does not)
+            pids = " ".join(job.job_id for job in jobs)
+            print(f"\nInterrupted: molt-run stopped waiting on the sweep's points, processes {pids} here (a Ctrl-C "
+                  f"reaches them too; to stop any still running: `kill {pids}`); `molt-report {sweep_dir}` shows how "
+                  "far each got.", file=sys.stderr, flush=True)
+            sys.exit(EXIT_INTERRUPTED)
         array = jobs[0].job_id.split("_")[0]
         print(f"\nInterrupted: molt-run stopped waiting; the sweep's {len(jobs)} point(s) keep running in Slurm (job "
               f"{array}: `squeue -j {array}`, cancel them with `scancel {array}`); `molt-report {sweep_dir}` shows "
@@ -68,13 +76,14 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     if failed:
         others = "; the others completed" if len(failed) < len(points) else ""
         print("\n".join(failed) + f"\nRun failed: sweep {sweep_dir}: {len(failed)} of {len(points)} point(s) "
-              f"failed (listed above){others}. Fix: see each point's log; a point resubmitted into the same "
-              "directory resumes from its latest checkpoint.", file=sys.stderr, flush=True)
+              f"failed (listed above){others}. Fix: see each point's log; " + ("a point resubmitted into the same "
+              "directory resumes from its latest checkpoint." if slurm else "then run those points again."),
+              file=sys.stderr, flush=True)
         sys.exit(EXIT_FAILED)
     return results
 
 
-def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobReturn], list[str]]:
+def _wait(jobs: list, points: list[list[str]], first: int, slurm: bool) -> tuple[list[JobReturn], list[str]]:
     """Every point's result, also after a failed one; a failed, cancelled or timed-out point as its report line.
     A point pending for a reason Slurm will not clear by itself is named meanwhile (once per reason); one absent from
     squeue GONE_POLLS polls in a row, unfinished to submitit, has been dropped by Slurm and fails."""
@@ -83,7 +92,7 @@ def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobRetu
     told: set[tuple[str, str]] = set()
     absent = dict.fromkeys((job.job_id for job in jobs), 0)
     while not all(job.done() or absent[job.job_id] >= GONE_POLLS for job in jobs):
-        queued = _queued(jobs)
+        queued = _queued(jobs) if slurm else None
         for number, job in enumerate(jobs, start=first):
             if queued is not None:  # (squeue failed: slurmctld busy; look again next time)
                 absent[job.job_id] = 0 if job.job_id in queued or job.done() else absent[job.job_id] + 1
@@ -105,7 +114,7 @@ def _wait(jobs: list, points: list[list[str]], first: int) -> tuple[list[JobRetu
             ret.return_value  # noqa: B018 - raises what the task raised (Hydra's run_job caught it)
             results.append(ret)
         except Exception as e:  # noqa: BLE001 - reported by the caller, with the others
-            failed.append(_failure(first + i, point, job, e))
+            failed.append(_failure(first + i, point, job, e, "Slurm job" if slurm else "process"))
     return results, failed
 
 
@@ -113,11 +122,11 @@ def _executor(launcher):
     """The executor as the parent's launch sets it up (submitit_folder, max_num_timeout, the queue parameters)."""
     import submitit
 
-    params = dict(launcher.params)
-    ex = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
-                               slurm_max_num_timeout=params.pop("max_num_timeout"))
+    params, name = dict(launcher.params), launcher._EXECUTOR
+    ex = submitit.AutoExecutor(cluster=name, folder=params.pop("submitit_folder"),
+                               **{f"{name}_{k}": params.pop(k) for k in ("max_num_timeout",) if k in params})
     base = set(OmegaConf.structured(BaseQueueConf).keys())
-    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    ex.update_parameters(**{k if k in base else f"{name}_{k}": v for k, v in params.items()})
     return ex
 
 
@@ -158,8 +167,8 @@ def _sinfo() -> str:
         return f"(sinfo failed: {e})"
 
 
-def _failure(number: int, point: list[str], job: Any, error: Exception) -> str:
-    """One failed point: its number and overrides, its Slurm job and state, the end of its log (or of the error)."""
+def _failure(number: int, point: list[str], job: Any, error: Exception, kind: str) -> str:
+    """One failed point: its number and overrides, its job (`kind`) and state, the end of its log (or the error)."""
     try:
         log = job.stderr() or ""
     except Exception:  # noqa: BLE001 - no log file (the job never started)
@@ -168,5 +177,5 @@ def _failure(number: int, point: list[str], job: Any, error: Exception) -> str:
     if type(error).__module__.split(".")[0] != "submitit":  # the task's own exception: its log may not show it
         tail.append(repr(error)[:1000])
     where = f"log {job.paths.stderr}" if job.paths.stderr.exists() else "no log (it never started)"
-    return (f"sweep point #{number} ({' '.join(filter_overrides(point))}): Slurm job {job.job_id} {job.state}; "
+    return (f"sweep point #{number} ({' '.join(filter_overrides(point))}): {kind} {job.job_id} {job.state}; "
             f"{where}:\n" + "\n".join(f"    {ln}" for ln in tail))

@@ -51,3 +51,24 @@ def test_submitit_local_sweep_trains(tmp_path):
         assert json.loads((d / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
     assert [r[:4] for r in _report(sweep)] == [["0", "algorithm.estimator=grpo", "completed", "3"],
                                                ["1", "algorithm.estimator=rloo", "completed", "3"]]
+
+
+def test_failed_points_of_a_submitit_local_sweep_are_each_named(tmp_path):
+    """Before: the first failed point ended `molt-run -m hydra/launcher=submitit_local` with submitit's
+    UncompletedJobError traceback (exit 1), and the points still running were cancelled as it exited. Both points
+    fail in the real runtime, before Ray starts (checkpoint.resume=never over an earlier run's checkpoints)."""
+    old_a, old_b, sweep = tmp_path / "old_a", tmp_path / "old_b", tmp_path / "sweep"
+    (old_a / "step_1").mkdir(parents=True)
+    (old_b / "step_2").mkdir(parents=True)
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run([MOLT_RUN, "-m", "hydra/launcher=submitit_local", f"checkpoint.dir={old_a},{old_b}",
+                        f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 4 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    for number, root in enumerate((old_a, old_b)):
+        start = r.stderr.index(f"sweep point #{number} (checkpoint.dir={root}): process ")
+        assert f"    Run failed: checkpoint.resume=never, but {root} holds an earlier run's checkpoints" in \
+            r.stderr[start:], r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"Run failed: sweep {sweep}: 2 of 2 point(s) failed (listed above). Fix: see each point's log; then run "
+        "those points again.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -24,15 +26,32 @@ def _cfg(mode: RunMode, overrides=()):
     return cfg
 
 
-def test_sweep_group_is_name_and_time():
-    assert sweep_group("multirun/sweep_x/2026-01-02_03-04-05") == "sweep_x_2026-01-02_03-04-05"
+def _digest(path: str) -> str:
+    return hashlib.sha256(path.encode()).hexdigest()[:8]
+
+
+def test_sweep_group_is_name_time_and_where(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    where = _digest(str(tmp_path / "multirun" / "sweep_x" / "2026-01-02_03-04-05"))
+    assert sweep_group("multirun/sweep_x/2026-01-02_03-04-05") == f"sweep_x_2026-01-02_03-04-05_{where}"
+    assert sweep_group(str(tmp_path / "multirun" / "sweep_x" / "2026-01-02_03-04-05")) == \
+        f"sweep_x_2026-01-02_03-04-05_{where}"  # the same directory, however it is written: one group
+
+
+def test_two_sweeps_whose_directories_end_alike_get_their_own_groups():
+    """Before: both were `exp_sweep` (the directory's last two parts), so the points of two sweeps logged into one
+    W&B group, compared as one sweep's."""
+    assert sweep_group("/a/exp/sweep") == f"exp_sweep_{_digest('/a/exp/sweep')}"
+    assert sweep_group("/b/exp/sweep") == f"exp_sweep_{_digest('/b/exp/sweep')}"
+    assert _digest("/a/exp/sweep") != _digest("/b/exp/sweep")
 
 
 def test_multirun_point_gets_the_sweep_group():
     cfg = _cfg(RunMode.MULTIRUN)
     assert cfg.logger.wandb.group is None
     set_wandb_group(cfg)
-    assert cfg.logger.wandb.group == "sweep_x_2026-01-02_03-04-05"
+    assert cfg.logger.wandb.group == sweep_group("multirun/sweep_x/2026-01-02_03-04-05")
+    assert cfg.logger.wandb.group.startswith("sweep_x_2026-01-02_03-04-05_")
 
 
 def test_single_run_and_explicit_group_unchanged():
