@@ -12,15 +12,15 @@ import dataclasses
 import random
 import typing
 from enum import Enum
+from pathlib import Path
 
 import pytest
 
 from _config_helpers import PLAN_HEADER, run_cli_many
-from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, to_run_config
+from molt_hydra.cli import EXIT_CONFIG_ERROR, point_problems
 from molt_hydra.config.bounds import BOUNDS, Bounds
-from molt_hydra.config.schema import ConfigError, OptimizerConfig, RunConfig
+from molt_hydra.config.schema import OptimizerConfig, RunConfig
 from molt_hydra.config.validate import MUON_FIELDS, NOT_IMPLEMENTED
-from molt_hydra.runtime.validate import validate
 
 SEED = 1717
 N_BAD = 240
@@ -171,17 +171,11 @@ def valid_sets(seed: int = SEED, n: int = N_VALID) -> list[list[str]]:
 
 
 def dry_run_in_process(overrides: list[str]) -> tuple[int, str]:
-    """What `molt-run OVERRIDES dry_run=true` does, minus Hydra's run directory: (exit code, message or plan).
-    Anything but a ConfigError propagates, so a traceback fails the test that calls this."""
-    from molt_hydra.runtime.plan import make_plan
-
-    cfg, problems = compose_checked([*overrides, "output_dir=/nonexistent/molt_fuzz"])  # Hydra sets it in a run
-    if problems:
-        return EXIT_CONFIG_ERROR, "\n".join(problems)
-    try:
-        return 0, make_plan(validate(to_run_config(cfg))).render()  # the plan refuses a colocated split that can't fit
-    except ConfigError as e:
-        return EXIT_CONFIG_ERROR, str(e)
+    """What `molt-run OVERRIDES dry_run=true` does, minus Hydra's run directory: (exit code, message or plan), through
+    the CLI's own check of one run (`point_problems`). Anything but a ConfigError propagates, so a traceback fails the
+    test that calls this."""
+    problems, result = point_problems([*overrides, "dry_run=true"], Path("/nonexistent/molt_fuzz"), None)
+    return (EXIT_CONFIG_ERROR, "\n".join(problems)) if problems else (0, result[1].render())
 
 
 def test_generation_covers_the_schema():
