@@ -734,7 +734,7 @@ def test_a_run_is_composed_validated_and_planned_once(monkeypatch, tmp_path, cap
     import molt_hydra.runtime.entrypoint as entrypoint
 
     calls, runs = [], []
-    monkeypatch.setattr(cli, "checked", lambda cfg, real=cli.checked: calls.append(1) or real(cfg))
+    monkeypatch.setattr(cli, "checked", lambda cfg, given, real=cli.checked: calls.append(1) or real(cfg, given))
     monkeypatch.setattr(entrypoint, "run", runs.append)
     handlers = logging.root.handlers[:]
     try:
