@@ -797,9 +797,12 @@ def _whole_steps(samples: int, t, n: int, per_step: int) -> str:
     dividing them that micro-batches still split evenly (micro_batch_size x dp = `per_step`; any under dynamic
     batching), else the fewest prompt groups whose samples fill whole batches. Was always train.batch_size=<samples>,
     which the micro-batch rule refused in turn (`rollout.n_samples_per_prompt=3`: train.batch_size=24, not a multiple
-    of 16)."""
-    fits = [b for b in range(samples, 0, -1) if samples % b == 0 and (t.dynamic_batch or b % per_step == 0)]
-    return f"train.batch_size={fits[0]}" if fits else f"rollout.batch_size={t.batch_size // math.gcd(t.batch_size, n)}"
+    of 16). The largest is all of them where any is (a multiple of `per_step` divides them only if they are one): was a
+    search down from `samples`, which every config ran (the fix text is built whether the rule fails or not), so
+    rollout.n_samples_per_prompt=2147483648 hung the check."""
+    if t.dynamic_batch or samples % per_step == 0:
+        return f"train.batch_size={samples}"
+    return f"rollout.batch_size={t.batch_size // math.gcd(t.batch_size, n)}"
 
 
 def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:

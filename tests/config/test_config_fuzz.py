@@ -235,3 +235,35 @@ def test_valid_set_through_the_real_cli(cli_runs):
     for res in valid:
         assert res.returncode == 0, res.describe()
         assert PLAN_HEADER in res.stdout, res.describe()
+
+
+HUGE = 2**31  # past any count a run holds; a check that counts up to such a value by ones never ends
+
+
+def _fail_on_alarm(signum, frame):
+    raise TimeoutError(f"the check did not end within {CHECK_LIMIT_S} s")
+
+
+CHECK_LIMIT_S = 60  # a termination bound, not a speed target: one check takes about a second
+
+
+@pytest.mark.parametrize("job", ["rl", "eval"])
+def test_a_huge_count_ends_in_a_plan_or_an_error(job):
+    """Every int knob of the schema at 2**31 ends, in a plan or in errors naming key, reason and fix. Before,
+    rollout.n_samples_per_prompt=2147483648 (or rollout.batch_size) hung `molt-run ... dry_run=true` under any job:
+    the batch rule's suggested fix searched down from the step's sample count by ones, built even when it passed."""
+    import signal
+
+    extra = ["eval.data_path=builtin://toy_eval"] if job == "eval" else []
+    previous = signal.signal(signal.SIGALRM, _fail_on_alarm)
+    try:
+        for leaf in (leaf for leaf in LEAVES if leaf.kind is int):
+            signal.alarm(CHECK_LIMIT_S)
+            code, text = dry_run_in_process([f"job={job}", *extra, f"{leaf.key}={HUGE}"])
+            signal.alarm(0)
+            lines = text.splitlines() if code else []
+            assert all(" Fix: " in line for line in lines if line.startswith("- ")), (leaf.key, text)
+            assert code == 0 or any(line.startswith("- ") for line in lines), (leaf.key, text)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
