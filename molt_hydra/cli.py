@@ -47,7 +47,6 @@ from molt_hydra.config.bounds import declared_bounds, expected, get, out_of_rang
 from molt_hydra.config.handoff_rules import RUN_DIRS
 from molt_hydra.config.schema import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, ConfigError, RunConfig
 from molt_hydra.config.store import CONF_DIR, register
-from molt_hydra.config.validate import SFT_IGNORES
 from molt_hydra.config.yaml_text import yaml_text_problems
 
 
@@ -801,13 +800,10 @@ def point_problems(overrides: list[str], output_dir: Path, config_dir: str | Non
                                   config_dir=config_dir)
     if cfg is None:
         return errors, None
-    # per point: a sweep over job=rl,eval has points of either
-    errors, result = job_ignored(cfg, overrides) + unread_on_command_line(cfg, overrides), None
-    try:
-        result = checked(cfg)
+    try:  # per point: a sweep over job=rl,eval has points of either
+        return [], checked(cfg, overrides)
     except ConfigError as e:
-        errors.append(str(e))
-    return errors, result
+        return str(e).splitlines(), None
 
 
 SLURM_RESOURCES = ("partition", "account", "qos", "constraint", "setup", "time_min")
@@ -1016,10 +1012,10 @@ def empty_dirs(first: DictConfig, multirun: bool) -> list[str]:
             for key, value in values.items() if value is not None and not str(value).strip()]
 
 
-# Command-line keys a job has no use for: job -> {key or group: why it changes nothing there}. The longest entry a
-# key falls under decides; None marks a key the job reads inside a group it ignores. (The composed defaults and the
-# recipes set some of these keys, so the rule reads the command line, not a change from the schema: `+recipe=NAME
-# job=eval` scores a recipe's model.)
+# The one table of keys a job has no use for: job -> {key or group: why it changes nothing there}. The longest entry
+# a key falls under decides; None marks a key the job reads inside a group it ignores. On the command line each is
+# refused (`job_ignored`); set by the composed defaults or a recipe, the job's JOB_SETS_ASIDE keys are reset to the
+# schema's (`_set_aside`), so `+recipe=NAME job=eval` scores a recipe's model. `validated` does both, for every caller.
 _NO_ENGINE = "starts no rollout engine and runs no agent"
 _NO_TRAINER = "starts no trainer (it scores the model with the rollout engines only)"
 JOB_IGNORES: dict[str, dict[str, str | None]] = {
@@ -1029,11 +1025,35 @@ JOB_IGNORES: dict[str, dict[str, str | None]] = {
             # (a multirun point sets this one itself)
             "logger.wandb.group": "writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B run)",
             "algorithm": "computes no advantage and no RL loss (its loss is the replies' cross-entropy)",
-            **{f"model.{name}": "trains one model, with no reference, teacher or critic beside it" for name in (
-                "ref_path", "critic_path")},
+            **{key: "trains one model, with no reference, teacher or critic beside it" for key in (
+                "model.ref_path", "model.critic_path", "train.critic")},
             **{f"eval.{name}": "scores its eval data by the loss on its replies, sampling nothing" for name in (
                 "batch_size", "n_samples_per_prompt", "temperature", "top_p", "max_new_tokens")},
-            **{key: f"ignores it ({reason.rstrip('.')})" for key, reason in SFT_IGNORES.items()}},
+            "data.split": "reads the default split only", "data.train_probs": "reads one dataset",
+            "data.blank_images": "trains on its rows' images as they are",
+            "eval.split": "reads the default split of its eval data",
+            **{f"data.{name}": "renders its rows' messages with the chat template as they are" for name in (
+                "label_key", "tools_key", "apply_chat_template")},
+            "model.tokenizer_path": "tokenizes with the tokenizer saved beside the model it trains",
+            "model.trust_remote_code": "starts no rollout engine, the only part that runs a model directory's own code",
+            "cluster.ray_address": "starts no Ray: its ranks are processes of this machine (parallel/sft.py)",
+            **{f"train.{name}": "generates no rollouts (it passes over its data train.epochs times)" for name in (
+                "num_episodes", "mode", "queue_depth", "partial_rollout", "stale_samples", "force_on_policy",
+                "rollout_dump_dir", "rollout_replay_dir", "max_untrainable_steps")},
+            **{f"train.timeouts.{name}": "bounds its ranks by train.timeouts.collective_s only" for name in (
+                "startup_s", "engine_call_s", "trainer_call_s", "step_s")},
+            **{f"parallelism.{name}": "trains one model, with no engine or other role beside it" for name in (
+                "colocate", "colocate_models", "borrow_idle_cpus")},
+            # (parallel/sft.py builds each rank's TrainerSpec without them: every rank a data-parallel FSDP rank)
+            **{f"parallelism.{name}": "shards its model with FSDP over its ranks only, with no tensor-, context- or "
+               "expert-parallel mesh" for name in ("tp", "cp", "ep")},
+            "checkpoint.save_hf": "saves resumable checkpoints only; its HF export is the final one",
+            "checkpoint.best_metric_key": "keeps the newest checkpoints (checkpoint.max_num), never a best one",
+            "eval.at_start": "evaluates every eval.every_steps steps (or at each epoch's end) and at the last step",
+            **{f"logger.{name}": "writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B, TensorBoard or "
+               "progress line)" for name in ("every_steps", "tensorboard", "progress", "sample_table_every",
+                                             "dump_trajectories", "debug_rollout", "wandb.mode", "wandb.project",
+                                             "wandb.entity", "wandb.run_name")}},
     "eval": {
         "train": _NO_TRAINER, "parallelism": _NO_TRAINER,
         **{f"train.timeouts.{name}": None for name in ("startup_s", "engine_call_s", "step_s")},
@@ -1055,6 +1075,9 @@ JOB_IGNORES: dict[str, dict[str, str | None]] = {
         **{f"rollout.{name}": "generates no training batch" for name in ("max_inflight_groups", "incomplete_groups")},
         **{f"rollout.{name}": "starts no trainer, so no weights reach the engines" for name in (
             "weight_sync", "routing_replay")},
+        **{f"logger.{name}": "logs its one evaluation only (this shapes the per-step training log)" for name in (
+            "every_steps", "sample_table_every", "dump_trajectories", "debug_rollout")},
+        "logger.debug_grad_norms": _NO_TRAINER,
     },
 }
 
@@ -1122,12 +1145,15 @@ def _exit_config_error(text: str) -> None:
 # parallelism.colocate would otherwise give the one engine half its GPU and sleep mode, beside no trainer; its
 # data.train_path had the data keys judged against rows eval never reads (data.input_key=xyz passed over builtin eval
 # data) and was loaded at the start. job=sft trains one model on its data's replies: an RL recipe's algorithm, its
-# teacher, its rollout-loop and placement knobs and its eval sampling were refused one by one (SFT_IGNORES), so that
-# switching an RL recipe to job=sft meant deleting them by hand, while job=eval took the same recipe.
+# teacher, its rollout-loop and placement knobs and its eval sampling were refused one by one, so that switching an RL
+# recipe to job=sft meant deleting them by hand, while job=eval took the same recipe.
 JOB_SETS_ASIDE = {
-    "eval": ("algorithm", "model.ref_path", "model.critic_path", "parallelism",
+    "eval": ("algorithm", "model.ref_path", "model.critic_path", "train.critic", "parallelism",
+             "checkpoint.best_metric_key",
              *(f"data.{name}" for name in ("train_path", "train_probs", "split", "max_samples", "output_key",
-                                           "train_on_last_turn_only", "chat_template"))),
+                                           "train_on_last_turn_only", "chat_template")),
+             *(f"logger.{name}" for name in ("every_steps", "sample_table_every", "dump_trajectories",
+                                             "debug_rollout", "debug_grad_norms"))),
     "sft": tuple(key for key, reason in JOB_IGNORES["sft"].items() if reason is not None and key not in (
         "rollout", "agent", "train.max_steps", "logger.wandb.group")),  # (read by no rule under job=sft)
 }
@@ -1142,19 +1168,35 @@ def _set_aside(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def checked(cfg: DictConfig):
-    """Everything a run is checked against before it starts, raising ConfigError: the typed config validated, the
-    machine (not in a dry run: it plans a GPU recipe anywhere), the plan (which derives the colocated memory split and
-    refuses one that cannot fit), the installed vLLM of a run that starts engines, the directories the run writes
-    (one not writable exits as runtime/writable.py says). Returns (RunConfig, Plan)."""
+def validated(cfg: DictConfig, overrides: list[str]) -> RunConfig:
+    """The composed `cfg` typed and validated as the run takes it, raising ConfigError with every problem: the keys of
+    the command line (`overrides`, the user's) that the job ignores (JOB_IGNORES) or the run would not read, and, with
+    the keys the job ignores set aside, every rule of runtime/validate.py."""
+    from molt_hydra.runtime.validate import validate  # deferred: it imports the agents (seconds)
+
+    lines = job_ignored(cfg, overrides) + unread_on_command_line(cfg, overrides)
+    try:
+        run_cfg = validate(to_run_config(_set_aside(cfg)))
+    except ConfigError as e:
+        lines.append(str(e))
+    if lines:
+        raise ConfigError("\n".join(lines))
+    return run_cfg
+
+
+def checked(cfg: DictConfig, overrides: list[str]):
+    """Everything a run is checked against before it starts, raising ConfigError: the config `validated` (`overrides`:
+    the command line it was composed with), the machine (not in a dry run: it plans a GPU recipe anywhere), the plan
+    (which derives the colocated memory split and refuses one that cannot fit), the installed vLLM of a run that starts
+    engines, the directories the run writes (one not writable exits as runtime/writable.py says). Returns
+    (RunConfig, Plan)."""
     # deferred: the runtime imports torch, Ray and the agents (seconds), which --help and a config error never need
     from molt_hydra.compat.vllm import preflight
     from molt_hydra.config.validate import missing_gpu
     from molt_hydra.runtime.plan import make_plan
-    from molt_hydra.runtime.validate import validate
     from molt_hydra.runtime.writable import check_outputs
 
-    run_cfg = validate(to_run_config(_set_aside(cfg)))
+    run_cfg = validated(cfg, overrides)
     if not run_cfg.dry_run and (problem := missing_gpu(run_cfg)):  # the machine, before the plan for it
         raise ConfigError(problem)
     plan = make_plan(run_cfg)
@@ -1176,8 +1218,10 @@ def _main(cfg: DictConfig) -> None:
 
     set_wandb_group(cfg)  # multirun points share one W&B group named after the sweep
     if (result := _CHECKED.pop(str(cfg.output_dir), None)) is None:
-        try:
-            result = checked(cfg)
+        from hydra.core.hydra_config import HydraConfig
+
+        try:  # (a point started elsewhere, checked when it was submitted: its command line is Hydra's task overrides)
+            result = checked(cfg, list(HydraConfig.get().overrides.task))
         except ConfigError as e:
             _exit_config_error(str(e))
     run_cfg, plan = result

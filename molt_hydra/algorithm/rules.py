@@ -12,7 +12,6 @@ import dataclasses
 from molt_hydra.algorithm.advantage import ADVANTAGE_ESTIMATORS, KNOBS
 from molt_hydra.algorithm.loss import POLICY_LOSSES
 from molt_hydra.algorithm.plugins import load_plugins
-from molt_hydra.config.bounds import declared_bounds
 from molt_hydra.config.schema import OptimizerConfig, RunConfig
 from molt_hydra.config.validate import Problems, changed, trainer_roles
 
@@ -54,14 +53,7 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
     """Knobs the run's estimator leaves unread, refused: the advantage context's knobs it does not declare in `reads`,
     the critic's without a critic, a reference path without a reference, the KL's while no KL is computed."""
     a, job = cfg.algorithm, cfg.job.value
-    if job != "rl":  # SFT trains on targets, eval only generates: no estimator, critic, reference or KL at all
-        # SFT: no policy loss, IS correction or filter either (kl.coef is derive()'s: algorithm_rules refuses it);
-        # eval keeps an RL recipe's other algorithm knobs, so `+recipe=NAME job=eval` scores that recipe's model
-        rest = [k for k in declared_bounds(RunConfig) if k.startswith("algorithm.") and k != "algorithm.kl.coef"]
-        keys = dict.fromkeys((*(f"algorithm.{name}" for name in sorted(KNOBS)), *CRITIC_KNOBS, *KL_KNOBS,
-                              "model.ref_path", *(rest if job == "sft" else ())))
-        problems.table(((not changed(cfg, key), key, f"job={job} runs no RL estimator, so it changes nothing.",
-                         f"unset {key}, or set job=rl") for key in keys))
+    if job != "rl":  # no estimator, critic, reference or KL: cli.py JOB_IGNORES refuses or sets their keys aside
         return
     loss_and_kl_rules(cfg, problems)
     if a.estimator not in ADVANTAGE_ESTIMATORS:

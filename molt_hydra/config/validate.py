@@ -34,38 +34,6 @@ MUON_FIELDS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_nesterov",
 NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
     "parallelism.pp": ("pipeline parallelism is not implemented (as in Molt).", "set parallelism.pp=1"),
 }
-# Keys the SFT job (runtime/sft_job.py) has no use for: set to anything but the default under job=sft, refused.
-SFT_IGNORES: dict[str, str] = {
-    "data.split": "SFT reads the default split only.",
-    "data.train_probs": "SFT reads one dataset.",
-    "data.blank_images": "SFT trains on its rows' images as they are.",
-    "eval.split": "SFT reads the default split of its eval data.",
-    # (runtime/sft_job.py hands run_sft none of these)
-    **{f"data.{name}": "SFT renders its rows' messages with the chat template as they are." for name in (
-        "label_key", "tools_key", "apply_chat_template")},
-    "model.tokenizer_path": "SFT tokenizes with the tokenizer saved beside the model it trains.",
-    "model.trust_remote_code": "SFT starts no rollout engine, the only part that runs a model directory's own code.",
-    "cluster.ray_address": "SFT starts no Ray: its ranks are processes of this machine (parallel/sft.py).",
-    **{f"train.{name}": "SFT generates no rollouts (it passes over its data train.epochs times)." for name in (
-        "num_episodes", "mode", "queue_depth", "partial_rollout", "stale_samples", "force_on_policy",
-        "rollout_dump_dir", "rollout_replay_dir", "max_untrainable_steps")},
-    **{f"train.timeouts.{name}": "SFT's ranks are bounded by train.timeouts.collective_s only." for name in (
-        "startup_s", "engine_call_s", "trainer_call_s", "step_s")},
-    **{f"parallelism.{name}": "SFT trains one model, with no engine or other role beside it." for name in (
-        "colocate", "colocate_models", "borrow_idle_cpus")},
-    # (parallel/sft.py builds each rank's TrainerSpec without them: every rank a data-parallel FSDP rank)
-    **{f"parallelism.{name}": "SFT shards its model with FSDP over its ranks only, with no tensor-, context- or "
-       "expert-parallel mesh." for name in ("tp", "cp", "ep")},
-    "checkpoint.save_hf": "SFT checkpoints are resumable ones only; its HF export is the final one.",
-    "checkpoint.best_metric_key": "SFT keeps the newest checkpoints (checkpoint.max_num), never a best one.",
-    "eval.at_start": "SFT evaluates every eval.every_steps steps (or at each epoch's end) and at the last step.",
-    **{f"logger.{name}": "SFT writes its metrics to <output_dir>/sft_metrics.jsonl only (no W&B, TensorBoard or "
-       "progress line)." for name in ("every_steps", "tensorboard", "progress", "sample_table_every",
-                                       "dump_trajectories", "debug_rollout", "wandb.mode", "wandb.project",
-                                       "wandb.entity", "wandb.run_name")},
-}
-
-
 # (knob, the bool switch it tunes): the knob set away from its default while its switch is off changes nothing
 SWITCHED_KNOBS = (
     ("logger.dump_logprobs_steps", "logger.dump_logprobs"),
@@ -77,16 +45,6 @@ SWITCHED_KNOBS = (
     ("algorithm.dynamic_filtering.low", "algorithm.dynamic_filtering.enable"),
     ("algorithm.dynamic_filtering.high", "algorithm.dynamic_filtering.enable"),
 )
-
-# Keys job=eval (one forced evaluation, no trainer: runtime/entrypoint.py _eval_only) has no use for and no recipe
-# sets: set under job=eval, refused. (A recipe's training knobs are left alone: `+recipe=NAME job=eval` scores it.)
-EVAL_IGNORES: dict[str, str] = {
-    **{f"logger.{name}": "it shapes the per-step training log; an eval job logs its one evaluation only." for name in (
-        "every_steps", "sample_table_every", "dump_trajectories", "debug_rollout")},
-    "logger.debug_grad_norms": "an eval job starts no trainer, so there are no gradients.",
-    "checkpoint.best_metric_key": "an eval job saves no checkpoint, best or other.",
-}
-
 
 class Problems:
     """Collects every failed rule so the user fixes them all in one round."""
@@ -636,9 +594,9 @@ def hf_path_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
            "trains on the HF backend (model.backend=hf, a CPU cluster, or auto without nemo_automodel).",
            f"unset {key}, or model.backend=automodel on cluster.device=cuda with nemo_automodel")
           for key in AUTOMODEL_CHOICES),
-        *((getattr(p, name) == 1 or cfg.job.value == "sft", f"parallelism.{name}", f"{name}={getattr(p, name)} needs "
+        *((getattr(p, name) == 1, f"parallelism.{name}", f"{name}={getattr(p, name)} needs "
            f"NeMo AutoModel's meshes on GPU; {built} shards with FSDP only.", f"set parallelism.{name}=1, or {other}")
-          for name in ("tp", "cp", "ep")),  # (job=sft builds none of these meshes: SFT_IGNORES)
+          for name in ("tp", "cp", "ep")),  # (job=sft builds none of these meshes: cli.py JOB_IGNORES)
         (m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing", "not available: selective "
          f"(per-op) checkpointing needs NeMo AutoModel; {built} checkpoints whole blocks or nothing.",
          f"set model.gradient_checkpointing=full, or {other}"),
@@ -676,7 +634,7 @@ def parallelism_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
     p, d, m, r = cfg.parallelism, cfg.data, cfg.model, cfg.rollout
     attn = m.attn_implementation.value
     problems.table((
-        # (job=sft and job=eval: SFT_IGNORES and the command line's JOB_IGNORES)
+        # (job=sft and job=eval: cli.py JOB_IGNORES)
         (not (p.colocate_models and cfg.job.value == "rl" and trainer_roles(cfg, needs) == ("actor",)),
          "parallelism.colocate_models", f"the run trains the actor alone (estimator {cfg.algorithm.estimator} needs "
          f"no critic or teacher, and algorithm.kl.coef={cfg.algorithm.kl.coef} builds no reference), so no other "
@@ -797,9 +755,6 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
          "data.chat_template", f"{str(cfg.data.chat_template)[:80]!r} names no file and is no Jinja template (no {{{{ "
          "or {%): the tokenizer would render every conversation as that text.",
          "give the path of a template file, or the template itself"),
-        *((cfg.job.value != job or not changed(cfg, key), key, f"job={job} ignores it: {reason}",
-           f"unset {key} for job={job}") for job, ignored in (("sft", SFT_IGNORES), ("eval", EVAL_IGNORES))
-          for key, reason in ignored.items()),
         (cfg.job.value != "rl" or c.path is None, "checkpoint.path", "job=rl starts from model.path (or resumes from "
          "checkpoint.dir); this path is read by job=eval and job=sft only, so it changes nothing.",
          "set model.path to it (a warm start), or unset checkpoint.path"),
@@ -810,25 +765,21 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
 
 
 def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
-    """Evaluation's knobs without eval data (no evaluation runs) or under job=sft (its evaluation samples nothing):
-    they would change nothing. Compared with what derive() fills in when they are left unset (the rollout's values),
-    so only a value the user chose is refused; an empty split is handoff_rules.name_rules' to report (SFT_IGNORES
-    reports SFT's split and best metric)."""
-    e, r, sft = cfg.eval, cfg.rollout, cfg.job.value == "sft"
-    if e.data_path is not None and not sft:
+    """Evaluation's knobs without eval data (no evaluation runs): they would change nothing. Compared with what
+    derive() fills in when they are left unset (the rollout's values), so only a value the user chose is refused; an
+    empty split is handoff_rules.name_rules' to report. (job=sft samples no evaluation: cli.py JOB_IGNORES.)"""
+    e, r = cfg.eval, cfg.rollout
+    if cfg.job.value == "sft":
+        return
+    if e.data_path is not None:
         _rl_eval_schedule(cfg, problems)
         return
     fallback = {"split": get(defaults(), "eval.split"), "batch_size": r.batch_size, "n_samples_per_prompt": 1,
                 "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
-    if sft:  # SFT_IGNORES reports its split; SFT evaluates the eval rows' loss, sampling nothing
-        del fallback["split"]
-    why, fix = ("job=sft scores its eval data by the loss on its replies, sampling nothing", "unset eval.{}") if (
-        sft and e.data_path is not None) else ("eval.data_path=null runs none", "set eval.data_path, or unset eval.{}")
     problems.table((
-        *((getattr(e, name) in (value, ""), f"eval.{name}", f"it tunes evaluation, but {why}, so it changes nothing.",
-           fix.format(name)) for name, value in fallback.items()),
-        (sft or not changed(cfg, "checkpoint.best_metric_key"), "checkpoint.best_metric_key", "it picks the best "
-         "checkpoint "
+        *((getattr(e, name) in (value, ""), f"eval.{name}", "it tunes evaluation, but eval.data_path=null runs none, "
+           "so it changes nothing.", f"set eval.data_path, or unset eval.{name}") for name, value in fallback.items()),
+        (not changed(cfg, "checkpoint.best_metric_key"), "checkpoint.best_metric_key", "it picks the best checkpoint "
          "by an eval metric, but eval.data_path=null runs no evaluation, so it changes nothing.",
          "set eval.data_path, or unset checkpoint.best_metric_key"),
     ))
@@ -938,9 +889,12 @@ def _whole_steps(samples: int, t, n: int, per_step: int) -> str:
     dividing them that micro-batches still split evenly (micro_batch_size x dp = `per_step`; any under dynamic
     batching), else the fewest prompt groups whose samples fill whole batches. Was always train.batch_size=<samples>,
     which the micro-batch rule refused in turn (`rollout.n_samples_per_prompt=3`: train.batch_size=24, not a multiple
-    of 16)."""
-    fits = [b for b in range(samples, 0, -1) if samples % b == 0 and (t.dynamic_batch or b % per_step == 0)]
-    return f"train.batch_size={fits[0]}" if fits else f"rollout.batch_size={t.batch_size // math.gcd(t.batch_size, n)}"
+    of 16). The largest is all of them where any is (a multiple of `per_step` divides them only if they are one): was a
+    search down from `samples`, which every config ran (the fix text is built whether the rule fails or not), so
+    rollout.n_samples_per_prompt=2147483648 hung the check."""
+    if t.dynamic_batch or samples % per_step == 0:
+        return f"train.batch_size={samples}"
+    return f"rollout.batch_size={t.batch_size // math.gcd(t.batch_size, n)}"
 
 
 def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:

@@ -286,7 +286,8 @@ def test_knob_without_a_mechanism_is_refused_when_set(override, key):
     ("logger.tensorboard=true", "logger.tensorboard"), ("logger.wandb.project=p", "logger.wandb.project"),
 ])
 def test_sft_refuses_what_it_ignores(override, key):
-    assert_fires(["+recipe=qwen3_4b_sft", "cluster=local_gpus", override], key, "job=sft ignores it")
+    assert_fires(["+recipe=qwen3_4b_sft", "cluster=local_gpus", override], key, f"so it changes nothing. Fix: unset "
+                 f"{key} for job=sft")
 
 
 def test_sft_takes_an_image_column():

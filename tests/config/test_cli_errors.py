@@ -513,9 +513,9 @@ def test_a_recipes_model_is_scored_by_job_eval():
     from molt_hydra.cli import checked
 
     overrides = ["+recipe=on_policy_distill", "job=eval", "eval.data_path=builtin://toy_eval", "dry_run=true"]
-    run_cfg, _ = checked(compose_config(overrides))
+    run_cfg, _ = checked(compose_config(overrides), overrides)
     assert run_cfg.model.ref_path is None and run_cfg.algorithm.estimator == "grpo"  # the schema's defaults
-    rl, _ = checked(compose_config(["+recipe=on_policy_distill", "dry_run=true"]))
+    rl, _ = checked(compose_config(rl_run := ["+recipe=on_policy_distill", "dry_run=true"]), rl_run)
     assert rl.model.ref_path == "tiny://qwen3_moe_tiny" and rl.algorithm.estimator == "on_policy_distill"
     assert [line.split(":")[0] for line in job_ignored(compose_config([*overrides, "model.ref_path=x"]),
                                                        [*overrides, "model.ref_path=x"])] == ["- model.ref_path"]
@@ -584,8 +584,8 @@ def test_job_eval_places_its_engines_as_no_trainer_shares_them():
     from molt_hydra.cli import checked
     from molt_hydra.runtime.roles import engine_args
 
-    run_cfg, _ = checked(compose_config(["+recipe=qwen3_toy_gpu", "job=eval", "eval.data_path=builtin://toy_eval",
-                                         "dry_run=true"]))
+    overrides = ["+recipe=qwen3_toy_gpu", "job=eval", "eval.data_path=builtin://toy_eval", "dry_run=true"]
+    run_cfg, _ = checked(compose_config(overrides), overrides)
     assert run_cfg.parallelism.colocate is False  # the schema's
     assert engine_args(run_cfg, "m", False, 0)["sleep_level"] is None
 
@@ -620,7 +620,7 @@ def test_job_eval_sets_the_recipes_training_data_aside():
     from molt_hydra.models.build import resolve_path
     from molt_hydra.runtime.roles import _load_rows
 
-    run_cfg, _ = checked(compose_config(GEO_EVAL))
+    run_cfg, _ = checked(compose_config(GEO_EVAL), GEO_EVAL)
     assert run_cfg.data.train_path is None and run_cfg.data.max_samples == 100_000_000  # the schema's
     # the run's tokenizer screens the rows' chat messages (the recipe's hub model is not reachable here: a stand-in)
     tokenizer = AutoTokenizer.from_pretrained(resolve_path("tiny://qwen25_vl_tiny"))
@@ -650,7 +650,7 @@ def test_job_eval_scores_an_sft_recipes_model():
     from molt_hydra.cli import checked
 
     overrides = ["+recipe=tiny_vlm_colors_warm", "job=eval", "eval.data_path=builtin://colors_eval", "dry_run=true"]
-    run_cfg, _ = checked(compose_config(overrides))
+    run_cfg, _ = checked(compose_config(overrides), overrides)
     assert run_cfg.data.output_key is None and run_cfg.data.image_key == "images"  # the schema's; the recipe's
     for override in ("data.output_key=output", "data.train_on_last_turn_only=true", "data.chat_template=t.jinja"):
         key = override.split("=", 1)[0]
@@ -755,7 +755,7 @@ def test_a_run_is_composed_validated_and_planned_once(monkeypatch, tmp_path, cap
     import molt_hydra.runtime.entrypoint as entrypoint
 
     calls, runs = [], []
-    monkeypatch.setattr(cli, "checked", lambda cfg, real=cli.checked: calls.append(1) or real(cfg))
+    monkeypatch.setattr(cli, "checked", lambda cfg, given, real=cli.checked: calls.append(1) or real(cfg, given))
     monkeypatch.setattr(entrypoint, "run", runs.append)
     handlers = logging.root.handlers[:]
     try:

@@ -12,15 +12,15 @@ import dataclasses
 import random
 import typing
 from enum import Enum
+from pathlib import Path
 
 import pytest
 
 from _config_helpers import PLAN_HEADER, run_cli_many
-from molt_hydra.cli import EXIT_CONFIG_ERROR, compose_checked, to_run_config
+from molt_hydra.cli import EXIT_CONFIG_ERROR, point_problems
 from molt_hydra.config.bounds import BOUNDS, Bounds
-from molt_hydra.config.schema import ConfigError, OptimizerConfig, RunConfig
+from molt_hydra.config.schema import OptimizerConfig, RunConfig
 from molt_hydra.config.validate import MUON_FIELDS, NOT_IMPLEMENTED
-from molt_hydra.runtime.validate import validate
 
 SEED = 1717
 N_BAD = 240
@@ -171,17 +171,11 @@ def valid_sets(seed: int = SEED, n: int = N_VALID) -> list[list[str]]:
 
 
 def dry_run_in_process(overrides: list[str]) -> tuple[int, str]:
-    """What `molt-run OVERRIDES dry_run=true` does, minus Hydra's run directory: (exit code, message or plan).
-    Anything but a ConfigError propagates, so a traceback fails the test that calls this."""
-    from molt_hydra.runtime.plan import make_plan
-
-    cfg, problems = compose_checked([*overrides, "output_dir=/nonexistent/molt_fuzz"])  # Hydra sets it in a run
-    if problems:
-        return EXIT_CONFIG_ERROR, "\n".join(problems)
-    try:
-        return 0, make_plan(validate(to_run_config(cfg))).render()  # the plan refuses a colocated split that can't fit
-    except ConfigError as e:
-        return EXIT_CONFIG_ERROR, str(e)
+    """What `molt-run OVERRIDES dry_run=true` does, minus Hydra's run directory: (exit code, message or plan), through
+    the CLI's own check of one run (`point_problems`). Anything but a ConfigError propagates, so a traceback fails the
+    test that calls this."""
+    problems, result = point_problems([*overrides, "dry_run=true"], Path("/nonexistent/molt_fuzz"), None)
+    return (EXIT_CONFIG_ERROR, "\n".join(problems)) if problems else (0, result[1].render())
 
 
 def test_generation_covers_the_schema():
@@ -241,3 +235,35 @@ def test_valid_set_through_the_real_cli(cli_runs):
     for res in valid:
         assert res.returncode == 0, res.describe()
         assert PLAN_HEADER in res.stdout, res.describe()
+
+
+HUGE = 2**31  # past any count a run holds; a check that counts up to such a value by ones never ends
+
+
+def _fail_on_alarm(signum, frame):
+    raise TimeoutError(f"the check did not end within {CHECK_LIMIT_S} s")
+
+
+CHECK_LIMIT_S = 60  # a termination bound, not a speed target: one check takes about a second
+
+
+@pytest.mark.parametrize("job", ["rl", "eval"])
+def test_a_huge_count_ends_in_a_plan_or_an_error(job):
+    """Every int knob of the schema at 2**31 ends, in a plan or in errors naming key, reason and fix. Before,
+    rollout.n_samples_per_prompt=2147483648 (or rollout.batch_size) hung `molt-run ... dry_run=true` under any job:
+    the batch rule's suggested fix searched down from the step's sample count by ones, built even when it passed."""
+    import signal
+
+    extra = ["eval.data_path=builtin://toy_eval"] if job == "eval" else []
+    previous = signal.signal(signal.SIGALRM, _fail_on_alarm)
+    try:
+        for leaf in (leaf for leaf in LEAVES if leaf.kind is int):
+            signal.alarm(CHECK_LIMIT_S)
+            code, text = dry_run_in_process([f"job={job}", *extra, f"{leaf.key}={HUGE}"])
+            signal.alarm(0)
+            lines = text.splitlines() if code else []
+            assert all(" Fix: " in line for line in lines if line.startswith("- ")), (leaf.key, text)
+            assert code == 0 or any(line.startswith("- ") for line in lines), (leaf.key, text)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

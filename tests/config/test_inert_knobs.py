@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from _config_helpers import PLAN_HEADER, run_cli_many
 from molt_hydra.models.tiny import TINY_SHAPE
 from test_validation import assert_fires, config_errors
 
@@ -174,7 +175,7 @@ CASES = [
     # before, accepted: parallel/sft.py builds no TP / CP / EP mesh (every rank a data-parallel FSDP rank), and
     # AutoModel applies sequence parallelism inside its tensor-parallel plan only
     *[(f"sft_automodel_{name}", ["+recipe=qwen3_4b_sft", "model.backend=automodel", f"parallelism.{name}=2"],
-       f"parallelism.{name}", "job=sft ignores it: SFT shards its model with FSDP over its ranks only")
+       f"parallelism.{name}", "job=sft shards its model with FSDP over its ranks only")
       for name in ("tp", "cp", "ep")],
     ("sequence_parallel_without_tp", [*AUTOMODEL_4, "parallelism.sequence_parallel=true"],
      "parallelism.sequence_parallel", "inside the tensor-parallel region, and parallelism.tp=1 has none"),
@@ -244,40 +245,48 @@ def test_the_same_knobs_where_they_act_validate(overrides):
     assert config_errors(overrides) == []
 
 
-@pytest.mark.parametrize("job,key", [("sft", "algorithm.gamma=0.5"), ("sft", "algorithm.value_clip=0.1"),
-                                     ("eval", "algorithm.kl.estimator=k3"), ("sft", "model.ref_path=tiny://qwen3_tiny")])
-def test_an_rl_knob_outside_job_rl_is_refused_naming_the_job(job, key):
+SFT_NO_RL = "job=sft computes no advantage and no RL loss"
+
+
+@pytest.mark.parametrize("job,key,fragment", [
+    ("sft", "algorithm.gamma=0.5", SFT_NO_RL), ("sft", "algorithm.value_clip=0.1", SFT_NO_RL),
+    ("eval", "algorithm.kl.estimator=k3", "job=eval computes no advantage and no loss"),
+    ("sft", "model.ref_path=tiny://qwen3_tiny", "job=sft trains one model, with no reference"),
+    ("sft", "train.critic.epochs=2", "job=sft trains one model, with no reference, teacher or critic"),
+    ("eval", "train.critic.epochs=2", "job=eval starts no trainer")])
+def test_an_rl_knob_outside_job_rl_is_refused_naming_the_job(job, key, fragment):
     """No estimator runs outside job=rl: the knob is refused as one the job ignores, whatever the estimator (not as
     one another estimator would read)."""
     extra = ["data.train_path=builtin://toy"] if job == "sft" else ["eval.data_path=builtin://toy_eval"]
     name = key.split("=")[0]
-    assert_fires([f"job={job}", *extra, key, "algorithm=reinforce"], name, f"job={job} runs no RL estimator")
+    assert_fires([f"job={job}", *extra, key, "algorithm=reinforce"], name, fragment)
 
 
 # job=sft: runtime/sft_job.py hands run_sft none of these, and its data loader reads one .jsonl / .json file (or a
 # builtin task with replies); each used to validate and then be ignored, or fail the started run with a traceback.
 SFT_CASES = [
-    ("rl_train_knob", ["train.num_episodes=3"], "train.num_episodes", "SFT generates no rollouts"),
-    ("queue_depth", ["train.queue_depth=2"], "train.queue_depth", "SFT generates no rollouts"),
+    ("rl_train_knob", ["train.num_episodes=3"], "train.num_episodes", "job=sft generates no rollouts"),
+    ("queue_depth", ["train.queue_depth=2"], "train.queue_depth", "job=sft generates no rollouts"),
     ("step_timeout", ["train.timeouts.step_s=5"], "train.timeouts.step_s", "train.timeouts.collective_s only"),
     ("colocate", ["parallelism.colocate=true"], "parallelism.colocate", "no engine or other role"),
     ("tokenizer_path", ["model.tokenizer_path=tiny://qwen3_tiny"], "model.tokenizer_path",
      "the tokenizer saved beside the model"),
-    ("tools_key", ["data.tools_key=tools"], "data.tools_key", "job=sft ignores it"),
-    ("no_chat_template", ["data.apply_chat_template=false"], "data.apply_chat_template", "job=sft ignores it"),
-    ("save_hf", ["checkpoint.save_hf=true"], "checkpoint.save_hf", "resumable ones only"),
+    ("tools_key", ["data.tools_key=tools"], "data.tools_key", "job=sft renders its rows' messages"),
+    ("no_chat_template", ["data.apply_chat_template=false"], "data.apply_chat_template",
+     "job=sft renders its rows' messages"),
+    ("save_hf", ["checkpoint.save_hf=true"], "checkpoint.save_hf", "saves resumable checkpoints only"),
     ("best_metric", ["checkpoint.best_metric_key=eval_loss"], "checkpoint.best_metric_key", "never a best one"),
     ("export_dir", ["checkpoint.export_dir=/tmp/molt_export"], "checkpoint.export_dir",
      "job=sft exports to <output_dir>/hf"),
-    ("eval_at_start", ["eval.data_path={data}", "eval.at_start=true"], "eval.at_start", "job=sft ignores it"),
+    ("eval_at_start", ["eval.data_path={data}", "eval.at_start=true"], "eval.at_start",
+     "job=sft evaluates every eval.every_steps steps"),
     ("eval_temperature", ["eval.data_path={data}", "eval.temperature=0.5"], "eval.temperature",
      "job=sft scores its eval data by the loss on its replies, sampling nothing"),
     ("eval_samples", ["eval.data_path={data}", "eval.n_samples_per_prompt=4"], "eval.n_samples_per_prompt",
      "sampling nothing"),
-    ("policy_loss", ["algorithm.policy_loss=gspo"], "algorithm.policy_loss", "job=sft runs no RL estimator"),
-    ("is_correction", ["algorithm.is_correction.level=token"], "algorithm.is_correction.level",
-     "job=sft runs no RL estimator"),
-    ("entropy", ["algorithm.entropy_coef=0.01"], "algorithm.entropy_coef", "job=sft runs no RL estimator"),
+    ("policy_loss", ["algorithm.policy_loss=gspo"], "algorithm.policy_loss", SFT_NO_RL),
+    ("is_correction", ["algorithm.is_correction.level=token"], "algorithm.is_correction.level", SFT_NO_RL),
+    ("entropy", ["algorithm.entropy_coef=0.01"], "algorithm.entropy_coef", SFT_NO_RL),
     ("builtin_prompt_task", ["data.train_path=builtin://toy"], "data.train_path",
      "a builtin prompt task has no replies to train on"),
     ("builtin_prompt_eval", ["eval.data_path=builtin://toy_eval"], "eval.data_path", "has no replies"),
@@ -287,8 +296,9 @@ SFT_CASES = [
      "evenly over its 2 ranks"),
     # SFT starts no Ray and no engine (before: accepted; a ray_address also let cluster.device=cuda past the GPU
     # check on a machine without one), and spawns its ranks here (before: nodes=2 started all 4 ranks here)
-    ("ray_address", ["cluster.ray_address=10.0.0.1:6379"], "cluster.ray_address", "SFT starts no Ray"),
-    ("trust_remote_code", ["model.trust_remote_code=false"], "model.trust_remote_code", "SFT starts no rollout engine"),
+    ("ray_address", ["cluster.ray_address=10.0.0.1:6379"], "cluster.ray_address", "job=sft starts no Ray"),
+    ("trust_remote_code", ["model.trust_remote_code=false"], "model.trust_remote_code",
+     "job=sft starts no rollout engine"),
     ("two_nodes", ["cluster.nodes=2"], "cluster.nodes", "job=sft runs its 4 ranks as processes of this machine"),
 ]
 
@@ -312,6 +322,26 @@ def test_a_knob_sft_ignores_or_cannot_read_is_refused(chats, overrides, key, fra
     assert_fires(_sft(chats, overrides), key, fragment)
 
 
+AGREE = [["train.num_episodes=3"], ["algorithm.entropy_coef=0.01", "parallelism.tp=2"], ["+recipe=on_policy_distill"],
+         ["+recipe=qwen3_toy_gpu", "train.queue_depth=2"]]
+
+
+def test_molt_run_refuses_what_validated_refuses(chats, tmp_path):
+    """One mechanism for the keys job=sft / job=eval ignore (cli.py JOB_IGNORES): what `molt-run ... dry_run=true`
+    prints is what `validated` (the function it checks a composed config with, and these tests' config_errors) raises,
+    line for line. Before, config/validate.py's SFT_IGNORES refused them too, in other words, for Python callers only
+    (the CLI had set them aside first), and a recipe's RL keys, which molt-run sets aside, were refused there."""
+    runs = [*(_sft(chats, extra) for extra in AGREE),
+            ["job=eval", "eval.data_path=builtin://toy_eval", "logger.debug_grad_norms=true", "algorithm.gamma=0.5"],
+            ["+recipe=on_policy_distill", "job=eval", "eval.data_path=builtin://toy_eval"]]
+    results = run_cli_many([[*run, "dry_run=true", f"hydra.run.dir={tmp_path / str(i)}"] for i, run in enumerate(runs)])
+    for run, result in zip(runs, results):
+        printed = [line.removeprefix("- ") for line in result.stderr.splitlines() if line.startswith("- ")]
+        assert printed == config_errors(run), result.describe()
+        assert (result.returncode == 0) == (printed == []) == (PLAN_HEADER in result.stdout), result.describe()
+    assert [len(config_errors(run)) for run in runs] == [1, 2, 0, 1, 2, 0]
+
+
 @pytest.mark.parametrize("overrides", [[], ["eval.data_path={data}", "eval.every_steps=2"],
                                        ["train.dynamic_batch=true", "train.batch_size=16"],
                                        ["checkpoint.export_final=false"]], ids=range(4))
@@ -329,10 +359,10 @@ def test_sft_data_max_len_is_not_bounded_by_the_rollout_engine(chats):
 
 # job=eval: one forced evaluation, no trainer; knobs of the per-step log, gradients and checkpoints change nothing
 @pytest.mark.parametrize("override,key,fragment", [
-    ("logger.every_steps=5", "logger.every_steps", "an eval job logs its one evaluation only"),
-    ("logger.dump_trajectories=true", "logger.dump_trajectories", "an eval job logs its one evaluation only"),
-    ("logger.debug_grad_norms=true", "logger.debug_grad_norms", "job=eval ignores it: an eval job starts no trainer"),
-    ("checkpoint.best_metric_key=eval_toy_pass1", "checkpoint.best_metric_key", "an eval job saves no checkpoint"),
+    ("logger.every_steps=5", "logger.every_steps", "job=eval logs its one evaluation only"),
+    ("logger.dump_trajectories=true", "logger.dump_trajectories", "job=eval logs its one evaluation only"),
+    ("logger.debug_grad_norms=true", "logger.debug_grad_norms", "job=eval starts no trainer"),
+    ("checkpoint.best_metric_key=eval_toy_pass1", "checkpoint.best_metric_key", "job=eval saves no checkpoint"),
 ])
 def test_a_knob_eval_ignores_is_refused(override, key, fragment):
     assert_fires(["job=eval", "eval.data_path=builtin://toy_eval", override], key, fragment)

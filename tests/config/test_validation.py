@@ -9,16 +9,17 @@ import json
 import pytest
 
 from _config_helpers import PLAN_HEADER, compose_config, run_cli_many
-from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config
+from molt_hydra.cli import EXIT_CONFIG_ERROR, to_run_config, validated
 from molt_hydra.config.schema import LR_WHY, MAX_LR, ConfigError
 from molt_hydra.data.prompts import BUILTIN_TASKS
 from molt_hydra.runtime.validate import validate
 
 
 def config_errors(overrides: list[str]) -> list[str]:
-    """The error lines a config produces (composed in-process, then typed and validated exactly as the CLI does)."""
+    """The error lines a config produces: composed in-process, then through `validated`, the function molt-run checks
+    a composed config with (the keys a job ignores: refused as given on the command line, a recipe's set aside)."""
     try:
-        validate(to_run_config(compose_config(overrides)))
+        validated(compose_config(overrides), overrides)
     except ConfigError as e:
         return [line.removeprefix("- ") for line in str(e).splitlines()]
     return []

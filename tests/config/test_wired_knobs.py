@@ -229,9 +229,9 @@ def test_sft_trains_with_the_moe_load_balancing_loss(tmp_path):
     (data := tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 8))
     losses = []
     for coef in (0, 1):
-        cfg, _ = checked(compose_config(["job=sft", "model=qwen3_moe_tiny", f"model.aux_loss_coef={coef}",
-                                         f"data.train_path={data}", "data.input_key=input", "data.output_key=output",
-                                         "dry_run=true"]))
+        overrides = ["job=sft", "model=qwen3_moe_tiny", f"model.aux_loss_coef={coef}", f"data.train_path={data}",
+                     "data.input_key=input", "data.output_key=output", "dry_run=true"]
+        cfg, _ = checked(compose_config(overrides), overrides)
         history = run_sft(cfg.model.path, rows, str(tmp_path / str(coef)), input_key="input", output_key="output",
                           batch_size=4, max_len=64, max_epochs=2, export_hf=False,
                           **{**trainer_options(cfg, cfg.train.optimizer), "lr": 3e-3, "timeout_s": 120})
