@@ -179,7 +179,7 @@ def _saved(path: Path, split: str):
             raise ValueError(f"{path} has no split {split!r}; its splits: {sorted(splits)}. Fix: set data.split (for "
                              "eval.data_path: eval.split) to one of them")
         path = path / split
-    # An empty split saves no data file (load_from_disk itself fails there); a filter that kept none saves one of no rows
+    # an empty split saves no data file (load_from_disk fails there); a filter that kept none saves one of no rows
     state = path / "state.json"
     no_files = state.is_file() and not json.loads(state.read_text()).get("_data_files")
     loaded = None if no_files else datasets.load_from_disk(str(path))

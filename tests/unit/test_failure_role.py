@@ -108,7 +108,8 @@ def test_an_agents_error_of_many_lines_is_shown_as_one_line_cut_short(tmp_path):
                           "  example error (agent_timeout): the rollout ran past agent.timeout_s=60"]
 
 
-@pytest.mark.parametrize("role, named", [("agent runner 1", "agent_runner_1.err"), ("agent runner", "agent_runner_*.err")])
+@pytest.mark.parametrize("role, named", [("agent runner 1", "agent_runner_1.err"),
+                                         ("agent runner", "agent_runner_*.err")])
 def test_an_agent_runner_that_died_points_at_its_output(tmp_path, role, named):
     """Agent code that crashes its runner (a segfault in a C extension, os._exit) leaves its last words (Python's
     'Fatal Python error: Segmentation fault' and the agent's stack) in the runner's stderr; the cause Ray reports is
