@@ -151,7 +151,13 @@ def _lists_resolved(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
 def _not_a_key(key: str, how: str) -> str:
     if key.startswith("hydra."):
         return _not_a_hydra_key(key, how)
-    close = difflib.get_close_matches(key, list(declared_bounds(RunConfig)), n=3)
+    keys = list(declared_bounds(RunConfig))
+    parts = key.split(".")
+    # spelled alike, or its section's keys of the same last name: a Molt flag's nesting (--algo.advantage.estimator
+    # typed as algorithm.advantage.estimator is algorithm.estimator, which spelling alone does not offer); nearest first
+    same_name = [k for k in keys if k.split(".")[0] == parts[0] and k.rsplit(".", 1)[-1] == parts[-1]]
+    close = sorted(set(same_name + difflib.get_close_matches(key, keys, n=3)),
+                   key=lambda k: -difflib.SequenceMatcher(None, key, k).ratio())[:3]
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     return (f"- {key}: not a key of the config ({how}). Fix: {hint}`molt-run --cfg job` prints every key; "
             "agent.runner kwargs are added with +agent.runner.NAME=value")
@@ -595,9 +601,11 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         return (f"- {sweeper}: hydra.sweeper.params cannot be set on the command line (Hydra leaves it unset there, "
                 "and OmegaConf merges nothing into an unset dict). Fix: sweep the key itself, -m KEY=a,b, or set "
                 "hydra.sweeper.params in a recipe, as recipes/sweep_estimators_is.yaml does")
+    given = override.lstrip("+~").split("=", 1)[0]
     if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
-        return _not_a_key(key, override)
-    if key and (given := override.lstrip("+~").split("=", 1)[0]).startswith(f"{key}."):  # `rollout.batch_size.x=4`
+        # the key typed, not its first missing part: its last name finds the key meant (`algorithm.advantage.estimator`)
+        return _not_a_key(given if given.startswith(f"{key}.") else key, override)
+    if key and given.startswith(f"{key}."):  # `rollout.batch_size.x=4`
         return _not_a_key(given, override)  # (was: rollout.batch_size could not be converted from a dict)
     if group := re.search(r"Could not append to config\. An item is already at '([^']+)'", text):  # `+seed=1`
         return (f"- {override}: {group[1]} is a key of the config already; + adds a key it lacks. Fix: drop the +: "

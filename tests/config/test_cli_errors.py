@@ -1048,6 +1048,18 @@ def test_a_group_given_no_option_or_a_key_deleted_that_is_none_says_so(override,
     assert cfg is None and len(problems) == 1 and problems[0].startswith(start) and fix in problems[0], problems
 
 
+@pytest.mark.parametrize("override,named", [
+    ("algorithm.advantage.estimator=rloo", "did you mean algorithm.estimator or"),  # Molt's --algo.advantage.estimator
+    ("algorithm.advantage.gamma=0.9", "did you mean algorithm.gamma"),
+    ("train.optimzer.lr=1e-5", "did you mean train.optimizer.lr"),
+])
+def test_a_key_nested_as_molts_flag_is_named_by_its_last_name(override, named):
+    """Before: `algorithm.advantage.estimator=rloo` got 'did you mean algorithm.kl.target or algorithm.lam or
+    algorithm.whiten' (spelling alone); the key of the same last name in that section was never offered."""
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1 and named in problems[0], problems
+
+
 @pytest.mark.parametrize("sweeps,points", [
     (["seed=range(0,100000000)"], 100000000),
     (["seed=range(0,40)", "train.max_steps=1,2,3", "rollout.top_k=range(1,10)"], 40 * 3 * 9),  # (1080)
