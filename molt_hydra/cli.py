@@ -601,12 +601,10 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         return (f"- {sweeper}: hydra.sweeper.params cannot be set on the command line (Hydra leaves it unset there, "
                 "and OmegaConf merges nothing into an unset dict). Fix: sweep the key itself, -m KEY=a,b, or set "
                 "hydra.sweeper.params in a recipe, as recipes/sweep_estimators_is.yaml does")
-    given = override.lstrip("+~").split("=", 1)[0]
-    if key and any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain):
-        # the key typed, not its first missing part: its last name finds the key meant (`algorithm.advantage.estimator`)
-        return _not_a_key(given if given.startswith(f"{key}.") else key, override)
-    if key and given.startswith(f"{key}."):  # `rollout.batch_size.x=4`
-        return _not_a_key(given, override)  # (was: rollout.batch_size could not be converted from a dict)
+    # the key typed, not its first missing part (its last name finds the one meant); below a value too (`x.y.z=4`)
+    below = (given := override.lstrip("+~").split("=", 1)[0]).startswith(f"{key}.")
+    if key and (below or any(isinstance(c, (ConfigKeyError, ConfigAttributeError)) for c in chain)):
+        return _not_a_key(given if below else key, override)
     if group := re.search(r"Could not append to config\. An item is already at '([^']+)'", text):  # `+seed=1`
         return (f"- {override}: {group[1]} is a key of the config already; + adds a key it lacks. Fix: drop the +: "
                 f"{override.lstrip('+')}")
