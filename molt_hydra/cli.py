@@ -1360,7 +1360,8 @@ def _command_line_problems(args) -> list[str]:
         if not problems:  # a directory of this sweep's own (runtime/fresh_dir.py), which Hydra makes next
             from molt_hydra.runtime.fresh_dir import own_dir
 
-            add_override(f"hydra.sweep.dir={quoted(str(own_dir(first.hydra.sweep)))}", overrides)
+            # after the words as typed (glob() expanded is on no command line: it went after a trailing flag)
+            add_override(f"hydra.sweep.dir={quoted(str(own_dir(first.hydra.sweep)))}", args.overrides)
         return problems
     if args.cfg:
         if args.package not in (None, "", "_global_") and OmegaConf.select(first, args.package, default=_ABSENT) in (

@@ -111,3 +111,20 @@ def test_a_failed_point_of_a_local_sweep_leaves_the_others_to_run(monkeypatch, t
         f"sweep point #2 (checkpoint.dir={old_b}): failed (exit 4)",
         f"Run failed: sweep {tmp_path / 's'}: 2 of 3 point(s) failed (listed above); the others completed. Fix: see "
         "each point's reason above (the `Run failed:` line before its own), then run those points again."]
+
+
+def test_a_glob_sweep_with_its_flag_last_gets_its_own_directory(monkeypatch, tmp_path):
+    """Before: the sweep's own directory was added to the command line after the glob()-expanded overrides, which are
+    on no command line: it went after the trailing -m, "unrecognized arguments: hydra.sweep.dir=...", exit 2, once every
+    point had passed its check (the claimed directory left behind, empty)."""
+    import molt_hydra.runtime.entrypoint as entrypoint
+
+    runs = []
+    monkeypatch.setattr(entrypoint, "run", runs.append)
+    handlers = logging.root.handlers[:]
+    try:
+        assert _main_in_process(["model=glob(qwen3_tiny)", "seed=1,2", "-m"], monkeypatch, tmp_path) is None
+    finally:
+        logging.root.handlers[:] = handlers
+    (sweep,) = (tmp_path / "multirun" / "default").iterdir()
+    assert sorted(Path(run.output_dir).parent for run in runs) == [sweep, sweep] and [r.seed for r in runs] == [1, 2]
