@@ -100,6 +100,10 @@ async def keep() -> None:
 
 
 def _main(driver: int) -> None:
+    # Slurm's notice (runtime/preemption.py NOTICE) reaches every process of the job step, and a SIGHUP the run's
+    # session: the watcher outlives neither by default (it died at each notice, a kill -9 of the driver then unwatched)
+    for sig in (signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     listed, said, listing = _descendants(driver), b"", True
     print("listed", flush=True)
     while True:
