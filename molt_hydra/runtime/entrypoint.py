@@ -38,20 +38,21 @@ from molt_hydra.runtime.writable import run_dirs, writes_checkpoint_dir
 
 def run(cfg: RunConfig) -> None:
     notice = PreemptionNotice(cfg.output_dir)
-    with run_lock(run_dirs(cfg)), _stoppable(notice):  # one run per directory, from its first write to its end
+    # one run per directory, from its first write to its end
+    with run_lock(run_dirs(cfg)), _stoppable(notice, saves=cfg.job.value != "eval"):
         _run(cfg, notice)
 
 
 @contextmanager
-def _stoppable(notice: PreemptionNotice):
+def _stoppable(notice: PreemptionNotice, saves: bool):
     """Ctrl-C or SIGTERM where the run's event loop does not take them (the resume check and the model's build before
     it, seconds of imports; job=sft): exit 130 with one line. Before, Ctrl-C there printed a KeyboardInterrupt
     traceback and SIGTERM ended the process without a word. So does Slurm's notice (nothing to save yet), through
     its handover (submitit's requeue, or exit 130); before, its default action ended the driver without a word."""
     main = threading.current_thread() is threading.main_thread()
     # SIGHUP (the terminal closed) too, unless ignored (nohup): before, its default action ended the driver there
-    # without a word (exit -1)
-    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else ()
+    # without a word (exit -1). Its handler is put back after (molt-run's own: the loop's end reset it to the default)
+    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ()
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, *hangup)} if main else {}
     notice.install(at_once=True)  # (the run's body takes it over: `_main`, job=sft's run_sft_job)
     try:
@@ -59,7 +60,7 @@ def _stoppable(notice: PreemptionNotice):
     except KeyboardInterrupt:
         if notice.received.is_set():
             notice.handover()
-        print("\nInterrupted: the run stopped; the last checkpoint is kept.", file=sys.stderr)
+        print(f"\nInterrupted: the run stopped{KEPT if saves else ''}.", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     finally:
         notice.uninstall()
@@ -387,7 +388,7 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice,
     except KeyboardInterrupt:
         if not notice.received.is_set():
             raise  # Ctrl-C / SIGTERM: _stoppable's exit 130
-        print("\nInterrupted: the run stopped; the last checkpoint is kept.", file=sys.stderr)
+        print(f"\nInterrupted: the run stopped{KEPT if saves else ''}.", file=sys.stderr)
         notice.handover()
     except RoleStalled as e:  # a rank stopped by a signal (sft_job.py): its ranks are ended
         print("\n" + "\n".join([str(e), *_resume_hint(cfg)]), file=sys.stderr)

@@ -111,3 +111,26 @@ def test_under_nohup_sighup_stays_ignored(monkeypatch, capsys, tmp_path):
     finally:
         signal.signal(signal.SIGHUP, before)
     assert capsys.readouterr().err.rstrip().splitlines()[-1] == "Run failed: rollout: the start went on."
+
+
+def test_molt_runs_own_hangup_handler_is_put_back_after_the_run(hangup_default):
+    """molt-run takes SIGHUP before the run (cli.main); the run's event loop, on its close, resets it to the default.
+    Before: _stoppable took and put back SIGHUP only from the default, so after a run its handler was gone, and a
+    hangup while a local sweep's next point was checked ended molt-run by the default action, without a word."""
+    def ours(signum, frame):
+        pass
+
+    signal.signal(signal.SIGHUP, ours)
+    with entrypoint._stoppable(PreemptionNotice(), saves=True):
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as asyncio's remove_signal_handler leaves it
+    assert signal.getsignal(signal.SIGHUP) is ours
+
+
+@pytest.mark.parametrize("saves, said", [(True, "Interrupted: the run stopped; the last checkpoint is kept."),
+                                         (False, "Interrupted: the run stopped.")])
+def test_an_interruption_before_the_loop_names_a_checkpoint_only_where_the_job_saves(capsys, saves, said):
+    """job=eval saves no checkpoint. Before: an eval interrupted in its resume check or model build said one was kept."""
+    with pytest.raises(SystemExit) as stopped, entrypoint._stoppable(PreemptionNotice(), saves=saves):
+        raise KeyboardInterrupt
+    assert stopped.value.code == EXIT_INTERRUPTED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == said
