@@ -405,8 +405,13 @@ def _replay_staleness(cfg: RunConfig, problems: Problems, recorded: dict) -> Non
     async dump trained its first batch, then dropped every sample until the run failed for nothing trainable."""
     if not all(key in recorded for key in SCHEDULE):
         return
-    lag = 0 if recorded["train.mode"] == "sync" else (
-        recorded["train.queue_depth"] + int(recorded["train.partial_rollout"]))
+    mode, depth, partial = (recorded[key] for key in SCHEDULE)
+    if mode not in ("sync", "async") or type(depth) is not int or depth < 0 or not isinstance(partial, bool):
+        problems.check(False, "train.rollout_replay_dir", f"{REPLAY_RECORD} records train.mode={mode!r}, "
+                       f"train.queue_depth={depth!r}, train.partial_rollout={partial!r}: not a schedule a run has "
+                       "(a file written by hand?).", '"sync" or "async", an int >= 0 and true / false (JSON)')
+        return
+    lag = 0 if mode == "sync" else depth + int(partial)
     t, sync = cfg.train, cfg.train.mode.value == "sync"
     problems.check(lag <= t.max_staleness or t.stale_samples.value == "keep", "train.mode" if sync else
                    "train.max_staleness", f"train.rollout_replay_dir={t.rollout_replay_dir} was generated "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -201,6 +202,21 @@ def test_a_sync_replay_of_an_async_dump_is_refused_for_its_stale_tokens(tmp_path
                      "(train.mode=async), so its tokens are up to 1 versions older than the replay step that trains "
                      "them, and train.max_staleness=0 would drop them as stale. Fix: set train.mode=async "
                      "train.queue_depth=1"]
+
+
+@pytest.mark.parametrize("key, value", [("train.queue_depth", "1"), ("train.partial_rollout", "false"),
+                                        ("train.mode", "asynch"), ("train.queue_depth", -1)])
+def test_a_hand_written_schedule_of_the_wrong_type_is_refused_naming_it(tmp_path, key, value):
+    """The refusal of a record-less dump asks for the file to be written by hand. Before: "1" for the queue depth (a
+    string) was a TypeError traceback out of validation."""
+    import json
+
+    dump = _dump(tmp_path, ["train.mode=async", "train.queue_depth=1"])
+    record = Path(dump) / "rollout_settings.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), key: value}))
+    lines = config_errors([f"train.rollout_replay_dir={dump}", "train.mode=async", "train.queue_depth=1"])
+    assert len(lines) == 1 and lines[0].startswith("train.rollout_replay_dir: rollout_settings.json records "), lines
+    assert f"{key}={value!r}" in lines[0] and "Fix: " in lines[0]
 
 
 def test_a_replay_of_a_dump_without_its_record_is_refused(tmp_path):
