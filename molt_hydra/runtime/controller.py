@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -138,7 +139,9 @@ class RLController:
                 path = Path(self.cfg.train.rollout_dump_dir) / f"rollout_step{j}.pt"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(batch, path)  # and what generated it, which a replay must match (config/validate.py)
-                (path.parent / REPLAY_RECORD).write_text(json.dumps(replay_settings(self.cfg), indent=1, default=str))
+                record = path.parent / f".{REPLAY_RECORD}.tmp"  # whole or not at all (a kill mid-write: torn)
+                record.write_text(json.dumps(replay_settings(self.cfg), indent=1, default=str))
+                os.replace(record, path.parent / REPLAY_RECORD)
             if self.held is not None:
                 held, self.held = self.held, None
                 await self.queue.put(held)
