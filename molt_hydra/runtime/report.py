@@ -129,8 +129,9 @@ def varying_overrides(points: list[Point]) -> dict[int, list[str]]:
 
 def _parse_metric(spec: str) -> tuple[str, str]:
     key, _, mode = spec.rpartition(":")
-    if key and mode not in BEST_BY:  # (no metric name holds a colon: a mistyped mode, not a key)
-        raise ValueError(f"--metric {spec}: {mode!r} is not one of {', '.join(BEST_BY)} (how the best value is chosen)")
+    if key and mode not in BEST_BY:  # a mistyped mode, or a key holding a colon (an eval data source's, gsm8k:main)
+        raise ValueError(f"--metric {spec}: {mode!r} is not one of {', '.join(BEST_BY)} (how the best value is chosen)."
+                         f" Fix: one of them; a key holding a colon takes its mode after it: --metric {spec}:max")
     return (key, mode) if key else (spec, "max")
 
 

@@ -123,7 +123,10 @@ def test_a_mistyped_metric_is_named_not_an_empty_column(tmp_path, capsys):
     sweep = _sweep(tmp_path)
     assert report.main([str(sweep), "--metric", "train/vllm_kl:mn"]) == 2
     assert ("molt-report: --metric train/vllm_kl:mn: 'mn' is not one of max, min, absmin (how the best value is "
-            "chosen)") in capsys.readouterr().err
+            "chosen). Fix: one of them; a key holding a colon takes its mode after it: --metric train/vllm_kl:mn:max"
+            ) in capsys.readouterr().err
+    # an eval key holds its data source's name, which may hold a colon (gsm8k:main): with its mode it is a key
+    assert report._parse_metric("eval/eval_gsm8k:main_pass1:max") == ("eval/eval_gsm8k:main_pass1", "max")
     assert not list(sweep.glob("report_*.png"))
     assert report.main([str(sweep), "--metric", "train/rewrd"]) == 0
     assert ("molt-report: no point logged train/rewrd (its columns are empty); the nearest logged: train/reward"
