@@ -419,11 +419,13 @@ def _run_to_end(coro, notice: PreemptionNotice) -> int:
 
 def _stop_signals(loop) -> tuple:
     """Ctrl-C / SIGTERM stop the run (the main task cancelled); only the main thread may take signals (not a notebook's
-    run thread). So does SIGHUP (its terminal closed), unless ignored (nohup): before, it ended the driver and Ray's
-    head processes at once (the default action), a save under way lost, the log's last line no word of it."""
+    run thread). So does SIGHUP (its terminal closed): before, it ended the driver and Ray's head processes at once
+    (the default action), a save under way lost, the log's last line no word of it. SIGINT and SIGHUP ignored when
+    the run started stay ignored, as Python leaves them before the loop: nohup, or a script's `molt-run ... &` (its
+    shell ignores SIGINT for it, so that a Ctrl-C meant for the foreground does not reach it; was: taken here)."""
     main = threading.current_thread() is threading.main_thread()
-    hangup = (signal.SIGHUP,) if main and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ()
-    signals = (signal.SIGINT, signal.SIGTERM, *hangup) if main else ()
+    signals = tuple(sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                    if main and (sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN))
     for sig in signals:
         loop.add_signal_handler(sig, asyncio.current_task().cancel)
     return signals

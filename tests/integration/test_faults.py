@@ -734,6 +734,7 @@ def test_a_killed_engine_core_during_an_eval_job_is_replaced_and_the_eval_ends(t
 def _hangup_as_a_terminal_has_it():
     os.setsid()  # its own process group, as a terminal's job (the killpg below reaches nothing else)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)  # (this test's runner may ignore it: nohup)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (or SIGINT: a shell's background job, `make test &`)
 
 
 @pytest.mark.slow  # ~1 min: tests/unit/test_hangup.py (Ray's processes ignore it, the driver takes it) in make test

@@ -134,3 +134,21 @@ def test_an_interruption_before_the_loop_names_a_checkpoint_only_where_the_job_s
         raise KeyboardInterrupt
     assert stopped.value.code == EXIT_INTERRUPTED
     assert capsys.readouterr().err.strip().splitlines()[-1] == said
+
+
+def test_a_ctrl_c_ignored_when_the_run_started_stays_ignored_in_its_loop():
+    """A script's `molt-run ... &` starts with SIGINT ignored (its shell's, so that a Ctrl-C meant for the foreground
+    does not reach it); Python leaves it ignored before the loop. Before: the loop took it, so that Ctrl-C stopped the
+    run once its roles had started, and not before."""
+    async def taken():
+        return entrypoint._stop_signals(asyncio.get_running_loop())
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ignored = asyncio.run(taken())
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # (never taken, so never reset by the loop's close)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's job has it: Ctrl-C stops the run
+        default = asyncio.run(taken())
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert signal.SIGINT not in ignored and signal.SIGTERM in ignored and signal.SIGINT in default

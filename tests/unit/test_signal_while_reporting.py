@@ -35,7 +35,11 @@ def test_a_signal_while_the_failure_is_reported_keeps_the_failure_last(monkeypat
     for name in ("descendants", "shutdown_ray", "kill"):  # (this process's children are pytest's, not a run's)
         monkeypatch.setattr(entrypoint, name, lambda *a: [])
     monkeypatch.setattr(reaper, "stop", lambda: None)
-    code = asyncio.run(entrypoint._main(RunConfig(), {}, None, value(stop=lambda: None), PreemptionNotice()))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's (a `make test &` ignores it)
+    try:
+        code = asyncio.run(entrypoint._main(RunConfig(), {}, None, value(stop=lambda: None), PreemptionNotice()))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert code == EXIT_FAILED
     err = capsys.readouterr().err
     assert "Already stopping every role; please wait.\n" in err, err
