@@ -129,7 +129,8 @@ def test_molt_runs_own_hangup_handler_is_put_back_after_the_run(hangup_default):
 @pytest.mark.parametrize("saves, said", [(True, "Interrupted: the run stopped; the last checkpoint is kept."),
                                          (False, "Interrupted: the run stopped.")])
 def test_an_interruption_before_the_loop_names_a_checkpoint_only_where_the_job_saves(capsys, saves, said):
-    """job=eval saves no checkpoint. Before: an eval interrupted in its resume check or model build said one was kept."""
+    """job=eval saves no checkpoint. Before: an eval interrupted in its resume check or model build said one was
+    kept."""
     with pytest.raises(SystemExit) as stopped, entrypoint._stoppable(PreemptionNotice(), saves=saves):
         raise KeyboardInterrupt
     assert stopped.value.code == EXIT_INTERRUPTED

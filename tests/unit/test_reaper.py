@@ -115,7 +115,8 @@ def test_a_killed_watcher_is_started_again_and_still_ends_the_processes_with_a_k
 
 def test_the_watcher_ignores_slurms_notice_and_a_hangup():
     """Slurm signals every process of a job step with the notice (submitit's --signal=USR2@N, without B:). Before: the
-    watcher died at each notice (the run restarted it, saying so), a kill -9 of the driver meanwhile left Ray's agents."""
+    watcher died at each notice (the run restarted it, saying so), a kill -9 of the driver meanwhile left Ray's
+    agents."""
     reaper.watch()
     try:
         line = next(ln for ln in open(f"/proc/{reaper._watcher.pid}/status") if ln.startswith("SigIgn:"))
