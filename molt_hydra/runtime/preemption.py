@@ -121,7 +121,11 @@ def _interrupt_main_now() -> None:
 
 
 def _interrupt_main_later() -> threading.Timer:
-    """job=sft's cut: a KeyboardInterrupt in the main thread GRACE_S from now (its ranks then end, as on Ctrl-C)."""
+    """job=sft's cut: a KeyboardInterrupt in the main thread GRACE_S from now (its ranks then end, as on Ctrl-C).
+    `interrupt_main` is Python's SIGINT handling, which does nothing where SIGINT is ignored (a run started in the
+    background, `molt-run ... &` in a script): Python's own handler is put in for the cut (was: no cut at all)."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):  # (called in the main thread)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(GRACE_S, _thread.interrupt_main)
     timer.daemon = True
     timer.start()

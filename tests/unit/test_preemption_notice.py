@@ -109,13 +109,15 @@ def test_handover_calls_submitits_requeue_else_exits_130(capsys, usr2_handler):
     assert "no checkpoint saved; resume with checkpoint.resume=auto hydra.run.dir=/runs/a." in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sigint", [signal.default_int_handler, signal.SIG_IGN], ids=["terminal", "background"])
 def test_without_an_event_loop_the_notice_tells_the_ranks_and_its_cut_is_a_keyboard_interrupt(monkeypatch,
-                                                                                               usr2_handler):
+                                                                                               usr2_handler, sigint):
     """job=sft: the main thread waits on its ranks, no event loop runs. The notice sets the flag the ranks read
     (`also`) at once; a step past the grace is cut by a KeyboardInterrupt in the main thread, which ends the ranks as
     Ctrl-C does; after `uninstall` the previous handler is back. Before, install needed a loop: job=sft took no
-    notice."""
+    notice. Also where SIGINT was ignored at the start (a run started in the background): before, no cut came."""
     monkeypatch.setattr(preemption, "GRACE_S", 0.3)
+    before = signal.signal(signal.SIGINT, sigint)
 
     def previous(signum, frame):
         pass
@@ -133,6 +135,7 @@ def test_without_an_event_loop_the_notice_tells_the_ranks_and_its_cut_is_a_keybo
                 time.sleep(0.05)
     finally:
         notice.uninstall()
+        signal.signal(signal.SIGINT, before)
     assert signal.getsignal(signal.SIGUSR2) is previous
 
 
