@@ -415,8 +415,8 @@ def _replay_staleness(cfg: RunConfig, problems: Problems, recorded: dict) -> Non
     t, sync = cfg.train, cfg.train.mode.value == "sync"
     problems.check(lag <= t.max_staleness or t.stale_samples.value == "keep", "train.mode" if sync else
                    "train.max_staleness", f"train.rollout_replay_dir={t.rollout_replay_dir} was generated "
-                   f"{recorded['train.queue_depth']} version(s) ahead of training (train.mode=async"
-                   f"{', partial rollout' * bool(recorded['train.partial_rollout'])}), so its tokens are up to {lag} "
+                   f"{depth} version(s) ahead of training (train.mode=async{', partial rollout' * partial}), so its "
+                   f"tokens are up to {lag} "
                    f"versions older than the replay step that trains them, and train.max_staleness={t.max_staleness} "
                    "would drop them as stale.", "set train.mode=async train.queue_depth=" + str(lag) if sync else
                    f"set train.max_staleness={lag}, or train.stale_samples=keep")

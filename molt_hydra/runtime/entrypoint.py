@@ -388,7 +388,7 @@ def _run_sft(cfg: RunConfig, resume_from: Path | None, notice: PreemptionNotice,
     except KeyboardInterrupt:
         if not notice.received.is_set():
             raise  # Ctrl-C / SIGTERM: _stoppable's exit 130
-        print(f"\nInterrupted: the run stopped{KEPT if saves else ''}.", file=sys.stderr)
+        print(f"\nInterrupted: the run stopped{KEPT}.", file=sys.stderr)
         notice.handover()
     except RoleStalled as e:  # a rank stopped by a signal (sft_job.py): its ranks are ended
         print("\n" + "\n".join([str(e), *_resume_hint(cfg)]), file=sys.stderr)

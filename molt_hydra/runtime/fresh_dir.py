@@ -11,13 +11,13 @@ import itertools
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 def own_dir(node: DictConfig) -> Path:
     """The directory of `node` (the hydra node's run or sweep), absolute: claimed (`claim`) where its name has the
     time in it, as given otherwise."""
-    path, raw = Path(os.path.abspath(node.dir)), node._get_node("dir")._value()
+    path, raw = Path(os.path.abspath(node.dir)), OmegaConf.to_container(node)["dir"]  # (unresolved: as written)
     return claim(path) if isinstance(raw, str) and "${now:" in raw else path
 
 

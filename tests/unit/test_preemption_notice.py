@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from types import SimpleNamespace as value
 
 import pytest
 
@@ -188,6 +189,25 @@ def test_job_sft_hands_over_once_its_ranks_stopped_on_the_notice(tmp_path, monke
         "Run stopped on SIGUSR2 (a time limit or a preemption): checkpoint saved at step 3; resume with "
         f"checkpoint.resume=auto hydra.run.dir={tmp_path}.")
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the run's handler is gone with it
+
+
+def test_job_sft_cut_past_the_grace_still_hands_over(tmp_path, monkeypatch, capsys, usr2_handler):
+    """The ranks outlast the grace after the notice: the cut (a KeyboardInterrupt) ends them, and the run still hands
+    over, naming the kept checkpoint. Was, for a few hours of session 30: a NameError there (the cut's line)."""
+    from molt_hydra.runtime import entrypoint, sft_job
+
+    def outlasting(cfg, resume_from, notice, record):
+        notice.received.set()  # (the notice came; the cut is due)
+        raise KeyboardInterrupt
+
+    usr2_handler(signal.SIG_DFL)
+    monkeypatch.setattr(sft_job, "run_sft_job", outlasting)
+    with pytest.raises(SystemExit) as e:
+        entrypoint._run_sft(value(output_dir=str(tmp_path)), None, PreemptionNotice(str(tmp_path)), {})
+    assert e.value.code == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert "Interrupted: the run stopped; the last checkpoint is kept." in err, err
+    assert err.strip().splitlines()[-1].startswith("Run stopped on SIGUSR2 (a time limit or a preemption)"), err
 
 
 def test_the_handler_from_before_the_run_comes_back_when_the_runs_loop_closed_first():
