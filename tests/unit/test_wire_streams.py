@@ -949,8 +949,50 @@ def test_a_streamed_turn_out_of_budget_reports_its_own_prompt_in_message_start(t
 
     reply, events = asyncio.run(go())
     start, delta = events[0]["message"]["usage"], events[-2]
-    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 0
+    # the empty turn ran out of the session's context, not of a max_tokens
+    assert delta["delta"]["stop_reason"] == "model_context_window_exceeded" and delta["usage"]["output_tokens"] == 0
     assert start["input_tokens"] == delta["usage"]["input_tokens"] > 40 > reply["usage"]["input_tokens"]
+
+
+class CappedEngine(ScriptedEngine):
+    """Generates `text` cut at the request's max_tokens, finishing "length" there, as vLLM does."""
+
+    async def generate(self, request):
+        cap = request.sampling.max_tokens
+        ids = self.ids[:cap]
+        return [Generation(ids, [-0.5] * len(ids), [0] * len(ids), "length" if len(self.ids) > cap else "stop")]
+
+
+def test_a_turn_cut_by_the_sessions_length_stops_as_the_context_window_not_max_tokens(tok):
+    """Anthropic tells a reply cut by the context window ("model_context_window_exceeded") from one cut by the
+    request's max_tokens; clients compact their history on the first and ask for more tokens on the second. A turn
+    capped by the session's remaining max_length was "max_tokens" (was: an agent asked for more and got none)."""
+    from anthropic import AsyncAnthropic
+
+    long_text = "word " * 60
+
+    async def go(max_length: int, max_tokens: int):
+        server = ChatServer(api_key="k")
+        await server.start()
+        server.open_session(ChatSession("s", CappedEngine(tok, long_text), tok, Sampling(max_tokens=64), max_length,
+                                        reply_parser(tok, "hermes", None)))
+        an = AsyncAnthropic(base_url=server.session_url("s"), api_key="k", max_retries=0)
+        try:
+            reply = await an.messages.create(model="policy", max_tokens=max_tokens,
+                                             messages=[{"role": "user", "content": "hi"}])
+            return reply.stop_reason, reply.usage
+        finally:
+            await an.close()
+            await server.stop()
+
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    prompt_tokens = len(tok(rendered, add_special_tokens=False)["input_ids"])
+    # the session holds 10 tokens past the prompt, the request asks for 50: the context window cut the reply
+    reason, usage = asyncio.run(go(prompt_tokens + 10, 50))
+    assert (reason, usage.input_tokens, usage.output_tokens) == ("model_context_window_exceeded", prompt_tokens, 10)
+    # the request's 10 tokens cut it, the session had room for 100: max_tokens
+    reason, usage = asyncio.run(go(prompt_tokens + 100, 10))
+    assert (reason, usage.output_tokens) == ("max_tokens", 10)
 
 
 def test_anthropic_count_tokens_is_the_prompt_a_turn_reports_in_its_usage(tok):

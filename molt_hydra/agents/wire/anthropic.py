@@ -306,6 +306,8 @@ def _blocks(c) -> list[dict]:
 def body(reply, req: ChatRequest, model: str) -> dict:
     c = reply.choices[0]
     stop_reason = STOP_REASONS.get(c.finish_reason, "end_turn" if c.stop_sequence is None else "stop_sequence")
+    if stop_reason == "max_tokens" and reply.context_full:
+        stop_reason = "model_context_window_exceeded"
     return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": _blocks(c),
             "stop_reason": stop_reason, "stop_sequence": c.stop_sequence,
             "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}}

@@ -66,6 +66,9 @@ class TurnReply:
     prompt_tokens: int
     completion_tokens: int
     streamed: bool = False  # choice 0's text already reached the client token by token
+    # the turn's cap was the session's remaining max_length, below every max_tokens: a `length` finish is the context
+    # window filling (Anthropic says so apart, and clients compact then rather than ask for more tokens)
+    context_full: bool = False
 
 
 _PROBE = "\u2063probe\u2063"
@@ -303,7 +306,7 @@ class ChatSession:
             # one empty choice per choice asked for (was: one, whatever `n`: an agent reading choices[1] failed)
             return TurnReply([Choice(Generation([], [], [], "length"), "", [], [], "length", None, None,
                                      None if req.top_logprobs is None else []) for _ in range(req.n)],
-                             prompt_tokens, 0)
+                             prompt_tokens, 0, context_full=not out_of_turns)
         self.generate_calls += 1
         request = GenerationRequest(self.session_id, list(prompt_ids), sampling, images)
         streamed = on_delta is not None and req.n == 1 and hasattr(self.generator, "generate_stream")
@@ -316,7 +319,8 @@ class ChatSession:
                                "not recorded", code="session_closed")
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
         self._commit(req, extension, prompt_ids, images, choices)
-        return TurnReply(choices, prompt_tokens, sum(len(c.gen.token_ids) for c in choices), streamed=streamed)
+        return TurnReply(choices, prompt_tokens, sum(len(c.gen.token_ids) for c in choices), streamed=streamed,
+                         context_full=remaining < min(self.sampling.max_tokens, req.overrides.get("max_tokens", math.inf)))
 
     def _prompt(self, req: ChatRequest):
         """(extension or None, prompt ids, images) of a turn: a raw prompt, the open branch extended, or a full
