@@ -28,8 +28,9 @@ class Progress:
             f"step {step:>4}{'/' + str(self.total) if self.total else ''} | reward {reward:6.3f} "
             f"{bar:<20} | vllm_kl {m.get('vllm_kl', float('nan')):9.2e}"
             + (f" | routing {m['routing/agreement']:.3f}" if "routing/agreement" in m else "")  # MoE actors
-            + f" | loss {m.get('policy_loss', float('nan')):8.4f} "
-            f"| {m.get('perf/rollout_tokens_per_sec', 0.0):7.0f} tok/s | {m.get('timing/step_total', 0.0):5.1f}s{eta}"
+            + f" | loss {m.get('policy_loss', float('nan')):8.4f}"
+            + (f" | {m['perf/rollout_tokens_per_sec']:7.0f} tok/s" if "perf/rollout_tokens_per_sec" in m else "")
+            + f" | {m.get('timing/step_total', 0.0):5.1f}s{eta}"
         )
 
     def eval(self, step: int, m: dict[str, float]) -> None:

@@ -127,7 +127,9 @@ class RLController:
                 await self.calls.engines_busy(True, wait=False)
                 batch = await self.roles.generator.generate_batch()
             batch.groups.sort(key=lambda g: (g.epoch, g.prompt_index))  # completion order is timing; training is not
-            timing = {"timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": t1 - t0}
+            # a replay reads its batch: no rollout side to time (its read as "generation" was a tokens/s of the disk)
+            timing = {"timing/rollout_read": time.perf_counter() - t1} if self.cfg.train.rollout_replay_dir else {
+                "timing/generation": time.perf_counter() - t1, "timing/vllm_idle_wait": t1 - t0}
             # Held (a save meanwhile keeps it as queued) while the hint below is answered: before, a save then had
             # the generator past its prompts and no batch of them, and the resumed run skipped them.
             self.held = (batch, timing) if batch.groups else None
@@ -198,8 +200,10 @@ class RLController:
         if "kl" in metrics:  # none measured (a frozen actor with kl.use_loss) is not a KL of 0 to steer by
             self.kl_ctl.update(metrics["kl"], cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
         metrics["_frozen"] = frozen
-        return {**metrics, **timing, "perf/rollout_tokens_per_sec":
-                sum(e.action_mask.sum().item() for e in exps) / max(gen_timing.get("timing/generation", 0.0), 1e-9)}
+        if "timing/generation" in timing:
+            generated = sum(e.action_mask.sum().item() for e in exps)
+            timing["perf/rollout_tokens_per_sec"] = generated / max(timing["timing/generation"], 1e-9)
+        return {**metrics, **timing}
 
     def _sample_metrics(self, b, exps: list, returns, metrics: dict[str, float]) -> None:
         """The step's means over its trained samples, the group reward std and, with logger.debug_rollout, each
@@ -466,8 +470,9 @@ class RLController:
             # Trainer side: sequential parts of this step. Rollout side runs concurrently: busy vs idle.
             for part in TRAINER_PARTS:
                 metrics[f"timing/share/{part}"] = metrics.get(f"timing/{part}", 0.0) / total
-            busy, idle = metrics["timing/generation"], metrics["timing/vllm_idle_wait"]
-            metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
+            if "timing/generation" in metrics:
+                busy, idle = metrics["timing/generation"], metrics["timing/vllm_idle_wait"]
+                metrics["timing/share/rollout_busy"] = busy / max(busy + idle, 1e-9)
             self.log.step(self.step, metrics, batch)
             last = metrics
             save_every, preempted = cfg.checkpoint.save_steps, self.preempted.is_set()

@@ -98,8 +98,9 @@ def _controller(overrides, generator):
     return RLController(validate(to_run_config(compose_config(overrides))), roles, log=None)
 
 
-def _drain(ctl) -> list:
-    """Take every batch the producer makes, marking each as trained (what the loop does between them)."""
+def _drain(ctl, timings: list | None = None) -> list:
+    """Take every batch the producer makes, marking each as trained (what the loop does between them); each batch's
+    timing goes to `timings`, if given."""
     async def run():
         producer = asyncio.create_task(ctl.produce())
         batches = []
@@ -108,9 +109,11 @@ def _drain(ctl) -> list:
             done, _ = await asyncio.wait({get, producer}, return_when=asyncio.FIRST_COMPLETED)
             if producer in done and producer.exception() is not None:  # as RLController.run: its failure ends it
                 raise producer.exception()
-            batch, _ = await get  # a producer that ended put the end of the data (None) last
+            batch, timing = await get  # a producer that ended put the end of the data (None) last
             if batch is None:
                 return batches
+            if timings is not None:
+                timings.append(timing)
             batches.append(batch)
             async with ctl.step_done:
                 ctl.step += 1
@@ -130,6 +133,16 @@ def test_rollout_dump_then_replay(tmp_path):
     replayed = _drain(_controller([f"train.rollout_replay_dir={dump}"], NoGeneration()))
     assert [b.groups[0].prompt_index for b in replayed] == [b.groups[0].prompt_index for b in made] == [1, 2, 3]
     assert [b.metrics for b in replayed] == [b.metrics for b in made]
+
+
+def test_a_replay_times_its_reads_not_a_generation(tmp_path):
+    """A replay's batch read was timed as `timing/generation`, so perf/rollout_tokens_per_sec was tokens per second of
+    reading a file and the rollout-busy share a disk's: a replay now times `timing/rollout_read` alone."""
+    dump, made, replayed = tmp_path / "dump", [], []
+    _drain(_controller([f"train.rollout_dump_dir={dump}"], ScriptedBatches(2)), made)
+    _drain(_controller([f"train.rollout_replay_dir={dump}"], NoGeneration()), replayed)
+    assert [sorted(t) for t in made] == [["timing/generation", "timing/vllm_idle_wait"]] * 2
+    assert [sorted(t) for t in replayed] == [["timing/rollout_read"]] * 2
 
 
 def _dump(tmp_path, overrides=()) -> str:
