@@ -80,6 +80,8 @@ def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
     if cfg.job.value == "sft":
         _run_sft(cfg, resume_from, notice, record)
         return
+    if saved is None:  # the loop starts at batch 0
+        _refuse_an_earlier_dump(cfg)
     rows = _resumed_rows(cfg, resume_from, saved)
     _build_models(cfg)
     from molt_hydra.runtime.role_warnings import Shown
@@ -105,6 +107,19 @@ def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
         os._exit(code)
     if code:  # SystemExit: a notebook or a Python caller keeps its process
         sys.exit(code)
+
+
+def _refuse_an_earlier_dump(cfg: RunConfig) -> None:
+    """A run from batch 0 dumping its rollouts where an earlier run's dump lies: the run stops before anything starts,
+    naming them and the fix. Before: its batches overwrote theirs one by one and the earlier run's later ones stayed,
+    so a replay of the directory trained on this run's batches, then on theirs, under this run's settings record."""
+    dump = cfg.train.rollout_dump_dir
+    earlier = sorted(Path(dump).glob("rollout_step*.pt")) if dump else []
+    if earlier:
+        print(f"\nRun failed: train.rollout_dump_dir={dump} holds an earlier run's dump ({len(earlier)} batch files, "
+              "rollout_step*.pt); this run's batches would mix with them. Fix: point train.rollout_dump_dir at an "
+              "empty directory, or move those files aside.", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 def _build_models(cfg: RunConfig) -> None:

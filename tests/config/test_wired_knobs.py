@@ -145,6 +145,25 @@ def test_a_replay_times_its_reads_not_a_generation(tmp_path):
     assert [sorted(t) for t in replayed] == [["timing/rollout_read"]] * 2
 
 
+def test_a_fresh_run_over_an_earlier_dump_stops_before_anything_starts(tmp_path):
+    """Before: the run overwrote the earlier dump's batches one by one and left its later ones, so a replay of the
+    directory trained on both runs' batches under the last run's settings record."""
+    from _config_helpers import run_cli
+    from molt_hydra.config.schema import EXIT_FAILED
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for j in range(3):
+        (dump / f"rollout_step{j}.pt").write_bytes(b"an earlier run's batch")
+    r = run_cli([f"output_dir={tmp_path / 'out'}", f"train.rollout_dump_dir={dump}", "train.max_steps=1"])
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == EXIT_FAILED, r.describe()
+    assert last.startswith(f"Run failed: train.rollout_dump_dir={dump} holds an earlier run's dump (3 batch files"), last
+    assert "Fix: point train.rollout_dump_dir at an empty directory" in last
+    assert not (tmp_path / "out" / "ray").exists()  # nothing started
+    assert [p.read_bytes() for p in dump.glob("rollout_step*")] == [b"an earlier run's batch"] * 3  # nor touched
+
+
 def _dump(tmp_path, overrides=()) -> str:
     dump = tmp_path / "dump"
     _drain(_controller([f"train.rollout_dump_dir={dump}", *overrides], ScriptedBatches(2)))
