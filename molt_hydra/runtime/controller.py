@@ -142,7 +142,9 @@ class RLController:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(batch, path)  # and what generated it, which a replay must match (config/validate.py)
                 record = path.parent / f".{REPLAY_RECORD}.tmp"  # whole or not at all (a kill mid-write: torn)
-                record.write_text(json.dumps(replay_settings(self.cfg), indent=1, default=str))
+                # (its output_dir tells the run itself restarted from batch 0 from another: runtime/entrypoint.py)
+                whose = {"output_dir": str(Path(self.cfg.output_dir).resolve())}
+                record.write_text(json.dumps({**replay_settings(self.cfg), **whose}, indent=1, default=str))
                 os.replace(record, path.parent / REPLAY_RECORD)
             if self.held is not None:
                 held, self.held = self.held, None

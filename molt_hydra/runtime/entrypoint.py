@@ -110,11 +110,19 @@ def _run(cfg: RunConfig, notice: PreemptionNotice) -> None:
 
 
 def _refuse_an_earlier_dump(cfg: RunConfig) -> None:
-    """A run from batch 0 dumping its rollouts where an earlier run's dump lies: the run stops before anything starts,
+    """A run from batch 0 dumping its rollouts where another run's dump lies: the run stops before anything starts,
     naming them and the fix. Before: its batches overwrote theirs one by one and the earlier run's later ones stayed,
-    so a replay of the directory trained on this run's batches, then on theirs, under this run's settings record."""
+    so a replay of the directory trained on this run's batches, then on theirs, under this run's settings record.
+    The dump of this run itself (its output_dir's, recorded beside it), restarted before its first checkpoint (Slurm's
+    requeue), is written again from batch 0."""
+    from molt_hydra.config.validate import REPLAY_RECORD
+
     dump = cfg.train.rollout_dump_dir
     earlier = sorted(Path(dump).glob("rollout_step*.pt")) if dump else []
+    with suppress(OSError, ValueError, AttributeError):  # (no record, or not one of a run: another run's)
+        if earlier and json.loads((Path(dump) / REPLAY_RECORD).read_text()).get("output_dir") == str(
+                Path(cfg.output_dir).resolve()):
+            return
     if earlier:
         print(f"\nRun failed: train.rollout_dump_dir={dump} holds an earlier run's dump ({len(earlier)} batch files, "
               "rollout_step*.pt); this run's batches would mix with them. Fix: point train.rollout_dump_dir at an "

@@ -164,6 +164,22 @@ def test_a_fresh_run_over_an_earlier_dump_stops_before_anything_starts(tmp_path)
     assert [p.read_bytes() for p in dump.glob("rollout_step*")] == [b"an earlier run's batch"] * 3  # nor touched
 
 
+def test_a_run_restarted_before_its_first_checkpoint_dumps_again_from_batch_0(tmp_path):
+    """Its own dump (the record names its output_dir): a Slurm requeue before the first save is not refused."""
+    import json
+
+    from molt_hydra.config.validate import REPLAY_RECORD
+    from molt_hydra.runtime.entrypoint import _refuse_an_earlier_dump
+
+    dump = _dump(tmp_path)  # (the scripted run's output_dir)
+    ctl = _controller([f"train.rollout_dump_dir={dump}"], ScriptedBatches(1))
+    assert json.loads((Path(dump) / REPLAY_RECORD).read_text())["output_dir"] == str(Path(ctl.cfg.output_dir).resolve())
+    _refuse_an_earlier_dump(ctl.cfg)  # no exit: this run's own
+    ctl.cfg.output_dir = str(tmp_path / "another_run")
+    with pytest.raises(SystemExit):
+        _refuse_an_earlier_dump(ctl.cfg)
+
+
 def _dump(tmp_path, overrides=()) -> str:
     dump = tmp_path / "dump"
     _drain(_controller([f"train.rollout_dump_dir={dump}", *overrides], ScriptedBatches(2)))
