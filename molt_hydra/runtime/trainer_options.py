@@ -51,7 +51,7 @@ def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str,
     schedule then ended early under train.critic.epochs > train.epochs); `role_fields`: the role's own (the actor's
     routing_replay). parallel/group.py fills in each rank's place."""
     p, t = cfg.parallelism, cfg.train
-    epochs = t.critic.epochs or t.epochs if role == "critic" else t.epochs
+    epochs = (t.critic.epochs or t.epochs) if role == "critic" else t.epochs
     return TrainerSpec(
         model_path=model_path, role=role, seed=cfg.seed, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp,
         ep_size=p.ep, cp_size=p.cp, temperature=cfg.rollout.temperature,
