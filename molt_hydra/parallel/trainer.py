@@ -372,26 +372,27 @@ class TrainerWorker:
 
     # ---------------------------------------------------------------- training
     def train_step(self, samples: list[dict], loss_fn=None, num_optimizer_steps: int = 1,
-                   return_logprobs: bool = False) -> dict:
-        """Forward/backward over this rank's samples in `num_optimizer_steps` windows; one optimizer step per window.
-        Collective: every DP rank calls it with its own shard. Returns DP-reduced metrics (same on every rank).
-        `return_logprobs` (one window only): this rank's per-sample log-probs from the training forward, i.e. at the
-        parameters before the step, under "logprobs" (what compute_logprobs with the loss's mask_key would give, 0 off
-        the mask; MoE routing statistics are counted in this forward), so one forward serves as the old-logprob pass
-        and the loss's."""
+                   return_logprobs: bool = False, epochs: int = 1) -> dict:
+        """Forward/backward over this rank's samples in `num_optimizer_steps` windows, `epochs` times over (PPO
+        epochs); one optimizer step per window. Collective: every DP rank calls it with its own shard. Returns
+        DP-reduced metrics (same on every rank) over every epoch's windows (was: the controller called once per epoch
+        and logged the last epoch's). `return_logprobs` (one window, one epoch only): this rank's per-sample
+        log-probs from the training forward, i.e. at the parameters before the step, under "logprobs" (what
+        compute_logprobs with the loss's mask_key would give, 0 off the mask; MoE routing statistics are counted in
+        this forward), so one forward serves as the old-logprob pass and the loss's."""
         loss_fn = loss_fn or SFTObjective()
         if len(samples) < num_optimizer_steps:
             raise ValueError(f"{len(samples)} samples on rank {self.rank} < num_optimizer_steps={num_optimizer_steps}")
-        if return_logprobs and num_optimizer_steps != 1:
-            raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps}): later windows' "
-                             "forwards run after the first step changed the parameters")
+        if return_logprobs and num_optimizer_steps * epochs != 1:
+            raise ValueError(f"return_logprobs needs one optimizer step (got {num_optimizer_steps} x {epochs} "
+                             "epochs): later windows' forwards run after the first step changed the parameters")
         logprobs = [None] * len(samples) if return_logprobs else None
         if return_logprobs and self.moe and self.role == "actor":
             self._routing_stats = moe_routing.routing_stats(self.model.config)
         t0 = time.perf_counter()
         sums: dict[str, torch.Tensor] = {}
         grad_norms, self._threads_used = [], []
-        for window in np.array_split(np.arange(len(samples)), num_optimizer_steps):
+        for window in np.array_split(np.arange(len(samples)), num_optimizer_steps) * epochs:
             n_tok = self._backward_window([samples[i] for i in window], window, loss_fn, sums, logprobs)
             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok / self.world_size
             if self.spec.debug_grad_norms:  # before clipping; the last window's are reported
@@ -406,7 +407,8 @@ class TrainerWorker:
             self.global_step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        metrics = self._step_metrics(samples, sums, grad_norms, time.perf_counter() - t0, self._threads_used)
+        # every epoch's pass over the samples counts in the throughput (tokens / s, MFU)
+        metrics = self._step_metrics(samples * epochs, sums, grad_norms, time.perf_counter() - t0, self._threads_used)
         metrics.update(debug if self.spec.debug_grad_norms else {})
         return metrics if logprobs is None else {**metrics, "logprobs": NumpyPickled(logprobs)}
 

@@ -194,10 +194,10 @@ class RLController:
                                [len(e.token_ids) for e in exps])
         if roles.critic is not None:
             t2 = time.perf_counter()
-            for _ in range(cfg.train.critic.epochs or cfg.train.epochs):
-                m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(cfg.algorithm.value_clip),
-                                           shard=rows, num_optimizer_steps=steps, role="critic")
-                metrics.update(m[0])
+            m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(cfg.algorithm.value_clip),
+                                       shard=rows, num_optimizer_steps=steps,
+                                       epochs=cfg.train.critic.epochs or cfg.train.epochs, role="critic")
+            metrics.update(m[0])
             timing["timing/critic_train"] = time.perf_counter() - t2
         if "kl" in metrics:  # none measured (a frozen actor with kl.use_loss) is not a KL of 0 to steer by
             self.kl_ctl.update(metrics["kl"], cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
@@ -256,16 +256,14 @@ class RLController:
             reward_clip=a.reward_clip)
 
     async def _train_actor(self, rows: list[dict], steps: int, one_pass: bool, shape, metrics: dict[str, float]):
-        """`train.epochs` actor steps on `rows`; under one pass, the old log-probs its training forward gave [B, L]."""
+        """`train.epochs` epochs of actor steps on `rows` in one trainer call, whose metrics are over all of them;
+        under one pass, the old log-probs its training forward gave [B, L]."""
         self.trainer_ahead = True
         objective = ActorObjective(self.roles.policy_loss, self.kl_ctl.value, one_pass)
-        old_logp = None
-        for _ in range(self.cfg.train.epochs):
-            m = await self.calls.ranks(self.roles.actor, "train_step", objective, shard=rows,
-                                       num_optimizer_steps=steps, return_logprobs=one_pass)
-            if one_pass:
-                old_logp = stack_padded([x for rank in m for x in rank.pop("logprobs")], shape)
-            metrics.update(m[0])
+        m = await self.calls.ranks(self.roles.actor, "train_step", objective, shard=rows, num_optimizer_steps=steps,
+                                   return_logprobs=one_pass, epochs=self.cfg.train.epochs)
+        old_logp = stack_padded([x for rank in m for x in rank.pop("logprobs")], shape) if one_pass else None
+        metrics.update(m[0])
         return old_logp
 
     def old_logprobs_from_training(self, optimizer_steps: int, actor_frozen: bool) -> bool:

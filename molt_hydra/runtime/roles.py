@@ -169,8 +169,9 @@ async def colocated_placement(cfg: RunConfig, fsdp_roles: int):
 
 
 def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
-    """Optimizer steps the LR schedule spans: the loop's (runtime/controller.py train_step: one per train.batch_size
-    samples of a batch, at least one). The samples generator streams across episodes (rollout/generator.py), so the
+    """Optimizer steps of one pass over each batch the loop trains (runtime/controller.py train_step: one per
+    train.batch_size samples of a batch, at least one); each role's schedule spans these times its epochs
+    (trainer_options.trainer_spec). The samples generator streams across episodes (rollout/generator.py), so the
     run trains full batches, then one partial batch of what is left, stopping at train.max_steps if sooner. Was:
     num_prompts // batch_size * num_episodes batches, which with num_prompts % batch_size != 0 ended the schedule
     before the last steps (a linear schedule trained them at LR 0, a cosine one climbed back up)."""
@@ -184,7 +185,7 @@ def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
         steps = t.max_steps * per_batch(r.batch_size)
     else:
         steps = full * per_batch(r.batch_size) + (per_batch(rest) if rest else 0)
-    return max(steps * t.epochs, 1)
+    return max(steps, 1)
 
 
 def init_ray(cfg: RunConfig) -> None:
@@ -320,7 +321,7 @@ def _named(key: str, load, spec: str, **kw) -> list:
         raise ValueError(f"{key}={spec}: {e.args[0] if isinstance(e, KeyError) and e.args else e}") from e
 
 
-async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...], total_steps: int, shared_gpus,
+async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...], batch_steps: int, shared_gpus,
                           share: float | None, ready, role_pids: dict[str, int]) -> tuple:
     """The trainer ranks: actor, then reference / critic when the algorithm needs them (each group is built in a
     thread: its constructor blocks until every rank is up; each rank's pid is in `role_pids` as soon as its process
@@ -336,7 +337,7 @@ async def _start_trainers(cfg: RunConfig, model_path: str, fsdp: tuple[str, ...]
     async def start(name: str, role: str, worker_cls, optimizer=t.optimizer, path=model_path, **extra):
         """One role's group, built in a thread: its constructor blocks until every rank is up."""
         on_shared = shared_gpus if role == "actor" or p.colocate_models else None
-        spec = trainer_spec(cfg, role, optimizer, path, total_steps, **extra)
+        spec = trainer_spec(cfg, role, optimizer, path, batch_steps, **extra)
         ranks, placed = [], []  # the group's rank actors, and the group, as its constructor (in the thread) makes them
         build = asyncio.to_thread(
             TrainerGroup, p.trainer_devices, spec, num_gpus_per_rank=gpu_share if on_shared is None else share,

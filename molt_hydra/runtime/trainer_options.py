@@ -43,15 +43,19 @@ def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
                                sequence_parallel=p.sequence_parallel))
 
 
-def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str, total_steps: int,
+def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str, batch_steps: int,
                  **role_fields) -> TrainerSpec:
     """What every rank of the RL role `role` (actor, ref, critic) is built from; `o`: the optimizer block that steps
-    it; `role_fields`: the role's own (the actor's routing_replay). parallel/group.py fills in each rank's place."""
-    p = cfg.parallelism
+    it; `batch_steps`: the run's optimizer steps in one pass over each batch (roles.scheduler_steps), which the role
+    takes once per epoch, so its LR schedule spans them times its epochs (was: train.epochs for the critic too, whose
+    schedule then ended early under train.critic.epochs > train.epochs); `role_fields`: the role's own (the actor's
+    routing_replay). parallel/group.py fills in each rank's place."""
+    p, t = cfg.parallelism, cfg.train
+    epochs = (t.critic.epochs or t.epochs) if role == "critic" else t.epochs
     return TrainerSpec(
         model_path=model_path, role=role, seed=cfg.seed, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp,
         ep_size=p.ep, cp_size=p.cp, temperature=cfg.rollout.temperature,
-        total_steps=total_steps, **trainer_options(cfg, o), **role_fields)
+        total_steps=batch_steps * epochs, **trainer_options(cfg, o), **role_fields)
 
 
 def engine_env(cfg: RunConfig) -> dict[str, str]:

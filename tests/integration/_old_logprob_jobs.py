@@ -75,3 +75,49 @@ def controller_step(rank, world_size, port, out, cfg, model_name, force_two_pass
     model = get_state_dict(w.model, w.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))[0]
     torch.save({"metrics": metrics, "called": calls.called, "model": model}, out)
     w.shutdown()
+
+
+class RoleCalls:
+    """`RoleCalls.ranks` for one in-process rank per role: the real TrainerWorker method of the group's `worker`,
+    called directly (no Ray); records each call's role, method, keywords, shard and other arguments."""
+
+    def __init__(self):
+        self.called = []
+
+    async def ranks(self, group, method, *args, shard=None, role="actor", **kw):
+        self.called.append((role, method, dict(kw), shard, args))
+        return [getattr(group.worker, method)(*((shard,) if shard is not None else ()), *args, **kw)]
+
+
+def epochs_step(rank, world_size, port, out, cfg):
+    """One controller train step of PPO with a critic (gae) over `train.epochs` epochs, then the same epochs as
+    separate train steps (one optimizer step each) on fresh actor and critic ranks from the same weights: their
+    metrics, and both runs' weights after the step."""
+    from molt_hydra.parallel.trainer import TrainerWorker
+    from molt_hydra.parallel.trainer_spec import TrainerSpec
+    from molt_hydra.runtime.controller import RLController
+    from molt_hydra.runtime.roles import _policy_loss
+
+    def ranks():
+        spec = dict(rank=rank, world_size=world_size, master_port=port, model_path=cfg.model.path, lr=1e-2,
+                    max_tokens_per_micro_batch=40, timeout_s=120)
+        return {role: SimpleNamespace(num_ranks=1, worker=TrainerWorker(TrainerSpec(role=role, **spec)))
+                for role in ("actor", "critic")}
+
+    calls, trained = RoleCalls(), ranks()
+    roles = SimpleNamespace(ref=None, pad_token_id=0, policy_loss=_policy_loss(cfg), calls=calls, **trained)
+    metrics = asyncio.run(RLController(cfg, roles, log=None).train_step(batch(cfg.model.path), {}))
+    fresh, separate = ranks(), {}
+    for role, method, _, shard, (objective,) in (c for c in calls.called if c[1] == "train_step"):
+        if role not in separate:  # each epoch as a train step of its own: the metrics of its optimizer step
+            separate[role] = [fresh[role].worker.train_step(shard, objective) for _ in range(cfg.train.epochs)]
+    torch.save({"metrics": metrics, "separate": separate, "called": [c[:3] for c in calls.called],
+                "weights": {k: [full_weights(g[k].worker) for g in (trained, fresh)] for k in trained}}, out)
+    for group in (trained, fresh):
+        for r in group.values():
+            r.worker.shutdown()
+
+
+def full_weights(w) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    return get_state_dict(w.model, w.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))[0]

@@ -77,7 +77,7 @@ def test_moe_routing_replay_metrics_match_two_passes(tmp_path):
 def test_two_optimizer_steps_keep_the_pass(tmp_path):
     res = step(tmp_path, "two_steps", DENSE + ["train.batch_size=4"], False)
     assert [m for m, _ in res["called"]] == ["compute_logprobs", "train_step"]
-    assert res["called"][1][1] == {"num_optimizer_steps": 2, "return_logprobs": False}
+    assert res["called"][1][1] == {"num_optimizer_steps": 2, "return_logprobs": False, "epochs": 1}
 
 
 @pytest.mark.parametrize("extra, steps, frozen, one_pass", [

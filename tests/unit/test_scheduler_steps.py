@@ -47,3 +47,19 @@ def test_max_steps_cuts_the_schedule_where_it_cuts_the_loop():
     assert scheduler_steps(cfg, 100) == 2  # 12 full batches available, 2 trained
     cfg.train.max_steps = 50
     assert scheduler_steps(cfg, 100) == 13  # 100 prompts: 12 full batches and one of 4, then the data ends
+
+
+@pytest.mark.parametrize("epochs, critic_epochs", [(1, 3), (2, None), (3, 1)])
+def test_each_role_schedule_spans_its_own_epochs(epochs, critic_epochs):
+    """The critic steps train.critic.epochs times over each batch (None: train.epochs), the actor train.epochs times:
+    each one's schedule spans its own optimizer steps. Before, both spanned train.epochs x the loop's steps, so with
+    train.critic.epochs=3 over train.epochs=1 a linear critic schedule reached LR 0 a third of the way in."""
+    from molt_hydra.runtime.trainer_options import trainer_spec
+    cfg = RunConfig()
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.train.batch_size = 8, 2, 8
+    cfg.train.epochs, cfg.train.critic.epochs = epochs, critic_epochs
+    loop = asyncio.run(_loop_steps(20, 8, 1, 2, 8))  # optimizer steps per pass over each batch
+    for role, optimizer, passes in (("actor", cfg.train.optimizer, epochs),
+                                    ("critic", cfg.train.critic.optimizer, critic_epochs or epochs)):
+        spec = trainer_spec(cfg, role, optimizer, "tiny", scheduler_steps(cfg, 20))
+        assert spec.total_steps == loop * passes, role
