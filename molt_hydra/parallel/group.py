@@ -64,6 +64,9 @@ class TrainerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.num_ranks, self.role = num_ranks, spec.role
+        # the tp x cp ranks of one data-parallel group (consecutive in AutoModel's dp x cp x tp mesh) take one shard
+        self.replicas = spec.tp_size * spec.cp_size
+        self.dp_size = num_ranks // self.replicas
         self.workers, self._own_placement = [], placement_group is None
         bundle = {k: v for k, v in (("CPU", num_cpus_per_rank), ("GPU", num_gpus_per_rank)) if v}
         try:
@@ -173,11 +176,17 @@ class TrainerGroup:
             self.placement_group = None
 
     def shard(self, samples: list) -> list[list]:
-        if len(samples) % self.num_ranks:
-            raise ValueError(f"{len(samples)} samples do not split evenly over {self.num_ranks} data-parallel ranks "
+        """Each rank's samples: one slice per data-parallel group, the same for its tp x cp ranks (which split each
+        sample's work, not the batch; was: a slice per rank, so tensor-parallel peers computed on other samples)."""
+        if len(samples) % self.dp_size:
+            raise ValueError(f"{len(samples)} samples do not split evenly over {self.dp_size} data-parallel ranks "
                              f"(an uneven split would desynchronise FSDP collectives)")
-        n = len(samples) // self.num_ranks
-        return [samples[i * n:(i + 1) * n] for i in range(self.num_ranks)]
+        n = len(samples) // self.dp_size
+        return [samples[r // self.replicas * n:(r // self.replicas + 1) * n] for r in range(self.num_ranks)]
+
+    def per_shard(self, results: list) -> list:
+        """Of every rank's results (rank order), those of one rank per data-parallel group: each shard's once."""
+        return results[::self.replicas]
 
     def engines_busy(self, busy: bool) -> list:
         """Tell every CPU rank whether the rollout engines are generating (TrainerWorker.engines_busy): refs to

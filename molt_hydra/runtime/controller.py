@@ -223,7 +223,7 @@ class RLController:
         """The batch's trainable experiences; the drops are counted into `metrics` and into the progress check."""
         t = self.cfg.train
         exps, drops = select_trainable(groups, self.cfg.data.max_len, self.trajectory_images, self.version,
-                                       t.max_staleness, t.stale_samples.value == "drop", self.roles.actor.num_ranks)
+                                       t.max_staleness, t.stale_samples.value == "drop", self.roles.actor.dp_size)
         for reason, n in {**drops, "total": sum(drops.values())}.items():
             metrics[f"rollout/dropped/{reason}"] = metrics.get(f"rollout/dropped/{reason}", 0.0) + n
         metrics["num_samples_trained"] = float(len(exps))
@@ -237,7 +237,7 @@ class RLController:
         for group, role, kw in ((None if one_pass else roles.actor, "actor", {"mask_key": "action_mask"}),
                                 (roles.ref, "reference", {"mask_key": "action_mask"}), (roles.critic, "critic", {})):
             per_rank = await calls.ranks(group, "compute_logprobs", shard=samples, role=role, **kw) if group else []
-            out.append(stack_padded([x for rank in per_rank for x in rank], shape) if group else None)
+            out.append(stack_padded([x for rank in group.per_shard(per_rank) for x in rank], shape) if group else None)
         return tuple(out)
 
     def _advantages(self, b, old_logp, ref_logp, values, metrics: dict[str, float]):
@@ -262,7 +262,8 @@ class RLController:
         objective = ActorObjective(self.roles.policy_loss, self.kl_ctl.value, one_pass)
         m = await self.calls.ranks(self.roles.actor, "train_step", objective, shard=rows, num_optimizer_steps=steps,
                                    return_logprobs=one_pass, epochs=self.cfg.train.epochs)
-        old_logp = stack_padded([x for rank in m for x in rank.pop("logprobs")], shape) if one_pass else None
+        old_logp = stack_padded([x for rank in self.roles.actor.per_shard(m) for x in rank.pop("logprobs")],
+                                shape) if one_pass else None
         metrics.update(m[0])
         return old_logp
 

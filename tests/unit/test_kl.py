@@ -139,8 +139,9 @@ def test_a_frozen_actor_step_measures_no_kl_and_leaves_the_adaptive_coefficient(
         "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "train.critic.actor_freezing_steps=2",
         "parallelism.colocate_models=true", "rollout.batch_size=2", "rollout.n_samples_per_prompt=4",
         "train.max_staleness=1", "train.batch_size=8", "train.micro_batch_size=8"])))
-    roles = SimpleNamespace(actor=SimpleNamespace(num_ranks=1), ref=object(), critic=object(), pad_token_id=0,
-                            policy_loss=_policy_loss(cfg), calls=Calls())
+    group = SimpleNamespace(num_ranks=1, dp_size=1, per_shard=list)  # one rank: every result is its shard's
+    roles = SimpleNamespace(actor=group, ref=group, critic=group, pad_token_id=0, policy_loss=_policy_loss(cfg),
+                            calls=Calls())
     ctl = RLController(cfg, roles, log=None)
     metrics = asyncio.run(ctl.train_step(batch("tiny://qwen3_tiny"), {"timing/generation": 1.0}))
     assert metrics["actor_frozen"] == 1.0 and "kl" not in metrics
