@@ -17,6 +17,7 @@ import threading
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import partial
 
 import ray
 import torch
@@ -28,7 +29,7 @@ from molt_hydra.runtime.calls import RoleCalls
 from molt_hydra.runtime.engine_keeper import EngineKeeper
 from molt_hydra.runtime.plan import fsdp_roles
 from molt_hydra.runtime.preemption import NOTICE
-from molt_hydra.runtime.trainer_options import engine_env, trainer_spec
+from molt_hydra.runtime.trainer_options import engine_env, optimizer_steps_per_batch, trainer_spec
 from molt_hydra.runtime import ray_head, reaper
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed, beside, deadline, describe, with_logged_error
 
@@ -175,11 +176,7 @@ def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
     run trains full batches, then one partial batch of what is left, stopping at train.max_steps if sooner. Was:
     num_prompts // batch_size * num_episodes batches, which with num_prompts % batch_size != 0 ended the schedule
     before the last steps (a linear schedule trained them at LR 0, a cosine one climbed back up)."""
-    t, r = cfg.train, cfg.rollout
-
-    def per_batch(groups: int) -> int:
-        return 1 if t.force_on_policy else max(groups * r.n_samples_per_prompt // t.batch_size, 1)
-
+    t, r, per_batch = cfg.train, cfg.rollout, partial(optimizer_steps_per_batch, cfg)
     full, rest = divmod(num_prompts * t.num_episodes, r.batch_size)
     if t.max_steps is not None and t.max_steps <= full:
         steps = t.max_steps * per_batch(r.batch_size)

@@ -43,19 +43,29 @@ def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
                                sequence_parallel=p.sequence_parallel))
 
 
+def optimizer_steps_per_batch(cfg: RunConfig, groups: int) -> int:
+    """The optimizer steps of one pass over a batch of `groups` prompt groups (runtime/controller.py train_step): one
+    per train.batch_size samples, at least one."""
+    t = cfg.train
+    return 1 if t.force_on_policy else max(groups * cfg.rollout.n_samples_per_prompt // t.batch_size, 1)
+
+
 def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str, batch_steps: int,
                  **role_fields) -> TrainerSpec:
     """What every rank of the RL role `role` (actor, ref, critic) is built from; `o`: the optimizer block that steps
     it; `batch_steps`: the run's optimizer steps in one pass over each batch (roles.scheduler_steps), which the role
     takes once per epoch, so its LR schedule spans them times its epochs (was: train.epochs for the critic too, whose
-    schedule then ended early under train.critic.epochs > train.epochs); `role_fields`: the role's own (the actor's
-    routing_replay). parallel/group.py fills in each rank's place."""
+    schedule then ended early under train.critic.epochs > train.epochs), but the actor's own less the steps of the
+    critic's warm-up (train.critic.actor_freezing_steps), in which it takes none (was: counted, so its schedule never
+    ended: a linear one stopped above 0); `role_fields`: the role's own (the actor's routing_replay).
+    parallel/group.py fills in each rank's place."""
     p, t = cfg.parallelism, cfg.train
     epochs = (t.critic.epochs or t.epochs) if role == "critic" else t.epochs
+    frozen = t.critic.actor_freezing_steps * optimizer_steps_per_batch(cfg, cfg.rollout.batch_size) * (role == "actor")
     return TrainerSpec(
         model_path=model_path, role=role, seed=cfg.seed, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp,
         ep_size=p.ep, cp_size=p.cp, temperature=cfg.rollout.temperature,
-        total_steps=batch_steps * epochs, **trainer_options(cfg, o), **role_fields)
+        total_steps=max(batch_steps - frozen, 1) * epochs, **trainer_options(cfg, o), **role_fields)
 
 
 def engine_env(cfg: RunConfig) -> dict[str, str]:

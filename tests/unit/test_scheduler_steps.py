@@ -63,3 +63,17 @@ def test_each_role_schedule_spans_its_own_epochs(epochs, critic_epochs):
                                     ("critic", cfg.train.critic.optimizer, critic_epochs or epochs)):
         spec = trainer_spec(cfg, role, optimizer, "tiny", scheduler_steps(cfg, 20))
         assert spec.total_steps == loop * passes, role
+
+
+def test_the_actors_schedule_leaves_out_the_critics_warm_up():
+    """train.critic.actor_freezing_steps: the actor takes no optimizer step in the loop's first steps, so its schedule
+    spans the steps after them (was: them too, so a linear schedule ended above 0: at LR x frozen / all)."""
+    from molt_hydra.runtime.trainer_options import trainer_spec
+    cfg = RunConfig()
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.train.batch_size, cfg.train.epochs = 8, 2, 8, 2
+    cfg.train.max_steps, cfg.train.critic.actor_freezing_steps = 5, 3
+    per_batch = 8 * 2 // 8  # optimizer steps per pass over one batch
+    spec = {role: trainer_spec(cfg, role, cfg.train.optimizer, "tiny", scheduler_steps(cfg, 100))
+            for role in ("actor", "critic")}
+    assert spec["critic"].total_steps == 5 * per_batch * 2  # every loop step, both epochs
+    assert spec["actor"].total_steps == (5 - 3) * per_batch * 2  # the steps after the warm-up
