@@ -347,8 +347,8 @@ class AlgorithmConfig:
     "Entropy bonus coefficient (0 skips entropy)."
     loss_agg: LossAgg = LossAgg["token-mean"]
     "How per-token losses reduce to one number (token-mean is normalised by the global action-token count)."
-    value_clip: Optional[float] = ranged(0.2, ge=0)
-    "Critic value-clip range (gae); None disables clipping."
+    value_clip: Optional[float] = ranged(0.2, gt=0)
+    "Critic value-clip range (gae); None disables clipping (0 would hold the critic at its old values: refused)."
     kl: KLConfig = field(default_factory=KLConfig)
     "KL to the reference policy."
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)

@@ -77,7 +77,7 @@ OUT_OF_RANGE = [
     ("algorithm.clip_eps_high=-0.1", "algorithm.clip_eps_high", "must be >= 0, got -0.1"),
     ("algorithm.kl.coef=-1", "algorithm.kl.coef", "must be >= 0, got -1.0"),
     ("algorithm.kl.horizon=0", "algorithm.kl.horizon", "must be >= 1, got 0"),
-    ("algorithm.value_clip=-0.2", "algorithm.value_clip", "must be >= 0, got -0.2"),
+    ("algorithm.value_clip=0", "algorithm.value_clip", "must be > 0, got 0"),
     ("train.optimizer.betas=[0.9,1.0]", "train.optimizer.betas", "each value must be in [0, 1), got [0.9, 1.0]"),
     ("train.critic.optimizer.betas=[-0.1,0.9]", "train.critic.optimizer.betas", "each value must be in [0, 1)"),
     ("train.optimizer.eps=0", "train.optimizer.eps", "must be in (0, 1] ("),
@@ -306,3 +306,19 @@ def test_replay_dir_must_exist():
 
 def test_gpu_transport_refused_on_cpu():
     assert_fires(["rollout.weight_sync.transport=nccl"], "rollout.weight_sync.transport", "this run is on CPU")
+
+
+def test_a_value_clip_of_zero_is_refused_and_null_turns_clipping_off():
+    """max((V - R)^2, (V_old + clip(V - V_old, 0) - R)^2) never falls below the old value's loss, so with a clip of 0
+    the critic can only learn to be worse (was: accepted). null is how clipping is turned off."""
+    import torch
+
+    from molt_hydra.algorithm.value_loss import value_loss
+
+    old, ret = torch.tensor([[0.0]]), torch.tensor([[1.0]])
+    better = torch.tensor([[0.5]], requires_grad=True)  # halfway to the return: a lower unclipped loss
+    loss, _ = value_loss(better, old, ret, torch.ones(1, 1), value_clip=0.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5 * 1.0 ** 2) and better.grad.item() == 0.0  # the old value's loss, no grad
+    assert_fires(["algorithm=ppo_gae", "parallelism.colocate_models=true", "algorithm.value_clip=0"], "algorithm.value_clip", "must be > 0")
+    assert config_errors(["algorithm=ppo_gae", "parallelism.colocate_models=true", "algorithm.value_clip=null"]) == []
