@@ -324,7 +324,9 @@ class SamplesGenerator:
                             "eval has no score", drops=dict(dropped), examples=dict(self._errors))
         metrics = {f"eval_dropped_{reason}": float(n) for reason, n in sorted(dropped.items())}
         for ds, groups in per_ds.items():
-            rewards = [[float(t.reward) for t in g] for g in groups if g]
+            # each rollout once: a chat rollout's segments each carry its reward (was: a 3-segment rollout counted 3x)
+            rewards = [[float(t.reward) for t in {getattr(t, "rollout_id", None) or id(t): t for t in g}.values()]
+                       for g in groups if g]
             if not rewards:  # every rollout of this datasource failed: counted above, not scored 0
                 continue
             if n_samples > 1:

@@ -226,6 +226,22 @@ def test_eval_pass_at_1_and_pass_at_k_per_datasource():
     assert m["eval_num_samples"] == 12 and m["eval_response_length_mean"] == 3
 
 
+class SegmentedRunner(ScriptedRunner):
+    """row["segments"][i]: how many segments rollout i returns, each with its reward (a chat agent's branches)."""
+
+    async def run_group(self, row, n, sampling):
+        return [(Traj(reward, rollout_id=f"{row['id']}-{i}"), None)
+                for i, (reward, segments) in enumerate(zip(row["script"], row["segments"])) for _ in range(segments)]
+
+
+def test_eval_counts_a_chat_rollouts_reward_once_however_many_segments_it_has():
+    """pass@k is over rollouts; before, a rollout of 3 segments weighed 3x in pass@1 (0.75 here, not 0.5)."""
+    gen = SamplesGenerator(rows(1), SegmentedRunner(), batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING)
+    m = asyncio.run(gen.evaluate([{"id": 0, "script": [1.0, 0.0], "segments": [3, 1]}], 2, SAMPLING))
+    assert m["eval_default_pass1"] == pytest.approx((1.0 + 0.0) / 2)
+    assert m["eval_default_pass2"] == pytest.approx(1.0)
+
+
 def test_eval_scores_only_what_can_be_scored_and_counts_the_rest():
     """Before: a failed rollout was left out uncounted, a NaN reward made pass@1 NaN, and a datasource whose every
     rollout failed was scored 0.0."""
