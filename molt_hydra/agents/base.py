@@ -31,7 +31,12 @@ log = logging.getLogger(__name__)
 AGENT_EXCEPTION = "agent_exception"
 AGENT_TIMEOUT = "agent_timeout"
 EMPTY_SESSION = "empty_session"
+ENGINE_ABORTED = "engine_aborted"  # vLLM ended a generation with finish reason abort / error: not the agent's fault
 
+
+class GenerationAborted(RuntimeError):
+    """`Trajectory.append_action` refused a generation the engine cut short; its rollout is dropped as engine_aborted
+    (was: agent_exception, blaming the agent for the engine stopping or failing)."""
 
 
 @dataclass
@@ -262,7 +267,7 @@ class Trajectory:
 
     def append_action(self, gen: Generation) -> None:
         if gen.finish_reason not in ("stop", "length"):  # (was: a cut-short generation trained as a finished action)
-            raise RuntimeError(f"the engine ended a generation with finish reason {gen.finish_reason!r} after "
+            raise GenerationAborted(f"the engine ended a generation with finish reason {gen.finish_reason!r} after "
                                f"{len(gen.token_ids)} tokens (vLLM aborted or failed the request: the engine stopping "
                                "or an engine error): a cut-short action is not trained on, the rollout is dropped")
         start = len(self.token_ids)
@@ -358,6 +363,9 @@ class Runner(ABC):
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
                 log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
                 return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"
+            if isinstance(e, GenerationAborted):  # the engine's failure, raised by the runner's own code
+                log.warning("rollout %s: %s", episode.rollout_id, e)
+                return [], ENGINE_ABORTED, str(e)
             log.exception("rollout %s: agent raised", episode.rollout_id)
             return [], AGENT_EXCEPTION, f"{type(e).__name__}: {e}"
         if not any(seg.num_generated for seg in segments):
