@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import inspect
 import logging
 import math
 import numbers
+import random
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from molt_hydra.models.vlm import NOT_GENERATED  # noqa: F401 -- re-exported: the version of prompt / feedback tokens
 from molt_hydra.rollout.generation import Generation, Sampling, TokenGenerator
@@ -210,6 +214,19 @@ def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None
     stops = {k: (override[k],) if isinstance(override[k], str) else tuple(map(plain, override[k]))
              for k in ("stop", "stop_token_ids") if k in override}
     return dataclasses.replace(sampling, **{**{k: plain(v) for k, v in override.items()}, **stops})
+
+
+def seed_agent_rngs(seed: int | None, *where) -> None:
+    """Seed Python's `random` and numpy's global RNG from the rollout's seed (derived from train.seed, the epoch, the
+    prompt and the sample) and `where` in the rollout, right before the runner calls agent code: its draws are then a
+    function of the run's seed, the same after a resume and whatever rollouts run beside it (was: the runner
+    process's RNGs, seeded from os.urandom at its start, so the same seed drew other observations and rewards). Draws
+    after an `await` inside agent code interleave with other rollouts' (seed a `random.Random` of your own from
+    `sampling_params.seed` for those). No seed (a runner used directly, unseeded): left as they are."""
+    if seed is not None:
+        value = int.from_bytes(hashlib.sha256(repr((seed, *where)).encode()).digest()[:4], "little")
+        random.seed(value)
+        np.random.seed(value)
 
 
 def image_tokens(per_image: int | Callable[[Any], int], images: list) -> int:

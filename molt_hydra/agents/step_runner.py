@@ -17,7 +17,7 @@ import json
 import logging
 
 from molt_hydra.agents.base import (Env, Episode, Result, Runner, Trajectory, apply_sampling_override, image_tokens,
-                                    reward_and_score, shippable)
+                                    reward_and_score, seed_agent_rngs, shippable)
 from molt_hydra.agents.targets import subclass
 from molt_hydra.data.images import to_pil_images
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
@@ -59,6 +59,7 @@ class StepEnvRunner(Runner):
         return found[0], list(found[1])
 
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
+        seed_agent_rngs(episode.sampling.seed, "reset")  # the env's construction and reset
         env = self.env_cls(**self.env_kwargs)
         label = copy.deepcopy(episode.label)  # the env's own: the group's rollouts share the row's
         traj, observation_text = await self._first_prompt(env, episode, label, tokenizer)
@@ -76,6 +77,7 @@ class StepEnvRunner(Runner):
             traj.truncated |= gen.finish_reason == "length"
             action_text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
             observation_text += action_text
+            seed_agent_rngs(episode.sampling.seed, "step", turn)
             # the tokenizer, e.g. for vLLM's tool parsers (agents.tool_parser.reply_parser)
             result = await env.step({"observation_text": observation_text, "action_text": action_text,
                                      "action_ids": list(gen.token_ids), "label": label,
