@@ -26,6 +26,14 @@ log = logging.getLogger(__name__)
 PROMPT_MEMO = 4096  # distinct prompts remembered per runner (a few batches' worth)
 
 
+def _turn_seed(seed: int | None, rollout_seed: int | None, turn: int) -> int | None:
+    """A turn's sampling seed: the rollout's plus the turn (was: the rollout's every turn, so vLLM drew the same noise
+    at each position of every turn, and a turn repeated an earlier one's tokens wherever their distributions were
+    alike: the turns were not independent samples of the policy). A seed the Env set (Result.sampling_params): as
+    set."""
+    return (seed + turn) % 2**63 if seed is not None and seed == rollout_seed else seed
+
+
 class StepEnvRunner(Runner):
     def __init__(self, env: type[Env] | str, env_kwargs: dict | None = None, image_tokens_per_image: int = 0):
         """`env`: an Env subclass or its import target (see `targets.resolve_target`); a fresh instance per episode
@@ -69,8 +77,8 @@ class StepEnvRunner(Runner):
             if episode.max_turns is not None and turn >= episode.max_turns or max_tokens <= 0:
                 traj.truncated = True
                 break
-            turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=max_tokens,
-                                                min_tokens=min(sampling.min_tokens, max_tokens))
+            turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=max_tokens, seed=_turn_seed(
+                sampling.seed, episode.sampling.seed, turn), min_tokens=min(sampling.min_tokens, max_tokens))
             request = GenerationRequest(episode.rollout_id, list(traj.token_ids), turn_sampling, list(images))
             (gen,) = await generator.generate(request)
             traj.append_action(gen)
