@@ -99,7 +99,10 @@ RESULT_FIELDS = {
     "observation": (lambda v: isinstance(v, str), "a string"),
     "terminated": (lambda v: not isinstance(v, (str, bytes)) and v in (True, False), "a bool"),
     "truncated": (lambda v: not isinstance(v, (str, bytes)) and v in (True, False), "a bool"),
-    "info": (lambda v: isinstance(v, dict), "a dict"),
+    # its numbers are logged as metrics named by their keys (was: an int key failed the trainer's step on sorting
+    # the metric names, "'<' not supported between instances of 'int' and 'str'", naming neither agent nor key)
+    "info": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
+             "a dict with string keys (each number in it is logged as the metric its key names)"),
     "images": (lambda v: v is None or isinstance(v, (list, tuple)), "None or a list of images"),
 }
 

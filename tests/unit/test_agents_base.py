@@ -187,13 +187,17 @@ def test_a_reward_that_is_no_number_is_an_error_naming_the_agent_and_the_value(v
     ("observation", None, "Result.observation of GraderEnv.step is NoneType None; it must be a string"),
     ("observation", ["look"], "is list ['look']; it must be a string"),
     ("info", None, "Result.info of GraderEnv.step is NoneType None; it must be a dict"),
+    ("info", {"ok": 1.0, 3: 0.5}, "Result.info of GraderEnv.step is dict {'ok': 1.0, 3: 0.5}; it must be a dict with "
+     "string keys"),
     ("terminated", "no", "Result.terminated of GraderEnv.step is str 'no'; it must be a bool"),
     ("truncated", np.array([True, False]), "Result.truncated of GraderEnv.step is ndarray"),
     ("images", "cat.png", "Result.images of GraderEnv.step is str 'cat.png'; it must be None or a list")],
     ids=lambda v: str(v)[:20])
 def test_a_result_field_of_the_wrong_type_is_an_error_naming_it(field, value, said):
     """Before: terminated="no" (truthy) ended the episode; info=None or an observation of None failed inside the
-    runner ("'NoneType' object is not iterable", "You need to specify either `text`..."), naming no field."""
+    runner ("'NoneType' object is not iterable", "You need to specify either `text`..."), naming no field; an info
+    key that is no string ({3: 0.5}) failed the trainer's step ("'<' not supported between instances of 'int' and
+    'str'", sorting the step's metric names), naming neither the agent nor the key."""
     with pytest.raises(TypeError) as err:
         reward_and_score(Result(reward=1.0, **{field: value}), "GraderEnv.step")
     assert said in str(err.value)
