@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import inspect
 import logging
 import math
 import numbers
+import random
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from molt_hydra.models.vlm import NOT_GENERATED  # noqa: F401 -- re-exported: the version of prompt / feedback tokens
 from molt_hydra.rollout.generation import Generation, Sampling, TokenGenerator
@@ -31,7 +35,12 @@ log = logging.getLogger(__name__)
 AGENT_EXCEPTION = "agent_exception"
 AGENT_TIMEOUT = "agent_timeout"
 EMPTY_SESSION = "empty_session"
+ENGINE_ABORTED = "engine_aborted"  # vLLM ended a generation with finish reason abort / error: not the agent's fault
 
+
+class GenerationAborted(RuntimeError):
+    """`Trajectory.append_action` refused a generation the engine cut short; its rollout is dropped as engine_aborted
+    (was: agent_exception, blaming the agent for the engine stopping or failing)."""
 
 
 @dataclass
@@ -90,7 +99,10 @@ RESULT_FIELDS = {
     "observation": (lambda v: isinstance(v, str), "a string"),
     "terminated": (lambda v: not isinstance(v, (str, bytes)) and v in (True, False), "a bool"),
     "truncated": (lambda v: not isinstance(v, (str, bytes)) and v in (True, False), "a bool"),
-    "info": (lambda v: isinstance(v, dict), "a dict"),
+    # its numbers are logged as metrics named by their keys (was: an int key failed the trainer's step on sorting
+    # the metric names, "'<' not supported between instances of 'int' and 'str'", naming neither agent nor key)
+    "info": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
+             "a dict with string keys (each number in it is logged as the metric its key names)"),
     "images": (lambda v: v is None or isinstance(v, (list, tuple)), "None or a list of images"),
 }
 
@@ -207,6 +219,19 @@ def apply_sampling_override(sampling: Sampling, override: Sampling | dict | None
     return dataclasses.replace(sampling, **{**{k: plain(v) for k, v in override.items()}, **stops})
 
 
+def seed_agent_rngs(seed: int | None, *where) -> None:
+    """Seed Python's `random` and numpy's global RNG from the rollout's seed (derived from train.seed, the epoch, the
+    prompt and the sample) and `where` in the rollout, right before the runner calls agent code: its draws are then a
+    function of the run's seed, the same after a resume and whatever rollouts run beside it (was: the runner
+    process's RNGs, seeded from os.urandom at its start, so the same seed drew other observations and rewards). Draws
+    after an `await` inside agent code interleave with other rollouts' (seed a `random.Random` of your own from
+    `sampling_params.seed` for those). No seed (a runner used directly, unseeded): left as they are."""
+    if seed is not None:
+        value = int.from_bytes(hashlib.sha256(repr((seed, *where)).encode()).digest()[:4], "little")
+        random.seed(value)
+        np.random.seed(value)
+
+
 def image_tokens(per_image: int | Callable[[Any], int], images: list) -> int:
     """The tokens `images` add to a prompt beyond their placeholders (among its ids already), as the engine expands
     them: a runner's `image_tokens_per_image`, a count for every image (the user's) or a function of the image (the
@@ -262,7 +287,7 @@ class Trajectory:
 
     def append_action(self, gen: Generation) -> None:
         if gen.finish_reason not in ("stop", "length"):  # (was: a cut-short generation trained as a finished action)
-            raise RuntimeError(f"the engine ended a generation with finish reason {gen.finish_reason!r} after "
+            raise GenerationAborted(f"the engine ended a generation with finish reason {gen.finish_reason!r} after "
                                f"{len(gen.token_ids)} tokens (vLLM aborted or failed the request: the engine stopping "
                                "or an engine error): a cut-short action is not trained on, the rollout is dropped")
         start = len(self.token_ids)
@@ -358,6 +383,9 @@ class Runner(ABC):
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
                 log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
                 return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"
+            if isinstance(e, GenerationAborted):  # the engine's failure, raised by the runner's own code
+                log.warning("rollout %s: %s", episode.rollout_id, e)
+                return [], ENGINE_ABORTED, str(e)
             log.exception("rollout %s: agent raised", episode.rollout_id)
             return [], AGENT_EXCEPTION, f"{type(e).__name__}: {e}"
         if not any(seg.num_generated for seg in segments):

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score, shippable
+from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score, seed_agent_rngs, shippable
 from molt_hydra.agents.targets import subclass
 from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
@@ -112,6 +112,7 @@ class ChatAgentRunner(Runner):
             base_url=url + "/v1", session_url=url, api_key=server.api_key, model_name=MODEL_NAME, session_id=sid,
             sampling_params=episode.sampling, max_length=episode.max_length, max_turns=episode.max_turns,
             judge_url=url + "/judge/v1")
+        seed_agent_rngs(episode.sampling.seed, "run")
         try:
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)
         finally:

@@ -28,8 +28,8 @@ import contextlib
 import ctypes
 import functools
 import os
-import random
 import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -230,8 +230,10 @@ async def run_python(code: str, *, allow_network: bool = False, sandbox: str = "
         raise RuntimeError(f"sandbox=bwrap: {_bwrap_problem()}")
     isolate_net = sandbox == "rlimits" and not allow_network and network_namespace_available()
     scratch = SCRATCH if sandbox == "bwrap" else tempfile.mkdtemp(prefix="molt-python-")
-    # A uid of this call's own (root only): RLIMIT_NPROC counts per uid, so concurrent calls do not share it.
-    uid = random.randrange(2**30, 2**31) if sandbox == "bwrap" and os.geteuid() == 0 else None
+    # A uid of this call's own (root only): RLIMIT_NPROC counts per uid, so concurrent calls do not share it. Drawn
+    # from the OS, not Python's `random`, which agent code (and the runner, per rollout) seeds (was: two calls after
+    # one seed ran as one uid, and one's processes counted against the other's limit).
+    uid = 2**30 + secrets.randbelow(2**30) if sandbox == "bwrap" and os.geteuid() == 0 else None
     prefix = _bwrap_argv(limits, allow_network, uid) if sandbox == "bwrap" else []
 
     def limit_child() -> None:  # runs in the forked child before exec; rlimits are inherited through bwrap

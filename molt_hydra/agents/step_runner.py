@@ -17,13 +17,21 @@ import json
 import logging
 
 from molt_hydra.agents.base import (Env, Episode, Result, Runner, Trajectory, apply_sampling_override, image_tokens,
-                                    reward_and_score, shippable)
+                                    reward_and_score, seed_agent_rngs, shippable)
 from molt_hydra.agents.targets import subclass
 from molt_hydra.data.images import to_pil_images
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
 
 log = logging.getLogger(__name__)
 PROMPT_MEMO = 4096  # distinct prompts remembered per runner (a few batches' worth)
+
+
+def _turn_seed(seed: int | None, rollout_seed: int | None, turn: int) -> int | None:
+    """A turn's sampling seed: the rollout's plus the turn (was: the rollout's every turn, so vLLM drew the same noise
+    at each position of every turn, and a turn repeated an earlier one's tokens wherever their distributions were
+    alike: the turns were not independent samples of the policy). A seed the Env set (Result.sampling_params): as
+    set."""
+    return (seed + turn) % 2**63 if seed is not None and seed == rollout_seed else seed
 
 
 class StepEnvRunner(Runner):
@@ -59,6 +67,7 @@ class StepEnvRunner(Runner):
         return found[0], list(found[1])
 
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
+        seed_agent_rngs(episode.sampling.seed, "reset")  # the env's construction and reset
         env = self.env_cls(**self.env_kwargs)
         label = copy.deepcopy(episode.label)  # the env's own: the group's rollouts share the row's
         traj, observation_text = await self._first_prompt(env, episode, label, tokenizer)
@@ -68,14 +77,15 @@ class StepEnvRunner(Runner):
             if episode.max_turns is not None and turn >= episode.max_turns or max_tokens <= 0:
                 traj.truncated = True
                 break
-            turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=max_tokens,
-                                                min_tokens=min(sampling.min_tokens, max_tokens))
+            turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=max_tokens, seed=_turn_seed(
+                sampling.seed, episode.sampling.seed, turn), min_tokens=min(sampling.min_tokens, max_tokens))
             request = GenerationRequest(episode.rollout_id, list(traj.token_ids), turn_sampling, list(images))
             (gen,) = await generator.generate(request)
             traj.append_action(gen)
             traj.truncated |= gen.finish_reason == "length"
             action_text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
             observation_text += action_text
+            seed_agent_rngs(episode.sampling.seed, "step", turn)
             # the tokenizer, e.g. for vLLM's tool parsers (agents.tool_parser.reply_parser)
             result = await env.step({"observation_text": observation_text, "action_text": action_text,
                                      "action_ids": list(gen.token_ids), "label": label,

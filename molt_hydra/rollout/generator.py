@@ -30,8 +30,8 @@ from molt_hydra.rollout.generation import Sampling
 # Molt's seven reasons, then the agent-side failures molt_hydra counts too (Molt prints and forgets them).
 DROP_REASONS = (
     "empty_tokens", "vlm_media_unresolved", "vlm_truncation", "logprob_misalign", "no_action_tokens",
-    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "nonfinite_reward",
-    "nonfinite_score")
+    "incomplete_group", "dynamic_filter", "agent_exception", "agent_timeout", "empty_session", "engine_aborted",
+    "nonfinite_reward", "nonfinite_score")
 
 
 class RunFailed(RuntimeError):

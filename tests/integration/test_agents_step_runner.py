@@ -217,3 +217,27 @@ def test_seeded_long_prompts_survive_a_small_step_budget(loop, engine):
     first, again = run(loop, batch(), timeout=300), run(loop, batch(), timeout=300)
     assert [len(g[0].token_ids) for g in first] == [4] * 4
     assert [g[0].token_ids for g in first] == [g[0].token_ids for g in again]
+
+
+class FourTurns(Env):
+    async def step(self, state):
+        return Result(reward=0.0, observation=" again", terminated=state["turn"] == 3)
+
+
+def test_each_turn_samples_with_noise_of_its_own_and_a_rerun_samples_the_same(loop, engine, tokenizer):
+    """Before: every turn of a rollout was sampled with the rollout's one seed, so vLLM drew the same random numbers
+    at each position of every turn, and a turn repeated an earlier turn's tokens wherever their distributions were
+    alike: the turns were not independent samples of the policy. At temperature 2 the tiny random model's
+    distributions are near uniform, the noise alone picks each token: with one seed the four turns were the same
+    tokens. (Each turn samples 4 tokens, then stops at the first even token: max_tokens would end the episode.)"""
+    hot = Sampling(max_tokens=64, temperature=2.0, min_tokens=4, stop_token_ids=tuple(range(0, 512, 2)), seed=1234)
+
+    def turns():
+        (traj,) = run(loop, StepEnvRunner(FourTurns).run_group(
+            [Episode(prompt=PROMPT, sampling=hot, max_length=512)], engine, tokenizer)).trajectories
+        return [traj.token_ids[s:e] for s, e in traj.action_ranges]
+
+    first = turns()
+    assert len(first) == 4 and all(len(t) >= 5 for t in first), first
+    assert len({tuple(t) for t in first}) == 4, first  # 5+ of 512 near-uniform tokens: alike only by shared noise
+    assert turns() == first  # still a function of the rollout's seed: the rerun (a resume) samples the same

@@ -29,7 +29,9 @@ def test_trajectory_keeps_tokens_logprobs_versions_aligned():
 
 
 def test_an_aborted_generation_fails_its_rollout_naming_the_abort_never_trained_as_an_action(tiny_model):
-    """Before: a generation vLLM ended with finish reason "abort" was appended as a finished action and trained on."""
+    """Before: a generation vLLM ended with finish reason "abort" was appended as a finished action and trained on.
+    The rollout is dropped as engine_aborted, its own reason (was: agent_exception, blaming the agent for the engine
+    stopping), and the samples generator logs it as rollout/dropped/engine_aborted."""
     from transformers import AutoTokenizer
 
     from molt_hydra.agents.base import Env
@@ -44,8 +46,43 @@ def test_an_aborted_generation_fails_its_rollout_naming_the_abort_never_trained_
 
     eps = [Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=64) for _ in range(2)]
     outcome = asyncio.run(StepEnvRunner(Once).run_group(eps, Aborting(), AutoTokenizer.from_pretrained(tiny_model)))
-    assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 2}
-    assert "finish reason 'abort' after 2 tokens" in outcome.errors["agent_exception"]
+    assert outcome.trajectories == [] and dict(outcome.failures) == {"engine_aborted": 2}
+    assert "finish reason 'abort' after 2 tokens" in outcome.errors["engine_aborted"]
+
+
+def test_an_engine_abort_is_logged_as_its_own_drop_reason_not_as_the_agents(tiny_model):
+    """Before: a rollout whose generation vLLM aborted counted in rollout/dropped/agent_exception, as if the Env had
+    raised; now in rollout/dropped/engine_aborted, and agent_exception stays 0."""
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+    from molt_hydra.rollout.generator import SamplesGenerator
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+
+    class AbortsTheFirst:  # a stand-in engine: vLLM aborts sample 0's request, finishes sample 1's
+        async def generate(self, request):
+            return [Generation([7, 8], [-0.5, -0.5], [0, 0], "abort" if request.session_id.endswith("-0") else "stop")]
+
+    class Once(Env):
+        async def step(self, state):
+            return Result(reward=1.0)
+
+    class Group:  # hands a group back as runtime/agent_runner.py does: (None, reason) per failure, then trajectories
+        async def run_group(self, row, n, sampling):
+            eps = [Episode(prompt=row["prompt"], sampling=sampling, max_length=64, rollout_id=f"g-{i}")
+                   for i in range(n)]
+            outcome = await StepEnvRunner(Once).run_group(eps, AbortsTheFirst(), tokenizer)
+            return [(None, r) for r, k in outcome.failures.items() for _ in range(k)] + [
+                (t, None) for t in outcome.trajectories]
+
+    gen = SamplesGenerator([{"prompt": "hi"}], Group(), batch_size=1, n_samples_per_prompt=2,
+                           sampling=Sampling(max_tokens=4))
+    batch = asyncio.run(gen.generate_batch())
+    assert [len(g.trajectories) for g in batch.groups] == [1]  # sample 1, kept (incomplete_groups=keep)
+    m = batch.metrics
+    assert (m["rollout/dropped/engine_aborted"], m["rollout/dropped/agent_exception"]) == (1.0, 0.0)
+    assert m["rollout/dropped/total"] == 1.0
 
 
 def test_routed_experts_laid_per_token_first_writer_wins():
@@ -150,13 +187,17 @@ def test_a_reward_that_is_no_number_is_an_error_naming_the_agent_and_the_value(v
     ("observation", None, "Result.observation of GraderEnv.step is NoneType None; it must be a string"),
     ("observation", ["look"], "is list ['look']; it must be a string"),
     ("info", None, "Result.info of GraderEnv.step is NoneType None; it must be a dict"),
+    ("info", {"ok": 1.0, 3: 0.5}, "Result.info of GraderEnv.step is dict {'ok': 1.0, 3: 0.5}; it must be a dict with "
+     "string keys"),
     ("terminated", "no", "Result.terminated of GraderEnv.step is str 'no'; it must be a bool"),
     ("truncated", np.array([True, False]), "Result.truncated of GraderEnv.step is ndarray"),
     ("images", "cat.png", "Result.images of GraderEnv.step is str 'cat.png'; it must be None or a list")],
     ids=lambda v: str(v)[:20])
 def test_a_result_field_of_the_wrong_type_is_an_error_naming_it(field, value, said):
     """Before: terminated="no" (truthy) ended the episode; info=None or an observation of None failed inside the
-    runner ("'NoneType' object is not iterable", "You need to specify either `text`..."), naming no field."""
+    runner ("'NoneType' object is not iterable", "You need to specify either `text`..."), naming no field; an info
+    key that is no string ({3: 0.5}) failed the trainer's step ("'<' not supported between instances of 'int' and
+    'str'", sorting the step's metric names), naming neither the agent nor the key."""
     with pytest.raises(TypeError) as err:
         reward_and_score(Result(reward=1.0, **{field: value}), "GraderEnv.step")
     assert said in str(err.value)

@@ -351,3 +351,27 @@ def test_bwrap_sandbox_works_with_the_venv_under_tmp(tmp_path_factory):
         assert "Read-only file system" in out.stdout, out.stdout
     finally:
         __import__("shutil").rmtree(base, ignore_errors=True)
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="a uid of each call's own is the sandbox's as root")
+def test_concurrent_calls_after_the_same_random_seed_keep_process_limits_of_their_own():
+    """Before: each call's uid came from Python's global `random`, which agent code seeds (`random.seed(0)`, or the
+    runner seeding it per rollout, agents/base.py seed_agent_rngs): two calls made after the same seed ran as one uid,
+    so RLIMIT_NPROC counted both calls' processes and one of them could start fewer than its max_processes allow."""
+    import random
+
+    code = ("import os, time\nn = 0\nfor _ in range(5):\n    try:\n        pid = os.fork()\n    except OSError:\n"
+            "        break\n    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n    n += 1\n"
+            "print(os.getuid(), n, flush=True)\ntime.sleep(60)")
+
+    async def after_seed():
+        random.seed(0)
+        return await run_python(code, max_processes=4, timeout_s=4)
+
+    async def both():
+        return await asyncio.gather(after_seed(), after_seed())
+
+    (uid_a, forked_a), (uid_b, forked_b) = (map(int, r.stdout.split()) for r in run(both()))
+    assert uid_a != uid_b
+    assert forked_a == forked_b == 4 - 1  # the parent is one of the 4
