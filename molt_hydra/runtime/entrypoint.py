@@ -141,7 +141,7 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
         return None, None
     # a crash's leftover of a checkpoint or `best` is put back first (the export's by the next export), unless this run
     # cannot write there or another run writes there (the critic's dir is locked with the actor's)
-    with suppress(OSError), unless_another_run(c.dir) as free:
+    with suppress(OSError), unless_another_run("checkpoint.dir", c.dir) as free:
         for root in (c.dir, c.dir + "_critic") if free else ():
             recover(root)
     if c.resume.value == "never":
