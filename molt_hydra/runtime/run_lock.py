@@ -39,19 +39,39 @@ def run_lock(dirs: dict[str, str]):
             seen.add(lock)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
             held.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-                print(f"\nRun not started: {key}={path} is in use by another run ({holder}). Fix: wait for that run "
-                      f"to end, or point {key} at another directory.", file=sys.stderr)
-                sys.exit(EXIT_FAILED)
+            _refuse_if_held(fd, key, path)
             os.ftruncate(fd, 0)
             os.pwrite(fd, _holder().encode(), 0)
         yield
     finally:
         for fd in held:
             os.close(fd)  # releases its lock
+
+
+def refuse_if_held(dirs: dict[str, str]) -> None:
+    """`run_lock`'s refusal, before Hydra writes the run directory (.hydra/, cli.log): before, a run refused there
+    had replaced the running run's .hydra/overrides.yaml and config.yaml with its own, and logged into its cli.log.
+    Each lock is let go at once: `run_lock` takes them (two runs started at once: one is refused there)."""
+    for key, path in dirs.items():
+        try:
+            fd = os.open(lock_file(key, path), os.O_RDONLY)
+        except OSError:  # none: no run ever held it (or none this user may read: `run_lock` says so)
+            continue
+        try:
+            _refuse_if_held(fd, key, path)
+        finally:
+            os.close(fd)
+
+
+def _refuse_if_held(fd: int, key: str, path: str) -> None:
+    """Locks `fd`, or prints that another run holds it, naming it, and exits non-zero."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        print(f"\nRun not started: {key}={path} is in use by another run ({holder}). Fix: wait for that run "
+              f"to end, or point {key} at another directory.", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 def lock_file(key: str, path: str | os.PathLike) -> Path:

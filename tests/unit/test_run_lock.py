@@ -60,7 +60,9 @@ def test_the_lock_goes_with_a_killed_run_and_one_directory_named_twice_is_locked
 
 
 def test_molt_run_on_a_directory_in_use_stops_before_writing_anything(tmp_path):
-    """The real CLI: the second run's last line names the directory; it writes no run record and starts no Ray."""
+    """The real CLI: the second run's last line names the directory; it writes no run record and starts no Ray, and
+    is refused before Hydra writes the directory: before, its .hydra/ (config.yaml, overrides.yaml) replaced the
+    running run's, and its log went into that run's cli.log."""
     out = tmp_path / "run"
     holder = _holder(out)
     try:
@@ -72,7 +74,7 @@ def test_molt_run_on_a_directory_in_use_stops_before_writing_anything(tmp_path):
     assert proc.returncode == EXIT_FAILED, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"Run not started: output_dir={out} is in use by another "
                                                            f"run (pid {holder.pid} on ")
-    assert not (out / "run_record.json").exists() and not (out / "ray").exists()
+    assert sorted(p.name for p in out.iterdir()) == []  # (the holder's lock is beside it)
 
 
 def _locked_dirs(out: Path, *overrides: str) -> dict[str, str]:
