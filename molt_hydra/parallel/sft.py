@@ -171,9 +171,9 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
             rec["eval sft_loss"] = _eval_loss(worker, evals, rank, world)
         every = kw["save_steps"]  # N: every N steps and the last (as an RL run); -1: at the end only; 0: never
         if kw["ckpt_path"] and ((every > 0 and (step + 1) % every == 0) or (every != 0 and (last or stopping))):
-            worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs,
+            worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs, "total_steps": total,
                                                      "eval_skipped": due and stopping, "run_record": kw["run_record"]},
-                                   keep=kw["keep"], max_disk_gb=kw["max_disk_gb"])
+                                   keep=kw["keep"], max_disk_gb=kw["max_disk_gb"])  # (total: runtime _nothing_left)
         record(rec)
         if stopping:  # the step is saved (unless save_steps=0); no final export: the requeued run goes on
             stop.value = STOPPED

@@ -269,22 +269,29 @@ def _name_changes(cfg: RunConfig, found: Path, changed: dict, step: int) -> None
 
 
 def _nothing_left(cfg: RunConfig, found: Path, state: dict) -> bool:
-    """A resumed RL run whose checkpoint is at train.max_steps already, and exported after that save where it exports
-    (checkpoint.export_final): one line saying so, and True (exit 0, no role started). Before: every role started,
-    nothing was trained, the same step was saved and exported again (minutes on GPU). An export missing or older than
-    the save (the run ended between the two: Slurm's notice at its last step, an export killed) still runs: its loop
-    trains nothing and re-saves nothing (_train), the export is written."""
+    """A resumed run whose checkpoint is at its last step already (job=rl: train.max_steps; job=sft: the last of the
+    saved run's train.epochs, unchanged), and exported after that save where it exports (checkpoint.export_final):
+    one line saying so, and True (exit 0, no role started). Before: every role started, nothing was trained, the same
+    step was saved and exported again (minutes on GPU); job=sft also logged its last step's eval again, a second row
+    of that step in sft_metrics.jsonl on each such resume. An export missing or older than the save (the run ended
+    between the two: Slurm's notice at its last step, an export killed) still runs: its loop trains nothing and
+    re-saves nothing (_train), the export is written."""
     c, t = cfg.checkpoint, cfg.train
-    if cfg.job.value != "rl" or t.max_steps is None:
+    if cfg.job.value == "sft":  # (its last step is recorded at each save: the data decides it)
+        same = (state.get("run_record") or {}).get("config", {}).get("train", {}).get("epochs") == t.epochs
+        step, last, export = state.get("global_step", 0), state.get("total_steps") if same else None, Path(
+            cfg.output_dir) / "hf"
+        length, knob = f"the last of train.epochs={t.epochs}", "train.epochs"
+    elif cfg.job.value == "rl":
+        step, last, export = state.get("rl_step", 0), t.max_steps, Path(c.export_dir)
+        length, knob = f"train.max_steps={t.max_steps}", "train.max_steps"
+    else:
         return False
-    step = state.get("rl_step", 0)
-    export = Path(c.export_dir)
     saved_at = max(p.stat().st_mtime for p in (found, found / "run_record.json") if p.exists())
-    if step < t.max_steps or c.export_final and not (export.is_dir() and export.stat().st_mtime >= saved_at):
+    if last is None or step < last or c.export_final and not (export.is_dir() and export.stat().st_mtime >= saved_at):
         return False
-    print(f"Nothing left to run: {found} is at step {step}, train.max_steps={t.max_steps}"
-          + (f", exported to {export}" if c.export_final else "") + "; nothing was trained, saved or exported. To "
-          "train further, raise train.max_steps.", flush=True)
+    print(f"Nothing left to run: {found} is at step {step}, {length}" + (f", exported to {export}" if c.export_final
+          else "") + f"; nothing was trained, saved or exported. To train further, raise {knob}.", flush=True)
     return True
 
 

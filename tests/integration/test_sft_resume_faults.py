@@ -171,6 +171,10 @@ def test_a_resume_past_the_runs_last_step_is_refused_naming_the_epochs(straight,
                             f"already. Fix: set train.epochs to 1 or more, or {WEIGHTS_ALONE}")
     assert _steps(tmp_path) == [] and not (tmp_path / "hf").exists()
     assert [r["global_step"] for r in sft(one_rank, tmp_path, resume=True, max_epochs=1)] == []  # at its end: none
+    from molt_hydra.parallel.checkpoint import saved_client_state
+
+    # each save records the run's last step: a resume at it starts no rank (runtime/entrypoint.py _nothing_left)
+    assert [saved_client_state(straight[0] / f"step_{n}")["total_steps"] for n in (1, 2, 3)] == [3, 3, 3]
 
 
 def _steps(out: Path) -> list[int]:

@@ -380,7 +380,7 @@ def sft_saved(tmp_path):
     model, opt = _trained()
     record = write_run_record(_sft_cfg(tmp_path), tmp_path / "out")
     save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
-        "master_weights": "fsdp", "global_step": 3, "consumed_samples": 3 * 8, "run_record": record})
+        "master_weights": "fsdp", "global_step": 3, "consumed_samples": 3 * 8, "total_steps": 3, "run_record": record})
     return tmp_path / "ckpt" / "step_3"
 
 
@@ -398,3 +398,28 @@ def test_an_sft_resume_under_a_changed_seed_or_lr_is_refused_and_a_longer_one_na
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"Resuming {sft_saved} with keys changed since its save: train.epochs 1 -> 2; the LR schedule (cosine) now "
         "spans the new length, so the LR from step 3 on differs from the saved run's")
+
+
+def test_an_sft_resume_with_no_step_left_says_so_and_starts_nothing(sft_saved, tmp_path, capsys, monkeypatch):
+    """job=sft at the last step of its train.epochs (recorded at the save), exported after it: one line, no rank
+    started. Before: the ranks started, trained nothing, evaluated the last step again (a second row of it in
+    sft_metrics.jsonl on each such resume) and exported the same weights again. An export missing or older than the
+    save, or more train.epochs, still start the ranks."""
+    from molt_hydra.runtime import sft_job
+
+    started, entrypoint = _started_nothing(monkeypatch)
+    monkeypatch.setattr(sft_job, "run_sft_job", lambda *a: started.append("ranks") or [])
+    export = tmp_path / "out" / "hf"
+    for _ in ("missing", "older"):
+        entrypoint.run(_sft_cfg(tmp_path, "checkpoint.resume=auto"))
+        assert started.pop() == "ranks"
+        export.mkdir(exist_ok=True)
+        os.utime(export, (0, 0))
+    os.utime(export)  # its export, written after its last save
+    entrypoint.run(_sft_cfg(tmp_path, "checkpoint.resume=auto", "train.epochs=2"))
+    assert started.pop() == "ranks"
+    entrypoint.run(_sft_cfg(tmp_path, "checkpoint.resume=auto"))
+    assert started == []
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"Nothing left to run: {sft_saved} is at step 3, the last of train.epochs=1, exported to {export}; nothing "
+        "was trained, saved or exported. To train further, raise train.epochs.")
