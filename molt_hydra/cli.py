@@ -1422,9 +1422,12 @@ def _check_run(first: DictConfig, overrides: list[str], config_dir: str | None) 
         print(f"Dry run: nothing started, nothing written (the run would write to {run_cfg.output_dir}).")
         sys.exit(0)
     from molt_hydra.runtime.fresh_dir import own_dir
+    from molt_hydra.runtime.run_lock import refuse_if_held
+    from molt_hydra.runtime.writable import run_dirs
 
     if (mine := own_dir(first.hydra.run)) == run_dir:  # (taken: Hydra's compose checks the run in mine again)
         _CHECKED[run_cfg.output_dir] = result
+        refuse_if_held(run_dirs(run_cfg))  # (a directory taken anew is this run's own)
     add_override(f"hydra.run.dir={quoted(str(mine))}", overrides)
     return []
 

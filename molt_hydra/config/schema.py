@@ -556,9 +556,9 @@ class CheckpointConfig:
     export_merged: bool = False
     "LoRA: also export the base with the adapter merged in, as a full HF model under <export_dir>/merged."
     max_num: int = ranged(3)
-    "Checkpoints kept (<= 0 keeps all); the best one is kept besides."
+    "Checkpoints kept (<= 0 keeps all); the best one is kept besides, and a critic's copy of the actor's newest step."
     max_disk_gb: Optional[float] = ranged(None, gt=0)
-    "Disk budget (GB) per checkpoint root: oldest resumable checkpoints pruned, never the newest; None = unlimited."
+    "Disk budget (GB) per checkpoint root: oldest resumable checkpoints pruned, never the newest (nor a critic's copy of the actor's newest); None = unlimited."
     resume: Resume = Resume["never"]
     "never, auto (latest if any) or must (latest, fail if none)."
     load_model_only: bool = False

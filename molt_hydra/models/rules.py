@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from molt_hydra.config.schema import RunConfig
+from molt_hydra.config.schema import WEIGHTS_ALONE, RunConfig
 from molt_hydra.config.bounds import get
 from molt_hydra.config.validate import Problems, changed, check_location, defaults, trainer_backend
 from molt_hydra.models import lora, smollm2, tiny, tiny_vlm
@@ -119,11 +119,15 @@ def _model_location(problems: Problems, key: str, location: str | None) -> None:
     check_location(problems, key, location, "directory", fix)
     try:  # (an over-long or unreadable path: check_location reported it)
         path = Path(location).expanduser()
-        model_dir = key in ("model.path", "model.ref_path", "model.critic_path") and path.is_dir() and any(
-            path.iterdir())
+        model_dir = key != "model.tokenizer_path" and path.is_dir() and any(path.iterdir())
     except OSError:
         return
-    if model_dir:
+    if key == "checkpoint.path" and (path / "dcp").is_dir():  # (was: a tokenizer's or vLLM's error once it started)
+        problems.check(False, key, f"{location!r} is a resumable checkpoint (DCP shards), not an HF model directory "
+                       "(the trainer and vLLM load the model from one).", "set it to an HF export (<output_dir>/"
+                       "hf_final, <checkpoint.dir>/best or hf/step_N); for job=sft to start from this checkpoint's "
+                       f"weights, unset it, {WEIGHTS_ALONE} and checkpoint.resume=must")
+    elif model_dir:
         problems.check((path / "config.json").is_file(), key, f"{location!r} holds no "
                        "config.json, so it is no HF model directory (the trainer and vLLM load the model from it).", fix)
 

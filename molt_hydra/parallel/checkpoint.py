@@ -124,10 +124,12 @@ def _tags(root: Path) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
-                    client_state: dict | None = None, keep: int = 3, max_disk_gb: float | None = None) -> Path:
-    """Collective: every rank calls it. Returns the final directory. Retention: parallel/retention.py. Every rank
-    raises the same error when a write failed on any rank (naming that rank and the cause: a full disk...; the
-    half-written save is removed, its space freed), or when the newest checkpoint alone is over `max_disk_gb`."""
+                    client_state: dict | None = None, keep: int = 3, max_disk_gb: float | None = None,
+                    hold: int | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final directory. Retention: parallel/retention.py (`hold`: a step
+    it keeps besides). Every rank raises the same error when a write failed on any rank (naming that rank and the
+    cause: a full disk...; the half-written save is removed, its space freed), or when the newest checkpoint alone
+    is over `max_disk_gb`."""
     root, tag = Path(root), f"step_{step}"
     tmp, final = root / f".tmp-{tag}", root / tag
     _on_every_rank(tmp, _prepare, root, tmp, rank0_only=True)
@@ -149,7 +151,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer=None, s
     world = dist.get_world_size() if dist.is_initialized() else 1  # rng_rank<r>.pt for every r below it
     extra = {"client_state": client_state or {}, "step": step, "world_size": world, "crc32": True,
              "scheduler": scheduler.state_dict() if scheduler is not None else None}
-    _on_every_rank(tmp, _publish, tmp, final, extra, crcs, keep, max_disk_gb, rank0_only=True)
+    held = root / f"step_{hold}" if hold is not None else None
+    _on_every_rank(tmp, _publish, tmp, final, extra, crcs, keep, max_disk_gb, held, rank0_only=True)
     if (error := retention.over_budget(final, max_disk_gb)) is not None:
         raise RuntimeError(error)
     return final
@@ -176,7 +179,8 @@ def _write_rank_files(tmp: Path) -> dict[str, int]:
     return {f"dcp/{p.name}": _crc32(p) for p in (tmp / "dcp").glob(f"__{_rank()}_*")}  # each rank its own shards
 
 
-def _publish(tmp: Path, final: Path, extra: dict, crcs: dict, keep: int, max_disk_gb: float | None) -> None:
+def _publish(tmp: Path, final: Path, extra: dict, crcs: dict, keep: int, max_disk_gb: float | None,
+             hold: Path | None) -> None:
     """Rank 0: the extra state and the CRC32s, written last, then the rename that makes the save a checkpoint."""
     _write_extra(tmp, extra)
     crcs.update({str(p.relative_to(tmp)): _crc32(p) for p in [tmp / "dcp" / ".metadata", *tmp.glob("*.pt")]})
@@ -185,7 +189,7 @@ def _publish(tmp: Path, final: Path, extra: dict, crcs: dict, keep: int, max_dis
     latest_tmp = final.parent / ".latest.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, final.parent / "latest")
-    retention.prune([p for _, p in _tags(final.parent)], keep, max_disk_gb)
+    retention.prune([p for _, p in _tags(final.parent)], keep, max_disk_gb, hold)
 
 
 def _on_every_rank(tmp: Path, step, *args, rank0_only: bool = False):

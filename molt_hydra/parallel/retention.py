@@ -25,18 +25,22 @@ def _step(path: Path) -> float:
     return int(m.group(1)) if (m := re.fullmatch(r"step_(\d+)", path.name)) else float("inf")
 
 
-def prune(tags: list[Path], keep: int, max_disk_gb: float | None) -> None:
+def prune(tags: list[Path], keep: int, max_disk_gb: float | None, hold: Path | None = None) -> None:
     """`tags`: the loadable checkpoint directories, oldest first (the last is the one just saved). Keeping all
-    (keep <= 0, no budget) removes nothing: not even a snapshot whose checkpoint the user moved away."""
+    (keep <= 0, no budget) removes nothing: not even a snapshot whose checkpoint the user moved away. `hold`: one kept
+    besides (the critic's copy of the actor's newest step: the actor's save of the step just saved comes after the
+    critic's, and may fail; before, with checkpoint.max_num=1 or a tight budget, the critic's copy was gone then, and
+    no step could be resumed)."""
     if keep <= 0 and max_disk_gb is None:
         return
-    pruned = tags[:-keep] if keep > 0 else []
-    tags = tags[len(pruned):]
+    pruned = [t for t in (tags[:-keep] if keep > 0 else []) if t != hold]
+    tags = [t for t in tags if t not in pruned]
     snapshots = tags[-1].parent / SNAPSHOTS
     sizes = [dir_bytes(t) + dir_bytes(snapshots / t.name) for t in tags] if max_disk_gb is not None else []
-    while sizes and len(tags) > 1 and sum(sizes) > max_disk_gb * 1e9:
-        pruned.append(tags.pop(0))
-        sizes.pop(0)
+    while sizes and sum(sizes) > max_disk_gb * 1e9 and (
+            first := next((i for i, t in enumerate(tags[:-1]) if t != hold), None)) is not None:
+        pruned.append(tags.pop(first))
+        sizes.pop(first)
     oldest = _step(tags[0])
     for old in [*pruned, *(s for s in snapshots.glob("step_*") if _step(s) < oldest)]:
         # renamed first: a kill as it is removed leaves a .pruned- directory, which the next save removes (before: a

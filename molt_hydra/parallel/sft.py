@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from molt_hydra.config.schema import WEIGHTS_ALONE
+
 # run_sft's `stop` (a shared multiprocessing Value): the caller sets STOP on Slurm's notice; the ranks, once they saved
 # the step under way and stopped, leave STOPPED in it
 STOP, STOPPED = 1, 2
@@ -37,18 +39,28 @@ def _eval_loss(worker, samples, rank, world) -> float:
     return float(s[0] / s[1].clamp(min=1))
 
 
-def _resume(worker, kw: dict, rank: int) -> dict | None:
-    """Loads `resume_step` (the run's checked choice), else the newest loadable checkpoint. A shard changed since its
-    save (its CRC32 is checked as the load reads it: every rank raises) passes that checkpoint over, in one line, for
-    the newest older one the checks pass, as the RL resume does (runtime/entrypoint.py _load_verified); with none
-    left, the load's error (the file, the fix) ends the run. Before, job=sft failed on it."""
+def _resume(worker, kw: dict, rank: int, total: int, per_epoch: int) -> tuple[dict | None, int]:
+    """The client state resumed (None: none) and the step the run starts at. Loads `resume_step` (the run's checked
+    choice), else the newest loadable checkpoint. A shard changed since its save (its CRC32 is checked as the load
+    reads it: every rank raises) passes that checkpoint over, in one line, for the newest older one the checks pass,
+    as the RL resume does (runtime/entrypoint.py _load_verified); with none left, the load's error (the file, the fix)
+    ends the run. Before, job=sft failed on it. A step past this run's `total` (train.epochs lowered since the save)
+    is refused: before, nothing was trained and the saved step's weights were exported as the shorter run's, exit 0."""
     from molt_hydra.parallel.checkpoint import DamagedCheckpoint, resolve_checkpoint
 
+    if not (kw["resume"] and kw["ckpt_path"]):
+        return None, 0
     root = kw["ckpt_path"]
     step = kw["resume_step"] or getattr(resolve_checkpoint(root), "name", None)
     while True:
         try:
-            return worker.load_checkpoint(root, model_only=kw["load_model_only"], step=step)
+            client = worker.load_checkpoint(root, model_only=kw["load_model_only"], step=step)
+            start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
+            if start > total:
+                raise ValueError(f"train.epochs={kw['max_epochs']} makes {total} steps of {per_epoch} per epoch, but "
+                                 f"the checkpoint resumed is at step {start} already. Fix: set train.epochs to "
+                                 f"{start / per_epoch:g} or more, or {WEIGHTS_ALONE}")
+            return client, start
         except DamagedCheckpoint as e:
             why, skipped = e.args[1], []
             older = resolve_checkpoint(root, skipped, checksums=True, older_than=Path(root) / step)
@@ -125,8 +137,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
     total = math.ceil(kw["max_epochs"] * steps_per_epoch)
     worker = TrainerWorker(TrainerSpec(path, rank=rank, world_size=world, master_port=port, total_steps=total,
                                        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), **kw["worker"]))
-    client = _resume(worker, kw, rank) if kw["resume"] and kw["ckpt_path"] else None
-    start = 0 if kw["load_model_only"] else (client or {}).get("global_step", 0)
+    client, start = _resume(worker, kw, rank, total, steps_per_epoch)
     out = Path(kw["output_dir"])
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -160,9 +171,9 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
             rec["eval sft_loss"] = _eval_loss(worker, evals, rank, world)
         every = kw["save_steps"]  # N: every N steps and the last (as an RL run); -1: at the end only; 0: never
         if kw["ckpt_path"] and ((every > 0 and (step + 1) % every == 0) or (every != 0 and (last or stopping))):
-            worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs,
+            worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs, "total_steps": total,
                                                      "eval_skipped": due and stopping, "run_record": kw["run_record"]},
-                                   keep=kw["keep"], max_disk_gb=kw["max_disk_gb"])
+                                   keep=kw["keep"], max_disk_gb=kw["max_disk_gb"])  # (total: runtime _nothing_left)
         record(rec)
         if stopping:  # the step is saved (unless save_steps=0); no final export: the requeued run goes on
             stop.value = STOPPED

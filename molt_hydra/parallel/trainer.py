@@ -534,12 +534,13 @@ class TrainerWorker:
         return hf_name_mapper(self.model, views=views)
 
     def save_checkpoint(self, root: str, client_state: dict | None = None, keep: int = 3,
-                        max_disk_gb: float | None = None, tag: int | None = None) -> str:
+                        max_disk_gb: float | None = None, tag: int | None = None, hold: int | None = None) -> str:
         """Saved as step_<tag> (the RL loop's step: every role of a run saves that step under one name), else
-        step_<optimizer steps>."""
+        step_<optimizer steps>. `hold`: a step retention keeps besides (parallel/retention.py)."""
         cs = {"global_step": self.global_step, "master_weights": self.spec.master_weights, **(client_state or {})}
         step = self.global_step if tag is None else tag
-        return str(ckpt.save_checkpoint(root, step, self.model, self.optimizer, self.scheduler, cs, keep, max_disk_gb))
+        return str(ckpt.save_checkpoint(root, step, self.model, self.optimizer, self.scheduler, cs, keep, max_disk_gb,
+                                        hold))
 
     def load_checkpoint(self, root: str, model_only: bool = False, step: str | None = None) -> dict | None:
         """`model_only` (checkpoint.load_model_only): the weights alone; optimizer, scheduler and step stay fresh.

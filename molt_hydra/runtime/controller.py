@@ -377,10 +377,12 @@ class RLController:
         # The critic's first: the actor's step_<N> (renamed into place last) marks the step complete, so a crash
         # between the two leaves a critic step no resume reads, never an actor step whose critic is missing (a
         # resume then failed).
-        # Both are tagged step_<RL step>: the roles' optimizer step counts differ (a frozen actor, critic.epochs)
+        # Both are tagged step_<RL step>: the roles' optimizer step counts differ (a frozen actor, critic.epochs).
+        # The critic's retention keeps its copy of the actor's newest step, which a resume takes if the actor's fails
         if self.roles.critic is not None:
             await self.calls.ranks(self.roles.critic, "save_checkpoint", ckpt.dir + "_critic", {"rl_step": self.step},
-                                   keep=keep, max_disk_gb=ckpt.max_disk_gb, tag=self.step, role="critic")
+                                   keep=keep, max_disk_gb=ckpt.max_disk_gb, tag=self.step, hold=self.saved_step,
+                                   role="critic")
         (path, *_) = await self.calls.ranks(self.roles.actor, "save_checkpoint", ckpt.dir, state, keep=keep,
                                             max_disk_gb=ckpt.max_disk_gb, tag=self.step)
         (Path(path) / "run_record.json").write_text(json.dumps(self.roles.run_record, indent=2))  # for humans

@@ -164,7 +164,7 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
         return None, None
     # a crash's leftover of a checkpoint or `best` is put back first (the export's by the next export), unless this run
     # cannot write there or another run writes there (the critic's dir is locked with the actor's)
-    with suppress(OSError), unless_another_run(c.dir) as free:
+    with suppress(OSError), unless_another_run("checkpoint.dir", c.dir) as free:
         for root in (c.dir, c.dir + "_critic") if free else ():
             recover(root)
     if c.resume.value == "never":
@@ -201,7 +201,7 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
         sys.exit(EXIT_FAILED)
     if state is not None:
         _refuse_another_jobs(cfg, found, state)
-        (_refuse_another_sft_batch_size if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found, state)
+        _refuse_changed_config(cfg, found, state)
     elif found is not None:
         _refuse_a_warm_start_among_its_steps(cfg, found)
     if own:  # (after the checks, which compare the command's config with the one the step recorded)
@@ -241,28 +241,32 @@ def _refuse_another_jobs(cfg: RunConfig, found: Path, state: dict) -> None:
 
 
 def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
-    """job=rl: the resume goes on as the saved run would have, or this says, before anything starts, which key changed
-    since the save breaks that. Before: a changed train.optimizer.lr was ignored (the optimizer's and scheduler's state
+    """The resume goes on as the saved run would have, or this says, before anything starts, which key changed since
+    the save breaks that. Before: a changed train.optimizer.lr was ignored (the optimizer's and scheduler's state
     brought the saved one back), a changed batch size, LR schedule or advantage estimator went on from the saved step
     without a word, a changed seed or data failed only once every role was up, and train.max_steps below the saved
-    step started every role, trained nothing and exported the saved step's weights as the shorter run's. Now a key
-    that changes the math (run_record.CHANGES_THE_MATH) is refused, naming both values and the fix; any other (a
-    longer train.max_steps, logging, timeouts) goes on, named in one line, with what a longer run does to a decaying
-    LR schedule."""
+    step started every role, trained nothing and exported the saved step's weights as the shorter run's (job=sft: a
+    changed seed reordered the epoch's samples past the saved position, skipping and repeating some, and a changed LR
+    was ignored, all without a word). Now a key that changes the math (run_record.CHANGES_THE_MATH; job=sft's
+    train.epochs is its length) is refused, naming both values and the fix; any other (a longer train.max_steps,
+    logging, timeouts) goes on, named in one line, with what a longer run does to a decaying LR schedule."""
     from molt_hydra.runtime.run_record import ABSENT, CHANGES_THE_MATH, config_changes
 
+    if cfg.job.value == "sft":  # its batch size first, in words of its own (any checkpoint's: one older than the record)
+        _refuse_another_sft_batch_size(cfg, found, state)
     if (saved := state.get("run_record", {}).get("config")) is None:
         print(f"Resuming {found}, saved before checkpoints recorded their config: keys changed since are not checked",
               file=sys.stderr)
         return
-    step, t, changed = state.get("rl_step", 0), cfg.train, config_changes(saved, config_as_dict(cfg))
+    sft, t, changed = cfg.job.value == "sft", cfg.train, config_changes(saved, config_as_dict(cfg))
+    step = state.get("global_step" if sft else "rl_step", 0)
     # (a key molt_hydra added or removed since the save is named, not refused: no value of it can be set back)
     math = {k for k in changed if any(k == m or m.endswith(".") and k.startswith(m) for m in CHANGES_THE_MATH)
-            and ABSENT not in changed[k]}
+            and ABSENT not in changed[k] and not (sft and k == "train.epochs")}
     refused = [f"{k}={changed[k][1]} (saved with {changed[k][0]})" for k in sorted(math)]
     if t.max_steps is not None and t.max_steps < step:  # (equal: a finished run, saved and exported again)
         refused.append(f"train.max_steps={t.max_steps}, but it is at step {step} already (set it to {step} or more)")
-    if (episode := state["loop"]["generator"]["epoch"]) >= t.num_episodes:
+    if not sft and (episode := state["loop"]["generator"]["epoch"]) >= t.num_episodes:
         refused.append(f"train.num_episodes={t.num_episodes}, but it is in episode {episode + 1} already: no prompt "
                        f"is left (set it above {episode})")
     if refused:
@@ -271,31 +275,46 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
               file=sys.stderr)
         sys.exit(EXIT_FAILED)
     if changed:
-        lines = [f"{k} {old} -> {new}" for k, (old, new) in changed.items()]
-        longer = "train.max_steps" in changed or "train.num_episodes" in changed and t.max_steps is None
-        decays = {o.scheduler for o in (t.optimizer, t.critic.optimizer)} - {"constant"}
-        stretched = (f"; the LR schedule ({', '.join(sorted(decays))}) now spans the new length, so the LR from step "
-                     f"{step} on differs from the saved run's") if longer and decays else ""
-        print(f"Resuming {found} with keys changed since its save: {', '.join(lines)}{stretched}", file=sys.stderr)
+        _name_changes(cfg, found, changed, step)
+
+
+def _name_changes(cfg: RunConfig, found: Path, changed: dict, step: int) -> None:
+    """The keys a resume goes on with although changed since the save, in one line; where the run's length changed
+    (job=sft's: train.epochs), what that does to a decaying LR schedule."""
+    t, sft = cfg.train, cfg.job.value == "sft"
+    lines = [f"{k} {old} -> {new}" for k, (old, new) in changed.items()]
+    longer = "train.epochs" in changed if sft else "train.max_steps" in changed or "train.num_episodes" in changed and (
+        t.max_steps is None)
+    decays = {o.scheduler for o in (t.optimizer, *([] if sft else [t.critic.optimizer]))} - {"constant"}
+    stretched = (f"; the LR schedule ({', '.join(sorted(decays))}) now spans the new length, so the LR from step "
+                 f"{step} on differs from the saved run's") if longer and decays else ""
+    print(f"Resuming {found} with keys changed since its save: {', '.join(lines)}{stretched}", file=sys.stderr)
 
 
 def _nothing_left(cfg: RunConfig, found: Path, state: dict) -> bool:
-    """A resumed RL run whose checkpoint is at train.max_steps already, and exported after that save where it exports
-    (checkpoint.export_final): one line saying so, and True (exit 0, no role started). Before: every role started,
-    nothing was trained, the same step was saved and exported again (minutes on GPU). An export missing or older than
-    the save (the run ended between the two: Slurm's notice at its last step, an export killed) still runs: its loop
-    trains nothing and re-saves nothing (_train), the export is written."""
+    """A resumed run whose checkpoint is at its last step already (job=rl: train.max_steps; job=sft: the last of the
+    saved run's train.epochs, unchanged), and exported after that save where it exports (checkpoint.export_final):
+    one line saying so, and True (exit 0, no role started). Before: every role started, nothing was trained, the same
+    step was saved and exported again (minutes on GPU); job=sft also logged its last step's eval again, a second row
+    of that step in sft_metrics.jsonl on each such resume. An export missing or older than the save (the run ended
+    between the two: Slurm's notice at its last step, an export killed) still runs: its loop trains nothing and
+    re-saves nothing (_train), the export is written."""
     c, t = cfg.checkpoint, cfg.train
-    if cfg.job.value != "rl" or t.max_steps is None:
+    if cfg.job.value == "sft":  # (its last step is recorded at each save: the data decides it)
+        same = (state.get("run_record") or {}).get("config", {}).get("train", {}).get("epochs") == t.epochs
+        step, last, export = state.get("global_step", 0), state.get("total_steps") if same else None, Path(
+            cfg.output_dir) / "hf"
+        length, knob = f"the last of train.epochs={t.epochs}", "train.epochs"
+    elif cfg.job.value == "rl":
+        step, last, export = state.get("rl_step", 0), t.max_steps, Path(c.export_dir)
+        length, knob = f"train.max_steps={t.max_steps}", "train.max_steps"
+    else:
         return False
-    step = state.get("rl_step", 0)
-    export = Path(c.export_dir)
     saved_at = max(p.stat().st_mtime for p in (found, found / "run_record.json") if p.exists())
-    if step < t.max_steps or c.export_final and not (export.is_dir() and export.stat().st_mtime >= saved_at):
+    if last is None or step < last or c.export_final and not (export.is_dir() and export.stat().st_mtime >= saved_at):
         return False
-    print(f"Nothing left to run: {found} is at step {step}, train.max_steps={t.max_steps}"
-          + (f", exported to {export}" if c.export_final else "") + "; nothing was trained, saved or exported. To "
-          "train further, raise train.max_steps.", flush=True)
+    print(f"Nothing left to run: {found} is at step {step}, {length}" + (f", exported to {export}" if c.export_final
+          else "") + f"; nothing was trained, saved or exported. To train further, raise {knob}.", flush=True)
     return True
 
 

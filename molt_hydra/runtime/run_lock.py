@@ -5,7 +5,7 @@ checkpoint.export_dir) fails before it writes anything, naming the directory, th
 unlocked, the two had written each other's checkpoints (one saved the other's half-written step, the other's save
 failed with a FileNotFoundError), exports (one removed the other's half-written .tmp- copy) and metrics. The lock is
 the kernel's (flock): it goes with the process that holds it, also when that one is killed, so a crashed run never
-blocks its resume."""
+blocks its resume. Its file is beside the directory (`lock_file`), so removing the directory does not remove it."""
 
 from __future__ import annotations
 
@@ -31,21 +31,15 @@ def run_lock(dirs: dict[str, str]):
     held, seen = [], set()
     try:
         for key, path in dirs.items():
-            directory = Path(path).resolve()
-            lock = directory.parent / f".{directory.name}{LOCK_NAME}" if key in BESIDE else directory / LOCK_NAME
-            if lock in seen:  # checkpoint.dir = output_dir: one lock (a second flock would block on the first)
+            directory = Path(path).resolve()  # made, or its parent where it is made whole later (`lock_file` looks)
+            (directory.parent if key in BESIDE else directory).mkdir(parents=True, exist_ok=True)
+            lock = lock_file(key, directory)
+            if lock in seen:  # two keys naming one directory: one lock (a second flock would block on the first)
                 continue
             seen.add(lock)
-            lock.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
             held.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-                print(f"\nRun not started: {key}={path} is in use by another run ({holder}). Fix: wait for that run "
-                      f"to end, or point {key} at another directory.", file=sys.stderr)
-                sys.exit(EXIT_FAILED)
+            _refuse_if_held(fd, key, path)
             os.ftruncate(fd, 0)
             os.pwrite(fd, _holder().encode(), 0)
         yield
@@ -54,17 +48,56 @@ def run_lock(dirs: dict[str, str]):
             os.close(fd)  # releases its lock
 
 
+def refuse_if_held(dirs: dict[str, str]) -> None:
+    """`run_lock`'s refusal, before Hydra writes the run directory (.hydra/, cli.log): before, a run refused there
+    had replaced the running run's .hydra/overrides.yaml and config.yaml with its own, and logged into its cli.log.
+    Each lock is let go at once: `run_lock` takes them (two runs started at once: one is refused there)."""
+    for key, path in dirs.items():
+        try:
+            fd = os.open(lock_file(key, path), os.O_RDONLY)
+        except OSError:  # none: no run ever held it (or none this user may read: `run_lock` says so)
+            continue
+        try:
+            _refuse_if_held(fd, key, path)
+        finally:
+            os.close(fd)
+
+
+def _refuse_if_held(fd: int, key: str, path: str) -> None:
+    """Locks `fd`, or prints that another run holds it, naming it, and exits non-zero."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        print(f"\nRun not started: {key}={path} is in use by another run ({holder}). Fix: wait for that run "
+              f"to end, or point {key} at another directory.", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+
+
+def lock_file(key: str, path: str | os.PathLike) -> Path:
+    """Where the lock of the directory `path` is, whatever key names it: every run on it finds the same file. In its
+    parent: a directory removed whole while its run goes on (a user freeing space: `rm -rf` of checkpoint.dir) took a
+    lock inside with it, and a second run on it then started. Inside where this user cannot write the parent
+    (checkpoint.dir=/scratch/$USER), unless the directory is replaced whole (BESIDE: its parent is checked writable)."""
+    directory = Path(path).resolve()
+    beside = directory.parent / f".{directory.name}{LOCK_NAME}"
+    if key in BESIDE or beside.exists() or os.access(directory.parent, os.W_OK):
+        return beside
+    return directory / LOCK_NAME
+
+
 def _holder() -> str:
     return f"pid {os.getpid()} on {os.uname().nodename}"
 
 
 @contextmanager
-def unless_another_run(directory: str | os.PathLike) -> Iterator[bool]:
-    """Whether no other run writes `directory` (its lock is free, and held for the `with` block so none starts, or
-    held by this process's `run_lock`): what a crash left there may be put back then. Another run may be between
-    the two renames of a save (parallel/checkpoint.py `_replace_dir`): its step put back under it fails its save."""
+def unless_another_run(key: str, directory: str | os.PathLike) -> Iterator[bool]:
+    """Whether no other run writes `directory`, set by `key` (its lock is free, and held for the `with` block so none
+    starts, or held by this process's `run_lock`): what a crash left there may be put back then. Another run may be
+    between the two renames of a save (parallel/checkpoint.py `_replace_dir`): its step put back under it fails its
+    save."""
     try:
-        fd = os.open(Path(directory) / LOCK_NAME, os.O_RDONLY)
+        fd = os.open(lock_file(key, directory), os.O_RDONLY)
     except FileNotFoundError:  # no run ever wrote it
         yield True
         return

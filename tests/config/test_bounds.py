@@ -246,6 +246,25 @@ def test_agent_target_must_be_an_agent_class():
                  "'os.path' is <module 'posixpath'")
 
 
+@pytest.mark.parametrize("job", ["sft", "eval"])
+def test_a_resumable_checkpoint_as_checkpoint_path_is_refused_naming_the_exports(tmp_path, job):
+    """checkpoint.path ("a checkpoint or HF directory to load instead of model.path") given a run's step_N: before,
+    job=sft failed once its rank started, on the tokenizer ('You need to have sentencepiece or tiktoken installed
+    ...'), job=eval when its engine started; neither said the directory is a DCP checkpoint, nor what to give."""
+    import torch
+
+    from molt_hydra.config.schema import WEIGHTS_ALONE
+    from molt_hydra.parallel.checkpoint import save_checkpoint
+
+    step = save_checkpoint(tmp_path / "ckpt", 4, torch.nn.Linear(2, 2))
+    lines = config_errors([f"job={job}", f"checkpoint.path={step}", "eval.data_path=builtin://toy_eval"])
+    (line,) = [line for line in lines if line.startswith("checkpoint.path: ")]
+    assert line == (f"checkpoint.path: {str(step)!r} is a resumable checkpoint (DCP shards), not an HF model "
+                    "directory (the trainer and vLLM load the model from one). Fix: set it to an HF export "
+                    "(<output_dir>/hf_final, <checkpoint.dir>/best or hf/step_N); for job=sft to start from this "
+                    f"checkpoint's weights, unset it, {WEIGHTS_ALONE} and checkpoint.resume=must")
+
+
 @pytest.mark.parametrize("override,key", [("model.path=''", "model.path"), ("checkpoint.path=''", "checkpoint.path"),
                                           ("data.train_path=','", "data.train_path")])
 def test_empty_locations_are_refused(override, key):

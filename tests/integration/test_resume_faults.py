@@ -179,6 +179,34 @@ def test_a_crash_between_the_critics_save_and_the_actors_resumes_the_step_before
     assert resolve_checkpoint(ckpts).name == "step_3" and resolve_checkpoint(f"{ckpts}_critic").name == "step_3"
 
 
+@pytest.mark.slow  # ~2 min: two runs with a critic (three colocated trainer roles) on 2 cores
+def test_a_failed_actor_save_under_max_num_1_leaves_the_step_before_resumable_with_its_critic(tmp_path):
+    """checkpoint.max_num=1 with a critic: the step-2 save fails between the critic's (complete) and the actor's (a
+    file stands where the actor's step_2 goes, as a full disk or a kill there would). Before: the critic's step-2
+    save had pruned its step_1, so the actor's step_1, the one the failure named to resume, had no critic, and the
+    resume failed ('ckpt_critic/step_1: missing'), leaving no step to resume. Now the critic keeps its copy of the
+    actor's newest step: the resume goes on from step 1, and each root ends with max_num steps plus that copy."""
+    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    (ckpts / "step_2").parent.mkdir(parents=True)
+    (ckpts / "step_2").write_text("in the way")
+    gae = ["algorithm.estimator=gae", "parallelism.colocate_models=true", "checkpoint.save_steps=1", "seed=3",
+           "checkpoint.max_num=1", "train.max_steps=3"]
+    crashed = subprocess.run(only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", *gae]),
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in crashed.stderr.splitlines() if line.strip()]
+    assert crashed.returncode == EXIT_FAILED, crashed.stderr[-3000:]
+    assert lines[-3].startswith("Run failed: checkpoint writer (actor rank 0): save_checkpoint failed: "), lines[-3:]
+    assert lines[-2].startswith(f"Last checkpoint: {ckpts / 'step_1'}; "), lines[-3:]
+    assert sorted(p.name for p in Path(f"{ckpts}_critic").glob("step_*")) == ["step_1", "step_2"]
+    (ckpts / "step_2").unlink()
+    resumed = subprocess.run(only_last([MOLT_RUN, *SMALL, f"hydra.run.dir={out}", *gae, "checkpoint.resume=auto"]),
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resumed from {ckpts / 'step_1'} at step 1" in resumed.stdout
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_3"]
+    assert sorted(p.name for p in Path(f"{ckpts}_critic").glob("step_*")) == ["step_2", "step_3"]
+
+
 @pytest.mark.slow  # ~3 min: three runs with a critic on 2 cores; fast: test_controller_progress.py (the loop's state)
 def test_a_run_with_a_frozen_actor_resumes_its_critic_at_the_same_step(tmp_path):
     """Checkpoints are named by the RL step, for actor and critic alike. Before, each role named its own by its

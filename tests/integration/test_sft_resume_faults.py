@@ -158,6 +158,25 @@ def test_a_run_from_step_0_moves_an_earlier_runs_metrics_aside(straight, one_ran
     assert aside.read_text() == logged
 
 
+def test_a_resume_past_the_runs_last_step_is_refused_naming_the_epochs(straight, one_rank, tmp_path):
+    """The checkpoint is at step 3 of 3 (one epoch of 3 steps); this run's train.epochs=0.5 makes 2 steps. Before:
+    nothing was trained and step 3's weights were exported as the half-epoch run's, exit 0, without a word (job=rl
+    refuses a train.max_steps below its checkpoint's step). Nothing is written: no row, no export."""
+    shutil.copytree(straight[0], tmp_path / "ckpt")
+    with pytest.raises(ValueError) as e:
+        sft(one_rank, tmp_path, resume=True, max_epochs=0.5, export_hf=True)
+    from molt_hydra.config.schema import WEIGHTS_ALONE
+
+    assert str(e.value) == ("train.epochs=0.5 makes 2 steps of 3 per epoch, but the checkpoint resumed is at step 3 "
+                            f"already. Fix: set train.epochs to 1 or more, or {WEIGHTS_ALONE}")
+    assert _steps(tmp_path) == [] and not (tmp_path / "hf").exists()
+    assert [r["global_step"] for r in sft(one_rank, tmp_path, resume=True, max_epochs=1)] == []  # at its end: none
+    from molt_hydra.parallel.checkpoint import saved_client_state
+
+    # each save records the run's last step: a resume at it starts no rank (runtime/entrypoint.py _nothing_left)
+    assert [saved_client_state(straight[0] / f"step_{n}")["total_steps"] for n in (1, 2, 3)] == [3, 3, 3]
+
+
 def _steps(out: Path) -> list[int]:
     path = out / "sft_metrics.jsonl"
     return [json.loads(line)["global_step"] for line in path.read_text().splitlines()] if path.exists() else []

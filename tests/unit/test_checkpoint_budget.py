@@ -70,3 +70,23 @@ def test_a_checkpoint_that_cannot_be_pruned_is_named(tmp_path, caplog):
     assert [r.getMessage() for r in caplog.records if r.name.startswith("molt_hydra")] == [
         f"checkpoint retention: {tmp_path / 'step_1'} could not be removed (Operation not permitted): it stays on "
         "disk, beyond checkpoint.max_num / checkpoint.max_disk_gb; remove it by hand"]
+
+
+@pytest.mark.parametrize("keep, budget", [(1, None), (0, 1.5)], ids=["max_num=1", "max_disk_gb"])
+def test_the_critics_copy_of_the_actors_newest_step_outlives_a_failed_actor_save(tmp_path, keep, budget):
+    """A run with a critic saves each step for the critic first, then for the actor (runtime/controller.py save); the
+    actor's step-2 save fails (a full disk: the bigger save; a kill). Before: the critic's step-2 save had pruned its
+    step_1 (checkpoint.max_num=1, or a budget of one checkpoint), so the actor's newest, step_1, had no critic: the
+    resume check refused it ('ckpt_critic/step_1: missing'), and no step was left to resume. The critic's save keeps
+    the actor's newest (`hold`), the step after is pruned as before."""
+    model, actor, critic = _model(), tmp_path / "ckpt", tmp_path / "ckpt_critic"
+    one = dir_bytes(save_checkpoint(tmp_path / "probe", 1, model, keep=0))
+    budget_gb = budget and budget * one / 1e9  # one checkpoint fits, two do not
+    save_checkpoint(critic, 1, model, keep=keep, max_disk_gb=budget_gb)
+    save_checkpoint(actor, 1, model, keep=keep, max_disk_gb=budget_gb)
+    save_checkpoint(critic, 2, model, keep=keep, max_disk_gb=budget_gb, hold=1)  # the actor's newest: step 1
+    assert _steps(critic) == [1, 2] and resolve_checkpoint(actor).name == "step_1"  # (its step-2 save failed)
+    save_checkpoint(critic, 2, model, keep=keep, max_disk_gb=budget_gb, hold=1)  # the resume's step 2, again
+    save_checkpoint(actor, 2, model, keep=keep, max_disk_gb=budget_gb)
+    save_checkpoint(critic, 3, model, keep=keep, max_disk_gb=budget_gb, hold=2)
+    assert _steps(critic) == [2, 3] and _steps(actor) == [2]

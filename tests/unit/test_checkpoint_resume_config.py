@@ -362,3 +362,64 @@ def test_a_warm_start_restarted_over_its_own_steps_resumes_them_whole(saved, tmp
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"checkpoint.load_model_only=true: {own / 'step_2'} was saved by this warm start itself (started from its "
         f"weights in checkpoint.dir={own}): resuming it whole, as a restart")
+
+
+def _sft_cfg(tmp_path, *overrides):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}\n' * 8)
+    return validate(OmegaConf.to_object(compose_config(
+        ["job=sft", f"data.train_path={chats}", "data.input_key=messages", "train.batch_size=8",
+         "train.micro_batch_size=4", "train.optimizer.scheduler=cosine",
+         f"checkpoint.dir={tmp_path / 'ckpt'}", *overrides], output_dir=str(tmp_path / "out"))))
+
+
+@pytest.fixture
+def sft_saved(tmp_path):
+    """A job=sft run's step-3 checkpoint, its client state as parallel/sft.py saves it (the run record with the
+    config; the trainer adds global_step)."""
+    model, opt = _trained()
+    record = write_run_record(_sft_cfg(tmp_path), tmp_path / "out")
+    save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "global_step": 3, "consumed_samples": 3 * 8, "total_steps": 3, "run_record": record})
+    return tmp_path / "ckpt" / "step_3"
+
+
+def test_an_sft_resume_under_a_changed_seed_or_lr_is_refused_and_a_longer_one_named(sft_saved, tmp_path, capsys):
+    """job=sft: a changed seed reshuffled the epoch's samples past the saved position (some skipped, some seen twice),
+    a changed LR was not applied (the checkpoint's optimizer and scheduler brought the saved one back), each without a
+    word. Refused as in job=rl; more epochs (its length) go on, named, with what they do to a decaying schedule."""
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(_sft_cfg(tmp_path, "checkpoint.resume=auto", "seed=1", "train.optimizer.lr=1e-05"))
+    assert stop.value.code == EXIT_FAILED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Run failed: {sft_saved} cannot be resumed as saved: seed=1 (saved with 42); train.optimizer.lr=1e-05 (saved "
+        f"with 0.002). Fix: set them back (see its run_record.json), or {WARM_START}")
+    assert _check_resume(_sft_cfg(tmp_path, "checkpoint.resume=auto", "train.epochs=2"))[0] == sft_saved
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Resuming {sft_saved} with keys changed since its save: train.epochs 1 -> 2; the LR schedule (cosine) now "
+        "spans the new length, so the LR from step 3 on differs from the saved run's")
+
+
+def test_an_sft_resume_with_no_step_left_says_so_and_starts_nothing(sft_saved, tmp_path, capsys, monkeypatch):
+    """job=sft at the last step of its train.epochs (recorded at the save), exported after it: one line, no rank
+    started. Before: the ranks started, trained nothing, evaluated the last step again (a second row of it in
+    sft_metrics.jsonl on each such resume) and exported the same weights again. An export missing or older than the
+    save, or more train.epochs, still start the ranks."""
+    from molt_hydra.runtime import sft_job
+
+    started, entrypoint = _started_nothing(monkeypatch)
+    monkeypatch.setattr(sft_job, "run_sft_job", lambda *a: started.append("ranks") or [])
+    export = tmp_path / "out" / "hf"
+    for _ in ("missing", "older"):
+        entrypoint.run(_sft_cfg(tmp_path, "checkpoint.resume=auto"))
+        assert started.pop() == "ranks"
+        export.mkdir(exist_ok=True)
+        os.utime(export, (0, 0))
+    os.utime(export)  # its export, written after its last save
+    entrypoint.run(_sft_cfg(tmp_path, "checkpoint.resume=auto", "train.epochs=2"))
+    assert started.pop() == "ranks"
+    entrypoint.run(_sft_cfg(tmp_path, "checkpoint.resume=auto"))
+    assert started == []
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"Nothing left to run: {sft_saved} is at step 3, the last of train.epochs=1, exported to {export}; nothing "
+        "was trained, saved or exported. To train further, raise train.epochs.")

@@ -5,6 +5,7 @@ half-written save), the other exited 0 with checkpoints the two had written over
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -51,14 +52,17 @@ def test_the_lock_goes_with_a_killed_run_and_one_directory_named_twice_is_locked
     os.kill(holder.pid, signal.SIGKILL)  # a crashed run: its resume must not be blocked
     holder.wait()
     with run_lock({"output_dir": str(tmp_path), "checkpoint.dir": str(tmp_path)}):  # checkpoint.dir = output_dir
-        assert (tmp_path / LOCK_NAME).read_text() == f"pid {os.getpid()} on {os.uname().nodename}"
+        lock = tmp_path.parent / f".{tmp_path.name}{LOCK_NAME}"  # beside it (a directory removed keeps its lock)
+        assert lock.read_text() == f"pid {os.getpid()} on {os.uname().nodename}"
     holder = _holder(tmp_path)  # released at the block's end (several runs in one process: a sweep)
     holder.kill()
     holder.wait()
 
 
 def test_molt_run_on_a_directory_in_use_stops_before_writing_anything(tmp_path):
-    """The real CLI: the second run's last line names the directory; it writes no run record and starts no Ray."""
+    """The real CLI: the second run's last line names the directory; it writes no run record and starts no Ray, and
+    is refused before Hydra writes the directory: before, its .hydra/ (config.yaml, overrides.yaml) replaced the
+    running run's, and its log went into that run's cli.log."""
     out = tmp_path / "run"
     holder = _holder(out)
     try:
@@ -70,7 +74,7 @@ def test_molt_run_on_a_directory_in_use_stops_before_writing_anything(tmp_path):
     assert proc.returncode == EXIT_FAILED, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"Run not started: output_dir={out} is in use by another "
                                                            f"run (pid {holder.pid} on ")
-    assert not (out / "run_record.json").exists() and not (out / "ray").exists()
+    assert sorted(p.name for p in out.iterdir()) == []  # (the holder's lock is beside it)
 
 
 def _locked_dirs(out: Path, *overrides: str) -> dict[str, str]:
@@ -106,3 +110,37 @@ def test_two_runs_exporting_to_one_directory_are_refused_and_the_export_keeps_it
         f"Run not started: checkpoint.export_dir={export} is in use by another run (pid {os.getpid()} on "
         f"{os.uname().nodename}). Fix: wait for that run to end, or point checkpoint.export_dir at another directory.")
     assert sorted(p.name for p in export.iterdir()) == []  # nothing of the lock's inside the export
+
+
+def test_a_checkpoint_dir_removed_while_its_run_goes_on_is_still_refused_to_a_second_run(tmp_path):
+    """A user frees space by removing a running run's checkpoint.dir (`rm -rf`): its lock was inside and went with it,
+    so a second run on that checkpoint.dir (its own output_dir: a resume from another run directory) started beside
+    the first. The lock is in the directory's parent, which the removal leaves; the run's directory is still made."""
+    ckpt = tmp_path / "ckpt"
+    second = {"output_dir": str(tmp_path / "b"), "checkpoint.dir": str(ckpt)}
+    with run_lock({"output_dir": str(tmp_path / "a"), "checkpoint.dir": str(ckpt)}):
+        assert ckpt.is_dir() and sorted(p.name for p in ckpt.iterdir()) == []
+        shutil.rmtree(ckpt)
+        proc = subprocess.run([sys.executable, "-c", SECOND, json.dumps(second)], capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode == EXIT_FAILED and "held" not in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"Run not started: checkpoint.dir={ckpt} is in use by another run (pid {os.getpid()} on "
+        f"{os.uname().nodename}). Fix: wait for that run to end, or point checkpoint.dir at another directory.")
+    proc = subprocess.run([sys.executable, "-c", SECOND, json.dumps(second)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "held\n", proc.stderr[-2000:]  # released with the first run
+
+
+def test_a_checkpoint_dir_in_a_directory_its_user_cannot_write_keeps_its_lock_inside(tmp_path, monkeypatch, capsys):
+    """checkpoint.dir made for the user in a directory it cannot write (/scratch/$USER itself): its lock is inside, as
+    before, and refuses a second run there. Stand-in: os.access says so (these tests run as root, who writes all)."""
+    from molt_hydra.runtime import run_lock as module
+
+    ckpt = tmp_path / "alice"
+    monkeypatch.setattr(module.os, "access", lambda path, mode: Path(path) != tmp_path)
+    with run_lock({"checkpoint.dir": str(ckpt)}):
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["alice"] and (ckpt / LOCK_NAME).is_file()
+        with pytest.raises(SystemExit), run_lock({"output_dir": str(tmp_path / "b"), "checkpoint.dir": str(ckpt)}):
+            pass
+    assert capsys.readouterr().err.strip().startswith(f"Run not started: checkpoint.dir={ckpt} is in use")
