@@ -190,13 +190,13 @@ def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> dict[str, s
     Returns {data key: its first row the chat template renders} (a chat agent's any row; an Env's chat messages, or
     text under data.apply_chat_template; a builtin task's rows are messages) for `_template_needed`."""
     d, sizes, templated = cfg.data, {}, {}  # sizes: (key, dataset) -> its row count, of each readable local dataset
-    for key, spec, split in (("data.train_path", d.train_path, d.split),
-                             ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
+    for key, spec, split, config in (("data.train_path", d.train_path, d.split, d.config_name),
+                                     ("eval.data_path", cfg.eval.data_path, cfg.eval.split, cfg.eval.config_name)):
         for part in (p.strip() for p in (spec or "").split(",") if p.strip().startswith(BUILTIN)):
             templated.setdefault(key, f"{part} (chat messages)")
         for part in (p.strip() for p in (spec or "").split(",") if readable_local(p.strip())):
             try:
-                rows = check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
+                rows = check_prompt_rows(part, split, config, input_key=d.input_key, label_key=d.label_key,
                                          tools_key=d.tools_key, image_key=d.image_key)
                 at = next((i for i, row in enumerate(rows) if chat or d.apply_chat_template
                            or not isinstance(row["prompt"], str)), None)

@@ -116,7 +116,7 @@ def test_an_image_the_models_processor_refuses_drops_its_row_at_load(tmp_path, c
     sizes = [(8, 6), (402, 2), (6, 8), (2, 400)]  # (width, height): ratios 1.33, 201 (refused), 1.33, 200 (taken)
     path = _write_rows(tmp_path, [[{"bytes": _png((10, 20, 30), size), "path": None}] for size in sizes])
     data = ns(input_key="prompt", label_key="label", tools_key=None, image_key="images", max_images_per_prompt=1,
-              blank_images=False, train_path=path, split="train", max_samples=None, train_probs=None,
+              blank_images=False, train_path=path, split="train", config_name=None, max_samples=None, train_probs=None,
               apply_chat_template=True)
     cfg = ns(data=data, model=ns(path="tiny://qwen25_vl_tiny", tokenizer_path=None), eval=ns(data_path=None),
              job=ns(value="rl"), rollout=ns(batch_size=1), seed=0)
