@@ -178,7 +178,7 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
         sys.exit(EXIT_FAILED)
     if state is not None:
         _refuse_another_jobs(cfg, found, state)
-        (_refuse_another_sft_batch_size if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found, state)
+        (_refuse_another_sft_order if cfg.job.value == "sft" else _refuse_changed_config)(cfg, found, state)
     elif found is not None:
         _refuse_a_warm_start_among_its_steps(cfg, found)
     if own:  # (after the checks, which compare the command's config with the one the step recorded)
@@ -300,15 +300,38 @@ def _resumed_rows(cfg: RunConfig, found: Path | None, state: dict | None) -> tup
     return rows
 
 
-def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path, state: dict) -> None:
+def _refuse_another_sft_order(cfg: RunConfig, found: Path, state: dict) -> None:
     """job=sft resumes at sample global_step x train.batch_size of the epoch's order: under another batch size than
     the checkpoint's it skipped or repeated samples without a word (and stretched the LR schedule). Refused, naming
-    both sizes and the fix."""
+    both sizes and the fix; so is an order of other samples (`_refuse_other_sft_data`)."""
     steps, consumed, size = state.get("global_step", 0), state.get("consumed_samples"), cfg.train.batch_size
     if steps and consumed is not None and consumed != steps * size:
         print(f"\nRun failed: train.batch_size: {found} was saved after {steps} steps of {consumed // steps} samples "
               f"({consumed} consumed); train.batch_size={size} would resume at sample {steps * size}, skipping or "
               f"repeating data. Fix: set train.batch_size={consumed // steps}, or {WARM_START}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    _refuse_other_sft_data(cfg, found, state)
+
+
+def _refuse_other_sft_data(cfg: RunConfig, found: Path, state: dict) -> None:
+    """job=sft resumes at sample global_step x train.batch_size of a permutation of its samples, seeded by `seed`
+    (parallel/sft.py): another seed, other data.* settings, or a data file written again since the save (at the same
+    path) resumed in another order or over other samples, skipping and repeating samples without a word. Refused,
+    naming what changed and the fix (a job=rl resume: `_refuse_changed_config`, `_resumed_rows`)."""
+    from molt_hydra.data.sft_dataset import data_identity
+    from molt_hydra.runtime.run_record import ABSENT, config_changes
+
+    refused, saved = [], state.get("run_record", {}).get("config")
+    if saved is not None:  # (a key added since the save: no value of it can be set back)
+        changed = config_changes(saved, config_as_dict(cfg))
+        refused = [f"{k}={new} (saved with {old})" for k, (old, new) in changed.items()
+                   if (k == "seed" or k.startswith("data.")) and ABSENT not in (old, new)]
+    if (was := state.get("train_data")) is not None and (now := data_identity(cfg.data.train_path)) != was:
+        refused.append(f"data.train_path={cfg.data.train_path} holds other data ({now}) than at the save ({was})")
+    if refused:
+        print(f"\nRun failed: {found} cannot be resumed as saved: " + "; ".join(refused) + ": its samples' order "
+              f"would differ from the saved run's. Fix: set them back (see its run_record.json), or {WARM_START}",
+              file=sys.stderr)
         sys.exit(EXIT_FAILED)
 
 
