@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import re
 
 from molt_hydra.agents.base import Env, Runner
@@ -19,7 +20,8 @@ from molt_hydra.agents.wire.request import RequestError
 from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed
-from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, PROMPT_FIX, builtin_size, check_prompt_rows, combined
+from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, IMAGE_FIX, PROMPT_FIX, builtin_size, check_prompt_rows,
+                                     combined, unfound_image)
 from molt_hydra.data.rules import raised, readable_local
 from molt_hydra.models.rules import has_chat_template
 
@@ -218,6 +220,10 @@ def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> tuple[dict[
                             "input_key", row["prompt"])
                         raise ValueError(f"{part} row {i}: data.{column}={getattr(d, column)!r} is {value!r:.60}; "
                                          f"{problem[0]}. Fix: {problem[1]}")
+                if d.image_key and d.max_images_per_prompt and (gone := unfound_image(rows)):
+                    raise ValueError(f"{part}: every row with images has one that is not there, e.g. {gone!r} "
+                                     f"(data.image_key={d.image_key!r}); each would be dropped. Fix: "
+                                     + IMAGE_FIX.format(cwd=os.getcwd()))
                 sizes[key, part] = len(rows)
                 if texts[key] is False:
                     texts[key] = any(isinstance(row["prompt"], str) for row in rows)

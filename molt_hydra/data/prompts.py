@@ -379,6 +379,27 @@ def combined(parts: list, max_samples: int | None, probs: list[float] | None, se
     return out[:max_samples] if max_samples else out  # the cap holds per dataset and overall (Molt)
 
 
+IMAGE_FIX = ("give each row readable images in data.image_key: PIL images, encoded bytes, or paths, a relative one "
+             "read from the directory the run starts in ({cwd})")  # (.format(cwd=os.getcwd()) where told)
+
+
+def unfound_image(rows: list[dict]) -> str | None:
+    """The first image path of the renamed `rows` that is not there, where every row with images has one (each such
+    row would be dropped at load: `usable_image_rows`); else None. Validation's check, which decodes nothing: before,
+    such data (paths relative to the data file's directory, say) passed a dry run and failed at the run's start."""
+    first = None
+    for row in rows:
+        if (value := row.get("images")) is None:
+            continue
+        items = value if isinstance(value, (list, tuple)) else [value]
+        paths = [i.get("path") if isinstance(i, dict) and not i.get("bytes") else i for i in items]
+        missing = next((p for p in paths if isinstance(p, str) and not os.path.isfile(p)), None)
+        if missing is None:
+            return None
+        first = first or missing
+    return first
+
+
 def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: int, blank: bool,
                       column: str = "images", dropped: list | None = None, fits=None) -> list[dict]:
     """Rows whose images (`column`, the data's `image_key`) all decode (as RGB PIL images) within `max_images`, and
@@ -408,7 +429,8 @@ def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: i
         log.warning("data: dropped %d of %d rows of %s with unusable images (row ids %s)", len(dropped), len(rows),
                     spec, [i for i, _ in dropped][:20])
     if rows and not kept:
-        raise ValueError(f"every row of {spec} was dropped for its images; the first: {dropped[0][1]}")
+        raise ValueError(f"every row of {spec} was dropped for its images; the first: {dropped[0][1]}. Fix: "
+                         f"{IMAGE_FIX.format(cwd=os.getcwd())}")
     return kept
 
 
