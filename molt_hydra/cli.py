@@ -1038,6 +1038,8 @@ JOB_IGNORES: dict[str, dict[str, str | None]] = {
             "data.split": "reads the default split only", "data.train_probs": "reads one dataset",
             "data.blank_images": "trains on its rows' images as they are",
             "eval.split": "reads the default split of its eval data",
+            **{f"{group}.config_name": "reads .jsonl / .json files, which have no configs" for group in (
+                "data", "eval")},
             **{f"data.{name}": "renders its rows' messages with the chat template as they are" for name in (
                 "label_key", "tools_key", "apply_chat_template")},
             "model.tokenizer_path": "tokenizes with the tokenizer saved beside the model it trains",
@@ -1071,7 +1073,7 @@ JOB_IGNORES: dict[str, dict[str, str | None]] = {
         "algorithm": "computes no advantage and no loss",
         "checkpoint": "saves no checkpoint (it scores checkpoint.path, else model.path)", "checkpoint.path": None,
         **{f"data.{name}": "scores the rows of eval.data_path only" for name in (
-            "train_path", "train_probs", "split", "max_samples")},
+            "train_path", "train_probs", "split", "config_name", "max_samples")},
         **{f"data.{name}": "samples its replies from the engines (no SFT target)" for name in (
             "output_key", "train_on_last_turn_only")},
         "data.chat_template": "renders prompts with the tokenizer's own chat template (the override is SFT's)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import re
 
 from molt_hydra.agents.base import Env, Runner
@@ -16,9 +17,11 @@ from molt_hydra.agents.step_runner import StepEnvRunner
 from molt_hydra.agents.wire import openai_chat
 from molt_hydra.agents.wire.images import image_sources, load_image
 from molt_hydra.agents.wire.request import RequestError
+from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed
-from molt_hydra.data.prompts import BUILTIN, BUILTIN_TASKS, PROMPT_FIX, builtin_size, check_prompt_rows, combined
+from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, IMAGE_FIX, PROMPT_FIX, builtin_size, check_prompt_rows,
+                                     combined, unfound_image)
 from molt_hydra.data.rules import raised, readable_local
 from molt_hydra.models.rules import has_chat_template
 
@@ -138,9 +141,10 @@ def check_agent(cfg: RunConfig, problems: Problems) -> None:
     cls = _target(problems, cfg.agent.runner)
     # resolved once, here (was twice: an agent file whose import fails ran its top-level code twice)
     chat = isinstance(cls, type) and issubclass(cls, (ChatAgent, ChatAgentRunner))
-    templated = check_prompts(cfg, problems, chat=chat)
+    templated, texts = check_prompts(cfg, problems, chat=chat)
     if chat or isinstance(cls, type) and issubclass(cls, (Env, StepEnvRunner)):  # (a Runner of its own: its choice)
         _template_needed(cfg, problems, templated, chat)
+        _raw_text_read(cfg, problems, cls, texts)
     if cls is None:
         return
     _chat_settings_read(cfg, problems, cls)
@@ -180,7 +184,7 @@ def _built(problems: Problems, cls: type, spec: dict):
         return None
 
 
-def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> dict[str, str]:
+def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> tuple[dict[str, str], dict[str, bool | None]]:
     """Each local RL dataset's rows as the run will load them (data/prompts.py), their prompts as the chat server
     will take them: a message of another role or a number for content, an image part whose file is not there or
     beyond data.max_images_per_prompt (was: a 400 for each rollout of the row, every epoch, once Ray had started),
@@ -188,15 +192,21 @@ def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> dict[str, s
     template as they are, where any shape renders). Hub datasets are read at the run's start. Then the count of the
     training rows against rollout.batch_size (`_fills_a_batch`). Run by `check_agent`, which knows the agent.
     Returns {data key: its first row the chat template renders} (a chat agent's any row; an Env's chat messages, or
-    text under data.apply_chat_template; a builtin task's rows are messages) for `_template_needed`."""
-    d, sizes, templated = cfg.data, {}, {}  # sizes: (key, dataset) -> its row count, of each readable local dataset
-    for key, spec, split in (("data.train_path", d.train_path, d.split),
-                             ("eval.data_path", cfg.eval.data_path, cfg.eval.split)):
+    text under data.apply_chat_template; a builtin task's rows are messages) for `_template_needed`, and {data key:
+    whether a row of it is text; None: not known here (a hub dataset, or rows refused)} for `_raw_text_read`."""
+    d, sizes, templated, texts = cfg.data, {}, {}, {}  # sizes: (key, dataset) -> row count, of readable local data
+    for key, spec, split, config in (("data.train_path", d.train_path, d.split, d.config_name),
+                                     ("eval.data_path", cfg.eval.data_path, cfg.eval.split, cfg.eval.config_name)):
         for part in (p.strip() for p in (spec or "").split(",") if p.strip().startswith(BUILTIN)):
             templated.setdefault(key, f"{part} (chat messages)")
+            texts.setdefault(key, False)
+        if any(p.strip() and not (p.strip().startswith(BUILTIN) or readable_local(p.strip()))
+               for p in (spec or "").split(",")):
+            texts[key] = None  # (a hub dataset: read at the run's start)
         for part in (p.strip() for p in (spec or "").split(",") if readable_local(p.strip())):
+            texts.setdefault(key, False)
             try:
-                rows = check_prompt_rows(part, split, input_key=d.input_key, label_key=d.label_key,
+                rows = check_prompt_rows(part, split, config, input_key=d.input_key, label_key=d.label_key,
                                          tools_key=d.tools_key, image_key=d.image_key)
                 at = next((i for i, row in enumerate(rows) if chat or d.apply_chat_template
                            or not isinstance(row["prompt"], str)), None)
@@ -210,11 +220,33 @@ def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> dict[str, s
                             "input_key", row["prompt"])
                         raise ValueError(f"{part} row {i}: data.{column}={getattr(d, column)!r} is {value!r:.60}; "
                                          f"{problem[0]}. Fix: {problem[1]}")
+                if d.image_key and d.max_images_per_prompt and (gone := unfound_image(rows)):
+                    raise ValueError(f"{part}: every row with images has one that is not there, e.g. {gone!r} "
+                                     f"(data.image_key={d.image_key!r}); each would be dropped. Fix: "
+                                     + IMAGE_FIX.format(cwd=os.getcwd()))
                 sizes[key, part] = len(rows)
+                if texts[key] is False:
+                    texts[key] = any(isinstance(row["prompt"], str) for row in rows)
             except (KeyError, OSError, ValueError) as e:
                 raised(problems, key, e, f"point {key} at a readable dataset")
+                texts[key] = None
     _fills_a_batch(cfg, problems, sizes)
-    return templated
+    return templated, texts
+
+
+def _raw_text_read(cfg: RunConfig, problems: Problems, cls: type, texts: dict[str, bool | None]) -> None:
+    """data.apply_chat_template=false sends an Env's text prompts to the model as they are; chat messages are rendered
+    with the chat template whatever it says (step_runner.py). Data of chat messages alone (every builtin task) took
+    it, changing nothing (Molt refuses a list prompt without it). A ChatAgent's: `_chat_settings_read`."""
+    texts = {k: v for k, v in texts.items() if cfg.job.value != "eval" or k == "eval.data_path"}
+    runner = StepEnvRunner if issubclass(cls, Env) else cls  # (one of its own first prompt: its choice)
+    if not (getattr(runner, "_first_prompt", None) is StepEnvRunner._first_prompt
+            and changed(cfg, "data.apply_chat_template") and texts and all(v is False for v in texts.values())):
+        return
+    keys = " and ".join(f"{key}={get(cfg, key)}" for key in texts)
+    problems.check(False, "data.apply_chat_template", f"every prompt of {keys} is chat messages, which the step "
+                   "runner renders with the chat template whatever this says; it sends text prompts alone as they "
+                   "are, and there are none.", "unset data.apply_chat_template, or give the prompts as text")
 
 
 def _template_needed(cfg: RunConfig, problems: Problems, templated: dict[str, str], chat: bool) -> None:

@@ -392,6 +392,8 @@ class DataConfig:
     "Sampling probabilities when several datasets are given; None concatenates."
     split: str = "train"
     "Split of a DatasetDict."
+    config_name: Optional[str] = None
+    "Config (subset) of a hub dataset or a directory of data files: datasets.load_dataset's `name` (gsm8k: main)."
     max_samples: int = ranged(100_000_000, ge=1)
     "Cap on rows per dataset and overall (train only)."
     max_len: int = ranged(2048, ge=2)
@@ -575,6 +577,8 @@ class EvalConfig:
     "Eval prompts (same formats as data.train_path); None disables eval."
     split: str = "train"
     "Split of a DatasetDict."
+    config_name: Optional[str] = None
+    "Config (subset) of a hub dataset or a directory of data files: datasets.load_dataset's `name` (gsm8k: main)."
     every_steps: int = ranged(-1, ge=1, also=(-1,))
     "Evaluate every N steps (-1 = never on a schedule)."
     at_start: bool = False

@@ -779,8 +779,9 @@ def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> Non
     if e.data_path is not None:
         _rl_eval_schedule(cfg, problems)
         return
-    fallback = {"split": get(defaults(), "eval.split"), "batch_size": r.batch_size, "n_samples_per_prompt": 1,
-                "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
+    fallback = {"split": get(defaults(), "eval.split"), "config_name": None, "batch_size": r.batch_size,
+                "n_samples_per_prompt": 1, "temperature": r.temperature, "top_p": r.top_p,
+                "max_new_tokens": r.max_new_tokens}
     problems.table((
         *((getattr(e, name) in (value, ""), f"eval.{name}", "it tunes evaluation, but eval.data_path=null runs none, "
            "so it changes nothing.", f"set eval.data_path, or unset eval.{name}") for name, value in fallback.items()),

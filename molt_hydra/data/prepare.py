@@ -6,8 +6,10 @@ messages ending in a \\boxed{} instruction, `label`, `datasource`, and `images` 
     python -m molt_hydra.data.prepare gsm8k data/gsm8k_train.jsonl
     python -m molt_hydra.data.prepare geo3k data/geo3k_train.parquet         # recipes/qwen3_moe_geo3k.yaml
 
-`--source` reads a local file (json/jsonl/csv/parquet), a `save_to_disk` folder or another hub name with the same
-columns instead of the default hub dataset; `--split`, `--limit` as named. Images need parquet/arrow output.
+`--source` reads a local file (json/jsonl/csv/parquet), a `save_to_disk` folder, a directory of data files (a local
+copy of the hub dataset) or another hub name with the same columns instead of the default hub dataset; `--config`
+picks its config (default: the hub dataset's, e.g. gsm8k's main); `--split`, `--limit` as named. Images need
+parquet/arrow output.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ PREPARERS = {
 PREPARERS["geo3k"] = PREPARERS["geometry3k"]  # the name the geo3k recipes and issue 37 use
 
 
-def prepare(name: str, out: str, *, source: str | None = None, split: str | None = None,
+def prepare(name: str, out: str, *, source: str | None = None, config: str | None = None, split: str | None = None,
             limit: int | None = None) -> int:
     """Write dataset `name` to `out` (.jsonl / .json / .parquet); returns the number of rows written."""
     if name not in PREPARERS:
@@ -108,7 +110,8 @@ def prepare(name: str, out: str, *, source: str | None = None, split: str | None
         raise ValueError(f"output {out}: {name} has images; write .parquet")
     if limit is not None and limit < 1:  # (was: an empty file written, exit 0, which every run then refuses)
         raise ValueError(f"--limit {limit} keeps no row; give a count >= 1, or leave --limit out for every row")
-    ds = load_dataset(source or p.hub, split or "train", p.config)  # every default hub dataset's training split
+    # every default hub dataset's training split; a source of other configs than the hub dataset's: --config
+    ds = load_dataset(source or p.hub, split or "train", config or p.config, config_fix="set --config")
     for names in p.columns:  # (was: a bare KeyError from the first row's conversion)
         if not set(names) & set(ds.column_names):
             raise ValueError(f"{source or p.hub} has no column {' or '.join(map(repr, names))}, which {name} reads; "
@@ -147,11 +150,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name", choices=sorted(PREPARERS))
     parser.add_argument("out", help="output file: .jsonl, .json or .parquet (geometry3k: .parquet)")
     parser.add_argument("--source", help="local file / save_to_disk folder / hub name instead of the default hub")
+    parser.add_argument("--config", help="config (subset) of a hub dataset or a directory of data files (default: "
+                        "the default hub dataset's, e.g. gsm8k's main)")
     parser.add_argument("--split", help="split to read (default: the dataset's training split)")
     parser.add_argument("--limit", type=int, help="keep the first N rows")
     a = parser.parse_args(argv)
     try:
-        n = prepare(a.name, a.out, source=a.source, split=a.split, limit=a.limit)
+        n = prepare(a.name, a.out, source=a.source, config=a.config, split=a.split, limit=a.limit)
     except (OSError, ValueError) as e:  # a missing or malformed source, a bad output name: one line, no traceback
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     print(f"{a.name}: {n} rows -> {a.out}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 BUILTIN = "builtin://"
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+CONFIG_FIX = "set data.config_name (for eval.data_path: eval.config_name)"  # (the run's key; prepare.py: --config)
 
 
 def _arithmetic(n: int, seed: int, max_operand: int = 20) -> list[dict]:
@@ -123,8 +125,9 @@ def builtin_size(spec: str) -> int:
     return BUILTIN_TASKS[spec[len(BUILTIN):]].args[0]
 
 
-def load_dataset(spec: str, split: str, config: str | None = None):
-    """A data file (json/jsonl/csv/parquet/arrow), a `save_to_disk` folder or a hub dataset name, as one split."""
+def load_dataset(spec: str, split: str, config: str | None = None, config_fix: str = CONFIG_FIX):
+    """A data file (json/jsonl/csv/parquet/arrow), a `save_to_disk` folder, a directory of data files or a hub dataset
+    name (the last two of config `config`; `config_fix`: how the caller's user picks one), as one split."""
     import datasets
 
     path = Path(spec).expanduser()  # as validation reads it (config/validate.py check_location)
@@ -144,9 +147,46 @@ def load_dataset(spec: str, split: str, config: str | None = None):
                 raise ValueError(f"{path} has no rows (its columns alone). Fix: write the rows again (a filter kept "
                                  "none?), or point the key at a dataset with rows") from None
             raise ValueError(f"{path} is not a readable {path.suffix[1:]} file: {_reason(e)}") from None
-    if path.is_dir():
+    if saved_dir(path):
         return _saved(path, split)
-    return datasets.load_dataset(spec, config, split=split)
+    return _repository(str(path) if os.path.isdir(path) else spec, split, config, config_fix)
+
+
+def saved_dir(path: Path) -> bool:
+    """A `save_to_disk` directory (datasets.load_from_disk tells it by the same files), not a dataset repository's.
+    (os.path's tests: False for a name too long to be a path, where Path's raise OSError; validation says so.)"""
+    return os.path.isdir(path) and any(os.path.isfile(path / name) for name in ("state.json", "dataset_dict.json"))
+
+
+def _repository(spec: str, split: str, config: str | None, config_fix: str):
+    """A hub dataset, or a local directory of data files (a hub dataset's copy: its README's `configs`, or files named
+    by split), as datasets.load_dataset(spec, config, split=split) reads it. A config it lacks, or none where it has
+    several, names them and the key that picks one (was: no key could pass datasets its `name`, so a dataset of
+    several configs, e.g. openai/gsm8k's main and socratic, could not be read at all)."""
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(spec, config)
+    except FileNotFoundError as e:
+        if not os.path.isdir(spec):  # (a hub dataset's words stand)
+            raise
+        raise ValueError(f"{spec} is a directory of no data file datasets reads ({_reason(e)}), and no save_to_disk "
+                         "output (no state.json or dataset_dict.json). Fix: point the key at data files (.jsonl, "
+                         ".json, .csv, .parquet, .arrow), a directory of them or a save_to_disk directory") from None
+    except ValueError:  # (datasets' words name load_dataset's `name`, which the run has no knob for)
+        names = datasets.get_dataset_config_names(spec)
+        if config is None and len(names) > 1 or config is not None and config not in names:
+            why = f"has several configs {names} and none is chosen" if config is None else \
+                f"has no config {config!r}; its configs: {names}"
+            raise ValueError(f"{spec} {why}. Fix: {config_fix} to one of them") from None
+        raise
+    files = {str(name) for name in builder.config.data_files or ()}
+    wanted = {part.split("[")[0].strip() for part in split.split("+")}  # datasets' split syntax: train[:10%]+test
+    if files and not wanted <= files:  # (was: datasets' 'Unknown split', naming no key)
+        raise ValueError(f"{spec}{f' (config {config})' if config else ''} has no split {split!r}; its splits: "
+                         f"{sorted(files)}. Fix: set data.split (for eval.data_path: eval.split) to one of them")
+    builder.download_and_prepare()
+    return builder.as_dataset(split=split)
 
 
 def _no_rows(path: Path) -> bool:
@@ -240,14 +280,14 @@ def _one_value(text: str) -> bool:
     return True
 
 
-def check_prompt_rows(spec: str, split: str, **keys: str | None) -> list[dict]:
+def check_prompt_rows(spec: str, split: str, config: str | None = None, **keys: str | None) -> list[dict]:
     """A local dataset's rows as load_prompts renames and checks them (`_renamed`; images are decoded at load), for
     validation (agents/rules.py check_prompts), so a dry run, and a run before Ray starts, finds a bad row (was:
     found only once Ray and the engines had started)."""
-    return _renamed(*_table(spec, split), spec, **keys)
+    return _renamed(*_table(spec, split, config), spec, **keys)
 
 
-def _table(spec: str, split: str) -> tuple:
+def _table(spec: str, split: str, config: str | None) -> tuple:
     """(rows, column names) of a dataset. A JSON file's rows are read here as written, each row's missing keys null
     as datasets reads them: datasets reads a column of mixed types (a label "1" in one row, {"x": 1} in another) as
     Json and decodes its strings, the label "1" read as 1, "null" as None, "42" as a prompt as the number 42."""
@@ -255,7 +295,7 @@ def _table(spec: str, split: str) -> tuple:
         rows = check_json_rows(path)
         columns = sorted({key for row in rows for key in row})
         return [{key: row.get(key) for key in columns} for row in rows], columns
-    dataset = load_dataset(spec, split)
+    dataset = load_dataset(spec, split, config)
     return dataset, dataset.column_names
 
 
@@ -297,10 +337,11 @@ def _reason(error: BaseException) -> str:
     return text[0] if text else "it is empty" if isinstance(error, StopIteration) else type(error).__name__
 
 
-def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", label_key: str | None = "label",
-                 tools_key: str | None = None, image_key: str | None = None, max_samples: int | None = None,
-                 probs: list[float] | None = None, seed: int = 0, max_images_per_prompt: int = 0,
-                 blank_images: bool = False, image_fits=None, template_fits=None) -> list[dict]:
+def load_prompts(spec: str, *, split: str = "train", config_name: str | None = None, input_key: str = "prompt",
+                 label_key: str | None = "label", tools_key: str | None = None, image_key: str | None = None,
+                 max_samples: int | None = None, probs: list[float] | None = None, seed: int = 0,
+                 max_images_per_prompt: int = 0, blank_images: bool = False, image_fits=None,
+                 template_fits=None) -> list[dict]:
     """Rows from comma-separated specs; several specs are concatenated, or interleaved with `probs`. Each row's prompt
     is one `template_fits(prompt, tools)` renders (`usable_template_rows`). Images of `image_key` become PIL images, at
     most `max_images_per_prompt` per row, each one `image_fits` takes (`usable_image_rows`); `blank_images` replaces
@@ -311,7 +352,7 @@ def load_prompts(spec: str, *, split: str = "train", input_key: str = "prompt", 
     parts = []
     for s in specs:
         rows = builtin_rows(s) if s.startswith(BUILTIN) else _renamed(
-            *_table(s, split), s, input_key=input_key, label_key=label_key,
+            *_table(s, split, config_name), s, input_key=input_key, label_key=label_key,
             tools_key=tools_key, image_key=image_key)
         if not rows:
             raise ValueError(f"{s} has no rows")
@@ -336,6 +377,27 @@ def combined(parts: list, max_samples: int | None, probs: list[float] | None, se
             out.append(parts[i][cursors[i] % len(parts[i])])
             cursors[i] += 1
     return out[:max_samples] if max_samples else out  # the cap holds per dataset and overall (Molt)
+
+
+IMAGE_FIX = ("give each row readable images in data.image_key: PIL images, encoded bytes, or paths, a relative one "
+             "read from the directory the run starts in ({cwd})")  # (.format(cwd=os.getcwd()) where told)
+
+
+def unfound_image(rows: list[dict]) -> str | None:
+    """The first image path of the renamed `rows` that is not there, where every row with images has one (each such
+    row would be dropped at load: `usable_image_rows`); else None. Validation's check, which decodes nothing: before,
+    such data (paths relative to the data file's directory, say) passed a dry run and failed at the run's start."""
+    first = None
+    for row in rows:
+        if (value := row.get("images")) is None:
+            continue
+        items = value if isinstance(value, (list, tuple)) else [value]
+        paths = [i.get("path") if isinstance(i, dict) and not i.get("bytes") else i for i in items]
+        missing = next((p for p in paths if isinstance(p, str) and not os.path.isfile(p)), None)
+        if missing is None:
+            return None
+        first = first or missing
+    return first
 
 
 def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: int, blank: bool,
@@ -367,7 +429,8 @@ def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: i
         log.warning("data: dropped %d of %d rows of %s with unusable images (row ids %s)", len(dropped), len(rows),
                     spec, [i for i, _ in dropped][:20])
     if rows and not kept:
-        raise ValueError(f"every row of {spec} was dropped for its images; the first: {dropped[0][1]}")
+        raise ValueError(f"every row of {spec} was dropped for its images; the first: {dropped[0][1]}. Fix: "
+                         f"{IMAGE_FIX.format(cwd=os.getcwd())}")
     return kept
 
 

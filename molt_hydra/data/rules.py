@@ -10,7 +10,7 @@ from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
 from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_COLUMNS, IMAGE_TASKS, JSON_TYPES,
-                                     SFT_TASKS, builtin_size, places_image, unread_images)
+                                     SFT_TASKS, builtin_size, places_image, saved_dir, unread_images)
 from molt_hydra.data.sft_dataset import check_sft_rows
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
@@ -69,8 +69,8 @@ def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> No
     """A local dataset the run can read (`readable_local`); job=sft: its chat rows pass the loader's checks (RL prompt
     rows: agents/rules.py check_prompts, with the chat server's parser). Before, each failed once the run had started
     Ray and its engines: a malformed line or row, an unknown suffix ('Couldn't find any data file at' a file that is
-    there), a plain directory."""
-    readable = f"a data file ({', '.join(sorted(FILE_TYPES))}) or a datasets save_to_disk directory"
+    there). A directory is read as datasets reads it (save_to_disk output, or data files: agents/rules.py)."""
+    readable = f"a data file ({', '.join(sorted(FILE_TYPES))}), a directory of data files or a save_to_disk directory"
     if readable_local(path):
         if cfg.job.value == "sft" and path.suffix in JSON_TYPES and path.is_file():
             try:  # (job=sft reads .jsonl / .json files alone: _sft_data; RL prompt rows: agents/rules.py check_prompts)
@@ -84,19 +84,19 @@ def _check_local(cfg: RunConfig, problems: Problems, key: str, path: Path) -> No
     elif os.path.isfile(path) and path.suffix not in FILE_TYPES:
         problems.check(False, key, f"{str(path)!r} is a file of a type the run does not read (suffix "
                        f"{path.suffix or 'none'!r}).", f"convert it to {readable}")
-    elif os.path.isdir(path) and any(path.iterdir()):  # (an empty file or directory: check_location says so)
-        problems.check(False, key, f"{str(path)!r} is a directory but no datasets save_to_disk output (no "
-                       "state.json or dataset_dict.json).", f"point {key} at {readable}")
 
 
 def readable_local(spec: str | Path) -> bool:
-    """A local dataset the run reads: a non-empty data file of a type it reads, or a `save_to_disk` directory (anything
-    else: check_location's or _check_local's problem; agents/rules.py reads the prompt rows of these)."""
+    """A local dataset the run reads: a non-empty data file of a type it reads, or a non-empty directory (`save_to_disk`
+    output, or data files as a hub dataset holds them; anything else: check_location's or _check_local's problem;
+    agents/rules.py reads the prompt rows of these)."""
+    if not str(spec).strip():  # (Path("") is the current directory)
+        return False
     path = Path(spec).expanduser()
     # (os.path's tests: False for a name too long to be a path, where Path's raise OSError; check_location says so)
     if os.path.isfile(path):
         return path.suffix in FILE_TYPES and path.stat().st_size > 0
-    return os.path.isdir(path) and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
+    return os.path.isdir(path) and any(path.iterdir())
 
 
 def raised(problems: Problems, key: str, error: Exception, fix: str) -> None:
@@ -180,7 +180,8 @@ def _set(cfg: RunConfig, key: str) -> bool:
 
 def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
     """Prompt datasets' keys no dataset of the run reads: builtin:// tasks generate their rows (no column is looked
-    up), and a split is chosen only in a DatasetDict (a saved directory or a hub dataset), never in a data file.
+    up), a split is chosen only in a DatasetDict (a saved directory or a hub dataset), never in a data file, and a
+    config only in a hub dataset or a directory of data files.
     job=eval: a recipe's columns are its training data's, left alone (cli.py refuses the command line's)."""
     if cfg.job.value == "sft":  # SFT reads its own keys (runtime/sft_job.py); cli.py JOB_IGNORES covers the splits
         return
@@ -190,16 +191,22 @@ def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
                      "builtin:// tasks "
                      f"generate their own rows ({', '.join(specs)}); no column is read, so it changes nothing.",
                      f"unset {key}, or point the data at a dataset that has that column") for key in COLUMN_KEYS))
-    for key, spec in (("data.split", cfg.data.train_path), ("eval.split", cfg.eval.data_path)):
-        no_split = [s for s in _specs(spec) if s.startswith(BUILTIN) or Path(s).suffix in FILE_TYPES or _one_dataset(s)]
-        problems.check(not (no_split and len(no_split) == len(_specs(spec)) and _set(cfg, key)), key,
-                       f"{', '.join(no_split)} has no splits to choose from (a builtin:// task, a data file or a saved "
-                       "Dataset), so it changes nothing.",
-                       f"unset {key}, or point the data at a DatasetDict directory or hub dataset")
+    # a config is chosen only in a hub dataset or a directory of data files (was: no key for one; data/prompts.py)
+    splits, configs = "a DatasetDict directory or hub dataset", "a hub dataset or a directory of data files"
+    for key, spec, saved, kind, where in (
+            ("data.split", cfg.data.train_path, _one_dataset, "Dataset", splits),
+            ("eval.split", cfg.eval.data_path, _one_dataset, "Dataset", splits),
+            ("data.config_name", cfg.data.train_path, saved_dir, "dataset", configs),
+            ("eval.config_name", cfg.eval.data_path, saved_dir, "dataset", configs)):
+        fixed = [s for s in _specs(spec) if s.startswith(BUILTIN) or Path(s).suffix in FILE_TYPES
+                 or saved(Path(s).expanduser())]
+        problems.check(not (fixed and len(fixed) == len(_specs(spec)) and _set(cfg, key)), key,
+                       f"{', '.join(fixed)} has no {key.split('.')[1].split('_')[0]}s to choose from (a builtin:// "
+                       f"task, a data file or a saved {kind}), so it changes nothing.",
+                       f"unset {key}, or point the data at {where}")
 
 
-def _one_dataset(spec: str) -> bool:
+def _one_dataset(path: Path) -> bool:
     """A `save_to_disk` directory of one Dataset, not of a DatasetDict (datasets.load_from_disk tells them apart by
     the same files): it loads whole, whatever the split."""
-    path = Path(spec).expanduser()
     return os.path.isdir(path) and (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file()

@@ -10,6 +10,7 @@ is trained on), the trainer's convention. Packing happens in the trainer's micro
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +142,18 @@ def load_rows(data: str | list[dict]) -> list[dict]:
     # read as prompt files are: a list, one object or JSON Lines in a .json, each row an object, an error naming the
     # line (was: a BOM, a U+2028 in a string failed; JSON Lines in a .json was json's 'Extra data')
     return check_json_rows(path)
+
+
+def data_identity(data) -> str | None:
+    """What a job=sft checkpoint records of its training data, so that a resume on data changed since (a file written
+    again at the same path) is told: a file's size and the sha256 of its bytes; a builtin task's name (its rows are
+    made from it); None for rows handed over as a list."""
+    if not isinstance(data, (str, Path)):
+        return None
+    if str(data).startswith(BUILTIN):
+        return str(data)
+    raw = Path(data).expanduser().read_bytes()
+    return f"{len(raw)} bytes, sha256 {hashlib.sha256(raw).hexdigest()[:16]}"
 
 
 def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", output_key: str | None = None,

@@ -172,6 +172,7 @@ def _sft_rank(rank: int, world: int, port: int, kw: dict):
         every = kw["save_steps"]  # N: every N steps and the last (as an RL run); -1: at the end only; 0: never
         if kw["ckpt_path"] and ((every > 0 and (step + 1) % every == 0) or (every != 0 and (last or stopping))):
             worker.save_checkpoint(kw["ckpt_path"], {"consumed_samples": (step + 1) * bs, "total_steps": total,
+                                                     "train_data": kw["train_identity"],
                                                      "eval_skipped": due and stopping, "run_record": kw["run_record"]},
                                    keep=kw["keep"], max_disk_gb=kw["max_disk_gb"])  # (total: runtime _nothing_left)
         record(rec)
@@ -207,6 +208,9 @@ def run_sft(model_path: str, train_data, output_dir: str, *, eval_data=None, inp
     run_record: the run's record (runtime/run_record.py), in every checkpoint's client state, as an RL run's: a warm
     start restarted over its own steps (Slurm's requeue) is told by it (runtime/entrypoint.py _own_warm_start_steps)."""
     kw = {k: v for k, v in locals().items() if k != "trainer"}  # every argument above, as the ranks read them
+    from molt_hydra.data.sft_dataset import data_identity
+
+    kw["train_identity"] = data_identity(train_data)  # as read before its samples: a resume compares it (entrypoint.py)
     kw["worker"] = {**SFT_DEFAULTS, "seed": seed, **trainer}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         return _sft_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), kw)

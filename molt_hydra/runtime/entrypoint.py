@@ -253,7 +253,7 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
     from molt_hydra.runtime.run_record import ABSENT, CHANGES_THE_MATH, config_changes
 
     if cfg.job.value == "sft":  # its batch size first, in words of its own (any checkpoint's: one older than the record)
-        _refuse_another_sft_batch_size(cfg, found, state)
+        _refuse_another_sft_order(cfg, found, state)
     if (saved := state.get("run_record", {}).get("config")) is None:
         print(f"Resuming {found}, saved before checkpoints recorded their config: keys changed since are not checked",
               file=sys.stderr)
@@ -342,15 +342,30 @@ def _resumed_rows(cfg: RunConfig, found: Path | None, state: dict | None) -> tup
     return rows
 
 
-def _refuse_another_sft_batch_size(cfg: RunConfig, found: Path, state: dict) -> None:
+def _refuse_another_sft_order(cfg: RunConfig, found: Path, state: dict) -> None:
     """job=sft resumes at sample global_step x train.batch_size of the epoch's order: under another batch size than
     the checkpoint's it skipped or repeated samples without a word (and stretched the LR schedule). Refused, naming
-    both sizes and the fix."""
+    both sizes and the fix; so is an order of other samples (`_refuse_other_sft_data`)."""
     steps, consumed, size = state.get("global_step", 0), state.get("consumed_samples"), cfg.train.batch_size
     if steps and consumed is not None and consumed != steps * size:
         print(f"\nRun failed: train.batch_size: {found} was saved after {steps} steps of {consumed // steps} samples "
               f"({consumed} consumed); train.batch_size={size} would resume at sample {steps * size}, skipping or "
               f"repeating data. Fix: set train.batch_size={consumed // steps}, or {WARM_START}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    _refuse_other_sft_data(cfg, found, state)
+
+
+def _refuse_other_sft_data(cfg: RunConfig, found: Path, state: dict) -> None:
+    """job=sft resumes at sample global_step x train.batch_size of a permutation of its samples: a data file written
+    again since the save (at the same path) resumed over other samples, skipping and repeating some without a word.
+    Refused, naming both identities and the fix (another seed or data.* key: `_refuse_changed_config`; job=rl's data:
+    `_resumed_rows`)."""
+    from molt_hydra.data.sft_dataset import data_identity
+
+    if (was := state.get("train_data")) is not None and (now := data_identity(cfg.data.train_path)) != was:
+        print(f"\nRun failed: {found} cannot be resumed as saved: data.train_path={cfg.data.train_path} holds other "
+              f"data ({now}) than at the save ({was}): its samples' order would differ from the saved run's. Fix: "
+              f"put the saved data back at that path, or {WARM_START}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
 
 

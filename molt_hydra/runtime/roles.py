@@ -295,11 +295,11 @@ def _load_rows(cfg: RunConfig, scoring: bool, tokenizer=None) -> tuple[list, lis
                 max_images_per_prompt=d.max_images_per_prompt, blank_images=d.blank_images,
                 image_fits=images and images.added_tokens,
                 template_fits=template_fits if tokenizer.chat_template else None)  # (none: the runners' error)
-    eval_rows = _named("eval.data_path", load_prompts, cfg.eval.data_path, split=cfg.eval.split, **rows) \
-        if cfg.eval.data_path else None
+    eval_rows = _named("eval.data_path", load_prompts, cfg.eval.data_path, split=cfg.eval.split,
+                       config_name=cfg.eval.config_name, **rows) if cfg.eval.data_path else None
     prompts = eval_rows if scoring else _named(
-        "data.train_path", load_prompts, d.train_path, split=d.split, max_samples=d.max_samples, probs=d.train_probs,
-        seed=cfg.seed, **rows)
+        "data.train_path", load_prompts, d.train_path, split=d.split, config_name=d.config_name,
+        max_samples=d.max_samples, probs=d.train_probs, seed=cfg.seed, **rows)
     if cfg.job.value == "rl" and len(prompts) < (b := cfg.rollout.batch_size):
         raise ValueError(f"data.train_path={d.train_path} has {len(prompts)} row(s) to train on as loaded, fewer "
                          f"than the rollout.batch_size={b} prompts each step takes: a step would train on a partial "

@@ -185,6 +185,14 @@ CASES = [
     # before, accepted: a ChatAgent's prompt reaches its chat server as messages, rendered there with the template
     ("raw_prompts_chat_agent", ["agent=tiny_geo", "data.apply_chat_template=false"], "data.apply_chat_template",
      "the agent TinyGeoAgent is a ChatAgent: each prompt reaches its chat server as chat messages"),
+    # before, accepted: an Env's chat messages are rendered with the template whatever it says (step_runner.py); its
+    # text prompts alone are sent raw (test_validation.py test_text_prompts_sent_as_raw_text_need_no_chat_template)
+    ("raw_prompts_of_messages", ["data.apply_chat_template=false"], "data.apply_chat_template",
+     "every prompt of data.train_path=builtin://toy is chat messages, which the step runner renders with the chat "
+     "template whatever this says"),
+    ("raw_prompts_of_messages_eval", ["job=eval", "eval.data_path=builtin://arithmetic_eval",
+                                      "data.apply_chat_template=false"], "data.apply_chat_template",
+     "every prompt of eval.data_path=builtin://arithmetic_eval is chat messages"),
 ]
 
 
@@ -231,7 +239,6 @@ ACCEPTED = [
     ["logger.wandb.mode=disabled", "logger.tensorboard=true", "logger.wandb.run_name=z"],  # names the TB run too
     ["rollout.block_size=64", "rollout.kv_cache_gb=2"],
     ["agent=tiny_geo", "agent.tool_parser=qwen3_coder", "agent.max_choices=4"],  # a ChatAgent: its chat server's
-    ["data.apply_chat_template=false"],  # an Env's string prompts: sent as raw text
     ["model.lora.rank=8", "parallelism.share_prompts=true"],
     [*AUTOMODEL_4, "parallelism.tp=2", "parallelism.sequence_parallel=true"],
     ["+recipe=qwen3_4b_sft", "model.backend=automodel"],  # the default targets leave the lm_head plain

@@ -468,6 +468,21 @@ def test_text_prompts_sent_as_raw_text_need_no_chat_template(tmp_path, no_templa
                           "data.apply_chat_template=false"]) == []
 
 
+def test_raw_text_prompts_of_data_that_has_only_chat_messages_are_refused(tmp_path):
+    """data.apply_chat_template=false sends an Env's text prompts raw; its chat messages are rendered with the template
+    whatever it says. Data of messages alone took it, changing nothing; one text row among them is sent raw."""
+    message = {"prompt": [{"role": "user", "content": "1+1?"}], "label": "2"}
+    (chats := tmp_path / "chats.jsonl").write_text((json.dumps(message) + "\n") * 8)
+    (mixed := tmp_path / "mixed.jsonl").write_text(chats.read_text() + json.dumps({"prompt": "1+1?", "label": "2"}))
+    assert config_errors([f"data.train_path={chats}", "data.apply_chat_template=false"]) == [
+        f"data.apply_chat_template: every prompt of data.train_path={chats} is chat messages, which the step runner "
+        "renders with the chat template whatever this says; it sends text prompts alone as they are, and there are "
+        "none. Fix: unset data.apply_chat_template, or give the prompts as text"]
+    assert config_errors([f"data.train_path={mixed}", "data.apply_chat_template=false"]) == []
+    assert config_errors([f"data.train_path={mixed}", "data.apply_chat_template=false",
+                          "eval.data_path=builtin://toy_eval", "eval.every_steps=5"]) == []
+
+
 def test_sft_on_a_builtin_task_checks_its_rows_columns():
     """A local SFT file's rows are checked at validation; a builtin task's were not. Before: `+recipe=
     tiny_vlm_colors_warm data.input_key=prompt` passed (a dry run too), and the trainer ranks then refused the first

@@ -29,3 +29,8 @@ def test_sft_job_lowers_the_loss(tmp_path):
     assert len(rows) == 3 * 64 // 16  # one optimizer step per 16 chats, 3 epochs
     assert rows[-1]["sft_loss"] < 0.7 * rows[0]["sft_loss"]
     assert (out / "run_record.json").exists() and list(out.rglob("model.safetensors"))
+    # its training data's identity, which a resume compares (runtime/entrypoint.py `_refuse_other_sft_data`)
+    from molt_hydra.data.sft_dataset import data_identity
+    from molt_hydra.parallel.checkpoint import saved_client_state
+
+    assert saved_client_state(out / "checkpoints" / "step_12")["train_data"] == data_identity(data)

@@ -423,3 +423,55 @@ def test_an_sft_resume_with_no_step_left_says_so_and_starts_nothing(sft_saved, t
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         f"Nothing left to run: {sft_saved} is at step 3, the last of train.epochs=1, exported to {export}; nothing "
         "was trained, saved or exported. To train further, raise train.epochs.")
+
+
+def _sft_saved(tmp_path, data, *overrides):
+    """A job=sft run's step-3 checkpoint of 64-sample steps over `data`, its client state as parallel/sft.py saves it
+    (the run record with the config, the training data's identity)."""
+    from molt_hydra.data.sft_dataset import data_identity
+
+    sft = ["job=sft", f"data.train_path={data}", "data.input_key=messages", "model.master_weights=fsdp",
+           f"checkpoint.dir={tmp_path / 'ckpt'}", *overrides]
+    model, opt = _trained()
+    record = write_run_record(validate(OmegaConf.to_object(compose_config(sft, output_dir=str(tmp_path / "out")))),
+                              tmp_path / "out")
+    save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "global_step": 3, "consumed_samples": 3 * 64, "train_data": data_identity(data),
+        "run_record": record})
+    return lambda *more: validate(OmegaConf.to_object(compose_config(
+        [*sft, "checkpoint.resume=auto", *more], output_dir=str(tmp_path / "out"))))
+
+
+@pytest.mark.parametrize("change,named", [
+    ("seed=1", "seed=1 (saved with 42)"),
+    ("data.max_samples=100", "data.max_samples=100 (saved with 100000000)"),
+    ("data.max_len=64", "data.max_len=64 (saved with 256)"),
+    ("rewritten", None),  # (named below, from the file's bytes)
+], ids=lambda v: str(v).split("=")[0])
+def test_an_sft_resume_over_other_samples_or_another_order_is_refused(tmp_path, capsys, change, named):
+    """job=sft resumes at sample global_step x train.batch_size of a permutation of its samples seeded by `seed`. Before:
+    another seed, other data.* settings, or the data file written again at the same path (here: each reply's text
+    changed, the size the same) went on in another order or over other samples, repeating and skipping samples
+    without a word."""
+    import hashlib
+
+    data = tmp_path / "chats.jsonl"
+
+    def write(reply: str) -> str:
+        data.write_text("".join(f'{{"messages": [{{"role": "user", "content": "hi {i:02}"}}, {{"role": "assistant", '
+                                f'"content": "{reply} {i:02}"}}]}}\n' for i in range(64)))
+        return f"{data.stat().st_size} bytes, sha256 {hashlib.sha256(data.read_bytes()).hexdigest()[:16]}"
+
+    saved = write("hello")
+    resumed = _sft_saved(tmp_path, data)
+    assert _check_resume(resumed())[0].name == "step_3"  # the same data and settings: resumed
+    if change == "rewritten":
+        named = f"data.train_path={data} holds other data ({write('howdy')}) than at the save ({saved})"
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(resumed(*([] if change == "rewritten" else [change])))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == EXIT_FAILED
+    assert last.startswith(f"Run failed: {tmp_path / 'ckpt' / 'step_3'} cannot be resumed as saved: ") and named in \
+        last, last
+    assert last.endswith(f"Fix: put the saved data back at that path, or {WARM_START}" if change == "rewritten" else
+                         f"Fix: set them back (see its run_record.json), or {WARM_START}")

@@ -166,3 +166,26 @@ def test_a_limit_that_keeps_no_row_is_refused_before_anything_is_written(tmp_pat
     assert capsys.readouterr().err.splitlines()[-1] == (f"python -m molt_hydra.data.prepare: error: --limit {limit} "
                                                         "keeps no row; give a count >= 1, or leave --limit out for "
                                                         "every row")
+
+
+def test_gsm8k_from_a_local_copy_of_its_hub_repository_reads_its_config(tmp_path, monkeypatch, capsys):
+    """A local copy of openai/gsm8k (its README's `configs`: main and socratic, each a directory of data files) reads
+    the hub dataset's config, main, or the one --config names; one it lacks names its configs and the flag. Before:
+    refused as no save_to_disk folder ('is neither a `Dataset` directory nor a `DatasetDict` directory')."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")  # (not the user's cache)
+    repo = tmp_path / "gsm8k"
+    for config, answer in (("main", 7), ("socratic", 8)):
+        (repo / config).mkdir(parents=True)
+        (repo / config / "train.jsonl").write_text(json.dumps({"question": f"{config}?", "answer": f"#### {answer}"})
+                                                   + "\n")
+    (repo / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n"
+        for c in ("main", "socratic")) + "---\n")
+    assert prepare("gsm8k", str(tmp_path / "main.jsonl"), source=str(repo)) == 1
+    assert [r["label"] for r in load_prompts(str(tmp_path / "main.jsonl"))] == ["7"]
+    main(["gsm8k", str(tmp_path / "socratic.jsonl"), "--source", str(repo), "--config", "socratic"])
+    assert [r["label"] for r in load_prompts(str(tmp_path / "socratic.jsonl"))] == ["8"]
+    with pytest.raises(SystemExit):
+        main(["gsm8k", str(tmp_path / "none.jsonl"), "--source", str(repo), "--config", "nope"])
+    assert capsys.readouterr().err.endswith(f"error: {repo} has no config 'nope'; its configs: ['main', 'socratic']. "
+                                            "Fix: set --config to one of them\n")

@@ -305,21 +305,28 @@ def _config_problems(spec: str, max_images_per_prompt: int = 0, batch_size: int 
 def test_a_local_dataset_the_run_cannot_read_is_a_config_error_before_anything_starts(tmp_path):
     """Validation (a dry run too) reads local data as the run will. Before, each failed only once the run had started
     Ray and its engines: a bad JSONL line, a file of another type (datasets: "Couldn't find any data file at" the file
-    that is there), a directory that datasets never saved."""
+    that is there), a directory of no data file. A directory of data files is read as datasets reads a hub dataset's
+    (tests/unit/test_dataset_configs.py; was: refused as no save_to_disk output)."""
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "label": "1"}\n{"prompt": \n')
     (tmp_path / "rows.txt").write_text('{"prompt": "a", "label": "1"}\n')
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "rows.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
-    readable = "a data file (.arrow, .csv, .json, .jsonl, .parquet) or a datasets save_to_disk directory"
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "make_rows.py").write_text("rows = []\n")
+    readable = "a data file (.arrow, .csv, .json, .jsonl, .parquet), a directory of data files or a save_to_disk " \
+               "directory"
     assert _config_problems(str(tmp_path / "bad.jsonl")) == [
         f"- data.train_path: {tmp_path / 'bad.jsonl'}: line 2 is not JSON (Expecting value). Fix: one JSON object "
         "per line (.jsonl), or one JSON list of objects (.json)"]
     assert _config_problems(str(tmp_path / "rows.txt")) == [
         f"- data.train_path: '{tmp_path / 'rows.txt'}' is a file of a type the run does not read (suffix '.txt'). "
         f"Fix: convert it to {readable}"]
-    assert _config_problems(str(tmp_path / "plain")) == [
-        f"- data.train_path: '{tmp_path / 'plain'}' is a directory but no datasets save_to_disk output (no "
-        f"state.json or dataset_dict.json). Fix: point data.train_path at {readable}"]
+    assert _config_problems(str(tmp_path / "plain")) == []
+    assert _config_problems(str(tmp_path / "code")) == [
+        f"- data.train_path: {tmp_path / 'code'} is a directory of no data file datasets reads (No (supported) data "
+        f"files found in {tmp_path / 'code'}), and no save_to_disk output (no state.json or dataset_dict.json). Fix: "
+        "point the key at data files (.jsonl, .json, .csv, .parquet, .arrow), a directory of them or a save_to_disk "
+        "directory"]
     assert _config_problems(str(tmp_path / "plain" / "rows.jsonl")) == []
 
 

@@ -116,7 +116,7 @@ def test_an_image_the_models_processor_refuses_drops_its_row_at_load(tmp_path, c
     sizes = [(8, 6), (402, 2), (6, 8), (2, 400)]  # (width, height): ratios 1.33, 201 (refused), 1.33, 200 (taken)
     path = _write_rows(tmp_path, [[{"bytes": _png((10, 20, 30), size), "path": None}] for size in sizes])
     data = ns(input_key="prompt", label_key="label", tools_key=None, image_key="images", max_images_per_prompt=1,
-              blank_images=False, train_path=path, split="train", max_samples=None, train_probs=None,
+              blank_images=False, train_path=path, split="train", config_name=None, max_samples=None, train_probs=None,
               apply_chat_template=True)
     cfg = ns(data=data, model=ns(path="tiny://qwen25_vl_tiny", tokenizer_path=None), eval=ns(data_path=None),
              job=ns(value="rl"), rollout=ns(batch_size=1), seed=0)
@@ -131,3 +131,39 @@ def test_an_image_the_models_processor_refuses_drops_its_row_at_load(tmp_path, c
     with pytest.raises(ValueError, match=f"{path} row 0: its prompt places an image .* data.image_key=null reads no "
                                          "image"):
         _load_rows(cfg, scoring=False)
+
+
+def test_image_paths_that_are_nowhere_are_found_at_validation(tmp_path, monkeypatch):
+    """Image paths relative to the data file's directory, read from another directory: every row would be dropped at
+    load. Before: a dry run passed, and the run failed at its start ('every row ... was dropped for its images'),
+    naming no fix; now validation refuses it, naming a path and the directory relative paths are read from. One row
+    whose image is there keeps the data (the others are dropped at load, each named)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from test_validation import config_errors
+
+    (tmp_path / "imgs").mkdir()
+    for i in range(8):
+        Image.new("RGB", (8, 8), (30 * i, 0, 0)).save(tmp_path / "imgs" / f"{i}.png")
+    data = tmp_path / "rows.jsonl"
+
+    def write(paths: list[str]) -> list[str]:
+        data.write_text("".join(json.dumps({"prompt": "<image>colour?", "label": "R", "images": [p]}) + "\n"
+                                for p in paths))
+        return config_errors(["+recipe=tiny_vlm_colors_cpu", f"data.train_path={data}", "data.image_key=images",
+                              "rollout.batch_size=8", "train.batch_size=32", "train.micro_batch_size=8"])
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert write([f"imgs/{i}.png" for i in range(8)]) == [
+        f"data.train_path: {data}: every row with images has one that is not there, e.g. 'imgs/0.png' (data.image_key="
+        "'images'); each would be dropped. Fix: give each row readable images in data.image_key: PIL images, encoded "
+        f"bytes, or paths, a relative one read from the directory the run starts in ({elsewhere})"]
+    assert write([str(tmp_path / "imgs" / f"{i}.png") for i in range(8)]) == []
+    assert write([str(tmp_path / "imgs" / "0.png")] + [f"imgs/{i}.png" for i in range(1, 8)]) == []
+    monkeypatch.chdir(tmp_path)
+    assert write([f"imgs/{i}.png" for i in range(8)]) == []
