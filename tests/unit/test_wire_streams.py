@@ -780,9 +780,10 @@ def test_streamed_chat_replies_not_sent_live_accumulate_to_the_reply_in_the_open
 
 
 def test_repeated_first_attempts_take_seeds_past_the_earlier_samples_choices_and_a_client_seed_as_sent(tok):
-    """A run gives every turn of a rollout the same seed, so an SDK's repeated first attempt sampled with it would be
-    the same tokens again: each repeat takes the seeds after those the earlier samples' n choices took (the engine
-    seeds choice i with seed + i); a seed the client sends is its own, honoured as sent."""
+    """A run gives a rollout one seed: each turn, and each repeated first attempt of one, takes the seeds after those
+    the session's earlier choices took (the engine seeds choice i with seed + i), so no two turns sample with the same
+    noise (was: every new turn took the rollout's seed again, so its tokens repeated an earlier turn's wherever their
+    distributions were alike); a seed the client sends is its own, honoured as sent."""
     from openai import AsyncOpenAI
 
     async def go():
@@ -800,7 +801,8 @@ def test_repeated_first_attempts_take_seeds_past_the_earlier_samples_choices_and
             await oa.close()
             await server.stop()
 
-    assert asyncio.run(go()) == [(100, 2), (102, 2), (104, 2), (100, 1), (101, 1), (7, 1), (7, 1)]
+    # three samples of n=2, then another turn (n=1: another request) and its repeat, then the client's own seed
+    assert asyncio.run(go()) == [(100, 2), (102, 2), (104, 2), (106, 1), (107, 1), (7, 1), (7, 1)]
 
 
 class MaskedAlternativesEngine(ScriptedEngine):

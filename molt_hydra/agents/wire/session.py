@@ -103,7 +103,7 @@ class ChatSession:
         self._prev_tools: list[dict] | None = None
         self._last_key: str | None = None
         self._last_reply: TurnReply | None = None
-        self._samples = 0  # earlier samples of the request now generating (the same request sent as a first attempt)
+        self._drawn = 0  # choices sampled in this session so far: a turn's seeds start past theirs
         self._turn_end = self._assistant_turn_end()
         self._end_ids = {self.tokenizer.eos_token_id, *self.sampling.stop_token_ids}
 
@@ -143,7 +143,6 @@ class ChatSession:
                 # its prompt, which a streamed Anthropic reply reports up front (was: that of a request refused since)
                 self.last_prompt_tokens = self._last_reply.prompt_tokens
                 return dataclasses.replace(self._last_reply, streamed=False)
-            self._samples = self._samples + 1 if repeat else 0
             self._last_key, self._last_reply = key, await self._generate_turn(req, on_delta)
             return self._last_reply
 
@@ -231,10 +230,11 @@ class ChatSession:
                                "here: the model thinks as long as it samples to. Send budget_tokens >= the cap (with "
                                "'max_tokens' above it), or omit 'thinking'", "thinking.budget_tokens")
         seed = o.get("seed", self.sampling.seed)
-        if "seed" not in o and seed is not None:  # the rollout's seed, the same each turn: another sample of the
-            # request just sampled takes seeds past those its earlier samples' choices took (seed + choice index)
-            # (was: the same seed, so the same prompt sampled the same tokens again)
-            seed = (seed + self._samples * req.n) % 2**63
+        if "seed" not in o and seed is not None:  # the rollout's seed: each turn (and each sample of a repeated
+            # request) takes seeds past those the session's earlier choices took (the engine: seed + choice index).
+            # Was: the same seed for every turn, so vLLM drew the same noise at each position of every turn (a turn
+            # repeated an earlier one's tokens where their distributions were alike), and a repeat sampled the same
+            seed = (seed + self._drawn) % 2**63
         return dataclasses.replace(
             self.sampling, max_tokens=max_tokens, min_tokens=min(self.sampling.min_tokens, max_tokens),
             stop=self.sampling.stop + tuple(s for s in o.get("stop", ()) if s not in self.sampling.stop),
@@ -319,6 +319,7 @@ class ChatSession:
                                "not recorded", code="session_closed")
         # Commit only after generation succeeded, so a failed turn leaves the session clean for a retry.
         self._commit(req, extension, prompt_ids, images, choices)
+        self._drawn += req.n
         return TurnReply(choices, prompt_tokens, sum(len(c.gen.token_ids) for c in choices), streamed=streamed,
                          context_full=remaining < min(self.sampling.max_tokens, req.overrides.get("max_tokens", math.inf)))
 
