@@ -311,13 +311,16 @@ class SamplesGenerator:
         `max_inflight` (eval.batch_size): prompt groups evaluated concurrently; None = the training pool's limit."""
         semaphore = asyncio.Semaphore(max_inflight or self.max_inflight_groups)
 
-        async def one(row):
+        async def one(k: int, row):
+            # each prompt's group a base seed of its own (was: the eval's seed for every group, so sample i of every
+            # prompt drew the same noise); the same at every eval, so evals compare on common random numbers
+            own = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=(sampling.seed + k) % 2**63)
             async with semaphore:
-                return row.get("datasource", "default"), await self._group(row, n_samples, sampling, None)
+                return row.get("datasource", "default"), await self._group(row, n_samples, own, None)
 
         per_ds: dict[str, list[list]] = {}
         dropped: Counter = Counter()
-        for ds, results in await asyncio.gather(*(one(r) for r in rows)):
+        for ds, results in await asyncio.gather(*(one(k, r) for k, r in enumerate(rows))):
             per_ds.setdefault(ds, []).append(usable(results, dropped))
         if not any(g for groups in per_ds.values() for g in groups):  # (was: exit 0 with a pass@1 of 0.0)
             raise RunFailed("agent runner", f"every eval rollout ({len(rows)} prompts x {n_samples}) failed; the "

@@ -242,6 +242,28 @@ def test_eval_counts_a_chat_rollouts_reward_once_however_many_segments_it_has():
     assert m["eval_default_pass2"] == pytest.approx(1.0)
 
 
+class SeedRecordingRunner(ScriptedRunner):
+    def __init__(self):
+        super().__init__()
+        self.seeds = {}
+
+    async def run_group(self, row, n, sampling):
+        self.seeds[row["id"]] = sampling.seed
+        return await super().run_group(row, n, sampling)
+
+
+def test_each_eval_prompt_samples_from_a_base_seed_of_its_own_the_same_at_every_eval():
+    """Before: every eval group got the eval's one seed, so sample i of every prompt drew the same noise."""
+    runner = SeedRecordingRunner()
+    gen = SamplesGenerator(rows(1), runner, batch_size=1, n_samples_per_prompt=1, sampling=SAMPLING)
+    eval_rows = [{"id": i, "script": [1.0, 0.0]} for i in range(3)]
+    asyncio.run(gen.evaluate(eval_rows, 2, Sampling(max_tokens=4, seed=1000)))
+    first = dict(runner.seeds)
+    assert first == {0: 1000, 1: 1001, 2: 1002}  # the row's position moves the eval's seed
+    asyncio.run(gen.evaluate(eval_rows, 2, Sampling(max_tokens=4, seed=1000)))
+    assert runner.seeds == first  # the next eval: the same seeds (common random numbers across evals)
+
+
 def test_eval_scores_only_what_can_be_scored_and_counts_the_rest():
     """Before: a failed rollout was left out uncounted, a NaN reward made pass@1 NaN, and a datasource whose every
     rollout failed was scored 0.0."""
