@@ -112,10 +112,12 @@ def to_experience(trajectory, max_len: int, images=None) -> tuple[Experience | N
     mask = action_mask(action_ranges, len(token_ids), max_len)
     if not any(mask):
         return None, "no_action_tokens"
-    numeric = {k: v for k, v in ((k, _number(v)) for k, v in trajectory.info.items()) if v is not None}
-    info = {**numeric, "response_length": float(sum(mask)), "total_length": float(len(ids)),
-            "response_clip_ratio": float(len(token_ids) >= max_len),
-            "truncated": float(bool(trajectory.truncated) or len(token_ids) > max_len)}
+    own = {"response_length": float(sum(mask)), "total_length": float(len(ids)),
+           "response_clip_ratio": float(len(token_ids) >= max_len),
+           "truncated": float(bool(trajectory.truncated) or len(token_ids) > max_len)}
+    # an agent's key of one of these names goes under "info/" (was: overwritten by it without a word)
+    numeric = {k: v for k, v in ((k, _number(value)) for k, value in trajectory.info.items()) if v is not None}
+    info = {**{f"info/{k}" if k in own else k: v for k, v in numeric.items()}, **own}
     return Experience(
         token_ids=ids, action_mask=mask, rollout_log_probs=logprobs[:max_len],
         policy_versions=[v if m else -1 for v, m in zip(versions[:max_len], mask)],

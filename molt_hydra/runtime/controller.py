@@ -172,7 +172,7 @@ class RLController:
         one_pass = self.old_logprobs_from_training(steps, frozen)
         old_logp, ref_logp, values = await self._forward_passes(trainer_rows(b, exps), b.action_mask.shape, one_pass)
         advantages, returns = self._advantages(b, old_logp, ref_logp, values, metrics)
-        self._sample_metrics(b, exps, returns, metrics)
+        sampled = self._sample_metrics(b, exps, returns, metrics)
         timing["timing/make_experience"] = time.perf_counter() - t0
 
         rows = trainer_rows(b, exps, advantages=advantages, rollout_logprobs=b.rollout_log_probs, values=values,
@@ -205,12 +205,14 @@ class RLController:
         if "timing/generation" in timing:
             generated = sum(e.action_mask.sum().item() for e in exps)
             timing["perf/rollout_tokens_per_sec"] = generated / max(timing["timing/generation"], 1e-9)
+        # the samples' means last, an agent's Result.info key under "info/" where it names one of the step's own
+        # metrics (was: one overwrote the other without a word, and an info "kl" steered the adaptive KL controller)
+        metrics.update({f"info/{k}" if k in metrics or k in timing else k: v for k, v in sampled.items()})
         return {**metrics, **timing}
 
-    def _sample_metrics(self, b, exps: list, returns, metrics: dict[str, float]) -> None:
-        """The step's means over its trained samples, the group reward std and, with logger.debug_rollout, each
-        sample's line (RunLog.samples)."""
-        metrics.update(experience_metrics(exps, returns, b.action_mask))
+    def _sample_metrics(self, b, exps: list, returns, metrics: dict[str, float]) -> dict[str, float]:
+        """The step's means over its trained samples (returned: train_step adds them last), the group reward std
+        and, with logger.debug_rollout, each sample's line (RunLog.samples)."""
         a = self.cfg.algorithm
         stds = group_reward_std(b.rewards, b.group_ids, b.rollout_ids, a.reward_clip)
         # Molt's, where its estimator groups (a groupless one's groups are its rollouts: always 0)
@@ -218,6 +220,7 @@ class RLController:
             metrics["group_reward_std"] = float(stds.mean())
         if self.cfg.logger.debug_rollout:
             self.log.samples(self.step + 1, exps, returns, b.action_mask, stds)
+        return experience_metrics(exps, returns, b.action_mask)
 
     def _trainable(self, groups, metrics: dict[str, float]) -> list:
         """The batch's trainable experiences; the drops are counted into `metrics` and into the progress check."""
