@@ -1136,6 +1136,54 @@ def test_a_list_an_interpolation_resolves_to_is_checked_as_one_written_out(overr
     assert (resolved.train.optimizer.betas, resolved.cluster.setup) == ([0.5, 0.6], ["1", "b"])  # as written out
 
 
+@pytest.mark.parametrize("override,resolved", [
+    ("train=${seed}", "int is not a subclass of TrainConfig"),
+    ("logger.wandb=${name}", "str is not a subclass of WandbConfig"),
+    ("train.timeouts=${train.optimizer}", "OptimizerConfig is not a subclass of TimeoutsConfig"),
+    ("agent.runner=${seed}", "Cannot assign int to Dict[str, Any]"),
+])
+def test_a_mapping_an_interpolation_resolves_to_is_checked_as_one_written_out(override, resolved, tmp_path):
+    """Before: OmegaConf checks the type of a group or section written out (`train=1` is refused), not of the value an
+    interpolation gives it, so each of these reached the checks as that value: an AttributeError ('int' object has no
+    attribute 'optimizer') or a TypeError traceback from `molt-run ... dry_run=true`."""
+    from molt_hydra.cli import point_problems
+    from molt_hydra.config.bounds import expected
+    from molt_hydra.config.schema import RunConfig
+
+    key = override.split("=", 1)[0]
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1, problems
+    assert problems[0].startswith(f"- {key}: ") and resolved in problems[0] and "(its interpolation resolves to " in \
+        problems[0] and problems[0].endswith(f"Fix: set {key} to {expected(RunConfig, key)}"), problems[0]
+    assert point_problems([override, "dry_run=true"], tmp_path, None) == (problems, None)
+    # one of the section's own type is taken, as written out
+    cfg, problems = compose_checked(["algorithm=ppo_gae", "train.critic.optimizer=${train.optimizer}",
+                                     f"output_dir={tmp_path}"])
+    assert problems == [] and to_run_config(cfg).train.critic.optimizer.lr == cfg.train.optimizer.lr
+
+
+@pytest.mark.parametrize("override,why", [
+    ("model=${seed}", "Interpolation key 'seed' not found"),
+    ("+recipe=${nope}", "Interpolation key 'nope' not found"),
+    ("rollout=${oc.env:MOLT_TEST_UNSET_VARIABLE}", "KeyError raised while resolving interpolation: \"Environment "
+     "variable 'MOLT_TEST_UNSET_VARIABLE' not found\""),
+    ("model=${oc.decode:'5'}", "it resolves to no option's name"),
+])
+def test_a_group_choice_by_an_interpolation_that_names_no_option_says_so(override, why, monkeypatch):
+    """A config group's choice is resolved by Hydra alone, before the config exists, in a scratch config of its own.
+    Before: told as that scratch key (`- _dummy_: Interpolation key 'seed' not found`, with a fix to set _dummy_), and
+    `model=${oc.decode:'5'}` (an AssertionError with no message) was an IndexError traceback."""
+    monkeypatch.delenv("MOLT_TEST_UNSET_VARIABLE", raising=False)
+    element = override.split("=", 1)[0]
+    assert compose_checked([override]) == (None, [
+        f"- {override}: {why}. A config group's choice is resolved before the config is composed, to the name of one "
+        "of its options: it may name another group's choice (${model}) or a resolver's value (${oc.env:VAR,NAME}), "
+        f"no key of the config. Fix: name the option itself ({element}=NAME; `molt-run --help` lists them)"])
+    monkeypatch.setenv("MOLT_TEST_MODEL", "qwen3_moe_tiny")  # a resolver's value that names an option: chosen
+    cfg, problems = compose_checked(["model=${oc.env:MOLT_TEST_MODEL}"])
+    assert problems == [] and cfg.model.path == "tiny://qwen3_moe_tiny"
+
+
 @pytest.mark.parametrize("override,line", [
     ("rollout={}", "- rollout={}: an empty mapping, which Hydra merges into rollout: that changes nothing"),
     ("+train.optimizer={}", "- +train.optimizer={}: an empty mapping, which Hydra merges into train.optimizer: "),
