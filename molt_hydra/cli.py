@@ -632,7 +632,7 @@ def _interpolated_choice(chain: list[Exception], overrides: list[str], key: str 
     """A config group's choice given by an interpolation that names no option: Hydra resolves it alone, before the
     config exists, in a scratch config of its own. `model=${seed}` was told as that scratch key (`- _dummy_: ...`, with
     a fix to set _dummy_), `model=${oc.decode:'5'}` (an AssertionError with no message) was an IndexError traceback."""
-    chosen = next((o for o in overrides if "${" in o.partition("=")[2] and (
+    chosen = next((o for o in overrides if re.search(r"\$\\?\{", o.partition("=")[2]) and (  # (a sweep's point: $\{)
         "/" in (name := o.lstrip("+~").split("=", 1)[0]) or _is_group(name))), None)
     if not chosen or not (key == "_dummy_" or isinstance(chain[-1], AssertionError) or
                           "interpolated config group" in "\n".join(str(c) for c in chain)):

@@ -1179,6 +1179,9 @@ def test_a_group_choice_by_an_interpolation_that_names_no_option_says_so(overrid
         f"- {override}: {why}. A config group's choice is resolved before the config is composed, to the name of one "
         "of its options: it may name another group's choice (${model}) or a resolver's value (${oc.env:VAR,NAME}), "
         f"no key of the config. Fix: name the option itself ({element}=NAME; `molt-run --help` lists them)"])
+    if override.startswith("model=${seed}"):  # a sweep's first point, as Hydra's sweeper writes it (escaped)
+        cfg, problems = compose_checked([f"{override},qwen3_tiny"], multirun=True)
+        assert problems[0].startswith("- model=$\\{seed\\}: Interpolation key 'seed' not found. "), problems
     monkeypatch.setenv("MOLT_TEST_MODEL", "qwen3_moe_tiny")  # a resolver's value that names an option: chosen
     cfg, problems = compose_checked(["model=${oc.env:MOLT_TEST_MODEL}"])
     assert problems == [] and cfg.model.path == "tiny://qwen3_moe_tiny"
