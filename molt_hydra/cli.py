@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import json
 import logging
 import logging.config
 import math
@@ -726,7 +727,7 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if len(points) > ANNOUNCED_SWEEP:  # each point takes ~0.5 s: a long sweep's check is not a silent wait
         print(f"Checking each of the sweep's {len(points)} points before the first starts (composed, validated and "
               "planned one after another) ...", file=sys.stderr, flush=True)
-    problems, owners, results = _repeated_points(points), {}, []
+    problems, owners, results, seen = _repeated_points(points), {}, [], {}
     sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
         as_run = [*(o for o in point if o.lstrip("+~").split("=", 1)[0] != "dry_run"), "dry_run=true"] if submits \
@@ -739,6 +740,8 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
                 errors.append(f"- {key}: {path} is sweep point #{owner}'s too, so this point would resume from, "
                               f"overwrite or be locked out of that point's files. Fix: leave {key} at its default "
                               "(under the point's output_dir), or sweep it with the points")
+        if result is not None and (same := _same_config(result[0], number, point, seen)):
+            errors.append(same)
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems, results
@@ -805,6 +808,27 @@ def shared_subdir(first: DictConfig, points: int) -> list[str]:
             f"{os.path.join(os.path.abspath(first.hydra.sweep.dir), raw)}, each resuming from or overwriting the one "
             "before. Fix: make it differ per point, e.g. hydra.sweep.subdir='${hydra.job.num}', or leave it out "
             "(molt's default: ${hydra.job.num}_${hydra.job.override_dirname})"]
+
+
+def _same_config(run_cfg: RunConfig, number: int, point: list[str], seen: dict) -> str | None:
+    """A sweep point whose config, its output_dir aside (and the paths under it), is an earlier point's (`seen`: each
+    config's first point and its values) though its values differ (the same values: _repeated_points): the rest of the
+    command line sets what the swept values set, so `-m algorithm=grpo,rloo algorithm.estimator=rloo` ran rloo twice,
+    without a word. The point's Hydra keys count as its config (a sweep over hydra.job.env_set.VAR runs other code),
+    so does a directory it names itself (-m checkpoint.dir=A,B checkpoint.resume=auto goes on from each)."""
+    from molt_hydra.runtime.run_record import config_as_dict
+
+    tree = config_as_dict(run_cfg)
+    own = json.dumps(tree.pop("output_dir"))[1:-1]
+    values = tuple(sorted((o.key_or_group, repr(o.value())) for o in OverridesParser.create().parse_overrides(point)))
+    mark = json.dumps([tree, [v for v in values if v[0].startswith("hydra")]], sort_keys=True, default=str).replace(
+        f'"{own}/', '"${output_dir}/').replace(f'"{own}"', '"${output_dir}"')
+    earlier, their_values = seen.setdefault(mark, (number, values))
+    if earlier == number or their_values == values:
+        return None
+    return (f"- sweep point #{number}: runs the config of sweep point #{earlier}, its output_dir aside: the rest of "
+            "the command line sets what the swept values set, so it would be the same run twice. Fix: drop the keys "
+            "that set over what the sweep sets, or sweep those instead")
 
 
 def _repeated_points(points: list[list[str]]) -> list[str]:

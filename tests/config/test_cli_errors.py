@@ -412,6 +412,27 @@ def test_agent_kwargs_are_added_with_plus():
     assert cfg.agent.runner["require_boxed"] is False
 
 
+@pytest.mark.parametrize("overrides,same", [
+    (["algorithm=grpo,rloo", "algorithm.estimator=rloo"], {1: 0}),  # conf/algorithm/*.yaml set the estimator only
+    (["algorithm=grpo,rloo,dr_grpo", "algorithm.estimator=grpo"], {1: 0, 2: 0}),
+    (["model=qwen3_tiny,qwen3_moe_tiny", "model.path=tiny://qwen3_tiny"], {1: 0}),
+    (["algorithm=grpo,rloo"], {}),
+    (["+hydra.job.env_set.MOLT_TEST_SWEPT=a,b"], {}),  # the same config, but an environment of its own for the code
+    (["checkpoint.dir=/tmp/molt_test_a,/tmp/molt_test_b", "checkpoint.resume=auto"], {}),  # each goes on from its own
+])
+def test_a_sweep_point_that_runs_an_earlier_ones_config_is_refused(overrides, same, tmp_path):
+    """Before: only points whose swept values were the same (seed=1,1) were told as the same run twice; a point whose
+    values differ but whose config does not (the rest of the command line sets what its swept values set) ran again."""
+    overrides = [*overrides, f"hydra.sweep.dir={tmp_path}"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == []
+    lines = sweep_problems(first, overrides, None)
+    assert [line for line in lines if line.startswith("- ")] == [
+        f"- sweep point #{point}: runs the config of sweep point #{earlier}, its output_dir aside: the rest of the "
+        "command line sets what the swept values set, so it would be the same run twice. Fix: drop the keys that set "
+        "over what the sweep sets, or sweep those instead" for point, earlier in same.items()], lines
+
+
 def test_sweep_points_sharing_a_directory_they_write_are_refused(tmp_path):
     """Before: `-m seed=1,2 checkpoint.dir=DIR` ran both points into one checkpoint directory: the second resumed
     from, overwrote or was locked out of the first's checkpoints."""
