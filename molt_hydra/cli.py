@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import json
 import logging
 import logging.config
 import math
@@ -110,10 +111,14 @@ def _added_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
 
 
 def _typed_lists(cfg: DictConfig, prefix: str = ""):
-    """(key, node) of each list of numbers, strings or bools in `cfg` (not Hydra's own, not the agent's kwargs)."""
+    """(key, node) of each list of numbers, strings or bools in `cfg` (not Hydra's own, not the agent's kwargs), and
+    of each mapping (a group, a section, agent.runner) given by an interpolation, whose type OmegaConf checks no more
+    than such a list's: `train=${seed}` reached the checks as the int 42 (an AttributeError traceback)."""
     for name in cfg:
         key, node = f"{prefix}{name}", cfg._get_node(name)
-        if isinstance(node, DictConfig) and key not in ("hydra", "agent.runner"):
+        if isinstance(node, DictConfig) and node._is_interpolation() and key != "hydra":
+            yield key, node
+        elif isinstance(node, DictConfig) and key not in ("hydra", "agent.runner"):
             yield from _typed_lists(node, f"{key}.")
         elif isinstance(node, ListConfig) and node._metadata.element_type in (int, float, str, bool):
             yield key, node
@@ -128,10 +133,10 @@ def _nested_items(cfg: DictConfig) -> list[str]:
 
 
 def _lists_resolved(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
-    """`cfg`, each typed list given by an interpolation set to what it resolves to (in a copy), and the problems of
-    those that are no such list: OmegaConf converts and checks a list written out, not one an interpolation resolves
-    to, so `train.optimizer.betas=${oc.decode:'[a,b]'}` ran with ['a', 'b'], `cluster.setup=${oc.env:SETUP}` with
-    a string for a list."""
+    """`cfg`, each typed list (or mapping) given by an interpolation set to what it resolves to (in a copy), and the
+    problems of those that are no such list (or mapping): OmegaConf converts and checks a list written out, not one an
+    interpolation resolves to, so `train.optimizer.betas=${oc.decode:'[a,b]'}` ran with ['a', 'b'],
+    `cluster.setup=${oc.env:SETUP}` with a string for a list."""
     keys, problems = [key for key, node in _typed_lists(cfg) if node._is_interpolation()], []
     cfg = copy.deepcopy(cfg) if keys else cfg
     for key in keys:
@@ -257,6 +262,7 @@ def compose_checked(overrides: list[str], *, multirun: bool = False, config_dir:
     except Exception as e:  # noqa: BLE001 -- every composition failure is the user's override
         return None, [_composition_problem(e, overrides)]
     problems = _converted(cfg, pairs) + yaml_text_problems(cfg, files, multirun) + _unresolved(cfg, pairs)
+    problems += _lists_resolved(cfg)[1]  # (a mapping given by one is read before the typed conversion)
     return (None, problems) if problems else (cfg, [])
 
 
@@ -566,11 +572,11 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     while (cause := chain[-1].__cause__ or (chain[-1].__context__ if isinstance(
             chain[-1], ConfigCompositionException) else None)) is not None and len(chain) < 5:
         chain.append(cause)
-    text, reason = "\n".join(str(c) for c in chain), str(chain[-1]).splitlines()[0]
+    text, reason = "\n".join(str(c) for c in chain), (str(chain[-1]).splitlines() or [type(chain[-1]).__name__])[0]
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
     override = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] in ((key,) if key else ())), None) or next(
         (o for o in overrides if o.lstrip("+~").split("=", 1)[0] in text), "the command line")
-    if line := _recipe_problem(chain, overrides):
+    if line := _interpolated_choice(chain, overrides, key, reason) or _recipe_problem(chain, overrides):
         return line
     if type(e) is KeyError and e.args and str(e.args[0]) not in os.environ and any(  # (Hydra's copy of env_copy's
             "env_copy" in o for o in overrides):  # variables; a recipe's env_copy: told as a bare KeyError below)
@@ -621,6 +627,23 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
         return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares "
                 "for it (`molt-run --cfg job` prints every key)")
     return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
+
+
+def _interpolated_choice(chain: list[Exception], overrides: list[str], key: str | None, reason: str) -> str | None:
+    """A config group's choice given by an interpolation that names no option: Hydra resolves it alone, before the
+    config exists, in a scratch config of its own. `model=${seed}` was told as that scratch key (`- _dummy_: ...`, with
+    a fix to set _dummy_), `model=${oc.decode:'5'}` (an AssertionError with no message) was an IndexError traceback."""
+    chosen = next((o for o in overrides if re.search(r"\$\\?\{", o.partition("=")[2]) and (  # (a sweep's point: $\{)
+        "/" in (name := o.lstrip("+~").split("=", 1)[0]) or _is_group(name))), None)
+    if not chosen or not (key == "_dummy_" or isinstance(chain[-1], AssertionError) or
+                          "interpolated config group" in "\n".join(str(c) for c in chain)):
+        return None
+    why = (reason if key == "_dummy_" else "it resolves to no option's name" if isinstance(chain[-1], AssertionError)
+           else "Hydra applies no defaults list of a config chosen through an interpolation, and this one has one")
+    return (f"- {chosen}: {why}. A config group's choice is resolved before the config is composed, to the name of one "
+            "of its options: it may name another group's choice (${model}) or a resolver's value "
+            f"(${{oc.env:VAR,NAME}}), no key of the config. Fix: name the option itself ({chosen.split('=', 1)[0]}"
+            f"=NAME; `molt-run {'--hydra-help' if 'hydra' in chosen else '--help'}` lists them)")
 
 
 def _options(text: str) -> list[str]:
@@ -704,7 +727,7 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     if len(points) > ANNOUNCED_SWEEP:  # each point takes ~0.5 s: a long sweep's check is not a silent wait
         print(f"Checking each of the sweep's {len(points)} points before the first starts (composed, validated and "
               "planned one after another) ...", file=sys.stderr, flush=True)
-    problems, owners, results = _repeated_points(points), {}, []
+    problems, owners, results, seen = _repeated_points(points), {}, [], {}
     sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
     for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
         as_run = [*(o for o in point if o.lstrip("+~").split("=", 1)[0] != "dry_run"), "dry_run=true"] if submits \
@@ -717,6 +740,8 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
                 errors.append(f"- {key}: {path} is sweep point #{owner}'s too, so this point would resume from, "
                               f"overwrite or be locked out of that point's files. Fix: leave {key} at its default "
                               "(under the point's output_dir), or sweep it with the points")
+        if result is not None and (same := _same_config(result[0], number, point, seen)):
+            errors.append(same)
         if errors:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", *errors]
     return problems, results
@@ -783,6 +808,27 @@ def shared_subdir(first: DictConfig, points: int) -> list[str]:
             f"{os.path.join(os.path.abspath(first.hydra.sweep.dir), raw)}, each resuming from or overwriting the one "
             "before. Fix: make it differ per point, e.g. hydra.sweep.subdir='${hydra.job.num}', or leave it out "
             "(molt's default: ${hydra.job.num}_${hydra.job.override_dirname})"]
+
+
+def _same_config(run_cfg: RunConfig, number: int, point: list[str], seen: dict) -> str | None:
+    """A sweep point whose config, its output_dir aside (and the paths under it), is an earlier point's (`seen`: each
+    config's first point and its values) though its values differ (the same values: _repeated_points): the rest of the
+    command line sets what the swept values set, so `-m algorithm=grpo,rloo algorithm.estimator=rloo` ran rloo twice,
+    without a word. The point's Hydra keys count as its config (a sweep over hydra.job.env_set.VAR runs other code),
+    so does a directory it names itself (-m checkpoint.dir=A,B checkpoint.resume=auto goes on from each)."""
+    from molt_hydra.runtime.run_record import config_as_dict
+
+    tree = config_as_dict(run_cfg)
+    own = json.dumps(tree.pop("output_dir"))[1:-1]
+    values = tuple(sorted((o.key_or_group, repr(o.value())) for o in OverridesParser.create().parse_overrides(point)))
+    mark = json.dumps([tree, [v for v in values if v[0].startswith("hydra")]], sort_keys=True, default=str).replace(
+        f'"{own}/', '"${output_dir}/').replace(f'"{own}"', '"${output_dir}"')
+    earlier, their_values = seen.setdefault(mark, (number, values))
+    if earlier == number or their_values == values:
+        return None
+    return (f"- sweep point #{number}: runs the config of sweep point #{earlier}, its output_dir aside: the rest of "
+            "the command line sets what the swept values set, so it would be the same run twice. Fix: drop the keys "
+            "that set over what the sweep sets, or sweep those instead")
 
 
 def _repeated_points(points: list[list[str]]) -> list[str]:

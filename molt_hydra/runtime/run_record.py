@@ -63,6 +63,8 @@ CHANGES_THE_MATH = ("seed", "model.path", "model.ref_path", "model.critic_path",
                     "algorithm.", "agent.runner", "agent.max_turns", "data.",
                     "agent.tool_parser", "agent.reasoning_parser",  # what a chat agent reads of each reply
                     "rollout.routing_replay",  # which experts the trainer's forward routes each token to
+                    "model.gate_precision",  # the router's top-k: near-ties go to other experts in bfloat16
+                    "rollout.dtype",  # the behaviour policy's log-probs: each IS ratio, which tokens the band masks
                     "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_inflight_groups",
                     "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
                     "rollout.incomplete_groups", "train.batch_size", "train.epochs", "train.force_on_policy",

@@ -412,6 +412,27 @@ def test_agent_kwargs_are_added_with_plus():
     assert cfg.agent.runner["require_boxed"] is False
 
 
+@pytest.mark.parametrize("overrides,same", [
+    (["algorithm=grpo,rloo", "algorithm.estimator=rloo"], {1: 0}),  # conf/algorithm/*.yaml set the estimator only
+    (["algorithm=grpo,rloo,dr_grpo", "algorithm.estimator=grpo"], {1: 0, 2: 0}),
+    (["model=qwen3_tiny,qwen3_moe_tiny", "model.path=tiny://qwen3_tiny"], {1: 0}),
+    (["algorithm=grpo,rloo"], {}),
+    (["+hydra.job.env_set.MOLT_TEST_SWEPT=a,b"], {}),  # the same config, but an environment of its own for the code
+    (["checkpoint.dir=/tmp/molt_test_a,/tmp/molt_test_b", "checkpoint.resume=auto"], {}),  # each goes on from its own
+])
+def test_a_sweep_point_that_runs_an_earlier_ones_config_is_refused(overrides, same, tmp_path):
+    """Before: only points whose swept values were the same (seed=1,1) were told as the same run twice; a point whose
+    values differ but whose config does not (the rest of the command line sets what its swept values set) ran again."""
+    overrides = [*overrides, f"hydra.sweep.dir={tmp_path}"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == []
+    lines = sweep_problems(first, overrides, None)
+    assert [line for line in lines if line.startswith("- ")] == [
+        f"- sweep point #{point}: runs the config of sweep point #{earlier}, its output_dir aside: the rest of the "
+        "command line sets what the swept values set, so it would be the same run twice. Fix: drop the keys that set "
+        "over what the sweep sets, or sweep those instead" for point, earlier in same.items()], lines
+
+
 def test_sweep_points_sharing_a_directory_they_write_are_refused(tmp_path):
     """Before: `-m seed=1,2 checkpoint.dir=DIR` ran both points into one checkpoint directory: the second resumed
     from, overwrote or was locked out of the first's checkpoints."""
@@ -1134,6 +1155,57 @@ def test_a_list_an_interpolation_resolves_to_is_checked_as_one_written_out(overr
     resolved = to_run_config(compose_config(["train.optimizer.betas=${oc.decode:'[0.5,0.6]'}",
                                              "cluster.setup=${oc.decode:'[1,b]'}"]))
     assert (resolved.train.optimizer.betas, resolved.cluster.setup) == ([0.5, 0.6], ["1", "b"])  # as written out
+
+
+@pytest.mark.parametrize("override,resolved", [
+    ("train=${seed}", "int is not a subclass of TrainConfig"),
+    ("logger.wandb=${name}", "str is not a subclass of WandbConfig"),
+    ("train.timeouts=${train.optimizer}", "OptimizerConfig is not a subclass of TimeoutsConfig"),
+    ("agent.runner=${seed}", "Cannot assign int to Dict[str, Any]"),
+])
+def test_a_mapping_an_interpolation_resolves_to_is_checked_as_one_written_out(override, resolved, tmp_path):
+    """Before: OmegaConf checks the type of a group or section written out (`train=1` is refused), not of the value an
+    interpolation gives it, so each of these reached the checks as that value: an AttributeError ('int' object has no
+    attribute 'optimizer') or a TypeError traceback from `molt-run ... dry_run=true`."""
+    from molt_hydra.cli import point_problems
+    from molt_hydra.config.bounds import expected
+    from molt_hydra.config.schema import RunConfig
+
+    key = override.split("=", 1)[0]
+    cfg, problems = compose_checked([override])
+    assert cfg is None and len(problems) == 1, problems
+    assert problems[0].startswith(f"- {key}: ") and resolved in problems[0] and "(its interpolation resolves to " in \
+        problems[0] and problems[0].endswith(f"Fix: set {key} to {expected(RunConfig, key)}"), problems[0]
+    assert point_problems([override, "dry_run=true"], tmp_path, None) == (problems, None)
+    # one of the section's own type is taken, as written out
+    cfg, problems = compose_checked(["algorithm=ppo_gae", "train.critic.optimizer=${train.optimizer}",
+                                     f"output_dir={tmp_path}"])
+    assert problems == [] and to_run_config(cfg).train.critic.optimizer.lr == cfg.train.optimizer.lr
+
+
+@pytest.mark.parametrize("override,why", [
+    ("model=${seed}", "Interpolation key 'seed' not found"),
+    ("+recipe=${nope}", "Interpolation key 'nope' not found"),
+    ("rollout=${oc.env:MOLT_TEST_UNSET_VARIABLE}", "KeyError raised while resolving interpolation: \"Environment "
+     "variable 'MOLT_TEST_UNSET_VARIABLE' not found\""),
+    ("model=${oc.decode:'5'}", "it resolves to no option's name"),
+])
+def test_a_group_choice_by_an_interpolation_that_names_no_option_says_so(override, why, monkeypatch):
+    """A config group's choice is resolved by Hydra alone, before the config exists, in a scratch config of its own.
+    Before: told as that scratch key (`- _dummy_: Interpolation key 'seed' not found`, with a fix to set _dummy_), and
+    `model=${oc.decode:'5'}` (an AssertionError with no message) was an IndexError traceback."""
+    monkeypatch.delenv("MOLT_TEST_UNSET_VARIABLE", raising=False)
+    element = override.split("=", 1)[0]
+    assert compose_checked([override]) == (None, [
+        f"- {override}: {why}. A config group's choice is resolved before the config is composed, to the name of one "
+        "of its options: it may name another group's choice (${model}) or a resolver's value (${oc.env:VAR,NAME}), "
+        f"no key of the config. Fix: name the option itself ({element}=NAME; `molt-run --help` lists them)"])
+    if override.startswith("model=${seed}"):  # a sweep's first point, as Hydra's sweeper writes it (escaped)
+        cfg, problems = compose_checked([f"{override},qwen3_tiny"], multirun=True)
+        assert problems[0].startswith("- model=$\\{seed\\}: Interpolation key 'seed' not found. "), problems
+    monkeypatch.setenv("MOLT_TEST_MODEL", "qwen3_moe_tiny")  # a resolver's value that names an option: chosen
+    cfg, problems = compose_checked(["model=${oc.env:MOLT_TEST_MODEL}"])
+    assert problems == [] and cfg.model.path == "tiny://qwen3_moe_tiny"
 
 
 @pytest.mark.parametrize("override,line", [

@@ -57,6 +57,8 @@ def saved(tmp_path):
     ("model.path=tiny://qwen3_moe_tiny", "model.path=tiny://qwen3_moe_tiny (saved with tiny://qwen3_tiny)"),
     ("model.tokenizer_path=tiny://qwen3_moe_tiny", "model.tokenizer_path=tiny://qwen3_moe_tiny (saved with None)"),
     ("agent.reasoning_parser=qwen3", "agent.reasoning_parser=qwen3 (saved with None)"),
+    # the engine's dtype: the behaviour policy's log-probs, so each IS ratio and which tokens the band masks
+    ("rollout.dtype=bfloat16", "rollout.dtype=bfloat16 (saved with float32)"),
     ("train.max_steps=2", "train.max_steps=2, but it is at step 3 already (set it to 3 or more)"),
     ("train.num_episodes=1", "train.num_episodes=1, but it is in episode 2 already: no prompt is left (set it "
                              "above 1)"),
@@ -71,18 +73,23 @@ def test_a_key_that_changes_the_math_is_refused_before_anything_starts(saved, tm
     assert last.endswith(f"Fix: set them back (see its run_record.json), or {WARM_START}")
 
 
-def test_routing_replay_turned_on_since_a_moe_runs_save_is_refused(tmp_path, capsys):
-    """Before, it went on named as one more changed key: the trainer's forward then routes each token to the experts
-    its rollout used, not to its own router's choice, from the saved step on."""
+@pytest.mark.parametrize("change,named", [
+    # the trainer's forward routes each token to the experts its rollout used, not to its own router's choice
+    ("rollout.routing_replay=true", "rollout.routing_replay=True (saved with False)"),
+    # the router's top-k on bfloat16 logits: near-ties go to other experts, so other trainer log-probs and gradients
+    ("model.gate_precision=bfloat16", "model.gate_precision=bfloat16 (saved with float32)"),
+], ids=lambda v: str(v).split("=")[0])
+def test_a_routing_change_since_a_moe_runs_save_is_refused(tmp_path, capsys, change, named):
+    """Before, each went on named as one more changed key."""
     moe = "model.path=tiny://qwen3_moe_tiny"
     model, opt = _trained()
     save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
         "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 0}},
         "run_record": write_run_record(_cfg(tmp_path, moe), tmp_path / "out")})
     with pytest.raises(SystemExit):
-        _check_resume(_cfg(tmp_path, moe, "checkpoint.resume=auto", "rollout.routing_replay=true"))
+        _check_resume(_cfg(tmp_path, moe, "checkpoint.resume=auto", change))
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert ": rollout.routing_replay=True (saved with False). Fix: set them back" in last, last
+    assert f": {named}. Fix: set them back" in last, last
 
 
 def test_an_rl_resume_of_an_sft_runs_checkpoint_is_refused_before_anything_starts(tmp_path, capsys):
