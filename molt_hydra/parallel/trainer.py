@@ -443,8 +443,9 @@ class TrainerWorker:
                     mb = {k: unpack(v, lengths) for k, v in mb.items() if v.dim() == 2}
                     out, ent = unpack(out, lengths), None if ent is None else unpack(ent, lengths)
                 loss, mets = loss_fn(out, mb, ent, num_tokens=n_tok, global_batch_size=n_seq, dp_size=self.dp_size)
-                if aux is not None and self.spec.aux_loss_coef > 0:
-                    loss = loss + self.spec.aux_loss_coef * aux / len(parts)
+                if aux is not None and self.spec.aux_loss_coef > 0 and part:  # (a dummy's 2 tokens route nothing
+                    # trained: was a router gradient of its own, and a share of the mean)
+                    loss = loss + self.spec.aux_loss_coef * aux / sum(map(bool, parts))
                 loss.backward()
             if logprobs is not None and part:  # one device->host copy per micro-batch
                 lp = out.detach().float().cpu()

@@ -79,6 +79,22 @@ def moe_step(rank, world_size, port, out):
     w.shutdown()
 
 
+def moe_dummy_micro_batch(rank, world_size, port, out):
+    """One MoE sample's step with a large router aux loss, trained as its one micro-batch, then as that micro-batch
+    beside a dummy one (what a rank with fewer micro-batches than its peers runs), from the same weights: the
+    gradient norms of both, before clipping."""
+    norms = []
+    for bins in ([[0]], [[0], []]):
+        w = worker(rank, world_size, port, model_path="tiny://qwen3_moe_tiny", aux_loss_coef=10.0, max_norm=0.0,
+                   lr_scheduler="constant")
+        samples = with_old_logprobs(w, make_samples(1))
+        w._micro_batches = lambda *a, bins=bins, **k: bins
+        norms.append(w.train_step(samples, ppo_objective())["actor_grad_norm"])
+        w.shutdown()
+    if rank == 0:
+        torch.save(norms, out)
+
+
 def logprobs_and_roles(rank, world_size, port, out):
     """Actor log-probs at T=0.7 (three samples packed in one micro-batch), a reference forward, a critic step."""
     from molt_hydra.parallel.objectives import CriticObjective

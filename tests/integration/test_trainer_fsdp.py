@@ -72,6 +72,15 @@ def test_moe_actor_logprobs_and_step(tmp_path):
     assert abs(first["policy_loss"] - second["policy_loss"]) > 1e-4  # the first step changed the policy
 
 
+def test_a_dummy_micro_batch_adds_nothing_to_the_moe_aux_loss(tmp_path):
+    """A rank with fewer micro-batches than its peers runs dummy ones (2 tokens, nothing masked) to keep FSDP's
+    collectives aligned. The router aux loss was added for those too, and each micro-batch's share was 1/(all of
+    them): the step's gradient was not the real micro-batches' (here: one sample's, then with a dummy beside it)."""
+    run_ranks(jobs.moe_dummy_micro_batch, 1, tmp_path / "n.pt", timeout_s=180)
+    alone, with_dummy = torch.load(tmp_path / "n.pt", weights_only=False)
+    assert alone > 0 and with_dummy == pytest.approx(alone, rel=1e-5)
+
+
 def _hf_logprobs(samples, temperature, name="tiny://qwen3_tiny"):
     from transformers import AutoModelForCausalLM
 
