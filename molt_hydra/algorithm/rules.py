@@ -53,7 +53,7 @@ def check_estimator_knobs(cfg: RunConfig, problems: Problems, needs: frozenset[s
     """Knobs the run's estimator leaves unread, refused: the advantage context's knobs it does not declare in `reads`,
     the critic's without a critic, a reference path without a reference, the KL's while no KL is computed."""
     a, job = cfg.algorithm, cfg.job.value
-    if job != "rl":  # no estimator, critic, reference or KL: cli.py JOB_IGNORES refuses or sets their keys aside
+    if job != "rl":  # no estimator, critic, reference or KL: config/job_ignores.py refuses or sets their keys aside
         return
     loss_and_kl_rules(cfg, problems)
     if a.estimator not in ADVANTAGE_ESTIMATORS:

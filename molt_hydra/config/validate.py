@@ -486,7 +486,7 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
 
 def engine_size_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """The engine's lengths, KV cache and blocks: values vLLM would refuse at start, or round. job=sft starts no engine
-    (and refuses rollout.* on its command line: cli.py JOB_IGNORES), so none of them bounds it."""
+    (and refuses rollout.* on its command line: config/job_ignores.py), so none of them bounds it."""
     if cfg.job.value == "sft":
         return
     r, d, e = cfg.rollout, cfg.data, cfg.eval
@@ -601,7 +601,7 @@ def hf_path_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
           for key in AUTOMODEL_CHOICES),
         *((getattr(p, name) == 1, f"parallelism.{name}", f"{name}={getattr(p, name)} needs "
            f"NeMo AutoModel's meshes on GPU; {built} shards with FSDP only.", f"set parallelism.{name}=1, or {other}")
-          for name in ("tp", "cp", "ep")),  # (job=sft builds none of these meshes: cli.py JOB_IGNORES)
+          for name in ("tp", "cp", "ep")),  # (job=sft builds none of these meshes: config/job_ignores.py)
         (m.gradient_checkpointing.value != "selective", "model.gradient_checkpointing", "not available: selective "
          f"(per-op) checkpointing needs NeMo AutoModel; {built} checkpoints whole blocks or nothing.",
          f"set model.gradient_checkpointing=full, or {other}"),
@@ -639,7 +639,7 @@ def parallelism_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str])
     p, d, m, r = cfg.parallelism, cfg.data, cfg.model, cfg.rollout
     attn = m.attn_implementation.value
     problems.table((
-        # (job=sft and job=eval: cli.py JOB_IGNORES)
+        # (job=sft and job=eval: config/job_ignores.py)
         (not (p.colocate_models and cfg.job.value == "rl" and trainer_roles(cfg, needs) == ("actor",)),
          "parallelism.colocate_models", f"the run trains the actor alone (estimator {cfg.algorithm.estimator} needs "
          f"no critic or teacher, and algorithm.kl.coef={cfg.algorithm.kl.coef} builds no reference), so no other "
@@ -772,7 +772,7 @@ def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: froze
 def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Evaluation's knobs without eval data (no evaluation runs): they would change nothing. Compared with what
     derive() fills in when they are left unset (the rollout's values), so only a value the user chose is refused; an
-    empty split is handoff_rules.name_rules' to report. (job=sft samples no evaluation: cli.py JOB_IGNORES.)"""
+    empty split is handoff_rules.name_rules' to report. (job=sft samples no evaluation: config/job_ignores.py.)"""
     e, r = cfg.eval, cfg.rollout
     if cfg.job.value == "sft":
         return

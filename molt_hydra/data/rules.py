@@ -45,7 +45,7 @@ def check_data(cfg: RunConfig, problems: Problems) -> None:
     problems.check(all(p > 0 for p in d.train_probs or ()), "data.train_probs",
                    f"{list(d.train_probs or [])} gives a dataset probability 0: it would never be drawn.",
                    "give every dataset of data.train_path a probability > 0, or remove that dataset")
-    # (job=sft refuses any train_probs: cli.py JOB_IGNORES)
+    # (job=sft refuses any train_probs: config/job_ignores.py)
     problems.check(not (d.train_probs is not None and len(d.train_probs) == 1 and cfg.job.value == "rl"),
                    "data.train_probs", f"one dataset ({d.train_path}) is drawn with probability 1, so interleaving "
                    "reads its rows in the order concatenation does and it changes nothing.",
@@ -183,7 +183,7 @@ def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
     up), a split is chosen only in a DatasetDict (a saved directory or a hub dataset), never in a data file, and a
     config only in a hub dataset or a directory of data files.
     job=eval: a recipe's columns are its training data's, left alone (cli.py refuses the command line's)."""
-    if cfg.job.value == "sft":  # SFT reads its own keys (runtime/sft_job.py); cli.py JOB_IGNORES covers the splits
+    if cfg.job.value == "sft":  # SFT reads its own keys (runtime/sft_job.py); config/job_ignores.py covers the splits
         return
     specs = _specs(cfg.data.train_path) + _specs(cfg.eval.data_path)
     builtin = [s for s in specs if s.startswith(BUILTIN)]

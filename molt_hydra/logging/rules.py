@@ -11,7 +11,7 @@ from molt_hydra.config.validate import Problems
 def check_logger(cfg: RunConfig, problems: Problems) -> None:
     """logger.wandb.mode=online (or auto, which logging/sinks.py makes online where W&B finds credentials) without
     credentials W&B accepts: was accepted, and the run failed at wandb.init (or waited at its login prompt) after the
-    engines and trainer had started. job=sft starts no W&B run (cli.py JOB_IGNORES)."""
+    engines and trainer had started. job=sft starts no W&B run (config/job_ignores.py)."""
     mode = cfg.logger.wandb.mode.value
     if cfg.job.value == "sft" or mode not in ("online", "auto"):
         return

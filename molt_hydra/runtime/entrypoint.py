@@ -250,6 +250,7 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
     was ignored, all without a word). Now a key that changes the math (run_record.CHANGES_THE_MATH; job=sft's
     train.epochs is its length) is refused, naming both values and the fix; any other (a longer train.max_steps,
     logging, timeouts) goes on, named in one line, with what a longer run does to a decaying LR schedule."""
+    from molt_hydra.config.job_ignores import ignored_by
     from molt_hydra.runtime.run_record import ABSENT, CHANGES_THE_MATH, config_changes
 
     if cfg.job.value == "sft":  # its batch size first, in words of its own (any checkpoint's: one older than the record)
@@ -261,10 +262,12 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
     sft, t, changed = cfg.job.value == "sft", cfg.train, config_changes(saved, config_as_dict(cfg))
     step = state.get("global_step" if sft else "rl_step", 0)
     # (a key molt_hydra added or removed since the save is named, not refused: no value of it can be set back)
+    # (a key the job never reads changes nothing it learns: job=sft keeps a recipe's rollout.* as they are, and its
+    # command line may not set them back)
     math = {k for k in changed if any(k == m or m.endswith(".") and k.startswith(m) for m in CHANGES_THE_MATH)
-            and ABSENT not in changed[k] and not (sft and k == "train.epochs")}
+            and ABSENT not in changed[k] and not (sft and k == "train.epochs") and ignored_by(cfg.job.value, k) is None}
     refused = [f"{k}={changed[k][1]} (saved with {changed[k][0]})" for k in sorted(math)]
-    if t.max_steps is not None and t.max_steps < step:  # (equal: a finished run, saved and exported again)
+    if not sft and t.max_steps is not None and t.max_steps < step:  # (equal: a finished run, saved and exported again)
         refused.append(f"train.max_steps={t.max_steps}, but it is at step {step} already (set it to {step} or more)")
     if not sft and (episode := state["loop"]["generator"]["epoch"]) >= t.num_episodes:
         refused.append(f"train.num_episodes={t.num_episodes}, but it is in episode {episode + 1} already: no prompt "

@@ -334,7 +334,7 @@ AGREE = [["train.num_episodes=3"], ["algorithm.entropy_coef=0.01", "parallelism.
 
 
 def test_molt_run_refuses_what_validated_refuses(chats, tmp_path):
-    """One mechanism for the keys job=sft / job=eval ignore (cli.py JOB_IGNORES): what `molt-run ... dry_run=true`
+    """One mechanism for the keys job=sft / job=eval ignore (config/job_ignores.py): what `molt-run ... dry_run=true`
     prints is what `validated` (the function it checks a composed config with, and these tests' config_errors) raises,
     line for line. Before, config/validate.py's SFT_IGNORES refused them too, in other words, for Python callers only
     (the CLI had set them aside first), and a recipe's RL keys, which molt-run sets aside, were refused there."""

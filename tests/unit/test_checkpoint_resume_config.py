@@ -407,6 +407,22 @@ def test_an_sft_resume_under_a_changed_seed_or_lr_is_refused_and_a_longer_one_na
         "spans the new length, so the LR from step 3 on differs from the saved run's")
 
 
+def test_an_sft_resume_goes_on_over_keys_the_job_never_reads(tmp_path, capsys):
+    """job=sft keeps a recipe's rollout.* / algorithm.* / train.max_steps as they are (read by nothing), and its
+    command line may not set them: a change of one since the save was refused with 'set them back', which no command
+    could do. Now it is named, as any key that changes nothing the run learns."""
+    model, opt = _trained()
+    saved = ["rollout.temperature=0.7", "algorithm.estimator=rloo", "train.max_steps=1"]
+    record = write_run_record(_sft_cfg(tmp_path, *saved), tmp_path / "out")
+    save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
+        "master_weights": "fsdp", "global_step": 3, "consumed_samples": 3 * 8, "total_steps": 3, "run_record": record})
+    found, _ = _check_resume(_sft_cfg(tmp_path, "checkpoint.resume=auto"))
+    assert found == tmp_path / "ckpt" / "step_3"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"Resuming {found} with keys changed since its save: ") and "rollout.temperature 0.7 -> 1.0" \
+        in last, last
+
+
 def test_an_sft_resume_with_no_step_left_says_so_and_starts_nothing(sft_saved, tmp_path, capsys, monkeypatch):
     """job=sft at the last step of its train.epochs (recorded at the save), exported after it: one line, no rank
     started. Before: the ranks started, trained nothing, evaluated the last step again (a second row of it in
