@@ -483,7 +483,7 @@ class TimeoutsConfig:
     engine_call_s: float = ranged(900.0, gt=0, le=MAX_TIMEOUT_S)
     "One engine call (a generation request, a weight sync step)."
     trainer_call_s: float = ranged(1800.0, gt=0, le=MAX_TIMEOUT_S)
-    "One trainer call (logprob recompute, a train step with all its train.epochs, a checkpoint)."
+    "One trainer call (logprob recompute, a train step's epoch: a step of train.epochs gets that many, a checkpoint)."
     collective_s: float = ranged(1800.0, gt=0, le=MAX_TIMEOUT_S)
     "torch.distributed collectives (the process-group timeout)."
     step_s: float = ranged(3600.0, gt=0, le=MAX_TIMEOUT_S)

@@ -31,17 +31,19 @@ class RoleCalls:
         self.offer: tuple | None = None  # (the trainer's offer,) taken with the release just before a push
         self.failed_hint: BaseException | None = None  # an unawaited engines_busy hint's error, raised by the next
 
-    async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", **kw) -> list:
+    async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", calls: int = 1,
+                    **kw) -> list:
         """Call `method` on every rank of a trainer group (each with its data-parallel slice of `shard`, if given)
-        under the trainer-call deadline; every rank's result, in rank order."""
+        under the trainer-call deadline (`calls` of them: a train step's epochs, each one call's work); every rank's
+        result, in rank order."""
         from molt_hydra.algorithm.experience import NumpyPickled
 
         per_rank = ([(NumpyPickled(part), *args) for part in group.shard(shard)] if shard is not None
                     else [args] * group.num_ranks)
         refs = [getattr(w, method).remote(*a, **kw) for w, a in zip(group.workers, per_rank)]
         named = "checkpoint writer ({} rank {})" if method in WRITERS else "{} rank {}"
-        return await _every(refs, self.timeouts.trainer_call_s, role, method, lambda rank, _: named.format(role, rank),
-                            peers_s=PEERS_S)
+        return await _every(refs, self.timeouts.trainer_call_s * calls, role, method,
+                            lambda rank, _: named.format(role, rank), peers_s=PEERS_S)
 
     async def engines_busy(self, busy: bool, wait: bool) -> None:
         """Every CPU trainer rank learns whether the rollout engines generate (parallel/group.py): while they do not

@@ -194,9 +194,9 @@ class RLController:
                                [len(e.token_ids) for e in exps])
         if roles.critic is not None:
             t2 = time.perf_counter()
+            epochs = cfg.train.critic.epochs or cfg.train.epochs
             m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(cfg.algorithm.value_clip),
-                                       shard=rows, num_optimizer_steps=steps,
-                                       epochs=cfg.train.critic.epochs or cfg.train.epochs, role="critic")
+                                       shard=rows, num_optimizer_steps=steps, epochs=epochs, role="critic", calls=epochs)
             metrics.update(m[0])
             timing["timing/critic_train"] = time.perf_counter() - t2
         if "kl" in metrics:  # none measured (a frozen actor with kl.use_loss) is not a KL of 0 to steer by
@@ -264,7 +264,7 @@ class RLController:
         self.trainer_ahead = True
         objective = ActorObjective(self.roles.policy_loss, self.kl_ctl.value, one_pass)
         m = await self.calls.ranks(self.roles.actor, "train_step", objective, shard=rows, num_optimizer_steps=steps,
-                                   return_logprobs=one_pass, epochs=self.cfg.train.epochs)
+                                   return_logprobs=one_pass, epochs=self.cfg.train.epochs, calls=self.cfg.train.epochs)
         old_logp = stack_padded([x for rank in self.roles.actor.per_shard(m) for x in rank.pop("logprobs")],
                                 shape) if one_pass else None
         metrics.update(m[0])

@@ -16,7 +16,7 @@ class InProcessCalls:
     def __init__(self, worker):
         self.worker, self.called = worker, []
 
-    async def ranks(self, group, method, *args, shard=None, role="actor", **kw):
+    async def ranks(self, group, method, *args, shard=None, role="actor", calls=1, **kw):
         self.called.append((method, dict(kw)))
         return [getattr(self.worker, method)(*((shard,) if shard is not None else ()), *args, **kw)]
 
@@ -84,7 +84,7 @@ class RoleCalls:
     def __init__(self):
         self.called = []
 
-    async def ranks(self, group, method, *args, shard=None, role="actor", **kw):
+    async def ranks(self, group, method, *args, shard=None, role="actor", calls=1, **kw):
         self.called.append((role, method, dict(kw), shard, args))
         return [getattr(group.worker, method)(*((shard,) if shard is not None else ()), *args, **kw)]
 

@@ -8,11 +8,13 @@ which follow from its death."""
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError
 
 from molt_hydra.runtime import calls
-from molt_hydra.runtime.watchdog import RunFailed
+from molt_hydra.runtime.watchdog import RoleStalled, RunFailed
 
 
 async def _raises(error: Exception, after_s: float = 0.0):
@@ -68,3 +70,18 @@ def test_a_rank_that_died_first_ends_the_call_at_once_without_the_grace(monkeypa
     error, took = _failure(lambda: _raises(died), _never, monkeypatch=monkeypatch, peers_s=3.0)
     assert error.role == "actor rank 0" and error.cause.startswith("train_step failed: the process died")
     assert took < 1.5  # not the 3 s grace
+
+
+def test_a_train_step_of_several_epochs_has_the_deadline_of_as_many_calls():
+    """The step's train.epochs run in one trainer call (its metrics over all of them); each epoch is one call's work,
+    so the call's deadline is train.timeouts.trainer_call_s times them (was: one call's, so a step of 4 epochs of 8
+    minutes each, which had passed as 4 calls, stopped the run as stalled)."""
+    async def three_tenths():
+        await asyncio.sleep(0.3)
+        return {"ok": 1.0}
+
+    group = SimpleNamespace(workers=[_rank(three_tenths)], num_ranks=1)
+    role_calls = calls.RoleCalls(SimpleNamespace(), SimpleNamespace(trainer_call_s=0.2), None, "float32")
+    assert asyncio.run(role_calls.ranks(group, "train_step", calls=3)) == [{"ok": 1.0}]  # within 3 x 0.2 s
+    with pytest.raises(RoleStalled, match="train_step did not finish within 0.2 s"):
+        asyncio.run(role_calls.ranks(group, "train_step"))  # one call's 0.2 s
