@@ -47,6 +47,8 @@ from molt_hydra.runtime.agent_runner import request_seed
 from molt_hydra.runtime.trainer_options import DTYPE_NAMES
 from molt_hydra.runtime.watchdog import RunFailed, beside, deadline
 
+# the namespaces of the metrics the loop adds to a step's after train_step (timing, sync, engines, routers, drift)
+LOOP_NAMESPACES = ("timing", "perf", "rollout", "engine", "routing", "drift", "weight_sync", "agent", "eval")
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
                  "weight_sync_wait", "weight_sync")
 
@@ -206,8 +208,10 @@ class RLController:
             generated = sum(e.action_mask.sum().item() for e in exps)
             timing["perf/rollout_tokens_per_sec"] = generated / max(timing["timing/generation"], 1e-9)
         # the samples' means last, an agent's Result.info key under "info/" where it names one of the step's own
-        # metrics (was: one overwrote the other without a word, and an info "kl" steered the adaptive KL controller)
-        metrics.update({f"info/{k}" if k in metrics or k in timing else k: v for k, v in sampled.items()})
+        # metrics or falls in a namespace the loop logs into after the step (was: one overwrote the other without a
+        # word, an info "kl" steered the adaptive KL controller, an info "timing/generation" failed a replay's step)
+        metrics.update({f"info/{k}" if k in metrics or k in timing or k.partition("/")[0] in LOOP_NAMESPACES else k: v
+                        for k, v in sampled.items()})
         return {**metrics, **timing}
 
     def _sample_metrics(self, b, exps: list, returns, metrics: dict[str, float]) -> dict[str, float]:

@@ -149,7 +149,8 @@ def test_a_frozen_actor_step_measures_no_kl_and_leaves_the_adaptive_coefficient(
 
     # an agent's Result.info "kl" is its own number: it steers nothing (was: the controller's "kl" when none was
     # measured); info keys named as the step's own metrics go under "info/" (was: one overwrote the other)
-    infos = {"kl": 5.0, "value_loss": 7.0, "response_length": 99.0, "timing/generation": 3.0, "acc": 1.0}
+    infos = {"kl": 5.0, "value_loss": 7.0, "response_length": 99.0, "timing/generation": 3.0, "acc": 1.0,
+             "timing/step_total": 4.0}  # (a name the loop adds after the step: its namespace is the loop's)
     agent_batch = batch("tiny://qwen3_tiny")
     for group in agent_batch.groups:
         for t in group.trajectories:
@@ -159,6 +160,7 @@ def test_a_frozen_actor_step_measures_no_kl_and_leaves_the_adaptive_coefficient(
     assert (metrics["value_loss"], metrics["info/value_loss"]) == (0.1, 7.0)  # the critic's, and the agent's
     assert metrics["info/response_length"] == 99.0 and metrics["response_length"] != 99.0
     assert (metrics["timing/generation"], metrics["info/timing/generation"], metrics["acc"]) == (1.0, 3.0, 1.0)
+    assert metrics["info/timing/step_total"] == 4.0 and "timing/step_total" not in metrics
 
 
 def test_an_adaptive_horizon_that_would_flip_the_coefficient_negative_is_refused():
