@@ -44,7 +44,7 @@ from molt_hydra.parallel.retention import SNAPSHOTS
 from molt_hydra.rollout.generator import RolloutBatch
 from molt_hydra.runtime import ray_head
 from molt_hydra.runtime.agent_runner import request_seed
-from molt_hydra.runtime.trainer_options import DTYPE_NAMES
+from molt_hydra.runtime.trainer_options import DTYPE_NAMES, optimizer_steps_per_batch
 from molt_hydra.runtime.watchdog import RunFailed, beside, deadline
 
 # the namespaces of the metrics the loop adds to a step's after train_step (timing, sync, engines, routers, drift)
@@ -169,7 +169,7 @@ class RLController:
         if not exps:  # everything was dropped (and counted): nothing to train on this step
             return {**metrics, **timing, "timing/make_experience": time.perf_counter() - t0, "_frozen": True}
         b = collate(exps, pad_token_id=roles.pad_token_id)
-        steps = 1 if cfg.train.force_on_policy else max(len(exps) // cfg.train.batch_size, 1)
+        steps = optimizer_steps_per_batch(cfg, len(exps))
         frozen = roles.critic is not None and self.step < cfg.train.critic.actor_freezing_steps
         one_pass = self.old_logprobs_from_training(steps, frozen)
         old_logp, ref_logp, values = await self._forward_passes(trainer_rows(b, exps), b.action_mask.shape, one_pass)

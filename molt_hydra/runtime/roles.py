@@ -17,7 +17,6 @@ import threading
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
-from functools import partial
 
 import ray
 import torch
@@ -176,7 +175,11 @@ def scheduler_steps(cfg: RunConfig, num_prompts: int) -> int:
     run trains full batches, then one partial batch of what is left, stopping at train.max_steps if sooner. Was:
     num_prompts // batch_size * num_episodes batches, which with num_prompts % batch_size != 0 ended the schedule
     before the last steps (a linear schedule trained them at LR 0, a cosine one climbed back up)."""
-    t, r, per_batch = cfg.train, cfg.rollout, partial(optimizer_steps_per_batch, cfg)
+    t, r = cfg.train, cfg.rollout
+
+    def per_batch(groups: int) -> int:
+        return optimizer_steps_per_batch(cfg, groups * r.n_samples_per_prompt)
+
     full, rest = divmod(num_prompts * t.num_episodes, r.batch_size)
     if t.max_steps is not None and t.max_steps <= full:
         steps = t.max_steps * per_batch(r.batch_size)

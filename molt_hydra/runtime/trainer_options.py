@@ -43,11 +43,11 @@ def trainer_options(cfg: RunConfig, o: OptimizerConfig) -> dict:
                                sequence_parallel=p.sequence_parallel))
 
 
-def optimizer_steps_per_batch(cfg: RunConfig, groups: int) -> int:
-    """The optimizer steps of one pass over a batch of `groups` prompt groups (runtime/controller.py train_step): one
-    per train.batch_size samples, at least one."""
+def optimizer_steps_per_batch(cfg: RunConfig, samples: int) -> int:
+    """The optimizer steps of one pass over a batch of `samples` (runtime/controller.py train_step): one per
+    train.batch_size samples, at least one; one under train.force_on_policy."""
     t = cfg.train
-    return 1 if t.force_on_policy else max(groups * cfg.rollout.n_samples_per_prompt // t.batch_size, 1)
+    return 1 if t.force_on_policy else max(samples // t.batch_size, 1)
 
 
 def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str, batch_steps: int,
@@ -61,7 +61,8 @@ def trainer_spec(cfg: RunConfig, role: str, o: OptimizerConfig, model_path: str,
     parallel/group.py fills in each rank's place."""
     p, t = cfg.parallelism, cfg.train
     epochs = (t.critic.epochs or t.epochs) if role == "critic" else t.epochs
-    frozen = t.critic.actor_freezing_steps * optimizer_steps_per_batch(cfg, cfg.rollout.batch_size) * (role == "actor")
+    full = optimizer_steps_per_batch(cfg, cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
+    frozen = t.critic.actor_freezing_steps * full * (role == "actor")
     return TrainerSpec(
         model_path=model_path, role=role, seed=cfg.seed, dp_size=p.trainer_devices // (p.tp * p.cp), tp_size=p.tp,
         ep_size=p.ep, cp_size=p.cp, temperature=cfg.rollout.temperature,
