@@ -342,5 +342,6 @@ class SamplesGenerator:
             lengths = [sum(e - s for s, e in t.action_ranges) for t in done]
             metrics[f"{prefix}response_length_mean"] = sum(lengths) / max(len(done), 1)
             metrics[f"{prefix}truncated_rate"] = sum(bool(t.truncated) for t in done) / max(len(done), 1)
-        metrics["eval_num_samples"] = float(len(scopes["eval_"]))
+        # rollouts, as pass@k counts them (lengths and truncation above: per segment, as the training's rollout/*)
+        metrics["eval_num_samples"] = float(len({getattr(t, "rollout_id", None) or id(t) for t in scopes["eval_"]}))
         return metrics

@@ -240,6 +240,7 @@ def test_eval_counts_a_chat_rollouts_reward_once_however_many_segments_it_has():
     m = asyncio.run(gen.evaluate([{"id": 0, "script": [1.0, 0.0], "segments": [3, 1]}], 2, SAMPLING))
     assert m["eval_default_pass1"] == pytest.approx((1.0 + 0.0) / 2)
     assert m["eval_default_pass2"] == pytest.approx(1.0)
+    assert m["eval_num_samples"] == 2  # rollouts (its 4 segments: the response lengths' count)
 
 
 class SeedRecordingRunner(ScriptedRunner):
