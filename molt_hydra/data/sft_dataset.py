@@ -152,8 +152,10 @@ def data_identity(data) -> str | None:
         return None
     if str(data).startswith(BUILTIN):
         return str(data)
-    raw = Path(data).expanduser().read_bytes()
-    return f"{len(raw)} bytes, sha256 {hashlib.sha256(raw).hexdigest()[:16]}"
+    path = Path(data).expanduser()
+    with path.open("rb") as f:  # in chunks: a training file may be gigabytes
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return f"{path.stat().st_size} bytes, sha256 {digest[:16]}"
 
 
 def build_sft_samples(rows: list[dict], tokenizer, *, input_key: str = "input", output_key: str | None = None,
