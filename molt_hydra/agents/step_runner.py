@@ -91,7 +91,11 @@ class StepEnvRunner(Runner):
                                      "action_ids": list(gen.token_ids), "label": label,
                                      "sampling_params": turn_sampling, "turn": turn, "tokenizer": tokenizer})
             self._score(traj, result)
-            sampling = apply_sampling_override(sampling, result.sampling_params)
+            overridden = apply_sampling_override(sampling, result.sampling_params)
+            if overridden.seed == turn_sampling.seed != sampling.seed:  # the turn's own seed handed back (the Env
+                # replaced other fields of its state's sampling_params): not one it chose, so later turns go on past it
+                overridden = dataclasses.replace(overridden, seed=sampling.seed)
+            sampling = overridden
             # no trailing feedback after the last turn: nothing after it would be trained on
             if result.terminated or traj.truncated or not self._feedback(traj, result, images, episode, tokenizer):
                 break

@@ -606,6 +606,40 @@ def test_an_env_asking_for_no_tokens_fails_its_rollout_instead_of_a_silent_trunc
     assert "Result.sampling_params['max_tokens'] is 0; it must be an int >= 1" in outcome.errors["agent_exception"]
 
 
+def test_an_env_handing_back_its_turns_sampling_params_leaves_the_later_turns_seeds_moving(tiny_model):
+    """An Env that returns its state's sampling_params with another field changed hands back the turn's own seed
+    (the rollout's + the turn): it chose no seed, so each later turn still samples with a seed of its own (was: that
+    seed for every later turn, the repeated noise per-turn seeds are for). A seed the Env sets itself is kept."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+
+    class Recording:
+        def __init__(self):
+            self.seeds = []
+
+        async def generate(self, request):
+            self.seeds.append(request.sampling.seed)
+            return [Generation([7], [-0.5], [0], "stop")]
+
+    def env(chosen_seed):
+        class Handing(Env):
+            async def step(self, state):
+                given = state["sampling_params"]
+                back = dataclasses.replace(given, max_tokens=3, seed=given.seed if chosen_seed is None else chosen_seed)
+                return Result(reward=1.0, observation=" more", terminated=state["turn"] == 3, sampling_params=back)
+        return Handing
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for chosen, wanted in ((None, [100, 101, 102, 103]), (7, [100, 7, 7, 7])):
+        engine = Recording()
+        ep = Episode(prompt="hi", sampling=Sampling(max_tokens=4, seed=100), max_length=256)
+        asyncio.run(StepEnvRunner(env(chosen)).run_group([ep], engine, tok))
+        assert engine.seeds == wanted, (chosen, engine.seeds)
+
+
 @pytest.mark.parametrize("returned, said", [
     (None, "got NoneType"), ({"label": 1}, "got a dict whose 'observation' is NoneType"),
     ({"observation": 5}, "got a dict whose 'observation' is int")], ids=str)
