@@ -560,7 +560,7 @@ class CheckpointConfig:
     max_num: int = ranged(3)
     "Checkpoints kept (<= 0 keeps all); the best one is kept besides, and a critic's copy of the actor's newest step."
     max_disk_gb: Optional[float] = ranged(None, gt=0)
-    "Disk budget (GB) per checkpoint root: oldest resumable checkpoints pruned, never the newest (nor a critic's copy of the actor's newest); None = unlimited."
+    "Disk budget (GB) per checkpoint root (None: no budget): the oldest pruned, never the newest (nor a critic's copy)."
     resume: Resume = Resume["never"]
     "never, auto (latest if any) or must (latest, fail if none)."
     load_model_only: bool = False

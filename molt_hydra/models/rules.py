@@ -124,9 +124,10 @@ def _model_location(problems: Problems, key: str, location: str | None) -> None:
         return
     if key == "checkpoint.path" and (path / "dcp").is_dir():  # (was: a tokenizer's or vLLM's error once it started)
         problems.check(False, key, f"{location!r} is a resumable checkpoint (DCP shards), not an HF model directory "
-                       "(the trainer and vLLM load the model from one).", "set it to an HF export (<output_dir>/"
-                       "hf_final, <checkpoint.dir>/best or hf/step_N); for job=sft to start from this checkpoint's "
-                       f"weights, unset it, {WEIGHTS_ALONE} and checkpoint.resume=must")
+                       "(the trainer and vLLM load the model from one).", "set it to an HF export (an RL run's "
+                       "<output_dir>/hf_final, <checkpoint.dir>/best or <checkpoint.dir>/hf/step_N; an SFT run's "
+                       "<output_dir>/hf); for job=sft to start from this checkpoint's weights, unset it, "
+                       f"{WEIGHTS_ALONE} and checkpoint.resume=must")
     elif model_dir:
         problems.check((path / "config.json").is_file(), key, f"{location!r} holds no "
                        "config.json, so it is no HF model directory (the trainer and vLLM load the model from it).", fix)

@@ -198,7 +198,8 @@ class RLController:
             t2 = time.perf_counter()
             epochs = cfg.train.critic.epochs or cfg.train.epochs
             m = await self.calls.ranks(roles.critic, "train_step", CriticObjective(cfg.algorithm.value_clip),
-                                       shard=rows, num_optimizer_steps=steps, epochs=epochs, role="critic", calls=epochs)
+                                       shard=rows, num_optimizer_steps=steps, epochs=epochs, role="critic",
+                                       calls=epochs)
             metrics.update(m[0])
             timing["timing/critic_train"] = time.perf_counter() - t2
         if "kl" in metrics:  # none measured (a frozen actor with kl.use_loss) is not a KL of 0 to steer by

@@ -253,7 +253,7 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
     from molt_hydra.config.job_ignores import ignored_by
     from molt_hydra.runtime.run_record import ABSENT, CHANGES_THE_MATH, config_changes
 
-    if cfg.job.value == "sft":  # its batch size first, in words of its own (any checkpoint's: one older than the record)
+    if cfg.job.value == "sft":  # its batch size first, in words of its own (any checkpoint's: older ones too)
         _refuse_another_sft_order(cfg, found, state)
     if (saved := state.get("run_record", {}).get("config")) is None:
         print(f"Resuming {found}, saved before checkpoints recorded their config: keys changed since are not checked",

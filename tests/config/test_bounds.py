@@ -260,9 +260,10 @@ def test_a_resumable_checkpoint_as_checkpoint_path_is_refused_naming_the_exports
     lines = config_errors([f"job={job}", f"checkpoint.path={step}", "eval.data_path=builtin://toy_eval"])
     (line,) = [line for line in lines if line.startswith("checkpoint.path: ")]
     assert line == (f"checkpoint.path: {str(step)!r} is a resumable checkpoint (DCP shards), not an HF model "
-                    "directory (the trainer and vLLM load the model from one). Fix: set it to an HF export "
-                    "(<output_dir>/hf_final, <checkpoint.dir>/best or hf/step_N); for job=sft to start from this "
-                    f"checkpoint's weights, unset it, {WEIGHTS_ALONE} and checkpoint.resume=must")
+                    "directory (the trainer and vLLM load the model from one). Fix: set it to an HF export (an RL "
+                    "run's <output_dir>/hf_final, <checkpoint.dir>/best or <checkpoint.dir>/hf/step_N; an SFT run's "
+                    "<output_dir>/hf); for job=sft to start from this checkpoint's weights, unset it, "
+                    f"{WEIGHTS_ALONE} and checkpoint.resume=must")
 
 
 @pytest.mark.parametrize("override,key", [("model.path=''", "model.path"), ("checkpoint.path=''", "checkpoint.path"),
@@ -339,5 +340,6 @@ def test_a_value_clip_of_zero_is_refused_and_null_turns_clipping_off():
     loss, _ = value_loss(better, old, ret, torch.ones(1, 1), value_clip=0.0)
     loss.backward()
     assert loss.item() == pytest.approx(0.5 * 1.0 ** 2) and better.grad.item() == 0.0  # the old value's loss, no grad
-    assert_fires(["algorithm=ppo_gae", "parallelism.colocate_models=true", "algorithm.value_clip=0"], "algorithm.value_clip", "must be > 0")
+    assert_fires(["algorithm=ppo_gae", "parallelism.colocate_models=true", "algorithm.value_clip=0"],
+                 "algorithm.value_clip", "must be > 0")
     assert config_errors(["algorithm=ppo_gae", "parallelism.colocate_models=true", "algorithm.value_clip=null"]) == []

@@ -321,7 +321,8 @@ class ChatSession:
         self._commit(req, extension, prompt_ids, images, choices)
         self._drawn += req.n
         return TurnReply(choices, prompt_tokens, sum(len(c.gen.token_ids) for c in choices), streamed=streamed,
-                         context_full=remaining < min(self.sampling.max_tokens, req.overrides.get("max_tokens", math.inf)))
+                         context_full=remaining < min(self.sampling.max_tokens,
+                                                      req.overrides.get("max_tokens", math.inf)))
 
     def _prompt(self, req: ChatRequest):
         """(extension or None, prompt ids, images) of a turn: a raw prompt, the open branch extended, or a full
