@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from molt_hydra.models.vlm import NOT_GENERATED  # noqa: F401 -- re-exported: the version of prompt / feedback tokens
-from molt_hydra.rollout.generation import Generation, Sampling, TokenGenerator
+from molt_hydra.rollout.generation import EngineFailure, Generation, Sampling, TokenGenerator
 from molt_hydra.rollout.router import EPISODE_DEADLINE
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,11 @@ log = logging.getLogger(__name__)
 AGENT_EXCEPTION = "agent_exception"
 AGENT_TIMEOUT = "agent_timeout"
 EMPTY_SESSION = "empty_session"
-ENGINE_ABORTED = "engine_aborted"  # vLLM ended a generation with finish reason abort / error: not the agent's fault
+# the engines failed the rollout's generation (rollout/generation.py EngineFailure): not the agent's fault
+ENGINE_ABORTED = "engine_aborted"
 
 
-class GenerationAborted(RuntimeError):
+class GenerationAborted(EngineFailure):
     """`Trajectory.append_action` refused a generation the engine cut short; its rollout is dropped as engine_aborted
     (was: agent_exception, blaming the agent for the engine stopping or failing)."""
 
@@ -383,7 +384,7 @@ class Runner(ABC):
             if isinstance(e, TimeoutError) and deadline.expired():  # ours, not a TimeoutError the agent raised
                 log.warning("rollout %s: agent exceeded timeout_s=%s", episode.rollout_id, timeout_s)
                 return [], AGENT_TIMEOUT, f"the rollout ran past agent.timeout_s={timeout_s}"
-            if isinstance(e, GenerationAborted):  # the engine's failure, raised by the runner's own code
+            if isinstance(e, EngineFailure):  # the engines', raised through the agent's generation calls
                 log.warning("rollout %s: %s", episode.rollout_id, e)
                 return [], ENGINE_ABORTED, str(e)
             log.exception("rollout %s: agent raised", episode.rollout_id)

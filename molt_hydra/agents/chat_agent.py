@@ -21,7 +21,7 @@ from molt_hydra.agents.wire.images import image_data_uri
 from molt_hydra.agents.wire.server import MODEL_NAME, ChatServer
 from molt_hydra.agents.wire.session import ChatSession
 from molt_hydra.data.images import to_pil_images
-from molt_hydra.rollout.generation import Sampling, TokenGenerator
+from molt_hydra.rollout.generation import EngineFailure, Sampling, TokenGenerator
 
 
 @dataclass
@@ -115,6 +115,11 @@ class ChatAgentRunner(Runner):
         seed_agent_rngs(episode.sampling.seed, "run")
         try:
             result = await self.agent_cls(**self.agent_kwargs).run(ctx)
+        except Exception as e:  # after the engines failed a turn of its: theirs (engine_aborted), not the agent's
+            if session.engine_failure is not None:
+                raise EngineFailure(f"{self.agent_cls.__name__}.run raised {type(e).__name__} after the engines "
+                                    f"failed a turn of its session: {session.engine_failure}") from e
+            raise
         finally:
             segments = server.close_session(sid)
         reward, score = reward_and_score(result, f"{self.agent_cls.__name__}.run")

@@ -10,6 +10,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+class EngineFailure(RuntimeError):
+    """The engines could not give a generation (one timed out or died past its retries, none is alive, or vLLM ended
+    the request with finish reason abort / error): a rollout dropped for it is counted as engine_aborted, not as the
+    agent's failure."""
+
+
+class EngineTimeout(EngineFailure, TimeoutError):
+    """An engine did not answer a request within train.timeouts.engine_call_s."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Sampling values for one request. Every value is explicit, so a checkpoint's generation_config never leaks in."""

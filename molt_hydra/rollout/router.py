@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 
 from molt_hydra.rollout.batched_calls import BatchedCalls
-from molt_hydra.rollout.generation import Generation, GenerationRequest
+from molt_hydra.rollout.generation import EngineFailure, EngineTimeout, Generation, GenerationRequest
 # imported where used: ray (heavy)
 
 
@@ -53,7 +53,7 @@ class Router:
         if index is None or not self.alive[index]:
             live = [i for i, ok in enumerate(self.alive) if ok]
             if not live:
-                raise RuntimeError("every rollout engine is dead")
+                raise EngineFailure("every rollout engine is dead")
             index = min(live, key=lambda i: (self.in_flight[i], i))
         self._sessions[session_id] = index
         self._sessions.move_to_end(session_id)
@@ -73,7 +73,7 @@ class Router:
                 return await asyncio.wait_for(link.call(request), self.timeout_s)  # a timeout aborts it in vLLM
             except asyncio.TimeoutError:
                 self.counts["timeouts"] += 1
-                raise TimeoutError(f"engine {index} did not answer session {request.session_id!r} within "
+                raise EngineTimeout(f"engine {index} did not answer session {request.session_id!r} within "
                                    f"{self.timeout_s} s") from None
             except Exception as e:
                 if not isinstance(e, ray.exceptions.RayActorError) and await self._healthy(engine):
@@ -82,7 +82,8 @@ class Router:
                     self.counts["engine_deaths"] += 1
                     self.alive[index] = False
                 if attempt == MAX_RETRIES:
-                    raise
+                    raise EngineFailure(f"engine {index} failed session {request.session_id!r} after {MAX_RETRIES} "
+                                        f"retries on other engines: {type(e).__name__}: {e}") from e
                 self.counts["retries"] += 1
             finally:
                 if self.engines[index] is engine:
@@ -95,7 +96,7 @@ class Router:
         while not any(self.alive):
             self._down_since = self._down_since or start
             if time.monotonic() - start >= self.timeout_s:
-                raise RuntimeError(f"every rollout engine is dead; none came back within {self.timeout_s} s")
+                raise EngineFailure(f"every rollout engine is dead; none came back within {self.timeout_s} s")
             before = time.monotonic()
             await asyncio.sleep(0.5)
             episode = EPISODE_DEADLINE.get()

@@ -777,6 +777,54 @@ def test_a_chat_agent_editing_its_label_leaves_its_groups_other_rollouts_alone(t
     assert [t.truncated for t in outcome.trajectories] == [True, True]
 
 
+def test_an_engine_timeout_or_death_drops_the_rollout_as_the_engines_on_both_agent_paths(tiny_model):
+    """The router's failures (an engine that did not answer within its timeout, every engine dead, a death past its
+    retries) were counted as agent_exception, as if the agent had failed: an Env's rollout through the step runner,
+    and a chat agent that raised on the 500 its client got. Both are the engines' now (engine_aborted); a chat agent
+    that raises with no engine failure in its session stays the agent's."""
+    from openai import AsyncOpenAI
+    from transformers import AutoTokenizer
+
+    from molt_hydra.agents.base import Env
+    from molt_hydra.agents.chat_agent import ChatAgent
+    from molt_hydra.rollout.generation import EngineFailure, EngineTimeout
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    class Failing:
+        def __init__(self, error):
+            self.error = error
+
+        async def generate(self, request):
+            raise self.error
+
+    class Once(Env):
+        async def step(self, state):
+            return Result(reward=1.0, terminated=True)
+
+    class Asking(ChatAgent):
+        async def run(self, ctx):
+            async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=1.0)
+
+    async def group(runner, error):
+        eps = [Episode(prompt="hi", sampling=Sampling(max_tokens=4), max_length=128)]
+        try:
+            return await runner.run_group(eps, Failing(error), tok)
+        finally:
+            await runner.close()
+
+    timeout = EngineTimeout("engine 0 did not answer session 's' within 900 s")
+    for runner, error in ((StepEnvRunner(Once), timeout), (StepEnvRunner(Once), EngineFailure("every rollout "
+                          "engine is dead")), (ChatAgentRunner(Asking), timeout)):
+        outcome = asyncio.run(group(runner, error))
+        assert dict(outcome.failures) == {"engine_aborted": 1}, (runner, outcome.errors)
+        assert str(error) in outcome.errors["engine_aborted"]
+    outcome = asyncio.run(group(ChatAgentRunner(Asking), ValueError("a bad request of the agent's own")))
+    assert dict(outcome.failures) == {"agent_exception": 1}
+
+
 def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks_text_models(tiny_model, tmp_path):
     """Before: a Runner overriding run_group that raised failed the runner actor's call (a traceback through Ray);
     now its group's rollouts fail, counted as agent_exception with the message. A step runner on a text model is

@@ -2,6 +2,7 @@
 
 import pytest
 
+from molt_hydra.rollout.generation import EngineFailure
 from molt_hydra.rollout.router import Router
 
 
@@ -27,7 +28,7 @@ def test_dead_engine_sessions_move_and_stick_to_the_new_engine():
     assert a.pick("s") == 1
     a.alive[0] = False
     a.alive[1] = False
-    with pytest.raises(RuntimeError, match="every rollout engine is dead"):
+    with pytest.raises(EngineFailure, match="every rollout engine is dead"):  # the engines' (engine_aborted)
         a.pick("s")
 
 

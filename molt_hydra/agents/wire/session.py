@@ -37,7 +37,7 @@ from molt_hydra.agents.wire.images import image_sources, load_image
 from molt_hydra.agents.wire.request import ChatRequest, RequestError
 from molt_hydra.compat.vllm import forced_tool_schema
 from molt_hydra.rollout.engine import join_deltas
-from molt_hydra.rollout.generation import Generation, GenerationRequest, Sampling, TokenGenerator
+from molt_hydra.rollout.generation import EngineFailure, Generation, GenerationRequest, Sampling, TokenGenerator
 
 # What a streaming client gets while the engine samples: ("reasoning" | "content", text delta).
 DeltaSink = Callable[[str, str], None]
@@ -104,6 +104,8 @@ class ChatSession:
         self._last_key: str | None = None
         self._last_reply: TurnReply | None = None
         self._drawn = 0  # choices sampled in this session so far: a turn's seeds start past theirs
+        # the engines' failure of one of its turns, if any: an agent that raises after it is not blamed for it
+        self.engine_failure: str | None = None
         self._turn_end = self._assistant_turn_end()
         self._end_ids = {self.tokenizer.eos_token_id, *self.sampling.stop_token_ids}
 
@@ -143,7 +145,12 @@ class ChatSession:
                 # its prompt, which a streamed Anthropic reply reports up front (was: that of a request refused since)
                 self.last_prompt_tokens = self._last_reply.prompt_tokens
                 return dataclasses.replace(self._last_reply, streamed=False)
-            self._last_key, self._last_reply = key, await self._generate_turn(req, on_delta)
+            try:
+                self._last_key, self._last_reply = key, await self._generate_turn(req, on_delta)
+            except (EngineFailure, RequestError) as e:
+                if isinstance(e, EngineFailure) or e.code == "generation_aborted":
+                    self.engine_failure = str(e)
+                raise
             return self._last_reply
 
     async def judge(self, req: ChatRequest) -> TurnReply:
