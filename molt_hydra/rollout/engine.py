@@ -117,9 +117,11 @@ class VLLMEngine(BatchedCallee):
         launch_env = {"OMP_NUM_THREADS": omp_threads} if on_cpu and in_core else {}
         with python_compat.scoped_env(launch_env), vllm_compat.core_launch() if forked else contextlib.nullcontext():
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # starts the engine core
-        hf = self._llm.model_config.hf_config
-        if getattr(hf, "vision_config", None) is not None and (image_id := getattr(hf, "image_token_id", None)):
-            self.image_placeholder = (image_id, self._llm.tokenizer.convert_ids_to_tokens(image_id))
+        hf, tokenizer = self._llm.model_config.hf_config, getattr(self._llm, "tokenizer", None)
+        image_id = getattr(hf, "image_token_id", None) if getattr(hf, "vision_config", None) is not None else None
+        if image_id is not None:
+            token = tokenizer.convert_ids_to_tokens(image_id) if tokenizer else str(image_id)
+            self.image_placeholder = (image_id, token)
         # every output the engine core sends is stamped with this label (see `_outputs`)
         await vllm_compat.stamp_weight_version(self._llm, self.version)
         await self._prepare_workers(device)
