@@ -426,14 +426,15 @@ def _refuse_a_warm_start_across_lora(cfg: RunConfig, found: Path, state: dict) -
                f"would train on its, the engines sample from model.path's). Fix: set model.path to {hf}")
     elif now[0] is None:
         why = (f"{found} holds a LoRA adapter (saved with model.lora.rank={before[0]}), which does not load into the "
-               f"full weights this run trains. Fix: set model.lora as saved, or model.path to its merged export "
-               "(checkpoint.export_merged=true)")
+               "full weights this run trains. Fix: set model.lora as saved, or model.path to its merged export "
+               "(<checkpoint.export_dir>/merged, checkpoint.export_merged=true)")
     else:
         why = (f"{found} holds an adapter of rank {before[0]} on {before[1] or 'the family default'} over "
                f"model.path={before[2]}; this run's is rank {now[0]} on {now[1] or 'the family default'} over "
                f"{now[2]}: an adapter loads only into one of its shape, and the engines serve model.path's base. "
-               f"Fix: set model.lora.rank, model.lora.target_modules and model.path as saved, or model.path to {hf}"
-               " merged (checkpoint.export_merged=true) to train a new adapter on it")
+               "Fix: set model.lora.rank, model.lora.target_modules and model.path as saved, or model.path to its "
+               "merged export (<checkpoint.export_dir>/merged, checkpoint.export_merged=true) to train a new adapter "
+               "on it")
     print(f"\nRun failed: checkpoint.load_model_only=true: {why}", file=sys.stderr)
     sys.exit(EXIT_FAILED)
 
