@@ -414,6 +414,11 @@ def usable_image_rows(rows: list[dict], spec: str, image_key: str, max_images: i
             where = f"{spec} row {i} ({image_key})"
             try:
                 decoded = to_pil_images(r[column], max_images, where)
+                if (places := image_places(r.get("prompt"))) and places != len(decoded):
+                    # each marker takes the next image (the Envs' image_parts, the chat agents' prompt_messages):
+                    # was, for each rollout of the row every epoch, vLLM's error or a sample dropped at training
+                    raise ValueError(f"{where}: its prompt places {places} image(s) (<image> markers, image parts) "
+                                     f"for its {len(decoded)} image(s). Fix: write one <image> where each image goes")
                 for k, im in enumerate(decoded if fits is not None else ()):
                     try:
                         fits(im)
@@ -507,7 +512,7 @@ def _renamed(dataset, columns: list[str], spec: str, **keys: str | None) -> list
                            f"({spec}). Fix: {COLUMN_FIX[key]}")
     rows = [_rename(row, f"{spec} row {i}", **keys) for i, row in enumerate(dataset)]
     unread = next((c for c in IMAGE_COLUMNS if c in columns), None) if keys.get("image_key", "") is None else None
-    if unread and (at := next((i for i, r in enumerate(rows) if places_image(r["prompt"])), None)) is not None:
+    if unread and (at := next((i for i, r in enumerate(rows) if image_places(r["prompt"])), None)) is not None:
         raise ValueError(unread_images(f"{spec} row {at}", unread))
     return rows
 
@@ -515,13 +520,13 @@ def _renamed(dataset, columns: list[str], spec: str, **keys: str | None) -> list
 IMAGE_COLUMNS = ("images", "image")  # the columns a VLM dataset keeps its images in (datasets' and TRL's names)
 
 
-def places_image(prompt) -> bool:
-    """Whether a prompt (text or chat messages) places an image: an `<image>` marker, or an `{"type": "image"}` part."""
+def image_places(prompt) -> int:
+    """The images a prompt (text or chat messages) places: its `<image>` markers and `{"type": "image"}` parts."""
     if isinstance(prompt, str):
-        return "<image>" in prompt
+        return prompt.count("<image>")
     contents = [m.get("content") for m in prompt if isinstance(m, dict)] if isinstance(prompt, list) else []
-    return any(places_image(c) if isinstance(c, str) else isinstance(c, list) and any(
-        isinstance(p, dict) and p.get("type") == "image" for p in c) for c in contents)
+    return sum(image_places(c) if isinstance(c, str) else sum(
+        isinstance(p, dict) and p.get("type") == "image" for p in c) if isinstance(c, list) else 0 for c in contents)
 
 
 def unread_images(where: str, column: str) -> str:

@@ -10,7 +10,7 @@ from molt_hydra.config.bounds import get
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.config.validate import Problems, changed, check_location
 from molt_hydra.data.prompts import (BUILTIN, BUILTIN_TASKS, FILE_TYPES, IMAGE_COLUMNS, IMAGE_TASKS, JSON_TYPES,
-                                     SFT_TASKS, builtin_size, places_image, saved_dir, unread_images)
+                                     SFT_TASKS, builtin_size, image_places, saved_dir, unread_images)
 from molt_hydra.data.sft_dataset import check_sft_rows
 
 COLUMN_KEYS = ("data.input_key", "data.label_key", "data.tools_key", "data.image_key")
@@ -158,7 +158,7 @@ def _sft_images(cfg: RunConfig, problems: Problems, source: str, rows: list) -> 
                    "set data.image_key=images" if builtin_images else
                    "set data.image_key to the rows' image column, or null for text-only data")
     unread = next((c for c in IMAGE_COLUMNS if c in columns), None) if image_key is None else None
-    at = next((i for i, r in enumerate(rows) if isinstance(r, dict) and places_image(r.get(cfg.data.input_key))),
+    at = next((i for i, r in enumerate(rows) if isinstance(r, dict) and image_places(r.get(cfg.data.input_key))),
               None) if unread and not builtin_images else None
     if at is not None:
         raised(problems, "data.image_key", ValueError(unread_images(f"{source}: SFT row {at}", unread)), "")

@@ -63,6 +63,7 @@ class VLLMEngine(BatchedCallee):
             **(extra_engine_args or {}),
         }
         self._cpu_routing = False  # set in start(): R3 through compat/vllm.py's capture instead of vLLM's
+        self.image_placeholder: tuple[int, str] | None = None  # a VLM's image token (id, text), set in start()
         self._llm = None
         self._start_lock = asyncio.Lock()  # bound to an event loop only once contended
         # LoRA: requests run under `lora_request` (None before the first sync: the base, which the adapter's B = 0
@@ -116,6 +117,11 @@ class VLLMEngine(BatchedCallee):
         launch_env = {"OMP_NUM_THREADS": omp_threads} if on_cpu and in_core else {}
         with python_compat.scoped_env(launch_env), vllm_compat.core_launch() if forked else contextlib.nullcontext():
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # starts the engine core
+        hf, tokenizer = self._llm.model_config.hf_config, getattr(self._llm, "tokenizer", None)
+        image_id = getattr(hf, "image_token_id", None) if getattr(hf, "vision_config", None) is not None else None
+        if image_id is not None:
+            token = tokenizer.convert_ids_to_tokens(image_id) if tokenizer else str(image_id)
+            self.image_placeholder = (image_id, token)
         # every output the engine core sends is stamped with this label (see `_outputs`)
         await vllm_compat.stamp_weight_version(self._llm, self.version)
         await self._prepare_workers(device)
@@ -203,6 +209,7 @@ class VLLMEngine(BatchedCallee):
         if not request.prompt_ids:
             raise ValueError(f"session {request.session_id!r}: empty prompt_ids")
         await self.start()
+        self._check_image_places(request)
         s = request.sampling
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
         if request.images:
@@ -237,6 +244,24 @@ class VLLMEngine(BatchedCallee):
                     engine_index=self.engine_index, top_logprobs=top, version_spans=spans)
         if not finished:
             yield Generation([], [], [], "abort", engine_index=self.engine_index)
+
+    def _check_image_places(self, request: GenerationRequest) -> None:
+        """Each image of a request needs exactly one placeholder token in its prompt, where it goes (the trainer
+        expands the same ones, models/vlm.py). Was, from vLLM: for fewer, an EngineGenerateError without a message,
+        after which the next request with that image ended with finish reason 'error' (vLLM's image cache had it,
+        its engine core did not); for more, the extra placeholder sampled as text, and the trainer dropped every
+        such sample as image_placeholder_mismatch without a word."""
+        if not request.images or self.image_placeholder is None:
+            return
+        token_id, token = self.image_placeholder
+        if (places := request.prompt_ids.count(token_id)) != len(request.images):
+            raise ValueError(
+                f"session {request.session_id!r}: the prompt has {places} image placeholder(s) ({token}, id "
+                f"{token_id}) for the {len(request.images)} image(s) sent with it; each image needs exactly one, where "
+                "it goes. Fix: give each image a {'type': 'image'} content part, which the chat template renders as "
+                "the placeholder (an Env turns a row's <image> markers into parts in reset: "
+                f"molt_hydra.models.vlm.image_parts), and write one {token} into the observation for each of a "
+                "step's Result.images")
 
     # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before the buckets and one after,
     # or the single pass's one call ---

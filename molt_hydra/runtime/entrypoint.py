@@ -188,12 +188,12 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
               + (" after moving the damaged ones aside." if damaged else "."), file=sys.stderr)
         sys.exit(EXIT_FAILED)
     # the two modes' optimizer states differ in kind: a resume across them is refused now, not once every role is up
-    mode, state, own = cfg.model.master_weights.value, None, False
+    mode, state, own, warm = cfg.model.master_weights.value, None, False, None
     if found is not None:
         state = saved_client_state(found)
         own = c.load_model_only and _own_warm_start_steps(cfg, found, state)
         if c.load_model_only and not own:
-            state = None  # a warm start: its weights alone
+            state, warm = None, state  # a warm start: its weights alone
     if state is not None and (saved := saved_master_weights(found, state)) != mode:
         print(f"\nRun failed: model.master_weights: {found} was saved with model.master_weights={saved}, this run "
               f"has {mode}; its optimizer state cannot be resumed across the two. Fix: set model.master_weights="
@@ -203,7 +203,7 @@ def _check_resume(cfg: RunConfig) -> tuple[Path | None, dict | None]:
         _refuse_another_jobs(cfg, found, state)
         _refuse_changed_config(cfg, found, state)
     elif found is not None:
-        _refuse_a_warm_start_among_its_steps(cfg, found)
+        _refuse_a_warm_start_among_its_steps(cfg, found, warm)
     if own:  # (after the checks, which compare the command's config with the one the step recorded)
         c.load_model_only = False
     if found is not None:
@@ -408,12 +408,48 @@ def _own_warm_start_steps(cfg: RunConfig, found: Path, state: dict) -> bool:
     return True
 
 
-def _refuse_a_warm_start_among_its_steps(cfg: RunConfig, found: Path) -> None:
+def _refuse_a_warm_start_across_lora(cfg: RunConfig, found: Path, state: dict) -> None:
+    """A warm start loads the checkpoint's weights by name into the model as this run builds it, and a LoRA run's
+    engines serve model.path's base and receive only the adapter: refused before anything starts where the saved run's
+    adapter (rank, targets, base) is not this run's. Was: every trainer rank failed to load ("Missing key in checkpoint
+    state_dict: ...q_proj.base_layer.weight", or a size mismatch) with the fix to move the checkpoint aside as damaged,
+    also for the warm start a refused resume of a full fine-tuning run under model.lora.rank suggests."""
+    saved = (state.get("run_record") or {}).get("config")
+    if saved is None:  # (saved before checkpoints recorded their config: the load itself decides)
+        return
+    was, lo = saved.get("model", {}).get("lora") or {}, cfg.model.lora
+    now = (lo.rank, list(lo.target_modules) if lo.target_modules else None, cfg.model.path)
+    before = (was.get("rank"), was.get("target_modules") or None, saved.get("model", {}).get("path"))
+    if (now[0] is None and before[0] is None) or now == before:
+        return
+    hf = "its HF export (checkpoint.export_dir, or checkpoint.save_hf's <checkpoint.dir>/hf/step_N)"
+    if before[0] is None:
+        why = (f"{found} holds full weights (saved with model.lora.rank=null), and a LoRA run's engines serve "
+               "model.path's base and receive only the adapter: its base cannot come from a checkpoint (the trainer "
+               f"would train on its, the engines sample from model.path's). Fix: set model.path to {hf}")
+    elif now[0] is None:
+        why = (f"{found} holds a LoRA adapter (saved with model.lora.rank={before[0]}), which does not load into the "
+               "full weights this run trains. Fix: set model.lora as saved, or model.path to its merged export "
+               "(<checkpoint.export_dir>/merged, checkpoint.export_merged=true)")
+    else:
+        why = (f"{found} holds an adapter of rank {before[0]} on {before[1] or 'the family default'} over "
+               f"model.path={before[2]}; this run's is rank {now[0]} on {now[1] or 'the family default'} over "
+               f"{now[2]}: an adapter loads only into one of its shape, and the engines serve model.path's base. "
+               "Fix: set model.lora.rank, model.lora.target_modules and model.path as saved, or model.path to its "
+               "merged export (<checkpoint.export_dir>/merged, checkpoint.export_merged=true) to train a new adapter "
+               "on it")
+    print(f"\nRun failed: checkpoint.load_model_only=true: {why}", file=sys.stderr)
+    sys.exit(EXIT_FAILED)
+
+
+def _refuse_a_warm_start_among_its_steps(cfg: RunConfig, found: Path, state: dict) -> None:
     """A warm start (checkpoint.load_model_only) counts its steps from 0 again, and saves them into checkpoint.dir,
     the run's it starts from: refused before anything starts where a step there is past 0. Before: its step_<N>
     replaced that run's, retention (the newest steps kept) removed its own as soon as saved (a directory the driver
     then wrote run_record.json into: 'Run failed: driver (I/O): FileNotFoundError'), and a resume took that run's
-    newest step. A copy of the checkpoint as step_0 of a directory of its own starts one cleanly."""
+    newest step. A copy of the checkpoint as step_0 of a directory of its own starts one cleanly. `state`: the
+    checkpoint's client state, whose adapter must be this run's first (`_refuse_a_warm_start_across_lora`)."""
+    _refuse_a_warm_start_across_lora(cfg, found, state)
     from molt_hydra.parallel.checkpoint import TAG
     from molt_hydra.runtime.plan import fsdp_roles
 

@@ -19,7 +19,7 @@ from openai import AsyncOpenAI, BadRequestError
 from PIL import Image, ImageDraw
 
 from event_loop import loop, run  # noqa: F401 - the shared loop fixture
-from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result, StepEnvRunner
+from molt_hydra.agents import ChatAgent, ChatAgentRunner, Env, Episode, Result, StepEnvRunner
 from molt_hydra.agents.wire.images import image_data_uri
 from molt_hydra.agents.loading import resolve_target
 from molt_hydra.models import vlm
@@ -149,6 +149,38 @@ def test_env_image_turns_are_token_exact_and_trainer_logprobs_equal_the_engine(l
     assert [len(r.images) for r, _ in rec.calls] == [1, 2]
     exp = assert_engine_exact(loop, engine, traj, rec.calls, images, trainer)
     assert exp.multimodal["pixel_values"].shape == (2, 3, 56, 56)
+
+
+class MarkersToParts(Env):
+    """One turn; reset turns the row's `<image>` markers into image parts (as the recipes' Envs do)."""
+
+    def reset(self, state):
+        return dict(state, observation=vlm.image_parts(state["observation"]))
+
+    async def step(self, state):
+        return Result(reward=1.0)
+
+
+def test_images_without_one_placeholder_each_fail_the_rollout_naming_the_counts(loop, engine, tokenizer, images):
+    """Before: two `<image>` markers for one image were sampled (the extra placeholder as text) and every sample
+    dropped at training as image_placeholder_mismatch, without a word; an image with no place in the prompt was
+    vLLM's EngineGenerateError with no message, and the next request with that image (a correct one) ended with
+    finish reason 'error' (vLLM's image cache had it, its engine core not): dropped as engine_aborted."""
+    red = figure((56, 56), "red")
+    runner = StepEnvRunner(MarkersToParts, image_tokens_per_image=images.added_tokens)
+
+    def rollout(content):
+        ep = Episode(prompt=[{"role": "user", "content": content}], label="", images=[red], sampling=SAMPLING,
+                     max_length=512)
+        return run(loop, runner.run_group([ep], engine, tokenizer))
+
+    for content, places in (("<image><image>Find x.", 2), ("Find x.", 0)):
+        outcome = rollout(content)
+        assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
+        assert (f"the prompt has {places} image placeholder(s) (<image>, id {images.placeholder_id}) for the 1 "
+                "image(s) sent with it") in outcome.errors["agent_exception"]
+    outcome = rollout("<image>Find x.")  # the same image, placed once: served as before
+    assert dict(outcome.failures) == {} and len(outcome.trajectories) == 1
 
 
 class ImageChat(ChatAgent):

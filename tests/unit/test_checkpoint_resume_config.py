@@ -498,3 +498,43 @@ def test_an_sft_resume_over_other_samples_or_another_order_is_refused(tmp_path, 
         last, last
     assert last.endswith(f"Fix: put the saved data back at that path, or {WARM_START}" if change == "rewritten" else
                          f"Fix: set them back (see its run_record.json), or {WARM_START}")
+
+
+def test_a_warm_start_across_a_lora_adapter_is_refused_before_anything_starts(saved, tmp_path, capsys):
+    """A warm start loads the checkpoint's weights by name, and a LoRA run's engines serve model.path's base and get
+    only the adapter. Before: LoRA over a full fine-tuning checkpoint (the warm start a refused resume under
+    model.lora.rank suggests), full weights over an adapter, or an adapter of another rank started every role, and
+    each trainer rank failed on 'Missing key in checkpoint state_dict: ...base_layer.weight' (or a size mismatch),
+    told to move the checkpoint aside as damaged. Now each is refused before anything starts, naming the fix; the
+    same adapter goes on."""
+    import shutil
+
+    def warm_start(step: Path, *overrides) -> str:
+        own = tmp_path / f"own{len(list(tmp_path.glob('own*')))}"
+        shutil.copytree(step, own / "step_0")
+        with pytest.raises(SystemExit) as stop:
+            _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true",
+                               f"checkpoint.dir={own}", *overrides))
+        assert stop.value.code == EXIT_FAILED
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    last = warm_start(saved, "model.lora.rank=8")
+    assert last.startswith(f"Run failed: checkpoint.load_model_only=true: {tmp_path}/own0/step_0 holds full weights "
+                           "(saved with model.lora.rank=null), and a LoRA run's engines serve model.path's base"), last
+    assert last.endswith("Fix: set model.path to its HF export (checkpoint.export_dir, or checkpoint.save_hf's "
+                         "<checkpoint.dir>/hf/step_N)")
+    # a LoRA run's step (its record says so) under full weights, and under another rank
+    model, opt = _trained()
+    record = write_run_record(_cfg(tmp_path, "model.lora.rank=8"), tmp_path / "lora_out")
+    save_checkpoint(tmp_path / "lora", 3, model, opt, client_state={
+        "master_weights": "fsdp", "rl_step": 3, "loop": {"generator": {"epoch": 1}}, "run_record": record})
+    lora_step = tmp_path / "lora" / "step_3"
+    assert "step_0 holds a LoRA adapter (saved with model.lora.rank=8), which does not load into the full weights " \
+           "this run trains. Fix: set model.lora as saved" in warm_start(lora_step)
+    assert ("step_0 holds an adapter of rank 8 on the family default over model.path=tiny://qwen3_tiny; this run's is "
+            "rank 16 on the family default over tiny://qwen3_tiny") in warm_start(lora_step, "model.lora.rank=16")
+    own = tmp_path / "same"
+    shutil.copytree(lora_step, own / "step_0")
+    assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true",
+                              f"checkpoint.dir={own}", "model.lora.rank=8", "model.lora.alpha=32")) == \
+        (own / "step_0", None)

@@ -167,3 +167,23 @@ def test_image_paths_that_are_nowhere_are_found_at_validation(tmp_path, monkeypa
     assert write([str(tmp_path / "imgs" / "0.png")] + [f"imgs/{i}.png" for i in range(1, 8)]) == []
     monkeypatch.chdir(tmp_path)
     assert write([f"imgs/{i}.png" for i in range(8)]) == []
+
+
+def test_a_row_placing_other_than_one_image_per_image_drops_naming_both_counts(caplog):
+    """Each `<image>` marker (or bare image part) takes the row's next image, in the Envs (models.vlm.image_parts) and
+    the chat agents (prompt_messages) alike. Before: kept, and each of its rollouts, every epoch, was vLLM's error
+    (an image with no place) or a sample the trainer dropped as image_placeholder_mismatch (a place with no image)."""
+    from molt_hydra.data.prompts import usable_image_rows
+
+    im = Image.new("RGB", (4, 4), "red")
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    rows = [{"prompt": "<image><image>two places", "images": [im]}, {"prompt": parts, "images": [im, im]},
+            {"prompt": "<image>one place", "images": [im]}, {"prompt": parts, "images": [im]},
+            {"prompt": "no place: the agent puts it", "images": [im]}]
+    with caplog.at_level(logging.WARNING, logger="molt_hydra.data.prompts"):
+        kept = usable_image_rows(rows, "mem", "images", 2, blank=False)
+    assert [r["prompt"] for r in kept] == [r["prompt"] for r in rows[2:]]
+    assert "mem row 0 (images): its prompt places 2 image(s) (<image> markers, image parts) for its 1 image(s)" \
+        in caplog.text
+    assert "mem row 1 (images): its prompt places 1 image(s) (<image> markers, image parts) for its 2 image(s)" \
+        in caplog.text

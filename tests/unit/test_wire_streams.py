@@ -3212,3 +3212,56 @@ def test_a_retried_anthropic_stream_reports_its_own_prompt_in_message_start(tok)
     prompt = len(tok(tok.apply_chat_template(USER, tokenize=False, add_generation_prompt=True),
                      add_special_tokens=False)["input_ids"])
     assert live == retried == (prompt, prompt)
+
+
+def test_an_image_detail_the_server_cannot_honour_is_the_clients_400(tok):
+    """OpenAI's image `detail` ('low': a downscaled image, a fixed few tokens) on a chat image_url and a Responses
+    input_image. Before: ignored, the image taken at the model's own resolution whatever the client asked. Now 'low'
+    (or a value OpenAI does not define) is a 400 naming it; 'auto' and 'high', what the model's processor does, are
+    served."""
+    import base64
+    import io
+
+    from openai import AsyncOpenAI, BadRequestError
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(png, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+    def chat(detail):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri, "detail": detail}},
+                                             {"type": "text", "text": "hi"}]}]
+
+    def responses(detail):
+        return [{"role": "user", "content": [{"type": "input_image", "image_url": uri, "detail": detail},
+                                             {"type": "input_text", "text": "hi"}]}]
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, "Hi."))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            refused = []
+            for detail in ("low", "tiny"):
+                with pytest.raises(BadRequestError) as e:
+                    await oa.chat.completions.create(model="policy", messages=chat(detail))
+                refused.append(e.value.body["message"])
+                with pytest.raises(BadRequestError) as e:
+                    await oa.responses.create(model="policy", input=responses(detail))
+                refused.append(e.value.body["message"])
+            served = [(await oa.chat.completions.create(model="policy", messages=chat(d))).choices[0].message.content
+                      for d in ("auto", "high")]
+            served.append((await oa.responses.create(model="policy", input=responses("high"))).output_text)
+            return refused, served
+        finally:
+            await oa.close()
+            await server.stop()
+
+    refused, served = asyncio.run(go())
+    assert served == ["Hi."] * 3
+    for message, (where, detail) in zip(refused, [("messages[0].content[0]: image_url.detail", "low"),
+                                                  ("input[0].content[0]: input_image detail", "low"),
+                                                  ("messages[0].content[0]: image_url.detail", "tiny"),
+                                                  ("input[0].content[0]: input_image detail", "tiny")]):
+        assert message.startswith(f"{where}={detail!r} is not honoured: the model's image processor takes every "
+                                  "image at its own full resolution"), message

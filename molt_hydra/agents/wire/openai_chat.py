@@ -97,9 +97,13 @@ def _part(p: Any, where: str, assistant: bool = False) -> dict:
         return {"type": "text", "text": p["refusal"]}
     if kind == "image_url":
         url = p.get("image_url")
-        url = url.get("url") if isinstance(url, dict) else url
+        detail, url = (url.get("detail"), url.get("url")) if isinstance(url, dict) else (None, url)
         if not isinstance(url, str):
             raise bad(f"{where}: image_url part needs image_url.url", where)
+        if detail not in (None, "auto", "high"):  # (was: ignored, the image taken whole whatever it asked)
+            raise bad(f"{where}: image_url.detail={detail!r} is not honoured: the model's image processor takes "
+                      "every image at its own full resolution, as 'auto' and 'high' do; downscale the image before "
+                      "sending it, or send detail 'auto'", where)
         return {"type": "image", "source": url, "at": where}
     raise bad(f"{where}: unsupported content part type {kind!r} (text, image_url{', refusal' if assistant else ''})",
               where)

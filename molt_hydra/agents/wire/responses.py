@@ -172,6 +172,10 @@ def _part(p: Any, at: str) -> dict:
     if ptype in ("input_text", "output_text", "text"):
         return check.text_part(p, at)
     if ptype == "input_image" and isinstance(p.get("image_url"), str):
+        if p.get("detail") not in (None, "auto", "high"):  # (was: ignored, the image taken whole whatever it asked)
+            raise bad(f"{at}: input_image detail={p['detail']!r} is not honoured: the model's image processor takes "
+                      "every image at its own full resolution, as 'auto' and 'high' do; downscale the image before "
+                      "sending it, or send detail 'auto'", at)
         return {"type": "image", "source": p["image_url"], "at": at}
     if ptype == "refusal" and isinstance(p.get("refusal"), str):
         return {"type": "text", "text": p["refusal"]}
