@@ -573,6 +573,36 @@ def test_message_names_reach_the_template():
     assert req.messages == [{"role": "user", "content": "hi", "name": "bob"}]
 
 
+def test_a_response_echoes_its_text_format_for_langchains_streamed_structured_output(tok):
+    """The response object echoes the request's `text` (format as sent, verbosity), as OpenAI's does: LangChain's
+    ChatOpenAI on the Responses API parses a streamed structured output only where `response.text.format` says
+    json_schema (was: no `text`, and `with_structured_output(...).astream` failed: "Structured Output response does
+    not have a 'parsed' field nor a 'refusal' field")."""
+    from langchain_openai import ChatOpenAI
+    from openai import AsyncOpenAI
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        answer: int
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, '{"answer": 42}'))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            llm = ChatOpenAI(model="policy", base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0,
+                             use_responses_api=True)
+            chunks = [c async for c in llm.with_structured_output(Answer).astream("hi")]
+            plain = await oa.responses.create(model="policy", input="again")
+            return chunks, plain
+        finally:
+            await oa.close()
+            await server.stop()
+
+    chunks, plain = asyncio.run(go())
+    assert chunks[-1] == Answer(answer=42)
+    assert plain.text.format.type == "text" and plain.text.verbosity == "medium"
+
+
 def test_agents_sdk_asking_for_logprobs_gets_the_engines(tok):
     """The Agents SDK asks for log-probs with `top_logprobs` and `include=["message.output_text.logprobs"]` (was: a
     400 'include' ... 'would change what is sampled'); other `include` entries are refused naming them."""
