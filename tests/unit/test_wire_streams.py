@@ -835,6 +835,46 @@ def test_repeated_first_attempts_take_seeds_past_the_earlier_samples_choices_and
     assert asyncio.run(go()) == [(100, 2), (102, 2), (104, 2), (106, 1), (107, 1), (7, 1), (7, 1)]
 
 
+class AbortsSecondEngine(ScriptedEngine):
+    """Scripted text "Sample k." for its k-th generation, but vLLM aborts the second (an engine restarting)."""
+
+    def __init__(self, tok):
+        super().__init__(tok, "")
+        self.tok, self.calls = tok, 0
+
+    async def generate(self, request):
+        self.calls += 1
+        if self.calls == 2:
+            return [Generation(list(self.ids), [-0.5] * len(self.ids), [0] * len(self.ids), "abort")]
+        self.ids = ScriptedEngine(self.tok, f"Sample {self.calls}.").ids
+        return await super().generate(request)
+
+
+def test_the_sdks_retry_of_a_failed_second_sample_is_a_new_sample_not_the_first_ones_reply(tok):
+    """An agent asks twice for a sample of one prompt; the second is aborted in the engine (a 503 that says "send the
+    request again"), and the openai SDK sends it again with x-stainless-retry-count 1. That retry is generated (was:
+    taken for a retry of the first request, it got the first sample's cached reply: the agent's two samples were one,
+    silently)."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        engine = AbortsSecondEngine(tok)
+        server, session = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=1)
+        try:
+            first, second = [await oa.chat.completions.create(model="policy", messages=USER) for _ in range(2)]
+            return first, second, engine.calls, session.close()
+        finally:
+            await oa.close()
+            await server.stop()
+
+    first, second, calls, segments = asyncio.run(go())
+    # the third generation is the retry's (the second was aborted): each sample its own, each recorded
+    assert (first.choices[0].message.content, second.choices[0].message.content, calls) == (
+        "Sample 1.", "Sample 3.", 3)
+    assert len(segments) == 2
+
+
 class MaskedAlternativesEngine(ScriptedEngine):
     """Log-probs as the engine's processed distribution gives them under top_k / top_p: alternatives it rules out
     come back as -inf."""
