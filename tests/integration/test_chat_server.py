@@ -468,9 +468,9 @@ def test_identical_sdk_first_attempts_are_each_sampled_token_exact(loop, rec, to
     generated = [len(gen.token_ids) for _, (gen,) in rec.calls]
     got = [r.usage.completion_tokens for r in log["openai"]] + [r.usage.output_tokens for r in log["anthropic"]]
     assert got[:3] == generated[:3] and sorted(got[3:6]) == sorted(generated[3:6]) and got[6:] == generated[6:]
-    # the rollout's seed, then past it: the openai samples (one prompt) seeds 1234..1239, anthropic's (its own
-    # request) 1234, 1235
-    assert [req.sampling.seed for req, _ in rec.calls] == [*range(1234, 1240), 1234, 1235]
+    # the rollout's seed, then past it: each turn of the session takes the seeds after its earlier choices', the
+    # openai samples 1234..1239, then anthropic's (another request of the same session) 1240, 1241
+    assert [req.sampling.seed for req, _ in rec.calls] == list(range(1234, 1242))
     assert len({tuple(gen.token_ids) for _, (gen,) in rec.calls[:6]}) > 1  # not one sample repeated
 
 
