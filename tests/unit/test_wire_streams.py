@@ -573,6 +573,36 @@ def test_message_names_reach_the_template():
     assert req.messages == [{"role": "user", "content": "hi", "name": "bob"}]
 
 
+def test_a_response_echoes_its_text_format_for_langchains_streamed_structured_output(tok):
+    """The response object echoes the request's `text` (format as sent, verbosity), as OpenAI's does: LangChain's
+    ChatOpenAI on the Responses API parses a streamed structured output only where `response.text.format` says
+    json_schema (was: no `text`, and `with_structured_output(...).astream` failed: "Structured Output response does
+    not have a 'parsed' field nor a 'refusal' field")."""
+    from langchain_openai import ChatOpenAI
+    from openai import AsyncOpenAI
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        answer: int
+
+    async def go():
+        server, _ = await serving(tok, ScriptedEngine(tok, '{"answer": 42}'))
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0)
+        try:
+            llm = ChatOpenAI(model="policy", base_url=server.session_url("s") + "/v1", api_key="k", max_retries=0,
+                             use_responses_api=True)
+            chunks = [c async for c in llm.with_structured_output(Answer).astream("hi")]
+            plain = await oa.responses.create(model="policy", input="again")
+            return chunks, plain
+        finally:
+            await oa.close()
+            await server.stop()
+
+    chunks, plain = asyncio.run(go())
+    assert chunks[-1] == Answer(answer=42)
+    assert plain.text.format.type == "text" and plain.text.verbosity == "medium"
+
+
 def test_agents_sdk_asking_for_logprobs_gets_the_engines(tok):
     """The Agents SDK asks for log-probs with `top_logprobs` and `include=["message.output_text.logprobs"]` (was: a
     400 'include' ... 'would change what is sampled'); other `include` entries are refused naming them."""
@@ -803,6 +833,46 @@ def test_repeated_first_attempts_take_seeds_past_the_earlier_samples_choices_and
 
     # three samples of n=2, then another turn (n=1: another request) and its repeat, then the client's own seed
     assert asyncio.run(go()) == [(100, 2), (102, 2), (104, 2), (106, 1), (107, 1), (7, 1), (7, 1)]
+
+
+class AbortsSecondEngine(ScriptedEngine):
+    """Scripted text "Sample k." for its k-th generation, but vLLM aborts the second (an engine restarting)."""
+
+    def __init__(self, tok):
+        super().__init__(tok, "")
+        self.tok, self.calls = tok, 0
+
+    async def generate(self, request):
+        self.calls += 1
+        if self.calls == 2:
+            return [Generation(list(self.ids), [-0.5] * len(self.ids), [0] * len(self.ids), "abort")]
+        self.ids = ScriptedEngine(self.tok, f"Sample {self.calls}.").ids
+        return await super().generate(request)
+
+
+def test_the_sdks_retry_of_a_failed_second_sample_is_a_new_sample_not_the_first_ones_reply(tok):
+    """An agent asks twice for a sample of one prompt; the second is aborted in the engine (a 503 that says "send the
+    request again"), and the openai SDK sends it again with x-stainless-retry-count 1. That retry is generated (was:
+    taken for a retry of the first request, it got the first sample's cached reply: the agent's two samples were one,
+    silently)."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        engine = AbortsSecondEngine(tok)
+        server, session = await serving(tok, engine)
+        oa = AsyncOpenAI(base_url=server.session_url("s") + "/v1", api_key="k", max_retries=1)
+        try:
+            first, second = [await oa.chat.completions.create(model="policy", messages=USER) for _ in range(2)]
+            return first, second, engine.calls, session.close()
+        finally:
+            await oa.close()
+            await server.stop()
+
+    first, second, calls, segments = asyncio.run(go())
+    # the third generation is the retry's (the second was aborted): each sample its own, each recorded
+    assert (first.choices[0].message.content, second.choices[0].message.content, calls) == (
+        "Sample 1.", "Sample 3.", 3)
+    assert len(segments) == 2
 
 
 class MaskedAlternativesEngine(ScriptedEngine):

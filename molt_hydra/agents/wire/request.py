@@ -42,6 +42,7 @@ class ChatRequest:
     response_format: dict | None = None  # vLLM structured output: {"json": schema} / {"json_object": True}
     strict_tools: list[str] = field(default_factory=list)  # tools sent with `strict: true`: arguments per schema
     format_param: str = "response_format"  # the field that set response_format (Responses: text.format), for errors
+    text: dict | None = None  # Responses: the request's `text` (format, verbosity), which the response object echoes
     thinking: bool | None = None  # Anthropic thinking enabled / disabled (OpenAI: reasoning effort); None: not asked
     thinking_param: str = "thinking"  # the field that set `thinking`, for errors
     thinking_budget: int | None = None  # Anthropic thinking.budget_tokens

@@ -71,6 +71,7 @@ def parse(body: Any) -> ChatRequest:
         parallel_tool_calls=check.flag(body, "parallel_tool_calls", None),
         top_logprobs=_top_logprobs(body),
         response_format=check.response_format(text.get("format"), "text.format"), format_param="text.format",
+        text={"format": text.get("format") or {"type": "text"}, "verbosity": "medium"},
         thinking=_reasoning(body.get("reasoning")), thinking_param="reasoning.effort", prompt_param="input")
 
 
@@ -219,12 +220,14 @@ def _status(c) -> str:
 
 
 def _settings(req: ChatRequest) -> dict:
-    """The request's tool settings, as a response object echoes them (from `response.created` on)."""
+    """The request's tool settings and `text` (its format), as a response object echoes them (from `response.created`
+    on). LangChain's streamed structured output parses the text only where `text.format` says json_schema (was: no
+    `text`, and it failed: "Structured Output response does not have a 'parsed' field")."""
     tool_choice = req.tool_choice
     if isinstance(tool_choice, dict):
         tool_choice = {"type": "function", "name": tool_choice["function"]["name"]}
     return {"parallel_tool_calls": req.parallel_tool_calls is not False, "tool_choice": tool_choice,
-            "tools": [dict(t["function"], type="function") for t in req.tools or []]}
+            "tools": [dict(t["function"], type="function") for t in req.tools or []], "text": req.text}
 
 
 class ResponseStream(Stream):

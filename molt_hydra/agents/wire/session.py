@@ -145,6 +145,10 @@ class ChatSession:
                 # its prompt, which a streamed Anthropic reply reports up front (was: that of a request refused since)
                 self.last_prompt_tokens = self._last_reply.prompt_tokens
                 return dataclasses.replace(self._last_reply, streamed=False)
+            if repeat:  # a new sample of the cached request's prompt: should it fail, the SDK's retry of it (count 1)
+                # is generated (was: answered with the earlier sample's cached reply, e.g. after a 503
+                # generation_aborted: a duplicate the agent took for a new sample)
+                self._last_key = None
             try:
                 self._last_key, self._last_reply = key, await self._generate_turn(req, on_delta)
             except (EngineFailure, RequestError) as e:
