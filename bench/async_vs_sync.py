@@ -149,7 +149,8 @@ def main():
                f"{mean(sync, 'rollout/response_length_mean'):.0f} / {mean(asyn, 'rollout/response_length_mean'):.0f}",
                f"sync {s:.2f} s/step (generation {gen:.2f} s, rest {rest:.2f} s)",
                f"async (queue_depth 1) {a:.2f} s/step",
-               f"ratio {a / s:.2f} (goal <= 0.60; ideal max(gen, rest)/sync {ideal:.2f}; 2-core bound {core_bound:.2f})",
+               f"ratio {a / s:.2f} (goal <= 0.60; ideal max(gen, rest)/sync {ideal:.2f}; "
+               f"2-core bound {core_bound:.2f})",
                f"phase means s sync/async: {phases}; trainer torch threads (mean over micro-batches) "
                f"{mean(sync, 'perf/torch_threads'):.2f}/{mean(asyn, 'perf/torch_threads'):.2f}. "
                f"CPU s/step sync/async: {roles}; all {cpu_sync:.2f}/"

@@ -64,7 +64,8 @@ def summarize(run: Path) -> dict:
     tokens = [r["train/rollout/num_samples"] * r["train/rollout/response_length_mean"] for r in m]
     steady = m[1:] or m  # the first step also compiles / warms up
     out = {
-        "run": run.name, "model": cfg["model"]["path"], "steps": len(m), "routing_replay": cfg["rollout"]["routing_replay"],
+        "run": run.name, "model": cfg["model"]["path"], "steps": len(m),
+        "routing_replay": cfg["rollout"]["routing_replay"],
         "gpu_memory_utilization": cfg["rollout"]["gpu_memory_utilization"],
         "reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
         "vllm_kl_max_abs": max(abs(r["train/vllm_kl"]) for r in m), "vllm_kl": [r["train/vllm_kl"] for r in m],
@@ -120,7 +121,8 @@ def main() -> None:
         base = [a for a in THROUGHPUT if a.split("=", 1)[0] not in own]  # key given twice)
         cmd = [sys.executable, "-m", "molt_hydra.cli", *base, *args.set, f"hydra.run.dir={out}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        (args.runs / "throughput_console.log").write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
+        (args.runs / "throughput_console.log").write_text(proc.stdout[-20000:] + "\n--- stderr ---\n"
+                                                          + proc.stderr[-20000:])
         print(f"throughput run rc={proc.returncode}", flush=True)
     runs = [p.parent for p in sorted(args.runs.rglob("metrics.jsonl")) if '"kind": "train"' in p.read_text()]
     rows = [summarize(run) for run in runs]  # a run that failed before its first step has no row

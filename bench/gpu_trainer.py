@@ -87,7 +87,8 @@ def peak_bf16_tflops(device) -> float:
     if device.type != "cuda":
         return 0.0
     n = 8192
-    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16),
+            torch.randn(n, n, device=device, dtype=torch.bfloat16))
     for _ in range(5):
         a @ b
     torch.cuda.synchronize()
@@ -202,7 +203,8 @@ def bench_one(name, ac, variant, args, rank, world, port, peak):
     rec["policy_loss"] = runs[-1]["policy_loss"]
     # graphs torch.compile built in the first step, and after it (a recompile: a new shape or a failed guard)
     rec["compiled_graphs_first_step"], rec["recompiles_after_first_step"] = graphs[0], graphs[-1] - graphs[0]
-    # weight-sync send side: full bf16 tensors, bucket 1 GiB, to GPU (NCCL-broadcast source) and to host (shm/object store)
+    # weight-sync send side: full bf16 tensors, bucket 1 GiB, to GPU (NCCL-broadcast source) and to host
+    # (shm/object store)
     for dev in (("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)) if args.gather else ():
         dist.barrier()
         t = time.perf_counter()

@@ -72,14 +72,16 @@ def run_trl(steps: int, model_name: str) -> dict:
     def reward(completions, completion_ids, label, **_):
         if model_name == "tiny":
             return [digit_fraction(tok.decode(ids, skip_special_tokens=False)) for ids in completion_ids]
-        return [grade_math(tok.decode(ids, skip_special_tokens=True), y, False) for ids, y in zip(completion_ids, label)]
+        return [grade_math(tok.decode(ids, skip_special_tokens=True), y, False)
+                for ids, y in zip(completion_ids, label)]
 
     out = tempfile.mkdtemp(prefix="molt_bench_trl_")
     args = GRPOConfig(
         output_dir=out, use_cpu=True, bf16=False, fp16=False, seed=SEED, report_to="none", logging_steps=1,
         save_strategy="no", max_steps=steps, per_device_train_batch_size=sh["micro"],
         gradient_accumulation_steps=sh["prompts"] * sh["group"] // sh["micro"], num_generations=sh["group"],
-        max_completion_length=sh["max_new"], temperature=1.0, top_p=1.0, learning_rate=sh["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        max_completion_length=sh["max_new"], temperature=1.0, top_p=1.0, learning_rate=sh["lr"],
+        lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, beta=0.0,
         epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1, use_vllm=False,
         dataloader_num_workers=0, disable_tqdm=True, shuffle_dataset=True,

@@ -92,7 +92,8 @@ def compose_cost():
         "from molt_hydra.config.store import CONF_DIR, register;"
         "from molt_hydra.runtime.validate import validate;"
         "t1=time.perf_counter(); register(); initialize_config_dir(config_dir=str(CONF_DIR), version_base='1.3');"
-        f"validate(to_run_config(compose('config', overrides={recipe_overrides()[largest] + ['output_dir=/tmp/x']!r})));"
+        "validate(to_run_config(compose('config', "
+        f"overrides={recipe_overrides()[largest] + ['output_dir=/tmp/x']!r})));"
         "print(t1-t, time.perf_counter()-t1)")
     imp, fresh = map(float, subprocess.run([str(PY), "-c", code], capture_output=True, text=True, cwd=REPO,
                                            check=True).stdout.split())

@@ -1104,7 +1104,8 @@ def unread_on_command_line(first: DictConfig, overrides: list[str]) -> list[str]
         ("train.optimizer.lr", first.model.lora.rank is not None and getattr(o.name, "value", o.name) == "muon",
          f"model.lora.rank={first.model.lora.rank}: {LORA_MUON_INERT}", "drop train.optimizer.lr and set "
          "train.optimizer.muon_lr (the adapter's step size), or train.optimizer.name=adamw"),
-        ("logger.wandb.group", wandb_mode == "disabled" and job != "sft", "it groups the W&B run, but logger.wandb.mode=disabled "
+        ("logger.wandb.group", wandb_mode == "disabled" and job != "sft",
+         "it groups the W&B run, but logger.wandb.mode=disabled "
          "starts none, so it changes nothing.", "unset logger.wandb.group, or set logger.wandb.mode=offline (or "
          "auto/online)"),
         ("train.micro_batch_size", first.train.dynamic_batch and job != "eval", "it budgets a micro-batch as "

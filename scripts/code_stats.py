@@ -2,9 +2,9 @@
 
 Code lines leave out blank lines, comments and docstrings (PEP 257's: a body's first string and the attribute
 docstring after an assignment, as each config field's one-line doc). Layers read top-down (docs/architecture.md);
-an import of a higher layer is "upward". A monkey-patch is an assignment to an attribute of an imported upstream module or
-class; a private reach is an import of an underscore name, or of a module path with an underscore part, from an
-upstream library. Both are counted outside `compat/` only.
+an import of a higher layer is "upward". A monkey-patch is an assignment to an attribute of an imported upstream
+module or class; a private reach is an import of an underscore name, or of a module path with an underscore part,
+from an upstream library. Both are counted outside `compat/` only.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Sweeps on Slurm (hydra-submitit-launcher 1.2.x, checked by compat/hydra.py): the `launch` of hydra-submitit-launcher's SlurmLauncher (compat/hydra.py puts it in place of the
-plugin's own: Hydra instantiates launchers only from its hydra_plugins package), with what a sweep owes its user when
+"""Sweeps on Slurm (hydra-submitit-launcher 1.2.x, checked by compat/hydra.py): the `launch` of
+hydra-submitit-launcher's SlurmLauncher (compat/hydra.py puts it in place of the plugin's own: Hydra instantiates
+launchers only from its hydra_plugins package), with what a sweep owes its user when
 Slurm says no or a point fails. Its own `launch` let sbatch's refusal out as a submitit traceback, and waited on the
 points in order, ending at the first failed one with its traceback: the points after it unreported (still running).
 Here a refused submission is a config error naming the cluster.* keys and what the partitions have (exit 2), and every

@@ -107,7 +107,8 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str = MISSING
-    "HF model directory or hub id of the trainable actor (also the rollout model); `tiny://qwen3_tiny` builds a test model."
+    ("HF model directory or hub id of the trainable actor (also the rollout model); "
+     "`tiny://qwen3_tiny` builds a test model.")
     tokenizer_path: Optional[str] = None
     "Tokenizer directory; None uses model.path."
     ref_path: Optional[str] = None
@@ -145,7 +146,8 @@ class ModelConfig:
     gate_precision: str = "float32"
     "MoE router precision in the trainer: gate matmul, softmax and top-k in float32 or bfloat16 (MOLT_GATE_PRECISION)."
     moe_experts_impl: MoeExpertsImpl = MoeExpertsImpl["auto"]
-    "HF backend MoE experts: grouped GEMM over all experts of a layer, the per-expert loop, or auto (docs/gpu_trainer.md)."
+    ("HF backend MoE experts: grouped GEMM over all experts of a layer, the per-expert loop, or auto "
+     "(docs/gpu_trainer.md).")
     lora: LoraConfig = field(default_factory=LoraConfig)
     "LoRA: train a low-rank adapter instead of every weight (off unless model.lora.rank is set)."
 
@@ -192,7 +194,8 @@ class WeightSyncConfig:
     check_coverage: bool = False
     "After each sync, fail if any trainable parameter was never pushed (Molt's check_weight_update_equal)."
     probe_every: int = ranged(10, ge=0)
-    "Every N syncs, engines and trainer compare per-layer weight sums and a probe's log-probs; a gap stops the run (0 = off)."
+    ("Every N syncs, engines and trainer compare per-layer weight sums and a probe's log-probs; "
+     "a gap stops the run (0 = off).")
 
 
 @dataclass
@@ -268,7 +271,8 @@ class RolloutConfig:
     top_k: int = ranged(-1, ge=1, also=(-1,))
     "Top-k sampling (-1 = off)."
     incomplete_groups: IncompleteGroups = IncompleteGroups["keep"]
-    "Groups with fewer usable rollouts than n_samples_per_prompt: keep or drop (always dropped under dynamic filtering)."
+    ("Groups with fewer usable rollouts than n_samples_per_prompt: keep or drop "
+     "(always dropped under dynamic filtering).")
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     "Trainer -> engine weight transfer."
 
@@ -324,7 +328,8 @@ class DynamicFilteringConfig:
 @dataclass
 class AlgorithmConfig:
     estimator: str = "grpo"
-    "Advantage estimator registry name (reinforce, reinforce_baseline, rloo, grpo, dr_grpo, gae, on_policy_distill, or a plugin's)."
+    ("Advantage estimator registry name (reinforce, reinforce_baseline, rloo, grpo, dr_grpo, gae, "
+     "on_policy_distill, or a plugin's).")
     plugins: list[str] = field(default_factory=list)
     "Python modules imported before validation so their registered estimators/losses can be named."
     gamma: float = ranged(1.0, gt=0, le=1)
@@ -371,7 +376,8 @@ class AlgorithmConfig:
 @dataclass
 class AgentConfig:
     runner: dict[str, Any] = field(default_factory=lambda: {"_target_": MISSING})
-    "The agent: `_target_` is a dotted path or `path/to/file.py:Name` of an Env, ChatAgent or Runner; other keys are its kwargs."
+    ("The agent: `_target_` is a dotted path or `path/to/file.py:Name` of an Env, ChatAgent or Runner; "
+     "other keys are its kwargs.")
     timeout_s: float = ranged(600.0, gt=0, le=MAX_TIMEOUT_S)
     "Wall-clock limit of one rollout (all its turns); a rollout past it is dropped and counted as agent_timeout."
     max_turns: int = ranged(8, ge=1)
@@ -550,7 +556,8 @@ class CheckpointConfig:
     save_steps: int = ranged(-1, ge=0, also=(-1,))
     "Save a resumable checkpoint every N steps (-1 = only at the end; 0 = never, e.g. a throughput run)."
     save_hf: bool = False
-    "Also export an HF snapshot (<checkpoint.dir>/hf/step_N) with each resumable save; pruned with its checkpoint, counted in max_disk_gb from the next save."
+    ("Also export an HF snapshot (<checkpoint.dir>/hf/step_N) with each resumable save; pruned with its "
+     "checkpoint, counted in max_disk_gb from the next save.")
     export_final: bool = True
     "Export the final consolidated HF model (safetensors + tokenizer + config)."
     export_dir: str = "${output_dir}/hf_final"

@@ -429,9 +429,9 @@ def rollout_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> 
     short_steps = bool(r.max_num_batched_tokens and r.max_num_batched_tokens < r.max_model_len)
     problems.table((
         # engine i is seeded with seed + i (rollout/engine.py), which vLLM hands numpy's np.random.seed (< 2**32)
-        (cfg.job.value == "sft" or cfg.seed + r.num_engines - 1 < 2**32, "seed", f"{cfg.seed}: rollout engine i is "
-         f"seeded with seed + i, so engine {r.num_engines - 1} gets {cfg.seed + r.num_engines - 1}, past 2**32 - 1, the "
-         "largest seed vLLM's numpy seeding takes: that engine would fail to start.",
+        (cfg.job.value == "sft" or cfg.seed + r.num_engines - 1 < 2**32, "seed", f"{cfg.seed}: rollout engine i "
+         f"is seeded with seed + i, so engine {r.num_engines - 1} gets {cfg.seed + r.num_engines - 1}, past 2**32 - 1, "
+         "the largest seed vLLM's numpy seeding takes: that engine would fail to start.",
          f"set seed <= {2**32 - r.num_engines}"),
         (not (r.routing_replay and t.partial_rollout), "rollout.routing_replay",
          "routing replay needs every token's experts from one policy; partial rollout mixes them.",

@@ -57,7 +57,8 @@ def _misread(key: str, leaf, scalar, value, node, where: str, swept: bool) -> st
     if swept or not isinstance(node, ValueNode):  # (a swept bool or number: each point's own check)
         return None
     if isinstance(node, BooleanNode) and scalar.tag != f"{TAG}bool" and "${" not in scalar.value and \
-            scalar.value.lower() not in ("true", "false") and node._value() == BooleanNode(value)._value():  # (2, 0, y, n, 'yes': as the command line's are refused)
+            scalar.value.lower() not in ("true", "false") and node._value() == BooleanNode(value)._value():
+        # (2, 0, y, n, 'yes': as the command line's are refused)
         return (f"- {key}: true or false, but {where}, which OmegaConf reads as {str(node._value()).lower()}. Fix: "
                 f"write {leaf}: true or {leaf}: false there")
     if scalar.tag in NUMBER_TAGS and node._value() == value and (reading := _not_decimal(scalar.value, value)):

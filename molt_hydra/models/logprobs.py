@@ -42,7 +42,8 @@ def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: f
 
 def entropy_from_logits(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
                         chunk_size: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
-    """[B, T] fp32 entropy H = logsumexp(z) - sum softmax(z) z of the distribution that produced token t (z = logits/T)."""
+    """[B, T] fp32 entropy H = logsumexp(z) - sum softmax(z) z of the distribution that produced token t
+    (z = logits/T)."""
     return _per_chunk(logits, ids, temperature, chunk_size,
                       lambda zc, _: torch.logsumexp(zc, dim=-1) - (torch.softmax(zc, dim=-1) * zc).sum(-1))
 

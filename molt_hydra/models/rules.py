@@ -20,7 +20,8 @@ MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_exp
 # text_config too). Generous, as `context_length` is: a family vLLM serves with such layers must match, a plain
 # transformer must not. GDN: vLLM's Gated-DeltaNet layers read linear_num_value_heads (Qwen3-Next / 3.5, OLMo hybrid).
 # SSM state (mamba_ssm_cache_dtype): Mamba-1/2 (state_size, mamba_d_state, ssm_state_size), GDN, Kimi's KDA
-# (linear_attn_config). MTP: the draft layers vLLM's "mtp" method loads (num_nextn_predict_layers, mtp_num_hidden_layers).
+# (linear_attn_config). MTP: the draft layers vLLM's "mtp" method loads (num_nextn_predict_layers,
+# mtp_num_hidden_layers).
 LAYER_MARKS = {"gdn": ("linear_num_value_heads",),
                "ssm": ("mamba", "ssm", "state_size", "linear_num_value_heads", "linear_attn"),
                "mtp": ("nextn_predict", "mtp"),
@@ -130,7 +131,8 @@ def _model_location(problems: Problems, key: str, location: str | None) -> None:
                        f"{WEIGHTS_ALONE} and checkpoint.resume=must")
     elif model_dir:
         problems.check((path / "config.json").is_file(), key, f"{location!r} holds no "
-                       "config.json, so it is no HF model directory (the trainer and vLLM load the model from it).", fix)
+                       "config.json, so it is no HF model directory (the trainer and vLLM load the model from it).",
+                       fix)
 
 
 def check_model(cfg: RunConfig, problems: Problems) -> None:
@@ -354,6 +356,7 @@ def _lora_muon(cfg: RunConfig, moe: bool) -> list[tuple]:
                f"{_override_text(get(defaults(), f'train.optimizer.{name}'))} (its default; tune "
                "train.optimizer.muon_lr / muon_momentum / muon_weight_decay), or train.optimizer.name=adamw")
               for name in inert),
-            (not (moe and o.muon_experts_adamw), "train.optimizer.muon_experts_adamw", "the adapter has no grouped expert "
+            (not (moe and o.muon_experts_adamw), "train.optimizer.muon_experts_adamw",
+             "the adapter has no grouped expert "
              "weights (the experts are part of the frozen base), so it changes nothing.",
              "unset train.optimizer.muon_experts_adamw")]

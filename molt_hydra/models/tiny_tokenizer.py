@@ -46,14 +46,15 @@ Call a tool as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|
 {% endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}<|im_start|>assistant
-{% endif -%}"""
+{% endif -%}"""  # noqa: E501 (the template is data: its lines are the chat format)
 
 
 def _corpus(rng: random.Random):
     words = "the quick brown fox jumps over lazy dog answer is yes no python print tool result call sum".split()
     for _ in range(4000):
         a, b = rng.randint(0, 99), rng.randint(0, 99)
-        yield f"<|im_start|>user\nWhat is {a}+{b}?<|im_end|>\n<|im_start|>assistant\nThe answer is \\boxed{{{a + b}}}.<|im_end|>"
+        yield (f"<|im_start|>user\nWhat is {a}+{b}?<|im_end|>\n"
+               f"<|im_start|>assistant\nThe answer is \\boxed{{{a + b}}}.<|im_end|>")
         yield '<tool_call>{"name": "python", "arguments": {"code": "print(%d*%d)"}}</tool_call>' % (a, b)
         yield " ".join(rng.choice(words) for _ in range(12))
 

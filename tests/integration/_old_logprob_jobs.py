@@ -66,8 +66,8 @@ def controller_step(rank, world_size, port, out, cfg, model_name, force_two_pass
                              is_correction=ISCorrection(a.is_correction.level.value, a.is_correction.mode.value,
                                                         a.is_correction.low, a.is_correction.high))
     calls = InProcessCalls(w)
-    roles = SimpleNamespace(actor=SimpleNamespace(num_ranks=1, dp_size=1, per_shard=list), ref=None, critic=None, pad_token_id=0,
-                            policy_loss=policy_loss, calls=calls)
+    roles = SimpleNamespace(actor=SimpleNamespace(num_ranks=1, dp_size=1, per_shard=list), ref=None, critic=None,
+                            pad_token_id=0, policy_loss=policy_loss, calls=calls)
     ctl = RLController(cfg, roles, log=None)
     if force_two_pass:  # the reference computation: the separate no-grad pass, as before the one-pass path
         ctl.old_logprobs_from_training = lambda *_: False
@@ -101,7 +101,8 @@ def epochs_step(rank, world_size, port, out, cfg):
     def ranks():
         spec = dict(rank=rank, world_size=world_size, master_port=port, model_path=cfg.model.path, lr=1e-2,
                     max_tokens_per_micro_batch=40, timeout_s=120)
-        return {role: SimpleNamespace(num_ranks=1, dp_size=1, per_shard=list, worker=TrainerWorker(TrainerSpec(role=role, **spec)))
+        return {role: SimpleNamespace(num_ranks=1, dp_size=1, per_shard=list,
+                                      worker=TrainerWorker(TrainerSpec(role=role, **spec)))
                 for role in ("actor", "critic")}
 
     calls, trained = RoleCalls(), ranks()

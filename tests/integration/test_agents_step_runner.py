@@ -2,7 +2,8 @@
 
 A random model stops wherever it likes, so turn lengths are made exact with sampling alone: `ignore_eos` +
 `max_tokens` for "length" turns, and for "stop" turns every token but one is a stop token (min_tokens=1 forces
-that token first, then a seeded sample is a stop token with probability ~511/512), so the turn ends on a stop token without mocking.
+that token first, then a seeded sample is a stop token with probability ~511/512), so the turn ends on a stop token
+without mocking.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from molt_hydra.agents import Env, Episode, Result, StepEnvRunner, load_runner
 from molt_hydra.rollout.generation import Sampling
 
 NON_STOP = 100  # the one token that is not a stop token: min_tokens=1 forces it first, then greedy stops
-STOP_SOON = Sampling(max_tokens=8, temperature=1.0, seed=0, stop_token_ids=tuple(i for i in range(512) if i != NON_STOP))
+STOP_SOON = Sampling(max_tokens=8, temperature=1.0, seed=0,
+                     stop_token_ids=tuple(i for i in range(512) if i != NON_STOP))
 EXACT = Sampling(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPT = "<|im_start|>user\nCount: 7<|im_end|>\n<|im_start|>assistant\n"
 
@@ -76,7 +78,8 @@ def test_multi_turn_feedback_tokens_and_summed_reward(loop, engine, tokenizer):
     assert len(traj.logprobs) == len(traj.versions) == len(traj.token_ids)
     generated = {i for s, e in traj.action_ranges for i in range(s, e)}
     assert all(traj.versions[i] == (0 if i in generated else -1) for i in range(len(traj.token_ids)))
-    assert all((traj.logprobs[i] < 0) == (i in generated) or traj.logprobs[i] == 0.0 for i in range(len(traj.token_ids)))
+    assert all((traj.logprobs[i] < 0) == (i in generated) or traj.logprobs[i] == 0.0
+               for i in range(len(traj.token_ids)))
     assert traj.rollout_id == ep.rollout_id
 
 

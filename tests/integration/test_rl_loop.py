@@ -40,7 +40,8 @@ def only_last(cmd: list[str]) -> list[str]:
 def molt_run(out: Path, *overrides: str, timeout: float = 600,
              small: list[str] = SMALL) -> subprocess.CompletedProcess:
     cmd = only_last([MOLT_RUN, *small, f"hydra.run.dir={out}", *overrides])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
@@ -180,8 +181,8 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
     # eval's requests, the killed run's lost ones generated again
     assert b[4]["train/rollout/router/requests"] == a[4]["train/rollout/router/requests"] > a[2][
         "train/rollout/router/requests"] > 0
-    evals = [json.loads(line) for out in (straight, resumed) for line in (out / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "eval"]
+    evals = [json.loads(line) for out in (straight, resumed)
+             for line in (out / "metrics.jsonl").read_text().splitlines() if json.loads(line)["kind"] == "eval"]
     assert [e["step"] for e in evals] == [2, 4, 2, 4]  # every eval.every_steps steps, each once
     for ea, eb in zip(evals[:2], evals[2:]):
         assert ea.keys() == eb.keys()

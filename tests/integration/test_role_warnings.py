@@ -1,7 +1,8 @@
 """A warning a role process logs (molt_hydra's loggers) reaches the run's terminal, naming the role, once per kind;
 the repeats are counted and kept in <output_dir>/role_warnings.jsonl (runtime/role_warnings.py). Before, Ray's
-log_to_driver=False left every one in Ray's session log files: a user never saw e.g. `model.compile_blocks: torch.compile
-built no graph ...` from a trainer rank. Real Ray, started as a run starts it (runtime/roles.py `init_ray`)."""
+log_to_driver=False left every one in Ray's session log files: a user never saw e.g.
+`model.compile_blocks: torch.compile built no graph ...` from a trainer rank. Real Ray, started as a run starts
+it (runtime/roles.py `init_ray`)."""
 
 import os
 import sys

@@ -201,7 +201,8 @@ def test_hf_export_reloads_in_transformers(ckpt_results):
         torch.testing.assert_close(sd[k], v, atol=0, rtol=0)
     tok = AutoTokenizer.from_pretrained(ckpt_results["export"])
     assert tok.eos_token == "<|im_end|>"
-    assert m.config.tie_word_embeddings and sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
+    assert m.config.tie_word_embeddings
+    assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
 
 
 @pytest.mark.slow
@@ -214,7 +215,8 @@ from vllm import LLM, SamplingParams
 from transformers import AutoModelForCausalLM
 path = {str(ckpt_results['export'])!r}
 llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.5)
-out = llm.generate({{"prompt_token_ids": [1, 20, 30, 40]}}, SamplingParams(max_tokens=4, temperature=0, logprobs=0))[0].outputs[0]
+out = llm.generate({{"prompt_token_ids": [1, 20, 30, 40]}},
+                   SamplingParams(max_tokens=4, temperature=0, logprobs=0))[0].outputs[0]
 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 ids = torch.tensor([[1, 20, 30, 40] + list(out.token_ids)])
 lp = torch.log_softmax(hf(ids).logits[0].float(), -1)

@@ -369,7 +369,8 @@ def test_tool_call_arguments_reach_the_template_as_an_object_as_vllm_hands_them(
     calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": [1, "é"]}'}},
              {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}}]
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls},
-            {"role": "tool", "tool_call_id": "a", "content": "1"}, {"role": "tool", "tool_call_id": "b", "content": "2"}]
+            {"role": "tool", "tool_call_id": "a", "content": "1"},
+            {"role": "tool", "tool_call_id": "b", "content": "2"}]
     asyncio.run(session.complete(openai_chat.parse({"messages": msgs})))
     prompt = tok.decode(engine.prompt_ids, skip_special_tokens=False)
     assert '<tool_call>{"name": "f", "arguments": {"x": [1, "é"]}}</tool_call>' in prompt

@@ -155,7 +155,8 @@ def test_grouped_experts_reach_the_weight_sync_as_views_of_the_trainers_own_stor
             return [(fqn, tensor.T)]
 
     marking = MarksInPlace()
-    assert compat.hf_views(marking)("w", tensor)[0][1].untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    view = compat.hf_views(marking)("w", tensor)[0][1]
+    assert view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
     assert marking._inplace_loaded_native_keys == {"earlier"}  # the mark undone, the adapter's own kept
 
     class FreshDestinations:  # a load form that hands out tensors to be filled later (not the values)

@@ -39,7 +39,8 @@ def _trained():
 
 @pytest.fixture
 def saved(tmp_path):
-    """A run's step-3 checkpoint (in its second episode), its client state as the RL controller saves it (the run record with the config)."""
+    """A run's step-3 checkpoint (in its second episode), its client state as the RL controller saves it (the run
+    record with the config)."""
     model, opt = _trained()
     record = write_run_record(_cfg(tmp_path), tmp_path / "out")
     save_checkpoint(tmp_path / "ckpt", 3, model, opt, client_state={
@@ -419,8 +420,8 @@ def test_an_sft_resume_goes_on_over_keys_the_job_never_reads(tmp_path, capsys):
     found, _ = _check_resume(_sft_cfg(tmp_path, "checkpoint.resume=auto"))
     assert found == tmp_path / "ckpt" / "step_3"
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"Resuming {found} with keys changed since its save: ") and "rollout.temperature 0.7 -> 1.0" \
-        in last, last
+    assert last.startswith(f"Resuming {found} with keys changed since its save: ") \
+        and "rollout.temperature 0.7 -> 1.0" in last, last
 
 
 def test_an_sft_resume_with_no_step_left_says_so_and_starts_nothing(sft_saved, tmp_path, capsys, monkeypatch):
@@ -472,9 +473,9 @@ def _sft_saved(tmp_path, data, *overrides):
     ("rewritten", None),  # (named below, from the file's bytes)
 ], ids=lambda v: str(v).split("=")[0])
 def test_an_sft_resume_over_other_samples_or_another_order_is_refused(tmp_path, capsys, change, named):
-    """job=sft resumes at sample global_step x train.batch_size of a permutation of its samples seeded by `seed`. Before:
-    another seed, other data.* settings, or the data file written again at the same path (here: each reply's text
-    changed, the size the same) went on in another order or over other samples, repeating and skipping samples
+    """job=sft resumes at sample global_step x train.batch_size of a permutation of its samples seeded by `seed`.
+    Before: another seed, other data.* settings, or the data file written again at the same path (here: each reply's
+    text changed, the size the same) went on in another order or over other samples, repeating and skipping samples
     without a word."""
     import hashlib
 

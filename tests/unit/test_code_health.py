@@ -1,6 +1,7 @@
 """The tree's own invariants, held in CI: pyflakes' checks (an undefined name is a NameError waiting for the one path
-that reaches it) and the shape rules of the house (scripts/code_stats.py: no function over 60 lines, no import cycle,
-no upward import across layers, no patch of another library or reach into its privates outside compat/)."""
+that reaches it), lines of at most 120 characters (ruff's E501, line-length in pyproject.toml) and the shape rules of
+the house (scripts/code_stats.py: no function over 60 lines, no import cycle, no upward import across layers, no patch
+of another library or reach into its privates outside compat/)."""
 from __future__ import annotations
 
 import re

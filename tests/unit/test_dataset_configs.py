@@ -75,7 +75,8 @@ def test_a_directory_of_plain_data_files_is_read_as_its_one_config(tmp_path, mon
     (tmp_path / "plain" / "train.jsonl").write_text('{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": "2"}\n')
     assert [r["prompt"] for r in load_prompts(str(tmp_path / "plain"))] == ["a", "b"]
     assert [r["prompt"] for r in load_prompts(str(tmp_path / "plain"), config_name="default")] == ["a", "b"]
-    with pytest.raises(ValueError, match=r"has no config 'main'; its configs: \['default'\]. Fix: set data.config_name"):
+    with pytest.raises(ValueError,
+                       match=r"has no config 'main'; its configs: \['default'\]. Fix: set data.config_name"):
         load_prompts(str(tmp_path / "plain"), config_name="main")
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "a.py").write_text("x = 1\n")

@@ -58,5 +58,6 @@ def test_joined_stream_takes_its_versions_from_the_engines_spans():
               Generation([8], [-0.4], [3], "length", version_spans=[(2, 0, 3), (3, 3, 4)])]
     joined = join_deltas(deltas)
     assert joined.versions == [2, 2, 2, 3]
-    assert (joined.token_ids, joined.logprobs, joined.finish_reason) == ([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4], "length")
+    assert (joined.token_ids, joined.logprobs, joined.finish_reason) == (
+        [5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4], "length")
     assert join_deltas(deltas[:2]).versions == [3, 3, 3]  # no spans (cut stream): the stamps as read

@@ -19,7 +19,8 @@ def test_hydras_parser_gives_the_flags_molt_run_reads():
 
 def test_another_release_is_refused(monkeypatch):
     monkeypatch.setattr(metadata, "version", lambda dist: "1.4.0")
-    with pytest.raises(RuntimeError, match=r"command-line check \(molt_hydra/compat/hydra.py\) is written for hydra-core 1\.3\.x; "
+    with pytest.raises(RuntimeError, match=r"command-line check \(molt_hydra/compat/hydra.py\) is written for "
+                                           r"hydra-core 1\.3\.x; "
                                            r"hydra-core 1\.4\.0 is installed"):
         get_args_parser()
 

@@ -22,7 +22,8 @@ RANK_TRACEBACK = ("\n\n-- Process 1 terminated with the following error:\nTraceb
 
 
 @pytest.mark.parametrize("error,last", [
-    (ProcessRaisedException(RANK_TRACEBACK, 1, 4321), "Run failed: sft trainer rank 1: ValueError: row 7 has no reply."),
+    (ProcessRaisedException(RANK_TRACEBACK, 1, 4321),
+     "Run failed: sft trainer rank 1: ValueError: row 7 has no reply."),
     (ProcessExitedException("process 0 terminated with signal SIGKILL", 0, 99, -9, "SIGKILL"),
      "Run failed: sft trainer rank 0: process 0 terminated with signal SIGKILL."),
     (TimeoutError("2 ranks of _sft_rank did not finish within 3600s"),

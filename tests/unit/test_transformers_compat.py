@@ -1,5 +1,6 @@
 """compat/transformers.py: each reach refuses a transformers release it was not written for, and the installed
-transformers still has the modules and behaviour the reaches rely on (the experts patch: tests/unit/test_moe_experts.py)."""
+transformers still has the modules and behaviour the reaches rely on (the experts patch:
+tests/unit/test_moe_experts.py)."""
 
 from __future__ import annotations
 

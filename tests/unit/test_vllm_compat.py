@@ -84,7 +84,8 @@ def test_in_place_loads_only_where_every_layer_keeps_the_loaders_layout():
         pass
 
     mla = torch.nn.Sequential(torch.nn.Linear(2, 2), DeepseekAttention())
-    assert compat.in_place_load_refusal(mla) == "1 derives its attention weights from the loaded ones after loading (MLA)"
+    assert compat.in_place_load_refusal(mla) == (
+        "1 derives its attention weights from the loaded ones after loading (MLA)")
 
 
 def test_the_triton_moe_backends_keep_the_experts_as_loaded():

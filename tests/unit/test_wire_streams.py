@@ -1741,7 +1741,8 @@ def test_a_bad_image_is_a_400_naming_its_place_in_the_request_from_each_sdk(tok)
 
     refused, anthropic_refused = asyncio.run(go())
     decode = "image data URI is not a decodable image: not an image format PIL reads"
-    assert [param for param, _ in refused] == ["messages[1].content[1]", "messages[2].content[1]", "input[0].content[1]"]
+    assert [param for param, _ in refused] == [
+        "messages[1].content[1]", "messages[2].content[1]", "input[0].content[1]"]
     assert [message for _, message in refused] == [
         f"messages[1].content[1]: {decode} (PNG, JPEG, GIF, WebP, ...)",
         f"messages[2].content[1]: cannot open image '{missing}': No such file or directory",
@@ -3153,7 +3154,8 @@ def test_an_assistant_prefix_to_continue_is_refused_naming_it(tok):
 
 
 def test_a_400_about_the_conversation_names_each_apis_own_field(tok):
-    """A 400 about the conversation as a whole (over the session's length, a tool result after no call) named `messages` on every route, a field the Responses API and /v1/completions do not have.
+    """A 400 about the conversation as a whole (over the session's length, a tool result after no call) named
+    `messages` on every route, a field the Responses API and /v1/completions do not have.
     Each names its own now, as OpenAI does: Responses `input`, completions `prompt`; chat keeps `messages`."""
     from openai import AsyncOpenAI, BadRequestError
 
@@ -3271,7 +3273,8 @@ def test_a_retried_anthropic_stream_reports_its_own_prompt_in_message_start(tok)
         try:
             live = await starts()
             with pytest.raises(BadRequestError):
-                await an.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "w " * 60}])
+                await an.messages.create(model="policy", max_tokens=5,
+                                         messages=[{"role": "user", "content": "w " * 60}])
             return live, await starts(SDK_RETRY), session.generate_calls
         finally:
             await an.close()

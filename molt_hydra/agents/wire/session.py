@@ -255,7 +255,8 @@ class ChatSession:
         if req.thinking is not None and req.thinking != (self.parser.reasoning is not None):
             param = req.thinking_param
             raise RequestError(400, f"'{param}' {'enables' if req.thinking else 'disables'} thinking, which does not "
-                               f"match this model's setup (agent.reasoning_parser={self.parser.reasoning_parser_name!r})"
+                               "match this model's setup "
+                               f"(agent.reasoning_parser={self.parser.reasoning_parser_name!r})"
                                f": thinking is what the model was trained to do; omit '{param}'", param)
 
     def _check_n(self, req: ChatRequest) -> None:
