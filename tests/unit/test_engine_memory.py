@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -31,6 +32,8 @@ def test_engine_passes_only_the_memory_knob_of_its_platform(monkeypatch, tiny_mo
                         lambda device: "0.24.0" if device == "cuda" else "0.32.0")
 
     class Front:  # what start() uses of the AsyncLLM it builds: the arguments, and the weight-version label
+        model_config = SimpleNamespace(hf_config=SimpleNamespace())  # (a text model: no image placeholder)
+
         def __init__(self, args):
             captured["a"] = args
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
@@ -21,6 +22,8 @@ def engine_args(monkeypatch, tiny_model, on_cpu: bool, tensor_parallel_size: int
     captured = {}
 
     class Front:  # the AsyncLLM start() builds: it labels the weight version the engine core stamps
+        model_config = SimpleNamespace(hf_config=SimpleNamespace())  # (a text model: no image placeholder)
+
         async def update_weight_version(self, version):
             pass
 
