@@ -77,6 +77,20 @@ def test_molt_run_on_a_directory_in_use_stops_before_writing_anything(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == []  # (the holder's lock is beside it)
 
 
+def _second_run(dirs: dict[str, str]) -> subprocess.CompletedProcess:
+    """Another process taking the run lock of `dirs` (SECOND): prints "held" if it got it."""
+    return subprocess.run([sys.executable, "-c", SECOND, json.dumps(dirs)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _assert_refused(proc: subprocess.CompletedProcess, key: str, path: Path) -> None:
+    """The second run was refused, naming `key`'s directory and this process as its holder."""
+    assert proc.returncode == EXIT_FAILED and "held" not in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"Run not started: {key}={path} is in use by another run (pid {os.getpid()} on {os.uname().nodename}). "
+        f"Fix: wait for that run to end, or point {key} at another directory.")
+
+
 def _locked_dirs(out: Path, *overrides: str) -> dict[str, str]:
     """What `molt-run` locks for this config (runtime/entrypoint.py run: the validated config's run_dirs)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
@@ -103,12 +117,8 @@ def test_two_runs_exporting_to_one_directory_are_refused_and_the_export_keeps_it
         (tmp_path / "shared" / ".tmp-final").mkdir()
         _replace_dir(tmp_path / "shared" / ".tmp-final", export)  # the first run's export
         second = _locked_dirs(tmp_path / "b", f"checkpoint.export_dir={export}")
-        proc = subprocess.run([sys.executable, "-c", SECOND, json.dumps(second)], capture_output=True, text=True,
-                              timeout=120)
-    assert proc.returncode == EXIT_FAILED and "held" not in proc.stdout, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"Run not started: checkpoint.export_dir={export} is in use by another run (pid {os.getpid()} on "
-        f"{os.uname().nodename}). Fix: wait for that run to end, or point checkpoint.export_dir at another directory.")
+        proc = _second_run(second)
+    _assert_refused(proc, "checkpoint.export_dir", export)
     assert sorted(p.name for p in export.iterdir()) == []  # nothing of the lock's inside the export
 
 
@@ -121,14 +131,9 @@ def test_a_checkpoint_dir_removed_while_its_run_goes_on_is_still_refused_to_a_se
     with run_lock({"output_dir": str(tmp_path / "a"), "checkpoint.dir": str(ckpt)}):
         assert ckpt.is_dir() and sorted(p.name for p in ckpt.iterdir()) == []
         shutil.rmtree(ckpt)
-        proc = subprocess.run([sys.executable, "-c", SECOND, json.dumps(second)], capture_output=True, text=True,
-                              timeout=120)
-    assert proc.returncode == EXIT_FAILED and "held" not in proc.stdout, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"Run not started: checkpoint.dir={ckpt} is in use by another run (pid {os.getpid()} on "
-        f"{os.uname().nodename}). Fix: wait for that run to end, or point checkpoint.dir at another directory.")
-    proc = subprocess.run([sys.executable, "-c", SECOND, json.dumps(second)], capture_output=True, text=True,
-                          timeout=120)
+        proc = _second_run(second)
+    _assert_refused(proc, "checkpoint.dir", ckpt)
+    proc = _second_run(second)
     assert proc.returncode == 0 and proc.stdout == "held\n", proc.stderr[-2000:]  # released with the first run
 
 
