@@ -42,7 +42,10 @@ SECTIONS: list[tuple[str, str | None, list[tuple[str, list[str]]]]] = [
         ("staleness (policy versions)", ["train/drift/staleness_*"]),
     ]),
     ("MoE routing", "train/routing/*", [
-        ("routing agreement", ["train/routing/agreement", "train/routing/agreement_worst_layer"]),
+        # (a VLM's image / text split too); `replayed`: the experts the trainer used are the engine's (R3: 1.0)
+        ("routing agreement", ["train/routing/agreement*"]),
+        ("experts used = engine's (replayed)", ["train/routing/replayed*"]),
+        ("image tokens (share)", ["train/routing/image_tokens"]),
         ("aux loss", ["train/routing/aux_loss"]),
         ("expert load entropy", ["train/routing/expert_load_entropy"]),
     ]),

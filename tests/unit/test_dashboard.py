@@ -81,6 +81,26 @@ def test_moe_and_kl_sections_appear_when_their_metrics_are_logged():
                    "KL to reference": ["KL to reference", "KL coefficient"]}
 
 
+def test_moe_section_shows_every_routing_metric_the_trainer_logs():
+    """docs/metrics.md: the MoE section shows `train/routing/*`. Every key RoutingStats emits (a VLM's image / text
+    split and the load-balancing loss included, as a router with probabilities over an image batch gives them) is in
+    one of its panels. Before: `routing/replayed` (R3's own check: 1.0 when the trainer used the engine's experts) and
+    the image / text split were on no panel, in W&B or molt-report."""
+    import torch
+
+    from molt_hydra.models.moe_routing import RoutingStats
+
+    stats = RoutingStats(num_layers=2, num_experts=4)
+    own, engine = torch.tensor([[0, 1], [2, 3], [0, 2]]), torch.tensor([[0, 1], [2, 1], [0, 2]])
+    for layer in range(2):
+        stats.add(layer, torch.full((3, 4), 0.25), own, engine, engine, image=torch.tensor([1, 0, 0]))
+    emitted = {f"train/{k}" for k in stats.metrics()}
+    assert {"train/routing/replayed", "train/routing/agreement_image", "train/routing/replayed_text"} <= emitted
+    (section,) = dashboard.sections(emitted)
+    assert section["name"] == "MoE routing"
+    assert {k for p in section["panels"] for k in p["keys"]} == emitted
+
+
 def _run_dir(root: Path, name: str, overrides: list[str], rows: list[dict], group: str = "sw_1") -> Path:
     d = root / name
     (d / ".hydra").mkdir(parents=True)
