@@ -17,11 +17,13 @@ class RunLog:
         """`sinks`: logging/sinks.py MetricSinks; `progress`: logging/progress.py Progress."""
         self.cfg, self.dir, self.tokenizer = cfg, Path(output_dir), tokenizer
         self.sinks, self.progress = sinks, progress
+        self.unlogged: tuple[int, dict] | None = None  # the last step, when logger.every_steps skipped it
 
     def step(self, step: int, metrics: dict, batch) -> None:
         log = self.cfg
+        self.unlogged = (step, metrics)
         if step % log.every_steps == 0:
-            self.sinks.log(metrics, step)
+            self.flush()
         self.progress.step(step, metrics)
         rows = [t for g in batch.groups for t in g.trajectories]
         if log.sample_table_every and step % log.sample_table_every == 0 and rows:
@@ -51,5 +53,17 @@ class RunLog:
         first = t.action_ranges[0][0] if t.action_ranges else len(t.token_ids)
         return (self.tokenizer.decode(t.token_ids[:first]), self.tokenizer.decode(t.generated_ids), float(t.reward))
 
+    def flush(self) -> None:
+        """The last step into the sinks if logger.every_steps skipped it: the RL loop calls it when its steps end (the
+        data, train.max_steps, Slurm's notice), `close` when a failure ends the run. Before, a run whose last step was
+        no multiple of every_steps never logged it: molt-report called the completed run "stopped at step N", and the
+        W&B summary and best values stopped there."""
+        if self.unlogged is not None:
+            self.sinks.log(self.unlogged[1], self.unlogged[0])
+            self.unlogged = None
+
     def close(self) -> None:
-        self.sinks.close()
+        try:
+            self.flush()
+        finally:  # (a sink that failed the step's row fails its flush again: W&B is still finished)
+            self.sinks.close()

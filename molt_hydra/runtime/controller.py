@@ -494,4 +494,5 @@ class RLController:
             if preempted:  # (an eval due now runs first thing on resume: its `next_eval` is this step)
                 self.stopped_for_notice = True
                 break
+        self.log.flush()  # the last step, whatever logger.every_steps
         return last

@@ -343,3 +343,31 @@ def test_an_eval_logged_first_after_a_resume_is_not_marked_replayed(tmp_path):
     # (before: a fresh run's at-start eval, step 0, was marked too: 0 <= the 0 of "no step logged before")
     assert logged(first) == [(0, None, None), (1, None, None), (2, None, None)]
     assert logged(resumed_file) == [(2, None, None), (0, 1.0, None), (3, None, None)]
+
+
+def test_the_last_step_is_logged_whatever_every_steps(tmp_path):
+    """logger.every_steps=4 over 6 steps: steps 4 and 6 reach the sinks (the loop's end flushes its last step), and
+    molt-report calls the run completed. Before: step 6 was never logged, the report said "stopped at step 4" and the
+    W&B summary (final and best values) ended at step 4. A failure that ends the run logs its last step too (close)."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from molt_hydra.config.schema import LoggerConfig
+    from molt_hydra.logging.run_log import RunLog
+    from molt_hydra.runtime import report
+
+    def run(out: Path, steps: int, end) -> list[int]:
+        log = RunLog(LoggerConfig(every_steps=4), out, None, MetricSinks(out, run_name="t", config={},
+                                                                             wandb_mode="disabled"), Progress(6, False))
+        for step in range(1, steps + 1):
+            log.step(step, {"reward": float(step)}, SimpleNamespace(groups=[]))
+        end(log)
+        log.close()
+        return [(r["step"], r["train/reward"]) for r in rows(out / "metrics.jsonl")]
+
+    assert run(tmp_path / "failed", 5, lambda log: None) == [(4, 4.0), (5, 5.0)]  # a failure: closed only
+    assert run(tmp_path / "done", 6, RunLog.flush) == [(4, 4.0), (6, 6.0)]  # the loop's end (controller._steps)
+    (tmp_path / "done" / "resolved_config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": 6}}))
+    (point,) = report.load_points(tmp_path / "done")
+    assert point.status == "completed"
