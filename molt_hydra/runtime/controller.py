@@ -50,7 +50,7 @@ from molt_hydra.runtime.watchdog import RunFailed, beside, deadline
 # the namespaces of the metrics the loop adds to a step's after train_step (timing, sync, engines, routers, drift)
 LOOP_NAMESPACES = ("timing", "perf", "rollout", "engine", "routing", "drift", "weight_sync", "agent", "eval")
 TRAINER_PARTS = ("actor_idle_wait", "engine_sleep", "make_experience", "policy_train", "critic_train",
-                 "weight_sync_wait", "weight_sync")
+                 "weight_sync_wait", "trainer_release", "weight_sync", "sync_probe")
 
 
 def _mean(values) -> float:
@@ -314,11 +314,14 @@ class RLController:
         probed = every and (version == 1 or version % every == 0)  # the first sync proves the path at once
         t1 = time.perf_counter()
         trainer_view = await self.calls.trainer_probe_view() if probed else None  # before the push wakes engines
+        t2 = time.perf_counter()
         pushed = await self.push(version)  # trainer rank 0's weight_sync/* (which path ran)
         self.version, self.trainer_ahead = version, False
         synced = {**pushed, "timing/weight_sync_wait": t1 - t0}
-        if probed:
+        if probed:  # timed: its two halves, a forward and per-layer sums on each side, were in no part of the step's
+            t3 = time.perf_counter()
             synced.update(await self.calls.sync_probe(version, trainer_view))
+            synced["timing/sync_probe"] = t2 - t1 + time.perf_counter() - t3
         return synced
 
     async def push(self, version: int) -> dict[str, float]:
