@@ -619,7 +619,7 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     every_steps: int = ranged(1, ge=1)
-    "Log every N steps, and the last one."
+    "W&B and TensorBoard get every N-th step's metrics and the last step's; metrics.jsonl gets every step."
     wandb: WandbConfig = field(default_factory=WandbConfig)
     "Weights & Biases sink."
     wandb_dashboard: bool = False

@@ -813,8 +813,8 @@ def schedule_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) ->
         return
     past = f"is past train.max_steps={last}"
     problems.table((
-        (log.every_steps <= last, "logger.every_steps", f"{log.every_steps} {past}: no step's metrics would be "
-         "logged but the last one's.", f"set logger.every_steps <= {last}"),
+        (log.every_steps <= last, "logger.every_steps", f"{log.every_steps} {past}: W&B and TensorBoard would get no "
+         "step's metrics but the last one's.", f"set logger.every_steps <= {last}"),
         # (its default, 10, is past a short run's end: only a value the user chose)
         (log.sample_table_every <= last or not changed(cfg, "logger.sample_table_every"), "logger.sample_table_every",
          f"{log.sample_table_every} {past}: no sample table would be logged.", f"set it <= {last}, or 0 for none"),

@@ -17,13 +17,16 @@ class RunLog:
         """`sinks`: logging/sinks.py MetricSinks; `progress`: logging/progress.py Progress."""
         self.cfg, self.dir, self.tokenizer = cfg, Path(output_dir), tokenizer
         self.sinks, self.progress = sinks, progress
-        self.unlogged: tuple[int, dict] | None = None  # the last step, when logger.every_steps skipped it
+        self.unlogged: tuple[int, dict] | None = None  # the last step, when logger.every_steps kept it from W&B / TB
 
     def step(self, step: int, metrics: dict, batch) -> None:
+        """metrics.jsonl gets every step (docs/metrics.md); W&B and TensorBoard every logger.every_steps-th and the
+        last (`flush`). Before, every_steps thinned metrics.jsonl too, which molt-report, the W&B summary's best
+        values and the run's closing summary read."""
         log = self.cfg
-        self.unlogged = (step, metrics)
-        if step % log.every_steps == 0:
-            self.flush()
+        remote = step % log.every_steps == 0
+        self.sinks.log(metrics, step, remote=remote)
+        self.unlogged = None if remote else (step, metrics)
         self.progress.step(step, metrics)
         rows = [t for g in batch.groups for t in g.trajectories]
         if log.sample_table_every and step % log.sample_table_every == 0 and rows:
@@ -54,12 +57,12 @@ class RunLog:
         return (self.tokenizer.decode(t.token_ids[:first]), self.tokenizer.decode(t.generated_ids), float(t.reward))
 
     def flush(self) -> None:
-        """The last step into the sinks if logger.every_steps skipped it: the RL loop calls it when its steps end (the
-        data, train.max_steps, Slurm's notice), `close` when a failure ends the run. Before, a run whose last step was
-        no multiple of every_steps never logged it: molt-report called the completed run "stopped at step N", and the
-        W&B summary and best values stopped there."""
+        """The last step into W&B and TensorBoard if logger.every_steps kept it out: the RL loop calls it when its
+        steps end (the data, train.max_steps, Slurm's notice), `close` when a failure ends the run. Before, a run whose
+        last step was no multiple of every_steps never logged it: molt-report called the completed run "stopped at
+        step N", and W&B's summary (final values) ended there."""
         if self.unlogged is not None:
-            self.sinks.log(self.unlogged[1], self.unlogged[0])
+            self.sinks.log(self.unlogged[1], self.unlogged[0], jsonl=False)
             self.unlogged = None
 
     def close(self) -> None:

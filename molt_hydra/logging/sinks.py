@@ -141,7 +141,10 @@ class MetricSinks:
     def wandb_id(self) -> str | None:
         return self.wandb_run.id if self.wandb_run is not None else None
 
-    def log(self, metrics: dict[str, float], step: int, prefix: str = "train") -> None:
+    def log(self, metrics: dict[str, float], step: int, prefix: str = "train", *, jsonl: bool = True,
+            remote: bool = True) -> None:
+        """One step's row into metrics.jsonl (`jsonl`) and into W&B and TensorBoard (`remote`): logger.every_steps
+        thins the latter two only (logging/run_log.py)."""
         self._check_in_place()
         # Non-finite values are kept (NaN in the jsonl, as W&B shows them): a metric that goes NaN must be seen, so
         # the console names it where it turns non-finite (W&B's charts leave the point out without a word).
@@ -150,7 +153,10 @@ class MetricSinks:
             if not math.isfinite(v) and k not in self.nonfinite:
                 print(f"step {step}: non-finite metric {k} = {v} (logged as is)", file=sys.stderr, flush=True)
             (self.nonfinite.discard if math.isfinite(v) else self.nonfinite.add)(k)
-        self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
+        if jsonl:
+            self.jsonl.write(json.dumps({"step": step, "kind": prefix, **clean}) + "\n")
+        if not remote:
+            return
         if self.wandb_run is not None:
             replayed = {f"{prefix}/replayed_after_resume": 1.0} if step <= self.replayed_to.get(prefix, -1) else {}
             self.wandb_run.log({**clean, **replayed, f"{prefix}/global_step": step})

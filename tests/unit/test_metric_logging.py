@@ -345,10 +345,11 @@ def test_an_eval_logged_first_after_a_resume_is_not_marked_replayed(tmp_path):
     assert logged(resumed_file) == [(2, None, None), (0, 1.0, None), (3, None, None)]
 
 
-def test_the_last_step_is_logged_whatever_every_steps(tmp_path):
-    """logger.every_steps=4 over 6 steps: steps 4 and 6 reach the sinks (the loop's end flushes its last step), and
-    molt-report calls the run completed. Before: step 6 was never logged, the report said "stopped at step 4" and the
-    W&B summary (final and best values) ended at step 4. A failure that ends the run logs its last step too (close)."""
+def test_every_steps_thins_wandb_only_and_the_last_step_reaches_it(tmp_path):
+    """logger.every_steps=4 over 6 steps: metrics.jsonl gets all 6 (docs/metrics.md: it always gets every step), W&B
+    steps 4 and 6 (the loop's end flushes its last step), and molt-report calls the run completed. Before: the jsonl
+    and W&B held step 4 alone, the report said "stopped at step 4", and the W&B summary (final values) ended there. A
+    failure that ends the run sends its last step to W&B too (close)."""
     from types import SimpleNamespace
 
     import yaml
@@ -357,17 +358,19 @@ def test_the_last_step_is_logged_whatever_every_steps(tmp_path):
     from molt_hydra.logging.run_log import RunLog
     from molt_hydra.runtime import report
 
-    def run(out: Path, steps: int, end) -> list[int]:
+    def run(out: Path, steps: int, end) -> tuple[list[int], list[int]]:
         log = RunLog(LoggerConfig(every_steps=4), out, None, MetricSinks(out, run_name="t", config={},
-                                                                             wandb_mode="disabled"), Progress(6, False))
+                                                                             wandb_mode="offline"), Progress(6, False))
         for step in range(1, steps + 1):
             log.step(step, {"reward": float(step)}, SimpleNamespace(groups=[]))
         end(log)
         log.close()
-        return [(r["step"], r["train/reward"]) for r in rows(out / "metrics.jsonl")]
+        (wandb_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+        logged = [r["train/global_step"] for r in history(wandb_file) if "train/reward" in r]
+        return [r["step"] for r in rows(out / "metrics.jsonl")], logged
 
-    assert run(tmp_path / "failed", 5, lambda log: None) == [(4, 4.0), (5, 5.0)]  # a failure: closed only
-    assert run(tmp_path / "done", 6, RunLog.flush) == [(4, 4.0), (6, 6.0)]  # the loop's end (controller._steps)
+    assert run(tmp_path / "failed", 5, lambda log: None) == ([1, 2, 3, 4, 5], [4, 5])  # a failure: closed only
+    assert run(tmp_path / "done", 6, RunLog.flush) == ([1, 2, 3, 4, 5, 6], [4, 6])  # the loop's end (controller)
     (tmp_path / "done" / "resolved_config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": 6}}))
     (point,) = report.load_points(tmp_path / "done")
     assert point.status == "completed"
