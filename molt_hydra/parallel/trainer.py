@@ -493,7 +493,7 @@ class TrainerWorker:
                         f"{perf}step_time_s": float(dt),
                         f"{perf}torch_threads": float(np.mean(threads) if threads else torch.get_num_threads())})
         if self.spec.peak_tflops:
-            seq = tokens / (len(samples) * self.world_size)
+            seq = tokens / (len(samples) * self.dp_size)  # the batch's mean length (tp / cp ranks share samples)
             metrics[f"{perf}mfu"] = mfu(int(tokens), float(dt), flops_per_token(self.model.config, int(seq)),
                                         self.spec.peak_tflops * 1e12, self.world_size)
         if self.compile_blocks:  # rising after the first steps: torch.compile recompiles (shapes, guards)
