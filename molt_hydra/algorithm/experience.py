@@ -115,6 +115,8 @@ def to_experience(trajectory, max_len: int, images=None) -> tuple[Experience | N
     own = {"response_length": float(sum(mask)), "total_length": float(len(ids)),
            "response_clip_ratio": float(len(token_ids) >= max_len),
            "truncated": float(bool(trajectory.truncated) or len(token_ids) > max_len)}
+    if images is not None:  # a VLM's samples (Molt's `image_tokens`): the image tokens kept, 0 for a text sample
+        own["image_tokens"] = float(sum(t == images.placeholder_id for t in ids)) if multimodal else 0.0
     # an agent's key of one of these names goes under "info/" (was: overwritten by it without a word)
     numeric = {k: v for k, v in ((k, _number(value)) for k, value in trajectory.info.items()) if v is not None}
     info = {**{f"info/{k}" if k in own else k: v for k, v in numeric.items()}, **own}

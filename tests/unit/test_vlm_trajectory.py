@@ -86,6 +86,7 @@ def test_image_trajectory_becomes_an_expanded_experience_with_processor_outputs(
         expected_ids.extend([t] * (next(image_tokens) if t == pad else 1))
     assert exp.token_ids.tolist() == expected_ids
     assert exp.multimodal["mm_token_type_ids"].tolist() == [int(t == pad) for t in expected_ids]
+    assert exp.info["image_tokens"] == 6 + 4  # Molt's per-sample metric: the two images' expanded spans
     # generated tokens keep their log-probs and versions at their shifted positions; image tokens are context
     gen = tok(ANSWER, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert exp.token_ids[exp.action_mask].tolist()[-len(gen):] == gen
