@@ -1,11 +1,11 @@
 """Dashboards as code: the sections every run and every sweep opens on, as a W&B workspace (`wandb-workspaces`) and
 as the spec `molt-report` draws offline.
 
-One catalog (`SECTIONS`) names the panels by metric pattern (`*` matches within one path segment). A spec is the
-catalog expanded against the keys a run really logged (its `metrics.jsonl`): a panel keeps the keys it matches and
-is left out when it matches none; a section with a `when` pattern (MoE routing, KL to reference) appears only when
-the run logs such a key. A sweep's spec is the same sections over the union of its points' keys, plus a runset
-filtered to the sweep's W&B group, grouped by the swept config keys, with a runs table of final and best values.
+One catalog (`SECTIONS`) names the panels by metric pattern (`*` matches within one path segment, `**` across). A spec
+is the catalog expanded against the keys a run really logged (its `metrics.jsonl`): a panel keeps the keys it matches
+and is left out when it matches none; a section with a `when` pattern (MoE routing, KL to reference) appears only when
+the run logs such a key. A sweep's spec is the same sections over the union of its points' keys, plus a runset filtered
+to the sweep's W&B group, grouped by the swept config keys, with a runs table of final and best values.
 
 The spec is written as `dashboard.json` into the run / sweep directory; `publish` turns it into a
 `wandb_workspaces.workspaces.Workspace` and saves it when W&B is reachable (else it says how to publish later).
@@ -32,7 +32,7 @@ SECTIONS: list[tuple[str, str | None, list[tuple[str, list[str]]]]] = [
         ("reward", ["train/reward", "train/rollout/reward_mean"]),
         ("score", ["train/score"]),
         ("rollout pass@1", ["train/rollout/pass1"]),
-        ("eval pass@k", ["eval/eval_*_pass*"]),
+        ("eval pass@k", ["eval/eval_**_pass*"]),  # (a data source's name may hold a '/': openai/gsm8k)
     ]),
     ("Drift: sampler vs trainer", None, [
         ("vllm_kl (k1) and k3 KL", ["train/vllm_kl", "train/drift/k3_kl"]),
@@ -87,7 +87,8 @@ def is_number(value) -> bool:
 
 
 def _matcher(patterns: list[str]) -> re.Pattern:
-    return re.compile("|".join(re.escape(p).replace(r"\*", "[^/]*") for p in patterns) + r"\Z")
+    """`*` matches within one path segment, `**` across them."""
+    return re.compile("|".join(re.escape(p).replace(r"\*\*", ".*").replace(r"\*", "[^/]*") for p in patterns) + r"\Z")
 
 
 def logged_keys(metrics_jsonl: Path) -> set[str]:

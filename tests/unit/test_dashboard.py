@@ -101,6 +101,31 @@ def test_moe_section_shows_every_routing_metric_the_trainer_logs():
     assert {k for p in section["panels"] for k in p["keys"]} == emitted
 
 
+def test_eval_pass_panel_shows_a_data_source_whose_name_holds_a_slash():
+    """An eval row's `datasource` names its metrics (`eval_<ds>_pass<n>`); an HF-style name (openai/gsm8k) puts a '/'
+    into them. The keys come from the generator's own evaluate (the runner a stand-in scoring each rollout 1 or 0).
+    Before: the pass@k panel's `*` stopped at the '/', so those metrics were on no panel."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from molt_hydra.rollout.generation import Sampling
+    from molt_hydra.rollout.generator import SamplesGenerator
+
+    class Runner:  # stand-in for the agent runner: rollout i of a group scores i % 2
+        async def run_group(self, row, n, sampling):
+            return [(SimpleNamespace(reward=float(i % 2), rollout_id=f"{row['prompt']}-{i}", action_ranges=[(0, 1)],
+                                     truncated=False), None) for i in range(n)]
+
+    rows = [{"prompt": "p", "datasource": "openai/gsm8k"}, {"prompt": "q", "datasource": "toy"}]
+    gen = SamplesGenerator(rows, runner=Runner(), batch_size=2, n_samples_per_prompt=2, sampling=Sampling(max_tokens=1),
+                           seed=0)
+    m = asyncio.run(gen.evaluate(rows, 2, Sampling(max_tokens=1)))
+    assert m["eval_openai/gsm8k_pass2"] == 1.0 and m["eval_openai/gsm8k_pass1"] == 0.5
+    shown = {k for s in dashboard.sections({f"eval/{k}" for k in m}) for p in s["panels"] if p["title"] == "eval pass@k"
+             for k in p["keys"]}
+    assert shown == {f"eval/eval_{ds}_pass{n}" for ds in ("openai/gsm8k", "toy") for n in (1, 2)}
+
+
 def _run_dir(root: Path, name: str, overrides: list[str], rows: list[dict], group: str = "sw_1") -> Path:
     d = root / name
     (d / ".hydra").mkdir(parents=True)
