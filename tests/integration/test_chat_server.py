@@ -8,6 +8,7 @@ loop, the parallel tool calls and the Env-vs-ChatAgent comparison run on what th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import aiohttp
@@ -982,6 +983,28 @@ def test_judge_calls_are_served_on_the_engines_but_never_recorded(loop, rec, tok
     assert log["verdict"].usage.completion_tokens == len(jgen.token_ids)
     (traj,) = outcome.trajectories  # only the agent's own turn became a training segment
     assert_token_exact(traj, rec.calls[1:])
+
+
+def test_repeated_judge_calls_in_a_seeded_rollout_are_each_sampled_with_seeds_of_their_own(loop, rec, tokenizer):
+    """k identical judge calls (a majority vote; sequential or gathered, as LangChain's `abatch` sends them) in a
+    rollout with a seed are k samples: each takes seeds past those the session drew so far, as a turn does (was: every
+    judge call took the rollout's seed, so the engine drew the same verdict k times); a client's seed is as sent."""
+    async def script(client, ctx, log):
+        judge = AsyncOpenAI(base_url=ctx.judge_url, api_key=ctx.api_key, max_retries=0)
+        ask = functools.partial(judge.chat.completions.create, model="policy", max_tokens=12,
+                                messages=[{"role": "user", "content": "Is 43 right?"}])
+        log["votes"] = [await ask() for _ in range(3)]
+        await ask(n=2)  # the engine seeds choice i with seed + i
+        await asyncio.gather(ask(), ask())
+        await ask(seed=7)
+
+    scripted(loop, rec, tokenizer, script, sampling=SAMPLED)
+    seeds = [req.sampling.seed for req, _ in rec.calls]
+    first = SAMPLED.seed
+    assert seeds[:4] == [first, first + 1, first + 2, first + 3]
+    assert sorted(seeds[4:6]) == [first + 5, first + 6] and seeds[6] == 7
+    votes = [tuple(gen.token_ids) for _, (gen,) in rec.calls[:3]]
+    assert len(set(votes)) > 1  # temperature 1.0, 12 tokens: three seeds, not one verdict three times
 
 
 def test_env_string_prompts_use_the_chat_template_when_asked(loop, rec, tokenizer):

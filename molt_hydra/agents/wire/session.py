@@ -169,10 +169,14 @@ class ChatSession:
         if remaining <= 0:
             raise RequestError(400, f"judge prompt is {prompt_tokens} tokens; max_length is {self.max_length}",
                                "messages", "context_length_exceeded")
+        # the rollout's seed past the session's draws so far, as a turn's (was: the rollout's own at every call, so k
+        # identical calls, a majority vote, drew one verdict k times); taken before the await: gathered calls too
+        seed = None if self.sampling.seed is None else (self.sampling.seed + self._drawn) % 2**63
+        self._drawn += req.n
         sampling = dataclasses.replace(
             self.sampling, max_tokens=min(o.get("max_tokens", self.sampling.max_tokens), remaining),
-            min_tokens=0, stop=self.sampling.stop + o.get("stop", ()),
-            **{k: o[k] for k in ("temperature", "top_p", "top_k", "seed") if k in o}, **self._decoding(req))
+            min_tokens=0, stop=self.sampling.stop + o.get("stop", ()), seed=o.get("seed", seed),
+            **{k: o[k] for k in ("temperature", "top_p", "top_k") if k in o}, **self._decoding(req))
         gens = await self.generator.generate(
             GenerationRequest(f"{self.session_id}-judge", prompt_ids, sampling, images))
         return TurnReply([self._choice(g, req) for g in gens], prompt_tokens, sum(len(g.token_ids) for g in gens))
