@@ -224,14 +224,14 @@ def swept_keys(points: list[Point]) -> list[str]:
 
 def dashboard_spec(target: Path, points: list[Point]) -> dict:
     """The W&B dashboard spec of a run directory or a sweep directory."""
+    from molt_hydra.compat.wandb import last_run_id
     from molt_hydra.logging import dashboard
 
     dirs = [p.dir for p in points if p.dir is not None]
     wandb_cfg = (_resolved_config(dirs[0]) if dirs else {}).get("logger", {}).get("wandb", {})
     project, entity = wandb_cfg.get("project", "molt_hydra"), wandb_cfg.get("entity")
     if (target / "metrics.jsonl").is_file():
-        run_ids = [d.name.rsplit("-", 1)[-1] for d in sorted(target.glob("wandb/*run-*")) if d.is_dir()]
-        return dashboard.run_spec(target, run_id=run_ids[-1] if run_ids else None, project=project, entity=entity,
+        return dashboard.run_spec(target, run_id=last_run_id(target), project=project, entity=entity,
                                   name=wandb_cfg.get("run_name") or target.name)
     return dashboard.sweep_spec(dirs, swept_keys(points), group=wandb_cfg.get("group") or target.name,
                                 project=project, entity=entity)

@@ -189,7 +189,10 @@ def test_molt_report_draws_the_sections_and_writes_the_spec_offline(tmp_path, ca
 
 def test_molt_report_takes_a_run_directory(tmp_path, capsys):
     run = _run_dir(tmp_path, "0_run", [], [{"step": 1, "train/reward": 0.5}, {"step": 2, "train/reward": 0.25}])
-    (run / "wandb" / "offline-run-20260101_000000-abc123").mkdir(parents=True)
+    # as wandb lays it out when the run restarted within a second: the directory's name ends in "-1", not the id
+    (run / "wandb" / "offline-run-20260101_000000-abc123-1").mkdir(parents=True)
+    (run / "wandb" / "offline-run-20260101_000000-abc123-1" / "run-abc123.wandb").write_bytes(b"")
+    (run / "wandb" / "latest-run").symlink_to("offline-run-20260101_000000-abc123-1")
     assert report.main([str(run)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].split()[:7] == ["0", "-", "completed", "2", "0.25", "0.5", "1"]
