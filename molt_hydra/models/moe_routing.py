@@ -95,7 +95,8 @@ class RoutingStats:
         out = {}
         if known.sum() > 0:
             out["routing/agreement"] = float(match.sum() / known.sum())
-            out["routing/agreement_worst_layer"] = float((match / known.clamp(min=1)).min())
+            # over the layers the engine routed tokens of (a layer without any is no disagreement: was a false 0)
+            out["routing/agreement_worst_layer"] = float((match[known > 0] / known[known > 0]).min())
             out["routing/replayed"] = float(replayed.sum() / known.sum())
             if img_known > 0:  # a VLM batch with images: the same ratios over image tokens and over text tokens
                 text_known = known.sum() - img_known

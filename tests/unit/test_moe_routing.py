@@ -159,6 +159,12 @@ def test_routing_metrics_from_definitions():
     m = stats.metrics()
     assert m["routing/agreement"] == pytest.approx(3 / 4)
     assert m["routing/agreement_worst_layer"] == pytest.approx(1 / 2)
+    # a layer that saw tokens none of which the engine routed is left out of the worst layer, not a 0
+    partial = moe_routing.RoutingStats(num_layers=3, num_experts=4)
+    partial.add(0, probs, own, own, torch.tensor([[1, 0], [2, 3]]))
+    partial.add(1, probs, own, own, torch.tensor([[0, 1], [0, 3]]))
+    partial.add(2, probs, own, own, torch.full((2, 2), -1))
+    assert partial.metrics()["routing/agreement_worst_layer"] == pytest.approx(1 / 2)
     # every expert got 1/4 of the selections and mean prob 1/4: E * sum f P = 4 * 4 * 1/16 = 1, entropy = log 4
     assert m["routing/aux_loss"] == pytest.approx(1.0)
     assert m["routing/expert_load_entropy"] == pytest.approx(1.0)
