@@ -257,7 +257,7 @@ class RolloutConfig:
     n_samples_per_prompt: int = ranged(4, ge=1)
     "Rollouts per prompt (group size)."
     max_inflight_groups: Optional[int] = ranged(None, ge=1)
-    "Prompt groups kept in flight by the streaming pool; None = rollout.batch_size."
+    "Prompt groups kept in flight by the streaming pool; None = rollout.batch_size (more: train.partial_rollout only)."
     num_runners: int = ranged(1, ge=1)
     "Agent-runner processes (run the agents and grade in-process)."
     max_engine_restarts: int = ranged(3, ge=0, le=100)

@@ -299,15 +299,26 @@ def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 
 def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Sync vs async generation, staleness, the rollout replay directory."""
-    t, replay = cfg.train, cfg.train.rollout_replay_dir
+    t, r, replay = cfg.train, cfg.rollout, cfg.train.rollout_replay_dir
     sync = t.mode.value == "sync"
     problems.table((
+        # without partial rollout the pool starts only the groups its batch still needs (rollout/generator.py
+        # carry_over), so a batch's groups all start under one policy version: more in flight never run
+        (cfg.job.value != "rl" or replay or t.partial_rollout or r.max_inflight_groups <= r.batch_size,
+         "rollout.max_inflight_groups", f"{r.max_inflight_groups} is above rollout.batch_size={r.batch_size}, but "
+         "without train.partial_rollout the pool runs only the groups its batch still needs (none carries over to "
+         f"the next batch), at most {r.batch_size} at once, so it changes nothing.",
+         f"set rollout.max_inflight_groups <= {r.batch_size} (or unset it), or train.partial_rollout=true "
+         "(groups in flight then straddle weight syncs)"),
         (not (sync and t.partial_rollout), "train.partial_rollout",
          "sync mode trains only tokens of the current policy; partial rollout mixes policies.",
          "set train.mode=async or train.partial_rollout=false"),
-        (sync or t.partial_rollout or t.stale_samples.value == "keep" or t.max_staleness >= t.queue_depth,
-         "train.max_staleness", f"batches are generated exactly train.queue_depth={t.queue_depth} versions ahead, "
-         f"so every sample would be {t.queue_depth} versions old and dropped by max_staleness={t.max_staleness}.",
+        # partial rollout too: its groups start as early, and some tokens come from older versions still (was: left
+        # out, and every batch trained after a weight sync was dropped whole as stale)
+        (sync or t.stale_samples.value == "keep" or t.max_staleness >= t.queue_depth,
+         "train.max_staleness", f"batches are generated train.queue_depth={t.queue_depth} versions ahead"
+         f"{' (partial rollout: some tokens older still)' if t.partial_rollout else ''}, so every sample would be at "
+         f"least {t.queue_depth} versions old and dropped by max_staleness={t.max_staleness}.",
          f"set train.max_staleness={t.queue_depth} (or leave it null), or unset it with train.stale_samples=keep"),
         (not (sync and t.queue_depth > 1), "train.queue_depth",
          "sync mode generates one batch at a time; queue_depth applies to train.mode=async.",

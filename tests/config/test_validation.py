@@ -135,7 +135,12 @@ CROSS_GROUP = [
      "not available: RL agents render prompts with the tokenizer's own template"),
     ("staleness_below_depth",
      ["train.queue_depth=2", "train.max_staleness=1", "algorithm.is_correction.level=token"], "train.max_staleness",
-     "every sample would be 2 versions old and dropped by max_staleness=1"),
+     "every sample would be at least 2 versions old and dropped by max_staleness=1"),
+    # before, accepted: a 5-step CPU run dropped every sample of steps 2, 3 and 5 as stale (each after a weight sync)
+    ("staleness_below_depth_partial",
+     ["train.partial_rollout=true", "train.max_staleness=0", "algorithm.is_correction.level=token"],
+     "train.max_staleness", "generated train.queue_depth=1 versions ahead (partial rollout: some tokens older still), "
+     "so every sample would be at least 1 versions old and dropped by max_staleness=0"),
     ("routing_replay_no_partial",
      ["rollout.routing_replay=true", "train.partial_rollout=true", "algorithm.is_correction.level=token"],
      "rollout.routing_replay", "partial rollout mixes them"),
