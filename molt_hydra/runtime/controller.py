@@ -347,7 +347,8 @@ class RLController:
             self.next_eval = (self.step // e.every_steps + 1) * e.every_steps
         from molt_hydra.rollout.generation import Sampling
 
-        sampling = Sampling(max_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens or 256,
+        # eval.max_new_tokens=None: the training's turn cap (was 256 where rollout.max_new_tokens was None too)
+        sampling = Sampling(max_tokens=e.max_new_tokens or self.roles.generator.sampling.max_tokens,
                             temperature=e.temperature, top_p=e.top_p, seed=request_seed(self.cfg.seed, "eval"))
         t0 = time.perf_counter()
         m = await deadline(self.roles.generator.evaluate(self.roles.eval_rows, e.n_samples_per_prompt, sampling,
