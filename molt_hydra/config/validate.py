@@ -300,11 +300,16 @@ def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Sync vs async generation, staleness, the rollout replay directory."""
     t, r, replay = cfg.train, cfg.rollout, cfg.train.rollout_replay_dir
-    sync = t.mode.value == "sync"
+    sync, rl, samples = t.mode.value == "sync", cfg.job.value == "rl", r.batch_size * r.n_samples_per_prompt
     problems.table((
+        # one optimizer step over the whole batch (runtime/trainer_options.py optimizer_steps_per_batch)
+        (not (rl and t.force_on_policy) or t.batch_size == samples, "train.batch_size", "train.force_on_policy "
+         f"takes one optimizer step over each rollout step's {samples} samples (rollout.batch_size x "
+         f"rollout.n_samples_per_prompt), so {t.batch_size} changes nothing.",
+         f"set train.batch_size={samples}, or train.force_on_policy=false"),
         # without partial rollout the pool starts only the groups its batch still needs (rollout/generator.py
         # carry_over), so a batch's groups all start under one policy version: more in flight never run
-        (cfg.job.value != "rl" or replay or t.partial_rollout or r.max_inflight_groups <= r.batch_size,
+        (not rl or replay or t.partial_rollout or r.max_inflight_groups <= r.batch_size,
          "rollout.max_inflight_groups", f"{r.max_inflight_groups} is above rollout.batch_size={r.batch_size}, but "
          "without train.partial_rollout the pool runs only the groups its batch still needs (none carries over to "
          f"the next batch), at most {r.batch_size} at once, so it changes nothing.",

@@ -170,6 +170,10 @@ CROSS_GROUP = [
     # conf default: 8 groups x 8 samples = 64 per step; 48 does not divide it (and is a multiple of 16 x 1).
     ("step_samples_multiple_of_batch", ["train.batch_size=48"], "train.batch_size",
      "a rollout step yields 64 samples, not a multiple of train.batch_size=48"),
+    # before, accepted: one optimizer step over all 64 samples whatever train.batch_size says
+    ("force_on_policy_whole_batch", ["train.force_on_policy=true", "train.batch_size=32"], "train.batch_size",
+     "train.force_on_policy takes one optimizer step over each rollout step's 64 samples (rollout.batch_size x "
+     "rollout.n_samples_per_prompt), so 32 changes nothing"),
     # 64 samples per step; micro 48 x dp 1 = 48 does not divide train.batch_size=64.
     ("batch_multiple_of_micro_x_dp", ["train.micro_batch_size=48"], "train.batch_size",
      "must be a multiple of micro_batch_size x dp = 48 x 1 = 48, got 64"),
