@@ -810,8 +810,15 @@ def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> Non
 def _rl_eval_schedule(cfg: RunConfig, problems: Problems) -> None:
     """An RL run evaluates at its start (eval.at_start) and every eval.every_steps steps, never at its end
     (runtime/controller.py maybe_eval): eval data with neither, or a period past train.max_steps, evaluates nothing."""
-    e, last = cfg.eval, cfg.train.max_steps
+    e, last, best = cfg.eval, cfg.train.max_steps, cfg.checkpoint.best_metric_key
     problems.table((
+        # the evaluation's own keys (rollout/generator.py evaluate) are eval_*; the sinks log them as eval/eval_*, the
+        # name a user copies (was: taken, and no checkpoint was ever kept as the best)
+        (cfg.job.value != "rl" or best in ("", "none") or best.startswith("eval_"), "checkpoint.best_metric_key",
+         f"{best!r} is no metric the evaluation returns (eval_<datasource>_pass1, eval_<datasource>_pass<k>, ...; "
+         "the logs prefix them with eval/), so no checkpoint would ever be kept as the best.",
+         f"set checkpoint.best_metric_key={best.removeprefix('eval/')}" if best.startswith("eval/eval_") else
+         "name an eval_... metric (e.g. eval_<datasource>_pass1), or unset it (the first *_pass1)"),
         (cfg.job.value != "rl" or e.every_steps > 0 or e.at_start, "eval.data_path", "no evaluation is scheduled "
          "(eval.every_steps=-1, eval.at_start=false; an RL run does not evaluate at its end), so it changes nothing.",
          "set eval.every_steps=N or eval.at_start=true, or unset eval.data_path"),
