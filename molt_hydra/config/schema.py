@@ -257,13 +257,13 @@ class RolloutConfig:
     n_samples_per_prompt: int = ranged(4, ge=1)
     "Rollouts per prompt (group size)."
     max_inflight_groups: Optional[int] = ranged(None, ge=1)
-    "Prompt groups kept in flight by the streaming pool; None = rollout.batch_size."
+    "Prompt groups kept in flight by the streaming pool; None = rollout.batch_size (more: train.partial_rollout only)."
     num_runners: int = ranged(1, ge=1)
     "Agent-runner processes (run the agents and grade in-process)."
     max_engine_restarts: int = ranged(3, ge=0, le=100)
     "Dead engines replaced over a run (new engine, current weights, in-flight requests retried); one more ends it."
     max_new_tokens: Optional[int] = ranged(None, ge=1)
-    "Per-turn generation cap; None = the remaining context."
+    "Per-turn generation cap; None = data.max_len // 2 (a longer prompt is left-truncated to the other half)."
     temperature: float = ranged(1.0, ge=1e-5)
     "Sampling temperature; training logprobs use logits / temperature. >= 1e-5: vLLM samples greedily below it."
     top_p: float = ranged(1.0, gt=0, le=1)

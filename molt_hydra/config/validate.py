@@ -299,15 +299,31 @@ def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 
 def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Sync vs async generation, staleness, the rollout replay directory."""
-    t, replay = cfg.train, cfg.train.rollout_replay_dir
-    sync = t.mode.value == "sync"
+    t, r, replay = cfg.train, cfg.rollout, cfg.train.rollout_replay_dir
+    sync, rl, samples = t.mode.value == "sync", cfg.job.value == "rl", r.batch_size * r.n_samples_per_prompt
     problems.table((
+        # one optimizer step over the whole batch (runtime/trainer_options.py optimizer_steps_per_batch)
+        (not (rl and t.force_on_policy) or t.batch_size == samples, "train.batch_size", "train.force_on_policy "
+         f"takes one optimizer step over each rollout step's {samples} samples (rollout.batch_size x "
+         f"rollout.n_samples_per_prompt), so {t.batch_size} changes nothing.",
+         f"set train.batch_size={samples}, or train.force_on_policy=false"),
+        # without partial rollout the pool starts only the groups its batch still needs (rollout/generator.py
+        # carry_over), so a batch's groups all start under one policy version: more in flight never run
+        (not rl or replay or t.partial_rollout or r.max_inflight_groups <= r.batch_size,
+         "rollout.max_inflight_groups", f"{r.max_inflight_groups} is above rollout.batch_size={r.batch_size}, but "
+         "without train.partial_rollout the pool runs only the groups its batch still needs (none carries over to "
+         f"the next batch), at most {r.batch_size} at once, so it changes nothing.",
+         f"set rollout.max_inflight_groups <= {r.batch_size} (or unset it), or train.partial_rollout=true "
+         "(groups in flight then straddle weight syncs)"),
         (not (sync and t.partial_rollout), "train.partial_rollout",
          "sync mode trains only tokens of the current policy; partial rollout mixes policies.",
          "set train.mode=async or train.partial_rollout=false"),
-        (sync or t.partial_rollout or t.stale_samples.value == "keep" or t.max_staleness >= t.queue_depth,
-         "train.max_staleness", f"batches are generated exactly train.queue_depth={t.queue_depth} versions ahead, "
-         f"so every sample would be {t.queue_depth} versions old and dropped by max_staleness={t.max_staleness}.",
+        # partial rollout too: its groups start as early, and some tokens come from older versions still (was: left
+        # out, and every batch trained after a weight sync was dropped whole as stale)
+        (sync or t.stale_samples.value == "keep" or t.max_staleness >= t.queue_depth,
+         "train.max_staleness", f"batches are generated train.queue_depth={t.queue_depth} versions ahead"
+         f"{' (partial rollout: some tokens older still)' if t.partial_rollout else ''}, so every sample would be at "
+         f"least {t.queue_depth} versions old and dropped by max_staleness={t.max_staleness}.",
          f"set train.max_staleness={t.queue_depth} (or leave it null), or unset it with train.stale_samples=keep"),
         (not (sync and t.queue_depth > 1), "train.queue_depth",
          "sync mode generates one batch at a time; queue_depth applies to train.mode=async.",
@@ -794,8 +810,15 @@ def eval_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> Non
 def _rl_eval_schedule(cfg: RunConfig, problems: Problems) -> None:
     """An RL run evaluates at its start (eval.at_start) and every eval.every_steps steps, never at its end
     (runtime/controller.py maybe_eval): eval data with neither, or a period past train.max_steps, evaluates nothing."""
-    e, last = cfg.eval, cfg.train.max_steps
+    e, last, best = cfg.eval, cfg.train.max_steps, cfg.checkpoint.best_metric_key
     problems.table((
+        # the evaluation's own keys (rollout/generator.py evaluate) are eval_*; the sinks log them as eval/eval_*, the
+        # name a user copies (was: taken, and no checkpoint was ever kept as the best)
+        (cfg.job.value != "rl" or best in ("", "none") or best.startswith("eval_"), "checkpoint.best_metric_key",
+         f"{best!r} is no metric the evaluation returns (eval_<datasource>_pass1, eval_<datasource>_pass<k>, ...; "
+         "the logs prefix them with eval/), so no checkpoint would ever be kept as the best.",
+         f"set checkpoint.best_metric_key={best.removeprefix('eval/')}" if best.startswith("eval/eval_") else
+         "name an eval_... metric (e.g. eval_<datasource>_pass1), or unset it (the first *_pass1)"),
         (cfg.job.value != "rl" or e.every_steps > 0 or e.at_start, "eval.data_path", "no evaluation is scheduled "
          "(eval.every_steps=-1, eval.at_start=false; an RL run does not evaluate at its end), so it changes nothing.",
          "set eval.every_steps=N or eval.at_start=true, or unset eval.data_path"),

@@ -116,6 +116,7 @@ class RLController:
     # ------------------------------------------------------------------ producer
     async def produce(self) -> None:
         """Generate batch j once training step j - D is done (so the engines hold that step's weights)."""
+        tail: dict[str, float] = {}  # the drops of a last batch that kept no group (never trained, so never logged)
         while not self.exhausted:
             j = self.batches_made
             t0 = time.perf_counter()
@@ -155,7 +156,8 @@ class RLController:
                 self.batches_made += bool(batch.groups)
                 self.exhausted = batch.exhausted or not batch.groups
                 self.batch_made.notify_all()
-        await self.queue.put((None, {}))  # the end of the data, after every batch
+            tail = {} if batch.groups else batch.metrics
+        await self.queue.put((None, tail))  # the end of the data, after every batch
 
     # ------------------------------------------------------------------ one step
     async def train_step(self, batch, gen_timing: dict) -> dict[str, float]:
@@ -350,7 +352,8 @@ class RLController:
             self.next_eval = (self.step // e.every_steps + 1) * e.every_steps
         from molt_hydra.rollout.generation import Sampling
 
-        sampling = Sampling(max_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens or 256,
+        # eval.max_new_tokens=None: the training's turn cap (was 256 where rollout.max_new_tokens was None too)
+        sampling = Sampling(max_tokens=e.max_new_tokens or self.roles.generator.sampling.max_tokens,
                             temperature=e.temperature, top_p=e.top_p, seed=request_seed(self.cfg.seed, "eval"))
         t0 = time.perf_counter()
         m = await deadline(self.roles.generator.evaluate(self.roles.eval_rows, e.n_samples_per_prompt, sampling,
@@ -461,6 +464,11 @@ class RLController:
             batch, gen_timing = await deadline(self.queue.get(), cfg.train.timeouts.step_s, "rollout",
                                                "generating a batch")
             if batch is None:  # the data is done
+                if self.step == 0:  # (was: "run finished, steps: 0", exit 0, e.g. every group dynamic-filtered)
+                    drops = {k.removeprefix("rollout/dropped/"): int(v) for k, v in gen_timing.items()
+                             if k.startswith("rollout/dropped/") and k != "rollout/dropped/total" and v}
+                    raise RunFailed("rollout", "the data ran out before the first step had a batch: no prompt group "
+                                    "was kept", drops=drops)
                 break
             waited = time.perf_counter() - t0
             if self.colocated:  # the engines' memory goes to the trainer until the next push wakes them

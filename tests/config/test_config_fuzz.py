@@ -160,6 +160,7 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         *(f"eval.{name}" for name in ("batch_size", "n_samples_per_prompt", "temperature", "top_p")),
         "rollout.decode_context_parallel_size",  # must divide rollout.tensor_parallel_size (1)
         "rollout.num_runners",  # at most the prompt groups in flight (rollout.max_inflight_groups, 8)
+        "rollout.max_inflight_groups",  # above rollout.batch_size (8) only with train.partial_rollout
         "checkpoint.max_disk_gb"}  # at least one checkpoint's size
 FREE = [leaf for leaf in NUMERIC if leaf.key not in TIED and not leaf.key.startswith("parallelism.")
         and leaf.key not in NOT_IMPLEMENTED]

@@ -194,6 +194,16 @@ CASES = [
     ("raw_prompts_of_messages_eval", ["job=eval", "eval.data_path=builtin://arithmetic_eval",
                                       "data.apply_chat_template=false"], "data.apply_chat_template",
      "every prompt of eval.data_path=builtin://arithmetic_eval is chat messages"),
+    # before, accepted: without partial rollout the pool starts only the groups its batch still needs, so at most
+    # rollout.batch_size=8 ran at once (rollout/generator.py `_refill`)
+    # before, accepted: the name as metrics.jsonl and W&B log it never matched the evaluation's own keys, so no
+    # checkpoint was ever kept as the best (a 2-step CPU run evaluating every step wrote no best/)
+    ("best_key_as_logged", ["eval.data_path=builtin://toy_eval", "eval.every_steps=1",
+                            "checkpoint.best_metric_key=eval/eval_toy_pass1"], "checkpoint.best_metric_key",
+     "'eval/eval_toy_pass1' is no metric the evaluation returns"),
+    ("inflight_past_the_batch", ["rollout.max_inflight_groups=16"], "rollout.max_inflight_groups",
+     "16 is above rollout.batch_size=8, but without train.partial_rollout the pool runs only the groups its batch "
+     "still needs"),
 ]
 
 
@@ -230,7 +240,9 @@ ACCEPTED = [
     ["train.mode=sync", "train.max_staleness=0"],
     ["train.stale_samples=keep"],  # (max_staleness with keep: refused above, it drops nothing)
     ["rollout.num_runners=8"],  # one runner per group in flight (rollout.batch_size=8)
-    ["rollout.max_inflight_groups=16", "rollout.num_runners=16"],
+    # groups in flight past the batch run under partial rollout only (rollout/generator.py carry_over)
+    ["rollout.max_inflight_groups=16", "rollout.num_runners=16", "train.partial_rollout=true",
+     "algorithm.is_correction.level=token"],
     # an async run's eval runs beside the 8 groups in flight: 8 + eval.batch_size 4 at once (was: refused past 8)
     ["eval.data_path=builtin://toy_eval", "eval.every_steps=5", "eval.batch_size=4", "rollout.num_runners=12"],
     ["logger.every_steps=30", "logger.sample_table_every=30", "logger.dump_logprobs=true",

@@ -135,7 +135,12 @@ CROSS_GROUP = [
      "not available: RL agents render prompts with the tokenizer's own template"),
     ("staleness_below_depth",
      ["train.queue_depth=2", "train.max_staleness=1", "algorithm.is_correction.level=token"], "train.max_staleness",
-     "every sample would be 2 versions old and dropped by max_staleness=1"),
+     "every sample would be at least 2 versions old and dropped by max_staleness=1"),
+    # before, accepted: a 5-step CPU run dropped every sample of steps 2, 3 and 5 as stale (each after a weight sync)
+    ("staleness_below_depth_partial",
+     ["train.partial_rollout=true", "train.max_staleness=0", "algorithm.is_correction.level=token"],
+     "train.max_staleness", "generated train.queue_depth=1 versions ahead (partial rollout: some tokens older still), "
+     "so every sample would be at least 1 versions old and dropped by max_staleness=0"),
     ("routing_replay_no_partial",
      ["rollout.routing_replay=true", "train.partial_rollout=true", "algorithm.is_correction.level=token"],
      "rollout.routing_replay", "partial rollout mixes them"),
@@ -165,6 +170,10 @@ CROSS_GROUP = [
     # conf default: 8 groups x 8 samples = 64 per step; 48 does not divide it (and is a multiple of 16 x 1).
     ("step_samples_multiple_of_batch", ["train.batch_size=48"], "train.batch_size",
      "a rollout step yields 64 samples, not a multiple of train.batch_size=48"),
+    # before, accepted: one optimizer step over all 64 samples whatever train.batch_size says
+    ("force_on_policy_whole_batch", ["train.force_on_policy=true", "train.batch_size=32"], "train.batch_size",
+     "train.force_on_policy takes one optimizer step over each rollout step's 64 samples (rollout.batch_size x "
+     "rollout.n_samples_per_prompt), so 32 changes nothing"),
     # 64 samples per step; micro 48 x dp 1 = 48 does not divide train.batch_size=64.
     ("batch_multiple_of_micro_x_dp", ["train.micro_batch_size=48"], "train.batch_size",
      "must be a multiple of micro_batch_size x dp = 48 x 1 = 48, got 64"),

@@ -11,6 +11,8 @@ from types import SimpleNamespace as value
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.controller import RLController
 
+TRAINING = value(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
+
 
 def bests(key: str, saved: tuple[str, float], evals: list[dict]) -> list:
     """`ctl.best` after each eval of a run resumed at step 2 with the saved `best` (an actorless stand-in: job=eval
@@ -21,7 +23,7 @@ def bests(key: str, saved: tuple[str, float], evals: list[dict]) -> list:
 
     cfg = RunConfig()
     cfg.eval.data_path, cfg.eval.every_steps, cfg.checkpoint.best_metric_key = "builtin://arithmetic_eval", 1, key
-    generator = value(evaluate=evaluate, load_state_dict=lambda state: None)
+    generator = value(evaluate=evaluate, load_state_dict=lambda state: None, sampling=TRAINING)
     ctl = RLController(cfg, value(calls=None, eval_rows=[{"prompt": "p"}], actor=None, generator=generator),
                        value(eval=lambda s, m: None))
     ctl.restore({"step": 2, "version": 2, "batches_made": 2, "best": saved, "next_eval": 3,

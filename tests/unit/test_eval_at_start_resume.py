@@ -13,6 +13,8 @@ import pytest
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.controller import RLController
 
+TRAINING = value(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
+
 
 def _run(monkeypatch, step: int, every_steps: int) -> list[int]:
     """RLController.run from `step` with eval.at_start=true; returns the steps evaluated (the loop itself: none)."""
@@ -32,7 +34,8 @@ def _run(monkeypatch, step: int, every_steps: int) -> list[int]:
     cfg = RunConfig()
     cfg.eval.data_path, cfg.eval.at_start, cfg.eval.every_steps = "builtin://arithmetic_eval", True, every_steps
     calls = value(freeze_heaps=lambda: asyncio.sleep(0))
-    roles = value(calls=calls, eval_rows=[{"prompt": "p"}], actor=None, generator=value(evaluate=evaluate))
+    roles = value(calls=calls, eval_rows=[{"prompt": "p"}], actor=None,
+                  generator=value(evaluate=evaluate, sampling=TRAINING))
     ctl = RLController(cfg, roles, value(eval=lambda s, m: evaluated.append(s)))
     ctl.step, ctl.next_eval = step, (step // every_steps + 1) * every_steps if every_steps > 0 else None
     asyncio.run(ctl.run())

@@ -15,6 +15,8 @@ import pytest
 from molt_hydra.config.schema import RunConfig
 from molt_hydra.runtime.controller import RLController
 
+TRAINING = value(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
+
 
 def evaluated_steps(every_steps: int, step: int, saved_next_eval: int | None, until: int) -> list[int]:
     """The steps a run resumed at `step` evaluates at, up to `until` (the loop's `maybe_eval` after each step; the
@@ -26,7 +28,7 @@ def evaluated_steps(every_steps: int, step: int, saved_next_eval: int | None, un
 
     cfg = RunConfig()
     cfg.eval.data_path, cfg.eval.every_steps = "builtin://arithmetic_eval", every_steps
-    generator = value(evaluate=evaluate, load_state_dict=lambda state: None)
+    generator = value(evaluate=evaluate, load_state_dict=lambda state: None, sampling=TRAINING)
     roles = value(calls=None, eval_rows=[{"prompt": "p"}], actor=None, generator=generator)
     ctl = RLController(cfg, roles, value(eval=lambda s, m: evaluated.append(s)))
     ctl.restore({"step": step, "version": step, "batches_made": step, "best": None, "next_eval": saved_next_eval,

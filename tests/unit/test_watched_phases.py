@@ -22,6 +22,8 @@ from molt_hydra.runtime import entrypoint, ray_head, roles, watchdog
 from molt_hydra.runtime.controller import RLController
 from molt_hydra.runtime.watchdog import RoleStalled, RunFailed
 
+TRAINING = value(max_tokens=8)  # the generator's training sampling: an eval without its own cap takes it
+
 
 async def _forever(*args, **kwargs):
     await asyncio.Event().wait()
@@ -71,7 +73,7 @@ def test_a_stopped_engine_ends_an_eval_job_naming_it(monkeypatch, stopped_proces
     monkeypatch.setattr(ray_head, "live_head_processes", lambda: {})
     cfg = RunConfig()
     fake = value(calls=value(keeper=value(watch=_forever)), role_pids={"rollout engine 0": stopped_process},
-                 eval_rows=[{"prompt": "1+1?"}], generator=value(evaluate=_forever))
+                 eval_rows=[{"prompt": "1+1?"}], generator=value(evaluate=_forever, sampling=TRAINING))
     monkeypatch.setattr(entrypoint, "_controller", lambda cfg, r, opened, wandb_id: RLController(cfg, r, None))
     with pytest.raises(RoleStalled) as stall:
         asyncio.run(asyncio.wait_for(entrypoint._eval_only(cfg, fake, []), 20))
@@ -90,7 +92,7 @@ def test_the_engine_keeper_runs_during_an_eval_job(monkeypatch):
         raise RunFailed("rollout engine 0", "died after 3 restart(s); rollout.max_engine_restarts=3 allows no more")
 
     fake = value(calls=value(keeper=value(watch=keeper_watch)), role_pids={}, eval_rows=[{"prompt": "1+1?"}],
-                 generator=value(evaluate=_forever))
+                 generator=value(evaluate=_forever, sampling=TRAINING))
     monkeypatch.setattr(entrypoint, "_controller", lambda cfg, r, opened, wandb_id: RLController(cfg, r, None))
     with pytest.raises(RunFailed, match="^rollout engine 0: died after 3 restart"):
         asyncio.run(asyncio.wait_for(entrypoint._eval_only(RunConfig(), fake, []), 20))
