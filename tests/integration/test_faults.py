@@ -215,6 +215,23 @@ def test_trainer_rank_killed_names_the_rank_and_the_checkpoint_to_resume(tmp_pat
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # ~1.5 min: tests/unit/test_driver_round_trips.py (a hint failed on a reference rank) in make test
+def test_a_killed_reference_rank_is_named_as_the_reference(tmp_path):
+    """kill -9 of the KL reference's rank. Before: 'Run failed: actor: engines_busy failed: the process died ...',
+    the actor named (the engines' busy hints go to every trainer group's ranks, and any failure was the actor's)."""
+    out = tmp_path / "run"
+    run = Run(out, *ENDLESS, "checkpoint.save_steps=1", "algorithm.kl.coef=0.01", "algorithm.kl.use_loss=true",
+              "algorithm.kl.estimator=k3", "parallelism.colocate_models=true")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    (rank,) = run.children("ray::TrainerWorker")  # (the actor's ranks are PolicyWorkers)
+    os.kill(rank, signal.SIGKILL)
+    code = run.finish(timeout=300)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED and "Traceback" not in run.err(), run.err()[-3000:]
+    assert lines[-3].startswith("Run failed: reference rank 0: ") and "the process died" in lines[-3], lines[-3:]
+    assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
+
+
 def engine_versions(out: Path, step: int) -> set[int]:
     versions = set()
     for line in (out / "trajectories" / f"step{step}.jsonl").read_text().splitlines():
