@@ -102,8 +102,7 @@ class AgentRunnerActor(BatchedCallee):
             outcome = await self._on_agent_loop(self.runner.run_group(episodes, self.router, self.tokenizer,
                                                                       self.timeout_s), self.timeout_s * 1.1 + 5)
         except asyncio.TimeoutError:
-            self.errors.setdefault(AGENT_TIMEOUT, f"agent code blocked its event loop past agent.timeout_s="
-                                                  f"{self.timeout_s} (a blocking call inside async code?)")
+            self.errors.setdefault(AGENT_TIMEOUT, await self._past_timeout())
             return [(None, AGENT_TIMEOUT)] * n_samples
         except Exception as e:  # noqa: BLE001 -- a Runner's own run_group is user code: its group fails, counted
             self.errors.setdefault(AGENT_EXCEPTION, f"{type(self.runner).__name__}.run_group raised "
@@ -113,6 +112,20 @@ class AgentRunnerActor(BatchedCallee):
             self.errors.setdefault(reason, error)
         failed = [(None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
         return failed + [(t, None) for t in outcome.trajectories]
+
+    async def _past_timeout(self) -> str:
+        """Why a group outlived agent.timeout_s: agent code blocking the agent loop (it answers nothing), or a rollout
+        that went on after its timeout cancelled it (the loop answers; before, that too was told as a blocked loop,
+        the user sent looking for a blocking call that is not there)."""
+        answer = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.agent_loop))
+        try:
+            await asyncio.wait_for(answer, 1.0)
+        except asyncio.TimeoutError:
+            return (f"agent code blocked its event loop past agent.timeout_s={self.timeout_s} (a blocking call inside "
+                    "async code?)")
+        return (f"agent code went on past agent.timeout_s={self.timeout_s}, ignoring the cancellation that ends a "
+                "rollout at its timeout (an `except BaseException:` or `except asyncio.CancelledError:` that does not "
+                "re-raise?)")
 
     def router_metrics(self) -> dict[str, float]:
         from molt_hydra.agents.tool_parser import parse_failures
