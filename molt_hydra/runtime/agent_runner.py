@@ -68,7 +68,18 @@ class AgentRunnerActor(BatchedCallee):
         # in its own thread, so this actor's loop stays free to enforce agent.timeout_s and to answer the driver.
         self.agent_loop = asyncio.new_event_loop()
         self.errors: dict[str, str] = {}  # an example message per failure reason, for the run's failure summary
-        threading.Thread(target=self.agent_loop.run_forever, name="agent-loop", daemon=True).start()
+        threading.Thread(target=self._agent_loop_forever, name="agent-loop", daemon=True).start()
+
+    def _agent_loop_forever(self) -> None:
+        """The agent loop until `close` stops it. A SystemExit / KeyboardInterrupt raised in a task agent code made
+        (a coroutine under asyncio.gather) is set on that task, whose awaiter fails its rollout with it, and is also
+        raised out of run_forever by asyncio: the loop goes on. Before, it ended the loop's thread without a word:
+        every later group of this runner timed out, told as 'agent code blocked its event loop'."""
+        while True:
+            try:
+                return self.agent_loop.run_forever()
+            except (SystemExit, KeyboardInterrupt):
+                continue
 
     async def _on_agent_loop(self, coro, timeout_s: float):
         """`coro`'s result from the agent loop, or TimeoutError after `timeout_s` plus any time the router waited for

@@ -428,11 +428,13 @@ def test_prompts_longer_than_the_context_are_cut_and_a_64_token_context_syncs(tm
     assert m[1]["train/weight_sync/probe_logprob_gap"] < 1e-3
 
 
-@pytest.mark.slow  # ~30 s: tests/unit/test_agents_base.py covers the runner in make test
-def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path):
+@pytest.mark.slow  # ~30 s each: tests/unit/test_agents_base.py covers the runner in make test
+@pytest.mark.parametrize("agent", ["ExitingEnv", "GatheredExitEnv"])
+def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path, agent):
     """Before: the SystemExit ended each runner's agent loop; the run failed only after agent.timeout_s (60 s),
-    reporting 'agent_timeout 16: agent code blocked its event loop', not the agent's exit."""
-    run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:ExitingEnv", "train.max_steps=2")
+    reporting 'agent_timeout 16: agent code blocked its event loop', not the agent's exit. Then still so where the
+    exit came from a coroutine the agent gathers (asyncio raises it out of the loop's run_forever as well)."""
+    run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:{agent}", "train.max_steps=2")
     code = run.finish()
     lines = [line for line in run.err().splitlines() if line.strip()]
     assert code == EXIT_FAILED, run.err()[-3000:]
