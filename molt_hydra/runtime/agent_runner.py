@@ -134,9 +134,9 @@ class AgentRunnerActor(BatchedCallee):
         except asyncio.TimeoutError:
             return (f"agent code blocked its event loop past agent.timeout_s={self.timeout_s} (a blocking call inside "
                     "async code?)")
-        return (f"agent code went on past agent.timeout_s={self.timeout_s}, ignoring the cancellation that ends a "
+        return (f"agent code went on past agent.timeout_s={self.timeout_s}, through the cancellation that ends a "
                 "rollout at its timeout (an `except BaseException:` or `except asyncio.CancelledError:` that does not "
-                "re-raise?)")
+                "re-raise, or a `finally:` that awaits?)")
 
     def router_metrics(self) -> dict[str, float]:
         from molt_hydra.agents.tool_parser import parse_failures

@@ -854,8 +854,9 @@ def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks
 @pytest.mark.parametrize("agent_code, cause", [
     ("        while True:\n            try:\n                await asyncio.sleep(0.2)\n"
      "            except asyncio.CancelledError:\n                pass\n",
-     "agent code went on past agent.timeout_s=1, ignoring the cancellation that ends a rollout at its timeout (an "
-     "`except BaseException:` or `except asyncio.CancelledError:` that does not re-raise?)"),
+     "agent code went on past agent.timeout_s=1, through the cancellation that ends a rollout at its timeout (an "
+     "`except BaseException:` or `except asyncio.CancelledError:` that does not re-raise, or a `finally:` that "
+     "awaits?)"),
     ("        time.sleep(12)\n        return []\n",
      "agent code blocked its event loop past agent.timeout_s=1 (a blocking call inside async code?)")],
     ids=["ignores its cancellation", "blocks its loop"])
