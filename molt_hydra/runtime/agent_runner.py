@@ -68,7 +68,18 @@ class AgentRunnerActor(BatchedCallee):
         # in its own thread, so this actor's loop stays free to enforce agent.timeout_s and to answer the driver.
         self.agent_loop = asyncio.new_event_loop()
         self.errors: dict[str, str] = {}  # an example message per failure reason, for the run's failure summary
-        threading.Thread(target=self.agent_loop.run_forever, name="agent-loop", daemon=True).start()
+        threading.Thread(target=self._agent_loop_forever, name="agent-loop", daemon=True).start()
+
+    def _agent_loop_forever(self) -> None:
+        """The agent loop until `close` stops it. A SystemExit / KeyboardInterrupt raised in a task agent code made
+        (a coroutine under asyncio.gather) is set on that task, whose awaiter fails its rollout with it, and is also
+        raised out of run_forever by asyncio: the loop goes on. Before, it ended the loop's thread without a word:
+        every later group of this runner timed out, told as 'agent code blocked its event loop'."""
+        while True:
+            try:
+                return self.agent_loop.run_forever()
+            except (SystemExit, KeyboardInterrupt):
+                continue
 
     async def _on_agent_loop(self, coro, timeout_s: float):
         """`coro`'s result from the agent loop, or TimeoutError after `timeout_s` plus any time the router waited for
@@ -102,8 +113,7 @@ class AgentRunnerActor(BatchedCallee):
             outcome = await self._on_agent_loop(self.runner.run_group(episodes, self.router, self.tokenizer,
                                                                       self.timeout_s), self.timeout_s * 1.1 + 5)
         except asyncio.TimeoutError:
-            self.errors.setdefault(AGENT_TIMEOUT, f"agent code blocked its event loop past agent.timeout_s="
-                                                  f"{self.timeout_s} (a blocking call inside async code?)")
+            self.errors.setdefault(AGENT_TIMEOUT, await self._past_timeout())
             return [(None, AGENT_TIMEOUT)] * n_samples
         except Exception as e:  # noqa: BLE001 -- a Runner's own run_group is user code: its group fails, counted
             self.errors.setdefault(AGENT_EXCEPTION, f"{type(self.runner).__name__}.run_group raised "
@@ -113,6 +123,20 @@ class AgentRunnerActor(BatchedCallee):
             self.errors.setdefault(reason, error)
         failed = [(None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
         return failed + [(t, None) for t in outcome.trajectories]
+
+    async def _past_timeout(self) -> str:
+        """Why a group outlived agent.timeout_s: agent code blocking the agent loop (it answers nothing), or a rollout
+        that went on after its timeout cancelled it (the loop answers; before, that too was told as a blocked loop,
+        the user sent looking for a blocking call that is not there)."""
+        answer = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.agent_loop))
+        try:
+            await asyncio.wait_for(answer, 1.0)
+        except asyncio.TimeoutError:
+            return (f"agent code blocked its event loop past agent.timeout_s={self.timeout_s} (a blocking call inside "
+                    "async code?)")
+        return (f"agent code went on past agent.timeout_s={self.timeout_s}, through the cancellation that ends a "
+                "rollout at its timeout (an `except BaseException:` or `except asyncio.CancelledError:` that does not "
+                "re-raise, or a `finally:` that awaits?)")
 
     def router_metrics(self) -> dict[str, float]:
         from molt_hydra.agents.tool_parser import parse_failures

@@ -5,6 +5,7 @@ config groups, never the root config."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 from contextlib import suppress
 from statistics import fmean
@@ -29,7 +30,7 @@ class RoleCalls:
         self.pushed = False  # the engines hold pushed weights (a warm start's at version 0 too), not the model path's
         self.shared_push = None  # weight_sync/shared_params.py: the single pass, driven from here (one trainer rank)
         self.offer: tuple | None = None  # (the trainer's offer,) taken with the release just before a push
-        self.failed_hint: BaseException | None = None  # an unawaited engines_busy hint's error, raised by the next
+        self.failed_hint: tuple[str, BaseException] | None = None  # an unawaited hint's (rank, error), for the next
 
     async def ranks(self, group, method: str, *args, shard: list | None = None, role: str = "actor", calls: int = 1,
                     **kw) -> list:
@@ -53,16 +54,21 @@ class RoleCalls:
         count changes float reductions); otherwise return at once: hints carry increasing numbers, so a late one never
         overrides a newer one, and a hint that failed is raised by the next call."""
         if self.failed_hint is not None:
-            raise RunFailed("actor", f"engines_busy failed: {describe(self.failed_hint)}") from self.failed_hint
-        answers = [asyncio.ensure_future(ref) for g in _trainer_groups(self.roles) for ref in g.engines_busy(busy)]
-        if wait and answers:
-            await deadline(asyncio.gather(*answers), self.timeouts.trainer_call_s, "actor", "engines_busy")
-        for answer in answers if not wait else ():
-            answer.add_done_callback(self._hint_answered)
+            who, error = self.failed_hint
+            raise RunFailed(who, f"engines_busy failed: {describe(error)}") from error
+        # each answer with its rank's name: the reference's and the critic's ranks get the hint too (before, a dead
+        # reference rank was reported as 'actor: engines_busy failed')
+        sent = [(f"{role} rank {i}", asyncio.ensure_future(ref)) for role, g in _trainer_groups(self.roles)
+                for i, ref in enumerate(g.engines_busy(busy))]
+        if wait and sent:
+            await _every([answer for _, answer in sent], self.timeouts.trainer_call_s, "actor", "engines_busy",
+                         lambda i, _: sent[i][0], peers_s=PEERS_S)
+        for who, answer in sent if not wait else ():
+            answer.add_done_callback(functools.partial(self._hint_answered, who))
 
-    def _hint_answered(self, answer: asyncio.Future) -> None:
+    def _hint_answered(self, who: str, answer: asyncio.Future) -> None:
         if not answer.cancelled() and answer.exception() is not None and self.failed_hint is None:
-            self.failed_hint = answer.exception()
+            self.failed_hint = (who, answer.exception())
 
     async def freeze_heaps(self) -> None:
         """Every role's start-up objects (imports, model, engine) leave the garbage collector's view (`gc.freeze`, as
@@ -70,7 +76,7 @@ class RoleCalls:
         every few steps per process on 2 cores. Not collected first (that would delay the first step); start-up
         garbage in reference cycles stays, once."""
         r = self.roles
-        actors = [*r.engines, *r.runners, *(w for g in _trainer_groups(r) for w in g.workers)]
+        actors = [*r.engines, *r.runners, *(w for _, g in _trainer_groups(r) for w in g.workers)]
         await deadline(asyncio.gather(*(a.__ray_call__.remote(lambda _: gc.freeze()) for a in actors)),
                        self.timeouts.engine_call_s, "roles", "gc.freeze")
         gc.freeze()
@@ -179,7 +185,7 @@ class RoleCalls:
         """Every trainer rank hands the memory its allocator cached (activations, grads) back to the GPU, so the
         engines beside it can wake into it. Returns what stays allocated on the fullest rank: the plan's "trainer
         resident" (runtime/plan.py) measured, so a split that is too tight shows before it runs out."""
-        ranks = [w for g in _trainer_groups(self.roles) for w in g.workers]
+        ranks = [w for _, g in _trainer_groups(self.roles) for w in g.workers]
         # the single pass's rank makes its offer in the same call: the push after it is one call per engine
         offering = self.roles.actor.workers[0] if self._single_rank_ipc() else None
         known = self.shared_push and self.shared_push.token
@@ -263,7 +269,7 @@ class RoleCalls:
         for r in roles.runners:
             with suppress(Exception):  # shutting down: a runner that cannot close is killed below anyway
                 await asyncio.wait_for(r.close.remote(), 10)
-        for w in (w for g in _trainer_groups(roles) for w in g.workers):
+        for w in (w for _, g in _trainer_groups(roles) for w in g.workers):
             ray.kill(w)
         for e in roles.engines:
             with suppress(Exception):
@@ -276,9 +282,10 @@ def _answer(_actor) -> bool:
     return True
 
 
-def _trainer_groups(roles) -> list:
-    """The trainer groups the run has (actor, reference, critic)."""
-    return [g for g in (roles.actor, roles.ref, roles.critic) if g is not None]
+def _trainer_groups(roles) -> list[tuple[str, object]]:
+    """(role, group) of each trainer group the run has (actor, reference, critic)."""
+    return [(role, g) for role, g in (("actor", roles.actor), ("reference", roles.ref), ("critic", roles.critic))
+            if g is not None]
 
 
 # a trainer call failed on a rank: how long the others get to end (see `_every`); above Ray's node health check

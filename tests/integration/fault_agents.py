@@ -69,6 +69,17 @@ class ExitingEnv(ToyEnv):
         sys.exit("the grader gave up")
 
 
+async def _give_up():
+    sys.exit("the grader gave up")
+
+
+class GatheredExitEnv(ToyEnv):
+    """Every rollout's grading, a coroutine it gathers, calls sys.exit(): asyncio raises it out of the agent loop."""
+
+    async def step(self, state):
+        await asyncio.gather(_give_up())
+
+
 class SyncStepEnv(ToyEnv):
     """A plain `def step` (the runner awaits it): refused at validation (tests/config/test_handoff_rules.py)."""
 

@@ -215,6 +215,23 @@ def test_trainer_rank_killed_names_the_rank_and_the_checkpoint_to_resume(tmp_pat
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # ~1.5 min: tests/unit/test_driver_round_trips.py (a hint failed on a reference rank) in make test
+def test_a_killed_reference_rank_is_named_as_the_reference(tmp_path):
+    """kill -9 of the KL reference's rank. Before: 'Run failed: actor: engines_busy failed: the process died ...',
+    the actor named (the engines' busy hints go to every trainer group's ranks, and any failure was the actor's)."""
+    out = tmp_path / "run"
+    run = Run(out, *ENDLESS, "checkpoint.save_steps=1", "algorithm.kl.coef=0.01", "algorithm.kl.use_loss=true",
+              "algorithm.kl.estimator=k3", "parallelism.colocate_models=true")
+    run.wait_for(lambda: newest_step(out / "checkpoints") >= 1)
+    (rank,) = run.children("ray::TrainerWorker")  # (the actor's ranks are PolicyWorkers)
+    os.kill(rank, signal.SIGKILL)
+    code = run.finish(timeout=300)  # (asserts that no process is left)
+    lines = [line for line in run.err().splitlines() if line.strip()]
+    assert code == EXIT_FAILED and "Traceback" not in run.err(), run.err()[-3000:]
+    assert lines[-3].startswith("Run failed: reference rank 0: ") and "the process died" in lines[-3], lines[-3:]
+    assert lines[-2].startswith(f"Last checkpoint: {out / 'checkpoints'}/step_"), lines[-3:]
+
+
 def engine_versions(out: Path, step: int) -> set[int]:
     versions = set()
     for line in (out / "trajectories" / f"step{step}.jsonl").read_text().splitlines():
@@ -411,11 +428,13 @@ def test_prompts_longer_than_the_context_are_cut_and_a_64_token_context_syncs(tm
     assert m[1]["train/weight_sync/probe_logprob_gap"] < 1e-3
 
 
-@pytest.mark.slow  # ~30 s: tests/unit/test_agents_base.py covers the runner in make test
-def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path):
+@pytest.mark.slow  # ~30 s each: tests/unit/test_agents_base.py covers the runner in make test
+@pytest.mark.parametrize("agent", ["ExitingEnv", "GatheredExitEnv"])
+def test_an_agent_calling_sys_exit_fails_the_run_as_an_agent_exception(tmp_path, agent):
     """Before: the SystemExit ended each runner's agent loop; the run failed only after agent.timeout_s (60 s),
-    reporting 'agent_timeout 16: agent code blocked its event loop', not the agent's exit."""
-    run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:ExitingEnv", "train.max_steps=2")
+    reporting 'agent_timeout 16: agent code blocked its event loop', not the agent's exit. Then still so where the
+    exit came from a coroutine the agent gathers (asyncio raises it out of the loop's run_forever as well)."""
+    run = Run(tmp_path / "run", f"agent.runner._target_={AGENTS}:{agent}", "train.max_steps=2")
     code = run.finish()
     lines = [line for line in run.err().splitlines() if line.strip()]
     assert code == EXIT_FAILED, run.err()[-3000:]

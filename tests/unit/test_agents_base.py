@@ -851,6 +851,58 @@ def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks
     assert toy.runner.accepts_images is False
 
 
+@pytest.mark.parametrize("agent_code, cause", [
+    ("        while True:\n            try:\n                await asyncio.sleep(0.2)\n"
+     "            except asyncio.CancelledError:\n                pass\n",
+     "agent code went on past agent.timeout_s=1, through the cancellation that ends a rollout at its timeout (an "
+     "`except BaseException:` or `except asyncio.CancelledError:` that does not re-raise, or a `finally:` that "
+     "awaits?)"),
+    ("        time.sleep(12)\n        return []\n",
+     "agent code blocked its event loop past agent.timeout_s=1 (a blocking call inside async code?)")],
+    ids=["ignores its cancellation", "blocks its loop"])
+def test_a_group_past_its_timeout_is_told_as_a_blocked_loop_only_where_the_loop_is_blocked(tiny_model, tmp_path,
+                                                                                            agent_code, cause):
+    """An agent swallowing the CancelledError of its timeout (a retry loop under `except BaseException`) keeps its
+    group past agent.timeout_s while the agent loop stays free. Before: told as 'agent code blocked its event loop
+    past agent.timeout_s (a blocking call inside async code?)', as a time.sleep in async code is."""
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    (tmp_path / "custom.py").write_text(
+        "import asyncio, time\nfrom molt_hydra.agents.base import Runner\n"
+        "class AgentRunner(Runner):\n    async def execute(self, episode, generator, tokenizer):\n" + agent_code)
+    kw = dict(tokenizer_path=tiny_model, max_len=64, timeout_s=1, engine_timeout_s=5, seed=0, max_turns=2)
+    actor = AgentRunnerActor({"_target_": str(tmp_path / "custom.py")}, [object()], **kw)
+    try:
+        assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
+            (None, "agent_timeout")] * 2
+        assert actor.example_errors() == {"agent_timeout": cause}
+    finally:
+        actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
+
+
+def test_sys_exit_in_a_task_of_agent_code_fails_its_rollouts_and_the_runner_goes_on(tiny_model, tmp_path):
+    """sys.exit() in a coroutine the agent gathers: asyncio sets it on that task (its awaiter fails the rollout with
+    it) and raises it out of the agent loop's run_forever too. Before: the agent loop's thread ended; this group and
+    every later one timed out after agent.timeout_s x 1.1 + 5 s, 'agent code blocked its event loop'."""
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    (tmp_path / "custom.py").write_text(
+        "import asyncio, sys\nfrom molt_hydra.agents.base import Runner\n"
+        "async def grade(label):\n    if label == 'exit':\n        sys.exit('the grader gave up')\n"
+        "class AgentRunner(Runner):\n    async def execute(self, episode, generator, tokenizer):\n"
+        "        await asyncio.gather(grade(episode.label))\n        return []\n")
+    kw = dict(tokenizer_path=tiny_model, max_len=64, timeout_s=30, engine_timeout_s=5, seed=0, max_turns=2)
+    actor = AgentRunnerActor({"_target_": str(tmp_path / "custom.py")}, [object()], **kw)
+    try:
+        for label, expected in (("exit", "agent_exception"), ("exit", "agent_exception"), ("ok", "empty_session")):
+            group = actor.run_group({"prompt": "p", "label": label}, 2, Sampling(max_tokens=4))
+            assert asyncio.run(asyncio.wait_for(group, 10)) == [(None, expected)] * 2, label
+        assert actor.example_errors() == {"agent_exception": "SystemExit: the grader gave up",
+                                          "empty_session": "the agent returned no generated token"}
+    finally:
+        actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
+
+
 def test_a_relative_agent_file_reaches_the_runners_as_an_absolute_path(tmp_path, monkeypatch):
     """The runners import the file in Ray workers, whose working directory differs on a remote cluster (before: the
     relative path was sent as it was)."""

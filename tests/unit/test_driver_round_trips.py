@@ -27,8 +27,8 @@ class Ranks:
         return futures
 
 
-def role_calls(actor) -> RoleCalls:
-    roles = SimpleNamespace(actor=actor, ref=None, critic=None)
+def role_calls(actor, ref=None, critic=None) -> RoleCalls:
+    roles = SimpleNamespace(actor=actor, ref=ref, critic=critic)
     return RoleCalls(roles, TimeoutsConfig(), WeightSyncConfig(), "float32")
 
 
@@ -59,8 +59,41 @@ def test_a_failed_unawaited_hint_is_raised_by_the_next_one():
         await asyncio.sleep(0)  # the answer's callback runs
         with pytest.raises(RunFailed) as err:
             await calls.engines_busy(False, wait=False)
-        assert err.value.role == "actor" and "rank 0 lost its control thread" in err.value.cause
+        assert err.value.role == "actor rank 0" and "rank 0 lost its control thread" in err.value.cause
         assert ranks.hints == [True]  # the failed run sends nothing more
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["unawaited", "awaited"])
+def test_a_hint_failed_on_a_reference_or_critic_rank_names_that_rank(wait):
+    """The reference's and the critic's ranks get the hints too. Before: a reference rank killed (kill -9) ended the
+    run as 'Run failed: actor: engines_busy failed: the process died ...', the actor named for the reference's death
+    (an unawaited hint), or Ray's ActorDiedError reached the report unnamed (an awaited one)."""
+    async def run():
+        actor, ref, critic = Ranks(2), Ranks(1), Ranks(2)
+        calls = role_calls(actor, ref, critic)
+        sending = asyncio.ensure_future(calls.engines_busy(True, wait=wait))
+        await asyncio.sleep(0)
+        for f in actor.answers + ref.answers + critic.answers[:1]:
+            f.set_result(None)
+        critic.answers[1].set_exception(RuntimeError("the critic's rank 1 died"))
+        with pytest.raises(RunFailed) as err:
+            await sending
+            await asyncio.sleep(0)  # the failed answer's callback runs
+            await calls.engines_busy(False, wait=False)
+        assert err.value.role == "critic rank 1" and "the critic's rank 1 died" in err.value.cause, err.value
+        ref.answers.clear()
+        calls = role_calls(Ranks(1), ref)
+        sending = asyncio.ensure_future(calls.engines_busy(True, wait=wait))
+        await asyncio.sleep(0)
+        ref.answers[0].set_exception(RuntimeError("the reference's rank 0 died"))
+        calls.roles.actor.answers[0].set_result(None)
+        with pytest.raises(RunFailed) as err:
+            await sending
+            await asyncio.sleep(0)
+            await calls.engines_busy(False, wait=False)
+        assert err.value.role == "reference rank 0" and "the reference's rank 0 died" in err.value.cause, err.value
 
     asyncio.run(run())
 
