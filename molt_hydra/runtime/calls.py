@@ -185,13 +185,16 @@ class RoleCalls:
         """Every trainer rank hands the memory its allocator cached (activations, grads) back to the GPU, so the
         engines beside it can wake into it. Returns what stays allocated on the fullest rank: the plan's "trainer
         resident" (runtime/plan.py) measured, so a split that is too tight shows before it runs out."""
-        ranks = [w for _, g in _trainer_groups(self.roles) for w in g.workers]
+        named = [(f"{role} rank {i}", w) for role, g in _trainer_groups(self.roles) for i, w in enumerate(g.workers)]
+        ranks = [w for _, w in named]
         # the single pass's rank makes its offer in the same call: the push after it is one call per engine
         offering = self.roles.actor.workers[0] if self._single_rank_ipc() else None
         known = self.shared_push and self.shared_push.token
-        answers = await deadline(asyncio.gather(*(
-            w.__ray_call__.remote(_release_cuda_cache, (self.engine_dtype, known) if w is offering else None)
-            for w in ranks)), self.timeouts.trainer_call_s, "actor", "release cached GPU memory")
+        # each rank named (was: any group's stall told as the actor's, a rank's death as Ray's raw error)
+        answers = await _every([w.__ray_call__.remote(_release_cuda_cache, (self.engine_dtype, known)
+                                                      if w is offering else None) for w in ranks],
+                               self.timeouts.trainer_call_s, "trainer", "release cached GPU memory",
+                               lambda i, _: named[i][0], peers_s=PEERS_S)
         if offering is not None:
             self.offer = (answers[ranks.index(offering)][1],)
         return {"memory/trainer_resident_gib": max((kept for kept, _ in answers), default=0.0)}

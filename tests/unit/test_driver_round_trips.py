@@ -28,7 +28,7 @@ class Ranks:
 
 
 def role_calls(actor, ref=None, critic=None) -> RoleCalls:
-    roles = SimpleNamespace(actor=actor, ref=ref, critic=critic)
+    roles = SimpleNamespace(actor=actor, ref=ref, critic=critic, transport="cuda_ipc")
     return RoleCalls(roles, TimeoutsConfig(), WeightSyncConfig(), "float32")
 
 
@@ -129,3 +129,32 @@ def test_every_role_and_the_driver_freeze_their_start_up_heaps():
         assert gc.get_freeze_count() > 0  # the driver's own heap too
     finally:
         gc.unfreeze()
+
+
+class ReleasingRanks:
+    """A trainer group whose ranks answer the release of cached GPU memory: (GiB kept, no offer), or an error."""
+
+    def __init__(self, *answers):
+        self.num_ranks = len(answers)  # (two ranks or more: no single-pass offer rides on the release)
+        self.workers = [SimpleNamespace(__ray_call__=SimpleNamespace(remote=lambda fn, arg, a=a: _answered(a)))
+                        for a in answers]
+
+
+async def _answered(answer):
+    if isinstance(answer, Exception):
+        raise answer
+    return answer, None
+
+
+def test_a_release_failed_on_a_reference_rank_names_that_rank():
+    """Colocated, every trainer rank empties its allocator's cache before the engines wake. Before: a failure on any
+    group's rank was told as Ray's raw error (a death) or as the actor's stall."""
+    async def run():
+        calls = role_calls(ReleasingRanks(2.0, 3.5), ReleasingRanks(1.0, 0.5))
+        assert await calls.release_trainer_memory() == {"memory/trainer_resident_gib": 3.5}  # the fullest rank
+        calls = role_calls(ReleasingRanks(2.0, 2.0), ReleasingRanks(1.0, RuntimeError("cudaErrorLaunchFailure")))
+        with pytest.raises(RunFailed) as err:
+            await calls.release_trainer_memory()
+        assert err.value.role == "reference rank 1" and "cudaErrorLaunchFailure" in err.value.cause, err.value
+
+    asyncio.run(run())
