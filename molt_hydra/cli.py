@@ -936,7 +936,7 @@ def plugin_problems(first: DictConfig) -> list[str]:
                 and (refused := submitit_refused(target, list(node))):
             problems += [f"- hydra.launcher.{key}: submitit's launcher takes no such parameter (it takes "
                          f"{refused[1]}), so the multirun would fail as it submits. Fix: drop hydra.launcher.{key}, "
-                         "or name one it takes" for key in refused[0]]
+                         "or name one it takes" for key in refused[0]] + _submitit_values(node, target)
     for name, node in (OmegaConf.select(first, "hydra.callbacks") or {}).items():
         if node is None:  # (Hydra starts none)
             continue
@@ -947,6 +947,27 @@ def plugin_problems(first: DictConfig) -> list[str]:
             problems.append(f"- hydra.callbacks.{name}._target_: Hydra cannot import {target!r} "
                             f"({str(e).splitlines()[0]}). Fix: name a hydra.experimental.callback.Callback class as "
                             f"pkg.module.Name, or drop hydra.callbacks.{name}")
+    return problems
+
+
+def _submitit_values(node: DictConfig, target: str) -> list[str]:
+    """hydra.launcher's values as submitit takes them: one of another type (`array_parallelism=abc`, `mem_gb=abc`,
+    `timeout_min=1.5`) passed every check and failed the sweep as it was submitted (an AssertionError or TypeError
+    traceback, exit 1, its directory made); array_parallelism below 1 is Slurm's `%0`: no limit, every point at once."""
+    from molt_hydra.compat.hydra import submitit_types
+
+    problems = []
+    for key, types in submitit_types(target).items():
+        value = OmegaConf.select(node, key, throw_on_resolution_failure=False)
+        value = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
+            takes = " or ".join(t.__name__ for t in types)
+            problems.append(f"- hydra.launcher.{key}: {value!r}, but submitit takes {takes} there, so the multirun "
+                            f"would fail as it submits. Fix: set it to a value of type {takes}, or leave it out")
+    if isinstance(at_once := node.get("array_parallelism"), int) and not isinstance(at_once, bool) and at_once < 1:
+        problems.append(f"- hydra.launcher.array_parallelism: {at_once}, but it is how many of the sweep's points "
+                        f"Slurm runs at once, and Slurm reads %{at_once} as no limit: every point would start at once. "
+                        "Fix: set it to 1 or more (the preset's 256)")
     return problems
 
 

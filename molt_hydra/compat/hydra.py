@@ -10,7 +10,8 @@ plugin's `SlurmLauncher.launch` and `LocalLauncher.launch`, replaced (`report_su
 `hydra.core.plugins.Plugins.discover`, the launcher and sweeper classes Hydra can start (`plugin_classes`) and its
 shell-completion plugins
 (`completion_shells`); and the submitit launcher's mapping of its keys onto submitit's executor
-(`submitit_refused`); and its config sources (`_internal.sources_registry`), for hydra.searchpath's entries
+(`submitit_refused`) and the types it takes (`submitit_types`: the sbatch writer's signature); and its config
+sources (`_internal.sources_registry`), for hydra.searchpath's entries
 (`search_path_problem`); and the override grammar's generated parser
 (`hydra.grammar.gen`), for the text of each number as the user wrote it (`written_scalars`); and
 `hydra._internal.defaults_list.create_defaults_list` with the config loader's
@@ -62,6 +63,34 @@ def submitit_refused(target: str, keys: list[str]) -> tuple[list[str], list[str]
     takes = sorted({*OmegaConf.structured(BaseQueueConf).keys(), "max_num_timeout",
                     *get_executors()[launcher._EXECUTOR]._valid_parameters()})
     return [key for key in keys if not key.startswith("_") and key not in takes], takes
+
+
+def submitit_types(target: str) -> dict[str, tuple[type, ...]]:
+    """For a submitit launcher class `target`: {hydra.launcher key: the types submitit takes for it} of its keys typed
+    as numbers, booleans, lists or mappings (a string-typed key takes any scalar: `account=1234` is written as it
+    reads). The keys of BaseQueueConf are the AutoExecutor's own, asserted as the sweep is submitted; the Slurm
+    executor's others are typed by the sbatch writer's signature (array_parallelism=abc was its TypeError)."""
+    written_for("molt-run's submitit launcher check", "hydra", {"hydra-submitit-launcher": ("1.2",)})
+    written_for("molt-run's submitit parameter types", "hydra", {"submitit": ("1.5",)})  # (its _make_sbatch_string)
+    import typing
+
+    import submitit
+    from hydra.utils import get_class
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    hints = typing.get_type_hints(_make_sbatch_string) if get_class(target)._EXECUTOR == "slurm" else {}
+    generic = {key: hint for key, hint in submitit.AutoExecutor._typed_parameters().items()
+               if key in OmegaConf.structured(BaseQueueConf)}
+    plain = {int: (int,), float: (int, float), bool: (bool,), list: (list,), dict: (dict,)}
+    types = {}
+    for key, hint in {**hints, **generic}.items():
+        kinds = [typing.get_origin(h) or h for h in typing.get_args(hint) or (hint,) if h is not type(None)]
+        kinds = [list if k is typing.get_origin(typing.Iterable[str]) else k for k in kinds]
+        if len(kinds) == 1 and kinds[0] in plain:
+            types[key] = plain[kinds[0]]
+    return types
 
 
 def completion_shells() -> list[str]:

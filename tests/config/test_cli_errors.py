@@ -1740,6 +1740,34 @@ def test_a_key_submitits_executor_does_not_take_is_refused_before_the_multirun()
         "hydra.launcher.foo, or name one it takes"]
 
 
+@pytest.mark.parametrize("override,expected", [
+    ("hydra.launcher.array_parallelism=abc", "- hydra.launcher.array_parallelism: 'abc', but submitit takes int there, "
+     "so the multirun would fail as it submits. Fix: set it to a value of type int, or leave it out"),
+    ("hydra.launcher.mem_gb=abc", "- hydra.launcher.mem_gb: 'abc', but submitit takes int or float there"),
+    ("hydra.launcher.timeout_min=1.5", "- hydra.launcher.timeout_min: 1.5, but submitit takes int there"),
+    ("hydra.launcher.stderr_to_stdout=1", "- hydra.launcher.stderr_to_stdout: 1, but submitit takes bool there"),
+    ("hydra.launcher.srun_args=--exclusive", "- hydra.launcher.srun_args: '--exclusive', but submitit takes list "),
+    ("hydra.launcher.array_parallelism=0", "- hydra.launcher.array_parallelism: 0, but it is how many of the sweep's "
+     "points Slurm runs at once, and Slurm reads %0 as no limit: every point would start at once. Fix: set it to 1 or "
+     "more (the preset's 256)"),
+    ("hydra.launcher.array_parallelism=-1", "- hydra.launcher.array_parallelism: -1, but it is how many"),
+    ("hydra.launcher.array_parallelism=1", None),
+    ("hydra.launcher.mem_gb=64", None),
+    ("hydra.launcher.mem_gb=null", None),
+    ("+hydra.launcher.additional_parameters.hold=true", None),
+])
+def test_a_launcher_value_submitit_cannot_take_is_refused_before_the_multirun(override, expected):
+    """Before: `-m cluster=slurm ... hydra.launcher.array_parallelism=abc` (or mem_gb=abc, timeout_min=1.5, ...) passed
+    every check, made the sweep directory, and failed as the array was submitted: submitit's TypeError or
+    AssertionError traceback, exit 1. array_parallelism=0 (or -1) was submitted as `--array=0-1%0`, which Slurm runs
+    with no limit: every point at once, without a word."""
+    from molt_hydra.cli import plugin_problems
+
+    first, problems = compose_checked(["cluster=slurm", "seed=1,2", override], multirun=True, hydra_config=True)
+    got = plugin_problems(first)
+    assert problems == [] and (got == [] if expected is None else len(got) == 1 and got[0].startswith(expected)), got
+
+
 def test_an_unwritable_sweep_directory_is_one_line_naming_it(monkeypatch, tmp_path, capsys):
     """Before: `-m hydra.sweep.dir=FILE seed=1,2` was told as each point's own directories (output_dir,
     checkpoint.dir, checkpoint.export_dir, output_dir/wandb), each with a fix naming those keys, not the one given."""
