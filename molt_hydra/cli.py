@@ -753,12 +753,16 @@ def launcher_swept(parsed: list, texts: list[str], overrides: list[str], config_
     or a key it interpolates (cluster.nodes, cpus_per_node, time_min, partition, ...). Hydra starts one launcher for
     the whole multirun, composed from the command line without its sweeps, so each point got that one's launcher and
     Slurm request without a word: `-m cluster=slurm,local` ran both points here; `-m cluster=slurm
-    cluster.time_min=60,240` gave both 60 minutes; `cluster.nodes=1,2` gave both one node (the second failed in it)."""
+    cluster.time_min=60,240` gave both 60 minutes; `cluster.nodes=1,2` gave both one node (the second failed in it).
+    So does the sweeper's hydra.sweeper.params: `-m +recipe=tiny_cpu,sweep_estimators_is` ran the sweep recipe's point
+    once, its sweep dropped without a word, and `+recipe=sweep_estimators_is,tiny_cpu` had molt-run check 12 points of
+    a multirun that ran 2."""
     fixed = [t for o, t in zip(parsed[len(parsed) - len(overrides):], overrides) if not o.is_sweep_override()]
     base, _ = compose_checked(fixed, config_dir=config_dir, hydra_config=True)
     if base is None:  # (its problems are the first point's too)
         return []
     ours, problems = _launcher_view(base), []
+    sweeps = OmegaConf.to_container(base.hydra.sweeper).get("params") or {}
     reads = {key for raw in _launcher_view(base, resolve=False).values() if isinstance(raw, str)
              for key in re.findall(r"\$\{([A-Za-z_][\w.]*)\}", raw) if not key.startswith("hydra.")}
     for o, text in zip(parsed, texts):
@@ -769,6 +773,14 @@ def launcher_swept(parsed: list, texts: list[str], overrides: list[str], config_
         for value in o.sweep_string_iterator():
             point, _ = compose_checked([*fixed, f"{o.get_key_element()}={value}"],
                                        config_dir=config_dir, hydra_config=True)
+            own = OmegaConf.to_container(point.hydra.sweeper).get("params") or {} if point is not None else sweeps
+            if own != sweeps:
+                said = [" ".join(f"{k}={v}" for k, v in p.items()) or "none" for p in (own, sweeps)]
+                problems.append(f"- {text}: {o.get_key_element()}={value} sets hydra.sweeper.params ({said[0]}), but "
+                                "Hydra's sweeper reads them from the config composed without the command line's "
+                                f"sweeps ({said[1]}), so that sweep would not run as written. Fix: run it as a "
+                                f"multirun of its own (molt-run -m {o.get_key_element()}={value} ...)")
+                break
             theirs = _launcher_view(point) if point is not None else ours
             if differ := [k for k in dict.fromkeys([*ours, *theirs]) if ours.get(k) != theirs.get(k)]:
                 got = (f"the launcher {theirs.get('_target_')} instead of {ours.get('_target_')}" if "_target_" in

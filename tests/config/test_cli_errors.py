@@ -984,6 +984,29 @@ def test_a_sweep_over_what_the_launcher_reads_is_refused(overrides, swept, asks)
             compose_checked(ok, multirun=True, hydra_config=True)[0], ok, None)), same
 
 
+@pytest.mark.parametrize("recipes", ["sweep_estimators_is,tiny_cpu", "tiny_cpu,sweep_estimators_is"])
+@pytest.mark.parametrize("cluster", ["local", "slurm"])
+def test_a_sweep_over_a_recipe_that_sweeps_is_refused(recipes, cluster):
+    """Hydra's sweeper reads hydra.sweeper.params from the config composed without the command line's sweeps, so a
+    swept +recipe= that sets them sweeps nothing. Before: `-m +recipe=sweep_estimators_is,tiny_cpu` had molt-run check
+    (and, dry, plan) 12 points of a multirun that ran 2, in directories 0_ and 1_; `-m +recipe=tiny_cpu,
+    sweep_estimators_is` ran the sweep recipe once, at algorithm.estimator=grpo alone, without a word."""
+    overrides = [f"+recipe={recipes}", f"cluster={cluster}", "dry_run=true"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == [] and sweep_checked(first, overrides, None) == ([
+        f"- +recipe={recipes}: +recipe=sweep_estimators_is sets hydra.sweeper.params (algorithm.estimator=grpo,dr_grpo,"
+        "rloo algorithm.is_correction.level=token,geo), but Hydra's sweeper reads them from the config composed "
+        "without the command line's sweeps (none), so that sweep would not run as written. Fix: run it as a multirun "
+        "of its own (molt-run -m +recipe=sweep_estimators_is ...)"], [])
+
+
+def test_a_sweep_over_recipes_that_do_not_sweep_or_of_a_sweep_recipe_passes():
+    for fine, count in ((["+recipe=tiny_cpu,tiny_moe_cpu"], 2), (["+recipe=sweep_estimators_is"], 6)):
+        first, _ = compose_checked([*fine, "dry_run=true"], multirun=True, hydra_config=True)
+        problems, points = sweep_checked(first, [*fine, "dry_run=true"], None)
+        assert problems == [] and len(points) == count, fine
+
+
 @pytest.mark.parametrize("overrides,expected", [
     (["cluster.time_min=2"], "- cluster.time_min: 2 min, but Slurm's notice comes hydra.launcher.signal_delay_s=120 s "
      "before the time limit, so as the job starts: each point would be requeued before its first step. Fix: a "
