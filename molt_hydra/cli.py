@@ -704,7 +704,7 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     line's sweeps, their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra
     node. Returns (each failing point's problems under a line naming the point, [(point, `checked`'s result)] of
     every point run here; none for submitit's, which run elsewhere)."""
-    from molt_hydra.compat.hydra import sweep_points
+    from molt_hydra.compat.hydra import sweep_points, sweep_subdir
 
     basic = first.hydra.sweeper._target_.endswith(".BasicSweeper")
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()] if basic else []
@@ -729,11 +729,20 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         print(f"Checking each of the sweep's {len(points)} points before the first starts (composed, validated and "
               "planned one after another) ...", file=sys.stderr, flush=True)
     problems, owners, results, seen = _repeated_points(points), {}, [], {}
-    sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
-    for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
+    sweep_dir, hydra_node = Path(os.path.abspath(first.hydra.sweep.dir)), OmegaConf.to_container(first.hydra)
+    for number, point in enumerate(points):  # the point's own output directory, as Hydra will name it (a stand-in
+        # where hydra.sweep.subdir reads other keys)
         as_run = [*(o for o in point if o.lstrip("+~").split("=", 1)[0] != "dry_run"), "dry_run=true"] if submits \
             else point  # (dry_run is given once: repeated_keys)
-        errors, result = point_problems(as_run, sweep_dir / str(number), config_dir)
+        subdir = sweep_subdir(hydra_node["sweep"], hydra_node["job"]["config"]["override_dirname"], number, point)
+        if (owner := owners.setdefault(("dir", sweep_dir / (subdir or str(number))), number)) != number:
+            problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", f"- hydra.sweep.subdir: "
+                         f"{hydra_node['sweep']['subdir']!r} names {sweep_dir / subdir} for it and for sweep point "
+                         f"#{owner} (a key they differ in is left out of hydra.job.override_dirname: "
+                         "hydra.job.config.override_dirname.exclude_keys), so it would resume from, overwrite or be "
+                         "locked out of that point's files. Fix: put ${hydra.job.num} in it, or leave it out"]
+            continue
+        errors, result = point_problems(as_run, sweep_dir / (subdir or str(number)), config_dir)
         results += [] if submits else [(point, result)]  # (submitted, a dry sweep plans in its jobs too)
         for key in SWEEP_OWN_DIRS if result is not None else ():
             if (path := get(result[0], key)) and (owner := owners.setdefault((key, os.path.abspath(path)), number)) \

@@ -5,7 +5,8 @@ refused, naming the installed one.
 Reached into here: `hydra._internal.utils.get_args_parser`, the parser `hydra.main` reads the command line with, so
 that `molt-run` checks the composed config (all errors in one message) before Hydra starts; and
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
-overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
+overrides into points, so that a multirun is validated point by point before its first point runs, and the config
+loader's `get_overrides_dirname`, each point's directory (`sweep_subdir`); and the submitit
 plugin's `SlurmLauncher.launch` and `LocalLauncher.launch`, replaced (`report_submitit_sweeps`); and
 `hydra.core.plugins.Plugins.discover`, the launcher and sweeper classes Hydra can start (`plugin_classes`) and its
 shell-completion plugins
@@ -128,6 +129,28 @@ def sweep_points(overrides: list) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
     return [point for batch in BasicSweeper.split_arguments(overrides, None) for point in batch]
+
+
+def sweep_subdir(sweep: dict, dirname_config: dict, number: int, point: list[str]) -> str | None:
+    """hydra.sweep.subdir (`sweep`: the hydra.sweep node, unresolved) of sweep point `number`, whose overrides are
+    `point`, as Hydra's launchers resolve it: hydra.job.num the point's number, hydra.job.override_dirname Hydra's own
+    of its overrides (`get_overrides_dirname`, under hydra.job.config.override_dirname's settings), hydra.job.id one of
+    its own per point (submitit's is the Slurm job's); None where it reads another key."""
+    written_for("molt-run's sweep check", "hydra", SUPPORTED)
+    import re
+
+    from hydra._internal.config_loader_impl import get_overrides_dirname
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    raw, names = str(sweep["subdir"]), ("hydra.job.num", "hydra.job.override_dirname", "hydra.job.id")
+    if any(ref not in names for ref in re.findall(r"\$\{([^}]*)\}", raw)):
+        return None
+    app = [o for o in OverridesParser.create().parse_overrides(point) if not o.is_hydra_override()]
+    dirname = get_overrides_dirname(app, list(dirname_config["exclude_keys"]), dirname_config["item_sep"],
+                                    dirname_config["kv_sep"])
+    for name, value in zip(names, (str(number), dirname, f"job_id_for_{number}")):
+        raw = raw.replace(f"${{{name}}}", value)
+    return raw
 
 
 def report_submitit_sweeps() -> None:

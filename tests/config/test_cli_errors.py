@@ -1666,6 +1666,36 @@ def test_one_sweep_subdir_for_every_point_is_refused(tmp_path):
         assert sweep_problems(first, [*ok, "dry_run=true"], None) == [], ok
 
 
+def test_a_sweep_subdir_that_names_one_directory_for_two_points_is_refused(tmp_path):
+    """hydra.sweep.subdir='${hydra.job.override_dirname}' leaves out the keys of override_dirname.exclude_keys (recipe,
+    cluster, dry_run), so `-m +recipe=tiny_cpu,tiny_moe_cpu seed=1,2` has points #0 and #2 both in <sweep>/seed=1.
+    Before: every point's check stood in a directory of its own (<sweep>/<n>), so this passed, and the second point
+    resumed from, overwrote or was locked out of the first's files; a dry sweep's plans named those stand-ins, not the
+    directories Hydra makes."""
+    dirname = "hydra.sweep.subdir=${hydra.job.override_dirname}"
+    overrides = ["+recipe=tiny_cpu,tiny_moe_cpu", "seed=1,2", dirname, f"hydra.sweep.dir={tmp_path}", "dry_run=true"]
+    first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
+    point = r"hydra.sweep.subdir=$\{hydra.job.override_dirname\}"  # (as the sweeper passes it on: escaped)
+    fix = ("(a key they differ in is left out of hydra.job.override_dirname: hydra.job.config.override_dirname."
+           "exclude_keys), so it would resume from, overwrite or be locked out of that point's files. Fix: put "
+           "${hydra.job.num} in it, or leave it out")
+    assert sweep_problems(first, overrides, None) == [
+        f"sweep point #2 of 4 (+recipe=tiny_moe_cpu seed=1 {point} hydra.sweep.dir={tmp_path} dry_run=True):",
+        f"- hydra.sweep.subdir: '${{hydra.job.override_dirname}}' names {tmp_path}/seed=1 for it and for sweep point "
+        f"#0 {fix}",
+        f"sweep point #3 of 4 (+recipe=tiny_moe_cpu seed=2 {point} hydra.sweep.dir={tmp_path} dry_run=True):",
+        f"- hydra.sweep.subdir: '${{hydra.job.override_dirname}}' names {tmp_path}/seed=2 for it and for sweep point "
+        f"#1 {fix}"]
+    # each point checked (and, dry, planned) in the directory Hydra makes for it: <num>_<override_dirname>, sorted
+    # overrides, recipe and dry_run left out; a subdir reading another key keeps a stand-in per point
+    for subdir, dirs in ((None, ["0_seed=1,train.max_steps=2", "1_seed=2,train.max_steps=2"]), ("${seed}", ["0", "1"])):
+        ok = ["+recipe=tiny_cpu", "seed=1,2", "train.max_steps=2", f"hydra.sweep.dir={tmp_path}", "dry_run=true",
+              *([f"hydra.sweep.subdir={subdir}"] if subdir else [])]
+        first, _ = compose_checked(ok, multirun=True, hydra_config=True)
+        problems, points = sweep_checked(first, ok, None)
+        assert problems == [] and [result[0].output_dir for _, result in points] == [f"{tmp_path}/{d}" for d in dirs]
+
+
 LEVELS = "CRITICAL, FATAL, ERROR, WARN, WARNING, INFO, DEBUG, NOTSET"
 
 
