@@ -134,21 +134,21 @@ def sweep_points(overrides: list) -> list[list[str]]:
 def sweep_subdir(sweep: dict, dirname_config: dict, number: int, point: list[str]) -> str | None:
     """hydra.sweep.subdir (`sweep`: the hydra.sweep node, unresolved) of sweep point `number`, whose overrides are
     `point`, as Hydra's launchers resolve it: hydra.job.num the point's number, hydra.job.override_dirname Hydra's own
-    of its overrides (`get_overrides_dirname`, under hydra.job.config.override_dirname's settings), hydra.job.id one of
-    its own per point (submitit's is the Slurm job's); None where it reads another key."""
+    of its overrides (`get_overrides_dirname`, under hydra.job.config.override_dirname's settings); None where it reads
+    another key (hydra.job.id: the basic launcher's is the number, submitit's the Slurm job's, unknown before)."""
     written_for("molt-run's sweep check", "hydra", SUPPORTED)
     import re
 
     from hydra._internal.config_loader_impl import get_overrides_dirname
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    raw, names = str(sweep["subdir"]), ("hydra.job.num", "hydra.job.override_dirname", "hydra.job.id")
+    raw, names = str(sweep["subdir"]), ("hydra.job.num", "hydra.job.override_dirname")
     if any(ref not in names for ref in re.findall(r"\$\{([^}]*)\}", raw)):
         return None
     app = [o for o in OverridesParser.create().parse_overrides(point) if not o.is_hydra_override()]
     dirname = get_overrides_dirname(app, list(dirname_config["exclude_keys"]), dirname_config["item_sep"],
                                     dirname_config["kv_sep"])
-    for name, value in zip(names, (str(number), dirname, f"job_id_for_{number}")):
+    for name, value in zip(names, (str(number), dirname)):
         raw = raw.replace(f"${{{name}}}", value)
     return raw
 
