@@ -704,7 +704,7 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
     line's sweeps, their product: compat/hydra.py `sweep_points`); `first` is the first point composed with its hydra
     node. Returns (each failing point's problems under a line naming the point, [(point, `checked`'s result)] of
     every point run here; none for submitit's, which run elsewhere)."""
-    from molt_hydra.compat.hydra import sweep_points
+    from molt_hydra.compat.hydra import sweep_points, sweep_subdir
 
     basic = first.hydra.sweeper._target_.endswith(".BasicSweeper")
     params = [f"{key}={value}" for key, value in (first.hydra.sweeper.get("params") or {}).items()] if basic else []
@@ -729,11 +729,20 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         print(f"Checking each of the sweep's {len(points)} points before the first starts (composed, validated and "
               "planned one after another) ...", file=sys.stderr, flush=True)
     problems, owners, results, seen = _repeated_points(points), {}, [], {}
-    sweep_dir = Path(os.path.abspath(first.hydra.sweep.dir))
-    for number, point in enumerate(points):  # the point's own output directory is Hydra's to make: a stand-in here
+    sweep_dir, hydra_node = Path(os.path.abspath(first.hydra.sweep.dir)), OmegaConf.to_container(first.hydra)
+    for number, point in enumerate(points):  # the point's own output directory, as Hydra will name it (a stand-in
+        # where hydra.sweep.subdir reads other keys)
         as_run = [*(o for o in point if o.lstrip("+~").split("=", 1)[0] != "dry_run"), "dry_run=true"] if submits \
             else point  # (dry_run is given once: repeated_keys)
-        errors, result = point_problems(as_run, sweep_dir / str(number), config_dir)
+        subdir = sweep_subdir(hydra_node["sweep"], hydra_node["job"]["config"]["override_dirname"], number, point)
+        if (owner := owners.setdefault(("dir", sweep_dir / (subdir or str(number))), number)) != number:
+            problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", f"- hydra.sweep.subdir: "
+                         f"{hydra_node['sweep']['subdir']!r} names {sweep_dir / subdir} for it and for sweep point "
+                         f"#{owner} (a key they differ in is left out of hydra.job.override_dirname: "
+                         "hydra.job.config.override_dirname.exclude_keys), so it would resume from, overwrite or be "
+                         "locked out of that point's files. Fix: put ${hydra.job.num} in it, or leave it out"]
+            continue
+        errors, result = point_problems(as_run, sweep_dir / (subdir or str(number)), config_dir)
         results += [] if submits else [(point, result)]  # (submitted, a dry sweep plans in its jobs too)
         for key in SWEEP_OWN_DIRS if result is not None else ():
             if (path := get(result[0], key)) and (owner := owners.setdefault((key, os.path.abspath(path)), number)) \
@@ -753,12 +762,16 @@ def launcher_swept(parsed: list, texts: list[str], overrides: list[str], config_
     or a key it interpolates (cluster.nodes, cpus_per_node, time_min, partition, ...). Hydra starts one launcher for
     the whole multirun, composed from the command line without its sweeps, so each point got that one's launcher and
     Slurm request without a word: `-m cluster=slurm,local` ran both points here; `-m cluster=slurm
-    cluster.time_min=60,240` gave both 60 minutes; `cluster.nodes=1,2` gave both one node (the second failed in it)."""
+    cluster.time_min=60,240` gave both 60 minutes; `cluster.nodes=1,2` gave both one node (the second failed in it).
+    So does the sweeper's hydra.sweeper.params: `-m +recipe=tiny_cpu,sweep_estimators_is` ran the sweep recipe's point
+    once, its sweep dropped without a word, and `+recipe=sweep_estimators_is,tiny_cpu` had molt-run check 12 points of
+    a multirun that ran 2."""
     fixed = [t for o, t in zip(parsed[len(parsed) - len(overrides):], overrides) if not o.is_sweep_override()]
     base, _ = compose_checked(fixed, config_dir=config_dir, hydra_config=True)
     if base is None:  # (its problems are the first point's too)
         return []
     ours, problems = _launcher_view(base), []
+    sweeps = OmegaConf.to_container(base.hydra.sweeper).get("params") or {}
     reads = {key for raw in _launcher_view(base, resolve=False).values() if isinstance(raw, str)
              for key in re.findall(r"\$\{([A-Za-z_][\w.]*)\}", raw) if not key.startswith("hydra.")}
     for o, text in zip(parsed, texts):
@@ -769,6 +782,14 @@ def launcher_swept(parsed: list, texts: list[str], overrides: list[str], config_
         for value in o.sweep_string_iterator():
             point, _ = compose_checked([*fixed, f"{o.get_key_element()}={value}"],
                                        config_dir=config_dir, hydra_config=True)
+            own = OmegaConf.to_container(point.hydra.sweeper).get("params") or {} if point is not None else sweeps
+            if own != sweeps:
+                said = [" ".join(f"{k}={v}" for k, v in p.items()) or "none" for p in (own, sweeps)]
+                problems.append(f"- {text}: {o.get_key_element()}={value} sets hydra.sweeper.params ({said[0]}), but "
+                                "Hydra's sweeper reads them from the config composed without the command line's "
+                                f"sweeps ({said[1]}), so that sweep would not run as written. Fix: run it as a "
+                                f"multirun of its own (molt-run -m {o.get_key_element()}={value} ...)")
+                break
             theirs = _launcher_view(point) if point is not None else ours
             if differ := [k for k in dict.fromkeys([*ours, *theirs]) if ours.get(k) != theirs.get(k)]:
                 got = (f"the launcher {theirs.get('_target_')} instead of {ours.get('_target_')}" if "_target_" in
@@ -936,7 +957,7 @@ def plugin_problems(first: DictConfig) -> list[str]:
                 and (refused := submitit_refused(target, list(node))):
             problems += [f"- hydra.launcher.{key}: submitit's launcher takes no such parameter (it takes "
                          f"{refused[1]}), so the multirun would fail as it submits. Fix: drop hydra.launcher.{key}, "
-                         "or name one it takes" for key in refused[0]]
+                         "or name one it takes" for key in refused[0]] + _submitit_values(node, target)
     for name, node in (OmegaConf.select(first, "hydra.callbacks") or {}).items():
         if node is None:  # (Hydra starts none)
             continue
@@ -947,6 +968,27 @@ def plugin_problems(first: DictConfig) -> list[str]:
             problems.append(f"- hydra.callbacks.{name}._target_: Hydra cannot import {target!r} "
                             f"({str(e).splitlines()[0]}). Fix: name a hydra.experimental.callback.Callback class as "
                             f"pkg.module.Name, or drop hydra.callbacks.{name}")
+    return problems
+
+
+def _submitit_values(node: DictConfig, target: str) -> list[str]:
+    """hydra.launcher's values as submitit takes them: one of another type (`array_parallelism=abc`, `mem_gb=abc`,
+    `timeout_min=1.5`) passed every check and failed the sweep as it was submitted (an AssertionError or TypeError
+    traceback, exit 1, its directory made); array_parallelism below 1 is Slurm's `%0`: no limit, every point at once."""
+    from molt_hydra.compat.hydra import submitit_types
+
+    problems = []
+    for key, types in submitit_types(target).items():
+        value = OmegaConf.select(node, key, throw_on_resolution_failure=False)
+        value = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
+            takes = " or ".join(t.__name__ for t in types)
+            problems.append(f"- hydra.launcher.{key}: {value!r}, but submitit takes {takes} there, so the multirun "
+                            f"would fail as it submits. Fix: set it to a value of type {takes}, or leave it out")
+    if isinstance(at_once := node.get("array_parallelism"), int) and not isinstance(at_once, bool) and at_once < 1:
+        problems.append(f"- hydra.launcher.array_parallelism: {at_once}, but it is how many of the sweep's points "
+                        f"Slurm runs at once, and Slurm reads %{at_once} as no limit: every point would start at once. "
+                        "Fix: set it to 1 or more (the preset's 256)")
     return problems
 
 

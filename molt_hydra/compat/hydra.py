@@ -5,12 +5,14 @@ refused, naming the installed one.
 Reached into here: `hydra._internal.utils.get_args_parser`, the parser `hydra.main` reads the command line with, so
 that `molt-run` checks the composed config (all errors in one message) before Hydra starts; and
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
-overrides into points, so that a multirun is validated point by point before its first point runs; and the submitit
+overrides into points, so that a multirun is validated point by point before its first point runs, and the config
+loader's `get_overrides_dirname`, each point's directory (`sweep_subdir`); and the submitit
 plugin's `SlurmLauncher.launch` and `LocalLauncher.launch`, replaced (`report_submitit_sweeps`); and
 `hydra.core.plugins.Plugins.discover`, the launcher and sweeper classes Hydra can start (`plugin_classes`) and its
 shell-completion plugins
 (`completion_shells`); and the submitit launcher's mapping of its keys onto submitit's executor
-(`submitit_refused`); and its config sources (`_internal.sources_registry`), for hydra.searchpath's entries
+(`submitit_refused`) and the types it takes (`submitit_types`: the sbatch writer's signature); and its config
+sources (`_internal.sources_registry`), for hydra.searchpath's entries
 (`search_path_problem`); and the override grammar's generated parser
 (`hydra.grammar.gen`), for the text of each number as the user wrote it (`written_scalars`); and
 `hydra._internal.defaults_list.create_defaults_list` with the config loader's
@@ -64,6 +66,34 @@ def submitit_refused(target: str, keys: list[str]) -> tuple[list[str], list[str]
     return [key for key in keys if not key.startswith("_") and key not in takes], takes
 
 
+def submitit_types(target: str) -> dict[str, tuple[type, ...]]:
+    """For a submitit launcher class `target`: {hydra.launcher key: the types submitit takes for it} of its keys typed
+    as numbers, booleans, lists or mappings (a string-typed key takes any scalar: `account=1234` is written as it
+    reads). The keys of BaseQueueConf are the AutoExecutor's own, asserted as the sweep is submitted; the Slurm
+    executor's others are typed by the sbatch writer's signature (array_parallelism=abc was its TypeError)."""
+    written_for("molt-run's submitit launcher check", "hydra", {"hydra-submitit-launcher": ("1.2",)})
+    written_for("molt-run's submitit parameter types", "hydra", {"submitit": ("1.5",)})  # (its _make_sbatch_string)
+    import typing
+
+    import submitit
+    from hydra.utils import get_class
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    hints = typing.get_type_hints(_make_sbatch_string) if get_class(target)._EXECUTOR == "slurm" else {}
+    generic = {key: hint for key, hint in submitit.AutoExecutor._typed_parameters().items()
+               if key in OmegaConf.structured(BaseQueueConf)}
+    plain = {int: (int,), float: (int, float), bool: (bool,), list: (list,), dict: (dict,)}
+    types = {}
+    for key, hint in {**hints, **generic}.items():
+        kinds = [typing.get_origin(h) or h for h in typing.get_args(hint) or (hint,) if h is not type(None)]
+        kinds = [list if k is typing.get_origin(typing.Iterable[str]) else k for k in kinds]
+        if len(kinds) == 1 and kinds[0] in plain:
+            types[key] = plain[kinds[0]]
+    return types
+
+
 def completion_shells() -> list[str]:
     """The shells `--shell-completion install=SHELL` serves: Hydra's discovered completion plugins."""
     written_for("molt-run's shell-completion check", "hydra", SUPPORTED)
@@ -99,6 +129,28 @@ def sweep_points(overrides: list) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
     return [point for batch in BasicSweeper.split_arguments(overrides, None) for point in batch]
+
+
+def sweep_subdir(sweep: dict, dirname_config: dict, number: int, point: list[str]) -> str | None:
+    """hydra.sweep.subdir (`sweep`: the hydra.sweep node, unresolved) of sweep point `number`, whose overrides are
+    `point`, as Hydra's launchers resolve it: hydra.job.num the point's number, hydra.job.override_dirname Hydra's own
+    of its overrides (`get_overrides_dirname`, under hydra.job.config.override_dirname's settings); None where it reads
+    another key (hydra.job.id: the basic launcher's is the number, submitit's the Slurm job's, unknown before)."""
+    written_for("molt-run's sweep check", "hydra", SUPPORTED)
+    import re
+
+    from hydra._internal.config_loader_impl import get_overrides_dirname
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    raw, names = str(sweep["subdir"]), ("hydra.job.num", "hydra.job.override_dirname")
+    if any(ref not in names for ref in re.findall(r"\$\{([^}]*)\}", raw)):
+        return None
+    app = [o for o in OverridesParser.create().parse_overrides(point) if not o.is_hydra_override()]
+    dirname = get_overrides_dirname(app, list(dirname_config["exclude_keys"]), dirname_config["item_sep"],
+                                    dirname_config["kv_sep"])
+    for name, value in zip(names, (str(number), dirname)):
+        raw = raw.replace(f"${{{name}}}", value)
+    return raw
 
 
 def report_submitit_sweeps() -> None:

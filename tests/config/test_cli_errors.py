@@ -984,6 +984,29 @@ def test_a_sweep_over_what_the_launcher_reads_is_refused(overrides, swept, asks)
             compose_checked(ok, multirun=True, hydra_config=True)[0], ok, None)), same
 
 
+@pytest.mark.parametrize("recipes", ["sweep_estimators_is,tiny_cpu", "tiny_cpu,sweep_estimators_is"])
+@pytest.mark.parametrize("cluster", ["local", "slurm"])
+def test_a_sweep_over_a_recipe_that_sweeps_is_refused(recipes, cluster):
+    """Hydra's sweeper reads hydra.sweeper.params from the config composed without the command line's sweeps, so a
+    swept +recipe= that sets them sweeps nothing. Before: `-m +recipe=sweep_estimators_is,tiny_cpu` had molt-run check
+    (and, dry, plan) 12 points of a multirun that ran 2, in directories 0_ and 1_; `-m +recipe=tiny_cpu,
+    sweep_estimators_is` ran the sweep recipe once, at algorithm.estimator=grpo alone, without a word."""
+    overrides = [f"+recipe={recipes}", f"cluster={cluster}", "dry_run=true"]
+    first, problems = compose_checked(overrides, multirun=True, hydra_config=True)
+    assert problems == [] and sweep_checked(first, overrides, None) == ([
+        f"- +recipe={recipes}: +recipe=sweep_estimators_is sets hydra.sweeper.params (algorithm.estimator=grpo,dr_grpo,"
+        "rloo algorithm.is_correction.level=token,geo), but Hydra's sweeper reads them from the config composed "
+        "without the command line's sweeps (none), so that sweep would not run as written. Fix: run it as a multirun "
+        "of its own (molt-run -m +recipe=sweep_estimators_is ...)"], [])
+
+
+def test_a_sweep_over_recipes_that_do_not_sweep_or_of_a_sweep_recipe_passes():
+    for fine, count in ((["+recipe=tiny_cpu,tiny_moe_cpu"], 2), (["+recipe=sweep_estimators_is"], 6)):
+        first, _ = compose_checked([*fine, "dry_run=true"], multirun=True, hydra_config=True)
+        problems, points = sweep_checked(first, [*fine, "dry_run=true"], None)
+        assert problems == [] and len(points) == count, fine
+
+
 @pytest.mark.parametrize("overrides,expected", [
     (["cluster.time_min=2"], "- cluster.time_min: 2 min, but Slurm's notice comes hydra.launcher.signal_delay_s=120 s "
      "before the time limit, so as the job starts: each point would be requeued before its first step. Fix: a "
@@ -1643,6 +1666,36 @@ def test_one_sweep_subdir_for_every_point_is_refused(tmp_path):
         assert sweep_problems(first, [*ok, "dry_run=true"], None) == [], ok
 
 
+def test_a_sweep_subdir_that_names_one_directory_for_two_points_is_refused(tmp_path):
+    """hydra.sweep.subdir='${hydra.job.override_dirname}' leaves out the keys of override_dirname.exclude_keys (recipe,
+    cluster, dry_run), so `-m +recipe=tiny_cpu,tiny_moe_cpu seed=1,2` has points #0 and #2 both in <sweep>/seed=1.
+    Before: every point's check stood in a directory of its own (<sweep>/<n>), so this passed, and the second point
+    resumed from, overwrote or was locked out of the first's files; a dry sweep's plans named those stand-ins, not the
+    directories Hydra makes."""
+    dirname = "hydra.sweep.subdir=${hydra.job.override_dirname}"
+    overrides = ["+recipe=tiny_cpu,tiny_moe_cpu", "seed=1,2", dirname, f"hydra.sweep.dir={tmp_path}", "dry_run=true"]
+    first, _ = compose_checked(overrides, multirun=True, hydra_config=True)
+    point = r"hydra.sweep.subdir=$\{hydra.job.override_dirname\}"  # (as the sweeper passes it on: escaped)
+    fix = ("(a key they differ in is left out of hydra.job.override_dirname: hydra.job.config.override_dirname."
+           "exclude_keys), so it would resume from, overwrite or be locked out of that point's files. Fix: put "
+           "${hydra.job.num} in it, or leave it out")
+    assert sweep_problems(first, overrides, None) == [
+        f"sweep point #2 of 4 (+recipe=tiny_moe_cpu seed=1 {point} hydra.sweep.dir={tmp_path} dry_run=True):",
+        f"- hydra.sweep.subdir: '${{hydra.job.override_dirname}}' names {tmp_path}/seed=1 for it and for sweep point "
+        f"#0 {fix}",
+        f"sweep point #3 of 4 (+recipe=tiny_moe_cpu seed=2 {point} hydra.sweep.dir={tmp_path} dry_run=True):",
+        f"- hydra.sweep.subdir: '${{hydra.job.override_dirname}}' names {tmp_path}/seed=2 for it and for sweep point "
+        f"#1 {fix}"]
+    # each point checked (and, dry, planned) in the directory Hydra makes for it: <num>_<override_dirname>, sorted
+    # overrides, recipe and dry_run left out; a subdir reading another key keeps a stand-in per point
+    for subdir, dirs in ((None, ["0_seed=1,train.max_steps=2", "1_seed=2,train.max_steps=2"]), ("${seed}", ["0", "1"])):
+        ok = ["+recipe=tiny_cpu", "seed=1,2", "train.max_steps=2", f"hydra.sweep.dir={tmp_path}", "dry_run=true",
+              *([f"hydra.sweep.subdir={subdir}"] if subdir else [])]
+        first, _ = compose_checked(ok, multirun=True, hydra_config=True)
+        problems, points = sweep_checked(first, ok, None)
+        assert problems == [] and [result[0].output_dir for _, result in points] == [f"{tmp_path}/{d}" for d in dirs]
+
+
 LEVELS = "CRITICAL, FATAL, ERROR, WARN, WARNING, INFO, DEBUG, NOTSET"
 
 
@@ -1738,6 +1791,34 @@ def test_a_key_submitits_executor_does_not_take_is_refused_before_the_multirun()
         "'gpus_per_node', 'max_num_timeout', 'mem_gb', 'name', 'nodes', 'setup', 'stderr_to_stdout', "
         "'submitit_folder', 'tasks_per_node', 'timeout_min']), so the multirun would fail as it submits. Fix: drop "
         "hydra.launcher.foo, or name one it takes"]
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("hydra.launcher.array_parallelism=abc", "- hydra.launcher.array_parallelism: 'abc', but submitit takes int there, "
+     "so the multirun would fail as it submits. Fix: set it to a value of type int, or leave it out"),
+    ("hydra.launcher.mem_gb=abc", "- hydra.launcher.mem_gb: 'abc', but submitit takes int or float there"),
+    ("hydra.launcher.timeout_min=1.5", "- hydra.launcher.timeout_min: 1.5, but submitit takes int there"),
+    ("hydra.launcher.stderr_to_stdout=1", "- hydra.launcher.stderr_to_stdout: 1, but submitit takes bool there"),
+    ("hydra.launcher.srun_args=--exclusive", "- hydra.launcher.srun_args: '--exclusive', but submitit takes list "),
+    ("hydra.launcher.array_parallelism=0", "- hydra.launcher.array_parallelism: 0, but it is how many of the sweep's "
+     "points Slurm runs at once, and Slurm reads %0 as no limit: every point would start at once. Fix: set it to 1 or "
+     "more (the preset's 256)"),
+    ("hydra.launcher.array_parallelism=-1", "- hydra.launcher.array_parallelism: -1, but it is how many"),
+    ("hydra.launcher.array_parallelism=1", None),
+    ("hydra.launcher.mem_gb=64", None),
+    ("hydra.launcher.mem_gb=null", None),
+    ("+hydra.launcher.additional_parameters.hold=true", None),
+])
+def test_a_launcher_value_submitit_cannot_take_is_refused_before_the_multirun(override, expected):
+    """Before: `-m cluster=slurm ... hydra.launcher.array_parallelism=abc` (or mem_gb=abc, timeout_min=1.5, ...) passed
+    every check, made the sweep directory, and failed as the array was submitted: submitit's TypeError or
+    AssertionError traceback, exit 1. array_parallelism=0 (or -1) was submitted as `--array=0-1%0`, which Slurm runs
+    with no limit: every point at once, without a word."""
+    from molt_hydra.cli import plugin_problems
+
+    first, problems = compose_checked(["cluster=slurm", "seed=1,2", override], multirun=True, hydra_config=True)
+    got = plugin_problems(first)
+    assert problems == [] and (got == [] if expected is None else len(got) == 1 and got[0].startswith(expected)), got
 
 
 def test_an_unwritable_sweep_directory_is_one_line_naming_it(monkeypatch, tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 import yaml
@@ -153,3 +154,31 @@ def test_an_algorithm_chosen_beside_a_recipe_is_that_algorithm(option="rloo"):
     for recipe in RECIPES:
         cfg = compose_config([*recipe.overrides, f"algorithm={option}"])
         assert cfg.algorithm.estimator == estimator, (recipe.name, cfg.algorithm.estimator)
+
+
+def _readme_commands(program: str) -> list[list[str]]:
+    """The README's command lines (a trailing backslash joins the next) that run `program` on 2 x 8 GPUs of Slurm:
+    the arguments after it."""
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = re.sub(r"\\\n\s*", " ", text).splitlines()
+    return [shlex.split(line.split(program, 1)[1]) for line in lines if program in line and "cluster=slurm_2x8" in line]
+
+
+def test_the_readmes_gpu_slurm_commands_validate(tmp_path):
+    """The README's sweeps and sbatch'ed run on `cluster=slurm_2x8` (the README's example cluster) pass every check.
+    Before: each was refused, `train.batch_size: must be a multiple of micro_batch_size x dp = 1 x 12 = 12, got 128`
+    (qwen3_4b_math's 4 engines left 12 of the 16 GPUs to the trainer): the sweep at once, the sbatch'ed run in its
+    job, after its wait in the queue."""
+    from molt_hydra.cli import compose_checked, point_problems, sweep_problems
+
+    sweeps, sbatched = _readme_commands("molt-run -m"), _readme_commands("launchers/molt.sbatch")
+    assert len(sweeps) == 2 and len(sbatched) == 1
+    for args in sweeps:
+        first, problems = compose_checked([*args, "dry_run=true"], multirun=True, hydra_config=True)
+        assert problems == [] and sweep_problems(first, [*args, "dry_run=true"], None) == [], args
+    # (as launchers/molt.sbatch runs it under `sbatch -N 2`)
+    as_run = [*sbatched[0], "cluster.nodes=2", "checkpoint.resume=auto", "dry_run=true"]
+    assert point_problems(as_run, tmp_path / "run", None)[0] == []
