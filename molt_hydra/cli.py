@@ -39,7 +39,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
 from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.nodes import BooleanNode, StringNode
+from omegaconf.nodes import AnyNode, BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from molt_hydra.compat import VersionError
@@ -79,6 +79,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     cfg, nested = _lists_resolved(cfg)
     nested += _nested_items(cfg)  # (a group holding one fails its own rules with a TypeError: that line is left out)
     problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)] + nested
+    problems += _interpolated_bools(cfg)
     try:
         run_cfg = _convert(cfg)
     except ConfigError as whole:
@@ -109,6 +110,27 @@ def _added_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
         elif key not in known:
             added.append(key)
     return added
+
+
+def _interpolated_bools(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """A true/false key given by an interpolation of anything but true or false (or null): OmegaConf converts what it
+    resolves to as it would a written value, without a word (`parallelism.colocate=${data.max_len}` and a `${name}`
+    of 'yes' ran as true), where the written ones are refused (`_converted`, config/yaml_text.py)."""
+    lines = []
+    for name in cfg:
+        key, node = f"{prefix}{name}", cfg._get_node(name)
+        if isinstance(node, DictConfig) and not node._is_interpolation() and key not in ("hydra", "agent.runner"):
+            lines += _interpolated_bools(node, f"{key}.")
+        elif isinstance(node, BooleanNode) and node._is_interpolation():
+            try:  # resolved untyped (an AnyNode converts nothing)
+                value = AnyNode(node._value(), parent=cfg)._dereference_node()._value()
+            except OmegaConfBaseException:  # (the typed conversion names a key it cannot resolve)
+                continue
+            if not (value is None or isinstance(value, bool) or str(value).lower() in ("true", "false")):
+                lines.append(f"- {key}: true or false, but {node._value()} resolves to the {type(value).__name__} "
+                             f"{value!r}, which would be read as {str(BooleanNode(value)._value()).lower()}. Fix: "
+                             f"interpolate a true/false key, or write {key}=true or {key}=false")
+    return lines
 
 
 def _typed_lists(cfg: DictConfig, prefix: str = ""):
