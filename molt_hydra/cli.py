@@ -647,9 +647,19 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
                "two)" if name == "recipe" else f"choose one: {name}=NAME, without +, replaces the default {name}")
         return f"- {added[-1] if added else override}: {name} is chosen more than once. Fix: {fix}"
     if key is None:
-        return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares "
-                "for it (`molt-run --cfg job` prints every key)")
+        return _keyless_problem(overrides, override, reason)
     return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
+
+
+def _keyless_problem(overrides: list[str], override: str, reason: str) -> str:
+    """A composition failure that names no key. A key set below a list key that is null (`+data.train_probs.sub=1`)
+    is told as a key below a value is: was OmegaConf's bare AssertionError, "- the command line: Unexpected type for
+    root: NoneType"."""
+    for o in overrides:
+        if any((name := o.lstrip("+~").split("=", 1)[0]).startswith(f"{leaf}.") for leaf in declared_bounds(RunConfig)):
+            return _not_a_key(name, o)
+    return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares for "
+            "it (`molt-run --cfg job` prints every key)")
 
 
 def _interpolated_choice(chain: list[Exception], overrides: list[str], key: str | None, reason: str) -> str | None:

@@ -1124,11 +1124,15 @@ def test_a_sweep_over_dry_run_is_refused():
 @pytest.mark.parametrize("override,line", [
     ("rollout.batch_size.x=4", "- rollout.batch_size.x: not a key of the config (rollout.batch_size.x=4)"),
     ("model.path.x=1", "- model.path.x: not a key of the config (model.path.x=1)"),
+    ("+data.train_probs.sub=1", "- data.train_probs.sub: not a key of the config (+data.train_probs.sub=1)"),
+    ("model.lora.target_modules.0=q", "- model.lora.target_modules.0: not a key of the config "
+     "(model.lora.target_modules.0=q)"),
     ("=1", "- =1: no key before the =."),
 ])
 def test_a_key_below_a_value_or_no_key_at_all_says_so(override, line):
     """Before: `rollout.batch_size.x=4` said rollout.batch_size could not be converted from a dict, fix: set it to an
-    integer; `=1` that ' is a config group' (Hydra parses a key named '')."""
+    integer; `=1` that ' is a config group' (Hydra parses a key named ''); a key below a null list
+    (`+data.train_probs.sub=1`) was "- the command line: Unexpected type for root: NoneType", naming no key."""
     cfg, problems = compose_checked([override])
     assert cfg is None and len(problems) == 1 and problems[0].startswith(line) and " Fix: " in problems[0], problems
 
