@@ -1249,6 +1249,22 @@ def _main(cfg: DictConfig) -> None:
         run(run_cfg)
 
 
+def _output_dir_in_use(output_dir: str) -> bool:
+    from molt_hydra.runtime.run_lock import in_use
+
+    return in_use("output_dir", output_dir)
+
+
+def _refused_point(cfg: DictConfig) -> None:
+    """A local multirun point whose output directory another run holds: refused as its run would be, and recorded as
+    a failed point (the sweep goes on)."""
+    from molt_hydra.runtime.run_lock import refuse_if_held
+    from molt_hydra.runtime.sweep import going_on_after_a_failure
+
+    with going_on_after_a_failure():
+        refuse_if_held({"output_dir": str(cfg.output_dir)})
+
+
 def main() -> None:
     # Ctrl-C or SIGTERM while the config is composed, validated and planned (seconds of imports): one line, exit 130,
     # no traceback; the run, once started, takes both itself (runtime/entrypoint.py). So does SIGHUP (the terminal
@@ -1268,7 +1284,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def _check_then_run() -> None:
-    from molt_hydra.compat.hydra import get_args_parser, report_submitit_sweeps
+    from molt_hydra.compat.hydra import get_args_parser, held_points_refused, report_submitit_sweeps
 
     register()
     parser, problems = get_args_parser(), []
@@ -1304,6 +1320,7 @@ def _check_then_run() -> None:
         _exit_config_error("\n".join(failed))  # --help / --info compose the overrides too (before: a traceback)
     if args.multirun:
         report_submitit_sweeps()  # a submitit sweep's refusal and failed points, reported (compat/hydra.py)
+        held_points_refused(_output_dir_in_use, _refused_point)  # before Hydra writes a point's .hydra/ and log
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
     if args.multirun:
         from molt_hydra.runtime.sweep import exit_if_points_failed
