@@ -39,7 +39,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
 from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.nodes import BooleanNode, StringNode
+from omegaconf.nodes import AnyNode, BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from molt_hydra.compat import VersionError
@@ -79,6 +79,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     cfg, nested = _lists_resolved(cfg)
     nested += _nested_items(cfg)  # (a group holding one fails its own rules with a TypeError: that line is left out)
     problems = out_of_range(cfg, RunConfig) + [_not_a_key(key, "added with +") for key in _added_keys(cfg)] + nested
+    problems += _interpolated_bools(cfg)
     try:
         run_cfg = _convert(cfg)
     except ConfigError as whole:
@@ -109,6 +110,27 @@ def _added_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
         elif key not in known:
             added.append(key)
     return added
+
+
+def _interpolated_bools(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """A true/false key given by an interpolation of anything but true or false (or null): OmegaConf converts what it
+    resolves to as it would a written value, without a word (`parallelism.colocate=${data.max_len}` and a `${name}`
+    of 'yes' ran as true), where the written ones are refused (`_converted`, config/yaml_text.py)."""
+    lines = []
+    for name in cfg:
+        key, node = f"{prefix}{name}", cfg._get_node(name)
+        if isinstance(node, DictConfig) and not node._is_interpolation() and key not in ("hydra", "agent.runner"):
+            lines += _interpolated_bools(node, f"{key}.")
+        elif isinstance(node, BooleanNode) and node._is_interpolation():
+            try:  # resolved untyped (an AnyNode converts nothing)
+                value = AnyNode(node._value(), parent=cfg)._dereference_node()._value()
+            except OmegaConfBaseException:  # (the typed conversion names a key it cannot resolve)
+                continue
+            if not (value is None or isinstance(value, bool) or str(value).lower() in ("true", "false")):
+                lines.append(f"- {key}: true or false, but {node._value()} resolves to the {type(value).__name__} "
+                             f"{value!r}, which would be read as {str(BooleanNode(value)._value()).lower()}. Fix: "
+                             f"interpolate a true/false key, or write {key}=true or {key}=false")
+    return lines
 
 
 def _typed_lists(cfg: DictConfig, prefix: str = ""):
@@ -625,9 +647,19 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
                "two)" if name == "recipe" else f"choose one: {name}=NAME, without +, replaces the default {name}")
         return f"- {added[-1] if added else override}: {name} is chosen more than once. Fix: {fix}"
     if key is None:
-        return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares "
-                "for it (`molt-run --cfg job` prints every key)")
+        return _keyless_problem(overrides, override, reason)
     return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
+
+
+def _keyless_problem(overrides: list[str], override: str, reason: str) -> str:
+    """A composition failure that names no key. A key set below a list key that is null (`+data.train_probs.sub=1`)
+    is told as a key below a value is: was OmegaConf's bare AssertionError, "- the command line: Unexpected type for
+    root: NoneType"."""
+    for o in overrides:
+        if any((name := o.lstrip("+~").split("=", 1)[0]).startswith(f"{leaf}.") for leaf in declared_bounds(RunConfig)):
+            return _not_a_key(name, o)
+    return (f"- {override}: {reason}. Fix: give each key a value of the type molt_hydra/config/schema.py declares for "
+            "it (`molt-run --cfg job` prints every key)")
 
 
 def _interpolated_choice(chain: list[Exception], overrides: list[str], key: str | None, reason: str) -> str | None:
@@ -1259,6 +1291,22 @@ def _main(cfg: DictConfig) -> None:
         run(run_cfg)
 
 
+def _output_dir_in_use(output_dir: str) -> bool:
+    from molt_hydra.runtime.run_lock import in_use
+
+    return in_use("output_dir", output_dir)
+
+
+def _refused_point(cfg: DictConfig) -> None:
+    """A local multirun point whose output directory another run holds: refused as its run would be, and recorded as
+    a failed point (the sweep goes on)."""
+    from molt_hydra.runtime.run_lock import refuse_if_held
+    from molt_hydra.runtime.sweep import going_on_after_a_failure
+
+    with going_on_after_a_failure():
+        refuse_if_held({"output_dir": str(cfg.output_dir)})
+
+
 def main() -> None:
     # Ctrl-C or SIGTERM while the config is composed, validated and planned (seconds of imports): one line, exit 130,
     # no traceback; the run, once started, takes both itself (runtime/entrypoint.py). So does SIGHUP (the terminal
@@ -1278,7 +1326,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def _check_then_run() -> None:
-    from molt_hydra.compat.hydra import get_args_parser, report_submitit_sweeps
+    from molt_hydra.compat.hydra import get_args_parser, held_points_refused, report_submitit_sweeps
 
     register()
     parser, problems = get_args_parser(), []
@@ -1314,6 +1362,7 @@ def _check_then_run() -> None:
         _exit_config_error("\n".join(failed))  # --help / --info compose the overrides too (before: a traceback)
     if args.multirun:
         report_submitit_sweeps()  # a submitit sweep's refusal and failed points, reported (compat/hydra.py)
+        held_points_refused(_output_dir_in_use, _refused_point)  # before Hydra writes a point's .hydra/ and log
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_main)()
     if args.multirun:
         from molt_hydra.runtime.sweep import exit_if_points_failed

@@ -95,12 +95,13 @@ class ChatAgentRunner(Runner):
     async def execute(self, episode: Episode, generator: TokenGenerator, tokenizer) -> list[Trajectory]:
         server = await self._ensure_server()
         sid = uuid.uuid4().hex
+        takes_images, placeholder = model_images(tokenizer.name_or_path)
         session = ChatSession(
             sid, generator, tokenizer, episode.sampling, episode.max_length,
             reply_parser(tokenizer, self.tool_parser, self.reasoning_parser), label=episode.label,
             image_tokens_per_image=self.image_tokens_per_image, max_turns=episode.max_turns,
             max_choices=self.max_choices, max_images=self.max_images, model_label=tokenizer.name_or_path,
-            accepts_images=self.accepts_images and not text_only_model(tokenizer.name_or_path))
+            accepts_images=self.accepts_images and takes_images, image_placeholder=placeholder)
         server.open_session(session)
         messages = prompt_messages(episode.prompt, episode.images)
         url = server.session_url(sid)
@@ -158,17 +159,19 @@ def _refuse_step_fields(result, returned_by: str) -> None:
 
 
 @functools.cache
-def text_only_model(model_dir: str) -> bool:
-    """The tokenizer's model has no vision tower (its config says so): image parts are then the client's 400, naming
-    the model, instead of an engine error. Unknown (no readable config): False, the engine decides."""
+def model_images(model_dir: str) -> tuple[bool, int | None]:
+    """(whether the tokenizer's model takes images, its image placeholder's token id), from its config: a text-only
+    model's image parts, and a placeholder written into a text, are then the client's 400 instead of an engine error.
+    Unknown (no readable config): (True, None), the engine decides."""
     from transformers import AutoConfig
 
     from molt_hydra.models.vlm import is_vlm
 
     try:
-        return not is_vlm(AutoConfig.from_pretrained(model_dir))
+        config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError):
-        return False
+        return True, None
+    return (True, getattr(config, "image_token_id", None)) if is_vlm(config) else (False, None)
 
 
 def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:

@@ -73,6 +73,9 @@ def cispo_loss(ratio, advantages, log_probs, action_mask, *, clip_eps_high, **_)
     """-sg(min(r, eps_high)) * A * logp: the IS weight is capped (eps_high is an absolute ceiling, e.g. 1.2) but never
     zeroes a token's gradient, which flows only through logp."""
     weight = ratio.clamp(max=clip_eps_high).detach()
+    # a -inf (or NaN) log-prob on an action token gave +-inf, or NaN where A = 0 (inf * 0); its term is 0 here, the
+    # limit of exp(logp) * logp, with no gradient (as PPO's clamped ratio gives it none)
+    log_probs = torch.nan_to_num(log_probs, nan=0.0, posinf=0.0, neginf=0.0)
     return -weight * advantages * log_probs, masked_mean((ratio > clip_eps_high).float(), action_mask)
 
 

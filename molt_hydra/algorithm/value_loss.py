@@ -17,6 +17,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                dp_size: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss to backpropagate, metrics). `old_values` are the critic's values at collection, `returns` the GAE
     targets; `num_tokens` / `dp_size` follow aggregation.py's global-window contract (token-mean)."""
+    # off the mask every input is 0: a NaN / inf there (padding) left the loss alone but made its gradient 0 * NaN
+    m = action_mask.bool()
+    values, old_values, returns = (torch.where(m, x, 0.0) for x in (values, old_values, returns))
     loss_mat = 0.5 * (values - returns).square()
     metrics = {}
     if value_clip is not None:

@@ -6,8 +6,9 @@ Reached into here: `hydra._internal.utils.get_args_parser`, the parser `hydra.ma
 that `molt-run` checks the composed config (all errors in one message) before Hydra starts; and
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
 overrides into points, so that a multirun is validated point by point before its first point runs, and the config
-loader's `get_overrides_dirname`, each point's directory (`sweep_subdir`); and the submitit
-plugin's `SlurmLauncher.launch` and `LocalLauncher.launch`, replaced (`report_submitit_sweeps`); and
+loader's `get_overrides_dirname`, each point's directory (`sweep_subdir`); and the submitit plugin's
+`SlurmLauncher.launch` and `LocalLauncher.launch`, replaced (`report_submitit_sweeps`); and the basic launcher's
+`run_job` (`held_points_refused`), wrapped; and
 `hydra.core.plugins.Plugins.discover`, the launcher and sweeper classes Hydra can start (`plugin_classes`) and its
 shell-completion plugins
 (`completion_shells`); and the submitit launcher's mapping of its keys onto submitit's executor
@@ -20,6 +21,8 @@ sources (`_internal.sources_registry`), for hydra.searchpath's entries
 """
 
 from __future__ import annotations
+
+import functools
 
 from molt_hydra.compat import written_for
 # imported where used: hydra's internals (only when molt-run parses its command line)
@@ -164,6 +167,36 @@ def report_submitit_sweeps() -> None:
 
     SlurmLauncher.launch = launch
     LocalLauncher.launch = launch
+
+
+def held_points_refused(held, refused) -> None:
+    """Hydra's basic launcher runs each multirun point with `hydra.core.utils.run_job`, which makes the point's output
+    directory and writes its log and .hydra/ (config.yaml, overrides.yaml) there before the task starts: a point whose
+    directory another run holds (`held(output_dir)`) runs `refused(task_cfg)` as its task instead, with neither
+    written. Before, such a point replaced the running run's .hydra/ and logged into its cli.log, then was refused by
+    the run lock. Called before Hydra starts."""
+    written_for("molt-run's multirun points", "hydra", SUPPORTED)
+    import copy
+    import os
+
+    from hydra._internal.core_plugins import basic_launcher
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    run_job = getattr(basic_launcher.run_job, "__wrapped__", basic_launcher.run_job)
+
+    @functools.wraps(run_job)
+    def guarded(*, config, job_dir_key, job_subdir_key, **kw):
+        HydraConfig.instance().set_config(config)  # (as run_job does: the subdir may read hydra:job.num)
+        out = os.path.join(str(OmegaConf.select(config, job_dir_key)), str(OmegaConf.select(config, job_subdir_key)))
+        if held(os.path.abspath(out)):
+            config = copy.deepcopy(config)
+            with read_write(config.hydra), open_dict(config.hydra):
+                config.hydra.output_subdir = None
+            kw.update(task_function=refused, configure_logging=False)
+        return run_job(config=config, job_dir_key=job_dir_key, job_subdir_key=job_subdir_key, **kw)
+
+    basic_launcher.run_job = guarded
 
 
 def written_scalars(override: str) -> list[tuple[str, int, int]]:

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from molt_hydra.config.bounds import get, out_of_range
-from molt_hydra.config.schema import ConfigError, RunConfig
+from molt_hydra.config.schema import WEIGHTS_ALONE, ConfigError, RunConfig
 
 PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
 # NeMo AutoModel's module knobs: key -> (what AutoModel calls them, the values it takes; None: unset, its default)
@@ -727,15 +727,32 @@ def colocation_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) 
     ))
 
 
+def checkpoint_dir_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
+    """What checkpoint.dir holds: a resume=must needs it to exist; one saved step is not a run's checkpoints."""
+    c = cfg.checkpoint
+    try:  # (a name too long for the file system: its own rule tells it; was an OSError traceback under resume=must)
+        exists, one_step = Path(c.dir).is_dir(), (Path(c.dir) / "dcp").is_dir()
+    except OSError:
+        exists, one_step = True, False
+    problems.table((
+        (c.resume.value != "must" or cfg.job.value == "eval" or exists, "checkpoint.resume",
+         f"must: resume from the latest checkpoint under checkpoint.dir, but {str(c.dir)[:120]!r} does not exist, so "
+         "the run would fail at start-up.", "set checkpoint.dir to the checkpoints of the run to continue, or "
+         "checkpoint.resume=auto (start fresh when there are none)"),
+        # the directory of one saved step (its DCP shards): resumed as a run's checkpoints, it holds none, and this
+        # run's steps were saved inside it (step_5/step_1, ...), within an earlier run's checkpoints and its retention
+        (not one_step, "checkpoint.dir", f"{str(c.dir)[:120]!r} is one saved checkpoint (a step's DCP shards), not "
+         "the directory of a run's checkpoints: the run would find no checkpoint in it to resume, and save its own "
+         f"inside it ({Path(c.dir).name}/step_1, ...).", f"set checkpoint.dir to {str(Path(c.dir).parent)[:120]!r} "
+         f"(checkpoint.resume=auto goes on from its newest step); for this step's weights alone, {WEIGHTS_ALONE}"),
+    ))
+
+
 def logger_and_checkpoint_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Switches whose tuning knobs are set while they are off, and what a job has no use for."""
     c, log = cfg.checkpoint, cfg.logger
     export_dir_set = c.export_dir != get(defaults(), "checkpoint.export_dir").replace("${output_dir}", cfg.output_dir)
     problems.table((
-        (c.resume.value != "must" or cfg.job.value == "eval" or Path(c.dir).is_dir(), "checkpoint.resume",
-         f"must: resume from the latest checkpoint under checkpoint.dir, but {str(c.dir)[:120]!r} does not exist, so "
-         "the run would fail at start-up.", "set checkpoint.dir to the checkpoints of the run to continue, or "
-         "checkpoint.resume=auto (start fresh when there are none)"),
         (not c.load_model_only or c.resume.value != "never", "checkpoint.load_model_only",
          "it says what a resume loads, but checkpoint.resume=never loads nothing.",
          "set checkpoint.resume=auto (or must) with checkpoint.dir at the checkpoints to start from"),
@@ -951,5 +968,5 @@ def placement_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 
 # Every rule of this layer, in the order its messages appear; runtime/validate.py adds the higher layers' rules.
 RULES = (algorithm_rules, optimizer_rules, train_rules, replay_rules, rollout_rules, engine_size_rules, backend_rules,
-         hf_path_rules, model_rules, parallelism_rules, colocation_rules, logger_and_checkpoint_rules, eval_rules,
-         schedule_rules, job_rules, placement_rules)
+         hf_path_rules, model_rules, parallelism_rules, colocation_rules, checkpoint_dir_rules,
+         logger_and_checkpoint_rules, eval_rules, schedule_rules, job_rules, placement_rules)

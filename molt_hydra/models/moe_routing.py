@@ -38,11 +38,14 @@ def routing_stats(config) -> "RoutingStats":
     return RoutingStats(text.num_hidden_layers, text.num_experts)
 
 
-def expert_counts(ids: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
-    """Selections per expert, counted by scatter-add: bincount sizes its output from the data (a CUDA sync)."""
+def expert_counts(ids: torch.Tensor, num_experts: int, dtype: torch.dtype,
+                  real: torch.Tensor | None = None) -> torch.Tensor:
+    """Selections per expert, counted by scatter-add: bincount sizes its output from the data (a CUDA sync).
+    `real` ([tokens] 0/1, the rows of `ids`): only those rows count (padding does not)."""
     flat = ids.reshape(-1).long()
     counts = torch.zeros(num_experts, dtype=dtype, device=flat.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=dtype))
+    ones = torch.ones_like(ids, dtype=dtype) if real is None else real.to(dtype)[:, None].expand(ids.shape)
+    return counts.scatter_add_(0, flat, ones.reshape(-1))
 
 
 class RoutingStats:
@@ -58,9 +61,10 @@ class RoutingStats:
         self.sums = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in shapes.items()}
 
     def add(self, layer: int, probs: torch.Tensor | None, own: torch.Tensor, used: torch.Tensor,
-            engine: torch.Tensor | None, image: torch.Tensor | None = None):
+            engine: torch.Tensor | None, image: torch.Tensor | None = None, real: torch.Tensor | None = None):
         """One layer's forward: `probs` [tokens, experts] (None where the gate does not expose them: AutoModel's),
-        the gate's own top-k `own`, the experts `used`, the engine's `engine` (-1 rows: not routed there)."""
+        the gate's own top-k `own`, the experts `used`, the engine's `engine` (-1 rows: not routed there); `real`
+        [tokens] 0/1: loads and probabilities count those rows only (None: all; padding is not routed)."""
         # sums stay on the forward's device until `as_tensor`: a `.cpu()` / `float()` per layer would make every MoE
         # layer of a log-prob recompute wait for the GPU (as would bincount, which sizes its output from the data)
         with torch.no_grad():
@@ -76,10 +80,11 @@ class RoutingStats:
                 sums["routed"][:, layer] += counted.sum(-1)
                 if image is not None:
                     sums["image"][:, layer] += (counted & image.to(known.device).bool()).sum(-1)
-            sums["load"][layer] += expert_counts(used, self.num_experts, torch.float64)
+            w = torch.ones(own.shape[0], dtype=torch.float64, device=own.device) if real is None else real.double()
+            sums["load"][layer] += expert_counts(used, self.num_experts, torch.float64, w)
             if probs is not None:
-                sums["prob"][layer] += probs.detach().double().sum(0)
-            sums["tokens"][layer] += own.shape[0]
+                sums["prob"][layer] += (probs.detach().double() * w[:, None]).sum(0)
+            sums["tokens"][layer] += w.sum()
 
     def as_tensor(self) -> torch.Tensor:
         return torch.cat([t.flatten() for t in self.sums.values()]).cpu()
@@ -119,16 +124,18 @@ class LoadBalancingLoss:
     """The Switch-Transformer load-balancing loss of one forward, E * sum_e f_e * P_e over every MoE layer's rows
     (f_e: share of top-k selections, P_e: mean router probability), as transformers' `load_balancing_loss_func`, but
     f counts the experts each token used: under R3 the engine's, where HF would recompute the trainer's own top-k from
-    the router logits. The gradient flows through P (the live softmax), as in HF and Megatron."""
+    the router logits. The gradient flows through P (the live softmax), as in HF and Megatron. Padding rows (`real`
+    0) count in neither, as HF's with an attention mask."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
         self.selections, self.prob_sum, self.rows = 0.0, 0.0, 0  # sums of the forward's selections, probs, rows
 
-    def add(self, probs: torch.Tensor, used: torch.Tensor) -> None:
-        self.selections = self.selections + expert_counts(used, self.num_experts, torch.float32)
-        self.prob_sum = self.prob_sum + probs.float().sum(0)
-        self.rows += probs.shape[0]
+    def add(self, probs: torch.Tensor, used: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        w = probs.new_ones(probs.shape[0], dtype=torch.float32) if real is None else real.float()
+        self.selections = self.selections + expert_counts(used, self.num_experts, torch.float32, w)
+        self.prob_sum = self.prob_sum + (probs.float() * w[:, None]).sum(0)
+        self.rows = self.rows + w.sum()
 
     def value(self) -> torch.Tensor:
         return self.num_experts * (self.selections / self.rows * (self.prob_sum / self.rows)).sum()
@@ -144,6 +151,7 @@ class ReplayableRouter(nn.Module):
     # set for one forward (`_set_on_routers`), None otherwise
     engine_experts: torch.Tensor | None = None  # [tokens, layers, top_k] the engine's selection for the forward
     image_tokens: torch.Tensor | None = None  # [tokens] 1 on a VLM's image tokens, for the statistics' split
+    real_tokens: torch.Tensor | None = None  # [tokens] 0 on padding, which the statistics and the balancing skip
     stats: RoutingStats | None = None
     balance: LoadBalancingLoss | None = None
     norm_topk_prob = True  # Qwen3-MoE's router sets its own from the config; Qwen3-VL-MoE's always renormalises
@@ -160,10 +168,11 @@ class ReplayableRouter(nn.Module):
                 used = torch.where((engine >= 0).all(-1, keepdim=True), engine.long(), own)  # -1 rows: own top-k
         weights = probs.gather(-1, used)  # live: the gate's gradient flows through the softmax
         weights = weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk_prob else weights
+        real = None if self.real_tokens is None else self.real_tokens.to(own.device)
         if self.stats is not None:
-            self.stats.add(self.layer_index, probs, own, used, engine, self.image_tokens)
+            self.stats.add(self.layer_index, probs, own, used, engine, self.image_tokens, real)
         if self.balance is not None:
-            self.balance.add(probs, used)
+            self.balance.add(probs, used, real)
         return logits, weights.to(hidden_states.dtype), used
 
 
@@ -183,12 +192,14 @@ def install(model: nn.Module, gate_precision: str = "float32", replay: bool = Fa
 
 
 def engine_routing(model: nn.Module, routed: torch.Tensor | None, stats: RoutingStats | None = None,
-                   image_tokens: torch.Tensor | None = None):
+                   image_tokens: torch.Tensor | None = None, real_tokens: torch.Tensor | None = None):
     """A context in whose forward routers see the engine's experts `routed` ([..., tokens, layers, top_k], flattened
-    to the forward's token order) and add to `stats`, image tokens (`image_tokens`, same shape as the ids) apart."""
+    to the forward's token order) and add to `stats`, image tokens (`image_tokens`, same shape as the ids) apart;
+    `real_tokens` (same shape, 0 on right-padding): only those count in `stats` and the load-balancing loss."""
     flat = None if routed is None else routed.reshape(-1, *routed.shape[-2:])
     image = None if image_tokens is None else image_tokens.reshape(-1)
-    return _set_on_routers(model, engine_experts=flat, stats=stats, image_tokens=image)
+    real = None if real_tokens is None else real_tokens.reshape(-1)
+    return _set_on_routers(model, engine_experts=flat, stats=stats, image_tokens=image, real_tokens=real)
 
 
 @contextmanager

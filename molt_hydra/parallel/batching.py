@@ -69,13 +69,15 @@ def pad_rows(samples: list[dict], keys: tuple[str, ...] | None = None) -> dict:
     """Right-pad each key's per-sample tensors (first dim = tokens) into [B, L_max, ...] rows, with position_ids.
 
     Causal attention never looks right, so real tokens see exactly what they see unpadded and the model runs
-    without any attention mask (the fused is_causal kernels); padded positions carry mask 0 in every loss."""
+    without any attention mask (the fused is_causal kernels); padded positions carry mask 0 in every loss, and
+    `real_tokens` 0, which MoE routers read (the load-balancing loss and routing statistics skip padding)."""
     keys = keys or tuple(k for k, v in samples[0].items() if torch.is_tensor(v) and v.dim() >= 1)
     # routed experts pad with -1 ("engine routing unknown"), which routers and routing statistics skip
     out = {k: torch.nn.utils.rnn.pad_sequence([s[k] for s in samples], batch_first=True,
                                               padding_value=-1 if k == "routed_experts" else 0) for k in keys}
     n = out["input_ids"].shape[1]
     out["position_ids"] = torch.arange(n).expand(len(samples), n).contiguous()
+    out["real_tokens"] = torch.arange(n) < torch.tensor([len(s["input_ids"]) for s in samples])[:, None]
     return out
 
 

@@ -131,6 +131,7 @@ class TrainerWorker:
             **(spec.automodel_options or {}))
         # AutoModel's gates replay and freeze (its RouterReplay: `_replay`); its experts are model.experts_backend's
         self.moe, self.frozen_names, self.moe_experts_impl = moe_routing.is_moe_config(self.model.config), set(), None
+        self.hf_balancing = False  # its load-balancing loss is refused (config/validate.py)
 
     def _build_hf(self, spec: TrainerSpec) -> None:
         mesh = build_device_mesh(self.dp_size)
@@ -177,7 +178,9 @@ class TrainerWorker:
         """MoE (models/moe_routing.py): gate precision, R3 replay, routing statistics, frozen routers, and the
         load-balancing loss counted on the experts used; HF's own (router logits' top-k) for other MoE models."""
         routers = moe_routing.install(model, spec.gate_precision, replay=spec.routing_replay)
-        if spec.aux_loss_coef > 0 and not routers:
+        # other HF MoE models: transformers' own loss, which skips padding only given the attention mask (_forward)
+        self.hf_balancing = spec.aux_loss_coef > 0 and not routers
+        if self.hf_balancing:
             model.config.output_router_logits = True
         if (spec.routing_replay or spec.freeze_moe_router) and not routers:
             raise NotImplementedError(f"rollout.routing_replay / model.freeze_moe_router: {type(model).__name__} "
@@ -273,6 +276,8 @@ class TrainerWorker:
         with moe_routing.load_balancing(self.model) if balancing else contextlib.nullcontext() as balance:
             inputs = dict(input_ids=ids, position_ids=None if mm else pos) if shared is None else {
                 k: shared[k] for k in ("input_ids", "position_ids", "attention_mask")}
+            if self.hf_balancing and "real_tokens" in mb:  # right-padded rows (packed ones have no padding)
+                inputs["attention_mask"] = mb["real_tokens"].long()
             res = self.model(**inputs, **mm)
         aux = balance.value() if balancing else getattr(res, "aux_loss", None)
         if self.head is not None:
@@ -294,7 +299,7 @@ class TrainerWorker:
                 mb["routed_experts"], replay=self.spec.routing_replay, stats=routing_stats)
         if self.moe:
             return moe_routing.engine_routing(self.model, mb.get("routed_experts"), routing_stats,
-                                              mb.get("mm_token_type_ids"))
+                                              mb.get("mm_token_type_ids"), mb.get("real_tokens"))
         return contextlib.nullcontext()
 
     def _micro_batches(self, samples: list[dict], mask_key: str | None = None) -> list[list[int]]:

@@ -63,6 +63,21 @@ def refuse_if_held(dirs: dict[str, str]) -> None:
             os.close(fd)
 
 
+def in_use(key: str, path: str | os.PathLike) -> bool:
+    """Whether another run holds the lock of `path` (set by `key`); none is held after."""
+    try:
+        fd = os.open(lock_file(key, path), os.O_RDONLY)
+    except OSError:  # none: no run ever held it
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def _refuse_if_held(fd: int, key: str, path: str) -> None:
     """Locks `fd`, or prints that another run holds it, naming it, and exits non-zero."""
     try:

@@ -266,6 +266,35 @@ def test_a_resumable_checkpoint_as_checkpoint_path_is_refused_naming_the_exports
                     f"{WEIGHTS_ALONE} and checkpoint.resume=must")
 
 
+@pytest.mark.parametrize("resume", ["auto", "must", "never"])
+def test_a_step_directory_as_checkpoint_dir_is_refused_naming_its_parent(tmp_path, resume):
+    """checkpoint.dir ("root of resumable checkpoints") given one saved step: before, accepted; a resume found no
+    checkpoint in it (auto started from step 0, must failed at start-up) and the run saved its own steps inside that
+    earlier run's step (step_4/step_1, ...)."""
+    import torch
+
+    from molt_hydra.config.schema import WEIGHTS_ALONE
+    from molt_hydra.parallel.checkpoint import resolve_checkpoint, save_checkpoint
+
+    step = save_checkpoint(tmp_path / "ckpt", 4, torch.nn.Linear(2, 2))
+    assert resolve_checkpoint(step) is None and resolve_checkpoint(tmp_path / "ckpt") == step
+    lines = config_errors([f"checkpoint.dir={step}", f"checkpoint.resume={resume}"])
+    assert [line for line in lines if line.startswith("checkpoint.dir: ")] == [
+        f"checkpoint.dir: {str(step)!r} is one saved checkpoint (a step's DCP shards), not the directory of a run's "
+        "checkpoints: the run would find no checkpoint in it to resume, and save its own inside it (step_4/step_1, "
+        f"...). Fix: set checkpoint.dir to {str(tmp_path / 'ckpt')!r} (checkpoint.resume=auto goes on from its newest "
+        f"step); for this step's weights alone, {WEIGHTS_ALONE}"]
+    assert config_errors([f"checkpoint.dir={tmp_path / 'ckpt'}", f"checkpoint.resume={resume}"]) == []
+
+
+def test_an_over_long_checkpoint_dir_under_resume_must_is_told_not_a_traceback():
+    """Before: `checkpoint.resume=must` checked that checkpoint.dir exists with an OSError traceback (File name too
+    long) instead of the name's own rule."""
+    assert config_errors([f"checkpoint.dir=/tmp/{'a' * 300}", "checkpoint.resume=must"]) == [
+        f"checkpoint.dir: has a name of 300 bytes ('{'a' * 40}'...), and a file system takes at most 255 bytes per "
+        "name. Fix: shorten checkpoint.dir"]
+
+
 @pytest.mark.parametrize("override,key", [("model.path=''", "model.path"), ("checkpoint.path=''", "checkpoint.path"),
                                           ("data.train_path=','", "data.train_path")])
 def test_empty_locations_are_refused(override, key):

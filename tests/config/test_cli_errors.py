@@ -12,7 +12,7 @@ from _config_helpers import PLAN_HEADER, compose_config, run_cli, run_cli_many
 from molt_hydra.cli import (EXIT_CONFIG_ERROR, compose_checked, job_ignored, launcher_problems, sweep_checked,
                             sweep_problems, to_run_config, unread_on_command_line)
 from molt_hydra.config.schema import ConfigError, ISLevel
-from test_validation import assert_fires
+from test_validation import assert_fires, config_errors
 
 CASES = {
     "misspelled_key": (["model.pathh=x"], "model.pathh"),
@@ -365,6 +365,24 @@ def test_a_switch_takes_true_or_false_only(value, read_as):
 def test_true_false_and_null_are_switch_values(override, value):
     cfg, problems = compose_checked([override])
     assert problems == [] and OmegaConf.select(cfg, override.split("=")[0]) is value
+
+
+@pytest.mark.parametrize("overrides,got,read_as", [
+    (["parallelism.colocate=${data.max_len}"], "the int 256", "true"),  # conf/config.yaml's data.max_len
+    (["name=yes", "parallelism.colocate=${name}"], "the str 'yes'", "true"),
+    (["parallelism.colocate=${oc.decode:'0'}"], "the int 0", "false")])
+def test_a_switch_given_by_an_interpolation_takes_true_or_false_only(overrides, got, read_as):
+    """Before: `parallelism.colocate=${data.max_len}` (or a `${name}` of 'yes') ran as true: OmegaConf converts what
+    an interpolation resolves to as it would the written value, which alone was refused."""
+    text = overrides[-1].split("=", 1)[1]
+    assert config_errors(overrides) == [
+        f"parallelism.colocate: true or false, but {text} resolves to {got}, which would be read as {read_as}. Fix: "
+        "interpolate a true/false key, or write parallelism.colocate=true or parallelism.colocate=false"]
+
+
+def test_a_switch_may_interpolate_a_switch_or_true_false_text():
+    assert config_errors(["parallelism.colocate=${dry_run}"]) == []
+    assert config_errors(["name=False", "parallelism.colocate=${name}"]) == []
 
 
 def test_each_sweep_point_of_a_switch_is_checked():
@@ -1129,11 +1147,15 @@ def test_a_sweep_over_dry_run_is_refused():
 @pytest.mark.parametrize("override,line", [
     ("rollout.batch_size.x=4", "- rollout.batch_size.x: not a key of the config (rollout.batch_size.x=4)"),
     ("model.path.x=1", "- model.path.x: not a key of the config (model.path.x=1)"),
+    ("+data.train_probs.sub=1", "- data.train_probs.sub: not a key of the config (+data.train_probs.sub=1)"),
+    ("model.lora.target_modules.0=q", "- model.lora.target_modules.0: not a key of the config "
+     "(model.lora.target_modules.0=q)"),
     ("=1", "- =1: no key before the =."),
 ])
 def test_a_key_below_a_value_or_no_key_at_all_says_so(override, line):
     """Before: `rollout.batch_size.x=4` said rollout.batch_size could not be converted from a dict, fix: set it to an
-    integer; `=1` that ' is a config group' (Hydra parses a key named '')."""
+    integer; `=1` that ' is a config group' (Hydra parses a key named ''); a key below a null list
+    (`+data.train_probs.sub=1`) was "- the command line: Unexpected type for root: NoneType", naming no key."""
     cfg, problems = compose_checked([override])
     assert cfg is None and len(problems) == 1 and problems[0].startswith(line) and " Fix: " in problems[0], problems
 

@@ -95,6 +95,18 @@ def moe_dummy_micro_batch(rank, world_size, port, out):
         torch.save(norms, out)
 
 
+def moe_layout_step(rank, world_size, port, out, packing, model_path="tiny://qwen3_moe_tiny"):
+    """Two MoE samples of different lengths in one micro-batch with a large router aux loss, right-padded
+    (packing=False) or packed: the step's gradient norm before clipping and its routing metrics."""
+    w = worker(rank, world_size, port, model_path=model_path, aux_loss_coef=10.0, max_norm=0.0,
+               lr_scheduler="constant", packing=packing, max_tokens_per_micro_batch=1000)
+    samples = with_old_logprobs(w, make_samples(2))
+    m = w.train_step(samples, ppo_objective())
+    if rank == 0:
+        torch.save(m, out)
+    w.shutdown()
+
+
 def logprobs_and_roles(rank, world_size, port, out):
     """Actor log-probs at T=0.7 (three samples packed in one micro-batch), a reference forward, a critic step."""
     from molt_hydra.parallel.objectives import CriticObjective

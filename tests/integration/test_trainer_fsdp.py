@@ -81,6 +81,30 @@ def test_a_dummy_micro_batch_adds_nothing_to_the_moe_aux_loss(tmp_path):
     assert alone > 0 and with_dummy == pytest.approx(alone, rel=1e-5)
 
 
+def _tiny_mixtral(path: Path) -> str:
+    """A transformers MoE whose router this trainer does not patch: its aux loss is transformers' own."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=128)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral"])
+def test_moe_aux_loss_and_routing_metrics_skip_right_padding(tmp_path, model):
+    """Right-padded rows: the padding's router rows counted in the aux (load-balancing) loss (Qwen3-MoE's patched
+    routers, and transformers' own loss, which skips them only given the attention mask) and in the routing metrics,
+    so a step differed from the same samples packed (no padding)."""
+    path = "tiny://qwen3_moe_tiny" if model == "qwen3_moe" else _tiny_mixtral(tmp_path / "mixtral")
+    run_ranks(jobs.moe_layout_step, 1, tmp_path / "rows.pt", False, path, timeout_s=180)
+    run_ranks(jobs.moe_layout_step, 1, tmp_path / "packed.pt", True, path, timeout_s=180)
+    rows, packed = (torch.load(tmp_path / f, weights_only=False) for f in ("rows.pt", "packed.pt"))
+    routing = ("routing/aux_loss", "routing/expert_load_entropy") if model == "qwen3_moe" else ()
+    for k in ("actor_grad_norm", *routing):
+        assert rows[k] == pytest.approx(packed[k], rel=1e-5), k
+
+
 def _hf_logprobs(samples, temperature, name="tiny://qwen3_tiny"):
     from transformers import AutoModelForCausalLM
 

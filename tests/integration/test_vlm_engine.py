@@ -15,6 +15,7 @@ import uuid
 import pytest
 import torch
 from anthropic import AsyncAnthropic
+from anthropic import BadRequestError as AnthropicBadRequest
 from openai import AsyncOpenAI, BadRequestError
 from PIL import Image, ImageDraw
 
@@ -292,3 +293,56 @@ def test_after_a_weight_update_a_repeated_image_is_encoded_by_the_new_vision_tow
         with_old_tower = hf_logprobs(old, sample, **kw)[start:end]
     assert (expected - with_old_tower).abs().max() > 1e-3  # the comparison can fail: the tower changes the answer
     torch.testing.assert_close(torch.tensor(after.logprobs), expected, atol=2e-4, rtol=0)
+
+
+
+class PlaceholderInText(ChatAgent):
+    """The model's image placeholder written into a user text, over both SDKs (without an image, and beside one),
+    then a clean request in the same session."""
+
+    def __init__(self, log: dict):
+        self.log = log
+
+    async def run(self, ctx):
+        openai = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        anthropic = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+        part = {"type": "image_url", "image_url": {"url": image_data_uri(figure((56, 56), "red"))}}
+        calls = {
+            "openai_text": lambda: openai.chat.completions.create(
+                model=ctx.model_name, messages=[{"role": "user", "content": "What is <image> here?"}]),
+            "openai_beside_image": lambda: openai.chat.completions.create(model=ctx.model_name, messages=[
+                {"role": "user", "content": [part, {"type": "text", "text": "Is <image> the same?"}]}]),
+            "anthropic_text": lambda: anthropic.messages.create(model=ctx.model_name, max_tokens=6, messages=[
+                {"role": "user", "content": "What is <image> here?"}]),
+        }
+        for name, call in calls.items():
+            try:
+                await call()
+                self.log[name] = "served"
+            except (BadRequestError, AnthropicBadRequest) as e:
+                self.log[name] = (e.status_code, e.body.get("message") or e.body["error"]["message"])
+        await openai.chat.completions.create(model=ctx.model_name, messages=[
+            {"role": "user", "content": [part, {"type": "text", "text": "Find x."}]}])
+        return Result(reward=1.0)
+
+
+def test_the_image_placeholder_written_in_a_text_is_a_400_naming_it(loop, engine, tokenizer, images):
+    """Before: beside an image, a 500 (the engine's refusal of 2 placeholders for 1 image); without one, served: the
+    text's `<image>` became an image slot the engine and trainer filled with the token's own embedding."""
+    rec, log = Recorder(engine), {}
+    runner = ChatAgentRunner(PlaceholderInText, agent_kwargs={"log": log},
+                             image_tokens_per_image=images.added_tokens, max_images=MAX_IMAGES)
+    ep = Episode(prompt="Find x.", sampling=SAMPLING, max_length=512)
+    try:
+        outcome = run(loop, runner.run_group([ep], rec, tokenizer, timeout_s=120))
+    finally:
+        run(loop, runner.close())
+    counts = {"openai_text": (1, 0), "openai_beside_image": (2, 1), "anthropic_text": (1, 0)}
+    for name, (places, n) in counts.items():
+        status, message = log[name]
+        assert status == 400, (name, message)
+        assert (f"the text holds this vision model's image placeholder '<image>': the prompt has {places} of them "
+                f"for its {n} image(s)") in message, (name, message)
+    # none reached the engine; the clean request after them was served and is the one trajectory
+    assert not outcome.failures and len(outcome.trajectories) == 1
+    assert [(r.prompt_ids.count(images.placeholder_id), len(r.images)) for r, _ in rec.calls] == [(1, 1)]

@@ -128,6 +128,34 @@ def test_load_balancing_loss_counts_the_replayed_experts():
     assert all(r.weight.grad.abs().sum() > 0 for r in moe_routing.routers(model))
 
 
+def test_padding_counts_in_neither_the_load_balancing_loss_nor_the_routing_statistics():
+    """Right-padded rows (the trainer's default micro-batches): the padding's router rows counted in the balancing
+    loss and the load / probability statistics. Expected: transformers' `load_balancing_loss_func` given the
+    attention mask, and the statistics of the same two samples run unpadded (one row each)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from molt_hydra.parallel.batching import pad_rows
+    model = _tiny_moe_lm()
+    samples = [{"input_ids": torch.randint(1, 32, (n,), generator=torch.Generator().manual_seed(n))} for n in (7, 3)]
+    mb = pad_rows(samples)
+    assert mb["real_tokens"].tolist() == [[True] * 7, [True] * 3 + [False] * 4]
+    padded = moe_routing.routing_stats(model.config)
+    with moe_routing.engine_routing(model, None, padded, real_tokens=mb["real_tokens"]), \
+            moe_routing.load_balancing(model) as balance:
+        res = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"])
+    hf = load_balancing_loss_func(res.router_logits, 8, 2, mb["real_tokens"].long())
+    torch.testing.assert_close(balance.value(), hf)
+    assert not torch.allclose(hf, load_balancing_loss_func(res.router_logits, 8, 2))  # the padding would move it
+    alone = moe_routing.routing_stats(model.config)
+    with torch.no_grad(), moe_routing.engine_routing(model, None, alone):
+        for s in samples:
+            model(input_ids=s["input_ids"][None])
+    got, want = padded.metrics(), alone.metrics()
+    assert set(got) == set(want) == {"routing/aux_loss", "routing/expert_load_entropy"}
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-6), k
+
+
 @pytest.mark.parametrize("precision,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
 def test_gate_precision_under_bf16_compute(precision, dtype):
     model, gate = _router(hidden=16, experts=8)

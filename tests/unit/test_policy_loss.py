@@ -149,19 +149,25 @@ def test_non_finite_old_log_probs_and_advantages_are_clamped(name):
     assert torch.isfinite(logp.grad).all()
 
 
-@pytest.mark.parametrize("name", ["ppo", "gspo"])
-def test_non_finite_current_log_probs_do_not_poison_loss_or_gradient(name):
-    # -inf current log-prob on an action token: log-ratio -30, ratio ~ 0; NaN: log-ratio 0, ratio 1
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("a", [1.0, 0.0])
+def test_non_finite_current_log_probs_do_not_poison_loss_or_gradient(name, a):
+    # -inf current log-prob on an action token: log-ratio -30, ratio ~ 0; NaN: log-ratio 0, ratio 1. cispo's
+    # -w * A * logp was -inf there (NaN with A = 0: a group whose rewards were all equal)
     logp = torch.tensor([[-float("inf"), float("nan"), -1.0]], requires_grad=True)
     old = torch.full((1, 3), -1.0)
-    adv = torch.tensor([[1.0, 1.0, 1.0]])
+    adv = torch.tensor([[a, a, 1.0]])
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, _ = PolicyLoss(name)(logp, old, adv, mask)
-    assert torch.isfinite(loss)
+    loss, metrics = PolicyLoss(name, clip_eps_high=1.2 if name == "cispo" else 0.2)(logp, old, adv, mask)
+    assert torch.isfinite(loss) and torch.isfinite(metrics["policy_loss"])
     if name == "ppo":
-        close(loss, (-math.exp(-30) - 1.0 - 1.0) / 3)
+        close(loss, (-math.exp(-30) * a - a - 1.0) / 3)
+    if name == "cispo":  # the non-finite tokens' terms are 0 (exp(logp) * logp -> 0); t2: -min(1, 1.2) * 1 * -1
+        close(loss, 1.0 / 3)
     loss.backward()
     assert torch.isfinite(logp.grad).all()
+    if name == "cispo":  # d/dlogp = -w * A on the finite token only
+        close(logp.grad, [[0.0, 0.0, -1.0 / 3]])
 
 
 def test_empty_mask_gives_zero_loss_and_metrics():

@@ -77,6 +77,30 @@ def test_molt_run_on_a_directory_in_use_stops_before_writing_anything(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == []  # (the holder's lock is beside it)
 
 
+def test_a_multirun_point_on_a_directory_in_use_writes_nothing_there(tmp_path):
+    """The real CLI, a sweep (one point) whose point's directory a running run holds (the same sweep started again,
+    hydra.sweep.dir named): Hydra's launcher made the point's log and .hydra/ there before the run lock refused it, so
+    the running run's cli.log took the point's lines and its .hydra/overrides.yaml and config.yaml were replaced."""
+    sweep = tmp_path / "sweep"
+    point = sweep / "0_seed=1"  # hydra.sweep.subdir: <job num>_<its overrides>
+    holder = _holder(point)
+    (point / ".hydra").mkdir()
+    (point / ".hydra" / "overrides.yaml").write_text("- the running run's\n")
+    try:
+        proc = subprocess.run([MOLT_RUN, "-m", f"hydra.sweep.dir={sweep}", "seed=1"], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == EXIT_FAILED, proc.stderr[-2000:]
+    assert (f"Run not started: output_dir={point} is in use by another run (pid {holder.pid} on "
+            f"{os.uname().nodename})") in proc.stderr
+    assert "sweep point #0 (seed=1): failed (exit 4), for the reason above; the sweep goes on." in proc.stderr
+    assert [p.name for p in point.iterdir()] == [".hydra"]  # no log of the point's
+    assert [p.name for p in (point / ".hydra").iterdir()] == ["overrides.yaml"]
+    assert (point / ".hydra" / "overrides.yaml").read_text() == "- the running run's\n"
+
+
 def _second_run(dirs: dict[str, str]) -> subprocess.CompletedProcess:
     """Another process taking the run lock of `dirs` (SECOND): prints "held" if it got it."""
     return subprocess.run([sys.executable, "-c", SECOND, json.dumps(dirs)], capture_output=True, text=True,

@@ -37,3 +37,18 @@ def test_no_clip_is_half_squared_error():
 def test_global_token_count_and_dp_scale():
     loss, _ = value_loss(values(), OLD, RETURNS, MASK, value_clip=None, num_tokens=6, dp_size=2)
     assert loss.item() == pytest.approx(0.5 * ((1.1 - 1.5) ** 2 + 0.5 ** 2 + 0.8 ** 2) / 6 * 2)
+
+
+@pytest.mark.parametrize("clip", [0.2, None])
+def test_non_finite_inputs_off_the_mask_touch_neither_loss_nor_gradient(clip):
+    """Padding whose values, old values or returns are NaN / inf: the loss stayed finite (masked out), but the
+    backward through the square gave the masked value 0 * NaN, a NaN gradient into the value head."""
+    nan, inf = float("nan"), float("inf")
+    v = torch.tensor([[1.1, 0.5, 2.0, nan]], requires_grad=True)
+    loss, _ = value_loss(v, torch.tensor([[0.8, 0.5, 1.0, inf]]), torch.tensor([[1.5, 0.0, 1.2, nan]]), MASK,
+                         value_clip=clip)
+    reference, _ = value_loss(values(), OLD, RETURNS, MASK, value_clip=clip)
+    assert loss.item() == pytest.approx(reference.item())
+    loss.backward()
+    grads = [0.0, 0.5 / 3, 0.8 / 3] if clip else [(1.1 - 1.5) / 3, 0.5 / 3, 0.8 / 3]
+    assert v.grad[0].tolist() == pytest.approx([*grads, 0.0])

@@ -88,6 +88,7 @@ class ChatSession:
     max_choices: int = 8
     accepts_images: bool = True
     max_images: int | None = None  # the engines' per-prompt image limit; a prompt carries the conversation's
+    image_placeholder: int | None = None  # a vision model's image token id: a prompt holds one per image, no more
     model_label: str = "policy"
 
     def __post_init__(self):
@@ -197,7 +198,20 @@ class ChatSession:
     def _full_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
         """A chat request rendered whole (no open segment to extend): its token ids and images."""
         images = self._load_images(req)
-        return self._tokenize(self._render(req.messages, req.tools, True, req.prompt_param)), images
+        ids = self._tokenize(self._render(req.messages, req.tools, True, req.prompt_param))
+        return self._check_image_places(ids, images, req.prompt_param), images
+
+    def _check_image_places(self, ids: list[int], images: list, param: str) -> list[int]:
+        """`ids`, new prompt tokens with `images` (their image parts rendered): a vision model's placeholder written
+        into a text reads as an image's place. Was: with images, the engine's refusal as a 500; without, the text
+        silently became an image slot with no image."""
+        if self.image_placeholder is not None and (places := ids.count(self.image_placeholder)) != len(images):
+            token = self.tokenizer.convert_ids_to_tokens(self.image_placeholder)
+            raise RequestError(400, f"the text holds this vision model's image placeholder {token!r}: the prompt "
+                               f"has {places} of them for its {len(images)} image(s), and the model reads each as an "
+                               f"image's place. Remove {token!r} from the text; send each image as an image part, for "
+                               "which the chat template writes the placeholder", param)
+        return ids
 
     def _load_images(self, req: ChatRequest, start: int = 0, earlier: list | None = None) -> list:
         """The images of a prompt: `earlier` ones (of the segment it extends) + those in `req.messages[start:]`,
@@ -344,12 +358,13 @@ class ChatSession:
         """(extension or None, prompt ids, images) of a turn: a raw prompt, the open branch extended, or a full
         render."""
         if req.raw_prompt is not None:
-            return None, self._tokenize(req.raw_prompt), []
+            return None, self._check_image_places(self._tokenize(req.raw_prompt), [], req.prompt_param), []
         extension = self._extension(req)
         if extension is None:
             return None, *self._full_prompt(req)
         traj, delta_ids = extension
         images = self._load_images(req, len(self._prev_messages), traj.images)
+        self._check_image_places(delta_ids, images[len(traj.images):], req.prompt_param)
         return extension, traj.token_ids + delta_ids, images
 
     def _commit(self, req: ChatRequest, extension, prompt_ids: list[int], images: list, choices: list[Choice]) -> None:
