@@ -513,7 +513,7 @@ class TrainConfig:
     max_steps: Optional[int] = ranged(None, ge=1)
     "Stop after this many RL steps; None = when the episodes are done."
     force_on_policy: bool = False
-    "One optimizer step over the whole rollout batch (needs train.epochs=1)."
+    "One optimizer step over the whole rollout batch (needs train.epochs=1); train.batch_size is then its samples."
     mode: TrainMode = TrainMode["async"]
     "sync: train only on the current policy's tokens; async: generation overlaps training."
     queue_depth: int = ranged(1, ge=1)

@@ -149,6 +149,8 @@ def derive(cfg: RunConfig, estimator_needs: frozenset[str]) -> RunConfig:
         if getattr(e, name) is None:
             setattr(e, name, getattr(r, name))
     e.n_samples_per_prompt = e.n_samples_per_prompt or 1
+    if cfg.job.value == "rl" and t.force_on_policy:  # one optimizer step over each rollout step's samples, as Molt's:
+        t.batch_size = r.batch_size * r.n_samples_per_prompt  # the plan and the batch rules see that batch
     if t.max_staleness is None:
         t.max_staleness = 0 if t.mode.value == "sync" else t.queue_depth + int(t.partial_rollout)
     colocated_gpu = cfg.parallelism.colocate and cfg.cluster.device.value == "cuda"
@@ -300,13 +302,8 @@ def optimizer_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -
 def train_rules(cfg: RunConfig, problems: Problems, needs: frozenset[str]) -> None:
     """Sync vs async generation, staleness, the rollout replay directory."""
     t, r, replay = cfg.train, cfg.rollout, cfg.train.rollout_replay_dir
-    sync, rl, samples = t.mode.value == "sync", cfg.job.value == "rl", r.batch_size * r.n_samples_per_prompt
+    sync, rl = t.mode.value == "sync", cfg.job.value == "rl"
     problems.table((
-        # one optimizer step over the whole batch (runtime/trainer_options.py optimizer_steps_per_batch)
-        (not (rl and t.force_on_policy) or t.batch_size == samples, "train.batch_size", "train.force_on_policy "
-         f"takes one optimizer step over each rollout step's {samples} samples (rollout.batch_size x "
-         f"rollout.n_samples_per_prompt), so {t.batch_size} changes nothing.",
-         f"set train.batch_size={samples}, or train.force_on_policy=false"),
         # without partial rollout the pool starts only the groups its batch still needs (rollout/generator.py
         # carry_over), so a batch's groups all start under one policy version: more in flight never run
         (not rl or replay or t.partial_rollout or r.max_inflight_groups <= r.batch_size,

@@ -170,10 +170,6 @@ CROSS_GROUP = [
     # conf default: 8 groups x 8 samples = 64 per step; 48 does not divide it (and is a multiple of 16 x 1).
     ("step_samples_multiple_of_batch", ["train.batch_size=48"], "train.batch_size",
      "a rollout step yields 64 samples, not a multiple of train.batch_size=48"),
-    # before, accepted: one optimizer step over all 64 samples whatever train.batch_size says
-    ("force_on_policy_whole_batch", ["train.force_on_policy=true", "train.batch_size=32"], "train.batch_size",
-     "train.force_on_policy takes one optimizer step over each rollout step's 64 samples (rollout.batch_size x "
-     "rollout.n_samples_per_prompt), so 32 changes nothing"),
     # 64 samples per step; micro 48 x dp 1 = 48 does not divide train.batch_size=64.
     ("batch_multiple_of_micro_x_dp", ["train.micro_batch_size=48"], "train.batch_size",
      "must be a multiple of micro_batch_size x dp = 48 x 1 = 48, got 64"),
@@ -260,6 +256,18 @@ def test_derived_values_are_checked_not_raw_ones():
     assert config_errors(["algorithm=on_policy_distill", "model.ref_path=tiny://qwen3_moe_tiny",
                           "rollout.n_samples_per_prompt=1", "rollout.batch_size=32", "train.batch_size=32",
                           "parallelism.colocate_models=true"]) == []
+
+
+
+@pytest.mark.parametrize("groups,samples", [(8, 4), (16, 8)])
+def test_force_on_policy_trains_on_the_whole_rollout_step(groups, samples):
+    """train.force_on_policy: one optimizer step over each rollout step's samples (Molt's), so train.batch_size is
+    groups x samples per group, whatever the conf's 64 says (a rollout size other than 8 x 8 was refused, its fix a
+    value nothing read)."""
+    overrides = ["train.force_on_policy=true", f"rollout.batch_size={groups}",
+                 f"rollout.n_samples_per_prompt={samples}", "train.micro_batch_size=8"]
+    assert config_errors(overrides) == []
+    assert validated(compose_config(overrides), overrides).train.batch_size == groups * samples
 
 
 # ---------------------------------------------------------------------------- single-group rules (__post_init__)
