@@ -38,7 +38,11 @@ def last_run_id(output_dir: Path) -> str | None:
     """The id of the last W&B run started in `output_dir`, from the `run-<id>.wandb` file its `wandb/latest-run`
     link holds. None where W&B never ran."""
     link = Path(output_dir) / "wandb" / "latest-run"
-    files = sorted(link.glob("run-*.wandb")) if link.is_symlink() else []
+    if link.is_symlink():
+        files = sorted(link.glob("run-*.wandb"))
+    else:  # a directory copied without its links (cp -rL, an archive): the newest run's, by its directory's start time
+        files = sorted(Path(output_dir).glob("wandb/*run-*/run-*.wandb"),
+                       key=lambda f: f.parent.name.partition("run-")[2])[-1:]
     return files[0].stem.removeprefix("run-") if files else None
 
 

@@ -25,8 +25,8 @@ class RunLog:
         values and the run's closing summary read."""
         log = self.cfg
         remote = step % log.every_steps == 0
+        self.unlogged = None if remote else (step, metrics)  # (first: a failed W&B write of this step flushes none)
         self.sinks.log(metrics, step, remote=remote)
-        self.unlogged = None if remote else (step, metrics)
         self.progress.step(step, metrics)
         rows = [t for g in batch.groups for t in g.trajectories]
         if log.sample_table_every and step % log.sample_table_every == 0 and rows:

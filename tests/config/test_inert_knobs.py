@@ -194,13 +194,13 @@ CASES = [
     ("raw_prompts_of_messages_eval", ["job=eval", "eval.data_path=builtin://arithmetic_eval",
                                       "data.apply_chat_template=false"], "data.apply_chat_template",
      "every prompt of eval.data_path=builtin://arithmetic_eval is chat messages"),
-    # before, accepted: without partial rollout the pool starts only the groups its batch still needs, so at most
-    # rollout.batch_size=8 ran at once (rollout/generator.py `_refill`)
     # before, accepted: the name as metrics.jsonl and W&B log it never matched the evaluation's own keys, so no
     # checkpoint was ever kept as the best (a 2-step CPU run evaluating every step wrote no best/)
     ("best_key_as_logged", ["eval.data_path=builtin://toy_eval", "eval.every_steps=1",
                             "checkpoint.best_metric_key=eval/eval_toy_pass1"], "checkpoint.best_metric_key",
      "'eval/eval_toy_pass1' is no metric the evaluation returns"),
+    # before, accepted: without partial rollout the pool starts only the groups its batch still needs, so at most
+    # rollout.batch_size=8 ran at once (rollout/generator.py `_refill`)
     ("inflight_past_the_batch", ["rollout.max_inflight_groups=16"], "rollout.max_inflight_groups",
      "16 is above rollout.batch_size=8, but without train.partial_rollout the pool runs only the groups its batch "
      "still needs"),

@@ -285,6 +285,12 @@ def test_the_last_wandb_run_id_is_read_from_its_file_not_its_directory_name(tmp_
     (run / "run-u2kixbff.wandb").write_bytes(b"")
     (tmp_path / "wandb" / "latest-run").symlink_to(run.name)
     assert last_run_id(tmp_path) == "u2kixbff"
+    # the directory copied without links (cp -rL: latest-run a plain copy): the newest run's, by its start time
+    (tmp_path / "wandb" / "latest-run").unlink()
+    older = tmp_path / "wandb" / "run-20261205_120000-a1b2c3d4"  # (an online run's directory: its own prefix)
+    older.mkdir()
+    (older / "run-a1b2c3d4.wandb").write_bytes(b"")
+    assert last_run_id(tmp_path) == "u2kixbff"
 
 
 def test_a_row_logged_after_a_sinks_directory_vanished_stops_the_run_naming_it(tmp_path):
