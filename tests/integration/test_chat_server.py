@@ -987,8 +987,9 @@ def test_judge_calls_are_served_on_the_engines_but_never_recorded(loop, rec, tok
 
 def test_repeated_judge_calls_in_a_seeded_rollout_are_each_sampled_with_seeds_of_their_own(loop, rec, tokenizer):
     """k identical judge calls (a majority vote; sequential or gathered, as LangChain's `abatch` sends them) in a
-    rollout with a seed are k samples: each takes seeds past those the session drew so far, as a turn does (was: every
-    judge call took the rollout's seed, so the engine drew the same verdict k times); a client's seed is as sent."""
+    rollout with a seed are k samples: each takes seeds past those its earlier calls drew, in a stream 2**62 from the
+    turns' (was: every judge call took the rollout's seed, so the engine drew the same verdict k times); a client's
+    seed is as sent; the policy's turns keep their own seeds (the first turn: the rollout's)."""
     async def script(client, ctx, log):
         judge = AsyncOpenAI(base_url=ctx.judge_url, api_key=ctx.api_key, max_retries=0)
         ask = functools.partial(judge.chat.completions.create, model="policy", max_tokens=12,
@@ -997,12 +998,14 @@ def test_repeated_judge_calls_in_a_seeded_rollout_are_each_sampled_with_seeds_of
         await ask(n=2)  # the engine seeds choice i with seed + i
         await asyncio.gather(ask(), ask())
         await ask(seed=7)
+        await client.chat.completions.create(model=ctx.model_name, max_tokens=4, messages=ctx.messages)
 
     scripted(loop, rec, tokenizer, script, sampling=SAMPLED)
     seeds = [req.sampling.seed for req, _ in rec.calls]
-    first = SAMPLED.seed
+    first = SAMPLED.seed + 2**62
     assert seeds[:4] == [first, first + 1, first + 2, first + 3]
     assert sorted(seeds[4:6]) == [first + 5, first + 6] and seeds[6] == 7
+    assert seeds[7] == SAMPLED.seed  # the policy's first turn: the judge calls neither took nor moved its seed
     votes = [tuple(gen.token_ids) for _, (gen,) in rec.calls[:3]]
     assert len(set(votes)) > 1  # temperature 1.0, 12 tokens: three seeds, not one verdict three times
 

@@ -105,6 +105,7 @@ class ChatSession:
         self._last_key: str | None = None
         self._last_reply: TurnReply | None = None
         self._drawn = 0  # choices sampled in this session so far: a turn's seeds start past theirs
+        self._judged = 0  # choices the judge endpoint sampled so far: its seeds start past theirs
         # the engines' failure of one of its turns, if any: an agent that raises after it is not blamed for it
         self.engine_failure: str | None = None
         self._turn_end = self._assistant_turn_end()
@@ -170,10 +171,11 @@ class ChatSession:
         if remaining <= 0:
             raise RequestError(400, f"judge prompt is {prompt_tokens} tokens; max_length is {self.max_length}",
                                "messages", "context_length_exceeded")
-        # the rollout's seed past the session's draws so far, as a turn's (was: the rollout's own at every call, so k
-        # identical calls, a majority vote, drew one verdict k times); taken before the await: gathered calls too
-        seed = None if self.sampling.seed is None else (self.sampling.seed + self._drawn) % 2**63
-        self._drawn += req.n
+        # seeds of the judge's own, past its earlier calls' (was: the rollout's own at every call, so k identical calls,
+        # a majority vote, drew one verdict k times): a stream 2**62 away from the turns', which a judge call made
+        # while a turn generates neither shares nor shifts; taken before the await: gathered calls too
+        seed = None if self.sampling.seed is None else (self.sampling.seed + 2**62 + self._judged) % 2**63
+        self._judged += req.n
         sampling = dataclasses.replace(
             self.sampling, max_tokens=min(o.get("max_tokens", self.sampling.max_tokens), remaining),
             min_tokens=0, stop=self.sampling.stop + o.get("stop", ()), seed=o.get("seed", seed),
