@@ -159,6 +159,19 @@ class RLController:
             tail = {} if batch.groups else batch.metrics
         await self.queue.put((None, tail))  # the end of the data, after every batch
 
+    def _nothing_to_train(self, tail: dict[str, float]) -> None:
+        """The data ended before the first step had a batch: why (`tail`: the last batch's drops), and the fix."""
+        replay = self.cfg.train.rollout_replay_dir
+        if replay:
+            raise RunFailed("rollout", f"train.rollout_replay_dir={replay} holds no rollout_step{self.batches_made}.pt "
+                            "for the first step to train on. Fix: point it at the train.rollout_dump_dir of the run to "
+                            "replay (its files start at rollout_step0.pt), or resume that run's checkpoints with it")
+        drops = {k.removeprefix("rollout/dropped/"): int(v) for k, v in tail.items()
+                 if k.startswith("rollout/dropped/") and k != "rollout/dropped/total" and v}
+        raise RunFailed("rollout", "the data ran out before the first step had a batch: no prompt group was kept. Fix: "
+                        "see the drops below (algorithm.dynamic_filtering's bounds, rollout.incomplete_groups, the "
+                        "agent's failures), or give more data (data.max_samples, train.num_episodes)", drops=drops)
+
     # ------------------------------------------------------------------ one step
     async def train_step(self, batch, gen_timing: dict) -> dict[str, float]:
         """One training step on a generated batch: experience, the forward passes the advantages need, the
@@ -465,10 +478,7 @@ class RLController:
                                                "generating a batch")
             if batch is None:  # the data is done
                 if self.step == 0:  # (was: "run finished, steps: 0", exit 0, e.g. every group dynamic-filtered)
-                    drops = {k.removeprefix("rollout/dropped/"): int(v) for k, v in gen_timing.items()
-                             if k.startswith("rollout/dropped/") and k != "rollout/dropped/total" and v}
-                    raise RunFailed("rollout", "the data ran out before the first step had a batch: no prompt group "
-                                    "was kept", drops=drops)
+                    self._nothing_to_train(gen_timing)
                 break
             waited = time.perf_counter() - t0
             if self.colocated:  # the engines' memory goes to the trainer until the next push wakes them

@@ -51,3 +51,16 @@ def test_data_that_ran_out_before_the_first_batch_fails_with_its_drops():
         asyncio.run(loop())
     assert failed.value.role == "rollout"
     assert failed.value.drops == {"dynamic_filter": PROMPTS * SAMPLES}  # every rollout of every group
+
+
+def test_a_replay_directory_without_the_first_batch_fails_naming_the_file(tmp_path):
+    """Before: told as "no prompt group was kept", with no drops, for a directory that holds no rollout_step0.pt."""
+    cfg = to_run_config(compose_config([f"train.rollout_replay_dir={tmp_path}"]))
+    ctl = RLController(cfg, SimpleNamespace(calls=Calls(), generator=None, eval_rows=None, role_pids={}),
+                       log=SimpleNamespace(sinks=SimpleNamespace(wandb_id=None)))
+
+    async def loop():
+        return await asyncio.gather(ctl._steps(), ctl.produce())
+
+    with pytest.raises(RunFailed, match=f"train.rollout_replay_dir={tmp_path} holds no rollout_step0.pt"):
+        asyncio.run(loop())
