@@ -313,8 +313,9 @@ async def _every(calls: list, seconds: float, role: str, what: str, who=None, pe
         if pending and peers_s is not None and errors:  # (a dead rank's error: the cause is known, no grace)
             if not any(isinstance(e, ray.exceptions.RayActorError) for e in errors):
                 await asyncio.wait(pending, timeout=peers_s)
-        elif pending:
-            raise RoleStalled(role, what, seconds)
+        elif pending:  # the ranks still running named (was: the call's role for any of them, e.g. the reference's)
+            raise RoleStalled(", ".join(dict.fromkeys(who(i, None) if who else role for i, t in enumerate(tasks)
+                                                      if t in pending)), what, seconds)
     finally:
         for task in tasks:
             task.cancel()  # (those still running; the run's teardown ends their processes)

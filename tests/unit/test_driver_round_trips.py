@@ -158,3 +158,22 @@ def test_a_release_failed_on_a_reference_rank_names_that_rank():
         assert err.value.role == "reference rank 1" and "cudaErrorLaunchFailure" in err.value.cause, err.value
 
     asyncio.run(run())
+
+
+def test_a_stalled_awaited_hint_names_the_ranks_that_did_not_answer():
+    """Before: a reference rank that never answered the awaited hint was told as 'actor stalled'."""
+    from molt_hydra.runtime.watchdog import RoleStalled
+
+    async def run():
+        actor, ref = Ranks(2), Ranks(2)
+        calls = RoleCalls(SimpleNamespace(actor=actor, ref=ref, critic=None, transport="cuda_ipc"),
+                          TimeoutsConfig(trainer_call_s=0.2), WeightSyncConfig(), "float32")
+        sending = asyncio.ensure_future(calls.engines_busy(True, wait=True))
+        await asyncio.sleep(0)
+        for f in actor.answers + ref.answers[:1]:
+            f.set_result(None)
+        with pytest.raises(RoleStalled) as stall:
+            await sending
+        assert str(stall.value) == "reference rank 1 stalled: engines_busy did not finish within 0.2 s"
+
+    asyncio.run(run())
