@@ -38,7 +38,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
 from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from omegaconf.nodes import AnyNode, BooleanNode, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -761,20 +761,22 @@ def sweep_checked(first: DictConfig, overrides: list[str], config_dir: str | Non
         print(f"Checking each of the sweep's {len(points)} points before the first starts (composed, validated and "
               "planned one after another) ...", file=sys.stderr, flush=True)
     problems, owners, results, seen = _repeated_points(points), {}, [], {}
-    sweep_dir, hydra_node = Path(os.path.abspath(first.hydra.sweep.dir)), OmegaConf.to_container(first.hydra)
+    sweep_dir, raw = Path(os.path.abspath(first.hydra.sweep.dir)), str(first.hydra.sweep._get_node("subdir")._value())
     for number, point in enumerate(points):  # the point's own output directory, as Hydra will name it (a stand-in
-        # where hydra.sweep.subdir reads other keys)
+        # where hydra.sweep.subdir reads what is known only as the point starts)
         as_run = [*(o for o in point if o.lstrip("+~").split("=", 1)[0] != "dry_run"), "dry_run=true"] if submits \
             else point  # (dry_run is given once: repeated_keys)
-        subdir = sweep_subdir(hydra_node["sweep"], hydra_node["job"]["config"]["override_dirname"], number, point)
-        if (owner := owners.setdefault(("dir", sweep_dir / (subdir or str(number))), number)) != number:
+        cfg, errors = compose_checked(as_run, config_dir=config_dir, hydra_config=True)
+        subdir = (sweep_subdir(cfg, number, submits) if cfg is not None else None) or str(number)
+        if (owner := owners.setdefault(("dir", sweep_dir / subdir), number)) != number:
             problems += [f"sweep point #{number} of {len(points)} ({' '.join(point)}):", f"- hydra.sweep.subdir: "
-                         f"{hydra_node['sweep']['subdir']!r} names {sweep_dir / subdir} for it and for sweep point "
-                         f"#{owner} (a key they differ in is left out of hydra.job.override_dirname: "
-                         "hydra.job.config.override_dirname.exclude_keys), so it would resume from, overwrite or be "
-                         "locked out of that point's files. Fix: put ${hydra.job.num} in it, or leave it out"]
+                         f"{raw!r} names {sweep_dir / subdir} for it and for sweep point #{owner}" + (
+                             " (a key they differ in is left out of hydra.job.override_dirname: hydra.job.config."
+                             "override_dirname.exclude_keys)" if "override_dirname" in raw else "") + ", so it would "
+                         "resume from, overwrite or be locked out of that point's files. Fix: put ${hydra.job.num} in "
+                         "it, or leave it out"]
             continue
-        errors, result = point_problems(as_run, sweep_dir / (subdir or str(number)), config_dir)
+        errors, result = (errors, None) if cfg is None else point_problems(as_run, sweep_dir / subdir, config_dir, cfg)
         results += [] if submits else [(point, result)]  # (submitted, a dry sweep plans in its jobs too)
         for key in SWEEP_OWN_DIRS if result is not None else ():
             if (path := get(result[0], key)) and (owner := owners.setdefault((key, os.path.abspath(path)), number)) \
@@ -897,13 +899,20 @@ def _repeated_points(points: list[list[str]]) -> list[str]:
     return problems
 
 
-def point_problems(overrides: list[str], output_dir: Path, config_dir: str | None) -> tuple[list[str], tuple | None]:
+def point_problems(overrides: list[str], output_dir: Path, config_dir: str | None,
+                   point: DictConfig | None = None) -> tuple[list[str], tuple | None]:
     """One run's config composed and put through `checked`, before Hydra makes its output directory (a refused config
     leaves no run directory behind): (its problem lines or [], `checked`'s (RunConfig, Plan) or None). `output_dir`
-    stands in for the directory Hydra will make, unless the command line sets output_dir itself."""
+    stands in for the directory Hydra will make, unless the command line sets output_dir itself. `point`: a sweep
+    point's config composed already, with the hydra node that named its directory."""
     own = any(o.lstrip("+~").split("=", 1)[0] == "output_dir" for o in overrides)
-    cfg, errors = compose_checked([*overrides, *([] if own else [f"output_dir={quoted(str(output_dir))}"])],
-                                  config_dir=config_dir)
+    if point is not None:
+        with read_write(point), open_dict(point):
+            del point["hydra"]  # (Hydra's task config has none)
+            if not own:
+                point.output_dir = str(output_dir)
+    cfg, errors = (point, []) if point is not None else compose_checked(
+        [*overrides, *([] if own else [f"output_dir={quoted(str(output_dir))}"])], config_dir=config_dir)
     if cfg is None:
         return errors, None
     try:  # per point: a sweep over job=rl,eval has points of either

@@ -5,8 +5,8 @@ refused, naming the installed one.
 Reached into here: `hydra._internal.utils.get_args_parser`, the parser `hydra.main` reads the command line with, so
 that `molt-run` checks the composed config (all errors in one message) before Hydra starts; and
 `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`, the basic sweeper's own product of its
-overrides into points, so that a multirun is validated point by point before its first point runs, and the config
-loader's `get_overrides_dirname`, each point's directory (`sweep_subdir`); and the submitit plugin's
+overrides into points, so that a multirun is validated point by point before its first point runs, and the
+launchers' hydra.job.num and hydra.job.id, each point's directory (`sweep_subdir`); and the submitit plugin's
 `SlurmLauncher.launch` and `LocalLauncher.launch`, replaced (`report_submitit_sweeps`); and the basic launcher's
 `run_job` (`held_points_refused`), wrapped; and
 `hydra.core.plugins.Plugins.discover`, the launcher and sweeper classes Hydra can start (`plugin_classes`) and its
@@ -134,26 +134,25 @@ def sweep_points(overrides: list) -> list[list[str]]:
     return [point for batch in BasicSweeper.split_arguments(overrides, None) for point in batch]
 
 
-def sweep_subdir(sweep: dict, dirname_config: dict, number: int, point: list[str]) -> str | None:
-    """hydra.sweep.subdir (`sweep`: the hydra.sweep node, unresolved) of sweep point `number`, whose overrides are
-    `point`, as Hydra's launchers resolve it: hydra.job.num the point's number, hydra.job.override_dirname Hydra's own
-    of its overrides (`get_overrides_dirname`, under hydra.job.config.override_dirname's settings); None where it reads
-    another key (hydra.job.id: the basic launcher's is the number, submitit's the Slurm job's, unknown before)."""
+def sweep_subdir(point, number: int, submits: bool) -> str | None:
+    """hydra.sweep.subdir of sweep point `number` (`point`: its config composed with its hydra node, which holds its
+    hydra.job.override_dirname), resolved as Hydra's launchers resolve it as the point starts: the basic launcher sets
+    hydra.job.num and hydra.job.id to the number, submitit's hydra.job.num to it, hydra.job.id to the Slurm job's.
+    None where it reads what is known only then: submitit's job id, the time (${now:...}), HydraConfig
+    (${hydra:...})."""
     written_for("molt-run's sweep check", "hydra", SUPPORTED)
-    import re
+    from omegaconf import OmegaConf, open_dict, read_write
+    from omegaconf.errors import OmegaConfBaseException
 
-    from hydra._internal.config_loader_impl import get_overrides_dirname
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    raw, names = str(sweep["subdir"]), ("hydra.job.num", "hydra.job.override_dirname")
-    if any(ref not in names for ref in re.findall(r"\$\{([^}]*)\}", raw)):
+    raw = str(point.hydra.sweep._get_node("subdir")._value())
+    if "now:" in raw or "hydra:" in raw or submits and "job.id" in raw:
         return None
-    app = [o for o in OverridesParser.create().parse_overrides(point) if not o.is_hydra_override()]
-    dirname = get_overrides_dirname(app, list(dirname_config["exclude_keys"]), dirname_config["item_sep"],
-                                    dirname_config["kv_sep"])
-    for name, value in zip(names, (str(number), dirname)):
-        raw = raw.replace(f"${{{name}}}", value)
-    return raw
+    with read_write(point.hydra), open_dict(point.hydra):
+        point.hydra.job.num = point.hydra.job.id = number
+    try:
+        return str(OmegaConf.select(point, "hydra.sweep.subdir", throw_on_resolution_failure=True))
+    except OmegaConfBaseException:  # (an interpolation that does not resolve: Hydra fails on it as the point starts)
+        return None
 
 
 def report_submitit_sweeps() -> None:

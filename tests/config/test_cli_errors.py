@@ -180,7 +180,7 @@ def test_a_long_sweeps_check_says_it_is_under_way(monkeypatch, capsys):
     hour and more. A sweep of more than ANNOUNCED_SWEEP points says so first, in one line; a short one says nothing."""
     import molt_hydra.cli as cli
 
-    monkeypatch.setattr(cli, "point_problems", lambda point, out, config_dir: ([], None))  # the check itself: above
+    monkeypatch.setattr(cli, "point_problems", lambda *_: ([], None))  # the check itself: above
     for n, said in ((cli.ANNOUNCED_SWEEP, []), (cli.ANNOUNCED_SWEEP + 1, [
             f"Checking each of the sweep's {cli.ANNOUNCED_SWEEP + 1} points before the first starts (composed, "
             "validated and planned one after another) ..."])):
@@ -1708,9 +1708,23 @@ def test_a_sweep_subdir_that_names_one_directory_for_two_points_is_refused(tmp_p
         f"sweep point #3 of 4 (+recipe=tiny_moe_cpu seed=2 {point} hydra.sweep.dir={tmp_path} dry_run=True):",
         f"- hydra.sweep.subdir: '${{hydra.job.override_dirname}}' names {tmp_path}/seed=2 for it and for sweep point "
         f"#1 {fix}"]
+    # a subdir reading a key of the config: tiny_cpu's estimator is grpo at both points. Before: only
+    # ${hydra.job.num} and ${hydra.job.override_dirname} were read, so this passed and each point stood in <sweep>/<n>
+    same = ["+recipe=tiny_cpu", "seed=1,2", "hydra.sweep.subdir=${algorithm.estimator}", f"hydra.sweep.dir={tmp_path}",
+            "dry_run=true"]
+    first, _ = compose_checked(same, multirun=True, hydra_config=True)
+    assert sweep_problems(first, same, None) == [
+        rf"sweep point #1 of 2 (+recipe=tiny_cpu seed=2 hydra.sweep.subdir=$\{{algorithm.estimator\}} "
+        f"hydra.sweep.dir={tmp_path} dry_run=True):",
+        f"- hydra.sweep.subdir: '${{algorithm.estimator}}' names {tmp_path}/grpo for it and for sweep point #0, so it "
+        "would resume from, overwrite or be locked out of that point's files. Fix: put ${hydra.job.num} in it, or "
+        "leave it out"]
     # each point checked (and, dry, planned) in the directory Hydra makes for it: <num>_<override_dirname>, sorted
-    # overrides, recipe and dry_run left out; a subdir reading another key keeps a stand-in per point
-    for subdir, dirs in ((None, ["0_seed=1,train.max_steps=2", "1_seed=2,train.max_steps=2"]), ("${seed}", ["0", "1"])):
+    # overrides, recipe and dry_run left out; a key of the config with the point's number; the basic launcher's job id
+    # is the number; a subdir reading what is known only as the point starts (the time) keeps a stand-in per point
+    for subdir, dirs in ((None, ["0_seed=1,train.max_steps=2", "1_seed=2,train.max_steps=2"]), ("${seed}", ["1", "2"]),
+                         ("${algorithm.estimator}_${hydra.job.num}", ["grpo_0", "grpo_1"]),
+                         ("${hydra.job.id}", ["0", "1"]), ("${now:%Y}", ["0", "1"])):
         ok = ["+recipe=tiny_cpu", "seed=1,2", "train.max_steps=2", f"hydra.sweep.dir={tmp_path}", "dry_run=true",
               *([f"hydra.sweep.subdir={subdir}"] if subdir else [])]
         first, _ = compose_checked(ok, multirun=True, hydra_config=True)
