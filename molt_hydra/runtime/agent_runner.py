@@ -68,6 +68,7 @@ class AgentRunnerActor(BatchedCallee):
         # in its own thread, so this actor's loop stays free to enforce agent.timeout_s and to answer the driver.
         self.agent_loop = asyncio.new_event_loop()
         self.errors: dict[str, str] = {}  # an example message per failure reason, for the run's failure summary
+        self.closing = False  # set by `close`: the agent loop is not restarted after it
         threading.Thread(target=self._agent_loop_forever, name="agent-loop", daemon=True).start()
 
     def _agent_loop_forever(self) -> None:
@@ -79,7 +80,8 @@ class AgentRunnerActor(BatchedCallee):
             try:
                 return self.agent_loop.run_forever()
             except (SystemExit, KeyboardInterrupt):
-                continue
+                if self.closing:  # close()'s stop may have run in the same pass: restarting would lose it
+                    return
 
     async def _on_agent_loop(self, coro, timeout_s: float):
         """`coro`'s result from the agent loop, or TimeoutError after `timeout_s` plus any time the router waited for
@@ -96,7 +98,7 @@ class AgentRunnerActor(BatchedCallee):
                 raise asyncio.TimeoutError
 
     async def run_group(self, row: dict, n_samples: int, sampling: Sampling) -> list[tuple[object, str | None]]:
-        from molt_hydra.agents.base import AGENT_EXCEPTION, AGENT_TIMEOUT, Episode
+        from molt_hydra.agents.base import AGENT_EXCEPTION, AGENT_TIMEOUT, Episode, Runner
 
         group_id = uuid.uuid4().hex
         # Seeds derive from the group's base seed (set by the generator from the run seed, epoch and prompt), so
@@ -113,7 +115,24 @@ class AgentRunnerActor(BatchedCallee):
             outcome = await self._on_agent_loop(self.runner.run_group(episodes, self.router, self.tokenizer,
                                                                       self.timeout_s), self.timeout_s * 1.1 + 5)
         except asyncio.TimeoutError:
-            self.errors.setdefault(AGENT_TIMEOUT, await self._past_timeout())
+            if AGENT_TIMEOUT not in self.errors:  # told once: a blocked loop holds the probe below 1 s
+                # Why: agent code blocking the agent loop (it answers no probe), a Runner's own run_group not ending
+                # its rollouts at timeout_s (it cancels nothing), or a rollout going on after the cancellation at its
+                # timeout. Each is told as itself: the user is not sent looking for a blocking call that is not there.
+                probe = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.agent_loop))
+                answered, _ = await asyncio.wait({probe}, timeout=1.0)
+                if not answered:
+                    why = ("agent code blocked its event loop past agent.timeout_s={} (a blocking call inside async "
+                           "code?)")
+                elif type(self.runner).run_group is not Runner.run_group:
+                    why = (type(self.runner).__name__ + ".run_group went on past agent.timeout_s={}: a Runner's own "
+                           "run_group must end its rollouts at agent.timeout_s (the timeout_s it is passed), as "
+                           "Runner.run_group does")
+                else:
+                    why = ("agent code went on past agent.timeout_s={}, through the cancellation that ends a rollout "
+                           "at its timeout (an `except BaseException:` or `except asyncio.CancelledError:` that does "
+                           "not re-raise, or a `finally:` that awaits?)")
+                self.errors[AGENT_TIMEOUT] = why.format(self.timeout_s)
             return [(None, AGENT_TIMEOUT)] * n_samples
         except Exception as e:  # noqa: BLE001 -- a Runner's own run_group is user code: its group fails, counted
             self.errors.setdefault(AGENT_EXCEPTION, f"{type(self.runner).__name__}.run_group raised "
@@ -123,20 +142,6 @@ class AgentRunnerActor(BatchedCallee):
             self.errors.setdefault(reason, error)
         failed = [(None, reason) for reason, count in outcome.failures.items() for _ in range(count)]
         return failed + [(t, None) for t in outcome.trajectories]
-
-    async def _past_timeout(self) -> str:
-        """Why a group outlived agent.timeout_s: agent code blocking the agent loop (it answers nothing), or a rollout
-        that went on after its timeout cancelled it (the loop answers; before, that too was told as a blocked loop,
-        the user sent looking for a blocking call that is not there)."""
-        answer = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.agent_loop))
-        try:
-            await asyncio.wait_for(answer, 1.0)
-        except asyncio.TimeoutError:
-            return (f"agent code blocked its event loop past agent.timeout_s={self.timeout_s} (a blocking call inside "
-                    "async code?)")
-        return (f"agent code went on past agent.timeout_s={self.timeout_s}, through the cancellation that ends a "
-                "rollout at its timeout (an `except BaseException:` or `except asyncio.CancelledError:` that does not "
-                "re-raise, or a `finally:` that awaits?)")
 
     def router_metrics(self) -> dict[str, float]:
         from molt_hydra.agents.tool_parser import parse_failures
@@ -157,6 +162,7 @@ class AgentRunnerActor(BatchedCallee):
         try:
             await self._on_agent_loop(self.runner.close(), 10)
         finally:
+            self.closing = True  # (before the stop is queued: the agent loop's thread reads it after the stop ran)
             self.agent_loop.call_soon_threadsafe(self.agent_loop.stop)
 
 

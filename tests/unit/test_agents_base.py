@@ -1,5 +1,7 @@
 import asyncio
 import math
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -858,13 +860,18 @@ def test_the_runner_process_counts_a_runner_whose_own_run_group_raises_and_marks
      "`except BaseException:` or `except asyncio.CancelledError:` that does not re-raise, or a `finally:` that "
      "awaits?)"),
     ("        time.sleep(12)\n        return []\n",
-     "agent code blocked its event loop past agent.timeout_s=1 (a blocking call inside async code?)")],
-    ids=["ignores its cancellation", "blocks its loop"])
+     "agent code blocked its event loop past agent.timeout_s=1 (a blocking call inside async code?)"),
+    ("        return []\n    async def run_group(self, episodes, generator, tokenizer, timeout_s=None):\n"
+     "        await asyncio.sleep(10)\n",
+     "AgentRunner.run_group went on past agent.timeout_s=1: a Runner's own run_group must end its rollouts at "
+     "agent.timeout_s (the timeout_s it is passed), as Runner.run_group does")],
+    ids=["ignores its cancellation", "blocks its loop", "own run_group ignores timeout_s"])
 def test_a_group_past_its_timeout_is_told_as_a_blocked_loop_only_where_the_loop_is_blocked(tiny_model, tmp_path,
                                                                                             agent_code, cause):
     """An agent swallowing the CancelledError of its timeout (a retry loop under `except BaseException`) keeps its
     group past agent.timeout_s while the agent loop stays free. Before: told as 'agent code blocked its event loop
-    past agent.timeout_s (a blocking call inside async code?)', as a time.sleep in async code is."""
+    past agent.timeout_s (a blocking call inside async code?)', as a time.sleep in async code is. A Runner whose
+    own run_group does not end its rollouts at timeout_s cancels nothing. Before: told as a swallowed cancellation."""
     from molt_hydra.runtime.agent_runner import AgentRunnerActor
 
     (tmp_path / "custom.py").write_text(
@@ -878,6 +885,62 @@ def test_a_group_past_its_timeout_is_told_as_a_blocked_loop_only_where_the_loop_
         assert actor.example_errors() == {"agent_timeout": cause}
     finally:
         actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
+
+
+def test_why_groups_outlived_agent_timeout_s_is_probed_once_per_runner(tiny_model, monkeypatch):
+    """Before: every timed-out group probed the agent loop again (up to 1 s of a blocked loop each) for a message
+    already recorded."""
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    kw = dict(tokenizer_path=tiny_model, max_len=64, timeout_s=1, engine_timeout_s=5, seed=0, max_turns=2)
+    actor = AgentRunnerActor({"_target_": "recipes/agents/toy.py:ToyEnv"}, [object()], **kw)
+
+    async def past_its_deadline(coro, timeout_s):  # stand-in for a group kept past its deadline (6.1 s here)
+        coro.close()
+        raise asyncio.TimeoutError
+
+    actor._on_agent_loop, submitted = past_its_deadline, []
+    submit = asyncio.run_coroutine_threadsafe
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", lambda coro, loop: submitted.append(coro) or submit(
+        coro, loop))
+    try:
+        for _ in range(3):
+            assert asyncio.run(actor.run_group({"prompt": "p"}, 2, Sampling(max_tokens=4))) == [
+                (None, "agent_timeout")] * 2
+        assert len(submitted) == 1  # the first group's probe only
+        assert actor.example_errors()["agent_timeout"].startswith("agent code went on past agent.timeout_s=1, ")
+    finally:
+        actor.agent_loop.call_soon_threadsafe(actor.agent_loop.stop)
+
+
+def test_a_sys_exit_in_the_agent_loops_pass_that_runs_closes_stop_ends_the_loop(tiny_model):
+    """A SystemExit of agent code raised in the pass of the agent loop that ran close()'s stop leaves run_forever
+    with the stop spent (run_forever clears it). Before: the loop was restarted and ran on after close()."""
+    from molt_hydra.runtime.agent_runner import AgentRunnerActor
+
+    before = set(threading.enumerate())
+    kw = dict(tokenizer_path=tiny_model, max_len=64, timeout_s=5, engine_timeout_s=5, seed=0, max_turns=2)
+    actor = AgentRunnerActor({"_target_": "recipes/agents/toy.py:ToyEnv"}, [object()], **kw)
+    (thread,) = [t for t in set(threading.enumerate()) - before if t.name == "agent-loop"]
+    loop, queue = actor.agent_loop, actor.agent_loop.call_soon_threadsafe
+    held, go = threading.Event(), threading.Event()
+
+    def stop_then_exit(callback, *args, **kwargs):  # close()'s stop, then a sys.exit: both run in one pass
+        if callback != loop.stop:
+            return queue(callback, *args, **kwargs)
+        queue(lambda: (held.set(), go.wait()))  # the loop is held while both are queued
+        held.wait()
+        queue(callback)
+        queue(sys.exit, "agent code's exit")
+        go.set()
+
+    loop.call_soon_threadsafe = stop_then_exit
+    try:
+        asyncio.run(actor.close())
+        thread.join(5)
+        assert not thread.is_alive()
+    finally:
+        queue(loop.stop)
 
 
 def test_sys_exit_in_a_task_of_agent_code_fails_its_rollouts_and_the_runner_goes_on(tiny_model, tmp_path):
