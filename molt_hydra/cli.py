@@ -854,10 +854,19 @@ def _launcher_view(cfg: DictConfig, resolve: bool = True) -> dict:
 
 
 def shared_subdir(first: DictConfig, points: int) -> list[str]:
-    """hydra.sweep.subdir, each point's directory under the sweep's, given as one name for all (`hydra.sweep.subdir=x`):
+    """hydra.sweep.subdir, each point's directory under the sweep's, that does not resolve, or given as one name for all
+    (`hydra.sweep.subdir=x`):
     every point ran in the same directory, resuming from or overwriting the one before, without a word (the check of
     each point's own directories stands in a directory per point, as Hydra makes them from the default subdir)."""
+    from molt_hydra.compat.hydra import sweep_subdir
+
     raw = first.hydra.sweep._get_node("subdir")._value()
+    if isinstance(raw, str) and "${" in raw:
+        try:
+            sweep_subdir(copy.deepcopy(first), 0, submits=False)  # (on a copy: it sets hydra.job.num)
+        except ValueError as e:  # (was: a traceback from Hydra's launcher as the first point started)
+            return [f"- hydra.sweep.subdir: {raw!r} does not resolve ({e}), so the sweep would fail as its first "
+                    "point starts. Fix: name keys of the config, hydra.job.num or hydra.job.override_dirname"]
     if points < 2 or not isinstance(raw, str) or "${" in raw or not raw.strip():  # (blank: empty_dirs)
         return []
     return [f"- hydra.sweep.subdir: is {raw!r} for every point, so the {points} points would all run in "

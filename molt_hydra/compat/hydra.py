@@ -139,7 +139,7 @@ def sweep_subdir(point, number: int, submits: bool) -> str | None:
     hydra.job.override_dirname), resolved as Hydra's launchers resolve it as the point starts: the basic launcher sets
     hydra.job.num and hydra.job.id to the number, submitit's hydra.job.num to it, hydra.job.id to the Slurm job's.
     None where it reads what is known only then: submitit's job id, the time (${now:...}), HydraConfig
-    (${hydra:...})."""
+    (${hydra:...}); ValueError where it does not resolve."""
     written_for("molt-run's sweep check", "hydra", SUPPORTED)
     from omegaconf import OmegaConf, open_dict, read_write
     from omegaconf.errors import OmegaConfBaseException
@@ -151,8 +151,8 @@ def sweep_subdir(point, number: int, submits: bool) -> str | None:
         point.hydra.job.num = point.hydra.job.id = number
     try:
         return str(OmegaConf.select(point, "hydra.sweep.subdir", throw_on_resolution_failure=True))
-    except OmegaConfBaseException:  # (an interpolation that does not resolve: Hydra fails on it as the point starts)
-        return None
+    except OmegaConfBaseException as e:  # Hydra's launcher would fail on it as the point starts, with a traceback
+        raise ValueError(str(e).splitlines()[0]) from e
 
 
 def report_submitit_sweeps() -> None:

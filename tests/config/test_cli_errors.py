@@ -1730,6 +1730,13 @@ def test_a_sweep_subdir_that_names_one_directory_for_two_points_is_refused(tmp_p
         first, _ = compose_checked(ok, multirun=True, hydra_config=True)
         problems, points = sweep_checked(first, ok, None)
         assert problems == [] and [result[0].output_dir for _, result in points] == [f"{tmp_path}/{d}" for d in dirs]
+    # one that does not resolve: before, checked with a stand-in, then a traceback from Hydra's launcher as point #0
+    # started
+    bad = ["+recipe=tiny_cpu", "seed=1,2", "hydra.sweep.subdir=${nope}", f"hydra.sweep.dir={tmp_path}"]
+    first, _ = compose_checked(bad, multirun=True, hydra_config=True)
+    assert sweep_problems(first, bad, None) == [
+        "- hydra.sweep.subdir: '${nope}' does not resolve (Interpolation key 'nope' not found), so the sweep would "
+        "fail as its first point starts. Fix: name keys of the config, hydra.job.num or hydra.job.override_dirname"]
 
 
 LEVELS = "CRITICAL, FATAL, ERROR, WARN, WARNING, INFO, DEBUG, NOTSET"
