@@ -134,11 +134,27 @@ class LoadBalancingLoss:
     def add(self, probs: torch.Tensor, used: torch.Tensor, real: torch.Tensor | None = None) -> None:
         w = probs.new_ones(probs.shape[0], dtype=torch.float32) if real is None else real.float()
         self.selections = self.selections + expert_counts(used, self.num_experts, torch.float32, w)
-        self.prob_sum = self.prob_sum + (probs.float() * w[:, None]).sum(0)
+        self.prob_sum = self.prob_sum + (probs.float().sum(0) if real is None else _RowWeightedSum.apply(probs, w))
         self.rows = self.rows + w.sum()
 
     def value(self) -> torch.Tensor:
         return self.num_experts * (self.selections / self.rows * (self.prob_sum / self.rows)).sum()
+
+
+class _RowWeightedSum(torch.autograd.Function):
+    """sum_i w_i * x_i over the rows of `x` (`w`: no gradient), its backward holding `w` outside autograd's saved
+    tensors. Activation checkpointing counts a block's saved tensors against its recompute in the backward, where no
+    balancing loss is taken: `(x * w[:, None]).sum(0)` saved `w` in the forward only (torch's CheckpointError on the
+    GPU recipes' full checkpointing); a plain sum saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.w, ctx.dtype = w, x.dtype  # (not save_for_backward: an input without a gradient, no reference cycle)
+        return (x.float() * w[:, None]).sum(0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad[None, :] * ctx.w[:, None]).to(ctx.dtype), None
 
 
 class ReplayableRouter(nn.Module):

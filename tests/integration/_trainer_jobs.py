@@ -95,11 +95,13 @@ def moe_dummy_micro_batch(rank, world_size, port, out):
         torch.save(norms, out)
 
 
-def moe_layout_step(rank, world_size, port, out, packing, model_path="tiny://qwen3_moe_tiny"):
+def moe_layout_step(rank, world_size, port, out, packing, model_path="tiny://qwen3_moe_tiny", checkpointing="none"):
     """Two MoE samples of different lengths in one micro-batch with a large router aux loss, right-padded
-    (packing=False) or packed: the step's gradient norm before clipping and its routing metrics."""
+    (packing=False) or packed, under `checkpointing` (activation checkpointing: none / full): the step's gradient norm
+    before clipping and its routing metrics."""
     w = worker(rank, world_size, port, model_path=model_path, aux_loss_coef=10.0, max_norm=0.0,
-               lr_scheduler="constant", packing=packing, max_tokens_per_micro_batch=1000)
+               lr_scheduler="constant", packing=packing, max_tokens_per_micro_batch=1000,
+               gradient_checkpointing=checkpointing)
     samples = with_old_logprobs(w, make_samples(2))
     m = w.train_step(samples, ppo_objective())
     if rank == 0:

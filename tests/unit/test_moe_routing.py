@@ -270,3 +270,15 @@ def test_fused_experts_travel_under_the_checkpoints_per_expert_names(tiny_moe_mo
         assert torch.equal(sent[name], t), name
     fused = state["model.layers.1.mlp.experts.gate_up_proj"]
     assert sent["model.layers.1.mlp.experts.5.up_proj.weight"].data_ptr() == fused[5, fused.shape[1] // 2:].data_ptr()
+
+
+def test_the_balancing_loss_gradient_reaches_real_rows_only():
+    """E * sum_e f_e * P_e over the 3 real rows of 5: d/dprobs[i, e] = E * f_e / 3 on a real row, 0 on padding."""
+    probs = torch.rand(5, 4).softmax(-1).requires_grad_()
+    used = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
+    balance = moe_routing.LoadBalancingLoss(num_experts=4)
+    balance.add(probs, used, torch.tensor([1, 1, 1, 0, 0]))
+    balance.value().backward()
+    f = torch.tensor([1.0, 2.0, 2.0, 1.0]) / 3  # selections per expert over the real rows, per row
+    expected = torch.cat([(4 * f / 3).expand(3, 4), torch.zeros(2, 4)])
+    torch.testing.assert_close(probs.grad, expected)
