@@ -11,6 +11,8 @@
 # importable: `make install-gpu`; on the device (no registry) the staged site of ../shared/tools/gpu_stage
 # (`source .stage/bin/env.sh` first). Logs and the rows go to $OUT (default ./gpu_logs).
 set -uo pipefail
+failed=0  # the script exits 1 when a step did (the log lines say which)
+note_rc() { echo "$1 rc=$2"; [ "$2" -eq 0 ] || failed=1; }
 OUT="${OUT:-$PWD/gpu_logs}"; RUNS="${RUNS:-/tmp/molt_gpu_runs}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -37,17 +39,17 @@ if __name__ == "__main__":
     os._exit(0)
 PY
   timeout "${SMOKE_TIMEOUT:-240}" python3 /tmp/molt_smoke.py > "$OUT/smoke.log" 2>&1  # a file: vLLM spawns from it
-  echo "smoke rc=$? $(grep SMOKE "$OUT/smoke.log")"
+  note_rc smoke $?; echo "$(grep SMOKE "$OUT/smoke.log")"
 }
 tests() {
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -p no:cacheprovider -m gpu -s -v --basetemp="$RUNS" \
     tests/gpu/test_colocated_vllm.py ${TESTS_K:+-k "$TESTS_K"} ${PYTEST_ARGS:-} > "$OUT/pytest_vllm.log" 2>&1
-  echo "vLLM GPU tests rc=$?"; grep -E "passed|failed|error" "$OUT/pytest_vllm.log" | tail -3
+  note_rc "vLLM GPU tests" $?; grep -E "passed|failed|error" "$OUT/pytest_vllm.log" | tail -3
 }
 bench() {
   timeout "${BENCH_TIMEOUT:-540}" python3 bench/gpu_colocated.py --runs "$RUNS" ${BENCH_ARGS:-} \
     --out "$OUT/gpu_colocated.json" > "$OUT/bench.log" 2>&1
-  echo "bench rc=$?"; cut -c1-600 "$OUT/bench.log" | tail -8
+  note_rc bench $?; cut -c1-600 "$OUT/bench.log" | tail -8
 }
 consoles() {  # what each run printed, its failure report, the last errors in Ray's actor logs; every run's metrics
   for f in $(find "$RUNS" -name metrics.jsonl 2>/dev/null); do
@@ -66,3 +68,4 @@ for what in ${*:-smoke tests bench}; do
   esac
 done
 consoles
+exit $failed
