@@ -62,8 +62,6 @@ class Router:
         return index
 
     async def generate(self, request: GenerationRequest) -> list[Generation]:
-        import ray
-
         self.counts["requests"] += 1
         for attempt in range(MAX_RETRIES + 1):
             index = await self._live_engine(request.session_id)
@@ -76,14 +74,7 @@ class Router:
                 raise EngineTimeout(f"engine {index} did not answer session {request.session_id!r} within "
                                    f"{self.timeout_s} s") from None
             except Exception as e:
-                if not isinstance(e, ray.exceptions.RayActorError) and await self._healthy(engine):
-                    raise  # the request's own error, not the engine's
-                if self.engines[index] is engine and self.alive[index]:  # first to see this death
-                    self.counts["engine_deaths"] += 1
-                    self.alive[index] = False
-                if attempt == MAX_RETRIES:
-                    raise EngineFailure(f"engine {index} failed session {request.session_id!r} after {MAX_RETRIES} "
-                                        f"retries on other engines: {type(e).__name__}: {e}") from e
+                await self._engine_failed(index, engine, e, request, attempt)
                 self.counts["retries"] += 1
             finally:
                 if self.engines[index] is engine:
@@ -129,23 +120,61 @@ class Router:
         return stranded
 
     async def generate_stream(self, request: GenerationRequest):
-        """One completion as the engine samples it (`VLLMEngine.generate_stream` deltas); no retry once started.
-        A consumer that gives up (its turn cancelled, the stream closed, a timeout) cancels the actor's generator,
-        which aborts the request in vLLM (Ray does not: the engine sampled on to the token cap)."""
+        """One completion as the engine samples it (`VLLMEngine.generate_stream` deltas). The engines' failures are
+        `generate`'s: each delta, the first too, comes within timeout_s or the stream ends in an EngineTimeout (was: the
+        wait for the next delta had none, and a stuck engine held the turn until the rollout's own timeout); a dead
+        engine is counted and left, the stream retried on another live one (or its replacement, waited for) while it
+        has yielded nothing, else an EngineFailure (was: the actor's raw error, a 500 the chat agent's rollout was
+        dropped for as its own exception, the engine still picked). A consumer that gives up (its turn cancelled, the
+        stream closed) cancels the actor's generator, which aborts the request in vLLM (Ray does not: the engine
+        sampled on to the token cap)."""
         import ray
 
         self.counts["requests"] += 1
-        index = self.pick(request.session_id)
-        self.in_flight[index] += 1
-        stream, finished = self.engines[index].generate_stream.options(num_returns="streaming").remote(request), False
-        try:
-            async for ref in stream:
-                yield await asyncio.wait_for(ref, self.timeout_s)
-            finished = True
-        finally:
-            self.in_flight[index] -= 1
-            if not finished:
-                ray.cancel(stream)
+        for attempt in range(MAX_RETRIES + 1):
+            index = await self._live_engine(request.session_id)
+            engine, yielded, finished = self.engines[index], False, False
+            self.in_flight[index] += 1
+            stream = engine.generate_stream.options(num_returns="streaming").remote(request)
+            try:
+                while True:
+                    try:  # (the ref is ready once the generator reports it: the wait for it is what can hang)
+                        delta = await (await asyncio.wait_for(anext(stream), self.timeout_s))
+                    except StopAsyncIteration:
+                        finished = True
+                        return
+                    yield delta
+                    yielded = True
+            except asyncio.TimeoutError:
+                self.counts["timeouts"] += 1
+                raise EngineTimeout(f"engine {index} gave session {request.session_id!r} no streamed delta within "
+                                    f"{self.timeout_s} s") from None
+            except Exception as e:
+                await self._engine_failed(index, engine, e, request, attempt, streamed=yielded)
+                self.counts["retries"] += 1
+            finally:
+                if self.engines[index] is engine:
+                    self.in_flight[index] -= 1
+                if not finished:
+                    ray.cancel(stream)
+
+    async def _engine_failed(self, index: int, engine, e: Exception, request: GenerationRequest, attempt: int,
+                             streamed: bool = False) -> None:
+        """A call to engine `index` raised `e`: re-raised when it is the request's own error (the engine is healthy),
+        else the engine is counted dead and left, and the call retried (this returns) unless it was the last attempt
+        or its stream had `streamed` tokens to the consumer (a retry would sample another completion after them)."""
+        import ray
+
+        if not isinstance(e, ray.exceptions.RayActorError) and await self._healthy(engine):
+            raise e
+        if self.engines[index] is engine and self.alive[index]:  # first to see this death
+            self.counts["engine_deaths"] += 1
+            self.alive[index] = False
+        if streamed or attempt == MAX_RETRIES:
+            why = "mid-stream, after its first tokens were sent" if streamed else \
+                f"after {MAX_RETRIES} retries on other engines"
+            raise EngineFailure(f"engine {index} failed session {request.session_id!r} {why}: {type(e).__name__}: "
+                                f"{e}") from e
 
     def metrics(self) -> dict[str, float]:
         return {f"rollout/router/{k}": float(v) for k, v in self.counts.items()}

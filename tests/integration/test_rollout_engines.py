@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray")
 from molt_hydra.models.tiny import resolve_model_path  # noqa: E402
 from molt_hydra.weight_sync.buckets import bucket_weights  # noqa: E402
 from molt_hydra.rollout.engine import VLLMEngine  # noqa: E402
-from molt_hydra.rollout.generation import GenerationRequest, Sampling  # noqa: E402
+from molt_hydra.rollout.generation import (  # noqa: E402
+    EngineFailure, EngineTimeout, Generation, GenerationRequest, Sampling)
 from molt_hydra.rollout.generator import SamplesGenerator  # noqa: E402
 from molt_hydra.rollout.router import Router  # noqa: E402
 from molt_hydra.weight_sync.sender import WeightCoverageError, WeightSync  # noqa: E402
@@ -264,6 +265,62 @@ def test_router_retries_on_a_dead_engine_and_times_out_a_stuck_one(engines):
     while not ray.get(stuck_engine.aborted_keys.remote(), timeout=30) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.get(stuck_engine.aborted_keys.remote(), timeout=30) == [0]
+
+
+@ray.remote
+class DyingStreamEngine:
+    """Test double for an engine whose process dies while it streams a completion, after `deltas` deltas."""
+
+    def __init__(self, deltas: int = 0):
+        self.deltas = deltas
+
+    async def generate_stream(self, request):
+        import os
+
+        for _ in range(self.deltas):
+            yield Generation([7], [-1.0], [0], "")
+        if self.deltas:
+            await asyncio.sleep(2)  # the delta reaches the caller before the process goes (Ray sends it on its own)
+        os._exit(1)
+
+
+@ray.remote
+class StuckStreamEngine:
+    """Test double for an engine that takes a streamed request and never sends a delta."""
+
+    async def generate_stream(self, request):
+        await asyncio.sleep(3600)
+        yield None
+
+
+def test_a_streamed_turn_is_retried_off_a_dead_engine_and_times_out_on_a_stuck_one(engines):
+    """A chat-server turn streamed over Ray meets the engines' failures as `generate` does (above). Was: a dead engine's
+    Ray error reached the agent raw (a 500; its rollout dropped as the agent's own exception, not engine_aborted) and
+    the engine stayed picked, uncounted; a stuck one held the stream with no timeout, until the rollout's own."""
+    async def collect(router, sid, out):
+        async for d in router.generate_stream(GenerationRequest(sid, PROMPT, Sampling(max_tokens=4, ignore_eos=True))):
+            out.append(d)
+        return out
+
+    router = Router([DyingStreamEngine.remote(), engines[1]], timeout_s=60)
+    deltas = asyncio.run(collect(router, "d", []))  # nothing streamed yet: retried on the live engine
+    assert {d.engine_index for d in deltas} == {1} and sum(len(d.token_ids) for d in deltas) == 4
+    m = router.metrics()
+    assert (m["rollout/router/engine_deaths"], m["rollout/router/retries"], router.alive) == (1, 1, [False, True])
+    assert router.pick("d") == 1
+
+    mid, sent = Router([DyingStreamEngine.remote(1), engines[1]], timeout_s=60), []
+    with pytest.raises(EngineFailure, match="engine 0 failed session 'm' mid-stream, after its first tokens"):
+        asyncio.run(collect(mid, "m", sent))  # a retry would sample another completion after the token sent
+    assert [d.token_ids for d in sent] == [[7]] and mid.metrics()["rollout/router/engine_deaths"] == 1
+    assert mid.metrics()["rollout/router/retries"] == 0 and mid.alive == [False, True]
+
+    stuck = Router([StuckStreamEngine.remote()], timeout_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(EngineTimeout, match="engine 0 gave session 't' no streamed delta within 1.0 s"):
+        asyncio.run(asyncio.wait_for(collect(stuck, "t", []), 30))
+    assert time.monotonic() - start < 10 and stuck.metrics()["rollout/router/timeouts"] == 1
+    assert stuck.in_flight == [0]
 
 
 @dataclass

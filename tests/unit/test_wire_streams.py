@@ -3338,3 +3338,50 @@ def test_an_image_detail_the_server_cannot_honour_is_the_clients_400(tok):
                                                   ("input[0].content[0]: input_image detail", "tiny")]):
         assert message.startswith(f"{where}={detail!r} is not honoured: the model's image processor takes every "
                                   "image at its own full resolution"), message
+
+
+def test_a_chat_turn_waiting_out_an_engine_outage_extends_its_own_rollouts_deadline(tok):
+    """While every engine is being replaced, the router holds a turn and moves its rollout's deadline on by the time
+    waited (an outage does not count against agent.timeout_s). Was: a chat turn ran in the context of the rollout that
+    started the server, so the router moved that first rollout's deadline (expired: a RuntimeError, the turn a 500 and
+    the rollout dropped as agent_exception), never its own."""
+    from openai import AsyncOpenAI
+
+    from molt_hydra.agents import ChatAgent, ChatAgentRunner, Episode, Result
+    from molt_hydra.rollout.router import Router
+
+    class ReplacedEngine(ScriptedEngine):
+        """The scripted engine behind a router whose only engine is dead for `outage_s`: a turn waits for it as the
+        router makes every request wait while none is live."""
+
+        def __init__(self, outage_s: float):
+            super().__init__(tok, "Hello there.")
+            self.router, self.outage_s = Router([None]), outage_s
+
+        async def generate(self, request):
+            self.router.alive = [False]
+            asyncio.get_running_loop().call_later(self.outage_s, self.router.alive.__setitem__, 0, True)
+            await self.router._live_engine(request.session_id)
+            return await super().generate(request)
+
+    class OneTurn(ChatAgent):
+        async def run(self, ctx):
+            client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=float(reply.choices[0].message.content == "Hello there."))
+
+    async def go():
+        runner = ChatAgentRunner(OneTurn)
+        try:
+            episode = Episode(prompt="hi", sampling=Sampling(max_tokens=16), max_length=256)
+            first = await runner.run_group([episode], ReplacedEngine(0.0), tok, timeout_s=60)  # starts the server
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            later = await runner.run_group([dataclasses.replace(episode)], ReplacedEngine(6.0), tok, timeout_s=5)
+            return first, later, loop.time() - start
+        finally:
+            await runner.close()
+
+    first, later, took = asyncio.run(go())
+    assert not first.failures and not later.failures, later.errors
+    assert [t.reward for t in later.trajectories] == [1.0] and took > 6.0  # past timeout_s=5: the wait did not count

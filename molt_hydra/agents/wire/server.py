@@ -15,6 +15,7 @@ text reaches the client as the engine samples it; tool calls are sent whole once
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hmac
 import json
@@ -94,6 +95,7 @@ class ChatServer:
 
     def open_session(self, session: ChatSession) -> None:
         session.loop = asyncio.get_running_loop()  # turns run where the agent and the engine client live
+        session.context = contextvars.copy_context()  # in the rollout's context (`_on_agent_loop`)
         self.sessions[session.session_id] = session
 
     def close_session(self, session_id: str):
@@ -158,7 +160,11 @@ class ChatServer:
             ) from None
         # cancelling the wrapper (the server stopping) cancels the turn on the agent's loop too; a client that goes
         # away cancels nothing (aiohttp runs the handler on): the turn ends and is recorded for the client's retry
-        turn = asyncio.run_coroutine_threadsafe(coro, session.loop)
+        # in its rollout's context: the router extends that rollout's deadline while it waits for a replacement engine
+        # (rollout/router.py EPISODE_DEADLINE). Was: in this thread's, the first rollout's (it started the server), so
+        # an outage extended that one's, long expired (a RuntimeError: each turn a 500, the rollout dropped as the
+        # agent's exception), never the turn's own
+        turn = session.context.run(asyncio.run_coroutine_threadsafe, coro, session.loop)
         session.turns.add(turn)  # closing the session cancels it
         turn.add_done_callback(session.turns.discard)
         if session.closed:  # closed on the agent's loop before the add (its turn may have begun): cancelled here

@@ -93,6 +93,7 @@ class ChatSession:
 
     def __post_init__(self):
         self.loop: asyncio.AbstractEventLoop | None = None  # the agent's loop, where the generator is called
+        self.context = None  # the rollout's contextvars.Context (`ChatServer.open_session`), which its turns run in
         self.lock = asyncio.Lock()  # turns of one session are serialized
         self.generate_calls = 0  # turns generated (agent.max_turns bounds them)
         self.last_prompt_tokens = 0  # of the latest turn (streamed Anthropic usage reports it up front)
