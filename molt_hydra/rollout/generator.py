@@ -248,8 +248,8 @@ class SamplesGenerator:
         raise RunFailed("rollout", f"dynamic filtering kept {g['groups_kept']} of the {g['groups_seen']} prompt groups "
                         f"generated for a batch of {self.batch_size} (algorithm.dynamic_filtering.max_gen_batches="
                         f"{cap} batches' worth); a group is kept only when its mean score lies strictly between "
-                        f"low={low} and high={high}: their mean score is {mean}, {g['all_pass']} groups scored "
-                        f">= high throughout, {g['all_fail']} <= low throughout. Fix: train on prompts the policy "
+                        f"low={low} and high={high}: their mean score is {mean}, {g['all_pass']} groups with every "
+                        f"score >= high, {g['all_fail']} with every score <= low. Fix: train on prompts the policy "
                         "solves sometimes, not always or never; or widen algorithm.dynamic_filtering.low / high; or "
                         "raise algorithm.dynamic_filtering.max_gen_batches; or set "
                         "algorithm.dynamic_filtering.enable=false", drops=dict(self._dropped))

@@ -101,6 +101,7 @@ def test_a_batch_the_filter_never_fills_fails_after_max_gen_batches_naming_the_f
     assert failed.value.cause.startswith(
         f"dynamic filtering kept 0 of the {seen} prompt groups generated for a batch of {batch} "
         f"(algorithm.dynamic_filtering.max_gen_batches={cap} batches' worth)")
-    assert f"their mean score is 1, {seen} groups scored >= high throughout, 0 <= low throughout" in failed.value.cause
+    assert (f"their mean score is 1, {seen} groups with every score >= high, 0 with every score <= low"
+            in failed.value.cause)
     assert "raise algorithm.dynamic_filtering.max_gen_batches" in failed.value.cause
     assert failed.value.drops == {"dynamic_filter": seen * SAMPLES}
