@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import inspect
 import logging
@@ -238,6 +239,23 @@ def image_tokens(per_image: int | Callable[[Any], int], images: list) -> int:
     them: a runner's `image_tokens_per_image`, a count for every image (the user's) or a function of the image (the
     model's processor count, `TrajectoryImages.added_tokens`, which the runner process sets when it is 0)."""
     return sum(per_image(im) for im in images) if callable(per_image) else per_image * len(images)
+
+
+@functools.cache
+def model_images(model_dir: str) -> tuple[bool, int | None]:
+    """(whether the tokenizer's model takes images, its image placeholder's token id), from its config: a text-only
+    model's image parts, and a placeholder written into a text, are then the client's 400 (or an Env observation's
+    refusal, step_runner.py) instead of an engine error, or a text read as an image's place without an image.
+    Unknown (no readable config): (True, None), the engine decides."""
+    from transformers import AutoConfig
+
+    from molt_hydra.models.vlm import is_vlm
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return True, None
+    return (True, getattr(config, "image_token_id", None)) if is_vlm(config) else (False, None)
 
 
 @dataclass

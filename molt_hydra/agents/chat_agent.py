@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from molt_hydra.agents.base import Episode, Result, Runner, Trajectory, reward_and_score, seed_agent_rngs, shippable
+from molt_hydra.agents.base import (Episode, Result, Runner, Trajectory, model_images, reward_and_score,
+                                    seed_agent_rngs, shippable)
 from molt_hydra.agents.targets import subclass
 from molt_hydra.agents.tool_parser import check_parser_names, reply_parser
 from molt_hydra.agents.wire.images import image_data_uri
@@ -156,22 +156,6 @@ def _refuse_step_fields(result, returned_by: str) -> None:
     if not result.terminated and not result.truncated:  # (was `is False`: numpy's False_ or 0 passed unseen)
         raise ValueError(f"{returned_by} returned Result.terminated=False; a ChatAgent's episode ends when run "
                          "returns: set Result.truncated=True if it was cut off")
-
-
-@functools.cache
-def model_images(model_dir: str) -> tuple[bool, int | None]:
-    """(whether the tokenizer's model takes images, its image placeholder's token id), from its config: a text-only
-    model's image parts, and a placeholder written into a text, are then the client's 400 instead of an engine error.
-    Unknown (no readable config): (True, None), the engine decides."""
-    from transformers import AutoConfig
-
-    from molt_hydra.models.vlm import is_vlm
-
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError):
-        return True, None
-    return (True, getattr(config, "image_token_id", None)) if is_vlm(config) else (False, None)
 
 
 def prompt_messages(prompt: str | list[dict], images: list) -> list[dict]:

@@ -17,7 +17,7 @@ import json
 import logging
 
 from molt_hydra.agents.base import (Env, Episode, Result, Runner, Trajectory, apply_sampling_override, image_tokens,
-                                    reward_and_score, seed_agent_rngs, shippable)
+                                    model_images, reward_and_score, seed_agent_rngs, shippable)
 from molt_hydra.agents.targets import subclass
 from molt_hydra.data.images import to_pil_images
 from molt_hydra.rollout.generation import GenerationRequest, TokenGenerator
@@ -97,7 +97,8 @@ class StepEnvRunner(Runner):
                 overridden = dataclasses.replace(overridden, seed=sampling.seed)
             sampling = overridden
             # no trailing feedback after the last turn: nothing after it would be trained on
-            if result.terminated or traj.truncated or not self._feedback(traj, result, images, episode, tokenizer):
+            if result.terminated or traj.truncated or not self._feedback(traj, result, images, episode, tokenizer,
+                                                                        turn):
                 break
             observation_text += result.observation
         shippable(traj.info, f"{self.env_cls.__name__}.step")  # the last turn's: the one the trajectory keeps
@@ -143,13 +144,23 @@ class StepEnvRunner(Runner):
         traj.info = dict(result.info)
         traj.truncated |= bool(result.truncated)
 
-    def _feedback(self, traj: Trajectory, result: Result, images: list, episode: Episode, tokenizer) -> bool:
+    def _feedback(self, traj: Trajectory, result: Result, images: list, episode: Episode, tokenizer,
+                  turn: int) -> bool:
         """Append the observation (and its images) as feedback; False when it does not fit (cut, truncated)."""
         feedback = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
         new_images = list(result.images or [])
         if new_images and not self.accepts_images:  # the engine cannot see them; training would carry them
             raise ValueError(f"{self.env_cls.__name__}.step returned {len(new_images)} Result.images, but the model "
                              "is text-only; return images only with a vision model (leave Result.images None)")
+        # each placeholder is an image's place, as the chat server's 400 tells a request's text (was: one with no image
+        # went to the engine as text and was trained on; with images, the engine's refusal named a session id)
+        placeholder = model_images(tokenizer.name_or_path)[1]
+        if placeholder is not None and (places := feedback.count(placeholder)) != len(new_images):
+            token = tokenizer.convert_ids_to_tokens(placeholder)
+            raise ValueError(f"{self.env_cls.__name__}.step (turn {turn}) returned an observation holding {places} of "
+                             f"this vision model's image placeholder {token!r} for its {len(new_images)} "
+                             f"Result.images; the model reads each as an image's place. Fix: write one {token!r} into "
+                             "Result.observation for each of Result.images, and none otherwise")
         # decoded as a row's images are (a path, bytes, a datasets Image struct; RGB): was, for a path, the
         # processor's "Invalid image type: <class 'str'>", naming neither the env nor the field
         new_images = to_pil_images(new_images, len(new_images), f"Result.images of {self.env_cls.__name__}.step")

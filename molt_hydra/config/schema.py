@@ -319,6 +319,10 @@ class DynamicFilteringConfig:
     "Lower (exclusive) bound on the group's mean score."
     high: float = ranged(1.0)
     "Upper (exclusive) bound on the group's mean score."
+    max_gen_batches: int = ranged(30, ge=1)
+    ("Batches' worth of prompt groups (rollout.batch_size each) one training batch may generate without being filled; "
+     "past it the run fails naming the filter and the groups' mean score (a task the policy always or never solves), "
+     "where it generated on without a step. 30: verl's DAPO recipe (10 generation batches of 3x the train batch).")
 
     def __post_init__(self) -> None:
         _require(self.low < self.high, "algorithm.dynamic_filtering.low",

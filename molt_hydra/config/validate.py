@@ -44,6 +44,7 @@ SWITCHED_KNOBS = (
     # the samples generator filters groups only when enabled (runtime/roles.py)
     ("algorithm.dynamic_filtering.low", "algorithm.dynamic_filtering.enable"),
     ("algorithm.dynamic_filtering.high", "algorithm.dynamic_filtering.enable"),
+    ("algorithm.dynamic_filtering.max_gen_batches", "algorithm.dynamic_filtering.enable"),
 )
 
 class Problems:

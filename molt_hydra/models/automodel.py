@@ -76,14 +76,21 @@ def permute_tokens_all_local(indices: torch.Tensor, weights: torch.Tensor, token
 
 
 @contextlib.contextmanager
-def replay_routed_experts(routed: torch.Tensor, *, replay: bool = True, stats=None):
+def replay_routed_experts(routed: torch.Tensor, *, replay: bool = True, stats=None,
+                          real_tokens: torch.Tensor | None = None):
     """The engine's routed experts `routed` inside: under R3 (`replay`) every gate uses them where the engine routed
     the token and its own top-k elsewhere (router logits stay live, so the router still learns); without, the gates
     keep their own. Either way `stats` (models/moe_routing.py `RoutingStats`) counts the gates' agreement with the
-    engine. Keep the backward inside the block: activation-checkpoint recompute runs the gates again and must replay
-    too."""
-    observe = None if stats is None else (lambda layer, own, used, engine: stats.add(layer, None, own, used, engine))
-    with automodel_compat.engine_routing(per_layer_replay_indices(routed), replay=replay, observe=observe):
+    engine, and expert loads over `real_tokens` ([B, L], 0 on right-padding) only, as the HF routers (was: padding
+    counted, its own top-k skewing routing/expert_load_entropy). Keep the backward inside the block:
+    activation-checkpoint recompute runs the gates again and must replay too."""
+    real = None if real_tokens is None else real_tokens.reshape(-1)  # the gates' token order: rows flattened
+
+    def observe(layer, own, used, engine):
+        stats.add(layer, None, own, used, engine, real=None if real is None else real.to(own.device))
+
+    with automodel_compat.engine_routing(per_layer_replay_indices(routed), replay=replay,
+                                         observe=None if stats is None else observe):
         yield
 
 

@@ -296,7 +296,8 @@ class TrainerWorker:
         routers also count trainer-vs-engine agreement into `routing_stats` (models/moe_routing.py)."""
         if self.backend == "automodel":  # its gates compare with (R3: use) the engine's experts; nothing else
             return contextlib.nullcontext() if "routed_experts" not in mb else replay_routed_experts(
-                mb["routed_experts"], replay=self.spec.routing_replay, stats=routing_stats)
+                mb["routed_experts"], replay=self.spec.routing_replay, stats=routing_stats,
+                real_tokens=mb.get("real_tokens"))
         if self.moe:
             return moe_routing.engine_routing(self.model, mb.get("routed_experts"), routing_stats,
                                               mb.get("mm_token_type_ids"), mb.get("real_tokens"))

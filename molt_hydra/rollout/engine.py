@@ -250,18 +250,19 @@ class VLLMEngine(BatchedCallee):
         expands the same ones, models/vlm.py). Was, from vLLM: for fewer, an EngineGenerateError without a message,
         after which the next request with that image ended with finish reason 'error' (vLLM's image cache had it,
         its engine core did not); for more, the extra placeholder sampled as text, and the trainer dropped every
-        such sample as image_placeholder_mismatch without a word."""
-        if not request.images or self.image_placeholder is None:
+        such sample as image_placeholder_mismatch without a word; for a placeholder without an image (a row without
+        images whose prompt has a marker), generation from it as text, trained on as an image's place."""
+        if self.image_placeholder is None:
             return
         token_id, token = self.image_placeholder
         if (places := request.prompt_ids.count(token_id)) != len(request.images):
             raise ValueError(
                 f"session {request.session_id!r}: the prompt has {places} image placeholder(s) ({token}, id "
                 f"{token_id}) for the {len(request.images)} image(s) sent with it; each image needs exactly one, where "
-                "it goes. Fix: give each image a {'type': 'image'} content part, which the chat template renders as "
-                "the placeholder (an Env turns a row's <image> markers into parts in reset: "
-                f"molt_hydra.models.vlm.image_parts), and write one {token} into the observation for each of a "
-                "step's Result.images")
+                "it goes, and each placeholder an image. Fix: give each image a {'type': 'image'} content part, which "
+                "the chat template renders as the placeholder (an Env turns a row's <image> markers into parts in "
+                f"reset: molt_hydra.models.vlm.image_parts), write one {token} into the observation for each of a "
+                "step's Result.images, and none where no image goes")
 
     # --- weight sync (called by molt_hydra.weight_sync on every engine): one call before the buckets and one after,
     # or the single pass's one call ---

@@ -126,6 +126,9 @@ class SamplesGenerator:
     seed: int = 0
     num_epochs: int = 1
     dynamic_filtering: tuple[float, float] | None = None
+    # batches' worth of groups one batch may filter out before the run fails (the run passes
+    # algorithm.dynamic_filtering.max_gen_batches); None: no cap (in-process tests)
+    max_gen_batches: int | None = None
     incomplete_groups: str = "keep"
     # In-process runners only (tests); the run leaves it None on purpose: every rollout already has its own deadline
     # inside the agent runner (agent.timeout_s, moved on by engine outages), a stalled runner is named by
@@ -233,6 +236,24 @@ class SamplesGenerator:
         groups["groups_kept"] += 1
         return FinishedGroup(index, epoch, kept)
 
+    def _refuse_endless_filtering(self) -> None:
+        """`max_gen_batches` batches' worth of groups generated for this batch without filling it: a task the policy
+        always (or never) solves, whose groups the filter drops one and all. Before, the run generated on without a
+        step until the data ran out (epochs of it) or train.timeouts.step_s told a stall, naming neither."""
+        g, cap = self._groups, self.max_gen_batches
+        if self.dynamic_filtering is None or cap is None or g["groups_seen"] < cap * self.batch_size:
+            return
+        low, high = self.dynamic_filtering
+        mean = f"{g['score_sum'] / g['score_count']:.4g}" if g["score_count"] else "none (no usable rollout)"
+        raise RunFailed("rollout", f"dynamic filtering kept {g['groups_kept']} of the {g['groups_seen']} prompt groups "
+                        f"generated for a batch of {self.batch_size} (algorithm.dynamic_filtering.max_gen_batches="
+                        f"{cap} batches' worth); a group is kept only when its mean score lies strictly between "
+                        f"low={low} and high={high}: their mean score is {mean}, {g['all_pass']} groups with every "
+                        f"score >= high, {g['all_fail']} with every score <= low. Fix: train on prompts the policy "
+                        "solves sometimes, not always or never; or widen algorithm.dynamic_filtering.low / high; or "
+                        "raise algorithm.dynamic_filtering.max_gen_batches; or set "
+                        "algorithm.dynamic_filtering.enable=false", drops=dict(self._dropped))
+
     def _metrics(self) -> dict[str, float]:
         dropped, g = self._dropped, self._groups
         self._dropped, self._groups = Counter(), Counter()
@@ -251,6 +272,7 @@ class SamplesGenerator:
     async def generate_batch(self) -> RolloutBatch:
         """Exactly `batch_size` kept groups (fewer only when the prompts run out)."""
         while len(self._finished) < self.batch_size:
+            self._refuse_endless_filtering()
             self._refill()
             if not self._inflight:
                 break

@@ -269,6 +269,12 @@ def _refuse_changed_config(cfg: RunConfig, found: Path, state: dict) -> None:
     refused = [f"{k}={changed[k][1]} (saved with {changed[k][0]})" for k in sorted(math)]
     if not sft and t.max_steps is not None and t.max_steps < step:  # (equal: a finished run, saved and exported again)
         refused.append(f"train.max_steps={t.max_steps}, but it is at step {step} already (set it to {step} or more)")
+    # job=sft's length: the saved run's steps per epoch are its last step over its (integer) epochs; the data, the
+    # batch size and the seed are refused above if changed (was: refused by every rank once it had loaded the model)
+    if sft and (epochs := saved.get("train", {}).get("epochs")) and (last := state.get("total_steps")) and (
+            t.epochs * (per_epoch := last // epochs) < step):
+        refused.append(f"train.epochs={t.epochs} makes {t.epochs * per_epoch} steps of {per_epoch} per epoch, but it "
+                       f"is at step {step} already (set it to {-(-step // per_epoch)} or more)")
     if not sft and (episode := state["loop"]["generator"]["epoch"]) >= t.num_episodes:
         refused.append(f"train.num_episodes={t.num_episodes}, but it is in episode {episode + 1} already: no prompt "
                        f"is left (set it above {episode})")

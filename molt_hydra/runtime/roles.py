@@ -380,6 +380,7 @@ def _generator(cfg: RunConfig, prompts: list, runners: list):
         prompts, RemoteGroupRunner(runners), batch_size=r.batch_size,
         n_samples_per_prompt=r.n_samples_per_prompt, sampling=sampling, max_inflight_groups=r.max_inflight_groups,
         seed=cfg.seed, num_epochs=t.num_episodes, dynamic_filtering=(df.low, df.high) if df.enable else None,
+        max_gen_batches=df.max_gen_batches,
         incomplete_groups=r.incomplete_groups.value, carry_over=t.partial_rollout,
         group_seed=lambda epoch, index: request_seed(cfg.seed, epoch, index))
 

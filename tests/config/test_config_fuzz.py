@@ -135,6 +135,7 @@ TIED = {"rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.num_engin
         "algorithm.kl.coef", "algorithm.clip_eps_high", "eval.every_steps", "cluster.nodes",
         "cluster.devices_per_node", "algorithm.is_correction.low", "algorithm.is_correction.high",
         "algorithm.dynamic_filtering.low", "algorithm.dynamic_filtering.high", "algorithm.reward_clip",
+        "algorithm.dynamic_filtering.max_gen_batches",  # refused while the filter is off (the default)
         "data.max_images_per_prompt",  # > 0: images, refused for the default text-only model (docs/vlm.md)
         "rollout.max_num_batched_tokens",  # on CPU (no chunked prefill) at least rollout.max_model_len
         "rollout.max_model_len", "eval.max_new_tokens", "train.max_tokens_per_micro_batch",  # vs data.max_len

@@ -132,6 +132,8 @@ CASES = [
      "it tunes algorithm.dynamic_filtering.enable, which is off"),
     ("filter_high_without_filtering", ["algorithm.dynamic_filtering.high=0.8"], "algorithm.dynamic_filtering.high",
      "it tunes algorithm.dynamic_filtering.enable, which is off"),
+    ("filter_cap_without_filtering", ["algorithm.dynamic_filtering.max_gen_batches=5"],
+     "algorithm.dynamic_filtering.max_gen_batches", "it tunes algorithm.dynamic_filtering.enable, which is off"),
     ("export_dir_without_export", ["checkpoint.export_final=false", "checkpoint.export_dir=/tmp/molt_export"],
      "checkpoint.export_dir", "checkpoint.export_final=false writes none"),
     ("staleness_under_sync", ["train.mode=sync", "train.max_staleness=3"], "train.max_staleness",
@@ -235,7 +237,7 @@ ACCEPTED = [
     ["checkpoint.resume=must", "checkpoint.dir=/"],  # an existing directory (its checkpoints are the runtime's)
     ["train.dynamic_batch=true", "train.max_tokens_per_micro_batch=256"],
     ["algorithm.dynamic_filtering.enable=true", "algorithm.dynamic_filtering.low=0.2",
-     "algorithm.dynamic_filtering.high=0.8"],
+     "algorithm.dynamic_filtering.high=0.8", "algorithm.dynamic_filtering.max_gen_batches=5"],
     ["checkpoint.export_dir=/tmp/molt_export"],
     ["train.mode=sync", "train.max_staleness=0"],
     ["train.stale_samples=keep"],  # (max_staleness with keep: refused above, it drops nothing)

@@ -180,6 +180,13 @@ def test_images_without_one_placeholder_each_fail_the_rollout_naming_the_counts(
         assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
         assert (f"the prompt has {places} image placeholder(s) (<image>, id {images.placeholder_id}) for the 1 "
                 "image(s) sent with it") in outcome.errors["agent_exception"]
+    # a place with no image (a row without images whose prompt has a marker): was generated from, as text, without a
+    # word, and trained on as an image's place
+    ep = Episode(prompt=[{"role": "user", "content": "<image>Find x."}], label="", sampling=SAMPLING, max_length=512)
+    outcome = run(loop, runner.run_group([ep], engine, tokenizer))
+    assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
+    assert (f"the prompt has 1 image placeholder(s) (<image>, id {images.placeholder_id}) for the 0 image(s) sent "
+            "with it") in outcome.errors["agent_exception"]
     outcome = rollout("<image>Find x.")  # the same image, placed once: served as before
     assert dict(outcome.failures) == {} and len(outcome.trajectories) == 1
 

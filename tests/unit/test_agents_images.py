@@ -259,8 +259,8 @@ from molt_hydra.agents import Env, Result
 class TwoImages(Env):
     async def step(self, state):
         if state["turn"] == 0:
-            return Result(reward=0.0, observation="look", terminated=False,
-                          images=[Image.new("RGB", (56, 56), c) for c in ("red", "blue")])
+            return Result(reward=0.0, observation="look" + "<|vision_start|><|image_pad|><|vision_end|>" * 2,
+                          terminated=False, images=[Image.new("RGB", (56, 56), c) for c in ("red", "blue")])
         return Result(reward=1.0)
 '''
 
@@ -299,3 +299,33 @@ def test_an_env_returning_more_images_than_the_engines_take_fails_its_rollout_na
     assert error == ("ValueError: TwoImages.step returned 2 Result.images: 3 images in the episode > "
                      "data.max_images_per_prompt=2, the engines' per-prompt image limit (every turn's prompt carries "
                      "all earlier images). Fix: return fewer images, or raise data.max_images_per_prompt")
+
+
+@pytest.mark.parametrize("observation,given,places", [
+    ("the figure: <image>", 0, 1),  # a placeholder written in the text, no image with it
+    ("two: <image><image>", 1, 2),
+    ("here it is", 1, 0)])
+def test_an_env_observation_placing_other_than_its_images_fails_the_rollout_naming_the_env_turn_and_counts(
+        observation, given, places):
+    """An Env's observation holds one image placeholder per Result.images, as the chat server asks of a request's text
+    (a 400: "the text holds this vision model's image placeholder"). Before: a placeholder with no image went to the
+    engine as text (its check looks at requests with images only) and was trained on as an image's place without an
+    image; with images, the mismatch was the engine's refusal a turn later, naming a session id, not the Env."""
+    from molt_hydra.agents import Env
+    from molt_hydra.models.tiny import resolve_model_path
+
+    tok = tokenizer(resolve_model_path("tiny://idefics3_tiny"))  # a VLM: its image placeholder is "<image>"
+    engine = VLMStandIn(tok.eos_token_id)
+
+    class Zoom(Env):
+        async def step(self, state):
+            if state["turn"] == 0:
+                return Result(reward=0.0, observation=observation, terminated=False, images=[img("blue")] * given)
+            return Result(reward=1.0)
+
+    outcome = asyncio.run(StepEnvRunner(Zoom).run_group(
+        [Episode(prompt="Find x.", sampling=Sampling(max_tokens=4), max_length=256)], engine, tok))
+    assert outcome.trajectories == [] and dict(outcome.failures) == {"agent_exception": 1}
+    assert (f"Zoom.step (turn 0) returned an observation holding {places} of this vision model's image placeholder "
+            f"'<image>' for its {given} Result.images") in outcome.errors["agent_exception"]
+    assert len(engine.requests) == 1  # the turn after it never reached the engine

@@ -539,3 +539,24 @@ def test_a_warm_start_across_a_lora_adapter_is_refused_before_anything_starts(sa
     assert _check_resume(_cfg(tmp_path, "checkpoint.resume=auto", "checkpoint.load_model_only=true",
                               f"checkpoint.dir={own}", "model.lora.rank=8", "model.lora.alpha=32")) == \
         (own / "step_0", None)
+
+
+def test_an_sft_resume_past_the_last_step_of_fewer_epochs_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """A job=sft run of train.epochs=2 over 3 steps an epoch (its last step, 6, as the save records it), saved at step
+    5, resumed with train.epochs=1 (3 steps): refused naming the steps, before any rank starts. Before: named as a
+    change the resume goes on with ("train.epochs 2 -> 1"), then every rank loaded the model and the checkpoint and
+    refused it (parallel/sft.py `_resume`)."""
+    model, opt = _trained()
+    record = write_run_record(_sft_cfg(tmp_path, "train.epochs=2"), tmp_path / "out")
+    per_epoch = 3  # as parallel/sft.py counts them: ceil(epochs x steps per epoch) is the run's last step
+    save_checkpoint(tmp_path / "ckpt", 5, model, opt, client_state={
+        "master_weights": "fsdp", "global_step": 5, "consumed_samples": 5 * 8, "total_steps": 2 * per_epoch,
+        "run_record": record})
+    with pytest.raises(SystemExit) as stop:
+        _check_resume(_sft_cfg(tmp_path, "checkpoint.resume=auto", "train.epochs=1"))
+    assert stop.value.code == EXIT_FAILED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"Run failed: {tmp_path / 'ckpt' / 'step_5'} cannot be resumed as saved: train.epochs=1 makes 3 steps of 3 "
+        f"per epoch, but it is at step 5 already (set it to 2 or more). Fix: set them back (see its run_record.json), "
+        f"or {WARM_START}")
+    assert _check_resume(_sft_cfg(tmp_path, "checkpoint.resume=auto", "train.epochs=3"))[0].name == "step_5"

@@ -224,6 +224,38 @@ def test_gates_without_probabilities_count_agreement_and_load_but_no_balancing_l
     assert m["routing/expert_load_entropy"] == pytest.approx(expected)
 
 
+def test_automodel_gates_count_expert_loads_over_real_tokens_only(monkeypatch):
+    """models/automodel.py `replay_routed_experts` on right-padded rows (AutoModel's only micro-batches): the gates'
+    statistics skip the padding, as the HF routers' (above). Before: no mask reached them, and each padding token's own
+    top-k counted in the expert loads. AutoModel's gates are a stand-in here (nemo_automodel is the GPU device's
+    install): each reports its own top-k and the experts used, as compat/automodel.py `engine_routing` has them do."""
+    from contextlib import contextmanager
+
+    from molt_hydra.compat import automodel as automodel_compat
+    from molt_hydra.models.automodel import replay_routed_experts
+    from molt_hydra.parallel.batching import pad_rows
+
+    own = torch.full((6, 1), 3)  # every token's own top-1 is expert 3 (2 rows of 3 tokens, flattened)
+
+    @contextmanager
+    def gates(per_layer, *, replay, observe=None):
+        for layer, engine in enumerate(per_layer):
+            observe(layer, own, torch.where((engine >= 0).all(-1, keepdim=True), engine, own) if replay else own,
+                    engine)
+        yield
+
+    monkeypatch.setattr(automodel_compat, "engine_routing", gates)
+    samples = [{"input_ids": torch.ones(3, dtype=torch.long), "routed_experts": torch.tensor([[[0]], [[1]], [[-1]]])},
+               {"input_ids": torch.ones(1, dtype=torch.long), "routed_experts": torch.tensor([[[2]]])}]
+    mb = pad_rows(samples)  # row 1: one token, then 2 of padding (routed -1: their own expert 3 is used)
+    stats = moe_routing.RoutingStats(num_layers=1, num_experts=4)
+    with replay_routed_experts(mb["routed_experts"], stats=stats, real_tokens=mb["real_tokens"]):
+        pass
+    # the experts the 4 real tokens used: 0, 1, 3 (row 0's last: not routed, its own), 2
+    assert stats.sums["load"][0].tolist() == [1.0, 1.0, 1.0, 1.0] and stats.sums["tokens"].tolist() == [4.0]
+    assert stats.metrics()["routing/expert_load_entropy"] == pytest.approx(1.0)  # a uniform load
+
+
 def test_routing_travels_with_tokens_through_experience_collate_and_packing():
     from molt_hydra.agents.base import Trajectory
     from molt_hydra.algorithm.experience import collate

@@ -17,6 +17,7 @@ from molt_hydra.cli import to_run_config  # noqa: E402
 from molt_hydra.rollout.generation import Sampling  # noqa: E402
 from molt_hydra.rollout.generator import SamplesGenerator  # noqa: E402
 from molt_hydra.runtime.controller import RLController  # noqa: E402
+from molt_hydra.runtime.roles import _generator  # noqa: E402
 from molt_hydra.runtime.watchdog import RunFailed  # noqa: E402
 
 PROMPTS, SAMPLES, LOW = 6, 2, 0.95
@@ -64,3 +65,43 @@ def test_a_replay_directory_without_the_first_batch_fails_naming_the_file(tmp_pa
 
     with pytest.raises(RunFailed, match=f"train.rollout_replay_dir={tmp_path} holds no rollout_step0.pt"):
         asyncio.run(loop())
+
+
+class Solved:
+    """A task the policy always solves: every rollout scores 1.0, so every group's mean is the filter's high bound."""
+
+    def __init__(self):
+        self.groups = 0
+
+    async def run_group(self, row, n, sampling):
+        self.groups += 1
+        return [(SimpleNamespace(reward=1.0, score=None, rollout_id=f"{row['prompt']}/{self.groups}/{i}"), None)
+                for i in range(n)]
+
+
+def test_a_batch_the_filter_never_fills_fails_after_max_gen_batches_naming_the_filter():
+    """Before: the generator generated on without a step through every episode of the data (here 10**6 episodes,
+    i.e. for ever), or until train.timeouts.step_s (an hour) told a stall naming neither the filter nor the scores."""
+    batch, cap = 2, 3
+    cfg = to_run_config(compose_config([f"rollout.batch_size={batch}", f"rollout.n_samples_per_prompt={SAMPLES}",
+                                        "algorithm.dynamic_filtering.enable=true", "train.num_episodes=1000000",
+                                        f"algorithm.dynamic_filtering.max_gen_batches={cap}"]))
+    generator = _generator(cfg, [{"prompt": f"p{i}"} for i in range(PROMPTS)], [])
+    generator.runner = runner = Solved()
+    ctl = RLController(cfg, SimpleNamespace(calls=Calls(), generator=generator, eval_rows=None, role_pids={}),
+                       log=SimpleNamespace(sinks=SimpleNamespace(wandb_id=None)))
+
+    async def loop():
+        return await asyncio.wait_for(asyncio.gather(ctl._steps(), ctl.produce()), 30)
+
+    with pytest.raises(RunFailed) as failed:
+        asyncio.run(loop())
+    seen = cap * batch  # max_gen_batches batches' worth, then no more
+    assert failed.value.role == "rollout" and runner.groups == seen
+    assert failed.value.cause.startswith(
+        f"dynamic filtering kept 0 of the {seen} prompt groups generated for a batch of {batch} "
+        f"(algorithm.dynamic_filtering.max_gen_batches={cap} batches' worth)")
+    assert (f"their mean score is 1, {seen} groups with every score >= high, 0 with every score <= low"
+            in failed.value.cause)
+    assert "raise algorithm.dynamic_filtering.max_gen_batches" in failed.value.cause
+    assert failed.value.drops == {"dynamic_filter": seen * SAMPLES}
