@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The install is redone only when what it installs changes.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
-PYTEST := $(PY) -m pytest -p no:cacheprovider --durations=15
+PYTEST := $(PY) -m pytest -p no:cacheprovider --durations=40
 
 .PHONY: install install-gpu run test test-full test-gpu gpu-wheels bench clean
 
