@@ -294,6 +294,13 @@ POST_INIT = [
      "need low < high, got [6.0, 5.0]"),
     ("dynamic_filtering_band", ["algorithm.dynamic_filtering.low=1.0"], "algorithm.dynamic_filtering.low",
      "need low < high, got (1.0, 1.0)"),
+    # the high end set: the line names its key too (was: only low's, a key the command line did not set)
+    ("is_band_high", ["algorithm.is_correction.high=0.1"], "algorithm.is_correction.low",
+     "need low < high, got [0.5, 0.1] (algorithm.is_correction.high=0.1). Fix: e.g. algorithm.is_correction.low=0.5 "
+     "algorithm.is_correction.high=5.0"),
+    ("dynamic_filtering_band_high", ["algorithm.dynamic_filtering.high=-1"], "algorithm.dynamic_filtering.low",
+     "need low < high, got (0.0, -1.0) (algorithm.dynamic_filtering.high=-1.0). Fix: e.g. "
+     "algorithm.dynamic_filtering.low=0.0 algorithm.dynamic_filtering.high=1.0"),
     ("reward_clip_order", ["algorithm.reward_clip=[5,-5]"], "algorithm.reward_clip",
      "need [low, high] with low < high"),
     ("reward_clip_pair", ["algorithm.reward_clip=[1]"], "algorithm.reward_clip", "need [low, high] with low < high"),
