@@ -648,9 +648,9 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if group := re.search(r"Could not append to config\. An item is already at '([^']+)'", text):  # `+seed=1`
         return (f"- {override}: {group[1]} is a key of the config already; + adds a key it lacks. Fix: drop the +: "
                 f"{override.lstrip('+')}")
-    if group := re.search(r"Could not override '([^']+)'\. No match in the defaults list", text):  # `recipe=NAME`
-        return (f"- {override}: {group[1]} is in no defaults list, so there is nothing to override. Fix: add it "
-                f"with +{override.lstrip('+~')}")
+    if group := re.search(r"Could not override '([^']+)'\.\s+(?:No match|Did you mean to override (\S+)\?)", text):
+        fix = f"{group[2]}={override.split('=', 1)[1]}" if group[2] else f"add it with +{override.lstrip('+~')}"
+        return f"- {override}: {group[1]} is in no defaults list, so there is nothing to override. Fix: {fix}"
     if group := re.search(r"Multiple values for (\S+)\.|(\S+) appears more than once in the final defaults", text):
         name = group[1] or group[2]  # `+recipe=a +recipe=b`; `+algorithm=rloo` beside the default algorithm
         added = [o for o in overrides if o.startswith("+") and o.lstrip("+").split("=", 1)[0] == name]

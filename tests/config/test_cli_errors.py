@@ -1148,6 +1148,19 @@ def test_a_group_given_several_options_is_refused(override, fix):
             if group == "recipe" else "")], problems
 
 
+@pytest.mark.parametrize("override,fix", [
+    ("model@foo=qwen3_tiny", "Fix: model=qwen3_tiny"),
+    ("algorithm@algorithm=rloo", "Fix: algorithm=rloo"),
+    ("recipe=tiny_cpu", "Fix: add it with +recipe=tiny_cpu"),
+])
+def test_a_group_placed_under_a_package_no_default_has_is_told_the_plain_choice(override, fix):
+    """Before: `model@foo=qwen3_tiny` got "Could not override 'model@foo'.. Fix: give each key a value of the type
+    molt_hydra/config/schema.py declares", a fix about types for a group's choice (Hydra's "did you mean" lost)."""
+    name = override.split("=")[0]
+    assert compose_checked([override])[1] == [
+        f"- {override}: {name} is in no defaults list, so there is nothing to override. {fix}"]
+
+
 @pytest.mark.parametrize("override,named", [
     ("algorithm.advantage.estimator=rloo", "did you mean algorithm.estimator or"),  # Molt's --algo.advantage.estimator
     ("algorithm.advantage.gamma=0.9", "did you mean algorithm.gamma"),
