@@ -411,6 +411,8 @@ def _deleted(key: str, text: str) -> str:
 def _empty(o, text: str) -> list[str]:
     """`group=[]` chooses no option of a config group: its keys took the schema's defaults unseen (`rollout=[]`, as
     `~rollout`), a recipe was dropped (`+recipe=[]`), or Hydra failed with a traceback (`hydra/launcher=[]`).
+    `group=[a,b]` chooses several, merged one over the other without a word (`+recipe=[a,b]` combined two recipes,
+    which `+recipe=a +recipe=b` refuses; `algorithm=[ppo_gae,grpo]` was told to unset algorithm.lam, never set).
     `key={}` merges an empty mapping into a group or section, which changes nothing: it neither clears nor resets it;
     Hydra's own node too (`hydra={}`, `hydra.run={}`: were let through without a word, as was `+hydra=[]`), which
     takes nothing but a mapping of its keys (`hydra=x`)."""
@@ -424,9 +426,16 @@ def _empty(o, text: str) -> list[str]:
                 "changes nothing: hydra is no config group to choose an option of, and merging nothing into it "
                 f"neither clears nor resets it. {fix}" if value in ([], {}) else f"- {text}: hydra is Hydra's own "
                 f"config, which takes its keys, not a value or an option of a config group. {fix}"]
+    group, hydra_mapping = "/" in key or _is_group(key), False
+    if group and isinstance(value, list) and len(value) > 1 and not o.is_delete():
+        fix = ("give one +recipe=NAME (a recipe of your own, --config-dir DIR with DIR/recipe/NAME.yaml, can combine "
+               "two)" if key == "recipe" else f"choose one ({o.get_key_element()}=NAME), or sweep them: -m "
+               f"{o.get_key_element()}={','.join(map(str, value))}")
+        return [f"- {text}: chooses {len(value)} options of the config group {key}, which Hydra composes one over the "
+                "other: the last one's keys win and the others' stay wherever it sets none, a mix of both. Fix: "
+                f"{fix}"]
     if o.is_delete() or o.is_sweep_override() or not isinstance(value, (list, dict)) or value:
         return []
-    group, hydra_mapping = "/" in key or _is_group(key), False
     if isinstance(value, dict) and key.startswith("hydra."):  # a mapping of Hydra's (run, job.env_set, ...), or a slot
         from hydra.conf import HydraConf  # the chosen plugin or logging preset fills (launcher, job_logging: unset)
 
@@ -608,8 +617,10 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if "Cannot find primary config" in text:  # --config-name NAME
         return (f"- --config-name {PRIMARY['name']}: no such config in {PRIMARY['path']}. Fix: name a .yaml file of "
                 "that directory (without .yaml), or leave --config-name out (molt's config)")
-    if "Config group override must be a string" in text:  # `model=null`, `rollout=4`, `+recipe=null`
-        override = next((o for o in overrides if "=" in o and _is_group(o.lstrip("+~").split("=", 1)[0])), override)
+    if "Config group override must be a string" in text:  # `model=null`, `rollout=4`, `+recipe=null`: that group,
+        # not the first one of the command line (`+recipe=NAME model=null` was told as the recipe)
+        override = next((o for o in overrides if "=" in o and _is_group(o.lstrip("+~").split("=", 1)[0]) and not
+                         isinstance(OverridesParser.create().parse_override(o).value(), (str, list))), override)
         element, name = override.split("=", 1)[0], override.lstrip("+~").split("=", 1)[0]
         return (f"- {override}: {name} is a config group, which takes the name of one of its options. Fix: choose one "
                 f"({element}=NAME; `molt-run --help` lists them), or set a key of it ({name}.KEY=VALUE)"
@@ -637,18 +648,17 @@ def _composition_problem(e: Exception, overrides: list[str]) -> str:
     if group := re.search(r"Could not append to config\. An item is already at '([^']+)'", text):  # `+seed=1`
         return (f"- {override}: {group[1]} is a key of the config already; + adds a key it lacks. Fix: drop the +: "
                 f"{override.lstrip('+')}")
-    if group := re.search(r"Could not override '([^']+)'\. No match in the defaults list", text):  # `recipe=NAME`
-        return (f"- {override}: {group[1]} is in no defaults list, so there is nothing to override. Fix: add it "
-                f"with +{override.lstrip('+~')}")
+    if group := re.search(r"Could not override '([^']+)'\.\s+(?:No match|Did you mean to override (\S+)\?)", text):
+        fix = f"{group[2]}={override.split('=', 1)[1]}" if group[2] else f"add it with +{override.lstrip('+~')}"
+        return f"- {override}: {group[1]} is in no defaults list, so there is nothing to override. Fix: {fix}"
     if group := re.search(r"Multiple values for (\S+)\.|(\S+) appears more than once in the final defaults", text):
         name = group[1] or group[2]  # `+recipe=a +recipe=b`; `+algorithm=rloo` beside the default algorithm
         added = [o for o in overrides if o.startswith("+") and o.lstrip("+").split("=", 1)[0] == name]
         fix = ("give one +recipe=NAME (a recipe of your own, --config-dir DIR with DIR/recipe/NAME.yaml, can combine "
                "two)" if name == "recipe" else f"choose one: {name}=NAME, without +, replaces the default {name}")
         return f"- {added[-1] if added else override}: {name} is chosen more than once. Fix: {fix}"
-    if key is None:
-        return _keyless_problem(overrides, override, reason)
-    return f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}"
+    return _keyless_problem(overrides, override, reason) if key is None else (
+        f"- {key}: {reason} ({override}). Fix: {_fix(key.split('[')[0], reason)}")
 
 
 def _keyless_problem(overrides: list[str], override: str, reason: str) -> str:

@@ -307,8 +307,9 @@ class ISCorrectionConfig:
                  "algorithm.is_correction.mode", f"level={self.level.value} only supports mode=mask, got "
                  f"mode={self.mode.value}.",
                  "set algorithm.is_correction.mode=mask or algorithm.is_correction.level=token")
-        _require(self.low < self.high, "algorithm.is_correction.low",
-                 f"need low < high, got [{self.low}, {self.high}].", "e.g. low=0.5 high=5.0")
+        _require(self.low < self.high, "algorithm.is_correction.low", f"need low < high, got [{self.low}, "
+                 f"{self.high}] (algorithm.is_correction.high={self.high}).",
+                 "e.g. algorithm.is_correction.low=0.5 algorithm.is_correction.high=5.0")
 
 
 @dataclass
@@ -325,8 +326,9 @@ class DynamicFilteringConfig:
      "where it generated on without a step. 30: verl's DAPO recipe (10 generation batches of 3x the train batch).")
 
     def __post_init__(self) -> None:
-        _require(self.low < self.high, "algorithm.dynamic_filtering.low",
-                 f"need low < high, got ({self.low}, {self.high}).", "e.g. low=0.0 high=1.0")
+        _require(self.low < self.high, "algorithm.dynamic_filtering.low", f"need low < high, got ({self.low}, "
+                 f"{self.high}) (algorithm.dynamic_filtering.high={self.high}).",
+                 "e.g. algorithm.dynamic_filtering.low=0.0 algorithm.dynamic_filtering.high=1.0")
 
 
 @dataclass

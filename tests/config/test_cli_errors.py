@@ -1112,6 +1112,55 @@ def test_a_group_given_no_option_or_a_key_deleted_that_is_none_says_so(override,
     assert cfg is None and len(problems) == 1 and problems[0].startswith(start) and fix in problems[0], problems
 
 
+@pytest.mark.parametrize("overrides,named", [
+    (["+recipe=tiny_cpu", "model=null"], "model=null"),
+    (["algorithm=rloo", "rollout=4"], "rollout=4"),
+    (["+recipe=tiny_cpu", "algorithm=true"], "algorithm=true"),
+])
+def test_a_group_given_no_option_is_named_beside_groups_given_one(overrides, named):
+    """Before: the first config group of the command line was named, whatever its value: `+recipe=tiny_cpu model=null`
+    was told `- +recipe=tiny_cpu: recipe is a config group, which takes the name of a recipe`, a fix for a recipe that
+    was fine."""
+    cfg, problems = compose_checked(overrides)
+    assert cfg is None and len(problems) == 1, problems
+    group = named.split("=")[0]
+    assert problems[0].startswith(f"- {named}: {group} is a config group, which takes the name of one of its options. "
+                                  f"Fix: choose one ({group}=NAME"), problems
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("+recipe=[tiny_cpu,smollm2_arith]", "Fix: give one +recipe=NAME"),
+    ("algorithm=[ppo_gae,grpo]", "Fix: choose one (algorithm=NAME), or sweep them: -m algorithm=ppo_gae,grpo"),
+    ("model=[qwen3_tiny,smollm2_135m,qwen3_tiny]", "Fix: choose one (model=NAME), or sweep them: -m "
+                                                   "model=qwen3_tiny,smollm2_135m,qwen3_tiny"),
+])
+def test_a_group_given_several_options_is_refused(override, fix):
+    """Before: Hydra composed the options one over the other without a word: `+recipe=[tiny_cpu,smollm2_arith]` ran
+    the two recipes mixed (which `+recipe=a +recipe=b` refuses), `algorithm=[ppo_gae,grpo]` was told to unset
+    algorithm.lam, a key the command line never set."""
+    cfg, problems = compose_checked([override])
+    n = override.count(",") + 1
+    group = override.lstrip("+").split("=")[0]
+    assert cfg is None and problems == [
+        f"- {override}: chooses {n} options of the config group {group}, which Hydra composes one over the other: the "
+        f"last one's keys win and the others' stay wherever it sets none, a mix of both. {fix}" + (
+            " (a recipe of your own, --config-dir DIR with DIR/recipe/NAME.yaml, can combine two)"
+            if group == "recipe" else "")], problems
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("model@foo=qwen3_tiny", "Fix: model=qwen3_tiny"),
+    ("algorithm@algorithm=rloo", "Fix: algorithm=rloo"),
+    ("recipe=tiny_cpu", "Fix: add it with +recipe=tiny_cpu"),
+])
+def test_a_group_placed_under_a_package_no_default_has_is_told_the_plain_choice(override, fix):
+    """Before: `model@foo=qwen3_tiny` got "Could not override 'model@foo'.. Fix: give each key a value of the type
+    molt_hydra/config/schema.py declares", a fix about types for a group's choice (Hydra's "did you mean" lost)."""
+    name = override.split("=")[0]
+    assert compose_checked([override])[1] == [
+        f"- {override}: {name} is in no defaults list, so there is nothing to override. {fix}"]
+
+
 @pytest.mark.parametrize("override,named", [
     ("algorithm.advantage.estimator=rloo", "did you mean algorithm.estimator or"),  # Molt's --algo.advantage.estimator
     ("algorithm.advantage.gamma=0.9", "did you mean algorithm.gamma"),

@@ -170,9 +170,12 @@ CROSS_GROUP = [
     # conf default: 8 groups x 8 samples = 64 per step; 48 does not divide it (and is a multiple of 16 x 1).
     ("step_samples_multiple_of_batch", ["train.batch_size=48"], "train.batch_size",
      "a rollout step yields 64 samples, not a multiple of train.batch_size=48"),
-    # 64 samples per step; micro 48 x dp 1 = 48 does not divide train.batch_size=64.
+    # 64 samples per step; micro 48 x dp 1 = 48 does not divide train.batch_size=64. The key set, micro_batch_size, is
+    # named with its fix (was: neither, its name cut to micro_batch_size, the fix only to change the batch or ranks)
     ("batch_multiple_of_micro_x_dp", ["train.micro_batch_size=48"], "train.batch_size",
-     "must be a multiple of micro_batch_size x dp = 48 x 1 = 48, got 64"),
+     "must be a multiple of train.micro_batch_size x dp = 48 x 1 = 48, got 64 (dp: parallelism.trainer_devices=1 = "
+     "cluster.nodes x cluster.devices_per_node = 2 less 1 for rollout). Fix: set train.batch_size to a multiple of 48, "
+     "train.micro_batch_size to a divisor of train.batch_size / dp, or change the ranks (parallelism.trainer_devices)"),
     # the ranks come from the cluster's size (parallelism.trainer_devices=-1: every device the 1 engine leaves); before,
     # the line named neither, so `cluster.devices_per_node=8` was refused without its key
     ("batch_ranks_of_the_cluster", ["cluster.devices_per_node=8"], "train.batch_size",
@@ -294,6 +297,13 @@ POST_INIT = [
      "need low < high, got [6.0, 5.0]"),
     ("dynamic_filtering_band", ["algorithm.dynamic_filtering.low=1.0"], "algorithm.dynamic_filtering.low",
      "need low < high, got (1.0, 1.0)"),
+    # the high end set: the line names its key too (was: only low's, a key the command line did not set)
+    ("is_band_high", ["algorithm.is_correction.high=0.1"], "algorithm.is_correction.low",
+     "need low < high, got [0.5, 0.1] (algorithm.is_correction.high=0.1). Fix: e.g. algorithm.is_correction.low=0.5 "
+     "algorithm.is_correction.high=5.0"),
+    ("dynamic_filtering_band_high", ["algorithm.dynamic_filtering.high=-1"], "algorithm.dynamic_filtering.low",
+     "need low < high, got (0.0, -1.0) (algorithm.dynamic_filtering.high=-1.0). Fix: e.g. "
+     "algorithm.dynamic_filtering.low=0.0 algorithm.dynamic_filtering.high=1.0"),
     ("reward_clip_order", ["algorithm.reward_clip=[5,-5]"], "algorithm.reward_clip",
      "need [low, high] with low < high"),
     ("reward_clip_pair", ["algorithm.reward_clip=[1]"], "algorithm.reward_clip", "need [low, high] with low < high"),
