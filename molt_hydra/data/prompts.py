@@ -545,14 +545,15 @@ PROMPT_FIX = ("give each row its prompt as text or as a non-empty list of chat m
 def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_key: str | None,
             image_key: str | None) -> dict:
     """Row `where` in the runner's names; a row whose prompt is neither text nor a list of chat messages (null: a
-    missing value; a message without a role; no message) or whose label is null is an error naming the row (was, for
-    a bad message: each of its rollouts an agent_exception from the chat template, every epoch; a null label was
-    graded as one)."""
+    missing value; a message without a role; no message), or blank text, or whose label is null is an error naming the
+    row (was, for a bad message: each of its rollouts an agent_exception from the chat template, every epoch; a null
+    label was graded as one; blank text was sent as an empty user message, or with data.apply_chat_template=false
+    failed each rollout on its empty prompt)."""
     prompt = row[input_key]  # (agents/rules.py check_prompts: each message as the chat server will take it)
-    if not (isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(
+    if not (isinstance(prompt, str) and prompt.strip() or isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
-        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; not text or a non-empty list of "
-                         f"chat messages. Fix: {PROMPT_FIX}")
+        blank = "blank text" if isinstance(prompt, str) else "not text or a non-empty list of chat messages"
+        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; {blank}. Fix: {PROMPT_FIX}")
     label = row[label_key] if label_key else ""
     if label is None or isinstance(label, float) and math.isnan(label):  # NaN: pandas' missing value, JSON's NaN
         raise ValueError(f"{where}: data.label_key={label_key!r} is {'null' if label is None else 'NaN'} (or missing "

@@ -380,6 +380,22 @@ def test_a_bad_row_of_a_local_prompt_file_is_a_config_error_before_anything_star
         "row its label, or set data.label_key=null for data without labels (the agent then gets '')"]
 
 
+@pytest.mark.parametrize("blank", ["", "   ", "\n\t"])
+def test_a_blank_text_prompt_is_a_config_error_naming_the_row(tmp_path, blank):
+    """Before: it passed validation and loading; the model was asked an empty user message (data.apply_chat_template,
+    the default) without a word, or, with data.apply_chat_template=false, each rollout of the row failed once the run
+    had started ("the first prompt of ToyEnv is empty text")."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "label": "1"}) + "\n" + json.dumps({"prompt": blank, "label": "2"}))
+    want = (f"{path} row 1: data.input_key='prompt' is {blank!r}; blank text. Fix: give each row its prompt as text or "
+            "as a non-empty list of chat messages, each an object with a 'role' (system, developer, user, assistant "
+            "or tool) and a 'content' (a string or a list of parts)")
+    assert _config_problems(str(path)) == [f"- data.train_path: {want}"]
+    with pytest.raises(ValueError) as e:
+        load_prompts(str(path))
+    assert str(e.value) == want
+
+
 def test_a_bad_row_of_a_parquet_file_or_a_saved_dataset_is_a_config_error(tmp_path):
     """The same checks on the rows datasets reads from a parquet file or a save_to_disk directory (before: found
     once Ray and the engines had started); a corrupt parquet file is named too."""
