@@ -226,6 +226,12 @@ def _sample(row: dict, tokenizer, markers: ReplyMarkers, special: set[int], *, i
                          "roles and order the template takes, or set data.chat_template to one that renders them") \
             from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    op, k = list(markers.reply_open), len(markers.reply_open)
+    if sum(ids[i:i + k] == op for i in range(len(ids))) > sum(m["role"] == "assistant" for m in msgs):
+        # a message's text holds the reply header: the mask would train what follows it as a reply (was: a user's
+        # text after a literal "<|im_start|>assistant\n" trained on, without a word)
+        return None, (f"skipped: a message's text holds the chat template's reply header "
+                      f"{tokenizer.decode(op)!r}, so no mask could tell its tokens from a reply's")
     cut = f"cut to data.max_len={max_len} tokens" if len(ids) > max_len and not row_images else None
     ids = ids if row_images else ids[:max_len]  # an image row is skipped when too long, never cut (see above)
     mask = reply_loss_mask(ids, markers, special, last_only)
