@@ -549,7 +549,7 @@ def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_
     row (was, for a bad message: each of its rollouts an agent_exception from the chat template, every epoch; a null
     label was graded as one; blank text was sent as an empty user message, or with data.apply_chat_template=false
     failed each rollout on its empty prompt)."""
-    prompt = row[input_key]  # (agents/rules.py check_prompts: each message as the chat server will take it)
+    prompt = _messages_text(row[input_key])  # (agents/rules.py check_prompts: each message as the chat server takes)
     if not (isinstance(prompt, str) and prompt.strip() or isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
         blank = "blank text" if isinstance(prompt, str) else "not text or a non-empty list of chat messages"
@@ -559,7 +559,7 @@ def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_
         raise ValueError(f"{where}: data.label_key={label_key!r} is {'null' if label is None else 'NaN'} (or missing "
                          "from this row). Fix: give every row its label, or set data.label_key=null for data without "
                          "labels (the agent then gets '')")
-    out = {"prompt": row[input_key], "label": label,
+    out = {"prompt": prompt, "label": label,
            # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
            "datasource": str(row.get("datasource") or "default")}
     if tools_key and row.get(tools_key) is not None:  # optional columns: absent when unset or null
@@ -567,6 +567,21 @@ def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_
     if image_key and row.get(image_key) is not None:
         out["images"] = row[image_key]
     return out
+
+
+def _messages_text(prompt):
+    """A prompt of chat messages written as their JSON text (a CSV cell, which holds no list; a column json.dumps
+    wrote), as those messages, as a row's tools are read from theirs (was: the JSON sent to the model as the user's
+    words, without a word). Other text stays text."""
+    if not (isinstance(prompt, str) and prompt.lstrip().startswith("[")):
+        return prompt
+    try:
+        messages = json.loads(prompt)
+    except json.JSONDecodeError:
+        return prompt
+    chat = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+    return messages if chat else prompt
 
 
 def _tools(value, where: str, tools_key: str) -> list[dict]:

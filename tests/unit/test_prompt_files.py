@@ -396,6 +396,24 @@ def test_a_blank_text_prompt_is_a_config_error_naming_the_row(tmp_path, blank):
     assert str(e.value) == want
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".parquet", ".jsonl"])
+def test_chat_messages_written_as_json_text_are_read_as_the_messages(tmp_path, suffix):
+    """A CSV cell holds no list, so chat rows exported to CSV (or a column json.dumps wrote) carry their messages as
+    JSON text. Before: that text was the prompt, sent to the model as the user's words without a word. Text that is
+    not a list of messages stays text."""
+    import datasets
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi, there"}]
+    prompts = [json.dumps(messages), "[1, 2] is a list", '[{"a": 1}]', "plain"]
+    path = tmp_path / f"rows{suffix}"
+    rows = [{"prompt": p, "label": str(i)} for i, p in enumerate(prompts)]
+    getattr(datasets.Dataset.from_list(rows), "to_json" if suffix == ".jsonl" else f"to_{suffix[1:]}")(str(path))
+    loaded = load_prompts(str(path))
+    assert [r["prompt"] for r in loaded] == [messages, *prompts[1:]]
+    assert [r["label"] for r in loaded] == ["0", "1", "2", "3"]
+    assert _config_problems(str(path)) == []
+
+
 def test_a_bad_row_of_a_parquet_file_or_a_saved_dataset_is_a_config_error(tmp_path):
     """The same checks on the rows datasets reads from a parquet file or a save_to_disk directory (before: found
     once Ray and the engines had started); a corrupt parquet file is named too."""
