@@ -131,7 +131,8 @@ def load_dataset(spec: str, split: str, config: str | None = None, config_fix: s
     import datasets
 
     path = Path(spec).expanduser()  # as validation reads it (config/validate.py check_location)
-    if path.suffix in FILE_TYPES:  # a missing file: datasets' FileNotFoundError names it
+    # a directory is read as one whatever its name (was, for one named *.jsonl: "[Errno 21] Is a directory")
+    if path.suffix in FILE_TYPES and not os.path.isdir(path):  # a missing file: datasets' FileNotFoundError names it
         if path.suffix in JSON_TYPES and path.is_file():
             check_json_rows(path)
         # a CSV's cells as written: pandas would guess types per column, a label "2" read as 2.0 once a cell of its
@@ -291,7 +292,7 @@ def _table(spec: str, split: str, config: str | None) -> tuple:
     """(rows, column names) of a dataset. A JSON file's rows are read here as written, each row's missing keys null
     as datasets reads them: datasets reads a column of mixed types (a label "1" in one row, {"x": 1} in another) as
     Json and decodes its strings, the label "1" read as 1, "null" as None, "42" as a prompt as the number 42."""
-    if (path := Path(spec).expanduser()).suffix in JSON_TYPES:
+    if (path := Path(spec).expanduser()).suffix in JSON_TYPES and not os.path.isdir(path):
         rows = check_json_rows(path)
         columns = sorted({key for row in rows for key in row})
         return [{key: row.get(key) for key in columns} for row in rows], columns

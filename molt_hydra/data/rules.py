@@ -201,8 +201,8 @@ def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
             ("eval.split", cfg.eval.data_path, _one_dataset, "Dataset", splits),
             ("data.config_name", cfg.data.train_path, saved_dir, "dataset", configs),
             ("eval.config_name", cfg.eval.data_path, saved_dir, "dataset", configs)):
-        fixed = [s for s in _specs(spec) if s.startswith(BUILTIN) or Path(s).suffix in FILE_TYPES
-                 or saved(Path(s).expanduser())]
+        fixed = [s for s in _specs(spec) if s.startswith(BUILTIN) or saved(Path(s).expanduser())
+                 or Path(s).suffix in FILE_TYPES and not os.path.isdir(Path(s).expanduser())]  # (a file's name)
         problems.check(not (fixed and len(fixed) == len(_specs(spec)) and _set(cfg, key)), key,
                        f"{', '.join(fixed)} has no {key.split('.')[1].split('_')[0]}s to choose from (a builtin:// "
                        f"task, a data file or a saved {kind}), so it changes nothing.",

@@ -85,6 +85,23 @@ def test_a_directory_of_plain_data_files_is_read_as_its_one_config(tmp_path, mon
         load_prompts(str(tmp_path / "code"))
 
 
+def test_a_directory_named_as_a_data_file_is_read_as_a_directory_its_split_chosen(tmp_path, monkeypatch):
+    """Before: a directory named data.jsonl was taken for a file by its name: its load failed ("[Errno 21] Is a
+    directory"), and data.split was refused as changing nothing (a data file has no splits)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    assert_fires, config_errors = _validation()
+    folder = tmp_path / "data.jsonl"
+    folder.mkdir()
+    for split, prompts in (("train", "abc"), ("test", "xy")):
+        (folder / f"{split}.jsonl").write_text("".join(f'{{"prompt": "{p}", "label": "1"}}\n' for p in prompts))
+    assert [r["prompt"] for r in load_prompts(str(folder))] == ["a", "b", "c"]
+    assert [r["prompt"] for r in load_prompts(str(folder), split="test")] == ["x", "y"]
+    assert config_errors([f"data.train_path={folder}", "data.split=test", "rollout.batch_size=2",
+                          "train.batch_size=8", "train.micro_batch_size=8"]) == []
+
+
 def _validation():
     import sys
     from pathlib import Path

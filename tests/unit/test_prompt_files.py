@@ -328,6 +328,11 @@ def test_a_local_dataset_the_run_cannot_read_is_a_config_error_before_anything_s
         "point the key at data files (.jsonl, .json, .csv, .parquet, .arrow), a directory of them or a save_to_disk "
         "directory"]
     assert _config_problems(str(tmp_path / "plain" / "rows.jsonl")) == []
+    # a directory named as a data file is read as a directory (was: "[Errno 21] Is a directory")
+    (tmp_path / "named.jsonl").mkdir()
+    (tmp_path / "named.jsonl" / "part.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
+    assert _config_problems(str(tmp_path / "named.jsonl")) == []
+    assert load_prompts(str(tmp_path / "named.jsonl")) == [{"prompt": "a", "label": "1", "datasource": "default"}]
 
 
 def test_csv_cells_are_read_as_written(tmp_path):
