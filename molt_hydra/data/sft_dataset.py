@@ -215,6 +215,11 @@ def _sample(row: dict, tokenizer, markers: ReplyMarkers, special: set[int], *, i
     msgs = _messages(row, input_key, output_key)
     if not any(m["role"] == "assistant" for m in msgs):
         return None, "skipped: no assistant message"
+    replies = ["".join(str(p.get("text") or "") for p in c) if isinstance(c := m.get("content"), list) else c or ""
+               for m in msgs if m["role"] == "assistant" and not m.get("tool_calls")]  # (_check_row: their shapes)
+    if not all(text.strip() for text in replies):
+        # (was: trained on, its mask the terminator alone: the model taught to stop at once, without a word)
+        return None, "skipped: a blank assistant reply (no text, no tool call)"
     row_images = (row.get(image_key) or []) if image_key else []
     if row_images:
         msgs = image_parts(msgs)

@@ -144,6 +144,22 @@ def test_rows_skipped_or_cut_are_counted_and_logged_with_their_ids(tok, caplog):
                                "tokens (row ids [3])"]
 
 
+@pytest.mark.parametrize("blank", ["", "  \n", None, [], [{"type": "text", "text": " "}]])
+def test_a_row_with_a_blank_assistant_reply_is_skipped_counted_not_trained_to_stop(tok, caplog, blank):
+    """Before: trained on, its mask the terminator alone (the model taught to answer nothing), without a word. A reply
+    of tool calls alone is no blank reply."""
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    rows = [{"input": [*good, {"role": "user", "content": "and?"}, {"role": "assistant", "content": blank}]},
+            {"input": good}, {"input": [good[0], {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}]
+    samples = build_sft_samples(rows, tok)
+    assert [s["input_ids"].tolist() for s in samples] == [
+        tok(tok.apply_chat_template(r["input"], tokenize=False), add_special_tokens=False)["input_ids"]
+        for r in rows[1:]]
+    assert caplog.messages == ["SFT data: of 3 rows, 1 skipped: a blank assistant reply (no text, no tool call) (row "
+                               "ids [0])"]
+
+
 @pytest.mark.parametrize("template,header", [(None, "<|im_start|>assistant\n"), (GEMMA, "<start_of_turn>model\n")])
 def test_a_row_whose_text_holds_the_reply_header_is_skipped_counted_not_trained_as_a_reply(tok, caplog, template,
                                                                                             header):
