@@ -555,6 +555,10 @@ def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
         blank = "blank text" if isinstance(prompt, str) else "not text or a non-empty list of chat messages"
         raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; {blank}. Fix: {PROMPT_FIX}")
+    if isinstance(prompt, list) and not any(m.get("tool_calls") or not (m.get("content") is None or isinstance(
+            m["content"], str) and not m["content"].strip()) for m in prompt):  # (a list of parts: not blank here)
+        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; chat messages of blank text "
+                         f"alone. Fix: {PROMPT_FIX}")
     label = row[label_key] if label_key else ""
     if label is None or isinstance(label, float) and math.isnan(label):  # NaN: pandas' missing value, JSON's NaN
         raise ValueError(f"{where}: data.label_key={label_key!r} is {'null' if label is None else 'NaN'} (or missing "

@@ -399,6 +399,17 @@ def test_a_blank_text_prompt_is_a_config_error_naming_the_row(tmp_path, blank):
     with pytest.raises(ValueError) as e:
         load_prompts(str(path))
     assert str(e.value) == want
+    # the same in chat messages: every message's content blank (a message of tool calls, or of parts, is not)
+    messages = [{"role": "system", "content": blank}, {"role": "user", "content": blank}]
+    path.write_text(json.dumps({"prompt": messages, "label": "1"}))
+    assert _config_problems(str(path)) == [
+        f"- data.train_path: {path} row 0: data.input_key='prompt' is {messages!r:.60}; chat messages of blank text "
+        f"alone. Fix: {want.partition(' Fix: ')[2]}"]
+    fine = [[messages[0], {"role": "user", "content": "hi"}], [{"role": "user", "content": [{"type": "text", "text":
+            "hi"}]}], [messages[0], {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]]
+    path.write_text("".join(json.dumps({"prompt": m, "label": "1"}) + "\n" for m in fine))
+    assert [r["prompt"] for r in load_prompts(str(path))] == fine
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet", ".jsonl"])
