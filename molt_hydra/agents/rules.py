@@ -184,6 +184,10 @@ def _built(problems: Problems, cls: type, spec: dict):
         return None
 
 
+EVAL_COLUMNS_FIX = ("give eval.data_path's rows the training data's column names (both are read with data.input_key, "
+                    "data.label_key, data.tools_key and data.image_key), e.g. rename its columns")
+
+
 def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> tuple[dict[str, str], dict[str, bool | None]]:
     """Each local RL dataset's rows as the run will load them (data/prompts.py), their prompts as the chat server
     will take them: a message of another role or a number for content, an image part whose file is not there or
@@ -228,6 +232,12 @@ def check_prompts(cfg: RunConfig, problems: Problems, chat: bool) -> tuple[dict[
                 if texts[key] is False:
                     texts[key] = any(isinstance(row["prompt"], str) for row in rows)
             except (KeyError, OSError, ValueError) as e:
+                if isinstance(e, KeyError) and key == "eval.data_path" and cfg.job.value != "eval" and any(
+                        p.strip() and not p.strip().startswith(BUILTIN) for p in (d.train_path or "").split(",")):
+                    # a missing column (data/prompts.py _renamed): its data.* key also reads the training data's
+                    # columns, so setting it to eval's breaks those (was: the fix named the key alone, sending the
+                    # user from one data's error to the other's)
+                    e = KeyError(f"{e.args[0].partition(' Fix: ')[0]} Fix: {EVAL_COLUMNS_FIX}")
                 raised(problems, key, e, f"point {key} at a readable dataset")
                 texts[key] = None
     _fills_a_batch(cfg, problems, sizes)

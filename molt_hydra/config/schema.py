@@ -411,7 +411,7 @@ class DataConfig:
     max_len: int = ranged(2048, ge=2)
     "Total context budget (prompt + all turns); also the engine's max_model_len and the truncation length."
     input_key: str = "prompt"
-    "Prompt column: a string or a list of chat messages."
+    "Prompt column: a string or a list of chat messages (or their JSON text, e.g. a CSV cell)."
     label_key: Optional[str] = "label"
     "Ground-truth column handed to the agent as `label`."
     tools_key: Optional[str] = None

@@ -131,7 +131,8 @@ def load_dataset(spec: str, split: str, config: str | None = None, config_fix: s
     import datasets
 
     path = Path(spec).expanduser()  # as validation reads it (config/validate.py check_location)
-    if path.suffix in FILE_TYPES:  # a missing file: datasets' FileNotFoundError names it
+    # a directory is read as one whatever its name (was, for one named *.jsonl: "[Errno 21] Is a directory")
+    if path.suffix in FILE_TYPES and not os.path.isdir(path):  # a missing file: datasets' FileNotFoundError names it
         if path.suffix in JSON_TYPES and path.is_file():
             check_json_rows(path)
         # a CSV's cells as written: pandas would guess types per column, a label "2" read as 2.0 once a cell of its
@@ -291,7 +292,7 @@ def _table(spec: str, split: str, config: str | None) -> tuple:
     """(rows, column names) of a dataset. A JSON file's rows are read here as written, each row's missing keys null
     as datasets reads them: datasets reads a column of mixed types (a label "1" in one row, {"x": 1} in another) as
     Json and decodes its strings, the label "1" read as 1, "null" as None, "42" as a prompt as the number 42."""
-    if (path := Path(spec).expanduser()).suffix in JSON_TYPES:
+    if (path := Path(spec).expanduser()).suffix in JSON_TYPES and not os.path.isdir(path):
         rows = check_json_rows(path)
         columns = sorted({key for row in rows for key in row})
         return [{key: row.get(key) for key in columns} for row in rows], columns
@@ -545,20 +546,25 @@ PROMPT_FIX = ("give each row its prompt as text or as a non-empty list of chat m
 def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_key: str | None,
             image_key: str | None) -> dict:
     """Row `where` in the runner's names; a row whose prompt is neither text nor a list of chat messages (null: a
-    missing value; a message without a role; no message) or whose label is null is an error naming the row (was, for
-    a bad message: each of its rollouts an agent_exception from the chat template, every epoch; a null label was
-    graded as one)."""
-    prompt = row[input_key]  # (agents/rules.py check_prompts: each message as the chat server will take it)
-    if not (isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(
+    missing value; a message without a role; no message), or blank text, or whose label is null is an error naming the
+    row (was, for a bad message: each of its rollouts an agent_exception from the chat template, every epoch; a null
+    label was graded as one; blank text was sent as an empty user message, or with data.apply_chat_template=false
+    failed each rollout on its empty prompt)."""
+    prompt = _messages_text(row[input_key])  # (agents/rules.py check_prompts: each message as the chat server takes)
+    if not (isinstance(prompt, str) and prompt.strip() or isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
-        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; not text or a non-empty list of "
-                         f"chat messages. Fix: {PROMPT_FIX}")
+        blank = "blank text" if isinstance(prompt, str) else "not text or a non-empty list of chat messages"
+        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; {blank}. Fix: {PROMPT_FIX}")
+    if isinstance(prompt, list) and not any(m.get("tool_calls") or not (m.get("content") is None or isinstance(
+            m["content"], str) and not m["content"].strip()) for m in prompt):  # (a list of parts: not blank here)
+        raise ValueError(f"{where}: data.input_key={input_key!r} is {prompt!r:.60}; chat messages of blank text "
+                         f"alone. Fix: {PROMPT_FIX}")
     label = row[label_key] if label_key else ""
     if label is None or isinstance(label, float) and math.isnan(label):  # NaN: pandas' missing value, JSON's NaN
         raise ValueError(f"{where}: data.label_key={label_key!r} is {'null' if label is None else 'NaN'} (or missing "
                          "from this row). Fix: give every row its label, or set data.label_key=null for data without "
                          "labels (the agent then gets '')")
-    out = {"prompt": row[input_key], "label": label,
+    out = {"prompt": prompt, "label": label,
            # a null datasource (a column some rows leave empty) is the default one, not an eval metric named "None"
            "datasource": str(row.get("datasource") or "default")}
     if tools_key and row.get(tools_key) is not None:  # optional columns: absent when unset or null
@@ -566,6 +572,21 @@ def _rename(row: dict, where: str, input_key: str, label_key: str | None, tools_
     if image_key and row.get(image_key) is not None:
         out["images"] = row[image_key]
     return out
+
+
+def _messages_text(prompt):
+    """A prompt of chat messages written as their JSON text (a CSV cell, which holds no list; a column json.dumps
+    wrote), as those messages, as a row's tools are read from theirs (was: the JSON sent to the model as the user's
+    words, without a word). Other text stays text."""
+    if not (isinstance(prompt, str) and prompt.lstrip().startswith("[")):
+        return prompt
+    try:
+        messages = json.loads(prompt)
+    except json.JSONDecodeError:
+        return prompt
+    chat = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+    return messages if chat else prompt
 
 
 def _tools(value, where: str, tools_key: str) -> list[dict]:

@@ -137,11 +137,14 @@ def _sft_data(cfg: RunConfig, problems: Problems) -> None:
             _sft_images(cfg, problems, parts[0], rows)
             if key == "data.train_path":
                 _sft_fills_a_batch(cfg, problems, parts[0], builtin_size(parts[0]))
-        if not parts or len(parts) == 1 and (parts[0] in tasks or Path(parts[0]).suffix in (".jsonl", ".json")):
+        # a directory named *.jsonl too is refused (was: passed, and the trainer ranks failed on "Is a directory")
+        folder = len(parts) == 1 and os.path.isdir(Path(parts[0]).expanduser())
+        if not parts or len(parts) == 1 and (parts[0] in tasks or Path(parts[0]).suffix in JSON_TYPES and not folder):
             continue
         prompts_only = len(parts) == 1 and parts[0].startswith(BUILTIN)
         problems.check(False, key, f"job=sft reads one .jsonl or .json file of chat rows (or one of {tasks}), got "
-                       f"{spec!r}" + (": a builtin prompt task has no replies to train on." if prompts_only else "."),
+                       f"{spec!r}" + (": a builtin prompt task has no replies to train on." if prompts_only else
+                                      ", a directory." if folder else "."),
                        f"point {key} at one .jsonl/.json file (a dataset converts with datasets' to_json), or "
                        "use job=rl for prompt data")
 
@@ -198,8 +201,8 @@ def _unread_keys(cfg: RunConfig, problems: Problems) -> None:
             ("eval.split", cfg.eval.data_path, _one_dataset, "Dataset", splits),
             ("data.config_name", cfg.data.train_path, saved_dir, "dataset", configs),
             ("eval.config_name", cfg.eval.data_path, saved_dir, "dataset", configs)):
-        fixed = [s for s in _specs(spec) if s.startswith(BUILTIN) or Path(s).suffix in FILE_TYPES
-                 or saved(Path(s).expanduser())]
+        fixed = [s for s in _specs(spec) if s.startswith(BUILTIN) or saved(Path(s).expanduser())
+                 or Path(s).suffix in FILE_TYPES and not os.path.isdir(Path(s).expanduser())]  # (a file's name)
         problems.check(not (fixed and len(fixed) == len(_specs(spec)) and _set(cfg, key)), key,
                        f"{', '.join(fixed)} has no {key.split('.')[1].split('_')[0]}s to choose from (a builtin:// "
                        f"task, a data file or a saved {kind}), so it changes nothing.",

@@ -215,6 +215,11 @@ def _sample(row: dict, tokenizer, markers: ReplyMarkers, special: set[int], *, i
     msgs = _messages(row, input_key, output_key)
     if not any(m["role"] == "assistant" for m in msgs):
         return None, "skipped: no assistant message"
+    replies = ["".join(str(p.get("text") or "") for p in c) if isinstance(c := m.get("content"), list) else c or ""
+               for m in msgs if m["role"] == "assistant" and not m.get("tool_calls")]  # (_check_row: their shapes)
+    if not all(text.strip() for text in replies):
+        # (was: trained on, its mask the terminator alone: the model taught to stop at once, without a word)
+        return None, "skipped: a blank assistant reply (no text, no tool call)"
     row_images = (row.get(image_key) or []) if image_key else []
     if row_images:
         msgs = image_parts(msgs)
@@ -226,6 +231,12 @@ def _sample(row: dict, tokenizer, markers: ReplyMarkers, special: set[int], *, i
                          "roles and order the template takes, or set data.chat_template to one that renders them") \
             from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    op, k = list(markers.reply_open), len(markers.reply_open)
+    if sum(ids[i:i + k] == op for i in range(len(ids))) > sum(m["role"] == "assistant" for m in msgs):
+        # a message's text holds the reply header: the mask would train what follows it as a reply (was: a user's
+        # text after a literal "<|im_start|>assistant\n" trained on, without a word)
+        return None, (f"skipped: a message's text holds the chat template's reply header "
+                      f"{tokenizer.decode(op)!r}, so no mask could tell its tokens from a reply's")
     cut = f"cut to data.max_len={max_len} tokens" if len(ids) > max_len and not row_images else None
     ids = ids if row_images else ids[:max_len]  # an image row is skipped when too long, never cut (see above)
     mask = reply_loss_mask(ids, markers, special, last_only)

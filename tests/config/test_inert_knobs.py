@@ -316,6 +316,8 @@ SFT_CASES = [
     ("builtin_prompt_eval", ["eval.data_path=builtin://toy_eval"], "eval.data_path", "has no replies"),
     ("two_datasets", ["data.train_path='{data},{data}'"], "data.train_path", "job=sft reads one .jsonl or .json"),
     ("a_directory", ["data.train_path={dir}"], "data.train_path", "job=sft reads one .jsonl or .json"),
+    ("a_directory_named_jsonl", ["data.train_path={jsonl_dir}"], "data.train_path", "chats.jsonl', a directory."),
+    ("an_eval_directory_named_jsonl", ["eval.data_path={jsonl_dir}"], "eval.data_path", "chats.jsonl', a directory."),
     ("uneven_dynamic_batch", ["train.dynamic_batch=true", "train.batch_size=15"], "train.batch_size",
      "evenly over its 2 ranks"),
     # SFT starts no Ray and no engine (before: accepted; a ray_address also let cluster.device=cuda past the GPU
@@ -333,7 +335,9 @@ def chats(tmp_path_factory) -> dict[str, str]:
     data = folder / "chats.jsonl"
     data.write_text("".join(f'{{"messages": [{{"role": "user", "content": "hi {i}"}}, {{"role": "assistant", '
                             f'"content": "hello {i}"}}]}}\n' for i in range(64)))  # train.batch_size=64 a step
-    return {"data": str(data), "dir": str(folder)}
+    (folder / "rows" / "chats.jsonl").mkdir(parents=True)  # a directory of that name, holding a copy
+    (folder / "rows" / "chats.jsonl" / "part.jsonl").write_text(data.read_text())
+    return {"data": str(data), "dir": str(folder), "jsonl_dir": str(folder / "rows" / "chats.jsonl")}
 
 
 def _sft(chats: dict[str, str], extra: list[str]) -> list[str]:

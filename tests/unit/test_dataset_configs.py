@@ -85,6 +85,41 @@ def test_a_directory_of_plain_data_files_is_read_as_its_one_config(tmp_path, mon
         load_prompts(str(tmp_path / "code"))
 
 
+def test_a_directory_named_as_a_data_file_is_read_as_a_directory_its_split_chosen(tmp_path, monkeypatch):
+    """Before: a directory named data.jsonl was taken for a file by its name: its load failed ("[Errno 21] Is a
+    directory"), and data.split was refused as changing nothing (a data file has no splits)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    assert_fires, config_errors = _validation()
+    folder = tmp_path / "data.jsonl"
+    folder.mkdir()
+    for split, prompts in (("train", "abc"), ("test", "xy")):
+        (folder / f"{split}.jsonl").write_text("".join(f'{{"prompt": "{p}", "label": "1"}}\n' for p in prompts))
+    assert [r["prompt"] for r in load_prompts(str(folder))] == ["a", "b", "c"]
+    assert [r["prompt"] for r in load_prompts(str(folder), split="test")] == ["x", "y"]
+    assert config_errors([f"data.train_path={folder}", "data.split=test", "rollout.batch_size=2",
+                          "train.batch_size=8", "train.micro_batch_size=8"]) == []
+
+
+def test_eval_data_of_other_columns_than_training_is_refused_naming_the_fix_that_keeps_both(tmp_path):
+    """Eval rows are read with the training data's column keys (data.input_key, ...). Before: the fix was "set
+    data.input_key to the prompt column", which breaks the training data's read. Where the training data is a builtin
+    task (no column read) or the job is eval, that key reads eval's rows alone and its fix stands."""
+    _, config_errors = _validation()
+    (tmp_path / "train.jsonl").write_text('{"question": "a", "answer": "1"}\n')
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "b", "label": "2"}\n')
+    keys = ["data.input_key=question", "data.label_key=answer", "rollout.batch_size=1", "train.batch_size=4",
+            "train.micro_batch_size=4", f"eval.data_path={tmp_path / 'eval.jsonl'}", "eval.every_steps=5"]
+    reason = (f"eval.data_path: data.input_key='question' is not a column; columns: ['label', 'prompt'] "
+              f"({tmp_path / 'eval.jsonl'}).")
+    assert config_errors([f"data.train_path={tmp_path / 'train.jsonl'}", *keys]) == [
+        f"{reason} Fix: give eval.data_path's rows the training data's column names (both are read with "
+        "data.input_key, data.label_key, data.tools_key and data.image_key), e.g. rename its columns"]
+    assert config_errors(["data.train_path=builtin://toy", *keys]) == [
+        f"{reason} Fix: set data.input_key to the prompt column"]
+
+
 def _validation():
     import sys
     from pathlib import Path

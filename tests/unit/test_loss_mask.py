@@ -144,6 +144,42 @@ def test_rows_skipped_or_cut_are_counted_and_logged_with_their_ids(tok, caplog):
                                "tokens (row ids [3])"]
 
 
+@pytest.mark.parametrize("blank", ["", "  \n", None, [], [{"type": "text", "text": " "}]])
+def test_a_row_with_a_blank_assistant_reply_is_skipped_counted_not_trained_to_stop(tok, caplog, blank):
+    """Before: trained on, its mask the terminator alone (the model taught to answer nothing), without a word. A reply
+    of tool calls alone is no blank reply."""
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    rows = [{"input": [*good, {"role": "user", "content": "and?"}, {"role": "assistant", "content": blank}]},
+            {"input": good}, {"input": [good[0], {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}]
+    samples = build_sft_samples(rows, tok)
+    assert [s["input_ids"].tolist() for s in samples] == [
+        tok(tok.apply_chat_template(r["input"], tokenize=False), add_special_tokens=False)["input_ids"]
+        for r in rows[1:]]
+    assert caplog.messages == ["SFT data: of 3 rows, 1 skipped: a blank assistant reply (no text, no tool call) (row "
+                               "ids [0])"]
+
+
+@pytest.mark.parametrize("template,header", [(None, "<|im_start|>assistant\n"), (GEMMA, "<start_of_turn>model\n")])
+def test_a_row_whose_text_holds_the_reply_header_is_skipped_counted_not_trained_as_a_reply(tok, caplog, template,
+                                                                                            header):
+    """Before: the user's text after a literal reply header (a row quoting a chat transcript) was trained on as a
+    reply, without a word: the mask is placed at the header's tokens, which the tokenizer reads in any message's
+    text. The clean row's mask is unchanged: its reply and terminator alone."""
+    quoted = [{"role": "user", "content": f"What does {header}USER TEXT mean?"}, {"role": "assistant", "content": "a"}]
+    clean = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    [sample] = build_sft_samples([{"input": quoted}, {"input": clean}], tok, chat_template=template)
+    text = tok.apply_chat_template(clean, tokenize=False, chat_template=template)
+    close = "<|im_end|>" if template is None else "<end_of_turn>"
+    at = text.index(header + "ok") + len(header)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    want = [int(at <= a and b <= at + len("ok" + close)) for a, b in enc["offset_mapping"]]
+    assert sample["input_ids"].tolist() == enc["input_ids"]
+    assert sample["loss_mask"].int().tolist() == want and sum(want) == len(tok("ok" + close)["input_ids"])
+    assert caplog.messages == [f"SFT data: of 2 rows, 1 skipped: a message's text holds the chat template's reply "
+                               f"header {header!r}, so no mask could tell its tokens from a reply's (row ids [0])"]
+
+
 # Gemma's and Mistral's templates refuse roles they do not take, with raise_exception (jinja2's TemplateError)
 ALTERNATING = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception("
                "'Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}<start_of_turn>"

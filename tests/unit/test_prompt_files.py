@@ -328,6 +328,11 @@ def test_a_local_dataset_the_run_cannot_read_is_a_config_error_before_anything_s
         "point the key at data files (.jsonl, .json, .csv, .parquet, .arrow), a directory of them or a save_to_disk "
         "directory"]
     assert _config_problems(str(tmp_path / "plain" / "rows.jsonl")) == []
+    # a directory named as a data file is read as a directory (was: "[Errno 21] Is a directory")
+    (tmp_path / "named.jsonl").mkdir()
+    (tmp_path / "named.jsonl" / "part.jsonl").write_text('{"prompt": "a", "label": "1"}\n')
+    assert _config_problems(str(tmp_path / "named.jsonl")) == []
+    assert load_prompts(str(tmp_path / "named.jsonl")) == [{"prompt": "a", "label": "1", "datasource": "default"}]
 
 
 def test_csv_cells_are_read_as_written(tmp_path):
@@ -378,6 +383,51 @@ def test_a_bad_row_of_a_local_prompt_file_is_a_config_error_before_anything_star
     assert _config_problems(str(path)) == [
         f"- data.train_path: {path} row 1: data.label_key='label' is null (or missing from this row). Fix: give every "
         "row its label, or set data.label_key=null for data without labels (the agent then gets '')"]
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\n\t"])
+def test_a_blank_text_prompt_is_a_config_error_naming_the_row(tmp_path, blank):
+    """Before: it passed validation and loading; the model was asked an empty user message (data.apply_chat_template,
+    the default) without a word, or, with data.apply_chat_template=false, each rollout of the row failed once the run
+    had started ("the first prompt of ToyEnv is empty text")."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "label": "1"}) + "\n" + json.dumps({"prompt": blank, "label": "2"}))
+    want = (f"{path} row 1: data.input_key='prompt' is {blank!r}; blank text. Fix: give each row its prompt as text or "
+            "as a non-empty list of chat messages, each an object with a 'role' (system, developer, user, assistant "
+            "or tool) and a 'content' (a string or a list of parts)")
+    assert _config_problems(str(path)) == [f"- data.train_path: {want}"]
+    with pytest.raises(ValueError) as e:
+        load_prompts(str(path))
+    assert str(e.value) == want
+    # the same in chat messages: every message's content blank (a message of tool calls, or of parts, is not)
+    messages = [{"role": "system", "content": blank}, {"role": "user", "content": blank}]
+    path.write_text(json.dumps({"prompt": messages, "label": "1"}))
+    assert _config_problems(str(path)) == [
+        f"- data.train_path: {path} row 0: data.input_key='prompt' is {messages!r:.60}; chat messages of blank text "
+        f"alone. Fix: {want.partition(' Fix: ')[2]}"]
+    fine = [[messages[0], {"role": "user", "content": "hi"}], [{"role": "user", "content": [{"type": "text", "text":
+            "hi"}]}], [messages[0], {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]]
+    path.write_text("".join(json.dumps({"prompt": m, "label": "1"}) + "\n" for m in fine))
+    assert [r["prompt"] for r in load_prompts(str(path))] == fine
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet", ".jsonl"])
+def test_chat_messages_written_as_json_text_are_read_as_the_messages(tmp_path, suffix):
+    """A CSV cell holds no list, so chat rows exported to CSV (or a column json.dumps wrote) carry their messages as
+    JSON text. Before: that text was the prompt, sent to the model as the user's words without a word. Text that is
+    not a list of messages stays text."""
+    import datasets
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi, there"}]
+    prompts = [json.dumps(messages), "[1, 2] is a list", '[{"a": 1}]', "plain"]
+    path = tmp_path / f"rows{suffix}"
+    rows = [{"prompt": p, "label": str(i)} for i, p in enumerate(prompts)]
+    getattr(datasets.Dataset.from_list(rows), "to_json" if suffix == ".jsonl" else f"to_{suffix[1:]}")(str(path))
+    loaded = load_prompts(str(path))
+    assert [r["prompt"] for r in loaded] == [messages, *prompts[1:]]
+    assert [r["label"] for r in loaded] == ["0", "1", "2", "3"]
+    assert _config_problems(str(path)) == []
 
 
 def test_a_bad_row_of_a_parquet_file_or_a_saved_dataset_is_a_config_error(tmp_path):
